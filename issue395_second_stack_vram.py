@@ -1623,6 +1623,8 @@ def exit_code(result: dict[str, Any]) -> int:
         return EXIT_FINDING
     if result.get("control") is not None and not result["control"].get("passed"):
         return EXIT_FINDING
+    if result.get("error"):
+        return EXIT_FINDING
     return EXIT_OK
 
 
@@ -2016,6 +2018,13 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
                 result["sdpa"] = sdpa_mode(opts.dry_run)
     except KeyboardInterrupt:
         Stop.requested = True
+    except UsageError:
+        raise
+    except Exception as exc:  # a harness bug still prints and saves what was measured
+        result["error"] = last_line(exc)
+        result["traceback"] = traceback.format_exc()
+        print(f"error: the harness failed after {len(result['rows'])} row(s): {result['error']}",
+              file=sys.stderr)
     finally:
         result["interrupted"] = Stop.requested
         result["timings"] = run_timings(result, imports_s, time.perf_counter() - started)
