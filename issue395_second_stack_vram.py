@@ -415,8 +415,12 @@ def synthetic_checkpoint(shape: Shape, root: Path) -> tuple[Path, float]:
     (partial / ".complete").write_text("ok\n")
     try:
         partial.rename(dest)
-    except OSError:  # another process won the race; its copy is identical
-        shutil.rmtree(partial, ignore_errors=True)
+    except OSError:
+        if (dest / ".complete").exists():  # another process won the race; same copy
+            shutil.rmtree(partial, ignore_errors=True)
+        else:  # a stale, unmarked folder (an interrupted build): replace it
+            shutil.rmtree(dest, ignore_errors=True)
+            partial.rename(dest)
     return dest, time.perf_counter() - started
 
 
@@ -670,8 +674,10 @@ def soup_console(log_path: Optional[Path], verbose: bool):
         for mod_name in list(sys.modules):
             if mod_name.startswith("soup_cli"):
                 con = getattr(sys.modules[mod_name], "console", None)
-                if hasattr(con, "file") and all(con is not c for c, _ in consoles):
-                    consoles.append((con, con.file))
+                # Rich's console keeps None (meaning "sys.stdout at print time") in
+                # _file; restoring that, not the stream .file resolves to now.
+                if hasattr(con, "_file") and all(con is not c for c, _ in consoles):
+                    consoles.append((con, con._file))
         handler = logging.StreamHandler(fh)
         saved = []
         for name in ("",) + LIBRARY_LOGGERS:
@@ -687,7 +693,7 @@ def soup_console(log_path: Optional[Path], verbose: bool):
                 yield
         finally:
             for con, original in consoles:
-                con.file = original
+                con._file = original
             for lg, handlers, propagate in saved:
                 lg.handlers = handlers
                 lg.propagate = propagate
@@ -795,8 +801,13 @@ def run_arm(arm: Arm, shape: Shape, base: str, scratch: "Scratch", *, device: st
         row["teardown_error"] = teardown(wrapper)
         wrapper = None
         row["timings"]["teardown_s"] = round(time.perf_counter() - t1, 3)
-    row.update(derived_columns(shape, arm.seq, arm.batch, predicted, row["real_peak"]))
-    row.update(record_columns(shape, arm.seq, arm.batch, row["real_peak"]))
+    return finish_row(row, shape)
+
+
+def finish_row(row: dict[str, Any], shape: Shape) -> dict[str, Any]:
+    """The derived and record columns, the status, and no ratio on a void row."""
+    row.update(derived_columns(shape, row["seq"], row["batch"], row["predicted"], row["real_peak"]))
+    row.update(record_columns(shape, row["seq"], row["batch"], row["real_peak"]))
     row["status"] = row_status(row)
     if row["status"] == "VOID":  # a void row never passes as a measurement
         for key in ("pred_over_real", "nonlogits_overestimate", "retained_copy_would_fit",
@@ -1008,10 +1019,16 @@ def load_custom_shape(model: str) -> Shape:
         if not any(path.glob("*.safetensors")):
             raise UsageError(f"--model {model}: no .safetensors weights in it; Soup streams "
                              "safetensors checkpoints only")
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # a config's warnings are not this tool's one line
     try:
         config = AutoConfig.from_pretrained(model)
     except Exception as exc:
         raise UsageError(f"--model {model}: cannot read its config ({last_line(exc)})") from None
+    finally:
+        hf_logging.set_verbosity(verbosity)
     return derive_shape(config, name=model)
 
 
@@ -1425,7 +1442,7 @@ class RowSink:
     def __init__(self, json_path: Optional[str]):
         self.path = Path(json_path + ".rows.jsonl") if json_path else None
         if self.path:
-            self.path.write_text("")
+            self.path.unlink(missing_ok=True)  # created by the first finished row
 
     def add(self, row: dict[str, Any]) -> None:
         if self.path:
@@ -1591,14 +1608,12 @@ def hub_snapshot(repo_id: str, scratch: Scratch) -> str:
 
     Soup's own hub path would cache the weights under ~/.soup, outside scratch.
     """
-    os.environ.setdefault("HF_HUB_ETAG_TIMEOUT", "10")
-    os.environ.setdefault("HF_HUB_DOWNLOAD_TIMEOUT", "20")
     from huggingface_hub import snapshot_download
 
     root = (scratch.cache_dir / "hub") if scratch.cache_dir else scratch.path("hub")
     dest = root / repo_id.replace("/", "--")
     try:
-        return snapshot_download(repo_id, local_dir=str(dest),
+        return snapshot_download(repo_id, local_dir=str(dest), etag_timeout=10,
                                  allow_patterns=["*.safetensors", "*.json", "*.txt", "*.model",
                                                  "*.jinja"])
     except Exception as exc:
@@ -1632,7 +1647,7 @@ def render_text(result: dict[str, Any]) -> str:
     """Every table this result holds, as the console shows them."""
     parts = [header_line(result["environment"])]
     if result.get("rows"):
-        parts += ["", sweep_table(result["rows"], result["options"].get("dry_run", False))]
+        parts += ["", sweep_table(result["rows"], (result.get("options") or {}).get("dry_run", False))]
         if any(r.get("attribution") for r in result["rows"]):
             parts += ["", attribution_table(result["rows"], result.get("control"))]
     if result.get("determinism"):
@@ -1848,7 +1863,7 @@ def parse_ints(flag: str, text: Optional[str], *, minimum: int = 1) -> Optional[
     out = []
     for item in items:
         item = item.strip()
-        if not item.lstrip("-").isdigit():
+        if not (item.isascii() and item.lstrip("-").isdigit()):
             raise UsageError(f"{flag} {item!r} is not a whole number")
         value = int(item)
         if value < minimum:
@@ -1897,7 +1912,10 @@ def validate(args: argparse.Namespace) -> dict[str, Any]:
     gpus = parse_ints("--gpus", args.gpus, minimum=0)
     repeats = None
     if args.determinism is not None:
-        repeats = parse_ints("--determinism", str(args.determinism), minimum=2)[0]
+        counts = parse_ints("--determinism", str(args.determinism), minimum=2) or []
+        if len(counts) != 1:
+            raise UsageError(f"--determinism {args.determinism}: give one repeat count")
+        repeats = counts[0]
     if args.model and seqs is None:
         raise UsageError("--model needs --seq (there is no record grid for it)")
     if args.compare and not args.from_json:
@@ -1911,11 +1929,12 @@ def validate(args: argparse.Namespace) -> dict[str, Any]:
     if args.log_dir and not Path(args.log_dir).is_dir():
         raise UsageError(f"--log-dir {args.log_dir}: no such folder")
     if args.cache_dir:
-        Path(args.cache_dir).mkdir(parents=True, exist_ok=True) if Path(args.cache_dir).parent.is_dir() \
-            else None
-        if not Path(args.cache_dir).is_dir():
-            raise UsageError(f"--cache-dir {args.cache_dir}: cannot create that folder")
-        check_cache_dir_bounds(args.cache_dir)
+        check_cache_dir_bounds(args.cache_dir)  # before creating anything there
+        try:
+            Path(args.cache_dir).mkdir(exist_ok=True)
+        except OSError as exc:
+            raise UsageError(f"--cache-dir {args.cache_dir}: cannot create that folder "
+                             f"({exc.strerror})") from None
     if gpus is not None and len(set(gpus)) != len(gpus):
         raise UsageError(f"--gpus {args.gpus}: a GPU is named twice")
     return {"models": models, "seqs": seqs, "batches": batches, "gpus": gpus, "repeats": repeats}
@@ -1943,14 +1962,20 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     if args.from_json:
         return from_json(args)
     plan = validate(args)
-    modes_chosen = args.measure or args.sdpa or args.determinism is not None
-    do_sweep = args.sweep or not modes_chosen
     if plan["gpus"] is None and "CUDA_VISIBLE_DEVICES" not in os.environ:
         # Soup refuses to stream with more than one GPU visible (DataParallel);
         # arms run on GPU 0 unless --gpus spreads them.
         os.environ["CUDA_VISIBLE_DEVICES"] = "0"
+    # Scratch first: huggingface_hub and friends read their cache variables at import.
+    with Scratch(args.cache_dir) as scratch:
+        return run_in_scratch(args, argv, plan, scratch, started)
+
+
+def run_in_scratch(args: argparse.Namespace, argv: list[str], plan: dict[str, Any],
+                   scratch: Scratch, started: float) -> int:
+    """Every mode asked for; rows are printed and saved whatever stops the run."""
     t_imports = time.perf_counter()
-    import torch
+    import torch  # noqa: F401
 
     import_soup()
     imports_s = time.perf_counter() - t_imports
@@ -1959,6 +1984,14 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
                          "--dry-run runs the whole Soup setup and the guard on CPU")
     if plan["gpus"] is not None:
         check_gpus(plan["gpus"])
+    scratch.verify_shard_root()
+    shapes = dict(SHAPES)
+    if args.model:
+        shapes["custom"] = load_custom_shape(args.model)
+    check_max_positions(shapes, plan["seqs"] or [max(RECORD_GRID.get(m, (0,)))
+                                                 for m in plan["models"]], plan["models"])
+    modes_chosen = args.measure or args.sdpa or args.determinism is not None
+    do_sweep = args.sweep or not modes_chosen
     Stop.install()
     opts = Options(weights="local" if args.model else args.weights, dry_run=args.dry_run,
                    verbose=args.verbose, snapshot=args.snapshot, snapshot_dir=args.snapshot_dir,
@@ -1973,66 +2006,60 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
                               "interrupted": False, "error": None}
     print(header_line(result["environment"]), flush=True)
     sink = RowSink(args.json)
+    rows: list[dict[str, Any]] = []
+    progress = Progress(0, started)
+
+    def on_row(row: dict[str, Any]) -> None:
+        rows.append(row)  # kept first: nothing after this may lose a finished row
+        result["rows"] = merge_rows(rows)
+        sink.add(row)
+        progress.arm(row)
+
     try:
-        with Scratch(args.cache_dir) as scratch:
-            scratch.verify_shard_root()
-            shapes = dict(SHAPES)
-            if args.model:
-                shapes["custom"] = load_custom_shape(args.model)
-            check_max_positions(shapes, plan["seqs"] or [max(RECORD_GRID.get(m, (0,)))
-                                                         for m in plan["models"]], plan["models"])
-            progress = Progress(0, started)
-            if do_sweep:
-                arms = plan_arms(plan["models"], plan["seqs"], plan["batches"])
-                progress.total = len(arms)
-                bases = resolve_bases(sorted({a.model for a in arms}), shapes, opts, scratch,
-                                      args.model)
-                rows: list[dict[str, Any]] = []
-
-                def on_row(row: dict[str, Any]) -> None:
-                    rows.append(row)
-                    sink.add(row)
-                    progress.arm(row)
-                    result["rows"] = merge_rows(rows)
-
-                if plan["gpus"]:
-                    jobs = []
-                    for gpu, queue in schedule(arms, plan["gpus"]).items():
-                        if args.isolate:
-                            jobs += [(gpu, [a], 0) for a in queue]
-                        elif queue:
-                            jobs.append((gpu, queue, 0))
-                    run_workers(jobs, shapes, bases, scratch, opts, on_row)
-                elif args.isolate:
-                    run_workers([(None, [a], 0) for a in arms], shapes, bases, scratch, opts, on_row)
-                else:
-                    run_in_process(arms, shapes, bases, scratch, opts, on_row)
-                result["rows"] = merge_rows(rows)
-                if opts.snapshot and not opts.dry_run and not Stop.requested:
-                    result["control"] = positive_control(control_step(False), control_step(True))
-            if args.determinism is not None and not Stop.requested:
-                result["determinism"] = determinism_mode(plan, args, shapes, scratch, opts)
-            if args.measure and not Stop.requested:
-                result["measure"] = measure_mode(opts.dry_run)
-            if args.sdpa and not Stop.requested:
-                result["sdpa"] = sdpa_mode(opts.dry_run)
+        if do_sweep:
+            arms = plan_arms(plan["models"], plan["seqs"], plan["batches"])
+            progress.total = len(arms)
+            bases = resolve_bases(sorted({a.model for a in arms}), shapes, opts, scratch,
+                                  args.model)
+            if plan["gpus"]:
+                jobs = []
+                for gpu, queue in schedule(arms, plan["gpus"]).items():
+                    if args.isolate:
+                        jobs += [(gpu, [a], 0) for a in queue]
+                    elif queue:
+                        jobs.append((gpu, queue, 0))
+                run_workers(jobs, shapes, bases, scratch, opts, on_row)
+            elif args.isolate:
+                run_workers([(None, [a], 0) for a in arms], shapes, bases, scratch, opts, on_row)
+            else:
+                run_in_process(arms, shapes, bases, scratch, opts, on_row)
+            if opts.snapshot and not opts.dry_run and not Stop.requested:
+                result["control"] = positive_control(control_step(False), control_step(True))
+        if args.determinism is not None and not Stop.requested:
+            result["determinism"] = determinism_mode(plan, args, shapes, scratch, opts)
+        if args.measure and not Stop.requested:
+            result["measure"] = measure_mode(opts.dry_run)
+        if args.sdpa and not Stop.requested:
+            result["sdpa"] = sdpa_mode(opts.dry_run)
     except KeyboardInterrupt:
         Stop.requested = True
     except UsageError:
+        sink.finish()
         raise
     except Exception as exc:  # a harness bug still prints and saves what was measured
         result["error"] = last_line(exc)
         result["traceback"] = traceback.format_exc()
-        print(f"error: the harness failed after {len(result['rows'])} row(s): {result['error']}",
+        print(f"error: the harness failed after {len(rows)} row(s): {result['error']}",
               file=sys.stderr)
-    finally:
-        result["interrupted"] = Stop.requested
-        result["timings"] = run_timings(result, imports_s, time.perf_counter() - started)
+    result["rows"] = merge_rows(rows)
+    result["interrupted"] = Stop.requested
+    result["timings"] = run_timings(result, imports_s, time.perf_counter() - started)
     print("\n" + render_text(result).split("\n", 1)[1], end="", flush=True)
     code = exit_code(result)
     result["exit_code"] = code
     write_outputs(result, args)
-    sink.finish()
+    if not result["error"]:  # after a harness failure the row file stays as a second copy
+        sink.finish()
     return code
 
 
@@ -2085,13 +2112,20 @@ def from_json(args: argparse.Namespace) -> int:
     result = load_result(args.from_json)
     for flag, path in (("--json", args.json), ("--markdown", args.markdown), ("--plot", args.plot)):
         check_output_path(flag, path)
-    print(render_text(result), end="")
-    if args.compare:
-        print("\n" + compare_table(result, load_result(args.compare)))
-    if args.markdown:
-        Path(args.markdown).write_text(render_markdown(result), encoding="utf-8")
-    if args.plot:
-        render_plot(result, args.plot)
+    other = load_result(args.compare) if args.compare else None
+    try:
+        text = render_text(result)
+        if other is not None:
+            text += "\n" + compare_table(result, other) + "\n"
+        markdown = render_markdown(result) if args.markdown else None
+        if args.plot:
+            render_plot(result, args.plot)
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise UsageError(f"--from-json {args.from_json}: not a result this tool wrote "
+                         f"({last_line(exc)})") from None
+    print(text, end="")
+    if markdown is not None:
+        Path(args.markdown).write_text(markdown, encoding="utf-8")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
     return exit_code(result)
