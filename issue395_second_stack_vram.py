@@ -1756,14 +1756,17 @@ def render_plot(result: dict[str, Any], path: str) -> None:
     for r in result.get("rows") or []:
         if r.get("pred_over_real") is not None and r["status"] != "VOID":
             series.setdefault((r["model"], r["batch"]), []).append((r["seq"], r["pred_over_real"]))
+    # One colour per model, one line style per stack: this run solid, A10G dashed.
+    colours = {SHAPES["smol"].name: "tab:blue", SHAPES["qwen"].name: "tab:orange"}
     for (model, batch), pts in series.items():
         pts.sort()
-        label = f"{model}, {here}" + (f", batch {batch}" if batch != 1 else "")
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", linewidth=2, label=label)
+        label = f"{model}, {here} (this run)" + (f", batch {batch}" if batch != 1 else "")
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", linewidth=2, label=label,
+                color=colours.get(model) if batch == 1 else None)
     for key in ("smol", "qwen"):
         pts = sorted((seq, v[1]) for (k, seq), v in RECORD_A10G_PREDICTED.items() if k == key)
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="s", linestyle="--",
-                label=f"{SHAPES[key].name}, A10G record")
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="s", linestyle="--", alpha=0.7,
+                color=colours[SHAPES[key].name], label=f"{SHAPES[key].name}, A10G record")
     pts = sorted((seq, p / r) for (k, seq), (p, r) in RECORD_RTX3050.items())
     ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="^", linestyle=":", color="crimson",
             label="SmolLM2-135M, RTX 3050 record")
