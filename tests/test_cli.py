@@ -328,3 +328,26 @@ def test_help_documents_exit_codes_0_1_2_and_130(capsys):
     assert codes == ["0", "1", "2", "130"]
     for word in ("VOID", "OOM", "FAILED", "UNDER", "usage error", "interrupted"):
         assert word in section
+
+
+# ---------------------------------------------------------------------------
+# 11. --model: any streamable checkpoint, with figures derived from its config
+# ---------------------------------------------------------------------------
+
+
+def test_model_option_derives_the_grid_figures_and_runs_the_protocol_without_a_record(
+        capfd, cache_dir, tmp_path):
+    """A local checkpoint through --model: Soup's real setup on CPU, realised == requested,
+    the prediction from the derived figures (equal to the grid's for this shape), and no
+    record column, since the record never measured a model brought by the user."""
+    ckpt, _ = h.synthetic_checkpoint(h.SHAPES["smol"], Path(cache_dir) / "checkpoints")
+    out_json = tmp_path / "out.json"
+    code, out, err = main(capfd, ["--dry-run", "--model", ckpt, "--seq", "64",
+                                  "--cache-dir", cache_dir, "--json", out_json])
+    assert code == h.EXIT_OK, err
+    (row,) = json.loads(out_json.read_text())["rows"]
+    assert row["model"] == str(ckpt) and row["model_key"] == "custom"
+    assert row["realised"] == 64 and row["realised_rows"] == [64]
+    assert row["predicted"] == h.predicted_bytes(h.SHAPES["smol"], 64)
+    assert row["record_a10g_peak"] is None and row["vs_record"] is None
+    assert "weights local" in out.splitlines()[0]
