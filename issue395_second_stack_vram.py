@@ -127,7 +127,6 @@ A10G_STACK = (
     "torch 2.13.0+cu130, transformers 5.16.1, trl 0.29.1, peft 0.20.0, "
     "Python 3.10, Soup 0.73.3"
 )
-RTX3050_STACK = "RTX 3050 Laptop 4 GB, Windows 11, torch 2.5.1, transformers 4.57.6"
 
 #: A10G record: real peak in bytes per (model, seq).
 RECORD_A10G_PEAK: dict[tuple[str, int], int] = {
@@ -146,7 +145,6 @@ RECORD_A10G_PREDICTED: dict[tuple[str, int], tuple[float, float]] = {
     ("qwen", 5120): (11.592, 1.167), ("qwen", 6144): (13.837, 1.168),
 }
 RECORD_A10G_OVERESTIMATE = {"mean": 1.152, "pstdev": 0.0249}
-RECORD_A10G_LARGEST_PEAK_GB = 11.85
 #: RTX 3050 (the first stack), SmolLM2: predicted GB, real GB.
 RECORD_RTX3050: dict[tuple[str, int], tuple[float, float]] = {
     ("smol", 4352): (3.282, 3.036),
@@ -196,7 +194,8 @@ class Scratch:
 
     _ENV = ("SOUP_LAYER_STREAM_CACHE_DIR", "SOUP_AUDIT_LOG_PATH", "HF_HOME",
             "HF_DATASETS_CACHE", "XDG_CACHE_HOME", "TRITON_CACHE_DIR",
-            "TORCHINDUCTOR_CACHE_DIR", "MPLCONFIGDIR")
+            "TORCHINDUCTOR_CACHE_DIR", "MPLCONFIGDIR", "HF_HUB_ETAG_TIMEOUT",
+            "HF_HUB_DOWNLOAD_TIMEOUT")
 
     def __init__(self, cache_dir: Optional[str] = None):
         self.cache_dir = Path(cache_dir).resolve() if cache_dir else None
@@ -217,6 +216,9 @@ class Scratch:
             "TRITON_CACHE_DIR": str(self.root / "triton"),
             "TORCHINDUCTOR_CACHE_DIR": str(self.root / "inductor"),
             "MPLCONFIGDIR": str(self.root / "mpl"),
+            # An unreachable hub should fail fast, not retry for half a minute.
+            "HF_HUB_ETAG_TIMEOUT": os.environ.get("HF_HUB_ETAG_TIMEOUT", "10"),
+            "HF_HUB_DOWNLOAD_TIMEOUT": os.environ.get("HF_HUB_DOWNLOAD_TIMEOUT", "20"),
         }
         for key in self._ENV:
             self._saved_env[key] = os.environ.get(key)
@@ -284,8 +286,8 @@ SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 TOKEN_WORDS = ("word", "hi", "user", "assistant", "system")
 
 
-def hf_config(shape: Shape):
-    """The transformers config of exactly the grid's shape."""
+def hf_config(shape: Shape, eos_id: int = 2, pad_id: int = 0):
+    """The transformers config of exactly the grid's shape, with the tokenizer's ids."""
     from transformers import AutoConfig
 
     kwargs = dict(
@@ -294,7 +296,7 @@ def hf_config(shape: Shape):
         num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads,
         max_position_embeddings=shape.max_positions, rms_norm_eps=shape.rms_eps,
         tie_word_embeddings=True, hidden_act="silu",
-        rope_theta=shape.rope_theta, bos_token_id=0, eos_token_id=2, pad_token_id=0,
+        rope_theta=shape.rope_theta, bos_token_id=None, eos_token_id=eos_id, pad_token_id=pad_id,
     )
     if shape.model_type == "qwen2":
         kwargs.update(use_sliding_window=False, sliding_window=None)
@@ -307,7 +309,7 @@ def hf_config(shape: Shape):
     return config
 
 
-def build_tokenizer(dest: Path) -> None:
+def build_tokenizer(dest: Path) -> dict[str, int]:
     """A byte-level BPE tokenizer in Qwen2's own layout, for both model types.
 
     transformers 5 rebuilds a Qwen2 tokenizer from vocab + merges with its own
@@ -353,6 +355,7 @@ def build_tokenizer(dest: Path) -> None:
         additional_special_tokens=["<|im_start|>", "<|im_end|>"],
     )
     fast.save_pretrained(str(dest))
+    return {tok: vocab[tok] for tok in SPECIAL_TOKENS}
 
 
 def build_checkpoint(shape: Shape, dest: Path) -> Path:
@@ -366,7 +369,8 @@ def build_checkpoint(shape: Shape, dest: Path) -> Path:
     from transformers import AutoModelForCausalLM
 
     dest.mkdir(parents=True, exist_ok=True)
-    config = hf_config(shape)
+    ids = build_tokenizer(dest)
+    config = hf_config(shape, eos_id=ids["<|im_end|>"], pad_id=ids["<|endoftext|>"])
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     gen = torch.Generator().manual_seed(395)
@@ -388,7 +392,6 @@ def build_checkpoint(shape: Shape, dest: Path) -> Path:
     del skeleton
     save_file(tensors, str(dest / "model.safetensors"), metadata={"format": "pt"})
     config.save_pretrained(str(dest))
-    build_tokenizer(dest)
     return dest
 
 
@@ -399,7 +402,7 @@ def checkpoint_fingerprint(shape: Shape) -> str:
     fields = asdict(shape)
     fields.pop("record", None)
     fields["tokenizer_words"] = TOKEN_WORDS
-    fields["builder"] = 3
+    fields["builder"] = 4
     return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:12]
 
 
@@ -521,20 +524,20 @@ def soup_config_yaml(base: str, data_path: Path, output: Path, seq: int, batch: 
     return yaml.safe_dump(config, sort_keys=False)
 
 
-def realised_lengths(trainer: Any) -> list[int]:
-    """Each row's token count in the first collated batch (the second guard).
+def realised_lengths(trainer: Any) -> tuple[int, list[int]]:
+    """The first collated batch's width and each row's token count (the second guard).
 
-    ``input_ids.shape[-1]`` is the batch's length; with batch > 1 a short row
-    would hide behind its neighbours' padding, so every row is read through its
-    attention mask when the collator provides one.
+    ``input_ids.shape[-1]`` is what the step runs at; with batch > 1 a short row
+    would hide behind its neighbours' padding, so every row is also read through
+    its attention mask when the collator provides one. Both must equal seq.
     """
     batch = next(iter(trainer.get_train_dataloader()))
     ids = batch["input_ids"]
     width = int(ids.shape[-1])
     mask = batch.get("attention_mask")
     if mask is not None and mask.dim() == 2:
-        return [int(v) for v in mask.sum(dim=-1).tolist()]
-    return [width] * int(ids.shape[0])
+        return width, [int(v) for v in mask.sum(dim=-1).tolist()]
+    return width, [width] * int(ids.shape[0])
 
 
 def realised_length(lengths: list[int], seq: int) -> int:
@@ -724,8 +727,9 @@ def row_status(row: dict[str, Any]) -> str:
     if row.get("error_kind") in ("OOM", "FAILED"):
         return row["error_kind"]
     lengths = row.get("realised_rows") or []
-    if row.get("realised") != row["seq"] or len(lengths) != row["batch"] or any(
-            n != row["seq"] for n in lengths):
+    width = row.get("realised_width", row.get("realised"))
+    if row.get("realised") != row["seq"] or width != row["seq"] or len(lengths) != row["batch"] \
+            or any(n != row["seq"] for n in lengths):
         return "VOID"
     if row.get("real_peak") is None:
         return "dry-run" if row.get("dry_run") else "FAILED"
@@ -741,6 +745,21 @@ def record_columns(shape: Shape, seq: int, batch: int, real: Optional[int]) -> d
             "vs_record": (real / rec) if (rec and real) else None}
 
 
+def new_row(arm: Arm, shape: Shape, *, base: str, weights: str, dry_run: bool,
+            build_s: float = 0.0) -> dict[str, Any]:
+    """A row before anything is measured: the arm's inputs and Soup's prediction."""
+    return {
+        "model": shape.name, "model_key": arm.model, "seq": arm.seq, "batch": arm.batch,
+        "weights": weights, "base": base, "index": arm.index, "dry_run": dry_run,
+        "realised": None, "realised_width": None, "realised_rows": None,
+        "predicted": predicted_bytes(shape, arm.seq, arm.batch), "real_peak": None,
+        "resident_before_step": None, "max_reserved": None, "error_kind": None, "error": None,
+        "oom_request_bytes": None, "teardown_error": None, "gpu": None, "pid": os.getpid(),
+        "timings": {"build_s": round(build_s, 3), "setup_s": None, "step_s": None,
+                    "teardown_s": None},
+    }
+
+
 def run_arm(arm: Arm, shape: Shape, base: str, scratch: "Scratch", *, device: str,
             dry_run: bool, weights: str, build_s: float = 0.0, snapshot: bool = False,
             verbose: bool = False, log_dir: Optional[Path] = None,
@@ -752,16 +771,7 @@ def run_arm(arm: Arm, shape: Shape, base: str, scratch: "Scratch", *, device: st
     measurement and never replaces it.
     """
     step = step or real_peak
-    predicted = predicted_bytes(shape, arm.seq, arm.batch)
-    row: dict[str, Any] = {
-        "model": shape.name, "model_key": arm.model, "seq": arm.seq, "batch": arm.batch,
-        "weights": weights, "base": base, "index": arm.index, "dry_run": dry_run,
-        "realised": None, "realised_rows": None, "predicted": predicted, "real_peak": None,
-        "resident_before_step": None, "max_reserved": None, "error_kind": None, "error": None,
-        "oom_request_bytes": None, "teardown_error": None, "gpu": None, "pid": os.getpid(),
-        "timings": {"build_s": round(build_s, 3), "setup_s": None, "step_s": None,
-                    "teardown_s": None},
-    }
+    row = new_row(arm, shape, base=base, weights=weights, dry_run=dry_run, build_s=build_s)
     work = scratch.path("arms", f"{arm.index:03d}-{arm.model}-{arm.seq}-{arm.batch}")
     data_path = work / "train.jsonl"
     with open(data_path, "w", encoding="utf-8") as fh:
@@ -782,9 +792,10 @@ def run_arm(arm: Arm, shape: Shape, base: str, scratch: "Scratch", *, device: st
                 soup_config_yaml(base, data_path, work / "out", arm.seq, arm.batch))
             wrapper = SFTTrainerWrapper(config, device=device)
             wrapper.setup(load_dataset(config.data))
-            lengths = realised_lengths(wrapper.trainer)
+            width, lengths = realised_lengths(wrapper.trainer)
+            row["realised_width"] = width
             row["realised_rows"] = lengths
-            row["realised"] = realised_length(lengths, arm.seq)
+            row["realised"] = realised_length(lengths + [width], arm.seq)
             row["timings"]["setup_s"] = round(time.perf_counter() - t0, 3)
             if not dry_run and row_status(dict(row, real_peak=0)) != "VOID":
                 measured = step(wrapper.trainer, snapshot=snapshot)
@@ -1030,14 +1041,20 @@ def load_custom_shape(model: str) -> Shape:
                              "safetensors checkpoints only")
     from transformers.utils import logging as hf_logging
 
+    import logging
+
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # a config's warnings are not this tool's one line
+    hub_logger = logging.getLogger("huggingface_hub")
+    hub_level = hub_logger.level
+    hub_logger.setLevel(logging.ERROR)  # its retry warnings neither
     try:
         config = AutoConfig.from_pretrained(model)
     except Exception as exc:
         raise UsageError(f"--model {model}: cannot read its config ({last_line(exc)})") from None
     finally:
         hf_logging.set_verbosity(verbosity)
+        hub_logger.setLevel(hub_level)
     return derive_shape(config, name=model)
 
 
@@ -1110,7 +1127,7 @@ def ratio(v: Optional[float], places: int = 3) -> str:
     return "-" if v is None else f"{v:.{places}f}x"
 
 
-def sweep_table(rows: list[dict[str, Any]], dry_run: bool = False) -> str:
+def sweep_table(rows: list[dict[str, Any]]) -> str:
     """One section per model. seq and realised lead, as in the record."""
     peak_na = "n/a (dry run)"
     cols = [("seq", 6), ("realised", 8), ("batch", 5), ("predicted GB", 12),
@@ -1205,7 +1222,9 @@ def attribution_table(rows: list[dict[str, Any]], control: Optional[dict[str, An
         other = ", ".join(f"{k}: {v['count']}/{v['bytes'] / GB:.3f}" for k, v in a["other_groups"].items())
         if not a.get("complete"):
             other = "history incomplete: not a finding; " + other
-        elif control is not None and not control.get("passed"):
+        elif control is None:
+            other = "no positive control ran: not a finding; " + other
+        elif not control.get("passed"):
             other = "control failed: not a finding; " + other
         out.append(f"{r['model']:>13}  {r['seq']:>5}  {r['batch']:>5}  "
                    f"{a['logits_bf16']['count']:>11}  {a['logits_bf16']['bytes'] / GB:>8.3f}  "
@@ -1260,12 +1279,15 @@ def determinism_table(d: dict[str, Any]) -> str:
     out = ["--determinism: the same arm in fresh processes (measured here | A10G record)"]
     for entry in d["arms"]:
         peaks = ", ".join("-" if p is None else f"{p / GB:.4f}" for p in entry["peaks"])
+        statuses = entry.get("statuses") or []
+        findings = [f"repeat {i + 1} {st}" for i, st in enumerate(statuses) if st != "ok"]
         rec = RECORD_DETERMINISM.get((entry["model_key"], entry["seq"])) if entry["batch"] == 1 else None
         rec_s = f"{rec[0]:.4f}, {rec[1]:.4f} GB, spread {rec[2]:.2f}%" if rec else "-"
         spread = "-" if entry["spread_pct"] is None else f"{entry['spread_pct']:.2f}%"
         pids = ",".join(str(p) for p in entry["pids"])
         out.append(f"  {entry['model']} seq {entry['seq']} batch {entry['batch']}: peaks {peaks} GB "
-                   f"(pids {pids}); spread {spread} | record {rec_s}")
+                   f"(pids {pids}); spread {spread} | record {rec_s}"
+                   + (f"; {', '.join(findings)}" if findings else ""))
     return "\n".join(out)
 
 
@@ -1375,21 +1397,31 @@ class Options:
 
 
 class Stop:
-    """Ctrl-C stops after the arm in flight; a second Ctrl-C stops now."""
+    """Ctrl-C stops after the arm in flight; a second Ctrl-C, or SIGTERM, stops now.
+
+    Stopping now raises KeyboardInterrupt, so the scratch folder is still removed
+    and the rows measured so far are still printed and saved.
+    """
 
     requested = False
 
     @classmethod
     def install(cls) -> None:
-        def handler(signum: int, frame: Any) -> None:
+        def on_int(signum: int, frame: Any) -> None:
             if cls.requested:
                 raise KeyboardInterrupt
             cls.requested = True
+            # sys.stderr may be an arm's Soup log right now; the user must see this.
             print("\ninterrupt: stopping after the arm in flight (Ctrl-C again to stop now)",
-                  file=sys.stderr, flush=True)
+                  file=sys.__stderr__, flush=True)
+
+        def on_term(signum: int, frame: Any) -> None:
+            cls.requested = True
+            raise KeyboardInterrupt
 
         try:
-            signal.signal(signal.SIGINT, handler)
+            signal.signal(signal.SIGINT, on_int)
+            signal.signal(signal.SIGTERM, on_term)
         except ValueError:  # not the main thread
             pass
 
@@ -1407,7 +1439,7 @@ class Progress:
         elapsed = time.perf_counter() - self.started
         left = elapsed / self.done * (self.total - self.done)
         peak = f"{row['real_peak'] / GB:.4f} GB" if row.get("real_peak") else "no peak"
-        print(f"[arm {row['index'] + 1}/{self.total}] {row['model']} seq {row['seq']} "
+        print(f"[arm {self.done}/{self.total}] {row['model']} seq {row['seq']} "
               f"batch {row['batch']}: {row['status']}, {peak}; elapsed {elapsed:.1f} s, "
               f"~{left:.0f} s left", file=sys.stderr, flush=True)
 
@@ -1535,8 +1567,36 @@ def worker_main(spec_path: str) -> int:
         with open(out, "a", encoding="utf-8") as fh:
             fh.write(json.dumps(public_row(row)) + "\n")
 
-    run_in_process(arms, shapes, bases, scratch, opts, on_row, repeat=spec.get("repeat", 0))
+    try:
+        run_in_process(arms, shapes, bases, scratch, opts, on_row, repeat=spec.get("repeat", 0))
+    except KeyboardInterrupt:  # "stop now": the arm in flight is dropped, quietly
+        return EXIT_INTERRUPTED
     return EXIT_INTERRUPTED if Stop.requested else EXIT_OK
+
+
+def lost_row(arm: Arm, shape: Shape, opts: Options, base: str, repeat: int,
+             code: Optional[int]) -> dict[str, Any]:
+    """A FAILED row for an arm whose worker process died before reporting it."""
+    row = new_row(arm, shape, base=base, weights=opts.weights, dry_run=opts.dry_run)
+    row.update(error_kind="FAILED", pid=None, repeat=repeat,
+               error=f"worker process exited with code {code} before this arm reported")
+    return finish_row(row, shape)
+
+
+def complete_lines(path: Path) -> list[str]:
+    """Lines a worker has finished writing; a line still being written is left for later."""
+    text = path.read_text(encoding="utf-8")
+    return text.split("\n")[:-1]
+
+
+def visible_gpu(ordinal: int) -> str:
+    """--gpus counts the GPUs this process sees; a worker needs the id behind it."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible:
+        ids = [v.strip() for v in visible.split(",") if v.strip()]
+        if ordinal < len(ids):
+            return ids[ordinal]
+    return str(ordinal)
 
 
 def run_workers(jobs: list[tuple[Optional[int], list[Arm], int]], shapes: dict[str, Shape],
@@ -1545,13 +1605,18 @@ def run_workers(jobs: list[tuple[Optional[int], list[Arm], int]], shapes: dict[s
     """Each job is (gpu or None, arms, repeat) in its own fresh process.
 
     Jobs for different GPUs run at once; jobs for the same GPU run one after
-    another. Rows are read back as each worker appends them.
+    another. Rows are read back as each worker appends them. A worker that dies
+    leaves a FAILED row for every arm it did not report, never a silent gap.
+    Workers run in their own session, so a terminal's Ctrl-C reaches this
+    process alone and is passed on once ("stop after the arm in flight"); a
+    second one, or an error here, stops them now and keeps what they wrote.
     """
     lanes: dict[Optional[int], list[tuple[list[Arm], int]]] = {}
     for gpu, arms, repeat in jobs:
         lanes.setdefault(gpu, []).append((arms, repeat))
-    running: dict[Optional[int], tuple[subprocess.Popen, Path, int]] = {}
+    running: dict[Optional[int], dict[str, Any]] = {}
     counter = 0
+    forwarded = False
 
     def launch(g: Optional[int]) -> None:
         nonlocal counter
@@ -1565,34 +1630,65 @@ def run_workers(jobs: list[tuple[Optional[int], list[Arm], int]], shapes: dict[s
                 "scratch_root": str(scratch.root), "out": str(out)}
         (work / "spec.json").write_text(json.dumps(spec))
         env = dict(os.environ)
-        gpu = g
-        if gpu is not None:
-            env["CUDA_VISIBLE_DEVICES"] = str(gpu)
+        if g is not None:
+            env["CUDA_VISIBLE_DEVICES"] = visible_gpu(g)
             # One shard cache per GPU lane: two lanes sharding one model at once would race.
-            env["SOUP_LAYER_STREAM_CACHE_DIR"] = str(Path(scratch.shard_root) / f"gpu{gpu}")
+            env["SOUP_LAYER_STREAM_CACHE_DIR"] = str(Path(scratch.shard_root) / f"gpu{g}")
             Path(env["SOUP_LAYER_STREAM_CACHE_DIR"]).mkdir(parents=True, exist_ok=True)
         proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--_worker",
-                                 str(work / "spec.json")], env=env)
-        running[g] = (proc, out, 0)
+                                 str(work / "spec.json")], env=env, start_new_session=True)
+        running[g] = {"proc": proc, "out": out, "seen": 0, "arms": arms, "repeat": repeat,
+                      "reported": set()}
 
-    for g in lanes:
-        if lanes[g]:
-            launch(g)
-    while running:
-        time.sleep(0.2)
+    def drain(g: Optional[int]) -> None:
+        entry = running[g]
+        lines = complete_lines(entry["out"])
+        for line in lines[entry["seen"]:]:
+            row = json.loads(line)
+            entry["reported"].add(row["index"])
+            on_row(row)
+        entry["seen"] = len(lines)
+
+    def settle(g: Optional[int]) -> None:
+        """A worker has exited: its last rows, then a FAILED row for each lost arm."""
+        drain(g)
+        entry = running.pop(g)
+        code = entry["proc"].returncode
+        if Stop.requested:  # arms it skipped on request were not lost
+            return
+        for arm in entry["arms"]:
+            if arm.index not in entry["reported"]:
+                on_row(lost_row(arm, shapes[arm.model], opts, bases[arm.model][0],
+                                entry["repeat"], code))
+
+    try:
+        for g in lanes:
+            if lanes[g]:
+                launch(g)
+        while running:
+            time.sleep(0.2)
+            if Stop.requested and not forwarded:
+                forwarded = True
+                for entry in running.values():
+                    entry["proc"].send_signal(signal.SIGINT)
+            for g in list(running):
+                drain(g)
+                if running[g]["proc"].poll() is not None:
+                    settle(g)
+                    if lanes[g] and not Stop.requested:
+                        launch(g)
+    finally:
+        for entry in running.values():  # only after a second Ctrl-C or an error here
+            if entry["proc"].poll() is None:
+                entry["proc"].send_signal(signal.SIGINT if forwarded else signal.SIGTERM)
         for g in list(running):
-            proc, out, seen = running[g]
-            lines = out.read_text(encoding="utf-8").splitlines()
-            for line in lines[seen:]:
-                on_row(json.loads(line))
-            running[g] = (proc, out, len(lines))
-            if proc.poll() is not None:
-                lines = out.read_text(encoding="utf-8").splitlines()
-                for line in lines[running[g][2]:]:
-                    on_row(json.loads(line))
-                del running[g]
-                if lanes[g] and not Stop.requested:
-                    launch(g)
+            try:
+                running[g]["proc"].wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                running[g]["proc"].kill()
+                running[g]["proc"].wait()
+            drain(g)
+            running.pop(g)
 
 
 def resolve_bases(keys: list[str], shapes: dict[str, Shape], opts: Options, scratch: Scratch,
@@ -1656,7 +1752,7 @@ def render_text(result: dict[str, Any]) -> str:
     """Every table this result holds, as the console shows them."""
     parts = [header_line(result["environment"])]
     if result.get("rows"):
-        parts += ["", sweep_table(result["rows"], (result.get("options") or {}).get("dry_run", False))]
+        parts += ["", sweep_table(result["rows"])]
         if any(r.get("attribution") for r in result["rows"]):
             parts += ["", attribution_table(result["rows"], result.get("control"))]
     if result.get("determinism"):
@@ -1725,7 +1821,7 @@ def render_markdown(result: dict[str, Any]) -> str:
                "non-logits modelled = predicted - 14 x E; over-estimate = non-logits modelled / "
                "(real peak - 12 x E).", "",
                "| model | seq | batch | non-logits modelled GB | real - 12 x E GB | over-estimate "
-               "| A10G over-estimate |", "|---|---:|---:|---:|---:|---:|---:|"]
+               "| A10G over-estimate (from its published peak) |", "|---|---:|---:|---:|---:|---:|---:|"]
         for r in rows:
             rest = (r["real_peak"] - r["logits12_bytes"]) if r.get("real_peak") else None
             rec = r.get("record_a10g_peak")
@@ -1801,15 +1897,15 @@ def write_outputs(result: dict[str, Any], args: argparse.Namespace) -> None:
         render_plot(result, args.plot)
 
 
-def load_result(path: str) -> dict[str, Any]:
+def load_result(path: str, flag: str = "--from-json") -> dict[str, Any]:
     try:
         result = json.loads(Path(path).read_text(encoding="utf-8"))
     except FileNotFoundError:
-        raise UsageError(f"--from-json {path}: no such file") from None
+        raise UsageError(f"{flag} {path}: no such file") from None
     except (OSError, ValueError) as exc:
-        raise UsageError(f"--from-json {path}: not a saved result ({last_line(exc)})") from None
+        raise UsageError(f"{flag} {path}: not a saved result ({last_line(exc)})") from None
     if not isinstance(result, dict) or "environment" not in result or "rows" not in result:
-        raise UsageError(f"--from-json {path}: not a result this tool wrote")
+        raise UsageError(f"{flag} {path}: not a result this tool wrote")
     return result
 
 
@@ -1887,6 +1983,8 @@ def parse_ints(flag: str, text: Optional[str], *, minimum: int = 1) -> Optional[
         value = int(item)
         if value < minimum:
             raise UsageError(f"{flag} {value} must be at least {minimum}")
+        if value in out:
+            raise UsageError(f"{flag} {text}: {value} is named twice")
         out.append(value)
     return out
 
@@ -1895,6 +1993,8 @@ def check_output_path(flag: str, path: Optional[str]) -> None:
     if path is None:
         return
     target = Path(path)
+    if flag == "--plot" and target.suffix.lower() != ".png":
+        raise UsageError(f"--plot {path}: the plot is a PNG; give a path ending in .png")
     parent = target.parent if str(target.parent) else Path(".")
     if target.is_dir():
         raise UsageError(f"{flag} {path} is a folder; give a file path")
@@ -1926,6 +2026,8 @@ def validate(args: argparse.Namespace) -> dict[str, Any]:
         unknown = [m for m in models if m not in SHAPES]
         if unknown:
             raise UsageError(f"--models: unknown model {unknown[0]!r}; choose from {','.join(SHAPES)}")
+        if len(set(models)) != len(models):
+            raise UsageError(f"--models {args.models}: a model is named twice")
     seqs = parse_ints("--seq", args.seq)
     batches = parse_ints("--batch", args.batch) or [1]
     gpus = parse_ints("--gpus", args.gpus, minimum=0)
@@ -1948,14 +2050,13 @@ def validate(args: argparse.Namespace) -> dict[str, Any]:
     if args.log_dir and not Path(args.log_dir).is_dir():
         raise UsageError(f"--log-dir {args.log_dir}: no such folder")
     if args.cache_dir:
+        args.cache_dir = os.path.expanduser(args.cache_dir)
         check_cache_dir_bounds(args.cache_dir)  # before creating anything there
         try:
             Path(args.cache_dir).mkdir(exist_ok=True)
         except OSError as exc:
             raise UsageError(f"--cache-dir {args.cache_dir}: cannot create that folder "
                              f"({exc.strerror})") from None
-    if gpus is not None and len(set(gpus)) != len(gpus):
-        raise UsageError(f"--gpus {args.gpus}: a GPU is named twice")
     return {"models": models, "seqs": seqs, "batches": batches, "gpus": gpus, "repeats": repeats}
 
 
@@ -1980,6 +2081,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     started = time.perf_counter()
     if args.from_json:
         return from_json(args)
+    Stop.install()  # before the slow imports: a Ctrl-C or SIGTERM there still cleans up
     plan = validate(args)
     if plan["gpus"] is None and "CUDA_VISIBLE_DEVICES" not in os.environ:
         # Soup refuses to stream with more than one GPU visible (DataParallel);
@@ -2011,12 +2113,14 @@ def run_in_scratch(args: argparse.Namespace, argv: list[str], plan: dict[str, An
                                                  for m in plan["models"]], plan["models"])
     modes_chosen = args.measure or args.sdpa or args.determinism is not None
     do_sweep = args.sweep or not modes_chosen
-    Stop.install()
     opts = Options(weights="local" if args.model else args.weights, dry_run=args.dry_run,
                    verbose=args.verbose, snapshot=args.snapshot, snapshot_dir=args.snapshot_dir,
                    log_dir=args.log_dir, cache_dir=args.cache_dir)
     isolation = ("isolated, one fresh process per arm" if args.isolate else
                  f"one process per GPU ({args.gpus})" if plan["gpus"] else "in one process")
+    if not do_sweep:
+        isolation = ("determinism: one fresh process per repeat" if args.determinism is not None
+                     else "no arms")
     result: dict[str, Any] = {"tool": "issue395_second_stack_vram", "schema": 1,
                               "environment": environment(opts.weights, isolation,
                                                          [os.path.basename(__file__)] + argv),
@@ -2055,7 +2159,7 @@ def run_in_scratch(args: argparse.Namespace, argv: list[str], plan: dict[str, An
             if opts.snapshot and not opts.dry_run and not Stop.requested:
                 result["control"] = positive_control(control_step(False), control_step(True))
         if args.determinism is not None and not Stop.requested:
-            result["determinism"] = determinism_mode(plan, args, shapes, scratch, opts)
+            result["determinism"] = determinism_mode(plan, args, shapes, scratch, opts, sink)
         if args.measure and not Stop.requested:
             result["measure"] = measure_mode(opts.dry_run)
         if args.sdpa and not Stop.requested:
@@ -2097,10 +2201,11 @@ def run_timings(result: dict[str, Any], imports_s: float, total_s: float) -> dic
 
 
 def determinism_mode(plan: dict[str, Any], args: argparse.Namespace, shapes: dict[str, Shape],
-                     scratch: Scratch, opts: Options) -> dict[str, Any]:
+                     scratch: Scratch, opts: Options, sink: Optional["RowSink"] = None
+                     ) -> dict[str, Any]:
     """Each chosen arm, N times, each time in a fresh process."""
     repeats = plan["repeats"] or 2
-    if args.models or args.seq or args.model:
+    if args.models or args.seq or args.model or plan["batches"] != [1]:
         arms = plan_arms(plan["models"], plan["seqs"], plan["batches"])
     else:
         arms = [Arm("smol", 4096, 1, 0), Arm("smol", 6144, 1, 1)]
@@ -2112,6 +2217,8 @@ def determinism_mode(plan: dict[str, Any], args: argparse.Namespace, shapes: dic
 
     def on_row(row: dict[str, Any]) -> None:
         collected.append(row)
+        if sink is not None:
+            sink.add(dict(row, mode="determinism"))
         progress.arm(row)
 
     run_workers(jobs, shapes, bases, scratch, opts, on_row)
@@ -2123,6 +2230,7 @@ def determinism_mode(plan: dict[str, Any], args: argparse.Namespace, shapes: dic
         spread = (max(nums) - min(nums)) / min(nums) * 100 if len(nums) >= 2 else None
         out.append({"model": shapes[a.model].name, "model_key": a.model, "seq": a.seq,
                     "batch": a.batch, "peaks": peaks, "pids": [r["pid"] for r in mine],
+                    "statuses": [r["status"] for r in mine],
                     "spread_pct": spread, "rows": [public_row(r) for r in mine]})
     return {"repeats": repeats, "arms": out}
 
@@ -2131,7 +2239,7 @@ def from_json(args: argparse.Namespace) -> int:
     result = load_result(args.from_json)
     for flag, path in (("--json", args.json), ("--markdown", args.markdown), ("--plot", args.plot)):
         check_output_path(flag, path)
-    other = load_result(args.compare) if args.compare else None
+    other = load_result(args.compare, "--compare") if args.compare else None
     try:
         text = render_text(result)
         if other is not None:
@@ -2160,6 +2268,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     except UsageError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    except KeyboardInterrupt:  # stopped before any arm ran: nothing to print or save
+        print("interrupted before any arm ran", file=sys.stderr)
+        return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":

@@ -168,6 +168,13 @@ BAD_INPUT = [
      ["gpt2", "cannot be layer-streamed"]),
     ("model-no-config", ["--dry-run", "--model", "{noconfig}", "--seq", "64"],
      ["--model", "no config.json"]),
+    ("plot-not-png", ["--dry-run", "--plot", "{tmp}/plot.txt"], ["--plot", ".png"]),
+    ("seq-named-twice", ["--dry-run", "--seq", "64,64"], ["--seq", "64", "twice"]),
+    ("models-named-twice", ["--dry-run", "--models", "smol,smol"], ["--models", "twice"]),
+    ("compare-missing", ["--from-json", "{tmp}/a-file", "--compare", "{tmp}/nope.json"],
+     ["--"]),
+    ("model-hub-id-offline", ["--dry-run", "--model", "nobody-here/no-such-model", "--seq", "64"],
+     ["--model", "nobody-here/no-such-model"]),
 ]
 
 

@@ -371,3 +371,28 @@ def test_dry_run_without_cache_dir_leaves_no_files_behind(capfd, tmp_path, monke
     assert _listing(home_soup, True) == before[0], "new files under ~/.soup"
     assert _listing(tmp, False) == before[1], "left behind in the temp dir"
     assert _listing(cwd, True) == before[2], "left behind in the working directory"
+
+
+# ---------------------------------------------------------------------------
+# 7. A worker process that dies is never a silent gap
+# ---------------------------------------------------------------------------
+
+
+def test_a_worker_that_dies_leaves_a_failed_row_for_each_arm_and_exits_1(
+        capfd, cache_dir, tmp_path, monkeypatch):
+    """Nothing is faked in the harness: every fresh worker process is killed at start-up by
+    a sitecustomize on its PYTHONPATH (exit code 139, as a segfault would). The parent must
+    report each lost arm as FAILED with the worker's exit code, save them, and exit 1."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(
+        "import os, sys\nif '--_worker' in sys.argv:\n    os._exit(139)\n")
+    monkeypatch.setenv("PYTHONPATH", str(site) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    out_json = tmp_path / "out.json"
+    code, out, err = main(capfd, ["--dry-run", "--isolate", "--models", "smol", "--seq", "64,96",
+                                  "--cache-dir", cache_dir, "--json", out_json])
+    assert code == h.EXIT_FINDING, err
+    rows = json.loads(out_json.read_text())["rows"]
+    assert [(r["seq"], r["status"]) for r in rows] == [(64, "FAILED"), (96, "FAILED")]
+    assert all("exited with code 139" in r["error"] for r in rows)
+    assert "exited with code 139" in out

@@ -193,6 +193,15 @@ def test_row_status_void_when_realised_differs_even_with_a_peak():
                                  real_peak=9_000_000_000)) == "VOID"
 
 
+def test_row_status_void_when_the_batch_is_wider_than_seq_though_every_row_is_not():
+    """input_ids.shape[-1] is what the step runs at: padding past seq (a collator's
+    pad_to_multiple_of, say) voids the row even when every attention mask sums to seq."""
+    assert h.row_status(base_row(realised=4096, realised_rows=[4096],
+                                 realised_width=4160)) == "VOID"
+    assert h.row_status(base_row(realised=4096, realised_rows=[4096],
+                                 realised_width=4096)) == "ok"
+
+
 def test_row_status_void_when_one_row_of_a_batch_is_short():
     lengths = [4096, 4090]
     assert h.realised_length(lengths, 4096) == 4090
