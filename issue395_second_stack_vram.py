@@ -178,105 +178,6 @@ class UsageError(Exception):
 
 
 # ---------------------------------------------------------------------------
-# Scratch: everything the tool writes outside its outputs lives here
-# ---------------------------------------------------------------------------
-
-
-class Scratch:
-    """One folder for data, Soup output, shards and checkpoints; removed at exit.
-
-    Soup's shard cache goes here through ``SOUP_LAYER_STREAM_CACHE_DIR`` (or under
-    ``--cache-dir``). Soup silently ignores that variable outside ``$HOME``, the
-    working directory and ``$TMPDIR``, so the root Soup really resolves is
-    checked, not assumed: a shard cache that escaped to ``~/.soup`` would
-    outlive the run.
-    """
-
-    _ENV = ("SOUP_LAYER_STREAM_CACHE_DIR", "SOUP_AUDIT_LOG_PATH", "HF_HOME",
-            "HF_DATASETS_CACHE", "XDG_CACHE_HOME", "TRITON_CACHE_DIR",
-            "TORCHINDUCTOR_CACHE_DIR", "MPLCONFIGDIR", "HF_HUB_ETAG_TIMEOUT",
-            "HF_HUB_DOWNLOAD_TIMEOUT")
-
-    def __init__(self, cache_dir: Optional[str] = None):
-        self.cache_dir = Path(cache_dir).resolve() if cache_dir else None
-        self.root: Optional[Path] = None
-        self._saved_env: dict[str, Optional[str]] = {}
-
-    def __enter__(self) -> "Scratch":
-        self.root = Path(tempfile.mkdtemp(prefix="issue395-scratch-"))
-        base = self.cache_dir if self.cache_dir else self.root
-        self.shard_root = base / "layer-stream"
-        self.shard_root.mkdir(parents=True, exist_ok=True)
-        env = {
-            "SOUP_LAYER_STREAM_CACHE_DIR": str(self.shard_root),
-            "SOUP_AUDIT_LOG_PATH": str(self.root / "soup-audit.jsonl"),
-            "HF_HOME": str(self.root / "hf"),
-            "HF_DATASETS_CACHE": str(self.root / "hf" / "datasets"),
-            "XDG_CACHE_HOME": str(self.root / "xdg"),
-            "TRITON_CACHE_DIR": str(self.root / "triton"),
-            "TORCHINDUCTOR_CACHE_DIR": str(self.root / "inductor"),
-            "MPLCONFIGDIR": str(self.root / "mpl"),
-            # An unreachable hub should fail fast, not retry for half a minute.
-            "HF_HUB_ETAG_TIMEOUT": os.environ.get("HF_HUB_ETAG_TIMEOUT", "10"),
-            "HF_HUB_DOWNLOAD_TIMEOUT": os.environ.get("HF_HUB_DOWNLOAD_TIMEOUT", "20"),
-        }
-        for key in self._ENV:
-            self._saved_env[key] = os.environ.get(key)
-        os.environ.update(env)
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        for key, value in self._saved_env.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-        if self.root is not None:
-            shutil.rmtree(self.root, ignore_errors=True)
-
-    def verify_shard_root(self) -> None:
-        """Fail loudly if Soup would put its shard cache anywhere but here."""
-        real = os.path.realpath(soup_shard_root())
-        if real != os.path.realpath(self.shard_root):
-            raise UsageError(
-                f"Soup would write its layer-stream shard cache to {real}, not "
-                f"{self.shard_root}: --cache-dir must lie under $HOME, the working "
-                "directory or the temp dir")
-
-    def path(self, *parts: str) -> Path:
-        assert self.root is not None
-        p = self.root.joinpath(*parts)
-        p.mkdir(parents=True, exist_ok=True)
-        return p
-
-    def checkpoint_root(self) -> Path:
-        if self.cache_dir:
-            p = self.cache_dir / "checkpoints"
-            p.mkdir(parents=True, exist_ok=True)
-            return p
-        return self.path("checkpoints")
-
-
-def soup_shard_root() -> str:
-    """Where Soup will really put its shard cache, by Soup's own resolution."""
-    from soup_cli.utils import layer_shard
-    from soup_cli.utils.paths import is_under
-
-    return layer_shard._resolve_cache_root(None, is_under)
-
-
-def check_cache_dir_bounds(cache_dir: str) -> None:
-    """Refuse a --cache-dir that Soup would silently ignore (it writes to ~/.soup then)."""
-    candidate = os.path.realpath(os.path.expanduser(cache_dir))
-    bounds = [os.path.realpath(os.path.expanduser("~")), os.path.realpath(os.getcwd()),
-              os.path.realpath(tempfile.gettempdir())]
-    if not any(candidate == b or candidate.startswith(b.rstrip(os.sep) + os.sep) for b in bounds):
-        raise UsageError(
-            f"--cache-dir {cache_dir} is outside $HOME, the working directory and the temp "
-            "dir; Soup would ignore it and write its shard cache to ~/.soup instead")
-
-
-# ---------------------------------------------------------------------------
 # Building the models: architecture-exact checkpoints, no download
 # ---------------------------------------------------------------------------
 
@@ -428,6 +329,93 @@ def synthetic_checkpoint(shape: Shape, root: Path) -> tuple[Path, float]:
 
 
 # ---------------------------------------------------------------------------
+# --model: derive the grid's figures from any streamable config
+# ---------------------------------------------------------------------------
+
+
+def derive_shape(config: Any, name: str, key: str = "custom") -> Shape:
+    """pool, extras, adapter and dims from a config, by the grid's conventions.
+
+    Built on a meta skeleton (no weights allocated): a decoder layer in bf16 is
+    half the pool; extras are every other unique parameter (a tied head counted
+    once); the adapter is the grid's count for LoRA r=8 on q_proj and v_proj.
+    """
+    import torch
+    from soup_cli.utils.layer_stream import SUPPORTED_STREAM_ARCHS
+    from transformers import AutoModelForCausalLM
+
+    model_type = getattr(config, "model_type", "")
+    if model_type not in SUPPORTED_STREAM_ARCHS:
+        raise UsageError(f"{name}: architecture {model_type!r} cannot be layer-streamed by "
+                         f"Soup (it streams {', '.join(SUPPORTED_STREAM_ARCHS)})")
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    layers = None
+    for mod in model.modules():
+        if isinstance(mod, torch.nn.ModuleList) and len(mod) == config.num_hidden_layers:
+            layers = mod
+            break
+    if layers is None:
+        raise UsageError(f"{name}: could not find its {config.num_hidden_layers} decoder layers")
+    layer_params = sum(p.numel() for p in layers[0].parameters())
+    layer_ids = {id(p) for p in layers.parameters()}
+    seen: set[int] = set()
+    extras = 0
+    for p in model.parameters():  # parameters() yields a tied weight once
+        if id(p) in layer_ids or id(p) in seen:
+            continue
+        seen.add(id(p))
+        extras += p.numel() * 2
+    adapter = 0
+    for mname, mod in layers.named_modules():
+        if mname.split(".")[-1] in LORA_TARGETS and isinstance(mod, torch.nn.Linear):
+            adapter += LORA_R * (mod.in_features + mod.out_features)
+    adapter *= GRID_ADAPTER_FACTOR
+    rope = getattr(config, "rope_parameters", None) or {}
+    return Shape(
+        key=key, name=name, hub_id=name, model_type=model_type, pool=2 * layer_params * 2,
+        extras=extras, adapter=adapter, vocab=int(config.vocab_size),
+        hidden=int(config.hidden_size), intermediate=int(config.intermediate_size),
+        n_layers=int(config.num_hidden_layers), heads=int(config.num_attention_heads),
+        kv_heads=int(getattr(config, "num_key_value_heads", config.num_attention_heads)),
+        max_positions=int(getattr(config, "max_position_embeddings", 0) or 0),
+        rope_theta=float(rope.get("rope_theta", getattr(config, "rope_theta", 0.0)) or 0.0),
+        rms_eps=float(getattr(config, "rms_norm_eps", 0.0) or 0.0),
+        qkv_bias=bool(getattr(config, "attention_bias", model_type == "qwen2")), record=False,
+    )
+
+
+def load_custom_shape(model: str) -> Shape:
+    """Read --model's config (a local checkpoint or a hub id); refuse what cannot stream."""
+    from transformers import AutoConfig
+
+    path = Path(model)
+    if path.exists():
+        if not path.is_dir() or not (path / "config.json").is_file():
+            raise UsageError(f"--model {model}: not a checkpoint folder (no config.json)")
+        if not any(path.glob("*.safetensors")):
+            raise UsageError(f"--model {model}: no .safetensors weights in it; Soup streams "
+                             "safetensors checkpoints only")
+    from transformers.utils import logging as hf_logging
+
+    import logging
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # a config's warnings are not this tool's one line
+    hub_logger = logging.getLogger("huggingface_hub")
+    hub_level = hub_logger.level
+    hub_logger.setLevel(logging.ERROR)  # its retry warnings neither
+    try:
+        config = AutoConfig.from_pretrained(model)
+    except Exception as exc:
+        raise UsageError(f"--model {model}: cannot read its config ({last_line(exc)})") from None
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        hub_logger.setLevel(hub_level)
+    return derive_shape(config, name=model)
+
+
+# ---------------------------------------------------------------------------
 # The prediction and the derived columns (computed by Soup's own functions)
 # ---------------------------------------------------------------------------
 
@@ -470,6 +458,105 @@ def derived_columns(shape: Shape, seq: int, batch: int, predicted: int,
         out["nonlogits_overestimate"] = nonlogits / denom if denom > 0 else None
         out["retained_copy_would_fit"] = logits14 <= real_peak
     return out
+
+
+# ---------------------------------------------------------------------------
+# Scratch: everything the tool writes outside its outputs lives here
+# ---------------------------------------------------------------------------
+
+
+class Scratch:
+    """One folder for data, Soup output, shards and checkpoints; removed at exit.
+
+    Soup's shard cache goes here through ``SOUP_LAYER_STREAM_CACHE_DIR`` (or under
+    ``--cache-dir``). Soup silently ignores that variable outside ``$HOME``, the
+    working directory and ``$TMPDIR``, so the root Soup really resolves is
+    checked, not assumed: a shard cache that escaped to ``~/.soup`` would
+    outlive the run.
+    """
+
+    _ENV = ("SOUP_LAYER_STREAM_CACHE_DIR", "SOUP_AUDIT_LOG_PATH", "HF_HOME",
+            "HF_DATASETS_CACHE", "XDG_CACHE_HOME", "TRITON_CACHE_DIR",
+            "TORCHINDUCTOR_CACHE_DIR", "MPLCONFIGDIR", "HF_HUB_ETAG_TIMEOUT",
+            "HF_HUB_DOWNLOAD_TIMEOUT")
+
+    def __init__(self, cache_dir: Optional[str] = None):
+        self.cache_dir = Path(cache_dir).resolve() if cache_dir else None
+        self.root: Optional[Path] = None
+        self._saved_env: dict[str, Optional[str]] = {}
+
+    def __enter__(self) -> "Scratch":
+        self.root = Path(tempfile.mkdtemp(prefix="issue395-scratch-"))
+        base = self.cache_dir if self.cache_dir else self.root
+        self.shard_root = base / "layer-stream"
+        self.shard_root.mkdir(parents=True, exist_ok=True)
+        env = {
+            "SOUP_LAYER_STREAM_CACHE_DIR": str(self.shard_root),
+            "SOUP_AUDIT_LOG_PATH": str(self.root / "soup-audit.jsonl"),
+            "HF_HOME": str(self.root / "hf"),
+            "HF_DATASETS_CACHE": str(self.root / "hf" / "datasets"),
+            "XDG_CACHE_HOME": str(self.root / "xdg"),
+            "TRITON_CACHE_DIR": str(self.root / "triton"),
+            "TORCHINDUCTOR_CACHE_DIR": str(self.root / "inductor"),
+            "MPLCONFIGDIR": str(self.root / "mpl"),
+            # An unreachable hub should fail fast, not retry for half a minute.
+            "HF_HUB_ETAG_TIMEOUT": os.environ.get("HF_HUB_ETAG_TIMEOUT", "10"),
+            "HF_HUB_DOWNLOAD_TIMEOUT": os.environ.get("HF_HUB_DOWNLOAD_TIMEOUT", "20"),
+        }
+        for key in self._ENV:
+            self._saved_env[key] = os.environ.get(key)
+        os.environ.update(env)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for key, value in self._saved_env.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        if self.root is not None:
+            shutil.rmtree(self.root, ignore_errors=True)
+
+    def verify_shard_root(self) -> None:
+        """Fail loudly if Soup would put its shard cache anywhere but here."""
+        real = os.path.realpath(soup_shard_root())
+        if real != os.path.realpath(self.shard_root):
+            raise UsageError(
+                f"Soup would write its layer-stream shard cache to {real}, not "
+                f"{self.shard_root}: --cache-dir must lie under $HOME, the working "
+                "directory or the temp dir")
+
+    def path(self, *parts: str) -> Path:
+        assert self.root is not None
+        p = self.root.joinpath(*parts)
+        p.mkdir(parents=True, exist_ok=True)
+        return p
+
+    def checkpoint_root(self) -> Path:
+        if self.cache_dir:
+            p = self.cache_dir / "checkpoints"
+            p.mkdir(parents=True, exist_ok=True)
+            return p
+        return self.path("checkpoints")
+
+
+def soup_shard_root() -> str:
+    """Where Soup will really put its shard cache, by Soup's own resolution."""
+    from soup_cli.utils import layer_shard
+    from soup_cli.utils.paths import is_under
+
+    return layer_shard._resolve_cache_root(None, is_under)
+
+
+def check_cache_dir_bounds(cache_dir: str) -> None:
+    """Refuse a --cache-dir that Soup would silently ignore (it writes to ~/.soup then)."""
+    candidate = os.path.realpath(os.path.expanduser(cache_dir))
+    bounds = [os.path.realpath(os.path.expanduser("~")), os.path.realpath(os.getcwd()),
+              os.path.realpath(tempfile.gettempdir())]
+    if not any(candidate == b or candidate.startswith(b.rstrip(os.sep) + os.sep) for b in bounds):
+        raise UsageError(
+            f"--cache-dir {cache_dir} is outside $HOME, the working directory and the temp "
+            "dir; Soup would ignore it and write its shard cache to ~/.soup instead")
 
 
 # ---------------------------------------------------------------------------
@@ -972,90 +1059,458 @@ def positive_control(without: dict[str, Any], with_copy: dict[str, Any]) -> dict
 
 
 # ---------------------------------------------------------------------------
-# --model: derive the grid's figures from any streamable config
+# Running the arms: in process, isolated, across GPUs, and repeated
 # ---------------------------------------------------------------------------
 
 
-def derive_shape(config: Any, name: str, key: str = "custom") -> Shape:
-    """pool, extras, adapter and dims from a config, by the grid's conventions.
+@dataclass
+class Options:
+    """What every arm needs to know, in-process or in a worker."""
 
-    Built on a meta skeleton (no weights allocated): a decoder layer in bf16 is
-    half the pool; extras are every other unique parameter (a tied head counted
-    once); the adapter is the grid's count for LoRA r=8 on q_proj and v_proj.
+    weights: str = "synthetic"
+    dry_run: bool = False
+    verbose: bool = False
+    snapshot: bool = False
+    snapshot_dir: Optional[str] = None
+    log_dir: Optional[str] = None
+    cache_dir: Optional[str] = None
+
+
+class Stop:
+    """Ctrl-C stops after the arm in flight; a second Ctrl-C, or SIGTERM, stops now.
+
+    Stopping now raises KeyboardInterrupt, so the scratch folder is still removed
+    and the rows measured so far are still printed and saved.
     """
-    import torch
-    from soup_cli.utils.layer_stream import SUPPORTED_STREAM_ARCHS
-    from transformers import AutoModelForCausalLM
 
-    model_type = getattr(config, "model_type", "")
-    if model_type not in SUPPORTED_STREAM_ARCHS:
-        raise UsageError(f"{name}: architecture {model_type!r} cannot be layer-streamed by "
-                         f"Soup (it streams {', '.join(SUPPORTED_STREAM_ARCHS)})")
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    layers = None
-    for mod in model.modules():
-        if isinstance(mod, torch.nn.ModuleList) and len(mod) == config.num_hidden_layers:
-            layers = mod
+    requested = False
+
+    @classmethod
+    def install(cls, quiet: bool = False) -> None:
+        def on_int(signum: int, frame: Any) -> None:
+            if cls.requested:
+                raise KeyboardInterrupt
+            cls.requested = True
+            if quiet:  # a worker: the parent has said it
+                return
+            # sys.stderr may be an arm's Soup log right now; the user must see this.
+            print("\ninterrupt: stopping after the arm in flight (Ctrl-C again to stop now)",
+                  file=sys.__stderr__, flush=True)
+
+        def on_term(signum: int, frame: Any) -> None:
+            cls.requested = True
+            raise KeyboardInterrupt
+
+        try:
+            signal.signal(signal.SIGINT, on_int)
+            signal.signal(signal.SIGTERM, on_term)
+        except ValueError:  # not the main thread
+            pass
+
+
+class Progress:
+    """One line per finished arm on stderr: i/n, model, seq, elapsed, time left."""
+
+    def __init__(self, total: int, started: Optional[float] = None):
+        self.total = max(total, 1)
+        self.started = started or time.perf_counter()
+        self.done = 0
+
+    def arm(self, row: dict[str, Any]) -> None:
+        self.done += 1
+        elapsed = time.perf_counter() - self.started
+        left = elapsed / self.done * (self.total - self.done)
+        peak = f"{row['real_peak'] / GB:.4f} GB" if row.get("real_peak") else "no peak"
+        print(f"[arm {self.done}/{self.total}] {row['model']} seq {row['seq']} "
+              f"batch {row['batch']}: {row['status']}, {peak}; elapsed {elapsed:.1f} s, "
+              f"~{left:.0f} s left", file=sys.stderr, flush=True)
+
+
+def plan_arms(models: list[str], seqs: Optional[list[int]], batches: list[int]) -> list[Arm]:
+    """Grid order: model, then seq, then batch (the record's order)."""
+    arms = []
+    for model in models:
+        for seq in (seqs or list(RECORD_GRID.get(model, ()))):
+            for batch in batches:
+                arms.append(Arm(model=model, seq=seq, batch=batch, index=len(arms)))
+    return arms
+
+
+def schedule(arms: list[Arm], gpus: list[int]) -> dict[int, list[Arm]]:
+    """Deal arms to GPUs, costliest first, to the least-loaded GPU; ties to the lower id.
+
+    The cost is Soup's own prediction (it tracks the step's size); output order
+    never depends on this: rows are merged back in grid order.
+    """
+    queues: dict[int, list[Arm]] = {g: [] for g in gpus}
+    load = {g: 0 for g in gpus}
+    cost = {a.index: predicted_bytes(SHAPES[a.model], a.seq, a.batch) if a.model in SHAPES
+            else a.seq * a.batch for a in arms}
+    for a in sorted(arms, key=lambda a: (-cost[a.index], a.index)):
+        g = min(gpus, key=lambda g: (load[g], gpus.index(g)))
+        queues[g].append(a)
+        load[g] += cost[a.index]
+    for g in gpus:
+        queues[g].sort(key=lambda a: a.index)
+    return queues
+
+
+def merge_rows(rows: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    return sorted(rows, key=lambda r: (r["index"], r.get("repeat", 0)))
+
+
+class RowSink:
+    """Rows are appended as they finish (JSON lines beside --json), so nothing is lost."""
+
+    def __init__(self, json_path: Optional[str]):
+        self.path = Path(json_path + ".rows.jsonl") if json_path else None
+        if self.path:
+            self.path.unlink(missing_ok=True)  # created by the first finished row
+
+    def add(self, row: dict[str, Any]) -> None:
+        if self.path:
+            with open(self.path, "a", encoding="utf-8") as fh:
+                fh.write(json.dumps(public_row(row)) + "\n")
+
+    def finish(self) -> None:
+        if self.path:
+            self.path.unlink(missing_ok=True)
+
+
+def public_row(row: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in row.items() if not k.startswith("_")}
+
+
+def measured_row(arm: Arm, shape: Shape, base: str, build_s: float, scratch: Scratch,
+                 opts: Options, device: str) -> dict[str, Any]:
+    """run_arm, plus the snapshot's attribution (the raw snapshot is kept only on request)."""
+    row = run_arm(arm, shape, base, scratch, device=device, dry_run=opts.dry_run,
+                  weights=opts.weights, build_s=build_s, snapshot=opts.snapshot,
+                  verbose=opts.verbose, log_dir=Path(opts.log_dir) if opts.log_dir else None)
+    snap = row.pop("_snapshot", None)
+    if snap is not None:
+        row["attribution"] = attribute_peak(snap, row["resident_before_step"] or 0,
+                                            row["elements"], row["real_peak"])
+        if opts.snapshot_dir:
+            import pickle
+
+            out = Path(opts.snapshot_dir) / f"snapshot-{arm.model}-{arm.seq}-b{arm.batch}.pickle"
+            with open(out, "wb") as fh:
+                pickle.dump(snap, fh)
+            row["snapshot_file"] = str(out)
+    if device.startswith("cuda"):
+        import torch
+
+        row["gpu"] = f"{os.environ.get('CUDA_VISIBLE_DEVICES', '0')}: {torch.cuda.get_device_name(0)}"
+    return row
+
+
+def cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def arm_device(opts: Options) -> str:
+    """Where Soup builds the streamed model: CPU for a dry run, else the GPU."""
+    return "cpu" if opts.dry_run else "cuda"
+
+
+def run_in_process(arms: list[Arm], shapes: dict[str, Shape], bases: dict[str, tuple[str, float]],
+                   scratch: Scratch, opts: Options, on_row: Callable[[dict[str, Any]], None],
+                   repeat: int = 0) -> None:
+    device = arm_device(opts)
+    built: set[str] = set()
+    for arm in arms:
+        if Stop.requested:
             break
-    if layers is None:
-        raise UsageError(f"{name}: could not find its {config.num_hidden_layers} decoder layers")
-    layer_params = sum(p.numel() for p in layers[0].parameters())
-    layer_ids = {id(p) for p in layers.parameters()}
-    seen: set[int] = set()
-    extras = 0
-    for p in model.parameters():  # parameters() yields a tied weight once
-        if id(p) in layer_ids or id(p) in seen:
-            continue
-        seen.add(id(p))
-        extras += p.numel() * 2
-    adapter = 0
-    for mname, mod in layers.named_modules():
-        if mname.split(".")[-1] in LORA_TARGETS and isinstance(mod, torch.nn.Linear):
-            adapter += LORA_R * (mod.in_features + mod.out_features)
-    adapter *= GRID_ADAPTER_FACTOR
-    rope = getattr(config, "rope_parameters", None) or {}
-    return Shape(
-        key=key, name=name, hub_id=name, model_type=model_type, pool=2 * layer_params * 2,
-        extras=extras, adapter=adapter, vocab=int(config.vocab_size),
-        hidden=int(config.hidden_size), intermediate=int(config.intermediate_size),
-        n_layers=int(config.num_hidden_layers), heads=int(config.num_attention_heads),
-        kv_heads=int(getattr(config, "num_key_value_heads", config.num_attention_heads)),
-        max_positions=int(getattr(config, "max_position_embeddings", 0) or 0),
-        rope_theta=float(rope.get("rope_theta", getattr(config, "rope_theta", 0.0)) or 0.0),
-        rms_eps=float(getattr(config, "rms_norm_eps", 0.0) or 0.0),
-        qkv_bias=bool(getattr(config, "attention_bias", model_type == "qwen2")), record=False,
+        base, build_s = bases[arm.model]
+        row = measured_row(arm, shapes[arm.model], base, 0.0 if arm.model in built else build_s,
+                           scratch, opts, device)
+        built.add(arm.model)
+        row["repeat"] = repeat
+        on_row(row)
+
+
+def worker_main(spec_path: str) -> int:
+    """A fresh process: run the arms in the spec, append each row to its out file."""
+    spec = json.loads(Path(spec_path).read_text())
+    Stop.install(quiet=True)
+    opts = Options(**spec["options"])
+    shapes = {k: Shape(**v) for k, v in spec["shapes"].items()}
+    bases = {k: (v[0], v[1]) for k, v in spec["bases"].items()}
+    arms = [Arm(**a) for a in spec["arms"]]
+    scratch = Scratch()
+    scratch.root = Path(spec["scratch_root"])  # borrowed: the parent removes it
+    scratch.shard_root = Path(os.environ["SOUP_LAYER_STREAM_CACHE_DIR"])
+    out = Path(spec["out"])
+
+    def on_row(row: dict[str, Any]) -> None:
+        with open(out, "a", encoding="utf-8") as fh:
+            fh.write(json.dumps(public_row(row)) + "\n")
+
+    try:
+        run_in_process(arms, shapes, bases, scratch, opts, on_row, repeat=spec.get("repeat", 0))
+    except KeyboardInterrupt:  # "stop now": the arm in flight is dropped, quietly
+        return EXIT_INTERRUPTED
+    return EXIT_INTERRUPTED if Stop.requested else EXIT_OK
+
+
+def lost_row(arm: Arm, shape: Shape, opts: Options, base: str, repeat: int,
+             code: Optional[int]) -> dict[str, Any]:
+    """A FAILED row for an arm whose worker process died before reporting it."""
+    row = new_row(arm, shape, base=base, weights=opts.weights, dry_run=opts.dry_run)
+    row.update(error_kind="FAILED", pid=None, repeat=repeat,
+               error=f"worker process exited with code {code} before this arm reported")
+    return finish_row(row, shape)
+
+
+def complete_lines(path: Path) -> list[str]:
+    """Lines a worker has finished writing; a line still being written is left for later."""
+    text = path.read_text(encoding="utf-8")
+    return text.split("\n")[:-1]
+
+
+def visible_gpu(ordinal: int) -> str:
+    """--gpus counts the GPUs this process sees; a worker needs the id behind it."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible:
+        ids = [v.strip() for v in visible.split(",") if v.strip()]
+        if ordinal < len(ids):
+            return ids[ordinal]
+    return str(ordinal)
+
+
+def run_workers(jobs: list[tuple[Optional[int], list[Arm], int]], shapes: dict[str, Shape],
+                bases: dict[str, tuple[str, float]], scratch: Scratch, opts: Options,
+                on_row: Callable[[dict[str, Any]], None]) -> None:
+    """Each job is (gpu or None, arms, repeat) in its own fresh process.
+
+    Jobs for different GPUs run at once; jobs for the same GPU run one after
+    another. Rows are read back as each worker appends them. A worker that dies
+    leaves a FAILED row for every arm it did not report, never a silent gap.
+    Workers run in their own session, so a terminal's Ctrl-C reaches this
+    process alone and is passed on once ("stop after the arm in flight"); a
+    second one, or an error here, stops them now and keeps what they wrote.
+    """
+    lanes: dict[Optional[int], list[tuple[list[Arm], int]]] = {}
+    for gpu, arms, repeat in jobs:
+        lanes.setdefault(gpu, []).append((arms, repeat))
+    running: dict[Optional[int], dict[str, Any]] = {}
+    counter = 0
+    forwarded = False
+
+    def launch(g: Optional[int]) -> None:
+        nonlocal counter
+        arms, repeat = lanes[g].pop(0)
+        counter += 1
+        work = scratch.path("workers", f"{counter:04d}")
+        out = work / "rows.jsonl"
+        out.write_text("")
+        spec = {"options": asdict(opts), "shapes": {k: asdict(v) for k, v in shapes.items()},
+                "bases": bases, "arms": [asdict(a) for a in arms], "repeat": repeat,
+                "scratch_root": str(scratch.root), "out": str(out)}
+        (work / "spec.json").write_text(json.dumps(spec))
+        env = dict(os.environ)
+        if g is not None:
+            env["CUDA_VISIBLE_DEVICES"] = visible_gpu(g)
+            # One shard cache per GPU lane: two lanes sharding one model at once would race.
+            env["SOUP_LAYER_STREAM_CACHE_DIR"] = str(Path(scratch.shard_root) / f"gpu{g}")
+            Path(env["SOUP_LAYER_STREAM_CACHE_DIR"]).mkdir(parents=True, exist_ok=True)
+        proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--_worker",
+                                 str(work / "spec.json")], env=env, start_new_session=True)
+        running[g] = {"proc": proc, "out": out, "seen": 0, "arms": arms, "repeat": repeat,
+                      "reported": set()}
+
+    def drain(g: Optional[int]) -> None:
+        entry = running[g]
+        lines = complete_lines(entry["out"])
+        for line in lines[entry["seen"]:]:
+            row = json.loads(line)
+            entry["reported"].add(row["index"])
+            on_row(row)
+        entry["seen"] = len(lines)
+
+    def settle(g: Optional[int]) -> None:
+        """A worker has exited: its last rows, then a FAILED row for each lost arm."""
+        drain(g)
+        entry = running.pop(g)
+        code = entry["proc"].returncode
+        if Stop.requested:  # arms it skipped on request were not lost
+            return
+        for arm in entry["arms"]:
+            if arm.index not in entry["reported"]:
+                on_row(lost_row(arm, shapes[arm.model], opts, bases[arm.model][0],
+                                entry["repeat"], code))
+
+    try:
+        for g in lanes:
+            if lanes[g]:
+                launch(g)
+        while running:
+            time.sleep(0.2)
+            if Stop.requested and not forwarded:
+                forwarded = True
+                for entry in running.values():
+                    entry["proc"].send_signal(signal.SIGINT)
+            for g in list(running):
+                drain(g)
+                if running[g]["proc"].poll() is not None:
+                    settle(g)
+                    if lanes[g] and not Stop.requested:
+                        launch(g)
+    finally:
+        for entry in running.values():  # only after a second Ctrl-C or an error here
+            if entry["proc"].poll() is None:
+                entry["proc"].send_signal(signal.SIGINT if forwarded else signal.SIGTERM)
+        for g in list(running):
+            try:
+                running[g]["proc"].wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                running[g]["proc"].kill()
+                running[g]["proc"].wait()
+            drain(g)
+            running.pop(g)
+
+
+def resolve_bases(keys: list[str], shapes: dict[str, Shape], opts: Options, scratch: Scratch,
+                  custom: Optional[str]) -> dict[str, tuple[str, float]]:
+    """Where each model's checkpoint comes from: built here, or the hub, or --model."""
+    bases: dict[str, tuple[str, float]] = {}
+    for key in keys:
+        if key == "custom":
+            assert custom is not None
+            bases[key] = (str(Path(custom).resolve()) if Path(custom).exists()
+                          else hub_snapshot(custom, scratch), 0.0)
+        elif opts.weights == "hub":
+            bases[key] = (hub_snapshot(shapes[key].hub_id, scratch), 0.0)
+        else:
+            path, build_s = synthetic_checkpoint(shapes[key], scratch.checkpoint_root())
+            bases[key] = (str(path), build_s)
+    return bases
+
+
+def hub_snapshot(repo_id: str, scratch: Scratch) -> str:
+    """Fetch a hub checkpoint into scratch (or --cache-dir), so Soup reads a local folder.
+
+    Soup's own hub path would cache the weights under ~/.soup, outside scratch.
+    """
+    from huggingface_hub import snapshot_download
+
+    root = (scratch.cache_dir / "hub") if scratch.cache_dir else scratch.path("hub")
+    dest = root / repo_id.replace("/", "--")
+    try:
+        return snapshot_download(repo_id, local_dir=str(dest), etag_timeout=10,
+                                 allow_patterns=["*.safetensors", "*.json", "*.txt", "*.model",
+                                                 "*.jinja"])
+    except Exception as exc:
+        raise UsageError(f"--weights hub: cannot fetch {repo_id} from the hub ({last_line(exc)}); "
+                         "--weights synthetic builds the same shapes with no network") from None
+
+
+# ---------------------------------------------------------------------------
+# The modes
+# ---------------------------------------------------------------------------
+
+
+def measure_mode(dry_run: bool) -> dict[str, Any]:
+    """The shipped constants, Soup's probe three times with the spread, then by vocab."""
+    from soup_cli.utils.layer_stream import (
+        LOGITS_BYTES_PER_ELEMENT,
+        LOGITS_LOSS_BYTES_PER_ELEMENT,
+        measure_logits_loss_bytes_per_element,
     )
 
+    constants = {"LOGITS_BYTES_PER_ELEMENT": LOGITS_BYTES_PER_ELEMENT,
+                 "LOGITS_LOSS_BYTES_PER_ELEMENT": LOGITS_LOSS_BYTES_PER_ELEMENT}
 
-def load_custom_shape(model: str) -> Shape:
-    """Read --model's config (a local checkpoint or a hub id); refuse what cannot stream."""
-    from transformers import AutoConfig
+    def probe(**kw: Any) -> Any:
+        if dry_run:
+            return "n/a (dry run)"
+        v = measure_logits_loss_bytes_per_element(**kw)
+        return "n/a (probe failed)" if v is None else float(v)
 
-    path = Path(model)
-    if path.exists():
-        if not path.is_dir() or not (path / "config.json").is_file():
-            raise UsageError(f"--model {model}: not a checkpoint folder (no config.json)")
-        if not any(path.glob("*.safetensors")):
-            raise UsageError(f"--model {model}: no .safetensors weights in it; Soup streams "
-                             "safetensors checkpoints only")
-    from transformers.utils import logging as hf_logging
+    repeats = [probe() for _ in range(3)]
+    nums = [v for v in repeats if not isinstance(v, str)]
+    spread: Any = (max(nums) - min(nums)) if len(nums) == 3 else "-"
+    by_vocab = {v: probe(vocab_size=v) for v in MEASURE_VOCABS}
+    return {"constants": constants, "repeats": repeats, "spread": spread, "by_vocab": by_vocab}
 
-    import logging
 
-    verbosity = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()  # a config's warnings are not this tool's one line
-    hub_logger = logging.getLogger("huggingface_hub")
-    hub_level = hub_logger.level
-    hub_logger.setLevel(logging.ERROR)  # its retry warnings neither
+def sdpa_extra_mb(seq: int, backend: str) -> Any:
+    """Extra allocation of one causal self-attention over its inputs, in MB (1e6 bytes)."""
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    kinds = {"flash": SDPBackend.FLASH_ATTENTION, "mem_efficient": SDPBackend.EFFICIENT_ATTENTION,
+             "math": SDPBackend.MATH}
+    q = torch.randn(1, SDPA_HEADS, seq, SDPA_HEAD_DIM, device="cuda", dtype=torch.bfloat16)
     try:
-        config = AutoConfig.from_pretrained(model)
-    except Exception as exc:
-        raise UsageError(f"--model {model}: cannot read its config ({last_line(exc)})") from None
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        ctx = sdpa_kernel(kinds[backend]) if backend in kinds else contextlib.nullcontext()
+        with ctx:
+            out = F.scaled_dot_product_attention(q, q, q, is_causal=True)
+        torch.cuda.synchronize()
+        extra = (torch.cuda.max_memory_allocated() - base) / 1e6
+        del out
+        return round(extra, 1)
+    except Exception as exc:  # a backend that raises is data, not a crash
+        return f"n/a ({type(exc).__name__})"
     finally:
-        hf_logging.set_verbosity(verbosity)
-        hub_logger.setLevel(hub_level)
-    return derive_shape(config, name=model)
+        del q
+        torch.cuda.empty_cache()
+
+
+def sdpa_mode(dry_run: bool, seqs: Iterable[int] = SDPA_SEQS) -> dict[str, Any]:
+    """Each backend once, untimed, first: a first call also allocates library
+    workspace (cuBLAS for the math path), which is not the attention's own cost."""
+    seqs = list(seqs)
+    extra: dict[str, list[Any]] = {}
+    if not dry_run:
+        for backend in SDPA_BACKENDS:
+            sdpa_extra_mb(min(seqs), backend)
+    for backend in SDPA_BACKENDS:
+        extra[backend] = ["n/a (dry run)" if dry_run else sdpa_extra_mb(q, backend) for q in seqs]
+    return {"seqs": seqs, "extra_mb": extra}
+
+
+def determinism_mode(plan: dict[str, Any], args: argparse.Namespace, shapes: dict[str, Shape],
+                     scratch: Scratch, opts: Options, sink: Optional["RowSink"] = None
+                     ) -> dict[str, Any]:
+    """Each chosen arm, N times, each time in a fresh process."""
+    repeats = plan["repeats"] or 2
+    if args.models or args.seq or args.model or plan["batches"] != [1]:
+        arms = plan_arms(plan["models"], plan["seqs"], plan["batches"])
+    else:
+        arms = [Arm("smol", 4096, 1, 0), Arm("smol", 6144, 1, 1)]
+    bases = resolve_bases(sorted({a.model for a in arms}), shapes, opts, scratch, args.model)
+    collected: list[dict[str, Any]] = []
+    progress = Progress(len(arms) * repeats)
+    jobs = [(plan["gpus"][0] if plan["gpus"] else None, [a], rep)
+            for rep in range(repeats) for a in arms]
+
+    def on_row(row: dict[str, Any]) -> None:
+        collected.append(row)
+        if sink is not None:
+            sink.add(dict(row, mode="determinism"))
+        progress.arm(row)
+
+    run_workers(jobs, shapes, bases, scratch, opts, on_row)
+    out = []
+    for a in arms:
+        mine = sorted((r for r in collected if r["index"] == a.index), key=lambda r: r["repeat"])
+        peaks = [r.get("real_peak") for r in mine]
+        nums = [p for p in peaks if p]
+        spread = (max(nums) - min(nums)) / min(nums) * 100 if len(nums) >= 2 else None
+        out.append({"model": shapes[a.model].name, "model_key": a.model, "seq": a.seq,
+                    "batch": a.batch, "peaks": peaks, "pids": [r["pid"] for r in mine],
+                    "statuses": [r["status"] for r in mine],
+                    "spread_pct": spread, "rows": [public_row(r) for r in mine]})
+    return {"repeats": repeats, "arms": out}
 
 
 # ---------------------------------------------------------------------------
@@ -1306,424 +1761,6 @@ def compare_table(a: dict[str, Any], b: dict[str, Any]) -> str:
         out.append(f"  {r['model']:>13}  {r['seq']:>5}  {r['batch']:>5}  {gb(r['real_peak']):>9}  "
                    f"{gb(o['real_peak']):>9}  {d:>12}  {d / r['real_peak']:>8.3%}")
     return "\n".join(out)
-
-
-# ---------------------------------------------------------------------------
-# The modes
-# ---------------------------------------------------------------------------
-
-
-def measure_mode(dry_run: bool) -> dict[str, Any]:
-    """The shipped constants, Soup's probe three times with the spread, then by vocab."""
-    from soup_cli.utils.layer_stream import (
-        LOGITS_BYTES_PER_ELEMENT,
-        LOGITS_LOSS_BYTES_PER_ELEMENT,
-        measure_logits_loss_bytes_per_element,
-    )
-
-    constants = {"LOGITS_BYTES_PER_ELEMENT": LOGITS_BYTES_PER_ELEMENT,
-                 "LOGITS_LOSS_BYTES_PER_ELEMENT": LOGITS_LOSS_BYTES_PER_ELEMENT}
-
-    def probe(**kw: Any) -> Any:
-        if dry_run:
-            return "n/a (dry run)"
-        v = measure_logits_loss_bytes_per_element(**kw)
-        return "n/a (probe failed)" if v is None else float(v)
-
-    repeats = [probe() for _ in range(3)]
-    nums = [v for v in repeats if not isinstance(v, str)]
-    spread: Any = (max(nums) - min(nums)) if len(nums) == 3 else "-"
-    by_vocab = {v: probe(vocab_size=v) for v in MEASURE_VOCABS}
-    return {"constants": constants, "repeats": repeats, "spread": spread, "by_vocab": by_vocab}
-
-
-def sdpa_extra_mb(seq: int, backend: str) -> Any:
-    """Extra allocation of one causal self-attention over its inputs, in MB (1e6 bytes)."""
-    import torch
-    import torch.nn.functional as F
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    kinds = {"flash": SDPBackend.FLASH_ATTENTION, "mem_efficient": SDPBackend.EFFICIENT_ATTENTION,
-             "math": SDPBackend.MATH}
-    q = torch.randn(1, SDPA_HEADS, seq, SDPA_HEAD_DIM, device="cuda", dtype=torch.bfloat16)
-    try:
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        ctx = sdpa_kernel(kinds[backend]) if backend in kinds else contextlib.nullcontext()
-        with ctx:
-            out = F.scaled_dot_product_attention(q, q, q, is_causal=True)
-        torch.cuda.synchronize()
-        extra = (torch.cuda.max_memory_allocated() - base) / 1e6
-        del out
-        return round(extra, 1)
-    except Exception as exc:  # a backend that raises is data, not a crash
-        return f"n/a ({type(exc).__name__})"
-    finally:
-        del q
-        torch.cuda.empty_cache()
-
-
-def sdpa_mode(dry_run: bool, seqs: Iterable[int] = SDPA_SEQS) -> dict[str, Any]:
-    """Each backend once, untimed, first: a first call also allocates library
-    workspace (cuBLAS for the math path), which is not the attention's own cost."""
-    seqs = list(seqs)
-    extra: dict[str, list[Any]] = {}
-    if not dry_run:
-        for backend in SDPA_BACKENDS:
-            sdpa_extra_mb(min(seqs), backend)
-    for backend in SDPA_BACKENDS:
-        extra[backend] = ["n/a (dry run)" if dry_run else sdpa_extra_mb(q, backend) for q in seqs]
-    return {"seqs": seqs, "extra_mb": extra}
-
-
-# ---------------------------------------------------------------------------
-# Running the arms: in process, isolated, across GPUs, and repeated
-# ---------------------------------------------------------------------------
-
-
-@dataclass
-class Options:
-    """What every arm needs to know, in-process or in a worker."""
-
-    weights: str = "synthetic"
-    dry_run: bool = False
-    verbose: bool = False
-    snapshot: bool = False
-    snapshot_dir: Optional[str] = None
-    log_dir: Optional[str] = None
-    cache_dir: Optional[str] = None
-
-
-class Stop:
-    """Ctrl-C stops after the arm in flight; a second Ctrl-C, or SIGTERM, stops now.
-
-    Stopping now raises KeyboardInterrupt, so the scratch folder is still removed
-    and the rows measured so far are still printed and saved.
-    """
-
-    requested = False
-
-    @classmethod
-    def install(cls) -> None:
-        def on_int(signum: int, frame: Any) -> None:
-            if cls.requested:
-                raise KeyboardInterrupt
-            cls.requested = True
-            # sys.stderr may be an arm's Soup log right now; the user must see this.
-            print("\ninterrupt: stopping after the arm in flight (Ctrl-C again to stop now)",
-                  file=sys.__stderr__, flush=True)
-
-        def on_term(signum: int, frame: Any) -> None:
-            cls.requested = True
-            raise KeyboardInterrupt
-
-        try:
-            signal.signal(signal.SIGINT, on_int)
-            signal.signal(signal.SIGTERM, on_term)
-        except ValueError:  # not the main thread
-            pass
-
-
-class Progress:
-    """One line per finished arm on stderr: i/n, model, seq, elapsed, time left."""
-
-    def __init__(self, total: int, started: Optional[float] = None):
-        self.total = max(total, 1)
-        self.started = started or time.perf_counter()
-        self.done = 0
-
-    def arm(self, row: dict[str, Any]) -> None:
-        self.done += 1
-        elapsed = time.perf_counter() - self.started
-        left = elapsed / self.done * (self.total - self.done)
-        peak = f"{row['real_peak'] / GB:.4f} GB" if row.get("real_peak") else "no peak"
-        print(f"[arm {self.done}/{self.total}] {row['model']} seq {row['seq']} "
-              f"batch {row['batch']}: {row['status']}, {peak}; elapsed {elapsed:.1f} s, "
-              f"~{left:.0f} s left", file=sys.stderr, flush=True)
-
-
-def plan_arms(models: list[str], seqs: Optional[list[int]], batches: list[int]) -> list[Arm]:
-    """Grid order: model, then seq, then batch (the record's order)."""
-    arms = []
-    for model in models:
-        for seq in (seqs or list(RECORD_GRID.get(model, ()))):
-            for batch in batches:
-                arms.append(Arm(model=model, seq=seq, batch=batch, index=len(arms)))
-    return arms
-
-
-def schedule(arms: list[Arm], gpus: list[int]) -> dict[int, list[Arm]]:
-    """Deal arms to GPUs, costliest first, to the least-loaded GPU; ties to the lower id.
-
-    The cost is Soup's own prediction (it tracks the step's size); output order
-    never depends on this: rows are merged back in grid order.
-    """
-    queues: dict[int, list[Arm]] = {g: [] for g in gpus}
-    load = {g: 0 for g in gpus}
-    cost = {a.index: predicted_bytes(SHAPES[a.model], a.seq, a.batch) if a.model in SHAPES
-            else a.seq * a.batch for a in arms}
-    for a in sorted(arms, key=lambda a: (-cost[a.index], a.index)):
-        g = min(gpus, key=lambda g: (load[g], gpus.index(g)))
-        queues[g].append(a)
-        load[g] += cost[a.index]
-    for g in gpus:
-        queues[g].sort(key=lambda a: a.index)
-    return queues
-
-
-def merge_rows(rows: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
-    return sorted(rows, key=lambda r: (r["index"], r.get("repeat", 0)))
-
-
-class RowSink:
-    """Rows are appended as they finish (JSON lines beside --json), so nothing is lost."""
-
-    def __init__(self, json_path: Optional[str]):
-        self.path = Path(json_path + ".rows.jsonl") if json_path else None
-        if self.path:
-            self.path.unlink(missing_ok=True)  # created by the first finished row
-
-    def add(self, row: dict[str, Any]) -> None:
-        if self.path:
-            with open(self.path, "a", encoding="utf-8") as fh:
-                fh.write(json.dumps(public_row(row)) + "\n")
-
-    def finish(self) -> None:
-        if self.path:
-            self.path.unlink(missing_ok=True)
-
-
-def public_row(row: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in row.items() if not k.startswith("_")}
-
-
-def measured_row(arm: Arm, shape: Shape, base: str, build_s: float, scratch: Scratch,
-                 opts: Options, device: str) -> dict[str, Any]:
-    """run_arm, plus the snapshot's attribution (the raw snapshot is kept only on request)."""
-    row = run_arm(arm, shape, base, scratch, device=device, dry_run=opts.dry_run,
-                  weights=opts.weights, build_s=build_s, snapshot=opts.snapshot,
-                  verbose=opts.verbose, log_dir=Path(opts.log_dir) if opts.log_dir else None)
-    snap = row.pop("_snapshot", None)
-    if snap is not None:
-        row["attribution"] = attribute_peak(snap, row["resident_before_step"] or 0,
-                                            row["elements"], row["real_peak"])
-        if opts.snapshot_dir:
-            import pickle
-
-            out = Path(opts.snapshot_dir) / f"snapshot-{arm.model}-{arm.seq}-b{arm.batch}.pickle"
-            with open(out, "wb") as fh:
-                pickle.dump(snap, fh)
-            row["snapshot_file"] = str(out)
-    if device.startswith("cuda"):
-        import torch
-
-        row["gpu"] = f"{os.environ.get('CUDA_VISIBLE_DEVICES', '0')}: {torch.cuda.get_device_name(0)}"
-    return row
-
-
-def cuda_available() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
-
-
-def arm_device(opts: Options) -> str:
-    """Where Soup builds the streamed model: CPU for a dry run, else the GPU."""
-    return "cpu" if opts.dry_run else "cuda"
-
-
-def run_in_process(arms: list[Arm], shapes: dict[str, Shape], bases: dict[str, tuple[str, float]],
-                   scratch: Scratch, opts: Options, on_row: Callable[[dict[str, Any]], None],
-                   repeat: int = 0) -> None:
-    device = arm_device(opts)
-    built: set[str] = set()
-    for arm in arms:
-        if Stop.requested:
-            break
-        base, build_s = bases[arm.model]
-        row = measured_row(arm, shapes[arm.model], base, 0.0 if arm.model in built else build_s,
-                           scratch, opts, device)
-        built.add(arm.model)
-        row["repeat"] = repeat
-        on_row(row)
-
-
-def worker_main(spec_path: str) -> int:
-    """A fresh process: run the arms in the spec, append each row to its out file."""
-    spec = json.loads(Path(spec_path).read_text())
-    Stop.install()
-    opts = Options(**spec["options"])
-    shapes = {k: Shape(**v) for k, v in spec["shapes"].items()}
-    bases = {k: (v[0], v[1]) for k, v in spec["bases"].items()}
-    arms = [Arm(**a) for a in spec["arms"]]
-    scratch = Scratch()
-    scratch.root = Path(spec["scratch_root"])  # borrowed: the parent removes it
-    scratch.shard_root = Path(os.environ["SOUP_LAYER_STREAM_CACHE_DIR"])
-    out = Path(spec["out"])
-
-    def on_row(row: dict[str, Any]) -> None:
-        with open(out, "a", encoding="utf-8") as fh:
-            fh.write(json.dumps(public_row(row)) + "\n")
-
-    try:
-        run_in_process(arms, shapes, bases, scratch, opts, on_row, repeat=spec.get("repeat", 0))
-    except KeyboardInterrupt:  # "stop now": the arm in flight is dropped, quietly
-        return EXIT_INTERRUPTED
-    return EXIT_INTERRUPTED if Stop.requested else EXIT_OK
-
-
-def lost_row(arm: Arm, shape: Shape, opts: Options, base: str, repeat: int,
-             code: Optional[int]) -> dict[str, Any]:
-    """A FAILED row for an arm whose worker process died before reporting it."""
-    row = new_row(arm, shape, base=base, weights=opts.weights, dry_run=opts.dry_run)
-    row.update(error_kind="FAILED", pid=None, repeat=repeat,
-               error=f"worker process exited with code {code} before this arm reported")
-    return finish_row(row, shape)
-
-
-def complete_lines(path: Path) -> list[str]:
-    """Lines a worker has finished writing; a line still being written is left for later."""
-    text = path.read_text(encoding="utf-8")
-    return text.split("\n")[:-1]
-
-
-def visible_gpu(ordinal: int) -> str:
-    """--gpus counts the GPUs this process sees; a worker needs the id behind it."""
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible:
-        ids = [v.strip() for v in visible.split(",") if v.strip()]
-        if ordinal < len(ids):
-            return ids[ordinal]
-    return str(ordinal)
-
-
-def run_workers(jobs: list[tuple[Optional[int], list[Arm], int]], shapes: dict[str, Shape],
-                bases: dict[str, tuple[str, float]], scratch: Scratch, opts: Options,
-                on_row: Callable[[dict[str, Any]], None]) -> None:
-    """Each job is (gpu or None, arms, repeat) in its own fresh process.
-
-    Jobs for different GPUs run at once; jobs for the same GPU run one after
-    another. Rows are read back as each worker appends them. A worker that dies
-    leaves a FAILED row for every arm it did not report, never a silent gap.
-    Workers run in their own session, so a terminal's Ctrl-C reaches this
-    process alone and is passed on once ("stop after the arm in flight"); a
-    second one, or an error here, stops them now and keeps what they wrote.
-    """
-    lanes: dict[Optional[int], list[tuple[list[Arm], int]]] = {}
-    for gpu, arms, repeat in jobs:
-        lanes.setdefault(gpu, []).append((arms, repeat))
-    running: dict[Optional[int], dict[str, Any]] = {}
-    counter = 0
-    forwarded = False
-
-    def launch(g: Optional[int]) -> None:
-        nonlocal counter
-        arms, repeat = lanes[g].pop(0)
-        counter += 1
-        work = scratch.path("workers", f"{counter:04d}")
-        out = work / "rows.jsonl"
-        out.write_text("")
-        spec = {"options": asdict(opts), "shapes": {k: asdict(v) for k, v in shapes.items()},
-                "bases": bases, "arms": [asdict(a) for a in arms], "repeat": repeat,
-                "scratch_root": str(scratch.root), "out": str(out)}
-        (work / "spec.json").write_text(json.dumps(spec))
-        env = dict(os.environ)
-        if g is not None:
-            env["CUDA_VISIBLE_DEVICES"] = visible_gpu(g)
-            # One shard cache per GPU lane: two lanes sharding one model at once would race.
-            env["SOUP_LAYER_STREAM_CACHE_DIR"] = str(Path(scratch.shard_root) / f"gpu{g}")
-            Path(env["SOUP_LAYER_STREAM_CACHE_DIR"]).mkdir(parents=True, exist_ok=True)
-        proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--_worker",
-                                 str(work / "spec.json")], env=env, start_new_session=True)
-        running[g] = {"proc": proc, "out": out, "seen": 0, "arms": arms, "repeat": repeat,
-                      "reported": set()}
-
-    def drain(g: Optional[int]) -> None:
-        entry = running[g]
-        lines = complete_lines(entry["out"])
-        for line in lines[entry["seen"]:]:
-            row = json.loads(line)
-            entry["reported"].add(row["index"])
-            on_row(row)
-        entry["seen"] = len(lines)
-
-    def settle(g: Optional[int]) -> None:
-        """A worker has exited: its last rows, then a FAILED row for each lost arm."""
-        drain(g)
-        entry = running.pop(g)
-        code = entry["proc"].returncode
-        if Stop.requested:  # arms it skipped on request were not lost
-            return
-        for arm in entry["arms"]:
-            if arm.index not in entry["reported"]:
-                on_row(lost_row(arm, shapes[arm.model], opts, bases[arm.model][0],
-                                entry["repeat"], code))
-
-    try:
-        for g in lanes:
-            if lanes[g]:
-                launch(g)
-        while running:
-            time.sleep(0.2)
-            if Stop.requested and not forwarded:
-                forwarded = True
-                for entry in running.values():
-                    entry["proc"].send_signal(signal.SIGINT)
-            for g in list(running):
-                drain(g)
-                if running[g]["proc"].poll() is not None:
-                    settle(g)
-                    if lanes[g] and not Stop.requested:
-                        launch(g)
-    finally:
-        for entry in running.values():  # only after a second Ctrl-C or an error here
-            if entry["proc"].poll() is None:
-                entry["proc"].send_signal(signal.SIGINT if forwarded else signal.SIGTERM)
-        for g in list(running):
-            try:
-                running[g]["proc"].wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                running[g]["proc"].kill()
-                running[g]["proc"].wait()
-            drain(g)
-            running.pop(g)
-
-
-def resolve_bases(keys: list[str], shapes: dict[str, Shape], opts: Options, scratch: Scratch,
-                  custom: Optional[str]) -> dict[str, tuple[str, float]]:
-    """Where each model's checkpoint comes from: built here, or the hub, or --model."""
-    bases: dict[str, tuple[str, float]] = {}
-    for key in keys:
-        if key == "custom":
-            assert custom is not None
-            bases[key] = (str(Path(custom).resolve()) if Path(custom).exists()
-                          else hub_snapshot(custom, scratch), 0.0)
-        elif opts.weights == "hub":
-            bases[key] = (hub_snapshot(shapes[key].hub_id, scratch), 0.0)
-        else:
-            path, build_s = synthetic_checkpoint(shapes[key], scratch.checkpoint_root())
-            bases[key] = (str(path), build_s)
-    return bases
-
-
-def hub_snapshot(repo_id: str, scratch: Scratch) -> str:
-    """Fetch a hub checkpoint into scratch (or --cache-dir), so Soup reads a local folder.
-
-    Soup's own hub path would cache the weights under ~/.soup, outside scratch.
-    """
-    from huggingface_hub import snapshot_download
-
-    root = (scratch.cache_dir / "hub") if scratch.cache_dir else scratch.path("hub")
-    dest = root / repo_id.replace("/", "--")
-    try:
-        return snapshot_download(repo_id, local_dir=str(dest), etag_timeout=10,
-                                 allow_patterns=["*.safetensors", "*.json", "*.txt", "*.model",
-                                                 "*.jinja"])
-    except Exception as exc:
-        raise UsageError(f"--weights hub: cannot fetch {repo_id} from the hub ({last_line(exc)}); "
-                         "--weights synthetic builds the same shapes with no network") from None
 
 
 # ---------------------------------------------------------------------------
@@ -2198,41 +2235,6 @@ def run_timings(result: dict[str, Any], imports_s: float, total_s: float) -> dic
     if overhead:
         t["median_arm_overhead_s"] = round(statistics.median(overhead), 3)
     return t
-
-
-def determinism_mode(plan: dict[str, Any], args: argparse.Namespace, shapes: dict[str, Shape],
-                     scratch: Scratch, opts: Options, sink: Optional["RowSink"] = None
-                     ) -> dict[str, Any]:
-    """Each chosen arm, N times, each time in a fresh process."""
-    repeats = plan["repeats"] or 2
-    if args.models or args.seq or args.model or plan["batches"] != [1]:
-        arms = plan_arms(plan["models"], plan["seqs"], plan["batches"])
-    else:
-        arms = [Arm("smol", 4096, 1, 0), Arm("smol", 6144, 1, 1)]
-    bases = resolve_bases(sorted({a.model for a in arms}), shapes, opts, scratch, args.model)
-    collected: list[dict[str, Any]] = []
-    progress = Progress(len(arms) * repeats)
-    jobs = [(plan["gpus"][0] if plan["gpus"] else None, [a], rep)
-            for rep in range(repeats) for a in arms]
-
-    def on_row(row: dict[str, Any]) -> None:
-        collected.append(row)
-        if sink is not None:
-            sink.add(dict(row, mode="determinism"))
-        progress.arm(row)
-
-    run_workers(jobs, shapes, bases, scratch, opts, on_row)
-    out = []
-    for a in arms:
-        mine = sorted((r for r in collected if r["index"] == a.index), key=lambda r: r["repeat"])
-        peaks = [r.get("real_peak") for r in mine]
-        nums = [p for p in peaks if p]
-        spread = (max(nums) - min(nums)) / min(nums) * 100 if len(nums) >= 2 else None
-        out.append({"model": shapes[a.model].name, "model_key": a.model, "seq": a.seq,
-                    "batch": a.batch, "peaks": peaks, "pids": [r["pid"] for r in mine],
-                    "statuses": [r["status"] for r in mine],
-                    "spread_pct": spread, "rows": [public_row(r) for r in mine]})
-    return {"repeats": repeats, "arms": out}
 
 
 def from_json(args: argparse.Namespace) -> int:
