@@ -2166,6 +2166,7 @@ def run_in_scratch(args: argparse.Namespace, argv: list[str], plan: dict[str, An
                               "interrupted": False, "error": None}
     print(header_line(result["environment"]), flush=True)
     sink = RowSink(args.json)
+    usage_error: Optional[str] = None
     rows: list[dict[str, Any]] = []
     progress = Progress(0, started)
 
@@ -2203,9 +2204,13 @@ def run_in_scratch(args: argparse.Namespace, argv: list[str], plan: dict[str, An
             result["sdpa"] = sdpa_mode(opts.dry_run)
     except KeyboardInterrupt:
         Stop.requested = True
-    except UsageError:
-        sink.finish()
-        raise
+    except UsageError as exc:
+        if not rows:
+            sink.finish()
+            raise
+        # e.g. --determinism's model unreachable after the sweep: keep the sweep's rows
+        usage_error = str(exc)
+        print(f"error: {usage_error}", file=sys.stderr)
     except Exception as exc:  # a harness bug still prints and saves what was measured
         result["error"] = last_line(exc)
         result["traceback"] = traceback.format_exc()
@@ -2215,8 +2220,10 @@ def run_in_scratch(args: argparse.Namespace, argv: list[str], plan: dict[str, An
     result["interrupted"] = Stop.requested
     result["timings"] = run_timings(result, imports_s, time.perf_counter() - started)
     print("\n" + render_text(result).split("\n", 1)[1], end="", flush=True)
-    code = exit_code(result)
+    code = EXIT_USAGE if usage_error else exit_code(result)
     result["exit_code"] = code
+    if usage_error:
+        result["error"] = f"usage: {usage_error}"
     write_outputs(result, args)
     if not result["error"]:  # after a harness failure the row file stays as a second copy
         sink.finish()

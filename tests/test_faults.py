@@ -396,3 +396,22 @@ def test_a_worker_that_dies_leaves_a_failed_row_for_each_arm_and_exits_1(
     assert [(r["seq"], r["status"]) for r in rows] == [(64, "FAILED"), (96, "FAILED")]
     assert all("exited with code 139" in r["error"] for r in rows)
     assert "exited with code 139" in out
+
+
+def test_a_usage_error_after_the_sweep_keeps_the_rows_it_measured(
+        capfd, cache_dir, tmp_path, monkeypatch):
+    """A later mode refusing its input (here --determinism, made to raise the harness's own
+    usage error, as an unreachable --model would) must not lose the sweep's finished rows."""
+    def refuse(*args, **kwargs):
+        raise h.UsageError("--model x: cannot reach the hub")
+
+    monkeypatch.setattr(h, "determinism_mode", refuse)
+    out_json = tmp_path / "out.json"
+    code, out, err = main(capfd, ["--dry-run", "--sweep", "--determinism", "--models", "smol",
+                                  "--seq", "64", "--cache-dir", cache_dir, "--json", out_json])
+    assert code == h.EXIT_USAGE
+    assert [line for line in err.splitlines() if line.startswith("error")] == [
+        "error: --model x: cannot reach the hub"]
+    result = json.loads(out_json.read_text())
+    assert [(r["seq"], r["status"]) for r in result["rows"]] == [(64, "dry-run")]
+    assert result["exit_code"] == h.EXIT_USAGE
