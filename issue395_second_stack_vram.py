@@ -573,10 +573,6 @@ class Arm:
     batch: int = 1
     index: int = 0  # position in grid order
 
-    @property
-    def label(self) -> str:
-        return f"{self.model} seq {self.seq} batch {self.batch}"
-
 
 def rows_for_batch(batch: int, val_split: float = 0.1) -> int:
     """The protocol's 4 rows, or more when Soup's val split would leave a short batch."""
@@ -632,6 +628,21 @@ def realised_length(lengths: list[int], seq: int) -> int:
     return max(lengths, key=lambda n: (abs(n - seq), -n)) if lengths else 0
 
 
+@contextlib.contextmanager
+def allocator_history(max_entries: int):
+    """Record the caching allocator's history; the snapshot lands in the yielded dict."""
+    import torch
+
+    torch.cuda.memory._record_memory_history(enabled="all", context=None, stacks="python",
+                                             max_entries=max_entries)
+    taken: dict[str, Any] = {}
+    try:
+        yield taken
+    finally:
+        taken["snapshot"] = torch.cuda.memory._snapshot()
+        torch.cuda.memory._record_memory_history(enabled=None)
+
+
 def real_peak(trainer: Any, snapshot: bool = False) -> dict[str, Any]:
     """Empty the cache, reset the peak, run exactly ONE optimizer step, read the peak.
 
@@ -646,22 +657,15 @@ def real_peak(trainer: Any, snapshot: bool = False) -> dict[str, Any]:
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     resident = torch.cuda.memory_allocated()
-    if snapshot:
-        torch.cuda.memory._record_memory_history(enabled="all", context=None, stacks="python",
-                                                 max_entries=2_000_000)
+    history = allocator_history(2_000_000) if snapshot else contextlib.nullcontext({})
     started = time.perf_counter()
-    try:
+    with history as taken:
         trainer.train()
         torch.cuda.synchronize()
-    finally:
-        seconds = time.perf_counter() - started
-        snap = None
-        if snapshot:
-            snap = torch.cuda.memory._snapshot()
-            torch.cuda.memory._record_memory_history(enabled=None)
+        seconds = time.perf_counter() - started  # the step, not the snapshot's collection
     return {"peak": int(torch.cuda.max_memory_allocated()), "resident": int(resident),
             "reserved": int(torch.cuda.max_memory_reserved()), "step_s": seconds,
-            "snapshot": snap}
+            "snapshot": taken.get("snapshot")}
 
 
 def oom_request_bytes(exc: BaseException) -> Optional[int]:
@@ -809,14 +813,19 @@ def import_soup() -> None:
     import soup_cli.data.sft_format  # noqa: F401
 
 
+def realised_as_requested(row: dict[str, Any]) -> bool:
+    """The guard: the batch's width and every one of its rows is exactly the requested seq."""
+    lengths = row.get("realised_rows") or []
+    width = row.get("realised_width", row.get("realised"))
+    return (row.get("realised") == row["seq"] and width == row["seq"]
+            and len(lengths) == row["batch"] and all(n == row["seq"] for n in lengths))
+
+
 def row_status(row: dict[str, Any]) -> str:
     """ok, or the first finding: FAILED, OOM, VOID, UNDER (a dry run is 'dry-run')."""
     if row.get("error_kind") in ("OOM", "FAILED"):
         return row["error_kind"]
-    lengths = row.get("realised_rows") or []
-    width = row.get("realised_width", row.get("realised"))
-    if row.get("realised") != row["seq"] or width != row["seq"] or len(lengths) != row["batch"] \
-            or any(n != row["seq"] for n in lengths):
+    if not realised_as_requested(row):
         return "VOID"
     if row.get("real_peak") is None:
         return "dry-run" if row.get("dry_run") else "FAILED"
@@ -884,7 +893,7 @@ def run_arm(arm: Arm, shape: Shape, base: str, scratch: "Scratch", *, device: st
             row["realised_rows"] = lengths
             row["realised"] = realised_length(lengths + [width], arm.seq)
             row["timings"]["setup_s"] = round(time.perf_counter() - t0, 3)
-            if not dry_run and row_status(dict(row, real_peak=0)) != "VOID":
+            if not dry_run and realised_as_requested(row):
                 measured = step(wrapper.trainer, snapshot=snapshot)
                 row["real_peak"] = measured["peak"]
                 row["resident_before_step"] = measured.get("resident")
@@ -933,6 +942,8 @@ ALLOC_ROUND = 512  # the caching allocator rounds every block up to 512 bytes
 def block_bytes(requested: int) -> int:
     """What the allocator counts for a request: the history records the requested size."""
     return max(ALLOC_ROUND, -(-requested // ALLOC_ROUND) * ALLOC_ROUND)
+
+
 SIZE_GROUPS = ((100_000_000, ">= 100 MB"), (10_000_000, "10-100 MB"),
                (1_000_000, "1-10 MB"), (0, "< 1 MB"))
 
@@ -964,11 +975,10 @@ def attribute_peak(snapshot: dict[str, Any], resident: int, elements: int,
     has_requested = any(e.get("action") == "free_requested" for e in trace)
     free_actions = {"free_requested"} if has_requested else {"free", "free_completed"}
 
-    def replay(stop: Optional[int]) -> tuple[int, int, dict[int, int], int]:
+    def replay() -> Iterable[tuple[int, int, int, dict[int, int]]]:
+        """After each alloc or free: (event index, allocated, pre-existing part, live blocks)."""
         live: dict[int, int] = {}
-        base = resident
-        total = 0
-        best, best_at = resident, -1
+        base, total = resident, 0
         for i, event in enumerate(trace):
             action = event.get("action")
             addr, size = int(event.get("addr", 0)), int(event.get("size", 0))
@@ -982,17 +992,19 @@ def attribute_peak(snapshot: dict[str, Any], resident: int, elements: int,
                     base -= block_bytes(size)
             else:
                 continue
-            if stop is None and base + total > best:
-                best, best_at = base + total, i
-            if stop is not None and i == stop:
-                return base + total, i, live, base
-        return best, best_at, live, base
+            yield i, base + total, base, live
 
-    best, best_at, _, _ = replay(None)
-    if best_at >= 0:
-        _, _, live, base = replay(best_at)
-    else:
-        live, base = {}, resident
+    best, best_at = resident, -1
+    for i, allocated, _, _ in replay():
+        if allocated > best:
+            best, best_at = allocated, i
+    live: dict[int, int] = {}
+    base = resident
+    if best_at >= 0:  # walk again to the peak's event: the live set there
+        for i, _, at_base, at_live in replay():
+            if i == best_at:
+                base, live = at_base, at_live
+                break
     groups: dict[str, dict[str, int]] = {}
     logits = {"bf16": {"count": 0, "bytes": 0}, "fp32": {"count": 0, "bytes": 0}}
     for size in live.values():
@@ -1035,19 +1047,16 @@ def control_step(hold_copy: bool, tokens: int = 2048, vocab: int = 32768,
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     resident = torch.cuda.memory_allocated()
-    torch.cuda.memory._record_memory_history(enabled="all", context=None, stacks="python",
-                                             max_entries=200_000)
-    logits = h @ w.t()
-    held = logits.detach().clone() if hold_copy else None
-    loss = ForCausalLMLoss(logits, labels, vocab)
-    loss.backward()
-    torch.cuda.synchronize()
-    snap = torch.cuda.memory._snapshot()
-    torch.cuda.memory._record_memory_history(enabled=None)
+    with allocator_history(200_000) as taken:
+        logits = h @ w.t()
+        held = logits.detach().clone() if hold_copy else None
+        loss = ForCausalLMLoss(logits, labels, vocab)
+        loss.backward()
+        torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated()
     del held, logits, loss, h, w, labels
     torch.cuda.empty_cache()
-    return attribute_peak(snap, resident, tokens * vocab, peak)
+    return attribute_peak(taken["snapshot"], resident, tokens * vocab, peak)
 
 
 def positive_control(without: dict[str, Any], with_copy: dict[str, Any]) -> dict[str, Any]:
