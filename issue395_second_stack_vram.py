@@ -1169,12 +1169,19 @@ def merge_rows(rows: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 class RowSink:
-    """Rows are appended as they finish (JSON lines beside --json), so nothing is lost."""
+    """Rows are appended as JSON lines as they finish, so nothing is lost: beside
+    --json for the user, and a worker's file the parent reads back."""
 
-    def __init__(self, json_path: Optional[str]):
-        self.path = Path(json_path + ".rows.jsonl") if json_path else None
-        if self.path:
-            self.path.unlink(missing_ok=True)  # created by the first finished row
+    def __init__(self, path: Optional[Path]):
+        self.path = path
+
+    @classmethod
+    def beside(cls, json_path: Optional[str]) -> "RowSink":
+        if not json_path:
+            return cls(None)
+        path = Path(json_path + ".rows.jsonl")
+        path.unlink(missing_ok=True)  # created by the first finished row
+        return cls(path)
 
     def add(self, row: dict[str, Any]) -> None:
         if self.path:
@@ -1252,14 +1259,9 @@ def worker_main(spec_path: str) -> int:
     scratch = Scratch()
     scratch.root = Path(spec["scratch_root"])  # borrowed: the parent removes it
     scratch.shard_root = Path(os.environ["SOUP_LAYER_STREAM_CACHE_DIR"])
-    out = Path(spec["out"])
-
-    def on_row(row: dict[str, Any]) -> None:
-        with open(out, "a", encoding="utf-8") as fh:
-            fh.write(json.dumps(public_row(row)) + "\n")
-
+    sink = RowSink(Path(spec["out"]))
     try:
-        run_in_process(arms, shapes, bases, scratch, opts, on_row, repeat=spec.get("repeat", 0))
+        run_in_process(arms, shapes, bases, scratch, opts, sink.add, repeat=spec.get("repeat", 0))
     except KeyboardInterrupt:  # "stop now": the arm in flight is dropped, quietly
         return EXIT_INTERRUPTED
     return EXIT_INTERRUPTED if Stop.requested else EXIT_OK
@@ -1409,7 +1411,7 @@ def hub_snapshot(repo_id: str, scratch: Scratch) -> str:
     root = (scratch.cache_dir / "hub") if scratch.cache_dir else scratch.path("hub")
     dest = root / repo_id.replace("/", "--")
     try:
-        return snapshot_download(repo_id, local_dir=str(dest), etag_timeout=10,
+        return snapshot_download(repo_id, local_dir=str(dest),
                                  allow_patterns=["*.safetensors", "*.json", "*.txt", "*.model",
                                                  "*.jinja"])
     except Exception as exc:
@@ -1795,8 +1797,12 @@ def exit_code(result: dict[str, Any]) -> int:
 
 
 def render_text(result: dict[str, Any]) -> str:
-    """Every table this result holds, as the console shows them."""
-    parts = [header_line(result["environment"])]
+    """The header and every table this result holds, as the console shows them."""
+    return header_line(result["environment"]) + "\n" + render_tables(result)
+
+
+def render_tables(result: dict[str, Any]) -> str:
+    parts = []
     if result.get("rows"):
         parts += ["", sweep_table(result["rows"])]
         if any(r.get("attribution") for r in result["rows"]):
@@ -1809,7 +1815,7 @@ def render_text(result: dict[str, Any]) -> str:
         parts += ["", sdpa_table(result["sdpa"])]
     if result.get("interrupted"):
         parts += ["", f"interrupted: {len(result.get('rows') or [])} row(s) measured before the stop"]
-    return "\n".join(parts) + "\n"
+    return "\n".join(parts) + "\n" if parts else ""
 
 
 def verdict(r: dict[str, Any]) -> str:
@@ -1933,12 +1939,15 @@ def render_plot(result: dict[str, Any], path: str) -> None:
 
 
 def write_outputs(result: dict[str, Any], args: argparse.Namespace) -> None:
+    """--json (atomically), --markdown and --plot; the markdown is rendered before anything
+    is written, so a result that cannot be rendered leaves no half set of files."""
+    markdown = render_markdown(result) if args.markdown else None
     if args.json:
         tmp = Path(args.json + ".tmp")
         tmp.write_text(json.dumps(result, indent=2, default=str) + "\n", encoding="utf-8")
         tmp.replace(args.json)
-    if args.markdown:
-        Path(args.markdown).write_text(render_markdown(result), encoding="utf-8")
+    if markdown is not None:
+        Path(args.markdown).write_text(markdown, encoding="utf-8")
     if args.plot:
         render_plot(result, args.plot)
 
@@ -2011,7 +2020,6 @@ def build_parser() -> argparse.ArgumentParser:
                      help="re-render a saved result (no GPU, no Soup setup)")
     out.add_argument("--compare", default=None, metavar="PATH",
                      help="with --from-json: peaks of the same arms in another saved result")
-    p.add_argument("--_worker", default=None, help=argparse.SUPPRESS)
     return p
 
 
@@ -2046,8 +2054,6 @@ def check_output_path(flag: str, path: Optional[str]) -> None:
         raise UsageError(f"{flag} {path} is a folder; give a file path")
     if not parent.is_dir():
         raise UsageError(f"{flag} {path}: folder {parent} does not exist")
-    if not os.access(parent, os.W_OK):
-        raise UsageError(f"{flag} {path}: folder {parent} cannot be written")
     try:
         probe = tempfile.NamedTemporaryFile(dir=parent, prefix=".issue395-probe-", delete=True)
         probe.close()
@@ -2174,7 +2180,7 @@ def run_in_scratch(args: argparse.Namespace, argv: list[str], plan: dict[str, An
                               "measure": None, "sdpa": None, "control": None,
                               "interrupted": False, "error": None}
     print(header_line(result["environment"]), flush=True)
-    sink = RowSink(args.json)
+    sink = RowSink.beside(args.json)
     usage_error: Optional[str] = None
     rows: list[dict[str, Any]] = []
     progress = Progress(0, started)
@@ -2228,7 +2234,7 @@ def run_in_scratch(args: argparse.Namespace, argv: list[str], plan: dict[str, An
     result["rows"] = merge_rows(rows)
     result["interrupted"] = Stop.requested
     result["timings"] = run_timings(result, imports_s, time.perf_counter() - started)
-    print("\n" + render_text(result).split("\n", 1)[1], end="", flush=True)
+    print("\n" + render_tables(result), end="", flush=True)
     code = EXIT_USAGE if usage_error else exit_code(result)
     result["exit_code"] = code
     if usage_error:
@@ -2262,17 +2268,11 @@ def from_json(args: argparse.Namespace) -> int:
         text = render_text(result)
         if other is not None:
             text += "\n" + compare_table(result, other) + "\n"
-        markdown = render_markdown(result) if args.markdown else None
-        if args.plot:
-            render_plot(result, args.plot)
+        write_outputs(result, args)
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise UsageError(f"--from-json {args.from_json}: not a result this tool wrote "
                          f"({last_line(exc)})") from None
     print(text, end="")
-    if markdown is not None:
-        Path(args.markdown).write_text(markdown, encoding="utf-8")
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
     return exit_code(result)
 
 
