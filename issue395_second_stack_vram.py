@@ -540,20 +540,33 @@ class Scratch:
         return self.path("checkpoints")
 
 
-def soup_shard_root() -> str:
-    """Where Soup will really put its shard cache, by Soup's own resolution."""
+def soup_shard_root(override: Optional[str] = None) -> str:
+    """Where Soup will really put its shard cache, by Soup's own resolution.
+
+    With ``override``, where it would put it were SOUP_LAYER_STREAM_CACHE_DIR that
+    folder (a light import: neither torch nor the hub client is loaded).
+    """
     from soup_cli.utils import layer_shard
     from soup_cli.utils.paths import is_under
 
-    return layer_shard._resolve_cache_root(None, is_under)
+    key = "SOUP_LAYER_STREAM_CACHE_DIR"
+    saved = os.environ.get(key)
+    if override is not None:
+        os.environ[key] = override
+    try:
+        return layer_shard._resolve_cache_root(None, is_under)
+    finally:
+        if override is not None:
+            if saved is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = saved
 
 
 def check_cache_dir_bounds(cache_dir: str) -> None:
     """Refuse a --cache-dir that Soup would silently ignore (it writes to ~/.soup then)."""
-    candidate = os.path.realpath(os.path.expanduser(cache_dir))
-    bounds = [os.path.realpath(os.path.expanduser("~")), os.path.realpath(os.getcwd()),
-              os.path.realpath(tempfile.gettempdir())]
-    if not any(candidate == b or candidate.startswith(b.rstrip(os.sep) + os.sep) for b in bounds):
+    shards = os.path.join(os.path.realpath(os.path.expanduser(cache_dir)), "layer-stream")
+    if os.path.realpath(soup_shard_root(shards)) != shards:
         raise UsageError(
             f"--cache-dir {cache_dir} is outside $HOME, the working directory and the temp "
             "dir; Soup would ignore it and write its shard cache to ~/.soup instead")
