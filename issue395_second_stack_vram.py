@@ -275,8 +275,8 @@ def build_checkpoint(shape: Shape, dest: Path) -> Path:
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     gen = torch.Generator().manual_seed(395)
-    # One random pool, tiled from a moving offset: a 0.5B model in under a
-    # second instead of drawing half a billion normals one by one.
+    # One random pool, tiled from a moving offset, instead of drawing half a
+    # billion normals one by one (the 0.5B build fell from 7.9 s to 3.0 s here).
     size = 1 << 20
     pool = (torch.randn(2 * size, generator=gen) * 0.02).to(torch.bfloat16)
     tensors: dict[str, Any] = {}
@@ -396,9 +396,9 @@ def load_custom_shape(model: str) -> Shape:
         if not any(path.glob("*.safetensors")):
             raise UsageError(f"--model {model}: no .safetensors weights in it; Soup streams "
                              "safetensors checkpoints only")
-    from transformers.utils import logging as hf_logging
-
     import logging
+
+    from transformers.utils import logging as hf_logging
 
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # a config's warnings are not this tool's one line
