@@ -190,6 +190,11 @@ def logits_charge(shape: Shape, seq: int, batch: int) -> tuple[int, float]:
 # ---------------------------------------------------------------------------
 
 
+#: Where Soup builds an arm whose step is measured. The CPU tests set "cpu" and fake the
+#: step itself (only the CUDA peak cannot run there); nothing else changes for them.
+STEP_DEVICE = "cuda"
+
+
 @dataclass(frozen=True)
 class Arm:
     """One point of the grid: a model at one seq and batch; index is its grid position."""
@@ -487,7 +492,7 @@ def run_arm(arm: Arm, shape: Shape, base: str, work: Path, *, dry_run: bool = Fa
 
             config = load_config_from_string(
                 soup_config_yaml(base, data_path, work / "out", arm.seq, arm.batch))
-            wrapper = SFTTrainerWrapper(config, device="cpu" if dry_run else "cuda")
+            wrapper = SFTTrainerWrapper(config, device="cpu" if dry_run else STEP_DEVICE)
             wrapper.setup(load_dataset(config.data))
             width, lengths = realised_lengths(wrapper.trainer)
             got.update(realised_width=width, realised_rows=tuple(lengths))
@@ -520,7 +525,7 @@ def run_arm(arm: Arm, shape: Shape, base: str, work: Path, *, dry_run: bool = Fa
         out = Path(snapshot_dir) / f"snapshot-{arm.index:03d}-{arm.model}-{arm.seq}-b{arm.batch}.pickle"
         out.write_bytes(pickle.dumps(snap))
         got["attribution"]["snapshot_file"] = str(out)
-    if not dry_run and sys.modules.get("torch") is not None:
+    if not dry_run and STEP_DEVICE == "cuda":
         import torch
 
         if torch.cuda.is_available():
@@ -537,10 +542,14 @@ def run_arm(arm: Arm, shape: Shape, base: str, work: Path, *, dry_run: bool = Fa
 def sweep(arms: list[Arm], shapes: dict[str, Shape], bases: "Checkpoints", scratch: "Scratch",
           run: "Run", on_row: Callable[[Row], None]) -> None:
     """Every arm, in grid order, in this process. Ctrl-C stops after the arm in flight."""
+    checked: set[str] = set()
     for arm in arms:
         if Stop.requested:
             break
         base = bases.get(arm.model)
+        if run.cache_dir and arm.model not in checked:
+            scratch.repair_shards(base)
+            checked.add(arm.model)
         log = (Path(run.log_dir) / f"soup-{arm.index:03d}-{arm.model}-{arm.seq}-b{arm.batch}.log"
                if run.log_dir else None)
         on_row(run_arm(arm, shapes[arm.model], base, scratch.path("arms", f"{arm.index:03d}"),
@@ -2293,7 +2302,7 @@ def measure_all(run: Run, scratch: Scratch, started: float, local: bool, fan_out
         t = time.perf_counter()
         import torch
 
-        if not run.dry_run and not torch.cuda.is_available():
+        if not run.dry_run and STEP_DEVICE == "cuda" and not torch.cuda.is_available():
             raise UsageError("CUDA is required for the real peak and no CUDA GPU is visible; --dry-run "
                              "runs the whole Soup setup and the guard on CPU")
         scratch.verify_shard_root()

@@ -1,7 +1,10 @@
-"""Shared fixtures for the CLI tests: the harness module, one checkpoint cache per session,
-and a clean process state (environment, SIGINT handler, Ctrl-C flag) around every test.
+"""Shared fixtures and helpers: the harness module, one checkpoint cache per session, a clean
+process state around every test, the harness run in-process and as a fresh process, rows
+built through the harness's own constructor, and the one fake the suite needs.
 
-Everything runs on CPU: the real Soup setup goes through the harness's --dry-run path.
+Everything runs on CPU: the real Soup setup goes through the harness's --dry-run path, or,
+where a test needs a measured peak, through the measured path with only the CUDA step faked
+(``fake_cuda``): Soup builds on CPU (``h.STEP_DEVICE``) and ``h.real_peak`` is replaced.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -21,19 +25,21 @@ SCRIPT = ROOT / "issue395_second_stack_vram.py"
 sys.path.insert(0, str(ROOT))
 import issue395_second_stack_vram as h  # noqa: E402
 
+SMOL, QWEN = h.SHAPES["smol"], h.SHAPES["qwen"]
+
 
 @pytest.fixture(autouse=True)
 def _clean_process_state():
     """h.main in-process sets CUDA_VISIBLE_DEVICES and installs its own SIGINT handler and
     Ctrl-C flag; none of that may leak from one test into the next."""
     saved_env = dict(os.environ)
-    saved_handler = signal.getsignal(signal.SIGINT)
+    saved_handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     saved_tempdir = tempfile.tempdir
     h.Stop.requested = False
     yield
     h.Stop.requested = False
-    signal.signal(signal.SIGINT,
-                  signal.default_int_handler if saved_handler is None else saved_handler)
+    for sig, handler in saved_handlers.items():
+        signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
     tempfile.tempdir = saved_tempdir
     os.environ.clear()
     os.environ.update(saved_env)
@@ -42,8 +48,7 @@ def _clean_process_state():
 @pytest.fixture(scope="session")
 def cache_dir():
     """One --cache-dir for the whole session, under the temp dir (where Soup honours it):
-    checkpoints are built and Soup's shards written once, then every later run reuses them.
-    Removed at the end of the session (it holds ~4 GB)."""
+    checkpoints are built and Soup's shards written once, then reused. Removed at the end."""
     path = Path(tempfile.mkdtemp(prefix="issue395-test-cache-"))
     yield path
     shutil.rmtree(path, ignore_errors=True)
@@ -52,7 +57,93 @@ def cache_dir():
 @pytest.fixture
 def run_cli():
     """The harness as a fresh process, the way a terminal runs it (stdout, stderr captured)."""
-    def run(args, *, cwd=None, env=None, timeout=300):
-        return subprocess.run([sys.executable, str(SCRIPT), *args], cwd=cwd, env=env,
+    def run(args, *, cwd=None, env=None, timeout=600):
+        return subprocess.run([sys.executable, str(SCRIPT), *map(str, args)], cwd=cwd, env=env,
                               capture_output=True, text=True, timeout=timeout)
     return run
+
+
+def main(capfd, argv):
+    """h.main in this process: (exit code, stdout, stderr)."""
+    code = h.main([str(a) for a in argv])
+    out, err = capfd.readouterr()
+    return code, out, err
+
+
+def table_rows(out: str, seq: int) -> list[str]:
+    """The sweep table's lines for one seq."""
+    return [line for line in out.splitlines() if line.split()[:1] == [str(seq)]]
+
+
+def make_row(key: str = "smol", seq: int = 2048, batch: int = 1, index: int = 0, **measured) -> h.Row:
+    """A row built the way an arm builds it: the harness's own constructor, with Soup's real
+    prediction; ``measured`` are the fields a step would have measured. A realised length
+    defaults to the requested one (the guard passes) unless given."""
+    measured.setdefault("realised_width", seq)
+    measured.setdefault("realised_rows", (seq,) * batch)
+    return h.arm_row(h.Arm(key, seq, batch, index), h.SHAPES[key], **measured)
+
+
+def safe_peak(seq: int, shape: h.Shape = SMOL) -> int:
+    """A fake peak the prediction covers (pred/real 1.25x)."""
+    return int(h.predicted_bytes(shape, seq) / 1.25)
+
+
+class FakeStep:
+    """Stands in for h.real_peak (the CUDA step, which cannot run here): records which seq
+    each call was for and returns ``peaks[seq]``, or raises ``raises[seq]``, or runs
+    ``actions[seq]`` first."""
+
+    def __init__(self, peaks=None, raises=None, actions=None):
+        self.calls: list[int] = []
+        self.peaks, self.raises, self.actions = peaks or {}, raises or {}, actions or {}
+
+    def __call__(self, trainer, snapshot=False):
+        seq = int(trainer.args.max_length)
+        self.calls.append(seq)
+        if seq in self.actions:
+            self.actions[seq]()
+        if seq in self.raises:
+            raise self.raises[seq]
+        peak = self.peaks.get(seq, safe_peak(seq))
+        return {"real_peak": peak, "resident": 1234, "reserved": peak, "step_s": 0.01, "snapshot": None}
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    """Fakes the CUDA step only: Soup builds the measured arm on CPU and the step is a
+    FakeStep. Returns a function that installs a FakeStep built from its arguments."""
+    monkeypatch.setattr(h, "STEP_DEVICE", "cpu")
+
+    def install(**kw) -> FakeStep:
+        step = FakeStep(**kw)
+        monkeypatch.setattr(h, "real_peak", step)
+        return step
+
+    return install
+
+
+def send_ctrl_c() -> None:
+    """One Ctrl-C to this process, and wait until the harness's handler has seen it."""
+    already = h.Stop.requested
+    os.kill(os.getpid(), signal.SIGINT)
+    deadline = time.monotonic() + 5
+    while not already and not h.Stop.requested and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def short_chat_rows(short_seqs):
+    """h.chat_rows, but rows for ``short_seqs`` carry half a seq of words: they tokenize short."""
+    real = h.chat_rows
+
+    def rows(seq, n=h.DATA_ROWS):
+        if seq not in short_seqs:
+            return real(seq, n)
+        return [{"messages": [{"role": "user", "content": "hi"},
+                              {"role": "assistant", "content": "word " * (seq // 2)}]}] * n
+
+    return rows
+
+
+cuda = pytest.mark.skipif(not __import__("torch").cuda.is_available(),
+                          reason="needs a CUDA GPU (runs on the GPU box)")
