@@ -448,8 +448,11 @@ class Row:
             raise ValueError(f"row field 'loss_bytes_per_element' is {bpe!r}")
         if data.get("failure") not in (None, "OOM", "FAILED"):
             raise ValueError(f"row field 'failure' is {data['failure']!r}")
-        if data.get("real_peak") is not None and data.get("predicted") is None:
-            raise ValueError("a row with a real peak must carry its prediction")
+        if data.get("index") is None:
+            raise ValueError("row field 'index' must be a whole number >= 0")
+        if data.get("real_peak") is not None and any(
+                data.get(k) is None for k in ("predicted", "logits14", "loss_bytes_per_element")):
+            raise ValueError("a row with a real peak must carry its prediction and Soup's logits figures")
         return cls(**dict(data, realised_rows=tuple(rows)))
 
 
@@ -547,14 +550,17 @@ def sweep(arms: list[Arm], shapes: dict[str, Shape], bases: "Checkpoints", scrat
         if Stop.requested:
             break
         base = bases.get(arm.model)
-        if run.cache_dir and arm.model not in checked:
+        first = arm.model not in checked
+        if run.cache_dir and first:
             scratch.repair_shards(base)
-            checked.add(arm.model)
+        checked.add(arm.model)
         log = (Path(run.log_dir) / f"soup-{arm.index:03d}-{arm.model}-{arm.seq}-b{arm.batch}.log"
                if run.log_dir else None)
-        on_row(run_arm(arm, shapes[arm.model], base, scratch.path("arms", f"{arm.index:03d}"),
-                       dry_run=run.dry_run, snapshot=run.snapshot, snapshot_dir=run.snapshot_dir,
-                       log=log, verbose=run.verbose, repeat=run.repeat_tag))
+        with scratch.sharding(base) if first else contextlib.nullcontext():
+            row = run_arm(arm, shapes[arm.model], base, scratch.path("arms", f"{arm.index:03d}"),
+                          dry_run=run.dry_run, snapshot=run.snapshot, snapshot_dir=run.snapshot_dir,
+                          log=log, verbose=run.verbose, repeat=run.repeat_tag)
+        on_row(row)
 
 
 def measure_mode(dry_run: bool) -> dict[str, Any]:
@@ -1139,9 +1145,8 @@ class Scratch:
             "XDG_CACHE_HOME", "TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR", "MPLCONFIGDIR",
             "HF_HUB_ETAG_TIMEOUT", "HF_HUB_DOWNLOAD_TIMEOUT")
 
-    def __init__(self, cache_dir: Optional[str] = None, lane: Optional[str] = None):
+    def __init__(self, cache_dir: Optional[str] = None):
         self.cache_dir = Path(cache_dir).resolve() if cache_dir else None
-        self.lane = lane  # one shard cache per shard: two shards sharding one model would race
         self.root: Optional[Path] = None
         self._saved: dict[str, Optional[str]] = {}
 
@@ -1153,8 +1158,6 @@ class Scratch:
         self.root = Path(tempfile.mkdtemp(prefix=f"{SCRATCH_PREFIX}{os.getpid()}-", dir=tmp))
         (self.root / "owner").write_text(f"{os.getpid()} {process_start(os.getpid())}\n")
         self.shard_root = (self.cache_dir or self.root) / "layer-stream"
-        if self.lane:
-            self.shard_root = self.shard_root / self.lane
         self.shard_root.mkdir(parents=True, exist_ok=True)
         env = {"SOUP_LAYER_STREAM_CACHE_DIR": str(self.shard_root),
                "SOUP_AUDIT_LOG_PATH": str(self.root / "soup-audit.jsonl"),
@@ -1199,6 +1202,26 @@ class Scratch:
             raise UsageError(f"Soup would write its layer-stream shard cache to {real}, not "
                              f"{self.shard_root}: --cache-dir must lie under $HOME, the working "
                              "directory or the temp dir")
+
+    @contextlib.contextmanager
+    def sharding(self, base: str) -> Iterator[None]:
+        """Processes sharing one shard cache (--gpus, --isolate, shards on one host) must not
+        shard the same model at once: the first arm of a model whose shards are not cached
+        yet holds a lock on them; once they are, nobody waits."""
+        import fcntl
+
+        from soup_cli.utils.layer_shard import resolve_shard_dir
+
+        folder = Path(resolve_shard_dir(base))
+        if (folder / "index.json").exists():
+            yield
+            return
+        with open(self.shard_root / f".{folder.name}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(lock, fcntl.LOCK_UN)
 
     def repair_shards(self, base: str) -> None:
         """A cached shard set that cannot be read is removed, so Soup re-shards it: Soup itself
@@ -1266,7 +1289,7 @@ class StampedLog:
 
 LIBRARY_LOGGERS = ("transformers", "trl", "peft", "datasets", "accelerate", "soup_cli",
                    "huggingface_hub", "torch", "py.warnings")
-SOUP_MODULES = ("soup_cli.config.loader", "soup_cli.data.loader", "soup_cli.trainer.sft",
+SOUP_MODULES = ("datasets", "peft", "trl", "soup_cli.config.loader", "soup_cli.data.loader", "soup_cli.trainer.sft",
                 "soup_cli.trainer.stream_setup", "soup_cli.utils.layer_stream",
                 "soup_cli.utils.layer_stream_runtime", "soup_cli.data.sft_format")
 
@@ -1790,6 +1813,9 @@ def write_output(path: str, data: bytes) -> None:
     os.makedirs(folder, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{os.path.basename(target)}.", suffix=".tmp")
     try:
+        umask = os.umask(0)
+        os.umask(umask)  # mkstemp makes 0600; an output gets the mode any new file would
+        os.chmod(tmp, stat.S_IMODE(mode) if mode is not None else 0o666 & ~umask)
         with os.fdopen(fd, "wb") as fh:
             fh.write(data)
         os.replace(tmp, target)
@@ -1911,6 +1937,12 @@ def spread(run: "Run", arms: list[Arm], scratch: Scratch, on_row: Callable[[Row]
         env = dict(os.environ)
         if gpu is not None:
             env["CUDA_VISIBLE_DEVICES"] = visible_gpu(gpu)
+        # Each child would take a thread per core; side by side they stall each other's
+        # parallel copies into Soup's pinned store (measured on CPU: 0.06-0.15 s alone, up
+        # to 1.9 s beside a busy twin). A share of the cores each; host-side only.
+        threads = str(max(1, min(8, (os.cpu_count() or 2) // max(1, len(lanes)) - 2)))
+        for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "RAYON_NUM_THREADS"):
+            env.setdefault(var, threads)
         argv = child_argv(run, job, str(out), cache)
         with open(out.with_suffix(".stdout"), "w") as fh:
             proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), *argv], env=env, stdout=fh)
@@ -2288,10 +2320,7 @@ def execute(run: Run) -> int:
         missing = [g for g in run.gpus or () if g >= count]
         if missing:
             raise UsageError(f"--gpus: GPU {missing[0]} is not there ({count} CUDA device(s) visible)")
-    lane = None
-    if run.shard and run.shard[1] > 1 and not (run.child and (run.isolate or run.repeat_tag)):
-        lane = f"gpu{os.environ.get('CUDA_VISIBLE_DEVICES')}" if run.child else f"shard-{run.shard[0]}-of-{run.shard[1]}"
-    with Scratch(run.cache_dir, lane=lane) as scratch:
+    with Scratch(run.cache_dir) as scratch:
         return measure_all(run, scratch, started, local, fan_out)
 
 

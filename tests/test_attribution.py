@@ -1,25 +1,20 @@
-"""Peak attribution from an allocator history, the positive control, and scheduling.
+"""Peak attribution from an allocator history, the positive control, and shards and merging.
 
-A CUDA allocator snapshot cannot be taken on this CPU-only machine, so every
-history here is hand-built in torch.cuda.memory._snapshot()'s plain-dict format:
-{"device_traces": [[{"action", "addr", "size"}, ...]], "segments": []}, sizes
-being the REQUESTED sizes (the allocator counts each block rounded up to 512).
-The replay, the attribution and the control are the harness's real code.
+A CUDA allocator snapshot cannot be taken on a CPU-only machine, so every history here
+is hand-built in torch.cuda.memory._snapshot()'s plain-dict format:
+{"device_traces": [[{"action", "addr", "size"}, ...]], "segments": []}, sizes being the
+REQUESTED sizes (the allocator counts each block rounded up to 512). The replay, the
+attribution and the control are the harness's real code; the one real control step runs
+on a CUDA box only (marker ``cuda``).
 """
 
 from __future__ import annotations
 
-import pickle
+import json
 import random
-import sys
-from dataclasses import asdict
-from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-import issue395_second_stack_vram as h  # noqa: E402
+from conftest import cuda, h, make_row, safe_peak
 
 E = 1001  # logits elements; odd, so 2E and 4E are not multiples of 512
 BF16, FP32 = 2 * E, 4 * E  # requested sizes: 2002, 4004
@@ -47,9 +42,9 @@ def snapshot(*events):
 
 
 def loss_step_history():
-    """resident R; a bf16 logits; two fp32 logits; one freed; another fp32 and a
-    small block (the peak); then frees, a fresh bf16 copy and a large pre-existing block freed after
-    the peak. A block freed before the peak was resident before recording."""
+    """resident R; a bf16 logits; two fp32 logits; one freed; another fp32 and a small
+    block (the peak); then frees, a fresh bf16 copy and a large pre-existing block freed
+    after the peak. A block freed but never allocated in the trace was resident before."""
     return snapshot(
         free(900, 3000),             # pre-existing block, freed before the peak: -3072
         alloc(1, BF16),              # +2048
@@ -68,6 +63,8 @@ def loss_step_history():
 PEAK = R - 3072 + BF16_BLOCK + 2 * FP32_BLOCK + 512
 
 
+# --- the allocator's rounding and the logits shapes ---------------------------------
+
 def test_block_bytes_rounds_up_to_512():
     assert h.block_bytes(1) == 512
     assert h.block_bytes(0) == 512
@@ -77,14 +74,25 @@ def test_block_bytes_rounds_up_to_512():
     assert h.block_bytes(FP32) == FP32_BLOCK
 
 
+def test_logits_kind_names_exactly_one_logits_tensor():
+    assert h.logits_kind(2 * E, E) == "bf16"
+    assert h.logits_kind(4 * E, E) == "fp32"
+    assert h.logits_kind(2 * E + 1, E) is None
+    assert h.logits_kind(8 * E, E) is None  # two tensors' worth is not one logits tensor
+    assert h.logits_kind(E, E) is None
+
+
+# --- the replay ------------------------------------------------------------------------
+
 def test_replayed_peak_is_the_maximum_not_the_final_state():
     a = h.attribute_peak(loss_step_history(), R, E, measured_peak=PEAK)
     assert a["replayed_peak"] == PEAK
-    # At the peak: one bf16 and two fp32 logits live (the final state has one fp32).
+    # At the peak: one bf16 and two fp32 logits live (the final state has one of each).
     assert a["logits_bf16"] == {"count": 1, "bytes": BF16_BLOCK}
     assert a["logits_fp32"] == {"count": 2, "bytes": 2 * FP32_BLOCK}
     assert a["other_groups"] == {"< 1 MB": {"count": 1, "bytes": 512}}
     assert a["elements"] == E
+    assert a["measured_peak"] == PEAK
     assert a["events"] == len(loss_step_history()["device_traces"][0])
 
 
@@ -101,15 +109,18 @@ def test_small_allocation_counts_as_a_512_byte_block():
     assert a["other_groups"] == {"< 1 MB": {"count": 1, "bytes": 512}}
 
 
-def test_blocks_are_grouped_by_size():
-    a = h.attribute_peak(snapshot(alloc(1, 150_000_000), alloc(2, 20_000_000),
-                                  alloc(3, 2_000_000), alloc(4, 10)), 0, E)
+def test_blocks_are_grouped_by_size_largest_first():
+    a = h.attribute_peak(snapshot(alloc(4, 10), alloc(3, 2_000_000), alloc(1, 150_000_000),
+                                  alloc(2, 20_000_000)), 0, E)
+    assert a["other_groups"] == {">= 100 MB": {"count": 1, "bytes": 150_000_128},
+                                 "10-100 MB": {"count": 1, "bytes": 20_000_256},
+                                 "1-10 MB": {"count": 1, "bytes": 2_000_384},
+                                 "< 1 MB": {"count": 1, "bytes": 512}}
     assert list(a["other_groups"]) == [">= 100 MB", "10-100 MB", "1-10 MB", "< 1 MB"]
-    assert all(g["count"] == 1 for g in a["other_groups"].values())
     assert a["logits_bf16"]["count"] == a["logits_fp32"]["count"] == 0
 
 
-def test_complete_when_measured_peak_matches():
+def test_complete_when_the_measured_peak_matches():
     assert h.attribute_peak(loss_step_history(), R, E, PEAK)["complete"] is True
     # Within an allocator remainder (under 1 MiB) it is still complete.
     assert h.attribute_peak(loss_step_history(), R, E, PEAK + 512 * 1024)["complete"] is True
@@ -118,16 +129,20 @@ def test_complete_when_measured_peak_matches():
 
 
 @pytest.mark.parametrize("off", [+4 * 2**20, -4 * 2**20, +100_000_000])
-def test_incomplete_when_measured_peak_is_far_off(off):
+def test_incomplete_when_the_measured_peak_is_far_off(off):
     a = h.attribute_peak(loss_step_history(), R, E, PEAK + off)
     assert a["complete"] is False
     assert a["measured_peak"] == PEAK + off
     assert a["replayed_peak"] == PEAK
 
 
-def test_empty_history_is_never_complete():
-    a = h.attribute_peak({"device_traces": [], "segments": []}, R, E, R)
+@pytest.mark.parametrize("snap", [{"device_traces": [], "segments": []},
+                                  {"device_traces": [[]], "segments": []}, {}],
+                         ids=["no-traces", "empty-trace", "no-key"])
+def test_empty_history_is_never_complete(snap):
+    a = h.attribute_peak(snap, R, E, R)
     assert a["complete"] is False
+    assert a["events"] == 0
     assert a["replayed_peak"] == R
     assert a["resident_at_peak"] == R
 
@@ -139,58 +154,56 @@ def test_history_that_only_frees_peaks_at_resident():
     assert a["complete"] is True
 
 
-def test_history_without_free_requested_replays_on_free_completed():
-    """Older histories record only the completed free; the replay uses it then."""
-    trace = [e for e in loss_step_history()["device_traces"][0]
-             if e["action"] != "free_requested"]
+@pytest.mark.parametrize("kept", ["free_completed", "free"])
+def test_history_without_free_requested_replays_on_its_other_free(kept):
+    """Older histories record only the completed free (or a plain free); the replay uses it."""
+    trace = [dict(e, action=kept) if e["action"] == "free_completed" else e
+             for e in loss_step_history()["device_traces"][0] if e["action"] != "free_requested"]
     a = h.attribute_peak({"device_traces": [trace], "segments": []}, R, E, PEAK)
     assert a["replayed_peak"] == PEAK
     assert a["logits_fp32"]["count"] == 2
+    assert a["resident_at_peak"] == R - 3072
 
 
 def test_free_completed_is_not_counted_twice_when_free_requested_exists():
     a = h.attribute_peak(loss_step_history(), R, E)
     assert a["replayed_peak"] == PEAK  # a double count would lower it
+    assert a["resident_at_peak"] == R - 3072
 
 
 def test_longest_device_trace_is_replayed():
     snap = loss_step_history()
     snap["device_traces"] = [[alloc(1, 10)], snap["device_traces"][0], []]
-    assert h.attribute_peak(snap, R, E, PEAK)["replayed_peak"] == PEAK
+    a = h.attribute_peak(snap, R, E, PEAK)
+    assert a["replayed_peak"] == PEAK
+    assert a["events"] == len(loss_step_history()["device_traces"][0])
 
 
-def test_snapshot_pickled_to_file_gives_the_same_attribution(tmp_path):
-    """--snapshot-dir pickles the raw snapshot; loading it back re-attributes the same."""
-    snap = loss_step_history()
-    path = tmp_path / "snapshot-smol-2048-b1.pickle"
-    with open(path, "wb") as fh:
-        pickle.dump(snap, fh)
-    with open(path, "rb") as fh:
-        loaded = pickle.load(fh)
-    assert h.attribute_peak(loaded, R, E, PEAK) == h.attribute_peak(snap, R, E, PEAK)
+# --- the positive control: hand-made histories through attribute_peak -----------------
 
-
-# --- positive control: hand-made histories through attribute_peak ---------------
-
-def control_history(bf16_copies: int):
-    """A loss step: bf16 logits, fp32 upcast, grad; plus N held bf16 copies."""
+def control_history(bf16_copies: int, fp32_copies: int = 0):
+    """A loss step: bf16 logits, fp32 upcast, grad; plus held copies across it."""
     events = [alloc(1, BF16), alloc(2, FP32)]
     events += [alloc(100 + i, BF16) for i in range(bf16_copies)]
+    events += [alloc(200 + i, FP32) for i in range(fp32_copies)]
     events += [alloc(3, FP32), free(2, FP32), free(3, FP32), free(1, BF16)]
     events += [free(100 + i, BF16) for i in range(bf16_copies)]
+    events += [free(200 + i, FP32) for i in range(fp32_copies)]
     return snapshot(*events)
 
 
-def control_peak(bf16_copies: int) -> int:
-    return R + BF16_BLOCK * (1 + bf16_copies) + 2 * FP32_BLOCK
+def control_peak(bf16_copies: int, fp32_copies: int = 0) -> int:
+    return R + BF16_BLOCK * (1 + bf16_copies) + FP32_BLOCK * (2 + fp32_copies)
 
 
-def attributed(copies: int, measured_off: int = 0):
-    return h.attribute_peak(control_history(copies), R, E, control_peak(copies) + measured_off)
+def attributed(copies: int, measured_off: int = 0, fp32_copies: int = 0):
+    return h.attribute_peak(control_history(copies, fp32_copies), R, E,
+                            control_peak(copies, fp32_copies) + measured_off)
 
 
 def test_positive_control_passes_with_exactly_one_extra_bf16_block():
     without, with_copy = attributed(0), attributed(1)
+    assert without["complete"] and with_copy["complete"]
     assert without["logits_bf16"]["count"] == 1
     assert with_copy["logits_bf16"]["count"] == 2
     c = h.positive_control(without, with_copy)
@@ -199,9 +212,10 @@ def test_positive_control_passes_with_exactly_one_extra_bf16_block():
     assert c["without_copy"] is without and c["with_copy"] is with_copy
 
 
-@pytest.mark.parametrize("copies,extra", [(0, 0), (2, 2)])
-def test_positive_control_fails_unless_exactly_one_more(copies, extra):
-    c = h.positive_control(attributed(0), attributed(copies))
+@pytest.mark.parametrize("copies,fp32,extra", [(0, 0, 0), (2, 0, 2), (0, 1, 0)],
+                         ids=["no-copy-seen", "two-copies", "fp32-copy"])
+def test_positive_control_fails_unless_exactly_one_more_bf16_block(copies, fp32, extra):
+    c = h.positive_control(attributed(0), attributed(copies, fp32_copies=fp32))
     assert c["extra_bf16_blocks"] == extra
     assert c["passed"] is False
 
@@ -210,57 +224,115 @@ def test_positive_control_fails_when_a_history_is_incomplete():
     far = 50 * 2**20
     assert h.positive_control(attributed(0, far), attributed(1))["passed"] is False
     assert h.positive_control(attributed(0), attributed(1, far))["passed"] is False
+    empty = h.attribute_peak({"device_traces": []}, R, E, R)
+    assert h.positive_control(empty, attributed(1))["passed"] is False
 
 
-# --- scheduling and merging -------------------------------------------------------
+def test_a_failed_positive_control_is_a_finding():
+    passed = h.positive_control(attributed(0), attributed(1))
+    failed = h.positive_control(attributed(0), attributed(0))
+    row = make_row("smol", 2048, real_peak=safe_peak(2048))
+    assert h.Result(environment=ENV, rows=[row], control=passed).exit_code == h.EXIT_OK
+    assert h.Result(environment=ENV, rows=[row], control=failed).exit_code == h.EXIT_FINDING
 
-def default_arms():
+
+@cuda
+def test_real_control_step_sees_the_held_bf16_copy():
+    """On a CUDA box: the real loss step, without and with one held bf16 logits copy."""
+    c = h.positive_control(h.control_step(False), h.control_step(True))
+    assert c["without_copy"]["complete"] and c["with_copy"]["complete"]
+    assert c["extra_bf16_blocks"] == 1
+    assert c["passed"] is True
+
+
+# --- shards and merging ------------------------------------------------------------------
+
+ENV = {"gpu": "NVIDIA H200", "driver": "570.1", "cuda": "13.0", "torch": "2.13.0+cu130",
+       "transformers": "5.16.1", "trl": "0.29.1", "peft": "0.20.0", "soup_cli": "0.73.3",
+       "python": "3.11.9", "weights": "synthetic", "dry_run": False, "arms": "shard 1/3 in one process",
+       "cuda_visible_devices": "0", "date": "2025-01-01T00:00:00+00:00", "command": "x --shard 1/3"}
+
+
+def grid():
     return h.plan_arms(["smol", "qwen"], None, [1])
 
 
-def test_plan_arms_is_the_record_grid_in_order():
-    arms = default_arms()
-    assert [(a.model, a.seq) for a in arms] == [(k, s) for k, ss in h.RECORD_GRID.items()
-                                                for s in ss]
-    assert [a.index for a in arms] == list(range(10))
+def measured_row(arm: h.Arm, repeat=None) -> h.Row:
+    return make_row(arm.model, arm.seq, arm.batch, arm.index, repeat=repeat,
+                    real_peak=safe_peak(arm.seq, h.SHAPES[arm.model]))
 
 
-def test_schedule_is_deterministic():
-    first = h.schedule(default_arms(), [0, 1])
-    second = h.schedule(default_arms(), [0, 1])
-    as_dicts = lambda q: {g: [asdict(a) for a in arms] for g, arms in q.items()}  # noqa: E731
-    assert as_dicts(first) == as_dicts(second)
+def shard_result(k: int, n: int, **env) -> h.Result:
+    """One shard's saved result, read back as --from-json reads it."""
+    arms = h.shard_of(grid(), (k, n))
+    res = h.Result(environment=dict(ENV, **env), rows=[measured_row(a) for a in arms])
+    return h.Result.from_json(json.loads(json.dumps(res.to_json())))
 
 
-@pytest.mark.parametrize("gpus", [[0], [0, 1], [1, 0], [0, 1, 2], [3, 5, 7, 9]])
-def test_schedule_deals_every_arm_once_in_grid_order(gpus):
-    arms = default_arms()
-    q = h.schedule(arms, gpus)
-    assert list(q) == gpus
-    dealt = sorted(a.index for queue in q.values() for a in queue)
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 9, 10, 11])
+def test_shards_cover_every_arm_exactly_once(n):
+    arms = grid()
+    shards = [h.shard_of(arms, (k, n)) for k in range(1, n + 1)]
+    dealt = sorted(a.index for shard in shards for a in shard)
     assert dealt == list(range(len(arms)))
-    for queue in q.values():
-        assert [a.index for a in queue] == sorted(a.index for a in queue)
+    for shard in shards:
+        assert [a.index for a in shard] == sorted(a.index for a in shard)  # grid order kept
 
 
-def test_schedule_balances_two_gpus():
-    q = h.schedule(default_arms(), [0, 1])
-    for queue in q.values():
-        assert not all(a.model == "qwen" for a in queue)
-        assert any(a.model == "qwen" for a in queue)
-    load = {g: sum(h.predicted_bytes(h.SHAPES[a.model], a.seq, a.batch) for a in queue)
-            for g, queue in q.items()}
-    biggest = max(h.predicted_bytes(h.SHAPES[a.model], a.seq) for a in default_arms())
-    assert abs(load[0] - load[1]) <= biggest  # greedy's guarantee
-    assert abs(load[0] - load[1]) < 0.05 * sum(load.values())
+def test_shard_k_of_n_is_every_arm_whose_index_is_k_minus_1_mod_n():
+    arms = grid()
+    assert [a.index for a in h.shard_of(arms, (2, 4))] == [1, 5, 9]
+    assert [a.index for a in h.shard_of(arms, (4, 4))] == [3, 7]
+    assert [(a.model, a.seq) for a in h.shard_of(arms, (1, 3))] == [
+        ("smol", 2048), ("smol", 4352), ("qwen", 2048), ("qwen", 6144)]
+    assert h.shard_of(arms, (1, 1)) == arms
 
 
-def test_merge_rows_restores_grid_order():
-    rows = [{"index": i, "repeat": r, "seq": 1000 + i} for i in range(10) for r in range(2)]
-    shuffled = rows[:]
-    random.Random(395).shuffle(shuffled)
-    assert shuffled != rows
-    assert h.merge_rows(shuffled) == rows
-    # Rows without a repeat (in-process runs) sort by index alone.
-    plain = [{"index": i} for i in (3, 0, 2, 1)]
-    assert [r["index"] for r in h.merge_rows(plain)] == [0, 1, 2, 3]
+def test_merge_puts_rows_from_shards_back_in_grid_order():
+    parts = [shard_result(k, 3, cuda_visible_devices=str(k), date=f"2025-01-0{k}",
+                          arms=f"shard {k}/3", command=f"x --shard {k}/3") for k in (1, 2, 3)]
+    random.Random(395).shuffle(parts)
+    merged = h.merge(parts, "merged from 3 result(s)")
+    assert [r.index for r in merged.rows] == list(range(10))
+    assert merged.rows == [measured_row(a) for a in grid()]
+    assert merged.environment["arms"] == "merged from 3 result(s)"
+    assert merged.exit_code == h.EXIT_OK
+
+
+def test_merge_orders_repeats_after_the_sweep_by_arm_then_repeat():
+    arms = grid()
+    sweep = h.Result(environment=ENV, rows=[measured_row(a) for a in arms[:3]])
+    reps = [h.Result(environment=ENV, rows=[measured_row(arms[i], repeat=r)])
+            for i, r in ((2, 2), (1, 1), (2, 1), (1, 2))]
+    merged = h.merge(reps + [sweep])
+    assert [(r.index, r.repeat) for r in merged.rows] == [
+        (0, None), (1, None), (2, None), (1, 1), (1, 2), (2, 1), (2, 2)]
+
+
+def test_merge_refuses_overlapping_shards():
+    with pytest.raises(h.UsageError, match="same arm"):
+        h.merge([shard_result(1, 2), shard_result(1, 3)])  # arm 0 (and 6) in both
+
+
+@pytest.mark.parametrize("key,other", [("torch", "2.12.0+cu128"), ("soup_cli", "0.77.0"),
+                                       ("dry_run", True), ("gpu", "NVIDIA A10G"),
+                                       ("weights", "hub"), ("transformers", "5.0.0")])
+def test_merge_refuses_two_different_stacks(key, other):
+    with pytest.raises(h.UsageError, match=key):
+        h.merge([shard_result(1, 2), shard_result(2, 2, **{key: other})])
+
+
+def test_merge_keeps_a_finding_from_any_shard():
+    arms = grid()
+    under = make_row(arms[3].model, arms[3].seq, index=3,
+                     real_peak=h.predicted_bytes(h.SHAPES[arms[3].model], arms[3].seq) + 1)
+    ok = h.Result(environment=ENV, rows=[measured_row(arms[0])],
+                  control=h.positive_control(attributed(0), attributed(1)))
+    bad = h.Result(environment=ENV, rows=[under],
+                   control=h.positive_control(attributed(0), attributed(0)))
+    merged = h.merge([ok, bad])
+    assert [r.status for r in merged.rows] == ["ok", "UNDER"]
+    assert merged.control["passed"] is False  # a failed control is never hidden by a passed one
+    assert merged.exit_code == h.EXIT_FINDING
+    stopped = h.Result(environment=ENV, rows=[measured_row(arms[1])], interrupted=True)
+    assert h.merge([ok, stopped]).exit_code == h.EXIT_INTERRUPTED

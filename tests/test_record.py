@@ -1,58 +1,86 @@
-"""The record's figures: Soup's prediction, the derived columns, row status.
+"""The record's figures, and the Row that carries them: Soup's prediction, the derived
+columns, a row's status, and the one JSON round trip.
 
-Everything here is computed by Soup's real estimator (soup_cli) from the grid's
-shape figures, against the A10G record's published numbers. No GPU is needed:
-where a real peak is required, the record's published A10G peak stands in for
-a CUDA measurement (said in each test that does so).
+Every prediction is Soup's real estimator (soup_cli) fed the grid's shape figures; every
+row is built by the harness's own constructor (``make_row`` -> ``h.arm_row``) or read
+back by ``h.Row.from_json``. No GPU is needed: where a real peak is required, the A10G
+record's published peak stands in for a CUDA measurement (each test that does so says so).
 """
 
 from __future__ import annotations
 
-import dataclasses
+import json
 import statistics
-import sys
+from dataclasses import replace
 from importlib import metadata
-from pathlib import Path
 
 import pytest
+from conftest import QWEN, SMOL, h, make_row
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-import issue395_second_stack_vram as h  # noqa: E402
-
-# PROTOCOL.md's shape table, typed in independently of h.SHAPES.
+# PROTOCOL.md's shape table and the A10G record's published figures, typed in here
+# independently of the harness's own copies.
 PROTOCOL_SHAPES = {
     "smol": dict(pool=14160384, extras=56624256, adapter=921600, vocab=49152, hidden=576,
                  intermediate=1536, n_layers=30),
     "qwen": dict(pool=59649536, extras=272271104, adapter=1081344, vocab=151936, hidden=896,
                  intermediate=4864, n_layers=24),
 }
-RECORD_ARMS = [(k, s) for k, seqs in h.RECORD_GRID.items() for s in seqs]
+PUBLISHED = {  # (model, seq): (predicted GB, real peak GB, pred/real)
+    ("smol", 2048): (1.596, 1.3652, 1.169), ("smol", 3072): (2.345, 2.0167, 1.163),
+    ("smol", 4096): (3.094, 2.6578, 1.164), ("smol", 4352): (3.281, 2.8184, 1.164),
+    ("smol", 5120): (3.842, 3.3030, 1.163), ("smol", 6144): (4.591, 3.9430, 1.164),
+    ("qwen", 2048): (4.854, 4.1770, 1.162), ("qwen", 4096): (9.346, 8.0123, 1.166),
+    ("qwen", 5120): (11.592, 9.9294, 1.167), ("qwen", 6144): (13.837, 11.8481, 1.168),
+}
+RECORD_ARMS = list(PUBLISHED)
 
 
-def record_row(key: str, seq: int) -> dict:
-    """A row as run_arm builds it, with the A10G record's published peak standing in
-    for the CUDA measurement (no GPU here)."""
-    shape = h.SHAPES[key]
-    predicted = h.predicted_bytes(shape, seq)
-    real = h.RECORD_A10G_PEAK[(key, seq)]
-    row = {"model": shape.name, "model_key": key, "seq": seq, "batch": 1, "realised": seq,
-           "realised_rows": [seq], "predicted": predicted, "real_peak": real,
-           "error_kind": None, "dry_run": False}
-    row.update(h.derived_columns(shape, seq, 1, predicted, real))
-    row.update(h.record_columns(shape, seq, 1, real))
-    row["status"] = h.row_status(row)
-    return row
+def record_row(key: str, seq: int, index: int = 0) -> h.Row:
+    """The row an arm builds, the A10G record's published peak standing in for the CUDA
+    measurement (no GPU here)."""
+    return make_row(key, seq, index=index, real_peak=h.RECORD_A10G_PEAK[(key, seq)])
 
 
-def test_grid_and_shapes_are_the_protocols():
+def record_rows() -> list[h.Row]:
+    return [record_row(k, s, i) for i, (k, s) in enumerate(RECORD_ARMS)]
+
+
+def roundtrip(row: h.Row) -> h.Row:
+    """A row through JSON text, exactly as --json and the row file hold it."""
+    return h.Row.from_json(json.loads(json.dumps(row.to_json())))
+
+
+# --- the record as data ------------------------------------------------------------
+
+def test_grid_shapes_and_published_figures_are_the_protocols():
     assert h.RECORD_GRID == {"smol": (2048, 3072, 4096, 4352, 5120, 6144),
                              "qwen": (2048, 4096, 5120, 6144)}
-    assert len(RECORD_ARMS) == 10
+    assert [(k, s) for k, seqs in h.RECORD_GRID.items() for s in seqs] == RECORD_ARMS
     for key, figures in PROTOCOL_SHAPES.items():
         shape = h.SHAPES[key]
         assert {f: getattr(shape, f) for f in figures} == figures
+        assert shape.record is True
+    assert h.RECORD_A10G_PREDICTED == {k: (p, r) for k, (p, _, r) in PUBLISHED.items()}
+    assert {k: round(v / 1e9, 4) for k, v in h.RECORD_A10G_PEAK.items()} == \
+        {k: real for k, (_, real, _) in PUBLISHED.items()}
+    assert h.RECORD_A10G_OVERESTIMATE == {"mean": 1.152, "pstdev": 0.0249}
 
+
+def test_plan_arms_is_the_record_grid_in_order():
+    arms = h.plan_arms(["smol", "qwen"], None, [1])
+    assert [(a.model, a.seq, a.batch) for a in arms] == [(k, s, 1) for k, s in RECORD_ARMS]
+    assert [a.index for a in arms] == list(range(10))
+
+
+def test_plan_arms_orders_model_then_seq_then_batch():
+    arms = h.plan_arms(["qwen", "smol"], [4096, 2048], [2, 1])
+    assert [(a.model, a.seq, a.batch) for a in arms] == [
+        ("qwen", 4096, 2), ("qwen", 4096, 1), ("qwen", 2048, 2), ("qwen", 2048, 1),
+        ("smol", 4096, 2), ("smol", 4096, 1), ("smol", 2048, 2), ("smol", 2048, 1)]
+    assert [a.index for a in arms] == list(range(8))
+
+
+# --- the prediction: Soup's estimator --------------------------------------------
 
 @pytest.mark.parametrize("key,seq", RECORD_ARMS)
 def test_predicted_bytes_is_soups_estimator_with_protocol_arguments(key, seq):
@@ -65,11 +93,12 @@ def test_predicted_bytes_is_soups_estimator_with_protocol_arguments(key, seq):
         intermediate_size=s["intermediate"], n_layers=s["n_layers"], seq_len=seq, batch_size=1)
     pred = h.predicted_bytes(h.SHAPES[key], seq)
     assert pred == int(direct)
-    assert round(pred / 1e9, 3) == h.RECORD_A10G_PREDICTED[(key, seq)][0]
+    assert round(pred / 1e9, 3) == PUBLISHED[(key, seq)][0]
+    assert make_row(key, seq).predicted == pred  # the row carries exactly Soup's figure
 
 
 def test_smollm2_seq_2048_prediction_is_the_protocols_exact_bytes():
-    pred = h.predicted_bytes(h.SHAPES["smol"], 2048)
+    pred = h.predicted_bytes(SMOL, 2048)
     version = metadata.version("soup-cli")
     if version != "0.73.3" and pred != 1596396768:
         pytest.skip(f"PROTOCOL's exact figure is for soup-cli 0.73.3; installed {version} "
@@ -78,179 +107,338 @@ def test_smollm2_seq_2048_prediction_is_the_protocols_exact_bytes():
 
 
 def test_predicted_bytes_grows_with_batch():
-    one = h.predicted_bytes(h.SHAPES["smol"], 4096, 1)
-    two = h.predicted_bytes(h.SHAPES["smol"], 4096, 2)
-    assert two > one
+    assert h.predicted_bytes(SMOL, 4096, 2) > h.predicted_bytes(SMOL, 4096, 1)
+    assert make_row("smol", 4096, batch=2).predicted == h.predicted_bytes(SMOL, 4096, 2)
 
+
+@pytest.mark.parametrize("key,seq,batch", [("smol", 2048, 1), ("qwen", 6144, 1), ("smol", 4096, 3)])
+def test_logits_charge_is_soups_14_bytes_and_its_loss_holds_12(key, seq, batch):
+    from soup_cli.utils.layer_stream import LOGITS_BYTES_PER_ELEMENT, LOGITS_LOSS_BYTES_PER_ELEMENT
+
+    elements = seq * h.SHAPES[key].vocab * batch
+    assert (LOGITS_BYTES_PER_ELEMENT, LOGITS_LOSS_BYTES_PER_ELEMENT) == (14, 12)
+    assert h.logits_charge(h.SHAPES[key], seq, batch) == (14 * elements, 12.0)
+    row = make_row(key, seq, batch=batch)
+    assert row.elements == elements
+    assert row.logits14 == 14 * elements
+    assert row.nonlogits_modelled == row.predicted - 14 * elements
+
+
+# --- the derived columns against the record (record peaks stand in for CUDA) -----
 
 @pytest.mark.parametrize("key,seq", RECORD_ARMS)
 def test_pred_over_record_peak_reproduces_published_ratio(key, seq):
-    """The record's published A10G peak stands in for a CUDA measurement.
-    Every row matches to 3 decimals exactly (no rounding slack was needed)."""
+    """Every row matches the published ratio to 3 decimals exactly (no slack needed)."""
     row = record_row(key, seq)
-    assert round(row["pred_over_real"], 3) == h.RECORD_A10G_PREDICTED[(key, seq)][1]
-    assert row["status"] == "ok"
+    assert row.status == "ok"
+    assert round(row.pred_over_real, 3) == PUBLISHED[(key, seq)][2]
+    assert row.pred_over_real == row.predicted / h.RECORD_A10G_PEAK[(key, seq)]
+    assert row.record_peak == h.RECORD_A10G_PEAK[(key, seq)]
+    assert row.vs_record == 1.0  # the record's own peak, against the record
 
 
 @pytest.mark.parametrize("key,seq", RECORD_ARMS)
 def test_retained_copy_would_not_fit_in_any_record_row(key, seq):
-    """14 x E exceeds every published A10G peak (the peak stands in for CUDA)."""
     row = record_row(key, seq)
-    from soup_cli.utils.layer_stream import LOGITS_BYTES_PER_ELEMENT, LOGITS_LOSS_BYTES_PER_ELEMENT
-
-    elements = seq * h.SHAPES[key].vocab
-    assert row["elements"] == elements
-    assert row["logits14_bytes"] == LOGITS_BYTES_PER_ELEMENT * elements
-    assert row["logits12_bytes"] == LOGITS_LOSS_BYTES_PER_ELEMENT * elements
-    assert row["nonlogits_modelled_bytes"] == row["predicted"] - row["logits14_bytes"]
-    assert row["logits14_bytes"] > row["real_peak"]
-    assert row["retained_copy_would_fit"] is False
+    assert row.logits14 > row.real_peak
+    assert row.retained_copy_would_fit is False
 
 
 def test_nonlogits_overestimate_reproduces_record_mean_and_pstdev():
-    """Computed from derived_columns over the ten rows, the record's published peaks
-    standing in for CUDA measurements."""
-    rows = [record_row(k, s) for k, s in RECORD_ARMS]
-    vals = [r["nonlogits_overestimate"] for r in rows]
+    """Over the ten rows built with the record's peaks (standing in for CUDA)."""
+    rows = record_rows()
     for r in rows:
-        assert r["nonlogits_overestimate"] == pytest.approx(
-            r["nonlogits_modelled_bytes"] / (r["real_peak"] - r["logits12_bytes"]))
-    assert round(statistics.fmean(vals), 3) == h.RECORD_A10G_OVERESTIMATE["mean"] == 1.152
-    assert round(statistics.pstdev(vals), 4) == h.RECORD_A10G_OVERESTIMATE["pstdev"] == 0.0249
-
-
-def test_overestimate_summary_matches_record_and_ignores_void_rows():
-    """Record peaks stand in for CUDA measurements; a VOID row with a wild ratio must
-    not move the summary."""
-    rows = [record_row(k, s) for k, s in RECORD_ARMS]
+        assert r.nonlogits_overestimate == pytest.approx(
+            (r.predicted - 14 * r.elements) / (r.real_peak - 12 * r.elements))
+    vals = [r.nonlogits_overestimate for r in rows]
+    assert round(statistics.fmean(vals), 3) == 1.152
+    assert round(statistics.pstdev(vals), 4) == 0.0249
     s = h.overestimate_summary(rows)
     assert s["n"] == 10
-    assert round(s["mean"], 3) == 1.152
-    assert round(s["pstdev"], 4) == 0.0249
-
-    void = record_row("smol", 2048)
-    void["realised"] = 1900
-    void["realised_rows"] = [1900]
-    void["status"] = h.row_status(void)
-    assert void["status"] == "VOID"
-    void["nonlogits_overestimate"] = 50.0  # would wreck the mean if counted
-    again = h.overestimate_summary(rows + [void])
-    assert again == s
-    assert h.overestimate_summary([void]) is None
+    assert s["mean"] == pytest.approx(statistics.fmean(vals))
+    assert s["pstdev"] == pytest.approx(statistics.pstdev(vals))
 
 
-def test_overestimate_summary_counts_under_rows_but_not_failed_ones():
-    under = record_row("smol", 4096)
-    under["status"] = "UNDER"
-    failed = record_row("smol", 6144)
-    failed["status"] = "FAILED"
-    s = h.overestimate_summary([under, failed])
-    assert s["n"] == 1
-    assert s["mean"] == under["nonlogits_overestimate"]
+def test_overestimate_summary_counts_ok_and_under_rows_only():
+    """A VOID row measured with a wild peak, a FAILED and an OOM row carrying a peak, and a
+    dry run: none of them has an over-estimate, so none moves the summary."""
+    rows = record_rows()
+    s = h.overestimate_summary(rows)
+    void = make_row("smol", 2048, index=10, real_peak=50_000_000,
+                    realised_width=1900, realised_rows=(1900,))
+    failed = make_row("smol", 3072, index=11, real_peak=60_000_000, failure="FAILED", error="x")
+    oom = make_row("qwen", 6144, index=12, real_peak=60_000_000, failure="OOM", error="x")
+    dry = make_row("smol", 4096, index=13, dry_run=True)
+    assert [r.status for r in (void, failed, oom, dry)] == ["VOID", "FAILED", "OOM", "dry-run"]
+    assert h.overestimate_summary(rows + [void, failed, oom, dry]) == s
+    assert h.overestimate_summary([void, failed, oom, dry]) is None
 
-
-def test_derived_columns_without_a_peak_leave_ratios_empty():
-    shape = h.SHAPES["qwen"]
-    pred = h.predicted_bytes(shape, 2048)
-    d = h.derived_columns(shape, 2048, 1, pred, None)
-    assert d["pred_over_real"] is None
-    assert d["nonlogits_overestimate"] is None
-    assert d["retained_copy_would_fit"] is None
-    assert d["logits14_bytes"] == 14 * 2048 * shape.vocab
+    under_peak = h.predicted_bytes(SMOL, 4096) + 1
+    under = make_row("smol", 4096, real_peak=under_peak)
+    assert under.status == "UNDER"
+    assert h.overestimate_summary([under, failed]) == {
+        "n": 1, "mean": under.nonlogits_overestimate, "pstdev": 0.0}
 
 
 def test_retained_copy_flag_is_true_when_14xE_fits_under_the_peak():
-    shape = h.SHAPES["smol"]
-    pred = h.predicted_bytes(shape, 2048)
-    d = h.derived_columns(shape, 2048, 1, pred, real_peak=pred)
-    assert d["retained_copy_would_fit"] is True
-    assert d["pred_over_real"] == 1.0
+    pred = h.predicted_bytes(SMOL, 2048)
+    row = make_row("smol", 2048, real_peak=pred)
+    assert row.retained_copy_would_fit is True
+    assert row.pred_over_real == 1.0
+    assert row.status == "ok"  # equal is not under
 
 
-# --- row_status ---------------------------------------------------------------
+# --- status --------------------------------------------------------------------------
 
-def base_row(**kw):
-    row = {"seq": 4096, "batch": 1, "realised": 4096, "realised_rows": [4096],
-           "predicted": 3_000_000_000, "real_peak": 2_600_000_000, "error_kind": None,
-           "dry_run": False}
-    row.update(kw)
-    return row
+SEQ = 4096
+PRED = h.predicted_bytes(SMOL, SEQ)
 
 
-def test_row_status_ok_when_prediction_covers_peak():
-    assert h.row_status(base_row()) == "ok"
-    assert h.row_status(base_row(real_peak=3_000_000_000)) == "ok"  # equal is not under
+def test_status_ok_when_the_prediction_covers_the_peak():
+    assert make_row("smol", SEQ, real_peak=PRED - 1).status == "ok"
+    assert make_row("smol", SEQ, real_peak=PRED).status == "ok"
 
 
-def test_row_status_under_when_prediction_below_peak():
-    assert h.row_status(base_row(real_peak=3_000_000_001)) == "UNDER"
+def test_status_under_when_the_prediction_is_below_the_peak():
+    row = make_row("smol", SEQ, real_peak=PRED + 1)
+    assert row.status == "UNDER"
+    assert row.measured is True
+    assert row.pred_over_real == PRED / (PRED + 1) < 1
 
 
-def test_row_status_void_when_realised_differs_even_with_a_peak():
-    assert h.row_status(base_row(realised=4000, realised_rows=[4000])) == "VOID"
-    # A short row that would also look like an under-prediction is still VOID first.
-    assert h.row_status(base_row(realised=4000, realised_rows=[4000],
-                                 real_peak=9_000_000_000)) == "VOID"
+def test_status_void_when_realised_differs_even_with_a_peak():
+    assert make_row("smol", SEQ, real_peak=PRED // 2, realised_width=4000,
+                    realised_rows=(4000,)).status == "VOID"
+    # A short row whose peak would read as an under-prediction is VOID first.
+    assert make_row("smol", SEQ, real_peak=PRED * 2, realised_width=4000,
+                    realised_rows=(4000,)).status == "VOID"
 
 
-def test_row_status_void_when_the_batch_is_wider_than_seq_though_every_row_is_not():
-    """input_ids.shape[-1] is what the step runs at: padding past seq (a collator's
-    pad_to_multiple_of, say) voids the row even when every attention mask sums to seq."""
-    assert h.row_status(base_row(realised=4096, realised_rows=[4096],
-                                 realised_width=4160)) == "VOID"
-    assert h.row_status(base_row(realised=4096, realised_rows=[4096],
-                                 realised_width=4096)) == "ok"
+def test_status_void_when_the_batch_is_wider_than_seq_though_every_row_is_not():
+    """input_ids.shape[-1] is what the step runs at: padding past seq voids the row even
+    when every attention mask sums to seq."""
+    row = make_row("smol", SEQ, real_peak=PRED // 2, realised_width=SEQ + 64, realised_rows=(SEQ,))
+    assert row.status == "VOID"
+    assert row.realised == SEQ + 64
+    assert h.realised_as_requested(SEQ, 1, SEQ + 64, [SEQ]) is False
 
 
-def test_row_status_void_when_one_row_of_a_batch_is_short():
-    lengths = [4096, 4090]
-    assert h.realised_length(lengths, 4096) == 4090
-    # Even if the table's single realised figure were the batch width, the short row voids it.
-    assert h.row_status(base_row(batch=2, realised=4096, realised_rows=lengths)) == "VOID"
-    assert h.row_status(base_row(batch=2, realised=4090, realised_rows=lengths)) == "VOID"
-    assert h.row_status(base_row(batch=2, realised=4096, realised_rows=[4096, 4096])) == "ok"
+def test_status_void_when_one_row_of_a_batch_is_short():
+    row = make_row("smol", SEQ, batch=2, real_peak=PRED // 2, realised_rows=(SEQ, SEQ - 6))
+    assert row.realised_width == SEQ  # the batch is seq wide: only the short row shows it
+    assert row.status == "VOID"
+    assert row.realised == SEQ - 6
+    assert make_row("smol", SEQ, batch=2, real_peak=PRED // 2).status == "ok"
 
 
-def test_row_status_void_when_fewer_rows_than_batch():
-    assert h.row_status(base_row(batch=2, realised=4096, realised_rows=[4096])) == "VOID"
+def test_status_void_when_fewer_rows_than_batch():
+    assert make_row("smol", SEQ, batch=2, real_peak=PRED // 2, realised_rows=(SEQ,)).status == "VOID"
+    assert h.realised_as_requested(SEQ, 2, SEQ, [SEQ]) is False
+    assert h.realised_as_requested(SEQ, 2, SEQ, [SEQ, SEQ]) is True
+
+
+def test_status_void_when_nothing_was_realised():
+    assert make_row("smol", SEQ, real_peak=PRED // 2, realised_width=None,
+                    realised_rows=()).status == "VOID"
 
 
 @pytest.mark.parametrize("kind", ["OOM", "FAILED"])
-def test_row_status_error_kind_wins_over_everything(kind):
-    assert h.row_status(base_row(error_kind=kind)) == kind
-    assert h.row_status(base_row(error_kind=kind, realised=None, realised_rows=None,
-                                 real_peak=None)) == kind
+def test_failure_wins_over_every_other_status(kind):
+    assert make_row("smol", SEQ, real_peak=PRED // 2, failure=kind).status == kind
+    assert make_row("smol", SEQ, real_peak=PRED * 2, failure=kind).status == kind
+    assert make_row("smol", SEQ, failure=kind, realised_width=None, realised_rows=()).status == kind
+    assert make_row("smol", SEQ, failure=kind, dry_run=True).status == kind
 
 
-def test_row_status_without_peak_is_failed_unless_dry_run():
-    assert h.row_status(base_row(real_peak=None)) == "FAILED"
-    assert h.row_status(base_row(real_peak=None, dry_run=True)) == "dry-run"
+def test_status_without_a_peak_is_failed_unless_dry_run():
+    assert make_row("smol", SEQ).status == "FAILED"
+    assert make_row("smol", SEQ, dry_run=True).status == "dry-run"
+    # The guard holds in a dry run too.
+    assert make_row("smol", SEQ, dry_run=True, realised_width=100, realised_rows=(100,)).status == "VOID"
 
 
-def test_realised_length_prefers_the_furthest_and_shortest_row():
-    assert h.realised_length([2048, 2048], 2048) == 2048
-    assert h.realised_length([2048, 2050, 2046], 2048) == 2046  # tie: the shorter
-    assert h.realised_length([], 2048) == 0
+@pytest.mark.parametrize("measured", [
+    dict(real_peak=PRED // 2, realised_width=4000, realised_rows=(4000,)),  # VOID
+    dict(real_peak=PRED // 2, realised_width=SEQ + 64),  # VOID: wider than seq
+    dict(real_peak=PRED // 2, failure="FAILED", error="boom"),
+    dict(real_peak=PRED // 2, failure="OOM", error="CUDA out of memory"),
+    dict(dry_run=True),
+    dict(),  # no peak, not a dry run: FAILED
+], ids=["void-short", "void-wide", "failed", "oom", "dry-run", "no-peak"])
+def test_a_row_not_ok_or_under_has_no_ratio_even_with_a_real_peak(measured):
+    row = make_row("smol", SEQ, **measured)
+    assert row.status not in ("ok", "UNDER")
+    assert row.measured is False
+    assert (row.pred_over_real, row.nonlogits_overestimate, row.retained_copy_would_fit,
+            row.vs_record) == (None, None, None, None)
+    # Soup's figures for the arm are still there: they do not depend on a measurement.
+    assert row.predicted == PRED and row.logits14 == 14 * SEQ * SMOL.vocab
+    assert row.record_peak == h.RECORD_A10G_PEAK[("smol", SEQ)]
 
 
-# --- record_columns -----------------------------------------------------------
+def test_realised_prefers_the_furthest_and_shortest_length():
+    assert make_row("smol", 2048, batch=2).realised == 2048
+    assert make_row("smol", 2048, batch=3, realised_rows=(2048, 2050, 2046)).realised == 2046  # tie
+    assert make_row("smol", 2048, batch=2, realised_rows=(2048, 2047), realised_width=2100).realised == 2100
+    assert make_row("smol", 2048, batch=2, realised_rows=(2000, 2048), realised_width=2050).realised == 2000
+    assert make_row("smol", 2048, realised_rows=(), realised_width=1900).realised == 1900
+    assert make_row("smol", 2048, realised_rows=(), realised_width=None).realised is None
 
-def test_vs_record_is_real_over_record_for_a_record_arm():
-    rec = h.RECORD_A10G_PEAK[("smol", 2048)]
-    cols = h.record_columns(h.SHAPES["smol"], 2048, 1, 1_400_000_000)
-    assert cols["record_a10g_peak"] == rec
-    assert cols["vs_record"] == 1_400_000_000 / rec
+
+# --- vs_record ----------------------------------------------------------------------
+
+def test_vs_record_is_real_over_record_on_a_record_arm_at_batch_1():
+    rec = h.RECORD_A10G_PEAK[("qwen", 5120)]
+    row = make_row("qwen", 5120, real_peak=10_000_000_000)
+    assert row.record_peak == rec
+    assert row.vs_record == 10_000_000_000 / rec
 
 
-def test_vs_record_is_none_off_the_record():
-    shape = h.SHAPES["smol"]
-    assert h.record_columns(shape, 2048, 2, 1_400_000_000) == {"record_a10g_peak": None,
-                                                               "vs_record": None}
-    assert h.record_columns(shape, 2560, 1, 1_400_000_000) == {"record_a10g_peak": None,
-                                                               "vs_record": None}
-    custom = dataclasses.replace(shape, record=False)
-    assert h.record_columns(custom, 2048, 1, 1_400_000_000)["vs_record"] is None
-    # A record arm without a measurement keeps the record figure but no ratio.
-    cols = h.record_columns(shape, 2048, 1, None)
-    assert cols["record_a10g_peak"] == h.RECORD_A10G_PEAK[("smol", 2048)]
-    assert cols["vs_record"] is None
+def test_vs_record_only_on_record_arms_and_batch_1():
+    assert make_row("smol", 2048, batch=2, real_peak=1_400_000_000).record_peak is None
+    assert make_row("smol", 2048, batch=2, real_peak=1_400_000_000).vs_record is None
+    assert make_row("smol", 2560, real_peak=1_400_000_000).vs_record is None  # off the grid
+    custom = replace(SMOL, key="custom", record=False)
+    row = h.arm_row(h.Arm("custom", 2048), custom, realised_width=2048, realised_rows=(2048,),
+                    real_peak=1_400_000_000)
+    assert row.status == "ok"
+    assert (row.record_peak, row.vs_record) == (None, None)
+    # A record arm without a measurement keeps the record's figure but has no ratio.
+    row = make_row("smol", 2048, dry_run=True)
+    assert (row.record_peak, row.vs_record) == (h.RECORD_A10G_PEAK[("smol", 2048)], None)
+
+
+# --- the one JSON round trip -----------------------------------------------------------
+
+def attribution_of_a_step() -> dict:
+    snap = {"device_traces": [[{"action": "alloc", "addr": 1, "size": 2 * 2048 * 49152},
+                               {"action": "alloc", "addr": 2, "size": 100}]]}
+    return h.attribute_peak(snap, 1000, 2048 * 49152, None)
+
+
+ROUND_TRIP_ROWS = {
+    "ok": lambda: make_row("smol", 2048, real_peak=1_365_200_000, resident=1234, reserved=1_400_000_000,
+                           base="/ckpt", gpu="0: H200", timings={"setup_s": 1.5, "step_s": 0.2}),
+    "under": lambda: make_row("qwen", 6144, index=9, real_peak=20_000_000_000),
+    "void": lambda: make_row("smol", 4096, batch=2, index=3, real_peak=2_000_000_000,
+                             realised_rows=(4096, 4000)),
+    "oom": lambda: make_row("qwen", 6144, failure="OOM", error="CUDA out of memory",
+                            oom_request=1_288_490_188, teardown_error="RuntimeError: x"),
+    "dry-run": lambda: make_row("smol", 3072, index=1, dry_run=True),
+    "repeat": lambda: make_row("smol", 4096, index=2, repeat=2, real_peak=2_657_800_000),
+    "attributed": lambda: make_row("smol", 2048, real_peak=1_365_200_000,
+                                   attribution=attribution_of_a_step()),
+    "lost": lambda: h.lost_row(h.Arm("qwen", 2048, 1, 6), h.Run(), None, -9),
+}
+
+
+@pytest.mark.parametrize("name", list(ROUND_TRIP_ROWS))
+def test_row_json_round_trip_gives_an_equal_row(name):
+    row = ROUND_TRIP_ROWS[name]()
+    back = roundtrip(row)
+    assert back == row
+    assert back.to_json() == row.to_json()
+    assert back.status == row.status
+
+
+def test_row_json_carries_the_derived_verdicts_for_readers():
+    row = record_row("smol", 2048)
+    d = row.to_json()["derived"]
+    assert d["status"] == "ok"
+    assert d["realised"] == 2048
+    assert d["pred_over_real"] == row.pred_over_real
+    assert d["retained_copy_would_fit"] is False
+
+
+def test_from_json_re_derives_status_from_the_measured_fields():
+    saved = record_row("smol", 2048).to_json()
+    under = h.Row.from_json(dict(saved, real_peak=saved["predicted"] + 1))
+    assert under.status == "UNDER"
+    void = h.Row.from_json(dict(saved, realised_width=1000))
+    assert void.status == "VOID"
+    assert void.pred_over_real is None and void.nonlogits_overestimate is None
+
+
+def test_from_json_never_reads_the_derived_block_back():
+    row = make_row("smol", 2048, real_peak=1_365_200_000, realised_rows=(1900,))
+    saved = json.loads(json.dumps(row.to_json()))
+    assert saved["derived"]["status"] == "VOID"
+    saved["derived"].update(status="ok", pred_over_real=1.169, realised=2048, vs_record=1.0)
+    back = h.Row.from_json(saved)
+    assert back == row
+    assert back.status == "VOID" and back.pred_over_real is None
+    assert back.to_json()["derived"] == row.to_json()["derived"]
+    del saved["derived"]
+    assert h.Row.from_json(saved) == row
+
+
+@pytest.mark.parametrize("peak", [0, -5, float("nan"), float("inf"), True, 1.5, "1365200000"])
+def test_from_json_refuses_a_real_peak_that_is_not_a_measurement(peak):
+    saved = record_row("smol", 2048).to_json()
+    with pytest.raises(ValueError, match="real_peak"):
+        h.Row.from_json(dict(saved, real_peak=peak))
+
+
+def test_from_json_refuses_nan_read_from_json_text():
+    text = json.dumps(record_row("smol", 2048).to_json()).replace('"real_peak": 1365200000',
+                                                                  '"real_peak": NaN')
+    assert "NaN" in text
+    with pytest.raises(ValueError, match="real_peak"):
+        h.Row.from_json(json.loads(text))
+
+
+def test_from_json_refuses_an_unknown_field():
+    saved = record_row("smol", 2048).to_json()
+    with pytest.raises(ValueError, match="peak_gb"):
+        h.Row.from_json(dict(saved, peak_gb=1.3652))
+
+
+@pytest.mark.parametrize("kind", ["CRASH", "oom", ""])
+def test_from_json_refuses_a_failure_kind_it_does_not_know(kind):
+    saved = make_row("smol", 2048, failure="OOM", error="x").to_json()
+    assert h.Row.from_json(saved).status == "OOM"
+    with pytest.raises(ValueError, match="failure"):
+        h.Row.from_json(dict(saved, failure=kind))
+
+
+@pytest.mark.parametrize("field,value", [("seq", 0), ("batch", True), ("vocab", 49152.0),
+                                         ("realised_rows", [2048, -1]), ("realised_rows", "2048"),
+                                         ("loss_bytes_per_element", float("nan")),
+                                         ("predicted", None)])
+def test_from_json_refuses_other_fields_that_cannot_be_judged(field, value):
+    saved = record_row("smol", 2048).to_json()
+    with pytest.raises(ValueError):
+        h.Row.from_json(dict(saved, **{field: value}))
+
+
+@pytest.mark.parametrize("field", ["logits14", "loss_bytes_per_element"])
+def test_from_json_refuses_a_measured_row_without_soups_logits_figures(field):
+    """A measured row's verdicts need Soup's 14 x E and its 12 bytes: without them the row
+    cannot be judged, so it must be refused here, not crash the tables later."""
+    saved = record_row("smol", 2048).to_json()
+    with pytest.raises(ValueError):
+        h.Row.from_json(dict(saved, **{field: None}))
+
+
+def test_from_json_refuses_a_row_without_its_grid_index():
+    """Rows are ordered and merged by index; a row without one cannot be placed."""
+    saved = record_row("smol", 2048).to_json()
+    with pytest.raises(ValueError, match="index"):
+        h.Row.from_json(dict(saved, index=None))
+
+
+# --- determinism: peaks per fresh process ----------------------------------------------
+
+def test_determinism_spread_takes_only_measured_peaks():
+    a = make_row("smol", 4096, index=2, repeat=1, real_peak=2_657_800_000)
+    b = make_row("smol", 4096, index=2, repeat=2, real_peak=2_649_300_000)
+    void = make_row("smol", 6144, index=5, repeat=1, real_peak=3_943_000_000,
+                    realised_rows=(6000,))
+    ok = make_row("smol", 6144, index=5, repeat=2, real_peak=3_943_900_000)
+    first, second = h.determinism_spread([ok, b, void, a])
+    assert first["row"] is a and first["peaks"] == [a.real_peak, b.real_peak]
+    assert first["spread_pct"] == pytest.approx((2_657_800_000 - 2_649_300_000) / 2_649_300_000 * 100)
+    assert round(first["spread_pct"], 2) == 0.32  # the record's spread for this arm
+    assert second["peaks"] == [None, ok.real_peak]
+    assert second["statuses"] == ["VOID", "ok"]
+    assert second["spread_pct"] is None

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# The one GPU-box script. Source it on a lent, air-gapped GPU box from the repo root:
+#
+#   source bench/gpu-box.sh [SOUP_VERSION]     # installs .whl/ (and .whl077/ for 0.77.0)
+#   run NAME [harness args...]                 # the harness, stdout+stderr to $R/NAME.txt
+#   cmd NAME command...                        # any other command (pytest, nvidia-smi), likewise
+#
+# Each run/cmd appends "exit CODE, wall SECONDS s: COMMAND" to $R/commands.txt and packs $R
+# into $OUT/results.tar.gz at once, so a command cut off by the box's time limit still brings
+# back everything that finished. What the programs wrote is packed unedited.
+# Wheels: bench/README.md. $R defaults to /tmp/results, the cache to /tmp/issue395-cache.
+set -e
+R=${R:-/tmp/results}; C=${C:-/tmp/issue395-cache}; D=$(date -u +%Y-%m-%d)
+if [ "${1:-0.73.3}" = 0.77.0 ]; then
+  python3 -m pip install -q --no-index --no-deps --no-cache-dir --upgrade --target /tmp/site \
+    $(ls .whl/*.whl | grep -v soup_cli) .whl077/*.whl
+else
+  python3 -m pip install -q --no-index --no-deps --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+fi
+export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
+set +e
+mkdir -p "$R"
+{ nvidia-smi; python3 -m pip list 2>/dev/null |
+  grep -iE "^(torch|transformers|trl|peft|soup-cli|datasets|accelerate|bitsandbytes) "; } > "$R/stack.txt" 2>&1
+cmd() {  # cmd NAME command...: its output to $R/NAME.txt, exit and wall time to commands.txt
+  local name=$1; shift
+  local t0; t0=$(date +%s.%N)
+  "$@" > "$R/$name.txt" 2>&1
+  local rc=$?
+  echo "exit $rc, wall $(awk -v a="$t0" -v b="$(date +%s.%N)" 'BEGIN{printf "%.1f", b-a}') s: $*" >> "$R/commands.txt"
+  tar -czf "$OUT/results.tar.gz" -C "$R" .
+  return $rc
+}
+run() { local name=$1; shift; cmd "$name" python3 issue395_second_stack_vram.py "$@"; }
