@@ -868,13 +868,19 @@ def build_tokenizer(dest: Path) -> dict[str, int]:
 
 def build_checkpoint(shape: Shape, dest: Path) -> dict[str, Any]:
     """Write a bf16 safetensors checkpoint, config and tokenizer of ``shape``; return its
-    manifest (each tensor's dtype and shape, and the file's size) for later verification.
+    manifest (each tensor's dtype and shape, and the file's size) for later verification."""
+    return prepare_checkpoint(shape, dest)()
 
-    Weights are small random values (never zeros: a zero model can take shortcuts a
-    real one cannot); norms are ones. Values do not move the peak.
+
+def prepare_checkpoint(shape: Shape, dest: Path) -> Callable[[], dict[str, Any]]:
+    """The tokenizer, the config and the list of tensors, written here; returns the weights'
+    writing, which may run in a thread beside a measured arm: it touches no global torch
+    state (transformers' from_config sets the default dtype, so the skeleton is made here).
+
+    Weights are small random values (never zeros: a zero model can take shortcuts a real
+    one cannot); norms are ones. Values do not move the peak.
     """
     import torch
-    from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
 
     dest.mkdir(parents=True, exist_ok=True)
@@ -882,24 +888,31 @@ def build_checkpoint(shape: Shape, dest: Path) -> dict[str, Any]:
     config = hf_config(shape, eos_id=ids["<|im_end|>"], pad_id=ids["<|endoftext|>"])
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    gen = torch.Generator().manual_seed(395)
-    # One random pool tiled from a moving offset, not half a billion normals drawn one by one.
-    size = 1 << 20
-    pool = (torch.randn(2 * size, generator=gen) * 0.02).to(torch.bfloat16)
-    tensors: dict[str, Any] = {}
-    for i, (name, param) in enumerate(skeleton.state_dict().items()):
-        if name == "lm_head.weight":  # tied to the embedding
-            continue
-        n = math.prod(param.shape)
-        if "norm" in name:
-            tensors[name] = torch.ones(param.shape, dtype=torch.bfloat16)
-        else:
-            offset = (i * 7919) % size
-            tensors[name] = pool[offset:offset + size].repeat(-(-n // size))[:n].view(param.shape).contiguous()
-    save_file(tensors, str(dest / "model.safetensors"), metadata={"format": "pt"})
+    plan = [(name, tuple(p.shape)) for name, p in skeleton.state_dict().items()
+            if name != "lm_head.weight"]  # tied to the embedding
     config.save_pretrained(str(dest))
-    return {"file_bytes": (dest / "model.safetensors").stat().st_size,
-            "tensors": {k: ["BF16", list(t.shape)] for k, t in tensors.items()}}
+    del skeleton
+
+    def write_weights() -> dict[str, Any]:
+        from safetensors.torch import save_file
+
+        gen = torch.Generator().manual_seed(395)
+        # One random pool tiled from a moving offset, not half a billion normals one by one.
+        size = 1 << 20
+        pool = (torch.randn(2 * size, generator=gen, dtype=torch.float32) * 0.02).to(torch.bfloat16)
+        tensors: dict[str, Any] = {}
+        for i, (name, dims) in enumerate(plan):
+            n = math.prod(dims)
+            if "norm" in name:
+                tensors[name] = torch.ones(dims, dtype=torch.bfloat16)
+            else:
+                offset = (i * 7919) % size
+                tensors[name] = pool[offset:offset + size].repeat(-(-n // size))[:n].view(dims).contiguous()
+        save_file(tensors, str(dest / "model.safetensors"), metadata={"format": "pt"})
+        return {"file_bytes": (dest / "model.safetensors").stat().st_size,
+                "tensors": {k: ["BF16", list(t.shape)] for k, t in tensors.items()}}
+
+    return write_weights
 
 
 def checkpoint_fingerprint(shape: Shape) -> str:
@@ -947,67 +960,72 @@ def checkpoint_problem(dest: Path) -> Optional[str]:
 
 
 def synthetic_checkpoint(shape: Shape, root: Path) -> tuple[Path, float]:
-    """The built checkpoint of ``shape`` under ``root``: reused when it verifies, rebuilt
-    (with a note on stderr) when it does not. Returns (path, seconds spent building)."""
+    """The built checkpoint of ``shape`` under ``root`` and the seconds spent building it."""
+    started = time.perf_counter()
+    dest = root / f"{shape.key}-{checkpoint_fingerprint(shape)}"
+    cached = dest.exists() and checkpoint_problem(dest) is None
+    path = start_checkpoint(shape, root)()
+    return path, 0.0 if cached else time.perf_counter() - started
+
+
+def start_checkpoint(shape: Shape, root: Path, writer: Any = None) -> Callable[[], Path]:
+    """The checkpoint of ``shape`` under ``root``: reused when it verifies, rebuilt (with a
+    note on stderr) when it does not. The weights are written by ``writer`` (an executor)
+    when given; the returned call waits for them and gives the folder."""
     import shutil
 
     dest = root / f"{shape.key}-{checkpoint_fingerprint(shape)}"
     problem = checkpoint_problem(dest) if dest.exists() else None
     if dest.exists() and problem is None:
-        return dest, 0.0
+        return lambda: dest
     if problem:
         print(f"note: cached checkpoint {dest} is damaged ({problem}); rebuilding it",
               file=sys.stderr, flush=True)
-    started = time.perf_counter()
     partial = root / f".{dest.name}.partial-{os.getpid()}"
     shutil.rmtree(partial, ignore_errors=True)
-    manifest = build_checkpoint(shape, partial)
-    (partial / ".complete").write_text(json.dumps(manifest))
-    if dest.exists() and checkpoint_problem(dest) is not None:
-        shutil.rmtree(dest, ignore_errors=True)
-    try:
-        partial.rename(dest)
-    except OSError:  # another process built the same checkpoint first: theirs is as good
-        shutil.rmtree(partial, ignore_errors=True)
-    return dest, time.perf_counter() - started
+    write = prepare_checkpoint(shape, partial)
+
+    def finish() -> Path:
+        (partial / ".complete").write_text(json.dumps(write()))
+        if dest.exists() and checkpoint_problem(dest) is not None:
+            shutil.rmtree(dest, ignore_errors=True)
+        try:
+            partial.rename(dest)
+        except OSError:  # another process built the same checkpoint first: theirs is as good
+            shutil.rmtree(partial, ignore_errors=True)
+        return dest
+
+    if writer is None:
+        finish()
+        return lambda: dest
+    return writer.submit(finish).result
 
 
 class Checkpoints:
-    """Where each model's weights come from. Synthetic ones that are not cached are built
-    by child processes started at once, so building overlaps this process's imports and
-    the first model's arms (a thread would share torch's global default dtype with the
-    arm being measured); the hub and --model are resolved when first needed."""
+    """Where each model's weights come from. Synthetic ones not cached yet are prepared here
+    and their weights written by one thread, so the second model's build overlaps the first
+    model's arms; the hub and --model are resolved when first needed."""
 
     def __init__(self, keys: list[str], shapes: dict[str, Shape], run: "Run", scratch: "Scratch"):
+        from concurrent.futures import ThreadPoolExecutor
+
         self.shapes, self.run, self.scratch = shapes, run, scratch
+        self.writer = ThreadPoolExecutor(1, thread_name_prefix="checkpoint-writer")
         self.paths: dict[str, str] = {}
-        self.builds: dict[str, tuple[Any, float, Path]] = {}
+        self.pending: dict[str, tuple[Callable[[], Path], float]] = {}
         self.build_s: dict[str, float] = {}
-        root = scratch.checkpoint_root()
         for key in keys:
             if key != "custom" and run.weights == "synthetic":
-                dest = root / f"{key}-{checkpoint_fingerprint(shapes[key])}"
-                if dest.exists() and checkpoint_problem(dest) is None:
-                    self.paths[key] = str(dest)
-                else:
-                    import subprocess
-
-                    log = scratch.path("builds") / f"{key}.log"
-                    with open(log, "w") as fh:
-                        proc = subprocess.Popen([sys.executable, os.path.abspath(__file__),
-                                                 "--_build", key, str(root)], stdout=fh, stderr=fh)
-                    self.builds[key] = (proc, time.perf_counter(), log)
+                self.pending[key] = (start_checkpoint(shapes[key], scratch.checkpoint_root(),
+                                                      self.writer), time.perf_counter())
 
     def get(self, key: str) -> str:
         if key in self.paths:
             return self.paths[key]
-        if key in self.builds:
-            proc, started, log = self.builds.pop(key)
-            if proc.wait() != 0:
-                lines = log.read_text(errors="replace").strip().splitlines() or ["no output"]
-                raise RuntimeError(f"building the {key} checkpoint failed: {lines[-1]}")
+        if key in self.pending:
+            wait, started = self.pending.pop(key)
+            path = wait()
             self.build_s[key] = round(time.perf_counter() - started, 2)
-            path = self.scratch.checkpoint_root() / f"{key}-{checkpoint_fingerprint(self.shapes[key])}"
         elif key == "custom":
             model = self.run.custom_model
             path = Path(model).resolve() if Path(model).exists() else hub_snapshot(model, self.scratch)
@@ -1017,9 +1035,7 @@ class Checkpoints:
         return self.paths[key]
 
     def close(self) -> None:
-        for proc, _, _ in self.builds.values():
-            proc.kill()
-            proc.wait()
+        self.writer.shutdown(wait=True, cancel_futures=True)
 
 
 def hub_snapshot(repo_id: str, scratch: "Scratch") -> Path:
@@ -1231,8 +1247,8 @@ class Scratch:
         from soup_cli.utils.layer_shard import resolve_shard_dir
 
         folder = Path(resolve_shard_dir(base))
-        if not folder.is_dir():
-            return
+        if not (folder / "index.json").exists() and not any(folder.glob("*.safetensors")):
+            return  # nothing cached (the resolver may have just made the folder)
         problems = [p for p in (safetensors_problem(f) for f in sorted(folder.glob("*.safetensors"))) if p]
         try:
             json.loads((folder / "index.json").read_text())
@@ -2467,16 +2483,8 @@ def rerender(run: Run) -> int:
     return result.exit_code
 
 
-def build_main(key: str, root: str) -> int:
-    """A child process that builds one synthetic checkpoint (see Checkpoints)."""
-    synthetic_checkpoint(SHAPES[key], Path(root))
-    return EXIT_OK
-
-
 def main(argv: Optional[list[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["--_build"] and len(argv) == 3:
-        return build_main(argv[1], argv[2])
     try:
         return execute(settle(build_parser().parse_args(argv), argv))
     except UsageError as exc:
