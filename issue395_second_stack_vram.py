@@ -93,7 +93,8 @@ class Shape:
     n_layers: int
     max_positions: int
     arch: dict = field(default_factory=dict)  # the other public config.json fields
-    record: bool = True  # False for --model: no published figures
+    record: bool = True  # False for --model and the map's families: no published figures
+    targets: tuple = ("q_proj", "v_proj")  # the protocol's LoRA targets, or the family's own
 
 
 SHAPES: dict[str, Shape] = {
@@ -114,6 +115,7 @@ RECORD_GRID: dict[str, tuple[int, ...]] = {
     "qwen": (2048, 4096, 5120, 6144),
 }
 LORA_R, LORA_ALPHA, LORA_TARGETS = 8, 16, ("q_proj", "v_proj")
+SOUP_QUANT = {"none": "none", "nf4": "4bit"}  # the harness's name: Soup config's spelling
 #: The grid's adapter count is twice the LoRA A+B parameters (921,600 = 2 x 460,800).
 GRID_ADAPTER_FACTOR = 2
 DATA_ROWS, OVERSHOOT = 4, 3
@@ -203,6 +205,7 @@ class Arm:
     seq: int
     batch: int = 1
     index: int = 0
+    quant: str = "none"
 
 
 def chat_rows(seq: int, rows: int = DATA_ROWS) -> list[dict[str, Any]]:
@@ -220,8 +223,10 @@ def rows_for_batch(batch: int, val_split: float = 0.1) -> int:
     return n
 
 
-def soup_config_yaml(base: str, data_path: Path, output: Path, seq: int, batch: int) -> str:
-    """The protocol's Soup config, verbatim but for the paths, seq and batch."""
+def soup_config_yaml(base: str, data_path: Path, output: Path, seq: int, batch: int,
+                     quant: str = "none", targets: Iterable[str] = ("q_proj", "v_proj")) -> str:
+    """The protocol's Soup config, verbatim but for the paths, seq and batch (and, on the
+    margin map, the quantization and the family's own LoRA targets). Soup spells NF4 "4bit"."""
     import yaml
 
     return yaml.safe_dump({
@@ -229,9 +234,9 @@ def soup_config_yaml(base: str, data_path: Path, output: Path, seq: int, batch: 
         "data": {"train": str(data_path), "max_length": seq, "chat_template": "chatml"},
         "output": str(output),
         "training": {"batch_size": batch, "gradient_accumulation_steps": 1, "epochs": 1,
-                     "quantization": "none", "stream_layers": True, "logging_steps": 1,
+                     "quantization": SOUP_QUANT[quant], "stream_layers": True, "logging_steps": 1,
                      "save_steps": 100000,
-                     "lora": {"r": LORA_R, "alpha": LORA_ALPHA, "target_modules": list(LORA_TARGETS)}},
+                     "lora": {"r": LORA_R, "alpha": LORA_ALPHA, "target_modules": list(targets)}},
     }, sort_keys=False)
 
 
@@ -332,6 +337,11 @@ def is_oom(exc: BaseException) -> bool:
         "out of memory" in str(exc).lower()
 
 
+#: What stops an arm short of a measurement. OOM and FAILED are findings; REFUSED (Soup's
+#: pre-flight said the run will not fit: the gate working) and SKIPPED are not.
+FAILURES = ("OOM", "FAILED", "REFUSED", "SKIPPED")
+
+
 @dataclass(frozen=True)
 class Row:
     """One arm's result. Everything stored is an input, a figure Soup computed, or a
@@ -348,6 +358,10 @@ class Row:
     logits14: Optional[int]  # Soup's 14 x E
     loss_bytes_per_element: Optional[float]  # Soup's LOGITS_LOSS_BYTES_PER_ELEMENT
     vocab: int
+    quant: str = "none"
+    targets: tuple = ()  # the LoRA targets the arm ran with
+    soup_predicted: Optional[int] = None  # computed by Soup: its own pre-flight, in this setup
+    soup_terms: Optional[dict] = None  # the arguments Soup's pre-flight passed its estimator
     repeat: Optional[int] = None  # --determinism: which fresh process
     dry_run: bool = False
     realised_width: Optional[int] = None  # measured: input_ids.shape[-1]
@@ -355,7 +369,7 @@ class Row:
     real_peak: Optional[int] = None  # measured: max_memory_allocated around the step
     resident: Optional[int] = None  # measured: allocated before the step
     reserved: Optional[int] = None  # measured: max_memory_reserved
-    failure: Optional[str] = None  # "OOM" or "FAILED"
+    failure: Optional[str] = None  # OOM, FAILED; REFUSED (Soup's gate said no), SKIPPED
     error: Optional[str] = None
     oom_request: Optional[int] = None
     teardown_error: Optional[str] = None
@@ -381,7 +395,7 @@ class Row:
             return "VOID"
         if self.real_peak is None:
             return "dry-run" if self.dry_run else "FAILED"
-        return "UNDER" if self.predicted < self.real_peak else "ok"
+        return "UNDER" if min(p for p in (self.predicted, self.soup_predicted) if p) < self.real_peak else "ok"
 
     @property
     def measured(self) -> bool:
@@ -398,6 +412,12 @@ class Row:
     @property
     def pred_over_real(self) -> Optional[float]:
         return self.predicted / self.real_peak if self.measured else None
+
+    @property
+    def margin_ratio(self) -> Optional[float]:
+        """The lower of the two predictions (the record's convention, Soup's own) over the peak."""
+        return min(p for p in (self.predicted, self.soup_predicted) if p) / self.real_peak \
+            if self.measured else None
 
     @property
     def nonlogits_overestimate(self) -> Optional[float]:
@@ -419,7 +439,7 @@ class Row:
         derived = {k: getattr(self, k) for k in (
             "status", "realised", "pred_over_real", "nonlogits_modelled",
             "nonlogits_overestimate", "retained_copy_would_fit", "vs_record")}
-        return dict(asdict(self), realised_rows=list(self.realised_rows),
+        return dict(asdict(self), realised_rows=list(self.realised_rows), targets=list(self.targets),
                     derived=derived)  # "derived" is for readers; it is never read back
 
     @classmethod
@@ -440,20 +460,24 @@ class Row:
             value = data.get(key)
             if value is not None and not _whole(value, minimum=1 if key == "real_peak" else 0):
                 raise ValueError(f"row field {key!r} is {value!r}: not a finite measurement")
+        if data.get("quant", "none") not in SOUP_QUANT:
+            raise ValueError(f"row field 'quant' is {data['quant']!r}")
+        if data.get("soup_predicted") is not None and not _whole(data["soup_predicted"], minimum=1):
+            raise ValueError(f"row field 'soup_predicted' is {data['soup_predicted']!r}")
         rows = data.get("realised_rows") or []
         if not isinstance(rows, list) or not all(_whole(n, minimum=0) for n in rows):
             raise ValueError("row field 'realised_rows' must be a list of whole numbers")
         bpe = data.get("loss_bytes_per_element")
         if bpe is not None and (not isinstance(bpe, (int, float)) or not math.isfinite(bpe) or bpe <= 0):
             raise ValueError(f"row field 'loss_bytes_per_element' is {bpe!r}")
-        if data.get("failure") not in (None, "OOM", "FAILED"):
+        if data.get("failure") not in (None, *FAILURES):
             raise ValueError(f"row field 'failure' is {data['failure']!r}")
         if data.get("index") is None:
             raise ValueError("row field 'index' must be a whole number >= 0")
         if data.get("real_peak") is not None and any(
                 data.get(k) is None for k in ("predicted", "logits14", "loss_bytes_per_element")):
             raise ValueError("a row with a real peak must carry its prediction and Soup's logits figures")
-        return cls(**dict(data, realised_rows=tuple(rows)))
+        return cls(**dict(data, realised_rows=tuple(rows), targets=tuple(data.get("targets") or ())))
 
 
 def _whole(value: Any, minimum: int) -> bool:
@@ -466,8 +490,8 @@ def arm_row(arm: Arm, shape: Shape, **measured: Any) -> Row:
     record = RECORD_A10G_PEAK.get((shape.key, arm.seq)) if shape.record and arm.batch == 1 else None
     return Row(model=shape.name, model_key=arm.model, seq=arm.seq, batch=arm.batch,
                index=arm.index, predicted=predicted_bytes(shape, arm.seq, arm.batch),
-               logits14=logits14, loss_bytes_per_element=bpe, vocab=shape.vocab,
-               record_peak=record, pid=os.getpid(), **measured)
+               logits14=logits14, loss_bytes_per_element=bpe, vocab=shape.vocab, quant=arm.quant,
+               targets=tuple(shape.targets), record_peak=record, pid=os.getpid(), **measured)
 
 
 def run_arm(arm: Arm, shape: Shape, base: str, work: Path, *, dry_run: bool = False,
@@ -487,14 +511,18 @@ def run_arm(arm: Arm, shape: Shape, base: str, work: Path, *, dry_run: bool = Fa
     got: dict[str, Any] = {"timings": {}}
     wrapper = None
     t0 = time.perf_counter()
+    if arm.quant == "nf4" and not bitsandbytes_present():
+        return arm_row(arm, shape, base=base, dry_run=dry_run, repeat=repeat, failure="SKIPPED",
+                       error="NF4 needs bitsandbytes, which is not installed here")
+    preflight: dict[str, Any] = {}
     try:
-        with soup_console(log or work / "soup.log", verbose):
+        with soup_console(log or work / "soup.log", verbose), soup_preflight(preflight):
             from soup_cli.config.loader import load_config_from_string
             from soup_cli.data.loader import load_dataset
             from soup_cli.trainer.sft import SFTTrainerWrapper
 
-            config = load_config_from_string(
-                soup_config_yaml(base, data_path, work / "out", arm.seq, arm.batch))
+            config = load_config_from_string(soup_config_yaml(
+                base, data_path, work / "out", arm.seq, arm.batch, arm.quant, shape.targets))
             wrapper = SFTTrainerWrapper(config, device="cpu" if dry_run else STEP_DEVICE)
             wrapper.setup(load_dataset(config.data))
             width, lengths = realised_lengths(wrapper.trainer)
@@ -508,19 +536,23 @@ def run_arm(arm: Arm, shape: Shape, base: str, work: Path, *, dry_run: bool = Fa
                 if snap is not None:
                     got["attribution"] = attribute_peak(snap, step["resident"],
                                                         arm.seq * shape.vocab * arm.batch,
-                                                        step["real_peak"])
+                                                        step["real_peak"],
+                                                        shape_classes(shape, arm.seq, arm.batch))
                     got["_snapshot"] = snap
     except KeyboardInterrupt:
         raise
     except BaseException as exc:  # noqa: BLE001 - every failure becomes the row's finding
         got["timings"].setdefault("setup_s", round(time.perf_counter() - t0, 3))
-        got.update(failure="OOM" if is_oom(exc) else "FAILED", error=last_line(exc),
-                   oom_request=oom_request(exc) if is_oom(exc) else None)
+        fit = preflight.get("fit")
+        refused = fit is not None and not fit.fits and str(exc).startswith(fit.reason)
+        got.update(failure="REFUSED" if refused else "OOM" if is_oom(exc) else "FAILED",
+                   error=last_line(exc), oom_request=oom_request(exc) if is_oom(exc) else None)
     finally:
         t1 = time.perf_counter()
         got["teardown_error"] = teardown(wrapper)
         wrapper = None
         got["timings"]["teardown_s"] = round(time.perf_counter() - t1, 3)
+    got.update(soup_predicted=preflight.get("predicted"), soup_terms=preflight.get("kwargs"))
     snap = got.pop("_snapshot", None)
     if snap is not None and snapshot_dir:
         import pickle
@@ -537,15 +569,59 @@ def run_arm(arm: Arm, shape: Shape, base: str, work: Path, *, dry_run: bool = Fa
                    log=str(log) if log else None, **got)
 
 
+@contextlib.contextmanager
+def soup_preflight(seen: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    """Soup's own pre-flight for this setup: the number its gate compares with free VRAM.
+
+    Soup keeps it nowhere (a local inside its setup, printed rounded), but it imports its
+    estimator and its fit decision from ``soup_cli.utils.layer_stream`` inside the method
+    (0.73.3 and 0.77.0 alike), so the module's attributes see every call, with its exact
+    arguments. Both are restored on the way out.
+    """
+    from soup_cli.utils import layer_stream
+
+    estimate, decide = layer_stream.estimate_stream_peak_vram, layer_stream.decide_stream_fit
+
+    def estimate_seen(*args: Any, **kwargs: Any) -> Any:
+        result = estimate(*args, **kwargs)
+        if sys._getframe(1).f_code.co_name == "_stream_budget_lines" or "predicted" not in seen:
+            seen.update(predicted=int(result), kwargs={k: v for k, v in kwargs.items()
+                                                      if isinstance(v, (int, float, str, type(None)))})
+        return result
+
+    def decide_seen(*args: Any, **kwargs: Any) -> Any:
+        seen["fit"] = decide(*args, **kwargs)
+        return seen["fit"]
+
+    layer_stream.estimate_stream_peak_vram, layer_stream.decide_stream_fit = estimate_seen, decide_seen
+    try:
+        yield seen
+    finally:
+        layer_stream.estimate_stream_peak_vram, layer_stream.decide_stream_fit = estimate, decide
+
+
+def bitsandbytes_present() -> bool:
+    """NF4 needs bitsandbytes; without it Soup's setup fails deep inside transformers."""
+    import importlib.util
+
+    return importlib.util.find_spec("bitsandbytes") is not None
+
+
 # ---------------------------------------------------------------------------
 # The three modes: the sweep, --measure, --sdpa
 # ---------------------------------------------------------------------------
 
 
 def sweep(arms: list[Arm], shapes: dict[str, Shape], bases: "Checkpoints", scratch: "Scratch",
-          run: "Run", on_row: Callable[[Row], None]) -> None:
-    """Every arm, in grid order, in this process. Ctrl-C stops after the arm in flight."""
+          run: "Run", on_row: Callable[[Row], None],
+          on_margin: Optional[Callable[[dict[str, Any]], None]] = None) -> None:
+    """Every arm, in grid order, in this process. Ctrl-C stops after the arm in flight.
+
+    With ``on_margin`` (the map), once a model's arms are done its tightest arm, and any
+    UNDER, runs again with the allocator history recorded, to say where the margin goes.
+    """
     checked: set[str] = set()
+    done: list[Row] = []
     for arm in arms:
         if Stop.requested:
             break
@@ -561,6 +637,19 @@ def sweep(arms: list[Arm], shapes: dict[str, Shape], bases: "Checkpoints", scrat
                           dry_run=run.dry_run, snapshot=run.snapshot, snapshot_dir=run.snapshot_dir,
                           log=log, verbose=run.verbose, repeat=run.repeat_tag)
         on_row(row)
+        done.append(row)
+        if any(a.model == arm.model for a in arms[arms.index(arm) + 1:]):
+            continue
+        if on_margin is not None:
+            mine = [r for r in done if r.model_key == arm.model]
+            again = mine if run.snapshot else [
+                run_arm(a, shapes[a.model], base, scratch.path("arms", f"{a.index:03d}-margin"),
+                        snapshot=True, log=log, verbose=run.verbose) for a in margin_arms(mine)
+                if not Stop.requested]
+            for r in again:
+                if r.attribution and r.measured and r.soup_predicted:
+                    on_margin(margin_breakdown(r))
+        bases.release(arm.model)
 
 
 def measure_mode(dry_run: bool) -> dict[str, Any]:
@@ -657,7 +746,8 @@ def logits_kind(size: int, elements: int) -> Optional[str]:
 
 
 def attribute_peak(snapshot: dict[str, Any], resident: int, elements: int,
-                   measured_peak: Optional[int] = None) -> dict[str, Any]:
+                   measured_peak: Optional[int] = None,
+                   classify: Optional[Callable[[int], str]] = None) -> dict[str, Any]:
     """Replay the allocator's history and name what is live at the peak.
 
     ``resident`` is what was allocated when recording began; a block freed in
@@ -689,7 +779,10 @@ def attribute_peak(snapshot: dict[str, Any], resident: int, elements: int,
             best, best_live, best_base = base + total, dict(live), base
     groups: dict[str, dict[str, int]] = {}
     logits = {"bf16": {"count": 0, "bytes": 0}, "fp32": {"count": 0, "bytes": 0}}
+    classes: dict[str, int] = {}
     for size in best_live.values():
+        if classify is not None:
+            classes[classify(size)] = classes.get(classify(size), 0) + block_bytes(size)
         kind = logits_kind(size, elements)
         label = next(lbl for floor, lbl in SIZE_GROUPS if size >= floor)
         g = logits[kind] if kind else groups.setdefault(label, {"count": 0, "bytes": 0})
@@ -700,7 +793,7 @@ def attribute_peak(snapshot: dict[str, Any], resident: int, elements: int,
     return {"elements": elements, "replayed_peak": best, "measured_peak": measured_peak,
             "complete": bool(trace) and complete, "events": len(trace),
             "resident_at_peak": best_base, "logits_bf16": logits["bf16"],
-            "logits_fp32": logits["fp32"],
+            "logits_fp32": logits["fp32"], "classes": classes,
             "other_groups": {k: groups[k] for _, k in SIZE_GROUPS if k in groups}}
 
 
@@ -752,12 +845,14 @@ def determinism_spread(rows: list[Row]) -> list[dict[str, Any]]:
     return out
 
 
-def derive_shape(config: Any, name: str, key: str = "custom") -> Shape:
+def derive_shape(config: Any, name: str, key: str = "custom", hub_id: Optional[str] = None,
+                 arch: Optional[dict] = None) -> Shape:
     """pool, extras, adapter and dims of any streamable config, by the grid's conventions.
 
-    On a meta skeleton (nothing allocated): a bf16 decoder layer is half the pool;
-    extras are every other unique parameter (a tied head once); the adapter is the
-    grid's count for LoRA r=8 on q_proj and v_proj.
+    On a meta skeleton (nothing allocated): a bf16 decoder layer is half the pool; extras
+    are every other unique parameter (a tied head once, an untied one too); the adapter is
+    the grid's count (twice LoRA's A+B) for r=8 on the family's targets. ``arch`` keeps
+    the config's other public fields, so a checkpoint of exactly this shape can be built.
     """
     import torch
     from soup_cli.utils.layer_stream import SUPPORTED_STREAM_ARCHS
@@ -778,17 +873,216 @@ def derive_shape(config: Any, name: str, key: str = "custom") -> Shape:
                    and len(m) == config.num_hidden_layers), None)
     if layers is None:
         raise UsageError(f"{name}: could not find its {config.num_hidden_layers} decoder layers")
+    targets = lora_targets(model_type)
     in_layers = {id(p) for p in layers.parameters()}
     extras = sum(p.numel() * 2 for p in model.parameters() if id(p) not in in_layers)
     adapter = sum(LORA_R * (m.in_features + m.out_features) for n, m in layers.named_modules()
-                  if n.split(".")[-1] in LORA_TARGETS and isinstance(m, torch.nn.Linear))
-    return Shape(key=key, name=name, hub_id=name, model_type=model_type,
+                  if n.split(".")[-1] in targets and isinstance(m, torch.nn.Linear))
+    return Shape(key=key, name=name, hub_id=hub_id or name, model_type=model_type,
                  pool=2 * sum(p.numel() for p in layers[0].parameters()) * 2, extras=extras,
                  adapter=adapter * GRID_ADAPTER_FACTOR, vocab=int(config.vocab_size),
                  hidden=int(config.hidden_size), intermediate=int(config.intermediate_size),
                  n_layers=int(config.num_hidden_layers),
                  max_positions=int(getattr(config, "max_position_embeddings", 0) or 0),
-                 record=False)
+                 arch={k: v for k, v in (arch or {}).items() if k not in NOT_ARCH},
+                 record=False, targets=targets)
+
+
+# ---------------------------------------------------------------------------
+# The margin map: Soup's contract on every family it streams, bf16 and NF4
+# ---------------------------------------------------------------------------
+
+_LLAMA3_ROPE = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+#: One public checkpoint per family Soup streams (../shared/FAMILIES.md): its config.json
+#: fields and its public parameter count (a tied head once). smol and qwen are the record's.
+FAMILIES: dict[str, tuple[str, str, str, dict, int]] = {
+    "llama32-1b": ("Llama-3.2-1B", "meta-llama/Llama-3.2-1B", "llama", dict(
+        hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=64, vocab_size=128256, tie_word_embeddings=True,
+        max_position_embeddings=131072, rope_theta=500000.0, rope_scaling=_LLAMA3_ROPE,
+        rms_norm_eps=1e-5, hidden_act="silu"), 1_235_814_400),
+    "qwen3-0.6b": ("Qwen3-0.6B", "Qwen/Qwen3-0.6B", "qwen3", dict(
+        hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+        num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True,
+        max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6, hidden_act="silu",
+        attention_bias=False, use_sliding_window=False, sliding_window=None), 596_049_920),
+    "mistral-7b": ("Mistral-7B-v0.3", "mistralai/Mistral-7B-v0.3", "mistral", dict(
+        hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=128, vocab_size=32768, tie_word_embeddings=False,
+        max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-5, hidden_act="silu",
+        sliding_window=None), 7_248_023_552),
+    "gemma-2b": ("gemma-2b", "google/gemma-2b", "gemma", dict(
+        hidden_size=2048, intermediate_size=16384, num_hidden_layers=18, num_attention_heads=8,
+        num_key_value_heads=1, head_dim=256, vocab_size=256000, tie_word_embeddings=True,
+        max_position_embeddings=8192, rope_theta=10000.0, rms_norm_eps=1e-6,
+        hidden_act="gelu_pytorch_tanh", hidden_activation="gelu_pytorch_tanh"), 2_506_172_416),
+    "gemma2-2b": ("gemma-2-2b", "google/gemma-2-2b", "gemma2", dict(
+        hidden_size=2304, intermediate_size=9216, num_hidden_layers=26, num_attention_heads=8,
+        num_key_value_heads=4, head_dim=256, vocab_size=256000, tie_word_embeddings=True,
+        max_position_embeddings=8192, rope_theta=10000.0, rms_norm_eps=1e-6,
+        hidden_act="gelu_pytorch_tanh", hidden_activation="gelu_pytorch_tanh",
+        final_logit_softcapping=30.0, attn_logit_softcapping=50.0, sliding_window=4096,
+        query_pre_attn_scalar=256), 2_614_341_888),
+    "gemma3-1b": ("gemma-3-1b-pt", "google/gemma-3-1b-pt", "gemma3_text", dict(
+        hidden_size=1152, intermediate_size=6912, num_hidden_layers=26, num_attention_heads=4,
+        num_key_value_heads=1, head_dim=256, vocab_size=262144, tie_word_embeddings=True,
+        max_position_embeddings=32768, rope_theta=1000000.0, rope_local_base_freq=10000.0,
+        rms_norm_eps=1e-6, hidden_activation="gelu_pytorch_tanh", sliding_window=512,
+        sliding_window_pattern=6, query_pre_attn_scalar=256, final_logit_softcapping=None,
+        attn_logit_softcapping=None), 999_885_952),
+    "phi-2": ("phi-2", "microsoft/phi-2", "phi", dict(
+        hidden_size=2560, intermediate_size=10240, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=32, vocab_size=51200, tie_word_embeddings=False,
+        max_position_embeddings=2048, rope_theta=10000.0, partial_rotary_factor=0.4,
+        layer_norm_eps=1e-5, hidden_act="gelu_new", qk_layernorm=False), 2_779_683_840),
+    "phi3-mini": ("Phi-3-mini-4k-instruct", "microsoft/Phi-3-mini-4k-instruct", "phi3", dict(
+        hidden_size=3072, intermediate_size=8192, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=32, vocab_size=32064, tie_word_embeddings=False,
+        max_position_embeddings=4096, original_max_position_embeddings=4096, rope_theta=10000.0,
+        rms_norm_eps=1e-5, hidden_act="silu", sliding_window=2047), 3_821_079_552),
+    "llama31-8b": ("Llama-3.1-8B", "meta-llama/Llama-3.1-8B", "llama", dict(
+        hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=128, vocab_size=128256, tie_word_embeddings=False,
+        max_position_embeddings=131072, rope_theta=500000.0, rope_scaling=dict(_LLAMA3_ROPE, factor=8.0),
+        rms_norm_eps=1e-5, hidden_act="silu"), 8_030_261_248),
+}
+MAP_FAMILIES = ("smol", "qwen", "llama32-1b", "qwen3-0.6b", "mistral-7b", "gemma-2b", "gemma2-2b",
+                "gemma3-1b", "phi-2", "phi3-mini")
+MAP_SEQS, MAP_BATCHES, QUANTS = (2048, 4096, 8192, 16384), (1, 4), ("none", "nf4")
+#: Soup's published streamed NF4 peak (Llama-3.1-8B, batch 1 x seq 512; FAMILIES.md): bytes
+#: allocated, from its v0.73.1 test docstring (issue #349). The map holds one arm against it.
+PUBLISHED_NF4 = {("llama31-8b", "nf4", 512, 1): 3_411_600_000}
+#: Fields of a config.json that are not its architecture (the builder sets its own token ids).
+NOT_ARCH = {"vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+            "max_position_embeddings", "bos_token_id", "eos_token_id", "pad_token_id", "model_type",
+            "architectures", "transformers_version", "torch_dtype", "dtype", "_name_or_path",
+            "auto_map", "quantization_config", "use_cache"}
+
+
+def lora_targets(model_type: str) -> tuple:
+    """The protocol's q_proj and v_proj where they exist; Phi-3 fuses them into qkv_proj."""
+    return ("qkv_proj",) if model_type == "phi3" else LORA_TARGETS
+
+
+def family_shape(key: str) -> Shape:
+    """A family's shape from its public config alone (the record's two are the record's)."""
+    if key in SHAPES:
+        return SHAPES[key]
+    name, hub_id, model_type, fields_, _ = FAMILIES[key]
+    from transformers import AutoConfig
+
+    with quiet_libraries():
+        config = AutoConfig.for_model(model_type, **fields_)
+    return derive_shape(config, name, key=key, hub_id=hub_id, arch=fields_)
+
+
+def max_positions(key: str) -> int:
+    return SHAPES[key].max_positions if key in SHAPES else FAMILIES[key][3]["max_position_embeddings"]
+
+
+def plan_map(families: Iterable[str], quants: Iterable[str], seqs: Optional[Iterable[int]],
+             batches: Iterable[int]) -> list[Arm]:
+    """The map's grid, in order: family, quantization, seq (within the family's max
+    positions), batch. Llama-3.1-8B is there for its published NF4 arm, batch 1 x seq 512."""
+    arms: list[Arm] = []
+    for fam in families:
+        published = [k for k in PUBLISHED_NF4 if k[0] == fam]
+        for quant in quants:
+            grid = seqs or (tuple(sorted({k[2] for k in published if k[1] == quant})) if published
+                            else MAP_SEQS)
+            for seq in (q for q in grid if q <= max_positions(fam)):
+                for batch in (batches if seqs or not published else (1,)):
+                    arms.append(Arm(fam, seq, batch, len(arms), quant))
+    return arms
+
+
+def shape_classes(shape: Shape, seq: int, batch: int) -> Callable[[int], str]:
+    """Names a block live at the peak by its shape, to set it beside the estimator term that
+    is meant to charge it: logits-shaped (bf16 or fp32), seq^2-shaped (attention scores),
+    hidden- or intermediate-shaped activations (any small multiple: dtypes, fused
+    projections), and the rest."""
+    elements, tokens = seq * shape.vocab * batch, seq * batch
+
+    def classify(size: int) -> str:
+        if size in (2 * elements, 4 * elements):
+            return "logits"
+        if size % (seq * seq) == 0 and size // (seq * seq) <= 4 * batch * 64:
+            return "activations"  # attention scores: batch x heads x seq^2
+        for dim in (shape.intermediate, shape.hidden):
+            if size % (tokens * dim) == 0 and size // (tokens * dim) <= 16:
+                return "activations"
+        return "rest"
+
+    return classify
+
+
+def estimator_terms(kwargs: dict[str, Any], predicted: int) -> dict[str, int]:
+    """Soup's prediction split into its terms, by Soup's own term functions, from the exact
+    arguments its pre-flight passed; "rest" is its fixed slack and any term a later Soup adds."""
+    from soup_cli.utils import layer_stream as ls
+
+    kw = kwargs
+    terms = {
+        "weights": kw["layer_bytes"] * kw["buffers"] + kw["extras_bytes"] + kw.get("large_layer_bytes", 0)
+        + kw.get("persistent_bytes", 0),
+        "logits": int(ls.estimate_logits_bytes(vocab_size=kw["vocab_size"], seq_len=kw["seq_len"],
+                                               batch_size=kw.get("batch_size", 1),
+                                               bytes_per_element=kw.get("logits_bytes_per_element"))),
+        "activations": int(ls.estimate_activation_bytes(
+            hidden_size=kw["hidden_size"], intermediate_size=kw["intermediate_size"],
+            n_layers=kw["n_layers"], seq_len=kw["seq_len"], batch_size=kw.get("batch_size", 1),
+            dtype=kw.get("dtype", "bfloat16"))),
+    }
+    terms["rest"] = predicted - sum(terms.values())  # optimizer state, slack, anything newer
+    return terms
+
+
+def margin_breakdown(row: Row) -> dict[str, Any]:
+    """Where one arm's margin goes: each estimator term against the blocks live at the peak
+    that it is meant to charge, and, where the margin is thin, which term misses what."""
+    a = row.attribution
+    classes, tokens = a.get("classes") or {}, row.seq * row.batch
+    measured = {"weights": a["resident_at_peak"], "logits": classes.get("logits", 0),
+                "activations": classes.get("activations", 0), "rest": classes.get("rest", 0)}
+    charged = estimator_terms(row.soup_terms, row.soup_predicted)
+    per = {"logits": (row.elements, "per logits element"), "activations": (tokens, "per token")}
+    terms = [{"term": t, "charged": charged[t], "measured": measured[t],
+              "missed": measured[t] - charged[t], "per": per.get(t)} for t in charged]
+    ratio = row.soup_predicted / row.real_peak
+    worst = max(terms, key=lambda t: t["missed"])
+    note = None
+    if ratio < 1.05 and worst["missed"] > 0:
+        unit = worst["per"]
+        note = (f"{row.model} {row.quant} seq {row.seq} batch {row.batch}: margin {ratio - 1:+.1%}; the "
+                f"{worst['term']} term misses {worst['missed'] / 1e6:.1f} MB"
+                + (f" ({worst['missed'] / unit[0]:.2f} bytes {unit[1]}): charging that much more "
+                   f"{unit[1].replace('per ', 'per ')} would cover it" if unit else ""))
+    return {"model": row.model, "model_key": row.model_key, "quant": row.quant, "seq": row.seq,
+            "batch": row.batch, "real_peak": row.real_peak, "soup_predicted": row.soup_predicted,
+            "ratio": ratio, "complete": bool(a.get("complete")), "terms": terms, "note": note}
+
+
+def thinnest(margins: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Of margins attributed in several shards: each family's thinnest, and every UNDER."""
+    keep = {}
+    for m in margins:
+        key = (m["model_key"],) if m["ratio"] >= 1 else (m["model_key"], m["quant"], m["seq"], m["batch"])
+        if key not in keep or m["ratio"] < keep[key]["ratio"]:
+            keep[key] = m
+    return list(keep.values())
+
+
+def margin_arms(rows: list[Row]) -> list[Arm]:
+    """The arms worth attributing: the tightest measured row of each family, and every UNDER."""
+    picked: dict[int, Row] = {}
+    for fam in dict.fromkeys(r.model_key for r in rows):
+        measured = [r for r in rows if r.model_key == fam and r.measured and r.soup_predicted]
+        if measured:
+            tight = min(measured, key=lambda r: r.margin_ratio)
+            picked[tight.index] = tight
+    picked.update({r.index: r for r in rows if r.status == "UNDER"})
+    return [Arm(r.model_key, r.seq, r.batch, r.index, r.quant) for _, r in sorted(picked.items())]
 
 
 # ===========================================================================
@@ -810,11 +1104,13 @@ def hf_config(shape: Shape, eos_id: int = 2, pad_id: int = 0) -> Any:
     """The transformers config of exactly the grid's shape, with the tokenizer's ids."""
     from transformers import AutoConfig
 
+    kwargs = dict(tie_word_embeddings=True, hidden_act="silu") if shape.record else {}
+    kwargs.update({k: v for k, v in shape.arch.items() if k not in NOT_ARCH})
     config = AutoConfig.for_model(
         shape.model_type, vocab_size=shape.vocab, hidden_size=shape.hidden,
         intermediate_size=shape.intermediate, num_hidden_layers=shape.n_layers,
-        max_position_embeddings=shape.max_positions, tie_word_embeddings=True, hidden_act="silu",
-        bos_token_id=None, eos_token_id=eos_id, pad_token_id=pad_id, **shape.arch)
+        max_position_embeddings=shape.max_positions, bos_token_id=None, eos_token_id=eos_id,
+        pad_token_id=pad_id, **kwargs)
     rope = getattr(config, "rope_parameters", None)  # transformers 5 keeps rope_theta here
     if isinstance(rope, dict) and "rope_theta" in shape.arch:
         rope["rope_theta"] = shape.arch["rope_theta"]
@@ -888,8 +1184,11 @@ def prepare_checkpoint(shape: Shape, dest: Path) -> Callable[[], dict[str, Any]]
     config = hf_config(shape, eos_id=ids["<|im_end|>"], pad_id=ids["<|endoftext|>"])
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    tied = bool(getattr(config, "tie_word_embeddings", True))
     plan = [(name, tuple(p.shape)) for name, p in skeleton.state_dict().items()
-            if name != "lm_head.weight"]  # tied to the embedding
+            if not (tied and name == "lm_head.weight")]  # a tied head is the embedding
+    # Gemma scales by (1 + weight): its neutral norm is zeros; everyone else's is ones.
+    norm_value = 0.0 if shape.model_type.startswith("gemma") else 1.0
     config.save_pretrained(str(dest))
     del skeleton
 
@@ -904,7 +1203,7 @@ def prepare_checkpoint(shape: Shape, dest: Path) -> Callable[[], dict[str, Any]]
         for i, (name, dims) in enumerate(plan):
             n = math.prod(dims)
             if "norm" in name:
-                tensors[name] = torch.ones(dims, dtype=torch.bfloat16)
+                tensors[name] = torch.full(dims, norm_value, dtype=torch.bfloat16)
             else:
                 offset = (i * 7919) % size
                 tensors[name] = pool[offset:offset + size].repeat(-(-n // size))[:n].view(dims).contiguous()
@@ -919,7 +1218,7 @@ def checkpoint_fingerprint(shape: Shape) -> str:
     """Names a built checkpoint by everything that shapes it, so a cache is never stale."""
     import hashlib
 
-    fields_ = {k: v for k, v in asdict(shape).items() if k not in ("name", "hub_id", "record")}
+    fields_ = {k: v for k, v in asdict(shape).items() if k not in ("name", "hub_id")}
     fields_.update(tokenizer_words=TOKEN_WORDS, builder=BUILDER_VERSION)
     return hashlib.sha256(json.dumps(fields_, sort_keys=True).encode()).hexdigest()[:12]
 
@@ -1002,30 +1301,53 @@ def start_checkpoint(shape: Shape, root: Path, writer: Any = None) -> Callable[[
 
 
 class Checkpoints:
-    """Where each model's weights come from. Synthetic ones not cached yet are prepared here
-    and their weights written by one thread, so the second model's build overlaps the first
-    model's arms; the hub and --model are resolved when first needed."""
+    """Where each model's weights come from. A synthetic one not cached yet is prepared here
+    and its weights written by a thread, one model ahead, so the next model's build overlaps
+    this model's arms; the hub and --model are resolved when first needed. Without
+    --cache-dir a model's checkpoint and shards go once its last arm is done: the map's
+    families would not fit a GPU box's disk together."""
 
     def __init__(self, keys: list[str], shapes: dict[str, Shape], run: "Run", scratch: "Scratch"):
         from concurrent.futures import ThreadPoolExecutor
 
-        self.shapes, self.run, self.scratch = shapes, run, scratch
+        self.shapes, self.run, self.scratch, self.keys = shapes, run, scratch, keys
         self.writer = ThreadPoolExecutor(1, thread_name_prefix="checkpoint-writer")
         self.paths: dict[str, str] = {}
         self.pending: dict[str, tuple[Callable[[], Path], float]] = {}
         self.build_s: dict[str, float] = {}
-        for key in keys:
-            if key != "custom" and run.weights == "synthetic":
-                self.pending[key] = (start_checkpoint(shapes[key], scratch.checkpoint_root(),
-                                                      self.writer), time.perf_counter())
+        self.start(keys[0] if keys else None)
+
+    def start(self, key: Optional[str]) -> None:
+        if key is not None and key != "custom" and self.run.weights == "synthetic" \
+                and key not in self.pending and key not in self.paths:
+            self.pending[key] = (start_checkpoint(self.shapes[key], self.scratch.checkpoint_root(),
+                                                  self.writer), time.perf_counter())
+
+    def release(self, key: str) -> None:
+        """A model's built checkpoint and Soup's shards of it, gone (scratch only)."""
+        import shutil
+
+        from soup_cli.utils.layer_shard import resolve_shard_dir
+
+        path = self.paths.pop(key, None)
+        if path and not self.run.cache_dir and Path(path).is_relative_to(self.scratch.root):
+            shutil.rmtree(resolve_shard_dir(path), ignore_errors=True)
+            shutil.rmtree(path, ignore_errors=True)
+        self.paths[key] = ""  # never rebuilt in this run
 
     def get(self, key: str) -> str:
-        if key in self.paths:
+        self.start(key)
+        following = self.keys[self.keys.index(key) + 1:] if key in self.keys else []
+        if following:
+            self.start(following[0])  # one model ahead, built while this one's arms run
+        if self.paths.get(key):
             return self.paths[key]
         if key in self.pending:
             wait, started = self.pending.pop(key)
             path = wait()
             self.build_s[key] = round(time.perf_counter() - started, 2)
+        elif key == "custom" and config_only(self.run.custom_model):
+            path = start_checkpoint(self.shapes[key], self.scratch.checkpoint_root())()
         elif key == "custom":
             model = self.run.custom_model
             path = Path(model).resolve() if Path(model).exists() else hub_snapshot(model, self.scratch)
@@ -1056,31 +1378,65 @@ def hub_snapshot(repo_id: str, scratch: "Scratch") -> Path:
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tiktoken.model")
 
 
+def config_only(model: str) -> Optional[Path]:
+    """The config.json that --model names when it brings no weights (a config.json, or a
+    folder holding one and no safetensors): synthetic weights are built from it."""
+    path = Path(model)
+    if path.is_file():
+        return path
+    if path.is_dir() and (path / "config.json").is_file() and not any(path.glob("*.safetensors")):
+        return path / "config.json"
+    return None
+
+
 def load_custom_shape(model: str) -> Shape:
-    """--model's figures from its config (a local checkpoint or a hub id); refuse, in one
-    line, what Soup cannot stream or this tool cannot run before anything is built."""
+    """--model's figures from its config (a checkpoint folder, a config.json, or a hub id);
+    refuse, in one line, what Soup cannot stream or this tool cannot run, before anything
+    is built."""
     from transformers import AutoConfig
 
-    path = Path(model)
-    if path.exists():
+    path, config_file = Path(model), config_only(model)
+    if path.exists() and config_file is None:
         if not path.is_dir() or not (path / "config.json").is_file():
             raise UsageError(f"--model {model}: not a checkpoint folder (no config.json)")
-        if not any(path.glob("*.safetensors")):
-            raise UsageError(f"--model {model}: no .safetensors weights in it; Soup streams "
-                             "safetensors checkpoints only")
         if not any((path / name).is_file() for name in TOKENIZER_FILES):
             raise UsageError(f"--model {model}: no tokenizer in it (none of "
                              f"{', '.join(TOKENIZER_FILES)}); the protocol's rows need one")
-        try:
-            json.loads((path / "config.json").read_text(encoding="utf-8"))
-        except (OSError, ValueError) as exc:
-            raise UsageError(f"--model {model}: config.json cannot be read ({last_line(exc)})") from None
+        config_file = path / "config.json"
+    if config_file is None:  # a hub id
+        with quiet_libraries():
+            try:
+                config = AutoConfig.from_pretrained(model)
+            except Exception as exc:
+                raise UsageError(f"--model {model}: cannot read its config ({last_line(exc)})") from None
+        return derive_shape(config, name=model)
+    try:
+        fields_ = json.loads(config_file.read_text(encoding="utf-8"))
+        if not isinstance(fields_, dict):
+            raise ValueError("not a JSON object")
+    except (OSError, ValueError, RecursionError) as exc:
+        raise UsageError(f"--model {model}: {config_file.name} cannot be read ({last_line(exc)})") from None
+    for key in ("vocab_size", "hidden_size", "num_hidden_layers"):
+        if not _whole(fields_.get(key), minimum=1):
+            raise UsageError(f"--model {model}: {config_file.name} has {key} {fields_.get(key)!r}; it must "
+                             "be a whole number >= 1")
+    from soup_cli.utils.layer_stream import SUPPORTED_STREAM_ARCHS
+
+    model_type = fields_.get("model_type")
+    if model_type not in SUPPORTED_STREAM_ARCHS:
+        raise UsageError(f"--model {model}: architecture {model_type!r} cannot be layer-streamed by Soup "
+                         f"(it streams {', '.join(SUPPORTED_STREAM_ARCHS)})")
     with quiet_libraries():
         try:
-            config = AutoConfig.from_pretrained(model)
+            config = AutoConfig.for_model(model_type, **{k: v for k, v in fields_.items() if k != "model_type"})
         except Exception as exc:
-            raise UsageError(f"--model {model}: cannot read its config ({last_line(exc)})") from None
-    return derive_shape(config, name=model)
+            raise UsageError(f"--model {model}: {config_file.name} is not a {model_type} config "
+                             f"({last_line(exc)})") from None
+    shape = derive_shape(config, name=model, arch=fields_)
+    if path.exists() and Path(config_file) == config_only(model) and shape.vocab < 300:
+        raise UsageError(f"--model {model}: vocab_size {shape.vocab} is smaller than the synthetic "
+                         "tokenizer's 300 tokens")
+    return shape
 
 
 @contextlib.contextmanager
@@ -1372,13 +1728,39 @@ class Stop:
             signal.signal(signal.SIGTERM, on_term)
 
 
-def progress_line(done: int, total: int, started: float, row: Row) -> None:
-    """One line per finished arm on stderr: i/n, the arm, its status and peak, time left."""
-    elapsed = time.perf_counter() - started
-    left = elapsed / max(done, 1) * max(total - done, 0)
-    peak = f"{row.real_peak / GB:.4f} GB" if row.measured else "no peak"
-    print(f"[arm {done}/{total}] {row.model} seq {row.seq} batch {row.batch}: {row.status}, "
-          f"{peak}; elapsed {elapsed:.1f} s, ~{left:.0f} s left", file=sys.stderr, flush=True)
+class Progress:
+    """A live bar with the time left on stderr when it is a terminal (rich comes with Soup);
+    otherwise one line per finished arm: i/n, the arm, its status and peak, time left."""
+
+    def __init__(self, total: int, started: float):
+        self.total, self.started, self.done, self.bar = total, started, 0, None
+        if sys.stderr.isatty() and total > 1:
+            with contextlib.suppress(ImportError):
+                from rich.console import Console
+                from rich.progress import (BarColumn, MofNCompleteColumn, Progress as Bar,
+                                           TextColumn, TimeElapsedColumn, TimeRemainingColumn)
+
+                self.bar = Bar(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                               TimeElapsedColumn(), TimeRemainingColumn(),
+                               console=Console(file=sys.__stderr__), transient=True)
+                self.task = self.bar.add_task("arms", total=total)
+                self.bar.start()
+
+    def arm(self, row: Row) -> None:
+        self.done += 1
+        elapsed = time.perf_counter() - self.started
+        peak = f"{row.real_peak / GB:.4f} GB" if row.measured else "no peak"
+        what = f"{row.model} {row.quant + ' ' if row.quant != 'none' else ''}seq {row.seq} batch {row.batch}"
+        if self.bar is not None:
+            self.bar.update(self.task, completed=self.done, description=f"{what}: {row.status}, {peak}")
+            return
+        left = elapsed / max(self.done, 1) * max(self.total - self.done, 0)
+        print(f"[arm {self.done}/{self.total}] {what}: {row.status}, {peak}; elapsed {elapsed:.1f} s, "
+              f"~{left:.0f} s left", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
 
 
 # ---------------------------------------------------------------------------
@@ -1400,6 +1782,8 @@ class Result:
     interrupted: bool = False
     error: Optional[str] = None
     timings: dict = field(default_factory=dict)
+    kind: str = "sweep"  # or "map"
+    margins: list = field(default_factory=list)  # the map: where the thinnest margins go
 
     @property
     def exit_code(self) -> int:
@@ -1416,7 +1800,7 @@ class Result:
                 "environment": self.environment, "rows": [r.to_json() for r in self.rows],
                 "measure": self.measure, "sdpa": self.sdpa, "control": self.control,
                 "interrupted": self.interrupted, "error": self.error, "timings": self.timings,
-                "exit_code": self.exit_code}
+                "kind": self.kind, "margins": self.margins, "exit_code": self.exit_code}
 
     @classmethod
     def from_json(cls, data: Any) -> "Result":
@@ -1436,7 +1820,8 @@ class Result:
         return cls(environment=env, rows=sorted(rows, key=row_order),
                    measure=data.get("measure"), sdpa=data.get("sdpa"), control=data.get("control"),
                    interrupted=bool(data.get("interrupted")), error=data.get("error"),
-                   timings=data.get("timings") or {})
+                   timings=data.get("timings") or {}, kind=data.get("kind") or "sweep",
+                   margins=data.get("margins") or [])
 
 
 def row_order(row: Row) -> tuple[int, int, int]:
@@ -1469,13 +1854,21 @@ def merge(results: list[Result], arms_label: Optional[str] = None) -> Result:
     """Shards of one run into one result, in grid order. Two stacks or protocols never merge:
     a table mixing them would compare what cannot be compared."""
     first = results[0].environment
+    if len({r.kind for r in results}) > 1:
+        raise UsageError("cannot merge a map with a sweep")
     for other in results[1:]:
         for key in STACK_KEYS:
             if other.environment.get(key) != first.get(key):
                 raise UsageError(f"cannot merge results of different stacks or protocols: {key} is "
                                  f"{first.get(key)!r} in one and {other.environment.get(key)!r} in another")
-    rows = sorted((r for res in results for r in res.rows), key=row_order)
-    seen = [(r.index, r.repeat) for r in rows]
+    rows = [r for res in results for r in res.rows]
+    if results[0].kind == "map":  # maps of different families merge too: by the map's own order
+        order = {f: i for i, f in enumerate(MAP_FAMILIES + tuple(FAMILIES))}
+        rows.sort(key=lambda r: (order.get(r.model_key, len(order)), QUANTS.index(r.quant), r.seq, r.batch))
+        seen = [(r.model_key, r.quant, r.seq, r.batch) for r in rows]
+    else:
+        rows.sort(key=row_order)
+        seen = [(r.index, r.repeat) for r in rows]
     if len(set(seen)) != len(seen):
         raise UsageError("cannot merge: the same arm appears in two results (overlapping shards?)")
     one = lambda name: next((getattr(r, name) for r in results if getattr(r, name)), None)  # noqa: E731
@@ -1484,7 +1877,8 @@ def merge(results: list[Result], arms_label: Optional[str] = None) -> Result:
     return Result(environment=env, rows=rows, measure=one("measure"), sdpa=one("sdpa"),
                   control=next((c for c in controls if not c.get("passed")), one("control")),
                   interrupted=any(r.interrupted for r in results), error=one("error"),
-                  timings={"parts": [r.timings for r in results]})
+                  timings={"parts": [r.timings for r in results]}, kind=results[0].kind,
+                  margins=[m for r in results for m in r.margins])
 
 
 def environment(weights: str, dry_run: bool, arms: str, argv: list[str]) -> dict[str, Any]:
@@ -1671,6 +2065,84 @@ def determinism_table(rows: list[Row]) -> str:
     return "\n".join(out)
 
 
+MAP_COLUMNS = [("family", -22), ("quant", 5), ("seq", 6), ("batch", 5), ("realised", 8),
+               ("LoRA targets", -15), ("record-conv GB", 14), ("Soup's own GB", 13), ("own - conv MB", 13),
+               ("real peak GB", 13), ("pred/real", 9), ("status", 8)]
+MAP_LEGEND = ("record-conv: Soup's estimator fed the grid's figures (the record's convention); Soup's own: "
+              "the number Soup's pre-flight computed in this very setup (the one its gate uses; on a "
+              "CPU dry run it budgets float32 weights); pred/real: the lower of the two over the real "
+              "peak; UNDER: either is below it")
+
+
+def map_table(rows: list[Row]) -> str:
+    """The margin map, one row per arm, with the same guard and statuses as the sweep."""
+    cells = []
+    for r in rows:
+        real = gb(r.real_peak) if r.measured else r.status if r.failure else (
+            "n/a (dry run)" if r.dry_run else "-")
+        diff = (f"{(r.soup_predicted - r.predicted) / 1e6:+.1f}" if r.soup_predicted and r.predicted else "-")
+        cells.append([r.model, r.quant, str(r.seq), str(r.batch), "-" if r.realised is None else str(r.realised),
+                      ",".join(r.targets) or "-", gb(r.predicted), gb(r.soup_predicted), diff, real,
+                      "VOID" if r.status == "VOID" else ratio(r.margin_ratio), r.status])
+    notes = [f"  {r.model} {r.quant} seq {r.seq} batch {r.batch}: {r.status} - {r.error}"
+             for r in rows if r.failure and r.error]
+    return "\n".join(["margin map (record-conv and Soup's own: computed by Soup; real peak: measured here)"]
+                     + table(MAP_COLUMNS, cells) + [MAP_LEGEND] + (["notes:"] + notes if notes else []))
+
+
+def map_summary(rows: list[Row]) -> str:
+    """Per family and quantization: rows, the thinnest and widest margin and where, UNDERs."""
+    cells = []
+    for fam in models_in(rows):
+        for quant in QUANTS:
+            mine = [r for r in rows if r.model == fam and r.quant == quant]
+            if not mine:
+                continue
+            measured = [r for r in mine if r.measured]
+            lo = min(measured, key=lambda r: r.margin_ratio, default=None)
+            hi = max(measured, key=lambda r: r.margin_ratio, default=None)
+            where = lambda r: f"{ratio(r.margin_ratio)} @ {r.seq}x{r.batch}" if r else "-"  # noqa: E731
+            others = {st: sum(1 for r in mine if r.status == st) for st in ("REFUSED", "SKIPPED", "OOM",
+                                                                            "FAILED", "VOID", "dry-run")}
+            cells.append([fam, quant, ",".join(mine[0].targets), f"{len(measured)}/{len(mine)}", where(lo),
+                          where(hi), str(sum(1 for r in mine if r.status == "UNDER")),
+                          ", ".join(f"{n} {st}" for st, n in others.items() if n) or "-"])
+    return "\n".join(["summary per family and quantization (pred/real @ seq x batch)"] + table(
+        [("family", -22), ("quant", 5), ("LoRA targets", -15), ("measured", 8), ("min pred/real", 18),
+         ("max pred/real", 18), ("UNDER", 5), ("not measured", -30)], cells))
+
+
+def map_verdict(rows: list[Row]) -> str:
+    under = [r for r in rows if r.status == "UNDER"]
+    measured = [r for r in rows if r.measured]
+    if under:
+        return (f"verdict: Soup UNDER-predicts {len(under)} of {len(measured)} measured row(s); the contract "
+                "fails at " + "; ".join(f"{r.model} {r.quant} seq {r.seq} batch {r.batch} "
+                                        f"({ratio(r.margin_ratio)})" for r in under))
+    if not measured:
+        return f"verdict: nothing measured ({len(rows)} row(s), none with a real peak): no verdict"
+    thin = min(measured, key=lambda r: r.margin_ratio)
+    return (f"verdict: Soup never under-predicts on the {len(measured)} measured row(s); the thinnest "
+            f"margin is {ratio(thin.margin_ratio)} ({thin.model} {thin.quant} seq {thin.seq} batch {thin.batch})")
+
+
+def margins_table(margins: list[dict[str, Any]]) -> str:
+    """Each attributed arm: estimator term against the blocks live at the peak it charges."""
+    out = ["where the margin goes (allocator history of the tightest arm per family and every UNDER; "
+           "charged: Soup's terms; live at the peak: measured here)"]
+    cells = []
+    for m in margins:
+        for t in m["terms"]:
+            per = f"{t['missed'] / t['per'][0]:+.2f} B {t['per'][1]}" if t["per"] else "-"
+            cells.append([f"{m['model']} {m['quant']} {m['seq']}x{m['batch']}", ratio(m["ratio"]), t["term"],
+                          gb(t["charged"]), gb(t["measured"]), f"{t['missed'] / 1e6:+.1f}", per,
+                          "" if m["complete"] else "history incomplete: not a finding"])
+    out += table([("arm", -34), ("pred/real", 9), ("term", -11), ("charged GB", 10), ("live GB", 9),
+                  ("missed MB", 10), ("missed per unit", -28), ("", -10)], cells)
+    out += [f"  {m['note']}" for m in margins if m.get("note") and m["complete"]]
+    return "\n".join(out)
+
+
 def compare_table(a: Result, b: Result) -> str:
     """The same arms' measured peaks in two saved results (e.g. before and after a change)."""
     index = {(r.model, r.seq, r.batch, r.repeat): r for r in b.rows if r.measured}
@@ -1702,6 +2174,12 @@ def render_text(result: Result) -> str:
     sweep_rows = [r for r in result.rows if r.repeat is None]
     repeats = [r for r in result.rows if r.repeat is not None]
     parts = [header_line(result.environment)]
+    if result.kind == "map":
+        parts += ["", map_table(sweep_rows), "", map_summary(sweep_rows)]
+        if result.margins:
+            parts += ["", margins_table(result.margins)]
+        parts += ["", map_verdict(sweep_rows)]
+        sweep_rows = []
     if sweep_rows:
         parts += ["", sweep_table(sweep_rows)]
         if any(r.attribution for r in sweep_rows):
@@ -1779,6 +2257,8 @@ def render_plot(result: Result) -> bytes:
 
     env = result.environment
     here = env.get("gpu") or "this run"
+    if result.kind == "map":
+        return render_heatmap(result, plt)
     fig, ax = plt.subplots(figsize=(9, 5.5), dpi=110)
     colours = {SHAPES["smol"].name: "tab:blue", SHAPES["qwen"].name: "tab:orange"}
     series: dict[tuple[str, int], list[tuple[int, float]]] = {}
@@ -1805,6 +2285,36 @@ def render_plot(result: Result) -> bytes:
     fig.tight_layout()
     buf = io.BytesIO()
     fig.savefig(buf, format="png")
+    plt.close(fig)
+    return buf.getvalue()
+
+
+def render_heatmap(result: Result, plt: Any) -> bytes:
+    """The map as a heatmap of pred/real: family x seq, one panel per quantization and batch;
+    a blank cell was not measured (its status says why in the table)."""
+    import io
+
+    rows = [r for r in result.rows if r.repeat is None]
+    families, seqs = models_in(rows), sorted({r.seq for r in rows})
+    panels = [(q, b) for q in QUANTS for b in sorted({r.batch for r in rows}) if any(
+        r.quant == q and r.batch == b for r in rows)] or [("none", 1)]
+    fig, axes = plt.subplots(1, len(panels), figsize=(3.2 * len(panels) + 2, 0.45 * len(families) + 2),
+                             dpi=110, squeeze=False)
+    for ax, (quant, batch) in zip(axes[0], panels):
+        grid = [[next((r.margin_ratio for r in rows if r.model == f and r.seq == q and r.quant == quant
+                       and r.batch == batch and r.measured), float("nan")) for q in seqs] for f in families]
+        im = ax.imshow(grid, cmap="RdYlGn", vmin=0.8, vmax=1.4, aspect="auto")
+        for i, line in enumerate(grid):
+            for j, v in enumerate(line):
+                if v == v:
+                    ax.text(j, i, f"{v:.2f}", ha="center", va="center", fontsize=7)
+        ax.set(title=f"{quant}, batch {batch}", xticks=range(len(seqs)), xticklabels=seqs,
+               yticks=range(len(families)), yticklabels=families if ax is axes[0][0] else [])
+        ax.tick_params(labelsize=7)
+    fig.colorbar(im, ax=list(axes[0]), label="pred / real (below 1.0: under-predicts)")
+    fig.suptitle(f"Soup's pre-flight margin map ({result.environment.get('gpu') or 'this run'})")
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", bbox_inches="tight")
     plt.close(fig)
     return buf.getvalue()
 
@@ -1915,21 +2425,22 @@ def visible_gpu(ordinal: int) -> str:
     return ids[ordinal] if ordinal < len(ids) else str(ordinal)
 
 
-def plan_jobs(run: "Run", arms: list[Arm]) -> list[Job]:
+def plan_jobs(run: "Run", arms: list[Arm], grid_size: Optional[int] = None) -> list[Job]:
     if run.repeats:
         gpu = run.gpus[0] if run.gpus else None
         return [Job((a.index + 1, len(arms)), (a,), gpu, rep, extra_modes=(rep == 1 and a.index == 0))
                 for rep in range(1, run.repeats + 1) for a in arms]
     if run.isolate:
         gpus = run.gpus or (None,)
-        return [Job((a.index + 1, len(arms)), (a,), gpus[a.index % len(gpus)], extra_modes=a.index == 0)
-                for a in arms]
+        return [Job((a.index + 1, grid_size or len(arms)), (a,), gpus[i % len(gpus)],
+                    extra_modes=i == 0) for i, a in enumerate(arms)]
     n = len(run.gpus)
     return [Job((k, n), tuple(shard_of(arms, (k, n))), g, extra_modes=k == 1)
             for k, g in enumerate(run.gpus, 1)]
 
 
-def spread(run: "Run", arms: list[Arm], scratch: Scratch, on_row: Callable[[Row], None]) -> list[Result]:
+def spread(run: "Run", arms: list[Arm], scratch: Scratch, on_row: Callable[[Row], None],
+           grid_size: Optional[int] = None) -> list[Result]:
     """Each job in its own fresh process; jobs on one GPU run one after another, GPUs at
     once. Rows are taken up as each child saves them. A child that dies leaves a FAILED row
     for every arm it did not report, never a silent gap. This process imports neither
@@ -1938,7 +2449,7 @@ def spread(run: "Run", arms: list[Arm], scratch: Scratch, on_row: Callable[[Row]
     import subprocess
 
     lanes: dict[Optional[int], list[Job]] = {}
-    for job in plan_jobs(run, arms):
+    for job in plan_jobs(run, arms, grid_size):
         lanes.setdefault(job.gpu, []).append(job)
     running: dict[Optional[int], dict[str, Any]] = {}
     results: list[Result] = []
@@ -2019,7 +2530,10 @@ def child_argv(run: "Run", job: Job, out: str, cache: str) -> list[str]:
     """The command line of one child: the same arms' settings, one shard, its own JSON."""
     argv = ["--_child", "--shard", f"{job.shard[0]}/{job.shard[1]}", "--json", out, "--cache-dir", cache,
             "--weights", run.weights, "--batch", ",".join(map(str, run.batches))]
-    argv += ["--model", run.custom_model] if run.custom_model else ["--models", ",".join(run.models)]
+    if run.map:
+        argv += ["--map", "--families", ",".join(run.models), "--quant", ",".join(run.quants)]
+    else:
+        argv += ["--model", run.custom_model] if run.custom_model else ["--models", ",".join(run.models)]
     if run.seqs:
         argv += ["--seq", ",".join(map(str, run.seqs))]
     if job.repeat is not None:
@@ -2038,9 +2552,12 @@ def lost_row(arm: Arm, run: "Run", repeat: Optional[int], code: Optional[int]) -
     """A FAILED row for an arm whose process died before reporting it (no prediction: this
     process does not import Soup)."""
     shape = SHAPES.get(arm.model)
-    return Row(model=shape.name if shape else (run.custom_model or arm.model), model_key=arm.model,
-               seq=arm.seq, batch=arm.batch, index=arm.index, predicted=None, logits14=None,
-               loss_bytes_per_element=None, vocab=shape.vocab if shape else 1, repeat=repeat,
+    family = FAMILIES.get(arm.model)
+    name = shape.name if shape else family[0] if family else (run.custom_model or arm.model)
+    vocab = shape.vocab if shape else family[3]["vocab_size"] if family else 1
+    return Row(model=name, model_key=arm.model, seq=arm.seq, batch=arm.batch, index=arm.index,
+               predicted=None, logits14=None, loss_bytes_per_element=None, vocab=vocab,
+               quant=arm.quant, repeat=repeat,
                dry_run=run.dry_run, failure="FAILED",
                error=f"its process exited with code {code} before this arm reported")
 
@@ -2072,6 +2589,8 @@ class Run:
     """Everything the command line asked for, validated once; nothing changes it afterwards."""
 
     sweep: bool = True
+    map: bool = False  # --map: models are families, with a quantization axis
+    quants: tuple = ("none",)
     measure: bool = False
     sdpa: bool = False
     repeats: Optional[int] = None  # --determinism N
@@ -2119,15 +2638,23 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--sweep", action="store_true", help="run the sweep alongside other modes")
     m.add_argument("--measure", action="store_true", help="Soup's logits bytes-per-element probe")
     m.add_argument("--sdpa", action="store_true", help="attention's extra allocation per backend")
+    m.add_argument("--map", action="store_true",
+                   help="the margin map: every family Soup streams x {none, nf4} x seq {2048, 4096, "
+                        "8192, 16384} (within max positions) x batch {1, 4}, and where the margin goes")
     m.add_argument("--determinism", nargs="?", const="2", default=None, metavar="N",
                    help="repeat arms in N fresh processes (default 2; default arms: SmolLM2 at 4096 and 6144)")
     a = p.add_argument_group("arms")
     a.add_argument("--models", default=None, help="comma list of smol,qwen (default both)")
+    a.add_argument("--families", default=None, help="with --map: comma list of families (default "
+                   "all: " + ",".join(MAP_FAMILIES + ("llama31-8b",)) + ")")
+    a.add_argument("--quant", default=None, help="with --map: comma list of none,nf4 (default both; "
+                   "nf4 needs bitsandbytes)")
     a.add_argument("--seq", default=None, help="comma list of seq lengths for every chosen model "
                    "(default: the record's grid)")
-    a.add_argument("--batch", default="1", help="comma list of batch sizes (default 1)")
+    a.add_argument("--batch", default=None, help="comma list of batch sizes (default 1; --map: 1,4)")
     a.add_argument("--model", default=None, metavar="ID_OR_PATH",
-                   help="any causal LM Soup can stream, instead of the record's models (needs --seq)")
+                   help="any causal LM Soup can stream, instead of the record's models (needs --seq): "
+                        "a checkpoint folder, a hub id, or a config.json (synthetic weights built from it)")
     a.add_argument("--weights", choices=("synthetic", "hub"), default="synthetic",
                    help="synthetic (default): build architecture-exact checkpoints here; hub: download")
     a.add_argument("--cache-dir", default=None, help="keep built checkpoints and Soup's shards here "
@@ -2228,6 +2755,11 @@ def settle(args: argparse.Namespace, argv: list[str]) -> Run:
             check_input("--compare" if path == args.compare else "--from-json", path)
         return Run(from_json=tuple(args.from_json), compare=args.compare, json=args.json,
                    markdown=args.markdown, plot=args.plot, argv=tuple(argv))
+    if args.map:
+        return settle_map(args, argv)
+    for flag in ("--families", "--quant"):
+        if getattr(args, flag.strip("-")) is not None:
+            raise UsageError(f"{flag} goes with --map")
     if args.model is not None and args.models:
         raise UsageError("--model and --models are exclusive: one brings its own model")
     if args.model is not None and not args.model.strip():
@@ -2243,6 +2775,7 @@ def settle(args: argparse.Namespace, argv: list[str]) -> Run:
     if len(set(models)) != len(models):
         raise UsageError(f"--models {args.models}: a model is named twice")
     seqs, batches = parse_ints("--seq", args.seq), parse_ints("--batch", args.batch) or (1,)
+
     gpus = parse_ints("--gpus", args.gpus, minimum=0)
     repeats = None
     if args.determinism is not None:
@@ -2278,12 +2811,41 @@ def settle(args: argparse.Namespace, argv: list[str]) -> Run:
     any_mode = args.measure or args.sdpa or repeats is not None
     return Run(sweep=args.sweep or not any_mode, measure=args.measure, sdpa=args.sdpa, repeats=repeats,
                models=models, seqs=seqs, batches=batches, custom_model=args.model,
-               weights="local" if args.model else args.weights, dry_run=args.dry_run,
+               weights=("synthetic" if config_only(args.model) else "local") if args.model else args.weights,
+               dry_run=args.dry_run,
                verbose=args.verbose, snapshot=args.snapshot or bool(args.snapshot_dir),
                snapshot_dir=args.snapshot_dir, log_dir=args.log_dir, cache_dir=cache,
                isolate=args.isolate, gpus=gpus, shard=shard, json=args.json,
                markdown=args.markdown, plot=args.plot, child=args._child,
                repeat_tag=int(args._repeat) if args._repeat else None, argv=tuple(argv))
+
+
+def settle_map(args: argparse.Namespace, argv: list[str]) -> Run:
+    """--map's own checks: known families, a quantization this box can run, seqs within
+    every chosen family's max positions. The rest as for the sweep."""
+    for flag in ("--models", "--model", "--determinism", "--isolate"):
+        if getattr(args, flag.strip("-")) not in (None, False):
+            raise UsageError(f"--map and {flag} are exclusive")
+    known = MAP_FAMILIES + tuple(k for k in FAMILIES if k not in MAP_FAMILIES)
+    families = known if args.families is None else tuple(f.strip() for f in args.families.split(","))
+    unknown = [f for f in families if f not in known]
+    if unknown or not all(families) or len(set(families)) != len(families):
+        raise UsageError(f"--families: {'unknown family ' + repr(unknown[0]) if unknown else 'empty or repeated name'}; "
+                         f"choose from {','.join(known)}")
+    quants = QUANTS if args.quant is None else tuple(q.strip() for q in args.quant.split(","))
+    if any(q not in QUANTS for q in quants) or len(set(quants)) != len(quants):
+        raise UsageError(f"--quant {args.quant!r}: choose from {','.join(QUANTS)}")
+    if args.quant is not None and "nf4" in quants and not args.dry_run and not bitsandbytes_present():
+        raise UsageError("--quant nf4 needs bitsandbytes, which is not installed here")
+    seqs, batches = parse_ints("--seq", args.seq), parse_ints("--batch", args.batch)
+    for fam in families:
+        beyond = [q for q in seqs or () if q > max_positions(fam)]
+        if beyond:
+            raise UsageError(f"--seq {beyond[0]} is beyond {fam}'s maximum positions ({max_positions(fam)})")
+    plain = settle(argparse.Namespace(**dict(vars(args), map=False, families=None, quant=None,
+                                             models=None, seq=None, batch=args.batch)), argv)
+    return replace_run(plain, map=True, sweep=True, models=families, quants=quants, seqs=seqs,
+                       batches=batches or MAP_BATCHES)
 
 
 def check_cache_dir_bounds(given: str, cache: str) -> None:
@@ -2293,6 +2855,11 @@ def check_cache_dir_bounds(given: str, cache: str) -> None:
     if os.path.realpath(soup_shard_root(shards)) != shards:
         raise UsageError(f"--cache-dir {given} is outside $HOME, the working directory and the temp "
                          "dir; Soup would ignore it and write its shard cache to ~/.soup instead")
+
+
+def grid_arms(run: Run) -> list[Arm]:
+    return (plan_map(run.models, run.quants, run.seqs, run.batches) if run.map
+            else plan_arms(run.models, run.seqs, run.batches))
 
 
 def plan_arms(models: Iterable[str], seqs: Optional[Iterable[int]], batches: Iterable[int]) -> list[Arm]:
@@ -2357,8 +2924,10 @@ def measure_all(run: Run, scratch: Scratch, started: float, local: bool, fan_out
             if beyond:
                 raise UsageError(f"--seq {beyond[0]} is beyond {run.custom_model}'s maximum positions "
                                  f"({shapes['custom'].max_positions})")
+        if run.map:
+            shapes.update({f: family_shape(f) for f in run.models})
         imports_s = time.perf_counter() - t
-    arms = plan_arms(run.models, run.seqs, run.batches)
+    arms = grid_arms(run)
     arms = shard_of(arms, run.shard) if run.shard else arms
     det_models, det_seqs, det_batches = run.determinism_grid
     det_arms = plan_arms(det_models, det_seqs, det_batches) if run.repeats else []
@@ -2369,17 +2938,20 @@ def measure_all(run: Run, scratch: Scratch, started: float, local: bool, fan_out
                                         else "none (modes only)")
     result = Result(environment=environment(run.weights, run.dry_run, arms_label,
                                             [os.path.basename(__file__), *run.argv]) if local else {})
+    result.kind = "map" if run.map else "sweep"
     rows_file = RowFile(run.json)
     rows: list[Row] = []
     total = (len(arms) if run.sweep else 0) + len(det_arms) * (run.repeats or 0)
     children: list[Result] = []
     usage_error = None
 
+    progress = Progress(total if not run.child else 0, started)
+
     def on_row(row: Row) -> None:
         rows.append(row)  # kept first: nothing after this may lose a finished row
         rows_file.add(row)
         if not run.child:
-            progress_line(len(rows), total, started, row)
+            progress.arm(row)
 
     checkpoints = None
     try:
@@ -2387,7 +2959,8 @@ def measure_all(run: Run, scratch: Scratch, started: float, local: bool, fan_out
             children += spread(run, arms, scratch, on_row)
         elif run.sweep:
             checkpoints = Checkpoints(list(dict.fromkeys(a.model for a in arms)), shapes, run, scratch)
-            sweep(arms, shapes, checkpoints, scratch, run, on_row)
+            sweep(arms, shapes, checkpoints, scratch, run, on_row,
+                  result.margins.append if run.map and not run.dry_run else None)
             if run.snapshot and not Stop.requested:
                 result.control = positive_control(control_step(False), control_step(True))
         if run.repeats and not Stop.requested:
@@ -2410,6 +2983,7 @@ def measure_all(run: Run, scratch: Scratch, started: float, local: bool, fan_out
         result.error = last_line(exc)
         print(f"error: the harness failed after {len(rows)} row(s): {result.error}", file=sys.stderr)
     finally:
+        progress.close()
         if checkpoints is not None:
             checkpoints.close()
     if children:
@@ -2418,6 +2992,7 @@ def measure_all(run: Run, scratch: Scratch, started: float, local: bool, fan_out
         result.measure, result.sdpa = result.measure or merged.measure, result.sdpa or merged.sdpa
         result.control = result.control or merged.control
         result.error = result.error or merged.error
+        result.margins = thinnest(merged.margins)
     if not result.environment:
         result.environment = {"gpu": None, "torch": package_version("torch"), "arms": arms_label,
                               **{k.replace("-", "_"): package_version(k) for k in
