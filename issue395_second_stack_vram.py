@@ -1320,6 +1320,10 @@ class Checkpoints:
     def start(self, key: Optional[str]) -> None:
         if key is not None and key != "custom" and self.run.weights == "synthetic" \
                 and key not in self.pending and key not in self.paths:
+            dest = self.scratch.checkpoint_root() / f"{key}-{checkpoint_fingerprint(self.shapes[key])}"
+            if dest.exists() and checkpoint_problem(dest) is None:
+                self.paths[key] = str(dest)  # cached: nothing is built, nothing is timed
+                return
             self.pending[key] = (start_checkpoint(self.shapes[key], self.scratch.checkpoint_root(),
                                                   self.writer), time.perf_counter())
 
@@ -1416,16 +1420,16 @@ def load_custom_shape(model: str) -> Shape:
             raise ValueError("not a JSON object")
     except (OSError, ValueError, RecursionError) as exc:
         raise UsageError(f"--model {model}: {config_file.name} cannot be read ({last_line(exc)})") from None
-    for key in ("vocab_size", "hidden_size", "num_hidden_layers"):
-        if not _whole(fields_.get(key), minimum=1):
-            raise UsageError(f"--model {model}: {config_file.name} has {key} {fields_.get(key)!r}; it must "
-                             "be a whole number >= 1")
     from soup_cli.utils.layer_stream import SUPPORTED_STREAM_ARCHS
 
     model_type = fields_.get("model_type")
     if model_type not in SUPPORTED_STREAM_ARCHS:
         raise UsageError(f"--model {model}: architecture {model_type!r} cannot be layer-streamed by Soup "
                          f"(it streams {', '.join(SUPPORTED_STREAM_ARCHS)})")
+    for key in ("vocab_size", "hidden_size", "num_hidden_layers"):
+        if not _whole(fields_.get(key), minimum=1):
+            raise UsageError(f"--model {model}: {config_file.name} has {key} {fields_.get(key)!r}; it must "
+                             "be a whole number >= 1")
     with quiet_libraries():
         try:
             config = AutoConfig.for_model(model_type, **{k: v for k, v in fields_.items() if k != "model_type"})
@@ -1817,6 +1821,9 @@ class Result:
         env = data["environment"]
         if data["schema"] == 1:
             env = dict(env, arms=env.get("isolation"), dry_run=any(r.dry_run for r in rows))
+        missing = [k for k in ("torch", "transformers", "trl", "peft", "soup_cli", "weights") if k not in env]
+        if missing:
+            raise ValueError(f"its environment has no {missing[0]!r}")
         return cls(environment=env, rows=sorted(rows, key=row_order),
                    measure=data.get("measure"), sdpa=data.get("sdpa"), control=data.get("control"),
                    interrupted=bool(data.get("interrupted")), error=data.get("error"),
@@ -2455,12 +2462,15 @@ def spread(run: "Run", arms: list[Arm], scratch: Scratch, on_row: Callable[[Row]
     results: list[Result] = []
     count = 0
     cache = run.cache_dir or str(scratch.path("cache"))
+    import tempfile
+
+    folder = Path(tempfile.mkdtemp(dir=scratch.path("children")))  # one per spread: no stale files
 
     def launch(gpu: Optional[int]) -> None:
         nonlocal count
         job = lanes[gpu].pop(0)
         count += 1
-        out = scratch.path("children") / f"{count:04d}.json"
+        out = folder / f"{count:04d}.json"
         env = dict(os.environ)
         if gpu is not None:
             env["CUDA_VISIBLE_DEVICES"] = visible_gpu(gpu)
@@ -2956,7 +2966,7 @@ def measure_all(run: Run, scratch: Scratch, started: float, local: bool, fan_out
     checkpoints = None
     try:
         if run.sweep and fan_out:
-            children += spread(run, arms, scratch, on_row)
+            children += spread(replace_run(run, repeats=None), arms, scratch, on_row)
         elif run.sweep:
             checkpoints = Checkpoints(list(dict.fromkeys(a.model for a in arms)), shapes, run, scratch)
             sweep(arms, shapes, checkpoints, scratch, run, on_row,

@@ -229,11 +229,13 @@ def test_a_row_whose_progress_line_crashes_is_still_in_the_saved_json(
     """Fakes the CUDA step only. Arm 1 of 2 finishes (it is already kept) and then its
     progress line crashes: the saved --json must not lose that row."""
     step = fake_cuda()
+    real_arm = h.Progress.arm
 
-    def progress_line(done, total, started, row):
+    def arm(self, row):
+        real_arm(self, row)
         raise RuntimeError("progress crashed")
 
-    monkeypatch.setattr(h, "progress_line", progress_line)
+    monkeypatch.setattr(h.Progress, "arm", arm)
     out_json = tmp_path / "out.json"
     code, out, err = main(capfd, ["--models", "smol", "--seq", "64,80", "--cache-dir", cache_dir,
                                   "--json", out_json])
@@ -409,3 +411,36 @@ def test_dry_run_without_cache_dir_leaves_no_files_behind(capfd, tmp_path, monke
     assert _listing(tmp) == set(), "left behind in the temp dir"
     assert _listing(cwd) == set(), "left behind in the working directory"
     assert _listing(real_soup) == before, "new files under the real ~/.soup"
+
+
+
+
+def test_a_hard_stop_while_checkpoints_build_leaves_no_half_built_folder_in_the_cache_dir(
+        capfd, tmp_path, monkeypatch):
+    """Neither model is cached in this --cache-dir. SmolLM2's weights are being written when
+    Qwen2.5's build is prepared and queued behind them; right then the run is stopped hard (a
+    second Ctrl-C). Whatever it had started, the user's cache must hold no half-built folder
+    afterwards: no later run removes another run's. The Ctrl-Cs are the only fake."""
+    cache = tmp_path / "cache"
+    smol_dest = cache / "checkpoints" / f"smol-{h.checkpoint_fingerprint(SMOL)}"
+    real_start = h.start_checkpoint
+    queued: list[bool] = []
+
+    def start_checkpoint(shape, root, writer=None):
+        wait = real_start(shape, root, writer)
+        if shape.key == "qwen":
+            queued.append(not smol_dest.exists())  # SmolLM2 still writing: Qwen2.5 waits its turn
+            send_ctrl_c()
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(5)  # the handler raises KeyboardInterrupt here
+        return wait
+
+    monkeypatch.setattr(h, "start_checkpoint", start_checkpoint)
+    code, out, err = main(capfd, ["--dry-run", "--models", "smol,qwen", "--seq", "64",
+                                  "--cache-dir", cache])
+    assert code == h.EXIT_INTERRUPTED, err
+    assert queued, "Qwen2.5's build never started"
+    left = sorted(p.name for p in (cache / "checkpoints").iterdir())
+    assert [name for name in left if name.startswith(".")] == [], left
+    if not queued[0]:
+        pytest.skip("SmolLM2's weights were written before Qwen2.5's build could queue behind them")

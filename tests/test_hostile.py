@@ -1,6 +1,8 @@
 """A hostile environment: outputs that are links, FIFOs or devices, a disk that fills up at the
 last write, a cache damaged between runs, --model folders that are not what they claim, and
-runs killed with SIGKILL. Each test pins behaviour the previous harness lacked.
+runs killed with SIGKILL. Each test pins behaviour the harness before the redesign (146e63c)
+lacked, but for the two --model cases it already refused (invalid JSON, a gpt2 config), kept
+here with their kin, and the two GPU tests, which pin the measurement itself.
 
 Everything runs on CPU, through the real Soup setup (--dry-run) where a run is needed; the
 only fakes are the faults themselves (a full disk, a damaged file). The two tests marked
@@ -39,16 +41,20 @@ def listing(root: Path) -> set[str]:
 
 @pytest.fixture
 def fresh_places(tmp_path, monkeypatch):
-    """$HOME, the temp dir ($TMPDIR and tempfile.tempdir) and the working directory, each a
-    fresh empty folder: whatever a run leaves behind shows up in them."""
-    places = {name: tmp_path / name for name in ("home", "tmp", "cwd")}
-    for p in places.values():
-        p.mkdir()
-    monkeypatch.setenv("HOME", str(places["home"]))
-    monkeypatch.setenv("TMPDIR", str(places["tmp"]))
-    monkeypatch.setattr(tempfile, "tempdir", str(places["tmp"]))
-    monkeypatch.chdir(places["cwd"])
-    return places
+    """Call it to make $HOME, the temp dir ($TMPDIR and tempfile.tempdir) and the working
+    directory each a fresh empty folder: whatever a run leaves behind then shows up in them.
+    (Called after a test's own set-up: a process's first transformers config import leaves
+    torch's inductor folder in whatever temp dir is current, harness or not.)"""
+    def enter() -> dict[str, Path]:
+        places = {name: tmp_path / name for name in ("home", "tmp", "cwd")}
+        for p in places.values():
+            p.mkdir()
+        monkeypatch.setenv("HOME", str(places["home"]))
+        monkeypatch.setenv("TMPDIR", str(places["tmp"]))
+        monkeypatch.setattr(tempfile, "tempdir", str(places["tmp"]))
+        monkeypatch.chdir(places["cwd"])
+        return places
+    return enter
 
 
 @pytest.fixture(scope="module")
@@ -272,6 +278,30 @@ def test_damaged_soup_shards_are_removed_and_sharded_again(capfd, tmp_path, smol
     assert "damaged" not in first_err, first_err
 
 
+def test_a_half_built_checkpoint_left_by_a_killed_run_is_removed_by_the_next_run(
+        capfd, tmp_path, smol_built):
+    """A run killed while building leaves ``.<model>-<fp>.partial-<pid>`` in --cache-dir
+    (SIGKILL runs no clean-up); the next run removes it, and leaves one whose builder still
+    runs."""
+    cache, dest = private_cache(tmp_path, smol_built)
+    qwen = f"qwen-{h.checkpoint_fingerprint(h.SHAPES['qwen'])}"
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        dead_partial = dest.parent / f".{qwen}.partial-{_dead_pid()}"
+        live_partial = dest.parent / f".{qwen}.partial-{live.pid}"
+        for partial in (dead_partial, live_partial):
+            partial.mkdir()
+            (partial / "config.json").write_text("{}")
+        code, out, err = main(capfd, ["--dry-run", "--models", "smol", "--seq", "64",
+                                      "--cache-dir", cache])
+        assert code == h.EXIT_OK, err
+        assert live_partial.is_dir()
+        assert sorted(p.name for p in dest.parent.iterdir()) == sorted([dest.name, live_partial.name])
+    finally:
+        live.kill()
+        live.wait()
+
+
 # ---------------------------------------------------------------------------
 # --model: a folder that is not what it claims is refused in one line, leaving nothing
 # ---------------------------------------------------------------------------
@@ -301,6 +331,8 @@ BAD_MODELS = {
     "vocab-missing": (dict(config_change=lambda c: c.pop("vocab_size")), "vocab_size"),
     "hidden-missing": (dict(config_change=lambda c: c.pop("hidden_size")), "hidden_size"),
     "invalid-json": (dict(config_text='{"model_type": "llama", '), "config.json"),
+    "nested-too-deep": (dict(config_text="[" * 100_000 + "]" * 100_000), "config.json"),
+    "vocab-too-large": (dict(config_change=lambda c: c.update(vocab_size=10 ** 30)), "vocab_size"),
     "gpt2": (dict(config_change=lambda c: c.update(model_type="gpt2")), "cannot be layer-streamed"),
     "no-tokenizer": (dict(tokenizer=False), "no tokenizer"),
 }
@@ -311,13 +343,14 @@ def test_a_bad_model_folder_exits_2_in_one_line_and_leaves_nothing(capfd, tmp_pa
     build, fragment = BAD_MODELS[case]
     folder = _model_folder(tmp_path / "model" / case, **build)
     assert h.safetensors_problem(folder / "model.safetensors") is None
+    places = fresh_places()
     code, out, err = main(capfd, ["--dry-run", "--model", folder, "--seq", "64"])
     assert code == h.EXIT_USAGE, err
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: "), err
     assert fragment in lines[0] and str(folder) in lines[0]
     assert "Traceback" not in out + err
-    for name, place in fresh_places.items():
+    for name, place in places.items():
         assert listing(place) == set(), f"left behind in {name}"
 
 

@@ -214,8 +214,9 @@ def test_chat_special_tokens_are_single_ids(key, tokenizers):
 
 # --- cache and fingerprint (a tiny shape keeps this fast) ------------------------
 
-#: Fields that name a model but do not shape its checkpoint.
-NOT_SHAPING = {"name", "hub_id", "record"}
+#: Fields that name a model but do not shape its checkpoint (record does: a --model shape
+#: keeps its own config fields, the record's are tied with silu).
+NOT_SHAPING = {"name", "hub_id"}
 
 
 def _changed(value):
@@ -225,6 +226,8 @@ def _changed(value):
         return value + 1
     if isinstance(value, str):
         return value + "x"
+    if isinstance(value, tuple):
+        return value + ("x",)
     raise TypeError(value)
 
 

@@ -133,11 +133,11 @@ def test_render_text_shows_pred_over_real_per_row(result):
     lines = table_lines(text, "SmolLM2-135M")
     # seq 2048: predicted 1.5964 GB, real 1.3652 GB, pred/real 1.169x (the record's figure)
     assert lines[0].split()[3:6] == ["1.5964", "1.3652", "1.169x"]
-    for row in result.rows:
-        line = table_lines(text, row.model)[[r.seq for r in result.rows
-                                             if r.model == row.model].index(row.seq)]
-        assert line.split()[5] == f"{row.predicted / row.real_peak:.3f}x"
-        assert line.split()[-2] == "no"  # a retained bf16 copy never fits under the peak
+    for model in h.models_in(result.rows):
+        rows = [r for r in result.rows if r.model == model]
+        for row, line in zip(rows, table_lines(text, model), strict=True):
+            assert line.split()[5] == f"{row.predicted / row.real_peak:.3f}x"
+            assert line.split()[-2] == "no"  # a retained bf16 copy never fits under the peak
 
 
 # --- markdown --------------------------------------------------------------------
