@@ -865,10 +865,14 @@ def derive_shape(config: Any, name: str, key: str = "custom", hub_id: Optional[s
     for attr in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                  "num_attention_heads"):
         value = getattr(config, attr, None)
-        if not _whole(value, minimum=1):
-            raise UsageError(f"{name}: config {attr} is {value!r}; it must be a whole number >= 1")
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+        if not _whole(value, minimum=1) or value >= 2**31:
+            raise UsageError(f"{name}: config {attr} is {value!r}; it must be a whole number from 1 "
+                             f"to {2**31 - 1}")
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    except Exception as exc:  # a config transformers accepts but cannot build: still one line
+        raise UsageError(f"{name}: its config does not build a model ({last_line(exc)})") from None
     layers = next((m for m in model.modules() if isinstance(m, torch.nn.ModuleList)
                    and len(m) == config.num_hidden_layers), None)
     if layers is None:
@@ -1315,6 +1319,7 @@ class Checkpoints:
         self.paths: dict[str, str] = {}
         self.pending: dict[str, tuple[Callable[[], Path], float]] = {}
         self.build_s: dict[str, float] = {}
+        reap_dead_partials(scratch.checkpoint_root())
         self.start(keys[0] if keys else None)
 
     def start(self, key: Optional[str]) -> None:
@@ -1361,7 +1366,29 @@ class Checkpoints:
         return self.paths[key]
 
     def close(self) -> None:
+        import shutil
+
         self.writer.shutdown(wait=True, cancel_futures=True)
+        for partial in self.scratch.checkpoint_root().glob(f".*.partial-{os.getpid()}"):
+            shutil.rmtree(partial, ignore_errors=True)  # a build cancelled before it ran
+
+
+def reap_dead_partials(root: Path) -> None:
+    """Half-built checkpoints whose builder is gone (SIGKILL runs no clean-up); a running
+    builder's stays."""
+    import re
+    import shutil
+
+    for folder in root.glob(".*.partial-*"):
+        m = re.fullmatch(r"\..+\.partial-(\d+)", folder.name)
+        if not m or not folder.is_dir() or folder.is_symlink():
+            continue
+        try:
+            os.kill(int(m.group(1)), 0)
+        except ProcessLookupError:
+            shutil.rmtree(folder, ignore_errors=True)
+        except PermissionError:
+            pass
 
 
 def hub_snapshot(repo_id: str, scratch: "Scratch") -> Path:
@@ -2989,6 +3016,7 @@ def measure_all(run: Run, scratch: Scratch, started: float, local: bool, fan_out
             rows_file.finish()
             raise
         usage_error = str(exc)  # e.g. the hub unreachable for a later model: keep the rows
+        result.error = f"usage: {usage_error}"
     except Exception as exc:  # a harness bug still prints and saves what was measured
         result.error = last_line(exc)
         print(f"error: the harness failed after {len(rows)} row(s): {result.error}", file=sys.stderr)
