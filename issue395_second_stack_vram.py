@@ -2147,6 +2147,15 @@ def map_summary(rows: list[Row]) -> str:
 
 
 def map_verdict(rows: list[Row]) -> str:
+    published = [f"published figure: {name} {quant} batch {b} x seq {q}: {gb(peak)} GB allocated (Soup v0.73.1, "
+                 f"issue #349); here {gb(r.real_peak)} GB ({r.real_peak / peak:.3f}x), Soup's own prediction "
+                 f"{gb(r.soup_predicted)} GB ({ratio(r.margin_ratio)} of the peak here)"
+                 for (name, quant, q, b), peak in PUBLISHED_NF4.items() for r in rows
+                 if (r.model_key, r.quant, r.seq, r.batch) == (name, quant, q, b) and r.measured]
+    return "\n".join(published + [verdict_line(rows)])
+
+
+def verdict_line(rows: list[Row]) -> str:
     under = [r for r in rows if r.status == "UNDER"]
     measured = [r for r in rows if r.measured]
     if under:
@@ -2811,7 +2820,8 @@ def settle(args: argparse.Namespace, argv: list[str]) -> Run:
         raise UsageError(f"--models: unknown model {unknown[0]!r}; choose from {','.join(SHAPES)}")
     if len(set(models)) != len(models):
         raise UsageError(f"--models {args.models}: a model is named twice")
-    seqs, batches = parse_ints("--seq", args.seq), parse_ints("--batch", args.batch) or (1,)
+    # Soup's config schema refuses a data.max_length under 64: one line here, not a FAILED row.
+    seqs, batches = parse_ints("--seq", args.seq, minimum=64), parse_ints("--batch", args.batch) or (1,)
 
     gpus = parse_ints("--gpus", args.gpus, minimum=0)
     repeats = None
@@ -2874,7 +2884,7 @@ def settle_map(args: argparse.Namespace, argv: list[str]) -> Run:
         raise UsageError(f"--quant {args.quant!r}: choose from {','.join(QUANTS)}")
     if args.quant is not None and "nf4" in quants and not args.dry_run and not bitsandbytes_present():
         raise UsageError("--quant nf4 needs bitsandbytes, which is not installed here")
-    seqs, batches = parse_ints("--seq", args.seq), parse_ints("--batch", args.batch)
+    seqs, batches = parse_ints("--seq", args.seq, minimum=64), parse_ints("--batch", args.batch)
     for fam in families:
         beyond = [q for q in seqs or () if q > max_positions(fam)]
         if beyond:

@@ -235,7 +235,8 @@ def _unwritable_folder(root: Path) -> str:
 
 BAD_INPUT = [
     # id, argv ({tmp}: the test's folder), words the error line must hold
-    ("seq-zero", ["--dry-run", "--seq", "0"], ["--seq", "0", "at least 1"]),
+    ("seq-zero", ["--dry-run", "--seq", "0"], ["--seq", "0", "at least 64"]),
+    ("seq-under-soups-64", ["--dry-run", "--seq", "32"], ["--seq", "32", "at least 64"]),
     ("seq-negative", ["--dry-run", "--seq", "-5"], ["--seq", "-5", "at least 1"]),
     ("seq-word", ["--dry-run", "--seq", "abc"], ["--seq", "'abc'", "whole number"]),
     ("seq-float", ["--dry-run", "--seq", "1e3"], ["--seq", "'1e3'", "whole number"]),
