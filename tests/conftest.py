@@ -70,6 +70,20 @@ def main(capfd, argv):
     return code, out, err
 
 
+def one_error_line(code, out, err, *words):
+    """A usage error: exit 2, nothing on stdout (not even the stack header), exactly one line
+    on stderr naming ``words``, no traceback."""
+    assert code == h.EXIT_USAGE, (out, err)
+    assert out == "", out
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1, err
+    assert lines[0].startswith("error: ")
+    assert "Traceback" not in err
+    for word in words:
+        assert word in lines[0], (word, lines[0])
+    return lines[0]
+
+
 def table_rows(out: str, seq: int) -> list[str]:
     """The sweep table's lines for one seq."""
     return [line for line in out.splitlines() if line.split()[:1] == [str(seq)]]

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import SMOL, h, main, table_rows
+from conftest import SMOL, h, main, one_error_line, table_rows
 
 SOUP_CONSOLE_TEXT = ("Layer streaming", "LoRA applied", "Preparing layer shards",
                      "Loading tokenizer", "chat_template override", "Map:", "Truncating",
@@ -31,19 +31,6 @@ SOUP_CONSOLE_TEXT = ("Layer streaming", "LoRA applied", "Preparing layer shards"
 
 def err_lines(err: str) -> list[str]:
     return [line for line in err.splitlines() if line.strip()]
-
-
-def one_error_line(code, out, err, *words):
-    """A usage error: exit 2, nothing on stdout, exactly one line on stderr, no traceback."""
-    assert code == h.EXIT_USAGE, (out, err)
-    assert out == "", out  # not even the stack header
-    lines = err_lines(err)
-    assert len(lines) == 1, err
-    assert lines[0].startswith("error: ")
-    assert "Traceback" not in err
-    for word in words:
-        assert word in lines[0], (word, lines[0])
-    return lines[0]
 
 
 # ---------------------------------------------------------------------------
@@ -237,28 +224,28 @@ BAD_INPUT = [
     # id, argv ({tmp}: the test's folder), words the error line must hold
     ("seq-zero", ["--dry-run", "--seq", "0"], ["--seq", "0", "at least 64"]),
     ("seq-under-soups-64", ["--dry-run", "--seq", "32"], ["--seq", "32", "at least 64"]),
-    ("seq-negative", ["--dry-run", "--seq", "-5"], ["--seq", "-5", "at least 1"]),
+    ("seq-negative", ["--dry-run", "--seq", "-5"], ["--seq", "-5", "at least 64"]),
     ("seq-word", ["--dry-run", "--seq", "abc"], ["--seq", "'abc'", "whole number"]),
+    ("seq-beyond-max-positions", ["--dry-run", "--seq", "9000", "--models", "smol"],
+     ["--seq 9000", "SmolLM2-135M", "8192"]),
     ("seq-float", ["--dry-run", "--seq", "1e3"], ["--seq", "'1e3'", "whole number"]),
     ("seq-non-ascii-digit", ["--dry-run", "--seq", "\u00b2"], ["--seq", "whole number"]),
     ("seq-empty", ["--dry-run", "--seq", ""], ["--seq", "empty"]),
     ("seq-empty-item", ["--dry-run", "--seq", "2048,,4096"], ["--seq", "empty"]),
     ("seq-named-twice", ["--dry-run", "--seq", "64,64"], ["--seq", "64", "twice"]),
-    ("seq-beyond-max-positions", ["--dry-run", "--seq", "9000", "--models", "smol"],
-     ["--seq 9000", "SmolLM2-135M", "8192"]),
     ("models-unknown", ["--dry-run", "--models", "foo"], ["--models", "'foo'", "smol,qwen"]),
     ("models-empty", ["--dry-run", "--models", ""], ["--models", "empty", "smol,qwen"]),
     ("models-named-twice", ["--dry-run", "--models", "smol,smol"], ["--models", "twice"]),
     ("model-with-models", ["--dry-run", "--model", "{tmp}", "--models", "smol", "--seq", "64"],
      ["--model", "--models", "exclusive"]),
     ("model-without-seq", ["--dry-run", "--model", "{tmp}"], ["--model", "--seq"]),
-    ("model-unstreamable-arch", ["--dry-run", "--model", "{gpt2}", "--seq", "64"],
-     ["gpt2", "cannot be layer-streamed"]),
     ("model-no-config", ["--dry-run", "--model", "{noconfig}", "--seq", "64"],
      ["--model", "no config.json"]),
     ("batch-zero", ["--dry-run", "--batch", "0"], ["--batch", "0", "at least 1"]),
     ("batch-word", ["--dry-run", "--batch", "x"], ["--batch", "'x'", "whole number"]),
     ("gpus-negative", ["--dry-run", "--gpus", "-1"], ["--gpus", "-1", "at least 0"]),
+    ("model-unstreamable-arch", ["--dry-run", "--model", "{gpt2}", "--seq", "64"],
+     ["gpt2", "cannot be layer-streamed"]),
     ("determinism-one", ["--dry-run", "--determinism", "1"], ["--determinism", "1", "at least 2"]),
     ("shard-beyond", ["--dry-run", "--shard", "3/2"], ["--shard 3/2", "K/N"]),
     ("shard-zero", ["--dry-run", "--shard", "0/2"], ["--shard 0/2", "K/N"]),

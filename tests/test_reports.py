@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, h, main, make_row
+from conftest import ROOT, h, main, make_row, one_error_line
 
 UNDER_PEAK = 5_830_000_000  # the RTX 3050 record's SmolLM2 seq 6144 real peak (5.830 GB)
 SCHEMA1 = ROOT / "results" / "h200-2026-11-30" / "h200-2026-11-30-full-cold"
@@ -81,19 +81,6 @@ def table_lines(text, model):
             break
         out.append(line)
     return out
-
-
-def one_error_line(code, out, err, *words):
-    """A usage error: exit 2, nothing on stdout, exactly one line on stderr, no traceback."""
-    assert code == h.EXIT_USAGE, (out, err)
-    assert out == ""
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert len(lines) == 1, err
-    assert lines[0].startswith("error: ")
-    assert "Traceback" not in err
-    for word in words:
-        assert word in lines[0], (word, lines[0])
-    return lines[0]
 
 
 def save(result, path: Path) -> Path:
