@@ -7,13 +7,17 @@ Requirements
     requirements.txt: torch, transformers, trl, peft, soup-cli (0.73.3 is the
     record's; 0.77.0 is tested too), pyyaml, matplotlib (--plot) and jinja2>=3.1.0
     (Soup's chat template fails to render on older jinja2). No network: every
-    model is built here. A full run (--sweep --measure --sdpa) took 41 s warm
-    and 57 s cold on an H200 (results/README.md has each measured run's time).
+    model is built here. On an H200 a full run (--sweep --measure --sdpa) took
+    39-49 s warm and 57-62 s cold, and the whole margin map (--map) 12.4 minutes
+    with every checkpoint built cold (results/README.md has each run's time). The
+    map's NF4 arms need bitsandbytes; its 7B and 8B families ran on a box with 128
+    GiB of RAM and a 64 GB disk (one family's checkpoint and shards are kept at a time).
 
 Usage
     issue395_second_stack_vram.py                          the sweep: 10 arms
     issue395_second_stack_vram.py --sweep --measure --sdpa the full record
     issue395_second_stack_vram.py --dry-run --seq 256      CPU: Soup's setup and the guard, no peak
+    issue395_second_stack_vram.py --map --plot map.png     the margin map: every family Soup streams
     issue395_second_stack_vram.py --gpus 0,1               one shard per GPU, merged
     issue395_second_stack_vram.py --shard 2/4 --json s2.json   one shard of four (cluster array jobs)
     issue395_second_stack_vram.py --from-json s1.json s2.json  merge shards into one set of tables
@@ -47,14 +51,17 @@ The trap
 What the tool adds to the record
     Architecture-exact synthetic checkpoints (peak VRAM depends on shapes and
     dtypes, not weight values; ``--weights hub`` uses the real ones); --batch;
-    --model (any streamable causal LM); --snapshot (which blocks are live at the
-    peak, with a positive control); --determinism; --isolate; shards (--shard,
-    --gpus, --from-json merges); JSON, markdown and a plot.
+    --model (any streamable causal LM, or just its config.json); --snapshot (which
+    blocks are live at the peak, with a positive control); --determinism; --isolate;
+    shards (--shard, --gpus, --from-json merges); JSON, markdown and a plot; and the
+    margin map (--map): Soup's contract on every family it streams, bf16 and NF4,
+    judged against Soup's own pre-flight number as its setup computes it, with the
+    estimator term that eats the thinnest margins.
 
 Every number printed is measured here, computed by Soup, or quoted from the
 record, and labelled as such. Exit codes: 0 every row ok (a dry run: every row
-realised as requested); 1 any row VOID, OOM, FAILED or UNDER; 2 usage error;
-130 interrupted.
+realised as requested; REFUSED and SKIPPED rows are not findings); 1 any row VOID,
+OOM, FAILED or UNDER; 2 usage error; 130 interrupted.
 """
 
 from __future__ import annotations
@@ -2090,11 +2097,12 @@ def determinism_table(rows: list[Row]) -> str:
         r = entry["row"]
         peaks = ", ".join("-" if p is None else f"{p / GB:.4f}" for p in entry["peaks"])
         rec = RECORD_DETERMINISM.get((r.model_key, r.seq)) if r.batch == 1 else None
-        findings = [f"repeat {i} {st}" for i, st in enumerate(entry["statuses"], 1) if st != "ok"]
+        findings = [f"repeat {i} {st}" for i, st in enumerate(entry["statuses"], 1)
+                    if st not in ("ok", "dry-run")]
         out.append(f"  {r.model} seq {r.seq} batch {r.batch}: peaks {peaks} GB (pids "
                    f"{','.join(str(p) for p in entry['pids'])}); spread "
                    + ("-" if entry["spread_pct"] is None else f"{entry['spread_pct']:.2f}%")
-                   + f" | record " + (f"{rec[0]:.4f}, {rec[1]:.4f} GB, spread {rec[2]:.2f}%" if rec else "-")
+                   + " | record " + (f"{rec[0]:.4f}, {rec[1]:.4f} GB, spread {rec[2]:.2f}%" if rec else "-")
                    + (f"; {', '.join(findings)}" if findings else ""))
     return "\n".join(out)
 
@@ -2622,7 +2630,8 @@ EPILOG = f"""defaults:
 
 exit codes:
   0    every row ok (prediction at or above the real peak, realised == requested); in a
-       dry run, every row realised as requested
+       dry run, every row realised as requested. REFUSED (Soup's gate said the run will not
+       fit) and SKIPPED (NF4 without bitsandbytes) rows are not findings
   1    any row VOID (realised != requested), OOM, FAILED or UNDER (prediction below the
        real peak), the snapshot's positive control failed, or the harness failed
   2    usage error, or an output that could not be written (one line on stderr)

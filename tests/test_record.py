@@ -15,7 +15,7 @@ from dataclasses import replace
 from importlib import metadata
 
 import pytest
-from conftest import QWEN, SMOL, h, make_row
+from conftest import SMOL, h, make_row
 
 # PROTOCOL.md's shape table and the A10G record's published figures, typed in here
 # independently of the harness's own copies.
