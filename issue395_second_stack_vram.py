@@ -72,6 +72,7 @@ import gc
 import json
 import math
 import os
+import socket
 import sys
 import time
 from dataclasses import asdict, dataclass, field, fields
@@ -481,6 +482,8 @@ class Row:
             raise ValueError(f"row field 'failure' is {data['failure']!r}")
         if data.get("index") is None:
             raise ValueError("row field 'index' must be a whole number >= 0")
+        if data.get("predicted") is not None and (data["predicted"] < 1 or data.get("logits14") is None):
+            raise ValueError("a row with a prediction must carry Soup's logits charge, and a prediction >= 1")
         if data.get("real_peak") is not None and any(
                 data.get(k) is None for k in ("predicted", "logits14", "loss_bytes_per_element")):
             raise ValueError("a row with a real peak must carry its prediction and Soup's logits figures")
@@ -494,7 +497,8 @@ def _whole(value: Any, minimum: int) -> bool:
 def arm_row(arm: Arm, shape: Shape, **measured: Any) -> Row:
     """An arm's row: its inputs, Soup's prediction and the record's figure, plus what was measured."""
     logits14, bpe = logits_charge(shape, arm.seq, arm.batch)
-    record = RECORD_A10G_PEAK.get((shape.key, arm.seq)) if shape.record and arm.batch == 1 else None
+    record = (RECORD_A10G_PEAK.get((shape.key, arm.seq))
+              if shape.record and arm.batch == 1 and arm.quant == "none" else None)
     return Row(model=shape.name, model_key=arm.model, seq=arm.seq, batch=arm.batch,
                index=arm.index, predicted=predicted_bytes(shape, arm.seq, arm.batch),
                logits14=logits14, loss_bytes_per_element=bpe, vocab=shape.vocab, quant=arm.quant,
@@ -564,7 +568,8 @@ def run_arm(arm: Arm, shape: Shape, base: str, work: Path, *, dry_run: bool = Fa
     if snap is not None and snapshot_dir:
         import pickle
 
-        out = Path(snapshot_dir) / f"snapshot-{arm.index:03d}-{arm.model}-{arm.seq}-b{arm.batch}.pickle"
+        rep = f"-r{repeat}" if repeat is not None else ""
+        out = Path(snapshot_dir) / f"snapshot-{arm.index:03d}-{arm.model}-{arm.seq}-b{arm.batch}{rep}.pickle"
         out.write_bytes(pickle.dumps(snap))
         got["attribution"]["snapshot_file"] = str(out)
     if not dry_run and STEP_DEVICE == "cuda":
@@ -627,16 +632,16 @@ def sweep(arms: list[Arm], shapes: dict[str, Shape], bases: "Checkpoints", scrat
     With ``on_margin`` (the map), once a model's arms are done its tightest arm, and any
     UNDER, runs again with the allocator history recorded, to say where the margin goes.
     """
-    checked: set[str] = set()
+    checked: set[tuple[str, str]] = set()
     done: list[Row] = []
     for arm in arms:
         if Stop.requested:
             break
-        base = bases.get(arm.model)
-        first = arm.model not in checked
+        base = quant_base(scratch, bases.get(arm.model), arm.quant)
+        first = (arm.model, arm.quant) not in checked
         if run.cache_dir and first:
             scratch.repair_shards(base)
-        checked.add(arm.model)
+        checked.add((arm.model, arm.quant))
         log = (Path(run.log_dir) / f"soup-{arm.index:03d}-{arm.model}-{arm.seq}-b{arm.batch}.log"
                if run.log_dir else None)
         with scratch.sharding(base) if first else contextlib.nullcontext():
@@ -650,13 +655,29 @@ def sweep(arms: list[Arm], shapes: dict[str, Shape], bases: "Checkpoints", scrat
         if on_margin is not None:
             mine = [r for r in done if r.model_key == arm.model]
             again = mine if run.snapshot else [
-                run_arm(a, shapes[a.model], base, scratch.path("arms", f"{a.index:03d}-margin"),
+                run_arm(a, shapes[a.model], quant_base(scratch, bases.get(a.model), a.quant), scratch.path("arms", f"{a.index:03d}-margin"),
                         snapshot=True, log=log, verbose=run.verbose) for a in margin_arms(mine)
                 if not Stop.requested]
             for r in again:
                 if r.attribution and r.measured and r.soup_predicted:
                     on_margin(margin_breakdown(r))
         bases.release(arm.model)
+
+
+def quant_base(scratch: "Scratch", base: str, quant: str) -> str:
+    """Soup keys its shard folder by the base path alone and re-shards it in place when the
+    quantization changes; an NF4 arm gets its own path (a symlink kept beside the shard cache,
+    so processes sharing a cache share it), hence its own shard folder."""
+    if quant == "none":
+        return base
+    import hashlib
+
+    folder = scratch.shard_root.parent / "quant-aliases"
+    folder.mkdir(parents=True, exist_ok=True)
+    alias = folder / f"{Path(base).name}-{hashlib.sha256(base.encode()).hexdigest()[:8]}.{quant}"
+    with contextlib.suppress(FileExistsError):
+        alias.symlink_to(Path(base).resolve(), target_is_directory=True)
+    return str(alias)
 
 
 def measure_mode(dry_run: bool) -> dict[str, Any]:
@@ -1291,7 +1312,7 @@ def start_checkpoint(shape: Shape, root: Path, writer: Any = None) -> Callable[[
     if problem:
         print(f"note: cached checkpoint {dest} is damaged ({problem}); rebuilding it",
               file=sys.stderr, flush=True)
-    partial = root / f".{dest.name}.partial-{os.getpid()}"
+    partial = root / f".{dest.name}.partial-{socket.gethostname()}-{os.getpid()}"
     shutil.rmtree(partial, ignore_errors=True)
     write = prepare_checkpoint(shape, partial)
 
@@ -1347,7 +1368,11 @@ class Checkpoints:
 
         path = self.paths.pop(key, None)
         if path and not self.run.cache_dir and Path(path).is_relative_to(self.scratch.root):
-            shutil.rmtree(resolve_shard_dir(path), ignore_errors=True)
+            for quant in QUANTS:
+                alias = quant_base(self.scratch, path, quant)
+                shutil.rmtree(resolve_shard_dir(alias), ignore_errors=True)
+                if alias != path:
+                    Path(alias).unlink(missing_ok=True)
             shutil.rmtree(path, ignore_errors=True)
         self.paths[key] = ""  # never rebuilt in this run
 
@@ -1376,7 +1401,7 @@ class Checkpoints:
         import shutil
 
         self.writer.shutdown(wait=True, cancel_futures=True)
-        for partial in self.scratch.checkpoint_root().glob(f".*.partial-{os.getpid()}"):
+        for partial in self.scratch.checkpoint_root().glob(f".*.partial-{socket.gethostname()}-{os.getpid()}"):
             shutil.rmtree(partial, ignore_errors=True)  # a build cancelled before it ran
 
 
@@ -1387,11 +1412,12 @@ def reap_dead_partials(root: Path) -> None:
     import shutil
 
     for folder in root.glob(".*.partial-*"):
-        m = re.fullmatch(r"\..+\.partial-(\d+)", folder.name)
-        if not m or not folder.is_dir() or folder.is_symlink():
+        m = re.fullmatch(r"\..+?\.partial-(?:(.+)-)?(\d+)", folder.name)
+        if not m or m.group(1) not in (None, socket.gethostname()) or not folder.is_dir() \
+                or folder.is_symlink():
             continue
         try:
-            os.kill(int(m.group(1)), 0)
+            os.kill(int(m.group(2)), 0)
         except ProcessLookupError:
             shutil.rmtree(folder, ignore_errors=True)
         except PermissionError:
@@ -1641,8 +1667,8 @@ class Scratch:
         from soup_cli.utils.layer_shard import resolve_shard_dir
 
         folder = Path(resolve_shard_dir(base))
-        if not (folder / "index.json").exists() and not any(folder.glob("*.safetensors")):
-            return  # nothing cached (the resolver may have just made the folder)
+        if not (folder / "index.json").exists():
+            return  # nothing cached, or another process is sharding it now (Soup writes index.json last)
         problems = [p for p in (safetensors_problem(f) for f in sorted(folder.glob("*.safetensors"))) if p]
         try:
             json.loads((folder / "index.json").read_text())
@@ -1919,7 +1945,8 @@ def merge(results: list[Result], arms_label: Optional[str] = None) -> Result:
                   control=next((c for c in controls if not c.get("passed")), one("control")),
                   interrupted=any(r.interrupted for r in results), error=one("error"),
                   timings={"parts": [r.timings for r in results]}, kind=results[0].kind,
-                  margins=[m for r in results for m in r.margins])
+                  margins=thinnest([m for r in results for m in r.margins]) if results[0].kind == "map"
+                  else [m for r in results for m in r.margins])
 
 
 def environment(weights: str, dry_run: bool, arms: str, argv: list[str]) -> dict[str, Any]:
@@ -2009,6 +2036,10 @@ def sweep_table(rows: list[Row]) -> str:
     notes = [f"  {r.model} seq {r.seq} batch {r.batch}: {r.status} - {r.error or ''}"
              + (f" (asked for {r.oom_request / GB:.2f} GB)" if r.oom_request else "")
              for r in rows if r.failure]
+    notes += [f"  {r.model} seq {r.seq} batch {r.batch}: UNDER by Soup's own pre-flight in this setup "
+              f"({gb(r.soup_predicted)} GB, {ratio(r.margin_ratio)} of the real peak); pred/real above "
+              f"is the grid-convention estimate ({ratio(r.pred_over_real)})"
+              for r in rows if r.status == "UNDER" and r.pred_over_real >= 1]
     notes += [f"  {r.model} seq {r.seq}: teardown error (measurement kept): {r.teardown_error}"
               for r in rows if r.teardown_error]
     notes += [f"  {r.model} seq {r.seq} batch {r.batch}: VOID - realised {list(r.realised_rows)} "
@@ -2196,10 +2227,10 @@ def margins_table(margins: list[dict[str, Any]]) -> str:
 
 def compare_table(a: Result, b: Result) -> str:
     """The same arms' measured peaks in two saved results (e.g. before and after a change)."""
-    index = {(r.model, r.seq, r.batch, r.repeat): r for r in b.rows if r.measured}
+    index = {(r.model, r.quant, r.seq, r.batch, r.repeat): r for r in b.rows if r.measured}
     cells = []
     for r in a.rows:
-        o = index.get((r.model, r.seq, r.batch, r.repeat))
+        o = index.get((r.model, r.quant, r.seq, r.batch, r.repeat))
         if r.measured and o:
             d = o.real_peak - r.real_peak
             cells.append([r.model, str(r.seq), str(r.batch), gb(r.real_peak), gb(o.real_peak), str(d),
@@ -2263,6 +2294,9 @@ def render_markdown(result: Result) -> str:
           f"Compared against the A10G record: {A10G_STACK}. Predicted = Soup's "
           "`estimate_stream_peak_vram`; real peak = `torch.cuda.max_memory_allocated()` around one "
           "optimizer step, measured by this run.", ""]
+    if result.kind == "map":  # the map's own table: quant, Soup's own, the lower of the two
+        md += ["```", map_table(rows), "", map_summary(rows), "", map_verdict(rows), "```", ""]
+        rows = []
     for model in models_in(rows):
         md += [f"## {model}", "", "| seq | realised | batch | predicted GB | real peak GB | pred/real "
                "| A10G real GB | vs A10G | verdict |", "|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
@@ -2505,7 +2539,9 @@ def spread(run: "Run", arms: list[Arm], scratch: Scratch, on_row: Callable[[Row]
     running: dict[Optional[int], dict[str, Any]] = {}
     results: list[Result] = []
     count = 0
-    cache = run.cache_dir or str(scratch.path("cache"))
+    # Children share one cache so a model is built and sharded once; but the map's families would
+    # not fit a disk together, so there each child keeps its own and frees each family after it.
+    cache = run.cache_dir or (None if run.map else str(scratch.path("cache")))
     import tempfile
 
     folder = Path(tempfile.mkdtemp(dir=scratch.path("children")))  # one per spread: no stale files
@@ -2580,12 +2616,16 @@ def spread(run: "Run", arms: list[Arm], scratch: Scratch, on_row: Callable[[Row]
     return results
 
 
-def child_argv(run: "Run", job: Job, out: str, cache: str) -> list[str]:
+def child_argv(run: "Run", job: Job, out: str, cache: Optional[str]) -> list[str]:
     """The command line of one child: the same arms' settings, one shard, its own JSON."""
-    argv = ["--_child", "--shard", f"{job.shard[0]}/{job.shard[1]}", "--json", out, "--cache-dir", cache,
-            "--weights", run.weights, "--batch", ",".join(map(str, run.batches))]
+    argv = ["--_child", "--shard", f"{job.shard[0]}/{job.shard[1]}", "--json", out,
+            "--batch", ",".join(map(str, run.batches))] + (["--cache-dir", cache] if cache else [])
+    if not run.custom_model:  # --model's weights ("local" or "synthetic") follow from --model
+        argv += ["--weights", run.weights]
     if run.map:
-        argv += ["--map", "--families", ",".join(run.models), "--quant", ",".join(run.quants)]
+        argv += ["--map", "--families", ",".join(run.models)]
+        if run.quants != QUANTS:  # the default both: a child without bitsandbytes SKIPs NF4, as here
+            argv += ["--quant", ",".join(run.quants)]
     else:
         argv += ["--model", run.custom_model] if run.custom_model else ["--models", ",".join(run.models)]
     if run.seqs:
@@ -3104,7 +3144,10 @@ def rerender(run: Run) -> int:
     """Saved results (one, or shards of one run) re-judged, merged and rendered; no GPU."""
     results = [load_result(p) for p in run.from_json]
     result = merge(results, f"merged from {len(results)} result(s)") if len(results) > 1 else results[0]
-    text = render_text(result)
+    try:
+        text = render_text(result)
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
+        raise UsageError(f"--from-json: a saved block cannot be rendered ({last_line(exc)})") from None
     if run.compare:
         text += "\n" + compare_table(result, load_result(run.compare, "--compare")) + "\n"
     print(text, end="")
