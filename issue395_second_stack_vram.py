@@ -75,7 +75,7 @@ import os
 import socket
 import sys
 import time
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Optional
 
@@ -1089,7 +1089,7 @@ def margin_breakdown(row: Row) -> dict[str, Any]:
         note = (f"{row.model} {row.quant} seq {row.seq} batch {row.batch}: margin {ratio - 1:+.1%}; the "
                 f"{worst['term']} term misses {worst['missed'] / 1e6:.1f} MB"
                 + (f" ({worst['missed'] / unit[0]:.2f} bytes {unit[1]}): charging that much more "
-                   f"{unit[1].replace('per ', 'per ')} would cover it" if unit else ""))
+                   f"{unit[1]} would cover it" if unit else ""))
     return {"model": row.model, "model_key": row.model_key, "quant": row.quant, "seq": row.seq,
             "batch": row.batch, "real_peak": row.real_peak, "soup_predicted": row.soup_predicted,
             "ratio": ratio, "complete": bool(a.get("complete")), "terms": terms, "note": note}
@@ -1194,16 +1194,12 @@ def build_tokenizer(dest: Path) -> dict[str, int]:
     return {tok: vocab[tok] for tok in SPECIAL_TOKENS}
 
 
-def build_checkpoint(shape: Shape, dest: Path) -> dict[str, Any]:
-    """Write a bf16 safetensors checkpoint, config and tokenizer of ``shape``; return its
-    manifest (each tensor's dtype and shape, and the file's size) for later verification."""
-    return prepare_checkpoint(shape, dest)()
-
-
 def prepare_checkpoint(shape: Shape, dest: Path) -> Callable[[], dict[str, Any]]:
-    """The tokenizer, the config and the list of tensors, written here; returns the weights'
-    writing, which may run in a thread beside a measured arm: it touches no global torch
-    state (transformers' from_config sets the default dtype, so the skeleton is made here).
+    """A bf16 safetensors checkpoint of ``shape``: the tokenizer, the config and the list of
+    tensors are written here; the returned call writes the weights and gives their manifest
+    (each tensor's dtype and shape, the file's size) for later verification. It may run in a
+    thread beside a measured arm: it touches no global torch state (transformers' from_config
+    sets the default dtype, so the skeleton is made here).
 
     Weights are small random values (never zeros: a zero model can take shortcuts a real
     one cannot); norms are ones. Values do not move the peak.
@@ -1388,7 +1384,7 @@ class Checkpoints:
             path = wait()
             self.build_s[key] = round(time.perf_counter() - started, 2)
         elif key == "custom" and config_only(self.run.custom_model):
-            path = start_checkpoint(self.shapes[key], self.scratch.checkpoint_root())()
+            path, self.build_s[key] = synthetic_checkpoint(self.shapes[key], self.scratch.checkpoint_root())
         elif key == "custom":
             model = self.run.custom_model
             path = Path(model).resolve() if Path(model).exists() else hub_snapshot(model, self.scratch)
@@ -2940,7 +2936,7 @@ def settle_map(args: argparse.Namespace, argv: list[str]) -> Run:
             raise UsageError(f"--seq {beyond[0]} is beyond {fam}'s maximum positions ({max_positions(fam)})")
     plain = settle(argparse.Namespace(**dict(vars(args), map=False, families=None, quant=None,
                                              models=None, seq=None, batch=args.batch)), argv)
-    return replace_run(plain, map=True, sweep=True, models=families, quants=quants, seqs=seqs,
+    return replace(plain, map=True, sweep=True, models=families, quants=quants, seqs=seqs,
                        batches=batches or MAP_BATCHES)
 
 
@@ -3052,7 +3048,7 @@ def measure_all(run: Run, scratch: Scratch, started: float, local: bool, fan_out
     checkpoints = None
     try:
         if run.sweep and fan_out:
-            children += spread(replace_run(run, repeats=None), arms, scratch, on_row)
+            children += spread(replace(run, repeats=None), arms, scratch, on_row)
         elif run.sweep:
             checkpoints = Checkpoints(list(dict.fromkeys(a.model for a in arms)), shapes, run, scratch)
             sweep(arms, shapes, checkpoints, scratch, run, on_row,
@@ -3060,7 +3056,7 @@ def measure_all(run: Run, scratch: Scratch, started: float, local: bool, fan_out
             if run.snapshot and not Stop.requested:
                 result.control = positive_control(control_step(False), control_step(True))
         if run.repeats and not Stop.requested:
-            det_run = replace_run(run, isolate=True, gpus=run.gpus, models=det_models, seqs=det_seqs,
+            det_run = replace(run, isolate=True, gpus=run.gpus, models=det_models, seqs=det_seqs,
                                   batches=det_batches, measure=run.measure and not local,
                                   sdpa=run.sdpa and not local)
             children += spread(det_run, det_arms, scratch, on_row)
@@ -3106,12 +3102,6 @@ def measure_all(run: Run, scratch: Scratch, started: float, local: bool, fan_out
         if line:
             print(f"error: {line}", file=sys.stderr)
     return EXIT_USAGE if usage_error or unwritten else result.exit_code
-
-
-def replace_run(run: Run, **changes: Any) -> Run:
-    from dataclasses import replace
-
-    return replace(run, **changes)
 
 
 def run_timings(rows: list[Row], imports_s: float, total_s: float, build_s: dict[str, float],

@@ -456,7 +456,7 @@ def test_model_option_on_a_local_checkpoint_runs_without_record_columns(
                    vocab=512, max_positions=1024,
                    arch=dict(SMOL.arch, num_attention_heads=4, num_key_value_heads=2))
     ckpt = tmp_path / "tiny-llama"
-    h.build_checkpoint(tiny, ckpt)
+    h.prepare_checkpoint(tiny, ckpt)()
     out_json = tmp_path / "out.json"
     code, out, err = main(capfd, ["--dry-run", "--model", ckpt, "--seq", "64",
                                   "--cache-dir", cache_dir, "--json", out_json])

@@ -81,7 +81,7 @@ def test_builder_keeps_an_untied_head_and_sets_gemma_norms_to_their_neutral_zero
                                   arch=dict(h.FAMILIES["mistral-7b"][3], num_attention_heads=2,
                                             num_key_value_heads=1, head_dim=32))
     for shape in (gemma, mistral):
-        h.build_checkpoint(shape, tmp_path / shape.key)
+        h.prepare_checkpoint(shape, tmp_path / shape.key)()
     with safe_open(str(tmp_path / "g" / "model.safetensors"), framework="pt") as f:
         norms = [f.get_tensor(k) for k in f.keys() if "norm" in k]
         assert norms and all(float(t.abs().max()) == 0.0 for t in norms)
