@@ -2900,6 +2900,8 @@ def settle(args: argparse.Namespace, argv: list[str]) -> Run:
     cache = os.path.abspath(os.path.expanduser(args.cache_dir)) if args.cache_dir else None
     if cache:
         check_cache_dir_bounds(args.cache_dir, cache)
+    if args._repeat is not None and not (args._repeat.isascii() and args._repeat.isdigit()):
+        raise UsageError(f"--_repeat {args._repeat!r} is not a whole number")
     any_mode = args.measure or args.sdpa or repeats is not None
     return Run(sweep=args.sweep or not any_mode, measure=args.measure, sdpa=args.sdpa, repeats=repeats,
                models=models, seqs=seqs, batches=batches, custom_model=args.model,

@@ -123,3 +123,7 @@ def test_a_half_built_checkpoint_of_another_host_is_left_alone(tmp_path):
         folder.mkdir()
     h.reap_dead_partials(tmp_path)
     assert other.exists() and not mine_dead.exists()
+
+
+def test_a_childs_repeat_tag_that_is_not_a_number_is_one_line_and_exit_2(capfd):
+    one_error_line(*main(capfd, ["--_repeat", "x", "--dry-run"]), "--_repeat")
