@@ -403,7 +403,12 @@ class Row:
             return "VOID"
         if self.real_peak is None:
             return "dry-run" if self.dry_run else "FAILED"
-        return "UNDER" if min(p for p in (self.predicted, self.soup_predicted) if p) < self.real_peak else "ok"
+        return "UNDER" if self.lowest_prediction < self.real_peak else "ok"
+
+    @property
+    def lowest_prediction(self) -> Optional[int]:
+        """The lower of the record's convention and Soup's own pre-flight (where captured)."""
+        return min((p for p in (self.predicted, self.soup_predicted) if p), default=None)
 
     @property
     def measured(self) -> bool:
@@ -424,8 +429,7 @@ class Row:
     @property
     def margin_ratio(self) -> Optional[float]:
         """The lower of the two predictions (the record's convention, Soup's own) over the peak."""
-        return min(p for p in (self.predicted, self.soup_predicted) if p) / self.real_peak \
-            if self.measured else None
+        return self.lowest_prediction / self.real_peak if self.measured else None
 
     @property
     def nonlogits_overestimate(self) -> Optional[float]:
@@ -634,7 +638,7 @@ def sweep(arms: list[Arm], shapes: dict[str, Shape], bases: "Checkpoints", scrat
     """
     checked: set[tuple[str, str]] = set()
     done: list[Row] = []
-    for arm in arms:
+    for i, arm in enumerate(arms):
         if Stop.requested:
             break
         base = quant_base(scratch, bases.get(arm.model), arm.quant)
@@ -650,7 +654,7 @@ def sweep(arms: list[Arm], shapes: dict[str, Shape], bases: "Checkpoints", scrat
                           log=log, verbose=run.verbose, repeat=run.repeat_tag)
         on_row(row)
         done.append(row)
-        if any(a.model == arm.model for a in arms[arms.index(arm) + 1:]):
+        if any(a.model == arm.model for a in arms[i + 1:]):
             continue
         if on_margin is not None:
             mine = [r for r in done if r.model_key == arm.model]
@@ -1289,22 +1293,21 @@ def checkpoint_problem(dest: Path) -> Optional[str]:
 def synthetic_checkpoint(shape: Shape, root: Path) -> tuple[Path, float]:
     """The built checkpoint of ``shape`` under ``root`` and the seconds spent building it."""
     started = time.perf_counter()
-    dest = root / f"{shape.key}-{checkpoint_fingerprint(shape)}"
-    cached = dest.exists() and checkpoint_problem(dest) is None
-    path = start_checkpoint(shape, root)()
-    return path, 0.0 if cached else time.perf_counter() - started
+    dest, building = start_checkpoint(shape, root)
+    return dest, 0.0 if building is None else time.perf_counter() - started
 
 
-def start_checkpoint(shape: Shape, root: Path, writer: Any = None) -> Callable[[], Path]:
-    """The checkpoint of ``shape`` under ``root``: reused when it verifies, rebuilt (with a
-    note on stderr) when it does not. The weights are written by ``writer`` (an executor)
-    when given; the returned call waits for them and gives the folder."""
+def start_checkpoint(shape: Shape, root: Path,
+                     writer: Any = None) -> tuple[Path, Optional[Callable[[], Path]]]:
+    """The checkpoint of ``shape`` under ``root``: reused when it verifies (then the second
+    item is None), rebuilt (with a note on stderr) when it does not. The weights are written
+    by ``writer`` (an executor) when given; the second item waits for them."""
     import shutil
 
     dest = root / f"{shape.key}-{checkpoint_fingerprint(shape)}"
     problem = checkpoint_problem(dest) if dest.exists() else None
     if dest.exists() and problem is None:
-        return lambda: dest
+        return dest, None
     if problem:
         print(f"note: cached checkpoint {dest} is damaged ({problem}); rebuilding it",
               file=sys.stderr, flush=True)
@@ -1324,8 +1327,8 @@ def start_checkpoint(shape: Shape, root: Path, writer: Any = None) -> Callable[[
 
     if writer is None:
         finish()
-        return lambda: dest
-    return writer.submit(finish).result
+        return dest, lambda: dest
+    return dest, writer.submit(finish).result
 
 
 class Checkpoints:
@@ -1349,12 +1352,12 @@ class Checkpoints:
     def start(self, key: Optional[str]) -> None:
         if key is not None and key != "custom" and self.run.weights == "synthetic" \
                 and key not in self.pending and key not in self.paths:
-            dest = self.scratch.checkpoint_root() / f"{key}-{checkpoint_fingerprint(self.shapes[key])}"
-            if dest.exists() and checkpoint_problem(dest) is None:
+            started = time.perf_counter()
+            dest, building = start_checkpoint(self.shapes[key], self.scratch.checkpoint_root(), self.writer)
+            if building is None:
                 self.paths[key] = str(dest)  # cached: nothing is built, nothing is timed
-                return
-            self.pending[key] = (start_checkpoint(self.shapes[key], self.scratch.checkpoint_root(),
-                                                  self.writer), time.perf_counter())
+            else:
+                self.pending[key] = (building, started)
 
     def release(self, key: str) -> None:
         """A model's built checkpoint and Soup's shards of it, gone (scratch only)."""
@@ -1945,23 +1948,25 @@ def merge(results: list[Result], arms_label: Optional[str] = None) -> Result:
                   else [m for r in results for m in r.margins])
 
 
-def environment(weights: str, dry_run: bool, arms: str, argv: list[str]) -> dict[str, Any]:
-    """The stack every output carries."""
+def environment(weights: str, dry_run: bool, arms: str, argv: list[str],
+                with_torch: bool = True) -> dict[str, Any]:
+    """The stack every output carries. Without torch (a fan-out parent whose children all
+    died before reporting theirs) torch's version is read from its package, and no GPU."""
     import datetime
     import platform
     import subprocess
 
-    import torch
-
-    cuda = torch.cuda.is_available()
+    torch = __import__("torch") if with_torch else None
+    cuda = torch is not None and torch.cuda.is_available()
     driver = None
     if cuda:
         with contextlib.suppress(Exception):
             driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
                                     capture_output=True, text=True, timeout=10).stdout.split()[0]
     return {"gpu": torch.cuda.get_device_name(0) if cuda else None, "driver": driver,
-            "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"), "cuda": torch.version.cuda,
-            "torch": torch.__version__, **{k.replace("-", "_"): package_version(k) for k in
+            "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+            "cuda": torch.version.cuda if torch else None,
+            "torch": torch.__version__ if torch else package_version("torch"), **{k.replace("-", "_"): package_version(k) for k in
                                             ("transformers", "trl", "peft", "soup-cli")},
             "python": platform.python_version(), "platform": platform.platform(), "weights": weights,
             "dry_run": dry_run, "arms": arms, "command": " ".join(argv),
@@ -2011,10 +2016,14 @@ SWEEP_LEGEND = ("14xE: Soup's logits charge (E = seq x vocab x batch); non-logit
                 "copy fit under the real peak (14xE <= real peak)")
 
 
+def peak_cell(r: Row) -> str:
+    """The real peak, or why there is none: a row with no measurement never shows a figure."""
+    return gb(r.real_peak) if r.measured else r.status if r.failure else "n/a (dry run)" if r.dry_run else "-"
+
+
 def sweep_cells(r: Row) -> list[str]:
     void = "VOID" if r.status == "VOID" else None
-    real = (gb(r.real_peak) if r.measured else r.status if r.failure
-            else "n/a (dry run)" if r.dry_run else "-")
+    real = peak_cell(r)
     flag = r.retained_copy_would_fit
     return [str(r.seq), "-" if r.realised is None else str(r.realised), str(r.batch), gb(r.predicted),
             real, void or ratio(r.pred_over_real), gb(r.record_peak), void or ratio(r.vs_record),
@@ -2147,11 +2156,9 @@ def map_table(rows: list[Row]) -> str:
     """The margin map, one row per arm, with the same guard and statuses as the sweep."""
     cells = []
     for r in rows:
-        real = gb(r.real_peak) if r.measured else r.status if r.failure else (
-            "n/a (dry run)" if r.dry_run else "-")
         diff = (f"{(r.soup_predicted - r.predicted) / 1e6:+.1f}" if r.soup_predicted and r.predicted else "-")
         cells.append([r.model, r.quant, str(r.seq), str(r.batch), "-" if r.realised is None else str(r.realised),
-                      ",".join(r.targets) or "-", gb(r.predicted), gb(r.soup_predicted), diff, real,
+                      ",".join(r.targets) or "-", gb(r.predicted), gb(r.soup_predicted), diff, peak_cell(r),
                       "VOID" if r.status == "VOID" else ratio(r.margin_ratio), r.status])
     notes = [f"  {r.model} {r.quant} seq {r.seq} batch {r.batch}: {r.status} - {r.error}"
              for r in rows if r.failure and r.error]
@@ -3089,11 +3096,8 @@ def measure_all(run: Run, scratch: Scratch, started: float, local: bool, fan_out
         result.error = result.error or merged.error
         result.margins = thinnest(merged.margins)
     if not result.environment:
-        result.environment = {"gpu": None, "torch": package_version("torch"), "arms": arms_label,
-                              **{k.replace("-", "_"): package_version(k) for k in
-                                 ("transformers", "trl", "peft", "soup-cli")},
-                              "weights": run.weights, "dry_run": run.dry_run,
-                              "command": " ".join([os.path.basename(__file__), *run.argv])}
+        result.environment = environment(run.weights, run.dry_run, arms_label,
+                                         [os.path.basename(__file__), *run.argv], with_torch=False)
     result.rows = sorted(rows, key=row_order)
     result.interrupted = Stop.requested
     result.timings = run_timings(rows, imports_s, time.perf_counter() - started,

@@ -427,13 +427,13 @@ def test_a_hard_stop_while_checkpoints_build_leaves_no_half_built_folder_in_the_
     queued: list[bool] = []
 
     def start_checkpoint(shape, root, writer=None):
-        wait = real_start(shape, root, writer)
+        started = real_start(shape, root, writer)
         if shape.key == "qwen":
             queued.append(not smol_dest.exists())  # SmolLM2 still writing: Qwen2.5 waits its turn
             send_ctrl_c()
             os.kill(os.getpid(), signal.SIGINT)
             time.sleep(5)  # the handler raises KeyboardInterrupt here
-        return wait
+        return started
 
     monkeypatch.setattr(h, "start_checkpoint", start_checkpoint)
     code, out, err = main(capfd, ["--dry-run", "--models", "smol,qwen", "--seq", "64",
