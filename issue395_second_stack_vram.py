@@ -2501,10 +2501,32 @@ class Job:
     extra_modes: bool = False  # also --measure/--sdpa, after its arms
 
 
-def shard_of(arms: list[Arm], shard: tuple[int, int]) -> list[Arm]:
-    """--shard K/N: every arm whose grid index is K-1 modulo N."""
+def shard_of(arms: list[Arm], shard: tuple[int, int], whole_models: bool = False) -> list[Arm]:
+    """--shard K/N: every arm whose grid index is K-1 modulo N.
+
+    On the map a shard is whole families instead, dealt heaviest first to the lightest
+    shard: a family's checkpoint (up to 16 GB) and Soup's shards of it are the map's
+    largest cost, and modulo would build every family once per shard."""
     k, n = shard
-    return [a for a in arms if a.index % n == k - 1]
+    if not whole_models:
+        return [a for a in arms if a.index % n == k - 1]
+    cost: dict[str, float] = {}
+    for a in arms:
+        cost[a.model] = cost.get(a.model, 0.0) + arm_seconds(a)
+    load, owner = [0.0] * n, {}
+    for model in sorted(cost, key=lambda m: (-cost[m], m)):
+        owner[model] = min(range(n), key=lambda j: (load[j], j))
+        load[owner[model]] += cost[model]
+    return [a for a in arms if owner[a.model] == k - 1]
+
+
+def arm_seconds(arm: Arm) -> float:
+    """A map arm's rough cost, only to deal families evenly: on the H200 map each arm took
+    about 3 s of setup and teardown plus 0.7 s per billion parameters."""
+    family = FAMILIES.get(arm.model)
+    shape = SHAPES.get(arm.model)
+    params = family[4] if family else (shape.pool // 2 * shape.n_layers + shape.extras) // 2 if shape else 0
+    return 3.0 + 0.7e-9 * params
 
 
 def visible_gpu(ordinal: int) -> str:
@@ -2523,8 +2545,9 @@ def plan_jobs(run: "Run", arms: list[Arm], grid_size: Optional[int] = None) -> l
         return [Job((a.index + 1, grid_size or len(arms)), (a,), gpus[i % len(gpus)],
                     extra_modes=i == 0) for i, a in enumerate(arms)]
     n = len(run.gpus)
-    return [Job((k, n), tuple(shard_of(arms, (k, n))), g, extra_modes=k == 1)
+    jobs = [Job((k, n), tuple(shard_of(arms, (k, n), whole_models=run.map)), g, extra_modes=k == 1)
             for k, g in enumerate(run.gpus, 1)]
+    return [j for j in jobs if j.arms or j.extra_modes]  # one family, two GPUs: one child
 
 
 def spread(run: "Run", arms: list[Arm], scratch: Scratch, on_row: Callable[[Row], None],
@@ -2762,7 +2785,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--isolate", action="store_true", help="each arm in its own fresh process")
     r.add_argument("--gpus", default=None, help="comma list of GPU ids: one shard per GPU, merged")
     r.add_argument("--shard", default=None, metavar="K/N",
-                   help="run only the arms whose grid index is K-1 modulo N; merge with --from-json")
+                   help="run only the arms whose grid index is K-1 modulo N (on the map: whole "
+                        "families, dealt evenly); merge with --from-json")
     r.add_argument("--snapshot", action="store_true",
                    help="attribute each peak from the allocator history (+ positive control)")
     r.add_argument("--snapshot-dir", default=None, help="also write each raw snapshot here (implies --snapshot)")
@@ -3029,7 +3053,7 @@ def measure_all(run: Run, scratch: Scratch, started: float, local: bool, fan_out
             shapes.update({f: family_shape(f) for f in run.models})
         imports_s = time.perf_counter() - t
     arms = grid_arms(run)
-    arms = shard_of(arms, run.shard) if run.shard else arms
+    arms = shard_of(arms, run.shard, whole_models=run.map) if run.shard else arms
     det_models, det_seqs, det_batches = run.determinism_grid
     det_arms = plan_arms(det_models, det_seqs, det_batches) if run.repeats else []
     how = ("isolated, one fresh process per arm" if run.isolate else

@@ -220,3 +220,25 @@ def test_the_map_heatmap_is_a_png():
     rows = [make_row(k, q, index=i, real_peak=10**9) for i, (k, q) in enumerate([("smol", 2048), ("qwen", 4096)])]
     png = h.render_plot(h.Result(environment={"gpu": "test"}, kind="map", rows=rows))
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_map_shard_is_whole_families_dealt_evenly_and_every_arm_once():
+    """Modulo shards would make every shard build every family's checkpoint; the map's
+    shards each own whole families, and the heaviest (Mistral-7B) does not share a shard
+    with the next heaviest while a lighter one is free."""
+    arms = h.plan_map(h.MAP_FAMILIES + ("llama31-8b",), h.QUANTS, None, h.MAP_BATCHES)
+    shards = [h.shard_of(arms, (k, 2), whole_models=True) for k in (1, 2)]
+    assert sorted(a.index for s in shards for a in s) == [a.index for a in arms]
+    families = [{a.model for a in s} for s in shards]
+    assert not families[0] & families[1] and families[0] | families[1] == {a.model for a in arms}
+    loads = [sum(h.arm_seconds(a) for a in s) for s in shards]
+    assert max(loads) / min(loads) < 1.1, loads
+    assert "mistral-7b" in families[0]  # the heaviest family goes to the first shard
+
+
+def test_a_map_spread_over_two_gpus_starts_one_child_per_gpu_each_with_whole_families():
+    arms = h.plan_map(("smol", "qwen", "mistral-7b"), ("none",), (2048,), (1,))
+    jobs = h.plan_jobs(h.Run(map=True, models=("smol", "qwen", "mistral-7b"), gpus=(0, 1)), arms)
+    assert [sorted({a.model for a in j.arms}) for j in jobs] == [["mistral-7b"], ["qwen", "smol"]]
+    one = h.plan_jobs(h.Run(map=True, models=("smol",), gpus=(0, 1)), arms[:1])
+    assert len(one) == 1, "a second GPU with no family to run started a child anyway"
