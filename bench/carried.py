@@ -6,7 +6,7 @@ NF4, Qwen2.5 bf16, all 2048 x 1) through the harness's own run_arm, with the all
 history recorded, and after each teardown prints the bytes still allocated and, for each
 block still live, the Python frames that allocated it.
 
-    python3 bench/carried.py [CACHE_DIR]
+    CUDA_VISIBLE_DEVICES=0 python3 bench/carried.py [CACHE_DIR]
 """
 import sys
 from pathlib import Path
@@ -30,6 +30,10 @@ with h.Scratch(cache) as scratch:
               f"failure {row.failure} {row.error or ''}; after teardown {left} bytes allocated")
         if not left:
             continue
+        for obj in __import__("gc").get_objects():
+            if isinstance(obj, torch.Tensor) and obj.is_cuda:
+                print(f"  live tensor {tuple(obj.shape)} {obj.dtype}, held by "
+                      f"{[type(r).__name__ for r in __import__('gc').get_referrers(obj)][:6]}")
         for seg in torch.cuda.memory._snapshot()["segments"]:
             for block in seg["blocks"]:
                 if block["state"] != "active_allocated":
