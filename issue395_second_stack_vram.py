@@ -306,6 +306,12 @@ def teardown(wrapper: Any) -> Optional[str]:
     try:
         if wrapper is not None:
             wrapper.trainer = wrapper.model = None
+        # bitsandbytes caches its 256-entry dynamic map on the GPU the first time Soup
+        # quantizes NF4 shards, and keeps it: 1,024 bytes every later arm carried (the map's
+        # Qwen2.5 bf16 peaks were 1 KiB over the sweep's; found by bench/carried.py).
+        qmap = getattr(sys.modules.get("bitsandbytes.functional"), "name2qmap", {})
+        if getattr(qmap.get("dynamic"), "is_cuda", False):
+            del qmap["dynamic"]
         gc.collect()
         import torch
 
@@ -376,6 +382,7 @@ class Row:
     realised_rows: tuple = ()  # measured: each row's tokens
     real_peak: Optional[int] = None  # measured: max_memory_allocated around the step
     resident: Optional[int] = None  # measured: allocated before the step
+    carried: Optional[int] = None  # measured: still allocated by earlier arms when this began
     reserved: Optional[int] = None  # measured: max_memory_reserved
     failure: Optional[str] = None  # OOM, FAILED; REFUSED (Soup's gate said no), SKIPPED
     error: Optional[str] = None
@@ -468,7 +475,7 @@ class Row:
             if not _whole(data.get(key), minimum=1):
                 raise ValueError(f"row field {key!r} must be a whole number >= 1")
         for key in ("index", "predicted", "logits14", "realised_width", "real_peak", "resident",
-                    "reserved", "oom_request", "record_peak", "repeat"):
+                    "carried", "reserved", "oom_request", "record_peak", "repeat"):
             value = data.get(key)
             if value is not None and not _whole(value, minimum=1 if key == "real_peak" else 0):
                 raise ValueError(f"row field {key!r} is {value!r}: not a finite measurement")
@@ -523,7 +530,7 @@ def run_arm(arm: Arm, shape: Shape, base: str, work: Path, *, dry_run: bool = Fa
     data_path = work / "train.jsonl"
     data_path.write_text("".join(json.dumps(r) + "\n"
                                  for r in chat_rows(arm.seq, rows_for_batch(arm.batch))))
-    got: dict[str, Any] = {"timings": {}}
+    got: dict[str, Any] = {"timings": {}, "carried": carried_bytes(dry_run)}
     wrapper = None
     t0 = time.perf_counter()
     if arm.quant == "nf4" and not bitsandbytes_present():
@@ -583,6 +590,17 @@ def run_arm(arm: Arm, shape: Shape, base: str, work: Path, *, dry_run: bool = Fa
             got["gpu"] = f"{os.environ.get('CUDA_VISIBLE_DEVICES', '0')}: {torch.cuda.get_device_name(0)}"
     return arm_row(arm, shape, base=base, dry_run=dry_run, repeat=repeat,
                    log=str(log) if log else None, **got)
+
+
+def carried_bytes(dry_run: bool) -> Optional[int]:
+    """What earlier arms in this process left allocated: a fresh process has 0, and anything
+    more is inside this arm's peak too."""
+    if dry_run or STEP_DEVICE != "cuda":
+        return None
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_initialized():
+        return 0
+    return int(torch.cuda.memory_allocated())
 
 
 @contextlib.contextmanager
@@ -2275,6 +2293,10 @@ def render_text(result: Result) -> str:
         parts += ["", measure_table(result.measure)]
     if result.sdpa:
         parts += ["", sdpa_table(result.sdpa)]
+    carried = [r for r in result.rows if r.carried]
+    if carried:
+        parts += ["", f"carried: {len(carried)} row(s) began with bytes earlier arms left allocated "
+                      f"(up to {max(r.carried for r in carried):,}); their peaks include them"]
     if result.interrupted:
         parts += ["", f"interrupted: {len(result.rows)} row(s) measured before the stop"]
     return "\n".join(parts) + "\n"

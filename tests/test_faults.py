@@ -444,3 +444,23 @@ def test_a_hard_stop_while_checkpoints_build_leaves_no_half_built_folder_in_the_
     assert [name for name in left if name.startswith(".")] == [], left
     if not queued[0]:
         pytest.skip("SmolLM2's weights were written before Qwen2.5's build could queue behind them")
+
+
+def test_teardown_drops_the_dynamic_map_bitsandbytes_caches_on_the_gpu_and_keeps_a_cpu_one(
+        monkeypatch):
+    """A CUDA tensor cannot be built here: the stand-in has only what teardown reads
+    (is_cuda). On the H200 this map was the 1,024 bytes NF4 arms left to every later arm."""
+    import torch
+    from bitsandbytes import functional
+
+    class CudaTensor:
+        is_cuda = True
+
+    monkeypatch.setattr(functional, "name2qmap", {"dynamic": CudaTensor()})
+    assert h.teardown(None) is None
+    assert "dynamic" not in functional.name2qmap
+    cpu_map = torch.zeros(256)
+    functional.name2qmap["dynamic"] = cpu_map
+    h.teardown(None)
+    assert functional.name2qmap["dynamic"] is cpu_map
+

@@ -421,3 +421,14 @@ def test_exit_code_130_when_interrupted_even_with_findings(result):
     rows[0] = finding(rows[0], "VOID")
     res = make_result(rows, interrupted=True, control={"passed": False})
     assert res.exit_code == h.EXIT_INTERRUPTED
+
+
+def test_a_row_that_carried_bytes_from_earlier_arms_says_so_under_the_tables():
+    clean = make_row("smol", 2048, index=0, real_peak=10**9, carried=0)
+    carried = make_row("qwen", 2048, index=1, real_peak=4 * 10**9, carried=1024)
+    out = h.render_text(make_result([clean, carried]))
+    assert "carried: 1 row(s) began with bytes earlier arms left allocated (up to 1,024)" in out
+    assert "carried" not in h.render_text(make_result([clean]))
+    assert h.Row.from_json(carried.to_json()).carried == 1024
+    with pytest.raises(ValueError, match="carried"):
+        h.Row.from_json(dict(carried.to_json(), carried=-1))
