@@ -2249,19 +2249,20 @@ def margins_table(margins: list[dict[str, Any]]) -> str:
 def compare_table(a: Result, b: Result) -> str:
     """The same arms' measured peaks in two saved results (e.g. before and after a change)."""
     index = {(r.model, r.quant, r.seq, r.batch, r.repeat): r for r in b.rows if r.measured}
-    cells = []
-    for r in a.rows:
-        o = index.get((r.model, r.quant, r.seq, r.batch, r.repeat))
-        if r.measured and o:
-            d = o.real_peak - r.real_peak
-            cells.append([r.model, str(r.seq), str(r.batch), gb(r.real_peak), gb(o.real_peak), str(d),
-                          f"{d / r.real_peak:.3%}"])
-    same = sum(1 for c in cells if c[5] == "0")
+    pairs = [(r, index.get((r.model, r.quant, r.seq, r.batch, r.repeat))) for r in a.rows if r.measured]
+    pairs = [(r, o) for r, o in pairs if o]
+    quant = any(r.quant != "none" for r, _ in pairs)  # a sweep's compare keeps its columns
+    cells = [[r.model] + ([r.quant] if quant else []) + [
+        str(r.seq), str(r.batch), gb(r.real_peak), gb(o.real_peak), str(o.real_peak - r.real_peak),
+        f"{(o.real_peak - r.real_peak) / r.real_peak:.3%}"] for r, o in pairs]
+    same = sum(1 for r, o in pairs if o.real_peak == r.real_peak)
+    width = max([13] + [len(r.model) for r, _ in pairs])
     return "\n".join(
         [f"compare: A = {a.environment.get('arms')} ({a.environment.get('date')}), "
          f"B = {b.environment.get('arms')} ({b.environment.get('date')}); measured peaks"]
-        + table([("model", 13), ("seq", 5), ("batch", 5), ("A GB", 9), ("B GB", 9), ("B - A bytes", 12),
-                 ("diff", 8)], cells, indent="  ")
+        + table([("model", width)] + ([("quant", 5)] if quant else []) + [
+            ("seq", 5), ("batch", 5), ("A GB", 9), ("B GB", 9), ("B - A bytes", 12), ("diff", 8)],
+            cells, indent="  ")
         + [f"  {same} of {len(cells)} shared arm(s) equal to the byte"])
 
 

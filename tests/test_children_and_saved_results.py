@@ -88,6 +88,9 @@ def test_compare_matches_the_same_quantization_only():
     a = h.Result(environment={"arms": "a", "date": "d"}, rows=[bf16, nf4])
     text = h.compare_table(a, a)
     assert "2 of 2 shared arm(s) equal to the byte" in text
+    lines = [line.split() for line in text.splitlines() if line.split()[:1] == ["SmolLM2-135M"]]
+    assert [cells[1] for cells in lines] == ["none", "nf4"], "two arms of one seq, told apart"
+    assert "quant" not in h.compare_table(*[h.Result(environment={}, rows=[bf16])] * 2)
 
 
 def test_merged_map_shards_keep_each_familys_thinnest_margin_as_the_live_run_does():
