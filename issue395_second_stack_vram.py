@@ -652,9 +652,9 @@ def sweep(arms: list[Arm], shapes: dict[str, Shape], bases: "Checkpoints", scrat
         if on_margin is not None:
             mine = [r for r in done if r.model_key == arm.model]
             again = mine if run.snapshot else [
-                run_arm(a, shapes[a.model], quant_base(scratch, bases.get(a.model), a.quant), scratch.path("arms", f"{a.index:03d}-margin"),
-                        snapshot=True, log=log, verbose=run.verbose) for a in margin_arms(mine)
-                if not Stop.requested]
+                run_arm(a, shapes[a.model], quant_base(scratch, bases.get(a.model), a.quant),
+                        scratch.path("arms", f"{a.index:03d}-margin"), snapshot=True, log=log,
+                        verbose=run.verbose) for a in margin_arms(mine) if not Stop.requested]
             for r in again:
                 if r.attribution and r.measured and r.soup_predicted:
                     on_margin(margin_breakdown(r))
@@ -1557,10 +1557,9 @@ class Scratch:
         return p
 
     def checkpoint_root(self) -> Path:
-        if self.cache_dir:
-            (self.cache_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
-            return self.cache_dir / "checkpoints"
-        return self.path("checkpoints")
+        root = (self.cache_dir or self.root) / "checkpoints"
+        root.mkdir(parents=True, exist_ok=True)
+        return root
 
     def verify_shard_root(self) -> None:
         """Fail loudly if Soup would put its shard cache anywhere but here."""
