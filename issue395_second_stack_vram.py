@@ -68,13 +68,28 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import datetime
 import gc
+import hashlib
+import importlib.util
+import io
 import json
+import logging
 import math
 import os
+import platform
+import re
+import shutil
+import signal
 import socket
+import stat
+import statistics
+import subprocess
 import sys
+import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
+from importlib import metadata
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Optional
@@ -184,11 +199,8 @@ def predicted_bytes(shape: Shape, seq: int, batch: int = 1) -> int:
 
 
 def logits_charge(shape: Shape, seq: int, batch: int) -> tuple[int, float]:
-    """14 x E (Soup's logits charge, bytes) and the 12 bytes per element its loss really holds.
-
-    E = seq x vocab x batch logits elements. 14 = 12 bytes of loss arithmetic plus
-    a 2-byte retained bf16 copy, which the record found absent.
-    """
+    """14 x E (Soup's logits charge, bytes; E = seq x vocab x batch) and the 12 bytes per element
+    its loss really holds: 14 is 12 of loss arithmetic plus a retained bf16 copy the record found absent."""
     from soup_cli.utils.layer_stream import LOGITS_LOSS_BYTES_PER_ELEMENT, estimate_logits_bytes
 
     return (int(estimate_logits_bytes(vocab_size=shape.vocab, seq_len=seq, batch_size=batch)),
@@ -249,12 +261,8 @@ def soup_config_yaml(base: str, data_path: Path, output: Path, seq: int, batch: 
 
 
 def realised_lengths(trainer: Any) -> tuple[int, list[int]]:
-    """The first collated batch's width, and each of its rows' token count (the second guard).
-
-    ``input_ids.shape[-1]`` is what the step runs at; with batch > 1 a short row
-    would hide behind its neighbours' padding, so every row is also read through
-    its attention mask.
-    """
+    """The first collated batch's width (what the step runs at) and each row's token count (the
+    second guard): with batch > 1 a short row would hide behind its neighbours' padding."""
     batch = next(iter(trainer.get_train_dataloader()))
     ids, mask = batch["input_ids"], batch.get("attention_mask")
     width = int(ids.shape[-1])
@@ -270,11 +278,8 @@ def realised_as_requested(seq: int, batch: int, width: Optional[int], rows: Iter
 
 
 def real_peak(trainer: Any, snapshot: bool = False) -> dict[str, Any]:
-    """Empty the cache, reset the peak, run exactly ONE optimizer step, read the peak.
-
-    With ``snapshot`` the allocator's history is recorded around the same step,
-    so the peak can be attributed to the blocks live at it.
-    """
+    """Empty the cache, reset the peak, run exactly ONE optimizer step, read the peak; with
+    ``snapshot``, the allocator's history around the same step, to attribute the peak."""
     import torch
 
     trainer.args.max_steps = 1
@@ -337,8 +342,6 @@ def last_line(exc: BaseException) -> str:
 
 def oom_request(exc: BaseException) -> Optional[int]:
     """The size an OOM asked for, off torch's message ("Tried to allocate 1.20 GiB")."""
-    import re
-
     m = re.search(r"Tried to allocate ([0-9.]+) ([KMGT]i?B)", str(exc))
     units = {"KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40,
              "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12}
@@ -358,10 +361,8 @@ FAILURES = ("OOM", "FAILED", "REFUSED", "SKIPPED")
 
 @dataclass(frozen=True)
 class Row:
-    """One arm's result. Everything stored is an input, a figure Soup computed, or a
-    measurement; the ratios and the status are derived from those, so a VOID or
-    FAILED row has no ratio by construction, and a saved row re-read is re-judged
-    by the same code that judged it first."""
+    """One arm's result: inputs, Soup's figures and measurements. Ratios and status are derived,
+    so a VOID or FAILED row has no ratio by construction and a saved row is re-judged alike."""
 
     model: str  # the display name
     model_key: str
@@ -605,13 +606,9 @@ def carried_bytes(dry_run: bool) -> Optional[int]:
 
 @contextlib.contextmanager
 def soup_preflight(seen: dict[str, Any]) -> Iterator[dict[str, Any]]:
-    """Soup's own pre-flight for this setup: the number its gate compares with free VRAM.
-
-    Soup keeps it nowhere (a local inside its setup, printed rounded), but it imports its
-    estimator and its fit decision from ``soup_cli.utils.layer_stream`` inside the method
-    (0.73.3 and 0.77.0 alike), so the module's attributes see every call, with its exact
-    arguments. Both are restored on the way out.
-    """
+    """Soup's own pre-flight for this setup: the number its gate compares with free VRAM. Soup
+    keeps it nowhere, but its setup imports its estimator and fit decision from the module
+    inside the method (0.73.3 and 0.77.0 alike), so wrapping them sees every call."""
     from soup_cli.utils import layer_stream
 
     estimate, decide = layer_stream.estimate_stream_peak_vram, layer_stream.decide_stream_fit
@@ -636,8 +633,6 @@ def soup_preflight(seen: dict[str, Any]) -> Iterator[dict[str, Any]]:
 
 def bitsandbytes_present() -> bool:
     """NF4 needs bitsandbytes; without it Soup's setup fails deep inside transformers."""
-    import importlib.util
-
     return importlib.util.find_spec("bitsandbytes") is not None
 
 
@@ -649,11 +644,9 @@ def bitsandbytes_present() -> bool:
 def sweep(arms: list[Arm], shapes: dict[str, Shape], bases: "Checkpoints", scratch: "Scratch",
           run: "Run", on_row: Callable[[Row], None],
           on_margin: Optional[Callable[[dict[str, Any]], None]] = None) -> None:
-    """Every arm, in grid order, in this process. Ctrl-C stops after the arm in flight.
-
-    With ``on_margin`` (the map), once a model's arms are done its tightest arm, and any
-    UNDER, runs again with the allocator history recorded, to say where the margin goes.
-    """
+    """Every arm, in grid order, in this process; Ctrl-C stops after the arm in flight. With
+    ``on_margin`` (the map), a model's tightest arm and any UNDER run again under the allocator
+    history once its arms are done, to say where the margin goes."""
     checked: set[tuple[str, str]] = set()
     done: list[Row] = []
     for i, arm in enumerate(arms):
@@ -677,9 +670,9 @@ def sweep(arms: list[Arm], shapes: dict[str, Shape], bases: "Checkpoints", scrat
         if on_margin is not None:
             mine = [r for r in done if r.model_key == arm.model]
             again = mine if run.snapshot else [
-                run_arm(a, shapes[a.model], quant_base(scratch, bases.get(a.model), a.quant), scratch.path("arms", f"{a.index:03d}-margin"),
-                        snapshot=True, log=log, verbose=run.verbose) for a in margin_arms(mine)
-                if not Stop.requested]
+                run_arm(a, shapes[a.model], quant_base(scratch, bases.get(a.model), a.quant),
+                        scratch.path("arms", f"{a.index:03d}-margin"), snapshot=True, log=log,
+                        verbose=run.verbose) for a in margin_arms(mine) if not Stop.requested]
             for r in again:
                 if r.attribution and r.measured and r.soup_predicted:
                     on_margin(margin_breakdown(r))
@@ -687,13 +680,10 @@ def sweep(arms: list[Arm], shapes: dict[str, Shape], bases: "Checkpoints", scrat
 
 
 def quant_base(scratch: "Scratch", base: str, quant: str) -> str:
-    """Soup keys its shard folder by the base path alone and re-shards it in place when the
-    quantization changes; an NF4 arm gets its own path (a symlink kept beside the shard cache,
-    so processes sharing a cache share it), hence its own shard folder."""
+    """Soup keys its shard folder by the base path alone (re-sharding in place on a new quantization),
+    so an NF4 arm gets its own path: a symlink beside the shard cache, shared by all who share it."""
     if quant == "none":
         return base
-    import hashlib
-
     folder = scratch.shard_root.parent / "quant-aliases"
     folder.mkdir(parents=True, exist_ok=True)
     alias = folder / f"{Path(base).name}-{hashlib.sha256(base.encode()).hexdigest()[:8]}.{quant}"
@@ -798,14 +788,9 @@ def logits_kind(size: int, elements: int) -> Optional[str]:
 def attribute_peak(snapshot: dict[str, Any], resident: int, elements: int,
                    measured_peak: Optional[int] = None,
                    classify: Optional[Callable[[int], str]] = None) -> dict[str, Any]:
-    """Replay the allocator's history and name what is live at the peak.
-
-    ``resident`` is what was allocated when recording began; a block freed in
-    the trace but allocated before it comes out of that figure. The replayed
-    peak is checked against the measured one: if they disagree the history was
-    incomplete, and the attribution says so rather than passing a guess off as
-    an observation.
-    """
+    """Replay the allocator's history and name what is live at the peak. ``resident`` was
+    allocated before recording began (a block freed but never seen allocated comes out of it).
+    A replayed peak off the measured one means the history was incomplete, and it says so."""
     traces = snapshot.get("device_traces") or []
     trace = max(traces, key=len) if traces else []
     frees = ({"free_requested"} if any(e.get("action") == "free_requested" for e in trace)
@@ -849,9 +834,8 @@ def attribute_peak(snapshot: dict[str, Any], resident: int, elements: int,
 
 def control_step(hold_copy: bool, tokens: int = 2048, vocab: int = 32768,
                  hidden: int = 256) -> dict[str, Any]:
-    """The positive control's loss step: logits from a matmul, the loss, backward. With
-    ``hold_copy``, one extra bf16 copy of the logits is held across backward: the very
-    retention the record found absent. The attribution must see it, or it proves nothing."""
+    """The positive control's loss step; with ``hold_copy`` one extra bf16 copy of the logits is held
+    across backward (the retention the record found absent): the attribution must see it."""
     import torch
     from transformers.loss.loss_utils import ForCausalLMLoss
 
@@ -897,13 +881,9 @@ def determinism_spread(rows: list[Row]) -> list[dict[str, Any]]:
 
 def derive_shape(config: Any, name: str, key: str = "custom", hub_id: Optional[str] = None,
                  arch: Optional[dict] = None) -> Shape:
-    """pool, extras, adapter and dims of any streamable config, by the grid's conventions.
-
-    On a meta skeleton (nothing allocated): a bf16 decoder layer is half the pool; extras
-    are every other unique parameter (a tied head once, an untied one too); the adapter is
-    the grid's count (twice LoRA's A+B) for r=8 on the family's targets. ``arch`` keeps
-    the config's other public fields, so a checkpoint of exactly this shape can be built.
-    """
+    """pool, extras, adapter and dims of any streamable config, by the grid's conventions, on a
+    meta skeleton: a bf16 layer is half the pool; extras every other unique parameter (a tied
+    head once); ``arch`` keeps the other public fields, so the exact shape can be built."""
     import torch
     from soup_cli.utils.layer_stream import SUPPORTED_STREAM_ARCHS
     from transformers import AutoModelForCausalLM
@@ -1052,10 +1032,8 @@ def plan_map(families: Iterable[str], quants: Iterable[str], seqs: Optional[Iter
 
 
 def shape_classes(shape: Shape, seq: int, batch: int) -> Callable[[int], str]:
-    """Names a block live at the peak by its shape, to set it beside the estimator term that
-    is meant to charge it: logits-shaped (bf16 or fp32), seq^2-shaped (attention scores),
-    hidden- or intermediate-shaped activations (any small multiple: dtypes, fused
-    projections), and the rest."""
+    """Names a block live at the peak by its shape, for the estimator term meant to charge it:
+    logits, activations (attention scores, small multiples of hidden or intermediate), rest."""
     elements, tokens = seq * shape.vocab * batch, seq * batch
 
     def classify(size: int) -> str:
@@ -1173,13 +1151,9 @@ def hf_config(shape: Shape, eos_id: int = 2, pad_id: int = 0) -> Any:
 
 
 def build_tokenizer(dest: Path) -> dict[str, int]:
-    """A byte-level BPE tokenizer in Qwen2's own layout, for both model types.
-
-    transformers 5 rebuilds a Qwen2 tokenizer from vocab + merges with its own
-    pre-tokenizer, whatever tokenizer.json says, while a Llama one loads
-    tokenizer.json as written; writing Qwen2's pipeline exactly makes both load
-    alike, and every ``word`` of a row is one token either way.
-    """
+    """A byte-level BPE tokenizer in Qwen2's own layout: transformers 5 rebuilds a Qwen2 one with
+    its own pre-tokenizer whatever tokenizer.json says, so writing exactly that makes every
+    family load it alike, and every ``word`` of a row is one token."""
     from tokenizers import Regex, Tokenizer, decoders, normalizers, pre_tokenizers
     from tokenizers.models import BPE
     from transformers import PreTrainedTokenizerFast
@@ -1217,15 +1191,10 @@ def build_tokenizer(dest: Path) -> dict[str, int]:
 
 
 def prepare_checkpoint(shape: Shape, dest: Path) -> Callable[[], dict[str, Any]]:
-    """A bf16 safetensors checkpoint of ``shape``: the tokenizer, the config and the list of
-    tensors are written here; the returned call writes the weights and gives their manifest
-    (each tensor's dtype and shape, the file's size) for later verification. It may run in a
-    thread beside a measured arm: it touches no global torch state (transformers' from_config
-    sets the default dtype, so the skeleton is made here).
-
-    Weights are small random values (never zeros: a zero model can take shortcuts a real
-    one cannot); norms are ones. Values do not move the peak.
-    """
+    """A bf16 checkpoint of ``shape``: tokenizer and config now; the returned call writes the
+    weights and returns their manifest. That call may run in a thread beside a measured arm, so
+    it touches no global torch state (from_config sets the default dtype: the skeleton is made
+    here). Weights are small random values, never zeros (a zero model can take shortcuts)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -1266,8 +1235,6 @@ def prepare_checkpoint(shape: Shape, dest: Path) -> Callable[[], dict[str, Any]]
 
 def checkpoint_fingerprint(shape: Shape) -> str:
     """Names a built checkpoint by everything that shapes it, so a cache is never stale."""
-    import hashlib
-
     fields_ = {k: v for k, v in asdict(shape).items() if k not in ("name", "hub_id")}
     fields_.update(tokenizer_words=TOKEN_WORDS, builder=BUILDER_VERSION)
     return hashlib.sha256(json.dumps(fields_, sort_keys=True).encode()).hexdigest()[:12]
@@ -1317,11 +1284,8 @@ def synthetic_checkpoint(shape: Shape, root: Path) -> tuple[Path, float]:
 
 def start_checkpoint(shape: Shape, root: Path,
                      writer: Any = None) -> tuple[Path, Optional[Callable[[], Path]]]:
-    """The checkpoint of ``shape`` under ``root``: reused when it verifies (then the second
-    item is None), rebuilt (with a note on stderr) when it does not. The weights are written
-    by ``writer`` (an executor) when given; the second item waits for them."""
-    import shutil
-
+    """The checkpoint of ``shape`` under ``root``, and None if it verified, else a call that waits
+    for its weights (written by ``writer``, an executor, when given); a damaged one is rebuilt."""
     dest = root / f"{shape.key}-{checkpoint_fingerprint(shape)}"
     problem = checkpoint_problem(dest) if dest.exists() else None
     if dest.exists() and problem is None:
@@ -1350,15 +1314,11 @@ def start_checkpoint(shape: Shape, root: Path,
 
 
 class Checkpoints:
-    """Where each model's weights come from. A synthetic one not cached yet is prepared here
-    and its weights written by a thread, one model ahead, so the next model's build overlaps
-    this model's arms; the hub and --model are resolved when first needed. Without
-    --cache-dir a model's checkpoint and shards go once its last arm is done: the map's
-    families would not fit a GPU box's disk together."""
+    """Where each model's weights come from: synthetic ones built by a thread one model ahead,
+    overlapping this model's arms. Without --cache-dir a model's checkpoint and shards go once
+    its last arm is done: the map's families would not fit a GPU box's disk together."""
 
     def __init__(self, keys: list[str], shapes: dict[str, Shape], run: "Run", scratch: "Scratch"):
-        from concurrent.futures import ThreadPoolExecutor
-
         self.shapes, self.run, self.scratch, self.keys = shapes, run, scratch, keys
         self.writer = ThreadPoolExecutor(1, thread_name_prefix="checkpoint-writer")
         self.paths: dict[str, str] = {}
@@ -1379,8 +1339,6 @@ class Checkpoints:
 
     def release(self, key: str) -> None:
         """A model's built checkpoint and Soup's shards of it, gone (scratch only)."""
-        import shutil
-
         from soup_cli.utils.layer_shard import resolve_shard_dir
 
         path = self.paths.pop(key, None)
@@ -1415,19 +1373,13 @@ class Checkpoints:
         return self.paths[key]
 
     def close(self) -> None:
-        import shutil
-
         self.writer.shutdown(wait=True, cancel_futures=True)
         for partial in self.scratch.checkpoint_root().glob(f".*.partial-{socket.gethostname()}-{os.getpid()}"):
             shutil.rmtree(partial, ignore_errors=True)  # a build cancelled before it ran
 
 
 def reap_dead_partials(root: Path) -> None:
-    """Half-built checkpoints whose builder is gone (SIGKILL runs no clean-up); a running
-    builder's stays."""
-    import re
-    import shutil
-
+    """Half-built checkpoints whose builder is gone (SIGKILL runs no clean-up) are removed."""
     for folder in root.glob(".*.partial-*"):
         m = re.fullmatch(r"\..+?\.partial-(?:(.+)-)?(\d+)", folder.name)
         if not m or m.group(1) not in (None, socket.gethostname()) or not folder.is_dir() \
@@ -1471,9 +1423,8 @@ def config_only(model: str) -> Optional[Path]:
 
 
 def load_custom_shape(model: str) -> Shape:
-    """--model's figures from its config (a checkpoint folder, a config.json, or a hub id);
-    refuse, in one line, what Soup cannot stream or this tool cannot run, before anything
-    is built."""
+    """--model's figures from its config (a checkpoint folder, a config.json, or a hub id); what
+    Soup cannot stream or this tool cannot run is refused in one line, before anything is built."""
     from transformers import AutoConfig
 
     path, config_file = Path(model), config_only(model)
@@ -1523,8 +1474,6 @@ def load_custom_shape(model: str) -> Shape:
 @contextlib.contextmanager
 def quiet_libraries() -> Iterator[None]:
     """A config's warnings and the hub client's retries are not this tool's one line."""
-    import logging
-
     from transformers.utils import logging as hf_logging
 
     verbosity, hub = hf_logging.get_verbosity(), logging.getLogger("huggingface_hub")
@@ -1556,8 +1505,6 @@ def process_start(pid: int) -> Optional[str]:
 def owner_alive(folder: Path) -> bool:
     """Whether the run that made a scratch folder still runs: its pid is in the name, its
     start time in the folder's owner file."""
-    import re
-
     m = re.match(rf"{SCRATCH_PREFIX}(\d+)-", folder.name)
     if not m:
         return True  # not ours to judge
@@ -1576,27 +1523,16 @@ def owner_alive(folder: Path) -> bool:
 
 
 def reap_dead_scratch(tmp: Path) -> None:
-    """Remove scratch left by runs that were killed (SIGKILL runs no clean-up); a running
-    run's folder stays."""
-    import shutil
-
+    """Remove scratch left by killed runs (SIGKILL runs no clean-up); a running run's stays."""
     for folder in tmp.glob(SCRATCH_PREFIX + "*"):
         if folder.is_dir() and not folder.is_symlink() and not owner_alive(folder):
             shutil.rmtree(folder, ignore_errors=True)
 
 
 class Scratch:
-    """One folder for data, Soup output, shards and checkpoints; removed at exit.
-
-    Soup's shard cache goes here through ``SOUP_LAYER_STREAM_CACHE_DIR`` (or under
-    ``--cache-dir``). Soup silently ignores that variable outside ``$HOME``, the
-    working directory and ``$TMPDIR``, so the root Soup really resolves is checked:
-    a shard cache escaped to ``~/.soup`` would outlive the run.
-    """
-
-    _ENV = ("SOUP_LAYER_STREAM_CACHE_DIR", "SOUP_AUDIT_LOG_PATH", "HF_HOME", "HF_DATASETS_CACHE",
-            "XDG_CACHE_HOME", "TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR", "MPLCONFIGDIR",
-            "HF_HUB_ETAG_TIMEOUT", "HF_HUB_DOWNLOAD_TIMEOUT")
+    """One folder for data, Soup output, shards and checkpoints; removed at exit. Soup ignores
+    its cache variable outside $HOME, the working directory and $TMPDIR, so the root it really
+    resolves is checked: a shard cache escaped to ~/.soup would outlive the run."""
 
     def __init__(self, cache_dir: Optional[str] = None):
         self.cache_dir = Path(cache_dir).resolve() if cache_dir else None
@@ -1604,8 +1540,6 @@ class Scratch:
         self._saved: dict[str, Optional[str]] = {}
 
     def __enter__(self) -> "Scratch":
-        import tempfile
-
         tmp = Path(tempfile.gettempdir())
         reap_dead_scratch(tmp)
         self.root = Path(tempfile.mkdtemp(prefix=f"{SCRATCH_PREFIX}{os.getpid()}-", dir=tmp))
@@ -1621,13 +1555,11 @@ class Scratch:
                # An unreachable hub should fail fast, not retry for half a minute.
                "HF_HUB_ETAG_TIMEOUT": os.environ.get("HF_HUB_ETAG_TIMEOUT", "10"),
                "HF_HUB_DOWNLOAD_TIMEOUT": os.environ.get("HF_HUB_DOWNLOAD_TIMEOUT", "20")}
-        self._saved = {k: os.environ.get(k) for k in self._ENV}
+        self._saved = {k: os.environ.get(k) for k in env}
         os.environ.update(env)
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        import shutil
-
         for key, value in self._saved.items():
             if value is None:
                 os.environ.pop(key, None)
@@ -1643,10 +1575,9 @@ class Scratch:
         return p
 
     def checkpoint_root(self) -> Path:
-        if self.cache_dir:
-            (self.cache_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
-            return self.cache_dir / "checkpoints"
-        return self.path("checkpoints")
+        root = (self.cache_dir or self.root) / "checkpoints"
+        root.mkdir(parents=True, exist_ok=True)
+        return root
 
     def verify_shard_root(self) -> None:
         """Fail loudly if Soup would put its shard cache anywhere but here."""
@@ -1658,9 +1589,8 @@ class Scratch:
 
     @contextlib.contextmanager
     def sharding(self, base: str) -> Iterator[None]:
-        """Processes sharing one shard cache (--gpus, --isolate, shards on one host) must not
-        shard the same model at once: the first arm of a model whose shards are not cached
-        yet holds a lock on them; once they are, nobody waits."""
+        """Processes sharing a shard cache must not shard one model at once: until its shards are
+        cached, a model's first arm holds a lock on them; once they are, nobody waits."""
         import fcntl
 
         from soup_cli.utils.layer_shard import resolve_shard_dir
@@ -1679,8 +1609,6 @@ class Scratch:
     def repair_shards(self, base: str) -> None:
         """A cached shard set that cannot be read is removed, so Soup re-shards it: Soup itself
         checks only that its shard files exist."""
-        import shutil
-
         from soup_cli.utils.layer_shard import resolve_shard_dir
 
         folder = Path(resolve_shard_dir(base))
@@ -1751,9 +1679,6 @@ SOUP_MODULES = ("datasets", "peft", "trl", "soup_cli.config.loader", "soup_cli.d
 def soup_console(log_path: Path, verbose: bool) -> Iterator[None]:
     """Rich consoles and logging handlers bind their stream when created, so a plain stdout
     redirect would miss them: each is pointed at the log too."""
-    import importlib
-    import logging
-
     for name in SOUP_MODULES:  # imported first, so their consoles exist to be redirected
         importlib.import_module(name)
     if verbose:
@@ -1790,8 +1715,6 @@ class Stop:
 
     @classmethod
     def install(cls, quiet: bool = False) -> None:
-        import signal
-
         def on_int(signum: int, frame: Any) -> None:
             if cls.requested:
                 raise KeyboardInterrupt
@@ -1878,10 +1801,8 @@ class Result:
 
     def to_json(self) -> dict[str, Any]:
         return {"tool": "issue395_second_stack_vram", "schema": SCHEMA,
-                "environment": self.environment, "rows": [r.to_json() for r in self.rows],
-                "measure": self.measure, "sdpa": self.sdpa, "control": self.control,
-                "interrupted": self.interrupted, "error": self.error, "timings": self.timings,
-                "kind": self.kind, "margins": self.margins, "exit_code": self.exit_code}
+                **{f.name: getattr(self, f.name) for f in fields(self)},
+                "rows": [r.to_json() for r in self.rows], "exit_code": self.exit_code}
 
     @classmethod
     def from_json(cls, data: Any) -> "Result":
@@ -1970,10 +1891,6 @@ def environment(weights: str, dry_run: bool, arms: str, argv: list[str],
                 with_torch: bool = True) -> dict[str, Any]:
     """The stack every output carries. Without torch (a fan-out parent whose children all
     died before reporting theirs) torch's version is read from its package, and no GPU."""
-    import datetime
-    import platform
-    import subprocess
-
     torch = __import__("torch") if with_torch else None
     cuda = torch is not None and torch.cuda.is_available()
     driver = None
@@ -1992,8 +1909,6 @@ def environment(weights: str, dry_run: bool, arms: str, argv: list[str],
 
 
 def package_version(name: str) -> str:
-    from importlib import metadata
-
     try:
         return metadata.version(name)
     except metadata.PackageNotFoundError:
@@ -2072,8 +1987,6 @@ def sweep_table(rows: list[Row]) -> str:
 
 
 def overestimate_summary(rows: list[Row]) -> Optional[dict[str, Any]]:
-    import statistics
-
     vals = [r.nonlogits_overestimate for r in rows if r.nonlogits_overestimate is not None]
     return {"n": len(vals), "mean": statistics.fmean(vals),
             "pstdev": statistics.pstdev(vals)} if vals else None
@@ -2359,8 +2272,6 @@ def render_markdown(result: Result) -> str:
 
 def render_plot(result: Result) -> bytes:
     """pred/real against seq: this run, the A10G and RTX 3050 records, and the 1.0 line."""
-    import io
-
     import matplotlib
 
     matplotlib.use("Agg")
@@ -2403,8 +2314,6 @@ def render_plot(result: Result) -> bytes:
 def render_heatmap(result: Result, plt: Any) -> bytes:
     """The map as a heatmap of pred/real: family x seq, one panel per quantization and batch;
     a blank cell was not measured (its status says why in the table)."""
-    import io
-
     rows = [r for r in result.rows if r.repeat is None]
     families, seqs = models_in(rows), sorted({r.seq for r in rows})
     panels = [(q, b) for q in QUANTS for b in sorted({r.batch for r in rows}) if any(
@@ -2434,9 +2343,6 @@ def write_output(path: str, data: bytes) -> None:
     """Write an output without ever replacing what is not ours: a symlink is written
     through to its target, a device or FIFO is written to directly, and a regular file
     (or a new one) is replaced atomically through a temp file that never outlives a failure."""
-    import stat
-    import tempfile
-
     target = os.path.realpath(path)
     try:
         mode = os.stat(target).st_mode
@@ -2573,17 +2479,11 @@ def plan_jobs(run: "Run", arms: list[Arm], grid_size: Optional[int] = None) -> l
     return [j for j in jobs if j.arms or j.extra_modes]  # one family, two GPUs: one child
 
 
-def spread(run: "Run", arms: list[Arm], scratch: Scratch, on_row: Callable[[Row], None],
-           grid_size: Optional[int] = None) -> list[Result]:
-    """Each job in its own fresh process; jobs on one GPU run one after another, GPUs at
-    once. Rows are taken up as each child saves them. A child that dies leaves a FAILED row
-    for every arm it did not report, never a silent gap. This process imports neither
-    torch nor Soup."""
-    import signal
-    import subprocess
-
+def spread(run: "Run", arms: list[Arm], scratch: Scratch, on_row: Callable[[Row], None]) -> list[Result]:
+    """Each job in a fresh process, one GPU's jobs in turn, GPUs at once, rows taken up as each child
+    saves them; a child that dies leaves a FAILED row for each arm it did not report, never a gap."""
     lanes: dict[Optional[int], list[Job]] = {}
-    for job in plan_jobs(run, arms, grid_size):
+    for job in plan_jobs(run, arms):
         lanes.setdefault(job.gpu, []).append(job)
     running: dict[Optional[int], dict[str, Any]] = {}
     results: list[Result] = []
@@ -2591,8 +2491,6 @@ def spread(run: "Run", arms: list[Arm], scratch: Scratch, on_row: Callable[[Row]
     # Children share one cache so a model is built and sharded once; but the map's families would
     # not fit a disk together, so there each child keeps its own and frees each family after it.
     cache = run.cache_dir or (None if run.map else str(scratch.path("cache")))
-    import tempfile
-
     folder = Path(tempfile.mkdtemp(dir=scratch.path("children")))  # one per spread: no stale files
 
     def launch(gpu: Optional[int]) -> None:
@@ -2769,6 +2667,10 @@ class Run:
         return ("smol",), (4096, 6144), (1,)
 
 
+NO_CUDA = ("CUDA is required for the real peak and no CUDA GPU is visible; --dry-run runs the whole "
+           "Soup setup and the guard on CPU")
+
+
 class Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # one line, exit 2, no usage dump
         raise UsageError(message)
@@ -2823,8 +2725,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="re-render saved results, merging shards (no GPU, no Soup setup)")
     o.add_argument("--compare", default=None, metavar="PATH",
                    help="with --from-json: the same arms' peaks in another saved result")
-    for hidden in ("--_repeat",):
-        p.add_argument(hidden, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--_repeat", default=None, help=argparse.SUPPRESS)
     p.add_argument("--_child", action="store_true", help=argparse.SUPPRESS)
     return p
 
@@ -2845,6 +2746,13 @@ def parse_ints(flag: str, text: Optional[str], minimum: int = 1) -> Optional[tup
             raise UsageError(f"{flag} {text}: {int(item)} is named twice")
         out.append(int(item))
     return tuple(out)
+
+
+def within_positions(name: str, limit: int, seqs: Iterable[int]) -> None:
+    """A seq beyond a model's positions is one line here, not a FAILED row (0: no limit known)."""
+    beyond = [s for s in seqs if limit and s > limit]
+    if beyond:
+        raise UsageError(f"--seq {beyond[0]} is beyond {name}'s maximum positions ({limit})")
 
 
 def writable_folder(flag: str, folder: str) -> None:
@@ -2869,8 +2777,6 @@ def check_output(flag: str, path: str) -> None:
 
 def check_input(flag: str, path: str) -> None:
     """A saved result to read: a regular file (a FIFO would hang, /dev/zero never ends)."""
-    import stat
-
     try:
         st = os.stat(path)
     except OSError as exc:
@@ -2909,9 +2815,8 @@ def settle(args: argparse.Namespace, argv: list[str]) -> Run:
         raise UsageError("--model and --models are exclusive: one brings its own model")
     if args.model is not None and not args.model.strip():
         raise UsageError("--model needs a checkpoint folder or a hub id")
-    models = tuple(SHAPES) if args.models is None else tuple(m.strip() for m in args.models.split(","))
-    if args.model:
-        models = ("custom",)
+    models = (("custom",) if args.model else tuple(SHAPES) if args.models is None
+              else tuple(m.strip() for m in args.models.split(",")))
     if not all(models):
         raise UsageError(f"--models {args.models!r}: empty name; choose from {','.join(SHAPES)}")
     unknown = [m for m in models if m not in SHAPES and not args.model]
@@ -2921,7 +2826,6 @@ def settle(args: argparse.Namespace, argv: list[str]) -> Run:
         raise UsageError(f"--models {args.models}: a model is named twice")
     # Soup's config schema refuses a data.max_length under 64: one line here, not a FAILED row.
     seqs, batches = parse_ints("--seq", args.seq, minimum=64), parse_ints("--batch", args.batch) or (1,)
-
     gpus = parse_ints("--gpus", args.gpus, minimum=0)
     repeats = None
     if args.determinism is not None:
@@ -2940,11 +2844,8 @@ def settle(args: argparse.Namespace, argv: list[str]) -> Run:
                              "make their own")
     if args.model and seqs is None:
         raise UsageError("--model needs --seq (there is no record grid for it)")
-    for m in models:
-        limit = SHAPES[m].max_positions if m in SHAPES else 0
-        beyond = [s for s in (seqs or RECORD_GRID.get(m, ())) if limit and s > limit]
-        if beyond:
-            raise UsageError(f"--seq {beyond[0]} is beyond {SHAPES[m].name}'s maximum positions ({limit})")
+    for m in (m for m in models if m in SHAPES):
+        within_positions(SHAPES[m].name, SHAPES[m].max_positions, seqs or RECORD_GRID[m])
     if args.dry_run and (args.snapshot or args.snapshot_dir):
         raise UsageError("--snapshot attributes the CUDA step's peak; a --dry-run has no step")
     for flag, folder in (("--log-dir", args.log_dir), ("--snapshot-dir", args.snapshot_dir),
@@ -2960,8 +2861,7 @@ def settle(args: argparse.Namespace, argv: list[str]) -> Run:
     return Run(sweep=args.sweep or not any_mode, measure=args.measure, sdpa=args.sdpa, repeats=repeats,
                models=models, seqs=seqs, batches=batches, custom_model=args.model,
                weights=("synthetic" if config_only(args.model) else "local") if args.model else args.weights,
-               dry_run=args.dry_run,
-               verbose=args.verbose, snapshot=args.snapshot or bool(args.snapshot_dir),
+               dry_run=args.dry_run, verbose=args.verbose, snapshot=args.snapshot or bool(args.snapshot_dir),
                snapshot_dir=args.snapshot_dir, log_dir=args.log_dir, cache_dir=cache,
                isolate=args.isolate, gpus=gpus, shard=shard, json=args.json,
                markdown=args.markdown, plot=args.plot, child=args._child,
@@ -2969,8 +2869,7 @@ def settle(args: argparse.Namespace, argv: list[str]) -> Run:
 
 
 def settle_map(args: argparse.Namespace, argv: list[str]) -> Run:
-    """--map's own checks: known families, a quantization this box can run, seqs within
-    every chosen family's max positions. The rest as for the sweep."""
+    """--map's own checks (families, quantizations, max positions); the rest as for the sweep."""
     for flag in ("--models", "--model", "--determinism", "--isolate"):
         if getattr(args, flag.strip("-")) not in (None, False):
             raise UsageError(f"--map and {flag} are exclusive")
@@ -2987,9 +2886,7 @@ def settle_map(args: argparse.Namespace, argv: list[str]) -> Run:
         raise UsageError("--quant nf4 needs bitsandbytes, which is not installed here")
     seqs, batches = parse_ints("--seq", args.seq, minimum=64), parse_ints("--batch", args.batch)
     for fam in families:
-        beyond = [q for q in seqs or () if q > max_positions(fam)]
-        if beyond:
-            raise UsageError(f"--seq {beyond[0]} is beyond {fam}'s maximum positions ({max_positions(fam)})")
+        within_positions(fam, max_positions(fam), seqs or ())
     plain = settle(argparse.Namespace(**dict(vars(args), map=False, families=None, quant=None,
                                              models=None, seq=None, batch=args.batch)), argv)
     return replace(plain, map=True, sweep=True, models=families, quants=quants, seqs=seqs,
@@ -3022,8 +2919,6 @@ def plan_arms(models: Iterable[str], seqs: Optional[Iterable[int]], batches: Ite
 
 def visible_gpu_count() -> int:
     """GPUs this process may use, without importing torch (a fan-out parent never does)."""
-    import subprocess
-
     try:
         out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=20)
         count = len([ln for ln in out.stdout.splitlines() if ln.startswith("GPU ")]) if out.returncode == 0 else 0
@@ -3046,8 +2941,7 @@ def execute(run: Run) -> int:
     if (fan_out or run.repeats) and not run.dry_run:
         count = visible_gpu_count()
         if count == 0:
-            raise UsageError("CUDA is required for the real peak and no CUDA GPU is visible; --dry-run "
-                             "runs the whole Soup setup and the guard on CPU")
+            raise UsageError(NO_CUDA)
         missing = [g for g in run.gpus or () if g >= count]
         if missing:
             raise UsageError(f"--gpus: GPU {missing[0]} is not there ({count} CUDA device(s) visible)")
@@ -3063,36 +2957,31 @@ def measure_all(run: Run, scratch: Scratch, started: float, local: bool, fan_out
         import torch
 
         if not run.dry_run and STEP_DEVICE == "cuda" and not torch.cuda.is_available():
-            raise UsageError("CUDA is required for the real peak and no CUDA GPU is visible; --dry-run "
-                             "runs the whole Soup setup and the guard on CPU")
+            raise UsageError(NO_CUDA)
         scratch.verify_shard_root()
         if run.custom_model:
             shapes["custom"] = load_custom_shape(run.custom_model)
-            beyond = [s for s in run.seqs if shapes["custom"].max_positions and s > shapes["custom"].max_positions]
-            if beyond:
-                raise UsageError(f"--seq {beyond[0]} is beyond {run.custom_model}'s maximum positions "
-                                 f"({shapes['custom'].max_positions})")
+            within_positions(run.custom_model, shapes["custom"].max_positions, run.seqs)
         if run.map:
             shapes.update({f: family_shape(f) for f in run.models})
         imports_s = time.perf_counter() - t
     arms = grid_arms(run)
     arms = shard_of(arms, run.shard, whole_models=run.map) if run.shard else arms
     det_models, det_seqs, det_batches = run.determinism_grid
-    det_arms = plan_arms(det_models, det_seqs, det_batches) if run.repeats else []
+    det_arms = plan_arms(*run.determinism_grid) if run.repeats else []
     how = ("isolated, one fresh process per arm" if run.isolate else
            f"one process per GPU ({','.join(map(str, run.gpus))}), merged" if run.gpus else
            f"shard {run.shard[0]}/{run.shard[1]} in one process" if run.shard else "in one process")
     arms_label = how if run.sweep else ("determinism: one fresh process per repeat" if run.repeats
                                         else "none (modes only)")
     result = Result(environment=environment(run.weights, run.dry_run, arms_label,
-                                            [os.path.basename(__file__), *run.argv]) if local else {})
-    result.kind = "map" if run.map else "sweep"
+                                            [os.path.basename(__file__), *run.argv]) if local else {},
+                    kind="map" if run.map else "sweep")
     rows_file = RowFile(run.json)
     rows: list[Row] = []
-    total = (len(arms) if run.sweep else 0) + len(det_arms) * (run.repeats or 0)
     children: list[Result] = []
     usage_error = None
-
+    total = (len(arms) if run.sweep else 0) + len(det_arms) * (run.repeats or 0)
     progress = Progress(total if not run.child else 0, started)
 
     def on_row(row: Row) -> None:
@@ -3112,9 +3001,8 @@ def measure_all(run: Run, scratch: Scratch, started: float, local: bool, fan_out
             if run.snapshot and not Stop.requested:
                 result.control = positive_control(control_step(False), control_step(True))
         if run.repeats and not Stop.requested:
-            det_run = replace(run, isolate=True, gpus=run.gpus, models=det_models, seqs=det_seqs,
-                                  batches=det_batches, measure=run.measure and not local,
-                                  sdpa=run.sdpa and not local)
+            det_run = replace(run, isolate=True, models=det_models, seqs=det_seqs, batches=det_batches,
+                              measure=run.measure and not local, sdpa=run.sdpa and not local)
             children += spread(det_run, det_arms, scratch, on_row)
         if local and run.measure and not Stop.requested:
             result.measure = measure_mode(run.dry_run)
@@ -3137,10 +3025,8 @@ def measure_all(run: Run, scratch: Scratch, started: float, local: bool, fan_out
             checkpoints.close()
     if children:
         merged = merge(children + ([result] if local else []), arms_label)
-        result.environment = result.environment or merged.environment
-        result.measure, result.sdpa = result.measure or merged.measure, result.sdpa or merged.sdpa
-        result.control = result.control or merged.control
-        result.error = result.error or merged.error
+        for name in ("environment", "measure", "sdpa", "control", "error"):
+            setattr(result, name, getattr(result, name) or getattr(merged, name))
         result.margins = thinnest(merged.margins)
     if not result.environment:
         result.environment = environment(run.weights, run.dry_run, arms_label,
@@ -3160,8 +3046,6 @@ def measure_all(run: Run, scratch: Scratch, started: float, local: bool, fan_out
 def run_timings(rows: list[Row], imports_s: float, total_s: float, build_s: dict[str, float],
                 children: list[Result]) -> dict[str, Any]:
     """The harness's own cost: imports, builds, and per arm setup, step and teardown."""
-    import statistics
-
     t: dict[str, Any] = {"total_s": round(total_s, 2), "imports_s": round(imports_s, 2), "arms": len(rows),
                          "build_s": build_s}
     for key in ("setup_s", "step_s", "teardown_s"):
