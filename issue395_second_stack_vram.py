@@ -9,9 +9,10 @@ Requirements
     (Soup's chat template fails to render on older jinja2). No network: every
     model is built here. On an H200 a full run (--sweep --measure --sdpa) took
     39-49 s warm and 57-62 s cold, and the whole margin map (--map) 12.4 minutes
-    with every checkpoint built cold (results/README.md has each run's time). The
-    map's NF4 arms need bitsandbytes; its 7B and 8B families ran on a box with 128
-    GiB of RAM and a 64 GB disk (one family's checkpoint and shards are kept at a time).
+    with every checkpoint built cold, 5.6 minutes with --gpus 0,1 on two H200s
+    (results/README.md has each run's time). The map's NF4 arms need bitsandbytes;
+    its 7B and 8B families ran on a box with 128 GiB of RAM and a 64 GB disk (one
+    family's checkpoint and shards are kept at a time in each process).
 
 Usage
     issue395_second_stack_vram.py                          the sweep: 10 arms
