@@ -443,9 +443,13 @@ class Row:
     @property
     def nonlogits_overestimate(self) -> Optional[float]:
         """Non-logits modelled over the real non-logits (the peak less the 12 x E the loss holds)."""
-        if not self.measured:
+        return self.overestimate_at(self.real_peak) if self.measured else None
+
+    def overestimate_at(self, peak: Optional[int]) -> Optional[float]:
+        """The same, against any peak (the A10G record's, for the markdown)."""
+        if not peak or self.predicted is None:
             return None
-        rest = self.real_peak - self.loss_bytes_per_element * self.elements
+        rest = peak - self.loss_bytes_per_element * self.elements
         return self.nonlogits_modelled / rest if rest > 0 else None
 
     @property
@@ -539,6 +543,7 @@ def run_arm(arm: Arm, shape: Shape, base: str, work: Path, *, dry_run: bool = Fa
         return arm_row(arm, shape, base=base, dry_run=dry_run, repeat=repeat, failure="SKIPPED",
                        error="NF4 needs bitsandbytes, which is not installed here")
     preflight: dict[str, Any] = {}
+    snap = None
     try:
         with soup_console(log or work / "soup.log", verbose), soup_preflight(preflight):
             from soup_cli.config.loader import load_config_from_string
@@ -562,22 +567,21 @@ def run_arm(arm: Arm, shape: Shape, base: str, work: Path, *, dry_run: bool = Fa
                                                         arm.seq * shape.vocab * arm.batch,
                                                         step["real_peak"],
                                                         shape_classes(shape, arm.seq, arm.batch))
-                    got["_snapshot"] = snap
     except KeyboardInterrupt:
         raise
     except BaseException as exc:  # noqa: BLE001 - every failure becomes the row's finding
         got["timings"].setdefault("setup_s", round(time.perf_counter() - t0, 3))
         fit = preflight.get("fit")
         refused = fit is not None and not fit.fits and str(exc).startswith(fit.reason)
-        got.update(failure="REFUSED" if refused else "OOM" if is_oom(exc) else "FAILED",
-                   error=last_line(exc), oom_request=oom_request(exc) if is_oom(exc) else None)
+        oom = is_oom(exc)
+        got.update(failure="REFUSED" if refused else "OOM" if oom else "FAILED",
+                   error=last_line(exc), oom_request=oom_request(exc) if oom else None)
     finally:
         t1 = time.perf_counter()
         got["teardown_error"] = teardown(wrapper)
         wrapper = None
         got["timings"]["teardown_s"] = round(time.perf_counter() - t1, 3)
     got.update(soup_predicted=preflight.get("predicted"), soup_terms=preflight.get("kwargs"))
-    snap = got.pop("_snapshot", None)
     if snap is not None and snapshot_dir:
         import pickle
 
@@ -680,14 +684,18 @@ def sweep(arms: list[Arm], shapes: dict[str, Shape], bases: "Checkpoints", scrat
         bases.release(arm.model)
 
 
+def quant_alias(scratch: "Scratch", base: str, quant: str) -> Path:
+    return (scratch.shard_root.parent / "quant-aliases"
+            / f"{Path(base).name}-{hashlib.sha256(base.encode()).hexdigest()[:8]}.{quant}")
+
+
 def quant_base(scratch: "Scratch", base: str, quant: str) -> str:
     """Soup keys its shard folder by the base path alone (re-sharding in place on a new quantization),
     so an NF4 arm gets its own path: a symlink beside the shard cache, shared by all who share it."""
     if quant == "none":
         return base
-    folder = scratch.shard_root.parent / "quant-aliases"
-    folder.mkdir(parents=True, exist_ok=True)
-    alias = folder / f"{Path(base).name}-{hashlib.sha256(base.encode()).hexdigest()[:8]}.{quant}"
+    alias = quant_alias(scratch, base, quant)
+    alias.parent.mkdir(parents=True, exist_ok=True)
     with contextlib.suppress(FileExistsError):
         alias.symlink_to(Path(base).resolve(), target_is_directory=True)
     return str(alias)
@@ -796,29 +804,40 @@ def attribute_peak(snapshot: dict[str, Any], resident: int, elements: int,
     trace = max(traces, key=len) if traces else []
     frees = ({"free_requested"} if any(e.get("action") == "free_requested" for e in trace)
              else {"free", "free_completed"})
-    live: dict[int, int] = {}
-    base, total = resident, 0
-    best, best_live, best_base = resident, {}, resident
-    for event in trace:
-        action, addr, size = event.get("action"), int(event.get("addr", 0)), int(event.get("size", 0))
-        if action == "alloc":
-            live[addr] = size
-            total += block_bytes(size)
-        elif action in frees:
-            if addr in live:
-                total -= block_bytes(live.pop(addr))
+
+    def replay(events: list) -> Iterator[tuple[int, int, int, dict[int, int]]]:
+        live: dict[int, int] = {}
+        base, total = resident, 0
+        for i, event in enumerate(events):
+            action, addr, size = event.get("action"), int(event.get("addr", 0)), int(event.get("size", 0))
+            if action == "alloc":
+                live[addr] = size
+                total += block_bytes(size)
+            elif action in frees:
+                if addr in live:
+                    total -= block_bytes(live.pop(addr))
+                else:
+                    base -= block_bytes(size)
             else:
-                base -= block_bytes(size)
-        else:
-            continue
+                continue
+            yield i, base, total, live
+
+    # Copying the live blocks at every new high is quadratic while memory climbs: find the
+    # peak's event first, then replay up to it once.
+    best, best_base, at = resident, resident, -1
+    for i, base, total, _ in replay(trace):
         if base + total > best:
-            best, best_live, best_base = base + total, dict(live), base
+            best, best_base, at = base + total, base, i
+    best_live: dict[int, int] = {}
+    for _, _, _, best_live in replay(trace[:at + 1]):
+        pass
     groups: dict[str, dict[str, int]] = {}
     logits = {"bf16": {"count": 0, "bytes": 0}, "fp32": {"count": 0, "bytes": 0}}
     classes: dict[str, int] = {}
     for size in best_live.values():
         if classify is not None:
-            classes[classify(size)] = classes.get(classify(size), 0) + block_bytes(size)
+            c = classify(size)
+            classes[c] = classes.get(c, 0) + block_bytes(size)
         kind = logits_kind(size, elements)
         label = next(lbl for floor, lbl in SIZE_GROUPS if size >= floor)
         g = logits[kind] if kind else groups.setdefault(label, {"count": 0, "bytes": 0})
@@ -984,6 +1003,8 @@ FAMILIES: dict[str, tuple[str, str, str, dict, int]] = {
 }
 MAP_FAMILIES = ("smol", "qwen", "llama32-1b", "qwen3-0.6b", "mistral-7b", "gemma-2b", "gemma2-2b",
                 "gemma3-1b", "phi-2", "phi3-mini")
+#: Every family --families takes, in the map's order: the default ten, then those only asked for.
+ALL_FAMILIES = MAP_FAMILIES + tuple(k for k in FAMILIES if k not in MAP_FAMILIES)
 MAP_SEQS, MAP_BATCHES, QUANTS = (2048, 4096, 8192, 16384), (1, 4), ("none", "nf4")
 #: Soup's published streamed NF4 peak (Llama-3.1-8B, batch 1 x seq 512; FAMILIES.md): bytes
 #: allocated, from its v0.73.1 test docstring (issue #349). The map holds one arm against it.
@@ -1038,7 +1059,7 @@ def shape_classes(shape: Shape, seq: int, batch: int) -> Callable[[int], str]:
     elements, tokens = seq * shape.vocab * batch, seq * batch
 
     def classify(size: int) -> str:
-        if size in (2 * elements, 4 * elements):
+        if logits_kind(size, elements):
             return "logits"
         if size % (seq * seq) == 0 and size // (seq * seq) <= 4 * batch * 64:
             return "activations"  # attention scores: batch x heads x seq^2
@@ -1344,11 +1365,12 @@ class Checkpoints:
 
         path = self.paths.pop(key, None)
         if path and not self.run.cache_dir and Path(path).is_relative_to(self.scratch.root):
-            for quant in QUANTS:
-                alias = quant_base(self.scratch, path, quant)
-                shutil.rmtree(resolve_shard_dir(alias), ignore_errors=True)
-                if alias != path:
-                    Path(alias).unlink(missing_ok=True)
+            shutil.rmtree(resolve_shard_dir(path), ignore_errors=True)
+            for quant in QUANTS[1:]:  # only the aliases its arms made
+                alias = quant_alias(self.scratch, path, quant)
+                if os.path.lexists(alias):
+                    shutil.rmtree(resolve_shard_dir(str(alias)), ignore_errors=True)
+                    alias.unlink(missing_ok=True)
             shutil.rmtree(path, ignore_errors=True)
         self.paths[key] = ""  # never rebuilt in this run
 
@@ -1429,6 +1451,7 @@ def load_custom_shape(model: str) -> Shape:
     from transformers import AutoConfig
 
     path, config_file = Path(model), config_only(model)
+    synthetic = config_file is not None  # weights will be built from this config
     if path.exists() and config_file is None:
         if not path.is_dir() or not (path / "config.json").is_file():
             raise UsageError(f"--model {model}: not a checkpoint folder (no config.json)")
@@ -1466,7 +1489,7 @@ def load_custom_shape(model: str) -> Shape:
             raise UsageError(f"--model {model}: {config_file.name} is not a {model_type} config "
                              f"({last_line(exc)})") from None
     shape = derive_shape(config, name=model, arch=fields_)
-    if path.exists() and Path(config_file) == config_only(model) and shape.vocab < 300:
+    if synthetic and shape.vocab < 300:
         raise UsageError(f"--model {model}: vocab_size {shape.vocab} is smaller than the synthetic "
                          "tokenizer's 300 tokens")
     return shape
@@ -1869,7 +1892,7 @@ def merge(results: list[Result], arms_label: Optional[str] = None) -> Result:
                                  f"{first.get(key)!r} in one and {other.environment.get(key)!r} in another")
     rows = [r for res in results for r in res.rows]
     if results[0].kind == "map":  # maps of different families merge too: by the map's own order
-        order = {f: i for i, f in enumerate(MAP_FAMILIES + tuple(FAMILIES))}
+        order = {f: i for i, f in enumerate(ALL_FAMILIES)}
         rows.sort(key=lambda r: (order.get(r.model_key, len(order)), QUANTS.index(r.quant), r.seq, r.batch))
         seen = [(r.model_key, r.quant, r.seq, r.batch) for r in rows]
     else:
@@ -2252,8 +2275,7 @@ def render_markdown(result: Result) -> str:
                "(from its published peak) |", "|---|---:|---:|---:|---:|---|---:|---|---:|---:|---:|"]
         for r in rows:
             c, rec = sweep_cells(r), r.record_peak
-            rec_over = (r.nonlogits_modelled / (rec - r.loss_bytes_per_element * r.elements)
-                        if rec and r.predicted is not None else None)
+            rec_over = r.overestimate_at(rec)
             rec_fit = "-" if rec is None or r.logits14 is None else ("yes" if r.logits14 <= rec else "no")
             md.append(f"| {r.model} | {r.seq} | {r.batch} | {c[8]} | {c[4]} | {c[11]} | {c[6]} | "
                       f"{rec_fit} | {gb(r.nonlogits_modelled)} | {c[10]} | {ratio(rec_over)} |")
@@ -2374,10 +2396,14 @@ class RowFile:
     lost to a crash; removed once the final JSON holds them."""
 
     def __init__(self, json_path: Optional[str]):
-        self.path = Path(os.path.realpath(json_path) + ".rows.jsonl") if json_path else None
+        self.path = self.path_for(json_path) if json_path else None
         self.ok = True
         if self.path:
             self.path.unlink(missing_ok=True)
+
+    @staticmethod
+    def path_for(json_path: str) -> Path:
+        return Path(os.path.realpath(json_path) + ".rows.jsonl")
 
     def add(self, row: Row) -> None:
         if self.path and self.ok:
@@ -2453,26 +2479,34 @@ def shard_of(arms: list[Arm], shard: tuple[int, int], whole_models: bool = False
 def arm_seconds(arm: Arm) -> float:
     """A map arm's rough cost, only to deal families evenly: on the H200 map each arm took
     about 3 s of setup and teardown plus 0.7 s per billion parameters."""
-    family = FAMILIES.get(arm.model)
-    shape = SHAPES.get(arm.model)
-    params = family[4] if family else (shape.pool // 2 * shape.n_layers + shape.extras) // 2 if shape else 0
+    if arm.model in FAMILIES:
+        params = FAMILIES[arm.model][4]
+    else:  # the record's two: bf16 bytes of the layers and the extras, over 2
+        shape = SHAPES[arm.model]
+        params = (shape.pool // 2 * shape.n_layers + shape.extras) // 2
     return 3.0 + 0.7e-9 * params
+
+
+def visible_ids() -> Optional[list[str]]:
+    """CUDA_VISIBLE_DEVICES as a list, or None when it is not set (every GPU is visible)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return None if visible is None else [v.strip() for v in visible.split(",") if v.strip()]
 
 
 def visible_gpu(ordinal: int) -> str:
     """--gpus counts the GPUs this process sees; a child needs the id behind it."""
-    ids = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+    ids = visible_ids() or []
     return ids[ordinal] if ordinal < len(ids) else str(ordinal)
 
 
-def plan_jobs(run: "Run", arms: list[Arm], grid_size: Optional[int] = None) -> list[Job]:
+def plan_jobs(run: "Run", arms: list[Arm]) -> list[Job]:
     if run.repeats:
         gpu = run.gpus[0] if run.gpus else None
         return [Job((a.index + 1, len(arms)), (a,), gpu, rep, extra_modes=(rep == 1 and a.index == 0))
                 for rep in range(1, run.repeats + 1) for a in arms]
     if run.isolate:
         gpus = run.gpus or (None,)
-        return [Job((a.index + 1, grid_size or len(arms)), (a,), gpus[i % len(gpus)],
+        return [Job((a.index + 1, len(arms)), (a,), gpus[i % len(gpus)],
                     extra_modes=i == 0) for i, a in enumerate(arms)]
     n = len(run.gpus)
     jobs = [Job((k, n), tuple(shard_of(arms, (k, n), whole_models=run.map)), g, extra_modes=k == 1)
@@ -2493,6 +2527,10 @@ def spread(run: "Run", arms: list[Arm], scratch: Scratch, on_row: Callable[[Row]
     # not fit a disk together, so there each child keeps its own and frees each family after it.
     cache = run.cache_dir or (None if run.map else str(scratch.path("cache")))
     folder = Path(tempfile.mkdtemp(dir=scratch.path("children")))  # one per spread: no stale files
+    # Each child would take a thread per core; side by side they stall each other's parallel
+    # copies into Soup's pinned store (measured on CPU: 0.06-0.15 s alone, up to 1.9 s beside
+    # a busy twin). A share of the cores each; host-side only.
+    threads = str(max(1, min(8, (os.cpu_count() or 2) // max(1, len(lanes)) - 2)))
 
     def launch(gpu: Optional[int]) -> None:
         nonlocal count
@@ -2502,16 +2540,12 @@ def spread(run: "Run", arms: list[Arm], scratch: Scratch, on_row: Callable[[Row]
         env = dict(os.environ)
         if gpu is not None:
             env["CUDA_VISIBLE_DEVICES"] = visible_gpu(gpu)
-        # Each child would take a thread per core; side by side they stall each other's
-        # parallel copies into Soup's pinned store (measured on CPU: 0.06-0.15 s alone, up
-        # to 1.9 s beside a busy twin). A share of the cores each; host-side only.
-        threads = str(max(1, min(8, (os.cpu_count() or 2) // max(1, len(lanes)) - 2)))
         for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "RAYON_NUM_THREADS"):
             env.setdefault(var, threads)
         argv = child_argv(run, job, str(out), cache)
         with open(out.with_suffix(".stdout"), "w") as fh:
             proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), *argv], env=env, stdout=fh)
-        running[gpu] = {"proc": proc, "job": job, "out": out, "seen": set()}
+        running[gpu] = {"proc": proc, "job": job, "out": out, "seen": set(), "read": 0}
 
     def take(entry: dict[str, Any], rows: Iterable[Row]) -> None:
         for row in rows:
@@ -2519,15 +2553,24 @@ def spread(run: "Run", arms: list[Arm], scratch: Scratch, on_row: Callable[[Row]
                 entry["seen"].add((row.index, row.repeat))
                 on_row(row)
 
-    def saved_rows(entry: dict[str, Any]) -> list[Row]:
-        path = Path(str(entry["out"]) + ".rows.jsonl")
-        lines = path.read_text().split("\n")[:-1] if path.exists() else []  # the last may be half-written
-        return [Row.from_json(json.loads(line)) for line in lines]
+    def new_rows(entry: dict[str, Any]) -> list[Row]:
+        """The rows a child saved since the last look: whole lines only (the last may be
+        half-written); a line that does not parse is left for the child's final JSON."""
+        try:
+            with open(RowFile.path_for(str(entry["out"])), "rb") as fh:
+                fh.seek(entry["read"])
+                chunk = fh.read()
+            done = chunk.rfind(b"\n") + 1
+            rows = [Row.from_json(json.loads(line)) for line in chunk[:done].splitlines()]
+        except (OSError, ValueError):
+            return []
+        entry["read"] += done
+        return rows
 
     def settle(gpu: Optional[int]) -> None:
         entry = running.pop(gpu)
         job, code = entry["job"], entry["proc"].returncode
-        take(entry, saved_rows(entry))
+        take(entry, new_rows(entry))
         with contextlib.suppress(OSError, ValueError):
             res = Result.from_json(json.loads(entry["out"].read_text()))
             take(entry, res.rows)
@@ -2544,8 +2587,7 @@ def spread(run: "Run", arms: list[Arm], scratch: Scratch, on_row: Callable[[Row]
             time.sleep(0.2)
             for gpu in list(running):
                 entry = running[gpu]
-                with contextlib.suppress(OSError, ValueError):
-                    take(entry, saved_rows(entry))
+                take(entry, new_rows(entry))
                 if entry["proc"].poll() is not None:
                     settle(gpu)
                     if lanes[gpu] and not Stop.requested:
@@ -2693,7 +2735,7 @@ def build_parser() -> argparse.ArgumentParser:
     a = p.add_argument_group("arms")
     a.add_argument("--models", default=None, help="comma list of smol,qwen (default both)")
     a.add_argument("--families", default=None, help="with --map: comma list of families (default "
-                   "all: " + ",".join(MAP_FAMILIES + ("llama31-8b",)) + ")")
+                   "all: " + ",".join(ALL_FAMILIES) + ")")
     a.add_argument("--quant", default=None, help="with --map: comma list of none,nf4 (default both; "
                    "nf4 needs bitsandbytes)")
     a.add_argument("--seq", default=None, help="comma list of seq lengths for every chosen model "
@@ -2795,7 +2837,7 @@ def settle(args: argparse.Namespace, argv: list[str]) -> Run:
         if path is not None:
             check_output(flag, path)
     named = [(f, os.path.realpath(p)) for f, p in outputs.items() if p]
-    named += [("--json's row file", os.path.realpath(args.json) + ".rows.jsonl")] if args.json else []
+    named += [("--json's row file", str(RowFile.path_for(args.json)))] if args.json else []
     for i, (f, p) in enumerate(named):
         twin = next((g for g, q in named[i + 1:] if q == p), None)
         if twin:
@@ -2874,7 +2916,7 @@ def settle_map(args: argparse.Namespace, argv: list[str]) -> Run:
     for flag in ("--models", "--model", "--determinism", "--isolate"):
         if getattr(args, flag.strip("-")) not in (None, False):
             raise UsageError(f"--map and {flag} are exclusive")
-    known = MAP_FAMILIES + tuple(k for k in FAMILIES if k not in MAP_FAMILIES)
+    known = ALL_FAMILIES
     families = known if args.families is None else tuple(f.strip() for f in args.families.split(","))
     unknown = [f for f in families if f not in known]
     if unknown or not all(families) or len(set(families)) != len(families):
@@ -2925,8 +2967,8 @@ def visible_gpu_count() -> int:
         count = len([ln for ln in out.stdout.splitlines() if ln.startswith("GPU ")]) if out.returncode == 0 else 0
     except (OSError, subprocess.TimeoutExpired):
         count = 0
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    return min(count, len([v for v in visible.split(",") if v.strip()])) if visible is not None else count
+    ids = visible_ids()
+    return count if ids is None else min(count, len(ids))
 
 
 def execute(run: Run) -> int:
@@ -2952,6 +2994,8 @@ def execute(run: Run) -> int:
 
 def measure_all(run: Run, scratch: Scratch, started: float, local: bool, fan_out: bool) -> int:
     imports_s = 0.0
+    arms = grid_arms(run)
+    arms = shard_of(arms, run.shard, whole_models=run.map) if run.shard else arms
     shapes = dict(SHAPES)
     if local:
         t = time.perf_counter()
@@ -2963,11 +3007,9 @@ def measure_all(run: Run, scratch: Scratch, started: float, local: bool, fan_out
         if run.custom_model:
             shapes["custom"] = load_custom_shape(run.custom_model)
             within_positions(run.custom_model, shapes["custom"].max_positions, run.seqs)
-        if run.map:
-            shapes.update({f: family_shape(f) for f in run.models})
+        if run.map:  # this shard's families only
+            shapes.update({f: family_shape(f) for f in dict.fromkeys(a.model for a in arms)})
         imports_s = time.perf_counter() - t
-    arms = grid_arms(run)
-    arms = shard_of(arms, run.shard, whole_models=run.map) if run.shard else arms
     det_models, det_seqs, det_batches = run.determinism_grid
     det_arms = plan_arms(*run.determinism_grid) if run.repeats else []
     how = ("isolated, one fresh process per arm" if run.isolate else
@@ -3028,7 +3070,7 @@ def measure_all(run: Run, scratch: Scratch, started: float, local: bool, fan_out
         merged = merge(children + ([result] if local else []), arms_label)
         for name in ("environment", "measure", "sdpa", "control", "error"):
             setattr(result, name, getattr(result, name) or getattr(merged, name))
-        result.margins = thinnest(merged.margins)
+        result.margins = merged.margins
     if not result.environment:
         result.environment = environment(run.weights, run.dry_run, arms_label,
                                          [os.path.basename(__file__), *run.argv], with_torch=False)
