@@ -24,8 +24,12 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "issue395_second_stack_vram.py"
 sys.path.insert(0, str(ROOT))
 import issue395_second_stack_vram as h  # noqa: E402
+from issue395.console import Stop
+from issue395.errors import EXIT_USAGE
+from issue395.record import DATA_ROWS, SHAPES, Arm, Shape, predicted_bytes
+from issue395.row import Row, arm_row
 
-SMOL, QWEN = h.SHAPES["smol"], h.SHAPES["qwen"]
+SMOL, QWEN = SHAPES["smol"], SHAPES["qwen"]
 
 
 @pytest.fixture(autouse=True)
@@ -35,9 +39,9 @@ def _clean_process_state():
     saved_env = dict(os.environ)
     saved_handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     saved_tempdir = tempfile.tempdir
-    h.Stop.requested = False
+    Stop.requested = False
     yield
-    h.Stop.requested = False
+    Stop.requested = False
     for sig, handler in saved_handlers.items():
         signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
     tempfile.tempdir = saved_tempdir
@@ -73,7 +77,7 @@ def main(capfd, argv):
 def one_error_line(code, out, err, *words):
     """A usage error: exit 2, nothing on stdout (not even the stack header), exactly one line
     on stderr naming ``words``, no traceback."""
-    assert code == h.EXIT_USAGE, (out, err)
+    assert code == EXIT_USAGE, (out, err)
     assert out == "", out
     lines = [line for line in err.splitlines() if line.strip()]
     assert len(lines) == 1, err
@@ -89,18 +93,18 @@ def table_rows(out: str, seq: int) -> list[str]:
     return [line for line in out.splitlines() if line.split()[:1] == [str(seq)]]
 
 
-def make_row(key: str = "smol", seq: int = 2048, batch: int = 1, index: int = 0, **measured) -> h.Row:
+def make_row(key: str = "smol", seq: int = 2048, batch: int = 1, index: int = 0, **measured) -> Row:
     """A row built the way an arm builds it: the harness's own constructor, with Soup's real
     prediction; ``measured`` are the fields a step would have measured. A realised length
     defaults to the requested one (the guard passes) unless given."""
     measured.setdefault("realised_width", seq)
     measured.setdefault("realised_rows", (seq,) * batch)
-    return h.arm_row(h.Arm(key, seq, batch, index), h.SHAPES[key], **measured)
+    return arm_row(Arm(key, seq, batch, index), SHAPES[key], **measured)
 
 
-def safe_peak(seq: int, shape: h.Shape = SMOL) -> int:
+def safe_peak(seq: int, shape: Shape = SMOL) -> int:
     """A fake peak the prediction covers (pred/real 1.25x)."""
-    return int(h.predicted_bytes(shape, seq) / 1.25)
+    return int(predicted_bytes(shape, seq) / 1.25)
 
 
 class FakeStep:
@@ -112,7 +116,7 @@ class FakeStep:
         self.calls: list[int] = []
         self.peaks, self.raises, self.actions = peaks or {}, raises or {}, actions or {}
 
-    def __call__(self, trainer, snapshot=False):
+    def __call__(self, trainer, snapshot=False, steps=1):
         seq = int(trainer.args.max_length)
         self.calls.append(seq)
         if seq in self.actions:
@@ -139,10 +143,10 @@ def fake_cuda(monkeypatch):
 
 def send_ctrl_c() -> None:
     """One Ctrl-C to this process, and wait until the harness's handler has seen it."""
-    already = h.Stop.requested
+    already = Stop.requested
     os.kill(os.getpid(), signal.SIGINT)
     deadline = time.monotonic() + 5
-    while not already and not h.Stop.requested and time.monotonic() < deadline:
+    while not already and not Stop.requested and time.monotonic() < deadline:
         time.sleep(0.01)
 
 
@@ -150,7 +154,7 @@ def short_chat_rows(short_seqs):
     """h.chat_rows, but rows for ``short_seqs`` carry half a seq of words: they tokenize short."""
     real = h.chat_rows
 
-    def rows(seq, n=h.DATA_ROWS):
+    def rows(seq, n=DATA_ROWS):
         if seq not in short_seqs:
             return real(seq, n)
         return [{"messages": [{"role": "user", "content": "hi"},

@@ -14,7 +14,14 @@ import json
 import random
 
 import pytest
-from conftest import cuda, h, make_row, safe_peak
+from conftest import cuda, make_row, safe_peak
+
+from issue395.cuda import attribute_peak, block_bytes, control_step, logits_kind, positive_control
+from issue395.errors import EXIT_FINDING, EXIT_INTERRUPTED, EXIT_OK, UsageError
+from issue395.record import SHAPES, Arm, plan_arms, predicted_bytes
+from issue395.result import Result, merge
+from issue395.row import Row
+from issue395.spread import shard_of
 
 E = 1001  # logits elements; odd, so 2E and 4E are not multiples of 512
 BF16, FP32 = 2 * E, 4 * E  # requested sizes: 2002, 4004
@@ -66,26 +73,26 @@ PEAK = R - 3072 + BF16_BLOCK + 2 * FP32_BLOCK + 512
 # --- the allocator's rounding and the logits shapes ---------------------------------
 
 def test_block_bytes_rounds_up_to_512():
-    assert h.block_bytes(1) == 512
-    assert h.block_bytes(0) == 512
-    assert h.block_bytes(512) == 512
-    assert h.block_bytes(513) == 1024
-    assert h.block_bytes(BF16) == BF16_BLOCK
-    assert h.block_bytes(FP32) == FP32_BLOCK
+    assert block_bytes(1) == 512
+    assert block_bytes(0) == 512
+    assert block_bytes(512) == 512
+    assert block_bytes(513) == 1024
+    assert block_bytes(BF16) == BF16_BLOCK
+    assert block_bytes(FP32) == FP32_BLOCK
 
 
 def test_logits_kind_names_exactly_one_logits_tensor():
-    assert h.logits_kind(2 * E, E) == "bf16"
-    assert h.logits_kind(4 * E, E) == "fp32"
-    assert h.logits_kind(2 * E + 1, E) is None
-    assert h.logits_kind(8 * E, E) is None  # two tensors' worth is not one logits tensor
-    assert h.logits_kind(E, E) is None
+    assert logits_kind(2 * E, E) == "bf16"
+    assert logits_kind(4 * E, E) == "fp32"
+    assert logits_kind(2 * E + 1, E) is None
+    assert logits_kind(8 * E, E) is None  # two tensors' worth is not one logits tensor
+    assert logits_kind(E, E) is None
 
 
 # --- the replay ------------------------------------------------------------------------
 
 def test_replayed_peak_is_the_maximum_not_the_final_state():
-    a = h.attribute_peak(loss_step_history(), R, E, measured_peak=PEAK)
+    a = attribute_peak(loss_step_history(), R, E, measured_peak=PEAK)
     assert a["replayed_peak"] == PEAK
     # At the peak: one bf16 and two fp32 logits live (the final state has one of each).
     assert a["logits_bf16"] == {"count": 1, "bytes": BF16_BLOCK}
@@ -97,20 +104,20 @@ def test_replayed_peak_is_the_maximum_not_the_final_state():
 
 
 def test_pre_existing_frees_before_the_peak_reduce_resident_at_peak():
-    a = h.attribute_peak(loss_step_history(), R, E, measured_peak=PEAK)
+    a = attribute_peak(loss_step_history(), R, E, measured_peak=PEAK)
     # The 3000-byte free before the peak counts (rounded to 3072); the 600 kB one after
     # the peak does not.
     assert a["resident_at_peak"] == R - 3072
 
 
 def test_small_allocation_counts_as_a_512_byte_block():
-    a = h.attribute_peak(snapshot(alloc(7, 1)), 0, E)
+    a = attribute_peak(snapshot(alloc(7, 1)), 0, E)
     assert a["replayed_peak"] == 512
     assert a["other_groups"] == {"< 1 MB": {"count": 1, "bytes": 512}}
 
 
 def test_blocks_are_grouped_by_size_largest_first():
-    a = h.attribute_peak(snapshot(alloc(4, 10), alloc(3, 2_000_000), alloc(1, 150_000_000),
+    a = attribute_peak(snapshot(alloc(4, 10), alloc(3, 2_000_000), alloc(1, 150_000_000),
                                   alloc(2, 20_000_000)), 0, E)
     assert a["other_groups"] == {">= 100 MB": {"count": 1, "bytes": 150_000_128},
                                  "10-100 MB": {"count": 1, "bytes": 20_000_256},
@@ -121,16 +128,16 @@ def test_blocks_are_grouped_by_size_largest_first():
 
 
 def test_complete_when_the_measured_peak_matches():
-    assert h.attribute_peak(loss_step_history(), R, E, PEAK)["complete"] is True
+    assert attribute_peak(loss_step_history(), R, E, PEAK)["complete"] is True
     # Within an allocator remainder (under 1 MiB) it is still complete.
-    assert h.attribute_peak(loss_step_history(), R, E, PEAK + 512 * 1024)["complete"] is True
+    assert attribute_peak(loss_step_history(), R, E, PEAK + 512 * 1024)["complete"] is True
     # Without a measurement there is nothing to disagree with.
-    assert h.attribute_peak(loss_step_history(), R, E, None)["complete"] is True
+    assert attribute_peak(loss_step_history(), R, E, None)["complete"] is True
 
 
 @pytest.mark.parametrize("off", [+4 * 2**20, -4 * 2**20, +100_000_000])
 def test_incomplete_when_the_measured_peak_is_far_off(off):
-    a = h.attribute_peak(loss_step_history(), R, E, PEAK + off)
+    a = attribute_peak(loss_step_history(), R, E, PEAK + off)
     assert a["complete"] is False
     assert a["measured_peak"] == PEAK + off
     assert a["replayed_peak"] == PEAK
@@ -140,7 +147,7 @@ def test_incomplete_when_the_measured_peak_is_far_off(off):
                                   {"device_traces": [[]], "segments": []}, {}],
                          ids=["no-traces", "empty-trace", "no-key"])
 def test_empty_history_is_never_complete(snap):
-    a = h.attribute_peak(snap, R, E, R)
+    a = attribute_peak(snap, R, E, R)
     assert a["complete"] is False
     assert a["events"] == 0
     assert a["replayed_peak"] == R
@@ -148,7 +155,7 @@ def test_empty_history_is_never_complete(snap):
 
 
 def test_history_that_only_frees_peaks_at_resident():
-    a = h.attribute_peak(snapshot(free(900, 5000)), R, E, R)
+    a = attribute_peak(snapshot(free(900, 5000)), R, E, R)
     assert a["replayed_peak"] == R
     assert a["logits_bf16"]["count"] == 0
     assert a["complete"] is True
@@ -159,14 +166,14 @@ def test_history_without_free_requested_replays_on_its_other_free(kept):
     """Older histories record only the completed free (or a plain free); the replay uses it."""
     trace = [dict(e, action=kept) if e["action"] == "free_completed" else e
              for e in loss_step_history()["device_traces"][0] if e["action"] != "free_requested"]
-    a = h.attribute_peak({"device_traces": [trace], "segments": []}, R, E, PEAK)
+    a = attribute_peak({"device_traces": [trace], "segments": []}, R, E, PEAK)
     assert a["replayed_peak"] == PEAK
     assert a["logits_fp32"]["count"] == 2
     assert a["resident_at_peak"] == R - 3072
 
 
 def test_free_completed_is_not_counted_twice_when_free_requested_exists():
-    a = h.attribute_peak(loss_step_history(), R, E)
+    a = attribute_peak(loss_step_history(), R, E)
     assert a["replayed_peak"] == PEAK  # a double count would lower it
     assert a["resident_at_peak"] == R - 3072
 
@@ -174,7 +181,7 @@ def test_free_completed_is_not_counted_twice_when_free_requested_exists():
 def test_longest_device_trace_is_replayed():
     snap = loss_step_history()
     snap["device_traces"] = [[alloc(1, 10)], snap["device_traces"][0], []]
-    a = h.attribute_peak(snap, R, E, PEAK)
+    a = attribute_peak(snap, R, E, PEAK)
     assert a["replayed_peak"] == PEAK
     assert a["events"] == len(loss_step_history()["device_traces"][0])
 
@@ -197,7 +204,7 @@ def control_peak(bf16_copies: int, fp32_copies: int = 0) -> int:
 
 
 def attributed(copies: int, measured_off: int = 0, fp32_copies: int = 0):
-    return h.attribute_peak(control_history(copies, fp32_copies), R, E,
+    return attribute_peak(control_history(copies, fp32_copies), R, E,
                             control_peak(copies, fp32_copies) + measured_off)
 
 
@@ -206,7 +213,7 @@ def test_positive_control_passes_with_exactly_one_extra_bf16_block():
     assert without["complete"] and with_copy["complete"]
     assert without["logits_bf16"]["count"] == 1
     assert with_copy["logits_bf16"]["count"] == 2
-    c = h.positive_control(without, with_copy)
+    c = positive_control(without, with_copy)
     assert c["extra_bf16_blocks"] == 1
     assert c["passed"] is True
     assert c["without_copy"] is without and c["with_copy"] is with_copy
@@ -215,31 +222,31 @@ def test_positive_control_passes_with_exactly_one_extra_bf16_block():
 @pytest.mark.parametrize("copies,fp32,extra", [(0, 0, 0), (2, 0, 2), (0, 1, 0)],
                          ids=["no-copy-seen", "two-copies", "fp32-copy"])
 def test_positive_control_fails_unless_exactly_one_more_bf16_block(copies, fp32, extra):
-    c = h.positive_control(attributed(0), attributed(copies, fp32_copies=fp32))
+    c = positive_control(attributed(0), attributed(copies, fp32_copies=fp32))
     assert c["extra_bf16_blocks"] == extra
     assert c["passed"] is False
 
 
 def test_positive_control_fails_when_a_history_is_incomplete():
     far = 50 * 2**20
-    assert h.positive_control(attributed(0, far), attributed(1))["passed"] is False
-    assert h.positive_control(attributed(0), attributed(1, far))["passed"] is False
-    empty = h.attribute_peak({"device_traces": []}, R, E, R)
-    assert h.positive_control(empty, attributed(1))["passed"] is False
+    assert positive_control(attributed(0, far), attributed(1))["passed"] is False
+    assert positive_control(attributed(0), attributed(1, far))["passed"] is False
+    empty = attribute_peak({"device_traces": []}, R, E, R)
+    assert positive_control(empty, attributed(1))["passed"] is False
 
 
 def test_a_failed_positive_control_is_a_finding():
-    passed = h.positive_control(attributed(0), attributed(1))
-    failed = h.positive_control(attributed(0), attributed(0))
+    passed = positive_control(attributed(0), attributed(1))
+    failed = positive_control(attributed(0), attributed(0))
     row = make_row("smol", 2048, real_peak=safe_peak(2048))
-    assert h.Result(environment=ENV, rows=[row], control=passed).exit_code == h.EXIT_OK
-    assert h.Result(environment=ENV, rows=[row], control=failed).exit_code == h.EXIT_FINDING
+    assert Result(environment=ENV, rows=[row], control=passed).exit_code == EXIT_OK
+    assert Result(environment=ENV, rows=[row], control=failed).exit_code == EXIT_FINDING
 
 
 @cuda
 def test_real_control_step_sees_the_held_bf16_copy():
     """On a CUDA box: the real loss step, without and with one held bf16 logits copy."""
-    c = h.positive_control(h.control_step(False), h.control_step(True))
+    c = positive_control(control_step(False), control_step(True))
     assert c["without_copy"]["complete"] and c["with_copy"]["complete"]
     assert c["extra_bf16_blocks"] == 1
     assert c["passed"] is True
@@ -254,25 +261,25 @@ ENV = {"gpu": "NVIDIA H200", "driver": "570.1", "cuda": "13.0", "torch": "2.13.0
 
 
 def grid():
-    return h.plan_arms(["smol", "qwen"], None, [1])
+    return plan_arms(["smol", "qwen"], None, [1])
 
 
-def measured_row(arm: h.Arm, repeat=None) -> h.Row:
+def measured_row(arm: Arm, repeat=None) -> Row:
     return make_row(arm.model, arm.seq, arm.batch, arm.index, repeat=repeat,
-                    real_peak=safe_peak(arm.seq, h.SHAPES[arm.model]))
+                    real_peak=safe_peak(arm.seq, SHAPES[arm.model]))
 
 
-def shard_result(k: int, n: int, **env) -> h.Result:
+def shard_result(k: int, n: int, **env) -> Result:
     """One shard's saved result, read back as --from-json reads it."""
-    arms = h.shard_of(grid(), (k, n))
-    res = h.Result(environment=dict(ENV, **env), rows=[measured_row(a) for a in arms])
-    return h.Result.from_json(json.loads(json.dumps(res.to_json())))
+    arms = shard_of(grid(), (k, n))
+    res = Result(environment=dict(ENV, **env), rows=[measured_row(a) for a in arms])
+    return Result.from_json(json.loads(json.dumps(res.to_json())))
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 9, 10, 11])
 def test_shards_cover_every_arm_exactly_once(n):
     arms = grid()
-    shards = [h.shard_of(arms, (k, n)) for k in range(1, n + 1)]
+    shards = [shard_of(arms, (k, n)) for k in range(1, n + 1)]
     dealt = sorted(a.index for shard in shards for a in shard)
     assert dealt == list(range(len(arms)))
     for shard in shards:
@@ -281,58 +288,58 @@ def test_shards_cover_every_arm_exactly_once(n):
 
 def test_shard_k_of_n_is_every_arm_whose_index_is_k_minus_1_mod_n():
     arms = grid()
-    assert [a.index for a in h.shard_of(arms, (2, 4))] == [1, 5, 9]
-    assert [a.index for a in h.shard_of(arms, (4, 4))] == [3, 7]
-    assert [(a.model, a.seq) for a in h.shard_of(arms, (1, 3))] == [
+    assert [a.index for a in shard_of(arms, (2, 4))] == [1, 5, 9]
+    assert [a.index for a in shard_of(arms, (4, 4))] == [3, 7]
+    assert [(a.model, a.seq) for a in shard_of(arms, (1, 3))] == [
         ("smol", 2048), ("smol", 4352), ("qwen", 2048), ("qwen", 6144)]
-    assert h.shard_of(arms, (1, 1)) == arms
+    assert shard_of(arms, (1, 1)) == arms
 
 
 def test_merge_puts_rows_from_shards_back_in_grid_order():
     parts = [shard_result(k, 3, cuda_visible_devices=str(k), date=f"2025-01-0{k}",
                           arms=f"shard {k}/3", command=f"x --shard {k}/3") for k in (1, 2, 3)]
     random.Random(395).shuffle(parts)
-    merged = h.merge(parts, "merged from 3 result(s)")
+    merged = merge(parts, "merged from 3 result(s)")
     assert [r.index for r in merged.rows] == list(range(10))
     assert merged.rows == [measured_row(a) for a in grid()]
     assert merged.environment["arms"] == "merged from 3 result(s)"
-    assert merged.exit_code == h.EXIT_OK
+    assert merged.exit_code == EXIT_OK
 
 
 def test_merge_orders_repeats_after_the_sweep_by_arm_then_repeat():
     arms = grid()
-    sweep = h.Result(environment=ENV, rows=[measured_row(a) for a in arms[:3]])
-    reps = [h.Result(environment=ENV, rows=[measured_row(arms[i], repeat=r)])
+    sweep = Result(environment=ENV, rows=[measured_row(a) for a in arms[:3]])
+    reps = [Result(environment=ENV, rows=[measured_row(arms[i], repeat=r)])
             for i, r in ((2, 2), (1, 1), (2, 1), (1, 2))]
-    merged = h.merge(reps + [sweep])
+    merged = merge(reps + [sweep])
     assert [(r.index, r.repeat) for r in merged.rows] == [
         (0, None), (1, None), (2, None), (1, 1), (1, 2), (2, 1), (2, 2)]
 
 
 def test_merge_refuses_overlapping_shards():
-    with pytest.raises(h.UsageError, match="same arm"):
-        h.merge([shard_result(1, 2), shard_result(1, 3)])  # arm 0 (and 6) in both
+    with pytest.raises(UsageError, match="same arm"):
+        merge([shard_result(1, 2), shard_result(1, 3)])  # arm 0 (and 6) in both
 
 
 @pytest.mark.parametrize("key,other", [("torch", "2.12.0+cu128"), ("soup_cli", "0.77.0"),
                                        ("dry_run", True), ("gpu", "NVIDIA A10G"),
                                        ("weights", "hub"), ("transformers", "5.0.0")])
 def test_merge_refuses_two_different_stacks(key, other):
-    with pytest.raises(h.UsageError, match=key):
-        h.merge([shard_result(1, 2), shard_result(2, 2, **{key: other})])
+    with pytest.raises(UsageError, match=key):
+        merge([shard_result(1, 2), shard_result(2, 2, **{key: other})])
 
 
 def test_merge_keeps_a_finding_from_any_shard():
     arms = grid()
     under = make_row(arms[3].model, arms[3].seq, index=3,
-                     real_peak=h.predicted_bytes(h.SHAPES[arms[3].model], arms[3].seq) + 1)
-    ok = h.Result(environment=ENV, rows=[measured_row(arms[0])],
-                  control=h.positive_control(attributed(0), attributed(1)))
-    bad = h.Result(environment=ENV, rows=[under],
-                   control=h.positive_control(attributed(0), attributed(0)))
-    merged = h.merge([ok, bad])
+                     real_peak=predicted_bytes(SHAPES[arms[3].model], arms[3].seq) + 1)
+    ok = Result(environment=ENV, rows=[measured_row(arms[0])],
+                  control=positive_control(attributed(0), attributed(1)))
+    bad = Result(environment=ENV, rows=[under],
+                   control=positive_control(attributed(0), attributed(0)))
+    merged = merge([ok, bad])
     assert [r.status for r in merged.rows] == ["ok", "UNDER"]
     assert merged.control["passed"] is False  # a failed control is never hidden by a passed one
-    assert merged.exit_code == h.EXIT_FINDING
-    stopped = h.Result(environment=ENV, rows=[measured_row(arms[1])], interrupted=True)
-    assert h.merge([ok, stopped]).exit_code == h.EXIT_INTERRUPTED
+    assert merged.exit_code == EXIT_FINDING
+    stopped = Result(environment=ENV, rows=[measured_row(arms[1])], interrupted=True)
+    assert merge([ok, stopped]).exit_code == EXIT_INTERRUPTED

@@ -4,7 +4,7 @@ merge, bad input, the CUDA-required exit, fresh-process modes, the checkpoint ca
 
 Every arm here is a real ``SFTTrainerWrapper(config).setup`` with transformers, TRL, PEFT
 and torch on CPU. Nothing is faked but torch.cuda.is_available (the CUDA-required test)
-and h.spread (one test that reads the plan of processes instead of starting them).
+and spread.spread (one test that reads the plan of processes instead of starting them).
 A dry-run arm is the expensive part (a fresh process pays ~20 s of imports and setup), so
 runs are made in process with the session's --cache-dir, and a run several tests read is
 made once (``once``) by whichever of them comes first. Only --isolate/--determinism (whose
@@ -21,8 +21,15 @@ from importlib import metadata
 from pathlib import Path
 
 import pytest
-
 from conftest import SMOL, h, main, one_error_line, table_rows
+
+from issue395 import runner
+from issue395.builder import checkpoint_fingerprint, prepare_checkpoint
+from issue395.errors import EXIT_OK
+from issue395.record import Arm, predicted_bytes
+from issue395.scratch import Scratch
+from issue395.shapes import load_custom_shape
+from issue395.spread import plan_jobs
 
 SOUP_CONSOLE_TEXT = ("Layer streaming", "LoRA applied", "Preparing layer shards",
                      "Loading tokenizer", "chat_template override", "Map:", "Truncating",
@@ -72,7 +79,7 @@ def once(capfd, tmp_path_factory, cache_dir, name, fresh=False):
 def test_dry_run_both_models_realises_requested_seq_and_keeps_soup_text_off_stdout(
         capfd, cache_dir, tmp_path_factory):
     code, out, err, _, result = once(capfd, tmp_path_factory, cache_dir, "both")
-    assert code == h.EXIT_OK, err
+    assert code == EXIT_OK, err
     rows = result["rows"]
     assert [r["model_key"] for r in rows] == ["smol", "qwen"]
     for r in rows:
@@ -120,13 +127,13 @@ def test_shards_merged_by_from_json_print_the_tables_of_one_unsharded_run(
         capfd, cache_dir, tmp_path_factory):
     shards = [once(capfd, tmp_path_factory, cache_dir, n) for n in ("shard1", "shard2")]
     for (code, _, err, _, saved), key in zip(shards, ("smol", "qwen")):
-        assert code == h.EXIT_OK, err
+        assert code == EXIT_OK, err
         assert [r["model_key"] for r in saved["rows"]] == [key]  # grid index K-1 modulo 2
     code, whole, err, _, _ = once(capfd, tmp_path_factory, cache_dir, "both")
-    assert code == h.EXIT_OK, err
+    assert code == EXIT_OK, err
 
     code, merged, err = main(capfd, ["--from-json", shards[0][3], shards[1][3]])
-    assert code == h.EXIT_OK, err
+    assert code == EXIT_OK, err
     assert err == ""
     assert merged.splitlines()[1:] == whole.splitlines()[1:]
     assert strip_arms(merged.splitlines()[0]) == strip_arms(whole.splitlines()[0])
@@ -326,7 +333,7 @@ def test_help_states_the_defaults_and_exit_codes_0_1_2_130(capsys):
 
 def test_measure_only_dry_run_header_names_no_arms_sensibly(capfd):
     code, out, err = main(capfd, ["--measure", "--dry-run"])
-    assert code == h.EXIT_OK, err
+    assert code == EXIT_OK, err
     header = out.splitlines()[0]
     assert header.startswith("stack: ")
     assert "arms no arms" not in header
@@ -348,8 +355,8 @@ def _file_stamps(root: Path) -> dict[str, int]:
 def test_second_run_with_the_same_cache_dir_reuses_checkpoint_and_shards(
         capfd, cache_dir, tmp_path_factory):
     code, _, err, _, _ = once(capfd, tmp_path_factory, cache_dir, "both")  # the first run
-    assert code == h.EXIT_OK, err
-    checkpoint = cache_dir / "checkpoints" / f"smol-{h.checkpoint_fingerprint(SMOL)}"
+    assert code == EXIT_OK, err
+    checkpoint = cache_dir / "checkpoints" / f"smol-{checkpoint_fingerprint(SMOL)}"
     assert (checkpoint / ".complete").is_file() and (checkpoint / "model.safetensors").is_file()
     from soup_cli.utils.layer_shard import model_slug
 
@@ -360,7 +367,7 @@ def test_second_run_with_the_same_cache_dir_reuses_checkpoint_and_shards(
 
     # The second run (batch-2 arms of the same models; the batch test reads it too).
     code, _, err, _, result = once(capfd, tmp_path_factory, cache_dir, "batch2", fresh=True)
-    assert code == h.EXIT_OK, err
+    assert code == EXIT_OK, err
     assert "damaged" not in err and "rebuilding" not in err
     assert result["rows"][0]["base"] == str(checkpoint)
     # No build time is reported: both checkpoints were cached (the second model's figure
@@ -375,7 +382,7 @@ def test_second_run_with_the_same_cache_dir_reuses_checkpoint_and_shards(
 def test_a_cold_cache_dir_is_not_reported_as_damaged_shards(capfd, tmp_path):
     """A first run's model has no shard folder yet; that is not damage. (Soup's
     resolve_shard_dir creates the folder it names, empty, before Soup shards into it.)"""
-    with h.Scratch(str(tmp_path / "cache")) as scratch:
+    with Scratch(str(tmp_path / "cache")) as scratch:
         scratch.repair_shards(str(tmp_path / "checkpoints" / "smol-0123456789ab"))
     _, err = capfd.readouterr()
     assert "damaged" not in err, err
@@ -384,7 +391,7 @@ def test_a_cold_cache_dir_is_not_reported_as_damaged_shards(capfd, tmp_path):
 def test_batch_2_dry_run_realises_requested_seq_in_every_row_of_the_batch(
         capfd, cache_dir, tmp_path_factory):
     code, out, err, _, result = once(capfd, tmp_path_factory, cache_dir, "batch2")
-    assert code == h.EXIT_OK, err
+    assert code == EXIT_OK, err
     assert [r["model_key"] for r in result["rows"]] == ["smol", "qwen"]
     for row in result["rows"]:
         assert row["batch"] == 2
@@ -400,7 +407,7 @@ def test_batch_2_dry_run_realises_requested_seq_in_every_row_of_the_batch(
 
 def test_isolate_runs_each_arm_in_its_own_fresh_process(capfd, cache_dir, tmp_path_factory):
     code, out, err, _, result = once(capfd, tmp_path_factory, cache_dir, "isolate")
-    assert code == h.EXIT_OK, err
+    assert code == EXIT_OK, err
     assert result["environment"]["arms"].startswith("isolated")
     rows = result["rows"]
     assert [(r["seq"], r["realised_width"], r["repeat"]) for r in rows] == [(64, 64, None), (96, 96, None)]
@@ -412,7 +419,7 @@ def test_isolate_runs_each_arm_in_its_own_fresh_process(capfd, cache_dir, tmp_pa
 
 def test_determinism_repeats_an_arm_in_distinct_fresh_processes(capfd, cache_dir, tmp_path_factory):
     code, out, err, _, result = once(capfd, tmp_path_factory, cache_dir, "determinism")
-    assert code == h.EXIT_OK, err
+    assert code == EXIT_OK, err
     rows = result["rows"]
     assert [(r["seq"], r["repeat"], r["realised_width"]) for r in rows] == [(64, 1, 64), (64, 2, 64)]
     pids = [r["pid"] for r in rows]
@@ -430,14 +437,14 @@ def test_sweep_alongside_determinism_spreads_the_sweep_once_and_the_repeats_once
     processes themselves are the two tests above); no process is started here."""
     planned = []
 
-    def plan_only(run, arms, scratch, on_row):
-        planned.append([(job.arms, job.repeat) for job in h.plan_jobs(run, arms)])
+    def plan_only(run, arms, scratch, on_row, script):
+        planned.append([(job.arms, job.repeat) for job in plan_jobs(run, arms)])
         return []
 
-    monkeypatch.setattr(h, "spread", plan_only)
+    monkeypatch.setattr(runner, "spread", plan_only)
     code, out, err = main(capfd, ["--dry-run", "--sweep", "--isolate", "--determinism", "2",
                                   "--models", "smol", "--seq", "64"])
-    arm = h.Arm("smol", 64, 1, 0)
+    arm = Arm("smol", 64, 1, 0)
     assert planned == [[((arm,), None)], [((arm,), 1), ((arm,), 2)]], \
         "the sweep was spread as determinism repeats: its rows collide with the repeats' rows"
 
@@ -456,15 +463,15 @@ def test_model_option_on_a_local_checkpoint_runs_without_record_columns(
                    vocab=512, max_positions=1024,
                    arch=dict(SMOL.arch, num_attention_heads=4, num_key_value_heads=2))
     ckpt = tmp_path / "tiny-llama"
-    h.prepare_checkpoint(tiny, ckpt)()
+    prepare_checkpoint(tiny, ckpt)()
     out_json = tmp_path / "out.json"
     code, out, err = main(capfd, ["--dry-run", "--model", ckpt, "--seq", "64",
                                   "--cache-dir", cache_dir, "--json", out_json])
-    assert code == h.EXIT_OK, err
+    assert code == EXIT_OK, err
     (row,) = json.loads(out_json.read_text())["rows"]
     assert row["model"] == str(ckpt) and row["model_key"] == "custom"
     assert row["realised_width"] == 64 and row["realised_rows"] == [64]
-    assert row["predicted"] == h.predicted_bytes(h.load_custom_shape(str(ckpt)), 64)
+    assert row["predicted"] == predicted_bytes(load_custom_shape(str(ckpt)), 64)
     assert row["record_peak"] is None and row["derived"]["vs_record"] is None
     assert "weights local" in out.splitlines()[0]
     (line,) = table_rows(out, 64)

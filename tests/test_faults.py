@@ -20,6 +20,13 @@ from pathlib import Path
 import pytest
 from conftest import SMOL, h, main, safe_peak, send_ctrl_c, short_chat_rows, table_rows
 
+from issue395 import checkpoints, spread
+from issue395.builder import checkpoint_fingerprint
+from issue395.checkpoints import synthetic_checkpoint
+from issue395.console import Progress
+from issue395.errors import EXIT_FINDING, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, UsageError
+from issue395.record import predicted_bytes
+
 GIB = 2 ** 30
 #: A tiny streamable llama (2 layers, vocab 512) for runs that need no protocol shape.
 TINY = dataclasses.replace(SMOL, key="tiny", name="tiny", n_layers=2, vocab=512, hidden=64,
@@ -32,7 +39,7 @@ def smol_built(cache_dir):
     """The session cache's SmolLM2 checkpoint, built once in this process by the harness's own
     builder (the same call its --_build child makes), so no test here waits on a fresh
     builder process. Returns its folder."""
-    return h.synthetic_checkpoint(SMOL, cache_dir / "checkpoints")[0]
+    return synthetic_checkpoint(SMOL, cache_dir / "checkpoints")[0]
 
 
 def rows_of(path: Path) -> list[dict]:
@@ -54,7 +61,7 @@ def test_row_that_tokenizes_short_is_void_in_a_dry_run_and_exits_1(
     out_json = tmp_path / "out.json"
     code, out, err = main(capfd, ["--dry-run", "--models", "smol", "--seq", "128",
                                   "--cache-dir", cache_dir, "--json", out_json])
-    assert code == h.EXIT_FINDING, err
+    assert code == EXIT_FINDING, err
     (row,) = rows_of(out_json)
     assert status(row) == "VOID"
     assert 64 <= row["derived"]["realised"] < 128  # Soup really ran it at its own, shorter length
@@ -73,7 +80,7 @@ def test_void_row_is_never_measured_and_gets_no_ratio(capfd, cache_dir, tmp_path
     out_json = tmp_path / "out.json"
     code, out, err = main(capfd, ["--models", "smol", "--seq", "64,128", "--cache-dir", cache_dir,
                                   "--json", out_json])
-    assert code == h.EXIT_FINDING, err
+    assert code == EXIT_FINDING, err
     assert step.calls == [64]  # the seam is live, and the void row was never stepped
     good, void = rows_of(out_json)
     assert status(good) == "ok" and good["real_peak"] == safe_peak(64)
@@ -102,7 +109,7 @@ def test_oom_on_one_arm_is_recorded_with_its_request_and_the_sweep_goes_on(
     out_json = tmp_path / "out.json"
     code, out, err = main(capfd, ["--models", "smol", "--seq", "64,80", "--cache-dir", cache_dir,
                                   "--json", out_json])
-    assert code == h.EXIT_FINDING, err
+    assert code == EXIT_FINDING, err
     assert step.calls == [64, 80]
     oom, last = rows_of(out_json)
     assert (oom["seq"], status(oom), oom["failure"]) == (64, "OOM", "OOM")
@@ -130,7 +137,7 @@ def test_soup_setup_failure_is_a_failed_row_with_its_last_line_and_the_sweep_goe
     out_json = tmp_path / "out.json"
     code, out, err = main(capfd, ["--dry-run", "--models", "smol", "--seq", "64,80",
                                   "--cache-dir", cache_dir, "--json", out_json])
-    assert code == h.EXIT_FINDING, err
+    assert code == EXIT_FINDING, err
     rows = rows_of(out_json)
     assert [(r["seq"], status(r)) for r in rows] == [(64, "FAILED"), (80, "dry-run")]
     assert rows[0]["error"] == "RuntimeError: no space left on the pinned pool"
@@ -145,7 +152,7 @@ def test_ctrl_c_stops_after_the_arm_in_flight_saves_rows_and_exits_130(
     out_json = tmp_path / "out.json"
     code, out, err = main(capfd, ["--models", "smol", "--seq", "64,96", "--cache-dir", cache_dir,
                                   "--json", out_json])
-    assert code == h.EXIT_INTERRUPTED, err
+    assert code == EXIT_INTERRUPTED, err
     assert step.calls == [64]  # arm 2 never started
     result = json.loads(out_json.read_text())
     assert result["interrupted"] is True and result["exit_code"] == 130
@@ -172,7 +179,7 @@ def test_teardown_error_is_recorded_and_never_replaces_the_measurement(
     out_json = tmp_path / "out.json"
     code, out, err = main(capfd, ["--models", "smol", "--seq", "64", "--cache-dir", cache_dir,
                                   "--json", out_json])
-    assert code == h.EXIT_OK, err
+    assert code == EXIT_OK, err
     (row,) = rows_of(out_json)
     assert status(row) == "ok" and row["error"] is None and row["failure"] is None
     assert row["real_peak"] == safe_peak(64)
@@ -182,12 +189,12 @@ def test_teardown_error_is_recorded_and_never_replaces_the_measurement(
 
 def test_peak_above_the_prediction_is_under_and_exits_1(capfd, cache_dir, tmp_path, fake_cuda):
     """Fakes the CUDA peak only: 1.25x the prediction."""
-    predicted = h.predicted_bytes(SMOL, 64)
+    predicted = predicted_bytes(SMOL, 64)
     fake_cuda(peaks={64: int(predicted * 1.25)})
     out_json = tmp_path / "out.json"
     code, out, err = main(capfd, ["--models", "smol", "--seq", "64", "--cache-dir", cache_dir,
                                   "--json", out_json])
-    assert code == h.EXIT_FINDING, err
+    assert code == EXIT_FINDING, err
     (row,) = rows_of(out_json)
     assert status(row) == "UNDER"
     assert row["derived"]["pred_over_real"] == pytest.approx(0.8, rel=1e-6)
@@ -212,13 +219,13 @@ def test_crash_mid_sweep_prints_and_saves_the_rows_finished_before_it(
     out_json = tmp_path / "out.json"
     code, out, err = main(capfd, ["--models", "smol", "--seq", "64,80,96", "--cache-dir",
                                   cache_dir, "--json", out_json])
-    assert code == h.EXIT_FINDING
+    assert code == EXIT_FINDING
     errors = [line for line in err.splitlines() if line.startswith("error:")]
     assert errors == ["error: the harness failed after 1 row(s): RuntimeError: harness bug mid-sweep"]
     assert "Traceback" not in out + err
     result = json.loads(out_json.read_text())
     assert result["error"] == "RuntimeError: harness bug mid-sweep"
-    assert result["exit_code"] == h.EXIT_FINDING
+    assert result["exit_code"] == EXIT_FINDING
     assert [(r["seq"], status(r), r["real_peak"]) for r in result["rows"]] == [
         (64, "ok", safe_peak(64))]
     assert len(table_rows(out, 64)) == 1 and table_rows(out, 80) == table_rows(out, 96) == []
@@ -229,17 +236,17 @@ def test_a_row_whose_progress_line_crashes_is_still_in_the_saved_json(
     """Fakes the CUDA step only. Arm 1 of 2 finishes (it is already kept) and then its
     progress line crashes: the saved --json must not lose that row."""
     step = fake_cuda()
-    real_arm = h.Progress.arm
+    real_arm = Progress.arm
 
     def arm(self, row):
         real_arm(self, row)
         raise RuntimeError("progress crashed")
 
-    monkeypatch.setattr(h.Progress, "arm", arm)
+    monkeypatch.setattr(Progress, "arm", arm)
     out_json = tmp_path / "out.json"
     code, out, err = main(capfd, ["--models", "smol", "--seq", "64,80", "--cache-dir", cache_dir,
                                   "--json", out_json])
-    assert code == h.EXIT_FINDING
+    assert code == EXIT_FINDING
     assert step.calls == [64]
     result = json.loads(out_json.read_text())
     assert result["error"] == "RuntimeError: progress crashed"
@@ -258,27 +265,26 @@ def _killed_at_start(monkeypatch, tmp_path):
     site = tmp_path / "site"
     site.mkdir()
     (site / "sitecustomize.py").write_text(
-        "import os, sys\nif '--_child' in sys.argv:\n    os._exit(139)\n")
+        "import os\nif 'ISSUE395_CHILD_JOB' in os.environ:\n    os._exit(139)\n")
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
         p for p in (str(site), os.environ.get("PYTHONPATH")) if p))
     return 139
 
 
-def _refused_argv(monkeypatch, tmp_path):
-    """Every child is started with an option it does not know: it exits 2 without a row."""
-    real = h.child_argv
-    monkeypatch.setattr(h, "child_argv", lambda *a, **kw: real(*a, **kw) + ["--no-such-option"])
+def _unreadable_job(monkeypatch, tmp_path):
+    """Every child is handed a job file it cannot read: it exits 2 without a row."""
+    monkeypatch.setattr(spread, "write_job", lambda path, run, job: path.write_text("{not json"))
     return 2
 
 
-@pytest.mark.parametrize("death", [_killed_at_start, _refused_argv], ids=["killed", "refused"])
+@pytest.mark.parametrize("death", [_killed_at_start, _unreadable_job], ids=["killed", "refused"])
 def test_a_child_that_dies_leaves_a_failed_row_for_each_arm_and_exits_1(
         capfd, cache_dir, tmp_path, monkeypatch, death):
     code_of_child = death(monkeypatch, tmp_path)
     out_json = tmp_path / "out.json"
     code, out, err = main(capfd, ["--dry-run", "--isolate", "--models", "smol", "--seq", "64,96",
                                   "--cache-dir", cache_dir, "--json", out_json])
-    assert code == h.EXIT_FINDING, err
+    assert code == EXIT_FINDING, err
     rows = rows_of(out_json)
     assert [(r["seq"], status(r)) for r in rows] == [(64, "FAILED"), (96, "FAILED")]
     for r in rows:
@@ -299,10 +305,10 @@ def _hub_reaches_smol_only(monkeypatch, smol_built):
     def hub_snapshot(repo_id, scratch):
         if repo_id == SMOL.hub_id:
             return smol_built
-        raise h.UsageError(f"cannot fetch {repo_id} from the hub (ConnectionError: offline); "
+        raise UsageError(f"cannot fetch {repo_id} from the hub (ConnectionError: offline); "
                            "--weights synthetic builds the same shapes with no network")
 
-    monkeypatch.setattr(h, "hub_snapshot", hub_snapshot)
+    monkeypatch.setattr(checkpoints, "hub_snapshot", hub_snapshot)
 
 
 def test_a_usage_error_after_rows_keeps_them_and_exits_2(
@@ -311,7 +317,7 @@ def test_a_usage_error_after_rows_keeps_them_and_exits_2(
     out_json = tmp_path / "out.json"
     code, out, err = main(capfd, ["--dry-run", "--weights", "hub", "--models", "smol,qwen",
                                   "--seq", "64", "--cache-dir", cache_dir, "--json", out_json])
-    assert code == h.EXIT_USAGE, err
+    assert code == EXIT_USAGE, err
     errors = [line for line in err.splitlines() if line.startswith("error")]
     assert len(errors) == 1 and "cannot fetch Qwen/Qwen2.5-0.5B from the hub" in errors[0]
     assert [(r["model_key"], r["seq"], status(r)) for r in rows_of(out_json)] == [
@@ -328,10 +334,10 @@ def test_a_usage_error_after_rows_is_recorded_in_the_saved_json(
     out_json = tmp_path / "out.json"
     code, out, err = main(capfd, ["--dry-run", "--weights", "hub", "--models", "smol,qwen",
                                   "--seq", "64", "--cache-dir", cache_dir, "--json", out_json])
-    assert code == h.EXIT_USAGE, err
+    assert code == EXIT_USAGE, err
     result = json.loads(out_json.read_text())
     assert "cannot fetch Qwen/Qwen2.5-0.5B" in (result["error"] or ""), result["error"]
-    assert result["exit_code"] != h.EXIT_OK
+    assert result["exit_code"] != EXIT_OK
 
 
 # ---------------------------------------------------------------------------
@@ -343,7 +349,7 @@ def test_a_usage_error_after_rows_is_recorded_in_the_saved_json(
 def tiny_model(tmp_path_factory):
     """A tiny streamable checkpoint folder (the harness's builder at TINY's shape), outside
     every folder a leftover test watches."""
-    return h.synthetic_checkpoint(TINY, tmp_path_factory.mktemp("tiny-model"))[0]
+    return synthetic_checkpoint(TINY, tmp_path_factory.mktemp("tiny-model"))[0]
 
 
 def _listing(root: Path) -> set[tuple[str, int]]:
@@ -364,7 +370,7 @@ def _fail_after_setup(monkeypatch):
         raise RuntimeError("arm failed after setup")
 
     monkeypatch.setattr(SFTTrainerWrapper, "setup", setup)
-    return h.EXIT_FINDING
+    return EXIT_FINDING
 
 
 def _hard_ctrl_c_after_setup(monkeypatch):
@@ -379,7 +385,7 @@ def _hard_ctrl_c_after_setup(monkeypatch):
         return out
 
     monkeypatch.setattr(h, "realised_lengths", lengths)
-    return h.EXIT_INTERRUPTED
+    return EXIT_INTERRUPTED
 
 
 @pytest.mark.parametrize("model, fault", [
@@ -401,7 +407,7 @@ def test_dry_run_without_cache_dir_leaves_no_files_behind(capfd, tmp_path, monke
     monkeypatch.setenv("TMPDIR", str(tmp))
     monkeypatch.setattr(tempfile, "tempdir", str(tmp))
     monkeypatch.chdir(cwd)
-    expected = fault(monkeypatch) if fault else h.EXIT_OK
+    expected = fault(monkeypatch) if fault else EXIT_OK
     arms = ["--models", "smol"] if model == "smol" else ["--model", tiny_model]
 
     code, out, err = main(capfd, ["--dry-run", *arms, "--seq", "64"])
@@ -422,8 +428,8 @@ def test_a_hard_stop_while_checkpoints_build_leaves_no_half_built_folder_in_the_
     second Ctrl-C). Whatever it had started, the user's cache must hold no half-built folder
     afterwards: no later run removes another run's. The Ctrl-Cs are the only fake."""
     cache = tmp_path / "cache"
-    smol_dest = cache / "checkpoints" / f"smol-{h.checkpoint_fingerprint(SMOL)}"
-    real_start = h.start_checkpoint
+    smol_dest = cache / "checkpoints" / f"smol-{checkpoint_fingerprint(SMOL)}"
+    real_start = checkpoints.start_checkpoint
     queued: list[bool] = []
 
     def start_checkpoint(shape, root, writer=None):
@@ -435,10 +441,10 @@ def test_a_hard_stop_while_checkpoints_build_leaves_no_half_built_folder_in_the_
             time.sleep(5)  # the handler raises KeyboardInterrupt here
         return started
 
-    monkeypatch.setattr(h, "start_checkpoint", start_checkpoint)
+    monkeypatch.setattr(checkpoints, "start_checkpoint", start_checkpoint)
     code, out, err = main(capfd, ["--dry-run", "--models", "smol,qwen", "--seq", "64",
                                   "--cache-dir", cache])
-    assert code == h.EXIT_INTERRUPTED, err
+    assert code == EXIT_INTERRUPTED, err
     assert queued, "Qwen2.5's build never started"
     left = sorted(p.name for p in (cache / "checkpoints").iterdir())
     assert [name for name in left if name.startswith(".")] == [], left

@@ -26,7 +26,14 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import SCRIPT, SMOL, cuda, h, main, table_rows
+from conftest import SCRIPT, SMOL, cuda, main, table_rows
+
+from issue395.builder import build_tokenizer, checkpoint_fingerprint, hf_config
+from issue395.checkpoints import checkpoint_problem, safetensors_problem, synthetic_checkpoint
+from issue395.errors import EXIT_OK, EXIT_USAGE
+from issue395.outputs import write_output
+from issue395.record import SHAPES
+from issue395.scratch import SCRATCH_PREFIX, Scratch, process_start
 
 #: A tiny streamable llama (2 layers, vocab 512): a real --model folder in a fraction of a second.
 TINY = dataclasses.replace(SMOL, key="tiny", name="tiny", n_layers=2, vocab=512, hidden=64,
@@ -61,7 +68,7 @@ def fresh_places(tmp_path, monkeypatch):
 def smol_built(cache_dir):
     """The session cache's SmolLM2 checkpoint (built once, in this process, by the harness's
     own builder); tests that damage a cache copy it into a private one."""
-    return h.synthetic_checkpoint(SMOL, cache_dir / "checkpoints")[0]
+    return synthetic_checkpoint(SMOL, cache_dir / "checkpoints")[0]
 
 
 def private_cache(tmp_path: Path, smol_built: Path) -> tuple[Path, Path]:
@@ -83,7 +90,7 @@ def test_write_output_through_a_symlink_writes_the_target_and_keeps_the_link(tmp
     target.write_text("old")
     link = tmp_path / "link.json"
     link.symlink_to(target)
-    h.write_output(str(link), b"new")
+    write_output(str(link), b"new")
     assert link.is_symlink() and os.readlink(link) == str(target)
     assert target.read_bytes() == b"new"
     assert sorted(p.name for p in target.parent.iterdir()) == ["out.json"]  # no temp file
@@ -95,7 +102,7 @@ def test_write_output_through_a_dangling_symlink_creates_the_target(tmp_path):
     target.parent.mkdir()
     link = tmp_path / "link.json"
     link.symlink_to(target)
-    h.write_output(str(link), b"new")
+    write_output(str(link), b"new")
     assert link.is_symlink() and target.read_bytes() == b"new"
     assert sorted(p.name for p in target.parent.iterdir()) == ["out.json"]
 
@@ -106,7 +113,7 @@ def test_write_output_to_a_fifo_writes_into_it_and_leaves_it_a_fifo(tmp_path):
     got: list[bytes] = []
     reader = threading.Thread(target=lambda: got.append(fifo.read_bytes()), daemon=True)
     reader.start()
-    h.write_output(str(fifo), b"through the pipe\n")
+    write_output(str(fifo), b"through the pipe\n")
     reader.join(timeout=10)
     assert not reader.is_alive()
     assert got == [b"through the pipe\n"]
@@ -116,7 +123,7 @@ def test_write_output_to_a_fifo_writes_into_it_and_leaves_it_a_fifo(tmp_path):
 
 def test_write_output_to_dev_null_leaves_it_a_character_device():
     before = os.lstat("/dev/null")
-    h.write_output("/dev/null", b"discarded")
+    write_output("/dev/null", b"discarded")
     after = os.lstat("/dev/null")
     assert stat.S_ISCHR(after.st_mode)
     assert (after.st_ino, after.st_rdev) == (before.st_ino, before.st_rdev)
@@ -125,10 +132,10 @@ def test_write_output_to_dev_null_leaves_it_a_character_device():
 def test_write_output_replaces_a_regular_file_and_leaves_no_temp_file(tmp_path):
     out = tmp_path / "out.json"
     out.write_text("old content that is longer than the new one")
-    h.write_output(str(out), b"new")
+    write_output(str(out), b"new")
     assert out.read_bytes() == b"new"
     assert [p.name for p in tmp_path.iterdir()] == ["out.json"]
-    h.write_output(str(tmp_path / "sub" / "fresh.json"), b"made")  # a new file, folder made
+    write_output(str(tmp_path / "sub" / "fresh.json"), b"made")  # a new file, folder made
     assert (tmp_path / "sub" / "fresh.json").read_bytes() == b"made"
     assert [p.name for p in (tmp_path / "sub").iterdir()] == ["fresh.json"]
 
@@ -142,7 +149,7 @@ def test_write_output_that_fails_leaves_the_old_content_and_no_temp_file(tmp_pat
 
     monkeypatch.setattr(os, "replace", full_disk)
     with pytest.raises(OSError, match="No space left on device"):
-        h.write_output(str(out), b"new")
+        write_output(str(out), b"new")
     assert out.read_text() == "old"
     assert [p.name for p in tmp_path.iterdir()] == ["out.json"]
 
@@ -166,7 +173,7 @@ def test_a_json_output_that_cannot_be_written_exits_2_naming_it_and_where_the_ro
     monkeypatch.setattr(os, "replace", replace)
     code, out, err = main(capfd, ["--dry-run", "--models", "smol", "--seq", "64",
                                   "--cache-dir", cache_dir, "--json", out_json])
-    assert code == h.EXIT_USAGE, err
+    assert code == EXIT_USAGE, err
     rows_file = Path(str(out_json) + ".rows.jsonl")
     errors = [line for line in err.splitlines() if line.startswith("error")]
     assert len(errors) == 1, err
@@ -190,23 +197,23 @@ def test_safetensors_problem_detects_truncation_and_a_missing_file(tmp_path):
 
     path = tmp_path / "w.safetensors"
     save_file({"a": torch.ones(64, 64, dtype=torch.bfloat16)}, str(path))
-    assert h.safetensors_problem(path) is None
+    assert safetensors_problem(path) is None
     size = path.stat().st_size
     with open(path, "r+b") as fh:
         fh.truncate(size - 100)
-    assert "bytes, its header describes" in h.safetensors_problem(path)
+    assert "bytes, its header describes" in safetensors_problem(path)
     with open(path, "r+b") as fh:
         fh.truncate(4)
-    assert h.safetensors_problem(path) == "w.safetensors: truncated header"
+    assert safetensors_problem(path) == "w.safetensors: truncated header"
     path.write_bytes(b"")
-    assert h.safetensors_problem(path) == "w.safetensors: truncated header"
+    assert safetensors_problem(path) == "w.safetensors: truncated header"
     path.unlink()
-    assert h.safetensors_problem(path) == "w.safetensors: FileNotFoundError"
+    assert safetensors_problem(path) == "w.safetensors: FileNotFoundError"
 
 
 @pytest.fixture(scope="module")
 def tiny_built(tmp_path_factory):
-    return h.synthetic_checkpoint(TINY, tmp_path_factory.mktemp("tiny"))[0]
+    return synthetic_checkpoint(TINY, tmp_path_factory.mktemp("tiny"))[0]
 
 
 @pytest.mark.parametrize("damage, problem", [
@@ -223,18 +230,18 @@ def tiny_built(tmp_path_factory):
 def test_checkpoint_problem_names_each_kind_of_damage(tmp_path, tiny_built, damage, problem):
     dest = tmp_path / tiny_built.name
     shutil.copytree(tiny_built, dest)
-    assert h.checkpoint_problem(dest) is None
+    assert checkpoint_problem(dest) is None
     damage(dest)
-    assert problem in h.checkpoint_problem(dest)
+    assert problem in checkpoint_problem(dest)
 
 
 def test_a_checkpoint_deleted_behind_its_marker_is_rebuilt_with_a_note(tmp_path, tiny_built, capsys):
     dest = tmp_path / tiny_built.name
     shutil.copytree(tiny_built, dest)
     (dest / "model.safetensors").unlink()
-    path, build_s = h.synthetic_checkpoint(TINY, tmp_path)
+    path, build_s = synthetic_checkpoint(TINY, tmp_path)
     assert path == dest and build_s > 0.0
-    assert h.checkpoint_problem(dest) is None
+    assert checkpoint_problem(dest) is None
     err = capsys.readouterr().err
     assert f"note: cached checkpoint {dest} is damaged (model.safetensors: FileNotFoundError)" in err
     assert [p.name for p in tmp_path.iterdir()] == [dest.name]  # no partial build left
@@ -246,9 +253,9 @@ def test_a_truncated_cached_checkpoint_is_rebuilt_by_the_next_run(capfd, tmp_pat
     os.truncate(weights, weights.stat().st_size // 2)
     code, out, err = main(capfd, ["--dry-run", "--models", "smol", "--seq", "64",
                                   "--cache-dir", cache])
-    assert code == h.EXIT_OK, err
+    assert code == EXIT_OK, err
     assert table_rows(out, 64)[0].split()[-1] == "dry-run"
-    assert h.checkpoint_problem(dest) is None
+    assert checkpoint_problem(dest) is None
     assert weights.stat().st_size == (smol_built / "model.safetensors").stat().st_size
     assert sorted(p.name for p in dest.parent.iterdir()) == [dest.name]
     # The user is told what was damaged and that it was rebuilt.
@@ -261,18 +268,18 @@ def test_damaged_soup_shards_are_removed_and_sharded_again(capfd, tmp_path, smol
     cache, dest = private_cache(tmp_path, smol_built)
     argv = ["--dry-run", "--models", "smol", "--seq", "64", "--cache-dir", cache]
     code, out, first_err = main(capfd, argv)  # a fresh cache: Soup shards the checkpoint
-    assert code == h.EXIT_OK, first_err
+    assert code == EXIT_OK, first_err
     (shards,) = [p for p in (cache / "layer-stream").iterdir() if p.is_dir()]
     layer = shards / "layer_001.safetensors"
     os.truncate(layer, layer.stat().st_size // 2)
-    assert h.safetensors_problem(layer) is not None
+    assert safetensors_problem(layer) is not None
 
     code, out, err = main(capfd, argv)
-    assert code == h.EXIT_OK, err
+    assert code == EXIT_OK, err
     assert table_rows(out, 64)[0].split()[-1] == "dry-run"
     notes = [line for line in err.splitlines() if line.startswith("note:")]
     assert len(notes) == 1 and str(shards) in notes[0] and "layer_001.safetensors" in notes[0]
-    assert all(h.safetensors_problem(f) is None for f in shards.glob("*.safetensors"))
+    assert all(safetensors_problem(f) is None for f in shards.glob("*.safetensors"))
     assert (shards / "index.json").is_file()
     # A fresh cache is not damaged: its first run must not say so.
     assert "damaged" not in first_err, first_err
@@ -284,7 +291,7 @@ def test_a_half_built_checkpoint_left_by_a_killed_run_is_removed_by_the_next_run
     (SIGKILL runs no clean-up); the next run removes it, and leaves one whose builder still
     runs."""
     cache, dest = private_cache(tmp_path, smol_built)
-    qwen = f"qwen-{h.checkpoint_fingerprint(h.SHAPES['qwen'])}"
+    qwen = f"qwen-{checkpoint_fingerprint(SHAPES['qwen'])}"
     live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
     try:
         dead_partial = dest.parent / f".{qwen}.partial-{_dead_pid()}"
@@ -294,7 +301,7 @@ def test_a_half_built_checkpoint_left_by_a_killed_run_is_removed_by_the_next_run
             (partial / "config.json").write_text("{}")
         code, out, err = main(capfd, ["--dry-run", "--models", "smol", "--seq", "64",
                                       "--cache-dir", cache])
-        assert code == h.EXIT_OK, err
+        assert code == EXIT_OK, err
         assert live_partial.is_dir()
         assert sorted(p.name for p in dest.parent.iterdir()) == sorted([dest.name, live_partial.name])
     finally:
@@ -314,8 +321,8 @@ def _model_folder(dest: Path, config_change=None, config_text=None, tokenizer=Tr
     from safetensors.torch import save_file
 
     dest.mkdir(parents=True)
-    ids = h.build_tokenizer(dest) if tokenizer else {"<|im_end|>": 1, "<|endoftext|>": 0}
-    h.hf_config(TINY, eos_id=ids["<|im_end|>"], pad_id=ids["<|endoftext|>"]).save_pretrained(str(dest))
+    ids = build_tokenizer(dest) if tokenizer else {"<|im_end|>": 1, "<|endoftext|>": 0}
+    hf_config(TINY, eos_id=ids["<|im_end|>"], pad_id=ids["<|endoftext|>"]).save_pretrained(str(dest))
     config = json.loads((dest / "config.json").read_text())
     if config_change:
         config_change(config)
@@ -342,10 +349,10 @@ BAD_MODELS = {
 def test_a_bad_model_folder_exits_2_in_one_line_and_leaves_nothing(capfd, tmp_path, fresh_places, case):
     build, fragment = BAD_MODELS[case]
     folder = _model_folder(tmp_path / "model" / case, **build)
-    assert h.safetensors_problem(folder / "model.safetensors") is None
+    assert safetensors_problem(folder / "model.safetensors") is None
     places = fresh_places()
     code, out, err = main(capfd, ["--dry-run", "--model", folder, "--seq", "64"])
-    assert code == h.EXIT_USAGE, err
+    assert code == EXIT_USAGE, err
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: "), err
     assert fragment in lines[0] and str(folder) in lines[0]
@@ -372,25 +379,25 @@ def test_scratch_left_by_a_dead_run_is_reaped_and_a_live_ones_kept(tmp_path, mon
     me, dead = os.getpid(), _dead_pid()
 
     def scratch(name: str, owner: str) -> Path:
-        folder = tmp / f"{h.SCRATCH_PREFIX}{name}"
+        folder = tmp / f"{SCRATCH_PREFIX}{name}"
         (folder / "arms" / "000").mkdir(parents=True)
         (folder / "arms" / "000" / "train.jsonl").write_text("{}\n")
         (folder / "owner").write_text(owner)
         return folder
 
     dead_one = scratch(f"{dead}-x", f"{dead} 12345\n")
-    live_one = scratch(f"{me}-y", f"{me} {h.process_start(me)}\n")
+    live_one = scratch(f"{me}-y", f"{me} {process_start(me)}\n")
     reused_pid = scratch(f"{me}-z", f"{me} 1\n")  # the pid lives on, but in another process
     being_made = scratch(f"{me}-w", "")  # its owner file not yet written: not judged
     foreign = scratch("not-a-pid", "")
     outside = tmp_path / "outside"
     outside.mkdir()
     (outside / "keep.txt").write_text("mine")
-    link = tmp / f"{h.SCRATCH_PREFIX}{dead}-link"
+    link = tmp / f"{SCRATCH_PREFIX}{dead}-link"
     link.symlink_to(outside, target_is_directory=True)
 
-    with h.Scratch() as s:
-        assert s.root.parent == tmp and s.root.name.startswith(f"{h.SCRATCH_PREFIX}{me}-")
+    with Scratch() as s:
+        assert s.root.parent == tmp and s.root.name.startswith(f"{SCRATCH_PREFIX}{me}-")
         assert not dead_one.exists() and not reused_pid.exists()
         assert live_one.exists() and being_made.exists() and foreign.exists()
         assert link.is_symlink() and (outside / "keep.txt").read_text() == "mine"
@@ -408,7 +415,7 @@ def test_a_sigkilled_run_leaves_scratch_that_the_next_run_removes(tmp_path, monk
         deadline = time.monotonic() + 120
         folders: list[Path] = []
         while time.monotonic() < deadline and proc.poll() is None:
-            folders = [p for p in tmp.glob(f"{h.SCRATCH_PREFIX}{proc.pid}-*")
+            folders = [p for p in tmp.glob(f"{SCRATCH_PREFIX}{proc.pid}-*")
                        if len((p / "owner").read_text().split() if (p / "owner").is_file() else []) == 2]
             if folders:
                 break
@@ -422,7 +429,7 @@ def test_a_sigkilled_run_leaves_scratch_that_the_next_run_removes(tmp_path, monk
     assert left.is_dir()  # SIGKILL ran no clean-up
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp))
-    with h.Scratch() as s:
+    with Scratch() as s:
         assert not left.exists()
     assert list(tmp.iterdir()) == []
     assert not s.root.exists()
@@ -439,7 +446,7 @@ def test_smollm2_at_2048_is_realised_2048_and_predicted_at_or_above_its_real_pea
     out_json = tmp_path / "out.json"
     code, out, err = main(capfd, ["--models", "smol", "--seq", "2048", "--cache-dir", cache_dir,
                                   "--json", out_json])
-    assert code == h.EXIT_OK, err
+    assert code == EXIT_OK, err
     (row,) = json.loads(out_json.read_text())["rows"]
     assert row["realised_width"] == 2048 and row["realised_rows"] == [2048]
     assert row["real_peak"] > 0 and row["predicted"] >= row["real_peak"]
@@ -453,10 +460,10 @@ def test_a_second_in_process_arm_peaks_as_the_same_arm_in_a_fresh_process(capfd,
     in_process, isolated = tmp_path / "in-process.json", tmp_path / "isolated.json"
     code, out, err = main(capfd, ["--models", "smol", "--seq", "2048,3072", "--cache-dir", cache_dir,
                                   "--json", in_process])
-    assert code == h.EXIT_OK, err
+    assert code == EXIT_OK, err
     code, out, err = main(capfd, ["--isolate", "--models", "smol", "--seq", "3072",
                                   "--cache-dir", cache_dir, "--json", isolated])
-    assert code == h.EXIT_OK, err
+    assert code == EXIT_OK, err
     second = [r for r in json.loads(in_process.read_text())["rows"] if r["seq"] == 3072]
     alone = [r for r in json.loads(isolated.read_text())["rows"] if r["seq"] == 3072]
     assert len(second) == len(alone) == 1

@@ -15,6 +15,19 @@ import json
 import pytest
 from conftest import SMOL, h, main, make_row
 
+from issue395 import options
+from issue395.builder import prepare_checkpoint
+from issue395.errors import UsageError
+from issue395.margin import estimator_terms, margin_breakdown, plan_map, shape_classes
+from issue395.options import Run
+from issue395.outputs import render_plot
+from issue395.record import MAP_BATCHES, QUANTS, SHAPES, Arm
+from issue395.result import Result, merge
+from issue395.row import Row
+from issue395.shapes import FAMILIES, MAP_FAMILIES, family_shape, max_positions
+from issue395.spread import arm_seconds, plan_jobs, shard_of
+from issue395.tables import map_verdict, margins_table
+
 #: ../shared/FAMILIES.md: the public parameter count of one checkpoint per family.
 PUBLIC_PARAMS = {
     "llama32-1b": 1_235_814_400, "qwen3-0.6b": 596_049_920, "mistral-7b": 7_248_023_552,
@@ -28,7 +41,7 @@ def meta_model(key):
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    _, _, model_type, fields, _ = h.FAMILIES[key]
+    model_type, fields = FAMILIES[key].model_type, FAMILIES[key].config
     with torch.device("meta"):
         return AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **fields),
                                                 dtype=torch.bfloat16)
@@ -41,7 +54,7 @@ def test_each_family_config_builds_its_public_parameter_count(key):
 
 @pytest.mark.parametrize("key", sorted(PUBLIC_PARAMS))
 def test_family_shape_charges_an_untied_head_in_the_extras(key):
-    shape = h.family_shape(key)
+    shape = family_shape(key)
     model = meta_model(key)
     embed = model.get_input_embeddings().weight.numel() * 2
     assert (shape.extras >= 2 * embed) == (key in UNTIED)
@@ -49,39 +62,40 @@ def test_family_shape_charges_an_untied_head_in_the_extras(key):
 
 
 def test_lora_targets_are_q_and_v_except_phi3s_fused_qkv_and_the_adapter_follows_them():
-    phi3 = h.family_shape("phi3-mini")
+    phi3 = family_shape("phi3-mini")
     assert phi3.targets == ("qkv_proj",)
     # qkv_proj: 3072 -> 3 x 3072; the grid's count is twice LoRA's A + B on every layer.
     assert phi3.adapter == 2 * 32 * 8 * (3072 + 3 * 3072)
-    llama = h.family_shape("llama32-1b")
+    llama = family_shape("llama32-1b")
     assert llama.targets == ("q_proj", "v_proj")
     assert llama.adapter == 2 * 16 * 8 * ((2048 + 2048) + (2048 + 8 * 64))
 
 
 def test_the_record_models_in_the_map_are_the_records_shapes():
-    assert h.family_shape("smol") is h.SHAPES["smol"] and h.family_shape("qwen") is h.SHAPES["qwen"]
+    assert family_shape("smol") is SHAPES["smol"] and family_shape("qwen") is SHAPES["qwen"]
 
 
 def test_the_default_map_grid_stays_within_each_familys_max_positions():
-    arms = h.plan_map(h.MAP_FAMILIES + ("llama31-8b",), h.QUANTS, None, h.MAP_BATCHES)
-    assert len(arms) == 129
-    assert all(a.seq <= h.max_positions(a.model) for a in arms)
+    arms = plan_map(MAP_FAMILIES + ("llama31-8b",), QUANTS, None, MAP_BATCHES)
+    # the first grid's 129 arms, and seq 512 and 1024 for each family, quantization and batch
+    assert len(arms) == 129 + 10 * 2 * 2 * 2
+    assert all(a.seq <= max_positions(a.model) for a in arms)
     assert {(a.quant, a.seq, a.batch) for a in arms if a.model == "llama31-8b"} == {("nf4", 512, 1)}
-    assert sorted({a.seq for a in arms if a.model == "phi-2"}) == [2048]
-    assert [a.index for a in arms] == list(range(129))
+    assert sorted({a.seq for a in arms if a.model == "phi-2"}) == [512, 1024, 2048]
+    assert [a.index for a in arms] == list(range(len(arms)))
 
 
 def test_builder_keeps_an_untied_head_and_sets_gemma_norms_to_their_neutral_zero(tmp_path):
     from safetensors import safe_open
 
     tiny = dict(n_layers=1, vocab=512, hidden=64, intermediate=128, max_positions=256, record=False)
-    gemma = dataclasses.replace(h.family_shape("gemma-2b"), key="g", **tiny,
-                                arch=dict(h.FAMILIES["gemma-2b"][3], num_attention_heads=2, head_dim=32))
-    mistral = dataclasses.replace(h.family_shape("mistral-7b"), key="m", **tiny,
-                                  arch=dict(h.FAMILIES["mistral-7b"][3], num_attention_heads=2,
+    gemma = dataclasses.replace(family_shape("gemma-2b"), key="g", **tiny,
+                                arch=dict(FAMILIES["gemma-2b"].config, num_attention_heads=2, head_dim=32))
+    mistral = dataclasses.replace(family_shape("mistral-7b"), key="m", **tiny,
+                                  arch=dict(FAMILIES["mistral-7b"].config, num_attention_heads=2,
                                             num_key_value_heads=1, head_dim=32))
     for shape in (gemma, mistral):
-        h.prepare_checkpoint(shape, tmp_path / shape.key)()
+        prepare_checkpoint(shape, tmp_path / shape.key)()
     with safe_open(str(tmp_path / "g" / "model.safetensors"), framework="pt") as f:
         norms = [f.get_tensor(k) for k in f.keys() if "norm" in k]
         assert norms and all(float(t.abs().max()) == 0.0 for t in norms)
@@ -97,7 +111,7 @@ def test_map_dry_run_realises_seq_on_every_row_in_bf16_and_nf4_and_captures_soup
     code, stdout, err = main(capfd, ["--map", "--dry-run", "--families", "smol", "--seq", "64",
                                      "--batch", "1", "--cache-dir", cache_dir, "--json", out])
     assert code == 0, err
-    rows = [h.Row.from_json(r) for r in json.loads(out.read_text())["rows"]]
+    rows = [Row.from_json(r) for r in json.loads(out.read_text())["rows"]]
     assert [(r.quant, r.realised, r.status) for r in rows] == [("none", 64, "dry-run"),
                                                               ("nf4", 64, "dry-run")]
     # Soup's pre-flight ran inside the setup (on CPU it budgets float32 weights).
@@ -111,7 +125,7 @@ def test_map_dry_run_realises_seq_on_every_row_in_bf16_and_nf4_and_captures_soup
 def test_model_takes_a_folder_holding_only_a_config_and_builds_from_it(capfd, tmp_path):
     folder = tmp_path / "only-config"
     folder.mkdir()
-    fields = dict(h.FAMILIES["qwen3-0.6b"][3], model_type="qwen3", hidden_size=64, intermediate_size=128,
+    fields = dict(FAMILIES["qwen3-0.6b"].config, model_type="qwen3", hidden_size=64, intermediate_size=128,
                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                   vocab_size=512, max_position_embeddings=256)
     (folder / "config.json").write_text(json.dumps(fields))
@@ -135,22 +149,22 @@ def test_bad_map_input_is_one_line_and_exit_2(capfd, argv, words):
 
 
 def test_an_explicit_nf4_request_without_bitsandbytes_is_a_usage_error(capfd, monkeypatch):
-    monkeypatch.setattr(h, "bitsandbytes_present", lambda: False)
+    monkeypatch.setattr(options, "bitsandbytes_present", lambda: False)
     code, stdout, err = main(capfd, ["--map", "--quant", "nf4", "--families", "smol"])
     assert code == 2 and "bitsandbytes" in err and len(err.strip().splitlines()) == 1
 
 
 def test_without_bitsandbytes_an_nf4_arm_is_a_skipped_row_with_its_reason(monkeypatch, tmp_path):
     monkeypatch.setattr(h, "bitsandbytes_present", lambda: False)
-    row = h.run_arm(h.Arm("smol", 64, 1, 0, "nf4"), SMOL, "unused", tmp_path, dry_run=True)
+    row = h.run_arm(Arm("smol", 64, 1, 0, "nf4"), SMOL, "unused", tmp_path, dry_run=True)
     assert row.status == "SKIPPED" and "bitsandbytes" in row.error
-    assert h.Result(environment={}, rows=[row]).exit_code == 0
+    assert Result(environment={}, rows=[row]).exit_code == 0
 
 
 def test_a_refused_row_is_the_gate_working_not_a_finding_and_has_no_ratio():
     row = make_row(failure="REFUSED", error="a streaming step is predicted to need 240 GB", real_peak=None)
     assert row.status == "REFUSED" and row.margin_ratio is None
-    assert h.Result(environment={}, rows=[row]).exit_code == 0
+    assert Result(environment={}, rows=[row]).exit_code == 0
 
 
 def test_under_is_judged_on_the_lower_of_soups_own_and_the_record_convention():
@@ -158,7 +172,7 @@ def test_under_is_judged_on_the_lower_of_soups_own_and_the_record_convention():
     row = make_row(real_peak=peak, soup_predicted=peak - 1)  # the convention covers it, Soup's own not
     assert row.predicted > peak and row.status == "UNDER"
     assert row.margin_ratio == pytest.approx((peak - 1) / peak)
-    assert "verdict: Soup UNDER-predicts 1 of 1" in h.map_verdict([row])
+    assert "verdict: Soup UNDER-predicts 1 of 1" in map_verdict([row])
 
 
 def soup_kwargs(seq, batch=1):
@@ -172,7 +186,7 @@ def test_estimator_terms_add_up_to_soups_own_prediction():
 
     kw = soup_kwargs(2048)
     predicted = estimate_stream_peak_vram(**kw)
-    terms = h.estimator_terms(kw, predicted)
+    terms = estimator_terms(kw, predicted)
     assert sum(terms.values()) == predicted
     assert terms["weights"] == SMOL.pool + SMOL.extras
     assert terms["logits"] == 14 * 2048 * SMOL.vocab
@@ -183,21 +197,21 @@ def test_a_thin_margin_names_the_term_that_misses_and_by_how_much_per_token():
 
     kw = soup_kwargs(2048)
     own = estimate_stream_peak_vram(**kw)
-    terms = h.estimator_terms(kw, own)
+    terms = estimator_terms(kw, own)
     extra = 100 * 2048  # activations 100 bytes per token beyond their charge
     classes = {"logits": terms["logits"], "activations": terms["activations"] + extra, "rest": 0}
     real = terms["weights"] + sum(classes.values())
     row = make_row(real_peak=real, soup_predicted=own, soup_terms=kw,
                    attribution={"resident_at_peak": terms["weights"], "classes": classes, "complete": True})
-    m = h.margin_breakdown(row)
+    m = margin_breakdown(row)
     acts = next(t for t in m["terms"] if t["term"] == "activations")
     assert acts["missed"] == extra and acts["missed"] / acts["per"][0] == 100
     assert m["ratio"] < 1.05 and "activations term misses" in m["note"] and "100.00 bytes per token" in m["note"]
-    assert "where the margin goes" in h.margins_table([m])
+    assert "where the margin goes" in margins_table([m])
 
 
 def test_shape_classes_name_logits_attention_scores_and_activations():
-    classify = h.shape_classes(SMOL, 2048, 1)
+    classify = shape_classes(SMOL, 2048, 1)
     e = 2048 * SMOL.vocab
     assert classify(2 * e) == classify(4 * e) == "logits"
     assert classify(9 * 2048 * 2048 * 2) == "activations"  # heads x seq^2, bf16
@@ -206,19 +220,19 @@ def test_shape_classes_name_logits_attention_scores_and_activations():
 
 
 def test_map_parts_of_different_families_merge_into_one_map_in_the_maps_order():
-    part_a = h.Result(environment={"torch": "t"}, kind="map",
+    part_a = Result(environment={"torch": "t"}, kind="map",
                       rows=[make_row("qwen", 2048, index=0, real_peak=10**9)])
-    part_b = h.Result(environment={"torch": "t"}, kind="map",
+    part_b = Result(environment={"torch": "t"}, kind="map",
                       rows=[make_row("smol", 2048, index=0, real_peak=10**9)])
-    merged = h.merge([part_a, part_b])
+    merged = merge([part_a, part_b])
     assert [r.model_key for r in merged.rows] == ["smol", "qwen"]
-    with pytest.raises(h.UsageError):
-        h.merge([part_a, part_a])
+    with pytest.raises(UsageError):
+        merge([part_a, part_a])
 
 
 def test_the_map_heatmap_is_a_png():
     rows = [make_row(k, q, index=i, real_peak=10**9) for i, (k, q) in enumerate([("smol", 2048), ("qwen", 4096)])]
-    png = h.render_plot(h.Result(environment={"gpu": "test"}, kind="map", rows=rows))
+    png = render_plot(Result(environment={"gpu": "test"}, kind="map", rows=rows))
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -226,19 +240,19 @@ def test_a_map_shard_is_whole_families_dealt_evenly_and_every_arm_once():
     """Modulo shards would make every shard build every family's checkpoint; the map's
     shards each own whole families, and the heaviest (Mistral-7B) does not share a shard
     with the next heaviest while a lighter one is free."""
-    arms = h.plan_map(h.MAP_FAMILIES + ("llama31-8b",), h.QUANTS, None, h.MAP_BATCHES)
-    shards = [h.shard_of(arms, (k, 2), whole_models=True) for k in (1, 2)]
+    arms = plan_map(MAP_FAMILIES + ("llama31-8b",), QUANTS, None, MAP_BATCHES)
+    shards = [shard_of(arms, (k, 2), whole_models=True) for k in (1, 2)]
     assert sorted(a.index for s in shards for a in s) == [a.index for a in arms]
     families = [{a.model for a in s} for s in shards]
     assert not families[0] & families[1] and families[0] | families[1] == {a.model for a in arms}
-    loads = [sum(h.arm_seconds(a) for a in s) for s in shards]
+    loads = [sum(arm_seconds(a) for a in s) for s in shards]
     assert max(loads) / min(loads) < 1.1, loads
     assert "mistral-7b" in families[0]  # the heaviest family goes to the first shard
 
 
 def test_a_map_spread_over_two_gpus_starts_one_child_per_gpu_each_with_whole_families():
-    arms = h.plan_map(("smol", "qwen", "mistral-7b"), ("none",), (2048,), (1,))
-    jobs = h.plan_jobs(h.Run(map=True, models=("smol", "qwen", "mistral-7b"), gpus=(0, 1)), arms)
+    arms = plan_map(("smol", "qwen", "mistral-7b"), ("none",), (2048,), (1,))
+    jobs = plan_jobs(Run(map=True, models=("smol", "qwen", "mistral-7b"), gpus=(0, 1)), arms)
     assert [sorted({a.model for a in j.arms}) for j in jobs] == [["mistral-7b"], ["qwen", "smol"]]
-    one = h.plan_jobs(h.Run(map=True, models=("smol",), gpus=(0, 1)), arms[:1])
+    one = plan_jobs(Run(map=True, models=("smol",), gpus=(0, 1)), arms[:1])
     assert len(one) == 1, "a second GPU with no family to run started a child anyway"

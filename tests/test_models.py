@@ -12,10 +12,17 @@ import dataclasses
 import json
 
 import pytest
-from conftest import QWEN, SMOL, h
+from conftest import QWEN, SMOL
+
+from issue395 import builder
+from issue395.builder import checkpoint_fingerprint, hf_config
+from issue395.checkpoints import checkpoint_problem, synthetic_checkpoint
+from issue395.errors import UsageError
+from issue395.record import SHAPES, Shape, predicted_bytes
+from issue395.shapes import derive_shape
 
 MODELS = ["smol", "qwen"]
-# PROTOCOL.md's shape table, typed in independently of h.SHAPES.
+# PROTOCOL.md's shape table, typed in independently of SHAPES.
 PROTOCOL = {
     "smol": dict(pool=14160384, extras=56624256, adapter=921600, vocab=49152, hidden=576,
                  intermediate=1536, n_layers=30, heads=9, kv_heads=3, max_positions=8192,
@@ -36,7 +43,7 @@ def checkpoints(cache_dir):
     session cache (the folder the CLI tests' --cache-dir runs reuse)."""
     root = cache_dir / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
-    return {k: h.synthetic_checkpoint(h.SHAPES[k], root)[0] for k in MODELS}
+    return {k: synthetic_checkpoint(SHAPES[k], root)[0] for k in MODELS}
 
 
 @pytest.fixture(scope="module")
@@ -128,7 +135,7 @@ def test_derive_shape_reproduces_protocol_figures(key, checkpoints):
     figures, so a --model of the same architecture predicts exactly what the record's does."""
     from transformers import AutoConfig
 
-    s = h.derive_shape(AutoConfig.from_pretrained(str(checkpoints[key])), name=f"built-{key}")
+    s = derive_shape(AutoConfig.from_pretrained(str(checkpoints[key])), name=f"built-{key}")
     p = PROTOCOL[key]
     for f in ("pool", "extras", "adapter", "vocab", "hidden", "intermediate", "n_layers",
               "max_positions", "model_type"):
@@ -136,19 +143,19 @@ def test_derive_shape_reproduces_protocol_figures(key, checkpoints):
     assert s.adapter == {"smol": 921600, "qwen": 1081344}[key]
     assert s.record is False
     for seq in (2048, 6144):
-        assert h.predicted_bytes(s, seq) == h.predicted_bytes(h.SHAPES[key], seq)
+        assert predicted_bytes(s, seq) == predicted_bytes(SHAPES[key], seq)
 
 
 @pytest.mark.parametrize("key", MODELS)
 def test_the_grid_shapes_are_the_protocol(key):
-    """h.SHAPES against the independently typed table, and its config on the meta device."""
-    s, p = h.SHAPES[key], PROTOCOL[key]
+    """SHAPES against the independently typed table, and its config on the meta device."""
+    s, p = SHAPES[key], PROTOCOL[key]
     for f in ("pool", "extras", "adapter", "vocab", "hidden", "intermediate", "n_layers",
               "max_positions", "model_type"):
         assert getattr(s, f) == p[f], f
     assert (s.arch["num_attention_heads"], s.arch["num_key_value_heads"]) == (p["heads"], p["kv_heads"])
     assert (s.arch["rope_theta"], s.arch["rms_norm_eps"]) == (p["rope_theta"], p["rms_eps"])
-    derived = h.derive_shape(h.hf_config(s), name=s.name)
+    derived = derive_shape(hf_config(s), name=s.name)
     assert (derived.pool, derived.extras, derived.adapter) == (p["pool"], p["extras"], p["adapter"])
 
 
@@ -157,17 +164,17 @@ def test_derive_shape_refuses_an_architecture_soup_cannot_stream(config_name):
     import transformers
 
     config = getattr(transformers, config_name)(n_layer=1, num_hidden_layers=1)
-    with pytest.raises(h.UsageError, match="cannot be layer-streamed"):
-        h.derive_shape(config, name="tiny")
+    with pytest.raises(UsageError, match="cannot be layer-streamed"):
+        derive_shape(config, name="tiny")
 
 
 @pytest.mark.parametrize("field, value", [("vocab_size", 0), ("num_hidden_layers", 0),
                                           ("hidden_size", -1), ("num_attention_heads", 0)])
 def test_derive_shape_refuses_a_figure_that_is_not_a_whole_number(field, value):
-    config = h.hf_config(TINY)
+    config = hf_config(TINY)
     setattr(config, field, value)
-    with pytest.raises(h.UsageError, match=f"config {field} is {value!r}"):
-        h.derive_shape(config, name="tiny")
+    with pytest.raises(UsageError, match=f"config {field} is {value!r}"):
+        derive_shape(config, name="tiny")
 
 
 @pytest.fixture(scope="module")
@@ -232,43 +239,43 @@ def _changed(value):
 
 
 def test_fingerprint_changes_with_every_shaping_field(monkeypatch):
-    base = h.checkpoint_fingerprint(TINY)
-    assert h.checkpoint_fingerprint(dataclasses.replace(TINY)) == base
-    fields = {f.name for f in dataclasses.fields(h.Shape)}
+    base = checkpoint_fingerprint(TINY)
+    assert checkpoint_fingerprint(dataclasses.replace(TINY)) == base
+    fields = {f.name for f in dataclasses.fields(Shape)}
     assert NOT_SHAPING < fields
     for name in sorted(fields - NOT_SHAPING - {"arch"}):  # every field, a new one included
         changed = dataclasses.replace(TINY, **{name: _changed(getattr(TINY, name))})
-        assert h.checkpoint_fingerprint(changed) != base, name
+        assert checkpoint_fingerprint(changed) != base, name
     for key, value in TINY.arch.items():
         changed = dataclasses.replace(TINY, arch=dict(TINY.arch, **{key: _changed(value)}))
-        assert h.checkpoint_fingerprint(changed) != base, key
-    assert h.checkpoint_fingerprint(dataclasses.replace(
+        assert checkpoint_fingerprint(changed) != base, key
+    assert checkpoint_fingerprint(dataclasses.replace(
         TINY, arch=dict(TINY.arch, use_sliding_window=False))) != base  # a new arch field
     for name in sorted(NOT_SHAPING):
         value = getattr(TINY, name)
         changed = dataclasses.replace(TINY, **{name: _changed(value)})
-        assert h.checkpoint_fingerprint(changed) == base, name
+        assert checkpoint_fingerprint(changed) == base, name
     # The builder and the tokenizer's words shape the checkpoint too.
-    monkeypatch.setattr(h, "BUILDER_VERSION", h.BUILDER_VERSION + 1)
-    assert h.checkpoint_fingerprint(TINY) != base
+    monkeypatch.setattr(builder, "BUILDER_VERSION", builder.BUILDER_VERSION + 1)
+    assert checkpoint_fingerprint(TINY) != base
     monkeypatch.undo()
-    monkeypatch.setattr(h, "TOKEN_WORDS", h.TOKEN_WORDS + ("extra",))
-    assert h.checkpoint_fingerprint(TINY) != base
+    monkeypatch.setattr(builder, "TOKEN_WORDS", builder.TOKEN_WORDS + ("extra",))
+    assert checkpoint_fingerprint(TINY) != base
 
 
 def test_the_two_record_shapes_have_different_fingerprints():
-    assert h.checkpoint_fingerprint(SMOL) != h.checkpoint_fingerprint(QWEN)
+    assert checkpoint_fingerprint(SMOL) != checkpoint_fingerprint(QWEN)
 
 
 def test_synthetic_checkpoint_is_built_once_then_served_from_cache(tmp_path):
-    first, build_s = h.synthetic_checkpoint(TINY, tmp_path)
+    first, build_s = synthetic_checkpoint(TINY, tmp_path)
     assert build_s > 0.0
-    assert first.name == f"tiny-{h.checkpoint_fingerprint(TINY)}"
-    assert h.checkpoint_problem(first) is None
+    assert first.name == f"tiny-{checkpoint_fingerprint(TINY)}"
+    assert checkpoint_problem(first) is None
     manifest = json.loads((first / ".complete").read_text())
     assert manifest["file_bytes"] == (first / "model.safetensors").stat().st_size
     stamp = (first / "model.safetensors").stat().st_mtime_ns
-    again, again_s = h.synthetic_checkpoint(TINY, tmp_path)
+    again, again_s = synthetic_checkpoint(TINY, tmp_path)
     assert again == first
     assert again_s == 0.0
     assert (first / "model.safetensors").stat().st_mtime_ns == stamp  # not rebuilt
@@ -278,11 +285,11 @@ def test_synthetic_checkpoint_is_built_once_then_served_from_cache(tmp_path):
 def test_synthetic_checkpoint_rebuilds_an_unfinished_folder(tmp_path, capsys):
     """A folder without its .complete marker (a build cut off, a half-finished rm -r) is
     not trusted: it is replaced by a complete build."""
-    dest = tmp_path / f"tiny-{h.checkpoint_fingerprint(TINY)}"
+    dest = tmp_path / f"tiny-{checkpoint_fingerprint(TINY)}"
     dest.mkdir()
     (dest / "config.json").write_text("{}")
-    path, build_s = h.synthetic_checkpoint(TINY, tmp_path)
+    path, build_s = synthetic_checkpoint(TINY, tmp_path)
     assert path == dest and build_s > 0.0
-    assert h.checkpoint_problem(path) is None
+    assert checkpoint_problem(path) is None
     assert json.loads((path / "config.json").read_text())["num_hidden_layers"] == 2
     assert [p.name for p in tmp_path.iterdir()] == [dest.name]

@@ -2,8 +2,8 @@
 columns, a row's status, and the one JSON round trip.
 
 Every prediction is Soup's real estimator (soup_cli) fed the grid's shape figures; every
-row is built by the harness's own constructor (``make_row`` -> ``h.arm_row``) or read
-back by ``h.Row.from_json``. No GPU is needed: where a real peak is required, the A10G
+row is built by the harness's own constructor (``make_row`` -> ``arm_row``) or read
+back by ``Row.from_json``. No GPU is needed: where a real peak is required, the A10G
 record's published peak stands in for a CUDA measurement (each test that does so says so).
 """
 
@@ -15,7 +15,24 @@ from dataclasses import replace
 from importlib import metadata
 
 import pytest
-from conftest import SMOL, h, make_row
+from conftest import SMOL, make_row
+
+from issue395.cuda import attribute_peak
+from issue395.options import Run
+from issue395.record import (
+    RECORD_A10G_OVERESTIMATE,
+    RECORD_A10G_PEAK,
+    RECORD_A10G_PREDICTED,
+    RECORD_GRID,
+    SHAPES,
+    Arm,
+    logits_charge,
+    plan_arms,
+    predicted_bytes,
+)
+from issue395.row import Row, arm_row, realised_as_requested
+from issue395.spread import lost_row
+from issue395.tables import determinism_spread, overestimate_summary
 
 # PROTOCOL.md's shape table and the A10G record's published figures, typed in here
 # independently of the harness's own copies.
@@ -35,45 +52,45 @@ PUBLISHED = {  # (model, seq): (predicted GB, real peak GB, pred/real)
 RECORD_ARMS = list(PUBLISHED)
 
 
-def record_row(key: str, seq: int, index: int = 0) -> h.Row:
+def record_row(key: str, seq: int, index: int = 0) -> Row:
     """The row an arm builds, the A10G record's published peak standing in for the CUDA
     measurement (no GPU here)."""
-    return make_row(key, seq, index=index, real_peak=h.RECORD_A10G_PEAK[(key, seq)])
+    return make_row(key, seq, index=index, real_peak=RECORD_A10G_PEAK[(key, seq)])
 
 
-def record_rows() -> list[h.Row]:
+def record_rows() -> list[Row]:
     return [record_row(k, s, i) for i, (k, s) in enumerate(RECORD_ARMS)]
 
 
-def roundtrip(row: h.Row) -> h.Row:
+def roundtrip(row: Row) -> Row:
     """A row through JSON text, exactly as --json and the row file hold it."""
-    return h.Row.from_json(json.loads(json.dumps(row.to_json())))
+    return Row.from_json(json.loads(json.dumps(row.to_json())))
 
 
 # --- the record as data ------------------------------------------------------------
 
 def test_grid_shapes_and_published_figures_are_the_protocols():
-    assert h.RECORD_GRID == {"smol": (2048, 3072, 4096, 4352, 5120, 6144),
+    assert RECORD_GRID == {"smol": (2048, 3072, 4096, 4352, 5120, 6144),
                              "qwen": (2048, 4096, 5120, 6144)}
-    assert [(k, s) for k, seqs in h.RECORD_GRID.items() for s in seqs] == RECORD_ARMS
+    assert [(k, s) for k, seqs in RECORD_GRID.items() for s in seqs] == RECORD_ARMS
     for key, figures in PROTOCOL_SHAPES.items():
-        shape = h.SHAPES[key]
+        shape = SHAPES[key]
         assert {f: getattr(shape, f) for f in figures} == figures
         assert shape.record is True
-    assert h.RECORD_A10G_PREDICTED == {k: (p, r) for k, (p, _, r) in PUBLISHED.items()}
-    assert {k: round(v / 1e9, 4) for k, v in h.RECORD_A10G_PEAK.items()} == \
+    assert RECORD_A10G_PREDICTED == {k: (p, r) for k, (p, _, r) in PUBLISHED.items()}
+    assert {k: round(v / 1e9, 4) for k, v in RECORD_A10G_PEAK.items()} == \
         {k: real for k, (_, real, _) in PUBLISHED.items()}
-    assert h.RECORD_A10G_OVERESTIMATE == {"mean": 1.152, "pstdev": 0.0249}
+    assert RECORD_A10G_OVERESTIMATE == {"mean": 1.152, "pstdev": 0.0249}
 
 
 def test_plan_arms_is_the_record_grid_in_order():
-    arms = h.plan_arms(["smol", "qwen"], None, [1])
+    arms = plan_arms(["smol", "qwen"], None, [1])
     assert [(a.model, a.seq, a.batch) for a in arms] == [(k, s, 1) for k, s in RECORD_ARMS]
     assert [a.index for a in arms] == list(range(10))
 
 
 def test_plan_arms_orders_model_then_seq_then_batch():
-    arms = h.plan_arms(["qwen", "smol"], [4096, 2048], [2, 1])
+    arms = plan_arms(["qwen", "smol"], [4096, 2048], [2, 1])
     assert [(a.model, a.seq, a.batch) for a in arms] == [
         ("qwen", 4096, 2), ("qwen", 4096, 1), ("qwen", 2048, 2), ("qwen", 2048, 1),
         ("smol", 4096, 2), ("smol", 4096, 1), ("smol", 2048, 2), ("smol", 2048, 1)]
@@ -91,14 +108,14 @@ def test_predicted_bytes_is_soups_estimator_with_protocol_arguments(key, seq):
         layer_bytes=s["pool"] // 2, buffers=2, extras_bytes=s["extras"],
         adapter_params=s["adapter"], vocab_size=s["vocab"], hidden_size=s["hidden"],
         intermediate_size=s["intermediate"], n_layers=s["n_layers"], seq_len=seq, batch_size=1)
-    pred = h.predicted_bytes(h.SHAPES[key], seq)
+    pred = predicted_bytes(SHAPES[key], seq)
     assert pred == int(direct)
     assert round(pred / 1e9, 3) == PUBLISHED[(key, seq)][0]
     assert make_row(key, seq).predicted == pred  # the row carries exactly Soup's figure
 
 
 def test_smollm2_seq_2048_prediction_is_the_protocols_exact_bytes():
-    pred = h.predicted_bytes(SMOL, 2048)
+    pred = predicted_bytes(SMOL, 2048)
     version = metadata.version("soup-cli")
     if version != "0.73.3" and pred != 1596396768:
         pytest.skip(f"PROTOCOL's exact figure is for soup-cli 0.73.3; installed {version} "
@@ -107,17 +124,17 @@ def test_smollm2_seq_2048_prediction_is_the_protocols_exact_bytes():
 
 
 def test_predicted_bytes_grows_with_batch():
-    assert h.predicted_bytes(SMOL, 4096, 2) > h.predicted_bytes(SMOL, 4096, 1)
-    assert make_row("smol", 4096, batch=2).predicted == h.predicted_bytes(SMOL, 4096, 2)
+    assert predicted_bytes(SMOL, 4096, 2) > predicted_bytes(SMOL, 4096, 1)
+    assert make_row("smol", 4096, batch=2).predicted == predicted_bytes(SMOL, 4096, 2)
 
 
 @pytest.mark.parametrize("key,seq,batch", [("smol", 2048, 1), ("qwen", 6144, 1), ("smol", 4096, 3)])
 def test_logits_charge_is_soups_14_bytes_and_its_loss_holds_12(key, seq, batch):
     from soup_cli.utils.layer_stream import LOGITS_BYTES_PER_ELEMENT, LOGITS_LOSS_BYTES_PER_ELEMENT
 
-    elements = seq * h.SHAPES[key].vocab * batch
+    elements = seq * SHAPES[key].vocab * batch
     assert (LOGITS_BYTES_PER_ELEMENT, LOGITS_LOSS_BYTES_PER_ELEMENT) == (14, 12)
-    assert h.logits_charge(h.SHAPES[key], seq, batch) == (14 * elements, 12.0)
+    assert logits_charge(SHAPES[key], seq, batch) == (14 * elements, 12.0)
     row = make_row(key, seq, batch=batch)
     assert row.elements == elements
     assert row.logits14 == 14 * elements
@@ -132,8 +149,8 @@ def test_pred_over_record_peak_reproduces_published_ratio(key, seq):
     row = record_row(key, seq)
     assert row.status == "ok"
     assert round(row.pred_over_real, 3) == PUBLISHED[(key, seq)][2]
-    assert row.pred_over_real == row.predicted / h.RECORD_A10G_PEAK[(key, seq)]
-    assert row.record_peak == h.RECORD_A10G_PEAK[(key, seq)]
+    assert row.pred_over_real == row.predicted / RECORD_A10G_PEAK[(key, seq)]
+    assert row.record_peak == RECORD_A10G_PEAK[(key, seq)]
     assert row.vs_record == 1.0  # the record's own peak, against the record
 
 
@@ -153,7 +170,7 @@ def test_nonlogits_overestimate_reproduces_record_mean_and_pstdev():
     vals = [r.nonlogits_overestimate for r in rows]
     assert round(statistics.fmean(vals), 3) == 1.152
     assert round(statistics.pstdev(vals), 4) == 0.0249
-    s = h.overestimate_summary(rows)
+    s = overestimate_summary(rows)
     assert s["n"] == 10
     assert s["mean"] == pytest.approx(statistics.fmean(vals))
     assert s["pstdev"] == pytest.approx(statistics.pstdev(vals))
@@ -163,25 +180,25 @@ def test_overestimate_summary_counts_ok_and_under_rows_only():
     """A VOID row measured with a wild peak, a FAILED and an OOM row carrying a peak, and a
     dry run: none of them has an over-estimate, so none moves the summary."""
     rows = record_rows()
-    s = h.overestimate_summary(rows)
+    s = overestimate_summary(rows)
     void = make_row("smol", 2048, index=10, real_peak=50_000_000,
                     realised_width=1900, realised_rows=(1900,))
     failed = make_row("smol", 3072, index=11, real_peak=60_000_000, failure="FAILED", error="x")
     oom = make_row("qwen", 6144, index=12, real_peak=60_000_000, failure="OOM", error="x")
     dry = make_row("smol", 4096, index=13, dry_run=True)
     assert [r.status for r in (void, failed, oom, dry)] == ["VOID", "FAILED", "OOM", "dry-run"]
-    assert h.overestimate_summary(rows + [void, failed, oom, dry]) == s
-    assert h.overestimate_summary([void, failed, oom, dry]) is None
+    assert overestimate_summary(rows + [void, failed, oom, dry]) == s
+    assert overestimate_summary([void, failed, oom, dry]) is None
 
-    under_peak = h.predicted_bytes(SMOL, 4096) + 1
+    under_peak = predicted_bytes(SMOL, 4096) + 1
     under = make_row("smol", 4096, real_peak=under_peak)
     assert under.status == "UNDER"
-    assert h.overestimate_summary([under, failed]) == {
+    assert overestimate_summary([under, failed]) == {
         "n": 1, "mean": under.nonlogits_overestimate, "pstdev": 0.0}
 
 
 def test_retained_copy_flag_is_true_when_14xE_fits_under_the_peak():
-    pred = h.predicted_bytes(SMOL, 2048)
+    pred = predicted_bytes(SMOL, 2048)
     row = make_row("smol", 2048, real_peak=pred)
     assert row.retained_copy_would_fit is True
     assert row.pred_over_real == 1.0
@@ -191,7 +208,7 @@ def test_retained_copy_flag_is_true_when_14xE_fits_under_the_peak():
 # --- status --------------------------------------------------------------------------
 
 SEQ = 4096
-PRED = h.predicted_bytes(SMOL, SEQ)
+PRED = predicted_bytes(SMOL, SEQ)
 
 
 def test_status_ok_when_the_prediction_covers_the_peak():
@@ -220,7 +237,7 @@ def test_status_void_when_the_batch_is_wider_than_seq_though_every_row_is_not():
     row = make_row("smol", SEQ, real_peak=PRED // 2, realised_width=SEQ + 64, realised_rows=(SEQ,))
     assert row.status == "VOID"
     assert row.realised == SEQ + 64
-    assert h.realised_as_requested(SEQ, 1, SEQ + 64, [SEQ]) is False
+    assert realised_as_requested(SEQ, 1, SEQ + 64, [SEQ]) is False
 
 
 def test_status_void_when_one_row_of_a_batch_is_short():
@@ -233,8 +250,8 @@ def test_status_void_when_one_row_of_a_batch_is_short():
 
 def test_status_void_when_fewer_rows_than_batch():
     assert make_row("smol", SEQ, batch=2, real_peak=PRED // 2, realised_rows=(SEQ,)).status == "VOID"
-    assert h.realised_as_requested(SEQ, 2, SEQ, [SEQ]) is False
-    assert h.realised_as_requested(SEQ, 2, SEQ, [SEQ, SEQ]) is True
+    assert realised_as_requested(SEQ, 2, SEQ, [SEQ]) is False
+    assert realised_as_requested(SEQ, 2, SEQ, [SEQ, SEQ]) is True
 
 
 def test_status_void_when_nothing_was_realised():
@@ -273,7 +290,7 @@ def test_a_row_not_ok_or_under_has_no_ratio_even_with_a_real_peak(measured):
             row.vs_record) == (None, None, None, None)
     # Soup's figures for the arm are still there: they do not depend on a measurement.
     assert row.predicted == PRED and row.logits14 == 14 * SEQ * SMOL.vocab
-    assert row.record_peak == h.RECORD_A10G_PEAK[("smol", SEQ)]
+    assert row.record_peak == RECORD_A10G_PEAK[("smol", SEQ)]
 
 
 def test_realised_prefers_the_furthest_and_shortest_length():
@@ -288,7 +305,7 @@ def test_realised_prefers_the_furthest_and_shortest_length():
 # --- vs_record ----------------------------------------------------------------------
 
 def test_vs_record_is_real_over_record_on_a_record_arm_at_batch_1():
-    rec = h.RECORD_A10G_PEAK[("qwen", 5120)]
+    rec = RECORD_A10G_PEAK[("qwen", 5120)]
     row = make_row("qwen", 5120, real_peak=10_000_000_000)
     assert row.record_peak == rec
     assert row.vs_record == 10_000_000_000 / rec
@@ -299,13 +316,13 @@ def test_vs_record_only_on_record_arms_and_batch_1():
     assert make_row("smol", 2048, batch=2, real_peak=1_400_000_000).vs_record is None
     assert make_row("smol", 2560, real_peak=1_400_000_000).vs_record is None  # off the grid
     custom = replace(SMOL, key="custom", record=False)
-    row = h.arm_row(h.Arm("custom", 2048), custom, realised_width=2048, realised_rows=(2048,),
+    row = arm_row(Arm("custom", 2048), custom, realised_width=2048, realised_rows=(2048,),
                     real_peak=1_400_000_000)
     assert row.status == "ok"
     assert (row.record_peak, row.vs_record) == (None, None)
     # A record arm without a measurement keeps the record's figure but has no ratio.
     row = make_row("smol", 2048, dry_run=True)
-    assert (row.record_peak, row.vs_record) == (h.RECORD_A10G_PEAK[("smol", 2048)], None)
+    assert (row.record_peak, row.vs_record) == (RECORD_A10G_PEAK[("smol", 2048)], None)
 
 
 # --- the one JSON round trip -----------------------------------------------------------
@@ -313,7 +330,7 @@ def test_vs_record_only_on_record_arms_and_batch_1():
 def attribution_of_a_step() -> dict:
     snap = {"device_traces": [[{"action": "alloc", "addr": 1, "size": 2 * 2048 * 49152},
                                {"action": "alloc", "addr": 2, "size": 100}]]}
-    return h.attribute_peak(snap, 1000, 2048 * 49152, None)
+    return attribute_peak(snap, 1000, 2048 * 49152, None)
 
 
 ROUND_TRIP_ROWS = {
@@ -328,7 +345,7 @@ ROUND_TRIP_ROWS = {
     "repeat": lambda: make_row("smol", 4096, index=2, repeat=2, real_peak=2_657_800_000),
     "attributed": lambda: make_row("smol", 2048, real_peak=1_365_200_000,
                                    attribution=attribution_of_a_step()),
-    "lost": lambda: h.lost_row(h.Arm("qwen", 2048, 1, 6), h.Run(), None, -9),
+    "lost": lambda: lost_row(Arm("qwen", 2048, 1, 6), Run(), None, -9),
 }
 
 
@@ -352,9 +369,9 @@ def test_row_json_carries_the_derived_verdicts_for_readers():
 
 def test_from_json_re_derives_status_from_the_measured_fields():
     saved = record_row("smol", 2048).to_json()
-    under = h.Row.from_json(dict(saved, real_peak=saved["predicted"] + 1))
+    under = Row.from_json(dict(saved, real_peak=saved["predicted"] + 1))
     assert under.status == "UNDER"
-    void = h.Row.from_json(dict(saved, realised_width=1000))
+    void = Row.from_json(dict(saved, realised_width=1000))
     assert void.status == "VOID"
     assert void.pred_over_real is None and void.nonlogits_overestimate is None
 
@@ -364,19 +381,19 @@ def test_from_json_never_reads_the_derived_block_back():
     saved = json.loads(json.dumps(row.to_json()))
     assert saved["derived"]["status"] == "VOID"
     saved["derived"].update(status="ok", pred_over_real=1.169, realised=2048, vs_record=1.0)
-    back = h.Row.from_json(saved)
+    back = Row.from_json(saved)
     assert back == row
     assert back.status == "VOID" and back.pred_over_real is None
     assert back.to_json()["derived"] == row.to_json()["derived"]
     del saved["derived"]
-    assert h.Row.from_json(saved) == row
+    assert Row.from_json(saved) == row
 
 
 @pytest.mark.parametrize("peak", [0, -5, float("nan"), float("inf"), True, 1.5, "1365200000"])
 def test_from_json_refuses_a_real_peak_that_is_not_a_measurement(peak):
     saved = record_row("smol", 2048).to_json()
     with pytest.raises(ValueError, match="real_peak"):
-        h.Row.from_json(dict(saved, real_peak=peak))
+        Row.from_json(dict(saved, real_peak=peak))
 
 
 def test_from_json_refuses_nan_read_from_json_text():
@@ -384,21 +401,21 @@ def test_from_json_refuses_nan_read_from_json_text():
                                                                   '"real_peak": NaN')
     assert "NaN" in text
     with pytest.raises(ValueError, match="real_peak"):
-        h.Row.from_json(json.loads(text))
+        Row.from_json(json.loads(text))
 
 
 def test_from_json_refuses_an_unknown_field():
     saved = record_row("smol", 2048).to_json()
     with pytest.raises(ValueError, match="peak_gb"):
-        h.Row.from_json(dict(saved, peak_gb=1.3652))
+        Row.from_json(dict(saved, peak_gb=1.3652))
 
 
 @pytest.mark.parametrize("kind", ["CRASH", "oom", ""])
 def test_from_json_refuses_a_failure_kind_it_does_not_know(kind):
     saved = make_row("smol", 2048, failure="OOM", error="x").to_json()
-    assert h.Row.from_json(saved).status == "OOM"
+    assert Row.from_json(saved).status == "OOM"
     with pytest.raises(ValueError, match="failure"):
-        h.Row.from_json(dict(saved, failure=kind))
+        Row.from_json(dict(saved, failure=kind))
 
 
 @pytest.mark.parametrize("field,value", [("seq", 0), ("batch", True), ("vocab", 49152.0),
@@ -408,7 +425,7 @@ def test_from_json_refuses_a_failure_kind_it_does_not_know(kind):
 def test_from_json_refuses_other_fields_that_cannot_be_judged(field, value):
     saved = record_row("smol", 2048).to_json()
     with pytest.raises(ValueError):
-        h.Row.from_json(dict(saved, **{field: value}))
+        Row.from_json(dict(saved, **{field: value}))
 
 
 @pytest.mark.parametrize("field", ["logits14", "loss_bytes_per_element"])
@@ -417,14 +434,14 @@ def test_from_json_refuses_a_measured_row_without_soups_logits_figures(field):
     cannot be judged, so it must be refused here, not crash the tables later."""
     saved = record_row("smol", 2048).to_json()
     with pytest.raises(ValueError):
-        h.Row.from_json(dict(saved, **{field: None}))
+        Row.from_json(dict(saved, **{field: None}))
 
 
 def test_from_json_refuses_a_row_without_its_grid_index():
     """Rows are ordered and merged by index; a row without one cannot be placed."""
     saved = record_row("smol", 2048).to_json()
     with pytest.raises(ValueError, match="index"):
-        h.Row.from_json(dict(saved, index=None))
+        Row.from_json(dict(saved, index=None))
 
 
 # --- determinism: peaks per fresh process ----------------------------------------------
@@ -435,7 +452,7 @@ def test_determinism_spread_takes_only_measured_peaks():
     void = make_row("smol", 6144, index=5, repeat=1, real_peak=3_943_000_000,
                     realised_rows=(6000,))
     ok = make_row("smol", 6144, index=5, repeat=2, real_peak=3_943_900_000)
-    first, second = h.determinism_spread([ok, b, void, a])
+    first, second = determinism_spread([ok, b, void, a])
     assert first["row"] is a and first["peaks"] == [a.real_peak, b.real_peak]
     assert first["spread_pct"] == pytest.approx((2_657_800_000 - 2_649_300_000) / 2_649_300_000 * 100)
     assert round(first["spread_pct"], 2) == 0.32  # the record's spread for this arm

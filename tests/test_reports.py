@@ -17,8 +17,14 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from conftest import ROOT, main, make_row, one_error_line
 
-from conftest import ROOT, h, main, make_row, one_error_line
+from issue395.errors import EXIT_FINDING, EXIT_INTERRUPTED, EXIT_OK
+from issue395.outputs import render_markdown, render_plot
+from issue395.record import A10G_STACK, RECORD_A10G_PEAK, RECORD_GRID, SDPA_SEQS, SHAPES
+from issue395.result import Result, environment
+from issue395.row import Row
+from issue395.tables import SWEEP_LEGEND, compare_table, models_in, overestimate_line, render_text
 
 UNDER_PEAK = 5_830_000_000  # the RTX 3050 record's SmolLM2 seq 6144 real peak (5.830 GB)
 SCHEMA1 = ROOT / "results" / "h200-2026-11-30" / "h200-2026-11-30-full-cold"
@@ -29,7 +35,7 @@ FAKE_MEASURE = {  # fake numbers, shaped like measure_mode() output
     "by_vocab": {8192: 12.0, 32768: 12.0, 49152: 12.0, 151936: 12.01010951979781},
 }
 FAKE_SDPA = {  # fake numbers, shaped like sdpa_mode() output
-    "seqs": list(h.SDPA_SEQS),
+    "seqs": list(SDPA_SEQS),
     "extra_mb": {"flash": [2.4, 3.7, 4.9, 6.1, 7.3],
                  "mem_efficient": [2.4, 3.5, 4.7, 5.9, 7.1],
                  "math": [383.9, 831.5, 1463.8, 2279.7, 3267.4],
@@ -39,7 +45,7 @@ FAKE_SDPA = {  # fake numbers, shaped like sdpa_mode() output
 
 def record_row(key, seq, index=0, **measured):
     """One record arm, the A10G record's published peak standing in for CUDA."""
-    measured.setdefault("real_peak", h.RECORD_A10G_PEAK[(key, seq)])
+    measured.setdefault("real_peak", RECORD_A10G_PEAK[(key, seq)])
     measured.setdefault("resident", 100_000_000)
     measured.setdefault("reserved", measured["real_peak"])
     return make_row(key, seq, index=index, **measured)
@@ -47,7 +53,7 @@ def record_row(key, seq, index=0, **measured):
 
 def record_rows():
     rows = []
-    for key, seqs in h.RECORD_GRID.items():
+    for key, seqs in RECORD_GRID.items():
         for seq in seqs:
             rows.append(record_row(key, seq, index=len(rows)))
     return rows
@@ -59,11 +65,11 @@ _ENV = None
 def make_result(rows=None, **kw):
     global _ENV
     if _ENV is None:
-        _ENV = h.environment("synthetic", False, "in one process", ["issue395_second_stack_vram.py"])
+        _ENV = environment("synthetic", False, "in one process", ["issue395_second_stack_vram.py"])
     kw.setdefault("measure", copy.deepcopy(FAKE_MEASURE))
     kw.setdefault("sdpa", copy.deepcopy(FAKE_SDPA))
     kw.setdefault("timings", {"total_s": 1.0})
-    return h.Result(environment=dict(_ENV), rows=record_rows() if rows is None else rows, **kw)
+    return Result(environment=dict(_ENV), rows=record_rows() if rows is None else rows, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -91,23 +97,23 @@ def save(result, path: Path) -> Path:
 # --- text ------------------------------------------------------------------------
 
 def test_render_text_has_each_model_section_seq_realised_columns_and_the_legend(result):
-    text = h.render_text(result)
+    text = render_text(result)
     lines = text.splitlines()
-    for key in h.RECORD_GRID:
-        assert h.SHAPES[key].name + "  (predicted" in text
+    for key in RECORD_GRID:
+        assert SHAPES[key].name + "  (predicted" in text
     head = next(line for line in lines if "realised" in line and "seq" in line)
     assert head.split()[:2] == ["seq", "realised"]
     assert "copy fits" in head and "14xE<=peak" not in head
     last = None
-    for key, seqs in h.RECORD_GRID.items():
-        rows = table_lines(text, h.SHAPES[key].name)
+    for key, seqs in RECORD_GRID.items():
+        rows = table_lines(text, SHAPES[key].name)
         assert [int(line.split()[0]) for line in rows] == list(seqs)
         assert [int(line.split()[1]) for line in rows] == list(seqs)
         assert all(line.split()[-1] == "ok" for line in rows)
         last = lines.index(rows[-1])
     # The legend sits under the last table, before the over-estimate summary.
-    assert lines[last + 1] == "" and lines[last + 2] == h.SWEEP_LEGEND
-    assert "14xE" in h.SWEEP_LEGEND and "copy fits" in h.SWEEP_LEGEND
+    assert lines[last + 1] == "" and lines[last + 2] == SWEEP_LEGEND
+    assert "14xE" in SWEEP_LEGEND and "copy fits" in SWEEP_LEGEND
     assert lines[last + 3].startswith("non-logits over-estimate over 10 measured rows")
     assert "mean 1.152x, population stdev 0.0249" in text
     assert "(record, 10 rows: mean 1.152x, pstdev 0.0249)" in text
@@ -116,11 +122,11 @@ def test_render_text_has_each_model_section_seq_realised_columns_and_the_legend(
 
 
 def test_render_text_shows_pred_over_real_per_row(result):
-    text = h.render_text(result)
+    text = render_text(result)
     lines = table_lines(text, "SmolLM2-135M")
     # seq 2048: predicted 1.5964 GB, real 1.3652 GB, pred/real 1.169x (the record's figure)
     assert lines[0].split()[3:6] == ["1.5964", "1.3652", "1.169x"]
-    for model in h.models_in(result.rows):
+    for model in models_in(result.rows):
         rows = [r for r in result.rows if r.model == model]
         for row, line in zip(rows, table_lines(text, model), strict=True):
             assert line.split()[5] == f"{row.predicted / row.real_peak:.3f}x"
@@ -130,10 +136,10 @@ def test_render_text_shows_pred_over_real_per_row(result):
 # --- markdown --------------------------------------------------------------------
 
 def test_render_markdown_has_per_model_tables_with_the_a10g_figure(result):
-    md = h.render_markdown(result)
-    assert h.A10G_STACK in md
-    for key, seqs in h.RECORD_GRID.items():
-        name = h.SHAPES[key].name
+    md = render_markdown(result)
+    assert A10G_STACK in md
+    for key, seqs in RECORD_GRID.items():
+        name = SHAPES[key].name
         assert (f"## {name}\n\n| seq | realised | batch | predicted GB | real peak GB | pred/real "
                 "| A10G real GB | vs A10G | verdict |") in md
         section = md.split(f"## {name}\n")[1].split("\n## ")[0]
@@ -142,14 +148,14 @@ def test_render_markdown_has_per_model_tables_with_the_a10g_figure(result):
         assert [int(r.split("|")[1]) for r in rows] == list(seqs)
         for seq, r in zip(seqs, rows):
             cells = [c.strip() for c in r.strip("|").split("|")]
-            assert cells[6] == f"{h.RECORD_A10G_PEAK[(key, seq)] / 1e9:.4f}"  # the A10G figure
+            assert cells[6] == f"{RECORD_A10G_PEAK[(key, seq)] / 1e9:.4f}"  # the A10G figure
             assert cells[7] == "1.000x"  # the record's peak stands in for this run's
             assert cells[8] == "over-predicts, safe"
     assert md.count("over-predicts, safe") == 10
 
 
 def test_render_markdown_has_14xE_overestimate_measure_and_sdpa_sections(result):
-    md = h.render_markdown(result)
+    md = render_markdown(result)
     assert "## 14 x E against the real peak" in md
     section = md.split("## 14 x E against the real peak")[1].split("\n## ")[0]
     rows = [[c.strip() for c in line.strip().strip("|").split("|")] for line in section.splitlines()
@@ -159,7 +165,7 @@ def test_render_markdown_has_14xE_overestimate_measure_and_sdpa_sections(result)
     assert [r[7] for r in rows] == ["no"] * 10  # A10G: would fit
     # The record's peaks stand in for this run's: both over-estimates are the same figure.
     assert all(r[9] == r[10] and r[9].endswith("x") for r in rows)
-    assert h.overestimate_line(result.rows) in section
+    assert overestimate_line(result.rows) in section
     assert "mean 1.152x" in section
     assert "## --measure" in md and "12.01010951979781" in md
     assert "## --sdpa" in md and "3267.4" in md
@@ -170,12 +176,12 @@ def test_text_and_markdown_flag_an_under_prediction():
     under = record_row("smol", 6144, real_peak=UNDER_PEAK)
     assert under.status == "UNDER"
     res = make_result([under])
-    md = h.render_markdown(res)
+    md = render_markdown(res)
     assert "UNDER-predicts" in md and "over-predicts, safe" not in md
-    line = table_lines(h.render_text(res), "SmolLM2-135M")[0]
+    line = table_lines(render_text(res), "SmolLM2-135M")[0]
     assert line.split()[-1] == "UNDER"
     assert f"{under.predicted / UNDER_PEAK:.3f}x" in line  # 0.787x, below 1
-    assert res.exit_code == h.EXIT_FINDING
+    assert res.exit_code == EXIT_FINDING
 
 
 def test_void_row_shows_void_and_no_ratio():
@@ -183,7 +189,7 @@ def test_void_row_shows_void_and_no_ratio():
     give a ratio: the row has no ratio by construction and the renderers print none."""
     # 1% off the record's peak, so no ratio of this row coincides with the record's own
     # figures, which the markdown prints beside each row.
-    peak = int(h.RECORD_A10G_PEAK[("smol", 2048)] * 1.01)
+    peak = int(RECORD_A10G_PEAK[("smol", 2048)] * 1.01)
     void = record_row("smol", 2048, real_peak=peak, realised_width=1900, realised_rows=(1900,))
     assert void.status == "VOID"
     assert void.pred_over_real is None and void.nonlogits_overestimate is None
@@ -191,18 +197,18 @@ def test_void_row_shows_void_and_no_ratio():
     ratio = f"{void.predicted / peak:.3f}x"
     over = f"{void.nonlogits_modelled / (peak - 12 * void.elements):.3f}x"
     res = make_result([void, record_row("smol", 4096, index=1)])
-    md = h.render_markdown(res)
+    md = render_markdown(res)
     head_row = next(line for line in md.splitlines() if line.startswith("| 2048 | 1900 |"))
     assert head_row.count("VOID") == 3  # pred/real, vs A10G, verdict
     assert ratio not in md and over not in md
-    text = h.render_text(res)
+    text = render_text(res)
     line = table_lines(text, "SmolLM2-135M")[0]
     assert line.split()[:2] == ["2048", "1900"]
     assert line.split()[-1] == "VOID"
     assert ratio not in text and over not in text
     assert "VOID - realised [1900] (width 1900) != requested 2048" in text
     assert "over 1 measured rows" in text  # the VOID row is not in the summary
-    assert res.exit_code == h.EXIT_FINDING
+    assert res.exit_code == EXIT_FINDING
 
 
 # --- JSON round trip and --from-json ------------------------------------------------
@@ -213,12 +219,12 @@ def saved(result, tmp_path_factory):
 
 
 def test_from_json_prints_the_same_tables_after_a_round_trip(saved, result, capfd):
-    back = h.Result.from_json(json.loads(saved.read_text()))
+    back = Result.from_json(json.loads(saved.read_text()))
     assert back.rows == result.rows  # every stored field, re-read exactly
     code, out, err = main(capfd, ["--from-json", saved])
-    assert out == h.render_text(result)
+    assert out == render_text(result)
     assert err == ""
-    assert code == h.EXIT_OK
+    assert code == EXIT_OK
 
 
 def _numbers(lines):
@@ -232,7 +238,7 @@ def test_from_json_of_the_committed_schema1_result_prints_its_sweep_tables(capfd
     printed = [line for line in SCHEMA1.with_suffix(".txt").read_text().splitlines()
                if not line.startswith("[arm ")]
     code, out, err = main(capfd, ["--from-json", SCHEMA1.with_suffix(".json")])
-    assert code == h.EXIT_OK, err
+    assert code == EXIT_OK, err
     assert err == ""
     new = out.splitlines()
     assert new[0] == printed[0]  # the stack header
@@ -255,8 +261,8 @@ def test_from_json_writes_markdown_and_a_valid_png_plot(saved, result, tmp_path,
 
     md, png = tmp_path / "record.md", tmp_path / "plot.png"
     code, out, err = main(capfd, ["--from-json", saved, "--markdown", md, "--plot", png])
-    assert code == h.EXIT_OK, err
-    assert md.read_text() == h.render_markdown(result)
+    assert code == EXIT_OK, err
+    assert md.read_text() == render_markdown(result)
     data = png.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n"
     with Image.open(png) as img:
@@ -264,7 +270,7 @@ def test_from_json_writes_markdown_and_a_valid_png_plot(saved, result, tmp_path,
     with Image.open(png) as img:
         width, height = img.size
     assert width >= 600 and height >= 400
-    assert h.render_plot(result)[:8] == b"\x89PNG\r\n\x1a\n"
+    assert render_plot(result)[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 _ENV_FIELDS = '"torch": "2", "transformers": "5", "trl": "0", "peft": "0", "soup_cli": "0", "weights": "x"'
@@ -324,13 +330,13 @@ def test_from_json_rejudges_an_edited_row_under_and_void(saved, tmp_path, capfd)
     (tmp_path / "void.json").write_text(json.dumps(void))
 
     code, out, err = main(capfd, ["--from-json", tmp_path / "under.json"])
-    assert code == h.EXIT_FINDING, err
+    assert code == EXIT_FINDING, err
     line = table_lines(out, "SmolLM2-135M")[0]
     assert line.split()[0] == "2048" and line.split()[-1] == "UNDER"
     assert line.split()[5] == "1.000x"  # predicted / (predicted + 1), rounded
 
     code, out, err = main(capfd, ["--from-json", tmp_path / "void.json"])
-    assert code == h.EXIT_FINDING, err
+    assert code == EXIT_FINDING, err
     line = table_lines(out, "SmolLM2-135M")[1]
     assert line.split()[:2] == ["3072", "1000"] and line.split()[-1] == "VOID"
     assert line.split()[5] == "VOID"
@@ -344,7 +350,7 @@ def test_from_json_compare_lists_the_byte_difference_of_the_same_arm(saved, tmp_
     other_path = tmp_path / "other.json"
     other_path.write_text(json.dumps(other))
     code, out, err = main(capfd, ["--from-json", saved, "--compare", other_path])
-    assert code == h.EXIT_OK, err
+    assert code == EXIT_OK, err
     assert "compare: A = in one process" in out
     assert "B = isolated, one fresh process per arm" in out
     line = next(x for x in out.splitlines() if x.split()[:2] == ["SmolLM2-135M", "2048"])
@@ -356,7 +362,7 @@ def test_compare_table_lists_only_arms_measured_in_both():
     a = make_result([record_row("smol", 4096, index=0), record_row("qwen", 2048, index=1)])
     b = make_result([record_row("smol", 4096, index=0, real_peak=2_649_300_000)])  # qwen absent
     b.environment["arms"] = "isolated, one fresh process per arm"
-    table = h.compare_table(a, b)
+    table = compare_table(a, b)
     lines = [line for line in table.splitlines() if "SmolLM2" in line or "Qwen" in line]
     assert len(lines) == 1
     cells = lines[0].split()
@@ -385,9 +391,9 @@ def finding(row, status):
 
 
 def test_exit_code_zero_when_every_row_is_ok(result):
-    assert result.exit_code == h.EXIT_OK
+    assert result.exit_code == EXIT_OK
     dry = make_result([make_row("smol", 64, dry_run=True)], measure=None, sdpa=None)
-    assert dry.rows[0].status == "dry-run" and dry.exit_code == h.EXIT_OK
+    assert dry.rows[0].status == "dry-run" and dry.exit_code == EXIT_OK
 
 
 @pytest.mark.parametrize("status", ["VOID", "OOM", "FAILED", "UNDER"])
@@ -396,39 +402,39 @@ def test_exit_code_one_for_any_finding(result, status):
     rows[3] = finding(rows[3], status)
     assert rows[3].status == status
     res = make_result(rows)
-    assert res.exit_code == h.EXIT_FINDING
-    assert h.Result.from_json(json.loads(json.dumps(res.to_json()))).exit_code == h.EXIT_FINDING
+    assert res.exit_code == EXIT_FINDING
+    assert Result.from_json(json.loads(json.dumps(res.to_json()))).exit_code == EXIT_FINDING
 
 
 def test_exit_code_one_for_a_finding_in_a_determinism_repeat(result):
     base = record_row("smol", 4096, index=0)
     repeats = [replace(base, repeat=1, pid=101), finding(replace(base, repeat=2, pid=102), "OOM")]
     res = make_result([base] + repeats)
-    assert res.exit_code == h.EXIT_FINDING
-    assert "repeat 2 OOM" in h.render_text(res)
-    assert make_result([base, repeats[0]]).exit_code == h.EXIT_OK
+    assert res.exit_code == EXIT_FINDING
+    assert "repeat 2 OOM" in render_text(res)
+    assert make_result([base, repeats[0]]).exit_code == EXIT_OK
 
 
 def test_exit_code_one_for_a_failed_control_or_a_harness_error(result):
-    assert make_result(control={"passed": False}).exit_code == h.EXIT_FINDING
-    assert make_result(control={"passed": True}).exit_code == h.EXIT_OK
-    assert make_result(error="RuntimeError: boom").exit_code == h.EXIT_FINDING
+    assert make_result(control={"passed": False}).exit_code == EXIT_FINDING
+    assert make_result(control={"passed": True}).exit_code == EXIT_OK
+    assert make_result(error="RuntimeError: boom").exit_code == EXIT_FINDING
 
 
 def test_exit_code_130_when_interrupted_even_with_findings(result):
-    assert make_result(interrupted=True).exit_code == h.EXIT_INTERRUPTED
+    assert make_result(interrupted=True).exit_code == EXIT_INTERRUPTED
     rows = list(result.rows)
     rows[0] = finding(rows[0], "VOID")
     res = make_result(rows, interrupted=True, control={"passed": False})
-    assert res.exit_code == h.EXIT_INTERRUPTED
+    assert res.exit_code == EXIT_INTERRUPTED
 
 
 def test_a_row_that_carried_bytes_from_earlier_arms_says_so_under_the_tables():
     clean = make_row("smol", 2048, index=0, real_peak=10**9, carried=0)
     carried = make_row("qwen", 2048, index=1, real_peak=4 * 10**9, carried=1024)
-    out = h.render_text(make_result([clean, carried]))
+    out = render_text(make_result([clean, carried]))
     assert "carried: 1 row(s) began with bytes earlier arms left allocated (up to 1,024)" in out
-    assert "carried" not in h.render_text(make_result([clean]))
-    assert h.Row.from_json(carried.to_json()).carried == 1024
+    assert "carried" not in render_text(make_result([clean]))
+    assert Row.from_json(carried.to_json()).carried == 1024
     with pytest.raises(ValueError, match="carried"):
-        h.Row.from_json(dict(carried.to_json(), carried=-1))
+        Row.from_json(dict(carried.to_json(), carried=-1))

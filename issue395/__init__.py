@@ -1,0 +1,5 @@
+"""The machinery behind issue395_second_stack_vram.py: everything that is not the protocol.
+
+One concern a module, each importing only what lies below it (README.md, "Layout").
+The package never imports the entry script: the script hands its measured arm in.
+"""

@@ -1,0 +1,146 @@
+"""Architecture-exact synthetic checkpoints: a tokenizer, the config, and weights of the right
+shape (peak VRAM depends on shapes and dtypes, not on weight values).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, Callable
+
+from .record import Shape
+from .shapes import NOT_ARCH
+
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+
+
+#: Each becomes one token, with and without its leading space ("Ġ" in byte-level BPE).
+TOKEN_WORDS = ("word", "hi", "user", "assistant", "system")
+
+
+BUILDER_VERSION = 5
+
+
+def hf_config(shape: Shape, eos_id: int = 2, pad_id: int = 0) -> Any:
+    """The transformers config of exactly the grid's shape, with the tokenizer's ids."""
+    from transformers import AutoConfig
+
+    kwargs = dict(tie_word_embeddings=True, hidden_act="silu") if shape.record else {}
+    kwargs.update({k: v for k, v in shape.arch.items() if k not in NOT_ARCH})
+    config = AutoConfig.for_model(
+        shape.model_type, vocab_size=shape.vocab, hidden_size=shape.hidden,
+        intermediate_size=shape.intermediate, num_hidden_layers=shape.n_layers,
+        max_position_embeddings=shape.max_positions, bos_token_id=None, eos_token_id=eos_id,
+        pad_token_id=pad_id, **kwargs)
+    rope = getattr(config, "rope_parameters", None)  # transformers 5 keeps rope_theta here
+    if isinstance(rope, dict) and "rope_theta" in shape.arch:
+        rope["rope_theta"] = shape.arch["rope_theta"]
+    config.dtype = "bfloat16"
+    return config
+
+
+def build_tokenizer(dest: Path) -> dict[str, int]:
+    """A byte-level BPE tokenizer in Qwen2's own layout: transformers 5 rebuilds a Qwen2 one with
+    its own pre-tokenizer whatever tokenizer.json says, so writing exactly that makes every
+    family load it alike, and every ``word`` of a row is one token."""
+    from tokenizers import Regex, Tokenizer, decoders, normalizers, pre_tokenizers
+    from tokenizers.models import BPE
+    from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    vocab: dict[str, int] = {}
+    for ch in bytes_to_unicode().values():
+        vocab.setdefault(ch, len(vocab))
+    merges: list[tuple[str, str]] = []
+    for word in TOKEN_WORDS:
+        acc = word[0]
+        for ch in word[1:]:
+            if acc + ch not in vocab:
+                merges.append((acc, ch))
+                vocab[acc + ch] = len(vocab)
+            acc += ch
+        merges.append(("\u0120", word))  # ranked after the word's chain: " word" is one token
+        vocab["\u0120" + word] = len(vocab)
+    for tok in SPECIAL_TOKENS:
+        vocab[tok] = len(vocab)
+    regex = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}|"
+             r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+    tk = Tokenizer(BPE(vocab=vocab, merges=merges, unk_token=None, continuing_subword_prefix="",
+                       end_of_word_suffix="", fuse_unk=False, byte_fallback=False))
+    tk.normalizer = normalizers.NFC()
+    tk.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(regex), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tk.decoder = decoders.ByteLevel()
+    PreTrainedTokenizerFast(
+        tokenizer_object=tk, bos_token=None, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+        unk_token=None, additional_special_tokens=["<|im_start|>", "<|im_end|>"],
+    ).save_pretrained(str(dest))
+    return {tok: vocab[tok] for tok in SPECIAL_TOKENS}
+
+
+def prepare_checkpoint(shape: Shape, dest: Path) -> Callable[[], dict[str, Any]]:
+    """A bf16 checkpoint of ``shape``: tokenizer and config now; the returned call writes the
+    weights and returns their manifest. That call may run in a thread beside a measured arm, so
+    it touches no global torch state (from_config sets the default dtype: the skeleton is made
+    here). Weights are small random values, never zeros (a zero model can take shortcuts)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    dest.mkdir(parents=True, exist_ok=True)
+    ids = build_tokenizer(dest)
+    config = hf_config(shape, eos_id=ids["<|im_end|>"], pad_id=ids["<|endoftext|>"])
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    tied = bool(getattr(config, "tie_word_embeddings", True))
+    plan = [(name, tuple(p.shape)) for name, p in skeleton.state_dict().items()
+            if not (tied and name == "lm_head.weight")]  # a tied head is the embedding
+    # Gemma scales by (1 + weight): its neutral norm is zeros; everyone else's is ones.
+    norm_value = 0.0 if shape.model_type.startswith("gemma") else 1.0
+    config.save_pretrained(str(dest))
+    del skeleton
+
+    def write_weights() -> dict[str, Any]:
+        from safetensors.torch import save_file
+
+        gen = torch.Generator().manual_seed(395)
+        # One random pool tiled from a moving offset, not half a billion normals one by one.
+        size = 1 << 20
+        pool = (torch.randn(2 * size, generator=gen, dtype=torch.float32) * 0.02).to(torch.bfloat16)
+        tensors: dict[str, Any] = {}
+        for i, (name, dims) in enumerate(plan):
+            n = math.prod(dims)
+            if "norm" in name:
+                tensors[name] = torch.full(dims, norm_value, dtype=torch.bfloat16)
+            else:
+                tensors[name] = tiled(pool[(i * 7919) % size:][:size], n).view(dims)
+        save_file(tensors, str(dest / "model.safetensors"), metadata={"format": "pt"})
+        return {"file_bytes": (dest / "model.safetensors").stat().st_size,
+                "tensors": {k: ["BF16", list(t.shape)] for k, t in tensors.items()}}
+
+    return write_weights
+
+
+def tiled(tile: Any, n: int) -> Any:
+    """``n`` values of ``tile`` repeated end to end, in a tensor owning exactly those ``n``: a
+    view of a repeated tile would keep the whole repeat alive (2 MiB for every small tensor)."""
+    import torch
+
+    size = tile.numel()
+    if n <= size:
+        return tile[:n].clone()
+    out = torch.empty(n, dtype=tile.dtype)
+    whole = n // size
+    out[:whole * size].view(whole, size).copy_(tile.expand(whole, size))
+    out[whole * size:] = tile[:n - whole * size]
+    return out
+
+
+def checkpoint_fingerprint(shape: Shape) -> str:
+    """Names a built checkpoint by everything that shapes it, so a cache is never stale."""
+    fields_ = {k: v for k, v in asdict(shape).items() if k not in ("name", "hub_id")}
+    fields_.update(tokenizer_words=TOKEN_WORDS, builder=BUILDER_VERSION)
+    return hashlib.sha256(json.dumps(fields_, sort_keys=True).encode()).hexdigest()[:12]

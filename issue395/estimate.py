@@ -1,0 +1,457 @@
+"""A corrected peak-VRAM estimate for one Soup layer-streamed LoRA step, from physical terms.
+
+Beside it, Soup's OWN pre-flight for the same run: Soup's ``estimate_stream_peak_vram``, read
+from the installed soup-cli's source with ``ast`` and executed in an isolated namespace, so
+neither torch nor soup_cli is imported. Stdlib only. Evidence is cited as PEAK (the shared
+PEAK.md) and as committed result files under results/.
+
+peak = resident + max(loss phase, layer phase) [+ steady-state terms when steps > 1]
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.metadata
+import importlib.util
+import json
+import math
+import os
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .errors import UsageError
+
+MiB = 2**20
+#: One cuBLAS workspace per thread on Hopper (PEAK "Resident": resident = pool + extras + 4 B x
+#: LoRA + 33,557,376 B; results/README.md "In-process against isolated arms": 32 MiB per thread).
+CUBLAS_WORKSPACE = 32 * MiB
+#: Three fp32 logits-shaped buffers at the loss backward (PEAK "Loss phase"; the --snapshot
+#: histories in results/h200-2026-11-30/ show exactly three fp32 logits blocks at the peak).
+LOGITS_BYTES = 12
+#: + the saved bf16 tanh output under final_logit_softcapping (PEAK: Gemma-2's 1.007x margin).
+SOFTCAP_EXTRA_BYTES = 2
+IDS_LABELS_BYTES_PER_TOKEN = 32  # input_ids, labels, attention mask, shifted labels: int64 each
+POSITION_BYTES = 8  # int64 position ids, one row per position
+#: Soup's LoRA dropout default (soup_cli config schema, lora.dropout=0.05): peft applies an
+#: nn.Dropout per targeted module, which saves a 1-byte mask and its output for lora_A.
+LORA_DROPOUT_MASK_BYTES = 1
+ADAM_MOMENT_BYTES = 8  # exp_avg + exp_avg_sq, fp32, from step 2 on (PEAK "Steps after the first")
+LORA_WEIGHT_BYTES = 4  # fp32 LoRA weights (PEAK "Resident")
+
+# -- CUDA caching allocator (default config, as measured): constants as in the torch wheel's
+# c10/core/AllocatorConfig.h; rules: CUDACachingAllocator.cpp get_allocation_size, shouldSplit --
+K_MIN_BLOCK_SIZE, K_SMALL_SIZE = 512, 1 * MiB  # 512 B rounding; small pool up to 1 MiB
+K_MIN_LARGE_ALLOC, K_ROUND_LARGE = 10 * MiB, 2 * MiB  # own segment from 10 MiB, in 2 MiB steps
+#: Segments first made for hidden-sized tensors (4hT fp32: RMSNorm's input copy, square, product;
+#: 2hT bf16), re-cut into checkpointed inputs whose last piece inherits the tail, live at the loss
+#: peak. The most the measured arms show, not a traced count: Qwen2.5 T=6144 4 x 1 MiB, T=5632
+#: 4 x 0.75 MiB past the logits' tails, SmolLM2 T=12288 4 x 1 MiB; Qwen2.5 T=11264 3 x 0.75 MiB.
+FP32_HIDDEN_SEGMENTS, BF16_HIDDEN_SEGMENTS = 4, 3
+
+# -- allowances: the only fitted numbers, each fitted on committed results only -------------
+#: Allocated bytes the physics misses: max(real - physics, 0) over every committed arm, in
+#: 0.5 MB steps (bench/leave_one_out.py fits it; a test checks it equals the all-family fit).
+#: Left after the allocator's rounding is charged: unattributed resident bytes (Qwen2.5 bf16
+#: +0.66 MB) and per-token bytes at batch > 1 (small vocab: ~50 B per extra token, largest on
+#: Mistral-7B bf16 16384x4, +2.62 MB). Refitted once seq 512 and 1024 were measured on every
+#: family (results/h200x2-2026-11-30-issue16/map-512-1024.json): Qwen2.5 bf16 1024x1 sat 0.28 MB
+#: under the 3.0 MB fitted before it (out of sample: 1 of 80 new arms under, by 0.012%).
+ALLOCATED_ALLOWANCE_BYTES = 3_500_000
+#: needs_free over allocated under expandable segments (what `soup train` sets). PEAK "What a
+#: card must hold": Mistral-7B NF4 512x1 reserved 1.5729 GB over 1.5215 GB allocated (+3.4%);
+#: a cap 1.8% above allocated completed, 0.2% above raised OOM. Charged: the +3.4% reserved.
+EXPANDABLE_RESERVE_FRACTION = 0.034
+#: ...plus a constant: --cap at allocated x 1.034 alone raised OOM on 4 of 12 arms (results/
+#: h200x2-2026-11-30-cap/cap-needs-free.txt), all small models, where reserved sits a near-constant
+#: 33-119 MB above allocated under expandable segments (SmolLM2 NF4 512x1: 0.4158 GB allocated,
+#: 0.5348 GB reserved; Mistral-7B NF4 2048x1: +174 MB at 2.26 GB). Fitted as the upper envelope
+#: of those committed reserved-over-allocated figures with the 3.4%: 128 MiB covers every one.
+EXPANDABLE_RESERVE_BYTES = 128 * 2**20
+
+RELEASES, QUANTS = ("0.73.3", "0.77.0"), ("none", "nf4")
+_SIZES = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+          "vocab_size")
+#: Past these no released checkpoint goes (largest public dense LLMs: h 16384, i 53248,
+#: 126 layers, 128 heads, vocab 256k; gemma3 262144): a bound that catches typos, not models.
+_LIMITS = {"hidden_size": 65536, "intermediate_size": 262144, "num_hidden_layers": 1024,
+           "num_attention_heads": 1024, "vocab_size": 2**21}
+
+
+# -- Soup's own pre-flight, computed by Soup's code without importing it --
+def _soup_dir() -> Path:
+    override = os.environ.get("ISSUE395_SOUP_SOURCE")  # another release's unpacked soup_cli/
+    if override:
+        return Path(override)
+    spec = importlib.util.find_spec("soup_cli")  # locates; does not import the package
+    if spec is None or not spec.submodule_search_locations:
+        raise UsageError("soup-cli is not installed, so Soup's own pre-flight cannot be computed")
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def installed_release() -> str:
+    meta = next(_soup_dir().parent.glob("soup_cli-*.dist-info"), None)
+    return meta.name[9:-10] if meta is not None else importlib.metadata.version("soup-cli")
+
+
+_SOUP_CACHE: dict = {}
+
+
+def soup_namespace() -> dict:
+    """Soup's estimator and every top-level name it reaches, exec'd from its source, nothing else."""
+    src = _soup_dir() / "utils" / "layer_stream.py"
+    if src in _SOUP_CACHE:
+        return _SOUP_CACHE[src]
+    tree = ast.parse(src.read_text(encoding="utf-8"))
+    defs = {}
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            defs[node.name] = node
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            for t in (node.targets if isinstance(node, ast.Assign) else [node.target]):
+                if isinstance(t, ast.Name):
+                    defs[t.id] = node
+    wanted, todo = set(), ["estimate_stream_peak_vram", "SUPPORTED_STREAM_ARCHS"]
+    while todo:
+        name = todo.pop()
+        if name in wanted or name not in defs:
+            continue
+        wanted.add(name)
+        todo.extend(n.id for n in ast.walk(defs[name]) if isinstance(n, ast.Name))
+    body = [n for n in tree.body if any(n is defs[w] for w in wanted)]
+    ns: dict = {"math": math, "__name__": "soup_layer_stream_extract"}
+    ns.update({k: getattr(typing, k) for k in typing.__all__})
+    exec(compile(ast.Module(body=body, type_ignores=[]), str(src), "exec"), ns)
+    _SOUP_CACHE[src] = ns
+    return ns
+
+
+def supported_archs() -> tuple:
+    return tuple(soup_namespace()["SUPPORTED_STREAM_ARCHS"])
+
+
+# -- The model's shape from its config.json --
+@dataclass(frozen=True)
+class Arch:
+    model_type: str
+    h: int; i: int; L: int; V: int  # noqa: E702 (hidden, intermediate, layers, vocab)
+    heads: int; kv: int; head_dim: int  # noqa: E702
+    tied: bool
+    max_pos: int; rotary_dim: int  # noqa: E702
+    window: int | None
+    softcap: bool
+    modules: dict = field(default_factory=dict)  # name -> (in, out, bias)
+    norms: int = 2  # per-layer norm weights of size h
+    norm_bias: bool = False
+    qk_norm: bool = False
+
+
+def arch_of(config: dict) -> Arch:
+    if not isinstance(config, dict):
+        raise UsageError(f"config must be a config.json dict, not {type(config).__name__}")
+    mt = config.get("model_type")
+    if mt not in supported_archs():
+        raise UsageError(f"model_type {mt!r} cannot be layer-streamed by Soup (it streams "
+                         f"{', '.join(supported_archs())})")
+    for name in _SIZES:
+        v = config.get(name)
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise UsageError(f"config {name} is {v!r}; it must be a whole number")
+        if not 1 <= v <= _LIMITS[name]:
+            raise UsageError(f"config {name} is {v}; no real model has that (1 to {_LIMITS[name]})")
+    h, i, L, V, nh = (config[n] for n in _SIZES[:2] + ("num_hidden_layers", "vocab_size",
+                                                         "num_attention_heads"))
+    kv = config.get("num_key_value_heads") or nh
+    hd = config.get("head_dim") or (h // nh if h % nh == 0 else None)
+    if not isinstance(kv, int) or not isinstance(hd, int) or nh % kv or hd < 1:
+        raise UsageError(f"config heads do not fit: {nh} heads, {kv} kv heads, head_dim {hd}")
+    qw, kw = nh * hd, kv * hd
+    max_pos = config.get("max_position_embeddings")
+    if isinstance(max_pos, bool) or not isinstance(max_pos, int) or max_pos < 1:
+        raise UsageError(f"config max_position_embeddings is {max_pos!r}; it must be a whole number")
+    if mt == "phi3":
+        mods = {"qkv_proj": (h, qw + 2 * kw, False), "o_proj": (qw, h, False),
+                "gate_up_proj": (h, 2 * i, False), "down_proj": (i, h, False)}
+    elif mt == "phi":
+        mods = {"q_proj": (h, qw, True), "k_proj": (h, kw, True), "v_proj": (h, kw, True),
+                "dense": (qw, h, True), "fc1": (h, i, True), "fc2": (i, h, True)}
+    else:
+        bias = mt == "qwen2" or bool(config.get("attention_bias"))
+        mlp_bias = bool(config.get("mlp_bias"))
+        mods = {"q_proj": (h, qw, bias), "k_proj": (h, kw, bias), "v_proj": (h, kw, bias),
+                "o_proj": (qw, h, mt != "qwen2" and bias), "gate_proj": (h, i, mlp_bias),
+                "up_proj": (h, i, mlp_bias), "down_proj": (i, h, mlp_bias)}
+    window = None if mt in ("qwen2", "qwen3") and not config.get("use_sliding_window") else \
+        config.get("sliding_window")
+    return Arch(mt, h, i, L, V, nh, kv, hd, bool(config.get("tie_word_embeddings", True)),
+                max_pos, int(hd * float(config.get("partial_rotary_factor") or 1.0)),
+                window if isinstance(window, int) and window > 0 else None,
+                bool(config.get("final_logit_softcapping")), mods,
+                norms=4 if mt in ("gemma2", "gemma3_text") else (1 if mt == "phi" else 2),
+                norm_bias=mt == "phi", qk_norm=mt in ("qwen3", "gemma3_text"))
+
+
+def _nf4_bytes(n: int) -> int:
+    """bitsandbytes NF4 + double quant, as Soup's shard stores it: packed nibbles, uint8
+    absmax per 64-block, fp32 nested absmax per 256 absmax, a 4-byte offset."""
+    blocks = -(-n // 64)
+    return -(-n // 2) + blocks + 4 * -(-blocks // 256) + 4
+
+
+def layer_bytes(a: Arch, quant: str) -> int:
+    """One streamed layer as Soup's shard header counts it (linears NF4 or bf16, the rest bf16)."""
+    out = 2 * a.h * a.norms * (2 if a.norm_bias else 1) + (4 * a.head_dim if a.qk_norm else 0)
+    for fan_in, fan_out, bias in a.modules.values():
+        out += (_nf4_bytes(fan_in * fan_out) if quant == "nf4" else 2 * fan_in * fan_out)
+        out += 2 * fan_out if bias else 0
+    return out
+
+
+def linear_elements(a: Arch) -> int:
+    return sum(fi * fo for fi, fo, _ in a.modules.values())
+
+
+def lora_params(a: Arch, targets: tuple, r: int) -> int:
+    return a.L * sum(r * (a.modules[t][0] + a.modules[t][1]) for t in targets)
+
+
+def soup_preflight(config: dict, *, quant: str, seq: int, batch: int, targets, lora_r: int,
+                   release: str | None = None) -> tuple[int, dict]:
+    """Soup's own number (computed by Soup's estimator) and the kwargs Soup's setup passes it.
+    0.77.0 moves an untied model's vocab matrices out of extras into one large-layer slot."""
+    a = arch_of(config)
+    release = release or installed_release()
+    if release not in RELEASES:
+        raise UsageError(f"release {release!r} is not one this knows ({', '.join(RELEASES)})")
+    norm = 2 * a.h * (2 if a.norm_bias else 1)
+    vocab_mat = 2 * a.V * a.h
+    head_bias = 2 * a.V if a.model_type == "phi" and not a.tied else 0
+    terms = {"layer_bytes": layer_bytes(a, quant), "buffers": 2}
+    if release == "0.73.3" or a.tied:
+        terms["extras_bytes"] = vocab_mat * (1 if a.tied else 2) + norm + head_bias
+    else:
+        terms["extras_bytes"] = norm + head_bias
+    # Soup's _estimate_adapter_params: layers x n_targets x 2 x r x hidden
+    terms["adapter_params"] = a.L * len(targets) * 2 * lora_r * a.h
+    terms.update(vocab_size=a.V, hidden_size=a.h, intermediate_size=a.i, n_layers=a.L,
+                 seq_len=seq, batch_size=batch, logits_bytes_per_element=14.0)
+    if release == "0.77.0":
+        terms.update(large_layer_bytes=0 if a.tied else vocab_mat, persistent_bytes=0,
+                     loss_chunk=None)
+    fn = soup_namespace()["estimate_stream_peak_vram"]
+    kwargs = dict(terms)
+    params = fn.__code__.co_varnames[:fn.__code__.co_argcount + fn.__code__.co_kwonlyargcount]
+    if "large_layer_bytes" not in params:  # 0.77.0's kwargs on 0.73.3's code: its sum is the same
+        kwargs["extras_bytes"] += kwargs.pop("large_layer_bytes", 0) + kwargs.pop("persistent_bytes", 0)
+        kwargs.pop("loss_chunk", None)
+    return int(fn(**kwargs)), terms
+
+
+# -- The physical terms (bytes) --
+def pool(a: Arch, quant: str) -> int:
+    """Two streamed layer buffers (NF4 packed with absmax, or bf16). PEAK "Resident": from the
+    public shape they equal Soup's shard bytes to within 36 B; bf16 resident in map-2gpu.json is
+    exact to 1 KiB for 7 of 11 families."""
+    return 2 * layer_bytes(a, quant)
+
+
+def extras(a: Arch, release: str) -> int:
+    """Embedding, final norm, untied head. 0.77.0 keeps one vocab slot for an untied model:
+    every untied peak falls by V x h x 2 (results/compare-untied-soup077-vs-073.txt)."""
+    heads = 1 if a.tied or release != "0.73.3" else 2
+    return 2 * a.V * a.h * heads + 2 * a.h * (2 if a.norm_bias else 1) + (
+        2 * a.V if a.model_type == "phi" and not a.tied else 0)
+
+
+def lora_weights(n: int) -> int:
+    """LoRA A and B in fp32, 4 B a parameter (PEAK "Resident")."""
+    return LORA_WEIGHT_BYTES * n
+
+
+def logits(a: Arch, T: int) -> int:
+    """Loss backward: 3 fp32 logits buffers, 12 B/element; 14 B under final softcapping (PEAK
+    "Loss phase"; --snapshot: three fp32 blocks, no bf16 one; Gemma-2 margin 1.007x)."""
+    return (LOGITS_BYTES + (SOFTCAP_EXTRA_BYTES if a.softcap else 0)) * T * a.V
+
+
+def checkpointed_inputs(a: Arch, quant: str, T: int) -> int:
+    """Each layer's saved input, 2hL B/token; phi NF4 (4L-2)h: its residual is fp32 after layer 0
+    (PEAK: phi-2 NF4 2048x1 325.1 MB and 2048x4 1,300.2 MB above bf16 = 31 T h 2)."""
+    return T * a.h * ((4 * a.L - 2) if (a.model_type == "phi" and quant == "nf4") else 2 * a.L)
+
+
+def final_norm(a: Arch, T: int) -> int:
+    """The final norm's fp32 copy of its input, 4h B/token, live at the loss peak (PEAK)."""
+    return 4 * a.h * T
+
+
+def ids_labels(T: int) -> int:
+    """Token ids and labels, ~32 B/token (PEAK "Loss phase")."""
+    return IDS_LABELS_BYTES_PER_TOKEN * T
+
+
+def position_ids(seq: int) -> int:
+    """int64 position ids, 8 B/position, batch-independent (PEAK)."""
+    return POSITION_BYTES * seq
+
+
+def rotary_tables(a: Arch, seq: int) -> int:
+    """cos+sin, bf16, rotary dim x seq each: 4 x rd x seq per table; Gemma-3 keeps a global and a
+    local one (PEAK "Loss phase")."""
+    return 4 * a.rotary_dim * seq * (2 if a.model_type == "gemma3_text" else 1)
+
+
+def sliding_mask(a: Arch, seq: int, batch: int) -> int:
+    """A bool seq x seq mask per row once seq >= the window; none below it (PEAK: Gemma-2 from
+    4096, Gemma-3 from 512, Phi-3 from 2047)."""
+    return seq * seq * batch if a.window and seq >= a.window else 0
+
+
+def segment_tail(size: int) -> int:
+    """Bytes a live block of ``size`` requested bytes holds past its request in the segment made
+    for it: requests round to 512 B; from 10 MiB one gets its own segment rounded up to 2 MiB,
+    split only if the rest exceeds 1 MiB, so a rest up to 1 MiB stays in the block and counts in
+    memory_allocated (smaller requests are cut from shared 2/20 MiB segments: no tail). Evidence:
+    Qwen2.5 2048x1's allocator history replays 3,145,728 B (3 x 1 MiB) under the measured peak;
+    its fp32 logits requests are 1,244,659,712 B, in 1,245,708,288 B segments (review-check)."""
+    size = max(K_MIN_BLOCK_SIZE, -(-size // K_MIN_BLOCK_SIZE) * K_MIN_BLOCK_SIZE)
+    rest = -(-size // K_ROUND_LARGE) * K_ROUND_LARGE - size
+    if size < K_MIN_LARGE_ALLOC:
+        return 0
+    return rest if rest <= K_SMALL_SIZE else 0
+
+
+def resident_rounding(a: Arch, quant: str, release: str) -> int:
+    """segment_tail of each resident tensor: every vocab matrix (materialize_extras) and each
+    linear weight in both pool slots (LayerBufferPool: a torch.empty per tensor; NF4 packed n/2 B).
+    Evidence: resident is +1,049,088 B over pool+extras+LoRA+workspace on Llama-3.2-1B and Gemma-2
+    (vocab tail 1 MiB), Phi-3 +262,144 B on 0.73.3 (two heads) and +131,072 B on 0.77.0 (one)."""
+    heads = 1 if a.tied or release != "0.73.3" else 2
+    out = heads * segment_tail(2 * a.V * a.h)
+    for fan_in, fan_out, _ in a.modules.values():
+        n = fan_in * fan_out
+        out += 2 * segment_tail(2 * n if quant == "none" else -(-n // 2))
+    return out
+
+
+def allocator_rounding(a: Arch, T: int) -> int:
+    """segment_tail of the large blocks live at the loss peak: the three fp32 logits buffers (4TV
+    each, fresh: nothing cached is that large; why Soup's probe reads 12.0101 B/element at vocab
+    151936, 12.0 elsewhere) and the hidden-sized segments (*_HIDDEN_SEGMENTS)."""
+    return (3 * segment_tail(4 * T * a.V) + FP32_HIDDEN_SEGMENTS * segment_tail(4 * T * a.h)
+            + BF16_HIDDEN_SEGMENTS * segment_tail(2 * T * a.h))
+
+
+def dequantised_layer(a: Arch, quant: str) -> int:
+    """W16: under NF4 Soup's _dequant_forward dequantises each linear to bf16 and F.linear saves
+    it for backward (PEAK "Layer phase": Mistral-7B NF4 512x1 history, 3 x 117,440,512 B +
+    4096x4096 blocks from bitsandbytes' dequantize at the peak). bf16 weights are the pool."""
+    return 2 * linear_elements(a) if quant == "nf4" else 0
+
+
+def layer_per_token(a: Arch, quant: str, targets: tuple, r: int) -> int:
+    """What the recomputed layer saves per token plus the MLP backward's transients, op by op
+    (act = 2 B, 4 B for phi NF4 whose residual is fp32). Each RMSNorm saves an fp32 copy of its
+    input (4h); each LoRA module saves its dropout output (act x in) and mask (1 x in) and
+    lora_A's output (act x r); rotary writes new q and k (act x (q + kv)); SDPA saves q, k, v,
+    its output and fp32 logsumexp; Qwen3/Gemma-3 q/k norms save fp32 q and k; the incoming
+    gradient (act x h). MLP: gate, act(gate), up saved (3i), and at the mul backward the down
+    grad and the two mul grads (3i): 6i; phi's python gelu_new saves 4 i-sized tensors: 7i.
+    Evidence: PEAK counts about 258 KB/token for Mistral-7B, this count's figure."""
+    act = 4 if (a.model_type == "phi" and quant == "nf4") else 2
+    qw, kw = a.heads * a.head_dim, a.kv * a.head_dim
+    b = 4 * a.h * (a.norms if a.model_type != "phi" else 0)
+    b += sum(act * a.modules[t][0] + LORA_DROPOUT_MASK_BYTES * a.modules[t][0] + act * r
+             for t in targets)
+    v = (qw + 2 * kw) if a.model_type == "phi3" else kw  # phi3: v is a view of the fused qkv
+    b += act * (qw + kw + v + qw) + 4 * a.heads + act * a.h
+    b += 4 * (qw + kw) if a.qk_norm else 0
+    b += act * a.i * (7 if a.model_type == "phi" else 6)
+    return b
+
+
+# -- The estimate --
+@dataclass(frozen=True)
+class Estimate:
+    seq: int; batch: int; quant: str; steps: int; release: str  # noqa: E702
+    soup_predicted: int
+    soup_terms: dict
+    corrected_predicted: int
+    needs_free: int
+    phase: str  # 'loss' or 'layer'
+    terms: dict  # ordered: each physical term in bytes
+
+    def to_json(self) -> dict:
+        return {k: dict(v) if isinstance(v, dict) else v for k, v in vars(self).items()}
+
+
+def _whole(name: str, v, low: int = 1) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v < low:
+        raise UsageError(f"{name} is {v!r}; it must be a whole number >= {low}")
+    return v
+
+
+def default_targets(config: dict) -> tuple:
+    """The protocol's q_proj/v_proj; Phi-3 fuses them into qkv_proj (FAMILIES.md)."""
+    return ("qkv_proj",) if config.get("model_type") == "phi3" else ("q_proj", "v_proj")
+
+
+def estimate(config: dict, *, quant: str = "none", seq: int, batch: int = 1, targets=None,
+             lora_r: int = 8, steps: int = 1, release: str | None = None,
+             allowance: int | None = None) -> Estimate:
+    """Soup's own pre-flight and the corrected peak for one (seq, batch). ``targets=None`` is the
+    protocol's (q_proj, v_proj), or qkv_proj on Phi-3. ``allowance`` overrides the fitted
+    ALLOCATED_ALLOWANCE_BYTES (the leave-one-family-out fit passes its own)."""
+    a = arch_of(config)
+    if quant not in QUANTS:
+        raise UsageError(f"quant {quant!r} is not one Soup streams ({', '.join(QUANTS)})")
+    seq, batch = _whole("seq", seq), _whole("batch", batch)
+    lora_r, steps = _whole("lora_r", lora_r), _whole("steps", steps)
+    if seq > a.max_pos:
+        raise UsageError(f"seq {seq} is past the model's max_position_embeddings {a.max_pos}")
+    targets = default_targets(config) if targets is None else targets
+    targets = (targets,) if isinstance(targets, str) else tuple(targets)
+    missing = [t for t in targets if t not in a.modules]
+    if not targets or missing:
+        raise UsageError(f"LoRA target(s) {', '.join(missing) or '(none)'} not in a {a.model_type}"
+                         f" layer (it has {', '.join(a.modules)})")
+    release = release or installed_release()
+    soup, soup_terms = soup_preflight(config, quant=quant, seq=seq, batch=batch, targets=targets,
+                                      lora_r=lora_r, release=release)
+    T, n = seq * batch, lora_params(a, targets, lora_r)
+    t = {"pool": pool(a, quant), "extras": extras(a, release), "lora_weights": lora_weights(n),
+         "cublas_workspace": CUBLAS_WORKSPACE, "logits": logits(a, T),
+         "resident_rounding": resident_rounding(a, quant, release),
+         "allocator_rounding": allocator_rounding(a, T),
+         "checkpointed_inputs": checkpointed_inputs(a, quant, T), "final_norm": final_norm(a, T),
+         "ids_labels": ids_labels(T), "position_ids": position_ids(seq),
+         "rotary_tables": rotary_tables(a, seq), "sliding_mask": sliding_mask(a, seq, batch),
+         "dequantised_layer": dequantised_layer(a, quant),
+         "layer_per_token": T * layer_per_token(a, quant, targets, lora_r),
+         "autograd_workspace": CUBLAS_WORKSPACE}
+    shared = sum(t[k] for k in ("checkpointed_inputs", "ids_labels", "position_ids",
+                                "rotary_tables", "sliding_mask"))
+    loss = shared + t["logits"] + t["final_norm"] + t["allocator_rounding"]
+    layer = shared + t["dequantised_layer"] + t["layer_per_token"] + t["autograd_workspace"]
+    resident = (t["pool"] + t["extras"] + t["lora_weights"] + t["cublas_workspace"]
+                + t["resident_rounding"])
+    steady = 0
+    if steps > 1:  # Adam's moments, and the autograd thread's workspace now resident
+        t["adam_moments"] = ADAM_MOMENT_BYTES * n
+        steady = t["adam_moments"] + (CUBLAS_WORKSPACE if loss >= layer else 0)
+    t["allocated_allowance"] = ALLOCATED_ALLOWANCE_BYTES if allowance is None else allowance
+    corrected = resident + max(loss, layer) + steady + t["allocated_allowance"]
+    return Estimate(seq, batch, quant, steps, release, soup, soup_terms, corrected,
+                    needs_free(corrected), "loss" if loss >= layer else "layer", t)
+
+
+def needs_free(allocated: int) -> int:
+    """Free bytes a card must have: allocated plus the expandable-segments reserve allowance."""
+    return math.ceil(allocated * (1 + EXPANDABLE_RESERVE_FRACTION)) + EXPANDABLE_RESERVE_BYTES
+
+
+def config_from_file(path: str) -> dict:
+    try:
+        return json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"{path}: not a readable config.json ({type(exc).__name__})") from None

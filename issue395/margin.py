@@ -1,0 +1,117 @@
+"""The margin map: its grid, Soup's estimator split into its terms, and where an arm's margin goes.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable, Optional
+
+from .cuda import logits_kind
+from .record import MAP_SEQS, Arm, Shape
+from .row import Row
+from .shapes import max_positions
+
+#: Soup's published streamed NF4 peak (Llama-3.1-8B, batch 1 x seq 512; FAMILIES.md): bytes
+#: allocated, from its v0.73.1 test docstring (issue #349). The map holds one arm against it.
+PUBLISHED_NF4 = {("llama31-8b", "nf4", 512, 1): 3_411_600_000}
+
+
+def plan_map(families: Iterable[str], quants: Iterable[str], seqs: Optional[Iterable[int]],
+             batches: Iterable[int]) -> list[Arm]:
+    """The map's grid, in order: family, quantization, seq (within the family's max
+    positions), batch. Llama-3.1-8B is there for its published NF4 arm, batch 1 x seq 512."""
+    arms: list[Arm] = []
+    for fam in families:
+        published = [k for k in PUBLISHED_NF4 if k[0] == fam]
+        for quant in quants:
+            grid = seqs or (tuple(sorted({k[2] for k in published if k[1] == quant})) if published
+                            else MAP_SEQS)
+            for seq in (q for q in grid if q <= max_positions(fam)):
+                for batch in (batches if seqs or not published else (1,)):
+                    arms.append(Arm(fam, seq, batch, len(arms), quant))
+    return arms
+
+
+def shape_classes(shape: Shape, seq: int, batch: int) -> Callable[[int], str]:
+    """Names a block live at the peak by its shape, for the estimator term meant to charge it:
+    logits, activations (attention scores, small multiples of hidden or intermediate), rest."""
+    elements, tokens = seq * shape.vocab * batch, seq * batch
+
+    def classify(size: int) -> str:
+        if logits_kind(size, elements):
+            return "logits"
+        if size % (seq * seq) == 0 and size // (seq * seq) <= 4 * batch * 64:
+            return "activations"  # attention scores: batch x heads x seq^2
+        for dim in (shape.intermediate, shape.hidden):
+            if size % (tokens * dim) == 0 and size // (tokens * dim) <= 16:
+                return "activations"
+        return "rest"
+
+    return classify
+
+
+def estimator_terms(kwargs: dict[str, Any], predicted: int) -> dict[str, int]:
+    """Soup's prediction split into its terms, by Soup's own term functions, from the exact
+    arguments its pre-flight passed; "rest" is its fixed slack and any term a later Soup adds."""
+    from soup_cli.utils import layer_stream as ls
+
+    kw = kwargs
+    terms = {
+        "weights": kw["layer_bytes"] * kw["buffers"] + kw["extras_bytes"] + kw.get("large_layer_bytes", 0)
+        + kw.get("persistent_bytes", 0),
+        "logits": int(ls.estimate_logits_bytes(vocab_size=kw["vocab_size"], seq_len=kw["seq_len"],
+                                               batch_size=kw.get("batch_size", 1),
+                                               bytes_per_element=kw.get("logits_bytes_per_element"))),
+        "activations": int(ls.estimate_activation_bytes(
+            hidden_size=kw["hidden_size"], intermediate_size=kw["intermediate_size"],
+            n_layers=kw["n_layers"], seq_len=kw["seq_len"], batch_size=kw.get("batch_size", 1),
+            dtype=kw.get("dtype", "bfloat16"))),
+    }
+    terms["rest"] = predicted - sum(terms.values())  # optimizer state, slack, anything newer
+    return terms
+
+
+def margin_breakdown(row: Row) -> dict[str, Any]:
+    """Where one arm's margin goes: each estimator term against the blocks live at the peak
+    that it is meant to charge, and, where the margin is thin, which term misses what."""
+    a = row.attribution
+    classes, tokens = a.get("classes") or {}, row.seq * row.batch
+    measured = {"weights": a["resident_at_peak"], "logits": classes.get("logits", 0),
+                "activations": classes.get("activations", 0), "rest": classes.get("rest", 0)}
+    charged = estimator_terms(row.soup_terms, row.soup_predicted)
+    per = {"logits": (row.elements, "per logits element"), "activations": (tokens, "per token")}
+    terms = [{"term": t, "charged": charged[t], "measured": measured[t],
+              "missed": measured[t] - charged[t], "per": per.get(t)} for t in charged]
+    ratio = row.soup_predicted / row.real_peak
+    worst = max(terms, key=lambda t: t["missed"])
+    note = None
+    if ratio < 1.05 and worst["missed"] > 0:
+        unit = worst["per"]
+        note = (f"{row.model} {row.quant} seq {row.seq} batch {row.batch}: margin {ratio - 1:+.1%}; the "
+                f"{worst['term']} term misses {worst['missed'] / 1e6:.1f} MB"
+                + (f" ({worst['missed'] / unit[0]:.2f} bytes {unit[1]}): charging that much more "
+                   f"{unit[1]} would cover it" if unit else ""))
+    return {"model": row.model, "model_key": row.model_key, "quant": row.quant, "seq": row.seq,
+            "batch": row.batch, "real_peak": row.real_peak, "soup_predicted": row.soup_predicted,
+            "ratio": ratio, "complete": bool(a.get("complete")), "terms": terms, "note": note}
+
+
+def thinnest(margins: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Of margins attributed in several shards: each family's thinnest, and every UNDER."""
+    keep = {}
+    for m in margins:
+        key = (m["model_key"],) if m["ratio"] >= 1 else (m["model_key"], m["quant"], m["seq"], m["batch"])
+        if key not in keep or m["ratio"] < keep[key]["ratio"]:
+            keep[key] = m
+    return list(keep.values())
+
+
+def margin_arms(rows: list[Row]) -> list[Arm]:
+    """The arms worth attributing: the tightest measured row of each family, and every UNDER."""
+    picked: dict[int, Row] = {}
+    for fam in dict.fromkeys(r.model_key for r in rows):
+        measured = [r for r in rows if r.model_key == fam and r.measured and r.soup_predicted]
+        if measured:
+            tight = min(measured, key=lambda r: r.margin_ratio)
+            picked[tight.index] = tight
+    picked.update({r.index: r for r in rows if r.status == "UNDER"})
+    return [Arm(r.model_key, r.seq, r.batch, r.index, r.quant) for _, r in sorted(picked.items())]

@@ -1,0 +1,405 @@
+"""The command line, settled once into a Run: every check that needs no GPU and no Soup setup.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import stat
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Iterable, Optional
+
+from .errors import UsageError
+from .margin import plan_map
+from .record import MAP_BATCHES, QUANTS, RECORD_GRID, SHAPES, Arm, plan_arms
+from .result import RowFile
+from .scratch import soup_shard_root
+from .shapes import ALL_FAMILIES, bitsandbytes_present, config_json, config_only, max_positions
+
+EPILOG = f"""defaults:
+  arms       SmolLM2-135M at seq {','.join(map(str, RECORD_GRID['smol']))} and Qwen2.5-0.5B at seq
+             {','.join(map(str, RECORD_GRID['qwen']))}, batch 1 (the record's grid)
+  weights    synthetic: architecture-exact checkpoints built here, no network
+  cache-dir  none: everything is built in a scratch folder removed at exit. A --cache-dir
+             must lie under $HOME, the working directory or the temp dir, where Soup honours
+             it; every folder an option names is created when missing.
+
+exit codes:
+  0    every row ok (prediction at or above the real peak, realised == requested); in a
+       dry run, every row realised as requested. REFUSED (Soup's gate said the run will not
+       fit) and SKIPPED (NF4 without bitsandbytes) rows are not findings
+  1    any row VOID (realised != requested), OOM, FAILED or UNDER (prediction below the
+       real peak), the snapshot's positive control failed, or the harness failed
+  2    usage error, or an output that could not be written (one line on stderr)
+  130  interrupted (rows measured so far are printed and saved)
+"""
+
+
+@dataclass(frozen=True)
+class Run:
+    """Everything the command line asked for, validated once; nothing changes it afterwards."""
+
+    sweep: bool = True
+    map: bool = False  # --map: models are families, with a quantization axis
+    quants: tuple = ("none",)
+    measure: bool = False
+    sdpa: bool = False
+    repeats: Optional[int] = None  # --determinism N
+    models: tuple = tuple(SHAPES)
+    seqs: Optional[tuple] = None  # None: the record's grid per model
+    batches: tuple = (1,)
+    custom_model: Optional[str] = None
+    weights: str = "synthetic"
+    dry_run: bool = False
+    verbose: bool = False
+    snapshot: bool = False
+    snapshot_dir: Optional[str] = None
+    log_dir: Optional[str] = None
+    cache_dir: Optional[str] = None
+    isolate: bool = False
+    cap: Optional[str] = None  # --cap: which prediction caps each arm's allocator
+    gpus: Optional[tuple] = None
+    shard: Optional[tuple] = None
+    json: Optional[str] = None
+    markdown: Optional[str] = None
+    plot: Optional[str] = None
+    from_json: tuple = ()
+    compare: Optional[str] = None
+    steps: int = 1  # optimizer steps per arm (the protocol's 1)
+    estimate: bool = False  # --estimate: the config, not a GPU
+    estimate_config: Optional[dict] = None
+    cards: tuple = ()
+    targets: Optional[tuple] = None
+    lora_r: int = 8
+    child: bool = False  # a child of --gpus, --isolate or --determinism (never the command line)
+    repeat_tag: Optional[int] = None  # a child's repeat of --determinism
+    argv: tuple = ()
+
+    @property
+    def determinism_grid(self) -> tuple[tuple, Optional[tuple], tuple]:
+        """The record's two repeated arms, unless the command line chose others."""
+        if self.custom_model or self.seqs or self.models != tuple(SHAPES) or self.batches != (1,):
+            return self.models, self.seqs, self.batches
+        return ("smol",), (4096, 6144), (1,)
+
+
+def run_from_json(data: dict[str, Any]) -> Run:
+    """A Run as ``dataclasses.asdict`` wrote it (a child's job file): JSON lists back to tuples."""
+    return Run(**{k: tuple(v) if isinstance(v, list) else v for k, v in data.items()})
+
+
+#: What --cap caps each arm at: Soup's own pre-flight, the corrected allocated peak or needs-free
+#: (issue395.estimate), or nothing (the control).
+CAPS = ("soup", "corrected", "needs-free", "off")
+NO_CUDA = ("CUDA is required for the real peak and no CUDA GPU is visible; --dry-run runs the whole "
+           "Soup setup and the guard on CPU")
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, exit 2, no usage dump
+        raise UsageError(message)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = Parser(prog="issue395_second_stack_vram.py", epilog=EPILOG,
+               description="Re-measure Soup's stream peak-VRAM pre-flight (the issue #395 record).",
+               formatter_class=argparse.RawDescriptionHelpFormatter)
+    m = p.add_argument_group("modes (default: the sweep)")
+    m.add_argument("--sweep", action="store_true", help="run the sweep alongside other modes")
+    m.add_argument("--measure", action="store_true", help="Soup's logits bytes-per-element probe")
+    m.add_argument("--sdpa", action="store_true", help="attention's extra allocation per backend")
+    m.add_argument("--map", action="store_true",
+                   help="the margin map: every family Soup streams x {none, nf4} x seq {512, 1024, 2048, "
+                        "4096, 8192, 16384} (within max positions) x batch {1, 4}, and where the margin goes")
+    m.add_argument("--estimate", action="store_true",
+                   help="does a run fit? Soup's own pre-flight and the corrected estimate, term by term, "
+                        "from --model CONFIG.json or a family, on CPU (no torch, no GPU)")
+    m.add_argument("--determinism", nargs="?", const="2", default=None, metavar="N",
+                   help="repeat arms in N fresh processes (default 2; default arms: SmolLM2 at 4096 and 6144)")
+    a = p.add_argument_group("arms")
+    a.add_argument("--models", default=None, help="comma list of smol,qwen (default both)")
+    a.add_argument("--families", default=None, help="with --map: comma list of families (default "
+                   "all: " + ",".join(ALL_FAMILIES) + ")")
+    a.add_argument("--quant", default=None, help="with --map: comma list of none,nf4 (default both; "
+                   "nf4 needs bitsandbytes)")
+    a.add_argument("--seq", default=None, help="comma list of seq lengths for every chosen model "
+                   "(default: the record's grid)")
+    a.add_argument("--batch", default=None, help="comma list of batch sizes (default 1; --map: 1,4)")
+    a.add_argument("--model", default=None, metavar="ID_OR_PATH",
+                   help="any causal LM Soup can stream, instead of the record's models (needs --seq): "
+                        "a checkpoint folder, a hub id, or a config.json (synthetic weights built from it)")
+    a.add_argument("--weights", choices=("synthetic", "hub"), default="synthetic",
+                   help="synthetic (default): build architecture-exact checkpoints here; hub: download")
+    a.add_argument("--cache-dir", default=None, help="keep built checkpoints and Soup's shards here "
+                   "(under $HOME, the working directory or the temp dir)")
+    a.add_argument("--steps", default=None, help="optimizer steps per arm, the peak over all of them "
+                   "(default 1, the protocol's; with --estimate: the steady-state peak)")
+    e = p.add_argument_group("--estimate")
+    e.add_argument("--card", default=None, help="comma list of card sizes to fit (24GB = 24e9 bytes, "
+                   "24GiB = 24 x 2^30): fits, and the longest seq that fits")
+    e.add_argument("--targets", default=None, help="comma list of LoRA targets (default q_proj,v_proj; "
+                   "Phi-3: qkv_proj)")
+    e.add_argument("--lora-r", default=None, help="LoRA rank (default 8)")
+    r = p.add_argument_group("running")
+    r.add_argument("--dry-run", action="store_true", help="everything but the CUDA step, on CPU")
+    r.add_argument("--isolate", action="store_true", help="each arm in its own fresh process")
+    r.add_argument("--cap", default=None, choices=CAPS,
+                   help="each arm in a fresh process with the caching allocator capped (set_per_process_memory_"
+                        "fraction) at Soup's own pre-flight, the corrected allocated peak, or the corrected "
+                        "needs-free; 'off' is the control (no cap); always with expandable_segments, as soup train")
+    r.add_argument("--gpus", default=None, help="comma list of GPU ids: one shard per GPU, merged")
+    r.add_argument("--shard", default=None, metavar="K/N",
+                   help="run only the arms whose grid index is K-1 modulo N (on the map: whole "
+                        "families, dealt evenly); merge with --from-json")
+    r.add_argument("--snapshot", action="store_true",
+                   help="attribute each peak from the allocator history (+ positive control)")
+    r.add_argument("--snapshot-dir", default=None, help="also write each raw snapshot here (implies --snapshot)")
+    r.add_argument("--verbose", action="store_true", help="show Soup's own console output live")
+    r.add_argument("--log-dir", default=None, help="keep Soup's per-arm console logs here")
+    o = p.add_argument_group("outputs")
+    o.add_argument("--json", default=None, metavar="PATH", help="every row, result and timing")
+    o.add_argument("--markdown", default=None, metavar="PATH", help="a record ready to paste")
+    o.add_argument("--plot", default=None, metavar="PATH", help="PNG of pred/real against seq")
+    o.add_argument("--from-json", nargs="+", default=None, metavar="PATH",
+                   help="re-render saved results, merging shards (no GPU, no Soup setup)")
+    o.add_argument("--compare", default=None, metavar="PATH",
+                   help="with --from-json: the same arms' peaks in another saved result")
+    return p
+
+
+def parse_ints(flag: str, text: Optional[str], minimum: int = 1) -> Optional[tuple]:
+    if text is None:
+        return None
+    items = [i.strip() for i in text.split(",")]
+    if not all(items):
+        raise UsageError(f"{flag} {text!r}: empty item; give a comma list of whole numbers")
+    out: list[int] = []
+    for item in items:
+        if not (item.isascii() and item.lstrip("-").isdigit()):
+            raise UsageError(f"{flag} {item!r} is not a whole number")
+        if int(item) < minimum:
+            raise UsageError(f"{flag} {int(item)} must be at least {minimum}")
+        if int(item) in out:
+            raise UsageError(f"{flag} {text}: {int(item)} is named twice")
+        out.append(int(item))
+    return tuple(out)
+
+
+def within_positions(name: str, limit: int, seqs: Iterable[int]) -> None:
+    """A seq beyond a model's positions is one line here, not a FAILED row (0: no limit known)."""
+    beyond = [s for s in seqs if limit and s > limit]
+    if beyond:
+        raise UsageError(f"--seq {beyond[0]} is beyond {name}'s maximum positions ({limit})")
+
+
+def writable_folder(flag: str, folder: str) -> None:
+    """A folder the tool may write into: it exists, or the nearest one above it is writable."""
+    p = Path(folder).expanduser().absolute()
+    if p.exists() and not p.is_dir():
+        raise UsageError(f"{flag} {folder}: not a folder")
+    while not p.exists():
+        p = p.parent
+    if not p.is_dir() or not os.access(p, os.W_OK):
+        raise UsageError(f"{flag} {folder}: {p} cannot be written")
+
+
+def check_output(flag: str, path: str) -> None:
+    if flag == "--plot" and Path(path).suffix.lower() != ".png":
+        raise UsageError(f"--plot {path}: the plot is a PNG; give a path ending in .png")
+    if Path(path).is_dir():
+        raise UsageError(f"{flag} {path} is a folder; give a file path")
+    if not Path(os.path.realpath(path)).exists():
+        writable_folder(flag, os.path.dirname(os.path.realpath(path)))
+
+
+def check_input(flag: str, path: str) -> None:
+    """A saved result to read: a regular file (a FIFO would hang, /dev/zero never ends)."""
+    try:
+        st = os.stat(path)
+    except OSError as exc:
+        raise UsageError(f"{flag} {path}: {exc.strerror.lower() if exc.strerror else 'cannot be read'}") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise UsageError(f"{flag} {path}: not a regular file")
+    if st.st_size > 256 * 2**20:
+        raise UsageError(f"{flag} {path}: {st.st_size} bytes is too large for a saved result")
+
+
+def settle(args: argparse.Namespace, argv: list[str]) -> Run:
+    """Every check that needs no GPU and no Soup setup, before anything runs or prints."""
+    outputs = {f: getattr(args, f.strip("-").replace("-", "_")) for f in ("--json", "--markdown", "--plot")}
+    for flag, path in outputs.items():
+        if path is not None:
+            check_output(flag, path)
+    named = [(f, os.path.realpath(p)) for f, p in outputs.items() if p]
+    named += [("--json's row file", str(RowFile.path_for(args.json)))] if args.json else []
+    for i, (f, p) in enumerate(named):
+        twin = next((g for g, q in named[i + 1:] if q == p), None)
+        if twin:
+            raise UsageError(f"{f} and {twin} name the same file {p}; each output needs its own path")
+    if args.compare and not args.from_json:
+        raise UsageError("--compare goes with --from-json")
+    if args.from_json:
+        for path in args.from_json + ([args.compare] if args.compare else []):
+            check_input("--compare" if path == args.compare else "--from-json", path)
+        return Run(from_json=tuple(args.from_json), compare=args.compare, json=args.json,
+                   markdown=args.markdown, plot=args.plot, steps=one_int("--steps", args.steps, 1),
+               argv=tuple(argv))
+    if args.estimate:
+        return settle_estimate(args, argv)
+    for flag in ("--card", "--targets", "--lora-r"):
+        if getattr(args, flag.strip("-").replace("-", "_")) is not None:
+            raise UsageError(f"{flag} goes with --estimate")
+    if args.map:
+        return settle_map(args, argv)
+    for flag in ("--families", "--quant"):
+        if getattr(args, flag.strip("-")) is not None:
+            raise UsageError(f"{flag} goes with --map")
+    if args.model is not None and args.models:
+        raise UsageError("--model and --models are exclusive: one brings its own model")
+    if args.model is not None and not args.model.strip():
+        raise UsageError("--model needs a checkpoint folder or a hub id")
+    models = (("custom",) if args.model else tuple(SHAPES) if args.models is None
+              else tuple(m.strip() for m in args.models.split(",")))
+    if not all(models):
+        raise UsageError(f"--models {args.models!r}: empty name; choose from {','.join(SHAPES)}")
+    unknown = [m for m in models if m not in SHAPES and not args.model]
+    if unknown:
+        raise UsageError(f"--models: unknown model {unknown[0]!r}; choose from {','.join(SHAPES)}")
+    if len(set(models)) != len(models):
+        raise UsageError(f"--models {args.models}: a model is named twice")
+    # Soup's config schema refuses a data.max_length under 64: one line here, not a FAILED row.
+    seqs, batches = parse_ints("--seq", args.seq, minimum=64), parse_ints("--batch", args.batch) or (1,)
+    gpus = parse_ints("--gpus", args.gpus, minimum=0)
+    repeats = None
+    if args.determinism is not None:
+        counts = parse_ints("--determinism", args.determinism, minimum=2) or ()
+        if len(counts) != 1:
+            raise UsageError(f"--determinism {args.determinism}: give one repeat count")
+        repeats = counts[0]
+    shard = None
+    if args.shard is not None:
+        k, _, n = args.shard.partition("/")
+        if not (k.isascii() and k.isdigit() and n.isascii() and n.isdigit() and 1 <= int(k) <= int(n)):
+            raise UsageError(f"--shard {args.shard}: give K/N with 1 <= K <= N, e.g. --shard 2/4")
+        shard = (int(k), int(n))
+        if gpus or args.isolate or repeats:
+            raise UsageError("--shard is one shard of the grid; --gpus, --isolate and --determinism "
+                             "make their own")
+    if args.model and seqs is None:
+        raise UsageError("--model needs --seq (there is no record grid for it)")
+    for m in (m for m in models if m in SHAPES):
+        within_positions(SHAPES[m].name, SHAPES[m].max_positions, seqs or RECORD_GRID[m])
+    if args.cap is not None and (args.dry_run or args.model or repeats):
+        raise UsageError("--cap re-runs arms of the record or the map on a GPU: not with --dry-run, "
+                         "--model or --determinism")
+    if args.dry_run and (args.snapshot or args.snapshot_dir):
+        raise UsageError("--snapshot attributes the CUDA step's peak; a --dry-run has no step")
+    for flag, folder in (("--log-dir", args.log_dir), ("--snapshot-dir", args.snapshot_dir),
+                         ("--cache-dir", args.cache_dir)):
+        if folder is not None:
+            writable_folder(flag, folder)
+    cache = os.path.abspath(os.path.expanduser(args.cache_dir)) if args.cache_dir else None
+    if cache:
+        check_cache_dir_bounds(args.cache_dir, cache)
+    any_mode = args.measure or args.sdpa or repeats is not None
+    return Run(sweep=args.sweep or not any_mode, measure=args.measure, sdpa=args.sdpa, repeats=repeats,
+               models=models, seqs=seqs, batches=batches, custom_model=args.model,
+               weights=("synthetic" if config_only(args.model) else "local") if args.model else args.weights,
+               dry_run=args.dry_run, verbose=args.verbose, snapshot=args.snapshot or bool(args.snapshot_dir),
+               snapshot_dir=args.snapshot_dir, log_dir=args.log_dir, cache_dir=cache,
+               isolate=args.isolate or args.cap is not None, cap=args.cap, gpus=gpus, shard=shard, json=args.json,
+               markdown=args.markdown, plot=args.plot, argv=tuple(argv))
+
+
+def settle_map(args: argparse.Namespace, argv: list[str]) -> Run:
+    """--map's own checks (families, quantizations, max positions); the rest as for the sweep."""
+    for flag in ("--models", "--model", "--determinism") + (("--isolate",) if args.cap is None else ()):
+        if getattr(args, flag.strip("-")) not in (None, False):
+            raise UsageError(f"--map and {flag} are exclusive")
+    known = ALL_FAMILIES
+    families = known if args.families is None else tuple(f.strip() for f in args.families.split(","))
+    unknown = [f for f in families if f not in known]
+    if unknown or not all(families) or len(set(families)) != len(families):
+        raise UsageError(f"--families: {'unknown family ' + repr(unknown[0]) if unknown else 'empty or repeated name'}; "
+                         f"choose from {','.join(known)}")
+    quants = QUANTS if args.quant is None else tuple(q.strip() for q in args.quant.split(","))
+    if any(q not in QUANTS for q in quants) or len(set(quants)) != len(quants):
+        raise UsageError(f"--quant {args.quant!r}: choose from {','.join(QUANTS)}")
+    if args.quant is not None and "nf4" in quants and not args.dry_run and not bitsandbytes_present():
+        raise UsageError("--quant nf4 needs bitsandbytes, which is not installed here")
+    seqs, batches = parse_ints("--seq", args.seq, minimum=64), parse_ints("--batch", args.batch)
+    for fam in families:
+        within_positions(fam, max_positions(fam), seqs or ())
+    plain = settle(argparse.Namespace(**dict(vars(args), map=False, families=None, quant=None,
+                                             models=None, seq=None, batch=args.batch)), argv)
+    return replace(plain, map=True, sweep=True, models=families, quants=quants, seqs=seqs,
+                       batches=batches or MAP_BATCHES)
+
+
+def one_int(flag: str, text: Optional[str], default: int, minimum: int = 1) -> int:
+    values = parse_ints(flag, text, minimum)
+    if values is not None and len(values) != 1:
+        raise UsageError(f"{flag} {text}: give one whole number")
+    return values[0] if values else default
+
+
+def estimate_config(model: Optional[str]) -> tuple[str, dict]:
+    """--estimate's model: a family's public config, or a config.json (or a folder holding one)."""
+    if not model or not model.strip():
+        raise UsageError("--estimate needs --model: a config.json, a folder holding one, or a family "
+                         f"({','.join(ALL_FAMILIES)})")
+    if model in ALL_FAMILIES:
+        return model, config_json(model)
+    path = Path(model)
+    path = path / "config.json" if path.is_dir() else path
+    if not path.is_file():
+        raise UsageError(f"--model {model}: no such config.json (nor a family: {','.join(ALL_FAMILIES)})")
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError) as exc:
+        raise UsageError(f"--model {model}: {path.name} cannot be read ({type(exc).__name__})") from None
+    if not isinstance(config, dict):
+        raise UsageError(f"--model {model}: {path.name} is not a JSON object")
+    return model, config
+
+
+def settle_estimate(args: argparse.Namespace, argv: list[str]) -> Run:
+    """--estimate's own checks: a config, seqs, and nothing that needs a GPU or Soup's setup."""
+    for flag in ("--sweep", "--measure", "--sdpa", "--map", "--determinism", "--models", "--families",
+                 "--dry-run", "--isolate", "--gpus", "--shard", "--snapshot", "--snapshot-dir", "--markdown",
+                 "--plot", "--log-dir", "--cache-dir", "--verbose", "--cap"):
+        if getattr(args, flag.strip("-").replace("-", "_")) not in (None, False):
+            raise UsageError(f"--estimate and {flag} are exclusive: an estimate runs nothing")
+    name, config = estimate_config(args.model)
+    quants = ("none",) if args.quant is None else tuple(q.strip() for q in args.quant.split(","))
+    if any(q not in QUANTS for q in quants) or len(set(quants)) != len(quants):
+        raise UsageError(f"--quant {args.quant!r}: choose from {','.join(QUANTS)}")
+    seqs = parse_ints("--seq", args.seq, minimum=64)
+    if not seqs:
+        raise UsageError("--estimate needs --seq: a comma list of sequence lengths")
+    targets = None if args.targets is None else tuple(t.strip() for t in args.targets.split(","))
+    if targets is not None and not all(targets):
+        raise UsageError(f"--targets {args.targets!r}: empty name")
+    from .fits import parse_cards
+
+    return Run(sweep=False, estimate=True, estimate_config=config, custom_model=name, quants=quants, seqs=seqs,
+               batches=parse_ints("--batch", args.batch) or (1,), targets=targets,
+               lora_r=one_int("--lora-r", args.lora_r, 8), steps=one_int("--steps", args.steps, 1),
+               cards=tuple(parse_cards(args.card)) if args.card is not None else (), json=args.json,
+               argv=tuple(argv))
+
+
+def check_cache_dir_bounds(given: str, cache: str) -> None:
+    """Refuse a --cache-dir Soup would silently ignore (it would write to ~/.soup instead).
+    Soup's own resolution decides (a light import: neither torch nor the hub client)."""
+    shards = os.path.join(os.path.realpath(cache), "layer-stream")
+    if os.path.realpath(soup_shard_root(shards)) != shards:
+        raise UsageError(f"--cache-dir {given} is outside $HOME, the working directory and the temp "
+                         "dir; Soup would ignore it and write its shard cache to ~/.soup instead")
+
+
+def grid_arms(run: Run) -> list[Arm]:
+    return (plan_map(run.models, run.quants, run.seqs, run.batches) if run.map
+            else plan_arms(run.models, run.seqs, run.batches))

@@ -1,0 +1,166 @@
+"""The record, as data: the two models' shapes, the grid, every published figure, an arm, and
+Soup's prediction for it (computed by Soup).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable, Optional
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One model as the published grid records it, and its public architecture."""
+
+    key: str
+    name: str
+    hub_id: str
+    model_type: str
+    pool: int  # bytes of the 2 layer buffers
+    extras: int  # bytes resident beside the pool (embedding, final norm, untied head)
+    adapter: int  # the grid's adapter count
+    vocab: int
+    hidden: int
+    intermediate: int
+    n_layers: int
+    max_positions: int
+    arch: dict = field(default_factory=dict)  # the other public config.json fields
+    record: bool = True  # False for --model and the map's families: no published figures
+    targets: tuple = ("q_proj", "v_proj")  # the protocol's LoRA targets, or the family's own
+
+
+SHAPES: dict[str, Shape] = {
+    "smol": Shape("smol", "SmolLM2-135M", "HuggingFaceTB/SmolLM2-135M", "llama",
+                  pool=14160384, extras=56624256, adapter=921600, vocab=49152, hidden=576,
+                  intermediate=1536, n_layers=30, max_positions=8192,
+                  arch={"num_attention_heads": 9, "num_key_value_heads": 3,
+                        "rope_theta": 100000.0, "rms_norm_eps": 1e-5}),
+    "qwen": Shape("qwen", "Qwen2.5-0.5B", "Qwen/Qwen2.5-0.5B", "qwen2",
+                  pool=59649536, extras=272271104, adapter=1081344, vocab=151936, hidden=896,
+                  intermediate=4864, n_layers=24, max_positions=32768,
+                  arch={"num_attention_heads": 14, "num_key_value_heads": 2,
+                        "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
+                        "use_sliding_window": False, "sliding_window": None}),
+}
+
+
+RECORD_GRID: dict[str, tuple[int, ...]] = {
+    "smol": (2048, 3072, 4096, 4352, 5120, 6144),
+    "qwen": (2048, 4096, 5120, 6144),
+}
+
+
+LORA_R, LORA_ALPHA, LORA_TARGETS = 8, 16, ("q_proj", "v_proj")
+
+
+SOUP_QUANT = {"none": "none", "nf4": "4bit"}  # the harness's name: Soup config's spelling
+
+
+#: The grid's adapter count is twice the LoRA A+B parameters (921,600 = 2 x 460,800).
+GRID_ADAPTER_FACTOR = 2
+
+
+DATA_ROWS, OVERSHOOT = 4, 3
+
+
+A10G_STACK = ("NVIDIA A10G 23 GB (AWS g5.xlarge), Ubuntu 22.04, driver 580.126.09, "
+              "torch 2.13.0+cu130, transformers 5.16.1, trl 0.29.1, peft 0.20.0, "
+              "Python 3.10, Soup 0.73.3")
+
+
+#: The A10G record's real peaks, bytes, and its published (predicted GB, pred/real).
+RECORD_A10G_PEAK: dict[tuple[str, int], int] = {
+    ("smol", 2048): 1365200000, ("smol", 3072): 2016700000, ("smol", 4096): 2657800000,
+    ("smol", 4352): 2818400000, ("smol", 5120): 3303000000, ("smol", 6144): 3943000000,
+    ("qwen", 2048): 4177000000, ("qwen", 4096): 8012300000, ("qwen", 5120): 9929400000,
+    ("qwen", 6144): 11848100000,
+}
+
+
+RECORD_A10G_PREDICTED: dict[tuple[str, int], tuple[float, float]] = {
+    ("smol", 2048): (1.596, 1.169), ("smol", 3072): (2.345, 1.163), ("smol", 4096): (3.094, 1.164),
+    ("smol", 4352): (3.281, 1.164), ("smol", 5120): (3.842, 1.163), ("smol", 6144): (4.591, 1.164),
+    ("qwen", 2048): (4.854, 1.162), ("qwen", 4096): (9.346, 1.166), ("qwen", 5120): (11.592, 1.167),
+    ("qwen", 6144): (13.837, 1.168),
+}
+
+
+RECORD_A10G_OVERESTIMATE = {"mean": 1.152, "pstdev": 0.0249}
+
+
+#: The first stack (RTX 3050 Laptop), SmolLM2: (predicted GB, real GB).
+RECORD_RTX3050 = {("smol", 4352): (3.282, 3.036), ("smol", 5120): (3.844, 4.118),
+                  ("smol", 6144): (4.590, 5.830)}
+
+
+RECORD_MEASURE = {"repeat": 12.0, "spread": 0.0,
+                  "vocab": {8192: 12.0, 32768: 12.0, 49152: 12.0, 151936: 12.01010951979781}}
+
+
+MEASURE_VOCABS = (8192, 32768, 49152, 151936)
+
+
+SDPA_SEQS, SDPA_HEADS, SDPA_HEAD_DIM = (2048, 3072, 4096, 5120, 6144), 9, 64
+
+
+SDPA_BACKENDS = ("flash", "mem_efficient", "math", "default")
+
+
+RECORD_SDPA_MB = {"flash": (2.4, 3.7, 4.9, 6.1, 7.3), "mem_efficient": (2.4, 3.5, 4.7, 5.9, 7.1),
+                  "math": (383.9, 831.5, 1463.8, 2279.7, 3267.4)}
+
+
+#: SmolLM2 repeated in a fresh process: (GB, GB, spread %).
+RECORD_DETERMINISM = {("smol", 4096): (2.6578, 2.6493, 0.32), ("smol", 6144): (3.9430, 3.9439, 0.02)}
+
+
+GB = 1e9
+
+
+SCHEMA = 2  # the JSON this version writes; it also reads schema 1
+
+
+def predicted_bytes(shape: Shape, seq: int, batch: int = 1) -> int:
+    """Soup's estimator fed the grid's figures, exactly as the record did."""
+    from soup_cli.utils.layer_stream import estimate_stream_peak_vram
+
+    return int(estimate_stream_peak_vram(
+        layer_bytes=shape.pool // 2, buffers=2, extras_bytes=shape.extras,
+        adapter_params=shape.adapter, vocab_size=shape.vocab, hidden_size=shape.hidden,
+        intermediate_size=shape.intermediate, n_layers=shape.n_layers,
+        seq_len=seq, batch_size=batch))
+
+
+def logits_charge(shape: Shape, seq: int, batch: int) -> tuple[int, float]:
+    """14 x E (Soup's logits charge, bytes; E = seq x vocab x batch) and the 12 bytes per element
+    its loss really holds: 14 is 12 of loss arithmetic plus a retained bf16 copy the record found absent."""
+    from soup_cli.utils.layer_stream import LOGITS_LOSS_BYTES_PER_ELEMENT, estimate_logits_bytes
+
+    return (int(estimate_logits_bytes(vocab_size=shape.vocab, seq_len=seq, batch_size=batch)),
+            float(LOGITS_LOSS_BYTES_PER_ELEMENT))
+
+
+@dataclass(frozen=True)
+class Arm:
+    """One point of the grid: a model at one seq and batch; index is its grid position."""
+
+    model: str
+    seq: int
+    batch: int = 1
+    index: int = 0
+    quant: str = "none"
+
+
+#: The map's grid. Seq 512 and 1024 were added where Soup's NF4 misses live (its first grid
+#: started at 2048 and never saw them).
+MAP_SEQS, MAP_BATCHES, QUANTS = (512, 1024, 2048, 4096, 8192, 16384), (1, 4), ("none", "nf4")
+
+
+def plan_arms(models: Iterable[str], seqs: Optional[Iterable[int]], batches: Iterable[int]) -> list[Arm]:
+    """Grid order: model, then seq, then batch (the record's order)."""
+    arms: list[Arm] = []
+    for model in models:
+        for seq in (seqs or RECORD_GRID.get(model, ())):
+            for batch in batches:
+                arms.append(Arm(model, seq, batch, len(arms)))
+    return arms

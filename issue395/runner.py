@@ -1,0 +1,287 @@
+"""Running what a Run asks for: the arms in this process or spread over children, the modes,
+and saved results re-rendered.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import statistics
+import sys
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from .checkpoints import Checkpoints, quant_base
+from .console import Progress, Stop
+from .cuda import control_step, positive_control
+from .errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, UsageError, last_line
+from .margin import margin_arms, margin_breakdown
+from .modes import measure_mode, sdpa_mode
+from .options import NO_CUDA, Run, build_parser, grid_arms, settle, within_positions
+from .outputs import write_output, write_outputs
+from .record import SHAPES, Arm, Shape, plan_arms
+from .result import Result, RowFile, environment, load_result, merge, row_order
+from .row import Row
+from .scratch import Scratch
+from .shapes import family_shape, load_custom_shape
+from .spread import CHILD_JOB, Job, read_job, shard_of, spread, visible_gpu_count
+from .tables import compare_table, render_text
+
+
+@dataclass(frozen=True)
+class Protocol:
+    """What the entry script hands the package: its measured arm, the device its step runs on
+    (the CPU tests set "cpu"), and the script itself, which every child process runs."""
+
+    run_arm: Callable[..., Row]
+    step_device: str
+    script: str
+
+
+def cli(argv: list[str], protocol: Protocol) -> int:
+    """The command line (or, in a child, its job file) settled and executed; bad input is one line."""
+    argv = list(argv)
+    try:
+        job_file = os.environ.pop(CHILD_JOB, None)
+        if job_file:
+            run, job = read_job(job_file)
+            return execute(run, protocol, job)
+        return execute(settle(build_parser().parse_args(argv), argv), protocol)
+    except UsageError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:  # stopped before any arm ran: nothing to print or save
+        print("interrupted before any arm ran", file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+def sweep(arms: list[Arm], shapes: dict[str, Shape], bases: Checkpoints, scratch: Scratch,
+          run: Run, run_arm: Callable[..., Row], on_row: Callable[[Row], None],
+          on_margin: Optional[Callable[[dict[str, Any]], None]] = None) -> None:
+    """Every arm, in grid order, in this process; Ctrl-C stops after the arm in flight. With
+    ``on_margin`` (the map), a model's tightest arm and any UNDER run again under the allocator
+    history once its arms are done, to say where the margin goes."""
+    checked: set[tuple[str, str]] = set()
+    done: list[Row] = []
+    for i, arm in enumerate(arms):
+        if Stop.requested:
+            break
+        base = quant_base(scratch, bases.get(arm.model), arm.quant)
+        first = (arm.model, arm.quant) not in checked
+        if run.cache_dir and first:
+            scratch.repair_shards(base)
+        checked.add((arm.model, arm.quant))
+        log = (Path(run.log_dir) / f"soup-{arm.index:03d}-{arm.model}-{arm.seq}-b{arm.batch}.log"
+               if run.log_dir else None)
+        with scratch.sharding(base) if first else contextlib.nullcontext(), Stop.arm():
+            row = run_arm(arm, shapes[arm.model], base, scratch.path("arms", f"{arm.index:03d}"),
+                          dry_run=run.dry_run, snapshot=run.snapshot, snapshot_dir=run.snapshot_dir,
+                          log=log, verbose=run.verbose, repeat=run.repeat_tag, steps=run.steps,
+                          **({"cap": run.cap} if run.cap else {}))
+        on_row(row)
+        done.append(row)
+        if any(a.model == arm.model for a in arms[i + 1:]):
+            continue
+        if on_margin is not None:
+            mine = [r for r in done if r.model_key == arm.model]
+            again = mine if run.snapshot else []
+            for a in [] if run.snapshot else margin_arms(mine):
+                if Stop.requested:
+                    break
+                with Stop.arm():
+                    again.append(run_arm(a, shapes[a.model], quant_base(scratch, bases.get(a.model), a.quant),
+                                         scratch.path("arms", f"{a.index:03d}-margin"), snapshot=True,
+                                         log=log, verbose=run.verbose))
+            for r in again:
+                if r.attribution and r.measured and r.soup_predicted:
+                    on_margin(margin_breakdown(r))
+        bases.release(arm.model)
+
+
+def execute(run: Run, protocol: Protocol, job: Optional[Job] = None) -> int:
+    """Every mode asked for. Rows are printed and saved whatever stops the run."""
+    started = time.perf_counter()
+    if run.from_json:
+        return rerender(run)
+    if run.estimate:
+        return estimate_run(run)
+    Stop.install(quiet=run.child, track_arms=True)
+    fan_out = run.sweep and bool(run.gpus or run.isolate)
+    local = (run.sweep and not fan_out) or ((run.measure or run.sdpa) and not fan_out and not run.repeats)
+    if run.gpus is None and "CUDA_VISIBLE_DEVICES" not in os.environ:
+        os.environ["CUDA_VISIBLE_DEVICES"] = "0"  # Soup refuses to stream with several GPUs visible
+    if (fan_out or run.repeats) and not run.dry_run:
+        count = visible_gpu_count()
+        if count == 0:
+            raise UsageError(NO_CUDA)
+        missing = [g for g in run.gpus or () if g >= count]
+        if missing:
+            raise UsageError(f"--gpus: GPU {missing[0]} is not there ({count} CUDA device(s) visible)")
+    with Scratch(run.cache_dir) as scratch:
+        return measure_all(run, protocol, job, scratch, started, local, fan_out)
+
+
+def measure_all(run: Run, protocol: Protocol, job: Optional[Job], scratch: Scratch, started: float,
+                local: bool, fan_out: bool) -> int:
+    imports_s = 0.0
+    if job is not None:  # a child: exactly the arms its parent dealt it
+        arms = list(job.arms)
+    else:
+        arms = grid_arms(run)
+        arms = shard_of(arms, run.shard, whole_models=run.map) if run.shard else arms
+    shapes = dict(SHAPES)
+    if local:
+        t = time.perf_counter()
+        import torch
+
+        if not run.dry_run and protocol.step_device == "cuda" and not torch.cuda.is_available():
+            raise UsageError(NO_CUDA)
+        scratch.verify_shard_root()
+        if run.custom_model:
+            shapes["custom"] = load_custom_shape(run.custom_model)
+            within_positions(run.custom_model, shapes["custom"].max_positions, run.seqs)
+        if run.map:  # this shard's families only
+            shapes.update({f: family_shape(f) for f in dict.fromkeys(a.model for a in arms)})
+        imports_s = time.perf_counter() - t
+    det_models, det_seqs, det_batches = run.determinism_grid
+    det_arms = plan_arms(*run.determinism_grid) if run.repeats else []
+    how = (f"capped at {run.cap} (expandable segments), one fresh process per arm" if run.cap else
+           "isolated, one fresh process per arm" if run.isolate else
+           f"one process per GPU ({','.join(map(str, run.gpus))}), merged" if run.gpus else
+           f"shard {run.shard[0]}/{run.shard[1]} in one process" if run.shard else "in one process")
+    arms_label = how if run.sweep else ("determinism: one fresh process per repeat" if run.repeats
+                                        else "none (modes only)")
+    result = Result(environment=environment(run.weights, run.dry_run, arms_label,
+                                            [os.path.basename(protocol.script), *run.argv]) if local else {},
+                    kind="map" if run.map else "sweep")
+    if run.steps != 1:  # the protocol's one step is implied; anything else is named
+        result.environment["steps"] = run.steps
+    rows_file = RowFile(run.json)
+    rows: list[Row] = []
+    children: list[Result] = []
+    usage_error = None
+    total = (len(arms) if run.sweep else 0) + len(det_arms) * (run.repeats or 0)
+    progress = Progress(total if not run.child else 0, started)
+
+    def on_row(row: Row) -> None:
+        rows.append(row)  # kept first: nothing after this may lose a finished row
+        rows_file.add(row)
+        if not run.child:
+            progress.arm(row)
+
+    checkpoints = None
+    try:
+        if run.sweep and fan_out:
+            with Stop.arm():  # the children's arms are in flight
+                children += spread(replace(run, repeats=None), arms, scratch, on_row, protocol.script)
+        elif run.sweep:
+            checkpoints = Checkpoints(list(dict.fromkeys(a.model for a in arms)), shapes, run, scratch)
+            sweep(arms, shapes, checkpoints, scratch, run, protocol.run_arm, on_row,
+                  result.margins.append if run.map and not run.dry_run and not run.cap else None)
+            if run.snapshot and not Stop.requested:
+                with Stop.arm():
+                    result.control = positive_control(control_step(False), control_step(True))
+        if run.repeats and not Stop.requested:
+            det_run = replace(run, isolate=True, models=det_models, seqs=det_seqs, batches=det_batches,
+                              measure=run.measure and not local, sdpa=run.sdpa and not local)
+            with Stop.arm():
+                children += spread(det_run, det_arms, scratch, on_row, protocol.script)
+        if local and run.measure and not Stop.requested:
+            with Stop.arm():
+                result.measure = measure_mode(run.dry_run)
+        if local and run.sdpa and not Stop.requested:
+            with Stop.arm():
+                result.sdpa = sdpa_mode(run.dry_run)
+    except KeyboardInterrupt:
+        Stop.requested = True
+    except UsageError as exc:
+        if not rows:
+            rows_file.finish()
+            raise
+        usage_error = str(exc)  # e.g. the hub unreachable for a later model: keep the rows
+        result.error = f"usage: {usage_error}"
+    except Exception as exc:  # a harness bug still prints and saves what was measured
+        result.error = last_line(exc)
+        print(f"error: the harness failed after {len(rows)} row(s): {result.error}", file=sys.stderr)
+    finally:
+        progress.close()
+        if checkpoints is not None:
+            checkpoints.close()
+    if children:
+        merged = merge(children + ([result] if local else []), arms_label)
+        for name in ("environment", "measure", "sdpa", "control", "error"):
+            setattr(result, name, getattr(result, name) or getattr(merged, name))
+        result.margins = merged.margins
+    if not result.environment:
+        result.environment = environment(run.weights, run.dry_run, arms_label,
+                                         [os.path.basename(protocol.script), *run.argv], with_torch=False)
+    result.rows = sorted(rows, key=row_order)
+    result.interrupted = Stop.requested
+    result.timings = run_timings(rows, imports_s, time.perf_counter() - started,
+                                 checkpoints.build_s if checkpoints else {}, children)
+    print(render_text(result), end="", flush=True)
+    unwritten = write_outputs(result, run, rows_file)
+    for line in (usage_error, unwritten):
+        if line:
+            print(f"error: {line}", file=sys.stderr)
+    return EXIT_USAGE if usage_error or unwritten else result.exit_code
+
+
+def run_timings(rows: list[Row], imports_s: float, total_s: float, build_s: dict[str, float],
+                children: list[Result]) -> dict[str, Any]:
+    """The harness's own cost: imports, builds, and per arm setup, step and teardown."""
+    t: dict[str, Any] = {"total_s": round(total_s, 2), "imports_s": round(imports_s, 2), "arms": len(rows),
+                         "build_s": build_s}
+    for key in ("setup_s", "step_s", "teardown_s"):
+        t[f"sum_{key}"] = round(sum(r.timings.get(key) or 0 for r in rows), 2)
+    overhead = [r.timings["setup_s"] + r.timings["teardown_s"] for r in rows
+                if r.timings.get("setup_s") is not None and r.timings.get("teardown_s") is not None]
+    if overhead:
+        t["median_arm_overhead_s"] = round(statistics.median(overhead), 3)
+    if children:
+        t["children"] = [c.timings for c in children]
+    return t
+
+
+def estimate_run(run: Run) -> int:
+    """--estimate: each (quant, seq, batch) from the config alone, on CPU; the table, and --json."""
+    from .estimate import estimate
+    from .fits import estimate_table
+
+    rows = [estimate(run.estimate_config, quant=q, seq=s, batch=b, targets=run.targets, lora_r=run.lora_r,
+                     steps=run.steps) for q in run.quants for s in run.seqs for b in run.batches]
+    kw = {"targets": run.targets, "lora_r": run.lora_r}
+    text = (f"--estimate: {run.custom_model} (Soup's pre-flight: computed by Soup's own estimator code; "
+            "corrected and needs free: this tool's estimator, from the config alone)\n"
+            + estimate_table(rows, run.cards, run.estimate_config, **kw))
+    print(text, end="")
+    if run.json:
+        data = {"tool": "issue395_second_stack_vram", "kind": "estimate", "model": run.custom_model,
+                "cards": [{"card": c, "bytes": n} for c, n in run.cards], "rows": [r.to_json() for r in rows]}
+        try:
+            write_output(run.json, (json.dumps(data, indent=2) + "\n").encode("utf-8"))
+        except OSError as exc:
+            print(f"error: --json {run.json} could not be written ({exc.strerror or exc})", file=sys.stderr)
+            return EXIT_USAGE
+    return EXIT_OK
+
+
+def rerender(run: Run) -> int:
+    """Saved results (one, or shards of one run) re-judged, merged and rendered; no GPU."""
+    results = [load_result(p) for p in run.from_json]
+    result = merge(results, f"merged from {len(results)} result(s)") if len(results) > 1 else results[0]
+    try:
+        text = render_text(result)
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
+        raise UsageError(f"--from-json: a saved block cannot be rendered ({last_line(exc)})") from None
+    if run.compare:
+        text += "\n" + compare_table(result, load_result(run.compare, "--compare")) + "\n"
+    print(text, end="")
+    unwritten = write_outputs(result, run, RowFile(None))
+    if unwritten:
+        print(f"error: {unwritten}", file=sys.stderr)
+        return EXIT_USAGE
+    return result.exit_code

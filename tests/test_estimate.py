@@ -1,0 +1,229 @@
+"""issue395.estimate: Soup's own pre-flight from a config, the corrected physical estimate, its
+input checks, cards and longest seq. CPU only, no torch in the estimate path."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from issue395 import estimate as E  # noqa: E402
+from issue395 import fits as F  # noqa: E402
+from issue395.errors import UsageError  # noqa: E402
+
+_spec = importlib.util.spec_from_file_location("leave_one_out", ROOT / "bench" / "leave_one_out.py")
+LOO = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(LOO)
+ARMS = LOO.load_arms()
+MiB_ = 2**20
+FAMILY_KEYS = ("smol", "qwen", "llama32-1b", "qwen3-0.6b", "mistral-7b", "gemma-2b", "gemma2-2b",
+               "gemma3-1b", "phi-2", "phi3-mini", "llama31-8b")
+
+
+def config_json(key: str) -> dict:
+    """One family's public config.json fields (tests/data/family-configs.json)."""
+    return dict(json.loads((ROOT / "tests" / "data" / "family-configs.json").read_text())[key])
+
+
+def test_fixture_has_every_family_with_its_model_type():
+    for key in FAMILY_KEYS:
+        assert config_json(key)["model_type"] in E.supported_archs()
+
+
+@pytest.mark.parametrize("arm", [a for a in ARMS if a["release"] == E.installed_release()],
+                         ids=lambda a: f"{a['family']}-{a['quant']}-{a['seq']}x{a['batch']}")
+def test_soup_number_from_config_equals_the_committed_capture(arm):
+    got, terms = E.soup_preflight(config_json(arm["family"]), quant=arm["quant"], seq=arm["seq"],
+                                  batch=arm["batch"], targets=arm["targets"], lora_r=8,
+                                  release=arm["release"])
+    assert abs(got - arm["soup_predicted"]) <= 16
+    assert terms == arm["soup_terms"]
+
+
+@pytest.mark.parametrize("arm", [a for a in ARMS if a["release"] == "0.77.0"],
+                         ids=lambda a: f"{a['family']}-{a['quant']}-{a['seq']}")
+def test_soup_077_kwargs_and_number_match_the_untied_map(arm):
+    got, terms = E.soup_preflight(config_json(arm["family"]), quant=arm["quant"], seq=arm["seq"],
+                                  batch=arm["batch"], targets=arm["targets"], lora_r=8,
+                                  release="0.77.0")
+    assert abs(got - arm["soup_predicted"]) <= 16 and terms == arm["soup_terms"]
+
+
+def test_soup_number_is_soups_own_function_not_a_copy():
+    ns = E.soup_namespace()
+    src = (E._soup_dir() / "utils" / "layer_stream.py").read_text()
+    assert ns["estimate_stream_peak_vram"].__code__.co_filename.endswith("layer_stream.py")
+    assert f"STREAM_FIXED_SLACK_BYTES = {ns['STREAM_FIXED_SLACK_BYTES']:_}" in src
+    assert "SUPPORTED_STREAM_ARCHS" in src and len(E.supported_archs()) == 9
+
+
+def test_leave_one_family_out_never_under_but_one_documented_arm_and_median_at_most_1_02():
+    table = LOO.leave_one_out(ARMS)
+    print("\n" + LOO.render(table, len(ARMS)))
+    for row in table:
+        assert row["corrected_median"] <= 1.02, row
+        assert row["soup_median"] > row["corrected_median"] or row["family"] == "gemma2-2b"
+        # The one miss left: Qwen2.5 held out, the others' allowance (3.0 MB) is 0.28 MB short of
+        # its bf16 1024x1 arm (0.66 MB of Qwen2.5's resident excess has no term yet).
+        if row["family"] == "qwen":
+            assert row["under"] == 1 and row["worst_under"] <= 300_000, row
+        else:
+            assert row["under"] == 0 and row["corrected_min"] >= 1.0, row
+
+
+def test_qwen_allocator_rounding_is_the_fp32_logits_segments_tail():
+    a = E.arch_of(config_json("qwen"))
+    assert E.segment_tail(4 * 2048 * a.V) == MiB_ and E.segment_tail(4 * 4096 * a.V) == 0
+    # the review-check history: replayed peak 3 x 1 MiB under the measured one at 2048x1
+    assert E.allocator_rounding(a, 2048) == 3 * MiB_
+    assert E.segment_tail(9 * MiB_) == 0 and E.segment_tail(11 * MiB_ - 4096) == 0
+    assert E.segment_tail(11 * MiB_) == MiB_ and E.segment_tail(11 * MiB_ + 1) == MiB_ - 512
+    assert E.K_SMALL_SIZE == 2**20 and E.K_MIN_LARGE_ALLOC == 10 * 2**20 and E.K_ROUND_LARGE == 2**21
+
+
+def test_allocator_constants_match_the_installed_torch_headers():
+    hdr = next(Path(importlib.util.find_spec("torch").submodule_search_locations[0]).glob(
+        "include/c10/core/AllocatorConfig.h"), None)
+    if hdr is None:
+        pytest.skip("torch headers not installed")
+    text = hdr.read_text()
+    for name, value in (("kMinBlockSize", E.K_MIN_BLOCK_SIZE), ("kSmallSize", E.K_SMALL_SIZE),
+                        ("kMinLargeAlloc", E.K_MIN_LARGE_ALLOC), ("kRoundLarge", E.K_ROUND_LARGE)):
+        assert f"constexpr size_t {name} = {value};" in text
+
+
+@pytest.mark.parametrize("key", FAMILY_KEYS)
+def test_shapes_config_json_is_the_fixture(key):
+    from issue395 import shapes
+    got, want = shapes.config_json(key), config_json(key)
+    if key == "smol":  # the fixture spells out head_dim 64, which 576 / 9 heads implies
+        assert want.pop("head_dim") == 64 == got["hidden_size"] // got["num_attention_heads"]
+        got.pop("head_dim", None)
+    assert got == want
+
+
+def test_committed_leave_one_out_file_is_what_the_script_prints_now():
+    committed = (ROOT / "results" / "estimator-leave-one-family-out.txt").read_text()
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "leave_one_out.py")],
+                         capture_output=True, text=True, check=True).stdout
+    assert out == committed
+
+
+def test_allocated_allowance_constant_is_the_all_family_fit():
+    assert E.ALLOCATED_ALLOWANCE_BYTES == LOO.fit_allowance(ARMS, LOO.configs())
+
+
+@pytest.mark.parametrize("arm", ARMS, ids=lambda a: f"{a['release']}-{a['family']}-{a['quant']}-"
+                                                    f"{a['seq']}x{a['batch']}")
+def test_estimate_against_every_measured_arm(arm):
+    e = E.estimate(config_json(arm["family"]), quant=arm["quant"], seq=arm["seq"],
+                   batch=arm["batch"], targets=arm["targets"], release=arm["release"])
+    assert abs(e.soup_predicted - arm["soup_predicted"]) <= 0.001 * arm["soup_predicted"]
+    assert e.corrected_predicted >= arm["real_peak"]
+    physics = e.corrected_predicted - e.terms["allocated_allowance"]
+    if e.phase == "loss":  # the loss phase is exact to 0.13% (PEAK: 0.13% of the dynamic peak);
+        # an NF4 pool in VRAM sits up to 6.81 MB below 2 x Soup's shard bytes (resident column)
+        slack = 0.0013 * arm["real_peak"] + (7_000_000 if arm["quant"] == "nf4" else 0)
+        assert abs(physics - arm["real_peak"]) <= slack
+    else:  # the layer phase's op-by-op count errs high, by under 5%
+        assert arm["real_peak"] <= e.corrected_predicted <= 1.05 * arm["real_peak"]
+
+
+def test_layer_phase_binds_exactly_on_the_short_nf4_arms_peak_md_names():
+    layer = {(a["family"], a["seq"], a["batch"]) for a in ARMS if E.estimate(
+        config_json(a["family"]), quant=a["quant"], seq=a["seq"], batch=a["batch"],
+        targets=a["targets"], release=a["release"]).phase == "layer"}
+    assert layer == {("mistral-7b", 512, 1), ("mistral-7b", 2048, 1), ("phi3-mini", 512, 1),
+                     ("phi-2", 512, 1)}
+
+
+def test_steps_add_adam_moments_and_the_autograd_workspace():
+    c = config_json("smol")
+    one, three = E.estimate(c, seq=2048), E.estimate(c, seq=2048, steps=3)
+    n = E.lora_params(E.arch_of(c), ("q_proj", "v_proj"), 8)
+    assert three.corrected_predicted - one.corrected_predicted == 8 * n + E.CUBLAS_WORKSPACE
+
+
+def test_to_json_and_needs_free():
+    e = E.estimate(config_json("mistral-7b"), quant="nf4", seq=512)
+    j = e.to_json()
+    for k in ("seq", "batch", "quant", "steps", "soup_predicted", "corrected_predicted",
+              "needs_free", "terms"):
+        assert k in j
+    assert j["needs_free"] > j["corrected_predicted"] * 1.018  # the 1.8% cap completed, 0.2% did not
+    assert sum(v for k, v in e.terms.items()) > e.corrected_predicted  # both phases listed
+
+
+def test_no_torch_import_and_fast():
+    code = ("import sys,time,json; sys.path.insert(0, %r); from issue395 import estimate as E;"
+            "c=json.load(open(%r))['mistral-7b']; t=time.time();"
+            "E.estimate(c, quant='nf4', seq=512); dt=time.time()-t;"
+            "print('torch' in sys.modules, 'soup_cli' in sys.modules, 'transformers' in sys.modules, dt < 1)"
+            % (str(ROOT), str(ROOT / "tests" / "data" / "family-configs.json")))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False", "False", "False", "True"]
+
+
+def _bad(**change):
+    c = config_json(change.pop("key", "smol"))
+    kw = {"seq": 2048}
+    for k, v in change.items():
+        if k.startswith("cfg_"):
+            if v is None:
+                c.pop(k[4:], None)
+            else:
+                c[k[4:]] = v
+        else:
+            kw[k] = v
+    return c, kw
+
+
+@pytest.mark.parametrize("change", [
+    {"cfg_model_type": "gpt2"}, {"cfg_model_type": "gemma3"},
+    {"cfg_hidden_size": None}, {"cfg_intermediate_size": "1536"}, {"cfg_num_hidden_layers": 2.5},
+    {"cfg_num_attention_heads": None}, {"cfg_vocab_size": True},
+    {"seq": 8193}, {"key": "phi3-mini", "targets": ("q_proj", "v_proj")},
+    {"targets": ("nope",)}, {"quant": "int8"}, {"quant": "4bit"},
+    {"cfg_hidden_size": 10**7}, {"cfg_vocab_size": 0}, {"cfg_num_hidden_layers": 100000},
+    {"seq": 0}, {"batch": -1},
+], ids=str)
+def test_bad_input_is_one_line_usage_error(change):
+    c, kw = _bad(**change)
+    with pytest.raises(UsageError) as info:
+        E.estimate(c, **kw)
+    assert "\n" not in str(info.value) and str(info.value)
+
+
+def test_parse_cards():
+    assert F.parse_cards("24GB,40GB,80GiB") == [("24GB", 24 * 10**9), ("40GB", 40 * 10**9),
+                                                 ("80GiB", 80 * 2**30)]
+    for junk in ("", "24", "24TB", "GB", "24GB,,", "-1GB", "0GB"):
+        with pytest.raises(UsageError) as info:
+            F.parse_cards(junk)
+        assert "\n" not in str(info.value)
+
+
+def test_longest_seq_is_the_last_multiple_of_64_that_fits():
+    c = config_json("qwen")
+    card = int(24e9)
+    best = F.longest_seq(c, card, batch=1)
+    assert best % 64 == 0
+    assert E.estimate(c, seq=best).needs_free <= card < E.estimate(c, seq=best + 64).needs_free
+    assert F.longest_seq(c, 10**6) is None
+    assert F.longest_seq(config_json("smol"), 10**12) == 8192  # capped at max positions
+
+
+@pytest.mark.parametrize("key", FAMILY_KEYS)
+def test_estimate_table_labels_every_figure(key):
+    c = config_json(key)
+    rows = [E.estimate(c, seq=s, batch=b) for s in (512, 2048) for b in (1, 4)]
+    text = F.estimate_table(rows, F.parse_cards("24GB,80GB"), config=c)
+    assert text.count("computed by Soup") == 4 and text.count("(this estimator") >= 8
+    assert [ln.split(",")[0] for ln in text.splitlines() if ln.startswith("seq")] == \
+        ["seq 512 x batch 1", "seq 512 x batch 4", "seq 2048 x batch 1", "seq 2048 x batch 4"]
