@@ -26,7 +26,7 @@ a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
 mark("first bf16 matmul (cuBLAS)")
 p = torch.empty(256 * 2**20, dtype=torch.uint8, pin_memory=True)
 mark("first pinned 256 MiB")
-import transformers, datasets, peft, trl  # noqa: E401,E402,F401
+import transformers  # noqa: E401,E402,F401
 
 mark("import transformers, datasets, peft, trl")
 import soup_cli.trainer.sft  # noqa: E402,F401

@@ -57,7 +57,7 @@ class StampedLog:
 
 
 LIBRARY_LOGGERS = ("transformers", "trl", "peft", "datasets", "accelerate", "soup_cli",
-                   "huggingface_hub", "torch", "py.warnings")
+                   "huggingface_hub", "torch", "bitsandbytes", "py.warnings")
 
 
 SOUP_MODULES = ("datasets", "peft", "trl", "soup_cli.config.loader", "soup_cli.data.loader", "soup_cli.trainer.sft",
@@ -68,27 +68,32 @@ SOUP_MODULES = ("datasets", "peft", "trl", "soup_cli.config.loader", "soup_cli.d
 @contextlib.contextmanager
 def soup_console(log_path: Path, verbose: bool) -> Iterator[None]:
     """Rich consoles and logging handlers bind their stream when created, so a plain stdout
-    redirect would miss them: each is pointed at the log too."""
-    for name in SOUP_MODULES:  # imported first, so their consoles exist to be redirected
-        importlib.import_module(name)
+    redirect would miss them: each is pointed at the log too. Soup's modules are imported inside
+    the redirect (so their consoles exist to be redirected, and what a library says as it loads,
+    e.g. bitsandbytes' "Failed to load CPU gemm_4bit_forward" on every run, lands in the log)."""
     if verbose:
+        for name in SOUP_MODULES:
+            importlib.import_module(name)
         yield
         return
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "a", encoding="utf-8") as raw:
         fh = StampedLog(raw)
-        consoles = {id(c): (c, c._file) for m, mod in list(sys.modules.items())
-                    if m.startswith("soup_cli") and hasattr(c := getattr(mod, "console", None), "_file")}
         handler = logging.StreamHandler(fh)
         saved = []
         for name in ("",) + LIBRARY_LOGGERS:
             lg = logging.getLogger(name)
             saved.append((lg, lg.handlers[:], lg.propagate))
             lg.handlers, lg.propagate = [handler], not name
+        consoles: dict[int, tuple[Any, Any]] = {}
         try:
-            for con, _ in consoles.values():
-                con.file = fh
             with contextlib.redirect_stdout(fh), contextlib.redirect_stderr(fh):
+                for name in SOUP_MODULES:
+                    importlib.import_module(name)
+                consoles = {id(c): (c, c._file) for m, mod in list(sys.modules.items())
+                            if m.startswith("soup_cli") and hasattr(c := getattr(mod, "console", None), "_file")}
+                for con, _ in consoles.values():
+                    con.file = fh
                 yield
         finally:
             for con, original in consoles.values():
@@ -172,6 +177,7 @@ class Progress:
 
     def __init__(self, total: int, started: float):
         self.total, self.started, self.done, self.bar = total, started, 0, None
+        self.first_done: float = 0.0  # elapsed when the first arm finished (imports, first setup)
         if sys.stderr.isatty() and total > 1:
             with contextlib.suppress(ImportError):
                 from rich.console import Console
@@ -198,9 +204,17 @@ class Progress:
         if self.bar is not None:
             self.bar.update(self.task, completed=self.done, description=f"{what}: {row.status}, {peak}")
             return
-        left = elapsed / max(self.done, 1) * max(self.total - self.done, 0)
+        remaining = max(self.total - self.done, 0)
+        if self.done == 1:
+            self.first_done = elapsed
+        if not remaining:
+            eta = "~0 s left"
+        elif self.done < 2:  # the first arm carries the imports and first setup: not a rate
+            eta = "time left: estimating"
+        else:
+            eta = f"~{(elapsed - self.first_done) / (self.done - 1) * remaining:.0f} s left"
         print(f"[arm {self.done}/{self.total}] {what}: {row.status}, {peak}; elapsed {elapsed:.1f} s, "
-              f"~{left:.0f} s left", file=sys.stderr, flush=True)
+              f"{eta}", file=sys.stderr, flush=True)
 
     def close(self) -> None:
         if self.bar is not None:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import ast
 import importlib.metadata
 import importlib.util
-import json
 import math
 import os
 import typing
@@ -54,19 +53,16 @@ FP32_HIDDEN_SEGMENTS, BF16_HIDDEN_SEGMENTS = 4, 3
 #: 0.5 MB steps (bench/leave_one_out.py fits it; a test checks it equals the all-family fit).
 #: Left after the allocator's rounding is charged: unattributed resident bytes (Qwen2.5 bf16
 #: +0.66 MB) and per-token bytes at batch > 1 (small vocab: ~50 B per extra token, largest on
-#: Mistral-7B bf16 16384x4, +2.62 MB). Refitted once seq 512 and 1024 were measured on every
-#: family (results/h200x2-2026-11-30-issue16/map-512-1024.json): Qwen2.5 bf16 1024x1 sat 0.28 MB
-#: under the 3.0 MB fitted before it (out of sample: 1 of 80 new arms under, by 0.012%).
+#: Mistral-7B bf16 16384x4, +2.62 MB). Refitted with seq 512/1024 measured (issue16/map-512-1024):
+#: Qwen2.5 bf16 1024x1 sat 0.28 MB under the 3.0 MB fitted before (1 of 80 new arms, 0.012%).
 ALLOCATED_ALLOWANCE_BYTES = 3_500_000
 #: needs_free over allocated under expandable segments (what `soup train` sets). PEAK "What a
 #: card must hold": Mistral-7B NF4 512x1 reserved 1.5729 GB over 1.5215 GB allocated (+3.4%);
 #: a cap 1.8% above allocated completed, 0.2% above raised OOM. Charged: the +3.4% reserved.
 EXPANDABLE_RESERVE_FRACTION = 0.034
-#: ...plus a constant: --cap at allocated x 1.034 alone raised OOM on 4 of 12 arms (results/
-#: h200x2-2026-11-30-cap/cap-needs-free.txt), all small models, where reserved sits a near-constant
-#: 33-119 MB above allocated under expandable segments (SmolLM2 NF4 512x1: 0.4158 GB allocated,
-#: 0.5348 GB reserved; Mistral-7B NF4 2048x1: +174 MB at 2.26 GB). Fitted as the upper envelope
-#: of those committed reserved-over-allocated figures with the 3.4%: 128 MiB covers every one.
+#: ...plus a constant: capped at allocated x 1.034 alone, 4 of 12 arms raised OOM (results/h200x2-
+#: 2026-11-30-issue16/first-allowance/), small ones, whose reserved sits 33-119 MB over allocated
+#: (SmolLM2 NF4 512x1: 0.4158 GB, 0.5348 GB); 128 MiB is the envelope of every committed figure.
 EXPANDABLE_RESERVE_BYTES = 128 * 2**20
 
 RELEASES, QUANTS = ("0.73.3", "0.77.0"), ("none", "nf4")
@@ -448,10 +444,3 @@ def estimate(config: dict, *, quant: str = "none", seq: int, batch: int = 1, tar
 def needs_free(allocated: int) -> int:
     """Free bytes a card must have: allocated plus the expandable-segments reserve allowance."""
     return math.ceil(allocated * (1 + EXPANDABLE_RESERVE_FRACTION)) + EXPANDABLE_RESERVE_BYTES
-
-
-def config_from_file(path: str) -> dict:
-    try:
-        return json.loads(Path(path).read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise UsageError(f"{path}: not a readable config.json ({type(exc).__name__})") from None

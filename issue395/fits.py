@@ -40,32 +40,33 @@ def longest_seq(config: dict, card_bytes: int, **kwargs) -> int | None:
     return lo * SEQ_STEP
 
 
-def _gb(n: int) -> str:
-    return f"{n / 1e9:10.3f}"
-
-
 def estimate_table(rows: list[Estimate], cards, config: dict | None = None, **kwargs) -> str:
-    """Fixed-width text: per (seq, batch), Soup's own pre-flight (computed by Soup), the corrected
-    allocated peak and needs_free (this estimator), each term, and per card whether it fits; with
-    ``config`` given, also the longest seq that fits each card at that batch (this estimator)."""
+    """One column per (quant, seq, batch); down it, in order: Soup's own pre-flight (computed by
+    Soup), the corrected allocated peak and the free memory it needs (this estimator), each term,
+    and per card whether it fits and, with ``config``, the longest seq that fits (this estimator)."""
     cards = list(cards)
-    out = []
-    for e in rows:
-        out.append(f"seq {e.seq} x batch {e.batch}, quant {e.quant}, steps {e.steps}, "
-                   f"soup-cli {e.release}  (GB = 1e9 bytes)")
-        out.append(f"  {'Soup pre-flight (computed by Soup)':<46}{_gb(e.soup_predicted)}")
-        out.append(f"  {'corrected allocated peak (this estimator)':<46}{_gb(e.corrected_predicted)}"
-                   f"  phase: {e.phase}")
-        out.append(f"  {'needs free (this estimator, + allocator)':<46}{_gb(e.needs_free)}")
-        for name, value in e.terms.items():
-            out.append(f"    term {name:<40}{_gb(value)}")
-        for label, size in cards:
-            verdict = "fits" if e.needs_free <= size else "does NOT fit"
-            soup = "admits" if e.soup_predicted <= size else "refuses"
-            line = f"  card {label:<8} {verdict:<13} (Soup's own gate {soup})"
-            if config is not None:
-                best = longest_seq(config, size, quant=e.quant, batch=e.batch, steps=e.steps,
-                                   release=e.release, **kwargs)
-                line += f"; longest seq that fits (this estimator): {best if best else 'none'}"
-            out.append(line)
-    return "\n".join(out) + "\n"
+    heads = [f"{e.quant} {e.seq}x{e.batch}" for e in rows]
+    width = max([12] + [len(h) for h in heads])
+    gb = lambda n: f"{n / 1e9:.4f}"  # noqa: E731
+    lines = [["Soup's own pre-flight GB (computed by Soup)"] + [gb(e.soup_predicted) for e in rows],
+             ["corrected: allocated peak GB"] + [gb(e.corrected_predicted) for e in rows],
+             ["corrected: needs free GB"] + [gb(e.needs_free) for e in rows],
+             ["  the peak's phase"] + [e.phase for e in rows]]
+    for name in dict.fromkeys(t for e in rows for t in e.terms):
+        lines.append([f"  term: {name} GB"] + [gb(e.terms[name]) if name in e.terms else "-" for e in rows])
+    for label, size in cards:
+        lines.append([f"fits {label} (needs free <= card)"] + [
+            ("yes" if e.needs_free <= size else "NO") + ("" if e.soup_predicted <= size else " (Soup refuses)")
+            for e in rows])
+        if config is not None:
+            lines.append([f"  longest seq that fits {label}"] + [
+                str(longest_seq(config, size, quant=e.quant, batch=e.batch, steps=e.steps, release=e.release,
+                                **kwargs) or "none") for e in rows])
+    first = max(len(line[0]) for line in lines)
+    fmt = lambda cells: "  ".join([f"{cells[0]:<{first}}"] + [f"{c:>{width}}" for c in cells[1:]])  # noqa: E731
+    head = fmt([f"soup-cli {rows[0].release}, steps {rows[0].steps}" if rows else ""] + heads)
+    legend = ("peak = resident (pool, extras, LoRA weights, cuBLAS workspace, resident rounding) + the larger "
+              "phase: the loss (logits, allocator rounding, final norm, and the shared checkpointed inputs, ids, "
+              "positions, rotary tables, mask) or the layer recompute (the shared terms, the dequantised layer, "
+              "per-token bytes, the autograd workspace) + the allowance; needs free adds the allocator's reserve")
+    return "\n".join([head, "-" * len(head)] + [fmt(line) for line in lines] + [legend]) + "\n"

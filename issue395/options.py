@@ -6,12 +6,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import stat
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
-from .errors import UsageError
+from .errors import UsageError, last_line
 from .margin import plan_map
 from .record import MAP_BATCHES, QUANTS, RECORD_GRID, SHAPES, Arm, plan_arms
 from .result import RowFile
@@ -169,20 +170,41 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def parse_ints(flag: str, text: Optional[str], minimum: int = 1) -> Optional[tuple]:
+#: The largest value each whole-number option takes: batch sizes no real run has, seq lengths
+#: beyond any model's positions, and counts that would only run for hours are refused up front.
+MAXIMA = {"--seq": (1_048_576, "longer than any model's positions"),
+          "--batch": (1024, "larger than any real run's batch"),
+          "--steps": (1000, "more optimizer steps than a peak needs"),
+          "--lora-r": (1024, "a larger LoRA rank than any real run's"),
+          "--determinism": (100, "more repeats than a determinism check needs"),
+          "--gpus": (1023, "more GPUs than a host has")}
+_WHOLE = re.compile(r"-?[0-9]{1,4000}")  # int() refuses longer strings
+
+
+def _shown(item: str) -> str:
+    return item if len(item) <= 40 else item[:40] + "..."
+
+
+def parse_ints(flag: str, text: Optional[str], minimum: int = 1,
+               maximum: Optional[int] = None) -> Optional[tuple]:
+    """A comma list of whole numbers in plain ASCII digits (a leading minus is read, then refused
+    by ``minimum``); anything else, and anything above the flag's maximum, is one line."""
     if text is None:
         return None
     items = [i.strip() for i in text.split(",")]
     if not all(items):
-        raise UsageError(f"{flag} {text!r}: empty item; give a comma list of whole numbers")
+        raise UsageError(f"{flag} {_shown(text)!r}: empty item; give a comma list of whole numbers")
+    top, why = (maximum, "") if maximum is not None else MAXIMA.get(flag, (None, ""))
     out: list[int] = []
     for item in items:
-        if not (item.isascii() and item.lstrip("-").isdigit()):
-            raise UsageError(f"{flag} {item!r} is not a whole number")
+        if not _WHOLE.fullmatch(item):
+            raise UsageError(f"{flag} {_shown(item)!r} is not a whole number")
         if int(item) < minimum:
-            raise UsageError(f"{flag} {int(item)} must be at least {minimum}")
+            raise UsageError(f"{flag} {_shown(str(int(item)))} must be at least {minimum}")
+        if top is not None and int(item) > top:
+            raise UsageError(f"{flag} {_shown(str(int(item)))} is more than {top}" + (f", {why}" if why else ""))
         if int(item) in out:
-            raise UsageError(f"{flag} {text}: {int(item)} is named twice")
+            raise UsageError(f"{flag} {_shown(text)}: {int(item)} is named twice")
         out.append(int(item))
     return tuple(out)
 
@@ -194,24 +216,90 @@ def within_positions(name: str, limit: int, seqs: Iterable[int]) -> None:
         raise UsageError(f"--seq {beyond[0]} is beyond {name}'s maximum positions ({limit})")
 
 
-def writable_folder(flag: str, folder: str) -> None:
-    """A folder the tool may write into: it exists, or the nearest one above it is writable."""
+def writable_folder(flag: str, folder: str, given: Optional[str] = None) -> None:
+    """A folder the tool may write into: it exists, or the nearest one above it is writable.
+    ``given`` is the value on the command line when the folder is an output file's."""
+    if not folder.strip():
+        raise UsageError(f"{flag}: the path is empty; give a folder")
+    named = f"{flag} {given if given is not None else folder}"
     p = Path(folder).expanduser().absolute()
     if p.exists() and not p.is_dir():
-        raise UsageError(f"{flag} {folder}: not a folder")
+        raise UsageError(f"{named}: {p} is not a folder" if given is not None else f"{named}: not a folder")
     while not p.exists():
         p = p.parent
     if not p.is_dir() or not os.access(p, os.W_OK):
-        raise UsageError(f"{flag} {folder}: {p} cannot be written")
+        raise UsageError(f"{named}: {'its folder ' if given is not None else ''}{p} cannot be written")
 
 
 def check_output(flag: str, path: str) -> None:
+    if not path.strip():
+        raise UsageError(f"{flag}: the path is empty; give a file path")
     if flag == "--plot" and Path(path).suffix.lower() != ".png":
         raise UsageError(f"--plot {path}: the plot is a PNG; give a path ending in .png")
     if Path(path).is_dir():
         raise UsageError(f"{flag} {path} is a folder; give a file path")
     if not Path(os.path.realpath(path)).exists():
-        writable_folder(flag, os.path.dirname(os.path.realpath(path)))
+        writable_folder(flag, os.path.dirname(os.path.realpath(path)), given=path)
+
+
+def same_file(a: str, b: str) -> bool:
+    """One file under two spellings: ./, a symlink, or a hard link."""
+    if os.path.realpath(a) == os.path.realpath(b):
+        return True
+    try:
+        return os.path.samefile(a, b)
+    except (OSError, ValueError):
+        return False
+
+
+def no_output_is_an_input(outputs: dict[str, Optional[str]], inputs: list[tuple[str, str]]) -> None:
+    """An output never overwrites what the run reads: a saved result, --compare's, or --model's
+    config.json or a file of its checkpoint folder."""
+    for flag, path in outputs.items():
+        if not path:
+            continue
+        for in_flag, source in inputs:
+            inside = (os.path.isdir(source) and os.path.exists(path)
+                      and os.path.dirname(os.path.realpath(path)) == os.path.realpath(source))
+            if same_file(path, source) or inside:
+                what = "a file of " if inside else ""
+                raise UsageError(f"{flag} {path} is {what}{in_flag} {source}: an output would overwrite "
+                                 "its input; give the output its own path")
+
+
+#: A hub id as the hub accepts one: a name, or org/name, of letters, digits, '_', '-' and '.'.
+HUB_ID = re.compile(r"(?:[A-Za-z0-9](?:[\w.-]*[A-Za-z0-9])?/)?[A-Za-z0-9](?:[\w.-]*[A-Za-z0-9])?")
+
+
+def local_or_hub(model: str) -> str:
+    """--model as given: an existing file or folder (~ expanded), or a hub id. A value that
+    looks like a path (starts with / . or ~, ends with .json, has more than one '/', or its
+    first folder exists here) and is not there is one line, not a hub lookup."""
+    path = os.path.expanduser(model)
+    if os.path.exists(path):
+        return path
+    if os.path.lexists(path):
+        raise UsageError(f"--model {model}: a symlink to nothing ({os.path.realpath(path)} is not there)")
+    first = model.split("/")[0]
+    pathlike = (model.startswith(("/", ".", "~")) or model.lower().endswith(".json") or model.count("/") > 1
+                or ("/" in model and os.path.isdir(first)) or os.sep != "/" and os.sep in model)
+    if pathlike:
+        raise UsageError(f"--model {model}: no such file or folder")
+    if not HUB_ID.fullmatch(model) or "--" in model or ".." in model or len(model) > 96:
+        raise UsageError(f"--model {model}: no such file or folder, nor a hub id (org/name)")
+    return model
+
+
+def not_an_empty_shard(run: Run) -> None:
+    """--shard K/N that owns no arm is one line before anything runs, not a header alone."""
+    from .spread import shard_of  # spread imports this module
+
+    arms = grid_arms(run)
+    if not shard_of(arms, run.shard, whole_models=run.map):
+        k, n = run.shard
+        what = (f"{len(arms)} arm(s) in {len(set(a.model for a in arms))} families, dealt whole"
+                if run.map else f"{len(arms)} arm(s)")
+        raise UsageError(f"--shard {k}/{n} is empty: the grid has {what}, so shard {k} of {n} runs nothing")
 
 
 def check_input(flag: str, path: str) -> None:
@@ -228,6 +316,13 @@ def check_input(flag: str, path: str) -> None:
 
 def settle(args: argparse.Namespace, argv: list[str]) -> Run:
     """Every check that needs no GPU and no Soup setup, before anything runs or prints."""
+    run = _settle(args, argv)
+    if run.shard and not run.estimate and not run.from_json:
+        not_an_empty_shard(run)
+    return run
+
+
+def _settle(args: argparse.Namespace, argv: list[str]) -> Run:
     outputs = {f: getattr(args, f.strip("-").replace("-", "_")) for f in ("--json", "--markdown", "--plot")}
     for flag, path in outputs.items():
         if path is not None:
@@ -243,10 +338,14 @@ def settle(args: argparse.Namespace, argv: list[str]) -> Run:
     if args.from_json:
         for path in args.from_json + ([args.compare] if args.compare else []):
             check_input("--compare" if path == args.compare else "--from-json", path)
+        inputs = [("--from-json", p) for p in args.from_json] + ([("--compare", args.compare)] if args.compare else [])
+        no_output_is_an_input(outputs, inputs)
         return Run(from_json=tuple(args.from_json), compare=args.compare, json=args.json,
                    markdown=args.markdown, plot=args.plot, steps=one_int("--steps", args.steps, 1),
                argv=tuple(argv))
     if args.estimate:
+        if args.model and args.model not in ALL_FAMILIES:
+            no_output_is_an_input(outputs, [("--model", os.path.expanduser(args.model))])
         return settle_estimate(args, argv)
     for flag in ("--card", "--targets", "--lora-r"):
         if getattr(args, flag.strip("-").replace("-", "_")) is not None:
@@ -260,6 +359,10 @@ def settle(args: argparse.Namespace, argv: list[str]) -> Run:
         raise UsageError("--model and --models are exclusive: one brings its own model")
     if args.model is not None and not args.model.strip():
         raise UsageError("--model needs a checkpoint folder or a hub id")
+    if args.model is not None:
+        args = argparse.Namespace(**dict(vars(args), model=local_or_hub(args.model)))
+        no_output_is_an_input({**outputs, "--json's row file": args.json and str(RowFile.path_for(args.json))},
+                              [("--model", args.model)])
     models = (("custom",) if args.model else tuple(SHAPES) if args.models is None
               else tuple(m.strip() for m in args.models.split(",")))
     if not all(models):
@@ -310,7 +413,7 @@ def settle(args: argparse.Namespace, argv: list[str]) -> Run:
                dry_run=args.dry_run, verbose=args.verbose, snapshot=args.snapshot or bool(args.snapshot_dir),
                snapshot_dir=args.snapshot_dir, log_dir=args.log_dir, cache_dir=cache,
                isolate=args.isolate or args.cap is not None, cap=args.cap, gpus=gpus, shard=shard, json=args.json,
-               markdown=args.markdown, plot=args.plot, argv=tuple(argv))
+               markdown=args.markdown, plot=args.plot, steps=one_int("--steps", args.steps, 1), argv=tuple(argv))
 
 
 def settle_map(args: argparse.Namespace, argv: list[str]) -> Run:
@@ -332,7 +435,7 @@ def settle_map(args: argparse.Namespace, argv: list[str]) -> Run:
     seqs, batches = parse_ints("--seq", args.seq, minimum=64), parse_ints("--batch", args.batch)
     for fam in families:
         within_positions(fam, max_positions(fam), seqs or ())
-    plain = settle(argparse.Namespace(**dict(vars(args), map=False, families=None, quant=None,
+    plain = _settle(argparse.Namespace(**dict(vars(args), map=False, families=None, quant=None,
                                              models=None, seq=None, batch=args.batch)), argv)
     return replace(plain, map=True, sweep=True, models=families, quants=quants, seqs=seqs,
                        batches=batches or MAP_BATCHES)
@@ -352,7 +455,7 @@ def estimate_config(model: Optional[str]) -> tuple[str, dict]:
                          f"({','.join(ALL_FAMILIES)})")
     if model in ALL_FAMILIES:
         return model, config_json(model)
-    path = Path(model)
+    path = Path(model).expanduser()
     path = path / "config.json" if path.is_dir() else path
     if not path.is_file():
         raise UsageError(f"--model {model}: no such config.json (nor a family: {','.join(ALL_FAMILIES)})")
@@ -382,13 +485,28 @@ def settle_estimate(args: argparse.Namespace, argv: list[str]) -> Run:
     targets = None if args.targets is None else tuple(t.strip() for t in args.targets.split(","))
     if targets is not None and not all(targets):
         raise UsageError(f"--targets {args.targets!r}: empty name")
+    if targets is not None and len(set(targets)) != len(targets):
+        raise UsageError(f"--targets {args.targets}: a target is named twice")
+    from .estimate import arch_of
     from .fits import parse_cards
 
+    try:  # the config's own sizes, heads and positions: one line here, before any table
+        arch = arch_of(config)
+    except UsageError as exc:
+        raise UsageError(f"--model {name}: {exc}") from None
+    except Exception as exc:  # a value of the wrong kind deeper in the config
+        raise UsageError(f"--model {name}: its config cannot be read as a model ({last_line(exc)})") from None
+    within_positions(name, arch.max_pos, seqs)
+    try:
+        cards = tuple(parse_cards(args.card)) if args.card is not None else ()
+    except (OverflowError, ValueError) as exc:
+        raise UsageError(f"--card {_shown(args.card)!r} is not a size like 24GB or 80GiB ({last_line(exc)})") from None
+    if any(n > 2**60 for _, n in cards):
+        raise UsageError(f"--card {_shown(args.card)!r}: no card has more than 2^60 bytes")
     return Run(sweep=False, estimate=True, estimate_config=config, custom_model=name, quants=quants, seqs=seqs,
                batches=parse_ints("--batch", args.batch) or (1,), targets=targets,
                lora_r=one_int("--lora-r", args.lora_r, 8), steps=one_int("--steps", args.steps, 1),
-               cards=tuple(parse_cards(args.card)) if args.card is not None else (), json=args.json,
-               argv=tuple(argv))
+               cards=cards, json=args.json, argv=tuple(argv))
 
 
 def check_cache_dir_bounds(given: str, cache: str) -> None:

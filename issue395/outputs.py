@@ -125,28 +125,127 @@ def render_plot(result: Result) -> bytes:
     return buf.getvalue()
 
 
-def render_heatmap(result: Result, plt: Any) -> bytes:
-    """The map as a heatmap of pred/real: family x seq, one panel per quantization and batch;
-    a blank cell was not measured (its status says why in the table)."""
+#: The heatmap's scale: red below 1.0 (Soup under-predicts: the #395 failure), blue above, with
+#: a step at exactly 1.0 so a 0.99 cell never shares a colour with a 1.01 one.
+HEATMAP_LOW, HEATMAP_HIGH = 0.8, 1.4
+NOT_MEASURED_GREY = "#c8c8c8"
+
+
+def heatmap_norm_and_cmap(low: float = HEATMAP_LOW, high: float = HEATMAP_HIGH) -> tuple[Any, Any]:
+    """A diverging scale centred at exactly 1.0: reds (darker further under) below, blues
+    (darker further over) above, a light-red to light-blue step at 1.0 itself."""
+    import matplotlib.pyplot as plt
+    from matplotlib.colors import ListedColormap, TwoSlopeNorm
+
+    reds, blues = plt.get_cmap("Reds"), plt.get_cmap("Blues")
+    n = 128
+    colours = [reds(0.95 - 0.6 * i / (n - 1)) for i in range(n)] + [blues(0.25 + 0.7 * i / (n - 1)) for i in range(n)]
+    return TwoSlopeNorm(vmin=min(low, 0.99), vcenter=1.0, vmax=max(high, 1.01)), ListedColormap(colours, "under_over")
+
+
+def text_colour(rgba: Any) -> str:
+    """Black on light cells, white on dark ones, by the cell's relative luminance."""
+    def lin(c: float) -> float:
+        return c / 12.92 if c <= 0.04045 else ((c + 0.055) / 1.055) ** 2.4
+    r, g, b = (lin(c) for c in rgba[:3])
+    return "black" if 0.2126 * r + 0.7152 * g + 0.0722 * b > 0.2 else "white"
+
+
+def stack_title(env: dict[str, Any]) -> str:
+    return (f"{env.get('gpu') or 'no GPU'} | soup-cli {env.get('soup_cli') or '?'} | torch {env.get('torch') or '?'}"
+            f" | {str(env.get('date') or '')[:10]} | arms {env.get('arms')}")
+
+
+def heatmap_cells(rows: list[Any], quant: str) -> tuple[list[str], list[tuple[int, int]], dict]:
+    """One panel's families (rows), seq x batch columns, and the row in each cell."""
+    mine = [r for r in rows if r.quant == quant]
+    families = models_in(mine)
+    columns = sorted({(r.seq, r.batch) for r in mine})
+    return families, columns, {(r.model, r.seq, r.batch): r for r in mine}
+
+
+def heatmap_figure(result: Result, plt: Any) -> Any:
+    """The map as a heatmap of pred/real (the lower of Soup's two predictions over the real
+    peak): family x (seq x batch), one panel per quantization. Red: under 1.0, an UNDER (also
+    hatched, boxed and named); blue: over; grey with its status: in the grid, not measured
+    (REFUSED, SKIPPED, OOM, FAILED, VOID, dry run); blank: not in the grid."""
+    from matplotlib.patches import Rectangle
+
+    env = result.environment
     rows = [r for r in result.rows if r.repeat is None]
-    families, seqs = models_in(rows), sorted({r.seq for r in rows})
-    panels = [(q, b) for q in QUANTS for b in sorted({r.batch for r in rows}) if any(
-        r.quant == q and r.batch == b for r in rows)] or [("none", 1)]
-    fig, axes = plt.subplots(1, len(panels), figsize=(3.2 * len(panels) + 2, 0.45 * len(families) + 2),
-                             dpi=110, squeeze=False)
-    for ax, (quant, batch) in zip(axes[0], panels):
-        grid = [[next((r.margin_ratio for r in rows if r.model == f and r.seq == q and r.quant == quant
-                       and r.batch == batch and r.measured), float("nan")) for q in seqs] for f in families]
-        im = ax.imshow(grid, cmap="RdYlGn", vmin=0.8, vmax=1.4, aspect="auto")
-        for i, line in enumerate(grid):
-            for j, v in enumerate(line):
-                if v == v:
-                    ax.text(j, i, f"{v:.2f}", ha="center", va="center", fontsize=7)
-        ax.set(title=f"{quant}, batch {batch}", xticks=range(len(seqs)), xticklabels=seqs,
-               yticks=range(len(families)), yticklabels=families if ax is axes[0][0] else [])
+    quants = [q for q in QUANTS if any(r.quant == q for r in rows)]
+    measured = [r.margin_ratio for r in rows if r.measured and r.margin_ratio is not None]
+    norm, cmap = heatmap_norm_and_cmap(min(measured + [HEATMAP_LOW]), max(measured + [HEATMAP_HIGH]))
+    shapes = [heatmap_cells(rows, q) for q in quants]
+    ncols = max([len(c) for _, c, _ in shapes] + [1])
+    heights = [max(len(f), 1) for f, _, _ in shapes] or [1]
+    label_w = max([len(f) for fs, _, _ in shapes for f in fs] + [8]) * 0.075
+    fig, axes = plt.subplots(len(heights), 1, squeeze=False, dpi=110, layout="constrained",
+                             figsize=(max(7.5, label_w + 0.72 * ncols + 2.2), 2.1 + sum(0.42 * h + 0.9 for h in heights)),
+                             gridspec_kw={"height_ratios": [h + 1.6 for h in heights]})
+    dry = bool(env.get("dry_run"))
+    title = "Soup's pre-flight margin map: Soup's prediction / real peak (below 1.0: UNDER-predicts)"
+    if not measured:
+        title = ("Soup's pre-flight margin map: nothing measured"
+                 + (" (dry run: set up on CPU, no peak was measured)" if dry else " (no arm has a real peak)"))
+    fig.suptitle(title + "\n" + stack_title(env), fontsize=10)
+    if not quants:
+        axes[0][0].set_axis_off()
+        axes[0][0].text(0.5, 0.5, "no rows in this result", ha="center", va="center", transform=axes[0][0].transAxes)
+    for ax, quant, (families, columns, cell) in zip((a[0] for a in axes), quants, shapes):
+        grid = [[cell[(f, q, b)].margin_ratio if (f, q, b) in cell and cell[(f, q, b)].measured else float("nan")
+                 for q, b in columns] for f in families]
+        ax.imshow(grid, cmap=cmap, norm=norm, aspect="auto")
+        ax.set_facecolor("white")
+        for i, fam in enumerate(families):
+            for j, (seq, batch) in enumerate(columns):
+                r = cell.get((fam, seq, batch))
+                if r is None:
+                    continue  # not in the grid: left blank
+                if r.measured:
+                    colour = cmap(norm(r.margin_ratio))
+                    under = r.status == "UNDER"
+                    if under:
+                        ax.add_patch(Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, hatch="///",
+                                               edgecolor="black", linewidth=2.2))
+                    ax.text(j, i, ("UNDER\n" if under else "") + f"{r.margin_ratio:.3f}", ha="center",
+                            va="center", fontsize=7, color=text_colour(colour),
+                            fontweight="bold" if under else "normal",
+                            bbox=dict(boxstyle="square,pad=0.1", facecolor=colour, edgecolor="none")
+                            if under else None)
+                else:
+                    ax.add_patch(Rectangle((j - 0.5, i - 0.5), 1, 1, facecolor=NOT_MEASURED_GREY,
+                                           edgecolor="white", linewidth=0.5))
+                    word = "dry run" if r.dry_run else r.status
+                    ax.text(j, i, word, ha="center", va="center", fontsize=6, color="black")
+        ax.set_xticks(range(len(columns)), [f"{q}\nx{b}" for q, b in columns])
+        ax.set_yticks(range(len(families)), families)
+        ax.set_xlim(-0.5, len(columns) - 0.5)
+        ax.set_ylim(len(families) - 0.5, -0.5)
+        ax.set_xlabel("seq x batch", fontsize=8)
+        ax.set_ylabel("family", fontsize=8)
+        ax.set_title(f"quantization: {quant}", fontsize=9)
         ax.tick_params(labelsize=7)
-    fig.colorbar(im, ax=list(axes[0]), label="pred / real (below 1.0: under-predicts)")
-    fig.suptitle(f"Soup's pre-flight margin map ({result.environment.get('gpu') or 'this run'})")
+        ax.set_xticks([x - 0.5 for x in range(1, len(columns))], minor=True)
+        ax.set_yticks([y - 0.5 for y in range(1, len(families))], minor=True)
+        ax.grid(which="minor", color="white", linewidth=0.8)
+        ax.tick_params(which="minor", length=0)
+    if measured:
+        from matplotlib.cm import ScalarMappable
+
+        bar = fig.colorbar(ScalarMappable(norm=norm, cmap=cmap), ax=[a[0] for a in axes], shrink=0.8,
+                           label="pred / real (red, below 1.0: UNDER-predicts)")
+        bar.ax.axhline(1.0, color="black", linewidth=1.5)
+        bar.ax.tick_params(labelsize=7)
+    fig.text(0.01, 0.0, "hatched and boxed: UNDER (Soup predicts less than the real peak); grey with its status: "
+             "in the grid, not measured; blank: not in the grid" + ("" if measured else
+             "; nothing measured: no ratio to colour"), fontsize=7, ha="left", va="top")
+    return fig
+
+
+def render_heatmap(result: Result, plt: Any) -> bytes:
+    """The map's heatmap (``heatmap_figure``) as PNG bytes."""
+    fig = heatmap_figure(result, plt)
     buf = io.BytesIO()
     fig.savefig(buf, format="png", bbox_inches="tight")
     plt.close(fig)

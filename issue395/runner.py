@@ -21,7 +21,7 @@ from .errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, UsageError, last_line
 from .margin import margin_arms, margin_breakdown
 from .modes import measure_mode, sdpa_mode
 from .options import NO_CUDA, Run, build_parser, grid_arms, settle, within_positions
-from .outputs import write_output, write_outputs
+from .outputs import render_markdown, write_output, write_outputs
 from .record import SHAPES, Arm, Shape, plan_arms
 from .result import Result, RowFile, environment, load_result, merge, row_order
 from .row import Row
@@ -44,6 +44,7 @@ class Protocol:
 def cli(argv: list[str], protocol: Protocol) -> int:
     """The command line (or, in a child, its job file) settled and executed; bad input is one line."""
     argv = list(argv)
+    tolerant_streams()
     try:
         job_file = os.environ.pop(CHILD_JOB, None)
         if job_file:
@@ -56,6 +57,16 @@ def cli(argv: list[str], protocol: Protocol) -> int:
     except KeyboardInterrupt:  # stopped before any arm ran: nothing to print or save
         print("interrupted before any arm ran", file=sys.stderr)
         return EXIT_INTERRUPTED
+
+
+def tolerant_streams() -> None:
+    """A terminal or pipe that cannot encode a character (PYTHONIOENCODING=ascii, LC_ALL=C) shows
+    '?' for it: an em dash in a table must never stop the run before its outputs are written."""
+    for stream in (sys.stdout, sys.stderr):
+        reconfigure = getattr(stream, "reconfigure", None)
+        if reconfigure is not None and getattr(stream, "errors", "strict") in ("strict", None):
+            with contextlib.suppress(Exception):
+                reconfigure(errors="replace")
 
 
 def sweep(arms: list[Arm], shapes: dict[str, Shape], bases: Checkpoints, scratch: Scratch,
@@ -251,12 +262,17 @@ def estimate_run(run: Run) -> int:
     from .estimate import estimate
     from .fits import estimate_table
 
-    rows = [estimate(run.estimate_config, quant=q, seq=s, batch=b, targets=run.targets, lora_r=run.lora_r,
-                     steps=run.steps) for q in run.quants for s in run.seqs for b in run.batches]
     kw = {"targets": run.targets, "lora_r": run.lora_r}
+    try:
+        rows = [estimate(run.estimate_config, quant=q, seq=s, batch=b, targets=run.targets, lora_r=run.lora_r,
+                         steps=run.steps) for q in run.quants for s in run.seqs for b in run.batches]
+        table = estimate_table(rows, run.cards, run.estimate_config, **kw)
+    except UsageError as exc:
+        raise UsageError(f"--estimate --model {run.custom_model}: {exc}") from None
+    except Exception as exc:  # a config value of a kind no real config has
+        raise UsageError(f"--estimate --model {run.custom_model}: cannot be estimated ({last_line(exc)})") from None
     text = (f"--estimate: {run.custom_model} (Soup's pre-flight: computed by Soup's own estimator code; "
-            "corrected and needs free: this tool's estimator, from the config alone)\n"
-            + estimate_table(rows, run.cards, run.estimate_config, **kw))
+            "corrected and needs free: this tool's estimator, from the config alone)\n" + table)
     print(text, end="")
     if run.json:
         data = {"tool": "issue395_second_stack_vram", "kind": "estimate", "model": run.custom_model,
@@ -270,18 +286,43 @@ def estimate_run(run: Run) -> int:
 
 
 def rerender(run: Run) -> int:
-    """Saved results (one, or shards of one run) re-judged, merged and rendered; no GPU."""
+    """Saved results (one, or shards of one run) re-judged, merged and rendered; no GPU. A saved
+    result this tool cannot merge, render or compare is one line naming it, never a traceback."""
     results = [load_result(p) for p in run.from_json]
-    result = merge(results, f"merged from {len(results)} result(s)") if len(results) > 1 else results[0]
+    named = "--from-json " + " ".join(run.from_json)
     try:
+        result = merge(results, f"merged from {len(results)} result(s)") if len(results) > 1 else results[0]
         text = render_text(result)
-    except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
-        raise UsageError(f"--from-json: a saved block cannot be rendered ({last_line(exc)})") from None
+        if run.markdown:  # a hand-edited result that cannot become markdown: said before any table
+            render_markdown(result)
+    except UsageError as exc:
+        raise UsageError(f"{named}: {exc}") from None
+    except Exception as exc:
+        raise UsageError(f"{named}: a saved block cannot be rendered ({last_line(exc)})") from None
     if run.compare:
-        text += "\n" + compare_table(result, load_result(run.compare, "--compare")) + "\n"
+        other = load_result(run.compare, "--compare")
+        if not common_arms(result, other):
+            raise UsageError(f"--compare {run.compare}: no arm in common with {named} (no measured arm "
+                             "with the same model, quant, seq, batch and repeat in both)")
+        try:
+            text += "\n" + compare_table(result, other) + "\n"
+        except Exception as exc:
+            raise UsageError(f"--compare {run.compare}: cannot be compared with {named} ({last_line(exc)})") from None
     print(text, end="")
-    unwritten = write_outputs(result, run, RowFile(None))
+    try:
+        unwritten = write_outputs(result, run, RowFile(None))
+    except Exception as exc:  # rendering the markdown or plot of a hand-edited result
+        unwritten = f"{named}: an output cannot be rendered from it ({last_line(exc)})"
     if unwritten:
         print(f"error: {unwritten}", file=sys.stderr)
         return EXIT_USAGE
     return result.exit_code
+
+
+def common_arms(a: Result, b: Result) -> int:
+    """How many measured arms two results share (tables.compare_table's pairing)."""
+    try:
+        keys = {(r.model, r.quant, r.seq, r.batch, r.repeat) for r in b.rows if r.measured}
+        return sum(1 for r in a.rows if r.measured and (r.model, r.quant, r.seq, r.batch, r.repeat) in keys)
+    except TypeError:  # an unhashable value: compare_table will say what
+        return 1

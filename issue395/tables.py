@@ -25,7 +25,7 @@ from .record import (
 )
 from .result import Result
 from .row import Row
-from .shapes import FAMILIES, config_json
+from .shapes import ALL_FAMILIES, FAMILIES, config_json
 
 
 def determinism_spread(rows: list[Row]) -> list[dict[str, Any]]:
@@ -119,8 +119,9 @@ def sweep_table(rows: list[Row], env: Optional[dict] = None) -> str:
     """One section per model; seq and realised lead, as in the record."""
     out = []
     for model in models_in(rows):
+        record = any(r.model_key in SHAPES for r in rows if r.model == model)  # the record's models only
         out.append(f"{model}  (predicted: Soup's estimator; real peak: measured here; corrected: this tool's "
-                   "estimator; A10G: the record)")
+                   "estimator" + ("; A10G: the record)" if record else "; no A10G record for this model)"))
         out += table(SWEEP_COLUMNS, [list(sweep_cells(r, env).values()) for r in rows if r.model == model]) + [""]
     out += [SWEEP_LEGEND, overestimate_line(rows), corrected_line(rows, env)]
     notes = [f"  {r.model} seq {r.seq} batch {r.batch}: {r.status} - {r.error or ''}"
@@ -180,7 +181,7 @@ def attribution_table(rows: list[Row], control: Optional[dict[str, Any]]) -> str
 
 def measure_table(m: dict[str, Any]) -> str:
     rec = RECORD_MEASURE
-    fmt = lambda v: v if isinstance(v, str) else ("-" if v is None else repr(float(v)))  # noqa: E731
+    fmt = lambda v: v if isinstance(v, str) else ("-" if v is None else f"{float(v):.4f}")  # noqa: E731
     c = m["constants"]
     cells = [[f"default, run {i}", fmt(v), fmt(rec["repeat"])] for i, v in enumerate(m["repeats"], 1)]
     cells.append(["spread (max - min)", fmt(m["spread"]), fmt(rec["spread"])])
@@ -200,7 +201,8 @@ def sdpa_table(s: dict[str, Any]) -> str:
         row = [backend]
         for q, v in zip(seqs, s["extra_mb"][backend]):
             mine = v if isinstance(v, str) else f"{v:.1f}"
-            row.append(f"{mine} | {rec[SDPA_SEQS.index(q)]:.1f}" if rec and q in SDPA_SEQS else f"{mine} | -")
+            theirs = f"{rec[SDPA_SEQS.index(q)]:.1f}" if rec and q in SDPA_SEQS else "-"
+            row.append(f"{mine:>8} | {theirs:>8}")
         cells.append(row)
     return "\n".join(
         ["--sdpa: extra allocation over the baseline, MB (measured here | A10G record); "
@@ -316,8 +318,53 @@ def corrected_line(rows: list[Row], env: Optional[dict] = None) -> str:
             f"{ratio(statistics.median(v for _, v in judged))}")
 
 
+def grid_order(m: dict[str, Any]) -> tuple:
+    """A margin's place in the map's grid: family, quantization, seq, batch."""
+    order = {f: i for i, f in enumerate(ALL_FAMILIES)}
+    return (order.get(m.get("model_key"), len(order)), QUANTS.index(m["quant"]) if m["quant"] in QUANTS
+            else len(QUANTS), m["seq"], m["batch"])
+
+
+def margin_note(m: dict[str, Any], margins: Optional[list[dict[str, Any]]] = None) -> Optional[str]:
+    """Why a thin margin (under 5%) is thin, naming the term whose slack is gone: a scaling term
+    (logits, activations) that charges less than is live; or, where only the fixed terms (weights,
+    rest: the same tens of MB in every family) fall short, the scaling term left with no slack to
+    cover them. ``margins`` (the other arms) give what that term usually spares."""
+    if m["ratio"] >= 1.05 or not any(t["missed"] > 0 for t in m["terms"]):
+        return None
+    head = f"{m['model']} {m['quant']} seq {m['seq']} batch {m['batch']}: margin {m['ratio'] - 1:+.1%}; "
+    scaling = [t for t in m["terms"] if t["per"]]
+    short = max((t for t in scaling if t["missed"] > 0), key=lambda t: t["missed"], default=None)
+    if short is not None:
+        unit = short["per"]
+        return (head + f"the {short['term']} term misses {short['missed'] / 1e6:.1f} MB "
+                f"({short['missed'] / unit[0]:.2f} bytes {unit[1]}): charging that much more {unit[1]} "
+                "would cover it")
+    if not scaling:
+        worst = max(m["terms"], key=lambda t: t["missed"])
+        return head + f"the {worst['term']} term misses {worst['missed'] / 1e6:.1f} MB"
+    gone = max(scaling, key=lambda t: t["missed"] / t["charged"] if t["charged"] else float("-inf"))
+    unit = gone["per"]
+    fixed = [t for t in m["terms"] if not t["per"] and t["missed"] > 0]
+    usual = sorted(t["missed"] / t["per"][0] for o in (margins or []) if o is not m and o.get("complete")
+                   for t in o["terms"] if t["term"] == gone["term"] and t["per"])
+    spare = -gone["missed"]
+    return (head + f"the {gone['term']} term's slack is gone: it charges {gone['charged'] / GB:.4f} GB and "
+            f"{gone['measured'] / GB:.4f} GB is live ({spare / 1e6:.1f} MB, {spare / unit[0]:.2f} bytes "
+            f"{unit[1]} to spare"
+            + (f"; the other arms here spare {-usual[len(usual) // 2]:.2f}" if usual else "") + "), so nothing "
+            f"in it covers " + " and ".join(f"the {t['term']} term's {t['missed'] / 1e6:+.1f} MB" for t in fixed)
+            + f" (a fixed cost every family shows, which the {gone['term']} slack covers elsewhere)")
+
+
+MARGINS_LEGEND = ("missed = live - charged: + Soup charges less than is live at the peak (a shortfall "
+                  "that eats the margin); - it charges more (slack)")
+
+
 def margins_table(margins: list[dict[str, Any]]) -> str:
-    """Each attributed arm: estimator term against the blocks live at the peak it charges."""
+    """Each attributed arm, in the grid's order: estimator term against the blocks live at the
+    peak it charges, and why each thin margin is thin."""
+    margins = sorted(margins, key=grid_order)
     out = ["where the margin goes (allocator history of the tightest arm per family and every UNDER; "
            "charged: Soup's terms; live at the peak: measured here)"]
     cells = []
@@ -329,12 +376,21 @@ def margins_table(margins: list[dict[str, Any]]) -> str:
                           "" if m["complete"] else "history incomplete: not a finding"])
     out += table([("arm", -34), ("pred/real", 9), ("term", -11), ("charged GB", 10), ("live GB", 9),
                   ("missed MB", 10), ("missed per unit", -28), ("", -10)], cells)
-    out += [f"  {m['note']}" for m in margins if m.get("note") and m["complete"]]
+    out.append(MARGINS_LEGEND)
+    notes = [margin_note(m, margins) for m in margins if m["complete"]]
+    out += [f"  {n}" for n in notes if n]
     return "\n".join(out)
 
 
-def compare_table(a: Result, b: Result) -> str:
-    """The same arms' measured peaks in two saved results (e.g. before and after a change)."""
+def stack_words(env: dict[str, Any]) -> str:
+    """A result's stack in one short phrase: GPU, soup-cli, torch, transformers."""
+    return (f"{env.get('gpu') or 'no GPU'}, soup-cli {env.get('soup_cli') or '?'}, torch {env.get('torch') or '?'}, "
+            f"transformers {env.get('transformers') or '?'}" + (", dry run" if env.get("dry_run") else ""))
+
+
+def compare_table(a: Result, b: Result, names: Optional[tuple[str, str]] = None) -> str:
+    """The same arms' measured peaks in two saved results (e.g. before and after a change);
+    ``names`` (the files) head each side's stack when the caller has them."""
     index = {(r.model, r.quant, r.seq, r.batch, r.repeat): r for r in b.rows if r.measured}
     pairs = [(r, index.get((r.model, r.quant, r.seq, r.batch, r.repeat))) for r in a.rows if r.measured]
     pairs = [(r, o) for r, o in pairs if o]
@@ -344,9 +400,12 @@ def compare_table(a: Result, b: Result) -> str:
         f"{(o.real_peak - r.real_peak) / r.real_peak:.3%}"] for r, o in pairs]
     same = sum(1 for r, o in pairs if o.real_peak == r.real_peak)
     width = max([13] + [len(r.model) for r, _ in pairs])
+    names = names or ("A", "B")
     return "\n".join(
         [f"compare: A = {a.environment.get('arms')} ({a.environment.get('date')}), "
-         f"B = {b.environment.get('arms')} ({b.environment.get('date')}); measured peaks"]
+         f"B = {b.environment.get('arms')} ({b.environment.get('date')}); measured peaks",
+         f"  A: {names[0] + ', ' if names[0] != 'A' else ''}{stack_words(a.environment)}",
+         f"  B: {names[1] + ', ' if names[1] != 'B' else ''}{stack_words(b.environment)}"]
         + table([("model", width)] + ([("quant", 5)] if quant else []) + [
             ("seq", 5), ("batch", 5), ("A GB", 9), ("B GB", 9), ("B - A bytes", 12), ("diff", 8)],
             cells, indent="  ")
@@ -408,5 +467,6 @@ def render_text(result: Result) -> str:
         parts += ["", f"carried: {len(carried)} row(s) began with bytes earlier arms left allocated "
                       f"(up to {max(r.carried for r in carried):,}); their peaks include them"]
     if result.interrupted:
-        parts += ["", f"interrupted: {len(result.rows)} row(s) measured before the stop"]
+        done = "set up (dry run: nothing measured)" if result.environment.get("dry_run") else "measured"
+        parts += ["", f"interrupted: {len(result.rows)} row(s) {done} before the stop"]
     return "\n".join(parts) + "\n"

@@ -76,6 +76,7 @@ def once(capfd, tmp_path_factory, cache_dir, name, fresh=False):
 # ---------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_dry_run_both_models_realises_requested_seq_and_keeps_soup_text_off_stdout(
         capfd, cache_dir, tmp_path_factory):
     code, out, err, _, result = once(capfd, tmp_path_factory, cache_dir, "both")
@@ -123,6 +124,7 @@ def strip_arms(header: str) -> str:
     return header.split(" | arms ")[0]
 
 
+@pytest.mark.slow
 def test_shards_merged_by_from_json_print_the_tables_of_one_unsharded_run(
         capfd, cache_dir, tmp_path_factory):
     shards = [once(capfd, tmp_path_factory, cache_dir, n) for n in ("shard1", "shard2")]
@@ -352,6 +354,7 @@ def _file_stamps(root: Path) -> dict[str, int]:
     return {str(p.relative_to(root)): p.stat().st_mtime_ns for p in root.rglob("*") if p.is_file()}
 
 
+@pytest.mark.slow
 def test_second_run_with_the_same_cache_dir_reuses_checkpoint_and_shards(
         capfd, cache_dir, tmp_path_factory):
     code, _, err, _, _ = once(capfd, tmp_path_factory, cache_dir, "both")  # the first run
@@ -405,6 +408,7 @@ def test_batch_2_dry_run_realises_requested_seq_in_every_row_of_the_batch(
 # ---------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_isolate_runs_each_arm_in_its_own_fresh_process(capfd, cache_dir, tmp_path_factory):
     code, out, err, _, result = once(capfd, tmp_path_factory, cache_dir, "isolate")
     assert code == EXIT_OK, err
@@ -417,6 +421,7 @@ def test_isolate_runs_each_arm_in_its_own_fresh_process(capfd, cache_dir, tmp_pa
         [["64", "64"], ["96", "96"]]
 
 
+@pytest.mark.slow
 def test_determinism_repeats_an_arm_in_distinct_fresh_processes(capfd, cache_dir, tmp_path_factory):
     code, out, err, _, result = once(capfd, tmp_path_factory, cache_dir, "determinism")
     assert code == EXIT_OK, err

@@ -127,20 +127,24 @@ def test_estimate_against_every_measured_arm(arm):
     assert abs(e.soup_predicted - arm["soup_predicted"]) <= 0.001 * arm["soup_predicted"]
     assert e.corrected_predicted >= arm["real_peak"]
     physics = e.corrected_predicted - e.terms["allocated_allowance"]
-    if e.phase == "loss":  # the loss phase is exact to 0.13% (PEAK: 0.13% of the dynamic peak);
-        # an NF4 pool in VRAM sits up to 6.81 MB below 2 x Soup's shard bytes (resident column)
-        slack = 0.0013 * arm["real_peak"] + (7_000_000 if arm["quant"] == "nf4" else 0)
+    if e.phase == "loss":  # the loss phase is exact to 0.13% (PEAK: 0.13% of the dynamic peak) plus
+        # the allowance (what the physics leaves unexplained: up to 3.3 MB at seq 1024, where 0.13%
+        # is under 1 MB); an NF4 pool in VRAM sits up to 6.81 MB below 2 x Soup's shard bytes
+        slack = (0.0013 * arm["real_peak"] + E.ALLOCATED_ALLOWANCE_BYTES
+                 + (7_000_000 if arm["quant"] == "nf4" else 0))
         assert abs(physics - arm["real_peak"]) <= slack
     else:  # the layer phase's op-by-op count errs high, by under 5%
         assert arm["real_peak"] <= e.corrected_predicted <= 1.05 * arm["real_peak"]
 
 
-def test_layer_phase_binds_exactly_on_the_short_nf4_arms_peak_md_names():
-    layer = {(a["family"], a["seq"], a["batch"]) for a in ARMS if E.estimate(
+def test_layer_phase_binds_only_on_short_nf4_arms_of_small_vocab_families():
+    layer = {(a["family"], a["quant"], a["seq"], a["batch"]) for a in ARMS if E.estimate(
         config_json(a["family"]), quant=a["quant"], seq=a["seq"], batch=a["batch"],
         targets=a["targets"], release=a["release"]).phase == "layer"}
-    assert layer == {("mistral-7b", 512, 1), ("mistral-7b", 2048, 1), ("phi3-mini", 512, 1),
-                     ("phi-2", 512, 1)}
+    # PEAK.md's four (the first grid and seq 512), and what seq 1024 added
+    assert {("mistral-7b", "nf4", 512, 1), ("mistral-7b", "nf4", 2048, 1), ("phi3-mini", "nf4", 512, 1),
+            ("phi-2", "nf4", 512, 1)} <= layer
+    assert all(q == "nf4" and s * b <= 2048 and f in ("mistral-7b", "phi3-mini", "phi-2") for f, q, s, b in layer)
 
 
 def test_steps_add_adam_moments_and_the_autograd_workspace():
@@ -224,6 +228,10 @@ def test_estimate_table_labels_every_figure(key):
     c = config_json(key)
     rows = [E.estimate(c, seq=s, batch=b) for s in (512, 2048) for b in (1, 4)]
     text = F.estimate_table(rows, F.parse_cards("24GB,80GB"), config=c)
-    assert text.count("computed by Soup") == 4 and text.count("(this estimator") >= 8
-    assert [ln.split(",")[0] for ln in text.splitlines() if ln.startswith("seq")] == \
-        ["seq 512 x batch 1", "seq 512 x batch 4", "seq 2048 x batch 1", "seq 2048 x batch 4"]
+    head, _, *lines = text.splitlines()
+    assert head.split()[-8:] == ["none", "512x1", "none", "512x4", "none", "2048x1", "none", "2048x4"]  # in order
+    names = [ln[:46].strip() for ln in lines]
+    assert names[:3] == ["Soup's own pre-flight GB (computed by Soup)", "corrected: allocated peak GB",
+                         "corrected: needs free GB"]
+    assert names.index("fits 24GB (needs free <= card)") > max(i for i, n in enumerate(names) if "term:" in n)
+    assert sum(1 for n in names if n.startswith("longest seq that fits")) == 2

@@ -68,7 +68,7 @@ def test_row_that_tokenizes_short_is_void_in_a_dry_run_and_exits_1(
     assert row["realised_width"] == row["derived"]["realised"]
     (line,) = table_rows(out, 128)
     assert line.split()[1] == str(row["derived"]["realised"])
-    assert line.count("VOID") == 4  # pred/real, vs A10G, over-est: no ratio; and the status
+    assert line.count("VOID") == 5  # pred/real, corr/real, vs A10G, over-est: no ratio; and the status
     assert "VOID - realised" in out
 
 
@@ -277,6 +277,7 @@ def _unreadable_job(monkeypatch, tmp_path):
     return 2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("death", [_killed_at_start, _unreadable_job], ids=["killed", "refused"])
 def test_a_child_that_dies_leaves_a_failed_row_for_each_arm_and_exits_1(
         capfd, cache_dir, tmp_path, monkeypatch, death):
@@ -393,6 +394,7 @@ def _hard_ctrl_c_after_setup(monkeypatch):
     ("tiny", _fail_after_setup),
     ("tiny", _hard_ctrl_c_after_setup),
 ], ids=["clean", "failed-arm", "interrupted"])
+@pytest.mark.slow
 def test_dry_run_without_cache_dir_leaves_no_files_behind(capfd, tmp_path, monkeypatch,
                                                           tiny_model, model, fault):
     """No fakes but the fault itself. $HOME, the temp dir ($TMPDIR and tempfile.tempdir, which

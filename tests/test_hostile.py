@@ -247,6 +247,7 @@ def test_a_checkpoint_deleted_behind_its_marker_is_rebuilt_with_a_note(tmp_path,
     assert [p.name for p in tmp_path.iterdir()] == [dest.name]  # no partial build left
 
 
+@pytest.mark.slow
 def test_a_truncated_cached_checkpoint_is_rebuilt_by_the_next_run(capfd, tmp_path, smol_built):
     cache, dest = private_cache(tmp_path, smol_built)
     weights = dest / "model.safetensors"
@@ -263,6 +264,7 @@ def test_a_truncated_cached_checkpoint_is_rebuilt_by_the_next_run(capfd, tmp_pat
     assert any(str(dest) in line and "model.safetensors" in line for line in notes), err
 
 
+@pytest.mark.slow
 def test_damaged_soup_shards_are_removed_and_sharded_again(capfd, tmp_path, smol_built):
     """Soup checks only that its shard files exist; a truncated one would fail the arm."""
     cache, dest = private_cache(tmp_path, smol_built)
@@ -285,6 +287,7 @@ def test_damaged_soup_shards_are_removed_and_sharded_again(capfd, tmp_path, smol
     assert "damaged" not in first_err, first_err
 
 
+@pytest.mark.slow
 def test_a_half_built_checkpoint_left_by_a_killed_run_is_removed_by_the_next_run(
         capfd, tmp_path, smol_built):
     """A run killed while building leaves ``.<model>-<fp>.partial-<pid>`` in --cache-dir

@@ -105,6 +105,7 @@ def test_builder_keeps_an_untied_head_and_sets_gemma_norms_to_their_neutral_zero
         assert all(float(f.get_tensor(k).min()) == 1.0 for k in f.keys() if "norm" in k)
 
 
+@pytest.mark.slow
 def test_map_dry_run_realises_seq_on_every_row_in_bf16_and_nf4_and_captures_soups_own_number(
         capfd, cache_dir, tmp_path):
     out = tmp_path / "map.json"

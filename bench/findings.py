@@ -1,0 +1,113 @@
+"""The report for Soup maintainers, rendered from committed results: every arm where Soup's own
+pre-flight is below the measured peak, with its physical cause in bytes, the missing term as a
+formula, Soup's number, the corrected number and the real peak, and the --cap evidence.
+
+    .venv/bin/python bench/findings.py > results/FINDINGS.md
+
+Every figure is read from a committed result (measured there, or computed by Soup in that run's
+setup) or computed by this tool's estimator (issue395.estimate) from the family's public config;
+each is labelled. tests/test_findings.py holds the committed file to what this prints."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from issue395.estimate import arch_of, estimate, lora_params  # noqa: E402
+from issue395.result import Result  # noqa: E402
+from issue395.shapes import config_json  # noqa: E402
+
+MAPS = ("results/h200x2-2026-11-30-map-2gpu/map-2gpu.json", "results/h200x2-2026-11-30-issue16/map-512-1024.json")
+CAPS = ("results/h200x2-2026-11-30-issue16/cap-soup.json", "results/h200x2-2026-11-30-issue16/cap-needs-free.json",
+        "results/h200x2-2026-11-30-issue16/cap-control.json")
+#: Each corrected term Soup's estimator has no counterpart for, as a formula (h hidden, i
+#: intermediate, L layers, T = seq x batch tokens, W = a decoder layer's linear weight elements).
+FORMULAS = {
+    "dequantised_layer": "W16 = 2 B x W: the streamed NF4 layer dequantised to bf16, which F.linear saves for backward",
+    "layer_per_token": "T x (what the recomputed layer saves per token + the MLP backward's transients), "
+                       "counted op by op (issue395.estimate.layer_per_token); Soup charges 4 (h + i) per token",
+    "autograd_workspace": "32 MiB: the autograd thread's own cuBLAS workspace",
+    "checkpointed_inputs": "2 h L B per token; (4 L - 2) h on phi under NF4 (its residual stream is fp32 after layer 0)",
+}
+
+
+def gb(n: int | None) -> str:
+    return "-" if n is None else f"{n / 1e9:.4f}"
+
+
+def load(path: str) -> Result:
+    return Result.from_json(json.loads((ROOT / path).read_text(encoding="utf-8")))
+
+
+def cap_evidence(caps: list[Result]) -> dict[tuple, list[str]]:
+    out: dict[tuple, list[str]] = {}
+    for res in caps:
+        for r in res.rows:
+            what = ("completed" if r.measured else r.status) + (
+                f" (allocated {gb(r.real_peak)}, reserved {gb(r.reserved)} GB)" if r.measured else "")
+            cap = "no cap (control)" if r.cap_at == "off" else f"capped at {r.cap_at} = {gb(r.cap)} GB"
+            out.setdefault((r.model_key, r.quant, r.seq, r.batch), []).append(f"{cap}: {what}")
+    return out
+
+
+def main() -> None:
+    maps = [load(p) for p in MAPS]
+    caps = cap_evidence([load(p) for p in CAPS])
+    print("# Where Soup's stream pre-flight under-predicts: findings for Soup maintainers\n")
+    print("Rendered by `bench/findings.py` from committed results (" + ", ".join(f"`{p}`" for p in MAPS + CAPS)
+          + "). Real peaks: `torch.cuda.max_memory_allocated()` over one optimizer step, measured on an H200 "
+          "(soup-cli 0.73.3, synthetic weights). Soup's number: its own pre-flight, computed by Soup in that "
+          "arm's setup. Corrected: this tool's estimator (`issue395.estimate`) from the family's public config "
+          "alone. Caps: the arm re-run in a fresh process with `PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True` "
+          "and `torch.cuda.set_per_process_memory_fraction` at the number named.\n")
+    under = [(res, r) for res in maps for r in res.rows
+             if r.measured and r.soup_predicted and r.soup_predicted < r.real_peak]
+    print(f"{len(under)} of {sum(r.measured for res in maps for r in res.rows)} measured map arms are "
+          "under Soup's own number.\n")
+    print("| arm | Soup's own GB | corrected GB | real peak GB | Soup/real | short by MB | phase | cap evidence |")
+    print("|---|---:|---:|---:|---:|---:|---|---|")
+    details = []
+    for res, r in under:
+        e = estimate(config_json(r.model_key), quant=r.quant, seq=r.seq, batch=r.batch, targets=r.targets,
+                     release=res.environment["soup_cli"])
+        key = (r.model_key, r.quant, r.seq, r.batch)
+        arm = f"{r.model} {r.quant} {r.seq}x{r.batch}"
+        print(f"| {arm} | {gb(r.soup_predicted)} | {gb(e.corrected_predicted)} | {gb(r.real_peak)} | "
+              f"{r.soup_predicted / r.real_peak:.3f}x | {(r.real_peak - r.soup_predicted) / 1e6:.1f} | {e.phase} | "
+              + ("; ".join(caps.get(key, [])) or "not capped") + " |")
+        a = arch_of(config_json(r.model_key))
+        T = r.seq * r.batch
+        soup_act = 4 * (a.h + a.i) * T
+        missing = [t for t in (("dequantised_layer", "layer_per_token", "autograd_workspace") if e.phase == "layer"
+                               else ("checkpointed_inputs",)) if e.terms.get(t)]
+        lines = [f"### {arm}", "",
+                 f"- Soup's own pre-flight {gb(r.soup_predicted)} GB (computed by Soup); real peak "
+                 f"{gb(r.real_peak)} GB (measured); corrected {gb(e.corrected_predicted)} GB allocated, "
+                 f"{gb(e.needs_free)} GB free needed (this tool's estimator).",
+                 f"- The peak is in the {e.phase} phase"
+                 + (" (inside the first layer's recompute and backward), which Soup does not model: it adds "
+                    "its logits and activations terms as if both were live at once." if e.phase == "layer" else
+                    " (the loss).")]
+        for t in missing:
+            lines.append(f"- `{t}` = {e.terms[t] / 1e6:,.1f} MB: {FORMULAS[t]}.")
+        if e.phase == "layer":
+            lines.append(f"- Soup's per-token charge for the recomputed layer, 4 (h + i) x T = {soup_act / 1e6:,.1f} MB, "
+                         f"against {e.terms['layer_per_token'] / 1e6:,.1f} MB counted op by op; Soup has no term "
+                         "for the dequantised layer at all.")
+        elif r.model_key == "phi-2" and r.quant == "nf4":
+            extra = (2 * a.L - 2) * a.h * T
+            lines.append(f"- Missing: (2 L - 2) h T = {extra / 1e6:,.1f} MB. Soup charges the checkpointed layer "
+                         "inputs at 2 h L B per token (bf16); phi under NF4 keeps them in fp32 after layer 0.")
+        lines.append(f"- LoRA parameters: {lora_params(a, tuple(r.targets), 8):,}; cap evidence: "
+                     + ("; ".join(caps.get(key, [])) or "not capped in this session") + ".")
+        details += lines + [""]
+    print("\n## Each arm\n")
+    print("\n".join(details))
+
+
+if __name__ == "__main__":
+    main()
