@@ -8,9 +8,9 @@ Requirements
     record's; 0.77.0 is tested too), pyyaml, matplotlib (--plot) and jinja2>=3.1.0
     (Soup's chat template fails to render on older jinja2). No network: every
     model is built here. On an H200 a full run (--sweep --measure --sdpa) took
-    39-49 s warm and 57-62 s cold, and the whole margin map (--map) 12.4 minutes
-    with every checkpoint built cold, 5.6 minutes with --gpus 0,1 on two H200s
-    (results/README.md has each run's time). The map's NF4 arms need bitsandbytes;
+    39-49 s warm and 51-82 s cold; the margin map's first 129 arms (--map) 12.4
+    minutes with every checkpoint built cold, 5.6 minutes with --gpus 0,1 on two
+    H200s, and its seq 512/1024 arms 3.6 minutes more (results/README.md). The map's NF4 arms need bitsandbytes;
     its 7B and 8B families ran on a box with 128 GiB of RAM and a 64 GB disk (one
     family's checkpoint and shards are kept at a time in each process).
 
@@ -22,6 +22,10 @@ Usage
     issue395_second_stack_vram.py --gpus 0,1               one shard per GPU, merged
     issue395_second_stack_vram.py --shard 2/4 --json s2.json   one shard of four (cluster array jobs)
     issue395_second_stack_vram.py --from-json s1.json s2.json  merge shards into one set of tables
+    issue395_second_stack_vram.py --estimate --model mistral-7b --quant nf4 --seq 512 --card 24GB
+                                                           does it fit? CPU, from a config, no torch
+    issue395_second_stack_vram.py --map --families phi-2 --quant nf4 --seq 512 --cap soup
+                                                           the arm capped at Soup's own number
 
 The claim under test
     Before a layer-streamed LoRA run, Soup predicts its peak VRAM with
@@ -59,8 +63,13 @@ What the tool adds to the record
     judged against Soup's own pre-flight number as its setup computes it, with the
     estimator term that eats the thinnest margins.
 
-Every number printed is measured here, computed by Soup, or quoted from the
-record, and labelled as such. Exit codes: 0 every row ok (a dry run: every row
+Beside the protocol (this file) lies the package ``issue395/``: the record's
+data, the tables and outputs, the CLI, spreading arms over processes, and the
+corrected estimator (README.md, "Layout"). The package never imports this file:
+``main`` hands it ``run_arm``.
+
+Every number printed is measured here, computed by Soup, computed by this
+tool's corrected estimator, or quoted from the record, and labelled as such. Exit codes: 0 every row ok (a dry run: every row
 realised as requested; REFUSED and SKIPPED rows are not findings); 1 any row VOID,
 OOM, FAILED or UNDER; 2 usage error; 130 interrupted.
 """
@@ -74,17 +83,18 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Optional
+from typing import Any, Callable, Iterable, Iterator, Optional
 
+from issue395.anatomy import physical_classifier
 from issue395.cap import apply_cap, cap_bytes
 from issue395.console import soup_console
 from issue395.cuda import allocator_history, attribute_peak, is_oom, oom_request, peak_window
 from issue395.errors import last_line
 from issue395.margin import shape_classes
-from issue395.record import DATA_ROWS, LORA_ALPHA, LORA_R, OVERSHOOT, SOUP_QUANT, Arm, Shape
+from issue395.record import DATA_ROWS, LORA_ALPHA, LORA_R, OVERSHOOT, SHAPES, SOUP_QUANT, Arm, Shape
 from issue395.row import Row, arm_row, realised_as_requested
 from issue395.runner import Protocol, cli
-from issue395.shapes import bitsandbytes_present
+from issue395.shapes import FAMILIES, bitsandbytes_present, config_json
 
 #: Where Soup builds an arm whose step is measured. The CPU tests set "cpu" and fake the
 #: step itself (only the CUDA peak cannot run there); nothing else changes for them.
@@ -205,7 +215,8 @@ def run_arm(arm: Arm, shape: Shape, base: str, work: Path, *, dry_run: bool = Fa
                     got["attribution"] = attribute_peak(snap, step["resident"],
                                                         arm.seq * shape.vocab * arm.batch,
                                                         step["real_peak"],
-                                                        shape_classes(shape, arm.seq, arm.batch))
+                                                        shape_classes(shape, arm.seq, arm.batch),
+                                                        physical_classes(arm, shape))
     except KeyboardInterrupt:
         raise
     except BaseException as exc:  # noqa: BLE001 - every failure becomes the row's finding
@@ -262,6 +273,15 @@ def soup_preflight(seen: dict[str, Any]) -> Iterator[dict[str, Any]]:
         yield seen
     finally:
         layer_stream.estimate_stream_peak_vram, layer_stream.decide_stream_fit = estimate, decide
+
+
+def physical_classes(arm: Arm, shape: Shape) -> Optional[Callable[[int], str]]:
+    """The live blocks at the peak by physical class (issue395.anatomy), where the model has a
+    public config here (the record's two and the map's families; not --model)."""
+    if arm.model not in SHAPES and arm.model not in FAMILIES:
+        return None
+    return physical_classifier(config_json(arm.model), quant=arm.quant, seq=arm.seq, batch=arm.batch,
+                               targets=shape.targets)
 
 
 def teardown(wrapper: Any) -> Optional[str]:

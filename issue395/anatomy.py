@@ -165,3 +165,31 @@ def render(rows: list[dict]) -> str:
         lines.append(f"{r['class']:<28}{r['live'] / 1e6:>12.3f}{r['charged'] / 1e6:>12.3f}"
                      f"{r['missed'] / 1e6:>12.3f}  {per}")
     return "\n".join(lines) + "\n"
+
+
+#: The resident terms: allocated before the step, counted apart by the attribution.
+RESIDENT_TERMS = ("pool", "extras", "lora_weights", "cublas_workspace", "resident_rounding")
+
+
+def margin_anatomy(margins: list[dict], release: str | None = None) -> str:
+    """For each attributed arm whose blocks were named by physical class: the classes against
+    the corrected estimate's terms, the resident weights first (the map's margin table)."""
+    from .shapes import config_json
+
+    out = []
+    for m in margins:
+        if not m.get("physical"):
+            continue
+        config = config_json(m["model_key"])
+        est = E.estimate(config, quant=m["quant"], seq=m["seq"], batch=m["batch"],
+                         release=release if release in E.RELEASES else None)
+        classes = dict(m["physical"])
+        resident = int(classes.pop("resident weights", 0))
+        charged = sum(est.terms.get(t, 0) for t in RESIDENT_TERMS)
+        rows = [{"class": "resident weights", "live": resident, "charged": charged, "missed": resident - charged,
+                 "per": None, "missed_per": None}]
+        rows += class_breakdown(classes, est, seq=m["seq"], batch=m["batch"], config=config)
+        out += [f"  {m['model']} {m['quant']} {m['seq']}x{m['batch']} (live: measured here; charged: this "
+                f"tool's corrected estimate, {est.phase} phase)"]
+        out += ["    " + line for line in render(rows).splitlines()]
+    return "\n".join(["the peak by physical class (allocator history; missed = live - charged)"] + out) if out else ""

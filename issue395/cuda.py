@@ -85,8 +85,11 @@ def logits_kind(size: int, elements: int) -> Optional[str]:
 
 def attribute_peak(snapshot: dict[str, Any], resident: int, elements: int,
                    measured_peak: Optional[int] = None,
-                   classify: Optional[Callable[[int], str]] = None) -> dict[str, Any]:
-    """Replay the allocator's history and name what is live at the peak. ``resident`` was
+                   classify: Optional[Callable[[int], str]] = None,
+                   physical: Optional[Callable[[int], str]] = None) -> dict[str, Any]:
+    """Replay the allocator's history and name what is live at the peak: by ``classify`` (the
+    estimator term meant to charge it) and by ``physical`` (its physical class, issue395.anatomy),
+    whose bytes land in "classes" and "physical". ``resident`` was
     allocated before recording began (a block freed but never seen allocated comes out of it).
     A replayed peak off the measured one means the history was incomplete, and it says so."""
     traces = snapshot.get("device_traces") or []
@@ -123,10 +126,14 @@ def attribute_peak(snapshot: dict[str, Any], resident: int, elements: int,
     groups: dict[str, dict[str, int]] = {}
     logits = {"bf16": {"count": 0, "bytes": 0}, "fp32": {"count": 0, "bytes": 0}}
     classes: dict[str, int] = {}
+    named: dict[str, int] = {}
     for size in best_live.values():
         if classify is not None:
             c = classify(size)
             classes[c] = classes.get(c, 0) + block_bytes(size)
+        if physical is not None:
+            c = physical(size)
+            named[c] = named.get(c, 0) + block_bytes(size)
         kind = logits_kind(size, elements)
         label = next(lbl for floor, lbl in SIZE_GROUPS if size >= floor)
         g = logits[kind] if kind else groups.setdefault(label, {"count": 0, "bytes": 0})
@@ -138,6 +145,7 @@ def attribute_peak(snapshot: dict[str, Any], resident: int, elements: int,
             "complete": bool(trace) and complete, "events": len(trace),
             "resident_at_peak": best_base, "logits_bf16": logits["bf16"],
             "logits_fp32": logits["fp32"], "classes": classes,
+            **({"physical": dict(named, **{"resident weights": best_base})} if physical is not None else {}),
             "other_groups": {k: groups[k] for _, k in SIZE_GROUPS if k in groups}}
 
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 from typing import Any, Callable, Iterable, Optional
 
 from .cuda import logits_kind
-from .record import MAP_SEQS, Arm, Shape
+from .record import GB, MAP_SEQS, SHAPES, Arm, Shape
 from .row import Row
-from .shapes import max_positions
+from .shapes import FAMILIES, max_positions
 
 #: Soup's published streamed NF4 peak (Llama-3.1-8B, batch 1 x seq 512; FAMILIES.md): bytes
 #: allocated, from its v0.73.1 test docstring (issue #349). The map holds one arm against it.
@@ -82,17 +82,12 @@ def margin_breakdown(row: Row) -> dict[str, Any]:
     terms = [{"term": t, "charged": charged[t], "measured": measured[t],
               "missed": measured[t] - charged[t], "per": per.get(t)} for t in charged]
     ratio = row.soup_predicted / row.real_peak
-    worst = max(terms, key=lambda t: t["missed"])
-    note = None
-    if ratio < 1.05 and worst["missed"] > 0:
-        unit = worst["per"]
-        note = (f"{row.model} {row.quant} seq {row.seq} batch {row.batch}: margin {ratio - 1:+.1%}; the "
-                f"{worst['term']} term misses {worst['missed'] / 1e6:.1f} MB"
-                + (f" ({worst['missed'] / unit[0]:.2f} bytes {unit[1]}): charging that much more "
-                   f"{unit[1]} would cover it" if unit else ""))
     return {"model": row.model, "model_key": row.model_key, "quant": row.quant, "seq": row.seq,
             "batch": row.batch, "real_peak": row.real_peak, "soup_predicted": row.soup_predicted,
-            "ratio": ratio, "complete": bool(a.get("complete")), "terms": terms, "note": note}
+            "ratio": ratio, "complete": bool(a.get("complete")), "terms": terms,
+            **({"physical": a["physical"]} if a.get("physical") else {}),
+            "note": margin_note({"model": row.model, "quant": row.quant, "seq": row.seq, "batch": row.batch,
+                                 "ratio": ratio, "terms": terms})}
 
 
 def thinnest(margins: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -115,3 +110,65 @@ def margin_arms(rows: list[Row]) -> list[Arm]:
             picked[tight.index] = tight
     picked.update({r.index: r for r in rows if r.status == "UNDER"})
     return [Arm(r.model_key, r.seq, r.batch, r.index, r.quant) for _, r in sorted(picked.items())]
+
+
+def margin_note(m: dict[str, Any], margins: Optional[list[dict[str, Any]]] = None) -> Optional[str]:
+    """Why a thin margin (under 5%) is thin, naming the term whose slack is gone: a scaling term
+    (logits, activations) that charges less than is live; or, where only the fixed terms (weights,
+    rest: the same tens of MB in every family) fall short, the scaling term left with no slack to
+    cover them. ``margins`` (the other arms) give what that term usually spares."""
+    if m["ratio"] >= 1.05 or not any(t["missed"] > 0 for t in m["terms"]):
+        return None
+    head = f"{m['model']} {m['quant']} seq {m['seq']} batch {m['batch']}: margin {m['ratio'] - 1:+.1%}; "
+    scaling = [t for t in m["terms"] if t["per"]]
+    short = max((t for t in scaling if t["missed"] > 0), key=lambda t: t["missed"], default=None)
+    if short is not None:
+        unit = short["per"]
+        return (head + f"the {short['term']} term misses {short['missed'] / 1e6:.1f} MB "
+                f"({short['missed'] / unit[0]:.2f} bytes {unit[1]}): charging that much more {unit[1]} "
+                "would cover it")
+    if not scaling:
+        worst = max(m["terms"], key=lambda t: t["missed"])
+        return head + f"the {worst['term']} term misses {worst['missed'] / 1e6:.1f} MB"
+    gone = max(scaling, key=lambda t: t["missed"] / t["charged"] if t["charged"] else float("-inf"))
+    unit = gone["per"]
+    fixed = [t for t in m["terms"] if not t["per"] and t["missed"] > 0]
+    usual = sorted(t["missed"] / t["per"][0] for o in (margins or []) if o is not m and o.get("complete")
+                   for t in o["terms"] if t["term"] == gone["term"] and t["per"])
+    spare = -gone["missed"]
+    return (head + f"the {gone['term']} term's slack is gone: it charges {gone['charged'] / GB:.4f} GB and "
+            f"{gone['measured'] / GB:.4f} GB is live ({spare / 1e6:.1f} MB, {spare / unit[0]:.2f} bytes "
+            f"{unit[1]} to spare"
+            + (f"; the other arms here spare {-usual[len(usual) // 2]:.2f}" if usual else "") + "), so nothing "
+            "in it covers " + " and ".join(f"the {t['term']} term's {t['missed'] / 1e6:+.1f} MB" for t in fixed)
+            + f" (a fixed cost every family shows, which the {gone['term']} slack covers elsewhere)")
+
+
+def shard_of(arms: list[Arm], shard: tuple[int, int], whole_models: bool = False) -> list[Arm]:
+    """--shard K/N: every arm whose grid index is K-1 modulo N.
+
+    On the map a shard is whole families instead, dealt heaviest first to the lightest
+    shard: a family's checkpoint (up to 16 GB) and Soup's shards of it are the map's
+    largest cost, and modulo would build every family once per shard."""
+    k, n = shard
+    if not whole_models:
+        return [a for a in arms if a.index % n == k - 1]
+    cost: dict[str, float] = {}
+    for a in arms:
+        cost[a.model] = cost.get(a.model, 0.0) + arm_seconds(a)
+    load, owner = [0.0] * n, {}
+    for model in sorted(cost, key=lambda m: (-cost[m], m)):
+        owner[model] = min(range(n), key=lambda j: (load[j], j))
+        load[owner[model]] += cost[model]
+    return [a for a in arms if owner[a.model] == k - 1]
+
+
+def arm_seconds(arm: Arm) -> float:
+    """A map arm's rough cost, only to deal families evenly: on the H200 map each arm took
+    about 3 s of setup and teardown plus 0.7 s per billion parameters."""
+    if arm.model in FAMILIES:
+        params = FAMILIES[arm.model].params
+    else:  # the record's two: bf16 bytes of the layers and the extras, over 2
+        shape = SHAPES[arm.model]
+        params = (shape.pool // 2 * shape.n_layers + shape.extras) // 2
+    return 3.0 + 0.7e-9 * params

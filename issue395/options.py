@@ -7,16 +7,26 @@ import argparse
 import json
 import os
 import re
-import stat
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Iterable, Optional
+from typing import Any, Optional
 
+from .checks import (
+    _shown,
+    check_cache_dir_bounds,
+    check_input,
+    check_output,
+    local_or_hub,
+    no_output_is_an_input,
+    one_int,
+    parse_ints,
+    within_positions,
+    writable_folder,
+)
 from .errors import UsageError, last_line
-from .margin import plan_map
+from .margin import plan_map, shard_of
 from .record import MAP_BATCHES, QUANTS, RECORD_GRID, SHAPES, Arm, plan_arms
 from .result import RowFile
-from .scratch import soup_shard_root
 from .shapes import ALL_FAMILIES, bitsandbytes_present, config_json, config_only, max_positions
 
 EPILOG = f"""defaults:
@@ -123,10 +133,10 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--models", default=None, help="comma list of smol,qwen (default both)")
     a.add_argument("--families", default=None, help="with --map: comma list of families (default "
                    "all: " + ",".join(ALL_FAMILIES) + ")")
-    a.add_argument("--quant", default=None, help="with --map: comma list of none,nf4 (default both; "
+    a.add_argument("--quant", default=None, help="with --map or --estimate: comma list of none,nf4 (--map: both; "
                    "nf4 needs bitsandbytes)")
-    a.add_argument("--seq", default=None, help="comma list of seq lengths for every chosen model "
-                   "(default: the record's grid)")
+    a.add_argument("--seq", default=None, help="comma list of seq lengths, each at least 64 (Soup's schema), "
+                   "for every chosen model (default: the record's grid)")
     a.add_argument("--batch", default=None, help="comma list of batch sizes (default 1; --map: 1,4)")
     a.add_argument("--model", default=None, metavar="ID_OR_PATH",
                    help="any causal LM Soup can stream, instead of the record's models (needs --seq): "
@@ -162,7 +172,8 @@ def build_parser() -> argparse.ArgumentParser:
     o = p.add_argument_group("outputs")
     o.add_argument("--json", default=None, metavar="PATH", help="every row, result and timing")
     o.add_argument("--markdown", default=None, metavar="PATH", help="a record ready to paste")
-    o.add_argument("--plot", default=None, metavar="PATH", help="PNG of pred/real against seq")
+    o.add_argument("--plot", default=None, metavar="PATH", help="PNG: pred/real against seq (the sweep); with "
+                   "--map, the map's heatmap (family x seq x batch, one panel per quantization)")
     o.add_argument("--from-json", nargs="+", default=None, metavar="PATH",
                    help="re-render saved results, merging shards (no GPU, no Soup setup)")
     o.add_argument("--compare", default=None, metavar="PATH",
@@ -170,130 +181,8 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-#: The largest value each whole-number option takes: batch sizes no real run has, seq lengths
-#: beyond any model's positions, and counts that would only run for hours are refused up front.
-MAXIMA = {"--seq": (1_048_576, "longer than any model's positions"),
-          "--batch": (1024, "larger than any real run's batch"),
-          "--steps": (1000, "more optimizer steps than a peak needs"),
-          "--lora-r": (1024, "a larger LoRA rank than any real run's"),
-          "--determinism": (100, "more repeats than a determinism check needs"),
-          "--gpus": (1023, "more GPUs than a host has")}
-_WHOLE = re.compile(r"-?[0-9]{1,4000}")  # int() refuses longer strings
-
-
-def _shown(item: str) -> str:
-    return item if len(item) <= 40 else item[:40] + "..."
-
-
-def parse_ints(flag: str, text: Optional[str], minimum: int = 1,
-               maximum: Optional[int] = None) -> Optional[tuple]:
-    """A comma list of whole numbers in plain ASCII digits (a leading minus is read, then refused
-    by ``minimum``); anything else, and anything above the flag's maximum, is one line."""
-    if text is None:
-        return None
-    items = [i.strip() for i in text.split(",")]
-    if not all(items):
-        raise UsageError(f"{flag} {_shown(text)!r}: empty item; give a comma list of whole numbers")
-    top, why = (maximum, "") if maximum is not None else MAXIMA.get(flag, (None, ""))
-    out: list[int] = []
-    for item in items:
-        if not _WHOLE.fullmatch(item):
-            raise UsageError(f"{flag} {_shown(item)!r} is not a whole number")
-        if int(item) < minimum:
-            raise UsageError(f"{flag} {_shown(str(int(item)))} must be at least {minimum}")
-        if top is not None and int(item) > top:
-            raise UsageError(f"{flag} {_shown(str(int(item)))} is more than {top}" + (f", {why}" if why else ""))
-        if int(item) in out:
-            raise UsageError(f"{flag} {_shown(text)}: {int(item)} is named twice")
-        out.append(int(item))
-    return tuple(out)
-
-
-def within_positions(name: str, limit: int, seqs: Iterable[int]) -> None:
-    """A seq beyond a model's positions is one line here, not a FAILED row (0: no limit known)."""
-    beyond = [s for s in seqs if limit and s > limit]
-    if beyond:
-        raise UsageError(f"--seq {beyond[0]} is beyond {name}'s maximum positions ({limit})")
-
-
-def writable_folder(flag: str, folder: str, given: Optional[str] = None) -> None:
-    """A folder the tool may write into: it exists, or the nearest one above it is writable.
-    ``given`` is the value on the command line when the folder is an output file's."""
-    if not folder.strip():
-        raise UsageError(f"{flag}: the path is empty; give a folder")
-    named = f"{flag} {given if given is not None else folder}"
-    p = Path(folder).expanduser().absolute()
-    if p.exists() and not p.is_dir():
-        raise UsageError(f"{named}: {p} is not a folder" if given is not None else f"{named}: not a folder")
-    while not p.exists():
-        p = p.parent
-    if not p.is_dir() or not os.access(p, os.W_OK):
-        raise UsageError(f"{named}: {'its folder ' if given is not None else ''}{p} cannot be written")
-
-
-def check_output(flag: str, path: str) -> None:
-    if not path.strip():
-        raise UsageError(f"{flag}: the path is empty; give a file path")
-    if flag == "--plot" and Path(path).suffix.lower() != ".png":
-        raise UsageError(f"--plot {path}: the plot is a PNG; give a path ending in .png")
-    if Path(path).is_dir():
-        raise UsageError(f"{flag} {path} is a folder; give a file path")
-    if not Path(os.path.realpath(path)).exists():
-        writable_folder(flag, os.path.dirname(os.path.realpath(path)), given=path)
-
-
-def same_file(a: str, b: str) -> bool:
-    """One file under two spellings: ./, a symlink, or a hard link."""
-    if os.path.realpath(a) == os.path.realpath(b):
-        return True
-    try:
-        return os.path.samefile(a, b)
-    except (OSError, ValueError):
-        return False
-
-
-def no_output_is_an_input(outputs: dict[str, Optional[str]], inputs: list[tuple[str, str]]) -> None:
-    """An output never overwrites what the run reads: a saved result, --compare's, or --model's
-    config.json or a file of its checkpoint folder."""
-    for flag, path in outputs.items():
-        if not path:
-            continue
-        for in_flag, source in inputs:
-            inside = (os.path.isdir(source) and os.path.exists(path)
-                      and os.path.dirname(os.path.realpath(path)) == os.path.realpath(source))
-            if same_file(path, source) or inside:
-                what = "a file of " if inside else ""
-                raise UsageError(f"{flag} {path} is {what}{in_flag} {source}: an output would overwrite "
-                                 "its input; give the output its own path")
-
-
-#: A hub id as the hub accepts one: a name, or org/name, of letters, digits, '_', '-' and '.'.
-HUB_ID = re.compile(r"(?:[A-Za-z0-9](?:[\w.-]*[A-Za-z0-9])?/)?[A-Za-z0-9](?:[\w.-]*[A-Za-z0-9])?")
-
-
-def local_or_hub(model: str) -> str:
-    """--model as given: an existing file or folder (~ expanded), or a hub id. A value that
-    looks like a path (starts with / . or ~, ends with .json, has more than one '/', or its
-    first folder exists here) and is not there is one line, not a hub lookup."""
-    path = os.path.expanduser(model)
-    if os.path.exists(path):
-        return path
-    if os.path.lexists(path):
-        raise UsageError(f"--model {model}: a symlink to nothing ({os.path.realpath(path)} is not there)")
-    first = model.split("/")[0]
-    pathlike = (model.startswith(("/", ".", "~")) or model.lower().endswith(".json") or model.count("/") > 1
-                or ("/" in model and os.path.isdir(first)) or os.sep != "/" and os.sep in model)
-    if pathlike:
-        raise UsageError(f"--model {model}: no such file or folder")
-    if not HUB_ID.fullmatch(model) or "--" in model or ".." in model or len(model) > 96:
-        raise UsageError(f"--model {model}: no such file or folder, nor a hub id (org/name)")
-    return model
-
-
 def not_an_empty_shard(run: Run) -> None:
     """--shard K/N that owns no arm is one line before anything runs, not a header alone."""
-    from .spread import shard_of  # spread imports this module
-
     arms = grid_arms(run)
     if not shard_of(arms, run.shard, whole_models=run.map):
         k, n = run.shard
@@ -302,24 +191,26 @@ def not_an_empty_shard(run: Run) -> None:
         raise UsageError(f"--shard {k}/{n} is empty: the grid has {what}, so shard {k} of {n} runs nothing")
 
 
-def check_input(flag: str, path: str) -> None:
-    """A saved result to read: a regular file (a FIFO would hang, /dev/zero never ends)."""
-    try:
-        st = os.stat(path)
-    except OSError as exc:
-        raise UsageError(f"{flag} {path}: {exc.strerror.lower() if exc.strerror else 'cannot be read'}") from None
-    if not stat.S_ISREG(st.st_mode):
-        raise UsageError(f"{flag} {path}: not a regular file")
-    if st.st_size > 256 * 2**20:
-        raise UsageError(f"{flag} {path}: {st.st_size} bytes is too large for a saved result")
-
-
 def settle(args: argparse.Namespace, argv: list[str]) -> Run:
     """Every check that needs no GPU and no Soup setup, before anything runs or prints."""
-    run = _settle(args, argv)
-    if run.shard and not run.estimate and not run.from_json:
-        not_an_empty_shard(run)
+    try:
+        run = _settle(args, argv)
+        if run.shard and not run.estimate and not run.from_json:
+            not_an_empty_shard(run)
+    except OSError as exc:  # a path no filesystem takes (a name too long, a loop): one line naming it
+        raise UsageError(f"{path_flag(args, exc.filename)} {_shown(str(exc.filename))}: "
+                         f"{(exc.strerror or 'cannot be used').lower()}") from None
     return run
+
+
+def path_flag(args: argparse.Namespace, filename: object) -> str:
+    """The option whose value an OSError's path came from (or the generic 'a path')."""
+    name = str(filename or "")
+    for key, value in vars(args).items():
+        for v in value if isinstance(value, list) else [value]:
+            if isinstance(v, str) and v and (v in name or os.path.expanduser(v) in name):
+                return "--" + key.replace("_", "-")
+    return "a path:"
 
 
 def _settle(args: argparse.Namespace, argv: list[str]) -> Run:
@@ -359,10 +250,6 @@ def _settle(args: argparse.Namespace, argv: list[str]) -> Run:
         raise UsageError("--model and --models are exclusive: one brings its own model")
     if args.model is not None and not args.model.strip():
         raise UsageError("--model needs a checkpoint folder or a hub id")
-    if args.model is not None:
-        args = argparse.Namespace(**dict(vars(args), model=local_or_hub(args.model)))
-        no_output_is_an_input({**outputs, "--json's row file": args.json and str(RowFile.path_for(args.json))},
-                              [("--model", args.model)])
     models = (("custom",) if args.model else tuple(SHAPES) if args.models is None
               else tuple(m.strip() for m in args.models.split(",")))
     if not all(models):
@@ -384,7 +271,7 @@ def _settle(args: argparse.Namespace, argv: list[str]) -> Run:
     shard = None
     if args.shard is not None:
         k, _, n = args.shard.partition("/")
-        if not (k.isascii() and k.isdigit() and n.isascii() and n.isdigit() and 1 <= int(k) <= int(n)):
+        if not (re.fullmatch("[0-9]{1,18}", k) and re.fullmatch("[0-9]{1,18}", n) and 1 <= int(k) <= int(n)):
             raise UsageError(f"--shard {args.shard}: give K/N with 1 <= K <= N, e.g. --shard 2/4")
         shard = (int(k), int(n))
         if gpus or args.isolate or repeats:
@@ -392,6 +279,10 @@ def _settle(args: argparse.Namespace, argv: list[str]) -> Run:
                              "make their own")
     if args.model and seqs is None:
         raise UsageError("--model needs --seq (there is no record grid for it)")
+    if args.model is not None:  # a path that is not there is one line here, not a hub lookup
+        args = argparse.Namespace(**dict(vars(args), model=local_or_hub(args.model)))
+        no_output_is_an_input({**outputs, "--json's row file": args.json and str(RowFile.path_for(args.json))},
+                              [("--model", args.model)])
     for m in (m for m in models if m in SHAPES):
         within_positions(SHAPES[m].name, SHAPES[m].max_positions, seqs or RECORD_GRID[m])
     if args.cap is not None and (args.dry_run or args.model or repeats):
@@ -439,13 +330,6 @@ def settle_map(args: argparse.Namespace, argv: list[str]) -> Run:
                                              models=None, seq=None, batch=args.batch)), argv)
     return replace(plain, map=True, sweep=True, models=families, quants=quants, seqs=seqs,
                        batches=batches or MAP_BATCHES)
-
-
-def one_int(flag: str, text: Optional[str], default: int, minimum: int = 1) -> int:
-    values = parse_ints(flag, text, minimum)
-    if values is not None and len(values) != 1:
-        raise UsageError(f"{flag} {text}: give one whole number")
-    return values[0] if values else default
 
 
 def estimate_config(model: Optional[str]) -> tuple[str, dict]:
@@ -501,21 +385,12 @@ def settle_estimate(args: argparse.Namespace, argv: list[str]) -> Run:
         cards = tuple(parse_cards(args.card)) if args.card is not None else ()
     except (OverflowError, ValueError) as exc:
         raise UsageError(f"--card {_shown(args.card)!r} is not a size like 24GB or 80GiB ({last_line(exc)})") from None
-    if any(n > 2**60 for _, n in cards):
-        raise UsageError(f"--card {_shown(args.card)!r}: no card has more than 2^60 bytes")
+    if any(not 1 <= n <= 2**60 for _, n in cards):
+        raise UsageError(f"--card {_shown(args.card)!r}: a card holds from 1 byte to 2^60 bytes")
     return Run(sweep=False, estimate=True, estimate_config=config, custom_model=name, quants=quants, seqs=seqs,
                batches=parse_ints("--batch", args.batch) or (1,), targets=targets,
                lora_r=one_int("--lora-r", args.lora_r, 8), steps=one_int("--steps", args.steps, 1),
                cards=cards, json=args.json, argv=tuple(argv))
-
-
-def check_cache_dir_bounds(given: str, cache: str) -> None:
-    """Refuse a --cache-dir Soup would silently ignore (it would write to ~/.soup instead).
-    Soup's own resolution decides (a light import: neither torch nor the hub client)."""
-    shards = os.path.join(os.path.realpath(cache), "layer-stream")
-    if os.path.realpath(soup_shard_root(shards)) != shards:
-        raise UsageError(f"--cache-dir {given} is outside $HOME, the working directory and the temp "
-                         "dir; Soup would ignore it and write its shard cache to ~/.soup instead")
 
 
 def grid_arms(run: Run) -> list[Arm]:

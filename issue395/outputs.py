@@ -22,6 +22,7 @@ from .tables import (
     map_summary,
     map_table,
     map_verdict,
+    margins_table,
     measure_table,
     models_in,
     overestimate_line,
@@ -34,20 +35,75 @@ if TYPE_CHECKING:  # annotations only: these modules lie above this one
     from .options import Run
 
 
-def render_markdown(result: Result) -> str:
-    """The run as a record in the #395 record's style, ready to paste."""
+def command_words(env: dict[str, Any]) -> str:
+    cmd = str(env.get("command"))
+    return f"`{cmd}`" + (" (a --gpus child's command: the parent's is not kept in its result)"
+                         if " --_child" in cmd else "")
+
+
+def commands_lines(env: dict[str, Any], parts: Optional[list[tuple[str, dict]]], merged: int) -> list[str]:
+    """Every command behind the result: one, or each merged part's (file: command)."""
+    if parts:
+        return [f"Commands (merged from {len(parts)} results):", ""] + [
+            f"- `{os.path.basename(name)}`: {command_words(part)}" for name, part in parts] + [""]
+    if merged > 1:  # a merged result whose parts are not at hand: say which command this is
+        return [f"Command (the first of {merged} merged results; the others' are not kept in it): "
+                f"{command_words(env)}", ""]
+    return [f"Command: {command_words(env)}", ""]
+
+
+TIMING_COLUMNS = (("total_s", "wall s"), ("imports_s", "imports s"), ("arms", "arms"), ("build_s", "builds s"),
+                  ("sum_setup_s", "setup s"), ("sum_step_s", "step s"), ("sum_teardown_s", "teardown s"),
+                  ("median_arm_overhead_s", "median arm overhead s"))
+
+
+def timings_rows(t: dict[str, Any], label: str) -> list[tuple[str, dict[str, Any]]]:
+    """A run's timings and, below it, each part's or child process's, labelled by place."""
+    out = [(label, t)] if any(k in t for k, _ in TIMING_COLUMNS) else []
+    for key, word in (("parts", "part"), ("children", "process")):
+        for i, sub in enumerate(t.get(key) or [], 1):
+            out += timings_rows(sub or {}, f"{label + ', ' if label != 'this run' else ''}{word} {i}")
+    return out
+
+
+def timings_table(t: dict[str, Any]) -> list[str]:
+    """--json's timings as a markdown table: seconds, and the checkpoint builds summed."""
+    def cell(v: Any) -> str:
+        if isinstance(v, dict):
+            return f"{sum(v.values()):.1f} ({len(v)})" if v else "-"
+        return "-" if v is None else str(v)
+    lines = ["| | " + " | ".join(name for _, name in TIMING_COLUMNS) + " |",
+             "|---|" + "---:|" * len(TIMING_COLUMNS)]
+    lines += [f"| {label} | " + " | ".join(cell(t.get(k)) for k, _ in TIMING_COLUMNS) + " |"
+              for label, t in timings_rows(t, "this run")]
+    return lines + ["", "builds s: checkpoints built (their count); setup, step and teardown: summed over arms."]
+
+
+def render_markdown(result: Result, parts: Optional[list[tuple[str, dict]]] = None) -> str:
+    """The run as a record in the #395 record's style, ready to paste. ``parts``: each merged
+    result's file and environment, where the caller has them (--from-json A B)."""
     env, rows = result.environment, [r for r in result.rows if r.repeat is None]
+    merged = len(result.timings.get("parts") or []) if result.timings else 0
+    record = result.kind != "map" and any(r.record_peak is not None for r in rows)
+    measured = any(r.measured for r in result.rows)
+    how = ("; real peak = `torch.cuda.max_memory_allocated()` around one optimizer step, measured by this run"
+           if measured else "; no peak was measured (dry run: everything but the CUDA step, on CPU), so there is "
+           "no real peak and no ratio" if env.get("dry_run") else "; no peak was measured by this run")
     md = [f"# Second-stack VRAM record: {env.get('gpu') or 'no GPU'} ({str(env.get('date'))[:10]})", "",
           f"Stack: {env.get('gpu') or 'no GPU'}, driver {env.get('driver') or '-'}, CUDA "
           f"{env.get('cuda') or '-'}, torch {env['torch']}, transformers {env['transformers']}, "
           f"trl {env['trl']}, peft {env['peft']}, Python {env.get('python')}, Soup {env['soup_cli']}, "
-          f"{env.get('platform')}. Weights: {env['weights']}. Arms: {env.get('arms')}.", "",
-          f"Command: `{env.get('command')}`", "",
-          f"Compared against the A10G record: {A10G_STACK}. Predicted = Soup's "
-          "`estimate_stream_peak_vram`; real peak = `torch.cuda.max_memory_allocated()` around one "
-          "optimizer step, measured by this run.", ""]
+          f"{env.get('platform')}. Weights: {env['weights']}. Arms: {env.get('arms')}.", ""]
+    md += commands_lines(env, parts, merged)
+    md += [(f"Compared against the A10G record: {A10G_STACK}. " if record else "")
+           + ("Predicted = Soup's `estimate_stream_peak_vram`" if result.kind != "map" else
+              "Predicted = Soup's `estimate_stream_peak_vram` (record-conv) and Soup's own pre-flight")
+           + how + ".", ""]
     if result.kind == "map":  # the map's own table: quant, Soup's own, the lower of the two
-        md += ["```", map_table(rows, env), "", map_summary(rows), "", map_verdict(rows, env), "```", ""]
+        md += ["```", map_table(rows, env), "", map_summary(rows)]
+        if result.margins:
+            md += ["", margins_table(result.margins)]
+        md += ["", map_verdict(rows, env), "```", ""]
         rows = []
     for model in models_in(rows):
         names = ("seq", "realised", "batch", "predicted GB", "real peak GB", "pred/real", "corrected GB",
@@ -80,7 +136,7 @@ def render_markdown(result: Result) -> str:
         if text:
             md += [f"## {title}", "", "```", text, "```", ""]
     if result.timings:
-        md += ["## Harness cost", "", "```", json.dumps(result.timings, indent=2), "```", ""]
+        md += ["## Harness cost", ""] + timings_table(result.timings) + [""]
     return "\n".join(md)
 
 
@@ -111,6 +167,14 @@ def render_plot(result: Result) -> bytes:
                 label=f"{SHAPES[key].name}, A10G record")
     pts = sorted((seq, p / r) for (_, seq), (p, r) in RECORD_RTX3050.items())
     ax.plot(*zip(*pts), marker="^", linestyle=":", color="crimson", label="SmolLM2-135M, RTX 3050 record")
+    if not series:
+        none = not any(r.measured for r in result.rows)
+        ax.text(0.3, 0.3, ("nothing measured by this run" + (" (dry run: no peak was measured)" if env.get("dry_run")
+                                                               else "") if none else "no sweep row in this run")
+                + ":\nthe records only",
+                transform=ax.transAxes, ha="center", va="center", fontsize=11,
+                bbox=dict(boxstyle="round", facecolor="lightyellow", edgecolor="grey"))
+        here = f"{here}, nothing measured" if none else here
     ax.axhline(1.0, color="black", linewidth=1)
     ax.text(ax.get_xlim()[0], 0.99, " below 1.0: the prediction under-predicts (the #395 failure)",
             va="top", fontsize=8)
@@ -156,12 +220,22 @@ def stack_title(env: dict[str, Any]) -> str:
             f" | {str(env.get('date') or '')[:10]} | arms {env.get('arms')}")
 
 
+def ratio_words(v: float, under: bool) -> str:
+    """3 decimals; an UNDER gets as many more as it takes never to read 1.000."""
+    for places in range(3, 7):
+        text = f"{v:.{places}f}"
+        if not under or float(text) < 1:
+            return text
+    return text
+
+
 def heatmap_cells(rows: list[Any], quant: str) -> tuple[list[str], list[tuple[int, int]], dict]:
-    """One panel's families (rows), seq x batch columns, and the row in each cell."""
-    mine = [r for r in rows if r.quant == quant]
-    families = models_in(mine)
-    columns = sorted({(r.seq, r.batch) for r in mine})
-    return families, columns, {(r.model, r.seq, r.batch): r for r in mine}
+    """One panel's families (rows), seq x batch columns, and the row in each cell: every panel
+    has the map's families and columns, so the panels line up (a cell a quantization's grid
+    lacks stays blank)."""
+    families = models_in(rows)
+    columns = sorted({(r.seq, r.batch) for r in rows})
+    return families, columns, {(r.model, r.seq, r.batch): r for r in rows if r.quant == quant}
 
 
 def heatmap_figure(result: Result, plt: Any) -> Any:
@@ -208,7 +282,7 @@ def heatmap_figure(result: Result, plt: Any) -> Any:
                     if under:
                         ax.add_patch(Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, hatch="///",
                                                edgecolor="black", linewidth=2.2))
-                    ax.text(j, i, ("UNDER\n" if under else "") + f"{r.margin_ratio:.3f}", ha="center",
+                    ax.text(j, i, ("UNDER\n" if under else "") + ratio_words(r.margin_ratio, under), ha="center",
                             va="center", fontsize=7, color=text_colour(colour),
                             fontweight="bold" if under else "normal",
                             bbox=dict(boxstyle="square,pad=0.1", facecolor=colour, edgecolor="none")
@@ -281,12 +355,22 @@ def write_output(path: str, data: bytes) -> None:
         raise
 
 
+def merged_parts(run: "Run") -> Optional[list[tuple[str, dict]]]:
+    """--from-json A B: each part's file and environment (a merged result keeps only the first's)."""
+    paths = list(getattr(run, "from_json", None) or [])
+    if len(paths) < 2:
+        return None
+    from .result import load_result
+
+    return [(p, load_result(p).environment) for p in paths]
+
+
 def write_outputs(result: Result, run: "Run", rows_file: RowFile) -> Optional[str]:
     """--json, --markdown and --plot. Returns one line naming an output that could not be
     written and the one place the rows are kept, or None."""
     for flag, path, render in (
             ("--json", run.json, lambda: json.dumps(result.to_json(), indent=2, default=str) + "\n"),
-            ("--markdown", run.markdown, lambda: render_markdown(result)),
+            ("--markdown", run.markdown, lambda: render_markdown(result, merged_parts(run))),
             ("--plot", run.plot, lambda: render_plot(result))):
         if not path:
             continue

@@ -15,19 +15,20 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from .checkpoints import Checkpoints, quant_base
+from .checks import within_positions
 from .console import Progress, Stop
 from .cuda import control_step, positive_control
 from .errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, UsageError, last_line
-from .margin import margin_arms, margin_breakdown
+from .margin import margin_arms, margin_breakdown, shard_of
 from .modes import measure_mode, sdpa_mode
-from .options import NO_CUDA, Run, build_parser, grid_arms, settle, within_positions
+from .options import NO_CUDA, Run, build_parser, grid_arms, settle
 from .outputs import render_markdown, write_output, write_outputs
 from .record import SHAPES, Arm, Shape, plan_arms
 from .result import Result, RowFile, environment, load_result, merge, row_order
 from .row import Row
 from .scratch import Scratch
 from .shapes import family_shape, load_custom_shape
-from .spread import CHILD_JOB, Job, read_job, shard_of, spread, visible_gpu_count
+from .spread import CHILD_JOB, Job, read_job, spread, visible_gpu_count
 from .tables import compare_table, render_text
 
 
@@ -225,6 +226,9 @@ def measure_all(run: Run, protocol: Protocol, job: Optional[Job], scratch: Scrat
         merged = merge(children + ([result] if local else []), arms_label)
         for name in ("environment", "measure", "sdpa", "control", "error"):
             setattr(result, name, getattr(result, name) or getattr(merged, name))
+        if not local:  # the stack is a child's; the command is the one the user typed, not the child's
+            result.environment = dict(result.environment,
+                                      command=" ".join([os.path.basename(protocol.script), *run.argv]))
         result.margins = merged.margins
     if not result.environment:
         result.environment = environment(run.weights, run.dry_run, arms_label,
@@ -305,7 +309,7 @@ def rerender(run: Run) -> int:
             raise UsageError(f"--compare {run.compare}: no arm in common with {named} (no measured arm "
                              "with the same model, quant, seq, batch and repeat in both)")
         try:
-            text += "\n" + compare_table(result, other) + "\n"
+            text += "\n" + compare_table(result, other, (", ".join(run.from_json), run.compare)) + "\n"
         except Exception as exc:
             raise UsageError(f"--compare {run.compare}: cannot be compared with {named} ({last_line(exc)})") from None
     print(text, end="")

@@ -17,6 +17,7 @@ from typing import Any, Callable, Iterable, Optional
 
 from .console import Stop
 from .errors import UsageError, last_line
+from .margin import shard_of
 from .options import Run, run_from_json
 from .record import SHAPES, Arm
 from .result import Result, RowFile
@@ -37,36 +38,6 @@ class Job:
     gpu: Optional[int] = None
     repeat: Optional[int] = None
     extra_modes: bool = False  # also --measure/--sdpa, after its arms
-
-
-def shard_of(arms: list[Arm], shard: tuple[int, int], whole_models: bool = False) -> list[Arm]:
-    """--shard K/N: every arm whose grid index is K-1 modulo N.
-
-    On the map a shard is whole families instead, dealt heaviest first to the lightest
-    shard: a family's checkpoint (up to 16 GB) and Soup's shards of it are the map's
-    largest cost, and modulo would build every family once per shard."""
-    k, n = shard
-    if not whole_models:
-        return [a for a in arms if a.index % n == k - 1]
-    cost: dict[str, float] = {}
-    for a in arms:
-        cost[a.model] = cost.get(a.model, 0.0) + arm_seconds(a)
-    load, owner = [0.0] * n, {}
-    for model in sorted(cost, key=lambda m: (-cost[m], m)):
-        owner[model] = min(range(n), key=lambda j: (load[j], j))
-        load[owner[model]] += cost[model]
-    return [a for a in arms if owner[a.model] == k - 1]
-
-
-def arm_seconds(arm: Arm) -> float:
-    """A map arm's rough cost, only to deal families evenly: on the H200 map each arm took
-    about 3 s of setup and teardown plus 0.7 s per billion parameters."""
-    if arm.model in FAMILIES:
-        params = FAMILIES[arm.model].params
-    else:  # the record's two: bf16 bytes of the layers and the extras, over 2
-        shape = SHAPES[arm.model]
-        params = (shape.pool // 2 * shape.n_layers + shape.extras) // 2
-    return 3.0 + 0.7e-9 * params
 
 
 def visible_ids() -> Optional[list[str]]:

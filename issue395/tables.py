@@ -7,9 +7,10 @@ import functools
 import statistics
 from typing import Any, Optional
 
+from .anatomy import margin_anatomy
 from .errors import UsageError
 from .estimate import RELEASES, estimate
-from .margin import PUBLISHED_NF4
+from .margin import PUBLISHED_NF4, margin_note
 from .record import (
     GB,
     QUANTS,
@@ -325,38 +326,6 @@ def grid_order(m: dict[str, Any]) -> tuple:
             else len(QUANTS), m["seq"], m["batch"])
 
 
-def margin_note(m: dict[str, Any], margins: Optional[list[dict[str, Any]]] = None) -> Optional[str]:
-    """Why a thin margin (under 5%) is thin, naming the term whose slack is gone: a scaling term
-    (logits, activations) that charges less than is live; or, where only the fixed terms (weights,
-    rest: the same tens of MB in every family) fall short, the scaling term left with no slack to
-    cover them. ``margins`` (the other arms) give what that term usually spares."""
-    if m["ratio"] >= 1.05 or not any(t["missed"] > 0 for t in m["terms"]):
-        return None
-    head = f"{m['model']} {m['quant']} seq {m['seq']} batch {m['batch']}: margin {m['ratio'] - 1:+.1%}; "
-    scaling = [t for t in m["terms"] if t["per"]]
-    short = max((t for t in scaling if t["missed"] > 0), key=lambda t: t["missed"], default=None)
-    if short is not None:
-        unit = short["per"]
-        return (head + f"the {short['term']} term misses {short['missed'] / 1e6:.1f} MB "
-                f"({short['missed'] / unit[0]:.2f} bytes {unit[1]}): charging that much more {unit[1]} "
-                "would cover it")
-    if not scaling:
-        worst = max(m["terms"], key=lambda t: t["missed"])
-        return head + f"the {worst['term']} term misses {worst['missed'] / 1e6:.1f} MB"
-    gone = max(scaling, key=lambda t: t["missed"] / t["charged"] if t["charged"] else float("-inf"))
-    unit = gone["per"]
-    fixed = [t for t in m["terms"] if not t["per"] and t["missed"] > 0]
-    usual = sorted(t["missed"] / t["per"][0] for o in (margins or []) if o is not m and o.get("complete")
-                   for t in o["terms"] if t["term"] == gone["term"] and t["per"])
-    spare = -gone["missed"]
-    return (head + f"the {gone['term']} term's slack is gone: it charges {gone['charged'] / GB:.4f} GB and "
-            f"{gone['measured'] / GB:.4f} GB is live ({spare / 1e6:.1f} MB, {spare / unit[0]:.2f} bytes "
-            f"{unit[1]} to spare"
-            + (f"; the other arms here spare {-usual[len(usual) // 2]:.2f}" if usual else "") + "), so nothing "
-            f"in it covers " + " and ".join(f"the {t['term']} term's {t['missed'] / 1e6:+.1f} MB" for t in fixed)
-            + f" (a fixed cost every family shows, which the {gone['term']} slack covers elsewhere)")
-
-
 MARGINS_LEGEND = ("missed = live - charged: + Soup charges less than is live at the peak (a shortfall "
                   "that eats the margin); - it charges more (slack)")
 
@@ -448,6 +417,8 @@ def render_text(result: Result) -> str:
         parts += ["", map_table(sweep_rows, result.environment), "", map_summary(sweep_rows)]
         if result.margins:
             parts += ["", margins_table(result.margins)]
+            anatomy = margin_anatomy(result.margins, result.environment.get("soup_cli"))
+            parts += ["", anatomy] if anatomy else []
         parts += ["", map_verdict(sweep_rows, result.environment)]
         sweep_rows = []
     if sweep_rows:

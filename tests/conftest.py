@@ -114,11 +114,13 @@ class FakeStep:
 
     def __init__(self, peaks=None, raises=None, actions=None):
         self.calls: list[int] = []
+        self.steps: list[int] = []  # the optimizer steps each call was asked to run
         self.peaks, self.raises, self.actions = peaks or {}, raises or {}, actions or {}
 
     def __call__(self, trainer, snapshot=False, steps=1):
         seq = int(trainer.args.max_length)
         self.calls.append(seq)
+        self.steps.append(steps)
         if seq in self.actions:
             self.actions[seq]()
         if seq in self.raises:

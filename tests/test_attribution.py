@@ -18,10 +18,10 @@ from conftest import cuda, make_row, safe_peak
 
 from issue395.cuda import attribute_peak, block_bytes, control_step, logits_kind, positive_control
 from issue395.errors import EXIT_FINDING, EXIT_INTERRUPTED, EXIT_OK, UsageError
+from issue395.margin import shard_of
 from issue395.record import SHAPES, Arm, plan_arms, predicted_bytes
 from issue395.result import Result, merge
 from issue395.row import Row
-from issue395.spread import shard_of
 
 E = 1001  # logits elements; odd, so 2E and 4E are not multiples of 512
 BF16, FP32 = 2 * E, 4 * E  # requested sizes: 2002, 4004
@@ -71,6 +71,24 @@ PEAK = R - 3072 + BF16_BLOCK + 2 * FP32_BLOCK + 512
 
 
 # --- the allocator's rounding and the logits shapes ---------------------------------
+
+def test_the_mistral_nf4_peak_is_named_by_physical_class_dequantised_weights_not_activations():
+    """PEAK.md's history of Mistral-7B NF4 512x1, in miniature: three 4096x14336 and three
+    4096x4096 bf16 blocks live at the peak are the dequantised layer, set apart from the rest,
+    and the bytes resident before the step are the resident weights."""
+    from issue395.anatomy import physical_classifier
+    from issue395.shapes import config_json
+
+    classify = physical_classifier(config_json("mistral-7b"), quant="nf4", seq=512, batch=1,
+                                   targets=("q_proj", "v_proj"))
+    mlp, attn = 4096 * 14336 * 2, 4096 * 4096 * 2
+    snap = snapshot(*[alloc(i, mlp) for i in range(3)], *[alloc(10 + i, attn) for i in range(3)],
+                    alloc(20, 1000))
+    a = attribute_peak(snap, R, 512 * 32768, R + 3 * mlp + 3 * attn + 1024, physical=classify)
+    assert a["physical"] == {"dequantised layer weights": 3 * mlp + 3 * attn, "the rest": 1024,
+                             "resident weights": R}
+    assert "physical" not in attribute_peak(snap, R, 512 * 32768)
+
 
 def test_block_bytes_rounds_up_to_512():
     assert block_bytes(1) == 512
@@ -343,3 +361,31 @@ def test_merge_keeps_a_finding_from_any_shard():
     assert merged.exit_code == EXIT_FINDING
     stopped = Result(environment=ENV, rows=[measured_row(arms[1])], interrupted=True)
     assert merge([ok, stopped]).exit_code == EXIT_INTERRUPTED
+
+
+def test_a_map_margin_named_by_physical_class_is_set_against_the_corrected_terms(capfd, tmp_path):
+    """A saved map whose Mistral-7B NF4 512x1 margin carries its live blocks by physical class
+    (as run_arm records them with a history): the text sets each class against the corrected
+    estimate's term, the dequantised layer against its W16 term, resident weights first."""
+    import json
+
+    from conftest import ROOT, main
+
+    data = json.loads((ROOT / "results/h200x2-2026-11-30-issue16/map-512-1024.json").read_text())
+    margin = next(m for m in data["margins"] if (m["model_key"], m["quant"], m["seq"], m["batch"])
+                  == ("mistral-7b", "nf4", 512, 1))
+    w16 = 3 * 4096 * 14336 * 2 + 3 * 4096 * 4096 * 2
+    margin["physical"] = {"dequantised layer weights": w16, "the rest": 1024, "resident weights": 800_000_000}
+    path = tmp_path / "map.json"
+    path.write_text(json.dumps(data))
+    code, out, err = main(capfd, ["--from-json", path])
+    assert "Traceback" not in err
+    section = out.split("the peak by physical class")[1]
+    assert section.index("resident weights") < section.index("dequantised layer weights")
+    line = next(x for x in section.splitlines() if "dequantised layer weights" in x)
+    assert f"{w16 / 1e6:.3f}" in line  # live, measured
+    from issue395.estimate import estimate
+    from issue395.shapes import config_json
+
+    w16_term = estimate(config_json("mistral-7b"), quant="nf4", seq=512).terms["dequantised_layer"]
+    assert line.split()[4] == f"{w16_term / 1e6:.3f}"  # charged: the corrected W16 term

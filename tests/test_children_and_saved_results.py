@@ -72,7 +72,6 @@ def test_repair_leaves_a_shard_folder_that_a_peer_is_still_writing(tmp_path):
         folder = resolve_shard_dir(base)
         save_file({"w": torch.zeros(4)}, layer_shard_path(folder, 0))  # index.json comes last
         scratch.repair_shards(base)
-        assert (tmp_path / "cache" / "layer-stream").exists()
         assert list(__import__("pathlib").Path(folder).glob("*.safetensors"))
 
 

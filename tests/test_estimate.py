@@ -60,7 +60,9 @@ def test_soup_number_is_soups_own_function_not_a_copy():
     src = (E._soup_dir() / "utils" / "layer_stream.py").read_text()
     assert ns["estimate_stream_peak_vram"].__code__.co_filename.endswith("layer_stream.py")
     assert f"STREAM_FIXED_SLACK_BYTES = {ns['STREAM_FIXED_SLACK_BYTES']:_}" in src
-    assert "SUPPORTED_STREAM_ARCHS" in src and len(E.supported_archs()) == 9
+    # FAMILIES.md's nine (0.73.3); a later Soup may stream more (0.77.0 adds two)
+    assert "SUPPORTED_STREAM_ARCHS" in src and {"llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2",
+                                                 "gemma3_text", "phi", "phi3"} <= set(E.supported_archs())
 
 
 def test_leave_one_family_out_never_under_but_one_documented_arm_and_median_at_most_1_02():

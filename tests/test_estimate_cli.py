@@ -35,8 +35,16 @@ def test_estimate_answers_from_a_config_without_importing_torch(tmp_path):
     assert "fits 24GB" in p.stdout and "longest seq that fits 16GiB" in p.stdout
 
 
+#: A committed map arm of Mistral-7B NF4 512 x 1 for each tested Soup release.
+SAVED = {"0.73.3": "results/h200x2-2026-11-30-issue16/map-512-1024.json",
+         "0.77.0": "results/h200x2-2026-11-30-untied-seq512/map077-untied.json"}
+
+
 def test_soups_own_number_from_the_config_is_the_one_its_setup_computed_on_the_gpu(capfd, tmp_path):
-    saved = Result.from_json(json.loads((ROOT / "results/h200x2-2026-11-30-issue16/map-512-1024.json").read_text()))
+    from issue395.estimate import installed_release
+
+    saved = Result.from_json(json.loads((ROOT / SAVED[installed_release()]).read_text()))
+    assert saved.environment["soup_cli"] == installed_release()
     arm = next(r for r in saved.rows if (r.model_key, r.quant, r.seq, r.batch) == ("mistral-7b", "nf4", 512, 1))
     out = tmp_path / "e.json"
     code, _, err = main(capfd, ["--estimate", "--model", "mistral-7b", "--quant", "nf4", "--seq", "512",

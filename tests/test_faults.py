@@ -187,6 +187,20 @@ def test_teardown_error_is_recorded_and_never_replaces_the_measurement(
     assert "teardown error (measurement kept): OSError: pinned store still mapped" in out
 
 
+def test_steps_runs_that_many_optimizer_steps_on_enough_rows_and_says_so(capfd, cache_dir, tmp_path, fake_cuda):
+    """--steps 3 (fakes the CUDA peak only): the step is asked for 3, Soup's dataloader has rows for
+    3 batches in its one epoch, and the header names the steps (the protocol's 1 is implied)."""
+    step = fake_cuda()
+    out_json = tmp_path / "out.json"
+    code, out, err = main(capfd, ["--models", "smol", "--seq", "64", "--batch", "2", "--steps", "3",
+                                  "--cache-dir", cache_dir, "--json", out_json])
+    assert code == 0, err
+    assert step.steps == [3]
+    assert "3 optimizer steps per arm" in out.splitlines()[0]
+    assert json.loads(out_json.read_text())["environment"]["steps"] == 3
+    assert h.rows_for_batch(2, 3) * 0.9 >= 6 > h.rows_for_batch(2, 1) * 0.9
+
+
 def test_peak_above_the_prediction_is_under_and_exits_1(capfd, cache_dir, tmp_path, fake_cuda):
     """Fakes the CUDA peak only: 1.25x the prediction."""
     predicted = predicted_bytes(SMOL, 64)

@@ -283,3 +283,274 @@ def test_the_committed_results_still_load(capfd):
     for path in (MAP, SWEEP, SCHEMA1):
         code, out, err = main(capfd, ["--from-json", path])
         assert code in (0, 1) and out and "error" not in err, (path, err)
+
+
+# 6. an output never destroys its input -----------------------------------------------------------
+
+def _copies(tmp_path):
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_bytes(SWEEP.read_bytes())
+    b.write_bytes(SWEEP.read_bytes())
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({"model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+                               "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                               "vocab_size": 512, "max_position_embeddings": 256}))
+    (tmp_path / "link.json").symlink_to(a)
+    return a, b, cfg
+
+
+@pytest.mark.parametrize("argv, named", [
+    (["--from-json", "a.json", "--markdown", "a.json"], "--from-json"),
+    (["--from-json", "a.json", "--compare", "b.json", "--markdown", "b.json"], "--compare"),
+    (["--from-json", "a.json", "--json", "a.json"], "--from-json"),
+    (["--from-json", "a.json", "--json", "./a.json"], "--from-json"),
+    (["--from-json", "a.json", "--json", "link.json"], "--from-json"),
+    (["--from-json", "link.json", "b.json", "--markdown", "b.json"], "--from-json"),
+    (["--estimate", "--model", "config.json", "--seq", "128", "--json", "config.json"], "--model"),
+    (["--estimate", "--model", ".", "--seq", "128", "--json", "config.json"], "--model"),
+], ids=["markdown-over-from-json", "markdown-over-compare", "json-over-from-json", "dot-slash-spelling",
+        "symlink-spelling", "markdown-over-second-shard", "estimate-json-over-config", "estimate-json-in-model-folder"])
+def test_an_output_that_names_an_input_is_one_line_and_the_input_is_untouched(capfd, tmp_path, monkeypatch,
+                                                                              argv, named):
+    monkeypatch.chdir(tmp_path)
+    files = _copies(tmp_path)
+    before = [f.read_bytes() for f in files]
+    one_error_line(*main(capfd, argv), named, "input")
+    assert [f.read_bytes() for f in files] == before
+
+
+def test_a_sweep_output_over_its_model_config_is_one_line_before_anything_runs(capfd, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    *_, cfg = _copies(tmp_path)
+    before = cfg.read_bytes()
+    one_error_line(*main(capfd, ["--dry-run", "--model", "config.json", "--seq", "64", "--markdown", "./config.json"]),
+                   "--markdown", "--model")
+    assert cfg.read_bytes() == before
+
+
+# 7. whole numbers: odd spellings and sizes no real run has ----------------------------------------
+
+@pytest.mark.parametrize("argv, words", [
+    (["--seq", "256,--512"], ["--seq", "--512"]),
+    (["--batch=--1"], ["--batch", "--1"]),
+    (["--batch", "+5"], ["--batch", "+5"]),
+    (["--batch", "5.0"], ["--batch", "5.0"]),
+    (["--batch", "0x10"], ["--batch", "0x10"]),
+    (["--batch", "\uff15"], ["--batch"]),
+    (["--seq", "1" * 5000], ["--seq", "not a whole number"]),
+    (["--gpus", "0,--1"], ["--gpus"]),
+    (["--determinism=--3"], ["--determinism"]),
+], ids=["double-minus-in-list", "double-minus-equals", "plus", "decimal", "hex", "full-width", "5000-digits",
+        "gpus-double-minus", "determinism-double-minus"])
+def test_an_odd_spelling_of_a_whole_number_is_one_line(capfd, argv, words):
+    one_error_line(*main(capfd, argv), *words)
+
+
+def test_whole_numbers_keep_their_plain_spellings():
+    from issue395.checks import parse_ints
+
+    assert parse_ints("--batch", " 5 , 6") == (5, 6)
+    assert parse_ints("--batch", "007") == (7,)
+    assert parse_ints("--gpus", "0,1", minimum=0) == (0, 1)
+    assert parse_ints("--seq", "1048576", minimum=64) == (1048576,)
+    assert parse_ints("--batch", "1024") == (1024,)
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--batch", "1000000"], ["--batch", "1024"]),
+    (["--batch", str(10**30)], ["--batch", "1024"]),
+    (["--seq", "1048577"], ["--seq", "1048576"]),
+    (["--map", "--batch", "2048"], ["--batch", "1024"]),
+    (["--steps", "0"], ["--steps", "at least 1"]),
+    (["--steps", "1001"], ["--steps", "1000"]),
+    (["--determinism", "1000"], ["--determinism", "100"]),
+    (["--estimate", "--model", "smol", "--seq", "128", "--batch", "1000000"], ["--batch", "1024"]),
+    (["--estimate", "--model", "smol", "--seq", "128", "--lora-r", "0"], ["--lora-r", "at least 1"]),
+    (["--estimate", "--model", "smol", "--seq", "128", "--lora-r", "4096"], ["--lora-r", "1024"]),
+    (["--estimate", "--model", "smol", "--seq", "128", "--steps", "10000"], ["--steps", "1000"]),
+], ids=["batch-million", "batch-10e30", "seq-past-any-model", "map-batch", "steps-zero", "steps-1001",
+        "determinism-1000", "estimate-batch", "estimate-lora-r-zero", "estimate-lora-r-4096", "estimate-steps"])
+def test_a_size_no_real_run_has_is_one_line_naming_the_limit(capfd, argv, words):
+    one_error_line(*main(capfd, argv), *words)
+
+
+def test_steps_reaches_the_sweep_and_the_map():
+    from issue395.options import build_parser, settle
+
+    for argv in (["--dry-run", "--steps", "3"], ["--dry-run", "--map", "--steps", "3"]):
+        assert settle(build_parser().parse_args(argv), argv).steps == 3, argv
+
+
+# 8. saved results that cannot be merged, rendered or compared; a terminal that cannot encode ------
+
+def _two_shards(tmp_path):
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_bytes(SWEEP.read_bytes())
+    b.write_bytes(SWEEP.read_bytes())
+    return a, b
+
+
+@pytest.mark.parametrize("target, exc", [
+    ("merge", KeyError("environment")), ("merge", TypeError("unorderable")),
+    ("render_text", ZeroDivisionError("division by zero")),
+    ("render_markdown", KeyError("torch")),
+    ("compare_table", ZeroDivisionError("division by zero")),
+], ids=["merge-key-error", "merge-type-error", "render-zero-division", "markdown-key-error",
+        "compare-zero-division"])
+def test_any_failure_while_merging_rendering_or_comparing_is_one_line_naming_the_file(
+        capfd, tmp_path, monkeypatch, target, exc):
+    import issue395.runner as runner
+
+    def boom(*a, **k):
+        raise exc
+
+    monkeypatch.setattr(runner, target, boom)
+    a, b = _two_shards(tmp_path)
+    argv = {"merge": ["--from-json", a, b], "render_text": ["--from-json", a],
+            "render_markdown": ["--from-json", a, "--markdown", tmp_path / "o.md"],
+            "compare_table": ["--from-json", a, "--compare", b]}[target]
+    line = one_error_line(*main(capfd, argv), str(a) if target != "compare_table" else str(b),
+                          type(exc).__name__)
+    assert not (tmp_path / "o.md").exists(), line
+
+
+@pytest.mark.parametrize("source", [SWEEP, MAP], ids=["full-cold", "map-with-non-ascii"])
+def test_a_terminal_that_cannot_encode_still_gets_the_tables_and_the_markdown(tmp_path, source):
+    import subprocess
+    import sys
+
+    env = dict(os.environ, PYTHONIOENCODING="ascii")
+    md = tmp_path / "OUT.md"
+    proc = subprocess.run([sys.executable, str(ROOT / "issue395_second_stack_vram.py"), "--from-json", str(source),
+                           "--markdown", str(md)], env=env, capture_output=True, timeout=300)
+    assert proc.returncode in (0, 1) and b"Traceback" not in proc.stderr, proc.stderr[-2000:]
+    if source == SWEEP:
+        assert proc.returncode == 0, proc.stderr[-2000:]
+    assert md.exists() and md.stat().st_size > 0 and proc.stdout
+
+
+def test_compare_with_no_arm_in_common_is_one_line(capfd, tmp_path):
+    other = _corrupt(tmp_path, SWEEP, lambda d: [r.update(seq=r["seq"] + 1, realised_width=r["seq"] + 1,
+                                                          realised_rows=[r["seq"] + 1] * len(r["realised_rows"]))
+                                                 for r in d["rows"]])
+    one_error_line(*main(capfd, ["--from-json", SWEEP, "--compare", other]), "--compare", "no arm in common")
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--dry-run", "--shard", "11/11"], ["--shard 11/11", "10 arm"]),
+    (["--dry-run", "--models", "smol", "--seq", "128", "--shard", "2/2"], ["--shard 2/2", "1 arm"]),
+    (["--dry-run", "--map", "--shard", "12/12"], ["--shard 12/12", "11 famil"]),
+], ids=["sweep-11-of-11", "one-arm-2-of-2", "map-12-of-12"])
+def test_an_empty_shard_is_one_line_naming_it_before_anything_runs(capfd, argv, words):
+    one_error_line(*main(capfd, argv), "empty", *words)
+
+
+# 9. --model paths, hub ids, and output paths --------------------------------------------------------
+
+@pytest.mark.parametrize("model", ["/nonexistent/config.json", "./no-such-model", "~/no-such-model-395",
+                                   "results/no-such-model", "x/y/z", "cfg.json", "../up"],
+                         ids=["absolute-config", "dot-slash", "tilde", "under-an-existing-folder",
+                              "two-slashes", "bare-json", "dot-dot"])
+def test_a_model_path_that_is_not_there_is_one_line_not_a_hub_lookup(capfd, monkeypatch, model):
+    monkeypatch.chdir(ROOT)
+    t = time.perf_counter()
+    one_error_line(*main(capfd, ["--dry-run", "--model", model, "--seq", "64"]), model, "no such")
+    assert time.perf_counter() - t < 5
+
+
+def test_hub_ids_and_real_paths_still_reach_the_model_loader(tmp_path):
+    from issue395.checks import local_or_hub
+    from issue395.errors import UsageError
+
+    for hub_id in ("HuggingFaceTB/SmolLM2-135M", "Qwen/Qwen2.5-0.5B", "gpt2", "org/name.v1"):
+        assert local_or_hub(hub_id) == hub_id
+    cfg = tmp_path / "config.json"
+    cfg.write_text("{}")
+    assert local_or_hub(str(cfg)) == str(cfg) and local_or_hub(str(tmp_path)) == str(tmp_path)
+    (tmp_path / "dangling").symlink_to(tmp_path / "gone")
+    with pytest.raises(UsageError, match="symlink"):
+        local_or_hub(str(tmp_path / "dangling"))
+    for bad in ("a b", "org/name/x", "-x", "a--b"):
+        with pytest.raises(UsageError, match="no such file"):
+            local_or_hub(bad)
+
+
+@pytest.mark.parametrize("flag", ["--json", "--markdown", "--plot", "--log-dir", "--cache-dir", "--snapshot-dir"])
+def test_an_empty_path_says_it_is_empty(capfd, flag):
+    line = one_error_line(*main(capfd, [f"{flag}=", "--dry-run"] if flag != "--snapshot-dir" else [f"{flag}="]),
+                          flag, "empty")
+    assert "folder;" not in line and "is a folder" not in line
+
+
+def test_an_unwritable_output_folder_names_the_value_given_and_the_folder(capfd, tmp_path, monkeypatch):
+    import issue395.options as options
+
+    (tmp_path / "ro").mkdir()
+    monkeypatch.chdir(tmp_path)
+    real = os.access
+    monkeypatch.setattr(options.os, "access",
+                        lambda p, mode, **kw: False if mode & os.W_OK and "ro" in str(p) else real(p, mode, **kw))
+    line = one_error_line(*main(capfd, ["--dry-run", "--json", "ro/out.json"]), "cannot be written",
+                          str(tmp_path / "ro"))
+    assert line.startswith("error: --json ro/out.json:"), line
+
+
+def test_an_output_inside_a_regular_file_names_the_value_given(capfd, tmp_path, monkeypatch):
+    (tmp_path / "plain").write_text("x")
+    monkeypatch.chdir(tmp_path)
+    line = one_error_line(*main(capfd, ["--dry-run", "--markdown", "plain/out.md"]), "not a folder")
+    assert line.startswith("error: --markdown plain/out.md:"), line
+
+
+# 10. --estimate with what a hostile user types ---------------------------------------------------
+
+def _config(tmp_path, name="config.json", **over):
+    cfg = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+           "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 512,
+           "max_position_embeddings": 256}
+    cfg.update(over)
+    path = tmp_path / name
+    path.write_text(json.dumps(cfg))
+    return path
+
+
+@pytest.mark.parametrize("make, extra, words", [
+    (lambda t: t, [], ["--model", "config.json"]),
+    (lambda t: ((t / "c.json").write_text("[1, 2]"), t / "c.json")[1], [], ["--model", "JSON object"]),
+    (lambda t: _config(t, hidden_size=None), [], ["--model", "hidden_size"]),
+    (lambda t: _config(t, max_position_embeddings=None), [], ["--model", "max_position_embeddings"]),
+    (lambda t: _config(t), ["--seq", "512"], ["--seq 512", "256"]),
+    (lambda t: _config(t, partial_rotary_factor="x"), [], ["--model"]),
+    (lambda t: _config(t, num_key_value_heads="x"), [], ["--model", "heads"]),
+    (lambda t: _config(t), ["--card", "1" * 400 + "GB"], ["--card"]),
+    (lambda t: _config(t), ["--card", "0.0000000001GB"], ["--card", "1 byte"]),
+    (lambda t: _config(t), ["--card", "24TB"], ["--card"]),
+    (lambda t: _config(t), ["--targets", "q_proj,q_proj"], ["--targets", "twice"]),
+    (lambda t: _config(t), ["--targets", "nope"], ["nope"]),
+    (lambda t: _config(t), ["--targets", ","], ["--targets"]),
+    (lambda t: _config(t), ["--lora-r", "8.5"], ["--lora-r"]),
+    (lambda t: _config(t), ["--steps", "--2"], ["--steps"]),
+    (lambda t: _config(t), ["--quant", "int8"], ["--quant"]),
+], ids=["folder-without-config", "config-a-list", "missing-size", "missing-positions", "seq-past-positions",
+        "rotary-factor-string", "kv-heads-string", "card-400-digits", "card-under-a-byte", "card-unit",
+        "targets-twice", "target-unknown", "targets-empty", "lora-r-decimal", "steps-double-minus",
+        "quant-unknown"])
+def test_estimate_with_odd_values_is_one_line(capfd, tmp_path, make, extra, words):
+    path = make(tmp_path)
+    argv = ["--estimate", "--model", path] + (extra if "--seq" in extra else ["--seq", "128"] + extra)
+    one_error_line(*main(capfd, argv), *words)
+
+
+@pytest.mark.parametrize("shard", ["1/" + "9" * 5000, "9" * 5000 + "/1", "\uff11/\uff12", "+1/2", " 1/2"],
+                         ids=["n-5000-digits", "k-5000-digits", "full-width", "plus", "space"])
+def test_an_odd_shard_is_one_line(capfd, shard):
+    one_error_line(*main(capfd, ["--dry-run", "--shard", shard]), "--shard")
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["--json", "a" * 5000], "--json"), (["--markdown", "/tmp/" + "a" * 5000 + "/x.md"], "--markdown"),
+    (["--log-dir", "a" * 5000], "--log-dir"),
+    (["--estimate", "--model", "a" * 5000, "--seq", "128"], "--model"),
+], ids=["json", "markdown-folder", "log-dir", "estimate-model"])
+def test_a_path_no_filesystem_takes_is_one_line_naming_its_option(capfd, argv, flag):
+    one_error_line(*main(capfd, argv), flag, "too long")

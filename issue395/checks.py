@@ -1,0 +1,162 @@
+"""Checks on what the command line names, before anything runs: whole numbers and their bounds,
+output paths (writable, never an input), input files, hub ids against local paths, --cache-dir."""
+
+from __future__ import annotations
+
+import os
+import re
+import stat
+from pathlib import Path
+from typing import Iterable, Optional
+
+from .errors import UsageError
+from .scratch import soup_shard_root
+
+#: The largest value each whole-number option takes: batch sizes no real run has, seq lengths
+#: beyond any model's positions, and counts that would only run for hours are refused up front.
+MAXIMA = {"--seq": (1_048_576, "longer than any model's positions"),
+          "--batch": (1024, "larger than any real run's batch"),
+          "--steps": (1000, "more optimizer steps than a peak needs"),
+          "--lora-r": (1024, "a larger LoRA rank than any real run's"),
+          "--determinism": (100, "more repeats than a determinism check needs"),
+          "--gpus": (1023, "more GPUs than a host has")}
+
+
+_WHOLE = re.compile(r"-?[0-9]{1,4000}")  # int() refuses longer strings
+
+
+def _shown(item: str) -> str:
+    return item if len(item) <= 40 else item[:40] + "..."
+
+
+def parse_ints(flag: str, text: Optional[str], minimum: int = 1,
+               maximum: Optional[int] = None) -> Optional[tuple]:
+    """A comma list of whole numbers in plain ASCII digits (a leading minus is read, then refused
+    by ``minimum``); anything else, and anything above the flag's maximum, is one line."""
+    if text is None:
+        return None
+    items = [i.strip() for i in text.split(",")]
+    if not all(items):
+        raise UsageError(f"{flag} {_shown(text)!r}: empty item; give a comma list of whole numbers")
+    top, why = (maximum, "") if maximum is not None else MAXIMA.get(flag, (None, ""))
+    out: list[int] = []
+    for item in items:
+        if not _WHOLE.fullmatch(item):
+            raise UsageError(f"{flag} {_shown(item)!r} is not a whole number")
+        if int(item) < minimum:
+            raise UsageError(f"{flag} {_shown(str(int(item)))} must be at least {minimum}")
+        if top is not None and int(item) > top:
+            raise UsageError(f"{flag} {_shown(str(int(item)))} is more than {top}" + (f", {why}" if why else ""))
+        if int(item) in out:
+            raise UsageError(f"{flag} {_shown(text)}: {int(item)} is named twice")
+        out.append(int(item))
+    return tuple(out)
+
+
+def within_positions(name: str, limit: int, seqs: Iterable[int]) -> None:
+    """A seq beyond a model's positions is one line here, not a FAILED row (0: no limit known)."""
+    beyond = [s for s in seqs if limit and s > limit]
+    if beyond:
+        raise UsageError(f"--seq {beyond[0]} is beyond {name}'s maximum positions ({limit})")
+
+
+def writable_folder(flag: str, folder: str, given: Optional[str] = None) -> None:
+    """A folder the tool may write into: it exists, or the nearest one above it is writable.
+    ``given`` is the value on the command line when the folder is an output file's."""
+    if not folder.strip():
+        raise UsageError(f"{flag}: the path is empty; give a folder")
+    named = f"{flag} {given if given is not None else folder}"
+    p = Path(folder).expanduser().absolute()
+    if p.exists() and not p.is_dir():
+        raise UsageError(f"{named}: {p} is not a folder" if given is not None else f"{named}: not a folder")
+    while not p.exists():
+        p = p.parent
+    if not p.is_dir() or not os.access(p, os.W_OK):
+        raise UsageError(f"{named}: {'its folder ' if given is not None else ''}{p} cannot be written")
+
+
+def check_output(flag: str, path: str) -> None:
+    if not path.strip():
+        raise UsageError(f"{flag}: the path is empty; give a file path")
+    if flag == "--plot" and Path(path).suffix.lower() != ".png":
+        raise UsageError(f"--plot {path}: the plot is a PNG; give a path ending in .png")
+    if Path(path).is_dir():
+        raise UsageError(f"{flag} {path} is a folder; give a file path")
+    if not Path(os.path.realpath(path)).exists():
+        writable_folder(flag, os.path.dirname(os.path.realpath(path)), given=path)
+
+
+def same_file(a: str, b: str) -> bool:
+    """One file under two spellings: ./, a symlink, or a hard link."""
+    if os.path.realpath(a) == os.path.realpath(b):
+        return True
+    try:
+        return os.path.samefile(a, b)
+    except (OSError, ValueError):
+        return False
+
+
+def no_output_is_an_input(outputs: dict[str, Optional[str]], inputs: list[tuple[str, str]]) -> None:
+    """An output never overwrites what the run reads: a saved result, --compare's, or --model's
+    config.json or a file of its checkpoint folder."""
+    for flag, path in outputs.items():
+        if not path:
+            continue
+        for in_flag, source in inputs:
+            inside = (os.path.isdir(source) and os.path.exists(path)
+                      and os.path.dirname(os.path.realpath(path)) == os.path.realpath(source))
+            if same_file(path, source) or inside:
+                what = "a file of " if inside else ""
+                raise UsageError(f"{flag} {path} is {what}{in_flag} {source}: an output would overwrite "
+                                 "its input; give the output its own path")
+
+
+#: A hub id as the hub accepts one: a name, or org/name, of letters, digits, '_', '-' and '.'.
+HUB_ID = re.compile(r"(?:[A-Za-z0-9](?:[\w.-]*[A-Za-z0-9])?/)?[A-Za-z0-9](?:[\w.-]*[A-Za-z0-9])?")
+
+
+def local_or_hub(model: str) -> str:
+    """--model as given: an existing file or folder (~ expanded), or a hub id. A value that
+    looks like a path (starts with / . or ~, ends with .json, has more than one '/', or its
+    first folder exists here) and is not there is one line, not a hub lookup."""
+    path = os.path.expanduser(model)
+    if os.path.exists(path):
+        return path
+    if os.path.lexists(path):
+        raise UsageError(f"--model {model}: a symlink to nothing ({os.path.realpath(path)} is not there)")
+    first = model.split("/")[0]
+    pathlike = (model.startswith(("/", ".", "~")) or model.lower().endswith(".json") or model.count("/") > 1
+                or ("/" in model and os.path.isdir(first)) or os.sep != "/" and os.sep in model)
+    if pathlike:
+        raise UsageError(f"--model {model}: no such file or folder")
+    if not HUB_ID.fullmatch(model) or "--" in model or ".." in model or len(model) > 96:
+        raise UsageError(f"--model {model}: no such file or folder, nor a hub id (org/name)")
+    return model
+
+
+def check_input(flag: str, path: str) -> None:
+    """A saved result to read: a regular file (a FIFO would hang, /dev/zero never ends)."""
+    try:
+        st = os.stat(path)
+    except OSError as exc:
+        raise UsageError(f"{flag} {path}: {exc.strerror.lower() if exc.strerror else 'cannot be read'}") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise UsageError(f"{flag} {path}: not a regular file")
+    if st.st_size > 256 * 2**20:
+        raise UsageError(f"{flag} {path}: {st.st_size} bytes is too large for a saved result")
+
+
+def one_int(flag: str, text: Optional[str], default: int, minimum: int = 1) -> int:
+    values = parse_ints(flag, text, minimum)
+    if values is not None and len(values) != 1:
+        raise UsageError(f"{flag} {text}: give one whole number")
+    return values[0] if values else default
+
+
+def check_cache_dir_bounds(given: str, cache: str) -> None:
+    """Refuse a --cache-dir Soup would silently ignore (it would write to ~/.soup instead).
+    Soup's own resolution decides (a light import: neither torch nor the hub client)."""
+    shards = os.path.join(os.path.realpath(cache), "layer-stream")
+    if os.path.realpath(soup_shard_root(shards)) != shards:
+        raise UsageError(f"--cache-dir {given} is outside $HOME, the working directory and the temp "
+                         "dir; Soup would ignore it and write its shard cache to ~/.soup instead")
