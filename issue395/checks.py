@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import Iterable, Optional
 
 from .errors import UsageError
-from .scratch import soup_shard_root
 
 #: The largest value each whole-number option takes: batch sizes no real run has, seq lengths
 #: beyond any model's positions, and counts that would only run for hours are refused up front.
@@ -29,13 +28,19 @@ def _shown(item: str) -> str:
     return item if len(item) <= 40 else item[:40] + "..."
 
 
+def comma_list(text: str) -> tuple[str, ...]:
+    """Every list option's items: split on commas, each stripped (an empty item stays, for the
+    caller to name)."""
+    return tuple(item.strip() for item in text.split(","))
+
+
 def parse_ints(flag: str, text: Optional[str], minimum: int = 1,
                maximum: Optional[int] = None) -> Optional[tuple]:
     """A comma list of whole numbers in plain ASCII digits (a leading minus is read, then refused
     by ``minimum``); anything else, and anything above the flag's maximum, is one line."""
     if text is None:
         return None
-    items = [i.strip() for i in text.split(",")]
+    items = comma_list(text)
     if not all(items):
         raise UsageError(f"{flag} {_shown(text)!r}: empty item; give a comma list of whole numbers")
     top, why = (maximum, "") if maximum is not None else MAXIMA.get(flag, (None, ""))
@@ -151,12 +156,3 @@ def one_int(flag: str, text: Optional[str], default: int, minimum: int = 1) -> i
     if values is not None and len(values) != 1:
         raise UsageError(f"{flag} {text}: give one whole number")
     return values[0] if values else default
-
-
-def check_cache_dir_bounds(given: str, cache: str) -> None:
-    """Refuse a --cache-dir Soup would silently ignore (it would write to ~/.soup instead).
-    Soup's own resolution decides (a light import: neither torch nor the hub client)."""
-    shards = os.path.join(os.path.realpath(cache), "layer-stream")
-    if os.path.realpath(soup_shard_root(shards)) != shards:
-        raise UsageError(f"--cache-dir {given} is outside $HOME, the working directory and the temp "
-                         "dir; Soup would ignore it and write its shard cache to ~/.soup instead")

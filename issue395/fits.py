@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 
+from .checks import comma_list
 from .errors import UsageError
 from .estimate import Estimate, arch_of, estimate
 
@@ -16,7 +17,7 @@ def parse_cards(text: str) -> list[tuple[str, int]]:
     if not isinstance(text, str) or not text.strip():
         raise UsageError("--card needs sizes like 24GB,40GB,80GiB")
     out = []
-    for part in text.split(","):
+    for part in comma_list(text):
         m = _CARD.match(part)
         if not m or float(m.group(1)) <= 0:
             raise UsageError(f"--card {part.strip()!r} is not a size like 24GB or 80GiB")

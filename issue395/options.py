@@ -13,9 +13,9 @@ from typing import Any, Optional
 
 from .checks import (
     _shown,
-    check_cache_dir_bounds,
     check_input,
     check_output,
+    comma_list,
     local_or_hub,
     no_output_is_an_input,
     one_int,
@@ -27,6 +27,7 @@ from .errors import UsageError, last_line
 from .margin import plan_map, shard_of
 from .record import MAP_BATCHES, QUANTS, RECORD_GRID, SHAPES, Arm, plan_arms
 from .result import RowFile
+from .scratch import soup_shard_root
 from .shapes import ALL_FAMILIES, bitsandbytes_present, config_json, config_only, max_positions
 
 EPILOG = f"""defaults:
@@ -251,7 +252,7 @@ def _settle(args: argparse.Namespace, argv: list[str]) -> Run:
     if args.model is not None and not args.model.strip():
         raise UsageError("--model needs a checkpoint folder or a hub id")
     models = (("custom",) if args.model else tuple(SHAPES) if args.models is None
-              else tuple(m.strip() for m in args.models.split(",")))
+              else comma_list(args.models))
     if not all(models):
         raise UsageError(f"--models {args.models!r}: empty name; choose from {','.join(SHAPES)}")
     unknown = [m for m in models if m not in SHAPES and not args.model]
@@ -313,12 +314,12 @@ def settle_map(args: argparse.Namespace, argv: list[str]) -> Run:
         if getattr(args, flag.strip("-")) not in (None, False):
             raise UsageError(f"--map and {flag} are exclusive")
     known = ALL_FAMILIES
-    families = known if args.families is None else tuple(f.strip() for f in args.families.split(","))
+    families = known if args.families is None else comma_list(args.families)
     unknown = [f for f in families if f not in known]
     if unknown or not all(families) or len(set(families)) != len(families):
         raise UsageError(f"--families: {'unknown family ' + repr(unknown[0]) if unknown else 'empty or repeated name'}; "
                          f"choose from {','.join(known)}")
-    quants = QUANTS if args.quant is None else tuple(q.strip() for q in args.quant.split(","))
+    quants = QUANTS if args.quant is None else comma_list(args.quant)
     if any(q not in QUANTS for q in quants) or len(set(quants)) != len(quants):
         raise UsageError(f"--quant {args.quant!r}: choose from {','.join(QUANTS)}")
     if args.quant is not None and "nf4" in quants and not args.dry_run and not bitsandbytes_present():
@@ -360,13 +361,13 @@ def settle_estimate(args: argparse.Namespace, argv: list[str]) -> Run:
         if getattr(args, flag.strip("-").replace("-", "_")) not in (None, False):
             raise UsageError(f"--estimate and {flag} are exclusive: an estimate runs nothing")
     name, config = estimate_config(args.model)
-    quants = ("none",) if args.quant is None else tuple(q.strip() for q in args.quant.split(","))
+    quants = ("none",) if args.quant is None else comma_list(args.quant)
     if any(q not in QUANTS for q in quants) or len(set(quants)) != len(quants):
         raise UsageError(f"--quant {args.quant!r}: choose from {','.join(QUANTS)}")
     seqs = parse_ints("--seq", args.seq, minimum=64)
     if not seqs:
         raise UsageError("--estimate needs --seq: a comma list of sequence lengths")
-    targets = None if args.targets is None else tuple(t.strip() for t in args.targets.split(","))
+    targets = None if args.targets is None else comma_list(args.targets)
     if targets is not None and not all(targets):
         raise UsageError(f"--targets {args.targets!r}: empty name")
     if targets is not None and len(set(targets)) != len(targets):
@@ -396,3 +397,12 @@ def settle_estimate(args: argparse.Namespace, argv: list[str]) -> Run:
 def grid_arms(run: Run) -> list[Arm]:
     return (plan_map(run.models, run.quants, run.seqs, run.batches) if run.map
             else plan_arms(run.models, run.seqs, run.batches))
+
+
+def check_cache_dir_bounds(given: str, cache: str) -> None:
+    """Refuse a --cache-dir Soup would silently ignore (it would write to ~/.soup instead).
+    Soup's own resolution decides (a light import: neither torch nor the hub client)."""
+    shards = os.path.join(os.path.realpath(cache), "layer-stream")
+    if os.path.realpath(soup_shard_root(shards)) != shards:
+        raise UsageError(f"--cache-dir {given} is outside $HOME, the working directory and the temp "
+                         "dir; Soup would ignore it and write its shard cache to ~/.soup instead")
