@@ -69,9 +69,10 @@ corrected estimator (README.md, "Layout"). The package never imports this file:
 ``main`` hands it ``run_arm``.
 
 Every number printed is measured here, computed by Soup, computed by this
-tool's corrected estimator, or quoted from the record, and labelled as such. Exit codes: 0 every row ok (a dry run: every row
-realised as requested; REFUSED and SKIPPED rows are not findings); 1 any row VOID,
-OOM, FAILED or UNDER; 2 usage error; 130 interrupted.
+tool's corrected estimator, or quoted from the record, and labelled as such.
+Exit codes: 0 every row ok (a dry run: every row realised as requested; REFUSED
+and SKIPPED rows are not findings); 1 any row VOID, OOM, FAILED or UNDER; 2 usage
+error; 130 interrupted.
 """
 
 from __future__ import annotations
@@ -232,7 +233,7 @@ def run_arm(arm: Arm, shape: Shape, base: str, work: Path, *, dry_run: bool = Fa
         wrapper = None
         got["timings"]["teardown_s"] = round(time.perf_counter() - t1, 3)
     got.update(soup_predicted=preflight.get("predicted"), soup_terms=preflight.get("kwargs"))
-    if snap is not None and snapshot_dir:
+    if snap is not None and snapshot_dir and got.get("attribution"):
         import pickle
 
         rep = f"-r{repeat}" if repeat is not None else ""
@@ -280,8 +281,11 @@ def physical_classes(arm: Arm, shape: Shape) -> Optional[Callable[[int], str]]:
     public config here (the record's two and the map's families; not --model)."""
     if arm.model not in SHAPES and arm.model not in FAMILIES:
         return None
-    return physical_classifier(config_json(arm.model), quant=arm.quant, seq=arm.seq, batch=arm.batch,
-                               targets=shape.targets)
+    try:  # an attribution must never cost the measurement it attributes
+        return physical_classifier(config_json(arm.model), quant=arm.quant, seq=arm.seq, batch=arm.batch,
+                                   targets=shape.targets)
+    except Exception:  # noqa: BLE001 - e.g. a Soup release whose estimator this tool cannot read
+        return None
 
 
 def teardown(wrapper: Any) -> Optional[str]:

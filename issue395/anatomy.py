@@ -180,9 +180,12 @@ def margin_anatomy(margins: list[dict], release: str | None = None) -> str:
     for m in margins:
         if not m.get("physical"):
             continue
-        config = config_json(m["model_key"])
-        est = E.estimate(config, quant=m["quant"], seq=m["seq"], batch=m["batch"],
-                         release=release if release in E.RELEASES else None)
+        try:
+            config = config_json(m["model_key"])
+            est = E.estimate(config, quant=m["quant"], seq=m["seq"], batch=m["batch"],
+                             release=release if release in E.RELEASES else None)
+        except (E.UsageError, KeyError):  # a release or model this estimator does not know: none
+            continue
         classes = dict(m["physical"])
         resident = int(classes.pop("resident weights", 0))
         charged = sum(est.terms.get(t, 0) for t in RESIDENT_TERMS)

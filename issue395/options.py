@@ -286,6 +286,9 @@ def _settle(args: argparse.Namespace, argv: list[str]) -> Run:
                               [("--model", args.model)])
     for m in (m for m in models if m in SHAPES):
         within_positions(SHAPES[m].name, SHAPES[m].max_positions, seqs or RECORD_GRID[m])
+    if args.cap is not None and (args.measure or args.sdpa or args.snapshot or args.snapshot_dir):
+        raise UsageError("--cap runs each arm under a capped allocator; --measure, --sdpa and --snapshot "
+                         "would run under it too: run them without --cap")
     if args.cap is not None and (args.dry_run or args.model or repeats):
         raise UsageError("--cap re-runs arms of the record or the map on a GPU: not with --dry-run, "
                          "--model or --determinism")

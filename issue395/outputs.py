@@ -17,6 +17,7 @@ from .result import Result, RowFile
 from .tables import (
     SWEEP_LEGEND,
     attribution_table,
+    cap_table,
     determinism_table,
     gb,
     map_summary,
@@ -130,7 +131,9 @@ def render_markdown(result: Result, parts: Optional[list[tuple[str, dict]]] = No
         if any(r.attribution for r in rows):
             md += ["## Peak attribution", "", "```", attribution_table(rows, result.control), "```", ""]
     repeats = [r for r in result.rows if r.repeat is not None]
-    for title, text in (("Determinism", repeats and determinism_table(repeats)),
+    capped = [r for r in result.rows if r.cap_at]
+    for title, text in (("--cap", capped and cap_table(capped)),
+                        ("Determinism", repeats and determinism_table(repeats)),
                         ("--measure", result.measure and measure_table(result.measure)),
                         ("--sdpa", result.sdpa and sdpa_table(result.sdpa))):
         if text:

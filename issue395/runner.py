@@ -106,7 +106,7 @@ def sweep(arms: list[Arm], shapes: dict[str, Shape], bases: Checkpoints, scratch
                 with Stop.arm():
                     again.append(run_arm(a, shapes[a.model], quant_base(scratch, bases.get(a.model), a.quant),
                                          scratch.path("arms", f"{a.index:03d}-margin"), snapshot=True,
-                                         log=log, verbose=run.verbose))
+                                         log=log, verbose=run.verbose, steps=run.steps))
             for r in again:
                 if r.attribution and r.measured and r.soup_predicted:
                     on_margin(margin_breakdown(r))
@@ -169,8 +169,6 @@ def measure_all(run: Run, protocol: Protocol, job: Optional[Job], scratch: Scrat
     result = Result(environment=environment(run.weights, run.dry_run, arms_label,
                                             [os.path.basename(protocol.script), *run.argv]) if local else {},
                     kind="map" if run.map else "sweep")
-    if run.steps != 1:  # the protocol's one step is implied; anything else is named
-        result.environment["steps"] = run.steps
     rows_file = RowFile(run.json)
     rows: list[Row] = []
     children: list[Result] = []
@@ -233,6 +231,8 @@ def measure_all(run: Run, protocol: Protocol, job: Optional[Job], scratch: Scrat
     if not result.environment:
         result.environment = environment(run.weights, run.dry_run, arms_label,
                                          [os.path.basename(protocol.script), *run.argv], with_torch=False)
+    if run.steps != 1:  # the protocol's one step is implied; anything else is named (the stack settled)
+        result.environment["steps"] = run.steps
     result.rows = sorted(rows, key=row_order)
     result.interrupted = Stop.requested
     result.timings = run_timings(rows, imports_s, time.perf_counter() - started,
@@ -294,6 +294,10 @@ def rerender(run: Run) -> int:
     result this tool cannot merge, render or compare is one line naming it, never a traceback."""
     results = [load_result(p) for p in run.from_json]
     named = "--from-json " + " ".join(run.from_json)
+    odd = [p for p, r in zip(run.from_json, results) if r.kind != results[0].kind]
+    if odd:  # e.g. a glob over a folder that holds a sweep beside the map's parts
+        raise UsageError(f"--from-json {odd[0]} is a {results[run.from_json.index(odd[0])].kind} among "
+                         f"{results[0].kind} parts ({run.from_json[0]}, ...): a map and a sweep do not merge")
     try:
         result = merge(results, f"merged from {len(results)} result(s)") if len(results) > 1 else results[0]
         text = render_text(result)

@@ -163,8 +163,9 @@ def spread(run: Run, arms: list[Arm], scratch: Scratch, on_row: Callable[[Row], 
 
 def child_cache(run: Run, scratch: Scratch) -> Optional[str]:
     """Children share one cache so a model is built and sharded once; but the map's families would
-    not fit a disk together, so there each child keeps its own and frees each family after it."""
-    return run.cache_dir or (None if run.map else str(scratch.path("cache")))
+    not fit a disk together, so there each child keeps its own and frees each family after it. A
+    --cap child runs one arm: it shares, or every arm would build and shard its family again."""
+    return run.cache_dir or (None if run.map and not run.cap else str(scratch.path("cache")))
 
 
 def child_run(run: Run, job: Job, out: str, cache: Optional[str]) -> Run:
@@ -199,7 +200,7 @@ def lost_row(arm: Arm, run: "Run", repeat: Optional[int], code: Optional[int]) -
     family = FAMILIES.get(arm.model)
     name = shape.name if shape else family.name if family else (run.custom_model or arm.model)
     vocab = shape.vocab if shape else family.vocab if family else 1
-    return Row(model=name, model_key=arm.model, seq=arm.seq, batch=arm.batch, index=arm.index,
+    return Row(model=name, model_key=arm.model, seq=arm.seq, batch=arm.batch, index=arm.index, cap_at=run.cap,
                predicted=None, logits14=None, loss_bytes_per_element=None, vocab=vocab,
                quant=arm.quant, repeat=repeat,
                dry_run=run.dry_run, failure="FAILED",

@@ -152,3 +152,73 @@ def test_a_half_built_checkpoint_of_another_host_is_left_alone(tmp_path):
 def test_the_retired_child_options_are_refused_like_any_unknown_option(capfd):
     for option in ("--_repeat", "--_child"):
         one_error_line(*main(capfd, [option, "--dry-run"]), option)
+
+
+# ---------------------------------------------------------------------------
+# What a review of the GPU-only paths found (each would have cost a GPU session)
+# ---------------------------------------------------------------------------
+
+
+def test_a_parent_of_children_with_steps_keeps_the_childrens_stack_and_writes_its_json(
+        capfd, tmp_path, monkeypatch):
+    """--isolate --steps 2: the parent has no stack of its own; naming the steps must not stand in
+    for the children's (it did: the render raised KeyError 'torch' and no JSON was written). The
+    children are stood in for by one saved child result (no process is started here)."""
+    from issue395 import runner
+
+    child = Result(environment=json.loads((ROOT_RESULT).read_text())["environment"],
+                   rows=[make_row("smol", 64, index=0, real_peak=None, dry_run=True)])
+
+    def one_child(run, arms, scratch, on_row, script):
+        on_row(child.rows[0])
+        return [child]
+
+    monkeypatch.setattr(runner, "spread", one_child)
+    out = tmp_path / "o.json"
+    code, stdout, err = main(capfd, ["--dry-run", "--isolate", "--steps", "2", "--models", "smol", "--seq", "64",
+                                     "--json", out])
+    assert "Traceback" not in err and code == 0, err
+    env = json.loads(out.read_text())["environment"]
+    assert env["steps"] == 2 and env["torch"] == child.environment["torch"]
+    assert "2 optimizer steps per arm" in stdout.splitlines()[0]
+
+
+ROOT_RESULT = Path(__file__).resolve().parents[1] / "results/h200x2-2026-11-30-split/full-cold.json"
+
+
+@pytest.mark.parametrize("mode", ["--measure", "--sdpa", "--snapshot"])
+def test_cap_refuses_modes_that_would_run_under_the_cap(capfd, mode):
+    one_error_line(*main(capfd, ["--cap", "soup", "--models", "smol", "--seq", "2048", mode]), "--cap")
+
+
+def test_a_capped_map_child_shares_the_cache_and_a_lost_capped_arm_stays_in_the_cap_table():
+    from issue395.spread import lost_row
+
+    with Scratch() as scratch:
+        assert child_cache(Run(map=True, models=("smol",), cap="soup"), scratch) is not None
+    row = lost_row(Arm("smol", 2048), Run(cap="soup"), None, 139)
+    assert row.cap_at == "soup" and row.status == "FAILED"
+
+
+def test_an_attribution_that_cannot_name_classes_never_costs_the_measurement(monkeypatch):
+    from conftest import h
+
+    def broken(*a, **kw):
+        raise TypeError("an estimator signature this tool cannot read")
+
+    monkeypatch.setattr(h, "physical_classifier", broken)
+    assert h.physical_classes(Arm("smol", 2048), SMOL) is None
+
+
+def test_a_margin_of_a_release_the_estimator_does_not_know_is_left_out_of_the_anatomy():
+    from issue395.anatomy import margin_anatomy
+
+    m = {"model": "x", "model_key": "custom", "quant": "none", "seq": 64, "batch": 1, "physical": {"the rest": 1}}
+    assert margin_anatomy([m], "9.9.9") == ""
+
+
+def test_a_sweep_among_map_parts_is_refused_naming_that_file(capfd):
+    root = Path(__file__).resolve().parents[1] / "results/h200-2026-11-30-margin-map"
+    line = one_error_line(*main(capfd, ["--from-json", root / "map-a.json", root / "full-cold.json",
+                                        root / "map-b.json"]), "full-cold.json", "a sweep among map parts")
+    assert "map-b.json is" not in line
