@@ -84,18 +84,18 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Optional
+from typing import Any, Iterable, Iterator, Optional
 
-from issue395.anatomy import physical_classifier
+from issue395.anatomy import classifier_for
 from issue395.cap import apply_cap, cap_bytes
 from issue395.console import soup_console
-from issue395.cuda import allocator_history, attribute_peak, is_oom, oom_request, peak_window
+from issue395.cuda import allocator_history, attribute_peak, is_oom, oom_request, peak_window, save_snapshot
 from issue395.errors import last_line
 from issue395.margin import shape_classes
-from issue395.record import DATA_ROWS, LORA_ALPHA, LORA_R, OVERSHOOT, SHAPES, SOUP_QUANT, Arm, Shape
+from issue395.record import DATA_ROWS, LORA_ALPHA, LORA_R, OVERSHOOT, SOUP_QUANT, Arm, Shape
 from issue395.row import Row, arm_row, realised_as_requested
 from issue395.runner import Protocol, cli
-from issue395.shapes import FAMILIES, bitsandbytes_present, config_json
+from issue395.shapes import bitsandbytes_present
 
 #: Where Soup builds an arm whose step is measured. The CPU tests set "cpu" and fake the
 #: step itself (only the CUDA peak cannot run there); nothing else changes for them.
@@ -217,7 +217,8 @@ def run_arm(arm: Arm, shape: Shape, base: str, work: Path, *, dry_run: bool = Fa
                                                         arm.seq * shape.vocab * arm.batch,
                                                         step["real_peak"],
                                                         shape_classes(shape, arm.seq, arm.batch),
-                                                        physical_classes(arm, shape))
+                                                        classifier_for(arm.model, quant=arm.quant, seq=arm.seq,
+                                                                       batch=arm.batch, targets=shape.targets))
     except KeyboardInterrupt:
         raise
     except BaseException as exc:  # noqa: BLE001 - every failure becomes the row's finding
@@ -234,12 +235,9 @@ def run_arm(arm: Arm, shape: Shape, base: str, work: Path, *, dry_run: bool = Fa
         got["timings"]["teardown_s"] = round(time.perf_counter() - t1, 3)
     got.update(soup_predicted=preflight.get("predicted"), soup_terms=preflight.get("kwargs"))
     if snap is not None and snapshot_dir and got.get("attribution"):
-        import pickle
-
         rep = f"-r{repeat}" if repeat is not None else ""
-        out = Path(snapshot_dir) / f"snapshot-{arm.index:03d}-{arm.model}-{arm.seq}-b{arm.batch}{rep}.pickle"
-        out.write_bytes(pickle.dumps(snap))
-        got["attribution"]["snapshot_file"] = str(out)
+        got["attribution"]["snapshot_file"] = save_snapshot(
+            snap, Path(snapshot_dir) / f"snapshot-{arm.index:03d}-{arm.model}-{arm.seq}-b{arm.batch}{rep}.pickle")
     if not dry_run and STEP_DEVICE == "cuda":
         import torch
 
@@ -274,18 +272,6 @@ def soup_preflight(seen: dict[str, Any]) -> Iterator[dict[str, Any]]:
         yield seen
     finally:
         layer_stream.estimate_stream_peak_vram, layer_stream.decide_stream_fit = estimate, decide
-
-
-def physical_classes(arm: Arm, shape: Shape) -> Optional[Callable[[int], str]]:
-    """The live blocks at the peak by physical class (issue395.anatomy), where the model has a
-    public config here (the record's two and the map's families; not --model)."""
-    if arm.model not in SHAPES and arm.model not in FAMILIES:
-        return None
-    try:  # an attribution must never cost the measurement it attributes
-        return physical_classifier(config_json(arm.model), quant=arm.quant, seq=arm.seq, batch=arm.batch,
-                                   targets=shape.targets)
-    except Exception:  # noqa: BLE001 - e.g. a Soup release whose estimator this tool cannot read
-        return None
 
 
 def teardown(wrapper: Any) -> Optional[str]:

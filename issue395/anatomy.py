@@ -15,6 +15,8 @@ from __future__ import annotations
 from typing import Callable
 
 from . import estimate as E
+from .record import SHAPES
+from .shapes import FAMILIES, config_json
 
 MiB = 2**20
 
@@ -101,6 +103,18 @@ def physical_classifier(config: dict, *, quant: str, seq: int, batch: int, targe
     return classify
 
 
+def classifier_for(key: str, *, quant: str, seq: int, batch: int, targets=None) -> Callable[[int], str] | None:
+    """``physical_classifier`` for an arm of one of the record's two models or the map's families
+    (the models with a public config here; not --model), or None. It never raises: an attribution
+    must never cost the measurement it attributes (e.g. a Soup release this tool cannot read)."""
+    if key not in SHAPES and key not in FAMILIES:
+        return None
+    try:
+        return physical_classifier(config_json(key), quant=quant, seq=seq, batch=batch, targets=targets)
+    except Exception:  # noqa: BLE001
+        return None
+
+
 def classify_blocks(sizes, classify: Callable[[int], str]) -> dict:
     """class -> live bytes, over every class (zero where nothing is live)."""
     out = {c: 0 for c in CLASSES}
@@ -174,8 +188,6 @@ RESIDENT_TERMS = ("pool", "extras", "lora_weights", "cublas_workspace", "residen
 def margin_anatomy(margins: list[dict], release: str | None = None) -> str:
     """For each attributed arm whose blocks were named by physical class: the classes against
     the corrected estimate's terms, the resident weights first (the map's margin table)."""
-    from .shapes import config_json
-
     out = []
     for m in margins:
         if not m.get("physical"):

@@ -106,12 +106,10 @@ class Stop:
     """Ctrl-C during an arm stops after that arm; a second Ctrl-C, a first one with no arm in
     flight (set-up, a checkpoint build), SIGTERM, or SIGHUP (the terminal or ssh session closed)
     stops now, by KeyboardInterrupt, so the scratch folder is removed and the rows so far are
-    kept. The runner marks each arm ``with Stop.arm():``; until a run installs with
-    ``track_arms=True`` every first Ctrl-C waits, as it always did."""
+    kept. The runner marks each arm ``with Stop.arm():``."""
 
     requested = False
     in_flight = 0  # arms running now (``Stop.arm``)
-    track_arms = False
 
     @classmethod
     @contextlib.contextmanager
@@ -124,8 +122,8 @@ class Stop:
             cls.in_flight -= 1
 
     @classmethod
-    def install(cls, quiet: bool = False, track_arms: bool = False) -> None:
-        cls.track_arms, cls.in_flight = track_arms, 0
+    def install(cls, quiet: bool = False) -> None:
+        cls.in_flight = 0
 
         def say(text: str) -> None:
             if not quiet:  # sys.stderr may be an arm's Soup log now; the user must see this
@@ -136,7 +134,7 @@ class Stop:
             if cls.requested:
                 raise KeyboardInterrupt
             cls.requested = True
-            if cls.track_arms and not cls.in_flight:
+            if not cls.in_flight:
                 say("no arm in flight: stopping now")
                 raise KeyboardInterrupt
             say("stopping after the arm in flight (Ctrl-C again to stop now)")

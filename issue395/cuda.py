@@ -9,6 +9,7 @@ import gc
 import re
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
 
@@ -71,6 +72,14 @@ def allocator_history(max_entries: int) -> Iterator[dict[str, Any]]:
     finally:
         taken["snapshot"] = torch.cuda.memory._snapshot()
         torch.cuda.memory._record_memory_history(enabled=None)
+
+
+def save_snapshot(snapshot: dict[str, Any], path: Path) -> str:
+    """A raw allocator snapshot, pickled as torch's own viewer reads it (--snapshot-dir)."""
+    import pickle
+
+    path.write_bytes(pickle.dumps(snapshot))
+    return str(path)
 
 
 def block_bytes(requested: int) -> int:

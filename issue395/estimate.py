@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import UsageError
+from .record import QUANTS
+from .shapes import lora_targets
 
 MiB = 2**20
 #: One cuBLAS workspace per thread on Hopper (PEAK "Resident": resident = pool + extras + 4 B x
@@ -65,7 +67,7 @@ EXPANDABLE_RESERVE_FRACTION = 0.034
 #: (SmolLM2 NF4 512x1: 0.4158 GB, 0.5348 GB); 128 MiB is the envelope of every committed figure.
 EXPANDABLE_RESERVE_BYTES = 128 * 2**20
 
-RELEASES, QUANTS = ("0.73.3", "0.77.0"), ("none", "nf4")
+RELEASES = ("0.73.3", "0.77.0")
 _SIZES = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
           "vocab_size")
 #: Past these no released checkpoint goes (largest public dense LLMs: h 16384, i 53248,
@@ -387,11 +389,6 @@ def _whole(name: str, v, low: int = 1) -> int:
     return v
 
 
-def default_targets(config: dict) -> tuple:
-    """The protocol's q_proj/v_proj; Phi-3 fuses them into qkv_proj (FAMILIES.md)."""
-    return ("qkv_proj",) if config.get("model_type") == "phi3" else ("q_proj", "v_proj")
-
-
 def estimate(config: dict, *, quant: str = "none", seq: int, batch: int = 1, targets=None,
              lora_r: int = 8, steps: int = 1, release: str | None = None,
              allowance: int | None = None) -> Estimate:
@@ -405,7 +402,7 @@ def estimate(config: dict, *, quant: str = "none", seq: int, batch: int = 1, tar
     lora_r, steps = _whole("lora_r", lora_r), _whole("steps", steps)
     if seq > a.max_pos:
         raise UsageError(f"seq {seq} is past the model's max_position_embeddings {a.max_pos}")
-    targets = default_targets(config) if targets is None else targets
+    targets = lora_targets(config.get("model_type")) if targets is None else targets
     targets = (targets,) if isinstance(targets, str) else tuple(targets)
     missing = [t for t in targets if t not in a.modules]
     if not targets or missing:

@@ -358,22 +358,14 @@ def write_output(path: str, data: bytes) -> None:
         raise
 
 
-def merged_parts(run: "Run") -> Optional[list[tuple[str, dict]]]:
-    """--from-json A B: each part's file and environment (a merged result keeps only the first's)."""
-    paths = list(getattr(run, "from_json", None) or [])
-    if len(paths) < 2:
-        return None
-    from .result import load_result
-
-    return [(p, load_result(p).environment) for p in paths]
-
-
-def write_outputs(result: Result, run: "Run", rows_file: RowFile) -> Optional[str]:
-    """--json, --markdown and --plot. Returns one line naming an output that could not be
-    written and the one place the rows are kept, or None."""
+def write_outputs(result: Result, run: "Run", rows_file: RowFile,
+                  parts: Optional[list[tuple[str, dict]]] = None) -> Optional[str]:
+    """--json, --markdown and --plot (``parts``: each merged saved result's file and stack, for
+    the markdown's commands). Returns one line naming an output that could not be written and
+    the one place the rows are kept, or None."""
     for flag, path, render in (
             ("--json", run.json, lambda: json.dumps(result.to_json(), indent=2, default=str) + "\n"),
-            ("--markdown", run.markdown, lambda: render_markdown(result, merged_parts(run))),
+            ("--markdown", run.markdown, lambda: render_markdown(result, parts)),
             ("--plot", run.plot, lambda: render_plot(result))):
         if not path:
             continue

@@ -68,8 +68,6 @@ class Result:
         raw = [r if data["schema"] == SCHEMA else schema1_row(r) for r in data["rows"]]
         if data["schema"] == 1:
             raw += [schema1_row(dict(r, repeat=r.get("repeat", 0) + 1)) for r in determinism_rows(data)]
-        for r in raw:
-            check_row(r)
         rows = [Row.from_json(r) for r in raw]
         check_unique(rows, data.get("kind") or "sweep")
         env = data["environment"]
@@ -109,20 +107,6 @@ TERM_FIELDS = (
                                     and isinstance(v[1], str)), "null or [a number > 0, a unit]"),
 )
 
-#: A row's fields that Row.from_json takes as they are: what each must be.
-ROW_FIELDS = {
-    **{k: (lambda v: isinstance(v, str), "a string") for k in ("model", "model_key")},
-    **{k: (lambda v: v is None or isinstance(v, str), "a string or null")
-       for k in ("error", "teardown_error", "base", "gpu", "log")},
-    **{k: (lambda v: v is None or isinstance(v, dict), "an object or null")
-       for k in ("soup_terms", "attribution", "timings")},
-    "dry_run": (lambda v: v is None or isinstance(v, bool), "true or false"),
-    "targets": (lambda v: v is None or (isinstance(v, list) and all(isinstance(t, str) for t in v)),
-                "a list of strings"),
-    "pid": (lambda v: v is None or _whole(v, 0), "a whole number or null"),
-}
-
-
 def check_blocks(data: dict[str, Any]) -> None:
     """The saved result's own blocks have the types the renderers and the merge read."""
     for key, value in data["environment"].items():
@@ -156,15 +140,6 @@ def check_fields(block: dict[str, Any], spec: tuple, where: str) -> None:
             raise ValueError(f"{where} has no {name!r}")
         if not ok(block[name]):
             raise ValueError(f"{where}: its {name!r} is {block[name]!r:.60}, not {what}")
-
-
-def check_row(row: Any) -> None:
-    """What Row.from_json takes as it is: strings, flags and blocks of the right type."""
-    if not isinstance(row, dict):
-        return  # Row.from_json says so
-    for name, (ok, what) in ROW_FIELDS.items():
-        if (name in row or name in ("model", "model_key")) and not ok(row.get(name)):
-            raise ValueError(f"row field {name!r} is {row.get(name)!r:.60}, not {what}")
 
 
 def determinism_rows(data: dict[str, Any]) -> list[dict[str, Any]]:

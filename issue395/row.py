@@ -28,6 +28,22 @@ FAILURES = ("OOM", "FAILED", "REFUSED", "SKIPPED")
 LATER_FIELDS = ("cap_at", "cap")
 
 
+#: A row's fields that Row.from_json would otherwise take as they are: what each must be.
+ROW_FIELDS = {
+    **{k: (lambda v: isinstance(v, str), "a string") for k in ("model", "model_key")},
+    **{k: (lambda v: v is None or isinstance(v, str), "a string or null")
+       for k in ("error", "teardown_error", "base", "gpu", "log")},
+    **{k: (lambda v: v is None or isinstance(v, dict), "an object or null")
+       for k in ("soup_terms", "attribution", "timings")},
+    "dry_run": (lambda v: v is None or isinstance(v, bool), "true or false"),
+    "targets": (lambda v: v is None or (isinstance(v, list) and all(isinstance(t, str) for t in v)),
+                "a list of strings"),
+    "pid": (lambda v: v is None or _whole(v, 0), "a whole number or null"),
+    "cap_at": (lambda v: v is None or isinstance(v, str), "a string or null"),
+    "cap": (lambda v: v is None or _whole(v, 1), "a whole number >= 1 or null"),
+}
+
+
 @dataclass(frozen=True)
 class Row:
     """One arm's result: inputs, Soup's figures and measurements. Ratios and status are derived,
@@ -143,6 +159,9 @@ class Row:
         """The one way back from JSON: known fields only, measurements sane, verdicts re-derived."""
         if not isinstance(data, dict):
             raise ValueError("a row is not an object")
+        for name, (ok, what) in ROW_FIELDS.items():
+            if (name in data or name in ("model", "model_key")) and not ok(data.get(name)):
+                raise ValueError(f"row field {name!r} is {data.get(name)!r:.60}, not {what}")
         known = {f.name for f in fields(cls)}
         unknown = set(data) - known - {"derived"}
         if unknown:

@@ -120,7 +120,7 @@ def execute(run: Run, protocol: Protocol, job: Optional[Job] = None) -> int:
         return rerender(run)
     if run.estimate:
         return estimate_run(run)
-    Stop.install(quiet=run.child, track_arms=True)
+    Stop.install(quiet=run.child)
     fan_out = run.sweep and bool(run.gpus or run.isolate)
     local = (run.sweep and not fan_out) or ((run.measure or run.sdpa) and not fan_out and not run.repeats)
     if run.gpus is None and "CUDA_VISIBLE_DEVICES" not in os.environ:
@@ -298,11 +298,12 @@ def rerender(run: Run) -> int:
     if odd:  # e.g. a glob over a folder that holds a sweep beside the map's parts
         raise UsageError(f"--from-json {odd[0]} is a {results[run.from_json.index(odd[0])].kind} among "
                          f"{results[0].kind} parts ({run.from_json[0]}, ...): a map and a sweep do not merge")
+    parts = [(p, r.environment) for p, r in zip(run.from_json, results)] if len(results) > 1 else None
     try:
         result = merge(results, f"merged from {len(results)} result(s)") if len(results) > 1 else results[0]
         text = render_text(result)
         if run.markdown:  # a hand-edited result that cannot become markdown: said before any table
-            render_markdown(result)
+            render_markdown(result, parts)
     except UsageError as exc:
         raise UsageError(f"{named}: {exc}") from None
     except Exception as exc:
@@ -318,7 +319,7 @@ def rerender(run: Run) -> int:
             raise UsageError(f"--compare {run.compare}: cannot be compared with {named} ({last_line(exc)})") from None
     print(text, end="")
     try:
-        unwritten = write_outputs(result, run, RowFile(None))
+        unwritten = write_outputs(result, run, RowFile(None), parts)
     except Exception as exc:  # rendering the markdown or plot of a hand-edited result
         unwritten = f"{named}: an output cannot be rendered from it ({last_line(exc)})"
     if unwritten:

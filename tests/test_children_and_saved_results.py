@@ -201,13 +201,15 @@ def test_a_capped_map_child_shares_the_cache_and_a_lost_capped_arm_stays_in_the_
 
 
 def test_an_attribution_that_cannot_name_classes_never_costs_the_measurement(monkeypatch):
-    from conftest import h
+    from issue395 import anatomy
 
     def broken(*a, **kw):
         raise TypeError("an estimator signature this tool cannot read")
 
-    monkeypatch.setattr(h, "physical_classifier", broken)
-    assert h.physical_classes(Arm("smol", 2048), SMOL) is None
+    assert anatomy.classifier_for("smol", quant="none", seq=2048, batch=1) is not None
+    assert anatomy.classifier_for("custom", quant="none", seq=2048, batch=1) is None
+    monkeypatch.setattr(anatomy, "physical_classifier", broken)
+    assert anatomy.classifier_for("smol", quant="none", seq=2048, batch=1) is None
 
 
 def test_a_margin_of_a_release_the_estimator_does_not_know_is_left_out_of_the_anatomy():

@@ -157,14 +157,14 @@ def test_after_a_hang_up_a_terminal_stdout_writes_to_dev_null_and_a_pipe_is_kept
 
 
 def test_a_closed_terminal_stops_at_once_even_with_an_arm_in_flight(sighup_restored):
-    Stop.install(quiet=True, track_arms=True)
+    Stop.install(quiet=True)
     with pytest.raises(KeyboardInterrupt), Stop.arm():
         _signal_self(signal.SIGHUP)
     assert Stop.requested and not Stop.in_flight
 
 
 def test_first_ctrl_c_with_no_arm_in_flight_stops_at_once_and_says_so(capfd):
-    Stop.install(track_arms=True)
+    Stop.install()
     with pytest.raises(KeyboardInterrupt):
         _signal_self(signal.SIGINT)
     assert Stop.requested
@@ -174,7 +174,7 @@ def test_first_ctrl_c_with_no_arm_in_flight_stops_at_once_and_says_so(capfd):
 
 
 def test_first_ctrl_c_with_an_arm_in_flight_waits_for_it_and_a_second_stops_now(capfd):
-    Stop.install(track_arms=True)
+    Stop.install()
     with Stop.arm():
         os.kill(os.getpid(), signal.SIGINT)
         deadline = time.monotonic() + 5
@@ -188,7 +188,7 @@ def test_first_ctrl_c_with_an_arm_in_flight_waits_for_it_and_a_second_stops_now(
 
 
 def test_a_ctrl_c_between_arms_stops_at_once_once_arms_are_tracked(capfd):
-    Stop.install(quiet=True, track_arms=True)
+    Stop.install(quiet=True)
     with Stop.arm():
         pass
     with pytest.raises(KeyboardInterrupt):
