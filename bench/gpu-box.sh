@@ -8,7 +8,7 @@
 # Each run/cmd appends "exit CODE, wall SECONDS s: COMMAND" to $R/commands.txt and packs $R
 # into $OUT/results.tar.gz at once, so a command cut off by the box's time limit still brings
 # back everything that finished. What the programs wrote is packed unedited.
-# Wheels: bench/README.md. $R defaults to /tmp/results, the cache to /tmp/issue395-cache.
+# Wheels: bench/README.md (.whl/ holds the release carried: 0.73.3, or 0.77.0 in place of it). $R defaults to /tmp/results, the cache to /tmp/issue395-cache.
 set -e
 R=${R:-/tmp/results}; C=${C:-/tmp/issue395-cache}; D=$(date -u +%Y-%m-%d)
 if [ "${1:-0.73.3}" = 0.77.0 ]; then

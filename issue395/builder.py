@@ -21,7 +21,7 @@ SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 TOKEN_WORDS = ("word", "hi", "user", "assistant", "system")
 
 
-BUILDER_VERSION = 5
+BUILDER_VERSION = 5  # per-expert hub layout and norms read from the class: same bytes for v5's families
 
 
 def hf_config(shape: Shape, eos_id: int = 2, pad_id: int = 0) -> Any:
@@ -96,10 +96,10 @@ def prepare_checkpoint(shape: Shape, dest: Path) -> Callable[[], dict[str, Any]]
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     tied = bool(getattr(config, "tie_word_embeddings", True))
-    plan = [(name, tuple(p.shape)) for name, p in skeleton.state_dict().items()
-            if not (tied and name == "lm_head.weight")]  # a tied head is the embedding
-    # Gemma scales by (1 + weight): its neutral norm is zeros; everyone else's is ones.
-    norm_value = 0.0 if shape.model_type.startswith("gemma") else 1.0
+    plan = hub_layout([(name, tuple(p.shape)) for name, p in skeleton.state_dict().items()
+                       if not (tied and name == "lm_head.weight")],  # a tied head is the embedding
+                      shape.model_type)
+    zero_norms = zero_centred_norms(skeleton)
     config.save_pretrained(str(dest))
     del skeleton
 
@@ -114,7 +114,7 @@ def prepare_checkpoint(shape: Shape, dest: Path) -> Callable[[], dict[str, Any]]
         for i, (name, dims) in enumerate(plan):
             n = math.prod(dims)
             if "norm" in name:
-                tensors[name] = torch.full(dims, norm_value, dtype=torch.bfloat16)
+                tensors[name] = torch.full(dims, 0.0 if name in zero_norms else 1.0, dtype=torch.bfloat16)
             else:
                 tensors[name] = tiled(pool[(i * 7919) % size:][:size], n).view(dims)
         save_file(tensors, str(dest / "model.safetensors"), metadata={"format": "pt"})
@@ -122,6 +122,53 @@ def prepare_checkpoint(shape: Shape, dest: Path) -> Callable[[], dict[str, Any]]
                 "tensors": {k: ["BF16", list(t.shape)] for k, t in tensors.items()}}
 
     return write_weights
+
+
+#: Model types whose hub checkpoints store each routed expert as its own tensors, where
+#: transformers 5 holds them fused in memory (its conversion_mapping merges them on load: deepseek_v3
+#: -> qwen2_moe's converter). Soup's per_expert layout reads exactly those tensors
+#: ("model.layers.N.mlp.experts.E.*"), so the builder writes the hub's layout, not the memory one.
+PER_EXPERT_ON_DISK = ("deepseek_v3",)
+
+
+def hub_layout(plan: list[tuple[str, tuple]], model_type: str) -> list[tuple[str, tuple]]:
+    """The checkpoint's tensors as the hub stores them: fused experts split per expert."""
+    if model_type not in PER_EXPERT_ON_DISK:
+        return plan
+    out: list[tuple[str, tuple]] = []
+    for name, dims in plan:
+        if name.endswith("mlp.experts.gate_up_proj"):  # (experts, 2 x moe_intermediate, hidden)
+            experts, two_i, hidden = dims
+            for e in range(experts):
+                out += [(f"{name[:-len('gate_up_proj')]}{e}.gate_proj.weight", (two_i // 2, hidden)),
+                        (f"{name[:-len('gate_up_proj')]}{e}.up_proj.weight", (two_i // 2, hidden))]
+        elif name.endswith("mlp.experts.down_proj"):  # (experts, hidden, moe_intermediate)
+            experts, hidden, inter = dims
+            out += [(f"{name[:-len('down_proj')]}{e}.down_proj.weight", (hidden, inter))
+                    for e in range(experts)]
+        else:
+            out.append((name, dims))
+    return out
+
+
+def zero_centred_norms(model: Any) -> set[str]:
+    """Norm weights the model applies as (1 + weight) (Gemma, Qwen3.5): their neutral value is
+    zeros, where everyone else's is ones; ones there would double every activation. Read from
+    each norm class's own forward, so a new family needs no list."""
+    import inspect
+
+    found: set[str] = set()
+    for prefix, module in model.named_modules():
+        weight = getattr(module, "weight", None)
+        if weight is None or "norm" not in type(module).__name__.lower():
+            continue
+        try:
+            source = inspect.getsource(type(module).forward).replace(" ", "")
+        except (OSError, TypeError):
+            continue
+        if "1.0+self.weight" in source or "1+self.weight" in source:
+            found.add(f"{prefix}.weight")
+    return found
 
 
 def tiled(tile: Any, n: int) -> Any:
@@ -141,6 +188,7 @@ def tiled(tile: Any, n: int) -> Any:
 
 def checkpoint_fingerprint(shape: Shape) -> str:
     """Names a built checkpoint by everything that shapes it, so a cache is never stale."""
-    fields_ = {k: v for k, v in asdict(shape).items() if k not in ("name", "hub_id")}
+    # The streaming mode changes how Soup shards a checkpoint, never the checkpoint itself.
+    fields_ = {k: v for k, v in asdict(shape).items() if k not in ("name", "hub_id", "stream")}
     fields_.update(tokenizer_words=TOKEN_WORDS, builder=BUILDER_VERSION)
     return hashlib.sha256(json.dumps(fields_, sort_keys=True).encode()).hexdigest()[:12]

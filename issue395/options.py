@@ -28,7 +28,8 @@ from .margin import plan_map, shard_of
 from .record import MAP_BATCHES, QUANTS, RECORD_GRID, SHAPES, Arm, plan_arms
 from .result import RowFile
 from .scratch import soup_shard_root
-from .shapes import ALL_FAMILIES, bitsandbytes_present, config_json, config_only, max_positions
+from .shapes import (ALL_FAMILIES, FAMILIES, bitsandbytes_present, config_json, config_only, default_map_families,
+                     is_moe, max_positions, mode_key, streamed_as)
 
 EPILOG = f"""defaults:
   arms       SmolLM2-135M at seq {','.join(map(str, RECORD_GRID['smol']))} and Qwen2.5-0.5B at seq
@@ -134,6 +135,12 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--models", default=None, help="comma list of smol,qwen (default both)")
     a.add_argument("--families", default=None, help="with --map: comma list of families (default "
                    "all: " + ",".join(ALL_FAMILIES) + ")")
+    a.add_argument("--expert-layout", default=None, help="with --map (soup-cli 0.77.0): comma list of fused,"
+                   "per_expert: training.stream_expert_layout, on the MoE families (default fused)")
+    a.add_argument("--loss-chunk", default=None, help="with --map (soup-cli 0.77.0): comma list of off or "
+                   "tokens per chunk: training.stream_loss_chunk (default off)")
+    a.add_argument("--recompute", default=None, help="with --map (soup-cli 0.77.0): comma list of on,off: "
+                   "training.stream_recompute (default on)")
     a.add_argument("--quant", default=None, help="with --map or --estimate: comma list of none,nf4 (--map: both; "
                    "nf4 needs bitsandbytes)")
     a.add_argument("--seq", default=None, help="comma list of seq lengths, each at least 64 (Soup's schema), "
@@ -317,11 +324,18 @@ def settle_map(args: argparse.Namespace, argv: list[str]) -> Run:
         if getattr(args, flag.strip("-")) not in (None, False):
             raise UsageError(f"--map and {flag} are exclusive")
     known = ALL_FAMILIES
-    families = known if args.families is None else comma_list(args.families)
+    families = (default_map_families() + ("llama31-8b",) if args.families is None
+                else comma_list(args.families))
     unknown = [f for f in families if f not in known]
     if unknown or not all(families) or len(set(families)) != len(families):
         raise UsageError(f"--families: {'unknown family ' + repr(unknown[0]) if unknown else 'empty or repeated name'}; "
                          f"choose from {','.join(known)}")
+    for fam in families:
+        model_type = FAMILIES[fam].model_type if fam in FAMILIES else "llama"
+        if streamed_as(model_type) is None:
+            raise UsageError(f"--families {fam}: the installed soup-cli does not stream {model_type} "
+                             "(soup-cli 0.77.0 does)")
+    families = stream_mode_families(args, families)
     quants = QUANTS if args.quant is None else comma_list(args.quant)
     if any(q not in QUANTS for q in quants) or len(set(quants)) != len(quants):
         raise UsageError(f"--quant {args.quant!r}: choose from {','.join(QUANTS)}")
@@ -334,6 +348,33 @@ def settle_map(args: argparse.Namespace, argv: list[str]) -> Run:
                                              models=None, seq=None, batch=args.batch)), argv)
     return replace(plain, map=True, sweep=True, models=families, quants=quants, seqs=seqs,
                        batches=batches or MAP_BATCHES)
+
+
+def stream_mode_families(args: argparse.Namespace, families: list) -> tuple:
+    """Each family under every streaming mode asked for (the map's 0.77.0 axes), modes after the
+    family so a family's checkpoint serves all of them. A per-expert layout is a MoE family's axis."""
+    layouts = comma_list(args.expert_layout) if args.expert_layout else ["fused"]
+    chunks = comma_list(args.loss_chunk) if args.loss_chunk else ["off"]
+    recomputes = comma_list(args.recompute) if args.recompute else ["on"]
+    for flag, values, allowed in (("--expert-layout", layouts, ("fused", "per_expert")),
+                                  ("--recompute", recomputes, ("on", "off"))):
+        if any(v not in allowed for v in values) or len(set(values)) != len(values):
+            raise UsageError(f"{flag} {','.join(values)!r}: choose from {','.join(allowed)}, each once")
+    chunk_sizes = [None if c == "off" else parse_ints("--loss-chunk", c, minimum=16)[0] for c in chunks]
+    if len(set(chunk_sizes)) != len(chunk_sizes):
+        raise UsageError(f"--loss-chunk {args.loss_chunk!r}: a value named twice")
+    if (args.expert_layout or args.loss_chunk or args.recompute) and not soup_has_stream_modes():
+        raise UsageError("--expert-layout, --loss-chunk and --recompute need soup-cli 0.77.0, "
+                         "whose training config has them; the installed one does not")
+    return tuple(mode_key(fam, layout, chunk, recompute) for fam in families for layout in layouts
+                 if layout == "fused" or is_moe(fam) for chunk in chunk_sizes for recompute in recomputes)
+
+
+def soup_has_stream_modes() -> bool:
+    """Whether the installed Soup's config schema knows 0.77.0's streaming modes."""
+    from soup_cli.config.schema import TrainingConfig
+
+    return "stream_expert_layout" in TrainingConfig.model_fields
 
 
 def estimate_config(model: Optional[str]) -> tuple[str, dict]:

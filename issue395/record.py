@@ -27,6 +27,9 @@ class Shape:
     arch: dict = field(default_factory=dict)  # the other public config.json fields
     record: bool = True  # False for --model and the map's families: no published figures
     targets: tuple = ("q_proj", "v_proj")  # the protocol's LoRA targets, or the family's own
+    #: soup-cli 0.77.0's streaming modes this arm runs under: Soup ``training`` keys and values
+    #: (stream_expert_layout, stream_loss_chunk, stream_recompute); empty: Soup's defaults.
+    stream: tuple = ()
 
 
 SHAPES: dict[str, Shape] = {

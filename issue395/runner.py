@@ -81,7 +81,9 @@ def sweep(arms: list[Arm], shapes: dict[str, Shape], bases: Checkpoints, scratch
     for i, arm in enumerate(arms):
         if Stop.requested:
             break
-        base = quant_base(scratch, bases.get(arm.model), arm.quant)
+        # A family's streaming modes share its checkpoint: it is built once, released after the last.
+        family = arm.model.split("+")[0]
+        base = quant_base(scratch, bases.get(family), arm.quant, shapes[arm.model].stream)
         first = (arm.model, arm.quant) not in checked
         if run.cache_dir and first:
             scratch.repair_shards(base)
@@ -95,22 +97,23 @@ def sweep(arms: list[Arm], shapes: dict[str, Shape], bases: Checkpoints, scratch
                           **({"cap": run.cap} if run.cap else {}))
         on_row(row)
         done.append(row)
-        if any(a.model == arm.model for a in arms[i + 1:]):
+        if any(a.model.split("+")[0] == family for a in arms[i + 1:]):
             continue
         if on_margin is not None:
-            mine = [r for r in done if r.model_key == arm.model]
+            mine = [r for r in done if r.model_key.split("+")[0] == family]
             again = mine if run.snapshot else []
             for a in [] if run.snapshot else margin_arms(mine):
                 if Stop.requested:
                     break
                 with Stop.arm():
-                    again.append(run_arm(a, shapes[a.model], quant_base(scratch, bases.get(a.model), a.quant),
+                    again.append(run_arm(a, shapes[a.model], quant_base(scratch, bases.get(family), a.quant,
+                                                                         shapes[a.model].stream),
                                          scratch.path("arms", f"{a.index:03d}-margin"), snapshot=True,
                                          log=log, verbose=run.verbose, steps=run.steps))
             for r in again:
                 if r.attribution and r.measured and r.soup_predicted:
                     on_margin(margin_breakdown(r))
-        bases.release(arm.model)
+        bases.release(family)
 
 
 def execute(run: Run, protocol: Protocol, job: Optional[Job] = None) -> int:
@@ -155,8 +158,9 @@ def measure_all(run: Run, protocol: Protocol, job: Optional[Job], scratch: Scrat
         if run.custom_model:
             shapes["custom"] = load_custom_shape(run.custom_model)
             within_positions(run.custom_model, shapes["custom"].max_positions, run.seqs)
-        if run.map:  # this shard's families only
+        if run.map:  # this shard's families only (and their streaming modes)
             shapes.update({f: family_shape(f) for f in dict.fromkeys(a.model for a in arms)})
+            shapes.update({f: family_shape(f) for f in dict.fromkeys(a.model.split("+")[0] for a in arms)})
         imports_s = time.perf_counter() - t
     det_models, det_seqs, det_batches = run.determinism_grid
     det_arms = plan_arms(*run.determinism_grid) if run.repeats else []
@@ -188,7 +192,7 @@ def measure_all(run: Run, protocol: Protocol, job: Optional[Job], scratch: Scrat
             with Stop.arm():  # the children's arms are in flight
                 children += spread(replace(run, repeats=None), arms, scratch, on_row, protocol.script)
         elif run.sweep:
-            checkpoints = Checkpoints(list(dict.fromkeys(a.model for a in arms)), shapes, run, scratch)
+            checkpoints = Checkpoints(list(dict.fromkeys(a.model.split("+")[0] for a in arms)), shapes, run, scratch)
             sweep(arms, shapes, checkpoints, scratch, run, protocol.run_arm, on_row,
                   result.margins.append if run.map and not run.dry_run and not run.cap else None)
             if run.snapshot and not Stop.requested:
