@@ -193,7 +193,7 @@ def run_arm(arm: Arm, shape: Shape, base: str, work: Path, *, dry_run: bool = Fa
     preflight: dict[str, Any] = {}
     snap = None
     try:
-        if cap and not dry_run:  # before Soup's setup puts anything on the card
+        if cap and cap != "soup" and not dry_run:  # before Soup's setup puts anything on the card
             got.update(cap_at=cap, cap=cap_bytes(cap, arm.model, quant=arm.quant, seq=arm.seq, batch=arm.batch,
                                                  targets=shape.targets, steps=steps))
             apply_cap(got["cap"])
@@ -209,6 +209,11 @@ def run_arm(arm: Arm, shape: Shape, base: str, work: Path, *, dry_run: bool = Fa
             width, lengths = realised_lengths(wrapper.trainer)
             got.update(realised_width=width, realised_rows=tuple(lengths))
             got["timings"]["setup_s"] = round(time.perf_counter() - t0, 3)
+            if cap == "soup" and not dry_run and preflight.get("predicted"):
+                # Soup's own number, as this very setup computed it (every mode and family it
+                # streams), set before the measured step: the step is where the peak lives.
+                got.update(cap_at=cap, cap=preflight["predicted"])
+                apply_cap(got["cap"])
             if not dry_run and realised_as_requested(arm.seq, arm.batch, width, lengths):
                 step = real_peak(wrapper.trainer, snapshot=snapshot, steps=steps)
                 got["timings"]["step_s"] = step.pop("step_s")
