@@ -252,7 +252,18 @@ def environment(weights: str, dry_run: bool, arms: str, argv: list[str],
                                             ("transformers", "trl", "peft", "soup-cli")},
             "python": platform.python_version(), "platform": platform.platform(), "weights": weights,
             "dry_run": dry_run, "arms": arms, "command": " ".join(argv),
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            **linear_attention_kernels()}
+
+
+def linear_attention_kernels() -> dict[str, str]:
+    """Which path a gated delta-net (Qwen3.5's linear attention) runs: the fused kernels of
+    flash-linear-attention and causal-conv1d where installed, else transformers' torch fallback.
+    The two save different tensors for backward, so the peak depends on it; recorded only where a
+    package is there, so a stack without them reads as it always did."""
+    found = {k: package_version(k) for k in ("flash-linear-attention", "causal-conv1d")}
+    found = {k: v for k, v in found.items() if v != "not installed"}
+    return {"linear_attention_kernels": ", ".join(f"{k} {v}" for k, v in found.items())} if found else {}
 
 
 def package_version(name: str) -> str:

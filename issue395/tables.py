@@ -405,7 +405,9 @@ def header_line(env: dict[str, Any]) -> str:
             + (f" (driver {env['driver']})" if env.get("driver") else "")
             + f" | transformers {env['transformers']} | trl {env['trl']} | peft {env['peft']}"
             f" | soup-cli {env['soup_cli']} | weights {env['weights']} | arms {env.get('arms')}"
-            + (f" | {env['steps']} optimizer steps per arm" if env.get("steps", 1) != 1 else ""))
+            + (f" | {env['steps']} optimizer steps per arm" if env.get("steps", 1) != 1 else "")
+            + (f" | linear attention: {env['linear_attention_kernels']}" if env.get("linear_attention_kernels")
+               else ""))
 
 
 def render_text(result: Result) -> str:
