@@ -2,8 +2,8 @@
 
 Beside it, Soup's OWN pre-flight for the same run: Soup's ``estimate_stream_peak_vram``, read
 from the installed soup-cli's source with ``ast`` and executed in an isolated namespace, so
-neither torch nor soup_cli is imported. Stdlib only. Evidence is cited as PEAK (the shared
-PEAK.md) and as committed result files under results/.
+neither torch nor soup_cli is imported. Stdlib only. Evidence is cited as PEAK
+(docs/PEAK.md) and as committed result files under results/.
 
 peak = resident + max(loss phase, layer phase) [+ steady-state terms when steps > 1]
 """

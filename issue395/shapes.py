@@ -101,7 +101,7 @@ _LLAMA3_ROPE = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
                 "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
 
-#: One public checkpoint per family Soup streams (../shared/FAMILIES.md): its config.json
+#: One public checkpoint per family Soup streams (docs/FAMILIES.md): its config.json
 #: fields and its public parameter count (a tied head once). smol and qwen are the record's.
 FAMILIES: dict[str, Family] = {
     "llama32-1b": Family("Llama-3.2-1B", "meta-llama/Llama-3.2-1B", "llama", dict(

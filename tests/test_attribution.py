@@ -73,7 +73,7 @@ PEAK = R - 3072 + BF16_BLOCK + 2 * FP32_BLOCK + 512
 # --- the allocator's rounding and the logits shapes ---------------------------------
 
 def test_the_mistral_nf4_peak_is_named_by_physical_class_dequantised_weights_not_activations():
-    """PEAK.md's history of Mistral-7B NF4 512x1, in miniature: three 4096x14336 and three
+    """docs/PEAK.md's history of Mistral-7B NF4 512x1, in miniature: three 4096x14336 and three
     4096x4096 bf16 blocks live at the peak are the dequantised layer, set apart from the rest,
     and the bytes resident before the step are the resident weights."""
     from issue395.anatomy import physical_classifier

@@ -60,7 +60,7 @@ def test_soup_number_is_soups_own_function_not_a_copy():
     src = (E._soup_dir() / "utils" / "layer_stream.py").read_text()
     assert ns["estimate_stream_peak_vram"].__code__.co_filename.endswith("layer_stream.py")
     assert f"STREAM_FIXED_SLACK_BYTES = {ns['STREAM_FIXED_SLACK_BYTES']:_}" in src
-    # FAMILIES.md's nine (0.73.3); a later Soup may stream more (0.77.0 adds two)
+    # docs/FAMILIES.md's nine (0.73.3); a later Soup may stream more (0.77.0 adds two)
     assert "SUPPORTED_STREAM_ARCHS" in src and {"llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2",
                                                  "gemma3_text", "phi", "phi3"} <= set(E.supported_archs())
 
@@ -143,7 +143,7 @@ def test_layer_phase_binds_only_on_short_nf4_arms_of_small_vocab_families():
     layer = {(a["family"], a["quant"], a["seq"], a["batch"]) for a in ARMS if E.estimate(
         config_json(a["family"]), quant=a["quant"], seq=a["seq"], batch=a["batch"],
         targets=a["targets"], release=a["release"]).phase == "layer"}
-    # PEAK.md's four (the first grid and seq 512), and what seq 1024 added
+    # docs/PEAK.md's four (the first grid and seq 512), and what seq 1024 added
     assert {("mistral-7b", "nf4", 512, 1), ("mistral-7b", "nf4", 2048, 1), ("phi3-mini", "nf4", 512, 1),
             ("phi-2", "nf4", 512, 1)} <= layer
     assert all(q == "nf4" and s * b <= 2048 and f in ("mistral-7b", "phi3-mini", "phi-2") for f, q, s, b in layer)
