@@ -28,7 +28,7 @@ MiB = 2**20
 #: LoRA + 33,557,376 B; results/README.md "In-process against isolated arms": 32 MiB per thread).
 CUBLAS_WORKSPACE = 32 * MiB
 #: Three fp32 logits-shaped buffers at the loss backward (PEAK "Loss phase"; the --snapshot
-#: histories in results/h200-2026-11-30/ show exactly three fp32 logits blocks at the peak).
+#: histories in results/record-h200x2-soup0.73.3-e7c26f7/ show exactly three fp32 logits blocks at the peak).
 LOGITS_BYTES = 12
 #: + the saved bf16 tanh output under final_logit_softcapping (PEAK: Gemma-2's 1.007x margin).
 SOFTCAP_EXTRA_BYTES = 2
@@ -62,8 +62,8 @@ ALLOCATED_ALLOWANCE_BYTES = 3_500_000
 #: card must hold": Mistral-7B NF4 512x1 reserved 1.5729 GB over 1.5215 GB allocated (+3.4%);
 #: a cap 1.8% above allocated completed, 0.2% above raised OOM. Charged: the +3.4% reserved.
 EXPANDABLE_RESERVE_FRACTION = 0.034
-#: ...plus a constant: capped at allocated x 1.034 alone, 4 of 12 arms raised OOM (results/h200x2-
-#: 2026-11-30-issue16/first-allowance/), small ones, whose reserved sits 33-119 MB over allocated
+#: ...plus a constant: capped at allocated x 1.034 alone, 4 of 12 arms raised OOM (results/cap-proof-
+#: and-seq512-1024-map-h200x2-soup0.73.3-b5bee37/first-allowance/), small ones, whose reserved sits 33-119 MB over allocated
 #: (SmolLM2 NF4 512x1: 0.4158 GB, 0.5348 GB); 128 MiB is the envelope of every committed figure.
 EXPANDABLE_RESERVE_BYTES = 128 * 2**20
 

@@ -371,7 +371,7 @@ def test_a_map_margin_named_by_physical_class_is_set_against_the_corrected_terms
 
     from conftest import ROOT, main
 
-    data = json.loads((ROOT / "results/h200x2-2026-11-30-issue16/map-512-1024.json").read_text())
+    data = json.loads((ROOT / "results/cap-proof-and-seq512-1024-map-h200x2-soup0.73.3-b5bee37/map-512-1024.json").read_text())
     margin = next(m for m in data["margins"] if (m["model_key"], m["quant"], m["seq"], m["batch"])
                   == ("mistral-7b", "nf4", 512, 1))
     w16 = 3 * 4096 * 14336 * 2 + 3 * 4096 * 4096 * 2
