@@ -19,13 +19,12 @@ def layout_order() -> list[str]:
 
 
 def imports_of(path) -> set[str]:
-    """Package modules a module imports, at any depth, but for annotations under TYPE_CHECKING."""
+    """Package modules a module imports, at any depth, annotations under TYPE_CHECKING included:
+    an import only a type checker follows still ties the two modules into one cycle."""
     tree = ast.parse(path.read_text(encoding="utf-8"))
-    skip = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
-            and getattr(node.test, "id", None) == "TYPE_CHECKING" for n in ast.walk(node)}
     found = set()
     for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and id(node) not in skip:
+        if isinstance(node, ast.ImportFrom):
             if node.level == 1:
                 found |= {node.module} if node.module else {a.name for a in node.names}
             elif (node.module or "").startswith("issue395."):
