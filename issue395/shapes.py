@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from .console import quiet_libraries
+from .constants import CONFIG_LIMITS
 from .errors import UsageError, last_line
 from .record import GRID_ADAPTER_FACTOR, LORA_R, LORA_TARGETS, SHAPES, Shape
 from .row import _whole
@@ -41,17 +42,12 @@ def bitsandbytes_present() -> bool:
     return importlib.util.find_spec("bitsandbytes") is not None
 
 
-#: Sizes no real model comes near (the largest public configs: 128 heads, 126 layers, hidden
-#: 16,384, intermediate 53,248, vocab 262,144): past them a config is a typo, and would reach
-#: torch as a model of terabytes. Each is refused in one line naming its limit.
-LIMITS = {"num_hidden_layers": 1024, "vocab_size": 2**22, "hidden_size": 2**16,
-          "intermediate_size": 2**18, "num_attention_heads": 1024}
 
 
 def size_problem(attr: str, value: Any) -> Optional[str]:
     """Why a config size cannot be a real model's (None if it can)."""
-    if not _whole(value, minimum=1) or value > LIMITS[attr]:
-        return (f"config {attr} is {value!r}; it must be a whole number from 1 to {LIMITS[attr]} "
+    if not _whole(value, minimum=1) or value > CONFIG_LIMITS[attr]:
+        return (f"config {attr} is {value!r}; it must be a whole number from 1 to {CONFIG_LIMITS[attr]} "
                 "(no real model is larger)")
     return None
 
@@ -69,7 +65,7 @@ def derive_shape(config: Any, name: str, key: str = "custom", hub_id: Optional[s
     if model_type not in SUPPORTED_STREAM_ARCHS:
         raise UsageError(f"{name}: architecture {model_type!r} cannot be layer-streamed by Soup "
                          f"(it streams {', '.join(SUPPORTED_STREAM_ARCHS)})")
-    for attr in LIMITS:
+    for attr in CONFIG_LIMITS:
         problem = size_problem(attr, getattr(config, attr, None))
         if problem:
             raise UsageError(f"{name}: {problem}")
@@ -253,7 +249,7 @@ def load_custom_shape(model: str) -> Shape:
         if not _whole(fields_.get(key), minimum=1):
             raise UsageError(f"--model {model}: {config_file.name} has {key} {fields_.get(key)!r}; it must "
                              "be a whole number >= 1")
-    for key in LIMITS:  # before transformers sees it: a million layers is minutes of config
+    for key in CONFIG_LIMITS:  # before transformers sees it: a million layers is minutes of config
         if key in fields_ and size_problem(key, fields_[key]):
             raise UsageError(f"--model {model}: {config_file.name}: {size_problem(key, fields_[key])}")
     with quiet_libraries():

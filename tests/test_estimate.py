@@ -237,3 +237,17 @@ def test_estimate_table_labels_every_figure(key):
                          "corrected: needs free GB"]
     assert names.index("fits 24GB (needs free <= card)") > max(i for i, n in enumerate(names) if "term:" in n)
     assert sum(1 for n in names if n.startswith("longest seq that fits")) == 2
+
+
+
+@pytest.mark.parametrize("name, bound", [("vocab_size", 2**22), ("num_hidden_layers", 1024),
+                                         ("intermediate_size", 2**18), ("hidden_size", 2**16)])
+def test_the_estimator_and_the_measured_path_refuse_the_same_configs(name, bound):
+    """One bound per size for both (they had drifted: vocab 2^22 measured, 2^21 estimated)."""
+    from issue395.shapes import size_problem
+
+    assert size_problem(name, bound) is None and size_problem(name, bound + 1)
+    config = dict(config_json("smol"))
+    E.arch_of({**config, name: bound})
+    with pytest.raises(UsageError, match=name):
+        E.arch_of({**config, name: bound + 1})
