@@ -65,7 +65,7 @@ What the tool adds to the record
 
 Beside the protocol (this file) lies the package ``issue395/``: the record's
 data, the tables and outputs, the CLI, spreading arms over processes, and the
-corrected estimator (README.md, "Layout"). The package never imports this file:
+corrected estimator (docs/LAYOUT.md). The package never imports this file:
 ``main`` hands it ``run_arm``.
 
 Every number printed is measured here, computed by Soup, computed by this
