@@ -2,9 +2,9 @@
 
 On the H200 map, Qwen2.5's bf16 arms ran with 1,024 bytes more resident than in the sweep,
 after SmolLM2's NF4 arms in the same process. This runs the same order (SmolLM2 bf16, SmolLM2
-NF4, Qwen2.5 bf16, all 2048 x 1) through the harness's own run_arm, with the allocator's
-history recorded, and after each teardown prints the bytes still allocated and, for each
-block still live, the Python frames that allocated it.
+NF4, Qwen2.5 bf16, all 2048 x 1) through the harness's own protocol and run_arm, with the
+allocator's history recorded, and after each teardown prints the bytes still allocated and,
+for each block still live, the Python frames that allocated it.
 
     CUDA_VISIBLE_DEVICES=0 python3 bench/carried.py [CACHE_DIR]
 """
@@ -46,7 +46,7 @@ def main(cache: str | None, order=ORDER, seq: int = 2048) -> None:
         for i, (key, quant) in enumerate(order):
             arm = Arm(key, seq, 1, i, quant)
             base = quant_base(scratch, bases[key], quant)
-            row = h.run_arm(arm, SHAPES[key], base, scratch.path("arms", str(i)))
+            row = h.protocol().run_arm(arm, SHAPES[key], base, scratch.path("arms", str(i)))
             left = torch.cuda.memory_allocated()
             print(f"{key} {quant}: real peak {row.real_peak} resident {row.resident} "
                   f"failure {row.failure} {row.error or ''}; after teardown {left} bytes allocated")

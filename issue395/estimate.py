@@ -205,8 +205,8 @@ def lora_params(a: Arch, targets: tuple, r: int) -> int:
     return a.L * sum(r * (a.modules[t][0] + a.modules[t][1]) for t in targets)
 
 
-def soup_preflight(config: dict, *, quant: str, seq: int, batch: int, targets, lora_r: int,
-                   release: str | None = None) -> tuple[int, dict]:
+def soup_preflight_from_config(config: dict, *, quant: str, seq: int, batch: int, targets,
+                               lora_r: int, release: str | None = None) -> tuple[int, dict]:
     """Soup's own number (computed by Soup's estimator) and the kwargs Soup's setup passes it.
     0.77.0 moves an untied model's vocab matrices out of extras into one large-layer slot."""
     a = arch_of(config)
@@ -401,7 +401,8 @@ def estimate(config: dict, *, quant: str = "none", seq: int, batch: int = 1, tar
         raise UsageError(f"LoRA target(s) {', '.join(missing) or '(none)'} not in a {a.model_type}"
                          f" layer (it has {', '.join(a.modules)})")
     release = release or installed_release()
-    soup, soup_terms = soup_preflight(config, quant=quant, seq=seq, batch=batch, targets=targets,
+    soup, soup_terms = soup_preflight_from_config(config, quant=quant, seq=seq, batch=batch,
+                                                  targets=targets,
                                       lora_r=lora_r, release=release)
     T, n = seq * batch, lora_params(a, targets, lora_r)
     t = {"pool": pool(a, quant), "extras": extras(a, release), "lora_weights": lora_weights(n),

@@ -39,7 +39,7 @@ def test_fixture_has_every_family_with_its_model_type():
 @pytest.mark.parametrize("arm", [a for a in ARMS if a["release"] == E.installed_release()],
                          ids=lambda a: f"{a['family']}-{a['quant']}-{a['seq']}x{a['batch']}")
 def test_soup_number_from_config_equals_the_committed_capture(arm):
-    got, terms = E.soup_preflight(config_json(arm["family"]), quant=arm["quant"], seq=arm["seq"],
+    got, terms = E.soup_preflight_from_config(config_json(arm["family"]), quant=arm["quant"], seq=arm["seq"],
                                   batch=arm["batch"], targets=arm["targets"], lora_r=8,
                                   release=arm["release"])
     assert abs(got - arm["soup_predicted"]) <= 16
@@ -49,7 +49,7 @@ def test_soup_number_from_config_equals_the_committed_capture(arm):
 @pytest.mark.parametrize("arm", [a for a in ARMS if a["release"] == "0.77.0"],
                          ids=lambda a: f"{a['family']}-{a['quant']}-{a['seq']}")
 def test_soup_077_kwargs_and_number_match_the_untied_map(arm):
-    got, terms = E.soup_preflight(config_json(arm["family"]), quant=arm["quant"], seq=arm["seq"],
+    got, terms = E.soup_preflight_from_config(config_json(arm["family"]), quant=arm["quant"], seq=arm["seq"],
                                   batch=arm["batch"], targets=arm["targets"], lora_r=8,
                                   release="0.77.0")
     assert abs(got - arm["soup_predicted"]) <= 16 and terms == arm["soup_terms"]

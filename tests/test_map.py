@@ -15,7 +15,7 @@ import json
 import pytest
 from conftest import SMOL, h, main, make_row
 
-from issue395 import estimate, options
+from issue395 import estimate, measurement, options
 from issue395.builder import prepare_checkpoint
 from issue395.errors import UsageError
 from issue395.margin import arm_seconds, estimator_terms, margin_breakdown, plan_map, shape_classes, shard_of
@@ -157,8 +157,8 @@ def test_an_explicit_nf4_request_without_bitsandbytes_is_a_usage_error(capfd, mo
 
 
 def test_without_bitsandbytes_an_nf4_arm_is_a_skipped_row_with_its_reason(monkeypatch, tmp_path):
-    monkeypatch.setattr(h, "bitsandbytes_present", lambda: False)
-    row = h.run_arm(Arm("smol", 64, 1, 0, "nf4"), SMOL, "unused", tmp_path, dry_run=True)
+    monkeypatch.setattr(measurement, "bitsandbytes_present", lambda: False)
+    row = h.protocol().run_arm(Arm("smol", 64, 1, 0, "nf4"), SMOL, "unused", tmp_path, dry_run=True)
     assert row.status == "SKIPPED" and "bitsandbytes" in row.error
     assert Result(environment={}, rows=[row]).exit_code == 0
 
