@@ -7,12 +7,9 @@ Requirements
     requirements.txt: torch, transformers, trl, peft, soup-cli (0.73.3 is the
     record's; 0.77.0 is tested too), pyyaml, matplotlib (--plot) and jinja2>=3.1.0
     (Soup's chat template fails to render on older jinja2). No network: every
-    model is built here. On an H200 a full run (--sweep --measure --sdpa) took
-    39-49 s warm and 51-82 s cold; the margin map's first 129 arms (--map) 12.4
-    minutes with every checkpoint built cold, 5.6 minutes with --gpus 0,1 on two
-    H200s, and its seq 512/1024 arms 3.6 minutes more (results/README.md). The map's NF4 arms need bitsandbytes;
-    its 7B and 8B families ran on a box with 128 GiB of RAM and a 64 GB disk (one
-    family's checkpoint and shards are kept at a time in each process).
+    model is built here. The map's NF4 arms need bitsandbytes, and its 7B and 8B
+    families much host RAM and disk (one family's checkpoint and shards are kept
+    at a time in each process). What runs took, and on what: results/README.md.
 
 Usage
     issue395_second_stack_vram.py                          the sweep: 10 arms
@@ -64,9 +61,9 @@ What the tool adds to the record
     estimator term that eats the thinnest margins.
 
 Beside the protocol (this file) lies the package ``issue395/``: the record's
-data, the tables and outputs, the CLI, spreading arms over processes, and the
-corrected estimator (README.md, "Layout"). The package never imports this file:
-``main`` hands it ``run_arm``.
+data, the tables and outputs, the CLI, spreading arms over processes, judging
+an arm's measurement into a row, and the corrected estimator (docs/LAYOUT.md).
+The package never imports this file: ``main`` hands it ``measure_arm``.
 
 Every number printed is measured here, computed by Soup, computed by this
 tool's corrected estimator, or quoted from the record, and labelled as such.
@@ -86,16 +83,12 @@ import time
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Optional
 
-from issue395.anatomy import classifier_for
-from issue395.cap import apply_cap, cap_bytes
-from issue395.console import soup_console
-from issue395.cuda import allocator_history, attribute_peak, is_oom, oom_request, peak_window, save_snapshot
+from issue395.cuda import allocator_history, peak_window
 from issue395.errors import last_line
-from issue395.margin import shape_classes
+from issue395.measurement import ArmHooks, Measurement
 from issue395.record import DATA_ROWS, LORA_ALPHA, LORA_R, OVERSHOOT, SOUP_QUANT, Arm, Shape
-from issue395.row import Row, arm_row, realised_as_requested
+from issue395.row import realised_as_requested
 from issue395.runner import Protocol, cli
-from issue395.shapes import bitsandbytes_present
 
 #: Where Soup builds an arm whose step is measured. The CPU tests set "cpu" and fake the
 #: step itself (only the CUDA peak cannot run there); nothing else changes for them.
@@ -169,35 +162,21 @@ def real_peak(trainer: Any, snapshot: bool = False, steps: int = 1) -> dict[str,
             "step_s": round(seconds, 3), "snapshot": taken.get("snapshot")}
 
 
-def run_arm(arm: Arm, shape: Shape, base: str, work: Path, *, dry_run: bool = False,
-            snapshot: bool = False, snapshot_dir: Optional[str] = None,
-            log: Optional[Path] = None, verbose: bool = False, repeat: Optional[int] = None,
-            steps: int = 1, cap: Optional[str] = None) -> Row:
-    """One real Soup setup and, on CUDA, the one measured step. Always returns a row.
-
-    A failure anywhere is the row's finding (OOM with the size it asked for,
-    FAILED with the error's last line); a teardown error sits beside the
-    measurement and never replaces it. A row that fails the guard is never
-    measured: its peak would be an artifact.
-    """
+def measure_arm(arm: Arm, shape: Shape, base: str, work: Path, *, dry_run: bool = False,
+                snapshot: bool = False, steps: int = 1,
+                hooks: Optional[ArmHooks] = None) -> Measurement:
+    """One real Soup setup and, on CUDA, the one measured step. A failure is kept in the
+    measurement (the runner judges it), and teardown always runs. A row that fails the guard
+    is never measured: its peak would be an artifact."""
+    hooks = hooks or ArmHooks()
     work.mkdir(parents=True, exist_ok=True)
     data_path = work / "train.jsonl"
     data_path.write_text("".join(json.dumps(r) + "\n"
                                  for r in chat_rows(arm.seq, rows_for_batch(arm.batch, steps))))
-    got: dict[str, Any] = {"timings": {}, "carried": carried_bytes(dry_run)}
-    wrapper = None
-    t0 = time.perf_counter()
-    if arm.quant == "nf4" and not bitsandbytes_present():
-        return arm_row(arm, shape, base=base, dry_run=dry_run, repeat=repeat, failure="SKIPPED",
-                       error="NF4 needs bitsandbytes, which is not installed here")
-    preflight: dict[str, Any] = {}
-    snap = None
+    m, wrapper = Measurement(), None
     try:
-        if cap and cap != "soup" and not dry_run:  # before Soup's setup puts anything on the card
-            got.update(cap_at=cap, cap=cap_bytes(cap, arm.model, quant=arm.quant, seq=arm.seq, batch=arm.batch,
-                                                 targets=shape.targets, steps=steps))
-            apply_cap(got["cap"])
-        with soup_console(log or work / "soup.log", verbose), soup_preflight(preflight):
+        hooks.before_setup()  # the runner's cap, before Soup puts anything on the card
+        with hooks.console(), watch_soup_preflight(m):
             from soup_cli.config.loader import load_config_from_string
             from soup_cli.data.loader import load_dataset
             from soup_cli.trainer.sft import SFTTrainerWrapper
@@ -207,76 +186,48 @@ def run_arm(arm: Arm, shape: Shape, base: str, work: Path, *, dry_run: bool = Fa
             wrapper = SFTTrainerWrapper(config, device="cpu" if dry_run else STEP_DEVICE)
             wrapper.setup(load_dataset(config.data))
             width, lengths = realised_lengths(wrapper.trainer)
-            got.update(realised_width=width, realised_rows=tuple(lengths))
-            got["timings"]["setup_s"] = round(time.perf_counter() - t0, 3)
-            if cap == "soup" and not dry_run and preflight.get("predicted"):
-                # Soup's own number, as this very setup computed it (every mode and family it
-                # streams), set before the measured step: the step is where the peak lives.
-                got.update(cap_at=cap, cap=preflight["predicted"])
-                apply_cap(got["cap"])
+            m.realised_width, m.realised_rows = width, tuple(lengths)
+            hooks.mark("setup")
+            hooks.before_step(m)  # a cap at Soup's own number, as this setup computed it
             if not dry_run and realised_as_requested(arm.seq, arm.batch, width, lengths):
                 step = real_peak(wrapper.trainer, snapshot=snapshot, steps=steps)
-                got["timings"]["step_s"] = step.pop("step_s")
-                snap = step.pop("snapshot")
-                got.update(step)
-                if snap is not None:
-                    got["attribution"] = attribute_peak(snap, step["resident"],
-                                                        arm.seq * shape.vocab * arm.batch,
-                                                        step["real_peak"],
-                                                        shape_classes(shape, arm.seq, arm.batch),
-                                                        classifier_for(arm.model, quant=arm.quant, seq=arm.seq,
-                                                                       batch=arm.batch, targets=shape.targets))
+                m.real_peak, m.resident, m.reserved = step["real_peak"], step["resident"], step["reserved"]
+                m.step_s, m.snapshot = step["step_s"], step["snapshot"]
     except KeyboardInterrupt:
         raise
-    except BaseException as exc:  # noqa: BLE001 - every failure becomes the row's finding
-        got["timings"].setdefault("setup_s", round(time.perf_counter() - t0, 3))
-        fit = preflight.get("fit")
-        refused = fit is not None and not fit.fits and str(exc).startswith(fit.reason)
-        oom = is_oom(exc)
-        got.update(failure="REFUSED" if refused else "OOM" if oom else "FAILED",
-                   error=last_line(exc), oom_request=oom_request(exc) if oom else None)
+    except BaseException as exc:  # noqa: BLE001 - every failure is the arm's finding
+        m.fail(exc)
     finally:
-        t1 = time.perf_counter()
-        got["teardown_error"] = teardown(wrapper)
+        hooks.mark("teardown")
+        m.teardown_error = teardown(wrapper)
         wrapper = None
-        got["timings"]["teardown_s"] = round(time.perf_counter() - t1, 3)
-    got.update(soup_predicted=preflight.get("predicted"), soup_terms=preflight.get("kwargs"))
-    if snap is not None and snapshot_dir and got.get("attribution"):
-        rep = f"-r{repeat}" if repeat is not None else ""
-        got["attribution"]["snapshot_file"] = save_snapshot(
-            snap, Path(snapshot_dir) / f"snapshot-{arm.index:03d}-{arm.model}-{arm.seq}-b{arm.batch}{rep}.pickle")
-    if not dry_run and STEP_DEVICE == "cuda":
-        import torch
-
-        if torch.cuda.is_available():
-            got["gpu"] = f"{os.environ.get('CUDA_VISIBLE_DEVICES', '0')}: {torch.cuda.get_device_name(0)}"
-    return arm_row(arm, shape, base=base, dry_run=dry_run, repeat=repeat,
-                   log=str(log) if log else None, **got)
+    return m
 
 
 @contextlib.contextmanager
-def soup_preflight(seen: dict[str, Any]) -> Iterator[dict[str, Any]]:
-    """Soup's own pre-flight for this setup: the number its gate compares with free VRAM. Soup
-    keeps it nowhere, but its setup imports its estimator and fit decision from the module
-    inside the method (0.73.3 and 0.77.0 alike), so wrapping them sees every call."""
+def watch_soup_preflight(m: Measurement) -> Iterator[Measurement]:
+    """Soup's own pre-flight as its setup computes it: the number its gate compares with free
+    VRAM, and its fit decision. Soup keeps them nowhere, but its setup imports its estimator and
+    fit decision from the module inside the method (0.73.3 and 0.77.0 alike), so wrapping them
+    sees every call."""
     from soup_cli.utils import layer_stream
 
     estimate, decide = layer_stream.estimate_stream_peak_vram, layer_stream.decide_stream_fit
 
     def estimate_seen(*args: Any, **kwargs: Any) -> Any:
         result = estimate(*args, **kwargs)
-        if sys._getframe(1).f_code.co_name == "_stream_budget_lines" or "predicted" not in seen:
-            seen.update(predicted=int(result), kwargs={k: v for k, v in kwargs.items()
-                                                      if isinstance(v, (int, float, str, type(None)))})
+        if sys._getframe(1).f_code.co_name == "_stream_budget_lines" or m.soup_predicted is None:
+            m.soup_predicted = int(result)
+            m.soup_terms = {k: v for k, v in kwargs.items() if isinstance(v, (int, float, str, type(None)))}
         return result
 
     def decide_seen(*args: Any, **kwargs: Any) -> Any:
-        seen["fit"] = decide(*args, **kwargs)
-        return seen["fit"]
+        m.soup_fit = decide(*args, **kwargs)
+        return m.soup_fit
 
     layer_stream.estimate_stream_peak_vram, layer_stream.decide_stream_fit = estimate_seen, decide_seen
     try:
-        yield seen
+        yield m
     finally:
         layer_stream.estimate_stream_peak_vram, layer_stream.decide_stream_fit = estimate, decide
 
@@ -317,21 +268,14 @@ def teardown(wrapper: Any) -> Optional[str]:
     return error
 
 
-def carried_bytes(dry_run: bool) -> Optional[int]:
-    """What earlier arms in this process left allocated: a fresh process has 0, and anything
-    more is inside this arm's peak too."""
-    if dry_run or STEP_DEVICE != "cuda":
-        return None
-    torch = sys.modules.get("torch")
-    if torch is None or not torch.cuda.is_initialized():
-        return 0
-    return int(torch.cuda.memory_allocated())
+def protocol() -> Protocol:
+    """This protocol as the package takes it: the measured arm, the device it runs on, the script."""
+    return Protocol(measure_arm=measure_arm, step_device=STEP_DEVICE, script=os.path.abspath(__file__))
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    """The command line, handed to the package with this protocol's measured arm."""
-    return cli(sys.argv[1:] if argv is None else argv,
-               Protocol(run_arm=run_arm, step_device=STEP_DEVICE, script=os.path.abspath(__file__)))
+    """The command line, handed to the package with this protocol."""
+    return cli(sys.argv[1:] if argv is None else argv, protocol())
 
 
 if __name__ == "__main__":

@@ -21,9 +21,9 @@ from issue395.estimate import arch_of, estimate, lora_params  # noqa: E402
 from issue395.result import Result  # noqa: E402
 from issue395.shapes import config_json  # noqa: E402
 
-MAPS = ("results/h200x2-2026-11-30-map-2gpu/map-2gpu.json", "results/h200x2-2026-11-30-issue16/map-512-1024.json")
-CAPS = ("results/h200x2-2026-11-30-issue16/cap-soup.json", "results/h200x2-2026-11-30-issue16/cap-needs-free.json",
-        "results/h200x2-2026-11-30-issue16/cap-control.json")
+CAP_DIR = "results/cap-proof-and-seq512-1024-map-h200x2-soup0.73.3-b5bee37"
+MAPS = ("results/margin-map-h200x2-soup0.73.3-f3ad9d2/map-2gpu.json", f"{CAP_DIR}/map-512-1024.json")
+CAPS = (f"{CAP_DIR}/cap-soup.json", f"{CAP_DIR}/cap-needs-free.json", f"{CAP_DIR}/cap-control.json")
 #: Each corrected term Soup's estimator has no counterpart for, as a formula (h hidden, i
 #: intermediate, L layers, T = seq x batch tokens, W = a decoder layer's linear weight elements).
 FORMULAS = {

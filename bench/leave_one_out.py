@@ -23,18 +23,18 @@ CONFIGS = ROOT / "tests" / "data" / "family-configs.json"
 #: The committed results whose rows carry Soup's captured kwargs (results/README.md): the maps
 #: and the sweeps measured after the workspace teardown fix.
 RESULT_FILES = (
-    "h200x2-2026-11-30-map-2gpu/map-2gpu.json", "h200-2026-11-30-margin-map/map-a.json",
-    "h200-2026-11-30-margin-map/map-b.json", "h200-2026-11-30-margin-map/map-c.json",
-    "h200-2026-11-30-margin-map/map-d.json", "h200x2-2026-11-30-untied-seq512/map073-untied.json",
-    "h200x2-2026-11-30-untied-seq512/map077-untied.json", "h200-2026-11-30-final-tree/map-carried.json",
-    "h200-2026-11-30-margin-map/full-cold.json", "h200-2026-11-30-margin-map/full-warm.json",
-    "h200-2026-11-30-two-gpu/sweep-1gpu.json", "h200-2026-11-30-two-gpu/sweep-2gpu-cold.json",
-    "h200-2026-11-30-two-gpu/sweep-2gpu.json", "h200x2-2026-11-30-scaling/det6144.json",
-    "h200x2-2026-11-30-scaling/grid40-1gpu.json", "h200x2-2026-11-30-scaling/grid40-2gpu.json",
-    "h200x2-2026-11-30-scaling/sweep-1gpu-cold.json", "h200x2-2026-11-30-scaling/sweep-1gpu.json",
-    "h200x2-2026-11-30-scaling/sweep-2gpu.json",
+    "margin-map-h200x2-soup0.73.3-f3ad9d2/map-2gpu.json", "margin-map-in-4-parts-h200-soup0.73.3-3238e1a-to-b3a7891/map-a.json",
+    "margin-map-in-4-parts-h200-soup0.73.3-3238e1a-to-b3a7891/map-b.json", "margin-map-in-4-parts-h200-soup0.73.3-3238e1a-to-b3a7891/map-c.json",
+    "margin-map-in-4-parts-h200-soup0.73.3-3238e1a-to-b3a7891/map-d.json", "untied-seq512-h200x2-soup0.73.3-and-0.77.0-f3ad9d2/map073-untied.json",
+    "untied-seq512-h200x2-soup0.73.3-and-0.77.0-f3ad9d2/map077-untied.json", "landed-tree-check-h200-soup0.73.3-115b15d/map-carried.json",
+    "margin-map-in-4-parts-h200-soup0.73.3-3238e1a-to-b3a7891/full-cold.json", "margin-map-in-4-parts-h200-soup0.73.3-3238e1a-to-b3a7891/full-warm.json",
+    "two-gpu-record-h200x2-soup0.73.3-b3a7891/sweep-1gpu.json", "two-gpu-record-h200x2-soup0.73.3-b3a7891/sweep-2gpu-cold.json",
+    "two-gpu-record-h200x2-soup0.73.3-b3a7891/sweep-2gpu.json", "scaling-h200x2-soup0.73.3-eb93db1/det6144.json",
+    "scaling-h200x2-soup0.73.3-eb93db1/grid40-1gpu.json", "scaling-h200x2-soup0.73.3-eb93db1/grid40-2gpu.json",
+    "scaling-h200x2-soup0.73.3-eb93db1/sweep-1gpu-cold.json", "scaling-h200x2-soup0.73.3-eb93db1/sweep-1gpu.json",
+    "scaling-h200x2-soup0.73.3-eb93db1/sweep-2gpu.json",
     # measured after the estimator was built, then added: seq 512 and 1024 on every family
-    "h200x2-2026-11-30-issue16/map-512-1024.json",
+    "cap-proof-and-seq512-1024-map-h200x2-soup0.73.3-b5bee37/map-512-1024.json",
 )
 
 

@@ -15,10 +15,10 @@ from __future__ import annotations
 from typing import Callable
 
 from . import estimate as E
+from .constants import CUBLAS_WORKSPACE, CUBLAS_WORKSPACE_AMPERE, block_bytes
 from .record import SHAPES
 from .shapes import FAMILIES, config_json
 
-MiB = 2**20
 
 DEQUANTISED = "dequantised layer weights"
 LOGITS_BF16 = "logits bf16"
@@ -47,14 +47,13 @@ CLASSES = (DEQUANTISED, LOGITS_FP32, LOGITS_BF16, CHECKPOINTED, FP32_RESIDUAL, R
 #: most blocks at short seq (Mistral 512x1: a 4096x14336 weight is 448 x 512^2).
 MASK_BYTES = (1, 2, 4)
 #: Exactly 32 MiB on Hopper (33,554,432 B) or 8 MiB on Ampere (PEAK "Resident").
-WORKSPACE_SIZES = (32 * MiB, 8 * MiB)
+WORKSPACE_SIZES = (CUBLAS_WORKSPACE, CUBLAS_WORKSPACE_AMPERE)
 
 
 def _sizes(exact: int) -> set:
     """A class size as requested, and as rounded to the allocator's 512 B (a caller may pass
     either; the snapshot records the requested size)."""
-    b = E.K_MIN_BLOCK_SIZE
-    return {exact, max(b, -(-exact // b) * b)}
+    return {exact, block_bytes(exact)}
 
 
 def _fp32_inputs(a: E.Arch, quant: str) -> bool:

@@ -1,5 +1,6 @@
 """Architecture-exact synthetic checkpoints: a tokenizer, the config, and weights of the right
-shape (peak VRAM depends on shapes and dtypes, not on weight values).
+shape (peak VRAM depends on shapes and dtypes, not on weight values); and the check that a
+safetensors file (a built checkpoint's or a Soup shard's) is whole.
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ import json
 import math
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 from .record import Shape
 from .shapes import NOT_ARCH
@@ -192,3 +193,26 @@ def checkpoint_fingerprint(shape: Shape) -> str:
     fields_ = {k: v for k, v in asdict(shape).items() if k not in ("name", "hub_id", "stream")}
     fields_.update(tokenizer_words=TOKEN_WORDS, builder=BUILDER_VERSION)
     return hashlib.sha256(json.dumps(fields_, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def safetensors_problem(path: Path, manifest: Optional[dict] = None) -> Optional[str]:
+    """Why a safetensors file cannot be trusted (None if it holds): its header must parse,
+    its tensors must fill the file exactly, and they must match the manifest if given."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as fh:
+            n = int.from_bytes(fh.read(8), "little")
+            if n <= 0 or 8 + n > size:
+                return f"{path.name}: truncated header"
+            header = json.loads(fh.read(n))
+    except (OSError, ValueError) as exc:
+        return f"{path.name}: {exc.__class__.__name__}"
+    header.pop("__metadata__", None)
+    ends = [int(t["data_offsets"][1]) for t in header.values()] or [0]
+    if 8 + n + max(ends) != size:
+        return f"{path.name}: {size} bytes, its header describes {8 + n + max(ends)}"
+    if manifest is not None:
+        found = {k: [t["dtype"], list(t["shape"])] for k, t in header.items()}
+        if found != manifest["tensors"] or size != manifest["file_bytes"]:
+            return f"{path.name}: tensors differ from the shape it was built for"
+    return None

@@ -15,24 +15,22 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import Any, Callable, Optional
 
-from .builder import checkpoint_fingerprint, prepare_checkpoint
+from .builder import checkpoint_fingerprint, prepare_checkpoint, safetensors_problem
 from .errors import UsageError, last_line
+from .options import Run
 from .record import QUANTS, Shape
+from .scratch import Scratch
 from .shapes import config_only
 
-if TYPE_CHECKING:  # annotations only: these modules lie above this one
-    from .options import Run
-    from .scratch import Scratch
 
-
-def quant_alias(scratch: "Scratch", base: str, quant: str) -> Path:
+def quant_alias(scratch: Scratch, base: str, quant: str) -> Path:
     return (scratch.shard_root.parent / "quant-aliases"
             / f"{Path(base).name}-{hashlib.sha256(base.encode()).hexdigest()[:8]}.{quant}")
 
 
-def quant_base(scratch: "Scratch", base: str, quant: str, stream: tuple = ()) -> str:
+def quant_base(scratch: Scratch, base: str, quant: str, stream: tuple = ()) -> str:
     """Soup keys its shard folder by the base path alone (re-sharding in place on a new quantization),
     so an NF4 arm gets its own path: a symlink beside the shard cache, shared by all who share it.
     A per-expert layout shards differently again, so it gets its own path too."""
@@ -45,29 +43,6 @@ def quant_base(scratch: "Scratch", base: str, quant: str, stream: tuple = ()) ->
     with contextlib.suppress(FileExistsError):
         alias.symlink_to(Path(base).resolve(), target_is_directory=True)
     return str(alias)
-
-
-def safetensors_problem(path: Path, manifest: Optional[dict] = None) -> Optional[str]:
-    """Why a safetensors file cannot be trusted (None if it holds): its header must parse,
-    its tensors must fill the file exactly, and they must match the manifest if given."""
-    try:
-        size = path.stat().st_size
-        with open(path, "rb") as fh:
-            n = int.from_bytes(fh.read(8), "little")
-            if n <= 0 or 8 + n > size:
-                return f"{path.name}: truncated header"
-            header = json.loads(fh.read(n))
-    except (OSError, ValueError) as exc:
-        return f"{path.name}: {exc.__class__.__name__}"
-    header.pop("__metadata__", None)
-    ends = [int(t["data_offsets"][1]) for t in header.values()] or [0]
-    if 8 + n + max(ends) != size:
-        return f"{path.name}: {size} bytes, its header describes {8 + n + max(ends)}"
-    if manifest is not None:
-        found = {k: [t["dtype"], list(t["shape"])] for k, t in header.items()}
-        if found != manifest["tensors"] or size != manifest["file_bytes"]:
-            return f"{path.name}: tensors differ from the shape it was built for"
-    return None
 
 
 def checkpoint_problem(dest: Path) -> Optional[str]:
@@ -125,7 +100,7 @@ class Checkpoints:
     overlapping this model's arms. Without --cache-dir a model's checkpoint and shards go once
     its last arm is done: the map's families would not fit a GPU box's disk together."""
 
-    def __init__(self, keys: list[str], shapes: dict[str, Shape], run: "Run", scratch: "Scratch"):
+    def __init__(self, keys: list[str], shapes: dict[str, Shape], run: Run, scratch: Scratch):
         self.shapes, self.run, self.scratch, self.keys = shapes, run, scratch, keys
         self.writer = ThreadPoolExecutor(1, thread_name_prefix="checkpoint-writer")
         self.paths: dict[str, str] = {}
@@ -201,7 +176,7 @@ def reap_dead_partials(root: Path) -> None:
             pass
 
 
-def hub_snapshot(repo_id: str, scratch: "Scratch") -> Path:
+def hub_snapshot(repo_id: str, scratch: Scratch) -> Path:
     """A hub checkpoint fetched into scratch (or --cache-dir), so Soup reads a local folder:
     Soup's own hub path would cache the weights under ~/.soup, outside scratch."""
     from huggingface_hub import snapshot_download

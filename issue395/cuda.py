@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
+from .constants import block_bytes
+
 
 @dataclass
 class Window:
@@ -54,7 +56,6 @@ def is_oom(exc: BaseException) -> bool:
         "out of memory" in str(exc).lower()
 
 
-ALLOC_ROUND = 512  # the caching allocator rounds every block up to 512 bytes
 SIZE_GROUPS = ((100_000_000, ">= 100 MB"), (10_000_000, "10-100 MB"), (1_000_000, "1-10 MB"),
                (0, "< 1 MB"))
 
@@ -80,11 +81,6 @@ def save_snapshot(snapshot: dict[str, Any], path: Path) -> str:
 
     path.write_bytes(pickle.dumps(snapshot))
     return str(path)
-
-
-def block_bytes(requested: int) -> int:
-    """What the allocator counts for a request (the history records the requested size)."""
-    return max(ALLOC_ROUND, -(-requested // ALLOC_ROUND) * ALLOC_ROUND)
 
 
 def logits_kind(size: int, elements: int) -> Optional[str]:

@@ -2,8 +2,8 @@
 
 Beside it, Soup's OWN pre-flight for the same run: Soup's ``estimate_stream_peak_vram``, read
 from the installed soup-cli's source with ``ast`` and executed in an isolated namespace, so
-neither torch nor soup_cli is imported. Stdlib only. Evidence is cited as PEAK (the shared
-PEAK.md) and as committed result files under results/.
+neither torch nor soup_cli is imported. Stdlib only. Evidence is cited as PEAK
+(docs/PEAK.md) and as committed result files under results/.
 
 peak = resident + max(loss phase, layer phase) [+ steady-state terms when steps > 1]
 """
@@ -19,16 +19,14 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .constants import (CONFIG_LIMITS, CUBLAS_WORKSPACE, K_MIN_LARGE_ALLOC, K_ROUND_LARGE,  # noqa: F401
+                        K_MIN_BLOCK_SIZE, K_SMALL_SIZE, MiB, block_bytes)
 from .errors import UsageError
 from .record import QUANTS
 from .shapes import lora_targets
 
-MiB = 2**20
-#: One cuBLAS workspace per thread on Hopper (PEAK "Resident": resident = pool + extras + 4 B x
-#: LoRA + 33,557,376 B; results/README.md "In-process against isolated arms": 32 MiB per thread).
-CUBLAS_WORKSPACE = 32 * MiB
 #: Three fp32 logits-shaped buffers at the loss backward (PEAK "Loss phase"; the --snapshot
-#: histories in results/h200-2026-11-30/ show exactly three fp32 logits blocks at the peak).
+#: histories in results/record-h200x2-soup0.73.3-e7c26f7/ show exactly three fp32 logits blocks at the peak).
 LOGITS_BYTES = 12
 #: + the saved bf16 tanh output under final_logit_softcapping (PEAK: Gemma-2's 1.007x margin).
 SOFTCAP_EXTRA_BYTES = 2
@@ -40,10 +38,7 @@ LORA_DROPOUT_MASK_BYTES = 1
 ADAM_MOMENT_BYTES = 8  # exp_avg + exp_avg_sq, fp32, from step 2 on (PEAK "Steps after the first")
 LORA_WEIGHT_BYTES = 4  # fp32 LoRA weights (PEAK "Resident")
 
-# -- CUDA caching allocator (default config, as measured): constants as in the torch wheel's
-# c10/core/AllocatorConfig.h; rules: CUDACachingAllocator.cpp get_allocation_size, shouldSplit --
-K_MIN_BLOCK_SIZE, K_SMALL_SIZE = 512, 1 * MiB  # 512 B rounding; small pool up to 1 MiB
-K_MIN_LARGE_ALLOC, K_ROUND_LARGE = 10 * MiB, 2 * MiB  # own segment from 10 MiB, in 2 MiB steps
+# -- CUDA caching allocator: its constants and 512 B rounding are in issue395/constants.py --
 #: Segments first made for hidden-sized tensors (4hT fp32: RMSNorm's input copy, square, product;
 #: 2hT bf16), re-cut into checkpointed inputs whose last piece inherits the tail, live at the loss
 #: peak. The most the measured arms show, not a traced count: Qwen2.5 T=6144 4 x 1 MiB, T=5632
@@ -62,18 +57,15 @@ ALLOCATED_ALLOWANCE_BYTES = 3_500_000
 #: card must hold": Mistral-7B NF4 512x1 reserved 1.5729 GB over 1.5215 GB allocated (+3.4%);
 #: a cap 1.8% above allocated completed, 0.2% above raised OOM. Charged: the +3.4% reserved.
 EXPANDABLE_RESERVE_FRACTION = 0.034
-#: ...plus a constant: capped at allocated x 1.034 alone, 4 of 12 arms raised OOM (results/h200x2-
-#: 2026-11-30-issue16/first-allowance/), small ones, whose reserved sits 33-119 MB over allocated
-#: (SmolLM2 NF4 512x1: 0.4158 GB, 0.5348 GB); 128 MiB is the envelope of every committed figure.
+#: ...plus a constant: capped at allocated x 1.034 alone, 4 of 12 arms raised OOM (results/cap-proof-
+#: and-seq512-1024-map-h200x2-soup0.73.3-b5bee37/first-allowance/), small ones, whose reserved
+#: sits 33-119 MB over allocated (SmolLM2 NF4 512x1: 0.4158 GB, 0.5348 GB); 128 MiB is the
+#: envelope of every committed figure.
 EXPANDABLE_RESERVE_BYTES = 128 * 2**20
 
 RELEASES = ("0.73.3", "0.77.0")
 _SIZES = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
           "vocab_size")
-#: Past these no released checkpoint goes (largest public dense LLMs: h 16384, i 53248,
-#: 126 layers, 128 heads, vocab 256k; gemma3 262144): a bound that catches typos, not models.
-_LIMITS = {"hidden_size": 65536, "intermediate_size": 262144, "num_hidden_layers": 1024,
-           "num_attention_heads": 1024, "vocab_size": 2**21}
 
 
 # -- Soup's own pre-flight, computed by Soup's code without importing it --
@@ -155,8 +147,8 @@ def arch_of(config: dict) -> Arch:
         v = config.get(name)
         if isinstance(v, bool) or not isinstance(v, int):
             raise UsageError(f"config {name} is {v!r}; it must be a whole number")
-        if not 1 <= v <= _LIMITS[name]:
-            raise UsageError(f"config {name} is {v}; no real model has that (1 to {_LIMITS[name]})")
+        if not 1 <= v <= CONFIG_LIMITS[name]:
+            raise UsageError(f"config {name} is {v}; no real model has that (1 to {CONFIG_LIMITS[name]})")
     h, i, L, V, nh = (config[n] for n in _SIZES[:2] + ("num_hidden_layers", "vocab_size",
                                                          "num_attention_heads"))
     kv = config.get("num_key_value_heads") or nh
@@ -213,8 +205,8 @@ def lora_params(a: Arch, targets: tuple, r: int) -> int:
     return a.L * sum(r * (a.modules[t][0] + a.modules[t][1]) for t in targets)
 
 
-def soup_preflight(config: dict, *, quant: str, seq: int, batch: int, targets, lora_r: int,
-                   release: str | None = None) -> tuple[int, dict]:
+def soup_preflight_from_config(config: dict, *, quant: str, seq: int, batch: int, targets,
+                               lora_r: int, release: str | None = None) -> tuple[int, dict]:
     """Soup's own number (computed by Soup's estimator) and the kwargs Soup's setup passes it.
     0.77.0 moves an untied model's vocab matrices out of extras into one large-layer slot."""
     a = arch_of(config)
@@ -312,7 +304,7 @@ def segment_tail(size: int) -> int:
     memory_allocated (smaller requests are cut from shared 2/20 MiB segments: no tail). Evidence:
     Qwen2.5 2048x1's allocator history replays 3,145,728 B (3 x 1 MiB) under the measured peak;
     its fp32 logits requests are 1,244,659,712 B, in 1,245,708,288 B segments (review-check)."""
-    size = max(K_MIN_BLOCK_SIZE, -(-size // K_MIN_BLOCK_SIZE) * K_MIN_BLOCK_SIZE)
+    size = block_bytes(size)
     rest = -(-size // K_ROUND_LARGE) * K_ROUND_LARGE - size
     if size < K_MIN_LARGE_ALLOC:
         return 0
@@ -409,7 +401,8 @@ def estimate(config: dict, *, quant: str = "none", seq: int, batch: int = 1, tar
         raise UsageError(f"LoRA target(s) {', '.join(missing) or '(none)'} not in a {a.model_type}"
                          f" layer (it has {', '.join(a.modules)})")
     release = release or installed_release()
-    soup, soup_terms = soup_preflight(config, quant=quant, seq=seq, batch=batch, targets=targets,
+    soup, soup_terms = soup_preflight_from_config(config, quant=quant, seq=seq, batch=batch,
+                                                  targets=targets,
                                       lora_r=lora_r, release=release)
     T, n = seq * batch, lora_params(a, targets, lora_r)
     t = {"pool": pool(a, quant), "extras": extras(a, release), "lora_weights": lora_weights(n),

@@ -10,7 +10,7 @@ from .record import GB, MAP_SEQS, SHAPES, Arm, Shape
 from .row import Row
 from .shapes import FAMILIES, max_positions
 
-#: Soup's published streamed NF4 peak (Llama-3.1-8B, batch 1 x seq 512; FAMILIES.md): bytes
+#: Soup's published streamed NF4 peak (Llama-3.1-8B, batch 1 x seq 512; docs/FAMILIES.md): bytes
 #: allocated, from its v0.73.1 test docstring (issue #349). The map holds one arm against it.
 PUBLISHED_NF4 = {("llama31-8b", "nf4", 512, 1): 3_411_600_000}
 

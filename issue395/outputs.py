@@ -10,8 +10,9 @@ import json
 import os
 import stat
 import tempfile
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
+from .options import Run
 from .record import A10G_STACK, QUANTS, RECORD_A10G_PREDICTED, RECORD_RTX3050, SHAPES
 from .result import Result, RowFile
 from .tables import (
@@ -31,9 +32,6 @@ from .tables import (
     sdpa_table,
     sweep_cells,
 )
-
-if TYPE_CHECKING:  # annotations only: these modules lie above this one
-    from .options import Run
 
 
 def command_words(env: dict[str, Any]) -> str:
@@ -358,7 +356,7 @@ def write_output(path: str, data: bytes) -> None:
         raise
 
 
-def write_outputs(result: Result, run: "Run", rows_file: RowFile,
+def write_outputs(result: Result, run: Run, rows_file: RowFile,
                   parts: Optional[list[tuple[str, dict]]] = None) -> Optional[str]:
     """--json, --markdown and --plot (``parts``: each merged saved result's file and stack, for
     the markdown's commands). Returns one line naming an output that could not be written and

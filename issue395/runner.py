@@ -20,6 +20,7 @@ from .console import Progress, Stop
 from .cuda import control_step, positive_control
 from .errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, UsageError, last_line
 from .margin import margin_arms, margin_breakdown, shard_of
+from .measurement import Measurement, run_arm
 from .modes import measure_mode, sdpa_mode
 from .options import NO_CUDA, Run, build_parser, grid_arms, settle
 from .outputs import render_markdown, write_output, write_outputs
@@ -37,9 +38,13 @@ class Protocol:
     """What the entry script hands the package: its measured arm, the device its step runs on
     (the CPU tests set "cpu"), and the script itself, which every child process runs."""
 
-    run_arm: Callable[..., Row]
+    measure_arm: Callable[..., Measurement]
     step_device: str
     script: str
+
+    def run_arm(self, arm: Arm, shape: Shape, base: str, work: Path, **options: Any) -> Row:
+        """One arm measured by the protocol and judged into its row."""
+        return run_arm(self.measure_arm, self.step_device, arm, shape, base, work, **options)
 
 
 def cli(argv: list[str], protocol: Protocol) -> int:

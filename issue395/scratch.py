@@ -14,7 +14,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
-from .checkpoints import safetensors_problem
+from .builder import safetensors_problem
 from .errors import UsageError
 
 SCRATCH_PREFIX = "issue395-scratch-"

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from .console import quiet_libraries
+from .constants import CONFIG_LIMITS
 from .errors import UsageError, last_line
 from .record import GRID_ADAPTER_FACTOR, LORA_R, LORA_TARGETS, SHAPES, Shape
 from .row import _whole
@@ -54,17 +55,12 @@ def bitsandbytes_present() -> bool:
     return importlib.util.find_spec("bitsandbytes") is not None
 
 
-#: Sizes no real model comes near (the largest public configs: 128 heads, 126 layers, hidden
-#: 16,384, intermediate 53,248, vocab 262,144): past them a config is a typo, and would reach
-#: torch as a model of terabytes. Each is refused in one line naming its limit.
-LIMITS = {"num_hidden_layers": 1024, "vocab_size": 2**22, "hidden_size": 2**16,
-          "intermediate_size": 2**18, "num_attention_heads": 1024}
 
 
 def size_problem(attr: str, value: Any) -> Optional[str]:
     """Why a config size cannot be a real model's (None if it can)."""
-    if not _whole(value, minimum=1) or value > LIMITS[attr]:
-        return (f"config {attr} is {value!r}; it must be a whole number from 1 to {LIMITS[attr]} "
+    if not _whole(value, minimum=1) or value > CONFIG_LIMITS[attr]:
+        return (f"config {attr} is {value!r}; it must be a whole number from 1 to {CONFIG_LIMITS[attr]} "
                 "(no real model is larger)")
     return None
 
@@ -103,7 +99,7 @@ def derive_shape(config: Any, name: str, key: str = "custom", hub_id: Optional[s
     if streamed_as(model_type) is None:
         raise UsageError(f"{name}: architecture {model_type!r} cannot be layer-streamed by Soup "
                          f"(it streams {', '.join(SUPPORTED_STREAM_ARCHS)})")
-    for attr in LIMITS:  # a MoE config may have no dense intermediate_size: Soup's width then
+    for attr in CONFIG_LIMITS:  # a MoE config may have no dense intermediate_size: Soup's width then
         value = getattr(config, attr, None)
         problem = size_problem(attr, soup_intermediate(config) if attr == "intermediate_size" and value is None
                                else value)
@@ -138,7 +134,7 @@ _LLAMA3_ROPE = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
                 "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
 
-#: One public checkpoint per family Soup streams (../shared/FAMILIES.md): its config.json
+#: One public checkpoint per family Soup streams (docs/FAMILIES.md): its config.json
 #: fields and its public parameter count (a tied head once). smol and qwen are the record's.
 FAMILIES: dict[str, Family] = {
     "llama32-1b": Family("Llama-3.2-1B", "meta-llama/Llama-3.2-1B", "llama", dict(
@@ -438,7 +434,7 @@ def load_custom_shape(model: str) -> Shape:
         if not _whole(fields_.get(key), minimum=1):
             raise UsageError(f"--model {model}: {config_file.name} has {key} {fields_.get(key)!r}; it must "
                              "be a whole number >= 1")
-    for key in LIMITS:  # before transformers sees it: a million layers is minutes of config
+    for key in CONFIG_LIMITS:  # before transformers sees it: a million layers is minutes of config
         if key in fields_ and size_problem(key, fields_[key]):
             raise UsageError(f"--model {model}: {config_file.name}: {size_problem(key, fields_[key])}")
     with quiet_libraries():

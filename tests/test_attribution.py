@@ -73,7 +73,7 @@ PEAK = R - 3072 + BF16_BLOCK + 2 * FP32_BLOCK + 512
 # --- the allocator's rounding and the logits shapes ---------------------------------
 
 def test_the_mistral_nf4_peak_is_named_by_physical_class_dequantised_weights_not_activations():
-    """PEAK.md's history of Mistral-7B NF4 512x1, in miniature: three 4096x14336 and three
+    """docs/PEAK.md's history of Mistral-7B NF4 512x1, in miniature: three 4096x14336 and three
     4096x4096 bf16 blocks live at the peak are the dequantised layer, set apart from the rest,
     and the bytes resident before the step are the resident weights."""
     from issue395.anatomy import physical_classifier
@@ -371,7 +371,7 @@ def test_a_map_margin_named_by_physical_class_is_set_against_the_corrected_terms
 
     from conftest import ROOT, main
 
-    data = json.loads((ROOT / "results/h200x2-2026-11-30-issue16/map-512-1024.json").read_text())
+    data = json.loads((ROOT / "results/cap-proof-and-seq512-1024-map-h200x2-soup0.73.3-b5bee37/map-512-1024.json").read_text())
     margin = next(m for m in data["margins"] if (m["model_key"], m["quant"], m["seq"], m["batch"])
                   == ("mistral-7b", "nf4", 512, 1))
     w16 = 3 * 4096 * 14336 * 2 + 3 * 4096 * 4096 * 2

@@ -183,7 +183,7 @@ def test_a_parent_of_children_with_steps_keeps_the_childrens_stack_and_writes_it
     assert "2 optimizer steps per arm" in stdout.splitlines()[0]
 
 
-ROOT_RESULT = Path(__file__).resolve().parents[1] / "results/h200x2-2026-11-30-split/full-cold.json"
+ROOT_RESULT = Path(__file__).resolve().parents[1] / "results/split-check-h200x2-soup0.73.3-b5bee37/full-cold.json"
 
 
 @pytest.mark.parametrize("mode", ["--measure", "--sdpa", "--snapshot"])
@@ -220,7 +220,7 @@ def test_a_margin_of_a_release_the_estimator_does_not_know_is_left_out_of_the_an
 
 
 def test_a_sweep_among_map_parts_is_refused_naming_that_file(capfd):
-    root = Path(__file__).resolve().parents[1] / "results/h200-2026-11-30-margin-map"
+    root = Path(__file__).resolve().parents[1] / "results/margin-map-in-4-parts-h200-soup0.73.3-3238e1a-to-b3a7891"
     line = one_error_line(*main(capfd, ["--from-json", root / "map-a.json", root / "full-cold.json",
                                         root / "map-b.json"]), "full-cold.json", "a sweep among map parts")
     assert "map-b.json is" not in line

@@ -39,7 +39,7 @@ def test_fixture_has_every_family_with_its_model_type():
 @pytest.mark.parametrize("arm", [a for a in ARMS if a["release"] == E.installed_release()],
                          ids=lambda a: f"{a['family']}-{a['quant']}-{a['seq']}x{a['batch']}")
 def test_soup_number_from_config_equals_the_committed_capture(arm):
-    got, terms = E.soup_preflight(config_json(arm["family"]), quant=arm["quant"], seq=arm["seq"],
+    got, terms = E.soup_preflight_from_config(config_json(arm["family"]), quant=arm["quant"], seq=arm["seq"],
                                   batch=arm["batch"], targets=arm["targets"], lora_r=8,
                                   release=arm["release"])
     assert abs(got - arm["soup_predicted"]) <= 16
@@ -49,7 +49,7 @@ def test_soup_number_from_config_equals_the_committed_capture(arm):
 @pytest.mark.parametrize("arm", [a for a in ARMS if a["release"] == "0.77.0"],
                          ids=lambda a: f"{a['family']}-{a['quant']}-{a['seq']}")
 def test_soup_077_kwargs_and_number_match_the_untied_map(arm):
-    got, terms = E.soup_preflight(config_json(arm["family"]), quant=arm["quant"], seq=arm["seq"],
+    got, terms = E.soup_preflight_from_config(config_json(arm["family"]), quant=arm["quant"], seq=arm["seq"],
                                   batch=arm["batch"], targets=arm["targets"], lora_r=8,
                                   release="0.77.0")
     assert abs(got - arm["soup_predicted"]) <= 16 and terms == arm["soup_terms"]
@@ -60,7 +60,7 @@ def test_soup_number_is_soups_own_function_not_a_copy():
     src = (E._soup_dir() / "utils" / "layer_stream.py").read_text()
     assert ns["estimate_stream_peak_vram"].__code__.co_filename.endswith("layer_stream.py")
     assert f"STREAM_FIXED_SLACK_BYTES = {ns['STREAM_FIXED_SLACK_BYTES']:_}" in src
-    # FAMILIES.md's nine (0.73.3); a later Soup may stream more (0.77.0 adds two)
+    # docs/FAMILIES.md's nine (0.73.3); a later Soup may stream more (0.77.0 adds two)
     assert "SUPPORTED_STREAM_ARCHS" in src and {"llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2",
                                                  "gemma3_text", "phi", "phi3"} <= set(E.supported_archs())
 
@@ -143,7 +143,7 @@ def test_layer_phase_binds_only_on_short_nf4_arms_of_small_vocab_families():
     layer = {(a["family"], a["quant"], a["seq"], a["batch"]) for a in ARMS if E.estimate(
         config_json(a["family"]), quant=a["quant"], seq=a["seq"], batch=a["batch"],
         targets=a["targets"], release=a["release"]).phase == "layer"}
-    # PEAK.md's four (the first grid and seq 512), and what seq 1024 added
+    # docs/PEAK.md's four (the first grid and seq 512), and what seq 1024 added
     assert {("mistral-7b", "nf4", 512, 1), ("mistral-7b", "nf4", 2048, 1), ("phi3-mini", "nf4", 512, 1),
             ("phi-2", "nf4", 512, 1)} <= layer
     assert all(q == "nf4" and s * b <= 2048 and f in ("mistral-7b", "phi3-mini", "phi-2") for f, q, s, b in layer)
@@ -237,3 +237,17 @@ def test_estimate_table_labels_every_figure(key):
                          "corrected: needs free GB"]
     assert names.index("fits 24GB (needs free <= card)") > max(i for i, n in enumerate(names) if "term:" in n)
     assert sum(1 for n in names if n.startswith("longest seq that fits")) == 2
+
+
+
+@pytest.mark.parametrize("name, bound", [("vocab_size", 2**22), ("num_hidden_layers", 1024),
+                                         ("intermediate_size", 2**18), ("hidden_size", 2**16)])
+def test_the_estimator_and_the_measured_path_refuse_the_same_configs(name, bound):
+    """One bound per size for both (they had drifted: vocab 2^22 measured, 2^21 estimated)."""
+    from issue395.shapes import size_problem
+
+    assert size_problem(name, bound) is None and size_problem(name, bound + 1)
+    config = dict(config_json("smol"))
+    E.arch_of({**config, name: bound})
+    with pytest.raises(UsageError, match=name):
+        E.arch_of({**config, name: bound + 1})

@@ -36,8 +36,8 @@ def test_estimate_answers_from_a_config_without_importing_torch(tmp_path):
 
 
 #: A committed map arm of Mistral-7B NF4 512 x 1 for each tested Soup release.
-SAVED = {"0.73.3": "results/h200x2-2026-11-30-issue16/map-512-1024.json",
-         "0.77.0": "results/h200x2-2026-11-30-untied-seq512/map077-untied.json"}
+SAVED = {"0.73.3": "results/cap-proof-and-seq512-1024-map-h200x2-soup0.73.3-b5bee37/map-512-1024.json",
+         "0.77.0": "results/untied-seq512-h200x2-soup0.73.3-and-0.77.0-f3ad9d2/map077-untied.json"}
 
 
 def test_soups_own_number_from_the_config_is_the_one_its_setup_computed_on_the_gpu(capfd, tmp_path):

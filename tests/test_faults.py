@@ -222,14 +222,14 @@ def test_crash_mid_sweep_prints_and_saves_the_rows_finished_before_it(
     exit 1, one error line and no traceback on the console, and --json holds the finished
     row and the error."""
     fake_cuda()
-    real_run_arm = h.run_arm
+    real_measure_arm = h.measure_arm
 
-    def run_arm(arm, *a, **kw):
+    def measure_arm(arm, *a, **kw):
         if arm.seq == 80:
             raise RuntimeError("harness bug mid-sweep")
-        return real_run_arm(arm, *a, **kw)
+        return real_measure_arm(arm, *a, **kw)
 
-    monkeypatch.setattr(h, "run_arm", run_arm)
+    monkeypatch.setattr(h, "measure_arm", measure_arm)
     out_json = tmp_path / "out.json"
     code, out, err = main(capfd, ["--models", "smol", "--seq", "64,80,96", "--cache-dir",
                                   cache_dir, "--json", out_json])

@@ -28,8 +28,8 @@ from pathlib import Path
 import pytest
 from conftest import SCRIPT, SMOL, cuda, main, table_rows
 
-from issue395.builder import build_tokenizer, checkpoint_fingerprint, hf_config
-from issue395.checkpoints import checkpoint_problem, safetensors_problem, synthetic_checkpoint
+from issue395.builder import build_tokenizer, checkpoint_fingerprint, hf_config, safetensors_problem
+from issue395.checkpoints import checkpoint_problem, synthetic_checkpoint
 from issue395.errors import EXIT_OK, EXIT_USAGE
 from issue395.outputs import write_output
 from issue395.record import SHAPES

@@ -1,5 +1,5 @@
 """The house: a protocol script a page long, and a package of one-concern modules beside it,
-each importing only what lies below it (the README's Layout order), never the script."""
+each importing only what lies below it (docs/LAYOUT.md's order), never the script."""
 
 from __future__ import annotations
 
@@ -12,20 +12,18 @@ PACKAGE = ROOT / "issue395"
 
 
 def layout_order() -> list[str]:
-    """The modules in the order the README's Layout table lists them, lowest first."""
-    readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    section = readme.split("## Layout", 1)[1].split("\n## ", 1)[0]
-    return re.findall(r"^\| `(\w+)` \|", section, re.M)
+    """The modules in the order docs/LAYOUT.md's table lists them, lowest first."""
+    layout = (ROOT / "docs" / "LAYOUT.md").read_text(encoding="utf-8")
+    return re.findall(r"^\| `(\w+)` \|", layout, re.M)
 
 
 def imports_of(path) -> set[str]:
-    """Package modules a module imports, at any depth, but for annotations under TYPE_CHECKING."""
+    """Package modules a module imports, at any depth, annotations under TYPE_CHECKING included:
+    an import only a type checker follows still ties the two modules into one cycle."""
     tree = ast.parse(path.read_text(encoding="utf-8"))
-    skip = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
-            and getattr(node.test, "id", None) == "TYPE_CHECKING" for n in ast.walk(node)}
     found = set()
     for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and id(node) not in skip:
+        if isinstance(node, ast.ImportFrom):
             if node.level == 1:
                 found |= {node.module} if node.module else {a.name for a in node.names}
             elif (node.module or "").startswith("issue395."):

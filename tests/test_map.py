@@ -1,6 +1,6 @@
 """The margin map: every family Soup streams, from its public config alone, bf16 and NF4.
 
-Shapes are pinned on the meta device against FAMILIES.md's public parameter counts (typed in
+Shapes are pinned on the meta device against docs/FAMILIES.md's public parameter counts (typed in
 here independently of the harness). The real Soup setup runs on CPU through --dry-run
 (bitsandbytes is a requirement, so NF4 arms run Soup's 4bit setup too); the margin
 arithmetic is checked on rows built by the harness's own constructor, with an allocator
@@ -15,7 +15,7 @@ import json
 import pytest
 from conftest import SMOL, h, main, make_row
 
-from issue395 import estimate, options
+from issue395 import estimate, measurement, options
 from issue395.builder import prepare_checkpoint
 from issue395.errors import UsageError
 from issue395.margin import arm_seconds, estimator_terms, margin_breakdown, plan_map, shape_classes, shard_of
@@ -28,7 +28,7 @@ from issue395.shapes import FAMILIES, MAP_FAMILIES, config_json, family_shape, m
 from issue395.spread import plan_jobs
 from issue395.tables import map_verdict, margins_table
 
-#: ../shared/FAMILIES.md: the public parameter count of one checkpoint per family.
+#: docs/FAMILIES.md: the public parameter count of one checkpoint per family.
 PUBLIC_PARAMS = {
     "llama32-1b": 1_235_814_400, "qwen3-0.6b": 596_049_920, "mistral-7b": 7_248_023_552,
     "gemma-2b": 2_506_172_416, "gemma2-2b": 2_614_341_888, "gemma3-1b": 999_885_952,
@@ -157,8 +157,8 @@ def test_an_explicit_nf4_request_without_bitsandbytes_is_a_usage_error(capfd, mo
 
 
 def test_without_bitsandbytes_an_nf4_arm_is_a_skipped_row_with_its_reason(monkeypatch, tmp_path):
-    monkeypatch.setattr(h, "bitsandbytes_present", lambda: False)
-    row = h.run_arm(Arm("smol", 64, 1, 0, "nf4"), SMOL, "unused", tmp_path, dry_run=True)
+    monkeypatch.setattr(measurement, "bitsandbytes_present", lambda: False)
+    row = h.protocol().run_arm(Arm("smol", 64, 1, 0, "nf4"), SMOL, "unused", tmp_path, dry_run=True)
     assert row.status == "SKIPPED" and "bitsandbytes" in row.error
     assert Result(environment={}, rows=[row]).exit_code == 0
 

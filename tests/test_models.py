@@ -22,7 +22,7 @@ from issue395.record import SHAPES, Shape, predicted_bytes
 from issue395.shapes import derive_shape
 
 MODELS = ["smol", "qwen"]
-# PROTOCOL.md's shape table, typed in independently of SHAPES.
+# docs/PROTOCOL.md's shape table, typed in independently of SHAPES.
 PROTOCOL = {
     "smol": dict(pool=14160384, extras=56624256, adapter=921600, vocab=49152, hidden=576,
                  intermediate=1536, n_layers=30, heads=9, kv_heads=3, max_positions=8192,

@@ -17,9 +17,9 @@ from conftest import ROOT, main, one_error_line
 from issue395.console import Stop
 from issue395.record import Shape
 
-MAP = ROOT / "results/h200x2-2026-11-30-map-2gpu/map-2gpu.json"
-SWEEP = ROOT / "results/h200-2026-11-30-margin-map/full-cold.json"
-SCHEMA1 = ROOT / "results/h200-2026-11-30/h200-2026-11-30-full-cold.json"
+MAP = ROOT / "results/margin-map-h200x2-soup0.73.3-f3ad9d2/map-2gpu.json"
+SWEEP = ROOT / "results/margin-map-in-4-parts-h200-soup0.73.3-3238e1a-to-b3a7891/full-cold.json"
+SCHEMA1 = ROOT / "results/record-h200x2-soup0.73.3-e7c26f7/h200-2026-11-30-full-cold.json"
 
 
 # 1. the builder: each tensor owns exactly its bytes --------------------------------------------

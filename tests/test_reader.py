@@ -15,9 +15,9 @@ from issue395.errors import EXIT_OK
 from issue395.result import load_result, merge
 from issue395.tables import compare_table, margins_table, measure_table, render_text, sdpa_table, sweep_table
 
-MAP_2GPU = ROOT / "results/h200x2-2026-11-30-map-2gpu/map-2gpu.json"
-MAP_512 = ROOT / "results/h200x2-2026-11-30-issue16/map-512-1024.json"
-SWEEP = ROOT / "results/h200-2026-11-30-margin-map/full-cold.json"
+MAP_2GPU = ROOT / "results/margin-map-h200x2-soup0.73.3-f3ad9d2/map-2gpu.json"
+MAP_512 = ROOT / "results/cap-proof-and-seq512-1024-map-h200x2-soup0.73.3-b5bee37/map-512-1024.json"
+SWEEP = ROOT / "results/margin-map-in-4-parts-h200-soup0.73.3-3238e1a-to-b3a7891/full-cold.json"
 
 
 @pytest.fixture(scope="module")

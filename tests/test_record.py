@@ -34,7 +34,7 @@ from issue395.row import Row, arm_row, realised_as_requested
 from issue395.spread import lost_row
 from issue395.tables import determinism_spread, overestimate_summary
 
-# PROTOCOL.md's shape table and the A10G record's published figures, typed in here
+# docs/PROTOCOL.md's shape table and the A10G record's published figures, typed in here
 # independently of the harness's own copies.
 PROTOCOL_SHAPES = {
     "smol": dict(pool=14160384, extras=56624256, adapter=921600, vocab=49152, hidden=576,

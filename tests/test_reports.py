@@ -27,7 +27,7 @@ from issue395.row import Row
 from issue395.tables import SWEEP_LEGEND, compare_table, models_in, overestimate_line, render_text
 
 UNDER_PEAK = 5_830_000_000  # the RTX 3050 record's SmolLM2 seq 6144 real peak (5.830 GB)
-SCHEMA1 = ROOT / "results" / "h200-2026-11-30" / "h200-2026-11-30-full-cold"
+SCHEMA1 = ROOT / "results" / "record-h200x2-soup0.73.3-e7c26f7" / "h200-2026-11-30-full-cold"
 
 FAKE_MEASURE = {  # fake numbers, shaped like measure_mode() output
     "constants": {"LOGITS_BYTES_PER_ELEMENT": 14, "LOGITS_LOSS_BYTES_PER_ELEMENT": 12},
