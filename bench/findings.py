@@ -19,7 +19,7 @@ sys.path.insert(0, str(ROOT))
 
 from issue395.estimate import arch_of, estimate, lora_params  # noqa: E402
 from issue395.result import Result  # noqa: E402
-from issue395.shapes import config_json  # noqa: E402
+from issue395.registry import config_json  # noqa: E402
 
 CAP_DIR = "results/cap-proof-and-seq512-1024-map-h200x2-soup0.73.3-b5bee37"
 MAPS = ("results/margin-map-h200x2-soup0.73.3-f3ad9d2/map-2gpu.json", f"{CAP_DIR}/map-512-1024.json")

@@ -17,7 +17,7 @@ from typing import Callable
 from . import estimate as E
 from .constants import CUBLAS_WORKSPACE, CUBLAS_WORKSPACE_AMPERE, block_bytes
 from .record import SHAPES
-from .shapes import FAMILIES, config_json
+from .registry import FAMILIES, config_json
 
 
 DEQUANTISED = "dequantised layer weights"

@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Optional
 
 from .estimate import estimate
-from .shapes import config_json
+from .registry import config_json
 
 
 def cap_bytes(cap: str, key: str, *, quant: str, seq: int, batch: int, targets: tuple, steps: int = 1,

@@ -8,7 +8,8 @@ from typing import Any, Callable, Iterable, Optional
 from .cuda import logits_kind
 from .record import GB, MAP_SEQS, SHAPES, Arm, Shape
 from .row import Row
-from .shapes import FAMILIES, max_positions
+from .registry import FAMILIES, max_positions
+from .shapes import family_shape
 
 #: Soup's published streamed NF4 peak (Llama-3.1-8B, batch 1 x seq 512; docs/FAMILIES.md): bytes
 #: allocated, from its v0.73.1 test docstring (issue #349). The map holds one arm against it.
@@ -166,9 +167,18 @@ def shard_of(arms: list[Arm], shard: tuple[int, int], whole_models: bool = False
 def arm_seconds(arm: Arm) -> float:
     """A map arm's rough cost, only to deal families evenly: on the H200 map each arm took
     about 3 s of setup and teardown plus 0.7 s per billion parameters."""
-    if arm.model in FAMILIES:
-        params = FAMILIES[arm.model].params
+    family = arm.model.split("+")[0]  # a streaming mode costs what its family costs
+    if family in FAMILIES:
+        f = FAMILIES[family]
+        # a family with no published count (a reduced-depth MoE): its bf16 bytes, from its shape
+        params = f.params if f.params is not None else shape_params(family)
     else:  # the record's two: bf16 bytes of the layers and the extras, over 2
-        shape = SHAPES[arm.model]
+        shape = SHAPES[family]
         params = (shape.pool // 2 * shape.n_layers + shape.extras) // 2
     return 3.0 + 0.7e-9 * params
+
+
+def shape_params(family: str) -> int:
+    """A family's parameters from its derived shape (pool and extras are bf16 bytes)."""
+    shape = family_shape(family)
+    return (shape.pool // 2 * shape.n_layers + shape.extras) // 2

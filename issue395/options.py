@@ -28,8 +28,8 @@ from .margin import plan_map, shard_of
 from .record import MAP_BATCHES, QUANTS, RECORD_GRID, SHAPES, Arm, plan_arms
 from .result import RowFile
 from .scratch import soup_shard_root
-from .shapes import (ALL_FAMILIES, FAMILIES, bitsandbytes_present, config_json, config_only, default_map_families,
-                     is_moe, max_positions, mode_key, streamed_as)
+from .registry import ALL_FAMILIES, FAMILIES, config_json, max_positions, stream_mode_keys
+from .shapes import bitsandbytes_present, config_only, default_map_families, streamed_as
 
 EPILOG = f"""defaults:
   arms       SmolLM2-135M at seq {','.join(map(str, RECORD_GRID['smol']))} and Qwen2.5-0.5B at seq
@@ -351,23 +351,15 @@ def settle_map(args: argparse.Namespace, argv: list[str]) -> Run:
 
 
 def stream_mode_families(args: argparse.Namespace, families: list) -> tuple:
-    """Each family under every streaming mode asked for (the map's 0.77.0 axes), modes after the
-    family so a family's checkpoint serves all of them. A per-expert layout is a MoE family's axis."""
-    layouts = comma_list(args.expert_layout) if args.expert_layout else ["fused"]
-    chunks = comma_list(args.loss_chunk) if args.loss_chunk else ["off"]
-    recomputes = comma_list(args.recompute) if args.recompute else ["on"]
-    for flag, values, allowed in (("--expert-layout", layouts, ("fused", "per_expert")),
-                                  ("--recompute", recomputes, ("on", "off"))):
-        if any(v not in allowed for v in values) or len(set(values)) != len(values):
-            raise UsageError(f"{flag} {','.join(values)!r}: choose from {','.join(allowed)}, each once")
-    chunk_sizes = [None if c == "off" else parse_ints("--loss-chunk", c, minimum=16)[0] for c in chunks]
-    if len(set(chunk_sizes)) != len(chunk_sizes):
-        raise UsageError(f"--loss-chunk {args.loss_chunk!r}: a value named twice")
-    if (args.expert_layout or args.loss_chunk or args.recompute) and not soup_has_stream_modes():
+    """Each family under every streaming mode asked for (the map's soup-cli 0.77.0 axes)."""
+    asked = args.expert_layout or args.loss_chunk or args.recompute
+    if asked and not soup_has_stream_modes():
         raise UsageError("--expert-layout, --loss-chunk and --recompute need soup-cli 0.77.0, "
                          "whose training config has them; the installed one does not")
-    return tuple(mode_key(fam, layout, chunk, recompute) for fam in families for layout in layouts
-                 if layout == "fused" or is_moe(fam) for chunk in chunk_sizes for recompute in recomputes)
+    chunks = comma_list(args.loss_chunk) if args.loss_chunk else ["off"]
+    return stream_mode_keys(families, comma_list(args.expert_layout) if args.expert_layout else ["fused"],
+                            [None if c == "off" else parse_ints("--loss-chunk", c, minimum=16)[0] for c in chunks],
+                            comma_list(args.recompute) if args.recompute else ["on"])
 
 
 def soup_has_stream_modes() -> bool:

@@ -21,7 +21,7 @@ from .errors import EXIT_FINDING, EXIT_INTERRUPTED, EXIT_OK, UsageError, last_li
 from .margin import thinnest
 from .record import QUANTS, SCHEMA
 from .row import Row, _whole
-from .shapes import ALL_FAMILIES
+from .registry import ALL_FAMILIES
 
 #: What must agree for two results to merge into one table: the same stack and protocol.
 STACK_KEYS = ("gpu", "driver", "cuda", "torch", "transformers", "trl", "peft", "soup_cli", "python",

@@ -23,7 +23,7 @@ from .record import SHAPES, Arm
 from .result import Result, RowFile
 from .row import Row
 from .scratch import Scratch
-from .shapes import FAMILIES
+from .registry import FAMILIES
 
 #: A child process finds its work here: the file names its settled Run and its Job.
 CHILD_JOB = "ISSUE395_CHILD_JOB"

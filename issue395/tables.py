@@ -26,7 +26,7 @@ from .record import (
 )
 from .result import Result
 from .row import Row
-from .shapes import ALL_FAMILIES, FAMILIES, config_json
+from .registry import ALL_FAMILIES, FAMILIES, config_json
 
 
 def determinism_spread(rows: list[Row]) -> list[dict[str, Any]]:

@@ -77,7 +77,7 @@ def test_the_mistral_nf4_peak_is_named_by_physical_class_dequantised_weights_not
     4096x4096 bf16 blocks live at the peak are the dequantised layer, set apart from the rest,
     and the bytes resident before the step are the resident weights."""
     from issue395.anatomy import physical_classifier
-    from issue395.shapes import config_json
+    from issue395.registry import config_json
 
     classify = physical_classifier(config_json("mistral-7b"), quant="nf4", seq=512, batch=1,
                                    targets=("q_proj", "v_proj"))
@@ -385,7 +385,7 @@ def test_a_map_margin_named_by_physical_class_is_set_against_the_corrected_terms
     line = next(x for x in section.splitlines() if "dequantised layer weights" in x)
     assert f"{w16 / 1e6:.3f}" in line  # live, measured
     from issue395.estimate import estimate
-    from issue395.shapes import config_json
+    from issue395.registry import config_json
 
     w16_term = estimate(config_json("mistral-7b"), quant="nf4", seq=512).terms["dequantised_layer"]
     assert line.split()[4] == f"{w16_term / 1e6:.3f}"  # charged: the corrected W16 term

@@ -24,7 +24,8 @@ from issue395.outputs import render_plot
 from issue395.record import MAP_BATCHES, QUANTS, SHAPES, Arm
 from issue395.result import Result, merge
 from issue395.row import Row
-from issue395.shapes import FAMILIES, MAP_FAMILIES, config_json, family_shape, max_positions
+from issue395.registry import FAMILIES, MAP_FAMILIES, config_json, max_positions
+from issue395.shapes import family_shape
 from issue395.spread import plan_jobs
 from issue395.tables import map_verdict, margins_table
 

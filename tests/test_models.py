@@ -223,7 +223,8 @@ def test_chat_special_tokens_are_single_ids(key, tokenizers):
 
 #: Fields that name a model but do not shape its checkpoint (record does: a --model shape
 #: keeps its own config fields, the record's are tied with silu).
-NOT_SHAPING = {"name", "hub_id"}
+#: A streaming mode changes how Soup shards a checkpoint, never the checkpoint: its modes share it.
+NOT_SHAPING = {"name", "hub_id", "stream"}
 
 
 def _changed(value):
