@@ -83,6 +83,38 @@ _FLAGS = ("tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_wind
           "use_bidirectional_attention")
 
 
+def _number(v) -> bool:
+    return not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v)
+
+
+def _check_values(config: dict) -> None:
+    """Every optional field a config carries, whichever model reads it, is of its kind: a value
+    no config can mean (a "false" that reads as true, a window of -1) is one line naming it."""
+    for name in _FLAGS:  # "false" is a non-empty string: read as a flag it would mean true
+        if name in config and not isinstance(config[name], bool):
+            raise UsageError(f"config {name} is {config[name]!r}; it must be true or false")
+    for name in ("final_logit_softcapping", "attn_logit_softcapping"):
+        v = config.get(name)
+        if v is not None and not (_number(v) and v > 0):
+            raise UsageError(f"config {name} is {v!r}; it must be a positive number or null")
+    for name, low, null in (("num_key_value_heads", 1, True), ("head_dim", 1, True),
+                            ("sliding_window", 1, True), ("max_window_layers", 0, False),
+                            ("sliding_window_pattern", 1, False), ("max_position_embeddings", 1, False)):
+        v = config.get(name, 1)
+        if (v is not None or not null) and (isinstance(v, bool) or not isinstance(v, int) or v < low):
+            raise UsageError(f"config {name} is {v!r}; it must be a whole number >= {low}"
+                             + (" or null" if null else ""))
+    if config.get("sliding_window") is not None and config["sliding_window"] > _WINDOW_LIMIT:
+        raise UsageError(f"config sliding_window is {config['sliding_window']}; no real model has "
+                         f"more than {_WINDOW_LIMIT}")
+    rope = [config.get(n) for n in ("rope_parameters", "rope_scaling")]
+    factors = [config.get("partial_rotary_factor")] + [r.get("partial_rotary_factor") for r in rope
+                                                        if isinstance(r, dict)]
+    for v in factors:
+        if v is not None and not (_number(v) and 0 < v <= 1):
+            raise UsageError(f"config partial_rotary_factor is {v!r}; it must be a fraction in (0, 1]")
+
+
 def _field(config: dict, mt: str, name: str):
     """The config's value, else transformers' default for this model_type. A null stays null
     (Mistral-7B-v0.3's "sliding_window": null means no window), except where the class derives
@@ -118,9 +150,6 @@ def _window(config: dict, mt: str, L: int) -> int | None:
     if "sliding_window" not in d:
         return None
     w = _field(config, mt, "sliding_window")
-    if w is not None and (isinstance(w, bool) or not isinstance(w, int) or not 1 <= w <= _WINDOW_LIMIT):
-        raise UsageError(f"config sliding_window is {w!r}; it must be a whole number from 1 to "
-                         f"{_WINDOW_LIMIT} or null")
     if "use_sliding_window" in d and not _field(config, mt, "use_sliding_window"):
         return None  # Qwen2Config/Qwen3Config: sliding_window = None unless use_sliding_window
     if w is not None and _field(config, mt, "use_bidirectional_attention"):
@@ -131,14 +160,9 @@ def _window(config: dict, mt: str, L: int) -> int | None:
             raise UsageError(f"config layer_types must be a list of {L} layer kinds")
         sliding = "sliding_attention" in types
     elif mt in ("qwen2", "qwen3"):
-        mwl = _field(config, mt, "max_window_layers")
-        if isinstance(mwl, bool) or not isinstance(mwl, int):
-            raise UsageError(f"config max_window_layers is {mwl!r}; it must be a whole number")
-        sliding = mwl < L
+        sliding = _field(config, mt, "max_window_layers") < L
     elif mt == "gemma3_text":
         pattern = _field(config, mt, "sliding_window_pattern")
-        if isinstance(pattern, bool) or not isinstance(pattern, int) or pattern < 1:
-            raise UsageError(f"config sliding_window_pattern is {pattern!r}; it must be a whole number >= 1")
         sliding = any((i + 1) % pattern for i in range(L))
     else:  # gemma2 alternates from a sliding layer 0; mistral and phi3 slide every layer
         sliding = True
@@ -161,13 +185,7 @@ def arch_from_config(config: dict) -> Arch:
             raise UsageError(f"config {name} is {v!r}; it must be a whole number")
         if not 1 <= v <= _LIMITS[name]:
             raise UsageError(f"config {name} is {v}; no real model has that (1 to {_LIMITS[name]})")
-    for name in _FLAGS:  # "false" is a non-empty string: read as a flag it would mean true
-        if name in CONFIG_DEFAULTS[mt] and not isinstance(_field(config, mt, name), bool):
-            raise UsageError(f"config {name} is {config[name]!r}; it must be true or false")
-    for name in ("final_logit_softcapping", "attn_logit_softcapping"):
-        v = _field(config, mt, name) if name in CONFIG_DEFAULTS[mt] else None
-        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < math.inf):
-            raise UsageError(f"config {name} is {v!r}; it must be a positive number or null")
+    _check_values(config)
     h, i, L, V, nh = (config[n] for n in _SIZES[:2] + ("num_hidden_layers", "vocab_size",
                                                          "num_attention_heads"))
     kv, hd = _field(config, mt, "num_key_value_heads"), _field(config, mt, "head_dim")
