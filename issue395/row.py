@@ -30,7 +30,9 @@ LATER_FIELDS = ("cap_at", "cap")
 
 #: A row's fields that Row.from_json would otherwise take as they are: what each must be.
 ROW_FIELDS = {
-    **{k: (lambda v: isinstance(v, str), "a string") for k in ("model", "model_key")},
+    # printed as they stand: an escape sequence or a newline in a name would rewrite the terminal
+    **{k: (lambda v: isinstance(v, str) and v.isprintable(), "a printable string")
+       for k in ("model", "model_key")},
     **{k: (lambda v: v is None or isinstance(v, str), "a string or null")
        for k in ("error", "teardown_error", "base", "gpu", "log")},
     **{k: (lambda v: v is None or isinstance(v, dict), "an object or null")
