@@ -290,10 +290,17 @@ def heatmap_figure(result: Result, plt: Any) -> Any:
                             fontweight="bold" if under else "normal",
                             bbox=dict(boxstyle="square,pad=0.1", facecolor=colour, edgecolor="none")
                             if under else None)
+                elif r.oom_at_soup_cap:  # no peak read, but above Soup's number: the under-prediction
+                    colour = cmap(norm(HEATMAP_LOW))
+                    ax.add_patch(Rectangle((j - 0.5, i - 0.5), 1, 1, facecolor=colour, hatch="///",
+                                           edgecolor="black", linewidth=2.2))
+                    ax.text(j, i, "UNDER\nOOM at\nSoup's cap", ha="center", va="center", fontsize=6,
+                            fontweight="bold", color=text_colour(colour),
+                            bbox=dict(boxstyle="square,pad=0.1", facecolor=colour, edgecolor="none"))
                 else:
                     ax.add_patch(Rectangle((j - 0.5, i - 0.5), 1, 1, facecolor=NOT_MEASURED_GREY,
                                            edgecolor="white", linewidth=0.5))
-                    word = "dry run" if r.dry_run else r.status
+                    word = "dry run" if r.status == "dry-run" else r.status  # a FAILED dry run says so
                     ax.text(j, i, word, ha="center", va="center", fontsize=6, color="black")
         ax.set_xticks(range(len(columns)), [f"{q}\nx{b}" for q, b in columns])
         ax.set_yticks(range(len(families)), families)

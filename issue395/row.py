@@ -103,6 +103,12 @@ class Row:
         return "UNDER" if self.lowest_prediction < self.real_peak else "ok"
 
     @property
+    def oom_at_soup_cap(self) -> bool:
+        """Capped at Soup's own number, the step raised OOM: its peak is above Soup's prediction,
+        the under-prediction itself, though no peak was read."""
+        return self.cap_at == "soup" and self.status == "OOM"
+
+    @property
     def lowest_prediction(self) -> Optional[int]:
         """The lower of the record's convention and Soup's own pre-flight (where captured)."""
         return min((p for p in (self.predicted, self.soup_predicted) if p), default=None)
