@@ -9,6 +9,7 @@ import io
 import json
 import os
 import stat
+import sys
 import tempfile
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -340,6 +341,10 @@ def write_output(path: str, data: bytes) -> None:
     """Write an output without ever replacing what is not ours: a symlink is written
     through to its target, a device or FIFO is written to directly, and a regular file
     (or a new one) is replaced atomically through a temp file that never outlives a failure."""
+    if path == "-":  # the process's real stdout (the tables went to stderr)
+        sys.__stdout__.buffer.write(data)
+        sys.__stdout__.flush()
+        return
     target = os.path.realpath(path)
     try:
         mode = os.stat(target).st_mode
@@ -368,8 +373,9 @@ def write_output(path: str, data: bytes) -> None:
 def write_outputs(result: Result, run: "Run", rows_file: RowFile,
                   parts: Optional[list[tuple[str, dict]]] = None) -> Optional[str]:
     """--json, --markdown and --plot (``parts``: each merged saved result's file and stack, for
-    the markdown's commands). Returns one line naming an output that could not be written and
-    the one place the rows are kept, or None."""
+    the markdown's commands). Every output that can be written is; returns one line naming each
+    that could not and the one place the rows are kept, or None."""
+    failed = []
     for flag, path, render in (
             ("--json", run.json, lambda: json.dumps(result.to_json(), indent=2, default=str) + "\n"),
             ("--markdown", run.markdown, lambda: render_markdown(result, parts)),
@@ -380,8 +386,10 @@ def write_outputs(result: Result, run: "Run", rows_file: RowFile,
             data = render()
             write_output(path, data.encode("utf-8") if isinstance(data, str) else data)
         except OSError as exc:
-            keep = (f"the rows are kept in {rows_file.path}" if rows_file.path and rows_file.ok
-                    and rows_file.path.exists() else "the rows are in the tables printed above")
-            return f"{flag} {path} could not be written ({exc.strerror or exc}); {keep}"
+            failed.append(f"{flag} {path} could not be written ({exc.strerror or exc})")
+    if failed:
+        keep = (f"the rows are kept in {rows_file.path}" if rows_file.path and rows_file.ok
+                and rows_file.path.exists() else "the rows are in the tables printed above")
+        return "; ".join(failed) + f"; {keep}"
     rows_file.finish()
     return None

@@ -273,7 +273,7 @@ class RowFile:
     lost to a crash; removed once the final JSON holds them."""
 
     def __init__(self, json_path: Optional[str]):
-        self.path = self.path_for(json_path) if json_path else None
+        self.path = self.path_for(json_path) if json_path and json_path != "-" else None  # -: stdout
         self.ok = True
         if self.path:
             self.path.unlink(missing_ok=True)

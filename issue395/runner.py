@@ -51,7 +51,10 @@ def cli(argv: list[str], protocol: Protocol) -> int:
         if job_file:
             run, job = read_job(job_file)
             return execute(run, protocol, job)
-        return execute(settle(build_parser().parse_args(argv), argv), protocol)
+        run = settle(build_parser().parse_args(argv), argv)
+        # --json -: the JSON is stdout's, so every human line (tables, progress) goes to stderr
+        with contextlib.redirect_stdout(sys.stderr) if run.json == "-" else contextlib.nullcontext():
+            return execute(run, protocol)
     except UsageError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USAGE

@@ -39,3 +39,40 @@ def test_an_oom_at_soups_own_cap_is_drawn_as_the_under_prediction():
     words = cell_words(saved)
     assert sum(w.startswith("UNDER") and "Soup's cap" in w for w in words) == 6
     assert "OOM" not in words
+
+
+# -- Outputs: each written that can be, stdout on -, a read-only file kept (defects 7, 12, 14) --
+import os  # noqa: E402
+
+import pytest  # noqa: E402
+from conftest import main, one_error_line  # noqa: E402
+
+SAVED = ISSUE16 / "map-512-1024.json"
+
+
+def test_one_failed_output_does_not_skip_the_others(capfd, tmp_path):
+    if not os.path.exists("/dev/full"):
+        pytest.skip("no /dev/full")
+    code, _, err = main(capfd, ["--from-json", SAVED, "--markdown", "/dev/full", "--json", tmp_path / "ok.json",
+                                "--plot", tmp_path / "ok.png"])
+    assert code != 0 and "--markdown /dev/full could not be written" in err
+    assert (tmp_path / "ok.json").is_file() and (tmp_path / "ok.png").is_file()
+    code, _, err = main(capfd, ["--from-json", SAVED, "--json", "/dev/full", "--markdown", tmp_path / "ok.md"])
+    assert code != 0 and "--json /dev/full" in err and (tmp_path / "ok.md").is_file()
+
+
+def test_json_dash_is_stdout_and_the_tables_go_to_stderr(capfd, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    code, out, err = main(capfd, ["--from-json", SAVED, "--json", "-"])
+    assert json.loads(out)["kind"] == "map" and "verdict" in err
+    assert not (tmp_path / "-").exists()
+    code, out, err = main(capfd, ["--estimate", "--model", "smol", "--seq", "512", "--json", "-"])
+    assert code == 0 and json.loads(out)["kind"] == "estimate" and "corrected" in err
+
+
+def test_a_read_only_output_is_refused_not_replaced(capfd, tmp_path):
+    path = tmp_path / "kept.json"
+    path.write_text("mine\n")
+    path.chmod(0o444)  # no write bit for anyone: refused even when the tests run as root
+    one_error_line(*main(capfd, ["--from-json", SAVED, "--json", path]), "read-only")
+    assert path.read_text() == "mine\n"
