@@ -340,7 +340,9 @@ def settle_map(args: argparse.Namespace, argv: list[str]) -> Run:
         raise UsageError(f"--families: {'unknown family ' + repr(unknown[0]) if unknown else 'empty or repeated name'}; "
                          f"choose from {','.join(known)}")
     quants = QUANTS if args.quant is None else comma_list(args.quant)
-    if any(q not in QUANTS for q in quants) or len(set(quants)) != len(quants):
+    if len(set(quants)) != len(quants) and all(q in QUANTS for q in quants):
+        raise UsageError(f"--quant {args.quant}: a quantization is named twice")
+    if any(q not in QUANTS for q in quants):
         raise UsageError(f"--quant {args.quant!r}: choose from {','.join(QUANTS)}")
     if args.quant is not None and "nf4" in quants and not args.dry_run and not bitsandbytes_present():
         raise UsageError("--quant nf4 needs bitsandbytes, which is not installed here")
@@ -382,7 +384,9 @@ def settle_estimate(args: argparse.Namespace, argv: list[str]) -> Run:
             raise UsageError(f"--estimate and {flag} are exclusive: an estimate runs nothing")
     name, config = estimate_config(args.model)
     quants = ("none",) if args.quant is None else comma_list(args.quant)
-    if any(q not in QUANTS for q in quants) or len(set(quants)) != len(quants):
+    if len(set(quants)) != len(quants) and all(q in QUANTS for q in quants):
+        raise UsageError(f"--quant {args.quant}: a quantization is named twice")
+    if any(q not in QUANTS for q in quants):
         raise UsageError(f"--quant {args.quant!r}: choose from {','.join(QUANTS)}")
     seqs = parse_ints("--seq", args.seq, minimum=64)
     if not seqs:

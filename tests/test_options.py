@@ -32,3 +32,8 @@ def test_tilde_is_expanded_in_output_paths(capfd, tmp_path, monkeypatch):
     assert code in (0, 1), err
     assert json.loads((tmp_path / "t.json").read_text())["kind"] == "map"
     assert (tmp_path / "t.md").is_file() and not (tmp_path / "~").exists()
+
+
+@pytest.mark.parametrize("mode", [["--estimate", "--model", "smol", "--seq", "512"], ["--map", "--dry-run"]])
+def test_a_quant_named_twice_says_so(capfd, mode):
+    one_error_line(*main(capfd, [*mode, "--quant", "nf4,nf4"]), "named twice")
