@@ -4,6 +4,7 @@ a value no config can mean refused in one line naming the field (issue 22, defec
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
@@ -34,7 +35,8 @@ def arch_by_transformers(fields: dict) -> A.Arch:
 
     from issue395.console import quiet_libraries
 
-    mt, kw = fields["model_type"], {k: v for k, v in fields.items() if k != "model_type"}
+    # a deep copy: transformers standardises a rope_scaling dict in place, and FAMILIES shares it
+    mt, kw = fields["model_type"], copy.deepcopy({k: v for k, v in fields.items() if k != "model_type"})
     with quiet_libraries():
         c = AutoConfig.for_model(mt, **kw)
         one = AutoConfig.for_model(mt, **{**kw, "num_hidden_layers": 1})
