@@ -3,6 +3,7 @@ output paths (writable, never an input), input files, hub ids against local path
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import stat
@@ -83,6 +84,15 @@ def writable_folder(flag: str, folder: str, given: Optional[str] = None) -> None
 def check_output(flag: str, path: str) -> None:
     if not path.strip():
         raise UsageError(f"{flag}: the path is empty; give a file path")
+    if path == "-" and flag == "--json":
+        return  # stdout
+    if path == "-":
+        raise UsageError(f"{flag} -: only --json writes to stdout; give a file path")
+    with contextlib.suppress(OSError):
+        st = os.stat(os.path.realpath(path))
+        if stat.S_ISREG(st.st_mode) and not st.st_mode & 0o222:  # even root: someone protected it
+            raise UsageError(f"{flag} {path} is read-only; it is not replaced (give another path, or "
+                             "make it writable)")
     if flag == "--plot" and Path(path).suffix.lower() != ".png":
         raise UsageError(f"--plot {path}: the plot is a PNG; give a path ending in .png")
     if Path(path).is_dir():
@@ -105,7 +115,7 @@ def no_output_is_an_input(outputs: dict[str, Optional[str]], inputs: list[tuple[
     """An output never overwrites what the run reads: a saved result, --compare's, or --model's
     config.json or a file of its checkpoint folder."""
     for flag, path in outputs.items():
-        if not path:
+        if not path or path == "-":  # stdout
             continue
         for in_flag, source in inputs:
             inside = (os.path.isdir(source) and os.path.exists(path)

@@ -16,9 +16,10 @@ import importlib.util
 import math
 import os
 import typing
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
+from .arch import Arch, arch_from_config
 from .constants import (CONFIG_LIMITS, CUBLAS_WORKSPACE, K_MIN_LARGE_ALLOC, K_ROUND_LARGE,  # noqa: F401
                         K_MIN_BLOCK_SIZE, K_SMALL_SIZE, MiB, block_bytes)
 from .errors import UsageError
@@ -64,9 +65,6 @@ EXPANDABLE_RESERVE_FRACTION = 0.034
 EXPANDABLE_RESERVE_BYTES = 128 * 2**20
 
 RELEASES = ("0.73.3", "0.77.0")
-_SIZES = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-          "vocab_size")
-
 
 # -- Soup's own pre-flight, computed by Soup's code without importing it --
 def _soup_dir() -> Path:
@@ -120,65 +118,13 @@ def supported_archs() -> tuple:
     return tuple(soup_namespace()["SUPPORTED_STREAM_ARCHS"])
 
 
-# -- The model's shape from its config.json --
-@dataclass(frozen=True)
-class Arch:
-    model_type: str
-    h: int; i: int; L: int; V: int  # noqa: E702 (hidden, intermediate, layers, vocab)
-    heads: int; kv: int; head_dim: int  # noqa: E702
-    tied: bool
-    max_pos: int; rotary_dim: int  # noqa: E702
-    window: int | None
-    softcap: bool
-    modules: dict = field(default_factory=dict)  # name -> (in, out, bias)
-    norms: int = 2  # per-layer norm weights of size h
-    norm_bias: bool = False
-    qk_norm: bool = False
-
-
 def arch_of(config: dict) -> Arch:
-    if not isinstance(config, dict):
-        raise UsageError(f"config must be a config.json dict, not {type(config).__name__}")
-    mt = config.get("model_type")
-    if mt not in supported_archs():
+    """The config's Arch (arch_from_config), once Soup is known to stream its model_type."""
+    mt = config.get("model_type") if isinstance(config, dict) else None
+    if isinstance(config, dict) and mt not in supported_archs():
         raise UsageError(f"model_type {mt!r} cannot be layer-streamed by Soup (it streams "
                          f"{', '.join(supported_archs())})")
-    for name in _SIZES:
-        v = config.get(name)
-        if isinstance(v, bool) or not isinstance(v, int):
-            raise UsageError(f"config {name} is {v!r}; it must be a whole number")
-        if not 1 <= v <= CONFIG_LIMITS[name]:
-            raise UsageError(f"config {name} is {v}; no real model has that (1 to {CONFIG_LIMITS[name]})")
-    h, i, L, V, nh = (config[n] for n in _SIZES[:2] + ("num_hidden_layers", "vocab_size",
-                                                         "num_attention_heads"))
-    kv = config.get("num_key_value_heads") or nh
-    hd = config.get("head_dim") or (h // nh if h % nh == 0 else None)
-    if not isinstance(kv, int) or not isinstance(hd, int) or nh % kv or hd < 1:
-        raise UsageError(f"config heads do not fit: {nh} heads, {kv} kv heads, head_dim {hd}")
-    qw, kw = nh * hd, kv * hd
-    max_pos = config.get("max_position_embeddings")
-    if isinstance(max_pos, bool) or not isinstance(max_pos, int) or max_pos < 1:
-        raise UsageError(f"config max_position_embeddings is {max_pos!r}; it must be a whole number")
-    if mt == "phi3":
-        mods = {"qkv_proj": (h, qw + 2 * kw, False), "o_proj": (qw, h, False),
-                "gate_up_proj": (h, 2 * i, False), "down_proj": (i, h, False)}
-    elif mt == "phi":
-        mods = {"q_proj": (h, qw, True), "k_proj": (h, kw, True), "v_proj": (h, kw, True),
-                "dense": (qw, h, True), "fc1": (h, i, True), "fc2": (i, h, True)}
-    else:
-        bias = mt == "qwen2" or bool(config.get("attention_bias"))
-        mlp_bias = bool(config.get("mlp_bias"))
-        mods = {"q_proj": (h, qw, bias), "k_proj": (h, kw, bias), "v_proj": (h, kw, bias),
-                "o_proj": (qw, h, mt != "qwen2" and bias), "gate_proj": (h, i, mlp_bias),
-                "up_proj": (h, i, mlp_bias), "down_proj": (i, h, mlp_bias)}
-    window = None if mt in ("qwen2", "qwen3") and not config.get("use_sliding_window") else \
-        config.get("sliding_window")
-    return Arch(mt, h, i, L, V, nh, kv, hd, bool(config.get("tie_word_embeddings", True)),
-                max_pos, int(hd * float(config.get("partial_rotary_factor") or 1.0)),
-                window if isinstance(window, int) and window > 0 else None,
-                bool(config.get("final_logit_softcapping")), mods,
-                norms=4 if mt in ("gemma2", "gemma3_text") else (1 if mt == "phi" else 2),
-                norm_bias=mt == "phi", qk_norm=mt in ("qwen3", "gemma3_text"))
+    return arch_from_config(config)
 
 
 def _nf4_bytes(n: int) -> int:

@@ -221,13 +221,30 @@ def path_flag(args: argparse.Namespace, filename: object) -> str:
     return "a path:"
 
 
+#: What --from-json takes beside the saved results: the outputs and --steps (the corrected column).
+FROM_JSON_OPTIONS = {"from_json", "compare", "json", "markdown", "plot", "steps"}
+
+
 def _settle(args: argparse.Namespace, argv: list[str]) -> Run:
+    for key in ("json", "markdown", "plot", "log_dir", "snapshot_dir", "compare"):  # as --model is
+        if getattr(args, key) not in (None, "-"):
+            setattr(args, key, os.path.expanduser(getattr(args, key)))
+    if args.from_json:
+        args.from_json = [os.path.expanduser(p) for p in args.from_json]
+        defaults = vars(build_parser().parse_args([]))
+        extra = [k for k, v in vars(args).items() if k not in FROM_JSON_OPTIONS and v != defaults.get(k)]
+        if extra:
+            raise UsageError(f"--from-json and --{extra[0].replace('_', '-')} are exclusive: --from-json "
+                             "re-renders saved results and runs nothing")
+    if args.estimate and args.weights != "synthetic":
+        raise UsageError("--estimate and --weights are exclusive: an estimate reads the config, no weights")
     outputs = {f: getattr(args, f.strip("-").replace("-", "_")) for f in ("--json", "--markdown", "--plot")}
     for flag, path in outputs.items():
         if path is not None:
             check_output(flag, path)
     named = [(f, os.path.realpath(p)) for f, p in outputs.items() if p]
-    named += [("--json's row file", str(RowFile.path_for(args.json)))] if args.json else []
+    named = [(f, p) for f, p in named if not p.endswith(os.sep + "-") or outputs[f] != "-"]
+    named += [("--json's row file", str(RowFile.path_for(args.json)))] if args.json not in (None, "-") else []
     for i, (f, p) in enumerate(named):
         twin = next((g for g, q in named[i + 1:] if q == p), None)
         if twin:
@@ -337,7 +354,9 @@ def settle_map(args: argparse.Namespace, argv: list[str]) -> Run:
                              "(soup-cli 0.77.0 does)")
     families = stream_mode_families(args, families)
     quants = QUANTS if args.quant is None else comma_list(args.quant)
-    if any(q not in QUANTS for q in quants) or len(set(quants)) != len(quants):
+    if len(set(quants)) != len(quants) and all(q in QUANTS for q in quants):
+        raise UsageError(f"--quant {args.quant}: a quantization is named twice")
+    if any(q not in QUANTS for q in quants):
         raise UsageError(f"--quant {args.quant!r}: choose from {','.join(QUANTS)}")
     if args.quant is not None and "nf4" in quants and not args.dry_run and not bitsandbytes_present():
         raise UsageError("--quant nf4 needs bitsandbytes, which is not installed here")
@@ -398,7 +417,9 @@ def settle_estimate(args: argparse.Namespace, argv: list[str]) -> Run:
             raise UsageError(f"--estimate and {flag} are exclusive: an estimate runs nothing")
     name, config = estimate_config(args.model)
     quants = ("none",) if args.quant is None else comma_list(args.quant)
-    if any(q not in QUANTS for q in quants) or len(set(quants)) != len(quants):
+    if len(set(quants)) != len(quants) and all(q in QUANTS for q in quants):
+        raise UsageError(f"--quant {args.quant}: a quantization is named twice")
+    if any(q not in QUANTS for q in quants):
         raise UsageError(f"--quant {args.quant!r}: choose from {','.join(QUANTS)}")
     seqs = parse_ints("--seq", args.seq, minimum=64)
     if not seqs:

@@ -9,6 +9,7 @@ import io
 import json
 import os
 import stat
+import sys
 import tempfile
 from typing import Any, Optional
 
@@ -288,10 +289,17 @@ def heatmap_figure(result: Result, plt: Any) -> Any:
                             fontweight="bold" if under else "normal",
                             bbox=dict(boxstyle="square,pad=0.1", facecolor=colour, edgecolor="none")
                             if under else None)
+                elif r.oom_at_soup_cap:  # no peak read, but above Soup's number: the under-prediction
+                    colour = cmap(norm(HEATMAP_LOW))
+                    ax.add_patch(Rectangle((j - 0.5, i - 0.5), 1, 1, facecolor=colour, hatch="///",
+                                           edgecolor="black", linewidth=2.2))
+                    ax.text(j, i, "UNDER\nOOM at\nSoup's cap", ha="center", va="center", fontsize=6,
+                            fontweight="bold", color=text_colour(colour),
+                            bbox=dict(boxstyle="square,pad=0.1", facecolor=colour, edgecolor="none"))
                 else:
                     ax.add_patch(Rectangle((j - 0.5, i - 0.5), 1, 1, facecolor=NOT_MEASURED_GREY,
                                            edgecolor="white", linewidth=0.5))
-                    word = "dry run" if r.dry_run else r.status
+                    word = "dry run" if r.status == "dry-run" else r.status  # a FAILED dry run says so
                     ax.text(j, i, word, ha="center", va="center", fontsize=6, color="black")
         ax.set_xticks(range(len(columns)), [f"{q}\nx{b}" for q, b in columns])
         ax.set_yticks(range(len(families)), families)
@@ -331,6 +339,10 @@ def write_output(path: str, data: bytes) -> None:
     """Write an output without ever replacing what is not ours: a symlink is written
     through to its target, a device or FIFO is written to directly, and a regular file
     (or a new one) is replaced atomically through a temp file that never outlives a failure."""
+    if path == "-":  # the process's real stdout (the tables went to stderr)
+        sys.__stdout__.buffer.write(data)
+        sys.__stdout__.flush()
+        return
     target = os.path.realpath(path)
     try:
         mode = os.stat(target).st_mode
@@ -359,8 +371,9 @@ def write_output(path: str, data: bytes) -> None:
 def write_outputs(result: Result, run: Run, rows_file: RowFile,
                   parts: Optional[list[tuple[str, dict]]] = None) -> Optional[str]:
     """--json, --markdown and --plot (``parts``: each merged saved result's file and stack, for
-    the markdown's commands). Returns one line naming an output that could not be written and
-    the one place the rows are kept, or None."""
+    the markdown's commands). Every output that can be written is; returns one line naming each
+    that could not and the one place the rows are kept, or None."""
+    failed = []
     for flag, path, render in (
             ("--json", run.json, lambda: json.dumps(result.to_json(), indent=2, default=str) + "\n"),
             ("--markdown", run.markdown, lambda: render_markdown(result, parts)),
@@ -371,8 +384,10 @@ def write_outputs(result: Result, run: Run, rows_file: RowFile,
             data = render()
             write_output(path, data.encode("utf-8") if isinstance(data, str) else data)
         except OSError as exc:
-            keep = (f"the rows are kept in {rows_file.path}" if rows_file.path and rows_file.ok
-                    and rows_file.path.exists() else "the rows are in the tables printed above")
-            return f"{flag} {path} could not be written ({exc.strerror or exc}); {keep}"
+            failed.append(f"{flag} {path} could not be written ({exc.strerror or exc})")
+    if failed:
+        keep = (f"the rows are kept in {rows_file.path}" if rows_file.path and rows_file.ok
+                and rows_file.path.exists() else "the rows are in the tables printed above")
+        return "; ".join(failed) + f"; {keep}"
     rows_file.finish()
     return None

@@ -61,6 +61,12 @@ class Result:
         if not isinstance(data, dict) or not isinstance(data.get("environment"), dict) \
                 or not isinstance(data.get("rows"), list):
             raise ValueError("not a result this tool wrote")
+        if data.get("tool") != "issue395_second_stack_vram":
+            raise ValueError(f"its tool is {data.get('tool')!r:.60}, not issue395_second_stack_vram")
+        if data.get("kind") not in (None, "sweep", "map"):
+            raise ValueError(f"its kind is {data.get('kind')!r:.60}, not sweep or map")
+        if not data["rows"] and data.get("margins"):
+            raise ValueError("it holds margins but no rows: nothing measured to set them against")
         if not _whole(data.get("schema"), 1) or data["schema"] not in (1, SCHEMA):
             raise ValueError(f"schema {data.get('schema')!r} is not one this version reads "
                              f"(1 or {SCHEMA})")
@@ -278,7 +284,7 @@ class RowFile:
     lost to a crash; removed once the final JSON holds them."""
 
     def __init__(self, json_path: Optional[str]):
-        self.path = self.path_for(json_path) if json_path else None
+        self.path = self.path_for(json_path) if json_path and json_path != "-" else None  # -: stdout
         self.ok = True
         if self.path:
             self.path.unlink(missing_ok=True)
@@ -304,8 +310,16 @@ class RowFile:
 
 
 def load_result(path: str, flag: str = "--from-json") -> Result:
+    if path.endswith(".rows.jsonl"):
+        raise UsageError(f"{flag} {path}: this is a run's row file (its measured rows, one JSON line each, kept "
+                         "when the run could not write its --json); it holds no environment to judge them by, "
+                         "so --from-json cannot render it: read the lines as they are")
     try:
-        return Result.from_json(json.loads(Path(path).read_text(encoding="utf-8")))
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+        if isinstance(data, dict) and data.get("kind") == "estimate" and "environment" not in data:
+            raise UsageError(f"{flag} {path}: this is an --estimate result (a config's estimate, nothing "
+                             "measured); --from-json re-renders measured results")
+        return Result.from_json(data)
     except (OSError, ValueError, TypeError, KeyError, RecursionError, MemoryError) as exc:
         reason = "nested too deeply" if isinstance(exc, RecursionError) else last_line(exc)
         raise UsageError(f"{flag} {path}: not a result this tool can read ({reason})") from None

@@ -30,7 +30,9 @@ LATER_FIELDS = ("cap_at", "cap")
 
 #: A row's fields that Row.from_json would otherwise take as they are: what each must be.
 ROW_FIELDS = {
-    **{k: (lambda v: isinstance(v, str), "a string") for k in ("model", "model_key")},
+    # printed as they stand: an escape sequence or a newline in a name would rewrite the terminal
+    **{k: (lambda v: isinstance(v, str) and v.isprintable(), "a printable string")
+       for k in ("model", "model_key")},
     **{k: (lambda v: v is None or isinstance(v, str), "a string or null")
        for k in ("error", "teardown_error", "base", "gpu", "log")},
     **{k: (lambda v: v is None or isinstance(v, dict), "an object or null")
@@ -99,6 +101,12 @@ class Row:
         if self.real_peak is None:
             return "dry-run" if self.dry_run else "FAILED"
         return "UNDER" if self.lowest_prediction < self.real_peak else "ok"
+
+    @property
+    def oom_at_soup_cap(self) -> bool:
+        """Capped at Soup's own number, the step raised OOM: its peak is above Soup's prediction,
+        the under-prediction itself, though no peak was read."""
+        return self.cap_at == "soup" and self.status == "OOM"
 
     @property
     def lowest_prediction(self) -> Optional[int]:

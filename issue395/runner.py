@@ -24,11 +24,11 @@ from .measurement import Measurement, run_arm
 from .modes import measure_mode, sdpa_mode
 from .options import NO_CUDA, Run, build_parser, grid_arms, settle
 from .outputs import render_markdown, write_output, write_outputs
-from .record import SHAPES, Arm, Shape, plan_arms
+from .record import SCHEMA, SHAPES, Arm, Shape, plan_arms
 from .result import Result, RowFile, environment, load_result, merge, row_order
 from .row import Row
 from .scratch import Scratch
-from .shapes import family_shape, load_custom_shape
+from .shapes import family_shape, load_custom_shape, lora_targets
 from .spread import CHILD_JOB, Job, read_job, spread, visible_gpu_count
 from .tables import compare_table, render_text
 
@@ -56,7 +56,10 @@ def cli(argv: list[str], protocol: Protocol) -> int:
         if job_file:
             run, job = read_job(job_file)
             return execute(run, protocol, job)
-        return execute(settle(build_parser().parse_args(argv), argv), protocol)
+        run = settle(build_parser().parse_args(argv), argv)
+        # --json -: the JSON is stdout's, so every human line (tables, progress) goes to stderr
+        with contextlib.redirect_stdout(sys.stderr) if run.json == "-" else contextlib.nullcontext():
+            return execute(run, protocol)
     except UsageError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -284,18 +287,39 @@ def estimate_run(run: Run) -> int:
         raise UsageError(f"--estimate --model {run.custom_model}: {exc}") from None
     except Exception as exc:  # a config value of a kind no real config has
         raise UsageError(f"--estimate --model {run.custom_model}: cannot be estimated ({last_line(exc)})") from None
+    notes = estimate_notes(run.estimate_config, run.quants)
     text = (f"--estimate: {run.custom_model} (Soup's pre-flight: computed by Soup's own estimator code; "
-            "corrected and needs free: this tool's estimator, from the config alone)\n" + table)
+            "corrected and needs free: this tool's estimator, from the config alone)\n" + table
+            + "".join(f"note: {n}\n" for n in notes))
     print(text, end="")
     if run.json:
-        data = {"tool": "issue395_second_stack_vram", "kind": "estimate", "model": run.custom_model,
-                "cards": [{"card": c, "bytes": n} for c, n in run.cards], "rows": [r.to_json() for r in rows]}
+        targets = run.targets or lora_targets(run.estimate_config["model_type"])
+        data = {"tool": "issue395_second_stack_vram", "schema": SCHEMA, "kind": "estimate",
+                "model": run.custom_model, "soup_cli": rows[0].release, "targets": list(targets),
+                "lora_r": run.lora_r, "cards": [{"card": c, "bytes": n} for c, n in run.cards],
+                "fits": [{"card": c, "seq": r.seq, "batch": r.batch, "quant": r.quant, "fits": r.needs_free <= n,
+                          "soup_admits": r.soup_predicted <= n} for c, n in run.cards for r in rows],
+                "notes": notes, "rows": [r.to_json() for r in rows]}
         try:
             write_output(run.json, (json.dumps(data, indent=2) + "\n").encode("utf-8"))
         except OSError as exc:
             print(f"error: --json {run.json} could not be written ({exc.strerror or exc})", file=sys.stderr)
             return EXIT_USAGE
     return EXIT_OK
+
+
+def estimate_notes(config: dict, quants) -> list[str]:
+    """What the estimate leaves out, said where its numbers are read."""
+    notes = []
+    q = config.get("quantization_config")
+    if q is not None:
+        method = q.get("quant_method", "unnamed") if isinstance(q, dict) else type(q).__name__
+        notes.append(f"the config's quantization_config ({method}) is NOT modelled: these figures are Soup's "
+                     f"--quant {','.join(quants)} of the full-precision shapes the config describes")
+    notes.append("needs free assumes the allocator's expandable segments, as `soup train` sets them "
+                 "(PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True)")
+    notes.append("not estimated: host RAM and disk for the streamed layers' store (Soup's other gate)")
+    return notes
 
 
 def rerender(run: Run) -> int:

@@ -290,6 +290,13 @@ def map_verdict(rows: list[Row], env: Optional[dict] = None) -> str:
 def verdict_line(rows: list[Row]) -> str:
     under = [r for r in rows if r.status == "UNDER"]
     measured = [r for r in rows if r.measured]
+    capped = [r for r in rows if r.oom_at_soup_cap]
+    if capped:
+        return (f"verdict: Soup UNDER-predicts {len(under) + len(capped)} of {len(measured) + len(capped)} judged "
+                f"row(s): {len(capped)} raised OOM capped at Soup's own number (the run Soup admits dies: "
+                + "; ".join(f"{r.model} {r.quant} seq {r.seq} batch {r.batch}" for r in capped) + ")"
+                + ("" if not under else "; measured under: " + "; ".join(
+                    f"{r.model} {r.quant} seq {r.seq} batch {r.batch} ({ratio(r.margin_ratio)})" for r in under)))
     if under:
         return (f"verdict: Soup UNDER-predicts {len(under)} of {len(measured)} measured row(s); the contract "
                 "fails at " + "; ".join(f"{r.model} {r.quant} seq {r.seq} batch {r.batch} "

@@ -1,0 +1,78 @@
+"""issue395.outputs: the heatmap names what each grey or red cell is (issue 22, defects 4 and 5)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+from conftest import ROOT  # noqa: E402
+
+from issue395.outputs import heatmap_figure  # noqa: E402
+from issue395.result import Result  # noqa: E402
+
+ISSUE16 = ROOT / "results" / "h200x2-2026-11-30-issue16"
+
+
+def cell_words(result: Result) -> list[str]:
+    fig = heatmap_figure(result, plt)
+    words = [t.get_text() for ax in fig.axes for t in ax.texts]
+    plt.close(fig)
+    return words
+
+
+def test_a_failed_arm_of_a_dry_run_says_failed_not_dry_run():
+    saved = Result.from_json(json.loads((ISSUE16 / "map-512-1024.json").read_text()))
+    rows = [dataclasses.replace(r, dry_run=True, real_peak=None, failure="FAILED" if i == 0 else None)
+            for i, r in enumerate(saved.rows)]
+    words = cell_words(dataclasses.replace(saved, rows=rows, environment=dict(saved.environment, dry_run=True)))
+    assert words.count("FAILED") == 1 and words.count("dry run") == len(rows) - 1
+
+
+def test_an_oom_at_soups_own_cap_is_drawn_as_the_under_prediction():
+    saved = Result.from_json(json.loads((ISSUE16 / "cap-soup.json").read_text()))
+    capped = [r for r in saved.rows if r.oom_at_soup_cap]
+    assert len(capped) == 6
+    words = cell_words(saved)
+    assert sum(w.startswith("UNDER") and "Soup's cap" in w for w in words) == 6
+    assert "OOM" not in words
+
+
+# -- Outputs: each written that can be, stdout on -, a read-only file kept (defects 7, 12, 14) --
+import os  # noqa: E402
+
+import pytest  # noqa: E402
+from conftest import main, one_error_line  # noqa: E402
+
+SAVED = ISSUE16 / "map-512-1024.json"
+
+
+def test_one_failed_output_does_not_skip_the_others(capfd, tmp_path):
+    if not os.path.exists("/dev/full"):
+        pytest.skip("no /dev/full")
+    code, _, err = main(capfd, ["--from-json", SAVED, "--markdown", "/dev/full", "--json", tmp_path / "ok.json",
+                                "--plot", tmp_path / "ok.png"])
+    assert code != 0 and "--markdown /dev/full could not be written" in err
+    assert (tmp_path / "ok.json").is_file() and (tmp_path / "ok.png").is_file()
+    code, _, err = main(capfd, ["--from-json", SAVED, "--json", "/dev/full", "--markdown", tmp_path / "ok.md"])
+    assert code != 0 and "--json /dev/full" in err and (tmp_path / "ok.md").is_file()
+
+
+def test_json_dash_is_stdout_and_the_tables_go_to_stderr(capfd, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    code, out, err = main(capfd, ["--from-json", SAVED, "--json", "-"])
+    assert json.loads(out)["kind"] == "map" and "verdict" in err
+    assert not (tmp_path / "-").exists()
+    code, out, err = main(capfd, ["--estimate", "--model", "smol", "--seq", "512", "--json", "-"])
+    assert code == 0 and json.loads(out)["kind"] == "estimate" and "corrected" in err
+
+
+def test_a_read_only_output_is_refused_not_replaced(capfd, tmp_path):
+    path = tmp_path / "kept.json"
+    path.write_text("mine\n")
+    path.chmod(0o444)  # no write bit for anyone: refused even when the tests run as root
+    one_error_line(*main(capfd, ["--from-json", SAVED, "--json", path]), "read-only")
+    assert path.read_text() == "mine\n"

@@ -1,0 +1,42 @@
+"""issue395.result: saved results read back are trusted no further than they check (issue 22)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import ROOT, main, one_error_line
+
+SAVED = ROOT / "results" / "h200x2-2026-11-30-issue16" / "map-512-1024.json"
+
+
+def _saved(tmp_path, **change):
+    data = json.loads(SAVED.read_text())
+    data.update(change)
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps(data))
+    return path
+
+
+@pytest.mark.parametrize("change, words", [
+    ({"tool": "someone-else"}, ["tool", "someone-else"]),
+    ({"tool": None}, ["tool"]),
+    ({"rows": []}, ["margins but no rows"]),
+])
+def test_a_result_from_elsewhere_or_without_rows_is_refused(capfd, tmp_path, change, words):
+    data = json.loads(SAVED.read_text())
+    assert data.get("margins"), "the fixture must carry margins"
+    one_error_line(*main(capfd, ["--from-json", _saved(tmp_path, **change)]), *words)
+
+
+def test_a_row_file_is_named_for_what_it_is(capfd, tmp_path):
+    path = tmp_path / "x.json.rows.jsonl"
+    rows = json.loads(SAVED.read_text())["rows"][:2]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    one_error_line(*main(capfd, ["--from-json", path]), "row file", "no environment")
+
+
+def test_an_estimate_json_is_named_for_what_it_is(capfd, tmp_path):
+    est = tmp_path / "est.json"
+    assert main(capfd, ["--estimate", "--model", "smol", "--seq", "512", "--json", est])[0] == 0
+    one_error_line(*main(capfd, ["--from-json", est]), "--estimate result", "measured results")

@@ -1,0 +1,20 @@
+"""issue395.row: a saved row's names are printed as they stand, so they must be printable."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import ROOT, main, one_error_line
+
+SAVED = ROOT / "results" / "h200x2-2026-11-30-issue16" / "map-512-1024.json"
+
+
+@pytest.mark.parametrize("name", ["\x1b[2J\x1b[31mpwned", "two\nlines", "bell\x07"])
+def test_a_model_name_with_escapes_or_a_newline_is_refused(capfd, tmp_path, name):
+    data = json.loads(SAVED.read_text())
+    data["rows"][0]["model"] = name
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps(data))
+    line = one_error_line(*main(capfd, ["--from-json", path]), "model", "printable")
+    assert "\x1b" not in line and "\x07" not in line
