@@ -22,7 +22,8 @@ from .errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, UsageError, last_line
 from .margin import margin_arms, margin_breakdown, shard_of
 from .measurement import Measurement, run_arm
 from .modes import measure_mode, sdpa_mode
-from .options import NO_CUDA, Run, build_parser, grid_arms, settle
+from .options import Run, grid_arms, settle
+from .parser import NO_CUDA, build_parser
 from .outputs import render_markdown, write_output, write_outputs
 from .record import SCHEMA, SHAPES, Arm, Shape, plan_arms
 from .result import Result, RowFile, environment, load_result, merge, row_order

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Optional
 

@@ -3,13 +3,11 @@
 
 from __future__ import annotations
 
-import functools
 import statistics
 from typing import Any, Optional
 
 from .anatomy import margin_anatomy
-from .errors import UsageError
-from .estimate import RELEASES, estimate
+from .corrected import corrected, corrected_ratio
 from .margin import PUBLISHED_NF4, margin_note
 from .record import (
     GB,
@@ -26,7 +24,7 @@ from .record import (
 )
 from .result import Result
 from .row import Row
-from .registry import ALL_FAMILIES, FAMILIES, config_json
+from .registry import ALL_FAMILIES
 
 
 def determinism_spread(rows: list[Row]) -> list[dict[str, Any]]:
@@ -77,31 +75,6 @@ SWEEP_LEGEND = ("corrected: this tool's estimator (issue395.estimate), from the 
 def peak_cell(r: Row) -> str:
     """The real peak, or why there is none: a row with no measurement never shows a figure."""
     return gb(r.real_peak) if r.measured else r.status if r.failure else "n/a (dry run)" if r.dry_run else "-"
-
-
-@functools.lru_cache(maxsize=4096)
-def _corrected(key: str, quant: str, seq: int, batch: int, targets: tuple, release: Optional[str],
-               steps: int) -> Optional[int]:
-    try:
-        return estimate(config_json(key), quant=quant, seq=seq, batch=batch, targets=targets or None,
-                        steps=steps, release=release if release in RELEASES else None).corrected_predicted
-    except UsageError:
-        return None
-
-
-def corrected(r: Row, env: Optional[dict] = None) -> Optional[int]:
-    """This tool's corrected allocated peak for a row's arm, from its family's public config and the
-    Soup release the row ran (None for a --model run: no public config here)."""
-    if r.model_key not in SHAPES and r.model_key not in FAMILIES:
-        return None
-    env = env or {}
-    return _corrected(r.model_key, r.quant, r.seq, r.batch, tuple(r.targets), env.get("soup_cli"),
-                      int(env.get("steps") or 1))
-
-
-def corrected_ratio(r: Row, env: Optional[dict] = None) -> Optional[float]:
-    c = corrected(r, env)
-    return c / r.real_peak if c and r.measured else None
 
 
 def sweep_cells(r: Row, env: Optional[dict] = None) -> dict[str, str]:

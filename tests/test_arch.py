@@ -13,7 +13,7 @@ from conftest import main, one_error_line
 from issue395 import arch as A
 from issue395 import estimate as E
 from issue395.errors import UsageError
-from issue395.shapes import config_json
+from issue395.registry import config_json
 
 FAMILY_KEYS = ("smol", "qwen", "llama32-1b", "qwen3-0.6b", "mistral-7b", "gemma-2b", "gemma2-2b",
                "gemma3-1b", "phi-2", "phi3-mini", "llama31-8b")

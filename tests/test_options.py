@@ -8,7 +8,7 @@ import json
 import pytest
 from conftest import ROOT, main, one_error_line
 
-SAVED = ROOT / "results" / "h200x2-2026-11-30-issue16" / "map-512-1024.json"
+SAVED = ROOT / "results" / "cap-proof-and-seq512-1024-map-h200x2-soup0.73.3-b5bee37" / "map-512-1024.json"
 
 
 @pytest.mark.parametrize("extra, word", [

@@ -14,7 +14,7 @@ from conftest import ROOT  # noqa: E402
 from issue395.outputs import heatmap_figure  # noqa: E402
 from issue395.result import Result  # noqa: E402
 
-ISSUE16 = ROOT / "results" / "h200x2-2026-11-30-issue16"
+ISSUE16 = ROOT / "results" / "cap-proof-and-seq512-1024-map-h200x2-soup0.73.3-b5bee37"
 
 
 def cell_words(result: Result) -> list[str]:

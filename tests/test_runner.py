@@ -9,7 +9,7 @@ from conftest import main
 
 
 def test_a_quantization_config_is_said_to_be_not_modelled(capfd, tmp_path):
-    from issue395.shapes import config_json
+    from issue395.registry import config_json
 
     path = tmp_path / "config.json"
     path.write_text(json.dumps({**config_json("llama31-8b"), "quantization_config": {

@@ -9,7 +9,7 @@ from conftest import ROOT
 from issue395.result import Result
 from issue395.tables import verdict_line
 
-ISSUE16 = ROOT / "results" / "h200x2-2026-11-30-issue16"
+ISSUE16 = ROOT / "results" / "cap-proof-and-seq512-1024-map-h200x2-soup0.73.3-b5bee37"
 
 
 def test_the_cap_soup_verdict_names_the_ooms_at_soups_number_as_under_predictions():

@@ -1,0 +1,40 @@
+"""This tool's corrected estimate for a saved row's arm: from its family's public config and the
+Soup release the row ran, never from the row's own measurement. A row whose arm the estimator
+does not model (a --model run, a streaming mode) has none, and says so by being None.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+from .errors import UsageError
+from .estimate import RELEASES, estimate
+from .record import SHAPES
+from .registry import FAMILIES, config_json
+from .row import Row
+
+
+@functools.lru_cache(maxsize=4096)
+def _corrected(key: str, quant: str, seq: int, batch: int, targets: tuple, release: Optional[str],
+               steps: int) -> Optional[int]:
+    try:
+        return estimate(config_json(key), quant=quant, seq=seq, batch=batch, targets=targets or None,
+                        steps=steps, release=release if release in RELEASES else None).corrected_predicted
+    except UsageError:
+        return None
+
+
+def corrected(r: Row, env: Optional[dict] = None) -> Optional[int]:
+    """This tool's corrected allocated peak for a row's arm, from its family's public config and the
+    Soup release the row ran (None for a --model run: no public config here)."""
+    if r.model_key not in SHAPES and r.model_key not in FAMILIES:
+        return None
+    env = env or {}
+    return _corrected(r.model_key, r.quant, r.seq, r.batch, tuple(r.targets), env.get("soup_cli"),
+                      int(env.get("steps") or 1))
+
+
+def corrected_ratio(r: Row, env: Optional[dict] = None) -> Optional[float]:
+    c = corrected(r, env)
+    return c / r.real_peak if c and r.measured else None
