@@ -82,7 +82,8 @@ class Run:
     steps: int = 1  # optimizer steps per arm (the protocol's 1)
     estimate: bool = False  # --estimate: the config, not a GPU
     estimate_config: Optional[dict] = None
-    cards: tuple = ()
+    cards: tuple = ()  # issue395.cards.Card
+    context: Optional[int] = None  # --context, bytes
     targets: Optional[tuple] = None
     lora_r: int = 8
     child: bool = False  # a child of --gpus, --isolate or --determinism (never the command line)
@@ -149,8 +150,11 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--steps", default=None, help="optimizer steps per arm, the peak over all of them "
                    "(default 1, the protocol's; with --estimate: the steady-state peak)")
     e = p.add_argument_group("--estimate")
-    e.add_argument("--card", default=None, help="comma list of card sizes to fit (24GB = 24e9 bytes, "
-                   "24GiB = 24 x 2^30): fits, and the longest seq that fits")
+    e.add_argument("--card", default=None, help="comma list of cards to fit: named (A10G, L4, T4, RTX3090, "
+                   "RTX4090, RTX5090, A100-40GB, A100-80GB, L40S, H100, H200, RTX3050-Laptop-4GB, ...) or sizes "
+                   "(24GB = 24e9 bytes, 24GiB = 24 x 2^30): fits, the longest seq that fits, and Soup's gate")
+    e.add_argument("--context", default=None, metavar="GB", help="with --card: the CUDA context your card "
+                   "leaves outside the allocator, in GB (default: Soup's measured 0.85 GB)")
     e.add_argument("--targets", default=None, help="comma list of LoRA targets (default q_proj,v_proj; "
                    "Phi-3: qkv_proj)")
     e.add_argument("--lora-r", default=None, help="LoRA rank (default 8)")
@@ -239,7 +243,7 @@ def _settle(args: argparse.Namespace, argv: list[str]) -> Run:
         if args.model and args.model not in ALL_FAMILIES:
             no_output_is_an_input(outputs, [("--model", os.path.expanduser(args.model))])
         return settle_estimate(args, argv)
-    for flag in ("--card", "--targets", "--lora-r"):
+    for flag in ("--card", "--targets", "--lora-r", "--context"):
         if getattr(args, flag.strip("-").replace("-", "_")) is not None:
             raise UsageError(f"{flag} goes with --estimate")
     if args.map:
@@ -375,8 +379,8 @@ def settle_estimate(args: argparse.Namespace, argv: list[str]) -> Run:
         raise UsageError(f"--targets {args.targets!r}: empty name")
     if targets is not None and len(set(targets)) != len(targets):
         raise UsageError(f"--targets {args.targets}: a target is named twice")
+    from .cards import parse_cards, parse_context
     from .estimate import arch_of
-    from .fits import parse_cards
 
     try:  # the config's own sizes, heads and positions: one line here, before any table
         arch = arch_of(config)
@@ -389,12 +393,13 @@ def settle_estimate(args: argparse.Namespace, argv: list[str]) -> Run:
         cards = tuple(parse_cards(args.card)) if args.card is not None else ()
     except (OverflowError, ValueError) as exc:
         raise UsageError(f"--card {_shown(args.card)!r} is not a size like 24GB or 80GiB ({last_line(exc)})") from None
-    if any(not 1 <= n <= 2**60 for _, n in cards):
-        raise UsageError(f"--card {_shown(args.card)!r}: a card holds from 1 byte to 2^60 bytes")
+    context = parse_context(args.context)
+    if context is not None and not cards:
+        raise UsageError("--context goes with --card: it is the context of the card to fit")
     return Run(sweep=False, estimate=True, estimate_config=config, custom_model=name, quants=quants, seqs=seqs,
                batches=parse_ints("--batch", args.batch) or (1,), targets=targets,
                lora_r=one_int("--lora-r", args.lora_r, 8), steps=one_int("--steps", args.steps, 1),
-               cards=cards, json=args.json, argv=tuple(argv))
+               cards=cards, context=context, json=args.json, argv=tuple(argv))
 
 
 def grid_arms(run: Run) -> list[Arm]:
