@@ -82,6 +82,7 @@ class Run:
     steps: int = 1  # optimizer steps per arm (the protocol's 1)
     estimate: bool = False  # --estimate: the config, not a GPU
     estimate_config: Optional[dict] = None
+    soup_config: Optional[str] = None  # --config: the user's soup.yaml
     cards: tuple = ()  # issue395.cards.Card
     context: Optional[int] = None  # --context, bytes
     targets: Optional[tuple] = None
@@ -150,6 +151,9 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--steps", default=None, help="optimizer steps per arm, the peak over all of them "
                    "(default 1, the protocol's; with --estimate: the steady-state peak)")
     e = p.add_argument_group("--estimate")
+    e.add_argument("--config", default=None, metavar="SOUP_YAML", help="the soup.yaml `soup train` takes, read by "
+                   "Soup's own loader: its base, data.max_length, training.batch_size, quantization and LoRA "
+                   "drive --estimate (instead of --model, --quant, --seq, --batch, --targets, --lora-r)")
     e.add_argument("--card", default=None, help="comma list of cards to fit: named (A10G, L4, T4, RTX3090, "
                    "RTX4090, RTX5090, A100-40GB, A100-80GB, L40S, H100, H200, RTX3050-Laptop-4GB, ...) or sizes "
                    "(24GB = 24e9 bytes, 24GiB = 24 x 2^30): fits, the longest seq that fits, and Soup's gate")
@@ -243,7 +247,7 @@ def _settle(args: argparse.Namespace, argv: list[str]) -> Run:
         if args.model and args.model not in ALL_FAMILIES:
             no_output_is_an_input(outputs, [("--model", os.path.expanduser(args.model))])
         return settle_estimate(args, argv)
-    for flag in ("--card", "--targets", "--lora-r", "--context"):
+    for flag in ("--card", "--targets", "--lora-r", "--context", "--config"):
         if getattr(args, flag.strip("-").replace("-", "_")) is not None:
             raise UsageError(f"{flag} goes with --estimate")
     if args.map:
@@ -347,8 +351,17 @@ def estimate_config(model: Optional[str]) -> tuple[str, dict]:
                          f"({','.join(ALL_FAMILIES)})")
     if model in ALL_FAMILIES:
         return model, config_json(model)
+    from .shapes import FAMILIES
+
+    family = next((k for k, f in FAMILIES.items() if f.hub_id == model), None)
+    if family is not None:  # a family's hub id (a soup.yaml's base): its committed public config
+        return model, config_json(family)
     path = Path(model).expanduser()
     path = path / "config.json" if path.is_dir() else path
+    if not path.is_file() and not path.exists() and "/" in model and not model.startswith(("/", ".", "~")):
+        from .userconfig import hub_config
+
+        return model, hub_config(model)  # a hub id: its config.json alone, from the cache or the hub
     if not path.is_file():
         raise UsageError(f"--model {model}: no such config.json (nor a family: {','.join(ALL_FAMILIES)})")
     try:
@@ -367,6 +380,8 @@ def settle_estimate(args: argparse.Namespace, argv: list[str]) -> Run:
                  "--plot", "--log-dir", "--cache-dir", "--verbose", "--cap"):
         if getattr(args, flag.strip("-").replace("-", "_")) not in (None, False):
             raise UsageError(f"--estimate and {flag} are exclusive: an estimate runs nothing")
+    if args.config is not None:
+        args = config_arguments(args)
     name, config = estimate_config(args.model)
     quants = ("none",) if args.quant is None else comma_list(args.quant)
     if any(q not in QUANTS for q in quants) or len(set(quants)) != len(quants):
@@ -399,7 +414,21 @@ def settle_estimate(args: argparse.Namespace, argv: list[str]) -> Run:
     return Run(sweep=False, estimate=True, estimate_config=config, custom_model=name, quants=quants, seqs=seqs,
                batches=parse_ints("--batch", args.batch) or (1,), targets=targets,
                lora_r=one_int("--lora-r", args.lora_r, 8), steps=one_int("--steps", args.steps, 1),
-               cards=cards, context=context, json=args.json, argv=tuple(argv))
+               cards=cards, context=context, soup_config=args.config, json=args.json, argv=tuple(argv))
+
+
+def config_arguments(args: argparse.Namespace) -> argparse.Namespace:
+    """--config: the soup.yaml's own values as the options they replace (each named once only)."""
+    from .userconfig import read_soup_config
+
+    given = [f for f in ("--model", "--quant", "--seq", "--batch", "--targets", "--lora-r")
+             if getattr(args, f.strip("-").replace("-", "_")) is not None]
+    if given:
+        raise UsageError(f"--config and {given[0]} are exclusive: the file gives it")
+    user = read_soup_config(args.config)
+    return argparse.Namespace(**dict(vars(args), model=user.base, quant=user.quant, seq=str(user.seq),
+                                     batch=str(user.batch), targets=",".join(user.targets),
+                                     lora_r=str(user.lora_r)))
 
 
 def grid_arms(run: Run) -> list[Arm]:

@@ -17,6 +17,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, Optional
 
+from .cuda import measure_context
 from .errors import EXIT_FINDING, EXIT_INTERRUPTED, EXIT_OK, UsageError, last_line
 from .margin import thinnest
 from .record import QUANTS, SCHEMA
@@ -252,7 +253,8 @@ def environment(weights: str, dry_run: bool, arms: str, argv: list[str],
                                             ("transformers", "trl", "peft", "soup-cli")},
             "python": platform.python_version(), "platform": platform.platform(), "weights": weights,
             "dry_run": dry_run, "arms": arms, "command": " ".join(argv),
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            **((measure_context() or {}) if cuda else {})}
 
 
 def package_version(name: str) -> str:

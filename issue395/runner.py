@@ -278,7 +278,8 @@ def estimate_run(run: Run) -> int:
         raise UsageError(f"--estimate --model {run.custom_model}: {exc}") from None
     except Exception as exc:  # a config value of a kind no real config has
         raise UsageError(f"--estimate --model {run.custom_model}: cannot be estimated ({last_line(exc)})") from None
-    text = (f"--estimate: {run.custom_model} (Soup's pre-flight: computed by Soup's own estimator code; "
+    named = f"{run.custom_model}, from --config {run.soup_config}" if run.soup_config else run.custom_model
+    text = (f"--estimate: {named} (Soup's pre-flight: computed by Soup's own estimator code; "
             "corrected and needs free: this tool's estimator, from the config alone)\n" + table)
     print(text, end="")
     if run.json:
