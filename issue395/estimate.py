@@ -26,6 +26,11 @@ from .errors import UsageError
 from .record import QUANTS
 from .shapes import lora_targets
 
+#: CUBLAS_WORKSPACE (constants) is kept on every card though torch gives 8,519,680 B below sm 9
+#: (cards.cublas_workspace): on the A10G record (sm 8.6) it sits 27.6-28.5 MB over at seq 2048 but
+#: 19.1-21.0 MB at 3072-6144, so a bare 25.0 MB cut would be UNDER on 8 of 10 arms (the ~8.5 MB step
+#: looks like a second sm 8.6 handle live at the loss peak; no committed history shows it). A
+#: card's term only ever raises it.
 #: Three fp32 logits-shaped buffers at the loss backward (PEAK "Loss phase"; the --snapshot
 #: histories in results/record-h200x2-soup0.73.3-e7c26f7/ show exactly three fp32 logits blocks at the peak).
 LOGITS_BYTES = 12
@@ -329,10 +334,11 @@ def _whole(name: str, v, low: int = 1) -> int:
 
 def estimate(config: dict, *, quant: str = "none", seq: int, batch: int = 1, targets=None,
              lora_r: int = 8, steps: int = 1, release: str | None = None,
-             allowance: int | None = None) -> Estimate:
+             allowance: int | None = None, workspace: int | None = None) -> Estimate:
     """Soup's own pre-flight and the corrected peak for one (seq, batch). ``targets=None`` is the
     protocol's (q_proj, v_proj), or qkv_proj on Phi-3. ``allowance`` overrides the fitted
-    ALLOCATED_ALLOWANCE_BYTES (the leave-one-family-out fit passes its own)."""
+    ALLOCATED_ALLOWANCE_BYTES (the leave-one-family-out fit passes its own); ``workspace`` is a
+    card's cuBLAS workspace per handle, charged only where it is larger than CUBLAS_WORKSPACE."""
     a = arch_of(config)
     if quant not in QUANTS:
         raise UsageError(f"quant {quant!r} is not one Soup streams ({', '.join(QUANTS)})")
@@ -347,12 +353,12 @@ def estimate(config: dict, *, quant: str = "none", seq: int, batch: int = 1, tar
         raise UsageError(f"LoRA target(s) {', '.join(missing) or '(none)'} not in a {a.model_type}"
                          f" layer (it has {', '.join(a.modules)})")
     release = release or installed_release()
+    ws = max(CUBLAS_WORKSPACE, workspace or 0)
     soup, soup_terms = soup_preflight_from_config(config, quant=quant, seq=seq, batch=batch,
-                                                  targets=targets,
-                                      lora_r=lora_r, release=release)
+                                                  targets=targets, lora_r=lora_r, release=release)
     T, n = seq * batch, lora_params(a, targets, lora_r)
     t = {"pool": pool(a, quant), "extras": extras(a, release), "lora_weights": lora_weights(n),
-         "cublas_workspace": CUBLAS_WORKSPACE, "logits": logits(a, T),
+         "cublas_workspace": ws, "logits": logits(a, T),
          "resident_rounding": resident_rounding(a, quant, release),
          "allocator_rounding": allocator_rounding(a, T),
          "checkpointed_inputs": checkpointed_inputs(a, quant, T), "final_norm": final_norm(a, T),
@@ -360,7 +366,7 @@ def estimate(config: dict, *, quant: str = "none", seq: int, batch: int = 1, tar
          "rotary_tables": rotary_tables(a, seq), "sliding_mask": sliding_mask(a, seq, batch),
          "dequantised_layer": dequantised_layer(a, quant),
          "layer_per_token": T * layer_per_token(a, quant, targets, lora_r),
-         "autograd_workspace": CUBLAS_WORKSPACE}
+         "autograd_workspace": ws}
     shared = sum(t[k] for k in ("checkpointed_inputs", "ids_labels", "position_ids",
                                 "rotary_tables", "sliding_mask"))
     loss = shared + t["logits"] + t["final_norm"] + t["allocator_rounding"]
@@ -370,7 +376,7 @@ def estimate(config: dict, *, quant: str = "none", seq: int, batch: int = 1, tar
     steady = 0
     if steps > 1:  # Adam's moments, and the autograd thread's workspace now resident
         t["adam_moments"] = ADAM_MOMENT_BYTES * n
-        steady = t["adam_moments"] + (CUBLAS_WORKSPACE if loss >= layer else 0)
+        steady = t["adam_moments"] + (ws if loss >= layer else 0)
     t["allocated_allowance"] = ALLOCATED_ALLOWANCE_BYTES if allowance is None else allowance
     corrected = resident + max(loss, layer) + steady + t["allocated_allowance"]
     return Estimate(seq, batch, quant, steps, release, soup, soup_terms, corrected,

@@ -65,7 +65,9 @@ class Run:
     steps: int = 1  # optimizer steps per arm (the protocol's 1)
     estimate: bool = False  # --estimate: the config, not a GPU
     estimate_config: Optional[dict] = None
-    cards: tuple = ()
+    soup_config: Optional[str] = None  # --config: the user's soup.yaml
+    cards: tuple = ()  # issue395.cards.Card
+    context: Optional[int] = None  # --context, bytes
     targets: Optional[tuple] = None
     lora_r: int = 8
     child: bool = False  # a child of --gpus, --isolate or --determinism (never the command line)
@@ -159,7 +161,7 @@ def _settle(args: argparse.Namespace, argv: list[str]) -> Run:
         if args.model and args.model not in ALL_FAMILIES:
             no_output_is_an_input(outputs, [("--model", os.path.expanduser(args.model))])
         return settle_estimate(args, argv)
-    for flag in ("--card", "--targets", "--lora-r"):
+    for flag in ("--card", "--targets", "--lora-r", "--context", "--config"):
         if getattr(args, flag.strip("-").replace("-", "_")) is not None:
             raise UsageError(f"{flag} goes with --estimate")
     if args.map:
@@ -291,8 +293,17 @@ def estimate_config(model: Optional[str]) -> tuple[str, dict]:
                          f"({','.join(ALL_FAMILIES)})")
     if model in ALL_FAMILIES:
         return model, config_json(model)
+    from .registry import FAMILIES
+
+    family = next((k for k, f in FAMILIES.items() if f.hub_id == model), None)
+    if family is not None:  # a family's hub id (a soup.yaml's base): its committed public config
+        return model, config_json(family)
     path = Path(model).expanduser()
     path = path / "config.json" if path.is_dir() else path
+    if not path.is_file() and not path.exists() and "/" in model and not model.startswith(("/", ".", "~")):
+        from .userconfig import hub_config
+
+        return model, hub_config(model)  # a hub id: its config.json alone, from the cache or the hub
     if not path.is_file():
         raise UsageError(f"--model {model}: no such config.json (nor a family: {','.join(ALL_FAMILIES)})")
     try:
@@ -311,6 +322,8 @@ def settle_estimate(args: argparse.Namespace, argv: list[str]) -> Run:
                  "--plot", "--log-dir", "--cache-dir", "--verbose", "--cap"):
         if getattr(args, flag.strip("-").replace("-", "_")) not in (None, False):
             raise UsageError(f"--estimate and {flag} are exclusive: an estimate runs nothing")
+    if args.config is not None:
+        args = config_arguments(args)
     name, config = estimate_config(args.model)
     quants = ("none",) if args.quant is None else comma_list(args.quant)
     if len(set(quants)) != len(quants) and all(q in QUANTS for q in quants):
@@ -325,8 +338,8 @@ def settle_estimate(args: argparse.Namespace, argv: list[str]) -> Run:
         raise UsageError(f"--targets {args.targets!r}: empty name")
     if targets is not None and len(set(targets)) != len(targets):
         raise UsageError(f"--targets {args.targets}: a target is named twice")
+    from .cards import parse_cards, parse_context
     from .estimate import arch_of
-    from .fits import parse_cards
 
     try:  # the config's own sizes, heads and positions: one line here, before any table
         arch = arch_of(config)
@@ -339,12 +352,27 @@ def settle_estimate(args: argparse.Namespace, argv: list[str]) -> Run:
         cards = tuple(parse_cards(args.card)) if args.card is not None else ()
     except (OverflowError, ValueError) as exc:
         raise UsageError(f"--card {_shown(args.card)!r} is not a size like 24GB or 80GiB ({last_line(exc)})") from None
-    if any(not 1 <= n <= 2**60 for _, n in cards):
-        raise UsageError(f"--card {_shown(args.card)!r}: a card holds from 1 byte to 2^60 bytes")
+    context = parse_context(args.context)
+    if context is not None and not cards:
+        raise UsageError("--context goes with --card: it is the context of the card to fit")
     return Run(sweep=False, estimate=True, estimate_config=config, custom_model=name, quants=quants, seqs=seqs,
                batches=parse_ints("--batch", args.batch) or (1,), targets=targets,
                lora_r=one_int("--lora-r", args.lora_r, 8), steps=one_int("--steps", args.steps, 1),
-               cards=cards, json=args.json, argv=tuple(argv))
+               cards=cards, context=context, soup_config=args.config, json=args.json, argv=tuple(argv))
+
+
+def config_arguments(args: argparse.Namespace) -> argparse.Namespace:
+    """--config: the soup.yaml's own values as the options they replace (each named once only)."""
+    from .userconfig import read_soup_config
+
+    given = [f for f in ("--model", "--quant", "--seq", "--batch", "--targets", "--lora-r")
+             if getattr(args, f.strip("-").replace("-", "_")) is not None]
+    if given:
+        raise UsageError(f"--config and {given[0]} are exclusive: the file gives it")
+    user = read_soup_config(args.config)
+    return argparse.Namespace(**dict(vars(args), model=user.base, quant=user.quant, seq=str(user.seq),
+                                     batch=str(user.batch), targets=",".join(user.targets),
+                                     lora_r=str(user.lora_r)))
 
 
 def grid_arms(run: Run) -> list[Arm]:

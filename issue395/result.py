@@ -17,6 +17,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, Optional
 
+from .cuda import measure_context
 from .errors import EXIT_FINDING, EXIT_INTERRUPTED, EXIT_OK, UsageError, last_line
 from .margin import thinnest
 from .record import QUANTS, SCHEMA
@@ -259,7 +260,7 @@ def environment(weights: str, dry_run: bool, arms: str, argv: list[str],
             "python": platform.python_version(), "platform": platform.platform(), "weights": weights,
             "dry_run": dry_run, "arms": arms, "command": " ".join(argv),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            **linear_attention_kernels()}
+            **linear_attention_kernels(), **((measure_context() or {}) if cuda else {})}
 
 
 def linear_attention_kernels() -> dict[str, str]:

@@ -276,20 +276,24 @@ def run_timings(rows: list[Row], imports_s: float, total_s: float, build_s: dict
 
 def estimate_run(run: Run) -> int:
     """--estimate: each (quant, seq, batch) from the config alone, on CPU; the table, and --json."""
+    from .cards import workspace_env
     from .estimate import estimate
-    from .fits import estimate_table
+    from .fits import budgets_for, card_answers, estimate_table
 
     kw = {"targets": run.targets, "lora_r": run.lora_r}
     try:
         rows = [estimate(run.estimate_config, quant=q, seq=s, batch=b, targets=run.targets, lora_r=run.lora_r,
                          steps=run.steps) for q in run.quants for s in run.seqs for b in run.batches]
-        table = estimate_table(rows, run.cards, run.estimate_config, **kw)
+        budgets = budgets_for(run.cards, run.context)
+        answers = [card_answers(run.estimate_config, e, budgets, env=workspace_env(), **kw) for e in rows]
+        table = estimate_table(rows, run.cards, run.estimate_config, answers=answers, **kw)
     except UsageError as exc:
         raise UsageError(f"--estimate --model {run.custom_model}: {exc}") from None
     except Exception as exc:  # a config value of a kind no real config has
         raise UsageError(f"--estimate --model {run.custom_model}: cannot be estimated ({last_line(exc)})") from None
     notes = estimate_notes(run.estimate_config, run.quants)
-    text = (f"--estimate: {run.custom_model} (Soup's pre-flight: computed by Soup's own estimator code; "
+    named = f"{run.custom_model}, from --config {run.soup_config}" if run.soup_config else run.custom_model
+    text = (f"--estimate: {named} (Soup's pre-flight: computed by Soup's own estimator code; "
             "corrected and needs free: this tool's estimator, from the config alone)\n" + table
             + "".join(f"note: {n}\n" for n in notes))
     print(text, end="")
@@ -297,10 +301,8 @@ def estimate_run(run: Run) -> int:
         targets = run.targets or lora_targets(run.estimate_config["model_type"])
         data = {"tool": "issue395_second_stack_vram", "schema": SCHEMA, "kind": "estimate",
                 "model": run.custom_model, "soup_cli": rows[0].release, "targets": list(targets),
-                "lora_r": run.lora_r, "cards": [{"card": c, "bytes": n} for c, n in run.cards],
-                "fits": [{"card": c, "seq": r.seq, "batch": r.batch, "quant": r.quant, "fits": r.needs_free <= n,
-                          "soup_admits": r.soup_predicted <= n} for c, n in run.cards for r in rows],
-                "notes": notes, "rows": [r.to_json() for r in rows]}
+                "lora_r": run.lora_r, "cards": [{"card": c.name, "bytes": c.total_bytes} for c in run.cards],
+                "notes": notes, "rows": [dict(r.to_json(), cards=a) for r, a in zip(rows, answers)]}
         try:
             write_output(run.json, (json.dumps(data, indent=2) + "\n").encode("utf-8"))
         except OSError as exc:

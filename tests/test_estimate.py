@@ -207,9 +207,9 @@ def test_bad_input_is_one_line_usage_error(change):
 
 
 def test_parse_cards():
-    assert F.parse_cards("24GB,40GB,80GiB") == [("24GB", 24 * 10**9), ("40GB", 40 * 10**9),
-                                                 ("80GiB", 80 * 2**30)]
-    for junk in ("", "24", "24TB", "GB", "24GB,,", "-1GB", "0GB"):
+    assert [(c.name, c.total_bytes) for c in F.parse_cards("24GB,40GB,80GiB")] == [
+        ("24GB", 24 * 10**9), ("40GB", 40 * 10**9), ("80GiB", 80 * 2**30)]
+    for junk in ("", "24", "24TB", "GB", "24GB,,", "-1GB", "0GB", "A10G,a10g", "RTX9090"):
         with pytest.raises(UsageError) as info:
             F.parse_cards(junk)
         assert "\n" not in str(info.value)
@@ -235,8 +235,9 @@ def test_estimate_table_labels_every_figure(key):
     names = [ln[:46].strip() for ln in lines]
     assert names[:3] == ["Soup's own pre-flight GB (computed by Soup)", "corrected: allocated peak GB",
                          "corrected: needs free GB"]
-    assert names.index("fits 24GB (needs free <= card)") > max(i for i, n in enumerate(names) if "term:" in n)
+    assert names.index("fits (needs free <= free)") > max(i for i, n in enumerate(names) if "term:" in n)
     assert sum(1 for n in names if n.startswith("longest seq that fits")) == 2
+    assert sum(1 for n in names if n.startswith("longest seq Soup's gate admits")) == 2
 
 
 

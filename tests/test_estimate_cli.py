@@ -32,7 +32,10 @@ def test_estimate_answers_from_a_config_without_importing_torch(tmp_path):
         assert {"seq", "batch", "quant", "steps", "soup_predicted", "corrected_predicted", "needs_free",
                 "terms"} <= set(r)
         assert r["needs_free"] > r["corrected_predicted"] > 0
-    assert "fits 24GB" in p.stdout and "longest seq that fits 16GiB" in p.stdout
+    assert "24GB: total GB" in p.stdout and "16GiB: total GB" in p.stdout and "longest seq that fits" in p.stdout
+    for r in rows:  # each arm on each card (issue 20)
+        assert [c["card"] for c in r["cards"]] == ["24GB", "16GiB"]
+        assert all(c["free_bytes"] == c["total_bytes"] - c["context_bytes"] for c in r["cards"])
 
 
 #: A committed map arm of Mistral-7B NF4 512 x 1 for each tested Soup release.

@@ -1,0 +1,84 @@
+"""Per card: the verdict, the longest seq that fits, and Soup's two answers beside it (issue 20).
+CPU only; Soup's numbers are computed by its own estimator code, no torch."""
+
+from __future__ import annotations
+
+import json
+
+from conftest import main
+
+from issue395 import cards as C
+from issue395 import estimate as E
+from issue395 import fits as F
+from issue395.registry import config_json
+
+MISTRAL = config_json("mistral-7b")
+
+
+def answer(card, e, context=None, **kw):
+    (a,) = F.card_answers(MISTRAL, e, [C.budget(card, context)], **kw)
+    return a
+
+
+def test_fits_exactly_when_needs_free_is_within_total_minus_context():
+    e = E.estimate(MISTRAL, quant="nf4", seq=512)
+    edge = C.Card("edge", e.needs_free + 10**9)
+    assert answer(edge, e, context=10**9)["fits"] is True
+    a = answer(edge, e, context=10**9 + 1)
+    assert a["fits"] is False and a["free_bytes"] == a["total_bytes"] - a["context_bytes"]
+
+
+def test_soup_admits_a_run_that_will_oom_where_its_number_is_under_needs_free():
+    e = E.estimate(MISTRAL, quant="nf4", seq=512)
+    assert e.soup_predicted < e.needs_free  # the miss the cap runs showed (README)
+    between = C.Card("between", (e.soup_predicted + e.needs_free) // 2)
+    a = answer(between, e, context=0)
+    assert (a["soup_admits"], a["fits"], a["disagreement"]) == (True, False, F.ADMITS_OOM)
+
+
+def test_the_readme_example_soup_refuses_32768_on_24gb_that_would_fit():
+    e = E.estimate(MISTRAL, quant="nf4", seq=32768)
+    assert round(e.soup_predicted / 1e9, 2) == 26.88
+    a = answer(C.parse_card("24GB"), e, context=0)
+    assert (a["fits"], a["soup_admits"], a["disagreement"]) == (True, False, F.REFUSES)
+    assert a["longest_seq"] == 32768 > a["longest_seq_soup_admits"]
+    assert "Soup refuses" in F.seq_direction(a)
+
+
+def test_both_longest_seqs_are_the_last_multiple_of_64_each_rule_admits():
+    free = 20 * 10**9
+    kw = dict(quant="nf4", batch=1)
+    fit, soup = F.longest_seq(MISTRAL, free, **kw), F.longest_seq_soup_admits(MISTRAL, free, **kw)
+    assert E.estimate(MISTRAL, seq=fit, **kw).needs_free <= free < E.estimate(MISTRAL, seq=fit + 64, **kw).needs_free
+    assert (E.estimate(MISTRAL, seq=soup, **kw).soup_predicted <= free
+            < E.estimate(MISTRAL, seq=soup + 64, **kw).soup_predicted)
+
+
+def test_a_workspace_config_above_32mib_raises_needs_free_on_that_card_only():
+    e = E.estimate(MISTRAL, quant="nf4", seq=512)
+    plain = answer(C.parse_card("A10G"), e)
+    big = answer(C.parse_card("A10G"), e, env=":4096:16")
+    assert big["needs_free"] > plain["needs_free"] == e.needs_free
+    assert big["cublas_workspace_bytes"] == 64 * 2**20
+
+
+def test_the_json_carries_every_card_for_every_arm(capfd, tmp_path):
+    out = tmp_path / "e.json"
+    code, text, err = main(capfd, ["--estimate", "--model", "mistral-7b", "--quant", "nf4", "--seq", "512,32768",
+                                   "--card", "RTX4090,24GB", "--context", "0.5", "--json", out])
+    assert code == 0, err
+    for row in json.loads(out.read_text())["rows"]:
+        assert [c["card"] for c in row["cards"]] == ["RTX4090", "24GB"]
+        for c in row["cards"]:
+            assert {"card", "total_bytes", "context_bytes", "free_bytes", "needs_free", "fits", "longest_seq",
+                    "soup_admits", "longest_seq_soup_admits"} <= set(c)
+            assert c["context_bytes"] == 500_000_000 and c["free_bytes"] == c["total_bytes"] - c["context_bytes"]
+    for words in ("RTX4090: total GB", "  context GB (given)", "  free GB (total - context)",
+                  "  longest seq that fits", "  Soup's gate admits it", "  longest seq Soup's gate admits",
+                  F.REFUSES):
+        assert words in text
+
+
+def test_context_without_a_card_is_one_line(capfd):
+    code, _, err = main(capfd, ["--estimate", "--model", "smol", "--seq", "512", "--context", "0.5"])
+    assert code == 2 and "--context" in err and len(err.strip().splitlines()) == 1
