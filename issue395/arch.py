@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from .constants import CONFIG_LIMITS
 from .errors import UsageError
+from .moe import DEEPSEEK_V3, QWEN3_5, QWEN3_5_MOE, Layers, deepseek_v3, qwen3_5
 
 _SIZES = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
           "vocab_size")
@@ -30,6 +31,7 @@ class Arch:
     norms: int = 2  # per-layer norm weights of size h
     norm_bias: bool = False
     qk_norm: bool = False
+    layers: Layers | None = None  # MoE / latent / hybrid layers (issue395.moe); None: one dense kind
 
 
 HEADS, PER_HEAD = "= num_attention_heads", "= hidden_size // num_attention_heads"
@@ -166,16 +168,60 @@ def _window(config: dict, mt: str, L: int) -> int | None:
     return w if sliding else None
 
 
+#: One row per architecture the estimator reads: how its layers are laid out. The dense layouts
+#: are read below; "mla" and "hybrid" by issue395.moe. A model type Soup streams but missing here
+#: (qwen4_exp) is one line, never read as another architecture.
+TRAITS = {"llama": "gqa", "qwen2": "gqa", "qwen3": "gqa", "mistral": "gqa", "gemma": "gqa",
+          "gemma2": "gqa", "gemma3_text": "gqa", "phi": "phi", "phi3": "phi3", "deepseek_v3": "mla",
+          "qwen3_5_text": "hybrid", "qwen3_5_moe_text": "hybrid-moe"}
+#: Soup's aliases (0.77.0 _STREAM_ARCH_ALIASES) whose config this estimator reads as its text decoder.
+TEXT_DECODER = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
+
+
+def moe_arch(config: dict, mt: str) -> Arch:
+    """A DeepSeek-V3 or Qwen3.5 config as an Arch: the sizes, then issue395.moe's layers."""
+    d = {"mla": DEEPSEEK_V3, "hybrid": QWEN3_5, "hybrid-moe": QWEN3_5_MOE}[TRAITS[mt]]
+    for name in ("hidden_size", "num_hidden_layers", "vocab_size", "num_attention_heads"):
+        v = config.get(name)
+        if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= CONFIG_LIMITS[name]:
+            raise UsageError(f"config {name} is {v!r}; it must be a whole number from 1 to {CONFIG_LIMITS[name]}")
+    _check_values(config)
+    for name, v in config.items():
+        if name in d and name not in ("layer_types",) and v is not None and (
+                isinstance(v, bool) != isinstance(d[name], bool) or (not isinstance(v, bool) and (
+                    not isinstance(v, (int, float)) or v < 0))):
+            raise UsageError(f"config {name} is {v!r}; it must be a {'flag' if isinstance(d[name], bool) else 'number'}")
+    h, L, V, nh = (config[n] for n in ("hidden_size", "num_hidden_layers", "vocab_size", "num_attention_heads"))
+    g = lambda n: config[n] if config.get(n) is not None else d.get(n)  # noqa: E731
+    kv, tied, max_pos = g("num_key_value_heads") or nh, g("tie_word_embeddings"), g("max_position_embeddings")
+    if TRAITS[mt] == "mla":
+        i = config.get("intermediate_size") or 18432
+        layers = deepseek_v3(config, h, i, L, nh)
+        hd, rd = g("qk_nope_head_dim") + g("qk_rope_head_dim"), g("qk_rope_head_dim")
+        kv = nh  # the latent expands to every head's key and value
+    else:
+        hd = g("head_dim")
+        i = config.get("intermediate_size") or 0
+        layers = qwen3_5(config, h, i, L, nh, kv, hd, moe=TRAITS[mt] == "hybrid-moe")
+        rd = int(hd * float(g("partial_rotary_factor")))
+        if not i:  # Soup's activation width for a MoE config without a dense one
+            i = layers.kinds[0].mlp_width
+    return Arch(mt, h, i, L, V, nh, kv, hd, bool(tied), max_pos, rd, None, False, dict(layers.lora),
+                norms=2, qk_norm=TRAITS[mt] != "mla", layers=layers)
+
+
 def arch_from_config(config: dict) -> Arch:
     """The estimator's whole reading of a config.json: each field the model reads, the absent
     ones as transformers fills them (CONFIG_DEFAULTS); a value no config can mean is one line."""
     if not isinstance(config, dict):
         raise UsageError(f"config must be a config.json dict, not {type(config).__name__}")
     mt = config.get("model_type")
+    mt = TEXT_DECODER.get(mt, mt)
+    if TRAITS.get(mt) in ("mla", "hybrid", "hybrid-moe"):
+        return moe_arch(dict(config, model_type=mt), mt)
     if mt not in CONFIG_DEFAULTS:
         raise UsageError(f"model_type {mt!r} is not one this estimator reads (it reads "
-                         f"{', '.join(CONFIG_DEFAULTS)}; a mixture of experts or latent attention "
-                         "is not modelled)")
+                         f"{', '.join(TRAITS)}; its layers are not modelled here)")
     for name in _SIZES:
         v = config.get(name)
         if isinstance(v, bool) or not isinstance(v, int):

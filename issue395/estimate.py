@@ -10,19 +10,17 @@ peak = resident + max(loss phase, layer phase) [+ steady-state terms when steps 
 
 from __future__ import annotations
 
-import ast
-import importlib.metadata
-import importlib.util
 import math
-import os
-import typing
 from dataclasses import dataclass
-from pathlib import Path
 
-from .arch import Arch, arch_from_config
+from .arch import Arch
+from .moe import Kind, expert_in_flight
 from .constants import (CONFIG_LIMITS, CUBLAS_WORKSPACE, K_MIN_LARGE_ALLOC, K_ROUND_LARGE,  # noqa: F401
                         K_MIN_BLOCK_SIZE, K_SMALL_SIZE, MiB, block_bytes)
 from .errors import UsageError
+from .soup_number import (RELEASES, _nf4_bytes, _soup_dir, arch_of, installed_release,  # noqa: F401
+                          layer_bytes, linear_elements, lora_params, soup_namespace, soup_preflight_from_config,
+                          streamed_as, supported_archs)
 from .record import QUANTS
 from .shapes import lora_targets
 
@@ -69,131 +67,14 @@ EXPANDABLE_RESERVE_FRACTION = 0.034
 #: envelope of every committed figure.
 EXPANDABLE_RESERVE_BYTES = 128 * 2**20
 
-RELEASES = ("0.73.3", "0.77.0")
-
-# -- Soup's own pre-flight, computed by Soup's code without importing it --
-def _soup_dir() -> Path:
-    override = os.environ.get("ISSUE395_SOUP_SOURCE")  # another release's unpacked soup_cli/
-    if override:
-        return Path(override)
-    spec = importlib.util.find_spec("soup_cli")  # locates; does not import the package
-    if spec is None or not spec.submodule_search_locations:
-        raise UsageError("soup-cli is not installed, so Soup's own pre-flight cannot be computed")
-    return Path(list(spec.submodule_search_locations)[0])
-
-
-def installed_release() -> str:
-    meta = next(_soup_dir().parent.glob("soup_cli-*.dist-info"), None)
-    return meta.name[9:-10] if meta is not None else importlib.metadata.version("soup-cli")
-
-
-_SOUP_CACHE: dict = {}
-
-
-def soup_namespace() -> dict:
-    """Soup's estimator and every top-level name it reaches, exec'd from its source, nothing else."""
-    src = _soup_dir() / "utils" / "layer_stream.py"
-    if src in _SOUP_CACHE:
-        return _SOUP_CACHE[src]
-    tree = ast.parse(src.read_text(encoding="utf-8"))
-    defs = {}
-    for node in tree.body:
-        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
-            defs[node.name] = node
-        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
-            for t in (node.targets if isinstance(node, ast.Assign) else [node.target]):
-                if isinstance(t, ast.Name):
-                    defs[t.id] = node
-    wanted, todo = set(), ["estimate_stream_peak_vram", "SUPPORTED_STREAM_ARCHS"]
-    while todo:
-        name = todo.pop()
-        if name in wanted or name not in defs:
-            continue
-        wanted.add(name)
-        todo.extend(n.id for n in ast.walk(defs[name]) if isinstance(n, ast.Name))
-    body = [n for n in tree.body if any(n is defs[w] for w in wanted)]
-    ns: dict = {"math": math, "__name__": "soup_layer_stream_extract"}
-    ns.update({k: getattr(typing, k) for k in typing.__all__})
-    exec(compile(ast.Module(body=body, type_ignores=[]), str(src), "exec"), ns)
-    _SOUP_CACHE[src] = ns
-    return ns
-
-
-def supported_archs() -> tuple:
-    return tuple(soup_namespace()["SUPPORTED_STREAM_ARCHS"])
-
-
-def arch_of(config: dict) -> Arch:
-    """The config's Arch (arch_from_config), once Soup is known to stream its model_type."""
-    mt = config.get("model_type") if isinstance(config, dict) else None
-    if isinstance(config, dict) and mt not in supported_archs():
-        raise UsageError(f"model_type {mt!r} cannot be layer-streamed by Soup (it streams "
-                         f"{', '.join(supported_archs())})")
-    return arch_from_config(config)
-
-
-def _nf4_bytes(n: int) -> int:
-    """bitsandbytes NF4 + double quant, as Soup's shard stores it: packed nibbles, uint8
-    absmax per 64-block, fp32 nested absmax per 256 absmax, a 4-byte offset."""
-    blocks = -(-n // 64)
-    return -(-n // 2) + blocks + 4 * -(-blocks // 256) + 4
-
-
-def layer_bytes(a: Arch, quant: str) -> int:
-    """One streamed layer as Soup's shard header counts it (linears NF4 or bf16, the rest bf16)."""
-    out = 2 * a.h * a.norms * (2 if a.norm_bias else 1) + (4 * a.head_dim if a.qk_norm else 0)
-    for fan_in, fan_out, bias in a.modules.values():
-        out += (_nf4_bytes(fan_in * fan_out) if quant == "nf4" else 2 * fan_in * fan_out)
-        out += 2 * fan_out if bias else 0
-    return out
-
-
-def linear_elements(a: Arch) -> int:
-    return sum(fi * fo for fi, fo, _ in a.modules.values())
-
-
-def lora_params(a: Arch, targets: tuple, r: int) -> int:
-    return a.L * sum(r * (a.modules[t][0] + a.modules[t][1]) for t in targets)
-
-
-def soup_preflight_from_config(config: dict, *, quant: str, seq: int, batch: int, targets,
-                               lora_r: int, release: str | None = None) -> tuple[int, dict]:
-    """Soup's own number (computed by Soup's estimator) and the kwargs Soup's setup passes it.
-    0.77.0 moves an untied model's vocab matrices out of extras into one large-layer slot."""
-    a = arch_of(config)
-    release = release or installed_release()
-    if release not in RELEASES:
-        raise UsageError(f"release {release!r} is not one this knows ({', '.join(RELEASES)})")
-    norm = 2 * a.h * (2 if a.norm_bias else 1)
-    vocab_mat = 2 * a.V * a.h
-    head_bias = 2 * a.V if a.model_type == "phi" and not a.tied else 0
-    terms = {"layer_bytes": layer_bytes(a, quant), "buffers": 2}
-    if release == "0.73.3" or a.tied:
-        terms["extras_bytes"] = vocab_mat * (1 if a.tied else 2) + norm + head_bias
-    else:
-        terms["extras_bytes"] = norm + head_bias
-    # Soup's _estimate_adapter_params: layers x n_targets x 2 x r x hidden
-    terms["adapter_params"] = a.L * len(targets) * 2 * lora_r * a.h
-    terms.update(vocab_size=a.V, hidden_size=a.h, intermediate_size=a.i, n_layers=a.L,
-                 seq_len=seq, batch_size=batch, logits_bytes_per_element=14.0)
-    if release == "0.77.0":
-        terms.update(large_layer_bytes=0 if a.tied else vocab_mat, persistent_bytes=0,
-                     loss_chunk=None)
-    fn = soup_namespace()["estimate_stream_peak_vram"]
-    kwargs = dict(terms)
-    params = fn.__code__.co_varnames[:fn.__code__.co_argcount + fn.__code__.co_kwonlyargcount]
-    if "large_layer_bytes" not in params:  # 0.77.0's kwargs on 0.73.3's code: its sum is the same
-        kwargs["extras_bytes"] += kwargs.pop("large_layer_bytes", 0) + kwargs.pop("persistent_bytes", 0)
-        kwargs.pop("loss_chunk", None)
-    return int(fn(**kwargs)), terms
-
 
 # -- The physical terms (bytes) --
-def pool(a: Arch, quant: str) -> int:
+def pool(a: Arch, quant: str, per_expert: bool = False) -> int:
     """Two streamed layer buffers (NF4 packed with absmax, or bf16). PEAK "Resident": from the
     public shape they equal Soup's shard bytes to within 36 B; bf16 resident in map-2gpu.json is
-    exact to 1 KiB for 7 of 11 families."""
-    return 2 * layer_bytes(a, quant)
+    exact to 1 KiB for 7 of 11 families. A MoE or hybrid model's buffer holds the union of its
+    layer kinds (Moonlight resident = 2 x Soup's union + extras + slot + LoRA + workspace + 7.5 MB)."""
+    return 2 * layer_bytes(a, quant, per_expert)
 
 
 def extras(a: Arch, release: str) -> int:
@@ -262,13 +143,18 @@ def segment_tail(size: int) -> int:
     return rest if rest <= K_SMALL_SIZE else 0
 
 
-def resident_rounding(a: Arch, quant: str, release: str) -> int:
+def resident_rounding(a: Arch, quant: str, release: str, per_expert: bool = False) -> int:
     """segment_tail of each resident tensor: every vocab matrix (materialize_extras) and each
     linear weight in both pool slots (LayerBufferPool: a torch.empty per tensor; NF4 packed n/2 B).
     Evidence: resident is +1,049,088 B over pool+extras+LoRA+workspace on Llama-3.2-1B and Gemma-2
     (vocab tail 1 MiB), Phi-3 +262,144 B on 0.73.3 (two heads) and +131,072 B on 0.77.0 (one)."""
     heads = 1 if a.tied or release != "0.73.3" else 2
     out = heads * segment_tail(2 * a.V * a.h)
+    if a.layers is not None:  # every tensor of the union buffer, in both slots
+        sizes = {"bf16": 2, "fp32": 4, "expert": 0 if per_expert else 2}
+        return out + sum(2 * segment_tail(-(-n // 2) if kind == "linear" and quant == "nf4"
+                                          else n * sizes.get(kind, 2))
+                         for n, kind in a.layers.union if sizes.get(kind, 2))
     for fan_in, fan_out, _ in a.modules.values():
         n = fan_in * fan_out
         out += 2 * segment_tail(2 * n if quant == "none" else -(-n // 2))
@@ -311,6 +197,49 @@ def layer_per_token(a: Arch, quant: str, targets: tuple, r: int) -> int:
     return b
 
 
+def kind_per_token(a: Arch, k: Kind, targets: tuple, r: int) -> int:
+    """layer_per_token for one kind of a MoE, latent or hybrid layer (issue395.moe), op by op on
+    the kind's own widths: two RMSNorms' fp32 copies (4h each); each LoRA target this kind has
+    (dropout output, mask, lora_A's output); attention's q, k, v and output with fp32 logsumexp
+    and the incoming gradient; the latent or delta-net widths in bf16 beside an fp32 norm copy
+    (6 B); the MLP's 6 x width as a dense one (3 saved, 3 backward transients); routing: the
+    router's fp32 logits and scores (8 B an expert) and each token's hidden state gathered for
+    every expert it visits and its weighted output (2 x top_k x 2h). Evidence: DeepSeek-V3 NF4
+    512x1 (both layouts) and Moonlight's recompute-off arms, results/moe-and-stream-modes-*."""
+    b = 4 * a.h * 2 + sum(2 * k.dequant[t][0] + LORA_DROPOUT_MASK_BYTES * k.dequant[t][0] + 2 * r
+                          for t in targets if t in k.dequant)
+    b += 2 * k.attention_width + 4 * a.heads + 2 * a.h + 6 * k.extra_width
+    return b + 2 * 6 * k.mlp_width + 8 * k.routed + 2 * k.top_k * 2 * a.h
+
+
+def kind_transients(a: Arch, k: Kind) -> int:
+    """What a kind's per-token count frees before the next layer runs (its MLP backward's three
+    i-sized gradients and the incoming gradient): kept out of what a layer retains with
+    stream_recompute off."""
+    return 2 * 3 * k.mlp_width + 2 * a.h
+
+
+def layer_phases(a: Arch, quant: str, targets: tuple, r: int, T: int, per_expert: bool) -> dict:
+    """Each layer kind's recompute peak beyond the shared terms: its dequantised linears (NF4
+    only: fused experts stay bf16 in the pool), T x its per-token count, and under the per-expert
+    layout Soup's expert in flight (its packed copy and bf16 weights, twice)."""
+    if a.layers is None:
+        return {"dense": dequantised_layer(a, quant) + T * layer_per_token(a, quant, targets, r)}
+    return {i: (2 * sum(fi * fo for fi, fo, _ in k.dequant.values()) if quant == "nf4" else 0)
+            + T * kind_per_token(a, k, targets, r)
+            + (expert_in_flight(a.layers.expert, quant) if per_expert and k.routed else 0)
+            for i, k in enumerate(a.layers.kinds)}
+
+
+def retained_per_token(a: Arch, quant: str, targets: tuple, r: int) -> int:
+    """stream_recompute off: what one layer keeps per token for its backward (its per-token count
+    less the transients), the widest kind. Evidence: SmolLM2 keeps 19.6-20.0 KB a token a layer
+    over the checkpointed step (results/moe-and-stream-modes-*/recompute.txt); this counts 20.4."""
+    if a.layers is None:
+        return layer_per_token(a, quant, targets, r) - 2 * 3 * a.i - 2 * a.h
+    return max(kind_per_token(a, k, targets, r) - kind_transients(a, k) for k in a.layers.kinds)
+
+
 # -- The estimate --
 @dataclass(frozen=True)
 class Estimate:
@@ -334,11 +263,14 @@ def _whole(name: str, v, low: int = 1) -> int:
 
 def estimate(config: dict, *, quant: str = "none", seq: int, batch: int = 1, targets=None,
              lora_r: int = 8, steps: int = 1, release: str | None = None,
-             allowance: int | None = None, workspace: int | None = None) -> Estimate:
+             allowance: int | None = None, workspace: int | None = None,
+             stream: dict | None = None) -> Estimate:
     """Soup's own pre-flight and the corrected peak for one (seq, batch). ``targets=None`` is the
     protocol's (q_proj, v_proj), or qkv_proj on Phi-3. ``allowance`` overrides the fitted
     ALLOCATED_ALLOWANCE_BYTES (the leave-one-family-out fit passes its own); ``workspace`` is a
-    card's cuBLAS workspace per handle, charged only where it is larger than CUBLAS_WORKSPACE."""
+    card's cuBLAS workspace per handle, charged only where it is larger than CUBLAS_WORKSPACE.
+    ``stream``: soup-cli 0.77.0's training keys (stream_expert_layout, stream_loss_chunk,
+    stream_recompute); any other is refused in one line, never estimated as if absent."""
     a = arch_of(config)
     if quant not in QUANTS:
         raise UsageError(f"quant {quant!r} is not one Soup streams ({', '.join(QUANTS)})")
@@ -354,12 +286,20 @@ def estimate(config: dict, *, quant: str = "none", seq: int, batch: int = 1, tar
                          f" layer (it has {', '.join(a.modules)})")
     release = release or installed_release()
     ws = max(CUBLAS_WORKSPACE, workspace or 0)
-    soup, soup_terms = soup_preflight_from_config(config, quant=quant, seq=seq, batch=batch,
-                                                  targets=targets, lora_r=lora_r, release=release)
+    stream = dict(stream or {})
+    unknown = sorted(set(stream) - {"stream_expert_layout", "stream_loss_chunk", "stream_recompute"})
+    if unknown:
+        raise UsageError(f"training.{unknown[0]} is not modelled by this estimator")
+    soup, soup_terms = soup_preflight_from_config(config, quant=quant, seq=seq, batch=batch, targets=targets,
+                                                  lora_r=lora_r, release=release, stream=stream)
+    per_expert = stream.get("stream_expert_layout") == "per_expert"
+    chunk, recompute = stream.get("stream_loss_chunk"), stream.get("stream_recompute", "on")
+    if recompute not in ("on", "off"):
+        raise UsageError(f"stream_recompute {recompute!r} is not modelled (it measures one step at setup)")
     T, n = seq * batch, lora_params(a, targets, lora_r)
-    t = {"pool": pool(a, quant), "extras": extras(a, release), "lora_weights": lora_weights(n),
+    t = {"pool": pool(a, quant, per_expert), "extras": extras(a, release), "lora_weights": lora_weights(n),
          "cublas_workspace": ws, "logits": logits(a, T),
-         "resident_rounding": resident_rounding(a, quant, release),
+         "resident_rounding": resident_rounding(a, quant, release, per_expert),
          "allocator_rounding": allocator_rounding(a, T),
          "checkpointed_inputs": checkpointed_inputs(a, quant, T), "final_norm": final_norm(a, T),
          "ids_labels": ids_labels(T), "position_ids": position_ids(seq),
@@ -367,10 +307,26 @@ def estimate(config: dict, *, quant: str = "none", seq: int, batch: int = 1, tar
          "dequantised_layer": dequantised_layer(a, quant),
          "layer_per_token": T * layer_per_token(a, quant, targets, lora_r),
          "autograd_workspace": ws}
+    if a.layers is not None:  # the kind whose recompute binds: its W16, its tokens, its expert
+        phases = layer_phases(a, quant, targets, lora_r, T, per_expert)
+        k = a.layers.kinds[max(phases, key=phases.get)]
+        t["dequantised_layer"] = 2 * sum(fi * fo for fi, fo, _ in k.dequant.values()) if quant == "nf4" else 0
+        t["layer_per_token"] = T * kind_per_token(a, k, targets, lora_r)
+        t["expert_in_flight"] = max(phases.values()) - t["dequantised_layer"] - t["layer_per_token"]
+    if chunk:  # the chunked loss: per chunk 3 fp32 + its bf16 logits (14 B), a backward's cuBLAS
+        # workspace inside the loss, Soup's two [batch, seq, hidden] stream-dtype tensors;
+        # measured: SmolLM2 and Moonlight chunk 512 (results/moe-and-stream-modes-*/loss-chunk.txt)
+        t["logits"] = (LOGITS_BYTES + 2 + (SOFTCAP_EXTRA_BYTES if a.softcap else 0)) * min(chunk, seq) * batch * a.V
+        t["allocator_rounding"] = allocator_rounding(a, min(chunk, seq) * batch)
+        t["chunked_loss"] = ws + 2 * 2 * a.h * T
+    if recompute == "off":
+        t["retained_activations"] = a.L * T * retained_per_token(a, quant, targets, lora_r)
     shared = sum(t[k] for k in ("checkpointed_inputs", "ids_labels", "position_ids",
                                 "rotary_tables", "sliding_mask"))
-    loss = shared + t["logits"] + t["final_norm"] + t["allocator_rounding"]
-    layer = shared + t["dequantised_layer"] + t["layer_per_token"] + t["autograd_workspace"]
+    loss = (shared + t["logits"] + t["final_norm"] + t["allocator_rounding"] + t.get("chunked_loss", 0)
+            + t.get("retained_activations", 0))
+    layer = (shared + t["dequantised_layer"] + t["layer_per_token"] + t["autograd_workspace"]
+             + t.get("expert_in_flight", 0))
     resident = (t["pool"] + t["extras"] + t["lora_weights"] + t["cublas_workspace"]
                 + t["resident_rounding"])
     steady = 0

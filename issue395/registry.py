@@ -153,10 +153,13 @@ FAMILIES: dict[str, Family] = {
     # own config defaults (Qwen3_5TextConfig; Qwen3_5MoeTextConfig, whose documented checkpoint is
     # Qwen/Qwen3.5-35B-A3B), read from the installed class, not a public config.json.
     "qwen3.5": Family("Qwen3.5 (transformers' Qwen3_5TextConfig defaults)", "", "qwen3_5_text", dict(
-        num_hidden_layers=4, vocab_size=248320, max_position_embeddings=32768), None, depth_of=32,
+        hidden_size=4096, intermediate_size=12288, num_hidden_layers=4, num_attention_heads=16,
+        num_key_value_heads=4, head_dim=256, vocab_size=248320, max_position_embeddings=32768), None, depth_of=32,
         source="transformers 5.16.1 Qwen3_5TextConfig defaults"),
     "qwen3.5-moe": Family("Qwen3.5-35B-A3B", "Qwen/Qwen3.5-35B-A3B", "qwen3_5_moe_text", dict(
-        num_hidden_layers=4, vocab_size=248320, max_position_embeddings=32768), None, depth_of=40,
+        hidden_size=2048, num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=2, head_dim=256,
+        num_experts=256, num_experts_per_tok=8, moe_intermediate_size=512, shared_expert_intermediate_size=512,
+        vocab_size=248320, max_position_embeddings=32768), None, depth_of=40,
         source="transformers 5.16.1 Qwen3_5MoeTextConfig defaults (its documented checkpoint)"),
 }
 
