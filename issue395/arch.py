@@ -263,3 +263,14 @@ def arch_from_config(config: dict) -> Arch:
                 max_pos, int(hd * float(factor)), _window(config, mt, L), softcap, mods,
                 norms=4 if mt in ("gemma2", "gemma3_text") else (1 if mt == "phi" else 2),
                 norm_bias=mt == "phi", qk_norm=mt in ("qwen3", "gemma3_text"))
+
+
+def protocol_targets(a: Arch) -> tuple:
+    """The protocol's LoRA targets on this architecture: q_proj and v_proj where both exist; Phi-3's
+    fused qkv_proj; under latent attention the query (q_proj, or q_b_proj after a query latent)
+    and kv_b_proj, which makes the keys and values from the latent (the registry's choice too)."""
+    if "q_proj" in a.modules and "v_proj" in a.modules:
+        return ("q_proj", "v_proj")
+    if "qkv_proj" in a.modules:
+        return ("qkv_proj",)
+    return ("q_proj" if "q_proj" in a.modules else "q_b_proj", "kv_b_proj")

@@ -10,17 +10,18 @@ from typing import Optional
 
 from .errors import UsageError
 from .estimate import RELEASES, estimate
-from .record import SHAPES
-from .registry import FAMILIES, config_json
+from .registry import config_json, known, stream_mode
 from .row import Row
 
 
 @functools.lru_cache(maxsize=4096)
 def _corrected(key: str, quant: str, seq: int, batch: int, targets: tuple, release: Optional[str],
                steps: int) -> Optional[int]:
+    family, stream = stream_mode(key)  # a streaming mode is estimated under that mode, never without
     try:
-        return estimate(config_json(key), quant=quant, seq=seq, batch=batch, targets=targets or None,
-                        steps=steps, release=release if release in RELEASES else None).corrected_predicted
+        return estimate(config_json(family), quant=quant, seq=seq, batch=batch, targets=targets or None,
+                        steps=steps, release=release if release in RELEASES else None,
+                        stream=stream).corrected_predicted
     except UsageError:
         return None
 
@@ -28,7 +29,7 @@ def _corrected(key: str, quant: str, seq: int, batch: int, targets: tuple, relea
 def corrected(r: Row, env: Optional[dict] = None) -> Optional[int]:
     """This tool's corrected allocated peak for a row's arm, from its family's public config and the
     Soup release the row ran (None for a --model run: no public config here)."""
-    if r.model_key not in SHAPES and r.model_key not in FAMILIES:
+    if not known(r.model_key):
         return None
     env = env or {}
     return _corrected(r.model_key, r.quant, r.seq, r.batch, tuple(r.targets), env.get("soup_cli"),

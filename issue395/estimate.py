@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .arch import Arch
+from .arch import Arch, protocol_targets
 from .moe import Kind, expert_in_flight
 from .constants import (CONFIG_LIMITS, CUBLAS_WORKSPACE, K_MIN_LARGE_ALLOC, K_ROUND_LARGE,  # noqa: F401
                         K_MIN_BLOCK_SIZE, K_SMALL_SIZE, MiB, block_bytes)
@@ -22,7 +22,6 @@ from .soup_number import (RELEASES, _nf4_bytes, _soup_dir, arch_of, installed_re
                           layer_bytes, linear_elements, lora_params, soup_namespace, soup_preflight_from_config,
                           streamed_as, supported_archs)
 from .record import QUANTS
-from .shapes import lora_targets
 
 #: CUBLAS_WORKSPACE (constants) is kept on every card though torch gives 8,519,680 B below sm 9
 #: (cards.cublas_workspace): on the A10G record (sm 8.6) it sits 27.6-28.5 MB over at seq 2048 but
@@ -278,7 +277,7 @@ def estimate(config: dict, *, quant: str = "none", seq: int, batch: int = 1, tar
     lora_r, steps = _whole("lora_r", lora_r), _whole("steps", steps)
     if seq > a.max_pos:
         raise UsageError(f"seq {seq} is past the model's max_position_embeddings {a.max_pos}")
-    targets = lora_targets(config.get("model_type")) if targets is None else targets
+    targets = protocol_targets(a) if targets is None else targets
     targets = (targets,) if isinstance(targets, str) else tuple(targets)
     missing = [t for t in targets if t not in a.modules]
     if not targets or missing:

@@ -50,11 +50,11 @@ def disagreement(fits: bool, soup_admits: bool) -> Optional[str]:
 
 
 def card_answers(config: dict, e: Estimate, budgets: list[Budget], targets=None, lora_r: int = 8,
-                 env: Optional[str] = None) -> list[dict]:
+                 env: Optional[str] = None, stream: Optional[dict] = None) -> list[dict]:
     """One arm on each card: the JSON's ``cards`` entries. needs_free is recomputed only where the
     card's cuBLAS workspace is larger than the estimator's (CUBLAS_WORKSPACE_CONFIG)."""
     kw = dict(quant=e.quant, batch=e.batch, steps=e.steps, release=e.release, targets=targets,
-              lora_r=lora_r)
+              lora_r=lora_r, stream=stream)
     out = []
     for b in budgets:
         ws = b.card.workspace(env)

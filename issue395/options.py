@@ -69,6 +69,7 @@ class Run:
     cards: tuple = ()  # issue395.cards.Card
     context: Optional[int] = None  # --context, bytes
     targets: Optional[tuple] = None
+    stream: tuple = ()  # --estimate: soup-cli 0.77.0's streaming modes, (training key, value) pairs
     lora_r: int = 8
     child: bool = False  # a child of --gpus, --isolate or --determinism (never the command line)
     repeat_tag: Optional[int] = None  # a child's repeat of --determinism
@@ -355,10 +356,31 @@ def settle_estimate(args: argparse.Namespace, argv: list[str]) -> Run:
     context = parse_context(args.context)
     if context is not None and not cards:
         raise UsageError("--context goes with --card: it is the context of the card to fit")
+    stream = estimate_stream(args)
+    if stream:  # Soup's own refusals and the modes' physics, in one line before any table
+        from .estimate import estimate
+
+        estimate(config, quant=quants[0], seq=seqs[0], targets=targets, stream=stream)
     return Run(sweep=False, estimate=True, estimate_config=config, custom_model=name, quants=quants, seqs=seqs,
+               stream=tuple(sorted(stream.items())),
                batches=parse_ints("--batch", args.batch) or (1,), targets=targets,
                lora_r=one_int("--lora-r", args.lora_r, 8), steps=one_int("--steps", args.steps, 1),
                cards=cards, context=context, soup_config=args.config, json=args.json, argv=tuple(argv))
+
+
+def estimate_stream(args: argparse.Namespace) -> dict:
+    """--estimate's soup-cli 0.77.0 streaming modes, one value each: Soup's training keys."""
+    stream: dict = {}
+    for flag, key, allowed in (("expert_layout", "stream_expert_layout", ("fused", "per_expert")),
+                               ("recompute", "stream_recompute", ("on", "off"))):
+        value = getattr(args, flag)
+        if value is not None and value not in allowed:
+            raise UsageError(f"--{flag.replace('_', '-')} {value!r}: with --estimate, one of {', '.join(allowed)}")
+        if value is not None and value != allowed[0]:
+            stream[key] = value
+    if args.loss_chunk not in (None, "off"):
+        stream["stream_loss_chunk"] = one_int("--loss-chunk", args.loss_chunk, None)
+    return stream
 
 
 def config_arguments(args: argparse.Namespace) -> argparse.Namespace:

@@ -29,7 +29,7 @@ from .record import SCHEMA, SHAPES, Arm, Shape, plan_arms
 from .result import Result, RowFile, environment, load_result, merge, row_order
 from .row import Row
 from .scratch import Scratch
-from .shapes import family_shape, load_custom_shape, lora_targets
+from .shapes import family_shape, load_custom_shape
 from .spread import CHILD_JOB, Job, read_job, spread, visible_gpu_count
 from .tables import compare_table, render_text
 
@@ -277,15 +277,18 @@ def run_timings(rows: list[Row], imports_s: float, total_s: float, build_s: dict
 def estimate_run(run: Run) -> int:
     """--estimate: each (quant, seq, batch) from the config alone, on CPU; the table, and --json."""
     from .cards import workspace_env
-    from .estimate import estimate
+    from .arch import protocol_targets
+    from .estimate import arch_of, estimate
     from .fits import budgets_for, card_answers, estimate_table
 
     kw = {"targets": run.targets, "lora_r": run.lora_r}
     try:
         rows = [estimate(run.estimate_config, quant=q, seq=s, batch=b, targets=run.targets, lora_r=run.lora_r,
-                         steps=run.steps) for q in run.quants for s in run.seqs for b in run.batches]
+                         steps=run.steps, stream=dict(run.stream))
+                for q in run.quants for s in run.seqs for b in run.batches]
         budgets = budgets_for(run.cards, run.context)
-        answers = [card_answers(run.estimate_config, e, budgets, env=workspace_env(), **kw) for e in rows]
+        answers = [card_answers(run.estimate_config, e, budgets, env=workspace_env(), stream=dict(run.stream), **kw)
+                   for e in rows]
         table = estimate_table(rows, run.cards, run.estimate_config, answers=answers, **kw)
     except UsageError as exc:
         raise UsageError(f"--estimate --model {run.custom_model}: {exc}") from None
@@ -298,7 +301,7 @@ def estimate_run(run: Run) -> int:
             + "".join(f"note: {n}\n" for n in notes))
     print(text, end="")
     if run.json:
-        targets = run.targets or lora_targets(run.estimate_config["model_type"])
+        targets = run.targets or protocol_targets(arch_of(run.estimate_config))
         data = {"tool": "issue395_second_stack_vram", "schema": SCHEMA, "kind": "estimate",
                 "model": run.custom_model, "soup_cli": rows[0].release, "targets": list(targets),
                 "lora_r": run.lora_r, "cards": [{"card": c.name, "bytes": c.total_bytes} for c in run.cards],
