@@ -29,7 +29,7 @@ from .record import SCHEMA, SHAPES, Arm, Shape, plan_arms
 from .result import Result, RowFile, environment, load_result, merge, row_order
 from .row import Row
 from .scratch import Scratch
-from .shapes import family_shape, load_custom_shape
+from .shapes import family_shape, load_custom_shape, not_on_map
 from .spread import CHILD_JOB, Job, read_job, spread, visible_gpu_count
 from .tables import compare_table, render_text
 
@@ -246,6 +246,8 @@ def measure_all(run: Run, protocol: Protocol, job: Optional[Job], scratch: Scrat
                                          [os.path.basename(protocol.script), *run.argv], with_torch=False)
     if run.steps != 1:  # the protocol's one step is implied; anything else is named (the stack settled)
         result.environment["steps"] = run.steps
+    if run.map and not run.child and not_on_map():  # never skipped silently: named with the reason
+        result.environment["not_on_map"] = " | ".join(not_on_map())
     result.rows = sorted(rows, key=row_order)
     result.interrupted = Stop.requested
     result.timings = run_timings(rows, imports_s, time.perf_counter() - started,

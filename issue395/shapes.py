@@ -121,7 +121,7 @@ def not_on_map() -> list[str]:
         if f"{model_type}_text" in covered:  # the multimodal wrapper of a text decoder mapped here
             reason = (f"mapped through its text decoder ({model_type}_text), which is what Soup streams; "
                       "the wrapper's vision tower is not measured")
-        lines.append(f"Soup {_soup_release()} streams {model_type}; not on this map: {reason}")
+        lines.append(f"Soup {_soup_release()} streams {model_type}: {reason}")
     return lines
 
 

@@ -402,6 +402,8 @@ def render_text(result: Result) -> str:
             anatomy = margin_anatomy(result.margins, result.environment.get("soup_cli"))
             parts += ["", anatomy] if anatomy else []
         parts += ["", map_verdict(sweep_rows, result.environment)]
+        parts += [f"not on this map: {line}" for line in
+                  filter(None, str(result.environment.get("not_on_map") or "").split(" | "))]
         sweep_rows = []
     if sweep_rows:
         parts += ["", sweep_table(sweep_rows, result.environment)]
