@@ -23,6 +23,7 @@ from .checks import (
     within_positions,
     writable_folder,
 )
+from .cards import parse_context
 from .errors import UsageError, last_line
 from .margin import plan_map, shard_of
 from .parser import build_parser
@@ -55,6 +56,7 @@ class Run:
     cache_dir: Optional[str] = None
     isolate: bool = False
     cap: Optional[str] = None  # --cap: which prediction caps each arm's allocator
+    emulate_card: Optional[str] = None  # --emulate-card: the card each arm runs as (a ballast)
     gpus: Optional[tuple] = None
     shard: Optional[tuple] = None
     json: Optional[str] = None
@@ -161,9 +163,9 @@ def _settle(args: argparse.Namespace, argv: list[str]) -> Run:
         if args.model and args.model not in ALL_FAMILIES:
             no_output_is_an_input(outputs, [("--model", os.path.expanduser(args.model))])
         return settle_estimate(args, argv)
-    for flag in ("--card", "--targets", "--lora-r", "--context", "--config"):
+    for flag in ("--card", "--targets", "--lora-r", "--config") + (("--context",) if not args.emulate_card else ()):
         if getattr(args, flag.strip("-").replace("-", "_")) is not None:
-            raise UsageError(f"{flag} goes with --estimate")
+            raise UsageError(f"{flag} goes with --estimate" + (" or --emulate-card" if flag == "--context" else ""))
     if args.map:
         return settle_map(args, argv)
     for flag in ("--families", "--quant"):
@@ -211,6 +213,7 @@ def _settle(args: argparse.Namespace, argv: list[str]) -> Run:
     if args.cap is not None and (args.measure or args.sdpa or args.snapshot or args.snapshot_dir):
         raise UsageError("--cap runs each arm under a capped allocator; --measure, --sdpa and --snapshot "
                          "would run under it too: run them without --cap")
+    emulate_card(args, repeats)
     if args.cap is not None and (args.dry_run or args.model or repeats):
         raise UsageError("--cap re-runs arms of the record or the map on a GPU: not with --dry-run, "
                          "--model or --determinism")
@@ -229,13 +232,31 @@ def _settle(args: argparse.Namespace, argv: list[str]) -> Run:
                weights=("synthetic" if config_only(args.model) else "local") if args.model else args.weights,
                dry_run=args.dry_run, verbose=args.verbose, snapshot=args.snapshot or bool(args.snapshot_dir),
                snapshot_dir=args.snapshot_dir, log_dir=args.log_dir, cache_dir=cache,
-               isolate=args.isolate or args.cap is not None, cap=args.cap, gpus=gpus, shard=shard, json=args.json,
+               isolate=args.isolate or args.cap is not None or bool(args.emulate_card), cap=args.cap,
+               emulate_card=args.emulate_card, context=parse_context(args.context), gpus=gpus, shard=shard, json=args.json,
                markdown=args.markdown, plot=args.plot, steps=one_int("--steps", args.steps, 1), argv=tuple(argv))
+
+
+def emulate_card(args: argparse.Namespace, repeats: Optional[int]) -> None:
+    """--emulate-card's own checks: a card this tool knows or a size, on a GPU, one arm a process."""
+    if args.emulate_card is None:
+        return
+    from .cards import parse_card
+
+    try:
+        parse_card(args.emulate_card)
+    except UsageError as exc:
+        raise UsageError(str(exc).replace("--card", "--emulate-card", 1)) from None
+    if args.dry_run or args.cap is not None or repeats or args.measure or args.sdpa or args.snapshot \
+            or args.snapshot_dir:
+        raise UsageError("--emulate-card holds CUDA memory outside the allocator for each arm in a fresh process: "
+                         "not with --dry-run, --cap, --determinism, --measure, --sdpa or --snapshot")
 
 
 def settle_map(args: argparse.Namespace, argv: list[str]) -> Run:
     """--map's own checks (families, quantizations, max positions); the rest as for the sweep."""
-    for flag in ("--models", "--model", "--determinism") + (("--isolate",) if args.cap is None else ()):
+    fresh = args.cap is not None or args.emulate_card is not None
+    for flag in ("--models", "--model", "--determinism") + (("--isolate",) if not fresh else ()):
         if getattr(args, flag.strip("-")) not in (None, False):
             raise UsageError(f"--map and {flag} are exclusive")
     known = ALL_FAMILIES
@@ -319,7 +340,7 @@ def settle_estimate(args: argparse.Namespace, argv: list[str]) -> Run:
     """--estimate's own checks: a config, seqs, and nothing that needs a GPU or Soup's setup."""
     for flag in ("--sweep", "--measure", "--sdpa", "--map", "--determinism", "--models", "--families",
                  "--dry-run", "--isolate", "--gpus", "--shard", "--snapshot", "--snapshot-dir", "--markdown",
-                 "--plot", "--log-dir", "--cache-dir", "--verbose", "--cap"):
+                 "--plot", "--log-dir", "--cache-dir", "--verbose", "--cap", "--emulate-card"):
         if getattr(args, flag.strip("-").replace("-", "_")) not in (None, False):
             raise UsageError(f"--estimate and {flag} are exclusive: an estimate runs nothing")
     if args.config is not None:
