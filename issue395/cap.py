@@ -17,6 +17,8 @@ def cap_bytes(cap: str, key: str, *, quant: str, seq: int, batch: int, targets: 
     Soup's own number is Soup's estimator fed what its setup computes (exact on every map arm)."""
     if cap == "off":
         return None
+    if cap.startswith("bytes:"):  # --min-free's probes: a number, not a prediction
+        return int(cap.partition(":")[2])
     e = estimate(config_json(key), quant=quant, seq=seq, batch=batch, targets=targets, steps=steps,
                  release=release)
     return {"soup": e.soup_predicted, "corrected": e.corrected_predicted, "needs-free": e.needs_free}[cap]

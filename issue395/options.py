@@ -57,6 +57,7 @@ class Run:
     isolate: bool = False
     cap: Optional[str] = None  # --cap: which prediction caps each arm's allocator
     emulate_card: Optional[str] = None  # --emulate-card: the card each arm runs as (a ballast)
+    min_free: bool = False  # --min-free: each arm's lowest completing cap, by bisection
     gpus: Optional[tuple] = None
     shard: Optional[tuple] = None
     json: Optional[str] = None
@@ -214,6 +215,10 @@ def _settle(args: argparse.Namespace, argv: list[str]) -> Run:
         raise UsageError("--cap runs each arm under a capped allocator; --measure, --sdpa and --snapshot "
                          "would run under it too: run them without --cap")
     emulate_card(args, repeats)
+    if args.min_free and (args.dry_run or args.cap is not None or args.emulate_card or repeats or args.measure
+                          or args.sdpa or args.snapshot or args.snapshot_dir):
+        raise UsageError("--min-free runs each arm in capped fresh processes on a GPU: not with --dry-run, --cap, "
+                         "--emulate-card, --determinism, --measure, --sdpa or --snapshot")
     if args.cap is not None and (args.dry_run or args.model or repeats):
         raise UsageError("--cap re-runs arms of the record or the map on a GPU: not with --dry-run, "
                          "--model or --determinism")
@@ -232,8 +237,9 @@ def _settle(args: argparse.Namespace, argv: list[str]) -> Run:
                weights=("synthetic" if config_only(args.model) else "local") if args.model else args.weights,
                dry_run=args.dry_run, verbose=args.verbose, snapshot=args.snapshot or bool(args.snapshot_dir),
                snapshot_dir=args.snapshot_dir, log_dir=args.log_dir, cache_dir=cache,
-               isolate=args.isolate or args.cap is not None or bool(args.emulate_card), cap=args.cap,
-               emulate_card=args.emulate_card, context=parse_context(args.context), gpus=gpus, shard=shard, json=args.json,
+               isolate=args.isolate or args.cap is not None or bool(args.emulate_card) or args.min_free,
+               cap=args.cap,
+               emulate_card=args.emulate_card, context=parse_context(args.context), min_free=args.min_free, gpus=gpus, shard=shard, json=args.json,
                markdown=args.markdown, plot=args.plot, steps=one_int("--steps", args.steps, 1), argv=tuple(argv))
 
 
@@ -255,7 +261,7 @@ def emulate_card(args: argparse.Namespace, repeats: Optional[int]) -> None:
 
 def settle_map(args: argparse.Namespace, argv: list[str]) -> Run:
     """--map's own checks (families, quantizations, max positions); the rest as for the sweep."""
-    fresh = args.cap is not None or args.emulate_card is not None
+    fresh = args.cap is not None or args.emulate_card is not None or args.min_free
     for flag in ("--models", "--model", "--determinism") + (("--isolate",) if not fresh else ()):
         if getattr(args, flag.strip("-")) not in (None, False):
             raise UsageError(f"--map and {flag} are exclusive")
@@ -340,7 +346,7 @@ def settle_estimate(args: argparse.Namespace, argv: list[str]) -> Run:
     """--estimate's own checks: a config, seqs, and nothing that needs a GPU or Soup's setup."""
     for flag in ("--sweep", "--measure", "--sdpa", "--map", "--determinism", "--models", "--families",
                  "--dry-run", "--isolate", "--gpus", "--shard", "--snapshot", "--snapshot-dir", "--markdown",
-                 "--plot", "--log-dir", "--cache-dir", "--verbose", "--cap", "--emulate-card"):
+                 "--plot", "--log-dir", "--cache-dir", "--verbose", "--cap", "--emulate-card", "--min-free"):
         if getattr(args, flag.strip("-").replace("-", "_")) not in (None, False):
             raise UsageError(f"--estimate and {flag} are exclusive: an estimate runs nothing")
     if args.config is not None:

@@ -105,6 +105,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "with expandable segments, a ballast outside the allocator leaves exactly the card's free "
                         "memory (total - context; --context GB gives yours), Soup's own gate decides, and the row "
                         "says refused by Soup / admitted and completed / admitted and OOM beside this tool's verdict")
+    r.add_argument("--min-free", action="store_true",
+                   help="per arm, the lowest allocator cap its step completes under: a bisection over fresh "
+                        "processes (expandable segments) to max(0.25%% of the allocated peak, 4 MiB), beside "
+                        "this tool's needs-free")
     r.add_argument("--gpus", default=None, help="comma list of GPU ids: one shard per GPU, merged")
     r.add_argument("--shard", default=None, metavar="K/N",
                    help="run only the arms whose grid index is K-1 modulo N (on the map: whole "

@@ -30,6 +30,7 @@ from .result import Result, RowFile, environment, load_result, merge, row_order
 from .row import Row
 from .scratch import Scratch
 from .shapes import family_shape, load_custom_shape, lora_targets
+from .probes import min_free_arms
 from .spread import CHILD_JOB, Job, read_job, spread, visible_gpu_count
 from .tables import compare_table, render_text
 
@@ -174,7 +175,8 @@ def measure_all(run: Run, protocol: Protocol, job: Optional[Job], scratch: Scrat
         imports_s = time.perf_counter() - t
     det_models, det_seqs, det_batches = run.determinism_grid
     det_arms = plan_arms(*run.determinism_grid) if run.repeats else []
-    how = (f"capped at {run.cap} (expandable segments), one fresh process per arm" if run.cap else
+    how = (f"--min-free: a bisection over capped fresh processes (expandable segments)" if run.min_free else
+           f"capped at {run.cap} (expandable segments), one fresh process per arm" if run.cap else
            f"as {run.emulate_card} (a ballast outside the allocator, expandable segments), one fresh process "
            "per arm" if run.emulate_card else
            "isolated, one fresh process per arm" if run.isolate else
@@ -200,7 +202,10 @@ def measure_all(run: Run, protocol: Protocol, job: Optional[Job], scratch: Scrat
 
     checkpoints = None
     try:
-        if run.sweep and fan_out:
+        if run.sweep and run.min_free:
+            with Stop.arm():  # each probe is a fresh capped child
+                children += min_free_arms(run, arms, scratch, on_row, protocol.script)
+        elif run.sweep and fan_out:
             with Stop.arm():  # the children's arms are in flight
                 children += spread(replace(run, repeats=None), arms, scratch, on_row, protocol.script)
         elif run.sweep:
