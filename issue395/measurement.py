@@ -141,7 +141,8 @@ def run_arm(measure_arm: Callable[..., Measurement], step_device: str, arm: Arm,
     def cap_allocator() -> None:
         if cap and cap != "soup" and not dry_run:
             capped.update(cap_at=cap, cap=cap_bytes(cap, arm.model, quant=arm.quant, seq=arm.seq,
-                                                     batch=arm.batch, targets=shape.targets, steps=steps))
+                                                     batch=arm.batch, targets=shape.targets, steps=steps,
+                                                     config=arm_config(arm.model, base)))
             apply_cap(capped["cap"])
 
     def cap_at_soups_own(m: Measurement) -> None:

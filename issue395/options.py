@@ -219,9 +219,8 @@ def _settle(args: argparse.Namespace, argv: list[str]) -> Run:
                           or args.sdpa or args.snapshot or args.snapshot_dir):
         raise UsageError("--min-free runs each arm in capped fresh processes on a GPU: not with --dry-run, --cap, "
                          "--emulate-card, --determinism, --measure, --sdpa or --snapshot")
-    if args.cap is not None and (args.dry_run or args.model or repeats):
-        raise UsageError("--cap re-runs arms of the record or the map on a GPU: not with --dry-run, "
-                         "--model or --determinism")
+    if args.cap is not None and (args.dry_run or repeats):
+        raise UsageError("--cap re-runs arms on a GPU, each in a fresh process: not with --dry-run or --determinism")
     if args.dry_run and (args.snapshot or args.snapshot_dir):
         raise UsageError("--snapshot attributes the CUDA step's peak; a --dry-run has no step")
     for flag, folder in (("--log-dir", args.log_dir), ("--snapshot-dir", args.snapshot_dir),

@@ -141,3 +141,29 @@ def test_a_lost_emulated_arm_keeps_its_card(tmp_path):
     row = lost_row(Arm("smol", 2048), Run(emulate_card="t4"), None, 139)
     assert row.emulated_card == "T4" and row.emulated_outcome == "FAILED"
     assert "mistral-7b" in FAMILIES and SMOL.key == "smol"
+
+
+def test_a_model_arm_is_capped_and_emulated_from_its_own_config(tmp_path, device, monkeypatch):
+    """--model arms measured like a family: the cap and the verdict read the checkpoint's own
+    config.json. FAKED: the CUDA calls (the device fixture; apply_cap's fraction) and the step."""
+    import issue395.measurement as measurement
+    from issue395.cap import cap_bytes
+    from issue395.estimate import estimate
+    from issue395.registry import config_json
+
+    (tmp_path / "config.json").write_text(json.dumps(config_json("mistral-7b")))
+    argv = ["--model", str(tmp_path / "config.json"), "--seq", "512", "--cap", "needs-free"]
+    assert settle(build_parser().parse_args(argv), argv).cap == "needs-free"
+    capped_at = []
+    monkeypatch.setattr(measurement, "apply_cap", capped_at.append)
+    monkeypatch.setattr(measurement, "bitsandbytes_present", lambda: True)
+    arm = Arm("custom", 512, 1, 0, "nf4")
+    row = run_arm(protocol_with_fake_step(10**9, []), "cuda", arm, mistral_shape(), str(tmp_path), tmp_path,
+                  cap="needs-free")
+    want = estimate(config_json("mistral-7b"), quant="nf4", seq=512, batch=1, targets=mistral_shape().targets)
+    assert capped_at == [want.needs_free] == [row.cap] and row.cap == cap_bytes(
+        "needs-free", "custom", quant="nf4", seq=512, batch=1, targets=mistral_shape().targets,
+        config=config_json("mistral-7b"))
+    row = run_arm(protocol_with_fake_step(10**9, []), "cuda", arm, mistral_shape(), str(tmp_path), tmp_path,
+                  emulate="T4")
+    assert row.needs_free is not None and row.emulated_outcome == "admitted and completed"
