@@ -12,12 +12,14 @@ from .registry import config_json
 
 
 def cap_bytes(cap: str, key: str, *, quant: str, seq: int, batch: int, targets: tuple, steps: int = 1,
-              release: Optional[str] = None) -> Optional[int]:
+              release: Optional[str] = None, config: Optional[dict] = None) -> Optional[int]:
     """The cap in bytes for one arm of a family (or the record's models), from its public config:
     Soup's own number is Soup's estimator fed what its setup computes (exact on every map arm)."""
     if cap == "off":
         return None
-    e = estimate(config_json(key), quant=quant, seq=seq, batch=batch, targets=targets, steps=steps,
+    if cap.startswith("bytes:"):  # --min-free's probes: a number, not a prediction
+        return int(cap.partition(":")[2])
+    e = estimate(config if config is not None else config_json(key), quant=quant, seq=seq, batch=batch, targets=targets, steps=steps,
                  release=release)
     return {"soup": e.soup_predicted, "corrected": e.corrected_predicted, "needs-free": e.needs_free}[cap]
 

@@ -1,5 +1,6 @@
 """One arm around the protocol: what the entry script measured (``Measurement``), the hooks the
-runner hands it (``ArmHooks``: the cap, Soup's console, the phases it names), and ``run_arm``,
+runner hands it (``ArmHooks``: the cap, the emulated card's ballast, Soup's console, the phases
+it names), and ``run_arm``,
 which judges the measurement into a Row: SKIPPED, REFUSED, OOM or FAILED, the timings, the
 attribution of the peak and its snapshot file, the GPU's label.
 """
@@ -18,6 +19,7 @@ from .anatomy import classifier_for
 from .cap import apply_cap, cap_bytes
 from .console import soup_console
 from .cuda import attribute_peak, is_oom, oom_request, save_snapshot
+from .emulation import Emulation, arm_config, tool_needs_free
 from .errors import last_line
 from .margin import shape_classes
 from .record import Arm, Shape
@@ -126,7 +128,8 @@ def gpu_label(dry_run: bool, step_device: str) -> Optional[str]:
 def run_arm(measure_arm: Callable[..., Measurement], step_device: str, arm: Arm, shape: Shape,
             base: str, work: Path, *, dry_run: bool = False, snapshot: bool = False,
             snapshot_dir: Optional[str] = None, log: Optional[Path] = None, verbose: bool = False,
-            repeat: Optional[int] = None, steps: int = 1, cap: Optional[str] = None) -> Row:
+            repeat: Optional[int] = None, steps: int = 1, cap: Optional[str] = None,
+            emulate: Optional[str] = None, context: Optional[int] = None, lora_r: int = 8) -> Row:
     """One arm measured by the protocol and judged. Always returns a row: a failure anywhere is
     the row's finding, and a teardown error sits beside the measurement, never replacing it."""
     carried = carried_bytes(dry_run, step_device)
@@ -138,7 +141,8 @@ def run_arm(measure_arm: Callable[..., Measurement], step_device: str, arm: Arm,
     def cap_allocator() -> None:
         if cap and cap != "soup" and not dry_run:
             capped.update(cap_at=cap, cap=cap_bytes(cap, arm.model, quant=arm.quant, seq=arm.seq,
-                                                     batch=arm.batch, targets=shape.targets, steps=steps))
+                                                     batch=arm.batch, targets=shape.targets, steps=steps,
+                                                     config=arm_config(arm.model, base)))
             apply_cap(capped["cap"])
 
     def cap_at_soups_own(m: Measurement) -> None:
@@ -149,10 +153,26 @@ def run_arm(measure_arm: Callable[..., Measurement], step_device: str, arm: Arm,
             capped.update(cap_at=cap, cap=m.soup_predicted)
             apply_cap(capped["cap"])
 
+    emulation = Emulation(emulate, context) if emulate else None
+    if emulation is not None:  # this tool's verdict for the card, before the card decides
+        capped.update(emulation.row_fields(tool_needs_free(
+            arm_config(arm.model, base), emulation.budget, quant=arm.quant, seq=arm.seq, batch=arm.batch,
+            targets=shape.targets, lora_r=lora_r, steps=steps)))
+
+    def before_setup() -> None:
+        cap_allocator()
+        if emulation is not None and not dry_run:  # Soup's gate then measures the card's free memory
+            capped["emulated_free"] = emulation.hold()
+
     clock = Clock()
-    hooks = ArmHooks(before_setup=cap_allocator, before_step=cap_at_soups_own, mark=clock.mark,
+    hooks = ArmHooks(before_setup=before_setup, before_step=cap_at_soups_own, mark=clock.mark,
                      console=lambda: soup_console(log or work / "soup.log", verbose))
-    m = measure_arm(arm, shape, base, work, dry_run=dry_run, snapshot=snapshot, steps=steps, hooks=hooks)
+    try:
+        m = measure_arm(arm, shape, base, work, dry_run=dry_run, snapshot=snapshot, steps=steps, hooks=hooks)
+    finally:  # the ballast goes back however the arm ended
+        unfreed = emulation.release() if emulation is not None else None
+    if unfreed:
+        m.teardown_error = "; ".join(filter(None, (m.teardown_error, unfreed)))
     timings = clock.timings(m.step_s)
     try:
         attribution = attribution_of(m, arm, shape)

@@ -84,7 +84,7 @@ def deepseek_v3(config: dict, h: int, i: int, L: int, heads: int) -> Layers:
         union += [(a * b, "linear") for a, b, _ in dense.values()]
     if has_moe:
         union += [(a * b, "linear") for a, b, _ in shared_mlp.values()]
-        union += [(E * h, "bf16"), (E, "fp32"), (E * 3 * h * mi, "expert")]
+        union += [(E * h, "bf16"), (E, "fp32"), (E * 2 * mi * h, "expert"), (E * h * mi, "expert")]
     attention_width, extra = 2 * qk + 2 * heads * vh, kvr + rope + (qr or 0)
     kinds = ((Kind(dict(attn, **dense), attention_width, extra, i),) if has_dense else ()) + (
         (Kind(dict(attn, **shared_mlp), attention_width, extra, k * mi + mi * shared, E, k),) if has_moe else ())
@@ -123,7 +123,7 @@ def qwen3_5(config: dict, h: int, i: int, L: int, heads: int, kv: int, hd: int, 
     if "full_attention" in types:
         union += [(a * b, "linear") for a, b, _ in full.values()] + [(hd, "bf16"), (hd, "bf16")]
     if moe:
-        union += [(E * h, "bf16"), (E * 3 * h * mi, "expert")]
+        union += [(E * h, "bf16"), (E * 2 * mi * h, "expert"), (E * h * mi, "expert")]
     width = k * mi + si if moe else i
     kinds = tuple(Kind(dict(attn, **mlp), aw, ew, width, E, k) for kind, attn, aw, ew in (
         ("linear_attention", delta, 0, 2 * qkv + 2 * nv * vd + 4 * nv),

@@ -23,6 +23,7 @@ from .checks import (
     within_positions,
     writable_folder,
 )
+from .cards import parse_context
 from .errors import UsageError, last_line
 from .margin import plan_map, shard_of
 from .parser import build_parser
@@ -55,6 +56,8 @@ class Run:
     cache_dir: Optional[str] = None
     isolate: bool = False
     cap: Optional[str] = None  # --cap: which prediction caps each arm's allocator
+    emulate_card: Optional[str] = None  # --emulate-card: the card each arm runs as (a ballast)
+    min_free: bool = False  # --min-free: each arm's lowest completing cap, by bisection
     gpus: Optional[tuple] = None
     shard: Optional[tuple] = None
     json: Optional[str] = None
@@ -162,9 +165,9 @@ def _settle(args: argparse.Namespace, argv: list[str]) -> Run:
         if args.model and args.model not in ALL_FAMILIES:
             no_output_is_an_input(outputs, [("--model", os.path.expanduser(args.model))])
         return settle_estimate(args, argv)
-    for flag in ("--card", "--targets", "--lora-r", "--context", "--config"):
+    for flag in ("--card", "--targets", "--lora-r", "--config") + (("--context",) if not args.emulate_card else ()):
         if getattr(args, flag.strip("-").replace("-", "_")) is not None:
-            raise UsageError(f"{flag} goes with --estimate")
+            raise UsageError(f"{flag} goes with --estimate" + (" or --emulate-card" if flag == "--context" else ""))
     if args.map:
         return settle_map(args, argv)
     for flag in ("--families", "--quant"):
@@ -212,9 +215,13 @@ def _settle(args: argparse.Namespace, argv: list[str]) -> Run:
     if args.cap is not None and (args.measure or args.sdpa or args.snapshot or args.snapshot_dir):
         raise UsageError("--cap runs each arm under a capped allocator; --measure, --sdpa and --snapshot "
                          "would run under it too: run them without --cap")
-    if args.cap is not None and (args.dry_run or args.model or repeats):
-        raise UsageError("--cap re-runs arms of the record or the map on a GPU: not with --dry-run, "
-                         "--model or --determinism")
+    emulate_card(args, repeats)
+    if args.min_free and (args.dry_run or args.cap is not None or args.emulate_card or repeats or args.measure
+                          or args.sdpa or args.snapshot or args.snapshot_dir):
+        raise UsageError("--min-free runs each arm in capped fresh processes on a GPU: not with --dry-run, --cap, "
+                         "--emulate-card, --determinism, --measure, --sdpa or --snapshot")
+    if args.cap is not None and (args.dry_run or repeats):
+        raise UsageError("--cap re-runs arms on a GPU, each in a fresh process: not with --dry-run or --determinism")
     if args.dry_run and (args.snapshot or args.snapshot_dir):
         raise UsageError("--snapshot attributes the CUDA step's peak; a --dry-run has no step")
     for flag, folder in (("--log-dir", args.log_dir), ("--snapshot-dir", args.snapshot_dir),
@@ -230,13 +237,32 @@ def _settle(args: argparse.Namespace, argv: list[str]) -> Run:
                weights=("synthetic" if config_only(args.model) else "local") if args.model else args.weights,
                dry_run=args.dry_run, verbose=args.verbose, snapshot=args.snapshot or bool(args.snapshot_dir),
                snapshot_dir=args.snapshot_dir, log_dir=args.log_dir, cache_dir=cache,
-               isolate=args.isolate or args.cap is not None, cap=args.cap, gpus=gpus, shard=shard, json=args.json,
+               isolate=args.isolate or args.cap is not None or bool(args.emulate_card) or args.min_free,
+               cap=args.cap,
+               emulate_card=args.emulate_card, context=parse_context(args.context), min_free=args.min_free, gpus=gpus, shard=shard, json=args.json,
                markdown=args.markdown, plot=args.plot, steps=one_int("--steps", args.steps, 1), argv=tuple(argv))
+
+
+def emulate_card(args: argparse.Namespace, repeats: Optional[int]) -> None:
+    """--emulate-card's own checks: a card this tool knows or a size, on a GPU, one arm a process."""
+    if args.emulate_card is None:
+        return
+    from .cards import parse_card
+
+    try:
+        parse_card(args.emulate_card)
+    except UsageError as exc:
+        raise UsageError(str(exc).replace("--card", "--emulate-card", 1)) from None
+    if args.dry_run or args.cap is not None or repeats or args.measure or args.sdpa or args.snapshot \
+            or args.snapshot_dir:
+        raise UsageError("--emulate-card holds CUDA memory outside the allocator for each arm in a fresh process: "
+                         "not with --dry-run, --cap, --determinism, --measure, --sdpa or --snapshot")
 
 
 def settle_map(args: argparse.Namespace, argv: list[str]) -> Run:
     """--map's own checks (families, quantizations, max positions); the rest as for the sweep."""
-    for flag in ("--models", "--model", "--determinism") + (("--isolate",) if args.cap is None else ()):
+    fresh = args.cap is not None or args.emulate_card is not None or args.min_free
+    for flag in ("--models", "--model", "--determinism") + (("--isolate",) if not fresh else ()):
         if getattr(args, flag.strip("-")) not in (None, False):
             raise UsageError(f"--map and {flag} are exclusive")
     known = ALL_FAMILIES
@@ -320,7 +346,7 @@ def settle_estimate(args: argparse.Namespace, argv: list[str]) -> Run:
     """--estimate's own checks: a config, seqs, and nothing that needs a GPU or Soup's setup."""
     for flag in ("--sweep", "--measure", "--sdpa", "--map", "--determinism", "--models", "--families",
                  "--dry-run", "--isolate", "--gpus", "--shard", "--snapshot", "--snapshot-dir", "--markdown",
-                 "--plot", "--log-dir", "--cache-dir", "--verbose", "--cap"):
+                 "--plot", "--log-dir", "--cache-dir", "--verbose", "--cap", "--emulate-card", "--min-free"):
         if getattr(args, flag.strip("-").replace("-", "_")) not in (None, False):
             raise UsageError(f"--estimate and {flag} are exclusive: an estimate runs nothing")
     if args.config is not None:

@@ -88,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--card", default=None, help="comma list of cards to fit: named (A10G, L4, T4, RTX3090, "
                    "RTX4090, RTX5090, A100-40GB, A100-80GB, L40S, H100, H200, RTX3050-Laptop-4GB, ...) or sizes "
                    "(24GB = 24e9 bytes, 24GiB = 24 x 2^30): fits, the longest seq that fits, and Soup's gate")
-    e.add_argument("--context", default=None, metavar="GB", help="with --card: the CUDA context your card "
+    e.add_argument("--context", default=None, metavar="GB", help="with --card or --emulate-card: the CUDA context your card "
                    "leaves outside the allocator, in GB (default: Soup's measured 0.85 GB)")
     e.add_argument("--targets", default=None, help="comma list of LoRA targets (default q_proj,v_proj; "
                    "Phi-3: qkv_proj)")
@@ -100,6 +100,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="each arm in a fresh process with the caching allocator capped (set_per_process_memory_"
                         "fraction) at Soup's own pre-flight, the corrected allocated peak, or the corrected "
                         "needs-free; 'off' is the control (no cap); always with expandable_segments, as soup train")
+    r.add_argument("--emulate-card", default=None, metavar="NAME|GB",
+                   help="run each arm as if on this card (a named card or a size, as --card): in a fresh process "
+                        "with expandable segments, a ballast outside the allocator leaves exactly the card's free "
+                        "memory (total - context; --context GB gives yours), Soup's own gate decides, and the row "
+                        "says refused by Soup / admitted and completed / admitted and OOM beside this tool's verdict")
+    r.add_argument("--min-free", action="store_true",
+                   help="per arm, the lowest allocator cap its step completes under: a bisection over fresh "
+                        "processes (expandable segments) to max(0.25%% of the allocated peak, 4 MiB), beside "
+                        "this tool's needs-free")
     r.add_argument("--gpus", default=None, help="comma list of GPU ids: one shard per GPU, merged")
     r.add_argument("--shard", default=None, metavar="K/N",
                    help="run only the arms whose grid index is K-1 modulo N (on the map: whole "

@@ -9,6 +9,7 @@ import os
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Iterable, Optional
 
+from .minfree import emulated_outcome
 from .record import RECORD_A10G_PEAK, SOUP_QUANT, Arm, Shape, logits_charge, predicted_bytes
 
 
@@ -25,7 +26,8 @@ FAILURES = ("OOM", "FAILED", "REFUSED", "SKIPPED")
 
 #: Fields added after results were committed: written only when set, so a saved result
 #: re-renders to the same bytes.
-LATER_FIELDS = ("cap_at", "cap")
+LATER_FIELDS = ("cap_at", "cap", "emulated_card", "emulated_card_free", "emulated_free", "needs_free",
+                "min_free", "min_free_oom", "min_free_resolution", "min_free_probes")
 
 
 #: A row's fields that Row.from_json would otherwise take as they are: what each must be.
@@ -43,6 +45,13 @@ ROW_FIELDS = {
     "pid": (lambda v: v is None or _whole(v, 0), "a whole number or null"),
     "cap_at": (lambda v: v is None or isinstance(v, str), "a string or null"),
     "cap": (lambda v: v is None or _whole(v, 1), "a whole number >= 1 or null"),
+    "emulated_card": (lambda v: v is None or (isinstance(v, str) and v.isprintable()), "a printable string or null"),
+    **{k: (lambda v: v is None or _whole(v, 1), "a whole number >= 1 or null")
+       for k in ("emulated_card_free", "emulated_free", "needs_free", "min_free", "min_free_oom",
+                 "min_free_resolution")},
+    "min_free_probes": (lambda v: v is None or (isinstance(v, (list, tuple)) and all(
+        isinstance(p, (list, tuple)) and len(p) == 2 and _whole(p[0], 1) and isinstance(p[1], bool) for p in v)),
+        "a list of [cap bytes, completed] pairs or null"),
 }
 
 
@@ -85,6 +94,14 @@ class Row:
     timings: dict = field(default_factory=dict)
     cap_at: Optional[str] = None  # --cap: which prediction capped the allocator ("off": the control)
     cap: Optional[int] = None  # --cap: the cap in bytes (None for the control)
+    emulated_card: Optional[str] = None  # --emulate-card: the card this arm ran as
+    emulated_card_free: Optional[int] = None  # its free memory: total - context (issue395.cards)
+    emulated_free: Optional[int] = None  # measured: mem_get_info's free with the ballast held
+    needs_free: Optional[int] = None  # computed by this tool's estimator (--emulate-card, --min-free)
+    min_free: Optional[int] = None  # --min-free, measured: the lowest cap the step completed under
+    min_free_oom: Optional[int] = None  # --min-free, measured: the highest cap it raised OOM under
+    min_free_resolution: Optional[int] = None  # --min-free: the bracket's width when it stopped
+    min_free_probes: Optional[tuple] = None  # --min-free: (cap bytes, completed) in the order run
 
     @property
     def realised(self) -> Optional[int]:
@@ -107,6 +124,22 @@ class Row:
         """Capped at Soup's own number, the step raised OOM: its peak is above Soup's prediction,
         the under-prediction itself, though no peak was read."""
         return self.cap_at == "soup" and self.status == "OOM"
+
+    @property
+    def emulated_fits(self) -> Optional[bool]:
+        """This tool's verdict for the emulated card: needs free <= the card's free memory."""
+        if self.emulated_card is None or self.needs_free is None or self.emulated_card_free is None:
+            return None
+        return self.needs_free <= self.emulated_card_free
+
+    @property
+    def emulated_outcome(self) -> Optional[str]:
+        """What the emulated card did with the arm, in the issue's words (else the row's status)."""
+        if self.emulated_card is None:
+            return None
+        if self.status in ("REFUSED", "OOM") or self.measured:
+            return emulated_outcome(self.status == "REFUSED", self.status == "OOM")
+        return self.status
 
     @property
     def lowest_prediction(self) -> Optional[int]:
@@ -158,6 +191,8 @@ class Row:
         derived = {k: getattr(self, k) for k in (
             "status", "realised", "pred_over_real", "nonlogits_modelled",
             "nonlogits_overestimate", "retained_copy_would_fit", "vs_record")}
+        if self.emulated_card is not None:  # only then: saved results re-render to the same bytes
+            derived.update(emulated_fits=self.emulated_fits, emulated_outcome=self.emulated_outcome)
         data = {k: v for k, v in asdict(self).items() if v is not None or k not in LATER_FIELDS}
         return dict(data, realised_rows=list(self.realised_rows), targets=list(self.targets),
                     derived=derived)  # "derived" is for readers; it is never read back
@@ -202,7 +237,9 @@ class Row:
         if data.get("real_peak") is not None and any(
                 data.get(k) is None for k in ("predicted", "logits14", "loss_bytes_per_element")):
             raise ValueError("a row with a real peak must carry its prediction and Soup's logits figures")
-        return cls(**dict(data, realised_rows=tuple(rows), targets=tuple(data.get("targets") or ())))
+        probes = data.get("min_free_probes")
+        return cls(**dict(data, realised_rows=tuple(rows), targets=tuple(data.get("targets") or ()),
+                          **({"min_free_probes": tuple(map(tuple, probes))} if probes is not None else {})))
 
 
 def _whole(value: Any, minimum: int) -> bool:

@@ -29,6 +29,7 @@ from .record import SCHEMA, SHAPES, Arm, Shape, plan_arms
 from .result import Result, RowFile, environment, load_result, merge, row_order
 from .row import Row
 from .scratch import Scratch
+from .probes import min_free_arms
 from .shapes import family_shape, load_custom_shape, not_on_map
 from .spread import CHILD_JOB, Job, read_job, spread, visible_gpu_count
 from .tables import compare_table, render_text
@@ -103,7 +104,8 @@ def sweep(arms: list[Arm], shapes: dict[str, Shape], bases: Checkpoints, scratch
             row = run_arm(arm, shapes[arm.model], base, scratch.path("arms", f"{arm.index:03d}"),
                           dry_run=run.dry_run, snapshot=run.snapshot, snapshot_dir=run.snapshot_dir,
                           log=log, verbose=run.verbose, repeat=run.repeat_tag, steps=run.steps,
-                          **({"cap": run.cap} if run.cap else {}))
+                          **({"cap": run.cap} if run.cap else {}),
+                          **({"emulate": run.emulate_card, "context": run.context} if run.emulate_card else {}))
         on_row(row)
         done.append(row)
         if any(a.model.split("+")[0] == family for a in arms[i + 1:]):
@@ -173,7 +175,10 @@ def measure_all(run: Run, protocol: Protocol, job: Optional[Job], scratch: Scrat
         imports_s = time.perf_counter() - t
     det_models, det_seqs, det_batches = run.determinism_grid
     det_arms = plan_arms(*run.determinism_grid) if run.repeats else []
-    how = (f"capped at {run.cap} (expandable segments), one fresh process per arm" if run.cap else
+    how = (f"--min-free: a bisection over capped fresh processes (expandable segments)" if run.min_free else
+           f"capped at {run.cap} (expandable segments), one fresh process per arm" if run.cap else
+           f"as {run.emulate_card} (a ballast outside the allocator, expandable segments), one fresh process "
+           "per arm" if run.emulate_card else
            "isolated, one fresh process per arm" if run.isolate else
            f"one process per GPU ({','.join(map(str, run.gpus))}), merged" if run.gpus else
            f"shard {run.shard[0]}/{run.shard[1]} in one process" if run.shard else "in one process")
@@ -197,13 +202,17 @@ def measure_all(run: Run, protocol: Protocol, job: Optional[Job], scratch: Scrat
 
     checkpoints = None
     try:
-        if run.sweep and fan_out:
+        if run.sweep and run.min_free:
+            with Stop.arm():  # each probe is a fresh capped child
+                children += min_free_arms(run, arms, scratch, on_row, protocol.script)
+        elif run.sweep and fan_out:
             with Stop.arm():  # the children's arms are in flight
                 children += spread(replace(run, repeats=None), arms, scratch, on_row, protocol.script)
         elif run.sweep:
             checkpoints = Checkpoints(list(dict.fromkeys(a.model.split("+")[0] for a in arms)), shapes, run, scratch)
             sweep(arms, shapes, checkpoints, scratch, run, protocol.run_arm, on_row,
-                  result.margins.append if run.map and not run.dry_run and not run.cap else None)
+                  result.margins.append if run.map and not run.dry_run and not run.cap and not run.emulate_card
+                  else None)
             if run.snapshot and not Stop.requested:
                 with Stop.arm():
                     result.control = positive_control(control_step(False), control_step(True))

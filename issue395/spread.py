@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional
 
+from .cards import parse_card
 from .console import Stop
 from .errors import UsageError, last_line
 from .margin import shard_of
@@ -94,7 +95,7 @@ def spread(run: Run, arms: list[Arm], scratch: Scratch, on_row: Callable[[Row], 
             env["CUDA_VISIBLE_DEVICES"] = visible_gpu(gpu)
         for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "RAYON_NUM_THREADS"):
             env.setdefault(var, threads)
-        if run.cap is not None:  # as `soup train` sets it, before CUDA starts: only a fresh process can
+        if run.cap is not None or run.emulate_card:  # as `soup train` sets it, before CUDA starts: only a fresh process can
             env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
         env[CHILD_JOB] = str(out.with_suffix(".job.json"))
         write_job(Path(env[CHILD_JOB]), child_run(run, job, str(out), cache), job)
@@ -165,7 +166,7 @@ def child_cache(run: Run, scratch: Scratch) -> Optional[str]:
     """Children share one cache so a model is built and sharded once; but the map's families would
     not fit a disk together, so there each child keeps its own and frees each family after it. A
     --cap child runs one arm: it shares, or every arm would build and shard its family again."""
-    return run.cache_dir or (None if run.map and not run.cap else str(scratch.path("cache")))
+    return run.cache_dir or (None if run.map and not (run.cap or run.emulate_card) else str(scratch.path("cache")))
 
 
 def child_run(run: Run, job: Job, out: str, cache: Optional[str]) -> Run:
@@ -201,6 +202,7 @@ def lost_row(arm: Arm, run: "Run", repeat: Optional[int], code: Optional[int]) -
     name = shape.name if shape else family.name if family else (run.custom_model or arm.model)
     vocab = shape.vocab if shape else family.vocab if family else 1
     return Row(model=name, model_key=arm.model, seq=arm.seq, batch=arm.batch, index=arm.index, cap_at=run.cap,
+               emulated_card=parse_card(run.emulate_card).name if run.emulate_card else None,
                predicted=None, logits14=None, loss_bytes_per_element=None, vocab=vocab,
                quant=arm.quant, repeat=repeat,
                dry_run=run.dry_run, failure="FAILED",

@@ -7,6 +7,7 @@ import statistics
 from typing import Any, Optional
 
 from .anatomy import margin_anatomy
+from .capped import cap_table, emulate_table, gb, min_free_table, ratio, table
 from .corrected import corrected, corrected_ratio
 from .margin import PUBLISHED_NF4, margin_note
 from .record import (
@@ -38,23 +39,6 @@ def determinism_spread(rows: list[Row]) -> list[dict[str, Any]]:
                     "statuses": [r.status for r in mine],
                     "spread_pct": (max(nums) - min(nums)) / min(nums) * 100 if len(nums) >= 2 else None})
     return out
-
-
-def table(columns: list[tuple[str, int]], rows: list[list[str]], indent: str = "") -> list[str]:
-    """Fixed-width lines; a negative width left-aligns that column."""
-    def line(cells: list[str]) -> str:
-        return indent + "  ".join(f"{c:<{-w}}" if w < 0 else f"{c:>{w}}"
-                                  for c, (_, w) in zip(cells, columns, strict=True))
-    head = line([name for name, _ in columns])
-    return [head, indent + "-" * (len(head) - len(indent))] + [line(r) for r in rows]
-
-
-def gb(v: Optional[float], places: int = 4) -> str:
-    return "-" if v is None else f"{v / GB:.{places}f}"
-
-
-def ratio(v: Optional[float], places: int = 3) -> str:
-    return "-" if v is None else f"{v:.{places}f}x"
 
 
 def models_in(rows: list[Row]) -> list[str]:
@@ -361,25 +345,6 @@ def compare_table(a: Result, b: Result, names: Optional[tuple[str, str]] = None)
         + [f"  {same} of {len(cells)} shared arm(s) equal to the byte"])
 
 
-def cap_table(rows: list[Row]) -> str:
-    """--cap: each arm re-run in a fresh process with its allocator capped at a prediction."""
-    cells = []
-    for r in rows:
-        if r.measured:
-            outcome = "completed" + (" (control: no cap)" if r.cap_at == "off" else "")
-        elif r.status == "OOM":
-            outcome = "OOM" + (": admitted by Soup, OOM at its own number" if r.cap_at == "soup" else "")
-        else:
-            outcome = r.status
-        cells.append([f"{r.model} {r.quant} {r.seq}x{r.batch}", r.cap_at or "-", gb(r.cap), gb(r.soup_predicted),
-                      gb(r.real_peak if r.measured else None), gb(r.reserved if r.measured else None), outcome])
-    return "\n".join(["--cap: each arm in a fresh process, PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, "
-                      "allocator capped at the prediction named (cap: computed by Soup or this tool's estimator; "
-                      "peaks: measured here)"] + table(
-        [("arm", -34), ("cap at", -10), ("cap GB", 8), ("Soup's own GB", 13), ("allocated GB", 12),
-         ("reserved GB", 11), ("outcome", -50)], cells))
-
-
 def header_line(env: dict[str, Any]) -> str:
     return (f"stack: torch {env['torch']} (CUDA {env.get('cuda') or 'none'}) | GPU {env.get('gpu') or 'none'}"
             + (f" (driver {env['driver']})" if env.get("driver") else "")
@@ -417,6 +382,10 @@ def render_text(result: Result) -> str:
         parts += ["", sdpa_table(result.sdpa)]
     if any(r.cap_at for r in result.rows):
         parts += ["", cap_table([r for r in result.rows if r.cap_at])]
+    if any(r.emulated_card for r in result.rows):
+        parts += ["", emulate_table([r for r in result.rows if r.emulated_card])]
+    if any(r.min_free_probes for r in result.rows):
+        parts += ["", min_free_table([r for r in result.rows if r.min_free_probes])]
     carried = [r for r in result.rows if r.carried]
     if carried:
         parts += ["", f"carried: {len(carried)} row(s) began with bytes earlier arms left allocated "

@@ -91,9 +91,12 @@ def test_soups_own_number_is_the_one_its_setup_computed_on_the_gpu_to_the_byte(r
     assert {k: e.soup_terms[k] for k in row["soup_terms"]} == row["soup_terms"]
 
 
+MEASURED = [x for x in ROWS if x[0].get("real_peak")]
+
+
 @needs_077
-@pytest.mark.parametrize("row, stream, name", [x for x in ROWS if x[0].get("real_peak")],
-                         ids=lambda v: v["model_key"] + f"-{v['quant']}-{v['seq']}" if isinstance(v, dict) else "")
+@pytest.mark.parametrize("row, stream, name", MEASURED,
+                         ids=[f"{r['model_key']}-{r['quant']}-{r['seq']}x{r['batch']}" for r, _, _ in MEASURED])
 def test_the_corrected_estimate_is_never_under_a_committed_peak_and_within_4_percent(row, stream, name):
     # in sample: these arms are the ones the new terms were read from (their allocator histories);
     # results/estimator-predictions-before-out-of-sample-arms.txt holds the out-of-sample check

@@ -1,0 +1,62 @@
+"""--min-free's driver: per arm, a control (no cap) for its allocated peak, then a bisection over
+caps (issue395.minfree), each probe the same arm in a fresh capped child process (the --cap path:
+expandable segments, as `soup train` sets them). The arm's row is the control's, with the lowest
+cap that completed, the highest that raised OOM, the resolution and every probe."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Callable, Optional
+
+from .console import Stop
+from .emulation import arm_config, tool_needs_free
+from .minfree import bisect_min_free
+from .options import Run
+from .record import SHAPES, Arm
+from .registry import FAMILIES
+from .result import Result
+from .row import Row
+from .scratch import Scratch
+from .spread import spread
+
+#: No cap above this many times the control's reserved memory is worth a probe.
+CEILING_OVER_RESERVED = 4
+
+
+def arm_targets(arm: Arm) -> tuple:
+    """The LoRA targets the arm runs with (the family's own, else the protocol's)."""
+    family = FAMILIES.get(arm.model.split("+")[0])
+    if family is not None:
+        return tuple(family.targets or ("q_proj", "v_proj"))
+    return tuple(SHAPES[arm.model].targets) if arm.model in SHAPES else ()
+
+
+def min_free_arms(run: Run, arms: list[Arm], scratch: Scratch, on_row: Callable[[Row], None],
+                  script: str, spread_one: Optional[Callable] = None) -> list[Result]:
+    """Each arm's row with its min-free; a control that did not complete is the row as it is."""
+    results: list[Result] = []
+    spread_one = spread_one or spread
+
+    def probe(arm: Arm, cap: str) -> Row:
+        got: list[Row] = []
+        results.extend(spread_one(replace(run, cap=cap, min_free=False, isolate=True), [arm], scratch,
+                                  got.append, script))
+        return got[-1]
+
+    for arm in arms:
+        if Stop.requested:
+            break
+        control = probe(arm, "off")
+        if not control.measured:
+            on_row(replace(control, cap_at=None))
+            continue
+        needs = tool_needs_free(arm_config(arm.model, None), None, quant=arm.quant, seq=arm.seq,
+                                batch=arm.batch, targets=arm_targets(arm), steps=run.steps)
+        peak = control.real_peak
+        found = bisect_min_free(lambda cap: probe(arm, f"bytes:{cap}").measured, peak=peak,
+                                start=needs or peak + peak // 10,
+                                ceiling=CEILING_OVER_RESERVED * max(control.reserved or peak, peak))
+        on_row(replace(control, cap_at=None, needs_free=needs, min_free=found.completes,
+                       min_free_oom=found.fails, min_free_resolution=found.resolution,
+                       min_free_probes=tuple((c, ok) for c, ok in found.probes)))
+    return results
