@@ -118,7 +118,12 @@ def position_ids(seq: int) -> int:
 
 def rotary_tables(a: Arch, seq: int) -> int:
     """cos+sin, bf16, rotary dim x seq each: 4 x rd x seq per table; Gemma-3 keeps a global and a
-    local one (PEAK "Loss phase")."""
+    local one (PEAK "Loss phase"). DeepSeek-V3's latent attention keeps three fp32 tables of
+    rd x seq (4 x rd x seq each): the allocator history of Moonlight chunk1024 8192x1 holds exactly
+    3 x 2,097,152 B of them at the peak; found out of sample, where the one-table charge was 1.4 MB
+    under (results/out-of-sample-and-fit-proof-h200-soup0.77.0-*/oos-moonlight-chunk.json)."""
+    if a.model_type == "deepseek_v3":
+        return 3 * 4 * a.rotary_dim * seq
     return 4 * a.rotary_dim * seq * (2 if a.model_type == "gemma3_text" else 1)
 
 
