@@ -13,7 +13,7 @@ import stat
 import sys
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from .record import GB
 from .row import Row
@@ -110,6 +110,9 @@ class Stop:
 
     requested = False
     in_flight = 0  # arms running now (``Stop.arm``)
+    #: Called on a first Ctrl-C that waits: children in their own process group never see the
+    #: terminal's Ctrl-C, so the parent passes it on and each stops after its own arm in flight.
+    relays: list[Callable[[], None]] = []
 
     @classmethod
     @contextlib.contextmanager
@@ -138,6 +141,8 @@ class Stop:
                 say("no arm in flight: stopping now")
                 raise KeyboardInterrupt
             say("stopping after the arm in flight (Ctrl-C again to stop now)")
+            for relay in list(cls.relays):
+                relay()
 
         def on_term(signum: int, frame: Any) -> None:
             cls.requested = True

@@ -30,7 +30,7 @@ from .result import Result, RowFile, environment, load_result, merge, row_order
 from .row import Row
 from .scratch import Scratch
 from .shapes import family_shape, load_custom_shape, lora_targets
-from .spread import CHILD_JOB, Job, read_job, spread, visible_gpu_count
+from .spread import CHILD_JOB, Job, die_with_parent, read_job, spread, visible_gpu_count
 from .tables import compare_table, render_text
 
 
@@ -55,6 +55,7 @@ def cli(argv: list[str], protocol: Protocol) -> int:
     try:
         job_file = os.environ.pop(CHILD_JOB, None)
         if job_file:
+            die_with_parent()
             run, job = read_job(job_file)
             return execute(run, protocol, job)
         run = settle(build_parser().parse_args(argv), argv)
