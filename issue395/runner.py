@@ -65,8 +65,9 @@ def cli(argv: list[str], protocol: Protocol) -> int:
     except UsageError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    except KeyboardInterrupt:  # stopped before any arm ran: nothing to print or save
-        print("interrupted before any arm ran", file=sys.stderr)
+    except KeyboardInterrupt:
+        print("interrupted while writing the outputs of a complete run: they may be missing or partial"
+              if Stop.finishing else "interrupted before any arm ran", file=sys.stderr)
         return EXIT_INTERRUPTED
 
 
@@ -234,6 +235,10 @@ def measure_all(run: Run, protocol: Protocol, job: Optional[Job], scratch: Scrat
         progress.close()
         if checkpoints is not None:
             checkpoints.close()
+    # A stop asked from here on is told the run is complete and changes nothing it reports: the
+    # message, the exit code and the JSON agree (interrupted only if a stop cut the arms short).
+    interrupted = Stop.requested
+    Stop.finish()
     if children:
         merged = merge(children + ([result] if local else []), arms_label)
         for name in ("environment", "measure", "sdpa", "control", "error"):
@@ -248,7 +253,7 @@ def measure_all(run: Run, protocol: Protocol, job: Optional[Job], scratch: Scrat
     if run.steps != 1:  # the protocol's one step is implied; anything else is named (the stack settled)
         result.environment["steps"] = run.steps
     result.rows = sorted(rows, key=row_order)
-    result.interrupted = Stop.requested
+    result.interrupted = interrupted
     result.timings = run_timings(rows, imports_s, time.perf_counter() - started,
                                  checkpoints.build_s if checkpoints else {}, children)
     print(render_text(result), end="", flush=True)
