@@ -7,6 +7,7 @@ import argparse
 import json
 import os
 import re
+import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Optional
@@ -17,6 +18,7 @@ from .checks import (
     check_output,
     comma_list,
     local_or_hub,
+    odd_file,
     no_output_is_an_input,
     one_int,
     parse_ints,
@@ -292,6 +294,9 @@ def estimate_config(model: Optional[str]) -> tuple[str, dict]:
         raise UsageError("--estimate needs --model: a config.json, a folder holding one, or a family "
                          f"({','.join(ALL_FAMILIES)})")
     if model in ALL_FAMILIES:
+        if os.path.lexists(model):  # a folder or file of the same name here is not what was read
+            print(f"note: --model {model}: the family {model}'s public config was used, not ./{model} here "
+                  f"(give ./{model} for that)", file=sys.stderr)
         return model, config_json(model)
     from .registry import FAMILIES
 
@@ -300,6 +305,10 @@ def estimate_config(model: Optional[str]) -> tuple[str, dict]:
         return model, config_json(family)
     path = Path(model).expanduser()
     path = path / "config.json" if path.is_dir() else path
+    odd = odd_file(str(path))
+    if odd:
+        raise UsageError(f"--model {model}: {odd}" if str(path) == os.path.expanduser(model)
+                         else f"--model {model}: its config.json is {odd}")
     if not path.is_file() and not path.exists() and "/" in model and not model.startswith(("/", ".", "~")):
         from .userconfig import hub_config
 

@@ -37,3 +37,15 @@ def test_tilde_is_expanded_in_output_paths(capfd, tmp_path, monkeypatch):
 @pytest.mark.parametrize("mode", [["--estimate", "--model", "smol", "--seq", "512"], ["--map", "--dry-run"]])
 def test_a_quant_named_twice_says_so(capfd, mode):
     one_error_line(*main(capfd, [*mode, "--quant", "nf4,nf4"]), "named twice")
+
+
+def test_a_family_name_that_is_also_a_folder_here_says_which_was_used(capfd, tmp_path, monkeypatch):
+    """Issue 22, defect 16: the family silently won over ./llama31-8b."""
+    monkeypatch.chdir(tmp_path)
+    code, out, err = main(capfd, ["--estimate", "--model", "llama31-8b", "--seq", "512"])
+    assert code == 0 and "note:" not in err
+    (tmp_path / "llama31-8b").mkdir()
+    code, out, err = main(capfd, ["--estimate", "--model", "llama31-8b", "--seq", "512"])
+    assert code == 0
+    [line] = err.splitlines()
+    assert line.startswith("note: --model llama31-8b: the family") and "./llama31-8b" in line
