@@ -12,6 +12,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
+from .console import quiet_libraries
 from .record import Shape
 from .shapes import NOT_ARCH
 
@@ -31,11 +32,12 @@ def hf_config(shape: Shape, eos_id: int = 2, pad_id: int = 0) -> Any:
 
     kwargs = dict(tie_word_embeddings=True, hidden_act="silu") if shape.record else {}
     kwargs.update({k: v for k, v in shape.arch.items() if k not in NOT_ARCH})
-    config = AutoConfig.for_model(
-        shape.model_type, vocab_size=shape.vocab, hidden_size=shape.hidden,
-        intermediate_size=shape.intermediate, num_hidden_layers=shape.n_layers,
-        max_position_embeddings=shape.max_positions, bos_token_id=None, eos_token_id=eos_id,
-        pad_token_id=pad_id, **kwargs)
+    with quiet_libraries():  # a config's own warnings are not this tool's line
+        config = AutoConfig.for_model(
+            shape.model_type, vocab_size=shape.vocab, hidden_size=shape.hidden,
+            intermediate_size=shape.intermediate, num_hidden_layers=shape.n_layers,
+            max_position_embeddings=shape.max_positions, bos_token_id=None, eos_token_id=eos_id,
+            pad_token_id=pad_id, **kwargs)
     rope = getattr(config, "rope_parameters", None)  # transformers 5 keeps rope_theta here
     if isinstance(rope, dict) and "rope_theta" in shape.arch:
         rope["rope_theta"] = shape.arch["rope_theta"]
@@ -101,7 +103,8 @@ def prepare_checkpoint(shape: Shape, dest: Path) -> Callable[[], dict[str, Any]]
                        if not (tied and name == "lm_head.weight")],  # a tied head is the embedding
                       shape.model_type)
     zero_norms = zero_centred_norms(skeleton)
-    config.save_pretrained(str(dest))
+    with quiet_libraries():
+        config.save_pretrained(str(dest))
     del skeleton
 
     def write_weights(stop: Callable[[], bool] = lambda: False) -> dict[str, Any]:
