@@ -23,6 +23,7 @@ from .arch import Arch, arch_from_config
 from .constants import (CONFIG_LIMITS, CUBLAS_WORKSPACE, K_MIN_LARGE_ALLOC, K_ROUND_LARGE,  # noqa: F401
                         K_MIN_BLOCK_SIZE, K_SMALL_SIZE, MiB, block_bytes)
 from .errors import UsageError
+from .releases import nearest_release
 from .record import QUANTS
 from .shapes import lora_targets
 
@@ -352,7 +353,7 @@ def estimate(config: dict, *, quant: str = "none", seq: int, batch: int = 1, tar
     if not targets or missing:
         raise UsageError(f"LoRA target(s) {', '.join(missing) or '(none)'} not in a {a.model_type}"
                          f" layer (it has {', '.join(a.modules)})")
-    release = release or installed_release()
+    release = nearest_release(release or installed_release(), RELEASES)  # issue395.releases
     ws = max(CUBLAS_WORKSPACE, workspace or 0)
     soup, soup_terms = soup_preflight_from_config(config, quant=quant, seq=seq, batch=batch,
                                                   targets=targets, lora_r=lora_r, release=release)

@@ -85,7 +85,8 @@ def seq_words(n: Optional[int]) -> str:
 
 
 def estimate_table(rows: list[Estimate], cards, config: Optional[dict] = None, *, context: Optional[int] = None,
-                   answers: Optional[list[list[dict]]] = None, **kwargs) -> str:
+                   answers: Optional[list[list[dict]]] = None, release_label: Optional[str] = None,
+                   **kwargs) -> str:
     """One column per (quant, seq, batch); down it, in order: Soup's own pre-flight (computed by
     Soup), the corrected allocated peak and the free memory it needs (this estimator), each term,
     then per card: total, context, free, needs-free, fits, the longest seq that fits, and Soup's
@@ -129,7 +130,7 @@ def estimate_table(rows: list[Estimate], cards, config: Optional[dict] = None, *
                 notes.append(f"{card.name}, {e.quant} batch {e.batch}: {seq_direction(a)}")
     first_w = max(len(line[0]) for line in lines)
     fmt = lambda cells: "  ".join([f"{cells[0]:<{first_w}}"] + [f"{c:>{width}}" for c in cells[1:]])  # noqa: E731
-    head = fmt([f"soup-cli {rows[0].release}, steps {rows[0].steps}" if rows else ""] + heads)
+    head = fmt([f"soup-cli {release_label or rows[0].release}, steps {rows[0].steps}" if rows else ""] + heads)
     legend = ("peak = resident (pool, extras, LoRA weights, cuBLAS workspace, resident rounding) + the larger "
               "phase: the loss (logits, allocator rounding, final norm, and the shared checkpointed inputs, ids, "
               "positions, rotary tables, mask) or the layer recompute (the shared terms, the dequantised layer, "

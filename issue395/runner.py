@@ -283,8 +283,9 @@ def run_timings(rows: list[Row], imports_s: float, total_s: float, build_s: dict
 def estimate_run(run: Run) -> int:
     """--estimate: each (quant, seq, batch) from the config alone, on CPU; the table, and --json."""
     from .cards import workspace_env
-    from .estimate import estimate
+    from .estimate import estimate, installed_release
     from .fits import budgets_for, card_answers, estimate_table
+    from .releases import UnknownRelease, physics_label
 
     kw = {"targets": run.targets, "lora_r": run.lora_r}
     try:
@@ -292,7 +293,11 @@ def estimate_run(run: Run) -> int:
                          steps=run.steps) for q in run.quants for s in run.seqs for b in run.batches]
         budgets = budgets_for(run.cards, run.context)
         answers = [card_answers(run.estimate_config, e, budgets, env=workspace_env(), **kw) for e in rows]
-        table = estimate_table(rows, run.cards, run.estimate_config, answers=answers, **kw)
+        installed = installed_release()
+        table = estimate_table(rows, run.cards, run.estimate_config, answers=answers,
+                               release_label=physics_label(installed, rows[0].release), **kw)
+    except UnknownRelease:  # the release's fault, not the model's: said without naming the model
+        raise
     except UsageError as exc:
         raise UsageError(f"--estimate --model {run.custom_model}: {exc}") from None
     except Exception as exc:  # a config value of a kind no real config has
@@ -306,7 +311,8 @@ def estimate_run(run: Run) -> int:
     if run.json:
         targets = run.targets or lora_targets(run.estimate_config["model_type"])
         data = {"tool": "issue395_second_stack_vram", "schema": SCHEMA, "kind": "estimate",
-                "model": run.custom_model, "soup_cli": rows[0].release, "targets": list(targets),
+                "model": run.custom_model, "soup_cli": installed, "physics_release": rows[0].release,
+                "targets": list(targets),
                 "lora_r": run.lora_r, "cards": [{"card": c.name, "bytes": c.total_bytes} for c in run.cards],
                 "notes": notes, "rows": [dict(r.to_json(), cards=a) for r, a in zip(rows, answers)]}
         try:
