@@ -10,8 +10,9 @@ import json
 import math
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
+from .console import quiet_libraries
 from .record import Shape
 from .shapes import NOT_ARCH
 
@@ -31,11 +32,12 @@ def hf_config(shape: Shape, eos_id: int = 2, pad_id: int = 0) -> Any:
 
     kwargs = dict(tie_word_embeddings=True, hidden_act="silu") if shape.record else {}
     kwargs.update({k: v for k, v in shape.arch.items() if k not in NOT_ARCH})
-    config = AutoConfig.for_model(
-        shape.model_type, vocab_size=shape.vocab, hidden_size=shape.hidden,
-        intermediate_size=shape.intermediate, num_hidden_layers=shape.n_layers,
-        max_position_embeddings=shape.max_positions, bos_token_id=None, eos_token_id=eos_id,
-        pad_token_id=pad_id, **kwargs)
+    with quiet_libraries():  # a config's own warnings are not this tool's line
+        config = AutoConfig.for_model(
+            shape.model_type, vocab_size=shape.vocab, hidden_size=shape.hidden,
+            intermediate_size=shape.intermediate, num_hidden_layers=shape.n_layers,
+            max_position_embeddings=shape.max_positions, bos_token_id=None, eos_token_id=eos_id,
+            pad_token_id=pad_id, **kwargs)
     rope = getattr(config, "rope_parameters", None)  # transformers 5 keeps rope_theta here
     if isinstance(rope, dict) and "rope_theta" in shape.arch:
         rope["rope_theta"] = shape.arch["rope_theta"]
@@ -101,26 +103,26 @@ def prepare_checkpoint(shape: Shape, dest: Path) -> Callable[[], dict[str, Any]]
                        if not (tied and name == "lm_head.weight")],  # a tied head is the embedding
                       shape.model_type)
     zero_norms = zero_centred_norms(skeleton)
-    config.save_pretrained(str(dest))
+    with quiet_libraries():
+        config.save_pretrained(str(dest))
     del skeleton
 
-    def write_weights() -> dict[str, Any]:
-        from safetensors.torch import save_file
-
+    def write_weights(stop: Callable[[], bool] = lambda: False) -> dict[str, Any]:
         gen = torch.Generator().manual_seed(395)
         # One random pool tiled from a moving offset, not half a billion normals one by one.
         size = 1 << 20
         pool = (torch.randn(2 * size, generator=gen, dtype=torch.float32) * 0.02).to(torch.bfloat16)
-        tensors: dict[str, Any] = {}
-        for i, (name, dims) in enumerate(plan):
-            n = math.prod(dims)
-            if "norm" in name:
-                tensors[name] = torch.full(dims, 0.0 if name in zero_norms else 1.0, dtype=torch.bfloat16)
-            else:
-                tensors[name] = tiled(pool[(i * 7919) % size:][:size], n).view(dims)
-        save_file(tensors, str(dest / "model.safetensors"), metadata={"format": "pt"})
+
+        def weights() -> Iterator[Any]:
+            for i, (name, dims) in enumerate(plan):
+                if "norm" in name:
+                    yield torch.full(dims, 0.0 if name in zero_norms else 1.0, dtype=torch.bfloat16)
+                else:
+                    yield tiled(pool[(i * 7919) % size:][:size], math.prod(dims)).view(dims)
+
+        write_safetensors(dest / "model.safetensors", plan, weights(), stop)
         return {"file_bytes": (dest / "model.safetensors").stat().st_size,
-                "tensors": {k: ["BF16", list(t.shape)] for k, t in tensors.items()}}
+                "tensors": {name: ["BF16", list(dims)] for name, dims in plan}}
 
     return write_weights
 
@@ -130,6 +132,33 @@ def prepare_checkpoint(shape: Shape, dest: Path) -> Callable[[], dict[str, Any]]
 #: -> qwen2_moe's converter). Soup's per_expert layout reads exactly those tensors
 #: ("model.layers.N.mlp.experts.E.*"), so the builder writes the hub's layout, not the memory one.
 PER_EXPERT_ON_DISK = ("deepseek_v3",)
+
+
+class BuildStopped(Exception):
+    """A checkpoint's writer was asked to stop between two tensors."""
+
+
+def write_safetensors(path: Path, plan: list[tuple[str, tuple]], tensors: Iterator[Any],
+                      stop: Callable[[], bool]) -> None:
+    """bf16 ``tensors`` (in ``plan``'s order) to one safetensors file, each written as it is made:
+    the header first (every shape is known), so a build holds one tensor in memory, not the
+    whole model, and ``stop`` is asked between tensors (a Ctrl-C need not wait out 14.5 GB)."""
+    import torch
+
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, dims in plan:
+        n = 2 * math.prod(dims)
+        header[name] = {"dtype": "BF16", "shape": list(dims), "data_offsets": [offset, offset + n]}
+        offset += n
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned, as safetensors writes it
+    with open(path, "wb") as fh:
+        fh.write(len(text).to_bytes(8, "little") + text)
+        for _, tensor in zip(plan, tensors):
+            if stop():
+                raise BuildStopped(str(path))
+            fh.write(tensor.contiguous().view(-1).view(torch.int16).numpy())  # bf16's bytes, no copy
 
 
 def hub_layout(plan: list[tuple[str, tuple]], model_type: str) -> list[tuple[str, tuple]]:

@@ -103,7 +103,7 @@ CARDS: dict[str, Card] = {c.name.lower(): c for c in (
     Card("RTX4060Ti-16GB", _mib(16384), (8, 9), "nameplate 16 GB (no nvidia-smi listing known)"),
 )}
 
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(GB|GiB)\s*$", re.IGNORECASE)
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(GB|GiB)\s*$", re.IGNORECASE | re.ASCII)  # not ２４GB
 
 
 def parse_card(part: str) -> Card:
@@ -113,6 +113,8 @@ def parse_card(part: str) -> Card:
     if named is not None:
         return named
     m = _SIZE.match(part)
+    if part.strip().startswith("-") and _SIZE.match(part.strip()[1:]):
+        raise UsageError(f"--card {part.strip()!r}: a card's size is positive, like 24GB")
     if not m or float(m.group(1)) <= 0:
         raise UsageError(f"--card {part.strip()!r} is not a size like 24GB or 80GiB nor a card "
                          f"({', '.join(c.name for c in CARDS.values())})")
@@ -127,8 +129,9 @@ def parse_cards(text: str) -> list[Card]:
     if not isinstance(text, str) or not text.strip():
         raise UsageError("--card needs card names or sizes, e.g. A10G,RTX4090,24GB")
     cards = [parse_card(part) for part in comma_list(text)]
-    names = [c.name for c in cards]
-    twice = next((n for n in names if names.count(n) > 1), None)
+    # One card under two spellings (24GB and 24.0GB, a10g and A10G) is named twice too.
+    seen = [(c.total_bytes, c.cc) for c in cards]
+    twice = next((c.name for c, k in zip(cards, seen) if seen.count(k) > 1), None)
     if twice:
         raise UsageError(f"--card {text.strip()}: {twice} is named twice")
     return cards

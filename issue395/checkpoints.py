@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from .builder import checkpoint_fingerprint, prepare_checkpoint, safetensors_problem
+from .console import Stop
 from .errors import UsageError, last_line
 from .options import Run
 from .record import QUANTS, Shape
@@ -80,7 +81,11 @@ def start_checkpoint(shape: Shape, root: Path,
     write = prepare_checkpoint(shape, partial)
 
     def finish() -> Path:
-        (partial / ".complete").write_text(json.dumps(write()))
+        try:  # a Ctrl-C or SIGTERM stops the writer between tensors: nothing half-built is left
+            (partial / ".complete").write_text(json.dumps(write(stop=lambda: Stop.requested)))
+        except BaseException:
+            shutil.rmtree(partial, ignore_errors=True)
+            raise
         if dest.exists() and checkpoint_problem(dest) is not None:
             shutil.rmtree(dest, ignore_errors=True)
         try:

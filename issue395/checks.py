@@ -135,6 +135,9 @@ def local_or_hub(model: str) -> str:
     looks like a path (starts with / . or ~, ends with .json, has more than one '/', or its
     first folder exists here) and is not there is one line, not a hub lookup."""
     path = os.path.expanduser(model)
+    odd = odd_file(path)
+    if odd and os.path.exists(path):
+        raise UsageError(f"--model {model}: {odd}: give a checkpoint folder, a config.json or a hub id")
     if os.path.exists(path):
         return path
     if os.path.lexists(path):
@@ -147,6 +150,21 @@ def local_or_hub(model: str) -> str:
     if not HUB_ID.fullmatch(model) or "--" in model or ".." in model or len(model) > 96:
         raise UsageError(f"--model {model}: no such file or folder, nor a hub id (org/name)")
     return model
+
+
+def odd_file(path: str) -> Optional[str]:
+    """What a path is when it is there but is neither a regular file nor a folder: said as such,
+    not as "no such file" (None for a file, a folder, or nothing at all)."""
+    if not os.path.lexists(path):
+        return None
+    if not os.path.exists(path):
+        return f"a symlink to nothing ({os.path.realpath(path)} is not there)"
+    mode = os.stat(path).st_mode
+    for test, what in ((stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return f"{what}, not a file"
+    return None
 
 
 def check_input(flag: str, path: str) -> None:

@@ -13,7 +13,7 @@ import stat
 import sys
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from .record import GB
 from .row import Row
@@ -110,6 +110,12 @@ class Stop:
 
     requested = False
     in_flight = 0  # arms running now (``Stop.arm``)
+    #: Every arm is measured and judged: what is left (tables, outputs, the scratch folder's
+    #: removal) finishes a complete run, so a first Ctrl-C here is noted, not a stop.
+    finishing = False
+    #: Called on a first Ctrl-C that waits: children in their own process group never see the
+    #: terminal's Ctrl-C, so the parent passes it on and each stops after its own arm in flight.
+    relays: list[Callable[[], None]] = []
 
     @classmethod
     @contextlib.contextmanager
@@ -122,8 +128,13 @@ class Stop:
             cls.in_flight -= 1
 
     @classmethod
+    def finish(cls) -> None:
+        """Measuring is over (whether or not a stop cut it short): what follows only reports it."""
+        cls.finishing = True
+
+    @classmethod
     def install(cls, quiet: bool = False) -> None:
-        cls.in_flight = 0
+        cls.in_flight, cls.finishing = 0, False
 
         def say(text: str) -> None:
             if not quiet:  # sys.stderr may be an arm's Soup log now; the user must see this
@@ -133,11 +144,18 @@ class Stop:
         def on_int(signum: int, frame: Any) -> None:
             if cls.requested:
                 raise KeyboardInterrupt
+            if cls.finishing:  # the run counts as complete: its outputs say so and it exits as such
+                cls.requested = True  # a second Ctrl-C stops now
+                say("every arm is measured: writing the outputs of the complete run "
+                    "(Ctrl-C again to stop now)")
+                return
             cls.requested = True
             if not cls.in_flight:
                 say("no arm in flight: stopping now")
                 raise KeyboardInterrupt
             say("stopping after the arm in flight (Ctrl-C again to stop now)")
+            for relay in list(cls.relays):
+                relay()
 
         def on_term(signum: int, frame: Any) -> None:
             cls.requested = True

@@ -18,6 +18,7 @@ from .moe import Kind, expert_in_flight
 from .constants import (CONFIG_LIMITS, CUBLAS_WORKSPACE, K_MIN_LARGE_ALLOC, K_ROUND_LARGE,  # noqa: F401
                         K_MIN_BLOCK_SIZE, K_SMALL_SIZE, MiB, block_bytes)
 from .errors import UsageError
+from .releases import nearest_release
 from .soup_number import (RELEASES, _nf4_bytes, _soup_dir, arch_of, installed_release,  # noqa: F401
                           layer_bytes, linear_elements, lora_params, soup_namespace, soup_preflight_from_config,
                           streamed_as, supported_archs)
@@ -288,7 +289,7 @@ def estimate(config: dict, *, quant: str = "none", seq: int, batch: int = 1, tar
     if not targets or missing:
         raise UsageError(f"LoRA target(s) {', '.join(missing) or '(none)'} not in a {a.model_type}"
                          f" layer (it has {', '.join(a.modules)})")
-    release = release or installed_release()
+    release = nearest_release(release or installed_release(), RELEASES)  # issue395.releases
     ws = max(CUBLAS_WORKSPACE, workspace or 0)
     stream = dict(stream or {})
     unknown = sorted(set(stream) - {"stream_expert_layout", "stream_loss_chunk", "stream_recompute"})

@@ -85,7 +85,8 @@ def seq_words(n: Optional[int]) -> str:
 
 
 def estimate_table(rows: list[Estimate], cards, config: Optional[dict] = None, *, context: Optional[int] = None,
-                   answers: Optional[list[list[dict]]] = None, **kwargs) -> str:
+                   answers: Optional[list[list[dict]]] = None, release_label: Optional[str] = None,
+                   **kwargs) -> str:
     """One column per (quant, seq, batch); down it, in order: Soup's own pre-flight (computed by
     Soup), the corrected allocated peak and the free memory it needs (this estimator), each term,
     then per card: total, context, free, needs-free, fits, the longest seq that fits, and Soup's
@@ -127,9 +128,11 @@ def estimate_table(rows: list[Estimate], cards, config: Optional[dict] = None, *
                 notes.append(f"{card.name}, {e.quant} {e.seq}x{e.batch}: {a['disagreement']}")
             if a["longest_seq"] != a["longest_seq_soup_admits"]:
                 notes.append(f"{card.name}, {e.quant} batch {e.batch}: {seq_direction(a)}")
+    if len(rows) > WIDE_ARMS:
+        table = per_arm_table(rows, cards, answers or [[] for _ in rows], heads)
     first_w = max(len(line[0]) for line in lines)
     fmt = lambda cells: "  ".join([f"{cells[0]:<{first_w}}"] + [f"{c:>{width}}" for c in cells[1:]])  # noqa: E731
-    head = fmt([f"soup-cli {rows[0].release}, steps {rows[0].steps}" if rows else ""] + heads)
+    head = fmt([f"soup-cli {release_label or rows[0].release}, steps {rows[0].steps}" if rows else ""] + heads)
     legend = ("peak = resident (pool, extras, LoRA weights, cuBLAS workspace, resident rounding) + the larger "
               "phase: the loss (logits, allocator rounding, final norm, and the shared checkpointed inputs, ids, "
               "positions, rotary tables, mask) or the layer recompute (the shared terms, the dequantised layer, "
@@ -137,8 +140,33 @@ def estimate_table(rows: list[Estimate], cards, config: Optional[dict] = None, *
     if cards:
         legend += ("\nfits: needs free + context <= total. context: 'bound' is Soup's own 0.85 GB (its dev box, "
                    "driving a display; --context GB gives yours), 'measured' this tool's on that card")
+    if len(rows) > WIDE_ARMS:
+        head = f"soup-cli {release_label or rows[0].release}, steps {rows[0].steps}: one row per arm"
+        return "\n".join([head] + table + [legend] + sources + list(dict.fromkeys(notes))) + "\n"
     return "\n".join([head, "-" * len(head)] + [fmt(line) for line in lines] + [legend] + sources
                      + list(dict.fromkeys(notes))) + "\n"
+
+
+#: Past this many arms a column per arm runs off a terminal: one row per arm instead.
+WIDE_ARMS = 6
+
+
+def per_arm_table(rows: list[Estimate], cards, answers: list[list[dict]], heads: list[str]) -> list[str]:
+    """The wide grid one row per arm, lines kept under ~160 characters: Soup's own number, the
+    corrected peak and needs-free, the phase, and per card 'fits, longest seq / Soup's gate
+    admits, its longest seq'. The terms of each arm are in --json."""
+    names = ["arm", "Soup GB", "corrected GB", "needs free GB", "phase"] + [c.name for c in cards]
+    body = [[h, _gb(e.soup_predicted), _gb(e.corrected_predicted), _gb(e.needs_free), e.phase]
+            + [f"{'yes' if a['fits'] else 'NO'} {seq_words(a['longest_seq'])} / "
+               f"{'yes' if a['soup_admits'] else 'no'} {seq_words(a['longest_seq_soup_admits'])}" for a in per]
+            for h, e, per in zip(heads, rows, answers)]
+    widths = [max(len(r[i]) for r in [names] + body) for i in range(len(names))]
+    fmt = lambda cells: "  ".join(  # noqa: E731
+        [f"{cells[0]:<{widths[0]}}"] + [f"{c:>{w}}" for c, w in zip(cells[1:], widths[1:])])
+    line = fmt(names)
+    return [line, "-" * len(line)] + [fmt(r) for r in body] + [
+        "per card: fits (needs free <= free), the longest seq that fits / Soup's gate admits it, the longest "
+        "seq it admits", "each arm's terms: --json (or at most 6 arms, a column each)"]
 
 
 def seq_direction(a: dict) -> str:

@@ -7,6 +7,7 @@ import argparse
 import json
 import os
 import re
+import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Optional
@@ -17,6 +18,7 @@ from .checks import (
     check_output,
     comma_list,
     local_or_hub,
+    odd_file,
     no_output_is_an_input,
     one_int,
     parse_ints,
@@ -31,7 +33,8 @@ from .record import MAP_BATCHES, QUANTS, RECORD_GRID, SHAPES, Arm, plan_arms
 from .result import RowFile
 from .scratch import soup_shard_root
 from .registry import ALL_FAMILIES, FAMILIES, config_json, max_positions, stream_mode_keys
-from .shapes import bitsandbytes_present, config_only, default_map_families, streamed_as
+from .targets import soup_targets
+from .shapes import bitsandbytes_present, config_only, default_map_families, soup_has_stream_modes, streamed_as
 
 @dataclass(frozen=True)
 class Run:
@@ -306,19 +309,15 @@ def stream_mode_families(args: argparse.Namespace, families: list) -> tuple:
                             comma_list(args.recompute) if args.recompute else ["on"])
 
 
-def soup_has_stream_modes() -> bool:
-    """Whether the installed Soup's config schema knows 0.77.0's streaming modes."""
-    from soup_cli.config.schema import TrainingConfig
-
-    return "stream_expert_layout" in TrainingConfig.model_fields
-
-
 def estimate_config(model: Optional[str]) -> tuple[str, dict]:
     """--estimate's model: a family's public config, or a config.json (or a folder holding one)."""
     if not model or not model.strip():
         raise UsageError("--estimate needs --model: a config.json, a folder holding one, or a family "
                          f"({','.join(ALL_FAMILIES)})")
     if model in ALL_FAMILIES:
+        if os.path.lexists(model):  # a folder or file of the same name here is not what was read
+            print(f"note: --model {model}: the family {model}'s public config was used, not ./{model} here "
+                  f"(give ./{model} for that)", file=sys.stderr)
         return model, config_json(model)
     from .registry import FAMILIES
 
@@ -327,6 +326,10 @@ def estimate_config(model: Optional[str]) -> tuple[str, dict]:
         return model, config_json(family)
     path = Path(model).expanduser()
     path = path / "config.json" if path.is_dir() else path
+    odd = odd_file(str(path))
+    if odd:
+        raise UsageError(f"--model {model}: {odd}" if str(path) == os.path.expanduser(model)
+                         else f"--model {model}: its config.json is {odd}")
     if not path.is_file() and not path.exists() and "/" in model and not model.startswith(("/", ".", "~")):
         from .userconfig import hub_config
 
@@ -375,6 +378,7 @@ def settle_estimate(args: argparse.Namespace, argv: list[str]) -> Run:
     except Exception as exc:  # a value of the wrong kind deeper in the config
         raise UsageError(f"--model {name}: its config cannot be read as a model ({last_line(exc)})") from None
     within_positions(name, arch.max_pos, seqs)
+    targets = soup_targets(targets, config, arch, args.targets)
     try:
         cards = tuple(parse_cards(args.card)) if args.card is not None else ()
     except (OverflowError, ValueError) as exc:

@@ -40,6 +40,32 @@ class Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # one line, exit 2, no usage dump
         raise UsageError(message)
 
+    def parse_known_args(self, args=None, namespace=None):  # type: ignore[override]
+        return super().parse_known_args(None if args is None else values_taken(self, list(args)), namespace)
+
+
+def values_taken(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
+    """argparse reads a value that starts with '-' (``--card -1GB``, ``--seq -64``) as an option
+    and says "expected one argument"; an option that takes one value takes the next word as it,
+    unless that word is itself an option, so the value is read and refused by its own check."""
+    out: list[str] = []
+    words = iter(argv)
+    for word in words:
+        action = parser._option_string_actions.get(word)
+        if word == "--":
+            out += [word, *words]
+            break
+        if action is not None and action.nargs is None and action.option_strings[0].startswith("--"):
+            following = next(words, None)
+            if following is not None and following.startswith("-") and following != "--" \
+                    and following.split("=")[0] not in parser._option_string_actions:
+                out.append(f"{word}={following}")
+                continue
+            out += [word] + ([following] if following is not None else [])
+            continue
+        out.append(word)
+    return out
+
 
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog="issue395_second_stack_vram.py", epilog=EPILOG,

@@ -31,7 +31,7 @@ from .row import Row
 from .scratch import Scratch
 from .probes import min_free_arms
 from .shapes import family_shape, load_custom_shape, not_on_map
-from .spread import CHILD_JOB, Job, read_job, spread, visible_gpu_count
+from .spread import CHILD_JOB, Job, die_with_parent, read_job, spread, visible_gpu_count
 from .tables import compare_table, render_text
 
 
@@ -56,6 +56,7 @@ def cli(argv: list[str], protocol: Protocol) -> int:
     try:
         job_file = os.environ.pop(CHILD_JOB, None)
         if job_file:
+            die_with_parent()
             run, job = read_job(job_file)
             return execute(run, protocol, job)
         run = settle(build_parser().parse_args(argv), argv)
@@ -65,8 +66,9 @@ def cli(argv: list[str], protocol: Protocol) -> int:
     except UsageError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    except KeyboardInterrupt:  # stopped before any arm ran: nothing to print or save
-        print("interrupted before any arm ran", file=sys.stderr)
+    except KeyboardInterrupt:
+        print("interrupted while writing the outputs of a complete run: they may be missing or partial"
+              if Stop.finishing else "interrupted before any arm ran", file=sys.stderr)
         return EXIT_INTERRUPTED
 
 
@@ -242,6 +244,10 @@ def measure_all(run: Run, protocol: Protocol, job: Optional[Job], scratch: Scrat
         progress.close()
         if checkpoints is not None:
             checkpoints.close()
+    # A stop asked from here on is told the run is complete and changes nothing it reports: the
+    # message, the exit code and the JSON agree (interrupted only if a stop cut the arms short).
+    interrupted = Stop.requested
+    Stop.finish()
     if children:
         merged = merge(children + ([result] if local else []), arms_label)
         for name in ("environment", "measure", "sdpa", "control", "error"):
@@ -258,7 +264,7 @@ def measure_all(run: Run, protocol: Protocol, job: Optional[Job], scratch: Scrat
     if run.map and not run.child and not_on_map():  # never skipped silently: named with the reason
         result.environment["not_on_map"] = " | ".join(not_on_map())
     result.rows = sorted(rows, key=row_order)
-    result.interrupted = Stop.requested
+    result.interrupted = interrupted
     result.timings = run_timings(rows, imports_s, time.perf_counter() - started,
                                  checkpoints.build_s if checkpoints else {}, children)
     print(render_text(result), end="", flush=True)
@@ -289,8 +295,9 @@ def estimate_run(run: Run) -> int:
     """--estimate: each (quant, seq, batch) from the config alone, on CPU; the table, and --json."""
     from .cards import workspace_env
     from .arch import protocol_targets
-    from .estimate import arch_of, estimate
+    from .estimate import arch_of, estimate, installed_release
     from .fits import budgets_for, card_answers, estimate_table
+    from .releases import UnknownRelease, physics_label
 
     kw = {"targets": run.targets, "lora_r": run.lora_r}
     try:
@@ -300,7 +307,11 @@ def estimate_run(run: Run) -> int:
         budgets = budgets_for(run.cards, run.context)
         answers = [card_answers(run.estimate_config, e, budgets, env=workspace_env(), stream=dict(run.stream), **kw)
                    for e in rows]
-        table = estimate_table(rows, run.cards, run.estimate_config, answers=answers, **kw)
+        installed = installed_release()
+        table = estimate_table(rows, run.cards, run.estimate_config, answers=answers,
+                               release_label=physics_label(installed, rows[0].release), **kw)
+    except UnknownRelease:  # the release's fault, not the model's: said without naming the model
+        raise
     except UsageError as exc:
         raise UsageError(f"--estimate --model {run.custom_model}: {exc}") from None
     except Exception as exc:  # a config value of a kind no real config has
@@ -314,7 +325,8 @@ def estimate_run(run: Run) -> int:
     if run.json:
         targets = run.targets or protocol_targets(arch_of(run.estimate_config))
         data = {"tool": "issue395_second_stack_vram", "schema": SCHEMA, "kind": "estimate",
-                "model": run.custom_model, "soup_cli": rows[0].release, "targets": list(targets),
+                "model": run.custom_model, "soup_cli": installed, "physics_release": rows[0].release,
+                "targets": list(targets),
                 "lora_r": run.lora_r, "cards": [{"card": c.name, "bytes": c.total_bytes} for c in run.cards],
                 "notes": notes, "rows": [dict(r.to_json(), cards=a) for r, a in zip(rows, answers)]}
         try:

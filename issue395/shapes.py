@@ -228,3 +228,10 @@ def load_custom_shape(model: str) -> Shape:
         raise UsageError(f"--model {model}: vocab_size {shape.vocab} is smaller than the synthetic "
                          "tokenizer's 300 tokens")
     return shape
+
+
+def soup_has_stream_modes() -> bool:
+    """Whether the installed Soup's config schema knows 0.77.0's streaming modes."""
+    from soup_cli.config.schema import TrainingConfig
+
+    return "stream_expert_layout" in TrainingConfig.model_fields

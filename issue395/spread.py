@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import os
 import signal
@@ -28,6 +29,9 @@ from .registry import FAMILIES
 
 #: A child process finds its work here: the file names its settled Run and its Job.
 CHILD_JOB = "ISSUE395_CHILD_JOB"
+#: ... and the process id of the parent it must not outlive.
+PARENT_PID = "ISSUE395_PARENT_PID"
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
 @dataclass(frozen=True)
@@ -98,9 +102,13 @@ def spread(run: Run, arms: list[Arm], scratch: Scratch, on_row: Callable[[Row], 
         if run.cap is not None or run.emulate_card:  # as `soup train` sets it, before CUDA starts: only a fresh process can
             env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
         env[CHILD_JOB] = str(out.with_suffix(".job.json"))
+        env[PARENT_PID] = str(os.getpid())
         write_job(Path(env[CHILD_JOB]), child_run(run, job, str(out), cache), job)
+        # Its own process group: a terminal's Ctrl-C reaches the parent alone, which relays it
+        # once (the child would otherwise get two, the second meaning "stop now").
         with open(out.with_suffix(".stdout"), "w") as fh:
-            proc = subprocess.Popen([sys.executable, os.path.abspath(script)], env=env, stdout=fh)
+            proc = subprocess.Popen([sys.executable, os.path.abspath(script)], env=env, stdout=fh,
+                                    process_group=0)
         running[gpu] = {"proc": proc, "job": job, "out": out, "seen": set(), "read": 0}
 
     def take(entry: dict[str, Any], rows: Iterable[Row]) -> None:
@@ -136,6 +144,13 @@ def spread(run: Run, arms: list[Arm], scratch: Scratch, on_row: Callable[[Row], 
                 if (arm.index, job.repeat) not in entry["seen"]:
                     take(entry, [lost_row(arm, run, job.repeat, code)])
 
+    def relay() -> None:
+        for entry in running.values():
+            if entry["proc"].poll() is None:
+                with contextlib.suppress(OSError):
+                    entry["proc"].send_signal(signal.SIGINT)
+
+    Stop.relays.append(relay)
     try:
         for gpu in lanes:
             launch(gpu)
@@ -149,6 +164,7 @@ def spread(run: Run, arms: list[Arm], scratch: Scratch, on_row: Callable[[Row], 
                     if lanes[gpu] and not Stop.requested:
                         launch(gpu)
     finally:
+        Stop.relays.remove(relay)
         for entry in running.values():  # a second Ctrl-C, SIGTERM or an error here
             if entry["proc"].poll() is None:
                 entry["proc"].send_signal(signal.SIGTERM)
@@ -175,6 +191,18 @@ def child_run(run: Run, job: Job, out: str, cache: Optional[str]) -> Run:
     return replace(run, json=out, markdown=None, plot=None, cache_dir=cache, shard=job.shard,
                    gpus=None, isolate=False, repeats=None, sweep=True, child=True, repeat_tag=job.repeat,
                    measure=run.measure and job.extra_modes, sdpa=run.sdpa and job.extra_modes)
+
+
+def die_with_parent() -> None:
+    """A child whose parent is SIGKILLed gets SIGTERM (it stops as on any SIGTERM) rather than
+    running on as an orphan holding a GPU. Linux only; elsewhere the parent's clean-up is all."""
+    parent = os.environ.pop(PARENT_PID, None)
+    if not parent or not sys.platform.startswith("linux"):
+        return
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+    if os.getppid() != int(parent):  # it died before prctl: that signal will never come
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def write_job(path: Path, run: Run, job: Job) -> None:

@@ -80,3 +80,16 @@ def test_a_larger_workspace_config_raises_the_estimate():
     c = config_json("smol")
     assert (E.estimate(c, seq=512, workspace=64 * 2**20).corrected_predicted
             - E.estimate(c, seq=512).corrected_predicted) == 32 * 2**20
+
+
+@pytest.mark.parametrize("text, words", [
+    ("24GB,24GB", ["24GB is named twice"]), ("24GB,24.0GB", ["named twice"]), ("a10g,A10G", ["A10G is named twice"]),
+    ("２４GB", ["not a size like 24GB"]), ("24GB,２４GB", ["not a size like 24GB"]),
+    ("-1GB", ["a card's size is positive"]),
+])
+def test_a_card_named_twice_full_width_digits_or_a_negative_size_are_refused(text, words):
+    """Issue 22, defect 16: full-width digits were read as a size (２４GB, a second 24 GB card)."""
+    with pytest.raises(UsageError) as exc:
+        C.parse_cards(text)
+    for word in words:
+        assert word in str(exc.value)

@@ -82,3 +82,20 @@ def test_the_json_carries_every_card_for_every_arm(capfd, tmp_path):
 def test_context_without_a_card_is_one_line(capfd):
     code, _, err = main(capfd, ["--estimate", "--model", "smol", "--seq", "512", "--context", "0.5"])
     assert code == 2 and "--context" in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_wide_grid_is_one_row_per_arm_and_its_lines_stay_under_160_characters(capfd):
+    """Issue 22, usability: a column per (quant, seq, batch) ran off the terminal past 6 arms."""
+    from conftest import main
+
+    code, out, err = main(capfd, ["--estimate", "--model", "llama31-8b", "--seq", "512,1024,2048,4096",
+                                  "--quant", "none,nf4", "--card", "24GB,A10G,RTX4090"])
+    assert code == 0, err
+    lines = out.splitlines()
+    start = next(i for i, ln in enumerate(lines) if ln.startswith("arm "))
+    table = lines[start:start + 2 + 8]
+    assert all(len(ln) < 160 for ln in table), max(map(len, table))
+    assert [ln.split()[:2] for ln in table[2:]] == [[q, f"{s}x1"] for q in ("none", "nf4")
+                                                    for s in (512, 1024, 2048, 4096)]
+    code, out, _ = main(capfd, ["--estimate", "--model", "llama31-8b", "--seq", "512,1024,2048", "--quant", "none,nf4"])
+    assert "none 512x1" in out.splitlines()[1]  # six arms: still a column each
