@@ -173,3 +173,22 @@ def test_modules_stay_small_and_torch_free():
         text = (ROOT / "issue395" / name).read_text()
         assert len(text.splitlines()) < 450
         assert "import torch" not in text
+
+
+def test_an_attribution_that_cannot_name_classes_never_costs_the_measurement(monkeypatch):
+    from issue395 import anatomy
+
+    def broken(*a, **kw):
+        raise TypeError("an estimator signature this tool cannot read")
+
+    assert anatomy.classifier_for("smol", quant="none", seq=2048, batch=1) is not None
+    assert anatomy.classifier_for("custom", quant="none", seq=2048, batch=1) is None
+    monkeypatch.setattr(anatomy, "physical_classifier", broken)
+    assert anatomy.classifier_for("smol", quant="none", seq=2048, batch=1) is None
+
+
+def test_a_margin_of_a_release_the_estimator_does_not_know_is_left_out_of_the_anatomy():
+    from issue395.anatomy import margin_anatomy
+
+    m = {"model": "x", "model_key": "custom", "quant": "none", "seq": 64, "batch": 1, "physical": {"the rest": 1}}
+    assert margin_anatomy([m], "9.9.9") == ""

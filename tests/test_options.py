@@ -37,3 +37,10 @@ def test_tilde_is_expanded_in_output_paths(capfd, tmp_path, monkeypatch):
 @pytest.mark.parametrize("mode", [["--estimate", "--model", "smol", "--seq", "512"], ["--map", "--dry-run"]])
 def test_a_quant_named_twice_says_so(capfd, mode):
     one_error_line(*main(capfd, [*mode, "--quant", "nf4,nf4"]), "named twice")
+
+
+def test_steps_reaches_the_sweep_and_the_map():
+    from issue395.options import build_parser, settle
+
+    for argv in (["--dry-run", "--steps", "3"], ["--dry-run", "--map", "--steps", "3"]):
+        assert settle(build_parser().parse_args(argv), argv).steps == 3, argv

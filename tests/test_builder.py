@@ -1,0 +1,80 @@
+"""issue395.builder: architecture-exact synthetic checkpoints, each tensor owning its bytes; whether a safetensors file is whole."""
+
+from __future__ import annotations
+from pathlib import Path
+from issue395.record import Shape
+from issue395.builder import safetensors_problem
+
+
+def _tiny_llama(layers: int, vocab: int = 512, hidden: int = 64, intermediate: int = 128) -> Shape:
+    return Shape(key="custom", name="tiny", hub_id="tiny", model_type="llama", pool=0, extras=0,
+                 adapter=0, vocab=vocab, hidden=hidden, intermediate=intermediate, n_layers=layers,
+                 max_positions=256, arch={"num_attention_heads": 4, "num_key_value_heads": 2},
+                 record=False)
+
+
+def _written_tensors(shape, dest, monkeypatch):
+    """The tensors write_weights hands safetensors, caught before anything is written."""
+    import safetensors.torch
+
+    from issue395.builder import prepare_checkpoint
+
+    caught = {}
+    monkeypatch.setattr(safetensors.torch, "save_file",
+                        lambda tensors, path, metadata=None: caught.update(tensors))
+    Path(dest).mkdir(parents=True, exist_ok=True)
+    (Path(dest) / "model.safetensors").write_bytes(b"")  # the manifest stats the file
+    prepare_checkpoint(shape, Path(dest))()
+    return caught
+
+
+def test_every_built_weight_owns_exactly_its_own_bytes_not_the_tiled_pool(tmp_path, monkeypatch):
+    tensors = _written_tensors(_tiny_llama(layers=40), tmp_path / "ckpt", monkeypatch)
+    assert len(tensors) > 40 * 9
+    for name, t in tensors.items():
+        assert t.untyped_storage().nbytes() == t.numel() * t.element_size(), name
+    total = sum(t.untyped_storage().nbytes() for t in tensors.values())
+    assert total < 8 * 2**20  # the pool tiled once per tensor held 2 MiB each: ~750 MiB
+
+
+def test_built_weights_keep_the_values_of_the_tiled_pool(tmp_path, monkeypatch):
+    """The committed results used these weights: small tensors are the pool from a moving offset,
+    tensors larger than the tile repeat it."""
+    import torch
+
+    tensors = _written_tensors(_tiny_llama(layers=2, vocab=20000, hidden=64), tmp_path / "ckpt",
+                               monkeypatch)
+    gen = torch.Generator().manual_seed(395)
+    size = 1 << 20
+    pool = (torch.randn(2 * size, generator=gen, dtype=torch.float32) * 0.02).to(torch.bfloat16)
+    big = 0
+    for i, (name, t) in enumerate(tensors.items()):
+        if "norm" in name:
+            assert bool((t == 1.0).all()), name
+            continue
+        offset = (i * 7919) % size
+        n = t.numel()
+        expected = pool[offset:offset + size].repeat(-(-n // size))[:n].view(t.shape)
+        assert torch.equal(t, expected), name
+        big += n > size
+    assert big, "no tensor larger than the tile was checked"
+
+
+def test_safetensors_problem_detects_truncation_and_a_missing_file(tmp_path):
+    import torch
+    from safetensors.torch import save_file
+
+    path = tmp_path / "w.safetensors"
+    save_file({"a": torch.ones(64, 64, dtype=torch.bfloat16)}, str(path))
+    assert safetensors_problem(path) is None
+    size = path.stat().st_size
+    with open(path, "r+b") as fh:
+        fh.truncate(size - 100)
+    assert "bytes, its header describes" in safetensors_problem(path)
+    with open(path, "r+b") as fh:
+        fh.truncate(4)
+    assert safetensors_problem(path) == "w.safetensors: truncated header"
+    path.write_bytes(b"")
+    assert safetensors_problem(path) == "w.safetensors: truncated header"
+    path.unlink()
+    assert safetensors_problem(path) == "w.safetensors: FileNotFoundError"
