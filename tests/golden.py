@@ -1,21 +1,33 @@
-"""The golden check: what the tool prints and writes for every committed result, --help and
-bad command lines, as digests. ``python tests/golden.py OUT.json [HARNESS.py]`` records them
-from a harness (default: this tree's); tests/test_golden.py holds this tree to the committed
-record, so a change in any rendered byte is a deliberate, reviewed change of that file."""
+"""The golden check, as readable text: what the tool prints and writes for every committed
+result, ``--help`` and the bad command lines, each kept under tests/golden/ as the text itself,
+so a wrong number reads as that number changing in a diff, not as one hash replacing another.
+
+Per result ``results/F/X.json``: ``tests/golden/results/F/X.txt`` (the rendered text),
+``X.md`` (the markdown) and ``X.json.diff`` (what re-saving the JSON changes against the file
+as committed; empty where it is byte-for-byte the same). A PNG is not readable, so
+``tests/golden/results.status`` keeps, one line a result, its exit code, its stderr and the
+plot's digest. ``help.txt`` is ``--help``; ``bad-command-lines.txt`` is each bad command line
+with its exit code and its one line on stderr.
+
+``python tests/golden.py --record [HARNESS.py]`` writes the files from a harness (default:
+this tree's); tests/test_golden.py holds this tree to them. The outputs do not depend on the
+installed soup-cli release (0.73.3 and 0.77.0 render every one the same), so one set is kept."""
 
 from __future__ import annotations
 
 import contextlib
+import difflib
 import hashlib
 import importlib.util
 import io
-import json
 import os
+import shutil
 import sys
 import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+GOLDEN = ROOT / "tests" / "golden"
 
 #: Command lines that must fail with one line and exit 2, before anything runs.
 BAD = [
@@ -67,7 +79,34 @@ def saved_results() -> list[Path]:
     return sorted(p for p in (ROOT / "results").rglob("*.json"))
 
 
+def quoted(argv: list[str]) -> str:
+    """A command line as one unambiguous line (empty and blank arguments stay visible)."""
+    return " ".join(a if a and a.strip() == a and " " not in a else repr(a) for a in argv)
+
+
+def result_outputs(mod, path: Path, tmp: str) -> tuple[dict[str, str], str]:
+    """One saved result re-rendered: its golden files' texts, and its line in results.status."""
+    rel = path.relative_to(ROOT)
+    files = [f"{tmp}/o.json", f"{tmp}/o.md", f"{tmp}/o.png"]
+    code, out, err = call(mod.main, ["--from-json", str(path), "--json", files[0],
+                                     "--markdown", files[1], "--plot", files[2]])
+    saved_json, md, png = (Path(f) for f in files)
+    base = str(rel.with_suffix(""))
+    got = {f"{base}.txt": out,
+           f"{base}.md": md.read_text() if md.exists() else "(no markdown written)\n",
+           f"{base}.json.diff": "".join(difflib.unified_diff(
+               path.read_text().splitlines(True), saved_json.read_text().splitlines(True),
+               f"{rel} (committed)", f"{rel} (re-saved)", n=1))
+           if saved_json.exists() else "(no JSON written)\n"}
+    status = (f"{rel}  exit {code}  plot {digest(png.read_bytes()) if png.exists() else '-'}  "
+              f"stderr {err.strip() or '-'}")
+    for f in files:
+        Path(f).unlink(missing_ok=True)
+    return got, status
+
+
 def outputs(harness: Path) -> dict[str, str]:
+    """Every golden file's text, keyed by its path under tests/golden/."""
     mod = load(harness)
     got: dict[str, str] = {}
     saved = dict(os.environ)
@@ -75,21 +114,22 @@ def outputs(harness: Path) -> dict[str, str]:
         os.chdir(tmp)
         try:
             code, out, err = call(mod.main, ["--help"])
-            got["--help"] = f"{code} {digest(out)}"
+            got["help.txt"] = f"exit {code}\n{out}"
+            bad = []
             for argv in BAD:
                 code, out, err = call(mod.main, argv)
-                got["bad " + " ".join(argv)] = f"{code} {digest(out)} " + err.strip().replace(
-                    os.path.realpath(tmp), "<tmp>")
+                bad.append(f"$ {quoted(argv)}\nexit {code}, stdout {'empty' if not out else repr(out)}\n"
+                           f"{err.strip()}\n")
+            got["bad-command-lines.txt"] = "\n".join(bad)
+            status = []
             for path in saved_results():
-                rel = str(path.relative_to(ROOT))
-                files = [f"{tmp}/o.json", f"{tmp}/o.md", f"{tmp}/o.png"]
-                code, out, err = call(mod.main, ["--from-json", str(path), "--json", files[0],
-                                                 "--markdown", files[1], "--plot", files[2]])
-                got[rel] = f"{code} text {digest(out)} err {digest(err)} " + " ".join(
-                    f"{Path(f).suffix[1:]} {digest(Path(f).read_bytes()) if Path(f).exists() else '-'}"
-                    for f in files)
-                for f in files:
-                    Path(f).unlink(missing_ok=True)
+                files, line = result_outputs(mod, path, tmp)
+                got.update(files)
+                status.append(line)
+            got["results.status"] = "\n".join(status) + "\n"
+            # Only this run's own folders are masked: a committed result's /tmp paths are its record.
+            got = {k: v.replace(os.path.realpath(tmp), "<tmp>").replace(tmp, "<tmp>")
+                   .replace(str(ROOT), "<root>") for k, v in got.items()}
         finally:
             os.chdir(ROOT)
             os.environ.clear()
@@ -97,6 +137,18 @@ def outputs(harness: Path) -> dict[str, str]:
     return got
 
 
+def recorded() -> dict[str, str]:
+    return {str(p.relative_to(GOLDEN)): p.read_text() for p in sorted(GOLDEN.rglob("*")) if p.is_file()}
+
+
+def record(harness: Path) -> None:
+    shutil.rmtree(GOLDEN, ignore_errors=True)
+    for name, text in outputs(harness).items():
+        (GOLDEN / name).parent.mkdir(parents=True, exist_ok=True)
+        (GOLDEN / name).write_text(text)
+
+
 if __name__ == "__main__":
-    harness = Path(sys.argv[2]) if len(sys.argv) > 2 else ROOT / "issue395_second_stack_vram.py"
-    Path(sys.argv[1]).write_text(json.dumps(outputs(harness), indent=1, sort_keys=True) + "\n")
+    if sys.argv[1:2] != ["--record"]:
+        sys.exit("usage: python tests/golden.py --record [HARNESS.py]")
+    record(Path(sys.argv[2]) if len(sys.argv) > 2 else ROOT / "issue395_second_stack_vram.py")

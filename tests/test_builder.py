@@ -6,6 +6,7 @@ CPU, a tiny Gemma 3. Soup's own read of the config inside an arm goes to the arm
 from __future__ import annotations
 
 import dataclasses
+import json
 
 from issue395.builder import prepare_checkpoint
 from issue395.shapes import family_shape, load_custom_shape
@@ -19,3 +20,83 @@ def test_a_gemma3_checkpoint_is_built_and_its_shape_read_with_no_rope_warning_on
     load_custom_shape(str(tmp_path))
     _, err = capfd.readouterr()
     assert "Unrecognized keys" not in err, err
+
+"""issue395.builder: architecture-exact synthetic checkpoints, each tensor owning its bytes; whether a safetensors file is whole."""
+
+from pathlib import Path
+from issue395.record import Shape
+from issue395.builder import safetensors_problem
+
+
+def _tiny_llama(layers: int, vocab: int = 512, hidden: int = 64, intermediate: int = 128) -> Shape:
+    return Shape(key="custom", name="tiny", hub_id="tiny", model_type="llama", pool=0, extras=0,
+                 adapter=0, vocab=vocab, hidden=hidden, intermediate=intermediate, n_layers=layers,
+                 max_positions=256, arch={"num_attention_heads": 4, "num_key_value_heads": 2},
+                 record=False)
+
+
+def _written_tensors(shape, dest, monkeypatch):
+    """The tensors write_weights wrote, read back with safetensors in the order they were written."""
+    from safetensors.torch import load_file
+
+    from issue395.builder import prepare_checkpoint
+
+    prepare_checkpoint(shape, Path(dest))()
+    path = Path(dest) / "model.safetensors"
+    tensors = load_file(str(path))
+    with open(path, "rb") as fh:
+        header = json.loads(fh.read(int.from_bytes(fh.read(8), "little")))
+    header.pop("__metadata__")
+    return {k: tensors[k] for k in sorted(header, key=lambda k: header[k]["data_offsets"][0])}
+
+
+def test_every_built_weight_owns_exactly_its_own_bytes_not_the_tiled_pool(tmp_path, monkeypatch):
+    tensors = _written_tensors(_tiny_llama(layers=40), tmp_path / "ckpt", monkeypatch)
+    assert len(tensors) > 40 * 9
+    for name, t in tensors.items():
+        assert t.untyped_storage().nbytes() == t.numel() * t.element_size(), name
+    total = sum(t.untyped_storage().nbytes() for t in tensors.values())
+    assert total < 8 * 2**20  # the pool tiled once per tensor held 2 MiB each: ~750 MiB
+
+
+def test_built_weights_keep_the_values_of_the_tiled_pool(tmp_path, monkeypatch):
+    """The committed results used these weights: small tensors are the pool from a moving offset,
+    tensors larger than the tile repeat it."""
+    import torch
+
+    tensors = _written_tensors(_tiny_llama(layers=2, vocab=20000, hidden=64), tmp_path / "ckpt",
+                               monkeypatch)
+    gen = torch.Generator().manual_seed(395)
+    size = 1 << 20
+    pool = (torch.randn(2 * size, generator=gen, dtype=torch.float32) * 0.02).to(torch.bfloat16)
+    big = 0
+    for i, (name, t) in enumerate(tensors.items()):
+        if "norm" in name:
+            assert bool((t == 1.0).all()), name
+            continue
+        offset = (i * 7919) % size
+        n = t.numel()
+        expected = pool[offset:offset + size].repeat(-(-n // size))[:n].view(t.shape)
+        assert torch.equal(t, expected), name
+        big += n > size
+    assert big, "no tensor larger than the tile was checked"
+
+
+def test_safetensors_problem_detects_truncation_and_a_missing_file(tmp_path):
+    import torch
+    from safetensors.torch import save_file
+
+    path = tmp_path / "w.safetensors"
+    save_file({"a": torch.ones(64, 64, dtype=torch.bfloat16)}, str(path))
+    assert safetensors_problem(path) is None
+    size = path.stat().st_size
+    with open(path, "r+b") as fh:
+        fh.truncate(size - 100)
+    assert "bytes, its header describes" in safetensors_problem(path)
+    with open(path, "r+b") as fh:
+        fh.truncate(4)
+    assert safetensors_problem(path) == "w.safetensors: truncated header"
+    path.write_bytes(b"")
+    assert safetensors_problem(path) == "w.safetensors: truncated header"
+    path.unlink()
+    assert safetensors_problem(path) == "w.safetensors: FileNotFoundError"

@@ -27,7 +27,6 @@ from issue395 import runner
 from issue395.builder import checkpoint_fingerprint, prepare_checkpoint
 from issue395.errors import EXIT_OK
 from issue395.record import Arm, predicted_bytes
-from issue395.scratch import Scratch
 from issue395.shapes import load_custom_shape
 from issue395.spread import plan_jobs
 
@@ -380,15 +379,6 @@ def test_second_run_with_the_same_cache_dir_reuses_checkpoint_and_shards(
     after = _file_stamps(cache_dir)
     changed = [k for k in before if after.get(k) != before[k]]
     assert changed == [], f"cache files rewritten on a cache hit: {changed[:5]}"
-
-
-def test_a_cold_cache_dir_is_not_reported_as_damaged_shards(capfd, tmp_path):
-    """A first run's model has no shard folder yet; that is not damage. (Soup's
-    resolve_shard_dir creates the folder it names, empty, before Soup shards into it.)"""
-    with Scratch(str(tmp_path / "cache")) as scratch:
-        scratch.repair_shards(str(tmp_path / "checkpoints" / "smol-0123456789ab"))
-    _, err = capfd.readouterr()
-    assert "damaged" not in err, err
 
 
 def test_batch_2_dry_run_realises_requested_seq_in_every_row_of_the_batch(

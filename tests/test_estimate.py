@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -63,20 +64,6 @@ def test_soup_number_is_soups_own_function_not_a_copy():
     # docs/FAMILIES.md's nine (0.73.3); a later Soup may stream more (0.77.0 adds two)
     assert "SUPPORTED_STREAM_ARCHS" in src and {"llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2",
                                                  "gemma3_text", "phi", "phi3"} <= set(E.supported_archs())
-
-
-def test_leave_one_family_out_never_under_but_one_documented_arm_and_median_at_most_1_02():
-    table = LOO.leave_one_out(ARMS)
-    print("\n" + LOO.render(table, len(ARMS)))
-    for row in table:
-        assert row["corrected_median"] <= 1.02, row
-        assert row["soup_median"] > row["corrected_median"] or row["family"] == "gemma2-2b"
-        # The one miss left: Qwen2.5 held out, the others' allowance (3.0 MB) is 0.28 MB short of
-        # its bf16 1024x1 arm (0.66 MB of Qwen2.5's resident excess has no term yet).
-        if row["family"] == "qwen":
-            assert row["under"] == 1 and row["worst_under"] <= 300_000, row
-        else:
-            assert row["under"] == 0 and row["corrected_min"] >= 1.0, row
 
 
 def test_qwen_allocator_rounding_is_the_fp32_logits_segments_tail():
@@ -252,3 +239,46 @@ def test_the_estimator_and_the_measured_path_refuse_the_same_configs(name, bound
     E.arch_of({**config, name: bound})
     with pytest.raises(UsageError, match=name):
         E.arch_of({**config, name: bound + 1})
+
+
+def committed_leave_one_out() -> dict[str, dict]:
+    """results/estimator-leave-one-family-out.txt's rows: the held-out fold's allowance, how many
+    of its arms came out under and by how much, as the record has them."""
+    rows = (ROOT / "results" / "estimator-leave-one-family-out.txt").read_text().splitlines()[3:]
+    out = {}
+    for line in rows:
+        f = line.split()
+        out[f[0]] = {"n": int(f[1]), "allowance_mb": float(f[2]), "under": int(f[8]), "by_mb": float(f[9])}
+    return out
+
+
+#: The one arm the record shows under when its family is held out: Qwen2.5, bf16, seq 1024 x 1,
+#: 0.28 MB short of the 3.0 MB allowance fitted on the other ten families (0.66 MB of Qwen2.5's
+#: resident excess has no term yet). Fewer misses or more, or this one by another amount, fails.
+KNOWN_MISS = {("qwen", "0.73.3", "none", 1024, 1): 0.28}
+
+
+@pytest.mark.parametrize("family", list(dict.fromkeys(a["family"] for a in ARMS)))
+def test_held_out_family_is_never_under_an_allowance_fitted_without_it(family):
+    """For each family: the allowance is fitted on the OTHER families' arms only, then every arm
+    of the held-out family is checked against its measured peak (bench/leave_one_out.py's fit)."""
+    cfgs = LOO.configs()
+    mine = [a for a in ARMS if a["family"] == family]
+    allowance = LOO.fit_allowance([a for a in ARMS if a["family"] != family], cfgs)
+    record = committed_leave_one_out()[family]
+    assert (len(mine), allowance / 1e6) == (record["n"], record["allowance_mb"])
+    under = {}
+    ratios = []
+    for arm in mine:
+        predicted = LOO.predict(arm, cfgs, allowance).corrected_predicted
+        ratios.append(predicted / arm["real_peak"])
+        if predicted < arm["real_peak"]:
+            key = (arm["family"], arm["release"], arm["quant"], arm["seq"], arm["batch"])
+            under[key] = round((arm["real_peak"] - predicted) / 1e6, 2)
+    assert under == {k: v for k, v in KNOWN_MISS.items() if k[0] == family}
+    assert (len(under), max(under.values(), default=0.0)) == (record["under"], record["by_mb"])
+    median = statistics.median(ratios)
+    assert median <= 1.02
+    # Soup's own pre-flight sits further above the peak than this estimate, but on Gemma-2
+    assert statistics.median(a["soup_predicted"] / a["real_peak"] for a in mine) > median \
+        or family == "gemma2-2b"

@@ -17,11 +17,9 @@ import json
 import os
 import shutil
 import signal
-import stat
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -31,9 +29,8 @@ from conftest import SCRIPT, SMOL, cuda, main, table_rows
 from issue395.builder import build_tokenizer, checkpoint_fingerprint, hf_config, safetensors_problem
 from issue395.checkpoints import checkpoint_problem, synthetic_checkpoint
 from issue395.errors import EXIT_OK, EXIT_USAGE
-from issue395.outputs import write_output
 from issue395.record import SHAPES
-from issue395.scratch import SCRATCH_PREFIX, Scratch, process_start
+from issue395.scratch import SCRATCH_PREFIX, Scratch
 
 #: A tiny streamable llama (2 layers, vocab 512): a real --model folder in a fraction of a second.
 TINY = dataclasses.replace(SMOL, key="tiny", name="tiny", n_layers=2, vocab=512, hidden=64,
@@ -84,76 +81,6 @@ def private_cache(tmp_path: Path, smol_built: Path) -> tuple[Path, Path]:
 # ---------------------------------------------------------------------------
 
 
-def test_write_output_through_a_symlink_writes_the_target_and_keeps_the_link(tmp_path):
-    target = tmp_path / "real" / "out.json"
-    target.parent.mkdir()
-    target.write_text("old")
-    link = tmp_path / "link.json"
-    link.symlink_to(target)
-    write_output(str(link), b"new")
-    assert link.is_symlink() and os.readlink(link) == str(target)
-    assert target.read_bytes() == b"new"
-    assert sorted(p.name for p in target.parent.iterdir()) == ["out.json"]  # no temp file
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["link.json", "real"]
-
-
-def test_write_output_through_a_dangling_symlink_creates_the_target(tmp_path):
-    target = tmp_path / "real" / "out.json"
-    target.parent.mkdir()
-    link = tmp_path / "link.json"
-    link.symlink_to(target)
-    write_output(str(link), b"new")
-    assert link.is_symlink() and target.read_bytes() == b"new"
-    assert sorted(p.name for p in target.parent.iterdir()) == ["out.json"]
-
-
-def test_write_output_to_a_fifo_writes_into_it_and_leaves_it_a_fifo(tmp_path):
-    fifo = tmp_path / "pipe"
-    os.mkfifo(fifo)
-    got: list[bytes] = []
-    reader = threading.Thread(target=lambda: got.append(fifo.read_bytes()), daemon=True)
-    reader.start()
-    write_output(str(fifo), b"through the pipe\n")
-    reader.join(timeout=10)
-    assert not reader.is_alive()
-    assert got == [b"through the pipe\n"]
-    assert stat.S_ISFIFO(os.lstat(fifo).st_mode)
-    assert [p.name for p in tmp_path.iterdir()] == ["pipe"]
-
-
-def test_write_output_to_dev_null_leaves_it_a_character_device():
-    before = os.lstat("/dev/null")
-    write_output("/dev/null", b"discarded")
-    after = os.lstat("/dev/null")
-    assert stat.S_ISCHR(after.st_mode)
-    assert (after.st_ino, after.st_rdev) == (before.st_ino, before.st_rdev)
-
-
-def test_write_output_replaces_a_regular_file_and_leaves_no_temp_file(tmp_path):
-    out = tmp_path / "out.json"
-    out.write_text("old content that is longer than the new one")
-    write_output(str(out), b"new")
-    assert out.read_bytes() == b"new"
-    assert [p.name for p in tmp_path.iterdir()] == ["out.json"]
-    write_output(str(tmp_path / "sub" / "fresh.json"), b"made")  # a new file, folder made
-    assert (tmp_path / "sub" / "fresh.json").read_bytes() == b"made"
-    assert [p.name for p in (tmp_path / "sub").iterdir()] == ["fresh.json"]
-
-
-def test_write_output_that_fails_leaves_the_old_content_and_no_temp_file(tmp_path, monkeypatch):
-    out = tmp_path / "out.json"
-    out.write_text("old")
-
-    def full_disk(src, dst):
-        raise OSError(*ENOSPC)
-
-    monkeypatch.setattr(os, "replace", full_disk)
-    with pytest.raises(OSError, match="No space left on device"):
-        write_output(str(out), b"new")
-    assert out.read_text() == "old"
-    assert [p.name for p in tmp_path.iterdir()] == ["out.json"]
-
-
 def test_a_json_output_that_cannot_be_written_exits_2_naming_it_and_where_the_rows_are(
         capfd, cache_dir, tmp_path, monkeypatch, smol_built):
     """The disk fills at the very last write (the final --json): exit 2, one error line that
@@ -189,62 +116,6 @@ def test_a_json_output_that_cannot_be_written_exits_2_naming_it_and_where_the_ro
 # ---------------------------------------------------------------------------
 # A damaged cache is repaired on the next run
 # ---------------------------------------------------------------------------
-
-
-def test_safetensors_problem_detects_truncation_and_a_missing_file(tmp_path):
-    import torch
-    from safetensors.torch import save_file
-
-    path = tmp_path / "w.safetensors"
-    save_file({"a": torch.ones(64, 64, dtype=torch.bfloat16)}, str(path))
-    assert safetensors_problem(path) is None
-    size = path.stat().st_size
-    with open(path, "r+b") as fh:
-        fh.truncate(size - 100)
-    assert "bytes, its header describes" in safetensors_problem(path)
-    with open(path, "r+b") as fh:
-        fh.truncate(4)
-    assert safetensors_problem(path) == "w.safetensors: truncated header"
-    path.write_bytes(b"")
-    assert safetensors_problem(path) == "w.safetensors: truncated header"
-    path.unlink()
-    assert safetensors_problem(path) == "w.safetensors: FileNotFoundError"
-
-
-@pytest.fixture(scope="module")
-def tiny_built(tmp_path_factory):
-    return synthetic_checkpoint(TINY, tmp_path_factory.mktemp("tiny"))[0]
-
-
-@pytest.mark.parametrize("damage, problem", [
-    (lambda d: (d / ".complete").unlink(), "no completion marker"),
-    (lambda d: (d / "config.json").unlink(), "config.json is missing"),
-    (lambda d: (d / "tokenizer.json").unlink(), "tokenizer.json is missing"),
-    (lambda d: (d / "model.safetensors").unlink(), "model.safetensors: FileNotFoundError"),
-    (lambda d: os.truncate(d / "model.safetensors", (d / "model.safetensors").stat().st_size - 10),
-     "bytes, its header describes"),
-    (lambda d: (d / ".complete").write_text(json.dumps(dict(
-        json.loads((d / ".complete").read_text()), file_bytes=1))),
-     "tensors differ from the shape it was built for"),
-], ids=["marker", "config", "tokenizer", "weights-deleted", "weights-truncated", "manifest"])
-def test_checkpoint_problem_names_each_kind_of_damage(tmp_path, tiny_built, damage, problem):
-    dest = tmp_path / tiny_built.name
-    shutil.copytree(tiny_built, dest)
-    assert checkpoint_problem(dest) is None
-    damage(dest)
-    assert problem in checkpoint_problem(dest)
-
-
-def test_a_checkpoint_deleted_behind_its_marker_is_rebuilt_with_a_note(tmp_path, tiny_built, capsys):
-    dest = tmp_path / tiny_built.name
-    shutil.copytree(tiny_built, dest)
-    (dest / "model.safetensors").unlink()
-    path, build_s = synthetic_checkpoint(TINY, tmp_path)
-    assert path == dest and build_s > 0.0
-    assert checkpoint_problem(dest) is None
-    err = capsys.readouterr().err
-    assert f"note: cached checkpoint {dest} is damaged (model.safetensors: FileNotFoundError)" in err
-    assert [p.name for p in tmp_path.iterdir()] == [dest.name]  # no partial build left
 
 
 @pytest.mark.slow
@@ -373,39 +244,6 @@ def _dead_pid() -> int:
     proc = subprocess.Popen([sys.executable, "-c", "pass"])
     proc.wait()
     return proc.pid
-
-
-def test_scratch_left_by_a_dead_run_is_reaped_and_a_live_ones_kept(tmp_path, monkeypatch):
-    tmp = tmp_path / "tmp"
-    tmp.mkdir()
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp))
-    me, dead = os.getpid(), _dead_pid()
-
-    def scratch(name: str, owner: str) -> Path:
-        folder = tmp / f"{SCRATCH_PREFIX}{name}"
-        (folder / "arms" / "000").mkdir(parents=True)
-        (folder / "arms" / "000" / "train.jsonl").write_text("{}\n")
-        (folder / "owner").write_text(owner)
-        return folder
-
-    dead_one = scratch(f"{dead}-x", f"{dead} 12345\n")
-    live_one = scratch(f"{me}-y", f"{me} {process_start(me)}\n")
-    reused_pid = scratch(f"{me}-z", f"{me} 1\n")  # the pid lives on, but in another process
-    being_made = scratch(f"{me}-w", "")  # its owner file not yet written: not judged
-    foreign = scratch("not-a-pid", "")
-    outside = tmp_path / "outside"
-    outside.mkdir()
-    (outside / "keep.txt").write_text("mine")
-    link = tmp / f"{SCRATCH_PREFIX}{dead}-link"
-    link.symlink_to(outside, target_is_directory=True)
-
-    with Scratch() as s:
-        assert s.root.parent == tmp and s.root.name.startswith(f"{SCRATCH_PREFIX}{me}-")
-        assert not dead_one.exists() and not reused_pid.exists()
-        assert live_one.exists() and being_made.exists() and foreign.exists()
-        assert link.is_symlink() and (outside / "keep.txt").read_text() == "mine"
-    assert not s.root.exists()
-    assert {p.name for p in tmp.iterdir()} == {live_one.name, being_made.name, foreign.name, link.name}
 
 
 def test_a_sigkilled_run_leaves_scratch_that_the_next_run_removes(tmp_path, monkeypatch):

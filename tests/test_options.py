@@ -69,3 +69,9 @@ def test_auto_on_a_model_type_peft_has_no_default_for_is_one_line(capfd):
                    "--targets auto", "'phi3'", "peft")
     one_error_line(*main(capfd, ["--estimate", "--model", "phi-2", "--seq", "512", "--targets", "auto,fc1"]),
                    "stand alone")
+
+def test_steps_reaches_the_sweep_and_the_map():
+    from issue395.options import build_parser, settle
+
+    for argv in (["--dry-run", "--steps", "3"], ["--dry-run", "--map", "--steps", "3"]):
+        assert settle(build_parser().parse_args(argv), argv).steps == 3, argv

@@ -46,6 +46,9 @@ import os  # noqa: E402
 
 import pytest  # noqa: E402
 from conftest import main, one_error_line  # noqa: E402
+import stat
+import threading
+from issue395.outputs import write_output
 
 SAVED = ISSUE16 / "map-512-1024.json"
 
@@ -76,3 +79,76 @@ def test_a_read_only_output_is_refused_not_replaced(capfd, tmp_path):
     path.chmod(0o444)  # no write bit for anyone: refused even when the tests run as root
     one_error_line(*main(capfd, ["--from-json", SAVED, "--json", path]), "read-only")
     assert path.read_text() == "mine\n"
+
+
+ENOSPC = (28, "No space left on device")
+
+
+def test_write_output_through_a_symlink_writes_the_target_and_keeps_the_link(tmp_path):
+    target = tmp_path / "real" / "out.json"
+    target.parent.mkdir()
+    target.write_text("old")
+    link = tmp_path / "link.json"
+    link.symlink_to(target)
+    write_output(str(link), b"new")
+    assert link.is_symlink() and os.readlink(link) == str(target)
+    assert target.read_bytes() == b"new"
+    assert sorted(p.name for p in target.parent.iterdir()) == ["out.json"]  # no temp file
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link.json", "real"]
+
+
+def test_write_output_through_a_dangling_symlink_creates_the_target(tmp_path):
+    target = tmp_path / "real" / "out.json"
+    target.parent.mkdir()
+    link = tmp_path / "link.json"
+    link.symlink_to(target)
+    write_output(str(link), b"new")
+    assert link.is_symlink() and target.read_bytes() == b"new"
+    assert sorted(p.name for p in target.parent.iterdir()) == ["out.json"]
+
+
+def test_write_output_to_a_fifo_writes_into_it_and_leaves_it_a_fifo(tmp_path):
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    got: list[bytes] = []
+    reader = threading.Thread(target=lambda: got.append(fifo.read_bytes()), daemon=True)
+    reader.start()
+    write_output(str(fifo), b"through the pipe\n")
+    reader.join(timeout=10)
+    assert not reader.is_alive()
+    assert got == [b"through the pipe\n"]
+    assert stat.S_ISFIFO(os.lstat(fifo).st_mode)
+    assert [p.name for p in tmp_path.iterdir()] == ["pipe"]
+
+
+def test_write_output_to_dev_null_leaves_it_a_character_device():
+    before = os.lstat("/dev/null")
+    write_output("/dev/null", b"discarded")
+    after = os.lstat("/dev/null")
+    assert stat.S_ISCHR(after.st_mode)
+    assert (after.st_ino, after.st_rdev) == (before.st_ino, before.st_rdev)
+
+
+def test_write_output_replaces_a_regular_file_and_leaves_no_temp_file(tmp_path):
+    out = tmp_path / "out.json"
+    out.write_text("old content that is longer than the new one")
+    write_output(str(out), b"new")
+    assert out.read_bytes() == b"new"
+    assert [p.name for p in tmp_path.iterdir()] == ["out.json"]
+    write_output(str(tmp_path / "sub" / "fresh.json"), b"made")  # a new file, folder made
+    assert (tmp_path / "sub" / "fresh.json").read_bytes() == b"made"
+    assert [p.name for p in (tmp_path / "sub").iterdir()] == ["fresh.json"]
+
+
+def test_write_output_that_fails_leaves_the_old_content_and_no_temp_file(tmp_path, monkeypatch):
+    out = tmp_path / "out.json"
+    out.write_text("old")
+
+    def full_disk(src, dst):
+        raise OSError(*ENOSPC)
+
+    monkeypatch.setattr(os, "replace", full_disk)
+    with pytest.raises(OSError, match="No space left on device"):
+        write_output(str(out), b"new")
+    assert out.read_text() == "old"
+    assert [p.name for p in tmp_path.iterdir()] == ["out.json"]

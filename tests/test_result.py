@@ -6,6 +6,8 @@ import json
 
 import pytest
 from conftest import ROOT, main, one_error_line
+from conftest import make_row
+from issue395.result import Result, merge
 
 SAVED = ROOT / "results" / "cap-proof-and-seq512-1024-map-h200x2-soup0.73.3-b5bee37" / "map-512-1024.json"
 
@@ -40,3 +42,12 @@ def test_an_estimate_json_is_named_for_what_it_is(capfd, tmp_path):
     est = tmp_path / "est.json"
     assert main(capfd, ["--estimate", "--model", "smol", "--seq", "512", "--json", est])[0] == 0
     one_error_line(*main(capfd, ["--from-json", est]), "--estimate result", "measured results")
+
+
+def test_merged_map_shards_keep_each_familys_thinnest_margin_as_the_live_run_does():
+    margin = dict(model="m", model_key="smol", quant="none", seq=2048, batch=1, ratio=1.2, terms=[],
+                  complete=True, note=None)
+    parts = [Result(environment={"torch": "t"}, kind="map", margins=[dict(margin, ratio=r)],
+                      rows=[make_row(index=i, real_peak=10**9, seq=2048 + 1024 * i)])
+             for i, r in enumerate((1.2, 1.1))]
+    assert [m["ratio"] for m in merge(parts).margins] == [1.1]

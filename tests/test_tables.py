@@ -8,6 +8,10 @@ from conftest import ROOT
 
 from issue395.result import Result
 from issue395.tables import verdict_line
+from conftest import SMOL, make_row
+from issue395.record import Arm
+from issue395.row import arm_row
+from issue395.tables import compare_table, sweep_table
 
 ISSUE16 = ROOT / "results" / "cap-proof-and-seq512-1024-map-h200x2-soup0.73.3-b5bee37"
 
@@ -22,3 +26,22 @@ def test_the_cap_soup_verdict_names_the_ooms_at_soups_number_as_under_prediction
 def test_a_verdict_without_ooms_at_soups_cap_is_unchanged():
     saved = Result.from_json(json.loads((ISSUE16 / "cap-needs-free.json").read_text()))
     assert verdict_line(saved.rows).startswith("verdict: Soup UNDER-predicts 3 of 12 measured row(s); the contract")
+
+
+def test_a_sweep_row_under_by_soups_own_number_says_so_beside_its_ratio():
+    peak = 1_500_000_000
+    row = make_row(real_peak=peak, soup_predicted=peak - 1)
+    text = sweep_table([row])
+    assert "UNDER by Soup's own pre-flight" in text and row.status == "UNDER"
+
+
+def test_compare_matches_the_same_quantization_only():
+    bf16 = make_row(real_peak=10**9)
+    nf4 = arm_row(Arm("smol", 2048, 1, 0, "nf4"), SMOL, realised_width=2048, realised_rows=(2048,),
+                    real_peak=9 * 10**8)
+    a = Result(environment={"arms": "a", "date": "d"}, rows=[bf16, nf4])
+    text = compare_table(a, a)
+    assert "2 of 2 shared arm(s) equal to the byte" in text
+    lines = [line.split() for line in text.splitlines() if line.split()[:1] == ["SmolLM2-135M"]]
+    assert [cells[1] for cells in lines] == ["none", "nf4"], "two arms of one seq, told apart"
+    assert "quant" not in compare_table(*[Result(environment={}, rows=[bf16])] * 2)
