@@ -15,9 +15,10 @@ from __future__ import annotations
 from typing import Callable
 
 from . import estimate as E
+from .arch import arch_from_config
 from .constants import CUBLAS_WORKSPACE, CUBLAS_WORKSPACE_AMPERE, block_bytes
 from .record import SHAPES
-from .registry import FAMILIES, config_json
+from .registry import FAMILIES, config_json, stream_mode
 
 
 DEQUANTISED = "dequantised layer weights"
@@ -62,7 +63,7 @@ def _fp32_inputs(a: E.Arch, quant: str) -> bool:
 
 def class_sizes(config: dict, *, quant: str, seq: int, batch: int) -> dict:
     """class -> the set of block sizes (bytes) that name it, before tie-breaks."""
-    a = E.arch_of(config)
+    a = arch_from_config(config)  # the physics of the saved row, whatever Soup is installed
     T, elements = seq * batch, seq * batch * a.V
     out = {c: set() for c in CLASSES}
     if quant == "nf4":
@@ -88,7 +89,7 @@ def physical_classifier(config: dict, *, quant: str, seq: int, batch: int, targe
     and ``lora_r`` are checked against the model (as issue395.estimate does) but name no class:
     LoRA's own blocks are far below a layer weight and fall in 'the rest'."""
     E.estimate(config, quant=quant, seq=seq, batch=batch, targets=targets, lora_r=lora_r,
-               release=E.RELEASES[0])  # the same input checks, one-line UsageErrors
+               release=E.RELEASES[0], soup=False)  # the same input checks, one-line UsageErrors
     sizes = class_sizes(config, quant=quant, seq=seq, batch=batch)
     table: dict = {}
     for cls in CLASSES:  # earlier classes win a shared size
@@ -140,7 +141,7 @@ def class_breakdown(classes: dict, est, *, seq: int, batch: int, config: dict) -
     unknown = set(classes) - set(CLASSES)
     if unknown:
         raise E.UsageError(f"unknown class(es): {', '.join(sorted(unknown))}")
-    a = E.arch_of(config)
+    a = arch_from_config(config)  # the physics of the saved row, whatever Soup is installed
     T, elements = seq * batch, seq * batch * a.V
     softcap = E.SOFTCAP_EXTRA_BYTES * elements if a.softcap else 0
     logits = _charged(est, "logits")
@@ -192,9 +193,10 @@ def margin_anatomy(margins: list[dict], release: str | None = None) -> str:
         if not m.get("physical"):
             continue
         try:
-            config = config_json(m["model_key"])
+            family, stream = stream_mode(m["model_key"])
+            config = config_json(family)
             est = E.estimate(config, quant=m["quant"], seq=m["seq"], batch=m["batch"],
-                             release=release if release in E.RELEASES else None)
+                             release=release if release in E.RELEASES else None, stream=stream, soup=False)
         except (E.UsageError, KeyError):  # a release or model this estimator does not know: none
             continue
         classes = dict(m["physical"])

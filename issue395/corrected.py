@@ -21,7 +21,7 @@ def _corrected(key: str, quant: str, seq: int, batch: int, targets: tuple, relea
     try:
         return estimate(config_json(family), quant=quant, seq=seq, batch=batch, targets=targets or None,
                         steps=steps, release=release if release in RELEASES else None,
-                        stream=stream).corrected_predicted
+                        stream=stream, soup=False).corrected_predicted
     except UsageError:
         return None
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .arch import Arch, protocol_targets
+from .arch import Arch, arch_from_config, protocol_targets
 from .moe import Kind, expert_in_flight
 from .constants import (CONFIG_LIMITS, CUBLAS_WORKSPACE, K_MIN_LARGE_ALLOC, K_ROUND_LARGE,  # noqa: F401
                         K_MIN_BLOCK_SIZE, K_SMALL_SIZE, MiB, block_bytes)
@@ -269,14 +269,16 @@ def _whole(name: str, v, low: int = 1) -> int:
 def estimate(config: dict, *, quant: str = "none", seq: int, batch: int = 1, targets=None,
              lora_r: int = 8, steps: int = 1, release: str | None = None,
              allowance: int | None = None, workspace: int | None = None,
-             stream: dict | None = None) -> Estimate:
+             stream: dict | None = None, soup: bool = True) -> Estimate:
     """Soup's own pre-flight and the corrected peak for one (seq, batch). ``targets=None`` is the
     protocol's (q_proj, v_proj), or qkv_proj on Phi-3. ``allowance`` overrides the fitted
     ALLOCATED_ALLOWANCE_BYTES (the leave-one-family-out fit passes its own); ``workspace`` is a
     card's cuBLAS workspace per handle, charged only where it is larger than CUBLAS_WORKSPACE.
     ``stream``: soup-cli 0.77.0's training keys (stream_expert_layout, stream_loss_chunk,
-    stream_recompute); any other is refused in one line, never estimated as if absent."""
-    a = arch_of(config)
+    stream_recompute); any other is refused in one line, never estimated as if absent. ``soup=False``:
+    the physics alone, with no Soup number beside it (a saved row re-rendered where the installed
+    Soup is another release: its own number is the one the row captured)."""
+    a = arch_of(config) if soup else arch_from_config(config)
     if quant not in QUANTS:
         raise UsageError(f"quant {quant!r} is not one Soup streams ({', '.join(QUANTS)})")
     seq, batch = _whole("seq", seq), _whole("batch", batch)
@@ -295,8 +297,9 @@ def estimate(config: dict, *, quant: str = "none", seq: int, batch: int = 1, tar
     unknown = sorted(set(stream) - {"stream_expert_layout", "stream_loss_chunk", "stream_recompute"})
     if unknown:
         raise UsageError(f"training.{unknown[0]} is not modelled by this estimator")
-    soup, soup_terms = soup_preflight_from_config(config, quant=quant, seq=seq, batch=batch, targets=targets,
-                                                  lora_r=lora_r, release=release, stream=stream)
+    soup_number, soup_terms = soup_preflight_from_config(
+        config, quant=quant, seq=seq, batch=batch, targets=targets, lora_r=lora_r, release=release,
+        stream=stream) if soup else (None, {})
     per_expert = stream.get("stream_expert_layout") == "per_expert"
     chunk, recompute = stream.get("stream_loss_chunk"), stream.get("stream_recompute", "on")
     if recompute not in ("on", "off"):
@@ -340,7 +343,7 @@ def estimate(config: dict, *, quant: str = "none", seq: int, batch: int = 1, tar
         steady = t["adam_moments"] + (ws if loss >= layer else 0)
     t["allocated_allowance"] = ALLOCATED_ALLOWANCE_BYTES if allowance is None else allowance
     corrected = resident + max(loss, layer) + steady + t["allocated_allowance"]
-    return Estimate(seq, batch, quant, steps, release, soup, soup_terms, corrected,
+    return Estimate(seq, batch, quant, steps, release, soup_number, soup_terms, corrected,
                     needs_free(corrected), "loss" if loss >= layer else "layer", t)
 
 
