@@ -107,6 +107,61 @@ def main() -> None:
         details += lines + [""]
     print("\n## Each arm\n")
     print("\n".join(details))
+    soup077()
+
+
+#: soup-cli 0.77.0's new families and streaming modes, measured on one H200 (three passes and the
+#: out-of-sample arms), and the cap proofs of their UNDER arms.
+NEW_RUNS = sorted(str(p.relative_to(ROOT)) for d in ("moe-and-stream-modes-h200-soup0.77.0-fcde6d3",
+                                                       "depth-and-cap-proof-h200-soup0.77.0-6f45ab3",
+                                                       "deepseek-fla-map512-h200-soup0.77.0-6a3069a",
+                                                       "out-of-sample-and-fit-proof-h200-soup0.77.0-95d9ed3")
+                  for p in (ROOT / "results" / d).glob("*.json") if not p.name.startswith("estimate-"))
+#: What each streaming mode or family adds that Soup's formula has no term for (the corrected terms).
+NEW_TERMS = {"retained_activations": "stream_recompute off: every layer keeps its activations, L x T x what a "
+                                     "layer saves per token; Soup's docstring says its formula does not count them",
+             "chunked_loss": "stream_loss_chunk: a backward's cuBLAS workspace inside the loss (32 MiB) and Soup's "
+                             "two [batch, seq, hidden] tensors; and the chunk's logits at 14 B (3 fp32 + its bf16 "
+                             "logits) that Soup charges",
+             "dequantised_layer": FORMULAS["dequantised_layer"], "layer_per_token": FORMULAS["layer_per_token"],
+             "autograd_workspace": FORMULAS["autograd_workspace"],
+             "expert_in_flight": "per_expert: one routed expert's packed copy and bf16 weights, twice (Soup charges it)"}
+
+
+def soup077() -> None:
+    from issue395.registry import stream_mode
+
+    runs = [(p, load(p)) for p in NEW_RUNS]
+    caps = cap_evidence([res for p, res in runs if "cap-soup" in p])
+    measured = [(res, r) for p, res in runs if "cap-soup" not in p for r in res.rows if r.measured]
+    seen, under = set(), []
+    for res, r in measured:
+        key = (r.model_key, r.quant, r.seq, r.batch)
+        if key not in seen and r.soup_predicted and r.soup_predicted < r.real_peak:
+            seen.add(key)
+            under.append((res, r))
+    print("## soup-cli 0.77.0: its new families and streaming modes\n")
+    print("Rendered from " + ", ".join(f"`{p}`" for p in NEW_RUNS) + ". Families at full width, reduced "
+          "depth (the row names the depth); every arm's Soup number is its setup's own.\n")
+    print(f"{len(under)} of {len({(r.model_key, r.quant, r.seq, r.batch) for _, r in measured})} distinct measured "
+          "arms are under Soup's own number: the contract fails there.\n")
+    print("| arm | Soup's own GB | corrected GB | real peak GB | Soup/real | short by MB | phase | cap evidence |")
+    print("|---|---:|---:|---:|---:|---:|---|---|")
+    lines = []
+    for res, r in under:
+        family, stream = stream_mode(r.model_key)
+        e = estimate(config_json(family), quant=r.quant, seq=r.seq, batch=r.batch, targets=r.targets,
+                     release="0.77.0", stream=stream, soup=False)  # its Soup number is the row's
+        key = (r.model_key, r.quant, r.seq, r.batch)
+        arm = f"{r.model} {r.quant} {r.seq}x{r.batch}"
+        print(f"| {arm} | {gb(r.soup_predicted)} | {gb(e.corrected_predicted)} | {gb(r.real_peak)} | "
+              f"{r.soup_predicted / r.real_peak:.3f}x | {(r.real_peak - r.soup_predicted) / 1e6:.1f} | {e.phase} | "
+              + ("; ".join(caps.get(key, [])) or "not capped") + " |")
+        terms = [t for t in NEW_TERMS if e.terms.get(t) and (t in ("retained_activations", "chunked_loss") or
+                                                              e.phase == "layer")]
+        lines += [f"### {arm}", ""] + [f"- `{t}` = {e.terms[t] / 1e6:,.1f} MB: {NEW_TERMS[t]}." for t in terms]
+        lines += [f"- Cap evidence: " + ("; ".join(caps.get(key, [])) or "not capped in this session") + ".", ""]
+    print("\n" + "\n".join(lines))
 
 
 if __name__ == "__main__":
