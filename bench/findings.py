@@ -160,7 +160,7 @@ def soup077() -> None:
         terms = [t for t in NEW_TERMS if e.terms.get(t) and (t in ("retained_activations", "chunked_loss") or
                                                               e.phase == "layer")]
         lines += [f"### {arm}", ""] + [f"- `{t}` = {e.terms[t] / 1e6:,.1f} MB: {NEW_TERMS[t]}." for t in terms]
-        lines += [f"- Cap evidence: " + ("; ".join(caps.get(key, [])) or "not capped in this session") + ".", ""]
+        lines += ["- Cap evidence: " + ("; ".join(caps.get(key, [])) or "not capped in this session") + ".", ""]
     print("\n" + "\n".join(lines))
 
 

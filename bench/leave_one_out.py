@@ -18,8 +18,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from issue395.estimate import estimate  # noqa: E402
+from issue395.registry import MAP_FAMILIES, config_json  # noqa: E402
 
-CONFIGS = ROOT / "tests" / "data" / "family-configs.json"
 #: The committed results whose rows carry Soup's captured kwargs (results/README.md): the maps
 #: and the sweeps measured after the workspace teardown fix.
 RESULT_FILES = (
@@ -39,7 +39,8 @@ RESULT_FILES = (
 
 
 def configs() -> dict:
-    return json.loads(CONFIGS.read_text(encoding="utf-8"))
+    """Every dense family's public config, from the one registry (issue395/registry.py)."""
+    return {k: config_json(k) for k in MAP_FAMILIES + ("llama31-8b",)}
 
 
 def load_arms(root: Path = ROOT / "results") -> list[dict]:

@@ -1,6 +1,6 @@
 """issue395.anatomy: naming the blocks live at a step's peak by physical class, from their sizes,
 and setting each class against the estimator term meant to charge it. Synthetic block lists
-built from the real family configs (tests/data/family-configs.json); CPU only, no torch."""
+built from the real family configs (the registry, issue395/registry.py); CPU only, no torch."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from issue395.registry import config_json
 from issue395 import anatomy as A  # noqa: E402
 from issue395 import estimate as E  # noqa: E402
 from issue395.errors import UsageError  # noqa: E402
@@ -20,7 +21,7 @@ MiB = 2**20
 
 
 def cfg(key: str) -> dict:
-    return dict(json.loads((ROOT / "tests" / "data" / "family-configs.json").read_text())[key])
+    return config_json(key)
 
 
 def mistral_nf4_512_blocks() -> list[int]:

@@ -4,7 +4,6 @@ input checks, cards and longest seq. CPU only, no torch in the estimate path."""
 from __future__ import annotations
 
 import importlib.util
-import json
 import statistics
 import subprocess
 import sys
@@ -16,6 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from issue395 import estimate as E  # noqa: E402
 from issue395 import fits as F  # noqa: E402
+from issue395 import registry  # noqa: E402
 from issue395.errors import UsageError  # noqa: E402
 
 _spec = importlib.util.spec_from_file_location("leave_one_out", ROOT / "bench" / "leave_one_out.py")
@@ -23,13 +23,12 @@ LOO = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(LOO)
 ARMS = LOO.load_arms()
 MiB_ = 2**20
-FAMILY_KEYS = ("smol", "qwen", "llama32-1b", "qwen3-0.6b", "mistral-7b", "gemma-2b", "gemma2-2b",
-               "gemma3-1b", "phi-2", "phi3-mini", "llama31-8b")
+FAMILY_KEYS = registry.MAP_FAMILIES + ("llama31-8b",)  # the dense families the estimator was built on
 
 
 def config_json(key: str) -> dict:
-    """One family's public config.json fields (tests/data/family-configs.json)."""
-    return dict(json.loads((ROOT / "tests" / "data" / "family-configs.json").read_text())[key])
+    """One family's public config.json fields, from the one registry (issue395/registry.py)."""
+    return registry.config_json(key)
 
 
 def test_fixture_has_every_family_with_its_model_type():
@@ -85,16 +84,6 @@ def test_allocator_constants_match_the_installed_torch_headers():
     for name, value in (("kMinBlockSize", E.K_MIN_BLOCK_SIZE), ("kSmallSize", E.K_SMALL_SIZE),
                         ("kMinLargeAlloc", E.K_MIN_LARGE_ALLOC), ("kRoundLarge", E.K_ROUND_LARGE)):
         assert f"constexpr size_t {name} = {value};" in text
-
-
-@pytest.mark.parametrize("key", FAMILY_KEYS)
-def test_shapes_config_json_is_the_fixture(key):
-    from issue395 import registry
-    got, want = registry.config_json(key), config_json(key)
-    if key == "smol":  # the fixture spells out head_dim 64, which 576 / 9 heads implies
-        assert want.pop("head_dim") == 64 == got["hidden_size"] // got["num_attention_heads"]
-        got.pop("head_dim", None)
-    assert got == want
 
 
 def test_committed_leave_one_out_file_is_what_the_script_prints_now():
@@ -155,10 +144,10 @@ def test_to_json_and_needs_free():
 
 def test_no_torch_import_and_fast():
     code = ("import sys,time,json; sys.path.insert(0, %r); from issue395 import estimate as E;"
-            "c=json.load(open(%r))['mistral-7b']; t=time.time();"
+            "from issue395.registry import config_json; c=config_json('mistral-7b'); t=time.time();"
             "E.estimate(c, quant='nf4', seq=512); dt=time.time()-t;"
             "print('torch' in sys.modules, 'soup_cli' in sys.modules, 'transformers' in sys.modules, dt < 1)"
-            % (str(ROOT), str(ROOT / "tests" / "data" / "family-configs.json")))
+            % (str(ROOT),))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["False", "False", "False", "True"]
 
@@ -235,7 +224,7 @@ def test_the_estimator_and_the_measured_path_refuse_the_same_configs(name, bound
     from issue395.shapes import size_problem
 
     assert size_problem(name, bound) is None and size_problem(name, bound + 1)
-    config = dict(config_json("smol"))
+    config = dict(config_json("smol"), head_dim=64)  # a bound on one size, the head held still
     E.arch_of({**config, name: bound})
     with pytest.raises(UsageError, match=name):
         E.arch_of({**config, name: bound + 1})
