@@ -35,6 +35,10 @@ FORMULAS = {
 }
 
 
+TABLE_HEAD = ("| arm | Soup's own GB | corrected GB | real peak GB | Soup/real | short by MB | phase | cap evidence |\n"
+              "|---|---:|---:|---:|---:|---:|---|---|")
+
+
 def gb(n: int | None) -> str:
     return "-" if n is None else f"{n / 1e9:.4f}"
 
@@ -68,8 +72,7 @@ def main() -> None:
              if r.measured and r.soup_predicted and r.soup_predicted < r.real_peak]
     print(f"{len(under)} of {sum(r.measured for res in maps for r in res.rows)} measured map arms are "
           "under Soup's own number.\n")
-    print("| arm | Soup's own GB | corrected GB | real peak GB | Soup/real | short by MB | phase | cap evidence |")
-    print("|---|---:|---:|---:|---:|---:|---|---|")
+    print(TABLE_HEAD)
     details = []
     for res, r in under:
         e = estimate(config_json(r.model_key), quant=r.quant, seq=r.seq, batch=r.batch, targets=r.targets,
@@ -145,8 +148,7 @@ def soup077() -> None:
           "depth (the row names the depth); every arm's Soup number is its setup's own.\n")
     print(f"{len(under)} of {len({(r.model_key, r.quant, r.seq, r.batch) for _, r in measured})} distinct measured "
           "arms are under Soup's own number: the contract fails there.\n")
-    print("| arm | Soup's own GB | corrected GB | real peak GB | Soup/real | short by MB | phase | cap evidence |")
-    print("|---|---:|---:|---:|---:|---:|---|---|")
+    print(TABLE_HEAD)
     lines = []
     for res, r in under:
         family, stream = stream_mode(r.model_key)

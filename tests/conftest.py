@@ -167,3 +167,10 @@ def short_chat_rows(short_seqs):
 
 cuda = pytest.mark.skipif(not __import__("torch").cuda.is_available(),
                           reason="needs a CUDA GPU (runs on the GPU box)")
+
+
+def dead_pid() -> int:
+    """A process id that was real and is gone: what a killed run leaves in its scratch's name."""
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import SCRIPT, SMOL, cuda, main, table_rows
+from conftest import SCRIPT, SMOL, cuda, main, table_rows, dead_pid
 
 from issue395.builder import build_tokenizer, checkpoint_fingerprint, hf_config, safetensors_problem
 from issue395.checkpoints import checkpoint_problem, synthetic_checkpoint
@@ -168,7 +168,7 @@ def test_a_half_built_checkpoint_left_by_a_killed_run_is_removed_by_the_next_run
     qwen = f"qwen-{checkpoint_fingerprint(SHAPES['qwen'])}"
     live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
     try:
-        dead_partial = dest.parent / f".{qwen}.partial-{_dead_pid()}"
+        dead_partial = dest.parent / f".{qwen}.partial-{dead_pid()}"
         live_partial = dest.parent / f".{qwen}.partial-{live.pid}"
         for partial in (dead_partial, live_partial):
             partial.mkdir()
@@ -238,12 +238,6 @@ def test_a_bad_model_folder_exits_2_in_one_line_and_leaves_nothing(capfd, tmp_pa
 # ---------------------------------------------------------------------------
 # A killed run's scratch is reaped by the next run; a running run's is not touched
 # ---------------------------------------------------------------------------
-
-
-def _dead_pid() -> int:
-    proc = subprocess.Popen([sys.executable, "-c", "pass"])
-    proc.wait()
-    return proc.pid
 
 
 def test_a_sigkilled_run_leaves_scratch_that_the_next_run_removes(tmp_path, monkeypatch):

@@ -2,24 +2,17 @@
 
 from __future__ import annotations
 import os
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
+from conftest import dead_pid
 from issue395.scratch import SCRATCH_PREFIX, Scratch, process_start
-
-
-def _dead_pid() -> int:
-    proc = subprocess.Popen([sys.executable, "-c", "pass"])
-    proc.wait()
-    return proc.pid
 
 
 def test_scratch_left_by_a_dead_run_is_reaped_and_a_live_ones_kept(tmp_path, monkeypatch):
     tmp = tmp_path / "tmp"
     tmp.mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(tmp))
-    me, dead = os.getpid(), _dead_pid()
+    me, dead = os.getpid(), dead_pid()
 
     def scratch(name: str, owner: str) -> Path:
         folder = tmp / f"{SCRATCH_PREFIX}{name}"
