@@ -107,10 +107,11 @@ def classifier_for(key: str, *, quant: str, seq: int, batch: int, targets=None) 
     """``physical_classifier`` for an arm of one of the record's two models or the map's families
     (the models with a public config here; not --model), or None. It never raises: an attribution
     must never cost the measurement it attributes (e.g. a Soup release this tool cannot read)."""
-    if key not in SHAPES and key not in FAMILIES:
+    family = key.split("+")[0]  # a streaming mode's blocks are its family's kinds
+    if family not in SHAPES and family not in FAMILIES:
         return None
     try:
-        return physical_classifier(config_json(key), quant=quant, seq=seq, batch=batch, targets=targets)
+        return physical_classifier(config_json(family), quant=quant, seq=seq, batch=batch, targets=targets)
     except Exception:  # noqa: BLE001
         return None
 

@@ -187,13 +187,21 @@ def moe_arch(config: dict, mt: str) -> Arch:
             raise UsageError(f"config {name} is {v!r}; it must be a whole number from 1 to {CONFIG_LIMITS[name]}")
     _check_values(config)
     for name, v in config.items():
-        if name in d and name not in ("layer_types",) and v is not None and (
-                isinstance(v, bool) != isinstance(d[name], bool) or (not isinstance(v, bool) and (
-                    not isinstance(v, (int, float)) or v < 0))):
-            raise UsageError(f"config {name} is {v!r}; it must be a {'flag' if isinstance(d[name], bool) else 'number'}")
+        if name not in d or name == "layer_types" or v is None:
+            continue
+        kind = bool if isinstance(d[name], bool) else float if isinstance(d[name], float) else int
+        ok = isinstance(v, bool) if kind is bool else (not isinstance(v, bool) and isinstance(v, (int, float) if
+                                                                                            kind is float else int)
+                                                       and v >= 0)
+        if not ok:
+            raise UsageError(f"config {name} is {v!r}; it must be "
+                             + ("true or false" if kind is bool else "a number >= 0" if kind is float
+                                else "a whole number >= 0"))
     h, L, V, nh = (config[n] for n in ("hidden_size", "num_hidden_layers", "vocab_size", "num_attention_heads"))
     g = lambda n: config[n] if config.get(n) is not None else d.get(n)  # noqa: E731
     kv, tied, max_pos = g("num_key_value_heads") or nh, g("tie_word_embeddings"), g("max_position_embeddings")
+    if nh % kv:
+        raise UsageError(f"config num_key_value_heads is {kv!r}; it must divide num_attention_heads {nh}")
     if TRAITS[mt] == "mla":
         i = config.get("intermediate_size") or 18432
         layers = deepseek_v3(config, h, i, L, nh)
@@ -201,7 +209,7 @@ def moe_arch(config: dict, mt: str) -> Arch:
         kv = nh  # the latent expands to every head's key and value
     else:
         hd = g("head_dim")
-        i = config.get("intermediate_size") or 0
+        i = config.get("intermediate_size") or (d.get("intermediate_size") or 0)
         layers = qwen3_5(config, h, i, L, nh, kv, hd, moe=TRAITS[mt] == "hybrid-moe")
         rd = int(hd * float(g("partial_rotary_factor")))
         if not i:  # Soup's activation width for a MoE config without a dense one
@@ -216,6 +224,8 @@ def arch_from_config(config: dict) -> Arch:
     if not isinstance(config, dict):
         raise UsageError(f"config must be a config.json dict, not {type(config).__name__}")
     mt = config.get("model_type")
+    if mt in TEXT_DECODER and isinstance(config.get("text_config"), dict):  # a hub wrapper: its decoder
+        config = dict(config["text_config"])
     mt = TEXT_DECODER.get(mt, mt)
     if TRAITS.get(mt) in ("mla", "hybrid", "hybrid-moe"):
         return moe_arch(dict(config, model_type=mt), mt)

@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Optional
 
 from .estimate import estimate
-from .registry import config_json
+from .registry import config_json, stream_mode
 
 
 def cap_bytes(cap: str, key: str, *, quant: str, seq: int, batch: int, targets: tuple, steps: int = 1,
@@ -19,8 +19,9 @@ def cap_bytes(cap: str, key: str, *, quant: str, seq: int, batch: int, targets: 
         return None
     if cap.startswith("bytes:"):  # --min-free's probes: a number, not a prediction
         return int(cap.partition(":")[2])
-    e = estimate(config if config is not None else config_json(key), quant=quant, seq=seq, batch=batch, targets=targets, steps=steps,
-                 release=release)
+    family, stream = stream_mode(key)  # a streaming mode is capped at its own estimate
+    e = estimate(config if config is not None else config_json(family), quant=quant, seq=seq, batch=batch,
+                 targets=targets, steps=steps, release=release, stream=stream)
     return {"soup": e.soup_predicted, "corrected": e.corrected_predicted, "needs-free": e.needs_free}[cap]
 
 

@@ -9,6 +9,7 @@ import functools
 from typing import Optional
 
 from .errors import UsageError
+from .releases import nearest_release
 from .estimate import RELEASES, estimate
 from .registry import config_json, known, stream_mode
 from .row import Row
@@ -20,7 +21,7 @@ def _corrected(key: str, quant: str, seq: int, batch: int, targets: tuple, relea
     family, stream = stream_mode(key)  # a streaming mode is estimated under that mode, never without
     try:
         return estimate(config_json(family), quant=quant, seq=seq, batch=batch, targets=targets or None,
-                        steps=steps, release=release if release in RELEASES else None,
+                        steps=steps, release=nearest_release(release, RELEASES) if release else None,
                         stream=stream, soup=False).corrected_predicted
     except UsageError:
         return None

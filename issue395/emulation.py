@@ -34,7 +34,7 @@ def arm_config(model_key: str, base: Optional[str]) -> Optional[dict]:
 
 
 def tool_needs_free(config: Optional[dict], b: Optional[Budget], *, quant: str, seq: int, batch: int,
-                    targets: tuple, lora_r: int = 8, steps: int = 1) -> Optional[int]:
+                    targets: tuple, lora_r: int = 8, steps: int = 1, stream: tuple = ()) -> Optional[int]:
     """This tool's needs-free for the arm (on card ``b``: its cuBLAS workspace), or None where the
     estimator cannot model the arm (it is said as '-', never guessed)."""
     if config is None:
@@ -43,11 +43,11 @@ def tool_needs_free(config: Optional[dict], b: Optional[Budget], *, quant: str, 
 
     try:
         e = estimate(config, quant=quant, seq=seq, batch=batch, targets=tuple(targets) or None,
-                     lora_r=lora_r, steps=steps)
+                     lora_r=lora_r, steps=steps, stream=dict(stream))
         if b is None:
             return e.needs_free
         return card_answers(config, e, [b], targets=tuple(targets) or None, lora_r=lora_r,
-                            env=workspace_env())[0]["needs_free"]
+                            env=workspace_env(), stream=dict(stream))[0]["needs_free"]
     except Exception:  # noqa: BLE001 - an arm the estimator does not model has no verdict
         return None
 

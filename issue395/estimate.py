@@ -301,6 +301,9 @@ def estimate(config: dict, *, quant: str = "none", seq: int, batch: int = 1, tar
         config, quant=quant, seq=seq, batch=batch, targets=targets, lora_r=lora_r, release=release,
         stream=stream) if soup else (None, {})
     per_expert = stream.get("stream_expert_layout") == "per_expert"
+    if per_expert and a.model_type != "deepseek_v3":  # Soup refuses it: no number for a run that cannot be
+        raise UsageError(f"Soup refuses stream_expert_layout 'per_expert' on {a.model_type} (it admits "
+                         "deepseek_v3 only)")
     chunk, recompute = stream.get("stream_loss_chunk"), stream.get("stream_recompute", "on")
     if recompute not in ("on", "off"):
         raise UsageError(f"stream_recompute {recompute!r} is not modelled (it measures one step at setup)")
@@ -335,6 +338,8 @@ def estimate(config: dict, *, quant: str = "none", seq: int, batch: int = 1, tar
             + t.get("retained_activations", 0))
     layer = (shared + t["dequantised_layer"] + t["layer_per_token"] + t["autograd_workspace"]
              + t.get("expert_in_flight", 0))
+    if recompute == "off":  # the backward's first layer: every other layer still holds its activations
+        layer += t["retained_activations"] * (a.L - 1) // a.L
     resident = (t["pool"] + t["extras"] + t["lora_weights"] + t["cublas_workspace"]
                 + t["resident_rounding"])
     steady = 0

@@ -56,16 +56,20 @@ def estimator_terms(kwargs: dict[str, Any], predicted: int) -> dict[str, int]:
     from soup_cli.utils import layer_stream as ls
 
     kw = kwargs
+    chunk = kw.get("loss_chunk")  # 0.77.0's chunked loss: Soup charges the logits of one chunk
+    logit_tokens = min(kw["seq_len"], chunk) if chunk else kw["seq_len"]
     terms = {
         "weights": kw["layer_bytes"] * kw["buffers"] + kw["extras_bytes"] + kw.get("large_layer_bytes", 0)
         + kw.get("persistent_bytes", 0),
-        "logits": int(ls.estimate_logits_bytes(vocab_size=kw["vocab_size"], seq_len=kw["seq_len"],
+        "logits": int(ls.estimate_logits_bytes(vocab_size=kw["vocab_size"], seq_len=logit_tokens,
                                                batch_size=kw.get("batch_size", 1),
                                                bytes_per_element=kw.get("logits_bytes_per_element"))),
         "activations": int(ls.estimate_activation_bytes(
             hidden_size=kw["hidden_size"], intermediate_size=kw["intermediate_size"],
             n_layers=kw["n_layers"], seq_len=kw["seq_len"], batch_size=kw.get("batch_size", 1),
-            dtype=kw.get("dtype", "bfloat16"))),
+            dtype=kw.get("dtype", "bfloat16")))
+        + (int(ls.estimate_loss_chunk_bytes(hidden_size=kw["hidden_size"], seq_len=kw["seq_len"],
+                                            batch_size=kw.get("batch_size", 1))) if chunk else 0),
     }
     terms["rest"] = predicted - sum(terms.values())  # optimizer state, slack, anything newer
     return terms
@@ -155,13 +159,13 @@ def shard_of(arms: list[Arm], shard: tuple[int, int], whole_models: bool = False
     if not whole_models:
         return [a for a in arms if a.index % n == k - 1]
     cost: dict[str, float] = {}
-    for a in arms:
-        cost[a.model] = cost.get(a.model, 0.0) + arm_seconds(a)
+    for a in arms:  # a family's streaming modes share its checkpoint: one shard builds it
+        cost[a.model.split("+")[0]] = cost.get(a.model.split("+")[0], 0.0) + arm_seconds(a)
     load, owner = [0.0] * n, {}
     for model in sorted(cost, key=lambda m: (-cost[m], m)):
         owner[model] = min(range(n), key=lambda j: (load[j], j))
         load[owner[model]] += cost[model]
-    return [a for a in arms if owner[a.model] == k - 1]
+    return [a for a in arms if owner[a.model.split("+")[0]] == k - 1]
 
 
 def arm_seconds(arm: Arm) -> float:

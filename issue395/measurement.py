@@ -157,7 +157,7 @@ def run_arm(measure_arm: Callable[..., Measurement], step_device: str, arm: Arm,
     if emulation is not None:  # this tool's verdict for the card, before the card decides
         capped.update(emulation.row_fields(tool_needs_free(
             arm_config(arm.model, base), emulation.budget, quant=arm.quant, seq=arm.seq, batch=arm.batch,
-            targets=shape.targets, lora_r=lora_r, steps=steps)))
+            targets=shape.targets, lora_r=lora_r, steps=steps, stream=shape.stream)))
 
     def before_setup() -> None:
         cap_allocator()

@@ -22,11 +22,11 @@ DEEPSEEK_V3 = dict(num_key_value_heads=128, tie_word_embeddings=False, max_posit
                    qk_rope_head_dim=64, v_head_dim=128, qk_nope_head_dim=128)
 #: Qwen3_5TextConfig / Qwen3_5MoeTextConfig (transformers 5.16.1) defaults: every fourth layer full
 #: attention (full_attention_interval), a quarter of head_dim rotary, a gated query (q_proj 2x).
-QWEN3_5 = dict(num_key_value_heads=4, head_dim=256, tie_word_embeddings=False, max_position_embeddings=32768,
+QWEN3_5 = dict(num_key_value_heads=4, head_dim=256, intermediate_size=12288, tie_word_embeddings=False, max_position_embeddings=32768,
                attention_bias=False, partial_rotary_factor=0.25, linear_conv_kernel_dim=4,
                linear_key_head_dim=128, linear_value_head_dim=128, linear_num_key_heads=16,
                linear_num_value_heads=32, layer_types=None, full_attention_interval=4)
-QWEN3_5_MOE = dict(QWEN3_5, num_key_value_heads=2, num_experts=256, num_experts_per_tok=8,
+QWEN3_5_MOE = dict(QWEN3_5, intermediate_size=None, num_key_value_heads=2, num_experts=256, num_experts_per_tok=8,
                    moe_intermediate_size=512, shared_expert_intermediate_size=512)
 
 

@@ -34,7 +34,7 @@ from .result import RowFile
 from .scratch import soup_shard_root
 from .registry import ALL_FAMILIES, FAMILIES, config_json, max_positions, stream_mode_keys
 from .targets import soup_targets
-from .shapes import bitsandbytes_present, config_only, default_map_families, soup_has_stream_modes, streamed_as
+from .shapes import bitsandbytes_present, config_only, default_map_families, soup_has_stream_modes, soup_loss_chunk_bounds, streamed_as
 
 @dataclass(frozen=True)
 class Run:
@@ -141,6 +141,9 @@ def _settle(args: argparse.Namespace, argv: list[str]) -> Run:
         if extra:
             raise UsageError(f"--from-json and --{extra[0].replace('_', '-')} are exclusive: --from-json "
                              "re-renders saved results and runs nothing")
+    modes = [f for f in ("expert_layout", "loss_chunk", "recompute") if getattr(args, f) is not None]
+    if modes and not (args.map or args.estimate):  # never measured as if the mode were asked and absent
+        raise UsageError(f"--{modes[0].replace('_', '-')} goes with --map (an axis) or --estimate")
     if args.estimate and args.weights != "synthetic":
         raise UsageError("--estimate and --weights are exclusive: an estimate reads the config, no weights")
     outputs = {f: getattr(args, f.strip("-").replace("-", "_")) for f in ("--json", "--markdown", "--plot")}
@@ -304,8 +307,10 @@ def stream_mode_families(args: argparse.Namespace, families: list) -> tuple:
         raise UsageError("--expert-layout, --loss-chunk and --recompute need soup-cli 0.77.0, "
                          "whose training config has them; the installed one does not")
     chunks = comma_list(args.loss_chunk) if args.loss_chunk else ["off"]
+    low, high = soup_loss_chunk_bounds()
     return stream_mode_keys(families, comma_list(args.expert_layout) if args.expert_layout else ["fused"],
-                            [None if c == "off" else parse_ints("--loss-chunk", c, minimum=16)[0] for c in chunks],
+                            [None if c == "off" else parse_ints("--loss-chunk", c, minimum=low, maximum=high)[0]
+                             for c in chunks],
                             comma_list(args.recompute) if args.recompute else ["on"])
 
 
@@ -409,7 +414,10 @@ def estimate_stream(args: argparse.Namespace) -> dict:
         if value is not None and value != allowed[0]:
             stream[key] = value
     if args.loss_chunk not in (None, "off"):
-        stream["stream_loss_chunk"] = one_int("--loss-chunk", args.loss_chunk, None)
+        low, high = soup_loss_chunk_bounds()
+        stream["stream_loss_chunk"] = one_int("--loss-chunk", args.loss_chunk, None, minimum=low)
+        if stream["stream_loss_chunk"] > high:
+            raise UsageError(f"--loss-chunk {args.loss_chunk}: Soup's schema takes {low} to {high} tokens")
     return stream
 
 

@@ -13,7 +13,7 @@ from .emulation import arm_config, tool_needs_free
 from .minfree import bisect_min_free
 from .options import Run
 from .record import SHAPES, Arm
-from .registry import FAMILIES
+from .registry import FAMILIES, stream_mode
 from .result import Result
 from .row import Row
 from .scratch import Scratch
@@ -51,7 +51,8 @@ def min_free_arms(run: Run, arms: list[Arm], scratch: Scratch, on_row: Callable[
             on_row(replace(control, cap_at=None))
             continue
         needs = tool_needs_free(arm_config(arm.model, None), None, quant=arm.quant, seq=arm.seq,
-                                batch=arm.batch, targets=arm_targets(arm), steps=run.steps)
+                                batch=arm.batch, targets=arm_targets(arm), steps=run.steps,
+                                stream=tuple(stream_mode(arm.model)[1].items()))
         peak = control.real_peak
         found = bisect_min_free(lambda cap: probe(arm, f"bytes:{cap}").measured, peak=peak,
                                 start=needs or peak + peak // 10,

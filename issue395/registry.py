@@ -256,5 +256,7 @@ def stream_mode_keys(families: list, layouts: list, chunks: list, recomputes: li
             raise UsageError(f"{flag} {','.join(values)!r}: choose from {','.join(allowed)}, each once")
     if len(set(chunks)) != len(chunks):
         raise UsageError("--loss-chunk: a value named twice")
+    if "per_expert" in layouts and not any(is_moe(f) for f in families):
+        raise UsageError("--expert-layout per_expert: none of these families has routed experts")
     return tuple(mode_key(fam, layout, chunk, recompute) for fam in families for layout in layouts
                  if layout == "fused" or is_moe(fam) for chunk in chunks for recompute in recomputes)

@@ -230,6 +230,16 @@ def load_custom_shape(model: str) -> Shape:
     return shape
 
 
+def soup_loss_chunk_bounds() -> tuple[int, int]:
+    """training.stream_loss_chunk's bounds in the installed Soup's schema (config_bounds.py)."""
+    try:
+        from soup_cli.utils import config_bounds
+    except ImportError:  # a release with no chunked loss: the flag is refused elsewhere
+        return 16, 8192
+    return (getattr(config_bounds, "MIN_STREAM_LOSS_CHUNK", 16),
+            getattr(config_bounds, "MAX_STREAM_LOSS_CHUNK", 8192))
+
+
 def soup_has_stream_modes() -> bool:
     """Whether the installed Soup's config schema knows 0.77.0's streaming modes."""
     from soup_cli.config.schema import TrainingConfig

@@ -225,8 +225,8 @@ def read_job(path: str) -> tuple[Run, Job]:
 def lost_row(arm: Arm, run: "Run", repeat: Optional[int], code: Optional[int]) -> Row:
     """A FAILED row for an arm whose process died before reporting it (no prediction: this
     process does not import Soup)."""
-    shape = SHAPES.get(arm.model)
-    family = FAMILIES.get(arm.model)
+    shape = SHAPES.get(arm.model.split("+")[0])
+    family = FAMILIES.get(arm.model.split("+")[0])  # a streaming mode is its family's
     name = shape.name if shape else family.name if family else (run.custom_model or arm.model)
     vocab = shape.vocab if shape else family.vocab if family else 1
     return Row(model=name, model_key=arm.model, seq=arm.seq, batch=arm.batch, index=arm.index, cap_at=run.cap,

@@ -146,3 +146,68 @@ def test_estimate_of_a_deepseek_config_is_not_a_llamas(capfd):
 @pytest.mark.skipif(SOUP077, reason="0.77.0 streams deepseek_v3")
 def test_on_0733_a_deepseek_config_cannot_be_streamed(capfd):
     one_error_line(*main(capfd, ["--estimate", "--model", "deepseek-v3", "--seq", "512"]), "cannot be layer-streamed")
+
+
+# -- what the review of the streaming modes found (each failed before its fix) --
+
+def test_recompute_off_is_charged_in_the_layer_phase_too():
+    # DeepSeek-V3 NF4 at 64 tokens: the first dense layer's recompute binds; with recompute off the
+    # other layers' activations are still held there, so the estimate must grow
+    c = config_json("deepseek-v3")
+    on = E.estimate(c, quant="nf4", seq=64, release="0.77.0", soup=False)
+    off = E.estimate(c, quant="nf4", seq=64, release="0.77.0", soup=False, stream={"stream_recompute": "off"})
+    assert on.phase == "layer" and off.corrected_predicted >= on.corrected_predicted + off.terms[
+        "retained_activations"] * 3 // 4
+
+
+def test_no_corrected_number_for_a_layout_soup_refuses():
+    with pytest.raises(UsageError, match="per_expert"):
+        E.estimate(config_json("qwen3.5-moe"), seq=512, release="0.77.0", soup=False,
+                   stream={"stream_expert_layout": "per_expert"})
+
+
+def test_a_streaming_mode_is_capped_at_its_own_estimate():
+    from issue395.cap import cap_bytes
+
+    kw = dict(quant="none", seq=512, batch=1, targets=("q_proj", "v_proj"), release="0.77.0")
+    assert cap_bytes("corrected", "smol+recompute-off", **kw) > cap_bytes("corrected", "smol", **kw) + 200e6
+
+
+def test_a_hub_wrapper_config_is_read_as_its_text_decoder_and_kv_must_divide_heads():
+    wrapper = {"model_type": "qwen3_5_moe", "text_config": config_json("qwen3.5-moe")}
+    assert arch_from_config(wrapper).model_type == "qwen3_5_moe_text"
+    with pytest.raises(UsageError, match="num_key_value_heads"):
+        arch_from_config(dict(config_json("qwen3.5-moe"), num_key_value_heads=3))
+    with pytest.raises(UsageError, match="qk_nope_head_dim"):
+        arch_from_config(dict(config_json("moonlight"), qk_nope_head_dim=128.5))
+
+
+def test_a_familys_streaming_modes_stay_in_one_shard_and_a_lost_row_names_the_family():
+    from issue395.margin import shard_of
+    from issue395.options import Run
+    from issue395.record import Arm
+    from issue395.spread import lost_row
+
+    arms = [Arm(k, 512, 1, i) for i, k in enumerate(("smol", "smol+chunk512", "qwen", "qwen+chunk512"))]
+    for k in (1, 2):
+        families = {a.model.split("+")[0] for a in shard_of(arms, (k, 2), whole_models=True)}
+        assert len(families) == 1
+    row = lost_row(Arm("smol+chunk512", 512, 1, 0), Run(), None, 9)
+    assert row.model == "SmolLM2-135M" and row.vocab == 49152
+
+
+def test_a_streaming_modes_blocks_are_named_by_its_familys_classes():
+    from issue395.anatomy import classifier_for
+
+    assert classifier_for("smol+chunk512", quant="none", seq=512, batch=1) is not None
+
+
+@needs_077
+@pytest.mark.parametrize("argv, words", [
+    (["--sweep", "--models", "smol", "--loss-chunk", "512", "--dry-run"], ["--loss-chunk", "--map"]),
+    (["--map", "--families", "smol", "--expert-layout", "per_expert", "--dry-run", "--seq", "64"], ["routed experts"]),
+    (["--estimate", "--model", "moonlight", "--seq", "512", "--loss-chunk", "99999"], ["16 to 8192"]),
+    (["--map", "--families", "smol", "--loss-chunk", "10000", "--dry-run", "--seq", "64"], ["8192"]),
+], ids=["mode-outside-map", "per-expert-no-moe", "chunk-past-soup-estimate", "chunk-past-soup-map"])
+def test_streaming_mode_options_soup_would_not_take_are_one_line(capfd, argv, words):
+    one_error_line(*main(capfd, argv), *words)
