@@ -211,3 +211,14 @@ def test_a_streaming_modes_blocks_are_named_by_its_familys_classes():
 ], ids=["mode-outside-map", "per-expert-no-moe", "chunk-past-soup-estimate", "chunk-past-soup-map"])
 def test_streaming_mode_options_soup_would_not_take_are_one_line(capfd, argv, words):
     one_error_line(*main(capfd, argv), *words)
+
+
+def test_the_committed_new_families_report_is_what_the_script_prints_now():
+    import subprocess
+    import sys
+
+    committed = (ROOT / "results" / "estimator-0.77.0-families.txt").read_text()
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "new_families.py")], capture_output=True,
+                         text=True, check=True).stdout
+    assert out == committed
+    assert "corrected under on 0;" in committed
