@@ -29,7 +29,7 @@ from .cards import parse_context
 from .errors import UsageError, last_line
 from .margin import plan_map, shard_of
 from .parser import build_parser
-from .record import MAP_BATCHES, QUANTS, RECORD_GRID, SHAPES, Arm, plan_arms
+from .record import Arm, MAP_BATCHES, QUANTS, RECORD_DETERMINISM, RECORD_GRID, SHAPES, plan_arms
 from .result import RowFile
 from .scratch import soup_shard_root
 from .registry import ALL_FAMILIES, FAMILIES, config_json, max_positions, stream_mode_keys
@@ -86,7 +86,8 @@ class Run:
         """The record's two repeated arms, unless the command line chose others."""
         if self.custom_model or self.seqs or self.models != tuple(SHAPES) or self.batches != (1,):
             return self.models, self.seqs, self.batches
-        return ("smol",), (4096, 6144), (1,)
+        models = tuple(dict.fromkeys(m for m, _ in RECORD_DETERMINISM))  # the record's repeated arms
+        return models, tuple(s for _, s in RECORD_DETERMINISM), (1,)
 
 
 def run_from_json(data: dict[str, Any]) -> Run:

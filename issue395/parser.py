@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 
 from .errors import UsageError
-from .record import RECORD_GRID
+from .record import MAP_BATCHES, MAP_SEQS, QUANTS, RECORD_GRID
 from .registry import ALL_FAMILIES
 
 EPILOG = f"""defaults:
@@ -76,8 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--measure", action="store_true", help="Soup's logits bytes-per-element probe")
     m.add_argument("--sdpa", action="store_true", help="attention's extra allocation per backend")
     m.add_argument("--map", action="store_true",
-                   help="the margin map: every family Soup streams x {none, nf4} x seq {512, 1024, 2048, "
-                        "4096, 8192, 16384} (within max positions) x batch {1, 4}, and where the margin goes")
+                   help=f"the margin map: every family Soup streams x {{{', '.join(QUANTS)}}} x seq "
+                        f"{{{', '.join(map(str, MAP_SEQS))}}} (within max positions) x batch "
+                        f"{{{', '.join(map(str, MAP_BATCHES))}}}, and where the margin goes")
     m.add_argument("--estimate", action="store_true",
                    help="does a run fit? Soup's own pre-flight and the corrected estimate, term by term, "
                         "from --model CONFIG.json or a family, on CPU (no torch, no GPU)")
