@@ -13,7 +13,12 @@ MiB = 2**20
 
 
 def table(columns: list[tuple[str, int]], rows: list[list[str]], indent: str = "") -> list[str]:
-    """Fixed-width lines; a negative width left-aligns that column."""
+    """Fixed-width lines; a negative width left-aligns that column. A cell wider than its column
+    (a long family name with its depth and mode) widens the column, so every line stays aligned."""
+    columns = [(name, w if i == len(columns) - 1 else  # the last column's overflow misaligns nothing
+                (1 if w > 0 else -1) * max([abs(w), len(name)] + [len(r[i]) for r in rows]))
+               for i, (name, w) in enumerate(columns)]
+
     def line(cells: list[str]) -> str:
         return indent + "  ".join(f"{c:<{-w}}" if w < 0 else f"{c:>{w}}"
                                   for c, (_, w) in zip(cells, columns, strict=True))
