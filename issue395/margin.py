@@ -1,35 +1,14 @@
-"""The margin map: its grid, Soup's estimator split into its terms, and where an arm's margin goes.
+"""Where an arm's margin goes: Soup's estimator split into its terms, the blocks live at the peak
+named by shape, and the arms worth attributing (the map's grid and shards: issue395.grid).
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Callable, Optional
 
 from .cuda import logits_kind
-from .record import GB, MAP_SEQS, SHAPES, Arm, Shape
+from .record import GB, Arm, Shape
 from .row import Row
-from .registry import FAMILIES, max_positions
-from .shapes import family_shape
-
-#: Soup's published streamed NF4 peak (Llama-3.1-8B, batch 1 x seq 512; docs/FAMILIES.md): bytes
-#: allocated, from its v0.73.1 test docstring (issue #349). The map holds one arm against it.
-PUBLISHED_NF4 = {("llama31-8b", "nf4", 512, 1): 3_411_600_000}
-
-
-def plan_map(families: Iterable[str], quants: Iterable[str], seqs: Optional[Iterable[int]],
-             batches: Iterable[int]) -> list[Arm]:
-    """The map's grid, in order: family, quantization, seq (within the family's max
-    positions), batch. Llama-3.1-8B is there for its published NF4 arm, batch 1 x seq 512."""
-    arms: list[Arm] = []
-    for fam in families:
-        published = [k for k in PUBLISHED_NF4 if k[0] == fam]
-        for quant in quants:
-            grid = seqs or (tuple(sorted({k[2] for k in published if k[1] == quant})) if published
-                            else MAP_SEQS)
-            for seq in (q for q in grid if q <= max_positions(fam)):
-                for batch in (batches if seqs or not published else (1,)):
-                    arms.append(Arm(fam, seq, batch, len(arms), quant))
-    return arms
 
 
 def shape_classes(shape: Shape, seq: int, batch: int) -> Callable[[int], str]:
@@ -147,42 +126,3 @@ def margin_note(m: dict[str, Any], margins: Optional[list[dict[str, Any]]] = Non
             + (f"; the other arms here spare {-usual[len(usual) // 2]:.2f}" if usual else "") + "), so nothing "
             "in it covers " + " and ".join(f"the {t['term']} term's {t['missed'] / 1e6:+.1f} MB" for t in fixed)
             + f" (a fixed cost every family shows, which the {gone['term']} slack covers elsewhere)")
-
-
-def shard_of(arms: list[Arm], shard: tuple[int, int], whole_models: bool = False) -> list[Arm]:
-    """--shard K/N: every arm whose grid index is K-1 modulo N.
-
-    On the map a shard is whole families instead, dealt heaviest first to the lightest
-    shard: a family's checkpoint (up to 16 GB) and Soup's shards of it are the map's
-    largest cost, and modulo would build every family once per shard."""
-    k, n = shard
-    if not whole_models:
-        return [a for a in arms if a.index % n == k - 1]
-    cost: dict[str, float] = {}
-    for a in arms:  # a family's streaming modes share its checkpoint: one shard builds it
-        cost[a.model.split("+")[0]] = cost.get(a.model.split("+")[0], 0.0) + arm_seconds(a)
-    load, owner = [0.0] * n, {}
-    for model in sorted(cost, key=lambda m: (-cost[m], m)):
-        owner[model] = min(range(n), key=lambda j: (load[j], j))
-        load[owner[model]] += cost[model]
-    return [a for a in arms if owner[a.model.split("+")[0]] == k - 1]
-
-
-def arm_seconds(arm: Arm) -> float:
-    """A map arm's rough cost, only to deal families evenly: on the H200 map each arm took
-    about 3 s of setup and teardown plus 0.7 s per billion parameters."""
-    family = arm.model.split("+")[0]  # a streaming mode costs what its family costs
-    if family in FAMILIES:
-        f = FAMILIES[family]
-        # a family with no published count (a reduced-depth MoE): its bf16 bytes, from its shape
-        params = f.params if f.params is not None else shape_params(family)
-    else:  # the record's two: bf16 bytes of the layers and the extras, over 2
-        shape = SHAPES[family]
-        params = (shape.pool // 2 * shape.n_layers + shape.extras) // 2
-    return 3.0 + 0.7e-9 * params
-
-
-def shape_params(family: str) -> int:
-    """A family's parameters from its derived shape (pool and extras are bf16 bytes)."""
-    shape = family_shape(family)
-    return (shape.pool // 2 * shape.n_layers + shape.extras) // 2

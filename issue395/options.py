@@ -27,9 +27,9 @@ from .checks import (
 )
 from .cards import parse_context
 from .errors import UsageError, last_line
-from .margin import plan_map, shard_of
+from .grid import plan_arms, plan_map, shard_of
 from .parser import build_parser
-from .record import Arm, MAP_BATCHES, QUANTS, RECORD_DETERMINISM, RECORD_GRID, SHAPES, plan_arms
+from .record import Arm, MAP_BATCHES, QUANTS, RECORD_DETERMINISM, RECORD_GRID, SHAPES
 from .result import RowFile
 from .scratch import soup_shard_root
 from .registry import ALL_FAMILIES, FAMILIES, config_json, max_positions, stream_mode_keys

@@ -5,7 +5,6 @@ Soup's prediction for it (computed by Soup).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable, Optional
 
 
 @dataclass(frozen=True)
@@ -157,13 +156,3 @@ class Arm:
 #: The map's grid. Seq 512 and 1024 were added where Soup's NF4 misses live (its first grid
 #: started at 2048 and never saw them).
 MAP_SEQS, MAP_BATCHES, QUANTS = (512, 1024, 2048, 4096, 8192, 16384), (1, 4), ("none", "nf4")
-
-
-def plan_arms(models: Iterable[str], seqs: Optional[Iterable[int]], batches: Iterable[int]) -> list[Arm]:
-    """Grid order: model, then seq, then batch (the record's order)."""
-    arms: list[Arm] = []
-    for model in models:
-        for seq in (seqs or RECORD_GRID.get(model, ())):
-            for batch in batches:
-                arms.append(Arm(model, seq, batch, len(arms)))
-    return arms

@@ -19,13 +19,14 @@ from .checks import within_positions
 from .console import Progress, Stop
 from .cuda import control_step, positive_control
 from .errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, UsageError, last_line
-from .margin import margin_arms, margin_breakdown, shard_of
+from .grid import plan_arms, shard_of
+from .margin import margin_arms, margin_breakdown
 from .measurement import Measurement, run_arm
 from .modes import measure_mode, sdpa_mode
 from .options import Run, grid_arms, settle
 from .parser import NO_CUDA, build_parser
 from .outputs import render_markdown, write_output, write_outputs
-from .record import SCHEMA, SHAPES, Arm, Shape, plan_arms
+from .record import SCHEMA, SHAPES, Arm, Shape
 from .result import Result, RowFile, environment, load_result, merge, row_order
 from .row import Row
 from .scratch import Scratch

@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterable, Optional
 from .cards import parse_card
 from .console import Stop
 from .errors import UsageError, last_line
-from .margin import shard_of
+from .grid import shard_of
 from .options import Run, run_from_json
 from .record import SHAPES, Arm
 from .result import Result, RowFile

@@ -9,7 +9,8 @@ from typing import Any, Optional
 from .anatomy import margin_anatomy
 from .capped import cap_table, emulate_table, gb, min_free_table, ratio, table
 from .corrected import corrected, corrected_ratio
-from .margin import PUBLISHED_NF4, margin_note
+from .grid import PUBLISHED_NF4
+from .margin import margin_note
 from .record import (
     GB,
     QUANTS,

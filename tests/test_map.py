@@ -18,7 +18,8 @@ from conftest import SMOL, h, main, make_row
 from issue395 import estimate, measurement, options
 from issue395.builder import prepare_checkpoint
 from issue395.errors import UsageError
-from issue395.margin import arm_seconds, estimator_terms, margin_breakdown, plan_map, shape_classes, shard_of
+from issue395.grid import arm_seconds, plan_map, shard_of
+from issue395.margin import estimator_terms, margin_breakdown, shape_classes
 from issue395.options import Run
 from issue395.outputs import render_plot
 from issue395.record import MAP_BATCHES, QUANTS, SHAPES, Arm

@@ -19,6 +19,7 @@ from conftest import SMOL, make_row
 
 from issue395.cuda import attribute_peak
 from issue395.options import Run
+from issue395.grid import plan_arms
 from issue395.record import (
     RECORD_A10G_OVERESTIMATE,
     RECORD_A10G_PEAK,
@@ -27,7 +28,6 @@ from issue395.record import (
     SHAPES,
     Arm,
     logits_charge,
-    plan_arms,
     predicted_bytes,
 )
 from issue395.row import Row, arm_row, realised_as_requested
