@@ -40,7 +40,7 @@ from .shapes import bitsandbytes_present, config_only, default_map_families, sou
 class Run:
     """Everything the command line asked for, validated once; nothing changes it afterwards."""
 
-    sweep: bool = True
+    run_arms: bool = True  # run the grid's arms (the sweep's or, with map, the map's)
     map: bool = False  # --map: models are families, with a quantization axis
     quants: tuple = ("none",)
     measure: bool = False
@@ -239,7 +239,7 @@ def _settle(args: argparse.Namespace, argv: list[str]) -> Run:
     if cache:
         check_cache_dir_bounds(args.cache_dir, cache)
     any_mode = args.measure or args.sdpa or repeats is not None
-    return Run(sweep=args.sweep or not any_mode, measure=args.measure, sdpa=args.sdpa, repeats=repeats,
+    return Run(run_arms=args.sweep or not any_mode, measure=args.measure, sdpa=args.sdpa, repeats=repeats,
                models=models, seqs=seqs, batches=batches, custom_model=args.model,
                weights=("synthetic" if config_only(args.model) else "local") if args.model else args.weights,
                dry_run=args.dry_run, verbose=args.verbose, snapshot=args.snapshot or bool(args.snapshot_dir),
@@ -297,7 +297,7 @@ def settle_map(args: argparse.Namespace, argv: list[str]) -> Run:
         within_positions(fam, max_positions(fam), seqs or ())
     plain = _settle(argparse.Namespace(**dict(vars(args), map=False, families=None, quant=None,
                                              models=None, seq=None, batch=args.batch)), argv)
-    return replace(plain, map=True, sweep=True, models=families, quants=quants, seqs=seqs,
+    return replace(plain, map=True, run_arms=True, models=families, quants=quants, seqs=seqs,
                        batches=batches or MAP_BATCHES)
 
 
@@ -397,7 +397,7 @@ def settle_estimate(args: argparse.Namespace, argv: list[str]) -> Run:
         from .estimate import estimate
 
         estimate(config, quant=quants[0], seq=seqs[0], targets=targets, stream=stream)
-    return Run(sweep=False, estimate=True, estimate_config=config, custom_model=name, quants=quants, seqs=seqs,
+    return Run(run_arms=False, estimate=True, estimate_config=config, custom_model=name, quants=quants, seqs=seqs,
                stream=tuple(sorted(stream.items())),
                batches=parse_ints("--batch", args.batch) or (1,), targets=targets,
                lora_r=one_int("--lora-r", args.lora_r, 8), steps=one_int("--steps", args.steps, 1),

@@ -17,7 +17,7 @@ class Shape:
     model_type: str
     pool: int  # bytes of the 2 layer buffers
     extras: int  # bytes resident beside the pool (embedding, final norm, untied head)
-    adapter: int  # the grid's adapter count
+    grid_adapter: int  # the grid's adapter count: twice the LoRA A+B parameters, as the record spells it
     vocab: int
     hidden: int
     intermediate: int
@@ -33,12 +33,12 @@ class Shape:
 
 SHAPES: dict[str, Shape] = {
     "smol": Shape("smol", "SmolLM2-135M", "HuggingFaceTB/SmolLM2-135M", "llama",
-                  pool=14160384, extras=56624256, adapter=921600, vocab=49152, hidden=576,
+                  pool=14160384, extras=56624256, grid_adapter=921600, vocab=49152, hidden=576,
                   intermediate=1536, n_layers=30, max_positions=8192,
                   arch={"num_attention_heads": 9, "num_key_value_heads": 3,
                         "rope_theta": 100000.0, "rms_norm_eps": 1e-5}),
     "qwen": Shape("qwen", "Qwen2.5-0.5B", "Qwen/Qwen2.5-0.5B", "qwen2",
-                  pool=59649536, extras=272271104, adapter=1081344, vocab=151936, hidden=896,
+                  pool=59649536, extras=272271104, grid_adapter=1081344, vocab=151936, hidden=896,
                   intermediate=4864, n_layers=24, max_positions=32768,
                   arch={"num_attention_heads": 14, "num_key_value_heads": 2,
                         "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
@@ -128,7 +128,7 @@ def predicted_bytes(shape: Shape, seq: int, batch: int = 1) -> int:
 
     return int(estimate_stream_peak_vram(
         layer_bytes=shape.pool // 2, buffers=2, extras_bytes=shape.extras,
-        adapter_params=shape.adapter, vocab_size=shape.vocab, hidden_size=shape.hidden,
+        adapter_params=shape.grid_adapter, vocab_size=shape.vocab, hidden_size=shape.hidden,
         intermediate_size=shape.intermediate, n_layers=shape.n_layers,
         seq_len=seq, batch_size=batch))
 

@@ -138,8 +138,8 @@ def execute(run: Run, protocol: Protocol, job: Optional[Job] = None) -> int:
     if run.estimate:
         return estimate_run(run)
     Stop.install(quiet=run.child)
-    fan_out = run.sweep and bool(run.gpus or run.isolate)
-    local = (run.sweep and not fan_out) or ((run.measure or run.sdpa) and not fan_out and not run.repeats)
+    fan_out = run.run_arms and bool(run.gpus or run.isolate)
+    local = (run.run_arms and not fan_out) or ((run.measure or run.sdpa) and not fan_out and not run.repeats)
     if run.gpus is None and "CUDA_VISIBLE_DEVICES" not in os.environ:
         os.environ["CUDA_VISIBLE_DEVICES"] = "0"  # Soup refuses to stream with several GPUs visible
     if (fan_out or run.repeats) and not run.dry_run:
@@ -185,7 +185,7 @@ def measure_all(run: Run, protocol: Protocol, job: Optional[Job], scratch: Scrat
            "isolated, one fresh process per arm" if run.isolate else
            f"one process per GPU ({','.join(map(str, run.gpus))}), merged" if run.gpus else
            f"shard {run.shard[0]}/{run.shard[1]} in one process" if run.shard else "in one process")
-    arms_label = how if run.sweep else ("determinism: one fresh process per repeat" if run.repeats
+    arms_label = how if run.run_arms else ("determinism: one fresh process per repeat" if run.repeats
                                         else "none (modes only)")
     result = Result(environment=environment(run.weights, run.dry_run, arms_label,
                                             [os.path.basename(protocol.script), *run.argv]) if local else {},
@@ -194,7 +194,7 @@ def measure_all(run: Run, protocol: Protocol, job: Optional[Job], scratch: Scrat
     rows: list[Row] = []
     children: list[Result] = []
     usage_error = None
-    total = (len(arms) if run.sweep else 0) + len(det_arms) * (run.repeats or 0)
+    total = (len(arms) if run.run_arms else 0) + len(det_arms) * (run.repeats or 0)
     progress = Progress(total if not run.child else 0, started)
 
     def on_row(row: Row) -> None:
@@ -205,13 +205,13 @@ def measure_all(run: Run, protocol: Protocol, job: Optional[Job], scratch: Scrat
 
     checkpoints = None
     try:
-        if run.sweep and run.min_free:
+        if run.run_arms and run.min_free:
             with Stop.arm():  # each probe is a fresh capped child
                 children += min_free_arms(run, arms, scratch, on_row, protocol.script)
-        elif run.sweep and fan_out:
+        elif run.run_arms and fan_out:
             with Stop.arm():  # the children's arms are in flight
                 children += spread(replace(run, repeats=None), arms, scratch, on_row, protocol.script)
-        elif run.sweep:
+        elif run.run_arms:
             checkpoints = Checkpoints(list(dict.fromkeys(a.model.split("+")[0] for a in arms)), shapes, run, scratch)
             sweep(arms, shapes, checkpoints, scratch, run, protocol.run_arm, on_row,
                   result.margins.append if run.map and not run.dry_run and not run.cap and not run.emulate_card

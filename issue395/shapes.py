@@ -90,7 +90,7 @@ def derive_shape(config: Any, name: str, key: str = "custom", hub_id: Optional[s
     return Shape(key=key, name=name, hub_id=hub_id or name, model_type=model_type,
                  # the largest layer: a MoE model's dense layers are smaller than its MoE ones
                  pool=2 * max(sum(p.numel() for p in layer.parameters()) for layer in layers) * 2,
-                 extras=extras, adapter=adapter * GRID_ADAPTER_FACTOR, vocab=int(config.vocab_size),
+                 extras=extras, grid_adapter=adapter * GRID_ADAPTER_FACTOR, vocab=int(config.vocab_size),
                  hidden=int(config.hidden_size), intermediate=soup_intermediate(config),
                  n_layers=int(config.num_hidden_layers),
                  max_positions=int(getattr(config, "max_position_embeddings", 0) or 0),

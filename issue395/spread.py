@@ -189,7 +189,7 @@ def child_run(run: Run, job: Job, out: str, cache: Optional[str]) -> Run:
     """The settled run a child executes: its parent's, narrowed to one job in one process, its
     rows saved to its own JSON. Nothing is re-parsed: the child gets this as data."""
     return replace(run, json=out, markdown=None, plot=None, cache_dir=cache, shard=job.shard,
-                   gpus=None, isolate=False, repeats=None, sweep=True, child=True, repeat_tag=job.repeat,
+                   gpus=None, isolate=False, repeats=None, run_arms=True, child=True, repeat_tag=job.repeat,
                    measure=run.measure and job.extra_modes, sdpa=run.sdpa and job.extra_modes)
 
 

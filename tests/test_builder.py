@@ -30,7 +30,7 @@ from issue395.builder import safetensors_problem
 
 def _tiny_llama(layers: int, vocab: int = 512, hidden: int = 64, intermediate: int = 128) -> Shape:
     return Shape(key="custom", name="tiny", hub_id="tiny", model_type="llama", pool=0, extras=0,
-                 adapter=0, vocab=vocab, hidden=hidden, intermediate=intermediate, n_layers=layers,
+                 grid_adapter=0, vocab=vocab, hidden=hidden, intermediate=intermediate, n_layers=layers,
                  max_positions=256, arch={"num_attention_heads": 4, "num_key_value_heads": 2},
                  record=False)
 

@@ -24,7 +24,7 @@ from issue395.checkpoints import checkpoint_problem, synthetic_checkpoint
 import socket
 from issue395.checkpoints import quant_base, reap_dead_partials
 
-TINY = Shape(key="tiny", name="tiny", hub_id="tiny", model_type="llama", pool=0, extras=0, adapter=0,
+TINY = Shape(key="tiny", name="tiny", hub_id="tiny", model_type="llama", pool=0, extras=0, grid_adapter=0,
              vocab=512, hidden=64, intermediate=128, n_layers=40, max_positions=256,
              arch={"num_attention_heads": 4, "num_key_value_heads": 2}, record=False)
 

@@ -68,10 +68,10 @@ def test_lora_targets_are_q_and_v_except_phi3s_fused_qkv_and_the_adapter_follows
     phi3 = family_shape("phi3-mini")
     assert phi3.targets == ("qkv_proj",)
     # qkv_proj: 3072 -> 3 x 3072; the grid's count is twice LoRA's A + B on every layer.
-    assert phi3.adapter == 2 * 32 * 8 * (3072 + 3 * 3072)
+    assert phi3.grid_adapter == 2 * 32 * 8 * (3072 + 3 * 3072)
     llama = family_shape("llama32-1b")
     assert llama.targets == ("q_proj", "v_proj")
-    assert llama.adapter == 2 * 16 * 8 * ((2048 + 2048) + (2048 + 8 * 64))
+    assert llama.grid_adapter == 2 * 16 * 8 * ((2048 + 2048) + (2048 + 8 * 64))
 
 
 def test_the_record_models_in_the_map_are_the_records_shapes():

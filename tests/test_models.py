@@ -24,10 +24,10 @@ from issue395.shapes import derive_shape
 MODELS = ["smol", "qwen"]
 # docs/PROTOCOL.md's shape table, typed in independently of SHAPES.
 PROTOCOL = {
-    "smol": dict(pool=14160384, extras=56624256, adapter=921600, vocab=49152, hidden=576,
+    "smol": dict(pool=14160384, extras=56624256, grid_adapter=921600, vocab=49152, hidden=576,
                  intermediate=1536, n_layers=30, heads=9, kv_heads=3, max_positions=8192,
                  rope_theta=100000.0, rms_eps=1e-5, model_type="llama"),
-    "qwen": dict(pool=59649536, extras=272271104, adapter=1081344, vocab=151936, hidden=896,
+    "qwen": dict(pool=59649536, extras=272271104, grid_adapter=1081344, vocab=151936, hidden=896,
                  intermediate=4864, n_layers=24, heads=14, kv_heads=2, max_positions=32768,
                  rope_theta=1000000.0, rms_eps=1e-6, model_type="qwen2"),
 }
@@ -137,10 +137,10 @@ def test_derive_shape_reproduces_protocol_figures(key, checkpoints):
 
     s = derive_shape(AutoConfig.from_pretrained(str(checkpoints[key])), name=f"built-{key}")
     p = PROTOCOL[key]
-    for f in ("pool", "extras", "adapter", "vocab", "hidden", "intermediate", "n_layers",
+    for f in ("pool", "extras", "grid_adapter", "vocab", "hidden", "intermediate", "n_layers",
               "max_positions", "model_type"):
         assert getattr(s, f) == p[f], f
-    assert s.adapter == {"smol": 921600, "qwen": 1081344}[key]
+    assert s.grid_adapter == {"smol": 921600, "qwen": 1081344}[key]
     assert s.record is False
     for seq in (2048, 6144):
         assert predicted_bytes(s, seq) == predicted_bytes(SHAPES[key], seq)
@@ -150,13 +150,13 @@ def test_derive_shape_reproduces_protocol_figures(key, checkpoints):
 def test_the_grid_shapes_are_the_protocol(key):
     """SHAPES against the independently typed table, and its config on the meta device."""
     s, p = SHAPES[key], PROTOCOL[key]
-    for f in ("pool", "extras", "adapter", "vocab", "hidden", "intermediate", "n_layers",
+    for f in ("pool", "extras", "grid_adapter", "vocab", "hidden", "intermediate", "n_layers",
               "max_positions", "model_type"):
         assert getattr(s, f) == p[f], f
     assert (s.arch["num_attention_heads"], s.arch["num_key_value_heads"]) == (p["heads"], p["kv_heads"])
     assert (s.arch["rope_theta"], s.arch["rms_norm_eps"]) == (p["rope_theta"], p["rms_eps"])
     derived = derive_shape(hf_config(s), name=s.name)
-    assert (derived.pool, derived.extras, derived.adapter) == (p["pool"], p["extras"], p["adapter"])
+    assert (derived.pool, derived.extras, derived.grid_adapter) == (p["pool"], p["extras"], p["grid_adapter"])
 
 
 @pytest.mark.parametrize("config_name", ["GPT2Config", "BertConfig"])

@@ -37,9 +37,9 @@ from issue395.tables import determinism_spread, overestimate_summary
 # docs/PROTOCOL.md's shape table and the A10G record's published figures, typed in here
 # independently of the harness's own copies.
 PROTOCOL_SHAPES = {
-    "smol": dict(pool=14160384, extras=56624256, adapter=921600, vocab=49152, hidden=576,
+    "smol": dict(pool=14160384, extras=56624256, grid_adapter=921600, vocab=49152, hidden=576,
                  intermediate=1536, n_layers=30),
-    "qwen": dict(pool=59649536, extras=272271104, adapter=1081344, vocab=151936, hidden=896,
+    "qwen": dict(pool=59649536, extras=272271104, grid_adapter=1081344, vocab=151936, hidden=896,
                  intermediate=4864, n_layers=24),
 }
 PUBLISHED = {  # (model, seq): (predicted GB, real peak GB, pred/real)
@@ -106,7 +106,7 @@ def test_predicted_bytes_is_soups_estimator_with_protocol_arguments(key, seq):
     s = PROTOCOL_SHAPES[key]
     direct = estimate_stream_peak_vram(
         layer_bytes=s["pool"] // 2, buffers=2, extras_bytes=s["extras"],
-        adapter_params=s["adapter"], vocab_size=s["vocab"], hidden_size=s["hidden"],
+        adapter_params=s["grid_adapter"], vocab_size=s["vocab"], hidden_size=s["hidden"],
         intermediate_size=s["intermediate"], n_layers=s["n_layers"], seq_len=seq, batch_size=1)
     pred = predicted_bytes(SHAPES[key], seq)
     assert pred == int(direct)
