@@ -54,7 +54,7 @@ def cap_evidence(caps: list[Result]) -> dict[tuple, list[str]]:
             what = ("completed" if r.measured else r.status) + (
                 f" (allocated {gb(r.real_peak)}, reserved {gb(r.reserved)} GB)" if r.measured else "")
             cap = "no cap (control)" if r.cap_at == "off" else f"capped at {r.cap_at} = {gb(r.cap)} GB"
-            out.setdefault((r.model_key, r.quant, r.seq, r.batch), []).append(f"{cap}: {what}")
+            out.setdefault(r.arm, []).append(f"{cap}: {what}")
     return out
 
 
@@ -77,7 +77,7 @@ def main() -> None:
     for res, r in under:
         e = estimate(config_json(r.model_key), quant=r.quant, seq=r.seq, batch=r.batch, targets=r.targets,
                      release=res.environment["soup_cli"])
-        key = (r.model_key, r.quant, r.seq, r.batch)
+        key = r.arm
         arm = f"{r.model} {r.quant} {r.seq}x{r.batch}"
         print(f"| {arm} | {gb(r.soup_predicted)} | {gb(e.corrected_predicted)} | {gb(r.real_peak)} | "
               f"{r.soup_predicted / r.real_peak:.3f}x | {(r.real_peak - r.soup_predicted) / 1e6:.1f} | {e.phase} | "
@@ -139,14 +139,14 @@ def soup077() -> None:
     measured = [(res, r) for p, res in runs if "cap-soup" not in p for r in res.rows if r.measured]
     seen, under = set(), []
     for res, r in measured:
-        key = (r.model_key, r.quant, r.seq, r.batch)
+        key = r.arm
         if key not in seen and r.soup_predicted and r.soup_predicted < r.real_peak:
             seen.add(key)
             under.append((res, r))
     print("## soup-cli 0.77.0: its new families and streaming modes\n")
     print("Rendered from " + ", ".join(f"`{p}`" for p in NEW_RUNS) + ". Families at full width, reduced "
           "depth (the row names the depth); every arm's Soup number is its setup's own.\n")
-    print(f"{len(under)} of {len({(r.model_key, r.quant, r.seq, r.batch) for _, r in measured})} distinct measured "
+    print(f"{len(under)} of {len({r.arm for _, r in measured})} distinct measured "
           "arms are under Soup's own number: the contract fails there.\n")
     print(TABLE_HEAD)
     lines = []
@@ -154,7 +154,7 @@ def soup077() -> None:
         family, stream = stream_mode(r.model_key)
         e = estimate(config_json(family), quant=r.quant, seq=r.seq, batch=r.batch, targets=r.targets,
                      release="0.77.0", stream=stream, soup=False)  # its Soup number is the row's
-        key = (r.model_key, r.quant, r.seq, r.batch)
+        key = r.arm
         arm = f"{r.model} {r.quant} {r.seq}x{r.batch}"
         print(f"| {arm} | {gb(r.soup_predicted)} | {gb(e.corrected_predicted)} | {gb(r.real_peak)} | "
               f"{r.soup_predicted / r.real_peak:.3f}x | {(r.real_peak - r.soup_predicted) / 1e6:.1f} | {e.phase} | "

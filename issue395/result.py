@@ -172,7 +172,7 @@ def check_unique(rows: list[Row], kind: str) -> None:
     """One arm, one row: a row saved twice would count twice in every summary."""
     seen = set()
     for r in rows:
-        key = (r.model_key, r.quant, r.seq, r.batch, r.repeat) if kind == "map" else (r.index, r.repeat)
+        key = (*r.arm, r.repeat) if kind == "map" else (r.index, r.repeat)
         if key in seen:
             again = f" repeat {r.repeat}" if r.repeat is not None else ""
             raise ValueError(f"the same arm appears twice in it ({r.model} {r.quant} seq {r.seq} "
@@ -224,7 +224,7 @@ def merge(results: list[Result], arms_label: Optional[str] = None) -> Result:
     if results[0].kind == "map":  # maps of different families merge too: by the map's own order
         order = {f: i for i, f in enumerate(ALL_FAMILIES)}
         rows.sort(key=lambda r: (order.get(r.model_key, len(order)), QUANTS.index(r.quant), r.seq, r.batch))
-        seen = [(r.model_key, r.quant, r.seq, r.batch) for r in rows]
+        seen = [r.arm for r in rows]
     else:
         rows.sort(key=row_order)
         seen = [(r.index, r.repeat) for r in rows]

@@ -104,6 +104,12 @@ class Row:
     min_free_probes: Optional[tuple] = None  # --min-free: (cap bytes, completed) in the order run
 
     @property
+    def arm(self) -> tuple:
+        """The arm this row measured, as the map names it: model key (with its streaming modes),
+        quantization, seq, batch. Repeats of one arm share it."""
+        return (self.model_key, self.quant, self.seq, self.batch)
+
+    @property
     def realised(self) -> Optional[int]:
         """The one number the table shows: the length that strays furthest from seq."""
         seen = list(self.realised_rows) + ([self.realised_width] if self.realised_width else [])

@@ -241,7 +241,7 @@ def map_verdict(rows: list[Row], env: Optional[dict] = None) -> str:
                  f"issue #349); here {gb(r.real_peak)} GB ({r.real_peak / peak:.3f}x), Soup's own prediction "
                  f"{gb(r.soup_predicted)} GB ({ratio(r.margin_ratio)} of the peak here)"
                  for (name, quant, q, b), peak in PUBLISHED_NF4.items() for r in rows
-                 if (r.model_key, r.quant, r.seq, r.batch) == (name, quant, q, b) and r.measured]
+                 if r.arm == (name, quant, q, b) and r.measured]
     return "\n".join(published + [verdict_line(rows), corrected_line(rows, env)])
 
 
