@@ -19,8 +19,10 @@ Usage
     issue395_second_stack_vram.py --gpus 0,1               one shard per GPU, merged
     issue395_second_stack_vram.py --shard 2/4 --json s2.json   one shard of four (cluster array jobs)
     issue395_second_stack_vram.py --from-json s1.json s2.json  merge shards into one set of tables
-    issue395_second_stack_vram.py --estimate --model mistral-7b --quant nf4 --seq 512 --card 24GB
-                                                           does it fit? CPU, from a config, no torch
+    issue395_second_stack_vram.py --estimate --config soup.yaml --card T4
+                                                           does it fit? CPU, your soup.yaml, no torch
+    issue395_second_stack_vram.py --map --families moonlight --expert-layout fused,per_expert
+                                                           soup-cli 0.77.0's MoE families and modes
     issue395_second_stack_vram.py --map --families phi-2 --quant nf4 --seq 512 --cap soup
                                                            the arm capped at Soup's own number
 
