@@ -18,7 +18,7 @@ from . import estimate as E
 from .arch import arch_from_config
 from .constants import CUBLAS_WORKSPACE, CUBLAS_WORKSPACE_AMPERE, block_bytes
 from .record import SHAPES
-from .registry import FAMILIES, config_json, stream_mode
+from .registry import FAMILIES, config_json, family_of, stream_mode
 
 
 DEQUANTISED = "dequantised layer weights"
@@ -107,7 +107,7 @@ def classifier_for(key: str, *, quant: str, seq: int, batch: int, targets=None) 
     """``physical_classifier`` for an arm of one of the record's two models or the map's families
     (the models with a public config here; not --model), or None. It never raises: an attribution
     must never cost the measurement it attributes (e.g. a Soup release this tool cannot read)."""
-    family = key.split("+")[0]  # a streaming mode's blocks are its family's kinds
+    family = family_of(key)  # a streaming mode's blocks are its family's kinds
     if family not in SHAPES and family not in FAMILIES:
         return None
     try:

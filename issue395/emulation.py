@@ -15,14 +15,14 @@ from .cards import Budget, budget, parse_card, workspace_env
 from .errors import last_line
 from .fits import card_answers
 from .minfree import Ballast, hold_ballast, release_ballast
-from .registry import FAMILIES, config_json
+from .registry import FAMILIES, config_json, family_of
 from .record import SHAPES
 
 
 def arm_config(model_key: str, base: Optional[str]) -> Optional[dict]:
     """The config.json the estimator reads for an arm: a family's (or the record's) public one,
     else the checkpoint's own (--model, --config); None where there is none to read."""
-    family = model_key.split("+")[0]
+    family = family_of(model_key)
     if family in FAMILIES or family in SHAPES:
         return config_json(family)
     path = Path(base or "") / "config.json"

@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Iterable, Optional
 
 from .record import MAP_SEQS, RECORD_GRID, SHAPES, Arm
-from .registry import FAMILIES, max_positions
+from .registry import FAMILIES, family_of, max_positions
 from .shapes import family_shape
 
 
@@ -54,18 +54,18 @@ def shard_of(arms: list[Arm], shard: tuple[int, int], whole_models: bool = False
         return [a for a in arms if a.index % n == k - 1]
     cost: dict[str, float] = {}
     for a in arms:  # a family's streaming modes share its checkpoint: one shard builds it
-        cost[a.model.split("+")[0]] = cost.get(a.model.split("+")[0], 0.0) + arm_seconds(a)
+        cost[family_of(a.model)] = cost.get(family_of(a.model), 0.0) + arm_seconds(a)
     load, owner = [0.0] * n, {}
     for model in sorted(cost, key=lambda m: (-cost[m], m)):
         owner[model] = min(range(n), key=lambda j: (load[j], j))
         load[owner[model]] += cost[model]
-    return [a for a in arms if owner[a.model.split("+")[0]] == k - 1]
+    return [a for a in arms if owner[family_of(a.model)] == k - 1]
 
 
 def arm_seconds(arm: Arm) -> float:
     """A map arm's rough cost, only to deal families evenly: on the H200 map each arm took
     about 3 s of setup and teardown plus 0.7 s per billion parameters."""
-    family = arm.model.split("+")[0]  # a streaming mode costs what its family costs
+    family = family_of(arm.model)  # a streaming mode costs what its family costs
     if family in FAMILIES:
         f = FAMILIES[family]
         # a family with no published count (a reduced-depth MoE): its bf16 bytes, from its shape

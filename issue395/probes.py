@@ -13,7 +13,7 @@ from .emulation import arm_config, tool_needs_free
 from .minfree import bisect_min_free
 from .options import Run
 from .record import SHAPES, Arm
-from .registry import FAMILIES, stream_mode
+from .registry import FAMILIES, family_of, stream_mode
 from .result import Result
 from .row import Row
 from .scratch import Scratch
@@ -25,7 +25,7 @@ CEILING_OVER_RESERVED = 4
 
 def arm_targets(arm: Arm) -> tuple:
     """The LoRA targets the arm runs with (the family's own, else the protocol's)."""
-    family = FAMILIES.get(arm.model.split("+")[0])
+    family = FAMILIES.get(family_of(arm.model))
     if family is not None:
         return tuple(family.targets or ("q_proj", "v_proj"))
     return tuple(SHAPES[arm.model].targets) if arm.model in SHAPES else ()

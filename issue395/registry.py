@@ -201,9 +201,15 @@ STREAM_MODES = {"per_expert": ("stream_expert_layout", "per_expert"),
 LOSS_CHUNK_PREFIX = "chunk"  # chunkN: training.stream_loss_chunk = N tokens
 
 
+def family_of(key: str) -> str:
+    """The family (or record model) a map key names, its streaming modes aside: the one place that
+    knows how a mode is spelled after a family ("moonlight+per_expert" -> "moonlight")."""
+    return key.split("+")[0]
+
+
 def stream_mode(key: str) -> tuple[str, dict[str, Any]]:
     """A map key's family and the Soup training keys its modes set (none: Soup's defaults)."""
-    base, *modes = key.split("+")
+    base, modes = family_of(key), key.split("+")[1:]
     training: dict[str, Any] = {}
     for mode in modes:
         digits = mode[len(LOSS_CHUNK_PREFIX):]
@@ -233,7 +239,7 @@ def is_moe(key: str) -> bool:
 
 
 def max_positions(key: str) -> int:
-    base = key.split("+")[0]
+    base = family_of(key)
     return SHAPES[base].max_positions if base in SHAPES else FAMILIES[base].max_positions
 
 

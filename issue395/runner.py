@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from .registry import family_of
 from .checkpoints import Checkpoints, quant_base
 from .checks import within_positions
 from .console import Progress, Stop
@@ -95,7 +96,7 @@ def sweep(arms: list[Arm], shapes: dict[str, Shape], bases: Checkpoints, scratch
         if Stop.requested:
             break
         # A family's streaming modes share its checkpoint: it is built once, released after the last.
-        family = arm.model.split("+")[0]
+        family = family_of(arm.model)
         base = quant_base(scratch, bases.get(family), arm.quant, shapes[arm.model].stream)
         first = (arm.model, arm.quant) not in checked
         if run.cache_dir and first:
@@ -111,10 +112,10 @@ def sweep(arms: list[Arm], shapes: dict[str, Shape], bases: Checkpoints, scratch
                           **({"emulate": run.emulate_card, "context": run.context} if run.emulate_card else {}))
         on_row(row)
         done.append(row)
-        if any(a.model.split("+")[0] == family for a in arms[i + 1:]):
+        if any(family_of(a.model) == family for a in arms[i + 1:]):
             continue
         if on_margin is not None:
-            mine = [r for r in done if r.model_key.split("+")[0] == family]
+            mine = [r for r in done if family_of(r.model_key) == family]
             again = mine if run.snapshot else []
             for a in [] if run.snapshot else margin_arms(mine):
                 if Stop.requested:
@@ -174,7 +175,7 @@ def measure_all(run: Run, protocol: Protocol, job: Optional[Job], scratch: Scrat
             within_positions(run.custom_model, shapes["custom"].max_positions, run.seqs)
         if run.map:  # this shard's families only (and their streaming modes)
             shapes.update({f: family_shape(f) for f in dict.fromkeys(a.model for a in arms)})
-            shapes.update({f: family_shape(f) for f in dict.fromkeys(a.model.split("+")[0] for a in arms)})
+            shapes.update({f: family_shape(f) for f in dict.fromkeys(family_of(a.model) for a in arms)})
         imports_s = time.perf_counter() - t
     det_models, det_seqs, det_batches = run.determinism_grid
     det_arms = plan_arms(*run.determinism_grid) if run.repeats else []
@@ -212,7 +213,7 @@ def measure_all(run: Run, protocol: Protocol, job: Optional[Job], scratch: Scrat
             with Stop.arm():  # the children's arms are in flight
                 children += spread(replace(run, repeats=None), arms, scratch, on_row, protocol.script)
         elif run.run_arms:
-            checkpoints = Checkpoints(list(dict.fromkeys(a.model.split("+")[0] for a in arms)), shapes, run, scratch)
+            checkpoints = Checkpoints(list(dict.fromkeys(family_of(a.model) for a in arms)), shapes, run, scratch)
             sweep(arms, shapes, checkpoints, scratch, run, protocol.run_arm, on_row,
                   result.margins.append if run.map and not run.dry_run and not run.cap and not run.emulate_card
                   else None)

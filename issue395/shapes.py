@@ -160,7 +160,7 @@ def family_shape(key: str) -> Shape:
                              targets=family.targets)
     if not training:
         return shape
-    return replace(shape, name=f"{shape.name} [{key.split('+', 1)[1]}]", stream=tuple(training.items()))
+    return replace(shape, name=f"{shape.name} [{key[len(base) + 1:]}]", stream=tuple(training.items()))
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tiktoken.model")

@@ -25,7 +25,7 @@ from .record import SHAPES, Arm
 from .result import Result, RowFile
 from .row import Row
 from .scratch import Scratch
-from .registry import FAMILIES
+from .registry import FAMILIES, family_of
 
 #: A child process finds its work here: the file names its settled Run and its Job.
 CHILD_JOB = "ISSUE395_CHILD_JOB"
@@ -225,8 +225,8 @@ def read_job(path: str) -> tuple[Run, Job]:
 def lost_row(arm: Arm, run: "Run", repeat: Optional[int], code: Optional[int]) -> Row:
     """A FAILED row for an arm whose process died before reporting it (no prediction: this
     process does not import Soup)."""
-    shape = SHAPES.get(arm.model.split("+")[0])
-    family = FAMILIES.get(arm.model.split("+")[0])  # a streaming mode is its family's
+    shape = SHAPES.get(family_of(arm.model))
+    family = FAMILIES.get(family_of(arm.model))  # a streaming mode is its family's
     name = shape.name if shape else family.name if family else (run.custom_model or arm.model)
     vocab = shape.vocab if shape else family.vocab if family else 1
     return Row(model=name, model_key=arm.model, seq=arm.seq, batch=arm.batch, index=arm.index, cap_at=run.cap,
