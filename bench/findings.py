@@ -17,7 +17,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from issue395.estimate import arch_of, estimate, lora_params  # noqa: E402
+from issue395.estimate import arch_of, estimate, estimate_key, lora_params  # noqa: E402
 from issue395.result import Result  # noqa: E402
 from issue395.registry import config_json  # noqa: E402
 
@@ -132,8 +132,6 @@ NEW_TERMS = {"retained_activations": "stream_recompute off: every layer keeps it
 
 
 def soup077() -> None:
-    from issue395.registry import stream_mode
-
     runs = [(p, load(p)) for p in NEW_RUNS]
     caps = cap_evidence([res for p, res in runs if "cap-soup" in p])
     measured = [(res, r) for p, res in runs if "cap-soup" not in p for r in res.rows if r.measured]
@@ -151,9 +149,8 @@ def soup077() -> None:
     print(TABLE_HEAD)
     lines = []
     for res, r in under:
-        family, stream = stream_mode(r.model_key)
-        e = estimate(config_json(family), quant=r.quant, seq=r.seq, batch=r.batch, targets=r.targets,
-                     release="0.77.0", stream=stream, soup=False)  # its Soup number is the row's
+        e = estimate_key(r.model_key, quant=r.quant, seq=r.seq, batch=r.batch, targets=r.targets,
+                         release="0.77.0", soup=False)  # its Soup number is the row's
         key = r.arm
         arm = f"{r.model} {r.quant} {r.seq}x{r.batch}"
         print(f"| {arm} | {gb(r.soup_predicted)} | {gb(e.corrected_predicted)} | {gb(r.real_peak)} | "

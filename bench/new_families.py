@@ -19,8 +19,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from issue395.estimate import estimate  # noqa: E402
-from issue395.registry import config_json, stream_mode  # noqa: E402
+from issue395.estimate import estimate_key  # noqa: E402
+from issue395.registry import stream_mode  # noqa: E402
 
 NEW = ("moonlight", "deepseek-v3", "qwen3.5", "qwen3.5-moe")
 
@@ -42,9 +42,8 @@ def arms() -> list[dict]:
 def main() -> None:
     by: dict = {}
     for r in arms():
-        family, stream = stream_mode(r["model_key"])
-        e = estimate(config_json(family), quant=r["quant"], seq=r["seq"], batch=r["batch"],
-                     targets=tuple(r["targets"]), release="0.77.0", stream=stream, soup=False)
+        e = estimate_key(r["model_key"], quant=r["quant"], seq=r["seq"], batch=r["batch"],
+                         targets=tuple(r["targets"]), release="0.77.0", soup=False)
         by.setdefault(r["model_key"], []).append((e.corrected_predicted / r["real_peak"],
                                                   r["soup_predicted"] / r["real_peak"],
                                                   "oos" if r["file"].startswith("out-of-sample") else "in"))

@@ -18,7 +18,7 @@ from . import estimate as E
 from .arch import arch_from_config
 from .constants import CUBLAS_WORKSPACE, CUBLAS_WORKSPACE_AMPERE, block_bytes
 from .record import SHAPES
-from .registry import FAMILIES, config_json, family_of, stream_mode
+from .registry import FAMILIES, config_json, family_of
 
 
 DEQUANTISED = "dequantised layer weights"
@@ -194,10 +194,9 @@ def margin_anatomy(margins: list[dict], release: str | None = None) -> str:
         if not m.get("physical"):
             continue
         try:
-            family, stream = stream_mode(m["model_key"])
-            config = config_json(family)
-            est = E.estimate(config, quant=m["quant"], seq=m["seq"], batch=m["batch"],
-                             release=release if release in E.RELEASES else None, stream=stream, soup=False)
+            config = config_json(family_of(m["model_key"]))
+            est = E.estimate_key(m["model_key"], quant=m["quant"], seq=m["seq"], batch=m["batch"],
+                                 release=release, soup=False)
         except (E.UsageError, KeyError):  # a release or model this estimator does not know: none
             continue
         classes = dict(m["physical"])

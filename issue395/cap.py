@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from typing import Optional
 
-from .estimate import estimate
-from .registry import config_json, stream_mode
+from .estimate import estimate, estimate_key
+from .registry import stream_mode
 
 
 def cap_bytes(cap: str, key: str, *, quant: str, seq: int, batch: int, targets: tuple, steps: int = 1,
@@ -19,9 +19,9 @@ def cap_bytes(cap: str, key: str, *, quant: str, seq: int, batch: int, targets: 
         return None
     if cap.startswith("bytes:"):  # --min-free's probes: a number, not a prediction
         return int(cap.partition(":")[2])
-    family, stream = stream_mode(key)  # a streaming mode is capped at its own estimate
-    e = estimate(config if config is not None else config_json(family), quant=quant, seq=seq, batch=batch,
-                 targets=targets, steps=steps, release=release, stream=stream)
+    kw = dict(quant=quant, seq=seq, batch=batch, targets=targets, steps=steps, release=release)
+    # a streaming mode is capped at its own estimate; a --model arm at its checkpoint's config
+    e = estimate_key(key, **kw) if config is None else estimate(config, stream=stream_mode(key)[1], **kw)
     return {"soup": e.soup_predicted, "corrected": e.corrected_predicted, "needs-free": e.needs_free}[cap]
 
 

@@ -9,20 +9,17 @@ import functools
 from typing import Optional
 
 from .errors import UsageError
-from .releases import nearest_release
-from .estimate import RELEASES, estimate
-from .registry import config_json, known, stream_mode
+from .estimate import estimate_key
+from .registry import known
 from .row import Row
 
 
 @functools.lru_cache(maxsize=4096)
 def _corrected(key: str, quant: str, seq: int, batch: int, targets: tuple, release: Optional[str],
                steps: int) -> Optional[int]:
-    family, stream = stream_mode(key)  # a streaming mode is estimated under that mode, never without
     try:
-        return estimate(config_json(family), quant=quant, seq=seq, batch=batch, targets=targets or None,
-                        steps=steps, release=nearest_release(release, RELEASES) if release else None,
-                        stream=stream, soup=False).corrected_predicted
+        return estimate_key(key, quant=quant, seq=seq, batch=batch, targets=targets or None, steps=steps,
+                            release=release, soup=False).corrected_predicted
     except UsageError:
         return None
 

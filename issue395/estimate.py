@@ -23,6 +23,7 @@ from .soup_number import (RELEASES, _nf4_bytes, _soup_dir, arch_of, installed_re
                           layer_bytes, linear_elements, lora_params, soup_namespace, soup_preflight_from_config,
                           streamed_as, supported_archs)
 from .record import QUANTS
+from .registry import config_json, stream_mode
 
 #: CUBLAS_WORKSPACE (constants) is kept on every card though torch gives 8,519,680 B below sm 9
 #: (cards.cublas_workspace): on the A10G record (sm 8.6) it sits 27.6-28.5 MB over at seq 2048 but
@@ -350,6 +351,14 @@ def estimate(config: dict, *, quant: str = "none", seq: int, batch: int = 1, tar
     corrected = resident + max(loss, layer) + steady + t["allocated_allowance"]
     return Estimate(seq, batch, quant, steps, release, soup_number, soup_terms, corrected,
                     needs_free(corrected), "loss" if loss >= layer else "layer", t)
+
+
+def estimate_key(key: str, **kwargs) -> Estimate:
+    """The estimate of a map key: its family's public config under the streaming modes the key
+    names (never estimated as if the mode were absent). ``release``, as a saved row records it, is
+    taken to its nearest known release by ``estimate`` itself."""
+    family, stream = stream_mode(key)
+    return estimate(config_json(family), stream=stream, **kwargs)
 
 
 def needs_free(allocated: int) -> int:
