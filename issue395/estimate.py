@@ -175,11 +175,14 @@ def allocator_rounding(a: Arch, T: int) -> int:
             + BF16_HIDDEN_SEGMENTS * segment_tail(2 * T * a.h))
 
 
-def dequantised_layer(a: Arch, quant: str) -> int:
+def dequantised_layer(a: Arch, quant: str, modules: dict | None = None) -> int:
     """W16: under NF4 Soup's _dequant_forward dequantises each linear to bf16 and F.linear saves
     it for backward (PEAK "Layer phase": Mistral-7B NF4 512x1 history, 3 x 117,440,512 B +
-    4096x4096 blocks from bitsandbytes' dequantize at the peak). bf16 weights are the pool."""
-    return 2 * linear_elements(a) if quant == "nf4" else 0
+    4096x4096 blocks from bitsandbytes' dequantize at the peak). bf16 weights are the pool.
+    ``modules``: one layer kind's linears (issue395.moe), else the dense layer's."""
+    if quant != "nf4":
+        return 0
+    return 2 * (linear_elements(a) if modules is None else sum(fi * fo for fi, fo, _ in modules.values()))
 
 
 def layer_per_token(a: Arch, quant: str, targets: tuple, r: int) -> int:
@@ -225,16 +228,13 @@ def kind_transients(a: Arch, k: Kind) -> int:
     return 2 * 3 * k.mlp_width + 2 * a.h
 
 
-def layer_phases(a: Arch, quant: str, targets: tuple, r: int, T: int, per_expert: bool) -> dict:
-    """Each layer kind's recompute peak beyond the shared terms: its dequantised linears (NF4
-    only: fused experts stay bf16 in the pool), T x its per-token count, and under the per-expert
-    layout Soup's expert in flight (its packed copy and bf16 weights, twice)."""
-    if a.layers is None:
-        return {"dense": dequantised_layer(a, quant) + T * layer_per_token(a, quant, targets, r)}
-    return {i: (2 * sum(fi * fo for fi, fo, _ in k.dequant.values()) if quant == "nf4" else 0)
-            + T * kind_per_token(a, k, targets, r)
-            + (expert_in_flight(a.layers.expert, quant) if per_expert and k.routed else 0)
-            for i, k in enumerate(a.layers.kinds)}
+def kind_terms(a: Arch, k: Kind, quant: str, targets: tuple, r: int, T: int, per_expert: bool) -> dict:
+    """One layer kind's recompute beyond the shared terms: its dequantised linears (NF4 only: fused
+    experts stay bf16 in the pool), T x its per-token count, and under the per-expert layout Soup's
+    expert in flight (its packed copy and bf16 weights, twice). The kind whose sum is largest binds."""
+    return {"dequantised_layer": dequantised_layer(a, quant, k.dequant),
+            "layer_per_token": T * kind_per_token(a, k, targets, r),
+            "expert_in_flight": expert_in_flight(a.layers.expert, quant) if per_expert and k.routed else 0}
 
 
 def retained_per_token(a: Arch, quant: str, targets: tuple, r: int) -> int:
@@ -320,11 +320,8 @@ def estimate(config: dict, *, quant: str = "none", seq: int, batch: int = 1, tar
          "layer_per_token": T * layer_per_token(a, quant, targets, lora_r),
          "autograd_workspace": ws}
     if a.layers is not None:  # the kind whose recompute binds: its W16, its tokens, its expert
-        phases = layer_phases(a, quant, targets, lora_r, T, per_expert)
-        k = a.layers.kinds[max(phases, key=phases.get)]
-        t["dequantised_layer"] = 2 * sum(fi * fo for fi, fo, _ in k.dequant.values()) if quant == "nf4" else 0
-        t["layer_per_token"] = T * kind_per_token(a, k, targets, lora_r)
-        t["expert_in_flight"] = max(phases.values()) - t["dequantised_layer"] - t["layer_per_token"]
+        t.update(max((kind_terms(a, k, quant, targets, lora_r, T, per_expert) for k in a.layers.kinds),
+                     key=lambda terms: sum(terms.values())))
     if chunk:  # the chunked loss: per chunk 3 fp32 + its bf16 logits (14 B), a backward's cuBLAS
         # workspace inside the loss, Soup's two [batch, seq, hidden] stream-dtype tensors;
         # measured: SmolLM2 and Moonlight chunk 512 (results/moe-and-stream-modes-*/loss-chunk.txt)
