@@ -23,7 +23,7 @@ from .soup_number import (RELEASES, _nf4_bytes, _soup_dir, arch_of, installed_re
                           layer_bytes, linear_elements, lora_params, soup_namespace, soup_preflight_from_config,
                           streamed_as, supported_archs)
 from .record import QUANTS
-from .registry import config_json, stream_mode
+from .registry import RECOMPUTES, config_json, stream_mode
 
 #: CUBLAS_WORKSPACE (constants) is kept on every card though torch gives 8,519,680 B below sm 9
 #: (cards.cublas_workspace): on the A10G record (sm 8.6) it sits 27.6-28.5 MB over at seq 2048 but
@@ -306,7 +306,7 @@ def estimate(config: dict, *, quant: str = "none", seq: int, batch: int = 1, tar
         raise UsageError(f"Soup refuses stream_expert_layout 'per_expert' on {a.model_type} (it admits "
                          "deepseek_v3 only)")
     chunk, recompute = stream.get("stream_loss_chunk"), stream.get("stream_recompute", "on")
-    if recompute not in ("on", "off"):
+    if recompute not in RECOMPUTES:
         raise UsageError(f"stream_recompute {recompute!r} is not modelled (it measures one step at setup)")
     T, n = seq * batch, lora_params(a, targets, lora_r)
     t = {"pool": pool(a, quant, per_expert), "extras": extras(a, release), "lora_weights": lora_weights(n),

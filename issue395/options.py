@@ -32,9 +32,10 @@ from .parser import build_parser
 from .record import Arm, MAP_BATCHES, QUANTS, RECORD_DETERMINISM, RECORD_GRID, SHAPES
 from .result import RowFile
 from .scratch import soup_shard_root
-from .registry import ALL_FAMILIES, FAMILIES, config_json, max_positions, stream_mode_keys
+from .registry import ALL_FAMILIES, EXPERT_LAYOUTS, FAMILIES, RECOMPUTES, config_json, max_positions, stream_mode_keys
 from .targets import soup_targets
-from .shapes import bitsandbytes_present, config_only, default_map_families, soup_has_stream_modes, soup_loss_chunk_bounds, streamed_as
+from .shapes import (bitsandbytes_present, config_only, default_map_families, soup_has_stream_modes,
+                     soup_loss_chunk_bounds, streamed_as)
 
 @dataclass(frozen=True)
 class Run:
@@ -86,8 +87,7 @@ class Run:
         """The record's two repeated arms, unless the command line chose others."""
         if self.custom_model or self.seqs or self.models != tuple(SHAPES) or self.batches != (1,):
             return self.models, self.seqs, self.batches
-        models = tuple(dict.fromkeys(m for m, _ in RECORD_DETERMINISM))  # the record's repeated arms
-        return models, tuple(s for _, s in RECORD_DETERMINISM), (1,)
+        return tuple(dict.fromkeys(m for m, _ in RECORD_DETERMINISM)), tuple(s for _, s in RECORD_DETERMINISM), (1,)
 
 
 def run_from_json(data: dict[str, Any]) -> Run:
@@ -407,8 +407,8 @@ def settle_estimate(args: argparse.Namespace, argv: list[str]) -> Run:
 def estimate_stream(args: argparse.Namespace) -> dict:
     """--estimate's soup-cli 0.77.0 streaming modes, one value each: Soup's training keys."""
     stream: dict = {}
-    for flag, key, allowed in (("expert_layout", "stream_expert_layout", ("fused", "per_expert")),
-                               ("recompute", "stream_recompute", ("on", "off"))):
+    for flag, key, allowed in (("expert_layout", "stream_expert_layout", EXPERT_LAYOUTS),
+                               ("recompute", "stream_recompute", RECOMPUTES)):
         value = getattr(args, flag)
         if value is not None and value not in allowed:
             raise UsageError(f"--{flag.replace('_', '-')} {value!r}: with --estimate, one of {', '.join(allowed)}")

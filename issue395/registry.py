@@ -199,6 +199,8 @@ def known(key: str) -> bool:
 STREAM_MODES = {"per_expert": ("stream_expert_layout", "per_expert"),
                 "recompute-off": ("stream_recompute", "off")}
 LOSS_CHUNK_PREFIX = "chunk"  # chunkN: training.stream_loss_chunk = N tokens
+#: The values of the two named axes, Soup's default first (the default adds nothing to a key).
+EXPERT_LAYOUTS, RECOMPUTES = ("fused", "per_expert"), ("on", "off")
 
 
 def family_of(key: str) -> str:
@@ -233,9 +235,8 @@ def mode_key(family: str, layout: str = "fused", loss_chunk: Optional[int] = Non
 
 def is_moe(key: str) -> bool:
     """A family whose layers route tokens to experts (the one kind an expert layout applies to)."""
-    config = FAMILIES[key].config if key in FAMILIES else {}
-    return FAMILIES.get(key) is not None and (
-        "n_routed_experts" in config or FAMILIES[key].model_type.endswith("moe_text"))
+    family = FAMILIES.get(key)
+    return family is not None and ("n_routed_experts" in family.config or family.model_type.endswith("moe_text"))
 
 
 def max_positions(key: str) -> int:
@@ -256,8 +257,8 @@ def config_json(key: str) -> dict[str, Any]:
 def stream_mode_keys(families: list, layouts: list, chunks: list, recomputes: list) -> tuple:
     """Every family under every mode: modes after the family, so its checkpoint serves them all.
     A per-expert layout is a MoE family's axis only; each axis names each value once."""
-    for flag, values, allowed in (("--expert-layout", layouts, ("fused", "per_expert")),
-                                  ("--recompute", recomputes, ("on", "off"))):
+    for flag, values, allowed in (("--expert-layout", layouts, EXPERT_LAYOUTS),
+                                  ("--recompute", recomputes, RECOMPUTES)):
         if any(v not in allowed for v in values) or len(set(values)) != len(values):
             raise UsageError(f"{flag} {','.join(values)!r}: choose from {','.join(allowed)}, each once")
     if len(set(chunks)) != len(chunks):
