@@ -295,8 +295,9 @@ def settle_map(args: argparse.Namespace, argv: list[str]) -> Run:
     seqs, batches = parse_ints("--seq", args.seq, minimum=64), parse_ints("--batch", args.batch)
     for fam in families:
         within_positions(fam, max_positions(fam), seqs or ())
+    axes = dict(expert_layout=None, loss_chunk=None, recompute=None)  # the map's own, settled above
     plain = _settle(argparse.Namespace(**dict(vars(args), map=False, families=None, quant=None,
-                                             models=None, seq=None, batch=args.batch)), argv)
+                                             models=None, seq=None, batch=args.batch, **axes)), argv)
     return replace(plain, map=True, run_arms=True, models=families, quants=quants, seqs=seqs,
                        batches=batches or MAP_BATCHES)
 
@@ -375,7 +376,7 @@ def settle_estimate(args: argparse.Namespace, argv: list[str]) -> Run:
     if targets is not None and len(set(targets)) != len(targets):
         raise UsageError(f"--targets {args.targets}: a target is named twice")
     from .cards import parse_cards, parse_context
-    from .estimate import arch_of
+    from .estimate import arch_of, estimate
 
     try:  # the config's own sizes, heads and positions: one line here, before any table
         arch = arch_of(config)
@@ -394,8 +395,6 @@ def settle_estimate(args: argparse.Namespace, argv: list[str]) -> Run:
         raise UsageError("--context goes with --card: it is the context of the card to fit")
     stream = estimate_stream(args)
     if stream:  # Soup's own refusals and the modes' physics, in one line before any table
-        from .estimate import estimate
-
         estimate(config, quant=quants[0], seq=seqs[0], targets=targets, stream=stream)
     return Run(run_arms=False, estimate=True, estimate_config=config, custom_model=name, quants=quants, seqs=seqs,
                stream=tuple(sorted(stream.items())),

@@ -222,3 +222,18 @@ def test_the_committed_new_families_report_is_what_the_script_prints_now():
                          text=True, check=True).stdout
     assert out == committed
     assert "corrected under on 0;" in committed
+
+
+@needs_077
+def test_the_map_takes_the_streaming_mode_axes_it_names():
+    # the check that refuses a mode flag outside --map must not refuse it on --map itself
+    from issue395.options import settle
+    from issue395.parser import build_parser
+
+    argv = ["--map", "--dry-run", "--families", "smol,moonlight", "--seq", "64", "--batch", "1",
+            "--quant", "none", "--loss-chunk", "off,32", "--recompute", "on,off", "--expert-layout", "fused,per_expert"]
+    run = settle(build_parser().parse_args(argv), argv)
+    assert run.models == ("smol", "smol+recompute-off", "smol+chunk32", "smol+chunk32+recompute-off",
+                          "moonlight", "moonlight+recompute-off", "moonlight+chunk32", "moonlight+chunk32+recompute-off",
+                          "moonlight+per_expert", "moonlight+per_expert+recompute-off", "moonlight+per_expert+chunk32",
+                          "moonlight+per_expert+chunk32+recompute-off")
