@@ -5,6 +5,7 @@ the map, dealt heaviest first, each family's streaming modes with it.
 
 from __future__ import annotations
 
+import functools
 from typing import Iterable, Optional
 
 from .record import MAP_SEQS, RECORD_GRID, SHAPES, Arm
@@ -76,6 +77,7 @@ def arm_seconds(arm: Arm) -> float:
     return 3.0 + 0.7e-9 * params
 
 
+@functools.lru_cache(maxsize=None)  # dealing shards asks once per arm; the meta build is per family
 def shape_params(family: str) -> int:
     """A family's parameters from its derived shape (pool and extras are bf16 bytes)."""
     shape = family_shape(family)

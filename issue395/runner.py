@@ -32,7 +32,7 @@ from .result import Result, RowFile, environment, load_result, merge, row_order
 from .row import Row
 from .scratch import Scratch
 from .probes import min_free_arms
-from .shapes import family_shape, load_custom_shape, not_on_map
+from .shapes import family_shape, load_custom_shape, not_on_map, with_modes
 from .spread import CHILD_JOB, Job, die_with_parent, read_job, spread, visible_gpu_count
 from .tables import compare_table, render_text
 
@@ -173,13 +173,13 @@ def measure_all(run: Run, protocol: Protocol, job: Optional[Job], scratch: Scrat
         if run.custom_model:
             shapes["custom"] = load_custom_shape(run.custom_model)
             within_positions(run.custom_model, shapes["custom"].max_positions, run.seqs)
-        if run.map:  # this shard's families only (and their streaming modes)
-            shapes.update({f: family_shape(f) for f in dict.fromkeys(a.model for a in arms)})
+        if run.map:  # this shard's families only, each derived once, then each streaming mode of it
             shapes.update({f: family_shape(f) for f in dict.fromkeys(family_of(a.model) for a in arms)})
+            shapes.update({a.model: with_modes(shapes[family_of(a.model)], a.model) for a in arms})
         imports_s = time.perf_counter() - t
     det_models, det_seqs, det_batches = run.determinism_grid
     det_arms = plan_arms(*run.determinism_grid) if run.repeats else []
-    how = (f"--min-free: a bisection over capped fresh processes (expandable segments)" if run.min_free else
+    how = ("--min-free: a bisection over capped fresh processes (expandable segments)" if run.min_free else
            f"capped at {run.cap} (expandable segments), one fresh process per arm" if run.cap else
            f"as {run.emulate_card} (a ballast outside the allocator, expandable segments), one fresh process "
            "per arm" if run.emulate_card else

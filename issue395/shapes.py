@@ -14,7 +14,7 @@ from .console import quiet_libraries
 from .constants import CONFIG_LIMITS
 from .errors import UsageError, last_line
 from .record import GRID_ADAPTER_FACTOR, LORA_R, LORA_TARGETS, SHAPES, Shape
-from .registry import FAMILIES, MAP_FAMILIES, NOT_ON_MAP, RELEASE_FAMILIES, stream_mode
+from .registry import FAMILIES, MAP_FAMILIES, NOT_ON_MAP, RELEASE_FAMILIES, family_of, stream_mode
 from .row import _whole
 
 
@@ -147,17 +147,22 @@ def lora_targets(model_type: str) -> tuple:
 def family_shape(key: str) -> Shape:
     """A family's shape from its public config alone (the record's two are the record's), under
     the streaming modes its key names."""
-    base, training = stream_mode(key)
+    base = family_of(key)
     if base in SHAPES:
-        shape = SHAPES[base]
-    else:
-        family = FAMILIES[base]
-        from transformers import AutoConfig
+        return with_modes(SHAPES[base], key)
+    family = FAMILIES[base]
+    from transformers import AutoConfig
 
-        with quiet_libraries():
-            config = AutoConfig.for_model(family.model_type, **family.config)
-        shape = derive_shape(config, family.label, key=base, hub_id=family.hub_id, arch=family.config,
-                             targets=family.targets)
+    with quiet_libraries():
+        config = AutoConfig.for_model(family.model_type, **family.config)
+    return with_modes(derive_shape(config, family.label, key=base, hub_id=family.hub_id, arch=family.config,
+                                   targets=family.targets), key)
+
+
+def with_modes(shape: Shape, key: str) -> Shape:
+    """``shape`` (a family's) under the streaming modes ``key`` names: the name says them, the
+    arm's Soup config carries them; the checkpoint stays the family's."""
+    base, training = stream_mode(key)
     if not training:
         return shape
     return replace(shape, name=f"{shape.name} [{key[len(base) + 1:]}]", stream=tuple(training.items()))
