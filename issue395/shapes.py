@@ -16,6 +16,7 @@ from .errors import UsageError, last_line
 from .record import GRID_ADAPTER_FACTOR, LORA_R, LORA_TARGETS, SHAPES, Shape
 from .registry import FAMILIES, MAP_FAMILIES, NOT_ON_MAP, RELEASE_FAMILIES, family_of, stream_mode
 from .row import _whole
+from .soup_number import installed_release, stream_aliases, streamed_as, supported_archs
 
 
 def bitsandbytes_present() -> bool:
@@ -31,15 +32,6 @@ def size_problem(attr: str, value: Any) -> Optional[str]:
         return (f"config {attr} is {value!r}; it must be a whole number from 1 to {CONFIG_LIMITS[attr]} "
                 "(no real model is larger)")
     return None
-
-
-def streamed_as(model_type: str) -> Optional[str]:
-    """The architecture the installed Soup streams ``model_type`` as (its allowlist, through its
-    aliases: qwen3_5_text streams as qwen3 on 0.77.0), or None where it does not stream it."""
-    from soup_cli.utils import layer_stream
-
-    family = getattr(layer_stream, "_STREAM_ARCH_ALIASES", {}).get(model_type, model_type)
-    return family if family in layer_stream.SUPPORTED_STREAM_ARCHS else None
 
 
 def soup_intermediate(config: Any) -> int:
@@ -60,13 +52,12 @@ def derive_shape(config: Any, name: str, key: str = "custom", hub_id: Optional[s
     meta skeleton: a bf16 layer is half the pool; extras every other unique parameter (a tied
     head once); ``arch`` keeps the other public fields, so the exact shape can be built."""
     import torch
-    from soup_cli.utils.layer_stream import SUPPORTED_STREAM_ARCHS
     from transformers import AutoModelForCausalLM
 
     model_type = getattr(config, "model_type", "")
     if streamed_as(model_type) is None:
         raise UsageError(f"{name}: architecture {model_type!r} cannot be layer-streamed by Soup "
-                         f"(it streams {', '.join(SUPPORTED_STREAM_ARCHS)})")
+                         f"(it streams {', '.join(supported_archs())})")
     for attr in CONFIG_LIMITS:  # a MoE config may have no dense intermediate_size: Soup's width then
         value = getattr(config, attr, None)
         problem = size_problem(attr, soup_intermediate(config) if attr == "intermediate_size" and value is None
@@ -107,13 +98,11 @@ def default_map_families() -> tuple:
 def not_on_map() -> list[str]:
     """Every model type the installed Soup streams (its allowlist and aliases) that no family here
     builds, named with the reason: a map never skips one silently."""
-    from soup_cli.utils import layer_stream
-
-    aliases = getattr(layer_stream, "_STREAM_ARCH_ALIASES", {})
+    aliases = stream_aliases()
     covered = {streamed_as(f.model_type) for f in FAMILIES.values()} | {"llama", "qwen2"}
     covered |= {f.model_type for f in FAMILIES.values()}
     lines = []
-    for model_type in list(layer_stream.SUPPORTED_STREAM_ARCHS) + list(aliases):
+    for model_type in list(supported_archs()) + list(aliases):
         if model_type in covered:
             continue
         arch = aliases.get(model_type, model_type)
@@ -121,14 +110,8 @@ def not_on_map() -> list[str]:
         if f"{model_type}_text" in covered:  # the multimodal wrapper of a text decoder mapped here
             reason = (f"mapped through its text decoder ({model_type}_text), which is what Soup streams; "
                       "the wrapper's vision tower is not measured")
-        lines.append(f"Soup {_soup_release()} streams {model_type}: {reason}")
+        lines.append(f"Soup {installed_release()} streams {model_type}: {reason}")
     return lines
-
-
-def _soup_release() -> str:
-    import importlib.metadata
-
-    return importlib.metadata.version("soup-cli")
 
 
 #: Fields of a config.json that are not its architecture (the builder sets its own token ids).
@@ -209,12 +192,10 @@ def load_custom_shape(model: str) -> Shape:
             raise ValueError("not a JSON object")
     except (OSError, ValueError, RecursionError) as exc:
         raise UsageError(f"--model {model}: {config_file.name} cannot be read ({last_line(exc)})") from None
-    from soup_cli.utils.layer_stream import SUPPORTED_STREAM_ARCHS
-
     model_type = fields_.get("model_type")
-    if model_type not in SUPPORTED_STREAM_ARCHS:
+    if streamed_as(model_type) is None:
         raise UsageError(f"--model {model}: architecture {model_type!r} cannot be layer-streamed by Soup "
-                         f"(it streams {', '.join(SUPPORTED_STREAM_ARCHS)})")
+                         f"(it streams {', '.join(supported_archs())})")
     for key in ("vocab_size", "hidden_size", "num_hidden_layers"):
         if not _whole(fields_.get(key), minimum=1):
             raise UsageError(f"--model {model}: {config_file.name} has {key} {fields_.get(key)!r}; it must "
