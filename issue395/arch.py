@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from .constants import CONFIG_LIMITS
 from .errors import UsageError
-from .moe import DEEPSEEK_V3, QWEN3_5, QWEN3_5_MOE, Layers, deepseek_v3, qwen3_5
+from .moe import DEEPSEEK_V3, QWEN3_5, QWEN3_5_MOE, Layers, deepseek_v3, qwen3_5, soup_intermediate
 
 _SIZES = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
           "vocab_size")
@@ -203,17 +203,15 @@ def moe_arch(config: dict, mt: str) -> Arch:
     if nh % kv:
         raise UsageError(f"config num_key_value_heads is {kv!r}; it must divide num_attention_heads {nh}")
     if TRAITS[mt] == "mla":
-        i = config.get("intermediate_size") or 18432
+        i = soup_intermediate(g)
         layers = deepseek_v3(config, h, i, L, nh)
         hd, rd = g("qk_nope_head_dim") + g("qk_rope_head_dim"), g("qk_rope_head_dim")
         kv = nh  # the latent expands to every head's key and value
     else:
         hd = g("head_dim")
-        i = config.get("intermediate_size") or (d.get("intermediate_size") or 0)
-        layers = qwen3_5(config, h, i, L, nh, kv, hd, moe=TRAITS[mt] == "hybrid-moe")
+        i = soup_intermediate(g)  # a MoE config's: what a token's experts make, as Soup reads it
+        layers = qwen3_5(config, h, g("intermediate_size") or 0, L, nh, kv, hd, moe=TRAITS[mt] == "hybrid-moe")
         rd = int(hd * float(g("partial_rotary_factor")))
-        if not i:  # Soup's activation width for a MoE config without a dense one
-            i = layers.kinds[0].mlp_width
     return Arch(mt, h, i, L, V, nh, kv, hd, bool(tied), max_pos, rd, None, False, dict(layers.lora),
                 norms=2, qk_norm=TRAITS[mt] != "mla", layers=layers)
 

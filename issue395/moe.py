@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 #: DeepseekV3Config (transformers 5.16.1) defaults for the fields its model reads.
-DEEPSEEK_V3 = dict(num_key_value_heads=128, tie_word_embeddings=False, max_position_embeddings=4096,
+DEEPSEEK_V3 = dict(intermediate_size=18432, num_key_value_heads=128, tie_word_embeddings=False, max_position_embeddings=4096,
                    attention_bias=False, n_shared_experts=1, n_routed_experts=256, moe_intermediate_size=2048,
                    num_experts_per_tok=8, first_k_dense_replace=3, kv_lora_rank=512, q_lora_rank=1536,
                    qk_rope_head_dim=64, v_head_dim=128, qk_nope_head_dim=128)
@@ -129,6 +129,17 @@ def qwen3_5(config: dict, h: int, i: int, L: int, heads: int, kv: int, hd: int, 
         ("linear_attention", delta, 0, 2 * qkv + 2 * nv * vd + 4 * nv),
         ("full_attention", full, 3 * heads * hd + 2 * kv * hd, 0)) if kind in types)
     return Layers(tuple(union), (h * mi, h * mi, mi * h) if moe else (), dict(delta, **full, **mlp), kinds)
+
+
+def soup_intermediate(get) -> int:
+    """The activation width Soup's pre-flight reads (0.77.0's ``_stream_intermediate_size``): the
+    dense MLP's, or for a MoE config without one, the routed experts a token visits plus the shared
+    expert. ``get(name)`` reads a config field (a transformers config or a config.json alike)."""
+    direct = int(get("intermediate_size") or 0)
+    if direct:
+        return direct
+    return (int(get("moe_intermediate_size") or 0) * max(int(get("num_experts_per_tok") or 0), 1)
+            + int(get("shared_expert_intermediate_size") or 0))
 
 
 def union_bytes(union: tuple, quant: str, per_expert: bool, nf4_bytes) -> int:

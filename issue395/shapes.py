@@ -15,6 +15,7 @@ from .constants import CONFIG_LIMITS
 from .errors import UsageError, last_line
 from .record import GRID_ADAPTER_FACTOR, LORA_R, LORA_TARGETS, SHAPES, Shape
 from .registry import FAMILIES, MAP_FAMILIES, NOT_ON_MAP, RELEASE_FAMILIES, family_of, stream_mode
+from .moe import soup_intermediate
 from .row import _whole
 from .soup_number import installed_release, stream_aliases, streamed_as, supported_archs
 
@@ -34,18 +35,6 @@ def size_problem(attr: str, value: Any) -> Optional[str]:
     return None
 
 
-def soup_intermediate(config: Any) -> int:
-    """The activation width Soup's pre-flight reads (0.77.0's ``_stream_intermediate_size``): the
-    dense MLP's, or for a MoE config without one, the routed experts a token visits plus the
-    shared expert."""
-    direct = int(getattr(config, "intermediate_size", 0) or 0)
-    if direct:
-        return direct
-    moe = int(getattr(config, "moe_intermediate_size", 0) or 0)
-    per_token = int(getattr(config, "num_experts_per_tok", 0) or 0)
-    return moe * max(per_token, 1) + int(getattr(config, "shared_expert_intermediate_size", 0) or 0)
-
-
 def derive_shape(config: Any, name: str, key: str = "custom", hub_id: Optional[str] = None,
                  arch: Optional[dict] = None, targets: Optional[tuple] = None) -> Shape:
     """pool, extras, adapter and dims of any streamable config, by the grid's conventions, on a
@@ -58,10 +47,10 @@ def derive_shape(config: Any, name: str, key: str = "custom", hub_id: Optional[s
     if streamed_as(model_type) is None:
         raise UsageError(f"{name}: architecture {model_type!r} cannot be layer-streamed by Soup "
                          f"(it streams {', '.join(supported_archs())})")
+    width = soup_intermediate(lambda n: getattr(config, n, None))
     for attr in CONFIG_LIMITS:  # a MoE config may have no dense intermediate_size: Soup's width then
         value = getattr(config, attr, None)
-        problem = size_problem(attr, soup_intermediate(config) if attr == "intermediate_size" and value is None
-                               else value)
+        problem = size_problem(attr, width if attr == "intermediate_size" and value is None else value)
         if problem:
             raise UsageError(f"{name}: {problem}")
     try:
@@ -82,7 +71,7 @@ def derive_shape(config: Any, name: str, key: str = "custom", hub_id: Optional[s
                  # the largest layer: a MoE model's dense layers are smaller than its MoE ones
                  pool=2 * max(sum(p.numel() for p in layer.parameters()) for layer in layers) * 2,
                  extras=extras, grid_adapter=adapter * GRID_ADAPTER_FACTOR, vocab=int(config.vocab_size),
-                 hidden=int(config.hidden_size), intermediate=soup_intermediate(config),
+                 hidden=int(config.hidden_size), intermediate=width,
                  n_layers=int(config.num_hidden_layers),
                  max_positions=int(getattr(config, "max_position_embeddings", 0) or 0),
                  arch={k: v for k, v in (arch or {}).items() if k not in NOT_ARCH},
