@@ -31,12 +31,20 @@ def quant_alias(scratch: Scratch, base: str, quant: str) -> Path:
             / f"{Path(base).name}-{hashlib.sha256(base.encode()).hexdigest()[:8]}.{quant}")
 
 
+def shard_tag(quant: str, stream: tuple = ()) -> str:
+    """What Soup shards a base differently by: its quantization, and a per-expert layout."""
+    return f"{quant}-per_expert" if dict(stream).get("stream_expert_layout") == "per_expert" else quant
+
+
+#: Every tag but the base's own ("none", fused): each gets its own alias path.
+ALIAS_TAGS = (*QUANTS[1:], *(shard_tag(q, (("stream_expert_layout", "per_expert"),)) for q in QUANTS))
+
+
 def quant_base(scratch: Scratch, base: str, quant: str, stream: tuple = ()) -> str:
     """Soup keys its shard folder by the base path alone (re-sharding in place on a new quantization),
     so an NF4 arm gets its own path: a symlink beside the shard cache, shared by all who share it.
     A per-expert layout shards differently again, so it gets its own path too."""
-    if dict(stream).get("stream_expert_layout") == "per_expert":
-        quant = f"{quant}-per_expert"
+    quant = shard_tag(quant, stream)
     if quant == "none":
         return base
     alias = quant_alias(scratch, base, quant)
@@ -131,7 +139,7 @@ class Checkpoints:
         path = self.paths.pop(key, None)
         if path and not self.run.cache_dir and Path(path).is_relative_to(self.scratch.root):
             shutil.rmtree(resolve_shard_dir(path), ignore_errors=True)
-            for quant in [*QUANTS[1:], *(f"{q}-per_expert" for q in QUANTS)]:  # the aliases its arms made
+            for quant in ALIAS_TAGS:  # the aliases its arms made
                 alias = quant_alias(self.scratch, path, quant)
                 if os.path.lexists(alias):
                     shutil.rmtree(resolve_shard_dir(str(alias)), ignore_errors=True)
