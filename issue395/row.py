@@ -106,8 +106,10 @@ class Row:
     @property
     def arm(self) -> tuple:
         """The arm this row measured, as the map names it: model key (with its streaming modes),
-        quantization, seq, batch. Repeats of one arm share it."""
-        return (self.model_key, self.quant, self.seq, self.batch)
+        quantization, seq, batch. Repeats of one arm share it. Every --model row is keyed
+        "custom", so there the checkpoint's name stands for the key: two checkpoints never share
+        an arm."""
+        return (self.model if self.model_key == "custom" else self.model_key, self.quant, self.seq, self.batch)
 
     @property
     def realised(self) -> Optional[int]:

@@ -28,3 +28,13 @@ def test_an_nf4_row_of_a_record_model_quotes_no_a10g_figure():
     row = arm_row(arm, SMOL, realised_width=2048, realised_rows=(2048,), real_peak=10**9)
     assert row.record_peak is None and row.vs_record is None
     assert make_row(real_peak=10**9).record_peak == RECORD_A10G_PEAK[("smol", 2048)]
+
+
+def test_an_arm_names_the_checkpoint_where_every_model_row_is_keyed_custom():
+    import dataclasses
+
+    row = make_row(real_peak=10**9)
+    assert row.arm == ("smol", "none", 2048, 1), "a registry row's arm is its key"
+    a = dataclasses.replace(row, model="tiny-a", model_key="custom")
+    b = dataclasses.replace(a, model="tiny-b")
+    assert a.arm != b.arm and a.arm == dataclasses.replace(a, real_peak=1).arm

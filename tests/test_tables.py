@@ -45,3 +45,18 @@ def test_compare_matches_the_same_quantization_only():
     lines = [line.split() for line in text.splitlines() if line.split()[:1] == ["SmolLM2-135M"]]
     assert [cells[1] for cells in lines] == ["none", "nf4"], "two arms of one seq, told apart"
     assert "quant" not in compare_table(*[Result(environment={}, rows=[bf16])] * 2)
+
+
+def test_compare_pairs_rows_by_their_arm_not_by_the_name_they_display():
+    """A saved row whose label reads differently (an older tool's wording) is still the same arm;
+    a --model checkpoint that happens to share a family's name is not that family's arm. Paired
+    by display name, both would come out wrong."""
+    import dataclasses
+
+    row = make_row(real_peak=10**9)
+    relabelled = dataclasses.replace(row, model="SmolLM2-135M (older label)", real_peak=10**9 + 512)
+    text = compare_table(Result(environment={}, rows=[row]), Result(environment={}, rows=[relabelled]))
+    assert "0 of 1 shared arm(s) equal to the byte" in text and "512" in text.splitlines()[-2]
+    lookalike = dataclasses.replace(row, model_key="custom")  # a local folder named SmolLM2-135M
+    assert "0 of 0 shared" in compare_table(Result(environment={}, rows=[row]),
+                                            Result(environment={}, rows=[lookalike]))
