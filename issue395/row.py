@@ -9,6 +9,7 @@ import os
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Iterable, Optional
 
+from .cards import step_free
 from .minfree import emulated_outcome
 from .record import RECORD_A10G_PEAK, SOUP_QUANT, Arm, Shape, logits_charge, predicted_bytes
 
@@ -135,10 +136,11 @@ class Row:
 
     @property
     def emulated_fits(self) -> Optional[bool]:
-        """This tool's verdict for the emulated card: needs free <= the card's free memory."""
+        """This tool's verdict for the emulated card: needs free <= what the step can have of the
+        card's free memory (issue395.cards: the runtime's growth comes out of it)."""
         if self.emulated_card is None or self.needs_free is None or self.emulated_card_free is None:
             return None
-        return self.needs_free <= self.emulated_card_free
+        return self.needs_free <= step_free(self.emulated_card_free)
 
     @property
     def emulated_outcome(self) -> Optional[str]:
