@@ -7,7 +7,8 @@ import json
 import pytest
 from conftest import ROOT, main, one_error_line
 from conftest import make_row
-from issue395.result import Result, merge
+from issue395.merge import merge
+from issue395.result import Result
 
 SAVED = ROOT / "results" / "cap-proof-and-seq512-1024-map-h200x2-soup0.73.3-b5bee37" / "map-512-1024.json"
 
