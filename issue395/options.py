@@ -30,7 +30,7 @@ from .errors import UsageError, last_line
 from .grid import plan_arms, plan_map, shard_of
 from .parser import build_parser
 from .record import Arm, MAP_BATCHES, QUANTS, RECORD_DETERMINISM, RECORD_GRID, SHAPES
-from .result import RowFile
+from .saved import RowFile
 from .scratch import soup_shard_root
 from .registry import ALL_FAMILIES, EXPERT_LAYOUTS, FAMILIES, RECOMPUTES, config_json, max_positions, stream_mode_keys
 from .targets import soup_targets

@@ -15,7 +15,8 @@ from typing import Any, Optional
 
 from .options import Run
 from .record import A10G_STACK, QUANTS, RECORD_A10G_PREDICTED, RECORD_RTX3050, SHAPES
-from .result import Result, RowFile
+from .result import Result
+from .saved import RowFile
 from .tables import (
     SWEEP_LEGEND,
     attribution_table,

@@ -28,7 +28,10 @@ from .options import Run, grid_arms, settle
 from .parser import NO_CUDA, build_parser
 from .outputs import render_markdown, write_output, write_outputs
 from .record import SCHEMA, SHAPES, Arm, Shape
-from .result import Result, RowFile, environment, load_result, merge, row_order
+from .merge import merge
+from .result import Result, row_order
+from .saved import RowFile, load_result
+from .stack import environment
 from .row import Row
 from .scratch import Scratch
 from .probes import min_free_arms

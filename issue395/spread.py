@@ -22,7 +22,8 @@ from .errors import UsageError, last_line
 from .grid import shard_of
 from .options import Run, run_from_json
 from .record import SHAPES, Arm
-from .result import Result, RowFile
+from .result import Result
+from .saved import RowFile
 from .row import Row
 from .scratch import Scratch
 from .registry import FAMILIES, family_of

@@ -20,7 +20,8 @@ from issue395.cuda import attribute_peak, block_bytes, control_step, logits_kind
 from issue395.errors import EXIT_FINDING, EXIT_INTERRUPTED, EXIT_OK, UsageError
 from issue395.grid import plan_arms, shard_of
 from issue395.record import SHAPES, Arm, predicted_bytes
-from issue395.result import Result, merge
+from issue395.merge import merge
+from issue395.result import Result
 from issue395.row import Row
 
 E = 1001  # logits elements; odd, so 2E and 4E are not multiples of 512

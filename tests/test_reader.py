@@ -12,7 +12,8 @@ from conftest import ROOT, main, make_row
 
 from issue395.console import Progress, soup_console
 from issue395.errors import EXIT_OK
-from issue395.result import load_result, merge
+from issue395.merge import merge
+from issue395.saved import load_result
 from issue395.tables import compare_table, margins_table, measure_table, render_text, sdpa_table, sweep_table
 
 MAP_2GPU = ROOT / "results/margin-map-h200x2-soup0.73.3-f3ad9d2/map-2gpu.json"

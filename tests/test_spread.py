@@ -29,7 +29,7 @@ SLEEPY_CHILD = textwrap.dedent("""
     import os, sys, time
     sys.path.insert(0, {root!r})
     from issue395.console import Stop
-    from issue395.result import RowFile
+    from issue395.saved import RowFile
     from issue395.spread import CHILD_JOB, die_with_parent, lost_row, read_job
 
     die_with_parent()
