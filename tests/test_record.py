@@ -20,16 +20,14 @@ from conftest import SMOL, make_row
 from issue395.cuda import attribute_peak
 from issue395.options import Run
 from issue395.grid import plan_arms
+from issue395.arm import Arm, logits_charge, predicted_bytes
 from issue395.record import (
     RECORD_A10G_OVERESTIMATE,
     RECORD_A10G_PEAK,
     RECORD_A10G_PREDICTED,
     RECORD_GRID,
-    SHAPES,
-    Arm,
-    logits_charge,
-    predicted_bytes,
 )
+from issue395.registry import SHAPES
 from issue395.row import Row, arm_row, realised_as_requested
 from issue395.spread import lost_row
 from issue395.tables import determinism_spread, overestimate_summary
