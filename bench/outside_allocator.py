@@ -23,7 +23,7 @@ import torch  # noqa: E402
 import issue395_second_stack_vram as h  # noqa: E402
 from issue395.checkpoints import quant_base, synthetic_checkpoint  # noqa: E402
 from issue395.measurement import ArmHooks  # noqa: E402
-from issue395.record import Arm  # noqa: E402
+from issue395.arm import Arm  # noqa: E402
 from issue395.scratch import Scratch  # noqa: E402
 from issue395.shapes import family_shape  # noqa: E402
 

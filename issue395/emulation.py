@@ -15,8 +15,7 @@ from .cards import Budget, budget, parse_card, workspace_env
 from .errors import last_line
 from .fits import card_answers
 from .minfree import Ballast, hold_ballast, release_ballast
-from .registry import FAMILIES, config_json, family_of
-from .record import SHAPES
+from .registry import FAMILIES, SHAPES, config_json, family_of
 
 
 def arm_config(model_key: str, base: Optional[str]) -> Optional[dict]:

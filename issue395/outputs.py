@@ -14,7 +14,8 @@ import tempfile
 from typing import Any, Optional
 
 from .options import Run
-from .record import A10G_STACK, QUANTS, RECORD_A10G_PREDICTED, RECORD_RTX3050, SHAPES
+from .record import A10G_STACK, QUANTS, RECORD_A10G_PREDICTED, RECORD_RTX3050
+from .registry import SHAPES
 from .result import Result
 from .saved import RowFile
 from .tables import (

@@ -12,8 +12,8 @@ from .console import Stop
 from .emulation import arm_config, tool_needs_free
 from .minfree import bisect_min_free
 from .options import Run
-from .record import SHAPES, Arm
-from .registry import FAMILIES, family_of, stream_mode
+from .arm import Arm
+from .registry import FAMILIES, SHAPES, family_of, stream_mode
 from .result import Result
 from .row import Row
 from .scratch import Scratch

@@ -11,7 +11,9 @@ from typing import Any, Iterable, Optional
 
 from .cards import step_free
 from .minfree import emulated_outcome
-from .record import RECORD_A10G_PEAK, SOUP_QUANT, Arm, Shape, logits_charge, predicted_bytes
+from .arm import Arm, logits_charge, predicted_bytes
+from .record import RECORD_A10G_PEAK, SOUP_QUANT
+from .registry import Shape
 
 
 def realised_as_requested(seq: int, batch: int, width: Optional[int], rows: Iterable[int]) -> bool:

@@ -22,11 +22,10 @@ from .record import (
     SDPA_HEAD_DIM,
     SDPA_HEADS,
     SDPA_SEQS,
-    SHAPES,
 )
 from .result import Result
 from .row import Row
-from .registry import ALL_FAMILIES
+from .registry import ALL_FAMILIES, SHAPES
 
 
 def determinism_spread(rows: list[Row]) -> list[dict[str, Any]]:

@@ -19,7 +19,8 @@ from conftest import cuda, make_row, safe_peak
 from issue395.cuda import attribute_peak, block_bytes, control_step, logits_kind, positive_control
 from issue395.errors import EXIT_FINDING, EXIT_INTERRUPTED, EXIT_OK, UsageError
 from issue395.grid import plan_arms, shard_of
-from issue395.record import SHAPES, Arm, predicted_bytes
+from issue395.arm import Arm, predicted_bytes
+from issue395.registry import SHAPES
 from issue395.merge import merge
 from issue395.result import Result
 from issue395.row import Row

@@ -24,7 +24,7 @@ def test_a_gemma3_checkpoint_is_built_and_its_shape_read_with_no_rope_warning_on
 """issue395.builder: architecture-exact synthetic checkpoints, each tensor owning its bytes; whether a safetensors file is whole."""
 
 from pathlib import Path
-from issue395.record import Shape
+from issue395.registry import Shape
 from issue395.builder import safetensors_problem
 
 

@@ -13,7 +13,7 @@ from issue395.builder import BuildStopped
 from issue395.checkpoints import Checkpoints
 from issue395.console import Stop
 from issue395.options import Run
-from issue395.record import Shape
+from issue395.registry import Shape
 from issue395.scratch import Scratch
 import dataclasses
 import json

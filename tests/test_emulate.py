@@ -18,7 +18,7 @@ from issue395.emulation import arm_config, tool_needs_free
 from issue395.measurement import Measurement, run_arm
 from issue395.options import settle
 from issue395.parser import build_parser
-from issue395.record import Arm
+from issue395.arm import Arm
 from issue395.registry import FAMILIES
 from issue395.result import Result
 from issue395.row import Row

@@ -22,11 +22,12 @@ from issue395.grid import arm_seconds, plan_map, shard_of
 from issue395.margin import estimator_terms, margin_breakdown, shape_classes
 from issue395.options import Run
 from issue395.outputs import render_plot
-from issue395.record import MAP_BATCHES, QUANTS, SHAPES, Arm
+from issue395.arm import Arm
+from issue395.record import MAP_BATCHES, QUANTS
 from issue395.merge import merge
 from issue395.result import Result
 from issue395.row import Row
-from issue395.registry import FAMILIES, MAP_FAMILIES, config_json, max_positions
+from issue395.registry import FAMILIES, MAP_FAMILIES, SHAPES, config_json, max_positions
 from issue395.shapes import family_shape
 from issue395.spread import plan_jobs
 from issue395.tables import map_verdict, margins_table

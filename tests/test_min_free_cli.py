@@ -13,7 +13,7 @@ from issue395.minfree import resolution
 from issue395.options import settle
 from issue395.parser import build_parser
 from issue395.probes import min_free_arms
-from issue395.record import Arm
+from issue395.arm import Arm
 from issue395.row import Row
 
 PEAK, TRUE_MIN = 1_522_010_112, 1_561_000_000

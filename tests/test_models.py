@@ -18,7 +18,8 @@ from issue395 import builder
 from issue395.builder import checkpoint_fingerprint, hf_config
 from issue395.checkpoints import checkpoint_problem, synthetic_checkpoint
 from issue395.errors import UsageError
-from issue395.record import SHAPES, Shape, predicted_bytes
+from issue395.arm import predicted_bytes
+from issue395.registry import SHAPES, Shape
 from issue395.shapes import derive_shape
 
 MODELS = ["smol", "qwen"]

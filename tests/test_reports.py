@@ -21,7 +21,8 @@ from conftest import ROOT, main, make_row, one_error_line
 
 from issue395.errors import EXIT_FINDING, EXIT_INTERRUPTED, EXIT_OK
 from issue395.outputs import render_markdown, render_plot
-from issue395.record import A10G_STACK, RECORD_A10G_PEAK, RECORD_GRID, SDPA_SEQS, SHAPES
+from issue395.record import A10G_STACK, RECORD_A10G_PEAK, RECORD_GRID, SDPA_SEQS
+from issue395.registry import SHAPES
 from issue395.result import Result
 from issue395.stack import environment
 from issue395.row import Row

@@ -7,7 +7,8 @@ import json
 import pytest
 from conftest import ROOT, main, one_error_line
 from conftest import SMOL, make_row
-from issue395.record import RECORD_A10G_PEAK, Arm
+from issue395.arm import Arm
+from issue395.record import RECORD_A10G_PEAK
 from issue395.row import arm_row
 
 SAVED = ROOT / "results" / "cap-proof-and-seq512-1024-map-h200x2-soup0.73.3-b5bee37" / "map-512-1024.json"

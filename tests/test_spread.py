@@ -20,7 +20,8 @@ from conftest import ROOT
 
 from issue395.console import Stop
 from issue395.options import Run
-from issue395.record import QUANTS, Arm
+from issue395.arm import Arm
+from issue395.record import QUANTS
 from issue395.scratch import Scratch
 from issue395.spread import spread
 from issue395.spread import Job, child_cache, child_run, read_job, write_job
@@ -90,7 +91,7 @@ PARENT = textwrap.dedent("""
     import sys
     sys.path.insert(0, {root!r})
     from issue395.options import Run
-    from issue395.record import Arm
+    from issue395.arm import Arm
     from issue395.scratch import Scratch
     from issue395.spread import spread
 

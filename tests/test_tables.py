@@ -9,7 +9,7 @@ from conftest import ROOT
 from issue395.result import Result
 from issue395.tables import verdict_line
 from conftest import SMOL, make_row
-from issue395.record import Arm
+from issue395.arm import Arm
 from issue395.row import arm_row
 from issue395.tables import compare_table, sweep_table
 
