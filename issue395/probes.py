@@ -39,8 +39,11 @@ def min_free_arms(run: Run, arms: list[Arm], scratch: Scratch, on_row: Callable[
 
     def probe(arm: Arm, cap: str) -> Row:
         got: list[Row] = []
-        results.extend(spread_one(replace(run, cap=cap, min_free=False, isolate=True), [arm], scratch,
-                                  got.append, script))
+        # Every probe of an arm is the same arm: its rows are the bisection's steps, which the arm's
+        # own row keeps (min_free_probes), so a probe's result hands on its stack and errors, not
+        # its row (merged with their rows, the probes read as overlapping shards and were refused).
+        results.extend(replace(r, rows=[]) for r in spread_one(
+            replace(run, cap=cap, min_free=False, isolate=True), [arm], scratch, got.append, script))
         return got[-1]
 
     for arm in arms:
