@@ -8,6 +8,9 @@ import json
 import pytest
 from conftest import ROOT, main, one_error_line
 
+from issue395.options import settle
+from issue395.parser import build_parser
+
 SAVED = ROOT / "results" / "cap-proof-and-seq512-1024-map-h200x2-soup0.73.3-b5bee37" / "map-512-1024.json"
 
 
@@ -71,7 +74,16 @@ def test_auto_on_a_model_type_peft_has_no_default_for_is_one_line(capfd):
                    "stand alone")
 
 def test_steps_reaches_the_sweep_and_the_map():
-    from issue395.options import build_parser, settle
-
     for argv in (["--dry-run", "--steps", "3"], ["--dry-run", "--map", "--steps", "3"]):
         assert settle(build_parser().parse_args(argv), argv).steps == 3, argv
+
+
+def test_emulate_card_is_settled_into_fresh_processes_and_bad_input_is_one_line(capfd):
+    argv = ["--map", "--families", "mistral-7b", "--quant", "none", "--seq", "512", "--batch", "1",
+            "--emulate-card", "L4", "--context", "0.5"]
+    run = settle(build_parser().parse_args(argv), argv)
+    assert run.isolate and run.emulate_card == "L4" and run.context == 500_000_000
+    one_error_line(*main(capfd, ["--models", "smol", "--seq", "64", "--emulate-card", "3 bananas"]), "--emulate-card")
+    one_error_line(*main(capfd, ["--models", "smol", "--seq", "64", "--emulate-card", "T4", "--dry-run"]),
+                   "--emulate-card")
+    one_error_line(*main(capfd, ["--models", "smol", "--seq", "64", "--context", "0.5"]), "--context")

@@ -170,3 +170,10 @@ def test_a_capped_map_child_shares_the_cache_and_a_lost_capped_arm_stays_in_the_
         assert child_cache(Run(map=True, models=("smol",), cap="soup"), scratch) is not None
     row = lost_row(Arm("smol", 2048), Run(cap="soup"), None, 139)
     assert row.cap_at == "soup" and row.status == "FAILED"
+
+
+def test_a_lost_emulated_arm_keeps_its_card():
+    from issue395.spread import lost_row
+
+    row = lost_row(Arm("smol", 2048), Run(emulate_card="t4"), None, 139)
+    assert row.emulated_card == "T4" and row.emulated_outcome == "FAILED"
