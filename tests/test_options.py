@@ -87,3 +87,8 @@ def test_emulate_card_is_settled_into_fresh_processes_and_bad_input_is_one_line(
     one_error_line(*main(capfd, ["--models", "smol", "--seq", "64", "--emulate-card", "T4", "--dry-run"]),
                    "--emulate-card")
     one_error_line(*main(capfd, ["--models", "smol", "--seq", "64", "--context", "0.5"]), "--context")
+
+
+def test_min_free_refuses_what_would_run_under_its_caps(capfd):
+    for extra in (["--dry-run"], ["--cap", "soup"], ["--emulate-card", "T4"]):
+        one_error_line(*main(capfd, ["--models", "smol", "--seq", "2048", "--min-free", *extra]), "--")
