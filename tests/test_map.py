@@ -78,16 +78,6 @@ def test_the_record_models_in_the_map_are_the_records_shapes():
     assert family_shape("smol") is SHAPES["smol"] and family_shape("qwen") is SHAPES["qwen"]
 
 
-def test_the_default_map_grid_stays_within_each_familys_max_positions():
-    arms = plan_map(MAP_FAMILIES + ("llama31-8b",), QUANTS, None, MAP_BATCHES)
-    # the first grid's 129 arms, and seq 512 and 1024 for each family, quantization and batch
-    assert len(arms) == 129 + 10 * 2 * 2 * 2
-    assert all(a.seq <= max_positions(a.model) for a in arms)
-    assert {(a.quant, a.seq, a.batch) for a in arms if a.model == "llama31-8b"} == {("nf4", 512, 1)}
-    assert sorted({a.seq for a in arms if a.model == "phi-2"}) == [512, 1024, 2048]
-    assert [a.index for a in arms] == list(range(len(arms)))
-
-
 def test_builder_keeps_an_untied_head_and_sets_gemma_norms_to_their_neutral_zero(tmp_path):
     from safetensors import safe_open
 
@@ -240,20 +230,6 @@ def test_the_map_heatmap_is_a_png():
     rows = [make_row(k, q, index=i, real_peak=10**9) for i, (k, q) in enumerate([("smol", 2048), ("qwen", 4096)])]
     png = render_plot(Result(environment={"gpu": "test"}, kind="map", rows=rows))
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
-
-
-def test_a_map_shard_is_whole_families_dealt_evenly_and_every_arm_once():
-    """Modulo shards would make every shard build every family's checkpoint; the map's
-    shards each own whole families, and the heaviest (Mistral-7B) does not share a shard
-    with the next heaviest while a lighter one is free."""
-    arms = plan_map(MAP_FAMILIES + ("llama31-8b",), QUANTS, None, MAP_BATCHES)
-    shards = [shard_of(arms, (k, 2), whole_models=True) for k in (1, 2)]
-    assert sorted(a.index for s in shards for a in s) == [a.index for a in arms]
-    families = [{a.model for a in s} for s in shards]
-    assert not families[0] & families[1] and families[0] | families[1] == {a.model for a in arms}
-    loads = [sum(arm_seconds(a) for a in s) for s in shards]
-    assert max(loads) / min(loads) < 1.1, loads
-    assert "mistral-7b" in families[0]  # the heaviest family goes to the first shard
 
 
 def test_a_map_spread_over_two_gpus_starts_one_child_per_gpu_each_with_whole_families():
