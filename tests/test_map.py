@@ -169,52 +169,6 @@ def test_under_is_judged_on_the_lower_of_soups_own_and_the_record_convention():
     assert "verdict: Soup UNDER-predicts 1 of 1" in map_verdict([row])
 
 
-def soup_kwargs(seq, batch=1):
-    return dict(layer_bytes=SMOL.pool // 2, buffers=2, extras_bytes=SMOL.extras, adapter_params=552960,
-                vocab_size=SMOL.vocab, hidden_size=SMOL.hidden, intermediate_size=SMOL.intermediate,
-                n_layers=SMOL.n_layers, seq_len=seq, batch_size=batch, logits_bytes_per_element=14.0)
-
-
-def test_estimator_terms_are_soups_own_terms_and_leave_only_its_small_slack():
-    from soup_cli.utils.layer_stream import estimate_stream_peak_vram
-
-    kw = soup_kwargs(2048)
-    predicted = estimate_stream_peak_vram(**kw)
-    terms = estimator_terms(kw, predicted)
-    assert terms["weights"] == SMOL.pool + SMOL.extras
-    assert terms["logits"] == 14 * 2048 * SMOL.vocab
-    assert terms["activations"] == (2 * SMOL.n_layers * SMOL.hidden + 4 * (SMOL.hidden + SMOL.intermediate)) * 2048
-    # what is left is Soup's fixed slack and the adapter's optimizer charge: small and positive
-    assert 0 < terms["rest"] < 0.05 * predicted
-
-
-def test_a_thin_margin_names_the_term_that_misses_and_by_how_much_per_token():
-    from soup_cli.utils.layer_stream import estimate_stream_peak_vram
-
-    kw = soup_kwargs(2048)
-    own = estimate_stream_peak_vram(**kw)
-    terms = estimator_terms(kw, own)
-    extra = 100 * 2048  # activations 100 bytes per token beyond their charge
-    classes = {"logits": terms["logits"], "activations": terms["activations"] + extra, "rest": 0}
-    real = terms["weights"] + sum(classes.values())
-    row = make_row(real_peak=real, soup_predicted=own, soup_terms=kw,
-                   attribution={"resident_at_peak": terms["weights"], "classes": classes, "complete": True})
-    m = margin_breakdown(row)
-    acts = next(t for t in m["terms"] if t["term"] == "activations")
-    assert acts["missed"] == extra and acts["missed"] / acts["per"][0] == 100
-    assert m["ratio"] < 1.05 and "activations term misses" in m["note"] and "100.00 bytes per token" in m["note"]
-    assert "where the margin goes" in margins_table([m])
-
-
-def test_shape_classes_name_logits_attention_scores_and_activations():
-    classify = shape_classes(SMOL, 2048, 1)
-    e = 2048 * SMOL.vocab
-    assert classify(2 * e) == classify(4 * e) == "logits"
-    assert classify(9 * 2048 * 2048 * 2) == "activations"  # heads x seq^2, bf16
-    assert classify(2048 * SMOL.intermediate * 2) == "activations"
-    assert classify(12345) == "rest"
-
-
 def test_map_parts_of_different_families_merge_into_one_map_in_the_maps_order():
     part_a = Result(environment={"torch": "t"}, kind="map",
                       rows=[make_row("qwen", 2048, index=0, real_peak=10**9)])
