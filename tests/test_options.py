@@ -54,25 +54,6 @@ def test_a_family_name_that_is_also_a_folder_here_says_which_was_used(capfd, tmp
     assert line.startswith("note: --model llama31-8b: the family") and "./llama31-8b" in line
 
 
-@pytest.mark.parametrize("model, given, resolved", [
-    ("llama31-8b", "auto", ["q_proj", "v_proj"]),  # peft's table, which Soup's auto defers to
-    ("phi-2", "auto", ["q_proj", "v_proj", "fc1", "fc2"]),
-    ("llama31-8b", "all-linear", ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]),
-    ("phi3-mini", "all-linear", ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]),
-])
-def test_soups_own_target_spellings_resolve_to_the_modules_soup_would_adapt(capfd, tmp_path, model, given, resolved):
-    out = tmp_path / "e.json"
-    code, _, err = main(capfd, ["--estimate", "--model", model, "--seq", "512", "--targets", given, "--json", out])
-    assert code == 0, err
-    assert json.loads(out.read_text())["targets"] == resolved
-
-
-def test_auto_on_a_model_type_peft_has_no_default_for_is_one_line(capfd):
-    one_error_line(*main(capfd, ["--estimate", "--model", "phi3-mini", "--seq", "512", "--targets", "auto"]),
-                   "--targets auto", "'phi3'", "peft")
-    one_error_line(*main(capfd, ["--estimate", "--model", "phi-2", "--seq", "512", "--targets", "auto,fc1"]),
-                   "stand alone")
-
 def test_steps_reaches_the_sweep_and_the_map():
     for argv in (["--dry-run", "--steps", "3"], ["--dry-run", "--map", "--steps", "3"]):
         assert settle(build_parser().parse_args(argv), argv).steps == 3, argv
