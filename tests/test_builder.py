@@ -1,7 +1,10 @@
-"""issue395.builder: building a checkpoint says nothing of transformers' own (issue 22, defect 17:
-a stray "Unrecognized keys in `rope_parameters`" leaked to stderr in the map's dry run: Gemma 3's
-per-layer-type rope, as transformers 5 validates it while the builder made and saved its config).
-CPU, a tiny Gemma 3. Soup's own read of the config inside an arm goes to the arm's Soup log."""
+"""issue395.builder: architecture-exact synthetic checkpoints. Building one says nothing of
+transformers' own (issue 22, defect 17: a stray "Unrecognized keys in `rope_parameters`" leaked to
+stderr in the map's dry run: Gemma 3's per-layer-type rope, as transformers 5 validates it while the
+builder made and saved its config); each weight owns its own bytes; an untied head is kept and
+Gemma's norms are their neutral zero; a safetensors file is whole or says why not. CPU, tiny shapes
+of the real families; nothing faked. Soup's own read of the config inside an arm goes to the arm's
+Soup log."""
 
 from __future__ import annotations
 
@@ -9,6 +12,7 @@ import dataclasses
 import json
 
 from issue395.builder import prepare_checkpoint
+from issue395.registry import FAMILIES
 from issue395.shapes import family_shape, load_custom_shape
 
 
@@ -100,3 +104,23 @@ def test_safetensors_problem_detects_truncation_and_a_missing_file(tmp_path):
     assert safetensors_problem(path) == "w.safetensors: truncated header"
     path.unlink()
     assert safetensors_problem(path) == "w.safetensors: FileNotFoundError"
+
+
+def test_builder_keeps_an_untied_head_and_sets_gemma_norms_to_their_neutral_zero(tmp_path):
+    from safetensors import safe_open
+
+    tiny = dict(n_layers=1, vocab=512, hidden=64, intermediate=128, max_positions=256, record=False)
+    gemma = dataclasses.replace(family_shape("gemma-2b"), key="g", **tiny,
+                                arch=dict(FAMILIES["gemma-2b"].config, num_attention_heads=2, head_dim=32))
+    mistral = dataclasses.replace(family_shape("mistral-7b"), key="m", **tiny,
+                                  arch=dict(FAMILIES["mistral-7b"].config, num_attention_heads=2,
+                                            num_key_value_heads=1, head_dim=32))
+    for shape in (gemma, mistral):
+        prepare_checkpoint(shape, tmp_path / shape.key)()
+    with safe_open(str(tmp_path / "g" / "model.safetensors"), framework="pt") as f:
+        norms = [f.get_tensor(k) for k in f.keys() if "norm" in k]
+        assert norms and all(float(t.abs().max()) == 0.0 for t in norms)
+        assert "lm_head.weight" not in f.keys()
+    with safe_open(str(tmp_path / "m" / "model.safetensors"), framework="pt") as f:
+        assert "lm_head.weight" in f.keys()
+        assert all(float(f.get_tensor(k).min()) == 1.0 for k in f.keys() if "norm" in k)

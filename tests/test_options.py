@@ -1,5 +1,7 @@
-"""issue395.options: an option that does not apply is a usage error; ~ is expanded in every path
-(issue 22, defects 6 and 8)."""
+"""issue395.options: the command line settled into a Run, in process through main on CPU. An option
+that does not apply, a bad value or a conflict is one usage line (the map's and --min-free's too); ~
+is expanded in every path (issue 22, defects 6 and 8); --steps and --emulate-card reach the Run.
+Faked only where said: bitsandbytes' absence."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import json
 import pytest
 from conftest import ROOT, main, one_error_line
 
+from issue395 import options
 from issue395.options import settle
 from issue395.parser import build_parser
 
@@ -73,3 +76,22 @@ def test_emulate_card_is_settled_into_fresh_processes_and_bad_input_is_one_line(
 def test_min_free_refuses_what_would_run_under_its_caps(capfd):
     for extra in (["--dry-run"], ["--cap", "soup"], ["--emulate-card", "T4"]):
         one_error_line(*main(capfd, ["--models", "smol", "--seq", "2048", "--min-free", *extra]), "--")
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--map", "--families", "smol,nope"], "unknown family 'nope'"),
+    (["--map", "--families", "phi-2", "--seq", "4096"], "beyond phi-2's maximum positions (2048)"),
+    (["--map", "--quant", "nf8"], "--quant"),
+    (["--map", "--models", "smol"], "exclusive"),
+    (["--families", "smol"], "--families goes with --map"),
+])
+def test_bad_map_input_is_one_line_and_exit_2(capfd, argv, words):
+    code, stdout, err = main(capfd, argv)
+    assert code == 2 and stdout == ""
+    assert len(err.strip().splitlines()) == 1 and words in err
+
+
+def test_an_explicit_nf4_request_without_bitsandbytes_is_a_usage_error(capfd, monkeypatch):
+    monkeypatch.setattr(options, "bitsandbytes_present", lambda: False)
+    code, stdout, err = main(capfd, ["--map", "--quant", "nf4", "--families", "smol"])
+    assert code == 2 and "bitsandbytes" in err and len(err.strip().splitlines()) == 1
