@@ -95,3 +95,20 @@ def test_an_explicit_nf4_request_without_bitsandbytes_is_a_usage_error(capfd, mo
     monkeypatch.setattr(options, "bitsandbytes_present", lambda: False)
     code, stdout, err = main(capfd, ["--map", "--quant", "nf4", "--families", "smol"])
     assert code == 2 and "bitsandbytes" in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("config, argv, words", [
+    ({"model_type": "bert", "hidden_size": 64}, ["--seq", "512"], ["bert"]),
+    ({"model_type": "llama", "hidden_size": 64}, ["--seq", "512"], ["intermediate_size"]),
+    (None, ["--seq", "512", "--card", "lots"], ["--card"]),
+    (None, ["--seq", "999999"], ["999999"]),
+    (None, ["--seq", "512", "--targets", "q_proj,v_proj"], ["q_proj"]),
+    (None, [], ["--seq"]),
+])
+def test_bad_estimate_input_is_one_line_and_exit_2(capfd, tmp_path, config, argv, words):
+    if config is None:  # Phi-3: fused qkv_proj, 4096 positions
+        model = "phi3-mini"
+    else:
+        model = tmp_path / "config.json"
+        model.write_text(json.dumps(config))
+    one_error_line(*main(capfd, ["--estimate", "--model", model, *argv]), *words)

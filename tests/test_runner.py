@@ -7,9 +7,11 @@ a test says so."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
-from conftest import SMOL, main
+from conftest import SCRIPT, SMOL, main
 
 from issue395.registry import FAMILIES
 from issue395.row import Row
@@ -124,3 +126,29 @@ def test_model_takes_a_folder_holding_only_a_config_and_builds_from_it(capfd, tm
     assert code == 0, err
     assert "weights synthetic" in stdout
     assert [line.split()[:2] for line in stdout.splitlines() if line.split()[:1] == ["64"]] == [["64", "64"]]
+
+
+#: The script run as a terminal runs it, then whether torch was imported, on stderr.
+WRAP = ("import runpy, sys\nsys.argv = [{script!r}] + {argv!r}\ncode = 0\ntry:\n"
+        "    runpy.run_path({script!r}, run_name='__main__')\nexcept SystemExit as exc:\n    code = exc.code\n"
+        "print('TORCH', 'torch' in sys.modules, file=sys.stderr)\nsys.exit(code)\n")
+
+
+def test_estimate_answers_from_a_config_without_importing_torch(tmp_path):
+    out = tmp_path / "est.json"
+    argv = ["--estimate", "--model", "mistral-7b", "--quant", "nf4", "--seq", "512,2048", "--batch", "1,4",
+            "--card", "24GB,16GiB", "--json", str(out)]
+    p = subprocess.run([sys.executable, "-c", WRAP.format(script=str(SCRIPT), argv=argv)],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert "TORCH False" in p.stderr
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["seq"], r["batch"]) for r in rows] == [(512, 1), (512, 4), (2048, 1), (2048, 4)]
+    for r in rows:
+        assert {"seq", "batch", "quant", "steps", "soup_predicted", "corrected_predicted", "needs_free",
+                "terms"} <= set(r)
+        assert r["needs_free"] > r["corrected_predicted"] > 0
+    assert "24GB: total GB" in p.stdout and "16GiB: total GB" in p.stdout and "longest seq that fits" in p.stdout
+    for r in rows:  # each arm on each card (issue 20)
+        assert [c["card"] for c in r["cards"]] == ["24GB", "16GiB"]
+        assert all(c["free_bytes"] == c["total_bytes"] - c["context_bytes"] for c in r["cards"])
