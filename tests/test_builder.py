@@ -2,7 +2,8 @@
 transformers' own (issue 22, defect 17: a stray "Unrecognized keys in `rope_parameters`" leaked to
 stderr in the map's dry run: Gemma 3's per-layer-type rope, as transformers 5 validates it while the
 builder made and saved its config); each weight owns its own bytes; an untied head is kept and
-Gemma's norms are their neutral zero; a safetensors file is whole or says why not. CPU, tiny shapes
+Gemma's norms are their neutral zero; a safetensors file is whole or says why not; a checkpoint's
+fingerprint changes with every field that shapes it and with nothing else. CPU, tiny shapes
 of the real families; nothing faked. Soup's own read of the config inside an arm goes to the arm's
 Soup log."""
 
@@ -11,7 +12,10 @@ from __future__ import annotations
 import dataclasses
 import json
 
-from issue395.builder import prepare_checkpoint
+from conftest import TINY
+
+from issue395 import builder
+from issue395.builder import checkpoint_fingerprint, prepare_checkpoint
 from issue395.registry import FAMILIES
 from issue395.shapes import family_shape, load_custom_shape
 
@@ -124,3 +128,46 @@ def test_builder_keeps_an_untied_head_and_sets_gemma_norms_to_their_neutral_zero
     with safe_open(str(tmp_path / "m" / "model.safetensors"), framework="pt") as f:
         assert "lm_head.weight" in f.keys()
         assert all(float(f.get_tensor(k).min()) == 1.0 for k in f.keys() if "norm" in k)
+
+
+#: Fields that name a model but do not shape its checkpoint (record does: a --model shape
+#: keeps its own config fields, the record's are tied with silu).
+#: A streaming mode changes how Soup shards a checkpoint, never the checkpoint: its modes share it.
+NOT_SHAPING = {"name", "hub_id", "stream"}
+
+
+def _changed(value):
+    if isinstance(value, bool):
+        return not value
+    if isinstance(value, (int, float)):
+        return value + 1
+    if isinstance(value, str):
+        return value + "x"
+    if isinstance(value, tuple):
+        return value + ("x",)
+    raise TypeError(value)
+
+
+def test_fingerprint_changes_with_every_shaping_field(monkeypatch):
+    base = checkpoint_fingerprint(TINY)
+    assert checkpoint_fingerprint(dataclasses.replace(TINY)) == base
+    fields = {f.name for f in dataclasses.fields(Shape)}
+    assert NOT_SHAPING < fields
+    for name in sorted(fields - NOT_SHAPING - {"arch"}):  # every field, a new one included
+        changed = dataclasses.replace(TINY, **{name: _changed(getattr(TINY, name))})
+        assert checkpoint_fingerprint(changed) != base, name
+    for key, value in TINY.arch.items():
+        changed = dataclasses.replace(TINY, arch=dict(TINY.arch, **{key: _changed(value)}))
+        assert checkpoint_fingerprint(changed) != base, key
+    assert checkpoint_fingerprint(dataclasses.replace(
+        TINY, arch=dict(TINY.arch, use_sliding_window=False))) != base  # a new arch field
+    for name in sorted(NOT_SHAPING):
+        value = getattr(TINY, name)
+        changed = dataclasses.replace(TINY, **{name: _changed(value)})
+        assert checkpoint_fingerprint(changed) == base, name
+    # The builder and the tokenizer's words shape the checkpoint too.
+    monkeypatch.setattr(builder, "BUILDER_VERSION", builder.BUILDER_VERSION + 1)
+    assert checkpoint_fingerprint(TINY) != base
+    monkeypatch.undo()
+    monkeypatch.setattr(builder, "TOKEN_WORDS", builder.TOKEN_WORDS + ("extra",))
+    assert checkpoint_fingerprint(TINY) != base

@@ -1,21 +1,22 @@
 """issue395.shapes: shapes derived from any config on a meta skeleton (nothing allocated), and the
-configs no real model has. Each family's shape is pinned against docs/FAMILIES.md's public parameter
+configs refused (an architecture Soup cannot stream, a size that is not a whole number or that no
+real model has). Each family's shape is pinned against docs/FAMILIES.md's public parameter
 counts (typed in here independently of the harness) and against the estimator's closed formula.
 Nothing is faked: real transformers on the meta device."""
 
 from __future__ import annotations
 
 import pytest
+from conftest import TINY
 
 from issue395 import estimate
+from issue395.builder import hf_config
+from issue395.errors import UsageError
 from issue395.registry import FAMILIES, config_json
-from issue395.shapes import family_shape
+from issue395.shapes import derive_shape, family_shape
 
 def test_derive_shape_refuses_a_config_larger_than_any_real_model():
     from transformers import AutoConfig
-
-    from issue395.errors import UsageError
-    from issue395.shapes import derive_shape
 
     config = AutoConfig.for_model("llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                   num_attention_heads=4, num_key_value_heads=2, vocab_size=2**23)
@@ -65,3 +66,21 @@ def test_lora_targets_are_q_and_v_except_phi3s_fused_qkv_and_the_adapter_follows
     llama = family_shape("llama32-1b")
     assert llama.targets == ("q_proj", "v_proj")
     assert llama.grid_adapter == 2 * 16 * 8 * ((2048 + 2048) + (2048 + 8 * 64))
+
+
+@pytest.mark.parametrize("config_name", ["GPT2Config", "BertConfig"])
+def test_derive_shape_refuses_an_architecture_soup_cannot_stream(config_name):
+    import transformers
+
+    config = getattr(transformers, config_name)(n_layer=1, num_hidden_layers=1)
+    with pytest.raises(UsageError, match="cannot be layer-streamed"):
+        derive_shape(config, name="tiny")
+
+
+@pytest.mark.parametrize("field, value", [("vocab_size", 0), ("num_hidden_layers", 0),
+                                          ("hidden_size", -1), ("num_attention_heads", 0)])
+def test_derive_shape_refuses_a_figure_that_is_not_a_whole_number(field, value):
+    config = hf_config(TINY)
+    setattr(config, field, value)
+    with pytest.raises(UsageError, match=f"config {field} is {value!r}"):
+        derive_shape(config, name="tiny")
