@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 
 from conftest import TINY
 
 from issue395 import builder
-from issue395.builder import checkpoint_fingerprint, prepare_checkpoint
+from issue395.builder import checkpoint_fingerprint, prepare_checkpoint, safetensors_problem
+from issue395.record import Shape
 from issue395.registry import FAMILIES
 from issue395.shapes import family_shape, load_custom_shape
 
@@ -29,13 +31,6 @@ def test_a_gemma3_checkpoint_is_built_and_its_shape_read_with_no_rope_warning_on
     _, err = capfd.readouterr()
     assert "Unrecognized keys" not in err, err
 
-"""issue395.builder: architecture-exact synthetic checkpoints, each tensor owning its bytes; whether a safetensors file is whole."""
-
-from pathlib import Path
-from issue395.record import Shape
-from issue395.builder import safetensors_problem
-
-
 def _tiny_llama(layers: int, vocab: int = 512, hidden: int = 64, intermediate: int = 128) -> Shape:
     return Shape(key="custom", name="tiny", hub_id="tiny", model_type="llama", pool=0, extras=0,
                  grid_adapter=0, vocab=vocab, hidden=hidden, intermediate=intermediate, n_layers=layers,
@@ -46,8 +41,6 @@ def _tiny_llama(layers: int, vocab: int = 512, hidden: int = 64, intermediate: i
 def _written_tensors(shape, dest, monkeypatch):
     """The tensors write_weights wrote, read back with safetensors in the order they were written."""
     from safetensors.torch import load_file
-
-    from issue395.builder import prepare_checkpoint
 
     prepare_checkpoint(shape, Path(dest))()
     path = Path(dest) / "model.safetensors"
