@@ -88,7 +88,9 @@ from typing import Any, Iterable, Iterator, Optional
 from issue395.cuda import allocator_history, peak_window
 from issue395.errors import last_line
 from issue395.measurement import ArmHooks, Measurement
-from issue395.record import DATA_ROWS, LORA_ALPHA, LORA_R, OVERSHOOT, SOUP_QUANT, Arm, Shape
+from issue395.arm import Arm
+from issue395.record import DATA_ROWS, LORA_ALPHA, LORA_R, OVERSHOOT, SOUP_QUANT
+from issue395.registry import Shape
 from issue395.row import realised_as_requested
 from issue395.runner import Protocol, cli
 

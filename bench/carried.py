@@ -17,7 +17,8 @@ import torch  # noqa: E402
 
 import issue395_second_stack_vram as h  # noqa: E402
 from issue395.checkpoints import quant_base, synthetic_checkpoint  # noqa: E402
-from issue395.record import SHAPES, Arm  # noqa: E402
+from issue395.arm import Arm  # noqa: E402
+from issue395.registry import SHAPES  # noqa: E402
 from issue395.scratch import Scratch  # noqa: E402
 
 ORDER = (("smol", "none"), ("smol", "nf4"), ("qwen", "none"))

@@ -17,8 +17,7 @@ from typing import Callable
 from . import estimate as E
 from .arch import arch_from_config
 from .constants import CUBLAS_WORKSPACE, CUBLAS_WORKSPACE_AMPERE, block_bytes
-from .record import SHAPES
-from .registry import FAMILIES, config_json, family_of
+from .registry import FAMILIES, SHAPES, config_json, family_of
 
 
 DEQUANTISED = "dequantised layer weights"

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
 from .console import quiet_libraries
-from .record import Shape
+from .registry import Shape
 from .shapes import NOT_ARCH
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")

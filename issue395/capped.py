@@ -82,7 +82,8 @@ def emulate_table(rows: list[Row]) -> str:
     return "\n".join(["--emulate-card: each arm in a fresh process, PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, "
                       "a ballast outside the allocator leaving the card's free memory (card free: total - context, "
                       "computed; free: measured with the ballast held; Soup's own: computed by Soup; needs free: "
-                      "this tool's estimator; outcome and allocated: measured here)"] + table(
+                      "this tool's estimator; this tool: fits when needs free <= card free less the runtime's "
+                      "growth (issue395.cards); outcome and allocated: measured here)"] + table(
         [("arm", -34), ("card", -18), ("card free GB", 12), ("free GB", 8), ("Soup's own GB", 13),
          ("needs free GB", 13), ("this tool", -12), ("outcome", -22), ("allocated GB", 12)], cells) + notes)
 

@@ -2,8 +2,11 @@
 plain sizes, the CUDA context each leaves outside the caching allocator, and the cuBLAS
 workspace per handle PyTorch gives each compute capability. Imports only errors and checks.
 
-The verdict every fit answer uses: ``needs_free + context <= total``, i.e. a run fits when
-``needs_free <= free_bytes`` with ``free_bytes = total_bytes - context_bytes``.
+The verdict every fit answer uses: ``needs_free + context + the runtime's growth <= total``,
+i.e. a run fits when ``needs_free <= step_free_bytes``, the card's free memory
+(``total_bytes - context_bytes``, what an idle process sees) less what the CUDA runtime adds
+outside the allocator by the end of the step. Soup's gate reads the free memory earlier, less
+only what the runtime has added by then (``gate_free_bytes``).
 """
 
 from __future__ import annotations
@@ -27,6 +30,19 @@ MiB = 2**20
 #: --context GB overrides it, and on a GPU this tool measures its own (cuda.context_bytes).
 CONTEXT_BOUND_BYTES = 850_000_000
 CONTEXT_EVIDENCE = "0.85 GB on the dev box, which also drives"  # the words in Soup's source
+
+#: What the CUDA runtime adds outside the caching allocator after the context above (CUDA init
+#: and the first cuBLAS handle), measured on the H200 with expandable segments on four arms
+#: (SmolLM2 bf16 2048, Llama-3.2-1B bf16 4096, Mistral-7B NF4 512 and 18304; bench/outside_allocator.py,
+#: results/outside-allocator-h200-soup0.77.0-cb63dba/). By Soup's gate: 90 MiB on every arm, the
+#: kernel modules CUDA loads lazily as Soup's setup first runs them (2 MiB with
+#: CUDA_MODULE_LOADING=EAGER, which loads them all at init); Soup's gate reads free memory with
+#: them gone (it refused the emulated 16 GB arm by that margin). By the end of the step: 242 to
+#: 250 MiB, the modules the step loads and the backward thread's library handles (228 MiB with
+#: EAGER). The largest of each is charged on every card: one card's evidence, a kernel image's
+#: size varies little between architectures, and the charge only ever makes a verdict safer.
+GATE_GROWTH_BYTES = 94_371_840
+STEP_GROWTH_BYTES = 262_144_000
 
 #: PyTorch's cuBLAS workspace per handle (aten/src/ATen/cuda/CublasHandlePool.cpp,
 #: parseChosenWorkspaceSize): ":4096:8" = 32 MiB on compute capability 9.x, 10.x, 11.x and 12.x
@@ -157,10 +173,26 @@ class Budget:
 
     @property
     def free_bytes(self) -> int:
+        """The card's free memory as an idle process sees it (an emulated card's ballast leaves this)."""
         return self.card.total_bytes - self.context_bytes
 
+    @property
+    def step_free_bytes(self) -> int:
+        return step_free(self.free_bytes)
+
+    @property
+    def gate_free_bytes(self) -> int:
+        """What Soup's gate reads: the free memory less the modules loaded before it asks."""
+        return self.free_bytes - GATE_GROWTH_BYTES
+
     def fits(self, needs_free: int) -> bool:
-        return needs_free <= self.free_bytes
+        return needs_free <= self.step_free_bytes
+
+
+def step_free(free_bytes: int) -> int:
+    """What one streamed step's allocator can have of a card's free memory: the runtime's growth
+    during the step comes out of the same memory."""
+    return free_bytes - STEP_GROWTH_BYTES
 
 
 def budget(card: Card, context: Optional[int] = None) -> Budget:

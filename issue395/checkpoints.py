@@ -21,7 +21,8 @@ from .builder import checkpoint_fingerprint, prepare_checkpoint, safetensors_pro
 from .console import Stop
 from .errors import UsageError, last_line
 from .options import Run
-from .record import QUANTS, Shape
+from .record import QUANTS
+from .registry import Shape
 from .scratch import Scratch
 from .shapes import config_only
 

@@ -2,7 +2,7 @@
 this process's caching allocator (issue395.minfree) leaves exactly the named card's free memory
 (its total less its context, issue395.cards), so Soup's own gate measures it and decides; the
 row carries the card, that free memory as measured, and this tool's verdict for the same card
-(needs free <= free, issue395.fits). The ballast goes back when the arm ends, however it ends.
+(needs free <= that free less the runtime's growth, issue395.cards). The ballast goes back when the arm ends, however it ends.
 """
 
 from __future__ import annotations
@@ -15,8 +15,7 @@ from .cards import Budget, budget, parse_card, workspace_env
 from .errors import last_line
 from .fits import card_answers
 from .minfree import Ballast, hold_ballast, release_ballast
-from .registry import FAMILIES, config_json, family_of
-from .record import SHAPES
+from .registry import FAMILIES, SHAPES, config_json, family_of
 
 
 def arm_config(model_key: str, base: Optional[str]) -> Optional[dict]:

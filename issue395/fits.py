@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Callable, Optional
 
-from .cards import Budget, Card, budget, parse_cards, workspace_env
+from .cards import GATE_GROWTH_BYTES, STEP_GROWTH_BYTES, Budget, Card, budget, parse_cards, workspace_env
 from .errors import UsageError
 from .estimate import CUBLAS_WORKSPACE, Estimate, arch_of, estimate
 
@@ -59,12 +59,13 @@ def card_answers(config: dict, e: Estimate, budgets: list[Budget], targets=None,
     for b in budgets:
         ws = b.card.workspace(env)
         mine = e if ws <= CUBLAS_WORKSPACE else estimate(config, seq=e.seq, workspace=ws, **kw)
-        fits, admits = b.fits(mine.needs_free), e.soup_predicted <= b.free_bytes
+        fits, admits = b.fits(mine.needs_free), e.soup_predicted <= b.gate_free_bytes
         out.append({"card": b.card.name, "total_bytes": b.card.total_bytes, "context_bytes": b.context_bytes,
-                    "free_bytes": b.free_bytes, "needs_free": mine.needs_free, "fits": fits,
-                    "longest_seq": longest_seq(config, b.free_bytes, workspace=ws, **kw),
+                    "free_bytes": b.free_bytes, "step_free_bytes": b.step_free_bytes,
+                    "gate_free_bytes": b.gate_free_bytes, "needs_free": mine.needs_free, "fits": fits,
+                    "longest_seq": longest_seq(config, b.step_free_bytes, workspace=ws, **kw),
                     "soup_admits": admits,
-                    "longest_seq_soup_admits": longest_seq_soup_admits(config, b.free_bytes, **kw),
+                    "longest_seq_soup_admits": longest_seq_soup_admits(config, b.gate_free_bytes, **kw),
                     "soup_predicted": e.soup_predicted, "disagreement": disagreement(fits, admits),
                     "context_source": b.context_source, "total_source": b.card.source,
                     "compute_capability": ".".join(map(str, b.card.cc)) if b.card.cc else None,
@@ -118,10 +119,12 @@ def estimate_table(rows: list[Estimate], cards, config: Optional[dict] = None, *
         lines += [[f"{card.name}: total GB"] + [_gb(first["total_bytes"])] * len(rows),
                   [f"  context GB ({first['context_source']})"] + [_gb(a["context_bytes"]) for a in per],
                   ["  free GB (total - context)"] + [_gb(a["free_bytes"]) for a in per],
+                  ["  the step's free GB (free - runtime growth)"] + [_gb(a["step_free_bytes"]) for a in per],
                   ["  needs free GB (this estimator)"] + [_gb(a["needs_free"]) for a in per],
-                  ["  fits (needs free <= free)"] + ["yes" if a["fits"] else "NO" for a in per],
+                  ["  fits (needs free <= the step's free)"] + ["yes" if a["fits"] else "NO" for a in per],
                   ["  longest seq that fits"] + [seq_words(a["longest_seq"]) for a in per],
-                  ["  Soup's gate admits it (Soup's number <= free)"] + ["yes" if a["soup_admits"] else "no" for a in per],
+                  ["  free GB at Soup's gate (free - modules loaded)"] + [_gb(a["gate_free_bytes"]) for a in per],
+                  ["  Soup's gate admits it (Soup's number <= that)"] + ["yes" if a["soup_admits"] else "no" for a in per],
                   ["  longest seq Soup's gate admits"] + [seq_words(a["longest_seq_soup_admits"]) for a in per]]
         for e, a in zip(rows, per):
             if a["disagreement"]:
@@ -138,8 +141,12 @@ def estimate_table(rows: list[Estimate], cards, config: Optional[dict] = None, *
               "positions, rotary tables, mask) or the layer recompute (the shared terms, the dequantised layer, "
               "per-token bytes, the autograd workspace) + the allowance; needs free adds the allocator's reserve")
     if cards:
-        legend += ("\nfits: needs free + context <= total. context: 'bound' is Soup's own 0.85 GB (its dev box, "
-                   "driving a display; --context GB gives yours), 'measured' this tool's on that card")
+        legend += ("\nfits: needs free + context + runtime growth <= total. context: 'bound' is Soup's own 0.85 GB "
+                   "(its dev box, driving a display; --context GB gives yours, as an idle process sees it), "
+                   "'measured' this tool's on that card. runtime growth: what CUDA adds outside the allocator "
+                   f"by the step's end, {STEP_GROWTH_BYTES / 1e6:.1f} MB, {GATE_GROWTH_BYTES / 1e6:.1f} MB of it "
+                   "before Soup's gate reads free memory (measured on the H200: kernel modules loaded lazily, "
+                   "library handles)")
     if len(rows) > WIDE_ARMS:
         head = f"soup-cli {release_label or rows[0].release}, steps {rows[0].steps}: one row per arm"
         return "\n".join([head] + table + [legend] + sources + list(dict.fromkeys(notes))) + "\n"
@@ -165,7 +172,7 @@ def per_arm_table(rows: list[Estimate], cards, answers: list[list[dict]], heads:
         [f"{cells[0]:<{widths[0]}}"] + [f"{c:>{w}}" for c, w in zip(cells[1:], widths[1:])])
     line = fmt(names)
     return [line, "-" * len(line)] + [fmt(r) for r in body] + [
-        "per card: fits (needs free <= free), the longest seq that fits / Soup's gate admits it, the longest "
+        "per card: fits (needs free <= the step's free), the longest seq that fits / Soup's gate admits it, the longest "
         "seq it admits", "each arm's terms: --json (or at most 6 arms, a column each)"]
 
 

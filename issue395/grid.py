@@ -8,8 +8,9 @@ from __future__ import annotations
 import functools
 from typing import Iterable, Optional
 
-from .record import MAP_SEQS, RECORD_GRID, SHAPES, Arm
-from .registry import FAMILIES, family_of, max_positions
+from .arm import Arm
+from .record import MAP_SEQS, RECORD_GRID
+from .registry import FAMILIES, SHAPES, family_of, max_positions
 from .shapes import family_shape
 
 

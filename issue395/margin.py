@@ -7,7 +7,9 @@ from __future__ import annotations
 from typing import Any, Callable, Optional
 
 from .cuda import logits_kind
-from .record import GB, Arm, Shape
+from .arm import Arm
+from .record import GB
+from .registry import Shape
 from .row import Row
 
 

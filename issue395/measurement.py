@@ -22,7 +22,8 @@ from .cuda import attribute_peak, is_oom, oom_request, save_snapshot
 from .emulation import Emulation, arm_config, tool_needs_free
 from .errors import last_line
 from .margin import shape_classes
-from .record import Arm, Shape
+from .arm import Arm
+from .registry import Shape
 from .row import Row, arm_row
 from .shapes import bitsandbytes_present
 

@@ -29,10 +29,11 @@ from .cards import parse_context
 from .errors import UsageError, last_line
 from .grid import plan_arms, plan_map, shard_of
 from .parser import build_parser
-from .record import Arm, MAP_BATCHES, QUANTS, RECORD_DETERMINISM, RECORD_GRID, SHAPES
-from .result import RowFile
+from .arm import Arm
+from .record import MAP_BATCHES, QUANTS, RECORD_DETERMINISM, RECORD_GRID
+from .saved import RowFile
 from .scratch import soup_shard_root
-from .registry import ALL_FAMILIES, EXPERT_LAYOUTS, FAMILIES, RECOMPUTES, config_json, max_positions, stream_mode_keys
+from .registry import ALL_FAMILIES, EXPERT_LAYOUTS, FAMILIES, RECOMPUTES, SHAPES, config_json, max_positions, stream_mode_keys
 from .targets import soup_targets
 from .shapes import (bitsandbytes_present, config_only, default_map_families, soup_has_stream_modes,
                      soup_loss_chunk_bounds, streamed_as)
@@ -326,8 +327,6 @@ def estimate_config(model: Optional[str]) -> tuple[str, dict]:
             print(f"note: --model {model}: the family {model}'s public config was used, not ./{model} here "
                   f"(give ./{model} for that)", file=sys.stderr)
         return model, config_json(model)
-    from .registry import FAMILIES
-
     family = next((k for k, f in FAMILIES.items() if f.hub_id == model), None)
     if family is not None:  # a family's hub id (a soup.yaml's base): its committed public config
         return model, config_json(family)

@@ -14,8 +14,10 @@ import tempfile
 from typing import Any, Optional
 
 from .options import Run
-from .record import A10G_STACK, QUANTS, RECORD_A10G_PREDICTED, RECORD_RTX3050, SHAPES
-from .result import Result, RowFile
+from .record import A10G_STACK, QUANTS, RECORD_A10G_PREDICTED, RECORD_RTX3050
+from .registry import SHAPES
+from .result import Result
+from .saved import RowFile
 from .tables import (
     SWEEP_LEGEND,
     attribution_table,
@@ -241,7 +243,7 @@ def heatmap_cells(rows: list[Any], quant: str) -> tuple[list[str], list[tuple[in
 
 
 def heatmap_figure(result: Result, plt: Any) -> Any:
-    """The map as a heatmap of pred/real (the lower of Soup's two predictions over the real
+    """The map as a heatmap of lower/real (the lower of Soup's two predictions over the real
     peak): family x (seq x batch), one panel per quantization. Red: under 1.0, an UNDER (also
     hatched, boxed and named); blue: over; grey with its status: in the grid, not measured
     (REFUSED, SKIPPED, OOM, FAILED, VOID, dry run); blank: not in the grid."""
@@ -260,7 +262,7 @@ def heatmap_figure(result: Result, plt: Any) -> Any:
                              figsize=(max(7.5, label_w + 0.72 * ncols + 2.2), 2.1 + sum(0.42 * h + 0.9 for h in heights)),
                              gridspec_kw={"height_ratios": [h + 1.6 for h in heights]})
     dry = bool(env.get("dry_run"))
-    title = "Soup's pre-flight margin map: Soup's prediction / real peak (below 1.0: UNDER-predicts)"
+    title = "Soup's pre-flight margin map: the lower of Soup's two predictions / real peak (below 1.0: UNDER-predicts)"
     if not measured:
         title = ("Soup's pre-flight margin map: nothing measured"
                  + (" (dry run: set up on CPU, no peak was measured)" if dry else " (no arm has a real peak)"))

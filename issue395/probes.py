@@ -12,8 +12,8 @@ from .console import Stop
 from .emulation import arm_config, tool_needs_free
 from .minfree import bisect_min_free
 from .options import Run
-from .record import SHAPES, Arm
-from .registry import FAMILIES, family_of, stream_mode
+from .arm import Arm
+from .registry import FAMILIES, SHAPES, family_of, stream_mode
 from .result import Result
 from .row import Row
 from .scratch import Scratch
@@ -41,8 +41,11 @@ def min_free_arms(run: Run, arms: list[Arm], scratch: Scratch, on_row: Callable[
 
     def probe(arm: Arm, cap: str) -> Row:
         got: list[Row] = []
-        results.extend(spread_one(replace(run, cap=cap, min_free=False, isolate=True), [arm], scratch,
-                                  got.append, script))
+        # Every probe of an arm is the same arm: its rows are the bisection's steps, which the arm's
+        # own row keeps (min_free_probes), so a probe's result hands on its stack and errors, not
+        # its row (merged with their rows, the probes read as overlapping shards and were refused).
+        results.extend(replace(r, rows=[]) for r in spread_one(
+            replace(run, cap=cap, min_free=False, isolate=True), [arm], scratch, got.append, script))
         return got[-1]
 
     for arm in arms:

@@ -1,49 +1,9 @@
-"""The record, as data: the two models' shapes, the grid, every published figure, an arm, and
-Soup's prediction for it (computed by Soup).
+"""The record, as data: its grid and the map's, the protocol's constants, and every published
+figure. The record's two models live in the registry with every other; an arm and Soup's
+prediction for it, in ``arm``.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass, field
-
-
-@dataclass(frozen=True)
-class Shape:
-    """One model as the published grid records it, and its public architecture."""
-
-    key: str
-    name: str
-    hub_id: str
-    model_type: str
-    pool: int  # bytes of the 2 layer buffers
-    extras: int  # bytes resident beside the pool (embedding, final norm, untied head)
-    grid_adapter: int  # the grid's adapter count: twice the LoRA A+B parameters, as the record spells it
-    vocab: int
-    hidden: int
-    intermediate: int
-    n_layers: int
-    max_positions: int
-    arch: dict = field(default_factory=dict)  # the other public config.json fields
-    record: bool = True  # False for --model and the map's families: no published figures
-    targets: tuple = ("q_proj", "v_proj")  # the protocol's LoRA targets, or the family's own
-    #: soup-cli 0.77.0's streaming modes this arm runs under: Soup ``training`` keys and values
-    #: (stream_expert_layout, stream_loss_chunk, stream_recompute); empty: Soup's defaults.
-    stream: tuple = ()
-
-
-SHAPES: dict[str, Shape] = {
-    "smol": Shape("smol", "SmolLM2-135M", "HuggingFaceTB/SmolLM2-135M", "llama",
-                  pool=14160384, extras=56624256, grid_adapter=921600, vocab=49152, hidden=576,
-                  intermediate=1536, n_layers=30, max_positions=8192,
-                  arch={"num_attention_heads": 9, "num_key_value_heads": 3,
-                        "rope_theta": 100000.0, "rms_norm_eps": 1e-5}),
-    "qwen": Shape("qwen", "Qwen2.5-0.5B", "Qwen/Qwen2.5-0.5B", "qwen2",
-                  pool=59649536, extras=272271104, grid_adapter=1081344, vocab=151936, hidden=896,
-                  intermediate=4864, n_layers=24, max_positions=32768,
-                  arch={"num_attention_heads": 14, "num_key_value_heads": 2,
-                        "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
-                        "use_sliding_window": False, "sliding_window": None}),
-}
 
 
 RECORD_GRID: dict[str, tuple[int, ...]] = {
@@ -120,37 +80,6 @@ GB = 1e9
 
 
 SCHEMA = 2  # the JSON this version writes; it also reads schema 1
-
-
-def predicted_bytes(shape: Shape, seq: int, batch: int = 1) -> int:
-    """Soup's estimator fed the grid's figures, exactly as the record did."""
-    from soup_cli.utils.layer_stream import estimate_stream_peak_vram
-
-    return int(estimate_stream_peak_vram(
-        layer_bytes=shape.pool // 2, buffers=2, extras_bytes=shape.extras,
-        adapter_params=shape.grid_adapter, vocab_size=shape.vocab, hidden_size=shape.hidden,
-        intermediate_size=shape.intermediate, n_layers=shape.n_layers,
-        seq_len=seq, batch_size=batch))
-
-
-def logits_charge(shape: Shape, seq: int, batch: int) -> tuple[int, float]:
-    """14 x E (Soup's logits charge, bytes; E = seq x vocab x batch) and the 12 bytes per element
-    its loss really holds: 14 is 12 of loss arithmetic plus a retained bf16 copy the record found absent."""
-    from soup_cli.utils.layer_stream import LOGITS_LOSS_BYTES_PER_ELEMENT, estimate_logits_bytes
-
-    return (int(estimate_logits_bytes(vocab_size=shape.vocab, seq_len=seq, batch_size=batch)),
-            float(LOGITS_LOSS_BYTES_PER_ELEMENT))
-
-
-@dataclass(frozen=True)
-class Arm:
-    """One point of the grid: a model at one seq and batch; index is its grid position."""
-
-    model: str
-    seq: int
-    batch: int = 1
-    index: int = 0
-    quant: str = "none"
 
 
 #: The map's grid. Seq 512 and 1024 were added where Soup's NF4 misses live (its first grid

@@ -1,17 +1,57 @@
-"""The one model registry: every family Soup streams, as a typed record of its public config.json
-(with its depth, LoRA targets and source where they differ from the protocol's), the map's family
-lists, Soup 0.77.0's streaming modes as map keys, and ``known``: whether a key names a model here.
-The record's two models keep their published figures in ``record.SHAPES``; every lookup by key
-goes through this module.
+"""The one model registry: every model this tool runs, by key. The record's two (``SHAPES``: their
+shapes as the published grid records them) and every family Soup streams (``FAMILIES``: a typed
+record of its public config.json, with its depth, LoRA targets and source where they differ from
+the protocol's); the map's family lists, Soup 0.77.0's streaming modes as map keys, and ``known``:
+whether a key names a model here. Every lookup by key goes through this module.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from .errors import UsageError
-from .record import SHAPES
+from .record import LORA_TARGETS
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One model as the published grid records it, and its public architecture."""
+
+    key: str
+    name: str
+    hub_id: str
+    model_type: str
+    pool: int  # bytes of the 2 layer buffers
+    extras: int  # bytes resident beside the pool (embedding, final norm, untied head)
+    grid_adapter: int  # the grid's adapter count: twice the LoRA A+B parameters, as the record spells it
+    vocab: int
+    hidden: int
+    intermediate: int
+    n_layers: int
+    max_positions: int
+    arch: dict = field(default_factory=dict)  # the other public config.json fields
+    record: bool = True  # False for --model and the map's families: no published figures
+    targets: tuple = LORA_TARGETS  # the protocol's, or the family's own
+    #: soup-cli 0.77.0's streaming modes this arm runs under: Soup ``training`` keys and values
+    #: (stream_expert_layout, stream_loss_chunk, stream_recompute); empty: Soup's defaults.
+    stream: tuple = ()
+
+
+#: The record's two models, as its published grid records them (docs/PROTOCOL.md's shape table).
+SHAPES: dict[str, Shape] = {
+    "smol": Shape("smol", "SmolLM2-135M", "HuggingFaceTB/SmolLM2-135M", "llama",
+                  pool=14160384, extras=56624256, grid_adapter=921600, vocab=49152, hidden=576,
+                  intermediate=1536, n_layers=30, max_positions=8192,
+                  arch={"num_attention_heads": 9, "num_key_value_heads": 3,
+                        "rope_theta": 100000.0, "rms_norm_eps": 1e-5}),
+    "qwen": Shape("qwen", "Qwen2.5-0.5B", "Qwen/Qwen2.5-0.5B", "qwen2",
+                  pool=59649536, extras=272271104, grid_adapter=1081344, vocab=151936, hidden=896,
+                  intermediate=4864, n_layers=24, max_positions=32768,
+                  arch={"num_attention_heads": 14, "num_key_value_heads": 2,
+                        "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
+                        "use_sliding_window": False, "sliding_window": None}),
+}
 
 
 @dataclass(frozen=True)

@@ -9,8 +9,11 @@ import os
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Iterable, Optional
 
+from .cards import step_free
 from .minfree import emulated_outcome
-from .record import RECORD_A10G_PEAK, SOUP_QUANT, Arm, Shape, logits_charge, predicted_bytes
+from .arm import Arm, logits_charge, predicted_bytes
+from .record import RECORD_A10G_PEAK, SOUP_QUANT
+from .registry import Shape
 
 
 def realised_as_requested(seq: int, batch: int, width: Optional[int], rows: Iterable[int]) -> bool:
@@ -106,8 +109,10 @@ class Row:
     @property
     def arm(self) -> tuple:
         """The arm this row measured, as the map names it: model key (with its streaming modes),
-        quantization, seq, batch. Repeats of one arm share it."""
-        return (self.model_key, self.quant, self.seq, self.batch)
+        quantization, seq, batch. Repeats of one arm share it. Every --model row is keyed
+        "custom", so there the checkpoint's name stands for the key: two checkpoints never share
+        an arm."""
+        return (self.model if self.model_key == "custom" else self.model_key, self.quant, self.seq, self.batch)
 
     @property
     def realised(self) -> Optional[int]:
@@ -133,10 +138,11 @@ class Row:
 
     @property
     def emulated_fits(self) -> Optional[bool]:
-        """This tool's verdict for the emulated card: needs free <= the card's free memory."""
+        """This tool's verdict for the emulated card: needs free <= what the step can have of the
+        card's free memory (issue395.cards: the runtime's growth comes out of it)."""
         if self.emulated_card is None or self.needs_free is None or self.emulated_card_free is None:
             return None
-        return self.needs_free <= self.emulated_card_free
+        return self.needs_free <= step_free(self.emulated_card_free)
 
     @property
     def emulated_outcome(self) -> Optional[str]:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from .registry import family_of
+from .registry import SHAPES, Shape, family_of
 from .checkpoints import Checkpoints, quant_base
 from .checks import within_positions
 from .console import Progress, Stop
@@ -27,8 +27,12 @@ from .modes import measure_mode, sdpa_mode
 from .options import Run, grid_arms, settle
 from .parser import NO_CUDA, build_parser
 from .outputs import render_markdown, write_output, write_outputs
-from .record import SCHEMA, SHAPES, Arm, Shape
-from .result import Result, RowFile, environment, load_result, merge, row_order
+from .arm import Arm
+from .record import SCHEMA
+from .merge import merge
+from .result import Result, row_order
+from .saved import RowFile, load_result
+from .stack import environment
 from .row import Row
 from .scratch import Scratch
 from .probes import min_free_arms

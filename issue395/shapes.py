@@ -13,8 +13,8 @@ from typing import Any, Optional
 from .console import quiet_libraries
 from .constants import CONFIG_LIMITS
 from .errors import UsageError, last_line
-from .record import GRID_ADAPTER_FACTOR, LORA_R, LORA_TARGETS, SHAPES, Shape
-from .registry import FAMILIES, MAP_FAMILIES, NOT_ON_MAP, RELEASE_FAMILIES, family_of, stream_mode
+from .record import GRID_ADAPTER_FACTOR, LORA_R, LORA_TARGETS
+from .registry import FAMILIES, MAP_FAMILIES, NOT_ON_MAP, RELEASE_FAMILIES, SHAPES, Shape, family_of, stream_mode
 from .moe import soup_intermediate
 from .row import _whole
 from .soup_number import installed_release, stream_aliases, streamed_as, supported_archs

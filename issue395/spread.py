@@ -21,11 +21,12 @@ from .console import Stop
 from .errors import UsageError, last_line
 from .grid import shard_of
 from .options import Run, run_from_json
-from .record import SHAPES, Arm
-from .result import Result, RowFile
+from .arm import Arm
+from .result import Result
+from .saved import RowFile
 from .row import Row
 from .scratch import Scratch
-from .registry import FAMILIES, family_of
+from .registry import FAMILIES, SHAPES, family_of
 
 #: A child process finds its work here: the file names its settled Run and its Job.
 CHILD_JOB = "ISSUE395_CHILD_JOB"

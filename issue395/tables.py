@@ -22,11 +22,10 @@ from .record import (
     SDPA_HEAD_DIM,
     SDPA_HEADS,
     SDPA_SEQS,
-    SHAPES,
 )
 from .result import Result
 from .row import Row
-from .registry import ALL_FAMILIES
+from .registry import ALL_FAMILIES, SHAPES
 
 
 def determinism_spread(rows: list[Row]) -> list[dict[str, Any]]:
@@ -189,12 +188,12 @@ def determinism_table(rows: list[Row]) -> str:
 
 MAP_COLUMNS = [("family", -22), ("quant", 5), ("seq", 6), ("batch", 5), ("realised", 8),
                ("LoRA targets", -15), ("record-conv GB", 14), ("Soup's own GB", 13), ("own - conv MB", 13),
-               ("real peak GB", 13), ("pred/real", 9), ("corrected GB", 12), ("corr/real", 9), ("status", 8)]
+               ("real peak GB", 13), ("lower/real", 10), ("corrected GB", 12), ("corr/real", 9), ("status", 8)]
 
 
 MAP_LEGEND = ("record-conv: Soup's estimator fed the grid's figures (the record's convention); Soup's own: "
               "the number Soup's pre-flight computed in this very setup (the one its gate uses; on a "
-              "CPU dry run it budgets float32 weights); pred/real: the lower of the two over the real "
+              "CPU dry run it budgets float32 weights); lower/real: the lower of the two over the real "
               "peak; UNDER: either is below it; corrected: this tool's estimator (issue395.estimate) from "
               "the family's public config alone, and corr/real its ratio")
 
@@ -231,9 +230,9 @@ def map_summary(rows: list[Row]) -> str:
             cells.append([fam, quant, ",".join(mine[0].targets), f"{len(measured)}/{len(mine)}", where(lo),
                           where(hi), str(sum(1 for r in mine if r.status == "UNDER")),
                           ", ".join(f"{n} {st}" for st, n in others.items() if n) or "-"])
-    return "\n".join(["summary per family and quantization (pred/real @ seq x batch)"] + table(
-        [("family", -22), ("quant", 5), ("LoRA targets", -15), ("measured", 8), ("min pred/real", 18),
-         ("max pred/real", 18), ("UNDER", 5), ("not measured", -30)], cells))
+    return "\n".join(["summary per family and quantization (lower/real @ seq x batch)"] + table(
+        [("family", -22), ("quant", 5), ("LoRA targets", -15), ("measured", 8), ("min lower/real", 18),
+         ("max lower/real", 18), ("UNDER", 5), ("not measured", -30)], cells))
 
 
 def map_verdict(rows: list[Row], env: Optional[dict] = None) -> str:
@@ -292,7 +291,7 @@ def grid_order(m: dict[str, Any]) -> tuple:
 
 
 MARGINS_LEGEND = ("missed = live - charged: + Soup charges less than is live at the peak (a shortfall "
-                  "that eats the margin); - it charges more (slack)")
+                  "that eats the margin); - it charges more (slack); own/real: Soup's own pre-flight over the real peak")
 
 
 def margins_table(margins: list[dict[str, Any]]) -> str:
@@ -308,7 +307,7 @@ def margins_table(margins: list[dict[str, Any]]) -> str:
             cells.append([f"{m['model']} {m['quant']} {m['seq']}x{m['batch']}", ratio(m["ratio"]), t["term"],
                           gb(t["charged"]), gb(t["measured"]), f"{t['missed'] / 1e6:+.1f}", per,
                           "" if m["complete"] else "history incomplete: not a finding"])
-    out += table([("arm", -34), ("pred/real", 9), ("term", -11), ("charged GB", 10), ("live GB", 9),
+    out += table([("arm", -34), ("own/real", 9), ("term", -11), ("charged GB", 10), ("live GB", 9),
                   ("missed MB", 10), ("missed per unit", -28), ("", -10)], cells)
     out.append(MARGINS_LEGEND)
     notes = [margin_note(m, margins) for m in margins if m["complete"]]
@@ -325,8 +324,8 @@ def stack_words(env: dict[str, Any]) -> str:
 def compare_table(a: Result, b: Result, names: Optional[tuple[str, str]] = None) -> str:
     """The same arms' measured peaks in two saved results (e.g. before and after a change);
     ``names`` (the files) head each side's stack when the caller has them."""
-    index = {(r.model, r.quant, r.seq, r.batch, r.repeat): r for r in b.rows if r.measured}
-    pairs = [(r, index.get((r.model, r.quant, r.seq, r.batch, r.repeat))) for r in a.rows if r.measured]
+    index = {(r.arm, r.repeat): r for r in b.rows if r.measured}
+    pairs = [(r, index.get((r.arm, r.repeat))) for r in a.rows if r.measured]
     pairs = [(r, o) for r, o in pairs if o]
     quant = any(r.quant != "none" for r, _ in pairs)  # a sweep's compare keeps its columns
     cells = [[r.model] + ([r.quant] if quant else []) + [

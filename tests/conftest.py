@@ -27,7 +27,9 @@ sys.path.insert(0, str(ROOT))
 import issue395_second_stack_vram as h  # noqa: E402
 from issue395.console import Stop
 from issue395.errors import EXIT_USAGE
-from issue395.record import DATA_ROWS, SHAPES, Arm, Shape, predicted_bytes
+from issue395.arm import Arm, predicted_bytes
+from issue395.record import DATA_ROWS
+from issue395.registry import SHAPES, Shape
 from issue395.row import Row, arm_row
 
 SMOL, QWEN = SHAPES["smol"], SHAPES["qwen"]

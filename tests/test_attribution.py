@@ -1,5 +1,5 @@
-"""Results of shards merged into one, and a failed positive control as a result's finding: left
-here for the result split (issue 21), which gives merge and Result their own modules and tests. The
+"""Results of shards merged into one, and a failed positive control as a result's finding: tests of
+issue395.merge and issue395.result still to move to test_merge and test_result (issue 21). The
 allocator histories are hand-built (test_cuda's; no CUDA snapshot can be taken here), the rows are
 the harness's own constructor's with a peak standing in for a measurement; merge and Result are real.
 """
@@ -16,8 +16,10 @@ from test_cuda import attributed
 from issue395.cuda import positive_control
 from issue395.errors import EXIT_FINDING, EXIT_INTERRUPTED, EXIT_OK, UsageError
 from issue395.grid import plan_arms, shard_of
-from issue395.record import SHAPES, Arm, predicted_bytes
-from issue395.result import Result, merge
+from issue395.arm import Arm, predicted_bytes
+from issue395.registry import SHAPES
+from issue395.merge import merge
+from issue395.result import Result
 from issue395.row import Row
 
 

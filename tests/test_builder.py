@@ -17,8 +17,7 @@ from conftest import TINY
 
 from issue395 import builder
 from issue395.builder import checkpoint_fingerprint, prepare_checkpoint, safetensors_problem
-from issue395.record import Shape
-from issue395.registry import FAMILIES
+from issue395.registry import FAMILIES, Shape
 from issue395.shapes import family_shape, load_custom_shape
 
 

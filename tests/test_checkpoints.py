@@ -22,7 +22,7 @@ from issue395.checkpoints import (Checkpoints, checkpoint_problem, quant_base, r
                                   synthetic_checkpoint)
 from issue395.console import Stop
 from issue395.options import Run
-from issue395.record import Shape
+from issue395.registry import Shape
 from issue395.scratch import Scratch
 
 #: Many layers of toy size: a build long enough in tensors for a stop to land in the middle of it.

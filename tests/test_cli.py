@@ -26,7 +26,7 @@ from conftest import SMOL, h, main, one_error_line, table_rows
 from issue395 import runner
 from issue395.builder import checkpoint_fingerprint, prepare_checkpoint
 from issue395.errors import EXIT_OK
-from issue395.record import Arm, predicted_bytes
+from issue395.arm import Arm, predicted_bytes
 from issue395.shapes import load_custom_shape
 from issue395.spread import plan_jobs
 

@@ -18,7 +18,7 @@ from issue395.emulation import arm_config, tool_needs_free
 from issue395.measurement import Measurement, run_arm
 from issue395.options import settle
 from issue395.parser import build_parser
-from issue395.record import Arm
+from issue395.arm import Arm
 from issue395.registry import FAMILIES, config_json
 from issue395.result import Result
 from issue395.row import Row
@@ -129,7 +129,6 @@ def test_a_model_arm_is_capped_and_emulated_from_its_own_config(tmp_path, device
     import issue395.measurement as measurement
     from issue395.cap import cap_bytes
     from issue395.estimate import estimate
-    from issue395.registry import config_json
 
     (tmp_path / "config.json").write_text(json.dumps(config_json("mistral-7b")))
     argv = ["--model", str(tmp_path / "config.json"), "--seq", "512", "--cap", "needs-free"]

@@ -171,7 +171,7 @@ def test_estimate_table_labels_every_figure(key):
     names = [ln[:46].strip() for ln in lines]
     assert names[:3] == ["Soup's own pre-flight GB (computed by Soup)", "corrected: allocated peak GB",
                          "corrected: needs free GB"]
-    assert names.index("fits (needs free <= free)") > max(i for i, n in enumerate(names) if "term:" in n)
+    assert names.index("fits (needs free <= the step's free)") > max(i for i, n in enumerate(names) if "term:" in n)
     assert sum(1 for n in names if n.startswith("longest seq that fits")) == 2
     assert sum(1 for n in names if n.startswith("longest seq Soup's gate admits")) == 2
 

@@ -1,7 +1,7 @@
 """--estimate's Soup's own number against the one Soup's setup computed on the GPU (a committed map
-arm, read back through Result): left here for the result split (issue 21), which gives saved results
-their own module; the rest of --estimate's command line is in test_runner and test_options. CPU, no
-GPU: the committed result stands in for one; nothing faked."""
+arm, read back through Result): still to move to test_soup_number (issue 21); the rest of
+--estimate's command line is in test_runner and test_options. CPU, no GPU: the committed result
+stands in for one; nothing faked."""
 
 from __future__ import annotations
 

@@ -25,7 +25,7 @@ from issue395.builder import checkpoint_fingerprint
 from issue395.checkpoints import synthetic_checkpoint
 from issue395.console import Progress
 from issue395.errors import EXIT_FINDING, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, UsageError
-from issue395.record import predicted_bytes
+from issue395.arm import predicted_bytes
 
 GIB = 2 ** 30
 #: A tiny streamable llama (2 layers, vocab 512) for runs that need no protocol shape.

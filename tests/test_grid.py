@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 
 from issue395.grid import arm_seconds, plan_arms, plan_map, shard_of
-from issue395.record import MAP_BATCHES, QUANTS, Arm
+from issue395.arm import Arm
+from issue395.record import MAP_BATCHES, QUANTS
 from issue395.registry import MAP_FAMILIES, max_positions
 
 

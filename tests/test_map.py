@@ -1,8 +1,9 @@
-"""Left here for the record and result splits (issue 21), each to go to the test file of the module it
-pins once SHAPES, Result and merge have their own modules: the record's two models as the map's shapes,
-an NF4 arm without bitsandbytes and a refusal by Soup's gate judged into a result, map parts merged,
-the heatmap. The real Soup setup runs on CPU through --dry-run; rows are built by the harness's own
-constructor with a peak standing in for a CUDA measurement.
+"""Tests still to move to the file of the module each pins (issue 21): the record's two models as
+the map's shapes (test_registry), an NF4 arm without bitsandbytes and a refusal by Soup's gate
+judged into a result (test_measurement, test_result), map parts merged (test_merge), the heatmap
+(test_outputs); each builds a Result or reads SHAPES. The real Soup setup runs on CPU through
+--dry-run; rows are built by the harness's own constructor with a peak standing in for a CUDA
+measurement.
 """
 
 from __future__ import annotations
@@ -13,8 +14,10 @@ from conftest import SMOL, h, make_row
 from issue395 import measurement
 from issue395.errors import UsageError
 from issue395.outputs import render_plot
-from issue395.record import SHAPES, Arm
-from issue395.result import Result, merge
+from issue395.arm import Arm
+from issue395.merge import merge
+from issue395.registry import SHAPES
+from issue395.result import Result
 from issue395.shapes import family_shape
 
 

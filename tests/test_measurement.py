@@ -14,7 +14,7 @@ from conftest import SMOL
 
 from issue395 import measurement
 from issue395.measurement import Measurement, run_arm
-from issue395.record import Arm
+from issue395.arm import Arm
 
 ARM = Arm("smol", 2048)
 GB = 10**9

@@ -15,8 +15,12 @@ from issue395.minfree import resolution
 from issue395.options import settle
 from issue395.parser import build_parser
 from issue395.probes import arm_targets, min_free_arms
-from issue395.record import Arm
+from issue395.arm import Arm
+from issue395.merge import merge
+from issue395.result import Result
 from issue395.row import Row
+
+ENV = {"gpu": "fake", "arms": "isolated"}
 
 PEAK, TRUE_MIN = 1_522_010_112, 1_561_000_000
 
@@ -29,15 +33,17 @@ def test_min_free_bisects_over_capped_children_and_the_row_carries_it(tmp_path):
         assert run.isolate and not run.min_free and len(arms) == 1
         cap = None if run.cap == "off" else int(run.cap.split(":")[1])
         ok = cap is None or cap >= TRUE_MIN
-        on_row(make_row("smol", 2048, cap_at=run.cap, cap=cap, real_peak=PEAK if ok else None,
-                        reserved=PEAK + 2**21 if ok else None, failure=None if ok else "OOM"))
-        return []
+        row = make_row("smol", 2048, cap_at=run.cap, cap=cap, real_peak=PEAK if ok else None,
+                       reserved=PEAK + 2**21 if ok else None, failure=None if ok else "OOM")
+        on_row(row)
+        return [Result(environment=ENV, rows=[row], kind="map")]  # as a real child's result holds its row
 
     argv = ["--models", "smol", "--seq", "2048", "--min-free"]
     run = settle(build_parser().parse_args(argv), argv)
     assert run.min_free and run.isolate
-    min_free_arms(run, [Arm("smol", 2048)], None, rows.append, "unused", spread_one=child)
+    children = min_free_arms(run, [Arm("smol", 2048)], None, rows.append, "unused", spread_one=child)
     (row,) = rows
+    assert merge(children).rows == [], "the runner merges the probes for their stack: no overlapping arms"
     assert caps[0] == "off" and all(c.startswith("bytes:") for c in caps[1:])
     assert row.min_free >= TRUE_MIN > row.min_free_oom and row.min_free - row.min_free_oom <= resolution(PEAK)
     assert row.min_free_resolution == resolution(PEAK) and len(row.min_free_probes) == len(caps) - 1
@@ -53,9 +59,10 @@ def fake_children(outcomes, caps):
     def child(run, arms, scratch, on_row, script):
         caps.append(run.cap)
         ok = outcomes(run.cap)
-        on_row(make_row(arms[0].model, arms[0].seq, cap_at=run.cap, real_peak=PEAK if ok else None,
-                        reserved=PEAK if ok else None, failure=None if ok else "OOM"))
-        return []
+        row = make_row(arms[0].model, arms[0].seq, cap_at=run.cap, real_peak=PEAK if ok else None,
+                       reserved=PEAK if ok else None, failure=None if ok else "OOM")
+        on_row(row)
+        return [Result(environment=ENV, rows=[row], kind="map")]
     return child
 
 

@@ -1,8 +1,8 @@
 """What a reader sees of saved results: the map's heatmap, markdown, attribution notes and messages.
-Left here for the result split (issue 21): each reads results through load_result, merge or Result,
-which that split gives their own modules (the console's messages moved to test_console, the sweep
-table's A10G claim to test_tables, the merged map's markdown to test_outputs). CPU only: saved
-results from results/ and rows built through the harness's own constructor."""
+Tests still to move to test_outputs and test_tables (issue 21): each reads results through
+load_result, merge or Result (the console's messages moved to test_console, the sweep table's
+A10G claim to test_tables, the merged map's markdown to test_outputs). CPU only: saved results
+from results/ and rows built through the harness's own constructor."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ import dataclasses
 import pytest
 from conftest import ROOT, make_row
 
-from issue395.result import load_result, merge
+from issue395.merge import merge
+from issue395.saved import load_result
 from issue395.tables import compare_table, margins_table, measure_table, render_text, sdpa_table
 
 MAP_2GPU = ROOT / "results/margin-map-h200x2-soup0.73.3-f3ad9d2/map-2gpu.json"

@@ -1,10 +1,11 @@
-"""The record's figures, and the Row that carries them: Soup's prediction, the derived
-columns, a row's status, and the one JSON round trip.
+"""issue395.record: what the record holds (its grid and the map's, the protocol's constants,
+every published figure), and the Row that carries those figures: the derived columns, a row's
+status, and the one JSON round trip.
 
-Every prediction is Soup's real estimator (soup_cli) fed the grid's shape figures; every
-row is built by the harness's own constructor (``make_row`` -> ``arm_row``) or read
-back by ``Row.from_json``. No GPU is needed: where a real peak is required, the A10G
-record's published peak stands in for a CUDA measurement (each test that does so says so).
+Every row is built by the harness's own constructor (``make_row`` -> ``arm_row``, with Soup's
+real prediction) or read back by ``Row.from_json``. No GPU is needed: where a real peak is
+required, the A10G record's published peak stands in for a CUDA measurement (each test that
+does so says so).
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ from __future__ import annotations
 import json
 import statistics
 from dataclasses import replace
-from importlib import metadata
 
 import pytest
 from conftest import SMOL, make_row
@@ -20,28 +20,33 @@ from conftest import SMOL, make_row
 from issue395.cuda import attribute_peak
 from issue395.options import Run
 from issue395.grid import plan_arms
+from issue395.arm import Arm, predicted_bytes
 from issue395.record import (
+    DATA_ROWS,
+    GB,
+    GRID_ADAPTER_FACTOR,
+    LORA_ALPHA,
+    LORA_R,
+    LORA_TARGETS,
+    MAP_BATCHES,
+    MAP_SEQS,
+    OVERSHOOT,
+    QUANTS,
     RECORD_A10G_OVERESTIMATE,
     RECORD_A10G_PEAK,
     RECORD_A10G_PREDICTED,
+    RECORD_DETERMINISM,
     RECORD_GRID,
-    SHAPES,
-    Arm,
-    logits_charge,
-    predicted_bytes,
+    RECORD_RTX3050,
+    SCHEMA,
+    SOUP_QUANT,
 )
 from issue395.row import Row, arm_row, realised_as_requested
 from issue395.spread import lost_row
 from issue395.tables import determinism_spread, overestimate_summary
 
-# docs/PROTOCOL.md's shape table and the A10G record's published figures, typed in here
-# independently of the harness's own copies.
-PROTOCOL_SHAPES = {
-    "smol": dict(pool=14160384, extras=56624256, grid_adapter=921600, vocab=49152, hidden=576,
-                 intermediate=1536, n_layers=30),
-    "qwen": dict(pool=59649536, extras=272271104, grid_adapter=1081344, vocab=151936, hidden=896,
-                 intermediate=4864, n_layers=24),
-}
+# The A10G record's published figures (docs/PROTOCOL.md), typed in here independently of
+# the harness's own copies.
 PUBLISHED = {  # (model, seq): (predicted GB, real peak GB, pred/real)
     ("smol", 2048): (1.596, 1.3652, 1.169), ("smol", 3072): (2.345, 2.0167, 1.163),
     ("smol", 4096): (3.094, 2.6578, 1.164), ("smol", 4352): (3.281, 2.8184, 1.164),
@@ -69,18 +74,46 @@ def roundtrip(row: Row) -> Row:
 
 # --- the record as data ------------------------------------------------------------
 
-def test_grid_shapes_and_published_figures_are_the_protocols():
+def test_the_grid_and_published_figures_are_the_protocols():
     assert RECORD_GRID == {"smol": (2048, 3072, 4096, 4352, 5120, 6144),
                              "qwen": (2048, 4096, 5120, 6144)}
     assert [(k, s) for k, seqs in RECORD_GRID.items() for s in seqs] == RECORD_ARMS
-    for key, figures in PROTOCOL_SHAPES.items():
-        shape = SHAPES[key]
-        assert {f: getattr(shape, f) for f in figures} == figures
-        assert shape.record is True
     assert RECORD_A10G_PREDICTED == {k: (p, r) for k, (p, _, r) in PUBLISHED.items()}
     assert {k: round(v / 1e9, 4) for k, v in RECORD_A10G_PEAK.items()} == \
         {k: real for k, (_, real, _) in PUBLISHED.items()}
     assert RECORD_A10G_OVERESTIMATE == {"mean": 1.152, "pstdev": 0.0249}
+
+
+def test_each_published_ratio_is_its_predicted_over_its_real_peak():
+    for arm, (predicted_gb, ratio) in RECORD_A10G_PREDICTED.items():
+        assert round(predicted_gb * GB / RECORD_A10G_PEAK[arm], 3) == ratio, arm
+
+
+def test_the_other_published_runs_lie_on_the_grid_and_repeat_the_a10g_peaks():
+    assert all(seq in RECORD_GRID[model] for model, seq in RECORD_RTX3050)
+    for arm, (first, second, spread_pct) in RECORD_DETERMINISM.items():
+        assert first == RECORD_A10G_PEAK[arm] / GB  # the first run is the grid's peak
+        assert round((max(first, second) / min(first, second) - 1) * 100, 2) == spread_pct
+
+
+def test_the_protocols_constants():
+    assert (LORA_R, LORA_ALPHA, LORA_TARGETS) == (8, 16, ("q_proj", "v_proj"))
+    assert (DATA_ROWS, OVERSHOOT, GB, SCHEMA) == (4, 3, 1e9, 2)
+    assert SOUP_QUANT == {"none": "none", "nf4": "4bit"}
+
+
+def test_the_grids_adapter_count_is_twice_loras_a_and_b_on_q_and_v():
+    """PROTOCOL: SmolLM2's 921,600 = 2 x 460,800, r 8 on q_proj (576 -> 576) and v_proj
+    (576 -> 3 kv heads x 64) in each of its 30 layers."""
+    per_layer = LORA_R * ((576 + 576) + (576 + 3 * 64))
+    assert GRID_ADAPTER_FACTOR * 30 * per_layer == SMOL.grid_adapter == 921_600
+
+
+def test_the_map_grid_reaches_below_the_records_and_every_quantization_has_a_soup_spelling():
+    assert MAP_SEQS == tuple(sorted(MAP_SEQS)) and MAP_SEQS[:2] == (512, 1024)
+    assert MAP_SEQS[1] < min(min(seqs) for seqs in RECORD_GRID.values())  # where NF4's misses live
+    assert MAP_BATCHES == (1, 4)
+    assert set(QUANTS) == set(SOUP_QUANT)
 
 
 def test_plan_arms_is_the_record_grid_in_order():
@@ -95,50 +128,6 @@ def test_plan_arms_orders_model_then_seq_then_batch():
         ("qwen", 4096, 2), ("qwen", 4096, 1), ("qwen", 2048, 2), ("qwen", 2048, 1),
         ("smol", 4096, 2), ("smol", 4096, 1), ("smol", 2048, 2), ("smol", 2048, 1)]
     assert [a.index for a in arms] == list(range(8))
-
-
-# --- the prediction: Soup's estimator --------------------------------------------
-
-@pytest.mark.parametrize("key,seq", RECORD_ARMS)
-def test_predicted_bytes_is_soups_estimator_with_protocol_arguments(key, seq):
-    from soup_cli.utils.layer_stream import estimate_stream_peak_vram
-
-    s = PROTOCOL_SHAPES[key]
-    direct = estimate_stream_peak_vram(
-        layer_bytes=s["pool"] // 2, buffers=2, extras_bytes=s["extras"],
-        adapter_params=s["grid_adapter"], vocab_size=s["vocab"], hidden_size=s["hidden"],
-        intermediate_size=s["intermediate"], n_layers=s["n_layers"], seq_len=seq, batch_size=1)
-    pred = predicted_bytes(SHAPES[key], seq)
-    assert pred == int(direct)
-    assert round(pred / 1e9, 3) == PUBLISHED[(key, seq)][0]
-    assert make_row(key, seq).predicted == pred  # the row carries exactly Soup's figure
-
-
-def test_smollm2_seq_2048_prediction_is_the_protocols_exact_bytes():
-    pred = predicted_bytes(SMOL, 2048)
-    version = metadata.version("soup-cli")
-    if version != "0.73.3" and pred != 1596396768:
-        pytest.skip(f"PROTOCOL's exact figure is for soup-cli 0.73.3; installed {version} "
-                    f"gives {pred}")
-    assert pred == 1596396768
-
-
-def test_predicted_bytes_grows_with_batch():
-    assert predicted_bytes(SMOL, 4096, 2) > predicted_bytes(SMOL, 4096, 1)
-    assert make_row("smol", 4096, batch=2).predicted == predicted_bytes(SMOL, 4096, 2)
-
-
-@pytest.mark.parametrize("key,seq,batch", [("smol", 2048, 1), ("qwen", 6144, 1), ("smol", 4096, 3)])
-def test_logits_charge_is_soups_14_bytes_and_its_loss_holds_12(key, seq, batch):
-    from soup_cli.utils.layer_stream import LOGITS_BYTES_PER_ELEMENT, LOGITS_LOSS_BYTES_PER_ELEMENT
-
-    elements = seq * SHAPES[key].vocab * batch
-    assert (LOGITS_BYTES_PER_ELEMENT, LOGITS_LOSS_BYTES_PER_ELEMENT) == (14, 12)
-    assert logits_charge(SHAPES[key], seq, batch) == (14 * elements, 12.0)
-    row = make_row(key, seq, batch=batch)
-    assert row.elements == elements
-    assert row.logits14 == 14 * elements
-    assert row.nonlogits_modelled == row.predicted - 14 * elements
 
 
 # --- the derived columns against the record (record peaks stand in for CUDA) -----

@@ -5,9 +5,9 @@ There is no GPU here, so results are built from rows made by the harness's own
 constructor (``make_row``: Soup's real prediction and the record's figures), with the
 A10G record's published peaks standing in for CUDA measurements of ``real_peak``. The
 --measure and --sdpa sections carry fake numbers shaped like measure_mode / sdpa_mode
-output (those modes need CUDA). Nothing here runs a Soup setup: it is all in process. Left here
-for the result split (issue 21): each test builds or reads a Result, which that split gives its own
-module and tests.
+output (those modes need CUDA). Nothing here runs a Soup setup: it is all in process. Tests still
+to move to test_tables, test_outputs, test_result and test_saved (issue 21): each builds or reads a
+Result.
 """
 
 from __future__ import annotations
@@ -23,8 +23,10 @@ from conftest import ROOT, main, make_row, one_error_line
 
 from issue395.errors import EXIT_FINDING, EXIT_INTERRUPTED, EXIT_OK
 from issue395.outputs import render_markdown, render_plot
-from issue395.record import A10G_STACK, RECORD_A10G_PEAK, RECORD_GRID, SDPA_SEQS, SHAPES
-from issue395.result import Result, environment
+from issue395.record import A10G_STACK, RECORD_A10G_PEAK, RECORD_GRID, SDPA_SEQS
+from issue395.registry import SHAPES
+from issue395.result import Result
+from issue395.stack import environment
 from issue395.row import Row
 from issue395.tables import SWEEP_LEGEND, compare_table, models_in, overestimate_line, render_text
 

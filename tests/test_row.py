@@ -10,7 +10,8 @@ import json
 import pytest
 from conftest import ROOT, main, one_error_line
 from conftest import SMOL, make_row
-from issue395.record import RECORD_A10G_PEAK, Arm
+from issue395.arm import Arm
+from issue395.record import RECORD_A10G_PEAK
 from issue395.row import arm_row
 from issue395.tables import map_verdict
 
@@ -40,3 +41,13 @@ def test_under_is_judged_on_the_lower_of_soups_own_and_the_record_convention():
     assert row.predicted > peak and row.status == "UNDER"
     assert row.margin_ratio == pytest.approx((peak - 1) / peak)
     assert "verdict: Soup UNDER-predicts 1 of 1" in map_verdict([row])
+
+
+def test_an_arm_names_the_checkpoint_where_every_model_row_is_keyed_custom():
+    import dataclasses
+
+    row = make_row(real_peak=10**9)
+    assert row.arm == ("smol", "none", 2048, 1), "a registry row's arm is its key"
+    a = dataclasses.replace(row, model="tiny-a", model_key="custom")
+    b = dataclasses.replace(a, model="tiny-b")
+    assert a.arm != b.arm and a.arm == dataclasses.replace(a, real_peak=1).arm

@@ -23,7 +23,8 @@ from conftest import ROOT
 from issue395.console import Stop
 from issue395.grid import plan_map
 from issue395.options import Run
-from issue395.record import QUANTS, Arm
+from issue395.arm import Arm
+from issue395.record import QUANTS
 from issue395.scratch import Scratch
 from issue395.spread import spread
 from issue395.spread import Job, child_cache, child_run, plan_jobs, read_job, write_job
@@ -32,7 +33,7 @@ SLEEPY_CHILD = textwrap.dedent("""
     import os, sys, time
     sys.path.insert(0, {root!r})
     from issue395.console import Stop
-    from issue395.result import RowFile
+    from issue395.saved import RowFile
     from issue395.spread import CHILD_JOB, die_with_parent, lost_row, read_job
 
     die_with_parent()
@@ -93,7 +94,7 @@ PARENT = textwrap.dedent("""
     import sys
     sys.path.insert(0, {root!r})
     from issue395.options import Run
-    from issue395.record import Arm
+    from issue395.arm import Arm
     from issue395.scratch import Scratch
     from issue395.spread import spread
 

@@ -13,7 +13,7 @@ from conftest import ROOT
 from issue395.result import Result
 from issue395.tables import verdict_line
 from conftest import SMOL, make_row
-from issue395.record import Arm
+from issue395.arm import Arm
 from issue395.row import arm_row
 from issue395.tables import compare_table, sweep_table
 
@@ -56,3 +56,18 @@ def test_custom_model_rows_claim_no_a10g_record():
     text = sweep_table([row])
     assert "A10G: the record" not in text.splitlines()[0] and "no A10G record" in text.splitlines()[0]
     assert "A10G: the record" in sweep_table([make_row("smol", 2048)]).splitlines()[0]
+
+
+def test_compare_pairs_rows_by_their_arm_not_by_the_name_they_display():
+    """A saved row whose label reads differently (an older tool's wording) is still the same arm;
+    a --model checkpoint that happens to share a family's name is not that family's arm. Paired
+    by display name, both would come out wrong."""
+    import dataclasses
+
+    row = make_row(real_peak=10**9)
+    relabelled = dataclasses.replace(row, model="SmolLM2-135M (older label)", real_peak=10**9 + 512)
+    text = compare_table(Result(environment={}, rows=[row]), Result(environment={}, rows=[relabelled]))
+    assert "0 of 1 shared arm(s) equal to the byte" in text and "512" in text.splitlines()[-2]
+    lookalike = dataclasses.replace(row, model_key="custom")  # a local folder named SmolLM2-135M
+    assert "0 of 0 shared" in compare_table(Result(environment={}, rows=[row]),
+                                            Result(environment={}, rows=[lookalike]))

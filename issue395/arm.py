@@ -1,0 +1,39 @@
+"""An arm of the grid, and Soup's prediction for it: Soup's own estimator and logits charge, fed
+the arm's shape exactly as the record fed them (computed by Soup)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .registry import Shape
+
+
+@dataclass(frozen=True)
+class Arm:
+    """One point of the grid: a model at one seq and batch; index is its grid position."""
+
+    model: str
+    seq: int
+    batch: int = 1
+    index: int = 0
+    quant: str = "none"
+
+
+def predicted_bytes(shape: Shape, seq: int, batch: int = 1) -> int:
+    """Soup's estimator fed the grid's figures, exactly as the record did."""
+    from soup_cli.utils.layer_stream import estimate_stream_peak_vram
+
+    return int(estimate_stream_peak_vram(
+        layer_bytes=shape.pool // 2, buffers=2, extras_bytes=shape.extras,
+        adapter_params=shape.grid_adapter, vocab_size=shape.vocab, hidden_size=shape.hidden,
+        intermediate_size=shape.intermediate, n_layers=shape.n_layers,
+        seq_len=seq, batch_size=batch))
+
+
+def logits_charge(shape: Shape, seq: int, batch: int) -> tuple[int, float]:
+    """14 x E (Soup's logits charge, bytes; E = seq x vocab x batch) and the 12 bytes per element
+    its loss really holds: 14 is 12 of loss arithmetic plus a retained bf16 copy the record found absent."""
+    from soup_cli.utils.layer_stream import LOGITS_LOSS_BYTES_PER_ELEMENT, estimate_logits_bytes
+
+    return (int(estimate_logits_bytes(vocab_size=shape.vocab, seq_len=seq, batch_size=batch)),
+            float(LOGITS_LOSS_BYTES_PER_ELEMENT))

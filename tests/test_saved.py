@@ -1,0 +1,56 @@
+"""issue395.saved: rows saved as they finish survive a crash, and a file that is not a result is
+named for what it is when read back."""
+
+from __future__ import annotations
+
+import json
+
+from conftest import ROOT, main, make_row, one_error_line
+
+from issue395.saved import RowFile
+
+SAVED = ROOT / "results" / "cap-proof-and-seq512-1024-map-h200x2-soup0.73.3-b5bee37" / "map-512-1024.json"
+
+
+def test_a_row_file_is_named_for_what_it_is(capfd, tmp_path):
+    path = tmp_path / "x.json.rows.jsonl"
+    rows = json.loads(SAVED.read_text())["rows"][:2]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    one_error_line(*main(capfd, ["--from-json", path]), "row file", "no environment")
+
+
+def test_an_estimate_json_is_named_for_what_it_is(capfd, tmp_path):
+    est = tmp_path / "est.json"
+    assert main(capfd, ["--estimate", "--model", "smol", "--seq", "512", "--json", est])[0] == 0
+    one_error_line(*main(capfd, ["--from-json", est]), "--estimate result", "measured results")
+
+
+def test_each_finished_row_is_a_json_line_beside_the_json_until_the_json_holds_it(tmp_path):
+    out = tmp_path / "o.json"
+    stale = tmp_path / "o.json.rows.jsonl"
+    stale.write_text("a killed run's rows\n")
+    rows = RowFile(str(out))
+    assert rows.path == stale and not stale.exists()  # a new run starts its own
+    measured = [make_row(index=0, real_peak=10**9), make_row(index=1, seq=4096, real_peak=2 * 10**9)]
+    for row in measured:
+        rows.add(row)
+    saved = [json.loads(line) for line in stale.read_text().splitlines()]
+    assert saved == [json.loads(json.dumps(r.to_json(), default=str)) for r in measured]
+    rows.finish()
+    assert not stale.exists()
+
+
+def test_json_to_stdout_keeps_no_row_file(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    rows = RowFile("-")
+    rows.add(make_row())
+    assert rows.path is None and list(tmp_path.iterdir()) == []
+
+
+def test_a_row_file_that_cannot_be_written_warns_once_and_the_run_goes_on(tmp_path, capsys):
+    rows = RowFile(str(tmp_path / "gone" / "o.json"))
+    rows.add(make_row(index=0))
+    rows.add(make_row(index=1, seq=4096))
+    err = capsys.readouterr().err
+    assert err.count("warning: cannot save rows to") == 1 and "they are in the tables" in err
+    assert not rows.ok
