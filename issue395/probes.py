@@ -17,6 +17,7 @@ from .registry import FAMILIES, SHAPES, family_of, stream_mode
 from .result import Result
 from .row import Row
 from .scratch import Scratch
+from .shapes import lora_targets
 from .spread import spread
 
 #: No cap above this many times the control's reserved memory is worth a probe.
@@ -24,10 +25,11 @@ CEILING_OVER_RESERVED = 4
 
 
 def arm_targets(arm: Arm) -> tuple:
-    """The LoRA targets the arm runs with (the family's own, else the protocol's)."""
+    """The LoRA targets the arm runs with (the family's own, else the protocol's on its architecture:
+    Phi-3's fused qkv_proj, where q_proj and v_proj do not exist)."""
     family = FAMILIES.get(family_of(arm.model))
     if family is not None:
-        return tuple(family.targets or ("q_proj", "v_proj"))
+        return tuple(family.targets or lora_targets(family.model_type))
     return tuple(SHAPES[arm.model].targets) if arm.model in SHAPES else ()
 
 

@@ -9,6 +9,7 @@ where a test needs a measured peak, through the measured path with only the CUDA
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import signal
@@ -93,6 +94,12 @@ def one_error_line(code, out, err, *words):
 def table_rows(out: str, seq: int) -> list[str]:
     """The sweep table's lines for one seq."""
     return [line for line in out.splitlines() if line.split()[:1] == [str(seq)]]
+
+
+#: A tiny streamable llama, the record's SmolLM2 at toy sizes: a real build in well under a second.
+TINY = dataclasses.replace(SMOL, key="tiny", name="tiny", n_layers=2, vocab=512, hidden=64,
+                           intermediate=128, max_positions=256, record=False,
+                           arch=dict(SMOL.arch, num_attention_heads=4, num_key_value_heads=2))
 
 
 def make_row(key: str = "smol", seq: int = 2048, batch: int = 1, index: int = 0, **measured) -> Row:

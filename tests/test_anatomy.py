@@ -1,6 +1,8 @@
 """issue395.anatomy: naming the blocks live at a step's peak by physical class, from their sizes,
-and setting each class against the estimator term meant to charge it. Synthetic block lists
-built from the real family configs (the registry, issue395/registry.py); CPU only, no torch."""
+and setting each class against the estimator term meant to charge it, as --from-json prints it.
+Synthetic block lists built from the real family configs (the registry, issue395/registry.py), and
+one committed map whose margin is given its physical classes by hand where a GPU's allocator history
+would have (none can be taken here); CPU only, nothing else faked."""
 
 from __future__ import annotations
 
@@ -193,3 +195,27 @@ def test_a_margin_of_a_release_the_estimator_does_not_know_is_left_out_of_the_an
 
     m = {"model": "x", "model_key": "custom", "quant": "none", "seq": 64, "batch": 1, "physical": {"the rest": 1}}
     assert margin_anatomy([m], "9.9.9") == ""
+
+
+def test_a_map_margin_named_by_physical_class_is_set_against_the_corrected_terms(capfd, tmp_path):
+    """A saved map whose Mistral-7B NF4 512x1 margin carries its live blocks by physical class
+    (as run_arm records them with a history): the text sets each class against the corrected
+    estimate's term, the dequantised layer against its W16 term, resident weights first."""
+    from conftest import main
+
+    data = json.loads((ROOT / "results/cap-proof-and-seq512-1024-map-h200x2-soup0.73.3-b5bee37/map-512-1024.json").read_text())
+    margin = next(m for m in data["margins"] if (m["model_key"], m["quant"], m["seq"], m["batch"])
+                  == ("mistral-7b", "nf4", 512, 1))
+    w16 = 3 * 4096 * 14336 * 2 + 3 * 4096 * 4096 * 2
+    margin["physical"] = {"dequantised layer weights": w16, "the rest": 1024, "resident weights": 800_000_000}
+    path = tmp_path / "map.json"
+    path.write_text(json.dumps(data))
+    code, out, err = main(capfd, ["--from-json", path])
+    assert "Traceback" not in err
+    section = out.split("the peak by physical class")[1]
+    assert section.index("resident weights") < section.index("dequantised layer weights")
+    line = next(x for x in section.splitlines() if "dequantised layer weights" in x)
+    assert f"{w16 / 1e6:.3f}" in line  # live, measured
+    # charged: the corrected W16 term, one layer's linears in bf16 from Mistral-7B's public shape:
+    # 2 x (2 x 4096 x 4096 + 2 x 4096 x 1024 + 3 x 4096 x 14336) = 436,207,616 B
+    assert line.split()[4] == "436.208"

@@ -1,10 +1,13 @@
-"""The bench scripts run against the package as it is now (bench/carried.py called names the
-split had moved off the script and failed on its first line). CPU: only the CUDA step and the
-allocator's history are faked, and say so."""
+"""bench/: the GPU-box and report scripts run against the package as it is now (bench/carried.py
+called names the split had moved off the script and failed on its first line), and the committed
+findings report is what bench/findings.py renders from the committed results now. CPU: only the CUDA
+step and the allocator's history are faked, and say so."""
 
 from __future__ import annotations
 
 import importlib.util
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -29,3 +32,9 @@ def test_carried_runs_an_arm_through_the_harness_and_reports_what_it_left(fake_c
     out = capsys.readouterr().out
     assert out.startswith("smol none: real peak ") and "failure None" in out
     assert out.rstrip().endswith("after teardown 0 bytes allocated")
+
+
+def test_the_committed_findings_report_is_what_the_results_render_to_now():
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "findings.py")], capture_output=True, text=True,
+                         check=True, timeout=120).stdout
+    assert out == (ROOT / "results" / "FINDINGS.md").read_text()

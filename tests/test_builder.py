@@ -1,14 +1,23 @@
-"""issue395.builder: building a checkpoint says nothing of transformers' own (issue 22, defect 17:
-a stray "Unrecognized keys in `rope_parameters`" leaked to stderr in the map's dry run: Gemma 3's
-per-layer-type rope, as transformers 5 validates it while the builder made and saved its config).
-CPU, a tiny Gemma 3. Soup's own read of the config inside an arm goes to the arm's Soup log."""
+"""issue395.builder: architecture-exact synthetic checkpoints. Building one says nothing of
+transformers' own (issue 22, defect 17: a stray "Unrecognized keys in `rope_parameters`" leaked to
+stderr in the map's dry run: Gemma 3's per-layer-type rope, as transformers 5 validates it while the
+builder made and saved its config); each weight owns its own bytes; an untied head is kept and
+Gemma's norms are their neutral zero; a safetensors file is whole or says why not; a checkpoint's
+fingerprint changes with every field that shapes it and with nothing else. CPU, tiny shapes
+of the real families; nothing faked. Soup's own read of the config inside an arm goes to the arm's
+Soup log."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 
-from issue395.builder import prepare_checkpoint
+from conftest import TINY
+
+from issue395 import builder
+from issue395.builder import checkpoint_fingerprint, prepare_checkpoint, safetensors_problem
+from issue395.registry import FAMILIES, Shape
 from issue395.shapes import family_shape, load_custom_shape
 
 
@@ -21,13 +30,6 @@ def test_a_gemma3_checkpoint_is_built_and_its_shape_read_with_no_rope_warning_on
     _, err = capfd.readouterr()
     assert "Unrecognized keys" not in err, err
 
-"""issue395.builder: architecture-exact synthetic checkpoints, each tensor owning its bytes; whether a safetensors file is whole."""
-
-from pathlib import Path
-from issue395.registry import Shape
-from issue395.builder import safetensors_problem
-
-
 def _tiny_llama(layers: int, vocab: int = 512, hidden: int = 64, intermediate: int = 128) -> Shape:
     return Shape(key="custom", name="tiny", hub_id="tiny", model_type="llama", pool=0, extras=0,
                  grid_adapter=0, vocab=vocab, hidden=hidden, intermediate=intermediate, n_layers=layers,
@@ -38,8 +40,6 @@ def _tiny_llama(layers: int, vocab: int = 512, hidden: int = 64, intermediate: i
 def _written_tensors(shape, dest, monkeypatch):
     """The tensors write_weights wrote, read back with safetensors in the order they were written."""
     from safetensors.torch import load_file
-
-    from issue395.builder import prepare_checkpoint
 
     prepare_checkpoint(shape, Path(dest))()
     path = Path(dest) / "model.safetensors"
@@ -100,3 +100,66 @@ def test_safetensors_problem_detects_truncation_and_a_missing_file(tmp_path):
     assert safetensors_problem(path) == "w.safetensors: truncated header"
     path.unlink()
     assert safetensors_problem(path) == "w.safetensors: FileNotFoundError"
+
+
+def test_builder_keeps_an_untied_head_and_sets_gemma_norms_to_their_neutral_zero(tmp_path):
+    from safetensors import safe_open
+
+    tiny = dict(n_layers=1, vocab=512, hidden=64, intermediate=128, max_positions=256, record=False)
+    gemma = dataclasses.replace(family_shape("gemma-2b"), key="g", **tiny,
+                                arch=dict(FAMILIES["gemma-2b"].config, num_attention_heads=2, head_dim=32))
+    mistral = dataclasses.replace(family_shape("mistral-7b"), key="m", **tiny,
+                                  arch=dict(FAMILIES["mistral-7b"].config, num_attention_heads=2,
+                                            num_key_value_heads=1, head_dim=32))
+    for shape in (gemma, mistral):
+        prepare_checkpoint(shape, tmp_path / shape.key)()
+    with safe_open(str(tmp_path / "g" / "model.safetensors"), framework="pt") as f:
+        norms = [f.get_tensor(k) for k in f.keys() if "norm" in k]
+        assert norms and all(float(t.abs().max()) == 0.0 for t in norms)
+        assert "lm_head.weight" not in f.keys()
+    with safe_open(str(tmp_path / "m" / "model.safetensors"), framework="pt") as f:
+        assert "lm_head.weight" in f.keys()
+        assert all(float(f.get_tensor(k).min()) == 1.0 for k in f.keys() if "norm" in k)
+
+
+#: Fields that name a model but do not shape its checkpoint (record does: a --model shape
+#: keeps its own config fields, the record's are tied with silu).
+#: A streaming mode changes how Soup shards a checkpoint, never the checkpoint: its modes share it.
+NOT_SHAPING = {"name", "hub_id", "stream"}
+
+
+def _changed(value):
+    if isinstance(value, bool):
+        return not value
+    if isinstance(value, (int, float)):
+        return value + 1
+    if isinstance(value, str):
+        return value + "x"
+    if isinstance(value, tuple):
+        return value + ("x",)
+    raise TypeError(value)
+
+
+def test_fingerprint_changes_with_every_shaping_field(monkeypatch):
+    base = checkpoint_fingerprint(TINY)
+    assert checkpoint_fingerprint(dataclasses.replace(TINY)) == base
+    fields = {f.name for f in dataclasses.fields(Shape)}
+    assert NOT_SHAPING < fields
+    for name in sorted(fields - NOT_SHAPING - {"arch"}):  # every field, a new one included
+        changed = dataclasses.replace(TINY, **{name: _changed(getattr(TINY, name))})
+        assert checkpoint_fingerprint(changed) != base, name
+    for key, value in TINY.arch.items():
+        changed = dataclasses.replace(TINY, arch=dict(TINY.arch, **{key: _changed(value)}))
+        assert checkpoint_fingerprint(changed) != base, key
+    assert checkpoint_fingerprint(dataclasses.replace(
+        TINY, arch=dict(TINY.arch, use_sliding_window=False))) != base  # a new arch field
+    for name in sorted(NOT_SHAPING):
+        value = getattr(TINY, name)
+        changed = dataclasses.replace(TINY, **{name: _changed(value)})
+        assert checkpoint_fingerprint(changed) == base, name
+    # The builder and the tokenizer's words shape the checkpoint too.
+    monkeypatch.setattr(builder, "BUILDER_VERSION", builder.BUILDER_VERSION + 1)
+    assert checkpoint_fingerprint(TINY) != base
+    monkeypatch.undo()
+    monkeypatch.setattr(builder, "TOKEN_WORDS", builder.TOKEN_WORDS + ("extra",))
+    assert checkpoint_fingerprint(TINY) != base

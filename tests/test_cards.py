@@ -1,5 +1,5 @@
-"""Named cards, plain sizes, the context bound and the cuBLAS workspace per handle (issue 20).
-CPU only: nothing here touches CUDA."""
+"""issue395.cards: named cards, plain sizes, the context bound and the cuBLAS workspace per handle
+(issue 20). CPU only: nothing here touches CUDA."""
 
 from __future__ import annotations
 

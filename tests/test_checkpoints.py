@@ -1,32 +1,34 @@
-"""Checkpoint builds and a stop (issue 22, defect 10): a Ctrl-C during a build stops the writer
-between tensors and leaves no half-built folder. CPU, a tiny many-layered shape."""
+"""issue395.checkpoints: the checkpoint cache (built once, then served; an unfinished or damaged
+folder rebuilt, each kind of damage named), a Ctrl-C during a build (issue 22, defect 10: the writer
+stops between tensors and leaves no half-built folder), NF4 shard aliases, and another host's partial
+builds left alone. CPU, tiny shapes built by the harness's own builder; nothing faked but the
+builder's tensor maker where the stop test counts what it made."""
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
+import socket
 import time
+from pathlib import Path
 
 import pytest
+from conftest import TINY
 
 from issue395 import builder
-from issue395.builder import BuildStopped
-
-from issue395.checkpoints import Checkpoints
+from issue395.builder import BuildStopped, checkpoint_fingerprint
+from issue395.checkpoints import (Checkpoints, checkpoint_problem, quant_base, reap_dead_partials,
+                                  synthetic_checkpoint)
 from issue395.console import Stop
 from issue395.options import Run
 from issue395.registry import Shape
 from issue395.scratch import Scratch
-import dataclasses
-import json
-import os
-import shutil
-from conftest import SMOL
-from issue395.checkpoints import checkpoint_problem, synthetic_checkpoint
-import socket
-from issue395.checkpoints import quant_base, reap_dead_partials
 
-TINY = Shape(key="tiny", name="tiny", hub_id="tiny", model_type="llama", pool=0, extras=0, grid_adapter=0,
-             vocab=512, hidden=64, intermediate=128, n_layers=40, max_positions=256,
-             arch={"num_attention_heads": 4, "num_key_value_heads": 2}, record=False)
+#: Many layers of toy size: a build long enough in tensors for a stop to land in the middle of it.
+MANY_LAYERS = Shape(key="tiny", name="tiny", hub_id="tiny", model_type="llama", pool=0, extras=0, grid_adapter=0,
+                    vocab=512, hidden=64, intermediate=128, n_layers=40, max_positions=256,
+                    arch={"num_attention_heads": 4, "num_key_value_heads": 2}, record=False)
 
 
 def test_a_stop_mid_build_ends_the_writer_between_tensors_and_removes_the_partial_folder(monkeypatch):
@@ -42,7 +44,8 @@ def test_a_stop_mid_build_ends_the_writer_between_tensors_and_removes_the_partia
     monkeypatch.setattr(builder, "tiled", tiled)
     with Scratch() as scratch:
         root = scratch.checkpoint_root()
-        checkpoints = Checkpoints(["tiny"], {"tiny": TINY}, Run(models=("tiny",), weights="synthetic"), scratch)
+        checkpoints = Checkpoints(["tiny"], {"tiny": MANY_LAYERS}, Run(models=("tiny",), weights="synthetic"),
+                                  scratch)
         started = time.perf_counter()
         with pytest.raises(BuildStopped):
             checkpoints.get("tiny")
@@ -53,19 +56,12 @@ def test_a_stop_mid_build_ends_the_writer_between_tensors_and_removes_the_partia
 
 
 def test_a_checkpoint_built_with_no_stop_is_whole_and_verifies():
-    from issue395.checkpoints import checkpoint_problem
-
     with Scratch() as scratch:
-        checkpoints = Checkpoints(["tiny"], {"tiny": TINY}, Run(models=("tiny",), weights="synthetic"), scratch)
+        checkpoints = Checkpoints(["tiny"], {"tiny": MANY_LAYERS}, Run(models=("tiny",), weights="synthetic"),
+                                  scratch)
         path = checkpoints.get("tiny")
         checkpoints.close()
-        assert checkpoint_problem(__import__("pathlib").Path(path)) is None
-
-# issue395.checkpoints: the checkpoint cache, its damage named and repaired, NF4 aliases.
-
-TINY = dataclasses.replace(SMOL, key="tiny", name="tiny", n_layers=2, vocab=512, hidden=64,
-                           intermediate=128, max_positions=256, record=False,
-                           arch=dict(SMOL.arch, num_attention_heads=4, num_key_value_heads=2))
+        assert checkpoint_problem(Path(path)) is None
 
 
 @pytest.fixture(scope="module")
@@ -113,7 +109,7 @@ def test_nf4_arms_get_their_own_soup_shard_folder_and_bf16_arms_keep_theirs(tmp_
         assert quant_base(scratch, str(base), "none") == str(base)
         nf4 = quant_base(scratch, str(base), "nf4")
         assert resolve_shard_dir(nf4) != resolve_shard_dir(str(base))
-        assert __import__("pathlib").Path(nf4).resolve() == base.resolve()
+        assert Path(nf4).resolve() == base.resolve()
         assert quant_base(scratch, str(base), "nf4") == nf4  # the same alias again
 
 
@@ -124,3 +120,31 @@ def test_a_half_built_checkpoint_of_another_host_is_left_alone(tmp_path):
         folder.mkdir()
     reap_dead_partials(tmp_path)
     assert other.exists() and not mine_dead.exists()
+
+
+def test_synthetic_checkpoint_is_built_once_then_served_from_cache(tmp_path):
+    first, build_s = synthetic_checkpoint(TINY, tmp_path)
+    assert build_s > 0.0
+    assert first.name == f"tiny-{checkpoint_fingerprint(TINY)}"
+    assert checkpoint_problem(first) is None
+    manifest = json.loads((first / ".complete").read_text())
+    assert manifest["file_bytes"] == (first / "model.safetensors").stat().st_size
+    stamp = (first / "model.safetensors").stat().st_mtime_ns
+    again, again_s = synthetic_checkpoint(TINY, tmp_path)
+    assert again == first
+    assert again_s == 0.0
+    assert (first / "model.safetensors").stat().st_mtime_ns == stamp  # not rebuilt
+    assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no half-built folder left
+
+
+def test_synthetic_checkpoint_rebuilds_an_unfinished_folder(tmp_path, capsys):
+    """A folder without its .complete marker (a build cut off, a half-finished rm -r) is
+    not trusted: it is replaced by a complete build."""
+    dest = tmp_path / f"tiny-{checkpoint_fingerprint(TINY)}"
+    dest.mkdir()
+    (dest / "config.json").write_text("{}")
+    path, build_s = synthetic_checkpoint(TINY, tmp_path)
+    assert path == dest and build_s > 0.0
+    assert checkpoint_problem(path) is None
+    assert json.loads((path / "config.json").read_text())["num_hidden_layers"] == 2
+    assert [p.name for p in tmp_path.iterdir()] == [dest.name]

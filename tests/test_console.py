@@ -1,11 +1,18 @@
-"""issue395.console: Ctrl-C, SIGTERM and SIGHUP, with and without an arm in flight."""
+"""issue395.console: Ctrl-C, SIGTERM and SIGHUP, with and without an arm in flight (real signals
+to this process); progress, whose first ETA waits for a second arm (the clock FAKED); a library's
+import-time warning goes to the arm's log, not the terminal (a stand-in module logs it)."""
 
 from __future__ import annotations
+
 import os
 import signal
+import sys
 import time
+
 import pytest
-from issue395.console import Stop
+from conftest import make_row
+
+from issue395.console import Progress, Stop, soup_console
 
 
 @pytest.fixture
@@ -69,3 +76,33 @@ def test_a_ctrl_c_between_arms_stops_at_once_once_arms_are_tracked(capfd):
         pass
     with pytest.raises(KeyboardInterrupt):
         _signal_self(signal.SIGINT)
+
+
+def test_first_eta_waits_for_a_second_arm(capfd, monkeypatch):
+    clock = iter([30.0, 40.0])
+    monkeypatch.setattr("issue395.console.time.perf_counter", lambda: next(clock))
+    p = Progress(5, 0.0)
+    row = make_row("smol", 64)
+    p.arm(row)
+    p.arm(row)
+    err = capfd.readouterr().err.splitlines()
+    assert "estimating" in err[0] and "~" not in err[0]
+    assert err[1].endswith("~30 s left")  # 10 s per arm after the first, 3 left
+
+
+def test_import_time_library_warnings_land_in_the_arm_log(tmp_path, capfd, monkeypatch):
+    mod = tmp_path / "fake_bnb_ops.py"
+    mod.write_text("import logging\nlogging.getLogger('bitsandbytes.backends.cpu.ops').warning("
+                   "'Failed to load CPU gemm_4bit_forward from kernels-community')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    sys.modules.pop("fake_bnb_ops", None)
+    import issue395.console as console
+
+    monkeypatch.setattr(console, "SOUP_MODULES", console.SOUP_MODULES + ("fake_bnb_ops",))
+    log = tmp_path / "arm.log"
+    with soup_console(log, verbose=False):
+        pass
+    out, err = capfd.readouterr()
+    assert "gemm_4bit_forward" not in out + err
+    assert "gemm_4bit_forward" in log.read_text()
+    sys.modules.pop("fake_bnb_ops", None)

@@ -1,5 +1,6 @@
-"""Per card: the verdict, the longest seq that fits, and Soup's two answers beside it (issue 20).
-CPU only; Soup's numbers are computed by its own estimator code, no torch."""
+"""issue395.fits (--estimate's cards): per card the verdict, the longest seq that fits, and Soup's
+two answers beside it (issue 20). CPU only; Soup's numbers are computed by its own estimator
+code, no torch."""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
-"""--min-free's bisection and --emulate-card's ballast (issue 20). The GPU paths run here with only
-the CUDA calls faked, and the tests say so: the child process's outcome (completed or OOM at a
-cap) is a function of the cap, cudaMalloc/cudaFree/mem_get_info are a fake device."""
+"""issue395.minfree: --min-free's bisection and --emulate-card's ballast (issue 20). The GPU paths
+run here with only the CUDA calls faked, and the tests say so: the child process's outcome
+(completed or OOM at a cap) is a function of the cap, cudaMalloc/cudaFree/mem_get_info are a fake
+device."""
 
 from __future__ import annotations
 

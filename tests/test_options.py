@@ -1,5 +1,7 @@
-"""issue395.options: an option that does not apply is a usage error; ~ is expanded in every path
-(issue 22, defects 6 and 8)."""
+"""issue395.options: the command line settled into a Run, in process through main on CPU. An option
+that does not apply, a bad value or a conflict is one usage line (the map's and --min-free's too); ~
+is expanded in every path (issue 22, defects 6 and 8); --steps and --emulate-card reach the Run.
+Faked only where said: bitsandbytes' absence."""
 
 from __future__ import annotations
 
@@ -7,6 +9,10 @@ import json
 
 import pytest
 from conftest import ROOT, main, one_error_line
+
+from issue395 import options
+from issue395.options import settle
+from issue395.parser import build_parser
 
 SAVED = ROOT / "results" / "cap-proof-and-seq512-1024-map-h200x2-soup0.73.3-b5bee37" / "map-512-1024.json"
 
@@ -51,27 +57,58 @@ def test_a_family_name_that_is_also_a_folder_here_says_which_was_used(capfd, tmp
     assert line.startswith("note: --model llama31-8b: the family") and "./llama31-8b" in line
 
 
-@pytest.mark.parametrize("model, given, resolved", [
-    ("llama31-8b", "auto", ["q_proj", "v_proj"]),  # peft's table, which Soup's auto defers to
-    ("phi-2", "auto", ["q_proj", "v_proj", "fc1", "fc2"]),
-    ("llama31-8b", "all-linear", ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]),
-    ("phi3-mini", "all-linear", ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]),
-])
-def test_soups_own_target_spellings_resolve_to_the_modules_soup_would_adapt(capfd, tmp_path, model, given, resolved):
-    out = tmp_path / "e.json"
-    code, _, err = main(capfd, ["--estimate", "--model", model, "--seq", "512", "--targets", given, "--json", out])
-    assert code == 0, err
-    assert json.loads(out.read_text())["targets"] == resolved
-
-
-def test_auto_on_a_model_type_peft_has_no_default_for_is_one_line(capfd):
-    one_error_line(*main(capfd, ["--estimate", "--model", "phi3-mini", "--seq", "512", "--targets", "auto"]),
-                   "--targets auto", "'phi3'", "peft")
-    one_error_line(*main(capfd, ["--estimate", "--model", "phi-2", "--seq", "512", "--targets", "auto,fc1"]),
-                   "stand alone")
-
 def test_steps_reaches_the_sweep_and_the_map():
-    from issue395.options import build_parser, settle
-
     for argv in (["--dry-run", "--steps", "3"], ["--dry-run", "--map", "--steps", "3"]):
         assert settle(build_parser().parse_args(argv), argv).steps == 3, argv
+
+
+def test_emulate_card_is_settled_into_fresh_processes_and_bad_input_is_one_line(capfd):
+    argv = ["--map", "--families", "mistral-7b", "--quant", "none", "--seq", "512", "--batch", "1",
+            "--emulate-card", "L4", "--context", "0.5"]
+    run = settle(build_parser().parse_args(argv), argv)
+    assert run.isolate and run.emulate_card == "L4" and run.context == 500_000_000
+    one_error_line(*main(capfd, ["--models", "smol", "--seq", "64", "--emulate-card", "3 bananas"]), "--emulate-card")
+    one_error_line(*main(capfd, ["--models", "smol", "--seq", "64", "--emulate-card", "T4", "--dry-run"]),
+                   "--emulate-card")
+    one_error_line(*main(capfd, ["--models", "smol", "--seq", "64", "--context", "0.5"]), "--context")
+
+
+def test_min_free_refuses_what_would_run_under_its_caps(capfd):
+    for extra in (["--dry-run"], ["--cap", "soup"], ["--emulate-card", "T4"]):
+        one_error_line(*main(capfd, ["--models", "smol", "--seq", "2048", "--min-free", *extra]), "--")
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--map", "--families", "smol,nope"], "unknown family 'nope'"),
+    (["--map", "--families", "phi-2", "--seq", "4096"], "beyond phi-2's maximum positions (2048)"),
+    (["--map", "--quant", "nf8"], "--quant"),
+    (["--map", "--models", "smol"], "exclusive"),
+    (["--families", "smol"], "--families goes with --map"),
+])
+def test_bad_map_input_is_one_line_and_exit_2(capfd, argv, words):
+    code, stdout, err = main(capfd, argv)
+    assert code == 2 and stdout == ""
+    assert len(err.strip().splitlines()) == 1 and words in err
+
+
+def test_an_explicit_nf4_request_without_bitsandbytes_is_a_usage_error(capfd, monkeypatch):
+    monkeypatch.setattr(options, "bitsandbytes_present", lambda: False)
+    code, stdout, err = main(capfd, ["--map", "--quant", "nf4", "--families", "smol"])
+    assert code == 2 and "bitsandbytes" in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("config, argv, words", [
+    ({"model_type": "bert", "hidden_size": 64}, ["--seq", "512"], ["bert"]),
+    ({"model_type": "llama", "hidden_size": 64}, ["--seq", "512"], ["intermediate_size"]),
+    (None, ["--seq", "512", "--card", "lots"], ["--card"]),
+    (None, ["--seq", "999999"], ["999999"]),
+    (None, ["--seq", "512", "--targets", "q_proj,v_proj"], ["q_proj"]),
+    (None, [], ["--seq"]),
+])
+def test_bad_estimate_input_is_one_line_and_exit_2(capfd, tmp_path, config, argv, words):
+    if config is None:  # Phi-3: fused qkv_proj, 4096 positions
+        model = "phi3-mini"
+    else:
+        model = tmp_path / "config.json"
+        model.write_text(json.dumps(config))
+    one_error_line(*main(capfd, ["--estimate", "--model", model, *argv]), *words)

@@ -1,4 +1,7 @@
-"""issue395.outputs: the heatmap names what each grey or red cell is (issue 22, defects 4 and 5)."""
+"""issue395.outputs: the heatmap names what each grey or red cell is (issue 22, defects 4 and 5); a
+merged map's markdown carries its margins, every command and its cost; outputs are written safely
+(one failed output skips no other, a symlink, a FIFO, /dev/null, a read-only file). Committed results
+and rows built by the harness's own constructor; CPU only, nothing faked but where a test says so."""
 
 from __future__ import annotations
 
@@ -11,10 +14,12 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from conftest import ROOT  # noqa: E402
 
+from issue395.errors import EXIT_OK  # noqa: E402
 from issue395.outputs import heatmap_figure  # noqa: E402
 from issue395.result import Result  # noqa: E402
 
 ISSUE16 = ROOT / "results" / "cap-proof-and-seq512-1024-map-h200x2-soup0.73.3-b5bee37"
+MAP_2GPU = ROOT / "results/margin-map-h200x2-soup0.73.3-f3ad9d2/map-2gpu.json"
 
 
 def cell_words(result: Result) -> list[str]:
@@ -152,3 +157,16 @@ def test_write_output_that_fails_leaves_the_old_content_and_no_temp_file(tmp_pat
         write_output(str(out), b"new")
     assert out.read_text() == "old"
     assert [p.name for p in tmp_path.iterdir()] == ["out.json"]
+
+
+def test_merged_map_markdown_has_margins_every_command_and_a_cost_table(tmp_path, capfd):
+    md_path = tmp_path / "map.md"
+    code, out, err = main(capfd, ["--from-json", MAP_2GPU, ISSUE16 / "map-512-1024.json", "--markdown", md_path])
+    assert code in (EXIT_OK, 1), err
+    md = md_path.read_text()
+    assert "where the margin goes" in md and "missed = live - charged" in md
+    assert "`map-2gpu.json`" in md and "`map-512-1024.json`" in md
+    assert "--seq 512,1024" in md and "--shard 1/2" in md
+    assert "A10G record" not in md  # the map compares with no record
+    cost = md.split("## Harness cost", 1)[1]
+    assert "{" not in cost and "| part 1 |" in cost and "| part 2 |" in cost

@@ -1,20 +1,19 @@
-"""What a reader sees: the map's heatmap and markdown, the attribution notes, and the console's
-messages. CPU only: saved results from results/ and rows built through the harness's own
-constructor."""
+"""What a reader sees of saved results: the map's heatmap, markdown, attribution notes and messages.
+Tests still to move to test_outputs and test_tables (issue 21): each reads results through
+load_result, merge or Result (the console's messages moved to test_console, the sweep table's
+A10G claim to test_tables, the merged map's markdown to test_outputs). CPU only: saved results
+from results/ and rows built through the harness's own constructor."""
 
 from __future__ import annotations
 
 import dataclasses
-import sys
 
 import pytest
-from conftest import ROOT, main, make_row
+from conftest import ROOT, make_row
 
-from issue395.console import Progress, soup_console
-from issue395.errors import EXIT_OK
 from issue395.merge import merge
 from issue395.saved import load_result
-from issue395.tables import compare_table, margins_table, measure_table, render_text, sdpa_table, sweep_table
+from issue395.tables import compare_table, margins_table, measure_table, render_text, sdpa_table
 
 MAP_2GPU = ROOT / "results/margin-map-h200x2-soup0.73.3-f3ad9d2/map-2gpu.json"
 MAP_512 = ROOT / "results/cap-proof-and-seq512-1024-map-h200x2-soup0.73.3-b5bee37/map-512-1024.json"
@@ -117,19 +116,6 @@ def test_a_dry_run_sweep_plot_says_nothing_was_measured(plt, monkeypatch):
 # 2. markdown
 
 
-def test_merged_map_markdown_has_margins_every_command_and_a_cost_table(tmp_path, capfd):
-    md_path = tmp_path / "map.md"
-    code, out, err = main(capfd, ["--from-json", MAP_2GPU, MAP_512, "--markdown", md_path])
-    assert code in (EXIT_OK, 1), err
-    md = md_path.read_text()
-    assert "where the margin goes" in md and "missed = live - charged" in md
-    assert "`map-2gpu.json`" in md and "`map-512-1024.json`" in md
-    assert "--seq 512,1024" in md and "--shard 1/2" in md
-    assert "A10G record" not in md  # the map compares with no record
-    cost = md.split("## Harness cost", 1)[1]
-    assert "{" not in cost and "| part 1 |" in cost and "| part 2 |" in cost
-
-
 def test_sweep_markdown_keeps_the_a10g_claim_and_dry_run_says_no_peak(tmp_path):
     from issue395.outputs import render_markdown
 
@@ -181,18 +167,6 @@ def test_measure_prints_four_decimals_and_sdpa_rows_align():
     assert len(bars) == 1, lines  # every backend's "|" in the same columns, "default" too
 
 
-def test_first_eta_waits_for_a_second_arm(capfd, monkeypatch):
-    clock = iter([30.0, 40.0])
-    monkeypatch.setattr("issue395.console.time.perf_counter", lambda: next(clock))
-    p = Progress(5, 0.0)
-    row = make_row("smol", 64)
-    p.arm(row)
-    p.arm(row)
-    err = capfd.readouterr().err.splitlines()
-    assert "estimating" in err[0] and "~" not in err[0]
-    assert err[1].endswith("~30 s left")  # 10 s per arm after the first, 3 left
-
-
 def test_an_interrupted_dry_run_says_set_up_not_measured():
     from issue395.result import Result
 
@@ -200,31 +174,3 @@ def test_an_interrupted_dry_run_says_set_up_not_measured():
     env = load_result(str(SWEEP)).environment
     text = render_text(Result(environment=dict(env, dry_run=True), rows=rows, interrupted=True))
     assert "1 row(s) set up" in text and "row(s) measured" not in text
-
-
-def test_custom_model_rows_claim_no_a10g_record():
-    row = dataclasses.replace(make_row("smol", 64), model="my-model", model_key="custom")
-    text = sweep_table([row])
-    assert "A10G: the record" not in text.splitlines()[0] and "no A10G record" in text.splitlines()[0]
-    assert "A10G: the record" in sweep_table([make_row("smol", 2048)]).splitlines()[0]
-
-
-# 5. an import-time library warning goes to the arm's log
-
-
-def test_import_time_library_warnings_land_in_the_arm_log(tmp_path, capfd, monkeypatch):
-    mod = tmp_path / "fake_bnb_ops.py"
-    mod.write_text("import logging\nlogging.getLogger('bitsandbytes.backends.cpu.ops').warning("
-                   "'Failed to load CPU gemm_4bit_forward from kernels-community')\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    sys.modules.pop("fake_bnb_ops", None)
-    import issue395.console as console
-
-    monkeypatch.setattr(console, "SOUP_MODULES", console.SOUP_MODULES + ("fake_bnb_ops",))
-    log = tmp_path / "arm.log"
-    with soup_console(log, verbose=False):
-        pass
-    out, err = capfd.readouterr()
-    assert "gemm_4bit_forward" not in out + err
-    assert "gemm_4bit_forward" in log.read_text()
-    sys.modules.pop("fake_bnb_ops", None)

@@ -5,7 +5,9 @@ There is no GPU here, so results are built from rows made by the harness's own
 constructor (``make_row``: Soup's real prediction and the record's figures), with the
 A10G record's published peaks standing in for CUDA measurements of ``real_peak``. The
 --measure and --sdpa sections carry fake numbers shaped like measure_mode / sdpa_mode
-output (those modes need CUDA). Nothing here runs a Soup setup: it is all in process.
+output (those modes need CUDA). Nothing here runs a Soup setup: it is all in process. Tests still
+to move to test_tables, test_outputs, test_result and test_saved (issue 21): each builds or reads a
+Result.
 """
 
 from __future__ import annotations

@@ -1,4 +1,7 @@
-"""issue395.row: a saved row's names are printed as they stand, so they must be printable."""
+"""issue395.row: one arm's result and its verdicts. A saved row's names are printed as they stand, so
+they must be printable; an NF4 row quotes no A10G figure; UNDER is judged on the lower of Soup's own
+number and the record's convention. Rows are built by the harness's own constructor with a peak
+standing in for a CUDA measurement."""
 
 from __future__ import annotations
 
@@ -10,6 +13,7 @@ from conftest import SMOL, make_row
 from issue395.arm import Arm
 from issue395.record import RECORD_A10G_PEAK
 from issue395.row import arm_row
+from issue395.tables import map_verdict
 
 SAVED = ROOT / "results" / "cap-proof-and-seq512-1024-map-h200x2-soup0.73.3-b5bee37" / "map-512-1024.json"
 
@@ -29,6 +33,14 @@ def test_an_nf4_row_of_a_record_model_quotes_no_a10g_figure():
     row = arm_row(arm, SMOL, realised_width=2048, realised_rows=(2048,), real_peak=10**9)
     assert row.record_peak is None and row.vs_record is None
     assert make_row(real_peak=10**9).record_peak == RECORD_A10G_PEAK[("smol", 2048)]
+
+
+def test_under_is_judged_on_the_lower_of_soups_own_and_the_record_convention():
+    peak = 1_500_000_000
+    row = make_row(real_peak=peak, soup_predicted=peak - 1)  # the convention covers it, Soup's own not
+    assert row.predicted > peak and row.status == "UNDER"
+    assert row.margin_ratio == pytest.approx((peak - 1) / peak)
+    assert "verdict: Soup UNDER-predicts 1 of 1" in map_verdict([row])
 
 
 def test_an_arm_names_the_checkpoint_where_every_model_row_is_keyed_custom():

@@ -1,11 +1,20 @@
-"""issue395.runner's --estimate output (issue 22): what it leaves out said where its numbers are
-read, and a JSON that says what it is."""
+"""issue395.runner: the sweep, the map and --estimate end to end in process. --estimate's output
+(issue 22): what it leaves out said where its numbers are read, and a JSON that says what it is; a
+Ctrl-C said alike everywhere; the map's dry run (the real Soup setup on CPU, bf16 and NF4, slow); a
+--model folder holding only a config built from it. Nothing is faked but the spread's children where
+a test says so."""
 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
-from conftest import main
+import pytest
+from conftest import SCRIPT, SMOL, main
+
+from issue395.registry import FAMILIES
+from issue395.row import Row
 
 
 def test_a_quantization_config_is_said_to_be_not_modelled(capfd, tmp_path):
@@ -86,3 +95,60 @@ def test_a_ctrl_c_that_cuts_the_arms_short_is_interrupted_everywhere(capfd, tmp_
     data = json.loads(out.read_text())
     assert code == 130 and data["exit_code"] == 130 and data["interrupted"] is True, err
     assert "stopping after the arm in flight" in err and "interrupted: 1 row(s)" in stdout
+
+
+@pytest.mark.slow
+def test_map_dry_run_realises_seq_on_every_row_in_bf16_and_nf4_and_captures_soups_own_number(
+        capfd, cache_dir, tmp_path):
+    out = tmp_path / "map.json"
+    code, stdout, err = main(capfd, ["--map", "--dry-run", "--families", "smol", "--seq", "64",
+                                     "--batch", "1", "--cache-dir", cache_dir, "--json", out])
+    assert code == 0, err
+    rows = [Row.from_json(r) for r in json.loads(out.read_text())["rows"]]
+    assert [(r.quant, r.realised, r.status) for r in rows] == [("none", 64, "dry-run"),
+                                                              ("nf4", 64, "dry-run")]
+    # Soup's pre-flight ran inside the setup (on CPU it budgets float32 weights).
+    none, nf4 = rows
+    assert none.soup_predicted and nf4.soup_predicted and nf4.soup_predicted < none.soup_predicted
+    assert none.soup_terms["seq_len"] == 64 and none.soup_terms["layer_bytes"] == SMOL.pool  # fp32
+    for needle in ("margin map", "summary per family and quantization", "verdict: nothing measured"):
+        assert needle in stdout
+
+
+def test_model_takes_a_folder_holding_only_a_config_and_builds_from_it(capfd, tmp_path):
+    folder = tmp_path / "only-config"
+    folder.mkdir()
+    fields = dict(FAMILIES["qwen3-0.6b"].config, model_type="qwen3", hidden_size=64, intermediate_size=128,
+                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                  vocab_size=512, max_position_embeddings=256)
+    (folder / "config.json").write_text(json.dumps(fields))
+    code, stdout, err = main(capfd, ["--model", folder, "--seq", "64", "--dry-run"])
+    assert code == 0, err
+    assert "weights synthetic" in stdout
+    assert [line.split()[:2] for line in stdout.splitlines() if line.split()[:1] == ["64"]] == [["64", "64"]]
+
+
+#: The script run as a terminal runs it, then whether torch was imported, on stderr.
+WRAP = ("import runpy, sys\nsys.argv = [{script!r}] + {argv!r}\ncode = 0\ntry:\n"
+        "    runpy.run_path({script!r}, run_name='__main__')\nexcept SystemExit as exc:\n    code = exc.code\n"
+        "print('TORCH', 'torch' in sys.modules, file=sys.stderr)\nsys.exit(code)\n")
+
+
+def test_estimate_answers_from_a_config_without_importing_torch(tmp_path):
+    out = tmp_path / "est.json"
+    argv = ["--estimate", "--model", "mistral-7b", "--quant", "nf4", "--seq", "512,2048", "--batch", "1,4",
+            "--card", "24GB,16GiB", "--json", str(out)]
+    p = subprocess.run([sys.executable, "-c", WRAP.format(script=str(SCRIPT), argv=argv)],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert "TORCH False" in p.stderr
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["seq"], r["batch"]) for r in rows] == [(512, 1), (512, 4), (2048, 1), (2048, 4)]
+    for r in rows:
+        assert {"seq", "batch", "quant", "steps", "soup_predicted", "corrected_predicted", "needs_free",
+                "terms"} <= set(r)
+        assert r["needs_free"] > r["corrected_predicted"] > 0
+    assert "24GB: total GB" in p.stdout and "16GiB: total GB" in p.stdout and "longest seq that fits" in p.stdout
+    for r in rows:  # each arm on each card (issue 20)
+        assert [c["card"] for c in r["cards"]] == ["24GB", "16GiB"]
+        assert all(c["free_bytes"] == c["total_bytes"] - c["context_bytes"] for c in r["cards"])

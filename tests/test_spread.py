@@ -1,5 +1,7 @@
-"""Children and signals (issue 22, defect 9): a first Ctrl-C to a --gpus parent reaches its
-children, each stopping after its own arm in flight; a SIGKILLed parent leaves no orphan.
+"""issue395.spread: jobs and children. A first Ctrl-C to a --gpus parent reaches its children, each
+stopping after its own arm in flight; a SIGKILLed parent leaves no orphan (issue 22, defect 9); a
+child gets its settled Run and Job back as data; a map is dealt one child per GPU with whole
+families; a lost arm's row keeps its cap or card.
 
 Real child processes on CPU; each child stands in for the harness's (it reads its job file as the
 harness's does, installs the same Stop, and "measures" an arm by sleeping: no Soup, no GPU).
@@ -19,12 +21,13 @@ from pathlib import Path
 from conftest import ROOT
 
 from issue395.console import Stop
+from issue395.grid import plan_map
 from issue395.options import Run
 from issue395.arm import Arm
 from issue395.record import QUANTS
 from issue395.scratch import Scratch
 from issue395.spread import spread
-from issue395.spread import Job, child_cache, child_run, read_job, write_job
+from issue395.spread import Job, child_cache, child_run, plan_jobs, read_job, write_job
 
 SLEEPY_CHILD = textwrap.dedent("""
     import os, sys, time
@@ -171,3 +174,18 @@ def test_a_capped_map_child_shares_the_cache_and_a_lost_capped_arm_stays_in_the_
         assert child_cache(Run(map=True, models=("smol",), cap="soup"), scratch) is not None
     row = lost_row(Arm("smol", 2048), Run(cap="soup"), None, 139)
     assert row.cap_at == "soup" and row.status == "FAILED"
+
+
+def test_a_lost_emulated_arm_keeps_its_card():
+    from issue395.spread import lost_row
+
+    row = lost_row(Arm("smol", 2048), Run(emulate_card="t4"), None, 139)
+    assert row.emulated_card == "T4" and row.emulated_outcome == "FAILED"
+
+
+def test_a_map_spread_over_two_gpus_starts_one_child_per_gpu_each_with_whole_families():
+    arms = plan_map(("smol", "qwen", "mistral-7b"), ("none",), (2048,), (1,))
+    jobs = plan_jobs(Run(map=True, models=("smol", "qwen", "mistral-7b"), gpus=(0, 1)), arms)
+    assert [sorted({a.model for a in j.arms}) for j in jobs] == [["mistral-7b"], ["qwen", "smol"]]
+    one = plan_jobs(Run(map=True, models=("smol",), gpus=(0, 1)), arms[:1])
+    assert len(one) == 1, "a second GPU with no family to run started a child anyway"

@@ -1,7 +1,11 @@
-"""issue395.tables: the verdict counts an OOM at Soup's own cap as the under-prediction it is."""
+"""issue395.tables: the verdict counts an OOM at Soup's own cap as the under-prediction it is; a
+sweep row under by Soup's own number says so; compare matches the same quantization only; a --model
+row claims no A10G record. Committed results and rows built by the harness's own constructor with a
+peak standing in for a CUDA measurement; nothing else faked."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 from conftest import ROOT
@@ -45,6 +49,13 @@ def test_compare_matches_the_same_quantization_only():
     lines = [line.split() for line in text.splitlines() if line.split()[:1] == ["SmolLM2-135M"]]
     assert [cells[1] for cells in lines] == ["none", "nf4"], "two arms of one seq, told apart"
     assert "quant" not in compare_table(*[Result(environment={}, rows=[bf16])] * 2)
+
+
+def test_custom_model_rows_claim_no_a10g_record():
+    row = dataclasses.replace(make_row("smol", 64), model="my-model", model_key="custom")
+    text = sweep_table([row])
+    assert "A10G: the record" not in text.splitlines()[0] and "no A10G record" in text.splitlines()[0]
+    assert "A10G: the record" in sweep_table([make_row("smol", 2048)]).splitlines()[0]
 
 
 def test_compare_pairs_rows_by_their_arm_not_by_the_name_they_display():

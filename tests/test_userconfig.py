@@ -1,5 +1,6 @@
-"""The user's own inputs (issue 20): a soup.yaml read by Soup's own loader drives --estimate, and a
-hub id's config.json comes from the local Hugging Face cache (a fake cache dir here: no network)."""
+"""issue395.userconfig: the user's own inputs (issue 20): a soup.yaml read by Soup's own loader
+drives --estimate, and a hub id's config.json comes from the local Hugging Face cache (a fake
+cache dir here: no network)."""
 
 from __future__ import annotations
 

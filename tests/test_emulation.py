@@ -1,8 +1,9 @@
-"""--emulate-card (issue 20): an arm run as if on a smaller card. FAKED here, and only these: the
-CUDA calls (mem_get_info, cudaMalloc, cudaFree: a fake device of 140 GB free) and the step's
-peak. Real: the ballast's arithmetic, the card table, this tool's estimator and verdict, Soup's
-own decide_stream_fit on the free memory the fake device reports, run_arm's judgement, the row,
-its JSON and the table."""
+"""issue395.emulation (--emulate-card, issue 20): an arm run as if on a smaller card, judged by
+issue395.measurement's run_arm; the config an arm's estimate reads and this tool's needs-free for it.
+FAKED here, and only these: the CUDA calls (mem_get_info, cudaMalloc, cudaFree: a fake device of
+140 GB free) and the step's peak. Real: the ballast's arithmetic, the card table, this tool's
+estimator and verdict, Soup's own decide_stream_fit on the free memory the fake device reports,
+run_arm's judgement, the row, its JSON and the table."""
 
 from __future__ import annotations
 
@@ -11,7 +12,6 @@ import json
 import pytest
 import torch
 
-from conftest import SMOL, main, one_error_line
 from issue395 import minfree
 from issue395.cards import budget, parse_card
 from issue395.emulation import arm_config, tool_needs_free
@@ -19,7 +19,7 @@ from issue395.measurement import Measurement, run_arm
 from issue395.options import settle
 from issue395.parser import build_parser
 from issue395.arm import Arm
-from issue395.registry import FAMILIES
+from issue395.registry import FAMILIES, config_json
 from issue395.result import Result
 from issue395.row import Row
 from issue395.tables import render_text
@@ -123,33 +123,12 @@ def test_a_gpu_with_less_free_than_the_card_is_a_failed_row_not_a_false_emulatio
     assert row.status == "FAILED" and "less than" in row.error and not device.held
 
 
-def test_emulate_card_is_settled_into_fresh_processes_and_bad_input_is_one_line(capfd):
-    argv = ["--map", "--families", "mistral-7b", "--quant", "none", "--seq", "512", "--batch", "1",
-            "--emulate-card", "L4", "--context", "0.5"]
-    run = settle(build_parser().parse_args(argv), argv)
-    assert run.isolate and run.emulate_card == "L4" and run.context == 500_000_000
-    one_error_line(*main(capfd, ["--models", "smol", "--seq", "64", "--emulate-card", "3 bananas"]), "--emulate-card")
-    one_error_line(*main(capfd, ["--models", "smol", "--seq", "64", "--emulate-card", "T4", "--dry-run"]),
-                   "--emulate-card")
-    one_error_line(*main(capfd, ["--models", "smol", "--seq", "64", "--context", "0.5"]), "--context")
-
-
-def test_a_lost_emulated_arm_keeps_its_card(tmp_path):
-    from issue395.options import Run
-    from issue395.spread import lost_row
-
-    row = lost_row(Arm("smol", 2048), Run(emulate_card="t4"), None, 139)
-    assert row.emulated_card == "T4" and row.emulated_outcome == "FAILED"
-    assert "mistral-7b" in FAMILIES and SMOL.key == "smol"
-
-
 def test_a_model_arm_is_capped_and_emulated_from_its_own_config(tmp_path, device, monkeypatch):
     """--model arms measured like a family: the cap and the verdict read the checkpoint's own
     config.json. FAKED: the CUDA calls (the device fixture; apply_cap's fraction) and the step."""
     import issue395.measurement as measurement
     from issue395.cap import cap_bytes
     from issue395.estimate import estimate
-    from issue395.registry import config_json
 
     (tmp_path / "config.json").write_text(json.dumps(config_json("mistral-7b")))
     argv = ["--model", str(tmp_path / "config.json"), "--seq", "512", "--cap", "needs-free"]
@@ -167,3 +146,35 @@ def test_a_model_arm_is_capped_and_emulated_from_its_own_config(tmp_path, device
     row = run_arm(protocol_with_fake_step(10**9, []), "cuda", arm, mistral_shape(), str(tmp_path), tmp_path,
                   emulate="T4")
     assert row.needs_free is not None and row.emulated_outcome == "admitted and completed"
+
+
+def test_an_arms_config_is_its_familys_public_one_else_its_checkpoints_own(tmp_path):
+    """A family (with or without a streaming mode) and the record's two read the registry's public
+    config; a --model arm reads its checkpoint's config.json, and one it cannot read is None."""
+    assert arm_config("mistral-7b", "/no/such/checkpoint") == config_json("mistral-7b")
+    assert arm_config("moonlight+per_expert", None) == config_json("moonlight") and "moonlight" in FAMILIES
+    assert arm_config("smol", None) == config_json("smol")
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 64}))
+    assert arm_config("custom", str(tmp_path)) == {"model_type": "llama", "hidden_size": 64}
+    assert arm_config("custom", None) is None
+    for text in ("not json {", "[1, 2]"):
+        (tmp_path / "config.json").write_text(text)
+        assert arm_config("custom", str(tmp_path)) is None, text
+    assert arm_config("custom", str(tmp_path / "missing")) is None
+
+
+def test_needs_free_is_the_estimators_on_the_card_and_none_where_it_cannot_model_the_arm(monkeypatch):
+    """The card's own cuBLAS workspace reaches the verdict: a CUBLAS_WORKSPACE_CONFIG above the
+    estimator's 32 MiB raises needs-free on the card and not without one; an arm the estimator
+    refuses (an architecture Soup cannot stream) has no number, never a guess."""
+    from issue395.estimate import estimate
+
+    mistral = config_json("mistral-7b")
+    kw = dict(quant="nf4", seq=512, batch=1, targets=("q_proj", "v_proj"))
+    plain = estimate(mistral, **kw).needs_free
+    l4 = budget(parse_card("L4"))
+    assert tool_needs_free(mistral, None, **kw) == plain == tool_needs_free(mistral, l4, **kw)
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:16")
+    assert tool_needs_free(mistral, l4, **kw) > plain == tool_needs_free(mistral, None, **kw)
+    assert tool_needs_free(None, l4, **kw) is None
+    assert tool_needs_free({"model_type": "bert", "hidden_size": 64}, None, **kw) is None

@@ -1,0 +1,67 @@
+"""issue395.constants: the facts the measurement and the estimator share are the ones torch's
+caching allocator uses (read from the installed torch's own header), and the size bounds on a
+config sit above every real model and are one bound for both paths. Nothing is faked: the real
+header, the registry's public configs, the measured path's and the estimator's own checks."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from issue395.constants import (CONFIG_LIMITS, K_MIN_BLOCK_SIZE, K_MIN_LARGE_ALLOC, K_ROUND_LARGE, K_SMALL_SIZE,
+                                block_bytes)
+
+
+def test_block_bytes_rounds_up_to_512():
+    assert block_bytes(1) == 512
+    assert block_bytes(0) == 512
+    assert block_bytes(512) == 512
+    assert block_bytes(513) == 1024
+    assert block_bytes(2002) == 2048  # a bf16 logits tensor of 1001 elements
+    assert block_bytes(4004) == 4096  # its fp32 upcast
+
+
+def test_allocator_constants_match_the_installed_torch_headers():
+    hdr = next(Path(importlib.util.find_spec("torch").submodule_search_locations[0]).glob(
+        "include/c10/core/AllocatorConfig.h"), None)
+    if hdr is None:
+        pytest.skip("torch headers not installed")
+    text = hdr.read_text()
+    for name, value in (("kMinBlockSize", K_MIN_BLOCK_SIZE), ("kSmallSize", K_SMALL_SIZE),
+                        ("kMinLargeAlloc", K_MIN_LARGE_ALLOC), ("kRoundLarge", K_ROUND_LARGE)):
+        assert f"constexpr size_t {name} = {value};" in text
+
+
+def test_every_registered_family_sits_within_the_config_bounds():
+    """The bounds are past every real model: each family's public config is inside them."""
+    from issue395.registry import FAMILIES, config_json
+
+    for key in FAMILIES:
+        config = config_json(key)
+        for name, bound in CONFIG_LIMITS.items():
+            assert config.get(name) is None or 1 <= config[name] <= bound, (key, name, config[name])
+
+
+#: A small llama config.json: every size well inside the bounds.
+SMALL = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 512}
+
+
+@pytest.mark.parametrize("name", sorted(CONFIG_LIMITS))
+def test_the_measured_path_and_the_estimator_refuse_a_config_at_the_same_bound(name):
+    """One past the bound both refuse it, naming the field; at the bound neither refuses that field
+    (the estimator may still refuse another, e.g. a head_dim no model has)."""
+    from issue395.arch import arch_from_config
+    from issue395.errors import UsageError
+    from issue395.shapes import size_problem
+
+    bound = CONFIG_LIMITS[name]
+    assert size_problem(name, bound) is None and name in size_problem(name, bound + 1)
+    with pytest.raises(UsageError, match=f"config {name} is {bound + 1}"):
+        arch_from_config(dict(SMALL, **{name: bound + 1}))
+    try:
+        arch_from_config(dict(SMALL, **{name: bound}))
+    except UsageError as exc:
+        assert f"config {name} " not in str(exc)

@@ -1,0 +1,37 @@
+"""issue395.errors: an exception's last line, as a row and a usage error print it, and the exit codes
+a shell or CI reads. Nothing is faked."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+
+import pytest
+
+from issue395.errors import EXIT_FINDING, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, UsageError, last_line
+
+
+def test_the_last_line_of_an_exception_is_its_type_and_its_last_non_blank_line():
+    assert last_line(RuntimeError("loading weights\n  shard 3 of 4\nCUDA error: out of memory\n\n")) == \
+        "RuntimeError: CUDA error: out of memory"
+    assert last_line(UsageError("--seq 0: must be at least 1")) == "UsageError: --seq 0: must be at least 1"
+    assert last_line(KeyError("q_proj")) == "KeyError: 'q_proj'"
+
+
+def test_an_exception_with_no_message_is_its_type_alone():
+    assert last_line(KeyboardInterrupt()) == "KeyboardInterrupt:"
+    assert last_line(ValueError("   \n  ")) == "ValueError:"
+
+
+def test_a_last_line_is_at_most_300_characters():
+    line = last_line(ValueError("x" * 1000))
+    assert len(line) == 300 and line.startswith("ValueError: xxx")
+
+
+def test_each_exit_code_means_one_thing_and_an_interrupt_is_the_shells_sigint(capsys):
+    codes = (EXIT_OK, EXIT_FINDING, EXIT_USAGE, EXIT_INTERRUPTED)
+    assert len(set(codes)) == 4 and EXIT_OK == 0
+    with pytest.raises(SystemExit) as bad:  # argparse's own exit for bad usage: one code for all bad input
+        argparse.ArgumentParser().parse_args(["--no-such-option"])
+    assert bad.value.code == EXIT_USAGE
+    assert EXIT_INTERRUPTED == 128 + signal.SIGINT  # what a shell reports for a Ctrl-C'd process
