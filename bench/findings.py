@@ -17,7 +17,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from issue395.estimate import arch_of, estimate, estimate_key, lora_params  # noqa: E402
+from issue395.estimate import estimate, estimate_key  # noqa: E402
+from issue395.soup_number import arch_of, lora_params  # noqa: E402
 from issue395.result import Result  # noqa: E402
 from issue395.registry import config_json  # noqa: E402
 

@@ -15,9 +15,11 @@ from __future__ import annotations
 from typing import Callable
 
 from . import estimate as E
-from .arch import arch_from_config
+from .arch import Arch, arch_from_config
 from .constants import CUBLAS_WORKSPACE, CUBLAS_WORKSPACE_AMPERE, block_bytes
+from .errors import UsageError
 from .registry import FAMILIES, SHAPES, config_json, family_of
+from .soup_number import RELEASES
 
 
 DEQUANTISED = "dequantised layer weights"
@@ -56,7 +58,7 @@ def _sizes(exact: int) -> set:
     return {exact, block_bytes(exact)}
 
 
-def _fp32_inputs(a: E.Arch, quant: str) -> bool:
+def _fp32_inputs(a: Arch, quant: str) -> bool:
     return a.model_type == "phi" and quant == "nf4"
 
 
@@ -88,7 +90,7 @@ def physical_classifier(config: dict, *, quant: str, seq: int, batch: int, targe
     and ``lora_r`` are checked against the model (as issue395.estimate does) but name no class:
     LoRA's own blocks are far below a layer weight and fall in 'the rest'."""
     E.estimate(config, quant=quant, seq=seq, batch=batch, targets=targets, lora_r=lora_r,
-               release=E.RELEASES[0], soup=False)  # the same input checks, one-line UsageErrors
+               release=RELEASES[0], soup=False)  # the same input checks, one-line UsageErrors
     sizes = class_sizes(config, quant=quant, seq=seq, batch=batch)
     table: dict = {}
     for cls in CLASSES:  # earlier classes win a shared size
@@ -96,7 +98,7 @@ def physical_classifier(config: dict, *, quant: str, seq: int, batch: int, targe
             table.setdefault(s, cls)
     def classify(size: int) -> str:
         if isinstance(size, bool) or not isinstance(size, int) or size < 0:
-            raise E.UsageError(f"block size {size!r} is not a whole number of bytes")
+            raise UsageError(f"block size {size!r} is not a whole number of bytes")
         return table.get(size, REST)
 
     return classify
@@ -140,7 +142,7 @@ def class_breakdown(classes: dict, est, *, seq: int, batch: int, config: dict) -
     scales with, and ``missed_per`` the miss per unit; ``per`` is None for a constant."""
     unknown = set(classes) - set(CLASSES)
     if unknown:
-        raise E.UsageError(f"unknown class(es): {', '.join(sorted(unknown))}")
+        raise UsageError(f"unknown class(es): {', '.join(sorted(unknown))}")
     a = arch_from_config(config)  # the physics of the saved row, whatever Soup is installed
     T, elements = seq * batch, seq * batch * a.V
     softcap = E.SOFTCAP_EXTRA_BYTES * elements if a.softcap else 0
@@ -196,7 +198,7 @@ def margin_anatomy(margins: list[dict], release: str | None = None) -> str:
             config = config_json(family_of(m["model_key"]))
             est = E.estimate_key(m["model_key"], quant=m["quant"], seq=m["seq"], batch=m["batch"],
                                  release=release, soup=False)
-        except (E.UsageError, KeyError):  # a release or model this estimator does not know: none
+        except (UsageError, KeyError):  # a release or model this estimator does not know: none
             continue
         classes = dict(m["physical"])
         resident = int(classes.pop("resident weights", 0))

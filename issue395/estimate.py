@@ -15,13 +15,11 @@ from dataclasses import dataclass
 
 from .arch import Arch, arch_from_config, protocol_targets
 from .moe import Kind, expert_in_flight
-from .constants import (CONFIG_LIMITS, CUBLAS_WORKSPACE, K_MIN_LARGE_ALLOC, K_ROUND_LARGE,  # noqa: F401
-                        K_MIN_BLOCK_SIZE, K_SMALL_SIZE, MiB, block_bytes)
+from .constants import CUBLAS_WORKSPACE, K_MIN_LARGE_ALLOC, K_ROUND_LARGE, K_SMALL_SIZE, block_bytes
 from .errors import UsageError
 from .releases import nearest_release
-from .soup_number import (RELEASES, _nf4_bytes, _soup_dir, arch_of, installed_release,  # noqa: F401
-                          layer_bytes, linear_elements, lora_params, soup_namespace, soup_preflight_from_config,
-                          streamed_as, supported_archs)
+from .soup_number import (RELEASES, arch_of, installed_release, layer_bytes, linear_elements, lora_params,
+                          soup_preflight_from_config)
 from .record import QUANTS
 from .registry import RECOMPUTES, config_json, stream_mode
 

@@ -375,7 +375,8 @@ def settle_estimate(args: argparse.Namespace, argv: list[str]) -> Run:
     if targets is not None and len(set(targets)) != len(targets):
         raise UsageError(f"--targets {args.targets}: a target is named twice")
     from .cards import parse_cards, parse_context
-    from .estimate import arch_of, estimate
+    from .estimate import estimate
+    from .soup_number import arch_of
 
     try:  # the config's own sizes, heads and positions: one line here, before any table
         arch = arch_of(config)

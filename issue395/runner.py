@@ -301,7 +301,8 @@ def estimate_run(run: Run) -> int:
     """--estimate: each (quant, seq, batch) from the config alone, on CPU; the table, and --json."""
     from .cards import workspace_env
     from .arch import protocol_targets
-    from .estimate import arch_of, estimate, installed_release
+    from .estimate import estimate
+    from .soup_number import arch_of, installed_release
     from .fits import budgets_for, card_answers, estimate_table
     from .releases import UnknownRelease, physics_label
 

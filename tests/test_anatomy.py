@@ -18,6 +18,7 @@ from issue395.registry import config_json
 from issue395 import anatomy as A  # noqa: E402
 from issue395 import estimate as E  # noqa: E402
 from issue395.errors import UsageError  # noqa: E402
+from issue395.soup_number import arch_of  # noqa: E402
 
 MiB = 2**20
 
@@ -59,7 +60,7 @@ def test_same_sizes_on_a_bf16_arm_are_not_weights():
 @pytest.mark.parametrize("key", ["smol", "qwen", "gemma3-1b", "phi3-mini", "llama31-8b"])
 def test_each_class_size_is_named_and_requested_or_512_rounded_sizes_match(key):
     c = cfg(key)
-    a = E.arch_of(c)
+    a = arch_of(c)
     seq, batch = 1536, 2  # no two classes share a size here (2048 x 2: seq^2 x 2 = 8 MiB)
     T = seq * batch
     classify = A.physical_classifier(c, quant="none", seq=seq, batch=batch)

@@ -12,7 +12,7 @@ from conftest import main, one_error_line
 
 from issue395 import arch as A
 from issue395 import estimate as E
-from issue395 import soup_number  # noqa: F401 (E.soup_number)
+from issue395 import soup_number
 from issue395.errors import UsageError
 from issue395.registry import config_json
 
@@ -74,7 +74,7 @@ def test_traits_cover_every_architecture_soup_streams_but_qwen4_exp_which_is_ref
     # the dense ones read here, deepseek_v3 and Qwen3.5's text decoders by issue395.moe; qwen4_exp
     # (transformers' own defaults do not build it) is refused in one line, never read as another
     assert set(A.CONFIG_DEFAULTS) == {t for t, layout in A.TRAITS.items() if layout in ("gqa", "phi", "phi3")}
-    streamed = set(E.supported_archs()) | set(soup_number.stream_aliases())
+    streamed = set(soup_number.supported_archs()) | set(soup_number.stream_aliases())
     assert streamed - set(A.TRAITS) - set(A.TEXT_DECODER) <= {"qwen4_exp", "qwen4_exp_text"}
     with pytest.raises(UsageError, match="not one this estimator reads"):
         A.arch_from_config({**config_json("mistral-7b"), "model_type": "qwen4_exp"})

@@ -11,6 +11,7 @@ from issue395 import estimate as E
 from issue395.errors import UsageError
 from issue395.record import RECORD_A10G_PEAK
 from issue395.registry import config_json
+from issue395.soup_number import _soup_dir
 
 ASKED = ("A10G", "L4", "T4", "RTX3090", "RTX4090", "RTX5090", "A100-40GB", "A100-80GB", "L40S", "H100", "H200")
 
@@ -45,7 +46,7 @@ def test_cublas_workspace_follows_pytorchs_rule(cc, env, expected):
 
 
 def test_the_context_bound_is_the_figure_in_soups_own_source():
-    src = (E._soup_dir() / "utils" / "layer_stream.py").read_text(encoding="utf-8")
+    src = (_soup_dir() / "utils" / "layer_stream.py").read_text(encoding="utf-8")
     assert C.CONTEXT_EVIDENCE in src and C.CONTEXT_BOUND_BYTES == 850_000_000
 
 

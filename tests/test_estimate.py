@@ -16,7 +16,9 @@ sys.path.insert(0, str(ROOT))
 from issue395 import estimate as E  # noqa: E402
 from issue395 import fits as F  # noqa: E402
 from issue395 import registry  # noqa: E402
+from issue395.constants import CUBLAS_WORKSPACE, K_MIN_LARGE_ALLOC, K_ROUND_LARGE, K_SMALL_SIZE  # noqa: E402
 from issue395.errors import UsageError  # noqa: E402
+from issue395.soup_number import arch_of, lora_params, supported_archs  # noqa: E402
 
 _spec = importlib.util.spec_from_file_location("leave_one_out", ROOT / "bench" / "leave_one_out.py")
 LOO = importlib.util.module_from_spec(_spec)
@@ -33,17 +35,17 @@ def config_json(key: str) -> dict:
 
 def test_fixture_has_every_family_with_its_model_type():
     for key in FAMILY_KEYS:
-        assert config_json(key)["model_type"] in E.supported_archs()
+        assert config_json(key)["model_type"] in supported_archs()
 
 
 def test_qwen_allocator_rounding_is_the_fp32_logits_segments_tail():
-    a = E.arch_of(config_json("qwen"))
+    a = arch_of(config_json("qwen"))
     assert E.segment_tail(4 * 2048 * a.V) == MiB_ and E.segment_tail(4 * 4096 * a.V) == 0
     # the review-check history: replayed peak 3 x 1 MiB under the measured one at 2048x1
     assert E.allocator_rounding(a, 2048) == 3 * MiB_
     assert E.segment_tail(9 * MiB_) == 0 and E.segment_tail(11 * MiB_ - 4096) == 0
     assert E.segment_tail(11 * MiB_) == MiB_ and E.segment_tail(11 * MiB_ + 1) == MiB_ - 512
-    assert E.K_SMALL_SIZE == 2**20 and E.K_MIN_LARGE_ALLOC == 10 * 2**20 and E.K_ROUND_LARGE == 2**21
+    assert K_SMALL_SIZE == 2**20 and K_MIN_LARGE_ALLOC == 10 * 2**20 and K_ROUND_LARGE == 2**21
 
 
 def test_committed_leave_one_out_file_is_what_the_script_prints_now():
@@ -88,8 +90,8 @@ def test_layer_phase_binds_only_on_short_nf4_arms_of_small_vocab_families():
 def test_steps_add_adam_moments_and_the_autograd_workspace():
     c = config_json("smol")
     one, three = E.estimate(c, seq=2048), E.estimate(c, seq=2048, steps=3)
-    n = E.lora_params(E.arch_of(c), ("q_proj", "v_proj"), 8)
-    assert three.corrected_predicted - one.corrected_predicted == 8 * n + E.CUBLAS_WORKSPACE
+    n = lora_params(arch_of(c), ("q_proj", "v_proj"), 8)
+    assert three.corrected_predicted - one.corrected_predicted == 8 * n + CUBLAS_WORKSPACE
 
 
 def test_to_json_and_needs_free():
@@ -185,9 +187,9 @@ def test_the_estimator_and_the_measured_path_refuse_the_same_configs(name, bound
 
     assert size_problem(name, bound) is None and size_problem(name, bound + 1)
     config = dict(config_json("smol"), head_dim=64)  # a bound on one size, the head held still
-    E.arch_of({**config, name: bound})
+    arch_of({**config, name: bound})
     with pytest.raises(UsageError, match=name):
-        E.arch_of({**config, name: bound + 1})
+        arch_of({**config, name: bound + 1})
 
 
 def committed_leave_one_out() -> dict[str, dict]:

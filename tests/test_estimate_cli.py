@@ -17,7 +17,7 @@ SAVED = {"0.73.3": "results/cap-proof-and-seq512-1024-map-h200x2-soup0.73.3-b5be
 
 
 def test_soups_own_number_from_the_config_is_the_one_its_setup_computed_on_the_gpu(capfd, tmp_path):
-    from issue395.estimate import installed_release
+    from issue395.soup_number import installed_release
 
     saved = Result.from_json(json.loads((ROOT / SAVED[installed_release()]).read_text()))
     assert saved.environment["soup_cli"] == installed_release()

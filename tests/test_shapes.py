@@ -14,6 +14,7 @@ from issue395.builder import hf_config
 from issue395.errors import UsageError
 from issue395.registry import FAMILIES, config_json
 from issue395.shapes import derive_shape, family_shape
+from issue395.soup_number import arch_of
 
 def test_derive_shape_refuses_a_config_larger_than_any_real_model():
     from transformers import AutoConfig
@@ -55,7 +56,7 @@ def test_family_shape_charges_an_untied_head_in_the_extras(key):
     embed = model.get_input_embeddings().weight.numel() * 2
     assert (shape.extras >= 2 * embed) == (key in UNTIED)
     # the meta skeleton's layer and the estimator's closed formula are two derivations: they agree
-    assert shape.pool == estimate.pool(estimate.arch_of(config_json(key)), "none")
+    assert shape.pool == estimate.pool(arch_of(config_json(key)), "none")
 
 
 def test_lora_targets_are_q_and_v_except_phi3s_fused_qkv_and_the_adapter_follows_them():
