@@ -5,13 +5,13 @@ from __future__ import annotations
 
 from typing import Callable, Optional
 
-from .cards import GATE_GROWTH_BYTES, STEP_GROWTH_BYTES, Budget, Card, budget, parse_cards, workspace_env
+from .cards import GATE_GROWTH_BYTES, STEP_GROWTH_BYTES, Budget, Card, budget, workspace_env
 from .constants import CUBLAS_WORKSPACE
 from .errors import UsageError
 from .estimate import Estimate, estimate
 from .soup_number import arch_of
 
-__all__ = ["parse_cards", "card_answers", "estimate_table", "longest_seq", "longest_seq_soup_admits"]
+__all__ = ["card_answers", "estimate_table", "longest_seq", "longest_seq_soup_admits"]
 
 SEQ_STEP = 64
 REFUSES = "Soup refuses a run that would fit"

@@ -36,7 +36,8 @@ from .scratch import soup_shard_root
 from .registry import ALL_FAMILIES, EXPERT_LAYOUTS, FAMILIES, RECOMPUTES, SHAPES, config_json, max_positions, stream_mode_keys
 from .targets import soup_targets
 from .shapes import (bitsandbytes_present, config_only, default_map_families, soup_has_stream_modes,
-                     soup_loss_chunk_bounds, streamed_as)
+                     soup_loss_chunk_bounds)
+from .soup_number import streamed_as
 
 @dataclass(frozen=True)
 class Run:

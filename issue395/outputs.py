@@ -13,6 +13,7 @@ import sys
 import tempfile
 from typing import Any, Optional
 
+from .capped import cap_table, gb, ratio
 from .options import Run
 from .record import A10G_STACK, QUANTS, RECORD_A10G_PREDICTED, RECORD_RTX3050
 from .registry import SHAPES
@@ -21,9 +22,7 @@ from .saved import RowFile
 from .tables import (
     SWEEP_LEGEND,
     attribution_table,
-    cap_table,
     determinism_table,
-    gb,
     map_summary,
     map_table,
     map_verdict,
@@ -31,7 +30,6 @@ from .tables import (
     measure_table,
     models_in,
     overestimate_line,
-    ratio,
     sdpa_table,
     sweep_cells,
 )

@@ -16,6 +16,7 @@ sys.path.insert(0, str(ROOT))
 from issue395 import estimate as E  # noqa: E402
 from issue395 import fits as F  # noqa: E402
 from issue395 import registry  # noqa: E402
+from issue395.cards import parse_cards  # noqa: E402
 from issue395.constants import CUBLAS_WORKSPACE, K_MIN_LARGE_ALLOC, K_ROUND_LARGE, K_SMALL_SIZE  # noqa: E402
 from issue395.errors import UsageError  # noqa: E402
 from issue395.soup_number import arch_of, lora_params, supported_archs  # noqa: E402
@@ -145,11 +146,11 @@ def test_bad_input_is_one_line_usage_error(change):
 
 
 def test_parse_cards():
-    assert [(c.name, c.total_bytes) for c in F.parse_cards("24GB,40GB,80GiB")] == [
+    assert [(c.name, c.total_bytes) for c in parse_cards("24GB,40GB,80GiB")] == [
         ("24GB", 24 * 10**9), ("40GB", 40 * 10**9), ("80GiB", 80 * 2**30)]
     for junk in ("", "24", "24TB", "GB", "24GB,,", "-1GB", "0GB", "A10G,a10g", "RTX9090"):
         with pytest.raises(UsageError) as info:
-            F.parse_cards(junk)
+            parse_cards(junk)
         assert "\n" not in str(info.value)
 
 
@@ -167,7 +168,7 @@ def test_longest_seq_is_the_last_multiple_of_64_that_fits():
 def test_estimate_table_labels_every_figure(key):
     c = config_json(key)
     rows = [E.estimate(c, seq=s, batch=b) for s in (512, 2048) for b in (1, 4)]
-    text = F.estimate_table(rows, F.parse_cards("24GB,80GB"), config=c)
+    text = F.estimate_table(rows, parse_cards("24GB,80GB"), config=c)
     head, _, *lines = text.splitlines()
     assert head.split()[-8:] == ["none", "512x1", "none", "512x4", "none", "2048x1", "none", "2048x4"]  # in order
     names = [ln[:46].strip() for ln in lines]

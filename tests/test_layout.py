@@ -53,3 +53,49 @@ def test_the_script_is_a_page_and_no_module_is_over_450_lines():
     assert len(SCRIPT.read_text(encoding="utf-8").splitlines()) <= 400
     for path in PACKAGE.glob("*.py"):
         assert len(path.read_text(encoding="utf-8").splitlines()) <= 450, path.name
+
+
+def _defined_and_imported(path) -> tuple[set[str], set[str]]:
+    """The names a module defines at its top level, and those it only imports (at any depth)."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    defined = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef, ast.AsyncFunctionDef))}
+    defined |= {t.id for n in tree.body if isinstance(n, (ast.Assign, ast.AnnAssign))
+                for t in (n.targets if isinstance(n, ast.Assign) else [n.target])
+                for t in ast.walk(t) if isinstance(t, ast.Name)}
+    imported = {a.asname or a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for a in n.names}
+    return defined, imported - defined
+
+
+def _takes_through(tree, modules: set[str]):
+    """(module, name) for each package name this file takes from a package module: a
+    ``from issue395.m import name`` (or ``from .m``), or ``alias.name`` on an imported module. A
+    name a test monkeypatches on the module (``setattr(alias, "name", ...)``) is patched where it is
+    used, not taken through it."""
+    aliases, patched = {}, set()
+    for n in ast.walk(tree):
+        if isinstance(n, ast.ImportFrom):
+            module = (n.module or "").removeprefix("issue395.") if n.level or (n.module or "").startswith(
+                "issue395.") else None
+            if module in modules:
+                yield from ((module, a.name) for a in n.names)
+            if n.module == "issue395" or (n.level and not n.module):
+                aliases |= {(a.asname or a.name): a.name for a in n.names if a.name in modules}.items()
+        elif isinstance(n, ast.Call) and getattr(n.func, "attr", getattr(n.func, "id", "")) == "setattr" \
+                and len(n.args) >= 2 and isinstance(n.args[0], ast.Name) and isinstance(n.args[1], ast.Constant):
+            patched.add((n.args[0].id, n.args[1].value))
+    aliases = dict(aliases)
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id in aliases \
+                and (n.value.id, n.attr) not in patched:
+            yield aliases[n.value.id], n.attr
+
+
+def test_no_module_hands_on_a_name_it_only_imports():
+    """Each name is taken from the module that defines it: a module that imports a name is not a
+    second address for it (estimate had re-exported soup_number's and constants' names)."""
+    modules = {p.stem: _defined_and_imported(p) for p in PACKAGE.glob("*.py") if p.stem != "__init__"}
+    files = [*PACKAGE.glob("*.py"), *(ROOT / "tests").glob("*.py"), *(ROOT / "bench").glob("*.py"), SCRIPT]
+    through = sorted(f"{path.relative_to(ROOT)}: {module}.{name}" for path in files
+                     for module, name in _takes_through(ast.parse(path.read_text(encoding="utf-8")), set(modules))
+                     if name in modules[module][1])
+    assert not through, through
