@@ -16,7 +16,7 @@ from typing import Callable
 
 from . import estimate as E
 from .arch import Arch, arch_from_config
-from .constants import CUBLAS_WORKSPACE, CUBLAS_WORKSPACE_AMPERE, block_bytes
+from .constants import CUBLAS_WORKSPACE, CUBLAS_WORKSPACE_PRE_HOPPER, block_bytes
 from .errors import UsageError
 from .registry import FAMILIES, SHAPES, config_json, family_of
 from .soup_number import RELEASES
@@ -36,7 +36,7 @@ REST = "the rest"
 #: 1. dequantised layer weights: they exist only on NF4 arms and only inside a layer's recompute
 #:    and backward, when the logits are already freed, so a weight-sized block there is a
 #:    weight (Mistral-7B NF4 512x1: 4096x4096 bf16 = 32 MiB = its bf16 logits 512x32768x2 = a
-#:    Hopper cuBLAS workspace; 4096x1024 bf16 = 8 MiB = T h 4 = an Ampere workspace).
+#:    Hopper cuBLAS workspace; 4096x1024 bf16 = 8 MiB = T h 4).
 #: 2. logits fp32, then logits bf16: the largest blocks of the loss phase.
 #: 3. checkpointed layer inputs (T h 2; T h 4 on phi NF4, whose residual is fp32 after layer 0,
 #:    where L-1 saved inputs outnumber the one final-norm copy), then fp32 residual (T h 4).
@@ -48,8 +48,8 @@ CLASSES = (DEQUANTISED, LOGITS_FP32, LOGITS_BF16, CHECKPOINTED, FP32_RESIDUAL, R
 #: one (transformers' eager/sdpa fallbacks). Only these widths: any multiple of seq^2 would name
 #: most blocks at short seq (Mistral 512x1: a 4096x14336 weight is 448 x 512^2).
 MASK_BYTES = (1, 2, 4)
-#: Exactly 32 MiB on Hopper (33,554,432 B) or 8 MiB on Ampere (PEAK "Resident").
-WORKSPACE_SIZES = (CUBLAS_WORKSPACE, CUBLAS_WORKSPACE_AMPERE)
+#: One block of torch's default per handle, on Hopper or before it (constants).
+WORKSPACE_SIZES = (CUBLAS_WORKSPACE, CUBLAS_WORKSPACE_PRE_HOPPER)
 
 
 def _sizes(exact: int) -> set:

@@ -1,6 +1,6 @@
 """Cards a run may be asked to fit: named cards with their total memory and compute capability,
 plain sizes, the CUDA context each leaves outside the caching allocator, and the cuBLAS
-workspace per handle PyTorch gives each compute capability. Imports only errors and checks.
+workspace per handle PyTorch gives each compute capability. Imports only constants, errors and checks.
 
 The verdict every fit answer uses: ``needs_free + context + the runtime's growth <= total``,
 i.e. a run fits when ``needs_free <= step_free_bytes``, the card's free memory
@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from .checks import comma_list
+from .constants import CUBLAS_WORKSPACE, CUBLAS_WORKSPACE_PRE_HOPPER
 from .errors import UsageError
 
 MiB = 2**20
@@ -44,21 +45,17 @@ CONTEXT_EVIDENCE = "0.85 GB on the dev box, which also drives"  # the words in S
 GATE_GROWTH_BYTES = 94_371_840
 STEP_GROWTH_BYTES = 262_144_000
 
-#: PyTorch's cuBLAS workspace per handle (aten/src/ATen/cuda/CublasHandlePool.cpp,
-#: parseChosenWorkspaceSize): ":4096:8" = 32 MiB on compute capability 9.x, 10.x, 11.x and 12.x
-#: (Hopper and Blackwell; 11.x since torch 2.9's source), else ":4096:2:16:8" = 8,519,680 B.
-#: CUBLAS_WORKSPACE_CONFIG replaces it: every ':SIZE_KiB:COUNT' pair adds SIZE x 1024 x COUNT;
-#: a value with no pair falls back to the default (torch warns).
+#: The compute capabilities PyTorch gives the larger default cuBLAS workspace (constants: both
+#: defaults; 11.x since torch 2.9's source). CUBLAS_WORKSPACE_CONFIG replaces the default: every
+#: ':SIZE_KiB:COUNT' pair adds SIZE x 1024 x COUNT; a value with no pair keeps it (torch warns).
 WORKSPACE_32MIB_MAJORS = (9, 10, 11, 12)
-WORKSPACE_LARGE = 4096 * 8 * 1024
-WORKSPACE_SMALL = 4096 * 1024 * 2 + 16 * 1024 * 8
 _PAIR = re.compile(r":([0-9]+):([0-9]+)")
 
 
 def cublas_workspace(cc: Optional[tuple], env: Optional[str] = None) -> int:
     """Bytes of one cuBLAS handle's workspace on a card of compute capability ``cc`` (None: not
     known, the larger default), under CUBLAS_WORKSPACE_CONFIG ``env`` as PyTorch parses it."""
-    default = WORKSPACE_LARGE if cc is None or cc[0] in WORKSPACE_32MIB_MAJORS else WORKSPACE_SMALL
+    default = CUBLAS_WORKSPACE if cc is None or cc[0] in WORKSPACE_32MIB_MAJORS else CUBLAS_WORKSPACE_PRE_HOPPER
     if env is None:
         return default
     pairs = _PAIR.findall(env)

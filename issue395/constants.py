@@ -17,11 +17,16 @@ def block_bytes(requested: int) -> int:
     return max(K_MIN_BLOCK_SIZE, -(-requested // K_MIN_BLOCK_SIZE) * K_MIN_BLOCK_SIZE)
 
 
-#: One cuBLAS workspace per thread on Hopper (docs/PEAK.md "Resident": resident = pool + extras +
-#: 4 B x LoRA + 33,557,376 B; results/README.md "In-process against isolated arms": 32 MiB per
-#: thread); about 8 MiB on Ampere.
-CUBLAS_WORKSPACE = 32 * MiB
-CUBLAS_WORKSPACE_AMPERE = 8 * MiB
+#: PyTorch's default cuBLAS workspace per handle, one a thread (aten/src/ATen/cuda/CublasHandlePool.cpp,
+#: parseChosenWorkspaceSize): ":4096:8" on compute capability 9.x to 12.x (Hopper, Blackwell),
+#: ":4096:2:16:8" below. Each ':SIZE_KiB:COUNT' pair adds SIZE x 1024 x COUNT, and the sum is ONE
+#: request to the caching allocator (allocateCUDABlasWorkspace), so a history shows one block of
+#: the sum: 33,554,432 B on Hopper (docs/PEAK.md "Resident": resident = pool + extras + 4 B x LoRA
+#: + 33,557,376 B; results/README.md "In-process against isolated arms": 32 MiB per thread), and
+#: 8,519,680 B = 8 MiB + 128 KiB before it (the A10G record's math arm, 383.9 MB at seq 2048, is
+#: the H200's 375.4 MB plus 8.52 MB; plus 8 MiB it would read 383.7 or 383.8).
+CUBLAS_WORKSPACE = 4096 * 1024 * 8
+CUBLAS_WORKSPACE_PRE_HOPPER = 4096 * 1024 * 2 + 16 * 1024 * 8
 
 #: Sizes no real model comes near (the largest public configs: 128 heads, 126 layers, hidden
 #: 16,384, intermediate 53,248, vocab 262,144): past them a config is a typo, and would reach

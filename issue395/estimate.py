@@ -23,11 +23,11 @@ from .soup_number import (RELEASES, arch_of, installed_release, layer_bytes, lin
 from .record import QUANTS
 from .registry import RECOMPUTES, config_json, stream_mode
 
-#: CUBLAS_WORKSPACE (constants) is kept on every card though torch gives 8,519,680 B below sm 9
-#: (cards.cublas_workspace): on the A10G record (sm 8.6) it sits 27.6-28.5 MB over at seq 2048 but
-#: 19.1-21.0 MB at 3072-6144, so a bare 25.0 MB cut would be UNDER on 8 of 10 arms (the ~8.5 MB step
-#: looks like a second sm 8.6 handle live at the loss peak; no committed history shows it). A
-#: card's term only ever raises it.
+#: CUBLAS_WORKSPACE (constants) is kept on every card though torch gives less below sm 9
+#: (CUBLAS_WORKSPACE_PRE_HOPPER, cards.cublas_workspace): on the A10G record (sm 8.6) it sits
+#: 27.6-28.5 MB over at seq 2048 but 19.1-21.0 MB at 3072-6144, so a bare 25.0 MB cut would be
+#: UNDER on 8 of 10 arms (the ~8.5 MB step looks like a second sm 8.6 handle live at the loss
+#: peak; no committed history shows it). A card's term only ever raises it.
 #: Three fp32 logits-shaped buffers at the loss backward (PEAK "Loss phase"; the --snapshot
 #: histories in results/record-h200x2-soup0.73.3-e7c26f7/ show exactly three fp32 logits blocks at the peak).
 LOGITS_BYTES = 12

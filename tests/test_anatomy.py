@@ -41,7 +41,7 @@ def test_mistral_nf4_512x1_weight_blocks_are_dequantised_layer_weights_not_activ
     assert classify(117_440_512) == A.DEQUANTISED  # 4096 x 14336 x 2
     # 4096 x 4096 x 2 = 32 MiB is also its bf16 logits (512 x 32768 x 2) and a Hopper workspace
     assert classify(33_554_432) == A.DEQUANTISED
-    assert classify(2 * 4096 * 1024) == A.DEQUANTISED  # k/v 8 MiB, also T h 4 and Ampere's
+    assert classify(2 * 4096 * 1024) == A.DEQUANTISED  # k/v 8 MiB, also T h 4
     live = A.classify_blocks(mistral_nf4_512_blocks(), classify)
     assert live[A.DEQUANTISED] == 3 * 117_440_512 + 3 * 33_554_432
     assert live[A.CHECKPOINTED] == 32 * 2 * 512 * 4096
@@ -220,3 +220,12 @@ def test_a_map_margin_named_by_physical_class_is_set_against_the_corrected_terms
     # charged: the corrected W16 term, one layer's linears in bf16 from Mistral-7B's public shape:
     # 2 x (2 x 4096 x 4096 + 2 x 4096 x 1024 + 3 x 4096 x 14336) = 436,207,616 B
     assert line.split()[4] == "436.208"
+
+
+def test_a_pre_hopper_workspace_is_named_by_the_block_torch_requests_not_8_mib():
+    """torch's ':4096:2:16:8' default is one caching-allocator request of the summed 8,519,680 B
+    (CublasHandlePool.cpp); a bare 8 MiB block on an arm where no class has that size is unnamed."""
+    classify = A.physical_classifier(cfg("smol"), quant="none", seq=512, batch=1)
+    assert classify(8 * MiB + 128 * 1024) == A.WORKSPACES
+    assert classify(8 * MiB) == A.REST
+    assert classify(32 * MiB) == A.WORKSPACES

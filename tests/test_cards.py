@@ -99,3 +99,10 @@ def test_a_card_named_twice_full_width_digits_or_a_negative_size_are_refused(tex
         C.parse_cards(text)
     for word in words:
         assert word in str(exc.value)
+
+
+@pytest.mark.parametrize("cc, spelled", [((8, 6), ":4096:2:16:8"), ((7, 5), ":4096:2:16:8"), ((9, 0), ":4096:8"),
+                                         ((12, 0), ":4096:8")])
+def test_each_default_workspace_is_what_torchs_own_spelling_of_it_sums_to(cc, spelled):
+    """The defaults come from constants; torch's source spells them as configs, parsed here."""
+    assert C.cublas_workspace(cc) == C.cublas_workspace(cc, spelled)
