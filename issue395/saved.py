@@ -19,6 +19,8 @@ class RowFile:
     """Rows appended as JSON lines as they finish, beside --json, so nothing measured is
     lost to a crash; removed once the final JSON holds them."""
 
+    SUFFIX = ".rows.jsonl"  # after the --json path's own name: o.json's rows are o.json.rows.jsonl
+
     def __init__(self, json_path: Optional[str]):
         self.path = self.path_for(json_path) if json_path and json_path != "-" else None  # -: stdout
         self.ok = True
@@ -27,7 +29,7 @@ class RowFile:
 
     @staticmethod
     def path_for(json_path: str) -> Path:
-        return Path(os.path.realpath(json_path) + ".rows.jsonl")
+        return Path(os.path.realpath(json_path) + RowFile.SUFFIX)
 
     def add(self, row: Row) -> None:
         if self.path and self.ok:
@@ -46,7 +48,7 @@ class RowFile:
 
 
 def load_result(path: str, flag: str = "--from-json") -> Result:
-    if path.endswith(".rows.jsonl"):
+    if path.endswith(RowFile.SUFFIX):
         raise UsageError(f"{flag} {path}: this is a run's row file (its measured rows, one JSON line each, kept "
                          "when the run could not write its --json); it holds no environment to judge them by, "
                          "so --from-json cannot render it: read the lines as they are")

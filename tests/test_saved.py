@@ -54,3 +54,12 @@ def test_a_row_file_that_cannot_be_written_warns_once_and_the_run_goes_on(tmp_pa
     err = capsys.readouterr().err
     assert err.count("warning: cannot save rows to") == 1 and "they are in the tables" in err
     assert not rows.ok
+
+
+def test_the_row_file_a_run_keeps_is_the_file_from_json_refuses_as_a_row_file(capfd, tmp_path):
+    """One suffix names the file a run writes and the file --from-json refuses: they cannot drift."""
+    path = RowFile.path_for(str(tmp_path / "run.json"))
+    rows = RowFile(str(tmp_path / "run.json"))
+    rows.add(make_row(index=0, real_peak=10**9))
+    assert rows.path == path and path.exists()
+    one_error_line(*main(capfd, ["--from-json", path]), "row file", "no environment")
