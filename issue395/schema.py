@@ -41,8 +41,6 @@ def check_blocks(data: dict[str, Any]) -> None:
     for key, value in data["environment"].items():
         if value is not None and not isinstance(value, (str, int, float)):
             raise ValueError(f"its environment's {key!r} is {type(value).__name__}, not a string")
-    if data.get("kind") not in (None, "sweep", "map"):
-        raise ValueError(f"its 'kind' is {data['kind']!r}, not 'sweep' or 'map'")
     for key in ("measure", "sdpa", "control", "timings"):
         if data.get(key) is not None and not isinstance(data[key], dict):
             raise ValueError(f"its {key!r} is {type(data[key]).__name__}, not an object")

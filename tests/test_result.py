@@ -39,3 +39,11 @@ def test_rows_saved_out_of_order_come_back_in_grid_order_with_the_repeats_last()
                   rows=rows).to_json()
     back = Result.from_json(json.loads(json.dumps(data)))
     assert [(r.index, r.repeat) for r in back.rows] == [(0, None), (1, None), (0, 1), (1, 2)]
+
+
+@pytest.mark.parametrize("kind", ["sweeps", 3, ["map"]])
+def test_a_result_of_a_kind_this_tool_never_writes_is_refused_naming_it_before_its_schema(capfd, tmp_path, kind):
+    """One check of the kind (Result.from_json's), and it fires before the schema's: a result of
+    another kind says so, not that its version is unknown."""
+    path = _saved(tmp_path, kind=kind, schema=99)
+    one_error_line(*main(capfd, ["--from-json", path]), f"its kind is {kind!r}", "not sweep or map")
