@@ -1,6 +1,8 @@
-"""This tool's corrected estimate for a saved row's arm: from its family's public config and the
-Soup release the row ran, never from the row's own measurement. A row whose arm the estimator
-does not model (a --model run, a streaming mode) has none, and says so by being None.
+"""This tool's corrected estimate for a saved row's arm: from its family's public config, under the
+streaming modes its map key names, and the Soup release the row ran, never from the row's own
+measurement. A row whose arm the estimator does not model has none, and says so by being None: a
+--model run (no public config here), or an arm the estimator refuses (per_expert on a family Soup
+refuses it for, a seq past the model's max positions).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ def _corrected(key: str, quant: str, seq: int, batch: int, targets: tuple, relea
 
 def corrected(r: Row, env: Optional[dict] = None) -> Optional[int]:
     """This tool's corrected allocated peak for a row's arm, from its family's public config and the
-    Soup release the row ran (None for a --model run: no public config here)."""
+    Soup release the row ran (None where the estimator does not model the arm)."""
     if not known(r.model_key):
         return None
     env = env or {}

@@ -44,3 +44,11 @@ def test_an_arm_the_estimator_does_not_model_has_none_and_no_ratio():
     assert corrected(replace(row, model_key="custom"), ENV) is None  # a --model run: no public config
     assert corrected_ratio(replace(row, model_key="custom"), ENV) is None
     assert corrected_ratio(make_row("smol", 2048, failure="OOM", real_peak=None), ENV) is None  # nothing measured
+
+
+def test_an_arm_the_estimator_refuses_has_none_whatever_its_family():
+    """A known family under a mode Soup refuses for it (per_expert off DeepSeek-V3), or past its
+    positions: the estimator does not model it, so no corrected figure stands beside the row."""
+    row = make_row("smol", 2048, real_peak=10**9)
+    assert corrected(replace(row, model_key="smol+per_expert"), {"soup_cli": "0.77.0"}) is None
+    assert corrected(replace(row, seq=10**6), ENV) is None
