@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from .record import GB
+from .constants import GB
 from .row import Row
 
 MiB = 2**20

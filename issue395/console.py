@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from .record import GB
+from .constants import GB
 from .row import Row
 
 

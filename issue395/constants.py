@@ -1,9 +1,10 @@
-"""Facts shared by the measurement and the estimator, each defined once: the CUDA caching
-allocator's rounding, the cuBLAS workspace, and the sizes past which a config is a typo.
+"""Facts shared by the measurement and the estimator, each defined once: the units, the CUDA
+caching allocator's rounding, the cuBLAS workspace, and the sizes past which a config is a typo.
 Stdlib only, imports nothing: the estimator must stay importable without torch.
 """
 
 MiB = 2**20
+GB = 1e9  # the unit every table and published figure states sizes in
 
 # -- CUDA caching allocator (default config, as measured): constants as in the torch wheel's
 # c10/core/AllocatorConfig.h; rules: CUDACachingAllocator.cpp get_allocation_size, shouldSplit --

@@ -8,7 +8,7 @@ from typing import Any, Callable, Optional
 
 from .cuda import logits_kind
 from .arm import Arm
-from .record import GB
+from .constants import GB
 from .registry import Shape
 from .row import Row
 

@@ -76,11 +76,6 @@ RECORD_SDPA_MB = {"flash": (2.4, 3.7, 4.9, 6.1, 7.3), "mem_efficient": (2.4, 3.5
 RECORD_DETERMINISM = {("smol", 4096): (2.6578, 2.6493, 0.32), ("smol", 6144): (3.9430, 3.9439, 0.02)}
 
 
-GB = 1e9
-
-
-SCHEMA = 2  # the JSON this version writes; it also reads schema 1
-
 
 #: The map's grid. Seq 512 and 1024 were added where Soup's NF4 misses live (its first grid
 #: started at 2048 and never saw them).

@@ -8,9 +8,8 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Optional
 
 from .errors import EXIT_FINDING, EXIT_INTERRUPTED, EXIT_OK
-from .record import SCHEMA
 from .row import Row, _whole
-from .schema import check_blocks, check_unique, determinism_rows, schema1_row
+from .schema import SCHEMA, check_blocks, check_unique, determinism_rows, schema1_row
 
 
 @dataclass

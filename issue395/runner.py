@@ -28,10 +28,10 @@ from .options import Run, grid_arms, settle
 from .parser import NO_CUDA, build_parser
 from .outputs import render_markdown, write_output, write_outputs
 from .arm import Arm
-from .record import SCHEMA
 from .merge import merge
 from .result import Result, row_order
 from .saved import RowFile, load_result
+from .schema import SCHEMA
 from .stack import environment
 from .row import Row
 from .scratch import Scratch

@@ -1,6 +1,6 @@
-"""What a saved result must hold to be read back: the types of its own blocks (environment,
-modes, margins and their terms), one row per arm, and schema 1's rows (the first H200 results)
-in this version's fields. Each check raises ValueError naming what it found.
+"""What a saved result must hold to be read back: the version this one writes (``SCHEMA``), the
+types of its own blocks (environment, modes, margins and their terms), one row per arm, and
+schema 1's rows (the first H200 results) in this version's fields. Each check raises ValueError naming what it found.
 """
 
 from __future__ import annotations
@@ -10,6 +10,8 @@ from typing import Any
 
 from .record import QUANTS
 from .row import Row, _whole
+
+SCHEMA = 2  # the JSON this version writes; it also reads schema 1
 
 #: A margin's fields, as the renderers and the merge read them: (name, check, what it must be).
 _NUMBER = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)  # noqa: E731

@@ -21,9 +21,9 @@ from issue395.cuda import attribute_peak
 from issue395.options import Run
 from issue395.grid import plan_arms
 from issue395.arm import Arm, predicted_bytes
+from issue395.constants import GB
 from issue395.record import (
     DATA_ROWS,
-    GB,
     GRID_ADAPTER_FACTOR,
     LORA_ALPHA,
     LORA_R,
@@ -38,10 +38,10 @@ from issue395.record import (
     RECORD_DETERMINISM,
     RECORD_GRID,
     RECORD_RTX3050,
-    SCHEMA,
     SOUP_QUANT,
 )
 from issue395.row import Row, arm_row, realised_as_requested
+from issue395.schema import SCHEMA
 from issue395.spread import lost_row
 from issue395.tables import determinism_spread, overestimate_summary
 

@@ -7,10 +7,11 @@ import json
 import math
 
 import pytest
-from conftest import ROOT, make_row
+from conftest import ROOT, main, make_row
 
 from issue395.row import Row
-from issue395.schema import check_blocks, check_unique, determinism_rows, schema1_row
+from issue395.result import Result
+from issue395.schema import SCHEMA, check_blocks, check_unique, determinism_rows, schema1_row
 
 SCHEMA1 = ROOT / "results" / "record-h200x2-soup0.73.3-e7c26f7" / "h200-2026-11-30-full-cold.json"
 DETERMINISM = ROOT / "results" / "isolated-determinism-h200x2-soup0.73.3-5670dee" / "h200-2026-11-30-determinism.json"
@@ -67,3 +68,13 @@ def test_one_arm_saved_twice_is_refused_where_a_map_keys_on_the_arm_and_a_sweep_
     with pytest.raises(ValueError, match="the same arm appears twice"):
         check_unique(rows, "sweep")
     check_unique(rows[:1] + [make_row(index=0, repeat=1)], "sweep")  # a repeat is its own row
+
+
+def test_every_json_this_version_writes_carries_the_one_schema_it_reads(capfd, tmp_path):
+    """A run's result and an --estimate result state the same version, the one read back."""
+    env = {k: "x" for k in ("torch", "transformers", "trl", "peft", "soup_cli", "weights")}
+    written = Result(environment=env, rows=[make_row()]).to_json()
+    assert written["schema"] == SCHEMA and Result.from_json(json.loads(json.dumps(written))).rows
+    est = tmp_path / "est.json"
+    assert main(capfd, ["--estimate", "--model", "smol", "--seq", "512", "--json", est])[0] == 0
+    assert json.loads(est.read_text())["schema"] == SCHEMA
