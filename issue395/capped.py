@@ -6,10 +6,8 @@ from __future__ import annotations
 
 from typing import Optional
 
-from .constants import GB
+from .constants import GB, MiB
 from .row import Row
-
-MiB = 2**20
 
 
 def table(columns: list[tuple[str, int]], rows: list[list[str]], indent: str = "") -> list[str]:

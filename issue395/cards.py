@@ -17,10 +17,8 @@ from dataclasses import dataclass
 from typing import Optional
 
 from .checks import comma_list
-from .constants import CUBLAS_WORKSPACE, CUBLAS_WORKSPACE_PRE_HOPPER
+from .constants import CUBLAS_WORKSPACE, CUBLAS_WORKSPACE_PRE_HOPPER, MiB
 from .errors import UsageError
-
-MiB = 2**20
 
 #: The CUDA context and driver reservation outside the caching allocator, for a card this tool
 #: has not measured: Soup's own figure. soup-cli 0.73.3, soup_cli/utils/layer_stream.py line 942

@@ -11,7 +11,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
-MiB = 2**20
+from .constants import MiB
+
 #: The bisection stops when the bracket is narrower than this: 0.25% of the allocated peak or
 #: 4 MiB, whichever is larger (a cap finer than the allocator's 2 MiB pages means nothing).
 RESOLUTION_FRACTION, RESOLUTION_FLOOR = 0.0025, 4 * MiB
