@@ -59,6 +59,17 @@ def parse_ints(flag: str, text: Optional[str], minimum: int = 1,
     return tuple(out)
 
 
+def distinct_choices(flag: str, text: str, allowed: tuple[str, ...], noun: str) -> tuple[str, ...]:
+    """A comma list of names from ``allowed``, none twice (a name twice is said as such only
+    when every name is known; else what to choose from)."""
+    items = comma_list(text)
+    if len(set(items)) != len(items) and all(i in allowed for i in items):
+        raise UsageError(f"{flag} {text}: a {noun} is named twice")
+    if any(i not in allowed for i in items):
+        raise UsageError(f"{flag} {text!r}: choose from {','.join(allowed)}")
+    return items
+
+
 def within_positions(name: str, limit: int, seqs: Iterable[int]) -> None:
     """A seq beyond a model's positions is one line here, not a FAILED row (0: no limit known)."""
     beyond = [s for s in seqs if limit and s > limit]

@@ -17,6 +17,7 @@ from .checks import (
     check_input,
     check_output,
     comma_list,
+    distinct_choices,
     local_or_hub,
     odd_file,
     no_output_is_an_input,
@@ -287,11 +288,7 @@ def settle_map(args: argparse.Namespace, argv: list[str]) -> Run:
             raise UsageError(f"--families {fam}: the installed soup-cli does not stream {model_type} "
                              "(soup-cli 0.77.0 does)")
     families = stream_mode_families(args, families)
-    quants = QUANTS if args.quant is None else comma_list(args.quant)
-    if len(set(quants)) != len(quants) and all(q in QUANTS for q in quants):
-        raise UsageError(f"--quant {args.quant}: a quantization is named twice")
-    if any(q not in QUANTS for q in quants):
-        raise UsageError(f"--quant {args.quant!r}: choose from {','.join(QUANTS)}")
+    quants = QUANTS if args.quant is None else distinct_choices("--quant", args.quant, QUANTS, "quantization")
     if args.quant is not None and "nf4" in quants and not args.dry_run and not bitsandbytes_present():
         raise UsageError("--quant nf4 needs bitsandbytes, which is not installed here")
     seqs, batches = parse_ints("--seq", args.seq, minimum=64), parse_ints("--batch", args.batch)
@@ -362,11 +359,7 @@ def settle_estimate(args: argparse.Namespace, argv: list[str]) -> Run:
     if args.config is not None:
         args = config_arguments(args)
     name, config = estimate_config(args.model)
-    quants = ("none",) if args.quant is None else comma_list(args.quant)
-    if len(set(quants)) != len(quants) and all(q in QUANTS for q in quants):
-        raise UsageError(f"--quant {args.quant}: a quantization is named twice")
-    if any(q not in QUANTS for q in quants):
-        raise UsageError(f"--quant {args.quant!r}: choose from {','.join(QUANTS)}")
+    quants = ("none",) if args.quant is None else distinct_choices("--quant", args.quant, QUANTS, "quantization")
     seqs = parse_ints("--seq", args.seq, minimum=64)
     if not seqs:
         raise UsageError("--estimate needs --seq: a comma list of sequence lengths")

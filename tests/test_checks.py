@@ -52,3 +52,20 @@ def test_hub_ids_and_real_paths_still_reach_the_model_loader(tmp_path):
     for bad in ("a b", "org/name/x", "-x", "a--b"):
         with pytest.raises(UsageError, match="no such file"):
             local_or_hub(bad)
+
+
+def test_a_choice_list_names_a_repeat_only_when_every_name_is_known():
+    """--quant's one parser (--map and --estimate both read it through it)."""
+    from issue395.checks import distinct_choices
+    from issue395.errors import UsageError
+
+    assert distinct_choices("--quant", " nf4,none", ("none", "nf4"), "quantization") == ("nf4", "none")
+    with pytest.raises(UsageError, match="^--quant nf4,nf4: a quantization is named twice$"):
+        distinct_choices("--quant", "nf4,nf4", ("none", "nf4"), "quantization")
+    with pytest.raises(UsageError, match="^--quant 'int8,int8': choose from none,nf4$"):
+        distinct_choices("--quant", "int8,int8", ("none", "nf4"), "quantization")
+
+
+@pytest.mark.parametrize("mode", [["--map", "--dry-run"], ["--estimate", "--model", "smol", "--seq", "512"]])
+def test_both_modes_refuse_a_quantization_named_twice_in_one_line(capfd, mode):
+    one_error_line(*main(capfd, [*mode, "--quant", "none,none"]), "--quant none,none: a quantization is named twice")
