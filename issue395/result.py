@@ -9,7 +9,7 @@ from typing import Any, Optional
 
 from .errors import EXIT_FINDING, EXIT_INTERRUPTED, EXIT_OK
 from .row import Row, _whole
-from .schema import SCHEMA, check_blocks, check_unique, determinism_rows, schema1_row
+from .schema import SCHEMA, TOOL, check_blocks, check_unique, determinism_rows, schema1_row
 
 
 @dataclass
@@ -38,7 +38,7 @@ class Result:
         return EXIT_OK
 
     def to_json(self) -> dict[str, Any]:
-        return {"tool": "issue395_second_stack_vram", "schema": SCHEMA,
+        return {"tool": TOOL, "schema": SCHEMA,
                 **{f.name: getattr(self, f.name) for f in fields(self)},
                 "rows": [r.to_json() for r in self.rows], "exit_code": self.exit_code}
 
@@ -47,8 +47,8 @@ class Result:
         if not isinstance(data, dict) or not isinstance(data.get("environment"), dict) \
                 or not isinstance(data.get("rows"), list):
             raise ValueError("not a result this tool wrote")
-        if data.get("tool") != "issue395_second_stack_vram":
-            raise ValueError(f"its tool is {data.get('tool')!r:.60}, not issue395_second_stack_vram")
+        if data.get("tool") != TOOL:
+            raise ValueError(f"its tool is {data.get('tool')!r:.60}, not {TOOL}")
         if data.get("kind") not in (None, "sweep", "map"):
             raise ValueError(f"its kind is {data.get('kind')!r:.60}, not sweep or map")
         if not data["rows"] and data.get("margins"):

@@ -31,7 +31,7 @@ from .arm import Arm
 from .merge import merge
 from .result import Result, row_order
 from .saved import RowFile, load_result
-from .schema import SCHEMA
+from .schema import SCHEMA, TOOL
 from .stack import environment
 from .row import Row
 from .scratch import Scratch
@@ -331,7 +331,7 @@ def estimate_run(run: Run) -> int:
     print(text, end="")
     if run.json:
         targets = run.targets or protocol_targets(arch_of(run.estimate_config))
-        data = {"tool": "issue395_second_stack_vram", "schema": SCHEMA, "kind": "estimate",
+        data = {"tool": TOOL, "schema": SCHEMA, "kind": "estimate",
                 "model": run.custom_model, "soup_cli": installed, "physics_release": rows[0].release,
                 "targets": list(targets),
                 "lora_r": run.lora_r, "cards": [{"card": c.name, "bytes": c.total_bytes} for c in run.cards],

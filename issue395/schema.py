@@ -12,6 +12,7 @@ from .record import QUANTS
 from .row import Row, _whole
 
 SCHEMA = 2  # the JSON this version writes; it also reads schema 1
+TOOL = "issue395_second_stack_vram"  # the name every JSON it writes carries, and a result must
 
 #: A margin's fields, as the renderers and the merge read them: (name, check, what it must be).
 _NUMBER = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)  # noqa: E731

@@ -11,7 +11,7 @@ from conftest import ROOT, main, make_row
 
 from issue395.row import Row
 from issue395.result import Result
-from issue395.schema import SCHEMA, check_blocks, check_unique, determinism_rows, schema1_row
+from issue395.schema import SCHEMA, TOOL, check_blocks, check_unique, determinism_rows, schema1_row
 
 SCHEMA1 = ROOT / "results" / "record-h200x2-soup0.73.3-e7c26f7" / "h200-2026-11-30-full-cold.json"
 DETERMINISM = ROOT / "results" / "isolated-determinism-h200x2-soup0.73.3-5670dee" / "h200-2026-11-30-determinism.json"
@@ -70,11 +70,12 @@ def test_one_arm_saved_twice_is_refused_where_a_map_keys_on_the_arm_and_a_sweep_
     check_unique(rows[:1] + [make_row(index=0, repeat=1)], "sweep")  # a repeat is its own row
 
 
-def test_every_json_this_version_writes_carries_the_one_schema_it_reads(capfd, tmp_path):
-    """A run's result and an --estimate result state the same version, the one read back."""
+def test_every_json_this_version_writes_carries_the_one_tool_and_schema_it_reads(capfd, tmp_path):
+    """A run's result and an --estimate result state the same tool and version, those read back."""
     env = {k: "x" for k in ("torch", "transformers", "trl", "peft", "soup_cli", "weights")}
     written = Result(environment=env, rows=[make_row()]).to_json()
-    assert written["schema"] == SCHEMA and Result.from_json(json.loads(json.dumps(written))).rows
+    assert (written["tool"], written["schema"]) == (TOOL, SCHEMA)
+    assert Result.from_json(json.loads(json.dumps(written))).rows
     est = tmp_path / "est.json"
     assert main(capfd, ["--estimate", "--model", "smol", "--seq", "512", "--json", est])[0] == 0
-    assert json.loads(est.read_text())["schema"] == SCHEMA
+    assert (json.loads(est.read_text())["tool"], json.loads(est.read_text())["schema"]) == (TOOL, SCHEMA)
