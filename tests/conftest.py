@@ -111,6 +111,13 @@ def make_row(key: str = "smol", seq: int = 2048, batch: int = 1, index: int = 0,
     return arm_row(Arm(key, seq, batch, index), SHAPES[key], **measured)
 
 
+#: A shard's stack, every field a saved result carries and a merge compares (tests of Result and merge).
+ENV = {"gpu": "NVIDIA H200", "driver": "570.1", "cuda": "13.0", "torch": "2.13.0+cu130",
+       "transformers": "5.16.1", "trl": "0.29.1", "peft": "0.20.0", "soup_cli": "0.73.3",
+       "python": "3.11.9", "weights": "synthetic", "dry_run": False, "arms": "shard 1/3 in one process",
+       "cuda_visible_devices": "0", "date": "2025-01-01T00:00:00+00:00", "command": "x --shard 1/3"}
+
+
 def safe_peak(seq: int, shape: Shape = SMOL) -> int:
     """A fake peak the prediction covers (pred/real 1.25x)."""
     return int(predicted_bytes(shape, seq) / 1.25)
