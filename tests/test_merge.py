@@ -1,6 +1,7 @@
 """issue395.merge: shards of one run merge into what one unsharded run would have said: rows back in
 grid order with the repeats after the sweep, never two stacks or one arm twice, a finding or a failed
-control from any shard kept. The allocator histories behind a control are test_cuda's hand-built ones
+control from any shard kept; map parts of different families merge in the
+map's order. The allocator histories behind a control are test_cuda's hand-built ones
 (no CUDA snapshot can be taken here); rows are the harness's own constructor's with a peak standing in
 for a measurement; merge and Result are real."""
 
@@ -112,3 +113,14 @@ def test_merge_keeps_a_finding_from_any_shard():
     assert merged.exit_code == EXIT_FINDING
     stopped = Result(environment=ENV, rows=[measured_row(arms[1])], interrupted=True)
     assert merge([ok, stopped]).exit_code == EXIT_INTERRUPTED
+
+
+def test_map_parts_of_different_families_merge_into_one_map_in_the_maps_order():
+    part_a = Result(environment={"torch": "t"}, kind="map",
+                      rows=[make_row("qwen", 2048, index=0, real_peak=10**9)])
+    part_b = Result(environment={"torch": "t"}, kind="map",
+                      rows=[make_row("smol", 2048, index=0, real_peak=10**9)])
+    merged = merge([part_a, part_b])
+    assert [r.model_key for r in merged.rows] == ["smol", "qwen"]
+    with pytest.raises(UsageError):
+        merge([part_a, part_a])

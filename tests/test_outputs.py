@@ -12,10 +12,10 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
-from conftest import ROOT  # noqa: E402
+from conftest import ROOT, make_row  # noqa: E402
 
 from issue395.errors import EXIT_OK  # noqa: E402
-from issue395.outputs import heatmap_figure  # noqa: E402
+from issue395.outputs import heatmap_figure, render_plot  # noqa: E402
 from issue395.result import Result  # noqa: E402
 
 ISSUE16 = ROOT / "results" / "cap-proof-and-seq512-1024-map-h200x2-soup0.73.3-b5bee37"
@@ -170,3 +170,9 @@ def test_merged_map_markdown_has_margins_every_command_and_a_cost_table(tmp_path
     assert "A10G record" not in md  # the map compares with no record
     cost = md.split("## Harness cost", 1)[1]
     assert "{" not in cost and "| part 1 |" in cost and "| part 2 |" in cost
+
+
+def test_the_map_heatmap_is_a_png():
+    rows = [make_row(k, q, index=i, real_peak=10**9) for i, (k, q) in enumerate([("smol", 2048), ("qwen", 4096)])]
+    png = render_plot(Result(environment={"gpu": "test"}, kind="map", rows=rows))
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"

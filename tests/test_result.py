@@ -1,6 +1,7 @@
 """issue395.result: saved results read back are trusted no further than they check (issue 22), and
 come back with their rows in grid order; a failed positive control is a finding (its allocator
-histories test_cuda's hand-built ones: no CUDA snapshot can be taken here)."""
+histories test_cuda's hand-built ones: no CUDA snapshot can be taken here); a refusal by Soup's gate
+is no finding."""
 
 from __future__ import annotations
 
@@ -51,3 +52,9 @@ def test_a_failed_positive_control_is_a_finding():
     row = make_row("smol", 2048, real_peak=safe_peak(2048))
     assert Result(environment=ENV, rows=[row], control=passed).exit_code == EXIT_OK
     assert Result(environment=ENV, rows=[row], control=failed).exit_code == EXIT_FINDING
+
+
+def test_a_refused_row_is_the_gate_working_not_a_finding_and_has_no_ratio():
+    row = make_row(failure="REFUSED", error="a streaming step is predicted to need 240 GB", real_peak=None)
+    assert row.status == "REFUSED" and row.margin_ratio is None
+    assert Result(environment={}, rows=[row]).exit_code == 0
