@@ -28,9 +28,11 @@ import issue395_second_stack_vram as h  # noqa: E402
 from issue395.console import Stop
 from issue395.errors import EXIT_USAGE
 from issue395.arm import Arm, predicted_bytes
+from issue395.merge import merge
 from issue395.record import DATA_ROWS
 from issue395.registry import SHAPES, Shape
 from issue395.row import Row, arm_row
+from issue395.saved import load_result
 
 SMOL, QWEN = SHAPES["smol"], SHAPES["qwen"]
 
@@ -190,3 +192,17 @@ def dead_pid() -> int:
     proc = subprocess.Popen([sys.executable, "-c", "pass"])
     proc.wait()
     return proc.pid
+
+
+#: Committed results several files read: the margin map on two GPUs, the map at seq 512 and 1024, and
+#: a sweep of the record's grid with its --measure and --sdpa sections.
+MAP_2GPU = ROOT / "results/margin-map-h200x2-soup0.73.3-f3ad9d2/map-2gpu.json"
+MAP_512 = ROOT / "results/cap-proof-and-seq512-1024-map-h200x2-soup0.73.3-b5bee37/map-512-1024.json"
+SWEEP = ROOT / "results/margin-map-in-4-parts-h200-soup0.73.3-3238e1a-to-b3a7891/full-cold.json"
+
+
+@pytest.fixture(scope="module")
+def merged_map():
+    """The two committed maps merged, as --from-json merges them (its heatmap and its margins)."""
+    return merge([load_result(str(MAP_2GPU)), load_result(str(MAP_512))], "merged from 2 result(s)")
+

@@ -1,7 +1,9 @@
-"""issue395.outputs: the heatmap names what each grey or red cell is (issue 22, defects 4 and 5); a
-merged map's markdown carries its margins, every command and its cost; outputs are written safely
-(one failed output skips no other, a symlink, a FIFO, /dev/null, a read-only file). Committed results
-and rows built by the harness's own constructor; CPU only, nothing faked but where a test says so."""
+"""issue395.outputs: the heatmap names what each grey or red cell is (issue 22, defects 4 and 5), its
+scale is centred at exactly 1 (under red, over blue), its text readable on each cell, its axes and
+title the map's and the stack's; a dry run's plot and markdown claim no measurement; a merged map's
+markdown carries its margins, every command and its cost; outputs are written safely (one failed
+output skips no other, a symlink, a FIFO, /dev/null, a read-only file). Committed results and rows
+built by the harness's own constructor; CPU only, nothing faked but where a test says so."""
 
 from __future__ import annotations
 
@@ -12,14 +14,14 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
-from conftest import ROOT, make_row  # noqa: E402
+from conftest import MAP_2GPU, ROOT, SWEEP, make_row  # noqa: E402
 
 from issue395.errors import EXIT_OK  # noqa: E402
 from issue395.outputs import heatmap_figure, render_plot  # noqa: E402
 from issue395.result import Result  # noqa: E402
+from issue395.saved import load_result  # noqa: E402
 
 ISSUE16 = ROOT / "results" / "cap-proof-and-seq512-1024-map-h200x2-soup0.73.3-b5bee37"
-MAP_2GPU = ROOT / "results/margin-map-h200x2-soup0.73.3-f3ad9d2/map-2gpu.json"
 
 
 def cell_words(result: Result) -> list[str]:
@@ -176,3 +178,101 @@ def test_the_map_heatmap_is_a_png():
     rows = [make_row(k, q, index=i, real_peak=10**9) for i, (k, q) in enumerate([("smol", 2048), ("qwen", 4096)])]
     png = render_plot(Result(environment={"gpu": "test"}, kind="map", rows=rows))
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# -- The heatmap as a reader sees it (the merged map's cells, colours and labels) and a dry run's
+# plots and markdown, which claim no measurement --
+
+
+@pytest.fixture(name="plt")
+def closing_pyplot():
+    """pyplot, every figure a test drew closed after it."""
+    yield plt
+    plt.close("all")
+
+
+def cell_texts(fig):
+    return [t for ax in fig.axes for t in ax.texts]
+
+
+def test_heatmap_scale_is_centred_at_exactly_one_and_under_is_red_over_is_blue(merged_map, plt):
+    from matplotlib.colors import TwoSlopeNorm
+
+    from issue395.outputs import heatmap_figure, heatmap_norm_and_cmap
+
+    norm, cmap = heatmap_norm_and_cmap()
+    assert isinstance(norm, TwoSlopeNorm) and norm.vcenter == 1.0
+    under, over = cmap(norm(0.99)), cmap(norm(1.01))
+    assert under[0] > under[2] and over[2] > over[0]  # 0.99 reddish, 1.01 bluish: never the same colour
+    fig = heatmap_figure(merged_map, plt)
+    images = [im for ax in fig.axes for im in ax.get_images()]
+    assert images and all(isinstance(im.norm, TwoSlopeNorm) and im.norm.vcenter == 1.0 for im in images)
+
+
+def test_heatmap_marks_under_names_refused_and_labels_axes_and_stack(merged_map, plt):
+    from issue395.outputs import heatmap_figure
+
+    fig = heatmap_figure(merged_map, plt)
+    texts = [t.get_text() for t in cell_texts(fig)]
+    unders = [r for r in merged_map.rows if r.status == "UNDER"]
+    assert sum(t.startswith("UNDER") for t in texts) == len(unders)
+    assert not any(t.endswith("1.000") for t in texts if t.startswith("UNDER"))  # phi-2 1024x1: 0.99996
+    assert "REFUSED" in texts
+    hatched = [p for ax in fig.axes for p in ax.patches if p.get_hatch()]
+    assert len(hatched) == len(unders)
+    grey = [p for ax in fig.axes for p in ax.patches if p.get_fill() and not p.get_hatch()]
+    assert len(grey) == sum(1 for r in merged_map.rows if not r.measured)
+    panels = [ax for ax in fig.axes if ax.get_images()]
+    assert all(ax.get_xlabel() == "seq x batch" and ax.get_ylabel() == "family" for ax in panels)
+    title = fig._suptitle.get_text()
+    assert "NVIDIA H200" in title and "soup-cli 0.73.3" in title and "torch 2.11.0+cu130" in title
+
+
+def test_heatmap_text_colour_follows_the_cells_luminance(merged_map, plt):
+    from matplotlib.colors import to_rgba
+
+    from issue395.outputs import heatmap_figure, heatmap_norm_and_cmap, text_colour
+
+    norm, cmap = heatmap_norm_and_cmap()
+    assert text_colour(cmap(norm(0.8))) == "white" and text_colour(cmap(norm(1.0))) == "black"
+    assert text_colour(cmap(norm(1.4))) == "white"
+    fig = heatmap_figure(merged_map, plt)
+    dark = [t for t in cell_texts(fig) if t.get_text().startswith("UNDER\n0.82")]
+    assert dark and to_rgba(dark[0].get_color()) == to_rgba("white")
+
+
+def test_a_dry_run_map_renders_with_a_nothing_measured_note(tmp_path, plt):
+    from issue395.outputs import heatmap_figure, render_plot
+    from issue395.result import Result
+
+    rows = [dataclasses.replace(make_row("smol", 64, index=0), dry_run=True)]
+    result = Result(environment={"gpu": None, "dry_run": True, "soup_cli": "0.73.3", "torch": "2.13.0+cpu"},
+                    kind="map", rows=rows)
+    fig = heatmap_figure(result, plt)
+    assert "nothing measured" in fig._suptitle.get_text() and "no peak was measured" in fig._suptitle.get_text()
+    assert "dry run" in [t.get_text() for t in cell_texts(fig)]
+    assert render_plot(result)[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_dry_run_sweep_plot_says_nothing_was_measured(plt, monkeypatch):
+    from issue395 import outputs
+    from issue395.result import Result
+
+    rows = [dataclasses.replace(make_row("smol", 64), dry_run=True)]
+    seen = []
+    monkeypatch.setattr(plt, "close", lambda fig=None: seen.append(fig))
+    outputs.render_plot(Result(environment={"dry_run": True}, rows=rows))
+    texts = [t.get_text() for ax in seen[0].axes for t in ax.texts] + [seen[0].axes[0].get_title()]
+    assert any("nothing measured" in t for t in texts)
+
+
+def test_sweep_markdown_keeps_the_a10g_claim_and_dry_run_says_no_peak(tmp_path):
+    from issue395.outputs import render_markdown
+
+    sweep = load_result(str(SWEEP))
+    assert "Compared against the A10G record" in render_markdown(sweep)
+    dry = dataclasses.replace(sweep, rows=[dataclasses.replace(r, dry_run=True, real_peak=None)
+                                           for r in sweep.rows], environment=dict(sweep.environment, dry_run=True),
+                              measure=None, sdpa=None)
+    md = render_markdown(dry)
+    assert "measured by this run" not in md and "no peak was measured" in md

@@ -1,21 +1,23 @@
 """issue395.tables: the verdict counts an OOM at Soup's own cap as the under-prediction it is; a
 sweep row under by Soup's own number says so; compare matches the same quantization only; a --model
-row claims no A10G record. Committed results and rows built by the harness's own constructor with a
-peak standing in for a CUDA measurement; nothing else faked."""
+row claims no A10G record; the margins' notes name the term that misses, in grid order, under a
+legend; compare's header names both stacks; --measure prints four decimals and --sdpa's columns align;
+an interrupted dry run says its rows were set up, not measured. Committed results and rows built by
+the harness's own constructor with a peak standing in for a CUDA measurement; nothing else faked."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
 
-from conftest import ROOT
+from conftest import MAP_512, ROOT, SMOL, SWEEP, make_row
 
-from issue395.result import Result
-from issue395.tables import verdict_line
-from conftest import SMOL, make_row
 from issue395.arm import Arm
+from issue395.result import Result
 from issue395.row import arm_row
-from issue395.tables import compare_table, sweep_table
+from issue395.saved import load_result
+from issue395.tables import (compare_table, margins_table, measure_table, render_text, sdpa_table, sweep_table,
+                             verdict_line)
 
 ISSUE16 = ROOT / "results" / "cap-proof-and-seq512-1024-map-h200x2-soup0.73.3-b5bee37"
 
@@ -71,3 +73,45 @@ def test_compare_pairs_rows_by_their_arm_not_by_the_name_they_display():
     lookalike = dataclasses.replace(row, model_key="custom")  # a local folder named SmolLM2-135M
     assert "0 of 0 shared" in compare_table(Result(environment={}, rows=[row]),
                                             Result(environment={}, rows=[lookalike]))
+
+
+def test_gemma2_note_names_the_logits_term_whose_slack_is_gone(merged_map):
+    text = margins_table(merged_map.margins)
+    note = next(x for x in text.splitlines() if x.startswith("  gemma-2-2b none seq"))
+    assert "logits term's slack is gone" in note and "the weights term misses" not in note
+    phi = next(x for x in text.splitlines() if x.startswith("  phi-2 nf4 seq 2048 batch 1"))
+    assert "activations term misses" in phi
+
+
+def test_attribution_rows_follow_the_grid_and_missed_has_a_legend(merged_map):
+    text = margins_table(merged_map.margins)
+    arms = list(dict.fromkeys(" ".join(x.split()[:3]) for x in text.splitlines()
+                              if not x.startswith(" ") and len(x.split()) > 3 and x.split()[1] in ("none", "nf4")))
+    grid = list(dict.fromkeys(f"{r.model} {r.quant} {r.seq}x{r.batch}" for r in merged_map.rows))
+    assert arms == sorted(arms, key=grid.index)
+    assert any(line.startswith("missed = live - charged") for line in text.splitlines())
+
+
+def test_compare_header_names_both_stacks():
+    a, b = load_result(str(SWEEP)), load_result(str(MAP_512))
+    head = compare_table(a, b, ("a.json", "b.json")).splitlines()[:3]
+    assert "A: a.json, NVIDIA H200, soup-cli 0.73.3, torch 2.11.0+cu130" in head[1]
+    assert head[2].startswith("  B: b.json, NVIDIA H200, soup-cli")
+
+
+def test_measure_prints_four_decimals_and_sdpa_rows_align():
+    sweep = load_result(str(SWEEP))
+    text = measure_table(sweep.measure)
+    assert "12.01010951979781" not in text and "12.0101" in text
+    lines = sdpa_table(sweep.sdpa).splitlines()[3:7]
+    bars = {tuple(i for i, c in enumerate(line) if c == "|") for line in lines}
+    assert len(bars) == 1, lines  # every backend's "|" in the same columns, "default" too
+
+
+def test_an_interrupted_dry_run_says_set_up_not_measured():
+    from issue395.result import Result
+
+    rows = [dataclasses.replace(make_row("smol", 64), dry_run=True)]
+    env = load_result(str(SWEEP)).environment
+    text = render_text(Result(environment=dict(env, dry_run=True), rows=rows, interrupted=True))
+    assert "1 row(s) set up" in text and "row(s) measured" not in text
