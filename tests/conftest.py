@@ -1,6 +1,8 @@
 """Shared fixtures and helpers: the harness module, one checkpoint cache per session, a clean
 process state around every test, the harness run in-process and as a fresh process, rows
-built through the harness's own constructor, and the one fake the suite needs.
+built through the harness's own constructor, the record's ten arms as one result (the A10G
+record's published peaks standing in for CUDA measurements) and committed results several files
+read, and the one fake the suite needs.
 
 Everything runs on CPU: the real Soup setup goes through the harness's --dry-run path, or,
 where a test needs a measured peak, through the measured path with only the CUDA step faked
@@ -9,7 +11,9 @@ where a test needs a measured peak, through the measured path with only the CUDA
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import json
 import os
 import shutil
 import signal
@@ -29,10 +33,12 @@ from issue395.console import Stop
 from issue395.errors import EXIT_USAGE
 from issue395.arm import Arm, predicted_bytes
 from issue395.merge import merge
-from issue395.record import DATA_ROWS
+from issue395.record import DATA_ROWS, RECORD_A10G_PEAK, RECORD_GRID, SDPA_SEQS
 from issue395.registry import SHAPES, Shape
+from issue395.result import Result
 from issue395.row import Row, arm_row
 from issue395.saved import load_result
+from issue395.stack import environment
 
 SMOL, QWEN = SHAPES["smol"], SHAPES["qwen"]
 
@@ -206,3 +212,77 @@ def merged_map():
     """The two committed maps merged, as --from-json merges them (its heatmap and its margins)."""
     return merge([load_result(str(MAP_2GPU)), load_result(str(MAP_512))], "merged from 2 result(s)")
 
+
+# --- The record's ten arms as one result: what the tables, the markdown, a saved result and the
+# exit codes are read against. No GPU: the A10G record's published peaks stand in for CUDA
+# measurements, and the --measure and --sdpa sections carry fake numbers shaped like measure_mode
+# and sdpa_mode output (those modes need CUDA).
+
+FAKE_MEASURE = {  # fake numbers, shaped like measure_mode() output
+    "constants": {"LOGITS_BYTES_PER_ELEMENT": 14, "LOGITS_LOSS_BYTES_PER_ELEMENT": 12},
+    "repeats": [12.0, 12.0, 12.0], "spread": 0.0,
+    "by_vocab": {8192: 12.0, 32768: 12.0, 49152: 12.0, 151936: 12.01010951979781},
+}
+FAKE_SDPA = {  # fake numbers, shaped like sdpa_mode() output
+    "seqs": list(SDPA_SEQS),
+    "extra_mb": {"flash": [2.4, 3.7, 4.9, 6.1, 7.3],
+                 "mem_efficient": [2.4, 3.5, 4.7, 5.9, 7.1],
+                 "math": [383.9, 831.5, 1463.8, 2279.7, 3267.4],
+                 "default": ["n/a (RuntimeError)", 3.7, 4.9, 6.1, 7.3]},
+}
+
+
+def record_row(key, seq, index=0, **measured):
+    """One record arm, the A10G record's published peak standing in for CUDA."""
+    measured.setdefault("real_peak", RECORD_A10G_PEAK[(key, seq)])
+    measured.setdefault("resident", 100_000_000)
+    measured.setdefault("reserved", measured["real_peak"])
+    return make_row(key, seq, index=index, **measured)
+
+
+def record_rows():
+    rows = []
+    for key, seqs in RECORD_GRID.items():
+        for seq in seqs:
+            rows.append(record_row(key, seq, index=len(rows)))
+    return rows
+
+
+_ENV = None
+
+
+def make_result(rows=None, **kw):
+    """A result of ``rows`` (the record's ten by default) under this machine's stack."""
+    global _ENV
+    if _ENV is None:
+        _ENV = environment("synthetic", False, "in one process", ["issue395_second_stack_vram.py"])
+    kw.setdefault("measure", copy.deepcopy(FAKE_MEASURE))
+    kw.setdefault("sdpa", copy.deepcopy(FAKE_SDPA))
+    kw.setdefault("timings", {"total_s": 1.0})
+    return Result(environment=dict(_ENV), rows=record_rows() if rows is None else rows, **kw)
+
+
+@pytest.fixture(scope="module")
+def result():
+    """The record's ten arms as one result, with --measure and --sdpa sections."""
+    return make_result()
+
+
+@pytest.fixture(scope="module")
+def saved(result, tmp_path_factory):
+    """``result`` saved as --json writes it."""
+    path = tmp_path_factory.mktemp("saved") / "result.json"
+    path.write_text(json.dumps(result.to_json(), indent=2, default=str))
+    return path
+
+
+def table_lines(text, model):
+    """The data lines of one model's section of the sweep table."""
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(model + "  ("))
+    out = []
+    for line in lines[start + 3:]:
+        if not line.strip():
+            break
+        out.append(line)
+    return out

@@ -1,25 +1,37 @@
 """issue395.outputs: the heatmap names what each grey or red cell is (issue 22, defects 4 and 5), its
 scale is centred at exactly 1 (under red, over blue), its text readable on each cell, its axes and
-title the map's and the stack's; a dry run's plot and markdown claim no measurement; a merged map's
-markdown carries its margins, every command and its cost; outputs are written safely (one failed
-output skips no other, a symlink, a FIFO, /dev/null, a read-only file). Committed results and rows
-built by the harness's own constructor; CPU only, nothing faked but where a test says so."""
+title the map's and the stack's; a dry run's plot and markdown claim no measurement; the record's
+markdown has each model's table with the A10G figure, the 14 x E, over-estimate, --measure and --sdpa
+sections, and flags an UNDER and a VOID row as the text does; --from-json writes the markdown and a
+valid PNG; a merged map's markdown carries its margins, every command and its cost; outputs are
+written safely (one failed output skips no other, a symlink, a FIFO, /dev/null, a read-only file).
+Committed results and rows built by the harness's own constructor (in conftest's result the A10G
+record's peaks stand in for CUDA measurements, and its --measure and --sdpa sections are fake
+numbers shaped like those modes' output); CPU only, nothing else faked but where a test says so."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import stat
+import threading
 
 import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
-from conftest import MAP_2GPU, ROOT, SWEEP, make_row  # noqa: E402
+import pytest  # noqa: E402
+from conftest import (MAP_2GPU, ROOT, SWEEP, main, make_result, make_row, one_error_line,  # noqa: E402
+                      record_row, table_lines)
 
-from issue395.errors import EXIT_OK  # noqa: E402
-from issue395.outputs import heatmap_figure, render_plot  # noqa: E402
+from issue395.errors import EXIT_FINDING, EXIT_OK  # noqa: E402
+from issue395.outputs import heatmap_figure, render_markdown, render_plot, write_output  # noqa: E402
+from issue395.record import A10G_STACK, RECORD_A10G_PEAK, RECORD_GRID  # noqa: E402
+from issue395.registry import SHAPES  # noqa: E402
 from issue395.result import Result  # noqa: E402
 from issue395.saved import load_result  # noqa: E402
+from issue395.tables import overestimate_line, render_text  # noqa: E402
 
 ISSUE16 = ROOT / "results" / "cap-proof-and-seq512-1024-map-h200x2-soup0.73.3-b5bee37"
 
@@ -49,13 +61,6 @@ def test_an_oom_at_soups_own_cap_is_drawn_as_the_under_prediction():
 
 
 # -- Outputs: each written that can be, stdout on -, a read-only file kept (defects 7, 12, 14) --
-import os  # noqa: E402
-
-import pytest  # noqa: E402
-from conftest import main, one_error_line  # noqa: E402
-import stat
-import threading
-from issue395.outputs import write_output
 
 SAVED = ISSUE16 / "map-512-1024.json"
 
@@ -276,3 +281,103 @@ def test_sweep_markdown_keeps_the_a10g_claim_and_dry_run_says_no_peak(tmp_path):
                               measure=None, sdpa=None)
     md = render_markdown(dry)
     assert "measured by this run" not in md and "no peak was measured" in md
+
+
+# -- The record's ten arms as markdown, an under-prediction and a VOID row in text and markdown, and
+# --from-json's markdown and plot (conftest's result: the A10G record's peaks stand in for CUDA) --
+
+
+def test_render_markdown_has_per_model_tables_with_the_a10g_figure(result):
+    md = render_markdown(result)
+    assert A10G_STACK in md
+    for key, seqs in RECORD_GRID.items():
+        name = SHAPES[key].name
+        assert (f"## {name}\n\n| seq | realised | batch | predicted GB | real peak GB | pred/real "
+                "| corrected GB | corr/real | A10G peak GB | vs A10G | verdict |") in md
+        section = md.split(f"## {name}\n")[1].split("\n## ")[0]
+        rows = [line for line in section.splitlines()
+                if line.startswith("| ") and line.split("|")[1].strip().isdigit()]
+        assert [int(r.split("|")[1]) for r in rows] == list(seqs)
+        for seq, r in zip(seqs, rows):
+            cells = [c.strip() for c in r.strip("|").split("|")]
+            assert cells[8] == f"{RECORD_A10G_PEAK[(key, seq)] / 1e9:.4f}"  # the A10G figure
+            assert cells[9] == "1.000x"  # the record's peak stands in for this run's
+            assert cells[10] == "over-predicts, safe"
+    assert md.count("over-predicts, safe") == 10
+
+
+def test_render_markdown_has_14xE_overestimate_measure_and_sdpa_sections(result):
+    md = render_markdown(result)
+    assert "## 14 x E against the real peak" in md
+    section = md.split("## 14 x E against the real peak")[1].split("\n## ")[0]
+    rows = [[c.strip() for c in line.strip().strip("|").split("|")] for line in section.splitlines()
+            if line.startswith("| SmolLM2") or line.startswith("| Qwen")]
+    assert len(rows) == 10
+    assert [r[5] for r in rows] == ["no"] * 10  # retained copy would fit
+    assert [r[7] for r in rows] == ["no"] * 10  # A10G: would fit
+    # The record's peaks stand in for this run's: both over-estimates are the same figure.
+    assert all(r[9] == r[10] and r[9].endswith("x") for r in rows)
+    assert overestimate_line(result.rows) in section
+    assert "mean 1.152x" in section
+    assert "## --measure" in md and "12.0101" in md
+    assert "## --sdpa" in md and "3267.4" in md
+
+
+UNDER_PEAK = 5_830_000_000  # the RTX 3050 record's SmolLM2 seq 6144 real peak (5.830 GB)
+
+
+def test_text_and_markdown_flag_an_under_prediction():
+    """The RTX 3050 record's seq 6144 peak stands in for a CUDA measurement."""
+    under = record_row("smol", 6144, real_peak=UNDER_PEAK)
+    assert under.status == "UNDER"
+    res = make_result([under])
+    md = render_markdown(res)
+    assert "UNDER-predicts" in md and "over-predicts, safe" not in md
+    line = table_lines(render_text(res), "SmolLM2-135M")[0]
+    assert line.split()[-1] == "UNDER"
+    assert f"{under.predicted / UNDER_PEAK:.3f}x" in line  # 0.787x, below 1
+    assert res.exit_code == EXIT_FINDING
+
+
+def test_void_row_shows_void_and_no_ratio():
+    """A row realised short of its seq, carrying a peak (standing in for CUDA) that would
+    give a ratio: the row has no ratio by construction and the renderers print none."""
+    # 1% off the record's peak, so no ratio of this row coincides with the record's own
+    # figures, which the markdown prints beside each row.
+    peak = int(RECORD_A10G_PEAK[("smol", 2048)] * 1.01)
+    void = record_row("smol", 2048, real_peak=peak, realised_width=1900, realised_rows=(1900,))
+    assert void.status == "VOID"
+    assert void.pred_over_real is None and void.nonlogits_overestimate is None
+    assert void.vs_record is None and void.retained_copy_would_fit is None
+    ratio = f"{void.predicted / peak:.3f}x"
+    over = f"{void.nonlogits_modelled / (peak - 12 * void.elements):.3f}x"
+    res = make_result([void, record_row("smol", 4096, index=1)])
+    md = render_markdown(res)
+    head_row = next(line for line in md.splitlines() if line.startswith("| 2048 | 1900 |"))
+    assert head_row.count("VOID") == 4  # pred/real, corr/real, vs A10G, verdict
+    assert ratio not in md and over not in md
+    text = render_text(res)
+    line = table_lines(text, "SmolLM2-135M")[0]
+    assert line.split()[:2] == ["2048", "1900"]
+    assert line.split()[-1] == "VOID"
+    assert ratio not in text and over not in text
+    assert "VOID - realised [1900] (width 1900) != requested 2048" in text
+    assert "over 1 measured rows" in text  # the VOID row is not in the summary
+    assert res.exit_code == EXIT_FINDING
+
+
+def test_from_json_writes_markdown_and_a_valid_png_plot(saved, result, tmp_path, capfd):
+    from PIL import Image
+
+    md, png = tmp_path / "record.md", tmp_path / "plot.png"
+    code, out, err = main(capfd, ["--from-json", saved, "--markdown", md, "--plot", png])
+    assert code == EXIT_OK, err
+    assert md.read_text() == render_markdown(result)
+    data = png.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    with Image.open(png) as img:
+        img.verify()
+    with Image.open(png) as img:
+        width, height = img.size
+    assert width >= 600 and height >= 400
+    assert render_plot(result)[:8] == b"\x89PNG\r\n\x1a\n"

@@ -1,23 +1,29 @@
-"""issue395.tables: the verdict counts an OOM at Soup's own cap as the under-prediction it is; a
+"""issue395.tables: the sweep table has each model's section, its realised column, pred/real per row
+and the legend above the over-estimate summary; a row that carried bytes from earlier arms says so;
+compare lists only the arms measured in both. The verdict counts an OOM at Soup's own cap as the under-prediction it is; a
 sweep row under by Soup's own number says so; compare matches the same quantization only; a --model
 row claims no A10G record; the margins' notes name the term that misses, in grid order, under a
 legend; compare's header names both stacks; --measure prints four decimals and --sdpa's columns align;
 an interrupted dry run says its rows were set up, not measured. Committed results and rows built by
-the harness's own constructor with a peak standing in for a CUDA measurement; nothing else faked."""
+the harness's own constructor with a peak (the A10G record's, in conftest's result) standing in for a
+CUDA measurement; nothing else faked."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
 
-from conftest import MAP_512, ROOT, SMOL, SWEEP, make_row
+import pytest
+from conftest import MAP_512, ROOT, SMOL, SWEEP, make_result, make_row, record_row, table_lines
 
 from issue395.arm import Arm
+from issue395.record import RECORD_GRID
+from issue395.registry import SHAPES
 from issue395.result import Result
-from issue395.row import arm_row
+from issue395.row import Row, arm_row
 from issue395.saved import load_result
-from issue395.tables import (compare_table, margins_table, measure_table, render_text, sdpa_table, sweep_table,
-                             verdict_line)
+from issue395.tables import (SWEEP_LEGEND, compare_table, margins_table, measure_table, models_in, render_text,
+                             sdpa_table, sweep_table, verdict_line)
 
 ISSUE16 = ROOT / "results" / "cap-proof-and-seq512-1024-map-h200x2-soup0.73.3-b5bee37"
 
@@ -115,3 +121,65 @@ def test_an_interrupted_dry_run_says_set_up_not_measured():
     env = load_result(str(SWEEP)).environment
     text = render_text(Result(environment=dict(env, dry_run=True), rows=rows, interrupted=True))
     assert "1 row(s) set up" in text and "row(s) measured" not in text
+
+
+def test_render_text_has_each_model_section_seq_realised_columns_and_the_legend(result):
+    text = render_text(result)
+    lines = text.splitlines()
+    for key in RECORD_GRID:
+        assert SHAPES[key].name + "  (predicted" in text
+    head = next(line for line in lines if "realised" in line and "seq" in line)
+    assert head.split()[:2] == ["seq", "realised"]
+    assert "copy fits" in head and "14xE<=peak" not in head
+    last = None
+    for key, seqs in RECORD_GRID.items():
+        rows = table_lines(text, SHAPES[key].name)
+        assert [int(line.split()[0]) for line in rows] == list(seqs)
+        assert [int(line.split()[1]) for line in rows] == list(seqs)
+        assert all(line.split()[-1] == "ok" for line in rows)
+        last = lines.index(rows[-1])
+    # The legend sits under the last table, before the over-estimate summary.
+    assert lines[last + 1] == "" and lines[last + 2] == SWEEP_LEGEND
+    assert "14xE" in SWEEP_LEGEND and "copy fits" in SWEEP_LEGEND
+    assert lines[last + 3].startswith("non-logits over-estimate over 10 measured rows")
+    assert "mean 1.152x, population stdev 0.0249" in text
+    assert "(record, 10 rows: mean 1.152x, pstdev 0.0249)" in text
+    assert "--measure" in text and "12.0101" in text
+    assert "--sdpa" in text and "n/a (RuntimeError) |        -" in text  # a raising backend is data
+
+
+def test_render_text_shows_pred_over_real_per_row(result):
+    text = render_text(result)
+    lines = table_lines(text, "SmolLM2-135M")
+    # seq 2048: predicted 1.5964 GB, real 1.3652 GB, pred/real 1.169x (the record's figure)
+    assert lines[0].split()[3:6] == ["1.5964", "1.3652", "1.169x"]
+    for model in models_in(result.rows):
+        rows = [r for r in result.rows if r.model == model]
+        for row, line in zip(rows, table_lines(text, model), strict=True):
+            assert line.split()[5] == f"{row.predicted / row.real_peak:.3f}x"
+            assert line.split()[-2] == "no"  # a retained bf16 copy never fits under the peak
+
+
+def test_compare_table_lists_only_arms_measured_in_both():
+    a = make_result([record_row("smol", 4096, index=0), record_row("qwen", 2048, index=1)])
+    b = make_result([record_row("smol", 4096, index=0, real_peak=2_649_300_000)])  # qwen absent
+    b.environment["arms"] = "isolated, one fresh process per arm"
+    table = compare_table(a, b)
+    lines = [line for line in table.splitlines() if "SmolLM2" in line or "Qwen" in line]
+    assert len(lines) == 1
+    cells = lines[0].split()
+    assert cells[:5] == ["SmolLM2-135M", "4096", "1", "2.6578", "2.6493"]
+    assert cells[5] == "-8500000"
+    assert cells[6] == f"{-8_500_000 / 2_657_800_000:.3%}"
+    assert "0 of 1 shared arm(s) equal to the byte" in table
+
+
+def test_a_row_that_carried_bytes_from_earlier_arms_says_so_under_the_tables():
+    clean = make_row("smol", 2048, index=0, real_peak=10**9, carried=0)
+    carried = make_row("qwen", 2048, index=1, real_peak=4 * 10**9, carried=1024)
+    out = render_text(make_result([clean, carried]))
+    assert "carried: 1 row(s) began with bytes earlier arms left allocated (up to 1,024)" in out
+    assert "carried" not in render_text(make_result([clean]))
+    assert Row.from_json(carried.to_json()).carried == 1024
+    with pytest.raises(ValueError, match="carried"):
+        Row.from_json(dict(carried.to_json(), carried=-1))
