@@ -218,6 +218,17 @@ def merged_map():
 # measurements, and the --measure and --sdpa sections carry fake numbers shaped like measure_mode
 # and sdpa_mode output (those modes need CUDA).
 
+#: The A10G record's published figures (docs/PROTOCOL.md), typed in here independently of the
+#: harness's own copies.
+PUBLISHED = {  # (model, seq): (predicted GB, real peak GB, pred/real)
+    ("smol", 2048): (1.596, 1.3652, 1.169), ("smol", 3072): (2.345, 2.0167, 1.163),
+    ("smol", 4096): (3.094, 2.6578, 1.164), ("smol", 4352): (3.281, 2.8184, 1.164),
+    ("smol", 5120): (3.842, 3.3030, 1.163), ("smol", 6144): (4.591, 3.9430, 1.164),
+    ("qwen", 2048): (4.854, 4.1770, 1.162), ("qwen", 4096): (9.346, 8.0123, 1.166),
+    ("qwen", 5120): (11.592, 9.9294, 1.167), ("qwen", 6144): (13.837, 11.8481, 1.168),
+}
+RECORD_ARMS = list(PUBLISHED)
+
 FAKE_MEASURE = {  # fake numbers, shaped like measure_mode() output
     "constants": {"LOGITS_BYTES_PER_ELEMENT": 14, "LOGITS_LOSS_BYTES_PER_ELEMENT": 12},
     "repeats": [12.0, 12.0, 12.0], "spread": 0.0,

@@ -1,6 +1,7 @@
 """issue395.tables: the sweep table has each model's section, its realised column, pred/real per row
 and the legend above the over-estimate summary; a row that carried bytes from earlier arms says so;
-compare lists only the arms measured in both. The verdict counts an OOM at Soup's own cap as the under-prediction it is; a
+compare lists only the arms measured in both; the over-estimate summary counts ok and UNDER rows only;
+the determinism spread takes only measured peaks. The verdict counts an OOM at Soup's own cap as the under-prediction it is; a
 sweep row under by Soup's own number says so; compare matches the same quantization only; a --model
 row claims no A10G record; the margins' notes name the term that misses, in grid order, under a
 legend; compare's header names both stacks; --measure prints four decimals and --sdpa's columns align;
@@ -14,16 +15,16 @@ import dataclasses
 import json
 
 import pytest
-from conftest import MAP_512, ROOT, SMOL, SWEEP, make_result, make_row, record_row, table_lines
+from conftest import MAP_512, ROOT, SMOL, SWEEP, make_result, make_row, record_row, record_rows, table_lines
 
-from issue395.arm import Arm
+from issue395.arm import Arm, predicted_bytes
 from issue395.record import RECORD_GRID
 from issue395.registry import SHAPES
 from issue395.result import Result
 from issue395.row import Row, arm_row
 from issue395.saved import load_result
-from issue395.tables import (SWEEP_LEGEND, compare_table, margins_table, measure_table, models_in, render_text,
-                             sdpa_table, sweep_table, verdict_line)
+from issue395.tables import (SWEEP_LEGEND, compare_table, determinism_spread, margins_table, measure_table,
+                             models_in, overestimate_summary, render_text, sdpa_table, sweep_table, verdict_line)
 
 ISSUE16 = ROOT / "results" / "cap-proof-and-seq512-1024-map-h200x2-soup0.73.3-b5bee37"
 
@@ -183,3 +184,39 @@ def test_a_row_that_carried_bytes_from_earlier_arms_says_so_under_the_tables():
     assert Row.from_json(carried.to_json()).carried == 1024
     with pytest.raises(ValueError, match="carried"):
         Row.from_json(dict(carried.to_json(), carried=-1))
+
+
+def test_overestimate_summary_counts_ok_and_under_rows_only():
+    """A VOID row measured with a wild peak, a FAILED and an OOM row carrying a peak, and a
+    dry run: none of them has an over-estimate, so none moves the summary."""
+    rows = record_rows()
+    s = overestimate_summary(rows)
+    void = make_row("smol", 2048, index=10, real_peak=50_000_000,
+                    realised_width=1900, realised_rows=(1900,))
+    failed = make_row("smol", 3072, index=11, real_peak=60_000_000, failure="FAILED", error="x")
+    oom = make_row("qwen", 6144, index=12, real_peak=60_000_000, failure="OOM", error="x")
+    dry = make_row("smol", 4096, index=13, dry_run=True)
+    assert [r.status for r in (void, failed, oom, dry)] == ["VOID", "FAILED", "OOM", "dry-run"]
+    assert overestimate_summary(rows + [void, failed, oom, dry]) == s
+    assert overestimate_summary([void, failed, oom, dry]) is None
+
+    under_peak = predicted_bytes(SMOL, 4096) + 1
+    under = make_row("smol", 4096, real_peak=under_peak)
+    assert under.status == "UNDER"
+    assert overestimate_summary([under, failed]) == {
+        "n": 1, "mean": under.nonlogits_overestimate, "pstdev": 0.0}
+
+
+def test_determinism_spread_takes_only_measured_peaks():
+    a = make_row("smol", 4096, index=2, repeat=1, real_peak=2_657_800_000)
+    b = make_row("smol", 4096, index=2, repeat=2, real_peak=2_649_300_000)
+    void = make_row("smol", 6144, index=5, repeat=1, real_peak=3_943_000_000,
+                    realised_rows=(6000,))
+    ok = make_row("smol", 6144, index=5, repeat=2, real_peak=3_943_900_000)
+    first, second = determinism_spread([ok, b, void, a])
+    assert first["row"] is a and first["peaks"] == [a.real_peak, b.real_peak]
+    assert first["spread_pct"] == pytest.approx((2_657_800_000 - 2_649_300_000) / 2_649_300_000 * 100)
+    assert round(first["spread_pct"], 2) == 0.32  # the record's spread for this arm
+    assert second["peaks"] == [None, ok.real_peak]
+    assert second["statuses"] == ["VOID", "ok"]
+    assert second["spread_pct"] is None
