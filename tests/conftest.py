@@ -1,6 +1,8 @@
 """Shared fixtures and helpers: the harness module, one checkpoint cache per session, a clean
 process state around every test, the harness run in-process and as a fresh process, rows
-built through the harness's own constructor, and the one fake the suite needs.
+built through the harness's own constructor, the record's ten arms as one result (the A10G
+record's published peaks standing in for CUDA measurements) and committed results several files
+read, and the one fake the suite needs.
 
 Everything runs on CPU: the real Soup setup goes through the harness's --dry-run path, or,
 where a test needs a measured peak, through the measured path with only the CUDA step faked
@@ -9,7 +11,9 @@ where a test needs a measured peak, through the measured path with only the CUDA
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import json
 import os
 import shutil
 import signal
@@ -28,9 +32,13 @@ import issue395_second_stack_vram as h  # noqa: E402
 from issue395.console import Stop
 from issue395.errors import EXIT_USAGE
 from issue395.arm import Arm, predicted_bytes
-from issue395.record import DATA_ROWS
+from issue395.merge import merge
+from issue395.record import DATA_ROWS, RECORD_A10G_PEAK, RECORD_GRID, SDPA_SEQS
 from issue395.registry import SHAPES, Shape
+from issue395.result import Result
 from issue395.row import Row, arm_row
+from issue395.saved import load_result
+from issue395.stack import environment
 
 SMOL, QWEN = SHAPES["smol"], SHAPES["qwen"]
 
@@ -111,6 +119,13 @@ def make_row(key: str = "smol", seq: int = 2048, batch: int = 1, index: int = 0,
     return arm_row(Arm(key, seq, batch, index), SHAPES[key], **measured)
 
 
+#: A shard's stack, every field a saved result carries and a merge compares (tests of Result and merge).
+ENV = {"gpu": "NVIDIA H200", "driver": "570.1", "cuda": "13.0", "torch": "2.13.0+cu130",
+       "transformers": "5.16.1", "trl": "0.29.1", "peft": "0.20.0", "soup_cli": "0.73.3",
+       "python": "3.11.9", "weights": "synthetic", "dry_run": False, "arms": "shard 1/3 in one process",
+       "cuda_visible_devices": "0", "date": "2025-01-01T00:00:00+00:00", "command": "x --shard 1/3"}
+
+
 def safe_peak(seq: int, shape: Shape = SMOL) -> int:
     """A fake peak the prediction covers (pred/real 1.25x)."""
     return int(predicted_bytes(shape, seq) / 1.25)
@@ -183,3 +198,102 @@ def dead_pid() -> int:
     proc = subprocess.Popen([sys.executable, "-c", "pass"])
     proc.wait()
     return proc.pid
+
+
+#: Committed results several files read: the margin map on two GPUs, the map at seq 512 and 1024, and
+#: a sweep of the record's grid with its --measure and --sdpa sections.
+MAP_2GPU = ROOT / "results/margin-map-h200x2-soup0.73.3-f3ad9d2/map-2gpu.json"
+MAP_512 = ROOT / "results/cap-proof-and-seq512-1024-map-h200x2-soup0.73.3-b5bee37/map-512-1024.json"
+SWEEP = ROOT / "results/margin-map-in-4-parts-h200-soup0.73.3-3238e1a-to-b3a7891/full-cold.json"
+
+
+@pytest.fixture(scope="module")
+def merged_map():
+    """The two committed maps merged, as --from-json merges them (its heatmap and its margins)."""
+    return merge([load_result(str(MAP_2GPU)), load_result(str(MAP_512))], "merged from 2 result(s)")
+
+
+# --- The record's ten arms as one result: what the tables, the markdown, a saved result and the
+# exit codes are read against. No GPU: the A10G record's published peaks stand in for CUDA
+# measurements, and the --measure and --sdpa sections carry fake numbers shaped like measure_mode
+# and sdpa_mode output (those modes need CUDA).
+
+#: The A10G record's published figures (docs/PROTOCOL.md), typed in here independently of the
+#: harness's own copies.
+PUBLISHED = {  # (model, seq): (predicted GB, real peak GB, pred/real)
+    ("smol", 2048): (1.596, 1.3652, 1.169), ("smol", 3072): (2.345, 2.0167, 1.163),
+    ("smol", 4096): (3.094, 2.6578, 1.164), ("smol", 4352): (3.281, 2.8184, 1.164),
+    ("smol", 5120): (3.842, 3.3030, 1.163), ("smol", 6144): (4.591, 3.9430, 1.164),
+    ("qwen", 2048): (4.854, 4.1770, 1.162), ("qwen", 4096): (9.346, 8.0123, 1.166),
+    ("qwen", 5120): (11.592, 9.9294, 1.167), ("qwen", 6144): (13.837, 11.8481, 1.168),
+}
+RECORD_ARMS = list(PUBLISHED)
+
+FAKE_MEASURE = {  # fake numbers, shaped like measure_mode() output
+    "constants": {"LOGITS_BYTES_PER_ELEMENT": 14, "LOGITS_LOSS_BYTES_PER_ELEMENT": 12},
+    "repeats": [12.0, 12.0, 12.0], "spread": 0.0,
+    "by_vocab": {8192: 12.0, 32768: 12.0, 49152: 12.0, 151936: 12.01010951979781},
+}
+FAKE_SDPA = {  # fake numbers, shaped like sdpa_mode() output
+    "seqs": list(SDPA_SEQS),
+    "extra_mb": {"flash": [2.4, 3.7, 4.9, 6.1, 7.3],
+                 "mem_efficient": [2.4, 3.5, 4.7, 5.9, 7.1],
+                 "math": [383.9, 831.5, 1463.8, 2279.7, 3267.4],
+                 "default": ["n/a (RuntimeError)", 3.7, 4.9, 6.1, 7.3]},
+}
+
+
+def record_row(key, seq, index=0, **measured):
+    """One record arm, the A10G record's published peak standing in for CUDA."""
+    measured.setdefault("real_peak", RECORD_A10G_PEAK[(key, seq)])
+    measured.setdefault("resident", 100_000_000)
+    measured.setdefault("reserved", measured["real_peak"])
+    return make_row(key, seq, index=index, **measured)
+
+
+def record_rows():
+    rows = []
+    for key, seqs in RECORD_GRID.items():
+        for seq in seqs:
+            rows.append(record_row(key, seq, index=len(rows)))
+    return rows
+
+
+_ENV = None
+
+
+def make_result(rows=None, **kw):
+    """A result of ``rows`` (the record's ten by default) under this machine's stack."""
+    global _ENV
+    if _ENV is None:
+        _ENV = environment("synthetic", False, "in one process", ["issue395_second_stack_vram.py"])
+    kw.setdefault("measure", copy.deepcopy(FAKE_MEASURE))
+    kw.setdefault("sdpa", copy.deepcopy(FAKE_SDPA))
+    kw.setdefault("timings", {"total_s": 1.0})
+    return Result(environment=dict(_ENV), rows=record_rows() if rows is None else rows, **kw)
+
+
+@pytest.fixture(scope="module")
+def result():
+    """The record's ten arms as one result, with --measure and --sdpa sections."""
+    return make_result()
+
+
+@pytest.fixture(scope="module")
+def saved(result, tmp_path_factory):
+    """``result`` saved as --json writes it."""
+    path = tmp_path_factory.mktemp("saved") / "result.json"
+    path.write_text(json.dumps(result.to_json(), indent=2, default=str))
+    return path
+
+
+def table_lines(text, model):
+    """The data lines of one model's section of the sweep table."""
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(model + "  ("))
+    out = []
+    for line in lines[start + 3:]:
+        if not line.strip():
+            break
+        out.append(line)
+    return out

@@ -1,18 +1,23 @@
 """What a review of the redesign found: children started with a command line they refuse, a
 shard folder deleted under a peer, bf16 and NF4 arms sharing Soup's shards, map rows labelled
-as the record's, and saved results the renderer could not draw. Each test pins the fix.
+as the record's, and saved results the renderer could not draw. Each test pins the fix. And a saved
+result re-rendered end to end through --from-json: a row edited above its prediction or short of its
+seq is re-judged UNDER or VOID (exit 1), and --compare lists the byte difference of the same arm.
 
-Everything runs on CPU with the real harness functions; no Soup setup runs here.
+Everything runs on CPU with the real harness functions; no Soup setup runs here. The saved result is
+conftest's (the A10G record's peaks standing in for CUDA measurements).
 """
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 
 import pytest
-from conftest import main, make_row, one_error_line
+from conftest import main, make_row, one_error_line, table_lines
 
+from issue395.errors import EXIT_FINDING, EXIT_OK
 from issue395.result import Result
 from issue395.spread import CHILD_JOB
 
@@ -88,3 +93,49 @@ def test_a_sweep_among_map_parts_is_refused_naming_that_file(capfd):
     line = one_error_line(*main(capfd, ["--from-json", root / "map-a.json", root / "full-cold.json",
                                         root / "map-b.json"]), "full-cold.json", "a sweep among map parts")
     assert "map-b.json is" not in line
+
+
+# ---------------------------------------------------------------------------
+# A saved result re-rendered end to end: verdicts re-judged, two results compared
+# ---------------------------------------------------------------------------
+
+
+def test_from_json_rejudges_an_edited_row_under_and_void(saved, tmp_path, capfd):
+    """The saved verdicts ("derived") are never read back: a row edited above its prediction
+    re-renders UNDER, one edited to a realised width of 1000 re-renders VOID; exit 1."""
+    data = json.loads(saved.read_text())
+    assert data["rows"][0]["derived"]["status"] == "ok"
+    under = copy.deepcopy(data)
+    under["rows"][0]["real_peak"] = under["rows"][0]["predicted"] + 1
+    void = copy.deepcopy(data)
+    void["rows"][1]["realised_width"] = 1000
+    (tmp_path / "under.json").write_text(json.dumps(under))
+    (tmp_path / "void.json").write_text(json.dumps(void))
+
+    code, out, err = main(capfd, ["--from-json", tmp_path / "under.json"])
+    assert code == EXIT_FINDING, err
+    line = table_lines(out, "SmolLM2-135M")[0]
+    assert line.split()[0] == "2048" and line.split()[-1] == "UNDER"
+    assert line.split()[5] == "1.000x"  # predicted / (predicted + 1), rounded
+
+    code, out, err = main(capfd, ["--from-json", tmp_path / "void.json"])
+    assert code == EXIT_FINDING, err
+    line = table_lines(out, "SmolLM2-135M")[1]
+    assert line.split()[:2] == ["3072", "1000"] and line.split()[-1] == "VOID"
+    assert line.split()[5] == "VOID"
+    assert "VOID - realised [3072] (width 1000) != requested 3072" in out
+
+
+def test_from_json_compare_lists_the_byte_difference_of_the_same_arm(saved, tmp_path, capfd):
+    other = json.loads(saved.read_text())
+    other["environment"]["arms"] = "isolated, one fresh process per arm"
+    other["rows"][0]["real_peak"] += 1_000_000
+    other_path = tmp_path / "other.json"
+    other_path.write_text(json.dumps(other))
+    code, out, err = main(capfd, ["--from-json", saved, "--compare", other_path])
+    assert code == EXIT_OK, err
+    assert "compare: A = in one process" in out
+    assert "B = isolated, one fresh process per arm" in out
+    line = next(x for x in out.splitlines() if x.split()[:2] == ["SmolLM2-135M", "2048"])
+    assert line.split()[5] == "1000000"
+    assert "9 of 10 shared arm(s) equal to the byte" in out

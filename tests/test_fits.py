@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from conftest import main
 
 from issue395 import cards as C
@@ -109,3 +111,25 @@ def test_a_wide_grid_is_one_row_per_arm_and_its_lines_stay_under_160_characters(
                                                     for s in (512, 1024, 2048, 4096)]
     code, out, _ = main(capfd, ["--estimate", "--model", "llama31-8b", "--seq", "512,1024,2048", "--quant", "none,nf4"])
     assert "none 512x1" in out.splitlines()[1]  # six arms: still a column each
+
+
+def test_the_readmes_does_it_fit_example_is_what_estimate_prints(capfd, tmp_path, monkeypatch):
+    """The README's soup.yaml through --estimate --config prints the README's fit rows, line for
+    line (the README is the first thing a user reads: a figure there the tool no longer prints
+    is one it did not obtain). Checked where the installed soup-cli is the release the README ran."""
+    from conftest import ROOT
+
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    yaml_block = readme.split("```yaml\n", 1)[1].split("```", 1)[0]
+    shown = readme.split("```text\n", 1)[1].split("```", 1)[0].splitlines()
+    (tmp_path / "soup.yaml").write_text(yaml_block, encoding="utf-8")
+    monkeypatch.chdir(tmp_path)
+    code, out, _ = main(capfd, ["--estimate", "--config", "soup.yaml", "--card", "T4"])
+    assert code == 0
+    from issue395.soup_number import installed_release
+
+    lines = out.splitlines()
+    if f"soup-cli {installed_release()}," not in shown[0]:  # Soup's own number moves between releases
+        pytest.skip(f"the README shows the pinned release's output ({shown[0].split(',')[0]})")
+    missing = [s for s in shown if s.rstrip() not in (ln.rstrip() for ln in lines)]
+    assert not missing, missing

@@ -1,4 +1,4 @@
-"""issue395.grid: the arms, in order: the record's grid, the margin map's (families, quantizations,
+"""issue395.grid: the arms, in order (model, then seq, then batch): the record's grid, the margin map's (families, quantizations,
 seqs within each family's max positions, batches), and shards of them (--shard modulo the grid on a
 sweep; whole families dealt heaviest first on the map, so no shard builds a family twice). Nothing is
 faked: the registry's families and the planner's real arms."""
@@ -6,6 +6,7 @@ faked: the registry's families and the planner's real arms."""
 from __future__ import annotations
 
 import pytest
+from conftest import RECORD_ARMS
 
 from issue395.grid import arm_seconds, plan_arms, plan_map, shard_of
 from issue395.arm import Arm
@@ -72,3 +73,17 @@ def test_the_map_orders_family_then_quantization_then_seq_then_batch_and_drops_s
 def test_a_streaming_mode_costs_what_its_family_costs_and_a_larger_family_costs_more():
     assert arm_seconds(Arm("smol+chunk512", 512)) == arm_seconds(Arm("smol", 512))
     assert arm_seconds(Arm("mistral-7b", 512)) > arm_seconds(Arm("qwen3-0.6b", 512)) > arm_seconds(Arm("smol", 512))
+
+
+def test_plan_arms_is_the_record_grid_in_order():
+    arms = plan_arms(["smol", "qwen"], None, [1])
+    assert [(a.model, a.seq, a.batch) for a in arms] == [(k, s, 1) for k, s in RECORD_ARMS]
+    assert [a.index for a in arms] == list(range(10))
+
+
+def test_plan_arms_orders_model_then_seq_then_batch():
+    arms = plan_arms(["qwen", "smol"], [4096, 2048], [2, 1])
+    assert [(a.model, a.seq, a.batch) for a in arms] == [
+        ("qwen", 4096, 2), ("qwen", 4096, 1), ("qwen", 2048, 2), ("qwen", 2048, 1),
+        ("smol", 4096, 2), ("smol", 4096, 1), ("smol", 2048, 2), ("smol", 2048, 1)]
+    assert [a.index for a in arms] == list(range(8))

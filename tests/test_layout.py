@@ -1,5 +1,7 @@
 """The house: a protocol script a page long, and a package of one-concern modules beside it,
-each importing only what lies below it (docs/LAYOUT.md's order), never the script."""
+each importing only what lies below it (docs/LAYOUT.md's order), never the script; and the tests
+mirror the modules, one tests/test_<module>.py each, beside a few named suites that pin no one
+module."""
 
 from __future__ import annotations
 
@@ -9,6 +11,12 @@ import re
 from conftest import ROOT, SCRIPT
 
 PACKAGE = ROOT / "issue395"
+TESTS = ROOT / "tests"
+
+#: The test files that are no one module's: the persona suites (end to end), the goldens, the bench
+#: scripts' run and this file.
+NOT_A_MODULE = {"test_new_user", "test_hostile", "test_children_and_saved_results", "test_faults",
+                "test_cli", "test_golden", "test_bench", "test_layout"}
 
 
 def layout_order() -> list[str]:
@@ -53,6 +61,27 @@ def test_the_script_is_a_page_and_no_module_is_over_450_lines():
     assert len(SCRIPT.read_text(encoding="utf-8").splitlines()) <= 400
     for path in PACKAGE.glob("*.py"):
         assert len(path.read_text(encoding="utf-8").splitlines()) <= 450, path.name
+
+
+def package_modules() -> set[str]:
+    return {p.stem for p in PACKAGE.glob("*.py") if p.stem != "__init__"}
+
+
+def present_test_files() -> set[str]:
+    return {p.stem for p in TESTS.glob("test_*.py")}
+
+
+def test_every_module_has_its_own_test_file():
+    missing = sorted(f"tests/test_{m}.py" for m in package_modules() if f"test_{m}" not in present_test_files())
+    assert not missing, f"a module without its test file: {missing}"
+
+
+def test_every_test_file_is_a_modules_or_one_of_the_named_suites():
+    own = {f"test_{m}" for m in package_modules()}
+    stray = sorted(present_test_files() - own - NOT_A_MODULE)
+    assert not stray, f"test files named for no module (name each for the module it pins): {stray}"
+    assert NOT_A_MODULE <= present_test_files(), sorted(NOT_A_MODULE - present_test_files())  # no stale name
+    assert not NOT_A_MODULE & own, sorted(NOT_A_MODULE & own)  # a module's file is never exempt
 
 
 def _defined_and_imported(path) -> tuple[set[str], set[str]]:

@@ -2,7 +2,9 @@
 handed in as a Measurement by a stand-in for the entry script's measured arm (FAKED: no Soup setup
 and no CUDA step run here; the peaks are given, and ``apply_cap``, a CUDA call, is recorded instead
 of made). Real: run_arm and its judgement, Soup's own decide_stream_fit (its gate's words), torch's
-OutOfMemoryError, the row built by the harness's own constructor, the timings from the phases."""
+OutOfMemoryError, the row built by the harness's own constructor, the timings from the phases. An NF4
+arm without bitsandbytes (its absence FAKED) is skipped by the entry script's own protocol in a dry
+run before Soup is set up."""
 
 from __future__ import annotations
 
@@ -10,11 +12,12 @@ import time
 
 import pytest
 import torch
-from conftest import SMOL
+from conftest import SMOL, h
 
 from issue395 import measurement
 from issue395.measurement import Measurement, run_arm
 from issue395.arm import Arm
+from issue395.result import Result
 
 ARM = Arm("smol", 2048)
 GB = 10**9
@@ -100,3 +103,10 @@ def test_a_kept_failure_drops_its_frames_so_teardown_can_free_the_model():
         setup_that_fails()
     m.fail(caught.value)
     assert m.error is caught.value and m.error.__traceback__ is None and m.error.__cause__.__traceback__ is None
+
+
+def test_without_bitsandbytes_an_nf4_arm_is_a_skipped_row_with_its_reason(monkeypatch, tmp_path):
+    monkeypatch.setattr(measurement, "bitsandbytes_present", lambda: False)
+    row = h.protocol().run_arm(Arm("smol", 64, 1, 0, "nf4"), SMOL, "unused", tmp_path, dry_run=True)
+    assert row.status == "SKIPPED" and "bitsandbytes" in row.error
+    assert Result(environment={}, rows=[row]).exit_code == 0

@@ -1,6 +1,7 @@
 """issue395.options: the command line settled into a Run, in process through main on CPU. An option
 that does not apply, a bad value or a conflict is one usage line (the map's and --min-free's too); ~
-is expanded in every path (issue 22, defects 6 and 8); --steps and --emulate-card reach the Run.
+is expanded in every path (issue 22, defects 6 and 8); --steps and --emulate-card reach the Run; a
+missing --compare file is named as --compare's.
 Faked only where said: bitsandbytes' absence."""
 
 from __future__ import annotations
@@ -112,3 +113,11 @@ def test_bad_estimate_input_is_one_line_and_exit_2(capfd, tmp_path, config, argv
         model = tmp_path / "config.json"
         model.write_text(json.dumps(config))
     one_error_line(*main(capfd, ["--estimate", "--model", model, *argv]), *words)
+
+
+def test_compare_with_a_missing_file_names_that_file(saved, tmp_path, capfd):
+    """The error must be about the missing --compare file, not some other flaw."""
+    missing = tmp_path / "missing.json"
+    code, out, err = main(capfd, ["--from-json", saved, "--compare", missing])
+    line = one_error_line(code, out, err, "--compare", "missing.json")
+    assert str(saved) not in line

@@ -1,10 +1,14 @@
 """issue395.saved: rows saved as they finish survive a crash, and a file that is not a result is
-named for what it is when read back."""
+named for what it is when read back: a missing, damaged, hollow, deeply nested or endless file, a
+FIFO, a row file or an --estimate result is one line and exit 2, never a traceback."""
 
 from __future__ import annotations
 
 import json
+import os
+from pathlib import Path
 
+import pytest
 from conftest import ROOT, main, make_row, one_error_line
 
 from issue395.saved import RowFile
@@ -54,6 +58,42 @@ def test_a_row_file_that_cannot_be_written_warns_once_and_the_run_goes_on(tmp_pa
     err = capsys.readouterr().err
     assert err.count("warning: cannot save rows to") == 1 and "they are in the tables" in err
     assert not rows.ok
+
+
+_ENV_FIELDS = '"torch": "2", "transformers": "5", "trl": "0", "peft": "0", "soup_cli": "0", "weights": "x"'
+
+
+BAD_FILES = [
+    ("missing", None),
+    ("not-json", "not json {"),
+    ("a-list", '["a", "list"]'),
+    ("no-schema", '{"environment": {}, "rows": []}'),
+    ("hollow-schema2", '{"schema": 2, "environment": {}, "rows": []}'),
+    ("hollow-schema1", '{"schema": 1, "environment": {}, "rows": []}'),
+    ("environment-not-object", '{"schema": 2, "environment": "x", "rows": [{"model": "m"}]}'),
+    ("hollow-row", '{"schema": 2, "environment": {%s}, "rows": [{"model": "m"}]}' % _ENV_FIELDS),
+    ("rows-not-a-list", '{"schema": 2, "environment": {%s}, "rows": {"0": {}}}' % _ENV_FIELDS),
+    ("schema-999", '{"schema": 999, "environment": {%s}, "rows": []}' % _ENV_FIELDS),
+    ("nested-deeply", "[" * 100_000),
+    ("fifo", "FIFO"),
+    ("dev-zero", "/dev/zero"),
+]
+
+
+@pytest.mark.parametrize("content", [c for _, c in BAD_FILES], ids=[i for i, _ in BAD_FILES])
+def test_from_json_of_a_bad_file_exits_2_with_one_line(tmp_path, capfd, content):
+    path = tmp_path / "result.json"
+    if content == "FIFO":
+        os.mkfifo(path)  # reading it would hang: refused before it is opened
+    elif content == "/dev/zero":
+        path = Path("/dev/zero")  # never ends: refused before it is read
+    elif content is not None:
+        path.write_text(content)
+    try:
+        code, out, err = main(capfd, ["--from-json", path])
+    except Exception as exc:  # noqa: BLE001 - the bug: an uncaught traceback
+        pytest.fail(f"traceback instead of exit 2: {type(exc).__name__}: {exc}")
+    one_error_line(code, out, err, "--from-json", str(path))
 
 
 def test_the_row_file_a_run_keeps_is_the_file_from_json_refuses_as_a_row_file(capfd, tmp_path):

@@ -1,5 +1,6 @@
 """issue395.schema: a saved result is read back only where its blocks have the types the renderers
-and the merge read, each arm once; schema 1 (the first H200 results) reads as this version's rows."""
+and the merge read, each arm once; schema 1 (the first H200 results) reads as this version's rows,
+and --from-json re-renders the committed schema-1 result with the figures its printed output holds."""
 
 from __future__ import annotations
 
@@ -7,10 +8,11 @@ import json
 import math
 
 import pytest
-from conftest import ROOT, main, make_row
+from conftest import ROOT, main, make_row, table_lines
 
-from issue395.row import Row
+from issue395.errors import EXIT_OK
 from issue395.result import Result
+from issue395.row import Row
 from issue395.schema import SCHEMA, TOOL, check_blocks, check_unique, determinism_rows, schema1_row
 
 SCHEMA1 = ROOT / "results" / "record-h200x2-soup0.73.3-e7c26f7" / "h200-2026-11-30-full-cold.json"
@@ -68,6 +70,41 @@ def test_one_arm_saved_twice_is_refused_where_a_map_keys_on_the_arm_and_a_sweep_
     with pytest.raises(ValueError, match="the same arm appears twice"):
         check_unique(rows, "sweep")
     check_unique(rows[:1] + [make_row(index=0, repeat=1)], "sweep")  # a repeat is its own row
+
+
+def _numbers(lines):
+    return [line.split() for line in lines]
+
+
+def test_from_json_of_the_committed_schema1_result_prints_its_sweep_tables(capfd):
+    """The first H200 result (schema 1) still loads, and its re-rendered sweep tables hold
+    the figures its printed output holds. Only a column name changed ('14xE<=peak' became
+    'copy fits'; its cells are still yes/no)."""
+    printed = [line for line in SCHEMA1.with_suffix(".txt").read_text().splitlines()
+               if not line.startswith("[arm ")]
+    code, out, err = main(capfd, ["--from-json", SCHEMA1.with_suffix(".json")])
+    assert code == EXIT_OK, err
+    assert err == ""
+    new = out.splitlines()
+    assert new[0] == printed[0]  # the stack header
+    for name in ("SmolLM2-135M", "Qwen2.5-0.5B"):
+        old_rows, new_rows = table_lines("\n".join(printed), name), table_lines(out, name)
+        assert len(old_rows) == len(new_rows) == {"SmolLM2-135M": 6, "Qwen2.5-0.5B": 4}[name]
+        # this version adds the corrected estimate and its ratio after pred/real
+        assert [row[:6] + row[8:] for row in _numbers(new_rows)] == _numbers(old_rows)
+    old_head = next(line for line in printed if "realised" in line).split()
+    new_head = next(line for line in new if "realised" in line).split()
+    assert "14xE<=peak" in old_head and "copy" in new_head and "fits" in new_head
+    summary = next(line for line in printed if line.startswith("non-logits over-estimate"))
+    assert summary in new
+    # The --measure and --sdpa tables hold the same figures (this version prints 4 decimals for the
+    # probe and pads the sdpa cells, so the text is not the same line for line).
+    def figures(lines):
+        return [round(float(w), 4) for line in lines for w in line.replace("|", " ").split()
+                if w.replace(".", "", 1).isdigit()]
+
+    assert figures(new[new.index(next(x for x in new if x.startswith("--measure"))):]) == \
+        figures(printed[printed.index(next(x for x in printed if x.startswith("--measure"))):])
 
 
 def test_every_json_this_version_writes_carries_the_one_tool_and_schema_it_reads(capfd, tmp_path):

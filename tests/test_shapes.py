@@ -1,7 +1,8 @@
 """issue395.shapes: shapes derived from any config on a meta skeleton (nothing allocated), and the
 configs refused (an architecture Soup cannot stream, a size that is not a whole number or that no
 real model has). Each family's shape is pinned against docs/FAMILIES.md's public parameter
-counts (typed in here independently of the harness) and against the estimator's closed formula.
+counts (typed in here independently of the harness) and against the estimator's closed formula; the
+record's two models in the map are the registry's own shapes.
 Nothing is faked: real transformers on the meta device."""
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from conftest import TINY
 from issue395 import estimate
 from issue395.builder import hf_config
 from issue395.errors import UsageError
-from issue395.registry import FAMILIES, config_json
+from issue395.registry import FAMILIES, SHAPES, config_json
 from issue395.shapes import derive_shape, family_shape
 from issue395.soup_number import arch_of
 
@@ -85,3 +86,7 @@ def test_derive_shape_refuses_a_figure_that_is_not_a_whole_number(field, value):
     setattr(config, field, value)
     with pytest.raises(UsageError, match=f"config {field} is {value!r}"):
         derive_shape(config, name="tiny")
+
+
+def test_the_record_models_in_the_map_are_the_records_shapes():
+    assert family_shape("smol") is SHAPES["smol"] and family_shape("qwen") is SHAPES["qwen"]

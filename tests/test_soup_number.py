@@ -1,8 +1,9 @@
 """issue395.soup_number: Soup's own pre-flight number computed by Soup's own code (its estimator read
 from the installed soup-cli's source, no torch), fed what Soup's setup computes from the config. Against
 every soup_predicted a GPU captured (the committed arms bench/leave_one_out.py reads), and against
-Soup's real setup run here on CPU through --dry-run (where it budgets float32 weights). Nothing is
-faked."""
+Soup's real setup run here on CPU through --dry-run (where it budgets float32 weights); --estimate's
+Soup number for a committed map arm (Mistral-7B NF4 512 x 1, read back through Result) is the one its
+setup computed on the GPU. Nothing is faked."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import pytest
 from conftest import ROOT, SMOL, main
 
 from issue395.registry import config_json
+from issue395.result import Result
 from issue395.soup_number import (_soup_dir, installed_release, soup_namespace, soup_preflight_from_config,
                                   supported_archs)
 
@@ -87,3 +89,21 @@ def test_what_soup_would_refuse_or_this_does_not_know_is_a_usage_error_not_a_num
     with pytest.raises(UsageError, match=words):
         soup_preflight_from_config(config_json(key), quant="none", seq=512, batch=1, targets=("q_proj", "v_proj"),
                                    lora_r=8, **kw)
+
+
+#: A committed map arm of Mistral-7B NF4 512 x 1 for each tested Soup release.
+SAVED = {"0.73.3": "results/cap-proof-and-seq512-1024-map-h200x2-soup0.73.3-b5bee37/map-512-1024.json",
+         "0.77.0": "results/untied-seq512-h200x2-soup0.73.3-and-0.77.0-f3ad9d2/map077-untied.json"}
+
+
+def test_soups_own_number_from_the_config_is_the_one_its_setup_computed_on_the_gpu(capfd, tmp_path):
+    saved = Result.from_json(json.loads((ROOT / SAVED[installed_release()]).read_text()))
+    assert saved.environment["soup_cli"] == installed_release()
+    arm = next(r for r in saved.rows if (r.model_key, r.quant, r.seq, r.batch) == ("mistral-7b", "nf4", 512, 1))
+    out = tmp_path / "e.json"
+    code, _, err = main(capfd, ["--estimate", "--model", "mistral-7b", "--quant", "nf4", "--seq", "512",
+                                "--json", out])
+    assert code == 0, err
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["soup_predicted"] == arm.soup_predicted
+    assert row["corrected_predicted"] >= arm.real_peak > row["soup_predicted"]  # the miss, and the fix
