@@ -122,10 +122,12 @@ def rows_for_batch(batch: int, steps: int = 1, val_split: float = 0.1) -> int:
 
 def soup_config_yaml(base: str, data_path: Path, output: Path, seq: int, batch: int,
                      quant: str = "none", targets: Iterable[str] = ("q_proj", "v_proj"),
-                     stream: Iterable[tuple[str, Any]] = ()) -> str:
+                     stream: Iterable[tuple[str, Any]] = (), lora_r: int = LORA_R,
+                     lora_alpha: int = LORA_ALPHA) -> str:
     """The protocol's Soup config, verbatim but for the paths, seq and batch (and, on the
     margin map, the quantization, the family's own LoRA targets and 0.77.0's streaming modes:
-    expert layout, chunked loss, recompute). Soup spells NF4 "4bit"."""
+    expert layout, chunked loss, recompute; with --config, the file's own LoRA r and alpha
+    too). Soup spells NF4 "4bit"."""
     import yaml
 
     return yaml.safe_dump({
@@ -135,7 +137,7 @@ def soup_config_yaml(base: str, data_path: Path, output: Path, seq: int, batch: 
         "training": {"batch_size": batch, "gradient_accumulation_steps": 1, "epochs": 1,
                      "quantization": SOUP_QUANT[quant], "stream_layers": True, "logging_steps": 1,
                      "save_steps": 100000, **dict(stream),
-                     "lora": {"r": LORA_R, "alpha": LORA_ALPHA, "target_modules": list(targets)}},
+                     "lora": {"r": lora_r, "alpha": lora_alpha, "target_modules": list(targets)}},
     }, sort_keys=False)
 
 
@@ -186,7 +188,8 @@ def measure_arm(arm: Arm, shape: Shape, base: str, work: Path, *, dry_run: bool 
             from soup_cli.trainer.sft import SFTTrainerWrapper
 
             config = load_config_from_string(soup_config_yaml(
-                base, data_path, work / "out", arm.seq, arm.batch, arm.quant, shape.targets, shape.stream))
+                base, data_path, work / "out", arm.seq, arm.batch, arm.quant, shape.targets, shape.stream,
+                shape.lora_r, shape.lora_alpha))
             wrapper = SFTTrainerWrapper(config, device="cpu" if dry_run else STEP_DEVICE)
             wrapper.setup(load_dataset(config.data))
             width, lengths = realised_lengths(wrapper.trainer)

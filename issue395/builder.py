@@ -216,10 +216,15 @@ def tiled(tile: Any, n: int) -> Any:
     return out
 
 
+#: A Shape's fields that never shape its checkpoint: its names, the streaming mode (how Soup shards
+#: it) and the LoRA adapter Soup puts on it (targets, rank, alpha and the grid's count of it), so a
+#: --config arm's own adapter runs on its family's cached checkpoint.
+NOT_SHAPING = ("name", "hub_id", "stream", "targets", "lora_r", "lora_alpha", "grid_adapter")
+
+
 def checkpoint_fingerprint(shape: Shape) -> str:
     """Names a built checkpoint by everything that shapes it, so a cache is never stale."""
-    # The streaming mode changes how Soup shards a checkpoint, never the checkpoint itself.
-    fields_ = {k: v for k, v in asdict(shape).items() if k not in ("name", "hub_id", "stream")}
+    fields_ = {k: v for k, v in asdict(shape).items() if k not in NOT_SHAPING}
     fields_.update(tokenizer_words=TOKEN_WORDS, builder=BUILDER_VERSION)
     return hashlib.sha256(json.dumps(fields_, sort_keys=True).encode()).hexdigest()[:12]
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from .errors import UsageError
-from .record import LORA_TARGETS
+from .record import LORA_ALPHA, LORA_R, LORA_TARGETS
 
 
 @dataclass(frozen=True)
@@ -32,7 +32,9 @@ class Shape:
     max_positions: int
     arch: dict = field(default_factory=dict)  # the other public config.json fields
     record: bool = True  # False for --model and the map's families: no published figures
-    targets: tuple = LORA_TARGETS  # the protocol's, or the family's own
+    targets: tuple = LORA_TARGETS  # the protocol's, or the family's own, or a --config file's
+    lora_r: int = LORA_R  # the adapter's rank and alpha: the protocol's, or a --config file's
+    lora_alpha: int = LORA_ALPHA
     #: soup-cli 0.77.0's streaming modes this arm runs under: Soup ``training`` keys and values
     #: (stream_expert_layout, stream_loss_chunk, stream_recompute); empty: Soup's defaults.
     stream: tuple = ()

@@ -13,8 +13,9 @@ from typing import Any, Optional
 from .console import quiet_libraries
 from .constants import CONFIG_LIMITS
 from .errors import UsageError, last_line
-from .record import GRID_ADAPTER_FACTOR, LORA_R, LORA_TARGETS
-from .registry import FAMILIES, MAP_FAMILIES, NOT_ON_MAP, RELEASE_FAMILIES, SHAPES, Shape, family_of, stream_mode
+from .record import GRID_ADAPTER_FACTOR, LORA_ALPHA, LORA_R, LORA_TARGETS
+from .registry import (FAMILIES, MAP_FAMILIES, NOT_ON_MAP, RELEASE_FAMILIES, SHAPES, Shape, config_json, family_of,
+                       stream_mode)
 from .moe import soup_intermediate
 from .row import _whole
 from .soup_number import installed_release, stream_aliases, streamed_as, supported_archs
@@ -36,10 +37,12 @@ def size_problem(attr: str, value: Any) -> Optional[str]:
 
 
 def derive_shape(config: Any, name: str, key: str = "custom", hub_id: Optional[str] = None,
-                 arch: Optional[dict] = None, targets: Optional[tuple] = None) -> Shape:
+                 arch: Optional[dict] = None, targets: Optional[tuple] = None, lora_r: int = LORA_R,
+                 lora_alpha: int = LORA_ALPHA) -> Shape:
     """pool, extras, adapter and dims of any streamable config, by the grid's conventions, on a
     meta skeleton: a bf16 layer is half the pool; extras every other unique parameter (a tied
-    head once); ``arch`` keeps the other public fields, so the exact shape can be built."""
+    head once); the adapter at ``lora_r`` on ``targets``; ``arch`` keeps the other public
+    fields, so the exact shape can be built."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -65,7 +68,7 @@ def derive_shape(config: Any, name: str, key: str = "custom", hub_id: Optional[s
     targets = targets or lora_targets(model_type)
     in_layers = {id(p) for p in layers.parameters()}
     extras = sum(p.numel() * 2 for p in model.parameters() if id(p) not in in_layers)
-    adapter = sum(LORA_R * (m.in_features + m.out_features) for n, m in layers.named_modules()
+    adapter = sum(lora_r * (m.in_features + m.out_features) for n, m in layers.named_modules()
                   if n.split(".")[-1] in targets and isinstance(m, torch.nn.Linear))
     return Shape(key=key, name=name, hub_id=hub_id or name, model_type=model_type,
                  # the largest layer: a MoE model's dense layers are smaller than its MoE ones
@@ -75,7 +78,7 @@ def derive_shape(config: Any, name: str, key: str = "custom", hub_id: Optional[s
                  n_layers=int(config.num_hidden_layers),
                  max_positions=int(getattr(config, "max_position_embeddings", 0) or 0),
                  arch={k: v for k, v in (arch or {}).items() if k not in NOT_ARCH},
-                 record=False, targets=targets)
+                 record=False, targets=targets, lora_r=lora_r, lora_alpha=lora_alpha)
 
 
 def default_map_families() -> tuple:
@@ -120,15 +123,23 @@ def family_shape(key: str) -> Shape:
     """A family's shape from its public config alone (the record's two are the record's), under
     the streaming modes its key names."""
     base = family_of(key)
-    if base in SHAPES:
-        return with_modes(SHAPES[base], key)
-    family = FAMILIES[base]
+    return with_modes(SHAPES[base] if base in SHAPES else registry_shape(base), key)
+
+
+def registry_shape(base: str, targets: Optional[tuple] = None, lora_r: int = LORA_R,
+                   lora_alpha: int = LORA_ALPHA) -> Shape:
+    """A registry model's shape derived from its public config (a family's; the record's two as
+    config_json writes theirs) under a LoRA adapter: the family's targets and the protocol's r and
+    alpha unless a --config file names its own."""
     from transformers import AutoConfig
 
+    family, fields_ = FAMILIES.get(base), config_json(base)
+    arch = {k: v for k, v in fields_.items() if k != "model_type"}
     with quiet_libraries():
-        config = AutoConfig.for_model(family.model_type, **family.config)
-    return with_modes(derive_shape(config, family.label, key=base, hub_id=family.hub_id, arch=family.config,
-                                   targets=family.targets), key)
+        config = AutoConfig.for_model(fields_["model_type"], **arch)
+    return derive_shape(config, family.label if family else SHAPES[base].name, key=base,
+                        hub_id=family.hub_id if family else SHAPES[base].hub_id, arch=arch,
+                        targets=targets or (family.targets if family else None), lora_r=lora_r, lora_alpha=lora_alpha)
 
 
 def with_modes(shape: Shape, key: str) -> Shape:
@@ -154,9 +165,12 @@ def config_only(model: str) -> Optional[Path]:
     return None
 
 
-def load_custom_shape(model: str) -> Shape:
-    """--model's figures from its config (a checkpoint folder, a config.json, or a hub id); what
-    Soup cannot stream or this tool cannot run is refused in one line, before anything is built."""
+def load_custom_shape(model: str, targets: Optional[tuple] = None, lora_r: int = LORA_R,
+                      lora_alpha: int = LORA_ALPHA) -> Shape:
+    """--model's figures from its config (a checkpoint folder, a config.json, or a hub id), under
+    the protocol's adapter unless a --config file names its own; what Soup cannot stream or this
+    tool cannot run is refused in one line, before anything is built."""
+    adapter = dict(targets=targets, lora_r=lora_r, lora_alpha=lora_alpha)
     from transformers import AutoConfig
 
     path, config_file = Path(model), config_only(model)
@@ -174,7 +188,7 @@ def load_custom_shape(model: str) -> Shape:
                 config = AutoConfig.from_pretrained(model)
             except Exception as exc:
                 raise UsageError(f"--model {model}: cannot read its config ({last_line(exc)})") from None
-        return derive_shape(config, name=model)
+        return derive_shape(config, name=model, **adapter)
     try:
         fields_ = json.loads(config_file.read_text(encoding="utf-8"))
         if not isinstance(fields_, dict):
@@ -198,7 +212,7 @@ def load_custom_shape(model: str) -> Shape:
         except Exception as exc:
             raise UsageError(f"--model {model}: {config_file.name} is not a {model_type} config "
                              f"({last_line(exc)})") from None
-    shape = derive_shape(config, name=model, arch=fields_)
+    shape = derive_shape(config, name=model, arch=fields_, **adapter)
     if synthetic and shape.vocab < 300:
         raise UsageError(f"--model {model}: vocab_size {shape.vocab} is smaller than the synthetic "
                          "tokenizer's 300 tokens")

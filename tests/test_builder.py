@@ -134,7 +134,9 @@ def test_builder_keeps_an_untied_head_and_sets_gemma_norms_to_their_neutral_zero
 #: Fields that name a model but do not shape its checkpoint (record does: a --model shape
 #: keeps its own config fields, the record's are tied with silu).
 #: A streaming mode changes how Soup shards a checkpoint, never the checkpoint: its modes share it.
-NOT_SHAPING = {"name", "hub_id", "stream"}
+#: Nor does the LoRA adapter Soup puts on it (targets, r, alpha, the grid's adapter count): a
+#: --config arm with its own adapter runs on its family's checkpoint.
+NOT_SHAPING = {"name", "hub_id", "stream", "targets", "lora_r", "lora_alpha", "grid_adapter"}
 
 
 def _changed(value):

@@ -14,7 +14,7 @@ from issue395 import estimate
 from issue395.builder import hf_config
 from issue395.errors import UsageError
 from issue395.registry import FAMILIES, SHAPES, config_json
-from issue395.shapes import derive_shape, family_shape
+from issue395.shapes import derive_shape, family_shape, registry_shape
 from issue395.soup_number import arch_of
 
 def test_derive_shape_refuses_a_config_larger_than_any_real_model():
@@ -68,6 +68,23 @@ def test_lora_targets_are_q_and_v_except_phi3s_fused_qkv_and_the_adapter_follows
     llama = family_shape("llama32-1b")
     assert llama.targets == ("q_proj", "v_proj")
     assert llama.grid_adapter == 2 * 16 * 8 * ((2048 + 2048) + (2048 + 8 * 64))
+
+
+def test_a_config_files_adapter_sets_the_adapter_count_and_never_the_checkpoint():
+    """--config's own targets, r and alpha: the grid's count follows them (q_proj alone at r 4),
+    the checkpoint stays the family's (its fingerprint: a cached family checkpoint serves it)."""
+    from issue395.builder import checkpoint_fingerprint
+
+    llama = family_shape("llama32-1b")
+    assert registry_shape("llama32-1b") == llama and (llama.lora_r, llama.lora_alpha) == (8, 16)
+    own = registry_shape("llama32-1b", targets=("q_proj",), lora_r=4, lora_alpha=8)
+    assert (own.targets, own.lora_r, own.lora_alpha) == (("q_proj",), 4, 8)
+    assert own.grid_adapter == 2 * 16 * 4 * (2048 + 2048)
+    assert checkpoint_fingerprint(own) == checkpoint_fingerprint(llama)
+    smol = registry_shape("smol", lora_r=16)  # the record's two: derived from their public config
+    assert (smol.pool, smol.extras, smol.grid_adapter) == (SHAPES["smol"].pool, SHAPES["smol"].extras,
+                                                           2 * SHAPES["smol"].grid_adapter)
+    assert smol.record is False  # a config's arm is not the record's: no A10G figure beside it
 
 
 @pytest.mark.parametrize("config_name", ["GPT2Config", "BertConfig"])
