@@ -8,18 +8,20 @@ from __future__ import annotations
 from typing import Optional
 
 from .estimate import estimate, estimate_key
+from .record import LORA_R
 from .registry import stream_mode
 
 
-def cap_bytes(cap: str, key: str, *, quant: str, seq: int, batch: int, targets: tuple, steps: int = 1,
-              release: Optional[str] = None, config: Optional[dict] = None) -> Optional[int]:
-    """The cap in bytes for one arm of a family (or the record's models), from its public config:
-    Soup's own number is Soup's estimator fed what its setup computes (exact on every map arm)."""
+def cap_bytes(cap: str, key: str, *, quant: str, seq: int, batch: int, targets: tuple, lora_r: int = LORA_R,
+              steps: int = 1, release: Optional[str] = None, config: Optional[dict] = None) -> Optional[int]:
+    """The cap in bytes for one arm of a family (or the record's models), from its public config,
+    at the arm's LoRA r: Soup's own number is Soup's estimator fed what its setup computes (exact
+    on every map arm)."""
     if cap == "off":
         return None
     if cap.startswith("bytes:"):  # --min-free's probes: a number, not a prediction
         return int(cap.partition(":")[2])
-    kw = dict(quant=quant, seq=seq, batch=batch, targets=targets, steps=steps, release=release)
+    kw = dict(quant=quant, seq=seq, batch=batch, targets=targets, lora_r=lora_r, steps=steps, release=release)
     # a streaming mode is capped at its own estimate; a --model arm at its checkpoint's config
     e = estimate_key(key, **kw) if config is None else estimate(config, stream=stream_mode(key)[1], **kw)
     return {"soup": e.soup_predicted, "corrected": e.corrected_predicted, "needs-free": e.needs_free}[cap]

@@ -17,22 +17,22 @@ from .row import Row
 
 
 @functools.lru_cache(maxsize=4096)
-def _corrected(key: str, quant: str, seq: int, batch: int, targets: tuple, release: Optional[str],
+def _corrected(key: str, quant: str, seq: int, batch: int, targets: tuple, lora_r: int, release: Optional[str],
                steps: int) -> Optional[int]:
     try:
-        return estimate_key(key, quant=quant, seq=seq, batch=batch, targets=targets or None, steps=steps,
-                            release=release, soup=False).corrected_predicted
+        return estimate_key(key, quant=quant, seq=seq, batch=batch, targets=targets or None, lora_r=lora_r,
+                            steps=steps, release=release, soup=False).corrected_predicted
     except UsageError:
         return None
 
 
 def corrected(r: Row, env: Optional[dict] = None) -> Optional[int]:
-    """This tool's corrected allocated peak for a row's arm, from its family's public config and the
-    Soup release the row ran (None where the estimator does not model the arm)."""
+    """This tool's corrected allocated peak for a row's arm (its LoRA targets and r), from its family's
+    public config and the Soup release the row ran (None where the estimator does not model the arm)."""
     if not known(r.model_key):
         return None
     env = env or {}
-    return _corrected(r.model_key, r.quant, r.seq, r.batch, tuple(r.targets), env.get("soup_cli"),
+    return _corrected(r.model_key, r.quant, r.seq, r.batch, tuple(r.targets), r.rank, env.get("soup_cli"),
                       int(env.get("steps") or 1))
 
 

@@ -130,20 +130,23 @@ def run_arm(measure_arm: Callable[..., Measurement], step_device: str, arm: Arm,
             base: str, work: Path, *, dry_run: bool = False, snapshot: bool = False,
             snapshot_dir: Optional[str] = None, log: Optional[Path] = None, verbose: bool = False,
             repeat: Optional[int] = None, steps: int = 1, cap: Optional[str] = None,
-            emulate: Optional[str] = None, context: Optional[int] = None, lora_r: int = 8) -> Row:
+            emulate: Optional[str] = None, context: Optional[int] = None,
+            soup_config: Optional[str] = None) -> Row:
     """One arm measured by the protocol and judged. Always returns a row: a failure anywhere is
-    the row's finding, and a teardown error sits beside the measurement, never replacing it."""
+    the row's finding, and a teardown error sits beside the measurement, never replacing it. A
+    --config arm's row names the file and the LoRA r and alpha it ran with (its shape's)."""
     carried = carried_bytes(dry_run, step_device)
+    adapter = dict(soup_config=soup_config, lora_r=shape.lora_r, lora_alpha=shape.lora_alpha) if soup_config else {}
     if arm.quant == "nf4" and not bitsandbytes_present():
         return arm_row(arm, shape, base=base, dry_run=dry_run, repeat=repeat, failure="SKIPPED",
-                       error="NF4 needs bitsandbytes, which is not installed here")
+                       error="NF4 needs bitsandbytes, which is not installed here", **adapter)
     capped: dict[str, Any] = {}
 
     def cap_allocator() -> None:
         if cap and cap != "soup" and not dry_run:
             capped.update(cap_at=cap, cap=cap_bytes(cap, arm.model, quant=arm.quant, seq=arm.seq,
-                                                     batch=arm.batch, targets=shape.targets, steps=steps,
-                                                     config=arm_config(arm.model, base)))
+                                                     batch=arm.batch, targets=shape.targets, lora_r=shape.lora_r,
+                                                     steps=steps, config=arm_config(arm.model, base)))
             apply_cap(capped["cap"])
 
     def cap_at_soups_own(m: Measurement) -> None:
@@ -158,7 +161,7 @@ def run_arm(measure_arm: Callable[..., Measurement], step_device: str, arm: Arm,
     if emulation is not None:  # this tool's verdict for the card, before the card decides
         capped.update(emulation.row_fields(tool_needs_free(
             arm_config(arm.model, base), emulation.budget, quant=arm.quant, seq=arm.seq, batch=arm.batch,
-            targets=shape.targets, lora_r=lora_r, steps=steps, stream=shape.stream)))
+            targets=shape.targets, lora_r=shape.lora_r, steps=steps, stream=shape.stream)))
 
     def before_setup() -> None:
         cap_allocator()
@@ -190,4 +193,4 @@ def run_arm(measure_arm: Callable[..., Measurement], step_device: str, arm: Arm,
                    realised_rows=m.realised_rows, real_peak=m.real_peak, resident=m.resident,
                    reserved=m.reserved, attribution=attribution, teardown_error=m.teardown_error,
                    soup_predicted=m.soup_predicted, soup_terms=m.soup_terms,
-                   gpu=gpu_label(dry_run, step_device), **capped, **failure_of(m))
+                   gpu=gpu_label(dry_run, step_device), **capped, **adapter, **failure_of(m))

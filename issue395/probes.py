@@ -13,24 +13,14 @@ from .emulation import arm_config, tool_needs_free
 from .minfree import bisect_min_free
 from .options import Run
 from .arm import Arm
-from .registry import FAMILIES, SHAPES, family_of, stream_mode
+from .registry import stream_mode
 from .result import Result
 from .row import Row
 from .scratch import Scratch
-from .shapes import lora_targets
 from .spread import spread
 
 #: No cap above this many times the control's reserved memory is worth a probe.
 CEILING_OVER_RESERVED = 4
-
-
-def arm_targets(arm: Arm) -> tuple:
-    """The LoRA targets the arm runs with (the family's own, else the protocol's on its architecture:
-    Phi-3's fused qkv_proj, where q_proj and v_proj do not exist)."""
-    family = FAMILIES.get(family_of(arm.model))
-    if family is not None:
-        return tuple(family.targets or lora_targets(family.model_type))
-    return tuple(SHAPES[arm.model].targets) if arm.model in SHAPES else ()
 
 
 def min_free_arms(run: Run, arms: list[Arm], scratch: Scratch, on_row: Callable[[Row], None],
@@ -55,8 +45,9 @@ def min_free_arms(run: Run, arms: list[Arm], scratch: Scratch, on_row: Callable[
         if not control.measured:
             on_row(replace(control, cap_at=None))
             continue
-        needs = tool_needs_free(arm_config(arm.model, None), None, quant=arm.quant, seq=arm.seq,
-                                batch=arm.batch, targets=arm_targets(arm), steps=run.steps,
+        # the adapter the control ran with (a family's targets, a --config file's targets and r)
+        needs = tool_needs_free(arm_config(arm.model, control.base), None, quant=arm.quant, seq=arm.seq,
+                                batch=arm.batch, targets=control.targets, lora_r=control.rank, steps=run.steps,
                                 stream=tuple(stream_mode(arm.model)[1].items()))
         peak = control.real_peak
         found = bisect_min_free(lambda cap: probe(arm, f"bytes:{cap}").measured, peak=peak,

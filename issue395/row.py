@@ -12,8 +12,8 @@ from typing import Any, Iterable, Optional
 from .cards import step_free
 from .minfree import emulated_outcome
 from .arm import Arm, logits_charge, predicted_bytes
-from .record import RECORD_A10G_PEAK, SOUP_QUANT
-from .registry import Shape
+from .record import LORA_R, RECORD_A10G_PEAK, SOUP_QUANT
+from .registry import Shape, family_of
 
 
 def realised_as_requested(seq: int, batch: int, width: Optional[int], rows: Iterable[int]) -> bool:
@@ -30,7 +30,8 @@ FAILURES = ("OOM", "FAILED", "REFUSED", "SKIPPED")
 #: Fields added after results were committed: written only when set, so a saved result
 #: re-renders to the same bytes.
 LATER_FIELDS = ("cap_at", "cap", "emulated_card", "emulated_card_free", "emulated_free", "needs_free",
-                "min_free", "min_free_oom", "min_free_resolution", "min_free_probes")
+                "min_free", "min_free_oom", "min_free_resolution", "min_free_probes", "soup_config", "lora_r",
+                "lora_alpha")
 
 
 #: A row's fields that Row.from_json would otherwise take as they are: what each must be.
@@ -39,7 +40,7 @@ ROW_FIELDS = {
     **{k: (lambda v: isinstance(v, str) and v.isprintable(), "a printable string")
        for k in ("model", "model_key")},
     **{k: (lambda v: v is None or isinstance(v, str), "a string or null")
-       for k in ("error", "teardown_error", "base", "gpu", "log")},
+       for k in ("error", "teardown_error", "base", "gpu", "log", "soup_config")},
     **{k: (lambda v: v is None or isinstance(v, dict), "an object or null")
        for k in ("soup_terms", "attribution", "timings")},
     "dry_run": (lambda v: v is None or isinstance(v, bool), "true or false"),
@@ -51,7 +52,7 @@ ROW_FIELDS = {
     "emulated_card": (lambda v: v is None or (isinstance(v, str) and v.isprintable()), "a printable string or null"),
     **{k: (lambda v: v is None or _whole(v, 1), "a whole number >= 1 or null")
        for k in ("emulated_card_free", "emulated_free", "needs_free", "min_free", "min_free_oom",
-                 "min_free_resolution")},
+                 "min_free_resolution", "lora_r", "lora_alpha")},
     "min_free_probes": (lambda v: v is None or (isinstance(v, (list, tuple)) and all(
         isinstance(p, (list, tuple)) and len(p) == 2 and _whole(p[0], 1) and isinstance(p[1], bool) for p in v)),
         "a list of [cap bytes, completed] pairs or null"),
@@ -105,14 +106,23 @@ class Row:
     min_free_oom: Optional[int] = None  # --min-free, measured: the highest cap it raised OOM under
     min_free_resolution: Optional[int] = None  # --min-free: the bracket's width when it stopped
     min_free_probes: Optional[tuple] = None  # --min-free: (cap bytes, completed) in the order run
+    soup_config: Optional[str] = None  # --config: the user's soup.yaml this arm is (else the protocol's)
+    lora_r: Optional[int] = None  # --config: the file's LoRA r and alpha, which the arm ran with
+    lora_alpha: Optional[int] = None
 
     @property
     def arm(self) -> tuple:
         """The arm this row measured, as the map names it: model key (with its streaming modes),
         quantization, seq, batch. Repeats of one arm share it. Every --model row is keyed
-        "custom", so there the checkpoint's name stands for the key: two checkpoints never share
-        an arm."""
-        return (self.model if self.model_key == "custom" else self.model_key, self.quant, self.seq, self.batch)
+        "custom" (a --config row's with its modes after it), so there the checkpoint's name stands
+        for the key: two checkpoints never share an arm."""
+        custom = family_of(self.model_key) == "custom"
+        return (self.model if custom else self.model_key, self.quant, self.seq, self.batch)
+
+    @property
+    def rank(self) -> int:
+        """The LoRA r the arm ran with: a --config row's own, else the protocol's."""
+        return self.lora_r or LORA_R
 
     @property
     def realised(self) -> Optional[int]:

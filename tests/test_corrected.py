@@ -30,6 +30,13 @@ def test_the_run_steps_and_shape_reach_it():
     assert corrected(make_row("qwen", 4096, batch=2, real_peak=10**9), ENV) > corrected(row, ENV)
 
 
+def test_a_config_rows_own_lora_r_reaches_it():
+    """A --config row ran the file's r (4 here): its corrected estimate is at that r, not the protocol's 8."""
+    row = make_row("smol", 2048, real_peak=10**9, soup_config="soup.yaml", lora_r=4, lora_alpha=8)
+    want = estimate(config_json("smol"), seq=2048, batch=1, targets=("q_proj", "v_proj"), lora_r=4, release="0.73.3")
+    assert corrected(row, ENV) == want.corrected_predicted < corrected(make_row("smol", 2048, real_peak=10**9), ENV)
+
+
 def test_a_streaming_modes_row_is_estimated_under_its_mode_never_as_if_it_were_absent():
     env = {"soup_cli": "0.77.0"}
     row = make_row("smol", 2048, real_peak=10**9)

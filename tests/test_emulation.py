@@ -178,3 +178,28 @@ def test_needs_free_is_the_estimators_on_the_card_and_none_where_it_cannot_model
     assert tool_needs_free(mistral, l4, **kw) > plain == tool_needs_free(mistral, None, **kw)
     assert tool_needs_free(None, l4, **kw) is None
     assert tool_needs_free({"model_type": "bert", "hidden_size": 64}, None, **kw) is None
+
+
+def test_a_config_arm_is_capped_and_emulated_at_its_own_lora_r(tmp_path, device, monkeypatch):
+    """A --config arm's shape carries the file's r (32 here, on q_proj alone): the cap and the
+    card's verdict are the estimator's at that adapter, never the protocol's r 8 on q_proj/v_proj.
+    FAKED: the CUDA calls (the device fixture; apply_cap's fraction) and the step."""
+    from dataclasses import replace
+
+    import issue395.measurement as measurement
+    from issue395.estimate import estimate
+
+    capped_at = []
+    monkeypatch.setattr(measurement, "apply_cap", capped_at.append)
+    monkeypatch.setattr(measurement, "bitsandbytes_present", lambda: True)
+    own = replace(mistral_shape(), targets=("q_proj",), lora_r=32, lora_alpha=64)
+    kw = dict(quant="nf4", seq=512, batch=1)
+    want = estimate(config_json("mistral-7b"), targets=("q_proj",), lora_r=32, **kw).needs_free
+    assert want != estimate(config_json("mistral-7b"), **kw).needs_free
+    row = run_arm(protocol_with_fake_step(10**9, []), "cuda", ARM, own, "unused", tmp_path, cap="needs-free",
+                  soup_config="soup.yaml")
+    assert capped_at == [want] == [row.cap] and row.lora_r == 32
+    row = run_arm(protocol_with_fake_step(10**9, []), "cuda", ARM, own, "unused", tmp_path, emulate="T4",
+                  soup_config="soup.yaml")
+    assert row.needs_free == tool_needs_free(config_json("mistral-7b"), budget(parse_card("T4")), targets=("q_proj",),
+                                             lora_r=32, **kw) and (row.lora_r, row.lora_alpha) == (32, 64)

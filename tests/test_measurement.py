@@ -110,3 +110,17 @@ def test_without_bitsandbytes_an_nf4_arm_is_a_skipped_row_with_its_reason(monkey
     row = h.protocol().run_arm(Arm("smol", 64, 1, 0, "nf4"), SMOL, "unused", tmp_path, dry_run=True)
     assert row.status == "SKIPPED" and "bitsandbytes" in row.error
     assert Result(environment={}, rows=[row]).exit_code == 0
+
+
+def test_a_config_arms_row_names_its_file_and_the_lora_r_and_alpha_it_ran_and_a_protocol_row_does_not(tmp_path):
+    """--config's arm: the row says which soup.yaml it is and the r and alpha its shape ran with, in
+    its JSON too; every other row leaves the three out, so its JSON stays as it was."""
+    from dataclasses import replace
+
+    own = run_arm(protocol(peak=GB), "cpu", ARM, replace(SMOL, lora_r=4, lora_alpha=8), "unused", tmp_path,
+                  soup_config="soup.yaml")
+    assert (own.soup_config, own.lora_r, own.lora_alpha, own.rank) == ("soup.yaml", 4, 8, 4)
+    assert {"soup_config": "soup.yaml", "lora_r": 4, "lora_alpha": 8}.items() <= own.to_json().items()
+    plain = judged(tmp_path, peak=GB)
+    assert (plain.soup_config, plain.lora_r, plain.rank) == (None, None, 8)
+    assert not {"soup_config", "lora_r", "lora_alpha"} & set(plain.to_json())

@@ -14,7 +14,7 @@ from issue395.console import Stop
 from issue395.minfree import resolution
 from issue395.options import settle
 from issue395.parser import build_parser
-from issue395.probes import arm_targets, min_free_arms
+from issue395.probes import min_free_arms
 from issue395.arm import Arm
 from issue395.merge import merge
 from issue395.result import Result
@@ -88,11 +88,26 @@ def test_a_stop_between_arms_probes_no_further_arm():
     assert [r.seq for r in rows] == [2048] and "off" not in caps[1:]  # the second arm's control never ran
 
 
-def test_an_arm_runs_with_its_familys_targets_else_the_protocols():
-    """A family's own targets (a streaming mode runs its family's), the protocol's q_proj/v_proj
-    for a family that names none and for the record's two; a --model arm names none here (the
-    estimator then takes its own default)."""
-    assert arm_targets(Arm("phi3-mini", 512)) == ("qkv_proj",)
-    assert arm_targets(Arm("moonlight+per_expert", 512)) == ("q_proj", "kv_b_proj")
-    assert arm_targets(Arm("mistral-7b", 512)) == ("q_proj", "v_proj") == arm_targets(Arm("smol", 2048))
-    assert arm_targets(Arm("custom", 2048)) == ()
+def test_needs_free_is_estimated_for_the_adapter_the_control_ran_with():
+    """A --config arm's control row carries its file's targets and r (q_proj at r 4 here): the
+    needs-free beside its min-free is the estimator's for that adapter, not the protocol's."""
+    from dataclasses import replace as with_fields
+
+    from issue395.estimate import estimate_key
+
+    rows = []
+
+    def child(run, arms, scratch, on_row, script):  # FAKE: a fresh capped child's row
+        ok = run.cap == "off" or int(run.cap.split(":")[1]) >= TRUE_MIN
+        row = with_fields(make_row("smol", 2048, real_peak=PEAK if ok else None, reserved=PEAK if ok else None,
+                                   failure=None if ok else "OOM", soup_config="soup.yaml", lora_r=4, lora_alpha=8),
+                          targets=("q_proj",))
+        on_row(row)
+        return [Result(environment=ENV, rows=[row], kind="sweep")]
+
+    run = settle(build_parser().parse_args(["--min-free"]), ["--min-free"])
+    min_free_arms(run, [Arm("smol", 2048)], None, rows.append, "unused", spread_one=child)
+    (row,) = rows
+    own = estimate_key("smol", seq=2048, targets=("q_proj",), lora_r=4).needs_free
+    assert row.needs_free == own != estimate_key("smol", seq=2048).needs_free
+    assert (row.soup_config, row.lora_r, row.lora_alpha, row.targets) == ("soup.yaml", 4, 8, ("q_proj",))

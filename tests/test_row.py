@@ -64,6 +64,9 @@ def test_an_arm_names_the_checkpoint_where_every_model_row_is_keyed_custom():
     a = dataclasses.replace(row, model="tiny-a", model_key="custom")
     b = dataclasses.replace(a, model="tiny-b")
     assert a.arm != b.arm and a.arm == dataclasses.replace(a, real_peak=1).arm
+    # a --config arm on a checkpoint folder is keyed custom with its streaming modes after it
+    c = dataclasses.replace(a, model_key="custom+chunk512")
+    assert c.arm == a.arm != dataclasses.replace(b, model_key="custom+chunk512").arm
 
 
 # --- the derived columns against the record (record peaks stand in for CUDA) -----
@@ -255,6 +258,7 @@ ROUND_TRIP_ROWS = {
     "attributed": lambda: make_row("smol", 2048, real_peak=1_365_200_000,
                                    attribution=attribution_of_a_step()),
     "lost": lambda: lost_row(Arm("qwen", 2048, 1, 6), Run(), None, -9),
+    "config": lambda: make_row("smol", 2048, dry_run=True, soup_config="soup.yaml", lora_r=4, lora_alpha=8),
 }
 
 
@@ -330,7 +334,8 @@ def test_from_json_refuses_a_failure_kind_it_does_not_know(kind):
 @pytest.mark.parametrize("field,value", [("seq", 0), ("batch", True), ("vocab", 49152.0),
                                          ("realised_rows", [2048, -1]), ("realised_rows", "2048"),
                                          ("loss_bytes_per_element", float("nan")),
-                                         ("predicted", None)])
+                                         ("predicted", None), ("lora_r", 0), ("lora_alpha", "16"),
+                                         ("soup_config", 3)])
 def test_from_json_refuses_other_fields_that_cannot_be_judged(field, value):
     saved = record_row("smol", 2048).to_json()
     with pytest.raises(ValueError):
