@@ -35,13 +35,15 @@ def plan_map(families: Iterable[str], quants: Iterable[str], seqs: Optional[Iter
     return arms
 
 
-def plan_arms(models: Iterable[str], seqs: Optional[Iterable[int]], batches: Iterable[int]) -> list[Arm]:
-    """Grid order: model, then seq, then batch (the record's order)."""
+def plan_arms(models: Iterable[str], seqs: Optional[Iterable[int]], batches: Iterable[int],
+              quant: str = "none") -> list[Arm]:
+    """Grid order: model, then seq, then batch (the record's order), at one quantization (the
+    protocol's bf16, or a --config file's)."""
     arms: list[Arm] = []
     for model in models:
         for seq in (seqs or RECORD_GRID.get(model, ())):
             for batch in batches:
-                arms.append(Arm(model, seq, batch, len(arms)))
+                arms.append(Arm(model, seq, batch, len(arms), quant))
     return arms
 
 

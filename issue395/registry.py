@@ -227,6 +227,14 @@ ALL_FAMILIES = MAP_FAMILIES + RELEASE_FAMILIES + tuple(
     k for k in FAMILIES if k not in MAP_FAMILIES + RELEASE_FAMILIES)
 
 
+def by_hub_id(hub_id: str) -> Optional[str]:
+    """The registry key of the model a hub id names (a soup.yaml's base): the record's two, then
+    the families in the map's order (the first of two that share one: Llama-3.2-1B is llama32-1b's);
+    None for any other hub id."""
+    ids = {**{k: f.hub_id for k, f in FAMILIES.items()}, **{k: s.hub_id for k, s in SHAPES.items()}}
+    return next((k for k in ALL_FAMILIES if hub_id and ids[k] == hub_id), None)
+
+
 def known(key: str) -> bool:
     """Whether ``key`` names a model here: the record's two or a family, with any streaming modes."""
     try:

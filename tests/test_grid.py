@@ -81,6 +81,11 @@ def test_plan_arms_is_the_record_grid_in_order():
     assert [a.index for a in arms] == list(range(10))
 
 
+def test_plan_arms_runs_the_protocols_bf16_unless_a_config_names_its_quantization():
+    assert {a.quant for a in plan_arms(["smol"], [2048], [1, 2])} == {"none"}
+    assert [(a.model, a.quant) for a in plan_arms(["mistral-7b"], [512], [1], "nf4")] == [("mistral-7b", "nf4")]
+
+
 def test_plan_arms_orders_model_then_seq_then_batch():
     arms = plan_arms(["qwen", "smol"], [4096, 2048], [2, 1])
     assert [(a.model, a.seq, a.batch) for a in arms] == [

@@ -14,6 +14,7 @@ from issue395.registry import (
     FAMILIES,
     MAP_FAMILIES,
     SHAPES,
+    by_hub_id,
     config_json,
     family_of,
     known,
@@ -38,6 +39,16 @@ def test_the_records_two_shapes_are_the_protocols():
         assert {f: getattr(shape, f) for f in figures} == figures
         assert shape.key == key and shape.record is True
         assert shape.targets == LORA_TARGETS  # the protocol's q_proj/v_proj
+        assert (shape.lora_r, shape.lora_alpha) == (8, 16)  # the protocol's LoRA r=8, alpha=16
+
+
+def test_a_hub_id_names_its_registry_model_the_first_of_two_that_share_one_and_no_other():
+    """A soup.yaml's base: the record's two and every family by hub id (Llama-3.2-1B is llama32-1b,
+    never its reduced-depth twin); an unknown id, and an empty one (Qwen3.5 names none), are None."""
+    assert by_hub_id("mistralai/Mistral-7B-v0.3") == "mistral-7b"
+    assert by_hub_id("HuggingFaceTB/SmolLM2-135M") == "smol" and by_hub_id("Qwen/Qwen2.5-0.5B") == "qwen"
+    assert by_hub_id("meta-llama/Llama-3.2-1B") == "llama32-1b"
+    assert by_hub_id("someorg/other") is None and by_hub_id("") is None
 
 
 def test_every_model_is_here_once_and_every_family_list_names_only_models_here():
