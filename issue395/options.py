@@ -27,14 +27,16 @@ from .checks import (
     writable_folder,
 )
 from .cards import parse_context
+from .configarm import config_arguments, config_arm, config_clash
 from .errors import UsageError, last_line
 from .grid import plan_arms, plan_map, shard_of
 from .parser import build_parser
 from .arm import Arm
-from .record import MAP_BATCHES, QUANTS, RECORD_DETERMINISM, RECORD_GRID
+from .record import LORA_ALPHA, LORA_R, MAP_BATCHES, QUANTS, RECORD_DETERMINISM, RECORD_GRID
 from .saved import RowFile
 from .scratch import soup_shard_root
-from .registry import ALL_FAMILIES, EXPERT_LAYOUTS, FAMILIES, RECOMPUTES, SHAPES, config_json, max_positions, stream_mode_keys
+from .registry import (ALL_FAMILIES, EXPERT_LAYOUTS, FAMILIES, RECOMPUTES, SHAPES, by_hub_id, config_json, max_positions,
+                       stream_mode_keys)
 from .targets import soup_targets
 from .shapes import (bitsandbytes_present, config_only, default_map_families, soup_has_stream_modes,
                      soup_loss_chunk_bounds)
@@ -75,12 +77,13 @@ class Run:
     steps: int = 1  # optimizer steps per arm (the protocol's 1)
     estimate: bool = False  # --estimate: the config, not a GPU
     estimate_config: Optional[dict] = None
-    soup_config: Optional[str] = None  # --config: the user's soup.yaml
+    soup_config: Optional[str] = None  # --config: the user's soup.yaml (its arm's, or --estimate's)
     cards: tuple = ()  # issue395.cards.Card
     context: Optional[int] = None  # --context, bytes
     targets: Optional[tuple] = None
     stream: tuple = ()  # --estimate: soup-cli 0.77.0's streaming modes, (training key, value) pairs
-    lora_r: int = 8
+    lora_r: int = LORA_R  # --config's (or --estimate's --lora-r): every other arm runs the protocol's
+    lora_alpha: int = LORA_ALPHA
     child: bool = False  # a child of --gpus, --isolate or --determinism (never the command line)
     repeat_tag: Optional[int] = None  # a child's repeat of --determinism
     argv: tuple = ()
@@ -145,6 +148,8 @@ def _settle(args: argparse.Namespace, argv: list[str]) -> Run:
         if extra:
             raise UsageError(f"--from-json and --{extra[0].replace('_', '-')} are exclusive: --from-json "
                              "re-renders saved results and runs nothing")
+    if args.config is not None:
+        config_clash(args)
     modes = [f for f in ("expert_layout", "loss_chunk", "recompute") if getattr(args, f) is not None]
     if modes and not (args.map or args.estimate):  # never measured as if the mode were asked and absent
         raise UsageError(f"--{modes[0].replace('_', '-')} goes with --map (an axis) or --estimate")
@@ -175,7 +180,9 @@ def _settle(args: argparse.Namespace, argv: list[str]) -> Run:
         if args.model and args.model not in ALL_FAMILIES:
             no_output_is_an_input(outputs, [("--model", os.path.expanduser(args.model))])
         return settle_estimate(args, argv)
-    for flag in ("--card", "--targets", "--lora-r", "--config") + (("--context",) if not args.emulate_card else ()):
+    if args.config is not None:
+        return settle_config(args, argv)
+    for flag in ("--card", "--targets", "--lora-r") + (("--context",) if not args.emulate_card else ()):
         if getattr(args, flag.strip("-").replace("-", "_")) is not None:
             raise UsageError(f"{flag} goes with --estimate" + (" or --emulate-card" if flag == "--context" else ""))
     if args.map:
@@ -253,6 +260,16 @@ def _settle(args: argparse.Namespace, argv: list[str]) -> Run:
                markdown=args.markdown, plot=args.plot, steps=one_int("--steps", args.steps, 1), argv=tuple(argv))
 
 
+def settle_config(args: argparse.Namespace, argv: list[str]) -> Run:
+    """--config without --estimate: the file's one arm, settled as the sweep settles --model PATH's or a
+    family's, at the file's quantization and adapter (issue395.configarm)."""
+    arm = config_arm(args)
+    plain = _settle(argparse.Namespace(**dict(vars(args), config=None, model=arm.model, batch=str(arm.batch),
+                                              seq=str(arm.seq) if arm.model else None)), argv)
+    return replace(plain, models=(arm.key,), seqs=(arm.seq,), quants=(arm.quant,), targets=arm.targets,
+                   lora_r=arm.lora_r, lora_alpha=arm.lora_alpha, soup_config=arm.path)
+
+
 def emulate_card(args: argparse.Namespace, repeats: Optional[int]) -> None:
     """--emulate-card's own checks: a card this tool knows or a size, on a GPU, one arm a process."""
     if args.emulate_card is None:
@@ -325,8 +342,8 @@ def estimate_config(model: Optional[str]) -> tuple[str, dict]:
             print(f"note: --model {model}: the family {model}'s public config was used, not ./{model} here "
                   f"(give ./{model} for that)", file=sys.stderr)
         return model, config_json(model)
-    family = next((k for k, f in FAMILIES.items() if f.hub_id == model), None)
-    if family is not None:  # a family's hub id (a soup.yaml's base): its committed public config
+    family = by_hub_id(model)
+    if family is not None:  # a registry model's hub id (a soup.yaml's base): its committed public config
         return model, config_json(family)
     path = Path(model).expanduser()
     path = path / "config.json" if path.is_dir() else path
@@ -415,23 +432,9 @@ def estimate_stream(args: argparse.Namespace) -> dict:
     return stream
 
 
-def config_arguments(args: argparse.Namespace) -> argparse.Namespace:
-    """--config: the soup.yaml's own values as the options they replace (each named once only)."""
-    from .userconfig import read_soup_config
-
-    given = [f for f in ("--model", "--quant", "--seq", "--batch", "--targets", "--lora-r")
-             if getattr(args, f.strip("-").replace("-", "_")) is not None]
-    if given:
-        raise UsageError(f"--config and {given[0]} are exclusive: the file gives it")
-    user = read_soup_config(args.config)
-    return argparse.Namespace(**dict(vars(args), model=user.base, quant=user.quant, seq=str(user.seq),
-                                     batch=str(user.batch), targets=",".join(user.targets),
-                                     lora_r=str(user.lora_r)))
-
-
 def grid_arms(run: Run) -> list[Arm]:
     return (plan_map(run.models, run.quants, run.seqs, run.batches) if run.map
-            else plan_arms(run.models, run.seqs, run.batches))
+            else plan_arms(run.models, run.seqs, run.batches, run.quants[0]))
 
 
 def check_cache_dir_bounds(given: str, cache: str) -> None:

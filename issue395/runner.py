@@ -36,7 +36,7 @@ from .stack import environment
 from .row import Row
 from .scratch import Scratch
 from .probes import min_free_arms
-from .shapes import family_shape, load_custom_shape, not_on_map, with_modes
+from .shapes import family_shape, load_custom_shape, not_on_map, registry_shape, with_modes
 from .spread import CHILD_JOB, Job, die_with_parent, read_job, spread, visible_gpu_count
 from .tables import compare_table, render_text
 
@@ -113,6 +113,7 @@ def sweep(arms: list[Arm], shapes: dict[str, Shape], bases: Checkpoints, scratch
                           dry_run=run.dry_run, snapshot=run.snapshot, snapshot_dir=run.snapshot_dir,
                           log=log, verbose=run.verbose, repeat=run.repeat_tag, steps=run.steps,
                           **({"cap": run.cap} if run.cap else {}),
+                          **({"soup_config": run.soup_config} if run.soup_config else {}),
                           **({"emulate": run.emulate_card, "context": run.context} if run.emulate_card else {}))
         on_row(row)
         done.append(row)
@@ -174,15 +175,20 @@ def measure_all(run: Run, protocol: Protocol, job: Optional[Job], scratch: Scrat
         if not run.dry_run and protocol.step_device == "cuda" and not torch.cuda.is_available():
             raise UsageError(NO_CUDA)
         scratch.verify_shard_root()
+        adapter = dict(targets=run.targets, lora_r=run.lora_r, lora_alpha=run.lora_alpha)  # --config's, else the protocol's
         if run.custom_model:
-            shapes["custom"] = load_custom_shape(run.custom_model)
+            shapes["custom"] = load_custom_shape(run.custom_model, **adapter)
             within_positions(run.custom_model, shapes["custom"].max_positions, run.seqs)
+        families = [f for f in dict.fromkeys(family_of(a.model) for a in arms) if f != "custom"]
         if run.map:  # this shard's families only, each derived once, then each streaming mode of it
-            shapes.update({f: family_shape(f) for f in dict.fromkeys(family_of(a.model) for a in arms)})
+            shapes.update({f: family_shape(f) for f in families})
+        if run.soup_config:  # the file's base under the file's adapter (the record's two are no record here)
+            shapes.update({f: registry_shape(f, **adapter) for f in families})
+        if run.map or run.soup_config:
             shapes.update({a.model: with_modes(shapes[family_of(a.model)], a.model) for a in arms})
         imports_s = time.perf_counter() - t
     det_models, det_seqs, det_batches = run.determinism_grid
-    det_arms = plan_arms(*run.determinism_grid) if run.repeats else []
+    det_arms = plan_arms(*run.determinism_grid, run.quants[0]) if run.repeats else []
     how = ("--min-free: a bisection over capped fresh processes (expandable segments)" if run.min_free else
            f"capped at {run.cap} (expandable segments), one fresh process per arm" if run.cap else
            f"as {run.emulate_card} (a ballast outside the allocator, expandable segments), one fresh process "
@@ -190,6 +196,9 @@ def measure_all(run: Run, protocol: Protocol, job: Optional[Job], scratch: Scrat
            "isolated, one fresh process per arm" if run.isolate else
            f"one process per GPU ({','.join(map(str, run.gpus))}), merged" if run.gpus else
            f"shard {run.shard[0]}/{run.shard[1]} in one process" if run.shard else "in one process")
+    if run.soup_config:  # the user's config, not the protocol: said where every table's header is
+        how += (f"; the arm is --config {run.soup_config}'s ({run.quants[0]}, LoRA r {run.lora_r} alpha "
+                f"{run.lora_alpha} on {','.join(run.targets or ())})")
     arms_label = how if run.run_arms else ("determinism: one fresh process per repeat" if run.repeats
                                         else "none (modes only)")
     result = Result(environment=environment(run.weights, run.dry_run, arms_label,

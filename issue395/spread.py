@@ -225,17 +225,19 @@ def read_job(path: str) -> tuple[Run, Job]:
 
 def lost_row(arm: Arm, run: "Run", repeat: Optional[int], code: Optional[int]) -> Row:
     """A FAILED row for an arm whose process died before reporting it (no prediction: this
-    process does not import Soup)."""
+    process does not import Soup); a --config arm's names its file and adapter as a live one does."""
     shape = SHAPES.get(family_of(arm.model))
     family = FAMILIES.get(family_of(arm.model))  # a streaming mode is its family's
     name = shape.name if shape else family.name if family else (run.custom_model or arm.model)
     vocab = shape.vocab if shape else family.vocab if family else 1
+    adapter = (dict(soup_config=run.soup_config, lora_r=run.lora_r, lora_alpha=run.lora_alpha,
+                    targets=tuple(run.targets or ())) if run.soup_config else {})
     return Row(model=name, model_key=arm.model, seq=arm.seq, batch=arm.batch, index=arm.index, cap_at=run.cap,
                emulated_card=parse_card(run.emulate_card).name if run.emulate_card else None,
                predicted=None, logits14=None, loss_bytes_per_element=None, vocab=vocab,
                quant=arm.quant, repeat=repeat,
                dry_run=run.dry_run, failure="FAILED",
-               error=f"its process exited with code {code} before this arm reported")
+               error=f"its process exited with code {code} before this arm reported", **adapter)
 
 
 def visible_gpu_count() -> int:

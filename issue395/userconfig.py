@@ -18,8 +18,11 @@ QUANT_OF = {"none": "none", "4bit": "nf4"}
 
 #: training.* options that change what a streamed step holds and that the estimator does not
 #: model, with the value it assumes (Soup's default): any other value is one line naming it.
-ASSUMED = {"stream_buffers": 2, "stream_recompute": "on", "stream_loss_chunk": None,
-           "stream_expert_layout": "fused"}
+#: 0.77.0's streaming modes it does model (an expert layout, a loss chunk, recompute on or off)
+#: pass, and reach the arm's Soup config as the file sets them; stream_recompute auto (a step
+#: measured at setup) does not.
+ASSUMED = {"stream_buffers": 2}
+MODES = ("stream_expert_layout", "stream_loss_chunk", "stream_recompute")
 
 
 @dataclass(frozen=True)
@@ -35,7 +38,7 @@ class UserRun:
     lora_alpha: int
     targets: Optional[tuple]
     stream_buffers: int
-    stream_options: dict  # 0.77.0's stream_* options, as the file sets them (the arm passes them on)
+    stream_options: dict  # 0.77.0's streaming modes, as the file sets them (none on 0.73.3)
 
 
 def read_soup_config(path: str) -> UserRun:
@@ -83,8 +86,10 @@ def read_soup_config(path: str) -> UserRun:
             raise UsageError(f"--config {path}: training.lora.target_modules 'auto' is an option the estimator "
                              "does not model (name the modules)")
         targets = (targets,)
-    stream = {k: getattr(t, k) for k in ("stream_expert_layout", "stream_loss_chunk", "stream_recompute")
-              if hasattr(t, k)}
+    stream = {k: getattr(t, k) for k in MODES if hasattr(t, k)}
+    if stream.get("stream_recompute") == "auto":
+        raise UsageError(f"--config {path}: training.stream_recompute 'auto' is an option the estimator does not "
+                         "model (it measures a step at setup; give on or off)")
     return UserRun(str(path), cfg.base, quant, int(cfg.data.max_length), int(t.batch_size), int(lora.r),
                    int(lora.alpha), tuple(targets), int(t.stream_buffers), stream)
 

@@ -58,6 +58,14 @@ def test_a_family_name_that_is_also_a_folder_here_says_which_was_used(capfd, tmp
     assert line.startswith("note: --model llama31-8b: the family") and "./llama31-8b" in line
 
 
+def test_every_run_but_a_configs_keeps_the_protocols_adapter():
+    """--config is the one way to another LoRA r and alpha on a measured arm: the sweep, the map and
+    --model run r 8, alpha 16 on their own targets, and name no soup.yaml."""
+    for argv in (["--dry-run"], ["--dry-run", "--map"], ["--dry-run", "--model", "someorg/some-model", "--seq", "64"]):
+        run = settle(build_parser().parse_args(argv), argv)
+        assert (run.lora_r, run.lora_alpha, run.targets, run.soup_config) == (8, 16, None, None), argv
+
+
 def test_steps_reaches_the_sweep_and_the_map():
     for argv in (["--dry-run", "--steps", "3"], ["--dry-run", "--map", "--steps", "3"]):
         assert settle(build_parser().parse_args(argv), argv).steps == 3, argv

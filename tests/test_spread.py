@@ -189,3 +189,28 @@ def test_a_map_spread_over_two_gpus_starts_one_child_per_gpu_each_with_whole_fam
     assert [sorted({a.model for a in j.arms}) for j in jobs] == [["mistral-7b"], ["qwen", "smol"]]
     one = plan_jobs(Run(map=True, models=("smol",), gpus=(0, 1)), arms[:1])
     assert len(one) == 1, "a second GPU with no family to run started a child anyway"
+
+
+def test_a_config_arms_child_gets_the_files_adapter_and_quantization_and_a_lost_one_names_them(tmp_path):
+    """--config's arm under --emulate-card runs in a fresh child: the settled Run it reads back is the
+    parent's to the field (the file, its targets, r and alpha), its one arm at the file's NF4; a child
+    that dies leaves a row naming the same file and adapter."""
+    from issue395.options import grid_arms, settle
+    from issue395.parser import build_parser
+    from issue395.spread import lost_row
+
+    config = tmp_path / "soup.yaml"
+    config.write_text("base: mistralai/Mistral-7B-v0.3\ndata: {train: d.jsonl, max_length: 512}\ntraining:\n"
+                      "  batch_size: 1\n  quantization: 4bit\n  stream_layers: true\n  lora: {r: 4, alpha: 8, target_modules: [q_proj]}\n")
+    argv = ["--config", str(config), "--emulate-card", "T4"]
+    parent = settle(build_parser().parse_args(argv), argv)
+    (job,) = plan_jobs(parent, grid_arms(parent))
+    path = tmp_path / "job.json"
+    sent = child_run(parent, job, "out.json", "/tmp/cache")
+    write_job(path, sent, job)
+    run, back = read_job(str(path))
+    assert run == sent and back == job and back.arms == (Arm("mistral-7b", 512, 1, 0, "nf4"),)
+    assert (run.soup_config, run.targets, run.lora_r, run.lora_alpha) == (str(config), ("q_proj",), 4, 8)
+    row = lost_row(back.arms[0], run, None, 139)
+    assert (row.soup_config, row.lora_r, row.lora_alpha, row.targets, row.quant) == (
+        str(config), 4, 8, ("q_proj",), "nf4")

@@ -1,6 +1,6 @@
 """issue395.userconfig: the user's own inputs (issue 20): a soup.yaml read by Soup's own loader
-drives --estimate, and a hub id's config.json comes from the local Hugging Face cache (a fake
-cache dir here: no network)."""
+drives --estimate (its measured arm: test_configarm), and a hub id's config.json comes from the
+local Hugging Face cache (a fake cache dir here: no network)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import pytest
 from conftest import main, one_error_line
 
 from issue395.registry import config_json
+from issue395.shapes import soup_has_stream_modes
 
 YAML = """base: {base}
 task: sft
@@ -79,3 +80,24 @@ def test_a_hub_id_reads_config_json_from_the_local_cache(capfd, tmp_path, monkey
     assert "--estimate: someorg/tiny-llama" in text
     one_error_line(*main(capfd, ["--estimate", "--model", "someorg/not-cached", "--seq", "512"]),
                    "someorg/not-cached", "offline")
+
+
+@pytest.mark.skipif(not soup_has_stream_modes(), reason="soup-cli 0.77.0's streaming modes")
+def test_the_files_streaming_modes_reach_the_estimate_and_auto_is_one_line(capfd, tmp_path):
+    """0.77.0's modes the estimator models (a loss chunk, recompute off) are the file's own, as
+    --loss-chunk and --recompute would give them; recompute auto (a step measured at setup) is not."""
+    out = tmp_path / "e.json"
+    extra = "  stream_loss_chunk: 512\n  stream_recompute: 'off'\n"
+    config = soup_yaml(tmp_path, stream="true\n" + extra)
+    code, text, err = main(capfd, ["--estimate", "--config", config, "--json", out])
+    assert code == 0, err
+    (row,) = json.loads(out.read_text())["rows"]
+    from issue395.estimate import estimate
+
+    e = estimate(config_json("mistral-7b"), quant="nf4", seq=1024, batch=2, targets=("q_proj", "k_proj", "v_proj"),
+                 lora_r=16, stream={"stream_loss_chunk": 512, "stream_recompute": "off"})
+    assert row["corrected_predicted"] == e.corrected_predicted
+    assert row["corrected_predicted"] != estimate(config_json("mistral-7b"), quant="nf4", seq=1024, batch=2,
+                                                  targets=("q_proj", "k_proj", "v_proj"), lora_r=16).corrected_predicted
+    one_error_line(*main(capfd, ["--estimate", "--config", soup_yaml(tmp_path, stream="true\n  stream_recompute: auto\n")]),
+                   "stream_recompute", "auto")
