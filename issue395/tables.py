@@ -77,7 +77,8 @@ def sweep_table(rows: list[Row], env: Optional[dict] = None) -> str:
     """One section per model; seq and realised lead, as in the record."""
     out = []
     for model in models_in(rows):
-        record = any(r.model_key in SHAPES for r in rows if r.model == model)  # the record's models only
+        # the record's models at the protocol's adapter only (a --config arm on one is the user's)
+        record = any(r.model_key in SHAPES and r.soup_config is None for r in rows if r.model == model)
         out.append(f"{model}  (predicted: Soup's estimator; real peak: measured here; corrected: this tool's "
                    "estimator" + ("; A10G: the record)" if record else "; no A10G record for this model)"))
         out += table(SWEEP_COLUMNS, [list(sweep_cells(r, env).values()) for r in rows if r.model == model]) + [""]

@@ -65,6 +65,8 @@ def test_custom_model_rows_claim_no_a10g_record():
     text = sweep_table([row])
     assert "A10G: the record" not in text.splitlines()[0] and "no A10G record" in text.splitlines()[0]
     assert "A10G: the record" in sweep_table([make_row("smol", 2048)]).splitlines()[0]
+    own = make_row("smol", 2048, soup_config="soup.yaml", lora_r=4, lora_alpha=8)  # the user's config on smol
+    assert "no A10G record" in sweep_table([own]).splitlines()[0]
 
 
 def test_compare_pairs_rows_by_their_arm_not_by_the_name_they_display():
