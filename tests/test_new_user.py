@@ -40,6 +40,19 @@ def test_a_config_larger_than_any_real_model_is_one_line_naming_the_limit(capfd,
     assert time.perf_counter() - t < 30, line
 
 
+@pytest.mark.skipif(__import__("shutil").which("nvidia-smi") is not None, reason="a GPU box would run the arm")
+def test_the_same_soup_yaml_is_estimated_on_cpu_and_asks_for_a_gpu_to_run_as_the_card(capfd, tmp_path):
+    """A new user's soup.yaml: --estimate answers for a T4 on this CPU box; the same file run as a T4
+    (--emulate-card) needs a GPU, said in one line before anything is built."""
+    config = tmp_path / "soup.yaml"
+    config.write_text("base: mistralai/Mistral-7B-v0.3\ndata: {train: data.jsonl, max_length: 512}\n"
+                      "training: {batch_size: 1, quantization: 4bit, stream_layers: true,\n"
+                      "           lora: {r: 16, alpha: 32, target_modules: [q_proj, v_proj]}}\n")
+    code, out, err = main(capfd, ["--estimate", "--config", config, "--card", "T4"])
+    assert code == 0 and "T4" in out and f"from --config {config}" in out, err
+    one_error_line(*main(capfd, ["--config", config, "--emulate-card", "T4"]), "CUDA", "--dry-run")
+
+
 # 3. signals ------------------------------------------------------------------------------------
 
 
