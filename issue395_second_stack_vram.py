@@ -21,6 +21,8 @@ Usage
     issue395_second_stack_vram.py --from-json s1.json s2.json  merge shards into one set of tables
     issue395_second_stack_vram.py --estimate --config soup.yaml --card T4
                                                            does it fit? CPU, your soup.yaml, no torch
+    issue395_second_stack_vram.py --config soup.yaml --emulate-card T4
+                                                           your soup.yaml run as a T4, on a GPU
     issue395_second_stack_vram.py --map --families moonlight --expert-layout fused,per_expert
                                                            soup-cli 0.77.0's MoE families and modes
     issue395_second_stack_vram.py --map --families phi-2 --quant nf4 --seq 512 --cap soup
