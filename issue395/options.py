@@ -35,8 +35,8 @@ from .arm import Arm
 from .record import LORA_ALPHA, LORA_R, MAP_BATCHES, QUANTS, RECORD_DETERMINISM, RECORD_GRID
 from .saved import RowFile
 from .scratch import soup_shard_root
-from .registry import (ALL_FAMILIES, EXPERT_LAYOUTS, FAMILIES, RECOMPUTES, SHAPES, by_hub_id, config_json, max_positions,
-                       stream_mode_keys)
+from .registry import (ALL_FAMILIES, EXPERT_LAYOUTS, FAMILIES, RECOMPUTES, SHAPES, by_hub_id, config_json,
+                       max_positions, stream_mode_keys)
 from .targets import soup_targets
 from .shapes import (bitsandbytes_present, config_only, default_map_families, soup_has_stream_modes,
                      soup_loss_chunk_bounds)

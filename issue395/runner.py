@@ -175,7 +175,8 @@ def measure_all(run: Run, protocol: Protocol, job: Optional[Job], scratch: Scrat
         if not run.dry_run and protocol.step_device == "cuda" and not torch.cuda.is_available():
             raise UsageError(NO_CUDA)
         scratch.verify_shard_root()
-        adapter = dict(targets=run.targets, lora_r=run.lora_r, lora_alpha=run.lora_alpha)  # --config's, else the protocol's
+        # the LoRA adapter a --config file names, else the protocol's (targets None: the model's own)
+        adapter = dict(targets=run.targets, lora_r=run.lora_r, lora_alpha=run.lora_alpha)
         if run.custom_model:
             shapes["custom"] = load_custom_shape(run.custom_model, **adapter)
             within_positions(run.custom_model, shapes["custom"].max_positions, run.seqs)
