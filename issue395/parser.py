@@ -110,8 +110,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default 1, the protocol's; with --estimate: the steady-state peak)")
     e = p.add_argument_group("--estimate")
     e.add_argument("--config", default=None, metavar="SOUP_YAML", help="the soup.yaml `soup train` takes, read by "
-                   "Soup's own loader: its base, data.max_length, training.batch_size, quantization and LoRA "
-                   "drive --estimate (instead of --model, --quant, --seq, --batch, --targets, --lora-r)")
+                   "Soup's own loader: its base, data.max_length, training.batch_size, quantization, LoRA and "
+                   "streaming modes drive --estimate, or, without it, one measured arm (with --emulate-card, "
+                   "--cap, --min-free or --dry-run too), instead of --model, --quant, --seq, --batch, --targets, "
+                   "--lora-r")
     e.add_argument("--card", default=None, help="comma list of cards to fit: named (A10G, L4, T4, RTX3090, "
                    "RTX4090, RTX5090, A100-40GB, A100-80GB, L40S, H100, H200, RTX3050-Laptop-4GB, ...) or sizes "
                    "(24GB = 24e9 bytes, 24GiB = 24 x 2^30): fits, the longest seq that fits, and Soup's gate")
