@@ -70,11 +70,12 @@ def distinct_choices(flag: str, text: str, allowed: tuple[str, ...], noun: str) 
     return items
 
 
-def within_positions(name: str, limit: int, seqs: Iterable[int]) -> None:
-    """A seq beyond a model's positions is one line here, not a FAILED row (0: no limit known)."""
+def within_positions(name: str, limit: int, seqs: Iterable[int], given_as: str = "--seq") -> None:
+    """A seq beyond a model's positions is one line here, not a FAILED row (0: no limit known);
+    ``given_as`` names where the seq came from (a soup.yaml's data.max_length, say)."""
     beyond = [s for s in seqs if limit and s > limit]
     if beyond:
-        raise UsageError(f"--seq {beyond[0]} is beyond {name}'s maximum positions ({limit})")
+        raise UsageError(f"{given_as} {beyond[0]} is beyond {name}'s maximum positions ({limit})")
 
 
 def writable_folder(flag: str, folder: str, given: Optional[str] = None) -> None:

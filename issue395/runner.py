@@ -179,7 +179,8 @@ def measure_all(run: Run, protocol: Protocol, job: Optional[Job], scratch: Scrat
         adapter = dict(targets=run.targets, lora_r=run.lora_r, lora_alpha=run.lora_alpha)
         if run.custom_model:
             shapes["custom"] = load_custom_shape(run.custom_model, **adapter)
-            within_positions(run.custom_model, shapes["custom"].max_positions, run.seqs)
+            within_positions(run.custom_model, shapes["custom"].max_positions, run.seqs,
+                             f"--config {run.soup_config}: data.max_length" if run.soup_config else "--seq")
         families = [f for f in dict.fromkeys(family_of(a.model) for a in arms) if f != "custom"]
         if run.map:  # this shard's families only, each derived once, then each streaming mode of it
             shapes.update({f: family_shape(f) for f in families})

@@ -115,3 +115,13 @@ def test_a_seq_past_the_bases_positions_and_nf4_without_bitsandbytes_are_one_lin
     config = soup_yaml(tmp_path, "mistralai/Mistral-7B-v0.3", quant="4bit")
     one_error_line(*main(capfd, ["--config", config, "--emulate-card", "T4"]), "4bit", "bitsandbytes")
     assert settled(["--config", config, "--dry-run"]).quants == ("nf4",)  # a dry run skips the arm instead
+
+
+def test_a_local_bases_positions_are_named_as_the_files_max_length(capfd, tmp_path, tiny_checkpoint):
+    """The seq came from the file, so the one line names the file's data.max_length, not --seq."""
+    import json as _json
+
+    positions = _json.loads((tiny_checkpoint / "config.json").read_text())["max_position_embeddings"]
+    code, out, err = main(capfd, ["--config", soup_yaml(tmp_path, tiny_checkpoint, seq=positions + 64), "--dry-run"])
+    one_error_line(code, out, err, "data.max_length", str(positions + 64))
+    assert "--seq" not in err
