@@ -67,7 +67,7 @@ def emulate_table(rows: list[Row]) -> str:
     cells, notes = [], []
     for r in rows:
         cells.append([arm_name(r), r.emulated_card or "-", gb(r.emulated_card_free), gb(r.emulated_free),
-                      gb(r.soup_predicted), gb(r.needs_free), tool_words(r.emulated_fits),
+                      gb(r.soup_gate_free), gb(r.soup_predicted), gb(r.needs_free), tool_words(r.emulated_fits),
                       r.emulated_outcome or r.status, gb(r.real_peak if r.measured else None)])
         if r.emulated_outcome == "admitted and OOM":
             notes.append(f"  {arm_name(r)} on {r.emulated_card}: Soup's gate admitted it and the step OOMed "
@@ -79,10 +79,12 @@ def emulate_table(rows: list[Row]) -> str:
                          "(this tool's margin)")
     return "\n".join(["--emulate-card: each arm in a fresh process, PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, "
                       "a ballast outside the allocator leaving the card's free memory (card free: total - context, "
-                      "computed; free: measured with the ballast held; Soup's own: computed by Soup; needs free: "
+                      "computed; free: measured with the ballast held; Soup's gate: the free memory Soup's gate read, "
+                      "after the kernel modules its setup loaded; Soup's own: computed by Soup; needs free: "
                       "this tool's estimator; this tool: fits when needs free <= card free less the runtime's "
                       "growth (issue395.cards); outcome and allocated: measured here)"] + table(
-        [("arm", -34), ("card", -18), ("card free GB", 12), ("free GB", 8), ("Soup's own GB", 13),
+        [("arm", -34), ("card", -18), ("card free GB", 12), ("free GB", 8), ("Soup's gate GB", 14),
+         ("Soup's own GB", 13),
          ("needs free GB", 13), ("this tool", -12), ("outcome", -22), ("allocated GB", 12)], cells) + notes)
 
 

@@ -192,5 +192,11 @@ def run_arm(measure_arm: Callable[..., Measurement], step_device: str, arm: Arm,
                    carried=carried, timings=timings, realised_width=m.realised_width,
                    realised_rows=m.realised_rows, real_peak=m.real_peak, resident=m.resident,
                    reserved=m.reserved, attribution=attribution, teardown_error=m.teardown_error,
-                   soup_predicted=m.soup_predicted, soup_terms=m.soup_terms,
+                   soup_predicted=m.soup_predicted, soup_terms=m.soup_terms, soup_gate_free=gate_free(m),
                    gpu=gpu_label(dry_run, step_device), **capped, **adapter, **failure_of(m))
+
+
+def gate_free(m: Measurement) -> Optional[int]:
+    """What Soup's gate read (None where it never ran: a dry run, an arm stopped before it)."""
+    value = getattr(m.soup_fit, "available_bytes", None)
+    return int(value) if isinstance(value, int) and value > 0 else None

@@ -31,7 +31,7 @@ FAILURES = ("OOM", "FAILED", "REFUSED", "SKIPPED")
 #: re-renders to the same bytes.
 LATER_FIELDS = ("cap_at", "cap", "emulated_card", "emulated_card_free", "emulated_free", "needs_free",
                 "min_free", "min_free_oom", "min_free_resolution", "min_free_probes", "soup_config", "lora_r",
-                "lora_alpha")
+                "lora_alpha", "soup_gate_free")
 
 
 #: A row's fields that Row.from_json would otherwise take as they are: what each must be.
@@ -52,7 +52,7 @@ ROW_FIELDS = {
     "emulated_card": (lambda v: v is None or (isinstance(v, str) and v.isprintable()), "a printable string or null"),
     **{k: (lambda v: v is None or _whole(v, 1), "a whole number >= 1 or null")
        for k in ("emulated_card_free", "emulated_free", "needs_free", "min_free", "min_free_oom",
-                 "min_free_resolution", "lora_r", "lora_alpha")},
+                 "min_free_resolution", "lora_r", "lora_alpha", "soup_gate_free")},
     "min_free_probes": (lambda v: v is None or (isinstance(v, (list, tuple)) and all(
         isinstance(p, (list, tuple)) and len(p) == 2 and _whole(p[0], 1) and isinstance(p[1], bool) for p in v)),
         "a list of [cap bytes, completed] pairs or null"),
@@ -101,6 +101,9 @@ class Row:
     emulated_card: Optional[str] = None  # --emulate-card: the card this arm ran as
     emulated_card_free: Optional[int] = None  # its free memory: total - context (issue395.cards)
     emulated_free: Optional[int] = None  # measured: mem_get_info's free with the ballast held
+    #: The free memory Soup's gate compared its number with (read by Soup, mem_get_info at its
+    #: gate): on a CUDA arm, beside the free memory the arm began with.
+    soup_gate_free: Optional[int] = None
     needs_free: Optional[int] = None  # computed by this tool's estimator (--emulate-card, --min-free)
     min_free: Optional[int] = None  # --min-free, measured: the lowest cap the step completed under
     min_free_oom: Optional[int] = None  # --min-free, measured: the highest cap it raised OOM under

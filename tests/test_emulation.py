@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from issue395 import minfree
-from issue395.cards import budget, parse_card
+from issue395.cards import budget, parse_card, step_free
 from issue395.emulation import arm_config, tool_needs_free
 from issue395.measurement import Measurement, run_arm
 from issue395.options import settle
@@ -88,7 +88,8 @@ def test_the_card_decides_and_the_row_says_so_beside_this_tools_verdict(device, 
     assert row.emulated_outcome == outcome and row.emulated_card == parse_card(card).name
     assert row.needs_free == tool_needs_free(config_json_of("mistral-7b"), budget(parse_card(card)), quant="nf4",
                                              seq=512, batch=1, targets=mistral_shape().targets)
-    assert row.emulated_fits == (row.needs_free <= card_free)
+    assert row.emulated_fits == (row.needs_free <= step_free(card_free))
+    assert row.soup_gate_free == seen[0], "the free memory Soup's gate compared with, kept in the row"
     back = Row.from_json(json.loads(json.dumps(row.to_json())))
     assert back.emulated_outcome == outcome and back.to_json() == row.to_json()
     assert row.to_json()["derived"]["emulated_outcome"] == outcome
@@ -96,6 +97,7 @@ def test_the_card_decides_and_the_row_says_so_beside_this_tools_verdict(device, 
                                            "soup_cli": "0.73.3", "weights": "synthetic"}, rows=[row]))
     line = next(ln for ln in text.splitlines() if ln.startswith("Mistral") and row.emulated_card in ln)
     assert outcome in line and ("does not fit" in line) == (not row.emulated_fits)
+    assert line.split().count(f"{seen[0] / 1e9:.4f}") == 2, "free with the ballast held, and Soup's gate's reading"
 
 
 def config_json_of(key):
