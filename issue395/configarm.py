@@ -13,11 +13,11 @@ import os
 from dataclasses import dataclass
 from typing import Optional
 
-from .checks import HUB_ID
+from .checks import HUB_ID, within_positions
 from .errors import UsageError
 from .registry import FAMILIES, SHAPES, by_hub_id, max_positions, mode_key
 from .shapes import bitsandbytes_present
-from .soup_number import streamed_as
+from .soup_number import require_streamed
 from .userconfig import UserRun, read_soup_config
 
 #: What the file gives, as the options it replaces: each is refused beside --config.
@@ -68,13 +68,9 @@ def config_arm(args: argparse.Namespace) -> ConfigArm:
     user = read_soup_config(args.config)
     model, key = base_of(user, args.weights)
     if key != "custom":
-        model_type = (FAMILIES[key] if key in FAMILIES else SHAPES[key]).model_type
-        if streamed_as(model_type) is None:
-            raise UsageError(f"--config {user.path}: base {user.base}: the installed soup-cli does not stream "
-                             f"{model_type} (soup-cli 0.77.0 does)")
-        if user.seq > max_positions(key):
-            raise UsageError(f"--config {user.path}: data.max_length {user.seq} is beyond {user.base}'s maximum "
-                             f"positions ({max_positions(key)})")
+        require_streamed((FAMILIES[key] if key in FAMILIES else SHAPES[key]).model_type,
+                         f"--config {user.path}: base {user.base}")
+        within_positions(user.base, max_positions(key), (user.seq,), f"--config {user.path}: data.max_length")
     if user.quant == "nf4" and not args.dry_run and not bitsandbytes_present():
         raise UsageError(f"--config {user.path}: training.quantization 4bit needs bitsandbytes, which is not "
                          "installed here")

@@ -40,7 +40,7 @@ from .registry import (ALL_FAMILIES, EXPERT_LAYOUTS, FAMILIES, RECOMPUTES, SHAPE
 from .targets import soup_targets
 from .shapes import (bitsandbytes_present, config_only, default_map_families, soup_has_stream_modes,
                      soup_loss_chunk_bounds)
-from .soup_number import streamed_as
+from .soup_number import require_streamed
 
 @dataclass(frozen=True)
 class Run:
@@ -300,10 +300,7 @@ def settle_map(args: argparse.Namespace, argv: list[str]) -> Run:
         raise UsageError(f"--families: {'unknown family ' + repr(unknown[0]) if unknown else 'empty or repeated name'}; "
                          f"choose from {','.join(known)}")
     for fam in families:
-        model_type = FAMILIES[fam].model_type if fam in FAMILIES else "llama"
-        if streamed_as(model_type) is None:
-            raise UsageError(f"--families {fam}: the installed soup-cli does not stream {model_type} "
-                             "(soup-cli 0.77.0 does)")
+        require_streamed(FAMILIES[fam].model_type if fam in FAMILIES else "llama", f"--families {fam}")
     families = stream_mode_families(args, families)
     quants = QUANTS if args.quant is None else distinct_choices("--quant", args.quant, QUANTS, "quantization")
     if args.quant is not None and "nf4" in quants and not args.dry_run and not bitsandbytes_present():

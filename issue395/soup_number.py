@@ -85,6 +85,13 @@ def streamed_as(model_type) -> str | None:
     return family if family in supported_archs() else None
 
 
+def require_streamed(model_type: str, who: str) -> None:
+    """One line where the installed Soup does not stream a registry model's type (the newest release
+    this tool knows, 0.77.0, streams every one)."""
+    if streamed_as(model_type) is None:
+        raise UsageError(f"{who}: the installed soup-cli does not stream {model_type} (soup-cli 0.77.0 does)")
+
+
 def arch_of(config: dict) -> Arch:
     """The config's Arch (arch_from_config), once Soup is known to stream its model_type."""
     mt = config.get("model_type") if isinstance(config, dict) else None
