@@ -34,3 +34,7 @@ CUBLAS_WORKSPACE_PRE_HOPPER = 4096 * 1024 * 2 + 16 * 1024 * 8
 #: torch as a model of terabytes. The measured path and the estimator refuse the same configs.
 CONFIG_LIMITS = {"num_hidden_layers": 1024, "vocab_size": 2**22, "hidden_size": 2**16,
                  "intermediate_size": 2**18, "num_attention_heads": 1024}
+
+#: soup-cli 0.77.0's streaming modes as its training keys: what a soup.yaml may set and the
+#: estimator models (the expert layout, the chunked loss, recompute), the measured arm's too.
+STREAM_KEYS = ("stream_expert_layout", "stream_loss_chunk", "stream_recompute")

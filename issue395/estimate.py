@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from .arch import Arch, arch_from_config, protocol_targets
 from .moe import Kind, expert_in_flight
-from .constants import CUBLAS_WORKSPACE, K_MIN_LARGE_ALLOC, K_ROUND_LARGE, K_SMALL_SIZE, block_bytes
+from .constants import CUBLAS_WORKSPACE, K_MIN_LARGE_ALLOC, K_ROUND_LARGE, K_SMALL_SIZE, STREAM_KEYS, block_bytes
 from .errors import UsageError
 from .releases import nearest_release
 from .soup_number import (RELEASES, arch_of, installed_release, layer_bytes, linear_elements, lora_params,
@@ -293,7 +293,7 @@ def estimate(config: dict, *, quant: str = "none", seq: int, batch: int = 1, tar
     release = nearest_release(release or installed_release(), RELEASES)  # issue395.releases
     ws = max(CUBLAS_WORKSPACE, workspace or 0)
     stream = dict(stream or {})
-    unknown = sorted(set(stream) - {"stream_expert_layout", "stream_loss_chunk", "stream_recompute"})
+    unknown = sorted(set(stream) - set(STREAM_KEYS))
     if unknown:
         raise UsageError(f"training.{unknown[0]} is not modelled by this estimator")
     soup_number, soup_terms = soup_preflight_from_config(

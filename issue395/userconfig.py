@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from .checks import HUB_ID
+from .constants import STREAM_KEYS
 from .errors import UsageError, last_line
 
 #: Soup's quantization spelling -> this tool's (issue395.record.SOUP_QUANT, inverted).
@@ -22,7 +23,6 @@ QUANT_OF = {"none": "none", "4bit": "nf4"}
 #: pass, and reach the arm's Soup config as the file sets them; stream_recompute auto (a step
 #: measured at setup) does not.
 ASSUMED = {"stream_buffers": 2}
-MODES = ("stream_expert_layout", "stream_loss_chunk", "stream_recompute")
 
 
 @dataclass(frozen=True)
@@ -86,7 +86,7 @@ def read_soup_config(path: str) -> UserRun:
             raise UsageError(f"--config {path}: training.lora.target_modules 'auto' is an option the estimator "
                              "does not model (name the modules)")
         targets = (targets,)
-    stream = {k: getattr(t, k) for k in MODES if hasattr(t, k)}
+    stream = {k: getattr(t, k) for k in STREAM_KEYS if hasattr(t, k)}
     if stream.get("stream_recompute") == "auto":
         raise UsageError(f"--config {path}: training.stream_recompute 'auto' is an option the estimator does not "
                          "model (it measures a step at setup; give on or off)")
