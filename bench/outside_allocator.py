@@ -3,7 +3,7 @@
 Why: on the emulated 16 GB card Soup's gate read about 90 MB less free memory than the ballast
 left (15.151 GB measured, "only 15.06 GB is free" in Soup's refusal), and the #395 arm on an
 emulated 1.981 GB card died creating a cuBLAS handle. The card verdict charges the CUDA context
-as measured after CUDA init and the first cuBLAS handle (issue395.cuda.measure_context). This
+as measured after CUDA init and the first cuBLAS handle (issue395.stack.measure_context). This
 asks whether that context grows during the arm, and by how much: at each moment it reads
 mem_get_info (free, total) and the allocator's reserved bytes; outside = total - free - reserved
 is what no allocator counter sees (the context, loaded kernel modules, library handles).

@@ -1,6 +1,6 @@
 """Cards a run may be asked to fit: named cards with their total memory and compute capability,
 plain sizes, the CUDA context each leaves outside the caching allocator, and the cuBLAS
-workspace per handle PyTorch gives each compute capability. Imports only constants, errors and checks.
+workspace per handle PyTorch gives each compute capability. Imports only constants and errors.
 
 The verdict every fit answer uses: ``needs_free + context + the runtime's growth <= total``,
 i.e. a run fits when ``needs_free <= step_free_bytes``, the card's free memory
@@ -16,8 +16,7 @@ import re
 from dataclasses import dataclass
 from typing import Optional
 
-from .checks import comma_list
-from .constants import CUBLAS_WORKSPACE, CUBLAS_WORKSPACE_PRE_HOPPER, MiB
+from .constants import CUBLAS_WORKSPACE, CUBLAS_WORKSPACE_PRE_HOPPER, MiB, comma_list
 from .errors import UsageError
 
 #: The CUDA context and driver reservation outside the caching allocator, for a card this tool
@@ -199,3 +198,10 @@ def budget(card: Card, context: Optional[int] = None) -> Budget:
 
 def workspace_env() -> Optional[str]:
     return os.environ.get("CUBLAS_WORKSPACE_CONFIG")
+
+
+def emulated_outcome(soup_refused: bool, oom: bool) -> str:
+    """An emulated arm as the issue words it, beside the tool's own verdict."""
+    if soup_refused:
+        return "refused by Soup"
+    return "admitted and OOM" if oom else "admitted and completed"

@@ -10,6 +10,7 @@ import stat
 from pathlib import Path
 from typing import Iterable, Optional
 
+from .constants import comma_list
 from .errors import UsageError
 
 #: The largest value each whole-number option takes: batch sizes no real run has, seq lengths
@@ -27,12 +28,6 @@ _WHOLE = re.compile(r"-?[0-9]{1,4000}")  # int() refuses longer strings
 
 def _shown(item: str) -> str:
     return item if len(item) <= 40 else item[:40] + "..."
-
-
-def comma_list(text: str) -> tuple[str, ...]:
-    """Every list option's items: split on commas, each stripped (an empty item stays, for the
-    caller to name)."""
-    return tuple(item.strip() for item in text.split(","))
 
 
 def parse_ints(flag: str, text: Optional[str], minimum: int = 1,

@@ -1,7 +1,9 @@
 """Facts shared by the measurement and the estimator, each defined once: the units, the CUDA
 caching allocator's rounding, the cuBLAS workspace, and the sizes past which a config is a typo.
-Stdlib only, imports nothing: the estimator must stay importable without torch.
+Stdlib only, imports nothing of the package: the estimator must stay importable without torch.
 """
+
+from typing import Any
 
 MiB = 2**20
 GB = 1e9  # the unit every table and published figure states sizes in
@@ -38,3 +40,14 @@ CONFIG_LIMITS = {"num_hidden_layers": 1024, "vocab_size": 2**22, "hidden_size": 
 #: soup-cli 0.77.0's streaming modes as its training keys: what a soup.yaml may set and the
 #: estimator models (the expert layout, the chunked loss, recompute), the measured arm's too.
 STREAM_KEYS = ("stream_expert_layout", "stream_loss_chunk", "stream_recompute")
+
+
+def is_whole(value: Any, minimum: int) -> bool:
+    """A whole number (an int, never a bool) at least ``minimum``."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
+
+
+def comma_list(text: str) -> tuple[str, ...]:
+    """Every list option's items: split on commas, each stripped (an empty item stays, for the
+    caller to name)."""
+    return tuple(item.strip() for item in text.split(","))

@@ -181,21 +181,3 @@ def positive_control(without: dict[str, Any], with_copy: dict[str, Any]) -> dict
     extra = with_copy["logits_bf16"]["count"] - without["logits_bf16"]["count"]
     return {"without_copy": without, "with_copy": with_copy, "extra_bf16_blocks": extra,
             "passed": extra == 1 and without["complete"] and with_copy["complete"]}
-
-
-def measure_context(device: int = 0) -> Optional[dict[str, int]]:
-    """The CUDA context this process leaves outside the caching allocator on ``device``, measured
-    after CUDA init and the first cuBLAS handle, before Soup's setup: mem_get_info's total minus
-    its free, less what the caching allocator itself reserved (the handle's workspace). The
-    figure issue395.cards' verdict subtracts from a card's total; None without CUDA."""
-    import torch
-
-    if not torch.cuda.is_available():
-        return None
-    torch.cuda.init()
-    torch.cuda.current_blas_handle()
-    torch.cuda.synchronize(device)
-    free, total = (int(n) for n in torch.cuda.mem_get_info(device))
-    reserved = int(torch.cuda.memory_reserved(device))
-    return {"context_bytes": total - free - reserved, "cuda_total_bytes": total, "cuda_free_bytes": free,
-            "allocator_reserved_bytes": reserved}

@@ -9,14 +9,9 @@ import functools
 from typing import Iterable, Optional
 
 from .arm import Arm
-from .record import MAP_SEQS, RECORD_GRID
+from .record import MAP_SEQS, PUBLISHED_NF4, RECORD_GRID
 from .registry import FAMILIES, SHAPES, family_of, max_positions
 from .shapes import family_shape
-
-
-#: Soup's published streamed NF4 peak (Llama-3.1-8B, batch 1 x seq 512; docs/FAMILIES.md): bytes
-#: allocated, from its v0.73.1 test docstring (issue #349). The map holds one arm against it.
-PUBLISHED_NF4 = {("llama31-8b", "nf4", 512, 1): 3_411_600_000}
 
 
 def plan_map(families: Iterable[str], quants: Iterable[str], seqs: Optional[Iterable[int]],

@@ -76,16 +76,6 @@ def margin_breakdown(row: Row) -> dict[str, Any]:
                                  "ratio": ratio, "terms": terms})}
 
 
-def thinnest(margins: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Of margins attributed in several shards: each family's thinnest, and every UNDER."""
-    keep = {}
-    for m in margins:
-        key = (m["model_key"],) if m["ratio"] >= 1 else (m["model_key"], m["quant"], m["seq"], m["batch"])
-        if key not in keep or m["ratio"] < keep[key]["ratio"]:
-            keep[key] = m
-    return list(keep.values())
-
-
 def margin_arms(rows: list[Row]) -> list[Arm]:
     """The arms worth attributing: the tightest measured row of each family, and every UNDER."""
     picked: dict[int, Row] = {}

@@ -4,10 +4,9 @@ never two stacks or protocols, never one arm twice.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 from .errors import UsageError
-from .margin import thinnest
 from .record import QUANTS
 from .registry import ALL_FAMILIES
 from .result import Result, row_order
@@ -44,3 +43,13 @@ def merge(results: list[Result], arms_label: Optional[str] = None) -> Result:
                   timings={"parts": [r.timings for r in results]}, kind=results[0].kind,
                   margins=thinnest([m for r in results for m in r.margins]) if results[0].kind == "map"
                   else [m for r in results for m in r.margins])
+
+
+def thinnest(margins: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Of margins attributed in several shards: each family's thinnest, and every UNDER."""
+    keep = {}
+    for m in margins:
+        key = (m["model_key"],) if m["ratio"] >= 1 else (m["model_key"], m["quant"], m["seq"], m["batch"])
+        if key not in keep or m["ratio"] < keep[key]["ratio"]:
+            keep[key] = m
+    return list(keep.values())

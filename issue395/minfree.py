@@ -145,10 +145,3 @@ def release_ballast(ballast: Ballast, lib: Optional[ctypes.CDLL] = None) -> None
     if ballast.pointer is not None:
         (lib or ballast.lib or _cudart()).cudaFree(ballast.pointer)
         ballast.pointer = None
-
-
-def emulated_outcome(soup_refused: bool, oom: bool) -> str:
-    """An emulated arm as the issue words it, beside the tool's own verdict."""
-    if soup_refused:
-        return "refused by Soup"
-    return "admitted and OOM" if oom else "admitted and completed"

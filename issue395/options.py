@@ -12,11 +12,11 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Optional
 
+from .constants import comma_list
 from .checks import (
     _shown,
     check_input,
     check_output,
-    comma_list,
     distinct_choices,
     local_or_hub,
     odd_file,

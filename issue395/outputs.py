@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import json
 import os
 import stat
 import sys
@@ -14,7 +13,6 @@ import tempfile
 from typing import Any, Optional
 
 from .capped import cap_table, gb, ratio
-from .options import Run
 from .record import A10G_STACK, QUANTS, RECORD_A10G_PREDICTED, RECORD_RTX3050
 from .registry import SHAPES
 from .result import Result
@@ -366,28 +364,3 @@ def write_output(path: str, data: bytes) -> None:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
-
-
-def write_outputs(result: Result, run: Run, rows_file: RowFile,
-                  parts: Optional[list[tuple[str, dict]]] = None) -> Optional[str]:
-    """--json, --markdown and --plot (``parts``: each merged saved result's file and stack, for
-    the markdown's commands). Every output that can be written is; returns one line naming each
-    that could not and the one place the rows are kept, or None."""
-    failed = []
-    for flag, path, render in (
-            ("--json", run.json, lambda: json.dumps(result.to_json(), indent=2, default=str) + "\n"),
-            ("--markdown", run.markdown, lambda: render_markdown(result, parts)),
-            ("--plot", run.plot, lambda: render_plot(result))):
-        if not path:
-            continue
-        try:
-            data = render()
-            write_output(path, data.encode("utf-8") if isinstance(data, str) else data)
-        except OSError as exc:
-            failed.append(f"{flag} {path} could not be written ({exc.strerror or exc})")
-    if failed:
-        keep = (f"the rows are kept in {rows_file.path}" if rows_file.path and rows_file.ok
-                and rows_file.path.exists() else "the rows are in the tables printed above")
-        return "; ".join(failed) + f"; {keep}"
-    rows_file.finish()
-    return None

@@ -80,3 +80,8 @@ RECORD_DETERMINISM = {("smol", 4096): (2.6578, 2.6493, 0.32), ("smol", 6144): (3
 #: The map's grid. Seq 512 and 1024 were added where Soup's NF4 misses live (its first grid
 #: started at 2048 and never saw them).
 MAP_SEQS, MAP_BATCHES, QUANTS = (512, 1024, 2048, 4096, 8192, 16384), (1, 4), ("none", "nf4")
+
+
+#: Soup's published streamed NF4 peak (Llama-3.1-8B, batch 1 x seq 512; docs/FAMILIES.md): bytes
+#: allocated, from its v0.73.1 test docstring (issue #349). The map holds one arm against it.
+PUBLISHED_NF4 = {("llama31-8b", "nf4", 512, 1): 3_411_600_000}

@@ -7,8 +7,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any, Optional
 
+from .constants import is_whole
 from .errors import EXIT_FINDING, EXIT_INTERRUPTED, EXIT_OK
-from .row import Row, _whole
+from .row import Row
 from .schema import SCHEMA, TOOL, check_blocks, check_unique, determinism_rows, schema1_row
 
 
@@ -53,7 +54,7 @@ class Result:
             raise ValueError(f"its kind is {data.get('kind')!r:.60}, not sweep or map")
         if not data["rows"] and data.get("margins"):
             raise ValueError("it holds margins but no rows: nothing measured to set them against")
-        if not _whole(data.get("schema"), 1) or data["schema"] not in (1, SCHEMA):
+        if not is_whole(data.get("schema"), 1) or data["schema"] not in (1, SCHEMA):
             raise ValueError(f"schema {data.get('schema')!r} is not one this version reads "
                              f"(1 or {SCHEMA})")
         check_blocks(data)

@@ -9,9 +9,9 @@ import os
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Iterable, Optional
 
-from .cards import step_free
-from .minfree import emulated_outcome
+from .cards import emulated_outcome, step_free
 from .arm import Arm, logits_charge, predicted_bytes
+from .constants import is_whole
 from .record import LORA_R, RECORD_A10G_PEAK, SOUP_QUANT
 from .registry import Shape, family_of
 
@@ -46,15 +46,15 @@ ROW_FIELDS = {
     "dry_run": (lambda v: v is None or isinstance(v, bool), "true or false"),
     "targets": (lambda v: v is None or (isinstance(v, list) and all(isinstance(t, str) for t in v)),
                 "a list of strings"),
-    "pid": (lambda v: v is None or _whole(v, 0), "a whole number or null"),
+    "pid": (lambda v: v is None or is_whole(v, 0), "a whole number or null"),
     "cap_at": (lambda v: v is None or isinstance(v, str), "a string or null"),
-    "cap": (lambda v: v is None or _whole(v, 1), "a whole number >= 1 or null"),
+    "cap": (lambda v: v is None or is_whole(v, 1), "a whole number >= 1 or null"),
     "emulated_card": (lambda v: v is None or (isinstance(v, str) and v.isprintable()), "a printable string or null"),
-    **{k: (lambda v: v is None or _whole(v, 1), "a whole number >= 1 or null")
+    **{k: (lambda v: v is None or is_whole(v, 1), "a whole number >= 1 or null")
        for k in ("emulated_card_free", "emulated_free", "needs_free", "min_free", "min_free_oom",
                  "min_free_resolution", "lora_r", "lora_alpha", "soup_gate_free")},
     "min_free_probes": (lambda v: v is None or (isinstance(v, (list, tuple)) and all(
-        isinstance(p, (list, tuple)) and len(p) == 2 and _whole(p[0], 1) and isinstance(p[1], bool) for p in v)),
+        isinstance(p, (list, tuple)) and len(p) == 2 and is_whole(p[0], 1) and isinstance(p[1], bool) for p in v)),
         "a list of [cap bytes, completed] pairs or null"),
 }
 
@@ -236,19 +236,19 @@ class Row:
             raise ValueError(f"unknown row field {sorted(unknown)[0]!r}")
         data = {k: v for k, v in data.items() if k in known}
         for key in ("seq", "batch", "vocab"):
-            if not _whole(data.get(key), minimum=1):
+            if not is_whole(data.get(key), minimum=1):
                 raise ValueError(f"row field {key!r} must be a whole number >= 1")
         for key in ("index", "predicted", "logits14", "realised_width", "real_peak", "resident",
                     "carried", "reserved", "oom_request", "record_peak", "repeat"):
             value = data.get(key)
-            if value is not None and not _whole(value, minimum=1 if key == "real_peak" else 0):
+            if value is not None and not is_whole(value, minimum=1 if key == "real_peak" else 0):
                 raise ValueError(f"row field {key!r} is {value!r}: not a finite measurement")
         if data.get("quant", "none") not in SOUP_QUANT:
             raise ValueError(f"row field 'quant' is {data['quant']!r}")
-        if data.get("soup_predicted") is not None and not _whole(data["soup_predicted"], minimum=1):
+        if data.get("soup_predicted") is not None and not is_whole(data["soup_predicted"], minimum=1):
             raise ValueError(f"row field 'soup_predicted' is {data['soup_predicted']!r}")
         rows = data.get("realised_rows") or []
-        if not isinstance(rows, list) or not all(_whole(n, minimum=0) for n in rows):
+        if not isinstance(rows, list) or not all(is_whole(n, minimum=0) for n in rows):
             raise ValueError("row field 'realised_rows' must be a list of whole numbers")
         bpe = data.get("loss_bytes_per_element")
         if bpe is not None and (not isinstance(bpe, (int, float)) or not math.isfinite(bpe) or bpe <= 0):
@@ -265,10 +265,6 @@ class Row:
         probes = data.get("min_free_probes")
         return cls(**dict(data, realised_rows=tuple(rows), targets=tuple(data.get("targets") or ()),
                           **({"min_free_probes": tuple(map(tuple, probes))} if probes is not None else {})))
-
-
-def _whole(value: Any, minimum: int) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
 
 
 def arm_row(arm: Arm, shape: Shape, **measured: Any) -> Row:

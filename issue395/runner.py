@@ -26,7 +26,7 @@ from .measurement import Measurement, run_arm
 from .modes import measure_mode, sdpa_mode
 from .options import Run, grid_arms, settle
 from .parser import NO_CUDA, build_parser
-from .outputs import render_markdown, write_output, write_outputs
+from .outputs import render_markdown, render_plot, write_output
 from .arm import Arm
 from .merge import merge
 from .result import Result, row_order
@@ -415,3 +415,28 @@ def common_arms(a: Result, b: Result) -> int:
         return sum(1 for r in a.rows if r.measured and (r.model, r.quant, r.seq, r.batch, r.repeat) in keys)
     except TypeError:  # an unhashable value: compare_table will say what
         return 1
+
+
+def write_outputs(result: Result, run: Run, rows_file: RowFile,
+                  parts: Optional[list[tuple[str, dict]]] = None) -> Optional[str]:
+    """--json, --markdown and --plot (``parts``: each merged saved result's file and stack, for
+    the markdown's commands). Every output that can be written is; returns one line naming each
+    that could not and the one place the rows are kept, or None."""
+    failed = []
+    for flag, path, render in (
+            ("--json", run.json, lambda: json.dumps(result.to_json(), indent=2, default=str) + "\n"),
+            ("--markdown", run.markdown, lambda: render_markdown(result, parts)),
+            ("--plot", run.plot, lambda: render_plot(result))):
+        if not path:
+            continue
+        try:
+            data = render()
+            write_output(path, data.encode("utf-8") if isinstance(data, str) else data)
+        except OSError as exc:
+            failed.append(f"{flag} {path} could not be written ({exc.strerror or exc})")
+    if failed:
+        keep = (f"the rows are kept in {rows_file.path}" if rows_file.path and rows_file.ok
+                and rows_file.path.exists() else "the rows are in the tables printed above")
+        return "; ".join(failed) + f"; {keep}"
+    rows_file.finish()
+    return None

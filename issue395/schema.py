@@ -8,8 +8,9 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from .constants import is_whole
 from .record import QUANTS
-from .row import Row, _whole
+from .row import Row
 
 SCHEMA = 2  # the JSON this version writes; it also reads schema 1
 TOOL = "issue395_second_stack_vram"  # the name every JSON it writes carries, and a result must
@@ -20,14 +21,14 @@ MARGIN_FIELDS = (
     ("model", lambda v: isinstance(v, str), "a string"),
     ("model_key", lambda v: isinstance(v, str), "a string"),
     ("quant", lambda v: v in QUANTS, f"one of {', '.join(QUANTS)}"),
-    ("seq", lambda v: _whole(v, 1), "a whole number >= 1"),
-    ("batch", lambda v: _whole(v, 1), "a whole number >= 1"),
+    ("seq", lambda v: is_whole(v, 1), "a whole number >= 1"),
+    ("batch", lambda v: is_whole(v, 1), "a whole number >= 1"),
     ("ratio", lambda v: _NUMBER(v) and v > 0, "a finite number > 0"),
     ("complete", lambda v: isinstance(v, bool), "true or false"),
     ("terms", lambda v: isinstance(v, list), "a list"),
     ("note", lambda v: v is None or isinstance(v, str), "a string or null"),
-    ("real_peak", lambda v: _whole(v, 1), "a whole number >= 1"),
-    ("soup_predicted", lambda v: _whole(v, 1), "a whole number >= 1"),
+    ("real_peak", lambda v: is_whole(v, 1), "a whole number >= 1"),
+    ("soup_predicted", lambda v: is_whole(v, 1), "a whole number >= 1"),
 )
 TERM_FIELDS = (
     ("term", lambda v: isinstance(v, str), "a string"),
@@ -85,7 +86,7 @@ def determinism_rows(data: dict[str, Any]) -> list[dict[str, Any]]:
                 or not all(isinstance(r, dict) for r in arm.get("rows", [])):
             raise ValueError("its 'determinism' arms must be objects holding a list of rows")
         for r in arm.get("rows", []):
-            if not _whole(r.get("repeat", 0), 0):
+            if not is_whole(r.get("repeat", 0), 0):
                 raise ValueError(f"a 'determinism' row's 'repeat' is {r['repeat']!r:.60}, not a whole number")
             rows.append(r)
     return rows
@@ -111,7 +112,7 @@ def schema1_row(old: dict[str, Any]) -> dict[str, Any]:
         if old.get(key) is not None and not (_NUMBER(old[key]) and old[key] >= 0):
             raise ValueError(f"row field {key!r} is {old[key]!r:.60}, not a number >= 0")
     elements = old.get("elements") or 0
-    per = old["seq"] * old["batch"] if _whole(old.get("seq"), 1) and _whole(old.get("batch"), 1) else 0
+    per = old["seq"] * old["batch"] if is_whole(old.get("seq"), 1) and is_whole(old.get("batch"), 1) else 0
     repeat = old.get("repeat") if old.get("repeat") else None
     return {"model": old.get("model"), "model_key": old.get("model_key"), "seq": old.get("seq"),
             "batch": old.get("batch"), "index": old.get("index"), "predicted": old.get("predicted"),

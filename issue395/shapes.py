@@ -11,13 +11,12 @@ from pathlib import Path
 from typing import Any, Optional
 
 from .console import quiet_libraries
-from .constants import CONFIG_LIMITS
+from .constants import CONFIG_LIMITS, is_whole
 from .errors import UsageError, last_line
 from .record import GRID_ADAPTER_FACTOR, LORA_ALPHA, LORA_R, LORA_TARGETS
 from .registry import (FAMILIES, MAP_FAMILIES, NOT_ON_MAP, RELEASE_FAMILIES, SHAPES, Shape, config_json, family_of,
                        stream_mode)
 from .moe import soup_intermediate
-from .row import _whole
 from .soup_number import installed_release, stream_aliases, streamed_as, supported_archs
 
 
@@ -30,7 +29,7 @@ def bitsandbytes_present() -> bool:
 
 def size_problem(attr: str, value: Any) -> Optional[str]:
     """Why a config size cannot be a real model's (None if it can)."""
-    if not _whole(value, minimum=1) or value > CONFIG_LIMITS[attr]:
+    if not is_whole(value, minimum=1) or value > CONFIG_LIMITS[attr]:
         return (f"config {attr} is {value!r}; it must be a whole number from 1 to {CONFIG_LIMITS[attr]} "
                 "(no real model is larger)")
     return None
@@ -200,7 +199,7 @@ def load_custom_shape(model: str, targets: Optional[tuple] = None, lora_r: int =
         raise UsageError(f"--model {model}: architecture {model_type!r} cannot be layer-streamed by Soup "
                          f"(it streams {', '.join(supported_archs())})")
     for key in ("vocab_size", "hidden_size", "num_hidden_layers"):
-        if not _whole(fields_.get(key), minimum=1):
+        if not is_whole(fields_.get(key), minimum=1):
             raise UsageError(f"--model {model}: {config_file.name} has {key} {fields_.get(key)!r}; it must "
                              "be a whole number >= 1")
     for key in CONFIG_LIMITS:  # before transformers sees it: a million layers is minutes of config

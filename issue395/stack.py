@@ -11,9 +11,8 @@ import os
 import platform
 import subprocess
 from importlib import metadata
-from typing import Any
+from typing import Any, Optional
 
-from .cuda import measure_context
 
 #: What must agree for two results to merge into one table: the same stack and protocol.
 STACK_KEYS = ("gpu", "driver", "cuda", "torch", "transformers", "trl", "peft", "soup_cli", "python",
@@ -57,3 +56,21 @@ def package_version(name: str) -> str:
         return metadata.version(name)
     except metadata.PackageNotFoundError:
         return "not installed"
+
+
+def measure_context(device: int = 0) -> Optional[dict[str, int]]:
+    """The CUDA context this process leaves outside the caching allocator on ``device``, measured
+    after CUDA init and the first cuBLAS handle, before Soup's setup: mem_get_info's total minus
+    its free, less what the caching allocator itself reserved (the handle's workspace). The
+    figure issue395.cards' verdict subtracts from a card's total; None without CUDA."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    torch.cuda.init()
+    torch.cuda.current_blas_handle()
+    torch.cuda.synchronize(device)
+    free, total = (int(n) for n in torch.cuda.mem_get_info(device))
+    reserved = int(torch.cuda.memory_reserved(device))
+    return {"context_bytes": total - free - reserved, "cuda_total_bytes": total, "cuda_free_bytes": free,
+            "allocator_reserved_bytes": reserved}

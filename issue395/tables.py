@@ -10,9 +10,9 @@ from .anatomy import margin_anatomy
 from .capped import cap_table, emulate_table, gb, min_free_table, ratio, table
 from .constants import GB
 from .corrected import corrected, corrected_ratio
-from .grid import PUBLISHED_NF4
 from .margin import margin_note
 from .record import (
+    PUBLISHED_NF4,
     QUANTS,
     RECORD_A10G_OVERESTIMATE,
     RECORD_DETERMINISM,

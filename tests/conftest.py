@@ -12,6 +12,7 @@ where a test needs a measured peak, through the measured path with only the CUDA
 from __future__ import annotations
 
 import copy
+import ctypes
 import dataclasses
 import json
 import os
@@ -30,6 +31,7 @@ SCRIPT = ROOT / "issue395_second_stack_vram.py"
 sys.path.insert(0, str(ROOT))
 import issue395_second_stack_vram as h  # noqa: E402
 from issue395.console import Stop
+from issue395.cuda import attribute_peak
 from issue395.errors import EXIT_USAGE
 from issue395.arm import Arm, predicted_bytes
 from issue395.merge import merge
@@ -297,3 +299,74 @@ def table_lines(text, model):
             break
         out.append(line)
     return out
+
+
+# --- the allocator histories the positive control reads (FAKED: hand-built in
+# torch.cuda.memory._snapshot()'s plain-dict format; requested sizes) -----------------------
+
+E = 1001  # logits elements; odd, so 2E and 4E are not multiples of 512
+BF16, FP32 = 2 * E, 4 * E  # requested sizes: 2002, 4004
+BF16_BLOCK, FP32_BLOCK = 2048, 4096  # what the allocator counts
+R = 10_000_000  # resident when recording began
+
+
+def alloc(addr, size):
+    return {"action": "alloc", "addr": addr, "size": size}
+
+
+def free(addr, size, completed=True):
+    """A free as recent torch records it: free_requested, then free_completed."""
+    events = [{"action": "free_requested", "addr": addr, "size": size}]
+    if completed:
+        events.append({"action": "free_completed", "addr": addr, "size": size})
+    return events
+
+
+def snapshot(*events):
+    trace = []
+    for e in events:
+        trace.extend(e if isinstance(e, list) else [e])
+    return {"device_traces": [trace], "segments": []}
+
+
+def control_history(bf16_copies: int, fp32_copies: int = 0):
+    """A loss step: bf16 logits, fp32 upcast, grad; plus held copies across it."""
+    events = [alloc(1, BF16), alloc(2, FP32)]
+    events += [alloc(100 + i, BF16) for i in range(bf16_copies)]
+    events += [alloc(200 + i, FP32) for i in range(fp32_copies)]
+    events += [alloc(3, FP32), free(2, FP32), free(3, FP32), free(1, BF16)]
+    events += [free(100 + i, BF16) for i in range(bf16_copies)]
+    events += [free(200 + i, FP32) for i in range(fp32_copies)]
+    return snapshot(*events)
+
+
+def control_peak(bf16_copies: int, fp32_copies: int = 0) -> int:
+    return R + BF16_BLOCK * (1 + bf16_copies) + FP32_BLOCK * (2 + fp32_copies)
+
+
+def attributed(copies: int, measured_off: int = 0, fp32_copies: int = 0):
+    return attribute_peak(control_history(copies, fp32_copies), R, E,
+                            control_peak(copies, fp32_copies) + measured_off)
+
+
+class FakeDevice:
+    """FAKE: cudaMalloc/cudaFree and mem_get_info over a card with ``free`` bytes."""
+
+    def __init__(self, free, total):
+        self.free, self.total, self.held = free, total, {}
+
+    def mem_get_info(self):
+        return self.free, self.total
+
+    def cudaMalloc(self, ref, size):
+        if size.value > self.free:
+            return 2  # cudaErrorMemoryAllocation
+        ptr = ctypes.cast(ref, ctypes.POINTER(ctypes.c_void_p))
+        ptr[0] = 0x1000 + len(self.held)
+        self.held[ptr[0]] = size.value
+        self.free -= size.value
+        return 0
+
+    def cudaFree(self, ptr):
+        self.free += self.held.pop(ptr.value)
+        return 0

@@ -106,3 +106,8 @@ def test_a_card_named_twice_full_width_digits_or_a_negative_size_are_refused(tex
 def test_each_default_workspace_is_what_torchs_own_spelling_of_it_sums_to(cc, spelled):
     """The defaults come from constants; torch's source spells them as configs, parsed here."""
     assert C.cublas_workspace(cc) == C.cublas_workspace(cc, spelled)
+
+
+def test_the_emulated_outcomes_are_the_issues_words():
+    assert [C.emulated_outcome(True, False), C.emulated_outcome(False, False), C.emulated_outcome(False, True)] == [
+        "refused by Soup", "admitted and completed", "admitted and OOM"]

@@ -13,33 +13,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import cuda
+from conftest import alloc, attributed, BF16, BF16_BLOCK, cuda, E, FP32, FP32_BLOCK, free, R, snapshot
 
 from issue395.cuda import attribute_peak, control_step, is_oom, logits_kind, oom_request, positive_control
-
-E = 1001  # logits elements; odd, so 2E and 4E are not multiples of 512
-BF16, FP32 = 2 * E, 4 * E  # requested sizes: 2002, 4004
-BF16_BLOCK, FP32_BLOCK = 2048, 4096  # what the allocator counts
-R = 10_000_000  # resident when recording began
-
-
-def alloc(addr, size):
-    return {"action": "alloc", "addr": addr, "size": size}
-
-
-def free(addr, size, completed=True):
-    """A free as recent torch records it: free_requested, then free_completed."""
-    events = [{"action": "free_requested", "addr": addr, "size": size}]
-    if completed:
-        events.append({"action": "free_completed", "addr": addr, "size": size})
-    return events
-
-
-def snapshot(*events):
-    trace = []
-    for e in events:
-        trace.extend(e if isinstance(e, list) else [e])
-    return {"device_traces": [trace], "segments": []}
 
 
 def loss_step_history():
@@ -191,25 +167,6 @@ def test_longest_device_trace_is_replayed():
 
 # --- the positive control: hand-made histories through attribute_peak -----------------
 
-def control_history(bf16_copies: int, fp32_copies: int = 0):
-    """A loss step: bf16 logits, fp32 upcast, grad; plus held copies across it."""
-    events = [alloc(1, BF16), alloc(2, FP32)]
-    events += [alloc(100 + i, BF16) for i in range(bf16_copies)]
-    events += [alloc(200 + i, FP32) for i in range(fp32_copies)]
-    events += [alloc(3, FP32), free(2, FP32), free(3, FP32), free(1, BF16)]
-    events += [free(100 + i, BF16) for i in range(bf16_copies)]
-    events += [free(200 + i, FP32) for i in range(fp32_copies)]
-    return snapshot(*events)
-
-
-def control_peak(bf16_copies: int, fp32_copies: int = 0) -> int:
-    return R + BF16_BLOCK * (1 + bf16_copies) + FP32_BLOCK * (2 + fp32_copies)
-
-
-def attributed(copies: int, measured_off: int = 0, fp32_copies: int = 0):
-    return attribute_peak(control_history(copies, fp32_copies), R, E,
-                            control_peak(copies, fp32_copies) + measured_off)
-
 
 def test_positive_control_passes_with_exactly_one_extra_bf16_block():
     without, with_copy = attributed(0), attributed(1)
@@ -266,4 +223,3 @@ def test_an_oom_is_torchs_out_of_memory_error_or_a_message_that_says_so():
     assert is_oom(RuntimeError("CUDA error: out of memory"))  # an older or wrapped OOM says so
     assert not is_oom(RuntimeError("CUDA error: an illegal memory access was encountered"))
     assert not is_oom(ValueError("Tried to allocate 1.00 GiB"))
-

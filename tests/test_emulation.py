@@ -11,6 +11,7 @@ import json
 
 import pytest
 import torch
+from conftest import FakeDevice
 
 from issue395 import minfree
 from issue395.cards import budget, parse_card, step_free
@@ -23,7 +24,6 @@ from issue395.registry import FAMILIES, config_json
 from issue395.result import Result
 from issue395.row import Row
 from issue395.tables import render_text
-from test_minfree import FakeDevice
 
 
 @pytest.fixture

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from conftest import SMOL, make_row
 
-from issue395.margin import estimator_terms, margin_arms, margin_breakdown, shape_classes, thinnest
+from issue395.margin import estimator_terms, margin_arms, margin_breakdown, shape_classes
 from issue395.tables import margins_table
 
 
@@ -72,13 +72,3 @@ def test_the_arms_worth_attributing_are_each_familys_tightest_measured_arm_and_e
             make_row("qwen", 4096, index=5, real_peak=2 * gb, soup_predicted=int(1.9 * gb))]
     assert rows[5].status == "UNDER" and rows[1].margin_ratio < rows[0].margin_ratio
     assert [(a.model, a.seq, a.index) for a in margin_arms(rows)] == [("smol", 4096, 1), ("qwen", 4096, 5)]
-
-
-def test_of_margins_from_several_shards_each_familys_thinnest_and_every_under_are_kept():
-    def m(key, seq, ratio):
-        return {"model_key": key, "quant": "none", "seq": seq, "batch": 1, "ratio": ratio}
-
-    kept = thinnest([m("smol", 2048, 1.2), m("smol", 4096, 1.1), m("qwen", 2048, 0.9), m("qwen", 4096, 0.95),
-                     m("qwen", 8192, 1.3)])
-    assert sorted((x["model_key"], x["seq"]) for x in kept) == [("qwen", 2048), ("qwen", 4096), ("qwen", 8192),
-                                                                ("smol", 4096)]

@@ -11,14 +11,13 @@ import json
 import random
 
 import pytest
-from conftest import ENV, make_row, safe_peak
-from test_cuda import attributed
+from conftest import ENV, attributed, make_row, safe_peak
 
 from issue395.arm import Arm, predicted_bytes
 from issue395.cuda import positive_control
 from issue395.errors import EXIT_FINDING, EXIT_INTERRUPTED, EXIT_OK, UsageError
 from issue395.grid import plan_arms, shard_of
-from issue395.merge import merge
+from issue395.merge import merge, thinnest
 from issue395.registry import SHAPES
 from issue395.result import Result
 from issue395.row import Row
@@ -124,3 +123,13 @@ def test_map_parts_of_different_families_merge_into_one_map_in_the_maps_order():
     assert [r.model_key for r in merged.rows] == ["smol", "qwen"]
     with pytest.raises(UsageError):
         merge([part_a, part_a])
+
+
+def test_of_margins_from_several_shards_each_familys_thinnest_and_every_under_are_kept():
+    def m(key, seq, ratio):
+        return {"model_key": key, "quant": "none", "seq": seq, "batch": 1, "ratio": ratio}
+
+    kept = thinnest([m("smol", 2048, 1.2), m("smol", 4096, 1.1), m("qwen", 2048, 0.9), m("qwen", 4096, 0.95),
+                     m("qwen", 8192, 1.3)])
+    assert sorted((x["model_key"], x["seq"]) for x in kept) == [("qwen", 2048), ("qwen", 4096), ("qwen", 8192),
+                                                                ("smol", 4096)]

@@ -5,9 +5,8 @@ device."""
 
 from __future__ import annotations
 
-import ctypes
-
 import pytest
+from conftest import FakeDevice
 
 from issue395 import minfree as M
 
@@ -36,29 +35,6 @@ def test_an_arm_that_never_completes_below_the_card_has_no_min_free():
     assert got.completes is None and got.fails == 4 * 10**9
 
 
-class FakeDevice:
-    """FAKE: cudaMalloc/cudaFree and mem_get_info over a card with ``free`` bytes."""
-
-    def __init__(self, free, total):
-        self.free, self.total, self.held = free, total, {}
-
-    def mem_get_info(self):
-        return self.free, self.total
-
-    def cudaMalloc(self, ref, size):
-        if size.value > self.free:
-            return 2  # cudaErrorMemoryAllocation
-        ptr = ctypes.cast(ref, ctypes.POINTER(ctypes.c_void_p))
-        ptr[0] = 0x1000 + len(self.held)
-        self.held[ptr[0]] = size.value
-        self.free -= size.value
-        return 0
-
-    def cudaFree(self, ptr):
-        self.free += self.held.pop(ptr.value)
-        return 0
-
-
 def test_the_ballast_leaves_exactly_the_emulated_cards_free_memory_and_goes_back():
     dev = FakeDevice(free=140 * 10**9, total=150 * 10**9)
     from issue395.cards import budget, parse_card
@@ -78,25 +54,3 @@ def test_no_ballast_when_the_card_already_has_less_free_and_a_failed_malloc_says
     dev.cudaMalloc = lambda ref, size: 2
     with pytest.raises(RuntimeError, match="cudaMalloc"):
         M.hold_ballast(10**8, lib=dev, mem_get_info=dev.mem_get_info)
-
-
-def test_the_emulated_outcomes_are_the_issues_words():
-    assert [M.emulated_outcome(True, False), M.emulated_outcome(False, False), M.emulated_outcome(False, True)] == [
-        "refused by Soup", "admitted and completed", "admitted and OOM"]
-
-
-def test_the_stack_stamps_context_is_total_minus_free_less_the_allocators_reserve(monkeypatch):
-    import torch
-
-    from issue395.cuda import measure_context
-
-    calls = []  # FAKE: the CUDA calls measure_context makes; the arithmetic is the real one
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "init", lambda: calls.append("init"))
-    monkeypatch.setattr(torch.cuda, "current_blas_handle", lambda: calls.append("cublas"))
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (140 * 10**9, 150 * 10**9))
-    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 32 * MiB)
-    got = measure_context()
-    assert calls == ["init", "cublas"]
-    assert got["context_bytes"] == 10 * 10**9 - 32 * MiB and got["cuda_total_bytes"] == 150 * 10**9

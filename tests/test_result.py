@@ -12,8 +12,7 @@ import json
 from dataclasses import replace
 
 import pytest
-from conftest import ENV, ROOT, main, make_result, make_row, one_error_line, record_row, safe_peak
-from test_cuda import attributed
+from conftest import ENV, ROOT, attributed, main, make_result, make_row, one_error_line, record_row, safe_peak
 
 from issue395.cuda import positive_control
 from issue395.errors import EXIT_FINDING, EXIT_INTERRUPTED, EXIT_OK

@@ -8,7 +8,8 @@ from importlib import metadata
 import pytest
 import torch
 
-from issue395.stack import STACK_KEYS, environment, linear_attention_kernels, package_version
+from issue395.constants import MiB
+from issue395.stack import STACK_KEYS, environment, linear_attention_kernels, measure_context, package_version
 
 KERNELS = ("flash-linear-attention", "causal-conv1d")
 
@@ -47,3 +48,18 @@ def test_a_package_that_is_not_installed_reads_so():
 def test_a_stack_without_the_linear_attention_kernels_reads_as_it_always_did():
     assert linear_attention_kernels() == {}
     assert "linear_attention_kernels" not in environment("synthetic", True, "in one process", [])
+
+
+def test_the_stack_stamps_context_is_total_minus_free_less_the_allocators_reserve(monkeypatch):
+    import torch
+
+    calls = []  # FAKE: the CUDA calls measure_context makes; the arithmetic is the real one
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "init", lambda: calls.append("init"))
+    monkeypatch.setattr(torch.cuda, "current_blas_handle", lambda: calls.append("cublas"))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (140 * 10**9, 150 * 10**9))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 32 * MiB)
+    got = measure_context()
+    assert calls == ["init", "cublas"]
+    assert got["context_bytes"] == 10 * 10**9 - 32 * MiB and got["cuda_total_bytes"] == 150 * 10**9
