@@ -87,14 +87,14 @@ import time
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Optional
 
-from issue395.cuda import allocator_history, peak_window
+from issue395.measure.cuda import allocator_history, peak_window
 from issue395.errors import last_line
-from issue395.measurement import ArmHooks, Measurement
-from issue395.arm import Arm
+from issue395.measure.measurement import ArmHooks, Measurement
+from issue395.model.arm import Arm
 from issue395.record import DATA_ROWS, LORA_ALPHA, LORA_R, OVERSHOOT, SOUP_QUANT
-from issue395.registry import Shape
-from issue395.row import realised_as_requested
-from issue395.runner import Protocol, cli
+from issue395.model.registry import Shape
+from issue395.results.row import realised_as_requested
+from issue395.run.runner import Protocol, cli
 
 #: Where Soup builds an arm whose step is measured. The CPU tests set "cpu" and fake the
 #: step itself (only the CUDA peak cannot run there); nothing else changes for them.

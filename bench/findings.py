@@ -5,7 +5,7 @@ formula, Soup's number, the corrected number and the real peak, and the --cap ev
     .venv/bin/python bench/findings.py > results/FINDINGS.md
 
 Every figure is read from a committed result (measured there, or computed by Soup in that run's
-setup) or computed by this tool's estimator (issue395.estimate) from the family's public config;
+setup) or computed by this tool's estimator (issue395.estimator.estimate) from the family's public config;
 each is labelled. tests/test_findings.py holds the committed file to what this prints."""
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from issue395.estimate import estimate, estimate_key  # noqa: E402
-from issue395.soup_number import arch_of, lora_params  # noqa: E402
-from issue395.result import Result  # noqa: E402
-from issue395.registry import config_json  # noqa: E402
+from issue395.estimator.estimate import estimate, estimate_key  # noqa: E402
+from issue395.estimator.soup_number import arch_of, lora_params  # noqa: E402
+from issue395.results.result import Result  # noqa: E402
+from issue395.model.registry import config_json  # noqa: E402
 
 CAP_DIR = "results/cap-proof-and-seq512-1024-map-h200x2-soup0.73.3-b5bee37"
 MAPS = ("results/margin-map-h200x2-soup0.73.3-f3ad9d2/map-2gpu.json", f"{CAP_DIR}/map-512-1024.json")

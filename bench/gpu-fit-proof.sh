@@ -30,7 +30,7 @@ import json, sys
 data, card, which = json.load(open(sys.argv[1])), sys.argv[2], sys.argv[3]
 c = next(c for c in data["rows"][0]["cards"] if c["card"] == card)
 fit, soup = c["longest_seq"], c["longest_seq_soup_admits"]
-from issue395.registry import max_positions
+from issue395.model.registry import max_positions
 out = {"both": min(fit or 0, soup or 0) or None,
        "above": fit + 64 if fit and fit + 64 <= max_positions(data["model"]) else None,
        "tool": fit if fit and soup is not None and soup < fit else None}[which]

@@ -5,7 +5,7 @@
 # (CUDA_MODULE_LOADING=EAGER), which tells lazily loaded modules from handles and buffers.
 # Then the measured context at init, for the record. Source bench/gpu-box.sh 0.77.0 first.
 export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True  # as --emulate-card's children run
-cmd context python3 -c "from issue395.stack import measure_context; print(measure_context())"
+cmd context python3 -c "from issue395.results.stack import measure_context; print(measure_context())"
 cmd outside-mistral-nf4-512 python3 bench/outside_allocator.py mistral-7b nf4 512 $C
 cmd outside-mistral-nf4-18304 python3 bench/outside_allocator.py mistral-7b nf4 18304 $C
 cmd outside-smol-none-2048 python3 bench/outside_allocator.py smol none 2048 $C

@@ -1,4 +1,4 @@
-"""Leave-one-family-out check of issue395.estimate on the committed H200 results.
+"""Leave-one-family-out check of issue395.estimator.estimate on the committed H200 results.
 
 For each family: fit the allocated allowance (the estimator's only fitted allocated-bytes
 number) on the OTHER families' committed arms, predict the held-out family, and report
@@ -17,8 +17,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from issue395.estimate import estimate  # noqa: E402
-from issue395.registry import MAP_FAMILIES, config_json  # noqa: E402
+from issue395.estimator.estimate import estimate  # noqa: E402
+from issue395.model.registry import MAP_FAMILIES, config_json  # noqa: E402
 
 #: The committed results whose rows carry Soup's captured kwargs (results/README.md): the maps
 #: and the sweeps measured after the workspace teardown fix.
@@ -39,7 +39,7 @@ RESULT_FILES = (
 
 
 def configs() -> dict:
-    """Every dense family's public config, from the one registry (issue395/registry.py)."""
+    """Every dense family's public config, from the one registry (issue395/model/registry.py)."""
     return {k: config_json(k) for k in MAP_FAMILIES + ("llama31-8b",)}
 
 

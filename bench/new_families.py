@@ -19,8 +19,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from issue395.estimate import estimate_key  # noqa: E402
-from issue395.registry import stream_mode  # noqa: E402
+from issue395.estimator.estimate import estimate_key  # noqa: E402
+from issue395.model.registry import stream_mode  # noqa: E402
 
 NEW = ("moonlight", "deepseek-v3", "qwen3.5", "qwen3.5-moe")
 

@@ -3,7 +3,7 @@
 Why: on the emulated 16 GB card Soup's gate read about 90 MB less free memory than the ballast
 left (15.151 GB measured, "only 15.06 GB is free" in Soup's refusal), and the #395 arm on an
 emulated 1.981 GB card died creating a cuBLAS handle. The card verdict charges the CUDA context
-as measured after CUDA init and the first cuBLAS handle (issue395.stack.measure_context). This
+as measured after CUDA init and the first cuBLAS handle (issue395.results.stack.measure_context). This
 asks whether that context grows during the arm, and by how much: at each moment it reads
 mem_get_info (free, total) and the allocator's reserved bytes; outside = total - free - reserved
 is what no allocator counter sees (the context, loaded kernel modules, library handles).
@@ -21,11 +21,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 import issue395_second_stack_vram as h  # noqa: E402
-from issue395.checkpoints import quant_base, synthetic_checkpoint  # noqa: E402
-from issue395.measurement import ArmHooks  # noqa: E402
-from issue395.arm import Arm  # noqa: E402
-from issue395.scratch import Scratch  # noqa: E402
-from issue395.shapes import family_shape  # noqa: E402
+from issue395.run.checkpoints import quant_base, synthetic_checkpoint  # noqa: E402
+from issue395.measure.measurement import ArmHooks  # noqa: E402
+from issue395.model.arm import Arm  # noqa: E402
+from issue395.run.scratch import Scratch  # noqa: E402
+from issue395.measure.shapes import family_shape  # noqa: E402
 
 MOMENTS: list[tuple[str, int, int, int, int]] = []
 

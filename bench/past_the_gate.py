@@ -20,13 +20,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 import issue395_second_stack_vram as h  # noqa: E402
-from issue395.arm import Arm  # noqa: E402
-from issue395.cards import step_free  # noqa: E402
-from issue395.checkpoints import quant_base, synthetic_checkpoint  # noqa: E402
-from issue395.emulation import Emulation, arm_config, tool_needs_free  # noqa: E402
-from issue395.registry import family_of  # noqa: E402
-from issue395.scratch import Scratch  # noqa: E402
-from issue395.shapes import family_shape  # noqa: E402
+from issue395.model.arm import Arm  # noqa: E402
+from issue395.estimator.cards import step_free  # noqa: E402
+from issue395.run.checkpoints import quant_base, synthetic_checkpoint  # noqa: E402
+from issue395.constraints.emulation import Emulation, arm_config, tool_needs_free  # noqa: E402
+from issue395.model.registry import family_of  # noqa: E402
+from issue395.run.scratch import Scratch  # noqa: E402
+from issue395.measure.shapes import family_shape  # noqa: E402
 
 
 def main(key: str, quant: str, seq: int, card: str, cache: str | None) -> None:

@@ -30,17 +30,17 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "issue395_second_stack_vram.py"
 sys.path.insert(0, str(ROOT))
 import issue395_second_stack_vram as h  # noqa: E402
-from issue395.console import Stop
-from issue395.cuda import attribute_peak
+from issue395.measure.console import Stop
+from issue395.measure.cuda import attribute_peak
 from issue395.errors import EXIT_USAGE
-from issue395.arm import Arm, predicted_bytes
-from issue395.merge import merge
+from issue395.model.arm import Arm, predicted_bytes
+from issue395.results.merge import merge
 from issue395.record import DATA_ROWS, RECORD_A10G_PEAK, RECORD_GRID, SDPA_SEQS
-from issue395.registry import SHAPES, Shape
-from issue395.result import Result
-from issue395.row import Row, arm_row
-from issue395.saved import load_result
-from issue395.stack import environment
+from issue395.model.registry import SHAPES, Shape
+from issue395.results.result import Result
+from issue395.results.row import Row, arm_row
+from issue395.results.saved import load_result
+from issue395.results.stack import environment
 
 SMOL, QWEN = SHAPES["smol"], SHAPES["qwen"]
 

@@ -18,8 +18,8 @@ import pytest
 from conftest import main, make_row, one_error_line, table_lines
 
 from issue395.errors import EXIT_FINDING, EXIT_OK
-from issue395.result import Result
-from issue395.spread import CHILD_JOB
+from issue395.results.result import Result
+from issue395.run.spread import CHILD_JOB
 
 
 def test_an_unreadable_job_file_is_one_line_and_exit_2(capfd, tmp_path, monkeypatch):
@@ -61,7 +61,7 @@ def test_a_parent_of_children_with_steps_keeps_the_childrens_stack_and_writes_it
     """--isolate --steps 2: the parent has no stack of its own; naming the steps must not stand in
     for the children's (it did: the render raised KeyError 'torch' and no JSON was written). The
     children are stood in for by one saved child result (no process is started here)."""
-    from issue395 import runner
+    from issue395.run import runner
 
     child = Result(environment=json.loads((ROOT_RESULT).read_text())["environment"],
                    rows=[make_row("smol", 64, index=0, real_peak=None, dry_run=True)])

@@ -23,12 +23,12 @@ from pathlib import Path
 import pytest
 from conftest import SMOL, h, main, one_error_line, table_rows
 
-from issue395 import runner
-from issue395.builder import checkpoint_fingerprint, prepare_checkpoint
+from issue395.run import runner
+from issue395.measure.builder import checkpoint_fingerprint, prepare_checkpoint
 from issue395.errors import EXIT_OK
-from issue395.arm import Arm, predicted_bytes
-from issue395.shapes import load_custom_shape
-from issue395.spread import plan_jobs
+from issue395.model.arm import Arm, predicted_bytes
+from issue395.measure.shapes import load_custom_shape
+from issue395.run.spread import plan_jobs
 
 SOUP_CONSOLE_TEXT = ("Layer streaming", "LoRA applied", "Preparing layer shards",
                      "Loading tokenizer", "chat_template override", "Map:", "Truncating",

@@ -36,7 +36,7 @@ def test_allocator_constants_match_the_installed_torch_headers():
 
 def test_every_registered_family_sits_within_the_config_bounds():
     """The bounds are past every real model: each family's public config is inside them."""
-    from issue395.registry import FAMILIES, config_json
+    from issue395.model.registry import FAMILIES, config_json
 
     for key in FAMILIES:
         config = config_json(key)
@@ -53,9 +53,9 @@ SMALL = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "nu
 def test_the_measured_path_and_the_estimator_refuse_a_config_at_the_same_bound(name):
     """One past the bound both refuse it, naming the field; at the bound neither refuses that field
     (the estimator may still refuse another, e.g. a head_dim no model has)."""
-    from issue395.arch import arch_from_config
+    from issue395.estimator.arch import arch_from_config
     from issue395.errors import UsageError
-    from issue395.shapes import size_problem
+    from issue395.measure.shapes import size_problem
 
     bound = CONFIG_LIMITS[name]
     assert size_problem(name, bound) is None and name in size_problem(name, bound + 1)

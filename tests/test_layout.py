@@ -1,55 +1,96 @@
-"""The house: a protocol script a page long, and a package of one-concern modules beside it,
-each importing only what lies below it (docs/LAYOUT.md's order), never the script; and the tests
-mirror the modules, one tests/test_<module>.py each, beside a few named suites that pin no one
-module."""
+"""The house: a protocol script a page long, and a package in wings beside it. docs/LAYOUT.md is
+the law: its wings stand bottom-up, each with its modules in order, lowest first; a module imports
+only from the modules listed above it in its own wing and from the wings below, never the script;
+every module stands in the table under the wing whose folder holds it; the estimator wing is stdlib
+only at import; and each wing's tests live in tests/<wing>/."""
 
 from __future__ import annotations
 
 import ast
 import re
+import subprocess
+import sys
 
 from conftest import ROOT, SCRIPT
 
 PACKAGE = ROOT / "issue395"
 TESTS = ROOT / "tests"
-
-#: The test files that are no one module's: the persona suites (end to end), the goldens, the bench
-#: scripts' run and this file.
-NOT_A_MODULE = {"test_new_user", "test_hostile", "test_children_and_saved_results", "test_faults",
-                "test_cli", "test_golden", "test_bench", "test_layout"}
+ROOT_WING = ""  # issue395/ itself: constants, errors and the like
 
 
-def layout_order() -> list[str]:
-    """The modules in the order docs/LAYOUT.md's table lists them, lowest first."""
-    layout = (ROOT / "docs" / "LAYOUT.md").read_text(encoding="utf-8")
-    return re.findall(r"^\| `(\w+)` \|", layout, re.M)
+def layout() -> dict[str, list[str]]:
+    """docs/LAYOUT.md's wings, bottom-up (the root first), each with its modules in order, lowest
+    first: a wing's section is headed by its folder in backticks (`issue395/` for the root)."""
+    wings, wing = {}, None
+    for line in (ROOT / "docs" / "LAYOUT.md").read_text(encoding="utf-8").splitlines():
+        heading = re.match(r"^### `issue395/(\w*)/?`", line)
+        if heading:
+            wing = heading.group(1)
+            wings[wing] = []
+        elif line.startswith("## "):
+            wing = None
+        row = re.match(r"^\| `(\w+)` \|", line)
+        if row and wing is not None:
+            wings[wing].append(row.group(1))
+    return wings
+
+
+def package_modules() -> dict[str, tuple[str, object]]:
+    """Every module of the package by name: its wing ('' for the root) and its path."""
+    found = {}
+    for path in PACKAGE.rglob("*.py"):
+        if path.stem == "__init__":
+            continue
+        wing = path.parent.relative_to(PACKAGE).as_posix()
+        assert path.stem not in found, f"two modules named {path.stem}"
+        found[path.stem] = ("" if wing == "." else wing, path)
+    return found
 
 
 def imports_of(path) -> set[str]:
     """Package modules a module imports, at any depth, annotations under TYPE_CHECKING included:
-    an import only a type checker follows still ties the two modules into one cycle."""
+    an import only a type checker follows still ties the two modules into one cycle. A module is
+    named by its last part (module names are unique across the wings)."""
     tree = ast.parse(path.read_text(encoding="utf-8"))
     found = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom):
-            if node.level == 1:
-                found |= {node.module} if node.module else {a.name for a in node.names}
-            elif (node.module or "").startswith("issue395."):
-                found.add(node.module.split(".")[1])
+            module = node.module or ""
+            if node.level or module.startswith("issue395"):
+                found |= {module.split(".")[-1]} if module and module.split(".")[-1] not in layout() \
+                    else {a.name for a in node.names}
     return found
 
 
-def test_every_module_is_in_the_layout_and_imports_only_what_lies_below_it():
-    order = layout_order()
-    modules = sorted(p.stem for p in PACKAGE.glob("*.py") if p.stem != "__init__")
-    assert sorted(order) == modules
-    for name in modules:
-        above = [m for m in imports_of(PACKAGE / f"{name}.py") if order.index(m) >= order.index(name)]
-        assert not above, f"{name} imports {above}, which do not lie below it"
+def test_every_module_stands_in_the_layout_under_the_wing_that_holds_it():
+    wings, modules = layout(), package_modules()
+    listed = {m: w for w, ms in wings.items() for m in ms}
+    assert sum(len(ms) for ms in wings.values()) == len(listed), "a module listed twice"
+    assert {m: w for m, (w, _) in modules.items()} == listed
+    folders = {p.parent.relative_to(PACKAGE).as_posix() for p in PACKAGE.rglob("*.py")} - {"."}
+    assert folders == set(wings) - {ROOT_WING}, "a wing folder without its LAYOUT.md section, or the reverse"
+    assert len(wings[ROOT_WING]) + 1 <= 8, "at most 8 modules at issue395/ itself"
+
+
+def test_a_module_imports_only_what_lies_below_it():
+    """Below: a wing listed earlier, or a module listed earlier in its own wing."""
+    wings, modules = layout(), package_modules()
+    order = list(wings)
+    rank = {m: (order.index(w), ms.index(m)) for w, ms in wings.items() for m in ms}
+    for name, (wing, path) in modules.items():
+        above = sorted(m for m in imports_of(path) if rank[m] >= rank[name])
+        assert not above, f"{wing or 'issue395'}/{name} imports {above}, which do not lie below it"
+
+
+def test_a_wings_face_hands_on_nothing():
+    """A wing's __init__.py is its docstring: every name is taken from the module that defines it."""
+    for path in PACKAGE.rglob("__init__.py"):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        assert ast.get_docstring(tree) and len(tree.body) == 1, path.relative_to(ROOT)
 
 
 def test_the_package_never_imports_the_script():
-    for path in PACKAGE.glob("*.py"):
+    for path in PACKAGE.rglob("*.py"):
         tree = ast.parse(path.read_text(encoding="utf-8"))
         named = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
         named |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
@@ -57,31 +98,27 @@ def test_the_package_never_imports_the_script():
         assert "import_module" not in path.read_text(encoding="utf-8") or path.stem == "console", path.name
 
 
-def test_the_script_is_a_page_and_no_module_is_over_450_lines():
+def test_the_estimator_wing_imports_no_torch_and_no_soup():
+    """The estimator runs where torch is not installed: its modules import the stdlib only, and
+    read Soup's source with ast rather than import it."""
+    names = [f"issue395.estimator.{m}" for m in layout()["estimator"]]
+    code = (f"import sys; sys.path.insert(0, {str(ROOT)!r}); import " + ", ".join(names)
+            + "; print(sorted(m for m in ('torch', 'soup_cli', 'transformers', 'peft') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def test_the_script_is_a_page():
     assert len(SCRIPT.read_text(encoding="utf-8").splitlines()) <= 400
-    for path in PACKAGE.glob("*.py"):
-        assert len(path.read_text(encoding="utf-8").splitlines()) <= 450, path.name
 
 
-def package_modules() -> set[str]:
-    return {p.stem for p in PACKAGE.glob("*.py") if p.stem != "__init__"}
-
-
-def present_test_files() -> set[str]:
-    return {p.stem for p in TESTS.glob("test_*.py")}
-
-
-def test_every_module_has_its_own_test_file():
-    missing = sorted(f"tests/test_{m}.py" for m in package_modules() if f"test_{m}" not in present_test_files())
-    assert not missing, f"a module without its test file: {missing}"
-
-
-def test_every_test_file_is_a_modules_or_one_of_the_named_suites():
-    own = {f"test_{m}" for m in package_modules()}
-    stray = sorted(present_test_files() - own - NOT_A_MODULE)
-    assert not stray, f"test files named for no module (name each for the module it pins): {stray}"
-    assert NOT_A_MODULE <= present_test_files(), sorted(NOT_A_MODULE - present_test_files())  # no stale name
-    assert not NOT_A_MODULE & own, sorted(NOT_A_MODULE & own)  # a module's file is never exempt
+def test_each_wing_has_its_tests_folder():
+    wings = set(layout()) - {ROOT_WING}
+    missing = sorted(f"tests/{w}/" for w in wings if not list((TESTS / w).glob("test_*.py")))
+    assert not missing, f"a wing without its tests: {missing}"
+    strays = sorted(p.name for p in TESTS.iterdir() if p.is_dir() and p.name not in wings
+                    and p.name not in {"golden", "__pycache__"})
+    assert not strays, f"a tests folder named for no wing: {strays}"
 
 
 def _defined_and_imported(path) -> tuple[set[str], set[str]]:
@@ -97,18 +134,21 @@ def _defined_and_imported(path) -> tuple[set[str], set[str]]:
 
 def _takes_through(tree, modules: set[str]):
     """(module, name) for each package name this file takes from a package module: a
-    ``from issue395.m import name`` (or ``from .m``), or ``alias.name`` on an imported module. A
+    ``from issue395.wing.m import name`` (or ``from .m``, ``from ..wing.m``), or ``alias.name`` on
+    an imported module. A
     name a test monkeypatches on the module (``setattr(alias, "name", ...)``) is patched where it is
     used, not taken through it."""
     aliases, patched = {}, set()
     for n in ast.walk(tree):
-        if isinstance(n, ast.ImportFrom):
-            module = (n.module or "").removeprefix("issue395.") if n.level or (n.module or "").startswith(
-                "issue395.") else None
+        if isinstance(n, ast.ImportFrom) and (n.level or (n.module or "").startswith("issue395")):
+            module = (n.module or "").split(".")[-1]
             if module in modules:
                 yield from ((module, a.name) for a in n.names)
-            if n.module == "issue395" or (n.level and not n.module):
+            elif module in ("", "issue395", *layout()):  # a wing, or the package: its modules by name
                 aliases |= {(a.asname or a.name): a.name for a in n.names if a.name in modules}.items()
+        elif isinstance(n, ast.Import):
+            aliases |= {(a.asname or a.name): a.name.split(".")[-1] for a in n.names
+                        if a.asname and a.name.startswith("issue395.") and a.name.split(".")[-1] in modules}.items()
         elif isinstance(n, ast.Call) and getattr(n.func, "attr", getattr(n.func, "id", "")) == "setattr" \
                 and len(n.args) >= 2 and isinstance(n.args[0], ast.Name) and isinstance(n.args[1], ast.Constant):
             patched.add((n.args[0].id, n.args[1].value))
@@ -122,8 +162,8 @@ def _takes_through(tree, modules: set[str]):
 def test_no_module_hands_on_a_name_it_only_imports():
     """Each name is taken from the module that defines it: a module that imports a name is not a
     second address for it (estimate had re-exported soup_number's and constants' names)."""
-    modules = {p.stem: _defined_and_imported(p) for p in PACKAGE.glob("*.py") if p.stem != "__init__"}
-    files = [*PACKAGE.glob("*.py"), *(ROOT / "tests").glob("*.py"), *(ROOT / "bench").glob("*.py"), SCRIPT]
+    modules = {name: _defined_and_imported(path) for name, (_, path) in package_modules().items()}
+    files = [*PACKAGE.rglob("*.py"), *TESTS.rglob("*.py"), *(ROOT / "bench").glob("*.py"), SCRIPT]
     through = sorted(f"{path.relative_to(ROOT)}: {module}.{name}" for path in files
                      for module, name in _takes_through(ast.parse(path.read_text(encoding="utf-8")), set(modules))
                      if name in modules[module][1])

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, main, one_error_line
 
-from issue395.shapes import default_map_families
+from issue395.measure.shapes import default_map_families
 
 MAP = ROOT / "results/margin-map-h200x2-soup0.73.3-f3ad9d2/map-2gpu.json"
 SWEEP = ROOT / "results/margin-map-in-4-parts-h200-soup0.73.3-3238e1a-to-b3a7891/full-cold.json"
@@ -64,7 +64,7 @@ def test_after_a_hang_up_a_terminal_stdout_writes_to_dev_null_and_a_pipe_is_kept
     import sys
 
     master, slave = pty.openpty()
-    code = ("import os, sys; sys.path.insert(0, sys.argv[1]); from issue395.console import terminal_gone; "
+    code = ("import os, sys; sys.path.insert(0, sys.argv[1]); from issue395.measure.console import terminal_gone; "
             "terminal_gone(); null = os.stat(os.devnull).st_rdev; "
             "sys.stderr.write(f'{os.fstat(1).st_rdev == null} {os.fstat(2).st_rdev == null}')")
     try:
@@ -263,7 +263,7 @@ def _two_shards(tmp_path):
         "compare-zero-division"])
 def test_any_failure_while_merging_rendering_or_comparing_is_one_line_naming_the_file(
         capfd, tmp_path, monkeypatch, target, exc):
-    import issue395.runner as runner
+    import issue395.run.runner as runner
 
     def boom(*a, **k):
         raise exc
@@ -335,7 +335,7 @@ def test_an_empty_path_says_it_is_empty(capfd, flag):
 
 
 def test_an_unwritable_output_folder_names_the_value_given_and_the_folder(capfd, tmp_path, monkeypatch):
-    import issue395.options as options
+    import issue395.run.options as options
 
     (tmp_path / "ro").mkdir()
     monkeypatch.chdir(tmp_path)

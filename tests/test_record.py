@@ -27,7 +27,7 @@ from issue395.record import (
     RECORD_RTX3050,
     SOUP_QUANT,
 )
-from issue395.schema import SCHEMA
+from issue395.results.schema import SCHEMA
 
 
 # --- the record as data ------------------------------------------------------------

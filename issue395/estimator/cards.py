@@ -1,0 +1,207 @@
+"""Cards a run may be asked to fit: named cards with their total memory and compute capability,
+plain sizes, the CUDA context each leaves outside the caching allocator, and the cuBLAS
+workspace per handle PyTorch gives each compute capability. Imports only constants and errors.
+
+The verdict every fit answer uses: ``needs_free + context + the runtime's growth <= total``,
+i.e. a run fits when ``needs_free <= step_free_bytes``, the card's free memory
+(``total_bytes - context_bytes``, what an idle process sees) less what the CUDA runtime adds
+outside the allocator by the end of the step. Soup's gate reads the free memory earlier, less
+only what the runtime has added by then (``gate_free_bytes``).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from typing import Optional
+
+from ..constants import CUBLAS_WORKSPACE, CUBLAS_WORKSPACE_PRE_HOPPER, MiB, comma_list
+from ..errors import UsageError
+
+#: The CUDA context and driver reservation outside the caching allocator, for a card this tool
+#: has not measured: Soup's own figure. soup-cli 0.73.3, soup_cli/utils/layer_stream.py line 942
+#: (0.77.0: line 1360), estimate_stream_peak_vram's docstring: "sit outside the caching allocator
+#: (0.85 GB on the dev box, which also drives a display)" -- the dev box is the record's first
+#: stack, an RTX 3050 Laptop 4 GB. A bound with that one measurement behind it, not a law: a
+#: headless data-centre card leaves less, a desktop driving two monitors may leave more, so
+#: --context GB overrides it, and on a GPU this tool measures its own (cuda.context_bytes).
+CONTEXT_BOUND_BYTES = 850_000_000
+CONTEXT_EVIDENCE = "0.85 GB on the dev box, which also drives"  # the words in Soup's source
+
+#: What the CUDA runtime adds outside the caching allocator after the context above (CUDA init
+#: and the first cuBLAS handle), measured on the H200 with expandable segments on four arms
+#: (SmolLM2 bf16 2048, Llama-3.2-1B bf16 4096, Mistral-7B NF4 512 and 18304; bench/outside_allocator.py,
+#: results/outside-allocator-h200-soup0.77.0-cb63dba/). By Soup's gate: 90 MiB on every arm, the
+#: kernel modules CUDA loads lazily as Soup's setup first runs them (2 MiB with
+#: CUDA_MODULE_LOADING=EAGER, which loads them all at init); Soup's gate reads free memory with
+#: them gone (it refused the emulated 16 GB arm by that margin). By the end of the step: 242 to
+#: 250 MiB, the modules the step loads and the backward thread's library handles (228 MiB with
+#: EAGER). The largest of each is charged on every card: one card's evidence, a kernel image's
+#: size varies little between architectures, and the charge only ever makes a verdict safer.
+GATE_GROWTH_BYTES = 94_371_840
+STEP_GROWTH_BYTES = 262_144_000
+
+#: The compute capabilities PyTorch gives the larger default cuBLAS workspace (constants: both
+#: defaults; 11.x since torch 2.9's source). CUBLAS_WORKSPACE_CONFIG replaces the default: every
+#: ':SIZE_KiB:COUNT' pair adds SIZE x 1024 x COUNT; a value with no pair keeps it (torch warns).
+WORKSPACE_32MIB_MAJORS = (9, 10, 11, 12)
+_PAIR = re.compile(r":([0-9]+):([0-9]+)")
+
+
+def cublas_workspace(cc: Optional[tuple], env: Optional[str] = None) -> int:
+    """Bytes of one cuBLAS handle's workspace on a card of compute capability ``cc`` (None: not
+    known, the larger default), under CUBLAS_WORKSPACE_CONFIG ``env`` as PyTorch parses it."""
+    default = CUBLAS_WORKSPACE if cc is None or cc[0] in WORKSPACE_32MIB_MAJORS else CUBLAS_WORKSPACE_PRE_HOPPER
+    if env is None:
+        return default
+    pairs = _PAIR.findall(env)
+    return sum(int(size) * 1024 * int(count) for size, count in pairs) if pairs else default
+
+
+@dataclass(frozen=True)
+class Card:
+    """A card as the driver reports it: ``total_bytes`` is nvidia-smi's MiB total (or the
+    nameplate where no listing is public); ``cc`` its compute capability (CUDA's public table,
+    https://developer.nvidia.com/cuda-gpus); ``source`` says where the total comes from."""
+
+    name: str
+    total_bytes: int
+    cc: Optional[tuple] = None
+    source: str = ""
+    #: bytes the driver keeps below nvidia-smi's total that CUDA never reports as total (known
+    #: only where committed evidence shows both): charged into this card's default context.
+    hidden_bytes: int = 0
+
+    @property
+    def context_bound(self) -> int:
+        return CONTEXT_BOUND_BYTES + self.hidden_bytes
+
+    def workspace(self, env: Optional[str] = None) -> int:
+        return cublas_workspace(self.cc, env)
+
+
+def _mib(n: int) -> int:
+    return n * MiB
+
+
+#: nvidia-smi's "Memory-Usage" total as public nvidia-smi listings print it for each card (an
+#: idle card reads "0MiB / <total>"); the nameplate where no listing is known, said so.
+CARDS: dict[str, Card] = {c.name.lower(): c for c in (
+    Card("A10G", _mib(23028), (8, 6), "nvidia-smi 23028MiB (AWS g5, public nvidia-smi listings)"),
+    Card("L4", _mib(23034), (8, 9), "nvidia-smi 23034MiB (GCP g2, public nvidia-smi listings)"),
+    # https://github.com/robbyant-research/MagicQuill/issues/57: "3MiB / 15360MiB", Tesla T4
+    Card("T4", _mib(15360), (7, 5), "nvidia-smi 15360MiB (MagicQuill issue #57)"),
+    Card("RTX3090", _mib(24576), (8, 6), "nvidia-smi 24576MiB (public nvidia-smi listings)"),
+    Card("RTX4090", _mib(24564), (8, 9), "nvidia-smi 24564MiB (public nvidia-smi listings)"),
+    Card("RTX5090", _mib(32607), (12, 0), "nvidia-smi 32607MiB (public nvidia-smi listings)"),
+    Card("A100-40GB", _mib(40960), (8, 0), "nvidia-smi 40960MiB (A100 SXM4/PCIe 40GB)"),
+    Card("A100-80GB", _mib(81920), (8, 0), "nvidia-smi 81920MiB (A100 SXM4/PCIe 80GB)"),
+    Card("L40S", _mib(46068), (8, 9), "nvidia-smi 46068MiB (public nvidia-smi listings)"),
+    Card("H100", _mib(81559), (9, 0), "nvidia-smi 81559MiB (H100 80GB HBM3, SXM)"),
+    # nvidia-smi 143771MiB; CUDA's own total on our H200s is 139.80 GiB (torch's OOM text in
+    # results/cap-proof-and-seq512-1024-map-h200x2-soup0.73.3-b5bee37/, "GPU 0 has a total capacity of 139.80 GiB"): 616 MiB
+    # the driver keeps (139.805 GiB, the rounding's top, keeps the figure a lower bound).
+    Card("H200", _mib(143771), (9, 0), "nvidia-smi 143771MiB; CUDA total 139.80 GiB (committed OOM text)",
+         hidden_bytes=_mib(143771) - int(139.795 * 2**30)),
+    # The record's first stack. Soup's own source (layer_stream.py, decide_stream_fit) calls it
+    # "a 4.29 GB card": 4096 MiB = 4.295e9 B.
+    Card("RTX3050-Laptop-4GB", _mib(4096), (8, 6), "4096 MiB (Soup's docstring: 'a 4.29 GB card')"),
+    Card("RTX3050-Laptop-6GB", _mib(6144), (8, 6), "nameplate 6 GB (no nvidia-smi listing known)"),
+    Card("RTX4060-Laptop-8GB", _mib(8188), (8, 9), "nvidia-smi 8188 MiB (public listing)"),
+    Card("RTX3060-12GB", _mib(12288), (8, 6), "nvidia-smi 12288MiB (public nvidia-smi listings)"),
+    Card("RTX4060Ti-16GB", _mib(16384), (8, 9), "nameplate 16 GB (no nvidia-smi listing known)"),
+)}
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(GB|GiB)\s*$", re.IGNORECASE | re.ASCII)  # not ２４GB
+
+
+def parse_card(part: str) -> Card:
+    """A named card (any case) or a plain size: 24GB = 24e9 bytes, 24GiB = 24 x 2^30; a plain
+    size has no compute capability (the larger cuBLAS workspace is charged)."""
+    named = CARDS.get(part.strip().lower())
+    if named is not None:
+        return named
+    m = _SIZE.match(part)
+    if part.strip().startswith("-") and _SIZE.match(part.strip()[1:]):
+        raise UsageError(f"--card {part.strip()!r}: a card's size is positive, like 24GB")
+    if not m or float(m.group(1)) <= 0:
+        raise UsageError(f"--card {part.strip()!r} is not a size like 24GB or 80GiB nor a card "
+                         f"({', '.join(c.name for c in CARDS.values())})")
+    unit = 1e9 if m.group(2).lower() == "gb" else 2**30
+    size = int(float(m.group(1)) * unit)
+    if not 1 <= size <= 2**60:
+        raise UsageError(f"--card {part.strip()!r}: a card holds from 1 byte to 2^60 bytes")
+    return Card(f"{m.group(1)}{'GB' if unit == 1e9 else 'GiB'}", size, None, "the size given")
+
+
+def parse_cards(text: str) -> list[Card]:
+    if not isinstance(text, str) or not text.strip():
+        raise UsageError("--card needs card names or sizes, e.g. A10G,RTX4090,24GB")
+    cards = [parse_card(part) for part in comma_list(text)]
+    # One card under two spellings (24GB and 24.0GB, a10g and A10G) is named twice too.
+    seen = [(c.total_bytes, c.cc) for c in cards]
+    twice = next((c.name for c, k in zip(cards, seen) if seen.count(k) > 1), None)
+    if twice:
+        raise UsageError(f"--card {text.strip()}: {twice} is named twice")
+    return cards
+
+
+def parse_context(text: Optional[str]) -> Optional[int]:
+    """--context GB: the CUDA context the user's card leaves, in GB (1e9 bytes); None: the bound."""
+    if text is None:
+        return None
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*(?:GB)?\s*", text, re.IGNORECASE)
+    if not m or float(m.group(1)) > 1024:
+        raise UsageError(f"--context {text.strip()!r} is not a size in GB like 0.5")
+    return int(float(m.group(1)) * 1e9)
+
+
+@dataclass(frozen=True)
+class Budget:
+    """What one card leaves a run: total, the context, and the free memory the verdict uses."""
+
+    card: Card
+    context_bytes: int
+    context_source: str  # 'measured' (this tool, on that card), 'given' (--context) or 'bound'
+
+    @property
+    def free_bytes(self) -> int:
+        """The card's free memory as an idle process sees it (an emulated card's ballast leaves this)."""
+        return self.card.total_bytes - self.context_bytes
+
+    @property
+    def step_free_bytes(self) -> int:
+        return step_free(self.free_bytes)
+
+    @property
+    def gate_free_bytes(self) -> int:
+        """What Soup's gate reads: the free memory less the modules loaded before it asks."""
+        return self.free_bytes - GATE_GROWTH_BYTES
+
+    def fits(self, needs_free: int) -> bool:
+        return needs_free <= self.step_free_bytes
+
+
+def step_free(free_bytes: int) -> int:
+    """What one streamed step's allocator can have of a card's free memory: the runtime's growth
+    during the step comes out of the same memory."""
+    return free_bytes - STEP_GROWTH_BYTES
+
+
+def budget(card: Card, context: Optional[int] = None) -> Budget:
+    """The card's budget: --context where given, else the documented bound for it."""
+    if context is not None:
+        return Budget(card, context, "given")
+    return Budget(card, card.context_bound, "bound")
+
+
+def workspace_env() -> Optional[str]:
+    return os.environ.get("CUBLAS_WORKSPACE_CONFIG")
+
+
+def emulated_outcome(soup_refused: bool, oom: bool) -> str:
+    """An emulated arm as the issue words it, beside the tool's own verdict."""
+    if soup_refused:
+        return "refused by Soup"
+    return "admitted and OOM" if oom else "admitted and completed"

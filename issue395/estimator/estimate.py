@@ -1,0 +1,361 @@
+"""A corrected peak-VRAM estimate for one Soup layer-streamed LoRA step, from physical terms.
+
+Beside it, Soup's OWN pre-flight for the same run: Soup's ``estimate_stream_peak_vram``, read
+from the installed soup-cli's source with ``ast`` and executed in an isolated namespace, so
+neither torch nor soup_cli is imported. Stdlib only. Evidence is cited as PEAK
+(docs/PEAK.md) and as committed result files under results/.
+
+peak = resident + max(loss phase, layer phase) [+ steady-state terms when steps > 1]
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ..constants import CUBLAS_WORKSPACE, K_MIN_LARGE_ALLOC, K_ROUND_LARGE, K_SMALL_SIZE, STREAM_KEYS, block_bytes
+from ..errors import UsageError
+from ..record import QUANTS
+from ..model.registry import RECOMPUTES, config_json, stream_mode
+from .arch import Arch, arch_from_config, protocol_targets
+from .moe import Kind, expert_in_flight
+from .releases import nearest_release
+from .soup_number import (RELEASES, arch_of, installed_release, layer_bytes, linear_elements, lora_params,
+                          soup_preflight_from_config)
+
+#: CUBLAS_WORKSPACE (constants) is kept on every card though torch gives less below sm 9
+#: (CUBLAS_WORKSPACE_PRE_HOPPER, cards.cublas_workspace): on the A10G record (sm 8.6) it sits
+#: 27.6-28.5 MB over at seq 2048 but 19.1-21.0 MB at 3072-6144, so a bare 25.0 MB cut would be
+#: UNDER on 8 of 10 arms (the ~8.5 MB step looks like a second sm 8.6 handle live at the loss
+#: peak; no committed history shows it). A card's term only ever raises it.
+#: Three fp32 logits-shaped buffers at the loss backward (PEAK "Loss phase"; the --snapshot
+#: histories in results/record-h200x2-soup0.73.3-e7c26f7/ show exactly three fp32 logits blocks at the peak).
+LOGITS_BYTES = 12
+#: + the saved bf16 tanh output under final_logit_softcapping (PEAK: Gemma-2's 1.007x margin).
+SOFTCAP_EXTRA_BYTES = 2
+IDS_LABELS_BYTES_PER_TOKEN = 32  # input_ids, labels, attention mask, shifted labels: int64 each
+POSITION_BYTES = 8  # int64 position ids, one row per position
+#: Soup's LoRA dropout default (soup_cli config schema, lora.dropout=0.05): peft applies an
+#: nn.Dropout per targeted module, which saves a 1-byte mask and its output for lora_A.
+LORA_DROPOUT_MASK_BYTES = 1
+ADAM_MOMENT_BYTES = 8  # exp_avg + exp_avg_sq, fp32, from step 2 on (PEAK "Steps after the first")
+LORA_WEIGHT_BYTES = 4  # fp32 LoRA weights (PEAK "Resident")
+
+# -- CUDA caching allocator: its constants and 512 B rounding are in issue395/constants.py --
+#: Segments first made for hidden-sized tensors (4hT fp32: RMSNorm's input copy, square, product;
+#: 2hT bf16), re-cut into checkpointed inputs whose last piece inherits the tail, live at the loss
+#: peak. The most the measured arms show, not a traced count: Qwen2.5 T=6144 4 x 1 MiB, T=5632
+#: 4 x 0.75 MiB past the logits' tails, SmolLM2 T=12288 4 x 1 MiB; Qwen2.5 T=11264 3 x 0.75 MiB.
+FP32_HIDDEN_SEGMENTS, BF16_HIDDEN_SEGMENTS = 4, 3
+
+# -- allowances: the only fitted numbers, each fitted on committed results only -------------
+#: Allocated bytes the physics misses: max(real - physics, 0) over every committed arm, in
+#: 0.5 MB steps (bench/leave_one_out.py fits it; a test checks it equals the all-family fit).
+#: Left after the allocator's rounding is charged: unattributed resident bytes (Qwen2.5 bf16
+#: +0.66 MB) and per-token bytes at batch > 1 (small vocab: ~50 B per extra token, largest on
+#: Mistral-7B bf16 16384x4, +2.62 MB). Refitted with seq 512/1024 measured (issue16/map-512-1024):
+#: Qwen2.5 bf16 1024x1 sat 0.28 MB under the 3.0 MB fitted before (1 of 80 new arms, 0.012%).
+ALLOCATED_ALLOWANCE_BYTES = 3_500_000
+#: needs_free over allocated under expandable segments (what `soup train` sets). PEAK "What a
+#: card must hold": Mistral-7B NF4 512x1 reserved 1.5729 GB over 1.5215 GB allocated (+3.4%);
+#: a cap 1.8% above allocated completed, 0.2% above raised OOM. Charged: the +3.4% reserved.
+EXPANDABLE_RESERVE_FRACTION = 0.034
+#: ...plus a constant: capped at allocated x 1.034 alone, 4 of 12 arms raised OOM (results/cap-proof-
+#: and-seq512-1024-map-h200x2-soup0.73.3-b5bee37/first-allowance/), small ones, whose reserved
+#: sits 33-119 MB over allocated (SmolLM2 NF4 512x1: 0.4158 GB, 0.5348 GB); 128 MiB is the
+#: envelope of every committed figure.
+EXPANDABLE_RESERVE_BYTES = 128 * 2**20
+
+
+# -- The physical terms (bytes) --
+def pool(a: Arch, quant: str, per_expert: bool = False) -> int:
+    """Two streamed layer buffers (NF4 packed with absmax, or bf16). PEAK "Resident": from the
+    public shape they equal Soup's shard bytes to within 36 B; bf16 resident in map-2gpu.json is
+    exact to 1 KiB for 7 of 11 families. A MoE or hybrid model's buffer holds the union of its
+    layer kinds (Moonlight resident = 2 x Soup's union + extras + slot + LoRA + workspace + 7.5 MB)."""
+    return 2 * layer_bytes(a, quant, per_expert)
+
+
+def extras(a: Arch, release: str) -> int:
+    """Embedding, final norm, untied head. 0.77.0 keeps one vocab slot for an untied model:
+    every untied peak falls by V x h x 2 (results/compare-untied-soup077-vs-073.txt)."""
+    heads = 1 if a.tied or release != "0.73.3" else 2
+    return 2 * a.V * a.h * heads + 2 * a.h * (2 if a.norm_bias else 1) + (
+        2 * a.V if a.model_type == "phi" and not a.tied else 0)
+
+
+def lora_weights(n: int) -> int:
+    """LoRA A and B in fp32, 4 B a parameter (PEAK "Resident")."""
+    return LORA_WEIGHT_BYTES * n
+
+
+def logits(a: Arch, T: int) -> int:
+    """Loss backward: 3 fp32 logits buffers, 12 B/element; 14 B under final softcapping (PEAK
+    "Loss phase"; --snapshot: three fp32 blocks, no bf16 one; Gemma-2 margin 1.007x)."""
+    return (LOGITS_BYTES + (SOFTCAP_EXTRA_BYTES if a.softcap else 0)) * T * a.V
+
+
+def checkpointed_inputs(a: Arch, quant: str, T: int) -> int:
+    """Each layer's saved input, 2hL B/token; phi NF4 (4L-2)h: its residual is fp32 after layer 0
+    (PEAK: phi-2 NF4 2048x1 325.1 MB and 2048x4 1,300.2 MB above bf16 = 31 T h 2)."""
+    return T * a.h * ((4 * a.L - 2) if (a.model_type == "phi" and quant == "nf4") else 2 * a.L)
+
+
+def final_norm(a: Arch, T: int) -> int:
+    """The final norm's fp32 copy of its input, 4h B/token, live at the loss peak (PEAK)."""
+    return 4 * a.h * T
+
+
+def ids_labels(T: int) -> int:
+    """Token ids and labels, ~32 B/token (PEAK "Loss phase")."""
+    return IDS_LABELS_BYTES_PER_TOKEN * T
+
+
+def position_ids(seq: int) -> int:
+    """int64 position ids, 8 B/position, batch-independent (PEAK)."""
+    return POSITION_BYTES * seq
+
+
+def rotary_tables(a: Arch, seq: int) -> int:
+    """cos+sin, bf16, rotary dim x seq each: 4 x rd x seq per table; Gemma-3 keeps a global and a
+    local one (PEAK "Loss phase"). DeepSeek-V3's latent attention keeps three fp32 tables of
+    rd x seq (4 x rd x seq each): the allocator history of Moonlight chunk1024 8192x1 holds exactly
+    3 x 2,097,152 B of them at the peak; found out of sample, where the one-table charge was 1.4 MB
+    under (results/out-of-sample-and-fit-proof-h200-soup0.77.0-*/oos-moonlight-chunk.json)."""
+    if a.model_type == "deepseek_v3":
+        return 3 * 4 * a.rotary_dim * seq
+    return 4 * a.rotary_dim * seq * (2 if a.model_type == "gemma3_text" else 1)
+
+
+def sliding_mask(a: Arch, seq: int, batch: int) -> int:
+    """A bool seq x seq mask per row once seq >= the window; none below it (PEAK: Gemma-2 from
+    4096, Gemma-3 from 512, Phi-3 from 2047)."""
+    return seq * seq * batch if a.window and seq >= a.window else 0
+
+
+def segment_tail(size: int) -> int:
+    """Bytes a live block of ``size`` requested bytes holds past its request in the segment made
+    for it: requests round to 512 B; from 10 MiB one gets its own segment rounded up to 2 MiB,
+    split only if the rest exceeds 1 MiB, so a rest up to 1 MiB stays in the block and counts in
+    memory_allocated (smaller requests are cut from shared 2/20 MiB segments: no tail). Evidence:
+    Qwen2.5 2048x1's allocator history replays 3,145,728 B (3 x 1 MiB) under the measured peak;
+    its fp32 logits requests are 1,244,659,712 B, in 1,245,708,288 B segments (review-check)."""
+    size = block_bytes(size)
+    rest = -(-size // K_ROUND_LARGE) * K_ROUND_LARGE - size
+    if size < K_MIN_LARGE_ALLOC:
+        return 0
+    return rest if rest <= K_SMALL_SIZE else 0
+
+
+def resident_rounding(a: Arch, quant: str, release: str, per_expert: bool = False) -> int:
+    """segment_tail of each resident tensor: every vocab matrix (materialize_extras) and each
+    linear weight in both pool slots (LayerBufferPool: a torch.empty per tensor; NF4 packed n/2 B).
+    Evidence: resident is +1,049,088 B over pool+extras+LoRA+workspace on Llama-3.2-1B and Gemma-2
+    (vocab tail 1 MiB), Phi-3 +262,144 B on 0.73.3 (two heads) and +131,072 B on 0.77.0 (one)."""
+    heads = 1 if a.tied or release != "0.73.3" else 2
+    out = heads * segment_tail(2 * a.V * a.h)
+    if a.layers is not None:  # every tensor of the union buffer, in both slots
+        sizes = {"bf16": 2, "fp32": 4, "expert": 0 if per_expert else 2}
+        return out + sum(2 * segment_tail(-(-n // 2) if kind == "linear" and quant == "nf4"
+                                          else n * sizes.get(kind, 2))
+                         for n, kind in a.layers.union if sizes.get(kind, 2))
+    for fan_in, fan_out, _ in a.modules.values():
+        n = fan_in * fan_out
+        out += 2 * segment_tail(2 * n if quant == "none" else -(-n // 2))
+    return out
+
+
+def allocator_rounding(a: Arch, T: int) -> int:
+    """segment_tail of the large blocks live at the loss peak: the three fp32 logits buffers (4TV
+    each, fresh: nothing cached is that large; why Soup's probe reads 12.0101 B/element at vocab
+    151936, 12.0 elsewhere) and the hidden-sized segments (*_HIDDEN_SEGMENTS)."""
+    return (3 * segment_tail(4 * T * a.V) + FP32_HIDDEN_SEGMENTS * segment_tail(4 * T * a.h)
+            + BF16_HIDDEN_SEGMENTS * segment_tail(2 * T * a.h))
+
+
+def dequantised_layer(a: Arch, quant: str, modules: dict | None = None) -> int:
+    """W16: under NF4 Soup's _dequant_forward dequantises each linear to bf16 and F.linear saves
+    it for backward (PEAK "Layer phase": Mistral-7B NF4 512x1 history, 3 x 117,440,512 B +
+    4096x4096 blocks from bitsandbytes' dequantize at the peak). bf16 weights are the pool.
+    ``modules``: one layer kind's linears (issue395.estimator.moe), else the dense layer's."""
+    if quant != "nf4":
+        return 0
+    return 2 * (linear_elements(a) if modules is None else sum(fi * fo for fi, fo, _ in modules.values()))
+
+
+def layer_per_token(a: Arch, quant: str, targets: tuple, r: int) -> int:
+    """What the recomputed layer saves per token plus the MLP backward's transients, op by op
+    (act = 2 B, 4 B for phi NF4 whose residual is fp32). Each RMSNorm saves an fp32 copy of its
+    input (4h); each LoRA module saves its dropout output (act x in) and mask (1 x in) and
+    lora_A's output (act x r); rotary writes new q and k (act x (q + kv)); SDPA saves q, k, v,
+    its output and fp32 logsumexp; Qwen3/Gemma-3 q/k norms save fp32 q and k; the incoming
+    gradient (act x h). MLP: gate, act(gate), up saved (3i), and at the mul backward the down
+    grad and the two mul grads (3i): 6i; phi's python gelu_new saves 4 i-sized tensors: 7i.
+    Evidence: PEAK counts about 258 KB/token for Mistral-7B, this count's figure."""
+    act = 4 if (a.model_type == "phi" and quant == "nf4") else 2
+    qw, kw = a.heads * a.head_dim, a.kv * a.head_dim
+    b = 4 * a.h * (a.norms if a.model_type != "phi" else 0)
+    b += sum(act * a.modules[t][0] + LORA_DROPOUT_MASK_BYTES * a.modules[t][0] + act * r
+             for t in targets)
+    v = (qw + 2 * kw) if a.model_type == "phi3" else kw  # phi3: v is a view of the fused qkv
+    b += act * (qw + kw + v + qw) + 4 * a.heads + act * a.h
+    b += 4 * (qw + kw) if a.qk_norm else 0
+    b += act * a.i * (7 if a.model_type == "phi" else 6)
+    return b
+
+
+def kind_per_token(a: Arch, k: Kind, targets: tuple, r: int) -> int:
+    """layer_per_token for one kind of a MoE, latent or hybrid layer (issue395.estimator.moe), op by op on
+    the kind's own widths: two RMSNorms' fp32 copies (4h each); each LoRA target this kind has
+    (dropout output, mask, lora_A's output); attention's q, k, v and output with fp32 logsumexp
+    and the incoming gradient; the latent or delta-net widths in bf16 beside an fp32 norm copy
+    (6 B); the MLP's 6 x width as a dense one (3 saved, 3 backward transients); routing: the
+    router's fp32 logits and scores (8 B an expert) and each token's hidden state gathered for
+    every expert it visits and its weighted output (2 x top_k x 2h). Evidence: DeepSeek-V3 NF4
+    512x1 (both layouts) and Moonlight's recompute-off arms, results/moe-and-stream-modes-*."""
+    b = 4 * a.h * 2 + sum(2 * k.dequant[t][0] + LORA_DROPOUT_MASK_BYTES * k.dequant[t][0] + 2 * r
+                          for t in targets if t in k.dequant)
+    b += 2 * k.attention_width + 4 * a.heads + 2 * a.h + 6 * k.extra_width
+    return b + 2 * 6 * k.mlp_width + 8 * k.routed + 2 * k.top_k * 2 * a.h
+
+
+def kind_transients(a: Arch, k: Kind) -> int:
+    """What a kind's per-token count frees before the next layer runs (its MLP backward's three
+    i-sized gradients and the incoming gradient): kept out of what a layer retains with
+    stream_recompute off."""
+    return 2 * 3 * k.mlp_width + 2 * a.h
+
+
+def kind_terms(a: Arch, k: Kind, quant: str, targets: tuple, r: int, T: int, per_expert: bool) -> dict:
+    """One layer kind's recompute beyond the shared terms: its dequantised linears (NF4 only: fused
+    experts stay bf16 in the pool), T x its per-token count, and under the per-expert layout Soup's
+    expert in flight (its packed copy and bf16 weights, twice). The kind whose sum is largest binds."""
+    return {"dequantised_layer": dequantised_layer(a, quant, k.dequant),
+            "layer_per_token": T * kind_per_token(a, k, targets, r),
+            "expert_in_flight": expert_in_flight(a.layers.expert, quant) if per_expert and k.routed else 0}
+
+
+def retained_per_token(a: Arch, quant: str, targets: tuple, r: int) -> int:
+    """stream_recompute off: what one layer keeps per token for its backward (its per-token count
+    less the transients), the widest kind. Evidence: SmolLM2 keeps 19.6-20.0 KB a token a layer
+    over the checkpointed step (results/moe-and-stream-modes-*/recompute.txt); this counts 20.4."""
+    if a.layers is None:
+        return layer_per_token(a, quant, targets, r) - 2 * 3 * a.i - 2 * a.h
+    return max(kind_per_token(a, k, targets, r) - kind_transients(a, k) for k in a.layers.kinds)
+
+
+# -- The estimate --
+@dataclass(frozen=True)
+class Estimate:
+    seq: int; batch: int; quant: str; steps: int; release: str  # noqa: E702
+    soup_predicted: int
+    soup_terms: dict
+    corrected_predicted: int
+    needs_free: int
+    phase: str  # 'loss' or 'layer'
+    terms: dict  # ordered: each physical term in bytes
+
+    def to_json(self) -> dict:
+        return {k: dict(v) if isinstance(v, dict) else v for k, v in vars(self).items()}
+
+
+def _whole(name: str, v, low: int = 1) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v < low:
+        raise UsageError(f"{name} is {v!r}; it must be a whole number >= {low}")
+    return v
+
+
+def estimate(config: dict, *, quant: str = "none", seq: int, batch: int = 1, targets=None,
+             lora_r: int = 8, steps: int = 1, release: str | None = None,
+             allowance: int | None = None, workspace: int | None = None,
+             stream: dict | None = None, soup: bool = True) -> Estimate:
+    """Soup's own pre-flight and the corrected peak for one (seq, batch). ``targets=None`` is the
+    protocol's (q_proj, v_proj), or qkv_proj on Phi-3. ``allowance`` overrides the fitted
+    ALLOCATED_ALLOWANCE_BYTES (the leave-one-family-out fit passes its own); ``workspace`` is a
+    card's cuBLAS workspace per handle, charged only where it is larger than CUBLAS_WORKSPACE.
+    ``stream``: soup-cli 0.77.0's training keys (stream_expert_layout, stream_loss_chunk,
+    stream_recompute); any other is refused in one line, never estimated as if absent. ``soup=False``:
+    the physics alone, with no Soup number beside it (a saved row re-rendered where the installed
+    Soup is another release: its own number is the one the row captured)."""
+    a = arch_of(config) if soup else arch_from_config(config)
+    if quant not in QUANTS:
+        raise UsageError(f"quant {quant!r} is not one Soup streams ({', '.join(QUANTS)})")
+    seq, batch = _whole("seq", seq), _whole("batch", batch)
+    lora_r, steps = _whole("lora_r", lora_r), _whole("steps", steps)
+    if seq > a.max_pos:
+        raise UsageError(f"seq {seq} is past the model's max_position_embeddings {a.max_pos}")
+    targets = protocol_targets(a) if targets is None else targets
+    targets = (targets,) if isinstance(targets, str) else tuple(targets)
+    missing = [t for t in targets if t not in a.modules]
+    if not targets or missing:
+        raise UsageError(f"LoRA target(s) {', '.join(missing) or '(none)'} not in a {a.model_type}"
+                         f" layer (it has {', '.join(a.modules)})")
+    release = nearest_release(release or installed_release(), RELEASES)  # issue395.estimator.releases
+    ws = max(CUBLAS_WORKSPACE, workspace or 0)
+    stream = dict(stream or {})
+    unknown = sorted(set(stream) - set(STREAM_KEYS))
+    if unknown:
+        raise UsageError(f"training.{unknown[0]} is not modelled by this estimator")
+    soup_number, soup_terms = soup_preflight_from_config(
+        config, quant=quant, seq=seq, batch=batch, targets=targets, lora_r=lora_r, release=release,
+        stream=stream) if soup else (None, {})
+    per_expert = stream.get("stream_expert_layout") == "per_expert"
+    if per_expert and a.model_type != "deepseek_v3":  # Soup refuses it: no number for a run that cannot be
+        raise UsageError(f"Soup refuses stream_expert_layout 'per_expert' on {a.model_type} (it admits "
+                         "deepseek_v3 only)")
+    chunk, recompute = stream.get("stream_loss_chunk"), stream.get("stream_recompute", "on")
+    if recompute not in RECOMPUTES:
+        raise UsageError(f"stream_recompute {recompute!r} is not modelled (it measures one step at setup)")
+    T, n = seq * batch, lora_params(a, targets, lora_r)
+    t = {"pool": pool(a, quant, per_expert), "extras": extras(a, release), "lora_weights": lora_weights(n),
+         "cublas_workspace": ws, "logits": logits(a, T),
+         "resident_rounding": resident_rounding(a, quant, release, per_expert),
+         "allocator_rounding": allocator_rounding(a, T),
+         "checkpointed_inputs": checkpointed_inputs(a, quant, T), "final_norm": final_norm(a, T),
+         "ids_labels": ids_labels(T), "position_ids": position_ids(seq),
+         "rotary_tables": rotary_tables(a, seq), "sliding_mask": sliding_mask(a, seq, batch),
+         "dequantised_layer": dequantised_layer(a, quant),
+         "layer_per_token": T * layer_per_token(a, quant, targets, lora_r),
+         "autograd_workspace": ws}
+    if a.layers is not None:  # the kind whose recompute binds: its W16, its tokens, its expert
+        t.update(max((kind_terms(a, k, quant, targets, lora_r, T, per_expert) for k in a.layers.kinds),
+                     key=lambda terms: sum(terms.values())))
+    if chunk:  # the chunked loss: per chunk 3 fp32 + its bf16 logits (14 B), a backward's cuBLAS
+        # workspace inside the loss, Soup's two [batch, seq, hidden] stream-dtype tensors;
+        # measured: SmolLM2 and Moonlight chunk 512 (results/moe-and-stream-modes-*/loss-chunk.txt)
+        t["logits"] = (LOGITS_BYTES + 2 + (SOFTCAP_EXTRA_BYTES if a.softcap else 0)) * min(chunk, seq) * batch * a.V
+        t["allocator_rounding"] = allocator_rounding(a, min(chunk, seq) * batch)
+        t["chunked_loss"] = ws + 2 * 2 * a.h * T
+    if recompute == "off":
+        t["retained_activations"] = a.L * T * retained_per_token(a, quant, targets, lora_r)
+    shared = sum(t[k] for k in ("checkpointed_inputs", "ids_labels", "position_ids",
+                                "rotary_tables", "sliding_mask"))
+    loss = (shared + t["logits"] + t["final_norm"] + t["allocator_rounding"] + t.get("chunked_loss", 0)
+            + t.get("retained_activations", 0))
+    layer = (shared + t["dequantised_layer"] + t["layer_per_token"] + t["autograd_workspace"]
+             + t.get("expert_in_flight", 0))
+    if recompute == "off":  # the backward's first layer: every other layer still holds its activations
+        layer += t["retained_activations"] * (a.L - 1) // a.L
+    resident = (t["pool"] + t["extras"] + t["lora_weights"] + t["cublas_workspace"]
+                + t["resident_rounding"])
+    steady = 0
+    if steps > 1:  # Adam's moments, and the autograd thread's workspace now resident
+        t["adam_moments"] = ADAM_MOMENT_BYTES * n
+        steady = t["adam_moments"] + (ws if loss >= layer else 0)
+    t["allocated_allowance"] = ALLOCATED_ALLOWANCE_BYTES if allowance is None else allowance
+    corrected = resident + max(loss, layer) + steady + t["allocated_allowance"]
+    return Estimate(seq, batch, quant, steps, release, soup_number, soup_terms, corrected,
+                    needs_free(corrected), "loss" if loss >= layer else "layer", t)
+
+
+def estimate_key(key: str, **kwargs) -> Estimate:
+    """The estimate of a map key: its family's public config under the streaming modes the key
+    names (never estimated as if the mode were absent). ``release``, as a saved row records it, is
+    taken to its nearest known release by ``estimate`` itself."""
+    family, stream = stream_mode(key)
+    return estimate(config_json(family), stream=stream, **kwargs)
+
+
+def needs_free(allocated: int) -> int:
+    """Free bytes a card must have: allocated plus the expandable-segments reserve allowance."""
+    return math.ceil(allocated * (1 + EXPANDABLE_RESERVE_FRACTION)) + EXPANDABLE_RESERVE_BYTES

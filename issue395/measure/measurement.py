@@ -1,0 +1,202 @@
+"""One arm around the protocol: what the entry script measured (``Measurement``), the hooks the
+runner hands it (``ArmHooks``: the cap, the emulated card's ballast, Soup's console, the phases
+it names), and ``run_arm``,
+which judges the measurement into a Row: SKIPPED, REFUSED, OOM or FAILED, the timings, the
+attribution of the peak and its snapshot file, the GPU's label.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, ContextManager, Optional
+
+from ..errors import last_line
+from ..model.arm import Arm
+from ..model.registry import Shape
+from ..estimator.anatomy import classifier_for
+from ..results.row import Row, arm_row
+from ..constraints.cap import apply_cap, cap_bytes
+from ..constraints.emulation import Emulation, arm_config, tool_needs_free
+from .console import soup_console
+from .cuda import attribute_peak, is_oom, oom_request, save_snapshot
+from .margin import shape_classes
+from .shapes import bitsandbytes_present
+
+
+@dataclass
+class Measurement:
+    """What the protocol saw for one arm. A failure is kept, not judged: ``run_arm`` sorts it."""
+
+    realised_width: Optional[int] = None  # input_ids.shape[-1] of the first collated batch
+    realised_rows: tuple = ()  # each row's tokens in it
+    real_peak: Optional[int] = None  # max_memory_allocated around the step
+    resident: Optional[int] = None  # allocated before the step
+    reserved: Optional[int] = None  # max_memory_reserved
+    step_s: Optional[float] = None
+    snapshot: Optional[dict] = None  # the allocator's history around the step (--snapshot)
+    soup_predicted: Optional[int] = None  # Soup's own pre-flight, as its setup computed it
+    soup_terms: Optional[dict] = None  # the arguments it passed its estimator
+    soup_fit: Any = None  # Soup's fit decision: a refusal by its gate is REFUSED, not FAILED
+    error: Optional[BaseException] = None  # what stopped the arm, if anything did
+    teardown_error: Optional[str] = None
+
+    def fail(self, exc: BaseException) -> None:
+        """Keep what stopped the arm without its frames: they hold the model, and teardown must
+        free it before the next arm."""
+        seen = exc
+        while seen is not None and seen.__traceback__ is not None:
+            seen.__traceback__ = None
+            seen = seen.__cause__ or seen.__context__
+        self.error = exc
+
+
+@dataclass
+class ArmHooks:
+    """What the runner asks of the protocol for one arm; the protocol calls each at its moment."""
+
+    before_setup: Callable[[], None] = lambda: None  # before Soup puts anything on the card
+    before_step: Callable[[Measurement], None] = lambda m: None  # Soup's pre-flight known, no step yet
+    console: Callable[[], ContextManager[Any]] = contextlib.nullcontext  # Soup's panels to a log
+    mark: Callable[[str], None] = lambda phase: None  # "setup" done, "teardown" begins
+
+
+class Clock:
+    """The arm's timings from the phases the protocol names."""
+
+    def __init__(self) -> None:
+        self.start, self.marks = time.perf_counter(), {}
+
+    def mark(self, phase: str) -> None:
+        self.marks.setdefault(phase, time.perf_counter())
+
+    def timings(self, step_s: Optional[float]) -> dict[str, float]:
+        end = time.perf_counter()
+        teardown = self.marks.get("teardown", end)
+        got = {"setup_s": round(self.marks.get("setup", teardown) - self.start, 3)}
+        if step_s is not None:
+            got["step_s"] = step_s
+        got["teardown_s"] = round(end - teardown, 3)
+        return got
+
+
+def carried_bytes(dry_run: bool, step_device: str) -> Optional[int]:
+    """What earlier arms in this process left allocated: a fresh process has 0, and anything
+    more is inside this arm's peak too."""
+    if dry_run or step_device != "cuda":
+        return None
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_initialized():
+        return 0
+    return int(torch.cuda.memory_allocated())
+
+
+def failure_of(m: Measurement) -> dict[str, Any]:
+    """A failure is the row's finding: REFUSED when Soup's own gate said no, OOM with the size it
+    asked for, FAILED with the error's last line."""
+    if m.error is None:
+        return {}
+    fit, oom = m.soup_fit, is_oom(m.error)
+    refused = fit is not None and not fit.fits and str(m.error).startswith(fit.reason)
+    return {"failure": "REFUSED" if refused else "OOM" if oom else "FAILED",
+            "error": last_line(m.error), "oom_request": oom_request(m.error) if oom else None}
+
+
+def attribution_of(m: Measurement, arm: Arm, shape: Shape) -> Optional[dict]:
+    """Which blocks are live at the peak, by logits kind and by physical class (--snapshot)."""
+    if m.snapshot is None or m.real_peak is None:
+        return None
+    return attribute_peak(m.snapshot, m.resident, arm.seq * shape.vocab * arm.batch, m.real_peak,
+                          shape_classes(shape, arm.seq, arm.batch),
+                          classifier_for(arm.model, quant=arm.quant, seq=arm.seq, batch=arm.batch,
+                                         targets=shape.targets))
+
+
+def gpu_label(dry_run: bool, step_device: str) -> Optional[str]:
+    if dry_run or step_device != "cuda":
+        return None
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    return f"{os.environ.get('CUDA_VISIBLE_DEVICES', '0')}: {torch.cuda.get_device_name(0)}"
+
+
+def run_arm(measure_arm: Callable[..., Measurement], step_device: str, arm: Arm, shape: Shape,
+            base: str, work: Path, *, dry_run: bool = False, snapshot: bool = False,
+            snapshot_dir: Optional[str] = None, log: Optional[Path] = None, verbose: bool = False,
+            repeat: Optional[int] = None, steps: int = 1, cap: Optional[str] = None,
+            emulate: Optional[str] = None, context: Optional[int] = None,
+            soup_config: Optional[str] = None) -> Row:
+    """One arm measured by the protocol and judged. Always returns a row: a failure anywhere is
+    the row's finding, and a teardown error sits beside the measurement, never replacing it. A
+    --config arm's row names the file and the LoRA r and alpha it ran with (its shape's)."""
+    carried = carried_bytes(dry_run, step_device)
+    adapter = dict(soup_config=soup_config, lora_r=shape.lora_r, lora_alpha=shape.lora_alpha) if soup_config else {}
+    if arm.quant == "nf4" and not bitsandbytes_present():
+        return arm_row(arm, shape, base=base, dry_run=dry_run, repeat=repeat, failure="SKIPPED",
+                       error="NF4 needs bitsandbytes, which is not installed here", **adapter)
+    capped: dict[str, Any] = {}
+
+    def cap_allocator() -> None:
+        if cap and cap != "soup" and not dry_run:
+            capped.update(cap_at=cap, cap=cap_bytes(cap, arm.model, quant=arm.quant, seq=arm.seq,
+                                                     batch=arm.batch, targets=shape.targets, lora_r=shape.lora_r,
+                                                     steps=steps, config=arm_config(arm.model, base)))
+            apply_cap(capped["cap"])
+
+    def cap_at_soups_own(m: Measurement) -> None:
+        # Soup's own number exactly as this setup computed it, for every family and streaming mode
+        # it streams; set before the measured step, which is where the peak lives. Soup's gate
+        # reads the device's free memory, which a per-process fraction does not change.
+        if cap == "soup" and not dry_run and m.soup_predicted:
+            capped.update(cap_at=cap, cap=m.soup_predicted)
+            apply_cap(capped["cap"])
+
+    emulation = Emulation(emulate, context) if emulate else None
+    if emulation is not None:  # this tool's verdict for the card, before the card decides
+        capped.update(emulation.row_fields(tool_needs_free(
+            arm_config(arm.model, base), emulation.budget, quant=arm.quant, seq=arm.seq, batch=arm.batch,
+            targets=shape.targets, lora_r=shape.lora_r, steps=steps, stream=shape.stream)))
+
+    def before_setup() -> None:
+        cap_allocator()
+        if emulation is not None and not dry_run:  # Soup's gate then measures the card's free memory
+            capped["emulated_free"] = emulation.hold()
+
+    clock = Clock()
+    hooks = ArmHooks(before_setup=before_setup, before_step=cap_at_soups_own, mark=clock.mark,
+                     console=lambda: soup_console(log or work / "soup.log", verbose))
+    try:
+        m = measure_arm(arm, shape, base, work, dry_run=dry_run, snapshot=snapshot, steps=steps, hooks=hooks)
+    finally:  # the ballast goes back however the arm ended
+        unfreed = emulation.release() if emulation is not None else None
+    if unfreed:
+        m.teardown_error = "; ".join(filter(None, (m.teardown_error, unfreed)))
+    timings = clock.timings(m.step_s)
+    try:
+        attribution = attribution_of(m, arm, shape)
+    except Exception as exc:  # noqa: BLE001 - FAILED beside the measurement, as any arm's error
+        attribution = None
+        if m.error is None:
+            m.fail(exc)
+    if attribution and snapshot_dir:
+        rep = f"-r{repeat}" if repeat is not None else ""
+        name = f"snapshot-{arm.index:03d}-{arm.model}-{arm.seq}-b{arm.batch}{rep}.pickle"
+        attribution["snapshot_file"] = save_snapshot(m.snapshot, Path(snapshot_dir) / name)
+    return arm_row(arm, shape, base=base, dry_run=dry_run, repeat=repeat, log=str(log) if log else None,
+                   carried=carried, timings=timings, realised_width=m.realised_width,
+                   realised_rows=m.realised_rows, real_peak=m.real_peak, resident=m.resident,
+                   reserved=m.reserved, attribution=attribution, teardown_error=m.teardown_error,
+                   soup_predicted=m.soup_predicted, soup_terms=m.soup_terms, soup_gate_free=gate_free(m),
+                   gpu=gpu_label(dry_run, step_device), **capped, **adapter, **failure_of(m))
+
+
+def gate_free(m: Measurement) -> Optional[int]:
+    """What Soup's gate read (None where it never ran: a dry run, an arm stopped before it)."""
+    value = getattr(m.soup_fit, "available_bytes", None)
+    return int(value) if isinstance(value, int) and value > 0 else None

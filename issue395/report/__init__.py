@@ -1,0 +1,3 @@
+"""The report wing: fixed-width tables (the sweep, the map, the constrained arms), markdown and
+the plots, safe writes.
+"""

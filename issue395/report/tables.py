@@ -1,0 +1,397 @@
+"""Fixed-width text tables: plain rows of cells printed through one helper.
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any, Optional
+
+from ..constants import GB
+from ..record import (
+    PUBLISHED_NF4,
+    QUANTS,
+    RECORD_A10G_OVERESTIMATE,
+    RECORD_DETERMINISM,
+    RECORD_MEASURE,
+    RECORD_SDPA_MB,
+    SDPA_BACKENDS,
+    SDPA_HEAD_DIM,
+    SDPA_HEADS,
+    SDPA_SEQS,
+)
+from ..model.registry import ALL_FAMILIES, SHAPES
+from ..estimator.anatomy import margin_anatomy
+from ..results.corrected import corrected, corrected_ratio
+from ..results.result import Result
+from ..results.row import Row
+from ..measure.margin import margin_note
+from .capped import cap_table, emulate_table, gb, min_free_table, ratio, table
+
+
+def determinism_spread(rows: list[Row]) -> list[dict[str, Any]]:
+    """Each repeated arm's peaks, one per fresh process, and their spread in percent."""
+    out = []
+    for index in sorted({r.index for r in rows}):
+        mine = sorted((r for r in rows if r.index == index), key=lambda r: r.repeat or 0)
+        peaks = [r.real_peak if r.measured else None for r in mine]
+        nums = [p for p in peaks if p]
+        out.append({"row": mine[0], "peaks": peaks, "pids": [r.pid for r in mine],
+                    "statuses": [r.status for r in mine],
+                    "spread_pct": (max(nums) - min(nums)) / min(nums) * 100 if len(nums) >= 2 else None})
+    return out
+
+
+def models_in(rows: list[Row]) -> list[str]:
+    return list(dict.fromkeys(r.model for r in rows))
+
+
+SWEEP_COLUMNS = [("seq", 6), ("realised", 8), ("batch", 5), ("predicted GB", 12), ("real peak GB", 13),
+                 ("pred/real", 9), ("corrected GB", 12), ("corr/real", 9), ("A10G peak GB", 12), ("vs A10G", 8), ("14xE GB", 8),
+                 ("non-logits GB", 13), ("over-est", 8), ("copy fits", 9), ("status", 7)]
+
+
+SWEEP_LEGEND = ("corrected: this tool's estimator (issue395.estimate), from the model's public config "
+                "alone; 14xE: Soup's logits charge (E = seq x vocab x batch); non-logits: predicted - 14xE; "
+                "over-est: non-logits / (real peak - 12xE); copy fits: would a retained bf16 logits "
+                "copy fit under the real peak (14xE <= real peak)")
+
+
+def peak_cell(r: Row) -> str:
+    """The real peak, or why there is none: a row with no measurement never shows a figure."""
+    return gb(r.real_peak) if r.measured else r.status if r.failure else "n/a (dry run)" if r.dry_run else "-"
+
+
+def sweep_cells(r: Row, env: Optional[dict] = None) -> dict[str, str]:
+    """A sweep row's cells by column name (the text table and the markdown pick by name)."""
+    void = "VOID" if r.status == "VOID" else None
+    flag = r.retained_copy_would_fit
+    return dict(zip((name for name, _ in SWEEP_COLUMNS), [
+        str(r.seq), "-" if r.realised is None else str(r.realised), str(r.batch), gb(r.predicted),
+        peak_cell(r), void or ratio(r.pred_over_real), gb(corrected(r, env)), void or ratio(corrected_ratio(r, env)),
+        gb(r.record_peak), void or ratio(r.vs_record), gb(r.logits14, 3), gb(r.nonlogits_modelled, 3),
+        void or ratio(r.nonlogits_overestimate), "-" if flag is None else ("yes" if flag else "no"), r.status],
+        strict=True))
+
+
+def sweep_table(rows: list[Row], env: Optional[dict] = None) -> str:
+    """One section per model; seq and realised lead, as in the record."""
+    out = []
+    for model in models_in(rows):
+        # the record's models at the protocol's adapter only (a --config arm on one is the user's)
+        record = any(r.model_key in SHAPES and r.soup_config is None for r in rows if r.model == model)
+        out.append(f"{model}  (predicted: Soup's estimator; real peak: measured here; corrected: this tool's "
+                   "estimator" + ("; A10G: the record)" if record else "; no A10G record for this model)"))
+        out += table(SWEEP_COLUMNS, [list(sweep_cells(r, env).values()) for r in rows if r.model == model]) + [""]
+    out += [SWEEP_LEGEND, overestimate_line(rows), corrected_line(rows, env)]
+    notes = [f"  {r.model} seq {r.seq} batch {r.batch}: {r.status} - {r.error or ''}"
+             + (f" (asked for {r.oom_request / GB:.2f} GB)" if r.oom_request else "")
+             for r in rows if r.failure]
+    notes += [f"  {r.model} seq {r.seq} batch {r.batch}: UNDER by Soup's own pre-flight in this setup "
+              f"({gb(r.soup_predicted)} GB, {ratio(r.margin_ratio)} of the real peak); pred/real above "
+              f"is the grid-convention estimate ({ratio(r.pred_over_real)})"
+              for r in rows if r.status == "UNDER" and r.pred_over_real >= 1]
+    notes += [f"  {r.model} seq {r.seq}: teardown error (measurement kept): {r.teardown_error}"
+              for r in rows if r.teardown_error]
+    notes += [f"  {r.model} seq {r.seq} batch {r.batch}: VOID - realised {list(r.realised_rows)} "
+              f"(width {r.realised_width}) != requested {r.seq}; no ratio is printed for it"
+              for r in rows if r.status == "VOID"]
+    return "\n".join(out + (["notes:"] + notes if notes else []))
+
+
+def overestimate_summary(rows: list[Row]) -> Optional[dict[str, Any]]:
+    vals = [r.nonlogits_overestimate for r in rows if r.nonlogits_overestimate is not None]
+    return {"n": len(vals), "mean": statistics.fmean(vals),
+            "pstdev": statistics.pstdev(vals)} if vals else None
+
+
+def overestimate_line(rows: list[Row]) -> str:
+    s, rec = overestimate_summary(rows), RECORD_A10G_OVERESTIMATE
+    if s is None:
+        return (f"non-logits over-estimate: no measured rows (record: mean {rec['mean']:.3f}x, "
+                f"pstdev {rec['pstdev']:.4f})")
+    return (f"non-logits over-estimate over {s['n']} measured rows: mean {s['mean']:.3f}x, population "
+            f"stdev {s['pstdev']:.4f} (record, 10 rows: mean {rec['mean']:.3f}x, pstdev {rec['pstdev']:.4f})")
+
+
+def attribution_table(rows: list[Row], control: Optional[dict[str, Any]]) -> str:
+    out = ["peak attribution (allocator history around the one step; measured here)"]
+    if control is not None:
+        out.append(f"positive control: {'PASSED' if control.get('passed') else 'FAILED'} - holding one "
+                   f"extra bf16 logits copy across backward showed {control.get('extra_bf16_blocks')} "
+                   "more bf16 logits-shaped block(s) at the peak (exactly 1 expected)")
+    cells = []
+    for r in rows:
+        a = r.attribution
+        if not a:
+            continue
+        share = (a["logits_bf16"]["bytes"] + a["logits_fp32"]["bytes"]) / (a["replayed_peak"] or 1)
+        other = ", ".join(f"{k}: {v['count']}/{v['bytes'] / GB:.3f}" for k, v in a["other_groups"].items())
+        caveat = ("history incomplete" if not a.get("complete") else "no positive control ran"
+                  if control is None else "control failed" if not control.get("passed") else None)
+        cells.append([r.model, str(r.seq), str(r.batch), str(a["logits_bf16"]["count"]),
+                      gb(a["logits_bf16"]["bytes"], 3), str(a["logits_fp32"]["count"]),
+                      gb(a["logits_fp32"]["bytes"], 3), f"{share:.1%}", gb(a["resident_at_peak"], 3),
+                      (f"{caveat}: not a finding; " if caveat else "") + other])
+    cols = [("model", 13), ("seq", 5), ("batch", 5), ("bf16 logits", 11), ("bf16 GB", 8),
+            ("fp32 logits", 11), ("fp32 GB", 8), ("logits share", 12), ("resident GB", 11),
+            ("other (count, GB)", -40)]
+    return "\n".join(out + table(cols, cells))
+
+
+def measure_table(m: dict[str, Any]) -> str:
+    rec = RECORD_MEASURE
+    fmt = lambda v: v if isinstance(v, str) else ("-" if v is None else f"{float(v):.4f}")  # noqa: E731
+    c = m["constants"]
+    cells = [[f"default, run {i}", fmt(v), fmt(rec["repeat"])] for i, v in enumerate(m["repeats"], 1)]
+    cells.append(["spread (max - min)", fmt(m["spread"]), fmt(rec["spread"])])
+    cells += [[f"vocab {v}", fmt(x), fmt(rec["vocab"].get(int(v)))] for v, x in m["by_vocab"].items()]
+    return "\n".join([
+        "--measure: bytes per logit element (Soup's constants; Soup's probe measured here; the A10G record)",
+        f"  LOGITS_BYTES_PER_ELEMENT      (Soup, shipped) {c['LOGITS_BYTES_PER_ELEMENT']}",
+        f"  LOGITS_LOSS_BYTES_PER_ELEMENT (Soup, shipped) {c['LOGITS_LOSS_BYTES_PER_ELEMENT']}",
+    ] + table([("probe", -22), ("measured", 20), ("A10G record", 20)], cells, indent="  "))
+
+
+def sdpa_table(s: dict[str, Any]) -> str:
+    seqs = [int(x) for x in s["seqs"]]
+    cells = []
+    for backend in SDPA_BACKENDS:
+        rec = RECORD_SDPA_MB.get(backend)
+        row = [backend]
+        for q, v in zip(seqs, s["extra_mb"][backend]):
+            mine = v if isinstance(v, str) else f"{v:.1f}"
+            theirs = f"{rec[SDPA_SEQS.index(q)]:.1f}" if rec and q in SDPA_SEQS else "-"
+            row.append(f"{mine:>8} | {theirs:>8}")
+        cells.append(row)
+    return "\n".join(
+        ["--sdpa: extra allocation over the baseline, MB (measured here | A10G record); "
+         f"bf16 query (1, {SDPA_HEADS}, seq, {SDPA_HEAD_DIM}), causal self-attention"]
+        + table([("backend", -14)] + [(f"seq {q}", 20) for q in seqs], cells, indent="  ")
+        + ["  record: default 2.4 to 7.3 MB, never the math path; math is the positive control "
+           "(the seq^2 cost is real)"])
+
+
+def determinism_table(rows: list[Row]) -> str:
+    out = ["--determinism: the same arm in fresh processes (measured here | A10G record)"]
+    for entry in determinism_spread(rows):
+        r = entry["row"]
+        peaks = ", ".join("-" if p is None else f"{p / GB:.4f}" for p in entry["peaks"])
+        rec = RECORD_DETERMINISM.get((r.model_key, r.seq)) if r.batch == 1 else None
+        findings = [f"repeat {i} {st}" for i, st in enumerate(entry["statuses"], 1)
+                    if st not in ("ok", "dry-run")]
+        out.append(f"  {r.model} seq {r.seq} batch {r.batch}: peaks {peaks} GB (pids "
+                   f"{','.join(str(p) for p in entry['pids'])}); spread "
+                   + ("-" if entry["spread_pct"] is None else f"{entry['spread_pct']:.2f}%")
+                   + " | record " + (f"{rec[0]:.4f}, {rec[1]:.4f} GB, spread {rec[2]:.2f}%" if rec else "-")
+                   + (f"; {', '.join(findings)}" if findings else ""))
+    return "\n".join(out)
+
+
+MAP_COLUMNS = [("family", -22), ("quant", 5), ("seq", 6), ("batch", 5), ("realised", 8),
+               ("LoRA targets", -15), ("record-conv GB", 14), ("Soup's own GB", 13), ("own - conv MB", 13),
+               ("real peak GB", 13), ("lower/real", 10), ("corrected GB", 12), ("corr/real", 9), ("status", 8)]
+
+
+MAP_LEGEND = ("record-conv: Soup's estimator fed the grid's figures (the record's convention); Soup's own: "
+              "the number Soup's pre-flight computed in this very setup (the one its gate uses; on a "
+              "CPU dry run it budgets float32 weights); lower/real: the lower of the two over the real "
+              "peak; UNDER: either is below it; corrected: this tool's estimator (issue395.estimate) from "
+              "the family's public config alone, and corr/real its ratio")
+
+
+def map_table(rows: list[Row], env: Optional[dict] = None) -> str:
+    """The margin map, one row per arm, with the same guard and statuses as the sweep."""
+    cells = []
+    for r in rows:
+        diff = (f"{(r.soup_predicted - r.predicted) / 1e6:+.1f}" if r.soup_predicted and r.predicted else "-")
+        cells.append([r.model, r.quant, str(r.seq), str(r.batch), "-" if r.realised is None else str(r.realised),
+                      ",".join(r.targets) or "-", gb(r.predicted), gb(r.soup_predicted), diff, peak_cell(r),
+                      "VOID" if r.status == "VOID" else ratio(r.margin_ratio), gb(corrected(r, env)),
+                      "VOID" if r.status == "VOID" else ratio(corrected_ratio(r, env)), r.status])
+    notes = [f"  {r.model} {r.quant} seq {r.seq} batch {r.batch}: {r.status} - {r.error}"
+             for r in rows if r.failure and r.error]
+    return "\n".join(["margin map (record-conv and Soup's own: computed by Soup; real peak: measured here)"]
+                     + table(MAP_COLUMNS, cells) + [MAP_LEGEND] + (["notes:"] + notes if notes else []))
+
+
+def map_summary(rows: list[Row]) -> str:
+    """Per family and quantization: rows, the thinnest and widest margin and where, UNDERs."""
+    cells = []
+    for fam in models_in(rows):
+        for quant in QUANTS:
+            mine = [r for r in rows if r.model == fam and r.quant == quant]
+            if not mine:
+                continue
+            measured = [r for r in mine if r.measured]
+            lo = min(measured, key=lambda r: r.margin_ratio, default=None)
+            hi = max(measured, key=lambda r: r.margin_ratio, default=None)
+            where = lambda r: f"{ratio(r.margin_ratio)} @ {r.seq}x{r.batch}" if r else "-"  # noqa: E731
+            others = {st: sum(1 for r in mine if r.status == st) for st in ("REFUSED", "SKIPPED", "OOM",
+                                                                            "FAILED", "VOID", "dry-run")}
+            cells.append([fam, quant, ",".join(mine[0].targets), f"{len(measured)}/{len(mine)}", where(lo),
+                          where(hi), str(sum(1 for r in mine if r.status == "UNDER")),
+                          ", ".join(f"{n} {st}" for st, n in others.items() if n) or "-"])
+    return "\n".join(["summary per family and quantization (lower/real @ seq x batch)"] + table(
+        [("family", -22), ("quant", 5), ("LoRA targets", -15), ("measured", 8), ("min lower/real", 18),
+         ("max lower/real", 18), ("UNDER", 5), ("not measured", -30)], cells))
+
+
+def map_verdict(rows: list[Row], env: Optional[dict] = None) -> str:
+    published = [f"published figure: {name} {quant} batch {b} x seq {q}: {gb(peak)} GB allocated (Soup v0.73.1, "
+                 f"issue #349); here {gb(r.real_peak)} GB ({r.real_peak / peak:.3f}x), Soup's own prediction "
+                 f"{gb(r.soup_predicted)} GB ({ratio(r.margin_ratio)} of the peak here)"
+                 for (name, quant, q, b), peak in PUBLISHED_NF4.items() for r in rows
+                 if r.arm == (name, quant, q, b) and r.measured]
+    return "\n".join(published + [verdict_line(rows), corrected_line(rows, env)])
+
+
+def verdict_line(rows: list[Row]) -> str:
+    under = [r for r in rows if r.status == "UNDER"]
+    measured = [r for r in rows if r.measured]
+    capped = [r for r in rows if r.oom_at_soup_cap]
+    if capped:
+        return (f"verdict: Soup UNDER-predicts {len(under) + len(capped)} of {len(measured) + len(capped)} judged "
+                f"row(s): {len(capped)} raised OOM capped at Soup's own number (the run Soup admits dies: "
+                + "; ".join(f"{r.model} {r.quant} seq {r.seq} batch {r.batch}" for r in capped) + ")"
+                + ("" if not under else "; measured under: " + "; ".join(
+                    f"{r.model} {r.quant} seq {r.seq} batch {r.batch} ({ratio(r.margin_ratio)})" for r in under)))
+    if under:
+        return (f"verdict: Soup UNDER-predicts {len(under)} of {len(measured)} measured row(s); the contract "
+                "fails at " + "; ".join(f"{r.model} {r.quant} seq {r.seq} batch {r.batch} "
+                                        f"({ratio(r.margin_ratio)})" for r in under))
+    if not measured:
+        return f"verdict: nothing measured ({len(rows)} row(s), none with a real peak): no verdict"
+    thin = min(measured, key=lambda r: r.margin_ratio)
+    return (f"verdict: Soup never under-predicts on the {len(measured)} measured row(s); the thinnest "
+            f"margin is {ratio(thin.margin_ratio)} ({thin.model} {thin.quant} seq {thin.seq} batch {thin.batch})")
+
+
+def corrected_line(rows: list[Row], env: Optional[dict] = None) -> str:
+    """The corrected estimate's own verdict, counted apart from Soup's: an UNDER here is a bug in
+    this tool's estimator, not a finding about Soup."""
+    judged = [(r, corrected_ratio(r, env)) for r in rows]
+    judged = [(r, v) for r, v in judged if v is not None]
+    if not judged:
+        return "corrected estimate: no measured row it covers"
+    under = [(r, v) for r, v in judged if v < 1]
+    if under:
+        return (f"corrected estimate: UNDER on {len(under)} of {len(judged)} measured row(s): a BUG in this "
+                "tool's estimator (issue395.estimate), not a finding about Soup: " + "; ".join(
+                    f"{r.model} {r.quant} seq {r.seq} batch {r.batch} ({ratio(v)})" for r, v in under))
+    lo = min(judged, key=lambda x: x[1])
+    return (f"corrected estimate: never under on the {len(judged)} measured row(s) it covers; the thinnest is "
+            f"{ratio(lo[1])} ({lo[0].model} {lo[0].quant} seq {lo[0].seq} batch {lo[0].batch}), the median "
+            f"{ratio(statistics.median(v for _, v in judged))}")
+
+
+def grid_order(m: dict[str, Any]) -> tuple:
+    """A margin's place in the map's grid: family, quantization, seq, batch."""
+    order = {f: i for i, f in enumerate(ALL_FAMILIES)}
+    return (order.get(m.get("model_key"), len(order)), QUANTS.index(m["quant"]) if m["quant"] in QUANTS
+            else len(QUANTS), m["seq"], m["batch"])
+
+
+MARGINS_LEGEND = ("missed = live - charged: + Soup charges less than is live at the peak (a shortfall "
+                  "that eats the margin); - it charges more (slack); own/real: Soup's own pre-flight over the real peak")
+
+
+def margins_table(margins: list[dict[str, Any]]) -> str:
+    """Each attributed arm, in the grid's order: estimator term against the blocks live at the
+    peak it charges, and why each thin margin is thin."""
+    margins = sorted(margins, key=grid_order)
+    out = ["where the margin goes (allocator history of the tightest arm per family and every UNDER; "
+           "charged: Soup's terms; live at the peak: measured here)"]
+    cells = []
+    for m in margins:
+        for t in m["terms"]:
+            per = f"{t['missed'] / t['per'][0]:+.2f} B {t['per'][1]}" if t["per"] else "-"
+            cells.append([f"{m['model']} {m['quant']} {m['seq']}x{m['batch']}", ratio(m["ratio"]), t["term"],
+                          gb(t["charged"]), gb(t["measured"]), f"{t['missed'] / 1e6:+.1f}", per,
+                          "" if m["complete"] else "history incomplete: not a finding"])
+    out += table([("arm", -34), ("own/real", 9), ("term", -11), ("charged GB", 10), ("live GB", 9),
+                  ("missed MB", 10), ("missed per unit", -28), ("", -10)], cells)
+    out.append(MARGINS_LEGEND)
+    notes = [margin_note(m, margins) for m in margins if m["complete"]]
+    out += [f"  {n}" for n in notes if n]
+    return "\n".join(out)
+
+
+def stack_words(env: dict[str, Any]) -> str:
+    """A result's stack in one short phrase: GPU, soup-cli, torch, transformers."""
+    return (f"{env.get('gpu') or 'no GPU'}, soup-cli {env.get('soup_cli') or '?'}, torch {env.get('torch') or '?'}, "
+            f"transformers {env.get('transformers') or '?'}" + (", dry run" if env.get("dry_run") else ""))
+
+
+def compare_table(a: Result, b: Result, names: Optional[tuple[str, str]] = None) -> str:
+    """The same arms' measured peaks in two saved results (e.g. before and after a change);
+    ``names`` (the files) head each side's stack when the caller has them."""
+    index = {(r.arm, r.repeat): r for r in b.rows if r.measured}
+    pairs = [(r, index.get((r.arm, r.repeat))) for r in a.rows if r.measured]
+    pairs = [(r, o) for r, o in pairs if o]
+    quant = any(r.quant != "none" for r, _ in pairs)  # a sweep's compare keeps its columns
+    cells = [[r.model] + ([r.quant] if quant else []) + [
+        str(r.seq), str(r.batch), gb(r.real_peak), gb(o.real_peak), str(o.real_peak - r.real_peak),
+        f"{(o.real_peak - r.real_peak) / r.real_peak:.3%}"] for r, o in pairs]
+    same = sum(1 for r, o in pairs if o.real_peak == r.real_peak)
+    width = max([13] + [len(r.model) for r, _ in pairs])
+    names = names or ("A", "B")
+    return "\n".join(
+        [f"compare: A = {a.environment.get('arms')} ({a.environment.get('date')}), "
+         f"B = {b.environment.get('arms')} ({b.environment.get('date')}); measured peaks",
+         f"  A: {names[0] + ', ' if names[0] != 'A' else ''}{stack_words(a.environment)}",
+         f"  B: {names[1] + ', ' if names[1] != 'B' else ''}{stack_words(b.environment)}"]
+        + table([("model", width)] + ([("quant", 5)] if quant else []) + [
+            ("seq", 5), ("batch", 5), ("A GB", 9), ("B GB", 9), ("B - A bytes", 12), ("diff", 8)],
+            cells, indent="  ")
+        + [f"  {same} of {len(cells)} shared arm(s) equal to the byte"])
+
+
+def header_line(env: dict[str, Any]) -> str:
+    return (f"stack: torch {env['torch']} (CUDA {env.get('cuda') or 'none'}) | GPU {env.get('gpu') or 'none'}"
+            + (f" (driver {env['driver']})" if env.get("driver") else "")
+            + f" | transformers {env['transformers']} | trl {env['trl']} | peft {env['peft']}"
+            f" | soup-cli {env['soup_cli']} | weights {env['weights']} | arms {env.get('arms')}"
+            + (f" | {env['steps']} optimizer steps per arm" if env.get("steps", 1) != 1 else "")
+            + (f" | linear attention: {env['linear_attention_kernels']}" if env.get("linear_attention_kernels")
+               else ""))
+
+
+def render_text(result: Result) -> str:
+    """The header and every table the result holds, as the console shows them."""
+    sweep_rows = [r for r in result.rows if r.repeat is None]
+    repeats = [r for r in result.rows if r.repeat is not None]
+    parts = [header_line(result.environment)]
+    if result.kind == "map":
+        parts += ["", map_table(sweep_rows, result.environment), "", map_summary(sweep_rows)]
+        if result.margins:
+            parts += ["", margins_table(result.margins)]
+            anatomy = margin_anatomy(result.margins, result.environment.get("soup_cli"))
+            parts += ["", anatomy] if anatomy else []
+        parts += ["", map_verdict(sweep_rows, result.environment)]
+        parts += [f"not on this map: {line}" for line in
+                  filter(None, str(result.environment.get("not_on_map") or "").split(" | "))]
+        sweep_rows = []
+    if sweep_rows:
+        parts += ["", sweep_table(sweep_rows, result.environment)]
+        if any(r.attribution for r in sweep_rows):
+            parts += ["", attribution_table(sweep_rows, result.control)]
+    if repeats:
+        parts += ["", determinism_table(repeats)]
+    if result.measure:
+        parts += ["", measure_table(result.measure)]
+    if result.sdpa:
+        parts += ["", sdpa_table(result.sdpa)]
+    if any(r.cap_at for r in result.rows):
+        parts += ["", cap_table([r for r in result.rows if r.cap_at])]
+    if any(r.emulated_card for r in result.rows):
+        parts += ["", emulate_table([r for r in result.rows if r.emulated_card])]
+    if any(r.min_free_probes for r in result.rows):
+        parts += ["", min_free_table([r for r in result.rows if r.min_free_probes])]
+    carried = [r for r in result.rows if r.carried]
+    if carried:
+        parts += ["", f"carried: {len(carried)} row(s) began with bytes earlier arms left allocated "
+                      f"(up to {max(r.carried for r in carried):,}); their peaks include them"]
+    if result.interrupted:
+        done = "set up (dry run: nothing measured)" if result.environment.get("dry_run") else "measured"
+        parts += ["", f"interrupted: {len(result.rows)} row(s) {done} before the stop"]
+    return "\n".join(parts) + "\n"

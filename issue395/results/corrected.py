@@ -1,0 +1,41 @@
+"""This tool's corrected estimate for a saved row's arm: from its family's public config, under the
+streaming modes its map key names, and the Soup release the row ran, never from the row's own
+measurement. A row whose arm the estimator does not model has none, and says so by being None: a
+--model run (no public config here), or an arm the estimator refuses (per_expert on a family Soup
+refuses it for, a seq past the model's max positions).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+from ..errors import UsageError
+from ..model.registry import known
+from ..estimator.estimate import estimate_key
+from .row import Row
+
+
+@functools.lru_cache(maxsize=4096)
+def _corrected(key: str, quant: str, seq: int, batch: int, targets: tuple, lora_r: int, release: Optional[str],
+               steps: int) -> Optional[int]:
+    try:
+        return estimate_key(key, quant=quant, seq=seq, batch=batch, targets=targets or None, lora_r=lora_r,
+                            steps=steps, release=release, soup=False).corrected_predicted
+    except UsageError:
+        return None
+
+
+def corrected(r: Row, env: Optional[dict] = None) -> Optional[int]:
+    """This tool's corrected allocated peak for a row's arm (its LoRA targets and r), from its family's
+    public config and the Soup release the row ran (None where the estimator does not model the arm)."""
+    if not known(r.model_key):
+        return None
+    env = env or {}
+    return _corrected(r.model_key, r.quant, r.seq, r.batch, tuple(r.targets), r.rank, env.get("soup_cli"),
+                      int(env.get("steps") or 1))
+
+
+def corrected_ratio(r: Row, env: Optional[dict] = None) -> Optional[float]:
+    c = corrected(r, env)
+    return c / r.real_peak if c and r.measured else None

@@ -1,0 +1,278 @@
+"""One arm's result: a typed row whose verdicts (status, ratios) are derived, never stored, and
+the guard on the realised length that makes a row VOID.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, Iterable, Optional
+
+from ..constants import is_whole
+from ..record import LORA_R, RECORD_A10G_PEAK, SOUP_QUANT
+from ..model.arm import Arm, logits_charge, predicted_bytes
+from ..model.registry import Shape, family_of
+from ..estimator.cards import emulated_outcome, step_free
+
+
+def realised_as_requested(seq: int, batch: int, width: Optional[int], rows: Iterable[int]) -> bool:
+    """The guard: the batch is exactly seq wide, and so is every one of its rows."""
+    rows = list(rows)
+    return width == seq and len(rows) == batch and all(n == seq for n in rows)
+
+
+#: What stops an arm short of a measurement. OOM and FAILED are findings; REFUSED (Soup's
+#: pre-flight said the run will not fit: the gate working) and SKIPPED are not.
+FAILURES = ("OOM", "FAILED", "REFUSED", "SKIPPED")
+
+
+#: Fields added after results were committed: written only when set, so a saved result
+#: re-renders to the same bytes.
+LATER_FIELDS = ("cap_at", "cap", "emulated_card", "emulated_card_free", "emulated_free", "needs_free",
+                "min_free", "min_free_oom", "min_free_resolution", "min_free_probes", "soup_config", "lora_r",
+                "lora_alpha", "soup_gate_free")
+
+
+#: A row's fields that Row.from_json would otherwise take as they are: what each must be.
+ROW_FIELDS = {
+    # printed as they stand: an escape sequence or a newline in a name would rewrite the terminal
+    **{k: (lambda v: isinstance(v, str) and v.isprintable(), "a printable string")
+       for k in ("model", "model_key")},
+    **{k: (lambda v: v is None or isinstance(v, str), "a string or null")
+       for k in ("error", "teardown_error", "base", "gpu", "log", "soup_config")},
+    **{k: (lambda v: v is None or isinstance(v, dict), "an object or null")
+       for k in ("soup_terms", "attribution", "timings")},
+    "dry_run": (lambda v: v is None or isinstance(v, bool), "true or false"),
+    "targets": (lambda v: v is None or (isinstance(v, list) and all(isinstance(t, str) for t in v)),
+                "a list of strings"),
+    "pid": (lambda v: v is None or is_whole(v, 0), "a whole number or null"),
+    "cap_at": (lambda v: v is None or isinstance(v, str), "a string or null"),
+    "cap": (lambda v: v is None or is_whole(v, 1), "a whole number >= 1 or null"),
+    "emulated_card": (lambda v: v is None or (isinstance(v, str) and v.isprintable()), "a printable string or null"),
+    **{k: (lambda v: v is None or is_whole(v, 1), "a whole number >= 1 or null")
+       for k in ("emulated_card_free", "emulated_free", "needs_free", "min_free", "min_free_oom",
+                 "min_free_resolution", "lora_r", "lora_alpha", "soup_gate_free")},
+    "min_free_probes": (lambda v: v is None or (isinstance(v, (list, tuple)) and all(
+        isinstance(p, (list, tuple)) and len(p) == 2 and is_whole(p[0], 1) and isinstance(p[1], bool) for p in v)),
+        "a list of [cap bytes, completed] pairs or null"),
+}
+
+
+@dataclass(frozen=True)
+class Row:
+    """One arm's result: inputs, Soup's figures and measurements. Ratios and status are derived,
+    so a VOID or FAILED row has no ratio by construction and a saved row is re-judged alike."""
+
+    model: str  # the display name
+    model_key: str
+    seq: int
+    batch: int
+    index: int
+    predicted: Optional[int]  # Soup's estimator (None: the arm's process died first)
+    logits14: Optional[int]  # Soup's 14 x E
+    loss_bytes_per_element: Optional[float]  # Soup's LOGITS_LOSS_BYTES_PER_ELEMENT
+    vocab: int
+    quant: str = "none"
+    targets: tuple = ()  # the LoRA targets the arm ran with
+    soup_predicted: Optional[int] = None  # computed by Soup: its own pre-flight, in this setup
+    soup_terms: Optional[dict] = None  # the arguments Soup's pre-flight passed its estimator
+    repeat: Optional[int] = None  # --determinism: which fresh process
+    dry_run: bool = False
+    realised_width: Optional[int] = None  # measured: input_ids.shape[-1]
+    realised_rows: tuple = ()  # measured: each row's tokens
+    real_peak: Optional[int] = None  # measured: max_memory_allocated around the step
+    resident: Optional[int] = None  # measured: allocated before the step
+    carried: Optional[int] = None  # measured: still allocated by earlier arms when this began
+    reserved: Optional[int] = None  # measured: max_memory_reserved
+    failure: Optional[str] = None  # OOM, FAILED; REFUSED (Soup's gate said no), SKIPPED
+    error: Optional[str] = None
+    oom_request: Optional[int] = None
+    teardown_error: Optional[str] = None
+    record_peak: Optional[int] = None  # quoted: the A10G record's peak for this arm
+    attribution: Optional[dict] = None
+    base: Optional[str] = None
+    gpu: Optional[str] = None
+    pid: Optional[int] = None
+    log: Optional[str] = None
+    timings: dict = field(default_factory=dict)
+    cap_at: Optional[str] = None  # --cap: which prediction capped the allocator ("off": the control)
+    cap: Optional[int] = None  # --cap: the cap in bytes (None for the control)
+    emulated_card: Optional[str] = None  # --emulate-card: the card this arm ran as
+    emulated_card_free: Optional[int] = None  # its free memory: total - context (issue395.estimator.cards)
+    emulated_free: Optional[int] = None  # measured: mem_get_info's free with the ballast held
+    #: The free memory Soup's gate compared its number with (read by Soup, mem_get_info at its
+    #: gate): on a CUDA arm, beside the free memory the arm began with.
+    soup_gate_free: Optional[int] = None
+    needs_free: Optional[int] = None  # computed by this tool's estimator (--emulate-card, --min-free)
+    min_free: Optional[int] = None  # --min-free, measured: the lowest cap the step completed under
+    min_free_oom: Optional[int] = None  # --min-free, measured: the highest cap it raised OOM under
+    min_free_resolution: Optional[int] = None  # --min-free: the bracket's width when it stopped
+    min_free_probes: Optional[tuple] = None  # --min-free: (cap bytes, completed) in the order run
+    soup_config: Optional[str] = None  # --config: the user's soup.yaml this arm is (else the protocol's)
+    lora_r: Optional[int] = None  # --config: the file's LoRA r and alpha, which the arm ran with
+    lora_alpha: Optional[int] = None
+
+    @property
+    def arm(self) -> tuple:
+        """The arm this row measured, as the map names it: model key (with its streaming modes),
+        quantization, seq, batch. Repeats of one arm share it. Every --model row is keyed
+        "custom" (a --config row's with its modes after it), so there the checkpoint's name stands
+        for the key: two checkpoints never share an arm."""
+        custom = family_of(self.model_key) == "custom"
+        return (self.model if custom else self.model_key, self.quant, self.seq, self.batch)
+
+    @property
+    def rank(self) -> int:
+        """The LoRA r the arm ran with: a --config row's own, else the protocol's."""
+        return self.lora_r or LORA_R
+
+    @property
+    def realised(self) -> Optional[int]:
+        """The one number the table shows: the length that strays furthest from seq."""
+        seen = list(self.realised_rows) + ([self.realised_width] if self.realised_width else [])
+        return max(seen, key=lambda n: (abs(n - self.seq), -n)) if seen else None
+
+    @property
+    def status(self) -> str:
+        if self.failure:
+            return self.failure
+        if not realised_as_requested(self.seq, self.batch, self.realised_width, self.realised_rows):
+            return "VOID"
+        if self.real_peak is None:
+            return "dry-run" if self.dry_run else "FAILED"
+        return "UNDER" if self.lowest_prediction < self.real_peak else "ok"
+
+    @property
+    def oom_at_soup_cap(self) -> bool:
+        """Capped at Soup's own number, the step raised OOM: its peak is above Soup's prediction,
+        the under-prediction itself, though no peak was read."""
+        return self.cap_at == "soup" and self.status == "OOM"
+
+    @property
+    def emulated_fits(self) -> Optional[bool]:
+        """This tool's verdict for the emulated card: needs free <= what the step can have of the
+        card's free memory (issue395.estimator.cards: the runtime's growth comes out of it)."""
+        if self.emulated_card is None or self.needs_free is None or self.emulated_card_free is None:
+            return None
+        return self.needs_free <= step_free(self.emulated_card_free)
+
+    @property
+    def emulated_outcome(self) -> Optional[str]:
+        """What the emulated card did with the arm, in the issue's words (else the row's status)."""
+        if self.emulated_card is None:
+            return None
+        if self.status in ("REFUSED", "OOM") or self.measured:
+            return emulated_outcome(self.status == "REFUSED", self.status == "OOM")
+        return self.status
+
+    @property
+    def lowest_prediction(self) -> Optional[int]:
+        """The lower of the record's convention and Soup's own pre-flight (where captured)."""
+        return min((p for p in (self.predicted, self.soup_predicted) if p), default=None)
+
+    @property
+    def measured(self) -> bool:
+        return self.status in ("ok", "UNDER")
+
+    @property
+    def elements(self) -> int:
+        return self.seq * self.vocab * self.batch
+
+    @property
+    def nonlogits_modelled(self) -> Optional[int]:
+        return None if self.predicted is None else self.predicted - self.logits14
+
+    @property
+    def pred_over_real(self) -> Optional[float]:
+        return self.predicted / self.real_peak if self.measured else None
+
+    @property
+    def margin_ratio(self) -> Optional[float]:
+        """The lower of the two predictions (the record's convention, Soup's own) over the peak."""
+        return self.lowest_prediction / self.real_peak if self.measured else None
+
+    @property
+    def nonlogits_overestimate(self) -> Optional[float]:
+        """Non-logits modelled over the real non-logits (the peak less the 12 x E the loss holds)."""
+        return self.overestimate_at(self.real_peak) if self.measured else None
+
+    def overestimate_at(self, peak: Optional[int]) -> Optional[float]:
+        """The same, against any peak (the A10G record's, for the markdown)."""
+        if not peak or self.predicted is None:
+            return None
+        rest = peak - self.loss_bytes_per_element * self.elements
+        return self.nonlogits_modelled / rest if rest > 0 else None
+
+    @property
+    def retained_copy_would_fit(self) -> Optional[bool]:
+        return self.logits14 <= self.real_peak if self.measured else None
+
+    @property
+    def vs_record(self) -> Optional[float]:
+        return self.real_peak / self.record_peak if self.measured and self.record_peak else None
+
+    def to_json(self) -> dict[str, Any]:
+        derived = {k: getattr(self, k) for k in (
+            "status", "realised", "pred_over_real", "nonlogits_modelled",
+            "nonlogits_overestimate", "retained_copy_would_fit", "vs_record")}
+        if self.emulated_card is not None:  # only then: saved results re-render to the same bytes
+            derived.update(emulated_fits=self.emulated_fits, emulated_outcome=self.emulated_outcome)
+        data = {k: v for k, v in asdict(self).items() if v is not None or k not in LATER_FIELDS}
+        return dict(data, realised_rows=list(self.realised_rows), targets=list(self.targets),
+                    derived=derived)  # "derived" is for readers; it is never read back
+
+    @classmethod
+    def from_json(cls, data: Any) -> "Row":
+        """The one way back from JSON: known fields only, measurements sane, verdicts re-derived."""
+        if not isinstance(data, dict):
+            raise ValueError("a row is not an object")
+        for name, (ok, what) in ROW_FIELDS.items():
+            if (name in data or name in ("model", "model_key")) and not ok(data.get(name)):
+                raise ValueError(f"row field {name!r} is {data.get(name)!r:.60}, not {what}")
+        known = {f.name for f in fields(cls)}
+        unknown = set(data) - known - {"derived"}
+        if unknown:
+            raise ValueError(f"unknown row field {sorted(unknown)[0]!r}")
+        data = {k: v for k, v in data.items() if k in known}
+        for key in ("seq", "batch", "vocab"):
+            if not is_whole(data.get(key), minimum=1):
+                raise ValueError(f"row field {key!r} must be a whole number >= 1")
+        for key in ("index", "predicted", "logits14", "realised_width", "real_peak", "resident",
+                    "carried", "reserved", "oom_request", "record_peak", "repeat"):
+            value = data.get(key)
+            if value is not None and not is_whole(value, minimum=1 if key == "real_peak" else 0):
+                raise ValueError(f"row field {key!r} is {value!r}: not a finite measurement")
+        if data.get("quant", "none") not in SOUP_QUANT:
+            raise ValueError(f"row field 'quant' is {data['quant']!r}")
+        if data.get("soup_predicted") is not None and not is_whole(data["soup_predicted"], minimum=1):
+            raise ValueError(f"row field 'soup_predicted' is {data['soup_predicted']!r}")
+        rows = data.get("realised_rows") or []
+        if not isinstance(rows, list) or not all(is_whole(n, minimum=0) for n in rows):
+            raise ValueError("row field 'realised_rows' must be a list of whole numbers")
+        bpe = data.get("loss_bytes_per_element")
+        if bpe is not None and (not isinstance(bpe, (int, float)) or not math.isfinite(bpe) or bpe <= 0):
+            raise ValueError(f"row field 'loss_bytes_per_element' is {bpe!r}")
+        if data.get("failure") not in (None, *FAILURES):
+            raise ValueError(f"row field 'failure' is {data['failure']!r}")
+        if data.get("index") is None:
+            raise ValueError("row field 'index' must be a whole number >= 0")
+        if data.get("predicted") is not None and (data["predicted"] < 1 or data.get("logits14") is None):
+            raise ValueError("a row with a prediction must carry Soup's logits charge, and a prediction >= 1")
+        if data.get("real_peak") is not None and any(
+                data.get(k) is None for k in ("predicted", "logits14", "loss_bytes_per_element")):
+            raise ValueError("a row with a real peak must carry its prediction and Soup's logits figures")
+        probes = data.get("min_free_probes")
+        return cls(**dict(data, realised_rows=tuple(rows), targets=tuple(data.get("targets") or ()),
+                          **({"min_free_probes": tuple(map(tuple, probes))} if probes is not None else {})))
+
+
+def arm_row(arm: Arm, shape: Shape, **measured: Any) -> Row:
+    """An arm's row: its inputs, Soup's prediction and the record's figure, plus what was measured."""
+    logits14, bpe = logits_charge(shape, arm.seq, arm.batch)
+    record = (RECORD_A10G_PEAK.get((shape.key, arm.seq))
+              if shape.record and arm.batch == 1 and arm.quant == "none" else None)
+    return Row(model=shape.name, model_key=arm.model, seq=arm.seq, batch=arm.batch,
+               index=arm.index, predicted=predicted_bytes(shape, arm.seq, arm.batch),
+               logits14=logits14, loss_bytes_per_element=bpe, vocab=shape.vocab, quant=arm.quant,
+               targets=tuple(shape.targets), record_peak=record, pid=os.getpid(), **measured)

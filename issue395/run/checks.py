@@ -1,0 +1,193 @@
+"""Checks on what the command line names, before anything runs: whole numbers and their bounds,
+output paths (writable, never an input), input files, hub ids against local paths, --cache-dir."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import stat
+from pathlib import Path
+from typing import Iterable, Optional
+
+from ..constants import comma_list
+from ..errors import UsageError
+
+#: The largest value each whole-number option takes: batch sizes no real run has, seq lengths
+#: beyond any model's positions, and counts that would only run for hours are refused up front.
+MAXIMA = {"--seq": (1_048_576, "longer than any model's positions"),
+          "--batch": (1024, "larger than any real run's batch"),
+          "--steps": (1000, "more optimizer steps than a peak needs"),
+          "--lora-r": (1024, "a larger LoRA rank than any real run's"),
+          "--determinism": (100, "more repeats than a determinism check needs"),
+          "--gpus": (1023, "more GPUs than a host has")}
+
+
+_WHOLE = re.compile(r"-?[0-9]{1,4000}")  # int() refuses longer strings
+
+
+def _shown(item: str) -> str:
+    return item if len(item) <= 40 else item[:40] + "..."
+
+
+def parse_ints(flag: str, text: Optional[str], minimum: int = 1,
+               maximum: Optional[int] = None) -> Optional[tuple]:
+    """A comma list of whole numbers in plain ASCII digits (a leading minus is read, then refused
+    by ``minimum``); anything else, and anything above the flag's maximum, is one line."""
+    if text is None:
+        return None
+    items = comma_list(text)
+    if not all(items):
+        raise UsageError(f"{flag} {_shown(text)!r}: empty item; give a comma list of whole numbers")
+    top, why = (maximum, "") if maximum is not None else MAXIMA.get(flag, (None, ""))
+    out: list[int] = []
+    for item in items:
+        if not _WHOLE.fullmatch(item):
+            raise UsageError(f"{flag} {_shown(item)!r} is not a whole number")
+        if int(item) < minimum:
+            raise UsageError(f"{flag} {_shown(str(int(item)))} must be at least {minimum}")
+        if top is not None and int(item) > top:
+            raise UsageError(f"{flag} {_shown(str(int(item)))} is more than {top}" + (f", {why}" if why else ""))
+        if int(item) in out:
+            raise UsageError(f"{flag} {_shown(text)}: {int(item)} is named twice")
+        out.append(int(item))
+    return tuple(out)
+
+
+def distinct_choices(flag: str, text: str, allowed: tuple[str, ...], noun: str) -> tuple[str, ...]:
+    """A comma list of names from ``allowed``, none twice (a name twice is said as such only
+    when every name is known; else what to choose from)."""
+    items = comma_list(text)
+    if len(set(items)) != len(items) and all(i in allowed for i in items):
+        raise UsageError(f"{flag} {text}: a {noun} is named twice")
+    if any(i not in allowed for i in items):
+        raise UsageError(f"{flag} {text!r}: choose from {','.join(allowed)}")
+    return items
+
+
+def within_positions(name: str, limit: int, seqs: Iterable[int], given_as: str = "--seq") -> None:
+    """A seq beyond a model's positions is one line here, not a FAILED row (0: no limit known);
+    ``given_as`` names where the seq came from (a soup.yaml's data.max_length, say)."""
+    beyond = [s for s in seqs if limit and s > limit]
+    if beyond:
+        raise UsageError(f"{given_as} {beyond[0]} is beyond {name}'s maximum positions ({limit})")
+
+
+def writable_folder(flag: str, folder: str, given: Optional[str] = None) -> None:
+    """A folder the tool may write into: it exists, or the nearest one above it is writable.
+    ``given`` is the value on the command line when the folder is an output file's."""
+    if not folder.strip():
+        raise UsageError(f"{flag}: the path is empty; give a folder")
+    named = f"{flag} {given if given is not None else folder}"
+    p = Path(folder).expanduser().absolute()
+    if p.exists() and not p.is_dir():
+        raise UsageError(f"{named}: {p} is not a folder" if given is not None else f"{named}: not a folder")
+    while not p.exists():
+        p = p.parent
+    if not p.is_dir() or not os.access(p, os.W_OK):
+        raise UsageError(f"{named}: {'its folder ' if given is not None else ''}{p} cannot be written")
+
+
+def check_output(flag: str, path: str) -> None:
+    if not path.strip():
+        raise UsageError(f"{flag}: the path is empty; give a file path")
+    if path == "-" and flag == "--json":
+        return  # stdout
+    if path == "-":
+        raise UsageError(f"{flag} -: only --json writes to stdout; give a file path")
+    with contextlib.suppress(OSError):
+        st = os.stat(os.path.realpath(path))
+        if stat.S_ISREG(st.st_mode) and not st.st_mode & 0o222:  # even root: someone protected it
+            raise UsageError(f"{flag} {path} is read-only; it is not replaced (give another path, or "
+                             "make it writable)")
+    if flag == "--plot" and Path(path).suffix.lower() != ".png":
+        raise UsageError(f"--plot {path}: the plot is a PNG; give a path ending in .png")
+    if Path(path).is_dir():
+        raise UsageError(f"{flag} {path} is a folder; give a file path")
+    if not Path(os.path.realpath(path)).exists():
+        writable_folder(flag, os.path.dirname(os.path.realpath(path)), given=path)
+
+
+def same_file(a: str, b: str) -> bool:
+    """One file under two spellings: ./, a symlink, or a hard link."""
+    if os.path.realpath(a) == os.path.realpath(b):
+        return True
+    try:
+        return os.path.samefile(a, b)
+    except (OSError, ValueError):
+        return False
+
+
+def no_output_is_an_input(outputs: dict[str, Optional[str]], inputs: list[tuple[str, str]]) -> None:
+    """An output never overwrites what the run reads: a saved result, --compare's, or --model's
+    config.json or a file of its checkpoint folder."""
+    for flag, path in outputs.items():
+        if not path or path == "-":  # stdout
+            continue
+        for in_flag, source in inputs:
+            inside = (os.path.isdir(source) and os.path.exists(path)
+                      and os.path.dirname(os.path.realpath(path)) == os.path.realpath(source))
+            if same_file(path, source) or inside:
+                what = "a file of " if inside else ""
+                raise UsageError(f"{flag} {path} is {what}{in_flag} {source}: an output would overwrite "
+                                 "its input; give the output its own path")
+
+
+#: A hub id as the hub accepts one: a name, or org/name, of letters, digits, '_', '-' and '.'.
+HUB_ID = re.compile(r"(?:[A-Za-z0-9](?:[\w.-]*[A-Za-z0-9])?/)?[A-Za-z0-9](?:[\w.-]*[A-Za-z0-9])?")
+
+
+def local_or_hub(model: str) -> str:
+    """--model as given: an existing file or folder (~ expanded), or a hub id. A value that
+    looks like a path (starts with / . or ~, ends with .json, has more than one '/', or its
+    first folder exists here) and is not there is one line, not a hub lookup."""
+    path = os.path.expanduser(model)
+    odd = odd_file(path)
+    if odd and os.path.exists(path):
+        raise UsageError(f"--model {model}: {odd}: give a checkpoint folder, a config.json or a hub id")
+    if os.path.exists(path):
+        return path
+    if os.path.lexists(path):
+        raise UsageError(f"--model {model}: a symlink to nothing ({os.path.realpath(path)} is not there)")
+    first = model.split("/")[0]
+    pathlike = (model.startswith(("/", ".", "~")) or model.lower().endswith(".json") or model.count("/") > 1
+                or ("/" in model and os.path.isdir(first)) or os.sep != "/" and os.sep in model)
+    if pathlike:
+        raise UsageError(f"--model {model}: no such file or folder")
+    if not HUB_ID.fullmatch(model) or "--" in model or ".." in model or len(model) > 96:
+        raise UsageError(f"--model {model}: no such file or folder, nor a hub id (org/name)")
+    return model
+
+
+def odd_file(path: str) -> Optional[str]:
+    """What a path is when it is there but is neither a regular file nor a folder: said as such,
+    not as "no such file" (None for a file, a folder, or nothing at all)."""
+    if not os.path.lexists(path):
+        return None
+    if not os.path.exists(path):
+        return f"a symlink to nothing ({os.path.realpath(path)} is not there)"
+    mode = os.stat(path).st_mode
+    for test, what in ((stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return f"{what}, not a file"
+    return None
+
+
+def check_input(flag: str, path: str) -> None:
+    """A saved result to read: a regular file (a FIFO would hang, /dev/zero never ends)."""
+    try:
+        st = os.stat(path)
+    except OSError as exc:
+        raise UsageError(f"{flag} {path}: {exc.strerror.lower() if exc.strerror else 'cannot be read'}") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise UsageError(f"{flag} {path}: not a regular file")
+    if st.st_size > 256 * 2**20:
+        raise UsageError(f"{flag} {path}: {st.st_size} bytes is too large for a saved result")
+
+
+def one_int(flag: str, text: Optional[str], default: int, minimum: int = 1) -> int:
+    values = parse_ints(flag, text, minimum)
+    if values is not None and len(values) != 1:
+        raise UsageError(f"{flag} {text}: give one whole number")
+    return values[0] if values else default

@@ -1,0 +1,96 @@
+"""--config: the user's soup.yaml (read by issue395.run.userconfig through Soup's own loader) settled into
+what it stands for. For --estimate, the options it replaces; as a measured arm, its base as a
+registry model (a family's or the record's hub id: that model's architecture-exact synthetic
+checkpoint, as --map builds it) or a checkpoint folder (as --model PATH runs one), at the file's
+quantization, seq and batch, with its LoRA targets, r and alpha and its streaming modes. No base is
+ever downloaded unless --weights hub asks: any other base is one line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+from ..errors import UsageError
+from ..model.registry import FAMILIES, SHAPES, by_hub_id, max_positions, mode_key
+from ..estimator.soup_number import require_streamed
+from ..measure.shapes import bitsandbytes_present
+from .checks import HUB_ID, within_positions
+from .userconfig import UserRun, read_soup_config
+
+#: What the file gives, as the options it replaces: each is refused beside --config.
+CONFIG_GIVES = ("--model", "--quant", "--seq", "--batch", "--targets", "--lora-r", "--families", "--models",
+                "--expert-layout", "--loss-chunk", "--recompute")
+
+
+def config_clash(args: argparse.Namespace) -> None:
+    """One line naming the first option the file already gives (or --map: the file is one arm)."""
+    given = [f for f in CONFIG_GIVES if getattr(args, f.strip("-").replace("-", "_")) is not None]
+    if given:
+        raise UsageError(f"--config and {given[0]} are exclusive: the file gives it")
+    if args.map:
+        raise UsageError("--config and --map are exclusive: the file is one arm")
+
+
+def config_arguments(args: argparse.Namespace) -> argparse.Namespace:
+    """--estimate --config: the soup.yaml's own values as the options they replace."""
+    user = read_soup_config(args.config)
+    modes = user.stream_options
+    chunk = modes.get("stream_loss_chunk")
+    return argparse.Namespace(**dict(vars(args), model=user.base, quant=user.quant, seq=str(user.seq),
+                                     batch=str(user.batch), targets=",".join(user.targets),
+                                     lora_r=str(user.lora_r), expert_layout=modes.get("stream_expert_layout"),
+                                     loss_chunk=None if chunk is None else str(chunk),
+                                     recompute=modes.get("stream_recompute")))
+
+
+@dataclass(frozen=True)
+class ConfigArm:
+    """The file's one arm: its model key (a registry key or "custom", the file's streaming modes
+    after it, as the map spells a mode), the checkpoint a custom key runs, and the file's own
+    quantization, seq, batch and adapter."""
+
+    path: str
+    key: str
+    model: Optional[str]  # the checkpoint folder (or, with --weights hub, the hub id) of a custom key
+    quant: str
+    seq: int
+    batch: int
+    targets: tuple
+    lora_r: int
+    lora_alpha: int
+
+
+def config_arm(args: argparse.Namespace) -> ConfigArm:
+    """The soup.yaml as one measured arm; a base this tool cannot run without a download is one line."""
+    user = read_soup_config(args.config)
+    model, key = base_of(user, args.weights)
+    if key != "custom":
+        require_streamed((FAMILIES[key] if key in FAMILIES else SHAPES[key]).model_type,
+                         f"--config {user.path}: base {user.base}")
+        within_positions(user.base, max_positions(key), (user.seq,), f"--config {user.path}: data.max_length")
+    if user.quant == "nf4" and not args.dry_run and not bitsandbytes_present():
+        raise UsageError(f"--config {user.path}: training.quantization 4bit needs bitsandbytes, which is not "
+                         "installed here")
+    modes = user.stream_options
+    return ConfigArm(user.path, mode_key(key, modes.get("stream_expert_layout") or "fused",
+                                         modes.get("stream_loss_chunk"), modes.get("stream_recompute") or "on"),
+                     model, user.quant, user.seq, user.batch, user.targets, user.lora_r, user.lora_alpha)
+
+
+def base_of(user: UserRun, weights: str) -> tuple[Optional[str], str]:
+    """(checkpoint, key) of a soup.yaml's base: a folder here first (as transformers reads a base),
+    then a registry model's hub id, then, only with --weights hub, any hub id (fetched as --model's)."""
+    folder = os.path.expanduser(user.base)
+    if os.path.isdir(folder):
+        return folder, "custom"
+    key = by_hub_id(user.base)
+    if key is not None:
+        return None, key
+    if weights == "hub" and HUB_ID.fullmatch(user.base) and user.base.count("/") == 1:
+        return user.base, "custom"
+    raise UsageError(f"--config {user.path}: base {user.base!r} is neither a checkpoint folder here nor a model "
+                     "this tool builds (a family's hub id, e.g. mistralai/Mistral-7B-v0.3); it downloads "
+                     "nothing unless --weights hub asks")

@@ -1,0 +1,443 @@
+"""The command line, settled once into a Run: every check that needs no GPU and no Soup setup.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Optional
+
+from ..constants import comma_list
+from ..errors import UsageError, last_line
+from ..record import LORA_ALPHA, LORA_R, MAP_BATCHES, QUANTS, RECORD_DETERMINISM, RECORD_GRID
+from ..model.arm import Arm
+from ..model.registry import (ALL_FAMILIES, EXPERT_LAYOUTS, FAMILIES, RECOMPUTES, SHAPES, by_hub_id, config_json,
+                       max_positions, stream_mode_keys)
+from ..model.targets import soup_targets
+from ..estimator.cards import parse_context
+from ..estimator.soup_number import require_streamed
+from ..results.saved import RowFile
+from ..measure.shapes import (bitsandbytes_present, config_only, default_map_families, soup_has_stream_modes,
+                     soup_loss_chunk_bounds)
+from .checks import (
+    _shown,
+    check_input,
+    check_output,
+    distinct_choices,
+    local_or_hub,
+    odd_file,
+    no_output_is_an_input,
+    one_int,
+    parse_ints,
+    within_positions,
+    writable_folder,
+)
+from .configarm import config_arguments, config_arm, config_clash
+from .grid import plan_arms, plan_map, shard_of
+from .parser import build_parser
+from .scratch import soup_shard_root
+
+@dataclass(frozen=True)
+class Run:
+    """Everything the command line asked for, validated once; nothing changes it afterwards."""
+
+    run_arms: bool = True  # run the grid's arms (the sweep's or, with map, the map's)
+    map: bool = False  # --map: models are families, with a quantization axis
+    quants: tuple = ("none",)
+    measure: bool = False
+    sdpa: bool = False
+    repeats: Optional[int] = None  # --determinism N
+    models: tuple = tuple(SHAPES)
+    seqs: Optional[tuple] = None  # None: the record's grid per model
+    batches: tuple = (1,)
+    custom_model: Optional[str] = None
+    weights: str = "synthetic"
+    dry_run: bool = False
+    verbose: bool = False
+    snapshot: bool = False
+    snapshot_dir: Optional[str] = None
+    log_dir: Optional[str] = None
+    cache_dir: Optional[str] = None
+    isolate: bool = False
+    cap: Optional[str] = None  # --cap: which prediction caps each arm's allocator
+    emulate_card: Optional[str] = None  # --emulate-card: the card each arm runs as (a ballast)
+    min_free: bool = False  # --min-free: each arm's lowest completing cap, by bisection
+    gpus: Optional[tuple] = None
+    shard: Optional[tuple] = None
+    json: Optional[str] = None
+    markdown: Optional[str] = None
+    plot: Optional[str] = None
+    from_json: tuple = ()
+    compare: Optional[str] = None
+    steps: int = 1  # optimizer steps per arm (the protocol's 1)
+    estimate: bool = False  # --estimate: the config, not a GPU
+    estimate_config: Optional[dict] = None
+    soup_config: Optional[str] = None  # --config: the user's soup.yaml (its arm's, or --estimate's)
+    cards: tuple = ()  # issue395.estimator.cards.Card
+    context: Optional[int] = None  # --context, bytes
+    targets: Optional[tuple] = None
+    stream: tuple = ()  # --estimate: soup-cli 0.77.0's streaming modes, (training key, value) pairs
+    lora_r: int = LORA_R  # --config's (or --estimate's --lora-r): every other arm runs the protocol's
+    lora_alpha: int = LORA_ALPHA
+    child: bool = False  # a child of --gpus, --isolate or --determinism (never the command line)
+    repeat_tag: Optional[int] = None  # a child's repeat of --determinism
+    argv: tuple = ()
+
+    @property
+    def determinism_grid(self) -> tuple[tuple, Optional[tuple], tuple]:
+        """The record's two repeated arms, unless the command line chose others."""
+        if self.custom_model or self.seqs or self.models != tuple(SHAPES) or self.batches != (1,):
+            return self.models, self.seqs, self.batches
+        return tuple(dict.fromkeys(m for m, _ in RECORD_DETERMINISM)), tuple(s for _, s in RECORD_DETERMINISM), (1,)
+
+
+def run_from_json(data: dict[str, Any]) -> Run:
+    """A Run as ``dataclasses.asdict`` wrote it (a child's job file): JSON lists back to tuples."""
+    return Run(**{k: tuple(v) if isinstance(v, list) else v for k, v in data.items()})
+
+
+def not_an_empty_shard(run: Run) -> None:
+    """--shard K/N that owns no arm is one line before anything runs, not a header alone."""
+    arms = grid_arms(run)
+    if not shard_of(arms, run.shard, whole_models=run.map):
+        k, n = run.shard
+        what = (f"{len(arms)} arm(s) in {len(set(a.model for a in arms))} families, dealt whole"
+                if run.map else f"{len(arms)} arm(s)")
+        raise UsageError(f"--shard {k}/{n} is empty: the grid has {what}, so shard {k} of {n} runs nothing")
+
+
+def settle(args: argparse.Namespace, argv: list[str]) -> Run:
+    """Every check that needs no GPU and no Soup setup, before anything runs or prints."""
+    try:
+        run = _settle(args, argv)
+        if run.shard and not run.estimate and not run.from_json:
+            not_an_empty_shard(run)
+    except OSError as exc:  # a path no filesystem takes (a name too long, a loop): one line naming it
+        raise UsageError(f"{path_flag(args, exc.filename)} {_shown(str(exc.filename))}: "
+                         f"{(exc.strerror or 'cannot be used').lower()}") from None
+    return run
+
+
+def path_flag(args: argparse.Namespace, filename: object) -> str:
+    """The option whose value an OSError's path came from (or the generic 'a path')."""
+    name = str(filename or "")
+    for key, value in vars(args).items():
+        for v in value if isinstance(value, list) else [value]:
+            if isinstance(v, str) and v and (v in name or os.path.expanduser(v) in name):
+                return "--" + key.replace("_", "-")
+    return "a path:"
+
+
+#: What --from-json takes beside the saved results: the outputs and --steps (the corrected column).
+FROM_JSON_OPTIONS = {"from_json", "compare", "json", "markdown", "plot", "steps"}
+
+
+def _settle(args: argparse.Namespace, argv: list[str]) -> Run:
+    for key in ("json", "markdown", "plot", "log_dir", "snapshot_dir", "compare"):  # as --model is
+        if getattr(args, key) not in (None, "-"):
+            setattr(args, key, os.path.expanduser(getattr(args, key)))
+    if args.from_json:
+        args.from_json = [os.path.expanduser(p) for p in args.from_json]
+        defaults = vars(build_parser().parse_args([]))
+        extra = [k for k, v in vars(args).items() if k not in FROM_JSON_OPTIONS and v != defaults.get(k)]
+        if extra:
+            raise UsageError(f"--from-json and --{extra[0].replace('_', '-')} are exclusive: --from-json "
+                             "re-renders saved results and runs nothing")
+    if args.config is not None:
+        config_clash(args)
+    modes = [f for f in ("expert_layout", "loss_chunk", "recompute") if getattr(args, f) is not None]
+    if modes and not (args.map or args.estimate):  # never measured as if the mode were asked and absent
+        raise UsageError(f"--{modes[0].replace('_', '-')} goes with --map (an axis) or --estimate")
+    if args.estimate and args.weights != "synthetic":
+        raise UsageError("--estimate and --weights are exclusive: an estimate reads the config, no weights")
+    outputs = {f: getattr(args, f.strip("-").replace("-", "_")) for f in ("--json", "--markdown", "--plot")}
+    for flag, path in outputs.items():
+        if path is not None:
+            check_output(flag, path)
+    named = [(f, os.path.realpath(p)) for f, p in outputs.items() if p]
+    named = [(f, p) for f, p in named if not p.endswith(os.sep + "-") or outputs[f] != "-"]
+    named += [("--json's row file", str(RowFile.path_for(args.json)))] if args.json not in (None, "-") else []
+    for i, (f, p) in enumerate(named):
+        twin = next((g for g, q in named[i + 1:] if q == p), None)
+        if twin:
+            raise UsageError(f"{f} and {twin} name the same file {p}; each output needs its own path")
+    if args.compare and not args.from_json:
+        raise UsageError("--compare goes with --from-json")
+    if args.from_json:
+        for path in args.from_json + ([args.compare] if args.compare else []):
+            check_input("--compare" if path == args.compare else "--from-json", path)
+        inputs = [("--from-json", p) for p in args.from_json] + ([("--compare", args.compare)] if args.compare else [])
+        no_output_is_an_input(outputs, inputs)
+        return Run(from_json=tuple(args.from_json), compare=args.compare, json=args.json,
+                   markdown=args.markdown, plot=args.plot, steps=one_int("--steps", args.steps, 1),
+               argv=tuple(argv))
+    if args.estimate:
+        if args.model and args.model not in ALL_FAMILIES:
+            no_output_is_an_input(outputs, [("--model", os.path.expanduser(args.model))])
+        return settle_estimate(args, argv)
+    if args.config is not None:
+        return settle_config(args, argv)
+    for flag in ("--card", "--targets", "--lora-r") + (("--context",) if not args.emulate_card else ()):
+        if getattr(args, flag.strip("-").replace("-", "_")) is not None:
+            raise UsageError(f"{flag} goes with --estimate" + (" or --emulate-card" if flag == "--context" else ""))
+    if args.map:
+        return settle_map(args, argv)
+    for flag in ("--families", "--quant"):
+        if getattr(args, flag.strip("-")) is not None:
+            raise UsageError(f"{flag} goes with --map")
+    if args.model is not None and args.models:
+        raise UsageError("--model and --models are exclusive: one brings its own model")
+    if args.model is not None and not args.model.strip():
+        raise UsageError("--model needs a checkpoint folder or a hub id")
+    models = (("custom",) if args.model else tuple(SHAPES) if args.models is None
+              else comma_list(args.models))
+    if not all(models):
+        raise UsageError(f"--models {args.models!r}: empty name; choose from {','.join(SHAPES)}")
+    unknown = [m for m in models if m not in SHAPES and not args.model]
+    if unknown:
+        raise UsageError(f"--models: unknown model {unknown[0]!r}; choose from {','.join(SHAPES)}")
+    if len(set(models)) != len(models):
+        raise UsageError(f"--models {args.models}: a model is named twice")
+    # Soup's config schema refuses a data.max_length under 64: one line here, not a FAILED row.
+    seqs, batches = parse_ints("--seq", args.seq, minimum=64), parse_ints("--batch", args.batch) or (1,)
+    gpus = parse_ints("--gpus", args.gpus, minimum=0)
+    repeats = None
+    if args.determinism is not None:
+        counts = parse_ints("--determinism", args.determinism, minimum=2) or ()
+        if len(counts) != 1:
+            raise UsageError(f"--determinism {args.determinism}: give one repeat count")
+        repeats = counts[0]
+    shard = None
+    if args.shard is not None:
+        k, _, n = args.shard.partition("/")
+        if not (re.fullmatch("[0-9]{1,18}", k) and re.fullmatch("[0-9]{1,18}", n) and 1 <= int(k) <= int(n)):
+            raise UsageError(f"--shard {args.shard}: give K/N with 1 <= K <= N, e.g. --shard 2/4")
+        shard = (int(k), int(n))
+        if gpus or args.isolate or repeats:
+            raise UsageError("--shard is one shard of the grid; --gpus, --isolate and --determinism "
+                             "make their own")
+    if args.model and seqs is None:
+        raise UsageError("--model needs --seq (there is no record grid for it)")
+    if args.model is not None:  # a path that is not there is one line here, not a hub lookup
+        args = argparse.Namespace(**dict(vars(args), model=local_or_hub(args.model)))
+        no_output_is_an_input({**outputs, "--json's row file": args.json and str(RowFile.path_for(args.json))},
+                              [("--model", args.model)])
+    for m in (m for m in models if m in SHAPES):
+        within_positions(SHAPES[m].name, SHAPES[m].max_positions, seqs or RECORD_GRID[m])
+    if args.cap is not None and (args.measure or args.sdpa or args.snapshot or args.snapshot_dir):
+        raise UsageError("--cap runs each arm under a capped allocator; --measure, --sdpa and --snapshot "
+                         "would run under it too: run them without --cap")
+    emulate_card(args, repeats)
+    if args.min_free and (args.dry_run or args.cap is not None or args.emulate_card or repeats or args.measure
+                          or args.sdpa or args.snapshot or args.snapshot_dir):
+        raise UsageError("--min-free runs each arm in capped fresh processes on a GPU: not with --dry-run, --cap, "
+                         "--emulate-card, --determinism, --measure, --sdpa or --snapshot")
+    if args.cap is not None and (args.dry_run or repeats):
+        raise UsageError("--cap re-runs arms on a GPU, each in a fresh process: not with --dry-run or --determinism")
+    if args.dry_run and (args.snapshot or args.snapshot_dir):
+        raise UsageError("--snapshot attributes the CUDA step's peak; a --dry-run has no step")
+    for flag, folder in (("--log-dir", args.log_dir), ("--snapshot-dir", args.snapshot_dir),
+                         ("--cache-dir", args.cache_dir)):
+        if folder is not None:
+            writable_folder(flag, folder)
+    cache = os.path.abspath(os.path.expanduser(args.cache_dir)) if args.cache_dir else None
+    if cache:
+        check_cache_dir_bounds(args.cache_dir, cache)
+    any_mode = args.measure or args.sdpa or repeats is not None
+    return Run(run_arms=args.sweep or not any_mode, measure=args.measure, sdpa=args.sdpa, repeats=repeats,
+               models=models, seqs=seqs, batches=batches, custom_model=args.model,
+               weights=("synthetic" if config_only(args.model) else "local") if args.model else args.weights,
+               dry_run=args.dry_run, verbose=args.verbose, snapshot=args.snapshot or bool(args.snapshot_dir),
+               snapshot_dir=args.snapshot_dir, log_dir=args.log_dir, cache_dir=cache,
+               isolate=args.isolate or args.cap is not None or bool(args.emulate_card) or args.min_free,
+               cap=args.cap,
+               emulate_card=args.emulate_card, context=parse_context(args.context), min_free=args.min_free, gpus=gpus, shard=shard, json=args.json,
+               markdown=args.markdown, plot=args.plot, steps=one_int("--steps", args.steps, 1), argv=tuple(argv))
+
+
+def settle_config(args: argparse.Namespace, argv: list[str]) -> Run:
+    """--config without --estimate: the file's one arm, settled as the sweep settles --model PATH's or a
+    family's, at the file's quantization and adapter (issue395.run.configarm)."""
+    arm = config_arm(args)
+    plain = _settle(argparse.Namespace(**dict(vars(args), config=None, model=arm.model, batch=str(arm.batch),
+                                              seq=str(arm.seq) if arm.model else None)), argv)
+    return replace(plain, models=(arm.key,), seqs=(arm.seq,), quants=(arm.quant,), targets=arm.targets,
+                   lora_r=arm.lora_r, lora_alpha=arm.lora_alpha, soup_config=arm.path)
+
+
+def emulate_card(args: argparse.Namespace, repeats: Optional[int]) -> None:
+    """--emulate-card's own checks: a card this tool knows or a size, on a GPU, one arm a process."""
+    if args.emulate_card is None:
+        return
+    from ..estimator.cards import parse_card
+
+    try:
+        parse_card(args.emulate_card)
+    except UsageError as exc:
+        raise UsageError(str(exc).replace("--card", "--emulate-card", 1)) from None
+    if args.dry_run or args.cap is not None or repeats or args.measure or args.sdpa or args.snapshot \
+            or args.snapshot_dir:
+        raise UsageError("--emulate-card holds CUDA memory outside the allocator for each arm in a fresh process: "
+                         "not with --dry-run, --cap, --determinism, --measure, --sdpa or --snapshot")
+
+
+def settle_map(args: argparse.Namespace, argv: list[str]) -> Run:
+    """--map's own checks (families, quantizations, max positions); the rest as for the sweep."""
+    fresh = args.cap is not None or args.emulate_card is not None or args.min_free
+    for flag in ("--models", "--model", "--determinism") + (("--isolate",) if not fresh else ()):
+        if getattr(args, flag.strip("-")) not in (None, False):
+            raise UsageError(f"--map and {flag} are exclusive")
+    known = ALL_FAMILIES
+    families = (default_map_families() + ("llama31-8b",) if args.families is None
+                else comma_list(args.families))
+    unknown = [f for f in families if f not in known]
+    if unknown or not all(families) or len(set(families)) != len(families):
+        raise UsageError(f"--families: {'unknown family ' + repr(unknown[0]) if unknown else 'empty or repeated name'}; "
+                         f"choose from {','.join(known)}")
+    for fam in families:
+        require_streamed(FAMILIES[fam].model_type if fam in FAMILIES else "llama", f"--families {fam}")
+    families = stream_mode_families(args, families)
+    quants = QUANTS if args.quant is None else distinct_choices("--quant", args.quant, QUANTS, "quantization")
+    if args.quant is not None and "nf4" in quants and not args.dry_run and not bitsandbytes_present():
+        raise UsageError("--quant nf4 needs bitsandbytes, which is not installed here")
+    seqs, batches = parse_ints("--seq", args.seq, minimum=64), parse_ints("--batch", args.batch)
+    for fam in families:
+        within_positions(fam, max_positions(fam), seqs or ())
+    axes = dict(expert_layout=None, loss_chunk=None, recompute=None)  # the map's own, settled above
+    plain = _settle(argparse.Namespace(**dict(vars(args), map=False, families=None, quant=None,
+                                             models=None, seq=None, batch=args.batch, **axes)), argv)
+    return replace(plain, map=True, run_arms=True, models=families, quants=quants, seqs=seqs,
+                       batches=batches or MAP_BATCHES)
+
+
+def stream_mode_families(args: argparse.Namespace, families: list) -> tuple:
+    """Each family under every streaming mode asked for (the map's soup-cli 0.77.0 axes)."""
+    asked = args.expert_layout or args.loss_chunk or args.recompute
+    if asked and not soup_has_stream_modes():
+        raise UsageError("--expert-layout, --loss-chunk and --recompute need soup-cli 0.77.0, "
+                         "whose training config has them; the installed one does not")
+    chunks = comma_list(args.loss_chunk) if args.loss_chunk else ["off"]
+    low, high = soup_loss_chunk_bounds()
+    return stream_mode_keys(families, comma_list(args.expert_layout) if args.expert_layout else ["fused"],
+                            [None if c == "off" else parse_ints("--loss-chunk", c, minimum=low, maximum=high)[0]
+                             for c in chunks],
+                            comma_list(args.recompute) if args.recompute else ["on"])
+
+
+def estimate_config(model: Optional[str]) -> tuple[str, dict]:
+    """--estimate's model: a family's public config, or a config.json (or a folder holding one)."""
+    if not model or not model.strip():
+        raise UsageError("--estimate needs --model: a config.json, a folder holding one, or a family "
+                         f"({','.join(ALL_FAMILIES)})")
+    if model in ALL_FAMILIES:
+        if os.path.lexists(model):  # a folder or file of the same name here is not what was read
+            print(f"note: --model {model}: the family {model}'s public config was used, not ./{model} here "
+                  f"(give ./{model} for that)", file=sys.stderr)
+        return model, config_json(model)
+    family = by_hub_id(model)
+    if family is not None:  # a registry model's hub id (a soup.yaml's base): its committed public config
+        return model, config_json(family)
+    path = Path(model).expanduser()
+    path = path / "config.json" if path.is_dir() else path
+    odd = odd_file(str(path))
+    if odd:
+        raise UsageError(f"--model {model}: {odd}" if str(path) == os.path.expanduser(model)
+                         else f"--model {model}: its config.json is {odd}")
+    if not path.is_file() and not path.exists() and "/" in model and not model.startswith(("/", ".", "~")):
+        from .userconfig import hub_config
+
+        return model, hub_config(model)  # a hub id: its config.json alone, from the cache or the hub
+    if not path.is_file():
+        raise UsageError(f"--model {model}: no such config.json (nor a family: {','.join(ALL_FAMILIES)})")
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError) as exc:
+        raise UsageError(f"--model {model}: {path.name} cannot be read ({type(exc).__name__})") from None
+    if not isinstance(config, dict):
+        raise UsageError(f"--model {model}: {path.name} is not a JSON object")
+    return model, config
+
+
+def settle_estimate(args: argparse.Namespace, argv: list[str]) -> Run:
+    """--estimate's own checks: a config, seqs, and nothing that needs a GPU or Soup's setup."""
+    for flag in ("--sweep", "--measure", "--sdpa", "--map", "--determinism", "--models", "--families",
+                 "--dry-run", "--isolate", "--gpus", "--shard", "--snapshot", "--snapshot-dir", "--markdown",
+                 "--plot", "--log-dir", "--cache-dir", "--verbose", "--cap", "--emulate-card", "--min-free"):
+        if getattr(args, flag.strip("-").replace("-", "_")) not in (None, False):
+            raise UsageError(f"--estimate and {flag} are exclusive: an estimate runs nothing")
+    if args.config is not None:
+        args = config_arguments(args)
+    name, config = estimate_config(args.model)
+    quants = ("none",) if args.quant is None else distinct_choices("--quant", args.quant, QUANTS, "quantization")
+    seqs = parse_ints("--seq", args.seq, minimum=64)
+    if not seqs:
+        raise UsageError("--estimate needs --seq: a comma list of sequence lengths")
+    targets = None if args.targets is None else comma_list(args.targets)
+    if targets is not None and not all(targets):
+        raise UsageError(f"--targets {args.targets!r}: empty name")
+    if targets is not None and len(set(targets)) != len(targets):
+        raise UsageError(f"--targets {args.targets}: a target is named twice")
+    from ..estimator.cards import parse_cards, parse_context
+    from ..estimator.estimate import estimate
+    from ..estimator.soup_number import arch_of
+
+    try:  # the config's own sizes, heads and positions: one line here, before any table
+        arch = arch_of(config)
+    except UsageError as exc:
+        raise UsageError(f"--model {name}: {exc}") from None
+    except Exception as exc:  # a value of the wrong kind deeper in the config
+        raise UsageError(f"--model {name}: its config cannot be read as a model ({last_line(exc)})") from None
+    within_positions(name, arch.max_pos, seqs)
+    targets = soup_targets(targets, config, arch, args.targets)
+    try:
+        cards = tuple(parse_cards(args.card)) if args.card is not None else ()
+    except (OverflowError, ValueError) as exc:
+        raise UsageError(f"--card {_shown(args.card)!r} is not a size like 24GB or 80GiB ({last_line(exc)})") from None
+    context = parse_context(args.context)
+    if context is not None and not cards:
+        raise UsageError("--context goes with --card: it is the context of the card to fit")
+    stream = estimate_stream(args)
+    if stream:  # Soup's own refusals and the modes' physics, in one line before any table
+        estimate(config, quant=quants[0], seq=seqs[0], targets=targets, stream=stream)
+    return Run(run_arms=False, estimate=True, estimate_config=config, custom_model=name, quants=quants, seqs=seqs,
+               stream=tuple(sorted(stream.items())),
+               batches=parse_ints("--batch", args.batch) or (1,), targets=targets,
+               lora_r=one_int("--lora-r", args.lora_r, 8), steps=one_int("--steps", args.steps, 1),
+               cards=cards, context=context, soup_config=args.config, json=args.json, argv=tuple(argv))
+
+
+def estimate_stream(args: argparse.Namespace) -> dict:
+    """--estimate's soup-cli 0.77.0 streaming modes, one value each: Soup's training keys."""
+    stream: dict = {}
+    for flag, key, allowed in (("expert_layout", "stream_expert_layout", EXPERT_LAYOUTS),
+                               ("recompute", "stream_recompute", RECOMPUTES)):
+        value = getattr(args, flag)
+        if value is not None and value not in allowed:
+            raise UsageError(f"--{flag.replace('_', '-')} {value!r}: with --estimate, one of {', '.join(allowed)}")
+        if value is not None and value != allowed[0]:
+            stream[key] = value
+    if args.loss_chunk not in (None, "off"):
+        low, high = soup_loss_chunk_bounds()
+        stream["stream_loss_chunk"] = one_int("--loss-chunk", args.loss_chunk, None, minimum=low)
+        if stream["stream_loss_chunk"] > high:
+            raise UsageError(f"--loss-chunk {args.loss_chunk}: Soup's schema takes {low} to {high} tokens")
+    return stream
+
+
+def grid_arms(run: Run) -> list[Arm]:
+    return (plan_map(run.models, run.quants, run.seqs, run.batches) if run.map
+            else plan_arms(run.models, run.seqs, run.batches, run.quants[0]))
+
+
+def check_cache_dir_bounds(given: str, cache: str) -> None:
+    """Refuse a --cache-dir Soup would silently ignore (it would write to ~/.soup instead).
+    Soup's own resolution decides (a light import: neither torch nor the hub client)."""
+    shards = os.path.join(os.path.realpath(cache), "layer-stream")
+    if os.path.realpath(soup_shard_root(shards)) != shards:
+        raise UsageError(f"--cache-dir {given} is outside $HOME, the working directory and the temp "
+                         "dir; Soup would ignore it and write its shard cache to ~/.soup instead")

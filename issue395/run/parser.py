@@ -1,0 +1,159 @@
+"""The command line's parser: every option with its help, the defaults epilog, and usage errors as
+one line (exit 2, no usage dump). What the options mean together is settled in ``options``.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from ..errors import UsageError
+from ..record import MAP_BATCHES, MAP_SEQS, QUANTS, RECORD_GRID
+from ..model.registry import ALL_FAMILIES
+
+EPILOG = f"""defaults:
+  arms       SmolLM2-135M at seq {','.join(map(str, RECORD_GRID['smol']))} and Qwen2.5-0.5B at seq
+             {','.join(map(str, RECORD_GRID['qwen']))}, batch 1 (the record's grid)
+  weights    synthetic: architecture-exact checkpoints built here, no network
+  cache-dir  none: everything is built in a scratch folder removed at exit. A --cache-dir
+             must lie under $HOME, the working directory or the temp dir, where Soup honours
+             it; every folder an option names is created when missing.
+
+exit codes:
+  0    every row ok (prediction at or above the real peak, realised == requested); in a
+       dry run, every row realised as requested. REFUSED (Soup's gate said the run will not
+       fit) and SKIPPED (NF4 without bitsandbytes) rows are not findings
+  1    any row VOID (realised != requested), OOM, FAILED or UNDER (prediction below the
+       real peak), the snapshot's positive control failed, or the harness failed
+  2    usage error, or an output that could not be written (one line on stderr)
+  130  interrupted (rows measured so far are printed and saved)
+"""
+
+
+#: What --cap caps each arm at: Soup's own pre-flight, the corrected allocated peak or needs-free
+#: (issue395.estimator.estimate), or nothing (the control).
+CAPS = ("soup", "corrected", "needs-free", "off")
+NO_CUDA = ("CUDA is required for the real peak and no CUDA GPU is visible; --dry-run runs the whole "
+           "Soup setup and the guard on CPU")
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, exit 2, no usage dump
+        raise UsageError(message)
+
+    def parse_known_args(self, args=None, namespace=None):  # type: ignore[override]
+        return super().parse_known_args(None if args is None else values_taken(self, list(args)), namespace)
+
+
+def values_taken(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
+    """argparse reads a value that starts with '-' (``--card -1GB``, ``--seq -64``) as an option
+    and says "expected one argument"; an option that takes one value takes the next word as it,
+    unless that word is itself an option, so the value is read and refused by its own check."""
+    out: list[str] = []
+    words = iter(argv)
+    for word in words:
+        action = parser._option_string_actions.get(word)
+        if word == "--":
+            out += [word, *words]
+            break
+        if action is not None and action.nargs is None and action.option_strings[0].startswith("--"):
+            following = next(words, None)
+            if following is not None and following.startswith("-") and following != "--" \
+                    and following.split("=")[0] not in parser._option_string_actions:
+                out.append(f"{word}={following}")
+                continue
+            out += [word] + ([following] if following is not None else [])
+            continue
+        out.append(word)
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = Parser(prog="issue395_second_stack_vram.py", epilog=EPILOG,
+               description="Re-measure Soup's stream peak-VRAM pre-flight (the issue #395 record).",
+               formatter_class=argparse.RawDescriptionHelpFormatter)
+    m = p.add_argument_group("modes (default: the sweep)")
+    m.add_argument("--sweep", action="store_true", help="run the sweep alongside other modes")
+    m.add_argument("--measure", action="store_true", help="Soup's logits bytes-per-element probe")
+    m.add_argument("--sdpa", action="store_true", help="attention's extra allocation per backend")
+    m.add_argument("--map", action="store_true",
+                   help=f"the margin map: every family Soup streams x {{{', '.join(QUANTS)}}} x seq "
+                        f"{{{', '.join(map(str, MAP_SEQS))}}} (within max positions) x batch "
+                        f"{{{', '.join(map(str, MAP_BATCHES))}}}, and where the margin goes")
+    m.add_argument("--estimate", action="store_true",
+                   help="does a run fit? Soup's own pre-flight and the corrected estimate, term by term, "
+                        "from --model CONFIG.json or a family, on CPU (no torch, no GPU)")
+    m.add_argument("--determinism", nargs="?", const="2", default=None, metavar="N",
+                   help="repeat arms in N fresh processes (default 2; default arms: SmolLM2 at 4096 and 6144)")
+    a = p.add_argument_group("arms")
+    a.add_argument("--models", default=None, help="comma list of smol,qwen (default both)")
+    a.add_argument("--families", default=None, help="with --map: comma list of families (default "
+                   "all: " + ",".join(ALL_FAMILIES) + ")")
+    a.add_argument("--expert-layout", default=None, help="with --map (soup-cli 0.77.0): comma list of fused,"
+                   "per_expert: training.stream_expert_layout, on the MoE families (default fused)")
+    a.add_argument("--loss-chunk", default=None, help="with --map (soup-cli 0.77.0): comma list of off or "
+                   "tokens per chunk: training.stream_loss_chunk (default off)")
+    a.add_argument("--recompute", default=None, help="with --map (soup-cli 0.77.0): comma list of on,off: "
+                   "training.stream_recompute (default on)")
+    a.add_argument("--quant", default=None, help="with --map or --estimate: comma list of none,nf4 (--map: both; "
+                   "nf4 needs bitsandbytes)")
+    a.add_argument("--seq", default=None, help="comma list of seq lengths, each at least 64 (Soup's schema), "
+                   "for every chosen model (default: the record's grid)")
+    a.add_argument("--batch", default=None, help="comma list of batch sizes (default 1; --map: 1,4)")
+    a.add_argument("--model", default=None, metavar="ID_OR_PATH",
+                   help="any causal LM Soup can stream, instead of the record's models (needs --seq): "
+                        "a checkpoint folder, a hub id, or a config.json (synthetic weights built from it)")
+    a.add_argument("--weights", choices=("synthetic", "hub"), default="synthetic",
+                   help="synthetic (default): build architecture-exact checkpoints here; hub: download")
+    a.add_argument("--cache-dir", default=None, help="keep built checkpoints and Soup's shards here "
+                   "(under $HOME, the working directory or the temp dir)")
+    a.add_argument("--steps", default=None, help="optimizer steps per arm, the peak over all of them "
+                   "(default 1, the protocol's; with --estimate: the steady-state peak)")
+    e = p.add_argument_group("--estimate")
+    e.add_argument("--config", default=None, metavar="SOUP_YAML", help="the soup.yaml `soup train` takes, read by "
+                   "Soup's own loader: its base, data.max_length, training.batch_size, quantization, LoRA and "
+                   "streaming modes drive --estimate, or, without it, one measured arm (with --emulate-card, "
+                   "--cap, --min-free or --dry-run too), instead of --model, --quant, --seq, --batch, --targets, "
+                   "--lora-r")
+    e.add_argument("--card", default=None, help="comma list of cards to fit: named (A10G, L4, T4, RTX3090, "
+                   "RTX4090, RTX5090, A100-40GB, A100-80GB, L40S, H100, H200, RTX3050-Laptop-4GB, ...) or sizes "
+                   "(24GB = 24e9 bytes, 24GiB = 24 x 2^30): fits, the longest seq that fits, and Soup's gate")
+    e.add_argument("--context", default=None, metavar="GB", help="with --card or --emulate-card: the CUDA context your card "
+                   "leaves outside the allocator, in GB (default: Soup's measured 0.85 GB)")
+    e.add_argument("--targets", default=None, help="comma list of LoRA targets (default q_proj,v_proj; "
+                   "Phi-3: qkv_proj)")
+    e.add_argument("--lora-r", default=None, help="LoRA rank (default 8)")
+    r = p.add_argument_group("running")
+    r.add_argument("--dry-run", action="store_true", help="everything but the CUDA step, on CPU")
+    r.add_argument("--isolate", action="store_true", help="each arm in its own fresh process")
+    r.add_argument("--cap", default=None, choices=CAPS,
+                   help="each arm in a fresh process with the caching allocator capped (set_per_process_memory_"
+                        "fraction) at Soup's own pre-flight, the corrected allocated peak, or the corrected "
+                        "needs-free; 'off' is the control (no cap); always with expandable_segments, as soup train")
+    r.add_argument("--emulate-card", default=None, metavar="NAME|GB",
+                   help="run each arm as if on this card (a named card or a size, as --card): in a fresh process "
+                        "with expandable segments, a ballast outside the allocator leaves exactly the card's free "
+                        "memory (total - context; --context GB gives yours), Soup's own gate decides, and the row "
+                        "says refused by Soup / admitted and completed / admitted and OOM beside this tool's verdict")
+    r.add_argument("--min-free", action="store_true",
+                   help="per arm, the lowest allocator cap its step completes under: a bisection over fresh "
+                        "processes (expandable segments) to max(0.25%% of the allocated peak, 4 MiB), beside "
+                        "this tool's needs-free")
+    r.add_argument("--gpus", default=None, help="comma list of GPU ids: one shard per GPU, merged")
+    r.add_argument("--shard", default=None, metavar="K/N",
+                   help="run only the arms whose grid index is K-1 modulo N (on the map: whole "
+                        "families, dealt evenly); merge with --from-json")
+    r.add_argument("--snapshot", action="store_true",
+                   help="attribute each peak from the allocator history (+ positive control)")
+    r.add_argument("--snapshot-dir", default=None, help="also write each raw snapshot here (implies --snapshot)")
+    r.add_argument("--verbose", action="store_true", help="show Soup's own console output live")
+    r.add_argument("--log-dir", default=None, help="keep Soup's per-arm console logs here")
+    o = p.add_argument_group("outputs")
+    o.add_argument("--json", default=None, metavar="PATH", help="every row, result and timing")
+    o.add_argument("--markdown", default=None, metavar="PATH", help="a record ready to paste")
+    o.add_argument("--plot", default=None, metavar="PATH", help="PNG: pred/real against seq (the sweep); with "
+                   "--map, the map's heatmap (family x seq x batch, one panel per quantization)")
+    o.add_argument("--from-json", nargs="+", default=None, metavar="PATH",
+                   help="re-render saved results, merging shards (no GPU, no Soup setup)")
+    o.add_argument("--compare", default=None, metavar="PATH",
+                   help="with --from-json: the same arms' peaks in another saved result")
+    return p

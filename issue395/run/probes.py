@@ -1,0 +1,59 @@
+"""--min-free's driver: per arm, a control (no cap) for its allocated peak, then a bisection over
+caps (issue395.constraints.minfree), each probe the same arm in a fresh capped child process (the --cap path:
+expandable segments, as `soup train` sets them). The arm's row is the control's, with the lowest
+cap that completed, the highest that raised OOM, the resolution and every probe."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Callable, Optional
+
+from ..model.arm import Arm
+from ..model.registry import stream_mode
+from ..results.result import Result
+from ..results.row import Row
+from ..constraints.emulation import arm_config, tool_needs_free
+from ..constraints.minfree import bisect_min_free
+from ..measure.console import Stop
+from .options import Run
+from .scratch import Scratch
+from .spread import spread
+
+#: No cap above this many times the control's reserved memory is worth a probe.
+CEILING_OVER_RESERVED = 4
+
+
+def min_free_arms(run: Run, arms: list[Arm], scratch: Scratch, on_row: Callable[[Row], None],
+                  script: str, spread_one: Optional[Callable] = None) -> list[Result]:
+    """Each arm's row with its min-free; a control that did not complete is the row as it is."""
+    results: list[Result] = []
+    spread_one = spread_one or spread
+
+    def probe(arm: Arm, cap: str) -> Row:
+        got: list[Row] = []
+        # Every probe of an arm is the same arm: its rows are the bisection's steps, which the arm's
+        # own row keeps (min_free_probes), so a probe's result hands on its stack and errors, not
+        # its row (merged with their rows, the probes read as overlapping shards and were refused).
+        results.extend(replace(r, rows=[]) for r in spread_one(
+            replace(run, cap=cap, min_free=False, isolate=True), [arm], scratch, got.append, script))
+        return got[-1]
+
+    for arm in arms:
+        if Stop.requested:
+            break
+        control = probe(arm, "off")
+        if not control.measured:
+            on_row(replace(control, cap_at=None))
+            continue
+        # the adapter the control ran with (a family's targets, a --config file's targets and r)
+        needs = tool_needs_free(arm_config(arm.model, control.base), None, quant=arm.quant, seq=arm.seq,
+                                batch=arm.batch, targets=control.targets, lora_r=control.rank, steps=run.steps,
+                                stream=tuple(stream_mode(arm.model)[1].items()))
+        peak = control.real_peak
+        found = bisect_min_free(lambda cap: probe(arm, f"bytes:{cap}").measured, peak=peak,
+                                start=needs or peak + peak // 10,
+                                ceiling=CEILING_OVER_RESERVED * max(control.reserved or peak, peak))
+        on_row(replace(control, cap_at=None, needs_free=needs, min_free=found.completes,
+                       min_free_oom=found.fails, min_free_resolution=found.resolution,
+                       min_free_probes=tuple((c, ok) for c, ok in found.probes)))
+    return results

@@ -1,0 +1,251 @@
+"""Spreading arms over processes: shards, jobs, and children that get their work as a JSON file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any, Callable, Iterable, Optional
+
+from ..errors import UsageError, last_line
+from ..model.arm import Arm
+from ..model.registry import FAMILIES, SHAPES, family_of
+from ..estimator.cards import parse_card
+from ..results.result import Result
+from ..results.row import Row
+from ..results.saved import RowFile
+from ..measure.console import Stop
+from .grid import shard_of
+from .options import Run, run_from_json
+from .scratch import Scratch
+
+#: A child process finds its work here: the file names its settled Run and its Job.
+CHILD_JOB = "ISSUE395_CHILD_JOB"
+#: ... and the process id of the parent it must not outlive.
+PARENT_PID = "ISSUE395_PARENT_PID"
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+@dataclass(frozen=True)
+class Job:
+    """One child process: a shard of the grid on one GPU (or none), maybe one repeat."""
+
+    shard: tuple[int, int]
+    arms: tuple  # the Arms it owes
+    gpu: Optional[int] = None
+    repeat: Optional[int] = None
+    extra_modes: bool = False  # also --measure/--sdpa, after its arms
+
+
+def visible_ids() -> Optional[list[str]]:
+    """CUDA_VISIBLE_DEVICES as a list, or None when it is not set (every GPU is visible)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return None if visible is None else [v.strip() for v in visible.split(",") if v.strip()]
+
+
+def visible_gpu(ordinal: int) -> str:
+    """--gpus counts the GPUs this process sees; a child needs the id behind it."""
+    ids = visible_ids() or []
+    return ids[ordinal] if ordinal < len(ids) else str(ordinal)
+
+
+def plan_jobs(run: "Run", arms: list[Arm]) -> list[Job]:
+    if run.repeats:
+        gpu = run.gpus[0] if run.gpus else None
+        return [Job((a.index + 1, len(arms)), (a,), gpu, rep, extra_modes=(rep == 1 and a.index == 0))
+                for rep in range(1, run.repeats + 1) for a in arms]
+    if run.isolate:
+        gpus = run.gpus or (None,)
+        return [Job((a.index + 1, len(arms)), (a,), gpus[i % len(gpus)],
+                    extra_modes=i == 0) for i, a in enumerate(arms)]
+    n = len(run.gpus)
+    jobs = [Job((k, n), tuple(shard_of(arms, (k, n), whole_models=run.map)), g, extra_modes=k == 1)
+            for k, g in enumerate(run.gpus, 1)]
+    return [j for j in jobs if j.arms or j.extra_modes]  # one family, two GPUs: one child
+
+
+def spread(run: Run, arms: list[Arm], scratch: Scratch, on_row: Callable[[Row], None],
+           script: str) -> list[Result]:
+    """Each job in a fresh process, one GPU's jobs in turn, GPUs at once, rows taken up as each child
+    saves them; a child that dies leaves a FAILED row for each arm it did not report, never a gap."""
+    lanes: dict[Optional[int], list[Job]] = {}
+    for job in plan_jobs(run, arms):
+        lanes.setdefault(job.gpu, []).append(job)
+    running: dict[Optional[int], dict[str, Any]] = {}
+    results: list[Result] = []
+    count = 0
+    cache = child_cache(run, scratch)
+    folder = Path(tempfile.mkdtemp(dir=scratch.path("children")))  # one per spread: no stale files
+    # Each child would take a thread per core; side by side they stall each other's parallel
+    # copies into Soup's pinned store (measured on CPU: 0.06-0.15 s alone, up to 1.9 s beside
+    # a busy twin). A share of the cores each; host-side only.
+    threads = str(max(1, min(8, (os.cpu_count() or 2) // max(1, len(lanes)) - 2)))
+
+    def launch(gpu: Optional[int]) -> None:
+        nonlocal count
+        job = lanes[gpu].pop(0)
+        count += 1
+        out = folder / f"{count:04d}.json"
+        env = dict(os.environ)
+        if gpu is not None:
+            env["CUDA_VISIBLE_DEVICES"] = visible_gpu(gpu)
+        for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "RAYON_NUM_THREADS"):
+            env.setdefault(var, threads)
+        if run.cap is not None or run.emulate_card:  # as `soup train` sets it, before CUDA starts: only a fresh process can
+            env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+        env[CHILD_JOB] = str(out.with_suffix(".job.json"))
+        env[PARENT_PID] = str(os.getpid())
+        write_job(Path(env[CHILD_JOB]), child_run(run, job, str(out), cache), job)
+        # Its own process group: a terminal's Ctrl-C reaches the parent alone, which relays it
+        # once (the child would otherwise get two, the second meaning "stop now").
+        with open(out.with_suffix(".stdout"), "w") as fh:
+            proc = subprocess.Popen([sys.executable, os.path.abspath(script)], env=env, stdout=fh,
+                                    process_group=0)
+        running[gpu] = {"proc": proc, "job": job, "out": out, "seen": set(), "read": 0}
+
+    def take(entry: dict[str, Any], rows: Iterable[Row]) -> None:
+        for row in rows:
+            if (row.index, row.repeat) not in entry["seen"]:
+                entry["seen"].add((row.index, row.repeat))
+                on_row(row)
+
+    def new_rows(entry: dict[str, Any]) -> list[Row]:
+        """The rows a child saved since the last look: whole lines only (the last may be
+        half-written); a line that does not parse is left for the child's final JSON."""
+        try:
+            with open(RowFile.path_for(str(entry["out"])), "rb") as fh:
+                fh.seek(entry["read"])
+                chunk = fh.read()
+            done = chunk.rfind(b"\n") + 1
+            rows = [Row.from_json(json.loads(line)) for line in chunk[:done].splitlines()]
+        except (OSError, ValueError):
+            return []
+        entry["read"] += done
+        return rows
+
+    def settle(gpu: Optional[int]) -> None:
+        entry = running.pop(gpu)
+        job, code = entry["job"], entry["proc"].returncode
+        take(entry, new_rows(entry))
+        with contextlib.suppress(OSError, ValueError):
+            res = Result.from_json(json.loads(entry["out"].read_text()))
+            take(entry, res.rows)
+            results.append(res)
+        if not Stop.requested:
+            for arm in job.arms:
+                if (arm.index, job.repeat) not in entry["seen"]:
+                    take(entry, [lost_row(arm, run, job.repeat, code)])
+
+    def relay() -> None:
+        for entry in running.values():
+            if entry["proc"].poll() is None:
+                with contextlib.suppress(OSError):
+                    entry["proc"].send_signal(signal.SIGINT)
+
+    Stop.relays.append(relay)
+    try:
+        for gpu in lanes:
+            launch(gpu)
+        while running:
+            time.sleep(0.2)
+            for gpu in list(running):
+                entry = running[gpu]
+                take(entry, new_rows(entry))
+                if entry["proc"].poll() is not None:
+                    settle(gpu)
+                    if lanes[gpu] and not Stop.requested:
+                        launch(gpu)
+    finally:
+        Stop.relays.remove(relay)
+        for entry in running.values():  # a second Ctrl-C, SIGTERM or an error here
+            if entry["proc"].poll() is None:
+                entry["proc"].send_signal(signal.SIGTERM)
+        for gpu in list(running):
+            try:
+                running[gpu]["proc"].wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                running[gpu]["proc"].kill()
+                running[gpu]["proc"].wait()
+            settle(gpu)
+    return results
+
+
+def child_cache(run: Run, scratch: Scratch) -> Optional[str]:
+    """Children share one cache so a model is built and sharded once; but the map's families would
+    not fit a disk together, so there each child keeps its own and frees each family after it. A
+    --cap child runs one arm: it shares, or every arm would build and shard its family again."""
+    return run.cache_dir or (None if run.map and not (run.cap or run.emulate_card) else str(scratch.path("cache")))
+
+
+def child_run(run: Run, job: Job, out: str, cache: Optional[str]) -> Run:
+    """The settled run a child executes: its parent's, narrowed to one job in one process, its
+    rows saved to its own JSON. Nothing is re-parsed: the child gets this as data."""
+    return replace(run, json=out, markdown=None, plot=None, cache_dir=cache, shard=job.shard,
+                   gpus=None, isolate=False, repeats=None, run_arms=True, child=True, repeat_tag=job.repeat,
+                   measure=run.measure and job.extra_modes, sdpa=run.sdpa and job.extra_modes)
+
+
+def die_with_parent() -> None:
+    """A child whose parent is SIGKILLed gets SIGTERM (it stops as on any SIGTERM) rather than
+    running on as an orphan holding a GPU. Linux only; elsewhere the parent's clean-up is all."""
+    parent = os.environ.pop(PARENT_PID, None)
+    if not parent or not sys.platform.startswith("linux"):
+        return
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+    if os.getppid() != int(parent):  # it died before prctl: that signal will never come
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def write_job(path: Path, run: Run, job: Job) -> None:
+    path.write_text(json.dumps({"run": asdict(run), "job": dict(
+        asdict(job), arms=[asdict(a) for a in job.arms])}, indent=1), encoding="utf-8")
+
+
+def read_job(path: str) -> tuple[Run, Job]:
+    """A child's work, as its parent wrote it."""
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+        j = data["job"]
+        job = Job(shard=tuple(j["shard"]), arms=tuple(Arm(**a) for a in j["arms"]), gpu=j["gpu"],
+                  repeat=j["repeat"], extra_modes=j["extra_modes"])
+        return run_from_json(data["run"]), job
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise UsageError(f"child job {path}: cannot be read ({last_line(exc)})") from None
+
+
+def lost_row(arm: Arm, run: "Run", repeat: Optional[int], code: Optional[int]) -> Row:
+    """A FAILED row for an arm whose process died before reporting it (no prediction: this
+    process does not import Soup); a --config arm's names its file and adapter as a live one does."""
+    shape = SHAPES.get(family_of(arm.model))
+    family = FAMILIES.get(family_of(arm.model))  # a streaming mode is its family's
+    name = shape.name if shape else family.name if family else (run.custom_model or arm.model)
+    vocab = shape.vocab if shape else family.vocab if family else 1
+    adapter = (dict(soup_config=run.soup_config, lora_r=run.lora_r, lora_alpha=run.lora_alpha,
+                    targets=tuple(run.targets or ())) if run.soup_config else {})
+    return Row(model=name, model_key=arm.model, seq=arm.seq, batch=arm.batch, index=arm.index, cap_at=run.cap,
+               emulated_card=parse_card(run.emulate_card).name if run.emulate_card else None,
+               predicted=None, logits14=None, loss_bytes_per_element=None, vocab=vocab,
+               quant=arm.quant, repeat=repeat,
+               dry_run=run.dry_run, failure="FAILED",
+               error=f"its process exited with code {code} before this arm reported", **adapter)
+
+
+def visible_gpu_count() -> int:
+    """GPUs this process may use, without importing torch (a fan-out parent never does)."""
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=20)
+        count = len([ln for ln in out.stdout.splitlines() if ln.startswith("GPU ")]) if out.returncode == 0 else 0
+    except (OSError, subprocess.TimeoutExpired):
+        count = 0
+    ids = visible_ids()
+    return count if ids is None else min(count, len(ids))

@@ -1,0 +1,124 @@
+"""The user's own inputs: a soup.yaml (the file `soup train` takes), read by Soup's own loader so
+Soup's own validation applies, and a hub id's config.json from the local Hugging Face cache or,
+online, that one file alone. No torch."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+from ..constants import STREAM_KEYS
+from ..errors import UsageError, last_line
+from .checks import HUB_ID
+
+#: Soup's quantization spelling -> this tool's (issue395.record.SOUP_QUANT, inverted).
+QUANT_OF = {"none": "none", "4bit": "nf4"}
+
+#: training.* options that change what a streamed step holds and that the estimator does not
+#: model, with the value it assumes (Soup's default): any other value is one line naming it.
+#: 0.77.0's streaming modes it does model (an expert layout, a loss chunk, recompute on or off)
+#: pass, and reach the arm's Soup config as the file sets them; stream_recompute auto (a step
+#: measured at setup) does not.
+ASSUMED = {"stream_buffers": 2}
+
+
+@dataclass(frozen=True)
+class UserRun:
+    """What a soup.yaml asks for, in the estimator's terms."""
+
+    path: str
+    base: str
+    quant: str
+    seq: int
+    batch: int
+    lora_r: int
+    lora_alpha: int
+    targets: Optional[tuple]
+    stream_buffers: int
+    stream_options: dict  # 0.77.0's streaming modes, as the file sets them (none on 0.73.3)
+
+
+def read_soup_config(path: str) -> UserRun:
+    """A soup.yaml through soup_cli.config.loader (its own schema and validators): one line for a
+    file Soup refuses, a config Soup would not stream, or an option the estimator does not model."""
+    try:
+        from soup_cli.config.loader import load_config_from_string
+    except ImportError:
+        raise UsageError("--config needs soup-cli installed: its own loader reads the file") from None
+    try:
+        text = Path(path).expanduser().read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UsageError(f"--config {path}: cannot be read ({last_line(exc)})") from None
+    try:
+        cfg = load_config_from_string(text)
+    except Exception as exc:  # Soup's own validation: its message, one line
+        msg = " ".join(str(exc).split())
+        raise UsageError(f"--config {path}: Soup refuses it: {msg[:300]}") from None
+    t = cfg.training
+    if not getattr(t, "stream_layers", False):
+        raise UsageError(f"--config {path}: training.stream_layers is not true, so Soup would not stream "
+                         "this run (the pre-flight this tool checks is the streamed one)")
+    if getattr(cfg, "task", "sft") != "sft":
+        raise UsageError(f"--config {path}: task {cfg.task!r} is one the estimator does not model (sft only)")
+    quant = QUANT_OF.get(str(t.quantization))
+    if quant is None:
+        raise UsageError(f"--config {path}: training.quantization {t.quantization!r} is not one Soup streams "
+                         f"({', '.join(QUANT_OF)})")
+    if not isinstance(t.batch_size, int):
+        raise UsageError(f"--config {path}: training.batch_size {t.batch_size!r} is one the estimator does not "
+                         "model (give a whole number)")
+    for name, assumed in ASSUMED.items():
+        value = getattr(t, name, assumed)
+        if value != assumed:
+            raise UsageError(f"--config {path}: training.{name} {value!r} is an option the estimator does not "
+                             f"model (it assumes {assumed!r})")
+    lora = t.lora
+    dropout = getattr(lora, "dropout", 0.05)
+    if dropout != 0.05:
+        raise UsageError(f"--config {path}: training.lora.dropout {dropout!r} is an option the estimator does "
+                         "not model (it assumes Soup's default 0.05)")
+    targets = lora.target_modules
+    if isinstance(targets, str):
+        if targets == "auto":
+            raise UsageError(f"--config {path}: training.lora.target_modules 'auto' is an option the estimator "
+                             "does not model (name the modules)")
+        targets = (targets,)
+    stream = {k: getattr(t, k) for k in STREAM_KEYS if hasattr(t, k)}
+    if stream.get("stream_recompute") == "auto":
+        raise UsageError(f"--config {path}: training.stream_recompute 'auto' is an option the estimator does not "
+                         "model (it measures a step at setup; give on or off)")
+    return UserRun(str(path), cfg.base, quant, int(cfg.data.max_length), int(t.batch_size), int(lora.r),
+                   int(lora.alpha), tuple(targets), int(t.stream_buffers), stream)
+
+
+def hub_config(model: str) -> dict[str, Any]:
+    """A hub id's config.json: the local Hugging Face cache first (HF_HUB_CACHE honoured), then,
+    unless offline, that one file fetched alone. Offline with no cached copy: one line."""
+    if not HUB_ID.fullmatch(model) or "/" not in model:
+        raise UsageError(f"--model {model}: no such config.json, nor a family, nor a hub id (org/name)")
+    try:
+        from huggingface_hub import hf_hub_download, try_to_load_from_cache
+    except ImportError:
+        raise UsageError(f"--model {model}: huggingface_hub is not installed to read the hub cache") from None
+    path = try_to_load_from_cache(model, "config.json")
+    if not isinstance(path, str):
+        if os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on"):
+            raise UsageError(f"--model {model}: no config.json in the local Hugging Face cache, and offline")
+        import logging
+
+        logging.getLogger("huggingface_hub").setLevel(logging.ERROR)  # its retries: not our one line
+        try:
+            path = hf_hub_download(model, "config.json")
+        except Exception as exc:
+            raise UsageError(f"--model {model}: no config.json in the local Hugging Face cache, and the hub "
+                             f"did not give one ({type(exc).__name__})") from None
+    try:
+        config = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"--model {model}: its cached config.json cannot be read ({type(exc).__name__})") from None
+    if not isinstance(config, dict):
+        raise UsageError(f"--model {model}: its config.json is not a JSON object")
+    return config

@@ -1,0 +1,113 @@
+"""issue395.estimator.cards: named cards, plain sizes, the context bound and the cuBLAS workspace per handle
+(issue 20). CPU only: nothing here touches CUDA."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import ROOT
+
+from issue395.estimator import cards as C
+from issue395.estimator import estimate as E
+from issue395.errors import UsageError
+from issue395.record import RECORD_A10G_PEAK
+from issue395.model.registry import config_json
+from issue395.estimator.soup_number import _soup_dir
+
+ASKED = ("A10G", "L4", "T4", "RTX3090", "RTX4090", "RTX5090", "A100-40GB", "A100-80GB", "L40S", "H100", "H200")
+
+
+def test_every_card_the_issue_names_and_a_laptop_or_consumer_card_of_each_small_size():
+    for name in ASKED:
+        card = C.parse_card(name.lower())
+        assert card.name == name and card.cc and card.source and card.total_bytes % 2**20 == 0
+    small = {round(c.total_bytes / 2**30) for c in C.CARDS.values() if c.total_bytes < 17 * 2**30}
+    assert {4, 6, 8, 12, 16} <= small
+    assert C.parse_card("RTX3050-Laptop-4GB").total_bytes == 4096 * 2**20  # the record's first stack
+
+
+def test_plain_sizes_are_as_before_and_carry_no_compute_capability():
+    assert (C.parse_card("24GB").total_bytes, C.parse_card("24GiB").total_bytes) == (24 * 10**9, 24 * 2**30)
+    assert C.parse_card("24GB").cc is None
+    for junk in ("", "RTX9090", "24TB", "0GB", "A10G,a10g"):
+        with pytest.raises(UsageError) as info:
+            C.parse_cards(junk)
+        assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("cc, env, expected", [
+    ((9, 0), None, 32 * 2**20), ((10, 0), None, 32 * 2**20), ((12, 0), None, 32 * 2**20),
+    ((8, 6), None, 8_519_680), ((8, 0), None, 8_519_680), ((7, 5), None, 8_519_680),
+    (None, None, 32 * 2**20),  # a plain size: the larger one
+    ((8, 6), ":4096:8", 32 * 2**20), ((9, 0), ":4096:2:16:8", 8_519_680), ((9, 0), ":16:8", 131_072),
+    ((8, 6), "garbage", 8_519_680),  # no ':SIZE:COUNT' pair: torch warns and keeps its default
+])
+def test_cublas_workspace_follows_pytorchs_rule(cc, env, expected):
+    assert C.cublas_workspace(cc, env) == expected
+
+
+def test_the_context_bound_is_the_figure_in_soups_own_source():
+    src = (_soup_dir() / "utils" / "layer_stream.py").read_text(encoding="utf-8")
+    assert C.CONTEXT_EVIDENCE in src and C.CONTEXT_BOUND_BYTES == 850_000_000
+
+
+def test_the_h200s_hidden_bytes_come_from_committed_text():
+    text = (ROOT / "results/cap-proof-and-seq512-1024-map-h200x2-soup0.73.3-b5bee37/cap-soup.json").read_text()
+    assert "total capacity of 139.80 GiB" in text
+    h200 = C.CARDS["h200"]
+    assert 600 * 2**20 < h200.hidden_bytes < 630 * 2**20
+    assert C.budget(h200).context_bytes == C.CONTEXT_BOUND_BYTES + h200.hidden_bytes
+
+
+def test_the_verdict_is_needs_free_plus_context_plus_the_runtimes_growth_within_total():
+    """The step's allocator gets the card's free memory less what the CUDA runtime adds by the
+    step's end (242-250 MiB measured); Soup's gate reads it less the 90 MiB loaded before it asks."""
+    b = C.budget(C.parse_card("24GB"), context=10**9)
+    assert (b.free_bytes, b.context_source) == (23 * 10**9, "given")
+    room = 23 * 10**9 - 262_144_000
+    assert b.step_free_bytes == room and b.fits(room) and not b.fits(room + 1)
+    assert b.gate_free_bytes == 23 * 10**9 - 94_371_840
+    assert C.GATE_GROWTH_BYTES < C.STEP_GROWTH_BYTES, "the modules by the gate are part of the step's growth"
+
+
+def test_the_a10g_workspace_is_not_subtracted_because_the_record_would_be_under():
+    """Why the corrected estimate keeps 32 MiB on an sm 8.6 card: with the per-card 8,519,680 B
+    the A10G record's published peaks (record.py) sit above it on most arms."""
+    cut = 32 * 2**20 - C.cublas_workspace((8, 6))
+    under = [k for k, peak in RECORD_A10G_PEAK.items()
+             if E.estimate(config_json(k[0]), seq=k[1]).corrected_predicted - cut < peak]
+    assert len(under) >= 6
+    for (model, seq), peak in RECORD_A10G_PEAK.items():
+        kept = E.estimate(config_json(model), seq=seq, workspace=C.cublas_workspace((8, 6)))
+        assert kept == E.estimate(config_json(model), seq=seq)  # the per-card term never lowers it
+        assert kept.corrected_predicted >= peak
+
+
+def test_a_larger_workspace_config_raises_the_estimate():
+    c = config_json("smol")
+    assert (E.estimate(c, seq=512, workspace=64 * 2**20).corrected_predicted
+            - E.estimate(c, seq=512).corrected_predicted) == 32 * 2**20
+
+
+@pytest.mark.parametrize("text, words", [
+    ("24GB,24GB", ["24GB is named twice"]), ("24GB,24.0GB", ["named twice"]), ("a10g,A10G", ["A10G is named twice"]),
+    ("２４GB", ["not a size like 24GB"]), ("24GB,２４GB", ["not a size like 24GB"]),
+    ("-1GB", ["a card's size is positive"]),
+])
+def test_a_card_named_twice_full_width_digits_or_a_negative_size_are_refused(text, words):
+    """Issue 22, defect 16: full-width digits were read as a size (２４GB, a second 24 GB card)."""
+    with pytest.raises(UsageError) as exc:
+        C.parse_cards(text)
+    for word in words:
+        assert word in str(exc.value)
+
+
+@pytest.mark.parametrize("cc, spelled", [((8, 6), ":4096:2:16:8"), ((7, 5), ":4096:2:16:8"), ((9, 0), ":4096:8"),
+                                         ((12, 0), ":4096:8")])
+def test_each_default_workspace_is_what_torchs_own_spelling_of_it_sums_to(cc, spelled):
+    """The defaults come from constants; torch's source spells them as configs, parsed here."""
+    assert C.cublas_workspace(cc) == C.cublas_workspace(cc, spelled)
+
+
+def test_the_emulated_outcomes_are_the_issues_words():
+    assert [C.emulated_outcome(True, False), C.emulated_outcome(False, False), C.emulated_outcome(False, True)] == [
+        "refused by Soup", "admitted and completed", "admitted and OOM"]

@@ -1,0 +1,236 @@
+"""issue395.estimator.estimate: Soup's own pre-flight from a config, the corrected physical estimate, its
+input checks, cards and longest seq. CPU only, no torch in the estimate path."""
+
+from __future__ import annotations
+
+import importlib.util
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+from issue395.estimator import estimate as E  # noqa: E402
+from issue395.estimator import fits as F  # noqa: E402
+from issue395.model import registry  # noqa: E402
+from issue395.estimator.cards import parse_cards  # noqa: E402
+from issue395.constants import CUBLAS_WORKSPACE, K_MIN_LARGE_ALLOC, K_ROUND_LARGE, K_SMALL_SIZE  # noqa: E402
+from issue395.errors import UsageError  # noqa: E402
+from issue395.estimator.soup_number import arch_of, lora_params, supported_archs  # noqa: E402
+
+_spec = importlib.util.spec_from_file_location("leave_one_out", ROOT / "bench" / "leave_one_out.py")
+LOO = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(LOO)
+ARMS = LOO.load_arms()
+MiB_ = 2**20
+FAMILY_KEYS = registry.MAP_FAMILIES + ("llama31-8b",)  # the dense families the estimator was built on
+
+
+def config_json(key: str) -> dict:
+    """One family's public config.json fields, from the one registry (issue395/model/registry.py)."""
+    return registry.config_json(key)
+
+
+def test_fixture_has_every_family_with_its_model_type():
+    for key in FAMILY_KEYS:
+        assert config_json(key)["model_type"] in supported_archs()
+
+
+def test_qwen_allocator_rounding_is_the_fp32_logits_segments_tail():
+    a = arch_of(config_json("qwen"))
+    assert E.segment_tail(4 * 2048 * a.V) == MiB_ and E.segment_tail(4 * 4096 * a.V) == 0
+    # the review-check history: replayed peak 3 x 1 MiB under the measured one at 2048x1
+    assert E.allocator_rounding(a, 2048) == 3 * MiB_
+    assert E.segment_tail(9 * MiB_) == 0 and E.segment_tail(11 * MiB_ - 4096) == 0
+    assert E.segment_tail(11 * MiB_) == MiB_ and E.segment_tail(11 * MiB_ + 1) == MiB_ - 512
+    assert K_SMALL_SIZE == 2**20 and K_MIN_LARGE_ALLOC == 10 * 2**20 and K_ROUND_LARGE == 2**21
+
+
+def test_committed_leave_one_out_file_is_what_the_script_prints_now():
+    committed = (ROOT / "results" / "estimator-leave-one-family-out.txt").read_text()
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "leave_one_out.py")],
+                         capture_output=True, text=True, check=True).stdout
+    assert out == committed
+
+
+def test_allocated_allowance_constant_is_the_all_family_fit():
+    assert E.ALLOCATED_ALLOWANCE_BYTES == LOO.fit_allowance(ARMS, LOO.configs())
+
+
+@pytest.mark.parametrize("arm", ARMS, ids=lambda a: f"{a['release']}-{a['family']}-{a['quant']}-"
+                                                    f"{a['seq']}x{a['batch']}")
+def test_estimate_against_every_measured_arm(arm):
+    e = E.estimate(config_json(arm["family"]), quant=arm["quant"], seq=arm["seq"],
+                   batch=arm["batch"], targets=arm["targets"], release=arm["release"])
+    assert abs(e.soup_predicted - arm["soup_predicted"]) <= 0.001 * arm["soup_predicted"]
+    assert e.corrected_predicted >= arm["real_peak"]
+    physics = e.corrected_predicted - e.terms["allocated_allowance"]
+    if e.phase == "loss":  # the loss phase is exact to 0.13% (PEAK: 0.13% of the dynamic peak) plus
+        # the allowance (what the physics leaves unexplained: up to 3.3 MB at seq 1024, where 0.13%
+        # is under 1 MB); an NF4 pool in VRAM sits up to 6.81 MB below 2 x Soup's shard bytes
+        slack = (0.0013 * arm["real_peak"] + E.ALLOCATED_ALLOWANCE_BYTES
+                 + (7_000_000 if arm["quant"] == "nf4" else 0))
+        assert abs(physics - arm["real_peak"]) <= slack
+    else:  # the layer phase's op-by-op count errs high, by under 5%
+        assert arm["real_peak"] <= e.corrected_predicted <= 1.05 * arm["real_peak"]
+
+
+def test_layer_phase_binds_only_on_short_nf4_arms_of_small_vocab_families():
+    layer = {(a["family"], a["quant"], a["seq"], a["batch"]) for a in ARMS if E.estimate(
+        config_json(a["family"]), quant=a["quant"], seq=a["seq"], batch=a["batch"],
+        targets=a["targets"], release=a["release"]).phase == "layer"}
+    # docs/PEAK.md's four (the first grid and seq 512), and what seq 1024 added
+    assert {("mistral-7b", "nf4", 512, 1), ("mistral-7b", "nf4", 2048, 1), ("phi3-mini", "nf4", 512, 1),
+            ("phi-2", "nf4", 512, 1)} <= layer
+    assert all(q == "nf4" and s * b <= 2048 and f in ("mistral-7b", "phi3-mini", "phi-2") for f, q, s, b in layer)
+
+
+def test_steps_add_adam_moments_and_the_autograd_workspace():
+    c = config_json("smol")
+    one, three = E.estimate(c, seq=2048), E.estimate(c, seq=2048, steps=3)
+    n = lora_params(arch_of(c), ("q_proj", "v_proj"), 8)
+    assert three.corrected_predicted - one.corrected_predicted == 8 * n + CUBLAS_WORKSPACE
+
+
+def test_to_json_and_needs_free():
+    e = E.estimate(config_json("mistral-7b"), quant="nf4", seq=512)
+    j = e.to_json()
+    for k in ("seq", "batch", "quant", "steps", "soup_predicted", "corrected_predicted",
+              "needs_free", "terms"):
+        assert k in j
+    assert j["needs_free"] > j["corrected_predicted"] * 1.018  # the 1.8% cap completed, 0.2% did not
+    assert sum(v for k, v in e.terms.items()) > e.corrected_predicted  # both phases listed
+
+
+def test_no_torch_import_and_fast():
+    code = ("import sys,time,json; sys.path.insert(0, %r); from issue395.estimator import estimate as E;"
+            "from issue395.model.registry import config_json; c=config_json('mistral-7b'); t=time.time();"
+            "E.estimate(c, quant='nf4', seq=512); dt=time.time()-t;"
+            "print('torch' in sys.modules, 'soup_cli' in sys.modules, 'transformers' in sys.modules, dt < 1)"
+            % (str(ROOT),))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False", "False", "False", "True"]
+
+
+def _bad(**change):
+    c = config_json(change.pop("key", "smol"))
+    kw = {"seq": 2048}
+    for k, v in change.items():
+        if k.startswith("cfg_"):
+            if v is None:
+                c.pop(k[4:], None)
+            else:
+                c[k[4:]] = v
+        else:
+            kw[k] = v
+    return c, kw
+
+
+@pytest.mark.parametrize("change", [
+    {"cfg_model_type": "gpt2"}, {"cfg_model_type": "gemma3"},
+    {"cfg_hidden_size": None}, {"cfg_intermediate_size": "1536"}, {"cfg_num_hidden_layers": 2.5},
+    {"cfg_num_attention_heads": None}, {"cfg_vocab_size": True},
+    {"seq": 8193}, {"key": "phi3-mini", "targets": ("q_proj", "v_proj")},
+    {"targets": ("nope",)}, {"quant": "int8"}, {"quant": "4bit"},
+    {"cfg_hidden_size": 10**7}, {"cfg_vocab_size": 0}, {"cfg_num_hidden_layers": 100000},
+    {"seq": 0}, {"batch": -1},
+], ids=str)
+def test_bad_input_is_one_line_usage_error(change):
+    c, kw = _bad(**change)
+    with pytest.raises(UsageError) as info:
+        E.estimate(c, **kw)
+    assert "\n" not in str(info.value) and str(info.value)
+
+
+def test_parse_cards():
+    assert [(c.name, c.total_bytes) for c in parse_cards("24GB,40GB,80GiB")] == [
+        ("24GB", 24 * 10**9), ("40GB", 40 * 10**9), ("80GiB", 80 * 2**30)]
+    for junk in ("", "24", "24TB", "GB", "24GB,,", "-1GB", "0GB", "A10G,a10g", "RTX9090"):
+        with pytest.raises(UsageError) as info:
+            parse_cards(junk)
+        assert "\n" not in str(info.value)
+
+
+def test_longest_seq_is_the_last_multiple_of_64_that_fits():
+    c = config_json("qwen")
+    card = int(24e9)
+    best = F.longest_seq(c, card, batch=1)
+    assert best % 64 == 0
+    assert E.estimate(c, seq=best).needs_free <= card < E.estimate(c, seq=best + 64).needs_free
+    assert F.longest_seq(c, 10**6) is None
+    assert F.longest_seq(config_json("smol"), 10**12) == 8192  # capped at max positions
+
+
+@pytest.mark.parametrize("key", FAMILY_KEYS)
+def test_estimate_table_labels_every_figure(key):
+    c = config_json(key)
+    rows = [E.estimate(c, seq=s, batch=b) for s in (512, 2048) for b in (1, 4)]
+    text = F.estimate_table(rows, parse_cards("24GB,80GB"), config=c)
+    head, _, *lines = text.splitlines()
+    assert head.split()[-8:] == ["none", "512x1", "none", "512x4", "none", "2048x1", "none", "2048x4"]  # in order
+    names = [ln[:46].strip() for ln in lines]
+    assert names[:3] == ["Soup's own pre-flight GB (computed by Soup)", "corrected: allocated peak GB",
+                         "corrected: needs free GB"]
+    assert names.index("fits (needs free <= the step's free)") > max(i for i, n in enumerate(names) if "term:" in n)
+    assert sum(1 for n in names if n.startswith("longest seq that fits")) == 2
+    assert sum(1 for n in names if n.startswith("longest seq Soup's gate admits")) == 2
+
+
+
+@pytest.mark.parametrize("name, bound", [("vocab_size", 2**22), ("num_hidden_layers", 1024),
+                                         ("intermediate_size", 2**18), ("hidden_size", 2**16)])
+def test_the_estimator_and_the_measured_path_refuse_the_same_configs(name, bound):
+    """One bound per size for both (they had drifted: vocab 2^22 measured, 2^21 estimated)."""
+    from issue395.measure.shapes import size_problem
+
+    assert size_problem(name, bound) is None and size_problem(name, bound + 1)
+    config = dict(config_json("smol"), head_dim=64)  # a bound on one size, the head held still
+    arch_of({**config, name: bound})
+    with pytest.raises(UsageError, match=name):
+        arch_of({**config, name: bound + 1})
+
+
+def committed_leave_one_out() -> dict[str, dict]:
+    """results/estimator-leave-one-family-out.txt's rows: the held-out fold's allowance, how many
+    of its arms came out under and by how much, as the record has them."""
+    rows = (ROOT / "results" / "estimator-leave-one-family-out.txt").read_text().splitlines()[3:]
+    out = {}
+    for line in rows:
+        f = line.split()
+        out[f[0]] = {"n": int(f[1]), "allowance_mb": float(f[2]), "under": int(f[8]), "by_mb": float(f[9])}
+    return out
+
+
+#: The one arm the record shows under when its family is held out: Qwen2.5, bf16, seq 1024 x 1,
+#: 0.28 MB short of the 3.0 MB allowance fitted on the other ten families (0.66 MB of Qwen2.5's
+#: resident excess has no term yet). Fewer misses or more, or this one by another amount, fails.
+KNOWN_MISS = {("qwen", "0.73.3", "none", 1024, 1): 0.28}
+
+
+@pytest.mark.parametrize("family", list(dict.fromkeys(a["family"] for a in ARMS)))
+def test_held_out_family_is_never_under_an_allowance_fitted_without_it(family):
+    """For each family: the allowance is fitted on the OTHER families' arms only, then every arm
+    of the held-out family is checked against its measured peak (bench/leave_one_out.py's fit)."""
+    cfgs = LOO.configs()
+    mine = [a for a in ARMS if a["family"] == family]
+    allowance = LOO.fit_allowance([a for a in ARMS if a["family"] != family], cfgs)
+    record = committed_leave_one_out()[family]
+    assert (len(mine), allowance / 1e6) == (record["n"], record["allowance_mb"])
+    under = {}
+    ratios = []
+    for arm in mine:
+        predicted = LOO.predict(arm, cfgs, allowance).corrected_predicted
+        ratios.append(predicted / arm["real_peak"])
+        if predicted < arm["real_peak"]:
+            key = (arm["family"], arm["release"], arm["quant"], arm["seq"], arm["batch"])
+            under[key] = round((arm["real_peak"] - predicted) / 1e6, 2)
+    assert under == {k: v for k, v in KNOWN_MISS.items() if k[0] == family}
+    assert (len(under), max(under.values(), default=0.0)) == (record["under"], record["by_mb"])
+    median = statistics.median(ratios)
+    assert median <= 1.02
+    # Soup's own pre-flight sits further above the peak than this estimate, but on Gemma-2
+    assert statistics.median(a["soup_predicted"] / a["real_peak"] for a in mine) > median \
+        or family == "gemma2-2b"

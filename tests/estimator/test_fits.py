@@ -1,0 +1,135 @@
+"""issue395.estimator.fits (--estimate's cards): per card the verdict, the longest seq that fits, and Soup's
+two answers beside it (issue 20). CPU only; Soup's numbers are computed by its own estimator
+code, no torch."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import main
+
+from issue395.estimator import cards as C
+from issue395.estimator import estimate as E
+from issue395.estimator import fits as F
+from issue395.model.registry import config_json
+
+MISTRAL = config_json("mistral-7b")
+
+
+def answer(card, e, context=None, **kw):
+    (a,) = F.card_answers(MISTRAL, e, [C.budget(card, context)], **kw)
+    return a
+
+
+def test_fits_exactly_when_needs_free_is_within_total_minus_context_and_the_runtimes_growth():
+    e = E.estimate(MISTRAL, quant="nf4", seq=512)
+    edge = C.Card("edge", e.needs_free + 10**9 + C.STEP_GROWTH_BYTES)
+    assert answer(edge, e, context=10**9)["fits"] is True
+    a = answer(edge, e, context=10**9 + 1)
+    assert a["fits"] is False and a["free_bytes"] == a["total_bytes"] - a["context_bytes"]
+    assert a["step_free_bytes"] == a["free_bytes"] - C.STEP_GROWTH_BYTES
+
+
+def test_soups_gate_is_answered_on_the_free_memory_it_reads_after_the_modules_load():
+    """On the emulated 16 GB card Soup's gate read 90 MiB less than the ballast left and refused
+    by that margin: its answer here is on the same smaller figure."""
+    e = E.estimate(MISTRAL, quant="nf4", seq=512)
+    card = C.Card("edge", e.soup_predicted + C.GATE_GROWTH_BYTES)
+    assert answer(card, e, context=0)["soup_admits"] is True
+    assert answer(card, e, context=1)["soup_admits"] is False
+
+
+def test_soup_admits_a_run_that_will_oom_where_its_number_is_under_needs_free():
+    e = E.estimate(MISTRAL, quant="nf4", seq=512)
+    assert e.soup_predicted < e.needs_free  # the miss the cap runs showed (README)
+    between = C.Card("between", (e.soup_predicted + e.needs_free) // 2)
+    a = answer(between, e, context=0)
+    assert (a["soup_admits"], a["fits"], a["disagreement"]) == (True, False, F.ADMITS_OOM)
+
+
+def test_on_24gb_soup_refuses_runs_that_would_fit():
+    e = E.estimate(MISTRAL, quant="nf4", seq=32704, release="0.73.3")
+    a = answer(C.parse_card("24GB"), e, context=0)
+    assert (a["fits"], a["soup_admits"], a["disagreement"]) == (True, False, F.REFUSES)
+    assert a["longest_seq"] == 32704 > a["longest_seq_soup_admits"]
+    assert "Soup refuses" in F.seq_direction(a)
+
+
+def test_both_longest_seqs_are_the_last_multiple_of_64_each_rule_admits():
+    free = 20 * 10**9
+    kw = dict(quant="nf4", batch=1)
+    fit, soup = F.longest_seq(MISTRAL, free, **kw), F.longest_seq_soup_admits(MISTRAL, free, **kw)
+    assert E.estimate(MISTRAL, seq=fit, **kw).needs_free <= free < E.estimate(MISTRAL, seq=fit + 64, **kw).needs_free
+    assert (E.estimate(MISTRAL, seq=soup, **kw).soup_predicted <= free
+            < E.estimate(MISTRAL, seq=soup + 64, **kw).soup_predicted)
+
+
+def test_a_workspace_config_above_32mib_raises_needs_free_on_that_card_only():
+    e = E.estimate(MISTRAL, quant="nf4", seq=512)
+    plain = answer(C.parse_card("A10G"), e)
+    big = answer(C.parse_card("A10G"), e, env=":4096:16")
+    assert big["needs_free"] > plain["needs_free"] == e.needs_free
+    assert big["cublas_workspace_bytes"] == 64 * 2**20
+
+
+def test_the_json_carries_every_card_for_every_arm(capfd, tmp_path):
+    out = tmp_path / "e.json"
+    code, text, err = main(capfd, ["--estimate", "--model", "mistral-7b", "--quant", "nf4", "--seq", "512,32768",
+                                   "--card", "RTX4090,24GB", "--context", "0.5", "--json", out])
+    assert code == 0, err
+    for row in json.loads(out.read_text())["rows"]:
+        assert [c["card"] for c in row["cards"]] == ["RTX4090", "24GB"]
+        for c in row["cards"]:
+            assert {"card", "total_bytes", "context_bytes", "free_bytes", "needs_free", "fits", "longest_seq",
+                    "soup_admits", "longest_seq_soup_admits"} <= set(c)
+            assert c["context_bytes"] == 500_000_000 and c["free_bytes"] == c["total_bytes"] - c["context_bytes"]
+    for words in ("RTX4090: total GB", "  context GB (given)", "  free GB (total - context)",
+                  "  longest seq that fits", "  Soup's gate admits it", "  longest seq Soup's gate admits",
+                  F.REFUSES):
+        assert words in text
+
+
+def test_context_without_a_card_is_one_line(capfd):
+    code, _, err = main(capfd, ["--estimate", "--model", "smol", "--seq", "512", "--context", "0.5"])
+    assert code == 2 and "--context" in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_wide_grid_is_one_row_per_arm_and_its_lines_stay_under_160_characters(capfd):
+    """Issue 22, usability: a column per (quant, seq, batch) ran off the terminal past 6 arms."""
+    from conftest import main
+
+    code, out, err = main(capfd, ["--estimate", "--model", "llama31-8b", "--seq", "512,1024,2048,4096",
+                                  "--quant", "none,nf4", "--card", "24GB,A10G,RTX4090"])
+    assert code == 0, err
+    lines = out.splitlines()
+    start = next(i for i, ln in enumerate(lines) if ln.startswith("arm "))
+    table = lines[start:start + 2 + 8]
+    assert all(len(ln) < 160 for ln in table), max(map(len, table))
+    assert [ln.split()[:2] for ln in table[2:]] == [[q, f"{s}x1"] for q in ("none", "nf4")
+                                                    for s in (512, 1024, 2048, 4096)]
+    code, out, _ = main(capfd, ["--estimate", "--model", "llama31-8b", "--seq", "512,1024,2048", "--quant", "none,nf4"])
+    assert "none 512x1" in out.splitlines()[1]  # six arms: still a column each
+
+
+def test_the_readmes_does_it_fit_example_is_what_estimate_prints(capfd, tmp_path, monkeypatch):
+    """The README's soup.yaml through --estimate --config prints the README's fit rows, line for
+    line (the README is the first thing a user reads: a figure there the tool no longer prints
+    is one it did not obtain). Checked where the installed soup-cli is the release the README ran."""
+    from conftest import ROOT
+
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    yaml_block = readme.split("```yaml\n", 1)[1].split("```", 1)[0]
+    shown = readme.split("```text\n", 1)[1].split("```", 1)[0].splitlines()
+    (tmp_path / "soup.yaml").write_text(yaml_block, encoding="utf-8")
+    monkeypatch.chdir(tmp_path)
+    code, out, _ = main(capfd, ["--estimate", "--config", "soup.yaml", "--card", "T4"])
+    assert code == 0
+    from issue395.estimator.soup_number import installed_release
+
+    lines = out.splitlines()
+    if f"soup-cli {installed_release()}," not in shown[0]:  # Soup's own number moves between releases
+        pytest.skip(f"the README shows the pinned release's output ({shown[0].split(',')[0]})")
+    missing = [s for s in shown if s.rstrip() not in (ln.rstrip() for ln in lines)]
+    assert not missing, missing

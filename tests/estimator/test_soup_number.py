@@ -1,0 +1,109 @@
+"""issue395.estimator.soup_number: Soup's own pre-flight number computed by Soup's own code (its estimator read
+from the installed soup-cli's source, no torch), fed what Soup's setup computes from the config. Against
+every soup_predicted a GPU captured (the committed arms bench/leave_one_out.py reads), and against
+Soup's real setup run here on CPU through --dry-run (where it budgets float32 weights); --estimate's
+Soup number for a committed map arm (Mistral-7B NF4 512 x 1, read back through Result) is the one its
+setup computed on the GPU. Nothing is faked."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+from conftest import ROOT, SMOL, main
+
+from issue395.model.registry import config_json
+from issue395.results.result import Result
+from issue395.estimator.soup_number import (_soup_dir, installed_release, soup_namespace, soup_preflight_from_config,
+                                  supported_archs)
+
+_spec = importlib.util.spec_from_file_location("leave_one_out", ROOT / "bench" / "leave_one_out.py")
+LOO = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(LOO)
+ARMS = LOO.load_arms()
+
+
+@pytest.mark.parametrize("arm", [a for a in ARMS if a["release"] == installed_release()],
+                         ids=lambda a: f"{a['family']}-{a['quant']}-{a['seq']}x{a['batch']}")
+def test_soup_number_from_config_equals_the_committed_capture(arm):
+    got, terms = soup_preflight_from_config(config_json(arm["family"]), quant=arm["quant"], seq=arm["seq"],
+                                            batch=arm["batch"], targets=arm["targets"], lora_r=8,
+                                            release=arm["release"])
+    assert abs(got - arm["soup_predicted"]) <= 16
+    assert terms == arm["soup_terms"]
+
+
+@pytest.mark.parametrize("arm", [a for a in ARMS if a["release"] == "0.77.0"],
+                         ids=lambda a: f"{a['family']}-{a['quant']}-{a['seq']}")
+def test_soup_077_kwargs_and_number_match_the_untied_map(arm):
+    got, terms = soup_preflight_from_config(config_json(arm["family"]), quant=arm["quant"], seq=arm["seq"],
+                                            batch=arm["batch"], targets=arm["targets"], lora_r=8,
+                                            release="0.77.0")
+    assert abs(got - arm["soup_predicted"]) <= 16 and terms == arm["soup_terms"]
+
+
+def test_soup_number_is_soups_own_function_not_a_copy():
+    ns = soup_namespace()
+    src = (_soup_dir() / "utils" / "layer_stream.py").read_text()
+    assert ns["estimate_stream_peak_vram"].__code__.co_filename.endswith("layer_stream.py")
+    assert f"STREAM_FIXED_SLACK_BYTES = {ns['STREAM_FIXED_SLACK_BYTES']:_}" in src
+    # docs/FAMILIES.md's nine (0.73.3); a later Soup may stream more (0.77.0 adds two)
+    assert "SUPPORTED_STREAM_ARCHS" in src and {"llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2",
+                                                 "gemma3_text", "phi", "phi3"} <= set(supported_archs())
+
+
+@pytest.mark.slow
+def test_soups_number_from_the_config_is_what_soups_own_setup_computes_on_cpu(capfd, cache_dir, tmp_path):
+    """SmolLM2 at seq 64, bf16 and NF4, through Soup's real setup (--map --dry-run on CPU). Soup's setup
+    budgets the weights it holds, float32 on CPU: every other argument it passes its estimator is the
+    one computed here from the config, and its number is Soup's estimator (as read here) on them."""
+    out = tmp_path / "map.json"
+    code, _, err = main(capfd, ["--map", "--dry-run", "--families", "smol", "--seq", "64", "--batch", "1",
+                                "--cache-dir", cache_dir, "--json", out])
+    assert code == 0, err
+    rows = {r["quant"]: r for r in json.loads(out.read_text())["rows"]}
+    for quant, row in rows.items():
+        _, mine = soup_preflight_from_config(config_json("smol"), quant=quant, seq=64, batch=1,
+                                             targets=("q_proj", "v_proj"), lora_r=8)
+        setup = row["soup_terms"]
+        weights = ("layer_bytes", "extras_bytes")
+        assert {k: v for k, v in setup.items() if k not in weights} == \
+            {k: v for k, v in mine.items() if k not in weights}, quant
+        assert setup["extras_bytes"] == 2 * mine["extras_bytes"]  # embedding and final norm in fp32
+        # bf16: every weight of a layer in fp32; NF4: the linears' packed bytes as counted here, and
+        # the layer's two RMSNorm weights in fp32 (2 more bytes each)
+        grown = mine["layer_bytes"] if quant == "none" else 2 * SMOL.hidden * 2
+        assert setup["layer_bytes"] == mine["layer_bytes"] + grown, quant
+        assert soup_namespace()["estimate_stream_peak_vram"](**setup) == row["soup_predicted"], quant
+
+
+@pytest.mark.parametrize("key, kw, words", [
+    ("smol", dict(release="0.70.0"), "not one this knows"),
+    ("smol", dict(release="0.73.3", stream={"stream_loss_chunk": 512}), "need 0.77.0"),
+    ("llama31-8b", dict(release="0.77.0", stream={"stream_expert_layout": "per_expert"}), "deepseek_v3 only"),
+])
+def test_what_soup_would_refuse_or_this_does_not_know_is_a_usage_error_not_a_number(key, kw, words):
+    from issue395.errors import UsageError
+
+    with pytest.raises(UsageError, match=words):
+        soup_preflight_from_config(config_json(key), quant="none", seq=512, batch=1, targets=("q_proj", "v_proj"),
+                                   lora_r=8, **kw)
+
+
+#: A committed map arm of Mistral-7B NF4 512 x 1 for each tested Soup release.
+SAVED = {"0.73.3": "results/cap-proof-and-seq512-1024-map-h200x2-soup0.73.3-b5bee37/map-512-1024.json",
+         "0.77.0": "results/untied-seq512-h200x2-soup0.73.3-and-0.77.0-f3ad9d2/map077-untied.json"}
+
+
+def test_soups_own_number_from_the_config_is_the_one_its_setup_computed_on_the_gpu(capfd, tmp_path):
+    saved = Result.from_json(json.loads((ROOT / SAVED[installed_release()]).read_text()))
+    assert saved.environment["soup_cli"] == installed_release()
+    arm = next(r for r in saved.rows if (r.model_key, r.quant, r.seq, r.batch) == ("mistral-7b", "nf4", 512, 1))
+    out = tmp_path / "e.json"
+    code, _, err = main(capfd, ["--estimate", "--model", "mistral-7b", "--quant", "nf4", "--seq", "512",
+                                "--json", out])
+    assert code == 0, err
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["soup_predicted"] == arm.soup_predicted
+    assert row["corrected_predicted"] >= arm.real_peak > row["soup_predicted"]  # the miss, and the fix

@@ -1,0 +1,127 @@
+"""issue395.run.configarm: the user's soup.yaml as one measured arm (issue 20's "Does it fit?" on a real
+card). A tiny local checkpoint's soup.yaml runs through --config --dry-run: Soup's own loader reads
+the file and Soup's real setup (on CPU) builds the arm, whose PEFT adapter is read back off the
+trainer Soup built. A family's hub id is its registry model; any other base, and every option the
+file already gives, is one line. Nothing is faked (a missing bitsandbytes is, where a test says so)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import TINY, h, main, one_error_line
+
+from issue395.run import configarm
+from issue395.measure.builder import prepare_checkpoint
+from issue395.run.configarm import CONFIG_GIVES
+from issue395.run.options import settle
+from issue395.run.parser import build_parser
+from issue395.measure.shapes import soup_has_stream_modes
+
+YAML = """base: {base}
+task: sft
+data: {{train: data.jsonl, max_length: {seq}}}
+training:
+  batch_size: 1
+  quantization: {quant}
+  stream_layers: true
+  lora: {{r: 4, alpha: 8, target_modules: [q_proj]}}
+{extra}"""
+
+
+def soup_yaml(tmp_path, base, seq=64, quant="none", extra=""):
+    path = tmp_path / "soup.yaml"
+    path.write_text(YAML.format(base=base, seq=seq, quant=quant, extra=extra))
+    return path
+
+
+def settled(argv):
+    argv = [str(a) for a in argv]
+    return settle(build_parser().parse_args(argv), argv)
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory):
+    """A tiny streamable checkpoint folder, the harness's builder at TINY's shape."""
+    path = tmp_path_factory.mktemp("config-arm") / "tiny"
+    prepare_checkpoint(TINY, path)()
+    return path
+
+
+def test_the_files_r_alpha_and_targets_are_what_soups_setup_builds(capfd, tmp_path, monkeypatch, cache_dir,
+                                                                   tiny_checkpoint):
+    """r 4, alpha 8 on q_proj alone: the adapter Soup's own setup put on the model (read off the trainer
+    it built: rank 4, scaling alpha/r = 2.0, q_proj and nothing else), the row saying the file and its
+    r and alpha, and the header naming the file: a reader knows it is the user's config, not the protocol."""
+    built = {}
+    real = h.realised_lengths
+
+    def adapter_seen(trainer):  # Soup's setup is done: read what it built, then go on as the protocol does
+        for name, module in trainer.model.named_modules():
+            if getattr(module, "lora_A", None):
+                built[name.rsplit(".", 1)[-1]] = (module.lora_A["default"].weight.shape[0], module.scaling["default"])
+        return real(trainer)
+
+    monkeypatch.setattr(h, "realised_lengths", adapter_seen)
+    out = tmp_path / "out.json"
+    config = soup_yaml(tmp_path, tiny_checkpoint)
+    code, text, err = main(capfd, ["--config", config, "--dry-run", "--cache-dir", cache_dir, "--json", out])
+    assert code == 0, err
+    assert built == {"q_proj": (4, 2.0)}
+    (row,) = json.loads(out.read_text())["rows"]
+    assert (row["soup_config"], row["lora_r"], row["lora_alpha"], row["targets"]) == (str(config), 4, 8, ["q_proj"])
+    assert (row["model_key"], row["seq"], row["batch"], row["quant"], row["realised_width"]) == ("custom", 64, 1, "none", 64)
+    assert row["soup_terms"]["adapter_params"] == 2 * 1 * 2 * 4 * 64  # Soup's own count: layers x targets x 2 x r x hidden
+    assert f"the arm is --config {config}'s (none, LoRA r 4 alpha 8 on q_proj)" in text.splitlines()[0]
+
+
+def test_a_familys_hub_id_is_its_registry_arm_at_the_files_own_settings(tmp_path):
+    run = settled(["--config", soup_yaml(tmp_path, "mistralai/Mistral-7B-v0.3", seq=512, quant="4bit"), "--dry-run"])
+    assert (run.models, run.quants, run.seqs, run.batches) == (("mistral-7b",), ("nf4",), (512,), (1,))
+    assert (run.targets, run.lora_r, run.lora_alpha, run.custom_model, run.weights) == (
+        ("q_proj",), 4, 8, None, "synthetic")
+    assert settled(["--config", soup_yaml(tmp_path, "HuggingFaceTB/SmolLM2-135M")]).models == ("smol",)
+
+
+@pytest.mark.skipif(not soup_has_stream_modes(), reason="soup-cli 0.77.0's streaming modes")
+def test_the_files_streaming_modes_name_the_arm_as_the_map_spells_them(capfd, tmp_path):
+    extra = "  stream_loss_chunk: 512\n  stream_recompute: 'off'\n"
+    run = settled(["--config", soup_yaml(tmp_path, "mistralai/Mistral-7B-v0.3", seq=512, extra=extra)])
+    assert run.models == ("mistral-7b+chunk512+recompute-off",)
+    auto = soup_yaml(tmp_path, "mistralai/Mistral-7B-v0.3", extra="  stream_recompute: auto\n")
+    one_error_line(*main(capfd, ["--config", auto]), "stream_recompute", "auto")
+
+
+@pytest.mark.parametrize("flag, value", [(f, "1") for f in CONFIG_GIVES] + [("--map", None)])
+def test_an_option_the_file_gives_is_one_line_naming_the_clash(capfd, tmp_path, flag, value):
+    config = soup_yaml(tmp_path, "mistralai/Mistral-7B-v0.3")
+    one_error_line(*main(capfd, ["--config", config, flag] + ([value] if value else [])), "--config", flag)
+
+
+@pytest.mark.parametrize("base", ["someorg/not-a-family", "./no-such-folder", "mistral-7b"])
+def test_a_base_that_is_neither_a_checkpoint_here_nor_a_registry_model_is_one_line(capfd, tmp_path, base):
+    one_error_line(*main(capfd, ["--config", soup_yaml(tmp_path, base), "--dry-run"]), "base", base, "--weights hub")
+
+
+def test_with_weights_hub_any_hub_id_is_the_arm_as_model_runs_one(tmp_path):
+    run = settled(["--config", soup_yaml(tmp_path, "someorg/not-a-family"), "--weights", "hub"])
+    assert (run.models, run.custom_model) == (("custom",), "someorg/not-a-family")
+
+
+def test_a_seq_past_the_bases_positions_and_nf4_without_bitsandbytes_are_one_line(capfd, tmp_path, monkeypatch):
+    one_error_line(*main(capfd, ["--config", soup_yaml(tmp_path, "microsoft/phi-2", seq=4096), "--dry-run"]),
+                   "data.max_length 4096", "2048")
+    monkeypatch.setattr(configarm, "bitsandbytes_present", lambda: False)  # FAKED: bitsandbytes absent
+    config = soup_yaml(tmp_path, "mistralai/Mistral-7B-v0.3", quant="4bit")
+    one_error_line(*main(capfd, ["--config", config, "--emulate-card", "T4"]), "4bit", "bitsandbytes")
+    assert settled(["--config", config, "--dry-run"]).quants == ("nf4",)  # a dry run skips the arm instead
+
+
+def test_a_local_bases_positions_are_named_as_the_files_max_length(capfd, tmp_path, tiny_checkpoint):
+    """The seq came from the file, so the one line names the file's data.max_length, not --seq."""
+    import json as _json
+
+    positions = _json.loads((tiny_checkpoint / "config.json").read_text())["max_position_embeddings"]
+    code, out, err = main(capfd, ["--config", soup_yaml(tmp_path, tiny_checkpoint, seq=positions + 64), "--dry-run"])
+    one_error_line(code, out, err, "data.max_length", str(positions + 64))
+    assert "--seq" not in err

@@ -1,0 +1,94 @@
+"""issue395.run.grid: the arms, in order (model, then seq, then batch): the record's grid, the margin
+map's (families, quantizations, seqs within each family's max positions, batches), and shards of
+them (--shard modulo the grid on a sweep; whole families dealt heaviest first on the map, so no
+shard builds a family twice). Nothing is faked: the registry's families and the planner's real arms."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import RECORD_ARMS
+
+from issue395.run.grid import arm_seconds, plan_arms, plan_map, shard_of
+from issue395.model.arm import Arm
+from issue395.record import MAP_BATCHES, QUANTS
+from issue395.model.registry import MAP_FAMILIES, max_positions
+
+
+def grid():
+    return plan_arms(["smol", "qwen"], None, [1])
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 9, 10, 11])
+def test_shards_cover_every_arm_exactly_once(n):
+    arms = grid()
+    shards = [shard_of(arms, (k, n)) for k in range(1, n + 1)]
+    dealt = sorted(a.index for shard in shards for a in shard)
+    assert dealt == list(range(len(arms)))
+    for shard in shards:
+        assert [a.index for a in shard] == sorted(a.index for a in shard)  # grid order kept
+
+
+def test_shard_k_of_n_is_every_arm_whose_index_is_k_minus_1_mod_n():
+    arms = grid()
+    assert [a.index for a in shard_of(arms, (2, 4))] == [1, 5, 9]
+    assert [a.index for a in shard_of(arms, (4, 4))] == [3, 7]
+    assert [(a.model, a.seq) for a in shard_of(arms, (1, 3))] == [
+        ("smol", 2048), ("smol", 4352), ("qwen", 2048), ("qwen", 6144)]
+    assert shard_of(arms, (1, 1)) == arms
+
+
+def test_the_default_map_grid_stays_within_each_familys_max_positions():
+    arms = plan_map(MAP_FAMILIES + ("llama31-8b",), QUANTS, None, MAP_BATCHES)
+    # the first grid's 129 arms, and seq 512 and 1024 for each family, quantization and batch
+    assert len(arms) == 129 + 10 * 2 * 2 * 2
+    assert all(a.seq <= max_positions(a.model) for a in arms)
+    assert {(a.quant, a.seq, a.batch) for a in arms if a.model == "llama31-8b"} == {("nf4", 512, 1)}
+    assert sorted({a.seq for a in arms if a.model == "phi-2"}) == [512, 1024, 2048]
+    assert [a.index for a in arms] == list(range(len(arms)))
+
+
+def test_a_map_shard_is_whole_families_dealt_evenly_and_every_arm_once():
+    """Modulo shards would make every shard build every family's checkpoint; the map's
+    shards each own whole families, and the heaviest (Mistral-7B) does not share a shard
+    with the next heaviest while a lighter one is free."""
+    arms = plan_map(MAP_FAMILIES + ("llama31-8b",), QUANTS, None, MAP_BATCHES)
+    shards = [shard_of(arms, (k, 2), whole_models=True) for k in (1, 2)]
+    assert sorted(a.index for s in shards for a in s) == [a.index for a in arms]
+    families = [{a.model for a in s} for s in shards]
+    assert not families[0] & families[1] and families[0] | families[1] == {a.model for a in arms}
+    loads = [sum(arm_seconds(a) for a in s) for s in shards]
+    assert max(loads) / min(loads) < 1.1, loads
+    assert "mistral-7b" in families[0]  # the heaviest family goes to the first shard
+
+
+def test_the_map_orders_family_then_quantization_then_seq_then_batch_and_drops_seqs_past_max_positions():
+    arms = plan_map(("phi-2", "smol"), ("none", "nf4"), (2048, 4096), (1, 4))
+    assert [(a.model, a.quant, a.seq, a.batch) for a in arms[:5]] == [
+        ("phi-2", "none", 2048, 1), ("phi-2", "none", 2048, 4), ("phi-2", "nf4", 2048, 1),
+        ("phi-2", "nf4", 2048, 4), ("smol", "none", 2048, 1)]
+    assert not any(a.model == "phi-2" and a.seq == 4096 for a in arms)  # phi-2 stops at 2048 positions
+    assert len(arms) == 4 + 8 and [a.index for a in arms] == list(range(12))
+
+
+def test_a_streaming_mode_costs_what_its_family_costs_and_a_larger_family_costs_more():
+    assert arm_seconds(Arm("smol+chunk512", 512)) == arm_seconds(Arm("smol", 512))
+    assert arm_seconds(Arm("mistral-7b", 512)) > arm_seconds(Arm("qwen3-0.6b", 512)) > arm_seconds(Arm("smol", 512))
+
+
+def test_plan_arms_is_the_record_grid_in_order():
+    arms = plan_arms(["smol", "qwen"], None, [1])
+    assert [(a.model, a.seq, a.batch) for a in arms] == [(k, s, 1) for k, s in RECORD_ARMS]
+    assert [a.index for a in arms] == list(range(10))
+
+
+def test_plan_arms_runs_the_protocols_bf16_unless_a_config_names_its_quantization():
+    assert {a.quant for a in plan_arms(["smol"], [2048], [1, 2])} == {"none"}
+    assert [(a.model, a.quant) for a in plan_arms(["mistral-7b"], [512], [1], "nf4")] == [("mistral-7b", "nf4")]
+
+
+def test_plan_arms_orders_model_then_seq_then_batch():
+    arms = plan_arms(["qwen", "smol"], [4096, 2048], [2, 1])
+    assert [(a.model, a.seq, a.batch) for a in arms] == [
+        ("qwen", 4096, 2), ("qwen", 4096, 1), ("qwen", 2048, 2), ("qwen", 2048, 1),
+        ("smol", 4096, 2), ("smol", 4096, 1), ("smol", 2048, 2), ("smol", 2048, 1)]
+    assert [a.index for a in arms] == list(range(8))

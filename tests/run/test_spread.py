@@ -1,0 +1,216 @@
+"""issue395.run.spread: jobs and children. A first Ctrl-C to a --gpus parent reaches its children, each
+stopping after its own arm in flight; a SIGKILLed parent leaves no orphan (issue 22, defect 9); a
+child gets its settled Run and Job back as data; a map is dealt one child per GPU with whole
+families; a lost arm's row keeps its cap or card.
+
+Real child processes on CPU; each child stands in for the harness's (it reads its job file as the
+harness's does, installs the same Stop, and "measures" an arm by sleeping: no Soup, no GPU).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+from conftest import ROOT
+
+from issue395.measure.console import Stop
+from issue395.run.grid import plan_map
+from issue395.run.options import Run
+from issue395.model.arm import Arm
+from issue395.record import QUANTS
+from issue395.run.scratch import Scratch
+from issue395.run.spread import spread
+from issue395.run.spread import Job, child_cache, child_run, plan_jobs, read_job, write_job
+
+SLEEPY_CHILD = textwrap.dedent("""
+    import os, sys, time
+    sys.path.insert(0, {root!r})
+    from issue395.measure.console import Stop
+    from issue395.results.saved import RowFile
+    from issue395.run.spread import CHILD_JOB, die_with_parent, lost_row, read_job
+
+    die_with_parent()
+    run, job = read_job(os.environ[CHILD_JOB])
+    Stop.install(quiet=True)
+    rows = RowFile(run.json)
+    try:
+        for arm in job.arms:
+            if Stop.requested:
+                break
+            with Stop.arm():
+                with open({started!r}, "a") as fh:
+                    fh.write(f"{{os.getpid()}}\\n")
+                time.sleep({arm_s})
+            rows.add(lost_row(arm, run, None, 0))
+    except KeyboardInterrupt:
+        pass
+""")
+
+
+def sleepy_child(tmp_path: Path, arm_s: float) -> tuple[Path, Path]:
+    started = tmp_path / "started"
+    script = tmp_path / "child.py"
+    script.write_text(SLEEPY_CHILD.format(root=str(ROOT), started=str(started), arm_s=arm_s))
+    return script, started
+
+
+def wait_for(predicate, timeout: float = 30.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_one_ctrl_c_to_a_gpus_parent_stops_each_child_after_its_arm_in_flight(tmp_path):
+    script, started = sleepy_child(tmp_path, arm_s=1.5)
+    arms = [Arm("smol", 64, 1, i) for i in range(4)]
+    run = Run(models=("smol",), seqs=(64,), gpus=(0, 1), dry_run=True)
+    rows = []
+
+    def ctrl_c_once_both_children_measure():
+        if wait_for(lambda: started.exists() and len(started.read_text().split()) >= 2):
+            os.kill(os.getpid(), signal.SIGINT)
+
+    Stop.install(quiet=True)
+    threading.Thread(target=ctrl_c_once_both_children_measure, daemon=True).start()
+    with Scratch() as scratch, Stop.arm():
+        spread(run, arms, scratch, rows.append, str(script))
+    assert Stop.requested
+    # Two children, two arms each: each finished the arm it had in flight and began no other.
+    assert len(started.read_text().split()) == 2, started.read_text()
+    assert len(rows) == 2 and all(r.failure == "FAILED" for r in rows)
+
+
+PARENT = textwrap.dedent("""
+    import sys
+    sys.path.insert(0, {root!r})
+    from issue395.run.options import Run
+    from issue395.model.arm import Arm
+    from issue395.run.scratch import Scratch
+    from issue395.run.spread import spread
+
+    with Scratch() as scratch:
+        spread(Run(models=("smol",), seqs=(64,), gpus=(0,), dry_run=True), [Arm("smol", 64, 1, 0)],
+               scratch, print, {script!r})
+""")
+
+
+def test_a_sigkilled_gpus_parent_leaves_no_child_running(tmp_path):
+    script, started = sleepy_child(tmp_path, arm_s=120)
+    parent = tmp_path / "parent.py"
+    parent.write_text(PARENT.format(root=str(ROOT), script=str(script)))
+    proc = subprocess.Popen([sys.executable, str(parent)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        assert wait_for(lambda: started.exists() and started.read_text().strip())
+        child = int(started.read_text().split()[0])
+        proc.kill()
+        proc.wait()
+
+        def gone() -> bool:
+            try:
+                os.kill(child, 0)
+            except ProcessLookupError:
+                return True
+            # a zombie the init process has not yet reaped counts as gone
+            stat = Path(f"/proc/{child}/stat")
+            return stat.exists() and stat.read_text().split(")")[-1].split()[0] == "Z"
+
+        assert wait_for(gone, timeout=15), "the child outlived its SIGKILLed parent"
+    finally:
+        proc.kill()
+        if started.exists():
+            for pid in started.read_text().split():
+                try:
+                    os.kill(int(pid), signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+
+# issue395.run.spread: children get their settled Run and Job back as data, their own scratch and cache.
+
+def child_job(tmp_path, **run):
+    """A child's work as its parent hands it over (a job file) and as the child reads it back."""
+    job = Job((1, 2), (Arm("smol", 2048),), gpu=1, repeat=2, extra_modes=True)
+    path = tmp_path / "job.json"
+    write_job(path, child_run(Run(**run), job, "out.json", "/tmp/cache"), job)
+    return job, read_job(str(path))
+
+
+def test_a_child_of_a_model_run_gets_its_settled_run_and_job_back_as_data(tmp_path):
+    job, (run, back) = child_job(tmp_path, custom_model="/some/checkpoint", models=("custom",),
+                                 seqs=(64,), weights="local", isolate=True, gpus=(0, 1), measure=True)
+    assert back == job
+    assert (run.custom_model, run.models, run.seqs, run.weights) == ("/some/checkpoint", ("custom",), (64,),
+                                                                      "local")
+    assert (run.child, run.isolate, run.gpus, run.shard, run.repeat_tag) == (True, False, None, (1, 2), 2)
+    assert (run.json, run.cache_dir, run.measure) == ("out.json", "/tmp/cache", True)
+
+
+def test_a_map_child_inherits_the_default_quantizations_rather_than_demanding_nf4(tmp_path):
+    _, (run, _) = child_job(tmp_path, map=True, models=("smol",), quants=QUANTS, batches=(1, 4))
+    assert run.map and run.quants == QUANTS and run.batches == (1, 4)
+
+
+def test_a_map_spread_gives_children_their_own_scratch_so_each_family_can_be_freed(tmp_path):
+    with Scratch() as scratch:
+        assert child_cache(Run(map=True, models=("smol",)), scratch) is None
+        shared = child_cache(Run(models=("smol",)), scratch)
+        assert shared is not None and Path(shared).is_relative_to(scratch.root)
+        assert child_cache(Run(map=True, cache_dir=str(tmp_path)), scratch) == str(tmp_path)
+
+
+def test_a_capped_map_child_shares_the_cache_and_a_lost_capped_arm_stays_in_the_cap_table():
+    from issue395.run.spread import lost_row
+
+    with Scratch() as scratch:
+        assert child_cache(Run(map=True, models=("smol",), cap="soup"), scratch) is not None
+    row = lost_row(Arm("smol", 2048), Run(cap="soup"), None, 139)
+    assert row.cap_at == "soup" and row.status == "FAILED"
+
+
+def test_a_lost_emulated_arm_keeps_its_card():
+    from issue395.run.spread import lost_row
+
+    row = lost_row(Arm("smol", 2048), Run(emulate_card="t4"), None, 139)
+    assert row.emulated_card == "T4" and row.emulated_outcome == "FAILED"
+
+
+def test_a_map_spread_over_two_gpus_starts_one_child_per_gpu_each_with_whole_families():
+    arms = plan_map(("smol", "qwen", "mistral-7b"), ("none",), (2048,), (1,))
+    jobs = plan_jobs(Run(map=True, models=("smol", "qwen", "mistral-7b"), gpus=(0, 1)), arms)
+    assert [sorted({a.model for a in j.arms}) for j in jobs] == [["mistral-7b"], ["qwen", "smol"]]
+    one = plan_jobs(Run(map=True, models=("smol",), gpus=(0, 1)), arms[:1])
+    assert len(one) == 1, "a second GPU with no family to run started a child anyway"
+
+
+def test_a_config_arms_child_gets_the_files_adapter_and_quantization_and_a_lost_one_names_them(tmp_path):
+    """--config's arm under --emulate-card runs in a fresh child: the settled Run it reads back is the
+    parent's to the field (the file, its targets, r and alpha), its one arm at the file's NF4; a child
+    that dies leaves a row naming the same file and adapter."""
+    from issue395.run.options import grid_arms, settle
+    from issue395.run.parser import build_parser
+    from issue395.run.spread import lost_row
+
+    config = tmp_path / "soup.yaml"
+    config.write_text("base: mistralai/Mistral-7B-v0.3\ndata: {train: d.jsonl, max_length: 512}\ntraining:\n"
+                      "  batch_size: 1\n  quantization: 4bit\n  stream_layers: true\n  lora: {r: 4, alpha: 8, target_modules: [q_proj]}\n")
+    argv = ["--config", str(config), "--emulate-card", "T4"]
+    parent = settle(build_parser().parse_args(argv), argv)
+    (job,) = plan_jobs(parent, grid_arms(parent))
+    path = tmp_path / "job.json"
+    sent = child_run(parent, job, "out.json", "/tmp/cache")
+    write_job(path, sent, job)
+    run, back = read_job(str(path))
+    assert run == sent and back == job and back.arms == (Arm("mistral-7b", 512, 1, 0, "nf4"),)
+    assert (run.soup_config, run.targets, run.lora_r, run.lora_alpha) == (str(config), ("q_proj",), 4, 8)
+    row = lost_row(back.arms[0], run, None, 139)
+    assert (row.soup_config, row.lora_r, row.lora_alpha, row.targets, row.quant) == (
+        str(config), 4, 8, ("q_proj",), "nf4")

@@ -1,0 +1,103 @@
+"""issue395.run.userconfig: the user's own inputs (issue 20): a soup.yaml read by Soup's own loader
+drives --estimate (its measured arm: test_configarm), and a hub id's config.json comes from the
+local Hugging Face cache (a fake cache dir here: no network)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import main, one_error_line
+
+from issue395.model.registry import config_json
+from issue395.measure.shapes import soup_has_stream_modes
+
+YAML = """base: {base}
+task: sft
+data:
+  train: data.jsonl
+  max_length: {seq}
+training:
+  batch_size: 2
+  quantization: 4bit
+  stream_layers: {stream}
+  lora:
+    r: 16
+    alpha: 32
+    target_modules: [q_proj, k_proj, v_proj]
+{extra}"""
+
+
+def soup_yaml(tmp_path, base="mistralai/Mistral-7B-v0.3", seq=1024, stream="true", extra=""):
+    path = tmp_path / "soup.yaml"
+    path.write_text(YAML.format(base=base, seq=seq, stream=stream, extra=extra))
+    return path
+
+
+def test_the_files_own_values_drive_the_estimate(capfd, tmp_path):
+    out = tmp_path / "e.json"
+    code, text, err = main(capfd, ["--estimate", "--config", soup_yaml(tmp_path), "--card", "A10G", "--json", out])
+    assert code == 0, err
+    (row,) = json.loads(out.read_text())["rows"]
+    assert (row["quant"], row["seq"], row["batch"]) == ("nf4", 1024, 2)
+    from issue395.estimator.estimate import estimate
+
+    e = estimate(config_json("mistral-7b"), quant="nf4", seq=1024, batch=2, targets=("q_proj", "k_proj", "v_proj"),
+                 lora_r=16)
+    assert (row["soup_predicted"], row["needs_free"]) == (e.soup_predicted, e.needs_free)
+    assert "from --config" in text and row["cards"][0]["card"] == "A10G"
+
+
+@pytest.mark.parametrize("change, words", [
+    (dict(stream="false"), ["stream_layers", "would not stream"]),
+    (dict(extra="  stream_buffers: 3\n"), ["stream_buffers", "does not model"]),
+    (dict(seq=16), ["Soup refuses"]),  # Soup's own schema: max_length under its minimum
+])
+def test_a_config_soup_would_not_stream_or_the_estimator_does_not_model_is_one_line(capfd, tmp_path, change, words):
+    if "extra" in change:  # training.* keys go under training:
+        change = dict(extra="", stream="true\n" + change["extra"])
+    one_error_line(*main(capfd, ["--estimate", "--config", soup_yaml(tmp_path, **change)]), *words)
+
+
+def test_config_and_the_options_it_replaces_are_exclusive(capfd, tmp_path):
+    one_error_line(*main(capfd, ["--estimate", "--config", soup_yaml(tmp_path), "--seq", "512"]), "--seq")
+
+
+def test_a_hub_id_reads_config_json_from_the_local_cache(capfd, tmp_path, monkeypatch):
+    cache = tmp_path / "hub"
+    snap = cache / "models--someorg--tiny-llama" / "snapshots" / ("a" * 40)
+    snap.mkdir(parents=True)
+    (snap / "config.json").write_text(json.dumps(config_json("smol")))
+    (cache / "models--someorg--tiny-llama" / "refs").mkdir()
+    (cache / "models--someorg--tiny-llama" / "refs" / "main").write_text("a" * 40)
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    import huggingface_hub.constants as K
+
+    monkeypatch.setattr(K, "HF_HUB_CACHE", str(cache))
+    code, text, err = main(capfd, ["--estimate", "--model", "someorg/tiny-llama", "--seq", "512"])
+    assert code == 0, err
+    assert "--estimate: someorg/tiny-llama" in text
+    one_error_line(*main(capfd, ["--estimate", "--model", "someorg/not-cached", "--seq", "512"]),
+                   "someorg/not-cached", "offline")
+
+
+@pytest.mark.skipif(not soup_has_stream_modes(), reason="soup-cli 0.77.0's streaming modes")
+def test_the_files_streaming_modes_reach_the_estimate_and_auto_is_one_line(capfd, tmp_path):
+    """0.77.0's modes the estimator models (a loss chunk, recompute off) are the file's own, as
+    --loss-chunk and --recompute would give them; recompute auto (a step measured at setup) is not."""
+    out = tmp_path / "e.json"
+    extra = "  stream_loss_chunk: 512\n  stream_recompute: 'off'\n"
+    config = soup_yaml(tmp_path, stream="true\n" + extra)
+    code, text, err = main(capfd, ["--estimate", "--config", config, "--json", out])
+    assert code == 0, err
+    (row,) = json.loads(out.read_text())["rows"]
+    from issue395.estimator.estimate import estimate
+
+    e = estimate(config_json("mistral-7b"), quant="nf4", seq=1024, batch=2, targets=("q_proj", "k_proj", "v_proj"),
+                 lora_r=16, stream={"stream_loss_chunk": 512, "stream_recompute": "off"})
+    assert row["corrected_predicted"] == e.corrected_predicted
+    assert row["corrected_predicted"] != estimate(config_json("mistral-7b"), quant="nf4", seq=1024, batch=2,
+                                                  targets=("q_proj", "k_proj", "v_proj"), lora_r=16).corrected_predicted
+    one_error_line(*main(capfd, ["--estimate", "--config", soup_yaml(tmp_path, stream="true\n  stream_recompute: auto\n")]),
+                   "stream_recompute", "auto")
