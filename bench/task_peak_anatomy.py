@@ -1,0 +1,252 @@
+#!/usr/bin/env python
+"""What is live at the CUDA peak of ONE streamed LoRA step of a Soup preference task (or SFT).
+
+Builds the task's real Soup wrapper (SFT / DPO / ORPO / SimPO / KTO) on a checkpoint, runs exactly
+one optimizer step inside the harness's peak window with the caching allocator's history on
+(issue395.cuda.peak_window / allocator_history, as issue395_second_stack_vram.real_peak does),
+replays the history to the peak (the same replay as issue395.cuda.attribute_peak) and prints the
+blocks live there grouped by size, each group with the Python frames that allocated it, plus
+each block's size as a multiple of the logits element count E = rows x T x V (rows = 2 x batch
+for dpo/orpo/simpo, batch for kto/sft; T = the realised width of the first collated batch).
+
+    python task_peak_anatomy.py --task dpo --base /path/to/ckpt --seq 2048 --batch 1 [--quant none|nf4]
+                                [--work DIR] [--json OUT] [--max-entries N]
+
+Without CUDA it parses its arguments, says so, and exits 0 (nothing can be measured there).
+Run from /work/main (or with it on sys.path) so that ``issue395`` imports.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from collections import defaultdict
+from pathlib import Path
+from typing import Any, Optional
+
+TASKS = ("sft", "dpo", "orpo", "simpo", "kto")
+PAIRED = ("dpo", "orpo", "simpo")
+WRAPPERS = {"sft": ("soup_cli.trainer.sft", "SFTTrainerWrapper"),
+            "dpo": ("soup_cli.trainer.dpo", "DPOTrainerWrapper"),
+            "orpo": ("soup_cli.trainer.orpo", "ORPOTrainerWrapper"),
+            "simpo": ("soup_cli.trainer.simpo", "SimPOTrainerWrapper"),
+            "kto": ("soup_cli.trainer.kto", "KTOTrainerWrapper")}
+OVERSHOOT = 3  # the protocol's 3x overshoot: truncation, never padding, sets the length
+
+
+def parse(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[1])
+    ap.add_argument("--task", choices=TASKS, required=True)
+    ap.add_argument("--base", required=True, help="checkpoint dir (or hub id) Soup streams")
+    ap.add_argument("--seq", type=int, required=True)
+    ap.add_argument("--batch", type=int, default=None, help="default 1 (kto: 2, Soup's minimum)")
+    ap.add_argument("--quant", choices=("none", "nf4"), default="none")
+    ap.add_argument("--targets", default="q_proj,v_proj")
+    ap.add_argument("--work", default=None)
+    ap.add_argument("--json", default=None, help="write the attribution here")
+    ap.add_argument("--snapshot", default=None, help="also pickle the raw snapshot here")
+    ap.add_argument("--max-entries", type=int, default=2_000_000)
+    ap.add_argument("--top", type=int, default=6, help="frames shown per group")
+    a = ap.parse_args(argv)
+    if a.batch is None:
+        a.batch = 2 if a.task == "kto" else 1
+    if a.seq < 2 or a.batch < 1:
+        ap.error("seq >= 2 and batch >= 1")
+    return a
+
+
+def task_rows(task: str, seq: int, batch: int) -> list[dict[str, Any]]:
+    """Rows in the shape each wrapper takes, long enough that truncation sets the width."""
+    long_a, long_b = "word " * (OVERSHOOT * seq), "hi " * (OVERSHOOT * seq)
+    n = max(4, 2 * batch + 2)
+    if task == "sft":
+        return [{"messages": [{"role": "user", "content": "hi"},
+                              {"role": "assistant", "content": long_a}]}] * n
+    if task == "kto":  # both labels in every batch: KTO's KL batch needs batch >= 2
+        return [{"prompt": "", "completion": long_a if i % 2 == 0 else long_b, "label": i % 2 == 0}
+                for i in range(n)]
+    # DPO needs a prompt (TRL indexes it); ORPO/SimPO realise seq exactly with an empty one
+    return [{"prompt": "hi" if task == "dpo" else "", "chosen": long_a, "rejected": long_b}] * n
+
+
+def soup_yaml(task: str, base: str, data: Path, out: Path, seq: int, batch: int, quant: str,
+              targets: list[str]) -> str:
+    import yaml
+    return yaml.safe_dump({
+        "base": base, "task": task, "backend": "transformers", "modality": "text",
+        "data": {"train": str(data), "max_length": seq, "chat_template": "chatml"},
+        "output": str(out),
+        "training": {"batch_size": batch, "gradient_accumulation_steps": 1, "epochs": 1,
+                     "quantization": "4bit" if quant == "nf4" else "none", "stream_layers": True,
+                     "logging_steps": 1, "save_steps": 100000,
+                     "lora": {"r": 8, "alpha": 16, "target_modules": targets}},
+    }, sort_keys=False)
+
+
+def realised(trainer: Any, task: str) -> dict[str, Any]:
+    """Width of the first collated batch, per the keys each TRL trainer collates."""
+    batch = next(iter(trainer.get_train_dataloader()))
+    keys = {"sft": ("input_ids",), "dpo": ("input_ids",),
+            "orpo": ("chosen_input_ids", "rejected_input_ids"),
+            "simpo": ("chosen_input_ids", "rejected_input_ids"),
+            "kto": ("completion_input_ids", "KL_completion_input_ids")}[task]
+    shapes = {k: list(batch[k].shape) for k in keys if k in batch}
+    if task in ("orpo", "simpo"):
+        width = max(s[-1] for s in shapes.values())
+        rows = 2 * shapes[keys[0]][0]
+    else:
+        width = shapes[keys[0]][-1]
+        rows = shapes[keys[0]][0]
+    return {"shapes": shapes, "width": int(width), "rows": int(rows)}
+
+
+def user_frame(frames: list[dict]) -> str:
+    """The innermost frame outside torch itself (trl / transformers / peft / soup / accelerate),
+    with the torch frame just below it, as 'file:line fn <- file:line fn'."""
+    def fmt(f):
+        return f"{Path(f.get('filename', '?')).name}:{f.get('line', '?')} {f.get('name', '?')}"
+    frames = frames or []
+    for i, f in enumerate(frames):
+        fn = f.get("filename", "")
+        if "/torch/" not in fn and not fn.startswith("??") and fn.endswith(".py"):
+            below = fmt(frames[i - 1]) if i else ""
+            return fmt(f) + (f" <- {below}" if below else "")
+    return fmt(frames[0]) if frames else "(no frames)"
+
+
+def peak_blocks(snapshot: dict, resident: int) -> tuple[int, list[tuple[int, list]]]:
+    """Replay the largest device trace to its peak (issue395.cuda.attribute_peak's logic), keeping
+    each live block's frames. Returns (replayed peak, [(size, frames)])."""
+    from issue395.constants import block_bytes
+    traces = snapshot.get("device_traces") or []
+    trace = max(traces, key=len) if traces else []
+    frees = ({"free_requested"} if any(e.get("action") == "free_requested" for e in trace)
+             else {"free", "free_completed"})
+    live: dict[int, tuple[int, list]] = {}
+    base, total, best, at = resident, 0, resident, -1
+    for i, e in enumerate(trace):
+        act, addr, size = e.get("action"), int(e.get("addr", 0)), int(e.get("size", 0))
+        if act == "alloc":
+            live[addr] = (size, e.get("frames") or [])
+            total += block_bytes(size)
+        elif act in frees:
+            if addr in live:
+                total -= block_bytes(live.pop(addr)[0])
+            else:
+                base -= block_bytes(size)
+        else:
+            continue
+        if base + total > best:
+            best, at = base + total, i
+    live = {}
+    for e in trace[:at + 1]:
+        act, addr, size = e.get("action"), int(e.get("addr", 0)), int(e.get("size", 0))
+        if act == "alloc":
+            live[addr] = (size, e.get("frames") or [])
+        elif act in frees:
+            live.pop(addr, None)
+    return best, list(live.values())
+
+
+def group(blocks: list, E: int, per_row: int, top: int) -> list[dict]:
+    g: dict[int, dict] = defaultdict(lambda: {"count": 0, "bytes": 0, "frames": defaultdict(int)})
+    for size, frames in blocks:
+        d = g[size]
+        d["count"] += 1
+        d["bytes"] += size
+        d["frames"][user_frame(frames)] += 1
+    out = []
+    for size, d in sorted(g.items(), key=lambda kv: -kv[1]["bytes"]):
+        out.append({"size": size, "count": d["count"], "bytes": d["bytes"],
+                    "bytes_per_E": round(d["bytes"] / E, 4) if E else None,
+                    "size_in_fp32_rows": round(size / (4 * per_row), 4) if per_row else None,
+                    "frames": dict(sorted(d["frames"].items(), key=lambda kv: -kv[1])[:top])})
+    return out
+
+
+def main(argv=None) -> int:
+    a = parse(argv)
+    import torch
+    if not torch.cuda.is_available():
+        print(f"task_peak_anatomy: no CUDA device here; nothing measured "
+              f"(task {a.task}, seq {a.seq}, batch {a.batch}, quant {a.quant}).")
+        return 0
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import importlib
+    from issue395.cuda import allocator_history, attribute_peak, peak_window
+
+    work = Path(a.work or tempfile.mkdtemp(prefix=f"anatomy-{a.task}-"))
+    work.mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("SOUP_LAYER_STREAM_CACHE_DIR", str(work / "shards"))
+    data = work / "train.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in task_rows(a.task, a.seq, a.batch)))
+    from soup_cli.config.loader import load_config_from_string
+    from soup_cli.data.loader import load_dataset
+    config = load_config_from_string(soup_yaml(a.task, a.base, data, work / "out", a.seq, a.batch,
+                                               a.quant, a.targets.split(",")))
+    from soup_cli.utils import layer_stream
+    seen: dict = {}
+    _est = layer_stream.estimate_stream_peak_vram
+
+    def _est_seen(*args, **kwargs):
+        r = _est(*args, **kwargs)
+        if sys._getframe(1).f_code.co_name == "_stream_budget_lines" or "soup" not in seen:
+            seen["soup"] = int(r)
+            seen["kwargs"] = {k: v for k, v in kwargs.items() if isinstance(v, (int, float, str, type(None)))}
+        return r
+    layer_stream.estimate_stream_peak_vram = _est_seen
+    mod, cls = WRAPPERS[a.task]
+    wrapper = getattr(importlib.import_module(mod), cls)(config, device="cuda")
+    try:
+        wrapper.setup(load_dataset(config.data))
+        trainer = wrapper.trainer
+        width = realised(trainer, a.task)
+        vocab = int(trainer.model.config.vocab_size) if hasattr(trainer.model, "config") else 0
+        E, per_row = width["rows"] * width["width"] * vocab, width["width"] * vocab
+        # forwards in order, with grad mode and the logits' shape/dtype
+        calls: list[dict] = []
+
+        def post(mod_, args, kwargs, out):
+            lg = getattr(out, "logits", None)
+            calls.append({"grad": torch.is_grad_enabled(),
+                          "logits": None if lg is None else [list(lg.shape), str(lg.dtype)],
+                          "allocated_after": int(torch.cuda.memory_allocated())})
+        handle = trainer.model.register_forward_hook(post, with_kwargs=True)
+        trainer.args.max_steps = 1
+        step_error = None
+        with peak_window() as window, allocator_history(a.max_entries) as taken:
+            try:
+                trainer.train()
+            except Exception as exc:  # 0.73.3 DPO: the end-of-run save of a meta ref adapter
+                step_error = f"{type(exc).__name__}: {str(exc)[:200]}"
+            torch.cuda.synchronize()
+        handle.remove()
+        snap = taken["snapshot"]
+        if a.snapshot:
+            from issue395.cuda import save_snapshot
+            save_snapshot(snap, Path(a.snapshot))
+        summary = attribute_peak(snap, window.before, E, window.peak)
+        replayed, blocks = peak_blocks(snap, window.before)
+        res = {"task": a.task, "seq": a.seq, "batch": a.batch, "quant": a.quant, "realised": width,
+               "vocab": vocab, "E": E, "step_error": step_error, "soup_predicted": seen.get("soup"),
+               "soup_kwargs": seen.get("kwargs"), "real_peak": window.peak, "resident_before": window.before,
+               "dynamic_over_E": round((window.peak - window.before) / E, 4) if E else None,
+               "replayed_peak": replayed, "forwards": calls,
+               "attribute_peak": {k: summary[k] for k in ("complete", "logits_fp32", "logits_bf16",
+                                                          "other_groups", "events")},
+               "groups": group(blocks, E, per_row, a.top)}
+        print(json.dumps(res, indent=1, default=str))
+        if a.json:
+            Path(a.json).write_text(json.dumps(res, indent=1, default=str))
+    finally:
+        try:
+            wrapper._close_stream_runtime()
+        except Exception as exc:  # teardown never masks the measurement
+            print(f"teardown: {type(exc).__name__}: {exc}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
