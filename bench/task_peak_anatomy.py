@@ -3,8 +3,8 @@
 
 Builds the task's real Soup wrapper (SFT / DPO / ORPO / SimPO / KTO) on a checkpoint, runs exactly
 one optimizer step inside the harness's peak window with the caching allocator's history on
-(issue395.cuda.peak_window / allocator_history, as issue395_second_stack_vram.real_peak does),
-replays the history to the peak (the same replay as issue395.cuda.attribute_peak) and prints the
+(issue395.measure.cuda.peak_window / allocator_history, as issue395_second_stack_vram.real_peak does),
+replays the history to the peak (the same replay as issue395.measure.cuda.attribute_peak) and prints the
 blocks live there grouped by size, each group with the Python frames that allocated it, plus
 each block's size as a multiple of the logits element count E = rows x T x V (rows = 2 x batch
 for dpo/orpo/simpo, batch for kto/sft; T = the realised width of the first collated batch).
@@ -117,7 +117,7 @@ def user_frame(frames: list[dict]) -> str:
 
 
 def peak_blocks(snapshot: dict, resident: int) -> tuple[int, list[tuple[int, list]]]:
-    """Replay the largest device trace to its peak (issue395.cuda.attribute_peak's logic), keeping
+    """Replay the largest device trace to its peak (issue395.measure.cuda.attribute_peak's logic), keeping
     each live block's frames. Returns (replayed peak, [(size, frames)])."""
     from issue395.constants import block_bytes
     traces = snapshot.get("device_traces") or []
@@ -175,7 +175,7 @@ def main(argv=None) -> int:
         return 0
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import importlib
-    from issue395.cuda import allocator_history, attribute_peak, peak_window
+    from issue395.measure.cuda import allocator_history, attribute_peak, peak_window
 
     work = Path(a.work or tempfile.mkdtemp(prefix=f"anatomy-{a.task}-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -225,7 +225,7 @@ def main(argv=None) -> int:
         handle.remove()
         snap = taken["snapshot"]
         if a.snapshot:
-            from issue395.cuda import save_snapshot
+            from issue395.measure.cuda import save_snapshot
             save_snapshot(snap, Path(a.snapshot))
         summary = attribute_peak(snap, window.before, E, window.peak)
         replayed, blocks = peak_blocks(snap, window.before)

@@ -1,0 +1,72 @@
+"""The five tasks Soup streams (soup_cli's ``SUPPORTED_STREAM_TASKS``: sft, dpo, orpo, simpo, kto),
+as data: which wrapper runs each, how many rows its model runs per configured example, which
+forwards a step makes, which collated keys carry the token ids the realised-length guard reads,
+and the smallest batch Soup's schema takes. "A new task goes here" (docs/LAYOUT.md).
+
+Read from soup-cli 0.73.3 and 0.77.0 (``soup_cli/trainer/{sft,dpo,orpo,simpo,kto}.py``) and TRL
+0.29.1, whose trainers they wrap; stdlib only, so the estimator reads it without torch. The
+physics of each task's peak is the estimator's (issue395/estimator); this table only names what a
+task is.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .errors import UsageError
+
+
+@dataclass(frozen=True)
+class Task:
+    """One task Soup streams."""
+
+    name: str  # Soup's ``task:``
+    wrapper: tuple  # (module, class) of Soup's trainer wrapper; each takes device="cpu" as well
+    #: chosen and rejected run as ONE concatenated batch: the model sees 2 x batch rows per step
+    #: (TRL's concatenated forward; Soup's _STREAM_ROWS_PER_EXAMPLE = 2)
+    paired: bool
+    #: a reference forward per step, under no_grad, between the policy forward and its backward
+    #: (TRL 0.29 keeps the reference as a frozen "ref" adapter; KTO disables the adapter instead)
+    reference: bool
+    #: KTO's KL batch: mismatched completions run through policy and reference without grad
+    kl_batch: bool
+    #: the collated keys whose width the step runs at (the realised-length guard reads each)
+    guard_keys: tuple
+    #: Soup's ``data.format`` for the rows this harness writes
+    data_format: str
+    #: the smallest batch Soup's config schema takes (KTO needs both labels in a batch)
+    min_batch: int = 1
+
+    @property
+    def rows_per_example(self) -> int:
+        """The rows the model runs per configured example."""
+        return 2 if self.paired else 1
+
+
+TASKS: dict[str, Task] = {
+    "sft": Task("sft", ("soup_cli.trainer.sft", "SFTTrainerWrapper"), paired=False, reference=False,
+                kl_batch=False, guard_keys=("input_ids",), data_format="chatml"),
+    # TRL collates chosen then rejected as one (2B, W) batch and cuts it to max_length inside
+    # compute_loss (soup-cli 0.73.3 collates 3 x seq wide; 0.77.0 caps the tokenized rows itself)
+    "dpo": Task("dpo", ("soup_cli.trainer.dpo", "DPOTrainerWrapper"), paired=True, reference=True,
+                kl_batch=False, guard_keys=("input_ids",), data_format="dpo"),
+    "orpo": Task("orpo", ("soup_cli.trainer.orpo", "ORPOTrainerWrapper"), paired=True, reference=False,
+                 kl_batch=False, guard_keys=("chosen_input_ids", "rejected_input_ids"), data_format="dpo"),
+    # SimPO is TRL's CPO trainer with loss_type "simpo" (Soup keeps cpo_alpha > 0: the chosen NLL stays)
+    "simpo": Task("simpo", ("soup_cli.trainer.simpo", "SimPOTrainerWrapper"), paired=True, reference=False,
+                  kl_batch=False, guard_keys=("chosen_input_ids", "rejected_input_ids"), data_format="dpo"),
+    "kto": Task("kto", ("soup_cli.trainer.kto", "KTOTrainerWrapper"), paired=False, reference=True,
+                kl_batch=True, guard_keys=("completion_input_ids", "KL_completion_input_ids"),
+                data_format="kto", min_batch=2),
+}
+
+#: The protocol's task: every arm without a task is SFT, as the record's are.
+PROTOCOL_TASK = "sft"
+
+
+def task(name: str) -> Task:
+    """The task named, or one line naming the five."""
+    try:
+        return TASKS[name]
+    except KeyError:
+        raise UsageError(f"task {name!r} is not one Soup streams; choose from {', '.join(TASKS)}") from None
