@@ -10,6 +10,7 @@ from ..errors import UsageError
 from .cards import GATE_GROWTH_BYTES, STEP_GROWTH_BYTES, Budget, Card, budget, workspace_env
 from .estimate import Estimate, estimate
 from .soup_number import arch_of
+from .terms import Phase, words
 
 __all__ = ["card_answers", "estimate_table", "longest_seq", "longest_seq_soup_admits"]
 
@@ -138,10 +139,7 @@ def estimate_table(rows: list[Estimate], cards, config: Optional[dict] = None, *
     first_w = max(len(line[0]) for line in lines)
     fmt = lambda cells: "  ".join([f"{cells[0]:<{first_w}}"] + [f"{c:>{width}}" for c in cells[1:]])  # noqa: E731
     head = fmt([f"soup-cli {release_label or rows[0].release}, steps {rows[0].steps}" if rows else ""] + heads)
-    legend = ("peak = resident (pool, extras, LoRA weights, cuBLAS workspace, resident rounding) + the larger "
-              "phase: the loss (logits, allocator rounding, final norm, and the shared checkpointed inputs, ids, "
-              "positions, rotary tables, mask) or the layer recompute (the shared terms, the dequantised layer, "
-              "per-token bytes, the autograd workspace) + the allowance; needs free adds the allocator's reserve")
+    legend = LEGEND
     if cards:
         legend += ("\nfits: needs free + context + runtime growth <= total. context: 'bound' is Soup's own 0.85 GB "
                    "(its dev box, driving a display; --context GB gives yours, as an idle process sees it), "
@@ -155,6 +153,12 @@ def estimate_table(rows: list[Estimate], cards, config: Optional[dict] = None, *
     return "\n".join([head, "-" * len(head)] + [fmt(line) for line in lines] + [legend] + sources
                      + list(dict.fromkeys(notes))) + "\n"
 
+
+#: The fit table's legend, its terms read from the term table (issue395.estimator.terms).
+LEGEND = (f"peak = resident ({words((Phase.RESIDENT,))}) + the larger phase: the loss "
+          f"({words((Phase.LOSS,), (Phase.LAYER,))}, and the shared {words((Phase.LOSS, Phase.LAYER))}) or the "
+          f"layer recompute (the shared terms, {words((Phase.LAYER,), (Phase.LOSS,))}) + the allowance; needs "
+          "free adds the allocator's reserve")
 
 #: Past this many arms a column per arm runs off a terminal: one row per arm instead.
 WIDE_ARMS = 6
