@@ -46,3 +46,10 @@ def test_every_bench_script_imports_what_the_package_holds_now(script):
     """A bench script runs only on a GPU box, where a name the package has moved costs device
     time to find: loading it here resolves every import it makes (its main never runs)."""
     load(script)
+
+
+def test_the_committed_task_estimates_are_what_the_task_anatomy_arms_give_now():
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "task_terms.py")], capture_output=True, text=True,
+                         check=True, timeout=120).stdout
+    assert out == (ROOT / "results" / "estimator-tasks.txt").read_text()
+    assert "corrected under on 0;" in out

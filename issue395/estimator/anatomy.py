@@ -149,7 +149,8 @@ def class_breakdown(classes: dict, est, *, seq: int, batch: int, config: dict) -
     if _fp32_inputs(a, est.quant):  # phi NF4: the final norm's T h 4 copy ties with the L-1 fp32
         ckpt, norm = ckpt + norm, 0  # saved inputs and is named with them (CLASSES tie-break 3)
     rest = sum(_charged(est, t) for t in ("ids_labels", "kl_batch_ids", "position_ids", "layer_per_token",
-                                          "chunked_loss", "retained_activations", "head_copy"))
+                                          "chunked_loss", "retained_activations", "head_copy",
+                                          "reference_layer"))
     if est.phase == Phase.LAYER.value and "retained_activations" in est.terms:  # all but the layer run
         rest += est.terms["retained_activations"] * (a.L - 1) // a.L
     spec = {

@@ -291,6 +291,21 @@ def reference_held_blocks(a: Arch, name: str, seq: int, batch: int) -> list[int]
     return [blocks[0], blocks[2]] if name == "dpo" else [blocks[0]] + blocks[2::2]
 
 
+def no_grad_layer_per_token(a: Arch, quant: str, targets: tuple, r: int) -> int:
+    """What one decoder layer's forward under no_grad (the reference's, KTO's KL) holds per token at
+    once, op by op and summed although they do not overlap: the residual stream in and its running
+    sum (2 x act x h), the RMSNorm's fp32 copy and square (8h), the MLP at its product (act(gate),
+    up and the product: 3 x act x i; phi's gelu_new 4), the widest LoRA target's dropout output, mask
+    and lora_A output. Nothing is saved (no autograd graph), so the widths of attention, which the
+    MLP's exceed on every dense family here, are not added. A MoE or hybrid model: its recompute's
+    count, the bound (issue395.estimator.moe's kinds are counted with their backward)."""
+    if a.layers is not None:
+        return max(kind_per_token(a, k, targets, r) for k in a.layers.kinds)
+    act = 4 if (a.model_type == "phi" and quant == "nf4") else 2
+    lora = max(act * a.modules[t][0] + LORA_DROPOUT_MASK_BYTES * a.modules[t][0] + act * r for t in targets)
+    return 2 * act * a.h + 8 * a.h + act * a.i * (4 if a.model_type == "phi" else 3) + lora
+
+
 def head_copy(a: Arch, release: str, name: str) -> int:
     """0.77.0 on an untied model, DPO and KTO: the second forward refills the vocab slot the head's
     autograd view points at, so the head keeps a private bf16 copy of its weight from the policy
@@ -389,12 +404,13 @@ class Estimate:
     phase: str  # 'loss' or 'layer'
     terms: dict  # ordered as issue395.estimator.terms.Term: each physical term in bytes
     task: str = PROTOCOL_TASK
+    optimizer: str = DEFAULT_OPTIMIZER  # its states count from step 2 on
 
     def to_json(self) -> dict:
-        """Every field; the task only where it is not the protocol's (an SFT estimate's JSON is the
-        one it was before the task axis)."""
+        """Every field; the task only where it is not the protocol's and the optimizer only past step 1
+        (an SFT estimate of one step reads as it did before either existed)."""
         return {k: dict(v) if isinstance(v, dict) else v for k, v in vars(self).items()
-                if k != "task" or v != PROTOCOL_TASK}
+                if not (k == "task" and v == PROTOCOL_TASK) and not (k == "optimizer" and self.steps == 1)}
 
 
 def _whole(name: str, v, low: int = 1) -> int:
@@ -481,6 +497,7 @@ def estimate(config: dict, *, quant: str = "none", seq: int, batch: int = 1, tar
             t[Term.KL_BATCH_IDS.key] = ids_labels(T)
         if tk.reference:
             t[Term.REFERENCE_HELD.key] = sum(reference_held_blocks(a, tk.name, seq, batch))
+            t[Term.REFERENCE_LAYER.key] = T * no_grad_layer_per_token(a, quant, targets, lora_r)
     if chunk:  # the chunked loss: per chunk 3 fp32 + its bf16 logits (14 B), a backward's cuBLAS
         # workspace inside the loss, Soup's two [batch, seq, hidden] stream-dtype tensors;
         # measured: SmolLM2 and Moonlight chunk 512 (results/moe-and-stream-modes-*/loss-chunk.txt)
@@ -509,7 +526,7 @@ def estimate(config: dict, *, quant: str = "none", seq: int, batch: int = 1, tar
         peak += t[Term.OPTIMIZER_STATES.key]
     corrected = phase_sum(t, Phase.RESIDENT) + peak + t[Term.ALLOCATED_ALLOWANCE.key]
     return Estimate(seq, batch, quant, steps, release, soup_number, soup_terms, corrected,
-                    needs_free(corrected), binding.value, t, tk.name)
+                    needs_free(corrected), binding.value, t, tk.name, optimizer)
 
 
 def estimate_key(key: str, **kwargs) -> Estimate:

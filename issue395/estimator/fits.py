@@ -57,7 +57,7 @@ def card_answers(config: dict, e: Estimate, budgets: list[Budget], targets=None,
     """One arm on each card: the JSON's ``cards`` entries. needs_free is recomputed only where the
     card's cuBLAS workspace is larger than the estimator's (CUBLAS_WORKSPACE_CONFIG)."""
     kw = dict(quant=e.quant, batch=e.batch, steps=e.steps, release=e.release, targets=targets,
-              lora_r=lora_r, stream=stream)
+              lora_r=lora_r, stream=stream, task=e.task, optimizer=e.optimizer)
     out = []
     for b in budgets:
         ws = b.card.workspace(env)
