@@ -14,6 +14,7 @@ import torch
 from issue395.errors import UsageError
 from issue395.estimator import estimate as E
 from issue395.estimator.anatomy import CLASSES, class_breakdown
+from issue395.estimator.arch import arch_from_config
 from issue395.estimator.terms import BY_KEY, Kind, Phase, Term, phase_sum
 from issue395.model.registry import config_json
 
@@ -64,8 +65,8 @@ def test_the_anatomy_charges_every_byte_of_the_binding_phase_but_the_allocator_r
     phase = Phase(e.phase)
     held = phase_sum(e.terms, phase) - (e.terms["allocator_rounding"] if phase is Phase.LOSS else 0)
     if phase is Phase.LAYER and "retained_activations" in e.terms:
-        held += e.terms["retained_activations"] * (E.arch_from_config(config_json(family_of(key))).L - 1) // \
-            E.arch_from_config(config_json(family_of(key))).L
+        held += e.terms["retained_activations"] * (arch_from_config(config_json(family_of(key))).L - 1) // \
+            arch_from_config(config_json(family_of(key))).L
     assert charged == held
 
 
@@ -78,7 +79,7 @@ def test_each_loss_holds_the_vocab_sized_fp32_blocks_the_h200_allocator_held_at_
     """The blocks task_loss_blocks lists are the ones live at the measured peak, size for size
     (every block of at least one shifted row of fp32 logits)."""
     d = _anatomy(path)
-    a = E.arch_from_config(config_json(path.split("-")[3]))
+    a = arch_from_config(config_json(path.split("-")[3]))
     if d["task"] == "sft":
         blocks = [4 * d["seq"] * d["batch"] * a.V] * 3
     else:
@@ -110,7 +111,7 @@ def test_a_task_the_estimator_cannot_model_is_refused_in_one_line():
 def test_the_untied_head_keeps_a_private_copy_only_where_a_second_forward_refills_its_slot():
     """0.77.0's _needs_a_private_weight: a reference forward (DPO, KTO), an untied head; the
     copy is the head's bf16 weight."""
-    a = E.arch_from_config(config_json("mistral-7b"))
+    a = arch_from_config(config_json("mistral-7b"))
     assert not a.tied
     got = {t: E.estimate_key("mistral-7b", seq=512, batch=2, task=t, release=r, soup=False).terms.get("head_copy", 0)
            for t in ("dpo", "kto", "orpo", "simpo") for r in ("0.77.0",)}
@@ -145,7 +146,7 @@ def _state_bytes(opt) -> int:
 def test_the_optimizer_states_are_the_bytes_the_real_optimizer_makes_on_cpu(name):
     """SmolLM2's LoRA tensors at r 8 (lora_B below bitsandbytes' 4,096-element floor stays fp32)
     and at r 64, stepped once by the optimizer the name builds."""
-    a = E.arch_from_config(config_json("smol"))
+    a = arch_from_config(config_json("smol"))
     for r in (8, 64):
         params = _lora_like(a, ("q_proj", "v_proj"), r)
         if name == "adamw_torch":
