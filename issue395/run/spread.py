@@ -67,7 +67,7 @@ class Lanes:
         how = "one fresh process per arm" if run.isolate else "one process per lane running its shard"
         alone = (f"; {len(self.whole_card)} arm(s) whose needs exceed a lane's share of the card "
                  f"({self.share / 1e9:.1f} GB) ran after them, alone" if self.whole_card else "")
-        return f"{self.count} lanes {where} ({self.threads} threads each; {self.why}), {how}, merged{alone}"
+        return f"{self.count} lanes {where} ({self.threads} thread{'s' if self.threads != 1 else ''} each; {self.why}), {how}, merged{alone}"
 
 
 def host_cores() -> int:
