@@ -232,7 +232,8 @@ def measure_all(run: Run, protocol: Protocol, job: Optional[Job], scratch: Scrat
                 children += min_free_arms(run, arms, scratch, on_row, protocol.script)
         elif run.run_arms and fan_out:
             with Stop.arm():  # the children's arms are in flight
-                children += spread(replace(run, repeats=None), arms, scratch, on_row, protocol.script, lanes)
+                children += spread(replace(run, repeats=None), arms, scratch, on_row, protocol.script,
+                                   **({"lanes": lanes} if lanes else {}))
         elif run.run_arms:
             checkpoints = Checkpoints(list(dict.fromkeys(family_of(a.model) for a in arms)), shapes, run, scratch)
             sweep(arms, shapes, checkpoints, scratch, run, protocol.run_arm, on_row,
