@@ -63,11 +63,13 @@ class Run:
     snapshot_dir: Optional[str] = None
     log_dir: Optional[str] = None
     cache_dir: Optional[str] = None
+    shard_dir: Optional[str] = None  # --shard-dir: Soup's layer shards, apart from the checkpoints
     isolate: bool = False
     cap: Optional[str] = None  # --cap: which prediction caps each arm's allocator
     emulate_card: Optional[str] = None  # --emulate-card: the card each arm runs as (a ballast)
     min_free: bool = False  # --min-free: each arm's lowest completing cap, by bisection
     gpus: Optional[tuple] = None
+    lanes: Optional[int] = None  # --lanes N (0: bare --lanes, chosen from the host when the run starts)
     shard: Optional[tuple] = None
     json: Optional[str] = None
     markdown: Optional[str] = None
@@ -114,7 +116,7 @@ def not_an_empty_shard(run: Run) -> None:
 def settle(args: argparse.Namespace, argv: list[str]) -> Run:
     """Every check that needs no GPU and no Soup setup, before anything runs or prints."""
     try:
-        run = _settle(args, argv)
+        run = settle_shard_dir(args, settle_lanes(args, _settle(args, argv)))
         if run.shard and not run.estimate and not run.from_json:
             not_an_empty_shard(run)
     except OSError as exc:  # a path no filesystem takes (a name too long, a loop): one line naming it
@@ -246,7 +248,7 @@ def _settle(args: argparse.Namespace, argv: list[str]) -> Run:
         if folder is not None:
             writable_folder(flag, folder)
     cache = os.path.abspath(os.path.expanduser(args.cache_dir)) if args.cache_dir else None
-    if cache:
+    if cache and getattr(args, "shard_dir", None) is None:  # with --shard-dir Soup never reads it
         check_cache_dir_bounds(args.cache_dir, cache)
     any_mode = args.measure or args.sdpa or repeats is not None
     return Run(run_arms=args.sweep or not any_mode, measure=args.measure, sdpa=args.sdpa, repeats=repeats,
@@ -432,6 +434,43 @@ def estimate_stream(args: argparse.Namespace) -> dict:
 def grid_arms(run: Run) -> list[Arm]:
     return (plan_map(run.models, run.quants, run.seqs, run.batches) if run.map
             else plan_arms(run.models, run.seqs, run.batches, run.quants[0]))
+
+
+def settle_lanes(args: argparse.Namespace, run: Run) -> Run:
+    """--lanes: arms side by side on one card, so never an arm that needs the card to itself."""
+    if getattr(args, "lanes", None) is None:
+        return run
+    if run.estimate:
+        raise UsageError("--estimate and --lanes are exclusive: an estimate runs nothing")
+    lanes = 0 if args.lanes == "auto" else one_int("--lanes", args.lanes, 1)
+    if run.cap or run.emulate_card or run.min_free:
+        raise UsageError("--lanes shares the card between arms; --cap, --emulate-card and --min-free arms need "
+                         "the whole card: run them without --lanes (one at a time, as they always run)")
+    if run.repeats:
+        raise UsageError("--lanes and --determinism are exclusive: each repeat is a fresh process of its own")
+    if run.shard:
+        raise UsageError("--shard is one shard of the grid; --lanes makes its own")
+    if not run.run_arms:
+        raise UsageError("--lanes spreads the arms; --measure and --sdpa alone run none (add --sweep)")
+    return replace(run, lanes=lanes)
+
+
+def settle_shard_dir(args: argparse.Namespace, run: Run) -> Run:
+    """--shard-dir: Soup's shard cache on its own volume; refused where Soup would ignore it."""
+    given = getattr(args, "shard_dir", None)
+    if given is None:
+        return run
+    if run.estimate or run.from_json:
+        raise UsageError(f"--{'estimate' if run.estimate else 'from-json'} and --shard-dir are exclusive: "
+                         "nothing is sharded")
+    writable_folder("--shard-dir", given)
+    folder = os.path.abspath(os.path.expanduser(given))
+    shards = os.path.join(os.path.realpath(folder), "layer-stream")
+    if os.path.realpath(soup_shard_root(shards)) != shards:
+        raise UsageError(f"--shard-dir {given} is outside $HOME, the working directory and the temp dir; "
+                         "Soup would ignore it and write its shard cache to ~/.soup instead "
+                         "(on /dev/shm: set TMPDIR=/dev/shm)")
+    return replace(run, shard_dir=folder)
 
 
 def check_cache_dir_bounds(given: str, cache: str) -> None:

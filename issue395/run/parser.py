@@ -106,6 +106,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="synthetic (default): build architecture-exact checkpoints here; hub: download")
     a.add_argument("--cache-dir", default=None, help="keep built checkpoints and Soup's shards here "
                    "(under $HOME, the working directory or the temp dir)")
+    a.add_argument("--shard-dir", default=None, metavar="DIR",
+                   help="Soup's layer shards here instead of in --cache-dir (or scratch), e.g. on /dev/shm "
+                        "with TMPDIR=/dev/shm: Soup honours a shard cache only under $HOME, the working "
+                        "directory or the temp dir. Checkpoints stay in --cache-dir (give one on disk: "
+                        "without it scratch, under the temp dir, holds them too)")
     a.add_argument("--steps", default=None, help="optimizer steps per arm, the peak over all of them "
                    "(default 1, the protocol's; with --estimate: the steady-state peak)")
     e = p.add_argument_group("--estimate")
@@ -138,6 +143,21 @@ def build_parser() -> argparse.ArgumentParser:
                    help="per arm, the lowest allocator cap its step completes under: a bisection over fresh "
                         "processes (expandable segments) to max(0.25%% of the allocated peak, 4 MiB), beside "
                         "this tool's needs-free")
+    r.add_argument("--lanes", nargs="?", const="auto", default=None, metavar="N",
+                   help="N lanes at once on one GPU (each of --gpus): a long-lived process per lane runs its "
+                        "shard of the arms (the map: whole families, the next one's checkpoint built while "
+                        "this one's arms run) with the serial sweep's teardown, its threads bounded to "
+                        "cores/N. max_memory_allocated is per process, so a peak never counts a "
+                        "neighbour's; the issue measured four such lanes equal to the byte to a serial run "
+                        "(but the known two-peak arm, SmolLM2 at 6144), where fresh processes differ from "
+                        "one process by up to 0.9 MB (results/compare-in-process-vs-isolated.txt) and pay "
+                        "12-20 s of warm-up per arm. With --isolate: a fresh process per arm, N at once. "
+                        "Bare --lanes: N = cores/4, at most the lanes there are work for. An arm whose "
+                        "corrected needs-free (or Soup's own number, which its gate wants free) does not "
+                        "fit a lane's share of the card runs after the lanes, alone, so Soup's gate "
+                        "decides as on an idle card. --lanes 1: the serial run (on CPU, a faked peak: lanes 1 and 2 "
+                        "give the same rows and tables, tests/run/test_lanes.py). Not with --cap, "
+                        "--emulate-card or --min-free (they need the whole card), --determinism or --shard")
     r.add_argument("--gpus", default=None, help="comma list of GPU ids: one shard per GPU, merged")
     r.add_argument("--shard", default=None, metavar="K/N",
                    help="run only the arms whose grid index is K-1 modulo N (on the map: whole "

@@ -38,7 +38,8 @@ from .options import Run, grid_arms, settle
 from .parser import NO_CUDA, build_parser
 from .probes import min_free_arms
 from .scratch import Scratch
-from .spread import CHILD_JOB, Job, die_with_parent, read_job, spread, visible_gpu_count
+from .spread import (CHILD_JOB, Job, Lanes, die_with_parent, gpu_total_bytes, plan_lanes, read_job, spread,
+                     visible_gpu_count)
 
 
 @dataclass(frozen=True)
@@ -103,7 +104,7 @@ def sweep(arms: list[Arm], shapes: dict[str, Shape], bases: Checkpoints, scratch
         family = family_of(arm.model)
         base = quant_base(scratch, bases.get(family), arm.quant, shapes[arm.model].stream)
         first = (arm.model, arm.quant) not in checked
-        if run.cache_dir and first:
+        if (run.cache_dir or run.shard_dir) and first:
             scratch.repair_shards(base)
         checked.add((arm.model, arm.quant))
         log = (Path(run.log_dir) / f"soup-{arm.index:03d}-{arm.model}-{arm.seq}-b{arm.batch}.log"
@@ -144,7 +145,10 @@ def execute(run: Run, protocol: Protocol, job: Optional[Job] = None) -> int:
     if run.estimate:
         return estimate_run(run)
     Stop.install(quiet=run.child)
-    fan_out = run.run_arms and bool(run.gpus or run.isolate)
+    lanes = None
+    if run.lanes is not None and run.run_arms:  # the card's total, from the driver: no torch in a parent
+        lanes = plan_lanes(run, grid_arms(run), None if run.dry_run else gpu_total_bytes(run.gpus[0] if run.gpus else None))
+    fan_out = run.run_arms and bool(run.gpus or run.isolate or (lanes and lanes.count > 1))
     local = (run.run_arms and not fan_out) or ((run.measure or run.sdpa) and not fan_out and not run.repeats)
     if run.gpus is None and "CUDA_VISIBLE_DEVICES" not in os.environ:
         os.environ["CUDA_VISIBLE_DEVICES"] = "0"  # Soup refuses to stream with several GPUs visible
@@ -155,12 +159,12 @@ def execute(run: Run, protocol: Protocol, job: Optional[Job] = None) -> int:
         missing = [g for g in run.gpus or () if g >= count]
         if missing:
             raise UsageError(f"--gpus: GPU {missing[0]} is not there ({count} CUDA device(s) visible)")
-    with Scratch(run.cache_dir) as scratch:
-        return measure_all(run, protocol, job, scratch, started, local, fan_out)
+    with Scratch(run.cache_dir, run.shard_dir) as scratch:
+        return measure_all(run, protocol, job, scratch, started, local, fan_out, lanes)
 
 
 def measure_all(run: Run, protocol: Protocol, job: Optional[Job], scratch: Scratch, started: float,
-                local: bool, fan_out: bool) -> int:
+                local: bool, fan_out: bool, lanes: Optional[Lanes] = None) -> int:
     imports_s = 0.0
     if job is not None:  # a child: exactly the arms its parent dealt it
         arms = list(job.arms)
@@ -195,9 +199,11 @@ def measure_all(run: Run, protocol: Protocol, job: Optional[Job], scratch: Scrat
            f"capped at {run.cap} (expandable segments), one fresh process per arm" if run.cap else
            f"as {run.emulate_card} (a ballast outside the allocator, expandable segments), one fresh process "
            "per arm" if run.emulate_card else
+           lanes.label(run) if lanes and fan_out else
            "isolated, one fresh process per arm" if run.isolate else
            f"one process per GPU ({','.join(map(str, run.gpus))}), merged" if run.gpus else
-           f"shard {run.shard[0]}/{run.shard[1]} in one process" if run.shard else "in one process")
+           f"shard {run.shard[0]}/{run.shard[1]} in one process" if run.shard else
+           f"1 lane, in one process ({lanes.why})" if lanes else "in one process")
     if run.soup_config:  # the user's config, not the protocol: said where every table's header is
         how += (f"; the arm is --config {run.soup_config}'s ({run.quants[0]}, LoRA r {run.lora_r} alpha "
                 f"{run.lora_alpha} on {','.join(run.targets or ())})")
@@ -226,7 +232,8 @@ def measure_all(run: Run, protocol: Protocol, job: Optional[Job], scratch: Scrat
                 children += min_free_arms(run, arms, scratch, on_row, protocol.script)
         elif run.run_arms and fan_out:
             with Stop.arm():  # the children's arms are in flight
-                children += spread(replace(run, repeats=None), arms, scratch, on_row, protocol.script)
+                children += spread(replace(run, repeats=None), arms, scratch, on_row, protocol.script,
+                                   **({"lanes": lanes} if lanes else {}))
         elif run.run_arms:
             checkpoints = Checkpoints(list(dict.fromkeys(family_of(a.model) for a in arms)), shapes, run, scratch)
             sweep(arms, shapes, checkpoints, scratch, run, protocol.run_arm, on_row,
@@ -284,7 +291,14 @@ def measure_all(run: Run, protocol: Protocol, job: Optional[Job], scratch: Scrat
     result.interrupted = interrupted
     result.timings = run_timings(rows, imports_s, time.perf_counter() - started,
                                  checkpoints.build_s if checkpoints else {}, children)
+    if lanes is not None:
+        result.timings.update(lanes=lanes.count, threads_per_lane=lanes.threads,
+                              whole_card_arms=len(lanes.whole_card) if fan_out else 0)
     print(render_text(result), end="", flush=True)
+    if lanes is not None and not run.child:  # the benchmark: lanes 1 against N, read off two runs
+        t = result.timings
+        print(f"wall (measured by this run): {t['total_s']} s for {t['arms']} arm(s), {t['arms_per_minute']} arms "
+              f"per minute, {lanes.count} lane(s) x {lanes.threads} thread(s)", flush=True)
     unwritten = write_outputs(result, run, rows_file)
     for line in (usage_error, unwritten):
         if line:
@@ -296,6 +310,7 @@ def run_timings(rows: list[Row], imports_s: float, total_s: float, build_s: dict
                 children: list[Result]) -> dict[str, Any]:
     """The harness's own cost: imports, builds, and per arm setup, step and teardown."""
     t: dict[str, Any] = {"total_s": round(total_s, 2), "imports_s": round(imports_s, 2), "arms": len(rows),
+                         "arms_per_minute": round(len(rows) * 60 / total_s, 2) if total_s > 0 else None,
                          "build_s": build_s}
     for key in ("setup_s", "step_s", "teardown_s"):
         t[f"sum_{key}"] = round(sum(r.timings.get(key) or 0 for r in rows), 2)
