@@ -19,9 +19,15 @@ from ..record import QUANTS
 from ..model.registry import RECOMPUTES, config_json, stream_mode
 from .arch import Arch, arch_from_config, protocol_targets
 from .moe import Kind, expert_in_flight
-from .releases import nearest_release
-from .soup_number import (RELEASES, arch_of, installed_release, layer_bytes, linear_elements, lora_params,
-                          soup_preflight_from_config)
+from ..model.targets import soup_targets
+from ..tasks import PROTOCOL_TASK, task as task_of
+from .releases import Features, installed_release
+from .soup_number import (arch_of, features, layer_bytes, linear_elements, lora_params, soup_preflight_from_config,
+                          vocab_matrices_resident)
+
+#: The tasks whose peak this estimator models; another task's corrected estimate is None ('-' in
+#: the table: not modelled), never the SFT figure.
+MODELLED_TASKS = (PROTOCOL_TASK,)
 
 #: CUBLAS_WORKSPACE (constants) is kept on every card though torch gives less below sm 9
 #: (CUBLAS_WORKSPACE_PRE_HOPPER, cards.cublas_workspace): on the A10G record (sm 8.6) it sits
@@ -76,10 +82,11 @@ def pool(a: Arch, quant: str, per_expert: bool = False) -> int:
     return 2 * layer_bytes(a, quant, per_expert)
 
 
-def extras(a: Arch, release: str) -> int:
-    """Embedding, final norm, untied head. 0.77.0 keeps one vocab slot for an untied model:
-    every untied peak falls by V x h x 2 (results/compare-untied-soup077-vs-073.txt)."""
-    heads = 1 if a.tied or release != "0.73.3" else 2
+def extras(a: Arch, f: Features) -> int:
+    """Embedding, final norm, untied head. A release whose shard splits the untied pair (0.74.0 on)
+    keeps one vocab slot for an untied model: every untied peak falls by V x h x 2
+    (results/compare-untied-soup077-vs-073.txt)."""
+    heads = vocab_matrices_resident(a, f)
     return 2 * a.V * a.h * heads + 2 * a.h * (2 if a.norm_bias else 1) + (
         2 * a.V if a.model_type == "phi" and not a.tied else 0)
 
@@ -147,13 +154,12 @@ def segment_tail(size: int) -> int:
     return rest if rest <= K_SMALL_SIZE else 0
 
 
-def resident_rounding(a: Arch, quant: str, release: str, per_expert: bool = False) -> int:
+def resident_rounding(a: Arch, quant: str, f: Features, per_expert: bool = False) -> int:
     """segment_tail of each resident tensor: every vocab matrix (materialize_extras) and each
     linear weight in both pool slots (LayerBufferPool: a torch.empty per tensor; NF4 packed n/2 B).
     Evidence: resident is +1,049,088 B over pool+extras+LoRA+workspace on Llama-3.2-1B and Gemma-2
     (vocab tail 1 MiB), Phi-3 +262,144 B on 0.73.3 (two heads) and +131,072 B on 0.77.0 (one)."""
-    heads = 1 if a.tied or release != "0.73.3" else 2
-    out = heads * segment_tail(2 * a.V * a.h)
+    out = vocab_matrices_resident(a, f) * segment_tail(2 * a.V * a.h)
     if a.layers is not None:  # every tensor of the union buffer, in both slots
         sizes = {"bf16": 2, "fp32": 4, "expert": 0 if per_expert else 2}
         return out + sum(2 * segment_tail(-(-n // 2) if kind == "linear" and quant == "nf4"
@@ -250,10 +256,11 @@ class Estimate:
     seq: int; batch: int; quant: str; steps: int; release: str  # noqa: E702
     soup_predicted: int
     soup_terms: dict
-    corrected_predicted: int
-    needs_free: int
-    phase: str  # 'loss' or 'layer'
+    corrected_predicted: int | None  # None: a task this estimator does not model (MODELLED_TASKS)
+    needs_free: int | None
+    phase: str  # 'loss' or 'layer' ('-' where not modelled)
     terms: dict  # ordered: each physical term in bytes
+    task: str = PROTOCOL_TASK
 
     def to_json(self) -> dict:
         return {k: dict(v) if isinstance(v, dict) else v for k, v in vars(self).items()}
@@ -268,7 +275,7 @@ def _whole(name: str, v, low: int = 1) -> int:
 def estimate(config: dict, *, quant: str = "none", seq: int, batch: int = 1, targets=None,
              lora_r: int = 8, steps: int = 1, release: str | None = None,
              allowance: int | None = None, workspace: int | None = None,
-             stream: dict | None = None, soup: bool = True) -> Estimate:
+             stream: dict | None = None, soup: bool = True, task: str = PROTOCOL_TASK) -> Estimate:
     """Soup's own pre-flight and the corrected peak for one (seq, batch). ``targets=None`` is the
     protocol's (q_proj, v_proj), or qkv_proj on Phi-3. ``allowance`` overrides the fitted
     ALLOCATED_ALLOWANCE_BYTES (the leave-one-family-out fit passes its own); ``workspace`` is a
@@ -276,7 +283,11 @@ def estimate(config: dict, *, quant: str = "none", seq: int, batch: int = 1, tar
     ``stream``: soup-cli 0.77.0's training keys (stream_expert_layout, stream_loss_chunk,
     stream_recompute); any other is refused in one line, never estimated as if absent. ``soup=False``:
     the physics alone, with no Soup number beside it (a saved row re-rendered where the installed
-    Soup is another release: its own number is the one the row captured)."""
+    Soup is another release: its own number is the one the row captured). ``release``: Soup's number
+    by that release's own code (installed, or an unpacked wheel), the physics by its features
+    (releases.RELEASE_FEATURES where its source is not here). ``targets`` may be Soup's own spelling
+    (all-linear, auto): the physics takes the modules it resolves to, Soup's number Soup's own count.
+    ``task``: Soup's number at its rows; the corrected peak only for MODELLED_TASKS."""
     a = arch_of(config) if soup else arch_from_config(config)
     if quant not in QUANTS:
         raise UsageError(f"quant {quant!r} is not one Soup streams ({', '.join(QUANTS)})")
@@ -284,21 +295,26 @@ def estimate(config: dict, *, quant: str = "none", seq: int, batch: int = 1, tar
     lora_r, steps = _whole("lora_r", lora_r), _whole("steps", steps)
     if seq > a.max_pos:
         raise UsageError(f"seq {seq} is past the model's max_position_embeddings {a.max_pos}")
+    task_of(task)
     targets = protocol_targets(a) if targets is None else targets
     targets = (targets,) if isinstance(targets, str) else tuple(targets)
+    spelled = targets
+    targets = soup_targets(targets, config, a, ",".join(map(str, targets)))
+    spelled = spelled[0] if spelled != targets else targets  # Soup's config holds the string itself
     missing = [t for t in targets if t not in a.modules]
     if not targets or missing:
         raise UsageError(f"LoRA target(s) {', '.join(missing) or '(none)'} not in a {a.model_type}"
                          f" layer (it has {', '.join(a.modules)})")
-    release = nearest_release(release or installed_release(), RELEASES)  # issue395.estimator.releases
+    release = release or installed_release()
+    f = features(release)
     ws = max(CUBLAS_WORKSPACE, workspace or 0)
     stream = dict(stream or {})
     unknown = sorted(set(stream) - set(STREAM_KEYS))
     if unknown:
         raise UsageError(f"training.{unknown[0]} is not modelled by this estimator")
     soup_number, soup_terms = soup_preflight_from_config(
-        config, quant=quant, seq=seq, batch=batch, targets=targets, lora_r=lora_r, release=release,
-        stream=stream) if soup else (None, {})
+        config, quant=quant, seq=seq, batch=batch, targets=spelled, lora_r=lora_r, release=release,
+        stream=stream, task=task) if soup else (None, {})
     per_expert = stream.get("stream_expert_layout") == "per_expert"
     if per_expert and a.model_type != "deepseek_v3":  # Soup refuses it: no number for a run that cannot be
         raise UsageError(f"Soup refuses stream_expert_layout 'per_expert' on {a.model_type} (it admits "
@@ -306,10 +322,12 @@ def estimate(config: dict, *, quant: str = "none", seq: int, batch: int = 1, tar
     chunk, recompute = stream.get("stream_loss_chunk"), stream.get("stream_recompute", "on")
     if recompute not in RECOMPUTES:
         raise UsageError(f"stream_recompute {recompute!r} is not modelled (it measures one step at setup)")
+    if task not in MODELLED_TASKS:
+        return Estimate(seq, batch, quant, steps, release, soup_number, soup_terms, None, None, "-", {}, task)
     T, n = seq * batch, lora_params(a, targets, lora_r)
-    t = {"pool": pool(a, quant, per_expert), "extras": extras(a, release), "lora_weights": lora_weights(n),
+    t = {"pool": pool(a, quant, per_expert), "extras": extras(a, f), "lora_weights": lora_weights(n),
          "cublas_workspace": ws, "logits": logits(a, T),
-         "resident_rounding": resident_rounding(a, quant, release, per_expert),
+         "resident_rounding": resident_rounding(a, quant, f, per_expert),
          "allocator_rounding": allocator_rounding(a, T),
          "checkpointed_inputs": checkpointed_inputs(a, quant, T), "final_norm": final_norm(a, T),
          "ids_labels": ids_labels(T), "position_ids": position_ids(seq),
@@ -345,13 +363,13 @@ def estimate(config: dict, *, quant: str = "none", seq: int, batch: int = 1, tar
     t["allocated_allowance"] = ALLOCATED_ALLOWANCE_BYTES if allowance is None else allowance
     corrected = resident + max(loss, layer) + steady + t["allocated_allowance"]
     return Estimate(seq, batch, quant, steps, release, soup_number, soup_terms, corrected,
-                    needs_free(corrected), "loss" if loss >= layer else "layer", t)
+                    needs_free(corrected), "loss" if loss >= layer else "layer", t, task)
 
 
 def estimate_key(key: str, **kwargs) -> Estimate:
     """The estimate of a map key: its family's public config under the streaming modes the key
-    names (never estimated as if the mode were absent). ``release``, as a saved row records it, is
-    taken to its nearest known release by ``estimate`` itself."""
+    names (never estimated as if the mode were absent). ``release``, as a saved row records it, gives
+    the physics its features (``estimate`` itself reads them)."""
     family, stream = stream_mode(key)
     return estimate(config_json(family), stream=stream, **kwargs)
 
