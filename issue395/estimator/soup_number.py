@@ -26,9 +26,6 @@ from .moe import expert_in_flight, union_bytes
 from .releases import (RELEASE_FEATURES, RELEASES_ENV, Features, _TWELVE, installed_release, release_source,
                        soup_dir)
 
-_soup_dir = soup_dir  # the tests' name for it
-
-
 # -- a release's own code, read with ast --
 def _top_defs(tree: ast.Module) -> dict:
     defs = {}

@@ -313,9 +313,9 @@ def estimate_run(run: Run) -> int:
     from ..estimator.cards import workspace_env
     from ..estimator.arch import protocol_targets
     from ..estimator.estimate import estimate
-    from ..estimator.soup_number import arch_of, installed_release
+    from ..estimator.soup_number import arch_of
     from ..estimator.fits import budgets_for, card_answers, estimate_table
-    from ..estimator.releases import UnknownRelease, release_label
+    from ..estimator.releases import UnknownRelease, installed_release, release_label
     from ..model.targets import soup_targets
 
     kw = {"targets": run.targets, "lora_r": run.lora_r}

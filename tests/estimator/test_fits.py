@@ -13,6 +13,7 @@ from conftest import main
 from issue395.estimator import cards as C
 from issue395.estimator import estimate as E
 from issue395.estimator import fits as F
+from issue395.estimator.releases import release_source
 from issue395.model.registry import config_json
 
 MISTRAL = config_json("mistral-7b")
@@ -49,6 +50,7 @@ def test_soup_admits_a_run_that_will_oom_where_its_number_is_under_needs_free():
     assert (a["soup_admits"], a["fits"], a["disagreement"]) == (True, False, F.ADMITS_OOM)
 
 
+@pytest.mark.skipif(release_source("0.73.3") is None, reason="soup-cli 0.73.3's own code is not here (its venv runs it)")
 def test_on_24gb_soup_refuses_runs_that_would_fit():
     e = E.estimate(MISTRAL, quant="nf4", seq=32704, release="0.73.3")
     a = answer(C.parse_card("24GB"), e, context=0)
@@ -126,7 +128,7 @@ def test_the_readmes_does_it_fit_example_is_what_estimate_prints(capfd, tmp_path
     monkeypatch.chdir(tmp_path)
     code, out, _ = main(capfd, ["--estimate", "--config", "soup.yaml", "--card", "T4"])
     assert code == 0
-    from issue395.estimator.soup_number import installed_release
+    from issue395.estimator.releases import installed_release
 
     lines = out.splitlines()
     if f"soup-cli {installed_release()}," not in shown[0]:  # Soup's own number moves between releases

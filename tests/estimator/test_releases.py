@@ -17,7 +17,8 @@ from conftest import ROOT, main
 from issue395.errors import UsageError
 from issue395.estimator import estimate as E
 from issue395.estimator.releases import RELEASE_FEATURES, RELEASES_ENV, installed_release, wheel_sources
-from issue395.estimator.soup_number import _soup_dir, features, read_features, soup_preflight_from_config
+from issue395.estimator.releases import soup_dir as _soup_dir
+from issue395.estimator.soup_number import features, read_features, soup_preflight_from_config
 from issue395.model.registry import config_json
 
 WHEELS = wheel_sources()
