@@ -135,3 +135,32 @@ def test_the_readmes_does_it_fit_example_is_what_estimate_prints(capfd, tmp_path
         pytest.skip(f"the README shows the pinned release's output ({shown[0].split(',')[0]})")
     missing = [s for s in shown if s.rstrip() not in (ln.rstrip() for ln in lines)]
     assert not missing, missing
+
+
+ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def test_all_linear_gates_on_soups_own_count_and_the_corrected_peak_keeps_the_real_adapter():
+    """Soup's _estimate_adapter_params counts a string target (all-linear, auto) as 4 modules, both
+    releases; its gate reads that number. Before: the seven resolved modules reached Soup's number too
+    (r 64, Mistral-7B: +805 MB), so on a card between the two the verdict was 'Soup refuses'."""
+    kw = dict(quant="nf4", seq=1024, lora_r=64)
+    spelled = E.estimate(MISTRAL, targets="all-linear", **kw)
+    named = E.estimate(MISTRAL, targets=ALL_LINEAR, **kw)
+    four = E.estimate(MISTRAL, targets=ALL_LINEAR[:4], **kw)
+    assert spelled.soup_terms["adapter_params"] == four.soup_terms["adapter_params"] < named.soup_terms["adapter_params"]
+    assert spelled.terms == named.terms and spelled.corrected_predicted == named.corrected_predicted
+    between = C.Card("between", (spelled.soup_predicted + named.soup_predicted) // 2 + C.GATE_GROWTH_BYTES)
+    assert answer(between, spelled, context=0, targets="all-linear", lora_r=64)["soup_admits"] is True
+    assert answer(between, named, context=0, targets=ALL_LINEAR, lora_r=64)["soup_admits"] is False
+
+
+def test_estimate_targets_all_linear_on_the_command_line_is_soups_count(capfd, tmp_path):
+    out = tmp_path / "e.json"
+    code, _, err = main(capfd, ["--estimate", "--model", "mistral-7b", "--quant", "nf4", "--seq", "1024",
+                                "--targets", "all-linear", "--lora-r", "64", "--json", out])
+    assert code == 0, err
+    data = json.loads(out.read_text())
+    want = E.estimate(MISTRAL, quant="nf4", seq=1024, lora_r=64, targets="all-linear")
+    assert data["targets"] == list(ALL_LINEAR) and data["soup_targets"] == "all-linear"
+    assert data["rows"][0]["soup_predicted"] == want.soup_predicted

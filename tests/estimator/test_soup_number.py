@@ -112,3 +112,31 @@ def test_soups_own_number_from_the_config_is_the_one_its_setup_computed_on_the_g
     (row,) = json.loads(out.read_text())["rows"]
     assert row["soup_predicted"] == arm.soup_predicted
     assert row["corrected_predicted"] >= arm.real_peak > row["soup_predicted"]  # the miss, and the fix
+
+
+#: What Soup's own setup computed on an H200 for each task (soup_predicted and the keywords it passed
+#: its estimator), SmolLM2 and Qwen2.5 in bf16 and Qwen2.5 in NF4, soup-cli 0.77.0 and 0.73.3; LoRA
+#: r 8 on q_proj/v_proj (bench/task_peak_anatomy.py). Its calibrated logits bytes were 14.0 there.
+TASK_CAPTURES = sorted((ROOT / "results" / "task-anatomy-h200-soup0.77.0-and-0.73.3-3f5620a").glob("anatomy-*.json"))
+
+
+def _capture_release(path):
+    return {"073": "0.73.3", "077": "0.77.0"}[path.name.split("-")[1]]
+
+
+@pytest.mark.parametrize("path", TASK_CAPTURES, ids=lambda p: p.stem)
+def test_each_tasks_soup_number_from_the_config_is_what_its_setup_computed_on_the_gpu(path):
+    release = _capture_release(path)
+    if release_source(release) is None:
+        pytest.skip(f"soup-cli {release}'s own code is not here (its venv runs it)")
+    cap = json.loads(path.read_text())
+    model = path.name.split("-")[3]
+    got, kwargs = soup_preflight_from_config(config_json(model), quant=cap["quant"], seq=cap["seq"], batch=cap["batch"],
+                                             targets=("q_proj", "v_proj"), lora_r=8, release=release, task=cap["task"])
+    assert cap["soup_kwargs"]["logits_bytes_per_element"] == 14.0
+    assert (got, kwargs) == (cap["soup_predicted"], cap["soup_kwargs"])
+
+
+def test_every_task_captured_on_the_gpu_is_checked():
+    assert {json.loads(p.read_text())["task"] for p in TASK_CAPTURES} == {"dpo", "orpo", "simpo", "kto", "sft"}
+    assert {_capture_release(p) for p in TASK_CAPTURES} == {"0.73.3", "0.77.0"}
