@@ -19,7 +19,7 @@ from ..errors import UsageError
 from ..model.registry import FAMILIES, SHAPES, config_json, family_of
 from .arch import Arch, arch_from_config
 from . import estimate as E
-from .soup_number import RELEASES
+from .releases import RELEASE_FEATURES
 from .terms import BY_KEY, Phase, live_in
 from ..tasks import task
 
@@ -92,7 +92,7 @@ def physical_classifier(config: dict, *, quant: str, seq: int, batch: int, targe
     and ``lora_r`` are checked against the model (as issue395.estimator.estimate does) but name no class:
     LoRA's own blocks are far below a layer weight and fall in 'the rest'."""
     E.estimate(config, quant=quant, seq=seq, batch=batch, targets=targets, lora_r=lora_r,
-               release=RELEASES[0], soup=False)  # the same input checks, one-line UsageErrors
+               release=next(iter(RELEASE_FEATURES)), soup=False)  # the same input checks, one-line UsageErrors
     sizes = class_sizes(config, quant=quant, seq=seq, batch=batch)
     table: dict = {}
     for cls in CLASSES:  # earlier classes win a shared size

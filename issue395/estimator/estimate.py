@@ -19,11 +19,15 @@ from ..record import QUANTS
 from ..model.registry import RECOMPUTES, config_json, stream_mode
 from .arch import Arch, arch_from_config, protocol_targets
 from .moe import Kind, expert_in_flight
-from .releases import nearest_release
-from .soup_number import (RELEASES, arch_of, installed_release, layer_bytes, linear_elements, lora_params,
-                          soup_preflight_from_config)
+from ..model.targets import soup_targets
+from ..tasks import PROTOCOL_TASK, TASKS, task as task_named
+from .releases import Features, installed_release
+from .soup_number import (arch_of, features, layer_bytes, linear_elements, lora_params, soup_preflight_from_config,
+                          vocab_matrices_resident)
 from .terms import Phase, Term, phase_sum
-from ..tasks import PROTOCOL_TASK, task as task_named
+
+#: The tasks whose peak this estimator models: all five Soup streams (issue395/tasks.py).
+MODELLED_TASKS = tuple(TASKS)
 
 #: CUBLAS_WORKSPACE (constants) is kept on every card though torch gives less below sm 9
 #: (CUBLAS_WORKSPACE_PRE_HOPPER, cards.cublas_workspace): on the A10G record (sm 8.6) it sits
@@ -78,10 +82,11 @@ def pool(a: Arch, quant: str, per_expert: bool = False) -> int:
     return 2 * layer_bytes(a, quant, per_expert)
 
 
-def extras(a: Arch, release: str) -> int:
-    """Embedding, final norm, untied head. 0.77.0 keeps one vocab slot for an untied model:
-    every untied peak falls by V x h x 2 (results/compare-untied-soup077-vs-073.txt)."""
-    heads = 1 if a.tied or release != "0.73.3" else 2
+def extras(a: Arch, f: Features) -> int:
+    """Embedding, final norm, untied head. A release whose shard splits the untied pair (0.74.0 on)
+    keeps one vocab slot for an untied model: every untied peak falls by V x h x 2
+    (results/compare-untied-soup077-vs-073.txt)."""
+    heads = vocab_matrices_resident(a, f)
     return 2 * a.V * a.h * heads + 2 * a.h * (2 if a.norm_bias else 1) + (
         2 * a.V if a.model_type == "phi" and not a.tied else 0)
 
@@ -149,13 +154,12 @@ def segment_tail(size: int) -> int:
     return rest if rest <= K_SMALL_SIZE else 0
 
 
-def resident_rounding(a: Arch, quant: str, release: str, per_expert: bool = False) -> int:
+def resident_rounding(a: Arch, quant: str, f: Features, per_expert: bool = False) -> int:
     """segment_tail of each resident tensor: every vocab matrix (materialize_extras) and each
     linear weight in both pool slots (LayerBufferPool: a torch.empty per tensor; NF4 packed n/2 B).
     Evidence: resident is +1,049,088 B over pool+extras+LoRA+workspace on Llama-3.2-1B and Gemma-2
     (vocab tail 1 MiB), Phi-3 +262,144 B on 0.73.3 (two heads) and +131,072 B on 0.77.0 (one)."""
-    heads = 1 if a.tied or release != "0.73.3" else 2
-    out = heads * segment_tail(2 * a.V * a.h)
+    out = vocab_matrices_resident(a, f) * segment_tail(2 * a.V * a.h)
     if a.layers is not None:  # every tensor of the union buffer, in both slots
         sizes = {"bf16": 2, "fp32": 4, "expert": 0 if per_expert else 2}
         return out + sum(2 * segment_tail(-(-n // 2) if kind == "linear" and quant == "nf4"
@@ -306,21 +310,21 @@ def no_grad_layer_per_token(a: Arch, quant: str, targets: tuple, r: int) -> int:
     return 2 * act * a.h + 8 * a.h + act * a.i * (4 if a.model_type == "phi" else 3) + lora
 
 
-def head_copy(a: Arch, release: str, name: str) -> int:
+def head_copy(a: Arch, f: Features, name: str) -> int:
     """0.77.0 on an untied model, DPO and KTO: the second forward refills the vocab slot the head's
     autograd view points at, so the head keeps a private bf16 copy of its weight from the policy
     forward to its backward (soup-cli 0.77.0 layer_stream_runtime ``_needs_a_private_weight``; Soup
     charges it as a second slot). Tied models stream no large key: none."""
-    return 2 * a.V * a.h if task_named(name).reference and not a.tied and release != "0.73.3" else 0
+    return 2 * a.V * a.h if task_named(name).reference and not a.tied and f.private_head_weight else 0
 
 
-def reference_adapter(n: int, release: str, name: str) -> int:
+def reference_adapter(n: int, f: Features, name: str) -> int:
     """DPO's reference is TRL 0.29's frozen "ref" copy of the adapter, materialised by 0.77.0
     (``materialize_meta_adapter_copy``: a clone of each LoRA parameter, fp32). Measured: bf16 DPO's
     resident is 4 B per LoRA parameter over ORPO's on the same model (Qwen2.5 2,162,688 B, SmolLM2
     1,843,200 B). 0.73.3 leaves it on the meta skeleton and its step fails at the reference forward;
     KTO's reference disables the adapter instead."""
-    return LORA_WEIGHT_BYTES * n if name == "dpo" and release != "0.73.3" else 0
+    return LORA_WEIGHT_BYTES * n if name == "dpo" and f.materialises_ref_adapter else 0
 
 
 # -- The steady state: what an optimizer keeps from step 2 on --
@@ -431,10 +435,13 @@ def estimate(config: dict, *, quant: str = "none", seq: int, batch: int = 1, tar
     ``stream``: soup-cli 0.77.0's training keys (stream_expert_layout, stream_loss_chunk,
     stream_recompute); any other is refused in one line, never estimated as if absent. ``soup=False``:
     the physics alone, with no Soup number beside it (a saved row re-rendered where the installed
-    Soup is another release: its own number is the one the row captured). ``task``: one of the five
-    tasks Soup streams (issue395/tasks.py); its step runs at 2 x batch rows for the paired losses and
-    holds its loss's tensors (task_loss_blocks); Soup's own number beside it is the SFT formula's at
-    those rows, as Soup's setup charges it. ``steps`` > 1: the run's steady state, with
+    Soup is another release: its own number is the one the row captured). ``release``: Soup's number
+    by that release's own code (installed, or an unpacked wheel), the physics by its features
+    (releases.RELEASE_FEATURES where its source is not here). ``targets`` may be Soup's own spelling
+    (all-linear, auto): the physics takes the modules it resolves to, Soup's number Soup's own count.
+    ``task``: one of the five tasks Soup streams (issue395/tasks.py); its step runs at 2 x batch rows
+    for the paired losses and holds its loss's tensors (task_loss_blocks); Soup's own number beside
+    it is computed by Soup's own code at its own rows. ``steps`` > 1: the run's steady state, with
     ``optimizer``'s states (Soup's ``training.optimizer``)."""
     a = arch_of(config) if soup else arch_from_config(config)
     if quant not in QUANTS:
@@ -443,21 +450,26 @@ def estimate(config: dict, *, quant: str = "none", seq: int, batch: int = 1, tar
     lora_r, steps = _whole("lora_r", lora_r), _whole("steps", steps)
     if seq > a.max_pos:
         raise UsageError(f"seq {seq} is past the model's max_position_embeddings {a.max_pos}")
+    task_named(task)
     targets = protocol_targets(a) if targets is None else targets
     targets = (targets,) if isinstance(targets, str) else tuple(targets)
+    spelled = targets
+    targets = soup_targets(targets, config, a, ",".join(map(str, targets)))
+    spelled = spelled[0] if spelled != targets else targets  # Soup's config holds the string itself
     missing = [t for t in targets if t not in a.modules]
     if not targets or missing:
         raise UsageError(f"LoRA target(s) {', '.join(missing) or '(none)'} not in a {a.model_type}"
                          f" layer (it has {', '.join(a.modules)})")
-    release = nearest_release(release or installed_release(), RELEASES)  # issue395.estimator.releases
+    release = release or installed_release()
+    f = features(release)
     ws = max(CUBLAS_WORKSPACE, workspace or 0)
     stream = dict(stream or {})
     unknown = sorted(set(stream) - set(STREAM_KEYS))
     if unknown:
         raise UsageError(f"training.{unknown[0]} is not modelled by this estimator")
     soup_number, soup_terms = soup_preflight_from_config(
-        config, quant=quant, seq=seq, batch=batch * task_named(task).rows_per_example, targets=targets,
-        lora_r=lora_r, release=release, stream=stream) if soup else (None, {})
+        config, quant=quant, seq=seq, batch=batch, targets=spelled, lora_r=lora_r, release=release,
+        stream=stream, task=task) if soup else (None, {})
     per_expert = stream.get("stream_expert_layout") == "per_expert"
     if per_expert and a.model_type != "deepseek_v3":  # Soup refuses it: no number for a run that cannot be
         raise UsageError(f"Soup refuses stream_expert_layout 'per_expert' on {a.model_type} (it admits "
@@ -474,9 +486,9 @@ def estimate(config: dict, *, quant: str = "none", seq: int, batch: int = 1, tar
         raise UsageError(f"training.stream_loss_chunk with task {tk.name} is not modelled by this estimator")
     rows = batch * tk.rows_per_example
     T, n = seq * rows, lora_params(a, targets, lora_r)
-    t = {Term.POOL.key: pool(a, quant, per_expert), Term.EXTRAS.key: extras(a, release),
+    t = {Term.POOL.key: pool(a, quant, per_expert), Term.EXTRAS.key: extras(a, f),
          Term.LORA_WEIGHTS.key: lora_weights(n), Term.CUBLAS_WORKSPACE.key: ws, Term.LOGITS.key: logits(a, T),
-         Term.RESIDENT_ROUNDING.key: resident_rounding(a, quant, release, per_expert),
+         Term.RESIDENT_ROUNDING.key: resident_rounding(a, quant, f, per_expert),
          Term.ALLOCATOR_ROUNDING.key: allocator_rounding(a, T),
          Term.CHECKPOINTED_INPUTS.key: checkpointed_inputs(a, quant, T), Term.FINAL_NORM.key: final_norm(a, T),
          Term.IDS_LABELS.key: ids_labels(T), Term.POSITION_IDS.key: position_ids(seq),
@@ -491,8 +503,8 @@ def estimate(config: dict, *, quant: str = "none", seq: int, batch: int = 1, tar
         blocks = task_loss_blocks(a, tk.name, seq, batch)
         t[Term.LOGITS.key] = sum(blocks) + (SOFTCAP_EXTRA_BYTES * T * a.V if a.softcap else 0)
         t[Term.ALLOCATOR_ROUNDING.key] = sum(map(segment_tail, blocks)) + hidden_rounding(a, T)
-        t[Term.REFERENCE_ADAPTER.key] = reference_adapter(n, release, tk.name)
-        t[Term.HEAD_COPY.key] = head_copy(a, release, tk.name)
+        t[Term.REFERENCE_ADAPTER.key] = reference_adapter(n, f, tk.name)
+        t[Term.HEAD_COPY.key] = head_copy(a, f, tk.name)
         if tk.kl_batch:  # the KL batch's mismatched completions, collated as the batch's
             t[Term.KL_BATCH_IDS.key] = ids_labels(T)
         if tk.reference:
@@ -531,8 +543,8 @@ def estimate(config: dict, *, quant: str = "none", seq: int, batch: int = 1, tar
 
 def estimate_key(key: str, **kwargs) -> Estimate:
     """The estimate of a map key: its family's public config under the streaming modes the key
-    names (never estimated as if the mode were absent). ``release``, as a saved row records it, is
-    taken to its nearest known release by ``estimate`` itself."""
+    names (never estimated as if the mode were absent). ``release``, as a saved row records it, gives
+    the physics its features (``estimate`` itself reads them)."""
     family, stream = stream_mode(key)
     return estimate(config_json(family), stream=stream, **kwargs)
 

@@ -46,6 +46,18 @@ def longest_seq_soup_admits(config: dict, free_bytes: int, **kwargs) -> Optional
     return _longest(config, lambda e: e.soup_predicted <= free_bytes, **kwargs)
 
 
+def yes_no(fits: Optional[bool], no: str = "NO") -> str:
+    return NOT_MODELLED if fits is None else "yes" if fits else no
+
+
+def fit_seq(a: dict) -> str:
+    return NOT_MODELLED if a["fits"] is None else seq_words(a["longest_seq"])
+
+
+#: Where the corrected estimate does not model a task (estimate.MODELLED_TASKS), in place of a figure.
+NOT_MODELLED = "-"
+
+
 def disagreement(fits: bool, soup_admits: bool) -> Optional[str]:
     if fits == soup_admits:
         return None
@@ -58,18 +70,20 @@ def card_answers(config: dict, e: Estimate, budgets: list[Budget], targets=None,
     card's cuBLAS workspace is larger than the estimator's (CUBLAS_WORKSPACE_CONFIG)."""
     kw = dict(quant=e.quant, batch=e.batch, steps=e.steps, release=e.release, targets=targets,
               lora_r=lora_r, stream=stream, task=e.task, optimizer=e.optimizer)
+    modelled = e.corrected_predicted is not None  # a task this estimator does not model: no fit answer
     out = []
     for b in budgets:
         ws = b.card.workspace(env)
-        mine = e if ws <= CUBLAS_WORKSPACE else estimate(config, seq=e.seq, workspace=ws, **kw)
-        fits, admits = b.fits(mine.needs_free), e.soup_predicted <= b.gate_free_bytes
+        mine = e if ws <= CUBLAS_WORKSPACE or not modelled else estimate(config, seq=e.seq, workspace=ws, **kw)
+        fits, admits = b.fits(mine.needs_free) if modelled else None, e.soup_predicted <= b.gate_free_bytes
         out.append({"card": b.card.name, "total_bytes": b.card.total_bytes, "context_bytes": b.context_bytes,
                     "free_bytes": b.free_bytes, "step_free_bytes": b.step_free_bytes,
                     "gate_free_bytes": b.gate_free_bytes, "needs_free": mine.needs_free, "fits": fits,
-                    "longest_seq": longest_seq(config, b.step_free_bytes, workspace=ws, **kw),
+                    "longest_seq": longest_seq(config, b.step_free_bytes, workspace=ws, **kw) if modelled else None,
                     "soup_admits": admits,
                     "longest_seq_soup_admits": longest_seq_soup_admits(config, b.gate_free_bytes, **kw),
-                    "soup_predicted": e.soup_predicted, "disagreement": disagreement(fits, admits),
+                    "soup_predicted": e.soup_predicted,
+                    "disagreement": disagreement(fits, admits) if modelled else None,
                     "context_source": b.context_source, "total_source": b.card.source,
                     "compute_capability": ".".join(map(str, b.card.cc)) if b.card.cc else None,
                     "cublas_workspace_bytes": ws})
@@ -104,7 +118,8 @@ def estimate_table(rows: list[Estimate], cards, config: Optional[dict] = None, *
             raise UsageError("the fit table needs the model's config")
         budgets = budgets_for(cards, context)
         answers = [card_answers(config, e, budgets, env=workspace_env(), **kwargs) for e in rows]
-    heads = [f"{e.quant} {e.seq}x{e.batch}" for e in rows]
+    tasked = any(e.task != rows[0].task for e in rows) or any(e.corrected_predicted is None for e in rows)
+    heads = [f"{e.task} {e.quant} {e.seq}x{e.batch}" if tasked else f"{e.quant} {e.seq}x{e.batch}" for e in rows]
     width = max([12] + [len(h) for h in heads])
     lines = [["Soup's own pre-flight GB (computed by Soup)"] + [_gb(e.soup_predicted) for e in rows],
              ["corrected: allocated peak GB"] + [_gb(e.corrected_predicted) for e in rows],
@@ -124,15 +139,15 @@ def estimate_table(rows: list[Estimate], cards, config: Optional[dict] = None, *
                   ["  free GB (total - context)"] + [_gb(a["free_bytes"]) for a in per],
                   ["  the step's free GB (free - runtime growth)"] + [_gb(a["step_free_bytes"]) for a in per],
                   ["  needs free GB (this estimator)"] + [_gb(a["needs_free"]) for a in per],
-                  ["  fits (needs free <= the step's free)"] + ["yes" if a["fits"] else "NO" for a in per],
-                  ["  longest seq that fits"] + [seq_words(a["longest_seq"]) for a in per],
+                  ["  fits (needs free <= the step's free)"] + [yes_no(a["fits"]) for a in per],
+                  ["  longest seq that fits"] + [fit_seq(a) for a in per],
                   ["  free GB at Soup's gate (free - modules loaded)"] + [_gb(a["gate_free_bytes"]) for a in per],
                   ["  Soup's gate admits it (Soup's number <= that)"] + ["yes" if a["soup_admits"] else "no" for a in per],
                   ["  longest seq Soup's gate admits"] + [seq_words(a["longest_seq_soup_admits"]) for a in per]]
         for e, a in zip(rows, per):
             if a["disagreement"]:
                 notes.append(f"{card.name}, {e.quant} {e.seq}x{e.batch}: {a['disagreement']}")
-            if a["longest_seq"] != a["longest_seq_soup_admits"]:
+            if a["fits"] is not None and a["longest_seq"] != a["longest_seq_soup_admits"]:
                 notes.append(f"{card.name}, {e.quant} batch {e.batch}: {seq_direction(a)}")
     if len(rows) > WIDE_ARMS:
         table = per_arm_table(rows, cards, answers or [[] for _ in rows], heads)
@@ -147,6 +162,10 @@ def estimate_table(rows: list[Estimate], cards, config: Optional[dict] = None, *
                    f"by the step's end, {STEP_GROWTH_BYTES / 1e6:.1f} MB, {GATE_GROWTH_BYTES / 1e6:.1f} MB of it "
                    "before Soup's gate reads free memory (measured on the H200: kernel modules loaded lazily, "
                    "library handles)")
+    unmodelled = sorted({e.task for e in rows if e.corrected_predicted is None})
+    if unmodelled:
+        legend += (f"\n{NOT_MODELLED}: not modelled: this tool's corrected estimate does not model task "
+                   f"{', '.join(unmodelled)} yet (Soup's own number is Soup's, at the task's rows)")
     if len(rows) > WIDE_ARMS:
         head = f"soup-cli {release_label or rows[0].release}, steps {rows[0].steps}: one row per arm"
         return "\n".join([head] + table + [legend] + sources + list(dict.fromkeys(notes))) + "\n"
@@ -170,7 +189,7 @@ def per_arm_table(rows: list[Estimate], cards, answers: list[list[dict]], heads:
     admits, its longest seq'. The terms of each arm are in --json."""
     names = ["arm", "Soup GB", "corrected GB", "needs free GB", "phase"] + [c.name for c in cards]
     body = [[h, _gb(e.soup_predicted), _gb(e.corrected_predicted), _gb(e.needs_free), e.phase]
-            + [f"{'yes' if a['fits'] else 'NO'} {seq_words(a['longest_seq'])} / "
+            + [f"{yes_no(a['fits'])} {fit_seq(a)} / "
                f"{'yes' if a['soup_admits'] else 'no'} {seq_words(a['longest_seq_soup_admits'])}" for a in per]
             for h, e, per in zip(heads, rows, answers)]
     widths = [max(len(r[i]) for r in [names] + body) for i in range(len(names))]

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ..errors import UsageError
+from ..tasks import PROTOCOL_TASK
 from ..model.registry import FAMILIES, SHAPES, by_hub_id, max_positions, mode_key
 from ..estimator.soup_number import require_streamed
 from ..measure.shapes import bitsandbytes_present
@@ -22,7 +23,7 @@ from .userconfig import UserRun, read_soup_config
 
 #: What the file gives, as the options it replaces: each is refused beside --config.
 CONFIG_GIVES = ("--model", "--quant", "--seq", "--batch", "--targets", "--lora-r", "--families", "--models",
-                "--expert-layout", "--loss-chunk", "--recompute")
+                "--expert-layout", "--loss-chunk", "--recompute", "--task")
 
 
 def config_clash(args: argparse.Namespace) -> None:
@@ -43,7 +44,7 @@ def config_arguments(args: argparse.Namespace) -> argparse.Namespace:
                                      batch=str(user.batch), targets=",".join(user.targets),
                                      lora_r=str(user.lora_r), expert_layout=modes.get("stream_expert_layout"),
                                      loss_chunk=None if chunk is None else str(chunk),
-                                     recompute=modes.get("stream_recompute")))
+                                     recompute=modes.get("stream_recompute"), task=user.task))
 
 
 @dataclass(frozen=True)
@@ -66,6 +67,9 @@ class ConfigArm:
 def config_arm(args: argparse.Namespace) -> ConfigArm:
     """The soup.yaml as one measured arm; a base this tool cannot run without a download is one line."""
     user = read_soup_config(args.config)
+    if user.task != PROTOCOL_TASK:
+        raise UsageError(f"--config {user.path}: task {user.task!r} is answered by --estimate; a measured arm here "
+                         "is SFT, the protocol's task")
     model, key = base_of(user, args.weights)
     if key != "custom":
         require_streamed((FAMILIES[key] if key in FAMILIES else SHAPES[key]).model_type,

@@ -19,6 +19,7 @@ from ..model.arm import Arm
 from ..model.registry import (ALL_FAMILIES, EXPERT_LAYOUTS, FAMILIES, RECOMPUTES, SHAPES, by_hub_id, config_json,
                        max_positions, stream_mode_keys)
 from ..model.targets import soup_targets
+from ..tasks import PROTOCOL_TASK, TASKS
 from ..estimator.cards import parse_context
 from ..estimator.soup_number import require_streamed
 from ..results.saved import RowFile
@@ -83,6 +84,7 @@ class Run:
     cards: tuple = ()  # issue395.estimator.cards.Card
     context: Optional[int] = None  # --context, bytes
     targets: Optional[tuple] = None
+    tasks: tuple = (PROTOCOL_TASK,)  # --estimate's tasks (--task, or the soup.yaml's task:)
     stream: tuple = ()  # --estimate: soup-cli 0.77.0's streaming modes, (training key, value) pairs
     lora_r: int = LORA_R  # --config's (or --estimate's --lora-r): every other arm runs the protocol's
     lora_alpha: int = LORA_ALPHA
@@ -155,6 +157,8 @@ def _settle(args: argparse.Namespace, argv: list[str]) -> Run:
     modes = [f for f in ("expert_layout", "loss_chunk", "recompute") if getattr(args, f) is not None]
     if modes and not (args.map or args.estimate):  # never measured as if the mode were asked and absent
         raise UsageError(f"--{modes[0].replace('_', '-')} goes with --map (an axis) or --estimate")
+    if args.task is not None and not args.estimate:
+        raise UsageError("--task goes with --estimate (a measured arm here is SFT, the protocol's task)")
     if args.estimate and args.weights != "synthetic":
         raise UsageError("--estimate and --weights are exclusive: an estimate reads the config, no weights")
     outputs = {f: getattr(args, f.strip("-").replace("-", "_")) for f in ("--json", "--markdown", "--plot")}
@@ -395,7 +399,7 @@ def settle_estimate(args: argparse.Namespace, argv: list[str]) -> Run:
     except Exception as exc:  # a value of the wrong kind deeper in the config
         raise UsageError(f"--model {name}: its config cannot be read as a model ({last_line(exc)})") from None
     within_positions(name, arch.max_pos, seqs)
-    targets = soup_targets(targets, config, arch, args.targets)
+    soup_targets(targets, config, arch, args.targets)  # checked here; kept as spelled: Soup counts its own spelling
     try:
         cards = tuple(parse_cards(args.card)) if args.card is not None else ()
     except (OverflowError, ValueError) as exc:
@@ -404,11 +408,17 @@ def settle_estimate(args: argparse.Namespace, argv: list[str]) -> Run:
     if context is not None and not cards:
         raise UsageError("--context goes with --card: it is the context of the card to fit")
     stream = estimate_stream(args)
+    tasks = (PROTOCOL_TASK,) if args.task is None else distinct_choices("--task", args.task, tuple(TASKS), "task")
+    batches = parse_ints("--batch", args.batch) or (1,)
+    for t in tasks:  # Soup's schema refuses it (KTO needs both labels in a batch): one line
+        low = [b for b in batches if b < TASKS[t].min_batch]
+        if low:
+            raise UsageError(f"--task {t} --batch {low[0]}: Soup's schema refuses a {t} batch under "
+                             f"{TASKS[t].min_batch}")
     if stream:  # Soup's own refusals and the modes' physics, in one line before any table
         estimate(config, quant=quants[0], seq=seqs[0], targets=targets, stream=stream)
     return Run(run_arms=False, estimate=True, estimate_config=config, custom_model=name, quants=quants, seqs=seqs,
-               stream=tuple(sorted(stream.items())),
-               batches=parse_ints("--batch", args.batch) or (1,), targets=targets,
+               stream=tuple(sorted(stream.items())), tasks=tasks, batches=batches, targets=targets,
                lora_r=one_int("--lora-r", args.lora_r, 8), steps=one_int("--steps", args.steps, 1),
                cards=cards, context=context, soup_config=args.config, json=args.json, argv=tuple(argv))
 

@@ -9,6 +9,7 @@ import argparse
 from ..errors import UsageError
 from ..record import MAP_BATCHES, MAP_SEQS, QUANTS, RECORD_GRID
 from ..model.registry import ALL_FAMILIES
+from ..tasks import TASKS
 
 EPILOG = f"""defaults:
   arms       SmolLM2-135M at seq {','.join(map(str, RECORD_GRID['smol']))} and Qwen2.5-0.5B at seq
@@ -127,6 +128,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--targets", default=None, help="comma list of LoRA targets (default q_proj,v_proj; "
                    "Phi-3: qkv_proj)")
     e.add_argument("--lora-r", default=None, help="LoRA rank (default 8)")
+    e.add_argument("--task", default=None, metavar="NAME[,NAME]", help="comma list of the tasks Soup streams: "
+                   f"{','.join(TASKS)} (default sft; a soup.yaml's task: with --config): Soup's own number at "
+                   "each task's rows; the corrected estimate where it models the task")
     r = p.add_argument_group("running")
     r.add_argument("--dry-run", action="store_true", help="everything but the CUDA step, on CPU")
     r.add_argument("--isolate", action="store_true", help="each arm in its own fresh process")

@@ -328,21 +328,22 @@ def estimate_run(run: Run) -> int:
     from ..estimator.cards import workspace_env
     from ..estimator.arch import protocol_targets
     from ..estimator.estimate import estimate
-    from ..estimator.soup_number import arch_of, installed_release
+    from ..estimator.soup_number import arch_of
     from ..estimator.fits import budgets_for, card_answers, estimate_table
-    from ..estimator.releases import UnknownRelease, physics_label
+    from ..estimator.releases import UnknownRelease, installed_release, release_label
+    from ..model.targets import soup_targets
 
     kw = {"targets": run.targets, "lora_r": run.lora_r}
     try:
         rows = [estimate(run.estimate_config, quant=q, seq=s, batch=b, targets=run.targets, lora_r=run.lora_r,
-                         steps=run.steps, stream=dict(run.stream))
-                for q in run.quants for s in run.seqs for b in run.batches]
+                         steps=run.steps, stream=dict(run.stream), task=t)
+                for t in run.tasks for q in run.quants for s in run.seqs for b in run.batches]
         budgets = budgets_for(run.cards, run.context)
         answers = [card_answers(run.estimate_config, e, budgets, env=workspace_env(), stream=dict(run.stream), **kw)
                    for e in rows]
         installed = installed_release()
         table = estimate_table(rows, run.cards, run.estimate_config, answers=answers,
-                               release_label=physics_label(installed, rows[0].release), **kw)
+                               release_label=release_label(installed), **kw)
     except UnknownRelease:  # the release's fault, not the model's: said without naming the model
         raise
     except UsageError as exc:
@@ -356,10 +357,12 @@ def estimate_run(run: Run) -> int:
             + "".join(f"note: {n}\n" for n in notes))
     print(text, end="")
     if run.json:
-        targets = run.targets or protocol_targets(arch_of(run.estimate_config))
+        arch = arch_of(run.estimate_config)
+        targets = soup_targets(run.targets, run.estimate_config, arch, None) or protocol_targets(arch)
         data = {"tool": TOOL, "schema": SCHEMA, "kind": "estimate",
-                "model": run.custom_model, "soup_cli": installed, "physics_release": rows[0].release,
+                "model": run.custom_model, "soup_cli": installed, "tasks": list(run.tasks),
                 "targets": list(targets),
+                **({"soup_targets": run.targets[0]} if run.targets and tuple(targets) != tuple(run.targets) else {}),
                 "lora_r": run.lora_r, "cards": [{"card": c.name, "bytes": c.total_bytes} for c in run.cards],
                 "notes": notes, "rows": [dict(r.to_json(), cards=a) for r, a in zip(rows, answers)]}
         try:
