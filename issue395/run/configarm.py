@@ -2,7 +2,7 @@
 what it stands for. For --estimate, the options it replaces; as a measured arm, its base as a
 registry model (a family's or the record's hub id: that model's architecture-exact synthetic
 checkpoint, as --map builds it) or a checkpoint folder (as --model PATH runs one), at the file's
-quantization, seq and batch, with its LoRA targets, r and alpha and its streaming modes. No base is
+quantization, seq, batch and task, with its LoRA targets, r and alpha and its streaming modes. No base is
 ever downloaded unless --weights hub asks: any other base is one line.
 """
 
@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ..errors import UsageError
+from ..tasks import PROTOCOL_TASK
 from ..model.registry import FAMILIES, SHAPES, by_hub_id, max_positions, mode_key
 from ..estimator.soup_number import require_streamed
 from ..measure.shapes import bitsandbytes_present
@@ -21,7 +22,7 @@ from .checks import HUB_ID, within_positions
 from .userconfig import UserRun, read_soup_config
 
 #: What the file gives, as the options it replaces: each is refused beside --config.
-CONFIG_GIVES = ("--model", "--quant", "--seq", "--batch", "--targets", "--lora-r", "--families", "--models",
+CONFIG_GIVES = ("--model", "--quant", "--seq", "--batch", "--task", "--targets", "--lora-r", "--families", "--models",
                 "--expert-layout", "--loss-chunk", "--recompute")
 
 
@@ -37,6 +38,8 @@ def config_clash(args: argparse.Namespace) -> None:
 def config_arguments(args: argparse.Namespace) -> argparse.Namespace:
     """--estimate --config: the soup.yaml's own values as the options they replace."""
     user = read_soup_config(args.config)
+    if user.task != PROTOCOL_TASK:
+        raise UsageError(f"--config {user.path}: task {user.task!r} is one the estimator does not model (sft only)")
     modes = user.stream_options
     chunk = modes.get("stream_loss_chunk")
     return argparse.Namespace(**dict(vars(args), model=user.base, quant=user.quant, seq=str(user.seq),
@@ -50,7 +53,7 @@ def config_arguments(args: argparse.Namespace) -> argparse.Namespace:
 class ConfigArm:
     """The file's one arm: its model key (a registry key or "custom", the file's streaming modes
     after it, as the map spells a mode), the checkpoint a custom key runs, and the file's own
-    quantization, seq, batch and adapter."""
+    quantization, seq, batch, adapter and task."""
 
     path: str
     key: str
@@ -61,6 +64,7 @@ class ConfigArm:
     targets: tuple
     lora_r: int
     lora_alpha: int
+    task: str = PROTOCOL_TASK  # the file's task: (issue395.tasks)
 
 
 def config_arm(args: argparse.Namespace) -> ConfigArm:
@@ -77,7 +81,8 @@ def config_arm(args: argparse.Namespace) -> ConfigArm:
     modes = user.stream_options
     return ConfigArm(user.path, mode_key(key, modes.get("stream_expert_layout") or "fused",
                                          modes.get("stream_loss_chunk"), modes.get("stream_recompute") or "on"),
-                     model, user.quant, user.seq, user.batch, user.targets, user.lora_r, user.lora_alpha)
+                     model, user.quant, user.seq, user.batch, user.targets, user.lora_r, user.lora_alpha,
+                     user.task)
 
 
 def base_of(user: UserRun, weights: str) -> tuple[Optional[str], str]:

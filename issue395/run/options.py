@@ -14,6 +14,7 @@ from typing import Any, Optional
 
 from ..constants import comma_list
 from ..errors import UsageError, last_line
+from ..tasks import PROTOCOL_TASK, TASKS
 from ..record import LORA_ALPHA, LORA_R, MAP_BATCHES, QUANTS, RECORD_DETERMINISM, RECORD_GRID
 from ..model.arm import Arm
 from ..model.registry import (ALL_FAMILIES, EXPERT_LAYOUTS, FAMILIES, RECOMPUTES, SHAPES, by_hub_id, config_json,
@@ -55,6 +56,7 @@ class Run:
     models: tuple = tuple(SHAPES)
     seqs: Optional[tuple] = None  # None: the record's grid per model
     batches: tuple = (1,)
+    tasks: tuple = (PROTOCOL_TASK,)  # Soup's tasks, an axis of the grid (issue395.tasks)
     custom_model: Optional[str] = None
     weights: str = "synthetic"
     dry_run: bool = False
@@ -205,6 +207,7 @@ def _settle(args: argparse.Namespace, argv: list[str]) -> Run:
         raise UsageError(f"--models {args.models}: a model is named twice")
     # Soup's config schema refuses a data.max_length under 64: one line here, not a FAILED row.
     seqs, batches = parse_ints("--seq", args.seq, minimum=64), parse_ints("--batch", args.batch) or (1,)
+    tasks = settle_tasks(args)
     gpus = parse_ints("--gpus", args.gpus, minimum=0)
     repeats = None
     if args.determinism is not None:
@@ -250,7 +253,7 @@ def _settle(args: argparse.Namespace, argv: list[str]) -> Run:
         check_cache_dir_bounds(args.cache_dir, cache)
     any_mode = args.measure or args.sdpa or repeats is not None
     return Run(run_arms=args.sweep or not any_mode, measure=args.measure, sdpa=args.sdpa, repeats=repeats,
-               models=models, seqs=seqs, batches=batches, custom_model=args.model,
+               models=models, seqs=seqs, batches=batches, tasks=tasks, custom_model=args.model,
                weights=("synthetic" if config_only(args.model) else "local") if args.model else args.weights,
                dry_run=args.dry_run, verbose=args.verbose, snapshot=args.snapshot or bool(args.snapshot_dir),
                snapshot_dir=args.snapshot_dir, log_dir=args.log_dir, cache_dir=cache,
@@ -260,12 +263,25 @@ def _settle(args: argparse.Namespace, argv: list[str]) -> Run:
                markdown=args.markdown, plot=args.plot, steps=one_int("--steps", args.steps, 1), argv=tuple(argv))
 
 
+def settle_tasks(args: argparse.Namespace) -> tuple:
+    """--task: Soup's tasks, each once. A task beside a constraint that runs this tool's estimator
+    (--cap corrected or needs-free, --emulate-card, --min-free) is one line: it models SFT only yet."""
+    tasks = (PROTOCOL_TASK,) if args.task is None else distinct_choices("--task", args.task, tuple(TASKS), "task")
+    other = [t for t in tasks if t != PROTOCOL_TASK]
+    estimator = ("--cap " + args.cap if args.cap in ("corrected", "needs-free") else
+                 "--emulate-card" if args.emulate_card else "--min-free" if args.min_free else None)
+    if other and estimator:
+        raise UsageError(f"--task {other[0]} and {estimator}: that constraint runs this tool's estimator, which "
+                         "models sft only (--cap soup and --cap off run any task)")
+    return tasks
+
+
 def settle_config(args: argparse.Namespace, argv: list[str]) -> Run:
     """--config without --estimate: the file's one arm, settled as the sweep settles --model PATH's or a
     family's, at the file's quantization and adapter (issue395.run.configarm)."""
     arm = config_arm(args)
     plain = _settle(argparse.Namespace(**dict(vars(args), config=None, model=arm.model, batch=str(arm.batch),
-                                              seq=str(arm.seq) if arm.model else None)), argv)
+                                              seq=str(arm.seq) if arm.model else None, task=arm.task)), argv)
     return replace(plain, models=(arm.key,), seqs=(arm.seq,), quants=(arm.quant,), targets=arm.targets,
                    lora_r=arm.lora_r, lora_alpha=arm.lora_alpha, soup_config=arm.path)
 
@@ -372,6 +388,8 @@ def settle_estimate(args: argparse.Namespace, argv: list[str]) -> Run:
             raise UsageError(f"--estimate and {flag} are exclusive: an estimate runs nothing")
     if args.config is not None:
         args = config_arguments(args)
+    if args.task is not None and settle_tasks(args) != (PROTOCOL_TASK,):
+        raise UsageError(f"--estimate --task {args.task}: the estimator models sft only")
     name, config = estimate_config(args.model)
     quants = ("none",) if args.quant is None else distinct_choices("--quant", args.quant, QUANTS, "quantization")
     seqs = parse_ints("--seq", args.seq, minimum=64)
@@ -430,8 +448,8 @@ def estimate_stream(args: argparse.Namespace) -> dict:
 
 
 def grid_arms(run: Run) -> list[Arm]:
-    return (plan_map(run.models, run.quants, run.seqs, run.batches) if run.map
-            else plan_arms(run.models, run.seqs, run.batches, run.quants[0]))
+    return (plan_map(run.models, run.quants, run.seqs, run.batches, run.tasks) if run.map
+            else plan_arms(run.models, run.seqs, run.batches, run.quants[0], run.tasks))
 
 
 def check_cache_dir_bounds(given: str, cache: str) -> None:

@@ -9,6 +9,7 @@ import argparse
 from ..errors import UsageError
 from ..record import MAP_BATCHES, MAP_SEQS, QUANTS, RECORD_GRID
 from ..model.registry import ALL_FAMILIES
+from ..tasks import TASKS
 
 EPILOG = f"""defaults:
   arms       SmolLM2-135M at seq {','.join(map(str, RECORD_GRID['smol']))} and Qwen2.5-0.5B at seq
@@ -98,6 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "nf4 needs bitsandbytes)")
     a.add_argument("--seq", default=None, help="comma list of seq lengths, each at least 64 (Soup's schema), "
                    "for every chosen model (default: the record's grid)")
+    a.add_argument("--task", default=None, help="comma list of Soup's streamed tasks: " + ",".join(TASKS)
+                   + " (default sft, the protocol's); with --map or the sweep's arms, an axis of the grid. An "
+                   "arm below a task's smallest batch (kto: 2) is SKIPPED with its reason")
     a.add_argument("--batch", default=None, help="comma list of batch sizes (default 1; --map: 1,4)")
     a.add_argument("--model", default=None, metavar="ID_OR_PATH",
                    help="any causal LM Soup can stream, instead of the record's models (needs --seq): "

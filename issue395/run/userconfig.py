@@ -12,6 +12,7 @@ from typing import Any, Optional
 
 from ..constants import STREAM_KEYS
 from ..errors import UsageError, last_line
+from ..tasks import PROTOCOL_TASK, TASKS
 from .checks import HUB_ID
 
 #: Soup's quantization spelling -> this tool's (issue395.record.SOUP_QUANT, inverted).
@@ -39,6 +40,7 @@ class UserRun:
     targets: Optional[tuple]
     stream_buffers: int
     stream_options: dict  # 0.77.0's streaming modes, as the file sets them (none on 0.73.3)
+    task: str = PROTOCOL_TASK  # Soup's task: (issue395.tasks)
 
 
 def read_soup_config(path: str) -> UserRun:
@@ -61,8 +63,9 @@ def read_soup_config(path: str) -> UserRun:
     if not getattr(t, "stream_layers", False):
         raise UsageError(f"--config {path}: training.stream_layers is not true, so Soup would not stream "
                          "this run (the pre-flight this tool checks is the streamed one)")
-    if getattr(cfg, "task", "sft") != "sft":
-        raise UsageError(f"--config {path}: task {cfg.task!r} is one the estimator does not model (sft only)")
+    task = str(getattr(cfg, "task", PROTOCOL_TASK))
+    if task not in TASKS:  # a task Soup takes but does not stream: Soup itself would refuse to stream it
+        raise UsageError(f"--config {path}: task {task!r} is not one Soup streams ({', '.join(TASKS)})")
     quant = QUANT_OF.get(str(t.quantization))
     if quant is None:
         raise UsageError(f"--config {path}: training.quantization {t.quantization!r} is not one Soup streams "
@@ -91,7 +94,7 @@ def read_soup_config(path: str) -> UserRun:
         raise UsageError(f"--config {path}: training.stream_recompute 'auto' is an option the estimator does not "
                          "model (it measures a step at setup; give on or off)")
     return UserRun(str(path), cfg.base, quant, int(cfg.data.max_length), int(t.batch_size), int(lora.r),
-                   int(lora.alpha), tuple(targets), int(t.stream_buffers), stream)
+                   int(lora.alpha), tuple(targets), int(t.stream_buffers), stream, task)
 
 
 def hub_config(model: str) -> dict[str, Any]:
