@@ -56,11 +56,11 @@ def test_the_files_r_alpha_and_targets_are_what_soups_setup_builds(capfd, tmp_pa
     built = {}
     real = h.realised_lengths
 
-    def adapter_seen(trainer):  # Soup's setup is done: read what it built, then go on as the protocol does
+    def adapter_seen(trainer, *guarded):  # Soup's setup is done: read what it built, then go on as the protocol does
         for name, module in trainer.model.named_modules():
             if getattr(module, "lora_A", None):
                 built[name.rsplit(".", 1)[-1]] = (module.lora_A["default"].weight.shape[0], module.scaling["default"])
-        return real(trainer)
+        return real(trainer, *guarded)
 
     monkeypatch.setattr(h, "realised_lengths", adapter_seen)
     out = tmp_path / "out.json"
