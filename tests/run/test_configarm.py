@@ -125,3 +125,17 @@ def test_a_local_bases_positions_are_named_as_the_files_max_length(capfd, tmp_pa
     code, out, err = main(capfd, ["--config", soup_yaml(tmp_path, tiny_checkpoint, seq=positions + 64), "--dry-run"])
     one_error_line(code, out, err, "data.max_length", str(positions + 64))
     assert "--seq" not in err
+
+
+def test_the_files_task_is_the_arms_and_its_row_says_so(capfd, tmp_path, cache_dir, tiny_checkpoint):
+    """task: dpo in the soup.yaml: the arm runs Soup's DPO setup (its guard reads 2 x batch rows) and
+    the row carries the task; --estimate still says in one line that it models sft only."""
+    config = soup_yaml(tmp_path, tiny_checkpoint)
+    config.write_text(config.read_text().replace("task: sft", "task: dpo"))
+    assert settled(["--config", config, "--dry-run"]).tasks == ("dpo",)
+    out = tmp_path / "dpo.json"
+    code, text, err = main(capfd, ["--config", config, "--dry-run", "--cache-dir", cache_dir, "--json", out])
+    assert code == 0, err
+    (row,) = json.loads(out.read_text())["rows"]
+    assert (row["task"], row["derived"]["status"], row["realised_rows"]) == ("dpo", "dry-run", [64, 64])
+    one_error_line(*main(capfd, ["--estimate", "--config", config]), "task 'dpo'", "sft only")
