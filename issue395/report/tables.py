@@ -210,8 +210,14 @@ def map_table(rows: list[Row], env: Optional[dict] = None) -> str:
                       "VOID" if r.status == "VOID" else ratio(corrected_ratio(r, env)), r.status])
     notes = [f"  {r.label} {r.quant} seq {r.seq} batch {r.batch}: {r.status} - {r.error}"
              for r in rows if r.failure and r.error]
+    legend = [MAP_LEGEND] + ([TASK_LEGEND] if any(r.task for r in rows) else [])
     return "\n".join(["margin map (record-conv and Soup's own: computed by Soup; real peak: measured here)"]
-                     + table(MAP_COLUMNS, cells) + [MAP_LEGEND] + (["notes:"] + notes if notes else []))
+                     + table(MAP_COLUMNS, cells) + legend + (["notes:"] + notes if notes else []))
+
+
+TASK_LEGEND = ("a task after the family (dpo, orpo, simpo, kto): Soup's own task; record-conv is Soup's estimator "
+               "at the rows its setup counts for it (2 x batch for dpo, orpo, simpo), and lower/real is Soup's own "
+               "number alone over the real peak")
 
 
 def map_summary(rows: list[Row]) -> str:

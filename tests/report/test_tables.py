@@ -236,3 +236,5 @@ def test_a_task_arm_is_its_own_line_of_the_map_and_its_summary_and_its_own_secti
         [shape.name, "none"], [shape.name, "dpo"]]
     assert sum(1 for line in map_summary(rows).splitlines() if line.startswith(f"{shape.name} dpo")) == 1
     assert f"{shape.name} dpo  (predicted" in sweep_table(rows)
+    assert "lower/real is Soup's own number alone" in map_table(rows)
+    assert "lower/real is Soup's own number alone" not in map_table(rows[:1])
