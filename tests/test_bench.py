@@ -53,3 +53,27 @@ def test_the_committed_task_estimates_are_what_the_task_anatomy_arms_give_now():
                          check=True, timeout=120).stdout
     assert out == (ROOT / "results" / "estimator-tasks.txt").read_text()
     assert "corrected under on 0;" in out
+
+
+def test_soup_train_card_writes_a_soup_yaml_soups_loader_takes_for_the_task_and_refuses_bad_input(tmp_path, capsys):
+    """The real-client bench on CPU: its soup.yaml is read back by Soup's own loader (the task, its
+    data.format, one epoch of exactly --steps batches, the gate's override); bad input exits 2."""
+    import json
+
+    import yaml
+
+    bench = load("soup_train_card")
+    assert bench.main(["--family", "qwen", "--task", "kto", "--seq", "256", "--batch", "2", "--steps", "3",
+                       "--card", "12GB", "--override", "5000000000", "--work", str(tmp_path), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "-m soup_cli train --config" in out and "Soup's loader takes it" in out
+    config = yaml.safe_load((tmp_path / "soup.yaml").read_text())
+    assert (config["task"], config["data"]["format"], config["data"]["val_split"]) == ("kto", "kto", 0.0)
+    assert config["training"]["stream_vram_override"] == 5_000_000_000 and config["training"]["batch_size"] == 2
+    rows = [json.loads(line) for line in (tmp_path / "train.jsonl").read_text().splitlines()]
+    assert len(rows) == 6 and {r["label"] for r in rows} == {True, False}
+    for bad in (["--task", "kto", "--batch", "1"], ["--family", "nope"], ["--card", "huge"]):
+        argv = ["--family", "qwen", "--seq", "256", "--card", "12GB", *bad]
+        with pytest.raises(SystemExit) as exc:
+            bench.main(argv)
+        assert exc.value.code == 2

@@ -392,8 +392,8 @@ def _hard_ctrl_c_after_setup(monkeypatch):
     """Two Ctrl-Cs right after Soup's real setup: the second stops the run at once."""
     real = h.realised_lengths
 
-    def lengths(trainer):
-        out = real(trainer)
+    def lengths(trainer, *guarded):
+        out = real(trainer, *guarded)
         send_ctrl_c()
         os.kill(os.getpid(), signal.SIGINT)
         time.sleep(1)  # the handler raises KeyboardInterrupt before this returns

@@ -7,6 +7,7 @@ from typing import Callable, Optional
 
 from ..constants import CUBLAS_WORKSPACE
 from ..errors import UsageError
+from ..tasks import PROTOCOL_TASK
 from .cards import GATE_GROWTH_BYTES, STEP_GROWTH_BYTES, Budget, Card, budget, workspace_env
 from .estimate import Estimate, estimate
 from .soup_number import arch_of
@@ -118,7 +119,8 @@ def estimate_table(rows: list[Estimate], cards, config: Optional[dict] = None, *
             raise UsageError("the fit table needs the model's config")
         budgets = budgets_for(cards, context)
         answers = [card_answers(config, e, budgets, env=workspace_env(), **kwargs) for e in rows]
-    tasked = any(e.task != rows[0].task for e in rows) or any(e.corrected_predicted is None for e in rows)
+    # the task is named wherever one is not the protocol's SFT, so an SFT-only table reads as before
+    tasked = any(e.task != PROTOCOL_TASK for e in rows) or any(e.corrected_predicted is None for e in rows)
     heads = [f"{e.task} {e.quant} {e.seq}x{e.batch}" if tasked else f"{e.quant} {e.seq}x{e.batch}" for e in rows]
     width = max([12] + [len(h) for h in heads])
     lines = [["Soup's own pre-flight GB (computed by Soup)"] + [_gb(e.soup_predicted) for e in rows],

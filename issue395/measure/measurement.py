@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Callable, ContextManager, Optional
 
 from ..errors import last_line
+from ..tasks import PROTOCOL_TASK, task
 from ..model.arm import Arm
 from ..model.registry import Shape
 from ..estimator.anatomy import classifier_for
@@ -137,6 +138,11 @@ def run_arm(measure_arm: Callable[..., Measurement], step_device: str, arm: Arm,
     --config arm's row names the file and the LoRA r and alpha it ran with (its shape's)."""
     carried = carried_bytes(dry_run, step_device)
     adapter = dict(soup_config=soup_config, lora_r=shape.lora_r, lora_alpha=shape.lora_alpha) if soup_config else {}
+    smallest = task(arm.task).min_batch
+    if arm.batch < smallest:  # planned, never dropped: the row says why it did not run
+        return arm_row(arm, shape, base=base, dry_run=dry_run, repeat=repeat, failure="SKIPPED",
+                       error=f"{arm.task} needs batch >= {smallest}: Soup's schema refuses a streamed "
+                             f"{arm.task} run below it (issue395.tasks: min_batch)", **adapter)
     if arm.quant == "nf4" and not bitsandbytes_present():
         return arm_row(arm, shape, base=base, dry_run=dry_run, repeat=repeat, failure="SKIPPED",
                        error="NF4 needs bitsandbytes, which is not installed here", **adapter)
@@ -186,7 +192,8 @@ def run_arm(measure_arm: Callable[..., Measurement], step_device: str, arm: Arm,
             m.fail(exc)
     if attribution and snapshot_dir:
         rep = f"-r{repeat}" if repeat is not None else ""
-        name = f"snapshot-{arm.index:03d}-{arm.model}-{arm.seq}-b{arm.batch}{rep}.pickle"
+        name = (f"snapshot-{arm.index:03d}-{arm.model}-{arm.seq}-b{arm.batch}{rep}"
+                f"{'' if arm.task == PROTOCOL_TASK else '-' + arm.task}.pickle")
         attribution["snapshot_file"] = save_snapshot(m.snapshot, Path(snapshot_dir) / name)
     return arm_row(arm, shape, base=base, dry_run=dry_run, repeat=repeat, log=str(log) if log else None,
                    carried=carried, timings=timings, realised_width=m.realised_width,

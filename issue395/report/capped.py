@@ -44,7 +44,7 @@ def cap_table(rows: list[Row]) -> str:
             outcome = "OOM" + (": admitted by Soup, OOM at its own number" if r.cap_at == "soup" else "")
         else:
             outcome = r.status
-        cells.append([f"{r.model} {r.quant} {r.seq}x{r.batch}", r.cap_at or "-", gb(r.cap), gb(r.soup_predicted),
+        cells.append([f"{r.label} {r.quant} {r.seq}x{r.batch}", r.cap_at or "-", gb(r.cap), gb(r.soup_predicted),
                       gb(r.real_peak if r.measured else None), gb(r.reserved if r.measured else None), outcome])
     return "\n".join(["--cap: each arm in a fresh process, PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, "
                       "allocator capped at the prediction named (cap: computed by Soup or this tool's estimator; "
@@ -54,7 +54,7 @@ def cap_table(rows: list[Row]) -> str:
 
 
 def arm_name(r: Row) -> str:
-    return f"{r.model} {r.quant} {r.seq}x{r.batch}"
+    return f"{r.label} {r.quant} {r.seq}x{r.batch}"
 
 
 def tool_words(fits: Optional[bool]) -> str:

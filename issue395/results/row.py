@@ -11,15 +11,18 @@ from typing import Any, Iterable, Optional
 
 from ..constants import is_whole
 from ..record import LORA_R, RECORD_A10G_PEAK, SOUP_QUANT
+from ..tasks import PROTOCOL_TASK, TASKS, task as task_of
 from ..model.arm import Arm, logits_charge, predicted_bytes
 from ..model.registry import Shape, family_of
 from ..estimator.cards import emulated_outcome, step_free
 
 
-def realised_as_requested(seq: int, batch: int, width: Optional[int], rows: Iterable[int]) -> bool:
-    """The guard: the batch is exactly seq wide, and so is every one of its rows."""
+def realised_as_requested(seq: int, batch: int, width: Optional[int], rows: Iterable[int],
+                          task: str = PROTOCOL_TASK) -> bool:
+    """The guard: the batch is exactly seq wide, and so is every one of its rows (a task's rows over
+    all the keys its guard reads: issue395.tasks.Task.guard_rows)."""
     rows = list(rows)
-    return width == seq and len(rows) == batch and all(n == seq for n in rows)
+    return width == seq and len(rows) == task_of(task).guard_rows(batch) and all(n == seq for n in rows)
 
 
 #: What stops an arm short of a measurement. OOM and FAILED are findings; REFUSED (Soup's
@@ -31,7 +34,7 @@ FAILURES = ("OOM", "FAILED", "REFUSED", "SKIPPED")
 #: re-renders to the same bytes.
 LATER_FIELDS = ("cap_at", "cap", "emulated_card", "emulated_card_free", "emulated_free", "needs_free",
                 "min_free", "min_free_oom", "min_free_resolution", "min_free_probes", "soup_config", "lora_r",
-                "lora_alpha", "soup_gate_free")
+                "lora_alpha", "soup_gate_free", "task")
 
 
 #: A row's fields that Row.from_json would otherwise take as they are: what each must be.
@@ -56,6 +59,9 @@ ROW_FIELDS = {
     "min_free_probes": (lambda v: v is None or (isinstance(v, (list, tuple)) and all(
         isinstance(p, (list, tuple)) and len(p) == 2 and is_whole(p[0], 1) and isinstance(p[1], bool) for p in v)),
         "a list of [cap bytes, completed] pairs or null"),
+    # absent for the protocol's SFT, so every SFT row saved before tasks re-renders to the same bytes
+    "task": (lambda v: v is None or (isinstance(v, str) and v in TASKS and v != PROTOCOL_TASK),
+             f"one of {', '.join(t for t in TASKS if t != PROTOCOL_TASK)} (absent for {PROTOCOL_TASK})"),
 }
 
 
@@ -112,15 +118,22 @@ class Row:
     soup_config: Optional[str] = None  # --config: the user's soup.yaml this arm is (else the protocol's)
     lora_r: Optional[int] = None  # --config: the file's LoRA r and alpha, which the arm ran with
     lora_alpha: Optional[int] = None
+    task: Optional[str] = None  # Soup's task (issue395.tasks); None: the protocol's SFT
 
     @property
     def arm(self) -> tuple:
         """The arm this row measured, as the map names it: model key (with its streaming modes),
-        quantization, seq, batch. Repeats of one arm share it. Every --model row is keyed
-        "custom" (a --config row's with its modes after it), so there the checkpoint's name stands
-        for the key: two checkpoints never share an arm."""
+        quantization, seq, batch, and a task other than SFT after them. Repeats of one arm share it.
+        Every --model row is keyed "custom" (a --config row's with its modes after it), so there the
+        checkpoint's name stands for the key: two checkpoints never share an arm."""
         custom = family_of(self.model_key) == "custom"
-        return (self.model if custom else self.model_key, self.quant, self.seq, self.batch)
+        return (self.model if custom else self.model_key, self.quant, self.seq, self.batch) + (
+            (self.task,) if self.task else ())
+
+    @property
+    def label(self) -> str:
+        """The arm's model as the tables show it: its name, and a task other than SFT after it."""
+        return f"{self.model} {self.task}" if self.task else self.model
 
     @property
     def rank(self) -> int:
@@ -137,7 +150,8 @@ class Row:
     def status(self) -> str:
         if self.failure:
             return self.failure
-        if not realised_as_requested(self.seq, self.batch, self.realised_width, self.realised_rows):
+        if not realised_as_requested(self.seq, self.batch, self.realised_width, self.realised_rows,
+                                     self.task or PROTOCOL_TASK):
             return "VOID"
         if self.real_peak is None:
             return "dry-run" if self.dry_run else "FAILED"
@@ -168,7 +182,11 @@ class Row:
 
     @property
     def lowest_prediction(self) -> Optional[int]:
-        """The lower of the record's convention and Soup's own pre-flight (where captured)."""
+        """The lower of the record's convention and Soup's own pre-flight (where captured); for a
+        task other than SFT, Soup's own number alone, which its setup computes for the task (the
+        record's convention is an SFT grid's)."""
+        if self.task and self.soup_predicted:
+            return self.soup_predicted
         return min((p for p in (self.predicted, self.soup_predicted) if p), default=None)
 
     @property
@@ -177,7 +195,8 @@ class Row:
 
     @property
     def elements(self) -> int:
-        return self.seq * self.vocab * self.batch
+        """E, the logits elements of the rows the model runs (a paired task's 2 x batch)."""
+        return self.seq * self.vocab * self.batch * task_of(self.task or PROTOCOL_TASK).rows_per_example
 
     @property
     def nonlogits_modelled(self) -> Optional[int]:
@@ -268,11 +287,16 @@ class Row:
 
 
 def arm_row(arm: Arm, shape: Shape, **measured: Any) -> Row:
-    """An arm's row: its inputs, Soup's prediction and the record's figure, plus what was measured."""
-    logits14, bpe = logits_charge(shape, arm.seq, arm.batch)
+    """An arm's row: its inputs, Soup's prediction and the record's figure, plus what was measured.
+    Soup's estimator is fed the rows its setup feeds it for the task (batch x
+    _STREAM_ROWS_PER_EXAMPLE); the record's A10G peaks are SFT's."""
+    rows = arm.batch * task_of(arm.task).rows_per_example
+    logits14, bpe = logits_charge(shape, arm.seq, rows)
+    sft = arm.task == PROTOCOL_TASK
     record = (RECORD_A10G_PEAK.get((shape.key, arm.seq))
-              if shape.record and arm.batch == 1 and arm.quant == "none" else None)
+              if shape.record and arm.batch == 1 and arm.quant == "none" and sft else None)
     return Row(model=shape.name, model_key=arm.model, seq=arm.seq, batch=arm.batch,
-               index=arm.index, predicted=predicted_bytes(shape, arm.seq, arm.batch),
+               index=arm.index, predicted=predicted_bytes(shape, arm.seq, rows),
                logits14=logits14, loss_bytes_per_element=bpe, vocab=shape.vocab, quant=arm.quant,
-               targets=tuple(shape.targets), record_peak=record, pid=os.getpid(), **measured)
+               targets=tuple(shape.targets), record_peak=record, pid=os.getpid(),
+               **({} if sft else {"task": arm.task}), **measured)

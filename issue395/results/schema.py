@@ -10,7 +10,7 @@ from typing import Any
 
 from ..constants import is_whole
 from ..record import QUANTS
-from .row import Row
+from .row import ROW_FIELDS, Row
 
 SCHEMA = 2  # the JSON this version writes; it also reads schema 1
 TOOL = "issue395_second_stack_vram"  # the name every JSON it writes carries, and a result must
@@ -59,6 +59,8 @@ def check_blocks(data: dict[str, Any]) -> None:
         if not isinstance(m, dict):
             raise ValueError(f"margin {i} is {type(m).__name__}, not an object")
         check_fields(m, MARGIN_FIELDS, f"margin {i}")
+        if "task" in m and not ROW_FIELDS["task"][0](m["task"]):  # absent for SFT, as a row's
+            raise ValueError(f"margin {i}: its 'task' is {m['task']!r:.60}, not {ROW_FIELDS['task'][1]}")
         for j, t in enumerate(m["terms"]):
             if not isinstance(t, dict):
                 raise ValueError(f"margin {i}: its terms[{j}] is {type(t).__name__}, not an object")

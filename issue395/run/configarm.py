@@ -2,7 +2,7 @@
 what it stands for. For --estimate, the options it replaces; as a measured arm, its base as a
 registry model (a family's or the record's hub id: that model's architecture-exact synthetic
 checkpoint, as --map builds it) or a checkpoint folder (as --model PATH runs one), at the file's
-quantization, seq and batch, with its LoRA targets, r and alpha and its streaming modes. No base is
+quantization, seq, batch and task, with its LoRA targets, r and alpha and its streaming modes. No base is
 ever downloaded unless --weights hub asks: any other base is one line.
 """
 
@@ -22,8 +22,8 @@ from .checks import HUB_ID, within_positions
 from .userconfig import UserRun, read_soup_config
 
 #: What the file gives, as the options it replaces: each is refused beside --config.
-CONFIG_GIVES = ("--model", "--quant", "--seq", "--batch", "--targets", "--lora-r", "--families", "--models",
-                "--expert-layout", "--loss-chunk", "--recompute", "--task")
+CONFIG_GIVES = ("--model", "--quant", "--seq", "--batch", "--task", "--targets", "--lora-r", "--families", "--models",
+                "--expert-layout", "--loss-chunk", "--recompute")
 
 
 def config_clash(args: argparse.Namespace) -> None:
@@ -51,7 +51,7 @@ def config_arguments(args: argparse.Namespace) -> argparse.Namespace:
 class ConfigArm:
     """The file's one arm: its model key (a registry key or "custom", the file's streaming modes
     after it, as the map spells a mode), the checkpoint a custom key runs, and the file's own
-    quantization, seq, batch and adapter."""
+    quantization, seq, batch, adapter and task."""
 
     path: str
     key: str
@@ -62,14 +62,12 @@ class ConfigArm:
     targets: tuple
     lora_r: int
     lora_alpha: int
+    task: str = PROTOCOL_TASK  # the file's task: (issue395.tasks)
 
 
 def config_arm(args: argparse.Namespace) -> ConfigArm:
     """The soup.yaml as one measured arm; a base this tool cannot run without a download is one line."""
     user = read_soup_config(args.config)
-    if user.task != PROTOCOL_TASK:
-        raise UsageError(f"--config {user.path}: task {user.task!r} is answered by --estimate; a measured arm here "
-                         "is SFT, the protocol's task")
     model, key = base_of(user, args.weights)
     if key != "custom":
         require_streamed((FAMILIES[key] if key in FAMILIES else SHAPES[key]).model_type,
@@ -81,7 +79,8 @@ def config_arm(args: argparse.Namespace) -> ConfigArm:
     modes = user.stream_options
     return ConfigArm(user.path, mode_key(key, modes.get("stream_expert_layout") or "fused",
                                          modes.get("stream_loss_chunk"), modes.get("stream_recompute") or "on"),
-                     model, user.quant, user.seq, user.batch, user.targets, user.lora_r, user.lora_alpha)
+                     model, user.quant, user.seq, user.batch, user.targets, user.lora_r, user.lora_alpha,
+                     user.task)
 
 
 def base_of(user: UserRun, weights: str) -> tuple[Optional[str], str]:

@@ -14,12 +14,12 @@ from typing import Any, Optional
 
 from ..constants import comma_list
 from ..errors import UsageError, last_line
+from ..tasks import PROTOCOL_TASK, TASKS
 from ..record import LORA_ALPHA, LORA_R, MAP_BATCHES, QUANTS, RECORD_DETERMINISM, RECORD_GRID
 from ..model.arm import Arm
 from ..model.registry import (ALL_FAMILIES, EXPERT_LAYOUTS, FAMILIES, RECOMPUTES, SHAPES, by_hub_id, config_json,
                        max_positions, stream_mode_keys)
 from ..model.targets import soup_targets
-from ..tasks import PROTOCOL_TASK, TASKS
 from ..estimator.cards import parse_context
 from ..estimator.soup_number import require_streamed
 from ..results.saved import RowFile
@@ -56,6 +56,7 @@ class Run:
     models: tuple = tuple(SHAPES)
     seqs: Optional[tuple] = None  # None: the record's grid per model
     batches: tuple = (1,)
+    tasks: tuple = (PROTOCOL_TASK,)  # Soup's tasks: an axis of the grid, or --estimate's (issue395.tasks)
     custom_model: Optional[str] = None
     weights: str = "synthetic"
     dry_run: bool = False
@@ -84,7 +85,6 @@ class Run:
     cards: tuple = ()  # issue395.estimator.cards.Card
     context: Optional[int] = None  # --context, bytes
     targets: Optional[tuple] = None
-    tasks: tuple = (PROTOCOL_TASK,)  # --estimate's tasks (--task, or the soup.yaml's task:)
     stream: tuple = ()  # --estimate: soup-cli 0.77.0's streaming modes, (training key, value) pairs
     lora_r: int = LORA_R  # --config's (or --estimate's --lora-r): every other arm runs the protocol's
     lora_alpha: int = LORA_ALPHA
@@ -157,8 +157,6 @@ def _settle(args: argparse.Namespace, argv: list[str]) -> Run:
     modes = [f for f in ("expert_layout", "loss_chunk", "recompute") if getattr(args, f) is not None]
     if modes and not (args.map or args.estimate):  # never measured as if the mode were asked and absent
         raise UsageError(f"--{modes[0].replace('_', '-')} goes with --map (an axis) or --estimate")
-    if args.task is not None and not args.estimate:
-        raise UsageError("--task goes with --estimate (a measured arm here is SFT, the protocol's task)")
     if args.estimate and args.weights != "synthetic":
         raise UsageError("--estimate and --weights are exclusive: an estimate reads the config, no weights")
     outputs = {f: getattr(args, f.strip("-").replace("-", "_")) for f in ("--json", "--markdown", "--plot")}
@@ -211,6 +209,7 @@ def _settle(args: argparse.Namespace, argv: list[str]) -> Run:
         raise UsageError(f"--models {args.models}: a model is named twice")
     # Soup's config schema refuses a data.max_length under 64: one line here, not a FAILED row.
     seqs, batches = parse_ints("--seq", args.seq, minimum=64), parse_ints("--batch", args.batch) or (1,)
+    tasks = settle_tasks(args)
     gpus = parse_ints("--gpus", args.gpus, minimum=0)
     repeats = None
     if args.determinism is not None:
@@ -256,7 +255,7 @@ def _settle(args: argparse.Namespace, argv: list[str]) -> Run:
         check_cache_dir_bounds(args.cache_dir, cache)
     any_mode = args.measure or args.sdpa or repeats is not None
     return Run(run_arms=args.sweep or not any_mode, measure=args.measure, sdpa=args.sdpa, repeats=repeats,
-               models=models, seqs=seqs, batches=batches, custom_model=args.model,
+               models=models, seqs=seqs, batches=batches, tasks=tasks, custom_model=args.model,
                weights=("synthetic" if config_only(args.model) else "local") if args.model else args.weights,
                dry_run=args.dry_run, verbose=args.verbose, snapshot=args.snapshot or bool(args.snapshot_dir),
                snapshot_dir=args.snapshot_dir, log_dir=args.log_dir, cache_dir=cache,
@@ -266,12 +265,26 @@ def _settle(args: argparse.Namespace, argv: list[str]) -> Run:
                markdown=args.markdown, plot=args.plot, steps=one_int("--steps", args.steps, 1), argv=tuple(argv))
 
 
+def settle_tasks(args: argparse.Namespace) -> tuple:
+    """--task: Soup's tasks, each once. A task beside a constraint that runs this tool's estimator
+    (--cap corrected or needs-free, --emulate-card, --min-free) is one line: those constraints do not
+    hand the estimator the arm's task yet."""
+    tasks = (PROTOCOL_TASK,) if args.task is None else distinct_choices("--task", args.task, tuple(TASKS), "task")
+    other = [t for t in tasks if t != PROTOCOL_TASK]
+    estimator = ("--cap " + args.cap if args.cap in ("corrected", "needs-free") else
+                 "--emulate-card" if args.emulate_card else "--min-free" if args.min_free else None)
+    if other and estimator:
+        raise UsageError(f"--task {other[0]} and {estimator}: that constraint's needs-free is not wired for a "
+                         "task other than sft yet (--cap soup and --cap off run any task; --estimate answers it)")
+    return tasks
+
+
 def settle_config(args: argparse.Namespace, argv: list[str]) -> Run:
     """--config without --estimate: the file's one arm, settled as the sweep settles --model PATH's or a
     family's, at the file's quantization and adapter (issue395.run.configarm)."""
     arm = config_arm(args)
     plain = _settle(argparse.Namespace(**dict(vars(args), config=None, model=arm.model, batch=str(arm.batch),
-                                              seq=str(arm.seq) if arm.model else None)), argv)
+                                              seq=str(arm.seq) if arm.model else None, task=arm.task)), argv)
     return replace(plain, models=(arm.key,), seqs=(arm.seq,), quants=(arm.quant,), targets=arm.targets,
                    lora_r=arm.lora_r, lora_alpha=arm.lora_alpha, soup_config=arm.path)
 
@@ -442,8 +455,8 @@ def estimate_stream(args: argparse.Namespace) -> dict:
 
 
 def grid_arms(run: Run) -> list[Arm]:
-    return (plan_map(run.models, run.quants, run.seqs, run.batches) if run.map
-            else plan_arms(run.models, run.seqs, run.batches, run.quants[0]))
+    return (plan_map(run.models, run.quants, run.seqs, run.batches, run.tasks) if run.map
+            else plan_arms(run.models, run.seqs, run.batches, run.quants[0], run.tasks))
 
 
 def settle_lanes(args: argparse.Namespace, run: Run) -> Run:

@@ -99,6 +99,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "nf4 needs bitsandbytes)")
     a.add_argument("--seq", default=None, help="comma list of seq lengths, each at least 64 (Soup's schema), "
                    "for every chosen model (default: the record's grid)")
+    a.add_argument("--task", default=None, help="comma list of Soup's streamed tasks: " + ",".join(TASKS)
+                   + " (default sft, the protocol's); with --map or the sweep's arms, an axis of the grid (an "
+                   "arm below a task's smallest batch, kto: 2, is SKIPPED with its reason); with --estimate, "
+                   "Soup's own number and the corrected estimate at each task's rows")
     a.add_argument("--batch", default=None, help="comma list of batch sizes (default 1; --map: 1,4)")
     a.add_argument("--model", default=None, metavar="ID_OR_PATH",
                    help="any causal LM Soup can stream, instead of the record's models (needs --seq): "
@@ -128,9 +132,6 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--targets", default=None, help="comma list of LoRA targets (default q_proj,v_proj; "
                    "Phi-3: qkv_proj)")
     e.add_argument("--lora-r", default=None, help="LoRA rank (default 8)")
-    e.add_argument("--task", default=None, metavar="NAME[,NAME]", help="comma list of the tasks Soup streams: "
-                   f"{','.join(TASKS)} (default sft; a soup.yaml's task: with --config): Soup's own number at "
-                   "each task's rows; the corrected estimate where it models the task")
     r = p.add_argument_group("running")
     r.add_argument("--dry-run", action="store_true", help="everything but the CUDA step, on CPU")
     r.add_argument("--isolate", action="store_true", help="each arm in its own fresh process")

@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from ..tasks import PROTOCOL_TASK
 from ..errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, UsageError, last_line
 from ..model.arm import Arm
 from ..model.registry import SHAPES, Shape, family_of
@@ -107,7 +108,7 @@ def sweep(arms: list[Arm], shapes: dict[str, Shape], bases: Checkpoints, scratch
         if (run.cache_dir or run.shard_dir) and first:
             scratch.repair_shards(base)
         checked.add((arm.model, arm.quant))
-        log = (Path(run.log_dir) / f"soup-{arm.index:03d}-{arm.model}-{arm.seq}-b{arm.batch}.log"
+        log = (Path(run.log_dir) / f"soup-{arm.index:03d}-{arm.model}-{arm.seq}-b{arm.batch}{task_tag(arm)}.log"
                if run.log_dir else None)
         with scratch.sharding(base) if first else contextlib.nullcontext(), Stop.arm():
             row = run_arm(arm, shapes[arm.model], base, scratch.path("arms", f"{arm.index:03d}"),
@@ -135,6 +136,11 @@ def sweep(arms: list[Arm], shapes: dict[str, Shape], bases: Checkpoints, scratch
                 if r.attribution and r.measured and r.soup_predicted:
                     on_margin(margin_breakdown(r))
         bases.release(family)
+
+
+def task_tag(arm: Arm) -> str:
+    """A file name's mark of a task other than SFT (the protocol's names stay as they were)."""
+    return "" if arm.task == PROTOCOL_TASK else f"-{arm.task}"
 
 
 def execute(run: Run, protocol: Protocol, job: Optional[Job] = None) -> int:
@@ -194,7 +200,7 @@ def measure_all(run: Run, protocol: Protocol, job: Optional[Job], scratch: Scrat
             shapes.update({a.model: with_modes(shapes[family_of(a.model)], a.model) for a in arms})
         imports_s = time.perf_counter() - t
     det_models, det_seqs, det_batches = run.determinism_grid
-    det_arms = plan_arms(*run.determinism_grid, run.quants[0]) if run.repeats else []
+    det_arms = plan_arms(*run.determinism_grid, run.quants[0], run.tasks) if run.repeats else []
     how = ("--min-free: a bisection over capped fresh processes (expandable segments)" if run.min_free else
            f"capped at {run.cap} (expandable segments), one fresh process per arm" if run.cap else
            f"as {run.emulate_card} (a ballast outside the allocator, expandable segments), one fresh process "
@@ -429,8 +435,8 @@ def rerender(run: Run) -> int:
 def common_arms(a: Result, b: Result) -> int:
     """How many measured arms two results share (tables.compare_table's pairing)."""
     try:
-        keys = {(r.model, r.quant, r.seq, r.batch, r.repeat) for r in b.rows if r.measured}
-        return sum(1 for r in a.rows if r.measured and (r.model, r.quant, r.seq, r.batch, r.repeat) in keys)
+        keys = {(r.model, r.quant, r.seq, r.batch, r.task, r.repeat) for r in b.rows if r.measured}
+        return sum(1 for r in a.rows if r.measured and (r.model, r.quant, r.seq, r.batch, r.task, r.repeat) in keys)
     except TypeError:  # an unhashable value: compare_table will say what
         return 1
 

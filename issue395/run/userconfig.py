@@ -40,7 +40,7 @@ class UserRun:
     targets: Optional[tuple]
     stream_buffers: int
     stream_options: dict  # 0.77.0's streaming modes, as the file sets them (none on 0.73.3)
-    task: str = PROTOCOL_TASK  # Soup's task: (sft, dpo, orpo, simpo, kto)
+    task: str = PROTOCOL_TASK  # Soup's task: (issue395.tasks)
 
 
 def read_soup_config(path: str) -> UserRun:
@@ -64,7 +64,7 @@ def read_soup_config(path: str) -> UserRun:
         raise UsageError(f"--config {path}: training.stream_layers is not true, so Soup would not stream "
                          "this run (the pre-flight this tool checks is the streamed one)")
     task = str(getattr(cfg, "task", PROTOCOL_TASK))
-    if task not in TASKS:
+    if task not in TASKS:  # a task Soup takes but does not stream: Soup itself would refuse to stream it
         raise UsageError(f"--config {path}: task {task!r} is not one Soup streams ({', '.join(TASKS)})")
     quant = QUANT_OF.get(str(t.quantization))
     if quant is None:

@@ -170,3 +170,30 @@ def test_a_shard_dir_soup_would_ignore_is_one_line_and_then_cache_dir_may_lie_an
     run = settle(parse(["--dry-run", "--shard-dir", str(tmp_path / "shm"), "--cache-dir", outside]), [])
     assert run.shard_dir == str(tmp_path / "shm") and run.cache_dir == outside
     one_error_line(*main(capfd, ["--dry-run", "--cache-dir", outside]), "--cache-dir", "~/.soup")
+
+
+def settled(*argv):
+    argv = [str(a) for a in argv]
+    return settle(build_parser().parse_args(argv), argv)
+
+
+def test_task_is_an_axis_of_the_map_and_the_sweep_and_sft_by_default():
+    assert settled("--dry-run").tasks == ("sft",)
+    run = settled("--map", "--families", "llama32-1b", "--quant", "none", "--seq", "512", "--batch", "1,2",
+                  "--task", "sft,kto", "--dry-run")
+    assert [(a.batch, a.task) for a in options.grid_arms(run)] == [(1, "sft"), (1, "kto"), (2, "sft"), (2, "kto")]
+    assert {a.task for a in options.grid_arms(settled("--models", "smol", "--task", "dpo", "--dry-run"))} == {"dpo"}
+
+
+@pytest.mark.parametrize("argv,words", [
+    (["--task", "dpo,dpo"], ["--task dpo,dpo: a task is named twice"]),
+    (["--task", "dpo", "--emulate-card", "T4"], ["--task dpo and --emulate-card", "not wired"]),
+    (["--task", "kto", "--cap", "corrected"], ["--task kto and --cap corrected"]),
+    (["--task", "orpo", "--min-free"], ["--task orpo and --min-free"]),
+])
+def test_a_task_beside_a_constraint_not_wired_for_it_is_one_line(capfd, argv, words):
+    one_error_line(*main(capfd, argv), *words)
+
+
+def test_a_task_runs_under_soups_own_cap():
+    assert settled("--task", "dpo", "--cap", "soup").tasks == ("dpo",)
