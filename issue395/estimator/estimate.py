@@ -411,10 +411,10 @@ class Estimate:
     optimizer: str = DEFAULT_OPTIMIZER  # its states count from step 2 on
 
     def to_json(self) -> dict:
-        """Every field; the task only where it is not the protocol's and the optimizer only past step 1
-        (an SFT estimate of one step reads as it did before either existed)."""
+        """Every field, the task always (an --estimate JSON row says which task it answers); the
+        optimizer only past step 1, where its states are live."""
         return {k: dict(v) if isinstance(v, dict) else v for k, v in vars(self).items()
-                if not (k == "task" and v == PROTOCOL_TASK) and not (k == "optimizer" and self.steps == 1)}
+                if not (k == "optimizer" and self.steps == 1)}
 
 
 def _whole(name: str, v, low: int = 1) -> int:
