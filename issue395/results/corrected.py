@@ -29,9 +29,9 @@ def _corrected(key: str, quant: str, seq: int, batch: int, targets: tuple, lora_
 
 def corrected(r: Row, env: Optional[dict] = None) -> Optional[int]:
     """This tool's corrected allocated peak for a row's arm (its LoRA targets and r), from its family's
-    public config and the Soup release the row ran (None where the estimator does not model the arm:
-    a task other than SFT is not modelled here yet)."""
-    if not known(r.model_key) or r.task:
+    public config and the Soup release the row ran, at the row's task (None where the estimator does
+    not model the arm)."""
+    if not known(r.model_key):
         return None
     env = env or {}
     return _corrected(r.model_key, r.quant, r.seq, r.batch, tuple(r.targets), r.rank, env.get("soup_cli"),
