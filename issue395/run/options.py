@@ -166,6 +166,7 @@ def _settle(args: argparse.Namespace, argv: list[str]) -> Run:
         twin = next((g for g, q in named[i + 1:] if q == p), None)
         if twin:
             raise UsageError(f"{f} and {twin} name the same file {p}; each output needs its own path")
+    no_output_overwrites_the_config(args, outputs)
     if args.compare and not args.from_json:
         raise UsageError("--compare goes with --from-json")
     if args.from_json:
@@ -258,6 +259,15 @@ def _settle(args: argparse.Namespace, argv: list[str]) -> Run:
                cap=args.cap,
                emulate_card=args.emulate_card, context=parse_context(args.context), min_free=args.min_free, gpus=gpus, shard=shard, json=args.json,
                markdown=args.markdown, plot=args.plot, steps=one_int("--steps", args.steps, 1), argv=tuple(argv))
+
+
+def no_output_overwrites_the_config(args: argparse.Namespace, outputs: dict) -> None:
+    """--config's soup.yaml is an input as --model's config is: no output (nor --json's row
+    file) may be it under any spelling (../, a symlink, a hard link), in any mode."""
+    if args.config is None:
+        return
+    rows = {"--json's row file": str(RowFile.path_for(args.json))} if args.json not in (None, "-") else {}
+    no_output_is_an_input({**outputs, **rows}, [("--config", os.path.expanduser(args.config))])
 
 
 def settle_config(args: argparse.Namespace, argv: list[str]) -> Run:

@@ -1,0 +1,38 @@
+"""Issue 29's new user, round three: each defect they hit, on CPU, with the real Soup loader."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+from conftest import main, one_error_line
+
+#: The README's soup.yaml (Mistral-7B NF4, LoRA r 8 on q_proj, v_proj).
+README_YAML = ("base: mistralai/Mistral-7B-v0.3\ndata: {{train: data.jsonl, max_length: {seq}}}\n"
+               "training:\n  batch_size: 1\n  quantization: 4bit\n  stream_layers: true\n"
+               "  lora: {{r: {r}, alpha: 16, target_modules: {targets}}}\n{extra}")
+
+
+def soup_yaml(folder, seq=2048, r=8, targets="[q_proj, v_proj]", extra="", name="soup.yaml"):
+    path = folder / name
+    path.write_text(README_YAML.format(seq=seq, r=r, targets=targets, extra=extra))
+    return path
+
+
+# 1. --json never overwrites the user's soup.yaml ------------------------------------------------
+
+@pytest.mark.parametrize("spelling", ["same", "dot", "dotdot", "symlink", "dry-run"])
+def test_item1_json_onto_the_soup_yaml_is_one_line_and_the_file_is_kept(capfd, tmp_path, monkeypatch, spelling):
+    sub = tmp_path / "sub"
+    sub.mkdir()
+    config = soup_yaml(tmp_path)
+    before = config.read_text()
+    monkeypatch.chdir(sub)
+    out = {"same": str(config), "dot": "./../soup.yaml", "dotdot": f"../sub/../soup.yaml",
+           "symlink": "link.yaml", "dry-run": "../soup.yaml"}[spelling]
+    if spelling == "symlink":
+        os.symlink(config, sub / "link.yaml")
+    argv = (["--dry-run"] if spelling == "dry-run" else ["--estimate"]) + ["--config", config, "--json", out]
+    one_error_line(*main(capfd, argv), "--json", "--config", "overwrite")
+    assert config.read_text() == before
