@@ -36,3 +36,14 @@ def test_item1_json_onto_the_soup_yaml_is_one_line_and_the_file_is_kept(capfd, t
     argv = (["--dry-run"] if spelling == "dry-run" else ["--estimate"]) + ["--config", config, "--json", out]
     one_error_line(*main(capfd, argv), "--json", "--config", "overwrite")
     assert config.read_text() == before
+
+
+# 5. a config transformers writes itself -------------------------------------------------------
+
+def test_item5_a_gemma2_config_saved_by_transformers_is_estimated(capfd, tmp_path):
+    from transformers import AutoConfig
+
+    AutoConfig.for_model("gemma2").save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["use_bidirectional_attention"] is None
+    code, out, err = main(capfd, ["--estimate", "--model", tmp_path, "--seq", "512"])
+    assert code == 0 and "needs free" in out, err
