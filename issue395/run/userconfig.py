@@ -41,13 +41,30 @@ class UserRun:
     stream_options: dict  # 0.77.0's streaming modes, as the file sets them (none on 0.73.3)
 
 
+#: What soup-cli's config loader imports beyond soup-cli itself (soup_cli/config/loader.py and
+#: schema.py), by module -> the package pip installs it from: a `pip install --no-deps soup-cli`
+#: (enough for --estimate --model) lacks them.
+LOADER_NEEDS = {"yaml": "pyyaml", "pydantic": "pydantic", "rich": "rich"}
+
+
+def missing_for_loader(exc: ImportError) -> str:
+    """The one line for a loader that cannot be imported: the package that is missing, by name."""
+    top = (exc.name or "").split(".")[0]
+    if top == "soup_cli":
+        return "--config needs soup-cli installed: its own loader reads the file (pip install soup-cli)"
+    package = LOADER_NEEDS.get(top, top or "a dependency")
+    return (f"--config needs {package} (module {top or '?'}), which soup-cli's config loader imports and is not "
+            f"installed here: a `pip install --no-deps soup-cli` lacks it; pip install "
+            f"{' '.join(LOADER_NEEDS.values())}")
+
+
 def read_soup_config(path: str) -> UserRun:
     """A soup.yaml through soup_cli.config.loader (its own schema and validators): one line for a
     file Soup refuses, a config Soup would not stream, or an option the estimator does not model."""
     try:
         from soup_cli.config.loader import load_config_from_string
-    except ImportError:
-        raise UsageError("--config needs soup-cli installed: its own loader reads the file") from None
+    except ImportError as exc:
+        raise UsageError(missing_for_loader(exc)) from None
     try:
         text = Path(path).expanduser().read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:

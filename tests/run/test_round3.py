@@ -47,3 +47,26 @@ def test_item5_a_gemma2_config_saved_by_transformers_is_estimated(capfd, tmp_pat
     assert json.loads((tmp_path / "config.json").read_text())["use_bidirectional_attention"] is None
     code, out, err = main(capfd, ["--estimate", "--model", tmp_path, "--seq", "512"])
     assert code == 0 and "needs free" in out, err
+
+
+# 6. soup-cli installed --no-deps: what is missing is named -------------------------------------
+
+@pytest.mark.parametrize("module, package", [("yaml", "pyyaml"), ("pydantic", "pydantic"), ("rich", "rich")])
+def test_item6_a_no_deps_soup_cli_names_the_missing_package_not_soup_cli(capfd, tmp_path, monkeypatch, module,
+                                                                        package):
+    import sys
+
+    for name in [n for n in sys.modules if n == module or n.startswith(module + ".")
+                 or n.startswith("soup_cli.config")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, module, None)  # as if pip install --no-deps soup-cli
+    line = one_error_line(*main(capfd, ["--estimate", "--config", soup_yaml(tmp_path)]), package, "--no-deps")
+    assert "needs soup-cli installed" not in line
+
+
+def test_item6_the_readme_does_not_say_no_deps_is_enough_for_config():
+    from conftest import ROOT
+
+    text = " ".join((ROOT / "README.md").read_text().split())
+    assert "`pip install --no-deps soup-cli` is enough" not in text
+    assert "pyyaml" in text
