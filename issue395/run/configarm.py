@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 from dataclasses import dataclass
 from typing import Optional
 
@@ -32,6 +33,25 @@ def config_clash(args: argparse.Namespace) -> None:
         raise UsageError(f"--config and {given[0]} are exclusive: the file gives it")
     if args.map:
         raise UsageError("--config and --map are exclusive: the file is one arm")
+
+
+#: The option --config stands in for -> the soup.yaml key that gave its value, so an error
+#: names what the user wrote, not a flag they never typed.
+FILE_KEYS = (("--estimate --model", "base"), ("--model", "base"), ("--seq", "data.max_length"),
+             ("--batch", "training.batch_size"), ("--lora-r", "training.lora.r"),
+             ("--targets", "training.lora.target_modules"), ("--quant", "training.quantization"),
+             ("--expert-layout", "training.stream_expert_layout"), ("--loss-chunk", "training.stream_loss_chunk"),
+             ("--recompute", "training.stream_recompute"))
+
+
+def in_the_files_words(message: str, path: str) -> str:
+    """A usage error raised on the options a soup.yaml replaced, in the file's own keys, under
+    --config PATH (a message already about the file is kept as it is)."""
+    if message.startswith("--config "):
+        return message
+    for flag, key in FILE_KEYS:
+        message = re.sub(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", key, message)
+    return f"--config {path}: {message}"
 
 
 def config_arguments(args: argparse.Namespace) -> argparse.Namespace:

@@ -37,7 +37,7 @@ from .checks import (
     within_positions,
     writable_folder,
 )
-from .configarm import config_arguments, config_arm, config_clash
+from .configarm import config_arguments, config_arm, config_clash, in_the_files_words
 from .grid import plan_arms, plan_map, shard_of
 from .parser import build_parser
 from .scratch import soup_shard_root
@@ -374,6 +374,16 @@ def estimate_config(model: Optional[str]) -> tuple[str, dict]:
 
 
 def settle_estimate(args: argparse.Namespace, argv: list[str]) -> Run:
+    """--estimate's checks; from --config, an error names the file's keys (configarm.in_the_files_words)."""
+    if args.config is None:
+        return settle_estimate_options(args, argv)
+    try:
+        return settle_estimate_options(args, argv)
+    except UsageError as exc:
+        raise UsageError(in_the_files_words(str(exc), args.config)) from None
+
+
+def settle_estimate_options(args: argparse.Namespace, argv: list[str]) -> Run:
     """--estimate's own checks: a config, seqs, and nothing that needs a GPU or Soup's setup."""
     for flag in ("--sweep", "--measure", "--sdpa", "--map", "--determinism", "--models", "--families",
                  "--dry-run", "--isolate", "--gpus", "--shard", "--snapshot", "--snapshot-dir", "--markdown",

@@ -331,9 +331,9 @@ def estimate_run(run: Run) -> int:
     except UnknownRelease:  # the release's fault, not the model's: said without naming the model
         raise
     except UsageError as exc:
-        raise UsageError(f"--estimate --model {run.custom_model}: {exc}") from None
+        raise UsageError(f"--estimate {estimated_as(run)}: {exc}") from None
     except Exception as exc:  # a config value of a kind no real config has
-        raise UsageError(f"--estimate --model {run.custom_model}: cannot be estimated ({last_line(exc)})") from None
+        raise UsageError(f"--estimate {estimated_as(run)}: cannot be estimated ({last_line(exc)})") from None
     notes = estimate_notes(run.estimate_config, run.quants)
     named = f"{run.custom_model}, from --config {run.soup_config}" if run.soup_config else run.custom_model
     text = (f"--estimate: {named} (Soup's pre-flight: computed by Soup's own estimator code; "
@@ -353,6 +353,11 @@ def estimate_run(run: Run) -> int:
             print(f"error: --json {run.json} could not be written ({exc.strerror or exc})", file=sys.stderr)
             return EXIT_USAGE
     return EXIT_OK
+
+
+def estimated_as(run: Run) -> str:
+    """What the user named: --config's file and its base, else --model."""
+    return f"--config {run.soup_config} (base {run.custom_model})" if run.soup_config else f"--model {run.custom_model}"
 
 
 def estimate_notes(config: dict, quants) -> list[str]:

@@ -70,3 +70,20 @@ def test_item6_the_readme_does_not_say_no_deps_is_enough_for_config():
     text = " ".join((ROOT / "README.md").read_text().split())
     assert "`pip install --no-deps soup-cli` is enough" not in text
     assert "pyyaml" in text
+
+
+# 7. with --config alone, errors name the file's keys, not flags never typed ----------------------
+
+@pytest.mark.parametrize("edit, words", [
+    (dict(seq=40960), ["data.max_length 40960", "maximum positions"]),
+    (dict(extra="  batch_size: 5000\n"), ["training.batch_size 5000"]),
+    (dict(r=4096), ["training.lora.r 4096"]),
+    (dict(targets="[q_proj, foo]"), ["foo", "base mistralai/Mistral-7B-v0.3"]),
+], ids=["seq", "batch", "r", "targets"])
+def test_item7_errors_from_the_file_name_its_keys_not_flags(capfd, tmp_path, edit, words):
+    path = soup_yaml(tmp_path, **{k: v for k, v in edit.items() if k != "extra"})
+    if "extra" in edit:
+        path.write_text(path.read_text().replace("  batch_size: 1\n", edit["extra"]))
+    line = one_error_line(*main(capfd, ["--estimate", "--config", path]), f"--config {path}", *words)
+    for flag in ("--seq", "--batch", "--lora-r", "--targets", "--model"):
+        assert flag not in line, line
