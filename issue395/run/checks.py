@@ -7,6 +7,7 @@ import contextlib
 import os
 import re
 import stat
+import tempfile
 from pathlib import Path
 from typing import Iterable, Optional
 
@@ -84,8 +85,18 @@ def writable_folder(flag: str, folder: str, given: Optional[str] = None) -> None
         raise UsageError(f"{named}: {p} is not a folder" if given is not None else f"{named}: not a folder")
     while not p.exists():
         p = p.parent
-    if not p.is_dir() or not os.access(p, os.W_OK):
+    if not p.is_dir() or not os.access(p, os.W_OK) or not can_make_in(p):
         raise UsageError(f"{named}: {'its folder ' if given is not None else ''}{p} cannot be written")
+
+
+def can_make_in(folder: Path) -> bool:
+    """A folder can be made in ``folder``: tried, and removed (os.access says yes to root on /proc,
+    and a read-only mount answers only when written)."""
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".issue395-probe-", dir=folder))
+    except OSError:
+        return False
+    return True
 
 
 def check_output(flag: str, path: str) -> None:

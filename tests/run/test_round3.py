@@ -87,3 +87,11 @@ def test_item7_errors_from_the_file_name_its_keys_not_flags(capfd, tmp_path, edi
     line = one_error_line(*main(capfd, ["--estimate", "--config", path]), f"--config {path}", *words)
     for flag in ("--seq", "--batch", "--lora-r", "--targets", "--model"):
         assert flag not in line, line
+
+
+# 8. a --log-dir no file can be made in ----------------------------------------------------------
+
+@pytest.mark.parametrize("folder", ["/proc/x", "/proc/x/y", "/proc"])
+def test_item8_a_log_dir_where_nothing_can_be_made_is_one_line_before_any_arm(capfd, tmp_path, folder):
+    argv = ["--dry-run", "--config", soup_yaml(tmp_path), "--log-dir", folder]
+    one_error_line(*main(capfd, argv), "--log-dir", folder)
