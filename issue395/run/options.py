@@ -287,13 +287,26 @@ def emulate_card(args: argparse.Namespace, repeats: Optional[int]) -> None:
     from ..estimator.cards import parse_card
 
     try:
-        parse_card(args.emulate_card)
+        card = parse_card(args.emulate_card)
     except UsageError as exc:
         raise UsageError(str(exc).replace("--card", "--emulate-card", 1)) from None
+    context_within_cards("--emulate-card", [card], parse_context(args.context))
     if args.dry_run or args.cap is not None or repeats or args.measure or args.sdpa or args.snapshot \
             or args.snapshot_dir:
         raise UsageError("--emulate-card holds CUDA memory outside the allocator for each arm in a fresh process: "
                          "not with --dry-run, --cap, --determinism, --measure, --sdpa or --snapshot")
+
+
+def context_within_cards(flag: str, cards, context: Optional[int]) -> None:
+    """A --context that leaves a card nothing once the runtime's growth is out (cards.step_free) is
+    one line, never a table of negative free memory."""
+    from ..estimator.cards import step_free
+
+    short = next((c for c in cards if context is not None and step_free(c.total_bytes - context) <= 0), None)
+    if short is not None:
+        raise UsageError(f"--context {context / 1e9:g} GB leaves {flag} {short.name} ({short.total_bytes / 1e9:.2f} GB "
+                         "total) no free memory for a step: the context is part of the card's total; give the "
+                         "context your card leaves, as an idle process sees it")
 
 
 def settle_map(args: argparse.Namespace, argv: list[str]) -> Run:
@@ -421,6 +434,7 @@ def settle_estimate_options(args: argparse.Namespace, argv: list[str]) -> Run:
     context = parse_context(args.context)
     if context is not None and not cards:
         raise UsageError("--context goes with --card: it is the context of the card to fit")
+    context_within_cards("--card", cards, context)
     stream = estimate_stream(args)
     if stream:  # Soup's own refusals and the modes' physics, in one line before any table
         estimate(config, quant=quants[0], seq=seqs[0], targets=targets, stream=stream)

@@ -95,3 +95,16 @@ def test_item7_errors_from_the_file_name_its_keys_not_flags(capfd, tmp_path, edi
 def test_item8_a_log_dir_where_nothing_can_be_made_is_one_line_before_any_arm(capfd, tmp_path, folder):
     argv = ["--dry-run", "--config", soup_yaml(tmp_path), "--log-dir", folder]
     one_error_line(*main(capfd, argv), "--log-dir", folder)
+
+
+# 9. a --context the card cannot hold ----------------------------------------------------------
+
+@pytest.mark.parametrize("context, card", [("20", "T4"), ("16", "T4"), ("4.2", "RTX3050-Laptop-4GB"), ("3", "3GB")])
+def test_item9_a_context_as_large_as_the_card_is_one_line(capfd, tmp_path, context, card):
+    argv = ["--estimate", "--config", soup_yaml(tmp_path), "--card", f"A10G,{card}", "--context", context]
+    one_error_line(*main(capfd, argv), "--context", card)
+
+
+def test_item9_a_context_the_card_holds_still_answers(capfd, tmp_path):
+    code, out, err = main(capfd, ["--estimate", "--config", soup_yaml(tmp_path), "--card", "T4", "--context", "2"])
+    assert code == 0 and "-0." not in out and "-1" not in out, err
