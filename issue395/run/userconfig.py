@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -111,6 +112,29 @@ def read_soup_config(path: str) -> UserRun:
                    int(lora.alpha), tuple(targets), int(t.stream_buffers), stream)
 
 
+#: Seconds to wait for the hub's TCP connection before saying it cannot be reached: huggingface_hub
+#: itself retries a failed connection five times with back-off (23 s of silence measured offline).
+HUB_CONNECT_S = 3
+
+
+def hub_reachable(model: str) -> None:
+    """The hub's endpoint (HF_ENDPOINT honoured) answers a TCP connection, or one line at once."""
+    import socket
+    from urllib.parse import urlsplit
+
+    from huggingface_hub import constants
+
+    url = urlsplit(constants.ENDPOINT)
+    host, port = url.hostname or "huggingface.co", url.port or (443 if url.scheme == "https" else 80)
+    try:
+        socket.create_connection((host, port), timeout=HUB_CONNECT_S).close()
+    except OSError as exc:
+        why = exc.strerror or (type(exc).__name__ if not str(exc) else str(exc))
+        raise UsageError(f"--model {model}: not in the local Hugging Face cache, and the hub ({host}) cannot be "
+                         f"reached ({why}): give a config.json or a checkpoint folder, or fetch it where the "
+                         "hub is reachable") from None
+
+
 def hub_config(model: str) -> dict[str, Any]:
     """A hub id's config.json: the local Hugging Face cache first (HF_HUB_CACHE honoured), then,
     unless offline, that one file fetched alone. Offline with no cached copy: one line."""
@@ -126,7 +150,10 @@ def hub_config(model: str) -> dict[str, Any]:
             raise UsageError(f"--model {model}: no config.json in the local Hugging Face cache, and offline")
         import logging
 
+        hub_reachable(model)
         logging.getLogger("huggingface_hub").setLevel(logging.ERROR)  # its retries: not our one line
+        print(f"fetching {model}'s config.json alone from the hub (not cached here; HF_HUB_OFFLINE=1 "
+              "never fetches) ...", file=sys.stderr, flush=True)
         try:
             path = hf_hub_download(model, "config.json")
         except Exception as exc:

@@ -108,3 +108,54 @@ def test_item9_a_context_as_large_as_the_card_is_one_line(capfd, tmp_path, conte
 def test_item9_a_context_the_card_holds_still_answers(capfd, tmp_path):
     code, out, err = main(capfd, ["--estimate", "--config", soup_yaml(tmp_path), "--card", "T4", "--context", "2"])
     assert code == 0 and "-0." not in out and "-1" not in out, err
+
+
+# 11. an uncached hub id: a fast line, never 23 s of retries in silence ----------------------------
+
+HUB_YAML = ("base: someorg/some-uncached-model\ndata: {train: data.jsonl, max_length: 512}\n"
+            "training: {batch_size: 1, quantization: 4bit, stream_layers: true,\n"
+            "           lora: {r: 8, alpha: 16, target_modules: [q_proj, v_proj]}}\n")
+
+
+def test_item11_an_unreachable_hub_is_one_line_at_once_without_the_download_retries(capfd, tmp_path, monkeypatch):
+    import socket
+    import time
+
+    import huggingface_hub
+
+    def unreachable(*a, **k):
+        raise socket.gaierror(-2, "Name or service not known")
+
+    def retried(*a, **k):  # huggingface_hub's own path: 5 retries with back-off, 23 s measured
+        raise AssertionError("hf_hub_download was reached")
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(socket, "create_connection", unreachable)
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", retried)
+    (tmp_path / "s.yaml").write_text(HUB_YAML)
+    t = time.perf_counter()
+    one_error_line(*main(capfd, ["--estimate", "--config", tmp_path / "s.yaml"]), "someorg/some-uncached-model",
+                   "cannot be reached", "Name or service not known")
+    assert time.perf_counter() - t < 5
+
+
+def test_item11_a_reachable_hub_says_it_is_fetching_before_it_waits(capfd, tmp_path, monkeypatch):
+    import socket
+
+    import huggingface_hub
+    from issue395.model.registry import config_json
+
+    class Open:
+        def close(self):
+            pass
+
+    fetched = tmp_path / "config.json"
+    fetched.write_text(json.dumps(config_json("mistral-7b")))
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(socket, "create_connection", lambda *a, **k: Open())
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", lambda *a, **k: str(fetched))
+    (tmp_path / "s.yaml").write_text(HUB_YAML)
+    code, out, err = main(capfd, ["--estimate", "--config", tmp_path / "s.yaml"])
+    assert code == 0 and "fetching" in err and "someorg/some-uncached-model" in err, err
