@@ -181,7 +181,10 @@ def per_arm_table(rows: list[Estimate], cards, answers: list[list[dict]], heads:
 def seq_direction(a: dict) -> str:
     """Which way Soup's longest seq differs from the longest that fits (this estimator)."""
     fit, soup = a["longest_seq"], a["longest_seq_soup_admits"]
-    if soup is not None and (fit is None or soup > fit):
-        return (f"Soup admits seq up to {soup}, a run that will OOM past {seq_words(fit)} "
+    if soup is not None and fit is None:
+        return f"Soup admits seq up to {soup}, but no seq fits: every one will OOM (Soup admits a run that will OOM)"
+    if soup is not None and soup > fit:
+        return (f"Soup admits seq up to {soup}, a run that will OOM past {fit} "
                 "(Soup admits a run that will OOM)")
-    return f"Soup refuses seq past {seq_words(soup)}, runs that would fit up to {fit} (Soup refuses a run that would fit)"
+    refused = "every seq" if soup is None else f"seq past {soup}"
+    return f"Soup refuses {refused}, runs that would fit up to {fit} (Soup refuses a run that would fit)"

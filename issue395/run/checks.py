@@ -13,6 +13,7 @@ from typing import Iterable, Optional
 
 from ..constants import comma_list
 from ..errors import UsageError
+from ..record import SOUP_QUANT
 
 #: The largest value each whole-number option takes: batch sizes no real run has, seq lengths
 #: beyond any model's positions, and counts that would only run for hours are refused up front.
@@ -55,6 +56,10 @@ def parse_ints(flag: str, text: Optional[str], minimum: int = 1,
     return tuple(out)
 
 
+#: A choice spelt as Soup's config spells it -> this tool's name for it (record.SOUP_QUANT).
+SPELLED = {"--quant": {soup: ours for ours, soup in SOUP_QUANT.items() if soup != ours}}
+
+
 def distinct_choices(flag: str, text: str, allowed: tuple[str, ...], noun: str) -> tuple[str, ...]:
     """A comma list of names from ``allowed``, none twice (a name twice is said as such only
     when every name is known; else what to choose from)."""
@@ -62,7 +67,8 @@ def distinct_choices(flag: str, text: str, allowed: tuple[str, ...], noun: str) 
     if len(set(items)) != len(items) and all(i in allowed for i in items):
         raise UsageError(f"{flag} {text}: a {noun} is named twice")
     if any(i not in allowed for i in items):
-        raise UsageError(f"{flag} {text!r}: choose from {','.join(allowed)}")
+        hints = [f"Soup's {i} is {SPELLED[flag][i]} here" for i in items if i in SPELLED.get(flag, {})]
+        raise UsageError(f"{flag} {text!r}: choose from {','.join(allowed)}" + (f" ({'; '.join(hints)})" if hints else ""))
     return items
 
 

@@ -59,6 +59,17 @@ def missing_for_loader(exc: ImportError) -> str:
             f"{' '.join(LOADER_NEEDS.values())}")
 
 
+def soups_words(message: str) -> str:
+    """Soup's loader joins pydantic's errors as 'loc: msg'; a check on the whole file has no loc
+    (': Value error, ...'): its words alone, without pydantic's 'Value error, ' prefix."""
+    parts = []
+    for part in " ".join(message.split()).split("; "):
+        loc, sep, msg = part.rpartition(": ")
+        msg = msg[len("Value error, "):] if msg.startswith("Value error, ") else msg
+        parts.append(f"{loc}: {msg}" if sep and loc.strip() else msg)
+    return "; ".join(parts)
+
+
 def read_soup_config(path: str) -> UserRun:
     """A soup.yaml through soup_cli.config.loader (its own schema and validators): one line for a
     file Soup refuses, a config Soup would not stream, or an option the estimator does not model."""
@@ -73,7 +84,7 @@ def read_soup_config(path: str) -> UserRun:
     try:
         cfg = load_config_from_string(text)
     except Exception as exc:  # Soup's own validation: its message, one line
-        msg = " ".join(str(exc).split())
+        msg = soups_words(str(exc))
         raise UsageError(f"--config {path}: Soup refuses it: {msg[:300]}") from None
     t = cfg.training
     if not getattr(t, "stream_layers", False):

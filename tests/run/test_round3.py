@@ -159,3 +159,41 @@ def test_item11_a_reachable_hub_says_it_is_fetching_before_it_waits(capfd, tmp_p
     (tmp_path / "s.yaml").write_text(HUB_YAML)
     code, out, err = main(capfd, ["--estimate", "--config", tmp_path / "s.yaml"])
     assert code == 0 and "fetching" in err and "someorg/some-uncached-model" in err, err
+
+
+# 12. wording ------------------------------------------------------------------------------------
+
+def test_item12_soups_whole_file_refusal_has_no_empty_location_nor_pydantics_prefix(capfd, tmp_path):
+    path = soup_yaml(tmp_path, extra="")
+    path.write_text(path.read_text().replace("stream_layers: true", "stream_layers: false\n  stream_vram_probe: true"))
+    line = one_error_line(*main(capfd, ["--estimate", "--config", path]), "Soup refuses it", "stream_layers")
+    assert ": :" not in line and "Value error" not in line, line
+
+
+@pytest.mark.parametrize("mode", [["--estimate", "--model", "mistral-7b", "--seq", "512"], ["--map", "--dry-run"]])
+def test_item12_quant_4bit_is_told_soups_4bit_is_nf4_here(capfd, mode):
+    one_error_line(*main(capfd, mode + ["--quant", "4bit"]), "--quant", "nf4", "Soup's 4bit")
+
+
+def test_item12_a_card_no_seq_fits_on_says_so_not_oom_past_none():
+    from issue395.estimator.fits import seq_direction
+
+    text = seq_direction({"longest_seq": None, "longest_seq_soup_admits": 4096})
+    assert "past none" not in text and "4096" in text and "no seq" in text, text
+
+
+def test_item12_a_schema1_row_with_an_impossible_seq_blames_seq_not_vocab(capfd, tmp_path):
+    from conftest import ROOT
+
+    saved = json.loads((ROOT / "results/record-h200x2-soup0.73.3-e7c26f7/h200-2026-11-30-full-cold.json").read_text())
+    saved["rows"][0]["seq"] = 10**30
+    (tmp_path / "bad.json").write_text(json.dumps(saved))
+    line = one_error_line(*main(capfd, ["--from-json", tmp_path / "bad.json"]), "'seq'")
+    assert "vocab" not in line, line
+
+
+def test_item12_soup_refusing_every_seq_says_so_not_past_none():
+    from issue395.estimator.fits import seq_direction
+
+    text = seq_direction({"longest_seq": 2048, "longest_seq_soup_admits": None})
+    assert "past none" not in text and "every seq" in text, text
