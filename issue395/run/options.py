@@ -84,6 +84,9 @@ class Run:
     stream: tuple = ()  # --estimate: soup-cli 0.77.0's streaming modes, (training key, value) pairs
     lora_r: int = LORA_R  # --config's (or --estimate's --lora-r): every other arm runs the protocol's
     lora_alpha: int = LORA_ALPHA
+    fit_exit: bool = False  # --exit-code: --estimate exits 1 when the run does not fit a card
+    card_list: bool = False  # --card list: the named cards, nothing estimated
+    from_file: Optional[dict] = None  # --estimate --config: what the soup.yaml sets beyond the options it replaces
     child: bool = False  # a child of --gpus, --isolate or --determinism (never the command line)
     repeat_tag: Optional[int] = None  # a child's repeat of --determinism
     argv: tuple = ()
@@ -113,6 +116,11 @@ def not_an_empty_shard(run: Run) -> None:
 
 def settle(args: argparse.Namespace, argv: list[str]) -> Run:
     """Every check that needs no GPU and no Soup setup, before anything runs or prints."""
+    listed = card_list_run(args, argv)
+    if listed is not None:
+        return listed
+    if args.exit_code and not args.estimate:
+        raise UsageError("--exit-code goes with --estimate (its exit code says whether the run fits)")
     try:
         run = _settle(args, argv)
         if run.shard and not run.estimate and not run.from_json:
@@ -261,6 +269,17 @@ def _settle(args: argparse.Namespace, argv: list[str]) -> Run:
                markdown=args.markdown, plot=args.plot, steps=one_int("--steps", args.steps, 1), argv=tuple(argv))
 
 
+def card_list_run(args: argparse.Namespace, argv: list[str]) -> Optional[Run]:
+    """--card list, alone (or beside --estimate): the named cards and their sources, nothing else."""
+    if args.card is None or args.card.strip().lower() != "list":
+        return None
+    defaults = vars(build_parser().parse_args([]))
+    extra = [k for k, v in vars(args).items() if k not in ("card", "estimate") and v != defaults.get(k)]
+    if extra:
+        raise UsageError(f"--card list and --{extra[0].replace('_', '-')} are exclusive: it lists the named cards")
+    return Run(run_arms=False, estimate=True, card_list=True, argv=tuple(argv))
+
+
 def no_output_overwrites_the_config(args: argparse.Namespace, outputs: dict) -> None:
     """--config's soup.yaml is an input as --model's config is: no output (nor --json's row
     file) may be it under any spelling (../, a symlink, a hard link), in any mode."""
@@ -400,7 +419,7 @@ def settle_estimate_options(args: argparse.Namespace, argv: list[str]) -> Run:
     """--estimate's own checks: a config, seqs, and nothing that needs a GPU or Soup's setup."""
     for flag in ("--sweep", "--measure", "--sdpa", "--map", "--determinism", "--models", "--families",
                  "--dry-run", "--isolate", "--gpus", "--shard", "--snapshot", "--snapshot-dir", "--markdown",
-                 "--plot", "--log-dir", "--cache-dir", "--verbose", "--cap", "--emulate-card", "--min-free"):
+                 "--plot", "--log-dir", "--cache-dir", "--cap", "--emulate-card", "--min-free"):
         if getattr(args, flag.strip("-").replace("-", "_")) not in (None, False):
             raise UsageError(f"--estimate and {flag} are exclusive: an estimate runs nothing")
     if args.config is not None:
@@ -438,10 +457,15 @@ def settle_estimate_options(args: argparse.Namespace, argv: list[str]) -> Run:
     stream = estimate_stream(args)
     if stream:  # Soup's own refusals and the modes' physics, in one line before any table
         estimate(config, quant=quants[0], seq=seqs[0], targets=targets, stream=stream)
+    if args.exit_code and not cards:
+        raise UsageError("--exit-code needs --card: it says whether the run fits a card")
+    steps = one_int("--steps", args.steps, 1)
     return Run(run_arms=False, estimate=True, estimate_config=config, custom_model=name, quants=quants, seqs=seqs,
                stream=tuple(sorted(stream.items())),
                batches=parse_ints("--batch", args.batch) or (1,), targets=targets,
-               lora_r=one_int("--lora-r", args.lora_r, 8), steps=one_int("--steps", args.steps, 1),
+               lora_r=one_int("--lora-r", args.lora_r, 8), steps=steps, verbose=args.verbose,
+               lora_alpha=getattr(args, "lora_alpha", None) or LORA_ALPHA, fit_exit=args.exit_code,
+               from_file=getattr(args, "from_file", None),
                cards=cards, context=context, soup_config=args.config, json=args.json, argv=tuple(argv))
 
 

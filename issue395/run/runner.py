@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from ..errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, UsageError, last_line
+from ..errors import EXIT_FINDING, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, UsageError, last_line
 from ..model.arm import Arm
 from ..model.registry import SHAPES, Shape, family_of
 from ..results.merge import merge
@@ -314,20 +314,27 @@ def estimate_run(run: Run) -> int:
     from ..estimator.arch import protocol_targets
     from ..estimator.estimate import estimate
     from ..estimator.soup_number import arch_of, installed_release
-    from ..estimator.fits import budgets_for, card_answers, estimate_table
+    from ..estimator.fits import (Gate, budgets_for, card_answers, card_list, estimate_for, estimate_table,
+                                  steps_words, verdict_lines)
     from ..estimator.releases import UnknownRelease, physics_label
 
+    if run.card_list:
+        print(card_list(), end="")
+        return EXIT_OK
+    user = run.from_file or {}
+    gate, optimizer = Gate(user.get("gate_override"), bool(user.get("probe"))), user.get("optimizer")
     kw = {"targets": run.targets, "lora_r": run.lora_r}
     try:
-        rows = [estimate(run.estimate_config, quant=q, seq=s, batch=b, targets=run.targets, lora_r=run.lora_r,
-                         steps=run.steps, stream=dict(run.stream))
+        rows = [estimate_for(run.estimate_config, quant=q, seq=s, batch=b, targets=run.targets, lora_r=run.lora_r,
+                             steps=run.steps, stream=dict(run.stream), optimizer=optimizer)
                 for q in run.quants for s in run.seqs for b in run.batches]
         budgets = budgets_for(run.cards, run.context)
-        answers = [card_answers(run.estimate_config, e, budgets, env=workspace_env(), stream=dict(run.stream), **kw)
+        answers = [card_answers(run.estimate_config, e, budgets, env=workspace_env(), stream=dict(run.stream),
+                                gate=gate, optimizer=optimizer, **kw)
                    for e in rows]
         installed = installed_release()
         table = estimate_table(rows, run.cards, run.estimate_config, answers=answers,
-                               release_label=physics_label(installed, rows[0].release), **kw)
+                               release_label=physics_label(installed, rows[0].release), verbose=run.verbose, **kw)
     except UnknownRelease:  # the release's fault, not the model's: said without naming the model
         raise
     except UsageError as exc:
@@ -336,15 +343,21 @@ def estimate_run(run: Run) -> int:
         raise UsageError(f"--estimate {estimated_as(run)}: cannot be estimated ({last_line(exc)})") from None
     notes = estimate_notes(run.estimate_config, run.quants)
     named = f"{run.custom_model}, from --config {run.soup_config}" if run.soup_config else run.custom_model
-    text = (f"--estimate: {named} (Soup's pre-flight: computed by Soup's own estimator code; "
-            "corrected and needs free: this tool's estimator, from the config alone)\n" + table
-            + "".join(f"note: {n}\n" for n in notes))
+    answer = steps_words(run.steps, user.get("steps_from"))
+    text = (f"--estimate: {named}: {answer}\n" + "".join(f"  {v}\n" for v in verdict_lines(rows, run.cards, answers))
+            + "".join(f"  from the file: {k}\n" for k in user.get("keys", ()))
+            + "(Soup's pre-flight: computed by Soup's own estimator code; corrected and needs free: this tool's "
+            "estimator, from the config alone)\n" + table + "".join(f"note: {n}\n" for n in notes))
     print(text, end="")
+    fits_all = all(a["fits"] for per in answers for a in per)
     if run.json:
         targets = run.targets or protocol_targets(arch_of(run.estimate_config))
         data = {"tool": TOOL, "schema": SCHEMA, "kind": "estimate",
                 "model": run.custom_model, "soup_cli": installed, "physics_release": rows[0].release,
-                "targets": list(targets),
+                "targets": list(targets), "config": run.soup_config, "lora_alpha": run.lora_alpha,
+                "stream": dict(run.stream), "steps": run.steps, "answer": answer,
+                "soup_gate": {"rule": gate.rule, "override_bytes": gate.override},
+                "config_keys": list(user.get("keys", ())), "fits_every_card": fits_all if run.cards else None,
                 "lora_r": run.lora_r, "cards": [{"card": c.name, "bytes": c.total_bytes} for c in run.cards],
                 "notes": notes, "rows": [dict(r.to_json(), cards=a) for r, a in zip(rows, answers)]}
         try:
@@ -352,7 +365,7 @@ def estimate_run(run: Run) -> int:
         except OSError as exc:
             print(f"error: --json {run.json} could not be written ({exc.strerror or exc})", file=sys.stderr)
             return EXIT_USAGE
-    return EXIT_OK
+    return EXIT_FINDING if run.fit_exit and not fits_all else EXIT_OK
 
 
 def estimated_as(run: Run) -> str:

@@ -40,7 +40,8 @@ def test_estimate_under_a_release_it_does_not_know_uses_the_nearest_and_says_so(
     out = tmp_path / "e.json"
     code, stdout, err = main(capfd, ["--estimate", "--model", "llama31-8b", "--seq", "512", "--json", out])
     assert code == 0, err
-    assert stdout.splitlines()[1].startswith("soup-cli 0.76.1 (physics of 0.77.0, the nearest known release)")
+    head = next(line for line in stdout.splitlines() if line.startswith("soup-cli"))  # below the verdict lines
+    assert head.startswith("soup-cli 0.76.1 (physics of 0.77.0, the nearest known release)")
     data = json.loads(out.read_text())
     assert data["soup_cli"] == "0.76.1" and data["physics_release"] == "0.77.0"
     assert data["rows"][0]["release"] == "0.77.0"
