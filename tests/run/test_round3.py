@@ -409,3 +409,36 @@ def test_build2_without_a_file_estimate_keeps_the_protocols_one_step(capfd, tmp_
     out = tmp_path / "e.json"
     code, text, err = main(capfd, ["--estimate", "--model", "mistral-7b", "--quant", "nf4", "--seq", "512", "--json", out])
     assert code == 0 and json.loads(out.read_text())["steps"] == 1 and "one step" in text.splitlines()[0], err
+
+
+# 13. a --dry-run's Soup number is said to be the CPU budget's; the checkpoint build is not silent --
+
+def test_item13_a_checkpoint_build_says_so_on_stderr_when_it_is_not_a_terminal(capfd):
+    from conftest import TINY
+
+    from issue395.run.checkpoints import Checkpoints
+    from issue395.run.options import Run
+    from issue395.run.scratch import Scratch
+
+    with Scratch() as scratch:
+        checkpoints = Checkpoints(["tiny"], {"tiny": TINY}, Run(models=("tiny",), weights="synthetic"), scratch)
+        checkpoints.get("tiny")
+        checkpoints.close()
+    err = capfd.readouterr().err
+    assert "building" in err and "synthetic checkpoint" in err and "built in" in err, err
+
+
+def test_item13_a_dry_run_table_says_soups_number_there_is_the_cpu_budgets():
+    from dataclasses import replace as swap
+
+    from issue395.report.tables import sweep_table
+    from issue395.results.result import Result
+    from conftest import ROOT
+
+    saved = Result.from_json(json.loads((ROOT / "results/margin-map-in-4-parts-h200-soup0.73.3-3238e1a-to-b3a7891/"
+                                         "full-cold.json").read_text()))
+    measured = sweep_table(saved.rows[:2])
+    assert "float32" not in measured
+    dry = sweep_table([swap(r, dry_run=True, real_peak=None) for r in saved.rows[:2]])
+    (line,) = [ln for ln in dry.splitlines() if "float32" in ln]
+    assert "--estimate" in line and "CPU" in line
