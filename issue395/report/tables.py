@@ -56,6 +56,12 @@ SWEEP_LEGEND = ("corrected: this tool's estimator (issue395.estimate), from the 
                 "copy fit under the real peak (14xE <= real peak)")
 
 
+#: Soup's pre-flight in a CPU dry run reads the model's weights as they load there, float32, so its
+#: number is not the one its gate computes on CUDA (issue 29: 3.16 GB against --estimate's 2.47).
+DRY_RUN_SOUP = ("dry run: Soup's own number in this CPU setup budgets float32 weights (its CPU load); on CUDA "
+                "its gate computes another: --estimate (--config FILE) gives that one")
+
+
 def peak_cell(r: Row) -> str:
     """The real peak, or why there is none: a row with no measurement never shows a figure."""
     return gb(r.real_peak) if r.measured else r.status if r.failure else "n/a (dry run)" if r.dry_run else "-"
@@ -83,6 +89,8 @@ def sweep_table(rows: list[Row], env: Optional[dict] = None) -> str:
                    "estimator" + ("; A10G: the record)" if record else "; no A10G record for this model)"))
         out += table(SWEEP_COLUMNS, [list(sweep_cells(r, env).values()) for r in rows if r.label == model]) + [""]
     out += [SWEEP_LEGEND, overestimate_line(rows), corrected_line(rows, env)]
+    if any(r.dry_run for r in rows):
+        out.append(DRY_RUN_SOUP)
     notes = [f"  {r.label} seq {r.seq} batch {r.batch}: {r.status} - {r.error or ''}"
              + (f" (asked for {r.oom_request / GB:.2f} GB)" if r.oom_request else "")
              for r in rows if r.failure]

@@ -115,6 +115,9 @@ def schema1_row(old: dict[str, Any]) -> dict[str, Any]:
             raise ValueError(f"row field {key!r} is {old[key]!r:.60}, not a number >= 0")
     elements = old.get("elements") or 0
     per = old["seq"] * old["batch"] if is_whole(old.get("seq"), 1) and is_whole(old.get("batch"), 1) else 0
+    if per and elements and elements < per:  # vocab = elements // (seq x batch) would read 0, and be blamed
+        raise ValueError(f"row field 'seq' x 'batch' ({old['seq']} x {old['batch']}) is more than its "
+                         f"'elements' ({elements}): not a row's shape")
     repeat = old.get("repeat") if old.get("repeat") else None
     return {"model": old.get("model"), "model_key": old.get("model_key"), "seq": old.get("seq"),
             "batch": old.get("batch"), "index": old.get("index"), "predicted": old.get("predicted"),

@@ -38,7 +38,7 @@ from .checks import (
     within_positions,
     writable_folder,
 )
-from .configarm import config_arguments, config_arm, config_clash
+from .configarm import config_arguments, config_arm, config_clash, in_the_files_words
 from .grid import plan_arms, plan_map, shard_of
 from .parser import build_parser
 from .scratch import soup_shard_root
@@ -88,6 +88,9 @@ class Run:
     stream: tuple = ()  # --estimate: soup-cli 0.77.0's streaming modes, (training key, value) pairs
     lora_r: int = LORA_R  # --config's (or --estimate's --lora-r): every other arm runs the protocol's
     lora_alpha: int = LORA_ALPHA
+    fit_exit: bool = False  # --exit-code: --estimate exits 1 when the run does not fit a card
+    card_list: bool = False  # --card list: the named cards, nothing estimated
+    from_file: Optional[dict] = None  # --estimate --config: what the soup.yaml sets beyond the options it replaces
     child: bool = False  # a child of --gpus, --isolate or --determinism (never the command line)
     repeat_tag: Optional[int] = None  # a child's repeat of --determinism
     argv: tuple = ()
@@ -117,6 +120,11 @@ def not_an_empty_shard(run: Run) -> None:
 
 def settle(args: argparse.Namespace, argv: list[str]) -> Run:
     """Every check that needs no GPU and no Soup setup, before anything runs or prints."""
+    listed = card_list_run(args, argv)
+    if listed is not None:
+        return listed
+    if args.exit_code and not args.estimate:
+        raise UsageError("--exit-code goes with --estimate (its exit code says whether the run fits)")
     try:
         run = settle_shard_dir(args, settle_lanes(args, _settle(args, argv)))
         if run.shard and not run.estimate and not run.from_json:
@@ -170,6 +178,7 @@ def _settle(args: argparse.Namespace, argv: list[str]) -> Run:
         twin = next((g for g, q in named[i + 1:] if q == p), None)
         if twin:
             raise UsageError(f"{f} and {twin} name the same file {p}; each output needs its own path")
+    no_output_overwrites_the_config(args, outputs)
     if args.compare and not args.from_json:
         raise UsageError("--compare goes with --from-json")
     if args.from_json:
@@ -279,6 +288,26 @@ def settle_tasks(args: argparse.Namespace) -> tuple:
     return tasks
 
 
+def card_list_run(args: argparse.Namespace, argv: list[str]) -> Optional[Run]:
+    """--card list, alone (or beside --estimate): the named cards and their sources, nothing else."""
+    if args.card is None or args.card.strip().lower() != "list":
+        return None
+    defaults = vars(build_parser().parse_args([]))
+    extra = [k for k, v in vars(args).items() if k not in ("card", "estimate") and v != defaults.get(k)]
+    if extra:
+        raise UsageError(f"--card list and --{extra[0].replace('_', '-')} are exclusive: it lists the named cards")
+    return Run(run_arms=False, estimate=True, card_list=True, argv=tuple(argv))
+
+
+def no_output_overwrites_the_config(args: argparse.Namespace, outputs: dict) -> None:
+    """--config's soup.yaml is an input as --model's config is: no output (nor --json's row
+    file) may be it under any spelling (../, a symlink, a hard link), in any mode."""
+    if args.config is None:
+        return
+    rows = {"--json's row file": str(RowFile.path_for(args.json))} if args.json not in (None, "-") else {}
+    no_output_is_an_input({**outputs, **rows}, [("--config", os.path.expanduser(args.config))])
+
+
 def settle_config(args: argparse.Namespace, argv: list[str]) -> Run:
     """--config without --estimate: the file's one arm, settled as the sweep settles --model PATH's or a
     family's, at the file's quantization and adapter (issue395.run.configarm)."""
@@ -296,13 +325,26 @@ def emulate_card(args: argparse.Namespace, repeats: Optional[int]) -> None:
     from ..estimator.cards import parse_card
 
     try:
-        parse_card(args.emulate_card)
+        card = parse_card(args.emulate_card)
     except UsageError as exc:
         raise UsageError(str(exc).replace("--card", "--emulate-card", 1)) from None
+    context_within_cards("--emulate-card", [card], parse_context(args.context))
     if args.dry_run or args.cap is not None or repeats or args.measure or args.sdpa or args.snapshot \
             or args.snapshot_dir:
         raise UsageError("--emulate-card holds CUDA memory outside the allocator for each arm in a fresh process: "
                          "not with --dry-run, --cap, --determinism, --measure, --sdpa or --snapshot")
+
+
+def context_within_cards(flag: str, cards, context: Optional[int]) -> None:
+    """A --context that leaves a card nothing once the runtime's growth is out (cards.step_free) is
+    one line, never a table of negative free memory."""
+    from ..estimator.cards import step_free
+
+    short = next((c for c in cards if context is not None and step_free(c.total_bytes - context) <= 0), None)
+    if short is not None:
+        raise UsageError(f"--context {context / 1e9:g} GB leaves {flag} {short.name} ({short.total_bytes / 1e9:.2f} GB "
+                         "total) no free memory for a step: the context is part of the card's total; give the "
+                         "context your card leaves, as an idle process sees it")
 
 
 def settle_map(args: argparse.Namespace, argv: list[str]) -> Run:
@@ -383,10 +425,20 @@ def estimate_config(model: Optional[str]) -> tuple[str, dict]:
 
 
 def settle_estimate(args: argparse.Namespace, argv: list[str]) -> Run:
+    """--estimate's checks; from --config, an error names the file's keys (configarm.in_the_files_words)."""
+    if args.config is None:
+        return settle_estimate_options(args, argv)
+    try:
+        return settle_estimate_options(args, argv)
+    except UsageError as exc:
+        raise UsageError(in_the_files_words(str(exc), args.config)) from None
+
+
+def settle_estimate_options(args: argparse.Namespace, argv: list[str]) -> Run:
     """--estimate's own checks: a config, seqs, and nothing that needs a GPU or Soup's setup."""
     for flag in ("--sweep", "--measure", "--sdpa", "--map", "--determinism", "--models", "--families",
                  "--dry-run", "--isolate", "--gpus", "--shard", "--snapshot", "--snapshot-dir", "--markdown",
-                 "--plot", "--log-dir", "--cache-dir", "--verbose", "--cap", "--emulate-card", "--min-free"):
+                 "--plot", "--log-dir", "--cache-dir", "--cap", "--emulate-card", "--min-free"):
         if getattr(args, flag.strip("-").replace("-", "_")) not in (None, False):
             raise UsageError(f"--estimate and {flag} are exclusive: an estimate runs nothing")
     if args.config is not None:
@@ -420,6 +472,7 @@ def settle_estimate(args: argparse.Namespace, argv: list[str]) -> Run:
     context = parse_context(args.context)
     if context is not None and not cards:
         raise UsageError("--context goes with --card: it is the context of the card to fit")
+    context_within_cards("--card", cards, context)
     stream = estimate_stream(args)
     tasks = (PROTOCOL_TASK,) if args.task is None else distinct_choices("--task", args.task, tuple(TASKS), "task")
     batches = parse_ints("--batch", args.batch) or (1,)
@@ -430,9 +483,15 @@ def settle_estimate(args: argparse.Namespace, argv: list[str]) -> Run:
                              f"{TASKS[t].min_batch}")
     if stream:  # Soup's own refusals and the modes' physics, in one line before any table
         estimate(config, quant=quants[0], seq=seqs[0], targets=targets, stream=stream)
+    if args.exit_code and not cards:
+        raise UsageError("--exit-code needs --card: it says whether the run fits a card")
+    steps = one_int("--steps", args.steps, 1)
     return Run(run_arms=False, estimate=True, estimate_config=config, custom_model=name, quants=quants, seqs=seqs,
-               stream=tuple(sorted(stream.items())), tasks=tasks, batches=batches, targets=targets,
-               lora_r=one_int("--lora-r", args.lora_r, 8), steps=one_int("--steps", args.steps, 1),
+               stream=tuple(sorted(stream.items())),
+               tasks=tasks, batches=batches, targets=targets,
+               lora_r=one_int("--lora-r", args.lora_r, 8), steps=steps, verbose=args.verbose,
+               lora_alpha=getattr(args, "lora_alpha", None) or LORA_ALPHA, fit_exit=args.exit_code,
+               from_file=getattr(args, "from_file", None),
                cards=cards, context=context, soup_config=args.config, json=args.json, argv=tuple(argv))
 
 

@@ -26,6 +26,7 @@ exit codes:
   1    any row VOID (realised != requested), OOM, FAILED or UNDER (prediction below the
        real peak), the snapshot's positive control failed, or the harness failed
   2    usage error, or an output that could not be written (one line on stderr)
+       --estimate: 0 (the answer printed), unless --exit-code: 0 fits on every --card, 1 not
   130  interrupted (rows measured so far are printed and saved)
 """
 
@@ -117,7 +118,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "directory or the temp dir. Checkpoints stay in --cache-dir (give one on disk: "
                         "without it scratch, under the temp dir, holds them too)")
     a.add_argument("--steps", default=None, help="optimizer steps per arm, the peak over all of them "
-                   "(default 1, the protocol's; with --estimate: the steady-state peak)")
+                   "(default 1, the protocol's; --estimate --config: 2, the run's steady state, with the file's "
+                   "optimizer; --steps 1 keeps the protocol's one step)")
     e = p.add_argument_group("--estimate")
     e.add_argument("--config", default=None, metavar="SOUP_YAML", help="the soup.yaml `soup train` takes, read by "
                    "Soup's own loader: its base, data.max_length, training.batch_size, quantization, LoRA and "
@@ -125,8 +127,11 @@ def build_parser() -> argparse.ArgumentParser:
                    "--cap, --min-free or --dry-run too), instead of --model, --quant, --seq, --batch, --targets, "
                    "--lora-r")
     e.add_argument("--card", default=None, help="comma list of cards to fit: named (A10G, L4, T4, RTX3090, "
-                   "RTX4090, RTX5090, A100-40GB, A100-80GB, L40S, H100, H200, RTX3050-Laptop-4GB, ...) or sizes "
-                   "(24GB = 24e9 bytes, 24GiB = 24 x 2^30): fits, the longest seq that fits, and Soup's gate")
+                   "RTX4090, RTX5090, A100-40GB, A100-80GB, L40S, H100, H200, RTX3050-Laptop-4GB, ...; "
+                   "--card list lists them with their sources) or sizes (24GB = 24e9 bytes, 24GiB = 24 x 2^30): "
+                   "fits, the longest seq that fits, and Soup's gate")
+    e.add_argument("--exit-code", action="store_true", help="with --estimate and --card: the exit code says whether "
+                   "it fits: 0 fits on every card, 1 does not fit on some card (2 stays a usage error)")
     e.add_argument("--context", default=None, metavar="GB", help="with --card or --emulate-card: the CUDA context your card "
                    "leaves outside the allocator, in GB (default: Soup's measured 0.85 GB)")
     e.add_argument("--targets", default=None, help="comma list of LoRA targets (default q_proj,v_proj; "
@@ -170,7 +175,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--snapshot", action="store_true",
                    help="attribute each peak from the allocator history (+ positive control)")
     r.add_argument("--snapshot-dir", default=None, help="also write each raw snapshot here (implies --snapshot)")
-    r.add_argument("--verbose", action="store_true", help="show Soup's own console output live")
+    r.add_argument("--verbose", action="store_true", help="show Soup's own console output live; with --estimate, "
+                   "the legends and each card's source")
     r.add_argument("--log-dir", default=None, help="keep Soup's per-arm console logs here")
     o = p.add_argument_group("outputs")
     o.add_argument("--json", default=None, metavar="PATH", help="every row, result and timing")

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from ..tasks import PROTOCOL_TASK
-from ..errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, UsageError, last_line
+from ..errors import EXIT_FINDING, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, UsageError, last_line
 from ..model.arm import Arm
 from ..model.registry import SHAPES, Shape, family_of
 from ..results.merge import merge
@@ -335,33 +335,43 @@ def estimate_run(run: Run) -> int:
     from ..estimator.arch import protocol_targets
     from ..estimator.estimate import estimate
     from ..estimator.soup_number import arch_of
-    from ..estimator.fits import budgets_for, card_answers, estimate_table
+    from ..estimator.fits import (Gate, budgets_for, card_answers, card_list, estimate_for, estimate_table,
+                                  steps_words, verdict_lines)
     from ..estimator.releases import UnknownRelease, installed_release, release_label
     from ..model.targets import soup_targets
 
+    if run.card_list:
+        print(card_list(), end="")
+        return EXIT_OK
+    user = run.from_file or {}
+    gate, optimizer = Gate(user.get("gate_override"), bool(user.get("probe"))), user.get("optimizer")
     kw = {"targets": run.targets, "lora_r": run.lora_r}
     try:
-        rows = [estimate(run.estimate_config, quant=q, seq=s, batch=b, targets=run.targets, lora_r=run.lora_r,
-                         steps=run.steps, stream=dict(run.stream), task=t)
+        rows = [estimate_for(run.estimate_config, quant=q, seq=s, batch=b, targets=run.targets, lora_r=run.lora_r,
+                             steps=run.steps, stream=dict(run.stream), task=t, optimizer=optimizer)
                 for t in run.tasks for q in run.quants for s in run.seqs for b in run.batches]
         budgets = budgets_for(run.cards, run.context)
-        answers = [card_answers(run.estimate_config, e, budgets, env=workspace_env(), stream=dict(run.stream), **kw)
+        answers = [card_answers(run.estimate_config, e, budgets, env=workspace_env(), stream=dict(run.stream),
+                                gate=gate, optimizer=optimizer, **kw)
                    for e in rows]
         installed = installed_release()
         table = estimate_table(rows, run.cards, run.estimate_config, answers=answers,
-                               release_label=release_label(installed), **kw)
+                               release_label=release_label(installed), verbose=run.verbose, **kw)
     except UnknownRelease:  # the release's fault, not the model's: said without naming the model
         raise
     except UsageError as exc:
-        raise UsageError(f"--estimate --model {run.custom_model}: {exc}") from None
+        raise UsageError(f"--estimate {estimated_as(run)}: {exc}") from None
     except Exception as exc:  # a config value of a kind no real config has
-        raise UsageError(f"--estimate --model {run.custom_model}: cannot be estimated ({last_line(exc)})") from None
+        raise UsageError(f"--estimate {estimated_as(run)}: cannot be estimated ({last_line(exc)})") from None
     notes = estimate_notes(run.estimate_config, run.quants)
     named = f"{run.custom_model}, from --config {run.soup_config}" if run.soup_config else run.custom_model
-    text = (f"--estimate: {named} (Soup's pre-flight: computed by Soup's own estimator code; "
-            "corrected and needs free: this tool's estimator, from the config alone)\n" + table
-            + "".join(f"note: {n}\n" for n in notes))
+    answer = steps_words(run.steps, user.get("steps_from"))
+    text = (f"--estimate: {named}: {answer}\n" + "".join(f"  {v}\n" for v in verdict_lines(rows, run.cards, answers))
+            + "".join(f"  from the file: {k}\n" for k in user.get("keys", ()))
+            + "(Soup's pre-flight: computed by Soup's own estimator code; corrected and needs free: this tool's "
+            "estimator, from the config alone)\n" + table + "".join(f"note: {n}\n" for n in notes))
     print(text, end="")
+    fits_all = all(a["fits"] for per in answers for a in per)
     if run.json:
         arch = arch_of(run.estimate_config)
         targets = soup_targets(run.targets, run.estimate_config, arch, None) or protocol_targets(arch)
@@ -369,6 +379,10 @@ def estimate_run(run: Run) -> int:
                 "model": run.custom_model, "soup_cli": installed, "tasks": list(run.tasks),
                 "targets": list(targets),
                 **({"soup_targets": run.targets[0]} if run.targets and tuple(targets) != tuple(run.targets) else {}),
+                "config": run.soup_config, "lora_alpha": run.lora_alpha,
+                "stream": dict(run.stream), "steps": run.steps, "answer": answer,
+                "soup_gate": {"rule": gate.rule, "override_bytes": gate.override},
+                "config_keys": list(user.get("keys", ())), "fits_every_card": fits_all if run.cards else None,
                 "lora_r": run.lora_r, "cards": [{"card": c.name, "bytes": c.total_bytes} for c in run.cards],
                 "notes": notes, "rows": [dict(r.to_json(), cards=a) for r, a in zip(rows, answers)]}
         try:
@@ -376,7 +390,12 @@ def estimate_run(run: Run) -> int:
         except OSError as exc:
             print(f"error: --json {run.json} could not be written ({exc.strerror or exc})", file=sys.stderr)
             return EXIT_USAGE
-    return EXIT_OK
+    return EXIT_FINDING if run.fit_exit and not fits_all else EXIT_OK
+
+
+def estimated_as(run: Run) -> str:
+    """What the user named: --config's file and its base, else --model."""
+    return f"--config {run.soup_config} (base {run.custom_model})" if run.soup_config else f"--model {run.custom_model}"
 
 
 def estimate_notes(config: dict, quants) -> list[str]:

@@ -166,7 +166,8 @@ def test_a_release_not_in_the_table_is_read_from_its_source_and_said_so(capfd, t
     code, stdout, err = main(capfd, ["--estimate", "--model", "mistral-7b", "--quant", "nf4", "--seq", "2048",
                                      "--json", out])
     assert code == 0, err
-    assert stdout.splitlines()[1].startswith("soup-cli 0.78.0 (read from its own source; not a release")
+    head = next(line for line in stdout.splitlines() if line.startswith("soup-cli"))  # below the verdict lines
+    assert head.startswith("soup-cli 0.78.0 (read from its own source; not a release")
     data = json.loads(out.read_text())
     assert data["soup_cli"] == "0.78.0" and data["rows"][0]["soup_predicted"] == MISTRAL_SFT[installed]
 
