@@ -164,5 +164,66 @@ def soup077() -> None:
     print("\n" + "\n".join(lines))
 
 
+TASK_MAP = sorted(str(p.relative_to(ROOT)) for p in ROOT.glob("results/task-map-h200-*/task-map-*.json"))
+TASK_CAPS = sorted(str(p.relative_to(ROOT)) for p in ROOT.glob("results/task-map-h200-*/cap-soup-tasks.json"))
+ANATOMY = sorted(ROOT.glob("results/task-anatomy-*/anatomy-077-*.json"))
+
+
+def live_blocks(d: dict, at_least: int) -> str:
+    """The blocks live at an anatomy arm's peak of at least ``at_least`` bytes, as 'count x bytes
+    (bytes per logits element)', from its allocator history."""
+    return "; ".join(f"{g['count']} x {g['size']:,} B ({g['bytes_per_E'] / g['count']:.2f} B per logits element each)"
+                     for g in d["groups"] if g["size"] >= at_least)
+
+
+def preference() -> None:
+    runs = [(p, load(p)) for p in TASK_MAP]
+    caps = cap_evidence([load(p) for p in TASK_CAPS])
+    under = [r for _, res in runs for r in res.rows if r.task and r.measured and r.soup_predicted
+             and r.soup_predicted < r.real_peak]
+    tasked = [r for _, res in runs for r in res.rows if r.task and r.measured]
+    print("\n## The preference losses: DPO and KTO (soup-cli 0.77.0)\n")
+    print("Rendered from " + ", ".join(f"`{p}`" for p in TASK_MAP + TASK_CAPS) + " and the allocator histories "
+          "in `results/task-anatomy-h200-soup0.77.0-and-0.73.3-3f5620a/`. Soup budgets a paired loss as the "
+          "SFT formula at 2 x batch rows and KTO at batch rows, with 14 B per logits element; what is live "
+          "at the step's peak is more.\n")
+    print(f"{len(under)} of {len(tasked)} measured DPO/KTO arms are under Soup's own number.\n")
+    print("| family | task | arms under | Soup/real, lowest | Soup/real, highest | cap evidence (2048x2, bf16) |")
+    print("|---|---|---:|---:|---:|---|")
+    for fam in dict.fromkeys(r.model for r in tasked):
+        for task in dict.fromkeys(r.task for r in tasked):
+            mine = [r for r in tasked if r.model == fam and r.task == task]
+            if not mine:
+                continue
+            ratios = [r.soup_predicted / r.real_peak for r in mine]
+            cap = next(("; ".join(v) for k, v in caps.items() if k[:1] == (mine[0].arm[0],) and task in k), "-")
+            print(f"| {fam} | {task} | {sum(x < 1 for x in ratios)} of {len(mine)} | {min(ratios):.3f}x | "
+                  f"{max(ratios):.3f}x | {cap} |")
+    print("\n### What is live at the peak (the allocator's history, one streamed step)\n")
+    for path in ANATOMY:
+        d = json.loads(path.read_text(encoding="utf-8"))
+        if d["task"] not in ("dpo", "kto") or d.get("step_error"):
+            continue
+        dyn = d["real_peak"] - d["resident_before"]
+        print(f"- **{d['task']} {path.stem.split('-')[3]} {d['quant']} {d['seq']}x{d['batch']}** (E = {d['E']:,} "
+              f"logits elements over the {d['realised']['rows']} rows the model runs): real peak "
+              f"{gb(d['real_peak'])} GB, Soup's own {gb(d['soup_predicted'])} GB "
+              f"({d['soup_predicted'] / d['real_peak']:.3f}x); the step's dynamic peak is "
+              f"{dyn / d['E']:.2f} B per logits element, where Soup charges 14. Blocks of 1 MB or more live "
+              f"there: {live_blocks(d, 1_000_000)}.")
+    print("\nThe terms, in bytes of live tensors (this tool's estimator, `issue395/estimator/estimate.py` "
+          "`task_loss_blocks`; `results/estimator-tasks.txt` holds it to every arm above):\n")
+    print("- DPO: the policy's fp32 logits and their shifted copy, the reference forward's fp32 logits and "
+          "their shifted copy (4 x 4 B per element over 2 x batch rows), plus one row's log-softmax "
+          "temporary or the chosen half's masked copy: about 18 B per element. 0.77.0 also keeps TRL's "
+          "\"ref\" adapter (4 B per LoRA parameter) and, on an untied model, a private copy of the head.")
+    print("- KTO: the policy's and the reference's fp32 logits, each with its chosen/rejected row copies: "
+          "16 B per element over batch rows; its KL batch adds its ids.")
+    print("- ORPO and SimPO: one forward, the chosen half's saved log-softmax and the per-row backward "
+          "gradients: about 14 B per element over 2 x batch rows, which Soup's 14 B covers (1.003x-1.007x "
+          "measured), so they are not under.")
+
+
 if __name__ == "__main__":
     main()
+    preference()

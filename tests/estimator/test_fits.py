@@ -138,6 +138,26 @@ def test_the_readmes_does_it_fit_example_is_what_estimate_prints(capfd, tmp_path
     assert not missing, missing
 
 
+def test_the_readmes_dpo_example_is_what_estimate_prints(capfd, tmp_path, monkeypatch):
+    """The README's second soup.yaml (task: dpo) through --estimate --config prints the README's
+    verdict lines, line for line: Soup admits a run that will OOM, on the card its command names."""
+    from conftest import ROOT
+
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    yaml_block = readme.split("```yaml\n")[2].split("```", 1)[0]
+    command = readme.split("```bash\n")[3].split("```", 1)[0].split()
+    shown = readme.split("```text\n")[2].split("```", 1)[0].splitlines()
+    assert "task: dpo" in yaml_block and "--card" in command
+    (tmp_path / "soup-dpo.yaml").write_text(yaml_block, encoding="utf-8")
+    monkeypatch.chdir(tmp_path)
+    code, out, _ = main(capfd, ["--estimate", "--config", "soup-dpo.yaml", "--card", command[command.index("--card") + 1]])
+    assert code == 0
+    lines = [ln.rstrip() for ln in out.splitlines()]
+    missing = [s for s in shown if s.rstrip() not in lines]
+    assert not missing, missing
+    assert "Soup admits a run that will OOM" in "\n".join(shown)
+
+
 ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
