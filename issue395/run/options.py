@@ -22,6 +22,7 @@ from ..model.targets import soup_targets
 from ..estimator.cards import parse_context
 from ..estimator.soup_number import require_streamed
 from ..results.saved import RowFile
+from ..constraints.asked import Constraints
 from ..measure.shapes import (bitsandbytes_present, config_only, default_map_families, soup_has_stream_modes,
                      soup_loss_chunk_bounds)
 from .checks import (
@@ -41,6 +42,49 @@ from .configarm import config_arguments, config_arm, config_clash
 from .grid import plan_arms, plan_map, shard_of
 from .parser import build_parser
 from .scratch import soup_shard_root
+
+@dataclass(frozen=True)
+class Outputs:
+    """Where the run's outputs go (None: not asked; "-": stdout)."""
+
+    json: Optional[str] = None
+    markdown: Optional[str] = None
+    plot: Optional[str] = None
+
+
+@dataclass(frozen=True)
+class EstimateInputs:
+    """--estimate's inputs: the config read, the cards to fit, soup-cli 0.77.0's streaming modes."""
+
+    config: dict
+    cards: tuple = ()  # issue395.estimator.cards.Card
+    stream: tuple = ()  # (training key, value) pairs
+
+
+@dataclass(frozen=True)
+class Adapter:
+    """The LoRA adapter every arm runs: the protocol's, or --config's (or --estimate's --targets, --lora-r)."""
+
+    targets: Optional[tuple] = None
+    lora_r: int = LORA_R
+    lora_alpha: int = LORA_ALPHA
+    soup_config: Optional[str] = None  # --config: the user's soup.yaml (its arm's, or --estimate's)
+
+
+@dataclass(frozen=True)
+class Children:
+    """How the run is spread: its GPUs and shard, and, in a child, that it is one and its repeat."""
+
+    gpus: Optional[tuple] = None
+    shard: Optional[tuple] = None
+    child: bool = False  # a child of --gpus, --isolate or --determinism (never the command line)
+    repeat_tag: Optional[int] = None  # a child's repeat of --determinism
+
+
+#: Run's sub-records by field, as a child's job file reads them back.
+RUN_RECORDS = {"outputs": Outputs, "estimate": EstimateInputs, "adapter": Adapter, "children": Children,
+               "constraints": Constraints}
+
 
 @dataclass(frozen=True)
 class Run:
@@ -64,28 +108,15 @@ class Run:
     log_dir: Optional[str] = None
     cache_dir: Optional[str] = None
     isolate: bool = False
-    cap: Optional[str] = None  # --cap: which prediction caps each arm's allocator
-    emulate_card: Optional[str] = None  # --emulate-card: the card each arm runs as (a ballast)
-    min_free: bool = False  # --min-free: each arm's lowest completing cap, by bisection
-    gpus: Optional[tuple] = None
-    shard: Optional[tuple] = None
-    json: Optional[str] = None
-    markdown: Optional[str] = None
-    plot: Optional[str] = None
+    constraints: Constraints = Constraints()  # --cap, --emulate-card, --min-free
+    children: Children = Children()
+    outputs: Outputs = Outputs()
     from_json: tuple = ()
     compare: Optional[str] = None
     steps: int = 1  # optimizer steps per arm (the protocol's 1)
-    estimate: bool = False  # --estimate: the config, not a GPU
-    estimate_config: Optional[dict] = None
-    soup_config: Optional[str] = None  # --config: the user's soup.yaml (its arm's, or --estimate's)
-    cards: tuple = ()  # issue395.estimator.cards.Card
-    context: Optional[int] = None  # --context, bytes
-    targets: Optional[tuple] = None
-    stream: tuple = ()  # --estimate: soup-cli 0.77.0's streaming modes, (training key, value) pairs
-    lora_r: int = LORA_R  # --config's (or --estimate's --lora-r): every other arm runs the protocol's
-    lora_alpha: int = LORA_ALPHA
-    child: bool = False  # a child of --gpus, --isolate or --determinism (never the command line)
-    repeat_tag: Optional[int] = None  # a child's repeat of --determinism
+    estimate: Optional[EstimateInputs] = None  # --estimate: the config, not a GPU
+    context: Optional[int] = None  # --context, bytes (--estimate's cards, --emulate-card's card)
+    adapter: Adapter = Adapter()
     argv: tuple = ()
 
     @property
@@ -97,15 +128,20 @@ class Run:
 
 
 def run_from_json(data: dict[str, Any]) -> Run:
-    """A Run as ``dataclasses.asdict`` wrote it (a child's job file): JSON lists back to tuples."""
-    return Run(**{k: tuple(v) if isinstance(v, list) else v for k, v in data.items()})
+    """A Run as ``dataclasses.asdict`` wrote it (a child's job file): JSON lists back to tuples, its
+    sub-records back to theirs."""
+    def plain(d: dict) -> dict:
+        return {k: tuple(v) if isinstance(v, list) else v for k, v in d.items()}
+
+    return Run(**{k: RUN_RECORDS[k](**plain(v)) if k in RUN_RECORDS and isinstance(v, dict) else v
+                  for k, v in plain(data).items()})
 
 
 def not_an_empty_shard(run: Run) -> None:
     """--shard K/N that owns no arm is one line before anything runs, not a header alone."""
     arms = grid_arms(run)
-    if not shard_of(arms, run.shard, whole_models=run.map):
-        k, n = run.shard
+    if not shard_of(arms, run.children.shard, whole_models=run.map):
+        k, n = run.children.shard
         what = (f"{len(arms)} arm(s) in {len(set(a.model for a in arms))} families, dealt whole"
                 if run.map else f"{len(arms)} arm(s)")
         raise UsageError(f"--shard {k}/{n} is empty: the grid has {what}, so shard {k} of {n} runs nothing")
@@ -115,7 +151,7 @@ def settle(args: argparse.Namespace, argv: list[str]) -> Run:
     """Every check that needs no GPU and no Soup setup, before anything runs or prints."""
     try:
         run = _settle(args, argv)
-        if run.shard and not run.estimate and not run.from_json:
+        if run.children.shard and not run.estimate and not run.from_json:
             not_an_empty_shard(run)
     except OSError as exc:  # a path no filesystem takes (a name too long, a loop): one line naming it
         raise UsageError(f"{path_flag(args, exc.filename)} {_shown(str(exc.filename))}: "
@@ -173,9 +209,8 @@ def _settle(args: argparse.Namespace, argv: list[str]) -> Run:
             check_input("--compare" if path == args.compare else "--from-json", path)
         inputs = [("--from-json", p) for p in args.from_json] + ([("--compare", args.compare)] if args.compare else [])
         no_output_is_an_input(outputs, inputs)
-        return Run(from_json=tuple(args.from_json), compare=args.compare, json=args.json,
-                   markdown=args.markdown, plot=args.plot, steps=one_int("--steps", args.steps, 1),
-               argv=tuple(argv))
+        return Run(from_json=tuple(args.from_json), compare=args.compare, outputs=outputs_of(args),
+                   steps=one_int("--steps", args.steps, 1), argv=tuple(argv))
     if args.estimate:
         if args.model and args.model not in ALL_FAMILIES:
             no_output_is_an_input(outputs, [("--model", os.path.expanduser(args.model))])
@@ -255,9 +290,13 @@ def _settle(args: argparse.Namespace, argv: list[str]) -> Run:
                dry_run=args.dry_run, verbose=args.verbose, snapshot=args.snapshot or bool(args.snapshot_dir),
                snapshot_dir=args.snapshot_dir, log_dir=args.log_dir, cache_dir=cache,
                isolate=args.isolate or args.cap is not None or bool(args.emulate_card) or args.min_free,
-               cap=args.cap,
-               emulate_card=args.emulate_card, context=parse_context(args.context), min_free=args.min_free, gpus=gpus, shard=shard, json=args.json,
-               markdown=args.markdown, plot=args.plot, steps=one_int("--steps", args.steps, 1), argv=tuple(argv))
+               constraints=Constraints(cap=args.cap, emulate_card=args.emulate_card, min_free=args.min_free),
+               context=parse_context(args.context), children=Children(gpus=gpus, shard=shard),
+               outputs=outputs_of(args), steps=one_int("--steps", args.steps, 1), argv=tuple(argv))
+
+
+def outputs_of(args: argparse.Namespace) -> Outputs:
+    return Outputs(args.json, args.markdown, args.plot)
 
 
 def settle_config(args: argparse.Namespace, argv: list[str]) -> Run:
@@ -266,8 +305,8 @@ def settle_config(args: argparse.Namespace, argv: list[str]) -> Run:
     arm = config_arm(args)
     plain = _settle(argparse.Namespace(**dict(vars(args), config=None, model=arm.model, batch=str(arm.batch),
                                               seq=str(arm.seq) if arm.model else None)), argv)
-    return replace(plain, models=(arm.key,), seqs=(arm.seq,), quants=(arm.quant,), targets=arm.targets,
-                   lora_r=arm.lora_r, lora_alpha=arm.lora_alpha, soup_config=arm.path)
+    return replace(plain, models=(arm.key,), seqs=(arm.seq,), quants=(arm.quant,),
+                   adapter=Adapter(arm.targets, arm.lora_r, arm.lora_alpha, arm.path))
 
 
 def emulate_card(args: argparse.Namespace, repeats: Optional[int]) -> None:
@@ -404,11 +443,11 @@ def settle_estimate(args: argparse.Namespace, argv: list[str]) -> Run:
     stream = estimate_stream(args)
     if stream:  # Soup's own refusals and the modes' physics, in one line before any table
         estimate(config, quant=quants[0], seq=seqs[0], targets=targets, stream=stream)
-    return Run(run_arms=False, estimate=True, estimate_config=config, custom_model=name, quants=quants, seqs=seqs,
-               stream=tuple(sorted(stream.items())),
-               batches=parse_ints("--batch", args.batch) or (1,), targets=targets,
-               lora_r=one_int("--lora-r", args.lora_r, 8), steps=one_int("--steps", args.steps, 1),
-               cards=cards, context=context, soup_config=args.config, json=args.json, argv=tuple(argv))
+    return Run(run_arms=False, estimate=EstimateInputs(config, cards, tuple(sorted(stream.items()))),
+               custom_model=name, quants=quants, seqs=seqs, batches=parse_ints("--batch", args.batch) or (1,),
+               adapter=Adapter(targets, one_int("--lora-r", args.lora_r, LORA_R), soup_config=args.config),
+               steps=one_int("--steps", args.steps, 1), context=context, outputs=Outputs(json=args.json),
+               argv=tuple(argv))
 
 
 def estimate_stream(args: argparse.Namespace) -> dict:

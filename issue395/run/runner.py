@@ -67,7 +67,7 @@ def cli(argv: list[str], protocol: Protocol) -> int:
             return execute(run, protocol, job)
         run = settle(build_parser().parse_args(argv), argv)
         # --json -: the JSON is stdout's, so every human line (tables, progress) goes to stderr
-        with contextlib.redirect_stdout(sys.stderr) if run.json == "-" else contextlib.nullcontext():
+        with contextlib.redirect_stdout(sys.stderr) if run.outputs.json == "-" else contextlib.nullcontext():
             return execute(run, protocol)
     except UsageError as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -111,10 +111,9 @@ def sweep(arms: list[Arm], shapes: dict[str, Shape], bases: Checkpoints, scratch
         with scratch.sharding(base) if first else contextlib.nullcontext(), Stop.arm():
             row = run_arm(arm, shapes[arm.model], base, scratch.path("arms", f"{arm.index:03d}"),
                           dry_run=run.dry_run, snapshot=run.snapshot, snapshot_dir=run.snapshot_dir,
-                          log=log, verbose=run.verbose, repeat=run.repeat_tag, steps=run.steps,
-                          **({"cap": run.cap} if run.cap else {}),
-                          **({"soup_config": run.soup_config} if run.soup_config else {}),
-                          **({"emulate": run.emulate_card, "context": run.context} if run.emulate_card else {}))
+                          log=log, verbose=run.verbose, repeat=run.children.repeat_tag, steps=run.steps,
+                          constraint=run.constraints.for_arm(run.context),
+                          **({"soup_config": run.adapter.soup_config} if run.adapter.soup_config else {}))
         on_row(row)
         done.append(row)
         if any(family_of(a.model) == family for a in arms[i + 1:]):
@@ -143,16 +142,16 @@ def execute(run: Run, protocol: Protocol, job: Optional[Job] = None) -> int:
         return rerender(run)
     if run.estimate:
         return estimate_run(run)
-    Stop.install(quiet=run.child)
-    fan_out = run.run_arms and bool(run.gpus or run.isolate)
+    Stop.install(quiet=run.children.child)
+    fan_out = run.run_arms and bool(run.children.gpus or run.isolate)
     local = (run.run_arms and not fan_out) or ((run.measure or run.sdpa) and not fan_out and not run.repeats)
-    if run.gpus is None and "CUDA_VISIBLE_DEVICES" not in os.environ:
+    if run.children.gpus is None and "CUDA_VISIBLE_DEVICES" not in os.environ:
         os.environ["CUDA_VISIBLE_DEVICES"] = "0"  # Soup refuses to stream with several GPUs visible
     if (fan_out or run.repeats) and not run.dry_run:
         count = visible_gpu_count()
         if count == 0:
             raise UsageError(NO_CUDA)
-        missing = [g for g in run.gpus or () if g >= count]
+        missing = [g for g in run.children.gpus or () if g >= count]
         if missing:
             raise UsageError(f"--gpus: GPU {missing[0]} is not there ({count} CUDA device(s) visible)")
     with Scratch(run.cache_dir) as scratch:
@@ -166,7 +165,7 @@ def measure_all(run: Run, protocol: Protocol, job: Optional[Job], scratch: Scrat
         arms = list(job.arms)
     else:
         arms = grid_arms(run)
-        arms = shard_of(arms, run.shard, whole_models=run.map) if run.shard else arms
+        arms = shard_of(arms, run.children.shard, whole_models=run.map) if run.children.shard else arms
     shapes = dict(SHAPES)
     if local:
         t = time.perf_counter()
@@ -176,52 +175,52 @@ def measure_all(run: Run, protocol: Protocol, job: Optional[Job], scratch: Scrat
             raise UsageError(NO_CUDA)
         scratch.verify_shard_root()
         # the LoRA adapter a --config file names, else the protocol's (targets None: the model's own)
-        adapter = dict(targets=run.targets, lora_r=run.lora_r, lora_alpha=run.lora_alpha)
+        adapter = dict(targets=run.adapter.targets, lora_r=run.adapter.lora_r, lora_alpha=run.adapter.lora_alpha)
         if run.custom_model:
             shapes["custom"] = load_custom_shape(run.custom_model, **adapter)
             within_positions(run.custom_model, shapes["custom"].max_positions, run.seqs,
-                             f"--config {run.soup_config}: data.max_length" if run.soup_config else "--seq")
+                             f"--config {run.adapter.soup_config}: data.max_length" if run.adapter.soup_config else "--seq")
         families = [f for f in dict.fromkeys(family_of(a.model) for a in arms) if f != "custom"]
         if run.map:  # this shard's families only, each derived once, then each streaming mode of it
             shapes.update({f: family_shape(f) for f in families})
-        if run.soup_config:  # the file's base under the file's adapter (the record's two are no record here)
+        if run.adapter.soup_config:  # the file's base under the file's adapter (the record's two are no record here)
             shapes.update({f: registry_shape(f, **adapter) for f in families})
-        if run.map or run.soup_config:
+        if run.map or run.adapter.soup_config:
             shapes.update({a.model: with_modes(shapes[family_of(a.model)], a.model) for a in arms})
         imports_s = time.perf_counter() - t
     det_models, det_seqs, det_batches = run.determinism_grid
     det_arms = plan_arms(*run.determinism_grid, run.quants[0]) if run.repeats else []
-    how = ("--min-free: a bisection over capped fresh processes (expandable segments)" if run.min_free else
-           f"capped at {run.cap} (expandable segments), one fresh process per arm" if run.cap else
-           f"as {run.emulate_card} (a ballast outside the allocator, expandable segments), one fresh process "
-           "per arm" if run.emulate_card else
+    how = ("--min-free: a bisection over capped fresh processes (expandable segments)" if run.constraints.min_free else
+           f"capped at {run.constraints.cap} (expandable segments), one fresh process per arm" if run.constraints.cap else
+           f"as {run.constraints.emulate_card} (a ballast outside the allocator, expandable segments), one fresh process "
+           "per arm" if run.constraints.emulate_card else
            "isolated, one fresh process per arm" if run.isolate else
-           f"one process per GPU ({','.join(map(str, run.gpus))}), merged" if run.gpus else
-           f"shard {run.shard[0]}/{run.shard[1]} in one process" if run.shard else "in one process")
-    if run.soup_config:  # the user's config, not the protocol: said where every table's header is
-        how += (f"; the arm is --config {run.soup_config}'s ({run.quants[0]}, LoRA r {run.lora_r} alpha "
-                f"{run.lora_alpha} on {','.join(run.targets or ())})")
+           f"one process per GPU ({','.join(map(str, run.children.gpus))}), merged" if run.children.gpus else
+           f"shard {run.children.shard[0]}/{run.children.shard[1]} in one process" if run.children.shard else "in one process")
+    if run.adapter.soup_config:  # the user's config, not the protocol: said where every table's header is
+        how += (f"; the arm is --config {run.adapter.soup_config}'s ({run.quants[0]}, LoRA r {run.adapter.lora_r} alpha "
+                f"{run.adapter.lora_alpha} on {','.join(run.adapter.targets or ())})")
     arms_label = how if run.run_arms else ("determinism: one fresh process per repeat" if run.repeats
                                         else "none (modes only)")
     result = Result(environment=environment(run.weights, run.dry_run, arms_label,
                                             [os.path.basename(protocol.script), *run.argv]) if local else {},
                     kind="map" if run.map else "sweep")
-    rows_file = RowFile(run.json)
+    rows_file = RowFile(run.outputs.json)
     rows: list[Row] = []
     children: list[Result] = []
     usage_error = None
     total = (len(arms) if run.run_arms else 0) + len(det_arms) * (run.repeats or 0)
-    progress = Progress(total if not run.child else 0, started)
+    progress = Progress(total if not run.children.child else 0, started)
 
     def on_row(row: Row) -> None:
         rows.append(row)  # kept first: nothing after this may lose a finished row
         rows_file.add(row)
-        if not run.child:
+        if not run.children.child:
             progress.arm(row)
 
     checkpoints = None
     try:
-        if run.run_arms and run.min_free:
+        if run.run_arms and run.constraints.min_free:
             with Stop.arm():  # each probe is a fresh capped child
                 children += min_free_arms(run, arms, scratch, on_row, protocol.script)
         elif run.run_arms and fan_out:
@@ -230,7 +229,7 @@ def measure_all(run: Run, protocol: Protocol, job: Optional[Job], scratch: Scrat
         elif run.run_arms:
             checkpoints = Checkpoints(list(dict.fromkeys(family_of(a.model) for a in arms)), shapes, run, scratch)
             sweep(arms, shapes, checkpoints, scratch, run, protocol.run_arm, on_row,
-                  result.margins.append if run.map and not run.dry_run and not run.cap and not run.emulate_card
+                  result.margins.append if run.map and not run.dry_run and not run.constraints.cap and not run.constraints.emulate_card
                   else None)
             if run.snapshot and not Stop.requested:
                 with Stop.arm():
@@ -278,7 +277,7 @@ def measure_all(run: Run, protocol: Protocol, job: Optional[Job], scratch: Scrat
                                          [os.path.basename(protocol.script), *run.argv], with_torch=False)
     if run.steps != 1:  # the protocol's one step is implied; anything else is named (the stack settled)
         result.environment["steps"] = run.steps
-    if run.map and not run.child and not_on_map():  # never skipped silently: named with the reason
+    if run.map and not run.children.child and not_on_map():  # never skipped silently: named with the reason
         result.environment["not_on_map"] = " | ".join(not_on_map())
     result.rows = sorted(rows, key=row_order)
     result.interrupted = interrupted
@@ -298,9 +297,9 @@ def run_timings(rows: list[Row], imports_s: float, total_s: float, build_s: dict
     t: dict[str, Any] = {"total_s": round(total_s, 2), "imports_s": round(imports_s, 2), "arms": len(rows),
                          "build_s": build_s}
     for key in ("setup_s", "step_s", "teardown_s"):
-        t[f"sum_{key}"] = round(sum(r.timings.get(key) or 0 for r in rows), 2)
-    overhead = [r.timings["setup_s"] + r.timings["teardown_s"] for r in rows
-                if r.timings.get("setup_s") is not None and r.timings.get("teardown_s") is not None]
+        t[f"sum_{key}"] = round(sum(r.ran.timings.get(key) or 0 for r in rows), 2)
+    overhead = [r.ran.timings["setup_s"] + r.ran.timings["teardown_s"] for r in rows
+                if r.ran.timings.get("setup_s") is not None and r.ran.timings.get("teardown_s") is not None]
     if overhead:
         t["median_arm_overhead_s"] = round(statistics.median(overhead), 3)
     if children:
@@ -317,16 +316,16 @@ def estimate_run(run: Run) -> int:
     from ..estimator.fits import budgets_for, card_answers, estimate_table
     from ..estimator.releases import UnknownRelease, physics_label
 
-    kw = {"targets": run.targets, "lora_r": run.lora_r}
+    kw = {"targets": run.adapter.targets, "lora_r": run.adapter.lora_r}
     try:
-        rows = [estimate(run.estimate_config, quant=q, seq=s, batch=b, targets=run.targets, lora_r=run.lora_r,
-                         steps=run.steps, stream=dict(run.stream))
+        rows = [estimate(run.estimate.config, quant=q, seq=s, batch=b, targets=run.adapter.targets, lora_r=run.adapter.lora_r,
+                         steps=run.steps, stream=dict(run.estimate.stream))
                 for q in run.quants for s in run.seqs for b in run.batches]
-        budgets = budgets_for(run.cards, run.context)
-        answers = [card_answers(run.estimate_config, e, budgets, env=workspace_env(), stream=dict(run.stream), **kw)
+        budgets = budgets_for(run.estimate.cards, run.context)
+        answers = [card_answers(run.estimate.config, e, budgets, env=workspace_env(), stream=dict(run.estimate.stream), **kw)
                    for e in rows]
         installed = installed_release()
-        table = estimate_table(rows, run.cards, run.estimate_config, answers=answers,
+        table = estimate_table(rows, run.estimate.cards, run.estimate.config, answers=answers,
                                release_label=physics_label(installed, rows[0].release), **kw)
     except UnknownRelease:  # the release's fault, not the model's: said without naming the model
         raise
@@ -334,23 +333,23 @@ def estimate_run(run: Run) -> int:
         raise UsageError(f"--estimate --model {run.custom_model}: {exc}") from None
     except Exception as exc:  # a config value of a kind no real config has
         raise UsageError(f"--estimate --model {run.custom_model}: cannot be estimated ({last_line(exc)})") from None
-    notes = estimate_notes(run.estimate_config, run.quants)
-    named = f"{run.custom_model}, from --config {run.soup_config}" if run.soup_config else run.custom_model
+    notes = estimate_notes(run.estimate.config, run.quants)
+    named = f"{run.custom_model}, from --config {run.adapter.soup_config}" if run.adapter.soup_config else run.custom_model
     text = (f"--estimate: {named} (Soup's pre-flight: computed by Soup's own estimator code; "
             "corrected and needs free: this tool's estimator, from the config alone)\n" + table
             + "".join(f"note: {n}\n" for n in notes))
     print(text, end="")
-    if run.json:
-        targets = run.targets or protocol_targets(arch_of(run.estimate_config))
+    if run.outputs.json:
+        targets = run.adapter.targets or protocol_targets(arch_of(run.estimate.config))
         data = {"tool": TOOL, "schema": SCHEMA, "kind": "estimate",
                 "model": run.custom_model, "soup_cli": installed, "physics_release": rows[0].release,
                 "targets": list(targets),
-                "lora_r": run.lora_r, "cards": [{"card": c.name, "bytes": c.total_bytes} for c in run.cards],
+                "lora_r": run.adapter.lora_r, "cards": [{"card": c.name, "bytes": c.total_bytes} for c in run.estimate.cards],
                 "notes": notes, "rows": [dict(r.to_json(), cards=a) for r, a in zip(rows, answers)]}
         try:
-            write_output(run.json, (json.dumps(data, indent=2) + "\n").encode("utf-8"))
+            write_output(run.outputs.json, (json.dumps(data, indent=2) + "\n").encode("utf-8"))
         except OSError as exc:
-            print(f"error: --json {run.json} could not be written ({exc.strerror or exc})", file=sys.stderr)
+            print(f"error: --json {run.outputs.json} could not be written ({exc.strerror or exc})", file=sys.stderr)
             return EXIT_USAGE
     return EXIT_OK
 
@@ -382,7 +381,7 @@ def rerender(run: Run) -> int:
     try:
         result = merge(results, f"merged from {len(results)} result(s)") if len(results) > 1 else results[0]
         text = render_text(result)
-        if run.markdown:  # a hand-edited result that cannot become markdown: said before any table
+        if run.outputs.markdown:  # a hand-edited result that cannot become markdown: said before any table
             render_markdown(result, parts)
     except UsageError as exc:
         raise UsageError(f"{named}: {exc}") from None
@@ -424,9 +423,9 @@ def write_outputs(result: Result, run: Run, rows_file: RowFile,
     that could not and the one place the rows are kept, or None."""
     failed = []
     for flag, path, render in (
-            ("--json", run.json, lambda: json.dumps(result.to_json(), indent=2, default=str) + "\n"),
-            ("--markdown", run.markdown, lambda: render_markdown(result, parts)),
-            ("--plot", run.plot, lambda: render_plot(result))):
+            ("--json", run.outputs.json, lambda: json.dumps(result.to_json(), indent=2, default=str) + "\n"),
+            ("--markdown", run.outputs.markdown, lambda: render_markdown(result, parts)),
+            ("--plot", run.outputs.plot, lambda: render_plot(result))):
         if not path:
             continue
         try:

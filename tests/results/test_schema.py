@@ -13,7 +13,7 @@ from conftest import ROOT, main, make_row, table_lines
 from issue395.errors import EXIT_OK
 from issue395.results.result import Result
 from issue395.results.row import Row
-from issue395.results.schema import SCHEMA, TOOL, check_blocks, check_unique, determinism_rows, schema1_row
+from issue395.results.schema import SCHEMA, TOOL, check_blocks, check_unique, determinism_rows, schema1_row, schema2_row
 
 SCHEMA1 = ROOT / "results" / "record-h200x2-soup0.73.3-e7c26f7" / "h200-2026-11-30-full-cold.json"
 DETERMINISM = ROOT / "results" / "isolated-determinism-h200x2-soup0.73.3-5670dee" / "h200-2026-11-30-determinism.json"
@@ -24,7 +24,7 @@ MARGIN = dict(model="m", model_key="smol", quant="none", seq=2048, batch=1, rati
 
 def test_a_schema1_row_reads_as_this_versions_row():
     old = json.loads(SCHEMA1.read_text())["rows"][0]
-    row = Row.from_json(schema1_row(old))
+    row = Row.from_json(schema2_row(schema1_row(old)))
     assert row.vocab == old["elements"] // (old["seq"] * old["batch"]) == 49152
     assert row.loss_bytes_per_element == old["logits12_bytes"] / old["elements"] == 12
     assert (row.logits14, row.resident, row.reserved) == (
