@@ -45,12 +45,19 @@ The protocol (one arm = one row)
     and resetting the peak stats. The prediction is Soup's own estimator, fed the
     grid's shape figures.
 
+    Soup streams four more tasks (--task dpo,orpo,simpo,kto; issue395/tasks.py): the same arm
+    through that task's own wrapper, with its rows in its data.format (prompt/chosen/rejected;
+    prompt/completion/label), judged against Soup's own pre-flight for the task as its setup
+    computes it. The step never saves a checkpoint, for any task (``one_step``).
+
 The trap
     ``data.max_length`` truncates; it never pads. A row that tokenizes short runs
     at its own length, the real peak stops following seq, and the table shows a
     clean, growing over-prediction that is pure artifact. Two guards, always on:
     every row is 3x longer than seq (``"word "`` x 3 x seq, one token a word), and
-    the realised length is read off the first collated batch into its own column.
+    the realised length is read off the first collated batch into its own column (every
+    key a task's forwards read; where TRL cuts the batch inside its loss, the cut, and the
+    width each forward of the measured step receives).
     A row whose realised length differs from the requested seq is VOID: it has no
     ratio, by construction, and the process exits 1.
 
@@ -80,6 +87,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import importlib
 import json
 import os
 import sys
@@ -94,6 +102,7 @@ from issue395.model.arm import Arm
 from issue395.record import DATA_ROWS, LORA_ALPHA, LORA_R, OVERSHOOT, SOUP_QUANT
 from issue395.model.registry import Shape
 from issue395.results.row import realised_as_requested
+from issue395.tasks import PROTOCOL_TASK, task
 from issue395.run.runner import Protocol, cli
 
 #: Where Soup builds an arm whose step is measured. The CPU tests set "cpu" and fake the
@@ -113,6 +122,23 @@ def chat_rows(seq: int, rows: int = DATA_ROWS) -> list[dict[str, Any]]:
                           {"role": "assistant", "content": content}]}] * rows
 
 
+def task_rows(name: str, seq: int, rows: int = DATA_ROWS) -> list[dict[str, Any]]:
+    """A task's rows in the shape its wrapper takes (Soup's data.format), each completion a 3x
+    overshoot, chosen AND rejected alike (TRL's ORPO/CPO cut is set by the longer answer and would
+    cut a short side further). The prompts are what realises exactly seq on soup-cli 0.73.3 and
+    0.77.0 alike (the builder's tokenizer has no BOS): DPO's "hi", since an empty prompt crashes
+    TRL's DPO (its prompt_ids[0]); an empty one for ORPO, SimPO and KTO, where a prompt token would
+    come on top of the answer's cut (ORPO/SimPO on 0.73.3: seq + 1) or off it (KTO: seq - 1). KTO's
+    labels alternate, so a batch of two holds both."""
+    if name == PROTOCOL_TASK:
+        return chat_rows(seq, rows)
+    prompt = "hi" if name == "dpo" else ""
+    answer = ("word" if not prompt else " word") + " word" * (OVERSHOOT * seq - 1)
+    if name == "kto":
+        return [{"prompt": prompt, "completion": answer, "label": i % 2 == 0} for i in range(rows)]
+    return [{"prompt": prompt, "chosen": answer, "rejected": answer}] * rows
+
+
 def rows_for_batch(batch: int, steps: int = 1, val_split: float = 0.1) -> int:
     """The protocol's 4 rows, or more where Soup's validation split would leave a short batch
     (or too few batches for --steps in its one epoch)."""
@@ -125,16 +151,18 @@ def rows_for_batch(batch: int, steps: int = 1, val_split: float = 0.1) -> int:
 def soup_config_yaml(base: str, data_path: Path, output: Path, seq: int, batch: int,
                      quant: str = "none", targets: Iterable[str] = ("q_proj", "v_proj"),
                      stream: Iterable[tuple[str, Any]] = (), lora_r: int = LORA_R,
-                     lora_alpha: int = LORA_ALPHA) -> str:
+                     lora_alpha: int = LORA_ALPHA, task_name: str = PROTOCOL_TASK) -> str:
     """The protocol's Soup config, verbatim but for the paths, seq and batch (and, on the
     margin map, the quantization, the family's own LoRA targets and 0.77.0's streaming modes:
     expert layout, chunked loss, recompute; with --config, the file's own LoRA r and alpha
-    too). Soup spells NF4 "4bit"."""
+    too; with --task, the task and its rows' data.format, each task's own keys at Soup's
+    defaults). SFT's stays the record's, which names no format. Soup spells NF4 "4bit"."""
     import yaml
 
+    data_format = {} if task_name == PROTOCOL_TASK else {"format": task(task_name).data_format}
     return yaml.safe_dump({
-        "base": base, "task": "sft", "backend": "transformers", "modality": "text",
-        "data": {"train": str(data_path), "max_length": seq, "chat_template": "chatml"},
+        "base": base, "task": task_name, "backend": "transformers", "modality": "text",
+        "data": {"train": str(data_path), **data_format, "max_length": seq, "chat_template": "chatml"},
         "output": str(output),
         "training": {"batch_size": batch, "gradient_accumulation_steps": 1, "epochs": 1,
                      "quantization": SOUP_QUANT[quant], "stream_layers": True, "logging_steps": 1,
@@ -143,15 +171,60 @@ def soup_config_yaml(base: str, data_path: Path, output: Path, seq: int, batch: 
     }, sort_keys=False)
 
 
-def realised_lengths(trainer: Any) -> tuple[int, list[int]]:
+def realised_lengths(trainer: Any, seq: int, name: str = PROTOCOL_TASK) -> tuple[int, list[int]]:
     """The first collated batch's width (what the step runs at) and each row's token count (the
-    second guard): with batch > 1 a short row would hide behind its neighbours' padding."""
+    second guard): with batch > 1 a short row would hide behind its neighbours' padding. Every
+    key the task's forwards read (issue395.tasks: guard_keys; KTO's untruncated answer_input_ids
+    is no input of the model's), each key's rows in turn; of the keys' widths, the one furthest
+    from seq. Where TRL cuts the batch inside compute_loss (DPO on soup-cli 0.73.3 collates 3 x seq
+    + 2 wide), the cut is TRL's own ``_truncate_inputs`` on this very batch (trl 0.29.1
+    trl/trainer/dpo_trainer.py:972-993, called before the policy and the reference forward), so
+    the guard reads the width the forwards run at; the measured step checks it again
+    (``forward_widths``)."""
+    t = task(name)
     batch = next(iter(trainer.get_train_dataloader()))
-    ids, mask = batch["input_ids"], batch.get("attention_mask")
-    width = int(ids.shape[-1])
-    if mask is not None and mask.dim() == 2:
-        return width, [int(v) for v in mask.sum(dim=-1).tolist()]
-    return width, [width] * int(ids.shape[0])
+    if t.cut_in_loss:
+        ids, mask, completion = trainer._truncate_inputs(batch["input_ids"], batch["attention_mask"],
+                                                         batch["completion_mask"])
+        batch = dict(batch, input_ids=ids, attention_mask=mask, completion_mask=completion)
+    widths, lengths = [], []
+    for key in t.guard_keys:
+        ids, mask = batch[key], batch.get(key.replace("input_ids", "attention_mask"))
+        widths.append(int(ids.shape[-1]))
+        if mask is not None and mask.dim() == 2:
+            lengths += [int(v) for v in mask.sum(dim=-1).tolist()]
+        else:
+            lengths += [widths[-1]] * int(ids.shape[0])
+    return max(widths, key=lambda w: abs(w - seq)), lengths
+
+
+@contextlib.contextmanager
+def forward_widths(model: Any) -> Iterator[list[int]]:
+    """The width of every forward the model runs while held: what the step really ran at, where
+    the collated batch is not what the forwards receive (TRL's cuts inside the loss)."""
+    seen: list[int] = []
+
+    def record(module: Any, args: tuple, kwargs: dict) -> None:
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if ids is not None and hasattr(ids, "shape"):
+            seen.append(int(ids.shape[-1]))
+
+    handle = model.register_forward_pre_hook(record, with_kwargs=True)
+    try:
+        yield seen
+    finally:
+        handle.remove()
+
+
+def one_step(trainer: Any, steps: int = 1) -> None:
+    """Exactly ONE optimizer step (--steps N: N), and no checkpoint: the protocol measures the
+    step, not the save. Hugging Face's trainer saves at the last step whatever save_steps says,
+    and on soup-cli 0.73.3 that save raises for DPO after its step (TRL's "ref" adapter stays on
+    Soup's meta skeleton: "Cannot copy out of meta tensor"; 0.77.0 materialises it). The save
+    comes after the step's peak, so SFT's peaks do not move."""
+    trainer.args.max_steps = steps
+    trainer.args.save_strategy = "no"
+    trainer.train()
 
 
 def real_peak(trainer: Any, snapshot: bool = False, steps: int = 1) -> dict[str, Any]:
@@ -159,11 +232,10 @@ def real_peak(trainer: Any, snapshot: bool = False, steps: int = 1) -> dict[str,
     runs N), read the peak; with ``snapshot``, the allocator's history around the same step."""
     import torch
 
-    trainer.args.max_steps = steps
     history = allocator_history(2_000_000) if snapshot else contextlib.nullcontext({})
     with peak_window() as window, history as taken:
         started = time.perf_counter()
-        trainer.train()
+        one_step(trainer, steps)
         torch.cuda.synchronize()
         seconds = time.perf_counter() - started  # the step, not the snapshot's collection
     return {"real_peak": window.peak, "resident": window.before, "reserved": window.reserved,
@@ -180,28 +252,32 @@ def measure_arm(arm: Arm, shape: Shape, base: str, work: Path, *, dry_run: bool 
     work.mkdir(parents=True, exist_ok=True)
     data_path = work / "train.jsonl"
     data_path.write_text("".join(json.dumps(r) + "\n"
-                                 for r in chat_rows(arm.seq, rows_for_batch(arm.batch, steps))))
+                                 for r in task_rows(arm.task, arm.seq, rows_for_batch(arm.batch, steps))))
     m, wrapper = Measurement(), None
     try:
         hooks.before_setup()  # the runner's cap, before Soup puts anything on the card
         with hooks.console(), watch_soup_preflight(m):
             from soup_cli.config.loader import load_config_from_string
             from soup_cli.data.loader import load_dataset
-            from soup_cli.trainer.sft import SFTTrainerWrapper
 
+            module, wrapper_class = task(arm.task).wrapper
             config = load_config_from_string(soup_config_yaml(
                 base, data_path, work / "out", arm.seq, arm.batch, arm.quant, shape.targets, shape.stream,
-                shape.lora_r, shape.lora_alpha))
-            wrapper = SFTTrainerWrapper(config, device="cpu" if dry_run else STEP_DEVICE)
+                shape.lora_r, shape.lora_alpha, arm.task))
+            wrapper = getattr(importlib.import_module(module), wrapper_class)(
+                config, device="cpu" if dry_run else STEP_DEVICE)
             wrapper.setup(load_dataset(config.data))
-            width, lengths = realised_lengths(wrapper.trainer)
+            width, lengths = realised_lengths(wrapper.trainer, arm.seq, arm.task)
             m.realised_width, m.realised_rows = width, tuple(lengths)
             hooks.mark("setup")
             hooks.before_step(m)  # a cap at Soup's own number, as this setup computed it
-            if not dry_run and realised_as_requested(arm.seq, arm.batch, width, lengths):
-                step = real_peak(wrapper.trainer, snapshot=snapshot, steps=steps)
+            if not dry_run and realised_as_requested(arm.seq, arm.batch, width, lengths, arm.task):
+                with forward_widths(wrapper.trainer.model) as ran_at:
+                    step = real_peak(wrapper.trainer, snapshot=snapshot, steps=steps)
                 m.real_peak, m.resident, m.reserved = step["real_peak"], step["resident"], step["reserved"]
                 m.step_s, m.snapshot = step["step_s"], step["snapshot"]
+                # a forward at any other width: the peak is not seq's, and the row is VOID
+                m.realised_width = next((w for w in ran_at if w != arm.seq), width)
     except KeyboardInterrupt:
         raise
     except BaseException as exc:  # noqa: BLE001 - every failure is the arm's finding

@@ -69,7 +69,8 @@ def load_arms(root: Path = ROOT / "results") -> list[dict]:
 
 def predict(arm: dict, cfgs: dict, allowance: int | None = None):
     return estimate(cfgs[arm["family"]], quant=arm["quant"], seq=arm["seq"], batch=arm["batch"],
-                    targets=arm["targets"], release=arm["release"], allowance=allowance)
+                    targets=arm["targets"], release=arm["release"], allowance=allowance,
+                    soup=False)  # the physics alone: each arm's Soup number is the one it captured
 
 
 def fit_allowance(arms: list[dict], cfgs: dict) -> int:

@@ -34,7 +34,8 @@ def arms() -> list[dict]:
             continue
         for r in data.get("rows", []):
             family, stream = stream_mode(r["model_key"])
-            if r.get("real_peak") and not r.get("failure") and (family in NEW or stream):
+            # a preference task's arm is bench/task_terms.py's
+            if r.get("real_peak") and not r.get("failure") and (family in NEW or stream) and not r.get("task"):
                 seen.setdefault((r["model_key"], r["quant"], r["seq"], r["batch"]), dict(r, file=path.parent.name))
     return list(seen.values())
 

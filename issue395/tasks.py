@@ -36,11 +36,19 @@ class Task:
     data_format: str
     #: the smallest batch Soup's config schema takes (KTO needs both labels in a batch)
     min_batch: int = 1
+    #: TRL cuts the collated batch to ``args.max_length`` inside compute_loss, so the width the
+    #: model runs at is that cut, not the collated width (DPO: ``DPOTrainer._truncate_inputs``)
+    cut_in_loss: bool = False
 
     @property
     def rows_per_example(self) -> int:
         """The rows the model runs per configured example."""
         return 2 if self.paired else 1
+
+    def guard_rows(self, batch: int) -> int:
+        """The rows the guard reads over all its keys at this batch: the model's rows, and KTO's
+        KL batch as many again."""
+        return batch * self.rows_per_example * (2 if self.kl_batch else 1)
 
 
 TASKS: dict[str, Task] = {
@@ -49,7 +57,7 @@ TASKS: dict[str, Task] = {
     # TRL collates chosen then rejected as one (2B, W) batch and cuts it to max_length inside
     # compute_loss (soup-cli 0.73.3 collates 3 x seq wide; 0.77.0 caps the tokenized rows itself)
     "dpo": Task("dpo", ("soup_cli.trainer.dpo", "DPOTrainerWrapper"), paired=True, reference=True,
-                kl_batch=False, guard_keys=("input_ids",), data_format="dpo"),
+                kl_batch=False, guard_keys=("input_ids",), data_format="dpo", cut_in_loss=True),
     "orpo": Task("orpo", ("soup_cli.trainer.orpo", "ORPOTrainerWrapper"), paired=True, reference=False,
                  kl_batch=False, guard_keys=("chosen_input_ids", "rejected_input_ids"), data_format="dpo"),
     # SimPO is TRL's CPO trainer with loss_type "simpo" (Soup keeps cpo_alpha > 0: the chosen NLL stays)

@@ -26,7 +26,9 @@ def cap_bytes(cap: str, key: str, *, quant: str, seq: int, batch: int, targets: 
         return None
     if cap.startswith("bytes:"):  # --min-free's probes: a number, not a prediction
         return int(cap.partition(":")[2])
-    kw = dict(quant=quant, seq=seq, batch=batch, targets=targets, lora_r=lora_r, steps=steps, release=release)
+    # Soup's number only where it is the cap: it needs the release's own code, the physics does not
+    kw = dict(quant=quant, seq=seq, batch=batch, targets=targets, lora_r=lora_r, steps=steps, release=release,
+              soup=cap == "soup")
     # a streaming mode is capped at its own estimate; a --model arm at its checkpoint's config
     e = estimate_key(key, **kw) if config is None else estimate(config, stream=stream_mode(key)[1], **kw)
     return {"soup": e.soup_predicted, "corrected": e.corrected_predicted, "needs-free": e.needs_free}[cap]

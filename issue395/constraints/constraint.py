@@ -59,4 +59,4 @@ class Constraint:
 
 
 def arm_name(r: Row) -> str:
-    return f"{r.model} {r.quant} {r.seq}x{r.batch}"
+    return f"{r.label} {r.quant} {r.seq}x{r.batch}"

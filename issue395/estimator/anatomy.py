@@ -19,7 +19,9 @@ from ..errors import UsageError
 from ..model.registry import FAMILIES, SHAPES, config_json, family_of
 from .arch import Arch, arch_from_config
 from . import estimate as E
-from .soup_number import RELEASES
+from .releases import RELEASE_FEATURES
+from .terms import BY_KEY, Phase, live_in
+from ..tasks import task
 
 
 DEQUANTISED = "dequantised layer weights"
@@ -90,7 +92,7 @@ def physical_classifier(config: dict, *, quant: str, seq: int, batch: int, targe
     and ``lora_r`` are checked against the model (as issue395.estimator.estimate does) but name no class:
     LoRA's own blocks are far below a layer weight and fall in 'the rest'."""
     E.estimate(config, quant=quant, seq=seq, batch=batch, targets=targets, lora_r=lora_r,
-               release=RELEASES[0], soup=False)  # the same input checks, one-line UsageErrors
+               release=next(iter(RELEASE_FEATURES)), soup=False)  # the same input checks, one-line UsageErrors
     sizes = class_sizes(config, quant=quant, seq=seq, batch=batch)
     table: dict = {}
     for cls in CLASSES:  # earlier classes win a shared size
@@ -125,15 +127,9 @@ def classify_blocks(sizes, classify: Callable[[int], str]) -> dict:
     return out
 
 
-_LOSS = ("checkpointed_inputs", "ids_labels", "position_ids", "rotary_tables", "sliding_mask",
-         "logits", "final_norm", "allocator_rounding")
-_LAYER = ("checkpointed_inputs", "ids_labels", "position_ids", "rotary_tables", "sliding_mask",
-          "dequantised_layer", "layer_per_token", "autograd_workspace")
-
-
 def _charged(est, term: str) -> int:
-    """A term's bytes where it counts in the estimate's binding phase, else 0."""
-    return est.terms.get(term, 0) if term in (_LOSS if est.phase == "loss" else _LAYER) else 0
+    """A term's bytes where it counts in the estimate's binding phase (the term table's), else 0."""
+    return est.terms.get(term, 0) if Phase(est.phase) in BY_KEY[term].phases else 0
 
 
 def class_breakdown(classes: dict, est, *, seq: int, batch: int, config: dict) -> list[dict]:
@@ -144,16 +140,21 @@ def class_breakdown(classes: dict, est, *, seq: int, batch: int, config: dict) -
     if unknown:
         raise UsageError(f"unknown class(es): {', '.join(sorted(unknown))}")
     a = arch_from_config(config)  # the physics of the saved row, whatever Soup is installed
-    T, elements = seq * batch, seq * batch * a.V
+    rows = batch * task(est.task).rows_per_example
+    T, elements = seq * rows, seq * rows * a.V
     softcap = E.SOFTCAP_EXTRA_BYTES * elements if a.softcap else 0
     logits = _charged(est, "logits")
-    fp32_logits = logits - (softcap if logits else 0)
+    fp32_logits = logits - (softcap if logits else 0) + _charged(est, "reference_held")
     ckpt, norm = _charged(est, "checkpointed_inputs"), _charged(est, "final_norm")
     if _fp32_inputs(a, est.quant):  # phi NF4: the final norm's T h 4 copy ties with the L-1 fp32
         ckpt, norm = ckpt + norm, 0  # saved inputs and is named with them (CLASSES tie-break 3)
-    rest = sum(_charged(est, t) for t in ("ids_labels", "position_ids", "layer_per_token"))
+    rest = sum(_charged(est, t) for t in ("ids_labels", "kl_batch_ids", "position_ids", "layer_per_token",
+                                          "chunked_loss", "retained_activations", "head_copy",
+                                          "reference_layer"))
+    if est.phase == Phase.LAYER.value and "retained_activations" in est.terms:  # all but the layer run
+        rest += est.terms["retained_activations"] * (a.L - 1) // a.L
     spec = {
-        DEQUANTISED: (_charged(est, "dequantised_layer"), (1, "layer")),
+        DEQUANTISED: (_charged(est, "dequantised_layer") + _charged(est, "expert_in_flight"), (1, "layer")),
         LOGITS_FP32: (fp32_logits, (elements, "logits element")),
         LOGITS_BF16: (softcap if logits else 0, (elements, "logits element")),
         CHECKPOINTED: (ckpt, (T, "token")),
@@ -184,7 +185,7 @@ def render(rows: list[dict]) -> str:
 
 
 #: The resident terms: allocated before the step, counted apart by the attribution.
-RESIDENT_TERMS = ("pool", "extras", "lora_weights", "cublas_workspace", "resident_rounding")
+RESIDENT_TERMS = live_in(Phase.RESIDENT)
 
 
 def margin_anatomy(margins: list[dict], release: str | None = None) -> str:

@@ -80,6 +80,10 @@ CONFIG_DEFAULTS: dict[str, dict] = {
 _HEAD_DIM_LIMIT, _WINDOW_LIMIT = 4096, 2**24
 _FLAGS = ("tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window",
           "use_bidirectional_attention")
+#: Flags transformers itself types ``bool | None`` and writes as null (Gemma2Config's
+#: use_bidirectional_attention defaults to None; save_pretrained writes it): null reads as false,
+#: as the class reads it (``if self.use_bidirectional_attention:``).
+_NULLABLE_FLAGS = ("use_bidirectional_attention",)
 
 
 def _number(v) -> bool:
@@ -90,6 +94,8 @@ def _check_values(config: dict) -> None:
     """Every optional field a config carries, whichever model reads it, is of its kind: a value
     no config can mean (a "false" that reads as true, a window of -1) is one line naming it."""
     for name in _FLAGS:  # "false" is a non-empty string: read as a flag it would mean true
+        if name in _NULLABLE_FLAGS and config.get(name, False) is None:
+            continue
         if name in config and not isinstance(config[name], bool):
             raise UsageError(f"config {name} is {config[name]!r}; it must be true or false")
     for name in ("final_logit_softcapping", "attn_logit_softcapping"):

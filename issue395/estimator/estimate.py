@@ -19,9 +19,15 @@ from ..record import QUANTS
 from ..model.registry import RECOMPUTES, config_json, stream_mode
 from .arch import Arch, arch_from_config, protocol_targets
 from .moe import Kind, expert_in_flight
-from .releases import nearest_release
-from .soup_number import (RELEASES, arch_of, installed_release, layer_bytes, linear_elements, lora_params,
-                          soup_preflight_from_config)
+from ..model.targets import soup_targets
+from ..tasks import PROTOCOL_TASK, TASKS, task as task_named
+from .releases import Features, installed_release
+from .soup_number import (arch_of, features, layer_bytes, linear_elements, lora_params, soup_preflight_from_config,
+                          vocab_matrices_resident)
+from .terms import Phase, Term, phase_sum
+
+#: The tasks whose peak this estimator models: all five Soup streams (issue395/tasks.py).
+MODELLED_TASKS = tuple(TASKS)
 
 #: CUBLAS_WORKSPACE (constants) is kept on every card though torch gives less below sm 9
 #: (CUBLAS_WORKSPACE_PRE_HOPPER, cards.cublas_workspace): on the A10G record (sm 8.6) it sits
@@ -76,10 +82,11 @@ def pool(a: Arch, quant: str, per_expert: bool = False) -> int:
     return 2 * layer_bytes(a, quant, per_expert)
 
 
-def extras(a: Arch, release: str) -> int:
-    """Embedding, final norm, untied head. 0.77.0 keeps one vocab slot for an untied model:
-    every untied peak falls by V x h x 2 (results/compare-untied-soup077-vs-073.txt)."""
-    heads = 1 if a.tied or release != "0.73.3" else 2
+def extras(a: Arch, f: Features) -> int:
+    """Embedding, final norm, untied head. A release whose shard splits the untied pair (0.74.0 on)
+    keeps one vocab slot for an untied model: every untied peak falls by V x h x 2
+    (results/compare-untied-soup077-vs-073.txt)."""
+    heads = vocab_matrices_resident(a, f)
     return 2 * a.V * a.h * heads + 2 * a.h * (2 if a.norm_bias else 1) + (
         2 * a.V if a.model_type == "phi" and not a.tied else 0)
 
@@ -147,13 +154,12 @@ def segment_tail(size: int) -> int:
     return rest if rest <= K_SMALL_SIZE else 0
 
 
-def resident_rounding(a: Arch, quant: str, release: str, per_expert: bool = False) -> int:
+def resident_rounding(a: Arch, quant: str, f: Features, per_expert: bool = False) -> int:
     """segment_tail of each resident tensor: every vocab matrix (materialize_extras) and each
     linear weight in both pool slots (LayerBufferPool: a torch.empty per tensor; NF4 packed n/2 B).
     Evidence: resident is +1,049,088 B over pool+extras+LoRA+workspace on Llama-3.2-1B and Gemma-2
     (vocab tail 1 MiB), Phi-3 +262,144 B on 0.73.3 (two heads) and +131,072 B on 0.77.0 (one)."""
-    heads = 1 if a.tied or release != "0.73.3" else 2
-    out = heads * segment_tail(2 * a.V * a.h)
+    out = vocab_matrices_resident(a, f) * segment_tail(2 * a.V * a.h)
     if a.layers is not None:  # every tensor of the union buffer, in both slots
         sizes = {"bf16": 2, "fp32": 4, "expert": 0 if per_expert else 2}
         return out + sum(2 * segment_tail(-(-n // 2) if kind == "linear" and quant == "nf4"
@@ -169,8 +175,12 @@ def allocator_rounding(a: Arch, T: int) -> int:
     """segment_tail of the large blocks live at the loss peak: the three fp32 logits buffers (4TV
     each, fresh: nothing cached is that large; why Soup's probe reads 12.0101 B/element at vocab
     151936, 12.0 elsewhere) and the hidden-sized segments (*_HIDDEN_SEGMENTS)."""
-    return (3 * segment_tail(4 * T * a.V) + FP32_HIDDEN_SEGMENTS * segment_tail(4 * T * a.h)
-            + BF16_HIDDEN_SEGMENTS * segment_tail(2 * T * a.h))
+    return 3 * segment_tail(4 * T * a.V) + hidden_rounding(a, T)
+
+
+def hidden_rounding(a: Arch, T: int) -> int:
+    """segment_tail of the hidden-sized segments live at the loss peak (*_HIDDEN_SEGMENTS)."""
+    return FP32_HIDDEN_SEGMENTS * segment_tail(4 * T * a.h) + BF16_HIDDEN_SEGMENTS * segment_tail(2 * T * a.h)
 
 
 def dequantised_layer(a: Arch, quant: str, modules: dict | None = None) -> int:
@@ -244,6 +254,149 @@ def retained_per_token(a: Arch, quant: str, targets: tuple, r: int) -> int:
     return max(kind_per_token(a, k, targets, r) - kind_transients(a, k) for k in a.layers.kinds)
 
 
+# -- A preference loss's step (issue395/tasks.py names the task; the bytes are here) --
+#: Per logits element of a live fp32 block (TRL 0.29.1's losses run on fp32 logits: accelerate's
+#: convert_outputs_to_fp32 hands back a fresh fp32 copy of the head's bf16 output).
+FP32 = 4
+
+
+def task_loss_blocks(a: Arch, name: str, seq: int, batch: int) -> list[int]:
+    """The full-vocabulary fp32 blocks a preference loss holds at its peak, one entry per block
+    (each is its own allocation, so each has its own segment tail). T = seq is the width, S = T - 1
+    the shifted width, R the rows (2 x batch for the paired losses). From what each loss keeps,
+    checked on the H200's allocator histories (results/task-anatomy-h200-soup0.77.0-and-0.73.3-3f5620a/,
+    the groups live at the peak) and on CPU (/work/notes/r2-loss-physics.md):
+    - DPO, in ``_compute_loss`` after the reference forward: the policy's and the reference's logits
+      (R x T each), each one's ``[..., :-1, :].contiguous()`` copy (R x S each), and the chosen half
+      masked out for the metrics (batch x S; at batch 1 it is the size of the one-row logsumexp
+      temp it outlives).
+    - KTO, at the reference's ``index_select``: the policy's and the reference's logits (batch x T
+      each), each split into its chosen and its rejected rows (copies: batch x T each, in two blocks).
+    - ORPO and SimPO (one forward), in the backward of the per-row logsumexp: the logits (R x T),
+      the chosen-half cross entropy's saved log_softmax (batch x S), and the per-row gradients: at the
+      last row R - 1 done beside that row's sub, exp and mul temps (R + 2 rows), at
+      UnbindBackward's stack all R beside the stacked R (2R rows), whichever is more."""
+    T, S, row = seq, seq - 1, a.V * FP32
+    if name == "dpo":
+        R = 2 * batch
+        return [R * T * row] * 2 + [R * S * row] * 2 + [batch * S * row]
+    if name == "kto":
+        return [batch * T * row] * 2 + [(batch + 1) // 2 * T * row, batch // 2 * T * row] * 2
+    R = 2 * batch  # orpo, simpo
+    grads = [S * row] * (R + 2) if R + 2 >= 2 * R else [S * row] * R + [R * S * row]
+    return [R * T * row, batch * S * row] + grads
+
+
+def reference_held_blocks(a: Arch, name: str, seq: int, batch: int) -> list[int]:
+    """What the policy's loss holds while the reference (and KTO's KL) forward re-streams every
+    layer under no_grad: DPO its logits and their shifted copy, KTO its logits and their chosen and
+    rejected copies (the blocks of task_loss_blocks made before the reference forward starts)."""
+    blocks = task_loss_blocks(a, name, seq, batch)
+    return [blocks[0], blocks[2]] if name == "dpo" else [blocks[0]] + blocks[2::2]
+
+
+def no_grad_layer_per_token(a: Arch, quant: str, targets: tuple, r: int) -> int:
+    """What one decoder layer's forward under no_grad (the reference's, KTO's KL) holds per token at
+    once, op by op and summed although they do not overlap: the residual stream in and its running
+    sum (2 x act x h), the RMSNorm's fp32 copy and square (8h), the MLP at its product (act(gate),
+    up and the product: 3 x act x i; phi's gelu_new 4), the widest LoRA target's dropout output, mask
+    and lora_A output. Nothing is saved (no autograd graph), so the widths of attention, which the
+    MLP's exceed on every dense family here, are not added. A MoE or hybrid model: its recompute's
+    count, the bound (issue395.estimator.moe's kinds are counted with their backward)."""
+    if a.layers is not None:
+        return max(kind_per_token(a, k, targets, r) for k in a.layers.kinds)
+    act = 4 if (a.model_type == "phi" and quant == "nf4") else 2
+    lora = max(act * a.modules[t][0] + LORA_DROPOUT_MASK_BYTES * a.modules[t][0] + act * r for t in targets)
+    return 2 * act * a.h + 8 * a.h + act * a.i * (4 if a.model_type == "phi" else 3) + lora
+
+
+def head_copy(a: Arch, f: Features, name: str) -> int:
+    """0.77.0 on an untied model, DPO and KTO: the second forward refills the vocab slot the head's
+    autograd view points at, so the head keeps a private bf16 copy of its weight from the policy
+    forward to its backward (soup-cli 0.77.0 layer_stream_runtime ``_needs_a_private_weight``; Soup
+    charges it as a second slot). Tied models stream no large key: none."""
+    return 2 * a.V * a.h if task_named(name).reference and not a.tied and f.private_head_weight else 0
+
+
+def reference_adapter(n: int, f: Features, name: str) -> int:
+    """DPO's reference is TRL 0.29's frozen "ref" copy of the adapter, materialised by 0.77.0
+    (``materialize_meta_adapter_copy``: a clone of each LoRA parameter, fp32). Measured: bf16 DPO's
+    resident is 4 B per LoRA parameter over ORPO's on the same model (Qwen2.5 2,162,688 B, SmolLM2
+    1,843,200 B). 0.73.3 leaves it on the meta skeleton and its step fails at the reference forward;
+    KTO's reference disables the adapter instead."""
+    return LORA_WEIGHT_BYTES * n if name == "dpo" and f.materialises_ref_adapter else 0
+
+
+# -- The steady state: what an optimizer keeps from step 2 on --
+#: bitsandbytes' 8-bit optimizers keep a tensor under 4,096 elements in fp32 (``min_8bit_size``)
+#: and the rest in uint8 with an fp32 absmax per 256-element block; the paged ones put a state of
+#: 100,000 elements or more in CUDA managed memory, outside torch's allocator (bitsandbytes 0.50
+#: optim/optimizer.py: init_state, get_state_buffer).
+BNB_MIN_8BIT, BNB_BLOCK, BNB_PAGED_FROM = 4096, 256, 100_000
+
+
+@dataclass(frozen=True)
+class Optimizer:
+    """What one optimizer Soup names (``training.optimizer``) keeps per LoRA tensor."""
+
+    states: int  # moments per parameter (Adam 2, Lion 1, SGD without momentum 0)
+    bits: int  # 32, or 8 for bitsandbytes' blockwise states
+    paged: bool  # bitsandbytes' paged variant
+    #: fp32 bytes per parameter made and freed inside ``step``: torch's foreach AdamW makes
+    #: exp_avg_sq's square root (``_multi_tensor_adam``: ``torch._foreach_sqrt``); the fused and the
+    #: bitsandbytes kernels update in place
+    transient: int = 0
+
+
+OPTIMIZERS = {
+    "adamw_torch": Optimizer(2, 32, False, 4),
+    "adamw_torch_fused": Optimizer(2, 32, False),
+    "adamw_8bit": Optimizer(2, 8, False), "adamw_bnb_8bit": Optimizer(2, 8, False),
+    "paged_adamw_8bit": Optimizer(2, 8, True), "paged_adamw_32bit": Optimizer(2, 32, True),
+    "lion_8bit": Optimizer(1, 8, False), "lion_32bit": Optimizer(1, 32, False),
+    "paged_lion_8bit": Optimizer(1, 8, True), "paged_lion_32bit": Optimizer(1, 32, True),
+    "sgd": Optimizer(0, 32, False),
+}
+#: Soup's default (``training.optimizer``)
+DEFAULT_OPTIMIZER = "adamw_torch"
+
+
+def lora_tensors(a: Arch, targets: tuple, r: int) -> list[int]:
+    """Each LoRA parameter tensor's element count: lora_A (r x fan_in) and lora_B (fan_out x r) per
+    target per layer."""
+    return [n for t in targets for n in (r * a.modules[t][0], r * a.modules[t][1])] * a.L
+
+
+def optimizer_state_bytes(sizes: list[int], name: str) -> int:
+    """The bytes ``name``'s states hold in torch's allocator for LoRA tensors of ``sizes`` elements."""
+    try:
+        o = OPTIMIZERS[name]
+    except KeyError:
+        raise UsageError(f"optimizer {name!r} is not modelled by this estimator (it models "
+                         f"{', '.join(OPTIMIZERS)})") from None
+    out = 0
+    for n in sizes:
+        if o.paged and n >= BNB_PAGED_FROM:
+            continue  # managed memory, outside the allocator
+        if o.bits == 8 and n >= BNB_MIN_8BIT:
+            out += o.states * (n + FP32 * -(-n // BNB_BLOCK))
+        else:
+            out += o.states * FP32 * n
+    return out
+
+
+def steady_terms(a: Arch, targets: tuple, r: int, optimizer: str) -> dict:
+    """From step 2 on: the optimizer's states, beside every phase of the step (made at step 1's
+    ``optimizer.step``); and at each ``optimizer.step`` the adapter's fp32 gradients (the Trainer's
+    ``zero_grad`` sets them to None after the step, so the next step's loss phase has none) and the
+    optimizer's own transients."""
+    sizes = lora_tensors(a, targets, r)
+    n = sum(sizes)
+    return {Term.OPTIMIZER_STATES.key: optimizer_state_bytes(sizes, optimizer),
+            Term.ADAPTER_GRADIENTS.key: FP32 * n,
+            Term.OPTIMIZER_TRANSIENTS.key: OPTIMIZERS[optimizer].transient * n}
+
+
 # -- The estimate --
 @dataclass(frozen=True)
 class Estimate:
@@ -253,10 +406,15 @@ class Estimate:
     corrected_predicted: int
     needs_free: int
     phase: str  # 'loss' or 'layer'
-    terms: dict  # ordered: each physical term in bytes
+    terms: dict  # ordered as issue395.estimator.terms.Term: each physical term in bytes
+    task: str = PROTOCOL_TASK
+    optimizer: str = DEFAULT_OPTIMIZER  # its states count from step 2 on
 
     def to_json(self) -> dict:
-        return {k: dict(v) if isinstance(v, dict) else v for k, v in vars(self).items()}
+        """Every field, the task always (an --estimate JSON row says which task it answers); the
+        optimizer only past step 1, where its states are live."""
+        return {k: dict(v) if isinstance(v, dict) else v for k, v in vars(self).items()
+                if not (k == "optimizer" and self.steps == 1)}
 
 
 def _whole(name: str, v, low: int = 1) -> int:
@@ -268,7 +426,8 @@ def _whole(name: str, v, low: int = 1) -> int:
 def estimate(config: dict, *, quant: str = "none", seq: int, batch: int = 1, targets=None,
              lora_r: int = 8, steps: int = 1, release: str | None = None,
              allowance: int | None = None, workspace: int | None = None,
-             stream: dict | None = None, soup: bool = True) -> Estimate:
+             stream: dict | None = None, soup: bool = True, task: str = PROTOCOL_TASK,
+             optimizer: str = DEFAULT_OPTIMIZER) -> Estimate:
     """Soup's own pre-flight and the corrected peak for one (seq, batch). ``targets=None`` is the
     protocol's (q_proj, v_proj), or qkv_proj on Phi-3. ``allowance`` overrides the fitted
     ALLOCATED_ALLOWANCE_BYTES (the leave-one-family-out fit passes its own); ``workspace`` is a
@@ -276,7 +435,14 @@ def estimate(config: dict, *, quant: str = "none", seq: int, batch: int = 1, tar
     ``stream``: soup-cli 0.77.0's training keys (stream_expert_layout, stream_loss_chunk,
     stream_recompute); any other is refused in one line, never estimated as if absent. ``soup=False``:
     the physics alone, with no Soup number beside it (a saved row re-rendered where the installed
-    Soup is another release: its own number is the one the row captured)."""
+    Soup is another release: its own number is the one the row captured). ``release``: Soup's number
+    by that release's own code (installed, or an unpacked wheel), the physics by its features
+    (releases.RELEASE_FEATURES where its source is not here). ``targets`` may be Soup's own spelling
+    (all-linear, auto): the physics takes the modules it resolves to, Soup's number Soup's own count.
+    ``task``: one of the five tasks Soup streams (issue395/tasks.py); its step runs at 2 x batch rows
+    for the paired losses and holds its loss's tensors (task_loss_blocks); Soup's own number beside
+    it is computed by Soup's own code at its own rows. ``steps`` > 1: the run's steady state, with
+    ``optimizer``'s states (Soup's ``training.optimizer``)."""
     a = arch_of(config) if soup else arch_from_config(config)
     if quant not in QUANTS:
         raise UsageError(f"quant {quant!r} is not one Soup streams ({', '.join(QUANTS)})")
@@ -284,21 +450,26 @@ def estimate(config: dict, *, quant: str = "none", seq: int, batch: int = 1, tar
     lora_r, steps = _whole("lora_r", lora_r), _whole("steps", steps)
     if seq > a.max_pos:
         raise UsageError(f"seq {seq} is past the model's max_position_embeddings {a.max_pos}")
+    task_named(task)
     targets = protocol_targets(a) if targets is None else targets
     targets = (targets,) if isinstance(targets, str) else tuple(targets)
+    spelled = targets
+    targets = soup_targets(targets, config, a, ",".join(map(str, targets)))
+    spelled = spelled[0] if spelled != targets else targets  # Soup's config holds the string itself
     missing = [t for t in targets if t not in a.modules]
     if not targets or missing:
         raise UsageError(f"LoRA target(s) {', '.join(missing) or '(none)'} not in a {a.model_type}"
                          f" layer (it has {', '.join(a.modules)})")
-    release = nearest_release(release or installed_release(), RELEASES)  # issue395.estimator.releases
+    release = release or installed_release()
+    f = features(release)
     ws = max(CUBLAS_WORKSPACE, workspace or 0)
     stream = dict(stream or {})
     unknown = sorted(set(stream) - set(STREAM_KEYS))
     if unknown:
         raise UsageError(f"training.{unknown[0]} is not modelled by this estimator")
     soup_number, soup_terms = soup_preflight_from_config(
-        config, quant=quant, seq=seq, batch=batch, targets=targets, lora_r=lora_r, release=release,
-        stream=stream) if soup else (None, {})
+        config, quant=quant, seq=seq, batch=batch, targets=spelled, lora_r=lora_r, release=release,
+        stream=stream, task=task) if soup else (None, {})
     per_expert = stream.get("stream_expert_layout") == "per_expert"
     if per_expert and a.model_type != "deepseek_v3":  # Soup refuses it: no number for a run that cannot be
         raise UsageError(f"Soup refuses stream_expert_layout 'per_expert' on {a.model_type} (it admits "
@@ -306,52 +477,74 @@ def estimate(config: dict, *, quant: str = "none", seq: int, batch: int = 1, tar
     chunk, recompute = stream.get("stream_loss_chunk"), stream.get("stream_recompute", "on")
     if recompute not in RECOMPUTES:
         raise UsageError(f"stream_recompute {recompute!r} is not modelled (it measures one step at setup)")
-    T, n = seq * batch, lora_params(a, targets, lora_r)
-    t = {"pool": pool(a, quant, per_expert), "extras": extras(a, release), "lora_weights": lora_weights(n),
-         "cublas_workspace": ws, "logits": logits(a, T),
-         "resident_rounding": resident_rounding(a, quant, release, per_expert),
-         "allocator_rounding": allocator_rounding(a, T),
-         "checkpointed_inputs": checkpointed_inputs(a, quant, T), "final_norm": final_norm(a, T),
-         "ids_labels": ids_labels(T), "position_ids": position_ids(seq),
-         "rotary_tables": rotary_tables(a, seq), "sliding_mask": sliding_mask(a, seq, batch),
-         "dequantised_layer": dequantised_layer(a, quant),
-         "layer_per_token": T * layer_per_token(a, quant, targets, lora_r),
-         "autograd_workspace": ws}
+    tk = task_named(task)
+    if batch < tk.min_batch:
+        raise UsageError(f"task {tk.name} needs batch >= {tk.min_batch} (Soup's schema)")
+    if optimizer not in OPTIMIZERS:
+        optimizer_state_bytes([], optimizer)  # its one-line refusal
+    if chunk and tk.name != PROTOCOL_TASK:
+        raise UsageError(f"training.stream_loss_chunk with task {tk.name} is not modelled by this estimator")
+    rows = batch * tk.rows_per_example
+    T, n = seq * rows, lora_params(a, targets, lora_r)
+    t = {Term.POOL.key: pool(a, quant, per_expert), Term.EXTRAS.key: extras(a, f),
+         Term.LORA_WEIGHTS.key: lora_weights(n), Term.CUBLAS_WORKSPACE.key: ws, Term.LOGITS.key: logits(a, T),
+         Term.RESIDENT_ROUNDING.key: resident_rounding(a, quant, f, per_expert),
+         Term.ALLOCATOR_ROUNDING.key: allocator_rounding(a, T),
+         Term.CHECKPOINTED_INPUTS.key: checkpointed_inputs(a, quant, T), Term.FINAL_NORM.key: final_norm(a, T),
+         Term.IDS_LABELS.key: ids_labels(T), Term.POSITION_IDS.key: position_ids(seq),
+         Term.ROTARY_TABLES.key: rotary_tables(a, seq), Term.SLIDING_MASK.key: sliding_mask(a, seq, rows),
+         Term.DEQUANTISED_LAYER.key: dequantised_layer(a, quant),
+         Term.LAYER_PER_TOKEN.key: T * layer_per_token(a, quant, targets, lora_r),
+         Term.AUTOGRAD_WORKSPACE.key: ws}
     if a.layers is not None:  # the kind whose recompute binds: its W16, its tokens, its expert
         t.update(max((kind_terms(a, k, quant, targets, lora_r, T, per_expert) for k in a.layers.kinds),
                      key=lambda terms: sum(terms.values())))
+    if tk.name != PROTOCOL_TASK:  # the loss's own fp32 blocks replace SFT's three
+        blocks = task_loss_blocks(a, tk.name, seq, batch)
+        t[Term.LOGITS.key] = sum(blocks) + (SOFTCAP_EXTRA_BYTES * T * a.V if a.softcap else 0)
+        t[Term.ALLOCATOR_ROUNDING.key] = sum(map(segment_tail, blocks)) + hidden_rounding(a, T)
+        t[Term.REFERENCE_ADAPTER.key] = reference_adapter(n, f, tk.name)
+        t[Term.HEAD_COPY.key] = head_copy(a, f, tk.name)
+        if tk.kl_batch:  # the KL batch's mismatched completions, collated as the batch's
+            t[Term.KL_BATCH_IDS.key] = ids_labels(T)
+        if tk.reference:
+            t[Term.REFERENCE_HELD.key] = sum(reference_held_blocks(a, tk.name, seq, batch))
+            t[Term.REFERENCE_LAYER.key] = T * no_grad_layer_per_token(a, quant, targets, lora_r)
     if chunk:  # the chunked loss: per chunk 3 fp32 + its bf16 logits (14 B), a backward's cuBLAS
         # workspace inside the loss, Soup's two [batch, seq, hidden] stream-dtype tensors;
         # measured: SmolLM2 and Moonlight chunk 512 (results/moe-and-stream-modes-*/loss-chunk.txt)
         t["logits"] = (LOGITS_BYTES + 2 + (SOFTCAP_EXTRA_BYTES if a.softcap else 0)) * min(chunk, seq) * batch * a.V
         t["allocator_rounding"] = allocator_rounding(a, min(chunk, seq) * batch)
-        t["chunked_loss"] = ws + 2 * 2 * a.h * T
+        t[Term.CHUNKED_LOSS.key] = ws + 2 * 2 * a.h * T
     if recompute == "off":
-        t["retained_activations"] = a.L * T * retained_per_token(a, quant, targets, lora_r)
-    shared = sum(t[k] for k in ("checkpointed_inputs", "ids_labels", "position_ids",
-                                "rotary_tables", "sliding_mask"))
-    loss = (shared + t["logits"] + t["final_norm"] + t["allocator_rounding"] + t.get("chunked_loss", 0)
-            + t.get("retained_activations", 0))
-    layer = (shared + t["dequantised_layer"] + t["layer_per_token"] + t["autograd_workspace"]
-             + t.get("expert_in_flight", 0))
+        t[Term.RETAINED_ACTIVATIONS.key] = a.L * T * retained_per_token(a, quant, targets, lora_r)
+    if steps > 1:
+        t.update(steady_terms(a, targets, lora_r, optimizer))
+    t[Term.ALLOCATED_ALLOWANCE.key] = ALLOCATED_ALLOWANCE_BYTES if allowance is None else allowance
+    t = {term.key: t[term.key] for term in Term if term.key in t}  # the table's order
+    layer = phase_sum(t, Phase.LAYER)
     if recompute == "off":  # the backward's first layer: every other layer still holds its activations
         layer += t["retained_activations"] * (a.L - 1) // a.L
-    resident = (t["pool"] + t["extras"] + t["lora_weights"] + t["cublas_workspace"]
-                + t["resident_rounding"])
-    steady = 0
-    if steps > 1:  # Adam's moments, and the autograd thread's workspace now resident
-        t["adam_moments"] = ADAM_MOMENT_BYTES * n
-        steady = t["adam_moments"] + (ws if loss >= layer else 0)
-    t["allocated_allowance"] = ALLOCATED_ALLOWANCE_BYTES if allowance is None else allowance
-    corrected = resident + max(loss, layer) + steady + t["allocated_allowance"]
+    step = {Phase.LOSS: phase_sum(t, Phase.LOSS), Phase.REFERENCE: phase_sum(t, Phase.REFERENCE) if tk.reference
+            else 0, Phase.LAYER: layer}
+    binding = max(step, key=step.get)  # a tie goes to the loss, as it always has
+    peak = step[binding]
+    if steps > 1:  # the states beside every phase; the autograd thread's workspace now resident;
+        # the optimizer's own step, once the backward has freed the activations
+        peak += 0 if binding is Phase.LAYER else ws
+        optimizer_step = (t[Term.ADAPTER_GRADIENTS.key] + t[Term.OPTIMIZER_TRANSIENTS.key] + ws)
+        if optimizer_step > peak:
+            binding, peak = Phase.OPTIMIZER, optimizer_step
+        peak += t[Term.OPTIMIZER_STATES.key]
+    corrected = phase_sum(t, Phase.RESIDENT) + peak + t[Term.ALLOCATED_ALLOWANCE.key]
     return Estimate(seq, batch, quant, steps, release, soup_number, soup_terms, corrected,
-                    needs_free(corrected), "loss" if loss >= layer else "layer", t)
+                    needs_free(corrected), binding.value, t, tk.name, optimizer)
 
 
 def estimate_key(key: str, **kwargs) -> Estimate:
     """The estimate of a map key: its family's public config under the streaming modes the key
-    names (never estimated as if the mode were absent). ``release``, as a saved row records it, is
-    taken to its nearest known release by ``estimate`` itself."""
+    names (never estimated as if the mode were absent). ``release``, as a saved row records it, gives
+    the physics its features (``estimate`` itself reads them)."""
     family, stream = stream_mode(key)
     return estimate(config_json(family), stream=stream, **kwargs)
 

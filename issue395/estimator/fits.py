@@ -3,19 +3,58 @@ fits, Soup's own gate on the same card and the longest seq it admits; the table.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 from ..constants import CUBLAS_WORKSPACE
 from ..errors import UsageError
 from ..record import LORA_R
 from ..text import gb, table
+from ..tasks import PROTOCOL_TASK
 from .cards import GATE_GROWTH_BYTES, STEP_GROWTH_BYTES, Budget, Card, budget, workspace_env
 from .estimate import Estimate, estimate
 from .soup_number import arch_of
+from .terms import Phase, words
 
 __all__ = ["card_answers", "estimate_table", "longest_seq", "longest_seq_soup_admits"]
 
 SEQ_STEP = 64
+#: Soup's measured gate refuses by arithmetic a run its number puts past this many times the free
+#: memory, without measuring (soup_cli/trainer/stream_setup.py, _PROBE_DEFERRAL_CEILING, both releases).
+PROBE_DEFERRAL_CEILING = 4.0
+#: Soup's default training.optimizer, the one main's estimate charges from step 2 on.
+
+
+@dataclass(frozen=True)
+class Gate:
+    """Soup's gate as the user's soup.yaml sets it. ``override``: training.stream_vram_override, the
+    bytes Soup takes as free instead of the driver's reading (resolve_available_vram_bytes: it
+    replaces the figure, in either direction). ``probe``: training.stream_vram_probe, the measured
+    path: Soup admits when one measured step's max_memory_allocated fits the free memory
+    (decide_measured_fit), unless its own number is past PROBE_DEFERRAL_CEILING x the free memory."""
+
+    override: Optional[int] = None
+    probe: bool = False
+
+    def available(self, gate_free: int) -> int:
+        return gate_free if self.override is None else self.override
+
+    def admits(self, soup_predicted: int, one_step_allocated: int, available: int) -> bool:
+        if not self.probe:
+            return soup_predicted <= available  # decide_stream_fit
+        return soup_predicted <= available * PROBE_DEFERRAL_CEILING and one_step_allocated <= available
+
+    @property
+    def rule(self) -> str:
+        return "measured probe (decide_measured_fit)" if self.probe else "Soup's number (decide_stream_fit)"
+
+
+def estimate_for(config: dict, optimizer: Optional[str] = None, **kwargs) -> Estimate:
+    """``estimate`` with the run's training.optimizer (its steady-state states by name; None: Soup's
+    default)."""
+    return estimate(config, **kwargs, **({"optimizer": optimizer} if optimizer else {}))
+
+
 REFUSES = "Soup refuses a run that would fit"
 ADMITS_OOM = "Soup admits a run that will OOM"
 
@@ -25,7 +64,7 @@ def _longest(config: dict, fits: Callable[[Estimate], bool], **kwargs) -> Option
     None when not even 64 does. Both numbers grow with seq, so a bisection finds it."""
     kwargs.pop("seq", None)
     top = arch_of(config).max_pos // SEQ_STEP
-    ok = lambda k: fits(estimate(config, seq=k * SEQ_STEP, **kwargs))  # noqa: E731
+    ok = lambda k: fits(estimate_for(config, seq=k * SEQ_STEP, **kwargs))  # noqa: E731
     if top < 1 or not ok(1):
         return None
     lo, hi = 1, top
@@ -40,11 +79,26 @@ def longest_seq(config: dict, free_bytes: int, **kwargs) -> Optional[int]:
     return _longest(config, lambda e: e.needs_free <= free_bytes, **kwargs)
 
 
-def longest_seq_soup_admits(config: dict, free_bytes: int, **kwargs) -> Optional[int]:
+def longest_seq_soup_admits(config: dict, free_bytes: int, gate: Gate = Gate(), **kwargs) -> Optional[int]:
     """The longest seq Soup's gate admits with ``free_bytes`` free: its own number (computed by
-    its own estimator code) <= the free VRAM it measures (decide_stream_fit)."""
+    its own estimator code) <= the free VRAM it measures (decide_stream_fit), or, with the probe,
+    the measured path's rule on one step (Gate.admits)."""
     kwargs.pop("workspace", None)
-    return _longest(config, lambda e: e.soup_predicted <= free_bytes, **kwargs)
+    if gate.probe:  # the probe measures one step, before any optimizer state
+        kwargs = dict(kwargs, steps=1, optimizer=None)
+    return _longest(config, lambda e: gate.admits(e.soup_predicted, e.corrected_predicted, free_bytes), **kwargs)
+
+
+def yes_no(fits: Optional[bool], no: str = "NO") -> str:
+    return NOT_MODELLED if fits is None else "yes" if fits else no
+
+
+def fit_seq(a: dict) -> str:
+    return NOT_MODELLED if a["fits"] is None else seq_words(a["longest_seq"])
+
+
+#: Where the corrected estimate does not model a task (estimate.MODELLED_TASKS), in place of a figure.
+NOT_MODELLED = "-"
 
 
 def disagreement(fits: bool, soup_admits: bool) -> Optional[str]:
@@ -54,22 +108,31 @@ def disagreement(fits: bool, soup_admits: bool) -> Optional[str]:
 
 
 def card_answers(config: dict, e: Estimate, budgets: list[Budget], targets=None, lora_r: int = LORA_R,
-                 env: Optional[str] = None, stream: Optional[dict] = None) -> list[dict]:
+                 env: Optional[str] = None, stream: Optional[dict] = None, gate: Gate = Gate(),
+                 optimizer: Optional[str] = None) -> list[dict]:
     """One arm on each card: the JSON's ``cards`` entries. needs_free is recomputed only where the
-    card's cuBLAS workspace is larger than the estimator's (CUBLAS_WORKSPACE_CONFIG)."""
+    card's cuBLAS workspace is larger than the estimator's (CUBLAS_WORKSPACE_CONFIG). Soup's gate
+    is the file's (``gate``): the free memory it reads, or its override; its number, or the probe."""
     kw = dict(quant=e.quant, batch=e.batch, steps=e.steps, release=e.release, targets=targets,
-              lora_r=lora_r, stream=stream)
+              lora_r=lora_r, stream=stream, task=e.task, optimizer=optimizer)
+    one_step = e if not gate.probe or e.steps == 1 else estimate_for(config, seq=e.seq, **dict(kw, steps=1,
+                                                                                              optimizer=None))
     out = []
     for b in budgets:
         ws = b.card.workspace(env)
-        mine = e if ws <= CUBLAS_WORKSPACE else estimate(config, seq=e.seq, workspace=ws, **kw)
-        fits, admits = b.fits(mine.needs_free), e.soup_predicted <= b.gate_free_bytes
+        mine = e if ws <= CUBLAS_WORKSPACE else estimate_for(config, seq=e.seq, workspace=ws, **kw)
+        available = gate.available(b.gate_free_bytes)
+        fits = b.fits(mine.needs_free)
+        admits = gate.admits(e.soup_predicted, one_step.corrected_predicted, available)
         out.append({"card": b.card.name, "total_bytes": b.card.total_bytes, "context_bytes": b.context_bytes,
                     "free_bytes": b.free_bytes, "step_free_bytes": b.step_free_bytes,
-                    "gate_free_bytes": b.gate_free_bytes, "needs_free": mine.needs_free, "fits": fits,
+                    "gate_free_bytes": available, "needs_free": mine.needs_free, "fits": fits,
                     "longest_seq": longest_seq(config, b.step_free_bytes, workspace=ws, **kw),
                     "soup_admits": admits,
-                    "longest_seq_soup_admits": longest_seq_soup_admits(config, b.gate_free_bytes, **kw),
+                    "longest_seq_soup_admits": longest_seq_soup_admits(config, available, gate, **kw),
+                    "gate_rule": gate.rule,
+                    "gate_free_source": ("training.stream_vram_override" if gate.override is not None
+                                         else "the card's free memory less the modules loaded"),
                     "soup_predicted": e.soup_predicted, "disagreement": disagreement(fits, admits),
                     "context_source": b.context_source, "total_source": b.card.source,
                     "compute_capability": ".".join(map(str, b.card.cc)) if b.card.cc else None,
@@ -87,7 +150,7 @@ def seq_words(n: Optional[int]) -> str:
 
 def estimate_table(rows: list[Estimate], cards, config: Optional[dict] = None, *, context: Optional[int] = None,
                    answers: Optional[list[list[dict]]] = None, release_label: Optional[str] = None,
-                   **kwargs) -> str:
+                   verbose: bool = True, **kwargs) -> str:
     """One column per (quant, seq, batch); down it, in order: Soup's own pre-flight (computed by
     Soup), the corrected allocated peak and the free memory it needs (this estimator), each term,
     then per card: total, context, free, needs-free, fits, the longest seq that fits, and Soup's
@@ -101,7 +164,9 @@ def estimate_table(rows: list[Estimate], cards, config: Optional[dict] = None, *
             raise UsageError("the fit table needs the model's config")
         budgets = budgets_for(cards, context)
         answers = [card_answers(config, e, budgets, env=workspace_env(), **kwargs) for e in rows]
-    heads = [f"{e.quant} {e.seq}x{e.batch}" for e in rows]
+    # the task is named wherever one is not the protocol's SFT, so an SFT-only table reads as before
+    tasked = any(e.task != PROTOCOL_TASK for e in rows) or any(e.corrected_predicted is None for e in rows)
+    heads = [f"{e.task} {e.quant} {e.seq}x{e.batch}" if tasked else f"{e.quant} {e.seq}x{e.batch}" for e in rows]
     width = max([12] + [len(h) for h in heads])
     lines = [["Soup's own pre-flight GB (computed by Soup)"] + [gb(e.soup_predicted) for e in rows],
              ["corrected: allocated peak GB"] + [gb(e.corrected_predicted) for e in rows],
@@ -123,23 +188,20 @@ def estimate_table(rows: list[Estimate], cards, config: Optional[dict] = None, *
                   ["  needs free GB (this estimator)"] + [gb(a["needs_free"]) for a in per],
                   ["  fits (needs free <= the step's free)"] + ["yes" if a["fits"] else "NO" for a in per],
                   ["  longest seq that fits"] + [seq_words(a["longest_seq"]) for a in per],
-                  ["  free GB at Soup's gate (free - modules loaded)"] + [gb(a["gate_free_bytes"]) for a in per],
-                  ["  Soup's gate admits it (Soup's number <= that)"] + ["yes" if a["soup_admits"] else "no" for a in per],
+                  [f"  free GB at Soup's gate ({gate_free_words(first)})"] + [gb(a["gate_free_bytes"]) for a in per],
+                  [f"  Soup's gate admits it ({gate_rule_words(first)})"] + ["yes" if a["soup_admits"] else "no" for a in per],
                   ["  longest seq Soup's gate admits"] + [seq_words(a["longest_seq_soup_admits"]) for a in per]]
         for e, a in zip(rows, per):
             if a["disagreement"]:
                 notes.append(f"{card.name}, {e.quant} {e.seq}x{e.batch}: {a['disagreement']}")
-            if a["longest_seq"] != a["longest_seq_soup_admits"]:
+            if a["fits"] is not None and a["longest_seq"] != a["longest_seq_soup_admits"]:
                 notes.append(f"{card.name}, {e.quant} batch {e.batch}: {seq_direction(a)}")
     if len(rows) > WIDE_ARMS:
         wide = per_arm_table(rows, cards, answers or [[] for _ in rows], heads)
     first_w = max(len(line[0]) for line in lines)
     fmt = lambda cells: "  ".join([f"{cells[0]:<{first_w}}"] + [f"{c:>{width}}" for c in cells[1:]])  # noqa: E731
     head = fmt([f"soup-cli {release_label or rows[0].release}, steps {rows[0].steps}" if rows else ""] + heads)
-    legend = ("peak = resident (pool, extras, LoRA weights, cuBLAS workspace, resident rounding) + the larger "
-              "phase: the loss (logits, allocator rounding, final norm, and the shared checkpointed inputs, ids, "
-              "positions, rotary tables, mask) or the layer recompute (the shared terms, the dequantised layer, "
-              "per-token bytes, the autograd workspace) + the allowance; needs free adds the allocator's reserve")
+    legend = LEGEND
     if cards:
         legend += ("\nfits: needs free + context + runtime growth <= total. context: 'bound' is Soup's own 0.85 GB "
                    "(its dev box, driving a display; --context GB gives yours, as an idle process sees it), "
@@ -147,12 +209,24 @@ def estimate_table(rows: list[Estimate], cards, config: Optional[dict] = None, *
                    f"by the step's end, {STEP_GROWTH_BYTES / 1e6:.1f} MB, {GATE_GROWTH_BYTES / 1e6:.1f} MB of it "
                    "before Soup's gate reads free memory (measured on the H200: kernel modules loaded lazily, "
                    "library handles)")
+    unmodelled = sorted({e.task for e in rows if e.corrected_predicted is None})
+    if unmodelled:
+        legend += (f"\n{NOT_MODELLED}: not modelled: this tool's corrected estimate does not model task "
+                   f"{', '.join(unmodelled)} yet (Soup's own number is Soup's, at the task's rows)")
+    if not verbose:  # the legends and the cards' sources: --verbose (the verdict lines come first)
+        legend, sources = "--verbose: what each line means (the peak's terms, the fit rule, the context) and each card's source", []
     if len(rows) > WIDE_ARMS:
         head = f"soup-cli {release_label or rows[0].release}, steps {rows[0].steps}: one row per arm"
         return "\n".join([head] + wide + [legend] + sources + list(dict.fromkeys(notes))) + "\n"
     return "\n".join([head, "-" * len(head)] + [fmt(line) for line in lines] + [legend] + sources
                      + list(dict.fromkeys(notes))) + "\n"
 
+
+#: The fit table's legend, its terms read from the term table (issue395.estimator.terms).
+LEGEND = (f"peak = resident ({words((Phase.RESIDENT,))}) + the larger phase: the loss "
+          f"({words((Phase.LOSS,), (Phase.LAYER,))}, and the shared {words((Phase.LOSS, Phase.LAYER))}) or the "
+          f"layer recompute (the shared terms, {words((Phase.LAYER,), (Phase.LOSS,))}) + the allowance; needs "
+          "free adds the allocator's reserve")
 
 #: Past this many arms a column per arm runs off a terminal: one row per arm instead.
 WIDE_ARMS = 6
@@ -164,7 +238,7 @@ def per_arm_table(rows: list[Estimate], cards, answers: list[list[dict]], heads:
     admits, its longest seq'. The terms of each arm are in --json."""
     names = ["arm", "Soup GB", "corrected GB", "needs free GB", "phase"] + [c.name for c in cards]
     body = [[h, gb(e.soup_predicted), gb(e.corrected_predicted), gb(e.needs_free), e.phase]
-            + [f"{'yes' if a['fits'] else 'NO'} {seq_words(a['longest_seq'])} / "
+            + [f"{yes_no(a['fits'])} {fit_seq(a)} / "
                f"{'yes' if a['soup_admits'] else 'no'} {seq_words(a['longest_seq_soup_admits'])}" for a in per]
             for h, e, per in zip(heads, rows, answers)]
     last = max(len(r[-1]) for r in [names] + body)  # the helper widens every column but the last
@@ -174,10 +248,65 @@ def per_arm_table(rows: list[Estimate], cards, answers: list[list[dict]], heads:
         "seq it admits", "each arm's terms: --json (or at most 6 arms, a column each)"]
 
 
+def gate_free_words(a: dict) -> str:
+    return ("training.stream_vram_override" if a.get("gate_free_source") == "training.stream_vram_override"
+            else "free - modules loaded")
+
+
+def gate_rule_words(a: dict) -> str:
+    return ("one measured step <= that" if "probe" in a.get("gate_rule", "") else "Soup's number <= that")
+
+
+def steps_words(steps: int, source: Optional[str] = None) -> str:
+    """Which answer it is: the protocol's one step, or the run's steady state (from step 2 on the
+    optimizer's states are live and every later step repeats the peak)."""
+    if steps == 1:
+        return "the first step alone (the protocol's one step: no optimizer state yet)"
+    return (f"the run's steady state (the peak over {steps} steps: from step 2 on the optimizer's states are live)"
+            + ("; --steps 1 gives the protocol's one step" if source == "--config's run" else ""))
+
+
+def verdict_lines(rows: list[Estimate], cards, answers: list[list[dict]]) -> list[str]:
+    """What a person reads first: per card (and arm, where there are several) fits or not, the
+    longest seq that fits, Soup's gate, the longest seq it admits. No card: needs-free alone."""
+    lines = []
+    several = len(rows) > 1
+    for e, per in zip(rows, answers):
+        arm = f"{e.quant} {e.seq}x{e.batch}: " if several else ""
+        if not cards:
+            lines.append(f"{arm}needs {e.needs_free / 1e9:.2f} GB free (this estimator); Soup's own number "
+                         f"{e.soup_predicted / 1e9:.2f} GB; give --card to fit it on a card")
+        for card, a in zip(cards, per):
+            fit = (f"fits ({a['needs_free'] / 1e9:.2f} of {a['step_free_bytes'] / 1e9:.2f} GB free)" if a["fits"]
+                   else f"does NOT fit (needs {a['needs_free'] / 1e9:.2f} GB, {a['step_free_bytes'] / 1e9:.2f} GB free)")
+            gate = "admits" if a["soup_admits"] else "refuses"
+            lines.append(f"{card.name}: {arm}{fit}, longest seq that fits {seq_words(a['longest_seq'])}; "
+                         f"Soup {gate} it, longest seq it admits {seq_words(a['longest_seq_soup_admits'])}"
+                         + (f" -- {a['disagreement']}" if a["disagreement"] else ""))
+    return lines
+
+
+def card_list() -> str:
+    """--card list: every named card, its total as the driver reports it, its compute capability
+    and where the total comes from."""
+    from .cards import CARDS
+
+    rows = [(c.name, f"{c.total_bytes / 1e9:.2f} GB", ".".join(map(str, c.cc)) if c.cc else "-", c.source)
+            for c in CARDS.values()]
+    head = ("card", "total", "cc", "source")
+    w = [max(len(r[i]) for r in rows + [head]) for i in range(3)]
+    fmt = lambda r: f"{r[0]:<{w[0]}}  {r[1]:>{w[1]}}  {r[2]:>{w[2]}}  {r[3]}"  # noqa: E731
+    return "\n".join([fmt(head)] + [fmt(r) for r in rows]
+                     + ["or a size: 24GB (24e9 bytes) or 24GiB (24 x 2^30); --context GB gives the context yours leaves"]) + "\n"
+
+
 def seq_direction(a: dict) -> str:
     """Which way Soup's longest seq differs from the longest that fits (this estimator)."""
     fit, soup = a["longest_seq"], a["longest_seq_soup_admits"]
-    if soup is not None and (fit is None or soup > fit):
-        return (f"Soup admits seq up to {soup}, a run that will OOM past {seq_words(fit)} "
+    if soup is not None and fit is None:
+        return f"Soup admits seq up to {soup}, but no seq fits: every one will OOM (Soup admits a run that will OOM)"
+    if soup is not None and soup > fit:
+        return (f"Soup admits seq up to {soup}, a run that will OOM past {fit} "
                 "(Soup admits a run that will OOM)")
-    return f"Soup refuses seq past {seq_words(soup)}, runs that would fit up to {fit} (Soup refuses a run that would fit)"
+    refused = "every seq" if soup is None else f"seq past {soup}"
+    return f"Soup refuses {refused}, runs that would fit up to {fit} (Soup refuses a run that would fit)"

@@ -10,6 +10,7 @@ from ..constants import GB
 from ..model.arm import Arm
 from ..model.registry import Shape
 from ..results.row import Row
+from ..tasks import PROTOCOL_TASK
 from .cuda import logits_kind
 
 
@@ -68,24 +69,25 @@ def margin_breakdown(row: Row) -> dict[str, Any]:
     terms = [{"term": t, "charged": charged[t], "measured": measured[t],
               "missed": measured[t] - charged[t], "per": per.get(t)} for t in charged]
     ratio = row.soup_predicted / row.real_peak
-    return {"model": row.model, "model_key": row.model_key, "quant": row.quant, "seq": row.seq,
+    return {"model": row.label, "model_key": row.model_key, **({"task": row.task} if row.task else {}), "quant": row.quant, "seq": row.seq,
             "batch": row.batch, "real_peak": row.real_peak, "soup_predicted": row.soup_predicted,
             "ratio": ratio, "complete": bool(a.get("complete")), "terms": terms,
             **({"physical": a["physical"]} if a.get("physical") else {}),
-            "note": margin_note({"model": row.model, "quant": row.quant, "seq": row.seq, "batch": row.batch,
+            "note": margin_note({"model": row.label, "quant": row.quant, "seq": row.seq, "batch": row.batch,
                                  "ratio": ratio, "terms": terms})}
 
 
 def margin_arms(rows: list[Row]) -> list[Arm]:
-    """The arms worth attributing: the tightest measured row of each family, and every UNDER."""
+    """The arms worth attributing: the tightest measured row of each family (and task), and every UNDER."""
     picked: dict[int, Row] = {}
-    for fam in dict.fromkeys(r.model_key for r in rows):
-        measured = [r for r in rows if r.model_key == fam and r.measured and r.soup_predicted]
+    for fam, name in dict.fromkeys((r.model_key, r.task) for r in rows):
+        measured = [r for r in rows if (r.model_key, r.task) == (fam, name) and r.measured and r.soup_predicted]
         if measured:
             tight = min(measured, key=lambda r: r.margin_ratio)
             picked[tight.index] = tight
     picked.update({r.index: r for r in rows if r.status == "UNDER"})
-    return [Arm(r.model_key, r.seq, r.batch, r.index, r.quant) for _, r in sorted(picked.items())]
+    return [Arm(r.model_key, r.seq, r.batch, r.index, r.quant, r.task or PROTOCOL_TASK)
+            for _, r in sorted(picked.items())]
 
 
 def margin_note(m: dict[str, Any], margins: Optional[list[dict[str, Any]]] = None) -> Optional[str]:

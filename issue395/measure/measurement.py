@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Callable, ContextManager, Optional
 
 from ..errors import last_line
+from ..tasks import PROTOCOL_TASK, task
 from ..model.arm import Arm
 from ..model.registry import Shape
 from ..estimator.anatomy import classifier_for
@@ -135,6 +136,11 @@ def run_arm(measure_arm: Callable[..., Measurement], step_device: str, arm: Arm,
     --config arm's row names the file and the LoRA r and alpha it ran with (its shape's)."""
     carried = carried_bytes(dry_run, step_device)
     config = UserConfig(soup_config, shape.lora_r, shape.lora_alpha) if soup_config else None
+    smallest = task(arm.task).min_batch
+    if arm.batch < smallest:  # planned, never dropped: the row says why it did not run
+        return arm_row(arm, shape, ran=Ran(base=base), dry_run=dry_run, repeat=repeat, failure="SKIPPED",
+                       error=f"{arm.task} needs batch >= {smallest}: Soup's schema refuses a streamed "
+                             f"{arm.task} run below it (issue395.tasks: min_batch)", config=config)
     if arm.quant == "nf4" and not bitsandbytes_present():
         return arm_row(arm, shape, ran=Ran(base=base), dry_run=dry_run, repeat=repeat, failure="SKIPPED",
                        error="NF4 needs bitsandbytes, which is not installed here", config=config)
@@ -161,14 +167,16 @@ def run_arm(measure_arm: Callable[..., Measurement], step_device: str, arm: Arm,
             m.fail(exc)
     if attribution and snapshot_dir:
         rep = f"-r{repeat}" if repeat is not None else ""
-        name = f"snapshot-{arm.index:03d}-{arm.model}-{arm.seq}-b{arm.batch}{rep}.pickle"
+        name = (f"snapshot-{arm.index:03d}-{arm.model}-{arm.seq}-b{arm.batch}{rep}"
+                f"{'' if arm.task == PROTOCOL_TASK else '-' + arm.task}.pickle")
         attribution["snapshot_file"] = save_snapshot(m.snapshot, Path(snapshot_dir) / name)
-    ran = Ran(base=base, gpu=gpu_label(dry_run, step_device), log=str(log) if log else None, timings=timings)
+    ran = Ran(base=base, gpu=gpu_label(dry_run, step_device), log=str(log) if log else None, timings=timings,
+              teardown_error=m.teardown_error)
     gate = Gate(m.soup_terms, gate_free(m)) if m.soup_terms is not None or gate_free(m) is not None else None
     return arm_row(arm, shape, ran=ran, dry_run=dry_run, repeat=repeat, carried=carried,
                    realised_width=m.realised_width,
                    realised_rows=m.realised_rows, real_peak=m.real_peak, resident=m.resident,
-                   reserved=m.reserved, attribution=attribution, teardown_error=m.teardown_error,
+                   reserved=m.reserved, attribution=attribution,
                    soup_predicted=m.soup_predicted, gate=gate, constraint=constraint.record() if constraint else None, config=config,
                    **failure_of(m))
 

@@ -17,7 +17,8 @@ from ..record import GRID_ADAPTER_FACTOR, LORA_ALPHA, LORA_R, LORA_TARGETS
 from ..model.registry import (FAMILIES, MAP_FAMILIES, NOT_ON_MAP, RELEASE_FAMILIES, SHAPES, Shape, config_json,
                               family_of, stream_mode)
 from ..estimator.moe import soup_intermediate
-from ..estimator.soup_number import installed_release, stream_aliases, streamed_as, supported_archs
+from ..estimator.releases import installed_release
+from ..estimator.soup_number import stream_aliases, streamed_as, supported_archs
 from .console import quiet_libraries
 
 

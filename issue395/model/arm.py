@@ -10,13 +10,15 @@ from .registry import Shape
 
 @dataclass(frozen=True)
 class Arm:
-    """One point of the grid: a model at one seq and batch; index is its grid position."""
+    """One point of the grid: a model at one seq and batch, under one of Soup's tasks; index is its
+    grid position."""
 
     model: str
     seq: int
     batch: int = 1
     index: int = 0
     quant: str = "none"
+    task: str = "sft"  # Soup's task: (issue395.tasks), the protocol's SFT unless asked
 
 
 def predicted_bytes(shape: Shape, seq: int, batch: int = 1) -> int:

@@ -108,7 +108,7 @@ def render_markdown(result: Result, parts: Optional[list[tuple[str, dict]]] = No
         names = ("seq", "realised", "batch", "predicted GB", "real peak GB", "pred/real", "corrected GB",
                  "corr/real", "A10G peak GB", "vs A10G")
         md += [f"## {model}", "", "| " + " | ".join(names) + " | verdict |", "|" + "---:|" * len(names) + "---|"]
-        for r in (x for x in rows if x.model == model):
+        for r in (x for x in rows if x.label == model):
             c = sweep_cells(r, env)
             verdict = {"ok": "over-predicts, safe", "UNDER": "UNDER-predicts"}.get(r.status, r.status)
             md.append("| " + " | ".join([c[n] for n in names] + [verdict]) + " |")
@@ -122,7 +122,7 @@ def render_markdown(result: Result, parts: Optional[list[tuple[str, dict]]] = No
             c, rec = sweep_cells(r, env), r.record_peak
             rec_over = r.overestimate_at(rec)
             rec_fit = "-" if rec is None or r.logits14 is None else ("yes" if r.logits14 <= rec else "no")
-            md.append(f"| {r.model} | {r.seq} | {r.batch} | {c['14xE GB']} | {c['real peak GB']} | "
+            md.append(f"| {r.label} | {r.seq} | {r.batch} | {c['14xE GB']} | {c['real peak GB']} | "
                       f"{c['copy fits']} | {c['A10G peak GB']} | {rec_fit} | {gb(r.nonlogits_modelled)} | "
                       f"{c['over-est']} | {ratio(rec_over)} |")
         md += ["", overestimate_line(rows), ""]
@@ -157,7 +157,7 @@ def render_plot(result: Result) -> bytes:
     series: dict[tuple[str, int], list[tuple[int, float]]] = {}
     for r in result.rows:
         if r.pred_over_real is not None and r.repeat is None:
-            series.setdefault((r.model, r.batch), []).append((r.seq, r.pred_over_real))
+            series.setdefault((r.label, r.batch), []).append((r.seq, r.pred_over_real))
     for (model, batch), pts in series.items():
         pts.sort()
         ax.plot(*zip(*pts), marker="o", linewidth=2, color=colours.get(model) if batch == 1 else None,
@@ -236,7 +236,7 @@ def heatmap_cells(rows: list[Any], quant: str) -> tuple[list[str], list[tuple[in
     lacks stays blank)."""
     families = models_in(rows)
     columns = sorted({(r.seq, r.batch) for r in rows})
-    return families, columns, {(r.model, r.seq, r.batch): r for r in rows if r.quant == quant}
+    return families, columns, {(r.label, r.seq, r.batch): r for r in rows if r.quant == quant}
 
 
 def heatmap_figure(result: Result, plt: Any) -> Any:

@@ -43,7 +43,7 @@ def determinism_spread(rows: list[Row]) -> list[dict[str, Any]]:
 
 
 def models_in(rows: list[Row]) -> list[str]:
-    return list(dict.fromkeys(r.model for r in rows))
+    return list(dict.fromkeys(r.label for r in rows))
 
 
 SWEEP_COLUMNS = [("seq", 6), ("realised", 8), ("batch", 5), ("predicted GB", 12), ("real peak GB", 13),
@@ -55,6 +55,12 @@ SWEEP_LEGEND = ("corrected: this tool's estimator (issue395.estimate), from the 
                 "alone; 14xE: Soup's logits charge (E = seq x vocab x batch); non-logits: predicted - 14xE; "
                 "over-est: non-logits / (real peak - 12xE); copy fits: would a retained bf16 logits "
                 "copy fit under the real peak (14xE <= real peak)")
+
+
+#: Soup's pre-flight in a CPU dry run reads the model's weights as they load there, float32, so its
+#: number is not the one its gate computes on CUDA (issue 29: 3.16 GB against --estimate's 2.47).
+DRY_RUN_SOUP = ("dry run: Soup's own number in this CPU setup budgets float32 weights (its CPU load); on CUDA "
+                "its gate computes another: --estimate (--config FILE) gives that one")
 
 
 def peak_cell(r: Row) -> str:
@@ -79,21 +85,23 @@ def sweep_table(rows: list[Row], env: Optional[dict] = None) -> str:
     out = []
     for model in models_in(rows):
         # the record's models at the protocol's adapter only (a --config arm on one is the user's)
-        record = any(r.model_key in SHAPES and r.config is None for r in rows if r.model == model)
+        record = any(r.model_key in SHAPES and r.config is None for r in rows if r.label == model)
         out.append(f"{model}  (predicted: Soup's estimator; real peak: measured here; corrected: this tool's "
                    "estimator" + ("; A10G: the record)" if record else "; no A10G record for this model)"))
-        out += table(SWEEP_COLUMNS, [list(sweep_cells(r, env).values()) for r in rows if r.model == model]) + [""]
+        out += table(SWEEP_COLUMNS, [list(sweep_cells(r, env).values()) for r in rows if r.label == model]) + [""]
     out += [SWEEP_LEGEND, overestimate_line(rows), corrected_line(rows, env)]
-    notes = [f"  {r.model} seq {r.seq} batch {r.batch}: {r.status} - {r.error or ''}"
+    if any(r.dry_run for r in rows):
+        out.append(DRY_RUN_SOUP)
+    notes = [f"  {r.label} seq {r.seq} batch {r.batch}: {r.status} - {r.error or ''}"
              + (f" (asked for {r.oom_request / GB:.2f} GB)" if r.oom_request else "")
              for r in rows if r.failure]
-    notes += [f"  {r.model} seq {r.seq} batch {r.batch}: UNDER by Soup's own pre-flight in this setup "
+    notes += [f"  {r.label} seq {r.seq} batch {r.batch}: UNDER by Soup's own pre-flight in this setup "
               f"({gb(r.soup_predicted)} GB, {ratio(r.margin_ratio)} of the real peak); pred/real above "
               f"is the grid-convention estimate ({ratio(r.pred_over_real)})"
               for r in rows if r.status == "UNDER" and r.pred_over_real >= 1]
-    notes += [f"  {r.model} seq {r.seq}: teardown error (measurement kept): {r.teardown_error}"
-              for r in rows if r.teardown_error]
-    notes += [f"  {r.model} seq {r.seq} batch {r.batch}: VOID - realised {list(r.realised_rows)} "
+    notes += [f"  {r.label} seq {r.seq}: teardown error (measurement kept): {r.ran.teardown_error}"
+              for r in rows if r.ran.teardown_error]
+    notes += [f"  {r.label} seq {r.seq} batch {r.batch}: VOID - realised {list(r.realised_rows)} "
               f"(width {r.realised_width}) != requested {r.seq}; no ratio is printed for it"
               for r in rows if r.status == "VOID"]
     return "\n".join(out + (["notes:"] + notes if notes else []))
@@ -129,7 +137,7 @@ def attribution_table(rows: list[Row], control: Optional[dict[str, Any]]) -> str
         other = ", ".join(f"{k}: {v['count']}/{v['bytes'] / GB:.3f}" for k, v in a["other_groups"].items())
         caveat = ("history incomplete" if not a.get("complete") else "no positive control ran"
                   if control is None else "control failed" if not control.get("passed") else None)
-        cells.append([r.model, str(r.seq), str(r.batch), str(a["logits_bf16"]["count"]),
+        cells.append([r.label, str(r.seq), str(r.batch), str(a["logits_bf16"]["count"]),
                       gb(a["logits_bf16"]["bytes"], 3), str(a["logits_fp32"]["count"]),
                       gb(a["logits_fp32"]["bytes"], 3), f"{share:.1%}", gb(a["resident_at_peak"], 3),
                       (f"{caveat}: not a finding; " if caveat else "") + other])
@@ -180,7 +188,7 @@ def determinism_table(rows: list[Row]) -> str:
         rec = RECORD_DETERMINISM.get((r.model_key, r.seq)) if r.batch == 1 else None
         findings = [f"repeat {i} {st}" for i, st in enumerate(entry["statuses"], 1)
                     if st not in ("ok", "dry-run")]
-        out.append(f"  {r.model} seq {r.seq} batch {r.batch}: peaks {peaks} GB (pids "
+        out.append(f"  {r.label} seq {r.seq} batch {r.batch}: peaks {peaks} GB (pids "
                    f"{','.join(str(p) for p in entry['pids'])}); spread "
                    + ("-" if entry["spread_pct"] is None else f"{entry['spread_pct']:.2f}%")
                    + " | record " + (f"{rec[0]:.4f}, {rec[1]:.4f} GB, spread {rec[2]:.2f}%" if rec else "-")
@@ -205,14 +213,20 @@ def map_table(rows: list[Row], env: Optional[dict] = None) -> str:
     cells = []
     for r in rows:
         diff = (f"{(r.soup_predicted - r.predicted) / 1e6:+.1f}" if r.soup_predicted and r.predicted else "-")
-        cells.append([r.model, r.quant, str(r.seq), str(r.batch), "-" if r.realised is None else str(r.realised),
+        cells.append([r.label, r.quant, str(r.seq), str(r.batch), "-" if r.realised is None else str(r.realised),
                       ",".join(r.targets) or "-", gb(r.predicted), gb(r.soup_predicted), diff, peak_cell(r),
                       "VOID" if r.status == "VOID" else ratio(r.margin_ratio), gb(corrected(r, env)),
                       "VOID" if r.status == "VOID" else ratio(corrected_ratio(r, env)), r.status])
-    notes = [f"  {r.model} {r.quant} seq {r.seq} batch {r.batch}: {r.status} - {r.error}"
+    notes = [f"  {r.label} {r.quant} seq {r.seq} batch {r.batch}: {r.status} - {r.error}"
              for r in rows if r.failure and r.error]
+    legend = [MAP_LEGEND] + ([TASK_LEGEND] if any(r.task for r in rows) else [])
     return "\n".join(["margin map (record-conv and Soup's own: computed by Soup; real peak: measured here)"]
-                     + table(MAP_COLUMNS, cells) + [MAP_LEGEND] + (["notes:"] + notes if notes else []))
+                     + table(MAP_COLUMNS, cells) + legend + (["notes:"] + notes if notes else []))
+
+
+TASK_LEGEND = ("a task after the family (dpo, orpo, simpo, kto): Soup's own task; record-conv is Soup's estimator "
+               "at the rows its setup counts for it (2 x batch for dpo, orpo, simpo), and lower/real is Soup's own "
+               "number alone over the real peak")
 
 
 def map_summary(rows: list[Row]) -> str:
@@ -220,7 +234,7 @@ def map_summary(rows: list[Row]) -> str:
     cells = []
     for fam in models_in(rows):
         for quant in QUANTS:
-            mine = [r for r in rows if r.model == fam and r.quant == quant]
+            mine = [r for r in rows if r.label == fam and r.quant == quant]
             if not mine:
                 continue
             measured = [r for r in mine if r.measured]
@@ -253,18 +267,18 @@ def verdict_line(rows: list[Row]) -> str:
     if capped:
         return (f"verdict: Soup UNDER-predicts {len(under) + len(capped)} of {len(measured) + len(capped)} judged "
                 f"row(s): {len(capped)} raised OOM capped at Soup's own number (the run Soup admits dies: "
-                + "; ".join(f"{r.model} {r.quant} seq {r.seq} batch {r.batch}" for r in capped) + ")"
+                + "; ".join(f"{r.label} {r.quant} seq {r.seq} batch {r.batch}" for r in capped) + ")"
                 + ("" if not under else "; measured under: " + "; ".join(
-                    f"{r.model} {r.quant} seq {r.seq} batch {r.batch} ({ratio(r.margin_ratio)})" for r in under)))
+                    f"{r.label} {r.quant} seq {r.seq} batch {r.batch} ({ratio(r.margin_ratio)})" for r in under)))
     if under:
         return (f"verdict: Soup UNDER-predicts {len(under)} of {len(measured)} measured row(s); the contract "
-                "fails at " + "; ".join(f"{r.model} {r.quant} seq {r.seq} batch {r.batch} "
+                "fails at " + "; ".join(f"{r.label} {r.quant} seq {r.seq} batch {r.batch} "
                                         f"({ratio(r.margin_ratio)})" for r in under))
     if not measured:
         return f"verdict: nothing measured ({len(rows)} row(s), none with a real peak): no verdict"
     thin = min(measured, key=lambda r: r.margin_ratio)
     return (f"verdict: Soup never under-predicts on the {len(measured)} measured row(s); the thinnest "
-            f"margin is {ratio(thin.margin_ratio)} ({thin.model} {thin.quant} seq {thin.seq} batch {thin.batch})")
+            f"margin is {ratio(thin.margin_ratio)} ({thin.label} {thin.quant} seq {thin.seq} batch {thin.batch})")
 
 
 def corrected_line(rows: list[Row], env: Optional[dict] = None) -> str:
@@ -278,10 +292,10 @@ def corrected_line(rows: list[Row], env: Optional[dict] = None) -> str:
     if under:
         return (f"corrected estimate: UNDER on {len(under)} of {len(judged)} measured row(s): a BUG in this "
                 "tool's estimator (issue395.estimate), not a finding about Soup: " + "; ".join(
-                    f"{r.model} {r.quant} seq {r.seq} batch {r.batch} ({ratio(v)})" for r, v in under))
+                    f"{r.label} {r.quant} seq {r.seq} batch {r.batch} ({ratio(v)})" for r, v in under))
     lo = min(judged, key=lambda x: x[1])
     return (f"corrected estimate: never under on the {len(judged)} measured row(s) it covers; the thinnest is "
-            f"{ratio(lo[1])} ({lo[0].model} {lo[0].quant} seq {lo[0].seq} batch {lo[0].batch}), the median "
+            f"{ratio(lo[1])} ({lo[0].label} {lo[0].quant} seq {lo[0].seq} batch {lo[0].batch}), the median "
             f"{ratio(statistics.median(v for _, v in judged))}")
 
 
@@ -330,11 +344,11 @@ def compare_table(a: Result, b: Result, names: Optional[tuple[str, str]] = None)
     pairs = [(r, index.get((r.arm, r.repeat))) for r in a.rows if r.measured]
     pairs = [(r, o) for r, o in pairs if o]
     quant = any(r.quant != "none" for r, _ in pairs)  # a sweep's compare keeps its columns
-    cells = [[r.model] + ([r.quant] if quant else []) + [
+    cells = [[r.label] + ([r.quant] if quant else []) + [
         str(r.seq), str(r.batch), gb(r.real_peak), gb(o.real_peak), str(o.real_peak - r.real_peak),
         f"{(o.real_peak - r.real_peak) / r.real_peak:.3%}"] for r, o in pairs]
     same = sum(1 for r, o in pairs if o.real_peak == r.real_peak)
-    width = max([13] + [len(r.model) for r, _ in pairs])
+    width = max([13] + [len(r.label) for r, _ in pairs])
     names = names or ("A", "B")
     return "\n".join(
         [f"compare: A = {a.environment.get('arms')} ({a.environment.get('date')}), "

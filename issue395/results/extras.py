@@ -40,22 +40,24 @@ class Record:
 
 @dataclass(frozen=True)
 class Ran(Record):
-    """Where and how the arm ran: the checkpoint, the GPU's label, the process, Soup's log, the timings."""
+    """Where and how the arm ran: the checkpoint, the GPU's label, the process, Soup's log, the timings,
+    and what its teardown raised."""
 
     base: Optional[str] = None
     gpu: Optional[str] = None
     pid: Optional[int] = None
     log: Optional[str] = None
     timings: dict = field(default_factory=dict)
+    teardown_error: Optional[str] = None  # the arm's teardown raised (its measurement is kept)
 
-    CHECKS: ClassVar = {"base": _STR, "gpu": _STR, "log": _STR,
+    CHECKS: ClassVar = {"base": _STR, "gpu": _STR, "log": _STR, "teardown_error": _STR,
                         "pid": (lambda v: v is None or is_whole(v, 0), "a whole number or null"),
                         "timings": (lambda v: v is None or isinstance(v, dict), "an object or null")}
 
     @classmethod
     def from_json(cls, data: Any, where: str) -> "Ran":
         ran = super().from_json(data, where)
-        return cls(ran.base, ran.gpu, ran.pid, ran.log, ran.timings or {})
+        return cls(ran.base, ran.gpu, ran.pid, ran.log, ran.timings or {}, ran.teardown_error)
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ from typing import Any, Optional
 
 from ..errors import UsageError
 from ..record import QUANTS
+from ..tasks import PROTOCOL_TASK, TASKS
 from ..model.registry import ALL_FAMILIES
 from .result import Result, row_order
 from .stack import STACK_KEYS
@@ -27,7 +28,8 @@ def merge(results: list[Result], arms_label: Optional[str] = None) -> Result:
     rows = [r for res in results for r in res.rows]
     if results[0].kind == "map":  # maps of different families merge too: by the map's own order
         order = {f: i for i, f in enumerate(ALL_FAMILIES)}
-        rows.sort(key=lambda r: (order.get(r.model_key, len(order)), QUANTS.index(r.quant), r.seq, r.batch))
+        rows.sort(key=lambda r: (order.get(r.model_key, len(order)), QUANTS.index(r.quant), r.seq, r.batch,
+                                 list(TASKS).index(r.task or PROTOCOL_TASK)))
         seen = [r.arm for r in rows]
     else:
         rows.sort(key=row_order)
@@ -49,7 +51,8 @@ def thinnest(margins: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Of margins attributed in several shards: each family's thinnest, and every UNDER."""
     keep = {}
     for m in margins:
-        key = (m["model_key"],) if m["ratio"] >= 1 else (m["model_key"], m["quant"], m["seq"], m["batch"])
+        key = ((m["model_key"], m.get("task")) if m["ratio"] >= 1
+               else (m["model_key"], m["quant"], m["seq"], m["batch"], m.get("task")))
         if key not in keep or m["ratio"] < keep[key]["ratio"]:
             keep[key] = m
     return list(keep.values())

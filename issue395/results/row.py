@@ -11,16 +11,19 @@ from typing import Any, Iterable, Optional
 
 from ..constants import is_whole
 from ..record import LORA_R, RECORD_A10G_PEAK, SOUP_QUANT
+from ..tasks import PROTOCOL_TASK, TASKS, task as task_of
 from ..model.arm import Arm, logits_charge, predicted_bytes
 from ..model.registry import Shape, family_of
 from ..estimator.cards import emulated_outcome, step_free
 from .extras import Capped, Emulated, Gate, Ran, Record, UserConfig, constraint_from_json, constraint_to_json
 
 
-def realised_as_requested(seq: int, batch: int, width: Optional[int], rows: Iterable[int]) -> bool:
-    """The guard: the batch is exactly seq wide, and so is every one of its rows."""
+def realised_as_requested(seq: int, batch: int, width: Optional[int], rows: Iterable[int],
+                          task: str = PROTOCOL_TASK) -> bool:
+    """The guard: the batch is exactly seq wide, and so is every one of its rows (a task's rows over
+    all the keys its guard reads: issue395.tasks.Task.guard_rows)."""
     rows = list(rows)
-    return width == seq and len(rows) == batch and all(n == seq for n in rows)
+    return width == seq and len(rows) == task_of(task).guard_rows(batch) and all(n == seq for n in rows)
 
 
 #: What stops an arm short of a measurement. OOM and FAILED are findings; REFUSED (Soup's
@@ -33,11 +36,14 @@ ROW_FIELDS = {
     # printed as they stand: an escape sequence or a newline in a name would rewrite the terminal
     **{k: (lambda v: isinstance(v, str) and v.isprintable(), "a printable string")
        for k in ("model", "model_key")},
-    **{k: (lambda v: v is None or isinstance(v, str), "a string or null") for k in ("error", "teardown_error")},
+    **{k: (lambda v: v is None or isinstance(v, str), "a string or null") for k in ("error",)},
     "attribution": (lambda v: v is None or isinstance(v, dict), "an object or null"),
     "dry_run": (lambda v: v is None or isinstance(v, bool), "true or false"),
     "targets": (lambda v: v is None or (isinstance(v, list) and all(isinstance(t, str) for t in v)),
                 "a list of strings"),
+    # absent for the protocol's SFT, so every SFT row saved before tasks re-renders to the same bytes
+    "task": (lambda v: v is None or (isinstance(v, str) and v in TASKS and v != PROTOCOL_TASK),
+             f"one of {', '.join(t for t in TASKS if t != PROTOCOL_TASK)} (absent for {PROTOCOL_TASK})"),
 }
 
 #: A row's sub-records (issue395.results.extras) and how each reads back from its JSON.
@@ -75,23 +81,31 @@ class Row:
     failure: Optional[str] = None  # OOM, FAILED; REFUSED (Soup's gate said no), SKIPPED
     error: Optional[str] = None
     oom_request: Optional[int] = None
-    teardown_error: Optional[str] = None
     record_peak: Optional[int] = None  # quoted: the A10G record's peak for this arm
     attribution: Optional[dict] = None
-    ran: Ran = field(default_factory=Ran)  # where and how it ran (checkpoint, GPU, process, log, timings)
+    ran: Ran = field(default_factory=Ran)  # where and how it ran (checkpoint, GPU, process, log, timings, teardown)
     gate: Optional[Gate] = None  # read by Soup: what its own pre-flight read (its terms, the free memory)
     config: Optional[UserConfig] = None  # --config: the user's soup.yaml this arm is (else the protocol's)
     #: the constraint the arm ran under (--cap, --emulate-card, --min-free), its own record; at most one
     constraint: Optional[Record] = None
+    #: Soup's task (issue395.tasks): the arm's identity, as quant is; None is the protocol's SFT,
+    #: and its JSON key is then absent, so every SFT row saved before tasks re-renders alike
+    task: Optional[str] = None
 
     @property
     def arm(self) -> tuple:
         """The arm this row measured, as the map names it: model key (with its streaming modes),
-        quantization, seq, batch. Repeats of one arm share it. Every --model row is keyed
-        "custom" (a --config row's with its modes after it), so there the checkpoint's name stands
-        for the key: two checkpoints never share an arm."""
+        quantization, seq, batch, and a task other than SFT after them. Repeats of one arm share it.
+        Every --model row is keyed "custom" (a --config row's with its modes after it), so there the
+        checkpoint's name stands for the key: two checkpoints never share an arm."""
         custom = family_of(self.model_key) == "custom"
-        return (self.model if custom else self.model_key, self.quant, self.seq, self.batch)
+        return (self.model if custom else self.model_key, self.quant, self.seq, self.batch) + (
+            (self.task,) if self.task else ())
+
+    @property
+    def label(self) -> str:
+        """The arm's model as the tables show it: its name, and a task other than SFT after it."""
+        return f"{self.model} {self.task}" if self.task else self.model
 
     @property
     def rank(self) -> int:
@@ -108,7 +122,8 @@ class Row:
     def status(self) -> str:
         if self.failure:
             return self.failure
-        if not realised_as_requested(self.seq, self.batch, self.realised_width, self.realised_rows):
+        if not realised_as_requested(self.seq, self.batch, self.realised_width, self.realised_rows,
+                                     self.task or PROTOCOL_TASK):
             return "VOID"
         if self.real_peak is None:
             return "dry-run" if self.dry_run else "FAILED"
@@ -145,7 +160,11 @@ class Row:
 
     @property
     def lowest_prediction(self) -> Optional[int]:
-        """The lower of the record's convention and Soup's own pre-flight (where captured)."""
+        """The lower of the record's convention and Soup's own pre-flight (where captured); for a
+        task other than SFT, Soup's own number alone, which its setup computes for the task (the
+        record's convention is an SFT grid's)."""
+        if self.task and self.soup_predicted:
+            return self.soup_predicted
         return min((p for p in (self.predicted, self.soup_predicted) if p), default=None)
 
     @property
@@ -154,7 +173,8 @@ class Row:
 
     @property
     def elements(self) -> int:
-        return self.seq * self.vocab * self.batch
+        """E, the logits elements of the rows the model runs (a paired task's 2 x batch)."""
+        return self.seq * self.vocab * self.batch * task_of(self.task or PROTOCOL_TASK).rows_per_example
 
     @property
     def nonlogits_modelled(self) -> Optional[int]:
@@ -195,7 +215,7 @@ class Row:
             "nonlogits_overestimate", "retained_copy_would_fit", "vs_record")}
         if self.emulated is not None:
             derived.update(emulated_fits=self.emulated_fits, emulated_outcome=self.emulated_outcome)
-        data = {f.name: getattr(self, f.name) for f in fields(self)}
+        data = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "task" or self.task}
         return dict(data, realised_rows=list(self.realised_rows), targets=list(self.targets),
                     ran=self.ran.to_json(), gate=self.gate and self.gate.to_json(),
                     config=self.config and self.config.to_json(), constraint=constraint_to_json(self.constraint),
@@ -246,12 +266,16 @@ class Row:
 
 
 def arm_row(arm: Arm, shape: Shape, **measured: Any) -> Row:
-    """An arm's row: its inputs, Soup's prediction and the record's figure, plus what was measured."""
-    logits14, bpe = logits_charge(shape, arm.seq, arm.batch)
+    """An arm's row: its inputs, Soup's prediction and the record's figure, plus what was measured.
+    Soup's estimator is fed the rows its setup feeds it for the task (batch x
+    _STREAM_ROWS_PER_EXAMPLE); the record's A10G peaks are SFT's."""
+    rows = arm.batch * task_of(arm.task).rows_per_example
+    logits14, bpe = logits_charge(shape, arm.seq, rows)
+    sft = arm.task == PROTOCOL_TASK
     record = (RECORD_A10G_PEAK.get((shape.key, arm.seq))
-              if shape.record and arm.batch == 1 and arm.quant == "none" else None)
+              if shape.record and arm.batch == 1 and arm.quant == "none" and sft else None)
     return Row(model=shape.name, model_key=arm.model, seq=arm.seq, batch=arm.batch,
-               index=arm.index, predicted=predicted_bytes(shape, arm.seq, arm.batch),
+               index=arm.index, predicted=predicted_bytes(shape, arm.seq, rows),
                logits14=logits14, loss_bytes_per_element=bpe, vocab=shape.vocab, quant=arm.quant,
-               targets=tuple(shape.targets), record_peak=record,
+               targets=tuple(shape.targets), record_peak=record, **({} if sft else {"task": arm.task}),
                **dict(measured, ran=replace(measured.get("ran") or Ran(), pid=os.getpid())))

@@ -11,7 +11,7 @@ from typing import Any
 from ..constants import is_whole
 from ..record import QUANTS
 from .extras import CONSTRAINT_RECORDS, Gate, Ran, UserConfig
-from .row import Row
+from .row import ROW_FIELDS, Row
 
 SCHEMA = 3  # the JSON this version writes; it also reads schemas 1 and 2
 READS = (1, 2, SCHEMA)
@@ -61,6 +61,8 @@ def check_blocks(data: dict[str, Any]) -> None:
         if not isinstance(m, dict):
             raise ValueError(f"margin {i} is {type(m).__name__}, not an object")
         check_fields(m, MARGIN_FIELDS, f"margin {i}")
+        if "task" in m and not ROW_FIELDS["task"][0](m["task"]):  # absent for SFT, as a row's
+            raise ValueError(f"margin {i}: its 'task' is {m['task']!r:.60}, not {ROW_FIELDS['task'][1]}")
         for j, t in enumerate(m["terms"]):
             if not isinstance(t, dict):
                 raise ValueError(f"margin {i}: its terms[{j}] is {type(t).__name__}, not an object")
@@ -115,6 +117,9 @@ def schema1_row(old: dict[str, Any]) -> dict[str, Any]:
             raise ValueError(f"row field {key!r} is {old[key]!r:.60}, not a number >= 0")
     elements = old.get("elements") or 0
     per = old["seq"] * old["batch"] if is_whole(old.get("seq"), 1) and is_whole(old.get("batch"), 1) else 0
+    if per and elements and elements < per:  # vocab = elements // (seq x batch) would read 0, and be blamed
+        raise ValueError(f"row field 'seq' x 'batch' ({old['seq']} x {old['batch']}) is more than its "
+                         f"'elements' ({elements}): not a row's shape")
     repeat = old.get("repeat") if old.get("repeat") else None
     return {"model": old.get("model"), "model_key": old.get("model_key"), "seq": old.get("seq"),
             "batch": old.get("batch"), "index": old.get("index"), "predicted": old.get("predicted"),
@@ -132,7 +137,8 @@ def schema1_row(old: dict[str, Any]) -> dict[str, Any]:
 
 
 #: Schema 2's flat row fields, by the record (issue395.results.extras) each moved into, as (old, new).
-RAN_FIELDS = (("base", "base"), ("gpu", "gpu"), ("pid", "pid"), ("log", "log"), ("timings", "timings"))
+RAN_FIELDS = (("base", "base"), ("gpu", "gpu"), ("pid", "pid"), ("log", "log"), ("timings", "timings"),
+              ("teardown_error", "teardown_error"))
 GATE_FIELDS = (("soup_terms", "terms"), ("soup_gate_free", "free"))
 CONFIG_FIELDS = (("soup_config", "path"), ("lora_r", "lora_r"), ("lora_alpha", "lora_alpha"))
 CONSTRAINT_FIELDS = {  # a row ran under at most one; which is the one whose first field is set

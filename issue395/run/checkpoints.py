@@ -109,6 +109,16 @@ def start_checkpoint(shape: Shape, root: Path,
     return dest, writer.submit(finish).result
 
 
+def building(shape: Shape) -> None:
+    """Said before the wait, terminal or not: a 7B model's weights take minutes to write on CPU."""
+    print(f"building {shape.name}'s synthetic checkpoint (architecture-exact weights, written on CPU; --cache-dir "
+          "keeps it for the next run) ...", file=sys.stderr, flush=True)
+
+
+def built(seconds: float) -> None:
+    print(f"  built in {seconds:.1f} s (measured)", file=sys.stderr, flush=True)
+
+
 class Checkpoints:
     """Where each model's weights come from: synthetic ones built by a thread one model ahead,
     overlapping this model's arms. Without --cache-dir a model's checkpoint and shards go once
@@ -156,11 +166,15 @@ class Checkpoints:
         if self.paths.get(key):
             return self.paths[key]
         if key in self.pending:
+            building(self.shapes[key])
             wait, started = self.pending.pop(key)
             path = wait()
             self.build_s[key] = round(time.perf_counter() - started, 2)
+            built(self.build_s[key])
         elif key == "custom" and config_only(self.run.custom_model):
+            building(self.shapes[key])
             path, self.build_s[key] = synthetic_checkpoint(self.shapes[key], self.scratch.checkpoint_root())
+            built(self.build_s[key])
         elif key == "custom":
             model = self.run.custom_model
             path = Path(model).resolve() if Path(model).exists() else hub_snapshot(model, self.scratch)

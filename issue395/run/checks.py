@@ -7,11 +7,13 @@ import contextlib
 import os
 import re
 import stat
+import tempfile
 from pathlib import Path
 from typing import Iterable, Optional
 
 from ..constants import comma_list
 from ..errors import UsageError
+from ..record import SOUP_QUANT
 
 #: The largest value each whole-number option takes: batch sizes no real run has, seq lengths
 #: beyond any model's positions, and counts that would only run for hours are refused up front.
@@ -54,6 +56,10 @@ def parse_ints(flag: str, text: Optional[str], minimum: int = 1,
     return tuple(out)
 
 
+#: A choice spelt as Soup's config spells it -> this tool's name for it (record.SOUP_QUANT).
+SPELLED = {"--quant": {soup: ours for ours, soup in SOUP_QUANT.items() if soup != ours}}
+
+
 def distinct_choices(flag: str, text: str, allowed: tuple[str, ...], noun: str) -> tuple[str, ...]:
     """A comma list of names from ``allowed``, none twice (a name twice is said as such only
     when every name is known; else what to choose from)."""
@@ -61,7 +67,8 @@ def distinct_choices(flag: str, text: str, allowed: tuple[str, ...], noun: str) 
     if len(set(items)) != len(items) and all(i in allowed for i in items):
         raise UsageError(f"{flag} {text}: a {noun} is named twice")
     if any(i not in allowed for i in items):
-        raise UsageError(f"{flag} {text!r}: choose from {','.join(allowed)}")
+        hints = [f"Soup's {i} is {SPELLED[flag][i]} here" for i in items if i in SPELLED.get(flag, {})]
+        raise UsageError(f"{flag} {text!r}: choose from {','.join(allowed)}" + (f" ({'; '.join(hints)})" if hints else ""))
     return items
 
 
@@ -84,8 +91,18 @@ def writable_folder(flag: str, folder: str, given: Optional[str] = None) -> None
         raise UsageError(f"{named}: {p} is not a folder" if given is not None else f"{named}: not a folder")
     while not p.exists():
         p = p.parent
-    if not p.is_dir() or not os.access(p, os.W_OK):
+    if not p.is_dir() or not os.access(p, os.W_OK) or not can_make_in(p):
         raise UsageError(f"{named}: {'its folder ' if given is not None else ''}{p} cannot be written")
+
+
+def can_make_in(folder: Path) -> bool:
+    """A folder can be made in ``folder``: tried, and removed (os.access says yes to root on /proc,
+    and a read-only mount answers only when written)."""
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".issue395-probe-", dir=folder))
+    except OSError:
+        return False
+    return True
 
 
 def check_output(flag: str, path: str) -> None:

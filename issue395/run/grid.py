@@ -1,5 +1,6 @@
 """The arms: the record's grid and the margin map's (family, quantization, seq within max positions,
-batch, streaming modes after each family), and shards of them (--shard, --gpus): whole families on
+batch, streaming modes after each family), each under every task asked (Soup's tasks, innermost:
+one shape's tasks side by side), and shards of them (--shard, --gpus): whole families on
 the map, dealt heaviest first, each family's streaming modes with it.
 """
 
@@ -9,15 +10,18 @@ import functools
 from typing import Iterable, Optional
 
 from ..record import MAP_SEQS, PUBLISHED_NF4, RECORD_GRID
+from ..tasks import PROTOCOL_TASK
 from ..model.arm import Arm
 from ..model.registry import FAMILIES, SHAPES, family_of, max_positions
 from ..measure.shapes import family_shape
 
 
 def plan_map(families: Iterable[str], quants: Iterable[str], seqs: Optional[Iterable[int]],
-             batches: Iterable[int]) -> list[Arm]:
+             batches: Iterable[int], tasks: Iterable[str] = (PROTOCOL_TASK,)) -> list[Arm]:
     """The map's grid, in order: family, quantization, seq (within the family's max
-    positions), batch. Llama-3.1-8B is there for its published NF4 arm, batch 1 x seq 512."""
+    positions), batch, task. Llama-3.1-8B is there for its published NF4 arm, batch 1 x seq 512.
+    Every batch asked runs under every task: one below a task's smallest batch is planned and
+    measured as SKIPPED with its reason (issue395.measure.measurement), never dropped."""
     arms: list[Arm] = []
     for fam in families:
         published = [k for k in PUBLISHED_NF4 if k[0] == fam]
@@ -26,19 +30,21 @@ def plan_map(families: Iterable[str], quants: Iterable[str], seqs: Optional[Iter
                             else MAP_SEQS)
             for seq in (q for q in grid if q <= max_positions(fam)):
                 for batch in (batches if seqs or not published else (1,)):
-                    arms.append(Arm(fam, seq, batch, len(arms), quant))
+                    for name in tasks:
+                        arms.append(Arm(fam, seq, batch, len(arms), quant, name))
     return arms
 
 
 def plan_arms(models: Iterable[str], seqs: Optional[Iterable[int]], batches: Iterable[int],
-              quant: str = "none") -> list[Arm]:
-    """Grid order: model, then seq, then batch (the record's order), at one quantization (the
-    protocol's bf16, or a --config file's)."""
+              quant: str = "none", tasks: Iterable[str] = (PROTOCOL_TASK,)) -> list[Arm]:
+    """Grid order: model, then seq, then batch (the record's order), then task, at one
+    quantization (the protocol's bf16, or a --config file's)."""
     arms: list[Arm] = []
     for model in models:
         for seq in (seqs or RECORD_GRID.get(model, ())):
             for batch in batches:
-                arms.append(Arm(model, seq, batch, len(arms), quant))
+                for name in tasks:
+                    arms.append(Arm(model, seq, batch, len(arms), quant, name))
     return arms
 
 

@@ -14,6 +14,7 @@ from typing import Any, Optional
 
 from ..constants import comma_list
 from ..errors import UsageError, last_line
+from ..tasks import PROTOCOL_TASK, TASKS
 from ..record import LORA_ALPHA, LORA_R, MAP_BATCHES, QUANTS, RECORD_DETERMINISM, RECORD_GRID
 from ..model.arm import Arm
 from ..model.registry import (ALL_FAMILIES, EXPERT_LAYOUTS, FAMILIES, RECOMPUTES, SHAPES, by_hub_id, config_json,
@@ -38,7 +39,7 @@ from .checks import (
     within_positions,
     writable_folder,
 )
-from .configarm import config_arguments, config_arm, config_clash
+from .configarm import config_arguments, config_arm, config_clash, in_the_files_words
 from .grid import plan_arms, plan_map, shard_of
 from .parser import build_parser
 from .scratch import soup_shard_root
@@ -54,11 +55,15 @@ class Outputs:
 
 @dataclass(frozen=True)
 class EstimateInputs:
-    """--estimate's inputs: the config read, the cards to fit, soup-cli 0.77.0's streaming modes."""
+    """--estimate's inputs: the config read, the cards to fit, soup-cli 0.77.0's streaming modes,
+    and how it answers (--exit-code, --card list)."""
 
-    config: dict
+    config: Optional[dict] = None  # None only for --card list, which estimates nothing
     cards: tuple = ()  # issue395.estimator.cards.Card
     stream: tuple = ()  # (training key, value) pairs
+    fit_exit: bool = False  # --exit-code: --estimate exits 1 when the run does not fit a card
+    card_list: bool = False  # --card list: the named cards, nothing estimated
+    from_file: Optional[dict] = None  # --config: what the soup.yaml sets beyond the options it replaces
 
 
 @dataclass(frozen=True)
@@ -73,9 +78,10 @@ class Adapter:
 
 @dataclass(frozen=True)
 class Children:
-    """How the run is spread: its GPUs and shard, and, in a child, that it is one and its repeat."""
+    """How the run is spread: its GPUs, lanes and shard, and, in a child, that it is one and its repeat."""
 
     gpus: Optional[tuple] = None
+    lanes: Optional[int] = None  # --lanes N (0: bare --lanes, chosen from the host when the run starts)
     shard: Optional[tuple] = None
     child: bool = False  # a child of --gpus, --isolate or --determinism (never the command line)
     repeat_tag: Optional[int] = None  # a child's repeat of --determinism
@@ -99,6 +105,7 @@ class Run:
     models: tuple = tuple(SHAPES)
     seqs: Optional[tuple] = None  # None: the record's grid per model
     batches: tuple = (1,)
+    tasks: tuple = (PROTOCOL_TASK,)  # Soup's tasks: an axis of the grid, or --estimate's (issue395.tasks)
     custom_model: Optional[str] = None
     weights: str = "synthetic"
     dry_run: bool = False
@@ -107,6 +114,7 @@ class Run:
     snapshot_dir: Optional[str] = None
     log_dir: Optional[str] = None
     cache_dir: Optional[str] = None
+    shard_dir: Optional[str] = None  # --shard-dir: Soup's layer shards, apart from the checkpoints
     isolate: bool = False
     constraints: Constraints = Constraints()  # --cap, --emulate-card, --min-free
     children: Children = Children()
@@ -149,8 +157,13 @@ def not_an_empty_shard(run: Run) -> None:
 
 def settle(args: argparse.Namespace, argv: list[str]) -> Run:
     """Every check that needs no GPU and no Soup setup, before anything runs or prints."""
+    listed = card_list_run(args, argv)
+    if listed is not None:
+        return listed
+    if args.exit_code and not args.estimate:
+        raise UsageError("--exit-code goes with --estimate (its exit code says whether the run fits)")
     try:
-        run = _settle(args, argv)
+        run = settle_shard_dir(args, settle_lanes(args, _settle(args, argv)))
         if run.children.shard and not run.estimate and not run.from_json:
             not_an_empty_shard(run)
     except OSError as exc:  # a path no filesystem takes (a name too long, a loop): one line naming it
@@ -202,6 +215,7 @@ def _settle(args: argparse.Namespace, argv: list[str]) -> Run:
         twin = next((g for g, q in named[i + 1:] if q == p), None)
         if twin:
             raise UsageError(f"{f} and {twin} name the same file {p}; each output needs its own path")
+    no_output_overwrites_the_config(args, outputs)
     if args.compare and not args.from_json:
         raise UsageError("--compare goes with --from-json")
     if args.from_json:
@@ -240,6 +254,7 @@ def _settle(args: argparse.Namespace, argv: list[str]) -> Run:
         raise UsageError(f"--models {args.models}: a model is named twice")
     # Soup's config schema refuses a data.max_length under 64: one line here, not a FAILED row.
     seqs, batches = parse_ints("--seq", args.seq, minimum=64), parse_ints("--batch", args.batch) or (1,)
+    tasks = settle_tasks(args)
     gpus = parse_ints("--gpus", args.gpus, minimum=0)
     repeats = None
     if args.determinism is not None:
@@ -281,11 +296,11 @@ def _settle(args: argparse.Namespace, argv: list[str]) -> Run:
         if folder is not None:
             writable_folder(flag, folder)
     cache = os.path.abspath(os.path.expanduser(args.cache_dir)) if args.cache_dir else None
-    if cache:
+    if cache and getattr(args, "shard_dir", None) is None:  # with --shard-dir Soup never reads it
         check_cache_dir_bounds(args.cache_dir, cache)
     any_mode = args.measure or args.sdpa or repeats is not None
     return Run(run_arms=args.sweep or not any_mode, measure=args.measure, sdpa=args.sdpa, repeats=repeats,
-               models=models, seqs=seqs, batches=batches, custom_model=args.model,
+               models=models, seqs=seqs, batches=batches, tasks=tasks, custom_model=args.model,
                weights=("synthetic" if config_only(args.model) else "local") if args.model else args.weights,
                dry_run=args.dry_run, verbose=args.verbose, snapshot=args.snapshot or bool(args.snapshot_dir),
                snapshot_dir=args.snapshot_dir, log_dir=args.log_dir, cache_dir=cache,
@@ -299,12 +314,46 @@ def outputs_of(args: argparse.Namespace) -> Outputs:
     return Outputs(args.json, args.markdown, args.plot)
 
 
+def settle_tasks(args: argparse.Namespace) -> tuple:
+    """--task: Soup's tasks, each once. A task beside a constraint that runs this tool's estimator
+    (--cap corrected or needs-free, --emulate-card, --min-free) is one line: those constraints do not
+    hand the estimator the arm's task yet."""
+    tasks = (PROTOCOL_TASK,) if args.task is None else distinct_choices("--task", args.task, tuple(TASKS), "task")
+    other = [t for t in tasks if t != PROTOCOL_TASK]
+    estimator = ("--cap " + args.cap if args.cap in ("corrected", "needs-free") else
+                 "--emulate-card" if args.emulate_card else "--min-free" if args.min_free else None)
+    if other and estimator:
+        raise UsageError(f"--task {other[0]} and {estimator}: that constraint's needs-free is not wired for a "
+                         "task other than sft yet (--cap soup and --cap off run any task; --estimate answers it)")
+    return tasks
+
+
+def card_list_run(args: argparse.Namespace, argv: list[str]) -> Optional[Run]:
+    """--card list, alone (or beside --estimate): the named cards and their sources, nothing else."""
+    if args.card is None or args.card.strip().lower() != "list":
+        return None
+    defaults = vars(build_parser().parse_args([]))
+    extra = [k for k, v in vars(args).items() if k not in ("card", "estimate") and v != defaults.get(k)]
+    if extra:
+        raise UsageError(f"--card list and --{extra[0].replace('_', '-')} are exclusive: it lists the named cards")
+    return Run(run_arms=False, estimate=EstimateInputs(card_list=True), argv=tuple(argv))
+
+
+def no_output_overwrites_the_config(args: argparse.Namespace, outputs: dict) -> None:
+    """--config's soup.yaml is an input as --model's config is: no output (nor --json's row
+    file) may be it under any spelling (../, a symlink, a hard link), in any mode."""
+    if args.config is None:
+        return
+    rows = {"--json's row file": str(RowFile.path_for(args.json))} if args.json not in (None, "-") else {}
+    no_output_is_an_input({**outputs, **rows}, [("--config", os.path.expanduser(args.config))])
+
+
 def settle_config(args: argparse.Namespace, argv: list[str]) -> Run:
     """--config without --estimate: the file's one arm, settled as the sweep settles --model PATH's or a
     family's, at the file's quantization and adapter (issue395.run.configarm)."""
     arm = config_arm(args)
     plain = _settle(argparse.Namespace(**dict(vars(args), config=None, model=arm.model, batch=str(arm.batch),
-                                              seq=str(arm.seq) if arm.model else None)), argv)
+                                              seq=str(arm.seq) if arm.model else None, task=arm.task)), argv)
     return replace(plain, models=(arm.key,), seqs=(arm.seq,), quants=(arm.quant,),
                    adapter=Adapter(arm.targets, arm.lora_r, arm.lora_alpha, arm.path))
 
@@ -316,13 +365,26 @@ def emulate_card(args: argparse.Namespace, repeats: Optional[int]) -> None:
     from ..estimator.cards import parse_card
 
     try:
-        parse_card(args.emulate_card)
+        card = parse_card(args.emulate_card)
     except UsageError as exc:
         raise UsageError(str(exc).replace("--card", "--emulate-card", 1)) from None
+    context_within_cards("--emulate-card", [card], parse_context(args.context))
     if args.dry_run or args.cap is not None or repeats or args.measure or args.sdpa or args.snapshot \
             or args.snapshot_dir:
         raise UsageError("--emulate-card holds CUDA memory outside the allocator for each arm in a fresh process: "
                          "not with --dry-run, --cap, --determinism, --measure, --sdpa or --snapshot")
+
+
+def context_within_cards(flag: str, cards, context: Optional[int]) -> None:
+    """A --context that leaves a card nothing once the runtime's growth is out (cards.step_free) is
+    one line, never a table of negative free memory."""
+    from ..estimator.cards import step_free
+
+    short = next((c for c in cards if context is not None and step_free(c.total_bytes - context) <= 0), None)
+    if short is not None:
+        raise UsageError(f"--context {context / 1e9:g} GB leaves {flag} {short.name} ({short.total_bytes / 1e9:.2f} GB "
+                         "total) no free memory for a step: the context is part of the card's total; give the "
+                         "context your card leaves, as an idle process sees it")
 
 
 def settle_map(args: argparse.Namespace, argv: list[str]) -> Run:
@@ -403,10 +465,20 @@ def estimate_config(model: Optional[str]) -> tuple[str, dict]:
 
 
 def settle_estimate(args: argparse.Namespace, argv: list[str]) -> Run:
+    """--estimate's checks; from --config, an error names the file's keys (configarm.in_the_files_words)."""
+    if args.config is None:
+        return settle_estimate_options(args, argv)
+    try:
+        return settle_estimate_options(args, argv)
+    except UsageError as exc:
+        raise UsageError(in_the_files_words(str(exc), args.config)) from None
+
+
+def settle_estimate_options(args: argparse.Namespace, argv: list[str]) -> Run:
     """--estimate's own checks: a config, seqs, and nothing that needs a GPU or Soup's setup."""
     for flag in ("--sweep", "--measure", "--sdpa", "--map", "--determinism", "--models", "--families",
                  "--dry-run", "--isolate", "--gpus", "--shard", "--snapshot", "--snapshot-dir", "--markdown",
-                 "--plot", "--log-dir", "--cache-dir", "--verbose", "--cap", "--emulate-card", "--min-free"):
+                 "--plot", "--log-dir", "--cache-dir", "--cap", "--emulate-card", "--min-free"):
         if getattr(args, flag.strip("-").replace("-", "_")) not in (None, False):
             raise UsageError(f"--estimate and {flag} are exclusive: an estimate runs nothing")
     if args.config is not None:
@@ -432,7 +504,7 @@ def settle_estimate(args: argparse.Namespace, argv: list[str]) -> Run:
     except Exception as exc:  # a value of the wrong kind deeper in the config
         raise UsageError(f"--model {name}: its config cannot be read as a model ({last_line(exc)})") from None
     within_positions(name, arch.max_pos, seqs)
-    targets = soup_targets(targets, config, arch, args.targets)
+    soup_targets(targets, config, arch, args.targets)  # checked here; kept as spelled: Soup counts its own spelling
     try:
         cards = tuple(parse_cards(args.card)) if args.card is not None else ()
     except (OverflowError, ValueError) as exc:
@@ -440,14 +512,27 @@ def settle_estimate(args: argparse.Namespace, argv: list[str]) -> Run:
     context = parse_context(args.context)
     if context is not None and not cards:
         raise UsageError("--context goes with --card: it is the context of the card to fit")
+    context_within_cards("--card", cards, context)
     stream = estimate_stream(args)
+    tasks = (PROTOCOL_TASK,) if args.task is None else distinct_choices("--task", args.task, tuple(TASKS), "task")
+    batches = parse_ints("--batch", args.batch) or (1,)
+    for t in tasks:  # Soup's schema refuses it (KTO needs both labels in a batch): one line
+        low = [b for b in batches if b < TASKS[t].min_batch]
+        if low:
+            raise UsageError(f"--task {t} --batch {low[0]}: Soup's schema refuses a {t} batch under "
+                             f"{TASKS[t].min_batch}")
     if stream:  # Soup's own refusals and the modes' physics, in one line before any table
         estimate(config, quant=quants[0], seq=seqs[0], targets=targets, stream=stream)
-    return Run(run_arms=False, estimate=EstimateInputs(config, cards, tuple(sorted(stream.items()))),
-               custom_model=name, quants=quants, seqs=seqs, batches=parse_ints("--batch", args.batch) or (1,),
-               adapter=Adapter(targets, one_int("--lora-r", args.lora_r, LORA_R), soup_config=args.config),
-               steps=one_int("--steps", args.steps, 1), context=context, outputs=Outputs(json=args.json),
-               argv=tuple(argv))
+    if args.exit_code and not cards:
+        raise UsageError("--exit-code needs --card: it says whether the run fits a card")
+    return Run(run_arms=False, estimate=EstimateInputs(config, cards, tuple(sorted(stream.items())),
+                                                       fit_exit=args.exit_code,
+                                                       from_file=getattr(args, "from_file", None)),
+               custom_model=name, quants=quants, seqs=seqs, tasks=tasks, batches=batches,
+               adapter=Adapter(targets, one_int("--lora-r", args.lora_r, LORA_R),
+                               getattr(args, "lora_alpha", None) or LORA_ALPHA, soup_config=args.config),
+               steps=one_int("--steps", args.steps, 1), verbose=args.verbose, context=context,
+               outputs=Outputs(json=args.json), argv=tuple(argv))
 
 
 def estimate_stream(args: argparse.Namespace) -> dict:
@@ -469,8 +554,45 @@ def estimate_stream(args: argparse.Namespace) -> dict:
 
 
 def grid_arms(run: Run) -> list[Arm]:
-    return (plan_map(run.models, run.quants, run.seqs, run.batches) if run.map
-            else plan_arms(run.models, run.seqs, run.batches, run.quants[0]))
+    return (plan_map(run.models, run.quants, run.seqs, run.batches, run.tasks) if run.map
+            else plan_arms(run.models, run.seqs, run.batches, run.quants[0], run.tasks))
+
+
+def settle_lanes(args: argparse.Namespace, run: Run) -> Run:
+    """--lanes: arms side by side on one card, so never an arm that needs the card to itself."""
+    if getattr(args, "lanes", None) is None:
+        return run
+    if run.estimate:
+        raise UsageError("--estimate and --lanes are exclusive: an estimate runs nothing")
+    lanes = 0 if args.lanes == "auto" else one_int("--lanes", args.lanes, 1)
+    if run.constraints.cap or run.constraints.emulate_card or run.constraints.min_free:
+        raise UsageError("--lanes shares the card between arms; --cap, --emulate-card and --min-free arms need "
+                         "the whole card: run them without --lanes (one at a time, as they always run)")
+    if run.repeats:
+        raise UsageError("--lanes and --determinism are exclusive: each repeat is a fresh process of its own")
+    if run.children.shard:
+        raise UsageError("--shard is one shard of the grid; --lanes makes its own")
+    if not run.run_arms:
+        raise UsageError("--lanes spreads the arms; --measure and --sdpa alone run none (add --sweep)")
+    return replace(run, children=replace(run.children, lanes=lanes))
+
+
+def settle_shard_dir(args: argparse.Namespace, run: Run) -> Run:
+    """--shard-dir: Soup's shard cache on its own volume; refused where Soup would ignore it."""
+    given = getattr(args, "shard_dir", None)
+    if given is None:
+        return run
+    if run.estimate or run.from_json:
+        raise UsageError(f"--{'estimate' if run.estimate else 'from-json'} and --shard-dir are exclusive: "
+                         "nothing is sharded")
+    writable_folder("--shard-dir", given)
+    folder = os.path.abspath(os.path.expanduser(given))
+    shards = os.path.join(os.path.realpath(folder), "layer-stream")
+    if os.path.realpath(soup_shard_root(shards)) != shards:
+        raise UsageError(f"--shard-dir {given} is outside $HOME, the working directory and the temp dir; "
+                         "Soup would ignore it and write its shard cache to ~/.soup instead "
+                         "(on /dev/shm: set TMPDIR=/dev/shm)")
+    return replace(run, shard_dir=folder)
 
 
 def check_cache_dir_bounds(given: str, cache: str) -> None:

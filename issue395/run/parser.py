@@ -9,6 +9,7 @@ import argparse
 from ..errors import UsageError
 from ..record import MAP_BATCHES, MAP_SEQS, QUANTS, RECORD_GRID
 from ..model.registry import ALL_FAMILIES
+from ..tasks import TASKS
 
 EPILOG = f"""defaults:
   arms       SmolLM2-135M at seq {','.join(map(str, RECORD_GRID['smol']))} and Qwen2.5-0.5B at seq
@@ -25,6 +26,7 @@ exit codes:
   1    any row VOID (realised != requested), OOM, FAILED or UNDER (prediction below the
        real peak), the snapshot's positive control failed, or the harness failed
   2    usage error, or an output that could not be written (one line on stderr)
+       --estimate: 0 (the answer printed), unless --exit-code: 0 fits on every --card, 1 not
   130  interrupted (rows measured so far are printed and saved)
 """
 
@@ -98,6 +100,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "nf4 needs bitsandbytes)")
     a.add_argument("--seq", default=None, help="comma list of seq lengths, each at least 64 (Soup's schema), "
                    "for every chosen model (default: the record's grid)")
+    a.add_argument("--task", default=None, help="comma list of Soup's streamed tasks: " + ",".join(TASKS)
+                   + " (default sft, the protocol's); with --map or the sweep's arms, an axis of the grid (an "
+                   "arm below a task's smallest batch, kto: 2, is SKIPPED with its reason); with --estimate, "
+                   "Soup's own number and the corrected estimate at each task's rows")
     a.add_argument("--batch", default=None, help="comma list of batch sizes (default 1; --map: 1,4)")
     a.add_argument("--model", default=None, metavar="ID_OR_PATH",
                    help="any causal LM Soup can stream, instead of the record's models (needs --seq): "
@@ -106,8 +112,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="synthetic (default): build architecture-exact checkpoints here; hub: download")
     a.add_argument("--cache-dir", default=None, help="keep built checkpoints and Soup's shards here "
                    "(under $HOME, the working directory or the temp dir)")
+    a.add_argument("--shard-dir", default=None, metavar="DIR",
+                   help="Soup's layer shards here instead of in --cache-dir (or scratch), e.g. on /dev/shm "
+                        "with TMPDIR=/dev/shm: Soup honours a shard cache only under $HOME, the working "
+                        "directory or the temp dir. Checkpoints stay in --cache-dir (give one on disk: "
+                        "without it scratch, under the temp dir, holds them too)")
     a.add_argument("--steps", default=None, help="optimizer steps per arm, the peak over all of them "
-                   "(default 1, the protocol's; with --estimate: the steady-state peak)")
+                   "(default 1, the protocol's; --estimate --config: 2, the run's steady state, with the file's "
+                   "optimizer; --steps 1 keeps the protocol's one step)")
     e = p.add_argument_group("--estimate")
     e.add_argument("--config", default=None, metavar="SOUP_YAML", help="the soup.yaml `soup train` takes, read by "
                    "Soup's own loader: its base, data.max_length, training.batch_size, quantization, LoRA and "
@@ -115,8 +127,11 @@ def build_parser() -> argparse.ArgumentParser:
                    "--cap, --min-free or --dry-run too), instead of --model, --quant, --seq, --batch, --targets, "
                    "--lora-r")
     e.add_argument("--card", default=None, help="comma list of cards to fit: named (A10G, L4, T4, RTX3090, "
-                   "RTX4090, RTX5090, A100-40GB, A100-80GB, L40S, H100, H200, RTX3050-Laptop-4GB, ...) or sizes "
-                   "(24GB = 24e9 bytes, 24GiB = 24 x 2^30): fits, the longest seq that fits, and Soup's gate")
+                   "RTX4090, RTX5090, A100-40GB, A100-80GB, L40S, H100, H200, RTX3050-Laptop-4GB, ...; "
+                   "--card list lists them with their sources) or sizes (24GB = 24e9 bytes, 24GiB = 24 x 2^30): "
+                   "fits, the longest seq that fits, and Soup's gate")
+    e.add_argument("--exit-code", action="store_true", help="with --estimate and --card: the exit code says whether "
+                   "it fits: 0 fits on every card, 1 does not fit on some card (2 stays a usage error)")
     e.add_argument("--context", default=None, metavar="GB", help="with --card or --emulate-card: the CUDA context your card "
                    "leaves outside the allocator, in GB (default: Soup's measured 0.85 GB)")
     e.add_argument("--targets", default=None, help="comma list of LoRA targets (default q_proj,v_proj; "
@@ -138,6 +153,21 @@ def build_parser() -> argparse.ArgumentParser:
                    help="per arm, the lowest allocator cap its step completes under: a bisection over fresh "
                         "processes (expandable segments) to max(0.25%% of the allocated peak, 4 MiB), beside "
                         "this tool's needs-free")
+    r.add_argument("--lanes", nargs="?", const="auto", default=None, metavar="N",
+                   help="N lanes at once on one GPU (each of --gpus): a long-lived process per lane runs its "
+                        "shard of the arms (the map: whole families, the next one's checkpoint built while "
+                        "this one's arms run) with the serial sweep's teardown, its threads bounded to "
+                        "cores/N. max_memory_allocated is per process, so a peak never counts a "
+                        "neighbour's; the issue measured four such lanes equal to the byte to a serial run "
+                        "(but the known two-peak arm, SmolLM2 at 6144), where fresh processes differ from "
+                        "one process by up to 0.9 MB (results/compare-in-process-vs-isolated.txt) and pay "
+                        "12-20 s of warm-up per arm. With --isolate: a fresh process per arm, N at once. "
+                        "Bare --lanes: N = cores/4, at most the lanes there are work for. An arm whose "
+                        "corrected needs-free (or Soup's own number, which its gate wants free) does not "
+                        "fit a lane's share of the card runs after the lanes, alone, so Soup's gate "
+                        "decides as on an idle card. --lanes 1: the serial run (on CPU, a faked peak: lanes 1 and 2 "
+                        "give the same rows and tables, tests/run/test_lanes.py). Not with --cap, "
+                        "--emulate-card or --min-free (they need the whole card), --determinism or --shard")
     r.add_argument("--gpus", default=None, help="comma list of GPU ids: one shard per GPU, merged")
     r.add_argument("--shard", default=None, metavar="K/N",
                    help="run only the arms whose grid index is K-1 modulo N (on the map: whole "
@@ -145,7 +175,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--snapshot", action="store_true",
                    help="attribute each peak from the allocator history (+ positive control)")
     r.add_argument("--snapshot-dir", default=None, help="also write each raw snapshot here (implies --snapshot)")
-    r.add_argument("--verbose", action="store_true", help="show Soup's own console output live")
+    r.add_argument("--verbose", action="store_true", help="show Soup's own console output live; with --estimate, "
+                   "the legends and each card's source")
     r.add_argument("--log-dir", default=None, help="keep Soup's per-arm console logs here")
     o = p.add_argument_group("outputs")
     o.add_argument("--json", default=None, metavar="PATH", help="every row, result and timing")

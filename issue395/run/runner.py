@@ -14,7 +14,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from ..errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, UsageError, last_line
+from ..tasks import PROTOCOL_TASK
+from ..errors import EXIT_FINDING, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, UsageError, last_line
 from ..model.arm import Arm
 from ..model.registry import SHAPES, Shape, family_of
 from ..results.merge import merge
@@ -38,7 +39,8 @@ from .options import Run, grid_arms, settle
 from .parser import NO_CUDA, build_parser
 from .probes import min_free_arms
 from .scratch import Scratch
-from .spread import CHILD_JOB, Job, die_with_parent, read_job, spread, visible_gpu_count
+from .spread import (CHILD_JOB, Job, Lanes, die_with_parent, gpu_total_bytes, plan_lanes, read_job, spread,
+                     visible_gpu_count)
 
 
 @dataclass(frozen=True)
@@ -103,10 +105,10 @@ def sweep(arms: list[Arm], shapes: dict[str, Shape], bases: Checkpoints, scratch
         family = family_of(arm.model)
         base = quant_base(scratch, bases.get(family), arm.quant, shapes[arm.model].stream)
         first = (arm.model, arm.quant) not in checked
-        if run.cache_dir and first:
+        if (run.cache_dir or run.shard_dir) and first:
             scratch.repair_shards(base)
         checked.add((arm.model, arm.quant))
-        log = (Path(run.log_dir) / f"soup-{arm.index:03d}-{arm.model}-{arm.seq}-b{arm.batch}.log"
+        log = (Path(run.log_dir) / f"soup-{arm.index:03d}-{arm.model}-{arm.seq}-b{arm.batch}{task_tag(arm)}.log"
                if run.log_dir else None)
         with scratch.sharding(base) if first else contextlib.nullcontext(), Stop.arm():
             row = run_arm(arm, shapes[arm.model], base, scratch.path("arms", f"{arm.index:03d}"),
@@ -135,6 +137,11 @@ def sweep(arms: list[Arm], shapes: dict[str, Shape], bases: Checkpoints, scratch
         bases.release(family)
 
 
+def task_tag(arm: Arm) -> str:
+    """A file name's mark of a task other than SFT (the protocol's names stay as they were)."""
+    return "" if arm.task == PROTOCOL_TASK else f"-{arm.task}"
+
+
 def execute(run: Run, protocol: Protocol, job: Optional[Job] = None) -> int:
     """Every mode asked for. Rows are printed and saved whatever stops the run."""
     started = time.perf_counter()
@@ -143,7 +150,11 @@ def execute(run: Run, protocol: Protocol, job: Optional[Job] = None) -> int:
     if run.estimate:
         return estimate_run(run)
     Stop.install(quiet=run.children.child)
-    fan_out = run.run_arms and bool(run.children.gpus or run.isolate)
+    lanes = None
+    if run.children.lanes is not None and run.run_arms:  # the card's total, from the driver: no torch in a parent
+        gpu = run.children.gpus[0] if run.children.gpus else None
+        lanes = plan_lanes(run, grid_arms(run), None if run.dry_run else gpu_total_bytes(gpu))
+    fan_out = run.run_arms and bool(run.children.gpus or run.isolate or (lanes and lanes.count > 1))
     local = (run.run_arms and not fan_out) or ((run.measure or run.sdpa) and not fan_out and not run.repeats)
     if run.children.gpus is None and "CUDA_VISIBLE_DEVICES" not in os.environ:
         os.environ["CUDA_VISIBLE_DEVICES"] = "0"  # Soup refuses to stream with several GPUs visible
@@ -154,12 +165,12 @@ def execute(run: Run, protocol: Protocol, job: Optional[Job] = None) -> int:
         missing = [g for g in run.children.gpus or () if g >= count]
         if missing:
             raise UsageError(f"--gpus: GPU {missing[0]} is not there ({count} CUDA device(s) visible)")
-    with Scratch(run.cache_dir) as scratch:
-        return measure_all(run, protocol, job, scratch, started, local, fan_out)
+    with Scratch(run.cache_dir, run.shard_dir) as scratch:
+        return measure_all(run, protocol, job, scratch, started, local, fan_out, lanes)
 
 
 def measure_all(run: Run, protocol: Protocol, job: Optional[Job], scratch: Scratch, started: float,
-                local: bool, fan_out: bool) -> int:
+                local: bool, fan_out: bool, lanes: Optional[Lanes] = None) -> int:
     imports_s = 0.0
     if job is not None:  # a child: exactly the arms its parent dealt it
         arms = list(job.arms)
@@ -189,14 +200,16 @@ def measure_all(run: Run, protocol: Protocol, job: Optional[Job], scratch: Scrat
             shapes.update({a.model: with_modes(shapes[family_of(a.model)], a.model) for a in arms})
         imports_s = time.perf_counter() - t
     det_models, det_seqs, det_batches = run.determinism_grid
-    det_arms = plan_arms(*run.determinism_grid, run.quants[0]) if run.repeats else []
+    det_arms = plan_arms(*run.determinism_grid, run.quants[0], run.tasks) if run.repeats else []
     how = ("--min-free: a bisection over capped fresh processes (expandable segments)" if run.constraints.min_free else
            f"capped at {run.constraints.cap} (expandable segments), one fresh process per arm" if run.constraints.cap else
            f"as {run.constraints.emulate_card} (a ballast outside the allocator, expandable segments), one fresh process "
            "per arm" if run.constraints.emulate_card else
+           lanes.label(run) if lanes and fan_out else
            "isolated, one fresh process per arm" if run.isolate else
            f"one process per GPU ({','.join(map(str, run.children.gpus))}), merged" if run.children.gpus else
-           f"shard {run.children.shard[0]}/{run.children.shard[1]} in one process" if run.children.shard else "in one process")
+           f"shard {run.children.shard[0]}/{run.children.shard[1]} in one process" if run.children.shard else
+           f"1 lane, in one process ({lanes.why})" if lanes else "in one process")
     if run.adapter.soup_config:  # the user's config, not the protocol: said where every table's header is
         how += (f"; the arm is --config {run.adapter.soup_config}'s ({run.quants[0]}, LoRA r {run.adapter.lora_r} alpha "
                 f"{run.adapter.lora_alpha} on {','.join(run.adapter.targets or ())})")
@@ -225,7 +238,8 @@ def measure_all(run: Run, protocol: Protocol, job: Optional[Job], scratch: Scrat
                 children += min_free_arms(run, arms, scratch, on_row, protocol.script)
         elif run.run_arms and fan_out:
             with Stop.arm():  # the children's arms are in flight
-                children += spread(replace(run, repeats=None), arms, scratch, on_row, protocol.script)
+                children += spread(replace(run, repeats=None), arms, scratch, on_row, protocol.script,
+                                   **({"lanes": lanes} if lanes else {}))
         elif run.run_arms:
             checkpoints = Checkpoints(list(dict.fromkeys(family_of(a.model) for a in arms)), shapes, run, scratch)
             sweep(arms, shapes, checkpoints, scratch, run, protocol.run_arm, on_row,
@@ -283,7 +297,14 @@ def measure_all(run: Run, protocol: Protocol, job: Optional[Job], scratch: Scrat
     result.interrupted = interrupted
     result.timings = run_timings(rows, imports_s, time.perf_counter() - started,
                                  checkpoints.build_s if checkpoints else {}, children)
+    if lanes is not None:
+        result.timings.update(lanes=lanes.count, threads_per_lane=lanes.threads,
+                              whole_card_arms=len(lanes.whole_card) if fan_out else 0)
     print(render_text(result), end="", flush=True)
+    if lanes is not None and not run.children.child:  # the benchmark: lanes 1 against N, read off two runs
+        t = result.timings
+        print(f"wall (measured by this run): {t['total_s']} s for {t['arms']} arm(s), {t['arms_per_minute']} arms "
+              f"per minute, {lanes.count} lane(s) x {lanes.threads} thread(s)", flush=True)
     unwritten = write_outputs(result, run, rows_file)
     for line in (usage_error, unwritten):
         if line:
@@ -295,6 +316,7 @@ def run_timings(rows: list[Row], imports_s: float, total_s: float, build_s: dict
                 children: list[Result]) -> dict[str, Any]:
     """The harness's own cost: imports, builds, and per arm setup, step and teardown."""
     t: dict[str, Any] = {"total_s": round(total_s, 2), "imports_s": round(imports_s, 2), "arms": len(rows),
+                         "arms_per_minute": round(len(rows) * 60 / total_s, 2) if total_s > 0 else None,
                          "build_s": build_s}
     for key in ("setup_s", "step_s", "teardown_s"):
         t[f"sum_{key}"] = round(sum(r.ran.timings.get(key) or 0 for r in rows), 2)
@@ -312,38 +334,55 @@ def estimate_run(run: Run) -> int:
     from ..estimator.cards import workspace_env
     from ..estimator.arch import protocol_targets
     from ..estimator.estimate import estimate
-    from ..estimator.soup_number import arch_of, installed_release
-    from ..estimator.fits import budgets_for, card_answers, estimate_table
-    from ..estimator.releases import UnknownRelease, physics_label
+    from ..estimator.soup_number import arch_of
+    from ..estimator.fits import (Gate, budgets_for, card_answers, card_list, estimate_for, estimate_table,
+                                  steps_words, verdict_lines)
+    from ..estimator.releases import UnknownRelease, installed_release, release_label
+    from ..model.targets import soup_targets
 
+    if run.estimate.card_list:
+        print(card_list(), end="")
+        return EXIT_OK
+    user = run.estimate.from_file or {}
+    gate, optimizer = Gate(user.get("gate_override"), bool(user.get("probe"))), user.get("optimizer")
     kw = {"targets": run.adapter.targets, "lora_r": run.adapter.lora_r}
     try:
-        rows = [estimate(run.estimate.config, quant=q, seq=s, batch=b, targets=run.adapter.targets, lora_r=run.adapter.lora_r,
-                         steps=run.steps, stream=dict(run.estimate.stream))
-                for q in run.quants for s in run.seqs for b in run.batches]
+        rows = [estimate_for(run.estimate.config, quant=q, seq=s, batch=b, targets=run.adapter.targets, lora_r=run.adapter.lora_r,
+                             steps=run.steps, stream=dict(run.estimate.stream), task=t, optimizer=optimizer)
+                for t in run.tasks for q in run.quants for s in run.seqs for b in run.batches]
         budgets = budgets_for(run.estimate.cards, run.context)
-        answers = [card_answers(run.estimate.config, e, budgets, env=workspace_env(), stream=dict(run.estimate.stream), **kw)
+        answers = [card_answers(run.estimate.config, e, budgets, env=workspace_env(), stream=dict(run.estimate.stream),
+                                gate=gate, optimizer=optimizer, **kw)
                    for e in rows]
         installed = installed_release()
         table = estimate_table(rows, run.estimate.cards, run.estimate.config, answers=answers,
-                               release_label=physics_label(installed, rows[0].release), **kw)
+                               release_label=release_label(installed), verbose=run.verbose, **kw)
     except UnknownRelease:  # the release's fault, not the model's: said without naming the model
         raise
     except UsageError as exc:
-        raise UsageError(f"--estimate --model {run.custom_model}: {exc}") from None
+        raise UsageError(f"--estimate {estimated_as(run)}: {exc}") from None
     except Exception as exc:  # a config value of a kind no real config has
-        raise UsageError(f"--estimate --model {run.custom_model}: cannot be estimated ({last_line(exc)})") from None
+        raise UsageError(f"--estimate {estimated_as(run)}: cannot be estimated ({last_line(exc)})") from None
     notes = estimate_notes(run.estimate.config, run.quants)
     named = f"{run.custom_model}, from --config {run.adapter.soup_config}" if run.adapter.soup_config else run.custom_model
-    text = (f"--estimate: {named} (Soup's pre-flight: computed by Soup's own estimator code; "
-            "corrected and needs free: this tool's estimator, from the config alone)\n" + table
-            + "".join(f"note: {n}\n" for n in notes))
+    answer = steps_words(run.steps, user.get("steps_from"))
+    text = (f"--estimate: {named}: {answer}\n" + "".join(f"  {v}\n" for v in verdict_lines(rows, run.estimate.cards, answers))
+            + "".join(f"  from the file: {k}\n" for k in user.get("keys", ()))
+            + "(Soup's pre-flight: computed by Soup's own estimator code; corrected and needs free: this tool's "
+            "estimator, from the config alone)\n" + table + "".join(f"note: {n}\n" for n in notes))
     print(text, end="")
+    fits_all = all(a["fits"] for per in answers for a in per)
     if run.outputs.json:
-        targets = run.adapter.targets or protocol_targets(arch_of(run.estimate.config))
+        arch = arch_of(run.estimate.config)
+        targets = soup_targets(run.adapter.targets, run.estimate.config, arch, None) or protocol_targets(arch)
         data = {"tool": TOOL, "schema": SCHEMA, "kind": "estimate",
-                "model": run.custom_model, "soup_cli": installed, "physics_release": rows[0].release,
+                "model": run.custom_model, "soup_cli": installed, "tasks": list(run.tasks),
                 "targets": list(targets),
+                **({"soup_targets": run.adapter.targets[0]} if run.adapter.targets and tuple(targets) != tuple(run.adapter.targets) else {}),
+                "config": run.adapter.soup_config, "lora_alpha": run.adapter.lora_alpha,
+                "stream": dict(run.estimate.stream), "steps": run.steps, "answer": answer,
+                "soup_gate": {"rule": gate.rule, "override_bytes": gate.override},
+                "config_keys": list(user.get("keys", ())), "fits_every_card": fits_all if run.estimate.cards else None,
                 "lora_r": run.adapter.lora_r, "cards": [{"card": c.name, "bytes": c.total_bytes} for c in run.estimate.cards],
                 "notes": notes, "rows": [dict(r.to_json(), cards=a) for r, a in zip(rows, answers)]}
         try:
@@ -351,7 +390,12 @@ def estimate_run(run: Run) -> int:
         except OSError as exc:
             print(f"error: --json {run.outputs.json} could not be written ({exc.strerror or exc})", file=sys.stderr)
             return EXIT_USAGE
-    return EXIT_OK
+    return EXIT_FINDING if run.estimate.fit_exit and not fits_all else EXIT_OK
+
+
+def estimated_as(run: Run) -> str:
+    """What the user named: --config's file and its base, else --model."""
+    return f"--config {run.adapter.soup_config} (base {run.custom_model})" if run.adapter.soup_config else f"--model {run.custom_model}"
 
 
 def estimate_notes(config: dict, quants) -> list[str]:
@@ -410,8 +454,8 @@ def rerender(run: Run) -> int:
 def common_arms(a: Result, b: Result) -> int:
     """How many measured arms two results share (tables.compare_table's pairing)."""
     try:
-        keys = {(r.model, r.quant, r.seq, r.batch, r.repeat) for r in b.rows if r.measured}
-        return sum(1 for r in a.rows if r.measured and (r.model, r.quant, r.seq, r.batch, r.repeat) in keys)
+        keys = {(r.model, r.quant, r.seq, r.batch, r.task, r.repeat) for r in b.rows if r.measured}
+        return sum(1 for r in a.rows if r.measured and (r.model, r.quant, r.seq, r.batch, r.task, r.repeat) in keys)
     except TypeError:  # an unhashable value: compare_table will say what
         return 1
 

@@ -60,8 +60,10 @@ class Scratch:
     its cache variable outside $HOME, the working directory and $TMPDIR, so the root it really
     resolves is checked: a shard cache escaped to ~/.soup would outlive the run."""
 
-    def __init__(self, cache_dir: Optional[str] = None):
+    def __init__(self, cache_dir: Optional[str] = None, shard_dir: Optional[str] = None):
         self.cache_dir = Path(cache_dir).resolve() if cache_dir else None
+        # --shard-dir: Soup's shards on their own volume (/dev/shm), the checkpoints where they were
+        self.shard_dir = Path(shard_dir).resolve() if shard_dir else None
         self.root: Optional[Path] = None
         self._saved: dict[str, Optional[str]] = {}
 
@@ -70,7 +72,7 @@ class Scratch:
         reap_dead_scratch(tmp)
         self.root = Path(tempfile.mkdtemp(prefix=f"{SCRATCH_PREFIX}{os.getpid()}-", dir=tmp))
         (self.root / "owner").write_text(f"{os.getpid()} {process_start(os.getpid())}\n")
-        self.shard_root = (self.cache_dir or self.root) / "layer-stream"
+        self.shard_root = (self.shard_dir or self.cache_dir or self.root) / "layer-stream"
         self.shard_root.mkdir(parents=True, exist_ok=True)
         env = {"SOUP_LAYER_STREAM_CACHE_DIR": str(self.shard_root),
                "SOUP_AUDIT_LOG_PATH": str(self.root / "soup-audit.jsonl"),
@@ -110,8 +112,8 @@ class Scratch:
         real = os.path.realpath(soup_shard_root())
         if real != os.path.realpath(self.shard_root):
             raise UsageError(f"Soup would write its layer-stream shard cache to {real}, not "
-                             f"{self.shard_root}: --cache-dir must lie under $HOME, the working "
-                             "directory or the temp dir")
+                             f"{self.shard_root}: {'--shard-dir' if self.shard_dir else '--cache-dir'} must "
+                             "lie under $HOME, the working directory or the temp dir")
 
     @contextlib.contextmanager
     def sharding(self, base: str) -> Iterator[None]:

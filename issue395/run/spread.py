@@ -45,6 +45,87 @@ class Job:
     gpu: Optional[int] = None
     repeat: Optional[int] = None
     extra_modes: bool = False  # also --measure/--sdpa, after its arms
+    whole_card: bool = False  # --lanes: these arms run alone on their GPU, after its lanes
+
+
+#: Host cores per lane when --lanes chooses N: the issue's H200 box ran four lanes at
+#: OMP_NUM_THREADS=4 on 16 cores at 1.67x a serial run (torch's default threads: 1.14x).
+CORES_PER_LANE = 4
+
+
+@dataclass(frozen=True)
+class Lanes:
+    """How --lanes runs: lanes per GPU, host threads each, and the arms that need a whole card."""
+
+    count: int
+    threads: int
+    whole_card: tuple = ()  # the Arms that run alone, after the lanes
+    share: Optional[int] = None  # bytes of the card each lane may have (None: not bounded, a dry run)
+    why: str = ""
+
+    def label(self, run: "Run") -> str:
+        where = f"on each of GPUs {','.join(map(str, run.children.gpus))}" if run.children.gpus else "on one GPU"
+        how = "one fresh process per arm" if run.isolate else "one process per lane running its shard"
+        alone = (f"; {len(self.whole_card)} arm(s) whose needs exceed a lane's share of the card "
+                 f"({self.share / 1e9:.1f} GB) ran after them, alone" if self.whole_card else "")
+        return f"{self.count} lanes {where} ({self.threads} thread{'s' if self.threads != 1 else ''} each; {self.why}), {how}, merged{alone}"
+
+
+def host_cores() -> int:
+    with contextlib.suppress(AttributeError, OSError):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def gpu_total_bytes(gpu: Optional[int]) -> Optional[int]:
+    """The card's total as the driver reports it (nvidia-smi, MiB), without importing torch."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits",
+                              "-i", visible_gpu(gpu or 0)], capture_output=True, text=True, timeout=20)
+        return int(out.stdout.split()[0]) * 2**20 if out.returncode == 0 else None
+    except (OSError, subprocess.TimeoutExpired, ValueError, IndexError):
+        return None
+
+
+def arm_needs(arm: Arm, run: "Run") -> Optional[tuple[int, int]]:
+    """This tool's corrected needs-free and Soup's own number for an arm (None: not estimated here,
+    e.g. a --model checkpoint), both from the family's public config."""
+    from ..model.registry import known
+    from ..estimator.estimate import estimate_key
+
+    if not known(arm.model):
+        return None
+    try:
+        e = estimate_key(arm.model, quant=arm.quant, seq=arm.seq, batch=arm.batch, targets=run.adapter.targets,
+                         lora_r=run.adapter.lora_r, steps=run.steps)
+    except (UsageError, ValueError, TypeError):
+        return None
+    return e.needs_free, e.soup_predicted
+
+
+def plan_lanes(run: "Run", arms: list[Arm], total: Optional[int] = None, cores: Optional[int] = None) -> Lanes:
+    """--lanes N (or, bare, cores/4), at most as many lanes as there is work for, and the arms that must
+    run alone: side by side each lane may have 1/N of the card, and Soup's gate reads the card's free
+    memory, so an arm it admits alone is run alone unless its own number and this tool's needs-free
+    both fit a lane's share (an arm Soup refuses alone is refused beside neighbours too)."""
+    from ..estimator.cards import Card, budget
+
+    cores = cores or host_cores()
+    units = len({family_of(a.model) for a in arms}) if run.map and not run.isolate else len(arms)
+    count = run.children.lanes or max(1, cores // CORES_PER_LANE)
+    why = f"--lanes {run.children.lanes}" if run.children.lanes else f"{cores} cores / {CORES_PER_LANE}"
+    if count > units:
+        count, why = max(1, units), f"{why}, but only {units} {'families' if run.map and not run.isolate else 'arms'}"
+    if total is None or count == 1:  # a dry run has no card to share
+        return Lanes(count, max(1, cores // count), why=why)
+    whole_card, lane = budget(Card("the card", total)), budget(Card("a lane's share", total // count))
+    alone = []
+    for arm in arms:
+        needs = arm_needs(arm, run)
+        if needs is None or not (needs[1] > whole_card.gate_free_bytes
+                                 or (lane.fits(needs[0]) and needs[1] <= lane.gate_free_bytes)):
+            alone.append(arm)
+    return Lanes(count, max(1, cores // count), tuple(alone), total // count, why)
 
 
 def visible_ids() -> Optional[list[str]]:
@@ -59,7 +140,9 @@ def visible_gpu(ordinal: int) -> str:
     return ids[ordinal] if ordinal < len(ids) else str(ordinal)
 
 
-def plan_jobs(run: "Run", arms: list[Arm]) -> list[Job]:
+def plan_jobs(run: "Run", arms: list[Arm], lanes: Optional[Lanes] = None) -> list[Job]:
+    if lanes is not None:
+        return lane_jobs(run, arms, lanes)
     if run.repeats:
         gpu = run.children.gpus[0] if run.children.gpus else None
         return [Job((a.index + 1, len(arms)), (a,), gpu, rep, extra_modes=(rep == 1 and a.index == 0))
@@ -74,35 +157,71 @@ def plan_jobs(run: "Run", arms: list[Arm]) -> list[Job]:
     return [j for j in jobs if j.arms or j.extra_modes]  # one family, two GPUs: one child
 
 
+def lane_jobs(run: "Run", arms: list[Arm], lanes: Lanes) -> list[Job]:
+    """--lanes: each GPU's lanes get shards of the arms that fit a lane (the map: whole families,
+    dealt evenly), or with --isolate one job per arm; the arms that need the card alone come last."""
+    gpus = run.children.gpus or (None,)
+    alone = {a.index for a in lanes.whole_card}
+    fit = [a for a in arms if a.index not in alone]
+    n = lanes.count * len(gpus)
+    if run.isolate:
+        jobs = [Job((a.index + 1, len(arms)), (a,), gpus[i % len(gpus)], extra_modes=i == 0)
+                for i, a in enumerate(fit)]
+    else:
+        dealt = [shard_of(fit, (k, n), whole_models=True) if run.map else fit[k - 1::n] for k in range(1, n + 1)]
+        jobs = [Job((k, n), tuple(d), gpus[(k - 1) % len(gpus)], extra_modes=k == 1)
+                for k, d in enumerate(dealt, 1) if d or k == 1]
+    alone_arms, m = list(lanes.whole_card), len(gpus)
+    if run.isolate:
+        jobs += [Job((a.index + 1, len(arms)), (a,), gpus[i % m], whole_card=True) for i, a in enumerate(alone_arms)]
+    else:
+        jobs += [Job((k, m), tuple(shard_of(alone_arms, (k, m), whole_models=True) if run.map
+                                   else alone_arms[k - 1::m]), g, whole_card=True) for k, g in enumerate(gpus, 1)]
+    return [j for j in jobs if j.arms or j.extra_modes]
+
+
 def spread(run: Run, arms: list[Arm], scratch: Scratch, on_row: Callable[[Row], None],
-           script: str) -> list[Result]:
-    """Each job in a fresh process, one GPU's jobs in turn, GPUs at once, rows taken up as each child
-    saves them; a child that dies leaves a FAILED row for each arm it did not report, never a gap."""
-    lanes: dict[Optional[int], list[Job]] = {}
-    for job in plan_jobs(run, arms):
-        lanes.setdefault(job.gpu, []).append(job)
-    running: dict[Optional[int], dict[str, Any]] = {}
+           script: str, lanes: Optional[Lanes] = None) -> list[Result]:
+    """Each job in a fresh process, one GPU's jobs in turn (with --lanes, up to N at once, a
+    whole-card job alone), GPUs at once, rows taken up as each child saves them; a child that dies
+    leaves a FAILED row for each arm it did not report, never a gap."""
+    queues: dict[Optional[int], list[Job]] = {}
+    for job in plan_jobs(run, arms, lanes):
+        queues.setdefault(job.gpu, []).append(job)
+    slots = lanes.count if lanes else 1
+    running: dict[tuple[Optional[int], int], dict[str, Any]] = {}
     results: list[Result] = []
     count = 0
     cache = child_cache(run, scratch)
     folder = Path(tempfile.mkdtemp(dir=scratch.path("children")))  # one per spread: no stale files
     # Each child would take a thread per core; side by side they stall each other's parallel
     # copies into Soup's pinned store (measured on CPU: 0.06-0.15 s alone, up to 1.9 s beside
-    # a busy twin). A share of the cores each; host-side only.
-    threads = str(max(1, min(8, (os.cpu_count() or 2) // max(1, len(lanes)) - 2)))
+    # a busy twin). A share of the cores each; host-side only. --lanes: cores/N each (the issue's
+    # measurement), a whole-card job all of them.
+    threads = str(max(1, min(8, (os.cpu_count() or 2) // max(1, len(queues)) - 2)))
 
-    def launch(gpu: Optional[int]) -> None:
+    def free_slot(gpu: Optional[int]) -> Optional[int]:
+        """A lane of this GPU its next job may take now: a whole-card job waits for an idle GPU,
+        and nothing starts beside one."""
+        mine = [k for g, k in running if g == gpu]
+        if not queues[gpu] or any(running[(gpu, k)]["job"].whole_card for k in mine):
+            return None
+        if queues[gpu][0].whole_card:
+            return 0 if not mine else None
+        return next((k for k in range(slots) if k not in mine), None)
+
+    def launch(gpu: Optional[int], slot: int) -> None:
         nonlocal count
-        job = lanes[gpu].pop(0)
+        job = queues[gpu].pop(0)
         count += 1
         out = folder / f"{count:04d}.json"
         env = dict(os.environ)
         if gpu is not None:
             env["CUDA_VISIBLE_DEVICES"] = visible_gpu(gpu)
+        mine = threads if lanes is None else str(host_cores() if job.whole_card else lanes.threads)
         for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "RAYON_NUM_THREADS"):
-            env.setdefault(var, threads)
-        if run.constraints.cap is not None or run.constraints.emulate_card:  # as `soup train` sets it, before CUDA
-            # starts: only a fresh process can
+            env.setdefault(var, mine) if lanes is None else env.__setitem__(var, mine)
+        if run.constraints.cap is not None or run.constraints.emulate_card:  # as `soup train` sets it, before CUDA starts: only a fresh process can
             env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
         env[CHILD_JOB] = str(out.with_suffix(".job.json"))
         env[PARENT_PID] = str(os.getpid())
@@ -112,7 +231,7 @@ def spread(run: Run, arms: list[Arm], scratch: Scratch, on_row: Callable[[Row], 
         with open(out.with_suffix(".stdout"), "w") as fh:
             proc = subprocess.Popen([sys.executable, os.path.abspath(script)], env=env, stdout=fh,
                                     process_group=0)
-        running[gpu] = {"proc": proc, "job": job, "out": out, "seen": set(), "read": 0}
+        running[(gpu, slot)] = {"proc": proc, "job": job, "out": out, "seen": set(), "read": 0}
 
     def take(entry: dict[str, Any], rows: Iterable[Row]) -> None:
         for row in rows:
@@ -134,8 +253,13 @@ def spread(run: Run, arms: list[Arm], scratch: Scratch, on_row: Callable[[Row], 
         entry["read"] += done
         return rows
 
-    def settle(gpu: Optional[int]) -> None:
-        entry = running.pop(gpu)
+    def launch_free() -> None:
+        for gpu in queues:
+            while not Stop.requested and (slot := free_slot(gpu)) is not None:
+                launch(gpu, slot)
+
+    def settle(key: tuple[Optional[int], int]) -> None:
+        entry = running.pop(key)
         job, code = entry["job"], entry["proc"].returncode
         take(entry, new_rows(entry))
         with contextlib.suppress(OSError, ValueError):
@@ -155,29 +279,27 @@ def spread(run: Run, arms: list[Arm], scratch: Scratch, on_row: Callable[[Row], 
 
     Stop.relays.append(relay)
     try:
-        for gpu in lanes:
-            launch(gpu)
+        launch_free()
         while running:
             time.sleep(0.2)
-            for gpu in list(running):
-                entry = running[gpu]
+            for key in list(running):
+                entry = running[key]
                 take(entry, new_rows(entry))
                 if entry["proc"].poll() is not None:
-                    settle(gpu)
-                    if lanes[gpu] and not Stop.requested:
-                        launch(gpu)
+                    settle(key)
+            launch_free()
     finally:
         Stop.relays.remove(relay)
         for entry in running.values():  # a second Ctrl-C, SIGTERM or an error here
             if entry["proc"].poll() is None:
                 entry["proc"].send_signal(signal.SIGTERM)
-        for gpu in list(running):
+        for key in list(running):
             try:
-                running[gpu]["proc"].wait(timeout=30)
+                running[key]["proc"].wait(timeout=30)
             except subprocess.TimeoutExpired:
-                running[gpu]["proc"].kill()
-                running[gpu]["proc"].wait()
-            settle(gpu)
+                running[key]["proc"].kill()
+                running[key]["proc"].wait()
+            settle(key)
     return results
 
 
@@ -220,7 +342,7 @@ def read_job(path: str) -> tuple[Run, Job]:
         data = json.loads(Path(path).read_text(encoding="utf-8"))
         j = data["job"]
         job = Job(shard=tuple(j["shard"]), arms=tuple(Arm(**a) for a in j["arms"]), gpu=j["gpu"],
-                  repeat=j["repeat"], extra_modes=j["extra_modes"])
+                  repeat=j["repeat"], extra_modes=j["extra_modes"], whole_card=j.get("whole_card", False))
         return run_from_json(data["run"]), job
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise UsageError(f"child job {path}: cannot be read ({last_line(exc)})") from None

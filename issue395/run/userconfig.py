@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
 from ..constants import STREAM_KEYS
 from ..errors import UsageError, last_line
+from ..tasks import PROTOCOL_TASK, TASKS
 from .checks import HUB_ID
 
 #: Soup's quantization spelling -> this tool's (issue395.record.SOUP_QUANT, inverted).
@@ -39,6 +41,40 @@ class UserRun:
     targets: Optional[tuple]
     stream_buffers: int
     stream_options: dict  # 0.77.0's streaming modes, as the file sets them (none on 0.73.3)
+    task: str = PROTOCOL_TASK  # Soup's task: (issue395.tasks)
+    gate_override: Optional[int] = None  # training.stream_vram_override: bytes Soup's gate takes as free
+    probe: bool = False  # training.stream_vram_probe: Soup's gate is one measured step (decide_measured_fit)
+    optimizer: str = "adamw_torch"  # training.optimizer, Soup's normalised name
+    accumulation: int = 1  # training.gradient_accumulation_steps
+    keys: tuple = ()  # one line per key of the file that changes the peak or Soup's gate: how it is read
+
+
+#: What soup-cli's config loader imports beyond soup-cli itself (soup_cli/config/loader.py and
+#: schema.py), by module -> the package pip installs it from: a `pip install --no-deps soup-cli`
+#: (enough for --estimate --model) lacks them.
+LOADER_NEEDS = {"yaml": "pyyaml", "pydantic": "pydantic", "rich": "rich"}
+
+
+def missing_for_loader(exc: ImportError) -> str:
+    """The one line for a loader that cannot be imported: the package that is missing, by name."""
+    top = (exc.name or "").split(".")[0]
+    if top == "soup_cli":
+        return "--config needs soup-cli installed: its own loader reads the file (pip install soup-cli)"
+    package = LOADER_NEEDS.get(top, top or "a dependency")
+    return (f"--config needs {package} (module {top or '?'}), which soup-cli's config loader imports and is not "
+            f"installed here: a `pip install --no-deps soup-cli` lacks it; pip install "
+            f"{' '.join(LOADER_NEEDS.values())}")
+
+
+def soups_words(message: str) -> str:
+    """Soup's loader joins pydantic's errors as 'loc: msg'; a check on the whole file has no loc
+    (': Value error, ...'): its words alone, without pydantic's 'Value error, ' prefix."""
+    parts = []
+    for part in " ".join(message.split()).split("; "):
+        loc, sep, msg = part.rpartition(": ")
+        msg = msg[len("Value error, "):] if msg.startswith("Value error, ") else msg
+        parts.append(f"{loc}: {msg}" if sep and loc.strip() else msg)
+    return "; ".join(parts)
 
 
 def read_soup_config(path: str) -> UserRun:
@@ -46,8 +82,8 @@ def read_soup_config(path: str) -> UserRun:
     file Soup refuses, a config Soup would not stream, or an option the estimator does not model."""
     try:
         from soup_cli.config.loader import load_config_from_string
-    except ImportError:
-        raise UsageError("--config needs soup-cli installed: its own loader reads the file") from None
+    except ImportError as exc:
+        raise UsageError(missing_for_loader(exc)) from None
     try:
         text = Path(path).expanduser().read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
@@ -55,14 +91,15 @@ def read_soup_config(path: str) -> UserRun:
     try:
         cfg = load_config_from_string(text)
     except Exception as exc:  # Soup's own validation: its message, one line
-        msg = " ".join(str(exc).split())
+        msg = soups_words(str(exc))
         raise UsageError(f"--config {path}: Soup refuses it: {msg[:300]}") from None
     t = cfg.training
     if not getattr(t, "stream_layers", False):
         raise UsageError(f"--config {path}: training.stream_layers is not true, so Soup would not stream "
                          "this run (the pre-flight this tool checks is the streamed one)")
-    if getattr(cfg, "task", "sft") != "sft":
-        raise UsageError(f"--config {path}: task {cfg.task!r} is one the estimator does not model (sft only)")
+    task = str(getattr(cfg, "task", PROTOCOL_TASK))
+    if task not in TASKS:  # a task Soup takes but does not stream: Soup itself would refuse to stream it
+        raise UsageError(f"--config {path}: task {task!r} is not one Soup streams ({', '.join(TASKS)})")
     quant = QUANT_OF.get(str(t.quantization))
     if quant is None:
         raise UsageError(f"--config {path}: training.quantization {t.quantization!r} is not one Soup streams "
@@ -81,17 +118,125 @@ def read_soup_config(path: str) -> UserRun:
         raise UsageError(f"--config {path}: training.lora.dropout {dropout!r} is an option the estimator does "
                          "not model (it assumes Soup's default 0.05)")
     targets = lora.target_modules
-    if isinstance(targets, str):
-        if targets == "auto":
-            raise UsageError(f"--config {path}: training.lora.target_modules 'auto' is an option the estimator "
-                             "does not model (name the modules)")
+    if isinstance(targets, str):  # auto and all-linear: resolved as --targets resolves them (model.targets)
         targets = (targets,)
     stream = {k: getattr(t, k) for k in STREAM_KEYS if hasattr(t, k)}
     if stream.get("stream_recompute") == "auto":
         raise UsageError(f"--config {path}: training.stream_recompute 'auto' is an option the estimator does not "
                          "model (it measures a step at setup; give on or off)")
+    override = getattr(t, "stream_vram_override", None)
     return UserRun(str(path), cfg.base, quant, int(cfg.data.max_length), int(t.batch_size), int(lora.r),
-                   int(lora.alpha), tuple(targets), int(t.stream_buffers), stream)
+                   int(lora.alpha), tuple(targets), int(t.stream_buffers), stream, task,
+                   gate_override=None if override is None else int(override),
+                   probe=bool(getattr(t, "stream_vram_probe", False)), optimizer=str(t.optimizer),
+                   accumulation=int(t.gradient_accumulation_steps),
+                   keys=tuple(unknown_keys(text, cfg)) + tuple(key_lines(cfg, quant)))
+
+
+def soup_release() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("soup-cli")
+    except PackageNotFoundError:
+        return "?"
+
+
+def unknown_keys(text: str, cfg: Any) -> list[str]:
+    """A key Soup's schema does not have (a typo, or a key of another release): Soup ignores it
+    (its models take extra keys silently), so it is named here, with the nearest key it has."""
+    import difflib
+
+    import yaml
+
+    raw = yaml.safe_load(text)
+    known: list[str] = []
+    out: list[tuple[str, str]] = []
+
+    def walk(node: Any, model: Any, path: str) -> None:
+        fields = type(model).model_fields
+        names = set(fields) | {f.alias for f in fields.values() if f.alias}
+        known.extend(path + n for n in fields)
+        for key, value in (node.items() if isinstance(node, dict) else ()):
+            sub = getattr(model, str(key), None) if key in names else None
+            if key not in names:
+                out.append((path + str(key), str(key)))
+            elif isinstance(value, dict) and hasattr(type(sub), "model_fields"):
+                walk(value, sub, f"{path}{key}.")
+
+    walk(raw, cfg, "")
+    lines = []
+    for dotted, key in out:
+        near = difflib.get_close_matches(dotted, known, n=1, cutoff=0.8) or difflib.get_close_matches(
+            key, [k.rsplit(".", 1)[-1] for k in known], n=1, cutoff=0.8)
+        hint = (f"; soup-cli 0.77.0's streaming mode, not this release's" if key in STREAM_KEYS
+                else f"; did you mean {next((k for k in known if k.endswith(near[0])), near[0])}?" if near else "")
+        lines.append(f"{dotted} is not a key of soup-cli {soup_release()}'s config schema: Soup ignores it, and so "
+                     f"does this estimate{hint}")
+    return lines
+
+
+#: training.optimizer: what its steady state charges (the estimator's own table where it has one).
+ADAMW = "adamw_torch"
+
+
+def key_lines(cfg: Any, quant: str) -> list[str]:
+    """How each key of the file that changes the peak or Soup's gate is read: modelled (and how),
+    or not modelled, one line each; Soup's defaults say nothing."""
+    t, lines = cfg.training, []
+    override = getattr(t, "stream_vram_override", None)
+    if override is not None:
+        lines.append(f"training.stream_vram_override {override}: modelled: Soup's gate compares its number against "
+                     f"{override / 1e9:.2f} GB, not the card's free memory (resolve_available_vram_bytes)")
+    if getattr(t, "stream_vram_probe", False):
+        lines.append("training.stream_vram_probe: modelled by its own rule (decide_measured_fit): Soup admits a run "
+                     "whose one measured step's allocated peak fits the free memory, unless its number is over 4x "
+                     "that; this tool's one-step allocated peak stands in for the measurement (Soup's docstring: "
+                     "the probe's step reads 12.5-14.3% above the real step)")
+    if getattr(t, "stream_nf4_scale_cache", False):
+        lines.append("training.stream_nf4_scale_cache true: NOT modelled: it keeps 4 B per 64-element NF4 block "
+                     "for the whole run (Soup's schema: 416 MiB on Mistral-7B), not in these figures")
+    if quant == "nf4" and getattr(t, "bnb_4bit_use_double_quant", None) is False:
+        lines.append("training.bnb_4bit_use_double_quant false: NOT modelled: the NF4 pool is charged "
+                     "double-quantised (Soup's default); single quantisation keeps fp32 block scales")
+    if getattr(t, "moe_lora", False):
+        lines.append("training.moe_lora true: NOT modelled: the estimate is of a plain LoRA adapter")
+    accum = int(getattr(t, "gradient_accumulation_steps", 1))
+    if accum > 1:
+        lines.append(f"training.gradient_accumulation_steps {accum}: modelled: each micro-batch is "
+                     "training.batch_size rows, the step's batch; NOT modelled: the adapter's fp32 gradients kept "
+                     "between micro-batches (4 B a LoRA parameter)")
+    if str(t.optimizer) != ADAMW:
+        lines.append(f"training.optimizer {t.optimizer}: its states from step 2 on, by the estimator's optimizer "
+                     "table (an optimizer it has no entry for is refused)")
+    for key in STREAM_KEYS:
+        value = getattr(t, key, None)
+        if value not in (None, "on", "fused"):  # Soup's defaults say nothing
+            lines.append(f"training.{key} {value}: modelled (the streaming mode's own terms)")
+    return lines
+
+
+#: Seconds to wait for the hub's TCP connection before saying it cannot be reached: huggingface_hub
+#: itself retries a failed connection five times with back-off (23 s of silence measured offline).
+HUB_CONNECT_S = 3
+
+
+def hub_reachable(model: str) -> None:
+    """The hub's endpoint (HF_ENDPOINT honoured) answers a TCP connection, or one line at once."""
+    import socket
+    from urllib.parse import urlsplit
+
+    from huggingface_hub import constants
+
+    url = urlsplit(constants.ENDPOINT)
+    host, port = url.hostname or "huggingface.co", url.port or (443 if url.scheme == "https" else 80)
+    try:
+        socket.create_connection((host, port), timeout=HUB_CONNECT_S).close()
+    except OSError as exc:
+        why = exc.strerror or (type(exc).__name__ if not str(exc) else str(exc))
+        raise UsageError(f"--model {model}: not in the local Hugging Face cache, and the hub ({host}) cannot be "
+                         f"reached ({why}): give a config.json or a checkpoint folder, or fetch it where the "
+                         "hub is reachable") from None
 
 
 def hub_config(model: str) -> dict[str, Any]:
@@ -109,7 +254,10 @@ def hub_config(model: str) -> dict[str, Any]:
             raise UsageError(f"--model {model}: no config.json in the local Hugging Face cache, and offline")
         import logging
 
+        hub_reachable(model)
         logging.getLogger("huggingface_hub").setLevel(logging.ERROR)  # its retries: not our one line
+        print(f"fetching {model}'s config.json alone from the hub (not cached here; HF_HUB_OFFLINE=1 "
+              "never fetches) ...", file=sys.stderr, flush=True)
         try:
             path = hf_hub_download(model, "config.json")
         except Exception as exc:

@@ -84,7 +84,7 @@ def test_phi2_nf4_fp32_inputs_are_checkpointed_and_charged_with_the_final_norm()
     T, h = 2048, 2560
     classify = A.physical_classifier(c, quant="nf4", seq=2048, batch=1, targets=("q_proj", "v_proj"))
     assert classify(4 * T * h) == A.CHECKPOINTED and classify(2 * T * h) == A.CHECKPOINTED
-    est = E.estimate(c, quant="nf4", seq=2048, release="0.73.3")
+    est = E.estimate(c, quant="nf4", seq=2048, release="0.73.3", soup=False)
     blocks = [2 * T * h] + [4 * T * h] * 31 + [4 * T * h] + [3 * 4 * T * 51200 // 3] * 3
     live = A.classify_blocks(blocks, classify)
     rows = {r["class"]: r for r in A.class_breakdown(live, est, seq=2048, batch=1, config=c)}
@@ -120,7 +120,7 @@ def test_breakdown_of_qwen_4096x1_committed_loss_peak_misses_only_small_blocks()
     blocks = [logits] * 3 + [residual] + [saved] * 24 + [rotary] + [small]
     assert hist["resident_at_peak"] + sum(blocks) == row["real_peak"]  # nothing measured is left out
     c = cfg("qwen")
-    est = E.estimate(c, seq=4096, batch=1, release="0.73.3")
+    est = E.estimate(c, seq=4096, batch=1, release="0.73.3", soup=False)
     assert est.phase == "loss"
     classify = A.physical_classifier(c, quant="none", seq=4096, batch=1)
     rows = A.class_breakdown(A.classify_blocks(blocks, classify), est, seq=4096, batch=1, config=c)
@@ -147,7 +147,7 @@ def test_layer_phase_breakdown_charges_weights_per_layer_and_the_autograd_worksp
     one layer's linears dequantised to bf16 are 2 x (q 4096x4096 + k, v 4096x1024 + o 4096x4096
     + gate, up, down 4096x14336) = 2 x 218,103,808 = 436,207,616 B, written out here."""
     c = cfg("mistral-7b")
-    est = E.estimate(c, quant="nf4", seq=512, release="0.73.3")
+    est = E.estimate(c, quant="nf4", seq=512, release="0.73.3", soup=False)
     assert est.phase == "layer"
     classify = A.physical_classifier(c, quant="nf4", seq=512, batch=1)
     rows = {r["class"]: r for r in A.class_breakdown(
@@ -167,7 +167,7 @@ def test_bad_input():
             classify(junk)
     with pytest.raises(UsageError):
         A.physical_classifier(cfg("smol"), quant="int8", seq=512, batch=1)
-    est = E.estimate(cfg("smol"), seq=512, release="0.73.3")
+    est = E.estimate(cfg("smol"), seq=512, release="0.73.3", soup=False)
     with pytest.raises(UsageError):
         A.class_breakdown({"activations": 1}, est, seq=512, batch=1, config=cfg("smol"))
 

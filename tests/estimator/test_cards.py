@@ -11,7 +11,7 @@ from issue395.estimator import estimate as E
 from issue395.errors import UsageError
 from issue395.record import RECORD_A10G_PEAK
 from issue395.model.registry import config_json
-from issue395.estimator.soup_number import _soup_dir
+from issue395.estimator.releases import soup_dir as _soup_dir
 
 ASKED = ("A10G", "L4", "T4", "RTX3090", "RTX4090", "RTX5090", "A100-40GB", "A100-80GB", "L40S", "H100", "H200")
 

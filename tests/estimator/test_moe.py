@@ -67,7 +67,7 @@ def committed_new_rows():
             continue
         for r in data.get("rows", []):
             family, stream = stream_mode(r["model_key"])
-            if r.get("soup_predicted") and (family in NEW or stream):
+            if r.get("soup_predicted") and (family in NEW or stream) and not r.get("task"):  # tasks: task_terms
                 seen.setdefault((r["model_key"], r["quant"], r["seq"], r["batch"]), (r, stream, path.name))
     return list(seen.values())
 

@@ -15,8 +15,8 @@ from conftest import ROOT, SMOL, main
 
 from issue395.model.registry import config_json
 from issue395.results.result import Result
-from issue395.estimator.soup_number import (_soup_dir, installed_release, soup_namespace, soup_preflight_from_config,
-                                  supported_archs)
+from issue395.estimator.releases import installed_release, release_source, soup_dir as _soup_dir
+from issue395.estimator.soup_number import features, soup_namespace, soup_preflight_from_config, supported_archs
 
 _spec = importlib.util.spec_from_file_location("leave_one_out", ROOT / "bench" / "leave_one_out.py")
 LOO = importlib.util.module_from_spec(_spec)
@@ -34,6 +34,7 @@ def test_soup_number_from_config_equals_the_committed_capture(arm):
     assert terms == arm["soup_terms"]
 
 
+@pytest.mark.skipif(release_source("0.77.0") is None, reason="soup-cli 0.77.0's own code is not here (its venv runs it)")
 @pytest.mark.parametrize("arm", [a for a in ARMS if a["release"] == "0.77.0"],
                          ids=lambda a: f"{a['family']}-{a['quant']}-{a['seq']}")
 def test_soup_077_kwargs_and_number_match_the_untied_map(arm):
@@ -78,11 +79,15 @@ def test_soups_number_from_the_config_is_what_soups_own_setup_computes_on_cpu(ca
         assert soup_namespace()["estimate_stream_peak_vram"](**setup) == row["soup_predicted"], quant
 
 
+#: A release without the streaming modes (0.73.3) refuses them; one with them refuses per_expert off DeepSeek-V3.
+_MODES = "stream_loss_chunk" in features().stream_modes
+
+
 @pytest.mark.parametrize("key, kw, words", [
-    ("smol", dict(release="0.70.0"), "not one this knows"),
-    ("smol", dict(release="0.73.3", stream={"stream_loss_chunk": 512}), "need 0.77.0"),
-    ("llama31-8b", dict(release="0.77.0", stream={"stream_expert_layout": "per_expert"}), "deepseek_v3 only"),
-])
+    ("smol", dict(release="0.70.0"), "not here"),
+    ("llama31-8b", dict(stream={"stream_expert_layout": "per_expert"}),
+     "deepseek_v3 only" if _MODES else "has no stream_expert_layout"),
+] + ([] if _MODES else [("smol", dict(stream={"stream_loss_chunk": 512}), "has no stream_loss_chunk")]))
 def test_what_soup_would_refuse_or_this_does_not_know_is_a_usage_error_not_a_number(key, kw, words):
     from issue395.errors import UsageError
 
@@ -107,3 +112,31 @@ def test_soups_own_number_from_the_config_is_the_one_its_setup_computed_on_the_g
     (row,) = json.loads(out.read_text())["rows"]
     assert row["soup_predicted"] == arm.soup_predicted
     assert row["corrected_predicted"] >= arm.real_peak > row["soup_predicted"]  # the miss, and the fix
+
+
+#: What Soup's own setup computed on an H200 for each task (soup_predicted and the keywords it passed
+#: its estimator), SmolLM2 and Qwen2.5 in bf16 and Qwen2.5 in NF4, soup-cli 0.77.0 and 0.73.3; LoRA
+#: r 8 on q_proj/v_proj (bench/task_peak_anatomy.py). Its calibrated logits bytes were 14.0 there.
+TASK_CAPTURES = sorted((ROOT / "results" / "task-anatomy-h200-soup0.77.0-and-0.73.3-3f5620a").glob("anatomy-*.json"))
+
+
+def _capture_release(path):
+    return {"073": "0.73.3", "077": "0.77.0"}[path.name.split("-")[1]]
+
+
+@pytest.mark.parametrize("path", TASK_CAPTURES, ids=lambda p: p.stem)
+def test_each_tasks_soup_number_from_the_config_is_what_its_setup_computed_on_the_gpu(path):
+    release = _capture_release(path)
+    if release_source(release) is None:
+        pytest.skip(f"soup-cli {release}'s own code is not here (its venv runs it)")
+    cap = json.loads(path.read_text())
+    model = path.name.split("-")[3]
+    got, kwargs = soup_preflight_from_config(config_json(model), quant=cap["quant"], seq=cap["seq"], batch=cap["batch"],
+                                             targets=("q_proj", "v_proj"), lora_r=8, release=release, task=cap["task"])
+    assert cap["soup_kwargs"]["logits_bytes_per_element"] == 14.0
+    assert (got, kwargs) == (cap["soup_predicted"], cap["soup_kwargs"])
+
+
+def test_every_task_captured_on_the_gpu_is_checked():
+    assert {json.loads(p.read_text())["task"] for p in TASK_CAPTURES} == {"dpo", "orpo", "simpo", "kto", "sft"}
+    assert {_capture_release(p) for p in TASK_CAPTURES} == {"0.73.3", "0.77.0"}

@@ -71,7 +71,7 @@ def test_an_oom_is_its_own_finding_with_the_size_it_asked_for(tmp_path):
 def test_a_teardown_error_sits_beside_the_measurement_never_over_it(tmp_path):
     row = judged(tmp_path, peak=GB, teardown_error="RuntimeError: could not free the pool")
     assert row.measured and row.real_peak == GB and row.status == "ok"
-    assert row.teardown_error == "RuntimeError: could not free the pool"
+    assert row.ran.teardown_error == "RuntimeError: could not free the pool"
 
 
 def test_the_timings_are_the_phases_the_protocol_marks(tmp_path):

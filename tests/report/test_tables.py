@@ -223,3 +223,19 @@ def test_determinism_spread_takes_only_measured_peaks():
     assert second["peaks"] == [None, ok.real_peak]
     assert second["statuses"] == ["VOID", "ok"]
     assert second["spread_pct"] is None
+
+
+def test_a_task_arm_is_its_own_line_of_the_map_and_its_summary_and_its_own_section_of_the_sweep():
+    from issue395.report.tables import map_summary, map_table, sweep_table
+
+    shape = SHAPES["qwen"]
+    rows = [arm_row(Arm("qwen", 2048, 1, 0), shape, realised_width=2048, realised_rows=(2048,), dry_run=True),
+            arm_row(Arm("qwen", 2048, 1, 1, task="dpo"), shape, realised_width=2048, realised_rows=(2048, 2048),
+                    dry_run=True)]
+    lines = map_table(rows).splitlines()
+    assert [line.split()[:2] for line in lines if line.startswith(shape.name)] == [
+        [shape.name, "none"], [shape.name, "dpo"]]
+    assert sum(1 for line in map_summary(rows).splitlines() if line.startswith(f"{shape.name} dpo")) == 1
+    assert f"{shape.name} dpo  (predicted" in sweep_table(rows)
+    assert "lower/real is Soup's own number alone" in map_table(rows)
+    assert "lower/real is Soup's own number alone" not in map_table(rows[:1])

@@ -19,7 +19,7 @@ ENV = {"soup_cli": "0.73.3"}
 
 def test_a_rows_corrected_estimate_is_its_familys_from_the_public_config_whatever_it_measured():
     row = make_row("smol", 2048, real_peak=10**9)
-    want = estimate(config_json("smol"), seq=2048, batch=1, targets=("q_proj", "v_proj"), release="0.73.3")
+    want = estimate(config_json("smol"), seq=2048, batch=1, targets=("q_proj", "v_proj"), release="0.73.3", soup=False)
     assert corrected(row, ENV) == want.corrected_predicted
     assert corrected(replace(row, real_peak=3 * 10**9), ENV) == corrected(row, ENV)  # not from the peak
     assert corrected_ratio(row, ENV) == want.corrected_predicted / 10**9
@@ -34,7 +34,7 @@ def test_the_run_steps_and_shape_reach_it():
 def test_a_config_rows_own_lora_r_reaches_it():
     """A --config row ran the file's r (4 here): its corrected estimate is at that r, not the protocol's 8."""
     row = make_row("smol", 2048, real_peak=10**9, config=UserConfig("soup.yaml", 4, 8))
-    want = estimate(config_json("smol"), seq=2048, batch=1, targets=("q_proj", "v_proj"), lora_r=4, release="0.73.3")
+    want = estimate(config_json("smol"), seq=2048, batch=1, targets=("q_proj", "v_proj"), lora_r=4, release="0.73.3", soup=False)
     assert corrected(row, ENV) == want.corrected_predicted < corrected(make_row("smol", 2048, real_peak=10**9), ENV)
 
 
@@ -43,7 +43,7 @@ def test_a_streaming_modes_row_is_estimated_under_its_mode_never_as_if_it_were_a
     row = make_row("smol", 2048, real_peak=10**9)
     chunked = corrected(replace(row, model_key="smol+chunk512"), env)
     want = estimate(config_json("smol"), seq=2048, batch=1, targets=("q_proj", "v_proj"), release="0.77.0",
-                    stream={"stream_loss_chunk": 512})
+                    stream={"stream_loss_chunk": 512}, soup=False)
     assert chunked == want.corrected_predicted and chunked != corrected(row, env)
 
 

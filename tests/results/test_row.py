@@ -22,6 +22,7 @@ from conftest import PUBLISHED, RECORD_ARMS, ROOT, SMOL, main, make_row, one_err
 
 from issue395.results.extras import Capped, Emulated, MinFreeFound, Ran, UserConfig
 from issue395.model.arm import Arm, predicted_bytes
+from issue395.model.registry import SHAPES
 from issue395.measure.cuda import attribute_peak
 from issue395.run.options import Run
 from issue395.record import RECORD_A10G_PEAK
@@ -253,7 +254,7 @@ ROUND_TRIP_ROWS = {
     "void": lambda: make_row("smol", 4096, batch=2, index=3, real_peak=2_000_000_000,
                              realised_rows=(4096, 4000)),
     "oom": lambda: make_row("qwen", 6144, failure="OOM", error="CUDA out of memory",
-                            oom_request=1_288_490_188, teardown_error="RuntimeError: x"),
+                            oom_request=1_288_490_188, ran=Ran(teardown_error="RuntimeError: x")),
     "dry-run": lambda: make_row("smol", 3072, index=1, dry_run=True),
     "repeat": lambda: make_row("smol", 4096, index=2, repeat=2, real_peak=2_657_800_000),
     "attributed": lambda: make_row("smol", 2048, real_peak=1_365_200_000,
@@ -367,3 +368,38 @@ def test_from_json_refuses_a_row_without_its_grid_index():
     with pytest.raises(ValueError, match="index"):
         Row.from_json(dict(saved, index=None))
 
+
+
+def test_a_task_row_carries_its_task_keyed_in_its_arm_and_shown_by_its_label_and_an_sft_row_does_not():
+    """SFT writes no 'task' (every saved result re-renders to the same bytes); any other task
+    is saved, read back, and pairs rows in compare and merge by its arm key."""
+    sft, dpo = make_row("qwen", 2048, 1), arm_row(Arm("qwen", 2048, 1, 1, task="dpo"), SHAPES_QWEN)
+    assert "task" not in sft.to_json() and sft.arm == ("qwen", "none", 2048, 1) and sft.label == sft.model
+    assert dpo.to_json()["task"] == "dpo" and Row.from_json(dpo.to_json()) == dpo
+    assert dpo.arm == ("qwen", "none", 2048, 1, "dpo") and dpo.label == f"{sft.model} dpo"
+    assert dpo.record_peak is None  # the record's A10G peaks are SFT's
+
+
+def test_a_paired_tasks_record_convention_is_soups_estimator_at_its_two_rows_per_example():
+    dpo = arm_row(Arm("qwen", 2048, 1, task="dpo"), SHAPES_QWEN)
+    assert dpo.predicted == predicted_bytes(SHAPES_QWEN, 2048, 2) and dpo.elements == 2 * make_row("qwen", 2048).elements
+
+
+@pytest.mark.parametrize("value", ["sft", "ppo", 3, ["dpo"]])
+def test_a_saved_task_that_is_not_one_of_the_four_beside_sft_is_refused(value):
+    data = dict(arm_row(Arm("qwen", 2048, 1, task="dpo"), SHAPES_QWEN).to_json(), task=value)
+    with pytest.raises(ValueError, match="row field 'task'"):
+        Row.from_json(data)
+
+
+def test_a_task_row_is_judged_on_soups_own_number_and_its_guard_counts_the_tasks_rows():
+    """DPO's guard reads 2 x batch rows; Soup's own number alone judges it (the record's
+    convention is an SFT grid's), so a peak between the two is UNDER only by Soup's own."""
+    arm = Arm("qwen", 2048, 1, task="dpo")
+    ok = arm_row(arm, SHAPES_QWEN, realised_width=2048, realised_rows=(2048, 2048), real_peak=10 ** 9,
+                 resident=1, soup_predicted=2 * 10 ** 9)
+    assert ok.status == "ok" and ok.margin_ratio == 2.0
+    assert replace(ok, realised_rows=(2048,)).status == "VOID"
+    assert replace(ok, soup_predicted=10 ** 9 - 1).status == "UNDER"
+    assert realised_as_requested(64, 2, 64, [64] * 4, "kto") and not realised_as_requested(64, 2, 64, [64] * 2, "kto")
+SHAPES_QWEN = SHAPES["qwen"]

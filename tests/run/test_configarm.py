@@ -56,11 +56,11 @@ def test_the_files_r_alpha_and_targets_are_what_soups_setup_builds(capfd, tmp_pa
     built = {}
     real = h.realised_lengths
 
-    def adapter_seen(trainer):  # Soup's setup is done: read what it built, then go on as the protocol does
+    def adapter_seen(trainer, *guarded):  # Soup's setup is done: read what it built, then go on as the protocol does
         for name, module in trainer.model.named_modules():
             if getattr(module, "lora_A", None):
                 built[name.rsplit(".", 1)[-1]] = (module.lora_A["default"].weight.shape[0], module.scaling["default"])
-        return real(trainer)
+        return real(trainer, *guarded)
 
     monkeypatch.setattr(h, "realised_lengths", adapter_seen)
     out = tmp_path / "out.json"
@@ -125,3 +125,18 @@ def test_a_local_bases_positions_are_named_as_the_files_max_length(capfd, tmp_pa
     code, out, err = main(capfd, ["--config", soup_yaml(tmp_path, tiny_checkpoint, seq=positions + 64), "--dry-run"])
     one_error_line(code, out, err, "data.max_length", str(positions + 64))
     assert "--seq" not in err
+
+
+def test_the_files_task_is_the_arms_and_its_row_says_so(capfd, tmp_path, cache_dir, tiny_checkpoint):
+    """task: dpo in the soup.yaml: the arm runs Soup's DPO setup (its guard reads 2 x batch rows) and
+    the row carries the task; --estimate answers the same file for its task."""
+    config = soup_yaml(tmp_path, tiny_checkpoint)
+    config.write_text(config.read_text().replace("task: sft", "task: dpo"))
+    assert settled(["--config", config, "--dry-run"]).tasks == ("dpo",)
+    out = tmp_path / "dpo.json"
+    code, text, err = main(capfd, ["--config", config, "--dry-run", "--cache-dir", cache_dir, "--json", out])
+    assert code == 0, err
+    (row,) = json.loads(out.read_text())["rows"]
+    assert (row["task"], row["derived"]["status"], row["realised_rows"]) == ("dpo", "dry-run", [64, 64])
+    code, text, err = main(capfd, ["--estimate", "--config", config])
+    assert code == 0 and "dpo" in text, err

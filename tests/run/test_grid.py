@@ -92,3 +92,13 @@ def test_plan_arms_orders_model_then_seq_then_batch():
         ("qwen", 4096, 2), ("qwen", 4096, 1), ("qwen", 2048, 2), ("qwen", 2048, 1),
         ("smol", 4096, 2), ("smol", 4096, 1), ("smol", 2048, 2), ("smol", 2048, 1)]
     assert [a.index for a in arms] == list(range(8))
+
+
+def test_a_task_is_the_grids_innermost_axis_and_every_batch_runs_under_every_task():
+    """The map and the sweep alike: one shape's tasks side by side; KTO's batch 1 is planned (it is
+    a SKIPPED row, never dropped); without --task, the protocol's SFT alone."""
+    arms = plan_map(["llama32-1b"], ["none"], [512], [1, 2], ("sft", "kto"))
+    assert [(a.seq, a.batch, a.task, a.index) for a in arms] == [
+        (512, 1, "sft", 0), (512, 1, "kto", 1), (512, 2, "sft", 2), (512, 2, "kto", 3)]
+    assert [a.task for a in plan_arms(["smol"], [2048], [1], tasks=("dpo", "orpo"))] == ["dpo", "orpo"]
+    assert {a.task for a in plan_map(["llama32-1b"], QUANTS, None, MAP_BATCHES)} == {"sft"}

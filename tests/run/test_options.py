@@ -129,3 +129,71 @@ def test_compare_with_a_missing_file_names_that_file(saved, tmp_path, capfd):
     code, out, err = main(capfd, ["--from-json", saved, "--compare", missing])
     line = one_error_line(code, out, err, "--compare", "missing.json")
     assert str(saved) not in line
+
+
+@pytest.mark.parametrize("extra, word", [
+    (["--cap", "soup"], "--cap"), (["--emulate-card", "T4"], "--emulate-card"), (["--min-free"], "--min-free"),
+    (["--determinism", "2"], "--determinism"), (["--shard", "1/2"], "--shard"), (["--measure"], "--measure"),
+    (["--lanes"], "--estimate"),
+])
+def test_lanes_refuses_what_needs_the_whole_card_or_makes_its_own_processes(capfd, extra, word):
+    argv = (["--estimate", "--model", "smol", "--seq", "512"] if word == "--estimate"
+            else ["--models", "smol", "--seq", "2048", *extra])
+    one_error_line(*main(capfd, [*argv, "--lanes", "2"]), "--lanes", word)
+
+
+@pytest.mark.parametrize("value", ["0", "two", "1,2"])
+def test_a_lanes_count_that_is_not_one_whole_number_of_at_least_one_is_one_line(capfd, value):
+    one_error_line(*main(capfd, ["--dry-run", "--models", "smol", "--seq", "64", "--lanes", value]), "--lanes")
+
+
+def test_bare_lanes_is_left_to_the_host_and_a_number_is_kept():
+    parse = build_parser().parse_args
+    assert settle(parse(["--lanes", "--dry-run"]), []).children.lanes == 0
+    assert settle(parse(["--lanes", "3", "--map", "--dry-run"]), []).children.lanes == 3
+    assert settle(parse(["--dry-run"]), []).children.lanes is None
+
+
+def test_a_shard_dir_soup_would_ignore_is_one_line_and_then_cache_dir_may_lie_anywhere(capfd, tmp_path):
+    """Soup honours a shard cache only under $HOME, the working directory and the temp dir; a
+    --shard-dir elsewhere is refused. With --shard-dir, --cache-dir holds only checkpoints, which
+    Soup never resolves, so it is not held to those bounds."""
+    import os
+    import tempfile
+
+    outside = "/var/lib/issue395-lanes-test"
+    if any(os.path.realpath(outside).startswith(os.path.realpath(p) + os.sep)
+           for p in (os.path.expanduser("~"), os.getcwd(), tempfile.gettempdir())):
+        pytest.skip("no folder outside $HOME, the working directory and the temp dir here")
+    parse = build_parser().parse_args
+    one_error_line(*main(capfd, ["--dry-run", "--shard-dir", outside]), "--shard-dir", "~/.soup")
+    run = settle(parse(["--dry-run", "--shard-dir", str(tmp_path / "shm"), "--cache-dir", outside]), [])
+    assert run.shard_dir == str(tmp_path / "shm") and run.cache_dir == outside
+    one_error_line(*main(capfd, ["--dry-run", "--cache-dir", outside]), "--cache-dir", "~/.soup")
+
+
+def settled(*argv):
+    argv = [str(a) for a in argv]
+    return settle(build_parser().parse_args(argv), argv)
+
+
+def test_task_is_an_axis_of_the_map_and_the_sweep_and_sft_by_default():
+    assert settled("--dry-run").tasks == ("sft",)
+    run = settled("--map", "--families", "llama32-1b", "--quant", "none", "--seq", "512", "--batch", "1,2",
+                  "--task", "sft,kto", "--dry-run")
+    assert [(a.batch, a.task) for a in options.grid_arms(run)] == [(1, "sft"), (1, "kto"), (2, "sft"), (2, "kto")]
+    assert {a.task for a in options.grid_arms(settled("--models", "smol", "--task", "dpo", "--dry-run"))} == {"dpo"}
+
+
+@pytest.mark.parametrize("argv,words", [
+    (["--task", "dpo,dpo"], ["--task dpo,dpo: a task is named twice"]),
+    (["--task", "dpo", "--emulate-card", "T4"], ["--task dpo and --emulate-card", "not wired"]),
+    (["--task", "kto", "--cap", "corrected"], ["--task kto and --cap corrected"]),
+    (["--task", "orpo", "--min-free"], ["--task orpo and --min-free"]),
+])
+def test_a_task_beside_a_constraint_not_wired_for_it_is_one_line(capfd, argv, words):
+    one_error_line(*main(capfd, argv), *words)
+
+
+def test_a_task_runs_under_soups_own_cap():
+    assert settled("--task", "dpo", "--cap", "soup").tasks == ("dpo",)

@@ -216,3 +216,105 @@ def test_a_config_arms_child_gets_the_files_adapter_and_quantization_and_a_lost_
     assert (run.adapter.soup_config, run.adapter.targets, run.adapter.lora_r, run.adapter.lora_alpha) == (str(config), ("q_proj",), 4, 8)
     row = lost_row(back.arms[0], run, None, 139)
     assert (row.config, row.targets, row.quant) == (UserConfig(str(config), 4, 8), ("q_proj",), "nf4")
+
+
+# --lanes (issue 30): lanes at once on one GPU, whole-card arms alone after them, a dead lane's arms FAILED
+
+LANE_CHILD = textwrap.dedent("""
+    import os, sys, time
+    sys.path.insert(0, {root!r})
+    from issue395.measure.console import Stop
+    from issue395.results.saved import RowFile
+    from issue395.run.spread import CHILD_JOB, die_with_parent, lost_row, read_job
+
+    die_with_parent()
+    run, job = read_job(os.environ[CHILD_JOB])
+    Stop.install(quiet=True)
+    rows = RowFile(run.outputs.json)
+    log = open({log!r}, "a")
+    log.write(f"start {{os.getpid()}} {{time.monotonic()}} {{job.whole_card}} {{os.environ['OMP_NUM_THREADS']}}\\n")
+    log.flush()
+    for arm in job.arms:
+        time.sleep(0.4)
+        if arm.index == {dies_at}:
+            os._exit(3)  # the lane dies before it reports this arm
+        rows.add(lost_row(arm, run, None, 0))
+    log.write(f"end {{os.getpid()}} {{time.monotonic()}} {{job.whole_card}}\\n")
+""")
+
+
+def lane_child(tmp_path: Path, dies_at: int = -1) -> tuple[Path, Path]:
+    log = tmp_path / "lanes.log"
+    script = tmp_path / "lane.py"
+    script.write_text(LANE_CHILD.format(root=str(ROOT), log=str(log), dies_at=dies_at))
+    return script, log
+
+
+def spans(log: Path) -> dict[str, dict]:
+    """Each child's start and end (monotonic seconds), whole-card flag and threads."""
+    out: dict[str, dict] = {}
+    for line in log.read_text().splitlines():
+        word, pid, t, whole, *threads = line.split()
+        out.setdefault(pid, {"whole": whole == "True"})[word] = float(t)
+        if threads:
+            out[pid]["threads"] = threads[0]
+    return out
+
+
+def test_two_lanes_run_at_once_on_one_gpu_and_a_whole_card_arm_runs_alone_after_them(tmp_path):
+    """Stand-in children (no Soup, no GPU): four arms in two lanes at once, threads bounded per lane;
+    the arm that needs the card to itself starts only once both lanes have exited."""
+    from issue395.run.spread import Lanes
+
+    script, log = lane_child(tmp_path)
+    arms = [Arm("smol", 64 * (i + 1), 1, i) for i in range(5)]
+    lanes = Lanes(2, 3, whole_card=(arms[4],), share=1, why="test")
+    rows = []
+    with Scratch() as scratch:
+        spread(Run(children=Children(lanes=2), dry_run=True), arms, scratch, rows.append, str(script), lanes)
+    assert sorted(r.index for r in rows) == [0, 1, 2, 3, 4]
+    children = spans(log)
+    lane, whole = [c for c in children.values() if not c["whole"]], [c for c in children.values() if c["whole"]]
+    assert len(lane) == 2 and len(whole) == 1
+    assert max(c["start"] for c in lane) < min(c["end"] for c in lane), "the two lanes did not overlap"
+    assert whole[0]["start"] >= max(c["end"] for c in lane), "the whole-card arm ran beside a lane"
+    assert {c["threads"] for c in lane} == {"3"}
+
+
+def test_a_lane_that_dies_leaves_a_failed_row_for_each_arm_it_did_not_report_never_a_lost_row(tmp_path):
+    """Stand-in children: the lane holding arm 1 exits with code 3 before reporting it; its later arm
+    and the other lane's arms are all rows, grid order kept by index."""
+    from issue395.run.spread import Lanes
+
+    script, _ = lane_child(tmp_path, dies_at=1)
+    arms = [Arm("smol", 64 * (i + 1), 1, i) for i in range(4)]
+    rows = []
+    with Scratch() as scratch:
+        spread(Run(children=Children(lanes=2), dry_run=True), arms, scratch, rows.append, str(script), Lanes(2, 1, why="test"))
+    by_index = {r.index: r for r in rows}
+    assert sorted(by_index) == [0, 1, 2, 3], "an arm of the dead lane was lost"
+    dead = [i for i, r in by_index.items() if "exited with code 3" in (r.error or "")]
+    assert dead == [1, 3] and all(by_index[i].failure == "FAILED" for i in dead)
+    assert all("code 3" not in (by_index[i].error or "") for i in (0, 2))
+
+
+def test_a_map_in_lanes_deals_whole_families_and_the_arms_past_a_lanes_share_go_to_one_whole_card_job():
+    """The real estimator on the registry's configs: on a 10 GB card in two lanes (5 GB each),
+    Qwen2.5 at 2048 (Soup's number 4.85 GB) and SmolLM2 at 6144 (4.59 GB) cannot share the card but
+    are admitted alone; SmolLM2 at 2048 fits a lane; Qwen2.5 at 6144 (13.8 GB) is refused by Soup's
+    gate alone, so beside neighbours too, and stays in its lane."""
+    from issue395.run.spread import Lanes, lane_jobs, plan_lanes
+
+    run = Run(map=True, models=("smol", "qwen"), children=Children(lanes=2))
+    arms = plan_map(("smol", "qwen"), ("none",), (2048, 6144), (1,))
+    plan = plan_lanes(run, arms, total=10 * 10**9, cores=8)
+    assert (plan.count, plan.threads) == (2, 4)
+    assert [(a.model, a.seq) for a in plan.whole_card] == [("smol", 6144), ("qwen", 2048)]
+    jobs = lane_jobs(run, arms, plan)
+    lanes, alone = [j for j in jobs if not j.whole_card], [j for j in jobs if j.whole_card]
+    assert [sorted({a.model for a in j.arms}) for j in lanes] == [["qwen"], ["smol"]]
+    assert [[(a.model, a.seq) for a in j.arms] for j in alone] == [[("smol", 6144), ("qwen", 2048)]]
+    assert plan_lanes(run, arms, total=None, cores=8).whole_card == (), "a dry run has no card to share"
+    bare = plan_lanes(Run(map=True, models=("smol", "qwen"), children=Children(lanes=0)), arms, total=None, cores=16)
+    assert bare.count == 2 and "only 2 families" in bare.why, "bare --lanes ran more lanes than families"
+    assert Lanes(4, 4, why="x").label(Run()).startswith("4 lanes on one GPU (4 threads each; x)")

@@ -43,7 +43,7 @@ def test_the_files_own_values_drive_the_estimate(capfd, tmp_path):
     from issue395.estimator.estimate import estimate
 
     e = estimate(config_json("mistral-7b"), quant="nf4", seq=1024, batch=2, targets=("q_proj", "k_proj", "v_proj"),
-                 lora_r=16)
+                 lora_r=16, steps=2)  # --config answers the run's steady state (issue 29)
     assert (row["soup_predicted"], row["needs_free"]) == (e.soup_predicted, e.needs_free)
     assert "from --config" in text and row["cards"][0]["card"] == "A10G"
 
@@ -95,9 +95,54 @@ def test_the_files_streaming_modes_reach_the_estimate_and_auto_is_one_line(capfd
     from issue395.estimator.estimate import estimate
 
     e = estimate(config_json("mistral-7b"), quant="nf4", seq=1024, batch=2, targets=("q_proj", "k_proj", "v_proj"),
-                 lora_r=16, stream={"stream_loss_chunk": 512, "stream_recompute": "off"})
+                 lora_r=16, stream={"stream_loss_chunk": 512, "stream_recompute": "off"}, steps=2)  # the run's (issue 29)
     assert row["corrected_predicted"] == e.corrected_predicted
     assert row["corrected_predicted"] != estimate(config_json("mistral-7b"), quant="nf4", seq=1024, batch=2,
-                                                  targets=("q_proj", "k_proj", "v_proj"), lora_r=16).corrected_predicted
+                                                  targets=("q_proj", "k_proj", "v_proj"), lora_r=16,
+                                                  steps=2).corrected_predicted
     one_error_line(*main(capfd, ["--estimate", "--config", soup_yaml(tmp_path, stream="true\n  stream_recompute: auto\n")]),
                    "stream_recompute", "auto")
+
+
+@pytest.mark.parametrize("task", ["dpo", "orpo", "simpo", "kto"])
+def test_a_preference_tasks_file_is_answered_with_soups_number_at_its_rows(capfd, tmp_path, task):
+    """Before: 'task ... the estimator does not model (sft only)', exit 2. Now Soup's own number at the
+    task's rows (its release's _STREAM_ROWS_PER_EXAMPLE, the refill slot), the gate's verdict per card,
+    and the corrected estimate at the task's own physics, never the SFT figure."""
+    from issue395.estimator.estimate import estimate
+
+    path = soup_yaml(tmp_path)
+    path.write_text(path.read_text().replace("task: sft", f"task: {task}"))
+    out = tmp_path / "e.json"
+    code, text, err = main(capfd, ["--estimate", "--config", path, "--card", "A10G", "--json", out])
+    assert code == 0, err
+    data = json.loads(out.read_text())
+    (row,) = data["rows"]
+    # a --config answer is the run's steady state (step 2 on: the optimizer's states live)
+    e = estimate(config_json("mistral-7b"), quant="nf4", seq=1024, batch=2, targets=("q_proj", "k_proj", "v_proj"),
+                 lora_r=16, task=task, steps=2)
+    sft = estimate(config_json("mistral-7b"), quant="nf4", seq=1024, batch=2, targets=("q_proj", "k_proj", "v_proj"),
+                   lora_r=16, steps=2)
+    assert data["tasks"] == [task] and row["task"] == task and row["soup_predicted"] == e.soup_predicted
+    assert row["soup_predicted"] != sft.soup_predicted or task == "kto"
+    assert row["corrected_predicted"] == e.corrected_predicted != sft.corrected_predicted
+    assert row["cards"][0]["fits"] is not None and row["cards"][0]["soup_admits"] is True
+
+
+def test_estimate_answers_each_task_named_on_the_command_line(capfd, tmp_path):
+    out = tmp_path / "e.json"
+    code, _, err = main(capfd, ["--estimate", "--model", "smol", "--seq", "512", "--batch", "2",
+                                "--task", "sft,dpo,kto", "--json", out])
+    assert code == 0, err
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["task"] for r in rows] == ["sft", "dpo", "kto"]
+    # each task at its own physics: DPO's two policy/reference logits over 2 x batch rows exceed SFT's
+    assert rows[1]["corrected_predicted"] > rows[0]["corrected_predicted"] > 0
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--estimate", "--model", "smol", "--seq", "512", "--task", "kto"], "refuses a kto batch under 2"),
+    (["--estimate", "--model", "smol", "--seq", "512", "--task", "ppo"], "choose from sft,dpo,orpo,simpo,kto"),
+])
+def test_a_task_soup_refuses_is_one_line(capfd, argv, words):
+    one_error_line(*main(capfd, argv), words)

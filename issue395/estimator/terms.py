@@ -1,0 +1,106 @@
+"""The corrected estimator's terms, each declared once: its key, the phases of the step it is live
+in, its physical class, and the words the legends use for it. The estimator sums its phases from
+this table, the anatomy charges a live class against the terms of the binding phase from it, and
+the fit table's legend lists the terms from it. Stdlib only.
+
+A physical class is one of the categories torch's memory tracker documents
+(``torch.distributed._tools.mem_tracker._MemRefType``: Parameter, Buffer, Gradient, Activation,
+Temp, Optstate, Other); the values here are its values, so a term reads in its words.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+
+
+class Phase(Enum):
+    """Where in a streamed step a term's bytes are live. ``Estimate.phase`` names the binding one
+    by its value: the loss, the reference forward (a preference loss's no-grad second forward, made
+    while the policy's loss tensors are held), the layer recompute and backward, or the optimizer's
+    step (its moments, the gradients and its own transients)."""
+
+    RESIDENT = "resident"  # allocated before the step, live through all of it
+    LOSS = "loss"
+    REFERENCE = "reference"
+    LAYER = "layer"
+    OPTIMIZER = "optimizer"
+    STEADY = "steady state"  # from step 2 on, beside whichever phase binds
+    ALLOWANCE = "allowance"  # added once, outside every phase
+
+
+class Kind(Enum):
+    """A term's physical class, as torch's mem_tracker names its categories (_MemRefType)."""
+
+    PARAM = "Parameter"
+    BUFFER = "Buffer"
+    GRAD = "Gradient"
+    ACT = "Activation"
+    TEMP = "Temp"
+    OPT = "Optstate"
+    OTH = "Other"
+
+
+_R, _LO, _RF, _LA, _OP, _ST, _AL = (Phase.RESIDENT, Phase.LOSS, Phase.REFERENCE, Phase.LAYER,
+                                    Phase.OPTIMIZER, Phase.STEADY, Phase.ALLOWANCE)
+#: live through the loss, the reference forward and the layer recompute: the step's shared terms
+_STEP = frozenset({_LO, _RF, _LA})
+
+
+class Term(Enum):
+    """Each term: (key, the phases it is live in, its class, its words in the legend, the condition
+    it appears under: None for a term every estimate carries). The order is the estimate's."""
+
+    POOL = ("pool", {_R}, Kind.PARAM, "pool", None)
+    EXTRAS = ("extras", {_R}, Kind.PARAM, "extras", None)
+    LORA_WEIGHTS = ("lora_weights", {_R}, Kind.PARAM, "LoRA weights", None)
+    REFERENCE_ADAPTER = ("reference_adapter", {_R}, Kind.PARAM, "the reference adapter", "DPO on 0.77.0")
+    CUBLAS_WORKSPACE = ("cublas_workspace", {_R}, Kind.OTH, "cuBLAS workspace", None)
+    LOGITS = ("logits", {_LO}, Kind.ACT, "logits", None)
+    RESIDENT_ROUNDING = ("resident_rounding", {_R}, Kind.OTH, "resident rounding", None)
+    ALLOCATOR_ROUNDING = ("allocator_rounding", {_LO}, Kind.OTH, "allocator rounding", None)
+    CHECKPOINTED_INPUTS = ("checkpointed_inputs", _STEP, Kind.ACT, "checkpointed inputs", None)
+    FINAL_NORM = ("final_norm", {_LO, _RF}, Kind.ACT, "final norm", None)
+    IDS_LABELS = ("ids_labels", _STEP, Kind.BUFFER, "ids", None)
+    KL_BATCH_IDS = ("kl_batch_ids", _STEP, Kind.BUFFER, "the KL batch's ids", "KTO")
+    POSITION_IDS = ("position_ids", _STEP, Kind.BUFFER, "positions", None)
+    ROTARY_TABLES = ("rotary_tables", _STEP, Kind.BUFFER, "rotary tables", None)
+    SLIDING_MASK = ("sliding_mask", _STEP, Kind.BUFFER, "mask", None)
+    HEAD_COPY = ("head_copy", {_LO, _RF}, Kind.TEMP, "the head's private copy", "DPO, KTO, untied, 0.77.0")
+    REFERENCE_HELD = ("reference_held", {_RF}, Kind.ACT, "the policy's loss tensors", "DPO, KTO")
+    DEQUANTISED_LAYER = ("dequantised_layer", {_RF, _LA}, Kind.TEMP, "the dequantised layer", None)
+    LAYER_PER_TOKEN = ("layer_per_token", {_LA}, Kind.ACT, "per-token bytes", None)
+    REFERENCE_LAYER = ("reference_layer", {_RF}, Kind.TEMP, "a no-grad layer's transients", "DPO, KTO")
+    AUTOGRAD_WORKSPACE = ("autograd_workspace", {_LA}, Kind.OTH, "the autograd workspace", None)
+    EXPERT_IN_FLIGHT = ("expert_in_flight", {_LA}, Kind.TEMP, "the expert in flight", "per_expert")
+    CHUNKED_LOSS = ("chunked_loss", {_LO}, Kind.TEMP, "the chunked loss", "stream_loss_chunk")
+    #: stream_recompute off: every layer's activations through the loss; the layer phase holds
+    #: all but the layer being run (the estimator charges that fraction there)
+    RETAINED_ACTIVATIONS = ("retained_activations", {_LO}, Kind.ACT, "retained activations",
+                            "stream_recompute off")
+    OPTIMIZER_STATES = ("adam_moments", {_ST, _OP}, Kind.OPT, "the optimizer's states", "steps > 1")
+    ADAPTER_GRADIENTS = ("adapter_gradients", {_OP}, Kind.GRAD, "the adapter's gradients", "steps > 1")
+    OPTIMIZER_TRANSIENTS = ("optimizer_transients", {_OP}, Kind.TEMP, "the optimizer's transients", "steps > 1")
+    ALLOCATED_ALLOWANCE = ("allocated_allowance", {_AL}, Kind.OTH, "the allowance", None)
+
+    def __init__(self, key: str, phases: set, kind: Kind, words: str, when: str | None):
+        self.key, self.phases, self.kind, self.words, self.when = key, frozenset(phases), kind, words, when
+
+
+BY_KEY: dict[str, Term] = {t.key: t for t in Term}
+
+
+def live_in(phase: Phase) -> tuple[str, ...]:
+    """The keys of the terms live in ``phase``, in the table's order."""
+    return tuple(t.key for t in Term if phase in t.phases)
+
+
+def phase_sum(terms: dict, phase: Phase) -> int:
+    """The bytes an estimate's terms hold in ``phase``."""
+    return sum(v for k, v in terms.items() if phase in BY_KEY[k].phases)
+
+
+def words(inside: tuple, outside: tuple = ()) -> str:
+    """The legend's words for the terms every estimate carries that are live in each phase of
+    ``inside`` and in none of ``outside``, in the table's order."""
+    return ", ".join(t.words for t in Term if t.when is None and set(inside) <= t.phases
+                     and not set(outside) & t.phases)

@@ -1,0 +1,79 @@
+"""--lanes (issue 30) end to end on CPU: the harness's own children, the real Soup setup on CPU, with
+only the CUDA peak faked (a function of the arm alone, as max_memory_allocated is per process) and the
+parent's check that a GPU is visible answered yes. Lanes 1 and lanes 2 give the same rows and tables;
+Soup's shards land in --shard-dir, the checkpoints in --cache-dir."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from conftest import ROOT
+
+STAND_IN = textwrap.dedent("""
+    import sys
+    sys.path.insert(0, {root!r})
+    import issue395_second_stack_vram as h
+    from issue395.run import runner
+
+    def fake_peak(trainer, snapshot=False, steps=1):  # the one fake: the CUDA peak, the arm's alone
+        seq = int(trainer.args.max_length)
+        return {{"real_peak": 100_003 * seq, "resident": 4096, "reserved": 200_000 * seq, "step_s": 0.01,
+                 "snapshot": None}}
+
+    h.STEP_DEVICE, h.real_peak = "cpu", fake_peak
+    runner.visible_gpu_count = lambda: 1  # no GPU here
+    sys.exit(runner.cli(sys.argv[1:], runner.Protocol(h.measure_arm, "cpu", __file__)))
+""")
+
+
+def stand_in(tmp_path: Path) -> Path:
+    script = tmp_path / "harness.py"
+    script.write_text(STAND_IN.format(root=str(ROOT)))
+    return script
+
+
+def comparable(path: Path) -> tuple[list[dict], dict]:
+    data = json.loads(path.read_text())
+    # a row's own seconds and the process that measured it are all that may differ
+    return [dict(r, ran={k: v for k, v in r["ran"].items() if k not in ("timings", "pid")}) for r in data["rows"]], \
+        data["timings"]
+
+
+@pytest.mark.slow
+def test_a_map_in_two_lanes_gives_the_rows_and_tables_of_one_lane_in_grid_order(tmp_path, cache_dir):
+    script = stand_in(tmp_path)
+    args = ["--map", "--families", "smol,qwen", "--quant", "none", "--seq", "512,1024", "--batch", "1",
+            "--cache-dir", cache_dir]
+    runs = {}
+    for n in (1, 2):
+        out = tmp_path / f"lanes{n}.json"
+        p = subprocess.run([sys.executable, str(script), *map(str, args), "--lanes", str(n), "--json", str(out)],
+                           capture_output=True, text=True, timeout=900, cwd=tmp_path)
+        assert p.returncode == 0, p.stderr[-3000:]
+        runs[n] = (p.stdout, *comparable(out))
+    (out1, rows1, t1), (out2, rows2, t2) = runs[1], runs[2]
+    assert [(r["model_key"], r["seq"]) for r in rows2] == [("smol", 512), ("smol", 1024), ("qwen", 512),
+                                                          ("qwen", 1024)]
+    assert rows1 == rows2 and all(r["real_peak"] for r in rows2)
+    tables = [[ln for ln in o.splitlines() if not ln.startswith(("stack:", "wall "))] for o in (out1, out2)]
+    assert tables[0] == tables[1]
+    assert "2 lanes on one GPU" in out2.splitlines()[0] and "1 lane, in one process" in out1.splitlines()[0]
+    assert (t1["lanes"], t2["lanes"]) == (1, 2) and t2["arms"] == 4 and t2["arms_per_minute"] > 0
+    assert len(t2["children"]) == 2, "two lanes, two processes"
+
+
+@pytest.mark.slow
+def test_soups_shards_land_in_shard_dir_and_the_checkpoint_in_cache_dir(tmp_path, run_cli):
+    cache, shards = tmp_path / "ckpt", tmp_path / "shm"
+    p = run_cli(["--dry-run", "--models", "smol", "--seq", "64", "--cache-dir", cache, "--shard-dir", shards],
+                cwd=tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert list((shards / "layer-stream").glob("*/index.json")), "Soup's shards are not in --shard-dir"
+    assert list((cache / "checkpoints").glob("smol-*/model.safetensors"))
+    assert not (cache / "layer-stream").exists() or not any((cache / "layer-stream").iterdir())
+    assert not (shards / "checkpoints").exists()
