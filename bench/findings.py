@@ -20,6 +20,7 @@ sys.path.insert(0, str(ROOT))
 from issue395.estimator.estimate import estimate, estimate_key  # noqa: E402
 from issue395.estimator.soup_number import arch_of, lora_params  # noqa: E402
 from issue395.results.result import Result  # noqa: E402
+from issue395.constraints.cap import Cap  # noqa: E402
 from issue395.model.registry import config_json  # noqa: E402
 
 CAP_DIR = "results/cap-proof-and-seq512-1024-map-h200x2-soup0.73.3-b5bee37"
@@ -54,7 +55,8 @@ def cap_evidence(caps: list[Result]) -> dict[tuple, list[str]]:
         for r in res.rows:
             what = ("completed" if r.measured else r.status) + (
                 f" (allocated {gb(r.real_peak)}, reserved {gb(r.reserved)} GB)" if r.measured else "")
-            cap = "no cap (control)" if r.cap_at == "off" else f"capped at {r.cap_at} = {gb(r.cap)} GB"
+            at, limit = (r.constraint.at, r.constraint.bytes) if Cap.carries(r) else (None, None)
+            cap = "no cap (control)" if at == "off" else f"capped at {at} = {gb(limit)} GB"
             out.setdefault(r.arm, []).append(f"{cap}: {what}")
     return out
 

@@ -23,7 +23,7 @@ import issue395_second_stack_vram as h  # noqa: E402
 from issue395.model.arm import Arm  # noqa: E402
 from issue395.estimator.cards import step_free  # noqa: E402
 from issue395.run.checkpoints import quant_base, synthetic_checkpoint  # noqa: E402
-from issue395.constraints.emulation import Emulation, arm_config, tool_needs_free  # noqa: E402
+from issue395.constraints.emulation import EmulateCard, arm_config, tool_needs_free  # noqa: E402
 from issue395.model.registry import family_of  # noqa: E402
 from issue395.run.scratch import Scratch  # noqa: E402
 from issue395.measure.shapes import family_shape  # noqa: E402
@@ -31,7 +31,7 @@ from issue395.measure.shapes import family_shape  # noqa: E402
 
 def main(key: str, quant: str, seq: int, card: str, cache: str | None) -> None:
     shape = family_shape(key)
-    emulation = Emulation(card)
+    emulation = EmulateCard(card)
     needs = tool_needs_free(arm_config(family_of(key), None), emulation.budget, quant=quant, seq=seq, batch=1,
                             targets=tuple(shape.targets))
     physical = int(torch.cuda.mem_get_info()[1])  # above any Soup number an emulated card can meet

@@ -371,7 +371,7 @@ def test_second_run_with_the_same_cache_dir_reuses_checkpoint_and_shards(
     code, _, err, _, result = once(capfd, tmp_path_factory, cache_dir, "batch2", fresh=True)
     assert code == EXIT_OK, err
     assert "damaged" not in err and "rebuilding" not in err
-    assert result["rows"][0]["base"] == str(checkpoint)
+    assert result["rows"][0]["ran"]["base"] == str(checkpoint)
     # No build time is reported: both checkpoints were cached (the second model's figure
     # must not be the first model's arm, timed while its cached checkpoint sat ready).
     build_s = result["timings"]["build_s"]
@@ -405,7 +405,7 @@ def test_isolate_runs_each_arm_in_its_own_fresh_process(capfd, cache_dir, tmp_pa
     assert result["environment"]["arms"].startswith("isolated")
     rows = result["rows"]
     assert [(r["seq"], r["realised_width"], r["repeat"]) for r in rows] == [(64, 64, None), (96, 96, None)]
-    pids = {r["pid"] for r in rows}
+    pids = {r["ran"]["pid"] for r in rows}
     assert len(pids) == 2 and os.getpid() not in pids
     assert [line.split()[:2] for line in table_rows(out, 64) + table_rows(out, 96)] == \
         [["64", "64"], ["96", "96"]]
@@ -417,7 +417,7 @@ def test_determinism_repeats_an_arm_in_distinct_fresh_processes(capfd, cache_dir
     assert code == EXIT_OK, err
     rows = result["rows"]
     assert [(r["seq"], r["repeat"], r["realised_width"]) for r in rows] == [(64, 1, 64), (64, 2, 64)]
-    pids = [r["pid"] for r in rows]
+    pids = [r["ran"]["pid"] for r in rows]
     assert len(set(pids)) == 2 and os.getpid() not in pids
     line = next(x for x in out.splitlines() if x.startswith("  SmolLM2-135M seq 64 batch 1: peaks"))
     assert f"pids {pids[0]},{pids[1]}" in line

@@ -116,7 +116,7 @@ def test_oom_on_one_arm_is_recorded_with_its_request_and_the_sweep_goes_on(
     assert oom["real_peak"] is None and oom["derived"]["pred_over_real"] is None
     assert oom["oom_request"] == int(1.5 * GIB)
     assert oom["error"].startswith("OutOfMemoryError: CUDA out of memory")
-    assert oom["teardown_error"] is None  # the arm was torn down and the next one ran
+    assert oom["ran"]["teardown_error"] is None  # the arm was torn down and the next one ran
     assert status(last) == "ok" and last["real_peak"] == safe_peak(80)
     assert table_rows(out, 64)[0].split()[4] == "OOM"
     assert f"(asked for {1.5 * GIB / 1e9:.2f} GB)" in out
@@ -183,7 +183,7 @@ def test_teardown_error_is_recorded_and_never_replaces_the_measurement(
     (row,) = rows_of(out_json)
     assert status(row) == "ok" and row["error"] is None and row["failure"] is None
     assert row["real_peak"] == safe_peak(64)
-    assert row["teardown_error"] == "OSError: pinned store still mapped"
+    assert row["ran"]["teardown_error"] == "OSError: pinned store still mapped"
     assert "teardown error (measurement kept): OSError: pinned store still mapped" in out
 
 

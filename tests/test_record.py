@@ -56,7 +56,7 @@ def test_the_other_published_runs_lie_on_the_grid_and_repeat_the_a10g_peaks():
 
 def test_the_protocols_constants():
     assert (LORA_R, LORA_ALPHA, LORA_TARGETS) == (8, 16, ("q_proj", "v_proj"))
-    assert (DATA_ROWS, OVERSHOOT, GB, SCHEMA) == (4, 3, 1e9, 2)
+    assert (DATA_ROWS, OVERSHOOT, GB, SCHEMA) == (4, 3, 1e9, 3)
     assert SOUP_QUANT == {"none": "none", "nf4": "4bit"}
 
 

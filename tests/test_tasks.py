@@ -79,8 +79,8 @@ def test_each_tasks_own_wrapper_sets_up_and_realises_exactly_seq_on_every_key_it
     assert set(task(name).guard_keys) <= seen["keys"]
     assert row.realised_width == SEQ and list(row.realised_rows) == [SEQ] * task(name).guard_rows(batch)
     assert row.task == (None if name == "sft" else name)
-    assert row.soup_predicted and row.soup_terms["seq_len"] == SEQ
-    assert row.soup_terms["batch_size"] == batch * task(name).rows_per_example  # Soup's rows for the task
+    assert row.soup_predicted and row.gate.terms["seq_len"] == SEQ
+    assert row.gate.terms["batch_size"] == batch * task(name).rows_per_example  # Soup's rows for the task
     assert row.lowest_prediction == (row.soup_predicted if row.task else min(row.predicted, row.soup_predicted))
 
 

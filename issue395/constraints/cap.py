@@ -8,8 +8,13 @@ from __future__ import annotations
 from typing import Optional
 
 from ..record import LORA_R
+from ..text import gb, table
 from ..model.registry import stream_mode
 from ..estimator.estimate import estimate, estimate_key
+from ..results.extras import Capped
+from ..results.row import Row
+from .constraint import ArmSetting, Constraint, arm_name
+from .emulation import arm_config
 
 
 def cap_bytes(cap: str, key: str, *, quant: str, seq: int, batch: int, targets: tuple, lora_r: int = LORA_R,
@@ -39,3 +44,52 @@ def apply_cap(limit: Optional[int]) -> Optional[float]:
     fraction = min(1.0, limit / torch.cuda.get_device_properties(0).total_memory)
     torch.cuda.set_per_process_memory_fraction(fraction, 0)
     return fraction
+
+
+class Cap(Constraint):
+    """--cap AT: the arm's allocator capped at a prediction (AT: soup, corrected, needs-free; off: the
+    control), in a fresh process. Soup's own number is known only once its setup computed it, so it
+    caps before the step; the others cap before Soup's setup."""
+
+    FLAG, RECORD = "--cap", Capped
+
+    def __init__(self, at: str) -> None:
+        self.at, self.bytes, self.capped = at, None, False
+
+    def before_setup(self, s: ArmSetting) -> None:
+        if self.at != "soup" and not s.dry_run:
+            self.bytes = cap_bytes(self.at, s.arm.model, quant=s.arm.quant, seq=s.arm.seq, batch=s.arm.batch,
+                                   targets=s.shape.targets, lora_r=s.shape.lora_r, steps=s.steps,
+                                   config=arm_config(s.arm.model, s.base))
+            self.capped = True
+            apply_cap(self.bytes)
+
+    def before_step(self, s: ArmSetting, soup_predicted: Optional[int]) -> None:
+        # Soup's own number exactly as this setup computed it, for every family and streaming mode
+        # it streams; set before the measured step, which is where the peak lives. Soup's gate
+        # reads the device's free memory, which a per-process fraction does not change.
+        if self.at == "soup" and not s.dry_run and soup_predicted:
+            self.bytes, self.capped = soup_predicted, True
+            apply_cap(self.bytes)
+
+    def record(self) -> Optional[Capped]:
+        return Capped(self.at, self.bytes) if self.capped else None
+
+    @staticmethod
+    def table(rows: list[Row]) -> str:
+        """--cap: each arm re-run in a fresh process with its allocator capped at a prediction."""
+        cells = []
+        for r in rows:
+            if r.measured:
+                outcome = "completed" + (" (control: no cap)" if r.constraint.at == "off" else "")
+            elif r.status == "OOM":
+                outcome = "OOM" + (": admitted by Soup, OOM at its own number" if r.constraint.at == "soup" else "")
+            else:
+                outcome = r.status
+            cells.append([arm_name(r), r.constraint.at, gb(r.constraint.bytes), gb(r.soup_predicted),
+                          gb(r.real_peak if r.measured else None), gb(r.reserved if r.measured else None), outcome])
+        return "\n".join(["--cap: each arm in a fresh process, PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, "
+                          "allocator capped at the prediction named (cap: computed by Soup or this tool's estimator; "
+                          "peaks: measured here)"] + table(
+            [("arm", -34), ("cap at", -10), ("cap GB", 8), ("Soup's own GB", 13), ("allocated GB", 12),
+             ("reserved GB", 11), ("outcome", -50)], cells))

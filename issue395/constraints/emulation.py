@@ -9,12 +9,17 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
 from ..errors import last_line
+from ..record import LORA_R
+from ..text import gb, table
 from ..model.registry import FAMILIES, SHAPES, config_json, family_of
 from ..estimator.cards import Budget, budget, parse_card, workspace_env
 from ..estimator.fits import card_answers
+from ..results.extras import Emulated
+from ..results.row import Row
+from .constraint import ArmSetting, Constraint, arm_name
 from .minfree import Ballast, hold_ballast, release_ballast
 
 
@@ -33,7 +38,7 @@ def arm_config(model_key: str, base: Optional[str]) -> Optional[dict]:
 
 
 def tool_needs_free(config: Optional[dict], b: Optional[Budget], *, quant: str, seq: int, batch: int,
-                    targets: tuple, lora_r: int = 8, steps: int = 1, stream: tuple = ()) -> Optional[int]:
+                    targets: tuple, lora_r: int = LORA_R, steps: int = 1, stream: tuple = ()) -> Optional[int]:
     """This tool's needs-free for the arm (on card ``b``: its cuBLAS workspace), or None where the
     estimator cannot model the arm (it is said as '-', never guessed)."""
     if config is None:
@@ -51,16 +56,30 @@ def tool_needs_free(config: Optional[dict], b: Optional[Budget], *, quant: str, 
         return None
 
 
-class Emulation:
-    """The card an arm runs as: its budget, and the ballast while the arm holds it."""
+class EmulateCard(Constraint):
+    """--emulate-card CARD: the card an arm runs as (its budget), this tool's verdict for the arm on
+    it (before the card decides), and the ballast while the arm holds it."""
+
+    FLAG, RECORD = "--emulate-card", Emulated
 
     def __init__(self, spec: str, context: Optional[int] = None) -> None:
         self.budget = budget(parse_card(spec), context)
         self.ballast: Optional[Ballast] = None
+        self.needs_free: Optional[int] = None
+        self.free: Optional[int] = None
 
-    def row_fields(self, needs_free: Optional[int]) -> dict[str, Any]:
-        return {"emulated_card": self.budget.card.name, "emulated_card_free": self.budget.free_bytes,
-                "needs_free": needs_free}
+    def before_arm(self, s: ArmSetting) -> None:
+        """This tool's verdict for the arm on the card (its needs-free), before the card decides."""
+        self.needs_free = tool_needs_free(
+            arm_config(s.arm.model, s.base), self.budget, quant=s.arm.quant, seq=s.arm.seq, batch=s.arm.batch,
+            targets=s.shape.targets, lora_r=s.shape.lora_r, steps=s.steps, stream=s.shape.stream)
+
+    def before_setup(self, s: ArmSetting) -> None:
+        if not s.dry_run:  # Soup's gate then measures the card's free memory
+            self.free = self.hold()
+
+    def record(self) -> Emulated:
+        return Emulated(self.budget.card.name, self.budget.free_bytes, self.free, self.needs_free)
 
     def hold(self) -> int:
         """Take the card's free memory down to the emulated card's; returns mem_get_info's free
@@ -85,3 +104,34 @@ class Emulation:
         finally:
             self.ballast = None
         return None
+
+    @staticmethod
+    def table(rows: list[Row]) -> str:
+        """--emulate-card: what the card did with each arm (Soup's own gate on the card's free memory,
+        then the step) beside this tool's verdict for the same card."""
+        cells, notes = [], []
+        for r in rows:
+            cells.append([arm_name(r), r.constraint.card, gb(r.constraint.card_free), gb(r.constraint.free),
+                          gb(r.gate and r.gate.free), gb(r.soup_predicted), gb(r.constraint.needs_free), tool_words(r.emulated_fits),
+                          r.emulated_outcome or r.status, gb(r.real_peak if r.measured else None)])
+            if r.emulated_outcome == "admitted and OOM":
+                notes.append(f"  {arm_name(r)} on {r.constraint.card}: Soup's gate admitted it and the step OOMed "
+                             "(issue #395)" + ("; this tool said it does not fit" if r.emulated_fits is False else ""))
+            elif r.emulated_fits is True and r.emulated_outcome == "refused by Soup":
+                notes.append(f"  {arm_name(r)} on {r.constraint.card}: Soup refused a run this tool says fits")
+            elif r.emulated_fits is False and r.emulated_outcome == "admitted and completed":
+                notes.append(f"  {arm_name(r)} on {r.constraint.card}: completed where this tool said it does not fit "
+                             "(this tool's margin)")
+        return "\n".join(["--emulate-card: each arm in a fresh process, PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, "
+                          "a ballast outside the allocator leaving the card's free memory (card free: total - context, "
+                          "computed; free: measured with the ballast held; Soup's gate: the free memory Soup's gate read, "
+                          "after the kernel modules its setup loaded; Soup's own: computed by Soup; needs free: "
+                          "this tool's estimator; this tool: fits when needs free <= card free less the runtime's "
+                          "growth (issue395.cards); outcome and allocated: measured here)"] + table(
+            [("arm", -34), ("card", -18), ("card free GB", 12), ("free GB", 8), ("Soup's gate GB", 14),
+             ("Soup's own GB", 13),
+             ("needs free GB", 13), ("this tool", -12), ("outcome", -22), ("allocated GB", 12)], cells) + notes)
+
+
+def tool_words(fits: Optional[bool]) -> str:
+    return "-" if fits is None else "fits" if fits else "does not fit"

@@ -12,6 +12,10 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from ..constants import MiB
+from ..text import gb, ratio, table
+from ..results.extras import MinFreeFound
+from ..results.row import Row
+from .constraint import Constraint, arm_name
 
 #: The bisection stops when the bracket is narrower than this: 0.25% of the allocated peak or
 #: 4 MiB, whichever is larger (a cap finer than the allocator's 2 MiB pages means nothing).
@@ -145,3 +149,27 @@ def release_ballast(ballast: Ballast, lib: Optional[ctypes.CDLL] = None) -> None
     if ballast.pointer is not None:
         (lib or ballast.lib or _cudart()).cudaFree(ballast.pointer)
         ballast.pointer = None
+
+
+class MinFreeBisection(Constraint):
+    """--min-free: each arm's lowest completing cap, by bisection over fresh capped processes. It
+    constrains no arm in-process (each probe is a --cap child, issue395.run.probes drives them); its
+    record is the bisection's outcome, set on the control's row."""
+
+    FLAG, RECORD = "--min-free", MinFreeFound
+
+    @staticmethod
+    def table(rows: list[Row]) -> str:
+        """--min-free: the lowest cap each arm's step completes under, found by bisection over fresh
+        capped processes, beside this tool's needs-free and their ratio."""
+        cells = []
+        for r in rows:
+            f = r.constraint
+            over = f.needs_free / f.completes if f.needs_free and f.completes else None
+            cells.append([arm_name(r), gb(r.soup_predicted), gb(f.needs_free), gb(f.completes), gb(f.oom),
+                          f"{(f.resolution or 0) / MiB:.1f}", ratio(over), str(len(f.probes))])
+        return "\n".join(["--min-free: the lowest allocator cap the step completes under (measured: a bisection over "
+                          "fresh processes, PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, to the resolution shown); "
+                          "needs free: this tool's estimator; Soup's own: computed by Soup"] + table(
+            [("arm", -34), ("Soup's own GB", 13), ("needs free GB", 13), ("min free GB", 11), ("OOM at GB", 9),
+             ("res. MiB", 8), ("needs/min", 9), ("probes", 6)], cells))

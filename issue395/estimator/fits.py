@@ -8,6 +8,8 @@ from typing import Callable, Optional
 
 from ..constants import CUBLAS_WORKSPACE
 from ..errors import UsageError
+from ..record import LORA_R
+from ..text import gb, table
 from ..tasks import PROTOCOL_TASK
 from .cards import GATE_GROWTH_BYTES, STEP_GROWTH_BYTES, Budget, Card, budget, workspace_env
 from .estimate import Estimate, estimate
@@ -105,7 +107,7 @@ def disagreement(fits: bool, soup_admits: bool) -> Optional[str]:
     return REFUSES if fits else ADMITS_OOM
 
 
-def card_answers(config: dict, e: Estimate, budgets: list[Budget], targets=None, lora_r: int = 8,
+def card_answers(config: dict, e: Estimate, budgets: list[Budget], targets=None, lora_r: int = LORA_R,
                  env: Optional[str] = None, stream: Optional[dict] = None, gate: Gate = Gate(),
                  optimizer: Optional[str] = None) -> list[dict]:
     """One arm on each card: the JSON's ``cards`` entries. needs_free is recomputed only where the
@@ -142,10 +144,6 @@ def budgets_for(cards, context: Optional[int] = None) -> list[Budget]:
     return [budget(c, context) for c in cards]
 
 
-def _gb(n: Optional[int]) -> str:
-    return "-" if n is None else f"{n / 1e9:.4f}"
-
-
 def seq_words(n: Optional[int]) -> str:
     return "none" if n is None else str(n)
 
@@ -170,12 +168,12 @@ def estimate_table(rows: list[Estimate], cards, config: Optional[dict] = None, *
     tasked = any(e.task != PROTOCOL_TASK for e in rows) or any(e.corrected_predicted is None for e in rows)
     heads = [f"{e.task} {e.quant} {e.seq}x{e.batch}" if tasked else f"{e.quant} {e.seq}x{e.batch}" for e in rows]
     width = max([12] + [len(h) for h in heads])
-    lines = [["Soup's own pre-flight GB (computed by Soup)"] + [_gb(e.soup_predicted) for e in rows],
-             ["corrected: allocated peak GB"] + [_gb(e.corrected_predicted) for e in rows],
-             ["corrected: needs free GB"] + [_gb(e.needs_free) for e in rows],
+    lines = [["Soup's own pre-flight GB (computed by Soup)"] + [gb(e.soup_predicted) for e in rows],
+             ["corrected: allocated peak GB"] + [gb(e.corrected_predicted) for e in rows],
+             ["corrected: needs free GB"] + [gb(e.needs_free) for e in rows],
              ["  the peak's phase"] + [e.phase for e in rows]]
     for name in dict.fromkeys(t for e in rows for t in e.terms):
-        lines.append([f"  term: {name} GB"] + [_gb(e.terms[name]) if name in e.terms else "-" for e in rows])
+        lines.append([f"  term: {name} GB"] + [gb(e.terms[name]) if name in e.terms else "-" for e in rows])
     notes, sources = [], []
     for i, card in enumerate(cards):
         per = [a[i] for a in answers]
@@ -183,14 +181,14 @@ def estimate_table(rows: list[Estimate], cards, config: Optional[dict] = None, *
         cc = f"compute capability {first['compute_capability']}, " if first["compute_capability"] else ""
         sources.append(f"{card.name}: total {card.source}; {cc}cuBLAS workspace {first['cublas_workspace_bytes']:,} B "
                        "a handle")
-        lines += [[f"{card.name}: total GB"] + [_gb(first["total_bytes"])] * len(rows),
-                  [f"  context GB ({first['context_source']})"] + [_gb(a["context_bytes"]) for a in per],
-                  ["  free GB (total - context)"] + [_gb(a["free_bytes"]) for a in per],
-                  ["  the step's free GB (free - runtime growth)"] + [_gb(a["step_free_bytes"]) for a in per],
-                  ["  needs free GB (this estimator)"] + [_gb(a["needs_free"]) for a in per],
+        lines += [[f"{card.name}: total GB"] + [gb(first["total_bytes"])] * len(rows),
+                  [f"  context GB ({first['context_source']})"] + [gb(a["context_bytes"]) for a in per],
+                  ["  free GB (total - context)"] + [gb(a["free_bytes"]) for a in per],
+                  ["  the step's free GB (free - runtime growth)"] + [gb(a["step_free_bytes"]) for a in per],
+                  ["  needs free GB (this estimator)"] + [gb(a["needs_free"]) for a in per],
                   ["  fits (needs free <= the step's free)"] + ["yes" if a["fits"] else "NO" for a in per],
                   ["  longest seq that fits"] + [seq_words(a["longest_seq"]) for a in per],
-                  [f"  free GB at Soup's gate ({gate_free_words(first)})"] + [_gb(a["gate_free_bytes"]) for a in per],
+                  [f"  free GB at Soup's gate ({gate_free_words(first)})"] + [gb(a["gate_free_bytes"]) for a in per],
                   [f"  Soup's gate admits it ({gate_rule_words(first)})"] + ["yes" if a["soup_admits"] else "no" for a in per],
                   ["  longest seq Soup's gate admits"] + [seq_words(a["longest_seq_soup_admits"]) for a in per]]
         for e, a in zip(rows, per):
@@ -199,7 +197,7 @@ def estimate_table(rows: list[Estimate], cards, config: Optional[dict] = None, *
             if a["fits"] is not None and a["longest_seq"] != a["longest_seq_soup_admits"]:
                 notes.append(f"{card.name}, {e.quant} batch {e.batch}: {seq_direction(a)}")
     if len(rows) > WIDE_ARMS:
-        table = per_arm_table(rows, cards, answers or [[] for _ in rows], heads)
+        wide = per_arm_table(rows, cards, answers or [[] for _ in rows], heads)
     first_w = max(len(line[0]) for line in lines)
     fmt = lambda cells: "  ".join([f"{cells[0]:<{first_w}}"] + [f"{c:>{width}}" for c in cells[1:]])  # noqa: E731
     head = fmt([f"soup-cli {release_label or rows[0].release}, steps {rows[0].steps}" if rows else ""] + heads)
@@ -219,7 +217,7 @@ def estimate_table(rows: list[Estimate], cards, config: Optional[dict] = None, *
         legend, sources = "--verbose: what each line means (the peak's terms, the fit rule, the context) and each card's source", []
     if len(rows) > WIDE_ARMS:
         head = f"soup-cli {release_label or rows[0].release}, steps {rows[0].steps}: one row per arm"
-        return "\n".join([head] + table + [legend] + sources + list(dict.fromkeys(notes))) + "\n"
+        return "\n".join([head] + wide + [legend] + sources + list(dict.fromkeys(notes))) + "\n"
     return "\n".join([head, "-" * len(head)] + [fmt(line) for line in lines] + [legend] + sources
                      + list(dict.fromkeys(notes))) + "\n"
 
@@ -239,15 +237,13 @@ def per_arm_table(rows: list[Estimate], cards, answers: list[list[dict]], heads:
     corrected peak and needs-free, the phase, and per card 'fits, longest seq / Soup's gate
     admits, its longest seq'. The terms of each arm are in --json."""
     names = ["arm", "Soup GB", "corrected GB", "needs free GB", "phase"] + [c.name for c in cards]
-    body = [[h, _gb(e.soup_predicted), _gb(e.corrected_predicted), _gb(e.needs_free), e.phase]
+    body = [[h, gb(e.soup_predicted), gb(e.corrected_predicted), gb(e.needs_free), e.phase]
             + [f"{yes_no(a['fits'])} {fit_seq(a)} / "
                f"{'yes' if a['soup_admits'] else 'no'} {seq_words(a['longest_seq_soup_admits'])}" for a in per]
             for h, e, per in zip(heads, rows, answers)]
-    widths = [max(len(r[i]) for r in [names] + body) for i in range(len(names))]
-    fmt = lambda cells: "  ".join(  # noqa: E731
-        [f"{cells[0]:<{widths[0]}}"] + [f"{c:>{w}}" for c, w in zip(cells[1:], widths[1:])])
-    line = fmt(names)
-    return [line, "-" * len(line)] + [fmt(r) for r in body] + [
+    last = max(len(r[-1]) for r in [names] + body)  # the helper widens every column but the last
+    columns = [(names[0], -1)] + [(n, 1) for n in names[1:-1]] + [(names[-1], last)]
+    return table(columns, body) + [
         "per card: fits (needs free <= the step's free), the longest seq that fits / Soup's gate admits it, the longest "
         "seq it admits", "each arm's terms: --json (or at most 6 arms, a column each)"]
 

@@ -64,7 +64,7 @@ def margin_breakdown(row: Row) -> dict[str, Any]:
     classes, tokens = a.get("classes") or {}, row.seq * row.batch
     measured = {"weights": a["resident_at_peak"], "logits": classes.get("logits", 0),
                 "activations": classes.get("activations", 0), "rest": classes.get("rest", 0)}
-    charged = estimator_terms(row.soup_terms, row.soup_predicted)
+    charged = estimator_terms(row.gate and row.gate.terms, row.soup_predicted)
     per = {"logits": (row.elements, "per logits element"), "activations": (tokens, "per token")}
     terms = [{"term": t, "charged": charged[t], "measured": measured[t],
               "missed": measured[t] - charged[t], "per": per.get(t)} for t in charged]

@@ -1,7 +1,6 @@
 """One arm around the protocol: what the entry script measured (``Measurement``), the hooks the
-runner hands it (``ArmHooks``: the cap, the emulated card's ballast, Soup's console, the phases
-it names), and ``run_arm``,
-which judges the measurement into a Row: SKIPPED, REFUSED, OOM or FAILED, the timings, the
+runner hands it (``ArmHooks``: the constraint's hooks, Soup's console, the phases it names), and
+``run_arm``, which judges the measurement into a Row: SKIPPED, REFUSED, OOM or FAILED, the timings, the
 attribution of the peak and its snapshot file, the GPU's label.
 """
 
@@ -20,9 +19,9 @@ from ..tasks import PROTOCOL_TASK, task
 from ..model.arm import Arm
 from ..model.registry import Shape
 from ..estimator.anatomy import classifier_for
+from ..results.extras import Capped, Gate, Ran, UserConfig
 from ..results.row import Row, arm_row
-from ..constraints.cap import apply_cap, cap_bytes
-from ..constraints.emulation import Emulation, arm_config, tool_needs_free
+from ..constraints.constraint import ArmSetting, Constraint
 from .console import soup_console
 from .cuda import attribute_peak, is_oom, oom_request, save_snapshot
 from .margin import shape_classes
@@ -130,57 +129,33 @@ def gpu_label(dry_run: bool, step_device: str) -> Optional[str]:
 def run_arm(measure_arm: Callable[..., Measurement], step_device: str, arm: Arm, shape: Shape,
             base: str, work: Path, *, dry_run: bool = False, snapshot: bool = False,
             snapshot_dir: Optional[str] = None, log: Optional[Path] = None, verbose: bool = False,
-            repeat: Optional[int] = None, steps: int = 1, cap: Optional[str] = None,
-            emulate: Optional[str] = None, context: Optional[int] = None,
+            repeat: Optional[int] = None, steps: int = 1, constraint: Optional[Constraint] = None,
             soup_config: Optional[str] = None) -> Row:
     """One arm measured by the protocol and judged. Always returns a row: a failure anywhere is
     the row's finding, and a teardown error sits beside the measurement, never replacing it. A
     --config arm's row names the file and the LoRA r and alpha it ran with (its shape's)."""
     carried = carried_bytes(dry_run, step_device)
-    adapter = dict(soup_config=soup_config, lora_r=shape.lora_r, lora_alpha=shape.lora_alpha) if soup_config else {}
+    config = UserConfig(soup_config, shape.lora_r, shape.lora_alpha) if soup_config else None
     smallest = task(arm.task).min_batch
     if arm.batch < smallest:  # planned, never dropped: the row says why it did not run
-        return arm_row(arm, shape, base=base, dry_run=dry_run, repeat=repeat, failure="SKIPPED",
+        return arm_row(arm, shape, ran=Ran(base=base), dry_run=dry_run, repeat=repeat, failure="SKIPPED",
                        error=f"{arm.task} needs batch >= {smallest}: Soup's schema refuses a streamed "
-                             f"{arm.task} run below it (issue395.tasks: min_batch)", **adapter)
+                             f"{arm.task} run below it (issue395.tasks: min_batch)", config=config)
     if arm.quant == "nf4" and not bitsandbytes_present():
-        return arm_row(arm, shape, base=base, dry_run=dry_run, repeat=repeat, failure="SKIPPED",
-                       error="NF4 needs bitsandbytes, which is not installed here", **adapter)
-    capped: dict[str, Any] = {}
-
-    def cap_allocator() -> None:
-        if cap and cap != "soup" and not dry_run:
-            capped.update(cap_at=cap, cap=cap_bytes(cap, arm.model, quant=arm.quant, seq=arm.seq,
-                                                     batch=arm.batch, targets=shape.targets, lora_r=shape.lora_r,
-                                                     steps=steps, config=arm_config(arm.model, base)))
-            apply_cap(capped["cap"])
-
-    def cap_at_soups_own(m: Measurement) -> None:
-        # Soup's own number exactly as this setup computed it, for every family and streaming mode
-        # it streams; set before the measured step, which is where the peak lives. Soup's gate
-        # reads the device's free memory, which a per-process fraction does not change.
-        if cap == "soup" and not dry_run and m.soup_predicted:
-            capped.update(cap_at=cap, cap=m.soup_predicted)
-            apply_cap(capped["cap"])
-
-    emulation = Emulation(emulate, context) if emulate else None
-    if emulation is not None:  # this tool's verdict for the card, before the card decides
-        capped.update(emulation.row_fields(tool_needs_free(
-            arm_config(arm.model, base), emulation.budget, quant=arm.quant, seq=arm.seq, batch=arm.batch,
-            targets=shape.targets, lora_r=shape.lora_r, steps=steps, stream=shape.stream)))
-
-    def before_setup() -> None:
-        cap_allocator()
-        if emulation is not None and not dry_run:  # Soup's gate then measures the card's free memory
-            capped["emulated_free"] = emulation.hold()
-
+        return arm_row(arm, shape, ran=Ran(base=base), dry_run=dry_run, repeat=repeat, failure="SKIPPED",
+                       error="NF4 needs bitsandbytes, which is not installed here", config=config)
+    setting = ArmSetting(arm, shape, base, steps, dry_run)
+    if constraint is not None:
+        constraint.before_arm(setting)
     clock = Clock()
-    hooks = ArmHooks(before_setup=before_setup, before_step=cap_at_soups_own, mark=clock.mark,
+    hooks = ArmHooks(before_setup=lambda: constraint and constraint.before_setup(setting),
+                     before_step=lambda m: constraint and constraint.before_step(setting, m.soup_predicted),
+                     mark=clock.mark,
                      console=lambda: soup_console(log or work / "soup.log", verbose))
     try:
         m = measure_arm(arm, shape, base, work, dry_run=dry_run, snapshot=snapshot, steps=steps, hooks=hooks)
-    finally:  # the ballast goes back however the arm ended
-        unfreed = emulation.release() if emulation is not None else None
+    finally:  # a constraint's hold (the ballast) goes back however the arm ended
+        unfreed = constraint.release() if constraint is not None else None
     if unfreed:
         m.teardown_error = "; ".join(filter(None, (m.teardown_error, unfreed)))
     timings = clock.timings(m.step_s)
@@ -195,12 +170,15 @@ def run_arm(measure_arm: Callable[..., Measurement], step_device: str, arm: Arm,
         name = (f"snapshot-{arm.index:03d}-{arm.model}-{arm.seq}-b{arm.batch}{rep}"
                 f"{'' if arm.task == PROTOCOL_TASK else '-' + arm.task}.pickle")
         attribution["snapshot_file"] = save_snapshot(m.snapshot, Path(snapshot_dir) / name)
-    return arm_row(arm, shape, base=base, dry_run=dry_run, repeat=repeat, log=str(log) if log else None,
-                   carried=carried, timings=timings, realised_width=m.realised_width,
+    ran = Ran(base=base, gpu=gpu_label(dry_run, step_device), log=str(log) if log else None, timings=timings,
+              teardown_error=m.teardown_error)
+    gate = Gate(m.soup_terms, gate_free(m)) if m.soup_terms is not None or gate_free(m) is not None else None
+    return arm_row(arm, shape, ran=ran, dry_run=dry_run, repeat=repeat, carried=carried,
+                   realised_width=m.realised_width,
                    realised_rows=m.realised_rows, real_peak=m.real_peak, resident=m.resident,
-                   reserved=m.reserved, attribution=attribution, teardown_error=m.teardown_error,
-                   soup_predicted=m.soup_predicted, soup_terms=m.soup_terms, soup_gate_free=gate_free(m),
-                   gpu=gpu_label(dry_run, step_device), **capped, **adapter, **failure_of(m))
+                   reserved=m.reserved, attribution=attribution,
+                   soup_predicted=m.soup_predicted, gate=gate, constraint=constraint.record() if constraint else None, config=config,
+                   **failure_of(m))
 
 
 def gate_free(m: Measurement) -> Optional[int]:

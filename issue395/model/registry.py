@@ -93,6 +93,19 @@ _LLAMA3_ROPE = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
                 "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
 
+#: deepseek-ai/DeepSeek-V3 config.json (MTP layer aside: transformers does not build it): 256 routed
+#: experts + 1 shared, 8 per token, layers 0-2 dense. Depth 4 keeps all three dense layers and one MoE
+#: layer (22.5 GB of routed experts in bf16). Kimi K2 is this with its differences named.
+DEEPSEEK_V3 = dict(
+    hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048, num_hidden_layers=4,
+    num_attention_heads=128, num_key_value_heads=128, n_shared_experts=1, n_routed_experts=256,
+    num_experts_per_tok=8, first_k_dense_replace=3, routed_scaling_factor=2.5, kv_lora_rank=512,
+    q_lora_rank=1536, qk_rope_head_dim=64, v_head_dim=128, qk_nope_head_dim=128, n_group=8,
+    topk_group=4, norm_topk_prob=True, vocab_size=129280, tie_word_embeddings=False,
+    max_position_embeddings=163840, rope_theta=10000.0, rms_norm_eps=1e-6, hidden_act="silu",
+    rope_scaling=dict(type="yarn", factor=40, original_max_position_embeddings=4096, beta_fast=32,
+                      beta_slow=1, mscale=1.0, mscale_all_dim=1.0))
+
 #: One public checkpoint per family Soup streams (docs/FAMILIES.md): its config.json
 #: fields and its public parameter count (a tied head once). smol and qwen are the record's.
 FAMILIES: dict[str, Family] = {
@@ -165,30 +178,15 @@ FAMILIES: dict[str, Family] = {
         topk_group=1, norm_topk_prob=True, vocab_size=163840, tie_word_embeddings=False,
         max_position_embeddings=8192, rope_theta=50000.0, rms_norm_eps=1e-5, hidden_act="silu"),
         None, depth_of=27, targets=("q_proj", "kv_b_proj")),
-    # deepseek-ai/DeepSeek-V3 config.json (MTP layer aside: transformers does not build it): 256
-    # routed experts + 1 shared, 8 per token, layers 0-2 dense. Depth 4 keeps all three dense layers
-    # and one MoE layer (22.5 GB of routed experts in bf16).
-    "deepseek-v3": Family("DeepSeek-V3", "deepseek-ai/DeepSeek-V3", "deepseek_v3", dict(
-        hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048, num_hidden_layers=4,
-        num_attention_heads=128, num_key_value_heads=128, n_shared_experts=1, n_routed_experts=256,
-        num_experts_per_tok=8, first_k_dense_replace=3, routed_scaling_factor=2.5, kv_lora_rank=512,
-        q_lora_rank=1536, qk_rope_head_dim=64, v_head_dim=128, qk_nope_head_dim=128, n_group=8,
-        topk_group=4, norm_topk_prob=True, vocab_size=129280, tie_word_embeddings=False,
-        max_position_embeddings=163840, rope_theta=10000.0, rms_norm_eps=1e-6, hidden_act="silu",
-        rope_scaling=dict(type="yarn", factor=40, original_max_position_embeddings=4096, beta_fast=32,
-                          beta_slow=1, mscale=1.0, mscale_all_dim=1.0)),
+    "deepseek-v3": Family("DeepSeek-V3", "deepseek-ai/DeepSeek-V3", "deepseek_v3", DEEPSEEK_V3,
         None, depth_of=61, targets=("q_b_proj", "kv_b_proj")),
     # moonshotai/Kimi-K2-Instruct config.json, which Soup's loader reads into DeepseekV3Config: 384
     # routed experts + 1 shared, layer 0 dense. One MoE layer is 33.8 GB in bf16.
     "kimi-k2": Family("Kimi-K2", "moonshotai/Kimi-K2-Instruct", "deepseek_v3", dict(
-        hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048, num_hidden_layers=2,
-        num_attention_heads=64, num_key_value_heads=64, n_shared_experts=1, n_routed_experts=384,
-        num_experts_per_tok=8, first_k_dense_replace=1, routed_scaling_factor=2.827, kv_lora_rank=512,
-        q_lora_rank=1536, qk_rope_head_dim=64, v_head_dim=128, qk_nope_head_dim=128, n_group=1,
-        topk_group=1, norm_topk_prob=True, vocab_size=163840, tie_word_embeddings=False,
-        max_position_embeddings=131072, rope_theta=50000.0, rms_norm_eps=1e-6, hidden_act="silu",
-        rope_scaling=dict(type="yarn", factor=32.0, original_max_position_embeddings=4096, beta_fast=1.0,
-                          beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0)),
+        DEEPSEEK_V3, num_hidden_layers=2, num_attention_heads=64, num_key_value_heads=64, n_routed_experts=384,
+        first_k_dense_replace=1, routed_scaling_factor=2.827, n_group=1, topk_group=1, vocab_size=163840,
+        max_position_embeddings=131072, rope_theta=50000.0,
+        rope_scaling=dict(DEEPSEEK_V3["rope_scaling"], factor=32.0, beta_fast=1.0, beta_slow=1.0)),
         None, depth_of=61, targets=("q_b_proj", "kv_b_proj")),
     # Qwen3.5 text decoders are hybrids: three gated delta-net (linear attention) layers, then one
     # full-attention layer. Depth 4 holds one of each kind's period. Shapes: transformers 5.16.1's

@@ -16,7 +16,8 @@ from ..record import A10G_STACK, QUANTS, RECORD_A10G_PREDICTED, RECORD_RTX3050
 from ..model.registry import SHAPES
 from ..results.result import Result
 from ..results.saved import RowFile
-from .capped import cap_table, gb, ratio
+from ..text import gb, ratio
+from ..constraints.cap import Cap
 from .tables import (
     SWEEP_LEGEND,
     attribution_table,
@@ -128,8 +129,8 @@ def render_markdown(result: Result, parts: Optional[list[tuple[str, dict]]] = No
         if any(r.attribution for r in rows):
             md += ["## Peak attribution", "", "```", attribution_table(rows, result.control), "```", ""]
     repeats = [r for r in result.rows if r.repeat is not None]
-    capped = [r for r in result.rows if r.cap_at]
-    for title, text in (("--cap", capped and cap_table(capped)),
+    capped = [r for r in result.rows if Cap.carries(r)]
+    for title, text in (("--cap", capped and Cap.table(capped)),
                         ("Determinism", repeats and determinism_table(repeats)),
                         ("--measure", result.measure and measure_table(result.measure)),
                         ("--sdpa", result.sdpa and sdpa_table(result.sdpa))):

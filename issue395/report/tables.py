@@ -19,13 +19,14 @@ from ..record import (
     SDPA_HEADS,
     SDPA_SEQS,
 )
+from ..text import gb, ratio, table
 from ..model.registry import ALL_FAMILIES, SHAPES
 from ..estimator.anatomy import margin_anatomy
 from ..results.corrected import corrected, corrected_ratio
 from ..results.result import Result
 from ..results.row import Row
+from ..constraints.asked import constraint_tables
 from ..measure.margin import margin_note
-from .capped import cap_table, emulate_table, gb, min_free_table, ratio, table
 
 
 def determinism_spread(rows: list[Row]) -> list[dict[str, Any]]:
@@ -35,7 +36,7 @@ def determinism_spread(rows: list[Row]) -> list[dict[str, Any]]:
         mine = sorted((r for r in rows if r.index == index), key=lambda r: r.repeat or 0)
         peaks = [r.real_peak if r.measured else None for r in mine]
         nums = [p for p in peaks if p]
-        out.append({"row": mine[0], "peaks": peaks, "pids": [r.pid for r in mine],
+        out.append({"row": mine[0], "peaks": peaks, "pids": [r.ran.pid for r in mine],
                     "statuses": [r.status for r in mine],
                     "spread_pct": (max(nums) - min(nums)) / min(nums) * 100 if len(nums) >= 2 else None})
     return out
@@ -84,7 +85,7 @@ def sweep_table(rows: list[Row], env: Optional[dict] = None) -> str:
     out = []
     for model in models_in(rows):
         # the record's models at the protocol's adapter only (a --config arm on one is the user's)
-        record = any(r.model_key in SHAPES and r.soup_config is None for r in rows if r.label == model)
+        record = any(r.model_key in SHAPES and r.config is None for r in rows if r.label == model)
         out.append(f"{model}  (predicted: Soup's estimator; real peak: measured here; corrected: this tool's "
                    "estimator" + ("; A10G: the record)" if record else "; no A10G record for this model)"))
         out += table(SWEEP_COLUMNS, [list(sweep_cells(r, env).values()) for r in rows if r.label == model]) + [""]
@@ -98,8 +99,8 @@ def sweep_table(rows: list[Row], env: Optional[dict] = None) -> str:
               f"({gb(r.soup_predicted)} GB, {ratio(r.margin_ratio)} of the real peak); pred/real above "
               f"is the grid-convention estimate ({ratio(r.pred_over_real)})"
               for r in rows if r.status == "UNDER" and r.pred_over_real >= 1]
-    notes += [f"  {r.label} seq {r.seq}: teardown error (measurement kept): {r.teardown_error}"
-              for r in rows if r.teardown_error]
+    notes += [f"  {r.label} seq {r.seq}: teardown error (measurement kept): {r.ran.teardown_error}"
+              for r in rows if r.ran.teardown_error]
     notes += [f"  {r.label} seq {r.seq} batch {r.batch}: VOID - realised {list(r.realised_rows)} "
               f"(width {r.realised_width}) != requested {r.seq}; no ratio is printed for it"
               for r in rows if r.status == "VOID"]
@@ -395,12 +396,8 @@ def render_text(result: Result) -> str:
         parts += ["", measure_table(result.measure)]
     if result.sdpa:
         parts += ["", sdpa_table(result.sdpa)]
-    if any(r.cap_at for r in result.rows):
-        parts += ["", cap_table([r for r in result.rows if r.cap_at])]
-    if any(r.emulated_card for r in result.rows):
-        parts += ["", emulate_table([r for r in result.rows if r.emulated_card])]
-    if any(r.min_free_probes for r in result.rows):
-        parts += ["", min_free_table([r for r in result.rows if r.min_free_probes])]
+    for text in constraint_tables(result.rows):
+        parts += ["", text]
     carried = [r for r in result.rows if r.carried]
     if carried:
         parts += ["", f"carried: {len(carried)} row(s) began with bytes earlier arms left allocated "

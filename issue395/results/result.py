@@ -10,12 +10,10 @@ from typing import Any, Optional
 from ..constants import is_whole
 from ..errors import EXIT_FINDING, EXIT_INTERRUPTED, EXIT_OK
 from .row import Row
-from .schema import SCHEMA, TOOL, check_blocks, check_unique, determinism_rows, schema1_row
+from .schema import READS, SCHEMA, TOOL, check_blocks, check_unique, determinism_rows, schema1_row, schema2_row
 
 
 @dataclass
-
-
 class Result:
     environment: dict
     rows: list = field(default_factory=list)  # Row, in grid order
@@ -54,13 +52,15 @@ class Result:
             raise ValueError(f"its kind is {data.get('kind')!r:.60}, not sweep or map")
         if not data["rows"] and data.get("margins"):
             raise ValueError("it holds margins but no rows: nothing measured to set them against")
-        if not is_whole(data.get("schema"), 1) or data["schema"] not in (1, SCHEMA):
+        if not is_whole(data.get("schema"), 1) or data["schema"] not in READS:
             raise ValueError(f"schema {data.get('schema')!r} is not one this version reads "
-                             f"(1 or {SCHEMA})")
+                             f"({', '.join(map(str, READS[:-1]))} or {SCHEMA})")
         check_blocks(data)
-        raw = [r if data["schema"] == SCHEMA else schema1_row(r) for r in data["rows"]]
+        raw = data["rows"] if data["schema"] != 1 else [schema1_row(r) for r in data["rows"]]
         if data["schema"] == 1:
             raw += [schema1_row(dict(r, repeat=r.get("repeat", 0) + 1)) for r in determinism_rows(data)]
+        if data["schema"] < SCHEMA:
+            raw = [schema2_row(r) for r in raw]
         rows = [Row.from_json(r) for r in raw]
         check_unique(rows, data.get("kind") or "sweep")
         env = data["environment"]

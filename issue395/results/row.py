@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, Iterable, Optional
 
 from ..constants import is_whole
@@ -15,6 +15,7 @@ from ..tasks import PROTOCOL_TASK, TASKS, task as task_of
 from ..model.arm import Arm, logits_charge, predicted_bytes
 from ..model.registry import Shape, family_of
 from ..estimator.cards import emulated_outcome, step_free
+from .extras import Capped, Emulated, Gate, Ran, Record, UserConfig, constraint_from_json, constraint_to_json
 
 
 def realised_as_requested(seq: int, batch: int, width: Optional[int], rows: Iterable[int],
@@ -30,39 +31,26 @@ def realised_as_requested(seq: int, batch: int, width: Optional[int], rows: Iter
 FAILURES = ("OOM", "FAILED", "REFUSED", "SKIPPED")
 
 
-#: Fields added after results were committed: written only when set, so a saved result
-#: re-renders to the same bytes.
-LATER_FIELDS = ("cap_at", "cap", "emulated_card", "emulated_card_free", "emulated_free", "needs_free",
-                "min_free", "min_free_oom", "min_free_resolution", "min_free_probes", "soup_config", "lora_r",
-                "lora_alpha", "soup_gate_free", "task")
-
-
 #: A row's fields that Row.from_json would otherwise take as they are: what each must be.
 ROW_FIELDS = {
     # printed as they stand: an escape sequence or a newline in a name would rewrite the terminal
     **{k: (lambda v: isinstance(v, str) and v.isprintable(), "a printable string")
        for k in ("model", "model_key")},
-    **{k: (lambda v: v is None or isinstance(v, str), "a string or null")
-       for k in ("error", "teardown_error", "base", "gpu", "log", "soup_config")},
-    **{k: (lambda v: v is None or isinstance(v, dict), "an object or null")
-       for k in ("soup_terms", "attribution", "timings")},
+    **{k: (lambda v: v is None or isinstance(v, str), "a string or null") for k in ("error",)},
+    "attribution": (lambda v: v is None or isinstance(v, dict), "an object or null"),
     "dry_run": (lambda v: v is None or isinstance(v, bool), "true or false"),
     "targets": (lambda v: v is None or (isinstance(v, list) and all(isinstance(t, str) for t in v)),
                 "a list of strings"),
-    "pid": (lambda v: v is None or is_whole(v, 0), "a whole number or null"),
-    "cap_at": (lambda v: v is None or isinstance(v, str), "a string or null"),
-    "cap": (lambda v: v is None or is_whole(v, 1), "a whole number >= 1 or null"),
-    "emulated_card": (lambda v: v is None or (isinstance(v, str) and v.isprintable()), "a printable string or null"),
-    **{k: (lambda v: v is None or is_whole(v, 1), "a whole number >= 1 or null")
-       for k in ("emulated_card_free", "emulated_free", "needs_free", "min_free", "min_free_oom",
-                 "min_free_resolution", "lora_r", "lora_alpha", "soup_gate_free")},
-    "min_free_probes": (lambda v: v is None or (isinstance(v, (list, tuple)) and all(
-        isinstance(p, (list, tuple)) and len(p) == 2 and is_whole(p[0], 1) and isinstance(p[1], bool) for p in v)),
-        "a list of [cap bytes, completed] pairs or null"),
     # absent for the protocol's SFT, so every SFT row saved before tasks re-renders to the same bytes
     "task": (lambda v: v is None or (isinstance(v, str) and v in TASKS and v != PROTOCOL_TASK),
              f"one of {', '.join(t for t in TASKS if t != PROTOCOL_TASK)} (absent for {PROTOCOL_TASK})"),
 }
+
+#: A row's sub-records (issue395.results.extras) and how each reads back from its JSON.
+SUB_RECORDS = {"ran": lambda v: Ran.from_json(v, "ran"),
+               "gate": lambda v: None if v is None else Gate.from_json(v, "gate"),
+               "config": lambda v: None if v is None else UserConfig.from_json(v, "config"),
+               "constraint": constraint_from_json}
 
 
 @dataclass(frozen=True)
@@ -82,7 +70,6 @@ class Row:
     quant: str = "none"
     targets: tuple = ()  # the LoRA targets the arm ran with
     soup_predicted: Optional[int] = None  # computed by Soup: its own pre-flight, in this setup
-    soup_terms: Optional[dict] = None  # the arguments Soup's pre-flight passed its estimator
     repeat: Optional[int] = None  # --determinism: which fresh process
     dry_run: bool = False
     realised_width: Optional[int] = None  # measured: input_ids.shape[-1]
@@ -94,31 +81,16 @@ class Row:
     failure: Optional[str] = None  # OOM, FAILED; REFUSED (Soup's gate said no), SKIPPED
     error: Optional[str] = None
     oom_request: Optional[int] = None
-    teardown_error: Optional[str] = None
     record_peak: Optional[int] = None  # quoted: the A10G record's peak for this arm
     attribution: Optional[dict] = None
-    base: Optional[str] = None
-    gpu: Optional[str] = None
-    pid: Optional[int] = None
-    log: Optional[str] = None
-    timings: dict = field(default_factory=dict)
-    cap_at: Optional[str] = None  # --cap: which prediction capped the allocator ("off": the control)
-    cap: Optional[int] = None  # --cap: the cap in bytes (None for the control)
-    emulated_card: Optional[str] = None  # --emulate-card: the card this arm ran as
-    emulated_card_free: Optional[int] = None  # its free memory: total - context (issue395.estimator.cards)
-    emulated_free: Optional[int] = None  # measured: mem_get_info's free with the ballast held
-    #: The free memory Soup's gate compared its number with (read by Soup, mem_get_info at its
-    #: gate): on a CUDA arm, beside the free memory the arm began with.
-    soup_gate_free: Optional[int] = None
-    needs_free: Optional[int] = None  # computed by this tool's estimator (--emulate-card, --min-free)
-    min_free: Optional[int] = None  # --min-free, measured: the lowest cap the step completed under
-    min_free_oom: Optional[int] = None  # --min-free, measured: the highest cap it raised OOM under
-    min_free_resolution: Optional[int] = None  # --min-free: the bracket's width when it stopped
-    min_free_probes: Optional[tuple] = None  # --min-free: (cap bytes, completed) in the order run
-    soup_config: Optional[str] = None  # --config: the user's soup.yaml this arm is (else the protocol's)
-    lora_r: Optional[int] = None  # --config: the file's LoRA r and alpha, which the arm ran with
-    lora_alpha: Optional[int] = None
-    task: Optional[str] = None  # Soup's task (issue395.tasks); None: the protocol's SFT
+    ran: Ran = field(default_factory=Ran)  # where and how it ran (checkpoint, GPU, process, log, timings, teardown)
+    gate: Optional[Gate] = None  # read by Soup: what its own pre-flight read (its terms, the free memory)
+    config: Optional[UserConfig] = None  # --config: the user's soup.yaml this arm is (else the protocol's)
+    #: the constraint the arm ran under (--cap, --emulate-card, --min-free), its own record; at most one
+    constraint: Optional[Record] = None
+    #: Soup's task (issue395.tasks): the arm's identity, as quant is; None is the protocol's SFT,
+    #: and its JSON key is then absent, so every SFT row saved before tasks re-renders alike
+    task: Optional[str] = None
 
     @property
     def arm(self) -> tuple:
@@ -138,7 +110,7 @@ class Row:
     @property
     def rank(self) -> int:
         """The LoRA r the arm ran with: a --config row's own, else the protocol's."""
-        return self.lora_r or LORA_R
+        return self.config.lora_r if self.config else LORA_R
 
     @property
     def realised(self) -> Optional[int]:
@@ -161,20 +133,26 @@ class Row:
     def oom_at_soup_cap(self) -> bool:
         """Capped at Soup's own number, the step raised OOM: its peak is above Soup's prediction,
         the under-prediction itself, though no peak was read."""
-        return self.cap_at == "soup" and self.status == "OOM"
+        return isinstance(self.constraint, Capped) and self.constraint.at == "soup" and self.status == "OOM"
+
+    @property
+    def emulated(self) -> Optional[Emulated]:
+        """The emulated card's record, where the arm ran as one (--emulate-card)."""
+        return self.constraint if isinstance(self.constraint, Emulated) else None
 
     @property
     def emulated_fits(self) -> Optional[bool]:
         """This tool's verdict for the emulated card: needs free <= what the step can have of the
         card's free memory (issue395.estimator.cards: the runtime's growth comes out of it)."""
-        if self.emulated_card is None or self.needs_free is None or self.emulated_card_free is None:
+        e = self.emulated
+        if e is None or e.needs_free is None or e.card_free is None:
             return None
-        return self.needs_free <= step_free(self.emulated_card_free)
+        return e.needs_free <= step_free(e.card_free)
 
     @property
     def emulated_outcome(self) -> Optional[str]:
         """What the emulated card did with the arm, in the issue's words (else the row's status)."""
-        if self.emulated_card is None:
+        if self.emulated is None:
             return None
         if self.status in ("REFUSED", "OOM") or self.measured:
             return emulated_outcome(self.status == "REFUSED", self.status == "OOM")
@@ -235,10 +213,12 @@ class Row:
         derived = {k: getattr(self, k) for k in (
             "status", "realised", "pred_over_real", "nonlogits_modelled",
             "nonlogits_overestimate", "retained_copy_would_fit", "vs_record")}
-        if self.emulated_card is not None:  # only then: saved results re-render to the same bytes
+        if self.emulated is not None:
             derived.update(emulated_fits=self.emulated_fits, emulated_outcome=self.emulated_outcome)
-        data = {k: v for k, v in asdict(self).items() if v is not None or k not in LATER_FIELDS}
+        data = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "task" or self.task}
         return dict(data, realised_rows=list(self.realised_rows), targets=list(self.targets),
+                    ran=self.ran.to_json(), gate=self.gate and self.gate.to_json(),
+                    config=self.config and self.config.to_json(), constraint=constraint_to_json(self.constraint),
                     derived=derived)  # "derived" is for readers; it is never read back
 
     @classmethod
@@ -281,9 +261,8 @@ class Row:
         if data.get("real_peak") is not None and any(
                 data.get(k) is None for k in ("predicted", "logits14", "loss_bytes_per_element")):
             raise ValueError("a row with a real peak must carry its prediction and Soup's logits figures")
-        probes = data.get("min_free_probes")
-        return cls(**dict(data, realised_rows=tuple(rows), targets=tuple(data.get("targets") or ()),
-                          **({"min_free_probes": tuple(map(tuple, probes))} if probes is not None else {})))
+        subs = {k: read(data.get(k)) for k, read in SUB_RECORDS.items()}
+        return cls(**dict(data, realised_rows=tuple(rows), targets=tuple(data.get("targets") or ()), **subs))
 
 
 def arm_row(arm: Arm, shape: Shape, **measured: Any) -> Row:
@@ -298,5 +277,5 @@ def arm_row(arm: Arm, shape: Shape, **measured: Any) -> Row:
     return Row(model=shape.name, model_key=arm.model, seq=arm.seq, batch=arm.batch,
                index=arm.index, predicted=predicted_bytes(shape, arm.seq, rows),
                logits14=logits14, loss_bytes_per_element=bpe, vocab=shape.vocab, quant=arm.quant,
-               targets=tuple(shape.targets), record_peak=record, pid=os.getpid(),
-               **({} if sft else {"task": arm.task}), **measured)
+               targets=tuple(shape.targets), record_peak=record, **({} if sft else {"task": arm.task}),
+               **dict(measured, ran=replace(measured.get("ran") or Ran(), pid=os.getpid())))

@@ -1,6 +1,6 @@
 """What a saved result must hold to be read back: the version this one writes (``SCHEMA``), the
 types of its own blocks (environment, modes, margins and their terms), one row per arm, and
-schema 1's rows (the first H200 results) in this version's fields. Each check raises ValueError naming what it found.
+schema 1's rows (the first H200 results) and schema 2's flat rows in this version's records. Each check raises ValueError naming what it found.
 """
 
 from __future__ import annotations
@@ -10,9 +10,11 @@ from typing import Any
 
 from ..constants import is_whole
 from ..record import QUANTS
+from .extras import CONSTRAINT_RECORDS, Gate, Ran, UserConfig
 from .row import ROW_FIELDS, Row
 
-SCHEMA = 2  # the JSON this version writes; it also reads schema 1
+SCHEMA = 3  # the JSON this version writes; it also reads schemas 1 and 2
+READS = (1, 2, SCHEMA)
 TOOL = "issue395_second_stack_vram"  # the name every JSON it writes carries, and a result must
 
 #: A margin's fields, as the renderers and the merge read them: (name, check, what it must be).
@@ -132,3 +134,49 @@ def schema1_row(old: dict[str, Any]) -> dict[str, Any]:
             "record_peak": old.get("record_a10g_peak"), "attribution": old.get("attribution"),
             "base": old.get("base"), "gpu": old.get("gpu"), "pid": old.get("pid"),
             "log": old.get("log"), "timings": old.get("timings") or {}}
+
+
+#: Schema 2's flat row fields, by the record (issue395.results.extras) each moved into, as (old, new).
+RAN_FIELDS = (("base", "base"), ("gpu", "gpu"), ("pid", "pid"), ("log", "log"), ("timings", "timings"),
+              ("teardown_error", "teardown_error"))
+GATE_FIELDS = (("soup_terms", "terms"), ("soup_gate_free", "free"))
+CONFIG_FIELDS = (("soup_config", "path"), ("lora_r", "lora_r"), ("lora_alpha", "lora_alpha"))
+CONSTRAINT_FIELDS = {  # a row ran under at most one; which is the one whose first field is set
+    "cap": (("cap_at", "at"), ("cap", "bytes")),
+    "emulate-card": (("emulated_card", "card"), ("emulated_card_free", "card_free"), ("emulated_free", "free"),
+                     ("needs_free", "needs_free")),
+    "min-free": (("min_free_probes", "probes"), ("min_free", "completes"), ("min_free_oom", "oom"),
+                 ("min_free_resolution", "resolution"), ("needs_free", "needs_free")),
+}
+
+
+def schema2_row(old: dict[str, Any]) -> dict[str, Any]:
+    """A row as schema 2 stored it (every field flat; a mode's written only when set), in this
+    version's records: where it ran, Soup's gate, the user's config, the constraint it ran under."""
+    if not isinstance(old, dict):
+        return old
+    row = dict(old)
+
+    def moved(pairs: tuple, record: type) -> dict[str, Any]:
+        for k, new in pairs:  # named as the file names it, not as this version would
+            ok, what = record.CHECKS.get(new, (lambda v: True, ""))
+            if k in row and row[k] is not None and not ok(row[k]):
+                raise ValueError(f"row field {k!r} is {row[k]!r:.60}, not {what}")
+        return {new: row.pop(k) for k, new in pairs if k in row}
+
+    row["ran"] = moved(RAN_FIELDS, Ran)
+    gate = moved(GATE_FIELDS, Gate)
+    row["gate"] = gate if any(v is not None for v in gate.values()) else None
+    config = moved(CONFIG_FIELDS, UserConfig)
+    row["config"] = config if config.get("path") is not None else None
+    kinds = [kind for kind, pairs in CONSTRAINT_FIELDS.items() if row.get(pairs[0][0]) is not None]
+    if len(kinds) > 1:
+        raise ValueError(f"a row ran under one constraint at most, not {' and '.join(kinds)}")
+    constraint = ({"kind": kinds[0], **moved(CONSTRAINT_FIELDS[kinds[0]], CONSTRAINT_RECORDS[kinds[0]])}
+                  if kinds else None)
+    flat = {k for pairs in CONSTRAINT_FIELDS.values() for k, _ in pairs}
+    stray = sorted(k for k in flat if row.pop(k, None) is not None and constraint is None)
+    if stray:
+        raise ValueError(f"row field {stray[0]!r} is set, but no constraint the row ran under")
+    row["constraint"] = constraint
+    return row

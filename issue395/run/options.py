@@ -23,6 +23,7 @@ from ..model.targets import soup_targets
 from ..estimator.cards import parse_context
 from ..estimator.soup_number import require_streamed
 from ..results.saved import RowFile
+from ..constraints.asked import Constraints
 from ..measure.shapes import (bitsandbytes_present, config_only, default_map_families, soup_has_stream_modes,
                      soup_loss_chunk_bounds)
 from .checks import (
@@ -42,6 +43,54 @@ from .configarm import config_arguments, config_arm, config_clash, in_the_files_
 from .grid import plan_arms, plan_map, shard_of
 from .parser import build_parser
 from .scratch import soup_shard_root
+
+@dataclass(frozen=True)
+class Outputs:
+    """Where the run's outputs go (None: not asked; "-": stdout)."""
+
+    json: Optional[str] = None
+    markdown: Optional[str] = None
+    plot: Optional[str] = None
+
+
+@dataclass(frozen=True)
+class EstimateInputs:
+    """--estimate's inputs: the config read, the cards to fit, soup-cli 0.77.0's streaming modes,
+    and how it answers (--exit-code, --card list)."""
+
+    config: Optional[dict] = None  # None only for --card list, which estimates nothing
+    cards: tuple = ()  # issue395.estimator.cards.Card
+    stream: tuple = ()  # (training key, value) pairs
+    fit_exit: bool = False  # --exit-code: --estimate exits 1 when the run does not fit a card
+    card_list: bool = False  # --card list: the named cards, nothing estimated
+    from_file: Optional[dict] = None  # --config: what the soup.yaml sets beyond the options it replaces
+
+
+@dataclass(frozen=True)
+class Adapter:
+    """The LoRA adapter every arm runs: the protocol's, or --config's (or --estimate's --targets, --lora-r)."""
+
+    targets: Optional[tuple] = None
+    lora_r: int = LORA_R
+    lora_alpha: int = LORA_ALPHA
+    soup_config: Optional[str] = None  # --config: the user's soup.yaml (its arm's, or --estimate's)
+
+
+@dataclass(frozen=True)
+class Children:
+    """How the run is spread: its GPUs, lanes and shard, and, in a child, that it is one and its repeat."""
+
+    gpus: Optional[tuple] = None
+    lanes: Optional[int] = None  # --lanes N (0: bare --lanes, chosen from the host when the run starts)
+    shard: Optional[tuple] = None
+    child: bool = False  # a child of --gpus, --isolate or --determinism (never the command line)
+    repeat_tag: Optional[int] = None  # a child's repeat of --determinism
+
+
+#: Run's sub-records by field, as a child's job file reads them back.
+RUN_RECORDS = {"outputs": Outputs, "estimate": EstimateInputs, "adapter": Adapter, "children": Children,
+               "constraints": Constraints}
+
 
 @dataclass(frozen=True)
 class Run:
@@ -67,32 +116,15 @@ class Run:
     cache_dir: Optional[str] = None
     shard_dir: Optional[str] = None  # --shard-dir: Soup's layer shards, apart from the checkpoints
     isolate: bool = False
-    cap: Optional[str] = None  # --cap: which prediction caps each arm's allocator
-    emulate_card: Optional[str] = None  # --emulate-card: the card each arm runs as (a ballast)
-    min_free: bool = False  # --min-free: each arm's lowest completing cap, by bisection
-    gpus: Optional[tuple] = None
-    lanes: Optional[int] = None  # --lanes N (0: bare --lanes, chosen from the host when the run starts)
-    shard: Optional[tuple] = None
-    json: Optional[str] = None
-    markdown: Optional[str] = None
-    plot: Optional[str] = None
+    constraints: Constraints = Constraints()  # --cap, --emulate-card, --min-free
+    children: Children = Children()
+    outputs: Outputs = Outputs()
     from_json: tuple = ()
     compare: Optional[str] = None
     steps: int = 1  # optimizer steps per arm (the protocol's 1)
-    estimate: bool = False  # --estimate: the config, not a GPU
-    estimate_config: Optional[dict] = None
-    soup_config: Optional[str] = None  # --config: the user's soup.yaml (its arm's, or --estimate's)
-    cards: tuple = ()  # issue395.estimator.cards.Card
-    context: Optional[int] = None  # --context, bytes
-    targets: Optional[tuple] = None
-    stream: tuple = ()  # --estimate: soup-cli 0.77.0's streaming modes, (training key, value) pairs
-    lora_r: int = LORA_R  # --config's (or --estimate's --lora-r): every other arm runs the protocol's
-    lora_alpha: int = LORA_ALPHA
-    fit_exit: bool = False  # --exit-code: --estimate exits 1 when the run does not fit a card
-    card_list: bool = False  # --card list: the named cards, nothing estimated
-    from_file: Optional[dict] = None  # --estimate --config: what the soup.yaml sets beyond the options it replaces
-    child: bool = False  # a child of --gpus, --isolate or --determinism (never the command line)
-    repeat_tag: Optional[int] = None  # a child's repeat of --determinism
+    estimate: Optional[EstimateInputs] = None  # --estimate: the config, not a GPU
+    context: Optional[int] = None  # --context, bytes (--estimate's cards, --emulate-card's card)
+    adapter: Adapter = Adapter()
     argv: tuple = ()
 
     @property
@@ -104,15 +136,20 @@ class Run:
 
 
 def run_from_json(data: dict[str, Any]) -> Run:
-    """A Run as ``dataclasses.asdict`` wrote it (a child's job file): JSON lists back to tuples."""
-    return Run(**{k: tuple(v) if isinstance(v, list) else v for k, v in data.items()})
+    """A Run as ``dataclasses.asdict`` wrote it (a child's job file): JSON lists back to tuples, its
+    sub-records back to theirs."""
+    def plain(d: dict) -> dict:
+        return {k: tuple(v) if isinstance(v, list) else v for k, v in d.items()}
+
+    return Run(**{k: RUN_RECORDS[k](**plain(v)) if k in RUN_RECORDS and isinstance(v, dict) else v
+                  for k, v in plain(data).items()})
 
 
 def not_an_empty_shard(run: Run) -> None:
     """--shard K/N that owns no arm is one line before anything runs, not a header alone."""
     arms = grid_arms(run)
-    if not shard_of(arms, run.shard, whole_models=run.map):
-        k, n = run.shard
+    if not shard_of(arms, run.children.shard, whole_models=run.map):
+        k, n = run.children.shard
         what = (f"{len(arms)} arm(s) in {len(set(a.model for a in arms))} families, dealt whole"
                 if run.map else f"{len(arms)} arm(s)")
         raise UsageError(f"--shard {k}/{n} is empty: the grid has {what}, so shard {k} of {n} runs nothing")
@@ -127,7 +164,7 @@ def settle(args: argparse.Namespace, argv: list[str]) -> Run:
         raise UsageError("--exit-code goes with --estimate (its exit code says whether the run fits)")
     try:
         run = settle_shard_dir(args, settle_lanes(args, _settle(args, argv)))
-        if run.shard and not run.estimate and not run.from_json:
+        if run.children.shard and not run.estimate and not run.from_json:
             not_an_empty_shard(run)
     except OSError as exc:  # a path no filesystem takes (a name too long, a loop): one line naming it
         raise UsageError(f"{path_flag(args, exc.filename)} {_shown(str(exc.filename))}: "
@@ -186,9 +223,8 @@ def _settle(args: argparse.Namespace, argv: list[str]) -> Run:
             check_input("--compare" if path == args.compare else "--from-json", path)
         inputs = [("--from-json", p) for p in args.from_json] + ([("--compare", args.compare)] if args.compare else [])
         no_output_is_an_input(outputs, inputs)
-        return Run(from_json=tuple(args.from_json), compare=args.compare, json=args.json,
-                   markdown=args.markdown, plot=args.plot, steps=one_int("--steps", args.steps, 1),
-               argv=tuple(argv))
+        return Run(from_json=tuple(args.from_json), compare=args.compare, outputs=outputs_of(args),
+                   steps=one_int("--steps", args.steps, 1), argv=tuple(argv))
     if args.estimate:
         if args.model and args.model not in ALL_FAMILIES:
             no_output_is_an_input(outputs, [("--model", os.path.expanduser(args.model))])
@@ -269,9 +305,13 @@ def _settle(args: argparse.Namespace, argv: list[str]) -> Run:
                dry_run=args.dry_run, verbose=args.verbose, snapshot=args.snapshot or bool(args.snapshot_dir),
                snapshot_dir=args.snapshot_dir, log_dir=args.log_dir, cache_dir=cache,
                isolate=args.isolate or args.cap is not None or bool(args.emulate_card) or args.min_free,
-               cap=args.cap,
-               emulate_card=args.emulate_card, context=parse_context(args.context), min_free=args.min_free, gpus=gpus, shard=shard, json=args.json,
-               markdown=args.markdown, plot=args.plot, steps=one_int("--steps", args.steps, 1), argv=tuple(argv))
+               constraints=Constraints(cap=args.cap, emulate_card=args.emulate_card, min_free=args.min_free),
+               context=parse_context(args.context), children=Children(gpus=gpus, shard=shard),
+               outputs=outputs_of(args), steps=one_int("--steps", args.steps, 1), argv=tuple(argv))
+
+
+def outputs_of(args: argparse.Namespace) -> Outputs:
+    return Outputs(args.json, args.markdown, args.plot)
 
 
 def settle_tasks(args: argparse.Namespace) -> tuple:
@@ -296,7 +336,7 @@ def card_list_run(args: argparse.Namespace, argv: list[str]) -> Optional[Run]:
     extra = [k for k, v in vars(args).items() if k not in ("card", "estimate") and v != defaults.get(k)]
     if extra:
         raise UsageError(f"--card list and --{extra[0].replace('_', '-')} are exclusive: it lists the named cards")
-    return Run(run_arms=False, estimate=True, card_list=True, argv=tuple(argv))
+    return Run(run_arms=False, estimate=EstimateInputs(card_list=True), argv=tuple(argv))
 
 
 def no_output_overwrites_the_config(args: argparse.Namespace, outputs: dict) -> None:
@@ -314,8 +354,8 @@ def settle_config(args: argparse.Namespace, argv: list[str]) -> Run:
     arm = config_arm(args)
     plain = _settle(argparse.Namespace(**dict(vars(args), config=None, model=arm.model, batch=str(arm.batch),
                                               seq=str(arm.seq) if arm.model else None, task=arm.task)), argv)
-    return replace(plain, models=(arm.key,), seqs=(arm.seq,), quants=(arm.quant,), targets=arm.targets,
-                   lora_r=arm.lora_r, lora_alpha=arm.lora_alpha, soup_config=arm.path)
+    return replace(plain, models=(arm.key,), seqs=(arm.seq,), quants=(arm.quant,),
+                   adapter=Adapter(arm.targets, arm.lora_r, arm.lora_alpha, arm.path))
 
 
 def emulate_card(args: argparse.Namespace, repeats: Optional[int]) -> None:
@@ -485,14 +525,14 @@ def settle_estimate_options(args: argparse.Namespace, argv: list[str]) -> Run:
         estimate(config, quant=quants[0], seq=seqs[0], targets=targets, stream=stream)
     if args.exit_code and not cards:
         raise UsageError("--exit-code needs --card: it says whether the run fits a card")
-    steps = one_int("--steps", args.steps, 1)
-    return Run(run_arms=False, estimate=True, estimate_config=config, custom_model=name, quants=quants, seqs=seqs,
-               stream=tuple(sorted(stream.items())),
-               tasks=tasks, batches=batches, targets=targets,
-               lora_r=one_int("--lora-r", args.lora_r, 8), steps=steps, verbose=args.verbose,
-               lora_alpha=getattr(args, "lora_alpha", None) or LORA_ALPHA, fit_exit=args.exit_code,
-               from_file=getattr(args, "from_file", None),
-               cards=cards, context=context, soup_config=args.config, json=args.json, argv=tuple(argv))
+    return Run(run_arms=False, estimate=EstimateInputs(config, cards, tuple(sorted(stream.items())),
+                                                       fit_exit=args.exit_code,
+                                                       from_file=getattr(args, "from_file", None)),
+               custom_model=name, quants=quants, seqs=seqs, tasks=tasks, batches=batches,
+               adapter=Adapter(targets, one_int("--lora-r", args.lora_r, LORA_R),
+                               getattr(args, "lora_alpha", None) or LORA_ALPHA, soup_config=args.config),
+               steps=one_int("--steps", args.steps, 1), verbose=args.verbose, context=context,
+               outputs=Outputs(json=args.json), argv=tuple(argv))
 
 
 def estimate_stream(args: argparse.Namespace) -> dict:
@@ -525,16 +565,16 @@ def settle_lanes(args: argparse.Namespace, run: Run) -> Run:
     if run.estimate:
         raise UsageError("--estimate and --lanes are exclusive: an estimate runs nothing")
     lanes = 0 if args.lanes == "auto" else one_int("--lanes", args.lanes, 1)
-    if run.cap or run.emulate_card or run.min_free:
+    if run.constraints.cap or run.constraints.emulate_card or run.constraints.min_free:
         raise UsageError("--lanes shares the card between arms; --cap, --emulate-card and --min-free arms need "
                          "the whole card: run them without --lanes (one at a time, as they always run)")
     if run.repeats:
         raise UsageError("--lanes and --determinism are exclusive: each repeat is a fresh process of its own")
-    if run.shard:
+    if run.children.shard:
         raise UsageError("--shard is one shard of the grid; --lanes makes its own")
     if not run.run_arms:
         raise UsageError("--lanes spreads the arms; --measure and --sdpa alone run none (add --sweep)")
-    return replace(run, lanes=lanes)
+    return replace(run, children=replace(run.children, lanes=lanes))
 
 
 def settle_shard_dir(args: argparse.Namespace, run: Run) -> Run:

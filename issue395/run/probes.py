@@ -11,9 +11,11 @@ from typing import Callable, Optional
 from ..model.arm import Arm
 from ..model.registry import stream_mode
 from ..results.result import Result
+from ..results.extras import MinFreeFound
 from ..results.row import Row
 from ..constraints.emulation import arm_config, tool_needs_free
 from ..constraints.minfree import bisect_min_free
+from ..constraints.asked import Constraints
 from ..measure.console import Stop
 from .options import Run
 from .scratch import Scratch
@@ -35,7 +37,7 @@ def min_free_arms(run: Run, arms: list[Arm], scratch: Scratch, on_row: Callable[
         # own row keeps (min_free_probes), so a probe's result hands on its stack and errors, not
         # its row (merged with their rows, the probes read as overlapping shards and were refused).
         results.extend(replace(r, rows=[]) for r in spread_one(
-            replace(run, cap=cap, min_free=False, isolate=True), [arm], scratch, got.append, script))
+            replace(run, constraints=Constraints(cap=cap), isolate=True), [arm], scratch, got.append, script))
         return got[-1]
 
     for arm in arms:
@@ -43,17 +45,16 @@ def min_free_arms(run: Run, arms: list[Arm], scratch: Scratch, on_row: Callable[
             break
         control = probe(arm, "off")
         if not control.measured:
-            on_row(replace(control, cap_at=None))
+            on_row(replace(control, constraint=None))
             continue
         # the adapter the control ran with (a family's targets, a --config file's targets and r)
-        needs = tool_needs_free(arm_config(arm.model, control.base), None, quant=arm.quant, seq=arm.seq,
+        needs = tool_needs_free(arm_config(arm.model, control.ran.base), None, quant=arm.quant, seq=arm.seq,
                                 batch=arm.batch, targets=control.targets, lora_r=control.rank, steps=run.steps,
                                 stream=tuple(stream_mode(arm.model)[1].items()))
         peak = control.real_peak
         found = bisect_min_free(lambda cap: probe(arm, f"bytes:{cap}").measured, peak=peak,
                                 start=needs or peak + peak // 10,
                                 ceiling=CEILING_OVER_RESERVED * max(control.reserved or peak, peak))
-        on_row(replace(control, cap_at=None, needs_free=needs, min_free=found.completes,
-                       min_free_oom=found.fails, min_free_resolution=found.resolution,
-                       min_free_probes=tuple((c, ok) for c, ok in found.probes)))
+        on_row(replace(control, constraint=MinFreeFound(found.completes, found.fails, found.resolution,
+                                                        tuple((c, ok) for c, ok in found.probes), needs)))
     return results

@@ -69,7 +69,7 @@ def cli(argv: list[str], protocol: Protocol) -> int:
             return execute(run, protocol, job)
         run = settle(build_parser().parse_args(argv), argv)
         # --json -: the JSON is stdout's, so every human line (tables, progress) goes to stderr
-        with contextlib.redirect_stdout(sys.stderr) if run.json == "-" else contextlib.nullcontext():
+        with contextlib.redirect_stdout(sys.stderr) if run.outputs.json == "-" else contextlib.nullcontext():
             return execute(run, protocol)
     except UsageError as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -113,10 +113,9 @@ def sweep(arms: list[Arm], shapes: dict[str, Shape], bases: Checkpoints, scratch
         with scratch.sharding(base) if first else contextlib.nullcontext(), Stop.arm():
             row = run_arm(arm, shapes[arm.model], base, scratch.path("arms", f"{arm.index:03d}"),
                           dry_run=run.dry_run, snapshot=run.snapshot, snapshot_dir=run.snapshot_dir,
-                          log=log, verbose=run.verbose, repeat=run.repeat_tag, steps=run.steps,
-                          **({"cap": run.cap} if run.cap else {}),
-                          **({"soup_config": run.soup_config} if run.soup_config else {}),
-                          **({"emulate": run.emulate_card, "context": run.context} if run.emulate_card else {}))
+                          log=log, verbose=run.verbose, repeat=run.children.repeat_tag, steps=run.steps,
+                          constraint=run.constraints.for_arm(run.context),
+                          **({"soup_config": run.adapter.soup_config} if run.adapter.soup_config else {}))
         on_row(row)
         done.append(row)
         if any(family_of(a.model) == family for a in arms[i + 1:]):
@@ -150,19 +149,20 @@ def execute(run: Run, protocol: Protocol, job: Optional[Job] = None) -> int:
         return rerender(run)
     if run.estimate:
         return estimate_run(run)
-    Stop.install(quiet=run.child)
+    Stop.install(quiet=run.children.child)
     lanes = None
-    if run.lanes is not None and run.run_arms:  # the card's total, from the driver: no torch in a parent
-        lanes = plan_lanes(run, grid_arms(run), None if run.dry_run else gpu_total_bytes(run.gpus[0] if run.gpus else None))
-    fan_out = run.run_arms and bool(run.gpus or run.isolate or (lanes and lanes.count > 1))
+    if run.children.lanes is not None and run.run_arms:  # the card's total, from the driver: no torch in a parent
+        gpu = run.children.gpus[0] if run.children.gpus else None
+        lanes = plan_lanes(run, grid_arms(run), None if run.dry_run else gpu_total_bytes(gpu))
+    fan_out = run.run_arms and bool(run.children.gpus or run.isolate or (lanes and lanes.count > 1))
     local = (run.run_arms and not fan_out) or ((run.measure or run.sdpa) and not fan_out and not run.repeats)
-    if run.gpus is None and "CUDA_VISIBLE_DEVICES" not in os.environ:
+    if run.children.gpus is None and "CUDA_VISIBLE_DEVICES" not in os.environ:
         os.environ["CUDA_VISIBLE_DEVICES"] = "0"  # Soup refuses to stream with several GPUs visible
     if (fan_out or run.repeats) and not run.dry_run:
         count = visible_gpu_count()
         if count == 0:
             raise UsageError(NO_CUDA)
-        missing = [g for g in run.gpus or () if g >= count]
+        missing = [g for g in run.children.gpus or () if g >= count]
         if missing:
             raise UsageError(f"--gpus: GPU {missing[0]} is not there ({count} CUDA device(s) visible)")
     with Scratch(run.cache_dir, run.shard_dir) as scratch:
@@ -176,7 +176,7 @@ def measure_all(run: Run, protocol: Protocol, job: Optional[Job], scratch: Scrat
         arms = list(job.arms)
     else:
         arms = grid_arms(run)
-        arms = shard_of(arms, run.shard, whole_models=run.map) if run.shard else arms
+        arms = shard_of(arms, run.children.shard, whole_models=run.map) if run.children.shard else arms
     shapes = dict(SHAPES)
     if local:
         t = time.perf_counter()
@@ -186,54 +186,54 @@ def measure_all(run: Run, protocol: Protocol, job: Optional[Job], scratch: Scrat
             raise UsageError(NO_CUDA)
         scratch.verify_shard_root()
         # the LoRA adapter a --config file names, else the protocol's (targets None: the model's own)
-        adapter = dict(targets=run.targets, lora_r=run.lora_r, lora_alpha=run.lora_alpha)
+        adapter = dict(targets=run.adapter.targets, lora_r=run.adapter.lora_r, lora_alpha=run.adapter.lora_alpha)
         if run.custom_model:
             shapes["custom"] = load_custom_shape(run.custom_model, **adapter)
             within_positions(run.custom_model, shapes["custom"].max_positions, run.seqs,
-                             f"--config {run.soup_config}: data.max_length" if run.soup_config else "--seq")
+                             f"--config {run.adapter.soup_config}: data.max_length" if run.adapter.soup_config else "--seq")
         families = [f for f in dict.fromkeys(family_of(a.model) for a in arms) if f != "custom"]
         if run.map:  # this shard's families only, each derived once, then each streaming mode of it
             shapes.update({f: family_shape(f) for f in families})
-        if run.soup_config:  # the file's base under the file's adapter (the record's two are no record here)
+        if run.adapter.soup_config:  # the file's base under the file's adapter (the record's two are no record here)
             shapes.update({f: registry_shape(f, **adapter) for f in families})
-        if run.map or run.soup_config:
+        if run.map or run.adapter.soup_config:
             shapes.update({a.model: with_modes(shapes[family_of(a.model)], a.model) for a in arms})
         imports_s = time.perf_counter() - t
     det_models, det_seqs, det_batches = run.determinism_grid
     det_arms = plan_arms(*run.determinism_grid, run.quants[0], run.tasks) if run.repeats else []
-    how = ("--min-free: a bisection over capped fresh processes (expandable segments)" if run.min_free else
-           f"capped at {run.cap} (expandable segments), one fresh process per arm" if run.cap else
-           f"as {run.emulate_card} (a ballast outside the allocator, expandable segments), one fresh process "
-           "per arm" if run.emulate_card else
+    how = ("--min-free: a bisection over capped fresh processes (expandable segments)" if run.constraints.min_free else
+           f"capped at {run.constraints.cap} (expandable segments), one fresh process per arm" if run.constraints.cap else
+           f"as {run.constraints.emulate_card} (a ballast outside the allocator, expandable segments), one fresh process "
+           "per arm" if run.constraints.emulate_card else
            lanes.label(run) if lanes and fan_out else
            "isolated, one fresh process per arm" if run.isolate else
-           f"one process per GPU ({','.join(map(str, run.gpus))}), merged" if run.gpus else
-           f"shard {run.shard[0]}/{run.shard[1]} in one process" if run.shard else
+           f"one process per GPU ({','.join(map(str, run.children.gpus))}), merged" if run.children.gpus else
+           f"shard {run.children.shard[0]}/{run.children.shard[1]} in one process" if run.children.shard else
            f"1 lane, in one process ({lanes.why})" if lanes else "in one process")
-    if run.soup_config:  # the user's config, not the protocol: said where every table's header is
-        how += (f"; the arm is --config {run.soup_config}'s ({run.quants[0]}, LoRA r {run.lora_r} alpha "
-                f"{run.lora_alpha} on {','.join(run.targets or ())})")
+    if run.adapter.soup_config:  # the user's config, not the protocol: said where every table's header is
+        how += (f"; the arm is --config {run.adapter.soup_config}'s ({run.quants[0]}, LoRA r {run.adapter.lora_r} alpha "
+                f"{run.adapter.lora_alpha} on {','.join(run.adapter.targets or ())})")
     arms_label = how if run.run_arms else ("determinism: one fresh process per repeat" if run.repeats
                                         else "none (modes only)")
     result = Result(environment=environment(run.weights, run.dry_run, arms_label,
                                             [os.path.basename(protocol.script), *run.argv]) if local else {},
                     kind="map" if run.map else "sweep")
-    rows_file = RowFile(run.json)
+    rows_file = RowFile(run.outputs.json)
     rows: list[Row] = []
     children: list[Result] = []
     usage_error = None
     total = (len(arms) if run.run_arms else 0) + len(det_arms) * (run.repeats or 0)
-    progress = Progress(total if not run.child else 0, started)
+    progress = Progress(total if not run.children.child else 0, started)
 
     def on_row(row: Row) -> None:
         rows.append(row)  # kept first: nothing after this may lose a finished row
         rows_file.add(row)
-        if not run.child:
+        if not run.children.child:
             progress.arm(row)
 
     checkpoints = None
     try:
-        if run.run_arms and run.min_free:
+        if run.run_arms and run.constraints.min_free:
             with Stop.arm():  # each probe is a fresh capped child
                 children += min_free_arms(run, arms, scratch, on_row, protocol.script)
         elif run.run_arms and fan_out:
@@ -243,7 +243,7 @@ def measure_all(run: Run, protocol: Protocol, job: Optional[Job], scratch: Scrat
         elif run.run_arms:
             checkpoints = Checkpoints(list(dict.fromkeys(family_of(a.model) for a in arms)), shapes, run, scratch)
             sweep(arms, shapes, checkpoints, scratch, run, protocol.run_arm, on_row,
-                  result.margins.append if run.map and not run.dry_run and not run.cap and not run.emulate_card
+                  result.margins.append if run.map and not run.dry_run and not run.constraints.cap and not run.constraints.emulate_card
                   else None)
             if run.snapshot and not Stop.requested:
                 with Stop.arm():
@@ -291,7 +291,7 @@ def measure_all(run: Run, protocol: Protocol, job: Optional[Job], scratch: Scrat
                                          [os.path.basename(protocol.script), *run.argv], with_torch=False)
     if run.steps != 1:  # the protocol's one step is implied; anything else is named (the stack settled)
         result.environment["steps"] = run.steps
-    if run.map and not run.child and not_on_map():  # never skipped silently: named with the reason
+    if run.map and not run.children.child and not_on_map():  # never skipped silently: named with the reason
         result.environment["not_on_map"] = " | ".join(not_on_map())
     result.rows = sorted(rows, key=row_order)
     result.interrupted = interrupted
@@ -301,7 +301,7 @@ def measure_all(run: Run, protocol: Protocol, job: Optional[Job], scratch: Scrat
         result.timings.update(lanes=lanes.count, threads_per_lane=lanes.threads,
                               whole_card_arms=len(lanes.whole_card) if fan_out else 0)
     print(render_text(result), end="", flush=True)
-    if lanes is not None and not run.child:  # the benchmark: lanes 1 against N, read off two runs
+    if lanes is not None and not run.children.child:  # the benchmark: lanes 1 against N, read off two runs
         t = result.timings
         print(f"wall (measured by this run): {t['total_s']} s for {t['arms']} arm(s), {t['arms_per_minute']} arms "
               f"per minute, {lanes.count} lane(s) x {lanes.threads} thread(s)", flush=True)
@@ -319,9 +319,9 @@ def run_timings(rows: list[Row], imports_s: float, total_s: float, build_s: dict
                          "arms_per_minute": round(len(rows) * 60 / total_s, 2) if total_s > 0 else None,
                          "build_s": build_s}
     for key in ("setup_s", "step_s", "teardown_s"):
-        t[f"sum_{key}"] = round(sum(r.timings.get(key) or 0 for r in rows), 2)
-    overhead = [r.timings["setup_s"] + r.timings["teardown_s"] for r in rows
-                if r.timings.get("setup_s") is not None and r.timings.get("teardown_s") is not None]
+        t[f"sum_{key}"] = round(sum(r.ran.timings.get(key) or 0 for r in rows), 2)
+    overhead = [r.ran.timings["setup_s"] + r.ran.timings["teardown_s"] for r in rows
+                if r.ran.timings.get("setup_s") is not None and r.ran.timings.get("teardown_s") is not None]
     if overhead:
         t["median_arm_overhead_s"] = round(statistics.median(overhead), 3)
     if children:
@@ -340,22 +340,22 @@ def estimate_run(run: Run) -> int:
     from ..estimator.releases import UnknownRelease, installed_release, release_label
     from ..model.targets import soup_targets
 
-    if run.card_list:
+    if run.estimate.card_list:
         print(card_list(), end="")
         return EXIT_OK
-    user = run.from_file or {}
+    user = run.estimate.from_file or {}
     gate, optimizer = Gate(user.get("gate_override"), bool(user.get("probe"))), user.get("optimizer")
-    kw = {"targets": run.targets, "lora_r": run.lora_r}
+    kw = {"targets": run.adapter.targets, "lora_r": run.adapter.lora_r}
     try:
-        rows = [estimate_for(run.estimate_config, quant=q, seq=s, batch=b, targets=run.targets, lora_r=run.lora_r,
-                             steps=run.steps, stream=dict(run.stream), task=t, optimizer=optimizer)
+        rows = [estimate_for(run.estimate.config, quant=q, seq=s, batch=b, targets=run.adapter.targets, lora_r=run.adapter.lora_r,
+                             steps=run.steps, stream=dict(run.estimate.stream), task=t, optimizer=optimizer)
                 for t in run.tasks for q in run.quants for s in run.seqs for b in run.batches]
-        budgets = budgets_for(run.cards, run.context)
-        answers = [card_answers(run.estimate_config, e, budgets, env=workspace_env(), stream=dict(run.stream),
+        budgets = budgets_for(run.estimate.cards, run.context)
+        answers = [card_answers(run.estimate.config, e, budgets, env=workspace_env(), stream=dict(run.estimate.stream),
                                 gate=gate, optimizer=optimizer, **kw)
                    for e in rows]
         installed = installed_release()
-        table = estimate_table(rows, run.cards, run.estimate_config, answers=answers,
+        table = estimate_table(rows, run.estimate.cards, run.estimate.config, answers=answers,
                                release_label=release_label(installed), verbose=run.verbose, **kw)
     except UnknownRelease:  # the release's fault, not the model's: said without naming the model
         raise
@@ -363,39 +363,39 @@ def estimate_run(run: Run) -> int:
         raise UsageError(f"--estimate {estimated_as(run)}: {exc}") from None
     except Exception as exc:  # a config value of a kind no real config has
         raise UsageError(f"--estimate {estimated_as(run)}: cannot be estimated ({last_line(exc)})") from None
-    notes = estimate_notes(run.estimate_config, run.quants)
-    named = f"{run.custom_model}, from --config {run.soup_config}" if run.soup_config else run.custom_model
+    notes = estimate_notes(run.estimate.config, run.quants)
+    named = f"{run.custom_model}, from --config {run.adapter.soup_config}" if run.adapter.soup_config else run.custom_model
     answer = steps_words(run.steps, user.get("steps_from"))
-    text = (f"--estimate: {named}: {answer}\n" + "".join(f"  {v}\n" for v in verdict_lines(rows, run.cards, answers))
+    text = (f"--estimate: {named}: {answer}\n" + "".join(f"  {v}\n" for v in verdict_lines(rows, run.estimate.cards, answers))
             + "".join(f"  from the file: {k}\n" for k in user.get("keys", ()))
             + "(Soup's pre-flight: computed by Soup's own estimator code; corrected and needs free: this tool's "
             "estimator, from the config alone)\n" + table + "".join(f"note: {n}\n" for n in notes))
     print(text, end="")
     fits_all = all(a["fits"] for per in answers for a in per)
-    if run.json:
-        arch = arch_of(run.estimate_config)
-        targets = soup_targets(run.targets, run.estimate_config, arch, None) or protocol_targets(arch)
+    if run.outputs.json:
+        arch = arch_of(run.estimate.config)
+        targets = soup_targets(run.adapter.targets, run.estimate.config, arch, None) or protocol_targets(arch)
         data = {"tool": TOOL, "schema": SCHEMA, "kind": "estimate",
                 "model": run.custom_model, "soup_cli": installed, "tasks": list(run.tasks),
                 "targets": list(targets),
-                **({"soup_targets": run.targets[0]} if run.targets and tuple(targets) != tuple(run.targets) else {}),
-                "config": run.soup_config, "lora_alpha": run.lora_alpha,
-                "stream": dict(run.stream), "steps": run.steps, "answer": answer,
+                **({"soup_targets": run.adapter.targets[0]} if run.adapter.targets and tuple(targets) != tuple(run.adapter.targets) else {}),
+                "config": run.adapter.soup_config, "lora_alpha": run.adapter.lora_alpha,
+                "stream": dict(run.estimate.stream), "steps": run.steps, "answer": answer,
                 "soup_gate": {"rule": gate.rule, "override_bytes": gate.override},
-                "config_keys": list(user.get("keys", ())), "fits_every_card": fits_all if run.cards else None,
-                "lora_r": run.lora_r, "cards": [{"card": c.name, "bytes": c.total_bytes} for c in run.cards],
+                "config_keys": list(user.get("keys", ())), "fits_every_card": fits_all if run.estimate.cards else None,
+                "lora_r": run.adapter.lora_r, "cards": [{"card": c.name, "bytes": c.total_bytes} for c in run.estimate.cards],
                 "notes": notes, "rows": [dict(r.to_json(), cards=a) for r, a in zip(rows, answers)]}
         try:
-            write_output(run.json, (json.dumps(data, indent=2) + "\n").encode("utf-8"))
+            write_output(run.outputs.json, (json.dumps(data, indent=2) + "\n").encode("utf-8"))
         except OSError as exc:
-            print(f"error: --json {run.json} could not be written ({exc.strerror or exc})", file=sys.stderr)
+            print(f"error: --json {run.outputs.json} could not be written ({exc.strerror or exc})", file=sys.stderr)
             return EXIT_USAGE
-    return EXIT_FINDING if run.fit_exit and not fits_all else EXIT_OK
+    return EXIT_FINDING if run.estimate.fit_exit and not fits_all else EXIT_OK
 
 
 def estimated_as(run: Run) -> str:
     """What the user named: --config's file and its base, else --model."""
-    return f"--config {run.soup_config} (base {run.custom_model})" if run.soup_config else f"--model {run.custom_model}"
+    return f"--config {run.adapter.soup_config} (base {run.custom_model})" if run.adapter.soup_config else f"--model {run.custom_model}"
 
 
 def estimate_notes(config: dict, quants) -> list[str]:
@@ -425,7 +425,7 @@ def rerender(run: Run) -> int:
     try:
         result = merge(results, f"merged from {len(results)} result(s)") if len(results) > 1 else results[0]
         text = render_text(result)
-        if run.markdown:  # a hand-edited result that cannot become markdown: said before any table
+        if run.outputs.markdown:  # a hand-edited result that cannot become markdown: said before any table
             render_markdown(result, parts)
     except UsageError as exc:
         raise UsageError(f"{named}: {exc}") from None
@@ -467,9 +467,9 @@ def write_outputs(result: Result, run: Run, rows_file: RowFile,
     that could not and the one place the rows are kept, or None."""
     failed = []
     for flag, path, render in (
-            ("--json", run.json, lambda: json.dumps(result.to_json(), indent=2, default=str) + "\n"),
-            ("--markdown", run.markdown, lambda: render_markdown(result, parts)),
-            ("--plot", run.plot, lambda: render_plot(result))):
+            ("--json", run.outputs.json, lambda: json.dumps(result.to_json(), indent=2, default=str) + "\n"),
+            ("--markdown", run.outputs.markdown, lambda: render_markdown(result, parts)),
+            ("--plot", run.outputs.plot, lambda: render_plot(result))):
         if not path:
             continue
         try:

@@ -20,12 +20,13 @@ from ..errors import UsageError, last_line
 from ..model.arm import Arm
 from ..model.registry import FAMILIES, SHAPES, family_of
 from ..estimator.cards import parse_card
+from ..results.extras import Capped, Emulated, UserConfig
 from ..results.result import Result
 from ..results.row import Row
 from ..results.saved import RowFile
 from ..measure.console import Stop
 from .grid import shard_of
-from .options import Run, run_from_json
+from .options import Children, Outputs, Run, run_from_json
 from .scratch import Scratch
 
 #: A child process finds its work here: the file names its settled Run and its Job.
@@ -63,7 +64,7 @@ class Lanes:
     why: str = ""
 
     def label(self, run: "Run") -> str:
-        where = f"on each of GPUs {','.join(map(str, run.gpus))}" if run.gpus else "on one GPU"
+        where = f"on each of GPUs {','.join(map(str, run.children.gpus))}" if run.children.gpus else "on one GPU"
         how = "one fresh process per arm" if run.isolate else "one process per lane running its shard"
         alone = (f"; {len(self.whole_card)} arm(s) whose needs exceed a lane's share of the card "
                  f"({self.share / 1e9:.1f} GB) ran after them, alone" if self.whole_card else "")
@@ -95,8 +96,8 @@ def arm_needs(arm: Arm, run: "Run") -> Optional[tuple[int, int]]:
     if not known(arm.model):
         return None
     try:
-        e = estimate_key(arm.model, quant=arm.quant, seq=arm.seq, batch=arm.batch, targets=run.targets,
-                         lora_r=run.lora_r, steps=run.steps)
+        e = estimate_key(arm.model, quant=arm.quant, seq=arm.seq, batch=arm.batch, targets=run.adapter.targets,
+                         lora_r=run.adapter.lora_r, steps=run.steps)
     except (UsageError, ValueError, TypeError):
         return None
     return e.needs_free, e.soup_predicted
@@ -111,8 +112,8 @@ def plan_lanes(run: "Run", arms: list[Arm], total: Optional[int] = None, cores: 
 
     cores = cores or host_cores()
     units = len({family_of(a.model) for a in arms}) if run.map and not run.isolate else len(arms)
-    count = run.lanes or max(1, cores // CORES_PER_LANE)
-    why = f"--lanes {run.lanes}" if run.lanes else f"{cores} cores / {CORES_PER_LANE}"
+    count = run.children.lanes or max(1, cores // CORES_PER_LANE)
+    why = f"--lanes {run.children.lanes}" if run.children.lanes else f"{cores} cores / {CORES_PER_LANE}"
     if count > units:
         count, why = max(1, units), f"{why}, but only {units} {'families' if run.map and not run.isolate else 'arms'}"
     if total is None or count == 1:  # a dry run has no card to share
@@ -143,23 +144,23 @@ def plan_jobs(run: "Run", arms: list[Arm], lanes: Optional[Lanes] = None) -> lis
     if lanes is not None:
         return lane_jobs(run, arms, lanes)
     if run.repeats:
-        gpu = run.gpus[0] if run.gpus else None
+        gpu = run.children.gpus[0] if run.children.gpus else None
         return [Job((a.index + 1, len(arms)), (a,), gpu, rep, extra_modes=(rep == 1 and a.index == 0))
                 for rep in range(1, run.repeats + 1) for a in arms]
     if run.isolate:
-        gpus = run.gpus or (None,)
+        gpus = run.children.gpus or (None,)
         return [Job((a.index + 1, len(arms)), (a,), gpus[i % len(gpus)],
                     extra_modes=i == 0) for i, a in enumerate(arms)]
-    n = len(run.gpus)
+    n = len(run.children.gpus)
     jobs = [Job((k, n), tuple(shard_of(arms, (k, n), whole_models=run.map)), g, extra_modes=k == 1)
-            for k, g in enumerate(run.gpus, 1)]
+            for k, g in enumerate(run.children.gpus, 1)]
     return [j for j in jobs if j.arms or j.extra_modes]  # one family, two GPUs: one child
 
 
 def lane_jobs(run: "Run", arms: list[Arm], lanes: Lanes) -> list[Job]:
     """--lanes: each GPU's lanes get shards of the arms that fit a lane (the map: whole families,
     dealt evenly), or with --isolate one job per arm; the arms that need the card alone come last."""
-    gpus = run.gpus or (None,)
+    gpus = run.children.gpus or (None,)
     alone = {a.index for a in lanes.whole_card}
     fit = [a for a in arms if a.index not in alone]
     n = lanes.count * len(gpus)
@@ -220,7 +221,7 @@ def spread(run: Run, arms: list[Arm], scratch: Scratch, on_row: Callable[[Row], 
         mine = threads if lanes is None else str(host_cores() if job.whole_card else lanes.threads)
         for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "RAYON_NUM_THREADS"):
             env.setdefault(var, mine) if lanes is None else env.__setitem__(var, mine)
-        if run.cap is not None or run.emulate_card:  # as `soup train` sets it, before CUDA starts: only a fresh process can
+        if run.constraints.cap is not None or run.constraints.emulate_card:  # as `soup train` sets it, before CUDA starts: only a fresh process can
             env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
         env[CHILD_JOB] = str(out.with_suffix(".job.json"))
         env[PARENT_PID] = str(os.getpid())
@@ -306,14 +307,15 @@ def child_cache(run: Run, scratch: Scratch) -> Optional[str]:
     """Children share one cache so a model is built and sharded once; but the map's families would
     not fit a disk together, so there each child keeps its own and frees each family after it. A
     --cap child runs one arm: it shares, or every arm would build and shard its family again."""
-    return run.cache_dir or (None if run.map and not (run.cap or run.emulate_card) else str(scratch.path("cache")))
+    shared = not run.map or run.constraints.cap or run.constraints.emulate_card
+    return run.cache_dir or (str(scratch.path("cache")) if shared else None)
 
 
 def child_run(run: Run, job: Job, out: str, cache: Optional[str]) -> Run:
     """The settled run a child executes: its parent's, narrowed to one job in one process, its
     rows saved to its own JSON. Nothing is re-parsed: the child gets this as data."""
-    return replace(run, json=out, markdown=None, plot=None, cache_dir=cache, shard=job.shard,
-                   gpus=None, isolate=False, lanes=None, repeats=None, run_arms=True, child=True, repeat_tag=job.repeat,
+    return replace(run, outputs=Outputs(json=out), cache_dir=cache, children=Children(
+                   shard=job.shard, child=True, repeat_tag=job.repeat), isolate=False, repeats=None, run_arms=True,
                    measure=run.measure and job.extra_modes, sdpa=run.sdpa and job.extra_modes)
 
 
@@ -353,10 +355,12 @@ def lost_row(arm: Arm, run: "Run", repeat: Optional[int], code: Optional[int]) -
     family = FAMILIES.get(family_of(arm.model))  # a streaming mode is its family's
     name = shape.name if shape else family.name if family else (run.custom_model or arm.model)
     vocab = shape.vocab if shape else family.vocab if family else 1
-    adapter = (dict(soup_config=run.soup_config, lora_r=run.lora_r, lora_alpha=run.lora_alpha,
-                    targets=tuple(run.targets or ())) if run.soup_config else {})
-    return Row(model=name, model_key=arm.model, seq=arm.seq, batch=arm.batch, index=arm.index, cap_at=run.cap,
-               emulated_card=parse_card(run.emulate_card).name if run.emulate_card else None,
+    a, asked = run.adapter, run.constraints
+    adapter = (dict(config=UserConfig(a.soup_config, a.lora_r, a.lora_alpha), targets=tuple(a.targets or ()))
+               if a.soup_config else {})
+    constraint = (Capped(asked.cap) if asked.cap else
+                  Emulated(parse_card(asked.emulate_card).name) if asked.emulate_card else None)
+    return Row(model=name, model_key=arm.model, seq=arm.seq, batch=arm.batch, index=arm.index, constraint=constraint,
                predicted=None, logits14=None, loss_bytes_per_element=None, vocab=vocab,
                quant=arm.quant, repeat=repeat,
                dry_run=run.dry_run, failure="FAILED",

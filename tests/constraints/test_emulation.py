@@ -13,6 +13,8 @@ import pytest
 import torch
 from conftest import FakeDevice
 
+from issue395.constraints.cap import Cap
+from issue395.constraints.emulation import EmulateCard
 from issue395.constraints import minfree
 from issue395.estimator.cards import budget, parse_card, step_free
 from issue395.constraints.emulation import arm_config, tool_needs_free
@@ -80,22 +82,22 @@ def test_the_card_decides_and_the_row_says_so_beside_this_tools_verdict(device, 
     monkeypatch.setattr("issue395.measure.measurement.bitsandbytes_present", lambda: True)
     seen = []
     row = run_arm(protocol_with_fake_step(peak, seen), "cuda", ARM, mistral_shape(), "unused", tmp_path,
-                  emulate=card)
+                  constraint=EmulateCard(card))
     card_free = budget(parse_card(card)).free_bytes
     # Soup's gate read exactly the card's free memory (to the driver's 2 MiB page, never less)
-    assert card_free <= seen[0] < card_free + 2 * 2**20 and row.emulated_free == seen[0]
+    assert card_free <= seen[0] < card_free + 2 * 2**20 and row.constraint.free == seen[0]
     assert device.free == 140 * 10**9 and not device.held  # the ballast went back
-    assert row.emulated_outcome == outcome and row.emulated_card == parse_card(card).name
-    assert row.needs_free == tool_needs_free(config_json_of("mistral-7b"), budget(parse_card(card)), quant="nf4",
+    assert row.emulated_outcome == outcome and row.constraint.card == parse_card(card).name
+    assert row.constraint.needs_free == tool_needs_free(config_json_of("mistral-7b"), budget(parse_card(card)), quant="nf4",
                                              seq=512, batch=1, targets=mistral_shape().targets)
-    assert row.emulated_fits == (row.needs_free <= step_free(card_free))
-    assert row.soup_gate_free == seen[0], "the free memory Soup's gate compared with, kept in the row"
+    assert row.emulated_fits == (row.constraint.needs_free <= step_free(card_free))
+    assert row.gate.free == seen[0], "the free memory Soup's gate compared with, kept in the row"
     back = Row.from_json(json.loads(json.dumps(row.to_json())))
     assert back.emulated_outcome == outcome and back.to_json() == row.to_json()
     assert row.to_json()["derived"]["emulated_outcome"] == outcome
     text = render_text(Result(environment={"torch": "x", "transformers": "x", "trl": "x", "peft": "x",
                                            "soup_cli": "0.73.3", "weights": "synthetic"}, rows=[row]))
-    line = next(ln for ln in text.splitlines() if ln.startswith("Mistral") and row.emulated_card in ln)
+    line = next(ln for ln in text.splitlines() if ln.startswith("Mistral") and row.constraint.card in ln)
     assert outcome in line and ("does not fit" in line) == (not row.emulated_fits)
     assert line.split().count(f"{seen[0] / 1e9:.4f}") == 2, "free with the ballast held, and Soup's gate's reading"
 
@@ -113,7 +115,7 @@ def test_the_ballast_goes_back_when_the_arm_raises_past_the_protocol(device, tmp
         raise KeyboardInterrupt  # the one thing the protocol lets through
 
     with pytest.raises(KeyboardInterrupt):
-        run_arm(measure_arm, "cuda", ARM, mistral_shape(), "unused", tmp_path, emulate="RTX4090")
+        run_arm(measure_arm, "cuda", ARM, mistral_shape(), "unused", tmp_path, constraint=EmulateCard("RTX4090"))
     assert not device.held and device.free == 140 * 10**9
 
 
@@ -121,33 +123,34 @@ def test_a_gpu_with_less_free_than_the_card_is_a_failed_row_not_a_false_emulatio
     monkeypatch.setattr("issue395.measure.measurement.bitsandbytes_present", lambda: True)
     device.free = 10 * 10**9
     row = run_arm(protocol_with_fake_step(10**9, []), "cuda", ARM, mistral_shape(), "unused", tmp_path,
-                  emulate="RTX4090")
+                  constraint=EmulateCard("RTX4090"))
     assert row.status == "FAILED" and "less than" in row.error and not device.held
 
 
 def test_a_model_arm_is_capped_and_emulated_from_its_own_config(tmp_path, device, monkeypatch):
     """--model arms measured like a family: the cap and the verdict read the checkpoint's own
     config.json. FAKED: the CUDA calls (the device fixture; apply_cap's fraction) and the step."""
+    import issue395.constraints.cap as cap
     import issue395.measure.measurement as measurement
     from issue395.constraints.cap import cap_bytes
     from issue395.estimator.estimate import estimate
 
     (tmp_path / "config.json").write_text(json.dumps(config_json("mistral-7b")))
     argv = ["--model", str(tmp_path / "config.json"), "--seq", "512", "--cap", "needs-free"]
-    assert settle(build_parser().parse_args(argv), argv).cap == "needs-free"
+    assert settle(build_parser().parse_args(argv), argv).constraints.cap == "needs-free"
     capped_at = []
-    monkeypatch.setattr(measurement, "apply_cap", capped_at.append)
+    monkeypatch.setattr(cap, "apply_cap", capped_at.append)
     monkeypatch.setattr(measurement, "bitsandbytes_present", lambda: True)
     arm = Arm("custom", 512, 1, 0, "nf4")
     row = run_arm(protocol_with_fake_step(10**9, []), "cuda", arm, mistral_shape(), str(tmp_path), tmp_path,
-                  cap="needs-free")
+                  constraint=Cap("needs-free"))
     want = estimate(config_json("mistral-7b"), quant="nf4", seq=512, batch=1, targets=mistral_shape().targets)
-    assert capped_at == [want.needs_free] == [row.cap] and row.cap == cap_bytes(
+    assert capped_at == [want.needs_free] == [row.constraint.bytes] and row.constraint.bytes == cap_bytes(
         "needs-free", "custom", quant="nf4", seq=512, batch=1, targets=mistral_shape().targets,
         config=config_json("mistral-7b"))
     row = run_arm(protocol_with_fake_step(10**9, []), "cuda", arm, mistral_shape(), str(tmp_path), tmp_path,
-                  emulate="T4")
-    assert row.needs_free is not None and row.emulated_outcome == "admitted and completed"
+                  constraint=EmulateCard("T4"))
+    assert row.constraint.needs_free is not None and row.emulated_outcome == "admitted and completed"
 
 
 def test_an_arms_config_is_its_familys_public_one_else_its_checkpoints_own(tmp_path):
@@ -183,6 +186,7 @@ def test_needs_free_is_the_estimators_on_the_card_and_none_where_it_cannot_model
 
 
 def test_a_config_arm_is_capped_and_emulated_at_its_own_lora_r(tmp_path, device, monkeypatch):
+    import issue395.constraints.cap as cap
     """A --config arm's shape carries the file's r (32 here, on q_proj alone): the cap and the
     card's verdict are the estimator's at that adapter, never the protocol's r 8 on q_proj/v_proj.
     FAKED: the CUDA calls (the device fixture; apply_cap's fraction) and the step."""
@@ -192,16 +196,16 @@ def test_a_config_arm_is_capped_and_emulated_at_its_own_lora_r(tmp_path, device,
     from issue395.estimator.estimate import estimate
 
     capped_at = []
-    monkeypatch.setattr(measurement, "apply_cap", capped_at.append)
+    monkeypatch.setattr(cap, "apply_cap", capped_at.append)
     monkeypatch.setattr(measurement, "bitsandbytes_present", lambda: True)
     own = replace(mistral_shape(), targets=("q_proj",), lora_r=32, lora_alpha=64)
     kw = dict(quant="nf4", seq=512, batch=1)
     want = estimate(config_json("mistral-7b"), targets=("q_proj",), lora_r=32, **kw).needs_free
     assert want != estimate(config_json("mistral-7b"), **kw).needs_free
-    row = run_arm(protocol_with_fake_step(10**9, []), "cuda", ARM, own, "unused", tmp_path, cap="needs-free",
+    row = run_arm(protocol_with_fake_step(10**9, []), "cuda", ARM, own, "unused", tmp_path, constraint=Cap("needs-free"),
                   soup_config="soup.yaml")
-    assert capped_at == [want] == [row.cap] and row.lora_r == 32
-    row = run_arm(protocol_with_fake_step(10**9, []), "cuda", ARM, own, "unused", tmp_path, emulate="T4",
+    assert capped_at == [want] == [row.constraint.bytes] and row.rank == 32
+    row = run_arm(protocol_with_fake_step(10**9, []), "cuda", ARM, own, "unused", tmp_path, constraint=EmulateCard("T4"),
                   soup_config="soup.yaml")
-    assert row.needs_free == tool_needs_free(config_json("mistral-7b"), budget(parse_card("T4")), targets=("q_proj",),
-                                             lora_r=32, **kw) and (row.lora_r, row.lora_alpha) == (32, 64)
+    assert row.constraint.needs_free == tool_needs_free(config_json("mistral-7b"), budget(parse_card("T4")), targets=("q_proj",),
+                                             lora_r=32, **kw) and (row.config.lora_r, row.config.lora_alpha) == (32, 64)

@@ -67,7 +67,7 @@ def test_soups_number_from_the_config_is_what_soups_own_setup_computes_on_cpu(ca
     for quant, row in rows.items():
         _, mine = soup_preflight_from_config(config_json("smol"), quant=quant, seq=64, batch=1,
                                              targets=("q_proj", "v_proj"), lora_r=8)
-        setup = row["soup_terms"]
+        setup = row["gate"]["terms"]
         weights = ("layer_bytes", "extras_bytes")
         assert {k: v for k, v in setup.items() if k not in weights} == \
             {k: v for k, v in mine.items() if k not in weights}, quant

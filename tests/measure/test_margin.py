@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from conftest import SMOL, make_row
 
+from issue395.results.extras import Gate
 from issue395.measure.margin import estimator_terms, margin_arms, margin_breakdown, shape_classes
 from issue395.report.tables import margins_table
 
@@ -41,7 +42,7 @@ def test_a_thin_margin_names_the_term_that_misses_and_by_how_much_per_token():
     extra = 100 * 2048  # activations 100 bytes per token beyond their charge
     classes = {"logits": terms["logits"], "activations": terms["activations"] + extra, "rest": 0}
     real = terms["weights"] + sum(classes.values())
-    row = make_row(real_peak=real, soup_predicted=own, soup_terms=kw,
+    row = make_row(real_peak=real, soup_predicted=own, gate=Gate(kw),
                    attribution={"resident_at_peak": terms["weights"], "classes": classes, "complete": True})
     m = margin_breakdown(row)
     acts = next(t for t in m["terms"] if t["term"] == "activations")

@@ -14,6 +14,9 @@ import pytest
 import torch
 from conftest import SMOL, h
 
+import issue395.constraints.cap as cap
+from issue395.constraints.cap import Cap
+from issue395.results.extras import Capped, UserConfig
 from issue395.measure import measurement
 from issue395.measure.measurement import Measurement, run_arm
 from issue395.model.arm import Arm
@@ -68,26 +71,26 @@ def test_an_oom_is_its_own_finding_with_the_size_it_asked_for(tmp_path):
 def test_a_teardown_error_sits_beside_the_measurement_never_over_it(tmp_path):
     row = judged(tmp_path, peak=GB, teardown_error="RuntimeError: could not free the pool")
     assert row.measured and row.real_peak == GB and row.status == "ok"
-    assert row.teardown_error == "RuntimeError: could not free the pool"
+    assert row.ran.teardown_error == "RuntimeError: could not free the pool"
 
 
 def test_the_timings_are_the_phases_the_protocol_marks(tmp_path):
     row = judged(tmp_path, peak=GB, phases=(("setup", 0.05), ("teardown", 0.02)))
-    t = row.timings
+    t = row.ran.timings
     assert set(t) == {"setup_s", "step_s", "teardown_s"} and t["step_s"] == 0.25
     assert 0.05 <= t["setup_s"] < 1 and 0 <= t["teardown_s"] < t["setup_s"]
-    unmarked = judged(tmp_path, error=RuntimeError("x")).timings  # no step: no step_s
+    unmarked = judged(tmp_path, error=RuntimeError("x")).ran.timings  # no step: no step_s
     assert set(unmarked) == {"setup_s", "teardown_s"}
 
 
 def test_cap_soup_caps_at_soups_own_number_before_the_step_and_never_on_a_dry_run(tmp_path, monkeypatch):
     capped = []
-    monkeypatch.setattr(measurement, "apply_cap", capped.append)  # FAKE: the CUDA fraction call
+    monkeypatch.setattr(cap, "apply_cap", capped.append)  # FAKE: the CUDA fraction call
     seen = dict(peak=GB, soup_predicted=3 * GB)
-    row = run_arm(protocol(**seen), "cpu", ARM, SMOL, "unused", tmp_path, cap="soup")
-    assert capped == [3 * GB] and (row.cap_at, row.cap) == ("soup", 3 * GB)
-    dry = run_arm(protocol(**seen), "cpu", ARM, SMOL, "unused", tmp_path, cap="soup", dry_run=True)
-    assert capped == [3 * GB] and dry.cap is None
+    row = run_arm(protocol(**seen), "cpu", ARM, SMOL, "unused", tmp_path, constraint=Cap("soup"))
+    assert capped == [3 * GB] and row.constraint == Capped("soup", 3 * GB)
+    dry = run_arm(protocol(**seen), "cpu", ARM, SMOL, "unused", tmp_path, constraint=Cap("soup"), dry_run=True)
+    assert capped == [3 * GB] and dry.constraint is None
 
 
 def test_a_kept_failure_drops_its_frames_so_teardown_can_free_the_model():
@@ -119,8 +122,7 @@ def test_a_config_arms_row_names_its_file_and_the_lora_r_and_alpha_it_ran_and_a_
 
     own = run_arm(protocol(peak=GB), "cpu", ARM, replace(SMOL, lora_r=4, lora_alpha=8), "unused", tmp_path,
                   soup_config="soup.yaml")
-    assert (own.soup_config, own.lora_r, own.lora_alpha, own.rank) == ("soup.yaml", 4, 8, 4)
-    assert {"soup_config": "soup.yaml", "lora_r": 4, "lora_alpha": 8}.items() <= own.to_json().items()
+    assert (own.config, own.rank) == (UserConfig("soup.yaml", 4, 8), 4)
+    assert own.to_json()["config"] == {"path": "soup.yaml", "lora_r": 4, "lora_alpha": 8}
     plain = judged(tmp_path, peak=GB)
-    assert (plain.soup_config, plain.lora_r, plain.rank) == (None, None, 8)
-    assert not {"soup_config", "lora_r", "lora_alpha"} & set(plain.to_json())
+    assert (plain.config, plain.rank) == (None, 8) and plain.to_json()["config"] is None

@@ -17,6 +17,7 @@ import json
 import pytest
 from conftest import MAP_512, ROOT, SMOL, SWEEP, make_result, make_row, record_row, record_rows, table_lines
 
+from issue395.results.extras import UserConfig
 from issue395.model.arm import Arm, predicted_bytes
 from issue395.record import RECORD_GRID
 from issue395.model.registry import SHAPES
@@ -65,7 +66,7 @@ def test_custom_model_rows_claim_no_a10g_record():
     text = sweep_table([row])
     assert "A10G: the record" not in text.splitlines()[0] and "no A10G record" in text.splitlines()[0]
     assert "A10G: the record" in sweep_table([make_row("smol", 2048)]).splitlines()[0]
-    own = make_row("smol", 2048, soup_config="soup.yaml", lora_r=4, lora_alpha=8)  # the user's config on smol
+    own = make_row("smol", 2048, config=UserConfig("soup.yaml", 4, 8))  # the user's config on smol
     assert "no A10G record" in sweep_table([own]).splitlines()[0]
 
 

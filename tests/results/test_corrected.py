@@ -9,6 +9,7 @@ from dataclasses import replace
 
 from conftest import make_row
 
+from issue395.results.extras import UserConfig
 from issue395.results.corrected import corrected, corrected_ratio
 from issue395.estimator.estimate import estimate
 from issue395.model.registry import config_json
@@ -32,7 +33,7 @@ def test_the_run_steps_and_shape_reach_it():
 
 def test_a_config_rows_own_lora_r_reaches_it():
     """A --config row ran the file's r (4 here): its corrected estimate is at that r, not the protocol's 8."""
-    row = make_row("smol", 2048, real_peak=10**9, soup_config="soup.yaml", lora_r=4, lora_alpha=8)
+    row = make_row("smol", 2048, real_peak=10**9, config=UserConfig("soup.yaml", 4, 8))
     want = estimate(config_json("smol"), seq=2048, batch=1, targets=("q_proj", "v_proj"), lora_r=4, release="0.73.3", soup=False)
     assert corrected(row, ENV) == want.corrected_predicted < corrected(make_row("smol", 2048, real_peak=10**9), ENV)
 

@@ -14,6 +14,7 @@ from dataclasses import replace
 import pytest
 from conftest import ENV, ROOT, attributed, main, make_result, make_row, one_error_line, record_row, safe_peak
 
+from issue395.results.extras import Ran
 from issue395.measure.cuda import positive_control
 from issue395.errors import EXIT_FINDING, EXIT_INTERRUPTED, EXIT_OK
 from issue395.results.result import Result
@@ -109,7 +110,7 @@ def test_exit_code_one_for_any_finding(result, status):
 
 def test_exit_code_one_for_a_finding_in_a_determinism_repeat(result):
     base = record_row("smol", 4096, index=0)
-    repeats = [replace(base, repeat=1, pid=101), finding(replace(base, repeat=2, pid=102), "OOM")]
+    repeats = [replace(base, repeat=1, ran=Ran(pid=101)), finding(replace(base, repeat=2, ran=Ran(pid=102)), "OOM")]
     res = make_result([base] + repeats)
     assert res.exit_code == EXIT_FINDING
     assert "repeat 2 OOM" in render_text(res)

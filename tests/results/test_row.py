@@ -20,6 +20,7 @@ from dataclasses import replace
 import pytest
 from conftest import PUBLISHED, RECORD_ARMS, ROOT, SMOL, main, make_row, one_error_line, record_row, record_rows
 
+from issue395.results.extras import Capped, Emulated, MinFreeFound, Ran, UserConfig
 from issue395.model.arm import Arm, predicted_bytes
 from issue395.model.registry import SHAPES
 from issue395.measure.cuda import attribute_peak
@@ -248,18 +249,23 @@ def attribution_of_a_step() -> dict:
 
 ROUND_TRIP_ROWS = {
     "ok": lambda: make_row("smol", 2048, real_peak=1_365_200_000, resident=1234, reserved=1_400_000_000,
-                           base="/ckpt", gpu="0: H200", timings={"setup_s": 1.5, "step_s": 0.2}),
+                           ran=Ran(base="/ckpt", gpu="0: H200", timings={"setup_s": 1.5, "step_s": 0.2})),
     "under": lambda: make_row("qwen", 6144, index=9, real_peak=20_000_000_000),
     "void": lambda: make_row("smol", 4096, batch=2, index=3, real_peak=2_000_000_000,
                              realised_rows=(4096, 4000)),
     "oom": lambda: make_row("qwen", 6144, failure="OOM", error="CUDA out of memory",
-                            oom_request=1_288_490_188, teardown_error="RuntimeError: x"),
+                            oom_request=1_288_490_188, ran=Ran(teardown_error="RuntimeError: x")),
     "dry-run": lambda: make_row("smol", 3072, index=1, dry_run=True),
     "repeat": lambda: make_row("smol", 4096, index=2, repeat=2, real_peak=2_657_800_000),
     "attributed": lambda: make_row("smol", 2048, real_peak=1_365_200_000,
                                    attribution=attribution_of_a_step()),
     "lost": lambda: lost_row(Arm("qwen", 2048, 1, 6), Run(), None, -9),
-    "config": lambda: make_row("smol", 2048, dry_run=True, soup_config="soup.yaml", lora_r=4, lora_alpha=8),
+    "config": lambda: make_row("smol", 2048, dry_run=True, config=UserConfig("soup.yaml", 4, 8)),
+    "capped": lambda: make_row("smol", 2048, constraint=Capped("soup", 2_000_000_000), failure="OOM"),
+    "emulated": lambda: make_row("smol", 2048, constraint=Emulated("T4", 14_000_000_000, 14_000_000_001, 10**9),
+                                 real_peak=1_365_200_000),
+    "min-free": lambda: make_row("smol", 2048, real_peak=1_365_200_000, constraint=MinFreeFound(
+        1_400_000_000, 1_390_000_000, 4 * 2**20, ((1_500_000_000, True), (1_390_000_000, False)), 1_450_000_000)),
 }
 
 
@@ -335,8 +341,12 @@ def test_from_json_refuses_a_failure_kind_it_does_not_know(kind):
 @pytest.mark.parametrize("field,value", [("seq", 0), ("batch", True), ("vocab", 49152.0),
                                          ("realised_rows", [2048, -1]), ("realised_rows", "2048"),
                                          ("loss_bytes_per_element", float("nan")),
-                                         ("predicted", None), ("lora_r", 0), ("lora_alpha", "16"),
-                                         ("soup_config", 3)])
+                                         ("predicted", None), ("config", {"path": "a", "lora_r": 0, "lora_alpha": 16}),
+                                         ("config", {"path": "a", "lora_r": 8, "lora_alpha": "16"}),
+                                         ("config", {"path": 3, "lora_r": 8, "lora_alpha": 16}),
+                                         ("constraint", {"kind": "find-max"}), ("constraint", {"kind": "cap"}),
+                                         ("constraint", {"kind": "cap", "at": "soup", "bytes": 0}),
+                                         ("ran", {"pid": -1}), ("gate", {"free": 1.5})])
 def test_from_json_refuses_other_fields_that_cannot_be_judged(field, value):
     saved = record_row("smol", 2048).to_json()
     with pytest.raises(ValueError):

@@ -98,8 +98,8 @@ def test_from_json_of_a_bad_file_exits_2_with_one_line(tmp_path, capfd, content)
 
 def test_the_row_file_a_run_keeps_is_the_file_from_json_refuses_as_a_row_file(capfd, tmp_path):
     """One suffix names the file a run writes and the file --from-json refuses: they cannot drift."""
-    path = RowFile.path_for(str(tmp_path / "run.json"))
-    rows = RowFile(str(tmp_path / "run.json"))
+    path = RowFile.path_for(str(tmp_path / "run.outputs.json"))
+    rows = RowFile(str(tmp_path / "run.outputs.json"))
     rows.add(make_row(index=0, real_peak=10**9))
     assert rows.path == path and path.exists()
     one_error_line(*main(capfd, ["--from-json", path]), "row file", "no environment")

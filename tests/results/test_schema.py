@@ -13,9 +13,10 @@ from conftest import ROOT, main, make_row, table_lines
 from issue395.errors import EXIT_OK
 from issue395.results.result import Result
 from issue395.results.row import Row
-from issue395.results.schema import SCHEMA, TOOL, check_blocks, check_unique, determinism_rows, schema1_row
+from issue395.results.schema import SCHEMA, TOOL, check_blocks, check_unique, determinism_rows, schema1_row, schema2_row
 
 SCHEMA1 = ROOT / "results" / "record-h200x2-soup0.73.3-e7c26f7" / "h200-2026-11-30-full-cold.json"
+TASKS_CAPPED = ROOT / "results" / "task-map-h200-soup0.77.0-f8e1b91-and-85975aa" / "cap-soup-tasks.json"
 DETERMINISM = ROOT / "results" / "isolated-determinism-h200x2-soup0.73.3-5670dee" / "h200-2026-11-30-determinism.json"
 MARGIN = dict(model="m", model_key="smol", quant="none", seq=2048, batch=1, ratio=1.2, complete=True,
               note=None, real_peak=10**9, soup_predicted=2 * 10**9,
@@ -24,12 +25,25 @@ MARGIN = dict(model="m", model_key="smol", quant="none", seq=2048, batch=1, rati
 
 def test_a_schema1_row_reads_as_this_versions_row():
     old = json.loads(SCHEMA1.read_text())["rows"][0]
-    row = Row.from_json(schema1_row(old))
+    row = Row.from_json(schema2_row(schema1_row(old)))
     assert row.vocab == old["elements"] // (old["seq"] * old["batch"]) == 49152
     assert row.loss_bytes_per_element == old["logits12_bytes"] / old["elements"] == 12
     assert (row.logits14, row.resident, row.reserved) == (
         old["logits14_bytes"], old["resident_before_step"], old["max_reserved"])
     assert row.realised_width == old["realised"] and row.repeat is None  # schema 1's sweep rows said 0
+
+
+def test_a_schema2_task_row_keeps_its_task_as_the_arms_own_and_its_flat_fields_move_into_records():
+    """The committed DPO rows capped at Soup's number (schema 2, flat): the task stays the arm's own
+    field (and key, absent for SFT), the cap and the teardown move into their records, and re-saving
+    writes the task key as schema 2 did."""
+    old = next(r for r in json.loads(TASKS_CAPPED.read_text())["rows"] if r.get("task") == "dpo")
+    row = Row.from_json(schema2_row(dict(old, teardown_error="RuntimeError: x")))
+    assert (row.task, row.arm[-1], row.label) == ("dpo", "dpo", f"{old['model']} dpo")
+    assert (row.constraint.at, row.constraint.bytes) == ("soup", old["cap"])
+    assert (row.ran.teardown_error, row.ran.pid, row.gate.terms) == ("RuntimeError: x", old["pid"], old["soup_terms"])
+    assert row.to_json()["task"] == "dpo" and "teardown_error" not in row.to_json()
+    assert "task" not in make_row("smol", 2048).to_json(), "an SFT row grew a task key"
 
 
 def test_a_schema1_row_with_a_negative_element_count_is_refused():

@@ -69,16 +69,16 @@ def test_the_files_r_alpha_and_targets_are_what_soups_setup_builds(capfd, tmp_pa
     assert code == 0, err
     assert built == {"q_proj": (4, 2.0)}
     (row,) = json.loads(out.read_text())["rows"]
-    assert (row["soup_config"], row["lora_r"], row["lora_alpha"], row["targets"]) == (str(config), 4, 8, ["q_proj"])
+    assert (row["config"], row["targets"]) == ({"path": str(config), "lora_r": 4, "lora_alpha": 8}, ["q_proj"])
     assert (row["model_key"], row["seq"], row["batch"], row["quant"], row["realised_width"]) == ("custom", 64, 1, "none", 64)
-    assert row["soup_terms"]["adapter_params"] == 2 * 1 * 2 * 4 * 64  # Soup's own count: layers x targets x 2 x r x hidden
+    assert row["gate"]["terms"]["adapter_params"] == 2 * 1 * 2 * 4 * 64  # Soup's own count: layers x targets x 2 x r x hidden
     assert f"the arm is --config {config}'s (none, LoRA r 4 alpha 8 on q_proj)" in text.splitlines()[0]
 
 
 def test_a_familys_hub_id_is_its_registry_arm_at_the_files_own_settings(tmp_path):
     run = settled(["--config", soup_yaml(tmp_path, "mistralai/Mistral-7B-v0.3", seq=512, quant="4bit"), "--dry-run"])
     assert (run.models, run.quants, run.seqs, run.batches) == (("mistral-7b",), ("nf4",), (512,), (1,))
-    assert (run.targets, run.lora_r, run.lora_alpha, run.custom_model, run.weights) == (
+    assert (run.adapter.targets, run.adapter.lora_r, run.adapter.lora_alpha, run.custom_model, run.weights) == (
         ("q_proj",), 4, 8, None, "synthetic")
     assert settled(["--config", soup_yaml(tmp_path, "HuggingFaceTB/SmolLM2-135M")]).models == ("smol",)
 

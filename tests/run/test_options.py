@@ -63,7 +63,7 @@ def test_every_run_but_a_configs_keeps_the_protocols_adapter():
     --model run r 8, alpha 16 on their own targets, and name no soup.yaml."""
     for argv in (["--dry-run"], ["--dry-run", "--map"], ["--dry-run", "--model", "someorg/some-model", "--seq", "64"]):
         run = settle(build_parser().parse_args(argv), argv)
-        assert (run.lora_r, run.lora_alpha, run.targets, run.soup_config) == (8, 16, None, None), argv
+        assert (run.adapter.lora_r, run.adapter.lora_alpha, run.adapter.targets, run.adapter.soup_config) == (8, 16, None, None), argv
 
 
 def test_steps_reaches_the_sweep_and_the_map():
@@ -75,7 +75,7 @@ def test_emulate_card_is_settled_into_fresh_processes_and_bad_input_is_one_line(
     argv = ["--map", "--families", "mistral-7b", "--quant", "none", "--seq", "512", "--batch", "1",
             "--emulate-card", "L4", "--context", "0.5"]
     run = settle(build_parser().parse_args(argv), argv)
-    assert run.isolate and run.emulate_card == "L4" and run.context == 500_000_000
+    assert run.isolate and run.constraints.emulate_card == "L4" and run.context == 500_000_000
     one_error_line(*main(capfd, ["--models", "smol", "--seq", "64", "--emulate-card", "3 bananas"]), "--emulate-card")
     one_error_line(*main(capfd, ["--models", "smol", "--seq", "64", "--emulate-card", "T4", "--dry-run"]),
                    "--emulate-card")
@@ -149,9 +149,9 @@ def test_a_lanes_count_that_is_not_one_whole_number_of_at_least_one_is_one_line(
 
 def test_bare_lanes_is_left_to_the_host_and_a_number_is_kept():
     parse = build_parser().parse_args
-    assert settle(parse(["--lanes", "--dry-run"]), []).lanes == 0
-    assert settle(parse(["--lanes", "3", "--map", "--dry-run"]), []).lanes == 3
-    assert settle(parse(["--dry-run"]), []).lanes is None
+    assert settle(parse(["--lanes", "--dry-run"]), []).children.lanes == 0
+    assert settle(parse(["--lanes", "3", "--map", "--dry-run"]), []).children.lanes == 3
+    assert settle(parse(["--dry-run"]), []).children.lanes is None
 
 
 def test_a_shard_dir_soup_would_ignore_is_one_line_and_then_cache_dir_may_lie_anywhere(capfd, tmp_path):

@@ -9,7 +9,8 @@ from __future__ import annotations
 import json
 
 from conftest import make_row
-from issue395.report.capped import min_free_table
+from issue395.constraints.minfree import MinFreeBisection
+from issue395.results.extras import Capped, UserConfig
 from issue395.measure.console import Stop
 from issue395.constraints.minfree import resolution
 from issue395.run.options import settle
@@ -29,37 +30,38 @@ def test_min_free_bisects_over_capped_children_and_the_row_carries_it(tmp_path):
     caps, rows = [], []
 
     def child(run, arms, scratch, on_row, script):  # FAKE: one fresh capped child's row
-        caps.append(run.cap)
-        assert run.isolate and not run.min_free and len(arms) == 1
-        cap = None if run.cap == "off" else int(run.cap.split(":")[1])
+        caps.append(run.constraints.cap)
+        assert run.isolate and not run.constraints.min_free and len(arms) == 1
+        cap = None if run.constraints.cap == "off" else int(run.constraints.cap.split(":")[1])
         ok = cap is None or cap >= TRUE_MIN
-        row = make_row("smol", 2048, cap_at=run.cap, cap=cap, real_peak=PEAK if ok else None,
+        row = make_row("smol", 2048, constraint=Capped(run.constraints.cap, cap), real_peak=PEAK if ok else None,
                        reserved=PEAK + 2**21 if ok else None, failure=None if ok else "OOM")
         on_row(row)
         return [Result(environment=ENV, rows=[row], kind="map")]  # as a real child's result holds its row
 
     argv = ["--models", "smol", "--seq", "2048", "--min-free"]
     run = settle(build_parser().parse_args(argv), argv)
-    assert run.min_free and run.isolate
+    assert run.constraints.min_free and run.isolate
     children = min_free_arms(run, [Arm("smol", 2048)], None, rows.append, "unused", spread_one=child)
     (row,) = rows
     assert merge(children).rows == [], "the runner merges the probes for their stack: no overlapping arms"
     assert caps[0] == "off" and all(c.startswith("bytes:") for c in caps[1:])
-    assert row.min_free >= TRUE_MIN > row.min_free_oom and row.min_free - row.min_free_oom <= resolution(PEAK)
-    assert row.min_free_resolution == resolution(PEAK) and len(row.min_free_probes) == len(caps) - 1
-    assert row.needs_free and row.cap_at is None and row.real_peak == PEAK
+    found = row.constraint
+    assert found.completes >= TRUE_MIN > found.oom and found.completes - found.oom <= resolution(PEAK)
+    assert found.resolution == resolution(PEAK) and len(found.probes) == len(caps) - 1
+    assert found.needs_free and MinFreeBisection.carries(row) and row.real_peak == PEAK
     back = Row.from_json(json.loads(json.dumps(row.to_json())))
     assert back == row
-    line = next(ln for ln in min_free_table([row]).splitlines() if ln.startswith("SmolLM2"))
-    assert f"{row.min_free / 1e9:.4f}" in line and f"{row.needs_free / row.min_free:.3f}x" in line
+    line = next(ln for ln in MinFreeBisection.table([row]).splitlines() if ln.startswith("SmolLM2"))
+    assert f"{found.completes / 1e9:.4f}" in line and f"{found.needs_free / found.completes:.3f}x" in line
 
 
 def fake_children(outcomes, caps):
     """FAKE: a fresh capped child per probe, its row measured or OOM as ``outcomes(cap)`` says."""
     def child(run, arms, scratch, on_row, script):
-        caps.append(run.cap)
-        ok = outcomes(run.cap)
-        row = make_row(arms[0].model, arms[0].seq, cap_at=run.cap, real_peak=PEAK if ok else None,
+        caps.append(run.constraints.cap)
+        ok = outcomes(run.constraints.cap)
+        row = make_row(arms[0].model, arms[0].seq, constraint=Capped(run.constraints.cap), real_peak=PEAK if ok else None,
                        reserved=PEAK if ok else None, failure=None if ok else "OOM")
         on_row(row)
         return [Result(environment=ENV, rows=[row], kind="map")]
@@ -72,7 +74,7 @@ def test_a_control_that_does_not_complete_is_the_row_as_it_is_with_no_probe():
     min_free_arms(run, [Arm("smol", 2048)], None, rows.append, "unused",
                   spread_one=fake_children(lambda cap: False, caps))
     (row,) = rows
-    assert caps == ["off"] and row.status == "OOM" and row.min_free is None and row.cap_at is None
+    assert caps == ["off"] and row.status == "OOM" and row.constraint is None
 
 
 def test_a_stop_between_arms_probes_no_further_arm():
@@ -98,9 +100,9 @@ def test_needs_free_is_estimated_for_the_adapter_the_control_ran_with():
     rows = []
 
     def child(run, arms, scratch, on_row, script):  # FAKE: a fresh capped child's row
-        ok = run.cap == "off" or int(run.cap.split(":")[1]) >= TRUE_MIN
+        ok = run.constraints.cap == "off" or int(run.constraints.cap.split(":")[1]) >= TRUE_MIN
         row = with_fields(make_row("smol", 2048, real_peak=PEAK if ok else None, reserved=PEAK if ok else None,
-                                   failure=None if ok else "OOM", soup_config="soup.yaml", lora_r=4, lora_alpha=8),
+                                   failure=None if ok else "OOM", config=UserConfig("soup.yaml", 4, 8)),
                           targets=("q_proj",))
         on_row(row)
         return [Result(environment=ENV, rows=[row], kind="sweep")]
@@ -109,5 +111,5 @@ def test_needs_free_is_estimated_for_the_adapter_the_control_ran_with():
     min_free_arms(run, [Arm("smol", 2048)], None, rows.append, "unused", spread_one=child)
     (row,) = rows
     own = estimate_key("smol", seq=2048, targets=("q_proj",), lora_r=4).needs_free
-    assert row.needs_free == own != estimate_key("smol", seq=2048).needs_free
-    assert (row.soup_config, row.lora_r, row.lora_alpha, row.targets) == ("soup.yaml", 4, 8, ("q_proj",))
+    assert row.constraint.needs_free == own != estimate_key("smol", seq=2048).needs_free
+    assert (row.config, row.targets) == (UserConfig("soup.yaml", 4, 8), ("q_proj",))

@@ -110,7 +110,7 @@ def test_map_dry_run_realises_seq_on_every_row_in_bf16_and_nf4_and_captures_soup
     # Soup's pre-flight ran inside the setup (on CPU it budgets float32 weights).
     none, nf4 = rows
     assert none.soup_predicted and nf4.soup_predicted and nf4.soup_predicted < none.soup_predicted
-    assert none.soup_terms["seq_len"] == 64 and none.soup_terms["layer_bytes"] == SMOL.pool  # fp32
+    assert none.gate.terms["seq_len"] == 64 and none.gate.terms["layer_bytes"] == SMOL.pool  # fp32
     for needle in ("margin map", "summary per family and quantization", "verdict: nothing measured"):
         assert needle in stdout
 

@@ -22,7 +22,9 @@ from conftest import ROOT
 
 from issue395.measure.console import Stop
 from issue395.run.grid import plan_map
-from issue395.run.options import Run
+from issue395.run.options import Children, Run
+from issue395.constraints.asked import Constraints
+from issue395.results.extras import Capped, UserConfig
 from issue395.model.arm import Arm
 from issue395.record import QUANTS
 from issue395.run.scratch import Scratch
@@ -39,7 +41,7 @@ SLEEPY_CHILD = textwrap.dedent("""
     die_with_parent()
     run, job = read_job(os.environ[CHILD_JOB])
     Stop.install(quiet=True)
-    rows = RowFile(run.json)
+    rows = RowFile(run.outputs.json)
     try:
         for arm in job.arms:
             if Stop.requested:
@@ -73,7 +75,7 @@ def wait_for(predicate, timeout: float = 30.0) -> bool:
 def test_one_ctrl_c_to_a_gpus_parent_stops_each_child_after_its_arm_in_flight(tmp_path):
     script, started = sleepy_child(tmp_path, arm_s=1.5)
     arms = [Arm("smol", 64, 1, i) for i in range(4)]
-    run = Run(models=("smol",), seqs=(64,), gpus=(0, 1), dry_run=True)
+    run = Run(models=("smol",), seqs=(64,), children=Children(gpus=(0, 1)), dry_run=True)
     rows = []
 
     def ctrl_c_once_both_children_measure():
@@ -93,13 +95,13 @@ def test_one_ctrl_c_to_a_gpus_parent_stops_each_child_after_its_arm_in_flight(tm
 PARENT = textwrap.dedent("""
     import sys
     sys.path.insert(0, {root!r})
-    from issue395.run.options import Run
+    from issue395.run.options import Children, Run
     from issue395.model.arm import Arm
     from issue395.run.scratch import Scratch
     from issue395.run.spread import spread
 
     with Scratch() as scratch:
-        spread(Run(models=("smol",), seqs=(64,), gpus=(0,), dry_run=True), [Arm("smol", 64, 1, 0)],
+        spread(Run(models=("smol",), seqs=(64,), children=Children(gpus=(0,)), dry_run=True), [Arm("smol", 64, 1, 0)],
                scratch, print, {script!r})
 """)
 
@@ -146,12 +148,13 @@ def child_job(tmp_path, **run):
 
 def test_a_child_of_a_model_run_gets_its_settled_run_and_job_back_as_data(tmp_path):
     job, (run, back) = child_job(tmp_path, custom_model="/some/checkpoint", models=("custom",),
-                                 seqs=(64,), weights="local", isolate=True, gpus=(0, 1), measure=True)
+                                 seqs=(64,), weights="local", isolate=True, children=Children(gpus=(0, 1)),
+                                 measure=True)
     assert back == job
     assert (run.custom_model, run.models, run.seqs, run.weights) == ("/some/checkpoint", ("custom",), (64,),
                                                                       "local")
-    assert (run.child, run.isolate, run.gpus, run.shard, run.repeat_tag) == (True, False, None, (1, 2), 2)
-    assert (run.json, run.cache_dir, run.measure) == ("out.json", "/tmp/cache", True)
+    assert (run.isolate, run.children) == (False, Children(gpus=None, shard=(1, 2), child=True, repeat_tag=2))
+    assert (run.outputs.json, run.cache_dir, run.measure) == ("out.json", "/tmp/cache", True)
 
 
 def test_a_map_child_inherits_the_default_quantizations_rather_than_demanding_nf4(tmp_path):
@@ -171,23 +174,23 @@ def test_a_capped_map_child_shares_the_cache_and_a_lost_capped_arm_stays_in_the_
     from issue395.run.spread import lost_row
 
     with Scratch() as scratch:
-        assert child_cache(Run(map=True, models=("smol",), cap="soup"), scratch) is not None
-    row = lost_row(Arm("smol", 2048), Run(cap="soup"), None, 139)
-    assert row.cap_at == "soup" and row.status == "FAILED"
+        assert child_cache(Run(map=True, models=("smol",), constraints=Constraints(cap="soup")), scratch) is not None
+    row = lost_row(Arm("smol", 2048), Run(constraints=Constraints(cap="soup")), None, 139)
+    assert row.constraint == Capped("soup") and row.status == "FAILED"
 
 
 def test_a_lost_emulated_arm_keeps_its_card():
     from issue395.run.spread import lost_row
 
-    row = lost_row(Arm("smol", 2048), Run(emulate_card="t4"), None, 139)
-    assert row.emulated_card == "T4" and row.emulated_outcome == "FAILED"
+    row = lost_row(Arm("smol", 2048), Run(constraints=Constraints(emulate_card="t4")), None, 139)
+    assert row.constraint.card == "T4" and row.emulated_outcome == "FAILED"
 
 
 def test_a_map_spread_over_two_gpus_starts_one_child_per_gpu_each_with_whole_families():
     arms = plan_map(("smol", "qwen", "mistral-7b"), ("none",), (2048,), (1,))
-    jobs = plan_jobs(Run(map=True, models=("smol", "qwen", "mistral-7b"), gpus=(0, 1)), arms)
+    jobs = plan_jobs(Run(map=True, models=("smol", "qwen", "mistral-7b"), children=Children(gpus=(0, 1))), arms)
     assert [sorted({a.model for a in j.arms}) for j in jobs] == [["mistral-7b"], ["qwen", "smol"]]
-    one = plan_jobs(Run(map=True, models=("smol",), gpus=(0, 1)), arms[:1])
+    one = plan_jobs(Run(map=True, models=("smol",), children=Children(gpus=(0, 1))), arms[:1])
     assert len(one) == 1, "a second GPU with no family to run started a child anyway"
 
 
@@ -210,10 +213,9 @@ def test_a_config_arms_child_gets_the_files_adapter_and_quantization_and_a_lost_
     write_job(path, sent, job)
     run, back = read_job(str(path))
     assert run == sent and back == job and back.arms == (Arm("mistral-7b", 512, 1, 0, "nf4"),)
-    assert (run.soup_config, run.targets, run.lora_r, run.lora_alpha) == (str(config), ("q_proj",), 4, 8)
+    assert (run.adapter.soup_config, run.adapter.targets, run.adapter.lora_r, run.adapter.lora_alpha) == (str(config), ("q_proj",), 4, 8)
     row = lost_row(back.arms[0], run, None, 139)
-    assert (row.soup_config, row.lora_r, row.lora_alpha, row.targets, row.quant) == (
-        str(config), 4, 8, ("q_proj",), "nf4")
+    assert (row.config, row.targets, row.quant) == (UserConfig(str(config), 4, 8), ("q_proj",), "nf4")
 
 
 # --lanes (issue 30): lanes at once on one GPU, whole-card arms alone after them, a dead lane's arms FAILED
@@ -228,7 +230,7 @@ LANE_CHILD = textwrap.dedent("""
     die_with_parent()
     run, job = read_job(os.environ[CHILD_JOB])
     Stop.install(quiet=True)
-    rows = RowFile(run.json)
+    rows = RowFile(run.outputs.json)
     log = open({log!r}, "a")
     log.write(f"start {{os.getpid()}} {{time.monotonic()}} {{job.whole_card}} {{os.environ['OMP_NUM_THREADS']}}\\n")
     log.flush()
@@ -269,7 +271,7 @@ def test_two_lanes_run_at_once_on_one_gpu_and_a_whole_card_arm_runs_alone_after_
     lanes = Lanes(2, 3, whole_card=(arms[4],), share=1, why="test")
     rows = []
     with Scratch() as scratch:
-        spread(Run(lanes=2, dry_run=True), arms, scratch, rows.append, str(script), lanes)
+        spread(Run(children=Children(lanes=2), dry_run=True), arms, scratch, rows.append, str(script), lanes)
     assert sorted(r.index for r in rows) == [0, 1, 2, 3, 4]
     children = spans(log)
     lane, whole = [c for c in children.values() if not c["whole"]], [c for c in children.values() if c["whole"]]
@@ -288,7 +290,7 @@ def test_a_lane_that_dies_leaves_a_failed_row_for_each_arm_it_did_not_report_nev
     arms = [Arm("smol", 64 * (i + 1), 1, i) for i in range(4)]
     rows = []
     with Scratch() as scratch:
-        spread(Run(lanes=2, dry_run=True), arms, scratch, rows.append, str(script), Lanes(2, 1, why="test"))
+        spread(Run(children=Children(lanes=2), dry_run=True), arms, scratch, rows.append, str(script), Lanes(2, 1, why="test"))
     by_index = {r.index: r for r in rows}
     assert sorted(by_index) == [0, 1, 2, 3], "an arm of the dead lane was lost"
     dead = [i for i, r in by_index.items() if "exited with code 3" in (r.error or "")]
@@ -303,7 +305,7 @@ def test_a_map_in_lanes_deals_whole_families_and_the_arms_past_a_lanes_share_go_
     gate alone, so beside neighbours too, and stays in its lane."""
     from issue395.run.spread import Lanes, lane_jobs, plan_lanes
 
-    run = Run(map=True, models=("smol", "qwen"), lanes=2)
+    run = Run(map=True, models=("smol", "qwen"), children=Children(lanes=2))
     arms = plan_map(("smol", "qwen"), ("none",), (2048, 6144), (1,))
     plan = plan_lanes(run, arms, total=10 * 10**9, cores=8)
     assert (plan.count, plan.threads) == (2, 4)
@@ -313,6 +315,6 @@ def test_a_map_in_lanes_deals_whole_families_and_the_arms_past_a_lanes_share_go_
     assert [sorted({a.model for a in j.arms}) for j in lanes] == [["qwen"], ["smol"]]
     assert [[(a.model, a.seq) for a in j.arms] for j in alone] == [[("smol", 6144), ("qwen", 2048)]]
     assert plan_lanes(run, arms, total=None, cores=8).whole_card == (), "a dry run has no card to share"
-    bare = plan_lanes(Run(map=True, models=("smol", "qwen"), lanes=0), arms, total=None, cores=16)
+    bare = plan_lanes(Run(map=True, models=("smol", "qwen"), children=Children(lanes=0)), arms, total=None, cores=16)
     assert bare.count == 2 and "only 2 families" in bare.why, "bare --lanes ran more lanes than families"
     assert Lanes(4, 4, why="x").label(Run()).startswith("4 lanes on one GPU (4 threads each; x)")

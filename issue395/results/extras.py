@@ -1,0 +1,158 @@
+"""What a row holds beyond the arm and its measurement, each as its own typed record: where it ran
+(``Ran``), what Soup's gate read (``Gate``), the user's soup.yaml it is (``UserConfig``), and the
+constraint it ran under, one at most (``Capped``, ``Emulated``, ``MinFreeFound``: each constraint's
+record, written under its ``KIND``). Each record reads itself back from JSON, checking what it holds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, Callable, ClassVar, Optional
+
+from ..constants import is_whole
+
+_STR = (lambda v: v is None or isinstance(v, str), "a string or null")
+_PRINTABLE = (lambda v: isinstance(v, str) and v.isprintable(), "a printable string")
+_BYTES = (lambda v: v is None or is_whole(v, 1), "a whole number >= 1 or null")
+
+
+class Record:
+    """A row's sub-record: its JSON is its fields; ``CHECKS`` says what each must be."""
+
+    CHECKS: ClassVar[dict[str, tuple[Callable[[Any], bool], str]]] = {}
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)  # type: ignore[call-overload]
+
+    @classmethod
+    def from_json(cls, data: Any, where: str) -> Any:
+        if not isinstance(data, dict):
+            raise ValueError(f"row field {where!r} is {data!r:.60}, not an object")
+        known = {f.name for f in fields(cls)}  # type: ignore[arg-type]
+        unknown = set(data) - known - {"kind"}
+        if unknown:
+            raise ValueError(f"unknown row field {where + '.' + sorted(unknown)[0]!r}")
+        for name, (ok, what) in cls.CHECKS.items():
+            if not ok(data.get(name)):
+                raise ValueError(f"row field {where + '.' + name!r} is {data.get(name)!r:.60}, not {what}")
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+
+@dataclass(frozen=True)
+class Ran(Record):
+    """Where and how the arm ran: the checkpoint, the GPU's label, the process, Soup's log, the timings,
+    and what its teardown raised."""
+
+    base: Optional[str] = None
+    gpu: Optional[str] = None
+    pid: Optional[int] = None
+    log: Optional[str] = None
+    timings: dict = field(default_factory=dict)
+    teardown_error: Optional[str] = None  # the arm's teardown raised (its measurement is kept)
+
+    CHECKS: ClassVar = {"base": _STR, "gpu": _STR, "log": _STR, "teardown_error": _STR,
+                        "pid": (lambda v: v is None or is_whole(v, 0), "a whole number or null"),
+                        "timings": (lambda v: v is None or isinstance(v, dict), "an object or null")}
+
+    @classmethod
+    def from_json(cls, data: Any, where: str) -> "Ran":
+        ran = super().from_json(data, where)
+        return cls(ran.base, ran.gpu, ran.pid, ran.log, ran.timings or {}, ran.teardown_error)
+
+
+@dataclass(frozen=True)
+class Gate(Record):
+    """What Soup's own pre-flight read (read by Soup): the arguments it passed its estimator, and the
+    free memory its gate compared its number with (mem_get_info at its gate, on a CUDA arm)."""
+
+    terms: Optional[dict] = None
+    free: Optional[int] = None
+
+    CHECKS: ClassVar = {"terms": (lambda v: v is None or isinstance(v, dict), "an object or null"),
+                        "free": _BYTES}
+
+
+@dataclass(frozen=True)
+class UserConfig(Record):
+    """--config: the user's soup.yaml this arm is, and the LoRA r and alpha it ran with from it."""
+
+    path: str
+    lora_r: int
+    lora_alpha: int
+
+    CHECKS: ClassVar = {"path": (lambda v: isinstance(v, str), "a string"),
+                        "lora_r": (lambda v: is_whole(v, 1), "a whole number >= 1"),
+                        "lora_alpha": (lambda v: is_whole(v, 1), "a whole number >= 1")}
+
+
+@dataclass(frozen=True)
+class Capped(Record):
+    """--cap: which prediction capped the allocator ("off": the control) and the cap in bytes."""
+
+    KIND: ClassVar = "cap"
+    at: str
+    bytes: Optional[int] = None
+
+    CHECKS: ClassVar = {"at": (lambda v: isinstance(v, str), "a string"), "bytes": _BYTES}
+
+
+@dataclass(frozen=True)
+class Emulated(Record):
+    """--emulate-card: the card the arm ran as, its free memory (total - context, computed), the
+    free memory measured with the ballast held, and this tool's needs-free for the arm (computed)."""
+
+    KIND: ClassVar = "emulate-card"
+    card: str
+    card_free: Optional[int] = None
+    free: Optional[int] = None
+    needs_free: Optional[int] = None
+
+    CHECKS: ClassVar = {"card": (_PRINTABLE[0], "a printable string"),
+                        "card_free": _BYTES, "free": _BYTES, "needs_free": _BYTES}
+
+
+@dataclass(frozen=True)
+class MinFreeFound(Record):
+    """--min-free, measured: the lowest cap the step completed under, the highest it raised OOM
+    under, the bracket's width when it stopped, every probe (cap bytes, completed) in the order
+    run; beside this tool's needs-free for the arm (computed)."""
+
+    KIND: ClassVar = "min-free"
+    completes: Optional[int] = None
+    oom: Optional[int] = None
+    resolution: Optional[int] = None
+    probes: tuple = ()
+    needs_free: Optional[int] = None
+
+    CHECKS: ClassVar = {"completes": _BYTES, "oom": _BYTES, "resolution": _BYTES, "needs_free": _BYTES,
+                        "probes": (lambda v: v is None or (isinstance(v, (list, tuple)) and all(
+                            isinstance(p, (list, tuple)) and len(p) == 2 and is_whole(p[0], 1)
+                            and isinstance(p[1], bool) for p in v)),
+                            "a list of [cap bytes, completed] pairs")}
+
+    def to_json(self) -> dict[str, Any]:
+        return dict(asdict(self), probes=[list(p) for p in self.probes])
+
+    @classmethod
+    def from_json(cls, data: Any, where: str) -> "MinFreeFound":
+        found = super().from_json(data, where)
+        return cls(found.completes, found.oom, found.resolution, tuple(map(tuple, found.probes or ())),
+                   found.needs_free)
+
+
+#: Each constraint's record by the kind its JSON names.
+CONSTRAINT_RECORDS = {r.KIND: r for r in (Capped, Emulated, MinFreeFound)}
+
+
+def constraint_to_json(record: Optional[Record]) -> Optional[dict[str, Any]]:
+    return None if record is None else {"kind": type(record).KIND, **record.to_json()}
+
+
+def constraint_from_json(data: Any) -> Optional[Record]:
+    if data is None:
+        return None
+    kind = data.get("kind") if isinstance(data, dict) else None
+    if kind not in CONSTRAINT_RECORDS:
+        raise ValueError(f"row field 'constraint' is {data!r:.60}, not a constraint's record "
+                         f"(kind one of {', '.join(CONSTRAINT_RECORDS)})")
+    return CONSTRAINT_RECORDS[kind].from_json(data, "constraint")
