@@ -31,7 +31,8 @@ from issue395.run.scratch import Scratch
 from issue395.run.spread import spread
 from issue395.run.spread import Job, child_cache, child_run, plan_jobs, read_job, write_job
 
-SLEEPY_CHILD = textwrap.dedent("""
+#: What every stand-in child does first: the real child's own job file, its stop handler, its row file.
+CHILD_PREAMBLE = """
     import os, sys, time
     sys.path.insert(0, {root!r})
     from issue395.measure.console import Stop
@@ -42,7 +43,9 @@ SLEEPY_CHILD = textwrap.dedent("""
     run, job = read_job(os.environ[CHILD_JOB])
     Stop.install(quiet=True)
     rows = RowFile(run.outputs.json)
-    try:
+"""
+
+SLEEPY_CHILD = textwrap.dedent(CHILD_PREAMBLE + """    try:
         for arm in job.arms:
             if Stop.requested:
                 break
@@ -220,18 +223,7 @@ def test_a_config_arms_child_gets_the_files_adapter_and_quantization_and_a_lost_
 
 # --lanes (issue 30): lanes at once on one GPU, whole-card arms alone after them, a dead lane's arms FAILED
 
-LANE_CHILD = textwrap.dedent("""
-    import os, sys, time
-    sys.path.insert(0, {root!r})
-    from issue395.measure.console import Stop
-    from issue395.results.saved import RowFile
-    from issue395.run.spread import CHILD_JOB, die_with_parent, lost_row, read_job
-
-    die_with_parent()
-    run, job = read_job(os.environ[CHILD_JOB])
-    Stop.install(quiet=True)
-    rows = RowFile(run.outputs.json)
-    log = open({log!r}, "a")
+LANE_CHILD = textwrap.dedent(CHILD_PREAMBLE + """    log = open({log!r}, "a")
     log.write(f"start {{os.getpid()}} {{time.monotonic()}} {{job.whole_card}} {{os.environ['OMP_NUM_THREADS']}}\\n")
     log.flush()
     for arm in job.arms:
