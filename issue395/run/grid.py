@@ -35,6 +35,13 @@ def plan_map(families: Iterable[str], quants: Iterable[str], seqs: Optional[Iter
     return arms
 
 
+def past_positions(families: Iterable[str], seqs: Optional[Iterable[int]]) -> list[str]:
+    """The seqs asked for on the map that a family's positions leave out (plan_map does not plan
+    them): each named with the reason, never dropped silently."""
+    return [f"{fam} at seq {', '.join(map(str, past))}: past its maximum positions ({max_positions(fam)})"
+            for fam in families for past in [[s for s in (seqs or ()) if s > max_positions(fam)]] if past]
+
+
 def plan_arms(models: Iterable[str], seqs: Optional[Iterable[int]], batches: Iterable[int],
               quant: str = "none", tasks: Iterable[str] = (PROTOCOL_TASK,)) -> list[Arm]:
     """Grid order: model, then seq, then batch (the record's order), then task, at one

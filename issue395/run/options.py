@@ -407,8 +407,11 @@ def settle_map(args: argparse.Namespace, argv: list[str]) -> Run:
     if args.quant is not None and "nf4" in quants and not args.dry_run and not bitsandbytes_present():
         raise UsageError("--quant nf4 needs bitsandbytes, which is not installed here")
     seqs, batches = parse_ints("--seq", args.seq, minimum=64), parse_ints("--batch", args.batch)
-    for fam in families:
-        within_positions(fam, max_positions(fam), seqs or ())
+    # a seq past one family's positions is left out for that family (and named); one past every
+    # named family's is one line: it would run nowhere
+    widest = max(families, key=max_positions)
+    within_positions(widest if len(families) == 1 else f"every named family (the widest, {widest})",
+                     max_positions(widest), seqs or ())
     axes = dict(expert_layout=None, loss_chunk=None, recompute=None)  # the map's own, settled above
     plain = _settle(argparse.Namespace(**dict(vars(args), map=False, families=None, quant=None,
                                              models=None, seq=None, batch=args.batch, **axes)), argv)

@@ -34,7 +34,7 @@ from ..report.outputs import render_markdown, render_plot, write_output
 from ..report.tables import compare_table, render_text
 from .checkpoints import Checkpoints, quant_base
 from .checks import within_positions
-from .grid import plan_arms, shard_of
+from .grid import past_positions, plan_arms, shard_of
 from .options import Run, grid_arms, settle
 from .parser import NO_CUDA, build_parser
 from .probes import min_free_arms
@@ -291,8 +291,9 @@ def measure_all(run: Run, protocol: Protocol, job: Optional[Job], scratch: Scrat
                                          [os.path.basename(protocol.script), *run.argv], with_torch=False)
     if run.steps != 1:  # the protocol's one step is implied; anything else is named (the stack settled)
         result.environment["steps"] = run.steps
-    if run.map and not run.children.child and not_on_map():  # never skipped silently: named with the reason
-        result.environment["not_on_map"] = " | ".join(not_on_map())
+    left_out = not_on_map() + past_positions(run.models, run.seqs) if run.map else []
+    if left_out and not run.children.child:  # never skipped silently: named with the reason
+        result.environment["not_on_map"] = " | ".join(left_out)
     result.rows = sorted(rows, key=row_order)
     result.interrupted = interrupted
     result.timings = run_timings(rows, imports_s, time.perf_counter() - started,

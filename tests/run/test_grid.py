@@ -102,3 +102,18 @@ def test_a_task_is_the_grids_innermost_axis_and_every_batch_runs_under_every_tas
         (512, 1, "sft", 0), (512, 1, "kto", 1), (512, 2, "sft", 2), (512, 2, "kto", 3)]
     assert [a.task for a in plan_arms(["smol"], [2048], [1], tasks=("dpo", "orpo"))] == ["dpo", "orpo"]
     assert {a.task for a in plan_map(["llama32-1b"], QUANTS, None, MAP_BATCHES)} == {"sft"}
+
+
+def test_a_map_seq_past_one_familys_positions_is_left_out_for_it_and_named():
+    """--map --seq 512,4096 on SmolLM2 (8192 positions) and phi-2 (2048): settled, not refused (the
+    first GPU try of the task map stopped at the options); phi-2 plans 512 alone, SmolLM2 both, and
+    what is left out is named with its reason for the result's 'not on this map' lines."""
+    from issue395.run.grid import past_positions, plan_map
+    from issue395.run.options import settle
+    from issue395.run.parser import build_parser
+
+    argv = ["--map", "--families", "smol,phi-2", "--quant", "none", "--seq", "512,4096", "--batch", "1"]
+    run = settle(build_parser().parse_args(argv), argv)
+    assert {(a.model, a.seq) for a in plan_map(run.models, run.quants, run.seqs, run.batches)} == {
+        ("smol", 512), ("smol", 4096), ("phi-2", 512)}
+    assert past_positions(run.models, run.seqs) == ["phi-2 at seq 4096: past its maximum positions (2048)"]

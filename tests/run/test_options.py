@@ -90,6 +90,7 @@ def test_min_free_refuses_what_would_run_under_its_caps(capfd):
 @pytest.mark.parametrize("argv, words", [
     (["--map", "--families", "smol,nope"], "unknown family 'nope'"),
     (["--map", "--families", "phi-2", "--seq", "4096"], "beyond phi-2's maximum positions (2048)"),
+    (["--map", "--families", "phi-2,phi3-mini", "--seq", "8192"], "beyond every named family (the widest, phi3-mini)"),
     (["--map", "--quant", "nf8"], "--quant"),
     (["--map", "--models", "smol"], "exclusive"),
     (["--families", "smol"], "--families goes with --map"),
