@@ -13,6 +13,7 @@ from typing import Optional
 
 from ..errors import last_line
 from ..record import LORA_R
+from ..tasks import PROTOCOL_TASK
 from ..text import gb, table
 from ..model.registry import FAMILIES, SHAPES, config_json, family_of
 from ..estimator.cards import Budget, budget, parse_card, workspace_env
@@ -38,8 +39,9 @@ def arm_config(model_key: str, base: Optional[str]) -> Optional[dict]:
 
 
 def tool_needs_free(config: Optional[dict], b: Optional[Budget], *, quant: str, seq: int, batch: int,
-                    targets: tuple, lora_r: int = LORA_R, steps: int = 1, stream: tuple = ()) -> Optional[int]:
-    """This tool's needs-free for the arm (on card ``b``: its cuBLAS workspace), or None where the
+                    targets: tuple, lora_r: int = LORA_R, steps: int = 1, stream: tuple = (),
+                    task: str = PROTOCOL_TASK) -> Optional[int]:
+    """This tool's needs-free for the arm under its task (on card ``b``: its cuBLAS workspace), or None where the
     estimator cannot model the arm (it is said as '-', never guessed)."""
     if config is None:
         return None
@@ -47,7 +49,7 @@ def tool_needs_free(config: Optional[dict], b: Optional[Budget], *, quant: str, 
 
     try:
         e = estimate(config, quant=quant, seq=seq, batch=batch, targets=tuple(targets) or None,
-                     lora_r=lora_r, steps=steps, stream=dict(stream))
+                     lora_r=lora_r, steps=steps, stream=dict(stream), task=task)
         if b is None:
             return e.needs_free
         return card_answers(config, e, [b], targets=tuple(targets) or None, lora_r=lora_r,
@@ -72,7 +74,8 @@ class EmulateCard(Constraint):
         """This tool's verdict for the arm on the card (its needs-free), before the card decides."""
         self.needs_free = tool_needs_free(
             arm_config(s.arm.model, s.base), self.budget, quant=s.arm.quant, seq=s.arm.seq, batch=s.arm.batch,
-            targets=s.shape.targets, lora_r=s.shape.lora_r, steps=s.steps, stream=s.shape.stream)
+            targets=s.shape.targets, lora_r=s.shape.lora_r, steps=s.steps, stream=s.shape.stream,
+            task=s.arm.task)
 
     def before_setup(self, s: ArmSetting) -> None:
         if not s.dry_run:  # Soup's gate then measures the card's free memory

@@ -315,17 +315,8 @@ def outputs_of(args: argparse.Namespace) -> Outputs:
 
 
 def settle_tasks(args: argparse.Namespace) -> tuple:
-    """--task: Soup's tasks, each once. A task beside a constraint that runs this tool's estimator
-    (--cap corrected or needs-free, --emulate-card, --min-free) is one line: those constraints do not
-    hand the estimator the arm's task yet."""
-    tasks = (PROTOCOL_TASK,) if args.task is None else distinct_choices("--task", args.task, tuple(TASKS), "task")
-    other = [t for t in tasks if t != PROTOCOL_TASK]
-    estimator = ("--cap " + args.cap if args.cap in ("corrected", "needs-free") else
-                 "--emulate-card" if args.emulate_card else "--min-free" if args.min_free else None)
-    if other and estimator:
-        raise UsageError(f"--task {other[0]} and {estimator}: that constraint's needs-free is not wired for a "
-                         "task other than sft yet (--cap soup and --cap off run any task; --estimate answers it)")
-    return tasks
+    """--task: Soup's tasks, each once (every constraint hands the estimator the arm's task)."""
+    return (PROTOCOL_TASK,) if args.task is None else distinct_choices("--task", args.task, tuple(TASKS), "task")
 
 
 def card_list_run(args: argparse.Namespace, argv: list[str]) -> Optional[Run]:

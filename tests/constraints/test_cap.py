@@ -9,7 +9,7 @@ import json
 import pytest
 from conftest import ROOT
 
-from issue395.constraints.cap import apply_cap, cap_bytes
+from issue395.constraints.cap import Cap, apply_cap, cap_bytes
 from issue395.estimator.releases import release_source
 
 CAP_SOUP = ROOT / "results" / "cap-proof-and-seq512-1024-map-h200x2-soup0.73.3-b5bee37" / "cap-soup.json"
@@ -41,3 +41,27 @@ def test_the_corrected_caps_sit_above_soups_own_on_an_arm_soup_under_predicts():
     kw = dict(quant="nf4", seq=512, batch=1, targets=("q_proj", "v_proj"), release="0.73.3")
     soup, corrected, free = (cap_bytes(c, "mistral-7b", **kw) for c in ("soup", "corrected", "needs-free"))
     assert soup < corrected <= free
+
+
+@pytest.mark.parametrize("task", ["dpo", "kto"])
+def test_a_preference_arm_is_capped_at_its_own_tasks_estimate(monkeypatch, task):
+    """--cap corrected|needs-free on a --task arm: the cap is the estimator's for that task (a paired
+    step, a reference forward), not SFT's; the hook reads the task off the arm it constrains.
+    FAKED: apply_cap's CUDA fraction."""
+    import issue395.constraints.cap as cap
+    from issue395.constraints.constraint import ArmSetting
+    from issue395.estimator.estimate import estimate_key
+    from issue395.measure.shapes import family_shape
+    from issue395.model.arm import Arm
+
+    kw = dict(quant="none", seq=512, batch=2, targets=("q_proj", "v_proj"), soup=False)
+    want, sft = estimate_key("smol", task=task, **kw), estimate_key("smol", **kw)
+    assert (want.corrected_predicted, want.needs_free) != (sft.corrected_predicted, sft.needs_free)
+    capped = []
+    monkeypatch.setattr(cap, "apply_cap", capped.append)
+    for at, number in (("corrected", want.corrected_predicted), ("needs-free", want.needs_free)):
+        kw_cap = {k: v for k, v in kw.items() if k != "soup"}
+        assert cap_bytes(at, "smol", task=task, **kw_cap) == number
+        c = Cap(at)
+        c.before_setup(ArmSetting(Arm("smol", 512, 2, task=task), family_shape("smol"), "unused"))
+        assert c.bytes == number == capped[-1]

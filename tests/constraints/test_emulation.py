@@ -209,3 +209,24 @@ def test_a_config_arm_is_capped_and_emulated_at_its_own_lora_r(tmp_path, device,
                   soup_config="soup.yaml")
     assert row.constraint.needs_free == tool_needs_free(config_json("mistral-7b"), budget(parse_card("T4")), targets=("q_proj",),
                                              lora_r=32, **kw) and (row.config.lora_r, row.config.lora_alpha) == (32, 64)
+
+
+def test_the_cards_verdict_on_a_preference_arm_is_its_own_tasks_needs_free():
+    """--emulate-card with --task dpo: this tool's verdict is the estimator's needs-free for DPO's step
+    on the card, which is not SFT's (before the card decides; no CUDA is touched)."""
+    from issue395.constraints.constraint import ArmSetting
+    from issue395.estimator.estimate import estimate_key
+    from issue395.measure.shapes import family_shape
+
+    kw = dict(quant="none", seq=512, batch=1, targets=("q_proj", "v_proj"), soup=False)
+    dpo, sft = estimate_key("smol", task="dpo", **kw).needs_free, estimate_key("smol", **kw).needs_free
+    assert dpo > sft
+    t4 = budget(parse_card("T4"))
+    tool_kw = {k: v for k, v in kw.items() if k != "soup"}
+    assert tool_needs_free(config_json("smol"), None, task="dpo", **tool_kw) == dpo
+    assert tool_needs_free(config_json("smol"), t4, task="dpo", **tool_kw) == dpo  # T4's workspace is the estimator's
+    e = EmulateCard("T4")
+    e.before_arm(ArmSetting(Arm("smol", 512, 1, task="dpo"), family_shape("smol"), "unused"))
+    assert e.needs_free == dpo
+    e.before_arm(ArmSetting(Arm("smol", 512, 1), family_shape("smol"), "unused"))
+    assert e.needs_free == sft

@@ -186,14 +186,20 @@ def test_task_is_an_axis_of_the_map_and_the_sweep_and_sft_by_default():
     assert {a.task for a in options.grid_arms(settled("--models", "smol", "--task", "dpo", "--dry-run"))} == {"dpo"}
 
 
-@pytest.mark.parametrize("argv,words", [
-    (["--task", "dpo,dpo"], ["--task dpo,dpo: a task is named twice"]),
-    (["--task", "dpo", "--emulate-card", "T4"], ["--task dpo and --emulate-card", "not wired"]),
-    (["--task", "kto", "--cap", "corrected"], ["--task kto and --cap corrected"]),
-    (["--task", "orpo", "--min-free"], ["--task orpo and --min-free"]),
+def test_a_task_named_twice_is_one_line(capfd):
+    one_error_line(*main(capfd, ["--task", "dpo,dpo"]), "--task dpo,dpo: a task is named twice")
+
+
+@pytest.mark.parametrize("argv", [
+    ["--task", "dpo", "--emulate-card", "T4", "--models", "smol", "--seq", "512"],
+    ["--task", "kto", "--cap", "corrected", "--models", "smol", "--seq", "512", "--batch", "2"],
+    ["--task", "kto", "--cap", "needs-free", "--models", "smol", "--seq", "512", "--batch", "2"],
+    ["--task", "orpo", "--min-free", "--models", "smol", "--seq", "512"],
 ])
-def test_a_task_beside_a_constraint_not_wired_for_it_is_one_line(capfd, argv, words):
-    one_error_line(*main(capfd, argv), *words)
+def test_a_task_settles_beside_a_constraint_that_runs_the_estimator(argv):
+    """Those constraints hand the estimator the arm's task (tests/constraints: the number is the task's)."""
+    run = settled(*argv)
+    assert run.tasks == (argv[1],) and {a.task for a in options.grid_arms(run)} == {argv[1]}
 
 
 def test_a_task_runs_under_soups_own_cap():
