@@ -20,10 +20,10 @@ from ..record import (
     SDPA_SEQS,
 )
 from ..text import gb, ratio, table
-from ..model.registry import ALL_FAMILIES, SHAPES
+from ..model.registry import SHAPES
 from ..estimator.anatomy import margin_anatomy
 from ..results.corrected import corrected, corrected_ratio
-from ..results.result import Result
+from ..results.result import Result, map_order
 from ..results.row import Row
 from ..constraints.asked import constraint_tables
 from ..measure.margin import margin_note
@@ -299,13 +299,6 @@ def corrected_line(rows: list[Row], env: Optional[dict] = None) -> str:
             f"{ratio(statistics.median(v for _, v in judged))}")
 
 
-def grid_order(m: dict[str, Any]) -> tuple:
-    """A margin's place in the map's grid: family, quantization, seq, batch."""
-    order = {f: i for i, f in enumerate(ALL_FAMILIES)}
-    return (order.get(m.get("model_key"), len(order)), QUANTS.index(m["quant"]) if m["quant"] in QUANTS
-            else len(QUANTS), m["seq"], m["batch"])
-
-
 MARGINS_LEGEND = ("missed = live - charged: + Soup charges less than is live at the peak (a shortfall "
                   "that eats the margin); - it charges more (slack); own/real: Soup's own pre-flight over the real peak")
 
@@ -313,7 +306,8 @@ MARGINS_LEGEND = ("missed = live - charged: + Soup charges less than is live at 
 def margins_table(margins: list[dict[str, Any]]) -> str:
     """Each attributed arm, in the grid's order: estimator term against the blocks live at the
     peak it charges, and why each thin margin is thin."""
-    margins = sorted(margins, key=grid_order)
+    margins = sorted(margins, key=lambda m: map_order(m.get("model_key"), m["quant"], m["seq"], m["batch"],
+                                                     m.get("task")))
     out = ["where the margin goes (allocator history of the tightest arm per family and every UNDER; "
            "charged: Soup's terms; live at the peak: measured here)"]
     cells = []

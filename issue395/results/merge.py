@@ -7,10 +7,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from ..errors import UsageError
-from ..record import QUANTS
-from ..tasks import PROTOCOL_TASK, TASKS
-from ..model.registry import ALL_FAMILIES
-from .result import Result, row_order
+from .result import Result, map_order, row_order
 from .stack import STACK_KEYS
 
 
@@ -27,9 +24,7 @@ def merge(results: list[Result], arms_label: Optional[str] = None) -> Result:
                                  f"{first.get(key)!r} in one and {other.environment.get(key)!r} in another")
     rows = [r for res in results for r in res.rows]
     if results[0].kind == "map":  # maps of different families merge too: by the map's own order
-        order = {f: i for i, f in enumerate(ALL_FAMILIES)}
-        rows.sort(key=lambda r: (order.get(r.model_key, len(order)), QUANTS.index(r.quant), r.seq, r.batch,
-                                 list(TASKS).index(r.task or PROTOCOL_TASK)))
+        rows.sort(key=lambda r: map_order(r.model_key, r.quant, r.seq, r.batch, r.task))
         seen = [r.arm for r in rows]
     else:
         rows.sort(key=row_order)

@@ -9,6 +9,9 @@ from typing import Any, Optional
 
 from ..constants import is_whole
 from ..errors import EXIT_FINDING, EXIT_INTERRUPTED, EXIT_OK
+from ..record import QUANTS
+from ..tasks import PROTOCOL_TASK, TASKS
+from ..model.registry import ALL_FAMILIES
 from .row import Row
 from .schema import READS, SCHEMA, TOOL, check_blocks, check_unique, determinism_rows, schema1_row, schema2_row
 
@@ -74,6 +77,14 @@ class Result:
                    interrupted=bool(data.get("interrupted")), error=data.get("error"),
                    timings=data.get("timings") or {}, kind=data.get("kind") or "sweep",
                    margins=data.get("margins") or [])
+
+
+def map_order(model_key: Optional[str], quant: str, seq: int, batch: int, task: Optional[str] = None) -> tuple:
+    """An arm's place in the map's grid: its family by the map's own order, quantization, seq, batch,
+    task (a family or quantization the map does not list goes last)."""
+    return (ALL_FAMILIES.index(model_key) if model_key in ALL_FAMILIES else len(ALL_FAMILIES),
+            QUANTS.index(quant) if quant in QUANTS else len(QUANTS), seq, batch,
+            list(TASKS).index(task or PROTOCOL_TASK))
 
 
 def row_order(row: Row) -> tuple[int, int, int]:

@@ -13,11 +13,12 @@ from typing import Any, Optional
 
 from ..constants import STREAM_KEYS
 from ..errors import UsageError, last_line
+from ..record import SOUP_QUANT
 from ..tasks import PROTOCOL_TASK, TASKS
 from .checks import HUB_ID
 
-#: Soup's quantization spelling -> this tool's (issue395.record.SOUP_QUANT, inverted).
-QUANT_OF = {"none": "none", "4bit": "nf4"}
+#: Soup's quantization spelling -> this tool's.
+QUANT_OF = {soup: ours for ours, soup in SOUP_QUANT.items()}
 
 #: training.* options that change what a streamed step holds and that the estimator does not
 #: model, with the value it assumes (Soup's default): any other value is one line naming it.
