@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from ..constants import CONFIG_LIMITS
 from ..errors import UsageError
+from ..record import LORA_TARGETS
 from .moe import DEEPSEEK_V3, QWEN3_5, QWEN3_5_MOE, Layers, deepseek_v3, qwen3_5, soup_intermediate
 
 _SIZES = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -280,11 +281,17 @@ def arch_from_config(config: dict) -> Arch:
 
 
 def protocol_targets(a: Arch) -> tuple:
-    """The protocol's LoRA targets on this architecture: q_proj and v_proj where both exist; Phi-3's
-    fused qkv_proj; under latent attention the query (q_proj, or q_b_proj after a query latent)
-    and kv_b_proj, which makes the keys and values from the latent (the registry's choice too)."""
-    if "q_proj" in a.modules and "v_proj" in a.modules:
-        return ("q_proj", "v_proj")
-    if "qkv_proj" in a.modules:
+    """The protocol's LoRA targets on this architecture (``protocol_targets_in`` its modules)."""
+    return protocol_targets_in(a.modules)
+
+
+def protocol_targets_in(modules) -> tuple:
+    """The protocol's LoRA targets among a layer's linear modules (names): q_proj and v_proj where
+    both exist; Phi-3's fused qkv_proj; under latent attention the query (q_proj, or q_b_proj after
+    a query latent) and kv_b_proj, which makes the keys and values from the latent (the registry's
+    choice too). The estimator reads its Arch's modules, the measurement its meta skeleton's."""
+    if all(t in modules for t in LORA_TARGETS):
+        return LORA_TARGETS
+    if "qkv_proj" in modules:
         return ("qkv_proj",)
-    return ("q_proj" if "q_proj" in a.modules else "q_b_proj", "kv_b_proj")
+    return ("q_proj" if "q_proj" in modules else "q_b_proj", "kv_b_proj")

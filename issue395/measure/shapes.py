@@ -13,9 +13,10 @@ from typing import Any, Optional
 
 from ..constants import CONFIG_LIMITS, is_whole
 from ..errors import UsageError, last_line
-from ..record import GRID_ADAPTER_FACTOR, LORA_ALPHA, LORA_R, LORA_TARGETS
+from ..record import GRID_ADAPTER_FACTOR, LORA_ALPHA, LORA_R
 from ..model.registry import (FAMILIES, MAP_FAMILIES, NOT_ON_MAP, RELEASE_FAMILIES, SHAPES, Shape, config_json,
                               family_of, stream_mode)
+from ..estimator.arch import protocol_targets_in
 from ..estimator.moe import soup_intermediate
 from ..estimator.releases import installed_release
 from ..estimator.soup_number import stream_aliases, streamed_as, supported_archs
@@ -66,7 +67,8 @@ def derive_shape(config: Any, name: str, key: str = "custom", hub_id: Optional[s
                    and len(m) == config.num_hidden_layers), None)
     if layers is None:
         raise UsageError(f"{name}: could not find its {config.num_hidden_layers} decoder layers")
-    targets = targets or lora_targets(model_type)
+    targets = targets or protocol_targets_in({n.split(".")[-1] for n, m in layers.named_modules()
+                                              if isinstance(m, torch.nn.Linear)})
     in_layers = {id(p) for p in layers.parameters()}
     extras = sum(p.numel() * 2 for p in model.parameters() if id(p) not in in_layers)
     adapter = sum(lora_r * (m.in_features + m.out_features) for n, m in layers.named_modules()
@@ -112,12 +114,6 @@ NOT_ARCH = {"vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers
             "max_position_embeddings", "bos_token_id", "eos_token_id", "pad_token_id", "model_type",
             "architectures", "transformers_version", "torch_dtype", "dtype", "_name_or_path",
             "auto_map", "quantization_config", "use_cache"}
-
-
-def lora_targets(model_type: str) -> tuple:
-    """The protocol's q_proj and v_proj where they exist; Phi-3 fuses them into qkv_proj. MLA
-    (deepseek_v3) has neither: its families name their own (see FAMILIES)."""
-    return ("qkv_proj",) if model_type == "phi3" else LORA_TARGETS
 
 
 def family_shape(key: str) -> Shape:

@@ -107,3 +107,22 @@ def test_derive_shape_refuses_a_figure_that_is_not_a_whole_number(field, value):
 
 def test_the_record_models_in_the_map_are_the_records_shapes():
     assert family_shape("smol") is SHAPES["smol"] and family_shape("qwen") is SHAPES["qwen"]
+
+
+@pytest.mark.parametrize("key", ["llama32-1b", "phi3-mini", "moonlight"])
+def test_the_measurements_default_targets_are_the_estimators_on_the_same_config(key):
+    """With no targets named, the meta skeleton's adapter goes where the estimator's does: both read
+    the protocol's targets off the layer's modules (latent attention has no v_proj: its own pair)."""
+    from transformers import AutoConfig
+
+    from issue395.estimator.arch import arch_from_config, protocol_targets
+    from issue395.estimator.soup_number import supported_archs
+
+    fields_ = config_json(key)
+    if fields_["model_type"] not in supported_archs():
+        pytest.skip(f"the installed soup-cli does not stream {fields_['model_type']} (0.77.0's venv runs it)")
+    config = AutoConfig.for_model(fields_["model_type"], **{k: v for k, v in fields_.items() if k != "model_type"})
+    got = derive_shape(config, key, key=key).targets
+    assert got == protocol_targets(arch_from_config(fields_))
+    assert got == {"llama32-1b": ("q_proj", "v_proj"), "phi3-mini": ("qkv_proj",),
+                   "moonlight": ("q_proj", "kv_b_proj")}[key]
