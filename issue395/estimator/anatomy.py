@@ -16,6 +16,7 @@ from typing import Callable
 
 from ..constants import CUBLAS_WORKSPACE, CUBLAS_WORKSPACE_PRE_HOPPER, block_bytes
 from ..errors import UsageError
+from ..record import LORA_R
 from ..model.registry import FAMILIES, SHAPES, config_json, family_of
 from .arch import Arch, arch_from_config
 from . import estimate as E
@@ -87,7 +88,7 @@ def class_sizes(config: dict, *, quant: str, seq: int, batch: int) -> dict:
 
 
 def physical_classifier(config: dict, *, quant: str, seq: int, batch: int, targets=None,
-                        lora_r: int = 8) -> Callable[[int], str]:
+                        lora_r: int = LORA_R) -> Callable[[int], str]:
     """A function naming a block live at the peak by its size (bytes), one of CLASSES. ``targets``
     and ``lora_r`` are checked against the model (as issue395.estimator.estimate does) but name no class:
     LoRA's own blocks are far below a layer weight and fall in 'the rest'."""

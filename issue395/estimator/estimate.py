@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from ..constants import CUBLAS_WORKSPACE, K_MIN_LARGE_ALLOC, K_ROUND_LARGE, K_SMALL_SIZE, STREAM_KEYS, block_bytes
 from ..errors import UsageError
-from ..record import QUANTS
+from ..record import LORA_R, QUANTS
 from ..model.registry import RECOMPUTES, config_json, stream_mode
 from .arch import Arch, arch_from_config, protocol_targets
 from .moe import Kind, expert_in_flight
@@ -424,7 +424,7 @@ def _whole(name: str, v, low: int = 1) -> int:
 
 
 def estimate(config: dict, *, quant: str = "none", seq: int, batch: int = 1, targets=None,
-             lora_r: int = 8, steps: int = 1, release: str | None = None,
+             lora_r: int = LORA_R, steps: int = 1, release: str | None = None,
              allowance: int | None = None, workspace: int | None = None,
              stream: dict | None = None, soup: bool = True, task: str = PROTOCOL_TASK,
              optimizer: str = DEFAULT_OPTIMIZER) -> Estimate:
