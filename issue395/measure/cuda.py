@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
 from ..constants import block_bytes
+from ..estimator.anatomy import classify_blocks
 
 
 @dataclass
@@ -130,15 +131,9 @@ def attribute_peak(snapshot: dict[str, Any], resident: int, elements: int,
         pass
     groups: dict[str, dict[str, int]] = {}
     logits = {"bf16": {"count": 0, "bytes": 0}, "fp32": {"count": 0, "bytes": 0}}
-    classes: dict[str, int] = {}
-    named: dict[str, int] = {}
+    classes = classify_blocks(best_live.values(), classify) if classify is not None else {}
+    named = classify_blocks(best_live.values(), physical) if physical is not None else {}
     for size in best_live.values():
-        if classify is not None:
-            c = classify(size)
-            classes[c] = classes.get(c, 0) + block_bytes(size)
-        if physical is not None:
-            c = physical(size)
-            named[c] = named.get(c, 0) + block_bytes(size)
         kind = logits_kind(size, elements)
         label = next(lbl for floor, lbl in SIZE_GROUPS if size >= floor)
         g = logits[kind] if kind else groups.setdefault(label, {"count": 0, "bytes": 0})
