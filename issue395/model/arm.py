@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..tasks import PROTOCOL_TASK
 from .registry import Shape
 
 
@@ -18,7 +19,7 @@ class Arm:
     batch: int = 1
     index: int = 0
     quant: str = "none"
-    task: str = "sft"  # Soup's task: (issue395.tasks), the protocol's SFT unless asked
+    task: str = PROTOCOL_TASK  # Soup's task (issue395.tasks), the protocol's SFT unless asked
 
 
 def predicted_bytes(shape: Shape, seq: int, batch: int = 1) -> int:
