@@ -50,6 +50,11 @@ def named(name: str) -> Flag:
     return Flag(name, lambda f, a=_attr(name): getattr(f, a) not in (None, False))
 
 
+def valued(name: str, value: str) -> Flag:
+    """Given as this value (flag=value), named with it."""
+    return Flag(f"{name} {value}", lambda f, a=_attr(name): getattr(f, a) == value)
+
+
 def without(name: str, test: Optional[Callable[[object], object]] = None) -> Flag:
     """The absence of an option another needs (named as the one needed)."""
     return Flag(name, (lambda f: not test(f)) if test else (lambda f, a=_attr(name): not getattr(f, a)))
@@ -146,22 +151,23 @@ CLASHES = (
     *(Clash("sweep", is_set(flag), (without("--map"),), says=GOES_WITH) for flag in ("--families", "--quant")),
     Clash("sweep", is_set("--model"), (truthy("--models"),), "one brings its own model"),
     Clash("task", Flag("--task {other_task}", lambda f: f.other_task),
-          (Flag("--cap corrected", lambda f: f.cap == "corrected"), Flag("--cap needs-free", lambda f: f.cap == "needs-free"),
-           truthy("--emulate-card"), truthy("--min-free")), _TASK_ESTIMATOR, "{flag} and {other}: {why}"),
+          (valued("--cap", "corrected"), valued("--cap", "needs-free"), truthy("--emulate-card"), truthy("--min-free")),
+          _TASK_ESTIMATOR, "{flag} and {other}: {why}"),
     Clash("shard", is_set("--shard"), (truthy("--gpus"), truthy("--isolate"), REPEATS), _SHARD,
           "{flag} {why}; {all} make their own"),
     Clash("shard", truthy("--model"), (without("--seq", lambda f: f.seqs is not None),),
           "there is no record grid for it", "{flag} needs {other} ({why})"),
     Clash("cap", is_set("--cap"), (truthy("--measure"), truthy("--sdpa"), SNAPSHOT),
-          "runs each arm under a capped allocator", "{flag} {why}; {all} would run under it too: run them without {flag}"),
+          "runs each arm under a capped allocator",
+          "{flag} {why}; {all} would run under it too: run them without {flag}"),
     Clash("constraints", is_set("--emulate-card"),
           (truthy("--dry-run"), is_set("--cap"), REPEATS, truthy("--measure"), truthy("--sdpa"), SNAPSHOT),
           "holds CUDA memory outside the allocator for each arm in a fresh process", NOT_WITH),
     Clash("constraints", truthy("--min-free"),
           (truthy("--dry-run"), is_set("--cap"), truthy("--emulate-card"), REPEATS, truthy("--measure"),
            truthy("--sdpa"), SNAPSHOT), "runs each arm in capped fresh processes on a GPU", NOT_WITH),
-    Clash("constraints", is_set("--cap"), (truthy("--dry-run"), REPEATS), "re-runs arms on a GPU, each in a fresh process",
-          NOT_WITH),
+    Clash("constraints", is_set("--cap"), (truthy("--dry-run"), REPEATS),
+          "re-runs arms on a GPU, each in a fresh process", NOT_WITH),
     Clash("constraints", SNAPSHOT, (truthy("--dry-run"),), "attributes the CUDA step's peak",
           "{flag} {why}; a {other} has no step"),
     Clash("lanes", truthy("--estimate"), (is_set("--lanes"),), _ESTIMATES_NOTHING),
@@ -172,8 +178,7 @@ CLASHES = (
     Clash("lanes run", truthy("--shard"), (is_set("--lanes"),), _SHARD, "{flag} {why}; {all} makes its own"),
     Clash("lanes run", is_set("--lanes"), (without("--measure and --sdpa alone", lambda f: f.run_arms),),
           "spreads the arms", "{flag} {why}; {other} run none (add --sweep)"),
-    *(Clash("shard dir", truthy(flag), (is_set("--shard-dir"),), "nothing is sharded")
-      for flag in ("--estimate", "--from-json")),
+    Clash("shard dir", truthy("--estimate"), (is_set("--shard-dir"),), "nothing is sharded"),  # --from-json's above
 )
 
 STAGES = tuple(dict.fromkeys(c.stage for c in CLASHES))

@@ -42,7 +42,6 @@ from .checks import (
 from .clashes import check, other_task
 from .configarm import config_arguments, config_arm, in_the_files_words
 from .grid import plan_arms, plan_map, shard_of
-from .parser import build_parser
 from .scratch import soup_shard_root
 
 @dataclass(frozen=True)
@@ -516,7 +515,7 @@ def settle_shard_dir(args: argparse.Namespace, run: Run) -> Run:
     given = getattr(args, "shard_dir", None)
     if given is None:
         return run
-    check("shard dir", shard_dir=given, estimate=run.estimate, from_json=run.from_json)
+    check("shard dir", shard_dir=given, estimate=run.estimate)
     writable_folder("--shard-dir", given)
     folder = os.path.abspath(os.path.expanduser(given))
     shards = os.path.join(os.path.realpath(folder), "layer-stream")
