@@ -22,18 +22,9 @@ from ..measure.shapes import bitsandbytes_present
 from .checks import HUB_ID, within_positions
 from .userconfig import UserRun, read_soup_config
 
-#: What the file gives, as the options it replaces: each is refused beside --config.
+#: What the file gives, as the options it replaces: each is refused beside --config (clashes).
 CONFIG_GIVES = ("--model", "--quant", "--seq", "--batch", "--task", "--targets", "--lora-r", "--families", "--models",
                 "--expert-layout", "--loss-chunk", "--recompute")
-
-
-def config_clash(args: argparse.Namespace) -> None:
-    """One line naming the first option the file already gives (or --map: the file is one arm)."""
-    given = [f for f in CONFIG_GIVES if getattr(args, f.strip("-").replace("-", "_")) is not None]
-    if given:
-        raise UsageError(f"--config and {given[0]} are exclusive: the file gives it")
-    if args.map:
-        raise UsageError("--config and --map are exclusive: the file is one arm")
 
 
 #: --estimate --config's steps when --steps is not given: the run's steady state. `soup train` runs

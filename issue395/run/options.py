@@ -39,9 +39,9 @@ from .checks import (
     within_positions,
     writable_folder,
 )
-from .configarm import config_arguments, config_arm, config_clash, in_the_files_words
+from .clashes import check
+from .configarm import config_arguments, config_arm, in_the_files_words
 from .grid import plan_arms, plan_map, shard_of
-from .parser import build_parser
 from .scratch import soup_shard_root
 
 @dataclass(frozen=True)
@@ -160,8 +160,7 @@ def settle(args: argparse.Namespace, argv: list[str]) -> Run:
     listed = card_list_run(args, argv)
     if listed is not None:
         return listed
-    if args.exit_code and not args.estimate:
-        raise UsageError("--exit-code goes with --estimate (its exit code says whether the run fits)")
+    check("settle", args)
     try:
         run = settle_shard_dir(args, settle_lanes(args, _settle(args, argv)))
         if run.children.shard and not run.estimate and not run.from_json:
@@ -182,28 +181,13 @@ def path_flag(args: argparse.Namespace, filename: object) -> str:
     return "a path:"
 
 
-#: What --from-json takes beside the saved results: the outputs and --steps (the corrected column).
-FROM_JSON_OPTIONS = {"from_json", "compare", "json", "markdown", "plot", "steps"}
-
-
 def _settle(args: argparse.Namespace, argv: list[str]) -> Run:
     for key in ("json", "markdown", "plot", "log_dir", "snapshot_dir", "compare"):  # as --model is
         if getattr(args, key) not in (None, "-"):
             setattr(args, key, os.path.expanduser(getattr(args, key)))
     if args.from_json:
         args.from_json = [os.path.expanduser(p) for p in args.from_json]
-        defaults = vars(build_parser().parse_args([]))
-        extra = [k for k, v in vars(args).items() if k not in FROM_JSON_OPTIONS and v != defaults.get(k)]
-        if extra:
-            raise UsageError(f"--from-json and --{extra[0].replace('_', '-')} are exclusive: --from-json "
-                             "re-renders saved results and runs nothing")
-    if args.config is not None:
-        config_clash(args)
-    modes = [f for f in ("expert_layout", "loss_chunk", "recompute") if getattr(args, f) is not None]
-    if modes and not (args.map or args.estimate):  # never measured as if the mode were asked and absent
-        raise UsageError(f"--{modes[0].replace('_', '-')} goes with --map (an axis) or --estimate")
-    if args.estimate and args.weights != "synthetic":
-        raise UsageError("--estimate and --weights are exclusive: an estimate reads the config, no weights")
+    check("options", args)
     outputs = {f: getattr(args, f.strip("-").replace("-", "_")) for f in ("--json", "--markdown", "--plot")}
     for flag, path in outputs.items():
         if path is not None:
@@ -216,8 +200,7 @@ def _settle(args: argparse.Namespace, argv: list[str]) -> Run:
         if twin:
             raise UsageError(f"{f} and {twin} name the same file {p}; each output needs its own path")
     no_output_overwrites_the_config(args, outputs)
-    if args.compare and not args.from_json:
-        raise UsageError("--compare goes with --from-json")
+    check("compare", args)
     if args.from_json:
         for path in args.from_json + ([args.compare] if args.compare else []):
             check_input("--compare" if path == args.compare else "--from-json", path)
@@ -231,16 +214,10 @@ def _settle(args: argparse.Namespace, argv: list[str]) -> Run:
         return settle_estimate(args, argv)
     if args.config is not None:
         return settle_config(args, argv)
-    for flag in ("--card", "--targets", "--lora-r") + (("--context",) if not args.emulate_card else ()):
-        if getattr(args, flag.strip("-").replace("-", "_")) is not None:
-            raise UsageError(f"{flag} goes with --estimate" + (" or --emulate-card" if flag == "--context" else ""))
+    check("estimate only", args)
     if args.map:
         return settle_map(args, argv)
-    for flag in ("--families", "--quant"):
-        if getattr(args, flag.strip("-")) is not None:
-            raise UsageError(f"{flag} goes with --map")
-    if args.model is not None and args.models:
-        raise UsageError("--model and --models are exclusive: one brings its own model")
+    check("sweep", args)
     if args.model is not None and not args.model.strip():
         raise UsageError("--model needs a checkpoint folder or a hub id")
     models = (("custom",) if args.model else tuple(SHAPES) if args.models is None
@@ -254,7 +231,8 @@ def _settle(args: argparse.Namespace, argv: list[str]) -> Run:
         raise UsageError(f"--models {args.models}: a model is named twice")
     # Soup's config schema refuses a data.max_length under 64: one line here, not a FAILED row.
     seqs, batches = parse_ints("--seq", args.seq, minimum=64), parse_ints("--batch", args.batch) or (1,)
-    tasks = settle_tasks(args)
+    tasks = (PROTOCOL_TASK,) if args.task is None else distinct_choices("--task", args.task, tuple(TASKS), "task")
+    # a task beside a constraint that runs this tool's estimator: those do not hand it the arm's task yet
     gpus = parse_ints("--gpus", args.gpus, minimum=0)
     repeats = None
     if args.determinism is not None:
@@ -268,29 +246,16 @@ def _settle(args: argparse.Namespace, argv: list[str]) -> Run:
         if not (re.fullmatch("[0-9]{1,18}", k) and re.fullmatch("[0-9]{1,18}", n) and 1 <= int(k) <= int(n)):
             raise UsageError(f"--shard {args.shard}: give K/N with 1 <= K <= N, e.g. --shard 2/4")
         shard = (int(k), int(n))
-        if gpus or args.isolate or repeats:
-            raise UsageError("--shard is one shard of the grid; --gpus, --isolate and --determinism "
-                             "make their own")
-    if args.model and seqs is None:
-        raise UsageError("--model needs --seq (there is no record grid for it)")
+    check("shard", args, shard=shard, gpus=gpus, repeats=repeats, seqs=seqs)
     if args.model is not None:  # a path that is not there is one line here, not a hub lookup
         args = argparse.Namespace(**dict(vars(args), model=local_or_hub(args.model)))
         no_output_is_an_input({**outputs, "--json's row file": args.json and str(RowFile.path_for(args.json))},
                               [("--model", args.model)])
     for m in (m for m in models if m in SHAPES):
         within_positions(SHAPES[m].name, SHAPES[m].max_positions, seqs or RECORD_GRID[m])
-    if args.cap is not None and (args.measure or args.sdpa or args.snapshot or args.snapshot_dir):
-        raise UsageError("--cap runs each arm under a capped allocator; --measure, --sdpa and --snapshot "
-                         "would run under it too: run them without --cap")
-    emulate_card(args, repeats)
-    if args.min_free and (args.dry_run or args.cap is not None or args.emulate_card or repeats or args.measure
-                          or args.sdpa or args.snapshot or args.snapshot_dir):
-        raise UsageError("--min-free runs each arm in capped fresh processes on a GPU: not with --dry-run, --cap, "
-                         "--emulate-card, --determinism, --measure, --sdpa or --snapshot")
-    if args.cap is not None and (args.dry_run or repeats):
-        raise UsageError("--cap re-runs arms on a GPU, each in a fresh process: not with --dry-run or --determinism")
-    if args.dry_run and (args.snapshot or args.snapshot_dir):
-        raise UsageError("--snapshot attributes the CUDA step's peak; a --dry-run has no step")
+    check("cap", args)
+    emulate_card(args)
+    check("constraints", args, repeats=repeats)
     for flag, folder in (("--log-dir", args.log_dir), ("--snapshot-dir", args.snapshot_dir),
                          ("--cache-dir", args.cache_dir)):
         if folder is not None:
@@ -314,19 +279,12 @@ def outputs_of(args: argparse.Namespace) -> Outputs:
     return Outputs(args.json, args.markdown, args.plot)
 
 
-def settle_tasks(args: argparse.Namespace) -> tuple:
-    """--task: Soup's tasks, each once (every constraint hands the estimator the arm's task)."""
-    return (PROTOCOL_TASK,) if args.task is None else distinct_choices("--task", args.task, tuple(TASKS), "task")
-
 
 def card_list_run(args: argparse.Namespace, argv: list[str]) -> Optional[Run]:
     """--card list, alone (or beside --estimate): the named cards and their sources, nothing else."""
     if args.card is None or args.card.strip().lower() != "list":
         return None
-    defaults = vars(build_parser().parse_args([]))
-    extra = [k for k, v in vars(args).items() if k not in ("card", "estimate") and v != defaults.get(k)]
-    if extra:
-        raise UsageError(f"--card list and --{extra[0].replace('_', '-')} are exclusive: it lists the named cards")
+    check("card list", args)
     return Run(run_arms=False, estimate=EstimateInputs(card_list=True), argv=tuple(argv))
 
 
@@ -349,8 +307,8 @@ def settle_config(args: argparse.Namespace, argv: list[str]) -> Run:
                    adapter=Adapter(arm.targets, arm.lora_r, arm.lora_alpha, arm.path))
 
 
-def emulate_card(args: argparse.Namespace, repeats: Optional[int]) -> None:
-    """--emulate-card's own checks: a card this tool knows or a size, on a GPU, one arm a process."""
+def emulate_card(args: argparse.Namespace) -> None:
+    """--emulate-card's own checks: a card this tool knows or a size (its clashes: clashes, "constraints")."""
     if args.emulate_card is None:
         return
     from ..estimator.cards import parse_card
@@ -360,10 +318,6 @@ def emulate_card(args: argparse.Namespace, repeats: Optional[int]) -> None:
     except UsageError as exc:
         raise UsageError(str(exc).replace("--card", "--emulate-card", 1)) from None
     context_within_cards("--emulate-card", [card], parse_context(args.context))
-    if args.dry_run or args.cap is not None or repeats or args.measure or args.sdpa or args.snapshot \
-            or args.snapshot_dir:
-        raise UsageError("--emulate-card holds CUDA memory outside the allocator for each arm in a fresh process: "
-                         "not with --dry-run, --cap, --determinism, --measure, --sdpa or --snapshot")
 
 
 def context_within_cards(flag: str, cards, context: Optional[int]) -> None:
@@ -380,10 +334,7 @@ def context_within_cards(flag: str, cards, context: Optional[int]) -> None:
 
 def settle_map(args: argparse.Namespace, argv: list[str]) -> Run:
     """--map's own checks (families, quantizations, max positions); the rest as for the sweep."""
-    fresh = args.cap is not None or args.emulate_card is not None or args.min_free
-    for flag in ("--models", "--model", "--determinism") + (("--isolate",) if not fresh else ()):
-        if getattr(args, flag.strip("-")) not in (None, False):
-            raise UsageError(f"--map and {flag} are exclusive")
+    check("map", args)
     known = ALL_FAMILIES
     families = (default_map_families() + ("llama31-8b",) if args.families is None
                 else comma_list(args.families))
@@ -470,11 +421,7 @@ def settle_estimate(args: argparse.Namespace, argv: list[str]) -> Run:
 
 def settle_estimate_options(args: argparse.Namespace, argv: list[str]) -> Run:
     """--estimate's own checks: a config, seqs, and nothing that needs a GPU or Soup's setup."""
-    for flag in ("--sweep", "--measure", "--sdpa", "--map", "--determinism", "--models", "--families",
-                 "--dry-run", "--isolate", "--gpus", "--shard", "--snapshot", "--snapshot-dir", "--markdown",
-                 "--plot", "--log-dir", "--cache-dir", "--cap", "--emulate-card", "--min-free"):
-        if getattr(args, flag.strip("-").replace("-", "_")) not in (None, False):
-            raise UsageError(f"--estimate and {flag} are exclusive: an estimate runs nothing")
+    check("estimate", args)
     if args.config is not None:
         args = config_arguments(args)
     name, config = estimate_config(args.model)
@@ -504,8 +451,7 @@ def settle_estimate_options(args: argparse.Namespace, argv: list[str]) -> Run:
     except (OverflowError, ValueError) as exc:
         raise UsageError(f"--card {_shown(args.card)!r} is not a size like 24GB or 80GiB ({last_line(exc)})") from None
     context = parse_context(args.context)
-    if context is not None and not cards:
-        raise UsageError("--context goes with --card: it is the context of the card to fit")
+    check("estimate cards", args, context=context, cards=cards)
     context_within_cards("--card", cards, context)
     stream = estimate_stream(args)
     tasks = (PROTOCOL_TASK,) if args.task is None else distinct_choices("--task", args.task, tuple(TASKS), "task")
@@ -517,8 +463,7 @@ def settle_estimate_options(args: argparse.Namespace, argv: list[str]) -> Run:
                              f"{TASKS[t].min_batch}")
     if stream:  # Soup's own refusals and the modes' physics, in one line before any table
         estimate(config, quant=quants[0], seq=seqs[0], targets=targets, stream=stream)
-    if args.exit_code and not cards:
-        raise UsageError("--exit-code needs --card: it says whether the run fits a card")
+    check("estimate answer", args, cards=cards)
     return Run(run_arms=False, estimate=EstimateInputs(config, cards, tuple(sorted(stream.items())),
                                                        fit_exit=args.exit_code,
                                                        from_file=getattr(args, "from_file", None)),
@@ -556,18 +501,11 @@ def settle_lanes(args: argparse.Namespace, run: Run) -> Run:
     """--lanes: arms side by side on one card, so never an arm that needs the card to itself."""
     if getattr(args, "lanes", None) is None:
         return run
-    if run.estimate:
-        raise UsageError("--estimate and --lanes are exclusive: an estimate runs nothing")
+    check("lanes", lanes=args.lanes, estimate=run.estimate)
     lanes = 0 if args.lanes == "auto" else one_int("--lanes", args.lanes, 1)
-    if run.constraints.cap or run.constraints.emulate_card or run.constraints.min_free:
-        raise UsageError("--lanes shares the card between arms; --cap, --emulate-card and --min-free arms need "
-                         "the whole card: run them without --lanes (one at a time, as they always run)")
-    if run.repeats:
-        raise UsageError("--lanes and --determinism are exclusive: each repeat is a fresh process of its own")
-    if run.children.shard:
-        raise UsageError("--shard is one shard of the grid; --lanes makes its own")
-    if not run.run_arms:
-        raise UsageError("--lanes spreads the arms; --measure and --sdpa alone run none (add --sweep)")
+    c = run.constraints
+    check("lanes run", lanes=args.lanes, cap=c.cap, emulate_card=c.emulate_card, min_free=c.min_free,
+          repeats=run.repeats, shard=run.children.shard, run_arms=run.run_arms)
     return replace(run, children=replace(run.children, lanes=lanes))
 
 
@@ -576,9 +514,7 @@ def settle_shard_dir(args: argparse.Namespace, run: Run) -> Run:
     given = getattr(args, "shard_dir", None)
     if given is None:
         return run
-    if run.estimate or run.from_json:
-        raise UsageError(f"--{'estimate' if run.estimate else 'from-json'} and --shard-dir are exclusive: "
-                         "nothing is sharded")
+    check("shard dir", shard_dir=given, estimate=run.estimate)
     writable_folder("--shard-dir", given)
     folder = os.path.abspath(os.path.expanduser(given))
     shards = os.path.join(os.path.realpath(folder), "layer-stream")
