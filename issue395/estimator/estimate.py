@@ -20,14 +20,11 @@ from ..model.registry import RECOMPUTES, config_json, stream_mode
 from .arch import Arch, arch_from_config, protocol_targets
 from .moe import Kind, expert_in_flight
 from ..model.targets import soup_targets
-from ..tasks import PROTOCOL_TASK, TASKS, task as task_named
+from ..tasks import PROTOCOL_TASK, task as task_named
 from .releases import Features, installed_release
 from .soup_number import (arch_of, features, layer_bytes, linear_elements, lora_params, soup_preflight_from_config,
                           vocab_matrices_resident)
 from .terms import Phase, Term, phase_sum
-
-#: The tasks whose peak this estimator models: all five Soup streams (issue395/tasks.py).
-MODELLED_TASKS = tuple(TASKS)
 
 #: CUBLAS_WORKSPACE (constants) is kept on every card though torch gives less below sm 9
 #: (CUBLAS_WORKSPACE_PRE_HOPPER, cards.cublas_workspace): on the A10G record (sm 8.6) it sits

@@ -89,18 +89,6 @@ def longest_seq_soup_admits(config: dict, free_bytes: int, gate: Gate = Gate(), 
     return _longest(config, lambda e: gate.admits(e.soup_predicted, e.corrected_predicted, free_bytes), **kwargs)
 
 
-def yes_no(fits: Optional[bool], no: str = "NO") -> str:
-    return NOT_MODELLED if fits is None else "yes" if fits else no
-
-
-def fit_seq(a: dict) -> str:
-    return NOT_MODELLED if a["fits"] is None else seq_words(a["longest_seq"])
-
-
-#: Where the corrected estimate does not model a task (estimate.MODELLED_TASKS), in place of a figure.
-NOT_MODELLED = "-"
-
-
 def disagreement(fits: bool, soup_admits: bool) -> Optional[str]:
     if fits == soup_admits:
         return None
@@ -165,7 +153,7 @@ def estimate_table(rows: list[Estimate], cards, config: Optional[dict] = None, *
         budgets = budgets_for(cards, context)
         answers = [card_answers(config, e, budgets, env=workspace_env(), **kwargs) for e in rows]
     # the task is named wherever one is not the protocol's SFT, so an SFT-only table reads as before
-    tasked = any(e.task != PROTOCOL_TASK for e in rows) or any(e.corrected_predicted is None for e in rows)
+    tasked = any(e.task != PROTOCOL_TASK for e in rows)
     heads = [f"{e.task} {e.quant} {e.seq}x{e.batch}" if tasked else f"{e.quant} {e.seq}x{e.batch}" for e in rows]
     width = max([12] + [len(h) for h in heads])
     lines = [["Soup's own pre-flight GB (computed by Soup)"] + [gb(e.soup_predicted) for e in rows],
@@ -209,10 +197,6 @@ def estimate_table(rows: list[Estimate], cards, config: Optional[dict] = None, *
                    f"by the step's end, {STEP_GROWTH_BYTES / 1e6:.1f} MB, {GATE_GROWTH_BYTES / 1e6:.1f} MB of it "
                    "before Soup's gate reads free memory (measured on the H200: kernel modules loaded lazily, "
                    "library handles)")
-    unmodelled = sorted({e.task for e in rows if e.corrected_predicted is None})
-    if unmodelled:
-        legend += (f"\n{NOT_MODELLED}: not modelled: this tool's corrected estimate does not model task "
-                   f"{', '.join(unmodelled)} yet (Soup's own number is Soup's, at the task's rows)")
     if not verbose:  # the legends and the cards' sources: --verbose (the verdict lines come first)
         legend, sources = "--verbose: what each line means (the peak's terms, the fit rule, the context) and each card's source", []
     if len(rows) > WIDE_ARMS:
@@ -238,7 +222,7 @@ def per_arm_table(rows: list[Estimate], cards, answers: list[list[dict]], heads:
     admits, its longest seq'. The terms of each arm are in --json."""
     names = ["arm", "Soup GB", "corrected GB", "needs free GB", "phase"] + [c.name for c in cards]
     body = [[h, gb(e.soup_predicted), gb(e.corrected_predicted), gb(e.needs_free), e.phase]
-            + [f"{yes_no(a['fits'])} {fit_seq(a)} / "
+            + [f"{'yes' if a['fits'] else 'NO'} {seq_words(a['longest_seq'])} / "
                f"{'yes' if a['soup_admits'] else 'no'} {seq_words(a['longest_seq_soup_admits'])}" for a in per]
             for h, e, per in zip(heads, rows, answers)]
     last = max(len(r[-1]) for r in [names] + body)  # the helper widens every column but the last
