@@ -181,6 +181,11 @@ def path_flag(args: argparse.Namespace, filename: object) -> str:
     return "a path:"
 
 
+def settle_tasks(args: argparse.Namespace) -> tuple:
+    """--task: Soup's streamed tasks, each once (the protocol's SFT where none is named)."""
+    return (PROTOCOL_TASK,) if args.task is None else distinct_choices("--task", args.task, tuple(TASKS), "task")
+
+
 def _settle(args: argparse.Namespace, argv: list[str]) -> Run:
     for key in ("json", "markdown", "plot", "log_dir", "snapshot_dir", "compare"):  # as --model is
         if getattr(args, key) not in (None, "-"):
@@ -231,8 +236,7 @@ def _settle(args: argparse.Namespace, argv: list[str]) -> Run:
         raise UsageError(f"--models {args.models}: a model is named twice")
     # Soup's config schema refuses a data.max_length under 64: one line here, not a FAILED row.
     seqs, batches = parse_ints("--seq", args.seq, minimum=64), parse_ints("--batch", args.batch) or (1,)
-    tasks = (PROTOCOL_TASK,) if args.task is None else distinct_choices("--task", args.task, tuple(TASKS), "task")
-    # a task beside a constraint that runs this tool's estimator: those do not hand it the arm's task yet
+    tasks = settle_tasks(args)
     gpus = parse_ints("--gpus", args.gpus, minimum=0)
     repeats = None
     if args.determinism is not None:
@@ -454,7 +458,7 @@ def settle_estimate_options(args: argparse.Namespace, argv: list[str]) -> Run:
     check("estimate cards", args, context=context, cards=cards)
     context_within_cards("--card", cards, context)
     stream = estimate_stream(args)
-    tasks = (PROTOCOL_TASK,) if args.task is None else distinct_choices("--task", args.task, tuple(TASKS), "task")
+    tasks = settle_tasks(args)
     batches = parse_ints("--batch", args.batch) or (1,)
     for t in tasks:  # Soup's schema refuses it (KTO needs both labels in a batch): one line
         low = [b for b in batches if b < TASKS[t].min_batch]
