@@ -97,7 +97,7 @@ def arm_needs(arm: Arm, run: "Run") -> Optional[tuple[int, int]]:
         return None
     try:
         e = estimate_key(arm.model, quant=arm.quant, seq=arm.seq, batch=arm.batch, targets=run.adapter.targets,
-                         lora_r=run.adapter.lora_r, steps=run.steps)
+                         lora_r=run.adapter.lora_r, steps=run.steps, task=arm.task)
     except (UsageError, ValueError, TypeError):
         return None
     return e.needs_free, e.soup_predicted

@@ -310,3 +310,16 @@ def test_a_map_in_lanes_deals_whole_families_and_the_arms_past_a_lanes_share_go_
     bare = plan_lanes(Run(map=True, models=("smol", "qwen"), children=Children(lanes=0)), arms, total=None, cores=16)
     assert bare.count == 2 and "only 2 families" in bare.why, "bare --lanes ran more lanes than families"
     assert Lanes(4, 4, why="x").label(Run()).startswith("4 lanes on one GPU (4 threads each; x)")
+
+
+def test_a_lanes_whole_card_judgement_reads_the_arms_task():
+    """A DPO arm's needs are DPO's (its policy and reference logits over 2 x batch rows), not SFT's at
+    the same shape: a lane's share is judged on what the arm will hold (it read SFT's before)."""
+    from issue395.estimator.estimate import estimate_key
+    from issue395.run.spread import arm_needs
+
+    run = Run()
+    sft, dpo = (arm_needs(Arm("qwen", 2048, 2, 0, "none", t), run) for t in ("sft", "dpo"))
+    assert dpo == (estimate_key("qwen", seq=2048, batch=2, task="dpo").needs_free,
+                   estimate_key("qwen", seq=2048, batch=2, task="dpo").soup_predicted)
+    assert dpo[0] > 1.4 * sft[0]
