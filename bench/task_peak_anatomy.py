@@ -49,6 +49,8 @@ def parse(argv=None) -> argparse.Namespace:
     ap.add_argument("--snapshot", default=None, help="also pickle the raw snapshot here")
     ap.add_argument("--max-entries", type=int, default=2_000_000)
     ap.add_argument("--top", type=int, default=6, help="frames shown per group")
+    ap.add_argument("--stacks", choices=("python", "all"), default="python",
+                    help="all: C++ frames too (slower), for blocks allocated off the Python thread")
     a = ap.parse_args(argv)
     if a.batch is None:
         a.batch = 2 if a.task == "kto" else 1
@@ -150,19 +152,32 @@ def peak_blocks(snapshot: dict, resident: int) -> tuple[int, list[tuple[int, lis
     return best, list(live.values())
 
 
+def native_frames(frames: list[dict], n: int = 14) -> str:
+    """The innermost native frames, allocator internals left out: with --stacks all, where a block
+    allocated off the Python thread (the autograd engine's, say) came from."""
+    names = [str(f.get("name", "?")) for f in frames or [] if not str(f.get("filename", "")).endswith(".py")]
+    names = [x for x in names if "CachingAllocator" not in x and "c10::" not in x[:5]]
+    return " <- ".join(x[:90] for x in names[:n])
+
+
 def group(blocks: list, E: int, per_row: int, top: int) -> list[dict]:
-    g: dict[int, dict] = defaultdict(lambda: {"count": 0, "bytes": 0, "frames": defaultdict(int)})
+    g: dict[int, dict] = defaultdict(lambda: {"count": 0, "bytes": 0, "frames": defaultdict(int),
+                                              "native": defaultdict(int)})
     for size, frames in blocks:
         d = g[size]
         d["count"] += 1
         d["bytes"] += size
         d["frames"][user_frame(frames)] += 1
+        if not any(str(f.get("filename", "")).endswith(".py") for f in frames or []) and frames:
+            d["native"][native_frames(frames)] += 1
     out = []
     for size, d in sorted(g.items(), key=lambda kv: -kv[1]["bytes"]):
         out.append({"size": size, "count": d["count"], "bytes": d["bytes"],
                     "bytes_per_E": round(d["bytes"] / E, 4) if E else None,
                     "size_in_fp32_rows": round(size / (4 * per_row), 4) if per_row else None,
-                    "frames": dict(sorted(d["frames"].items(), key=lambda kv: -kv[1])[:top])})
+                    "frames": dict(sorted(d["frames"].items(), key=lambda kv: -kv[1])[:top]),
+                    **({"native": dict(sorted(d["native"].items(), key=lambda kv: -kv[1])[:top])}
+                       if d["native"] else {})})
     return out
 
 
@@ -216,7 +231,7 @@ def main(argv=None) -> int:
         handle = trainer.model.register_forward_hook(post, with_kwargs=True)
         trainer.args.max_steps = 1
         step_error = None
-        with peak_window() as window, allocator_history(a.max_entries) as taken:
+        with peak_window() as window, allocator_history(a.max_entries, stacks=a.stacks) as taken:
             try:
                 trainer.train()
             except Exception as exc:  # 0.73.3 DPO: the end-of-run save of a meta ref adapter
