@@ -50,7 +50,8 @@ def parse(argv=None) -> argparse.Namespace:
     ap.add_argument("--max-entries", type=int, default=2_000_000)
     ap.add_argument("--top", type=int, default=6, help="frames shown per group")
     ap.add_argument("--stacks", choices=("python", "all"), default="python",
-                    help="all: C++ frames too (slower), for blocks allocated off the Python thread")
+                    help="each block's traceback: python, or all (C++ frames too, slower: for blocks "
+                         "allocated off the Python thread)")
     a = ap.parse_args(argv)
     if a.batch is None:
         a.batch = 2 if a.task == "kto" else 1
@@ -160,6 +161,59 @@ def native_frames(frames: list[dict], n: int = 14) -> str:
     return " <- ".join(x[:90] for x in names[:n])
 
 
+#: A marker allocation at each model forward's start and end (MARK + 1024 k bytes, k = 2 x forward
+#: index, +1 at its end): the replay splits the history at them, so each phase's own maximum is read,
+#: not only the step's peak (the policy forward, the reference / KL forwards, the loss and backward).
+MARK = 512 * 10007
+
+
+def phase_maxima(snapshot: dict, resident: int, names: list[str]) -> list[dict]:
+    """The replayed live total's maximum between consecutive markers, markers themselves left out,
+    with the largest blocks live at that maximum (size, count)."""
+    from issue395.constants import block_bytes
+    traces = snapshot.get("device_traces") or []
+    trace = max(traces, key=len) if traces else []
+    frees = ({"free_requested"} if any(e.get("action") == "free_requested" for e in trace)
+             else {"free", "free_completed"})
+    marks = {MARK + 1024 * k: k for k in range(2 * len(names) + 2)}
+    live: dict[int, int] = {}
+    base, total = resident, 0
+    segments, cur = [], {"from": "start", "max": resident, "live": {}}
+    for e in trace:
+        act, addr, size = e.get("action"), int(e.get("addr", 0)), int(e.get("size", 0))
+        if act == "alloc" and size in marks:
+            cur["live"] = {str(k): v for k, v in sorted(cur["live"].items(), key=lambda kv: -kv[0] * kv[1])[:8]}
+            segments.append(cur)
+            k = marks[size]
+            cur = {"from": f"{names[k // 2] if k // 2 < len(names) else '?'} {'end' if k % 2 else 'start'}",
+                   "max": base + total, "live": {}}
+            live[addr] = -1
+            continue
+        if act == "alloc":
+            live[addr] = size
+            total += block_bytes(size)
+        elif act in frees:
+            if addr in live:
+                s_ = live.pop(addr)
+                if s_ >= 0:
+                    total -= block_bytes(s_)
+            else:
+                base -= block_bytes(size)
+            continue
+        else:
+            continue
+        if base + total > cur["max"]:
+            cur["max"] = base + total
+            sizes: dict[int, int] = defaultdict(int)
+            for v in live.values():
+                if v >= 0:
+                    sizes[v] += 1
+            cur["live"] = dict(sizes)
+    cur["live"] = {str(k): v for k, v in sorted(cur["live"].items(), key=lambda kv: -kv[0] * kv[1])[:8]}
+    segments.append(cur)
+    return segments
+
+
 def group(blocks: list, E: int, per_row: int, top: int) -> list[dict]:
     g: dict[int, dict] = defaultdict(lambda: {"count": 0, "bytes": 0, "frames": defaultdict(int),
                                               "native": defaultdict(int)})
@@ -223,12 +277,20 @@ def main(argv=None) -> int:
         # forwards in order, with grad mode and the logits' shape/dtype
         calls: list[dict] = []
 
+        def mark(k: int) -> None:
+            torch.empty(MARK + 1024 * k, dtype=torch.uint8, device="cuda").zero_()
+
+        def pre(mod_, args, kwargs):
+            mark(2 * len(calls))
+
         def post(mod_, args, kwargs, out):
             lg = getattr(out, "logits", None)
             calls.append({"grad": torch.is_grad_enabled(),
                           "logits": None if lg is None else [list(lg.shape), str(lg.dtype)],
                           "allocated_after": int(torch.cuda.memory_allocated())})
-        handle = trainer.model.register_forward_hook(post, with_kwargs=True)
+            mark(2 * len(calls) - 1)
+        handles = [trainer.model.register_forward_pre_hook(pre, with_kwargs=True),
+                   trainer.model.register_forward_hook(post, with_kwargs=True)]
         trainer.args.max_steps = 1
         step_error = None
         with peak_window() as window, allocator_history(a.max_entries, stacks=a.stacks) as taken:
@@ -237,7 +299,8 @@ def main(argv=None) -> int:
             except Exception as exc:  # 0.73.3 DPO: the end-of-run save of a meta ref adapter
                 step_error = f"{type(exc).__name__}: {str(exc)[:200]}"
             torch.cuda.synchronize()
-        handle.remove()
+        for h in handles:
+            h.remove()
         snap = taken["snapshot"]
         if a.snapshot:
             from issue395.measure.cuda import save_snapshot
@@ -249,6 +312,9 @@ def main(argv=None) -> int:
                "soup_kwargs": seen.get("kwargs"), "real_peak": window.peak, "resident_before": window.before,
                "dynamic_over_E": round((window.peak - window.before) / E, 4) if E else None,
                "replayed_peak": replayed, "forwards": calls,
+               "phases": phase_maxima(snap, window.before,
+                                      [f"forward {i + 1} ({'grad' if c['grad'] else 'no grad'})"
+                                       for i, c in enumerate(calls)]),
                "attribute_peak": {k: summary[k] for k in ("complete", "logits_fp32", "logits_bf16",
                                                           "other_groups", "events")},
                "groups": group(blocks, E, per_row, a.top)}

@@ -62,13 +62,15 @@ SIZE_GROUPS = ((100_000_000, ">= 100 MB"), (10_000_000, "10-100 MB"), (1_000_000
 
 
 @contextlib.contextmanager
-def allocator_history(max_entries: int, stacks: str = "python") -> Iterator[dict[str, Any]]:
-    """Record the caching allocator's history; the snapshot lands in the yielded dict. ``stacks``
-    "all" adds C++ frames: a block allocated off the Python thread (the autograd engine's) has no
-    Python frames, so only they say where it came from."""
+def allocator_history(max_entries: int, stacks: Optional[str] = None) -> Iterator[dict[str, Any]]:
+    """Record the caching allocator's history; the snapshot lands in the yielded dict. Sizes only by
+    default (the harness reads no frames); ``stacks`` "python" or "all" (C++ frames too: a block
+    allocated off the Python thread, the autograd engine's, has no Python frame) records each
+    allocation's traceback."""
     import torch
 
-    torch.cuda.memory._record_memory_history(enabled="all", context=None, stacks=stacks,
+    torch.cuda.memory._record_memory_history(enabled="all", context="alloc" if stacks else None,
+                                             stacks=stacks or "python",
                                              max_entries=max_entries)
     taken: dict[str, Any] = {}
     try:
