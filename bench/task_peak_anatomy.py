@@ -242,7 +242,7 @@ def main(argv=None) -> int:
         print(f"task_peak_anatomy: no CUDA device here; nothing measured "
               f"(task {a.task}, seq {a.seq}, batch {a.batch}, quant {a.quant}).")
         return 0
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout this script is in
     import importlib
     from issue395.measure.cuda import allocator_history, attribute_peak, peak_window
 

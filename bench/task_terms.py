@@ -1,7 +1,8 @@
 """The corrected estimator on the preference losses, against every committed task anatomy arm
 (results/task-anatomy-*/anatomy-*.json: one streamed step of SFT, DPO, ORPO, SimPO or KTO through
 Soup's real wrappers on an H200, its real allocated peak beside Soup's own number), then every
-measured row of the harness's task map (results/task-map-*/task-map-*.json), which the terms were
+measured row of the harness's task maps (results/task-map-*/task-map-*.json; ORPO and SimPO, Mistral-7B
+NF4 512 and DPO on the record's two models on 0.73.3 in results/tasks-rest-*/), which the terms were
 not read from: out of sample for every family but SmolLM2 and Qwen2.5. The task terms
 were read from these arms' allocator histories (the groups of live blocks at the peak) as bytes of
 live tensors, none fitted to them; the allowance is the dense SFT fit's (bench/leave_one_out.py).
@@ -34,7 +35,9 @@ def arms() -> list[dict]:
         release = "0.77.0" if path.stem.split("-")[1] == "077" else "0.73.3"
         family = path.stem.split("-")[3]  # the registry key the arm's checkpoint was built from
         out.append(dict(d, file=f"{path.parent.name}/{path.name}", release=release, family=family))
-    for path in sorted(ROOT.glob("results/task-map-*/task-map-*.json")):
+    maps = [*ROOT.glob("results/task-map-*/task-map-*.json"), *ROOT.glob("results/tasks-rest-*/task-map-*.json"),
+            *ROOT.glob("results/tasks-rest-*/mistral-*.json"), *ROOT.glob("results/tasks-rest-*/sweep-*.json")]
+    for path in sorted(maps):
         d = json.loads(path.read_text(encoding="utf-8"))
         release = d.get("stack", {}).get("soup_cli") or d.get("environment", {}).get("soup_cli")
         for r in d.get("rows", []):
