@@ -85,6 +85,8 @@ class Children:
     shard: Optional[tuple] = None
     child: bool = False  # a child of --gpus, --isolate or --determinism (never the command line)
     repeat_tag: Optional[int] = None  # a child's repeat of --determinism
+    card_lock: Optional[str] = None  # a --lanes child's card lock (cardlock.CardLock): its GPU shared between lanes
+    whole_card: tuple = ()  # ... and the indices of its arms that hold that card alone
 
 
 #: Run's sub-records by field, as a child's job file reads them back.

@@ -32,6 +32,7 @@ from ..measure.modes import measure_mode, sdpa_mode
 from ..measure.shapes import family_shape, load_custom_shape, not_on_map, registry_shape, with_modes
 from ..report.outputs import render_markdown, render_plot, write_output
 from ..report.tables import compare_table, render_text
+from .cardlock import CardLock
 from .checkpoints import Checkpoints, quant_base
 from .checks import within_positions
 from .grid import past_positions, plan_arms, shard_of
@@ -98,6 +99,14 @@ def sweep(arms: list[Arm], shapes: dict[str, Shape], bases: Checkpoints, scratch
     history once its arms are done, to say where the margin goes."""
     checked: set[tuple[str, str]] = set()
     done: list[Row] = []
+    lock = CardLock(run.children.card_lock) if run.children.card_lock else None
+
+    def card(a: Arm) -> Any:
+        """A lane of the map holds its GPU's card for the arm, alone for a whole-card arm, from before
+        Soup's setup to after the teardown, which frees the allocator. Taken outside Stop.arm: a
+        Ctrl-C while it waits for the card stops now."""
+        return lock.held(a.index in run.children.whole_card) if lock else contextlib.nullcontext()
+
     for i, arm in enumerate(arms):
         if Stop.requested:
             break
@@ -110,7 +119,7 @@ def sweep(arms: list[Arm], shapes: dict[str, Shape], bases: Checkpoints, scratch
         checked.add((arm.model, arm.quant))
         log = (Path(run.log_dir) / f"soup-{arm.index:03d}-{arm.model}-{arm.seq}-b{arm.batch}{task_tag(arm)}.log"
                if run.log_dir else None)
-        with scratch.sharding(base) if first else contextlib.nullcontext(), Stop.arm():
+        with card(arm), scratch.sharding(base) if first else contextlib.nullcontext(), Stop.arm():
             row = run_arm(arm, shapes[arm.model], base, scratch.path("arms", f"{arm.index:03d}"),
                           dry_run=run.dry_run, snapshot=run.snapshot, snapshot_dir=run.snapshot_dir,
                           log=log, verbose=run.verbose, repeat=run.children.repeat_tag, steps=run.steps,
@@ -126,7 +135,7 @@ def sweep(arms: list[Arm], shapes: dict[str, Shape], bases: Checkpoints, scratch
             for a in [] if run.snapshot else margin_arms(mine):
                 if Stop.requested:
                     break
-                with Stop.arm():
+                with card(a), Stop.arm():
                     again.append(run_arm(a, shapes[a.model], quant_base(scratch, bases.get(family), a.quant,
                                                                          shapes[a.model].stream),
                                          scratch.path("arms", f"{a.index:03d}-margin"), snapshot=True,
@@ -300,7 +309,8 @@ def measure_all(run: Run, protocol: Protocol, job: Optional[Job], scratch: Scrat
                                  checkpoints.build_s if checkpoints else {}, children)
     if lanes is not None:
         result.timings.update(lanes=lanes.count, threads_per_lane=lanes.threads,
-                              whole_card_arms=len(lanes.whole_card) if fan_out else 0)
+                              whole_card_arms=len(lanes.whole_card) if fan_out else 0,
+                              whole_card_in_lanes=len(lanes.in_lane) if fan_out else 0)
     print(render_text(result), end="", flush=True)
     if lanes is not None and not run.children.child:  # the benchmark: lanes 1 against N, read off two runs
         t = result.timings

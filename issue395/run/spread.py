@@ -59,16 +59,33 @@ class Lanes:
 
     count: int
     threads: int
-    whole_card: tuple = ()  # the Arms that run alone, after the lanes
+    whole_card: tuple = ()  # the Arms that need the card to themselves
     share: Optional[int] = None  # bytes of the card each lane may have (None: not bounded, a dry run)
     why: str = ""
+    #: those of ``whole_card`` that run in their family's lane holding the card lock, the other
+    #: lanes paused between arms (the map); the rest run after the lanes, alone
+    in_lane: tuple = ()
+
+    @property
+    def after(self) -> tuple:
+        """The whole-card arms that run after the lanes, alone on their GPU."""
+        inside = {a.index for a in self.in_lane}
+        return tuple(a for a in self.whole_card if a.index not in inside)
 
     def label(self, run: "Run") -> str:
         where = f"on each of GPUs {','.join(map(str, run.children.gpus))}" if run.children.gpus else "on one GPU"
         how = "one fresh process per arm" if run.isolate else "one process per lane running its shard"
-        alone = (f"; {len(self.whole_card)} arm(s) whose needs exceed a lane's share of the card "
-                 f"({self.share / 1e9:.1f} GB) ran after them, alone" if self.whole_card else "")
-        return f"{self.count} lanes {where} ({self.threads} thread{'s' if self.threads != 1 else ''} each; {self.why}), {how}, merged{alone}"
+        need = (f"; {len(self.whole_card)} arm(s) whose needs exceed a lane's share of the card "
+                f"({self.share / 1e9:.1f} GB)" if self.whole_card else "")
+        if self.in_lane:
+            need += (f": {'all' if not self.after else len(self.in_lane)} ran in their family's lane with the "
+                     "card to themselves, the other lanes paused between arms (not exited: each idle lane kept "
+                     "its CUDA context)" + (f", {len(self.after)} (not fitting beside the idle lanes) after the "
+                                            "lanes, alone" if self.after else ""))
+        elif self.whole_card:
+            need += " ran after them, alone"
+        return (f"{self.count} lanes {where} ({self.threads} thread{'s' if self.threads != 1 else ''} each; "
+                f"{self.why}), {how}, merged{need}")
 
 
 def host_cores() -> int:
@@ -107,8 +124,14 @@ def plan_lanes(run: "Run", arms: list[Arm], total: Optional[int] = None, cores: 
     """--lanes N (or, bare, cores/4), at most as many lanes as there is work for, and the arms that must
     run alone: side by side each lane may have 1/N of the card, and Soup's gate reads the card's free
     memory, so an arm it admits alone is run alone unless its own number and this tool's needs-free
-    both fit a lane's share (an arm Soup refuses alone is refused beside neighbours too)."""
-    from ..estimator.cards import Card, budget
+    both fit a lane's share (an arm Soup refuses alone is refused beside neighbours too).
+
+    On the map (whole families per lane, no shared checkpoint cache) such an arm runs in its
+    family's lane, holding the card lock while the other lanes wait, idle but each with its CUDA
+    context and the runtime's modules (the card's context bound and the step's growth): where its
+    needs-free or Soup's number do not fit what those leave, it runs after the lanes instead, so
+    Soup's gate decides as it would alone."""
+    from ..estimator.cards import STEP_GROWTH_BYTES, Card, budget
 
     cores = cores or host_cores()
     units = len({family_of(a.model) for a in arms}) if run.map and not run.isolate else len(arms)
@@ -119,13 +142,18 @@ def plan_lanes(run: "Run", arms: list[Arm], total: Optional[int] = None, cores: 
     if total is None or count == 1:  # a dry run has no card to share
         return Lanes(count, max(1, cores // count), why=why)
     whole_card, lane = budget(Card("the card", total)), budget(Card("a lane's share", total // count))
-    alone = []
+    idle = (count - 1) * (whole_card.context_bytes + STEP_GROWTH_BYTES)
+    paused = budget(Card("the card beside the idle lanes", total - idle))
+    alone, in_lane = [], []
     for arm in arms:
         needs = arm_needs(arm, run)
         if needs is None or not (needs[1] > whole_card.gate_free_bytes
                                  or (lane.fits(needs[0]) and needs[1] <= lane.gate_free_bytes)):
             alone.append(arm)
-    return Lanes(count, max(1, cores // count), tuple(alone), total // count, why)
+            if (run.map and not run.isolate and needs is not None and paused.fits(needs[0])
+                    and needs[1] <= paused.gate_free_bytes):
+                in_lane.append(arm)
+    return Lanes(count, max(1, cores // count), tuple(alone), total // count, why, tuple(in_lane))
 
 
 def visible_ids() -> Optional[list[str]]:
@@ -159,9 +187,10 @@ def plan_jobs(run: "Run", arms: list[Arm], lanes: Optional[Lanes] = None) -> lis
 
 def lane_jobs(run: "Run", arms: list[Arm], lanes: Lanes) -> list[Job]:
     """--lanes: each GPU's lanes get shards of the arms that fit a lane (the map: whole families,
-    dealt evenly), or with --isolate one job per arm; the arms that need the card alone come last."""
+    dealt evenly, with their whole-card arms that run in the lane), or with --isolate one job per
+    arm; the arms that need the card alone after the lanes come last."""
     gpus = run.children.gpus or (None,)
-    alone = {a.index for a in lanes.whole_card}
+    alone = {a.index for a in lanes.after}
     fit = [a for a in arms if a.index not in alone]
     n = lanes.count * len(gpus)
     if run.isolate:
@@ -171,7 +200,7 @@ def lane_jobs(run: "Run", arms: list[Arm], lanes: Lanes) -> list[Job]:
         dealt = [shard_of(fit, (k, n), whole_models=True) if run.map else fit[k - 1::n] for k in range(1, n + 1)]
         jobs = [Job((k, n), tuple(d), gpus[(k - 1) % len(gpus)], extra_modes=k == 1)
                 for k, d in enumerate(dealt, 1) if d or k == 1]
-    alone_arms, m = list(lanes.whole_card), len(gpus)
+    alone_arms, m = list(lanes.after), len(gpus)
     if run.isolate:
         jobs += [Job((a.index + 1, len(arms)), (a,), gpus[i % m], whole_card=True) for i, a in enumerate(alone_arms)]
     else:
@@ -199,6 +228,7 @@ def spread(run: Run, arms: list[Arm], scratch: Scratch, on_row: Callable[[Row], 
     # a busy twin). A share of the cores each; host-side only. --lanes: cores/N each (the issue's
     # measurement), a whole-card job all of them.
     threads = str(max(1, min(8, (os.cpu_count() or 2) // max(1, len(queues)) - 2)))
+    in_lane = {a.index for a in lanes.in_lane} if lanes else set()  # their lane holds its GPU's card lock
 
     def free_slot(gpu: Optional[int]) -> Optional[int]:
         """A lane of this GPU its next job may take now: a whole-card job waits for an idle GPU,
@@ -225,7 +255,10 @@ def spread(run: Run, arms: list[Arm], scratch: Scratch, on_row: Callable[[Row], 
             env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
         env[CHILD_JOB] = str(out.with_suffix(".job.json"))
         env[PARENT_PID] = str(os.getpid())
-        write_job(Path(env[CHILD_JOB]), child_run(run, job, str(out), cache), job)
+        lock = {} if job.whole_card or not (lanes and lanes.in_lane) else dict(
+            card_lock=str(folder / f"card-{gpu if gpu is not None else 'visible'}.lock"),
+            whole_card=tuple(a.index for a in job.arms if a.index in in_lane))
+        write_job(Path(env[CHILD_JOB]), child_run(run, job, str(out), cache, **lock), job)
         # Its own process group: a terminal's Ctrl-C reaches the parent alone, which relays it
         # once (the child would otherwise get two, the second meaning "stop now").
         with open(out.with_suffix(".stdout"), "w") as fh:
@@ -311,11 +344,14 @@ def child_cache(run: Run, scratch: Scratch) -> Optional[str]:
     return run.cache_dir or (str(scratch.path("cache")) if shared else None)
 
 
-def child_run(run: Run, job: Job, out: str, cache: Optional[str]) -> Run:
+def child_run(run: Run, job: Job, out: str, cache: Optional[str], card_lock: Optional[str] = None,
+              whole_card: tuple = ()) -> Run:
     """The settled run a child executes: its parent's, narrowed to one job in one process, its
-    rows saved to its own JSON. Nothing is re-parsed: the child gets this as data."""
+    rows saved to its own JSON (a lane of the map: its GPU's card lock and the arms that hold it
+    alone). Nothing is re-parsed: the child gets this as data."""
     return replace(run, outputs=Outputs(json=out), cache_dir=cache, children=Children(
-                   shard=job.shard, child=True, repeat_tag=job.repeat), isolate=False, repeats=None, run_arms=True,
+                   shard=job.shard, child=True, repeat_tag=job.repeat, card_lock=card_lock, whole_card=whole_card),
+                   isolate=False, repeats=None, run_arms=True,
                    measure=run.measure and job.extra_modes, sdpa=run.sdpa and job.extra_modes)
 
 

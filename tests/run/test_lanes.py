@@ -27,13 +27,15 @@ STAND_IN = textwrap.dedent("""
 
     h.STEP_DEVICE, h.real_peak = "cpu", fake_peak
     runner.visible_gpu_count = lambda: 1  # no GPU here
+    if {total} is not None:  # the card's total as the driver would report it (faked: no nvidia-smi here)
+        runner.gpu_total_bytes = lambda gpu: {total}
     sys.exit(runner.cli(sys.argv[1:], runner.Protocol(h.measure_arm, "cpu", __file__)))
 """)
 
 
-def stand_in(tmp_path: Path) -> Path:
+def stand_in(tmp_path: Path, total=None) -> Path:
     script = tmp_path / "harness.py"
-    script.write_text(STAND_IN.format(root=str(ROOT)))
+    script.write_text(STAND_IN.format(root=str(ROOT), total=total))
     return script
 
 
@@ -77,3 +79,29 @@ def test_soups_shards_land_in_shard_dir_and_the_checkpoint_in_cache_dir(tmp_path
     assert list((cache / "checkpoints").glob("smol-*/model.safetensors"))
     assert not (cache / "layer-stream").exists() or not any((cache / "layer-stream").iterdir())
     assert not (shards / "checkpoints").exists()
+
+
+@pytest.mark.slow
+def test_a_map_familys_whole_card_arm_runs_in_its_own_lane_so_its_checkpoint_is_built_once(tmp_path):
+    """A faked 6 GB card in two lanes (3 GB each): Qwen2.5 at 1024 (Soup's number 2.60 GB) needs the
+    card to itself, the other arms fit a lane. With no --cache-dir each lane builds its family's
+    checkpoint in its own scratch: Qwen2.5's whole-card arm runs in Qwen2.5's lane (the process that
+    measured its other arm), each family is built once in the run, and no third process is started."""
+    script = stand_in(tmp_path, total=6 * 10**9)
+    out = tmp_path / "lanes2.json"
+    p = subprocess.run([sys.executable, str(script), "--map", "--families", "smol,qwen", "--quant", "none",
+                        "--seq", "512,1024", "--batch", "1", "--lanes", "2", "--json", str(out)],
+                       capture_output=True, text=True, timeout=900, cwd=tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    data = json.loads(out.read_text())
+    t = data["timings"]
+    assert (t["whole_card_arms"], t["whole_card_in_lanes"]) == (1, 1), "the faked card made no arm whole-card"
+    pids = {}
+    for r in data["rows"]:
+        assert r["real_peak"], r
+        pids.setdefault(r["model_key"], set()).add(r["ran"]["pid"])
+    assert all(len(v) == 1 for v in pids.values()) and pids["smol"] != pids["qwen"], pids
+    assert len(t["children"]) == 2, "a separate whole-card job was spawned for the map"
+    builds = [family for child in t["children"] for family in child["build_s"]]
+    assert sorted(builds) == ["qwen", "smol"], f"a family's checkpoint was built more than once: {builds}"
+    assert "all ran in their family's lane with the card to themselves" in p.stdout.splitlines()[0]

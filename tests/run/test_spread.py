@@ -290,11 +290,13 @@ def test_a_lane_that_dies_leaves_a_failed_row_for_each_arm_it_did_not_report_nev
     assert all("code 3" not in (by_index[i].error or "") for i in (0, 2))
 
 
-def test_a_map_in_lanes_deals_whole_families_and_the_arms_past_a_lanes_share_go_to_one_whole_card_job():
+def test_a_map_in_lanes_runs_a_familys_whole_card_arms_in_its_own_lane_and_a_sweep_after_the_lanes():
     """The real estimator on the registry's configs: on a 10 GB card in two lanes (5 GB each),
     Qwen2.5 at 2048 (Soup's number 4.85 GB) and SmolLM2 at 6144 (4.59 GB) cannot share the card but
     are admitted alone; SmolLM2 at 2048 fits a lane; Qwen2.5 at 6144 (13.8 GB) is refused by Soup's
-    gate alone, so beside neighbours too, and stays in its lane."""
+    gate alone, so beside neighbours too, and stays in its lane. On the map the two whole-card arms
+    run in their family's lane (its checkpoint is there), no whole-card job; a sweep of the same
+    arms (whose children share one cache) keeps them for a job after the lanes."""
     from issue395.run.spread import Lanes, lane_jobs, plan_lanes
 
     run = Run(map=True, models=("smol", "qwen"), children=Children(lanes=2))
@@ -302,14 +304,36 @@ def test_a_map_in_lanes_deals_whole_families_and_the_arms_past_a_lanes_share_go_
     plan = plan_lanes(run, arms, total=10 * 10**9, cores=8)
     assert (plan.count, plan.threads) == (2, 4)
     assert [(a.model, a.seq) for a in plan.whole_card] == [("smol", 6144), ("qwen", 2048)]
+    assert plan.in_lane == plan.whole_card and plan.after == ()
     jobs = lane_jobs(run, arms, plan)
-    lanes, alone = [j for j in jobs if not j.whole_card], [j for j in jobs if j.whole_card]
-    assert [sorted({a.model for a in j.arms}) for j in lanes] == [["qwen"], ["smol"]]
+    assert not any(j.whole_card for j in jobs), "the map spawned a separate whole-card job"
+    assert sorted(sorted((a.model, a.seq) for a in j.arms) for j in jobs) == [
+        [("qwen", 2048), ("qwen", 6144)], [("smol", 2048), ("smol", 6144)]]
+    assert "all ran in their family's lane with the card to themselves" in plan.label(run)
+    sweep = Run(models=("smol", "qwen"), children=Children(lanes=2))
+    alone = [j for j in lane_jobs(sweep, arms, plan_lanes(sweep, arms, total=10 * 10**9, cores=8)) if j.whole_card]
     assert [[(a.model, a.seq) for a in j.arms] for j in alone] == [[("smol", 6144), ("qwen", 2048)]]
     assert plan_lanes(run, arms, total=None, cores=8).whole_card == (), "a dry run has no card to share"
     bare = plan_lanes(Run(map=True, models=("smol", "qwen"), children=Children(lanes=0)), arms, total=None, cores=16)
     assert bare.count == 2 and "only 2 families" in bare.why, "bare --lanes ran more lanes than families"
     assert Lanes(4, 4, why="x").label(Run()).startswith("4 lanes on one GPU (4 threads each; x)")
+
+
+def test_a_map_arm_that_does_not_fit_beside_the_idle_lanes_runs_after_them_alone():
+    """On a 6.8 GB card in two lanes the idle lane keeps its context bound and the step's runtime
+    growth (1.11 GB): SmolLM2 at 6144 (Soup's number 4.59 GB) still fits beside it and runs in its
+    lane; Qwen2.5 at 2048 (4.85 GB) would be admitted alone but not beside it, so it runs after the
+    lanes, alone, as Soup's gate would see an idle card."""
+    from issue395.run.spread import lane_jobs, plan_lanes
+
+    run = Run(map=True, models=("smol", "qwen"), children=Children(lanes=2))
+    arms = plan_map(("smol", "qwen"), ("none",), (2048, 6144), (1,))
+    plan = plan_lanes(run, arms, total=6_800_000_000, cores=8)
+    assert [(a.model, a.seq) for a in plan.in_lane] == [("smol", 6144)]
+    assert [(a.model, a.seq) for a in plan.after] == [("qwen", 2048)]
+    alone = [j for j in lane_jobs(run, arms, plan) if j.whole_card]
+    assert [[(a.model, a.seq) for a in j.arms] for j in alone] == [[("qwen", 2048)]]
+    assert "1 (not fitting beside the idle lanes) after the lanes, alone" in plan.label(run)
 
 
 def test_a_lanes_whole_card_judgement_reads_the_arms_task():

@@ -1,0 +1,54 @@
+"""One GPU shared by --lanes processes, with a card lock: an arm that needs the whole card holds it
+alone, every other arm shares it (issue 30).
+
+The map deals whole families to lanes and keeps no shared checkpoint cache (its families' checkpoints
+do not fit the box's disk together), so a family's whole-card arms run in that family's own lane,
+where its checkpoint already is, while the other lanes wait between arms. flock(2) on two files: the
+card (shared by lane arms, exclusive for a whole-card arm) and a turnstile before it, which a
+whole-card arm holds while it waits for and holds the card, so lane arms that keep arriving cannot
+starve it (writer preference). Locks belong to the open file, so a process that dies releases
+them, and every acquire opens its own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+from typing import Iterator
+
+
+class CardLock:
+    """The lock of one GPU's lanes, at ``path`` (its turnstile beside it)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.turnstile = f"{path}.turnstile"
+
+    @contextlib.contextmanager
+    def held(self, whole_card: bool) -> Iterator[None]:
+        """The card for one arm: alone (``whole_card``) or beside the other lanes' arms."""
+        gate = _acquire(self.turnstile, fcntl.LOCK_EX)
+        try:
+            card = _acquire(self.path, fcntl.LOCK_EX if whole_card else fcntl.LOCK_SH)
+        except BaseException:
+            os.close(gate)
+            raise
+        if not whole_card:
+            os.close(gate)  # through the turnstile: the next lane arm may come in beside this one
+        try:
+            yield
+        finally:
+            os.close(card)
+            if whole_card:
+                os.close(gate)
+
+
+def _acquire(path: str, how: int) -> int:
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, how)  # blocks; a signal's KeyboardInterrupt leaves here, the fd closed
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd

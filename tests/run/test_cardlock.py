@@ -1,0 +1,97 @@
+"""issue395.run.cardlock: the card lock of --lanes on the map (issue 30). Real processes on the real
+lock files: an arm that holds the card alone keeps every other lane's arm off it until it releases;
+lane arms share it; a whole-card arm waiting for the card is not starved by lane arms that keep
+arriving (the turnstile). Each process logs when it asked, got and let go (CLOCK_MONOTONIC, one
+clock for every process of the host)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+from conftest import ROOT
+
+HOLDER = textwrap.dedent("""
+    import sys, time
+    sys.path.insert(0, {root!r})
+    from issue395.run.cardlock import CardLock
+
+    name, whole, hold_s = sys.argv[1], sys.argv[2] == "whole", float(sys.argv[3])
+    with open({log!r}, "a") as log:
+        log.write(f"{{name}} ask {{time.monotonic()}}\\n"); log.flush()
+        with CardLock({lock!r}).held(whole):
+            log.write(f"{{name}} got {{time.monotonic()}}\\n"); log.flush()
+            time.sleep(hold_s)
+            log.write(f"{{name}} free {{time.monotonic()}}\\n"); log.flush()
+""")
+
+
+def holders(tmp_path: Path):
+    script, log = tmp_path / "holder.py", tmp_path / "card.log"
+    script.write_text(HOLDER.format(root=str(ROOT), log=str(log), lock=str(tmp_path / "card.lock")))
+
+    def start(name: str, side: str, hold_s: float) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, str(script), name, side, str(hold_s)])
+
+    def seen(name: str, word: str) -> bool:
+        return log.exists() and f"{name} {word} " in log.read_text()
+
+    def wait_for(name: str, word: str, timeout: float = 20.0) -> None:
+        end = time.monotonic() + timeout
+        while not seen(name, word):
+            assert time.monotonic() < end, f"{name} never logged {word!r}"
+            time.sleep(0.02)
+
+    def times() -> dict[tuple[str, str], float]:
+        return {(n, w): float(t) for n, w, t in (ln.split() for ln in log.read_text().splitlines())}
+
+    return start, wait_for, times
+
+
+def finish(*procs: subprocess.Popen) -> None:
+    for p in procs:
+        assert p.wait(timeout=30) == 0
+
+
+def test_a_lane_arm_waits_while_another_process_holds_the_card_alone_and_gets_it_on_release(tmp_path):
+    start, wait_for, times = holders(tmp_path)
+    whole = start("whole", "whole", 1.0)
+    wait_for("whole", "got")
+    lane = start("lane", "shared", 0.0)
+    wait_for("lane", "ask")
+    time.sleep(0.3)
+    t = times()
+    assert ("lane", "got") not in t, "a lane arm got the card while a whole-card arm held it"
+    finish(whole, lane)
+    t = times()
+    assert t[("lane", "got")] >= t[("whole", "free")]
+
+
+def test_lane_arms_share_the_card_at_once(tmp_path):
+    start, wait_for, times = holders(tmp_path)
+    a = start("a", "shared", 1.0)
+    wait_for("a", "got")
+    b = start("b", "shared", 0.0)
+    finish(a, b)
+    t = times()
+    assert t[("b", "got")] < t[("a", "free")], "two lane arms did not hold the card at once"
+
+
+def test_a_whole_card_arm_waiting_for_the_card_is_served_before_a_lane_arm_that_asked_after_it(tmp_path):
+    """Lane arm A holds the card; whole-card arm W asks (it must wait for A); lane arm C asks after W.
+    Without the turnstile C would join A at once and W could wait on lanes indefinitely."""
+    start, wait_for, times = holders(tmp_path)
+    a = start("a", "shared", 1.0)
+    wait_for("a", "got")
+    w = start("w", "whole", 0.3)
+    wait_for("w", "ask")
+    time.sleep(0.2)  # W is blocked on the card, holding the turnstile
+    c = start("c", "shared", 0.0)
+    finish(a, w, c)
+    t = times()
+    assert t[("w", "got")] >= t[("a", "free")]
+    assert t[("c", "ask")] < t[("a", "free")], "the test did not ask for C while A held the card"
+    assert t[("c", "got")] >= t[("w", "free")], "a lane arm that asked later got the card before the whole-card arm"
