@@ -169,3 +169,19 @@ def test_the_batch_axis_and_a_non_oom_failure_is_reported_exit_1(capfd, soup_yam
 def test_bad_find_max_input_is_one_line(capfd, soup_yaml, extra, words):
     code, out, err = main(capfd, ["--find-max", "seq", "--config", soup_yaml(), *extra])
     one_error_line(code, out, err, *words)
+
+
+def test_the_readmes_find_max_dry_run_is_what_it_prints(capfd, tmp_path, monkeypatch):
+    """The README's --find-max paragraph: its command on the README's DPO soup.yaml prints its lines."""
+    from conftest import ROOT
+
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    (tmp_path / "soup-dpo.yaml").write_text(readme.split("```yaml\n")[2].split("```", 1)[0], encoding="utf-8")
+    block = next(b for b in readme.split("```bash\n")[1:] if "--find-max" in b.split("```", 1)[0])
+    command = block.split("```", 1)[0].split()[2:]
+    shown = block.split("```text\n", 1)[1].split("```", 1)[0].splitlines()
+    monkeypatch.chdir(tmp_path)
+    code, out, err = main(capfd, command)
+    assert code == 0, err
+    missing = [s for s in shown if s.rstrip() not in (ln.rstrip() for ln in out.splitlines())]
+    assert not missing and len(shown) == 3, missing
