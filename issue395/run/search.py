@@ -115,14 +115,16 @@ def find_max_run(run: Run, protocol: Any) -> int:
     """--find-max: the plan (--dry-run, on any box), or the search on a CUDA box; its text and --json."""
     ask, user = run.find_max, run.estimate.from_file or {}
     a = answers(run)
+    lift = None  # Soup's gate lifted by the GPU's own total: every probe is admitted
     if not run.dry_run:
+        os.environ.setdefault("CUDA_VISIBLE_DEVICES", "0")  # Soup refuses to stream with several GPUs visible
         import torch
 
         if not torch.cuda.is_available():
             raise UsageError(FIND_MAX_NO_CUDA)
+        lift = int(torch.cuda.mem_get_info()[1])
     from ..estimator.fits import steps_words
 
-    os.environ.setdefault("CUDA_VISIBLE_DEVICES", "0")  # Soup refuses to stream with several GPUs visible
     axis, t = ask.axis, task(run.tasks[0])
     user_text = Path(run.adapter.soup_config).expanduser().read_text(encoding="utf-8")
     accumulation = int(user.get("gradient_accumulation_steps") or 1)
@@ -130,7 +132,6 @@ def find_max_run(run: Run, protocol: Any) -> int:
             f"{run.quants[0]}, " + (f"batch {run.batches[0]}" if axis == "seq" else f"seq {run.seqs[0]}")
             + f"), on {a.card.name} ({a.card.total_bytes:,} B; {ask.flag}); {steps_words(run.steps, user.get('steps_from'))}")
     with Scratch(run.cache_dir, run.shard_dir) as scratch:
-        lift = None if run.dry_run else int(__import__("torch").cuda.mem_get_info()[1])
         base = ask.base_folder
         if not run.dry_run:
             base = checkpoint_for(run, scratch)
