@@ -354,8 +354,10 @@ def teardown(wrapper: Any) -> Optional[str]:
 
 
 def protocol() -> Protocol:
-    """This protocol as the package takes it: the measured arm, the device it runs on, the script."""
-    return Protocol(measure_arm=measure_arm, step_device=STEP_DEVICE, script=os.path.abspath(__file__))
+    """This protocol as the package takes it: the measured arm, the device it runs on, the script,
+    its rows."""
+    return Protocol(measure_arm=measure_arm, step_device=STEP_DEVICE, script=os.path.abspath(__file__),
+                    task_rows=task_rows)
 
 
 def main(argv: Optional[list[str]] = None) -> int:

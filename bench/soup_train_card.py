@@ -14,6 +14,8 @@ lift of its gate: the bytes it assumes free).
     python3 bench/soup_train_card.py --family qwen --task dpo --seq 2048 --batch 1 --card 12GB \\
         [--quant none] [--steps 2] [--override BYTES|total] [--work DIR] [--soup "python -m soup_cli"]
 
+The soup.yaml, its rows and the probe itself (the ballast, Soup's process, its outcome read from
+Soup's console and trainer state) are issue395.constraints.findmax's, the probe --find-max runs.
 It prints Soup's gate lines (its peak-VRAM number and the free memory it read), whether Soup
 admitted the run, whether it completed every step (the trainer state's global step against the
 steps the data gives) or died (OOM, with Soup's own line), and Soup's exit code; exit 0 when the run
@@ -27,27 +29,19 @@ unless --soup names another command.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import re
 import shlex
-import subprocess
 import sys
 from pathlib import Path
 from typing import Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import issue395_second_stack_vram as h  # noqa: E402
-from issue395.constraints.minfree import hold_ballast, release_ballast  # noqa: E402
+from issue395.constraints.findmax import (COMPLETED, OOM, probe_config, run_probe, soup_command,  # noqa: E402
+                                          soup_lines, write_probe_config)
 from issue395.errors import UsageError  # noqa: E402
 from issue395.estimator.cards import parse_card  # noqa: E402
 from issue395.model.registry import ALL_FAMILIES  # noqa: E402
 from issue395.tasks import TASKS, task  # noqa: E402
-
-#: What Soup prints at its gates (its pre-flight's number, the free memory it read, a refusal) and when a
-#: step runs out of memory (soup_cli/utils/errors.py: "GPU ran out of memory ...").
-GATE = re.compile(r"VRAM|predicted to need|Predicted over budget", re.IGNORECASE)
-OOM = re.compile(r"out of memory|OutOfMemoryError", re.IGNORECASE)
 
 
 def parse(argv: Optional[list[str]] = None) -> argparse.Namespace:
@@ -80,32 +74,18 @@ def parse(argv: Optional[list[str]] = None) -> argparse.Namespace:
 
 
 def write_config(a: argparse.Namespace, base: str, work: Path, override: Optional[int]) -> Path:
-    """The user's soup.yaml: the protocol's config for the task (issue395_second_stack_vram), one epoch
-    of exactly --steps batches (no validation split: every row trains), Soup's gate lifted if asked."""
-    import yaml
-
+    """The protocol's config for the task (issue395_second_stack_vram) as the user's soup.yaml, made a
+    probe by --find-max's own copy (findmax.probe_config): one epoch of exactly --steps batches of the
+    task's rows, no validation split, Soup's gate lifted if asked."""
     from issue395.measure.shapes import family_shape
 
     shape = family_shape(a.family)
-    data = work / "train.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in h.task_rows(a.task, a.seq, a.batch * a.steps)))
-    stream = tuple(shape.stream) + ((("stream_vram_override", override),) if override is not None else ())
-    config = yaml.safe_load(h.soup_config_yaml(base, data, work / "out", a.seq, a.batch, a.quant, shape.targets,
-                                               stream, shape.lora_r, shape.lora_alpha, a.task))
-    config["data"]["val_split"] = 0.0
-    path = work / "soup.yaml"
-    path.write_text(yaml.safe_dump(config, sort_keys=False))
-    return path
-
-
-def steps_done(out: Path, log: str) -> Optional[int]:
-    """The trainer's own global step (its trainer_state.json, saved at the end), else the loss lines it
-    logged (logging_steps 1: one a step)."""
-    states = sorted(out.rglob("trainer_state.json"))
-    if states:
-        return max(int(json.loads(p.read_text()).get("global_step", 0)) for p in states)
-    logged = len(re.findall(r"['\"]loss['\"]\s*:", log))
-    return logged or None
+    data, out = work / "train.jsonl", work / "out"
+    user = h.soup_config_yaml(base, data, out, a.seq, a.batch, a.quant, shape.targets, shape.stream,
+                              shape.lora_r, shape.lora_alpha, a.task)
+    config = probe_config(user, "seq", a.seq, data=data, output=out, override=override,
+                          data_format=task(a.task).data_format)
+    return write_probe_config(work, config, h.task_rows(a.task, a.seq, a.batch * a.steps))
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -118,7 +98,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     cuda = torch.cuda.is_available()
     card = parse_card(a.card)
-    command = shlex.split(a.soup) if a.soup else [sys.executable, "-m", "soup_cli"]
+    command = soup_command(shlex.split(a.soup) if a.soup else None)
     with Scratch(a.work) as scratch:
         work = Path(a.work).resolve() if a.work else scratch.path("soup-train")
         work.mkdir(parents=True, exist_ok=True)
@@ -142,27 +122,18 @@ def main(argv: Optional[list[str]] = None) -> int:
             return 0
         # Soup's process brings its own context out of the card's total, as on the card itself: the
         # ballast leaves the card's total free before Soup starts (this process's context is inside it).
-        ballast = hold_ballast(card.total_bytes)
-        try:
-            print(f"  ballast: {ballast.size:,} B held outside any allocator; free with it held {ballast.free_after:,} B")
-            done = subprocess.run(argv_soup, capture_output=True, text=True, cwd=str(work),
-                                  env=dict(os.environ, PYTHONUNBUFFERED="1"))
-        finally:
-            release_ballast(ballast)
-        log = done.stdout + done.stderr
-        (work / "soup-train.log").write_text(log)
-        steps = steps_done(work / "out", log)
-    for line in (x.strip() for x in log.splitlines()):
-        if GATE.search(line):
-            print(f"  Soup: {line}")
-    refused = bool(re.search(r"predicted to need .* is free", log, re.DOTALL)) and done.returncode != 0
-    oom = bool(OOM.search(log))
-    outcome = ("refused by Soup's gate" if refused and not oom else
-               "admitted and died: OOM" if oom else
-               f"admitted and completed {steps} of {a.steps} step(s)" if done.returncode == 0 else
-               f"admitted and failed (not OOM): {log.strip().splitlines()[-1] if log.strip() else ''}")
-    print(f"  outcome: {outcome}; soup exit code {done.returncode}" + (f"; log {work / 'soup-train.log'}" if a.work else ""))
-    return 1 if oom or (done.returncode != 0 and not refused) or (done.returncode == 0 and steps != a.steps) else 0
+        probe, ballast, log = run_probe(config, a.seq, a.steps, card.total_bytes, soup=command,
+                                        log_to=work / "soup-train.log")
+        print(f"  ballast: {ballast.size:,} B held outside any allocator; free with it held {ballast.free_after:,} B")
+    for line in soup_lines(log):
+        print(f"  Soup: {line}")
+    refused = probe.line == "refused by Soup's gate"
+    outcome = ("refused by Soup's gate" if refused else
+               "admitted and died: OOM" if probe.outcome == OOM else
+               f"admitted and completed {probe.steps} of {a.steps} step(s)" if probe.outcome == COMPLETED else
+               f"admitted and failed (not OOM): {probe.line}")
+    print(f"  outcome: {outcome}; soup exit code {probe.exit_code}" + (f"; log {work / 'soup-train.log'}" if a.work else ""))
+    return 0 if refused or probe.outcome == COMPLETED else 1
 
 
 if __name__ == "__main__":

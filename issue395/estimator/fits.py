@@ -10,13 +10,13 @@ from ..constants import CUBLAS_WORKSPACE
 from ..errors import UsageError
 from ..record import LORA_R
 from ..text import gb, table
-from ..tasks import PROTOCOL_TASK
+from ..tasks import PROTOCOL_TASK, task
 from .cards import GATE_GROWTH_BYTES, STEP_GROWTH_BYTES, Budget, Card, budget, workspace_env
 from .estimate import Estimate, estimate
 from .soup_number import arch_of
 from .terms import Phase, words
 
-__all__ = ["card_answers", "estimate_table", "longest_seq", "longest_seq_soup_admits"]
+__all__ = ["card_answers", "estimate_table", "longest", "longest_seq", "longest_seq_soup_admits", "longest_soup_admits"]
 
 SEQ_STEP = 64
 #: Soup's measured gate refuses by arithmetic a run its number puts past this many times the free
@@ -59,34 +59,64 @@ REFUSES = "Soup refuses a run that would fit"
 ADMITS_OOM = "Soup admits a run that will OOM"
 
 
-def _longest(config: dict, fits: Callable[[Estimate], bool], **kwargs) -> Optional[int]:
-    """The longest seq (a multiple of 64, up to max positions) whose estimate passes ``fits``;
-    None when not even 64 does. Both numbers grow with seq, so a bisection finds it."""
-    kwargs.pop("seq", None)
-    top = arch_of(config).max_pos // SEQ_STEP
-    ok = lambda k: fits(estimate_for(config, seq=k * SEQ_STEP, **kwargs))  # noqa: E731
-    if top < 1 or not ok(1):
+#: --find-max's batch axis has no max positions to stop at: the largest batch this tool answers.
+BATCH_TOP = 1024
+
+
+def axis_range(config: dict, axis: str, task_name: Optional[str] = None) -> tuple[int, int, int]:
+    """(smallest, step, largest) of the values an answer along ``axis`` takes: seq, multiples of 64
+    up to max positions; batch, every whole batch from the task's smallest up to BATCH_TOP."""
+    if axis == "seq":
+        return SEQ_STEP, SEQ_STEP, arch_of(config).max_pos // SEQ_STEP * SEQ_STEP
+    if axis == "batch":
+        return task(task_name or PROTOCOL_TASK).min_batch, 1, BATCH_TOP
+    raise UsageError(f"no answer along {axis!r}: seq or batch")
+
+
+def _longest(config: dict, fits: Callable[[Estimate], bool], axis: str = "seq", **kwargs) -> Optional[int]:
+    """The largest value along ``axis`` (axis_range) whose estimate passes ``fits``; None when not
+    even the smallest does. Both numbers grow with seq and with batch, so a bisection finds it."""
+    kwargs.pop(axis, None)
+    low, step, top = axis_range(config, axis, kwargs.get("task"))
+    ok = lambda k: fits(estimate_for(config, **{axis: k * step}, **kwargs))  # noqa: E731
+    lo, hi = low // step, top // step
+    if hi < lo or not ok(lo):
         return None
-    lo, hi = 1, top
     while lo < hi:
         mid = (lo + hi + 1) // 2
         lo, hi = (mid, hi) if ok(mid) else (lo, mid - 1)
-    return lo * SEQ_STEP
+    return lo * step
 
 
-def longest_seq(config: dict, free_bytes: int, **kwargs) -> Optional[int]:
-    """The longest seq whose needs-free (this tool's estimator) fits ``free_bytes``."""
-    return _longest(config, lambda e: e.needs_free <= free_bytes, **kwargs)
+def longest(axis: str, config: dict, free_bytes: int, **kwargs) -> Optional[int]:
+    """The longest seq (or largest batch) whose needs-free (this tool's estimator) fits ``free_bytes``."""
+    return _longest(config, lambda e: e.needs_free <= free_bytes, axis, **kwargs)
 
 
-def longest_seq_soup_admits(config: dict, free_bytes: int, gate: Gate = Gate(), **kwargs) -> Optional[int]:
-    """The longest seq Soup's gate admits with ``free_bytes`` free: its own number (computed by
-    its own estimator code) <= the free VRAM it measures (decide_stream_fit), or, with the probe,
-    the measured path's rule on one step (Gate.admits)."""
+def longest_soup_admits(axis: str, config: dict, free_bytes: int, gate: Gate = Gate(), **kwargs) -> Optional[int]:
+    """The longest seq (or largest batch) Soup's gate admits with ``free_bytes`` free: its own number
+    (computed by its own estimator code) <= the free VRAM it measures (decide_stream_fit), or, with
+    the probe, the measured path's rule on one step (Gate.admits)."""
     kwargs.pop("workspace", None)
     if gate.probe:  # the probe measures one step, before any optimizer state
         kwargs = dict(kwargs, steps=1, optimizer=None)
-    return _longest(config, lambda e: gate.admits(e.soup_predicted, e.corrected_predicted, free_bytes), **kwargs)
+    return _longest(config, lambda e: gate.admits(e.soup_predicted, e.corrected_predicted, free_bytes), axis,
+                    **kwargs)
+
+
+def longest_seq(config: dict, free_bytes: int, **kwargs) -> Optional[int]:
+    return longest("seq", config, free_bytes, **kwargs)
+
+
+def longest_seq_soup_admits(config: dict, free_bytes: int, gate: Gate = Gate(), **kwargs) -> Optional[int]:
+    return longest_soup_admits("seq", config, free_bytes, gate, **kwargs)
+
+
+def fit_kwargs(e: Estimate, targets=None, lora_r: int = LORA_R, stream: Optional[dict] = None,
+               optimizer: Optional[str] = None) -> dict:
+    """What every answer about ``e``'s run passes the estimator besides seq (and a card's workspace)."""
+    return dict(quant=e.quant, batch=e.batch, steps=e.steps, release=e.release, targets=targets,
+                lora_r=lora_r, stream=stream, task=e.task, optimizer=optimizer)
 
 
 def disagreement(fits: bool, soup_admits: bool) -> Optional[str]:
@@ -101,8 +131,7 @@ def card_answers(config: dict, e: Estimate, budgets: list[Budget], targets=None,
     """One arm on each card: the JSON's ``cards`` entries. needs_free is recomputed only where the
     card's cuBLAS workspace is larger than the estimator's (CUBLAS_WORKSPACE_CONFIG). Soup's gate
     is the file's (``gate``): the free memory it reads, or its override; its number, or the probe."""
-    kw = dict(quant=e.quant, batch=e.batch, steps=e.steps, release=e.release, targets=targets,
-              lora_r=lora_r, stream=stream, task=e.task, optimizer=optimizer)
+    kw = fit_kwargs(e, targets, lora_r, stream, optimizer)
     one_step = e if not gate.probe or e.steps == 1 else estimate_for(config, seq=e.seq, **dict(kw, steps=1,
                                                                                               optimizer=None))
     out = []

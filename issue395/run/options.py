@@ -40,9 +40,11 @@ from .checks import (
     writable_folder,
 )
 from .clashes import check
-from .configarm import config_arguments, config_arm, in_the_files_words
+from .configarm import base_of, config_arguments, config_arm, in_the_files_words
 from .grid import plan_arms, plan_map, shard_of
+from .parser import build_parser
 from .scratch import soup_shard_root
+from .userconfig import read_soup_config
 
 @dataclass(frozen=True)
 class Outputs:
@@ -89,9 +91,22 @@ class Children:
     whole_card: tuple = ()  # ... and the indices of its arms that hold that card alone
 
 
+@dataclass(frozen=True)
+class FindMaxAsk:
+    """--find-max: the axis searched, the card it is searched on (as --card or --emulate-card named it),
+    and the checkpoint the probes run (a folder, or the registry model whose synthetic checkpoint this
+    tool builds for the file's hub id)."""
+
+    axis: str = "seq"
+    card: str = ""
+    flag: str = "--card"
+    base_folder: Optional[str] = None
+    base_key: Optional[str] = None
+
+
 #: Run's sub-records by field, as a child's job file reads them back.
 RUN_RECORDS = {"outputs": Outputs, "estimate": EstimateInputs, "adapter": Adapter, "children": Children,
-               "constraints": Constraints}
+               "constraints": Constraints, "find_max": FindMaxAsk}
 
 
 @dataclass(frozen=True)
@@ -127,6 +142,7 @@ class Run:
     estimate: Optional[EstimateInputs] = None  # --estimate: the config, not a GPU
     context: Optional[int] = None  # --context, bytes (--estimate's cards, --emulate-card's card)
     adapter: Adapter = Adapter()
+    find_max: Optional[FindMaxAsk] = None  # --find-max: the real client's limit, probe by probe
     argv: tuple = ()
 
     @property
@@ -215,6 +231,8 @@ def _settle(args: argparse.Namespace, argv: list[str]) -> Run:
         no_output_is_an_input(outputs, inputs)
         return Run(from_json=tuple(args.from_json), compare=args.compare, outputs=outputs_of(args),
                    steps=one_int("--steps", args.steps, 1), argv=tuple(argv))
+    if args.find_max is not None:
+        return settle_find_max(args, argv)
     if args.estimate:
         if args.model and args.model not in ALL_FAMILIES:
             no_output_is_an_input(outputs, [("--model", os.path.expanduser(args.model))])
@@ -311,6 +329,39 @@ def settle_config(args: argparse.Namespace, argv: list[str]) -> Run:
                                               seq=str(arm.seq) if arm.model else None, task=arm.task)), argv)
     return replace(plain, models=(arm.key,), seqs=(arm.seq,), quants=(arm.quant,),
                    adapter=Adapter(arm.targets, arm.lora_r, arm.lora_alpha, arm.path))
+
+
+def settle_find_max(args: argparse.Namespace, argv: list[str]) -> Run:
+    """--find-max: the file's arm as --config settles it (its base, without a download), and this tool's
+    answer for the card by --estimate's own settle of the same file and card (its steps: the run's
+    steady state unless --steps)."""
+    from ..estimator.cards import parse_card
+
+    check("find max", args)
+    flag, given = ("--card", args.card) if args.card is not None else ("--emulate-card", args.emulate_card)
+    if len(comma_list(given)) != 1:
+        raise UsageError(f"{flag} {given}: --find-max searches one card")
+    try:
+        card = parse_card(given)
+    except UsageError as exc:
+        raise UsageError(str(exc).replace("--card", flag, 1)) from None
+    arm = config_arm(args)
+    folder, key = base_of(read_soup_config(args.config), args.weights)
+    words = ["--estimate", "--config", args.config, "--card", given]
+    for option in ("steps", "context"):
+        if getattr(args, option) is not None:
+            words += [f"--{option}", getattr(args, option)]
+    estimated = settle(build_parser().parse_args(words), words)
+    for option, folder_given in (("--log-dir", args.log_dir), ("--cache-dir", args.cache_dir)):
+        if folder_given is not None:
+            writable_folder(option, folder_given)
+    cache = os.path.abspath(os.path.expanduser(args.cache_dir)) if args.cache_dir else None
+    if cache and args.shard_dir is None:
+        check_cache_dir_bounds(args.cache_dir, cache)
+    return replace(estimated, find_max=FindMaxAsk(args.find_max, card.name, flag,
+                                                  os.path.abspath(folder) if folder else None, key),
+                   models=(arm.key,), dry_run=args.dry_run, verbose=args.verbose, log_dir=args.log_dir,
+                   cache_dir=cache, outputs=outputs_of(args), argv=tuple(argv))
 
 
 def emulate_card(args: argparse.Namespace) -> None:
@@ -520,7 +571,7 @@ def settle_shard_dir(args: argparse.Namespace, run: Run) -> Run:
     given = getattr(args, "shard_dir", None)
     if given is None:
         return run
-    check("shard dir", shard_dir=given, estimate=run.estimate)
+    check("shard dir", shard_dir=given, estimate=run.estimate and not run.find_max)  # find-max's probes shard
     writable_folder("--shard-dir", given)
     folder = os.path.abspath(os.path.expanduser(given))
     shards = os.path.join(os.path.realpath(folder), "layer-stream")

@@ -34,6 +34,8 @@ exit codes:
 #: What --cap caps each arm at: Soup's own pre-flight, the corrected allocated peak or needs-free
 #: (issue395.estimator.estimate), or nothing (the control).
 CAPS = ("soup", "corrected", "needs-free", "off")
+FIND_MAX_NO_CUDA = ("--find-max runs the real `soup train` on a GPU and no CUDA GPU is visible here: it needs a CUDA "
+                    "box; --dry-run prints the first probe's soup.yaml and the plan on CPU")
 NO_CUDA = ("CUDA is required for the real peak and no CUDA GPU is visible; --dry-run runs the whole "
            "Soup setup and the guard on CPU")
 
@@ -84,6 +86,13 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--estimate", action="store_true",
                    help="does a run fit? Soup's own pre-flight and the corrected estimate, term by term, "
                         "from --model CONFIG.json or a family, on CPU (no torch, no GPU)")
+    m.add_argument("--find-max", default=None, choices=("seq", "batch"),
+                   help="on a CUDA box, with --config and --card (or --emulate-card): the largest seq (or batch) whose "
+                        "run of the real `python -m soup_cli train` completes --steps optimizer steps (default: the "
+                        "run's steady state, 2) on that card, each probe a fresh process under a ballast, Soup's gate "
+                        "lifted by its own training.stream_vram_override; bracketed from this tool's longest that "
+                        "fits and bisected to 64 tokens (seq) or 1 (batch), beside this tool's answer and Soup's "
+                        "gate. --dry-run: the first probe's soup.yaml and the plan")
     m.add_argument("--determinism", nargs="?", const="2", default=None, metavar="N",
                    help="repeat arms in N fresh processes (default 2; default arms: SmolLM2 at 4096 and 6144)")
     a = p.add_argument_group("arms")

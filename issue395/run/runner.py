@@ -35,6 +35,7 @@ from ..report.tables import compare_table, render_text
 from .cardlock import CardLock
 from .checkpoints import Checkpoints, quant_base
 from .checks import within_positions
+from .search import find_max_run
 from .grid import past_positions, plan_arms, shard_of
 from .options import Run, grid_arms, settle
 from .parser import NO_CUDA, build_parser
@@ -47,11 +48,13 @@ from .spread import (CHILD_JOB, Job, Lanes, die_with_parent, gpu_total_bytes, pl
 @dataclass(frozen=True)
 class Protocol:
     """What the entry script hands the package: its measured arm, the device its step runs on
-    (the CPU tests set "cpu"), and the script itself, which every child process runs."""
+    (the CPU tests set "cpu"), the script itself, which every child process runs, and its task rows
+    (--find-max's probes train on the protocol's rows)."""
 
     measure_arm: Callable[..., Measurement]
     step_device: str
     script: str
+    task_rows: Optional[Callable[..., list]] = None
 
     def run_arm(self, arm: Arm, shape: Shape, base: str, work: Path, **options: Any) -> Row:
         """One arm measured by the protocol and judged into its row."""
@@ -156,6 +159,8 @@ def execute(run: Run, protocol: Protocol, job: Optional[Job] = None) -> int:
     started = time.perf_counter()
     if run.from_json:
         return rerender(run)
+    if run.find_max:
+        return find_max_run(run, protocol)
     if run.estimate:
         return estimate_run(run)
     Stop.install(quiet=run.children.child)

@@ -34,6 +34,15 @@ EVERY_RULE = [
     ([*ESTIMATE, "--weights", "hub"],
      "--estimate and --weights are exclusive: an estimate reads the config, no weights"),
     (["--compare", "r.json"], "--compare goes with --from-json"),
+    (["--find-max", "seq", "--card", "12GB"], "--find-max needs --config: it finds the limit of your soup.yaml's run"),
+    (["--find-max", "seq", "--config", "{yaml}"],
+     "--find-max needs --card or --emulate-card: the card it finds the limit on"),
+    (["--find-max", "seq", "--config", "{yaml}", "--card", "12GB", "--emulate-card", "T4"],
+     "--card and --emulate-card are exclusive: --find-max searches one card, named once"),
+    (["--find-max", "batch", "--config", "{yaml}", "--card", "12GB", "--lanes"],
+     "--find-max runs your soup.yaml's own run, probe by probe, each `soup train` in a fresh process: not with "
+     "--estimate, --sweep, --measure, --sdpa, --determinism, --isolate, --gpus, --shard, --lanes, --snapshot, "
+     "--snapshot-dir, --markdown, --plot, --cap, --min-free or --weights hub"),
     ([*ESTIMATE, "--dry-run"], "--estimate and --dry-run are exclusive: an estimate runs nothing"),
     ([*ESTIMATE, "--context", "1"], "--context goes with --card: it is the context of the card to fit"),
     ([*ESTIMATE, "--exit-code"], "--exit-code needs --card: it says whether the run fits a card"),
@@ -121,6 +130,24 @@ def test_each_rule_says_its_line(index, spoke, tmp_path, monkeypatch):
 ])
 def test_a_command_line_with_several_faults_is_told_the_first_in_settles_order(argv, first, tmp_path, monkeypatch):
     assert refused(argv, tmp_path, monkeypatch) == first
+
+
+@pytest.mark.parametrize("extra", [["--estimate"], ["--sweep"], ["--cap", "soup"], ["--min-free"], ["--isolate"],
+                                   ["--gpus", "0"], ["--snapshot"], ["--plot", "p.png"], ["--weights", "hub"],
+                                   ["--determinism"], ["--shard", "1/2"]])
+def test_every_option_find_max_excludes_is_its_one_line(extra, spoke, tmp_path, monkeypatch):
+    argv = ["--find-max", "seq", "--config", "{yaml}", "--emulate-card", "12GB", *extra]
+    assert refused(argv, tmp_path, monkeypatch).startswith("--find-max runs your soup.yaml's own run")
+    assert spoke == [EVERY_RULE.index(next(r for r in EVERY_RULE if "--lanes, --snapshot" in r[1]))]
+
+
+def test_find_max_beside_a_key_the_file_gives_or_the_map_is_the_config_rule(tmp_path, monkeypatch):
+    """--find-max needs --config, so the options --config refuses are told by --config's own rules."""
+    for extra, line in ((["--seq", "128"], "--config and --seq are exclusive: the file gives it"),
+                        (["--map"], "--config and --map are exclusive: the file is one arm"),
+                        (["--exit-code"], "--exit-code goes with --estimate (its exit code says whether the run fits)")):
+        argv = ["--find-max", "seq", "--config", "{yaml}", "--card", "12GB", *extra]
+        assert refused(argv, tmp_path, monkeypatch) == line
 
 
 def test_a_stage_no_rule_names_is_refused():

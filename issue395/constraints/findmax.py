@@ -1,0 +1,297 @@
+"""--find-max's core (issue 29 items 5 and 7): the largest seq (or batch) whose run of the real
+client, ``python -m soup_cli train``, completes N optimizer steps on a card, bracketed from this
+tool's answer and bisected to a stated resolution, each probe a fresh process; and the probe itself:
+the user's soup.yaml copied with only what a probe must change, Soup run under --emulate-card's
+ballast (held in this process, outside any allocator, so Soup's own process reads the card's free
+memory), and its outcome read from Soup's own console and trainer state.
+
+Not a ``Constraint``: a Constraint's hooks run around an arm this harness measures in its own
+process and its record rides on that arm's row. A find-max probe is Soup's own process, with no
+measured arm, no hooks to call and no row; what it yields is one search (``FindMax``). It is a
+sibling of --min-free's bisection instead, and bench/soup_train_card.py runs its single probes
+through the same ``write_probe_config`` and ``run_probe``. No torch at module level; the CUDA probe
+(the ballast and Soup's step) is the only thing the CPU tests fake.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from ..text import table
+from .minfree import hold_ballast, release_ballast
+
+COMPLETED, OOM, FAILED = "completed", "OOM", "failed"
+
+#: What Soup prints at its gates and when a step runs out of memory (soup_cli/utils/errors.py: "GPU ran
+#: out of memory ..."), the same on soup-cli 0.73.3 and 0.77.0 (trainer/stream_setup.py).
+GATE_LINE = re.compile(r"VRAM|predicted to need|Predicted over budget", re.IGNORECASE)
+OOM_LINE = re.compile(r"out of memory|OutOfMemoryError", re.IGNORECASE)
+SOUP_NUMBER = re.compile(r"peak VRAM ~([0-9.]+) GB")
+SOUP_FREE = re.compile(r"free VRAM ([0-9.]+) GB(?: \(training\.stream_vram_override; driver reports ([0-9.]+) GB)?")
+REFUSED = re.compile(r"predicted to need .* is free", re.DOTALL)
+
+#: What a probe's copy of the user's soup.yaml changes, and why; every other key is the user's.
+PROBE_KEYS = {
+    "data.max_length": "the seq probed (--find-max seq)",
+    "training.batch_size": "the batch probed (--find-max batch)",
+    "data.train": "the probe's rows: each 3x longer than seq, so truncation, never padding, sets the length",
+    "data.val_split": "0: every row trains (no split, no evaluation pass)",
+    "data.format": "the probe's rows' format, where the file names another (never where it says auto)",
+    "training.epochs": "1: one epoch of exactly N optimizer steps",
+    "training.stream_vram_override": "Soup's own lift of its gate, so the probe measures completion, not Soup's refusal",
+    "output": "a scratch folder",
+    "base": "the checkpoint the probe runs: a folder's absolute path, or the synthetic checkpoint this tool "
+            "builds for a registry model's hub id",
+}
+
+#: At most this many probes in one search (the bracket from this tool's answer needs a handful).
+PROBE_LIMIT = 12
+
+
+@dataclass(frozen=True)
+class Probe:
+    """One probe: the value run, how it ended, and Soup's own lines about it (measured)."""
+
+    value: int
+    outcome: str  # COMPLETED (every step), OOM, or FAILED (anything else, with Soup's line)
+    steps: Optional[int] = None  # the trainer's own global step at the end
+    line: Optional[str] = None  # Soup's line for an OOM or another failure
+    seconds: Optional[float] = None  # the probe's wall time, Soup's process start to exit
+    exit_code: Optional[int] = None
+    soup_gb: Optional[float] = None  # Soup's own number, as its gate printed it ("peak VRAM ~X GB")
+    driver_free_gb: Optional[float] = None  # the free memory its driver reported at the gate (printed by Soup)
+
+    @property
+    def completed(self) -> bool:
+        return self.outcome == COMPLETED
+
+
+@dataclass
+class FindMax:
+    """One search: where it started, the largest value that completed (``limit``), the first value
+    above it that raised OOM (``above``), the resolution, every probe in order, and why it stopped
+    short where it did (``stopped``: a non-OOM failure or the probe limit)."""
+
+    axis: str
+    resolution: int
+    start: int
+    low: int
+    high: int
+    limit: Optional[int] = None
+    above: Optional[int] = None
+    probes: list = field(default_factory=list)
+    stopped: Optional[str] = None
+    seconds: float = 0.0
+
+    @property
+    def adjacent(self) -> bool:
+        """The answer is proven: the limit completed and the value one resolution step above it raised
+        OOM (or the limit is the largest value there is)."""
+        if self.stopped:
+            return False
+        if self.limit is None:
+            return self.above == self.low
+        return self.limit == self.high or (self.above is not None and self.above - self.limit == self.resolution)
+
+    def probe_at(self, value: Optional[int]) -> Optional[Probe]:
+        return next((p for p in self.probes if p.value == value), None)
+
+    def to_json(self) -> dict:
+        return {"axis": self.axis, "resolution": self.resolution, "start": self.start, "low": self.low,
+                "high": self.high, "limit": self.limit, "oom_above": self.above, "proven": self.adjacent,
+                "stopped": self.stopped, "wall_s": round(self.seconds, 1),
+                "probes": [asdict(p) for p in self.probes]}
+
+
+def find_max(probe: Callable[[int], Probe], axis: str, start: Optional[int], resolution: int, low: int, high: int,
+             limit: int = PROBE_LIMIT, clock: Callable[[], float] = time.perf_counter) -> FindMax:
+    """The largest value in [low, high] (on the grid of ``resolution`` steps) whose probe completes.
+    The bracket starts at ``start`` (this tool's answer; None: ``low``): if it completes, step up by a
+    distance that doubles each time (one resolution step, two, four ...) until one raises OOM; if not,
+    step down likewise until one completes; then bisect the bracket to the resolution. A probe that
+    fails for another reason is no evidence of memory: the search stops there and says so."""
+    started = clock()
+    snap = lambda v: max(low, min(high, low + (v - low) // resolution * resolution))  # noqa: E731
+    found = FindMax(axis, resolution, snap(low if start is None else start), low, high)
+
+    def run(value: int) -> Optional[bool]:
+        if len(found.probes) >= limit:
+            found.stopped = f"the probe limit ({limit}) was reached"
+            return None
+        p = probe(value)
+        found.probes.append(p)
+        if p.outcome == FAILED:
+            found.stopped = f"the probe at {value} failed, not OOM: {p.line or 'no line from Soup'}"
+            return None
+        return p.completed
+
+    good, bad = None, None
+    ok = run(found.start)
+    distance = resolution
+    if ok is True:
+        good = found.start
+        while good < high:
+            value = min(high, good + distance)
+            ok = run(value)
+            if ok is None:
+                break
+            if not ok:
+                bad = value
+                break
+            good, distance = value, distance * 2
+    elif ok is False:
+        bad = found.start
+        while bad > low:
+            value = max(low, bad - distance)
+            ok = run(value)
+            if ok is None:
+                break
+            if ok:
+                good = value
+                break
+            bad, distance = value, distance * 2
+    while found.stopped is None and good is not None and bad is not None and bad - good > resolution:
+        mid = good + (bad - good) // resolution // 2 * resolution
+        ok = run(mid)
+        if ok is None:
+            break
+        good, bad = (mid, bad) if ok else (good, mid)
+    found.limit, found.above = good, bad
+    found.seconds = clock() - started
+    return found
+
+
+# -- the probe: the user's soup.yaml, Soup's own process under the ballast --
+def _set(config: dict, dotted: str, value: Any) -> None:
+    node = config
+    *parents, key = dotted.split(".")
+    for part in parents:
+        if not isinstance(node.get(part), dict):
+            node[part] = {}
+        node = node[part]
+    node[key] = value
+
+
+def probe_config(user_text: str, axis: str, value: int, *, data: Path, output: Path, override: Optional[int],
+                 data_format: str, base: Optional[str] = None) -> dict:
+    """The user's soup.yaml (its text, never its file) with only PROBE_KEYS changed: the probed seq or
+    batch, the probe's rows, one epoch of them with no split, the gate lifted (``override`` None: the
+    file's gate kept, as bench/soup_train_card.py runs it without --override), a scratch output."""
+    import yaml
+
+    config = copy.deepcopy(yaml.safe_load(user_text))
+    _set(config, "data.max_length" if axis == "seq" else "training.batch_size", int(value))
+    _set(config, "data.train", str(data))
+    _set(config, "data.val_split", 0.0)
+    if config["data"].get("format", "auto") not in ("auto", data_format):
+        config["data"]["format"] = data_format
+    _set(config, "training.epochs", 1)
+    if override is not None:
+        _set(config, "training.stream_vram_override", int(override))
+    config["output"] = str(output)
+    if base is not None:
+        config["base"] = base
+    return config
+
+
+def write_probe_config(folder: Path, config: dict, rows: list) -> Path:
+    """The probe's soup.yaml and its rows, in the probe's own folder."""
+    import yaml
+
+    folder.mkdir(parents=True, exist_ok=True)
+    Path(config["data"]["train"]).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    path = folder / "soup.yaml"
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    return path
+
+
+def steps_done(out: Path, log: str) -> Optional[int]:
+    """The trainer's own global step (its trainer_state.json, saved at the last step), else the loss
+    lines it logged."""
+    states = sorted(out.rglob("trainer_state.json")) if out.is_dir() else []
+    if states:
+        return max(int(json.loads(p.read_text()).get("global_step", 0)) for p in states)
+    logged = len(re.findall(r"['\"]loss['\"]\s*:", log))
+    return logged or None
+
+
+def _plain(log: str) -> str:
+    """Soup's console without its panel's borders, each wrapped line joined."""
+    return " ".join(re.sub(r"[│┃║|╭╮╰╯─]+", " ", log).split())
+
+
+def soup_lines(log: str) -> list[str]:
+    """Soup's gate lines, as it printed them."""
+    return [" ".join(x.replace("│", " ").split()) for x in log.splitlines() if GATE_LINE.search(x)]
+
+
+def judge(value: int, log: str, exit_code: int, steps: Optional[int], wanted: int,
+          seconds: Optional[float] = None) -> Probe:
+    """A probe's outcome from Soup's own console, exit code and trainer state: every step done and
+    exit 0 is COMPLETED; an out-of-memory line is OOM; anything else FAILED, with Soup's line."""
+    plain = _plain(log)
+    number, free = SOUP_NUMBER.search(plain), SOUP_FREE.search(plain)
+    gate = dict(soup_gb=float(number.group(1)) if number else None,
+                driver_free_gb=(float(free.group(2) or free.group(1)) if free else None))
+    lines = [" ".join(x.replace("│", " ").split()) for x in log.splitlines() if x.strip()]
+    oom = next((x for x in lines if OOM_LINE.search(x)), None)
+    if oom is not None:
+        return Probe(value, OOM, steps, oom[:300], seconds, exit_code, **gate)
+    if exit_code == 0 and steps == wanted:
+        return Probe(value, COMPLETED, steps, None, seconds, exit_code, **gate)
+    why = (f"exit 0 after {steps} of {wanted} step(s)" if exit_code == 0 else
+           "refused by Soup's gate" if REFUSED.search(log) else (lines[-1] if lines else "no output"))
+    return Probe(value, FAILED, steps, why[:300], seconds, exit_code, **gate)
+
+
+def soup_command(soup: Optional[list] = None) -> list:
+    """soup-cli 0.73.3 and 0.77.0 alike run as ``python -m soup_cli`` (this interpreter)."""
+    return list(soup) if soup else [sys.executable, "-m", "soup_cli"]
+
+
+def run_probe(config: Path, value: int, wanted: int, card_total: int, *, soup: Optional[list] = None,
+              log_to: Optional[Path] = None, hold: Callable = hold_ballast, release: Callable = release_ballast,
+              run: Callable = subprocess.run, clock: Callable[[], float] = time.perf_counter) -> tuple[Probe, Any, str]:
+    """``soup train --config CONFIG --yes`` in a fresh process while this process holds a ballast that
+    leaves ``card_total`` bytes free (Soup's process brings its own context out of it, as on the card
+    itself); judged. Returns the probe, the ballast held and Soup's console."""
+    ballast = hold(card_total)
+    try:
+        started = clock()
+        done = run(soup_command(soup) + ["train", "--config", str(config), "--yes"], capture_output=True, text=True,
+                   cwd=str(config.parent), env=dict(os.environ, PYTHONUNBUFFERED="1", COLUMNS="400"))
+        seconds = round(clock() - started, 1)
+    finally:
+        release(ballast)
+    log = (done.stdout or "") + (done.stderr or "")
+    if log_to is not None:
+        log_to.write_text(log)
+    import yaml
+
+    out = Path(yaml.safe_load(config.read_text())["output"])
+    return judge(value, log, done.returncode, steps_done(out, log), wanted, seconds), ballast, log
+
+
+def probe_words(p: Probe, wanted: int) -> str:
+    if p.completed:
+        return f"completed {p.steps} of {wanted} step(s)"
+    return f"{p.outcome}: {p.line}" if p.line else p.outcome
+
+
+def probe_table(found: FindMax, wanted: int) -> list[str]:
+    """Every probe in order (measured)."""
+    cells = [[str(i), str(p.value), probe_words(p, wanted)[:110], f"{p.seconds:.1f}" if p.seconds is not None else "-",
+              f"{p.soup_gb:.2f}" if p.soup_gb is not None else "-",
+              f"{p.driver_free_gb:.2f}" if p.driver_free_gb is not None else "-"]
+             for i, p in enumerate(found.probes, 1)]
+    return table([("#", 2), (found.axis, 6), ("outcome (measured)", -40), ("wall s", 6),
+                  ("Soup's number GB", 16), ("driver's free GB", 16)], cells)

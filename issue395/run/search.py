@@ -1,0 +1,229 @@
+"""--find-max's driver (issue 29 item 5): for the user's soup.yaml and one card, this tool's answer
+and Soup's gate by --estimate's own code path, then the search (issue395.constraints.findmax) over
+probes of the real `soup train`, each in a fresh process under the card's ballast; the text, the
+JSON, and on CPU (or with --dry-run) the first probe's soup.yaml and the plan alone."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from ..errors import EXIT_FINDING, EXIT_OK, EXIT_USAGE, UsageError
+from ..results.schema import SCHEMA, TOOL
+from ..tasks import task
+from ..constraints.findmax import (PROBE_KEYS, PROBE_LIMIT, FindMax, find_max, probe_config, probe_table,
+                                   probe_words, run_probe, soup_command, write_probe_config)
+from ..report.outputs import write_output
+from .options import Run
+from .parser import FIND_MAX_NO_CUDA
+from .scratch import Scratch
+
+UNITS = {"seq": "tokens", "batch": "batch"}
+#: The probed key of the axis not searched: the file's own value, not a probe's change.
+OTHER_AXIS_KEY = {"seq": "training.batch_size", "batch": "data.max_length"}
+
+
+@dataclass
+class Answers:
+    """What --estimate's code path says of the file's run on the card: this tool's longest that fits,
+    the longest Soup's gate admits, the axis's grid, and Soup's gate at any value (computed)."""
+
+    axis: str
+    card: Any  # issue395.estimator.cards.Card
+    budget: Any  # issue395.estimator.cards.Budget
+    tool: Optional[int]  # computed by this tool: the corrected estimate's longest that fits
+    soup: Optional[int]  # computed by Soup: the longest its gate admits
+    low: int
+    step: int
+    high: int
+    gate_rule: str
+    gate_at: Callable[[int], dict]
+
+
+def answers(run: Run) -> Answers:
+    from ..estimator.cards import budget, workspace_env
+    from ..estimator.fits import Gate, axis_range, estimate_for, fit_kwargs, longest, longest_soup_admits
+
+    axis, user, config = run.find_max.axis, run.estimate.from_file or {}, run.estimate.config
+    gate, optimizer = Gate(user.get("gate_override"), bool(user.get("probe"))), user.get("optimizer")
+    stream = dict(run.estimate.stream)
+    e = estimate_for(config, quant=run.quants[0], seq=run.seqs[0], batch=run.batches[0], targets=run.adapter.targets,
+                     lora_r=run.adapter.lora_r, steps=run.steps, stream=stream, task=run.tasks[0], optimizer=optimizer)
+    kw = dict(fit_kwargs(e, run.adapter.targets, run.adapter.lora_r, stream, optimizer),
+              **({"seq": e.seq} if axis == "batch" else {}))
+    card = run.estimate.cards[0]
+    b = budget(card, run.context)
+    available = gate.available(b.gate_free_bytes)
+    low, step, high = axis_range(config, axis, e.task)
+
+    def gate_at(value: int) -> dict:
+        at = dict(kw, **{axis: value})
+        mine = estimate_for(config, **at)
+        one = mine if not gate.probe else estimate_for(config, **dict(at, steps=1, optimizer=None))
+        return {"value": value, "soup_predicted": mine.soup_predicted, "gate_free_bytes": available,
+                "admits": gate.admits(mine.soup_predicted, one.corrected_predicted, available)}
+
+    return Answers(axis, card, b, longest(axis, config, b.step_free_bytes, workspace=card.workspace(workspace_env()), **kw),
+                   longest_soup_admits(axis, config, available, gate, **kw), low, step, high, gate.rule, gate_at)
+
+
+def plan_lines(run: Run, a: Answers) -> list[str]:
+    unit = UNITS[a.axis]
+    start = a.tool if a.tool is not None else a.low
+    return [f"plan: start at {a.axis} {start} (this tool's longest that fits{'' if a.tool is not None else ': none fits, so the smallest'}); "
+            f"if it completes, step up by {a.step}, {2 * a.step}, {4 * a.step} ... {unit} until one raises OOM, if "
+            f"not, step down likewise until one completes; then bisect to the resolution, {a.step} {unit}, within "
+            f"{a.low}..{a.high}; at most {PROBE_LIMIT} probes",
+            f"  each probe: {' '.join(soup_command())} train --config <the probe's soup.yaml> --yes, a fresh "
+            f"process, while this process holds a ballast outside any allocator that leaves {a.card.name}'s total "
+            f"({a.card.total_bytes:,} B) free; it completes when Soup exits 0 with the trainer's global step at "
+            f"{run.steps}",
+            "  the probe's soup.yaml: every key of your file but " + "; ".join(
+                f"{k} ({why})" for k, why in PROBE_KEYS.items() if k != OTHER_AXIS_KEY[a.axis])]
+
+
+def _gb(n: Optional[float]) -> str:
+    return "-" if n is None else f"{n / 1e9:.2f}"
+
+
+def gate_words(run: Run, a: Answers, found: FindMax, value: Optional[int], what: str) -> Optional[tuple[str, dict]]:
+    """Soup's gate, unlifted, at ``value``: computed by Soup's own estimator code on the card's budget,
+    and what Soup printed in that value's probe (its number and the free memory its driver reported)."""
+    if value is None:
+        return None
+    g = dict(a.gate_at(value))
+    p = found.probe_at(value)
+    override = (run.estimate.from_file or {}).get("gate_override")
+    if p is not None and p.soup_gb is not None and p.driver_free_gb is not None:
+        g.update(probe_soup_gb=p.soup_gb, probe_driver_free_gb=p.driver_free_gb,
+                 probe_admits=p.soup_gb <= (override / 1e9 if override is not None else p.driver_free_gb))
+    said = (f"; in its probe Soup printed ~{p.soup_gb:.2f} GB with {p.driver_free_gb:.2f} GB free reported by its driver"
+            if "probe_soup_gb" in g else "")
+    outcome = "" if p is None else f" (measured: {probe_words(p, run.steps)})"
+    line = (f"Soup's gate (unlifted) at {a.axis} {value}, {what}{outcome}: {'admits' if g['admits'] else 'refuses'} it "
+            f"(computed by Soup's own estimator code: {_gb(g['soup_predicted'])} GB against {_gb(g['gate_free_bytes'])} GB "
+            f"free at its gate, {a.gate_rule}){said}")
+    return line, g
+
+
+def find_max_run(run: Run, protocol: Any) -> int:
+    """--find-max: the plan (--dry-run, on any box), or the search on a CUDA box; its text and --json."""
+    ask, user = run.find_max, run.estimate.from_file or {}
+    a = answers(run)
+    lift = None  # Soup's gate lifted by the GPU's own total: every probe is admitted
+    if not run.dry_run:
+        os.environ.setdefault("CUDA_VISIBLE_DEVICES", "0")  # Soup refuses to stream with several GPUs visible
+        import torch
+
+        if not torch.cuda.is_available():
+            raise UsageError(FIND_MAX_NO_CUDA)
+        lift = int(torch.cuda.mem_get_info()[1])
+    from ..estimator.fits import steps_words
+
+    axis, t = ask.axis, task(run.tasks[0])
+    user_text = Path(run.adapter.soup_config).expanduser().read_text(encoding="utf-8")
+    accumulation = int(user.get("gradient_accumulation_steps") or 1)
+    head = (f"--find-max {axis}: {run.custom_model}, from --config {run.adapter.soup_config} ({run.tasks[0]} "
+            f"{run.quants[0]}, " + (f"batch {run.batches[0]}" if axis == "seq" else f"seq {run.seqs[0]}")
+            + f"), on {a.card.name} ({a.card.total_bytes:,} B; {ask.flag}); {steps_words(run.steps, user.get('steps_from'))}")
+    with Scratch(run.cache_dir, run.shard_dir) as scratch:
+        base = ask.base_folder
+        if not run.dry_run:
+            base = checkpoint_for(run, scratch)
+
+        def write(value: int) -> Path:
+            folder = scratch.path("find-max", f"{axis}-{value}")
+            seq, batch = (value, run.batches[0]) if axis == "seq" else (run.seqs[0], value)
+            config = probe_config(user_text, axis, value, data=folder / "train.jsonl", output=folder / "out",
+                                  override=lift if lift is not None else a.card.total_bytes,
+                                  data_format=t.data_format, base=base)
+            return write_probe_config(folder, config, protocol.task_rows(t.name, seq, batch * accumulation * run.steps))
+
+        tool_line = (f"computed by this tool (--estimate's corrected estimate, {a.budget.context_source} context): the "
+                     f"longest {axis} that fits {a.card.name}: {a.tool if a.tool is not None else 'none'}")
+        soup_line = (f"computed by Soup (its own pre-flight, {a.gate_rule}, gate unlifted): the longest {axis} Soup's gate "
+                     f"admits on {a.card.name}: {a.soup if a.soup is not None else 'none'}")
+        if run.dry_run:
+            first = write(a.tool if a.tool is not None else a.low)
+            print("\n".join([head + " -- --dry-run: the plan, nothing run", "  " + tool_line, "  " + soup_line,
+                             *plan_lines(run, a),
+                             *([f"  base: {run.custom_model} is a registry model's hub id: on the GPU box "
+                                "the probes run the synthetic checkpoint this tool builds for it (no download)"]
+                               if ask.base_key and not ask.base_folder else []),
+                             *(f"  from the file: {k}" for k in user.get("keys", ())),
+                             f"the first probe's soup.yaml (as written in the scratch folder, removed at exit; on the GPU "
+                             f"box stream_vram_override is the GPU's total):",
+                             first.read_text().rstrip()]))
+            return EXIT_OK
+        scratch.verify_shard_root()
+        logs = Path(run.log_dir) if run.log_dir else None
+        if logs is not None:
+            logs.mkdir(parents=True, exist_ok=True)
+        print(head, flush=True)
+        print("\n".join(plan_lines(run, a)), flush=True)
+
+        def probe(value: int):
+            config = write(value)
+            p, ballast, log = run_probe(config, value, run.steps, a.card.total_bytes,
+                                        log_to=config.parent / "soup-train.log")
+            if logs is not None:
+                shutil.copyfile(config.parent / "soup-train.log", logs / f"soup-find-max-{axis}-{value}.log")
+            print(f"  probe {axis} {value}: {probe_words(p, run.steps)} ({p.seconds} s; ballast {ballast.size:,} B, "
+                  f"free with it held {ballast.free_after:,} B)", flush=True)
+            return p
+
+        found = find_max(probe, axis, a.tool, a.step, a.low, a.high)
+    unit = UNITS[axis]
+    if found.limit is None:
+        measured = f"no {axis} completes {run.steps} step(s): the smallest, {found.above}, raised OOM"
+    else:
+        measured = (f"{axis} {found.limit} completes {run.steps} of {run.steps} step(s); "
+                    + (f"{axis} {found.above} raised OOM" if found.above is not None else
+                       f"no OOM up to the largest {axis} there is ({found.high})"))
+    if found.stopped:
+        measured += f" -- stopped before the answer was proven: {found.stopped}"
+    gates = [gate_words(run, a, found, found.limit, "the limit"),
+             gate_words(run, a, found, found.above, "the first above it")]
+    lines = [head,
+             f"  measured (the real soup train, Soup's gate lifted by training.stream_vram_override): {measured} "
+             f"(resolution {a.step} {unit}; {len(found.probes)} probe(s), {found.seconds:.1f} s)",
+             "  " + tool_line, "  " + soup_line, *(f"  {g[0]}" for g in gates if g),
+             *(f"  from the file: {k}" for k in user.get("keys", ())),
+             f"probes (measured, in order; Soup's number and the driver's free memory as Soup printed them at its gate):",
+             *probe_table(found, run.steps)]
+    print("\n".join(lines), flush=True)
+    if run.outputs.json:
+        data = {"tool": TOOL, "schema": SCHEMA, "kind": "find-max", "config": run.adapter.soup_config,
+                "model": run.custom_model, "task": run.tasks[0], "quant": run.quants[0], "seq": run.seqs[0],
+                "batch": run.batches[0], "steps": run.steps, "card": {"card": a.card.name, "bytes": a.card.total_bytes,
+                                                                      "given_as": ask.flag},
+                "measured": found.to_json(), "this_tool_longest": a.tool, "soup_gate_longest": a.soup,
+                "soup_gate_rule": a.gate_rule, "soup_gate_at_limit": gates[0][1] if gates[0] else None,
+                "soup_gate_above_limit": gates[1][1] if gates[1] else None, "probe_keys": list(PROBE_KEYS),
+                "command": ["issue395_second_stack_vram.py", *run.argv]}
+        try:
+            write_output(run.outputs.json, (json.dumps(data, indent=2) + "\n").encode("utf-8"))
+        except OSError as exc:
+            print(f"error: --json {run.outputs.json} could not be written ({exc.strerror or exc})", file=sys.stderr)
+            return EXIT_USAGE
+    return EXIT_OK if found.adjacent else EXIT_FINDING
+
+
+def checkpoint_for(run: Run, scratch: Scratch) -> str:
+    """The checkpoint the probes run: the file's folder, or the synthetic checkpoint of the registry
+    model whose hub id the file names (built here, as --config's measured arm builds it); under its
+    quantization's own path (Soup keys its shards by the base's path)."""
+    from ..measure.shapes import family_shape
+    from .checkpoints import quant_base, synthetic_checkpoint
+
+    ask = run.find_max
+    folder = ask.base_folder
+    if folder is None:
+        print(f"building the synthetic checkpoint of {run.custom_model} ({ask.base_key}) ...", file=sys.stderr, flush=True)
+        folder = str(synthetic_checkpoint(family_shape(ask.base_key), scratch.checkpoint_root())[0])
+    return quant_base(scratch, folder, run.quants[0], run.estimate.stream)

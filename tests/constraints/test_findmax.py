@@ -1,0 +1,168 @@
+"""issue395.constraints.findmax: --find-max's search and its probe. The search runs against a faked
+``completes(value)``: the CUDA probe (Soup's step on a card under the ballast) is the only thing faked,
+and it is said so where it is. The probe's soup.yaml is read back by Soup's own loader
+(soup_cli.config.loader, whichever release this venv holds); the outcome is judged from Soup's
+console as soup-cli prints it (its gate lines and its OOM line, copied from a committed run)."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import types
+
+import pytest
+import yaml
+
+from issue395.constraints import findmax as F
+
+SEQ = dict(resolution=64, low=64, high=32768)
+
+
+def fake_probe(limit, fail_at=()):
+    """The faked CUDA probe: completes up to ``limit``, OOM above it; FAILED (not OOM) at ``fail_at``."""
+    def probe(value):
+        if value in fail_at:
+            return F.Probe(value, F.FAILED, line="ValueError: something else")
+        return F.Probe(value, F.COMPLETED if value <= limit else F.OOM, steps=2)
+    return probe
+
+
+def test_the_bracket_starts_at_the_tools_answer_and_steps_up_by_a_doubling_distance():
+    found = F.find_max(fake_probe(1920), "seq", 1792, **SEQ)
+    assert [p.value for p in found.probes] == [1792, 1856, 1984, 1920]  # +64, +128, then the bisection
+    assert (found.limit, found.above, found.adjacent, found.stopped) == (1920, 1984, True, None)
+
+
+def test_a_start_that_does_not_complete_steps_down_then_bisects():
+    found = F.find_max(fake_probe(1472), "seq", 1792, **SEQ)
+    assert [p.value for p in found.probes][:4] == [1792, 1728, 1600, 1344]  # -64, -128, -256: 1344 completes
+    assert (found.limit, found.above, found.adjacent) == (1472, 1536, True)
+
+
+@pytest.mark.parametrize("limit,start", list(itertools.product([64, 640, 1920, 2048, 4032, 32768],
+                                                                [64, 1024, 1792, 2112, 32768, None])))
+def test_the_limit_and_the_value_above_are_adjacent_at_the_resolution_in_a_few_probes(limit, start):
+    found = F.find_max(fake_probe(limit), "seq", start, **SEQ, limit=100)  # the default limit: its own test
+    assert found.limit == limit and found.adjacent
+    assert found.above == (None if limit == SEQ["high"] else limit + 64)
+    assert all(p.completed == (p.value <= limit) for p in found.probes)
+    off = abs((start or 64) - limit) / 64 + 1
+    assert len(found.probes) <= 2 * math.ceil(math.log2(off)) + 3  # a bracket, not log2(32768) from the floor
+
+
+def test_nothing_completes_the_smallest_value_raised_oom():
+    found = F.find_max(fake_probe(0), "seq", 128, **SEQ)
+    assert (found.limit, found.above, found.adjacent) == (None, 64, True)
+
+
+def test_a_probe_failing_for_another_reason_is_reported_not_counted_as_oom():
+    found = F.find_max(fake_probe(1920, fail_at={1984}), "seq", 1792, **SEQ)
+    failed = found.probe_at(1984)
+    assert failed.outcome == F.FAILED and failed.line == "ValueError: something else"
+    assert found.above is None and found.limit == 1856 and not found.adjacent  # 1984 is no OOM
+    assert found.stopped == "the probe at 1984 failed, not OOM: ValueError: something else"
+    assert found.to_json()["probes"][-1]["outcome"] == "failed" and found.to_json()["proven"] is False
+
+
+def test_the_batch_axis_steps_by_one_and_the_probe_limit_is_said():
+    found = F.find_max(fake_probe(7), "batch", 1, resolution=1, low=1, high=1024)
+    assert (found.limit, found.above, found.adjacent) == (7, 8, True)
+    cut = F.find_max(fake_probe(1000), "batch", 1, resolution=1, low=1, high=1024, limit=3)
+    assert len(cut.probes) == 3 and cut.stopped == "the probe limit (3) was reached" and not cut.adjacent
+
+
+# -- the probe's soup.yaml, read back by Soup's own loader --
+USER = """base: Qwen/Qwen2.5-0.5B
+task: dpo
+experiment_name: mine
+data: {train: pairs.jsonl, format: dpo, max_length: 2048, val_split: 0.2, chat_template: chatml}
+training: {batch_size: 2, epochs: 5, lr: 0.0001, gradient_accumulation_steps: 2, quantization: none,
+           stream_layers: true, logging_steps: 7, optimizer: adamw_torch,
+           lora: {r: 16, alpha: 32, dropout: 0.05, target_modules: [q_proj, v_proj]}}
+output: ./runs/mine
+"""
+
+
+def dumped(text: str) -> dict:
+    from soup_cli.config.loader import load_config_from_string
+
+    return load_config_from_string(text).model_dump()
+
+
+def without(d: dict, keys) -> dict:
+    d = {k: dict(v) if isinstance(v, dict) else v for k, v in d.items()}
+    for key in keys:
+        *parents, last = key.split(".")
+        node = d
+        for part in parents:
+            node = node[part]
+        node.pop(last, None)
+    return d
+
+
+@pytest.mark.parametrize("axis,value", [("seq", 1856), ("batch", 3)])
+def test_the_probes_soup_yaml_keeps_every_user_key_but_what_it_must_change(axis, value, tmp_path):
+    config = F.probe_config(USER, axis, value, data=tmp_path / "train.jsonl", output=tmp_path / "out",
+                            override=150_000_000_000, data_format="dpo", base="/ckpt/qwen")
+    path = F.write_probe_config(tmp_path, config, [{"prompt": "hi", "chosen": "a", "rejected": "b"}] * 8)
+    mine, theirs = dumped(path.read_text()), dumped(USER)
+    assert without(mine, F.PROBE_KEYS) == without(theirs, F.PROBE_KEYS)
+    assert mine["data"]["max_length"] == (value if axis == "seq" else 2048)
+    assert mine["training"]["batch_size"] == (value if axis == "batch" else 2)
+    assert (mine["data"]["train"], mine["data"]["val_split"], mine["training"]["epochs"]) == (
+        str(tmp_path / "train.jsonl"), 0.0, 1)
+    assert mine["training"]["stream_vram_override"] == 150_000_000_000 and mine["base"] == "/ckpt/qwen"
+    assert mine["training"]["logging_steps"] == 7 and mine["training"]["gradient_accumulation_steps"] == 2
+    assert len((tmp_path / "train.jsonl").read_text().splitlines()) == 8
+
+
+def test_a_format_of_the_users_own_is_replaced_by_the_rows_format_and_auto_is_kept(tmp_path):
+    kw = dict(data=tmp_path / "t.jsonl", output=tmp_path / "o", override=None, data_format="chatml")
+    alpaca = USER.replace("task: dpo", "task: sft").replace("format: dpo", "format: alpaca")
+    assert F.probe_config(alpaca, "seq", 128, **kw)["data"]["format"] == "chatml"
+    auto = USER.replace("task: dpo", "task: sft").replace("format: dpo", "format: auto")
+    config = F.probe_config(auto, "seq", 128, **kw)
+    assert config["data"]["format"] == "auto" and "stream_vram_override" not in config["training"]  # None: the file's gate
+
+
+# -- the outcome, from Soup's console --
+#: Soup's gate panel as it printed it on the H200 (results/task-map-h200-soup0.77.0-*/soup-train-dpo-qwen-*.txt),
+#: wrapped at the panel's width.
+PANEL = """│   peak VRAM    ~8.50 GB at batch 1 x seq 1856 (2 rows — chosen+rejected are  │
+│   free VRAM    150.11 GB (training.stream_vram_override; driver reports      │
+│   11.36 GB)                                                                 │
+"""
+
+
+def test_judge_reads_soups_own_lines():
+    done = F.judge(1856, PANEL + "{'loss': 0.69}\n", 0, 2, 2, 41.0)
+    assert (done.outcome, done.soup_gb, done.driver_free_gb, done.seconds) == (F.COMPLETED, 8.50, 11.36, 41.0)
+    oom = F.judge(1984, PANEL + "Traceback ...\ntorch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2 GiB\n"
+                  "GPU ran out of memory\n", 1, None, 2)
+    assert oom.outcome == F.OOM and "CUDA out of memory" in oom.line
+    short = F.judge(64, PANEL, 0, 1, 2)
+    assert short.outcome == F.FAILED and short.line == "exit 0 after 1 of 2 step(s)"
+    other = F.judge(64, PANEL + "ValueError: data.train: no such file\n", 1, None, 2)
+    assert other.outcome == F.FAILED and other.line == "ValueError: data.train: no such file"
+    refused = F.judge(64, "a streaming step is predicted to need 9.34 GB of VRAM but only 8.00 GB is free\n", 1, None, 2)
+    assert refused.outcome == F.FAILED and refused.line == "refused by Soup's gate"
+
+
+def test_run_probe_holds_the_ballast_around_soups_own_process(tmp_path):
+    """The ballast and Soup's process are faked (CUDA); the probe's command, order and judging are real."""
+    config = F.write_probe_config(tmp_path, F.probe_config(USER, "seq", 1856, data=tmp_path / "t.jsonl",
+                                                           output=tmp_path / "out", override=1, data_format="dpo"), [])
+    events = []
+
+    def run(argv, **kw):
+        events.append(("soup", argv[-4:], kw["cwd"], kw["env"]["COLUMNS"]))
+        (tmp_path / "out" / "checkpoint-2").mkdir(parents=True)
+        (tmp_path / "out" / "checkpoint-2" / "trainer_state.json").write_text('{"global_step": 2}')
+        return types.SimpleNamespace(returncode=0, stdout=PANEL, stderr="")
+
+    probe, ballast, log = F.run_probe(config, 1856, 2, 12_000_000_000, log_to=tmp_path / "soup.log",
+                                      hold=lambda free: events.append(("hold", free)) or "B",
+                                      release=lambda b: events.append(("release", b)), run=run)
+    assert events[0] == ("hold", 12_000_000_000) and events[-1] == ("release", "B")
+    assert events[1][1:] == (["train", "--config", str(config), "--yes"][-4:], str(tmp_path), "400")
+    assert probe.completed and probe.steps == 2 and (tmp_path / "soup.log").read_text() == PANEL

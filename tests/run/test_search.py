@@ -1,0 +1,187 @@
+"""issue395.run.search: --find-max through the command line, in process, on CPU. Settle, Soup's own
+loader, --estimate's code path and the search are real; on CPU the option exits 2 unless --dry-run.
+The search itself is driven with the CUDA probe faked (``run_probe``: the ballast and Soup's step on
+a card) and CUDA said present, where a test says so; nothing else is."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+from conftest import main, one_error_line
+
+from issue395.constraints import findmax as F
+from issue395.model.registry import config_json
+
+YAML = """base: {base}
+task: {task}
+experiment_name: mine
+data: {{train: pairs.jsonl, max_length: 2048, val_split: 0.1}}
+training: {{batch_size: 1, epochs: 3, quantization: none, stream_layers: true, logging_steps: 5,
+           lora: {{r: 8, alpha: 16, target_modules: [q_proj, v_proj]}}}}
+"""
+
+
+@pytest.fixture
+def soup_yaml(tmp_path):
+    """A user's soup.yaml whose base is a checkpoint folder (Qwen2.5-0.5B's public config alone)."""
+    def write(task="dpo"):
+        base = tmp_path / "qwen"
+        base.mkdir(exist_ok=True)
+        (base / "config.json").write_text(json.dumps(config_json("qwen")))
+        path = tmp_path / "soup.yaml"
+        path.write_text(YAML.format(base=base, task=task))
+        return path
+    return write
+
+
+def estimate_json(capfd, path, card, tmp_path, *extra):
+    out = tmp_path / "e.json"
+    code, _, err = main(capfd, ["--estimate", "--config", path, "--card", card, "--json", out, *extra])
+    assert code == 0, err
+    return json.loads(out.read_text())
+
+
+def test_on_cpu_find_max_is_one_line_exit_2_and_the_users_file_is_untouched(capfd, soup_yaml):
+    path = soup_yaml()
+    before = path.read_bytes()
+    code, out, err = main(capfd, ["--find-max", "seq", "--config", path, "--card", "12GB"])
+    one_error_line(code, out, err, "--find-max", "CUDA box", "--dry-run")
+    assert path.read_bytes() == before
+
+
+def test_the_dry_run_prints_the_plan_and_the_first_probes_soup_yaml_at_the_tools_answer(capfd, soup_yaml, tmp_path):
+    from soup_cli.config.loader import load_config_from_string
+
+    path = soup_yaml()
+    before = path.read_bytes()
+    card = estimate_json(capfd, path, "12GB", tmp_path)["rows"][0]["cards"][0]
+    code, out, err = main(capfd, ["--find-max", "seq", "--config", path, "--emulate-card", "12GB", "--dry-run"])
+    assert code == 0, err
+    assert f"computed by this tool (--estimate's corrected estimate, bound context): the longest seq that fits 12GB: " \
+           f"{card['longest_seq']}" in out
+    assert f"the longest seq Soup's gate admits on 12GB: {card['longest_seq_soup_admits']}" in out
+    assert f"plan: start at seq {card['longest_seq']}" in out and "bisect to the resolution, 64 tokens" in out
+    text = out.split("box stream_vram_override is the GPU's total):\n", 1)[1]
+    probe = load_config_from_string(text)  # Soup's own loader takes the first probe's soup.yaml
+    assert probe.data.max_length == card["longest_seq"] and probe.training.epochs == 1
+    assert probe.experiment_name == "mine" and probe.training.logging_steps == 5 and probe.task == "dpo"
+    assert path.read_bytes() == before
+
+
+class FakeCudaProbe:
+    """The CUDA probe faked: Soup's run completes up to ``limit``, raises OOM above it, fails for
+    another reason at ``fail_at``; it reads back the soup.yaml the driver wrote for it."""
+
+    def __init__(self, limit, axis="seq", fail_at=()):
+        self.limit, self.axis, self.fail_at, self.configs = limit, axis, set(fail_at), []
+
+    def __call__(self, config, value, wanted, card_total, *, log_to=None, **kw):
+        self.configs.append(yaml.safe_load(config.read_text()))
+        log_to.write_text("fake Soup console\n")
+        with open(self.configs[-1]["data"]["train"]) as rows:
+            self.rows = len(rows.readlines())
+        if value in self.fail_at:
+            p = F.Probe(value, F.FAILED, None, "RuntimeError: not memory", 30.0, 1)
+        else:
+            ok = value <= self.limit
+            p = F.Probe(value, F.COMPLETED if ok else F.OOM, wanted if ok else None,
+                        None if ok else "torch.OutOfMemoryError: CUDA out of memory", 30.0, 0 if ok else 1,
+                        soup_gb=8.5, driver_free_gb=11.36)
+        return p, type("Ballast", (), {"size": 1, "free_after": card_total})(), "fake Soup console\n"
+
+
+@pytest.fixture
+def cuda_box(monkeypatch):
+    """CUDA said present (torch.cuda.is_available, mem_get_info) and the CUDA probe faked."""
+    import torch
+
+    from issue395.run import search
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (150_000_000_000, 150_000_000_000))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+
+    def install(fake):
+        monkeypatch.setattr(search, "run_probe", fake)
+        return fake
+    return install
+
+
+def test_the_search_brackets_from_the_tools_answer_and_reports_limit_oom_resolution_probes(
+        capfd, soup_yaml, tmp_path, cuda_box):
+    path = soup_yaml()
+    before = path.read_bytes()
+    card = estimate_json(capfd, path, "12GB", tmp_path)["rows"][0]["cards"][0]
+    tool, soup = card["longest_seq"], card["longest_seq_soup_admits"]
+    fake = cuda_box(FakeCudaProbe(tool + 128))
+    out_json = tmp_path / "f.json"
+    code, out, err = main(capfd, ["--find-max", "seq", "--config", path, "--emulate-card", "12GB", "--json", out_json,
+                                  "--log-dir", tmp_path / "logs"])
+    assert code == 0, err
+    data = json.loads(out_json.read_text())
+    m = data["measured"]
+    assert m["start"] == tool and m["probes"][0]["value"] == tool  # the bracket starts at this tool's answer
+    assert (m["limit"], m["oom_above"], m["resolution"], m["proven"]) == (tool + 128, tool + 192, 64, True)
+    assert data["this_tool_longest"] == tool and data["soup_gate_longest"] == soup and data["steps"] == 2
+    assert data["soup_gate_at_limit"]["admits"] == (tool + 128 <= soup)
+    assert data["soup_gate_above_limit"]["probe_admits"] is True  # 8.5 GB printed <= 11.36 GB its driver reported
+    assert f"measured (the real soup train, Soup's gate lifted by training.stream_vram_override): seq {tool + 128} " \
+           f"completes 2 of 2 step(s); seq {tool + 192} raised OOM (resolution 64 tokens; {len(m['probes'])} probe(s)" in out
+    assert f"Soup's gate (unlifted) at seq {tool + 192}, the first above it (measured: OOM: torch.OutOfMemoryError" in out
+    for config in fake.configs:  # each probe: two steps of the file's batch, its gate lifted by the GPU's total
+        assert config["training"]["stream_vram_override"] == 150_000_000_000 and config["training"]["epochs"] == 1
+        assert config["experiment_name"] == "mine" and config["data"]["val_split"] == 0.0
+    from soup_cli.config.loader import load_config_from_string
+
+    accumulation = load_config_from_string(path.read_text()).training.gradient_accumulation_steps  # Soup's default
+    assert fake.rows == 2 * accumulation and sorted(p.name for p in (tmp_path / "logs").iterdir())[0].startswith("soup-find-max-seq-")
+    assert path.read_bytes() == before
+
+
+def test_the_batch_axis_and_a_non_oom_failure_is_reported_exit_1(capfd, soup_yaml, tmp_path, cuda_box):
+    """The faked probe completes at the first value (this tool's answer) and fails, not OOM, one above it."""
+    class FailsAboveTheStart(FakeCudaProbe):
+        def __call__(self, config, value, *a, **kw):
+            if not self.configs:
+                self.limit, self.fail_at = value, {value + 1}
+            return super().__call__(config, value, *a, **kw)
+
+    path = soup_yaml("sft")
+    cuda_box(FailsAboveTheStart(None, "batch"))
+    code, out, err = main(capfd, ["--find-max", "batch", "--config", path, "--card", "RTX4060-Laptop-8GB",
+                                  "--steps", "1", "--json", tmp_path / "b.json"])
+    assert code == 1, err
+    data = json.loads((tmp_path / "b.json").read_text())
+    m = data["measured"]
+    start = data["this_tool_longest"]
+    assert start is not None and m["probes"][0]["value"] == start and m["resolution"] == 1 and data["steps"] == 1
+    assert m["oom_above"] is None and m["limit"] == start and m["probes"][-1]["outcome"] == "failed"
+    assert f"stopped before the answer was proven: the probe at {start + 1} failed, not OOM: RuntimeError: not memory" in out
+
+
+@pytest.mark.parametrize("extra,words", [
+    (["--card", "12GB,T4"], ("--card 12GB,T4", "one card")),
+    (["--emulate-card", "huge"], ("--emulate-card 'huge'",)),
+    (["--card", "12GB", "--steps", "0"], ("--steps",)),
+])
+def test_bad_find_max_input_is_one_line(capfd, soup_yaml, extra, words):
+    code, out, err = main(capfd, ["--find-max", "seq", "--config", soup_yaml(), *extra])
+    one_error_line(code, out, err, *words)
+
+
+def test_the_readmes_find_max_dry_run_is_what_it_prints(capfd, tmp_path, monkeypatch):
+    """The README's --find-max paragraph: its command on the README's DPO soup.yaml prints its lines."""
+    from conftest import ROOT
+
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    (tmp_path / "soup-dpo.yaml").write_text(readme.split("```yaml\n")[2].split("```", 1)[0], encoding="utf-8")
+    block = next(b for b in readme.split("```bash\n")[1:] if "--find-max" in b.split("```", 1)[0])
+    command = block.split("```", 1)[0].split()[2:]
+    shown = block.split("```text\n", 1)[1].split("```", 1)[0].splitlines()
+    monkeypatch.chdir(tmp_path)
+    code, out, err = main(capfd, command)
+    assert code == 0, err
+    missing = [s for s in shown if s.rstrip() not in (ln.rstrip() for ln in out.splitlines())]
+    assert not missing and len(shown) == 3, missing
