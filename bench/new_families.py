@@ -22,7 +22,7 @@ sys.path.insert(0, str(ROOT))
 from issue395.estimator.estimate import estimate_key  # noqa: E402
 from issue395.model.registry import stream_mode  # noqa: E402
 
-NEW = ("moonlight", "deepseek-v3", "qwen3.5", "qwen3.5-moe")
+NEW = ("moonlight", "deepseek-v3", "kimi-k2", "qwen3.5", "qwen3.5-moe")
 
 
 def arms() -> list[dict]:

@@ -30,6 +30,13 @@ def block_bytes(requested: int) -> int:
 #: the H200's 375.4 MB plus 8.52 MB; plus 8 MiB it would read 383.7 or 383.8).
 CUBLAS_WORKSPACE = 4096 * 1024 * 8
 CUBLAS_WORKSPACE_PRE_HOPPER = 4096 * 1024 * 2 + 16 * 1024 * 8
+#: A linear with a bias runs through cuBLASLt (the bias epilogue of addmm), which keeps its own
+#: workspace, 1 MiB, from the first such matmul on. Measured on the H200 (torch 2.11): one
+#: 1,048,576 B block allocated inside the frozen biased projection's forward (peft lora
+#: layer.py's base_layer call), the same size at every seq and task, live at the peak of every
+#: Qwen2.5 arm and of no SmolLM2 arm (results/task-anatomy-*, results/findmax-kimi-anatomy-*/
+#: anatomy-077-kto-qwen-512x2-stacks.json). torch 2.13's unified workspace would share the cuBLAS one.
+CUBLASLT_WORKSPACE = 1024 * 1024
 
 #: Sizes no real model comes near (the largest public configs: 128 heads, 126 layers, hidden
 #: 16,384, intermediate 53,248, vocab 262,144): past them a config is a typo, and would reach

@@ -158,7 +158,8 @@ def class_breakdown(classes: dict, est, *, seq: int, batch: int, config: dict) -
     if est.phase == Phase.LAYER.value and "retained_activations" in est.terms:  # all but the layer run
         rest += est.terms["retained_activations"] * (a.L - 1) // a.L
     spec = {
-        DEQUANTISED: (_charged(est, "dequantised_layer") + _charged(est, "expert_in_flight"), (1, "layer")),
+        DEQUANTISED: (_charged(est, "dequantised_layer") + _charged(est, "dequantised_linear")
+                      + _charged(est, "expert_in_flight"), (1, "layer")),
         LOGITS_FP32: (fp32_logits, (elements, "logits element")),
         LOGITS_BF16: (softcap if logits else 0, (elements, "logits element")),
         CHECKPOINTED: (ckpt, (T, "token")),

@@ -222,10 +222,12 @@ def committed_leave_one_out() -> dict[str, dict]:
     return out
 
 
-#: The one arm the record shows under when its family is held out: Qwen2.5, bf16, seq 1024 x 1,
-#: 0.28 MB short of the 3.0 MB allowance fitted on the other ten families (0.66 MB of Qwen2.5's
-#: resident excess has no term yet). Fewer misses or more, or this one by another amount, fails.
-KNOWN_MISS = {("qwen", "0.73.3", "none", 1024, 1): 0.28}
+#: The one arm the record shows under when its family is held out: Mistral-7B, bf16, seq 16384 x 4,
+#: 0.12 MB short of the 2.5 MB allowance fitted on the other ten families (its per-token bytes at
+#: batch > 1, +2.62 MB, have no term: estimate.ALLOCATED_ALLOWANCE_BYTES). Until the cuBLASLt
+#: workspace of biased linears was charged the miss was Qwen2.5 bf16 1024x1, by 0.28 MB.
+#: Fewer misses or more, or this one by another amount, fails.
+KNOWN_MISS = {("mistral-7b", "0.73.3", "none", 16384, 4): 0.12}
 
 
 @pytest.mark.parametrize("family", list(dict.fromkeys(a["family"] for a in ARMS)))
