@@ -80,3 +80,14 @@ def test_soup_train_card_writes_a_soup_yaml_soups_loader_takes_for_the_task_and_
         with pytest.raises(SystemExit) as exc:
             bench.main(argv)
         assert exc.value.code == 2
+
+
+def test_the_committed_full_077_map_render_is_what_its_row_file_gives_now():
+    """The 0.77.0 full map stopped at its time limit before writing its JSON: its row file and stack.txt are
+    what it left, and bench/map_077_full.py renders them through --from-json; the committed render is what
+    the script prints now, and it never counts an arm the row file lacks."""
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "map_077_full.py")], capture_output=True, text=True,
+                         check=True, timeout=300).stdout
+    assert out == (ROOT / "results" / "map-077-full-h200-soup0.77.0-684477c-render.txt").read_text()
+    assert "planned 277 arms; 246 reported (241 measured" in out and "not run (31:" in out
+    assert "corrected estimate: never under on the 241 measured row(s)" in out
