@@ -80,6 +80,32 @@ def old_rows() -> dict:
     return out
 
 
+def one_process_runs(new: dict) -> list[tuple[str, int, list]]:
+    """Every committed 0.77.0 H200 run made in one process (no lanes, no cap) that measured an arm this
+    map measured too: (its file, arms equal to the byte, [(arm, bytes apart)])."""
+    out = []
+    for path in sorted(ROOT.glob("results/*soup0.77.0*/*.json")):
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except ValueError:
+            continue
+        if not isinstance(data, dict) or (data.get("environment") or {}).get("arms") != "in one process":
+            continue
+        same, apart = 0, []
+        for r in data.get("rows", []):
+            key = (r.get("model_key"), r.get("quant"), r.get("seq"), r.get("batch"))
+            mine = new.get(key)
+            if r.get("task") or not r.get("real_peak") or mine is None or r.get("targets") != mine.get("targets"):
+                continue
+            if r["real_peak"] == mine["real_peak"]:
+                same += 1
+            else:
+                apart.append((key, r["real_peak"] - mine["real_peak"]))
+        if same or apart:
+            out.append((f"{path.parent.name}/{path.name}", same, apart))
+    return out
+
+
 def main() -> None:
     measured = rows()
     progress = re.findall(r"^\[arm (\d+)/(\d+)\].*elapsed ([\d.]+) s", (RUN / "map-077-full.txt").read_text(), re.M)
@@ -119,6 +145,17 @@ def main() -> None:
     same = sum(1 for o, n in shared if o["real_peak"] == n["real_peak"])
     print(f"real peaks equal to the byte on {same} of {len(shared)} shared arms (0.73.3: one process a GPU, two GPUs; "
           "0.77.0: 4 lanes on one GPU); where 0.77.0's runtime differs the peak moves with it")
+    lanes = one_process_runs({(r["model_key"], r["quant"], r["seq"], r["batch"]): r for r in real})
+    print(f"\n4 lanes against one process: this map's peaks (measured, 4 lanes on one GPU) against every committed "
+          "0.77.0 H200 run of the same arm made in one process")
+    for name, same, apart in lanes:
+        print(f"  {name}: {same} of {same + len(apart)} equal to the byte" + ("; " + ", ".join(
+            f"{NAME[k[0]]} {k[1]} {k[2]}x{k[3]} {d:+,} B" for k, d in apart) if apart else ""))
+    total = sum(same + len(apart) for _, same, apart in lanes)
+    print(f"  {sum(same for _, same, _ in lanes)} of {total} equal to the byte; every other is an NF4 arm 1,024 B "
+          "apart, the size of bitsandbytes' dynamic map (results/carried-bytes-h200x2-soup0.73.3-8e62cc5/carried.txt); "
+          "which run's step allocated it inside its peak was not traced" if all(
+              abs(d) == 1024 and k[1] == "nf4" for _, _, apart in lanes for k, d in apart) else "")
     flips = [(o, n) for o, n in shared if (o["soup_predicted"] < o["real_peak"]) != (n["soup_predicted"] < n["real_peak"])]
     print(f"Soup's number moved on {moved} of {len(shared)} arms; its verdict (UNDER or not) changed on {len(flips)}: "
           + ("; ".join(f"{NAME[n['model_key']]} {n['quant']} {n['seq']}x{n['batch']} "
