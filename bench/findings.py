@@ -166,7 +166,11 @@ def soup077() -> None:
     print("\n" + "\n".join(lines))
 
 
-TASK_MAP = sorted(str(p.relative_to(ROOT)) for p in ROOT.glob("results/task-map-h200-*/task-map-*.json"))
+TASK_MAP = sorted(str(p.relative_to(ROOT)) for pattern in ("results/task-map-h200-*/task-map-*.json",
+                                                           "results/tasks-rest-h200-*/task-map-*.json",
+                                                           "results/tasks-rest-h200-*/mistral-*.json",
+                                                           "results/tasks-rest-h200-*/sweep-dpo-*.json")
+                  for p in ROOT.glob(pattern))
 TASK_CAPS = sorted(str(p.relative_to(ROOT)) for p in ROOT.glob("results/task-map-h200-*/cap-soup-tasks.json"))
 ANATOMY = sorted(ROOT.glob("results/task-anatomy-*/anatomy-077-*.json"))
 
@@ -181,20 +185,22 @@ def live_blocks(d: dict, at_least: int) -> str:
 def preference() -> None:
     runs = [(p, load(p)) for p in TASK_MAP]
     caps = cap_evidence([load(p) for p in TASK_CAPS])
-    under = [r for _, res in runs for r in res.rows if r.task and r.measured and r.soup_predicted
-             and r.soup_predicted < r.real_peak]
-    tasked = [r for _, res in runs for r in res.rows if r.task and r.measured]
-    print("\n## The preference losses: DPO and KTO (soup-cli 0.77.0)\n")
+    def label(r, res) -> str:  # a row of another release than the section's says so
+        release = res.environment.get("soup_cli")
+        return r.task if release == "0.77.0" else f"{r.task} (soup-cli {release})"
+    tasked = [(r, label(r, res)) for _, res in runs for r in res.rows if r.task and r.measured]
+    under = [r for r, _ in tasked if r.soup_predicted and r.soup_predicted < r.real_peak]
+    print("\n## The preference losses: DPO, KTO, ORPO and SimPO (soup-cli 0.77.0; DPO on 0.73.3 too)\n")
     print("Rendered from " + ", ".join(f"`{p}`" for p in TASK_MAP + TASK_CAPS) + " and the allocator histories "
           "in `results/task-anatomy-h200-soup0.77.0-and-0.73.3-3f5620a/`. Soup budgets a paired loss as the "
           "SFT formula at 2 x batch rows and KTO at batch rows, with 14 B per logits element; what is live "
           "at the step's peak is more.\n")
-    print(f"{len(under)} of {len(tasked)} measured DPO/KTO arms are under Soup's own number.\n")
+    print(f"{len(under)} of {len(tasked)} measured preference-task arms are under Soup's own number.\n")
     print("| family | task | arms under | Soup/real, lowest | Soup/real, highest | cap evidence (2048x2, bf16) |")
     print("|---|---|---:|---:|---:|---|")
-    for fam in dict.fromkeys(r.model for r in tasked):
-        for task in dict.fromkeys(r.task for r in tasked):
-            mine = [r for r in tasked if r.model == fam and r.task == task]
+    for fam in dict.fromkeys(r.model for r, _ in tasked):
+        for task in dict.fromkeys(t for _, t in tasked):
+            mine = [r for r, t in tasked if r.model == fam and t == task]
             if not mine:
                 continue
             ratios = [r.soup_predicted / r.real_peak for r in mine]
@@ -221,9 +227,15 @@ def preference() -> None:
           "\"ref\" adapter (4 B per LoRA parameter) and, on an untied model, a private copy of the head.")
     print("- KTO: the policy's and the reference's fp32 logits, each with its chosen/rejected row copies: "
           "16 B per element over batch rows; its KL batch adds its ids.")
+    paired = [r for r, _ in tasked if r.task in ("orpo", "simpo")]
+    low = [r for r in paired if r.soup_predicted < r.real_peak]
     print("- ORPO and SimPO: one forward, the chosen half's saved log-softmax and the per-row backward "
-          "gradients: about 14 B per element over 2 x batch rows, which Soup's 14 B covers (1.003x-1.007x "
-          "measured), so they are not under.")
+          "gradients: about 14 B per element over 2 x batch rows, which Soup's 14 B covers at the loss; "
+          f"measured, Soup is {min(r.soup_predicted / r.real_peak for r in paired):.3f}x-"
+          f"{max(r.soup_predicted / r.real_peak for r in paired):.3f}x on {len(paired)} arms and under on "
+          f"{len(low)}: " + "; ".join(sorted({f"{r.model} {r.quant}" for r in low})) + ", where its non-logits "
+          "terms fall short as they do for SFT on the same arms (the sections above). These arms were not "
+          "capped (the device time went to the map).\n")
 
 
 if __name__ == "__main__":
