@@ -140,3 +140,25 @@ def test_each_tasks_soup_number_from_the_config_is_what_its_setup_computed_on_th
 def test_every_task_captured_on_the_gpu_is_checked():
     assert {json.loads(p.read_text())["task"] for p in TASK_CAPTURES} == {"dpo", "orpo", "simpo", "kto", "sft"}
     assert {_capture_release(p) for p in TASK_CAPTURES} == {"0.73.3", "0.77.0"}
+
+
+#: Every preference-task map row the H200 measured (and its SFT rows beside them): soup_predicted is
+#: what Soup's own setup computed there, per the release the run had installed.
+TASK_MAP_RUNS = sorted([*(ROOT / "results").glob("task-map-h200-*/*.json"),
+                        *(ROOT / "results").glob("tasks-rest-h200-*/*.json")])
+
+
+@pytest.mark.parametrize("path", TASK_MAP_RUNS, ids=lambda p: f"{p.parent.name[:24]}/{p.stem}")
+def test_soups_number_for_every_task_map_row_is_what_its_setup_computed_on_the_gpu(path):
+    from issue395.estimator.estimate import estimate
+
+    data = json.loads(path.read_text())
+    release = data["environment"]["soup_cli"]
+    if release_source(release) is None:
+        pytest.skip(f"soup-cli {release}'s own code is not here (its venv runs it)")
+    rows = [r for r in data["rows"] if r.get("soup_predicted")]
+    assert rows
+    for r in rows:
+        e = estimate(config_json(r["model_key"]), quant=r["quant"], seq=r["seq"], batch=r["batch"],
+                     targets=tuple(r["targets"]), release=release, task=r.get("task") or "sft")
+        assert e.soup_predicted == r["soup_predicted"], (r["model_key"], r.get("task"), r["quant"], r["seq"], r["batch"])
