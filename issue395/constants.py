@@ -24,18 +24,13 @@ def block_bytes(requested: int) -> int:
 #: parseChosenWorkspaceSize): ":4096:8" on compute capability 9.x to 12.x (Hopper, Blackwell),
 #: ":4096:2:16:8" below. Each ':SIZE_KiB:COUNT' pair adds SIZE x 1024 x COUNT, and the sum is ONE
 #: request to the caching allocator (allocateCUDABlasWorkspace), so a history shows one block of
-#: the sum: 33,554,432 B on Hopper (docs/PEAK.md "Resident": resident = pool + extras + 4 B x LoRA
-#: + 33,557,376 B; results/README.md "In-process against isolated arms": 32 MiB per thread), and
-#: 8,519,680 B = 8 MiB + 128 KiB before it (the A10G record's math arm, 383.9 MB at seq 2048, is
-#: the H200's 375.4 MB plus 8.52 MB; plus 8 MiB it would read 383.7 or 383.8).
+#: the sum: 33,554,432 B on Hopper, 8,519,680 B = 8 MiB + 128 KiB before it.
+#: Evidence: docs/PEAK.md, "CUBLAS_WORKSPACE".
 CUBLAS_WORKSPACE = 4096 * 1024 * 8
 CUBLAS_WORKSPACE_PRE_HOPPER = 4096 * 1024 * 2 + 16 * 1024 * 8
 #: A linear with a bias runs through cuBLASLt (the bias epilogue of addmm), which keeps its own
-#: workspace, 1 MiB, from the first such matmul on. Measured on the H200 (torch 2.11): one
-#: 1,048,576 B block allocated inside the frozen biased projection's forward (peft lora
-#: layer.py's base_layer call), the same size at every seq and task, live at the peak of every
-#: Qwen2.5 arm and of no SmolLM2 arm (results/task-anatomy-*, results/findmax-kimi-anatomy-*/
-#: anatomy-077-kto-qwen-512x2-stacks.json). torch 2.13's unified workspace would share the cuBLAS one.
+#: workspace, 1 MiB, from the first such matmul on, the same at every seq and task.
+#: Evidence: docs/PEAK.md, "CUBLASLT_WORKSPACE".
 CUBLASLT_WORKSPACE = 1024 * 1024
 
 #: Sizes no real model comes near (the largest public configs: 128 heads, 126 layers, hidden

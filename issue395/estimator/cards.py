@@ -20,25 +20,16 @@ from ..constants import CUBLAS_WORKSPACE, CUBLAS_WORKSPACE_PRE_HOPPER, MiB, comm
 from ..errors import UsageError
 
 #: The CUDA context and driver reservation outside the caching allocator, for a card this tool
-#: has not measured: Soup's own figure. soup-cli 0.73.3, soup_cli/utils/layer_stream.py line 942
-#: (0.77.0: line 1360), estimate_stream_peak_vram's docstring: "sit outside the caching allocator
-#: (0.85 GB on the dev box, which also drives a display)" -- the dev box is the record's first
-#: stack, an RTX 3050 Laptop 4 GB. A bound with that one measurement behind it, not a law: a
-#: headless data-centre card leaves less, a desktop driving two monitors may leave more, so
-#: --context GB overrides it, and on a GPU this tool measures its own (cuda.context_bytes).
+#: has not measured: Soup's own figure (estimate_stream_peak_vram's docstring), a bound with one
+#: measurement behind it, not a law, so --context GB overrides it, and on a GPU this tool measures
+#: its own (cuda.context_bytes). Evidence: docs/PEAK.md, "CONTEXT_BOUND_BYTES".
 CONTEXT_BOUND_BYTES = 850_000_000
 CONTEXT_EVIDENCE = "0.85 GB on the dev box, which also drives"  # the words in Soup's source
 
-#: What the CUDA runtime adds outside the caching allocator after the context above (CUDA init
-#: and the first cuBLAS handle), measured on the H200 with expandable segments on four arms
-#: (SmolLM2 bf16 2048, Llama-3.2-1B bf16 4096, Mistral-7B NF4 512 and 18304; bench/outside_allocator.py,
-#: results/outside-allocator-h200-soup0.77.0-cb63dba/). By Soup's gate: 90 MiB on every arm, the
-#: kernel modules CUDA loads lazily as Soup's setup first runs them (2 MiB with
-#: CUDA_MODULE_LOADING=EAGER, which loads them all at init); Soup's gate reads free memory with
-#: them gone (it refused the emulated 16 GB arm by that margin). By the end of the step: 242 to
-#: 250 MiB, the modules the step loads and the backward thread's library handles (228 MiB with
-#: EAGER). The largest of each is charged on every card: one card's evidence, a kernel image's
-#: size varies little between architectures, and the charge only ever makes a verdict safer.
+#: What the CUDA runtime adds outside the caching allocator after the context above: by Soup's
+#: gate, the kernel modules CUDA loads lazily as Soup's setup first runs them; by the end of the
+#: step, those the step loads and the backward thread's library handles. The largest measured of
+#: each, charged on every card. Evidence: docs/PEAK.md, "GATE_GROWTH_BYTES, STEP_GROWTH_BYTES".
 GATE_GROWTH_BYTES = 94_371_840
 STEP_GROWTH_BYTES = 262_144_000
 

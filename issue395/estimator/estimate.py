@@ -3,7 +3,7 @@
 Beside it, Soup's OWN pre-flight for the same run: Soup's ``estimate_stream_peak_vram``, read
 from the installed soup-cli's source with ``ast`` and executed in an isolated namespace, so
 neither torch nor soup_cli is imported. Stdlib only. Evidence is cited as PEAK
-(docs/PEAK.md) and as committed result files under results/.
+(docs/PEAK.md, by section: a term's or constant's own is named for it).
 
 peak = resident + max(loss phase, layer phase) [+ steady-state terms when steps > 1]
 """
@@ -26,11 +26,9 @@ from .soup_number import (arch_of, features, layer_bytes, linear_elements, lora_
                           vocab_matrices_resident)
 from .terms import Phase, Term, phase_sum
 
-#: CUBLAS_WORKSPACE (constants) is kept on every card though torch gives less below sm 9
-#: (CUBLAS_WORKSPACE_PRE_HOPPER, cards.cublas_workspace): on the A10G record (sm 8.6) it sits
-#: 27.6-28.5 MB over at seq 2048 but 19.1-21.0 MB at 3072-6144, so a bare 25.0 MB cut would be
-#: UNDER on 8 of 10 arms (the ~8.5 MB step looks like a second sm 8.6 handle live at the loss
-#: peak; no committed history shows it). A card's term only ever raises it.
+# CUBLAS_WORKSPACE (constants) is kept on every card though torch gives less below sm 9
+# (CUBLAS_WORKSPACE_PRE_HOPPER): charged at that size, most A10G record arms would be UNDER. A
+# card's term only ever raises it. Evidence: docs/PEAK.md, "CUBLAS_WORKSPACE on every card".
 #: Three fp32 logits-shaped buffers at the loss backward (PEAK "Loss phase"; the --snapshot
 #: histories in results/record-h200x2-soup0.73.3-e7c26f7/ show exactly three fp32 logits blocks at the peak).
 LOGITS_BYTES = 12
@@ -47,37 +45,30 @@ LORA_WEIGHT_BYTES = 4  # fp32 LoRA weights (PEAK "Resident")
 # -- CUDA caching allocator: its constants and 512 B rounding are in issue395/constants.py --
 #: Segments first made for hidden-sized tensors (4hT fp32: RMSNorm's input copy, square, product;
 #: 2hT bf16), re-cut into checkpointed inputs whose last piece inherits the tail, live at the loss
-#: peak. The most the measured arms show, not a traced count: Qwen2.5 T=6144 4 x 1 MiB, T=5632
-#: 4 x 0.75 MiB past the logits' tails, SmolLM2 T=12288 4 x 1 MiB; Qwen2.5 T=11264 3 x 0.75 MiB.
+#: peak: the most the measured arms show, not a traced count.
+#: Evidence: docs/PEAK.md, "FP32_HIDDEN_SEGMENTS, BF16_HIDDEN_SEGMENTS".
 FP32_HIDDEN_SEGMENTS, BF16_HIDDEN_SEGMENTS = 4, 3
 
 # -- allowances: the only fitted numbers, each fitted on committed results only -------------
 #: Allocated bytes the physics misses: max(real - physics, 0) over every committed arm, in
-#: 0.5 MB steps (bench/leave_one_out.py fits it; a test checks it equals the all-family fit).
-#: Left after the allocator's rounding is charged: unattributed resident bytes (Qwen2.5 bf16
-#: +0.66 MB) and per-token bytes at batch > 1 (small vocab: ~50 B per extra token, largest on
-#: Mistral-7B bf16 16384x4, +2.62 MB). Refitted with seq 512/1024 measured (issue16/map-512-1024):
-#: Qwen2.5 bf16 1024x1 sat 0.28 MB under the 3.0 MB fitted before (1 of 80 new arms, 0.012%).
-#: That 0.28 MB was Qwen2.5's cuBLASLt workspace (constants.CUBLASLT_WORKSPACE), found in the
-#: allocator's history and charged since, and the all-family fit is back at 3.0 MB.
+#: 0.5 MB steps (bench/leave_one_out.py fits it; a test checks it equals the all-family fit):
+#: unattributed resident bytes and per-token bytes at batch > 1, left after the rounding is charged.
+#: Evidence: docs/PEAK.md, "ALLOCATED_ALLOWANCE_BYTES".
 ALLOCATED_ALLOWANCE_BYTES = 3_000_000
-#: needs_free over allocated under expandable segments (what `soup train` sets). PEAK "What a
-#: card must hold": Mistral-7B NF4 512x1 reserved 1.5729 GB over 1.5215 GB allocated (+3.4%);
-#: a cap 1.8% above allocated completed, 0.2% above raised OOM. Charged: the +3.4% reserved.
+#: needs_free over allocated under expandable segments (what `soup train` sets): the allocator
+#: reserves more than it allocates, and a card must hold what it reserves. Charged: the measured
+#: +3.4% reserved. Evidence: docs/PEAK.md, "EXPANDABLE_RESERVE_FRACTION, EXPANDABLE_RESERVE_BYTES".
 EXPANDABLE_RESERVE_FRACTION = 0.034
-#: ...plus a constant: capped at allocated x 1.034 alone, 4 of 12 arms raised OOM (results/cap-proof-
-#: and-seq512-1024-map-h200x2-soup0.73.3-b5bee37/first-allowance/), small ones, whose reserved
-#: sits 33-119 MB over allocated (SmolLM2 NF4 512x1: 0.4158 GB, 0.5348 GB); 128 MiB is the
-#: envelope of every committed figure.
+#: ...plus a constant, for the small arms whose reserved sits further over (the fraction alone
+#: raised OOM on some): the envelope of every committed figure.
+#: Evidence: docs/PEAK.md, "EXPANDABLE_RESERVE_FRACTION, EXPANDABLE_RESERVE_BYTES".
 EXPANDABLE_RESERVE_BYTES = 128 * 2**20
 
 
 # -- The physical terms (bytes) --
 def pool(a: Arch, quant: str, per_expert: bool = False) -> int:
-    """Two streamed layer buffers (NF4 packed with absmax, or bf16). PEAK "Resident": from the
-    public shape they equal Soup's shard bytes to within 36 B; bf16 resident in map-2gpu.json is
-    exact to 1 KiB for 7 of 11 families. A MoE or hybrid model's buffer holds the union of its
-    layer kinds (Moonlight resident = 2 x Soup's union + extras + slot + LoRA + workspace + 7.5 MB)."""
+    """Two streamed layer buffers (NF4 packed with absmax, or bf16); a MoE or hybrid model's buffer
+    holds the union of its layer kinds. Evidence: docs/PEAK.md, "pool"."""
     return 2 * layer_bytes(a, quant, per_expert)
 
 
@@ -125,9 +116,7 @@ def position_ids(seq: int) -> int:
 def rotary_tables(a: Arch, seq: int) -> int:
     """cos+sin, bf16, rotary dim x seq each: 4 x rd x seq per table; Gemma-3 keeps a global and a
     local one (PEAK "Loss phase"). DeepSeek-V3's latent attention keeps three fp32 tables of
-    rd x seq (4 x rd x seq each): the allocator history of Moonlight chunk1024 8192x1 holds exactly
-    3 x 2,097,152 B of them at the peak; found out of sample, where the one-table charge was 1.4 MB
-    under (results/out-of-sample-and-fit-proof-h200-soup0.77.0-*/oos-moonlight-chunk.json)."""
+    rd x seq (4 x rd x seq each). Evidence: docs/PEAK.md, "rotary_tables"."""
     if a.model_type == "deepseek_v3":
         return 3 * 4 * a.rotary_dim * seq
     return 4 * a.rotary_dim * seq * (2 if a.model_type == "gemma3_text" else 1)
@@ -143,9 +132,8 @@ def segment_tail(size: int) -> int:
     """Bytes a live block of ``size`` requested bytes holds past its request in the segment made
     for it: requests round to 512 B; from 10 MiB one gets its own segment rounded up to 2 MiB,
     split only if the rest exceeds 1 MiB, so a rest up to 1 MiB stays in the block and counts in
-    memory_allocated (smaller requests are cut from shared 2/20 MiB segments: no tail). Evidence:
-    Qwen2.5 2048x1's allocator history replays 3,145,728 B (3 x 1 MiB) under the measured peak;
-    its fp32 logits requests are 1,244,659,712 B, in 1,245,708,288 B segments (review-check)."""
+    memory_allocated (smaller requests are cut from shared 2/20 MiB segments: no tail).
+    Evidence: docs/PEAK.md, "segment_tail"."""
     size = block_bytes(size)
     rest = -(-size // K_ROUND_LARGE) * K_ROUND_LARGE - size
     if size < K_MIN_LARGE_ALLOC:
@@ -156,8 +144,7 @@ def segment_tail(size: int) -> int:
 def resident_rounding(a: Arch, quant: str, f: Features, per_expert: bool = False) -> int:
     """segment_tail of each resident tensor: every vocab matrix (materialize_extras) and each
     linear weight in both pool slots (LayerBufferPool: a torch.empty per tensor; NF4 packed n/2 B).
-    Evidence: resident is +1,049,088 B over pool+extras+LoRA+workspace on Llama-3.2-1B and Gemma-2
-    (vocab tail 1 MiB), Phi-3 +262,144 B on 0.73.3 (two heads) and +131,072 B on 0.77.0 (one)."""
+    Evidence: docs/PEAK.md, "resident_rounding"."""
     out = vocab_matrices_resident(a, f) * segment_tail(2 * a.V * a.h)
     if a.layers is not None:  # every tensor of the union buffer, in both slots
         sizes = {"bf16": 2, "fp32": 4, "expert": 0 if per_expert else 2}
@@ -184,9 +171,9 @@ def hidden_rounding(a: Arch, T: int) -> int:
 
 def dequantised_layer(a: Arch, quant: str, modules: dict | None = None) -> int:
     """W16: under NF4 Soup's _dequant_forward dequantises each linear to bf16 and F.linear saves
-    it for backward (PEAK "Layer phase": Mistral-7B NF4 512x1 history, 3 x 117,440,512 B +
-    4096x4096 blocks from bitsandbytes' dequantize at the peak). bf16 weights are the pool.
-    ``modules``: one layer kind's linears (issue395.estimator.moe), else the dense layer's."""
+    it for backward; bf16 weights are the pool. ``modules``: one layer kind's linears
+    (issue395.estimator.moe), else the dense layer's.
+    Evidence: docs/PEAK.md, "Layer phase (binds only on short NF4 arms)"."""
     if quant != "nf4":
         return 0
     return 2 * (linear_elements(a) if modules is None else sum(fi * fo for fi, fo, _ in modules.values()))
@@ -195,9 +182,8 @@ def dequantised_layer(a: Arch, quant: str, modules: dict | None = None) -> int:
 def dequantised_linear(a: Arch, quant: str, modules: dict | None = None) -> int:
     """The reference (and KTO's KL) forward under NF4: no_grad, so F.linear saves nothing and each
     linear's dequantised bf16 weight is freed after its matmul; the largest one is what is live at
-    once, not the whole layer the recompute holds (dequantised_layer). Measured: Mistral-7B NF4
-    512x1 DPO, the reference forward's own maximum holds one 117,440,512 B block (4096 x 14336 x 2,
-    an MLP linear) and no other dequantised weight (results/findmax-kimi-anatomy-*/anatomy-077-dpo-mistral-nf4-512x1-phases.json)."""
+    once, not the whole layer the recompute holds (dequantised_layer).
+    Evidence: docs/PEAK.md, "dequantised_linear"."""
     if quant != "nf4":
         return 0
     return 2 * max(fi * fo for fi, fo, _ in (a.modules if modules is None else modules).values())
@@ -273,9 +259,7 @@ FP32 = 4
 def task_loss_blocks(a: Arch, name: str, seq: int, batch: int) -> list[int]:
     """The full-vocabulary fp32 blocks a preference loss holds at its peak, one entry per block
     (each is its own allocation, so each has its own segment tail). T = seq is the width, S = T - 1
-    the shifted width, R the rows (2 x batch for the paired losses). From what each loss keeps,
-    checked on the H200's allocator histories (results/task-anatomy-h200-soup0.77.0-and-0.73.3-3f5620a/,
-    the groups live at the peak) and on CPU (/work/notes/r2-loss-physics.md):
+    the shifted width, R the rows (2 x batch for the paired losses). What each loss keeps:
     - DPO, in ``_compute_loss`` after the reference forward: the policy's and the reference's logits
       (R x T each), each one's ``[..., :-1, :].contiguous()`` copy (R x S each), and the chosen half
       masked out for the metrics (batch x S; at batch 1 it is the size of the one-row logsumexp
@@ -285,7 +269,8 @@ def task_loss_blocks(a: Arch, name: str, seq: int, batch: int) -> list[int]:
     - ORPO and SimPO (one forward), in the backward of the per-row logsumexp: the logits (R x T),
       the chosen-half cross entropy's saved log_softmax (batch x S), and the per-row gradients: at the
       last row R - 1 done beside that row's sub, exp and mul temps (R + 2 rows), at
-      UnbindBackward's stack all R beside the stacked R (2R rows), whichever is more."""
+      UnbindBackward's stack all R beside the stacked R (2R rows), whichever is more.
+    Evidence: docs/PEAK.md, "task_loss_blocks"."""
     T, S, row = seq, seq - 1, a.V * FP32
     if name == "dpo":
         R = 2 * batch
@@ -330,10 +315,9 @@ def head_copy(a: Arch, f: Features, name: str) -> int:
 
 def reference_adapter(n: int, f: Features, name: str) -> int:
     """DPO's reference is TRL 0.29's frozen "ref" copy of the adapter, materialised by 0.77.0
-    (``materialize_meta_adapter_copy``: a clone of each LoRA parameter, fp32). Measured: bf16 DPO's
-    resident is 4 B per LoRA parameter over ORPO's on the same model (Qwen2.5 2,162,688 B, SmolLM2
-    1,843,200 B). 0.73.3 leaves it on the meta skeleton and its step fails at the reference forward;
-    KTO's reference disables the adapter instead."""
+    (``materialize_meta_adapter_copy``: a clone of each LoRA parameter, fp32); 0.73.3 leaves it on
+    the meta skeleton. KTO's reference disables the adapter instead.
+    Evidence: docs/PEAK.md, "reference_adapter"."""
     return LORA_WEIGHT_BYTES * n if name == "dpo" and f.materialises_ref_adapter else 0
 
 

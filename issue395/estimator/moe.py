@@ -5,10 +5,9 @@ or routed experts). Stdlib only, like ``arch``: transformers' defaults written d
 a test builds each family on the meta device and checks every tensor of every layer kind.
 
 What Soup's pre-flight streams is the UNION of the layers' tensors (``RamSource.merge_layer_specs``:
-one buffer must hold a dense layer and a MoE layer alike): measured on the GPU, Soup's own
-``layer_bytes`` equals that union to the byte on Moonlight, DeepSeek-V3 and both Qwen3.5 shapes
-(results/moe-and-stream-modes-h200-soup0.77.0-fcde6d3/). Under NF4 Soup quantises nn.Linear
-weights only: routers, fused experts (3-D) and norms stay bf16, DeepSeek's expert-score bias fp32.
+one buffer must hold a dense layer and a MoE layer alike), which Soup's own ``layer_bytes`` equals
+to the byte. Under NF4 Soup quantises nn.Linear weights only: routers, fused experts (3-D) and norms
+stay bf16, DeepSeek's expert-score bias fp32. Evidence: docs/PEAK.md, "union_bytes".
 """
 
 from __future__ import annotations
