@@ -8,11 +8,16 @@ the main thread's cuBLAS workspace) are allocated before the step and are counte
 
 Then ``class_breakdown`` sets each class's live bytes against the issue395.estimator.estimate term meant to
 charge it, with the miss expressed in the unit it scales with.
+
+A preference task's row (DPO, ORPO, SimPO, KTO) is sized as its own step runs: 2 x batch rows for
+the paired losses, the loss's fp32 blocks as the estimator lists them (estimate.task_loss_blocks),
+and 0.77.0's private copy of an untied head (estimate.head_copy) as a class of its own.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+import math
+from typing import Callable, Iterable
 
 from ..constants import CUBLAS_WORKSPACE, CUBLAS_WORKSPACE_PRE_HOPPER, block_bytes
 from ..errors import UsageError
@@ -20,14 +25,15 @@ from ..record import LORA_R
 from ..model.registry import FAMILIES, SHAPES, config_json, family_of
 from .arch import Arch, arch_from_config
 from . import estimate as E
-from .releases import RELEASE_FEATURES
+from .releases import RELEASE_FEATURES, installed_release
 from .terms import BY_KEY, Phase, live_in
-from ..tasks import task
+from ..tasks import PROTOCOL_TASK, task
 
 
 DEQUANTISED = "dequantised layer weights"
 LOGITS_BF16 = "logits bf16"
 LOGITS_FP32 = "logits fp32"
+HEAD_COPY = BY_KEY["head_copy"].words  # a task row's class only (SFT's runs one forward)
 CHECKPOINTED = "checkpointed layer inputs"
 FP32_RESIDUAL = "fp32 residual"
 MASKS = "masks"
@@ -47,6 +53,18 @@ REST = "the rest"
 #:    are the likeliest to coincide; 'the rest' is what nothing names.
 CLASSES = (DEQUANTISED, LOGITS_FP32, LOGITS_BF16, CHECKPOINTED, FP32_RESIDUAL, ROTARY, WORKSPACES,
            MASKS, REST)
+#: A task row's classes, in the table's order: SFT's, with the head's private copy after the logits.
+TASK_CLASSES = CLASSES[:3] + (HEAD_COPY,) + CLASSES[3:]
+#: A task row's tie-break where its loss's fp32 blocks are live (the loss and the reference
+#: forward, where every task arm measured peaks): the recompute's dequantised layer is freed
+#: there (the reference forward's no-grad linears hold one weight at a time), so a size a layer
+#: weight shares is the loss phase's: Mistral-7B NF4 512x1 DPO's 32 checkpointed inputs are
+#: 2 rows x 512 x 4096 x 2 = 8 MiB, its k/v weights' size. The head's copy comes first and takes
+#: one block (there is one copy): on Mistral-7B DPO 1024x1 its 2^28 B is a logits block's size too.
+#: Where no loss block is live (the layer phase), SFT's order, the dequantised layer taking as
+#: many blocks of a size as one layer has linears of it (Classifier's limits), the inputs the rest.
+TASK_LOSS_ORDER = (HEAD_COPY, LOGITS_FP32, CHECKPOINTED, FP32_RESIDUAL, LOGITS_BF16, DEQUANTISED, ROTARY,
+                   WORKSPACES, MASKS, REST)
 #: A seq x seq mask per row: bool (PEAK: the sliding-window mask), or an additive bf16 or fp32
 #: one (transformers' eager/sdpa fallbacks). Only these widths: any multiple of seq^2 would name
 #: most blocks at short seq (Mistral 512x1: a 4096x14336 weight is 448 x 512^2).
@@ -65,16 +83,24 @@ def _fp32_inputs(a: Arch, quant: str) -> bool:
     return a.model_type == "phi" and quant == "nf4"
 
 
-def class_sizes(config: dict, *, quant: str, seq: int, batch: int) -> dict:
-    """class -> the set of block sizes (bytes) that name it, before tie-breaks."""
+def class_sizes(config: dict, *, quant: str, seq: int, batch: int, name: str = PROTOCOL_TASK,
+                loss_blocks: Iterable[int] = (), head: int = 0) -> dict:
+    """class -> the set of block sizes (bytes) that name it, before tie-breaks. A task's step runs
+    at ``batch`` x its rows per example; ``loss_blocks`` are its loss's fp32 blocks and ``head`` the
+    head's private copy, as the estimator sizes them (physical_classifier passes them)."""
     a = arch_from_config(config)  # the physics of the saved row, whatever Soup is installed
-    T, elements = seq * batch, seq * batch * a.V
-    out = {c: set() for c in CLASSES}
+    rows = batch * task(name).rows_per_example
+    T, elements = seq * rows, seq * rows * a.V
+    out = {c: set() for c in TASK_CLASSES}
     if quant == "nf4":
         for fan_in, fan_out, _ in a.modules.values():
             out[DEQUANTISED] |= _sizes(2 * fan_in * fan_out)
     out[LOGITS_BF16] |= _sizes(2 * elements)
     out[LOGITS_FP32] |= _sizes(4 * elements)
+    for b in loss_blocks:
+        out[LOGITS_FP32] |= _sizes(b)
+    if head:
+        out[HEAD_COPY] |= _sizes(head)
     out[CHECKPOINTED] |= _sizes(2 * T * a.h)
     if _fp32_inputs(a, quant):
         out[CHECKPOINTED] |= _sizes(4 * T * a.h)
@@ -83,39 +109,96 @@ def class_sizes(config: dict, *, quant: str, seq: int, batch: int) -> dict:
     for w in WORKSPACE_SIZES:
         out[WORKSPACES] |= _sizes(w)
     for width in MASK_BYTES:
-        out[MASKS] |= _sizes(width * seq * seq * batch)
+        out[MASKS] |= _sizes(width * seq * seq * rows)
     return out
 
 
+def _whole_size(size) -> int:
+    if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+        raise UsageError(f"block size {size!r} is not a whole number of bytes")
+    return size
+
+
+class Classifier:
+    """Names a block live at the peak by its size (bytes), one of the classes: called on one size,
+    by ``order``; over the blocks live at once (``blocks``), by ``order`` where one of
+    ``loss_sizes`` is live and by ``layer_order`` where none is. ``limits`` (class -> {size: n}):
+    the most blocks of a size a class holds at once; the next class that names the size takes
+    more (the last one takes what is left)."""
+
+    def __init__(self, sizes: dict, order: tuple, layer_order: tuple, loss_sizes: frozenset = frozenset(),
+                 limits: dict | None = None):
+        self.order, self.layer_order, self.loss_sizes = order, layer_order, loss_sizes
+        self.limits = {c: {block_bytes(s): n for s, n in by.items()} for c, by in (limits or {}).items()}
+        self._named = {o: self._table(sizes, o) for o in {order, layer_order}}
+
+    @staticmethod
+    def _table(sizes: dict, order: tuple) -> dict:
+        table: dict = {}
+        for cls in order:  # earlier classes come first for a shared size
+            for s in sizes.get(cls, ()):
+                table.setdefault(s, []).append(cls)
+        return table
+
+    def __call__(self, size: int) -> str:
+        return self._named[self.order].get(_whole_size(size), [REST])[0]
+
+    def blocks(self, sizes) -> dict:
+        """class -> live bytes (512-rounded) of the blocks ``sizes`` live at once, in the order the
+        classes first appear."""
+        sizes = [_whole_size(s) for s in sizes]
+        loss = not self.loss_sizes or any(s in self.loss_sizes for s in sizes)
+        named = self._named[self.order if loss else self.layer_order]
+        out: dict = {}
+        taken: dict = {}
+        for s in sizes:
+            b = block_bytes(s)
+            classes = named.get(s, [REST])
+            c = next((c for c in classes if taken.get((c, b), 0) < self.limits.get(c, {}).get(b, math.inf)),
+                     classes[-1])
+            taken[(c, b)] = taken.get((c, b), 0) + 1
+            out[c] = out.get(c, 0) + b
+        return out
+
+
 def physical_classifier(config: dict, *, quant: str, seq: int, batch: int, targets=None,
-                        lora_r: int = LORA_R) -> Callable[[int], str]:
-    """A function naming a block live at the peak by its size (bytes), one of CLASSES. ``targets``
-    and ``lora_r`` are checked against the model (as issue395.estimator.estimate does) but name no class:
-    LoRA's own blocks are far below a layer weight and fall in 'the rest'."""
-    E.estimate(config, quant=quant, seq=seq, batch=batch, targets=targets, lora_r=lora_r,
-               release=next(iter(RELEASE_FEATURES)), soup=False)  # the same input checks, one-line UsageErrors
-    sizes = class_sizes(config, quant=quant, seq=seq, batch=batch)
-    table: dict = {}
-    for cls in CLASSES:  # earlier classes win a shared size
-        for s in sizes[cls]:
-            table.setdefault(s, cls)
-    def classify(size: int) -> str:
-        if isinstance(size, bool) or not isinstance(size, int) or size < 0:
-            raise UsageError(f"block size {size!r} is not a whole number of bytes")
-        return table.get(size, REST)
+                        lora_r: int = LORA_R, task: str = PROTOCOL_TASK,
+                        release: str | None = None) -> Classifier:
+    """The classifier of an arm's live blocks (Classifier). ``targets`` and ``lora_r`` are checked
+    against the model (as issue395.estimator.estimate does) but name no class: LoRA's own blocks
+    are far below a layer weight and fall in 'the rest'. ``task``: its rows, its loss's fp32 blocks
+    (estimate.task_loss_blocks) and, by ``release``'s features, the head's private copy (the
+    estimate's head_copy term)."""
+    est = E.estimate(config, quant=quant, seq=seq, batch=batch, targets=targets, lora_r=lora_r, task=task,
+                     release=release or next(iter(RELEASE_FEATURES)), soup=False)  # the checks, one line each
+    if est.task == PROTOCOL_TASK:
+        sizes = class_sizes(config, quant=quant, seq=seq, batch=batch)
+        return Classifier(sizes, CLASSES, CLASSES)
+    a = arch_from_config(config)
+    loss = E.task_loss_blocks(a, est.task, seq, batch)
+    head = est.terms.get("head_copy", 0)
+    sizes = class_sizes(config, quant=quant, seq=seq, batch=batch, name=est.task, loss_blocks=loss, head=head)
+    weights: dict = {}  # one layer's linears, by size
+    for fan_in, fan_out, _ in (a.modules.values() if quant == "nf4" else ()):
+        weights[2 * fan_in * fan_out] = weights.get(2 * fan_in * fan_out, 0) + 1
+    return Classifier(sizes, TASK_LOSS_ORDER, TASK_CLASSES, frozenset().union(*(_sizes(b) for b in loss)),
+                      limits={HEAD_COPY: {head: 1}, DEQUANTISED: weights})
 
-    return classify
 
-
-def classifier_for(key: str, *, quant: str, seq: int, batch: int, targets=None) -> Callable[[int], str] | None:
+def classifier_for(key: str, *, quant: str, seq: int, batch: int, targets=None, task: str = PROTOCOL_TASK,
+                   release: str | None = None) -> Classifier | None:
     """``physical_classifier`` for an arm of one of the record's two models or the map's families
-    (the models with a public config here; not --model), or None. It never raises: an attribution
-    must never cost the measurement it attributes (e.g. a Soup release this tool cannot read)."""
+    (the models with a public config here; not --model), or None. A task's head copy is sized by
+    ``release``'s features (default: the installed Soup's). It never raises: an attribution must
+    never cost the measurement it attributes (e.g. a Soup release this tool cannot read)."""
     family = family_of(key)  # a streaming mode's blocks are its family's kinds
     if family not in SHAPES and family not in FAMILIES:
         return None
     try:
-        return physical_classifier(config_json(family), quant=quant, seq=seq, batch=batch, targets=targets)
+        if task != PROTOCOL_TASK:
+            release = release or installed_release()
+        return physical_classifier(config_json(family), quant=quant, seq=seq, batch=batch, targets=targets,
+                                   task=task, release=release)
     except Exception:  # noqa: BLE001
         return None
 
@@ -123,7 +206,10 @@ def classifier_for(key: str, *, quant: str, seq: int, batch: int, targets=None) 
 def classify_blocks(sizes, classify: Callable[[int], str]) -> dict:
     """class -> live bytes (each block as the allocator holds it, 512-rounded), for the classes
     ``classify`` names among ``sizes``, in the order they first appear; the one classifier of live
-    blocks, the peak's attribution's (issue395.measure.cuda) too."""
+    blocks, the peak's attribution's (issue395.measure.cuda) too. A Classifier reads the blocks
+    together (the phase they show, the most blocks of a size a class holds)."""
+    if isinstance(classify, Classifier):
+        return classify.blocks(sizes)
     out: dict = {}
     for s in sizes:
         c = classify(s)
@@ -131,52 +217,70 @@ def classify_blocks(sizes, classify: Callable[[int], str]) -> dict:
     return out
 
 
+def live_blocks(blocks) -> list[list[int]]:
+    """The blocks live at a peak as [size, count] pairs, largest first: what a saved attribution
+    keeps, so the table names its classes when it is rendered, by the classifier then."""
+    counts: dict = {}
+    for s in blocks:
+        counts[s] = counts.get(s, 0) + 1
+    return [[s, counts[s]] for s in sorted(counts, reverse=True)]
+
+
 def _charged(est, term: str) -> int:
     """A term's bytes where it counts in the estimate's binding phase (the term table's), else 0."""
-    return est.terms.get(term, 0) if Phase(est.phase) in BY_KEY[term].phases else 0
+    return est.terms[term] if term in est.terms and Phase(est.phase) in BY_KEY[term].phases else 0
+
+
+#: The classes' terms (their bytes where the binding phase holds them); 'the rest' charges every
+#: other term of the step but the allocator's rounding (segment tails: live bytes past a request,
+#: not a block of their own). 'dequantised_linear', the reference forward's one weight in flight,
+#: is read where the estimate emits it.
+NAMED_TERMS = {DEQUANTISED: ("dequantised_layer", "dequantised_linear", "expert_in_flight"),
+               LOGITS_FP32: ("logits", "reference_held"), HEAD_COPY: ("head_copy",),
+               CHECKPOINTED: ("checkpointed_inputs",), FP32_RESIDUAL: ("final_norm",),
+               MASKS: ("sliding_mask",), ROTARY: ("rotary_tables",), WORKSPACES: ("autograd_workspace",)}
+_UNCHARGED = {"allocator_rounding"} | set(live_in(Phase.RESIDENT))
+_STEP_PHASES = {Phase.LOSS, Phase.REFERENCE, Phase.LAYER}
 
 
 def class_breakdown(classes: dict, est, *, seq: int, batch: int, config: dict) -> list[dict]:
     """Each class's live bytes against the estimator term meant to charge it. ``missed`` is live
     minus charged (positive: the estimate charges too little); ``per`` is (count, unit) the miss
-    scales with, and ``missed_per`` the miss per unit; ``per`` is None for a constant."""
-    unknown = set(classes) - set(CLASSES)
+    scales with, and ``missed_per`` the miss per unit; ``per`` is None for a constant. A task row
+    (``est.task``) is charged at its rows, its head copy in a class of its own where either side
+    holds one."""
+    known = CLASSES if est.task == PROTOCOL_TASK else TASK_CLASSES
+    unknown = set(classes) - set(known)
     if unknown:
         raise UsageError(f"unknown class(es): {', '.join(sorted(unknown))}")
     a = arch_from_config(config)  # the physics of the saved row, whatever Soup is installed
     rows = batch * task(est.task).rows_per_example
     T, elements = seq * rows, seq * rows * a.V
     softcap = E.SOFTCAP_EXTRA_BYTES * elements if a.softcap else 0
+    charged = {c: sum(_charged(est, t) for t in terms) for c, terms in NAMED_TERMS.items()}
     logits = _charged(est, "logits")
-    fp32_logits = logits - (softcap if logits else 0) + _charged(est, "reference_held")
-    ckpt, norm = _charged(est, "checkpointed_inputs"), _charged(est, "final_norm")
+    charged[LOGITS_FP32] -= softcap if logits else 0  # the saved bf16 tanh output
+    charged[LOGITS_BF16] = softcap if logits else 0
     if _fp32_inputs(a, est.quant):  # phi NF4: the final norm's T h 4 copy ties with the L-1 fp32
-        ckpt, norm = ckpt + norm, 0  # saved inputs and is named with them (CLASSES tie-break 3)
-    rest = sum(_charged(est, t) for t in ("ids_labels", "kl_batch_ids", "position_ids", "layer_per_token",
-                                          "chunked_loss", "retained_activations", "head_copy",
-                                          "reference_layer"))
+        charged[CHECKPOINTED] += charged[FP32_RESIDUAL]  # saved inputs and is named with them
+        charged[FP32_RESIDUAL] = 0  # (CLASSES tie-break 3)
+    named = {t for terms in NAMED_TERMS.values() for t in terms} | _UNCHARGED
+    charged[REST] = sum(_charged(est, t) for t in est.terms if t not in named and BY_KEY[t].phases & _STEP_PHASES)
     if est.phase == Phase.LAYER.value and "retained_activations" in est.terms:  # all but the layer run
-        rest += est.terms["retained_activations"] * (a.L - 1) // a.L
-    spec = {
-        DEQUANTISED: (_charged(est, "dequantised_layer") + _charged(est, "dequantised_linear")
-                      + _charged(est, "expert_in_flight"), (1, "layer")),
-        LOGITS_FP32: (fp32_logits, (elements, "logits element")),
-        LOGITS_BF16: (softcap if logits else 0, (elements, "logits element")),
-        CHECKPOINTED: (ckpt, (T, "token")),
-        FP32_RESIDUAL: (norm, (T, "token")),
-        MASKS: (_charged(est, "sliding_mask"), (seq * seq * batch, "seq^2")),
-        ROTARY: (_charged(est, "rotary_tables"), (seq, "position")),
-        WORKSPACES: (_charged(est, "autograd_workspace"), None),
-        REST: (rest, (T, "token")),
-    }
-    rows = []
-    for cls in CLASSES:
-        charged, per = spec[cls]
+        charged[REST] += est.terms["retained_activations"] * (a.L - 1) // a.L
+    per = {DEQUANTISED: (1, "layer"), LOGITS_FP32: (elements, "logits element"),
+           LOGITS_BF16: (elements, "logits element"), HEAD_COPY: None, CHECKPOINTED: (T, "token"),
+           FP32_RESIDUAL: (T, "token"), MASKS: (seq * seq * rows, "seq^2"), ROTARY: (seq, "position"),
+           WORKSPACES: None, REST: (T, "token")}
+    out = []
+    for cls in known:
         live = int(classes.get(cls, 0))
-        missed = live - charged
-        rows.append({"class": cls, "live": live, "charged": charged, "missed": missed,
-                     "per": per, "missed_per": (missed / per[0]) if per and per[0] else None})
-    return rows
+        if cls == HEAD_COPY and not (live or charged[cls]):
+            continue  # a tied head, or a loss without a second forward: no copy on either side
+        missed = live - charged[cls]
+        out.append({"class": cls, "live": live, "charged": charged[cls], "missed": missed,
+                    "per": per[cls], "missed_per": (missed / per[cls][0]) if per[cls] and per[cls][0] else None})
+    return out
 
 
 def render(rows: list[dict]) -> str:
@@ -195,24 +299,34 @@ RESIDENT_TERMS = live_in(Phase.RESIDENT)
 
 def margin_anatomy(margins: list[dict], release: str | None = None) -> str:
     """For each attributed arm whose blocks were named by physical class: the classes against
-    the corrected estimate's terms, the resident weights first (the map's margin table)."""
+    the corrected estimate's terms, the resident weights first (the map's margin table). A margin
+    that kept its live blocks' sizes is named now, by its task; a task row without them was named
+    at SFT's sizes when it ran, so its split is not shown."""
     out = []
     for m in margins:
         if not m.get("physical"):
             continue
+        name, arm = m.get("task") or PROTOCOL_TASK, f"{m['model']} {m['quant']} {m['seq']}x{m['batch']}"
         try:
             config = config_json(family_of(m["model_key"]))
             est = E.estimate_key(m["model_key"], quant=m["quant"], seq=m["seq"], batch=m["batch"],
-                                 release=release, soup=False)
+                                 release=release, soup=False, task=name)
+            classes = dict(m["physical"])
+            resident = int(classes.pop("resident weights", 0))
+            if m.get("live_blocks"):
+                classes = classify_blocks([s for s, n in m["live_blocks"] for _ in range(n)], physical_classifier(
+                    config, quant=m["quant"], seq=m["seq"], batch=m["batch"], task=name, release=release))
         except (UsageError, KeyError):  # a release or model this estimator does not know: none
             continue
-        classes = dict(m["physical"])
-        resident = int(classes.pop("resident weights", 0))
+        if name != PROTOCOL_TASK and not m.get("live_blocks"):
+            out += [f"  {arm}: not split by class: it ran before the classes read its task (its blocks were "
+                    "named at SFT's sizes) and kept no block sizes to name again"]
+            continue
         charged = sum(est.terms.get(t, 0) for t in RESIDENT_TERMS)
         rows = [{"class": "resident weights", "live": resident, "charged": charged, "missed": resident - charged,
                  "per": None, "missed_per": None}]
         rows += class_breakdown(classes, est, seq=m["seq"], batch=m["batch"], config=config)
-        out += [f"  {m['model']} {m['quant']} {m['seq']}x{m['batch']} (live: measured here; charged: this "
+        out += [f"  {arm} (live: measured here; charged: this "
                 f"tool's corrected estimate, {est.phase} phase)"]
         out += ["    " + line for line in render(rows).splitlines()]
     return "\n".join(["the peak by physical class (allocator history; missed = live - charged)"] + out) if out else ""

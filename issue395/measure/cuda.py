@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
 from ..constants import block_bytes
-from ..estimator.anatomy import classify_blocks
+from ..estimator.anatomy import classify_blocks, live_blocks
 
 
 @dataclass
@@ -99,7 +99,8 @@ def attribute_peak(snapshot: dict[str, Any], resident: int, elements: int,
                    physical: Optional[Callable[[int], str]] = None) -> dict[str, Any]:
     """Replay the allocator's history and name what is live at the peak: by ``classify`` (the
     estimator term meant to charge it) and by ``physical`` (its physical class, issue395.estimator.anatomy),
-    whose bytes land in "classes" and "physical". ``resident`` was
+    whose bytes land in "classes" and "physical" (with the live blocks' sizes, "live_blocks", so a
+    saved row's classes can be named again when it is rendered). ``resident`` was
     allocated before recording began (a block freed but never seen allocated comes out of it).
     A replayed peak off the measured one means the history was incomplete, and it says so."""
     traces = snapshot.get("device_traces") or []
@@ -149,7 +150,8 @@ def attribute_peak(snapshot: dict[str, Any], resident: int, elements: int,
             "complete": bool(trace) and complete, "events": len(trace),
             "resident_at_peak": best_base, "logits_bf16": logits["bf16"],
             "logits_fp32": logits["fp32"], "classes": classes,
-            **({"physical": dict(named, **{"resident weights": best_base})} if physical is not None else {}),
+            **({"physical": dict(named, **{"resident weights": best_base}),
+                "live_blocks": live_blocks(best_live.values())} if physical is not None else {}),
             "other_groups": {k: groups[k] for _, k in SIZE_GROUPS if k in groups}}
 
 

@@ -73,6 +73,7 @@ def margin_breakdown(row: Row) -> dict[str, Any]:
             "batch": row.batch, "real_peak": row.real_peak, "soup_predicted": row.soup_predicted,
             "ratio": ratio, "complete": bool(a.get("complete")), "terms": terms,
             **({"physical": a["physical"]} if a.get("physical") else {}),
+            **({"live_blocks": a["live_blocks"]} if a.get("live_blocks") else {}),
             "note": margin_note({"model": row.label, "quant": row.quant, "seq": row.seq, "batch": row.batch,
                                  "ratio": ratio, "terms": terms})}
 

@@ -113,7 +113,7 @@ def attribution_of(m: Measurement, arm: Arm, shape: Shape) -> Optional[dict]:
     return attribute_peak(m.snapshot, m.resident, arm.seq * shape.vocab * arm.batch, m.real_peak,
                           shape_classes(shape, arm.seq, arm.batch),
                           classifier_for(arm.model, quant=arm.quant, seq=arm.seq, batch=arm.batch,
-                                         targets=shape.targets))
+                                         targets=shape.targets, task=arm.task))
 
 
 def gpu_label(dry_run: bool, step_device: str) -> Optional[str]:

@@ -32,6 +32,9 @@ MARGIN_FIELDS = (
     ("real_peak", lambda v: is_whole(v, 1), "a whole number >= 1"),
     ("soup_predicted", lambda v: is_whole(v, 1), "a whole number >= 1"),
 )
+#: The blocks live at a margin's peak, [size, count] pairs (anatomy.live_blocks); absent before they were kept.
+_LIVE_BLOCKS = lambda v: isinstance(v, list) and all(  # noqa: E731
+    isinstance(p, list) and len(p) == 2 and is_whole(p[0], 0) and is_whole(p[1], 1) for p in v)
 TERM_FIELDS = (
     ("term", lambda v: isinstance(v, str), "a string"),
     ("charged", _NUMBER, "a finite number"),
@@ -63,6 +66,9 @@ def check_blocks(data: dict[str, Any]) -> None:
         check_fields(m, MARGIN_FIELDS, f"margin {i}")
         if "task" in m and not ROW_FIELDS["task"][0](m["task"]):  # absent for SFT, as a row's
             raise ValueError(f"margin {i}: its 'task' is {m['task']!r:.60}, not {ROW_FIELDS['task'][1]}")
+        if "live_blocks" in m and not _LIVE_BLOCKS(m["live_blocks"]):
+            raise ValueError(f"margin {i}: its 'live_blocks' is {m['live_blocks']!r:.60}, not a list of "
+                             "[a size >= 0, a count >= 1]")
         for j, t in enumerate(m["terms"]):
             if not isinstance(t, dict):
                 raise ValueError(f"margin {i}: its terms[{j}] is {type(t).__name__}, not an object")

@@ -222,3 +222,200 @@ def test_a_pre_hopper_workspace_is_named_by_the_block_torch_requests_not_8_mib()
     assert classify(8 * MiB + 128 * 1024) == A.WORKSPACES
     assert classify(8 * MiB) == A.REST
     assert classify(32 * MiB) == A.WORKSPACES
+
+
+# --- a preference task's row: its rows, its loss's blocks, the head's private copy -------------
+
+#: Committed GPU rows (H200, soup-cli 0.77.0): the map of Mistral-7B NF4 512 under SFT, DPO and KTO,
+#: whose margins carry the classes its blocks were named by when it ran (at SFT's sizes), and the
+#: task anatomy arms, whose allocator histories keep every live block's size at the peak.
+MISTRAL_MAP = ROOT / "results/tasks-rest-h200-soup0.77.0-and-0.73.3-7e1f9a6/mistral-nf4-512-dpo-kto.json"
+TASK_ANATOMY = sorted(ROOT.glob("results/*/anatomy-*.json"))
+#: Mistral-7B NF4 512x1 DPO's blocks live at its peak, (size, count): the groups of the H200's
+#: allocator history of that arm (bench/task_peak_anatomy.py). The first test holds them to the
+#: committed map row of the same arm: named at SFT's sizes they give its classes to the byte.
+MISTRAL_DPO_ANATOMY = ROOT / ("results/findmax-kimi-anatomy-h200-soup0.77.0-f6c944f/"
+                              "anatomy-077-dpo-mistral-nf4-512x1-phases.json")
+MISTRAL_DPO_512 = [(g["size"], g["count"]) for g in json.loads(MISTRAL_DPO_ANATOMY.read_text())["groups"]]
+
+
+def _expand(pairs) -> list[int]:
+    return [s for s, n in pairs for _ in range(n)]
+
+
+def _margin(path: Path, task, quant: str, seq: int, batch: int) -> dict:
+    return next(m for m in json.loads(path.read_text())["margins"]
+                if (m.get("task"), m["quant"], m["seq"], m["batch"]) == (task, quant, seq, batch))
+
+
+def test_the_mistral_dpo_blocks_are_the_committed_map_rows_blocks_as_sfts_sizes_named_them():
+    m = _margin(MISTRAL_MAP, "dpo", "nf4", 512, 1)
+    sft_sized = A.classify_blocks(_expand(MISTRAL_DPO_512), A.physical_classifier(cfg("mistral-7b"), quant="nf4",
+                                                                                  seq=512, batch=1))
+    assert sft_sized == {k: v for k, v in m["physical"].items() if k != "resident weights"}
+    # the defect, as the row shows it: its 32 inputs as k/v weights, its loss and head copy in the rest
+    assert sft_sized == {A.DEQUANTISED: 268_435_456, A.REST: 888_880_128}
+
+
+def test_a_dpo_row_names_its_loss_blocks_its_head_copy_and_its_2b_row_inputs_leaving_under_2pc_in_the_rest():
+    c, m = cfg("mistral-7b"), _margin(MISTRAL_MAP, "dpo", "nf4", 512, 1)
+    classify = A.physical_classifier(c, quant="nf4", seq=512, batch=1, task="dpo", release="0.77.0")
+    live = A.classify_blocks(_expand(MISTRAL_DPO_512), classify)
+    est = E.estimate_key("mistral-7b", quant="nf4", seq=512, batch=1, task="dpo", release="0.77.0", soup=False)
+    # the loss's blocks as the estimator lists them: 2 x 134,217,728 + 2 x 133,955,584 + 66,977,792
+    assert live[A.LOGITS_FP32] == sum(E.task_loss_blocks(arch_of(c), "dpo", 512, 1)) == 603_324_416
+    assert live[A.HEAD_COPY] == est.terms["head_copy"] == 268_435_456  # the untied head, 32768 x 4096 bf16
+    assert live[A.CHECKPOINTED] == 32 * 8_388_608  # 32 layers' inputs, 2 rows x 512 x 4096 x 2 B each
+    assert live[A.FP32_RESIDUAL] == 16_777_216  # the final norm's fp32 copy of 2 rows
+    assert A.DEQUANTISED not in live  # no recompute at the peak: nothing of 8 MiB is a k/v weight
+    assert live[A.REST] == 343_040 and live[A.REST] < 0.02 * m["real_peak"]
+    rows = {r["class"]: r for r in A.class_breakdown(live, est, seq=512, batch=1, config=c)}
+    assert (rows[A.HEAD_COPY]["charged"], rows[A.HEAD_COPY]["missed"], rows[A.HEAD_COPY]["per"]) == (
+        268_435_456, 0, None)
+    assert rows[A.CHECKPOINTED]["missed"] == 0 and rows[A.CHECKPOINTED]["per"] == (1024, "token")
+    assert rows[A.LOGITS_FP32]["per"] == (1024 * 32768, "logits element")
+
+
+@pytest.mark.parametrize("path", [p.name for p in TASK_ANATOMY if not json.loads(p.read_text()).get("step_error")])
+def test_each_task_anatomy_peak_is_named_class_by_class_as_the_estimate_charges_it(path):
+    """The committed anatomy arms (H200: DPO, KTO, ORPO, SimPO and SFT; SmolLM2, Qwen2.5 and
+    Mistral-7B, bf16 and NF4): at each loss peak the fp32 blocks are the loss's, the saved inputs and the final
+    norm's copy are what the estimate charges at the task's rows, and under 2% is left unnamed."""
+    d = json.loads(next(p for p in TASK_ANATOMY if p.name == path).read_text())
+    family, release = {"mistral": "mistral-7b"}.get(path.split("-")[3], path.split("-")[3]), \
+        "0.77.0" if "-077-" in path else "0.73.3"
+    c = cfg(family)
+    classify = A.physical_classifier(c, quant=d["quant"], seq=d["seq"], batch=d["batch"], task=d["task"],
+                                     release=release)
+    live = A.classify_blocks([g["size"] for g in d["groups"] for _ in range(g["count"])], classify)
+    est = E.estimate_key(family, quant=d["quant"], seq=d["seq"], batch=d["batch"], task=d["task"],
+                         release=release, soup=False)
+    assert est.phase == "loss"
+    rows = {r["class"]: r for r in A.class_breakdown(live, est, seq=d["seq"], batch=d["batch"], config=c)}
+    assert {k: rows[k]["missed"] for k in (A.LOGITS_FP32, A.CHECKPOINTED, A.FP32_RESIDUAL)} == {
+        A.LOGITS_FP32: 0, A.CHECKPOINTED: 0, A.FP32_RESIDUAL: 0}
+    assert 0 < live[A.REST] < 0.02 * d["real_peak"]
+
+
+def test_a_task_rows_fp32_logits_are_charged_in_the_phase_the_estimate_binds():
+    """The loss phase charges the loss's blocks; the reference forward the policy's, which it holds
+    (reference_held); the head's copy is live in both."""
+    import dataclasses
+
+    c = cfg("mistral-7b")
+    est = E.estimate_key("mistral-7b", quant="nf4", seq=512, batch=1, task="dpo", release="0.77.0", soup=False)
+    a = arch_of(c)
+    for phase, fp32 in (("loss", sum(E.task_loss_blocks(a, "dpo", 512, 1))),
+                        ("reference", sum(E.reference_held_blocks(a, "dpo", 512, 1)))):
+        rows = {r["class"]: r for r in A.class_breakdown({}, dataclasses.replace(est, phase=phase), seq=512,
+                                                         batch=1, config=c)}
+        assert (rows[A.LOGITS_FP32]["charged"], rows[A.HEAD_COPY]["charged"]) == (fp32, 2 * 32768 * 4096)
+    rows = [r["class"] for r in A.class_breakdown({}, dataclasses.replace(est, phase="layer"), seq=512, batch=1,
+                                                  config=c)]
+    assert A.HEAD_COPY not in rows  # not live in the layer phase, and none live: no row
+
+
+def test_one_head_copy_takes_one_block_where_a_logits_block_has_its_size():
+    """Mistral-7B DPO 1024x1: the policy's and the reference's logits are 2 x 1024 x 32768 x 4 B =
+    2^28 B each, the head's bf16 copy 32768 x 4096 x 2 = 2^28 B too."""
+    classify = A.physical_classifier(cfg("mistral-7b"), quant="none", seq=1024, batch=1, task="dpo",
+                                     release="0.77.0")
+    live = A.classify_blocks([2**28] * 3, classify)
+    assert live == {A.HEAD_COPY: 2**28, A.LOGITS_FP32: 2 * 2**28}
+    assert "head's" not in str(A.classify_blocks([2**28] * 2, A.physical_classifier(
+        cfg("mistral-7b"), quant="none", seq=1024, batch=1, task="dpo", release="0.73.3")))  # no copy before 0.77.0
+
+
+def test_a_task_rows_layer_phase_names_a_weight_sized_block_a_weight_as_many_times_as_a_layer_has_it():
+    """No loss block live (the recompute): of Mistral-7B NF4 512x1 DPO's 8 MiB blocks two are the
+    layer's dequantised k and v (4096 x 1024 x 2 B), the other 30 saved inputs; its MLP weights are
+    weights. With a loss block live the same 8 MiB blocks are all inputs."""
+    classify = A.physical_classifier(cfg("mistral-7b"), quant="nf4", seq=512, batch=1, task="dpo", release="0.77.0")
+    layer = [117_440_512] * 3 + [8_388_608] * 32
+    assert A.classify_blocks(layer, classify) == {A.DEQUANTISED: 3 * 117_440_512 + 2 * 8_388_608,
+                                                  A.CHECKPOINTED: 30 * 8_388_608}
+    assert A.classify_blocks([134_217_728] + [8_388_608] * 32, classify) == {A.LOGITS_FP32: 134_217_728,
+                                                                             A.CHECKPOINTED: 32 * 8_388_608}
+
+
+def test_the_capture_names_a_task_arms_blocks_at_its_task():
+    sft = A.classifier_for("mistral-7b", quant="nf4", seq=512, batch=1)
+    dpo = A.classifier_for("mistral-7b", quant="nf4", seq=512, batch=1, task="dpo", release="0.77.0")
+    assert (sft(8_388_608), dpo(8_388_608)) == (A.DEQUANTISED, A.CHECKPOINTED)
+    assert (sft(134_217_728), dpo(134_217_728)) == (A.REST, A.LOGITS_FP32)
+    assert A.classifier_for("smol", quant="none", seq=512, batch=1, task="kto") is None  # KTO needs batch 2
+
+
+def _physical_section(text: str) -> list[str]:
+    return text.split("the peak by physical class")[1].split("\n\n")[0].splitlines()
+
+
+def test_an_sft_rows_classes_are_the_ones_its_gpu_run_printed(capfd):
+    """The SFT rows of the committed Mistral map: the live column and the classes' order, as the
+    tool printed them on the H200 (the charged column is the estimator's, which moves with it)."""
+    from conftest import main
+
+    code, out, err = main(capfd, ["--from-json", MISTRAL_MAP])
+    printed = _physical_section(MISTRAL_MAP.with_suffix(".txt").read_text())
+    now = _physical_section(out)
+
+    def sft_tables(lines):
+        tables, keep = [], False
+        for line in lines:
+            if line.startswith("  ") and not line.startswith("    "):
+                keep = " dpo " not in line and " kto " not in line
+                tables.append([]) if keep else None
+            elif keep:
+                tables[-1].append(line[:40])  # class and live MB
+        return tables
+
+    assert len(sft_tables(printed)) == 2 and sft_tables(now) == sft_tables(printed)
+
+
+def test_an_sft_margin_that_kept_its_blocks_renders_as_its_stored_classes():
+    """The Qwen2.5 4096x1 history (results/record-h200x2-*): its blocks named now, from the sizes a
+    margin keeps, give the table its stored classes give."""
+    c = cfg("qwen")
+    blocks = [2_489_319_424] * 3 + [14_680_064] + [7_340_032] * 24 + [1_048_576] + [1_198_592]
+    stored = dict(A.classify_blocks(blocks, A.physical_classifier(c, quant="none", seq=4096, batch=1)),
+                  **{"resident weights": 372_000_000})
+    m = {"model": "Qwen2.5-0.5B", "model_key": "qwen", "quant": "none", "seq": 4096, "batch": 1, "physical": stored}
+    kept = dict(m, live_blocks=A.live_blocks(blocks))
+    assert kept["live_blocks"][0] == [2_489_319_424, 3]
+    assert A.margin_anatomy([kept], "0.73.3") == A.margin_anatomy([m], "0.73.3") != ""
+
+
+def test_a_task_row_is_split_from_the_blocks_it_kept_and_one_that_kept_none_is_not_split(capfd, tmp_path):
+    """The committed Mistral map re-rendered: its task rows ran before the classes read the task, so
+    they are not split; given its blocks' sizes (as a run from here on keeps them), the DPO 512x1
+    row is split at its task's sizes, its head copy a class of its own."""
+    from conftest import main
+
+    data = json.loads(MISTRAL_MAP.read_text())
+    code, out, err = main(capfd, ["--from-json", MISTRAL_MAP])
+    section = _physical_section(out)
+    assert sum("not split by class" in line for line in section) == 3  # DPO 512x1, 512x2, KTO 512x2
+    assert not any("the head's private copy" in line for line in section)
+    margin = next(m for m in data["margins"] if (m.get("task"), m["batch"]) == ("dpo", 1))
+    margin["live_blocks"] = [list(p) for p in MISTRAL_DPO_512]
+    path = tmp_path / "map.json"
+    path.write_text(json.dumps(data))
+    code, out, err = main(capfd, ["--from-json", path])
+    assert "Traceback" not in err
+    section = _physical_section(out)
+    table = section[section.index(next(x for x in section if x.startswith("  Mistral-7B-v0.3 dpo nf4 512x1"))):]
+    lines = {x.split("  ")[2].strip(): x.split() for x in table[2:13] if x.startswith("    ")}
+    assert lines["the head's private copy"][4:7] == ["268.435", "268.435", "0.000"]
+    assert lines["logits fp32"][2] == "603.324" and lines["checkpointed layer inputs"][3] == "268.435"
+    assert lines["the rest"][2] == "0.343"
+    assert sum("not split by class" in line for line in section) == 2
+
+
+def test_a_margins_live_blocks_that_are_not_sizes_and_counts_are_refused_in_one_line(capfd, tmp_path):
+    from conftest import main, one_error_line
+
+    data = json.loads(MISTRAL_MAP.read_text())
+    data["margins"][1]["live_blocks"] = [[8_388_608, 0]]
+    path = tmp_path / "map.json"
+    path.write_text(json.dumps(data))
+    one_error_line(*main(capfd, ["--from-json", path]), "live_blocks")

@@ -58,6 +58,21 @@ def test_the_mistral_nf4_peak_is_named_by_physical_class_dequantised_weights_not
     assert a["physical"] == {"dequantised layer weights": 3 * mlp + 3 * attn, "the rest": 1024,
                              "resident weights": R}
     assert "physical" not in attribute_peak(snap, R, 512 * 32768)
+    assert a["live_blocks"] == [[mlp, 3], [attn, 3], [1000, 1]]  # kept, to be named again when rendered
+
+
+def test_a_dpo_arms_peak_is_named_at_its_task_and_its_blocks_sizes_are_kept():
+    """Mistral-7B NF4 512x1 DPO in miniature (FAKED history): the policy's fp32 logits (2 rows x 512
+    x 32768 x 4 B) and 32 saved inputs of 2 rows x 512 x 4096 x 2 B; the capture's classifier reads
+    the arm's task and the attribution keeps the blocks' sizes."""
+    from issue395.estimator.anatomy import classifier_for
+
+    classify = classifier_for("mistral-7b", quant="nf4", seq=512, batch=1, task="dpo", release="0.77.0")
+    logits, inputs = 2 * 512 * 32768 * 4, 2 * 512 * 4096 * 2
+    snap = snapshot(alloc(1, logits), *[alloc(10 + i, inputs) for i in range(32)])
+    a = attribute_peak(snap, R, 512 * 32768, R + logits + 32 * inputs, physical=classify)
+    assert a["physical"] == {"logits fp32": logits, "checkpointed layer inputs": 32 * inputs, "resident weights": R}
+    assert a["live_blocks"] == [[logits, 1], [inputs, 32]]
 
 
 def test_logits_kind_names_exactly_one_logits_tensor():

@@ -51,6 +51,20 @@ def test_a_thin_margin_names_the_term_that_misses_and_by_how_much_per_token():
     assert "where the margin goes" in margins_table([m])
 
 
+def test_a_margin_carries_the_sizes_of_the_blocks_live_at_its_peak_to_be_named_when_rendered():
+    from soup_cli.utils.layer_stream import estimate_stream_peak_vram
+
+    kw = soup_kwargs(2048)
+    own = estimate_stream_peak_vram(**kw)
+    blocks = [[4 * 2048 * SMOL.vocab, 3], [2 * 2048 * SMOL.hidden, 30]]
+    attribution = {"resident_at_peak": own // 2, "classes": {}, "complete": True,
+                   "physical": {"the rest": 1, "resident weights": own // 2}, "live_blocks": blocks}
+    row = make_row(real_peak=own, soup_predicted=own, gate=Gate(kw), attribution=attribution)
+    assert margin_breakdown(row)["live_blocks"] == blocks
+    assert "live_blocks" not in margin_breakdown(make_row(real_peak=own, soup_predicted=own, gate=Gate(kw),
+                                                          attribution=dict(attribution, live_blocks=None)))
+
+
 def test_shape_classes_name_logits_attention_scores_and_activations():
     classify = shape_classes(SMOL, 2048, 1)
     e = 2048 * SMOL.vocab
