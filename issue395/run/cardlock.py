@@ -52,3 +52,50 @@ def _acquire(path: str, how: int) -> int:
         os.close(fd)
         raise
     return fd
+
+
+class CardHold:
+    """A lane's hold on its card over its arms in turn: each lane arm shares the card for itself, and
+    a run of whole-card arms back to back keeps the card alone from the first to the last. Each
+    exclusive acquire first drains every other lane's arm in flight, so one hold per run, not one
+    per arm (the 0.77.0 map at 4 lanes: 37 whole-card arms, each a drain; results/INDEX.md)."""
+
+    def __init__(self, lock: "CardLock | None") -> None:
+        self.lock = lock
+        self._alone: contextlib.ExitStack | None = None
+
+    @contextlib.contextmanager
+    def arm(self, whole_card: bool, next_whole_card: bool) -> Iterator[None]:
+        """The card for one arm; ``next_whole_card``: the arm this lane runs next needs the card alone too,
+        so the hold is kept for it (never across anything else this lane does)."""
+        if self.lock is None:
+            yield
+            return
+        if not whole_card:
+            self.release()
+            with self.lock.held(False):
+                yield
+            return
+        if self._alone is None:
+            stack = contextlib.ExitStack()
+            stack.enter_context(self.lock.held(True))
+            self._alone = stack
+        try:
+            yield
+        except BaseException:
+            self.release()
+            raise
+        if not next_whole_card:
+            self.release()
+
+    def release(self) -> None:
+        if self._alone is not None:
+            self._alone.close()
+            self._alone = None
+
+
+def lane_order(arms: list, whole_card: "set[int] | frozenset[int]", family_of) -> list:
+    """A lane's arms in the order it runs them: family by family as dealt, each family's whole-card arms
+    after its others, so they run back to back under one hold (rows are put back in grid order)."""
+    rank = {f: i for i, f in enumerate(dict.fromkeys(family_of(a.model) for a in arms))}
+    return sorted(arms, key=lambda a: (rank[family_of(a.model)], a.index in whole_card))

@@ -32,7 +32,7 @@ from ..measure.modes import measure_mode, sdpa_mode
 from ..measure.shapes import family_shape, load_custom_shape, not_on_map, registry_shape, with_modes
 from ..report.outputs import render_markdown, render_plot, write_output
 from ..report.tables import compare_table, render_text
-from .cardlock import CardLock
+from .cardlock import CardHold, CardLock, lane_order
 from .checkpoints import Checkpoints, quant_base
 from .checks import within_positions
 from .search import find_max_run
@@ -103,12 +103,16 @@ def sweep(arms: list[Arm], shapes: dict[str, Shape], bases: Checkpoints, scratch
     checked: set[tuple[str, str]] = set()
     done: list[Row] = []
     lock = CardLock(run.children.card_lock) if run.children.card_lock else None
+    hold = CardHold(lock)
+    whole = set(run.children.whole_card)
+    if lock is not None:  # a family's whole-card arms back to back: one drain of the other lanes, not one each
+        arms = lane_order(arms, whole, family_of)
 
-    def card(a: Arm) -> Any:
+    def card(a: Arm, following: Optional[Arm] = None) -> Any:
         """A lane of the map holds its GPU's card for the arm, alone for a whole-card arm, from before
-        Soup's setup to after the teardown, which frees the allocator. Taken outside Stop.arm: a
-        Ctrl-C while it waits for the card stops now."""
-        return lock.held(a.index in run.children.whole_card) if lock else contextlib.nullcontext()
+        Soup's setup to after the teardown, which frees the allocator, and on to ``following`` when it
+        needs the card alone too. Taken outside Stop.arm: a Ctrl-C while it waits for the card stops now."""
+        return hold.arm(a.index in whole, following is not None and following.index in whole)
 
     for i, arm in enumerate(arms):
         if Stop.requested:
@@ -122,7 +126,8 @@ def sweep(arms: list[Arm], shapes: dict[str, Shape], bases: Checkpoints, scratch
         checked.add((arm.model, arm.quant))
         log = (Path(run.log_dir) / f"soup-{arm.index:03d}-{arm.model}-{arm.seq}-b{arm.batch}{task_tag(arm)}.log"
                if run.log_dir else None)
-        with card(arm), scratch.sharding(base) if first else contextlib.nullcontext(), Stop.arm():
+        following = arms[i + 1] if i + 1 < len(arms) and family_of(arms[i + 1].model) == family else None
+        with card(arm, following), scratch.sharding(base) if first else contextlib.nullcontext(), Stop.arm():
             row = run_arm(arm, shapes[arm.model], base, scratch.path("arms", f"{arm.index:03d}"),
                           dry_run=run.dry_run, snapshot=run.snapshot, snapshot_dir=run.snapshot_dir,
                           log=log, verbose=run.verbose, repeat=run.children.repeat_tag, steps=run.steps,
@@ -147,6 +152,7 @@ def sweep(arms: list[Arm], shapes: dict[str, Shape], bases: Checkpoints, scratch
                 if r.attribution and r.measured and r.soup_predicted:
                     on_margin(margin_breakdown(r))
         bases.release(family)
+    hold.release()  # a stop between two whole-card arms: the other lanes get the card back
 
 
 def task_tag(arm: Arm) -> str:

@@ -95,3 +95,64 @@ def test_a_whole_card_arm_waiting_for_the_card_is_served_before_a_lane_arm_that_
     assert t[("w", "got")] >= t[("a", "free")]
     assert t[("c", "ask")] < t[("a", "free")], "the test did not ask for C while A held the card"
     assert t[("c", "got")] >= t[("w", "free")], "a lane arm that asked later got the card before the whole-card arm"
+
+
+def _shared_free(path: Path) -> bool:
+    """Whether another lane could share the card now (a non-blocking shared flock on its own fd)."""
+    import fcntl
+    import os
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+    finally:
+        os.close(fd)
+
+
+def test_whole_card_arms_back_to_back_keep_the_card_alone_between_them_and_give_it_back_after(tmp_path):
+    from issue395.run.cardlock import CardHold, CardLock
+
+    path = tmp_path / "card.lock"
+    hold = CardHold(CardLock(str(path)))
+    seen = []
+    with hold.arm(True, next_whole_card=True):
+        seen.append(_shared_free(path))
+    seen.append(_shared_free(path))  # between the two: no other lane's arm may slip in
+    with hold.arm(True, next_whole_card=False):
+        seen.append(_shared_free(path))
+    seen.append(_shared_free(path))
+    assert seen == [False, False, False, True]
+
+
+def test_a_lane_arm_after_whole_card_arms_shares_the_card_and_a_failed_arm_lets_it_go(tmp_path):
+    import pytest
+
+    from issue395.run.cardlock import CardHold, CardLock
+
+    path = tmp_path / "card.lock"
+    hold = CardHold(CardLock(str(path)))
+    with hold.arm(True, next_whole_card=True):
+        pass
+    with hold.arm(False, next_whole_card=False):  # the run of whole-card arms ended: shared now
+        assert _shared_free(path)
+    with pytest.raises(KeyboardInterrupt):
+        with hold.arm(True, next_whole_card=True):
+            raise KeyboardInterrupt  # a Ctrl-C in the arm: the card is not kept for an arm that will not run
+    assert _shared_free(path)
+    with hold.arm(True, next_whole_card=True):
+        pass
+    hold.release()  # the sweep's end after a stop between two whole-card arms
+    assert _shared_free(path)
+
+
+def test_a_lane_runs_each_familys_whole_card_arms_after_its_other_arms_families_in_turn():
+    from issue395.model.arm import Arm
+    from issue395.model.registry import family_of
+    from issue395.run.cardlock import lane_order
+
+    arms = [Arm("qwen", 512, 1, 0), Arm("qwen", 512, 4, 1), Arm("qwen", 1024, 1, 2), Arm("qwen", 1024, 4, 3),
+            Arm("moonlight", 512, 1, 4), Arm("moonlight+per_expert", 512, 4, 5), Arm("moonlight", 1024, 1, 6)]
+    order = [a.index for a in lane_order(arms, {1, 4}, family_of)]
+    assert order == [0, 2, 3, 1, 5, 6, 4]
