@@ -102,6 +102,7 @@ def test_a_map_familys_whole_card_arm_runs_in_its_own_lane_so_its_checkpoint_is_
         pids.setdefault(r["model_key"], set()).add(r["ran"]["pid"])
     assert all(len(v) == 1 for v in pids.values()) and pids["smol"] != pids["qwen"], pids
     assert len(t["children"]) == 2, "a separate whole-card job was spawned for the map"
+    assert [r["index"] for r in data["rows"]] == sorted(r["index"] for r in data["rows"])  # grid order, as run or not
     builds = [family for child in t["children"] for family in child["build_s"]]
     assert sorted(builds) == ["qwen", "smol"], f"a family's checkpoint was built more than once: {builds}"
     assert "all ran in their family's lane with the card to themselves" in p.stdout.splitlines()[0]
