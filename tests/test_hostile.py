@@ -106,7 +106,8 @@ def test_a_json_output_that_cannot_be_written_exits_2_naming_it_and_where_the_ro
     assert len(errors) == 1, err
     assert f"--json {out_json}" in errors[0] and "No space left on device" in errors[0]
     assert f"the rows are kept in {rows_file}" in errors[0]
-    (row,) = [json.loads(line) for line in rows_file.read_text().splitlines()]
+    header, row = [json.loads(line) for line in rows_file.read_text().splitlines()]
+    assert header["row_file"] == 1 and header["environment"]["command"].endswith(f"--json {out_json}")
     assert (row["seq"], row["derived"]["status"]) == (64, "dry-run")
     assert out_json.read_text() == "old\n"
     assert sorted(p.name for p in folder.iterdir()) == ["out.json", "out.json.rows.jsonl"]

@@ -92,7 +92,9 @@ def render_markdown(result: Result, parts: Optional[list[tuple[str, dict]]] = No
           f"Stack: {env.get('gpu') or 'no GPU'}, driver {env.get('driver') or '-'}, CUDA "
           f"{env.get('cuda') or '-'}, torch {env['torch']}, transformers {env['transformers']}, "
           f"trl {env['trl']}, peft {env['peft']}, Python {env.get('python')}, Soup {env['soup_cli']}, "
-          f"{env.get('platform')}. Weights: {env['weights']}. Arms: {env.get('arms')}.", ""]
+          f"{env.get('platform')}. Weights: {env['weights']}. Arms: {env.get('arms')}."
+          + "".join(f" {words}: {env[key]}." for key, words in (("stack_of", "Stack of"), ("rows_from", "Rows from"))
+                    if env.get(key)), ""]
     md += commands_lines(env, parts, merged)
     md += [(f"Compared against the A10G record: {A10G_STACK}. " if record else "")
            + ("Predicted = Soup's `estimate_stream_peak_vram`" if result.kind != "map" else

@@ -362,7 +362,9 @@ def header_line(env: dict[str, Any]) -> str:
             f" | soup-cli {env['soup_cli']} | weights {env['weights']} | arms {env.get('arms')}"
             + (f" | {env['steps']} optimizer steps per arm" if env.get("steps", 1) != 1 else "")
             + (f" | linear attention: {env['linear_attention_kernels']}" if env.get("linear_attention_kernels")
-               else ""))
+               else "")
+            + "".join(f" | {words} {env[key]}" for key, words in (("stack_of", "stack of"), ("rows_from", "rows from"))
+                      if env.get(key)))
 
 
 def render_text(result: Result) -> str:

@@ -8,34 +8,50 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 from ..errors import UsageError, last_line
 from .result import Result
 from .row import Row
+from .schema import SCHEMA, TOOL
 
 
 class RowFile:
     """Rows appended as JSON lines as they finish, beside --json, so nothing measured is
-    lost to a crash; removed once the final JSON holds them."""
+    lost to a crash; removed once the final JSON holds them. Given the run's environment, the
+    first line is a header (`HEADER`) holding it, so a run stopped before its JSON can still be
+    rendered from its rows (`load_result`)."""
 
     SUFFIX = ".rows.jsonl"  # after the --json path's own name: o.json's rows are o.json.rows.jsonl
+    HEADER = "row_file"  # the key only the header line holds: its format's version
+    ROWS_FROM = ("the row file: the run stopped before it wrote its JSON, so these are the rows it saved as "
+                 "each finished")
 
-    def __init__(self, json_path: Optional[str]):
+    def __init__(self, json_path: Optional[str], environment: Optional[dict] = None, kind: str = "sweep"):
         self.path = self.path_for(json_path) if json_path and json_path != "-" else None  # -: stdout
         self.ok = True
         if self.path:
             self.path.unlink(missing_ok=True)
+            if environment is not None:
+                self.write({self.HEADER: 1, "tool": TOOL, "schema": SCHEMA, "kind": kind,
+                            "environment": environment})
 
     @staticmethod
     def path_for(json_path: str) -> Path:
         return Path(os.path.realpath(json_path) + RowFile.SUFFIX)
 
+    @classmethod
+    def is_header(cls, line: object) -> bool:
+        return isinstance(line, dict) and cls.HEADER in line
+
     def add(self, row: Row) -> None:
+        self.write(row.to_json())
+
+    def write(self, line: dict) -> None:
         if self.path and self.ok:
             try:
                 with open(self.path, "a", encoding="utf-8") as fh:
-                    fh.write(json.dumps(row.to_json(), default=str) + "\n")
+                    fh.write(json.dumps(line, default=str) + "\n")
             except OSError as exc:  # the tables and the final JSON still hold the row
                 self.ok = False
                 print(f"warning: cannot save rows to {self.path} ({exc.strerror}); "
@@ -47,12 +63,32 @@ class RowFile:
             self.path.unlink(missing_ok=True)
 
 
-def load_result(path: str, flag: str = "--from-json") -> Result:
-    if path.endswith(RowFile.SUFFIX):
+def row_file_result(path: str, flag: str) -> dict[str, Any]:
+    """A row file as the result its run did not write: interrupted, its rows, the header's
+    environment saying where the rows came from. Whole lines only: the last may be half-written."""
+    data = Path(path).read_bytes()
+    done = data.rfind(b"\n") + 1
+    lines = [line for line in data[:done].splitlines() if line.strip()]
+    try:
+        header = json.loads(lines[0]) if lines else None
+    except ValueError:
+        header = None
+    if not RowFile.is_header(header):  # a file from before the header, or not a row file at all
         raise UsageError(f"{flag} {path}: this is a run's row file (its measured rows, one JSON line each, kept "
                          "when the run could not write its --json); it holds no environment to judge them by, "
                          "so --from-json cannot render it: read the lines as they are")
+    if header[RowFile.HEADER] != 1:
+        raise ValueError(f"its row file version is {header[RowFile.HEADER]!r:.60}, not 1")
+    rows_from = RowFile.ROWS_FROM + ("; its last line, half-written, is left out" if data[done:].strip() else "")
+    return {"tool": header.get("tool"), "schema": header.get("schema"), "kind": header.get("kind"),
+            "environment": dict(header["environment"], rows_from=rows_from),
+            "rows": [json.loads(line) for line in lines[1:]], "interrupted": True}
+
+
+def load_result(path: str, flag: str = "--from-json") -> Result:
     try:
+        if path.endswith(RowFile.SUFFIX):
+            return Result.from_json(row_file_result(path, flag))
         data = json.loads(Path(path).read_text(encoding="utf-8"))
         if isinstance(data, dict) and data.get("kind") == "estimate" and "environment" not in data:
             raise UsageError(f"{flag} {path}: this is an --estimate result (a config's estimate, nothing "

@@ -235,10 +235,14 @@ def measure_all(run: Run, protocol: Protocol, job: Optional[Job], scratch: Scrat
                 f"{run.adapter.lora_alpha} on {','.join(run.adapter.targets or ())})")
     arms_label = how if run.run_arms else ("determinism: one fresh process per repeat" if run.repeats
                                         else "none (modes only)")
-    result = Result(environment=environment(run.weights, run.dry_run, arms_label,
-                                            [os.path.basename(protocol.script), *run.argv]) if local else {},
+    command = [os.path.basename(protocol.script), *run.argv]
+    result = Result(environment=environment(run.weights, run.dry_run, arms_label, command) if local else {},
                     kind="map" if run.map else "sweep")
-    rows_file = RowFile(run.outputs.json)
+    # The row file's header: the stack known now, so a run stopped before its JSON still renders.
+    # A parent's children report their stacks only in their final JSONs: it records its own, said so.
+    stack = result.environment or dict(environment(run.weights, run.dry_run, arms_label, command, with_torch=False),
+                                       stack_of=STACK_OF_PARENT)
+    rows_file = RowFile(run.outputs.json, dict(stack, **stack_notes(run)), result.kind)
     rows: list[Row] = []
     children: list[Result] = []
     usage_error = None
@@ -304,16 +308,11 @@ def measure_all(run: Run, protocol: Protocol, job: Optional[Job], scratch: Scrat
             setattr(result, name, getattr(result, name) or getattr(merged, name))
         if not local:  # the stack is a child's; the command is the one the user typed, not the child's
             result.environment = dict(result.environment,
-                                      command=" ".join([os.path.basename(protocol.script), *run.argv]))
+                                      command=" ".join(command))
         result.margins = merged.margins
     if not result.environment:
-        result.environment = environment(run.weights, run.dry_run, arms_label,
-                                         [os.path.basename(protocol.script), *run.argv], with_torch=False)
-    if run.steps != 1:  # the protocol's one step is implied; anything else is named (the stack settled)
-        result.environment["steps"] = run.steps
-    left_out = not_on_map() + past_positions(run.models, run.seqs) if run.map else []
-    if left_out and not run.children.child:  # never skipped silently: named with the reason
-        result.environment["not_on_map"] = " | ".join(left_out)
+        result.environment = environment(run.weights, run.dry_run, arms_label, command, with_torch=False)
+    result.environment.update(stack_notes(run))
     result.rows = sorted(rows, key=row_order)
     result.interrupted = interrupted
     result.timings = run_timings(rows, imports_s, time.perf_counter() - started,
@@ -332,6 +331,22 @@ def measure_all(run: Run, protocol: Protocol, job: Optional[Job], scratch: Scrat
         if line:
             print(f"error: {line}", file=sys.stderr)
     return EXIT_USAGE if usage_error or unwritten else result.exit_code
+
+
+#: The row file's header of a parent of children (lanes, --gpus, --isolate): the stack is its own.
+STACK_OF_PARENT = ("the parent process, which runs no arm: its children's stacks (GPU, driver, CUDA) were to be "
+                   "merged into the JSON it did not write")
+
+
+def stack_notes(run: Run) -> dict[str, Any]:
+    """What the stack says of the run beyond the packages: the steps, and the map's arms left out."""
+    notes: dict[str, Any] = {}
+    if run.steps != 1:  # the protocol's one step is implied; anything else is named (the stack settled)
+        notes["steps"] = run.steps
+    left_out = not_on_map() + past_positions(run.models, run.seqs) if run.map else []
+    if left_out and not run.children.child:  # never skipped silently: named with the reason
+        notes["not_on_map"] = " | ".join(left_out)
+    return notes
 
 
 def run_timings(rows: list[Row], imports_s: float, total_s: float, build_s: dict[str, float],

@@ -274,13 +274,14 @@ def spread(run: Run, arms: list[Arm], scratch: Scratch, on_row: Callable[[Row], 
 
     def new_rows(entry: dict[str, Any]) -> list[Row]:
         """The rows a child saved since the last look: whole lines only (the last may be
-        half-written); a line that does not parse is left for the child's final JSON."""
+        half-written), past its header; a line that does not parse is left for the child's final JSON."""
         try:
             with open(RowFile.path_for(str(entry["out"])), "rb") as fh:
                 fh.seek(entry["read"])
                 chunk = fh.read()
             done = chunk.rfind(b"\n") + 1
-            rows = [Row.from_json(json.loads(line)) for line in chunk[:done].splitlines()]
+            lines = [json.loads(line) for line in chunk[:done].splitlines()]
+            rows = [Row.from_json(line) for line in lines if not RowFile.is_header(line)]
         except (OSError, ValueError):
             return []
         entry["read"] += done

@@ -1,17 +1,22 @@
-"""issue395.results.saved: rows saved as they finish survive a crash, and a file that is not a result is
-named for what it is when read back: a missing, damaged, hollow, deeply nested or endless file, a
-FIFO, a row file or an --estimate result is one line and exit 2, never a traceback."""
+"""issue395.results.saved: rows saved as they finish survive a crash, a row file with its header renders
+as the interrupted run it is, and a file that is not a result is named for what it is when read back: a
+missing, damaged, hollow, deeply nested or endless file, a FIFO, a row file without a header or an
+--estimate result is one line and exit 2, never a traceback."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, main, make_row, one_error_line
+from conftest import ROOT, h, main, make_row, one_error_line
 
+from issue395.errors import EXIT_INTERRUPTED
 from issue395.results.saved import RowFile
+from issue395.run import runner
 
 SAVED = ROOT / "results" / "cap-proof-and-seq512-1024-map-h200x2-soup0.73.3-b5bee37" / "map-512-1024.json"
 
@@ -96,10 +101,89 @@ def test_from_json_of_a_bad_file_exits_2_with_one_line(tmp_path, capfd, content)
     one_error_line(code, out, err, "--from-json", str(path))
 
 
-def test_the_row_file_a_run_keeps_is_the_file_from_json_refuses_as_a_row_file(capfd, tmp_path):
+def test_a_row_file_without_a_header_is_the_file_from_json_refuses_as_a_row_file(capfd, tmp_path):
     """One suffix names the file a run writes and the file --from-json refuses: they cannot drift."""
     path = RowFile.path_for(str(tmp_path / "run.outputs.json"))
-    rows = RowFile(str(tmp_path / "run.outputs.json"))
+    rows = RowFile(str(tmp_path / "run.outputs.json"))  # no environment: no header, as before the header
     rows.add(make_row(index=0, real_peak=10**9))
     assert rows.path == path and path.exists()
     one_error_line(*main(capfd, ["--from-json", path]), "row file", "no environment")
+
+
+COMMITTED_ROW_FILE = ROOT / "results" / "map-077-full-h200-soup0.77.0-684477c" / "map-077-full.json.rows.jsonl"
+
+
+def test_a_committed_row_file_from_before_the_header_is_refused_with_the_same_line_word_for_word(capfd):
+    line = one_error_line(*main(capfd, ["--from-json", COMMITTED_ROW_FILE]))
+    assert line == (f"error: --from-json {COMMITTED_ROW_FILE}: this is a run's row file (its measured rows, one JSON "
+                    "line each, kept when the run could not write its --json); it holds no environment to judge "
+                    "them by, so --from-json cannot render it: read the lines as they are")
+
+
+class Killed(BaseException):  # not Exception: the runner keeps the rows of a harness bug
+    """Stands for the SIGKILL that stopped the 0.77.0 map before it wrote its --json: nothing after it runs."""
+
+
+def killed(*_, **__):
+    raise Killed
+
+
+@pytest.fixture(scope="module")
+def stopped_run(tmp_path_factory, cache_dir):
+    """A real dry run of two arms killed where it would write its --json: its row file, as the
+    runner left it, and the tables the run itself printed."""
+    folder = tmp_path_factory.mktemp("stopped")
+    out = folder / "o.json"
+    with pytest.MonkeyPatch.context() as mp, pytest.raises(Killed):
+        mp.setattr(runner, "write_outputs", killed)
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            h.main(["--sweep", "--dry-run", "--models", "smol", "--seq", "64,128", "--cache-dir", str(cache_dir),
+                    "--json", str(out)])
+    assert not out.exists()
+    return RowFile.path_for(str(out)), printed.getvalue()
+
+
+def test_a_run_stopped_before_its_json_renders_from_its_row_file_as_the_interrupted_run(capfd, stopped_run, tmp_path):
+    path, printed = stopped_run
+    back = tmp_path / "back.json"
+    code, out, err = main(capfd, ["--from-json", path, "--json", back])
+    assert code == EXIT_INTERRUPTED, err
+    # The tables the run printed, from its rows and its stack: only the stack line says where they came from.
+    stack, *tables = out.splitlines()
+    run_stack = next(line for line in printed.splitlines() if line.startswith("stack: "))
+    assert stack == run_stack + f" | rows from {RowFile.ROWS_FROM}"
+    assert tables[:len(tables) - 2] == printed.split(run_stack + "\n", 1)[1].splitlines()
+    assert tables[-1] == "interrupted: 2 row(s) set up (dry run: nothing measured) before the stop"
+    saved = json.loads(back.read_text())
+    assert saved["interrupted"] and saved["exit_code"] == EXIT_INTERRUPTED and len(saved["rows"]) == 2
+    assert saved["environment"]["rows_from"] == RowFile.ROWS_FROM
+    assert saved["environment"]["command"].endswith(f"--json {path.with_suffix('').with_suffix('')}")
+
+
+def test_a_row_files_half_written_last_line_is_left_out_and_said(capfd, stopped_run, tmp_path):
+    path, _ = stopped_run
+    lines = path.read_text().splitlines(keepends=True)
+    cut = tmp_path / "cut.json.rows.jsonl"
+    cut.write_text("".join(lines[:2]) + lines[2][:len(lines[2]) // 2])  # the header, one row, half a row
+    back = tmp_path / "back.json"
+    code, out, err = main(capfd, ["--from-json", cut, "--json", back])
+    assert code == EXIT_INTERRUPTED, err
+    saved = json.loads(back.read_text())
+    assert [r["seq"] for r in saved["rows"]] == [64]
+    assert saved["environment"]["rows_from"] == RowFile.ROWS_FROM + "; its last line, half-written, is left out"
+    assert "interrupted: 1 row(s)" in out
+
+
+def test_a_parents_row_file_header_holds_its_own_stack_and_says_so(capfd, tmp_path, monkeypatch):
+    """A parent of children (--isolate) stopped before any child reported: the header is all there is."""
+    out = tmp_path / "o.json"
+    monkeypatch.setattr(runner, "spread", killed)
+    with pytest.raises(Killed):
+        main(capfd, ["--sweep", "--dry-run", "--isolate", "--models", "smol", "--seq", "64", "--json", out])
+    header = json.loads(RowFile.path_for(str(out)).read_text())
+    assert header["kind"] == "sweep" and header["environment"]["stack_of"] == runner.STACK_OF_PARENT
+    assert "--isolate" in header["environment"]["command"] and header["environment"]["gpu"] is None
+    code, text, err = main(capfd, ["--from-json", RowFile.path_for(str(out))])
+    assert code == EXIT_INTERRUPTED, err
+    assert f"| stack of {runner.STACK_OF_PARENT} | rows from {RowFile.ROWS_FROM}" in text.splitlines()[0]

@@ -31,7 +31,8 @@ from issue395.run.scratch import Scratch
 from issue395.run.spread import spread
 from issue395.run.spread import Job, child_cache, child_run, plan_jobs, read_job, write_job
 
-#: What every stand-in child does first: the real child's own job file, its stop handler, its row file.
+#: What every stand-in child does first: the real child's own job file, its stop handler, its row file
+#: with a header (a stand-in stack), as the real child's runner starts it.
 CHILD_PREAMBLE = """
     import os, sys, time
     sys.path.insert(0, {root!r})
@@ -42,7 +43,7 @@ CHILD_PREAMBLE = """
     die_with_parent()
     run, job = read_job(os.environ[CHILD_JOB])
     Stop.install(quiet=True)
-    rows = RowFile(run.outputs.json)
+    rows = RowFile(run.outputs.json, {{"torch": "stand-in", "command": "child"}}, "map" if run.map else "sweep")
 """
 
 SLEEPY_CHILD = textwrap.dedent(CHILD_PREAMBLE + """    try:
@@ -288,6 +289,27 @@ def test_a_lane_that_dies_leaves_a_failed_row_for_each_arm_it_did_not_report_nev
     dead = [i for i, r in by_index.items() if "exited with code 3" in (r.error or "")]
     assert dead == [1, 3] and all(by_index[i].failure == "FAILED" for i in dead)
     assert all("code 3" not in (by_index[i].error or "") for i in (0, 2))
+
+
+SAVES_THEN_DIES = textwrap.dedent(CHILD_PREAMBLE + """    for arm in job.arms:
+        rows.add(lost_row(arm, run, None, 42))  # a row only its row file holds: the child writes no JSON
+    os._exit(3)
+""")
+
+
+def test_a_lanes_rows_past_its_row_files_header_reach_the_parent_when_it_dies_before_its_json(tmp_path):
+    """Stand-in children that save every arm's row (marked code 42) to a row file with a header, then
+    exit 3 with no JSON: the parent has each row from the file, none as lost with code 3."""
+    from issue395.run.spread import Lanes
+
+    script = tmp_path / "saves.py"
+    script.write_text(SAVES_THEN_DIES.format(root=str(ROOT)))
+    arms = [Arm("smol", 64 * (i + 1), 1, i) for i in range(4)]
+    rows = []
+    with Scratch() as scratch:
+        spread(Run(children=Children(lanes=2), dry_run=True), arms, scratch, rows.append, str(script), Lanes(2, 1, why="test"))
+    assert sorted(r.index for r in rows) == [0, 1, 2, 3]
+    assert all("code 42" in (r.error or "") for r in rows), [r.error for r in rows]
 
 
 def test_a_map_in_lanes_runs_a_familys_whole_card_arms_in_its_own_lane_and_a_sweep_after_the_lanes():
