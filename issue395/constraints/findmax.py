@@ -229,9 +229,14 @@ def _plain(log: str) -> str:
     return " ".join(re.sub(r"[│┃║|╭╮╰╯─]+", " ", log).split())
 
 
+def _bare(line: str) -> str:
+    """One console line of Soup's without its panel's side borders."""
+    return " ".join(line.replace("│", " ").split())
+
+
 def soup_lines(log: str) -> list[str]:
     """Soup's gate lines, as it printed them."""
-    return [" ".join(x.replace("│", " ").split()) for x in log.splitlines() if GATE_LINE.search(x)]
+    return [_bare(x) for x in log.splitlines() if GATE_LINE.search(x)]
 
 
 def judge(value: int, log: str, exit_code: int, steps: Optional[int], wanted: int,
@@ -242,7 +247,7 @@ def judge(value: int, log: str, exit_code: int, steps: Optional[int], wanted: in
     number, free = SOUP_NUMBER.search(plain), SOUP_FREE.search(plain)
     gate = dict(soup_gb=float(number.group(1)) if number else None,
                 driver_free_gb=(float(free.group(2) or free.group(1)) if free else None))
-    lines = [" ".join(x.replace("│", " ").split()) for x in log.splitlines() if x.strip()]
+    lines = [_bare(x) for x in log.splitlines() if x.strip()]
     oom = next((x for x in lines if OOM_LINE.search(x)), None)
     if oom is not None:
         return Probe(value, OOM, steps, oom[:300], seconds, exit_code, **gate)

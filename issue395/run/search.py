@@ -19,6 +19,7 @@ from ..tasks import task
 from ..constraints.findmax import (PROBE_KEYS, PROBE_LIMIT, FindMax, find_max, probe_config, probe_table,
                                    probe_words, run_probe, soup_command, write_probe_config)
 from ..report.outputs import write_output
+from ..text import gb
 from .options import Run
 from .parser import FIND_MAX_NO_CUDA
 from .scratch import Scratch
@@ -87,10 +88,6 @@ def plan_lines(run: Run, a: Answers) -> list[str]:
                 f"{k} ({why})" for k, why in PROBE_KEYS.items() if k != OTHER_AXIS_KEY[a.axis])]
 
 
-def _gb(n: Optional[float]) -> str:
-    return "-" if n is None else f"{n / 1e9:.2f}"
-
-
 def gate_words(run: Run, a: Answers, found: FindMax, value: Optional[int], what: str) -> Optional[tuple[str, dict]]:
     """Soup's gate, unlifted, at ``value``: computed by Soup's own estimator code on the card's budget,
     and what Soup printed in that value's probe (its number and the free memory its driver reported)."""
@@ -106,7 +103,7 @@ def gate_words(run: Run, a: Answers, found: FindMax, value: Optional[int], what:
             if "probe_soup_gb" in g else "")
     outcome = "" if p is None else f" (measured: {probe_words(p, run.steps)})"
     line = (f"Soup's gate (unlifted) at {a.axis} {value}, {what}{outcome}: {'admits' if g['admits'] else 'refuses'} it "
-            f"(computed by Soup's own estimator code: {_gb(g['soup_predicted'])} GB against {_gb(g['gate_free_bytes'])} GB "
+            f"(computed by Soup's own estimator code: {gb(g['soup_predicted'], 2)} GB against {gb(g['gate_free_bytes'], 2)} GB "
             f"free at its gate, {a.gate_rule}){said}")
     return line, g
 
