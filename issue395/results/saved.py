@@ -44,6 +44,13 @@ class RowFile:
     def is_header(cls, line: object) -> bool:
         return isinstance(line, dict) and cls.HEADER in line
 
+    @staticmethod
+    def whole_lines(data: bytes) -> tuple[list[bytes], int]:
+        """The complete lines of a row file's bytes (a writer may be mid-line: the last may be
+        half-written) and how many bytes they span."""
+        done = data.rfind(b"\n") + 1
+        return data[:done].splitlines(), done
+
     def add(self, row: Row) -> None:
         self.write(row.to_json())
 
@@ -67,8 +74,8 @@ def row_file_result(path: str, flag: str) -> dict[str, Any]:
     """A row file as the result its run did not write: interrupted, its rows, the header's
     environment saying where the rows came from. Whole lines only: the last may be half-written."""
     data = Path(path).read_bytes()
-    done = data.rfind(b"\n") + 1
-    lines = [line for line in data[:done].splitlines() if line.strip()]
+    whole, done = RowFile.whole_lines(data)
+    lines = [line for line in whole if line.strip()]
     try:
         header = json.loads(lines[0]) if lines else None
     except ValueError:

@@ -279,8 +279,8 @@ def spread(run: Run, arms: list[Arm], scratch: Scratch, on_row: Callable[[Row], 
             with open(RowFile.path_for(str(entry["out"])), "rb") as fh:
                 fh.seek(entry["read"])
                 chunk = fh.read()
-            done = chunk.rfind(b"\n") + 1
-            lines = [json.loads(line) for line in chunk[:done].splitlines()]
+            whole, done = RowFile.whole_lines(chunk)
+            lines = [json.loads(line) for line in whole]
             rows = [Row.from_json(line) for line in lines if not RowFile.is_header(line)]
         except (OSError, ValueError):
             return []
