@@ -19,6 +19,7 @@ from ..results.saved import RowFile
 from ..text import gb, ratio
 from ..constraints.cap import Cap
 from .tables import (
+    PROVENANCE,
     SWEEP_LEGEND,
     attribution_table,
     determinism_table,
@@ -93,8 +94,7 @@ def render_markdown(result: Result, parts: Optional[list[tuple[str, dict]]] = No
           f"{env.get('cuda') or '-'}, torch {env['torch']}, transformers {env['transformers']}, "
           f"trl {env['trl']}, peft {env['peft']}, Python {env.get('python')}, Soup {env['soup_cli']}, "
           f"{env.get('platform')}. Weights: {env['weights']}. Arms: {env.get('arms')}."
-          + "".join(f" {words}: {env[key]}." for key, words in (("stack_of", "Stack of"), ("rows_from", "Rows from"))
-                    if env.get(key)), ""]
+          + "".join(f" {words.capitalize()}: {env[key]}." for key, words in PROVENANCE if env.get(key)), ""]
     md += commands_lines(env, parts, merged)
     md += [(f"Compared against the A10G record: {A10G_STACK}. " if record else "")
            + ("Predicted = Soup's `estimate_stream_peak_vram`" if result.kind != "map" else

@@ -355,6 +355,10 @@ def compare_table(a: Result, b: Result, names: Optional[tuple[str, str]] = None)
         + [f"  {same} of {len(cells)} shared arm(s) equal to the byte"])
 
 
+#: Where a stack or its rows came from, when not from the run's own JSON (a row file's header): key, words.
+PROVENANCE = (("stack_of", "stack of"), ("rows_from", "rows from"))
+
+
 def header_line(env: dict[str, Any]) -> str:
     return (f"stack: torch {env['torch']} (CUDA {env.get('cuda') or 'none'}) | GPU {env.get('gpu') or 'none'}"
             + (f" (driver {env['driver']})" if env.get("driver") else "")
@@ -363,8 +367,7 @@ def header_line(env: dict[str, Any]) -> str:
             + (f" | {env['steps']} optimizer steps per arm" if env.get("steps", 1) != 1 else "")
             + (f" | linear attention: {env['linear_attention_kernels']}" if env.get("linear_attention_kernels")
                else "")
-            + "".join(f" | {words} {env[key]}" for key, words in (("stack_of", "stack of"), ("rows_from", "rows from"))
-                      if env.get(key)))
+            + "".join(f" | {words} {env[key]}" for key, words in PROVENANCE if env.get(key)))
 
 
 def render_text(result: Result) -> str:
