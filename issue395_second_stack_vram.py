@@ -11,23 +11,6 @@ Requirements
     families much host RAM and disk (one family's checkpoint and shards are kept
     at a time in each process). What runs took, and on what: results/README.md.
 
-Usage
-    issue395_second_stack_vram.py                          the sweep: 10 arms
-    issue395_second_stack_vram.py --sweep --measure --sdpa the full record
-    issue395_second_stack_vram.py --dry-run --seq 256      CPU: Soup's setup and the guard, no peak
-    issue395_second_stack_vram.py --map --plot map.png     the margin map: every family Soup streams
-    issue395_second_stack_vram.py --gpus 0,1               one shard per GPU, merged
-    issue395_second_stack_vram.py --shard 2/4 --json s2.json   one shard of four (cluster array jobs)
-    issue395_second_stack_vram.py --from-json s1.json s2.json  merge shards into one set of tables
-    issue395_second_stack_vram.py --estimate --config soup.yaml --card T4
-                                                           does it fit? CPU, your soup.yaml, no torch
-    issue395_second_stack_vram.py --config soup.yaml --emulate-card T4
-                                                           your soup.yaml run as a T4, on a GPU
-    issue395_second_stack_vram.py --map --families moonlight --expert-layout fused,per_expert
-                                                           soup-cli 0.77.0's MoE families and modes
-    issue395_second_stack_vram.py --map --families phi-2 --quant nf4 --seq 512 --cap soup
-                                                           the arm capped at Soup's own number
-
 The claim under test
     Before a layer-streamed LoRA run, Soup predicts its peak VRAM with
     ``soup_cli.utils.layer_stream.estimate_stream_peak_vram`` and refuses the run
@@ -61,16 +44,6 @@ The trap
     A row whose realised length differs from the requested seq is VOID: it has no
     ratio, by construction, and the process exits 1.
 
-What the tool adds to the record
-    Architecture-exact synthetic checkpoints (peak VRAM depends on shapes and
-    dtypes, not weight values; ``--weights hub`` uses the real ones); --batch;
-    --model (any streamable causal LM, or just its config.json); --snapshot (which
-    blocks are live at the peak, with a positive control); --determinism; --isolate;
-    shards (--shard, --gpus, --from-json merges); JSON, markdown and a plot; and the
-    margin map (--map): Soup's contract on every family it streams, bf16 and NF4,
-    judged against Soup's own pre-flight number as its setup computes it, with the
-    estimator term that eats the thinnest margins.
-
 Beside the protocol (this file) lies the package ``issue395/``: the record's
 data, the tables and outputs, the CLI, spreading arms over processes, judging
 an arm's measurement into a row, and the corrected estimator (docs/LAYOUT.md).
@@ -78,9 +51,7 @@ The package never imports this file: ``main`` hands it ``measure_arm``.
 
 Every number printed is measured here, computed by Soup, computed by this
 tool's corrected estimator, or quoted from the record, and labelled as such.
-Exit codes: 0 every row ok (a dry run: every row realised as requested; REFUSED
-and SKIPPED rows are not findings); 1 any row VOID, OOM, FAILED or UNDER; 2 usage
-error; 130 interrupted.
+Usage, what the tool adds to the record, every option and the exit codes: docs/USAGE.md.
 """
 
 from __future__ import annotations
