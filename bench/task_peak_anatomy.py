@@ -10,7 +10,13 @@ each block's size as a multiple of the logits element count E = rows x T x V (ro
 for dpo/orpo/simpo, batch for kto/sft; T = the realised width of the first collated batch).
 
     python task_peak_anatomy.py --task dpo --base /path/to/ckpt --seq 2048 --batch 1 [--quant none|nf4]
+                                [--r R] [--steps N] [--accum K] [--optim NAME]
                                 [--work DIR] [--json OUT] [--max-entries N]
+
+``--steps N --accum K`` runs N optimizer steps of K micro-batches each (the run's steady state and
+gradient accumulation); the history is split at every model forward, at each optimizer step's start
+and end and at each step's end (after ``zero_grad``), so each phase's own maximum is read (``phases``)
+and each optimizer step's own peak (``step_peaks``).
 
 Without CUDA it parses its arguments, says so, and exits 0 (nothing can be measured there).
 Run from /work/main (or with it on sys.path) so that ``issue395`` imports.
@@ -44,6 +50,10 @@ def parse(argv=None) -> argparse.Namespace:
     ap.add_argument("--batch", type=int, default=None, help="default 1 (kto: 2, Soup's minimum)")
     ap.add_argument("--quant", choices=("none", "nf4"), default="none")
     ap.add_argument("--targets", default="q_proj,v_proj")
+    ap.add_argument("--r", type=int, default=8, help="LoRA rank (alpha 2r)")
+    ap.add_argument("--steps", type=int, default=1, help="optimizer steps (the steady state from 2)")
+    ap.add_argument("--accum", type=int, default=1, help="gradient_accumulation_steps")
+    ap.add_argument("--optim", default=None, help="training.optimizer (default: Soup's)")
     ap.add_argument("--work", default=None)
     ap.add_argument("--json", default=None, help="write the attribution here")
     ap.add_argument("--snapshot", default=None, help="also pickle the raw snapshot here")
@@ -55,15 +65,16 @@ def parse(argv=None) -> argparse.Namespace:
     a = ap.parse_args(argv)
     if a.batch is None:
         a.batch = 2 if a.task == "kto" else 1
-    if a.seq < 2 or a.batch < 1:
-        ap.error("seq >= 2 and batch >= 1")
+    if a.seq < 2 or a.batch < 1 or a.r < 1 or a.steps < 1 or a.accum < 1:
+        ap.error("seq >= 2, batch, r, steps and accum >= 1")
     return a
 
 
-def task_rows(task: str, seq: int, batch: int) -> list[dict[str, Any]]:
-    """Rows in the shape each wrapper takes, long enough that truncation sets the width."""
+def task_rows(task: str, seq: int, batch: int, micro_batches: int = 1) -> list[dict[str, Any]]:
+    """Rows in the shape each wrapper takes, long enough that truncation sets the width; enough of
+    them for ``micro_batches`` full batches."""
     long_a, long_b = "word " * (OVERSHOOT * seq), "hi " * (OVERSHOOT * seq)
-    n = max(4, 2 * batch + 2)
+    n = max(4, 2 * batch + 2, batch * micro_batches + 2)
     if task == "sft":
         return [{"messages": [{"role": "user", "content": "hi"},
                               {"role": "assistant", "content": long_a}]}] * n
@@ -75,16 +86,17 @@ def task_rows(task: str, seq: int, batch: int) -> list[dict[str, Any]]:
 
 
 def soup_yaml(task: str, base: str, data: Path, out: Path, seq: int, batch: int, quant: str,
-              targets: list[str]) -> str:
+              targets: list[str], r: int = 8, accum: int = 1, optim: Optional[str] = None) -> str:
     import yaml
+    training_extra = {"optimizer": optim} if optim else {}
     return yaml.safe_dump({
         "base": base, "task": task, "backend": "transformers", "modality": "text",
         "data": {"train": str(data), "max_length": seq, "chat_template": "chatml"},
         "output": str(out),
-        "training": {"batch_size": batch, "gradient_accumulation_steps": 1, "epochs": 1,
+        "training": {"batch_size": batch, "gradient_accumulation_steps": accum, "epochs": 1,
                      "quantization": "4bit" if quant == "nf4" else "none", "stream_layers": True,
-                     "logging_steps": 1, "save_steps": 100000,
-                     "lora": {"r": 8, "alpha": 16, "target_modules": targets}},
+                     "logging_steps": 1, "save_steps": 100000, **training_extra,
+                     "lora": {"r": r, "alpha": 2 * r, "target_modules": targets}},
     }, sort_keys=False)
 
 
@@ -161,21 +173,22 @@ def native_frames(frames: list[dict], n: int = 14) -> str:
     return " <- ".join(x[:90] for x in names[:n])
 
 
-#: A marker allocation at each model forward's start and end (MARK + 1024 k bytes, k = 2 x forward
-#: index, +1 at its end): the replay splits the history at them, so each phase's own maximum is read,
-#: not only the step's peak (the policy forward, the reference / KL forwards, the loss and backward).
+#: A marker allocation at each event (MARK + 1024 k bytes for the k-th event: a model forward's start
+#: and end, an optimizer step's start and end, a step's end): the replay splits the history at them,
+#: so each phase's own maximum is read, not only the step's peak (the policy forward, the reference /
+#: KL forwards, the loss and backward, the optimizer step).
 MARK = 512 * 10007
 
 
 def phase_maxima(snapshot: dict, resident: int, names: list[str]) -> list[dict]:
     """The replayed live total's maximum between consecutive markers, markers themselves left out,
-    with the largest blocks live at that maximum (size, count)."""
+    with the largest blocks live at that maximum (size, count). ``names[k]`` names the k-th marker."""
     from issue395.constants import block_bytes
     traces = snapshot.get("device_traces") or []
     trace = max(traces, key=len) if traces else []
     frees = ({"free_requested"} if any(e.get("action") == "free_requested" for e in trace)
              else {"free", "free_completed"})
-    marks = {MARK + 1024 * k: k for k in range(2 * len(names) + 2)}
+    marks = {MARK + 1024 * k: k for k in range(len(names) + 2)}
     live: dict[int, int] = {}
     base, total = resident, 0
     segments, cur = [], {"from": "start", "max": resident, "live": {}}
@@ -185,8 +198,7 @@ def phase_maxima(snapshot: dict, resident: int, names: list[str]) -> list[dict]:
             cur["live"] = {str(k): v for k, v in sorted(cur["live"].items(), key=lambda kv: -kv[0] * kv[1])[:8]}
             segments.append(cur)
             k = marks[size]
-            cur = {"from": f"{names[k // 2] if k // 2 < len(names) else '?'} {'end' if k % 2 else 'start'}",
-                   "max": base + total, "live": {}}
+            cur = {"from": names[k] if k < len(names) else "?", "max": base + total, "live": {}}
             live[addr] = -1
             continue
         if act == "alloc":
@@ -250,11 +262,11 @@ def main(argv=None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("SOUP_LAYER_STREAM_CACHE_DIR", str(work / "shards"))
     data = work / "train.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in task_rows(a.task, a.seq, a.batch)))
+    data.write_text("".join(json.dumps(r) + "\n" for r in task_rows(a.task, a.seq, a.batch, a.steps * a.accum)))
     from soup_cli.config.loader import load_config_from_string
     from soup_cli.data.loader import load_dataset
     config = load_config_from_string(soup_yaml(a.task, a.base, data, work / "out", a.seq, a.batch,
-                                               a.quant, a.targets.split(",")))
+                                               a.quant, a.targets.split(","), a.r, a.accum, a.optim))
     from soup_cli.utils import layer_stream
     seen: dict = {}
     _est = layer_stream.estimate_stream_peak_vram
@@ -276,22 +288,36 @@ def main(argv=None) -> int:
         E, per_row = width["rows"] * width["width"] * vocab, width["width"] * vocab
         # forwards in order, with grad mode and the logits' shape/dtype
         calls: list[dict] = []
+        events: list[str] = []
 
-        def mark(k: int) -> None:
-            torch.empty(MARK + 1024 * k, dtype=torch.uint8, device="cuda").zero_()
+        def mark(name: str) -> None:
+            events.append(name)
+            torch.empty(MARK + 1024 * (len(events) - 1), dtype=torch.uint8, device="cuda").zero_()
 
         def pre(mod_, args, kwargs):
-            mark(2 * len(calls))
+            mark(f"forward {len(calls) + 1} ({'grad' if torch.is_grad_enabled() else 'no grad'}) start")
 
         def post(mod_, args, kwargs, out):
             lg = getattr(out, "logits", None)
             calls.append({"grad": torch.is_grad_enabled(),
                           "logits": None if lg is None else [list(lg.shape), str(lg.dtype)],
                           "allocated_after": int(torch.cuda.memory_allocated())})
-            mark(2 * len(calls) - 1)
+            mark(f"forward {len(calls)} ({'grad' if calls[-1]['grad'] else 'no grad'}) end")
         handles = [trainer.model.register_forward_pre_hook(pre, with_kwargs=True),
                    trainer.model.register_forward_hook(post, with_kwargs=True)]
-        trainer.args.max_steps = 1
+        from transformers import TrainerCallback
+
+        class Marks(TrainerCallback):
+            def on_pre_optimizer_step(self, args, state, control, **kw):
+                mark(f"optimizer step {state.global_step + 1} start")
+
+            def on_optimizer_step(self, args, state, control, **kw):
+                mark(f"optimizer step {state.global_step + 1} end")
+
+            def on_step_end(self, args, state, control, **kw):
+                mark(f"step {state.global_step} end")
+        trainer.add_callback(Marks())
+        trainer.args.max_steps = a.steps
         step_error = None
         with peak_window() as window, allocator_history(a.max_entries, stacks=a.stacks) as taken:
             try:
@@ -307,14 +333,22 @@ def main(argv=None) -> int:
             save_snapshot(snap, Path(a.snapshot))
         summary = attribute_peak(snap, window.before, E, window.peak)
         replayed, blocks = peak_blocks(snap, window.before)
+        phases = phase_maxima(snap, window.before, events)
+        step_peaks, k = [], 0
+        for seg in phases:  # each optimizer step's own peak: the segments up to its "step N end"
+            if k >= len(step_peaks):
+                step_peaks.append(0)
+            step_peaks[k] = max(step_peaks[k], seg["max"])
+            if seg["from"].startswith("step ") and seg["from"].endswith(" end"):
+                k += 1
         res = {"task": a.task, "seq": a.seq, "batch": a.batch, "quant": a.quant, "realised": width,
+               "r": a.r, "targets": a.targets, "steps": a.steps, "accum": a.accum, "optim": a.optim,
+               "step_peaks": step_peaks,
                "vocab": vocab, "E": E, "step_error": step_error, "soup_predicted": seen.get("soup"),
                "soup_kwargs": seen.get("kwargs"), "real_peak": window.peak, "resident_before": window.before,
                "dynamic_over_E": round((window.peak - window.before) / E, 4) if E else None,
                "replayed_peak": replayed, "forwards": calls,
-               "phases": phase_maxima(snap, window.before,
-                                      [f"forward {i + 1} ({'grad' if c['grad'] else 'no grad'})"
-                                       for i, c in enumerate(calls)]),
+               "phases": phases,
                "attribute_peak": {k: summary[k] for k in ("complete", "logits_fp32", "logits_bf16",
                                                           "other_groups", "events")},
                "groups": group(blocks, E, per_row, a.top)}
