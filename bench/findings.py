@@ -79,7 +79,8 @@ def main() -> None:
     details = []
     for res, r in under:
         e = estimate(config_json(r.model_key), quant=r.quant, seq=r.seq, batch=r.batch, targets=r.targets,
-                     release=res.environment["soup_cli"], soup=False)  # Soup's number is the row's
+                     release=res.environment["soup_cli"], transformers=res.environment.get("transformers"),
+                     soup=False)  # Soup's number is the row's
         key = r.arm
         arm = f"{r.model} {r.quant} {r.seq}x{r.batch}"
         print(f"| {arm} | {gb(r.soup_predicted)} | {gb(e.corrected_predicted)} | {gb(r.real_peak)} | "

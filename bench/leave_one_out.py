@@ -50,7 +50,7 @@ def load_arms(root: Path = ROOT / "results") -> list[dict]:
     arms: dict = {}
     for name in RESULT_FILES:
         doc = json.loads((root / name).read_text(encoding="utf-8"))
-        release = doc["environment"]["soup_cli"]
+        release, transformers = doc["environment"]["soup_cli"], doc["environment"]["transformers"]
         for r in doc["rows"]:
             status = (r.get("derived") or {}).get("status")
             if (not r.get("real_peak") or r.get("failure") or r.get("error")
@@ -60,7 +60,7 @@ def load_arms(root: Path = ROOT / "results") -> list[dict]:
                    tuple(r["targets"]))
             old = arms.get(key)
             if old is None or r["real_peak"] > old["real_peak"]:
-                arms[key] = {"release": release, "family": r["model_key"], "quant": key[2],
+                arms[key] = {"release": release, "transformers": transformers, "family": r["model_key"], "quant": key[2],
                              "seq": r["seq"], "batch": r["batch"], "targets": key[5],
                              "real_peak": r["real_peak"], "soup_predicted": r["soup_predicted"],
                              "soup_terms": r["soup_terms"]}
@@ -69,7 +69,7 @@ def load_arms(root: Path = ROOT / "results") -> list[dict]:
 
 def predict(arm: dict, cfgs: dict, allowance: int | None = None):
     return estimate(cfgs[arm["family"]], quant=arm["quant"], seq=arm["seq"], batch=arm["batch"],
-                    targets=arm["targets"], release=arm["release"], allowance=allowance,
+                    targets=arm["targets"], release=arm["release"], allowance=allowance, transformers=arm["transformers"],
                     soup=False)  # the physics alone: each arm's Soup number is the one it captured
 
 

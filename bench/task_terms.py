@@ -28,22 +28,28 @@ from issue395.estimator.estimate import estimate_key  # noqa: E402
 def arms() -> list[dict]:
     """Every committed task anatomy arm whose step completed, with its file and family."""
     out = []
+
+    def box_transformers(folder) -> str:  # the release the box ran, from its stack.txt (pip list)
+        line = next(ln for ln in (folder / "stack.txt").read_text().splitlines() if ln.startswith("transformers "))
+        return line.split()[1]
     for path in sorted(ROOT.glob("results/task-anatomy-*/anatomy-*.json")):
         d = json.loads(path.read_text(encoding="utf-8"))
         if d.get("step_error"):
             continue
         release = "0.77.0" if path.stem.split("-")[1] == "077" else "0.73.3"
         family = path.stem.split("-")[3]  # the registry key the arm's checkpoint was built from
-        out.append(dict(d, file=f"{path.parent.name}/{path.name}", release=release, family=family))
+        out.append(dict(d, file=f"{path.parent.name}/{path.name}", release=release, family=family,
+                        transformers=box_transformers(path.parent)))
     maps = [*ROOT.glob("results/task-map-*/task-map-*.json"), *ROOT.glob("results/tasks-rest-*/task-map-*.json"),
             *ROOT.glob("results/tasks-rest-*/mistral-*.json"), *ROOT.glob("results/tasks-rest-*/sweep-*.json")]
     for path in sorted(maps):
         d = json.loads(path.read_text(encoding="utf-8"))
         release = d.get("stack", {}).get("soup_cli") or d.get("environment", {}).get("soup_cli")
+        transformers = d.get("environment", {}).get("transformers") or box_transformers(path.parent)
         for r in d.get("rows", []):
             if r.get("real_peak") and not r.get("failure"):
                 out.append(dict(r, file=f"{path.parent.name}/{path.name}", release=release,
-                                family=r["model_key"], task=r.get("task") or "sft"))
+                                family=r["model_key"], task=r.get("task") or "sft", transformers=transformers))
     return out
 
 
@@ -51,7 +57,8 @@ def main() -> None:
     rows = []
     for r in arms():
         e = estimate_key(r["family"], quant=r["quant"], seq=r["seq"], batch=r["batch"], release=r["release"],
-                         task=r["task"], targets=tuple(r.get("targets") or ()) or None, soup=False)  # Soup's own number is the one the arm's setup computed
+                         task=r["task"], targets=tuple(r.get("targets") or ()) or None, soup=False,
+                         transformers=r["transformers"])  # Soup's own number is the one the arm's setup computed
         rows.append((r, e, e.corrected_predicted / r["real_peak"], r["soup_predicted"] / r["real_peak"]))
     print("corrected / real (this tool's estimator, from the config) and Soup's own / real (its setup's number), "
           "per task arm, H200, one streamed step")

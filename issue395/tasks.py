@@ -39,6 +39,12 @@ class Task:
     #: TRL cuts the collated batch to ``args.max_length`` inside compute_loss, so the width the
     #: model runs at is that cut, not the collated width (DPO: ``DPOTrainer._truncate_inputs``)
     cut_in_loss: bool = False
+    #: the trainer casts the trainable (LoRA) parameters to bf16 when the model is 4-bit: TRL 0.29.1's
+    #: SFTTrainer and DPOTrainer (``if getattr(model, "is_loaded_in_4bit", False) ...:
+    #: param.data = param.data.to(torch.bfloat16)``, QLoRA's recipe), and Soup's streamed NF4 build
+    #: stamps ``is_loaded_in_4bit`` (layer_stream_runtime ``_stamp_4bit_markers``); TRL's experimental
+    #: KTO, ORPO and CPO (SimPO) trainers keep them fp32. Evidence: docs/PEAK.md, "adapter_bytes".
+    adapter_bf16_under_4bit: bool = False
 
     @property
     def rows_per_example(self) -> int:
@@ -53,11 +59,12 @@ class Task:
 
 TASKS: dict[str, Task] = {
     "sft": Task("sft", ("soup_cli.trainer.sft", "SFTTrainerWrapper"), paired=False, reference=False,
-                kl_batch=False, guard_keys=("input_ids",), data_format="chatml"),
+                kl_batch=False, guard_keys=("input_ids",), data_format="chatml", adapter_bf16_under_4bit=True),
     # TRL collates chosen then rejected as one (2B, W) batch and cuts it to max_length inside
     # compute_loss (soup-cli 0.73.3 collates 3 x seq wide; 0.77.0 caps the tokenized rows itself)
     "dpo": Task("dpo", ("soup_cli.trainer.dpo", "DPOTrainerWrapper"), paired=True, reference=True,
-                kl_batch=False, guard_keys=("input_ids",), data_format="dpo", cut_in_loss=True),
+                kl_batch=False, guard_keys=("input_ids",), data_format="dpo", cut_in_loss=True,
+                adapter_bf16_under_4bit=True),
     "orpo": Task("orpo", ("soup_cli.trainer.orpo", "ORPOTrainerWrapper"), paired=True, reference=False,
                  kl_batch=False, guard_keys=("chosen_input_ids", "rejected_input_ids"), data_format="dpo"),
     # SimPO is TRL's CPO trainer with loss_type "simpo" (Soup keeps cpo_alpha > 0: the chosen NLL stays)

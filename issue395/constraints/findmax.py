@@ -113,12 +113,16 @@ class FindMax:
 
 
 def find_max(probe: Callable[[int], Probe], axis: str, start: Optional[int], resolution: int, low: int, high: int,
-             limit: int = PROBE_LIMIT, clock: Callable[[], float] = time.perf_counter) -> FindMax:
+             limit: int = PROBE_LIMIT, clock: Callable[[], float] = time.perf_counter,
+             other: Optional[int] = None) -> FindMax:
     """The largest value in [low, high] (on the grid of ``resolution`` steps) whose probe completes.
-    The bracket starts at ``start`` (this tool's answer; None: ``low``): if it completes, step up by a
-    distance that doubles each time (one resolution step, two, four ...) until one raises OOM; if not,
-    step down likewise until one completes; then bisect the bracket to the resolution. A probe that
-    fails for another reason is no evidence of memory: the search stops there and says so."""
+    The bracket starts at ``start`` (this tool's answer; None: ``low``); ``other`` is a second
+    prediction (Soup's gate's longest): where it lies on the side ``start``'s outcome points to, it is
+    probed next, so two predictions that straddle the limit bracket it in two probes. Then the bracket
+    grows by a distance that doubles each time (one resolution step, two, four ...; after two
+    predictions on one side, their gap, then twice it ...) until its far end flips, and is bisected
+    to the resolution. A probe that fails for another reason is no evidence of
+    memory: the search stops there and says so."""
     started = clock()
     snap = lambda v: max(low, min(high, low + (v - low) // resolution * resolution))  # noqa: E731
     found = FindMax(axis, resolution, snap(low if start is None else start), low, high)
@@ -137,8 +141,17 @@ def find_max(probe: Callable[[int], Probe], axis: str, start: Optional[int], res
     good, bad = None, None
     ok = run(found.start)
     distance = resolution
-    if ok is True:
-        good = found.start
+    if ok is not None:
+        good, bad = (found.start, None) if ok else (None, found.start)
+    second = None if other is None else snap(other)
+    if second is not None and ok is not None and (second > found.start if ok else second < found.start):
+        ok = run(second)  # the other prediction, on the side the first outcome points to
+        if ok is not None:
+            good, bad = (second, bad) if ok else (good, second)
+            distance = max(resolution, abs(second - found.start))  # the predictions' gap: the scale
+    if ok is None or (good is not None and bad is not None):
+        pass  # stopped, or bracketed: the bisection below
+    elif ok:
         while good < high:
             value = min(high, good + distance)
             ok = run(value)
@@ -148,8 +161,7 @@ def find_max(probe: Callable[[int], Probe], axis: str, start: Optional[int], res
                 bad = value
                 break
             good, distance = value, distance * 2
-    elif ok is False:
-        bad = found.start
+    else:
         while bad > low:
             value = max(low, bad - distance)
             ok = run(value)

@@ -18,6 +18,7 @@ from ..errors import UsageError
 from ..record import LORA_R, QUANTS
 from ..model.registry import RECOMPUTES, config_json, stream_mode
 from .arch import Arch, arch_from_config, protocol_targets
+from .attention import eager as eager_attention
 from .moe import Kind, expert_in_flight
 from ..model.targets import soup_targets
 from ..tasks import PROTOCOL_TASK, task as task_named
@@ -41,6 +42,16 @@ POSITION_BYTES = 8  # int64 position ids, one row per position
 LORA_DROPOUT_MASK_BYTES = 1
 ADAM_MOMENT_BYTES = 8  # exp_avg + exp_avg_sq, fp32, from step 2 on (PEAK "Steps after the first")
 LORA_WEIGHT_BYTES = 4  # fp32 LoRA weights (PEAK "Resident")
+#: bf16 LoRA weights: the task's trainer casts them under a 4-bit model (tasks.Task.adapter_bf16_under_4bit).
+#: Evidence: docs/PEAK.md, "adapter_bytes".
+LORA_WEIGHT_BYTES_BF16 = 2
+
+
+def adapter_bytes(task: str, quant: str) -> int:
+    """Bytes a LoRA parameter takes, and with it its gradient and a torch optimizer's state of it:
+    fp32, or bf16 where the task's trainer casts the adapter under a 4-bit model.
+    Evidence: docs/PEAK.md, "adapter_bytes"."""
+    return LORA_WEIGHT_BYTES_BF16 if quant == "nf4" and task_named(task).adapter_bf16_under_4bit else LORA_WEIGHT_BYTES
 
 # -- CUDA caching allocator: its constants and 512 B rounding are in issue395/constants.py --
 #: Segments first made for hidden-sized tensors (4hT fp32: RMSNorm's input copy, square, product;
@@ -54,7 +65,7 @@ FP32_HIDDEN_SEGMENTS, BF16_HIDDEN_SEGMENTS = 4, 3
 #: 0.5 MB steps (bench/leave_one_out.py fits it; a test checks it equals the all-family fit):
 #: unattributed resident bytes and per-token bytes at batch > 1, left after the rounding is charged.
 #: Evidence: docs/PEAK.md, "ALLOCATED_ALLOWANCE_BYTES".
-ALLOCATED_ALLOWANCE_BYTES = 3_000_000
+ALLOCATED_ALLOWANCE_BYTES = 3_500_000
 #: needs_free over allocated under expandable segments (what `soup train` sets): the allocator
 #: reserves more than it allocates, and a card must hold what it reserves. Charged: the measured
 #: +3.4% reserved. Evidence: docs/PEAK.md, "EXPANDABLE_RESERVE_FRACTION, EXPANDABLE_RESERVE_BYTES".
@@ -81,9 +92,9 @@ def extras(a: Arch, f: Features) -> int:
         2 * a.V if a.model_type == "phi" and not a.tied else 0)
 
 
-def lora_weights(n: int) -> int:
-    """LoRA A and B in fp32, 4 B a parameter (PEAK "Resident")."""
-    return LORA_WEIGHT_BYTES * n
+def lora_weights(n: int, per: int = LORA_WEIGHT_BYTES) -> int:
+    """LoRA A and B, ``per`` bytes a parameter (adapter_bytes; PEAK "Resident")."""
+    return per * n
 
 
 def logits(a: Arch, T: int) -> int:
@@ -126,6 +137,24 @@ def sliding_mask(a: Arch, seq: int, batch: int) -> int:
     """A bool seq x seq mask per row once seq >= the window; none below it (PEAK: Gemma-2 from
     4096, Gemma-3 from 512, Phi-3 from 2047)."""
     return seq * seq * batch if a.window and seq >= a.window else 0
+
+
+#: eager attention's scores per element in the recomputed layer: bf16 scores, the softcap's divide,
+#: tanh and multiply (Gemma-2), the masked sum, softmax's fp32 upcast and its bf16 result
+EAGER_SCORE_BYTES = 2 + 3 * 2 + 2 + 4 + 2
+
+
+def eager_masks(a: Arch, seq: int, rows: int) -> int:
+    """Eager attention's additive masks: (rows, 1, seq, seq) in the model's bf16, one for the full
+    layers and one for the sliding ones (transformers' eager_mask; under SDPA a causal mask without
+    padding is skipped). Evidence: docs/PEAK.md, "eager_masks"."""
+    return (2 if a.window else 1) * 2 * rows * seq * seq
+
+
+def eager_scores(a: Arch, seq: int, rows: int) -> int:
+    """Eager attention's scores in the one layer being recomputed, a bound op by op
+    (EAGER_SCORE_BYTES). Evidence: docs/PEAK.md, "eager_masks"."""
+    return EAGER_SCORE_BYTES * rows * a.heads * seq * seq
 
 
 def segment_tail(size: int) -> int:
@@ -313,12 +342,13 @@ def head_copy(a: Arch, f: Features, name: str) -> int:
     return 2 * a.V * a.h if task_named(name).reference and not a.tied and f.private_head_weight else 0
 
 
-def reference_adapter(n: int, f: Features, name: str) -> int:
+def reference_adapter(n: int, f: Features, name: str, per: int = LORA_WEIGHT_BYTES) -> int:
     """DPO's reference is TRL 0.29's frozen "ref" copy of the adapter, materialised by 0.77.0
     (``materialize_meta_adapter_copy``: a clone of each LoRA parameter, fp32); 0.73.3 leaves it on
-    the meta skeleton. KTO's reference disables the adapter instead.
+    the meta skeleton. KTO's reference disables the adapter instead. Its dtype is the policy's
+    (``per``: the trainer's bf16 cast under 4-bit reaches both adapters).
     Evidence: docs/PEAK.md, "reference_adapter"."""
-    return LORA_WEIGHT_BYTES * n if name == "dpo" and f.materialises_ref_adapter else 0
+    return per * n if name == "dpo" and f.materialises_ref_adapter else 0
 
 
 # -- The steady state: what an optimizer keeps from step 2 on --
@@ -336,20 +366,24 @@ class Optimizer:
     states: int  # moments per parameter (Adam 2, Lion 1, SGD without momentum 0)
     bits: int  # 32, or 8 for bitsandbytes' blockwise states
     paged: bool  # bitsandbytes' paged variant
-    #: fp32 bytes per parameter made and freed inside ``step``: torch's foreach AdamW makes
-    #: exp_avg_sq's square root (``_multi_tensor_adam``: ``torch._foreach_sqrt``); the fused and the
-    #: bitsandbytes kernels update in place
+    #: copies of the parameter (in its dtype) made and freed inside ``step``: torch's foreach AdamW
+    #: makes exp_avg_sq's square root (``_multi_tensor_adam``: ``torch._foreach_sqrt``); the fused
+    #: and the bitsandbytes kernels update in place
     transient: int = 0
+    #: torch's optimizers make each state ``torch.zeros_like(param)``: the parameter's dtype (bf16
+    #: where the trainer cast the adapter); bitsandbytes' 32-bit states are fp32 whatever the
+    #: parameter (optim/optimizer.py ``get_state_buffer(p, dtype=torch.float32)``)
+    states_follow_param: bool = False
 
 
 OPTIMIZERS = {
-    "adamw_torch": Optimizer(2, 32, False, 4),
-    "adamw_torch_fused": Optimizer(2, 32, False),
+    "adamw_torch": Optimizer(2, 32, False, 1, True),
+    "adamw_torch_fused": Optimizer(2, 32, False, 0, True),
     "adamw_8bit": Optimizer(2, 8, False), "adamw_bnb_8bit": Optimizer(2, 8, False),
     "paged_adamw_8bit": Optimizer(2, 8, True), "paged_adamw_32bit": Optimizer(2, 32, True),
     "lion_8bit": Optimizer(1, 8, False), "lion_32bit": Optimizer(1, 32, False),
     "paged_lion_8bit": Optimizer(1, 8, True), "paged_lion_32bit": Optimizer(1, 32, True),
-    "sgd": Optimizer(0, 32, False),
+    "sgd": Optimizer(0, 32, False, 0, True),
 }
 #: Soup's default (``training.optimizer``)
 DEFAULT_OPTIMIZER = "adamw_torch"
@@ -361,8 +395,9 @@ def lora_tensors(a: Arch, targets: tuple, r: int) -> list[int]:
     return [n for t in targets for n in (r * a.modules[t][0], r * a.modules[t][1])] * a.L
 
 
-def optimizer_state_bytes(sizes: list[int], name: str) -> int:
-    """The bytes ``name``'s states hold in torch's allocator for LoRA tensors of ``sizes`` elements."""
+def optimizer_state_bytes(sizes: list[int], name: str, per: int = FP32) -> int:
+    """The bytes ``name``'s states hold in torch's allocator for LoRA tensors of ``sizes`` elements
+    whose parameters take ``per`` bytes each."""
     try:
         o = OPTIMIZERS[name]
     except KeyError:
@@ -375,20 +410,33 @@ def optimizer_state_bytes(sizes: list[int], name: str) -> int:
         if o.bits == 8 and n >= BNB_MIN_8BIT:
             out += o.states * (n + FP32 * -(-n // BNB_BLOCK))
         else:
-            out += o.states * FP32 * n
+            out += o.states * (per if o.states_follow_param else FP32) * n
     return out
 
 
-def steady_terms(a: Arch, targets: tuple, r: int, optimizer: str) -> dict:
+def steady_terms(a: Arch, targets: tuple, r: int, optimizer: str, per: int = FP32) -> dict:
     """From step 2 on: the optimizer's states, beside every phase of the step (made at step 1's
-    ``optimizer.step``); and at each ``optimizer.step`` the adapter's fp32 gradients (the Trainer's
-    ``zero_grad`` sets them to None after the step, so the next step's loss phase has none) and the
-    optimizer's own transients."""
+    ``optimizer.step``); and at each ``optimizer.step`` the adapter's gradients (in its dtype,
+    ``per`` bytes; the Trainer's ``zero_grad`` sets them to None after the step, so the next step's
+    first micro-batch has none) and the optimizer's own transients."""
     sizes = lora_tensors(a, targets, r)
     n = sum(sizes)
-    return {Term.OPTIMIZER_STATES.key: optimizer_state_bytes(sizes, optimizer),
-            Term.ADAPTER_GRADIENTS.key: FP32 * n,
-            Term.OPTIMIZER_TRANSIENTS.key: OPTIMIZERS[optimizer].transient * n}
+    return {Term.OPTIMIZER_STATES.key: optimizer_state_bytes(sizes, optimizer, per),
+            Term.ADAPTER_GRADIENTS.key: per * n,
+            Term.OPTIMIZER_TRANSIENTS.key: OPTIMIZERS[optimizer].transient * per * n}
+
+
+def gradient_terms(a: Arch, n: int, per: int, accumulation: int) -> dict:
+    """The adapter's gradients inside a step's phases. With accumulation > 1, micro-batch 2 on runs
+    with every gradient micro-batch 1 made (autograd accumulates into ``.grad`` in place until the
+    optimizer's step): live through its loss, reference forward and layer phase. With one micro-batch,
+    the backward makes them layer by layer, from the last layer to the first, freeing each layer's
+    checkpointed input as it goes: at the first layer's backward every other layer's gradients are
+    live beside one checkpointed input (the estimate takes the larger of that and the first layer
+    processed, which holds every input and no gradient). Evidence: docs/PEAK.md, "gradient_terms"."""
+    if accumulation > 1:
+        return {Term.HELD_GRADIENTS.key: per * n}
+    return {Term.BACKWARD_GRADIENTS.key: per * n * (a.L - 1) // a.L}
 
 
 # -- The estimate --
@@ -403,12 +451,13 @@ class Estimate:
     terms: dict  # ordered as issue395.estimator.terms.Term: each physical term in bytes
     task: str = PROTOCOL_TASK
     optimizer: str = DEFAULT_OPTIMIZER  # its states count from step 2 on
+    accumulation: int = 1  # training.gradient_accumulation_steps: past 1 the gradients are held
 
     def to_json(self) -> dict:
         """Every field, the task always (an --estimate JSON row says which task it answers); the
-        optimizer only past step 1, where its states are live."""
+        optimizer only past step 1, where its states are live; the accumulation only past 1."""
         return {k: dict(v) if isinstance(v, dict) else v for k, v in vars(self).items()
-                if not (k == "optimizer" and self.steps == 1)}
+                if not (k == "optimizer" and self.steps == 1) and not (k == "accumulation" and v == 1)}
 
 
 def _whole(name: str, v, low: int = 1) -> int:
@@ -421,7 +470,8 @@ def estimate(config: dict, *, quant: str = "none", seq: int, batch: int = 1, tar
              lora_r: int = LORA_R, steps: int = 1, release: str | None = None,
              allowance: int | None = None, workspace: int | None = None,
              stream: dict | None = None, soup: bool = True, task: str = PROTOCOL_TASK,
-             optimizer: str = DEFAULT_OPTIMIZER) -> Estimate:
+             optimizer: str = DEFAULT_OPTIMIZER, accumulation: int = 1,
+             transformers: str | None = None) -> Estimate:
     """Soup's own pre-flight and the corrected peak for one (seq, batch). ``targets=None`` is the
     protocol's (q_proj, v_proj), or qkv_proj on Phi-3. ``allowance`` overrides the fitted
     ALLOCATED_ALLOWANCE_BYTES (the leave-one-family-out fit passes its own); ``workspace`` is a
@@ -436,12 +486,16 @@ def estimate(config: dict, *, quant: str = "none", seq: int, batch: int = 1, tar
     ``task``: one of the five tasks Soup streams (issue395/tasks.py); its step runs at 2 x batch rows
     for the paired losses and holds its loss's tensors (task_loss_blocks); Soup's own number beside
     it is computed by Soup's own code at its own rows. ``steps`` > 1: the run's steady state, with
-    ``optimizer``'s states (Soup's ``training.optimizer``)."""
+    ``optimizer``'s states (Soup's ``training.optimizer``). ``accumulation``: Soup's
+    ``training.gradient_accumulation_steps``; past 1 every phase of micro-batch 2 on holds the
+    adapter's gradients (gradient_terms). ``transformers``: the release a saved row ran (None: the
+    installed one, its source read), which decides whether the model runs eager attention."""
     a = arch_of(config) if soup else arch_from_config(config)
     if quant not in QUANTS:
         raise UsageError(f"quant {quant!r} is not one Soup streams ({', '.join(QUANTS)})")
     seq, batch = _whole("seq", seq), _whole("batch", batch)
     lora_r, steps = _whole("lora_r", lora_r), _whole("steps", steps)
+    accumulation = _whole("gradient_accumulation_steps", accumulation)
     if seq > a.max_pos:
         raise UsageError(f"seq {seq} is past the model's max_position_embeddings {a.max_pos}")
     task_named(task)
@@ -480,16 +534,21 @@ def estimate(config: dict, *, quant: str = "none", seq: int, batch: int = 1, tar
         raise UsageError(f"training.stream_loss_chunk with task {tk.name} is not modelled by this estimator")
     rows = batch * tk.rows_per_example
     T, n = seq * rows, lora_params(a, targets, lora_r)
+    per = adapter_bytes(tk.name, quant)
+    eager = eager_attention(a.model_type, transformers)
     t = {Term.POOL.key: pool(a, quant, per_expert), Term.EXTRAS.key: extras(a, f),
-         Term.LORA_WEIGHTS.key: lora_weights(n), Term.CUBLAS_WORKSPACE.key: ws, Term.LOGITS.key: logits(a, T),
+         Term.LORA_WEIGHTS.key: lora_weights(n, per), Term.CUBLAS_WORKSPACE.key: ws, Term.LOGITS.key: logits(a, T),
          Term.RESIDENT_ROUNDING.key: resident_rounding(a, quant, f, per_expert),
          Term.ALLOCATOR_ROUNDING.key: allocator_rounding(a, T),
          Term.CHECKPOINTED_INPUTS.key: checkpointed_inputs(a, quant, T), Term.FINAL_NORM.key: final_norm(a, T),
          Term.IDS_LABELS.key: ids_labels(T), Term.POSITION_IDS.key: position_ids(seq),
-         Term.ROTARY_TABLES.key: rotary_tables(a, seq), Term.SLIDING_MASK.key: sliding_mask(a, seq, rows),
+         Term.ROTARY_TABLES.key: rotary_tables(a, seq),
+         Term.SLIDING_MASK.key: 0 if eager else sliding_mask(a, seq, rows),
          Term.DEQUANTISED_LAYER.key: dequantised_layer(a, quant),
          Term.LAYER_PER_TOKEN.key: T * layer_per_token(a, quant, targets, lora_r),
          Term.AUTOGRAD_WORKSPACE.key: ws}
+    if eager:  # its masks replace SDPA's bool sliding mask
+        t[Term.EAGER_MASKS.key], t[Term.EAGER_SCORES.key] = eager_masks(a, seq, rows), eager_scores(a, seq, rows)
     if any(bias for *_, bias in a.modules.values()):  # the bias epilogue's own workspace
         t[Term.CUBLASLT_WORKSPACE.key] = CUBLASLT_WORKSPACE
     if a.layers is not None:  # the kind whose recompute binds: its W16, its tokens, its expert
@@ -499,7 +558,7 @@ def estimate(config: dict, *, quant: str = "none", seq: int, batch: int = 1, tar
         blocks = task_loss_blocks(a, tk.name, seq, batch)
         t[Term.LOGITS.key] = sum(blocks) + (SOFTCAP_EXTRA_BYTES * T * a.V if a.softcap else 0)
         t[Term.ALLOCATOR_ROUNDING.key] = sum(map(segment_tail, blocks)) + hidden_rounding(a, T)
-        t[Term.REFERENCE_ADAPTER.key] = reference_adapter(n, f, tk.name)
+        t[Term.REFERENCE_ADAPTER.key] = reference_adapter(n, f, tk.name, per)
         t[Term.HEAD_COPY.key] = head_copy(a, f, tk.name)
         if tk.kl_batch:  # the KL batch's mismatched completions, collated as the batch's
             t[Term.KL_BATCH_IDS.key] = ids_labels(T)
@@ -516,27 +575,36 @@ def estimate(config: dict, *, quant: str = "none", seq: int, batch: int = 1, tar
         t[Term.CHUNKED_LOSS.key] = ws + 2 * 2 * a.h * T
     if recompute == "off":
         t[Term.RETAINED_ACTIVATIONS.key] = a.L * T * retained_per_token(a, quant, targets, lora_r)
+    t.update(gradient_terms(a, n, per, accumulation))
     if steps > 1:
-        t.update(steady_terms(a, targets, lora_r, optimizer))
+        t.update(steady_terms(a, targets, lora_r, optimizer, per))
     t[Term.ALLOCATED_ALLOWANCE.key] = ALLOCATED_ALLOWANCE_BYTES if allowance is None else allowance
     t = {term.key: t[term.key] for term in Term if term.key in t}  # the table's order
     layer = phase_sum(t, Phase.LAYER)
+    if Term.BACKWARD_GRADIENTS.key in t:  # the first layer processed (every input, no gradient) or
+        # the last (one input, every other layer's gradients), whichever holds more
+        ckpt = t[Term.CHECKPOINTED_INPUTS.key]
+        layer -= t[Term.BACKWARD_GRADIENTS.key] + ckpt - max(ckpt, ckpt // a.L + t[Term.BACKWARD_GRADIENTS.key])
     if recompute == "off":  # the backward's first layer: every other layer still holds its activations
         layer += t["retained_activations"] * (a.L - 1) // a.L
     step = {Phase.LOSS: phase_sum(t, Phase.LOSS), Phase.REFERENCE: phase_sum(t, Phase.REFERENCE) if tk.reference
             else 0, Phase.LAYER: layer}
+    if steps > 1 or accumulation > 1:  # after a first backward its thread's cuBLAS workspace stays
+        # resident beside every phase, the layer phase's too: at step 1 the layer phase's peak can come
+        # before the backward makes it (measured: 3 steps add 44.7 MB on Mistral-7B NF4 512x1, the
+        # workspace's 33.6 and the bf16 moments' 13.6; docs/PEAK.md "Steps after the first")
+        step = {p: v + ws if v else v for p, v in step.items()}
     binding = max(step, key=step.get)  # a tie goes to the loss, as it always has
     peak = step[binding]
-    if steps > 1:  # the states beside every phase; the autograd thread's workspace now resident;
-        # the optimizer's own step, once the backward has freed the activations
-        peak += 0 if binding is Phase.LAYER else ws
+    if steps > 1:  # the states beside every phase; the optimizer's own step, once the backward has
+        # freed the activations
         optimizer_step = (t[Term.ADAPTER_GRADIENTS.key] + t[Term.OPTIMIZER_TRANSIENTS.key] + ws)
         if optimizer_step > peak:
             binding, peak = Phase.OPTIMIZER, optimizer_step
         peak += t[Term.OPTIMIZER_STATES.key]
     corrected = phase_sum(t, Phase.RESIDENT) + peak + t[Term.ALLOCATED_ALLOWANCE.key]
     return Estimate(seq, batch, quant, steps, release, soup_number, soup_terms, corrected,
-                    needs_free(corrected), binding.value, t, tk.name, optimizer)
+                    needs_free(corrected), binding.value, t, tk.name, optimizer, accumulation)
 
 
 def estimate_key(key: str, **kwargs) -> Estimate:

@@ -66,6 +66,11 @@ class Term(Enum):
     POSITION_IDS = ("position_ids", _STEP, Kind.BUFFER, "positions", None)
     ROTARY_TABLES = ("rotary_tables", _STEP, Kind.BUFFER, "rotary tables", None)
     SLIDING_MASK = ("sliding_mask", _STEP, Kind.BUFFER, "mask", None)
+    #: a model class without SDPA (the installed transformers' source): its additive masks in the
+    #: model's dtype, one per kind of layer, held by every checkpointed layer through the backward
+    EAGER_MASKS = ("eager_masks", _STEP, Kind.BUFFER, "eager attention's masks", "eager attention")
+    #: ...and in the recomputed layer its scores, softcapped, masked and softmaxed (a bound, op by op)
+    EAGER_SCORES = ("eager_scores", {_LA}, Kind.TEMP, "eager attention's scores", "eager attention")
     HEAD_COPY = ("head_copy", {_LO, _RF}, Kind.TEMP, "the head's private copy", "DPO, KTO, untied, 0.77.0")
     REFERENCE_HELD = ("reference_held", {_RF}, Kind.ACT, "the policy's loss tensors", "DPO, KTO")
     DEQUANTISED_LAYER = ("dequantised_layer", {_LA}, Kind.TEMP, "the dequantised layer", None)
@@ -80,6 +85,14 @@ class Term(Enum):
     #: all but the layer being run (the estimator charges that fraction there)
     RETAINED_ACTIVATIONS = ("retained_activations", {_LO}, Kind.ACT, "retained activations",
                             "stream_recompute off")
+    #: the adapter's gradients as the backward makes them, at its first layer: every other layer's
+    #: (one micro-batch; the layer phase takes the larger of this with one checkpointed input and
+    #: every input with none)
+    BACKWARD_GRADIENTS = ("backward_gradients", {_LA}, Kind.GRAD, "the gradients of the layers already run "
+                          "backward", "one micro-batch")
+    #: gradient accumulation: micro-batch 2 on runs with the gradients micro-batch 1 made
+    HELD_GRADIENTS = ("held_gradients", _STEP, Kind.GRAD, "the gradients held between micro-batches",
+                      "gradient_accumulation_steps > 1")
     OPTIMIZER_STATES = ("adam_moments", {_ST, _OP}, Kind.OPT, "the optimizer's states", "steps > 1")
     ADAPTER_GRADIENTS = ("adapter_gradients", {_OP}, Kind.GRAD, "the adapter's gradients", "steps > 1")
     OPTIMIZER_TRANSIENTS = ("optimizer_transients", {_OP}, Kind.TEMP, "the optimizer's transients", "steps > 1")

@@ -385,7 +385,8 @@ def estimate_run(run: Run) -> int:
     kw = {"targets": run.adapter.targets, "lora_r": run.adapter.lora_r}
     try:
         rows = [estimate_for(run.estimate.config, quant=q, seq=s, batch=b, targets=run.adapter.targets, lora_r=run.adapter.lora_r,
-                             steps=run.steps, stream=dict(run.estimate.stream), task=t, optimizer=optimizer)
+                             steps=run.steps, stream=dict(run.estimate.stream), task=t, optimizer=optimizer,
+                             accumulation=user.get("gradient_accumulation_steps"))
                 for t in run.tasks for q in run.quants for s in run.seqs for b in run.batches]
         budgets = budgets_for(run.estimate.cards, run.context)
         answers = [card_answers(run.estimate.config, e, budgets, env=workspace_env(), stream=dict(run.estimate.stream),

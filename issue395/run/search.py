@@ -54,7 +54,8 @@ def answers(run: Run) -> Answers:
     gate, optimizer = Gate(user.get("gate_override"), bool(user.get("probe"))), user.get("optimizer")
     stream = dict(run.estimate.stream)
     e = estimate_for(config, quant=run.quants[0], seq=run.seqs[0], batch=run.batches[0], targets=run.adapter.targets,
-                     lora_r=run.adapter.lora_r, steps=run.steps, stream=stream, task=run.tasks[0], optimizer=optimizer)
+                     lora_r=run.adapter.lora_r, steps=run.steps, stream=stream, task=run.tasks[0], optimizer=optimizer,
+                     accumulation=user.get("gradient_accumulation_steps"))
     kw = dict(fit_kwargs(e, run.adapter.targets, run.adapter.lora_r, stream, optimizer),
               **({"seq": e.seq} if axis == "batch" else {}))
     card = run.estimate.cards[0]

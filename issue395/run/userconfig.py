@@ -205,8 +205,8 @@ def key_lines(cfg: Any, quant: str) -> list[str]:
     accum = int(getattr(t, "gradient_accumulation_steps", 1))
     if accum > 1:
         lines.append(f"training.gradient_accumulation_steps {accum}: modelled: each micro-batch is "
-                     "training.batch_size rows, the step's batch; NOT modelled: the adapter's fp32 gradients kept "
-                     "between micro-batches (4 B a LoRA parameter)")
+                     "training.batch_size rows, the step's batch, and from micro-batch 2 on every phase holds the "
+                     "adapter's gradients (held_gradients)")
     if str(t.optimizer) != ADAMW:
         lines.append(f"training.optimizer {t.optimizer}: its states from step 2 on, by the estimator's optimizer "
                      "table (an optimizer it has no entry for is refused)")

@@ -50,6 +50,28 @@ def test_the_limit_and_the_value_above_are_adjacent_at_the_resolution_in_a_few_p
     assert len(found.probes) <= 2 * math.ceil(math.log2(off)) + 3  # a bracket, not log2(32768) from the floor
 
 
+@pytest.mark.parametrize("limit,start,other", list(itertools.product([640, 1920, 3712, 32768],
+                                                                      [1024, 3264, None], [1792, 3200, 4096, None])))
+def test_a_second_prediction_on_the_far_side_brackets_the_limit_and_any_pair_still_finds_it(limit, start, other):
+    """Soup's gate's longest beside this tool's: wherever the two sit, the search ends at the limit,
+    adjacent to the first OOM; when they straddle the limit the bracket is made in two probes."""
+    found = F.find_max(fake_probe(limit), "seq", start, **SEQ, limit=100, other=other)
+    assert found.limit == limit and found.adjacent
+    assert all(p.completed == (p.value <= limit) for p in found.probes)
+    if start is not None and other is not None and min(start, other) <= limit < max(start, other):
+        assert [p.value for p in found.probes][:2] == [start, other]
+        assert len(found.probes) <= 2 + math.ceil(math.log2(abs(other - start) / 64)) + 1
+
+
+def test_the_issues_phi3_bracket_needs_six_probes_not_ten():
+    """Phi-3-mini's measured limit on the 4 GB card (3712, 3776 OOM) from this tool's like-for-like
+    3264 and Soup's gate's 3520 (--estimate, --context 0.624): faked probes, the real search."""
+    alone = F.find_max(fake_probe(3712), "seq", 3264, **SEQ)
+    both = F.find_max(fake_probe(3712), "seq", 3264, **SEQ, other=3520)
+    assert alone.limit == both.limit == 3712 and both.adjacent
+    assert len(both.probes) <= len(alone.probes) <= 10 and len(both.probes) <= 6
+
+
 def test_nothing_completes_the_smallest_value_raised_oom():
     found = F.find_max(fake_probe(0), "seq", 128, **SEQ)
     assert (found.limit, found.above, found.adjacent) == (None, 64, True)

@@ -289,7 +289,7 @@ def test_item10_a_key_of_another_release_is_named(capfd, tmp_path):
 @pytest.mark.parametrize("key, value, words", [
     ("stream_vram_override", "2000000000", ["2.00 GB", "modelled"]),
     ("stream_vram_probe", "true", ["decide_measured_fit"]),
-    ("gradient_accumulation_steps", "8", ["NOT modelled", "gradients"]),
+    ("gradient_accumulation_steps", "8", ["modelled", "held_gradients"]),
     ("moe_lora", "true", ["NOT modelled"]),
     ("bnb_4bit_use_double_quant", "false", ["NOT modelled", "double-quantised"]),
 ])
@@ -327,7 +327,8 @@ def test_item10_an_8bit_optimizer_is_modelled_or_refused_never_charged_as_adamw_
 
 
 def test_item10_target_modules_auto_in_the_file_is_what_targets_auto_gives(capfd, tmp_path):
-    data, _ = estimate_json(capfd, tmp_path, soup_yaml(tmp_path, targets="auto"), "--steps", "1")
+    data, _ = estimate_json(capfd, tmp_path, soup_yaml(tmp_path, targets="auto",  # --model takes one micro-batch
+                                                       extra="  gradient_accumulation_steps: 1\n"), "--steps", "1")
     out = tmp_path / "m.json"
     code, _, err = main(capfd, ["--estimate", "--model", "mistralai/Mistral-7B-v0.3", "--quant", "nf4", "--seq", "2048",
                                 "--targets", "auto", "--json", out])

@@ -43,7 +43,8 @@ def test_the_files_own_values_drive_the_estimate(capfd, tmp_path):
     from issue395.estimator.estimate import estimate
 
     e = estimate(config_json("mistral-7b"), quant="nf4", seq=1024, batch=2, targets=("q_proj", "k_proj", "v_proj"),
-                 lora_r=16, steps=2)  # --config answers the run's steady state (issue 29)
+                 lora_r=16, steps=2, accumulation=4)  # --config answers the run's steady state (issue 29), at
+    # Soup's default gradient_accumulation_steps (the file sets none)
     assert (row["soup_predicted"], row["needs_free"]) == (e.soup_predicted, e.needs_free)
     assert "from --config" in text and row["cards"][0]["card"] == "A10G"
 
@@ -95,11 +96,12 @@ def test_the_files_streaming_modes_reach_the_estimate_and_auto_is_one_line(capfd
     from issue395.estimator.estimate import estimate
 
     e = estimate(config_json("mistral-7b"), quant="nf4", seq=1024, batch=2, targets=("q_proj", "k_proj", "v_proj"),
-                 lora_r=16, stream={"stream_loss_chunk": 512, "stream_recompute": "off"}, steps=2)  # the run's (issue 29)
+                 lora_r=16, stream={"stream_loss_chunk": 512, "stream_recompute": "off"}, steps=2,
+                 accumulation=4)  # the run's (issue 29)
     assert row["corrected_predicted"] == e.corrected_predicted
     assert row["corrected_predicted"] != estimate(config_json("mistral-7b"), quant="nf4", seq=1024, batch=2,
                                                   targets=("q_proj", "k_proj", "v_proj"), lora_r=16,
-                                                  steps=2).corrected_predicted
+                                                  steps=2, accumulation=4).corrected_predicted
     one_error_line(*main(capfd, ["--estimate", "--config", soup_yaml(tmp_path, stream="true\n  stream_recompute: auto\n")]),
                    "stream_recompute", "auto")
 
@@ -120,9 +122,9 @@ def test_a_preference_tasks_file_is_answered_with_soups_number_at_its_rows(capfd
     (row,) = data["rows"]
     # a --config answer is the run's steady state (step 2 on: the optimizer's states live)
     e = estimate(config_json("mistral-7b"), quant="nf4", seq=1024, batch=2, targets=("q_proj", "k_proj", "v_proj"),
-                 lora_r=16, task=task, steps=2)
+                 lora_r=16, task=task, steps=2, accumulation=4)
     sft = estimate(config_json("mistral-7b"), quant="nf4", seq=1024, batch=2, targets=("q_proj", "k_proj", "v_proj"),
-                   lora_r=16, steps=2)
+                   lora_r=16, steps=2, accumulation=4)
     assert data["tasks"] == [task] and row["task"] == task and row["soup_predicted"] == e.soup_predicted
     assert row["soup_predicted"] != sft.soup_predicted or task == "kto"
     assert row["corrected_predicted"] == e.corrected_predicted != sft.corrected_predicted
