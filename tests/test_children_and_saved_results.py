@@ -61,7 +61,7 @@ def test_a_parent_of_children_with_steps_keeps_the_childrens_stack_and_writes_it
     """--isolate --steps 2: the parent has no stack of its own; naming the steps must not stand in
     for the children's (it did: the render raised KeyError 'torch' and no JSON was written). The
     children are stood in for by one saved child result (no process is started here)."""
-    from issue395.run import runner
+    from issue395.run import measure_mode
 
     child = Result(environment=json.loads((ROOT_RESULT).read_text())["environment"],
                    rows=[make_row("smol", 64, index=0, real_peak=None, dry_run=True)])
@@ -70,7 +70,7 @@ def test_a_parent_of_children_with_steps_keeps_the_childrens_stack_and_writes_it
         on_row(child.rows[0])
         return [child]
 
-    monkeypatch.setattr(runner, "spread", one_child)
+    monkeypatch.setattr(measure_mode, "spread", one_child)
     out = tmp_path / "o.json"
     code, stdout, err = main(capfd, ["--dry-run", "--isolate", "--steps", "2", "--models", "smol", "--seq", "64",
                                      "--json", out])

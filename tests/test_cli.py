@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 from conftest import SMOL, h, main, one_error_line, table_rows
 
-from issue395.run import runner
+from issue395.run import measure_mode
 from issue395.measure.builder import checkpoint_fingerprint, prepare_checkpoint
 from issue395.errors import EXIT_OK
 from issue395.model.arm import Arm, predicted_bytes
@@ -436,7 +436,7 @@ def test_sweep_alongside_determinism_spreads_the_sweep_once_and_the_repeats_once
         planned.append([(job.arms, job.repeat) for job in plan_jobs(run, arms)])
         return []
 
-    monkeypatch.setattr(runner, "spread", plan_only)
+    monkeypatch.setattr(measure_mode, "spread", plan_only)
     code, out, err = main(capfd, ["--dry-run", "--sweep", "--isolate", "--determinism", "2",
                                   "--models", "smol", "--seq", "64"])
     arm = Arm("smol", 64, 1, 0)

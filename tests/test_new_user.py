@@ -263,12 +263,12 @@ def _two_shards(tmp_path):
         "compare-zero-division"])
 def test_any_failure_while_merging_rendering_or_comparing_is_one_line_naming_the_file(
         capfd, tmp_path, monkeypatch, target, exc):
-    import issue395.run.runner as runner
+    import issue395.run.rerender_mode as rerender_mode
 
     def boom(*a, **k):
         raise exc
 
-    monkeypatch.setattr(runner, target, boom)
+    monkeypatch.setattr(rerender_mode, target, boom)
     a, b = _two_shards(tmp_path)
     argv = {"merge": ["--from-json", a, b], "render_text": ["--from-json", a],
             "render_markdown": ["--from-json", a, "--markdown", tmp_path / "o.md"],

@@ -77,6 +77,14 @@ class Cap(Constraint):
     def record(self) -> Optional[Capped]:
         return Capped(self.at, self.bytes) if self.capped else None
 
+    @classmethod
+    def how(cls, asked: str) -> str:
+        return f"capped at {asked} (expandable segments), one fresh process per arm"
+
+    @classmethod
+    def lost(cls, asked: str) -> Capped:
+        return Capped(asked)
+
     @staticmethod
     def table(rows: list[Row]) -> str:
         """--cap: each arm re-run in a fresh process with its allocator capped at a prediction."""

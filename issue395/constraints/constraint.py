@@ -31,6 +31,28 @@ class Constraint:
 
     FLAG: ClassVar[str]  # its option on the command line
     RECORD: ClassVar[type]  # its row record
+    #: Its arms are each a series of fresh probes its driver runs (issue395.run.probes), not one arm each.
+    PROBES: ClassVar[bool] = False
+
+    @classmethod
+    def field(cls) -> str:
+        """Its field in ``Constraints`` (issue395.constraints.asked): its option's name."""
+        return cls.FLAG.lstrip("-").replace("-", "_")
+
+    @classmethod
+    def for_arm(cls, asked, context: Optional[int] = None) -> "Optional[Constraint]":
+        """The constraint one arm runs under in its process, asked as ``asked`` (its option's value)."""
+        return cls(asked)
+
+    @classmethod
+    def how(cls, asked) -> str:
+        """How the run's arms ran under it, as the text's header says."""
+        raise NotImplementedError
+
+    @classmethod
+    def lost(cls, asked) -> Optional[Record]:
+        """What a row carries of it when the arm's process died before reporting (no measurement)."""
+        return None
 
     def before_arm(self, setting: ArmSetting) -> None:
         """Before the arm runs at all (a dry run too): what this tool decides of it beforehand."""

@@ -84,6 +84,18 @@ class EmulateCard(Constraint):
     def record(self) -> Emulated:
         return Emulated(self.budget.card.name, self.budget.free_bytes, self.free, self.needs_free)
 
+    @classmethod
+    def for_arm(cls, asked: str, context: Optional[int] = None) -> "EmulateCard":
+        return cls(asked, context)
+
+    @classmethod
+    def how(cls, asked: str) -> str:
+        return f"as {asked} (a ballast outside the allocator, expandable segments), one fresh process per arm"
+
+    @classmethod
+    def lost(cls, asked: str) -> Emulated:
+        return Emulated(parse_card(asked).name)
+
     def hold(self) -> int:
         """Take the card's free memory down to the emulated card's; returns mem_get_info's free
         as measured with the ballast held. A card with less free than that cannot emulate it."""

@@ -156,7 +156,15 @@ class MinFreeBisection(Constraint):
     constrains no arm in-process (each probe is a --cap child, issue395.run.probes drives them); its
     record is the bisection's outcome, set on the control's row."""
 
-    FLAG, RECORD = "--min-free", MinFreeFound
+    FLAG, RECORD, PROBES = "--min-free", MinFreeFound, True
+
+    @classmethod
+    def for_arm(cls, asked: bool, context: Optional[int] = None) -> None:
+        return None  # each probe runs under --cap
+
+    @classmethod
+    def how(cls, asked: bool) -> str:
+        return "--min-free: a bisection over capped fresh processes (expandable segments)"
 
     @staticmethod
     def table(rows: list[Row]) -> str:

@@ -256,6 +256,25 @@ for _f in RELEASE_FEATURES.values():
         SPELLINGS.setdefault(_name, set()).add(_spelled)
 
 
+def refused_modes(a: Arch, f: Features, stream: dict, release: str, src: Path) -> None:
+    """Soup's own refusals of soup-cli 0.77.0's streaming modes: a release without them, and a
+    per-expert layout on any architecture but DeepSeek-V3's (its stream_setup.py)."""
+    missing = sorted(set(stream) - set(f.stream_modes))
+    if missing:
+        raise UsageError(f"soup-cli {release} has no {', '.join(missing)}: streaming modes need 0.77.0")
+    if stream.get("stream_expert_layout") == "per_expert" and streamed_as(a.model_type, src) != "deepseek_v3":
+        raise UsageError(f"Soup refuses stream_expert_layout 'per_expert' on {a.model_type} (it admits "
+                         "deepseek_v3 only: stream_setup.py PER_EXPERT_LAYOUT_ARCHS)")
+
+
+def stream_refused(config: dict, stream: dict) -> None:
+    """The installed Soup's refusals of the streaming modes asked for this config, one line each
+    (refused_modes), before anything is estimated."""
+    src = release_source(None)
+    if src is not None:
+        refused_modes(arch_of(config, src), read_features(src), stream, installed_release(), src)
+
+
 def soup_preflight_from_config(config: dict, *, quant: str, seq: int, batch: int, targets,
                                lora_r: int, release: str | None = None, stream: dict | None = None,
                                task: str = PROTOCOL_TASK) -> tuple[int, dict]:
@@ -272,13 +291,8 @@ def soup_preflight_from_config(config: dict, *, quant: str, seq: int, batch: int
     f = read_features(src)
     a = arch_of(config, src)
     stream = stream or {}
-    missing = sorted(set(stream) - set(f.stream_modes))
-    if missing:
-        raise UsageError(f"soup-cli {release} has no {', '.join(missing)}: streaming modes need 0.77.0")
+    refused_modes(a, f, stream, release, src)
     per_expert = stream.get("stream_expert_layout") == "per_expert"
-    if per_expert and streamed_as(a.model_type, src) != "deepseek_v3":
-        raise UsageError(f"Soup refuses stream_expert_layout 'per_expert' on {a.model_type} (it admits "
-                         "deepseek_v3 only: stream_setup.py PER_EXPERT_LAYOUT_ARCHS)")
     rows, refill = f.task(task)
     if task != PROTOCOL_TASK and batch < TASKS[task].min_batch:
         raise UsageError(f"task {task}: Soup's schema refuses batch {batch} (it takes {TASKS[task].min_batch} or more)")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import os
 import stat
 import sys
@@ -15,6 +16,7 @@ from typing import Any, Optional
 from ..record import A10G_STACK, QUANTS, RECORD_A10G_PREDICTED, RECORD_RTX3050
 from ..model.registry import SHAPES
 from ..results.result import Result
+from ..results.schema import SCHEMA, TOOL
 from ..results.saved import RowFile
 from ..text import gb, ratio
 from ..constraints.cap import Cap
@@ -367,3 +369,40 @@ def write_output(path: str, data: bytes) -> None:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
+
+
+def write_json(path: str, kind: str, data: dict) -> bool:
+    """A mode's own --json (--estimate's, --find-max's): the envelope every saved result opens with (the
+    tool, the schema, the kind), then ``data``. One line on stderr where it cannot be written (False)."""
+    envelope = {"tool": TOOL, "schema": SCHEMA, "kind": kind, **data}
+    try:
+        write_output(path, (json.dumps(envelope, indent=2) + "\n").encode("utf-8"))
+    except OSError as exc:
+        print(f"error: --json {path} could not be written ({exc.strerror or exc})", file=sys.stderr)
+        return False
+    return True
+
+
+def write_outputs(result: Result, outputs: Any, rows_file: RowFile,
+                  parts: Optional[list[tuple[str, dict]]] = None) -> Optional[str]:
+    """--json, --markdown and --plot (``outputs``: their paths; ``parts``: each merged saved result's
+    file and stack, for the markdown's commands). Every output that can be written is; returns one
+    line naming each that could not and the one place the rows are kept, or None."""
+    failed = []
+    for flag, path, render in (
+            ("--json", outputs.json, lambda: json.dumps(result.to_json(), indent=2, default=str) + "\n"),
+            ("--markdown", outputs.markdown, lambda: render_markdown(result, parts)),
+            ("--plot", outputs.plot, lambda: render_plot(result))):
+        if not path:
+            continue
+        try:
+            data = render()
+            write_output(path, data.encode("utf-8") if isinstance(data, str) else data)
+        except OSError as exc:
+            failed.append(f"{flag} {path} could not be written ({exc.strerror or exc})")
+    if failed:
+        keep = (f"the rows are kept in {rows_file.path}" if rows_file.path and rows_file.ok
+                and rows_file.path.exists() else "the rows are in the tables printed above")
+        return "; ".join(failed) + f"; {keep}"
+    rows_file.finish()
+    return None

@@ -23,7 +23,7 @@ from ..model.registry import Shape
 from ..measure.builder import checkpoint_fingerprint, prepare_checkpoint, safetensors_problem
 from ..measure.console import Stop
 from ..measure.shapes import config_only
-from .options import Run
+from .request import MeasureRequest
 from .scratch import Scratch
 
 
@@ -124,7 +124,7 @@ class Checkpoints:
     overlapping this model's arms. Without --cache-dir a model's checkpoint and shards go once
     its last arm is done: the map's families would not fit a GPU box's disk together."""
 
-    def __init__(self, keys: list[str], shapes: dict[str, Shape], run: Run, scratch: Scratch):
+    def __init__(self, keys: list[str], shapes: dict[str, Shape], run: MeasureRequest, scratch: Scratch):
         self.shapes, self.run, self.scratch, self.keys = shapes, run, scratch, keys
         self.writer = ThreadPoolExecutor(1, thread_name_prefix="checkpoint-writer")
         self.paths: dict[str, str] = {}

@@ -14,6 +14,7 @@ from typing import Iterable, Optional
 from ..constants import comma_list
 from ..errors import UsageError
 from ..record import SOUP_QUANT
+from ..tasks import PROTOCOL_TASK, TASKS
 
 #: The largest value each whole-number option takes: batch sizes no real run has, seq lengths
 #: beyond any model's positions, and counts that would only run for hours are refused up front.
@@ -33,15 +34,17 @@ def _shown(item: str) -> str:
 
 
 def parse_ints(flag: str, text: Optional[str], minimum: int = 1,
-               maximum: Optional[int] = None) -> Optional[tuple]:
+               maximum: Optional[int] = None, named: Optional[str] = None) -> Optional[tuple]:
     """A comma list of whole numbers in plain ASCII digits (a leading minus is read, then refused
-    by ``minimum``); anything else, and anything above the flag's maximum, is one line."""
+    by ``minimum``); anything else, and anything above the flag's maximum, is one line. ``named``:
+    where the value came from, where it is not the flag itself (a soup.yaml's key)."""
     if text is None:
         return None
+    top, why = (maximum, "") if maximum is not None else MAXIMA.get(flag, (None, ""))
+    flag = named or flag
     items = comma_list(text)
     if not all(items):
         raise UsageError(f"{flag} {_shown(text)!r}: empty item; give a comma list of whole numbers")
-    top, why = (maximum, "") if maximum is not None else MAXIMA.get(flag, (None, ""))
     out: list[int] = []
     for item in items:
         if not _WHOLE.fullmatch(item):
@@ -203,8 +206,36 @@ def check_input(flag: str, path: str) -> None:
         raise UsageError(f"{flag} {path}: {st.st_size} bytes is too large for a saved result")
 
 
-def one_int(flag: str, text: Optional[str], default: int, minimum: int = 1) -> int:
-    values = parse_ints(flag, text, minimum)
+def one_int(flag: str, text: Optional[str], default: int, minimum: int = 1, named: Optional[str] = None) -> int:
+    values = parse_ints(flag, text, minimum, named=named)
     if values is not None and len(values) != 1:
-        raise UsageError(f"{flag} {text}: give one whole number")
+        raise UsageError(f"{named or flag} {text}: give one whole number")
     return values[0] if values else default
+
+
+def settle_tasks(given: Optional[str]) -> tuple:
+    """--task: Soup's streamed tasks, each once (the protocol's SFT where none is named)."""
+    return (PROTOCOL_TASK,) if given is None else distinct_choices("--task", given, tuple(TASKS), "task")
+
+
+def context_within_cards(flag: str, cards, context: Optional[int]) -> None:
+    """A --context that leaves a card nothing once the runtime's growth is out (cards.step_free) is
+    one line, never a table of negative free memory."""
+    from ..estimator.cards import step_free
+
+    short = next((c for c in cards if context is not None and step_free(c.total_bytes - context) <= 0), None)
+    if short is not None:
+        raise UsageError(f"--context {context / 1e9:g} GB leaves {flag} {short.name} ({short.total_bytes / 1e9:.2f} GB "
+                         "total) no free memory for a step: the context is part of the card's total; give the "
+                         "context your card leaves, as an idle process sees it")
+
+
+def one_card(flag: str, given: str):
+    """A card this tool knows or a size, given to ``flag`` (--emulate-card, --find-max's card)."""
+    from ..estimator.cards import parse_card
+
+    try:
+        return parse_card(given)
+    except UsageError as exc:
+        raise UsageError(str(exc).replace("--card", flag, 1)) from None
+

@@ -1,5 +1,6 @@
-"""--config: the user's soup.yaml (read by issue395.run.userconfig through Soup's own loader) settled into
-what it stands for. For --estimate, the options it replaces; as a measured arm, its base as a
+"""--config: the user's soup.yaml (read once, by issue395.run.userconfig through Soup's own loader, into its
+``UserRun``) settled into what it stands for. For --estimate, the values it gives in place of the options
+(issue395.run.estimate_mode reads them off the UserRun, each error naming its key); as a measured arm, its base as a
 registry model (a family's or the record's hub id: that model's architecture-exact synthetic
 checkpoint, as --map builds it) or a checkpoint folder (as --model PATH runs one), at the file's
 quantization, seq, batch and task, with its LoRA targets, r and alpha and its streaming modes. No base is
@@ -8,9 +9,7 @@ ever downloaded unless --weights hub asks: any other base is one line.
 
 from __future__ import annotations
 
-import argparse
 import os
-import re
 from dataclasses import dataclass
 from typing import Optional
 
@@ -20,7 +19,7 @@ from ..model.registry import FAMILIES, SHAPES, by_hub_id, max_positions, mode_ke
 from ..estimator.soup_number import require_streamed
 from ..measure.shapes import bitsandbytes_present
 from .checks import HUB_ID, within_positions
-from .userconfig import UserRun, read_soup_config
+from .userconfig import UserRun
 
 #: What the file gives, as the options it replaces: each is refused beside --config (clashes).
 CONFIG_GIVES = ("--model", "--quant", "--seq", "--batch", "--task", "--targets", "--lora-r", "--families", "--models",
@@ -31,43 +30,6 @@ CONFIG_GIVES = ("--model", "--quant", "--seq", "--batch", "--task", "--targets",
 #: many optimizer steps; from the second on the optimizer's states are live and each later step
 #: repeats that peak, so two steps hold the peak over all of them.
 STEADY_STEPS = 2
-
-#: The option --config stands in for -> the soup.yaml key that gave its value, so an error
-#: names what the user wrote, not a flag they never typed.
-FILE_KEYS = (("--estimate --model", "base"), ("--model", "base"), ("--seq", "data.max_length"),
-             ("--batch", "training.batch_size"), ("--lora-r", "training.lora.r"),
-             ("--targets", "training.lora.target_modules"), ("--quant", "training.quantization"),
-             ("--expert-layout", "training.stream_expert_layout"), ("--loss-chunk", "training.stream_loss_chunk"),
-             ("--recompute", "training.stream_recompute"))
-
-
-def in_the_files_words(message: str, path: str) -> str:
-    """A usage error raised on the options a soup.yaml replaced, in the file's own keys, under
-    --config PATH (a message already about the file is kept as it is)."""
-    if message.startswith("--config "):
-        return message
-    for flag, key in FILE_KEYS:
-        message = re.sub(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", key, message)
-    return f"--config {path}: {message}"
-
-
-def config_arguments(args: argparse.Namespace) -> argparse.Namespace:
-    """--estimate --config: the soup.yaml's own values as the options they replace."""
-    user = read_soup_config(args.config)
-    modes = user.stream_options
-    chunk = modes.get("stream_loss_chunk")
-    steps_from = "--steps" if args.steps is not None else "--config's run"
-    from_file = {"path": user.path, "lora_alpha": user.lora_alpha, "stream": dict(modes),
-                 "optimizer": user.optimizer, "gate_override": user.gate_override, "probe": user.probe,
-                 "gradient_accumulation_steps": user.accumulation, "keys": list(user.keys), "steps_from": steps_from}
-    return argparse.Namespace(**dict(vars(args), model=user.base, quant=user.quant, seq=str(user.seq),
-                                     batch=str(user.batch), targets=",".join(user.targets),
-                                     lora_r=str(user.lora_r), expert_layout=modes.get("stream_expert_layout"),
-                                     loss_chunk=None if chunk is None else str(chunk),
-                                     recompute=modes.get("stream_recompute"), lora_alpha=user.lora_alpha, task=user.task,
-                                     steps=args.steps if args.steps is not None else str(STEADY_STEPS),
-                                     from_file=from_file))
-
 
 @dataclass(frozen=True)
 class ConfigArm:
@@ -87,18 +49,17 @@ class ConfigArm:
     task: str = PROTOCOL_TASK  # the file's task: (issue395.tasks)
 
 
-def config_arm(args: argparse.Namespace) -> ConfigArm:
+def config_arm(user: UserRun, weights: str, dry_run: bool) -> ConfigArm:
     """The soup.yaml as one measured arm; a base this tool cannot run without a download is one line."""
-    user = read_soup_config(args.config)
     if user.targets == ("auto",):  # --estimate resolves it (model.targets); the measured arm names its modules
         raise UsageError(f"--config {user.path}: training.lora.target_modules 'auto' is estimated (--estimate) but "
                          "not run as an arm here: name the modules")
-    model, key = base_of(user, args.weights)
+    model, key = base_of(user, weights)
     if key != "custom":
         require_streamed((FAMILIES[key] if key in FAMILIES else SHAPES[key]).model_type,
                          f"--config {user.path}: base {user.base}")
         within_positions(user.base, max_positions(key), (user.seq,), f"--config {user.path}: data.max_length")
-    if user.quant == "nf4" and not args.dry_run and not bitsandbytes_present():
+    if user.quant == "nf4" and not dry_run and not bitsandbytes_present():
         raise UsageError(f"--config {user.path}: training.quantization 4bit needs bitsandbytes, which is not "
                          "installed here")
     modes = user.stream_options

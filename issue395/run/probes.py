@@ -17,7 +17,7 @@ from ..constraints.emulation import arm_config, tool_needs_free
 from ..constraints.minfree import bisect_min_free
 from ..constraints.asked import Constraints
 from ..measure.console import Stop
-from .options import Run
+from .request import MeasureRequest
 from .scratch import Scratch
 from .spread import spread
 
@@ -25,7 +25,7 @@ from .spread import spread
 CEILING_OVER_RESERVED = 4
 
 
-def min_free_arms(run: Run, arms: list[Arm], scratch: Scratch, on_row: Callable[[Row], None],
+def min_free_arms(run: MeasureRequest, arms: list[Arm], scratch: Scratch, on_row: Callable[[Row], None],
                   script: str, spread_one: Optional[Callable] = None) -> list[Result]:
     """Each arm's row with its min-free; a control that did not complete is the row as it is."""
     results: list[Result] = []

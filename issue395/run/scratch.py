@@ -16,6 +16,7 @@ from typing import Any, Iterator, Optional
 
 from ..errors import UsageError
 from ..measure.builder import safetensors_problem
+from .checks import writable_folder
 
 SCRATCH_PREFIX = "issue395-scratch-"
 
@@ -168,3 +169,31 @@ def soup_shard_root(override: Optional[str] = None) -> str:
     finally:
         if override is not None:
             os.environ.pop(key, None) if saved is None else os.environ.__setitem__(key, saved)
+
+
+def shard_dir_of(given: Optional[str]) -> Optional[str]:
+    """--shard-dir: Soup's shard cache on its own volume (absolute); refused where Soup would ignore it."""
+    if given is None:
+        return None
+    writable_folder("--shard-dir", given)
+    folder = os.path.abspath(os.path.expanduser(given))
+    shards = os.path.join(os.path.realpath(folder), "layer-stream")
+    if os.path.realpath(soup_shard_root(shards)) != shards:
+        raise UsageError(f"--shard-dir {given} is outside $HOME, the working directory and the temp dir; "
+                         "Soup would ignore it and write its shard cache to ~/.soup instead "
+                         "(on /dev/shm: set TMPDIR=/dev/shm)")
+    return folder
+
+
+def cache_dir_of(given: Optional[str], shard_dir: Optional[str]) -> Optional[str]:
+    """--cache-dir (absolute), refused where Soup would silently ignore it for its shard cache (it
+    would write to ~/.soup instead); with --shard-dir Soup never reads it. Soup's own resolution
+    decides (a light import: neither torch nor the hub client)."""
+    cache = os.path.abspath(os.path.expanduser(given)) if given else None
+    if cache and shard_dir is None:
+        shards = os.path.join(os.path.realpath(cache), "layer-stream")
+        if os.path.realpath(soup_shard_root(shards)) != shards:
+            raise UsageError(f"--cache-dir {given} is outside $HOME, the working directory and the temp "
+                             "dir; Soup would ignore it and write its shard cache to ~/.soup instead")
+    return cache
+

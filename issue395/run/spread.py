@@ -19,17 +19,16 @@ from typing import Any, Callable, Iterable, Optional
 from ..errors import UsageError, last_line
 from ..model.arm import Arm
 from ..model.registry import FAMILIES, SHAPES, family_of
-from ..estimator.cards import parse_card
-from ..results.extras import Capped, Emulated, UserConfig
+from ..results.extras import UserConfig
 from ..results.result import Result
 from ..results.row import Row
 from ..results.saved import RowFile
 from ..measure.console import Stop
 from .grid import shard_of
-from .options import Children, Outputs, Run, run_from_json
+from .request import Children, MeasureRequest, Outputs, measure_from_json
 from .scratch import Scratch
 
-#: A child process finds its work here: the file names its settled Run and its Job.
+#: A child process finds its work here: the file names its settled MeasureRequest and its Job.
 CHILD_JOB = "ISSUE395_CHILD_JOB"
 #: ... and the process id of the parent it must not outlive.
 PARENT_PID = "ISSUE395_PARENT_PID"
@@ -72,7 +71,7 @@ class Lanes:
         inside = {a.index for a in self.in_lane}
         return tuple(a for a in self.whole_card if a.index not in inside)
 
-    def label(self, run: "Run") -> str:
+    def label(self, run: MeasureRequest) -> str:
         where = f"on each of GPUs {','.join(map(str, run.children.gpus))}" if run.children.gpus else "on one GPU"
         how = "one fresh process per arm" if run.isolate else "one process per lane running its shard"
         need = (f"; {len(self.whole_card)} arm(s) whose needs exceed a lane's share of the card "
@@ -104,7 +103,7 @@ def gpu_total_bytes(gpu: Optional[int]) -> Optional[int]:
         return None
 
 
-def arm_needs(arm: Arm, run: "Run") -> Optional[tuple[int, int]]:
+def arm_needs(arm: Arm, run: MeasureRequest) -> Optional[tuple[int, int]]:
     """This tool's corrected needs-free and Soup's own number for an arm (None: not estimated here,
     e.g. a --model checkpoint), both from the family's public config."""
     from ..model.registry import known
@@ -120,7 +119,7 @@ def arm_needs(arm: Arm, run: "Run") -> Optional[tuple[int, int]]:
     return e.needs_free, e.soup_predicted
 
 
-def plan_lanes(run: "Run", arms: list[Arm], total: Optional[int] = None, cores: Optional[int] = None) -> Lanes:
+def plan_lanes(run: MeasureRequest, arms: list[Arm], total: Optional[int] = None, cores: Optional[int] = None) -> Lanes:
     """--lanes N (or, bare, cores/4), at most as many lanes as there is work for, and the arms that must
     run alone: side by side each lane may have 1/N of the card, and Soup's gate reads the card's free
     memory, so an arm it admits alone is run alone unless its own number and this tool's needs-free
@@ -168,7 +167,7 @@ def visible_gpu(ordinal: int) -> str:
     return ids[ordinal] if ordinal < len(ids) else str(ordinal)
 
 
-def plan_jobs(run: "Run", arms: list[Arm], lanes: Optional[Lanes] = None) -> list[Job]:
+def plan_jobs(run: MeasureRequest, arms: list[Arm], lanes: Optional[Lanes] = None) -> list[Job]:
     if lanes is not None:
         return lane_jobs(run, arms, lanes)
     if run.repeats:
@@ -185,7 +184,7 @@ def plan_jobs(run: "Run", arms: list[Arm], lanes: Optional[Lanes] = None) -> lis
     return [j for j in jobs if j.arms or j.extra_modes]  # one family, two GPUs: one child
 
 
-def lane_jobs(run: "Run", arms: list[Arm], lanes: Lanes) -> list[Job]:
+def lane_jobs(run: MeasureRequest, arms: list[Arm], lanes: Lanes) -> list[Job]:
     """--lanes: each GPU's lanes get shards of the arms that fit a lane (the map: whole families,
     dealt evenly, with their whole-card arms that run in the lane), or with --isolate one job per
     arm; the arms that need the card alone after the lanes come last."""
@@ -209,7 +208,7 @@ def lane_jobs(run: "Run", arms: list[Arm], lanes: Lanes) -> list[Job]:
     return [j for j in jobs if j.arms or j.extra_modes]
 
 
-def spread(run: Run, arms: list[Arm], scratch: Scratch, on_row: Callable[[Row], None],
+def spread(run: MeasureRequest, arms: list[Arm], scratch: Scratch, on_row: Callable[[Row], None],
            script: str, lanes: Optional[Lanes] = None) -> list[Result]:
     """Each job in a fresh process, one GPU's jobs in turn (with --lanes, up to N at once, a
     whole-card job alone), GPUs at once, rows taken up as each child saves them; a child that dies
@@ -251,7 +250,7 @@ def spread(run: Run, arms: list[Arm], scratch: Scratch, on_row: Callable[[Row], 
         mine = threads if lanes is None else str(host_cores() if job.whole_card else lanes.threads)
         for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "RAYON_NUM_THREADS"):
             env.setdefault(var, mine) if lanes is None else env.__setitem__(var, mine)
-        if run.constraints.cap is not None or run.constraints.emulate_card:  # as `soup train` sets it, before CUDA starts: only a fresh process can
+        if run.constraints.fresh:  # as `soup train` sets it, before CUDA starts: only a fresh process can
             env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
         env[CHILD_JOB] = str(out.with_suffix(".job.json"))
         env[PARENT_PID] = str(os.getpid())
@@ -337,16 +336,16 @@ def spread(run: Run, arms: list[Arm], scratch: Scratch, on_row: Callable[[Row], 
     return results
 
 
-def child_cache(run: Run, scratch: Scratch) -> Optional[str]:
+def child_cache(run: MeasureRequest, scratch: Scratch) -> Optional[str]:
     """Children share one cache so a model is built and sharded once; but the map's families would
     not fit a disk together, so there each child keeps its own and frees each family after it. A
     --cap child runs one arm: it shares, or every arm would build and shard its family again."""
-    shared = not run.map or run.constraints.cap or run.constraints.emulate_card
+    shared = not run.map or run.constraints.fresh
     return run.cache_dir or (str(scratch.path("cache")) if shared else None)
 
 
-def child_run(run: Run, job: Job, out: str, cache: Optional[str], card_lock: Optional[str] = None,
-              whole_card: tuple = ()) -> Run:
+def child_run(run: MeasureRequest, job: Job, out: str, cache: Optional[str], card_lock: Optional[str] = None,
+              whole_card: tuple = ()) -> MeasureRequest:
     """The settled run a child executes: its parent's, narrowed to one job in one process, its
     rows saved to its own JSON (a lane of the map: its GPU's card lock and the arms that hold it
     alone). Nothing is re-parsed: the child gets this as data."""
@@ -368,36 +367,35 @@ def die_with_parent() -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
-def write_job(path: Path, run: Run, job: Job) -> None:
+def write_job(path: Path, run: MeasureRequest, job: Job) -> None:
     path.write_text(json.dumps({"run": asdict(run), "job": dict(
         asdict(job), arms=[asdict(a) for a in job.arms])}, indent=1), encoding="utf-8")
 
 
-def read_job(path: str) -> tuple[Run, Job]:
+def read_job(path: str) -> tuple[MeasureRequest, Job]:
     """A child's work, as its parent wrote it."""
     try:
         data = json.loads(Path(path).read_text(encoding="utf-8"))
         j = data["job"]
         job = Job(shard=tuple(j["shard"]), arms=tuple(Arm(**a) for a in j["arms"]), gpu=j["gpu"],
                   repeat=j["repeat"], extra_modes=j["extra_modes"], whole_card=j.get("whole_card", False))
-        return run_from_json(data["run"]), job
+        return measure_from_json(data["run"]), job
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise UsageError(f"child job {path}: cannot be read ({last_line(exc)})") from None
 
 
-def lost_row(arm: Arm, run: "Run", repeat: Optional[int], code: Optional[int]) -> Row:
+def lost_row(arm: Arm, run: MeasureRequest, repeat: Optional[int], code: Optional[int]) -> Row:
     """A FAILED row for an arm whose process died before reporting it (no prediction: this
     process does not import Soup); a --config arm's names its file and adapter as a live one does."""
     shape = SHAPES.get(family_of(arm.model))
     family = FAMILIES.get(family_of(arm.model))  # a streaming mode is its family's
     name = shape.name if shape else family.name if family else (run.custom_model or arm.model)
     vocab = shape.vocab if shape else family.vocab if family else 1
-    a, asked = run.adapter, run.constraints
+    a = run.adapter
     adapter = (dict(config=UserConfig(a.soup_config, a.lora_r, a.lora_alpha), targets=tuple(a.targets or ()))
                if a.soup_config else {})
-    constraint = (Capped(asked.cap) if asked.cap else
-                  Emulated(parse_card(asked.emulate_card).name) if asked.emulate_card else None)
-    return Row(model=name, model_key=arm.model, seq=arm.seq, batch=arm.batch, index=arm.index, constraint=constraint,
+    return Row(model=name, model_key=arm.model, seq=arm.seq, batch=arm.batch, index=arm.index,
+               constraint=run.constraints.lost(),
                predicted=None, logits14=None, loss_bytes_per_element=None, vocab=vocab,
                quant=arm.quant, repeat=repeat,
                dry_run=run.dry_run, failure="FAILED",

@@ -48,6 +48,7 @@ class UserRun:
     optimizer: str = "adamw_torch"  # training.optimizer, Soup's normalised name
     accumulation: int = 1  # training.gradient_accumulation_steps
     keys: tuple = ()  # one line per key of the file that changes the peak or Soup's gate: how it is read
+    text: str = ""  # the file as written (--find-max's probes copy it, changing only their keys)
 
 
 #: What soup-cli's config loader imports beyond soup-cli itself (soup_cli/config/loader.py and
@@ -131,7 +132,7 @@ def read_soup_config(path: str) -> UserRun:
                    gate_override=None if override is None else int(override),
                    probe=bool(getattr(t, "stream_vram_probe", False)), optimizer=str(t.optimizer),
                    accumulation=int(t.gradient_accumulation_steps),
-                   keys=tuple(unknown_keys(text, cfg)) + tuple(key_lines(cfg, quant)))
+                   keys=tuple(unknown_keys(text, cfg)) + tuple(key_lines(cfg, quant)), text=text)
 
 
 def soup_release() -> str:
@@ -222,7 +223,7 @@ def key_lines(cfg: Any, quant: str) -> list[str]:
 HUB_CONNECT_S = 3
 
 
-def hub_reachable(model: str) -> None:
+def hub_reachable(model: str, named: str = "--model") -> None:
     """The hub's endpoint (HF_ENDPOINT honoured) answers a TCP connection, or one line at once."""
     import socket
     from urllib.parse import urlsplit
@@ -235,39 +236,40 @@ def hub_reachable(model: str) -> None:
         socket.create_connection((host, port), timeout=HUB_CONNECT_S).close()
     except OSError as exc:
         why = exc.strerror or (type(exc).__name__ if not str(exc) else str(exc))
-        raise UsageError(f"--model {model}: not in the local Hugging Face cache, and the hub ({host}) cannot be "
+        raise UsageError(f"{named} {model}: not in the local Hugging Face cache, and the hub ({host}) cannot be "
                          f"reached ({why}): give a config.json or a checkpoint folder, or fetch it where the "
                          "hub is reachable") from None
 
 
-def hub_config(model: str) -> dict[str, Any]:
+def hub_config(model: str, named: str = "--model") -> dict[str, Any]:
     """A hub id's config.json: the local Hugging Face cache first (HF_HUB_CACHE honoured), then,
-    unless offline, that one file fetched alone. Offline with no cached copy: one line."""
+    unless offline, that one file fetched alone. Offline with no cached copy: one line. ``named``:
+    where the hub id came from (--model, or a soup.yaml's base)."""
     if not HUB_ID.fullmatch(model) or "/" not in model:
-        raise UsageError(f"--model {model}: no such config.json, nor a family, nor a hub id (org/name)")
+        raise UsageError(f"{named} {model}: no such config.json, nor a family, nor a hub id (org/name)")
     try:
         from huggingface_hub import hf_hub_download, try_to_load_from_cache
     except ImportError:
-        raise UsageError(f"--model {model}: huggingface_hub is not installed to read the hub cache") from None
+        raise UsageError(f"{named} {model}: huggingface_hub is not installed to read the hub cache") from None
     path = try_to_load_from_cache(model, "config.json")
     if not isinstance(path, str):
         if os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on"):
-            raise UsageError(f"--model {model}: no config.json in the local Hugging Face cache, and offline")
+            raise UsageError(f"{named} {model}: no config.json in the local Hugging Face cache, and offline")
         import logging
 
-        hub_reachable(model)
+        hub_reachable(model, named)
         logging.getLogger("huggingface_hub").setLevel(logging.ERROR)  # its retries: not our one line
         print(f"fetching {model}'s config.json alone from the hub (not cached here; HF_HUB_OFFLINE=1 "
               "never fetches) ...", file=sys.stderr, flush=True)
         try:
             path = hf_hub_download(model, "config.json")
         except Exception as exc:
-            raise UsageError(f"--model {model}: no config.json in the local Hugging Face cache, and the hub "
+            raise UsageError(f"{named} {model}: no config.json in the local Hugging Face cache, and the hub "
                              f"did not give one ({type(exc).__name__})") from None
     try:
         config = json.loads(Path(path).read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
-        raise UsageError(f"--model {model}: its cached config.json cannot be read ({type(exc).__name__})") from None
+        raise UsageError(f"{named} {model}: its cached config.json cannot be read ({type(exc).__name__})") from None
     if not isinstance(config, dict):
-        raise UsageError(f"--model {model}: its config.json is not a JSON object")
+        raise UsageError(f"{named} {model}: its config.json is not a JSON object")
     return config

@@ -68,3 +68,16 @@ def test_the_run_asks_one_constraint_of_each_arm_and_min_free_none_in_process():
     assert isinstance(Constraints(emulate_card="T4").for_arm(), EmulateCard)
     assert Constraints(min_free=True).for_arm() is None and Constraints().for_arm() is None
     assert Constraints(min_free=True).fresh and not Constraints().fresh
+
+
+def test_each_constraint_answers_for_itself_how_its_arms_ran_and_what_a_lost_row_carries():
+    """The runner and the lanes ask Constraints; each constraint answers: a fresh process each, the header's
+    words, the record of an arm whose process died, whether its arms are probes its driver runs."""
+    cap, card, bisect, none = (Constraints(cap="soup"), Constraints(emulate_card="T4"), Constraints(min_free=True),
+                               Constraints())
+    assert [c.fresh for c in (cap, card, bisect, none)] == [True, True, True, False]
+    assert [c.probes for c in (cap, card, bisect, none)] == [False, False, True, False]
+    assert cap.how == "capped at soup (expandable segments), one fresh process per arm" and none.how is None
+    assert card.how.startswith("as T4 (a ballast outside the allocator") and bisect.how.startswith("--min-free: ")
+    assert (cap.lost(), card.lost(), bisect.lost(), none.lost()) == (Capped("soup"), Emulated("T4"), None, None)
+    assert [c.field() for c in CONSTRAINTS] == ["cap", "emulate_card", "min_free"]

@@ -185,7 +185,7 @@ def test_a_hub_wrapper_config_is_read_as_its_text_decoder_and_kv_must_divide_hea
 
 def test_a_familys_streaming_modes_stay_in_one_shard_and_a_lost_row_names_the_family():
     from issue395.run.grid import shard_of
-    from issue395.run.options import Run
+    from issue395.run.request import MeasureRequest
     from issue395.model.arm import Arm
     from issue395.run.spread import lost_row
 
@@ -193,7 +193,7 @@ def test_a_familys_streaming_modes_stay_in_one_shard_and_a_lost_row_names_the_fa
     for k in (1, 2):
         families = {a.model.split("+")[0] for a in shard_of(arms, (k, 2), whole_models=True)}
         assert len(families) == 1
-    row = lost_row(Arm("smol+chunk512", 512, 1, 0), Run(), None, 9)
+    row = lost_row(Arm("smol+chunk512", 512, 1, 0), MeasureRequest(), None, 9)
     assert row.model == "SmolLM2-135M" and row.vocab == 49152
 
 

@@ -24,7 +24,7 @@ from issue395.results.extras import Capped, Emulated, MinFreeFound, Ran, UserCon
 from issue395.model.arm import Arm, predicted_bytes
 from issue395.model.registry import SHAPES
 from issue395.measure.cuda import attribute_peak
-from issue395.run.options import Run
+from issue395.run.request import MeasureRequest
 from issue395.record import RECORD_A10G_PEAK
 from issue395.results.row import Row, arm_row, realised_as_requested
 from issue395.run.spread import lost_row
@@ -259,7 +259,7 @@ ROUND_TRIP_ROWS = {
     "repeat": lambda: make_row("smol", 4096, index=2, repeat=2, real_peak=2_657_800_000),
     "attributed": lambda: make_row("smol", 2048, real_peak=1_365_200_000,
                                    attribution=attribution_of_a_step()),
-    "lost": lambda: lost_row(Arm("qwen", 2048, 1, 6), Run(), None, -9),
+    "lost": lambda: lost_row(Arm("qwen", 2048, 1, 6), MeasureRequest(), None, -9),
     "config": lambda: make_row("smol", 2048, dry_run=True, config=UserConfig("soup.yaml", 4, 8)),
     "capped": lambda: make_row("smol", 2048, constraint=Capped("soup", 2_000_000_000), failure="OOM"),
     "emulated": lambda: make_row("smol", 2048, constraint=Emulated("T4", 14_000_000_000, 14_000_000_001, 10**9),

@@ -16,7 +16,7 @@ from conftest import ROOT, h, main, make_row, one_error_line
 
 from issue395.errors import EXIT_INTERRUPTED
 from issue395.results.saved import RowFile
-from issue395.run import runner
+from issue395.run import arms, measure_mode
 
 SAVED = ROOT / "results" / "cap-proof-and-seq512-1024-map-h200x2-soup0.73.3-b5bee37" / "map-512-1024.json"
 
@@ -135,7 +135,7 @@ def stopped_run(tmp_path_factory, cache_dir):
     folder = tmp_path_factory.mktemp("stopped")
     out = folder / "o.json"
     with pytest.MonkeyPatch.context() as mp, pytest.raises(Killed):
-        mp.setattr(runner, "write_outputs", killed)
+        mp.setattr(measure_mode, "write_outputs", killed)
         printed = io.StringIO()
         with contextlib.redirect_stdout(printed):
             h.main(["--sweep", "--dry-run", "--models", "smol", "--seq", "64,128", "--cache-dir", str(cache_dir),
@@ -178,12 +178,12 @@ def test_a_row_files_half_written_last_line_is_left_out_and_said(capfd, stopped_
 def test_a_parents_row_file_header_holds_its_own_stack_and_says_so(capfd, tmp_path, monkeypatch):
     """A parent of children (--isolate) stopped before any child reported: the header is all there is."""
     out = tmp_path / "o.json"
-    monkeypatch.setattr(runner, "spread", killed)
+    monkeypatch.setattr(measure_mode, "spread", killed)
     with pytest.raises(Killed):
         main(capfd, ["--sweep", "--dry-run", "--isolate", "--models", "smol", "--seq", "64", "--json", out])
     header = json.loads(RowFile.path_for(str(out)).read_text())
-    assert header["kind"] == "sweep" and header["environment"]["stack_of"] == runner.STACK_OF_PARENT
+    assert header["kind"] == "sweep" and header["environment"]["stack_of"] == arms.STACK_OF_PARENT
     assert "--isolate" in header["environment"]["command"] and header["environment"]["gpu"] is None
     code, text, err = main(capfd, ["--from-json", RowFile.path_for(str(out))])
     assert code == EXIT_INTERRUPTED, err
-    assert f"| stack of {runner.STACK_OF_PARENT} | rows from {RowFile.ROWS_FROM}" in text.splitlines()[0]
+    assert f"| stack of {arms.STACK_OF_PARENT} | rows from {RowFile.ROWS_FROM}" in text.splitlines()[0]

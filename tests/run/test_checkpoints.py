@@ -21,7 +21,7 @@ from issue395.measure.builder import BuildStopped, checkpoint_fingerprint
 from issue395.run.checkpoints import (Checkpoints, checkpoint_problem, quant_base, reap_dead_partials,
                                   synthetic_checkpoint)
 from issue395.measure.console import Stop
-from issue395.run.options import Run
+from issue395.run.request import MeasureRequest
 from issue395.model.registry import Shape
 from issue395.run.scratch import Scratch
 
@@ -44,7 +44,7 @@ def test_a_stop_mid_build_ends_the_writer_between_tensors_and_removes_the_partia
     monkeypatch.setattr(builder, "tiled", tiled)
     with Scratch() as scratch:
         root = scratch.checkpoint_root()
-        checkpoints = Checkpoints(["tiny"], {"tiny": MANY_LAYERS}, Run(models=("tiny",), weights="synthetic"),
+        checkpoints = Checkpoints(["tiny"], {"tiny": MANY_LAYERS}, MeasureRequest(models=("tiny",), weights="synthetic"),
                                   scratch)
         started = time.perf_counter()
         with pytest.raises(BuildStopped):
@@ -57,7 +57,7 @@ def test_a_stop_mid_build_ends_the_writer_between_tensors_and_removes_the_partia
 
 def test_a_checkpoint_built_with_no_stop_is_whole_and_verifies():
     with Scratch() as scratch:
-        checkpoints = Checkpoints(["tiny"], {"tiny": MANY_LAYERS}, Run(models=("tiny",), weights="synthetic"),
+        checkpoints = Checkpoints(["tiny"], {"tiny": MANY_LAYERS}, MeasureRequest(models=("tiny",), weights="synthetic"),
                                   scratch)
         path = checkpoints.get("tiny")
         checkpoints.close()

@@ -18,7 +18,8 @@ STAND_IN = textwrap.dedent("""
     import sys
     sys.path.insert(0, {root!r})
     import issue395_second_stack_vram as h
-    from issue395.run import runner
+    from issue395.run import measure_mode, runner
+    from issue395.run.arms import Protocol
 
     def fake_peak(trainer, snapshot=False, steps=1):  # the one fake: the CUDA peak, the arm's alone
         seq = int(trainer.args.max_length)
@@ -26,10 +27,10 @@ STAND_IN = textwrap.dedent("""
                  "snapshot": None}}
 
     h.STEP_DEVICE, h.real_peak = "cpu", fake_peak
-    runner.visible_gpu_count = lambda: 1  # no GPU here
+    measure_mode.visible_gpu_count = lambda: 1  # no GPU here
     if {total} is not None:  # the card's total as the driver would report it (faked: no nvidia-smi here)
-        runner.gpu_total_bytes = lambda gpu: {total}
-    sys.exit(runner.cli(sys.argv[1:], runner.Protocol(h.measure_arm, "cpu", __file__)))
+        measure_mode.gpu_total_bytes = lambda gpu: {total}
+    sys.exit(runner.cli(sys.argv[1:], Protocol(h.measure_arm, "cpu", __file__)))
 """)
 
 

@@ -1,6 +1,6 @@
-"""issue395.run.options: the command line settled into a Run, in process through main on CPU. An option
+"""issue395.run.options: the command line settled into its request, in process through main on CPU. An option
 that does not apply, a bad value or a conflict is one usage line (the map's and --min-free's too); ~
-is expanded in every path (issue 22, defects 6 and 8); --steps and --emulate-card reach the Run; a
+is expanded in every path (issue 22, defects 6 and 8); --steps and --emulate-card reach the request; a
 missing --compare file is named as --compare's.
 Faked only where said: bitsandbytes' absence."""
 
@@ -11,7 +11,7 @@ import json
 import pytest
 from conftest import ROOT, main, one_error_line
 
-from issue395.run import options
+from issue395.run import measure_mode, options
 from issue395.run.options import settle
 from issue395.run.parser import build_parser
 
@@ -102,7 +102,7 @@ def test_bad_map_input_is_one_line_and_exit_2(capfd, argv, words):
 
 
 def test_an_explicit_nf4_request_without_bitsandbytes_is_a_usage_error(capfd, monkeypatch):
-    monkeypatch.setattr(options, "bitsandbytes_present", lambda: False)
+    monkeypatch.setattr(measure_mode, "bitsandbytes_present", lambda: False)
     code, stdout, err = main(capfd, ["--map", "--quant", "nf4", "--families", "smol"])
     assert code == 2 and "bitsandbytes" in err and len(err.strip().splitlines()) == 1
 
@@ -182,8 +182,8 @@ def test_task_is_an_axis_of_the_map_and_the_sweep_and_sft_by_default():
     assert settled("--dry-run").tasks == ("sft",)
     run = settled("--map", "--families", "llama32-1b", "--quant", "none", "--seq", "512", "--batch", "1,2",
                   "--task", "sft,kto", "--dry-run")
-    assert [(a.batch, a.task) for a in options.grid_arms(run)] == [(1, "sft"), (1, "kto"), (2, "sft"), (2, "kto")]
-    assert {a.task for a in options.grid_arms(settled("--models", "smol", "--task", "dpo", "--dry-run"))} == {"dpo"}
+    assert [(a.batch, a.task) for a in run.arms()] == [(1, "sft"), (1, "kto"), (2, "sft"), (2, "kto")]
+    assert {a.task for a in settled("--models", "smol", "--task", "dpo", "--dry-run").arms()} == {"dpo"}
 
 
 def test_a_task_named_twice_is_one_line(capfd):
@@ -199,7 +199,7 @@ def test_a_task_named_twice_is_one_line(capfd):
 def test_a_task_settles_beside_a_constraint_that_runs_the_estimator(argv):
     """Those constraints hand the estimator the arm's task (tests/constraints: the number is the task's)."""
     run = settled(*argv)
-    assert run.tasks == (argv[1],) and {a.task for a in options.grid_arms(run)} == {argv[1]}
+    assert run.tasks == (argv[1],) and {a.task for a in run.arms()} == {argv[1]}
 
 
 def test_a_task_runs_under_soups_own_cap():

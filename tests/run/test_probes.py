@@ -1,7 +1,7 @@
 """issue395.run.probes (--min-free, issue 20): each arm's control, then a bisection over caps, each probe
 a fresh capped child. FAKED here, and only this: each probe's fresh capped child (its outcome is a
 function of the cap: it completes iff the cap >= the arm's true need, and the control's peak is
-given). Real: the settled Run, the bisection, this tool's needs-free, the row, its JSON and the
+given). Real: the settled MeasureRequest, the bisection, this tool's needs-free, the row, its JSON and the
 table."""
 
 from __future__ import annotations

@@ -418,11 +418,11 @@ def test_item13_a_checkpoint_build_says_so_on_stderr_when_it_is_not_a_terminal(c
     from conftest import TINY
 
     from issue395.run.checkpoints import Checkpoints
-    from issue395.run.options import Run
+    from issue395.run.request import MeasureRequest
     from issue395.run.scratch import Scratch
 
     with Scratch() as scratch:
-        checkpoints = Checkpoints(["tiny"], {"tiny": TINY}, Run(models=("tiny",), weights="synthetic"), scratch)
+        checkpoints = Checkpoints(["tiny"], {"tiny": TINY}, MeasureRequest(models=("tiny",), weights="synthetic"), scratch)
         checkpoints.get("tiny")
         checkpoints.close()
     err = capfd.readouterr().err

@@ -55,21 +55,21 @@ def test_a_ctrl_c_once_every_arm_is_measured_leaves_a_complete_run_said_alike_ev
     for by one row (no process is started), the Ctrl-C is a real SIGINT to this process."""
     from conftest import make_row, send_ctrl_c
 
-    from issue395.run import runner
+    from issue395.run import measure_mode
     from issue395.results.result import Result
 
     def one_child(run, arms, scratch, on_row, script):
         on_row(make_row("smol", 64, index=0, real_peak=None, dry_run=True))
         return []
 
-    real_write = runner.write_outputs
+    real_write = measure_mode.write_outputs
 
     def ctrl_c_then_write(*args, **kw):
         send_ctrl_c()
         return real_write(*args, **kw)
 
-    monkeypatch.setattr(runner, "spread", one_child)
-    monkeypatch.setattr(runner, "write_outputs", ctrl_c_then_write)
+    monkeypatch.setattr(measure_mode, "spread", one_child)
+    monkeypatch.setattr(measure_mode, "write_outputs", ctrl_c_then_write)
     out = tmp_path / "o.json"
     code, stdout, err = main(capfd, ["--dry-run", "--isolate", "--models", "smol", "--seq", "64", "--json", out])
     data = json.loads(out.read_text())
@@ -81,14 +81,14 @@ def test_a_ctrl_c_once_every_arm_is_measured_leaves_a_complete_run_said_alike_ev
 def test_a_ctrl_c_that_cuts_the_arms_short_is_interrupted_everywhere(capfd, tmp_path, monkeypatch):
     from conftest import make_row, send_ctrl_c
 
-    from issue395.run import runner
+    from issue395.run import measure_mode
 
     def ctrl_c_after_one_row(run, arms, scratch, on_row, script):
         on_row(make_row("smol", 64, index=0, real_peak=None, dry_run=True))
         send_ctrl_c()  # one arm in flight (the children's): the stop waits for it
         return []
 
-    monkeypatch.setattr(runner, "spread", ctrl_c_after_one_row)
+    monkeypatch.setattr(measure_mode, "spread", ctrl_c_after_one_row)
     out = tmp_path / "o.json"
     code, stdout, err = main(capfd, ["--dry-run", "--isolate", "--models", "smol", "--seq", "64,128",
                                      "--json", out])

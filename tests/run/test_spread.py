@@ -1,6 +1,6 @@
 """issue395.run.spread: jobs and children. A first Ctrl-C to a --gpus parent reaches its children, each
 stopping after its own arm in flight; a SIGKILLed parent leaves no orphan (issue 22, defect 9); a
-child gets its settled Run and Job back as data; a map is dealt one child per GPU with whole
+child gets its settled MeasureRequest and Job back as data; a map is dealt one child per GPU with whole
 families; a lost arm's row keeps its cap or card.
 
 Real child processes on CPU; each child stands in for the harness's (it reads its job file as the
@@ -22,7 +22,7 @@ from conftest import ROOT
 
 from issue395.measure.console import Stop
 from issue395.run.grid import plan_map
-from issue395.run.options import Children, Run
+from issue395.run.request import Children, MeasureRequest
 from issue395.constraints.asked import Constraints
 from issue395.results.extras import Capped, UserConfig
 from issue395.model.arm import Arm
@@ -79,7 +79,7 @@ def wait_for(predicate, timeout: float = 30.0) -> bool:
 def test_one_ctrl_c_to_a_gpus_parent_stops_each_child_after_its_arm_in_flight(tmp_path):
     script, started = sleepy_child(tmp_path, arm_s=1.5)
     arms = [Arm("smol", 64, 1, i) for i in range(4)]
-    run = Run(models=("smol",), seqs=(64,), children=Children(gpus=(0, 1)), dry_run=True)
+    run = MeasureRequest(models=("smol",), seqs=(64,), children=Children(gpus=(0, 1)), dry_run=True)
     rows = []
 
     def ctrl_c_once_both_children_measure():
@@ -99,13 +99,13 @@ def test_one_ctrl_c_to_a_gpus_parent_stops_each_child_after_its_arm_in_flight(tm
 PARENT = textwrap.dedent("""
     import sys
     sys.path.insert(0, {root!r})
-    from issue395.run.options import Children, Run
+    from issue395.run.request import Children, MeasureRequest
     from issue395.model.arm import Arm
     from issue395.run.scratch import Scratch
     from issue395.run.spread import spread
 
     with Scratch() as scratch:
-        spread(Run(models=("smol",), seqs=(64,), children=Children(gpus=(0,)), dry_run=True), [Arm("smol", 64, 1, 0)],
+        spread(MeasureRequest(models=("smol",), seqs=(64,), children=Children(gpus=(0,)), dry_run=True), [Arm("smol", 64, 1, 0)],
                scratch, print, {script!r})
 """)
 
@@ -140,13 +140,13 @@ def test_a_sigkilled_gpus_parent_leaves_no_child_running(tmp_path):
                 except ProcessLookupError:
                     pass
 
-# issue395.run.spread: children get their settled Run and Job back as data, their own scratch and cache.
+# issue395.run.spread: children get their settled MeasureRequest and Job back as data, their own scratch and cache.
 
 def child_job(tmp_path, **run):
     """A child's work as its parent hands it over (a job file) and as the child reads it back."""
     job = Job((1, 2), (Arm("smol", 2048),), gpu=1, repeat=2, extra_modes=True)
     path = tmp_path / "job.json"
-    write_job(path, child_run(Run(**run), job, "out.json", "/tmp/cache"), job)
+    write_job(path, child_run(MeasureRequest(**run), job, "out.json", "/tmp/cache"), job)
     return job, read_job(str(path))
 
 
@@ -168,41 +168,41 @@ def test_a_map_child_inherits_the_default_quantizations_rather_than_demanding_nf
 
 def test_a_map_spread_gives_children_their_own_scratch_so_each_family_can_be_freed(tmp_path):
     with Scratch() as scratch:
-        assert child_cache(Run(map=True, models=("smol",)), scratch) is None
-        shared = child_cache(Run(models=("smol",)), scratch)
+        assert child_cache(MeasureRequest(map=True, models=("smol",)), scratch) is None
+        shared = child_cache(MeasureRequest(models=("smol",)), scratch)
         assert shared is not None and Path(shared).is_relative_to(scratch.root)
-        assert child_cache(Run(map=True, cache_dir=str(tmp_path)), scratch) == str(tmp_path)
+        assert child_cache(MeasureRequest(map=True, cache_dir=str(tmp_path)), scratch) == str(tmp_path)
 
 
 def test_a_capped_map_child_shares_the_cache_and_a_lost_capped_arm_stays_in_the_cap_table():
     from issue395.run.spread import lost_row
 
     with Scratch() as scratch:
-        assert child_cache(Run(map=True, models=("smol",), constraints=Constraints(cap="soup")), scratch) is not None
-    row = lost_row(Arm("smol", 2048), Run(constraints=Constraints(cap="soup")), None, 139)
+        assert child_cache(MeasureRequest(map=True, models=("smol",), constraints=Constraints(cap="soup")), scratch) is not None
+    row = lost_row(Arm("smol", 2048), MeasureRequest(constraints=Constraints(cap="soup")), None, 139)
     assert row.constraint == Capped("soup") and row.status == "FAILED"
 
 
 def test_a_lost_emulated_arm_keeps_its_card():
     from issue395.run.spread import lost_row
 
-    row = lost_row(Arm("smol", 2048), Run(constraints=Constraints(emulate_card="t4")), None, 139)
+    row = lost_row(Arm("smol", 2048), MeasureRequest(constraints=Constraints(emulate_card="t4")), None, 139)
     assert row.constraint.card == "T4" and row.emulated_outcome == "FAILED"
 
 
 def test_a_map_spread_over_two_gpus_starts_one_child_per_gpu_each_with_whole_families():
     arms = plan_map(("smol", "qwen", "mistral-7b"), ("none",), (2048,), (1,))
-    jobs = plan_jobs(Run(map=True, models=("smol", "qwen", "mistral-7b"), children=Children(gpus=(0, 1))), arms)
+    jobs = plan_jobs(MeasureRequest(map=True, models=("smol", "qwen", "mistral-7b"), children=Children(gpus=(0, 1))), arms)
     assert [sorted({a.model for a in j.arms}) for j in jobs] == [["mistral-7b"], ["qwen", "smol"]]
-    one = plan_jobs(Run(map=True, models=("smol",), children=Children(gpus=(0, 1))), arms[:1])
+    one = plan_jobs(MeasureRequest(map=True, models=("smol",), children=Children(gpus=(0, 1))), arms[:1])
     assert len(one) == 1, "a second GPU with no family to run started a child anyway"
 
 
 def test_a_config_arms_child_gets_the_files_adapter_and_quantization_and_a_lost_one_names_them(tmp_path):
-    """--config's arm under --emulate-card runs in a fresh child: the settled Run it reads back is the
+    """--config's arm under --emulate-card runs in a fresh child: the settled MeasureRequest it reads back is the
     parent's to the field (the file, its targets, r and alpha), its one arm at the file's NF4; a child
     that dies leaves a row naming the same file and adapter."""
-    from issue395.run.options import grid_arms, settle
+    from issue395.run.options import settle
     from issue395.run.parser import build_parser
     from issue395.run.spread import lost_row
 
@@ -211,7 +211,7 @@ def test_a_config_arms_child_gets_the_files_adapter_and_quantization_and_a_lost_
                       "  batch_size: 1\n  quantization: 4bit\n  stream_layers: true\n  lora: {r: 4, alpha: 8, target_modules: [q_proj]}\n")
     argv = ["--config", str(config), "--emulate-card", "T4"]
     parent = settle(build_parser().parse_args(argv), argv)
-    (job,) = plan_jobs(parent, grid_arms(parent))
+    (job,) = plan_jobs(parent, parent.arms())
     path = tmp_path / "job.json"
     sent = child_run(parent, job, "out.json", "/tmp/cache")
     write_job(path, sent, job)
@@ -264,7 +264,7 @@ def test_two_lanes_run_at_once_on_one_gpu_and_a_whole_card_arm_runs_alone_after_
     lanes = Lanes(2, 3, whole_card=(arms[4],), share=1, why="test")
     rows = []
     with Scratch() as scratch:
-        spread(Run(children=Children(lanes=2), dry_run=True), arms, scratch, rows.append, str(script), lanes)
+        spread(MeasureRequest(children=Children(lanes=2), dry_run=True), arms, scratch, rows.append, str(script), lanes)
     assert sorted(r.index for r in rows) == [0, 1, 2, 3, 4]
     children = spans(log)
     lane, whole = [c for c in children.values() if not c["whole"]], [c for c in children.values() if c["whole"]]
@@ -283,7 +283,7 @@ def test_a_lane_that_dies_leaves_a_failed_row_for_each_arm_it_did_not_report_nev
     arms = [Arm("smol", 64 * (i + 1), 1, i) for i in range(4)]
     rows = []
     with Scratch() as scratch:
-        spread(Run(children=Children(lanes=2), dry_run=True), arms, scratch, rows.append, str(script), Lanes(2, 1, why="test"))
+        spread(MeasureRequest(children=Children(lanes=2), dry_run=True), arms, scratch, rows.append, str(script), Lanes(2, 1, why="test"))
     by_index = {r.index: r for r in rows}
     assert sorted(by_index) == [0, 1, 2, 3], "an arm of the dead lane was lost"
     dead = [i for i, r in by_index.items() if "exited with code 3" in (r.error or "")]
@@ -307,7 +307,7 @@ def test_a_lanes_rows_past_its_row_files_header_reach_the_parent_when_it_dies_be
     arms = [Arm("smol", 64 * (i + 1), 1, i) for i in range(4)]
     rows = []
     with Scratch() as scratch:
-        spread(Run(children=Children(lanes=2), dry_run=True), arms, scratch, rows.append, str(script), Lanes(2, 1, why="test"))
+        spread(MeasureRequest(children=Children(lanes=2), dry_run=True), arms, scratch, rows.append, str(script), Lanes(2, 1, why="test"))
     assert sorted(r.index for r in rows) == [0, 1, 2, 3]
     assert all("code 42" in (r.error or "") for r in rows), [r.error for r in rows]
 
@@ -321,7 +321,7 @@ def test_a_map_in_lanes_runs_a_familys_whole_card_arms_in_its_own_lane_and_a_swe
     arms (whose children share one cache) keeps them for a job after the lanes."""
     from issue395.run.spread import Lanes, lane_jobs, plan_lanes
 
-    run = Run(map=True, models=("smol", "qwen"), children=Children(lanes=2))
+    run = MeasureRequest(map=True, models=("smol", "qwen"), children=Children(lanes=2))
     arms = plan_map(("smol", "qwen"), ("none",), (2048, 6144), (1,))
     plan = plan_lanes(run, arms, total=10 * 10**9, cores=8)
     assert (plan.count, plan.threads) == (2, 4)
@@ -332,13 +332,13 @@ def test_a_map_in_lanes_runs_a_familys_whole_card_arms_in_its_own_lane_and_a_swe
     assert sorted(sorted((a.model, a.seq) for a in j.arms) for j in jobs) == [
         [("qwen", 2048), ("qwen", 6144)], [("smol", 2048), ("smol", 6144)]]
     assert "all ran in their family's lane with the card to themselves" in plan.label(run)
-    sweep = Run(models=("smol", "qwen"), children=Children(lanes=2))
+    sweep = MeasureRequest(models=("smol", "qwen"), children=Children(lanes=2))
     alone = [j for j in lane_jobs(sweep, arms, plan_lanes(sweep, arms, total=10 * 10**9, cores=8)) if j.whole_card]
     assert [[(a.model, a.seq) for a in j.arms] for j in alone] == [[("smol", 6144), ("qwen", 2048)]]
     assert plan_lanes(run, arms, total=None, cores=8).whole_card == (), "a dry run has no card to share"
-    bare = plan_lanes(Run(map=True, models=("smol", "qwen"), children=Children(lanes=0)), arms, total=None, cores=16)
+    bare = plan_lanes(MeasureRequest(map=True, models=("smol", "qwen"), children=Children(lanes=0)), arms, total=None, cores=16)
     assert bare.count == 2 and "only 2 families" in bare.why, "bare --lanes ran more lanes than families"
-    assert Lanes(4, 4, why="x").label(Run()).startswith("4 lanes on one GPU (4 threads each; x)")
+    assert Lanes(4, 4, why="x").label(MeasureRequest()).startswith("4 lanes on one GPU (4 threads each; x)")
 
 
 def test_a_map_arm_that_does_not_fit_beside_the_idle_lanes_runs_after_them_alone():
@@ -348,7 +348,7 @@ def test_a_map_arm_that_does_not_fit_beside_the_idle_lanes_runs_after_them_alone
     lanes, alone, as Soup's gate would see an idle card."""
     from issue395.run.spread import lane_jobs, plan_lanes
 
-    run = Run(map=True, models=("smol", "qwen"), children=Children(lanes=2))
+    run = MeasureRequest(map=True, models=("smol", "qwen"), children=Children(lanes=2))
     arms = plan_map(("smol", "qwen"), ("none",), (2048, 6144), (1,))
     plan = plan_lanes(run, arms, total=6_800_000_000, cores=8)
     assert [(a.model, a.seq) for a in plan.in_lane] == [("smol", 6144)]
@@ -364,7 +364,7 @@ def test_a_lanes_whole_card_judgement_reads_the_arms_task():
     from issue395.estimator.estimate import estimate_key
     from issue395.run.spread import arm_needs
 
-    run = Run()
+    run = MeasureRequest()
     sft, dpo = (arm_needs(Arm("qwen", 2048, 2, 0, "none", t), run) for t in ("sft", "dpo"))
     assert dpo == (estimate_key("qwen", seq=2048, batch=2, task="dpo").needs_free,
                    estimate_key("qwen", seq=2048, batch=2, task="dpo").soup_predicted)

@@ -1,4 +1,4 @@
-"""issue395.run.search: --find-max through the command line, in process, on CPU. Settle, Soup's own
+"""issue395.run.find_max_mode: --find-max through the command line, in process, on CPU. Settle, Soup's own
 loader, --estimate's code path and the search are real; on CPU the option exits 2 unless --dry-run.
 The search itself is driven with the CUDA probe faked (``run_probe``: the ballast and Soup's step on
 a card) and CUDA said present, where a test says so; nothing else is."""
@@ -97,14 +97,14 @@ def cuda_box(monkeypatch):
     """CUDA said present (torch.cuda.is_available, mem_get_info) and the CUDA probe faked."""
     import torch
 
-    from issue395.run import search
+    from issue395.run import find_max_mode
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (150_000_000_000, 150_000_000_000))
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
 
     def install(fake):
-        monkeypatch.setattr(search, "run_probe", fake)
+        monkeypatch.setattr(find_max_mode, "run_probe", fake)
         return fake
     return install
 

@@ -1,11 +1,12 @@
-"""--find-max's driver (issue 29 item 5): for the user's soup.yaml and one card, this tool's answer
-and Soup's gate by --estimate's own code path, then the search (issue395.constraints.findmax) over
+"""--find-max (issue 29 item 5), settled once into a ``FindMax`` (the file read once: its arm checked as
+--config's measured arm is, its estimate on the card as --estimate settles it) and executed here: for the
+user's soup.yaml and one card, this tool's answer and Soup's gate by --estimate's own code path, then the search (issue395.constraints.findmax) over
 probes of the real `soup train`, each in a fresh process under the card's ballast; the text, the
 JSON, and on CPU (or with --dry-run) the first probe's soup.yaml and the plan alone."""
 
 from __future__ import annotations
 
-import json
+import argparse
 import os
 import shutil
 import sys
@@ -13,16 +14,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from ..constants import comma_list
 from ..errors import EXIT_FINDING, EXIT_OK, EXIT_USAGE, UsageError
-from ..results.schema import SCHEMA, TOOL
 from ..tasks import task
 from ..constraints.findmax import (PROBE_KEYS, PROBE_LIMIT, FindMax, find_max, probe_config, probe_table,
                                    probe_words, run_probe, soup_command, write_probe_config)
-from ..report.outputs import write_output
+from ..report.outputs import write_json
 from ..text import gb
-from .options import Run
+from .checks import one_card, writable_folder
+from .clashes import check
+from .configarm import base_of, config_arm
+from .estimate_mode import FromFile, settle_values, under_the_file
 from .parser import FIND_MAX_NO_CUDA
-from .scratch import Scratch
+from .request import EstimateRequest, FindMaxRequest, Outputs
+from .scratch import Scratch, cache_dir_of, shard_dir_of
+from .userconfig import read_soup_config
 
 UNITS = {"seq": "tokens", "batch": "batch"}
 #: The probed key of the axis not searched: the file's own value, not a probe's change.
@@ -46,19 +52,18 @@ class Answers:
     gate_at: Callable[[int], dict]
 
 
-def answers(run: Run) -> Answers:
+def answers(req: FindMaxRequest) -> Answers:
     from ..estimator.cards import budget, workspace_env
-    from ..estimator.fits import Gate, axis_range, estimate_for, fit_kwargs, longest, longest_soup_admits
+    from ..estimator.fits import axis_range, estimate_for, fit_kwargs, longest, longest_soup_admits
 
-    axis, user, config = run.find_max.axis, run.estimate.from_file or {}, run.estimate.config
-    gate, optimizer = Gate(user.get("gate_override"), bool(user.get("probe"))), user.get("optimizer")
-    stream = dict(run.estimate.stream)
+    axis, run, config = req.axis, req.estimate, req.estimate.config
+    gate, optimizer, stream = run.gate, run.optimizer, dict(run.stream)
     e = estimate_for(config, quant=run.quants[0], seq=run.seqs[0], batch=run.batches[0], targets=run.adapter.targets,
                      lora_r=run.adapter.lora_r, steps=run.steps, stream=stream, task=run.tasks[0], optimizer=optimizer,
-                     accumulation=user.get("gradient_accumulation_steps"))
+                     accumulation=run.accumulation)
     kw = dict(fit_kwargs(e, run.adapter.targets, run.adapter.lora_r, stream, optimizer),
               **({"seq": e.seq} if axis == "batch" else {}))
-    card = run.estimate.cards[0]
+    card = run.cards[0]
     b = budget(card, run.context)
     available = gate.available(b.gate_free_bytes)
     low, step, high = axis_range(config, axis, e.task)
@@ -74,7 +79,7 @@ def answers(run: Run) -> Answers:
                    longest_soup_admits(axis, config, available, gate, **kw), low, step, high, gate.rule, gate_at)
 
 
-def plan_lines(run: Run, a: Answers) -> list[str]:
+def plan_lines(run: EstimateRequest, a: Answers) -> list[str]:
     unit = UNITS[a.axis]
     start = a.tool if a.tool is not None else a.low
     return [f"plan: start at {a.axis} {start} (this tool's longest that fits{'' if a.tool is not None else ': none fits, so the smallest'}); "
@@ -89,14 +94,14 @@ def plan_lines(run: Run, a: Answers) -> list[str]:
                 f"{k} ({why})" for k, why in PROBE_KEYS.items() if k != OTHER_AXIS_KEY[a.axis])]
 
 
-def gate_words(run: Run, a: Answers, found: FindMax, value: Optional[int], what: str) -> Optional[tuple[str, dict]]:
+def gate_words(run: EstimateRequest, a: Answers, found: FindMax, value: Optional[int], what: str) -> Optional[tuple[str, dict]]:
     """Soup's gate, unlifted, at ``value``: computed by Soup's own estimator code on the card's budget,
     and what Soup printed in that value's probe (its number and the free memory its driver reported)."""
     if value is None:
         return None
     g = dict(a.gate_at(value))
     p = found.probe_at(value)
-    override = (run.estimate.from_file or {}).get("gate_override")
+    override = run.gate.override
     if p is not None and p.soup_gb is not None and p.driver_free_gb is not None:
         g.update(probe_soup_gb=p.soup_gb, probe_driver_free_gb=p.driver_free_gb,
                  probe_admits=p.soup_gb <= (override / 1e9 if override is not None else p.driver_free_gb))
@@ -109,12 +114,12 @@ def gate_words(run: Run, a: Answers, found: FindMax, value: Optional[int], what:
     return line, g
 
 
-def find_max_run(run: Run, protocol: Any) -> int:
+def execute(ask: FindMaxRequest, protocol: Any) -> int:
     """--find-max: the plan (--dry-run, on any box), or the search on a CUDA box; its text and --json."""
-    ask, user = run.find_max, run.estimate.from_file or {}
-    a = answers(run)
+    run = ask.estimate
+    a = answers(ask)
     lift = None  # Soup's gate lifted by the GPU's own total: every probe is admitted
-    if not run.dry_run:
+    if not ask.dry_run:
         os.environ.setdefault("CUDA_VISIBLE_DEVICES", "0")  # Soup refuses to stream with several GPUs visible
         import torch
 
@@ -124,15 +129,15 @@ def find_max_run(run: Run, protocol: Any) -> int:
     from ..estimator.fits import steps_words
 
     axis, t = ask.axis, task(run.tasks[0])
-    user_text = Path(run.adapter.soup_config).expanduser().read_text(encoding="utf-8")
-    accumulation = int(user.get("gradient_accumulation_steps") or 1)
-    head = (f"--find-max {axis}: {run.custom_model}, from --config {run.adapter.soup_config} ({run.tasks[0]} "
+    user_text = run.user.text
+    accumulation = run.user.accumulation or 1
+    head = (f"--find-max {axis}: {run.model}, from --config {run.adapter.soup_config} ({run.tasks[0]} "
             f"{run.quants[0]}, " + (f"batch {run.batches[0]}" if axis == "seq" else f"seq {run.seqs[0]}")
-            + f"), on {a.card.name} ({a.card.total_bytes:,} B; {ask.flag}); {steps_words(run.steps, user.get('steps_from'))}")
-    with Scratch(run.cache_dir, run.shard_dir) as scratch:
+            + f"), on {a.card.name} ({a.card.total_bytes:,} B; {ask.flag}); {steps_words(run.steps, run.steps_from)}")
+    with Scratch(ask.cache_dir, ask.shard_dir) as scratch:
         base = ask.base_folder
-        if not run.dry_run:
-            base = checkpoint_for(run, scratch)
+        if not ask.dry_run:
+            base = checkpoint_for(ask, scratch)
 
         def write(value: int) -> Path:
             folder = scratch.path("find-max", f"{axis}-{value}")
@@ -146,20 +151,20 @@ def find_max_run(run: Run, protocol: Any) -> int:
                      f"longest {axis} that fits {a.card.name}: {a.tool if a.tool is not None else 'none'}")
         soup_line = (f"computed by Soup (its own pre-flight, {a.gate_rule}, gate unlifted): the longest {axis} Soup's gate "
                      f"admits on {a.card.name}: {a.soup if a.soup is not None else 'none'}")
-        if run.dry_run:
+        if ask.dry_run:
             first = write(a.tool if a.tool is not None else a.low)
             print("\n".join([head + " -- --dry-run: the plan, nothing run", "  " + tool_line, "  " + soup_line,
                              *plan_lines(run, a),
-                             *([f"  base: {run.custom_model} is a registry model's hub id: on the GPU box "
+                             *([f"  base: {run.model} is a registry model's hub id: on the GPU box "
                                 "the probes run the synthetic checkpoint this tool builds for it (no download)"]
                                if ask.base_key and not ask.base_folder else []),
-                             *(f"  from the file: {k}" for k in user.get("keys", ())),
+                             *(f"  from the file: {k}" for k in run.keys),
                              f"the first probe's soup.yaml (as written in the scratch folder, removed at exit; on the GPU "
                              f"box stream_vram_override is the GPU's total):",
                              first.read_text().rstrip()]))
             return EXIT_OK
         scratch.verify_shard_root()
-        logs = Path(run.log_dir) if run.log_dir else None
+        logs = Path(ask.log_dir) if ask.log_dir else None
         if logs is not None:
             logs.mkdir(parents=True, exist_ok=True)
         print(head, flush=True)
@@ -191,37 +196,57 @@ def find_max_run(run: Run, protocol: Any) -> int:
              f"  measured (the real soup train, Soup's gate lifted by training.stream_vram_override): {measured} "
              f"(resolution {a.step} {unit}; {len(found.probes)} probe(s), {found.seconds:.1f} s)",
              "  " + tool_line, "  " + soup_line, *(f"  {g[0]}" for g in gates if g),
-             *(f"  from the file: {k}" for k in user.get("keys", ())),
+             *(f"  from the file: {k}" for k in run.keys),
              f"probes (measured, in order; Soup's number and the driver's free memory as Soup printed them at its gate):",
              *probe_table(found, run.steps)]
     print("\n".join(lines), flush=True)
-    if run.outputs.json:
-        data = {"tool": TOOL, "schema": SCHEMA, "kind": "find-max", "config": run.adapter.soup_config,
-                "model": run.custom_model, "task": run.tasks[0], "quant": run.quants[0], "seq": run.seqs[0],
-                "batch": run.batches[0], "steps": run.steps, "card": {"card": a.card.name, "bytes": a.card.total_bytes,
-                                                                      "given_as": ask.flag},
-                "measured": found.to_json(), "this_tool_longest": a.tool, "soup_gate_longest": a.soup,
-                "soup_gate_rule": a.gate_rule, "soup_gate_at_limit": gates[0][1] if gates[0] else None,
-                "soup_gate_above_limit": gates[1][1] if gates[1] else None, "probe_keys": list(PROBE_KEYS),
-                "command": ["issue395_second_stack_vram.py", *run.argv]}
-        try:
-            write_output(run.outputs.json, (json.dumps(data, indent=2) + "\n").encode("utf-8"))
-        except OSError as exc:
-            print(f"error: --json {run.outputs.json} could not be written ({exc.strerror or exc})", file=sys.stderr)
-            return EXIT_USAGE
+    if ask.outputs.json and not write_json(ask.outputs.json, "find-max", {
+            "config": run.adapter.soup_config, "model": run.model, "task": run.tasks[0], "quant": run.quants[0],
+            "seq": run.seqs[0], "batch": run.batches[0], "steps": run.steps,
+            "card": {"card": a.card.name, "bytes": a.card.total_bytes, "given_as": ask.flag},
+            "measured": found.to_json(), "this_tool_longest": a.tool, "soup_gate_longest": a.soup,
+            "soup_gate_rule": a.gate_rule, "soup_gate_at_limit": gates[0][1] if gates[0] else None,
+            "soup_gate_above_limit": gates[1][1] if gates[1] else None, "probe_keys": list(PROBE_KEYS),
+            "command": ["issue395_second_stack_vram.py", *ask.argv]}):
+        return EXIT_USAGE
     return EXIT_OK if found.adjacent else EXIT_FINDING
 
 
-def checkpoint_for(run: Run, scratch: Scratch) -> str:
+def checkpoint_for(ask: FindMaxRequest, scratch: Scratch) -> str:
     """The checkpoint the probes run: the file's folder, or the synthetic checkpoint of the registry
     model whose hub id the file names (built here, as --config's measured arm builds it); under its
     quantization's own path (Soup keys its shards by the base's path)."""
     from ..measure.shapes import family_shape
     from .checkpoints import quant_base, synthetic_checkpoint
 
-    ask = run.find_max
-    folder = ask.base_folder
+    run, folder = ask.estimate, ask.base_folder
     if folder is None:
-        print(f"building the synthetic checkpoint of {run.custom_model} ({ask.base_key}) ...", file=sys.stderr, flush=True)
+        print(f"building the synthetic checkpoint of {run.model} ({ask.base_key}) ...", file=sys.stderr, flush=True)
         folder = str(synthetic_checkpoint(family_shape(ask.base_key), scratch.checkpoint_root())[0])
-    return quant_base(scratch, folder, run.quants[0], run.estimate.stream)
+    return quant_base(scratch, folder, run.quants[0], run.stream)
+
+
+def chosen(args: argparse.Namespace) -> bool:
+    return args.find_max is not None
+
+
+def settle(args: argparse.Namespace, argv: list[str]) -> FindMaxRequest:
+    """--find-max: the file, read once, as --config's measured arm (its base, without a download) and as
+    --estimate's values on the one card asked (its steps: the run's steady state unless --steps)."""
+    check("find max", args)
+    flag, given = ("--card", args.card) if args.card is not None else ("--emulate-card", args.emulate_card)
+    if len(comma_list(given)) != 1:
+        raise UsageError(f"{flag} {given}: --find-max searches one card")
+    one_card(flag, given)
+    user = read_soup_config(args.config)
+    config_arm(user, args.weights, args.dry_run)
+    folder, key = base_of(user, args.weights)
+    with under_the_file(args.config):
+        estimate = settle_values(args, FromFile(args, user), given)
+    for option, folder_given in (("--log-dir", args.log_dir), ("--cache-dir", args.cache_dir)):
+        if folder_given is not None:
+            writable_folder(option, folder_given)
+    cache = cache_dir_of(args.cache_dir, args.shard_dir)
+    return FindMaxRequest(estimate, args.find_max, flag, os.path.abspath(folder) if folder else None, key,
+                          dry_run=args.dry_run, log_dir=args.log_dir, cache_dir=cache,
+                          shard_dir=shard_dir_of(args.shard_dir), outputs=Outputs.of(args), argv=tuple(argv))

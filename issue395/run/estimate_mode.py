@@ -1,0 +1,335 @@
+"""--estimate (and --card list): the config's peak from the config alone, on CPU, against the cards to
+fit. Settled once into an ``Estimate`` from the options (``FromOptions``) or from the user's soup.yaml,
+read once (``FromFile``: each value off the UserRun, an error naming the file's key where it is read);
+--find-max settles its file's estimate by the same ``settle_values``. Executed here: the table, the
+verdicts and --json."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+from dataclasses import replace
+from pathlib import Path
+from typing import Iterator, Optional
+
+from ..constants import comma_list
+from ..errors import EXIT_FINDING, EXIT_OK, EXIT_USAGE, UsageError, last_line
+from ..record import LORA_ALPHA, LORA_R, QUANTS
+from ..tasks import TASKS
+from ..model.registry import ALL_FAMILIES, EXPERT_LAYOUTS, RECOMPUTES, by_hub_id, config_json
+from ..model.targets import soup_targets
+from ..measure.shapes import soup_loss_chunk_bounds
+from ..report.outputs import write_json
+from .checks import (_shown, context_within_cards, distinct_choices, no_output_is_an_input, odd_file, one_int,
+                     parse_ints, settle_tasks, within_positions)
+from .clashes import check
+from .configarm import STEADY_STEPS
+from .request import Adapter, CardListRequest, EstimateRequest, Outputs
+from .userconfig import UserRun, hub_config, read_soup_config
+
+
+def chosen(args: argparse.Namespace) -> bool:
+    return bool(args.estimate)
+
+
+class FromOptions:
+    """--estimate's values from its options, each parsed where it is read, an error naming its option."""
+
+    MODEL, SEQ, TARGETS, BATCH = "--model", "--seq", "--targets", "--batch"
+    STREAM = {"expert_layout": "--expert-layout", "loss_chunk": "--loss-chunk", "recompute": "--recompute"}
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+
+    def model(self) -> Optional[str]:
+        return self.args.model
+
+    def quants(self) -> tuple:
+        return ("none",) if self.args.quant is None else distinct_choices("--quant", self.args.quant, QUANTS,
+                                                                           "quantization")
+
+    def seqs(self) -> Optional[tuple]:
+        return parse_ints("--seq", self.args.seq, minimum=64)
+
+    def targets(self) -> tuple[Optional[tuple], Optional[str]]:
+        """The targets and their spelling as given."""
+        given = self.args.targets
+        return (None if given is None else comma_list(given)), given
+
+    def stream(self) -> dict:
+        return {k: getattr(self.args, k) for k in self.STREAM}
+
+    def tasks(self) -> tuple:
+        return settle_tasks(self.args.task)
+
+    def batches(self) -> tuple:
+        return parse_ints("--batch", self.args.batch) or (1,)
+
+    def lora(self) -> tuple[int, int]:
+        return one_int("--lora-r", self.args.lora_r, LORA_R), LORA_ALPHA
+
+    def steps(self) -> tuple[int, Optional[str]]:
+        return one_int("--steps", self.args.steps, 1), None
+
+
+class FromFile(FromOptions):
+    """--estimate's values off the soup.yaml's UserRun (Soup's own loader validated them), an error naming
+    the file's key; --steps and the card stay the command line's (the file's run: its steady state)."""
+
+    MODEL, SEQ, TARGETS, BATCH = "base", "data.max_length", "training.lora.target_modules", "training.batch_size"
+    STREAM = {"expert_layout": "training.stream_expert_layout", "loss_chunk": "training.stream_loss_chunk",
+              "recompute": "training.stream_recompute"}
+
+    def __init__(self, args: argparse.Namespace, user: UserRun) -> None:
+        super().__init__(args)
+        self.user = user
+
+    def model(self) -> str:
+        return self.user.base
+
+    def quants(self) -> tuple:
+        return (self.user.quant,)
+
+    def seqs(self) -> tuple:
+        return parse_ints("--seq", str(self.user.seq), minimum=64, named=self.SEQ)
+
+    def targets(self) -> tuple[Optional[tuple], Optional[str]]:
+        return self.user.targets, ",".join(self.user.targets)
+
+    def stream(self) -> dict:
+        modes = self.user.stream_options
+        chunk = modes.get("stream_loss_chunk")
+        return {"expert_layout": modes.get("stream_expert_layout"), "recompute": modes.get("stream_recompute"),
+                "loss_chunk": None if chunk is None else str(chunk)}
+
+    def tasks(self) -> tuple:
+        return (self.user.task,)
+
+    def batches(self) -> tuple:
+        return parse_ints("--batch", str(self.user.batch), named=self.BATCH)
+
+    def lora(self) -> tuple[int, int]:
+        return one_int("--lora-r", str(self.user.lora_r), LORA_R, named="training.lora.r"), self.user.lora_alpha or LORA_ALPHA
+
+    def steps(self) -> tuple[int, Optional[str]]:
+        given = self.args.steps
+        return (one_int("--steps", given, 1) if given is not None else STEADY_STEPS,
+                "--steps" if given is not None else "--config's run")
+
+
+def settle(args: argparse.Namespace, argv: list[str]) -> EstimateRequest:
+    """--estimate's checks; with --config, the file read once and an error said under its name."""
+    if args.model and args.model not in ALL_FAMILIES:
+        no_output_is_an_input({f: getattr(args, f.strip("-")) for f in ("--json", "--markdown", "--plot")},
+                              [("--model", os.path.expanduser(args.model))])
+    with under_the_file(args.config) if args.config is not None else contextlib.nullcontext():
+        check("estimate", args)
+        given = FromOptions(args) if args.config is None else FromFile(args, read_soup_config(args.config))
+        request = settle_values(args, given, args.card)
+    check("lanes", args)
+    check("shard dir", args)
+    return replace(request, fit_exit=args.exit_code, verbose=args.verbose, outputs=Outputs(json=args.json),
+                   argv=tuple(argv))
+
+
+@contextlib.contextmanager
+def under_the_file(path: str) -> Iterator[None]:
+    """An error settling a soup.yaml's values, said under --config PATH (one already about it as it is)."""
+    try:
+        yield
+    except UsageError as exc:
+        if str(exc).startswith("--config "):
+            raise
+        raise UsageError(f"--config {path}: {exc}") from None
+
+
+def settle_values(args: argparse.Namespace, given: FromOptions, cards_given: Optional[str]) -> EstimateRequest:
+    """An EstimateRequest of the values ``given`` reads (the options', or a soup.yaml's), against ``cards_given``
+    (--card, or --find-max's card): a config, seqs, and nothing that needs a GPU or Soup's setup."""
+    from ..estimator.cards import parse_cards, parse_context
+    from ..estimator.soup_number import arch_of, stream_refused
+
+    name, config = estimate_config(given.model(), given.MODEL)
+    quants = given.quants()
+    seqs = given.seqs()
+    if not seqs:
+        raise UsageError("--estimate needs --seq: a comma list of sequence lengths")
+    targets, spelled = given.targets()
+    if targets is not None and not all(targets):
+        raise UsageError(f"{given.TARGETS} {spelled!r}: empty name")
+    if targets is not None and len(set(targets)) != len(targets):
+        raise UsageError(f"{given.TARGETS} {spelled}: a target is named twice")
+    try:  # the config's own sizes, heads and positions: one line here, before any table
+        arch = arch_of(config)
+    except UsageError as exc:
+        raise UsageError(f"{given.MODEL} {name}: {exc}") from None
+    except Exception as exc:  # a value of the wrong kind deeper in the config
+        raise UsageError(f"{given.MODEL} {name}: its config cannot be read as a model ({last_line(exc)})") from None
+    within_positions(name, arch.max_pos, seqs, given.SEQ)
+    soup_targets(targets, config, arch, spelled, given.TARGETS)  # checked here; kept as spelled: Soup counts its own
+    try:
+        cards = tuple(parse_cards(cards_given)) if cards_given is not None else ()
+    except (OverflowError, ValueError) as exc:
+        raise UsageError(f"--card {_shown(cards_given)!r} is not a size like 24GB or 80GiB ({last_line(exc)})") from None
+    context = parse_context(args.context)
+    check("estimate cards", args, context=context, cards=cards)
+    context_within_cards("--card", cards, context)
+    stream = settled_stream(given.stream(), given.STREAM)
+    tasks = given.tasks()
+    batches = given.batches()
+    for t in tasks:  # Soup's schema refuses it (KTO needs both labels in a batch): one line
+        low = [b for b in batches if b < TASKS[t].min_batch]
+        if low:
+            raise UsageError(f"--task {t} {given.BATCH} {low[0]}: Soup's schema refuses a {t} batch under "
+                             f"{TASKS[t].min_batch}")
+    if stream:  # Soup's own refusals of the streaming modes, in one line before any table
+        stream_refused(config, stream)
+    check("estimate answer", args, cards=cards)
+    (lora_r, lora_alpha), (steps, steps_from) = given.lora(), given.steps()
+    user = getattr(given, "user", None)
+    return EstimateRequest(name, config, quants, seqs, batches, tasks,
+                    Adapter(targets, lora_r, lora_alpha, soup_config=args.config), cards, context,
+                    tuple(sorted(stream.items())), steps, user=user, steps_from=steps_from)
+
+
+def settled_stream(given: dict, named: dict) -> dict:
+    """--estimate's soup-cli 0.77.0 streaming modes, one value each: Soup's training keys (a mode at
+    its default is left out)."""
+    stream: dict = {}
+    for flag, key, allowed in (("expert_layout", "stream_expert_layout", EXPERT_LAYOUTS),
+                               ("recompute", "stream_recompute", RECOMPUTES)):
+        value = given[flag]
+        if value is not None and value not in allowed:
+            raise UsageError(f"{named[flag]} {value!r}: with --estimate, one of {', '.join(allowed)}")
+        if value is not None and value != allowed[0]:
+            stream[key] = value
+    if given["loss_chunk"] not in (None, "off"):
+        low, high = soup_loss_chunk_bounds()
+        stream["stream_loss_chunk"] = one_int("--loss-chunk", given["loss_chunk"], None, minimum=low,
+                                              named=named["loss_chunk"])
+        if stream["stream_loss_chunk"] > high:
+            raise UsageError(f"{named['loss_chunk']} {given['loss_chunk']}: Soup's schema takes {low} to {high} tokens")
+    return stream
+
+
+def estimate_config(model: Optional[str], named: str = "--model") -> tuple[str, dict]:
+    """--estimate's model: a family's public config, or a config.json (or a folder holding one);
+    ``named``: where it was given (--model, or a soup.yaml's base)."""
+    if not model or not model.strip():
+        raise UsageError(f"--estimate needs {named}: a config.json, a folder holding one, or a family "
+                         f"({','.join(ALL_FAMILIES)})")
+    if model in ALL_FAMILIES:
+        if os.path.lexists(model):  # a folder or file of the same name here is not what was read
+            print(f"note: --model {model}: the family {model}'s public config was used, not ./{model} here "
+                  f"(give ./{model} for that)", file=sys.stderr)
+        return model, config_json(model)
+    family = by_hub_id(model)
+    if family is not None:  # a registry model's hub id (a soup.yaml's base): its committed public config
+        return model, config_json(family)
+    path = Path(model).expanduser()
+    path = path / "config.json" if path.is_dir() else path
+    odd = odd_file(str(path))
+    if odd:
+        raise UsageError(f"{named} {model}: {odd}" if str(path) == os.path.expanduser(model)
+                         else f"{named} {model}: its config.json is {odd}")
+    if not path.is_file() and not path.exists() and "/" in model and not model.startswith(("/", ".", "~")):
+        return model, hub_config(model, named)  # a hub id: its config.json alone, from the cache or the hub
+    if not path.is_file():
+        raise UsageError(f"{named} {model}: no such config.json (nor a family: {','.join(ALL_FAMILIES)})")
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError) as exc:
+        raise UsageError(f"{named} {model}: {path.name} cannot be read ({type(exc).__name__})") from None
+    if not isinstance(config, dict):
+        raise UsageError(f"{named} {model}: {path.name} is not a JSON object")
+    return model, config
+
+
+def execute(request: EstimateRequest, protocol: object = None) -> int:
+    """--estimate: each (task, quant, seq, batch) from the config alone, on CPU; the table, and --json."""
+    from ..estimator.cards import workspace_env
+    from ..estimator.arch import protocol_targets
+    from ..estimator.soup_number import arch_of
+    from ..estimator.fits import budgets_for, card_answers, estimate_for, estimate_table, steps_words, verdict_lines
+    from ..estimator.releases import UnknownRelease, installed_release, release_label
+
+    e, a = request, request.adapter
+    gate, optimizer, stream = e.gate, e.optimizer, dict(e.stream)
+    kw = {"targets": a.targets, "lora_r": a.lora_r}
+    try:
+        rows = [estimate_for(e.config, quant=q, seq=s, batch=b, steps=e.steps, stream=stream, task=t,
+                             optimizer=optimizer, accumulation=e.accumulation, **kw)
+                for t in e.tasks for q in e.quants for s in e.seqs for b in e.batches]
+        budgets = budgets_for(e.cards, e.context)
+        answers = [card_answers(e.config, r, budgets, env=workspace_env(), stream=stream, gate=gate,
+                                optimizer=optimizer, **kw) for r in rows]
+        installed = installed_release()
+        table = estimate_table(rows, e.cards, e.config, answers=answers, release_label=release_label(installed),
+                               verbose=e.verbose, **kw)
+    except UnknownRelease:  # the release's fault, not the model's: said without naming the model
+        raise
+    except UsageError as exc:
+        raise UsageError(f"--estimate {estimated_as(e)}: {exc}") from None
+    except Exception as exc:  # a config value of a kind no real config has
+        raise UsageError(f"--estimate {estimated_as(e)}: cannot be estimated ({last_line(exc)})") from None
+    notes = estimate_notes(e.config, e.quants)
+    named = f"{e.model}, from --config {a.soup_config}" if a.soup_config else e.model
+    answer = steps_words(e.steps, e.steps_from)
+    text = (f"--estimate: {named}: {answer}\n" + "".join(f"  {v}\n" for v in verdict_lines(rows, e.cards, answers))
+            + "".join(f"  from the file: {k}\n" for k in e.keys)
+            + "(Soup's pre-flight: computed by Soup's own estimator code; corrected and needs free: this tool's "
+            "estimator, from the config alone)\n" + table + "".join(f"note: {n}\n" for n in notes))
+    print(text, end="")
+    fits_all = all(x["fits"] for per in answers for x in per)
+    if e.outputs.json:
+        arch = arch_of(e.config)
+        targets = soup_targets(a.targets, e.config, arch, None) or protocol_targets(arch)
+        if not write_json(e.outputs.json, "estimate", {
+                "model": e.model, "soup_cli": installed, "tasks": list(e.tasks), "targets": list(targets),
+                **({"soup_targets": a.targets[0]} if a.targets and tuple(targets) != tuple(a.targets) else {}),
+                "config": a.soup_config, "lora_alpha": a.lora_alpha, "stream": stream, "steps": e.steps,
+                "answer": answer, "soup_gate": {"rule": gate.rule, "override_bytes": gate.override},
+                "config_keys": list(e.keys), "fits_every_card": fits_all if e.cards else None, "lora_r": a.lora_r,
+                "cards": [{"card": c.name, "bytes": c.total_bytes} for c in e.cards], "notes": notes,
+                "rows": [dict(r.to_json(), cards=x) for r, x in zip(rows, answers)]}):
+            return EXIT_USAGE
+    return EXIT_FINDING if e.fit_exit and not fits_all else EXIT_OK
+
+
+def estimated_as(e: EstimateRequest) -> str:
+    """What the user named: --config's file and its base, else --model."""
+    return f"--config {e.adapter.soup_config} (base {e.model})" if e.adapter.soup_config else f"--model {e.model}"
+
+
+def estimate_notes(config: dict, quants) -> list[str]:
+    """What the estimate leaves out, said where its numbers are read."""
+    notes = []
+    q = config.get("quantization_config")
+    if q is not None:
+        method = q.get("quant_method", "unnamed") if isinstance(q, dict) else type(q).__name__
+        notes.append(f"the config's quantization_config ({method}) is NOT modelled: these figures are Soup's "
+                     f"--quant {','.join(quants)} of the full-precision shapes the config describes")
+    notes.append("needs free assumes the allocator's expandable segments, as `soup train` sets them "
+                 "(PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True)")
+    notes.append("not estimated: host RAM and disk for the streamed layers' store (Soup's other gate)")
+    return notes
+
+
+def card_list_chosen(args: argparse.Namespace) -> bool:
+    return args.card is not None and args.card.strip().lower() == "list"
+
+
+def settle_card_list(args: argparse.Namespace, argv: list[str]) -> CardListRequest:
+    """--card list, alone (or beside --estimate): the named cards and their sources, nothing else."""
+    check("card list", args)
+    return CardListRequest(tuple(argv))
+
+
+def list_cards(request: CardListRequest, protocol: object = None) -> int:
+    from ..estimator.fits import card_list
+
+    print(card_list(), end="")
+    return EXIT_OK
