@@ -50,6 +50,15 @@ class Answers:
     high: int
     gate_rule: str
     gate_at: Callable[[int], dict]
+    #: this tool's longest with another context: the box's own, measured where the probes run (like
+    #: for like: an emulated card's probes bring the box's context, not the card's)
+    tool_with_context: Callable[[int], Optional[int]] = lambda context: None
+
+    def first_and_second(self, like: Optional[int]) -> tuple[int, Optional[int]]:
+        """Where the search starts (this tool's like-for-like answer, else its answer on the card's
+        context, else the smallest) and the second prediction it brackets with (Soup's gate's)."""
+        first = like if like is not None else self.tool if self.tool is not None else self.low
+        return first, self.soup
 
 
 def answers(req: FindMaxRequest) -> Answers:
@@ -75,14 +84,22 @@ def answers(req: FindMaxRequest) -> Answers:
         return {"value": value, "soup_predicted": mine.soup_predicted, "gate_free_bytes": available,
                 "admits": gate.admits(mine.soup_predicted, one.corrected_predicted, available)}
 
+    def tool_with_context(context: int) -> Optional[int]:
+        return longest(axis, config, budget(card, context).step_free_bytes, workspace=card.workspace(workspace_env()), **kw)
+
     return Answers(axis, card, b, longest(axis, config, b.step_free_bytes, workspace=card.workspace(workspace_env()), **kw),
-                   longest_soup_admits(axis, config, available, gate, **kw), low, step, high, gate.rule, gate_at)
+                   longest_soup_admits(axis, config, available, gate, **kw), low, step, high, gate.rule, gate_at,
+                   tool_with_context)
 
 
-def plan_lines(run: EstimateRequest, a: Answers) -> list[str]:
+def plan_lines(run: EstimateRequest, a: Answers, like: Optional[int] = None) -> list[str]:
     unit = UNITS[a.axis]
-    start = a.tool if a.tool is not None else a.low
-    return [f"plan: start at {a.axis} {start} (this tool's longest that fits{'' if a.tool is not None else ': none fits, so the smallest'}); "
+    start, second = a.first_and_second(like)
+    which = ("this tool's longest that fits with the box's own context" if like is not None else
+             "this tool's longest that fits" if a.tool is not None else "this tool's longest that fits: none fits, so the smallest")
+    then = (f"; then Soup's gate's longest, {second}, where it lies on the side the first outcome points to"
+            if second is not None and second != start else "")
+    return [f"plan: start at {a.axis} {start} ({which}){then}; "
             f"if it completes, step up by {a.step}, {2 * a.step}, {4 * a.step} ... {unit} until one raises OOM, if "
             f"not, step down likewise until one completes; then bisect to the resolution, {a.step} {unit}, within "
             f"{a.low}..{a.high}; at most {PROBE_LIMIT} probes",
@@ -127,6 +144,12 @@ def execute(ask: FindMaxRequest, protocol: Any) -> int:
             raise UsageError(FIND_MAX_NO_CUDA)
         lift = int(torch.cuda.mem_get_info()[1])
     from ..estimator.fits import steps_words
+    from ..results.stack import measure_context
+
+    # like for like: the probes' Soup processes bring this box's CUDA context out of the card's total,
+    # measured here, in this process on the same GPU (None on CPU or with --dry-run)
+    box = None if ask.dry_run else (measure_context() or {}).get("context_bytes")
+    like = a.tool_with_context(box) if box is not None else None
 
     axis, t = ask.axis, task(run.tasks[0])
     user_text = run.user.text
@@ -151,10 +174,15 @@ def execute(ask: FindMaxRequest, protocol: Any) -> int:
                      f"longest {axis} that fits {a.card.name}: {a.tool if a.tool is not None else 'none'}")
         soup_line = (f"computed by Soup (its own pre-flight, {a.gate_rule}, gate unlifted): the longest {axis} Soup's gate "
                      f"admits on {a.card.name}: {a.soup if a.soup is not None else 'none'}")
+        like_line = ("computed by this tool like for like (the context the probes had: this box's own, measured here, "
+                     f"{box / 1e9:.3f} GB): the longest {axis} that fits {a.card.name}: {like if like is not None else 'none'}"
+                     if box is not None else
+                     "like for like (this tool's longest with the context the probes have): on the GPU box, with its "
+                     "context measured there")
         if ask.dry_run:
             first = write(a.tool if a.tool is not None else a.low)
-            print("\n".join([head + " -- --dry-run: the plan, nothing run", "  " + tool_line, "  " + soup_line,
-                             *plan_lines(run, a),
+            print("\n".join([head + " -- --dry-run: the plan, nothing run", "  " + tool_line, "  " + like_line,
+                             "  " + soup_line, *plan_lines(run, a),
                              *([f"  base: {run.model} is a registry model's hub id: on the GPU box "
                                 "the probes run the synthetic checkpoint this tool builds for it (no download)"]
                                if ask.base_key and not ask.base_folder else []),
@@ -168,7 +196,7 @@ def execute(ask: FindMaxRequest, protocol: Any) -> int:
         if logs is not None:
             logs.mkdir(parents=True, exist_ok=True)
         print(head, flush=True)
-        print("\n".join(plan_lines(run, a)), flush=True)
+        print("\n".join(plan_lines(run, a, like)), flush=True)
 
         def probe(value: int):
             config = write(value)
@@ -180,7 +208,8 @@ def execute(ask: FindMaxRequest, protocol: Any) -> int:
                   f"free with it held {ballast.free_after:,} B)", flush=True)
             return p
 
-        found = find_max(probe, axis, a.tool, a.step, a.low, a.high)
+        start, second = a.first_and_second(like)
+        found = find_max(probe, axis, start, a.step, a.low, a.high, other=second)
     unit = UNITS[axis]
     if found.limit is None:
         measured = f"no {axis} completes {run.steps} step(s): the smallest, {found.above}, raised OOM"
@@ -195,7 +224,7 @@ def execute(ask: FindMaxRequest, protocol: Any) -> int:
     lines = [head,
              f"  measured (the real soup train, Soup's gate lifted by training.stream_vram_override): {measured} "
              f"(resolution {a.step} {unit}; {len(found.probes)} probe(s), {found.seconds:.1f} s)",
-             "  " + tool_line, "  " + soup_line, *(f"  {g[0]}" for g in gates if g),
+             "  " + tool_line, "  " + like_line, "  " + soup_line, *(f"  {g[0]}" for g in gates if g),
              *(f"  from the file: {k}" for k in run.keys),
              f"probes (measured, in order; Soup's number and the driver's free memory as Soup printed them at its gate):",
              *probe_table(found, run.steps)]
@@ -205,6 +234,7 @@ def execute(ask: FindMaxRequest, protocol: Any) -> int:
             "seq": run.seqs[0], "batch": run.batches[0], "steps": run.steps,
             "card": {"card": a.card.name, "bytes": a.card.total_bytes, "given_as": ask.flag},
             "measured": found.to_json(), "this_tool_longest": a.tool, "soup_gate_longest": a.soup,
+            "this_tool_longest_like_for_like": like, "box_context_bytes": box,
             "soup_gate_rule": a.gate_rule, "soup_gate_at_limit": gates[0][1] if gates[0] else None,
             "soup_gate_above_limit": gates[1][1] if gates[1] else None, "probe_keys": list(PROBE_KEYS),
             "command": ["issue395_second_stack_vram.py", *ask.argv]}):

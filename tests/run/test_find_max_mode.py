@@ -92,13 +92,19 @@ class FakeCudaProbe:
         return p, type("Ballast", (), {"size": 1, "free_after": card_total})(), "fake Soup console\n"
 
 
+BOX_CONTEXT = 623_706_112
+
+
 @pytest.fixture
 def cuda_box(monkeypatch):
-    """CUDA said present (torch.cuda.is_available, mem_get_info) and the CUDA probe faked."""
+    """CUDA said present (torch.cuda.is_available, mem_get_info), the box's context faked at the H200's
+    committed figure (results/outside-allocator-*/context.txt) and the CUDA probe faked."""
     import torch
 
+    from issue395.results import stack
     from issue395.run import find_max_mode
 
+    monkeypatch.setattr(stack, "measure_context", lambda *a: {"context_bytes": BOX_CONTEXT})
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (150_000_000_000, 150_000_000_000))
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
@@ -113,18 +119,26 @@ def test_the_search_brackets_from_the_tools_answer_and_reports_limit_oom_resolut
         capfd, soup_yaml, tmp_path, cuda_box):
     path = soup_yaml()
     before = path.read_bytes()
-    card = estimate_json(capfd, path, "12GB", tmp_path)["rows"][0]["cards"][0]
+    card = estimate_json(capfd, path, "13GB", tmp_path)["rows"][0]["cards"][0]
     tool, soup = card["longest_seq"], card["longest_seq_soup_admits"]
-    fake = cuda_box(FakeCudaProbe(tool + 128))
+    # like for like: --estimate's own answer with the box's context given as --context
+    like = estimate_json(capfd, path, "13GB", tmp_path, "--context", str(BOX_CONTEXT / 1e9))["rows"][0]["cards"][0]["longest_seq"]
+    assert like > tool  # the box leaves less context than Soup's bound: one resolution step more here
+    fake = cuda_box(FakeCudaProbe(like + 128))
+    tool_card = tool
+    tool = like
     out_json = tmp_path / "f.json"
-    code, out, err = main(capfd, ["--find-max", "seq", "--config", path, "--emulate-card", "12GB", "--json", out_json,
+    code, out, err = main(capfd, ["--find-max", "seq", "--config", path, "--emulate-card", "13GB", "--json", out_json,
                                   "--log-dir", tmp_path / "logs"])
     assert code == 0, err
     data = json.loads(out_json.read_text())
     m = data["measured"]
-    assert m["start"] == tool and m["probes"][0]["value"] == tool  # the bracket starts at this tool's answer
+    assert m["start"] == tool and m["probes"][0]["value"] == tool  # the bracket starts at the like-for-like answer
+    assert data["this_tool_longest_like_for_like"] == like and data["box_context_bytes"] == BOX_CONTEXT
     assert (m["limit"], m["oom_above"], m["resolution"], m["proven"]) == (tool + 128, tool + 192, 64, True)
-    assert data["this_tool_longest"] == tool and data["soup_gate_longest"] == soup and data["steps"] == 2
+    assert data["this_tool_longest"] == tool_card and data["soup_gate_longest"] == soup and data["steps"] == 2
+    assert f"computed by this tool like for like (the context the probes had: this box's own, measured here, " \
+           f"0.624 GB): the longest seq that fits 13GB: {like}" in out
     assert data["soup_gate_at_limit"]["admits"] == (tool + 128 <= soup)
     assert data["soup_gate_above_limit"]["probe_admits"] is True  # 8.5 GB printed <= 11.36 GB its driver reported
     assert f"measured (the real soup train, Soup's gate lifted by training.stream_vram_override): seq {tool + 128} " \
@@ -184,4 +198,4 @@ def test_the_readmes_find_max_dry_run_is_what_it_prints(capfd, tmp_path, monkeyp
     code, out, err = main(capfd, command)
     assert code == 0, err
     missing = [s for s in shown if s.rstrip() not in (ln.rstrip() for ln in out.splitlines())]
-    assert not missing and len(shown) == 3, missing
+    assert not missing and len(shown) == 4, missing
