@@ -41,8 +41,8 @@ def test_a_saved_rows_release_decides_by_the_table_and_five_24_charges_two_bf16_
     masks: the 8,388,608 B an independent probe measured on DPO 1024x1 (2 rows)."""
     assert not A.eager("gemma2", "5.16.1") and A.eager("gemma2", "5.24.0") and not A.eager("llama", "5.24.0")
     c = config_json("gemma2-2b")
-    old = E.estimate(c, seq=1024, task="dpo", soup=False, transformers="5.16.1")
-    new = E.estimate(c, seq=1024, task="dpo", soup=False, transformers="5.24.0")
+    old = E.estimate(c, seq=1024, task="dpo", soup=False, transformers="5.16.1", release="0.77.0")  # the probe's
+    new = E.estimate(c, seq=1024, task="dpo", soup=False, transformers="5.24.0", release="0.77.0")
     assert "eager_masks" not in old.terms and new.terms["eager_masks"] == 8_388_608
     assert new.corrected_predicted - old.corrected_predicted == 8_388_608  # the loss phase binds on both
     measured = {"5.16.1": 12_283_596_288, "5.24.0": 12_291_984_896}  # issue 37's probe, allocated peaks
