@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 from ..constants import CONFIG_LIMITS
 from ..errors import UsageError
 from ..record import LORA_TARGETS
-from .moe import DEEPSEEK_V3, QWEN3_5, QWEN3_5_MOE, Layers, deepseek_v3, qwen3_5, soup_intermediate
+from .moe import (DEEPSEEK_V3, QWEN3_5, QWEN3_5_MOE, Layers, deepseek_v3, qwen3_5, soup_intermediate,
+                  union_bytes)
 
 _SIZES = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
           "vocab_size")
@@ -278,6 +279,36 @@ def arch_from_config(config: dict) -> Arch:
                 max_pos, int(hd * float(factor)), _window(config, mt, L), softcap, mods,
                 norms=4 if mt in ("gemma2", "gemma3_text") else (1 if mt == "phi" else 2),
                 norm_bias=mt == "phi", qk_norm=mt in ("qwen3", "gemma3_text"))
+
+
+# -- The shard geometry: what one layer of the architecture holds, read by Soup's number and the physics alike --
+def nf4_bytes(n: int) -> int:
+    """bitsandbytes NF4 + double quant, as Soup's shard stores it: packed nibbles, uint8
+    absmax per 64-block, fp32 nested absmax per 256 absmax, a 4-byte offset."""
+    blocks = -(-n // 64)
+    return -(-n // 2) + blocks + 4 * -(-blocks // 256) + 4
+
+
+def layer_bytes(a: Arch, quant: str, per_expert: bool = False) -> int:
+    """One streamed layer as Soup's shard header counts it (linears NF4 or bf16, the rest bf16);
+    for MoE, latent and hybrid layers the union of every layer kind's tensors (issue395.estimator.moe)."""
+    if a.layers is not None:
+        return union_bytes(a.layers.union, quant, per_expert, nf4_bytes)
+    out = 2 * a.h * a.norms * (2 if a.norm_bias else 1) + (4 * a.head_dim if a.qk_norm else 0)
+    for fan_in, fan_out, bias in a.modules.values():
+        out += (nf4_bytes(fan_in * fan_out) if quant == "nf4" else 2 * fan_in * fan_out)
+        out += 2 * fan_out if bias else 0
+    return out
+
+
+def linear_elements(a: Arch) -> int:
+    """The elements of a dense layer's linear weights (what NF4 quantises, what a bf16 copy holds)."""
+    return sum(fi * fo for fi, fo, _ in a.modules.values())
+
+
+def lora_params(a: Arch, targets: tuple, r: int) -> int:
+    """The adapter's parameters over every layer: r x (fan in + fan out) per target."""
+    return a.L * sum(r * (a.modules[t][0] + a.modules[t][1]) for t in targets)
 
 
 def protocol_targets(a: Arch) -> tuple:

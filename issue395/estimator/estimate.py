@@ -17,14 +17,13 @@ from ..constants import CUBLAS_WORKSPACE, CUBLASLT_WORKSPACE, K_MIN_LARGE_ALLOC,
 from ..errors import UsageError
 from ..record import LORA_R, QUANTS
 from ..model.registry import RECOMPUTES, config_json, stream_mode
-from .arch import Arch, arch_from_config, protocol_targets
+from .arch import Arch, arch_from_config, layer_bytes, linear_elements, lora_params, protocol_targets
 from .attention import eager as eager_attention
 from .moe import Kind, expert_in_flight
 from ..model.targets import soup_targets
 from ..tasks import PROTOCOL_TASK, task as task_named
 from .releases import Features, installed_release
-from .soup_number import (arch_of, features, layer_bytes, linear_elements, lora_params, soup_preflight_from_config,
-                          vocab_matrices_resident)
+from .soup_number import arch_of, features, soup_preflight_from_config, vocab_matrices_resident
 from .terms import Phase, Term, phase_sum
 
 # CUBLAS_WORKSPACE (constants) is kept on every card though torch gives less below sm 9

@@ -21,8 +21,8 @@ from typing import Optional
 from ..constants import STREAM_KEYS
 from ..errors import UsageError
 from ..tasks import PROTOCOL_TASK, TASKS
-from .arch import Arch, arch_from_config
-from .moe import expert_in_flight, union_bytes
+from .arch import Arch, arch_from_config, layer_bytes
+from .moe import expert_in_flight
 from .releases import (RELEASE_FEATURES, RELEASES_ENV, Features, _TWELVE, installed_release, release_source,
                        soup_dir)
 
@@ -194,33 +194,6 @@ def arch_of(config: dict, src: Optional[Path] = None) -> Arch:
         raise UsageError(f"model_type {mt!r} cannot be layer-streamed by Soup (it streams "
                          f"{', '.join(supported_archs(src) + tuple(stream_aliases(src)))})")
     return arch_from_config(config)
-
-
-def _nf4_bytes(n: int) -> int:
-    """bitsandbytes NF4 + double quant, as Soup's shard stores it: packed nibbles, uint8
-    absmax per 64-block, fp32 nested absmax per 256 absmax, a 4-byte offset."""
-    blocks = -(-n // 64)
-    return -(-n // 2) + blocks + 4 * -(-blocks // 256) + 4
-
-
-def layer_bytes(a: Arch, quant: str, per_expert: bool = False) -> int:
-    """One streamed layer as Soup's shard header counts it (linears NF4 or bf16, the rest bf16);
-    for MoE, latent and hybrid layers the union of every layer kind's tensors (issue395.estimator.moe)."""
-    if a.layers is not None:
-        return union_bytes(a.layers.union, quant, per_expert, _nf4_bytes)
-    out = 2 * a.h * a.norms * (2 if a.norm_bias else 1) + (4 * a.head_dim if a.qk_norm else 0)
-    for fan_in, fan_out, bias in a.modules.values():
-        out += (_nf4_bytes(fan_in * fan_out) if quant == "nf4" else 2 * fan_in * fan_out)
-        out += 2 * fan_out if bias else 0
-    return out
-
-
-def linear_elements(a: Arch) -> int:
-    return sum(fi * fo for fi, fo, _ in a.modules.values())
-
-
-def lora_params(a: Arch, targets: tuple, r: int) -> int:
-    return a.L * sum(r * (a.modules[t][0] + a.modules[t][1]) for t in targets)
 
 
 def vocab_matrices_in_extras(a: Arch, f: Features) -> int:
