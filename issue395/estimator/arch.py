@@ -36,6 +36,45 @@ class Arch:
     layers: Layers | None = None  # MoE / latent / hybrid layers (issue395.estimator.moe); None: one dense kind
 
 
+    @property
+    def quirks(self) -> "Quirks":
+        """What this architecture does that the physics charges apart from the others (QUIRKS)."""
+        return QUIRKS.get(self.model_type, PLAIN)
+
+
+@dataclass(frozen=True)
+class Quirks:
+    """An architecture's departures from the plain decoder layer, as the corrected physics charges them
+    (each term's evidence: docs/PEAK.md and the term's docstring in issue395.estimator.estimate)."""
+
+    head_bias: bool = False  # an untied lm_head with a bias: V more values beside the head (phi)
+    fp32_residual_nf4: bool = False  # under NF4 the residual stream is fp32 after layer 0 (phi)
+    norm_inputs_saved: bool = True  # each norm saves an fp32 copy of its input in the recompute (not phi's)
+    fused_qkv: bool = False  # v is a view of one fused qkv projection (phi3)
+    mlp_saved: int = 6  # i-sized tensors the recomputed MLP saves and its backward makes (phi's gelu_new: 7)
+    mlp_transients: int = 3  # i-sized tensors the MLP's forward holds at once (phi's gelu_new: 4)
+    rotary_tables: int = 1  # rotary tables of 4 x rotary dim x seq B (Gemma-3: global and local; DeepSeek-V3: 3)
+    per_expert_layout: bool = False  # Soup admits stream_expert_layout per_expert (DeepSeek-V3 alone)
+
+
+PLAIN = Quirks()
+#: Every architecture that departs from the plain layer, and how.
+QUIRKS = {"phi": Quirks(head_bias=True, fp32_residual_nf4=True, norm_inputs_saved=False, mlp_saved=7,
+                        mlp_transients=4),
+          "phi3": Quirks(fused_qkv=True), "gemma3_text": Quirks(rotary_tables=2),
+          "deepseek_v3": Quirks(rotary_tables=3, per_expert_layout=True)}
+
+
+def fp32_residual(a: Arch, quant: str) -> bool:
+    """The residual stream is fp32 after layer 0 (phi under NF4): its saved inputs and activations are 4 B."""
+    return a.quirks.fp32_residual_nf4 and quant == "nf4"
+
+
+def activation_bytes(a: Arch, quant: str) -> int:
+    """Bytes of one activation element in the recomputed layer: bf16, or fp32 where the residual is."""
+    return 4 if fp32_residual(a, quant) else 2
+
+
 HEADS, PER_HEAD = "= num_attention_heads", "= hidden_size // num_attention_heads"
 #: What transformers (5.16.1, the pinned release) gives each field a config.json may leave out,
 #: by model_type: the field's default in the config class (transformers/models/<m>/

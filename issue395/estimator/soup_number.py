@@ -283,7 +283,7 @@ def soup_preflight_from_config(config: dict, *, quant: str, seq: int, batch: int
     values = {
         "layer_bytes": layer_bytes(a, quant, per_expert), "buffers": 2,
         "extras_bytes": vocab_mat * vocab_matrices_in_extras(a, f) + 2 * a.h * (2 if a.norm_bias else 1)
-        + (2 * a.V if a.model_type == "phi" and not a.tied else 0),
+        + (2 * a.V if a.quirks.head_bias and not a.tied else 0),
         "adapter_params": mixin._estimate_adapter_params(mixin(), _tcfg(soup_value, lora_r),
                                                          _model_config(config, a), **adapter_kw),
         "vocab_size": a.V, "hidden_size": a.h, "intermediate_size": a.i, "n_layers": a.L, "seq_len": seq,
