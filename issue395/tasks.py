@@ -12,6 +12,7 @@ task is.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 from .errors import UsageError
 
@@ -45,6 +46,11 @@ class Task:
     #: stamps ``is_loaded_in_4bit`` (layer_stream_runtime ``_stamp_4bit_markers``); TRL's experimental
     #: KTO, ORPO and CPO (SimPO) trainers keep them fp32. Evidence: docs/PEAK.md, "adapter_bytes".
     adapter_bf16_under_4bit: bool = False
+
+    def batch_refused(self, batch: int) -> Optional[str]:
+        """Why Soup's schema refuses ``batch`` for this task (None: it takes it), in the words every check
+        of the smallest batch says (the command line, the estimator, a measured arm's SKIPPED row)."""
+        return f"Soup's schema refuses a {self.name} batch under {self.min_batch}" if batch < self.min_batch else None
 
     @property
     def rows_per_example(self) -> int:

@@ -267,8 +267,8 @@ def soup_preflight_from_config(config: dict, *, quant: str, seq: int, batch: int
     refused_modes(a, f, stream, release, src)
     per_expert = stream.get("stream_expert_layout") == "per_expert"
     rows, refill = f.task(task)
-    if task != PROTOCOL_TASK and batch < TASKS[task].min_batch:
-        raise UsageError(f"task {task}: Soup's schema refuses batch {batch} (it takes {TASKS[task].min_batch} or more)")
+    if TASKS[task].batch_refused(batch):
+        raise UsageError(f"batch {batch}: {TASKS[task].batch_refused(batch)}")
     ns, mixin = _namespace(src), _mixin(src)
     vocab_mat = 2 * a.V * a.h
     slot = 0 if vocab_matrices_in_extras(a, f) else vocab_mat  # large_layer_buffer_bytes: max(embed, head)
