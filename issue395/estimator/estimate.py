@@ -524,8 +524,8 @@ def estimate(config: dict, *, quant: str = "none", seq: int, batch: int = 1, tar
     if recompute not in RECOMPUTES:
         raise UsageError(f"stream_recompute {recompute!r} is not modelled (it measures one step at setup)")
     tk = task_named(task)
-    if batch < tk.min_batch:
-        raise UsageError(f"task {tk.name} needs batch >= {tk.min_batch} (Soup's schema)")
+    if tk.batch_refused(batch):
+        raise UsageError(f"batch {batch}: {tk.batch_refused(batch)}")
     if optimizer not in OPTIMIZERS:
         optimizer_state_bytes([], optimizer)  # its one-line refusal
     if chunk and tk.name != PROTOCOL_TASK:
