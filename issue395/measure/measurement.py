@@ -19,7 +19,7 @@ from ..tasks import PROTOCOL_TASK, task
 from ..model.arm import Arm
 from ..model.registry import Shape
 from ..estimator.anatomy import classifier_for
-from ..results.extras import Capped, Gate, Ran, UserConfig
+from ..results.extras import Gate, Ran, UserConfig
 from ..results.row import Row, arm_row
 from ..constraints.constraint import ArmSetting, Constraint
 from .console import soup_console
