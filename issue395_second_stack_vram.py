@@ -1,57 +1,41 @@
 #!/usr/bin/env python3
 """Re-measure Soup's second-stack VRAM record (issue #395) on any CUDA box.
 
-Requirements
-    A CUDA GPU with 13 GB free for the full sweep (the largest arm, Qwen2.5-0.5B
-    at seq 6144, peaks at 11.85 GB on the record's A10G 23 GB); Python 3.11 and
-    requirements.txt: torch, transformers, trl, peft, soup-cli (0.73.3 is the
-    record's; 0.77.0 is tested too), pyyaml, matplotlib (--plot) and jinja2>=3.1.0
-    (Soup's chat template fails to render on older jinja2). No network: every
-    model is built here. The map's NF4 arms need bitsandbytes, and its 7B and 8B
-    families much host RAM and disk (one family's checkpoint and shards are kept
-    at a time in each process). What runs took, and on what: results/README.md.
-
 The claim under test
     Before a layer-streamed LoRA run, Soup predicts its peak VRAM with
-    ``soup_cli.utils.layer_stream.estimate_stream_peak_vram`` and refuses the run
-    if it will not fit. The contract: the prediction NEVER under-predicts
-    ``torch.cuda.max_memory_allocated()`` of a real step. On an RTX 3050 Laptop
-    it did (issue #395); the A10G record re-measured it and found a flat ~1.16x
+    ``soup_cli.utils.layer_stream.estimate_stream_peak_vram`` and refuses the run if it will not fit. The
+    contract: the prediction NEVER under-predicts ``torch.cuda.max_memory_allocated()`` of a real step. On
+    an RTX 3050 Laptop it did (issue #395); the A10G record re-measured it and found a flat ~1.16x
     over-prediction instead. This harness re-measures that record here.
 
 The protocol (one arm = one row)
-    SmolLM2-135M at seq 2048, 3072, 4096, 4352, 5120, 6144 and Qwen2.5-0.5B at
-    seq 2048, 4096, 5120, 6144, batch 1. Each arm is one real Soup setup
-    (``SFTTrainerWrapper(config).setup``) with ``training.stream_layers: true``,
-    LoRA r=8 on q_proj/v_proj, bf16, and ONE optimizer step. Its real peak is
-    ``max_memory_allocated()`` around exactly that step, after emptying the cache
-    and resetting the peak stats. The prediction is Soup's own estimator, fed the
-    grid's shape figures.
+    SmolLM2-135M at seq 2048, 3072, 4096, 4352, 5120, 6144 and Qwen2.5-0.5B at seq 2048, 4096, 5120, 6144,
+    batch 1. Each arm is one real Soup setup (``SFTTrainerWrapper(config).setup``) with
+    ``training.stream_layers: true``, LoRA r=8 on q_proj/v_proj, bf16, and ONE optimizer step. Its real peak
+    is ``max_memory_allocated()`` around exactly that step, after emptying the cache and resetting the peak
+    stats. The prediction is Soup's own estimator, fed the grid's shape figures.
 
-    Soup streams four more tasks (--task dpo,orpo,simpo,kto; issue395/tasks.py): the same arm
-    through that task's own wrapper, with its rows in its data.format (prompt/chosen/rejected;
-    prompt/completion/label), judged against Soup's own pre-flight for the task as its setup
-    computes it. The step never saves a checkpoint, for any task (``one_step``).
+    Soup streams four more tasks (--task dpo,orpo,simpo,kto; issue395/tasks.py): the same arm through that
+    task's own wrapper, with its rows in its data.format (prompt/chosen/rejected; prompt/completion/label),
+    judged against Soup's own pre-flight for the task as its setup computes it. The step never saves a
+    checkpoint, for any task (``one_step``).
 
 The trap
-    ``data.max_length`` truncates; it never pads. A row that tokenizes short runs
-    at its own length, the real peak stops following seq, and the table shows a
-    clean, growing over-prediction that is pure artifact. Two guards, always on:
-    every row is 3x longer than seq (``"word "`` x 3 x seq, one token a word), and
-    the realised length is read off the first collated batch into its own column (every
-    key a task's forwards read; where TRL cuts the batch inside its loss, the cut, and the
-    width each forward of the measured step receives).
-    A row whose realised length differs from the requested seq is VOID: it has no
-    ratio, by construction, and the process exits 1.
+    ``data.max_length`` truncates; it never pads. A row that tokenizes short runs at its own length, the
+    real peak stops following seq, and the table shows a clean, growing over-prediction that is pure
+    artifact. Two guards, always on: every row is 3x longer than seq (``"word "`` x 3 x seq, one token a
+    word), and the realised length is read off the first collated batch into its own column (every key a
+    task's forwards read; where TRL cuts the batch inside its loss, the cut, and the width each forward of
+    the measured step receives). A row whose realised length differs from the requested seq is VOID: it has
+    no ratio, by construction, and the process exits 1.
 
-Beside the protocol (this file) lies the package ``issue395/``: the record's
-data, the tables and outputs, the CLI, spreading arms over processes, judging
-an arm's measurement into a row, and the corrected estimator (docs/LAYOUT.md).
-The package never imports this file: ``main`` hands it ``measure_arm``.
+Beside the protocol (this file) lies the package ``issue395/``: the record's data, the tables and outputs,
+the CLI, spreading arms over processes, judging an arm's measurement into a row, and the corrected estimator
+(docs/LAYOUT.md). The package never imports this file: ``main`` hands it ``measure_arm``.
 
-Every number printed is measured here, computed by Soup, computed by this
-tool's corrected estimator, or quoted from the record, and labelled as such.
-Usage, what the tool adds to the record, every option and the exit codes: docs/USAGE.md.
+Every number printed is measured here, computed by Soup, computed by this tool's corrected estimator, or
+quoted from the record, and labelled as such. Requirements, usage, what the tool adds to the record, every
+option and the exit codes: docs/USAGE.md.
 """
 
 from __future__ import annotations
@@ -77,58 +61,41 @@ from issue395.tasks import PROTOCOL_TASK, task
 from issue395.run.arms import Protocol
 from issue395.run.runner import cli
 
-#: Where Soup builds an arm whose step is measured. The CPU tests set "cpu" and fake the
-#: step itself (only the CUDA peak cannot run there); nothing else changes for them.
+#: Where Soup builds an arm whose step is measured. The CPU tests set "cpu" and fake the step itself (only the
+#: CUDA peak cannot run there); nothing else changes for them.
 STEP_DEVICE = "cuda"
 
 
-# ---------------------------------------------------------------------------
-# One arm: the rows, Soup's config, the guard, the measured step, teardown
-# ---------------------------------------------------------------------------
-
-
+# -- One arm: the rows, Soup's config, the guard, the measured step, teardown --
 def chat_rows(seq: int, rows: int = DATA_ROWS) -> list[dict[str, Any]]:
     """The protocol's rows: a 3x overshoot, so truncation, never padding, sets the length."""
     content = "word " * (OVERSHOOT * seq)
-    return [{"messages": [{"role": "user", "content": "hi"},
-                          {"role": "assistant", "content": content}]}] * rows
+    return [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": content}]}] * rows
 
 
 def task_rows(name: str, seq: int, rows: int = DATA_ROWS) -> list[dict[str, Any]]:
-    """A task's rows in the shape its wrapper takes (Soup's data.format), each completion a 3x
-    overshoot, chosen AND rejected alike (TRL's ORPO/CPO cut is set by the longer answer and would
-    cut a short side further). The prompts are what realises exactly seq on soup-cli 0.73.3 and
-    0.77.0 alike (the builder's tokenizer has no BOS): DPO's "hi", since an empty prompt crashes
-    TRL's DPO (its prompt_ids[0]); an empty one for ORPO, SimPO and KTO, where a prompt token would
-    come on top of the answer's cut (ORPO/SimPO on 0.73.3: seq + 1) or off it (KTO: seq - 1). KTO's
-    labels alternate, so a batch of two holds both."""
-    if name == PROTOCOL_TASK:
-        return chat_rows(seq, rows)
-    prompt = "hi" if name == "dpo" else ""
-    answer = ("word" if not prompt else " word") + " word" * (OVERSHOOT * seq - 1)
-    if name == "kto":
-        return [{"prompt": prompt, "completion": answer, "label": i % 2 == 0} for i in range(rows)]
-    return [{"prompt": prompt, "chosen": answer, "rejected": answer}] * rows
+    """A task's rows in the shape its wrapper takes (Soup's data.format), each completion a 3x overshoot; each
+    task's prompt and row shape are its own (issue395.tasks: Task.prompt, Task.rows)."""
+    return chat_rows(seq, rows) if name == PROTOCOL_TASK else task(name).rows(OVERSHOOT * seq, rows)
 
 
 def rows_for_batch(batch: int, steps: int = 1, val_split: float = 0.1) -> int:
-    """The protocol's 4 rows, or more where Soup's validation split would leave a short batch
-    (or too few batches for --steps in its one epoch)."""
+    """The protocol's 4 rows, or more where Soup's validation split would leave a short batch (or too few
+    batches for --steps in its one epoch)."""
     n = DATA_ROWS
     while int(n * (1 - val_split)) < batch * steps:
         n += 1
     return n
 
 
-def soup_config_yaml(base: str, data_path: Path, output: Path, seq: int, batch: int,
-                     quant: str = "none", targets: Iterable[str] = ("q_proj", "v_proj"),
-                     stream: Iterable[tuple[str, Any]] = (), lora_r: int = LORA_R,
-                     lora_alpha: int = LORA_ALPHA, task_name: str = PROTOCOL_TASK) -> str:
-    """The protocol's Soup config, verbatim but for the paths, seq and batch (and, on the
-    margin map, the quantization, the family's own LoRA targets and 0.77.0's streaming modes:
-    expert layout, chunked loss, recompute; with --config, the file's own LoRA r and alpha
-    too; with --task, the task and its rows' data.format, each task's own keys at Soup's
-    defaults). SFT's stays the record's, which names no format. Soup spells NF4 "4bit"."""
+def soup_config_yaml(base: str, data_path: Path, output: Path, seq: int, batch: int, quant: str = "none",
+                     targets: Iterable[str] = ("q_proj", "v_proj"), stream: Iterable[tuple[str, Any]] = (),
+                     lora_r: int = LORA_R, lora_alpha: int = LORA_ALPHA, task_name: str = PROTOCOL_TASK) -> str:
+    """The protocol's Soup config, verbatim but for the paths, seq and batch (and, on the margin map, the
+    quantization, the family's own LoRA targets and 0.77.0's streaming modes: expert layout, chunked loss,
+    recompute; with --config, the file's own LoRA r and alpha too; with --task, the task and its rows'
+    data.format, each task's own keys at Soup's defaults). SFT's stays the record's, which names no format. Soup
+    spells NF4 "4bit"."""
     import yaml
 
     data_format = {} if task_name == PROTOCOL_TASK else {"format": task(task_name).data_format}
@@ -144,21 +111,18 @@ def soup_config_yaml(base: str, data_path: Path, output: Path, seq: int, batch: 
 
 
 def realised_lengths(trainer: Any, seq: int, name: str = PROTOCOL_TASK) -> tuple[int, list[int]]:
-    """The first collated batch's width (what the step runs at) and each row's token count (the
-    second guard): with batch > 1 a short row would hide behind its neighbours' padding. Every
-    key the task's forwards read (issue395.tasks: guard_keys; KTO's untruncated answer_input_ids
-    is no input of the model's), each key's rows in turn; of the keys' widths, the one furthest
-    from seq. Where TRL cuts the batch inside compute_loss (DPO on soup-cli 0.73.3 collates 3 x seq
-    + 2 wide), the cut is TRL's own ``_truncate_inputs`` on this very batch (trl 0.29.1
-    trl/trainer/dpo_trainer.py:972-993, called before the policy and the reference forward), so
-    the guard reads the width the forwards run at; the measured step checks it again
+    """The first collated batch's width (what the step runs at) and each row's token count (the second guard):
+    with batch > 1 a short row would hide behind its neighbours' padding. Every key the task's forwards read
+    (issue395.tasks: guard_keys; KTO's untruncated answer_input_ids is no input of the model's), each key's rows
+    in turn; of the keys' widths, the one furthest from seq. Where TRL cuts the batch inside compute_loss (DPO
+    on soup-cli 0.73.3 collates 3 x seq + 2 wide), the cut is TRL's own (issue395.tasks: Task.loss_cut) on this
+    very batch, so the guard reads the width the forwards run at; the measured step checks it again
     (``forward_widths``)."""
     t = task(name)
     batch = next(iter(trainer.get_train_dataloader()))
-    if t.cut_in_loss:
-        ids, mask, completion = trainer._truncate_inputs(batch["input_ids"], batch["attention_mask"],
-                                                         batch["completion_mask"])
-        batch = dict(batch, input_ids=ids, attention_mask=mask, completion_mask=completion)
+    if t.loss_cut:
+        method, keys = t.loss_cut
+        batch = dict(batch, **dict(zip(keys, getattr(trainer, method)(*(batch[k] for k in keys)))))
     widths, lengths = [], []
     for key in t.guard_keys:
         ids, mask = batch[key], batch.get(key.replace("input_ids", "attention_mask"))
@@ -172,8 +136,8 @@ def realised_lengths(trainer: Any, seq: int, name: str = PROTOCOL_TASK) -> tuple
 
 @contextlib.contextmanager
 def forward_widths(model: Any) -> Iterator[list[int]]:
-    """The width of every forward the model runs while held: what the step really ran at, where
-    the collated batch is not what the forwards receive (TRL's cuts inside the loss)."""
+    """The width of every forward the model runs while held: what the step really ran at, where the collated
+    batch is not what the forwards receive (TRL's cuts inside the loss)."""
     seen: list[int] = []
 
     def record(module: Any, args: tuple, kwargs: dict) -> None:
@@ -189,19 +153,18 @@ def forward_widths(model: Any) -> Iterator[list[int]]:
 
 
 def one_step(trainer: Any, steps: int = 1) -> None:
-    """Exactly ONE optimizer step (--steps N: N), and no checkpoint: the protocol measures the
-    step, not the save. Hugging Face's trainer saves at the last step whatever save_steps says,
-    and on soup-cli 0.73.3 that save raises for DPO after its step (TRL's "ref" adapter stays on
-    Soup's meta skeleton: "Cannot copy out of meta tensor"; 0.77.0 materialises it). The save
-    comes after the step's peak, so SFT's peaks do not move."""
+    """Exactly ONE optimizer step (--steps N: N), and no checkpoint: the protocol measures the step, not the
+    save. Hugging Face's trainer saves at the last step whatever save_steps says, and on soup-cli 0.73.3 that
+    save raises for DPO after its step (TRL's "ref" adapter stays on Soup's meta skeleton: "Cannot copy out of
+    meta tensor"; 0.77.0 materialises it). The save comes after the step's peak, so SFT's peaks do not move."""
     trainer.args.max_steps = steps
     trainer.args.save_strategy = "no"
     trainer.train()
 
 
 def real_peak(trainer: Any, snapshot: bool = False, steps: int = 1) -> dict[str, Any]:
-    """Empty the cache, reset the peak, run exactly ONE optimizer step (the protocol; --steps N
-    runs N), read the peak; with ``snapshot``, the allocator's history around the same step."""
+    """Empty the cache, reset the peak, run exactly ONE optimizer step (the protocol; --steps N runs N), read
+    the peak; with ``snapshot``, the allocator's history around the same step."""
     import torch
 
     history = allocator_history(2_000_000) if snapshot else contextlib.nullcontext({})
@@ -214,12 +177,11 @@ def real_peak(trainer: Any, snapshot: bool = False, steps: int = 1) -> dict[str,
             "step_s": round(seconds, 3), "snapshot": taken.get("snapshot")}
 
 
-def measure_arm(arm: Arm, shape: Shape, base: str, work: Path, *, dry_run: bool = False,
-                snapshot: bool = False, steps: int = 1,
-                hooks: Optional[ArmHooks] = None) -> Measurement:
-    """One real Soup setup and, on CUDA, the one measured step. A failure is kept in the
-    measurement (the runner judges it), and teardown always runs. A row that fails the guard
-    is never measured: its peak would be an artifact."""
+def measure_arm(arm: Arm, shape: Shape, base: str, work: Path, *, dry_run: bool = False, snapshot: bool = False,
+                steps: int = 1, hooks: Optional[ArmHooks] = None) -> Measurement:
+    """One real Soup setup and, on CUDA, the one measured step. A failure is kept in the measurement (the runner
+    judges it), and teardown always runs. A row that fails the guard is never measured: its peak would be an
+    artifact."""
     hooks = hooks or ArmHooks()
     work.mkdir(parents=True, exist_ok=True)
     data_path = work / "train.jsonl"
@@ -263,10 +225,9 @@ def measure_arm(arm: Arm, shape: Shape, base: str, work: Path, *, dry_run: bool 
 
 @contextlib.contextmanager
 def watch_soup_preflight(m: Measurement) -> Iterator[Measurement]:
-    """Soup's own pre-flight as its setup computes it: the number its gate compares with free
-    VRAM, and its fit decision. Soup keeps them nowhere, but its setup imports its estimator and
-    fit decision from the module inside the method (0.73.3 and 0.77.0 alike), so wrapping them
-    sees every call."""
+    """Soup's own pre-flight as its setup computes it: the number its gate compares with free VRAM, and its fit
+    decision. Soup keeps them nowhere, but its setup imports its estimator and fit decision from the module
+    inside the method (0.73.3 and 0.77.0 alike), so wrapping them sees every call."""
     from soup_cli.utils import layer_stream
 
     estimate, decide = layer_stream.estimate_stream_peak_vram, layer_stream.decide_stream_fit
@@ -290,8 +251,8 @@ def watch_soup_preflight(m: Measurement) -> Iterator[Measurement]:
 
 
 def teardown(wrapper: Any) -> Optional[str]:
-    """Release the stream runtime and the model. An error here is reported beside the
-    measurement, never raised: teardown must never mask a measurement."""
+    """Release the stream runtime and the model. An error here is reported beside the measurement, never raised:
+    teardown must never mask a measurement."""
     error = None
     try:
         if wrapper is not None:
@@ -301,9 +262,9 @@ def teardown(wrapper: Any) -> Optional[str]:
     try:
         if wrapper is not None:
             wrapper.trainer = wrapper.model = None
-        # bitsandbytes caches its 256-entry dynamic map on the GPU the first time Soup
-        # quantizes NF4 shards, and keeps it: 1,024 bytes every later arm carried (the map's
-        # Qwen2.5 bf16 peaks were 1 KiB over the sweep's; found by bench/carried.py).
+        # bitsandbytes caches its 256-entry dynamic map on the GPU the first time Soup quantizes NF4 shards, and
+        # keeps it: 1,024 bytes every later arm carried (the map's Qwen2.5 bf16 peaks were 1 KiB over the
+        # sweep's; found by bench/carried.py).
         qmap = getattr(sys.modules.get("bitsandbytes.functional"), "name2qmap", {})
         if getattr(qmap.get("dynamic"), "is_cuda", False):
             del qmap["dynamic"]
@@ -312,10 +273,9 @@ def teardown(wrapper: Any) -> Optional[str]:
 
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.synchronize()
-            # Each thread's cuBLAS handle keeps a workspace (32 MiB on Hopper) in the
-            # caching allocator. The autograd thread's appears after the first step's
-            # peak, so a fresh process never has it at the peak, but the next arm in
-            # this process would: +32 MiB on every later arm, measured, before this.
+            # Each thread's cuBLAS handle keeps a workspace (32 MiB on Hopper) in the caching allocator. The
+            # autograd thread's appears after the first step's peak, so a fresh process never has it at the
+            # peak, but the next arm in this process would: +32 MiB on every later arm, measured, before this.
             clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
             if clear is not None:
                 clear()
@@ -326,8 +286,7 @@ def teardown(wrapper: Any) -> Optional[str]:
 
 
 def protocol() -> Protocol:
-    """This protocol as the package takes it: the measured arm, the device it runs on, the script,
-    its rows."""
+    """This protocol as the package takes it: the measured arm, the device it runs on, the script, its rows."""
     return Protocol(measure_arm=measure_arm, step_device=STEP_DEVICE, script=os.path.abspath(__file__),
                     task_rows=task_rows)
 

@@ -18,7 +18,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from issue395.estimator.estimate import estimate, estimate_key  # noqa: E402
-from issue395.estimator.soup_number import arch_of, lora_params  # noqa: E402
+from issue395.estimator.arch import lora_params  # noqa: E402
+from issue395.estimator.soup_number import arch_of  # noqa: E402
 from issue395.results.result import Result  # noqa: E402
 from issue395.constraints.cap import Cap  # noqa: E402
 from issue395.model.registry import config_json  # noqa: E402

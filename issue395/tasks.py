@@ -12,6 +12,7 @@ task is.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 from .errors import UsageError
 
@@ -37,14 +38,37 @@ class Task:
     #: the smallest batch Soup's config schema takes (KTO needs both labels in a batch)
     min_batch: int = 1
     #: TRL cuts the collated batch to ``args.max_length`` inside compute_loss, so the width the
-    #: model runs at is that cut, not the collated width (DPO: ``DPOTrainer._truncate_inputs``)
-    cut_in_loss: bool = False
+    #: model runs at is that cut, not the collated width: the trainer's method that cuts it and the
+    #: collated keys it takes and gives back, in order (DPO: TRL 0.29.1's private
+    #: ``DPOTrainer._truncate_inputs``, trl/trainer/dpo_trainer.py:972-993, called before the policy
+    #: and the reference forward); () where the forwards run at the collated width
+    loss_cut: tuple = ()
+    #: the prompt of each row this harness writes (a preference or KTO task's), the words that
+    #: realise exactly seq on soup-cli 0.73.3 and 0.77.0 alike (the builder's tokenizer has no BOS):
+    #: DPO's "hi", since an empty prompt crashes TRL's DPO (its prompt_ids[0]); an empty one for
+    #: ORPO, SimPO and KTO, where a prompt token would come on top of the answer's cut (ORPO/SimPO on
+    #: 0.73.3: seq + 1) or off it (KTO: seq - 1)
+    prompt: str = ""
     #: the trainer casts the trainable (LoRA) parameters to bf16 when the model is 4-bit: TRL 0.29.1's
     #: SFTTrainer and DPOTrainer (``if getattr(model, "is_loaded_in_4bit", False) ...:
     #: param.data = param.data.to(torch.bfloat16)``, QLoRA's recipe), and Soup's streamed NF4 build
     #: stamps ``is_loaded_in_4bit`` (layer_stream_runtime ``_stamp_4bit_markers``); TRL's experimental
     #: KTO, ORPO and CPO (SimPO) trainers keep them fp32. Evidence: docs/PEAK.md, "adapter_bytes".
     adapter_bf16_under_4bit: bool = False
+
+    def batch_refused(self, batch: int) -> Optional[str]:
+        """Why Soup's schema refuses ``batch`` for this task (None: it takes it), in the words every check
+        of the smallest batch says (the command line, the estimator, a measured arm's SKIPPED row)."""
+        return f"Soup's schema refuses a {self.name} batch under {self.min_batch}" if batch < self.min_batch else None
+
+    def rows(self, words: int, n: int) -> list[dict]:
+        """``n`` rows of this (non-SFT) task in its ``data_format``, each completion ``words`` words long,
+        chosen AND rejected alike (TRL's ORPO/CPO cut is set by the longer answer and would cut a short
+        side further); KTO's labels alternate, so a batch of two holds both."""
+        answer = ("word" if not self.prompt else " word") + " word" * (words - 1)
+        if self.data_format == "kto":
+            return [{"prompt": self.prompt, "completion": answer, "label": i % 2 == 0} for i in range(n)]
+        return [{"prompt": self.prompt, "chosen": answer, "rejected": answer}] * n
 
     @property
     def rows_per_example(self) -> int:
@@ -63,7 +87,8 @@ TASKS: dict[str, Task] = {
     # TRL collates chosen then rejected as one (2B, W) batch and cuts it to max_length inside
     # compute_loss (soup-cli 0.73.3 collates 3 x seq wide; 0.77.0 caps the tokenized rows itself)
     "dpo": Task("dpo", ("soup_cli.trainer.dpo", "DPOTrainerWrapper"), paired=True, reference=True,
-                kl_batch=False, guard_keys=("input_ids",), data_format="dpo", cut_in_loss=True,
+                kl_batch=False, guard_keys=("input_ids",), data_format="dpo",
+                loss_cut=("_truncate_inputs", ("input_ids", "attention_mask", "completion_mask")), prompt="hi",
                 adapter_bf16_under_4bit=True),
     "orpo": Task("orpo", ("soup_cli.trainer.orpo", "ORPOTrainerWrapper"), paired=True, reference=False,
                  kl_batch=False, guard_keys=("chosen_input_ids", "rejected_input_ids"), data_format="dpo"),

@@ -181,8 +181,8 @@ def test_the_dry_run_rows_carry_their_task_and_kto_below_batch_2_is_skipped_with
     rows = json.loads(out.read_text())["rows"]
     assert [(r["task"], r["batch"], r["derived"]["status"]) for r in rows] == [
         ("dpo", 1, "dry-run"), ("kto", 1, "SKIPPED"), ("dpo", 2, "dry-run"), ("kto", 2, "dry-run")]
-    assert rows[1]["error"].startswith("kto needs batch >= 2: Soup's schema refuses")
-    assert "tiny kto seq 64 batch 1: SKIPPED - kto needs batch >= 2" in text
+    assert rows[1]["error"] == "batch 1: Soup's schema refuses a kto batch under 2"
+    assert "tiny kto seq 64 batch 1: SKIPPED - batch 1: Soup's schema refuses a kto batch under 2" in text
     assert "tiny dpo  (predicted" in text  # each task its own section of the sweep
 
 

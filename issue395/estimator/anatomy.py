@@ -23,7 +23,7 @@ from ..constants import CUBLAS_WORKSPACE, CUBLAS_WORKSPACE_PRE_HOPPER, block_byt
 from ..errors import UsageError
 from ..record import LORA_R
 from ..model.registry import FAMILIES, SHAPES, config_json, family_of
-from .arch import Arch, arch_from_config
+from .arch import arch_from_config, fp32_residual
 from . import estimate as E
 from .releases import RELEASE_FEATURES, installed_release
 from .terms import BY_KEY, Phase, live_in
@@ -79,10 +79,6 @@ def _sizes(exact: int) -> set:
     return {exact, block_bytes(exact)}
 
 
-def _fp32_inputs(a: Arch, quant: str) -> bool:
-    return a.model_type == "phi" and quant == "nf4"
-
-
 def class_sizes(config: dict, *, quant: str, seq: int, batch: int, name: str = PROTOCOL_TASK,
                 loss_blocks: Iterable[int] = (), head: int = 0) -> dict:
     """class -> the set of block sizes (bytes) that name it, before tie-breaks. A task's step runs
@@ -102,7 +98,7 @@ def class_sizes(config: dict, *, quant: str, seq: int, batch: int, name: str = P
     if head:
         out[HEAD_COPY] |= _sizes(head)
     out[CHECKPOINTED] |= _sizes(2 * T * a.h)
-    if _fp32_inputs(a, quant):
+    if fp32_residual(a, quant):
         out[CHECKPOINTED] |= _sizes(4 * T * a.h)
     out[FP32_RESIDUAL] |= _sizes(4 * T * a.h)
     out[ROTARY] |= _sizes(4 * a.rotary_dim * seq)
@@ -261,7 +257,7 @@ def class_breakdown(classes: dict, est, *, seq: int, batch: int, config: dict) -
     logits = _charged(est, "logits")
     charged[LOGITS_FP32] -= softcap if logits else 0  # the saved bf16 tanh output
     charged[LOGITS_BF16] = softcap if logits else 0
-    if _fp32_inputs(a, est.quant):  # phi NF4: the final norm's T h 4 copy ties with the L-1 fp32
+    if fp32_residual(a, est.quant):  # phi NF4: the final norm's T h 4 copy ties with the L-1 fp32
         charged[CHECKPOINTED] += charged[FP32_RESIDUAL]  # saved inputs and is named with them
         charged[FP32_RESIDUAL] = 0  # (CLASSES tie-break 3)
     named = {t for terms in NAMED_TERMS.values() for t in terms} | _UNCHARGED

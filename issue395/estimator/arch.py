@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 from ..constants import CONFIG_LIMITS
 from ..errors import UsageError
 from ..record import LORA_TARGETS
-from .moe import DEEPSEEK_V3, QWEN3_5, QWEN3_5_MOE, Layers, deepseek_v3, qwen3_5, soup_intermediate
+from .moe import (DEEPSEEK_V3, QWEN3_5, QWEN3_5_MOE, Layers, deepseek_v3, qwen3_5, soup_intermediate,
+                  union_bytes)
 
 _SIZES = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
           "vocab_size")
@@ -33,6 +34,45 @@ class Arch:
     norm_bias: bool = False
     qk_norm: bool = False
     layers: Layers | None = None  # MoE / latent / hybrid layers (issue395.estimator.moe); None: one dense kind
+
+
+    @property
+    def quirks(self) -> "Quirks":
+        """What this architecture does that the physics charges apart from the others (QUIRKS)."""
+        return QUIRKS.get(self.model_type, PLAIN)
+
+
+@dataclass(frozen=True)
+class Quirks:
+    """An architecture's departures from the plain decoder layer, as the corrected physics charges them
+    (each term's evidence: docs/PEAK.md and the term's docstring in issue395.estimator.estimate)."""
+
+    head_bias: bool = False  # an untied lm_head with a bias: V more values beside the head (phi)
+    fp32_residual_nf4: bool = False  # under NF4 the residual stream is fp32 after layer 0 (phi)
+    norm_inputs_saved: bool = True  # each norm saves an fp32 copy of its input in the recompute (not phi's)
+    fused_qkv: bool = False  # v is a view of one fused qkv projection (phi3)
+    mlp_saved: int = 6  # i-sized tensors the recomputed MLP saves and its backward makes (phi's gelu_new: 7)
+    mlp_transients: int = 3  # i-sized tensors the MLP's forward holds at once (phi's gelu_new: 4)
+    rotary_tables: int = 1  # rotary tables of 4 x rotary dim x seq B (Gemma-3: global and local; DeepSeek-V3: 3)
+    per_expert_layout: bool = False  # Soup admits stream_expert_layout per_expert (DeepSeek-V3 alone)
+
+
+PLAIN = Quirks()
+#: Every architecture that departs from the plain layer, and how.
+QUIRKS = {"phi": Quirks(head_bias=True, fp32_residual_nf4=True, norm_inputs_saved=False, mlp_saved=7,
+                        mlp_transients=4),
+          "phi3": Quirks(fused_qkv=True), "gemma3_text": Quirks(rotary_tables=2),
+          "deepseek_v3": Quirks(rotary_tables=3, per_expert_layout=True)}
+
+
+def fp32_residual(a: Arch, quant: str) -> bool:
+    """The residual stream is fp32 after layer 0 (phi under NF4): its saved inputs and activations are 4 B."""
+    return a.quirks.fp32_residual_nf4 and quant == "nf4"
+
+
+def activation_bytes(a: Arch, quant: str) -> int:
+    """Bytes of one activation element in the recomputed layer: bf16, or fp32 where the residual is."""
+    return 4 if fp32_residual(a, quant) else 2
 
 
 HEADS, PER_HEAD = "= num_attention_heads", "= hidden_size // num_attention_heads"
@@ -278,6 +318,36 @@ def arch_from_config(config: dict) -> Arch:
                 max_pos, int(hd * float(factor)), _window(config, mt, L), softcap, mods,
                 norms=4 if mt in ("gemma2", "gemma3_text") else (1 if mt == "phi" else 2),
                 norm_bias=mt == "phi", qk_norm=mt in ("qwen3", "gemma3_text"))
+
+
+# -- The shard geometry: what one layer of the architecture holds, read by Soup's number and the physics alike --
+def nf4_bytes(n: int) -> int:
+    """bitsandbytes NF4 + double quant, as Soup's shard stores it: packed nibbles, uint8
+    absmax per 64-block, fp32 nested absmax per 256 absmax, a 4-byte offset."""
+    blocks = -(-n // 64)
+    return -(-n // 2) + blocks + 4 * -(-blocks // 256) + 4
+
+
+def layer_bytes(a: Arch, quant: str, per_expert: bool = False) -> int:
+    """One streamed layer as Soup's shard header counts it (linears NF4 or bf16, the rest bf16);
+    for MoE, latent and hybrid layers the union of every layer kind's tensors (issue395.estimator.moe)."""
+    if a.layers is not None:
+        return union_bytes(a.layers.union, quant, per_expert, nf4_bytes)
+    out = 2 * a.h * a.norms * (2 if a.norm_bias else 1) + (4 * a.head_dim if a.qk_norm else 0)
+    for fan_in, fan_out, bias in a.modules.values():
+        out += (nf4_bytes(fan_in * fan_out) if quant == "nf4" else 2 * fan_in * fan_out)
+        out += 2 * fan_out if bias else 0
+    return out
+
+
+def linear_elements(a: Arch) -> int:
+    """The elements of a dense layer's linear weights (what NF4 quantises, what a bf16 copy holds)."""
+    return sum(fi * fo for fi, fo, _ in a.modules.values())
+
+
+def lora_params(a: Arch, targets: tuple, r: int) -> int:
+    """The adapter's parameters over every layer: r x (fan in + fan out) per target."""
+    return a.L * sum(r * (a.modules[t][0] + a.modules[t][1]) for t in targets)
 
 
 def protocol_targets(a: Arch) -> tuple:

@@ -17,14 +17,14 @@ from ..constants import CUBLAS_WORKSPACE, CUBLASLT_WORKSPACE, K_MIN_LARGE_ALLOC,
 from ..errors import UsageError
 from ..record import LORA_R, QUANTS
 from ..model.registry import RECOMPUTES, config_json, stream_mode
-from .arch import Arch, arch_from_config, protocol_targets
+from .arch import (Arch, activation_bytes, arch_from_config, fp32_residual, layer_bytes, linear_elements, lora_params,
+                   protocol_targets)
 from .attention import eager as eager_attention
 from .moe import Kind, expert_in_flight
 from ..model.targets import soup_targets
 from ..tasks import PROTOCOL_TASK, task as task_named
 from .releases import Features, installed_release
-from .soup_number import (arch_of, features, layer_bytes, linear_elements, lora_params, soup_preflight_from_config,
-                          vocab_matrices_resident)
+from .soup_number import arch_of, features, soup_preflight_from_config, vocab_matrices_resident
 from .terms import Phase, Term, phase_sum
 
 # CUBLAS_WORKSPACE (constants) is kept on every card though torch gives less below sm 9
@@ -89,7 +89,7 @@ def extras(a: Arch, f: Features) -> int:
     (results/compare-untied-soup077-vs-073.txt)."""
     heads = vocab_matrices_resident(a, f)
     return 2 * a.V * a.h * heads + 2 * a.h * (2 if a.norm_bias else 1) + (
-        2 * a.V if a.model_type == "phi" and not a.tied else 0)
+        2 * a.V if a.quirks.head_bias and not a.tied else 0)
 
 
 def lora_weights(n: int, per: int = LORA_WEIGHT_BYTES) -> int:
@@ -106,7 +106,7 @@ def logits(a: Arch, T: int) -> int:
 def checkpointed_inputs(a: Arch, quant: str, T: int) -> int:
     """Each layer's saved input, 2hL B/token; phi NF4 (4L-2)h: its residual is fp32 after layer 0
     (PEAK: phi-2 NF4 2048x1 325.1 MB and 2048x4 1,300.2 MB above bf16 = 31 T h 2)."""
-    return T * a.h * ((4 * a.L - 2) if (a.model_type == "phi" and quant == "nf4") else 2 * a.L)
+    return T * a.h * ((4 * a.L - 2) if fp32_residual(a, quant) else 2 * a.L)
 
 
 def final_norm(a: Arch, T: int) -> int:
@@ -128,9 +128,7 @@ def rotary_tables(a: Arch, seq: int) -> int:
     """cos+sin, bf16, rotary dim x seq each: 4 x rd x seq per table; Gemma-3 keeps a global and a
     local one (PEAK "Loss phase"). DeepSeek-V3's latent attention keeps three fp32 tables of
     rd x seq (4 x rd x seq each). Evidence: docs/PEAK.md, "rotary_tables"."""
-    if a.model_type == "deepseek_v3":
-        return 3 * 4 * a.rotary_dim * seq
-    return 4 * a.rotary_dim * seq * (2 if a.model_type == "gemma3_text" else 1)
+    return 4 * a.rotary_dim * seq * a.quirks.rotary_tables
 
 
 def sliding_mask(a: Arch, seq: int, batch: int) -> int:
@@ -227,15 +225,15 @@ def layer_per_token(a: Arch, quant: str, targets: tuple, r: int) -> int:
     gradient (act x h). MLP: gate, act(gate), up saved (3i), and at the mul backward the down
     grad and the two mul grads (3i): 6i; phi's python gelu_new saves 4 i-sized tensors: 7i.
     Evidence: PEAK counts about 258 KB/token for Mistral-7B, this count's figure."""
-    act = 4 if (a.model_type == "phi" and quant == "nf4") else 2
+    act = activation_bytes(a, quant)
     qw, kw = a.heads * a.head_dim, a.kv * a.head_dim
-    b = 4 * a.h * (a.norms if a.model_type != "phi" else 0)
+    b = 4 * a.h * (a.norms if a.quirks.norm_inputs_saved else 0)
     b += sum(act * a.modules[t][0] + LORA_DROPOUT_MASK_BYTES * a.modules[t][0] + act * r
              for t in targets)
-    v = (qw + 2 * kw) if a.model_type == "phi3" else kw  # phi3: v is a view of the fused qkv
+    v = (qw + 2 * kw) if a.quirks.fused_qkv else kw  # phi3: v is a view of the fused qkv
     b += act * (qw + kw + v + qw) + 4 * a.heads + act * a.h
     b += 4 * (qw + kw) if a.qk_norm else 0
-    b += act * a.i * (7 if a.model_type == "phi" else 6)
+    b += act * a.i * a.quirks.mlp_saved
     return b
 
 
@@ -329,9 +327,9 @@ def no_grad_layer_per_token(a: Arch, quant: str, targets: tuple, r: int) -> int:
     count, the bound (issue395.estimator.moe's kinds are counted with their backward)."""
     if a.layers is not None:
         return max(kind_per_token(a, k, targets, r) for k in a.layers.kinds)
-    act = 4 if (a.model_type == "phi" and quant == "nf4") else 2
+    act = activation_bytes(a, quant)
     lora = max(act * a.modules[t][0] + LORA_DROPOUT_MASK_BYTES * a.modules[t][0] + act * r for t in targets)
-    return 2 * act * a.h + 8 * a.h + act * a.i * (4 if a.model_type == "phi" else 3) + lora
+    return 2 * act * a.h + 8 * a.h + act * a.i * a.quirks.mlp_transients + lora
 
 
 def head_copy(a: Arch, f: Features, name: str) -> int:
@@ -519,15 +517,15 @@ def estimate(config: dict, *, quant: str = "none", seq: int, batch: int = 1, tar
         config, quant=quant, seq=seq, batch=batch, targets=spelled, lora_r=lora_r, release=release,
         stream=stream, task=task) if soup else (None, {})
     per_expert = stream.get("stream_expert_layout") == "per_expert"
-    if per_expert and a.model_type != "deepseek_v3":  # Soup refuses it: no number for a run that cannot be
+    if per_expert and not a.quirks.per_expert_layout:  # Soup refuses it: no number for a run that cannot be
         raise UsageError(f"Soup refuses stream_expert_layout 'per_expert' on {a.model_type} (it admits "
                          "deepseek_v3 only)")
     chunk, recompute = stream.get("stream_loss_chunk"), stream.get("stream_recompute", "on")
     if recompute not in RECOMPUTES:
         raise UsageError(f"stream_recompute {recompute!r} is not modelled (it measures one step at setup)")
     tk = task_named(task)
-    if batch < tk.min_batch:
-        raise UsageError(f"task {tk.name} needs batch >= {tk.min_batch} (Soup's schema)")
+    if tk.batch_refused(batch):
+        raise UsageError(f"batch {batch}: {tk.batch_refused(batch)}")
     if optimizer not in OPTIMIZERS:
         optimizer_state_bytes([], optimizer)  # its one-line refusal
     if chunk and tk.name != PROTOCOL_TASK:

@@ -21,8 +21,8 @@ from typing import Optional
 from ..constants import STREAM_KEYS
 from ..errors import UsageError
 from ..tasks import PROTOCOL_TASK, TASKS
-from .arch import Arch, arch_from_config
-from .moe import expert_in_flight, union_bytes
+from .arch import Arch, arch_from_config, layer_bytes
+from .moe import expert_in_flight
 from .releases import (RELEASE_FEATURES, RELEASES_ENV, Features, _TWELVE, installed_release, release_source,
                        soup_dir)
 
@@ -196,33 +196,6 @@ def arch_of(config: dict, src: Optional[Path] = None) -> Arch:
     return arch_from_config(config)
 
 
-def _nf4_bytes(n: int) -> int:
-    """bitsandbytes NF4 + double quant, as Soup's shard stores it: packed nibbles, uint8
-    absmax per 64-block, fp32 nested absmax per 256 absmax, a 4-byte offset."""
-    blocks = -(-n // 64)
-    return -(-n // 2) + blocks + 4 * -(-blocks // 256) + 4
-
-
-def layer_bytes(a: Arch, quant: str, per_expert: bool = False) -> int:
-    """One streamed layer as Soup's shard header counts it (linears NF4 or bf16, the rest bf16);
-    for MoE, latent and hybrid layers the union of every layer kind's tensors (issue395.estimator.moe)."""
-    if a.layers is not None:
-        return union_bytes(a.layers.union, quant, per_expert, _nf4_bytes)
-    out = 2 * a.h * a.norms * (2 if a.norm_bias else 1) + (4 * a.head_dim if a.qk_norm else 0)
-    for fan_in, fan_out, bias in a.modules.values():
-        out += (_nf4_bytes(fan_in * fan_out) if quant == "nf4" else 2 * fan_in * fan_out)
-        out += 2 * fan_out if bias else 0
-    return out
-
-
-def linear_elements(a: Arch) -> int:
-    return sum(fi * fo for fi, fo, _ in a.modules.values())
-
-
-def lora_params(a: Arch, targets: tuple, r: int) -> int:
-    return a.L * sum(r * (a.modules[t][0] + a.modules[t][1]) for t in targets)
-
-
 def vocab_matrices_in_extras(a: Arch, f: Features) -> int:
     """Vocab matrices a release keeps resident beside the layers: a tied model's one; an untied
     model's two, or, where its shard splits the pair (0.74.0 on), none: they share one large slot."""
@@ -294,8 +267,8 @@ def soup_preflight_from_config(config: dict, *, quant: str, seq: int, batch: int
     refused_modes(a, f, stream, release, src)
     per_expert = stream.get("stream_expert_layout") == "per_expert"
     rows, refill = f.task(task)
-    if task != PROTOCOL_TASK and batch < TASKS[task].min_batch:
-        raise UsageError(f"task {task}: Soup's schema refuses batch {batch} (it takes {TASKS[task].min_batch} or more)")
+    if TASKS[task].batch_refused(batch):
+        raise UsageError(f"batch {batch}: {TASKS[task].batch_refused(batch)}")
     ns, mixin = _namespace(src), _mixin(src)
     vocab_mat = 2 * a.V * a.h
     slot = 0 if vocab_matrices_in_extras(a, f) else vocab_mat  # large_layer_buffer_bytes: max(embed, head)
@@ -310,7 +283,7 @@ def soup_preflight_from_config(config: dict, *, quant: str, seq: int, batch: int
     values = {
         "layer_bytes": layer_bytes(a, quant, per_expert), "buffers": 2,
         "extras_bytes": vocab_mat * vocab_matrices_in_extras(a, f) + 2 * a.h * (2 if a.norm_bias else 1)
-        + (2 * a.V if a.model_type == "phi" and not a.tied else 0),
+        + (2 * a.V if a.quirks.head_bias and not a.tied else 0),
         "adapter_params": mixin._estimate_adapter_params(mixin(), _tcfg(soup_value, lora_r),
                                                          _model_config(config, a), **adapter_kw),
         "vocab_size": a.V, "hidden_size": a.h, "intermediate_size": a.i, "n_layers": a.L, "seq_len": seq,

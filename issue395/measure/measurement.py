@@ -19,7 +19,7 @@ from ..tasks import PROTOCOL_TASK, task
 from ..model.arm import Arm
 from ..model.registry import Shape
 from ..estimator.anatomy import classifier_for
-from ..results.extras import Capped, Gate, Ran, UserConfig
+from ..results.extras import Gate, Ran, UserConfig
 from ..results.row import Row, arm_row
 from ..constraints.constraint import ArmSetting, Constraint
 from .console import soup_console
@@ -136,11 +136,10 @@ def run_arm(measure_arm: Callable[..., Measurement], step_device: str, arm: Arm,
     --config arm's row names the file and the LoRA r and alpha it ran with (its shape's)."""
     carried = carried_bytes(dry_run, step_device)
     config = UserConfig(soup_config, shape.lora_r, shape.lora_alpha) if soup_config else None
-    smallest = task(arm.task).min_batch
-    if arm.batch < smallest:  # planned, never dropped: the row says why it did not run
+    refused = task(arm.task).batch_refused(arm.batch)
+    if refused:  # planned, never dropped: the row says why it did not run
         return arm_row(arm, shape, ran=Ran(base=base), dry_run=dry_run, repeat=repeat, failure="SKIPPED",
-                       error=f"{arm.task} needs batch >= {smallest}: Soup's schema refuses a streamed "
-                             f"{arm.task} run below it (issue395.tasks: min_batch)", config=config)
+                       error=f"batch {arm.batch}: {refused}", config=config)
     if arm.quant == "nf4" and not bitsandbytes_present():
         return arm_row(arm, shape, ran=Ran(base=base), dry_run=dry_run, repeat=repeat, failure="SKIPPED",
                        error="NF4 needs bitsandbytes, which is not installed here", config=config)

@@ -331,12 +331,16 @@ def stack_words(env: dict[str, Any]) -> str:
             f"transformers {env.get('transformers') or '?'}" + (", dry run" if env.get("dry_run") else ""))
 
 
+def arm_pairs(a: Result, b: Result) -> list[tuple[Row, Row]]:
+    """The measured rows of the same arm and repeat in both results (Row.arm: the arm's identity)."""
+    index = {(r.arm, r.repeat): r for r in b.rows if r.measured}
+    return [(r, index[(r.arm, r.repeat)]) for r in a.rows if r.measured and (r.arm, r.repeat) in index]
+
+
 def compare_table(a: Result, b: Result, names: Optional[tuple[str, str]] = None) -> str:
     """The same arms' measured peaks in two saved results (e.g. before and after a change);
     ``names`` (the files) head each side's stack when the caller has them."""
-    index = {(r.arm, r.repeat): r for r in b.rows if r.measured}
-    pairs = [(r, index.get((r.arm, r.repeat))) for r in a.rows if r.measured]
-    pairs = [(r, o) for r, o in pairs if o]
+    pairs = arm_pairs(a, b)
     quant = any(r.quant != "none" for r, _ in pairs)  # a sweep's compare keeps its columns
     cells = [[r.label] + ([r.quant] if quant else []) + [
         str(r.seq), str(r.batch), gb(r.real_peak), gb(o.real_peak), str(o.real_peak - r.real_peak),

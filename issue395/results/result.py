@@ -12,7 +12,7 @@ from ..errors import EXIT_FINDING, EXIT_INTERRUPTED, EXIT_OK
 from ..record import QUANTS
 from ..tasks import PROTOCOL_TASK, TASKS
 from ..model.registry import ALL_FAMILIES
-from .row import Row
+from .row import FINDINGS, Row
 from .schema import READS, SCHEMA, TOOL, check_blocks, check_unique, determinism_rows, schema1_row, schema2_row
 
 
@@ -33,7 +33,7 @@ class Result:
     def exit_code(self) -> int:
         if self.interrupted:
             return EXIT_INTERRUPTED
-        if any(r.status in ("VOID", "OOM", "FAILED", "UNDER") for r in self.rows):
+        if any(r.status in FINDINGS for r in self.rows):
             return EXIT_FINDING
         if self.error or (self.control is not None and not self.control.get("passed")):
             return EXIT_FINDING

@@ -29,6 +29,9 @@ def realised_as_requested(seq: int, batch: int, width: Optional[int], rows: Iter
 #: What stops an arm short of a measurement. OOM and FAILED are findings; REFUSED (Soup's
 #: pre-flight said the run will not fit: the gate working) and SKIPPED are not.
 FAILURES = ("OOM", "FAILED", "REFUSED", "SKIPPED")
+#: The statuses that are findings (a run holding one exits 1): the void row, the failures above that
+#: are, and the peak past every prediction.
+FINDINGS = ("VOID", "OOM", "FAILED", "UNDER")
 
 
 #: A row's fields that Row.from_json would otherwise take as they are: what each must be.

@@ -180,11 +180,9 @@ def settle_values(args: argparse.Namespace, given: FromOptions, cards_given: Opt
     stream = settled_stream(given.stream(), given.STREAM)
     tasks = given.tasks()
     batches = given.batches()
-    for t in tasks:  # Soup's schema refuses it (KTO needs both labels in a batch): one line
-        low = [b for b in batches if b < TASKS[t].min_batch]
-        if low:
-            raise UsageError(f"--task {t} {given.BATCH} {low[0]}: Soup's schema refuses a {t} batch under "
-                             f"{TASKS[t].min_batch}")
+    for t, b in ((t, b) for t in tasks for b in batches):  # KTO needs both labels in a batch: one line
+        if TASKS[t].batch_refused(b):
+            raise UsageError(f"--task {t} {given.BATCH} {b}: {TASKS[t].batch_refused(b)}")
     if stream:  # Soup's own refusals of the streaming modes, in one line before any table
         stream_refused(config, stream)
     check("estimate answer", args, cards=cards)

@@ -11,7 +11,7 @@ from ..results.merge import merge
 from ..results.result import Result
 from ..results.saved import RowFile, load_result
 from ..report.outputs import render_markdown, write_outputs
-from ..report.tables import compare_table, render_text
+from ..report.tables import arm_pairs, compare_table, render_text
 from .checks import check_input, no_output_is_an_input, one_int
 from .request import Outputs, RerenderRequest
 
@@ -51,7 +51,7 @@ def execute(run: RerenderRequest, protocol: object = None) -> int:
         raise UsageError(f"{named}: a saved block cannot be rendered ({last_line(exc)})") from None
     if run.compare:
         other = load_result(run.compare, "--compare")
-        if not common_arms(result, other):
+        if not shares_an_arm(result, other):
             raise UsageError(f"--compare {run.compare}: no arm in common with {named} (no measured arm "
                              "with the same model, quant, seq, batch and repeat in both)")
         try:
@@ -69,10 +69,9 @@ def execute(run: RerenderRequest, protocol: object = None) -> int:
     return result.exit_code
 
 
-def common_arms(a: Result, b: Result) -> int:
-    """How many measured arms two results share (tables.compare_table's pairing)."""
+def shares_an_arm(a: Result, b: Result) -> bool:
+    """Whether two results measured an arm in common (tables.arm_pairs, compare_table's own pairing)."""
     try:
-        keys = {(r.model, r.quant, r.seq, r.batch, r.task, r.repeat) for r in b.rows if r.measured}
-        return sum(1 for r in a.rows if r.measured and (r.model, r.quant, r.seq, r.batch, r.task, r.repeat) in keys)
+        return bool(arm_pairs(a, b))
     except TypeError:  # an unhashable value: compare_table will say what
-        return 1
+        return True

@@ -15,6 +15,7 @@ from ..constants import STREAM_KEYS
 from ..errors import UsageError, last_line
 from ..record import SOUP_QUANT
 from ..tasks import PROTOCOL_TASK, TASKS
+from ..estimator.estimate import DEFAULT_OPTIMIZER
 from .checks import HUB_ID
 
 #: Soup's quantization spelling -> this tool's.
@@ -45,7 +46,7 @@ class UserRun:
     task: str = PROTOCOL_TASK  # Soup's task: (issue395.tasks)
     gate_override: Optional[int] = None  # training.stream_vram_override: bytes Soup's gate takes as free
     probe: bool = False  # training.stream_vram_probe: Soup's gate is one measured step (decide_measured_fit)
-    optimizer: str = "adamw_torch"  # training.optimizer, Soup's normalised name
+    optimizer: str = DEFAULT_OPTIMIZER  # training.optimizer, Soup's normalised name
     accumulation: int = 1  # training.gradient_accumulation_steps
     keys: tuple = ()  # one line per key of the file that changes the peak or Soup's gate: how it is read
     text: str = ""  # the file as written (--find-max's probes copy it, changing only their keys)
@@ -178,10 +179,6 @@ def unknown_keys(text: str, cfg: Any) -> list[str]:
     return lines
 
 
-#: training.optimizer: what its steady state charges (the estimator's own table where it has one).
-ADAMW = "adamw_torch"
-
-
 def key_lines(cfg: Any, quant: str) -> list[str]:
     """How each key of the file that changes the peak or Soup's gate is read: modelled (and how),
     or not modelled, one line each; Soup's defaults say nothing."""
@@ -208,7 +205,7 @@ def key_lines(cfg: Any, quant: str) -> list[str]:
         lines.append(f"training.gradient_accumulation_steps {accum}: modelled: each micro-batch is "
                      "training.batch_size rows, the step's batch, and from micro-batch 2 on every phase holds the "
                      "adapter's gradients (held_gradients)")
-    if str(t.optimizer) != ADAMW:
+    if str(t.optimizer) != DEFAULT_OPTIMIZER:  # its steady state, by the estimator's optimizer table
         lines.append(f"training.optimizer {t.optimizer}: its states from step 2 on, by the estimator's optimizer "
                      "table (an optimizer it has no entry for is refused)")
     for key in STREAM_KEYS:

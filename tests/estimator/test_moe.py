@@ -16,7 +16,8 @@ from issue395.estimator.arch import arch_from_config, protocol_targets
 from issue395.errors import UsageError
 from issue395.estimator.moe import union_bytes
 from issue395.model.registry import FAMILIES, config_json, stream_mode
-from issue395.estimator.soup_number import _nf4_bytes, supported_archs
+from issue395.estimator.arch import nf4_bytes
+from issue395.estimator.soup_number import supported_archs
 
 ROOT = Path(__file__).resolve().parents[2]
 NEW = ("moonlight", "deepseek-v3", "kimi-k2", "qwen3.5", "qwen3.5-moe")
@@ -116,8 +117,8 @@ def test_nf4_quantises_nn_linear_weights_only_and_per_expert_takes_the_experts_o
     # hand arithmetic on Moonlight's union (hidden 2048, 64 experts of 1408): the fused experts stay
     # bf16 under NF4 (3 x 2048 x 1408 x 64 x 2 B = 1,107,296,256) and leave the buffer per-expert
     a = arch_from_config(config_json("moonlight"))
-    fused_nf4 = union_bytes(a.layers.union, "nf4", False, _nf4_bytes)
-    per_expert_nf4 = union_bytes(a.layers.union, "nf4", True, _nf4_bytes)
+    fused_nf4 = union_bytes(a.layers.union, "nf4", False, nf4_bytes)
+    per_expert_nf4 = union_bytes(a.layers.union, "nf4", True, nf4_bytes)
     assert fused_nf4 - per_expert_nf4 == 3 * 2048 * 1408 * 64 * 2
     # the router (64 x 2048) stays bf16 and its score bias fp32: 262,144 + 256 B in either
     assert (64 * 2048, "bf16") in a.layers.union and (64, "fp32") in a.layers.union

@@ -98,7 +98,7 @@ def test_dpos_reference_adapter_is_the_resident_bytes_dpo_holds_over_orpo_on_077
 
 
 def test_a_task_the_estimator_cannot_model_is_refused_in_one_line():
-    with pytest.raises(UsageError, match="batch >= 2"):
+    with pytest.raises(UsageError, match="refuses a kto batch under 2"):
         E.estimate_key("smol", seq=512, batch=1, task="kto", soup=False)
     with pytest.raises(UsageError, match="stream_loss_chunk with task dpo"):
         E.estimate_key("smol+chunk512", seq=2048, task="dpo", release="0.77.0", soup=False)
