@@ -314,7 +314,8 @@ def estimate_notes(config: dict, quants) -> list[str]:
                      f"--quant {','.join(quants)} of the full-precision shapes the config describes")
     notes.append("needs free assumes the allocator's expandable segments, as `soup train` sets them "
                  "(PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True)")
-    notes.append("not estimated: host RAM and disk for the streamed layers' store (Soup's other gate)")
+    notes.append("not estimated: the disk Soup's store overflows to where the free RAM is short of its RAM tier "
+                 "(the host RAM line under the verdict)")
     return notes
 
 
