@@ -31,7 +31,8 @@ class RowFile:
         self.path = self.path_for(json_path) if json_path and json_path != "-" else None  # -: stdout
         self.ok = True
         if self.path:
-            self.path.unlink(missing_ok=True)
+            self.refuse_unfinished(json_path)  # never deleted: the rows of a run that did not finish
+            self.path.unlink(missing_ok=True)  # empty: it holds no row
             if environment is not None:
                 self.write({self.HEADER: 1, "tool": TOOL, "schema": SCHEMA, "kind": kind,
                             "environment": environment})
@@ -39,6 +40,28 @@ class RowFile:
     @staticmethod
     def path_for(json_path: str) -> Path:
         return Path(os.path.realpath(json_path) + RowFile.SUFFIX)
+
+    @classmethod
+    def unfinished(cls, json_path: Optional[str]) -> Optional[Path]:
+        """The row file beside ``json_path`` where it holds anything: its run never wrote its --json
+        (finish removes it once the JSON holds the rows), or it is still running. None otherwise."""
+        if not json_path or json_path == "-":
+            return None
+        path = cls.path_for(json_path)
+        try:
+            return path if path.stat().st_size > 0 else None
+        except OSError:
+            return None
+
+    @classmethod
+    def refuse_unfinished(cls, json_path: Optional[str], flag: str = "--json") -> None:
+        """One line, before any work, for a --json whose row file holds an unfinished run's rows:
+        the next run would have replaced them."""
+        path = cls.unfinished(json_path)
+        if path is not None:
+            raise UsageError(f"{flag} {json_path}: its row file {path} holds the rows of a run that did not finish "
+                             f"(it never wrote that --json, or it is still running); render them with --from-json "
+                             f"{path}, or move it away, then run again")
 
     @classmethod
     def is_header(cls, line: object) -> bool:
@@ -59,15 +82,19 @@ class RowFile:
             try:
                 with open(self.path, "a", encoding="utf-8") as fh:
                     fh.write(json.dumps(line, default=str) + "\n")
-            except OSError as exc:  # the tables and the final JSON still hold the row
+            except OSError as exc:  # the tables and the final JSON still hold the row; the run goes on
                 self.ok = False
-                print(f"warning: cannot save rows to {self.path} ({exc.strerror}); "
-                      "they are in the tables", file=sys.stderr)
-                self.path.unlink(missing_ok=True)
+                print(f"warning: cannot save rows to {self.path} ({exc.strerror or exc}); the rows saved so far "
+                      "stay in it, and every row is in the tables", file=sys.stderr)
 
     def finish(self) -> None:
+        """The final JSON holds every row: its row file goes (where the folder lets it)."""
         if self.path:
-            self.path.unlink(missing_ok=True)
+            try:
+                self.path.unlink(missing_ok=True)
+            except OSError as exc:
+                print(f"warning: {self.path} could not be removed ({exc.strerror or exc}); the --json beside it "
+                      "holds all its rows", file=sys.stderr)
 
 
 def row_file_result(path: str, flag: str) -> dict[str, Any]:
