@@ -275,3 +275,21 @@ def test_item5_a_row_file_on_a_folder_turned_read_only_keeps_its_rows_and_the_ru
     assert [json.loads(ln) for ln in rf.path.read_text().splitlines()][1:] == [{"row": 1}]
     err = capfd.readouterr().err
     assert err.count("warning") == 1 and "Read-only file system" in err and str(rf.path) in err
+
+
+# 9. target_modules auto on a model peft has no table for: the suggestion is the model's own ------
+
+@pytest.mark.parametrize("model", ["moonlight", "qwen3.5", "deepseek-v3"])
+def test_item9_auto_targets_suggest_modules_the_model_has_and_the_suggestion_is_taken(capfd, model):
+    from issue395.measure.shapes import soup_has_stream_modes
+
+    if not soup_has_stream_modes():
+        pytest.skip("soup-cli 0.73.3 does not stream these families")
+    base = ["--estimate", "--model", model, "--quant", "nf4", "--seq", "512"]
+    code, out, err = main(capfd, base + ["--targets", "auto"])
+    if code == 0:  # peft has a table for it: nothing suggested
+        return
+    line = one_error_line(code, out, err, "--targets")
+    suggested = re.search(r"--targets (\S+) \(or some of them\)", line).group(1)
+    code, out, err = main(capfd, base + ["--targets", suggested])
+    assert code == 0, err
