@@ -293,3 +293,32 @@ def test_item9_auto_targets_suggest_modules_the_model_has_and_the_suggestion_is_
     suggested = re.search(r"--targets (\S+) \(or some of them\)", line).group(1)
     code, out, err = main(capfd, base + ["--targets", suggested])
     assert code == 0, err
+
+
+# 11. a local config.json base has its corrected column ---------------------------------------------
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["--model", "--config"])
+def test_item11_a_local_config_json_bases_arm_has_the_corrected_figure_estimate_gives(capfd, tmp_path, cache_dir, how):
+    from issue395.model.registry import config_json
+
+    folder = tmp_path / "my-model"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(config_json("smol")))
+    if how == "--model":
+        argv = ["--model", folder, "--seq", "128"]
+        est = ["--estimate", "--model", folder / "config.json", "--seq", "128"]
+    else:
+        yaml = soup_yaml(tmp_path, seq=128, base=folder).read_text().replace("quantization: 4bit", "quantization: none")
+        (tmp_path / "soup.yaml").write_text(yaml)
+        argv = ["--config", tmp_path / "soup.yaml"]
+        est = ["--estimate", "--config", tmp_path / "soup.yaml", "--steps", "1"]
+    code, out, err = main(capfd, argv + ["--dry-run", "--cache-dir", cache_dir, "--json", tmp_path / "r.json"])
+    assert code == 0, err
+    (row,) = json.loads((tmp_path / "r.json").read_text())["rows"]
+    code, _, err = main(capfd, est + ["--json", tmp_path / "e.json"])
+    assert code == 0, err
+    (want,) = json.loads((tmp_path / "e.json").read_text())["rows"]
+    assert row["corrected_custom"] == want["corrected_predicted"], (row.get("corrected_custom"), want)
+    code, out, err = main(capfd, ["--from-json", tmp_path / "r.json"])
+    assert f"{want['corrected_predicted'] / 1e9:.4f}" in out, out
