@@ -110,7 +110,8 @@ def row_file_result(path: str, flag: str) -> dict[str, Any]:
     if not RowFile.is_header(header):  # a file from before the header, or not a row file at all
         raise UsageError(f"{flag} {path}: this is a run's row file (its measured rows, one JSON line each, kept "
                          "when the run could not write its --json); it holds no environment to judge them by, "
-                         "so --from-json cannot render it: read the lines as they are")
+                         "so --from-json cannot render it: read the lines as they are (a committed one under "
+                         "results/ is rendered by the bench/ script its folder's commands.txt or README names)")
     if header[RowFile.HEADER] != 1:
         raise ValueError(f"its row file version is {header[RowFile.HEADER]!r:.60}, not 1")
     rows_from = RowFile.ROWS_FROM + ("; its last line, half-written, is left out" if data[done:].strip() else "")
@@ -119,14 +120,22 @@ def row_file_result(path: str, flag: str) -> dict[str, Any]:
             "rows": [json.loads(line) for line in lines[1:]], "interrupted": True}
 
 
+#: The tool's own JSONs that hold no measured arm, by kind: what each is, in one line's words.
+NOT_MEASURED = {
+    "estimate": "an --estimate result (a config's estimate, nothing measured)",
+    "find-max": ("a --find-max result (its probes of the real `soup train`, each judged from Soup's console: no "
+                 "measured arm; its 'measured' block holds the probes, in order)"),
+}
+
+
 def load_result(path: str, flag: str = "--from-json") -> Result:
     try:
         if path.endswith(RowFile.SUFFIX):
             return Result.from_json(row_file_result(path, flag))
         data = json.loads(Path(path).read_text(encoding="utf-8"))
-        if isinstance(data, dict) and data.get("kind") == "estimate" and "environment" not in data:
-            raise UsageError(f"{flag} {path}: this is an --estimate result (a config's estimate, nothing "
-                             "measured); --from-json re-renders measured results")
+        kind = data.get("kind") if isinstance(data, dict) else None
+        if kind in NOT_MEASURED and "environment" not in data:
+            raise UsageError(f"{flag} {path}: this is {NOT_MEASURED[kind]}; --from-json re-renders measured results")
         return Result.from_json(data)
     except (OSError, ValueError, TypeError, KeyError, RecursionError, MemoryError) as exc:
         reason = "nested too deeply" if isinstance(exc, RecursionError) else last_line(exc)

@@ -121,7 +121,8 @@ def test_a_committed_row_file_from_before_the_header_is_refused_with_the_same_li
     line = one_error_line(*main(capfd, ["--from-json", COMMITTED_ROW_FILE]))
     assert line == (f"error: --from-json {COMMITTED_ROW_FILE}: this is a run's row file (its measured rows, one JSON "
                     "line each, kept when the run could not write its --json); it holds no environment to judge "
-                    "them by, so --from-json cannot render it: read the lines as they are")
+                    "them by, so --from-json cannot render it: read the lines as they are (a committed one under "
+                    "results/ is rendered by the bench/ script its folder's commands.txt or README names)")
 
 
 class Killed(BaseException):  # not Exception: the runner keeps the rows of a harness bug

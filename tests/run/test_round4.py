@@ -322,3 +322,24 @@ def test_item11_a_local_config_json_bases_arm_has_the_corrected_figure_estimate_
     assert row["corrected_custom"] == want["corrected_predicted"], (row.get("corrected_custom"), want)
     code, out, err = main(capfd, ["--from-json", tmp_path / "r.json"])
     assert f"{want['corrected_predicted'] / 1e9:.4f}" in out, out
+
+
+# 8. the tool's own results are named for what they are; the README says how the map's row file renders
+
+def test_item8_a_find_max_json_is_named_as_one_not_as_a_foreign_file(capfd, tmp_path):
+    path = tmp_path / "fm.json"
+    path.write_text(json.dumps({"tool": "issue395-second-stack-vram", "schema": 3, "kind": "find-max",
+                                "measured": {"probes": []}}))
+    line = one_error_line(*main(capfd, ["--from-json", path]), "--find-max result")
+    assert "not a result this tool" not in line, line
+
+
+def test_item8_the_readme_says_what_renders_the_committed_full_maps_row_file(capfd):
+    from conftest import ROOT
+
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    sentence = readme[readme.index("results/map-077-full-h200-soup0.77.0-684477c/`"):][:400]
+    assert "bench/map_077_full.py" in sentence, sentence
+    rows = ROOT / "results/map-077-full-h200-soup0.77.0-684477c/map-077-full.json.rows.jsonl"
+    line = one_error_line(*main(capfd, ["--from-json", rows]), "row file")
+    assert "bench/" in line, line  # the committed ones: the script that renders them
