@@ -1,6 +1,9 @@
-"""Bad input and exit codes: the one line on stderr, and what each exit means."""
+"""Bad input and exit codes: the one line on stderr, and what each exit means; an exception's last line
+and Soup's refusals in Soup's own words, cut to one line."""
 
 from __future__ import annotations
+
+import re
 
 EXIT_OK, EXIT_FINDING, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
@@ -26,3 +29,22 @@ def cut(text: str, limit: int = QUOTE_CHARS) -> str:
 def last_line(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     return cut(f"{type(exc).__name__}: {text[-1] if text else ''}".strip())
+
+
+#: pydantic's words before a validator's own message (Soup's loader keeps them: 'loc: Value error, ...').
+PYDANTIC_PREFIX = re.compile(r"^(?:Value error|Assertion failed|Assertion error), ")
+#: A location in Soup's loader's join ('training -> lora -> r'): words, dots, brackets, arrows; no colon.
+LOCATION = re.compile(r"^([\w.\[\]\- >]*?): ")
+
+
+def soups_words(message: str) -> str:
+    """Soup's loader joins pydantic's errors as 'loc: msg'; a check on the whole file has no loc
+    (': Value error, ...'): its words alone, without pydantic's 'Value error, ' prefix. The loc is
+    the text before the first ': ' (a message's own colons stay)."""
+    parts = []
+    for part in " ".join(message.split()).split("; "):
+        m = LOCATION.match(part)
+        loc, msg = (m.group(1).strip(), part[m.end():]) if m else ("", part)
+        msg = PYDANTIC_PREFIX.sub("", msg)
+        parts.append(f"{loc}: {msg}" if loc else msg)
+    return "; ".join(parts)

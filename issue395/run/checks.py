@@ -1,9 +1,11 @@
 """Checks on what the command line names, before anything runs: whole numbers and their bounds,
-output paths (writable, never an input), input files, hub ids against local paths, --cache-dir."""
+output paths (writable, never an input), input files, hub ids against local paths, --cache-dir, and
+the packages a mode imports (a `pip install --no-deps soup-cli` has enough for --estimate alone)."""
 
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 import re
 import stat
@@ -239,3 +241,40 @@ def one_card(flag: str, given: str):
     except UsageError as exc:
         raise UsageError(str(exc).replace("--card", flag, 1)) from None
 
+
+#: What soup-cli's config loader imports beyond soup-cli itself (soup_cli/config/loader.py and
+#: schema.py), by module -> the package pip installs it from: a `pip install --no-deps soup-cli`
+#: (enough for --estimate --model) lacks them.
+LOADER_NEEDS = {"yaml": "pyyaml", "pydantic": "pydantic", "rich": "rich"}
+
+#: What a run that builds and steps arms (a dry run too) imports, by module -> pip package: the
+#: training stack (requirements.txt pins it), the packages Soup's own setup imports (its "train"
+#: extra: accelerate, datasets) and its loader's.
+ARM_NEEDS = {"torch": "torch", "transformers": "transformers", "trl": "trl", "peft": "peft",
+             "accelerate": "accelerate", "datasets": "datasets", "safetensors": "safetensors", "jinja2": "jinja2",
+             **LOADER_NEEDS}
+#: --plot draws with matplotlib, whatever mode writes it.
+PLOT_NEEDS = {"matplotlib": "matplotlib"}
+
+
+def not_installed(modules: dict) -> list[str]:
+    """The pip packages of ``modules`` (module -> package) whose module is not importable here,
+    found without importing them (importlib's finder)."""
+    missing = []
+    for module, package in modules.items():
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found and package not in missing:
+            missing.append(package)
+    return missing
+
+
+def require_installed(what: str, modules: dict, hint: str = "pip install -r requirements.txt") -> None:
+    """One line before any work where a mode's packages are not installed: each named, and the pip
+    command that installs them."""
+    missing = not_installed(modules)
+    if missing:
+        raise UsageError(f"{what} needs {', '.join(missing)}, not installed here (a `pip install --no-deps "
+                         f"soup-cli` has enough for --estimate alone): {hint}")

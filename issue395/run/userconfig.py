@@ -13,10 +13,10 @@ from pathlib import Path
 from typing import Any, Optional
 
 from ..constants import STREAM_KEYS
-from ..errors import UsageError, cut, last_line
+from ..errors import UsageError, cut, last_line, soups_words
 from ..record import SOUP_QUANT
 from ..tasks import PROTOCOL_TASK, TASKS
-from .checks import HUB_ID
+from .checks import HUB_ID, LOADER_NEEDS
 
 #: Soup's quantization spelling -> this tool's.
 QUANT_OF = {soup: ours for ours, soup in SOUP_QUANT.items()}
@@ -53,12 +53,6 @@ class UserRun:
     lora_dropout: float = 0.05  # training.lora.dropout (Soup's default; the estimator's figures are at it)
 
 
-#: What soup-cli's config loader imports beyond soup-cli itself (soup_cli/config/loader.py and
-#: schema.py), by module -> the package pip installs it from: a `pip install --no-deps soup-cli`
-#: (enough for --estimate --model) lacks them.
-LOADER_NEEDS = {"yaml": "pyyaml", "pydantic": "pydantic", "rich": "rich"}
-
-
 def missing_for_loader(exc: ImportError) -> str:
     """The one line for a loader that cannot be imported: the package that is missing, by name."""
     top = (exc.name or "").split(".")[0]
@@ -68,25 +62,6 @@ def missing_for_loader(exc: ImportError) -> str:
     return (f"--config needs {package} (module {top or '?'}), which soup-cli's config loader imports and is not "
             f"installed here: a `pip install --no-deps soup-cli` lacks it; pip install "
             f"{' '.join(LOADER_NEEDS.values())}")
-
-
-#: pydantic's words before a validator's own message (Soup's loader keeps them: 'loc: Value error, ...').
-PYDANTIC_PREFIX = re.compile(r"^(?:Value error|Assertion failed|Assertion error), ")
-#: A location in Soup's loader's join ('training -> lora -> r'): words, dots, brackets, arrows; no colon.
-LOCATION = re.compile(r"^([\w.\[\]\- >]*?): ")
-
-
-def soups_words(message: str) -> str:
-    """Soup's loader joins pydantic's errors as 'loc: msg'; a check on the whole file has no loc
-    (': Value error, ...'): its words alone, without pydantic's 'Value error, ' prefix. The loc is
-    the text before the first ': ' (a message's own colons stay)."""
-    parts = []
-    for part in " ".join(message.split()).split("; "):
-        m = LOCATION.match(part)
-        loc, msg = (m.group(1).strip(), part[m.end():]) if m else ("", part)
-        msg = PYDANTIC_PREFIX.sub("", msg)
-        parts.append(f"{loc}: {msg}" if loc else msg)
-    return "; ".join(parts)
 
 
 def read_soup_config(path: str) -> UserRun:

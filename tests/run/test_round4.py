@@ -343,3 +343,100 @@ def test_item8_the_readme_says_what_renders_the_committed_full_maps_row_file(cap
     rows = ROOT / "results/map-077-full-h200-soup0.77.0-684477c/map-077-full.json.rows.jsonl"
     line = one_error_line(*main(capfd, ["--from-json", rows]), "row file")
     assert "bench/" in line, line  # the committed ones: the script that renders them
+
+
+# 6. a mode whose packages are not installed is one line before any work --------------------------
+
+BLOCKER = '''import os, sys
+BLOCK = set(os.environ["ISSUE395_TEST_BLOCK"].split(","))
+class Blocker:  # stands for a venv that lacks these (a `pip install --no-deps soup-cli`)
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in BLOCK:
+            raise ModuleNotFoundError(f"No module named {name.split('.')[0]!r}", name=name.split(".")[0])
+sys.meta_path.insert(0, Blocker())
+'''
+
+
+def without(run_cli, tmp_path, modules, argv):
+    """The command line in a fresh process where ``modules`` cannot be imported (a sitecustomize
+    finder refuses them, as a venv without them would)."""
+    import os
+
+    (tmp_path / "sitecustomize.py").write_text(BLOCKER)
+    env = dict(os.environ, PYTHONPATH=str(tmp_path), ISSUE395_TEST_BLOCK=",".join(modules))
+    return run_cli(argv, cwd=tmp_path, env=env, timeout=120)
+
+
+@pytest.mark.parametrize("argv", [["--dry-run", "--models", "smol", "--seq", "64"],
+                                  ["--map", "--dry-run", "--families", "smol", "--quant", "none"],
+                                  ["--dry-run", "--config", "soup.yaml"],
+                                  ["--models", "smol", "--seq", "64", "--isolate", "--dry-run"]])
+@pytest.mark.parametrize("missing", [["torch"], ["trl", "peft"], ["datasets"]])
+def test_item6_a_run_of_arms_without_its_packages_is_one_line_naming_them_and_pip(run_cli, tmp_path, argv, missing):
+    soup_yaml(tmp_path, base="HuggingFaceTB/SmolLM2-135M", seq=64)
+    out = without(run_cli, tmp_path, missing, argv)
+    lines = [ln for ln in out.stderr.splitlines() if ln.strip()]
+    assert out.returncode == 2 and len(lines) == 1 and out.stdout == "", (out.stdout, out.stderr)
+    assert all(m in lines[0] for m in missing) and "pip install" in lines[0] and "Traceback" not in out.stderr
+    assert "building" not in out.stderr
+
+
+def test_item6_plot_without_matplotlib_says_so_before_the_run(run_cli, tmp_path):
+    out = without(run_cli, tmp_path, ["matplotlib"], ["--dry-run", "--models", "smol", "--seq", "64", "--plot",
+                                                      tmp_path / "p.png"])
+    lines = [ln for ln in out.stderr.splitlines() if ln.strip()]
+    assert out.returncode == 2 and len(lines) == 1 and "matplotlib" in lines[0] and "pip install" in lines[0], out.stderr
+    assert out.stdout == ""
+
+
+def test_item6_estimate_needs_none_of_them(run_cli, tmp_path):
+    out = without(run_cli, tmp_path, ["torch", "transformers", "trl", "peft", "datasets", "accelerate"],
+                  ["--estimate", "--model", "smol", "--seq", "512", "--card", "T4"])
+    assert out.returncode == 0, out.stderr
+
+
+# 14. --find-max: a failure in Soup's words; Soup's own checks on the probe's file before any probe --
+
+def test_item14_a_search_stopped_by_a_non_oom_failure_says_what_failed_not_none_raised_oom():
+    from issue395.constraints.findmax import FAILED, FindMax, Probe, find_max, measured_words
+
+    line = "Error: ValueError: Tokenizer has no chat_template. Pass data.chat_template: chatml"
+    found = find_max(lambda v: Probe(v, FAILED, 0, line, 1.0, 1), "seq", 2048, 64, 64, 4096)
+    words = measured_words(found, 2)
+    assert "None" not in words and "raised OOM" not in words and "Tokenizer has no chat_template" in words, words
+    oom = find_max(lambda v: Probe(v, "OOM", 0, "CUDA out of memory", 1.0, 1), "seq", 64, 64, 64, 4096)
+    assert "the smallest, 64, raised OOM" in measured_words(oom, 2)
+
+
+def test_item14_judge_quotes_soups_error_line_not_its_verbose_hint():
+    from issue395.constraints.findmax import judge
+
+    log = ("Loading ...\n\nError: OSError: We couldn't connect to 'https://huggingface.co' to load the files.\n"
+           "Check your internet connection.\nRun with --verbose for the full traceback.\n")
+    p = judge(2048, log, 1, None, 2)
+    assert p.line.startswith("Error: OSError: We couldn't connect"), p.line
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("template, refused", [("", True), ("  chat_template: chatml\n", False)])
+def test_item14_soups_own_checks_run_on_the_probes_file_before_any_probe(tmp_path, cache_dir, template, refused):
+    """The synthetic checkpoint's tokenizer has no chat template: an SFT file that names none is
+    refused by Soup's own format check (at setup, before any step), here on CPU, costing no probe."""
+    from issue395.constraints.findmax import probe_config, soup_checks, write_probe_config
+    from issue395.run.checkpoints import synthetic_checkpoint
+    from issue395.model.registry import SHAPES
+    from conftest import h
+
+    base = synthetic_checkpoint(SHAPES["smol"], cache_dir / "checkpoints")[0]
+    text = soup_yaml(tmp_path, seq=128, base=base).read_text().replace("quantization: 4bit", "quantization: none")
+    text = text.replace("max_length: 128}", "max_length: 128}\n").replace("data: {train: data.jsonl, max_length: 128}",
+                                                                          "data:\n  train: data.jsonl\n  max_length: 128\n"
+                                                                          + template)
+    config = probe_config(text, "seq", 128, data=tmp_path / "p" / "train.jsonl", output=tmp_path / "p" / "out",
+                          override=10**10, data_format="chatml")
+    path = write_probe_config(tmp_path / "p", config, h.task_rows("sft", 128, 4))
+    line = soup_checks(path, "sft")
+    if refused:
+        assert line is not None and "chat_template" in line and "Value error" not in line, line
+    else:
+        assert line is None, line
