@@ -171,14 +171,19 @@ def local_or_hub(model: str) -> str:
         return path
     if os.path.lexists(path):
         raise UsageError(f"--model {model}: a symlink to nothing ({os.path.realpath(path)} is not there)")
-    first = model.split("/")[0]
-    pathlike = (model.startswith(("/", ".", "~")) or model.lower().endswith(".json") or model.count("/") > 1
-                or ("/" in model and os.path.isdir(first)) or os.sep != "/" and os.sep in model)
-    if pathlike:
+    if looks_like_a_path(model):
         raise UsageError(f"--model {model}: no such file or folder")
     if not HUB_ID.fullmatch(model) or "--" in model or ".." in model or len(model) > 96:
         raise UsageError(f"--model {model}: no such file or folder, nor a hub id (org/name)")
     return model
+
+
+def looks_like_a_path(value: str) -> bool:
+    """A model named by a path rather than a hub id: it starts with / . or ~, ends with .json, has
+    more than one '/', or its first folder exists here."""
+    first = value.split("/")[0]
+    return (value.startswith(("/", ".", "~")) or value.lower().endswith(".json") or value.count("/") > 1
+            or ("/" in value and os.path.isdir(first)) or os.sep != "/" and os.sep in value)
 
 
 def odd_file(path: str) -> Optional[str]:

@@ -16,7 +16,7 @@ from ..constants import STREAM_KEYS
 from ..errors import UsageError, cut, last_line, soups_words
 from ..record import SOUP_QUANT
 from ..tasks import PROTOCOL_TASK, TASKS
-from .checks import HUB_ID, LOADER_NEEDS
+from .checks import HUB_ID, LOADER_NEEDS, looks_like_a_path
 
 #: Soup's quantization spelling -> this tool's.
 QUANT_OF = {soup: ours for ours, soup in SOUP_QUANT.items()}
@@ -84,6 +84,10 @@ def read_soup_config(path: str) -> UserRun:
                  f"{typos[0][1]}?{f'; {len(typos) - 1} more such key(s)' if len(typos) > 1 else ''}), so "
                  if typos else "")
         raise UsageError(cut(f"--config {path}: {first}Soup refuses it: {soups_words(str(exc))}")) from None
+    base = os.path.expanduser(str(cfg.base))
+    if looks_like_a_path(str(cfg.base)) and not os.path.exists(base):  # a path, never a hub lookup
+        raise UsageError(f"--config {path}: base {cfg.base}: no such folder (a path, relative to the working "
+                         f"directory {os.getcwd()}; a hub id is org/name)")
     t = cfg.training
     if not getattr(t, "stream_layers", False):
         raise UsageError(f"--config {path}: training.stream_layers is not true, so Soup would not stream "
