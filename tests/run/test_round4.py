@@ -481,3 +481,54 @@ def test_polish_a_base_path_that_is_not_there_is_no_such_folder(capfd, tmp_path,
     path = soup_yaml(tmp_path, base=base)
     line = one_error_line(*main(capfd, mode + ["--config", path]), "no such folder", base)
     assert "hub" not in line.split("no such folder")[0], line
+
+
+# Polish: the parser takes no abbreviation and suggests the flag meant ------------------------------
+
+@pytest.mark.parametrize("typed, meant", [("--estimat", "--estimate"), ("--sek", "--seq"), ("--famlies", "--families"),
+                                          ("--exitcode", "--exit-code"), ("--dryrun", "--dry-run")])
+def test_polish_an_unknown_or_abbreviated_flag_is_refused_with_the_flag_meant(capfd, typed, meant):
+    argv = [typed, "512"] if typed in ("--sek",) else ["--estimate", "--model", "smol", "--seq", "512", typed]
+    if typed == "--estimat":
+        argv = ["--estimat", "--model", "smol", "--seq", "512"]
+    if typed == "--famlies":
+        argv = ["--map", "--famlies", "smol", "--dry-run"]
+    line = one_error_line(*main(capfd, argv), typed, f"did you mean {meant}?")
+    assert line.count(typed) >= 1
+
+
+def test_polish_estimate_alone_names_both_of_what_it_needs(capfd):
+    one_error_line(*main(capfd, ["--estimate"]), "--model", "--config")
+
+
+# Polish: lanes' words on a CPU dry run -------------------------------------------------------------
+
+@pytest.mark.slow
+def test_polish_lanes_on_a_cpu_dry_run_say_cpu_not_one_gpu_and_count_in_the_singular(capfd, cache_dir):
+    code, out, err = main(capfd, ["--dry-run", "--lanes", "1000", "--models", "smol", "--seq", "64",
+                                  "--cache-dir", cache_dir])
+    assert code == 0, err
+    head = out.splitlines()[0]
+    assert "only 1 arm)" in head or "only 1 arm," in head, head
+    assert "1 arms" not in head and "1 families" not in head
+    code, out, err = main(capfd, ["--dry-run", "--lanes", "2", "--models", "smol", "--seq", "64,128",
+                                  "--cache-dir", cache_dir])
+    assert code == 0, err
+    head = out.splitlines()[0]
+    assert "GPU none" in head and "on one GPU" not in head and "on the CPU" in head, head
+
+
+# 10. --find-max --dry-run --json writes its plan ------------------------------------------------------
+
+def test_item10_find_max_dry_run_json_writes_the_plan_and_from_json_names_it(capfd, tmp_path):
+    path = soup_yaml(tmp_path, base="HuggingFaceTB/SmolLM2-135M", seq=512).read_text()
+    (tmp_path / "s.yaml").write_text(path.replace("quantization: 4bit", "quantization: none"))
+    out_json = tmp_path / "fm.json"
+    code, out, err = main(capfd, ["--find-max", "seq", "--config", tmp_path / "s.yaml", "--card", "T4", "--dry-run",
+                                  "--json", out_json])
+    assert code == 0, err
+    data = json.loads(out_json.read_text())
+    assert data["kind"] == "find-max" and data["dry_run"] is True and data["measured"] is None
+    assert data["this_tool_longest"] is not None and data["plan"], data
+    assert f"--json {out_json}" in out + err or str(out_json) in out + err  # said where it went
+    one_error_line(*main(capfd, ["--from-json", out_json]), "--find-max")
