@@ -6,6 +6,10 @@ from __future__ import annotations
 import re
 
 EXIT_OK, EXIT_FINDING, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+#: --estimate --exit-code: the run fits on every card by this tool's estimate, but Soup's own gate
+#: (as the file sets it: training.stream_vram_override, stream_vram_probe) refuses it on some, so
+#: `soup train` would not start it (1 stays "does not fit on some card").
+EXIT_SOUP_REFUSES = 3
 
 
 class UsageError(Exception):

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 from ..constants import CUBLAS_WORKSPACE
-from ..errors import UsageError
+from ..errors import EXIT_FINDING, EXIT_OK, EXIT_SOUP_REFUSES, UsageError
 from ..record import LORA_R
 from ..text import gb, table
 from ..tasks import PROTOCOL_TASK, task
@@ -179,6 +179,16 @@ def card_answers(config: dict, e: Estimate, budgets: list[Budget], targets=None,
                     "cublas_workspace_bytes": ws, "max_positions_seq": top,
                     "host_store_bytes": store, "host_ram_free_bytes": ram, "ram_tier_headroom": headroom})
     return out
+
+
+def runs_exit_code(answers: list[list[dict]]) -> int:
+    """--exit-code: will `soup train` run it to the end on every card? 0 where this tool's fit and
+    Soup's admission (its gate as the file sets it) both hold on every card; 1 where it does not fit
+    on some card; EXIT_SOUP_REFUSES where it fits on every card but Soup's gate refuses it on some."""
+    every = [a for per in answers for a in per]
+    if not all(a["fits"] for a in every):
+        return EXIT_FINDING
+    return EXIT_OK if all(a["soup_admits"] for a in every) else EXIT_SOUP_REFUSES
 
 
 def budgets_for(cards, context: Optional[int] = None) -> list[Budget]:
