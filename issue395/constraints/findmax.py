@@ -208,22 +208,31 @@ def soup_checks(config: Path, task_name: str) -> Optional[str]:
     for SFT, its own row formatting with the base's tokenizer (build_format_row: Soup refuses a
     tokenizer with no chat template unless data.chat_template names one). None where all pass; else
     Soup's words, one line. The tokenizer is read only from a folder (a hub id is not fetched)."""
+    import contextlib
+    import io
+
     from soup_cli.config.loader import load_config_from_string
     from soup_cli.data.loader import load_dataset
 
     try:
-        cfg = load_config_from_string(config.read_text(encoding="utf-8"))
-        dataset = load_dataset(cfg.data)
-        if task_name == "sft" and Path(str(cfg.base)).is_dir() and dataset.get("train"):
-            from soup_cli.data.sft_format import build_format_row
-            from transformers import AutoTokenizer
-
-            tokenizer = AutoTokenizer.from_pretrained(str(cfg.base))
-            build_format_row(tokenizer=tokenizer, data_cfg=cfg.data, console=None,
-                             training_cfg=cfg.training)(dataset["train"][0])
+        with contextlib.redirect_stdout(io.StringIO()):  # Soup's console notes ("Auto-detected format"): not ours
+            _soup_checks(config, task_name, load_config_from_string, load_dataset)
     except Exception as exc:  # Soup's refusal, in its words
         return cut(soups_words(str(exc)) or last_line(exc))
     return None
+
+
+def _soup_checks(config: Path, task_name: str, load_config_from_string: Callable, load_dataset: Callable) -> None:
+    """soup_checks' checks, each raising Soup's own error."""
+    cfg = load_config_from_string(config.read_text(encoding="utf-8"))
+    dataset = load_dataset(cfg.data)
+    if task_name == "sft" and Path(str(cfg.base)).is_dir() and dataset.get("train"):
+        from soup_cli.data.sft_format import build_format_row
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(str(cfg.base))
+        build_format_row(tokenizer=tokenizer, data_cfg=cfg.data, console=None,
+                         training_cfg=cfg.training)(dataset["train"][0])
 
 
 # -- the probe: the user's soup.yaml, Soup's own process under the ballast --
