@@ -23,9 +23,11 @@ def test_an_exception_with_no_message_is_its_type_alone():
     assert last_line(ValueError("   \n  ")) == "ValueError:"
 
 
-def test_a_last_line_is_at_most_300_characters():
+def test_a_last_line_is_at_most_300_characters_cut_at_a_word_with_an_ellipsis():
     line = last_line(ValueError("x" * 1000))
-    assert len(line) == 300 and line.startswith("ValueError: xxx")
+    assert len(line) == 300 and line.startswith("ValueError: xxx") and line.endswith("...")
+    line = last_line(ValueError("a word " * 100))
+    assert len(line) <= 300 and line.endswith("...") and line[-4].isalpha() and line[:-3].split()[-1] in ("a", "word")
 
 
 def test_each_exit_code_means_one_thing_and_an_interrupt_is_the_shells_sigint(capsys):

@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from ..errors import cut, last_line, soups_words
 from ..text import table
 from .minfree import hold_ballast, release_ballast
 
@@ -38,6 +39,9 @@ OOM_LINE = re.compile(r"out of memory|OutOfMemoryError", re.IGNORECASE)
 SOUP_NUMBER = re.compile(r"peak VRAM ~([0-9.]+) GB")
 SOUP_FREE = re.compile(r"free VRAM ([0-9.]+) GB(?: \(training\.stream_vram_override; driver reports ([0-9.]+) GB)?")
 REFUSED = re.compile(r"predicted to need .* is free", re.DOTALL)
+#: Soup's own error line (soup_cli/utils/errors.py, format_friendly_error: "Error: <type>: <message>"),
+#: above its "Run with --verbose" hint, on both releases.
+SOUP_ERROR = re.compile(r"Error: ")
 
 #: What a probe's copy of the user's soup.yaml changes, and why; every other key is the user's.
 PROBE_KEYS = {
@@ -182,6 +186,55 @@ def find_max(probe: Callable[[int], Probe], axis: str, start: Optional[int], res
     return found
 
 
+def measured_words(found: FindMax, steps: int) -> str:
+    """What the search measured, in words: the limit and the first value above it that raised OOM; no
+    value completing, the smallest raising OOM; or, where a probe failed for another reason, that
+    probe and Soup's line, never an OOM it did not raise."""
+    failed = next((p for p in found.probes if p.outcome == FAILED), None)
+    if found.limit is None and failed is not None:
+        return f"no answer: the probe at {found.axis} {failed.value} failed, not OOM: {failed.line or 'no line from Soup'}"
+    if found.limit is None:
+        return (f"no {found.axis} completes {steps} step(s): the smallest, {found.above}, raised OOM" if found.above
+                is not None else f"no {found.axis} was probed ({found.stopped or 'nothing ran'})")
+    measured = (f"{found.axis} {found.limit} completes {steps} of {steps} step(s); "
+                + (f"{found.axis} {found.above} raised OOM" if found.above is not None else
+                   f"no OOM up to the largest {found.axis} there is ({found.high})"))
+    return measured + (f" -- stopped before the answer was proven: {found.stopped}" if found.stopped else "")
+
+
+def soup_checks(config: Path, task_name: str) -> Optional[str]:
+    """Soup's own checks on a probe's soup.yaml, on CPU and before any probe, so a file Soup refuses
+    costs no GPU probe: its loader (schema and validators), its data loader on the probe's rows, and,
+    for SFT, its own row formatting with the base's tokenizer (build_format_row: Soup refuses a
+    tokenizer with no chat template unless data.chat_template names one). None where all pass; else
+    Soup's words, one line. The tokenizer is read only from a folder (a hub id is not fetched)."""
+    import contextlib
+    import io
+
+    from soup_cli.config.loader import load_config_from_string
+    from soup_cli.data.loader import load_dataset
+
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):  # Soup's console notes ("Auto-detected format"): not ours
+            _soup_checks(config, task_name, load_config_from_string, load_dataset)
+    except Exception as exc:  # Soup's refusal, in its words
+        return cut(soups_words(str(exc)) or last_line(exc))
+    return None
+
+
+def _soup_checks(config: Path, task_name: str, load_config_from_string: Callable, load_dataset: Callable) -> None:
+    """soup_checks' checks, each raising Soup's own error."""
+    cfg = load_config_from_string(config.read_text(encoding="utf-8"))
+    dataset = load_dataset(cfg.data)
+    if task_name == "sft" and Path(str(cfg.base)).is_dir() and dataset.get("train"):
+        from soup_cli.data.sft_format import build_format_row
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(str(cfg.base))
+        build_format_row(tokenizer=tokenizer, data_cfg=cfg.data, console=None,
+                         training_cfg=cfg.training)(dataset["train"][0])
+
+
 # -- the probe: the user's soup.yaml, Soup's own process under the ballast --
 def _set(config: dict, dotted: str, value: Any) -> None:
     node = config
@@ -262,12 +315,13 @@ def judge(value: int, log: str, exit_code: int, steps: Optional[int], wanted: in
     lines = [_bare(x) for x in log.splitlines() if x.strip()]
     oom = next((x for x in lines if OOM_LINE.search(x)), None)
     if oom is not None:
-        return Probe(value, OOM, steps, oom[:300], seconds, exit_code, **gate)
+        return Probe(value, OOM, steps, cut(oom), seconds, exit_code, **gate)
     if exit_code == 0 and steps == wanted:
         return Probe(value, COMPLETED, steps, None, seconds, exit_code, **gate)
-    why = (f"exit 0 after {steps} of {wanted} step(s)" if exit_code == 0 else
-           "refused by Soup's gate" if REFUSED.search(log) else (lines[-1] if lines else "no output"))
-    return Probe(value, FAILED, steps, why[:300], seconds, exit_code, **gate)
+    error = next((x for x in lines if SOUP_ERROR.match(x)), None)  # Soup's own words (format_friendly_error)
+    why = (f"exit 0 after {steps} of {wanted} step(s)" if exit_code == 0 and error is None else
+           "refused by Soup's gate" if REFUSED.search(log) else error or (lines[-1] if lines else "no output"))
+    return Probe(value, FAILED, steps, cut(why), seconds, exit_code, **gate)
 
 
 def soup_command(soup: Optional[list] = None) -> list:

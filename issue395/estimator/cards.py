@@ -184,7 +184,12 @@ def budget(card: Card, context: Optional[int] = None) -> Budget:
     """The card's budget: --context where given, else the documented bound for it."""
     if context is not None:
         return Budget(card, context, "given")
-    return Budget(card, card.context_bound, "bound")
+    return Budget(card, card.context_bound, "bound" if not card.hidden_bytes else DRIVER_KEPT)
+
+
+#: A named card's context where its driver keeps memory below nvidia-smi's total (Card.hidden_bytes):
+#: the bound and that, said so in the table and its legend (the H200's cell is not the 0.85 GB bound).
+DRIVER_KEPT = "bound + the driver's"
 
 
 def workspace_env() -> Optional[str]:

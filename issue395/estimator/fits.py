@@ -7,13 +7,13 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 from ..constants import CUBLAS_WORKSPACE
-from ..errors import UsageError
+from ..errors import EXIT_FINDING, EXIT_OK, EXIT_SOUP_REFUSES, UsageError
 from ..record import LORA_R
 from ..text import gb, table
 from ..tasks import PROTOCOL_TASK, task
-from .cards import GATE_GROWTH_BYTES, STEP_GROWTH_BYTES, Budget, Card, budget, workspace_env
+from .cards import CARDS, DRIVER_KEPT, GATE_GROWTH_BYTES, STEP_GROWTH_BYTES, Budget, Card, budget, workspace_env
 from .estimate import EXPANDABLE_RESERVE_BYTES, EXPANDABLE_RESERVE_FRACTION, Estimate, estimate
-from .soup_number import arch_of
+from .soup_number import arch_of, layer_bytes, soup_namespace
 from .terms import Phase, words
 
 __all__ = ["card_answers", "estimate_table", "longest", "longest_seq", "longest_seq_soup_admits", "longest_soup_admits"]
@@ -121,6 +121,25 @@ def fit_kwargs(e: Estimate, targets=None, lora_r: int = LORA_R, stream: Optional
                 lora_r=lora_r, stream=stream, task=e.task, optimizer=optimizer, accumulation=e.accumulation)
 
 
+def host_store(config: dict, quant: str) -> tuple[int, int, float]:
+    """The streamed store Soup keeps in host RAM (its RAM tier, choose_tier), not a card's memory:
+    (the store's bytes, the free RAM Soup's RAM tier asks for it, Soup's RAM_TIER_HEADROOM). The store
+    is every layer as Soup's shard counts one (the widest kind for MoE and hybrid layers: a bound)
+    plus the vocab matrices in bf16; Soup's tier wants it under RAM_TIER_HEADROOM of the free RAM."""
+    a = arch_of(config)
+    store = a.L * layer_bytes(a, quant) + 2 * a.V * a.h * (1 if a.tied else 2)
+    headroom = float(soup_namespace()["RAM_TIER_HEADROOM"])
+    return store, int(store / headroom) + 1, headroom
+
+
+def host_ram_line(a: dict, quant: str) -> str:
+    """The host RAM the streamed store needs, said beside the verdict (the machine's, never a card's)."""
+    return (f"host RAM (the machine's, not a card's): Soup's streamed store, about {a['host_store_bytes'] / 1e9:.1f} GB "
+            f"{'bf16' if quant == 'none' else quant} (computed by this tool from Soup's shard sizes), needs {a['host_ram_free_bytes'] / 1e9:.1f} GB of "
+            f"free RAM for Soup's RAM tier (the store / its RAM_TIER_HEADROOM {a['ram_tier_headroom']:g}), else an "
+            "NVMe disk")
+
+
 def disagreement(fits: bool, soup_admits: bool) -> Optional[str]:
     if fits == soup_admits:
         return None
@@ -137,6 +156,8 @@ def card_answers(config: dict, e: Estimate, budgets: list[Budget], targets=None,
     one_step = e if not gate.probe or e.steps == 1 else estimate_for(config, seq=e.seq, **dict(kw, steps=1,
                                                                                               optimizer=None))
     out = []
+    store, ram, headroom = host_store(config, e.quant)
+    top = axis_range(config, "seq")[2]
     for b in budgets:
         ws = b.card.workspace(env)
         mine = e if ws <= CUBLAS_WORKSPACE else estimate_for(config, seq=e.seq, workspace=ws, **kw)
@@ -155,8 +176,19 @@ def card_answers(config: dict, e: Estimate, budgets: list[Budget], targets=None,
                     "soup_predicted": e.soup_predicted, "disagreement": disagreement(fits, admits),
                     "context_source": b.context_source, "total_source": b.card.source,
                     "compute_capability": ".".join(map(str, b.card.cc)) if b.card.cc else None,
-                    "cublas_workspace_bytes": ws})
+                    "cublas_workspace_bytes": ws, "max_positions_seq": top,
+                    "host_store_bytes": store, "host_ram_free_bytes": ram, "ram_tier_headroom": headroom})
     return out
+
+
+def runs_exit_code(answers: list[list[dict]]) -> int:
+    """--exit-code: will `soup train` run it to the end on every card? 0 where this tool's fit and
+    Soup's admission (its gate as the file sets it) both hold on every card; 1 where it does not fit
+    on some card; EXIT_SOUP_REFUSES where it fits on every card but Soup's gate refuses it on some."""
+    every = [a for per in answers for a in per]
+    if not all(a["fits"] for a in every):
+        return EXIT_FINDING
+    return EXIT_OK if all(a["soup_admits"] for a in every) else EXIT_SOUP_REFUSES
 
 
 def budgets_for(cards, context: Optional[int] = None) -> list[Budget]:
@@ -202,15 +234,15 @@ def estimate_table(rows: list[Estimate], cards, config: Optional[dict] = None, *
                        "a handle")
         lines += [[f"{card.name}: total GB"] + [gb(first["total_bytes"])] * len(rows),
                   [f"  context GB ({first['context_source']})"] + [gb(a["context_bytes"]) for a in per],
-                  ["  free GB (total - context)"] + [gb(a["free_bytes"]) for a in per],
+                  ["  free GB (total - context)"] + [free_gb(a["free_bytes"]) for a in per],
                   ["  runtime growth GB (CUDA outside the allocator by the step's end)"] + [gb(STEP_GROWTH_BYTES)] * len(rows),
-                  ["  the step's free GB (free - runtime growth)"] + [gb(a["step_free_bytes"]) for a in per],
+                  ["  the step's free GB (free - runtime growth)"] + [free_gb(a["step_free_bytes"]) for a in per],
                   ["  needs free GB (this estimator)"] + [gb(a["needs_free"]) for a in per],
                   ["    of it, the allocator's reserve GB (needs free - allocated)"]
                   + [gb(a["needs_free"] - e.corrected_predicted) for e, a in zip(rows, per)],
                   ["  fits (needs free <= the step's free)"] + ["yes" if a["fits"] else "NO" for a in per],
                   ["  longest seq that fits"] + [seq_words(a["longest_seq"]) for a in per],
-                  [f"  free GB at Soup's gate ({gate_free_words(first)})"] + [gb(a["gate_free_bytes"]) for a in per],
+                  [f"  free GB at Soup's gate ({gate_free_words(first)})"] + [free_gb(a["gate_free_bytes"]) for a in per],
                   [f"  Soup's gate admits it ({gate_rule_words(first)})"] + ["yes" if a["soup_admits"] else "no" for a in per],
                   ["  longest seq Soup's gate admits"] + [seq_words(a["longest_seq_soup_admits"]) for a in per]]
         for e, a in zip(rows, per):
@@ -227,7 +259,7 @@ def estimate_table(rows: list[Estimate], cards, config: Optional[dict] = None, *
     if cards:
         legend += ("\nfits: needs free + context + runtime growth <= total. context: 'bound' is Soup's own 0.85 GB "
                    "(its dev box, driving a display; --context GB gives yours, as an idle process sees it), "
-                   "'measured' this tool's on that card. runtime growth: what CUDA adds outside the allocator "
+                   "'measured' this tool's on that card" + driver_kept_words() + ". runtime growth: what CUDA adds outside the allocator "
                    f"by the step's end, {STEP_GROWTH_BYTES / 1e6:.1f} MB, {GATE_GROWTH_BYTES / 1e6:.1f} MB of it "
                    "before Soup's gate reads free memory (measured on the H200: kernel modules loaded lazily, "
                    "library handles). the allocator's reserve: what the caching allocator holds above the allocated "
@@ -270,6 +302,34 @@ def per_arm_table(rows: list[Estimate], cards, answers: list[list[dict]], heads:
         "seq it admits", "each arm's terms: --json (or at most 6 arms, a column each)"]
 
 
+def free_gb(n: int) -> str:
+    """A free-memory cell: a card with no room says so, never a negative figure."""
+    return gb(n) if n > 0 else "none"
+
+
+def no_room(a: dict) -> Optional[str]:
+    """A card whose total the context and the runtime's growth take whole: one clear line's words."""
+    if a["step_free_bytes"] > 0:
+        return None
+    return (f"no room for a step: its {a['total_bytes'] / 1e9:.2f} GB total is under the context "
+            f"({a['context_bytes'] / 1e9:.2f} GB, {a['context_source']}) and the runtime's growth "
+            f"({STEP_GROWTH_BYTES / 1e9:.2f} GB); nothing fits on it")
+
+
+def driver_kept_words() -> str:
+    """The legend's words for DRIVER_KEPT, naming each card it applies to and its figure."""
+    kept = [c for c in CARDS.values() if c.hidden_bytes]
+    return (f"; '{DRIVER_KEPT}' that bound plus what the driver keeps below nvidia-smi's total ("
+            + ", ".join(f"{c.name}: {c.hidden_bytes / 1e9:.2f} GB, {c.context_bound / 1e9:.2f} GB in all" for c in kept)
+            + ")") if kept else ""
+
+
+def positions_words(a: dict, key: str) -> str:
+    """A longest seq that is the model's max positions (its multiple of 64), said so: memory is not the limit."""
+    return ((" (the model's max positions: memory is not the limit)" if key == "longest_seq" else " (max positions)")
+            if a[key] is not None and a[key] == a.get("max_positions_seq") else "")
+
+
 def gate_free_words(a: dict) -> str:
     return ("training.stream_vram_override" if a.get("gate_free_source") == "training.stream_vram_override"
             else "free - modules loaded")
@@ -292,19 +352,30 @@ def verdict_lines(rows: list[Estimate], cards, answers: list[list[dict]]) -> lis
     """What a person reads first: per card (and arm, where there are several) fits or not, the
     longest seq that fits, Soup's gate, the longest seq it admits. No card: needs-free alone."""
     lines = []
+    # the task is named on every line where one is not the protocol's SFT (as the table's heads are)
+    tasked = any(e.task != PROTOCOL_TASK for e in rows)
     several = len(rows) > 1
+    said_ram: set = set()
     for e, per in zip(rows, answers):
-        arm = f"{e.quant} {e.seq}x{e.batch}: " if several else ""
+        arm = (f"{e.task} " if tasked else "") + f"{e.quant} {e.seq}x{e.batch}: " if several or tasked else ""
         if not cards:
             lines.append(f"{arm}needs {e.needs_free / 1e9:.2f} GB free (this estimator); Soup's own number "
                          f"{e.soup_predicted / 1e9:.2f} GB; give --card to fit it on a card")
         for card, a in zip(cards, per):
+            room = no_room(a)
+            if room:
+                lines.append(f"{card.name}: {arm}{room}")
+                continue
             fit = (f"fits ({a['needs_free'] / 1e9:.2f} of {a['step_free_bytes'] / 1e9:.2f} GB free)" if a["fits"]
                    else f"does NOT fit (needs {a['needs_free'] / 1e9:.2f} GB, {a['step_free_bytes'] / 1e9:.2f} GB free)")
             gate = "admits" if a["soup_admits"] else "refuses"
-            lines.append(f"{card.name}: {arm}{fit}, longest seq that fits {seq_words(a['longest_seq'])}; "
-                         f"Soup {gate} it, longest seq it admits {seq_words(a['longest_seq_soup_admits'])}"
+            lines.append(f"{card.name}: {arm}{fit}, longest seq that fits {seq_words(a['longest_seq'])}"
+                         f"{positions_words(a, 'longest_seq')}; Soup {gate} it, longest seq it admits "
+                         f"{seq_words(a['longest_seq_soup_admits'])}{positions_words(a, 'longest_seq_soup_admits')}"
                          + (f" -- {a['disagreement']}" if a["disagreement"] else ""))
+        if per and e.quant not in said_ram:  # once a quantization: the store does not move with seq or batch
+            said_ram.add(e.quant)
+            lines.append(host_ram_line(per[0], e.quant))
     return lines
 
 

@@ -45,7 +45,7 @@ def _namespace(src: Path) -> dict:
     tree = ast.parse(path.read_text(encoding="utf-8"))
     defs = _top_defs(tree)
     wanted, todo = set(), ["estimate_stream_peak_vram", "SUPPORTED_STREAM_ARCHS", "_STREAM_ARCH_ALIASES",
-                           "LOGITS_BYTES_PER_ELEMENT"]
+                           "LOGITS_BYTES_PER_ELEMENT", "RAM_TIER_HEADROOM"]
     while todo:
         name = todo.pop()
         if name in wanted or name not in defs:

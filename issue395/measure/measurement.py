@@ -7,6 +7,7 @@ attribution of the peak and its snapshot file, the GPU's label.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import sys
 import time
@@ -14,11 +15,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, ContextManager, Optional
 
-from ..errors import last_line
+from ..errors import UsageError, last_line
 from ..tasks import PROTOCOL_TASK, task
 from ..model.arm import Arm
-from ..model.registry import Shape
+from ..model.registry import Shape, known
 from ..estimator.anatomy import classifier_for
+from ..estimator.estimate import estimate
 from ..results.extras import Gate, Ran, UserConfig
 from ..results.row import Row, arm_row
 from ..constraints.constraint import ArmSetting, Constraint
@@ -173,11 +175,26 @@ def run_arm(measure_arm: Callable[..., Measurement], step_device: str, arm: Arm,
               teardown_error=m.teardown_error)
     gate = Gate(m.soup_terms, gate_free(m)) if m.soup_terms is not None or gate_free(m) is not None else None
     return arm_row(arm, shape, ran=ran, dry_run=dry_run, repeat=repeat, carried=carried,
+                   corrected_custom=custom_corrected(arm, shape, base, steps),
                    realised_width=m.realised_width,
                    realised_rows=m.realised_rows, real_peak=m.real_peak, resident=m.resident,
                    reserved=m.reserved, attribution=attribution,
                    soup_predicted=m.soup_predicted, gate=gate, constraint=constraint.record() if constraint else None, config=config,
                    **failure_of(m))
+
+
+def custom_corrected(arm: Arm, shape: Shape, base: str, steps: int) -> Optional[int]:
+    """This tool's corrected estimate of an arm whose model has no public config here (--model, a
+    --config's folder base): from the checkpoint's own config.json, at the arm's adapter and task, as
+    --estimate computes it; None for a registry model (recomputed when rendered) or one it does not model."""
+    if known(arm.model):
+        return None
+    try:
+        config = json.loads((Path(base) / "config.json").read_text(encoding="utf-8"))
+        return estimate(config, quant=arm.quant, seq=arm.seq, batch=arm.batch, targets=tuple(shape.targets) or None,
+                        lora_r=shape.lora_r, steps=steps, task=arm.task, soup=False).corrected_predicted
+    except (OSError, ValueError, TypeError, KeyError, UsageError):
+        return None
 
 
 def gate_free(m: Measurement) -> Optional[int]:

@@ -27,7 +27,8 @@ def soup_targets(targets: Optional[tuple], config: dict, arch: Any, given: Optio
     mt = config.get("model_type")
     if mt not in table:
         raise UsageError(f"{named} auto: peft has no default LoRA targets for model_type {mt!r} (Soup's auto "
-                         f"defers to peft's table, so `soup train` would fail too); name them, e.g. {named} q_proj,v_proj")
+                         "defers to peft's table, so `soup train` would fail too); name them, from its layer's linear "
+                         f"modules: {named} {','.join(arch.modules)} (or some of them)")
     return tuple(table[mt])
 
 

@@ -32,8 +32,8 @@ def corrected(r: Row, env: Optional[dict] = None) -> Optional[int]:
     """This tool's corrected allocated peak for a row's arm (its LoRA targets and r), from its family's
     public config and the Soup release (and transformers) the row ran, at the row's task (None where the
     estimator does not model the arm)."""
-    if not known(r.model_key):
-        return None
+    if not known(r.model_key):  # no public config here: the figure the arm's own config gave as it ran
+        return r.corrected_custom
     env = env or {}
     return _corrected(r.model_key, r.quant, r.seq, r.batch, tuple(r.targets), r.rank, env.get("soup_cli"),
                       int(env.get("steps") or 1), getattr(r, "task", None) or PROTOCOL_TASK, env.get("transformers"))

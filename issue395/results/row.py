@@ -94,6 +94,10 @@ class Row:
     #: Soup's task (issue395.tasks): the arm's identity, as quant is; None is the protocol's SFT,
     #: and its JSON key is then absent, so every SFT row saved before tasks re-renders alike
     task: Optional[str] = None
+    #: this tool's corrected estimate, computed as the arm ran from its checkpoint's own config.json, for
+    #: an arm with no public config here to recompute it from (--model, a --config's folder base);
+    #: None (its JSON key absent) for a registry model, whose figure is recomputed when rendered
+    corrected_custom: Optional[int] = None
 
     @property
     def arm(self) -> tuple:
@@ -218,7 +222,8 @@ class Row:
             "nonlogits_overestimate", "retained_copy_would_fit", "vs_record")}
         if self.emulated is not None:
             derived.update(emulated_fits=self.emulated_fits, emulated_outcome=self.emulated_outcome)
-        data = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "task" or self.task}
+        data = {f.name: getattr(self, f.name) for f in fields(self)
+                if f.name not in ("task", "corrected_custom") or getattr(self, f.name) is not None}
         return dict(data, realised_rows=list(self.realised_rows), targets=list(self.targets),
                     ran=self.ran.to_json(), gate=self.gate and self.gate.to_json(),
                     config=self.config and self.config.to_json(), constraint=constraint_to_json(self.constraint),
@@ -241,7 +246,7 @@ class Row:
             if not is_whole(data.get(key), minimum=1):
                 raise ValueError(f"row field {key!r} must be a whole number >= 1")
         for key in ("index", "predicted", "logits14", "realised_width", "real_peak", "resident",
-                    "carried", "reserved", "oom_request", "record_peak", "repeat"):
+                    "carried", "reserved", "oom_request", "record_peak", "repeat", "corrected_custom"):
             value = data.get(key)
             if value is not None and not is_whole(value, minimum=1 if key == "real_peak" else 0):
                 raise ValueError(f"row field {key!r} is {value!r}: not a finite measurement")

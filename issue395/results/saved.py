@@ -31,7 +31,8 @@ class RowFile:
         self.path = self.path_for(json_path) if json_path and json_path != "-" else None  # -: stdout
         self.ok = True
         if self.path:
-            self.path.unlink(missing_ok=True)
+            self.refuse_unfinished(json_path)  # never deleted: the rows of a run that did not finish
+            self.path.unlink(missing_ok=True)  # empty: it holds no row
             if environment is not None:
                 self.write({self.HEADER: 1, "tool": TOOL, "schema": SCHEMA, "kind": kind,
                             "environment": environment})
@@ -39,6 +40,28 @@ class RowFile:
     @staticmethod
     def path_for(json_path: str) -> Path:
         return Path(os.path.realpath(json_path) + RowFile.SUFFIX)
+
+    @classmethod
+    def unfinished(cls, json_path: Optional[str]) -> Optional[Path]:
+        """The row file beside ``json_path`` where it holds anything: its run never wrote its --json
+        (finish removes it once the JSON holds the rows), or it is still running. None otherwise."""
+        if not json_path or json_path == "-":
+            return None
+        path = cls.path_for(json_path)
+        try:
+            return path if path.stat().st_size > 0 else None
+        except OSError:
+            return None
+
+    @classmethod
+    def refuse_unfinished(cls, json_path: Optional[str], flag: str = "--json") -> None:
+        """One line, before any work, for a --json whose row file holds an unfinished run's rows:
+        the next run would have replaced them."""
+        path = cls.unfinished(json_path)
+        if path is not None:
+            raise UsageError(f"{flag} {json_path}: its row file {path} holds the rows of a run that did not finish "
+                             f"(it never wrote that --json, or it is still running); render them with --from-json "
+                             f"{path}, or move it away, then run again")
 
     @classmethod
     def is_header(cls, line: object) -> bool:
@@ -59,15 +82,19 @@ class RowFile:
             try:
                 with open(self.path, "a", encoding="utf-8") as fh:
                     fh.write(json.dumps(line, default=str) + "\n")
-            except OSError as exc:  # the tables and the final JSON still hold the row
+            except OSError as exc:  # the tables and the final JSON still hold the row; the run goes on
                 self.ok = False
-                print(f"warning: cannot save rows to {self.path} ({exc.strerror}); "
-                      "they are in the tables", file=sys.stderr)
-                self.path.unlink(missing_ok=True)
+                print(f"warning: cannot save rows to {self.path} ({exc.strerror or exc}); the rows saved so far "
+                      "stay in it, and every row is in the tables", file=sys.stderr)
 
     def finish(self) -> None:
+        """The final JSON holds every row: its row file goes (where the folder lets it)."""
         if self.path:
-            self.path.unlink(missing_ok=True)
+            try:
+                self.path.unlink(missing_ok=True)
+            except OSError as exc:
+                print(f"warning: {self.path} could not be removed ({exc.strerror or exc}); the --json beside it "
+                      "holds all its rows", file=sys.stderr)
 
 
 def row_file_result(path: str, flag: str) -> dict[str, Any]:
@@ -83,7 +110,8 @@ def row_file_result(path: str, flag: str) -> dict[str, Any]:
     if not RowFile.is_header(header):  # a file from before the header, or not a row file at all
         raise UsageError(f"{flag} {path}: this is a run's row file (its measured rows, one JSON line each, kept "
                          "when the run could not write its --json); it holds no environment to judge them by, "
-                         "so --from-json cannot render it: read the lines as they are")
+                         "so --from-json cannot render it: read the lines as they are (a committed one under "
+                         "results/ is rendered by the bench/ script its folder's commands.txt or README names)")
     if header[RowFile.HEADER] != 1:
         raise ValueError(f"its row file version is {header[RowFile.HEADER]!r:.60}, not 1")
     rows_from = RowFile.ROWS_FROM + ("; its last line, half-written, is left out" if data[done:].strip() else "")
@@ -92,14 +120,22 @@ def row_file_result(path: str, flag: str) -> dict[str, Any]:
             "rows": [json.loads(line) for line in lines[1:]], "interrupted": True}
 
 
+#: The tool's own JSONs that hold no measured arm, by kind: what each is, in one line's words.
+NOT_MEASURED = {
+    "estimate": "an --estimate result (a config's estimate, nothing measured)",
+    "find-max": ("a --find-max result (its probes of the real `soup train`, each judged from Soup's console: no "
+                 "measured arm; its 'measured' block holds the probes, in order)"),
+}
+
+
 def load_result(path: str, flag: str = "--from-json") -> Result:
     try:
         if path.endswith(RowFile.SUFFIX):
             return Result.from_json(row_file_result(path, flag))
         data = json.loads(Path(path).read_text(encoding="utf-8"))
-        if isinstance(data, dict) and data.get("kind") == "estimate" and "environment" not in data:
-            raise UsageError(f"{flag} {path}: this is an --estimate result (a config's estimate, nothing "
-                             "measured); --from-json re-renders measured results")
+        kind = data.get("kind") if isinstance(data, dict) else None
+        if kind in NOT_MEASURED and "environment" not in data:
+            raise UsageError(f"{flag} {path}: this is {NOT_MEASURED[kind]}; --from-json re-renders measured results")
         return Result.from_json(data)
     except (OSError, ValueError, TypeError, KeyError, RecursionError, MemoryError) as exc:
         reason = "nested too deeply" if isinstance(exc, RecursionError) else last_line(exc)

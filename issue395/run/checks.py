@@ -1,9 +1,11 @@
 """Checks on what the command line names, before anything runs: whole numbers and their bounds,
-output paths (writable, never an input), input files, hub ids against local paths, --cache-dir."""
+output paths (writable, never an input), input files, hub ids against local paths, --cache-dir, and
+the packages a mode imports (a `pip install --no-deps soup-cli` has enough for --estimate alone)."""
 
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 import re
 import stat
@@ -169,14 +171,19 @@ def local_or_hub(model: str) -> str:
         return path
     if os.path.lexists(path):
         raise UsageError(f"--model {model}: a symlink to nothing ({os.path.realpath(path)} is not there)")
-    first = model.split("/")[0]
-    pathlike = (model.startswith(("/", ".", "~")) or model.lower().endswith(".json") or model.count("/") > 1
-                or ("/" in model and os.path.isdir(first)) or os.sep != "/" and os.sep in model)
-    if pathlike:
+    if looks_like_a_path(model):
         raise UsageError(f"--model {model}: no such file or folder")
     if not HUB_ID.fullmatch(model) or "--" in model or ".." in model or len(model) > 96:
         raise UsageError(f"--model {model}: no such file or folder, nor a hub id (org/name)")
     return model
+
+
+def looks_like_a_path(value: str) -> bool:
+    """A model named by a path rather than a hub id: it starts with / . or ~, ends with .json, has
+    more than one '/', or its first folder exists here."""
+    first = value.split("/")[0]
+    return (value.startswith(("/", ".", "~")) or value.lower().endswith(".json") or value.count("/") > 1
+            or ("/" in value and os.path.isdir(first)) or os.sep != "/" and os.sep in value)
 
 
 def odd_file(path: str) -> Optional[str]:
@@ -239,3 +246,40 @@ def one_card(flag: str, given: str):
     except UsageError as exc:
         raise UsageError(str(exc).replace("--card", flag, 1)) from None
 
+
+#: What soup-cli's config loader imports beyond soup-cli itself (soup_cli/config/loader.py and
+#: schema.py), by module -> the package pip installs it from: a `pip install --no-deps soup-cli`
+#: (enough for --estimate --model) lacks them.
+LOADER_NEEDS = {"yaml": "pyyaml", "pydantic": "pydantic", "rich": "rich"}
+
+#: What a run that builds and steps arms (a dry run too) imports, by module -> pip package: the
+#: training stack (requirements.txt pins it), the packages Soup's own setup imports (its "train"
+#: extra: accelerate, datasets) and its loader's.
+ARM_NEEDS = {"torch": "torch", "transformers": "transformers", "trl": "trl", "peft": "peft",
+             "accelerate": "accelerate", "datasets": "datasets", "safetensors": "safetensors", "jinja2": "jinja2",
+             **LOADER_NEEDS}
+#: --plot draws with matplotlib, whatever mode writes it.
+PLOT_NEEDS = {"matplotlib": "matplotlib"}
+
+
+def not_installed(modules: dict) -> list[str]:
+    """The pip packages of ``modules`` (module -> package) whose module is not importable here,
+    found without importing them (importlib's finder)."""
+    missing = []
+    for module, package in modules.items():
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found and package not in missing:
+            missing.append(package)
+    return missing
+
+
+def require_installed(what: str, modules: dict, hint: str = "pip install -r requirements.txt") -> None:
+    """One line before any work where a mode's packages are not installed: each named, and the pip
+    command that installs them."""
+    missing = not_installed(modules)
+    if missing:
+        raise UsageError(f"{what} needs {', '.join(missing)}, not installed here (a `pip install --no-deps "
+                         f"soup-cli` has enough for --estimate alone): {hint}")

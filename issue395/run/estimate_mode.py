@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Iterator, Optional
 
 from ..constants import comma_list
-from ..errors import EXIT_FINDING, EXIT_OK, EXIT_USAGE, UsageError, last_line
+from ..errors import EXIT_OK, EXIT_USAGE, UsageError, last_line
 from ..record import LORA_ALPHA, LORA_R, QUANTS
 from ..tasks import TASKS
 from ..model.registry import ALL_FAMILIES, EXPERT_LAYOUTS, RECOMPUTES, by_hub_id, config_json
@@ -217,8 +217,9 @@ def estimate_config(model: Optional[str], named: str = "--model") -> tuple[str, 
     """--estimate's model: a family's public config, or a config.json (or a folder holding one);
     ``named``: where it was given (--model, or a soup.yaml's base)."""
     if not model or not model.strip():
-        raise UsageError(f"--estimate needs {named}: a config.json, a folder holding one, or a family "
-                         f"({','.join(ALL_FAMILIES)})")
+        raise UsageError(f"--estimate needs {named}" + (" or --config SOUP_YAML (the soup.yaml `soup train` takes)"
+                                                        if named == "--model" else "")
+                         + f": --model takes a config.json, a folder holding one, or a family ({','.join(ALL_FAMILIES)})")
     if model in ALL_FAMILIES:
         if os.path.lexists(model):  # a folder or file of the same name here is not what was read
             print(f"note: --model {model}: the family {model}'s public config was used, not ./{model} here "
@@ -251,7 +252,8 @@ def execute(request: EstimateRequest, protocol: object = None) -> int:
     from ..estimator.cards import workspace_env
     from ..estimator.arch import protocol_targets
     from ..estimator.soup_number import arch_of
-    from ..estimator.fits import budgets_for, card_answers, estimate_for, estimate_table, steps_words, verdict_lines
+    from ..estimator.fits import (budgets_for, card_answers, estimate_for, estimate_table, runs_exit_code, steps_words,
+                                  verdict_lines)
     from ..estimator.releases import UnknownRelease, installed_release, release_label
 
     e, a = request, request.adapter
@@ -290,11 +292,12 @@ def execute(request: EstimateRequest, protocol: object = None) -> int:
                 **({"soup_targets": a.targets[0]} if a.targets and tuple(targets) != tuple(a.targets) else {}),
                 "config": a.soup_config, "lora_alpha": a.lora_alpha, "stream": stream, "steps": e.steps,
                 "answer": answer, "soup_gate": {"rule": gate.rule, "override_bytes": gate.override},
-                "config_keys": list(e.keys), "fits_every_card": fits_all if e.cards else None, "lora_r": a.lora_r,
+                "config_keys": list(e.keys), "fits_every_card": fits_all if e.cards else None,
+                "runs_on_every_card": runs_exit_code(answers) == EXIT_OK if e.cards else None, "lora_r": a.lora_r,
                 "cards": [{"card": c.name, "bytes": c.total_bytes} for c in e.cards], "notes": notes,
                 "rows": [dict(r.to_json(), cards=x) for r, x in zip(rows, answers)]}):
             return EXIT_USAGE
-    return EXIT_FINDING if e.fit_exit and not fits_all else EXIT_OK
+    return runs_exit_code(answers) if e.fit_exit else EXIT_OK
 
 
 def estimated_as(e: EstimateRequest) -> str:
@@ -312,7 +315,8 @@ def estimate_notes(config: dict, quants) -> list[str]:
                      f"--quant {','.join(quants)} of the full-precision shapes the config describes")
     notes.append("needs free assumes the allocator's expandable segments, as `soup train` sets them "
                  "(PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True)")
-    notes.append("not estimated: host RAM and disk for the streamed layers' store (Soup's other gate)")
+    notes.append("not estimated: the disk Soup's store overflows to where the free RAM is short of its RAM tier "
+                 "(the host RAM line under the verdict)")
     return notes
 
 

@@ -17,11 +17,12 @@ from typing import Any, Callable, Optional
 from ..constants import comma_list
 from ..errors import EXIT_FINDING, EXIT_OK, EXIT_USAGE, UsageError
 from ..tasks import task
-from ..constraints.findmax import (PROBE_KEYS, PROBE_LIMIT, FindMax, find_max, probe_config, probe_table,
+from ..constraints.findmax import (PROBE_KEYS, PROBE_LIMIT, FindMax, find_max, measured_words, probe_config,
+                                   probe_table, soup_checks,
                                    probe_words, run_probe, soup_command, write_probe_config)
 from ..report.outputs import write_json
 from ..text import gb
-from .checks import one_card, writable_folder
+from .checks import ARM_NEEDS, one_card, require_installed, writable_folder
 from .clashes import check
 from .configarm import base_of, config_arm
 from .estimate_mode import FromFile, settle_values, under_the_file
@@ -179,10 +180,13 @@ def execute(ask: FindMaxRequest, protocol: Any) -> int:
                      if box is not None else
                      "like for like (this tool's longest with the context the probes have): on the GPU box, with its "
                      "context measured there")
+        first = write(a.tool if a.tool is not None else a.low)
+        refused = soup_checks(first, t.name)  # Soup's own config and data checks on CPU: a refusal costs no probe
         if ask.dry_run:
-            first = write(a.tool if a.tool is not None else a.low)
+            plan = [*plan_lines(run, a), *([f"  Soup refuses the probe's file before any probe (its own checks, on "
+                                            f"CPU): {refused}"] if refused else [])]
             print("\n".join([head + " -- --dry-run: the plan, nothing run", "  " + tool_line, "  " + like_line,
-                             "  " + soup_line, *plan_lines(run, a),
+                             "  " + soup_line, *plan,
                              *([f"  base: {run.model} is a registry model's hub id: on the GPU box "
                                 "the probes run the synthetic checkpoint this tool builds for it (no download)"]
                                if ask.base_key and not ask.base_folder else []),
@@ -190,7 +194,16 @@ def execute(ask: FindMaxRequest, protocol: Any) -> int:
                              f"the first probe's soup.yaml (as written in the scratch folder, removed at exit; on the GPU "
                              f"box stream_vram_override is the GPU's total):",
                              first.read_text().rstrip()]))
-            return EXIT_OK
+            if ask.outputs.json:  # the plan, as data: nothing measured
+                if not write_json(ask.outputs.json, "find-max", {
+                        **json_head(ask, a), "dry_run": True, "measured": None, "plan": [ln.strip() for ln in plan],
+                        "soup_refuses": refused, "first_probe_config": first.read_text()}):
+                    return EXIT_USAGE
+                print(f"the plan: --json {ask.outputs.json}", file=sys.stderr)
+            return EXIT_FINDING if refused else EXIT_OK
+        if refused:
+            raise UsageError(f"--find-max: Soup refuses the probe's copy of --config {run.adapter.soup_config} before "
+                             f"any probe (its own checks, on CPU): {refused}")
         scratch.verify_shard_root()
         logs = Path(ask.log_dir) if ask.log_dir else None
         if logs is not None:
@@ -211,14 +224,7 @@ def execute(ask: FindMaxRequest, protocol: Any) -> int:
         start, second = a.first_and_second(like)
         found = find_max(probe, axis, start, a.step, a.low, a.high, other=second)
     unit = UNITS[axis]
-    if found.limit is None:
-        measured = f"no {axis} completes {run.steps} step(s): the smallest, {found.above}, raised OOM"
-    else:
-        measured = (f"{axis} {found.limit} completes {run.steps} of {run.steps} step(s); "
-                    + (f"{axis} {found.above} raised OOM" if found.above is not None else
-                       f"no OOM up to the largest {axis} there is ({found.high})"))
-    if found.stopped:
-        measured += f" -- stopped before the answer was proven: {found.stopped}"
+    measured = measured_words(found, run.steps)
     gates = [gate_words(run, a, found, found.limit, "the limit"),
              gate_words(run, a, found, found.above, "the first above it")]
     lines = [head,
@@ -230,16 +236,22 @@ def execute(ask: FindMaxRequest, protocol: Any) -> int:
              *probe_table(found, run.steps)]
     print("\n".join(lines), flush=True)
     if ask.outputs.json and not write_json(ask.outputs.json, "find-max", {
-            "config": run.adapter.soup_config, "model": run.model, "task": run.tasks[0], "quant": run.quants[0],
-            "seq": run.seqs[0], "batch": run.batches[0], "steps": run.steps,
-            "card": {"card": a.card.name, "bytes": a.card.total_bytes, "given_as": ask.flag},
-            "measured": found.to_json(), "this_tool_longest": a.tool, "soup_gate_longest": a.soup,
+            **json_head(ask, a), "measured": found.to_json(),
             "this_tool_longest_like_for_like": like, "box_context_bytes": box,
-            "soup_gate_rule": a.gate_rule, "soup_gate_at_limit": gates[0][1] if gates[0] else None,
-            "soup_gate_above_limit": gates[1][1] if gates[1] else None, "probe_keys": list(PROBE_KEYS),
-            "command": ["issue395_second_stack_vram.py", *ask.argv]}):
+            "soup_gate_at_limit": gates[0][1] if gates[0] else None,
+            "soup_gate_above_limit": gates[1][1] if gates[1] else None}):
         return EXIT_USAGE
     return EXIT_OK if found.adjacent else EXIT_FINDING
+
+
+def json_head(ask: FindMaxRequest, a: Any) -> dict:
+    """What a --find-max JSON holds whether it ran or planned: the file, the arm, the card, both answers."""
+    run = ask.estimate
+    return {"config": run.adapter.soup_config, "model": run.model, "task": run.tasks[0], "quant": run.quants[0],
+            "seq": run.seqs[0], "batch": run.batches[0], "steps": run.steps,
+            "card": {"card": a.card.name, "bytes": a.card.total_bytes, "given_as": ask.flag},
+            "this_tool_longest": a.tool, "soup_gate_longest": a.soup, "soup_gate_rule": a.gate_rule,
+            "probe_keys": list(PROBE_KEYS), "command": ["issue395_second_stack_vram.py", *ask.argv]}
 
 
 def checkpoint_for(ask: FindMaxRequest, scratch: Scratch) -> str:
@@ -268,6 +280,8 @@ def settle(args: argparse.Namespace, argv: list[str]) -> FindMaxRequest:
     if len(comma_list(given)) != 1:
         raise UsageError(f"{flag} {given}: --find-max searches one card")
     one_card(flag, given)
+    if not args.dry_run:  # the probes' checkpoint and Soup's own processes
+        require_installed("--find-max", ARM_NEEDS)
     user = read_soup_config(args.config)
     config_arm(user, args.weights, args.dry_run)
     folder, key = base_of(user, args.weights)

@@ -37,8 +37,8 @@ from ..report.outputs import write_outputs
 from ..report.tables import render_text
 from .arms import STACK_OF_PARENT, Protocol, run_timings, stack_notes, sweep
 from .checkpoints import Checkpoints
-from .checks import (context_within_cards, distinct_choices, local_or_hub, no_output_is_an_input, one_card, one_int,
-                     parse_ints, settle_tasks, within_positions, writable_folder)
+from .checks import (ARM_NEEDS, context_within_cards, distinct_choices, local_or_hub, no_output_is_an_input, one_card, one_int,
+                     parse_ints, require_installed, settle_tasks, within_positions, writable_folder)
 from .clashes import check
 from .configarm import ConfigArm, config_arm
 from .grid import plan_arms, shard_of
@@ -57,6 +57,7 @@ def chosen(args: argparse.Namespace) -> bool:
 def settle(args: argparse.Namespace, argv: list[str]) -> MeasureRequest:
     """The grid (the sweep's models, the map's families, or --config's one arm), then what every
     measured run settles: its spread, its constraint, its folders."""
+    require_installed("--dry-run" if args.dry_run else "a run of arms", ARM_NEEDS)  # before any work
     arm = config_arm(read_soup_config(args.config), args.weights, args.dry_run) if args.config is not None else None
     check("estimate only", args)
     if args.map:

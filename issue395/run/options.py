@@ -14,7 +14,7 @@ from typing import Any, Callable
 from ..errors import UsageError
 from ..results.saved import RowFile
 from . import estimate_mode, find_max_mode, measure_mode, rerender_mode
-from .checks import _shown, check_output, no_output_is_an_input
+from .checks import PLOT_NEEDS, _shown, check_output, no_output_is_an_input, require_installed
 from .clashes import check
 from .request import CardListRequest, EstimateRequest, FindMaxRequest, MeasureRequest, RerenderRequest
 
@@ -85,6 +85,10 @@ def shared_checks(args: argparse.Namespace) -> None:
         if twin:
             raise UsageError(f"{f} and {twin} name the same file {p}; each output needs its own path")
     no_output_overwrites_the_config(args, outputs)
+    if not args.from_json:  # never replaced: the rows of a run that did not finish (--from-json renders them)
+        RowFile.refuse_unfinished(args.json)
+    if args.plot is not None:
+        require_installed("--plot", PLOT_NEEDS, "pip install matplotlib")
     check("compare", args)
 
 

@@ -26,7 +26,9 @@ exit codes:
   1    any row VOID (realised != requested), OOM, FAILED or UNDER (prediction below the
        real peak), the snapshot's positive control failed, or the harness failed
   2    usage error, or an output that could not be written (one line on stderr)
-       --estimate: 0 (the answer printed), unless --exit-code: 0 fits on every --card, 1 not
+       --estimate: 0 (the answer printed), unless --exit-code: will `soup train` run it to the
+       end? 0 it fits on every --card and Soup's gate (as the file sets it) admits it, 1 it
+       does not fit on some card, 3 it fits but Soup's gate refuses it on some
   130  interrupted (rows measured so far are printed and saved)
 """
 
@@ -41,11 +43,31 @@ NO_CUDA = ("CUDA is required for the real peak and no CUDA GPU is visible; --dry
 
 
 class Parser(argparse.ArgumentParser):
+    def __init__(self, *args, **kwargs) -> None:  # a prefix is no option: --estimat is a typo, not --estimate
+        super().__init__(*args, allow_abbrev=False, **kwargs)
+
     def error(self, message: str) -> None:  # one line, exit 2, no usage dump
-        raise UsageError(message)
+        raise UsageError(meant(self, message))
 
     def parse_known_args(self, args=None, namespace=None):  # type: ignore[override]
         return super().parse_known_args(None if args is None else values_taken(self, list(args)), namespace)
+
+
+def meant(parser: argparse.ArgumentParser, message: str) -> str:
+    """argparse's 'unrecognized arguments' with the option each unknown flag was probably meant to be."""
+    import difflib
+
+    if not message.startswith("unrecognized arguments: "):
+        return message
+    flags = [w.split("=")[0] for w in message[len("unrecognized arguments: "):].split() if w.startswith("--")]
+    known = [o for o in parser._option_string_actions if o.startswith("--")]
+    hints = []
+    for flag in flags:
+        near = difflib.get_close_matches(flag, known, n=1, cutoff=0.8)
+        near = near or [o for o in known if o.startswith(flag) and len(flag) > 3][:1]  # a prefix once taken
+        if near:
+            hints.append(f"{flag}: did you mean {near[0]}?")
+    return message + (f" ({'; '.join(hints)})" if hints else "")
 
 
 def values_taken(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
@@ -140,7 +162,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "--card list lists them with their sources) or sizes (24GB = 24e9 bytes, 24GiB = 24 x 2^30): "
                    "fits, the longest seq that fits, and Soup's gate")
     e.add_argument("--exit-code", action="store_true", help="with --estimate and --card: the exit code says whether "
-                   "it fits: 0 fits on every card, 1 does not fit on some card (2 stays a usage error)")
+                   "`soup train` will run it to the end: 0 only where it fits on every card (this tool's estimate) and "
+                   "Soup's gate admits it there (its own number, with the file's training.stream_vram_override or "
+                   "stream_vram_probe); 1 it does not fit on some card; 3 it fits but Soup's gate refuses it on some "
+                   "(2 stays a usage error)")
     e.add_argument("--context", default=None, metavar="GB", help="with --card or --emulate-card: the CUDA context your card "
                    "leaves outside the allocator, in GB (default: Soup's measured 0.85 GB)")
     e.add_argument("--targets", default=None, help="comma list of LoRA targets (default q_proj,v_proj; "

@@ -72,7 +72,8 @@ class Lanes:
         return tuple(a for a in self.whole_card if a.index not in inside)
 
     def label(self, run: MeasureRequest) -> str:
-        where = f"on each of GPUs {','.join(map(str, run.children.gpus))}" if run.children.gpus else "on one GPU"
+        where = ("on the CPU (a dry run: no GPU)" if run.dry_run else
+                 f"on each of GPUs {','.join(map(str, run.children.gpus))}" if run.children.gpus else "on one GPU")
         how = "one fresh process per arm" if run.isolate else "one process per lane running its shard"
         need = (f"; {len(self.whole_card)} arm(s) whose needs exceed a lane's share of the card "
                 f"({self.share / 1e9:.1f} GB)" if self.whole_card else "")
@@ -137,7 +138,8 @@ def plan_lanes(run: MeasureRequest, arms: list[Arm], total: Optional[int] = None
     count = run.children.lanes or max(1, cores // CORES_PER_LANE)
     why = f"--lanes {run.children.lanes}" if run.children.lanes else f"{cores} cores / {CORES_PER_LANE}"
     if count > units:
-        count, why = max(1, units), f"{why}, but only {units} {'families' if run.map and not run.isolate else 'arms'}"
+        unit = ("famil" + ("y" if units == 1 else "ies")) if run.map and not run.isolate else "arm" + ("" if units == 1 else "s")
+        count, why = max(1, units), f"{why}, but only {units} {unit}"
     if total is None or count == 1:  # a dry run has no card to share
         return Lanes(count, max(1, cores // count), why=why)
     whole_card, lane = budget(Card("the card", total)), budget(Card("a lane's share", total // count))

@@ -6,17 +6,18 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
 from ..constants import STREAM_KEYS
-from ..errors import UsageError, last_line
+from ..errors import UsageError, cut, last_line, soups_words
 from ..record import SOUP_QUANT
 from ..tasks import PROTOCOL_TASK, TASKS
 from ..estimator.estimate import DEFAULT_OPTIMIZER
-from .checks import HUB_ID
+from .checks import HUB_ID, LOADER_NEEDS, looks_like_a_path
 
 #: Soup's quantization spelling -> this tool's.
 QUANT_OF = {soup: ours for ours, soup in SOUP_QUANT.items()}
@@ -50,12 +51,7 @@ class UserRun:
     accumulation: int = 1  # training.gradient_accumulation_steps
     keys: tuple = ()  # one line per key of the file that changes the peak or Soup's gate: how it is read
     text: str = ""  # the file as written (--find-max's probes copy it, changing only their keys)
-
-
-#: What soup-cli's config loader imports beyond soup-cli itself (soup_cli/config/loader.py and
-#: schema.py), by module -> the package pip installs it from: a `pip install --no-deps soup-cli`
-#: (enough for --estimate --model) lacks them.
-LOADER_NEEDS = {"yaml": "pyyaml", "pydantic": "pydantic", "rich": "rich"}
+    lora_dropout: float = 0.05  # training.lora.dropout (Soup's default; the estimator's figures are at it)
 
 
 def missing_for_loader(exc: ImportError) -> str:
@@ -69,17 +65,6 @@ def missing_for_loader(exc: ImportError) -> str:
             f"{' '.join(LOADER_NEEDS.values())}")
 
 
-def soups_words(message: str) -> str:
-    """Soup's loader joins pydantic's errors as 'loc: msg'; a check on the whole file has no loc
-    (': Value error, ...'): its words alone, without pydantic's 'Value error, ' prefix."""
-    parts = []
-    for part in " ".join(message.split()).split("; "):
-        loc, sep, msg = part.rpartition(": ")
-        msg = msg[len("Value error, "):] if msg.startswith("Value error, ") else msg
-        parts.append(f"{loc}: {msg}" if sep and loc.strip() else msg)
-    return "; ".join(parts)
-
-
 def read_soup_config(path: str) -> UserRun:
     """A soup.yaml through soup_cli.config.loader (its own schema and validators): one line for a
     file Soup refuses, a config Soup would not stream, or an option the estimator does not model."""
@@ -91,11 +76,19 @@ def read_soup_config(path: str) -> UserRun:
         text = Path(path).expanduser().read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise UsageError(f"--config {path}: cannot be read ({last_line(exc)})") from None
+    raw = raw_yaml(text)
     try:
         cfg = load_config_from_string(text)
-    except Exception as exc:  # Soup's own validation: its message, one line
-        msg = soups_words(str(exc))
-        raise UsageError(f"--config {path}: Soup refuses it: {msg[:300]}") from None
+    except Exception as exc:  # Soup's own validation: its message, one line, a typo it follows from first
+        typos = [(dotted, near) for dotted, near in unknown_in(raw)[0] if near]
+        first = (f"{typos[0][0]} is not a key of soup-cli {soup_release()}'s config schema (did you mean "
+                 f"{typos[0][1]}?{f'; {len(typos) - 1} more such key(s)' if len(typos) > 1 else ''}), so "
+                 if typos else "")
+        raise UsageError(cut(f"--config {path}: {first}Soup refuses it: {soups_words(str(exc))}")) from None
+    base = os.path.expanduser(str(cfg.base))
+    if looks_like_a_path(str(cfg.base)) and not os.path.exists(base):  # a path, never a hub lookup
+        raise UsageError(f"--config {path}: base {cfg.base}: no such folder (a path, relative to the working "
+                         f"directory {os.getcwd()}; a hub id is org/name)")
     t = cfg.training
     if not getattr(t, "stream_layers", False):
         raise UsageError(f"--config {path}: training.stream_layers is not true, so Soup would not stream "
@@ -116,10 +109,6 @@ def read_soup_config(path: str) -> UserRun:
             raise UsageError(f"--config {path}: training.{name} {value!r} is an option the estimator does not "
                              f"model (it assumes {assumed!r})")
     lora = t.lora
-    dropout = getattr(lora, "dropout", 0.05)
-    if dropout != 0.05:
-        raise UsageError(f"--config {path}: training.lora.dropout {dropout!r} is an option the estimator does "
-                         "not model (it assumes Soup's default 0.05)")
     targets = lora.target_modules
     if isinstance(targets, str):  # auto and all-linear: resolved as --targets resolves them (model.targets)
         targets = (targets,)
@@ -133,7 +122,8 @@ def read_soup_config(path: str) -> UserRun:
                    gate_override=None if override is None else int(override),
                    probe=bool(getattr(t, "stream_vram_probe", False)), optimizer=str(t.optimizer),
                    accumulation=int(t.gradient_accumulation_steps),
-                   keys=tuple(unknown_keys(text, cfg)) + tuple(key_lines(cfg, quant)), text=text)
+                   keys=tuple(unknown_keys(raw)) + tuple(key_lines(cfg, quant, set_in(raw, "training"))), text=text,
+                   lora_dropout=float(getattr(lora, "dropout", LORA_DROPOUT)))
 
 
 def soup_release() -> str:
@@ -145,44 +135,105 @@ def soup_release() -> str:
         return "?"
 
 
-def unknown_keys(text: str, cfg: Any) -> list[str]:
-    """A key Soup's schema does not have (a typo, or a key of another release): Soup ignores it
-    (its models take extra keys silently), so it is named here, with the nearest key it has."""
-    import difflib
-
+def raw_yaml(text: str) -> Any:
+    """The file as YAML data, for naming its keys (libyaml's loader where it is there: the same safe
+    loader, fast on a huge file); None where it is not YAML (Soup's loader says why)."""
     import yaml
 
-    raw = yaml.safe_load(text)
+    try:
+        return yaml.load(text, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+    except Exception:
+        return None
+
+
+def set_in(raw: Any, block: str) -> set:
+    """The keys the file itself sets in one block (``training``): what is Soup's default is not the file's."""
+    node = raw.get(block) if isinstance(raw, dict) else None
+    return {str(k) for k in node} if isinstance(node, dict) else set()
+
+
+def _model_in(annotation: Any) -> Any:
+    """The pydantic model a field holds (Optional[LoraConfig] -> LoraConfig), or None."""
+    import typing
+
+    if isinstance(annotation, type) and hasattr(annotation, "model_fields"):
+        return annotation
+    return next((m for m in map(_model_in, typing.get_args(annotation)) if m is not None), None)
+
+
+#: How many of the keys Soup's schema does not have are named a line each; the rest are counted.
+LISTED_KEYS = 10
+
+
+def unknown_in(raw: Any) -> tuple[list[tuple[str, Optional[str]]], int]:
+    """The file's keys Soup's schema does not have, by Soup's own config classes (their fields and
+    aliases): the first LISTED_KEYS as (dotted key, the key probably meant or None), and how many in all."""
+    import difflib
+
+    try:
+        from soup_cli.config.loader import SoupConfig
+    except ImportError:
+        return [], 0
     known: list[str] = []
-    out: list[tuple[str, str]] = []
+    found: list[str] = []
+    count = 0
 
     def walk(node: Any, model: Any, path: str) -> None:
-        fields = type(model).model_fields
-        names = set(fields) | {f.alias for f in fields.values() if f.alias}
+        nonlocal count
+        fields = model.model_fields
+        by_name = {**{f.alias: f for f in fields.values() if f.alias}, **fields}
         known.extend(path + n for n in fields)
         for key, value in (node.items() if isinstance(node, dict) else ()):
-            sub = getattr(model, str(key), None) if key in names else None
-            if key not in names:
-                out.append((path + str(key), str(key)))
-            elif isinstance(value, dict) and hasattr(type(sub), "model_fields"):
-                walk(value, sub, f"{path}{key}.")
+            field = by_name.get(key) if isinstance(key, str) else None
+            if field is None:
+                count += 1
+                if len(found) < LISTED_KEYS:
+                    found.append(path + str(key))
+            elif isinstance(value, dict) and _model_in(field.annotation) is not None:
+                walk(value, _model_in(field.annotation), f"{path}{key}.")
 
-    walk(raw, cfg, "")
-    lines = []
-    for dotted, key in out:
+    walk(raw, SoupConfig, "")
+    leaves = [k.rsplit(".", 1)[-1] for k in known]
+    out = []
+    for dotted in found:
+        key = dotted.rsplit(".", 1)[-1]
         near = difflib.get_close_matches(dotted, known, n=1, cutoff=0.8) or difflib.get_close_matches(
-            key, [k.rsplit(".", 1)[-1] for k in known], n=1, cutoff=0.8)
-        hint = (f"; soup-cli 0.77.0's streaming mode, not this release's" if key in STREAM_KEYS
-                else f"; did you mean {next((k for k in known if k.endswith(near[0])), near[0])}?" if near else "")
+            key, leaves, n=1, cutoff=0.8)
+        meant = (next((k for k in known if k.endswith(near[0])), near[0]) if near and key not in STREAM_KEYS
+                 else None)
+        out.append((dotted, meant))
+    return out, count
+
+
+def unknown_keys(raw: Any) -> list[str]:
+    """A key Soup's schema does not have (a typo, or a key of another release): Soup ignores it
+    (its models take extra keys silently), so it is named here, with the nearest key it has; past
+    LISTED_KEYS, how many more."""
+    listed, count = unknown_in(raw)
+    lines = []
+    for dotted, meant in listed:
+        key = dotted.rsplit(".", 1)[-1]
+        hint = ("; soup-cli 0.77.0's streaming mode, not this release's" if key in STREAM_KEYS
+                else f"; did you mean {meant}?" if meant else "")
         lines.append(f"{dotted} is not a key of soup-cli {soup_release()}'s config schema: Soup ignores it, and so "
                      f"does this estimate{hint}")
+    if count > len(listed):
+        lines.append(f"and {count - len(listed):,} more keys soup-cli {soup_release()}'s config schema does not have "
+                     "(Soup ignores them, and so does this estimate)")
     return lines
 
 
-def key_lines(cfg: Any, quant: str) -> list[str]:
+#: Soup's training.lora.dropout default, at which the estimator's LoRA terms are counted.
+LORA_DROPOUT = 0.05
+
+
+def key_lines(cfg: Any, quant: str, given: Optional[set] = None) -> list[str]:
     """How each key of the file that changes the peak or Soup's gate is read: modelled (and how),
-    or not modelled, one line each; Soup's defaults say nothing."""
+    or not modelled, one line each; Soup's defaults say nothing, but one that changes the peak
+    (gradient accumulation) is said as Soup's default where the file does not set it (``given``:
+    the training keys the file sets)."""
     t, lines = cfg.training, []
+    given = set(t.model_fields) if given is None else given
     override = getattr(t, "stream_vram_override", None)
     if override is not None:
         lines.append(f"training.stream_vram_override {override}: modelled: Soup's gate compares its number against "
@@ -202,12 +253,22 @@ def key_lines(cfg: Any, quant: str) -> list[str]:
         lines.append("training.moe_lora true: NOT modelled: the estimate is of a plain LoRA adapter")
     accum = int(getattr(t, "gradient_accumulation_steps", 1))
     if accum > 1:
-        lines.append(f"training.gradient_accumulation_steps {accum}: modelled: each micro-batch is "
+        default = "" if "gradient_accumulation_steps" in given else " (Soup's default, not set in the file)"
+        lines.append(f"training.gradient_accumulation_steps {accum}{default}: modelled: each micro-batch is "
                      "training.batch_size rows, the step's batch, and from micro-batch 2 on every phase holds the "
                      "adapter's gradients (held_gradients)")
     if str(t.optimizer) != DEFAULT_OPTIMIZER:  # its steady state, by the estimator's optimizer table
         lines.append(f"training.optimizer {t.optimizer}: its states from step 2 on, by the estimator's optimizer "
                      "table (an optimizer it has no entry for is refused)")
+    dropout = float(getattr(t.lora, "dropout", LORA_DROPOUT))
+    if dropout > 0 and dropout != LORA_DROPOUT:
+        lines.append(f"training.lora.dropout {dropout:g}: modelled: peft's Dropout keeps its output and a 1-byte mask "
+                     "per adapted linear's input whatever p is, as at Soup's default 0.05")
+    elif dropout <= 0:
+        lines.append(f"training.lora.dropout {dropout:g}: an upper bound: at 0 peft runs no Dropout (nn.Identity), so "
+                     "the output copy and 1-byte mask charged per adapted linear at Soup's default 0.05 are not made "
+                     "(lora_A keeps its input, which may be one the layer keeps anyway): these figures are 0.05's, "
+                     "at most what the run holds; Soup's own number does not read the dropout")
     for key in STREAM_KEYS:
         value = getattr(t, key, None)
         if value not in (None, "on", "fused"):  # Soup's defaults say nothing

@@ -137,7 +137,7 @@ def test_estimate_config_charges_soups_default_accumulation_and_says_so(capfd, t
         row = json.loads((tmp_path / f"{name}.json").read_text())["rows"][0]
         needs[name] = row["needs_free"]
         if name == "default":
-            assert "gradient_accumulation_steps 4: modelled" in out
+            assert "gradient_accumulation_steps 4 (Soup's default" in out and "held_gradients" in out
             assert row["terms"]["held_gradients"] == row["terms"]["lora_weights"] > 1e9
         else:
             assert "held_gradients" not in row["terms"]

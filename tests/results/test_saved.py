@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, h, main, make_row, one_error_line
 
-from issue395.errors import EXIT_INTERRUPTED
+from issue395.errors import EXIT_INTERRUPTED, UsageError
 from issue395.results.saved import RowFile
 from issue395.run import arms, measure_mode
 
@@ -38,8 +38,12 @@ def test_each_finished_row_is_a_json_line_beside_the_json_until_the_json_holds_i
     out = tmp_path / "o.json"
     stale = tmp_path / "o.json.rows.jsonl"
     stale.write_text("a killed run's rows\n")
+    with pytest.raises(UsageError, match="did not finish"):  # never deleted (issue 36, item 1)
+        RowFile(str(out))
+    assert stale.read_text() == "a killed run's rows\n"
+    stale.write_text("")  # one that holds no row is no run's: a new run starts its own
     rows = RowFile(str(out))
-    assert rows.path == stale and not stale.exists()  # a new run starts its own
+    assert rows.path == stale and not stale.exists()
     measured = [make_row(index=0, real_peak=10**9), make_row(index=1, seq=4096, real_peak=2 * 10**9)]
     for row in measured:
         rows.add(row)
@@ -61,7 +65,7 @@ def test_a_row_file_that_cannot_be_written_warns_once_and_the_run_goes_on(tmp_pa
     rows.add(make_row(index=0))
     rows.add(make_row(index=1, seq=4096))
     err = capsys.readouterr().err
-    assert err.count("warning: cannot save rows to") == 1 and "they are in the tables" in err
+    assert err.count("warning: cannot save rows to") == 1 and "every row is in the tables" in err
     assert not rows.ok
 
 
@@ -117,7 +121,8 @@ def test_a_committed_row_file_from_before_the_header_is_refused_with_the_same_li
     line = one_error_line(*main(capfd, ["--from-json", COMMITTED_ROW_FILE]))
     assert line == (f"error: --from-json {COMMITTED_ROW_FILE}: this is a run's row file (its measured rows, one JSON "
                     "line each, kept when the run could not write its --json); it holds no environment to judge "
-                    "them by, so --from-json cannot render it: read the lines as they are")
+                    "them by, so --from-json cannot render it: read the lines as they are (a committed one under "
+                    "results/ is rendered by the bench/ script its folder's commands.txt or README names)")
 
 
 class Killed(BaseException):  # not Exception: the runner keeps the rows of a harness bug

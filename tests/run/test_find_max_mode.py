@@ -17,7 +17,7 @@ from issue395.model.registry import config_json
 YAML = """base: {base}
 task: {task}
 experiment_name: mine
-data: {{train: pairs.jsonl, max_length: 2048, val_split: 0.1}}
+data: {{train: pairs.jsonl, max_length: 2048, val_split: 0.1, chat_template: chatml}}
 training: {{batch_size: 1, epochs: 3, quantization: none, stream_layers: true, logging_steps: 5,
            lora: {{r: 8, alpha: 16, target_modules: [q_proj, v_proj]}}}}
 """

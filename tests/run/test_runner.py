@@ -38,7 +38,7 @@ def test_the_estimate_says_what_it_assumes_and_what_it_leaves_out(capfd, tmp_pat
                                   "--card", "24GB", "--json", out_json])
     assert code == 0, err
     assert "expandable segments, as `soup train` sets them" in out
-    assert "not estimated: host RAM" in out
+    assert "host RAM (the machine's, not a card's): Soup's streamed store" in out  # said beside the verdict (issue 36 item 13)
     data = json.loads(out_json.read_text())
     assert data["schema"] >= 2 and data["kind"] == "estimate"
     assert data["targets"] == ["q_proj", "v_proj"] and data["lora_r"] == 8
