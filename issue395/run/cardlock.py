@@ -1,4 +1,5 @@
-"""One GPU shared by --lanes processes, with a card lock: an arm that needs the whole card holds it
+"""One GPU shared by --lanes processes: the ledger that packs the lanes' arms by their bytes (issue 38:
+CardLedger, schedule.Ledger kept between processes), and before it a card lock: an arm that needs the whole card holds it
 alone, every other arm shares it (issue 30).
 
 The map deals whole families to lanes and keeps no shared checkpoint cache (its families' checkpoints
@@ -14,8 +15,13 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import json
 import os
-from typing import Iterator
+import time
+from typing import Iterator, Optional
+
+from ..estimator.cards import CONTEXT_BOUND_BYTES
+from .schedule import Ledger, Need, Room
 
 
 class CardLock:
@@ -99,3 +105,91 @@ def lane_order(arms: list, whole_card: "set[int] | frozenset[int]", family_of) -
     after its others, so they run back to back under one hold (rows are put back in grid order)."""
     rank = {f: i for i, f in enumerate(dict.fromkeys(family_of(a.model) for a in arms))}
     return sorted(arms, key=lambda a: (rank[family_of(a.model)], a.index in whole_card))
+
+
+class CardLedger:
+    """One GPU's lanes packed by bytes (issue 38): schedule.Ledger kept in a JSON file at ``path``,
+    read and written under an exclusive flock of ``path``.lock, so each lane process asks, starts and
+    gives back its arm's bytes against every other lane's. The room is the card's ``total`` (what CUDA
+    can hand out) less ``context`` and the runtime's growth for each live lane: lanes join when they
+    start and leave when they end; a lane process that died (SIGKILL runs no clean-up) is dropped with
+    its bytes the next time anyone reads the ledger, as the driver frees its memory."""
+
+    def __init__(self, path: str, total: int, context: int = CONTEXT_BOUND_BYTES, patience: float = 0.0,
+                 poll_s: float = 0.05) -> None:
+        self.path, self.total, self.context, self.patience, self.poll_s = path, total, context, patience, poll_s
+        self.key = str(os.getpid())
+
+    @contextlib.contextmanager
+    def _state(self) -> Iterator[dict]:
+        fd = _acquire(f"{self.path}.lock", fcntl.LOCK_EX)
+        try:
+            try:
+                with open(self.path, encoding="utf-8") as fh:
+                    state = json.load(fh)
+            except (OSError, ValueError):
+                state = {}
+            lanes = [k for k in state.get("lanes", ()) if _alive(k)]
+            ledger = Ledger.from_json(self.room(len(lanes)), state.get("ledger", {"patience": self.patience}))
+            for key in [k for k in ledger.running if not _alive(k)] + [w[0] for w in ledger.waiting if not _alive(w[0])]:
+                ledger.done(key)
+            state = {"lanes": lanes, "ledger": ledger}
+            yield state
+            state["ledger"].room = self.room(len(state["lanes"]))
+            state["ledger"].admit(time.monotonic())  # a lane that left may let a waiting arm in
+            tmp = f"{self.path}.{self.key}.tmp"
+            with open(tmp, "w", encoding="utf-8") as fh:
+                json.dump({"lanes": state["lanes"], "ledger": state["ledger"].to_json()}, fh)
+            os.replace(tmp, self.path)
+        finally:
+            os.close(fd)
+
+    def room(self, lanes: int) -> Room:
+        return Room(self.total, max(1, lanes), self.context)
+
+    def join(self) -> None:
+        with self._state() as state:
+            if self.key not in state["lanes"]:
+                state["lanes"].append(self.key)
+
+    def leave(self) -> None:
+        with self._state() as state:
+            state["lanes"] = [k for k in state["lanes"] if k != self.key]
+            state["ledger"].done(self.key)
+
+    @contextlib.contextmanager
+    def held(self, need: Need) -> Iterator[None]:
+        """The card for one arm: it waits until its bytes are admitted beside what runs, holds them for
+        the arm, and gives them back after (an exception or a stop while it waits withdraws it)."""
+        with self._state() as state:
+            state["ledger"].ask(self.key, need, time.monotonic())
+        try:
+            while True:
+                with self._state() as state:
+                    state["ledger"].admit(time.monotonic())
+                    if self.key in state["ledger"].running:
+                        break
+                time.sleep(self.poll_s)
+            yield
+        finally:
+            with self._state() as state:
+                state["ledger"].done(self.key)
+
+    def snapshot(self) -> dict:
+        """The ledger as the lanes see it now (for a test, or a progress line)."""
+        with self._state() as state:
+            return {"lanes": list(state["lanes"]), **state["ledger"].to_json()}
+
+
+def _alive(key: str) -> bool:
+    try:
+        os.kill(int(str(key).split(":")[0]), 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, ValueError):
+        return True
+    return True
+
+
+def ledger_for(path: Optional[str], total: Optional[int], context: int = CONTEXT_BOUND_BYTES) -> Optional[CardLedger]:
+    return CardLedger(path, total, context) if path and total else None

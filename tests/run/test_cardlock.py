@@ -1,5 +1,6 @@
-"""issue395.run.cardlock: the card lock of --lanes on the map (issue 30). Real processes on the real
-lock files: an arm that holds the card alone keeps every other lane's arm off it until it releases;
+"""issue395.run.cardlock: the card lock of --lanes on the map (issue 30), and the ledger that packs the
+lanes' arms by bytes (issue 38: each holds its own bytes; arms run together while they fit the card;
+first asked, first served; a killed lane's bytes come back). Real processes on the real lock files: an arm that holds the card alone keeps every other lane's arm off it until it releases;
 lane arms share it; a whole-card arm waiting for the card is not starved by lane arms that keep
 arriving (the turnstile). Each process logs when it asked, got and let go (CLOCK_MONOTONIC, one
 clock for every process of the host)."""
@@ -12,6 +13,7 @@ import textwrap
 import time
 from pathlib import Path
 
+import pytest
 from conftest import ROOT
 
 HOLDER = textwrap.dedent("""
@@ -156,3 +158,87 @@ def test_a_lane_runs_each_familys_whole_card_arms_after_its_other_arms_families_
             Arm("moonlight", 512, 1, 4), Arm("moonlight+per_expert", 512, 4, 5), Arm("moonlight", 1024, 1, 6)]
     order = [a.index for a in lane_order(arms, {1, 4}, family_of)]
     assert order == [0, 2, 3, 1, 5, 6, 4]
+
+
+LEDGER_HOLDER = textwrap.dedent("""
+    import sys, time
+    sys.path.insert(0, {root!r})
+    from issue395.run.cardlock import CardLedger
+    from issue395.run.schedule import Need
+
+    name, holds, hold_s = sys.argv[1], int(float(sys.argv[2]) * 1e9), float(sys.argv[3])
+    ledger = CardLedger({ledger!r}, total=10 * 10**9, context=0)
+    ledger.join()
+    with open({log!r}, "a") as log:
+        log.write(f"{{name}} ask {{time.monotonic()}}\\n"); log.flush()
+        with ledger.held(Need(holds)):
+            log.write(f"{{name}} got {{time.monotonic()}}\\n"); log.flush()
+            time.sleep(hold_s)
+            log.write(f"{{name}} free {{time.monotonic()}}\\n"); log.flush()
+    ledger.leave()
+""")
+
+
+def ledger_holders(tmp_path: Path):
+    """As holders, but each process holds its own bytes (GB) of a 10 GB card with no context (the
+    runtime's growth, 0.26 GB a live lane, still comes off)."""
+    script, log = tmp_path / "ledger_holder.py", tmp_path / "card.log"
+    script.write_text(LEDGER_HOLDER.format(root=str(ROOT), log=str(log), ledger=str(tmp_path / "card.json")))
+    _, wait_for, times = holders(tmp_path)
+
+    def start(name: str, gb: float, hold_s: float) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, str(script), name, str(gb), str(hold_s)])
+
+    return start, wait_for, times
+
+
+@pytest.mark.slow
+def test_an_arm_too_large_for_a_lanes_share_runs_beside_another_when_their_bytes_fit_the_card(tmp_path):
+    start, wait_for, times = ledger_holders(tmp_path)
+    big = start("big", 6, 3.0)  # past a half of the card: the binary lock would have held it alone
+    wait_for("big", "got")
+    small = start("small", 3, 0.0)
+    finish(big, small)
+    t = times()
+    assert t[("small", "got")] < t[("big", "free")], "two arms whose bytes fit the card did not run at once"
+
+
+@pytest.mark.slow
+def test_an_arm_that_does_not_fit_waits_and_a_small_one_asking_after_it_does_not_pass_it(tmp_path):
+    start, wait_for, times = ledger_holders(tmp_path)
+    a = start("a", 6, 3.0)
+    wait_for("a", "got")
+    w = start("w", 5, 0.2)  # 6 + 5 > the card: it waits for a
+    wait_for("w", "ask")
+    time.sleep(0.3)
+    c = start("c", 1, 0.0)  # 6 + 1 would fit, but w asked first
+    finish(a, w, c)
+    t = times()
+    assert t[("w", "got")] >= t[("a", "free")], "an arm ran beside others past the card"
+    assert t[("c", "ask")] < t[("a", "free")], "the test did not ask for c while a held its bytes"
+    assert t[("c", "got")] >= t[("a", "free")], "a later small arm went past the arm waiting before it"
+
+
+@pytest.mark.slow
+def test_a_killed_lanes_bytes_come_back_to_the_card(tmp_path):
+    start, wait_for, times = ledger_holders(tmp_path)
+    dead = start("dead", 9, 60.0)
+    wait_for("dead", "got")
+    dead.kill()
+    dead.wait(timeout=10)
+    after = start("after", 9, 0.0)  # the whole room: only once the killed lane's bytes are dropped
+    finish(after)
+    assert ("after", "free") in times()
+
+
+def test_the_ledger_is_empty_after_its_lanes_leave(tmp_path):
+    from issue395.run.cardlock import CardLedger
+    from issue395.run.schedule import Need
+
+    ledger = CardLedger(str(tmp_path / "card.json"), total=10 * 10**9, context=0)
+    ledger.join()
+    with ledger.held(Need(4 * 10**9)):
+        seen = ledger.snapshot()
+    assert seen["running"] == [[ledger.key, 4 * 10**9]] and seen["lanes"] == [ledger.key]
+    ledger.leave()
+    assert ledger.snapshot() == {"lanes": [], "patience": 0.0, "running": [], "waiting": []}
