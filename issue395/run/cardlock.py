@@ -1,14 +1,12 @@
-"""One GPU shared by --lanes processes: the ledger that packs the lanes' arms by their bytes (issue 38:
-CardLedger, schedule.Ledger kept between processes), and before it a card lock: an arm that needs the whole card holds it
-alone, every other arm shares it (issue 30).
-
-The map deals whole families to lanes and keeps no shared checkpoint cache (its families' checkpoints
-do not fit the box's disk together), so a family's whole-card arms run in that family's own lane,
-where its checkpoint already is, while the other lanes wait between arms. flock(2) on two files: the
-card (shared by lane arms, exclusive for a whole-card arm) and a turnstile before it, which a
-whole-card arm holds while it waits for and holds the card, so lane arms that keep arriving cannot
-starve it (writer preference). Locks belong to the open file, so a process that dies releases
-them, and every acquire opens its own.
+"""One GPU shared by --lanes processes on the map: the ledger that packs the lanes' arms by their bytes
+(issue 38). The map deals whole families to lanes and keeps no shared checkpoint cache (its families'
+checkpoints do not fit the box's disk together), so every arm runs in its family's lane, where its
+checkpoint already is. Each arm holds this tool's needs-free for it while it runs; arms of all lanes run
+together while their bytes fit the card beside every live lane's CUDA context and growth, first asked
+first served (run/schedule.py, the rule; here, that rule kept between processes). It replaces issue 30's
+binary card lock, under which an arm past a lane's 1/N of the card held the whole card and drained every
+other lane. flock(2) on the ledger's lock file: a lock belongs to the open file, so a process that dies
+releases it, and a dead lane's bytes are dropped by the next reader.
 """
 
 from __future__ import annotations
@@ -24,32 +22,6 @@ from ..estimator.cards import CONTEXT_BOUND_BYTES
 from .schedule import Ledger, Need, Room
 
 
-class CardLock:
-    """The lock of one GPU's lanes, at ``path`` (its turnstile beside it)."""
-
-    def __init__(self, path: str) -> None:
-        self.path = path
-        self.turnstile = f"{path}.turnstile"
-
-    @contextlib.contextmanager
-    def held(self, whole_card: bool) -> Iterator[None]:
-        """The card for one arm: alone (``whole_card``) or beside the other lanes' arms."""
-        gate = _acquire(self.turnstile, fcntl.LOCK_EX)
-        try:
-            card = _acquire(self.path, fcntl.LOCK_EX if whole_card else fcntl.LOCK_SH)
-        except BaseException:
-            os.close(gate)
-            raise
-        if not whole_card:
-            os.close(gate)  # through the turnstile: the next lane arm may come in beside this one
-        try:
-            yield
-        finally:
-            os.close(card)
-            if whole_card:
-                os.close(gate)
-
-
 def _acquire(path: str, how: int) -> int:
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
     try:
@@ -58,53 +30,6 @@ def _acquire(path: str, how: int) -> int:
         os.close(fd)
         raise
     return fd
-
-
-class CardHold:
-    """A lane's hold on its card over its arms in turn: each lane arm shares the card for itself, and
-    a run of whole-card arms back to back keeps the card alone from the first to the last. Each
-    exclusive acquire first drains every other lane's arm in flight, so one hold per run, not one
-    per arm (the 0.77.0 map at 4 lanes: 37 whole-card arms, each a drain; results/INDEX.md)."""
-
-    def __init__(self, lock: "CardLock | None") -> None:
-        self.lock = lock
-        self._alone: contextlib.ExitStack | None = None
-
-    @contextlib.contextmanager
-    def arm(self, whole_card: bool, next_whole_card: bool) -> Iterator[None]:
-        """The card for one arm; ``next_whole_card``: the arm this lane runs next needs the card alone too,
-        so the hold is kept for it (never across anything else this lane does)."""
-        if self.lock is None:
-            yield
-            return
-        if not whole_card:
-            self.release()
-            with self.lock.held(False):
-                yield
-            return
-        if self._alone is None:
-            stack = contextlib.ExitStack()
-            stack.enter_context(self.lock.held(True))
-            self._alone = stack
-        try:
-            yield
-        except BaseException:
-            self.release()
-            raise
-        if not next_whole_card:
-            self.release()
-
-    def release(self) -> None:
-        if self._alone is not None:
-            self._alone.close()
-            self._alone = None
-
-
-def lane_order(arms: list, whole_card: "set[int] | frozenset[int]", family_of) -> list:
-    """A lane's arms in the order it runs them: family by family as dealt, each family's whole-card arms
-    after its others, so they run back to back under one hold (rows are put back in grid order)."""
-    rank = {f: i for i, f in enumerate(dict.fromkeys(family_of(a.model) for a in arms))}
-    return sorted(arms, key=lambda a: (rank[family_of(a.model)], a.index in whole_card))
 
 
 class CardLedger:
@@ -158,22 +83,31 @@ class CardLedger:
             state["ledger"].done(self.key)
 
     @contextlib.contextmanager
-    def held(self, need: Need) -> Iterator[None]:
+    def held(self, need: Optional[Need]) -> Iterator[int]:
         """The card for one arm: it waits until its bytes are admitted beside what runs, holds them for
-        the arm, and gives them back after (an exception or a stop while it waits withdraws it)."""
+        the arm, and gives them back after (an exception or a stop while it waits withdraws it). It
+        yields the bytes the other lanes' arms held when it was admitted. ``need`` None: the whole room
+        the live lanes leave (asked again at each look, as lanes join and leave), so it runs alone."""
         with self._state() as state:
-            state["ledger"].ask(self.key, need, time.monotonic())
+            state["ledger"].ask(self.key, need or self._alone(state), time.monotonic())
         try:
             while True:
                 with self._state() as state:
+                    if need is None:
+                        state["ledger"].waiting = [(k, self._alone(state) if k == self.key else n, t)
+                                                   for k, n, t in state["ledger"].waiting]
                     state["ledger"].admit(time.monotonic())
                     if self.key in state["ledger"].running:
+                        beside = state["ledger"].used - state["ledger"].running[self.key]
                         break
                 time.sleep(self.poll_s)
-            yield
+            yield beside
         finally:
             with self._state() as state:
                 state["ledger"].done(self.key)
+
+    def _alone(self, state: dict) -> Need:
+        return Need(self.room(len(state["lanes"])).arm_bytes)
 
     def snapshot(self) -> dict:
         """The ledger as the lanes see it now (for a test, or a progress line)."""

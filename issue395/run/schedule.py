@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Hashable, Iterable, Mapping, Optional
 
-from ..estimator.cards import CONTEXT_BOUND_BYTES, GATE_GROWTH_BYTES, STEP_GROWTH_BYTES
+from ..estimator.cards import CARDS, CONTEXT_BOUND_BYTES, GATE_GROWTH_BYTES, STEP_GROWTH_BYTES
 
 #: What --lanes gives each lane of the host's cores: cores // lanes (at least one). On the issue's
 #: 16-core H200 box, --lanes 4, 6 and 8 give the three layouts issue 38 asks to measure:
@@ -83,6 +83,13 @@ class Room:
         if self.refused_alone(need):
             return True
         return used + need.holds <= self.arm_bytes and (need.soup is None or need.soup <= self.gate_free(used))
+
+
+def card_total(driver_total: int) -> int:
+    """What CUDA can hand out of a card the driver reports at ``driver_total`` bytes: a named card's
+    hidden bytes (the H200's 616 MiB below nvidia-smi's total) come off where its total is that card's."""
+    card = next((c for c in CARDS.values() if c.total_bytes == driver_total), None)
+    return driver_total - (card.hidden_bytes if card else 0)
 
 
 def held(need: Need, room: Room) -> int:

@@ -8,7 +8,9 @@ from __future__ import annotations
 import pytest
 
 from issue395.estimator.cards import CONTEXT_BOUND_BYTES, STEP_GROWTH_BYTES
-from issue395.run.schedule import Ledger, Need, Room, claim_order, deal, lane_threads, may_build, needs_table
+from issue395.estimator.cards import CARDS
+from issue395.run.schedule import (Ledger, Need, Room, card_total, claim_order, deal, lane_threads, may_build,
+                                    needs_table)
 
 GB = 10**9
 
@@ -112,3 +114,9 @@ def test_a_checkpoint_waits_for_disk_room_unless_the_disk_holds_nothing():
     assert may_build(40 * GB, 20 * GB, 60 * GB) and not may_build(41 * GB, 20 * GB, 60 * GB)
     assert may_build(0, 90 * GB, 60 * GB), "the only way on was refused"
     assert may_build(10**15, GB, None)
+
+
+def test_the_h200s_room_starts_from_what_cuda_hands_out_not_nvidia_smis_total():
+    h200 = CARDS["h200"]
+    assert card_total(h200.total_bytes) == h200.total_bytes - h200.hidden_bytes < h200.total_bytes
+    assert card_total(12_345) == 12_345, "a card not named here keeps the driver's total"
