@@ -17,7 +17,8 @@
 # minute to finish the arm in flight and write its outputs (timeout -s INT -k 60); everything is written
 # under $OUT as it goes (R=$OUT/map4-PART), so a call cut off by the device still brings back each row file;
 # the disk is budgeted (the lanes build each family's checkpoint one family ahead, costliest first in a
-# lane, freeing each after its last arm; the simulation puts 4 lanes at 55.5 GB of the box's 64 GiB), and
+# lane, freeing each after its last arm; the simulation puts the full map at 4 lanes at 55.5 GB of the box's
+# 64 GiB, at 6 and 8 lanes past it, so only 4 lanes run the full map; the layouts' subset holds 45 GB), and
 # Soup's shards go to RAM: Soup accepts a shard cache under $HOME, so HOME=/dev/shm/h and --shard-dir in it.
 # Disk, /dev/shm and RAM are sampled every 15 s.
 #
