@@ -4,7 +4,7 @@
 # the repo root with .whl/ and .whl077/ carried (bench/README.md):
 #
 #   source bench/gpu-map4.sh map       # ~9.5 min: the claim, the full default map in one call
-#   source bench/gpu-map4.sh modes     # ~6.5 min: the modes with the allocator's history; Kimi K2 at 2048
+#   source bench/gpu-map4.sh modes     # ~7 min: the modes with the allocator's history; Kimi K2 at 2048
 #   source bench/gpu-map4.sh proofs    # ~6.5 min: lanes 1 against the map's 4; DeepSeek-V3 in bf16
 #   source bench/gpu-map4.sh layouts   # ~5.5 min, only if the session has it: 4 x 4 against 6 x 2 and 8 x 2
 #
@@ -63,13 +63,16 @@ modes)
   rm -rf /dev/shm/h/s
   # 3. Item 4: Kimi K2 (2 of 61 layers, 384 experts, full width) NF4 at seq 2048, fused then per-expert, its
   #    checkpoint on the disk, Soup's shards in RAM, the first layout's shards removed before the second.
-  #    ~140 s then ~95 s (results/findmax-kimi-anatomy-*/kimi-k2-*.json at 512: 126.5 s and 83.1 s).
+  #    ~140 s (results/findmax-kimi-anatomy-*/kimi-k2-fused.json at 512: 126.5 s).
   room 150 kimi-k2-2048-fused && cmd kimi-k2-2048-fused timeout -s INT -k 60 "$(left 100)" $H --map --families kimi-k2 \
       --quant nf4 --seq 2048 --batch 1 --cache-dir /tmp/kc $S --json $R/kimi-k2-2048-fused.json
   rm -rf /dev/shm/h/s
+  #    The per-expert layout also with a 512-token chunked loss, at 512 and 2048, under the allocator's history:
+  #    at NF4 512 x 1 the estimate's loss and layer phases are 7.1 MB apart, the chunked loss moving the peak
+  #    to the layer phase's boundary (item 5's per-expert chunked arm, 59 KB under, is held out). ~130 s.
   room 100 kimi-k2-2048-per-expert && cmd kimi-k2-2048-per-expert timeout -s INT -k 40 "$(left 45)" $H --map \
-      --families kimi-k2 --quant nf4 --seq 2048 --batch 1 --expert-layout per_expert --cache-dir /tmp/kc $S \
-      --json $R/kimi-k2-2048-per-expert.json
+      --families kimi-k2 --quant nf4 --seq 512,2048 --batch 1 --expert-layout per_expert --loss-chunk off,512 \
+      --snapshot --cache-dir /tmp/kc $S --json $R/kimi-k2-2048-per-expert.json
   rm -rf /tmp/kc /dev/shm/h/s
   ;;
 proofs)
