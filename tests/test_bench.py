@@ -91,3 +91,18 @@ def test_the_committed_full_077_map_render_is_what_its_row_file_gives_now():
     assert out == (ROOT / "results" / "map-077-full-h200-soup0.77.0-684477c-render.txt").read_text()
     assert "planned 277 arms; 246 reported (241 measured" in out and "not run (31:" in out
     assert "corrected estimate: never under on the 241 measured row(s)" in out
+
+
+@pytest.mark.slow
+def test_the_committed_schedule_simulation_is_what_the_committed_map_timings_give_now():
+    """bench/schedule_sim.py replays the committed full map's timings through run/schedule's ledger (a
+    simulation, said so in its first line); Soup's own number for each arm is 0.77.0's, so it runs where
+    0.77.0's code is."""
+    from issue395.estimator.releases import release_source
+
+    if release_source("0.77.0") is None:
+        pytest.skip("soup-cli 0.77.0's own code is not here (its venv runs it)")
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "schedule_sim.py")], capture_output=True, text=True,
+                         check=True, timeout=300).stdout
+    assert out.startswith("A SIMULATION, not a measurement")
+    assert out == (ROOT / "results" / "schedule-sim-map-077.txt").read_text()

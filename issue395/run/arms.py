@@ -1,5 +1,6 @@
 """The arms in this process: the protocol the entry script hands the package (its measured arm), the
-sweep over a grid's arms in grid order (a lane of the map holding its GPU's card lock), and what the
+sweep over a grid's arms in grid order (a lane of the map holding its arms' bytes of its GPU's card
+through the lanes' ledger), and what the
 stack and the timings say of a run.
 """
 
@@ -7,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import statistics
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -20,10 +22,11 @@ from ..measure.console import Stop
 from ..measure.margin import margin_arms, margin_breakdown
 from ..measure.measurement import Measurement, run_arm
 from ..measure.shapes import not_on_map
-from .cardlock import CardHold, CardLock, lane_order
+from .cardlock import CardLedger
 from .checkpoints import Checkpoints, quant_base
 from .grid import past_positions
 from .request import MeasureRequest
+from .schedule import Need
 from .scratch import Scratch
 
 
@@ -51,17 +54,34 @@ def sweep(arms: list[Arm], shapes: dict[str, Shape], bases: Checkpoints, scratch
     history once its arms are done, to say where the margin goes."""
     checked: set[tuple[str, str]] = set()
     done: list[Row] = []
-    lock = CardLock(run.children.card_lock) if run.children.card_lock else None
-    hold = CardHold(lock)
-    whole = set(run.children.whole_card)
-    if lock is not None:  # a family's whole-card arms back to back: one drain of the other lanes, not one each
-        arms = lane_order(arms, whole, family_of)
+    c = run.children
+    ledger = CardLedger(c.ledger, c.card_total) if c.ledger and c.card_total else None
+    needs = {int(i): Need(int(h), None if s is None else int(s)) for i, h, s in c.needs}
+    if ledger is not None:
+        ledger.join()
 
-    def card(a: Arm, following: Optional[Arm] = None) -> Any:
-        """A lane of the map holds its GPU's card for the arm, alone for a whole-card arm, from before
-        Soup's setup to after the teardown, which frees the allocator, and on to ``following`` when it
-        needs the card alone too. Taken outside Stop.arm: a Ctrl-C while it waits for the card stops now."""
-        return hold.arm(a.index in whole, following is not None and following.index in whole)
+    def card(a: Arm) -> Any:
+        """A lane of the map holds its arm's bytes of its GPU's card (an arm not packed here: the whole
+        room) from before Soup's setup to after the teardown, which frees the allocator."""
+        return ledger.held(needs.get(a.index)) if ledger is not None else contextlib.nullcontext(0)
+
+    def measure(a: Arm, base: str, work: Path, sharding: Any = None, **options: Any) -> Row:
+        """The arm through the ledger (the card taken outside Stop.arm: a Ctrl-C while it waits for the
+        card stops now); one that raised OOM or that Soup refused while other lanes held bytes, where Soup
+        admits it alone, is measured again holding the whole card: a neighbour's cache beyond its
+        needs-free (the caching allocator reserves more than it allocates) is the lanes', not the arm's,
+        and its row is the arm alone's."""
+        with card(a) as beside, sharding or contextlib.nullcontext(), Stop.arm():
+            row = run_arm(a, shapes[a.model], base, work, **options)
+        need = needs.get(a.index)
+        if (ledger is None or not beside or row.failure not in ("OOM", "REFUSED") or Stop.requested
+                or (need is not None and ledger.room(1).refused_alone(need))):
+            return row
+        print(f"note: arm {a.index} ({a.model} {a.quant} {a.seq}x{a.batch}) {row.failure} beside "
+              f"{beside / 1e9:.1f} GB of other lanes' arms: measured again holding the whole card",
+              file=sys.stderr, flush=True)
+        with ledger.held(None), Stop.arm():
+            return run_arm(a, shapes[a.model], base, Path(f"{work}-alone"), **options)
 
     for i, arm in enumerate(arms):
         if Stop.requested:
@@ -75,13 +95,11 @@ def sweep(arms: list[Arm], shapes: dict[str, Shape], bases: Checkpoints, scratch
         checked.add((arm.model, arm.quant))
         log = (Path(run.log_dir) / f"soup-{arm.index:03d}-{arm.model}-{arm.seq}-b{arm.batch}{task_tag(arm)}.log"
                if run.log_dir else None)
-        following = arms[i + 1] if i + 1 < len(arms) and family_of(arms[i + 1].model) == family else None
-        with card(arm, following), scratch.sharding(base) if first else contextlib.nullcontext(), Stop.arm():
-            row = run_arm(arm, shapes[arm.model], base, scratch.path("arms", f"{arm.index:03d}"),
-                          dry_run=run.dry_run, snapshot=run.snapshot, snapshot_dir=run.snapshot_dir,
-                          log=log, verbose=run.verbose, repeat=run.children.repeat_tag, steps=run.steps,
-                          constraint=run.constraints.for_arm(run.context),
-                          **({"soup_config": run.adapter.soup_config} if run.adapter.soup_config else {}))
+        row = measure(arm, base, scratch.path("arms", f"{arm.index:03d}"), scratch.sharding(base) if first else None,
+                      dry_run=run.dry_run, snapshot=run.snapshot, snapshot_dir=run.snapshot_dir,
+                      log=log, verbose=run.verbose, repeat=run.children.repeat_tag, steps=run.steps,
+                      constraint=run.constraints.for_arm(run.context),
+                      **({"soup_config": run.adapter.soup_config} if run.adapter.soup_config else {}))
         on_row(row)
         done.append(row)
         if any(family_of(a.model) == family for a in arms[i + 1:]):
@@ -92,16 +110,15 @@ def sweep(arms: list[Arm], shapes: dict[str, Shape], bases: Checkpoints, scratch
             for a in [] if run.snapshot else margin_arms(mine):
                 if Stop.requested:
                     break
-                with card(a), Stop.arm():
-                    again.append(run_arm(a, shapes[a.model], quant_base(scratch, bases.get(family), a.quant,
-                                                                         shapes[a.model].stream),
-                                         scratch.path("arms", f"{a.index:03d}-margin"), snapshot=True,
-                                         log=log, verbose=run.verbose, steps=run.steps))
+                again.append(measure(a, quant_base(scratch, bases.get(family), a.quant, shapes[a.model].stream),
+                                     scratch.path("arms", f"{a.index:03d}-margin"), snapshot=True,
+                                     log=log, verbose=run.verbose, steps=run.steps))
             for r in again:
                 if r.attribution and r.measured and r.soup_predicted:
                     on_margin(margin_breakdown(r))
         bases.release(family)
-    hold.release()  # a stop between two whole-card arms: the other lanes get the card back
+    if ledger is not None:
+        ledger.leave()
 
 
 def task_tag(arm: Arm) -> str:

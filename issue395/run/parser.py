@@ -201,9 +201,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "Bare --lanes: N = cores/4, at most the lanes there are work for. An arm whose "
                         "corrected needs-free (or Soup's own number, which its gate wants free) does not "
                         "fit a lane's share of the card runs after the lanes, alone, so Soup's gate "
-                        "decides as on an idle card; on the map it runs in its family's lane (where its "
-                        "checkpoint is) with the card to itself, the other lanes paused between arms by a "
-                        "card lock, unless it does not fit beside their idle CUDA contexts. --lanes 1: the serial run (on CPU, a faked peak: lanes 1 and 2 "
+                        "decides as on an idle card. On the map every arm runs in its family's lane (where "
+                        "its checkpoint is, a lane's families costliest first), packed by bytes: each holds "
+                        "this tool's needs-free for it, and the lanes' arms run together while their bytes fit "
+                        "the card beside every lane's CUDA context, first asked first served; one that does not "
+                        "fit beside the idle lanes runs after them, alone, and one that raises OOM or that Soup "
+                        "refuses beside others is measured again holding the whole card. On 16 cores --lanes "
+                        "4, 6 and 8 are 4, 2 and 2 threads a lane. --lanes 1: the serial run (on CPU, a faked peak: lanes 1 and 2 "
                         "give the same rows and tables, tests/run/test_lanes.py). Not with --cap, "
                         "--emulate-card or --min-free (they need the whole card), --determinism or --shard")
     r.add_argument("--gpus", default=None, help="comma list of GPU ids: one shard per GPU, merged")

@@ -52,8 +52,9 @@ class Children:
     shard: Optional[tuple] = None
     child: bool = False  # a child of --gpus, --isolate or --determinism (never the command line)
     repeat_tag: Optional[int] = None  # a child's repeat of --determinism
-    card_lock: Optional[str] = None  # a --lanes child's card lock (cardlock.CardLock): its GPU shared between lanes
-    whole_card: tuple = ()  # ... and the indices of its arms that hold that card alone
+    ledger: Optional[str] = None  # a --lanes map child's ledger (cardlock.CardLedger): its GPU's bytes between lanes
+    card_total: Optional[int] = None  # ... the bytes CUDA hands out of that card
+    needs: tuple = ()  # ... and each of its arms' (index, bytes it holds, Soup's number): schedule.Need
 
 
 @dataclass(frozen=True)

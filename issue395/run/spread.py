@@ -24,8 +24,9 @@ from ..results.result import Result
 from ..results.row import Row
 from ..results.saved import RowFile
 from ..measure.console import Stop
-from .grid import shard_of
+from .grid import arm_seconds, shard_of
 from .request import Children, MeasureRequest, Outputs, measure_from_json
+from .schedule import Need, Room, card_total, claim_order
 from .scratch import Scratch
 
 #: A child process finds its work here: the file names its settled MeasureRequest and its Job.
@@ -54,16 +55,19 @@ CORES_PER_LANE = 4
 
 @dataclass(frozen=True)
 class Lanes:
-    """How --lanes runs: lanes per GPU, host threads each, and the arms that need a whole card."""
+    """How --lanes runs: lanes per GPU, host threads each, and the arms that need more than a lane's share."""
 
     count: int
     threads: int
-    whole_card: tuple = ()  # the Arms that need the card to themselves
+    whole_card: tuple = ()  # the Arms past a lane's 1/N of the card
     share: Optional[int] = None  # bytes of the card each lane may have (None: not bounded, a dry run)
     why: str = ""
-    #: those of ``whole_card`` that run in their family's lane holding the card lock, the other
-    #: lanes paused between arms (the map); the rest run after the lanes, alone
+    #: those of ``whole_card`` that run in their family's lane beside the other lanes' arms whenever their
+    #: bytes fit the card (the map); the rest run after the lanes, alone
     in_lane: tuple = ()
+    #: the map: each lane arm's (index, bytes it holds, Soup's number), packed by the lanes' ledger
+    needs: tuple = ()
+    total: Optional[int] = None  # the card's total as the driver reports it
 
     @property
     def after(self) -> tuple:
@@ -75,17 +79,18 @@ class Lanes:
         where = ("on the CPU (a dry run: no GPU)" if run.dry_run else
                  f"on each of GPUs {','.join(map(str, run.children.gpus))}" if run.children.gpus else "on one GPU")
         how = "one fresh process per arm" if run.isolate else "one process per lane running its shard"
+        packed = "; packed by bytes: each arm holds this tool's needs-free for it" if self.needs else ""
         need = (f"; {len(self.whole_card)} arm(s) whose needs exceed a lane's share of the card "
                 f"({self.share / 1e9:.1f} GB)" if self.whole_card else "")
         if self.in_lane:
-            need += (f": {'all' if not self.after else len(self.in_lane)} ran in their family's lane with the "
-                     "card to themselves, the other lanes paused between arms (not exited: each idle lane kept "
-                     "its CUDA context)" + (f", {len(self.after)} (not fitting beside the idle lanes) after the "
-                                            "lanes, alone" if self.after else ""))
+            need += (f": {'all' if not self.after else len(self.in_lane)} ran in their family's lane beside the "
+                     "other lanes' arms whenever their bytes fit the card with every lane's context"
+                     + (f", {len(self.after)} (not fitting beside the idle lanes) after the "
+                        "lanes, alone" if self.after else ""))
         elif self.whole_card:
             need += " ran after them, alone"
         return (f"{self.count} lanes {where} ({self.threads} thread{'s' if self.threads != 1 else ''} each; "
-                f"{self.why}), {how}, merged{need}")
+                f"{self.why}), {how}, merged{packed}{need}")
 
 
 def host_cores() -> int:
@@ -126,12 +131,12 @@ def plan_lanes(run: MeasureRequest, arms: list[Arm], total: Optional[int] = None
     memory, so an arm it admits alone is run alone unless its own number and this tool's needs-free
     both fit a lane's share (an arm Soup refuses alone is refused beside neighbours too).
 
-    On the map (whole families per lane, no shared checkpoint cache) such an arm runs in its
-    family's lane, holding the card lock while the other lanes wait, idle but each with its CUDA
-    context and the runtime's modules (the card's context bound and the step's growth): where its
-    needs-free or Soup's number do not fit what those leave, it runs after the lanes instead, so
-    Soup's gate decides as it would alone."""
-    from ..estimator.cards import STEP_GROWTH_BYTES, Card, budget
+    On the map (whole families per lane, no shared checkpoint cache) every arm runs in its family's lane,
+    packed by bytes (issue 38, run/schedule.py): each holds this tool's needs-free for it, and arms run
+    together while their bytes fit what the card leaves beside every live lane's CUDA context and growth,
+    and Soup's number fits the free memory its gate reads. An arm that cannot fit beside the idle lanes
+    runs after the lanes instead, so Soup's gate decides as it would alone."""
+    from ..estimator.cards import Card, budget
 
     cores = cores or host_cores()
     units = len({family_of(a.model) for a in arms}) if run.map and not run.isolate else len(arms)
@@ -143,18 +148,34 @@ def plan_lanes(run: MeasureRequest, arms: list[Arm], total: Optional[int] = None
     if total is None or count == 1:  # a dry run has no card to share
         return Lanes(count, max(1, cores // count), why=why)
     whole_card, lane = budget(Card("the card", total)), budget(Card("a lane's share", total // count))
-    idle = (count - 1) * (whole_card.context_bytes + STEP_GROWTH_BYTES)
-    paused = budget(Card("the card beside the idle lanes", total - idle))
-    alone, in_lane = [], []
+    room = Room(card_total(total), count)
+    packed = run.map and not run.isolate
+    alone, in_lane, needs = [], [], []
     for arm in arms:
-        needs = arm_needs(arm, run)
-        if needs is None or not (needs[1] > whole_card.gate_free_bytes
-                                 or (lane.fits(needs[0]) and needs[1] <= lane.gate_free_bytes)):
+        found = arm_needs(arm, run)
+        need = Need(*found) if found is not None else None
+        fits = packed and need is not None and room.fits_beside_lanes(need)
+        if fits:
+            needs.append((arm.index, need.holds, need.soup))
+        if found is None or not (found[1] > whole_card.gate_free_bytes
+                                 or (lane.fits(found[0]) and found[1] <= lane.gate_free_bytes)):
             alone.append(arm)
-            if (run.map and not run.isolate and needs is not None and paused.fits(needs[0])
-                    and needs[1] <= paused.gate_free_bytes):
+            if fits:
                 in_lane.append(arm)
-    return Lanes(count, max(1, cores // count), tuple(alone), total // count, why, tuple(in_lane))
+        elif packed and not fits:  # fits a lane's share but not beside the idle lanes' contexts
+            alone.append(arm)
+    return Lanes(count, max(1, cores // count), tuple(alone), total // count, why, tuple(in_lane), tuple(needs), total)
+
+
+def costliest_first(arms: list[Arm]) -> list[Arm]:
+    """A lane's arms, its families costliest first (grid.arm_seconds' rough cost): its largest checkpoints
+    are built first, one family ahead while its arms run, and the run's end is not one large family
+    alone; each family's arms in grid order (rows are put back in grid order)."""
+    cost: dict[str, float] = {}
+    for a in arms:
+        cost[family_of(a.model)] = cost.get(family_of(a.model), 0.0) + arm_seconds(a)
+    rank = {f: i for i, f in enumerate(claim_order(cost))}
+    return sorted(arms, key=lambda a: (rank[family_of(a.model)], a.index))
 
 
 def visible_ids() -> Optional[list[str]]:
@@ -198,7 +219,8 @@ def lane_jobs(run: MeasureRequest, arms: list[Arm], lanes: Lanes) -> list[Job]:
         jobs = [Job((a.index + 1, len(arms)), (a,), gpus[i % len(gpus)], extra_modes=i == 0)
                 for i, a in enumerate(fit)]
     else:
-        dealt = [shard_of(fit, (k, n), whole_models=True) if run.map else fit[k - 1::n] for k in range(1, n + 1)]
+        dealt = [costliest_first(shard_of(fit, (k, n), whole_models=True)) if run.map else fit[k - 1::n]
+                 for k in range(1, n + 1)]
         jobs = [Job((k, n), tuple(d), gpus[(k - 1) % len(gpus)], extra_modes=k == 1)
                 for k, d in enumerate(dealt, 1) if d or k == 1]
     alone_arms, m = list(lanes.after), len(gpus)
@@ -229,7 +251,7 @@ def spread(run: MeasureRequest, arms: list[Arm], scratch: Scratch, on_row: Calla
     # a busy twin). A share of the cores each; host-side only. --lanes: cores/N each (the issue's
     # measurement), a whole-card job all of them.
     threads = str(max(1, min(8, (os.cpu_count() or 2) // max(1, len(queues)) - 2)))
-    in_lane = {a.index for a in lanes.in_lane} if lanes else set()  # their lane holds its GPU's card lock
+    needs = {n[0]: n for n in lanes.needs} if lanes else {}  # the map's lanes share their GPU's ledger
 
     def free_slot(gpu: Optional[int]) -> Optional[int]:
         """A lane of this GPU its next job may take now: a whole-card job waits for an idle GPU,
@@ -256,10 +278,10 @@ def spread(run: MeasureRequest, arms: list[Arm], scratch: Scratch, on_row: Calla
             env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
         env[CHILD_JOB] = str(out.with_suffix(".job.json"))
         env[PARENT_PID] = str(os.getpid())
-        lock = {} if job.whole_card or not (lanes and lanes.in_lane) else dict(
-            card_lock=str(folder / f"card-{gpu if gpu is not None else 'visible'}.lock"),
-            whole_card=tuple(a.index for a in job.arms if a.index in in_lane))
-        write_job(Path(env[CHILD_JOB]), child_run(run, job, str(out), cache, **lock), job)
+        ledger = {} if job.whole_card or not needs or lanes.total is None else dict(
+            ledger=str(folder / f"card-{gpu if gpu is not None else 'visible'}.json"),
+            card_total=card_total(lanes.total), needs=tuple(needs[a.index] for a in job.arms if a.index in needs))
+        write_job(Path(env[CHILD_JOB]), child_run(run, job, str(out), cache, **ledger), job)
         # Its own process group: a terminal's Ctrl-C reaches the parent alone, which relays it
         # once (the child would otherwise get two, the second meaning "stop now").
         with open(out.with_suffix(".stdout"), "w") as fh:
@@ -346,13 +368,14 @@ def child_cache(run: MeasureRequest, scratch: Scratch) -> Optional[str]:
     return run.cache_dir or (str(scratch.path("cache")) if shared else None)
 
 
-def child_run(run: MeasureRequest, job: Job, out: str, cache: Optional[str], card_lock: Optional[str] = None,
-              whole_card: tuple = ()) -> MeasureRequest:
+def child_run(run: MeasureRequest, job: Job, out: str, cache: Optional[str], ledger: Optional[str] = None,
+              card_total: Optional[int] = None, needs: tuple = ()) -> MeasureRequest:
     """The settled run a child executes: its parent's, narrowed to one job in one process, its
-    rows saved to its own JSON (a lane of the map: its GPU's card lock and the arms that hold it
-    alone). Nothing is re-parsed: the child gets this as data."""
+    rows saved to its own JSON (a lane of the map: its GPU's ledger, the card's bytes and what each of
+    its arms holds). Nothing is re-parsed: the child gets this as data."""
     return replace(run, outputs=Outputs(json=out), cache_dir=cache, children=Children(
-                   shard=job.shard, child=True, repeat_tag=job.repeat, card_lock=card_lock, whole_card=whole_card),
+                   shard=job.shard, child=True, repeat_tag=job.repeat, ledger=ledger, card_total=card_total,
+                   needs=needs),
                    isolate=False, repeats=None, run_arms=True,
                    measure=run.measure and job.extra_modes, sdpa=run.sdpa and job.extra_modes)
 

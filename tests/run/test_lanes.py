@@ -6,6 +6,7 @@ Soup's shards land in --shard-dir, the checkpoints in --cache-dir."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -15,7 +16,7 @@ import pytest
 from conftest import ROOT
 
 STAND_IN = textwrap.dedent("""
-    import sys
+    import contextlib, os, sys, time
     sys.path.insert(0, {root!r})
     import issue395_second_stack_vram as h
     from issue395.run import measure_mode, runner
@@ -23,10 +24,28 @@ STAND_IN = textwrap.dedent("""
 
     def fake_peak(trainer, snapshot=False, steps=1):  # the one fake: the CUDA peak, the arm's alone
         seq = int(trainer.args.max_length)
+        time.sleep({step_s})
         return {{"real_peak": 100_003 * seq, "resident": 4096, "reserved": 200_000 * seq, "step_s": 0.01,
                  "snapshot": None}}
 
     h.STEP_DEVICE, h.real_peak = "cpu", fake_peak
+    if os.environ.get("LEDGER_LOG"):  # not a fake: each lane's ledger, logged as it admits and frees an arm
+        from issue395.run import cardlock
+
+        held = cardlock.CardLedger.held
+
+        @contextlib.contextmanager
+        def logged(self, need):
+            with held(self, need) as beside:
+                with open(os.environ["LEDGER_LOG"], "a") as log:
+                    log.write(f"got {{os.getpid()}} {{time.monotonic()}} {{need.holds if need else 'all'}} {{beside}}\\n")
+                try:
+                    yield beside
+                finally:
+                    with open(os.environ["LEDGER_LOG"], "a") as log:
+                        log.write(f"free {{os.getpid()}} {{time.monotonic()}}\\n")
+
+        cardlock.CardLedger.held = logged
     measure_mode.visible_gpu_count = lambda: 1  # no GPU here
     if {total} is not None:  # the card's total as the driver would report it (faked: no nvidia-smi here)
         measure_mode.gpu_total_bytes = lambda gpu: {total}
@@ -34,9 +53,9 @@ STAND_IN = textwrap.dedent("""
 """)
 
 
-def stand_in(tmp_path: Path, total=None) -> Path:
+def stand_in(tmp_path: Path, total=None, step_s: float = 0.0) -> Path:
     script = tmp_path / "harness.py"
-    script.write_text(STAND_IN.format(root=str(ROOT), total=total))
+    script.write_text(STAND_IN.format(root=str(ROOT), total=total, step_s=step_s))
     return script
 
 
@@ -83,16 +102,23 @@ def test_soups_shards_land_in_shard_dir_and_the_checkpoint_in_cache_dir(tmp_path
 
 
 @pytest.mark.slow
-def test_a_map_familys_whole_card_arm_runs_in_its_own_lane_so_its_checkpoint_is_built_once(tmp_path):
-    """A faked 6 GB card in two lanes (3 GB each): Qwen2.5 at 1024 (Soup's number 2.60 GB) needs the
-    card to itself, the other arms fit a lane. With no --cache-dir each lane builds its family's
-    checkpoint in its own scratch: Qwen2.5's whole-card arm runs in Qwen2.5's lane (the process that
-    measured its other arm), each family is built once in the run, and no third process is started."""
-    script = stand_in(tmp_path, total=6 * 10**9)
-    out = tmp_path / "lanes2.json"
+def test_a_map_familys_whole_card_arm_runs_in_its_own_lane_packed_by_bytes_as_the_plan_says(tmp_path):
+    """A faked 6 GB card in two lanes (3 GB each): Qwen2.5 at 1024 (Soup's number 2.60 GB) is past a lane's
+    share, the other arms fit one. With no --cache-dir each lane builds its family's checkpoint in its own
+    scratch: Qwen2.5's whole-card arm runs in Qwen2.5's lane (the process that measured its other arm),
+    each family is built once, no third process is started. The lanes' ledger, logged as it admits and
+    frees each arm (the one fake: the CUDA peak, which sleeps 2 s a step so the lanes' arms meet): each arm
+    held exactly this tool's needs-free for it, the arms held at once never summed past the card less the
+    two lanes' contexts and growth, and the two lanes' arms ran side by side."""
+    from issue395.estimator.estimate import estimate_key
+    from issue395.run.schedule import Room, card_total
+
+    script = stand_in(tmp_path, total=6 * 10**9, step_s=2.0)
+    out, log = tmp_path / "lanes2.json", tmp_path / "ledger.log"
     p = subprocess.run([sys.executable, str(script), "--map", "--families", "smol,qwen", "--quant", "none",
                         "--seq", "512,1024", "--batch", "1", "--lanes", "2", "--json", str(out)],
-                       capture_output=True, text=True, timeout=900, cwd=tmp_path)
+                       capture_output=True, text=True, timeout=900, cwd=tmp_path,
+                       env=dict(os.environ, LEDGER_LOG=str(log)))
     assert p.returncode == 0, p.stderr[-3000:]
     data = json.loads(out.read_text())
     t = data["timings"]
@@ -106,4 +132,22 @@ def test_a_map_familys_whole_card_arm_runs_in_its_own_lane_so_its_checkpoint_is_
     assert [r["index"] for r in data["rows"]] == sorted(r["index"] for r in data["rows"])  # grid order, as run or not
     builds = [family for child in t["children"] for family in child["build_s"]]
     assert sorted(builds) == ["qwen", "smol"], f"a family's checkpoint was built more than once: {builds}"
-    assert "all ran in their family's lane with the card to themselves" in p.stdout.splitlines()[0]
+    assert "all ran in their family's lane beside the other lanes' arms" in p.stdout.splitlines()[0]
+    # the schedule the run kept
+    needs = {estimate_key(m, seq=s).needs_free for m in ("smol", "qwen") for s in (512, 1024)}
+    spans, open_ = [], {}
+    for line in log.read_text().splitlines():
+        word, pid, when, *rest = line.split()
+        if word == "got":
+            open_[pid] = (float(when), int(rest[0]), int(rest[1]))
+        else:
+            start, holds, beside = open_.pop(pid)
+            spans.append((start, float(when), holds, beside, pid))
+    assert not open_ and len(spans) >= 4, spans
+    assert {holds for _, _, holds, _, _ in spans} <= needs, "an arm held other than its needs-free"
+    room = Room(card_total(6 * 10**9), 2).arm_bytes
+    for start, _, _, _, _ in spans:
+        assert sum(h for a, b, h, _, _ in spans if a <= start < b) <= room, "the arms at once held more than the card"
+    assert any(beside > 0 for _, _, _, beside, _ in spans) and any(
+        a2 < b1 and a1 < b2 for a1, b1, _, _, p1 in spans for a2, b2, _, _, p2 in spans if p1 != p2), \
+        "the two lanes' arms never ran side by side"

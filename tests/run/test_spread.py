@@ -331,7 +331,13 @@ def test_a_map_in_lanes_runs_a_familys_whole_card_arms_in_its_own_lane_and_a_swe
     assert not any(j.whole_card for j in jobs), "the map spawned a separate whole-card job"
     assert sorted(sorted((a.model, a.seq) for a in j.arms) for j in jobs) == [
         [("qwen", 2048), ("qwen", 6144)], [("smol", 2048), ("smol", 6144)]]
-    assert "all ran in their family's lane with the card to themselves" in plan.label(run)
+    assert "all ran in their family's lane beside the other lanes' arms whenever their bytes fit" in plan.label(run)
+    assert "packed by bytes: each arm holds this tool's needs-free for it" in plan.label(run)
+    # every map arm is packed by its own bytes: this tool's needs-free and Soup's number
+    from issue395.estimator.estimate import estimate_key
+    assert {i: (h, s) for i, h, s in plan.needs} == {
+        a.index: (estimate_key(a.model, seq=a.seq).needs_free, estimate_key(a.model, seq=a.seq).soup_predicted)
+        for a in arms}
     sweep = MeasureRequest(models=("smol", "qwen"), children=Children(lanes=2))
     alone = [j for j in lane_jobs(sweep, arms, plan_lanes(sweep, arms, total=10 * 10**9, cores=8)) if j.whole_card]
     assert [[(a.model, a.seq) for a in j.arms] for j in alone] == [[("smol", 6144), ("qwen", 2048)]]
@@ -369,3 +375,46 @@ def test_a_lanes_whole_card_judgement_reads_the_arms_task():
     assert dpo == (estimate_key("qwen", seq=2048, batch=2, task="dpo").needs_free,
                    estimate_key("qwen", seq=2048, batch=2, task="dpo").soup_predicted)
     assert dpo[0] > 1.4 * sft[0]
+
+
+def test_a_lane_runs_its_families_costliest_first_and_each_familys_arms_in_grid_order():
+    """Two lanes over four families (the grid's rough cost: 3 s an arm plus 0.7 s a billion parameters):
+    each lane builds its largest checkpoint first, one family ahead while the next runs."""
+    from issue395.run.spread import Lanes, lane_jobs
+
+    families = ("smol", "qwen", "llama32-1b", "mistral-7b")
+    run = MeasureRequest(map=True, models=families, children=Children(lanes=2))
+    arms = plan_map(families, ("none",), (512, 1024), (1,))
+    jobs = lane_jobs(run, arms, Lanes(2, 2, why="test"))
+    order = [list(dict.fromkeys(a.model for a in j.arms)) for j in jobs]
+    assert order == [["mistral-7b"], ["llama32-1b", "qwen", "smol"]]
+    for j in jobs:
+        for fam in {a.model for a in j.arms}:
+            mine = [a.index for a in j.arms if a.model == fam]
+            assert mine == sorted(mine)
+
+
+def test_a_map_lanes_child_gets_its_gpus_ledger_the_cards_bytes_and_its_own_arms_needs(tmp_path):
+    """spread hands each lane child the ledger of its GPU, the bytes CUDA hands out of the card (the
+    H200's driver total less its hidden 616 MiB) and, of the plan's needs, those of its own arms only;
+    the child's settled Run reads them back (stand-in children: no Soup, no GPU)."""
+    from issue395.estimator.cards import CARDS
+    from issue395.run.spread import Lanes
+
+    script, _ = lane_child(tmp_path)
+    arms = [Arm(("smol", "qwen")[i // 2], 64 * (i + 1), 1, i) for i in range(4)]
+    h200 = CARDS["h200"]
+    lanes = Lanes(2, 1, why="test", needs=tuple((a.index, 10**9 * (a.index + 1), None) for a in arms),
+                  total=h200.total_bytes)
+    seen = []
+    with Scratch() as scratch:
+        spread(MeasureRequest(map=True, children=Children(lanes=2), dry_run=True), arms, scratch, lambda r: None, str(script),
+               lanes)
+        for job_file in sorted(Path(scratch.path("children")).rglob("*.job.json")):
+            seen.append(read_job(str(job_file)))
+    assert len(seen) == 2
+    ledgers = {run.children.ledger for run, _ in seen}
+    assert len(ledgers) == 1 and None not in ledgers, "the lanes of one GPU did not share one ledger"
+    for run, job in seen:
+        assert run.children.card_total == h200.total_bytes - h200.hidden_bytes
+        assert [tuple(n) for n in run.children.needs] == [(a.index, 10**9 * (a.index + 1), None) for a in job.arms]
