@@ -6,6 +6,7 @@ against the script's, and --estimate --config naming its stack. Nothing is faked
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import subprocess
@@ -18,6 +19,8 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, SCRIPT
 
+from issue395.estimator.stacks import check_installed
+
 COMMAND = "issue395"
 ENTRY = "issue395_second_stack_vram:main"
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
@@ -25,6 +28,8 @@ PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
 INSTALLED = Path(sys.executable).parent / COMMAND
 needs_install = pytest.mark.skipif(not INSTALLED.is_file(), reason=(
     f"the package is not installed in this venv (no {INSTALLED}): .ci/run's .venv-latest installs it"))
+#: the README's soup.yaml (Mistral-7B NF4 at 2048 x 1)
+README_YAML = (ROOT / "README.md").read_text(encoding="utf-8").split("```yaml\n", 1)[1].split("```", 1)[0]
 
 
 def test_the_console_command_is_the_entry_scripts_own_main_shipped_as_a_module():
@@ -87,3 +92,17 @@ def test_the_installed_commands_help_is_the_scripts(tmp_path):
     command, script = _run([INSTALLED, "--help"], tmp_path), _run([sys.executable, SCRIPT, "--help"], tmp_path)
     assert command.returncode == script.returncode == 0, command.stderr + script.stderr
     assert command.stdout == script.stdout and command.stdout.startswith("usage: ")
+
+
+@needs_install
+def test_the_installed_command_answers_estimate_config_naming_its_stack(tmp_path):
+    (tmp_path / "soup.yaml").write_text(README_YAML, encoding="utf-8")
+    done = _run([INSTALLED, "--estimate", "--config", "soup.yaml", "--card", "T4", "--json", "estimate.json"], tmp_path)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0].startswith("--estimate: mistralai/Mistral-7B-v0.3, from --config soup.yaml: ")
+    assert any(ln.startswith("  T4: fits (") for ln in lines), done.stdout
+    stack = check_installed(nf4=True)
+    assert f"  {stack.line()}" in lines, done.stdout
+    saved = json.loads((tmp_path / "estimate.json").read_text())
+    assert saved["stack"] == stack.to_json()

@@ -127,6 +127,7 @@ def execute(ask: FindMaxRequest, protocol: Any) -> int:
             raise UsageError(FIND_MAX_NO_CUDA)
         lift = int(torch.cuda.mem_get_info()[1])
     from ..estimator.fits import steps_words
+    from ..estimator.stacks import check_installed
 
     axis, t = ask.axis, task(run.tasks[0])
     user_text = run.user.text
@@ -151,9 +152,11 @@ def execute(ask: FindMaxRequest, protocol: Any) -> int:
                      f"longest {axis} that fits {a.card.name}: {a.tool if a.tool is not None else 'none'}")
         soup_line = (f"computed by Soup (its own pre-flight, {a.gate_rule}, gate unlifted): the longest {axis} Soup's gate "
                      f"admits on {a.card.name}: {a.soup if a.soup is not None else 'none'}")
+        stack = check_installed(nf4=run.quants[0] == "nf4")
         if ask.dry_run:
             first = write(a.tool if a.tool is not None else a.low)
             print("\n".join([head + " -- --dry-run: the plan, nothing run", "  " + tool_line, "  " + soup_line,
+                             "  " + stack.line(),
                              *plan_lines(run, a),
                              *([f"  base: {run.model} is a registry model's hub id: on the GPU box "
                                 "the probes run the synthetic checkpoint this tool builds for it (no download)"]
@@ -195,7 +198,7 @@ def execute(ask: FindMaxRequest, protocol: Any) -> int:
     lines = [head,
              f"  measured (the real soup train, Soup's gate lifted by training.stream_vram_override): {measured} "
              f"(resolution {a.step} {unit}; {len(found.probes)} probe(s), {found.seconds:.1f} s)",
-             "  " + tool_line, "  " + soup_line, *(f"  {g[0]}" for g in gates if g),
+             "  " + tool_line, "  " + soup_line, *(f"  {g[0]}" for g in gates if g), "  " + stack.line(),
              *(f"  from the file: {k}" for k in run.keys),
              f"probes (measured, in order; Soup's number and the driver's free memory as Soup printed them at its gate):",
              *probe_table(found, run.steps)]
@@ -207,6 +210,7 @@ def execute(ask: FindMaxRequest, protocol: Any) -> int:
             "measured": found.to_json(), "this_tool_longest": a.tool, "soup_gate_longest": a.soup,
             "soup_gate_rule": a.gate_rule, "soup_gate_at_limit": gates[0][1] if gates[0] else None,
             "soup_gate_above_limit": gates[1][1] if gates[1] else None, "probe_keys": list(PROBE_KEYS),
+            "stack": stack.to_json(),
             "command": ["issue395_second_stack_vram.py", *ask.argv]}):
         return EXIT_USAGE
     return EXIT_OK if found.adjacent else EXIT_FINDING
