@@ -40,11 +40,12 @@ def test_the_console_command_is_the_entry_scripts_own_main_shipped_as_a_module()
 
 
 def _requires(dist_requires: list[str]) -> dict[str, str]:
-    """Requires-Dist lines as {name: specifier}, extras' markers kept apart by name."""
+    """Requires-Dist lines as {name: its specifiers, sorted}, an extra's as "name[extra]"."""
     out = {}
     for line in dist_requires:
-        m = re.match(r"\s*([A-Za-z0-9_.-]+)\s*(?:\[[^]]*\])?\s*([^;]*)(;.*)?$", line)
-        out[m.group(1).lower() + (m.group(3) or "").replace(" ", "")] = ",".join(sorted(m.group(2).replace(" ", "").split(",")))
+        m = re.match(r"\s*([A-Za-z0-9_.-]+)\s*(?:\[[^]]*\])?\s*([^;]*)(?:;\s*extra\s*==\s*['\"]([\w-]+)['\"])?", line)
+        name = m.group(1).lower() + (f"[{m.group(3)}]" if m.group(3) else "")
+        out[name] = ",".join(sorted(m.group(2).replace(" ", "").split(",")))
     return out
 
 
@@ -56,9 +57,9 @@ def test_the_ranges_for_transformers_peft_and_trl_are_the_ones_soup_cli_0770_adm
     soup = _requires(metadata.requires("soup-cli") or [])
     ours = _requires(PYPROJECT["project"]["dependencies"])
     for name in ("transformers", "peft", "trl", "torch"):
-        assert ours[name] == soup[f'{name};extra=="all"'], name
+        assert ours[name] == soup[f"{name}[all]"], name
     assert _requires(PYPROJECT["project"]["optional-dependencies"]["nf4"])["bitsandbytes"] == \
-        soup['bitsandbytes;extra=="all"']
+        soup["bitsandbytes[all]"]
     assert ours["soup-cli"] == "<0.78,>=0.73.3"
 
 
