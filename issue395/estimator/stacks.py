@@ -157,7 +157,8 @@ class StackCheck:
         """Whether the physics was verified on this stack, its evidence, and what is charged where not."""
         unrec = f", {', '.join(self.unrecorded)} not recorded" if self.unrecorded else ""
         if self.match is not None and self.match.verified:
-            return f"verified on this stack{unrec} ({len(self.match.evidence)} results folders: {TABLE})"
+            charged = f"; charged for it: {self.charged}" if self.match.notes else ""
+            return f"verified on this stack{unrec}{charged} ({len(self.match.evidence)} results folders: {TABLE})"
         differ = ", ".join(f"{p} {here} (verified on {there})" for p, here, there in self.differs)
         measured = (f", measured on it (results/{self.match.evidence[0]})" if self.match is not None
                     and self.match.evidence else "")

@@ -102,6 +102,16 @@ def test_a_measured_row_carries_its_notes_per_term_and_charges_them():
     assert c.to_json()["notes"] == [{"term": "allocated_allowance", "note": note.note}]
 
 
+def test_a_verified_row_with_notes_says_what_it_charges():
+    """A FAKED row: the latest stack verified once its difference is modelled; its note is charged."""
+    note = S.TermNote("allocated_allowance", "+8 MiB (a FAKED note)")
+    row = S.KnownStack(tuple((p, S.release(LATEST[p])) for p in S.PACKAGES), ("a", "b"), notes=(note,))
+    c = S.check(LATEST, known=S.KNOWN_STACKS + (row,))
+    assert c.status == "verified" and c.differs == ()
+    assert c.words() == ("verified on this stack; charged for it: allocated_allowance: +8 MiB (a FAKED note) "
+                         "(2 results folders: issue395/estimator/stacks.py)")
+
+
 def test_every_note_in_the_table_names_a_term_of_the_estimate():
     for row in S.KNOWN_STACKS:
         assert all(n.term in BY_KEY for n in row.notes), row.versions
