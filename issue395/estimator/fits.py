@@ -13,7 +13,8 @@ from ..text import gb, table
 from ..tasks import PROTOCOL_TASK, task
 from .cards import CARDS, DRIVER_KEPT, GATE_GROWTH_BYTES, STEP_GROWTH_BYTES, Budget, Card, budget, workspace_env
 from .estimate import EXPANDABLE_RESERVE_BYTES, EXPANDABLE_RESERVE_FRACTION, Estimate, estimate
-from .soup_number import arch_of, layer_bytes, soup_namespace
+from .arch import layer_bytes
+from .soup_number import arch_of, soup_namespace
 from .terms import Phase, words
 
 __all__ = ["card_answers", "estimate_table", "longest", "longest_seq", "longest_seq_soup_admits", "longest_soup_admits"]

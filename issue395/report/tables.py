@@ -25,6 +25,7 @@ from ..estimator.anatomy import margin_anatomy
 from ..results.corrected import corrected, corrected_ratio
 from ..results.result import Result, map_order
 from ..results.row import Row
+from ..results.stack import stack_check
 from ..constraints.asked import constraint_tables
 from ..measure.margin import margin_note
 
@@ -367,18 +368,24 @@ def header_line(env: dict[str, Any]) -> str:
     return (f"stack: torch {env['torch']} (CUDA {env.get('cuda') or 'none'}) | GPU {env.get('gpu') or 'none'}"
             + (f" (driver {env['driver']})" if env.get("driver") else "")
             + f" | transformers {env['transformers']} | trl {env['trl']} | peft {env['peft']}"
-            f" | soup-cli {env['soup_cli']} | weights {env['weights']} | arms {env.get('arms')}"
+            + (f" | bitsandbytes {env['bitsandbytes']}" if env.get("bitsandbytes") else "")
+            + f" | soup-cli {env['soup_cli']} | weights {env['weights']} | arms {env.get('arms')}"
             + (f" | {env['steps']} optimizer steps per arm" if env.get("steps", 1) != 1 else "")
             + (f" | linear attention: {env['linear_attention_kernels']}" if env.get("linear_attention_kernels")
                else "")
             + "".join(f" | {words} {env[key]}" for key, words in PROVENANCE if env.get(key)))
 
 
+def stack_check_line(result: Result) -> str:
+    """Whether the physics behind the result's corrected figures was verified on its stack."""
+    return "stack check: " + stack_check(result.environment, nf4=any(r.quant == "nf4" for r in result.rows)).words()
+
+
 def render_text(result: Result) -> str:
     """The header and every table the result holds, as the console shows them."""
     sweep_rows = [r for r in result.rows if r.repeat is None]
     repeats = [r for r in result.rows if r.repeat is not None]
-    parts = [header_line(result.environment)]
+    parts = [header_line(result.environment), stack_check_line(result)]
     if result.kind == "map":
         parts += ["", map_table(sweep_rows, result.environment), "", map_summary(sweep_rows)]
         if result.margins:

@@ -10,13 +10,14 @@ import datetime
 import os
 import platform
 import subprocess
-from importlib import metadata
 from typing import Any, Optional
+
+from ..estimator.stacks import NOT_INSTALLED, PACKAGES, check, package_version
 
 
 #: What must agree for two results to merge into one table: the same stack and protocol.
-STACK_KEYS = ("gpu", "driver", "cuda", "torch", "transformers", "trl", "peft", "soup_cli", "python",
-              "weights", "dry_run")
+STACK_KEYS = ("gpu", "driver", "cuda", "torch", "transformers", "trl", "peft", "bitsandbytes", "soup_cli",
+              "python", "weights", "dry_run")
 
 
 def environment(weights: str, dry_run: bool, arms: str, argv: list[str],
@@ -34,7 +35,7 @@ def environment(weights: str, dry_run: bool, arms: str, argv: list[str],
             "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
             "cuda": torch.version.cuda if torch else None,
             "torch": torch.__version__ if torch else package_version("torch"), **{k.replace("-", "_"): package_version(k) for k in
-                                            ("transformers", "trl", "peft", "soup-cli")},
+                                            ("transformers", "trl", "peft", "bitsandbytes", "soup-cli")},
             "python": platform.python_version(), "platform": platform.platform(), "weights": weights,
             "dry_run": dry_run, "arms": arms, "command": " ".join(argv),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -47,15 +48,14 @@ def linear_attention_kernels() -> dict[str, str]:
     The two save different tensors for backward, so the peak depends on it; recorded only where a
     package is there, so a stack without them reads as it always did."""
     found = {k: package_version(k) for k in ("flash-linear-attention", "causal-conv1d")}
-    found = {k: v for k, v in found.items() if v != "not installed"}
+    found = {k: v for k, v in found.items() if v != NOT_INSTALLED}
     return {"linear_attention_kernels": ", ".join(f"{k} {v}" for k, v in found.items())} if found else {}
 
 
-def package_version(name: str) -> str:
-    try:
-        return metadata.version(name)
-    except metadata.PackageNotFoundError:
-        return "not installed"
+def stack_check(env: dict[str, Any], nf4: bool = True):
+    """A result's stack (its environment: saved, or this run's) against the stacks the physics was
+    verified on (``estimator.stacks``); a package it did not record is left out and said so."""
+    return check({p: env.get(p.replace("-", "_")) for p in PACKAGES}, nf4)
 
 
 def measure_context(device: int = 0) -> Optional[dict[str, int]]:

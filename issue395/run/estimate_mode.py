@@ -255,6 +255,7 @@ def execute(request: EstimateRequest, protocol: object = None) -> int:
     from ..estimator.fits import (budgets_for, card_answers, estimate_for, estimate_table, runs_exit_code, steps_words,
                                   verdict_lines)
     from ..estimator.releases import UnknownRelease, installed_release, release_label
+    from ..estimator.stacks import check_installed
 
     e, a = request, request.adapter
     gate, optimizer, stream = e.gate, e.optimizer, dict(e.stream)
@@ -278,7 +279,9 @@ def execute(request: EstimateRequest, protocol: object = None) -> int:
     notes = estimate_notes(e.config, e.quants)
     named = f"{e.model}, from --config {a.soup_config}" if a.soup_config else e.model
     answer = steps_words(e.steps, e.steps_from)
+    stack = check_installed(nf4="nf4" in e.quants)
     text = (f"--estimate: {named}: {answer}\n" + "".join(f"  {v}\n" for v in verdict_lines(rows, e.cards, answers))
+            + f"  {stack.line()}\n"
             + "".join(f"  from the file: {k}\n" for k in e.keys)
             + "(Soup's pre-flight: computed by Soup's own estimator code; corrected and needs free: this tool's "
             "estimator, from the config alone)\n" + table + "".join(f"note: {n}\n" for n in notes))
@@ -288,7 +291,8 @@ def execute(request: EstimateRequest, protocol: object = None) -> int:
         arch = arch_of(e.config)
         targets = soup_targets(a.targets, e.config, arch, None) or protocol_targets(arch)
         if not write_json(e.outputs.json, "estimate", {
-                "model": e.model, "soup_cli": installed, "tasks": list(e.tasks), "targets": list(targets),
+                "model": e.model, "soup_cli": installed, "stack": stack.to_json(), "tasks": list(e.tasks),
+                "targets": list(targets),
                 **({"soup_targets": a.targets[0]} if a.targets and tuple(targets) != tuple(a.targets) else {}),
                 "config": a.soup_config, "lora_alpha": a.lora_alpha, "stream": stream, "steps": e.steps,
                 "answer": answer, "soup_gate": {"rule": gate.rule, "override_bytes": gate.override},

@@ -151,6 +151,7 @@ def execute(ask: FindMaxRequest, protocol: Any) -> int:
     # measured here, in this process on the same GPU (None on CPU or with --dry-run)
     box = None if ask.dry_run else (measure_context() or {}).get("context_bytes")
     like = a.tool_with_context(box) if box is not None else None
+    from ..estimator.stacks import check_installed
 
     axis, t = ask.axis, task(run.tasks[0])
     user_text = run.user.text
@@ -180,13 +181,14 @@ def execute(ask: FindMaxRequest, protocol: Any) -> int:
                      if box is not None else
                      "like for like (this tool's longest with the context the probes have): on the GPU box, with its "
                      "context measured there")
+        stack = check_installed(nf4=run.quants[0] == "nf4")
         first = write(a.tool if a.tool is not None else a.low)
         refused = soup_checks(first, t.name)  # Soup's own config and data checks on CPU: a refusal costs no probe
         if ask.dry_run:
             plan = [*plan_lines(run, a), *([f"  Soup refuses the probe's file before any probe (its own checks, on "
                                             f"CPU): {refused}"] if refused else [])]
             print("\n".join([head + " -- --dry-run: the plan, nothing run", "  " + tool_line, "  " + like_line,
-                             "  " + soup_line, *plan,
+                             "  " + soup_line, "  " + stack.line(), *plan,
                              *([f"  base: {run.model} is a registry model's hub id: on the GPU box "
                                 "the probes run the synthetic checkpoint this tool builds for it (no download)"]
                                if ask.base_key and not ask.base_folder else []),
@@ -230,14 +232,14 @@ def execute(ask: FindMaxRequest, protocol: Any) -> int:
     lines = [head,
              f"  measured (the real soup train, Soup's gate lifted by training.stream_vram_override): {measured} "
              f"(resolution {a.step} {unit}; {len(found.probes)} probe(s), {found.seconds:.1f} s)",
-             "  " + tool_line, "  " + like_line, "  " + soup_line, *(f"  {g[0]}" for g in gates if g),
+             "  " + tool_line, "  " + like_line, "  " + soup_line, *(f"  {g[0]}" for g in gates if g), "  " + stack.line(),
              *(f"  from the file: {k}" for k in run.keys),
              f"probes (measured, in order; Soup's number and the driver's free memory as Soup printed them at its gate):",
              *probe_table(found, run.steps)]
     print("\n".join(lines), flush=True)
     if ask.outputs.json and not write_json(ask.outputs.json, "find-max", {
             **json_head(ask, a), "measured": found.to_json(),
-            "this_tool_longest_like_for_like": like, "box_context_bytes": box,
+            "this_tool_longest_like_for_like": like, "box_context_bytes": box, "stack": stack.to_json(),
             "soup_gate_at_limit": gates[0][1] if gates[0] else None,
             "soup_gate_above_limit": gates[1][1] if gates[1] else None}):
         return EXIT_USAGE

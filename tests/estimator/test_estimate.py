@@ -65,8 +65,9 @@ def test_allocated_allowance_constant_is_the_all_family_fit():
                                                     f"{a['seq']}x{a['batch']}")
 def test_estimate_against_every_measured_arm(arm):
     here = release_source(arm["release"]) is not None  # Soup's number needs that release's own code
-    e = E.estimate(config_json(arm["family"]), quant=arm["quant"], seq=arm["seq"],
-                   batch=arm["batch"], targets=arm["targets"], release=arm["release"], soup=here)
+    # at the transformers the arm ran (5.16.1), whatever this venv holds: 5.24.0 runs Gemma-2 eager
+    e = E.estimate(config_json(arm["family"]), quant=arm["quant"], seq=arm["seq"], batch=arm["batch"],
+                   targets=arm["targets"], release=arm["release"], soup=here, transformers=arm["transformers"])
     assert not here or abs(e.soup_predicted - arm["soup_predicted"]) <= 0.001 * arm["soup_predicted"]
     assert e.corrected_predicted >= arm["real_peak"]
     physics = e.corrected_predicted - e.terms["allocated_allowance"]
@@ -83,7 +84,7 @@ def test_estimate_against_every_measured_arm(arm):
 def test_layer_phase_binds_only_on_short_nf4_arms_of_small_vocab_families():
     layer = {(a["family"], a["quant"], a["seq"], a["batch"]) for a in ARMS if E.estimate(
         config_json(a["family"]), quant=a["quant"], seq=a["seq"], batch=a["batch"],
-        targets=a["targets"], release=a["release"], soup=False).phase == "layer"}
+        targets=a["targets"], release=a["release"], soup=False, transformers=a["transformers"]).phase == "layer"}
     # docs/PEAK.md's four (the first grid and seq 512), and what seq 1024 added
     assert {("mistral-7b", "nf4", 512, 1), ("mistral-7b", "nf4", 2048, 1), ("phi3-mini", "nf4", 512, 1),
             ("phi-2", "nf4", 512, 1)} <= layer

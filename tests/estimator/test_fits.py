@@ -145,7 +145,8 @@ def test_the_readmes_dpo_example_is_what_estimate_prints(capfd, tmp_path, monkey
 
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
     yaml_block = readme.split("```yaml\n")[2].split("```", 1)[0]
-    command = readme.split("```bash\n")[3].split("```", 1)[0].split()
+    command = next(b for b in readme.split("```bash\n")[1:] if "soup-dpo.yaml" in b.split("```", 1)[0]
+                   ).split("```", 1)[0].split()
     shown = readme.split("```text\n")[2].split("```", 1)[0].splitlines()
     assert "task: dpo" in yaml_block and "--card" in command
     (tmp_path / "soup-dpo.yaml").write_text(yaml_block, encoding="utf-8")

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from issue395.constants import MiB
-from issue395.results.stack import STACK_KEYS, environment, linear_attention_kernels, measure_context, package_version
+from issue395.estimator.stacks import package_version
+from issue395.results.stack import STACK_KEYS, environment, linear_attention_kernels, measure_context
 
 KERNELS = ("flash-linear-attention", "causal-conv1d")
 

@@ -152,6 +152,10 @@ def test_the_search_brackets_from_the_tools_answer_and_reports_limit_oom_resolut
     accumulation = load_config_from_string(path.read_text()).training.gradient_accumulation_steps  # Soup's default
     assert fake.rows == 2 * accumulation and sorted(p.name for p in (tmp_path / "logs").iterdir())[0].startswith("soup-find-max-seq-")
     assert path.read_bytes() == before
+    from issue395.estimator.stacks import check_installed
+
+    stack = check_installed(nf4=False)  # the file's bf16: bitsandbytes neither compared nor named
+    assert data["stack"] == stack.to_json() and f"  {stack.line()}" in out.splitlines()
 
 
 def test_the_batch_axis_and_a_non_oom_failure_is_reported_exit_1(capfd, soup_yaml, tmp_path, cuda_box):
