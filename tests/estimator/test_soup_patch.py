@@ -219,3 +219,23 @@ def test_the_patched_setup_itself_gates_on_the_corrected_number_on_cpu(patched_s
         assert g["record"]["gate_bytes"] == record["gate_bytes"] and g["record"]["peak"] == record["peak"], family
         assert any(line.startswith("  peak VRAM    ~" + f"{record['gate_bytes'] / 1e9:.2f}") for line in g["lines"])
         assert any("corrected    peak" in line and "Soup's formula" in line for line in g["lines"]), g["lines"]
+
+
+def test_estimate_sets_the_patched_gate_beside_the_stock_formula(patched_site, monkeypatch, capfd):
+    """--estimate with the patched soup_cli as the installed one (ISSUE395_SOUP_SOURCE, as a patched install
+    reads): Soup's own number is its patched gate's, its stock formula beside it, and the longest seq Soup's
+    gate admits is this tool's longest that fits (both the corrected estimate); unpatched it is not."""
+    from conftest import main
+
+    argv = ["--estimate", "--config", str(ROOT / "bench" / "find-max" / "qwen-dpo.yaml"), "--card", "12GB"]
+    code, stock, _ = main(capfd, argv)
+    monkeypatch.setenv("ISSUE395_SOUP_SOURCE", str(patched_site / "soup_cli"))
+    code2, out, err = main(capfd, argv)
+    assert code == code2 == 0, err
+    assert "Soup's own pre-flight GB (patched: its gate's number)" in out and "Soup's formula GB (stock" in out
+    assert "Soup's formula" not in stock
+    verdict = next(line for line in out.splitlines() if line.startswith("  12GB:"))
+    fits, admits = (int(verdict.split(word)[1].split(";")[0].split()[0]) for word in
+                    ("longest seq that fits ", "longest seq it admits "))
+    assert admits == fits
+    assert "longest seq it admits 1792" not in next(line for line in stock.splitlines() if line.startswith("  12GB:"))
