@@ -271,8 +271,11 @@ def soup_patch() -> None:
           "panel prints the corrected peak beside Soup's formula.")
     print("- Soup's gate stays Soup's: the free memory it reads (`mem_get_info`), `training.stream_vram_override`, "
           "the probe and its deferral ceiling, every refusal message. A setting the estimator does not model "
-          "(`stream_recompute: auto`, `stream_buffers` other than 2, a LoRA dropout other than 0.05, an optimizer "
-          "it has no table for) keeps Soup's formula, and the panel says why in one line.\n")
+          "(`stream_recompute: auto`, `stream_buffers` other than 2, a LoRA dropout other than 0.05, NF4 without "
+          "double quantisation, `stream_nf4_scale_cache`, `moe_lora`, an optimizer it has no table for) keeps Soup's "
+          "formula, and the panel says why in one line. With `gradient_accumulation_steps` above 1 (Soup's default "
+          "is 4) each micro-batch is `batch_size` rows, as `--estimate --config` reads it; the fp32 gradients held "
+          "between micro-batches (4 B a LoRA parameter) are not yet in the estimator, and the panel says so.\n")
     from types import SimpleNamespace as S
 
     from issue395.estimator.arch import arch_from_config, protocol_targets

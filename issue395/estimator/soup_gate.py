@@ -7,6 +7,7 @@ of soup_cli, so the patched gate is this tool's estimator, never a copy of it.
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, Optional
 
 from ..constants import STREAM_KEYS
@@ -20,8 +21,17 @@ from .estimate import estimate, needs_free
 #: --config reads a run). Soup's setup does not know the run's length when its gate reads memory.
 GATE_STEPS = 2
 #: What the estimator assumes of Soup's settings it does not model (Soup's defaults): the two
-#: streamed buffers its pool term charges, and peft's dropout whose mask the layer term counts.
-ASSUMED_SETTINGS = (("stream_buffers", 2), ("lora.dropout", 0.05))
+#: streamed buffers its pool term charges, peft's dropout whose mask the layer term counts, double-quantised
+#: NF4 (the pool's absmax), no resident NF4 scale cache, a plain LoRA adapter (no MoE experts). Another
+#: value keeps Soup's formula (which charges the scale cache itself), said so.
+ASSUMED_SETTINGS = (("stream_buffers", 2), ("lora.dropout", 0.05), ("bnb_4bit_use_double_quant", True),
+                    ("stream_nf4_scale_cache", False), ("moe_lora", False))
+#: Soup's bnb_4bit_use_double_quant is tri-state: unset (None) is what every 4-bit load has always done, double.
+_UNSET_MEANS = {"bnb_4bit_use_double_quant": (None,)}
+#: The names the estimate may take training.gradient_accumulation_steps under (issue 34 models the
+#: gradients held between micro-batches): fed where it takes one; until then each micro-batch is
+#: training.batch_size rows, as --estimate --config reads it, and the panel says the held gradients are not counted.
+ACCUMULATION_KEYWORDS = ("gradient_accumulation_steps", "accumulation", "grad_accum", "accum")
 
 
 def _setting(tcfg: Any, dotted: str, default: Any) -> Any:
@@ -39,13 +49,16 @@ def gate_kwargs(cfg: Any, tcfg: Any, model_config: Any, steps: Optional[int] = N
     if quant is None:
         raise UsageError(f"training.quantization {tcfg.quantization!r} is not one the estimator models")
     for dotted, assumed in ASSUMED_SETTINGS:
-        if _setting(tcfg, dotted, assumed) != assumed:
+        if _setting(tcfg, dotted, assumed) not in (assumed, *_UNSET_MEANS.get(dotted, ())):
             raise UsageError(f"training.{dotted} {_setting(tcfg, dotted, assumed)!r} is not modelled (the "
                              f"estimator assumes {assumed!r})")
     targets = tcfg.lora.target_modules
     targets = (targets,) if isinstance(targets, str) else tuple(str(t) for t in targets)
     stream = {k: getattr(tcfg, k) for k in STREAM_KEYS if getattr(tcfg, k, None) is not None}
-    return config, dict(quant=quant, seq=int(cfg.data.max_length),
+    taken = set(inspect.signature(estimate).parameters)
+    accumulation = {k: int(getattr(tcfg, "gradient_accumulation_steps", 1) or 1) for k in ACCUMULATION_KEYWORDS
+                    if k in taken}
+    return config, dict(**accumulation, quant=quant, seq=int(cfg.data.max_length),
                         batch=tcfg.batch_size if isinstance(tcfg.batch_size, int) else 1, targets=targets,
                         lora_r=int(tcfg.lora.r), steps=steps or GATE_STEPS, stream=stream,
                         task=str(getattr(cfg, "task", "sft")), optimizer=str(getattr(tcfg, "optimizer", "adamw_torch")),
@@ -67,8 +80,10 @@ def preflight(cfg: Any, tcfg: Any, model_config: Any, *, steps: Optional[int] = 
         return {"peak": None, "gate_bytes": None, "formula": formula, "refused": str(exc),
                 "line": f"  corrected    not computed ({exc}); the gate keeps Soup's formula"}
     gate = needs_free(e.corrected_predicted) + STEP_GROWTH_BYTES - GATE_GROWTH_BYTES
+    held = int(getattr(tcfg, "gradient_accumulation_steps", 1) or 1) > 1 and not set(ACCUMULATION_KEYWORDS) & set(kwargs)
     return {"peak": e.corrected_predicted, "needs_free": e.needs_free, "gate_bytes": gate, "phase": e.phase,
             "steps": e.steps, "release": e.release, "terms": dict(e.terms), "formula": formula, "refused": None,
             "line": (f"  corrected    peak {e.corrected_predicted / 1e9:.2f} GB allocated ({e.phase} phase, steady "
                      f"state); the gate needs {gate / 1e9:.2f} GB free"
-                     + ("" if formula is None else f" (Soup's formula: {formula / 1e9:.2f} GB)"))}
+                     + ("" if formula is None else f" (Soup's formula: {formula / 1e9:.2f} GB)")
+                     + ("; the gradients held between micro-batches are not counted by this estimator" if held else ""))}

@@ -239,3 +239,22 @@ def test_estimate_sets_the_patched_gate_beside_the_stock_formula(patched_site, m
                     ("longest seq that fits ", "longest seq it admits "))
     assert admits == fits
     assert "longest seq it admits 1792" not in next(line for line in stock.splitlines() if line.startswith("  12GB:"))
+
+
+@pytest.mark.parametrize("setting", [("stream_buffers", 3), ("lora.dropout", 0.1), ("bnb_4bit_use_double_quant", False),
+                                     ("stream_nf4_scale_cache", True), ("moe_lora", True), ("optimizer", "adafactor"),
+                                     ("quantization", "8bit"), ("stream_recompute", "auto")])
+def test_a_setting_the_estimator_does_not_model_keeps_soups_formula_and_says_so(setting):
+    from types import SimpleNamespace as S
+
+    from issue395.estimator.soup_gate import preflight
+
+    lora = S(target_modules=["q_proj", "v_proj"], r=8, dropout=0.05)
+    tcfg = S(quantization="4bit", batch_size=1, lora=lora, optimizer="adamw_torch", stream_buffers=2)
+    cfg = S(task="sft", data=S(max_length=512))
+    assert preflight(cfg, tcfg, config_json("qwen"), formula=123)["gate_bytes"] is not None
+    name, value = setting
+    setattr(lora if name.startswith("lora.") else tcfg, name.split(".")[-1], value)
+    record = preflight(cfg, tcfg, config_json("qwen"), formula=123)
+    assert record["gate_bytes"] is None and record["formula"] == 123
+    assert "the gate keeps Soup's formula" in record["line"] and str(value) in record["line"]
