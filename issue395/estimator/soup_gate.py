@@ -71,14 +71,17 @@ def preflight(cfg: Any, tcfg: Any, model_config: Any, *, steps: Optional[int] = 
     steady state (``steps``: GATE_STEPS unless the caller knows the run's length); ``gate_bytes``,
     what Soup's gate must see free for it (the expandable-segments reserve, and what the CUDA
     runtime adds between Soup's gate and the step's end); ``formula``, Soup's own number beside it.
-    A setting the estimator does not model keeps Soup's formula (``gate_bytes`` None, ``refused``
-    says why): the gate is never silently lifted."""
+    A setting the estimator does not model, or a config it cannot read, keeps Soup's formula
+    (``gate_bytes`` None, ``refused`` says why, in the panel too): never a crash of Soup's setup, never
+    a gate silently lifted."""
     try:
         config, kwargs = gate_kwargs(cfg, tcfg, model_config, steps)
         e = estimate(config, release=release, **kwargs)
-    except UsageError as exc:
-        return {"peak": None, "gate_bytes": None, "formula": formula, "refused": str(exc),
-                "line": f"  corrected    not computed ({exc}); the gate keeps Soup's formula"}
+    except Exception as exc:  # noqa: BLE001 -- inside Soup's setup: a config this estimator cannot read
+        # (a UsageError names the setting) must not stop the run, nor pass unsaid: the formula gates it
+        why = str(exc) if isinstance(exc, UsageError) else f"{type(exc).__name__}: {exc}"
+        return {"peak": None, "gate_bytes": None, "formula": formula, "refused": why,
+                "line": f"  corrected    not computed ({why}); the gate keeps Soup's formula"}
     gate = needs_free(e.corrected_predicted) + STEP_GROWTH_BYTES - GATE_GROWTH_BYTES
     held = int(getattr(tcfg, "gradient_accumulation_steps", 1) or 1) > 1 and not set(ACCUMULATION_KEYWORDS) & set(kwargs)
     return {"peak": e.corrected_predicted, "needs_free": e.needs_free, "gate_bytes": gate, "phase": e.phase,

@@ -258,3 +258,14 @@ def test_a_setting_the_estimator_does_not_model_keeps_soups_formula_and_says_so(
     record = preflight(cfg, tcfg, config_json("qwen"), formula=123)
     assert record["gate_bytes"] is None and record["formula"] == 123
     assert "the gate keeps Soup's formula" in record["line"] and str(value) in record["line"]
+
+
+def test_a_config_the_estimator_cannot_read_keeps_soups_formula_not_a_crash_of_soups_setup():
+    from types import SimpleNamespace as S
+
+    from issue395.estimator.soup_gate import preflight
+
+    tcfg = S(quantization="none", batch_size=1, lora=S(target_modules=["q_proj"], r=8, dropout=0.05),
+             optimizer="adamw_torch", stream_buffers=2)
+    record = preflight(S(task="sft", data=S(max_length=512)), tcfg, {"model_type": "qwen2"}, formula=7)
+    assert record["gate_bytes"] is None and record["formula"] == 7 and "hidden_size" in record["refused"]
