@@ -199,7 +199,7 @@ def bundle(release: str, features_repr: str, version: str) -> str:
             body.insert(0, "\n".join(aliases) + "  # the names this module imports them as\n")
         if body:
             parts.append(f"# -- {name} ({m.path.relative_to(PACKAGE.parent)}) --\n" + "\n\n".join(body))
-    header = (f'"""{PATCH_MARKER} {version}: this tool\'s corrected peak-VRAM pre-flight for a layer-streamed\n'
+    header = (f'"""{PATCH_MARKER} (issue395 {version}): this tool\'s corrected peak-VRAM pre-flight for a layer-streamed\n'
               f"LoRA step, generated from its estimator's own source (issue395/estimator/, the functions\n"
               f"soup_gate.preflight reaches, bundled in their modules' order) for soup-cli {release}.\n"
               f"Stdlib only; imports nothing of soup_cli or of the tool. Regenerate it with\n"
@@ -210,13 +210,14 @@ def bundle(release: str, features_repr: str, version: str) -> str:
 
 
 def tool_version() -> str:
-    """The tool's commit (git describe of this checkout), or 'unknown commit' outside git."""
+    """The tool's commit (git describe of this checkout, -dirty with uncommitted changes), or 'unknown
+    commit' outside git."""
     try:
         out = subprocess.run(["git", "-C", str(PACKAGE.parent), "describe", "--always", "--dirty"],
                              capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.SubprocessError):
-        return "issue395 (unknown commit)"
-    return f"issue395 {out.stdout.strip() or '(unknown commit)'}"
+        return "unknown commit"
+    return f"commit {out.stdout.strip()}" if out.returncode == 0 and out.stdout.strip() else "unknown commit"
 
 
 #: The lines inserted after the setup's ``predicted = estimate_stream_peak_vram(...)``: the

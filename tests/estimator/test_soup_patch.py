@@ -39,7 +39,7 @@ def _bench(name: str):
 TASK_ARMS = _bench("task_terms").arms()
 SFT_ARMS = [dict(a, task="sft") for a in _bench("leave_one_out").load_arms()]
 ARMS = [a for a in TASK_ARMS + SFT_ARMS if a["release"] == installed_release()]
-VERSION = "issue395 test"
+VERSION = "test"
 
 
 def _apply(src: Path, into: Path, diff: str, dry: bool = False) -> subprocess.CompletedProcess:
@@ -79,7 +79,7 @@ def test_each_unpacked_release_takes_its_own_patch(tmp_path, release):
 
 
 def test_a_patched_folder_reads_as_patched_and_is_not_patched_twice(patched_site):
-    assert patched(patched_site / "soup_cli") == f"issue395 corrected pre-flight {VERSION}"
+    assert patched(patched_site / "soup_cli") == f"issue395 corrected pre-flight (issue395 {VERSION})"
     assert patched(soup_dir()) is None
     with pytest.raises(Exception, match="already patched"):
         patched_files(patched_site / "soup_cli")
