@@ -267,15 +267,15 @@ def soup_patch() -> None:
           f"reserve under expandable segments) + {(STEP_GROWTH_BYTES - GATE_GROWTH_BYTES) / 1e6:.1f} MB (what the "
           "CUDA runtime adds outside the allocator between Soup's gate and the step's end). It is fed what the "
           "setup already holds: the model's config (`model_config.to_dict()`), `task`, `data.max_length`, "
-          "`training.quantization`, `batch_size`, the LoRA targets and r, the streaming modes, `optimizer`. The "
+          "`training.quantization`, `batch_size`, `gradient_accumulation_steps`, the LoRA targets and r, the "
+          "streaming modes, `optimizer`. The "
           "panel prints the corrected peak beside Soup's formula.")
     print("- Soup's gate stays Soup's: the free memory it reads (`mem_get_info`), `training.stream_vram_override`, "
           "the probe and its deferral ceiling, every refusal message. A setting the estimator does not model "
           "(`stream_recompute: auto`, `stream_buffers` other than 2, a LoRA dropout other than 0.05, NF4 without "
           "double quantisation, `stream_nf4_scale_cache`, `moe_lora`, an optimizer it has no table for) keeps Soup's "
-          "formula, and the panel says why in one line. With `gradient_accumulation_steps` above 1 (Soup's default "
-          "is 4) each micro-batch is `batch_size` rows, as `--estimate --config` reads it; the fp32 gradients held "
-          "between micro-batches (4 B a LoRA parameter) are not yet in the estimator, and the panel says so.\n")
+          "formula, and the panel says why in one line. `gradient_accumulation_steps` (Soup's default is 4) reaches "
+          "the estimate, which charges the adapter's gradients held from the second micro-batch on.\n")
     from types import SimpleNamespace as S
 
     from issue395.estimator.arch import arch_from_config, protocol_targets

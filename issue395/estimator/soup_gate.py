@@ -28,10 +28,10 @@ ASSUMED_SETTINGS = (("stream_buffers", 2), ("lora.dropout", 0.05), ("bnb_4bit_us
                     ("stream_nf4_scale_cache", False), ("moe_lora", False))
 #: Soup's bnb_4bit_use_double_quant is tri-state: unset (None) is what every 4-bit load has always done, double.
 _UNSET_MEANS = {"bnb_4bit_use_double_quant": (None,)}
-#: The names the estimate may take training.gradient_accumulation_steps under (issue 34 models the
-#: gradients held between micro-batches): fed where it takes one; until then each micro-batch is
-#: training.batch_size rows, as --estimate --config reads it, and the panel says the held gradients are not counted.
-ACCUMULATION_KEYWORDS = ("gradient_accumulation_steps", "accumulation", "grad_accum", "accum")
+#: The estimate's keyword for training.gradient_accumulation_steps (the gradients held between
+#: micro-batches): fed where it takes it; an estimator without one charges each micro-batch at
+#: training.batch_size rows, and the panel says the held gradients are not counted.
+ACCUMULATION_KEYWORDS = ("accumulation",)
 
 
 def _setting(tcfg: Any, dotted: str, default: Any) -> Any:

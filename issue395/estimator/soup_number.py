@@ -300,7 +300,8 @@ def _patched_module(path: Path, mtime: float):
 
 
 def patched_preflight(src: Path, config: dict, *, quant: str, seq: int, batch: int, targets, lora_r: int,
-                      stream: dict, task: str, optimizer: str, formula: int, steps: Optional[int] = None) -> dict:
+                      stream: dict, task: str, optimizer: str, formula: int, steps: Optional[int] = None,
+                      accumulation: int = 1) -> dict:
     """What a patched release's own setup computes: its corrected_peak.preflight called as the patched
     _stream_budget_lines calls it, on Soup's config objects as its loader builds them from these values
     (task, data.max_length, training's quantization, batch, LoRA, streaming modes, optimizer) and the
@@ -312,20 +313,22 @@ def patched_preflight(src: Path, config: dict, *, quant: str, seq: int, batch: i
     lora = SimpleNamespace(target_modules=list(targets) if isinstance(targets, (tuple, list)) else targets,
                            r=lora_r, dropout=0.05)
     tcfg = SimpleNamespace(quantization=soup_quant, batch_size=batch, lora=lora, optimizer=optimizer,
-                           stream_buffers=2, **dict(stream))
+                           stream_buffers=2, gradient_accumulation_steps=accumulation, **dict(stream))
     cfg = SimpleNamespace(task=task, data=SimpleNamespace(max_length=seq), training=tcfg)
     return module.preflight(cfg, tcfg, dict(config), formula=formula, steps=steps)
 
 
 def soup_preflight_from_config(config: dict, *, quant: str, seq: int, batch: int, targets,
                                lora_r: int, release: str | None = None, stream: dict | None = None,
-                               task: str = PROTOCOL_TASK, optimizer: str = "adamw_torch") -> tuple[int, dict]:
+                               task: str = PROTOCOL_TASK, optimizer: str = "adamw_torch",
+                               accumulation: int = 1) -> tuple[int, dict]:
     """Soup's own number, computed by ``release``'s estimator (the installed one by default) on the
     keywords that release's setup passes, and those keywords. ``targets``: the LoRA targets as
     Soup's config holds them: a tuple of modules, or Soup's own string (all-linear, auto), which
     its _estimate_adapter_params counts as it counts it. ``stream``: Soup training keys. A release
     patched by --soup-patch: its gate's number, computed by its own corrected_peak module as its
-    setup calls it (``optimizer``: training.optimizer, which that module charges from step 2 on), with
+    setup calls it (``optimizer``: training.optimizer, which that module charges from step 2 on;
+    ``accumulation``: training.gradient_accumulation_steps, whose held gradients it charges), with
     the terms {"formula": Soup's own number, "formula_kwargs": its keywords, "corrected": the
     module's record}."""
     src = release_source(release)
@@ -378,6 +381,6 @@ def soup_preflight_from_config(config: dict, *, quant: str, seq: int, batch: int
     if patched(src) is None:
         return number, kwargs
     record = patched_preflight(src, config, quant=quant, seq=seq, batch=batch, targets=soup_value, lora_r=lora_r,
-                               stream=stream, task=task, optimizer=optimizer, formula=number)
+                               stream=stream, task=task, optimizer=optimizer, formula=number, accumulation=accumulation)
     gate = number if record["gate_bytes"] is None else int(record["gate_bytes"])
     return gate, {"formula": number, "formula_kwargs": kwargs, "corrected": record}
