@@ -79,7 +79,8 @@ def patched_number(a: argparse.Namespace, seq: int) -> int:
     u = a.user
     targets = u.targets[0] if u.targets in (("all-linear",), ("auto",)) else u.targets
     return soup_preflight_from_config(config_json(a.key), quant=u.quant, seq=seq, batch=u.batch, targets=targets,
-                                      lora_r=u.lora_r, stream=u.stream_options, task=u.task, optimizer=u.optimizer)[0]
+                                      lora_r=u.lora_r, stream=u.stream_options, task=u.task, optimizer=u.optimizer,
+                                      accumulation=u.accumulation)[0]
 
 
 def longest_admitted(a: argparse.Namespace, free: float) -> Optional[int]:
