@@ -240,6 +240,118 @@ def preference() -> None:
           "capped (the device time went to the map).\n")
 
 
+FIND_MAX = "results/findmax-kimi-anatomy-h200-soup0.77.0-f6c944f/find-max-qwen-dpo-12GB.json"
+PATCH_PROOF = sorted(str(p.relative_to(ROOT)) for p in ROOT.glob("results/soup-patch-gate-*/soup-patch-gate-*.json"))
+
+
+def soup_patch() -> None:
+    """The fix, for a maintainer: what --soup-patch changes, the evidence, how to apply and test it."""
+    import statistics
+
+    from issue395.estimator.soup_gate import GATE_STEPS, preflight
+    from issue395.estimator.cards import GATE_GROWTH_BYTES, STEP_GROWTH_BYTES
+    from issue395.estimator.estimate import EXPANDABLE_RESERVE_BYTES, EXPANDABLE_RESERVE_FRACTION
+
+    print("\n## The fix: `--soup-patch`, a patch to soup-cli whose own gate compares the corrected peak\n")
+    print("`python issue395_second_stack_vram.py --soup-patch OUT.diff` writes a unified diff against the installed "
+          "soup-cli release's own source (each release 0.73.3 to 0.77.0 gets its own, generated from its source; "
+          "the 0.77.0 diff applies to 0.77.0 only). What it changes:\n")
+    print("- It adds `soup_cli/utils/corrected_peak.py`: this tool's estimator (`issue395/estimator/`), generated "
+          "from the tool's own source with `ast` (the functions `soup_gate.preflight` reaches, bundled in their "
+          "modules' order, comments and evidence kept), standard library only, importing nothing of the tool or "
+          "of soup_cli; its header names the tool's commit. It is regenerated, never edited.")
+    print("- In `soup_cli/trainer/stream_setup.py`, `_stream_budget_lines` (the one pre-flight every streamed "
+          "task's wrapper reaches: sft, dpo, orpo, simpo, kto), right after `predicted = "
+          "estimate_stream_peak_vram(...)`: the number the gate compares becomes the corrected pre-flight's, the "
+          f"allocated peak of the run's steady state ({GATE_STEPS} steps: from step 2 on the optimizer's states are "
+          f"live) x {1 + EXPANDABLE_RESERVE_FRACTION:g} + {EXPANDABLE_RESERVE_BYTES / 2**20:.0f} MiB (the allocator's "
+          f"reserve under expandable segments) + {(STEP_GROWTH_BYTES - GATE_GROWTH_BYTES) / 1e6:.1f} MB (what the "
+          "CUDA runtime adds outside the allocator between Soup's gate and the step's end). It is fed what the "
+          "setup already holds: the model's config (`model_config.to_dict()`), `task`, `data.max_length`, "
+          "`training.quantization`, `batch_size`, `gradient_accumulation_steps`, the LoRA targets and r, the "
+          "streaming modes, `optimizer`. The "
+          "panel prints the corrected peak beside Soup's formula.")
+    print("- Soup's gate stays Soup's: the free memory it reads (`mem_get_info`), `training.stream_vram_override`, "
+          "the probe and its deferral ceiling, every refusal message. A setting the estimator does not model "
+          "(`stream_recompute: auto`, `stream_buffers` other than 2, a LoRA dropout other than 0.05, NF4 without "
+          "double quantisation, `stream_nf4_scale_cache`, `moe_lora`, an optimizer it has no table for) keeps Soup's "
+          "formula, and the panel says why in one line. `gradient_accumulation_steps` (Soup's default is 4) reaches "
+          "the estimate, which charges the adapter's gradients held from the second micro-batch on.\n")
+    from types import SimpleNamespace as S
+
+    from issue395.estimator.arch import arch_from_config, protocol_targets
+    from issue395.model.registry import stream_mode
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    import leave_one_out
+    import task_terms
+
+    rows = []
+    for arm in task_terms.arms() + [dict(a, task="sft") for a in leave_one_out.load_arms()]:
+        family, stream = stream_mode(arm["family"])
+        config = config_json(family)
+        kw = dict(quant=arm["quant"], seq=arm["seq"], batch=arm["batch"], task=arm["task"], stream=stream,
+                  targets=tuple(arm.get("targets") or ()) or protocol_targets(arch_from_config(config)))
+
+        lora = S(target_modules=list(kw["targets"]), r=8, dropout=0.05)
+        tcfg = S(quantization={"none": "none", "nf4": "4bit"}[kw["quant"]], batch_size=kw["batch"], lora=lora,
+                 optimizer="adamw_torch", stream_buffers=2, **kw["stream"])
+        cfg = S(task=kw["task"], data=S(max_length=kw["seq"]))
+        out = preflight(cfg, tcfg, config, steps=1, release=arm["release"])
+        rows.append((arm, out["peak"] / arm["real_peak"], arm["soup_predicted"] / arm["real_peak"]))
+    ratios, soup = [r for _, r, _ in rows], [s for *_, s in rows]
+    print(f"Evidence, on every committed H200 arm of every task ({len(rows)} rows, as bench/task_terms.py and bench/leave_one_out.py read them: "
+          + ", ".join(f"{t} {sum(a['task'] == t for a, *_ in rows)}" for t in ("sft", "dpo", "orpo", "simpo", "kto"))
+          + "; soup-cli 0.73.3 and 0.77.0; one optimizer step each, as measured), the patched number (the patched "
+          "module's allocated peak, computed by this tool's estimator, which the module is) against the real peak "
+          "(measured):\n")
+    print("| | arms | under the real peak | above 1.05x | lowest | median | highest |\n|---|---:|---:|---:|---:|---:|---:|")
+    print(f"| the patched number | {len(rows)} | {sum(r < 1 for r in ratios)} | {sum(r > 1.05 for r in ratios)} | "
+          f"{min(ratios):.4f}x | {statistics.median(ratios):.4f}x | {max(ratios):.4f}x |")
+    print(f"| Soup's own (its setup's, captured) | {len(rows)} | {sum(r < 1 for r in soup)} | "
+          f"{sum(r > 1.05 for r in soup)} | {min(soup):.4f}x | {statistics.median(soup):.4f}x | {max(soup):.4f}x |\n")
+    found = json.loads((ROOT / FIND_MAX).read_text(encoding="utf-8"))
+    m = found["measured"]
+    free = max(p["driver_free_gb"] for p in m["probes"])
+    def gate(seq: int) -> int:
+        tcfg = S(quantization="none", batch_size=1, lora=S(target_modules=["q_proj", "v_proj"], r=8, dropout=0.05),
+                 optimizer="adamw_torch", stream_buffers=2)
+        return preflight(S(task="dpo", data=S(max_length=seq)), tcfg, config_json("qwen"), release="0.77.0")["gate_bytes"]
+
+    stock = {p["value"]: p for p in m["probes"]}
+    longest = max(s for s in range(64, m["oom_above"] + 1, 64) if gate(s) <= free * 1e9)
+    print(f"The gate on a measured card (`{FIND_MAX}`: Qwen2.5-0.5B DPO on an emulated 12 GB card, the real "
+          f"`soup train`, 3 steps a probe, Soup's gate lifted): seq {m['limit']} completes, {m['oom_above']} raises "
+          f"OOM. Soup's stock gate admitted {m['oom_above']} ({stock[m['oom_above']]['soup_gb']:.2f} GB against the "
+          f"{free:.2f} GB free its driver reported, as Soup printed them). The patched gate (computed) needs "
+          f"{gate(m['limit']) / 1e9:.2f} GB free at {m['limit']} and {gate(m['oom_above']) / 1e9:.2f} GB at "
+          f"{m['oom_above']}: on the same {free:.2f} GB it admits up to {longest} "
+          + ("(one resolution step below the limit)." if longest == m["limit"] - 64 else
+             "(the limit)." if longest == m["limit"] else f"(the limit is {m['limit']})."))
+    if PATCH_PROOF:
+        print("\nThe GPU proof (the real `soup train`, patched, gate NOT lifted; `bench/gpu-soup-patch.sh`):\n")
+        for path in PATCH_PROOF:
+            d = json.loads((ROOT / path).read_text(encoding="utf-8"))
+            print(f"- `{path}` ({d['config']}, {d['card']}, measured limit {d['limit']}): " + "; ".join(
+                f"{p['seq']} {p['outcome']}" for p in d["probes"]) + f". Every admitted run completed: "
+                f"{'yes' if d['never_oom'] else 'NO'}; longest admitted {d['longest_admitted']}.")
+    else:
+        print("\nThe GPU proof is `bench/gpu-soup-patch.sh` (the real `soup train`, patched, its gate NOT lifted, on "
+              "emulated cards at and around the measured limits); not yet run.")
+    print("\nHow to apply it, in the environment that runs `soup train`:\n")
+    print("```bash\npython issue395_second_stack_vram.py --soup-patch soup-corrected-preflight.diff\n"
+          "cd \"$(python -c 'import os, soup_cli; print(os.path.dirname(os.path.dirname(soup_cli.__file__)))')\"\n"
+          "patch -p1 --dry-run < soup-corrected-preflight.diff && patch -p1 < soup-corrected-preflight.diff\n```\n")
+    print("How to test it: `tests/estimator/test_soup_patch.py` applies the diff with `patch -p1` to a copy of the "
+          "installed soup_cli (and of every release unpacked under `ISSUE395_RELEASE_SOURCES`), loads the module in "
+          "an isolated interpreter, runs the patched `_stream_budget_lines` on CPU on Soup's own loader and "
+          "transformers' AutoConfig, and holds the patched number to [1.00, 1.05] of the real peak on every committed "
+          "arm; on a GPU, `bench/gpu-soup-patch.sh` (bench/soup_patch_gate.py). With the patch installed, this tool "
+          "reads the patched soup_cli as it reads any release: `--estimate`, the tables and the map then show the "
+          "patched gate's number as Soup's own, with Soup's formula beside it in the row's terms.")
+
+
 if __name__ == "__main__":
     main()
     preference()
+    soup_patch()

@@ -515,7 +515,7 @@ def estimate(config: dict, *, quant: str = "none", seq: int, batch: int = 1, tar
         raise UsageError(f"training.{unknown[0]} is not modelled by this estimator")
     soup_number, soup_terms = soup_preflight_from_config(
         config, quant=quant, seq=seq, batch=batch, targets=spelled, lora_r=lora_r, release=release,
-        stream=stream, task=task) if soup else (None, {})
+        stream=stream, task=task, optimizer=optimizer, accumulation=accumulation) if soup else (None, {})
     per_expert = stream.get("stream_expert_layout") == "per_expert"
     if per_expert and not a.quirks.per_expert_layout:  # Soup refuses it: no number for a run that cannot be
         raise UsageError(f"Soup refuses stream_expert_layout 'per_expert' on {a.model_type} (it admits "

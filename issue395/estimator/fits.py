@@ -220,8 +220,12 @@ def estimate_table(rows: list[Estimate], cards, config: Optional[dict] = None, *
     tasked = any(e.task != PROTOCOL_TASK for e in rows)
     heads = [f"{e.task} {e.quant} {e.seq}x{e.batch}" if tasked else f"{e.quant} {e.seq}x{e.batch}" for e in rows]
     width = max([12] + [len(h) for h in heads])
-    lines = [["Soup's own pre-flight GB (computed by Soup)"] + [gb(e.soup_predicted) for e in rows],
-             ["corrected: allocated peak GB"] + [gb(e.corrected_predicted) for e in rows],
+    lines = [["Soup's own pre-flight GB (computed by Soup)"] + [gb(e.soup_predicted) for e in rows]]
+    if any("formula" in e.soup_terms for e in rows):  # a soup_cli patched by --soup-patch: its gate beside the stock one
+        lines = [["Soup's own pre-flight GB (patched: its gate's number)"] + [gb(e.soup_predicted) for e in rows],
+                 ["  Soup's formula GB (stock, computed by Soup)"]
+                 + [gb(e.soup_terms.get("formula")) for e in rows]]
+    lines += [["corrected: allocated peak GB"] + [gb(e.corrected_predicted) for e in rows],
              ["corrected: needs free GB"] + [gb(e.needs_free) for e in rows],
              ["  the peak's phase"] + [e.phase for e in rows]]
     for name in dict.fromkeys(t for e in rows for t in e.terms):

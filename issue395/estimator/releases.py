@@ -23,6 +23,10 @@ from ..errors import UsageError
 SOURCE_ENV = "ISSUE395_SOUP_SOURCE"
 #: A folder of unpacked wheels, <folder>/<version>/soup_cli (.ci/run fetches them): other releases' source.
 RELEASES_ENV = "ISSUE395_RELEASE_SOURCES"
+#: --soup-patch's module inside soup_cli/, and the words its header opens with: a soup_cli folder that
+#: holds it is a patched release (its gate compares the corrected peak; soup_number computes it so).
+PATCH_MODULE = "utils/corrected_peak.py"
+PATCH_MARKER = "issue395 corrected pre-flight"
 
 
 class UnknownRelease(UsageError):

@@ -23,8 +23,8 @@ from ..errors import UsageError
 from ..tasks import PROTOCOL_TASK, TASKS
 from .arch import Arch, arch_from_config, layer_bytes
 from .moe import expert_in_flight
-from .releases import (RELEASE_FEATURES, RELEASES_ENV, Features, _TWELVE, installed_release, release_source,
-                       soup_dir)
+from .releases import (PATCH_MARKER, PATCH_MODULE, RELEASE_FEATURES, RELEASES_ENV, Features, _TWELVE, installed_release,
+                       release_source, soup_dir)
 
 # -- a release's own code, read with ast --
 def _top_defs(tree: ast.Module) -> dict:
@@ -248,13 +248,62 @@ def stream_refused(config: dict, stream: dict) -> None:
         refused_modes(arch_of(config, src), read_features(src), stream, installed_release(), src)
 
 
+def patched(src: Path) -> Optional[str]:
+    """The header line of a soup_cli folder's --soup-patch module (its tool version), None when unpatched."""
+    path = src / PATCH_MODULE
+    if not path.is_file():
+        return None
+    head = path.read_text(encoding="utf-8").lstrip('"').split("\n", 1)[0]
+    return head.split(":", 1)[0] if head.startswith(PATCH_MARKER) else None
+
+
+@functools.lru_cache(maxsize=4)
+def _patched_module(path: Path, mtime: float):
+    """A patched release's corrected_peak.py, loaded from its file (stdlib only, imports nothing of
+    soup_cli), under a name of its own: never the soup_cli package."""
+    import importlib.util
+    import sys
+
+    name = f"_issue395_patched_{abs(hash((str(path), mtime)))}"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # its dataclasses look their module up while the class is made
+    spec.loader.exec_module(module)
+    return module
+
+
+def patched_preflight(src: Path, config: dict, *, quant: str, seq: int, batch: int, targets, lora_r: int,
+                      stream: dict, task: str, optimizer: str, formula: int, steps: Optional[int] = None,
+                      accumulation: int = 1) -> dict:
+    """What a patched release's own setup computes: its corrected_peak.preflight called as the patched
+    _stream_budget_lines calls it, on Soup's config objects as its loader builds them from these values
+    (task, data.max_length, training's quantization, batch, LoRA, streaming modes, optimizer) and the
+    model's config, with Soup's formula beside it. ``steps``: None as the setup calls it (the gate's
+    steady state); a run of known length (a committed one-step arm) gives its own."""
+    path = src / PATCH_MODULE
+    module = _patched_module(path, path.stat().st_mtime)
+    soup_quant = {"none": "none", "nf4": "4bit"}[quant]
+    lora = SimpleNamespace(target_modules=list(targets) if isinstance(targets, (tuple, list)) else targets,
+                           r=lora_r, dropout=0.05)
+    tcfg = SimpleNamespace(quantization=soup_quant, batch_size=batch, lora=lora, optimizer=optimizer,
+                           stream_buffers=2, gradient_accumulation_steps=accumulation, **dict(stream))
+    cfg = SimpleNamespace(task=task, data=SimpleNamespace(max_length=seq), training=tcfg)
+    return module.preflight(cfg, tcfg, dict(config), formula=formula, steps=steps)
+
+
 def soup_preflight_from_config(config: dict, *, quant: str, seq: int, batch: int, targets,
                                lora_r: int, release: str | None = None, stream: dict | None = None,
-                               task: str = PROTOCOL_TASK) -> tuple[int, dict]:
+                               task: str = PROTOCOL_TASK, optimizer: str = "adamw_torch",
+                               accumulation: int = 1) -> tuple[int, dict]:
     """Soup's own number, computed by ``release``'s estimator (the installed one by default) on the
     keywords that release's setup passes, and those keywords. ``targets``: the LoRA targets as
     Soup's config holds them: a tuple of modules, or Soup's own string (all-linear, auto), which
-    its _estimate_adapter_params counts as it counts it. ``stream``: Soup training keys."""
+    its _estimate_adapter_params counts as it counts it. ``stream``: Soup training keys. A release
+    patched by --soup-patch: its gate's number, computed by its own corrected_peak module as its
+    setup calls it (``optimizer``: training.optimizer, which that module charges from step 2 on;
+    ``accumulation``: training.gradient_accumulation_steps, whose held gradients it charges), with
+    the terms {"formula": Soup's own number, "formula_kwargs": its keywords, "corrected": the
+    module's record}."""
     src = release_source(release)
     release = release or installed_release()
     if src is None:
@@ -301,4 +350,10 @@ def soup_preflight_from_config(config: dict, *, quant: str, seq: int, batch: int
     if set(kwargs) - set(taken):
         raise UsageError(f"soup-cli {release}'s own setup passes {', '.join(sorted(set(kwargs) - set(taken)))}, "
                          "which its own estimator does not take (Soup would fail too)")
-    return int(fn(**kwargs)), kwargs
+    number = int(fn(**kwargs))
+    if patched(src) is None:
+        return number, kwargs
+    record = patched_preflight(src, config, quant=quant, seq=seq, batch=batch, targets=soup_value, lora_r=lora_r,
+                               stream=stream, task=task, optimizer=optimizer, formula=number, accumulation=accumulation)
+    gate = number if record["gate_bytes"] is None else int(record["gate_bytes"])
+    return gate, {"formula": number, "formula_kwargs": kwargs, "corrected": record}

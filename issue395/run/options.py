@@ -13,10 +13,10 @@ from typing import Any, Callable
 
 from ..errors import UsageError
 from ..results.saved import RowFile
-from . import estimate_mode, find_max_mode, measure_mode, rerender_mode
+from . import estimate_mode, find_max_mode, measure_mode, patchout, rerender_mode
 from .checks import PLOT_NEEDS, _shown, check_output, no_output_is_an_input, require_installed
 from .clashes import check
-from .request import CardListRequest, EstimateRequest, FindMaxRequest, MeasureRequest, RerenderRequest
+from .request import CardListRequest, EstimateRequest, FindMaxRequest, MeasureRequest, RerenderRequest, SoupPatchRequest
 
 
 @dataclass(frozen=True)
@@ -33,6 +33,9 @@ class Mode:
 CARD_LIST = Mode(CardListRequest, estimate_mode.card_list_chosen, estimate_mode.settle_card_list,
                  estimate_mode.list_cards)
 
+#: --soup-patch, alone: the diff, nothing measured or estimated.
+SOUP_PATCH = Mode(SoupPatchRequest, patchout.chosen, patchout.settle, patchout.execute)
+
 #: The modes after the shared checks, each asked by its own options, the first asked settled (an
 #: option another mode takes is refused in its clashes); the measured arms when none other is asked.
 MODES = (Mode(RerenderRequest, rerender_mode.chosen, rerender_mode.settle, rerender_mode.execute),
@@ -43,6 +46,8 @@ MODES = (Mode(RerenderRequest, rerender_mode.chosen, rerender_mode.settle, reren
 
 def settle(args: argparse.Namespace, argv: list[str]) -> Any:
     """Every check that needs no GPU and no Soup setup, before anything runs or prints: the request."""
+    if SOUP_PATCH.chosen(args):
+        return SOUP_PATCH.settle(args, argv)
     if CARD_LIST.chosen(args):
         return CARD_LIST.settle(args, argv)
     check("settle", args)

@@ -173,6 +173,16 @@ class CardListRequest:
 
 
 @dataclass(frozen=True)
+class SoupPatchRequest:
+    """--soup-patch: the diff's path, and the installed soup_cli it is made against."""
+
+    path: str
+    soup_cli: str
+    argv: tuple = ()
+    outputs: Outputs = Outputs()  # none: the diff is its own output
+
+
+@dataclass(frozen=True)
 class FindMaxRequest:
     """--find-max: the axis searched on one card (as --card or --emulate-card named it), for the
     file's run as --estimate settles it (``estimate``), and the checkpoint the probes run (a folder,

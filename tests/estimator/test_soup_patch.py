@@ -1,0 +1,274 @@
+"""issue395.estimator.soup_patch and soup_gate: --soup-patch's diff applied with the real `patch -p1` to a
+copy of the installed soup_cli (and of every release unpacked under ISSUE395_RELEASE_SOURCES); the module it
+adds imports only the standard library (loaded in an isolated interpreter with neither the tool nor soup_cli
+on its path); the PATCHED soup_cli's own number, by its own corrected_peak module, against the real CUDA
+peak of every committed H200 arm of every task of the installed release (the peaks are the record's, read
+from results/; nothing is faked); the patched setup's own _stream_budget_lines, run here on CPU on Soup's own
+config (its loader) and transformers' own config of the model, computes that same number; the patched gate
+on the committed --find-max probes' free memory. A CUDA step cannot run here: the GPU proof is
+bench/gpu-soup-patch.sh."""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import ROOT
+
+from issue395.estimator.estimate import estimate
+from issue395.estimator.releases import PATCH_MODULE, installed_release, soup_dir, wheel_sources
+from issue395.estimator.soup_gate import gate_kwargs
+from issue395.estimator.soup_number import patched, patched_preflight, soup_preflight_from_config
+from issue395.estimator.soup_patch import is_importable_stdlib_only, patched_files, soup_patch
+from issue395.model.registry import config_json, stream_mode
+
+
+def _bench(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "bench" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+TASK_ARMS = _bench("task_terms").arms()
+SFT_ARMS = [dict(a, task="sft") for a in _bench("leave_one_out").load_arms()]
+ARMS = [a for a in TASK_ARMS + SFT_ARMS if a["release"] == installed_release()]
+VERSION = "test"
+
+
+def _apply(src: Path, into: Path, diff: str, dry: bool = False) -> subprocess.CompletedProcess:
+    """``patch -p1`` in a folder holding a copy of ``src`` as soup_cli/ (site-packages' layout)."""
+    shutil.copytree(src, into / "soup_cli")
+    for meta in src.parent.glob("soup_cli-*.dist-info"):
+        shutil.copytree(meta, into / meta.name)
+    return subprocess.run(["patch", "-p1"] + (["--dry-run"] if dry else []), input=diff, text=True, cwd=into,
+                          capture_output=True)
+
+
+@pytest.fixture(scope="module")
+def patched_site(tmp_path_factory) -> Path:
+    """A copy of the installed soup_cli and its dist-info, patched by --soup-patch's own diff."""
+    site = tmp_path_factory.mktemp("site")
+    done = _apply(soup_dir(), site, soup_patch(soup_dir(), VERSION))
+    assert done.returncode == 0, done.stdout + done.stderr
+    return site
+
+
+def test_the_patch_applies_to_the_installed_release_with_patch_p1(tmp_path):
+    diff = soup_patch(version=VERSION)
+    done = _apply(soup_dir(), tmp_path, diff, dry=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "checking file soup_cli/utils/corrected_peak.py" in done.stdout
+    assert "checking file soup_cli/trainer/stream_setup.py" in done.stdout
+    assert diff.startswith("--- /dev/null\n+++ b/soup_cli/" + PATCH_MODULE)
+
+
+@pytest.mark.parametrize("release", sorted(wheel_sources()) or ["(none unpacked)"])
+def test_each_unpacked_release_takes_its_own_patch(tmp_path, release):
+    if release not in wheel_sources():
+        pytest.skip("no release unpacked under ISSUE395_RELEASE_SOURCES (.ci/run unpacks 0.74.0 to 0.76.1)")
+    src = wheel_sources()[release]
+    done = _apply(src, tmp_path, soup_patch(src, VERSION), dry=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_a_patched_folder_reads_as_patched_and_is_not_patched_twice(patched_site):
+    assert patched(patched_site / "soup_cli") == f"issue395 corrected pre-flight (issue395 {VERSION})"
+    assert patched(soup_dir()) is None
+    with pytest.raises(Exception, match="already patched"):
+        patched_files(patched_site / "soup_cli")
+
+
+def test_the_module_imports_only_the_standard_library_and_runs_alone(patched_site):
+    path = patched_site / "soup_cli" / PATCH_MODULE
+    text = path.read_text()
+    assert is_importable_stdlib_only(text)
+    assert "issue395" not in {line.split()[1].split(".")[0] for line in text.splitlines()
+                              if line.startswith(("import ", "from "))}
+    # -I: no user site, no PYTHONPATH, no current folder: neither the tool nor soup_cli can be found
+    probe = ("import importlib.util, sys; s = importlib.util.spec_from_file_location('cp', sys.argv[1]); "
+             "m = importlib.util.module_from_spec(s); sys.modules['cp'] = m; s.loader.exec_module(m); "
+             "print(sorted(k for k in sys.modules if k.split('.')[0] in ('issue395', 'soup_cli', 'torch')))")
+    done = subprocess.run([sys.executable, "-I", "-c", probe, str(path)], capture_output=True, text=True,
+                          cwd=str(patched_site.parent))
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
+
+
+def test_the_module_is_generated_from_the_estimators_source_not_a_copy(patched_site):
+    """Every function of the estimate's own module stands in the bundle as its source has it (but
+    estimate_key: a map key's estimate, which Soup's setup never asks)."""
+    text = (patched_site / "soup_cli" / PATCH_MODULE).read_text()
+    import ast
+
+    source = (ROOT / "issue395" / "estimator" / "estimate.py").read_text()
+    for node in ast.parse(source).body:
+        if isinstance(node, ast.FunctionDef) and node.name != "estimate_key":
+            assert ast.get_source_segment(source, node) in text, node.name
+
+
+def test_every_keyword_of_the_estimate_is_fed_from_soups_setup_or_is_the_tools_own():
+    """A keyword the estimate gains (issue 34's) must be read from Soup's config in soup_gate.gate_kwargs,
+    or it would be left at its default inside Soup: named here."""
+    from types import SimpleNamespace as S
+
+    tcfg = S(quantization="none", batch_size=1, lora=S(target_modules=["q_proj"], r=8, dropout=0.05),
+             optimizer="adamw_torch", stream_buffers=2)
+    _, fed = gate_kwargs(S(task="sft", data=S(max_length=512)), tcfg, config_json("qwen"))
+    tools_own = {"config", "release", "allowance", "workspace", "transformers"}  # a saved row's stacks; inside
+    # Soup, the installed release and transformers are the ones it runs
+    assert set(inspect.signature(estimate).parameters) - tools_own - set(fed) == set()
+
+
+def _arm_call(arm: dict) -> tuple[dict, dict]:
+    family, stream = stream_mode(arm["family"])
+    targets = tuple(arm.get("targets") or ()) or None
+    from issue395.estimator.arch import arch_from_config, protocol_targets
+
+    config = config_json(family)
+    return config, dict(quant=arm["quant"], seq=arm["seq"], batch=arm["batch"], lora_r=8, stream=stream,
+                        task=arm["task"], targets=targets or protocol_targets(arch_from_config(config)))
+
+
+@pytest.mark.parametrize("arm", ARMS, ids=lambda a: f"{a['task']}-{a['family']}-{a['quant']}-{a['seq']}x{a['batch']}")
+def test_the_patched_number_is_at_least_the_real_peak_and_at_most_1_05x_on_every_committed_arm(patched_site, arm):
+    """By the patched soup_cli's own corrected_peak.preflight, called as its setup calls it, on the arm's
+    run: one optimizer step (what the arm measured)."""
+    config, kw = _arm_call(arm)
+    record = patched_preflight(patched_site / "soup_cli", config, optimizer="adamw_torch",
+                               formula=arm["soup_predicted"], steps=1, **kw)
+    assert record["refused"] is None
+    assert arm["real_peak"] <= record["peak"] <= 1.05 * arm["real_peak"], record["peak"] / arm["real_peak"]
+    assert record["gate_bytes"] > record["peak"]  # the gate compares what must be free, not the allocated peak
+
+
+def test_the_patched_gate_on_the_committed_find_max_card_admits_the_limit_or_one_step_below(patched_site,
+                                                                                            monkeypatch):
+    """Qwen2.5-0.5B DPO on an emulated 12 GB card, 3 steps a probe (results/findmax-kimi-*): 1856 completed,
+    1920 raised OOM. The free memory is the one Soup's own gate printed in those probes (11.36 GB)."""
+    found = json.loads(next(ROOT.glob("results/findmax-kimi-anatomy-*/find-max-qwen-dpo-12GB.json")).read_text())
+    if installed_release() != "0.77.0":
+        pytest.skip("the probes ran soup-cli 0.77.0")
+    monkeypatch.setenv("ISSUE395_SOUP_SOURCE", str(patched_site / "soup_cli"))
+    free = max(p["driver_free_gb"] for p in found["measured"]["probes"]) * 1e9
+    limit, above = found["measured"]["limit"], found["measured"]["oom_above"]
+    admitted = [seq for seq in range(limit - 4 * 64, above + 4 * 64, 64)
+                if soup_preflight_from_config(config_json("qwen"), quant="none", seq=seq, batch=1,
+                                              targets=("q_proj", "v_proj"), lora_r=8, task="dpo")[0] <= free]
+    assert max(admitted) in (limit, limit - 64)
+
+
+SETUP = r"""
+import inspect, json, sys, tempfile
+from pathlib import Path
+from types import SimpleNamespace
+from transformers import AutoConfig
+from soup_cli.config.loader import load_config_from_string
+import importlib
+out = []
+for arm in json.loads(sys.argv[1]):
+    folder = Path(tempfile.mkdtemp())
+    (folder / "config.json").write_text(json.dumps(arm["config"]))
+    cfg = load_config_from_string(arm["yaml"])
+    module, name = arm["wrapper"]
+    cls = getattr(importlib.import_module(module), name)
+    self = cls.__new__(cls)
+    self.device = "cpu"
+    fn = cls._stream_budget_lines
+    kw = dict(model_config=AutoConfig.from_pretrained(folder), layer_bytes=1, embed_bytes=1,
+              index=SimpleNamespace(n_layers=1, quant_specs={}, total_params=0, dtype="bfloat16", expert_layout="",
+                                    expert_shapes=None), on_cuda=False, large_layer_bytes=0, target_modules=None)
+    lines, _ = fn(self, cfg, cfg.training, **{k: v for k, v in kw.items() if k in inspect.signature(fn).parameters})
+    out.append({"record": {k: v for k, v in self._corrected_preflight.items() if k != "terms"}, "lines": list(lines),
+                "accumulation": cfg.training.gradient_accumulation_steps})
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+def test_the_patched_setup_itself_gates_on_the_corrected_number_on_cpu(patched_site):
+    """Soup's own _stream_budget_lines (patched), on Soup's loader's config and transformers' AutoConfig of
+    the model, in a process whose soup_cli is the patched copy: its gate's number is the one this tool
+    computes for the patched release (at the file's accumulation, Soup's default 4: its held gradients
+    charged), and its panel prints the corrected peak beside Soup's formula."""
+    from issue395.tasks import TASKS
+
+    cases = [("qwen", "dpo", "none", 1856, 1, ["q_proj", "v_proj"], 8),
+             ("phi3-mini", "sft", "nf4", 3712, 1, ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"], 64),
+             ("gemma2-2b", "kto", "none", 1024, 2, "all-linear", 16)]
+    arms = []
+    for family, task, quant, seq, batch, targets, r in cases:
+        yaml = json.dumps({"base": "unused", "task": task, "data": {"train": "train.jsonl", "max_length": seq},
+                           "training": {"batch_size": batch, "quantization": {"none": "none", "nf4": "4bit"}[quant],
+                                        "stream_layers": True, "lora": {"r": r, "alpha": 2 * r,
+                                                                        "target_modules": targets}}})
+        arms.append({"config": config_json(family), "yaml": yaml, "wrapper": list(TASKS[task].wrapper)})
+    env = {"PYTHONPATH": str(patched_site), "PATH": "/usr/bin:/bin", "HOME": str(patched_site)}
+    done = subprocess.run([sys.executable, "-c", SETUP, json.dumps(arms)], capture_output=True, text=True, env=env,
+                          cwd=str(patched_site), timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    for (family, task, quant, seq, batch, targets, r), g in zip(cases, got):
+        record = patched_preflight(patched_site / "soup_cli", config_json(family), quant=quant, seq=seq, batch=batch,
+                                   targets=targets, lora_r=r, stream={}, task=task, optimizer="adamw_torch",
+                                   formula=g["record"]["formula"], accumulation=g["accumulation"])
+        assert g["record"]["refused"] is None, g["record"]
+        assert g["record"]["gate_bytes"] == record["gate_bytes"] and g["record"]["peak"] == record["peak"], family
+        assert any(line.startswith("  peak VRAM    ~" + f"{record['gate_bytes'] / 1e9:.2f}") for line in g["lines"])
+        assert any("corrected    peak" in line and "Soup's formula" in line for line in g["lines"]), g["lines"]
+
+
+def test_estimate_sets_the_patched_gate_beside_the_stock_formula(patched_site, monkeypatch, capfd):
+    """--estimate with the patched soup_cli as the installed one (ISSUE395_SOUP_SOURCE, as a patched install
+    reads): Soup's own number is its patched gate's, its stock formula beside it, and the longest seq Soup's
+    gate admits is this tool's longest that fits (both the corrected estimate); unpatched it is not."""
+    from conftest import main
+
+    argv = ["--estimate", "--config", str(ROOT / "bench" / "find-max" / "qwen-dpo.yaml"), "--card", "12GB"]
+    code, stock, _ = main(capfd, argv)
+    monkeypatch.setenv("ISSUE395_SOUP_SOURCE", str(patched_site / "soup_cli"))
+    code2, out, err = main(capfd, argv)
+    assert code == code2 == 0, err
+    assert "Soup's own pre-flight GB (patched: its gate's number)" in out and "Soup's formula GB (stock" in out
+    assert "Soup's formula" not in stock
+    verdict = next(line for line in out.splitlines() if line.startswith("  12GB:"))
+    fits, admits = (int(verdict.split(word)[1].split(";")[0].split()[0]) for word in
+                    ("longest seq that fits ", "longest seq it admits "))
+    assert admits == fits
+    assert "longest seq it admits 1792" not in next(line for line in stock.splitlines() if line.startswith("  12GB:"))
+
+
+@pytest.mark.parametrize("setting", [("stream_buffers", 3), ("lora.dropout", 0.1), ("bnb_4bit_use_double_quant", False),
+                                     ("stream_nf4_scale_cache", True), ("moe_lora", True), ("optimizer", "adafactor"),
+                                     ("quantization", "8bit"), ("stream_recompute", "auto")])
+def test_a_setting_the_estimator_does_not_model_keeps_soups_formula_and_says_so(setting):
+    from types import SimpleNamespace as S
+
+    from issue395.estimator.soup_gate import preflight
+
+    lora = S(target_modules=["q_proj", "v_proj"], r=8, dropout=0.05)
+    tcfg = S(quantization="4bit", batch_size=1, lora=lora, optimizer="adamw_torch", stream_buffers=2)
+    cfg = S(task="sft", data=S(max_length=512))
+    assert preflight(cfg, tcfg, config_json("qwen"), formula=123)["gate_bytes"] is not None
+    name, value = setting
+    setattr(lora if name.startswith("lora.") else tcfg, name.split(".")[-1], value)
+    record = preflight(cfg, tcfg, config_json("qwen"), formula=123)
+    assert record["gate_bytes"] is None and record["formula"] == 123
+    assert "the gate keeps Soup's formula" in record["line"] and str(value) in record["line"]
+
+
+def test_a_config_the_estimator_cannot_read_keeps_soups_formula_not_a_crash_of_soups_setup():
+    from types import SimpleNamespace as S
+
+    from issue395.estimator.soup_gate import preflight
+
+    tcfg = S(quantization="none", batch_size=1, lora=S(target_modules=["q_proj"], r=8, dropout=0.05),
+             optimizer="adamw_torch", stream_buffers=2)
+    record = preflight(S(task="sft", data=S(max_length=512)), tcfg, {"model_type": "qwen2"}, formula=7)
+    assert record["gate_bytes"] is None and record["formula"] == 7 and "hidden_size" in record["refused"]

@@ -1,0 +1,36 @@
+"""issue395.run.patchout: --soup-patch OUT.diff through the command line, as a maintainer runs it: the diff
+of the installed soup-cli written (and taken by the real `patch -p1 --dry-run` in a copy of its
+site-packages folder), and bad command lines as one line and exit 2. Soup is read from its source; nothing
+is faked."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+
+from conftest import main, one_error_line
+
+from issue395.estimator.releases import soup_dir
+
+
+def test_soup_patch_writes_the_diff_and_says_how_to_apply_it(capfd, tmp_path):
+    out = tmp_path / "soup.diff"
+    code, stdout, err = main(capfd, ["--soup-patch", out])
+    assert code == 0, err
+    assert f"--soup-patch: wrote {out}" in stdout and "patch -p1 --dry-run <" in stdout
+    site = tmp_path / "site"
+    shutil.copytree(soup_dir(), site / "soup_cli")
+    done = subprocess.run(["patch", "-p1", "--dry-run"], input=out.read_text(), text=True, cwd=site,
+                          capture_output=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_soup_patch_stands_alone_and_never_writes_a_folder_or_into_soup(capfd, tmp_path):
+    code, out, err = main(capfd, ["--soup-patch", tmp_path / "x.diff", "--map"])
+    one_error_line(code, out, err, "stands alone", "--map")
+    code, out, err = main(capfd, ["--soup-patch", tmp_path])
+    one_error_line(code, out, err, "is a folder")
+    inside = soup_dir() / "utils" / "x.diff"
+    code, out, err = main(capfd, ["--soup-patch", inside])
+    one_error_line(code, out, err, "inside the installed soup_cli")
+    assert not inside.exists() and not (tmp_path / "x.diff").exists()
