@@ -63,3 +63,21 @@ def eager(model_type: str, transformers_version: Optional[str] = None) -> bool:
         return runs_eager(model_type)
     since = EAGER_SINCE.get(model_type)
     return since is not None and _version(transformers_version) >= since
+
+
+#: eager attention's scores per element in the recomputed layer: bf16 scores, the softcap's divide,
+#: tanh and multiply (Gemma-2), the masked sum, softmax's fp32 upcast and its bf16 result
+EAGER_SCORE_BYTES = 2 + 3 * 2 + 2 + 4 + 2
+
+
+def eager_masks(a, seq: int, rows: int) -> int:
+    """Eager attention's additive masks: (rows, 1, seq, seq) in the model's bf16, one for the full
+    layers and one for the sliding ones (transformers' eager_mask; under SDPA a causal mask without
+    padding is skipped). Evidence: docs/PEAK.md, "eager_masks"."""
+    return (2 if a.window else 1) * 2 * rows * seq * seq
+
+
+def eager_scores(a, seq: int, rows: int) -> int:
+    """Eager attention's scores in the one layer being recomputed, a bound op by op
+    (EAGER_SCORE_BYTES). Evidence: docs/PEAK.md, "eager_masks"."""
+    return EAGER_SCORE_BYTES * rows * a.heads * seq * seq

@@ -19,12 +19,13 @@ from ..record import LORA_R, QUANTS
 from ..model.registry import RECOMPUTES, config_json, stream_mode
 from .arch import (Arch, activation_bytes, arch_from_config, fp32_residual, layer_bytes, linear_elements, lora_params,
                    protocol_targets)
-from .attention import eager as eager_attention
+from .attention import eager as eager_attention, eager_masks, eager_scores
 from .moe import Kind, expert_in_flight
 from ..model.targets import soup_targets
 from ..tasks import PROTOCOL_TASK, task as task_named
 from .releases import Features, installed_release
 from .soup_number import arch_of, features, soup_preflight_from_config, vocab_matrices_resident
+from .steady import DEFAULT_OPTIMIZER, FP32, LORA_WEIGHT_BYTES, OPTIMIZERS, adapter_bytes, gradient_terms, optimizer_state_bytes, steady_terms
 from .terms import Phase, Term, phase_sum
 
 # CUBLAS_WORKSPACE (constants) is kept on every card though torch gives less below sm 9
@@ -40,18 +41,6 @@ POSITION_BYTES = 8  # int64 position ids, one row per position
 #: Soup's LoRA dropout default (soup_cli config schema, lora.dropout=0.05): peft applies an
 #: nn.Dropout per targeted module, which saves a 1-byte mask and its output for lora_A.
 LORA_DROPOUT_MASK_BYTES = 1
-ADAM_MOMENT_BYTES = 8  # exp_avg + exp_avg_sq, fp32, from step 2 on (PEAK "Steps after the first")
-LORA_WEIGHT_BYTES = 4  # fp32 LoRA weights (PEAK "Resident")
-#: bf16 LoRA weights: the task's trainer casts them under a 4-bit model (tasks.Task.adapter_bf16_under_4bit).
-#: Evidence: docs/PEAK.md, "adapter_bytes".
-LORA_WEIGHT_BYTES_BF16 = 2
-
-
-def adapter_bytes(task: str, quant: str) -> int:
-    """Bytes a LoRA parameter takes, and with it its gradient and a torch optimizer's state of it:
-    fp32, or bf16 where the task's trainer casts the adapter under a 4-bit model.
-    Evidence: docs/PEAK.md, "adapter_bytes"."""
-    return LORA_WEIGHT_BYTES_BF16 if quant == "nf4" and task_named(task).adapter_bf16_under_4bit else LORA_WEIGHT_BYTES
 
 # -- CUDA caching allocator: its constants and 512 B rounding are in issue395/constants.py --
 #: Segments first made for hidden-sized tensors (4hT fp32: RMSNorm's input copy, square, product;
@@ -135,24 +124,6 @@ def sliding_mask(a: Arch, seq: int, batch: int) -> int:
     """A bool seq x seq mask per row once seq >= the window; none below it (PEAK: Gemma-2 from
     4096, Gemma-3 from 512, Phi-3 from 2047)."""
     return seq * seq * batch if a.window and seq >= a.window else 0
-
-
-#: eager attention's scores per element in the recomputed layer: bf16 scores, the softcap's divide,
-#: tanh and multiply (Gemma-2), the masked sum, softmax's fp32 upcast and its bf16 result
-EAGER_SCORE_BYTES = 2 + 3 * 2 + 2 + 4 + 2
-
-
-def eager_masks(a: Arch, seq: int, rows: int) -> int:
-    """Eager attention's additive masks: (rows, 1, seq, seq) in the model's bf16, one for the full
-    layers and one for the sliding ones (transformers' eager_mask; under SDPA a causal mask without
-    padding is skipped). Evidence: docs/PEAK.md, "eager_masks"."""
-    return (2 if a.window else 1) * 2 * rows * seq * seq
-
-
-def eager_scores(a: Arch, seq: int, rows: int) -> int:
-    """Eager attention's scores in the one layer being recomputed, a bound op by op
-    (EAGER_SCORE_BYTES). Evidence: docs/PEAK.md, "eager_masks"."""
-    return EAGER_SCORE_BYTES * rows * a.heads * seq * seq
 
 
 def segment_tail(size: int) -> int:
@@ -280,7 +251,6 @@ def retained_per_token(a: Arch, quant: str, targets: tuple, r: int) -> int:
 # -- A preference loss's step (issue395/tasks.py names the task; the bytes are here) --
 #: Per logits element of a live fp32 block (TRL 0.29.1's losses run on fp32 logits: accelerate's
 #: convert_outputs_to_fp32 hands back a fresh fp32 copy of the head's bf16 output).
-FP32 = 4
 
 
 def task_loss_blocks(a: Arch, name: str, seq: int, batch: int) -> list[int]:
@@ -347,94 +317,6 @@ def reference_adapter(n: int, f: Features, name: str, per: int = LORA_WEIGHT_BYT
     (``per``: the trainer's bf16 cast under 4-bit reaches both adapters).
     Evidence: docs/PEAK.md, "reference_adapter"."""
     return per * n if name == "dpo" and f.materialises_ref_adapter else 0
-
-
-# -- The steady state: what an optimizer keeps from step 2 on --
-#: bitsandbytes' 8-bit optimizers keep a tensor under 4,096 elements in fp32 (``min_8bit_size``)
-#: and the rest in uint8 with an fp32 absmax per 256-element block; the paged ones put a state of
-#: 100,000 elements or more in CUDA managed memory, outside torch's allocator (bitsandbytes 0.50
-#: optim/optimizer.py: init_state, get_state_buffer).
-BNB_MIN_8BIT, BNB_BLOCK, BNB_PAGED_FROM = 4096, 256, 100_000
-
-
-@dataclass(frozen=True)
-class Optimizer:
-    """What one optimizer Soup names (``training.optimizer``) keeps per LoRA tensor."""
-
-    states: int  # moments per parameter (Adam 2, Lion 1, SGD without momentum 0)
-    bits: int  # 32, or 8 for bitsandbytes' blockwise states
-    paged: bool  # bitsandbytes' paged variant
-    #: copies of the parameter (in its dtype) made and freed inside ``step``: torch's foreach AdamW
-    #: makes exp_avg_sq's square root (``_multi_tensor_adam``: ``torch._foreach_sqrt``); the fused
-    #: and the bitsandbytes kernels update in place
-    transient: int = 0
-    #: torch's optimizers make each state ``torch.zeros_like(param)``: the parameter's dtype (bf16
-    #: where the trainer cast the adapter); bitsandbytes' 32-bit states are fp32 whatever the
-    #: parameter (optim/optimizer.py ``get_state_buffer(p, dtype=torch.float32)``)
-    states_follow_param: bool = False
-
-
-OPTIMIZERS = {
-    "adamw_torch": Optimizer(2, 32, False, 1, True),
-    "adamw_torch_fused": Optimizer(2, 32, False, 0, True),
-    "adamw_8bit": Optimizer(2, 8, False), "adamw_bnb_8bit": Optimizer(2, 8, False),
-    "paged_adamw_8bit": Optimizer(2, 8, True), "paged_adamw_32bit": Optimizer(2, 32, True),
-    "lion_8bit": Optimizer(1, 8, False), "lion_32bit": Optimizer(1, 32, False),
-    "paged_lion_8bit": Optimizer(1, 8, True), "paged_lion_32bit": Optimizer(1, 32, True),
-    "sgd": Optimizer(0, 32, False, 0, True),
-}
-#: Soup's default (``training.optimizer``)
-DEFAULT_OPTIMIZER = "adamw_torch"
-
-
-def lora_tensors(a: Arch, targets: tuple, r: int) -> list[int]:
-    """Each LoRA parameter tensor's element count: lora_A (r x fan_in) and lora_B (fan_out x r) per
-    target per layer."""
-    return [n for t in targets for n in (r * a.modules[t][0], r * a.modules[t][1])] * a.L
-
-
-def optimizer_state_bytes(sizes: list[int], name: str, per: int = FP32) -> int:
-    """The bytes ``name``'s states hold in torch's allocator for LoRA tensors of ``sizes`` elements
-    whose parameters take ``per`` bytes each."""
-    try:
-        o = OPTIMIZERS[name]
-    except KeyError:
-        raise UsageError(f"optimizer {name!r} is not modelled by this estimator (it models "
-                         f"{', '.join(OPTIMIZERS)})") from None
-    out = 0
-    for n in sizes:
-        if o.paged and n >= BNB_PAGED_FROM:
-            continue  # managed memory, outside the allocator
-        if o.bits == 8 and n >= BNB_MIN_8BIT:
-            out += o.states * (n + FP32 * -(-n // BNB_BLOCK))
-        else:
-            out += o.states * (per if o.states_follow_param else FP32) * n
-    return out
-
-
-def steady_terms(a: Arch, targets: tuple, r: int, optimizer: str, per: int = FP32) -> dict:
-    """From step 2 on: the optimizer's states, beside every phase of the step (made at step 1's
-    ``optimizer.step``); and at each ``optimizer.step`` the adapter's gradients (in its dtype,
-    ``per`` bytes; the Trainer's ``zero_grad`` sets them to None after the step, so the next step's
-    first micro-batch has none) and the optimizer's own transients."""
-    sizes = lora_tensors(a, targets, r)
-    n = sum(sizes)
-    return {Term.OPTIMIZER_STATES.key: optimizer_state_bytes(sizes, optimizer, per),
-            Term.ADAPTER_GRADIENTS.key: per * n,
-            Term.OPTIMIZER_TRANSIENTS.key: OPTIMIZERS[optimizer].transient * per * n}
-
-
-def gradient_terms(a: Arch, n: int, per: int, accumulation: int) -> dict:
-    """The adapter's gradients inside a step's phases. With accumulation > 1, micro-batch 2 on runs
-    with every gradient micro-batch 1 made (autograd accumulates into ``.grad`` in place until the
-    optimizer's step): live through its loss, reference forward and layer phase. With one micro-batch,
-    the backward makes them layer by layer, from the last layer to the first, freeing each layer's
-    checkpointed input as it goes: at the first layer's backward every other layer's gradients are
-    live beside one checkpointed input (the estimate takes the larger of that and the first layer
-    processed, which holds every input and no gradient). Evidence: docs/PEAK.md, "gradient_terms"."""
-    if accumulation > 1:
-        return {Term.HELD_GRADIENTS.key: per * n}
-    return {Term.BACKWARD_GRADIENTS.key: per * n * (a.L - 1) // a.L}
 
 
 # -- The estimate --

@@ -16,7 +16,7 @@ from ..constants import STREAM_KEYS
 from ..errors import UsageError, cut, last_line, soups_words
 from ..record import SOUP_QUANT
 from ..tasks import PROTOCOL_TASK, TASKS
-from ..estimator.estimate import DEFAULT_OPTIMIZER
+from ..estimator.steady import DEFAULT_OPTIMIZER
 from .checks import HUB_ID, LOADER_NEEDS, looks_like_a_path
 
 #: Soup's quantization spelling -> this tool's.

@@ -12,6 +12,7 @@ import pytest
 
 from conftest import ROOT, TINY, main
 from issue395.estimator import estimate as E
+from issue395.estimator import steady as S
 from issue395.model.registry import MAP_FAMILIES, config_json
 from issue395.tasks import TASKS
 
@@ -57,8 +58,8 @@ def test_every_committed_resident_is_the_adapter_in_its_tasks_dtype():
     off = {k: statistics.median(v) for k, v in groups.items()
            if abs(statistics.median(v)) > UNATTRIBUTED.get(k[:2], 1.1e6)}
     assert not off, off
-    assert E.adapter_bytes("sft", "nf4") == E.adapter_bytes("dpo", "nf4") == 2
-    assert {E.adapter_bytes(t, q) for t in ("kto", "orpo", "simpo") for q in ("none", "nf4")} == {4}
+    assert S.adapter_bytes("sft", "nf4") == S.adapter_bytes("dpo", "nf4") == 2
+    assert {S.adapter_bytes(t, q) for t in ("kto", "orpo", "simpo") for q in ("none", "nf4")} == {4}
 
 
 @pytest.mark.slow
@@ -90,7 +91,7 @@ def test_soups_real_setup_leaves_the_adapter_in_the_dtype_the_estimate_charges(t
             sizes = {p.element_size() for p in wrapper.trainer.model.parameters() if p.requires_grad}
         finally:
             wrapper._close_stream_runtime()
-        assert sizes == {E.adapter_bytes(task, quant)}, (task, quant, sizes)
+        assert sizes == {S.adapter_bytes(task, quant)}, (task, quant, sizes)
 
 
 def test_accumulation_holds_the_gradients_through_every_phase_of_the_next_micro_batch():

@@ -13,6 +13,7 @@ import torch
 
 from issue395.errors import UsageError
 from issue395.estimator import estimate as E
+from issue395.estimator import steady as S
 from issue395.estimator.anatomy import CLASSES, class_breakdown
 from issue395.estimator.arch import arch_from_config
 from issue395.estimator.terms import BY_KEY, Kind, Phase, Term, phase_sum
@@ -155,9 +156,9 @@ def test_the_optimizer_states_are_the_bytes_the_real_optimizer_makes_on_cpu(name
             bnb = pytest.importorskip("bitsandbytes")
             opt = bnb.optim.AdamW8bit(params)
         opt.step()
-        sizes = E.lora_tensors(a, ("q_proj", "v_proj"), r)
+        sizes = S.lora_tensors(a, ("q_proj", "v_proj"), r)
         assert sorted(sizes) == sorted(p.numel() for p in params)
-        assert E.optimizer_state_bytes(sizes, name) == _state_bytes(opt)
+        assert S.optimizer_state_bytes(sizes, name) == _state_bytes(opt)
 
 
 def test_the_steady_state_adds_the_states_and_binds_at_the_optimizer_step_for_a_huge_adapter():

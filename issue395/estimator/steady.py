@@ -1,0 +1,113 @@
+"""What a streamed step's optimizer and gradients hold: each optimizer's states, from step 2 on, in
+the adapter's dtype or bitsandbytes' own; the adapter's gradients inside a step's phases (one
+micro-batch, or held between micro-batches). Stdlib only; estimate.py sums them into the peak."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..errors import UsageError
+from ..tasks import task as task_named
+from .arch import Arch
+from .terms import Term
+
+FP32 = 4
+LORA_WEIGHT_BYTES = 4  # fp32 LoRA weights (PEAK "Resident")
+#: bf16 LoRA weights: the task's trainer casts them under a 4-bit model (tasks.Task.adapter_bf16_under_4bit).
+#: Evidence: docs/PEAK.md, "adapter_bytes".
+LORA_WEIGHT_BYTES_BF16 = 2
+
+
+def adapter_bytes(task: str, quant: str) -> int:
+    """Bytes a LoRA parameter takes, and with it its gradient and a torch optimizer's state of it:
+    fp32, or bf16 where the task's trainer casts the adapter under a 4-bit model.
+    Evidence: docs/PEAK.md, "adapter_bytes"."""
+    return LORA_WEIGHT_BYTES_BF16 if quant == "nf4" and task_named(task).adapter_bf16_under_4bit else LORA_WEIGHT_BYTES
+
+
+# -- The steady state: what an optimizer keeps from step 2 on --
+#: bitsandbytes' 8-bit optimizers keep a tensor under 4,096 elements in fp32 (``min_8bit_size``)
+#: and the rest in uint8 with an fp32 absmax per 256-element block; the paged ones put a state of
+#: 100,000 elements or more in CUDA managed memory, outside torch's allocator (bitsandbytes 0.50
+#: optim/optimizer.py: init_state, get_state_buffer).
+BNB_MIN_8BIT, BNB_BLOCK, BNB_PAGED_FROM = 4096, 256, 100_000
+
+
+@dataclass(frozen=True)
+class Optimizer:
+    """What one optimizer Soup names (``training.optimizer``) keeps per LoRA tensor."""
+
+    states: int  # moments per parameter (Adam 2, Lion 1, SGD without momentum 0)
+    bits: int  # 32, or 8 for bitsandbytes' blockwise states
+    paged: bool  # bitsandbytes' paged variant
+    #: copies of the parameter (in its dtype) made and freed inside ``step``: torch's foreach AdamW
+    #: makes exp_avg_sq's square root (``_multi_tensor_adam``: ``torch._foreach_sqrt``); the fused
+    #: and the bitsandbytes kernels update in place
+    transient: int = 0
+    #: torch's optimizers make each state ``torch.zeros_like(param)``: the parameter's dtype (bf16
+    #: where the trainer cast the adapter); bitsandbytes' 32-bit states are fp32 whatever the
+    #: parameter (optim/optimizer.py ``get_state_buffer(p, dtype=torch.float32)``)
+    states_follow_param: bool = False
+
+
+OPTIMIZERS = {
+    "adamw_torch": Optimizer(2, 32, False, 1, True),
+    "adamw_torch_fused": Optimizer(2, 32, False, 0, True),
+    "adamw_8bit": Optimizer(2, 8, False), "adamw_bnb_8bit": Optimizer(2, 8, False),
+    "paged_adamw_8bit": Optimizer(2, 8, True), "paged_adamw_32bit": Optimizer(2, 32, True),
+    "lion_8bit": Optimizer(1, 8, False), "lion_32bit": Optimizer(1, 32, False),
+    "paged_lion_8bit": Optimizer(1, 8, True), "paged_lion_32bit": Optimizer(1, 32, True),
+    "sgd": Optimizer(0, 32, False, 0, True),
+}
+#: Soup's default (``training.optimizer``)
+DEFAULT_OPTIMIZER = "adamw_torch"
+
+
+def lora_tensors(a: Arch, targets: tuple, r: int) -> list[int]:
+    """Each LoRA parameter tensor's element count: lora_A (r x fan_in) and lora_B (fan_out x r) per
+    target per layer."""
+    return [n for t in targets for n in (r * a.modules[t][0], r * a.modules[t][1])] * a.L
+
+
+def optimizer_state_bytes(sizes: list[int], name: str, per: int = FP32) -> int:
+    """The bytes ``name``'s states hold in torch's allocator for LoRA tensors of ``sizes`` elements
+    whose parameters take ``per`` bytes each."""
+    try:
+        o = OPTIMIZERS[name]
+    except KeyError:
+        raise UsageError(f"optimizer {name!r} is not modelled by this estimator (it models "
+                         f"{', '.join(OPTIMIZERS)})") from None
+    out = 0
+    for n in sizes:
+        if o.paged and n >= BNB_PAGED_FROM:
+            continue  # managed memory, outside the allocator
+        if o.bits == 8 and n >= BNB_MIN_8BIT:
+            out += o.states * (n + FP32 * -(-n // BNB_BLOCK))
+        else:
+            out += o.states * (per if o.states_follow_param else FP32) * n
+    return out
+
+
+def steady_terms(a: Arch, targets: tuple, r: int, optimizer: str, per: int = FP32) -> dict:
+    """From step 2 on: the optimizer's states, beside every phase of the step (made at step 1's
+    ``optimizer.step``); and at each ``optimizer.step`` the adapter's gradients (in its dtype,
+    ``per`` bytes; the Trainer's ``zero_grad`` sets them to None after the step, so the next step's
+    first micro-batch has none) and the optimizer's own transients."""
+    sizes = lora_tensors(a, targets, r)
+    n = sum(sizes)
+    return {Term.OPTIMIZER_STATES.key: optimizer_state_bytes(sizes, optimizer, per),
+            Term.ADAPTER_GRADIENTS.key: per * n,
+            Term.OPTIMIZER_TRANSIENTS.key: OPTIMIZERS[optimizer].transient * per * n}
+
+
+def gradient_terms(a: Arch, n: int, per: int, accumulation: int) -> dict:
+    """The adapter's gradients inside a step's phases. With accumulation > 1, micro-batch 2 on runs
+    with every gradient micro-batch 1 made (autograd accumulates into ``.grad`` in place until the
+    optimizer's step): live through its loss, reference forward and layer phase. With one micro-batch,
+    the backward makes them layer by layer, from the last layer to the first, freeing each layer's
+    checkpointed input as it goes: at the first layer's backward every other layer's gradients are
+    live beside one checkpointed input (the estimate takes the larger of that and the first layer
+    processed, which holds every input and no gradient). Evidence: docs/PEAK.md, "gradient_terms"."""
+    if accumulation > 1:
+        return {Term.HELD_GRADIENTS.key: per * n}
+    return {Term.BACKWARD_GRADIENTS.key: per * n * (a.L - 1) // a.L}
