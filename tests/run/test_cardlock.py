@@ -82,17 +82,23 @@ def test_an_arm_too_large_for_a_lanes_share_runs_beside_another_when_their_bytes
     assert t[("small", "got")] < t[("big", "free")], "two arms whose bytes fit the card did not run at once"
 
 
-@pytest.mark.slow
-def test_an_arm_that_does_not_fit_waits_and_a_small_one_asking_after_it_does_not_pass_it(tmp_path):
+def a_waiter_then_a_small_arm(tmp_path, waiter, hold: float) -> dict:
+    """a holds 6 of the card's bytes for 3 s; w asks for ``waiter`` (bytes, or "all") and holds them
+    ``hold`` s; c asks for 1 after w has asked. The times each asked, got and freed its bytes."""
     start, wait_for, times = ledger_holders(tmp_path)
     a = start("a", 6, 3.0)
     wait_for("a", "got")
-    w = start("w", 5, 0.2)  # 6 + 5 > the card: it waits for a
+    w = start("w", waiter, hold)
     wait_for("w", "ask")
     time.sleep(0.3)
-    c = start("c", 1, 0.0)  # 6 + 1 would fit, but w asked first
+    c = start("c", 1, 0.0)
     finish(a, w, c)
-    t = times()
+    return times()
+
+
+@pytest.mark.slow
+def test_an_arm_that_does_not_fit_waits_and_a_small_one_asking_after_it_does_not_pass_it(tmp_path):
+    t = a_waiter_then_a_small_arm(tmp_path, 5, 0.2)  # 6 + 5 > the card: w waits for a; 6 + 1 would fit c, but w asked first
     assert t[("w", "got")] >= t[("a", "free")], "an arm ran beside others past the card"
     assert t[("c", "ask")] < t[("a", "free")], "the test did not ask for c while a held its bytes"
     assert t[("c", "got")] >= t[("a", "free")], "a later small arm went past the arm waiting before it"
@@ -100,15 +106,7 @@ def test_an_arm_that_does_not_fit_waits_and_a_small_one_asking_after_it_does_not
 
 @pytest.mark.slow
 def test_an_arm_asking_for_the_whole_card_waits_for_the_others_and_holds_it_alone(tmp_path):
-    start, wait_for, times = ledger_holders(tmp_path)
-    a = start("a", 3, 3.0)
-    wait_for("a", "got")
-    w = start("w", "all", 0.5)  # an arm measured again alone after an OOM beside neighbours
-    wait_for("w", "ask")
-    time.sleep(0.3)
-    c = start("c", 1, 0.0)
-    finish(a, w, c)
-    t = times()
+    t = a_waiter_then_a_small_arm(tmp_path, "all", 0.5)  # an arm measured again alone after an OOM beside neighbours
     assert t[("w", "got")] >= t[("a", "free")], "the whole-card arm ran beside another"
     assert t[("c", "got")] >= t[("w", "free")], "an arm ran beside the whole-card one"
 
