@@ -134,7 +134,7 @@ def load_result(path: str, flag: str = "--from-json") -> Result:
             return Result.from_json(row_file_result(path, flag))
         data = json.loads(Path(path).read_text(encoding="utf-8"))
         kind = data.get("kind") if isinstance(data, dict) else None
-        if kind in NOT_MEASURED and "environment" not in data:
+        if isinstance(kind, str) and kind in NOT_MEASURED and "environment" not in data:  # a hand-edited kind may be any JSON
             raise UsageError(f"{flag} {path}: this is {NOT_MEASURED[kind]}; --from-json re-renders measured results")
         return Result.from_json(data)
     except (OSError, ValueError, TypeError, KeyError, RecursionError, MemoryError) as exc:

@@ -11,7 +11,7 @@ import pytest
 
 from issue395.model.registry import config_json
 from issue395.run import configarm, estimate_mode, find_max_mode, measure_mode, userconfig
-from issue395.run.options import CARD_LIST, MODES, settle
+from issue395.run.options import CARD_LIST, MODES, SOUP_PATCH, settle
 from issue395.run.parser import build_parser
 from issue395.run.request import (CardListRequest, EstimateRequest, FindMaxRequest, MeasureRequest, RerenderRequest,
                                   measure_from_json)
@@ -50,7 +50,7 @@ def test_each_mode_is_its_own_request_and_every_request_has_its_execution():
     assert type(settled("--estimate", "--model", "smol", "--seq", "512")) is EstimateRequest
     assert type(settled("--card", "list")) is CardListRequest
     assert type(settled("--from-json", saved)) is RerenderRequest
-    assert set(EXECUTE) == {m.request for m in (CARD_LIST, *MODES)} and len(EXECUTE) == len(MODES) + 1
+    assert set(EXECUTE) == {m.request for m in (CARD_LIST, SOUP_PATCH, *MODES)} and len(EXECUTE) == len(MODES) + 2
 
 
 def test_a_child_reads_back_the_measure_request_its_parent_settled():

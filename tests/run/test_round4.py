@@ -309,7 +309,9 @@ def test_item11_a_local_config_json_bases_arm_has_the_corrected_figure_estimate_
         argv = ["--model", folder, "--seq", "128"]
         est = ["--estimate", "--model", folder / "config.json", "--seq", "128"]
     else:
-        yaml = soup_yaml(tmp_path, seq=128, base=folder).read_text().replace("quantization: 4bit", "quantization: none")
+        # the measured arm runs the protocol's one micro-batch a step: the estimate it is held to, too
+        yaml = soup_yaml(tmp_path, seq=128, base=folder, extra="  gradient_accumulation_steps: 1\n").read_text().replace(
+            "quantization: 4bit", "quantization: none")
         (tmp_path / "soup.yaml").write_text(yaml)
         argv = ["--config", tmp_path / "soup.yaml"]
         est = ["--estimate", "--config", tmp_path / "soup.yaml", "--steps", "1"]
