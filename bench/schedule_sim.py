@@ -48,6 +48,8 @@ from issue395.run.grid import arm_seconds, plan_map, shard_of  # noqa: E402
 from issue395.run.schedule import Ledger, Need, Room, card_total, claim_order, may_build  # noqa: E402
 
 RUN = ROOT / "results" / "map-077-full-h200-soup0.77.0-684477c"
+#: the transformers release the committed map ran (its stack.txt, pip list), for the needs-free it packs by
+TRANSFORMERS = next(ln.split()[1] for ln in (RUN / "stack.txt").read_text().splitlines() if ln.startswith("transformers "))
 MOE = ROOT / "results" / "moe-and-stream-modes-h200-soup0.77.0-fcde6d3" / "moe-map.json"
 H200 = CARDS["h200"]
 #: soup-cli 0.77.0's default map: the ten, the release's three, Llama-3.1-8B's published NF4 arm
@@ -96,7 +98,8 @@ def progress(rows: dict) -> list[tuple[float, tuple]]:
 
 def needs(key: tuple) -> Need:
     model, quant, seq, batch = key
-    e = estimate_key(model, quant=quant, seq=seq, batch=batch, release="0.77.0")
+    e = estimate_key(model, quant=quant, seq=seq, batch=batch, release="0.77.0",
+                     transformers=TRANSFORMERS)  # the committed map's stack, not the installed one
     return Need(e.needs_free, e.soup_predicted)
 
 

@@ -293,11 +293,12 @@ def render(rows: list[dict]) -> str:
 RESIDENT_TERMS = live_in(Phase.RESIDENT)
 
 
-def margin_anatomy(margins: list[dict], release: str | None = None) -> str:
+def margin_anatomy(margins: list[dict], release: str | None = None, transformers: str | None = None) -> str:
     """For each attributed arm whose blocks were named by physical class: the classes against
     the corrected estimate's terms, the resident weights first (the map's margin table). A margin
     that kept its live blocks' sizes is named now, by its task; a task row without them was named
-    at SFT's sizes when it ran, so its split is not shown."""
+    at SFT's sizes when it ran, so its split is not shown. ``transformers``: the release the rows ran
+    (None: the installed one), which decides eager attention's terms."""
     out = []
     for m in margins:
         if not m.get("physical"):
@@ -306,7 +307,7 @@ def margin_anatomy(margins: list[dict], release: str | None = None) -> str:
         try:
             config = config_json(family_of(m["model_key"]))
             est = E.estimate_key(m["model_key"], quant=m["quant"], seq=m["seq"], batch=m["batch"],
-                                 release=release, soup=False, task=name)
+                                 release=release, soup=False, task=name, transformers=transformers)
             classes = dict(m["physical"])
             resident = int(classes.pop("resident weights", 0))
             if m.get("live_blocks"):

@@ -390,7 +390,7 @@ def render_text(result: Result) -> str:
         parts += ["", map_table(sweep_rows, result.environment), "", map_summary(sweep_rows)]
         if result.margins:
             parts += ["", margins_table(result.margins)]
-            anatomy = margin_anatomy(result.margins, result.environment.get("soup_cli"))
+            anatomy = margin_anatomy(result.margins, result.environment.get("soup_cli"), result.environment.get("transformers"))
             parts += ["", anatomy] if anatomy else []
         parts += ["", map_verdict(sweep_rows, result.environment)]
         parts += [f"not on this map: {line}" for line in
