@@ -4,11 +4,11 @@
 # the five tasks (bf16 and NF4, tied and untied, large adapters, an MoE, gradient accumulation 1, 2 and 4):
 # the measured limit beside this tool's longest with the box's own context (like for like) and with the
 # card's named one. Then the lowest cap that completes (--min-free) on two large-adapter arms, the
-# allocator's reserve measured, not charged. Each find-max is about 6 probes of 20-40 s: run it in two or
-# three device calls with PART=1, 2, 3 (each under 600 s). Sourced from the repo root with .whl carried.
+# allocator's reserve measured, not charged. Each find-max is about 6 probes of 20-40 s: run it in
+# device calls PART=1, 2, 3 (find-max) and 4 (min-free) (each under 600 s). Sourced from the repo root with .whl carried.
 source bench/gpu-box.sh
 export TMPDIR=/dev/shm
-END=$(( $(date +%s) + 570 ))
+END=$(( $(date +%s) + ${BUDGET_S:-570} ))
 left() { local l=$(( END - $(date +%s) - ${1:-0} )); [ $l -lt 5 ] && l=5; echo $l; }
 git log -1 --format=%H >> "$R/stack.txt" 2>/dev/null; df -h /tmp /dev/shm >> "$R/stack.txt"
 H="python3 issue395_second_stack_vram.py"
@@ -22,12 +22,14 @@ case "${PART:-1}" in
 1) fm phi3-sft-nf4-r64-4GB seq phi3-sft-nf4-r64-fused.yaml RTX3050-Laptop-4GB
    fm qwen-dpo-nf4-r64-T4 seq qwen-dpo-nf4-r64-all.yaml T4
    fm smol-kto-batch-4GB batch smol-kto-bf16-batch.yaml RTX3050-Laptop-4GB ;;
-2) fm llama32-sft-r128-8GB seq llama32-1b-sft-bf16-r128-all.yaml RTX4060-Laptop-8GB
-   fm qwen3-simpo-12GB seq qwen3-simpo-bf16-r16.yaml 12GB
-   fm mistral-orpo-nf4-6GB seq mistral-orpo-nf4-r32-attn.yaml RTX3050-Laptop-6GB ;;
-3) fm moonlight-sft-nf4-T4 seq moonlight-sft-nf4-r16.yaml T4
-   fm llama-sft-8GB seq llama-sft.yaml RTX4060-Laptop-8GB
-   cmd min-free-phi3-r64 timeout -s INT -k 40 "$(left 45)" $H --config bench/find-max/phi3-sft-nf4-r64-fused.yaml --min-free \
+# the Phi-3 arm again, first: its first run stopped at Soup's chat-template check (the file now names chatml)
+2) fm phi3-sft-nf4-r64-4GB seq phi3-sft-nf4-r64-fused.yaml RTX3050-Laptop-4GB
+   fm llama32-sft-r128-8GB seq llama32-1b-sft-bf16-r128-all.yaml RTX4060-Laptop-8GB
+   fm qwen3-simpo-12GB seq qwen3-simpo-bf16-r16.yaml 12GB ;;
+3) fm mistral-orpo-nf4-6GB seq mistral-orpo-nf4-r32-attn.yaml RTX3050-Laptop-6GB
+   fm moonlight-sft-nf4-T4 seq moonlight-sft-nf4-r16.yaml T4
+   fm llama-sft-8GB seq llama-sft.yaml RTX4060-Laptop-8GB ;;
+4) cmd min-free-phi3-r64 timeout -s INT -k 40 "$(left 45)" $H --config bench/find-max/phi3-sft-nf4-r64-fused.yaml --min-free \
        --steps 3 --cache-dir $C --shard-dir /dev/shm/s --json "$R/min-free-phi3-r64.json" ;;
 esac
 tar -czf "$OUT/results.tar.gz" -C "$R" .
