@@ -25,6 +25,10 @@ from .spread import spread
 CEILING_OVER_RESERVED = 4
 
 
+class _ProbeStopped(Exception):
+    """A probe's child ended with no row: a stop (Ctrl-C, a time limit's SIGINT) reached it first."""
+
+
 def min_free_arms(run: MeasureRequest, arms: list[Arm], scratch: Scratch, on_row: Callable[[Row], None],
                   script: str, spread_one: Optional[Callable] = None) -> list[Result]:
     """Each arm's row with its min-free; a control that did not complete is the row as it is."""
@@ -38,12 +42,18 @@ def min_free_arms(run: MeasureRequest, arms: list[Arm], scratch: Scratch, on_row
         # its row (merged with their rows, the probes read as overlapping shards and were refused).
         results.extend(replace(r, rows=[]) for r in spread_one(
             replace(run, constraints=Constraints(cap=cap), isolate=True), [arm], scratch, got.append, script))
+        if not got:
+            raise _ProbeStopped
         return got[-1]
 
     for arm in arms:
         if Stop.requested:
             break
-        control = probe(arm, "off")
+        try:
+            control = probe(arm, "off")
+        except _ProbeStopped:  # nothing of this arm was measured: no row to keep
+            Stop.requested = True
+            break
         if not control.measured:
             on_row(replace(control, constraint=None))
             continue
@@ -52,9 +62,14 @@ def min_free_arms(run: MeasureRequest, arms: list[Arm], scratch: Scratch, on_row
                                 batch=arm.batch, targets=control.targets, lora_r=control.rank, steps=run.steps,
                                 stream=tuple(stream_mode(arm.model)[1].items()), task=arm.task)
         peak = control.real_peak
-        found = bisect_min_free(lambda cap: probe(arm, f"bytes:{cap}").measured, peak=peak,
-                                start=needs or peak + peak // 10,
-                                ceiling=CEILING_OVER_RESERVED * max(control.reserved or peak, peak))
+        try:
+            found = bisect_min_free(lambda cap: probe(arm, f"bytes:{cap}").measured, peak=peak,
+                                    start=needs or peak + peak // 10,
+                                    ceiling=CEILING_OVER_RESERVED * max(control.reserved or peak, peak))
+        except _ProbeStopped:  # the control was measured: its row stays, with no min-free claimed
+            Stop.requested = True
+            on_row(replace(control, constraint=None))
+            break
         on_row(replace(control, constraint=MinFreeFound(found.completes, found.fails, found.resolution,
                                                         tuple((c, ok) for c, ok in found.probes), needs)))
     return results

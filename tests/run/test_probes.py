@@ -113,3 +113,42 @@ def test_needs_free_is_estimated_for_the_adapter_the_control_ran_with():
     own = estimate_key("smol", seq=2048, targets=("q_proj",), lora_r=4).needs_free
     assert row.constraint.needs_free == own != estimate_key("smol", seq=2048).needs_free
     assert (row.config, row.targets) == (UserConfig("soup.yaml", 4, 8), ("q_proj",))
+
+
+def rowless_after(n, caps):
+    """FAKE: capped children whose first ``n`` each write their row and the rest none (a stop reached
+    the child before it wrote one, as the session's time limit did on the GPU box)."""
+    def child(run, arms, scratch, on_row, script):
+        caps.append(run.constraints.cap)
+        if len(caps) > n:
+            return []
+        row = make_row(arms[0].model, arms[0].seq, constraint=Capped(run.constraints.cap), real_peak=PEAK,
+                       reserved=PEAK, failure=None)
+        on_row(row)
+        return [Result(environment=ENV, rows=[row], kind="map")]
+    return child
+
+
+def test_a_probe_stopped_before_its_row_keeps_the_measured_control_and_stops_the_run():
+    caps, rows = [], []
+    run = settle(build_parser().parse_args(["--min-free"]), ["--min-free"])
+    try:
+        min_free_arms(run, [Arm("smol", 2048), Arm("smol", 4096, index=1)], None, rows.append, "unused",
+                      spread_one=rowless_after(2, caps))
+        assert Stop.requested, "the run reads as interrupted"
+    finally:
+        Stop.requested = False
+    (row,) = rows
+    assert row.seq == 2048 and row.real_peak == PEAK and row.constraint is None, "no min-free claimed"
+    assert len(caps) == 3, "the second arm never ran"
+
+
+def test_a_control_stopped_before_its_row_leaves_no_row():
+    caps, rows = [], []
+    run = settle(build_parser().parse_args(["--min-free"]), ["--min-free"])
+    try:
+        min_free_arms(run, [Arm("smol", 2048)], None, rows.append, "unused", spread_one=rowless_after(0, caps))
+        assert Stop.requested
+    finally:
+        Stop.requested = False
+    assert rows == [] and caps == ["off"]
