@@ -325,6 +325,9 @@ def main(argv=None) -> int:
             except Exception as exc:  # 0.73.3 DPO: the end-of-run save of a meta ref adapter
                 step_error = f"{type(exc).__name__}: {str(exc)[:200]}"
             torch.cuda.synchronize()
+            # the window's requested peak (what the tensors asked for), beside its allocated one (block
+            # sizes): their difference is the blocks' unsplit remainders, which the history cannot see
+            requested_peak = int(torch.cuda.memory_stats().get("requested_bytes.all.peak", 0))
         for h in handles:
             h.remove()
         snap = taken["snapshot"]
@@ -345,7 +348,8 @@ def main(argv=None) -> int:
                "r": a.r, "targets": a.targets, "steps": a.steps, "accum": a.accum, "optim": a.optim,
                "step_peaks": step_peaks,
                "vocab": vocab, "E": E, "step_error": step_error, "soup_predicted": seen.get("soup"),
-               "soup_kwargs": seen.get("kwargs"), "real_peak": window.peak, "resident_before": window.before,
+               "soup_kwargs": seen.get("kwargs"), "real_peak": window.peak, "requested_peak": requested_peak,
+               "resident_before": window.before,
                "dynamic_over_E": round((window.peak - window.before) / E, 4) if E else None,
                "replayed_peak": replayed, "forwards": calls,
                "phases": phases,

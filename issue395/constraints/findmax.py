@@ -22,7 +22,7 @@ import re
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -62,6 +62,19 @@ PROBE_LIMIT = 12
 
 
 @dataclass(frozen=True)
+class ProbeAllocator:
+    """The probe's own caching allocator, read inside Soup's process as it exits (measured): its
+    allocated peak (torch.cuda.max_memory_allocated: block sizes), requested peak (memory_stats'
+    requested_bytes.all.peak: what the tensors asked for) and reserved peak (max_memory_reserved).
+    reserved - allocated is the allocator's reserve at its height, allocated - requested the
+    blocks' remainders: the margin's parts that a completion alone cannot name."""
+
+    allocated_peak: int
+    requested_peak: int
+    reserved_peak: int
+
+
+@dataclass(frozen=True)
 class Probe:
     """One probe: the value run, how it ended, and Soup's own lines about it (measured)."""
 
@@ -73,6 +86,7 @@ class Probe:
     exit_code: Optional[int] = None
     soup_gb: Optional[float] = None  # Soup's own number, as its gate printed it ("peak VRAM ~X GB")
     driver_free_gb: Optional[float] = None  # the free memory its driver reported at the gate (printed by Soup)
+    allocator: Optional[ProbeAllocator] = None  # None where Soup's process never initialised CUDA
 
     @property
     def completed(self) -> bool:
@@ -324,9 +338,41 @@ def judge(value: int, log: str, exit_code: int, steps: Optional[int], wanted: in
     return Probe(value, FAILED, steps, cut(why), seconds, exit_code, **gate)
 
 
+#: Soup's own ``python -m soup_cli`` with one exit hook: the allocator's peaks, written where
+#: PEAKS_ENV names, by the process that ran the step (only if it initialised CUDA). Nothing of torch is
+#: imported before Soup's own code, so Soup still sets its allocator config before CUDA starts.
+PEAKS_ENV = "ISSUE395_PROBE_PEAKS"
+PEAKS_HOOK = """import atexit, json, os, runpy, sys
+def _issue395_peaks():
+    torch = sys.modules.get("torch")
+    try:
+        if torch is not None and torch.cuda.is_initialized():
+            stats = torch.cuda.memory_stats()
+            with open(os.environ["%s"], "w") as f:
+                json.dump({"allocated_peak": int(torch.cuda.max_memory_allocated()),
+                           "requested_peak": int(stats.get("requested_bytes.all.peak", 0)),
+                           "reserved_peak": int(torch.cuda.max_memory_reserved())}, f)
+    except Exception:
+        pass
+atexit.register(_issue395_peaks)
+sys.argv[0] = "soup_cli"
+runpy.run_module("soup_cli", run_name="__main__", alter_sys=True)
+""" % PEAKS_ENV
+
+
 def soup_command(soup: Optional[list] = None) -> list:
-    """soup-cli 0.73.3 and 0.77.0 alike run as ``python -m soup_cli`` (this interpreter)."""
-    return list(soup) if soup else [sys.executable, "-m", "soup_cli"]
+    """soup-cli 0.73.3 and 0.77.0 alike run as ``python -m soup_cli`` (this interpreter), here with
+    PEAKS_HOOK around it."""
+    return list(soup) if soup else [sys.executable, "-c", PEAKS_HOOK]
+
+
+def read_peaks(path: Path) -> Optional[ProbeAllocator]:
+    """The probe's allocator peaks as its exit hook wrote them; None where it wrote none."""
+    try:
+        d = json.loads(path.read_text(encoding="utf-8"))
+        return ProbeAllocator(int(d["allocated_peak"]), int(d["requested_peak"]), int(d["reserved_peak"]))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def run_probe(config: Path, value: int, wanted: int, card_total: int, *, soup: Optional[list] = None,
@@ -338,8 +384,10 @@ def run_probe(config: Path, value: int, wanted: int, card_total: int, *, soup: O
     ballast = hold(card_total)
     try:
         started = clock()
+        peaks = config.parent / "allocator-peaks.json"
         done = run(soup_command(soup) + ["train", "--config", str(config), "--yes"], capture_output=True, text=True,
-                   cwd=str(config.parent), env=dict(os.environ, PYTHONUNBUFFERED="1", COLUMNS="400"))
+                   cwd=str(config.parent), env=dict(os.environ, PYTHONUNBUFFERED="1", COLUMNS="400",
+                                                    **{PEAKS_ENV: str(peaks)}))
         seconds = round(clock() - started, 1)
     finally:
         release(ballast)
@@ -349,7 +397,8 @@ def run_probe(config: Path, value: int, wanted: int, card_total: int, *, soup: O
     import yaml
 
     out = Path(yaml.safe_load(config.read_text())["output"])
-    return judge(value, log, done.returncode, steps_done(out, log), wanted, seconds), ballast, log
+    probe = replace(judge(value, log, done.returncode, steps_done(out, log), wanted, seconds), allocator=read_peaks(peaks))
+    return probe, ballast, log
 
 
 def probe_words(p: Probe, wanted: int) -> str:
@@ -359,10 +408,13 @@ def probe_words(p: Probe, wanted: int) -> str:
 
 
 def probe_table(found: FindMax, wanted: int) -> list[str]:
-    """Every probe in order (measured)."""
+    """Every probe in order (measured), with the allocator's peaks Soup's own process read at its exit."""
+    def peak(p: Probe, name: str) -> str:
+        return f"{getattr(p.allocator, name) / 1e9:.3f}" if p.allocator is not None else "-"
     cells = [[str(i), str(p.value), probe_words(p, wanted)[:110], f"{p.seconds:.1f}" if p.seconds is not None else "-",
               f"{p.soup_gb:.2f}" if p.soup_gb is not None else "-",
-              f"{p.driver_free_gb:.2f}" if p.driver_free_gb is not None else "-"]
+              f"{p.driver_free_gb:.2f}" if p.driver_free_gb is not None else "-",
+              peak(p, "allocated_peak"), peak(p, "reserved_peak")]
              for i, p in enumerate(found.probes, 1)]
     return table([("#", 2), (found.axis, 6), ("outcome (measured)", -40), ("wall s", 6),
-                  ("Soup's number GB", 16), ("driver's free GB", 16)], cells)
+                  ("Soup's number GB", 16), ("driver's free GB", 16), ("allocated GB", 12), ("reserved GB", 11)], cells)

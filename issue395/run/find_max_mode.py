@@ -234,7 +234,8 @@ def execute(ask: FindMaxRequest, protocol: Any) -> int:
              f"(resolution {a.step} {unit}; {len(found.probes)} probe(s), {found.seconds:.1f} s)",
              "  " + tool_line, "  " + like_line, "  " + soup_line, *(f"  {g[0]}" for g in gates if g), "  " + stack.line(),
              *(f"  from the file: {k}" for k in run.keys),
-             f"probes (measured, in order; Soup's number and the driver's free memory as Soup printed them at its gate):",
+             f"probes (measured, in order; Soup's number and the driver's free memory as Soup printed them at its gate; "
+             f"allocated and reserved: the peaks of the allocator in Soup's own process, read as it exited):",
              *probe_table(found, run.steps)]
     print("\n".join(lines), flush=True)
     if ask.outputs.json and not write_json(ask.outputs.json, "find-max", {

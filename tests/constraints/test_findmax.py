@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import math
 import types
+from pathlib import Path
 
 import pytest
 import yaml
@@ -188,3 +189,42 @@ def test_run_probe_holds_the_ballast_around_soups_own_process(tmp_path):
     assert events[0] == ("hold", 12_000_000_000) and events[-1] == ("release", "B")
     assert events[1][1:] == (["train", "--config", str(config), "--yes"][-4:], str(tmp_path), "400")
     assert probe.completed and probe.steps == 2 and (tmp_path / "soup.log").read_text() == PANEL
+
+
+def test_the_probe_runs_the_real_soup_cli_through_its_exit_hook(tmp_path):
+    """The exit hook wraps the real ``python -m soup_cli`` (CPU: `--help`, no CUDA): Soup's own console
+    comes through unchanged, and a process that never initialised CUDA writes no peaks."""
+    import subprocess
+    import sys
+
+    peaks = tmp_path / "peaks.json"
+    env = dict(__import__("os").environ, **{F.PEAKS_ENV: str(peaks)}, COLUMNS="200")
+    hooked = subprocess.run(F.soup_command() + ["train", "--help"], capture_output=True, text=True, env=env, timeout=120)
+    plain = subprocess.run([sys.executable, "-m", "soup_cli", "train", "--help"], capture_output=True, text=True,
+                           env=env, timeout=120)
+    assert hooked.returncode == plain.returncode == 0 and "--config" in hooked.stdout
+    assert hooked.stdout == plain.stdout
+    assert not peaks.exists() and F.read_peaks(peaks) is None
+
+
+def test_a_probe_carries_the_allocator_peaks_its_process_wrote(tmp_path):
+    """Soup's process is faked (it writes the file the hook would, as CUDA would have it); the reading,
+    the record and the probe table are real."""
+    config = F.write_probe_config(tmp_path, F.probe_config(USER, "seq", 1856, data=tmp_path / "t.jsonl",
+                                                           output=tmp_path / "out", override=1, data_format="dpo"), [])
+
+    def run(argv, **kw):
+        Path(kw["env"][F.PEAKS_ENV]).write_text('{"allocated_peak": 9000000000, "requested_peak": 8990000000, '
+                                                '"reserved_peak": 9100000000}')
+        (tmp_path / "out" / "checkpoint-2").mkdir(parents=True)
+        (tmp_path / "out" / "checkpoint-2" / "trainer_state.json").write_text('{"global_step": 2}')
+        return types.SimpleNamespace(returncode=0, stdout=PANEL, stderr="")
+
+    probe, _, _ = F.run_probe(config, 1856, 2, 12_000_000_000, hold=lambda free: "B", release=lambda b: None, run=run)
+    assert probe.allocator == F.ProbeAllocator(9_000_000_000, 8_990_000_000, 9_100_000_000)
+    found = F.FindMax("seq", 64, 1856, 64, 4096, probes=[probe], limit=1856)
+    row = next(ln for ln in F.probe_table(found, 2) if ln.lstrip().startswith("1 "))
+    assert row.rstrip().endswith("9.000        9.100")
+    broken = tmp_path / "broken.json"
+    broken.write_text('{"allocated_peak": 1}')
+    assert F.read_peaks(broken) is None

@@ -1,0 +1,124 @@
+"""Issue 34, measure first: the corrected estimate against the allocator's history of 11 streamed runs
+(results/fit4-anatomy-findmax-*/call-1-2/anatomy-*.json: soup-cli 0.77.0 on one H200, 1 to 3 optimizer
+steps, large adapters, gradient accumulation 1 against 4 or 2), then --find-max's measured limits
+beside this tool's longest seq or batch (…/call-1-2 and …/call-3-4/find-max-*.json).
+
+Three peaks per arm, each labelled:
+  measured   torch.cuda.max_memory_allocated over the run (the allocator's own count: block sizes);
+  replayed   the allocator's history replayed (its trace records each allocation's REQUESTED size,
+             torch's CUDACachingAllocator record_trace(ALLOC, orig_size), while allocated_bytes counts
+             the block's size);
+  corrected  this tool's estimator, computed for the arm's task, quant, seq, batch, r, targets, steps and
+             accumulation.
+measured - replayed is what the trace cannot see: the bytes of blocks bigger than their request. Without
+expandable segments (these anatomy processes: Soup printed "expandable_segments allocator hint not
+enabled"), a large-pool block keeps a remainder of up to 1 MiB unsplit (should_split: remaining >
+kSmallSize); with them (`soup train`, --cap, --emulate-card, --find-max) it splits at 512 B, so the
+replayed peak is the one an expandable-segments run allocates. The replayed peak's base is the
+allocated bytes when the window opened, so it still holds the setup's own remainders.
+
+    .venv/bin/python bench/fit4_anatomy.py > results/fit4-anatomy-findmax-render.txt"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from issue395.estimator.estimate import estimate_key  # noqa: E402
+
+FOLDER = next(ROOT.glob("results/fit4-anatomy-findmax-h200-soup0.77.0-*"))
+#: the registry key each anatomy file's checkpoint was built from (bench/gpu-fit4-anatomy.sh's `an` lines)
+FAMILY = {"llama32": "llama32-1b", "qwen": "qwen", "phi3": "phi3-mini", "qwen3": "qwen3-0.6b",
+          "mistral": "mistral-7b", "gemma2": "gemma2-2b"}
+#: the estimator's terms that are allocated before the first step (the replayed window's base)
+RESIDENT_TERMS = ("pool", "extras", "lora_weights", "cublas_workspace", "resident_rounding")
+STEP = {"seq": 64, "batch": 1}  # --find-max's resolution per axis
+
+
+def box_transformers(folder: Path) -> str:
+    line = next(ln for ln in (folder / "stack.txt").read_text().splitlines() if ln.startswith("transformers "))
+    return line.split()[1]
+
+
+def anatomy() -> list[tuple[str, dict, object]]:
+    out = []
+    folder = FOLDER / "call-1-2"
+    for path in sorted(folder.glob("anatomy-*.json")):
+        d = json.loads(path.read_text(encoding="utf-8"))
+        name = path.stem[len("anatomy-"):]
+        targets = tuple(d["targets"].split(",")) if d.get("targets") else None
+        e = estimate_key(FAMILY[name.split("-")[1]], quant=d["quant"], seq=d["seq"], batch=d["batch"],
+                         release="0.77.0", task=d["task"], targets=targets, lora_r=d.get("r") or 8,
+                         steps=d.get("steps") or 1, accumulation=d.get("accum") or 1, soup=False,
+                         transformers=box_transformers(folder))
+        out.append((name, d, e))
+    return out
+
+
+def main() -> None:
+    rows = anatomy()
+    print(f"corrected estimate against the allocator's history (H200, soup-cli 0.77.0; {FOLDER.name}/call-1-2)")
+    print(f"{'arm':<46}{'measured GB':>12}{'replayed GB':>12}{'unseen MB':>10}{'corrected GB':>13}"
+          f"{'/measured':>10}{'/replayed':>10}  phase")
+    for name, d, e in rows:
+        real, rep, c = d["real_peak"], d["replayed_peak"], e.corrected_predicted
+        print(f"{name:<46}{real / 1e9:>12.4f}{rep / 1e9:>12.4f}{(real - rep) / 1e6:>10.1f}{c / 1e9:>13.4f}"
+              f"{c / real:>9.4f}x{c / rep:>9.4f}x  {e.phase}")
+    print("\nthe same peaks split at the window's start (allocated when the first step began: the resident), "
+          "bytes; corrected's resident terms: pool, extras, lora_weights, cublas_workspace, resident_rounding")
+    print(f"{'arm':<46}{'resident meas.':>15}{'resident est.':>15}{'diff':>13}{'step (replayed)':>17}"
+          f"{'step (est.)':>15}{'est. - replayed':>17}")
+    for name, d, e in rows:
+        res = sum(e.terms.get(k, 0) for k in RESIDENT_TERMS)
+        dyn, dyn_e = d["replayed_peak"] - d["resident_before"], e.corrected_predicted - res
+        print(f"{name:<46}{d['resident_before']:>15,}{res:>15,}{d['resident_before'] - res:>13,}{dyn:>17,}"
+              f"{dyn_e:>15,}{dyn_e - dyn:>17,}")
+    by = {name: (d, e) for name, d, e in rows}
+    print("\ngradient accumulation: the same arm at 1 micro-batch and at 4 (or 2); the difference is the adapter's "
+          "held gradients (and, on the paired losses, nothing else)")
+    print(f"{'pair':<44}{'measured MB':>12}{'replayed MB':>12}{'estimated MB':>13}")
+    for a1 in sorted(n for n in by if n.endswith("-a1")):
+        stem = a1[:-len("-s3-a1")]
+        other = next((n for n in by if n.startswith(stem) and n != a1 and "-a" in n[len(stem):]), None)
+        if other is None:
+            continue
+        (d1, e1), (d2, e2) = by[a1], by[other]
+        print(f"{stem + ' ' + other[len(stem) + 1:] + ' - a1':<44}{(d2['real_peak'] - d1['real_peak']) / 1e6:>12.1f}"
+              f"{(d2['replayed_peak'] - d1['replayed_peak']) / 1e6:>12.1f}"
+              f"{(e2.corrected_predicted - e1.corrected_predicted) / 1e6:>13.1f}")
+    print("\nthe held-gradient and moment terms the estimate charged (bytes, estimator terms)")
+    for name, d, e in rows:
+        t = e.terms
+        print(f"{name:<46} adapter {t.get('lora_weights', 0):>13,}  held grads {t.get('held_gradients', 0):>13,}  "
+              f"moments {t.get('adam_moments', 0):>13,}  transients {t.get('optimizer_transients', 0):>13,}")
+    findmax()
+
+
+def findmax() -> None:
+    print("\n--find-max on emulated cards (the real `python -m soup_cli train`, 3 steps a probe, Soup's gate lifted): "
+          "the measured limit beside this tool's longest (computed) and Soup's gate's longest (computed by Soup)")
+    print(f"{'config':<34}{'axis':<6}{'card':<22}{'limit':>7}{'OOM at':>8}{'like-for-like':>14}{'bound ctx':>10}"
+          f"{'Soup gate':>10}{'steps under':>12}{'probes':>7}")
+    seen = set()
+    for call in ("call-3-4", "call-1-2"):  # call 3's Phi-3 run is the one that probed
+        for path in sorted((FOLDER / call).glob("find-max-*.json")):
+            if path.name in seen:
+                continue
+            d = json.loads(path.read_text(encoding="utf-8"))
+            seen.add(path.name)
+            m = d.get("measured") or {}
+            axis, limit, above = m.get("axis"), m.get("limit"), m.get("oom_above")
+            like, bound, soup = d.get("this_tool_longest_like_for_like"), d.get("this_tool_longest"), d.get("soup_gate_longest")
+            under = (limit - like) // STEP[axis] if limit is not None and like is not None else None
+            print(f"{path.stem[len('find-max-'):]:<34}{axis!s:<6}{d['card']['card']:<22}{limit!s:>7}{above!s:>8}"
+                  f"{like!s:>14}{bound!s:>10}{soup!s:>10}{under!s:>12}{len(m.get('probes') or ()):>7}")
+    print("steps under: (limit - this tool's like-for-like longest) / the resolution (64 tokens, 1 row); 0 is exact; "
+          "never above the limit is the claim")
+
+
+if __name__ == "__main__":
+    main()
