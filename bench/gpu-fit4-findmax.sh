@@ -29,6 +29,10 @@ case "${PART:-1}" in
 3) fm mistral-orpo-nf4-6GB seq mistral-orpo-nf4-r32-attn.yaml RTX3050-Laptop-6GB
    fm moonlight-sft-nf4-T4 seq moonlight-sft-nf4-r16.yaml T4
    fm llama-sft-8GB seq llama-sft.yaml RTX4060-Laptop-8GB ;;
+# the two configs this tool answered two steps under, again: each probe now reads the allocator's peaks in
+# Soup's own process (findmax.PEAKS_HOOK), so the margin's parts are measured, not inferred from completions
+5) fm qwen-dpo-nf4-r64-T4-peaks seq qwen-dpo-nf4-r64-all.yaml T4
+   fm llama32-sft-r128-8GB-peaks seq llama32-1b-sft-bf16-r128-all.yaml RTX4060-Laptop-8GB ;;
 4) cmd min-free-phi3-r64 timeout -s INT -k 40 "$(left 45)" $H --config bench/find-max/phi3-sft-nf4-r64-fused.yaml --min-free \
        --steps 3 --cache-dir $C --shard-dir /dev/shm/s --json "$R/min-free-phi3-r64.json" ;;
 esac
