@@ -198,7 +198,8 @@ def execute(ask: FindMaxRequest, protocol: Any) -> int:
                              first.read_text().rstrip()]))
             if ask.outputs.json:  # the plan, as data: nothing measured
                 if not write_json(ask.outputs.json, "find-max", {
-                        **json_head(ask, a), "dry_run": True, "measured": None, "plan": [ln.strip() for ln in plan],
+                        **json_head(ask, a), "dry_run": True, "measured": None, "stack": stack.to_json(),
+                        "plan": [ln.strip() for ln in plan],
                         "soup_refuses": refused, "first_probe_config": first.read_text()}):
                     return EXIT_USAGE
                 print(f"the plan: --json {ask.outputs.json}", file=sys.stderr)

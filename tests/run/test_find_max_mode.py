@@ -70,6 +70,18 @@ def test_the_dry_run_prints_the_plan_and_the_first_probes_soup_yaml_at_the_tools
     assert path.read_bytes() == before
 
 
+def test_the_dry_run_plan_json_names_the_stack_it_was_computed_on(capfd, soup_yaml, tmp_path):
+    """The plan's JSON, like a run's, carries the installed stack the answers were computed on."""
+    import importlib.metadata as md
+
+    out_json = tmp_path / "plan.json"
+    code, out, err = main(capfd, ["--find-max", "seq", "--config", soup_yaml(), "--emulate-card", "12GB", "--dry-run",
+                                  "--json", str(out_json)])
+    assert code == 0, err
+    stack = json.loads(out_json.read_text())["stack"]
+    assert md.version("transformers") in json.dumps(stack) and md.version("soup-cli") in json.dumps(stack)
+
+
 class FakeCudaProbe:
     """The CUDA probe faked: Soup's run completes up to ``limit``, raises OOM above it, fails for
     another reason at ``fail_at``; it reads back the soup.yaml the driver wrote for it."""
