@@ -118,6 +118,50 @@ def findmax() -> None:
                   f"{like!s:>14}{bound!s:>10}{soup!s:>10}{under!s:>12}{len(m.get('probes') or ()):>7}")
     print("steps under: (limit - this tool's like-for-like longest) / the resolution (64 tokens, 1 row); 0 is exact; "
           "never above the limit is the claim")
+    oom_readings()
+
+
+def oom_readings() -> None:
+    """Each OOM probe whose Soup console holds torch's own out-of-memory message: the margin's parts
+    at that moment, measured inside Soup's process, beside what this tool charges at that seq."""
+    import yaml
+
+    from issue395.estimator.cards import STEP_GROWTH_BYTES
+    from issue395.estimator.estimate import needs_free
+    from issue395.measure.cuda import oom_reading
+    from issue395.model.registry import by_hub_id
+
+    print("\ntorch's out-of-memory message in Soup's own process (measured, as torch printed it) against this tool's "
+          "charge at that seq (computed; context: the box's, measured by the probing process)")
+    print(f"{'probe':<40}{'allocated+tried GB':>19}{'corrected GB':>13}{'reserve MB':>11}{'charged MB':>11}"
+          f"{'outside MB':>11}{'charged MB':>11}")
+    for call in ("call-3-4", "call-1-2"):
+        for logs in sorted((FOLDER / call).glob("find-max-*-logs")):
+            name = logs.name[len("find-max-"):-len("-logs")]
+            d = json.loads((logs.parent / f"find-max-{name}.json").read_text(encoding="utf-8"))
+            cfg = yaml.safe_load((ROOT / d["config"]).read_text(encoding="utf-8"))
+            tr = cfg["training"]
+            for log in sorted(logs.glob("soup-find-max-seq-*.log")):
+                r = oom_reading(log.read_text(encoding="utf-8", errors="replace"))
+                if r is None:
+                    continue
+                seq = int(log.stem.rsplit("-", 1)[1])
+                targets = tr["lora"]["target_modules"]
+                e = estimate_key(by_hub_id(cfg["base"]), quant={"4bit": "nf4"}.get(tr["quantization"], "none"), seq=seq,
+                                 batch=tr["batch_size"], task=cfg.get("task", "sft"),
+                                 targets=tuple(targets) if isinstance(targets, list) else targets,
+                                 lora_r=tr["lora"]["r"], steps=d["steps"],
+                                 accumulation=tr.get("gradient_accumulation_steps", 4), soup=False,
+                                 release=d["stack"]["packages"]["soup-cli"],
+                                 transformers=d["stack"]["packages"]["transformers"])
+                charged = needs_free(e.corrected_predicted) - e.corrected_predicted
+                outside = d["box_context_bytes"] + STEP_GROWTH_BYTES
+                print(f"{name + ' seq ' + str(seq):<40}{(r.allocated + r.tried) / 1e9:>19.4f}"
+                      f"{e.corrected_predicted / 1e9:>13.4f}{r.reserved_unallocated / 1e6:>11.1f}{charged / 1e6:>11.1f}"
+                      f"{r.outside_allocator / 1e6:>11.1f}{outside / 1e6:>11.1f}")
+    print("allocated+tried: the allocated bytes when the request failed plus the request; reserve: torch's reserved but "
+          "unallocated (expandable segments, after the allocator released what it could); outside: this process's memory "
+          "in use less both (the CUDA context and the runtime's growth). Accumulation: the file's, else Soup's default 4")
 
 
 if __name__ == "__main__":

@@ -122,5 +122,13 @@ def test_the_fit4_render_is_what_the_anatomy_and_find_max_files_give_now():
     for ln in held:
         *_, replayed, estimated = ln.split()
         assert abs(float(replayed) - float(estimated)) <= 0.5, ln
-    fm = out.split("\nconfig ")[1].splitlines()[1:-1]
+    fm = out.split("\nconfig ")[1].split("\n\n")[0].splitlines()[1:-1]
     assert len(fm) == 5 and all(int(ln.split()[-2]) >= 0 for ln in fm), fm
+    # at each OOM whose message torch printed in Soup's process: the corrected peak covers the allocated
+    # bytes plus the failed request, within 1%, and the outside-allocator charge covers what was outside
+    ooms = out.split("\nprobe ")[1].splitlines()[1:-1]
+    assert len(ooms) == 2
+    for ln in ooms:
+        *_, would_be, corrected, reserve, reserve_charged, outside, outside_charged = ln.split()
+        assert 1 <= float(corrected) / float(would_be) <= 1.01, ln
+        assert float(outside_charged) >= float(outside), ln

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from ..errors import cut, last_line, soups_words
+from ..measure.cuda import OomReading, oom_reading
 from ..text import table
 from .minfree import hold_ballast, release_ballast
 
@@ -87,6 +88,7 @@ class Probe:
     soup_gb: Optional[float] = None  # Soup's own number, as its gate printed it ("peak VRAM ~X GB")
     driver_free_gb: Optional[float] = None  # the free memory its driver reported at the gate (printed by Soup)
     allocator: Optional[ProbeAllocator] = None  # None where Soup's process never initialised CUDA
+    oom: Optional[OomReading] = None  # torch's first out-of-memory message in Soup's console, read
 
     @property
     def completed(self) -> bool:
@@ -329,7 +331,7 @@ def judge(value: int, log: str, exit_code: int, steps: Optional[int], wanted: in
     lines = [_bare(x) for x in log.splitlines() if x.strip()]
     oom = next((x for x in lines if OOM_LINE.search(x)), None)
     if oom is not None:
-        return Probe(value, OOM, steps, cut(oom), seconds, exit_code, **gate)
+        return Probe(value, OOM, steps, cut(oom), seconds, exit_code, **gate, oom=oom_reading(plain))
     if exit_code == 0 and steps == wanted:
         return Probe(value, COMPLETED, steps, None, seconds, exit_code, **gate)
     error = next((x for x in lines if SOUP_ERROR.match(x)), None)  # Soup's own words (format_friendly_error)
@@ -361,8 +363,12 @@ runpy.run_module("soup_cli", run_name="__main__", alter_sys=True)
 
 
 def soup_command(soup: Optional[list] = None) -> list:
-    """soup-cli 0.73.3 and 0.77.0 alike run as ``python -m soup_cli`` (this interpreter), here with
-    PEAKS_HOOK around it."""
+    """soup-cli 0.73.3 and 0.77.0 alike run as ``python -m soup_cli`` (this interpreter)."""
+    return list(soup) if soup else [sys.executable, "-m", "soup_cli"]
+
+
+def hooked_soup_command(soup: Optional[list] = None) -> list:
+    """The command a probe runs: soup_command's, with PEAKS_HOOK around Soup's own ``__main__``."""
     return list(soup) if soup else [sys.executable, "-c", PEAKS_HOOK]
 
 
@@ -385,7 +391,7 @@ def run_probe(config: Path, value: int, wanted: int, card_total: int, *, soup: O
     try:
         started = clock()
         peaks = config.parent / "allocator-peaks.json"
-        done = run(soup_command(soup) + ["train", "--config", str(config), "--yes"], capture_output=True, text=True,
+        done = run(hooked_soup_command(soup) + ["train", "--config", str(config), "--yes"], capture_output=True, text=True,
                    cwd=str(config.parent), env=dict(os.environ, PYTHONUNBUFFERED="1", COLUMNS="400",
                                                     **{PEAKS_ENV: str(peaks)}))
         seconds = round(clock() - started, 1)

@@ -107,7 +107,8 @@ def plan_lines(run: EstimateRequest, a: Answers, like: Optional[int] = None) -> 
             f"  each probe: {' '.join(soup_command())} train --config <the probe's soup.yaml> --yes, a fresh "
             f"process, while this process holds a ballast outside any allocator that leaves {a.card.name}'s total "
             f"({a.card.total_bytes:,} B) free; it completes when Soup exits 0 with the trainer's global step at "
-            f"{run.steps}",
+            f"{run.steps}; an exit hook in that process reads its allocator's peaks, and torch's out-of-memory "
+            f"message, where one comes, is read for the allocator's reserve at that moment",
             "  the probe's soup.yaml: every key of your file but " + "; ".join(
                 f"{k} ({why})" for k, why in PROBE_KEYS.items() if k != OTHER_AXIS_KEY[a.axis])]
 

@@ -199,8 +199,8 @@ def test_the_probe_runs_the_real_soup_cli_through_its_exit_hook(tmp_path):
 
     peaks = tmp_path / "peaks.json"
     env = dict(__import__("os").environ, **{F.PEAKS_ENV: str(peaks)}, COLUMNS="200")
-    hooked = subprocess.run(F.soup_command() + ["train", "--help"], capture_output=True, text=True, env=env, timeout=120)
-    plain = subprocess.run([sys.executable, "-m", "soup_cli", "train", "--help"], capture_output=True, text=True,
+    hooked = subprocess.run(F.hooked_soup_command() + ["train", "--help"], capture_output=True, text=True, env=env, timeout=120)
+    plain = subprocess.run(F.soup_command() + ["train", "--help"], capture_output=True, text=True,
                            env=env, timeout=120)
     assert hooked.returncode == plain.returncode == 0 and "--config" in hooked.stdout
     assert hooked.stdout == plain.stdout
@@ -228,3 +228,22 @@ def test_a_probe_carries_the_allocator_peaks_its_process_wrote(tmp_path):
     broken = tmp_path / "broken.json"
     broken.write_text('{"allocated_peak": 1}')
     assert F.read_peaks(broken) is None
+
+
+#: torch's own out-of-memory message, as Soup's console printed it in a committed probe (the real
+#: `soup train` of Phi-3-mini NF4 r64 at seq 3328 on an emulated 4 GB card, results/fit4-anatomy-findmax-*)
+TORCH_OOM = ("Rewind recorder disabled: CUDA out of memory. Tried to allocate 408.00 MiB. GPU 0 has a total capacity "
+             "of 139.80 GiB of which 419.56 MiB is free. Process 496 has 135.79 GiB memory in use. Including non-PyTorch "
+             "memory, this process has 3.58 GiB memory in use. Of the allocated memory 2.56 GiB is allocated by "
+             "PyTorch, and 219.38 MiB is reserved by PyTorch but unallocated. If reserved but unallocated \n"
+             "memory is large try setting PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation.\n")
+
+
+def test_an_oom_probe_reads_the_allocators_reserve_from_torchs_message():
+    probe = F.judge(3328, PANEL + TORCH_OOM + "Error: GPU ran out of memory during training.\n", 1, None, 3)
+    assert probe.outcome == F.OOM
+    r = probe.oom
+    assert r.tried == 408 * 2**20 and r.reserved_unallocated == int(219.38 * 2**20)
+    assert r.allocated == int(2.56 * 2**30) and r.process_in_use == int(3.58 * 2**30)
+    assert r.outside_allocator == r.process_in_use - r.allocated - r.reserved_unallocated > 0
+    assert F.judge(3328, PANEL + "Error: GPU ran out of memory during training.\n", 1, None, 3).oom is None
