@@ -58,6 +58,9 @@ def parse(argv=None) -> argparse.Namespace:
     ap.add_argument("--json", default=None, help="write the attribution here")
     ap.add_argument("--snapshot", default=None, help="also pickle the raw snapshot here")
     ap.add_argument("--max-entries", type=int, default=2_000_000)
+    ap.add_argument("--expandable", action="store_true",
+                    help="run under PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, as `soup train` does (set "
+                         "before CUDA starts), and read the pages live blocks touch at the peak (page_need)")
     ap.add_argument("--top", type=int, default=6, help="frames shown per group")
     ap.add_argument("--stacks", choices=("python", "all"), default="python",
                     help="each block's traceback: python, or all (C++ frames too, slower: for blocks "
@@ -249,6 +252,8 @@ def group(blocks: list, E: int, per_row: int, top: int) -> list[dict]:
 
 def main(argv=None) -> int:
     a = parse(argv)
+    if a.expandable:  # read once, when CUDA starts: before torch is imported
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
     import torch
     if not torch.cuda.is_available():
         print(f"task_peak_anatomy: no CUDA device here; nothing measured "
@@ -256,7 +261,7 @@ def main(argv=None) -> int:
         return 0
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout this script is in
     import importlib
-    from issue395.measure.cuda import allocator_history, attribute_peak, peak_window
+    from issue395.measure.cuda import allocator_history, attribute_peak, page_need, peak_window
 
     work = Path(a.work or tempfile.mkdtemp(prefix=f"anatomy-{a.task}-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -335,6 +340,7 @@ def main(argv=None) -> int:
             from issue395.measure.cuda import save_snapshot
             save_snapshot(snap, Path(a.snapshot))
         summary = attribute_peak(snap, window.before, E, window.peak)
+        pages = page_need(snap)
         replayed, blocks = peak_blocks(snap, window.before)
         phases = phase_maxima(snap, window.before, events)
         step_peaks, k = [], 0
@@ -349,7 +355,10 @@ def main(argv=None) -> int:
                "step_peaks": step_peaks,
                "vocab": vocab, "E": E, "step_error": step_error, "soup_predicted": seen.get("soup"),
                "soup_kwargs": seen.get("kwargs"), "real_peak": window.peak, "requested_peak": requested_peak,
-               "resident_before": window.before,
+               "resident_before": window.before, "reserved_peak": window.reserved,
+               "expandable": a.expandable,
+               "page_need": None if pages is None else {"allocated": pages.allocated, "mapped": pages.mapped,
+                                                        "pages": pages.pages, "reserve": pages.reserve},
                "dynamic_over_E": round((window.peak - window.before) / E, 4) if E else None,
                "replayed_peak": replayed, "forwards": calls,
                "phases": phases,

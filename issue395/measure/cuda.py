@@ -117,6 +117,87 @@ def allocator_history(max_entries: int, stacks: Optional[str] = None) -> Iterato
         torch.cuda.memory._record_memory_history(enabled=None)
 
 
+#: What expandable segments map physical memory in, per pool: 20 MiB pages in the large pool, 2 MiB in
+#: the small one (torch's kLargeBuffer and kSmallBuffer, ExpandableSegment's segment size in
+#: c10/cuda/CUDACachingAllocator.cpp). At an OOM the allocator unmaps every wholly free page and
+#: retries, so the pages a live block touches are what a card cannot do without.
+EXPANDABLE_PAGE_BYTES = {"large": 20 * 2**20, "small": 2 * 2**20}
+
+
+@dataclass(frozen=True)
+class PageNeed:
+    """An expandable-segments history at its replayed peak (measured): ``allocated`` (block bytes
+    live), ``mapped`` (the segments' mapped bytes then: the reserved memory; None where the history
+    holds no mapping events) and ``pages`` (the bytes of the pages live blocks touch). ``pages -
+    allocated`` is the allocator's reserve a card must hold at that peak once every wholly free page
+    is released, as the allocator releases them before it raises OOM."""
+
+    allocated: int
+    mapped: Optional[int]
+    pages: int
+
+    @property
+    def reserve(self) -> int:
+        return self.pages - self.allocated
+
+
+def page_need(snapshot: dict[str, Any]) -> Optional[PageNeed]:
+    """The pages live blocks touch at the replayed peak of ``snapshot`` (torch.cuda.memory._snapshot()
+    with the history on). The blocks live when the history began are those the end state still
+    holds that the history never touches, and those whose first event is a free. None where the
+    snapshot has no expandable segment."""
+    import bisect
+
+    segments = sorted((s for s in snapshot.get("segments") or [] if s.get("is_expandable")),
+                      key=lambda s: s["address"])
+    if not segments:
+        return None
+    bases = [s["address"] for s in segments]
+    traces = snapshot.get("device_traces") or []
+    trace = max(traces, key=len) if traces else []
+    frees = ({"free_requested"} if any(e.get("action") == "free_requested" for e in trace)
+             else {"free", "free_completed"})
+    first: dict[int, str] = {}
+    for e in trace:
+        if e.get("action") == "alloc" or e.get("action") in frees:
+            first.setdefault(int(e["addr"]), e["action"])
+    live: dict[int, int] = {}
+    for seg in segments:
+        for b in seg.get("blocks") or []:
+            if b.get("state") in ("active_allocated", "active_pending_free") and int(b["address"]) not in first:
+                live[int(b["address"])] = int(b["size"])
+    for e in trace:
+        if e.get("action") in frees and first.get(int(e["addr"])) in frees:
+            live.setdefault(int(e["addr"]), block_bytes(int(e["size"])))
+    net_map = 0  # mapped minus unmapped over the history, up to the event replayed
+    total, best, best_live, best_map = sum(live.values()), -1, dict(live), 0
+    for e in trace:
+        act, addr, size = e.get("action"), int(e.get("addr", 0)), int(e.get("size", 0))
+        if act == "segment_map":
+            net_map += size
+        elif act == "segment_unmap":
+            net_map -= size
+        elif act == "alloc":
+            live[addr] = block_bytes(size)
+            total += live[addr]
+        elif act in frees and addr in live:
+            total -= live.pop(addr)
+        if total > best:
+            best, best_live, best_map = total, dict(live), net_map
+    pages: set[tuple[int, int, int]] = set()  # (segment base, page index, page size)
+    for addr, size in best_live.items():
+        k = bisect.bisect_right(bases, addr) - 1
+        base, kind = (segments[k]["address"], segments[k].get("segment_type")) if k >= 0 else (0, "large")
+        page = EXPANDABLE_PAGE_BYTES.get(kind, EXPANDABLE_PAGE_BYTES["large"])
+        pages.update((base, i, page) for i in range((addr - base) // page, (addr - base + size - 1) // page + 1))
+    page_bytes = sum(page for *_, page in pages)
+    any_map = any(e.get("action") in ("segment_map", "segment_unmap") for e in trace)
+    mapped_end = sum(int(s.get("total_size", 0)) for s in segments)
+    final_net = sum(int(e.get("size", 0)) * (1 if e.get("action") == "segment_map" else -1) for e in trace
+                    if e.get("action") in ("segment_map", "segment_unmap"))
+    return PageNeed(allocated=best, mapped=mapped_end - final_net + best_map if any_map else None, pages=page_bytes)
+
+
 def save_snapshot(snapshot: dict[str, Any], path: Path) -> str:
     """A raw allocator snapshot, pickled as torch's own viewer reads it (--snapshot-dir)."""
     import pickle

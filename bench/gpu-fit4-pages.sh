@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Issue 34 item 2, the allocator's reserve measured, not charged (soup-cli 0.77.0, one H200; not yet run).
+# Each arm's streamed run under expandable segments, as `soup train` runs it (task_peak_anatomy.py
+# --expandable sets PYTORCH_CUDA_ALLOC_CONF before CUDA starts), with the allocator's history: at the
+# replayed peak, the pages live blocks touch (page_need: 20 MiB pages in the large pool, 2 MiB in the
+# small one). pages - allocated is the reserve a card cannot do without; torch's OOM messages in Soup's
+# process measured 193-230 MB of it at two --find-max limits (results/fit4-anatomy-findmax-render.txt).
+# The arms are the five find-max configs at their measured limits, plus the two committed --min-free arms.
+# Sourced from the repo root with .whl carried (bench/README.md).
+source bench/gpu-box.sh
+export TMPDIR=/dev/shm
+END=$(( $(date +%s) + ${BUDGET_S:-570} ))
+left() { local l=$(( END - $(date +%s) - ${1:-0} )); [ $l -lt 5 ] && l=5; echo $l; }
+git log -1 --format=%H >> "$R/stack.txt" 2>/dev/null; df -h /tmp /dev/shm >> "$R/stack.txt"
+ck() { python3 -c "
+from pathlib import Path; from issue395.measure.shapes import family_shape; from issue395.run.checkpoints import synthetic_checkpoint
+print(synthetic_checkpoint(family_shape('$1'), Path('$C/checkpoints'))[0])"; }
+an() {  # an TAG FAMILY ARGS...
+  local tag=$1 fam=$2; shift 2
+  if [ "$(left)" -lt 45 ]; then echo "not run (time): $tag" >> "$R/commands.txt"; return; fi
+  local base; base=$(ck "$fam"); echo "checkpoint $fam: $base" >> "$R/commands.txt"
+  cmd "pages-$tag" timeout -s INT -k 15 "$(left 20)" python3 bench/task_peak_anatomy.py --expandable --base "$base" "$@" \
+      --work /dev/shm/w --json "$R/pages-$tag.json"
+  rm -rf /dev/shm/w
+}
+L7=q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj
+an sft-phi3-nf4-3264x1-r64-fused-s3-a4 phi3-mini --task sft --seq 3264 --quant nf4 --r 64 --targets qkv_proj,o_proj,gate_up_proj,down_proj --steps 3 --accum 4
+an sft-llama32-1b-bf16-3200x1-r128-all-s3-a4 llama32-1b --task sft --seq 3200 --r 128 --targets $L7 --steps 3 --accum 4
+an dpo-qwen-nf4-2560x1-r64-all-s3-a4 qwen --task dpo --seq 2560 --quant nf4 --r 64 --targets $L7 --steps 3 --accum 4
+an simpo-qwen3-bf16-2368x1-r16-s3-a2 qwen3-0.6b --task simpo --seq 2368 --r 16 --steps 3 --accum 2
+an kto-smol-bf16-1024x3-r8-s3-a1 smol --task kto --seq 1024 --batch 3 --steps 3 --accum 1
+an sft-mistral-nf4-512x1-r8 mistral-7b --task sft --seq 512 --quant nf4
+an sft-mistral-nf4-8128x1-r8 mistral-7b --task sft --seq 8128 --quant nf4
+an sft-mistral-nf4-1024x1-r256-all-s3-a1 mistral-7b --task sft --seq 1024 --quant nf4 --r 256 --targets $L7 --steps 3 --accum 1
+tar -czf "$OUT/results.tar.gz" -C "$R" .
