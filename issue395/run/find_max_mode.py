@@ -54,6 +54,10 @@ class Answers:
     #: this tool's longest with another context: the box's own, measured where the probes run (like
     #: for like: an emulated card's probes bring the box's context, not the card's)
     tool_with_context: Callable[[int], Optional[int]] = lambda context: None
+    #: this tool's charge at a value, part by part (computed): the corrected allocated peak, the
+    #: allocator's reserve (needs free - allocated) and what lies outside the allocator at the step's
+    #: end (a context, and the runtime's growth)
+    charged_at: Callable[[int, int], dict] = lambda value, context: {}
 
     def first_and_second(self, like: Optional[int]) -> tuple[int, Optional[int]]:
         """Where the search starts (this tool's like-for-like answer, else its answer on the card's
@@ -85,12 +89,19 @@ def answers(req: FindMaxRequest) -> Answers:
         return {"value": value, "soup_predicted": mine.soup_predicted, "gate_free_bytes": available,
                 "admits": gate.admits(mine.soup_predicted, one.corrected_predicted, available)}
 
+    def charged_at(value: int, context: int) -> dict:
+        from ..estimator.cards import STEP_GROWTH_BYTES
+
+        e = estimate_for(config, **dict(kw, **{axis: value}), workspace=card.workspace(workspace_env()))
+        return {"allocated": e.corrected_predicted, "reserve": e.needs_free - e.corrected_predicted,
+                "outside": context + STEP_GROWTH_BYTES}
+
     def tool_with_context(context: int) -> Optional[int]:
         return longest(axis, config, budget(card, context).step_free_bytes, workspace=card.workspace(workspace_env()), **kw)
 
     return Answers(axis, card, b, longest(axis, config, b.step_free_bytes, workspace=card.workspace(workspace_env()), **kw),
                    longest_soup_admits(axis, config, available, gate, **kw), low, step, high, gate.rule, gate_at,
-                   tool_with_context)
+                   tool_with_context, charged_at)
 
 
 def plan_lines(run: EstimateRequest, a: Answers, like: Optional[int] = None) -> list[str]:
@@ -131,6 +142,24 @@ def gate_words(run: EstimateRequest, a: Answers, found: FindMax, value: Optional
             f"(computed by Soup's own estimator code: {gb(g['soup_predicted'], 2)} GB against {gb(g['gate_free_bytes'], 2)} GB "
             f"free at its gate, {a.gate_rule}){said}")
     return line, g
+
+
+def margin_at_oom(a: Answers, found: FindMax, context: int) -> Optional[tuple[str, dict]]:
+    """The margin's parts at the first OOM above the limit, where Soup's console holds torch's own
+    out-of-memory message (measured, inside Soup's process), beside this tool's charge at that value
+    with the context the probes had (computed)."""
+    p = found.probe_at(found.above) if found.above is not None else None
+    if p is None or p.oom is None:
+        return None
+    r, c = p.oom, a.charged_at(found.above, context)
+    d = {"value": found.above, "measured": {"allocated_plus_request": r.allocated + r.tried,
+                                            "reserve": r.reserved_unallocated, "outside": r.outside_allocator},
+         "charged": c}
+    return (f"the margin at the first OOM ({a.axis} {found.above}; measured: torch's message in Soup's process; charged: "
+            f"computed by this tool): allocated + the failed request {gb(r.allocated + r.tried, 3)} GB, corrected peak "
+            f"{gb(c['allocated'], 3)} GB; the allocator's reserve {r.reserved_unallocated / 1e6:.1f} MB, charged "
+            f"{c['reserve'] / 1e6:.1f} MB; outside the allocator {r.outside_allocator / 1e6:.1f} MB, charged "
+            f"{c['outside'] / 1e6:.1f} MB (the context the probes had and the runtime's growth)"), d
 
 
 def execute(ask: FindMaxRequest, protocol: Any) -> int:
@@ -231,10 +260,12 @@ def execute(ask: FindMaxRequest, protocol: Any) -> int:
     measured = measured_words(found, run.steps)
     gates = [gate_words(run, a, found, found.limit, "the limit"),
              gate_words(run, a, found, found.above, "the first above it")]
+    margin = margin_at_oom(a, found, box if box is not None else a.budget.context_bytes)
     lines = [head,
              f"  measured (the real soup train, Soup's gate lifted by training.stream_vram_override): {measured} "
              f"(resolution {a.step} {unit}; {len(found.probes)} probe(s), {found.seconds:.1f} s)",
-             "  " + tool_line, "  " + like_line, "  " + soup_line, *(f"  {g[0]}" for g in gates if g), "  " + stack.line(),
+             "  " + tool_line, "  " + like_line, "  " + soup_line, *(f"  {g[0]}" for g in gates if g),
+             *([f"  {margin[0]}"] if margin else []), "  " + stack.line(),
              *(f"  from the file: {k}" for k in run.keys),
              f"probes (measured, in order; Soup's number and the driver's free memory as Soup printed them at its gate; "
              f"allocated and reserved: the peaks of the allocator in Soup's own process, read as it exited):",
@@ -244,7 +275,8 @@ def execute(ask: FindMaxRequest, protocol: Any) -> int:
             **json_head(ask, a), "measured": found.to_json(),
             "this_tool_longest_like_for_like": like, "box_context_bytes": box, "stack": stack.to_json(),
             "soup_gate_at_limit": gates[0][1] if gates[0] else None,
-            "soup_gate_above_limit": gates[1][1] if gates[1] else None}):
+            "soup_gate_above_limit": gates[1][1] if gates[1] else None,
+            "margin_at_first_oom": margin[1] if margin else None}):
         return EXIT_USAGE
     return EXIT_OK if found.adjacent else EXIT_FINDING
 

@@ -6,6 +6,7 @@ a card) and CUDA said present, where a test says so; nothing else is."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 import yaml
@@ -168,6 +169,43 @@ def test_the_search_brackets_from_the_tools_answer_and_reports_limit_oom_resolut
 
     stack = check_installed(nf4=False)  # the file's bf16: bitsandbytes neither compared nor named
     assert data["stack"] == stack.to_json() and f"  {stack.line()}" in out.splitlines()
+
+
+def test_the_margin_at_the_first_oom_sets_torchs_reading_beside_this_tools_charge_at_that_seq(
+        capfd, soup_yaml, tmp_path, cuda_box):
+    """Soup's process is faked (its OOM probes print torch's message, read into OomReading); the search,
+    the charge (--estimate's own figures at that seq with the box's context) and the report are real."""
+    from issue395.measure.cuda import OomReading
+
+    reading = OomReading(tried=400_000_000, free=390_000_000, process_in_use=13_100_000_000,
+                         allocated=12_000_000_000, reserved_unallocated=230_000_000)
+
+    class WithTorchMessage(FakeCudaProbe):
+        def __call__(self, *a, **kw):
+            p, ballast, log = super().__call__(*a, **kw)
+            return (p if p.outcome != F.OOM else replace(p, oom=reading)), ballast, log
+
+    path = soup_yaml()
+    like = estimate_json(capfd, path, "13GB", tmp_path, "--context", str(BOX_CONTEXT / 1e9))["rows"][0]["cards"][0]["longest_seq"]
+    cuda_box(WithTorchMessage(like + 128))
+    code, out, err = main(capfd, ["--find-max", "seq", "--config", path, "--emulate-card", "13GB", "--json",
+                                  tmp_path / "f.json"])
+    assert code == 0, err
+    margin = json.loads((tmp_path / "f.json").read_text())["margin_at_first_oom"]
+    above = like + 192
+    at = yaml.safe_load(path.read_text())
+    at["data"]["max_length"] = above
+    (tmp_path / "at.yaml").write_text(yaml.safe_dump(at))
+    row = estimate_json(capfd, tmp_path / "at.yaml", "13GB", tmp_path, "--context", str(BOX_CONTEXT / 1e9))["rows"][0]
+    card = row["cards"][0]
+    assert margin["value"] == above
+    assert margin["measured"] == {"allocated_plus_request": 12_400_000_000, "reserve": 230_000_000,
+                                  "outside": 870_000_000}
+    assert margin["charged"]["allocated"] == row["corrected_predicted"]
+    assert margin["charged"]["reserve"] == row["needs_free"] - row["corrected_predicted"]
+    assert margin["charged"]["outside"] == card["total_bytes"] - card["step_free_bytes"]
+    assert f"the margin at the first OOM (seq {above}; measured: torch's message in Soup's process" in out
+    assert "the allocator's reserve 230.0 MB, charged" in out
 
 
 def test_the_batch_axis_and_a_non_oom_failure_is_reported_exit_1(capfd, soup_yaml, tmp_path, cuda_box):
