@@ -128,7 +128,7 @@ def oom_readings() -> None:
 
     from issue395.estimator.cards import STEP_GROWTH_BYTES
     from issue395.estimator.estimate import needs_free
-    from issue395.measure.cuda import oom_reading
+    from issue395.constraints.findmax import oom_reading
     from issue395.model.registry import by_hub_id
 
     print("\ntorch's out-of-memory message in Soup's own process (measured, as torch printed it) against this tool's "

@@ -27,7 +27,6 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from ..errors import cut, last_line, soups_words
-from ..measure.cuda import OomReading, oom_reading
 from ..text import table
 from .minfree import hold_ballast, release_ballast
 
@@ -60,6 +59,43 @@ PROBE_KEYS = {
 
 #: At most this many probes in one search (the bracket from this tool's answer needs a handful).
 PROBE_LIMIT = 12
+
+
+_UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
+_SIZE = r"([0-9.]+) (B|KiB|MiB|GiB|TiB)"
+#: torch's CUDA out-of-memory message, as its caching allocator words it (c10/cuda/CUDACachingAllocator.cpp)
+_OOM_MESSAGE = re.compile(
+    rf"Tried to allocate {_SIZE}\. GPU \d+ has a total capacity of {_SIZE} of which {_SIZE} is free\..*?"
+    rf"this process has {_SIZE} memory in use\. Of the allocated memory {_SIZE} is allocated by PyTorch, "
+    rf"and {_SIZE} is reserved by PyTorch but unallocated", re.DOTALL)
+
+
+@dataclass(frozen=True)
+class OomReading:
+    """What torch's out-of-memory message says of the moment it raised (measured, as torch printed it,
+    to its two decimals): the request, the device's free memory, this process's memory in use (with
+    what lies outside the allocator), the allocator's allocated bytes and its reserved-but-unallocated
+    bytes. The last is the allocator's reserve at an OOM, after it has released what it can."""
+
+    tried: int
+    free: int
+    process_in_use: int
+    allocated: int
+    reserved_unallocated: int
+
+    @property
+    def outside_allocator(self) -> int:
+        """This process's memory that is not the allocator's: the CUDA context and the runtime's growth."""
+        return self.process_in_use - self.allocated - self.reserved_unallocated
+
+
+def oom_reading(text: str) -> Optional[OomReading]:
+    """The first torch out-of-memory message in ``text`` (an exception's words or a console), read."""
+    m = _OOM_MESSAGE.search(text)
+    if m is None:
+        return None
+    n = [int(float(m.group(i)) * _UNITS[m.group(i + 1)]) for i in range(1, 13, 2)]
+    return OomReading(tried=n[0], free=n[2], process_in_use=n[3], allocated=n[4], reserved_unallocated=n[5])
 
 
 @dataclass(frozen=True)

@@ -175,7 +175,7 @@ def test_the_margin_at_the_first_oom_sets_torchs_reading_beside_this_tools_charg
         capfd, soup_yaml, tmp_path, cuda_box):
     """Soup's process is faked (its OOM probes print torch's message, read into OomReading); the search,
     the charge (--estimate's own figures at that seq with the box's context) and the report are real."""
-    from issue395.measure.cuda import OomReading
+    from issue395.constraints.findmax import OomReading
 
     reading = OomReading(tried=400_000_000, free=390_000_000, process_in_use=13_100_000_000,
                          allocated=12_000_000_000, reserved_unallocated=230_000_000)
