@@ -68,6 +68,9 @@ def main() -> None:
         real, rep, c = d["real_peak"], d["replayed_peak"], e.corrected_predicted
         print(f"{name:<46}{real / 1e9:>12.4f}{rep / 1e9:>12.4f}{(real - rep) / 1e6:>10.1f}{c / 1e9:>13.4f}"
               f"{c / real:>9.4f}x{c / rep:>9.4f}x  {e.phase}")
+    print("measured: max_memory_allocated (the allocator's block bytes); replayed: the allocator's history replayed "
+          "(requested sizes); unseen: measured - replayed (blocks larger than their request); corrected: computed by "
+          "this tool's estimator")
     print("\nthe same peaks split at the window's start (allocated when the first step began: the resident), "
           "bytes; corrected's resident terms: pool, extras, lora_weights, cublas_workspace, resident_rounding")
     print(f"{'arm':<46}{'resident meas.':>15}{'resident est.':>15}{'diff':>13}{'step (replayed)':>17}"
