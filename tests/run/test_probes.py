@@ -116,16 +116,15 @@ def test_needs_free_is_estimated_for_the_adapter_the_control_ran_with():
 
 
 def rowless_after(n, caps):
-    """FAKE: capped children whose first ``n`` each write their row and the rest none (a stop reached
-    the child before it wrote one, as the session's time limit did on the GPU box)."""
-    def child(run, arms, scratch, on_row, script):
-        caps.append(run.constraints.cap)
-        if len(caps) > n:
+    """FAKE: fake_children's measured children for the first ``n`` probes, then children that write no
+    row (a stop reached the child before it wrote one, as the session's time limit did on the GPU box)."""
+    measured = fake_children(lambda cap: True, caps)
+
+    def child(run, *rest):
+        if len(caps) >= n:
+            caps.append(run.constraints.cap)
             return []
-        row = make_row(arms[0].model, arms[0].seq, constraint=Capped(run.constraints.cap), real_peak=PEAK,
-                       reserved=PEAK, failure=None)
-        on_row(row)
-        return [Result(environment=ENV, rows=[row], kind="map")]
+        return measured(run, *rest)
     return child
 
 
