@@ -29,6 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from issue395.estimator.estimate import estimate_key  # noqa: E402
+from issue395.estimator.stacks import box_stack  # noqa: E402
 
 FOLDER = next(ROOT.glob("results/fit4-anatomy-findmax-h200-soup0.77.0-*"))
 #: the registry key each anatomy file's checkpoint was built from (bench/gpu-fit4-anatomy.sh's `an` lines)
@@ -37,11 +38,6 @@ FAMILY = {"llama32": "llama32-1b", "qwen": "qwen", "phi3": "phi3-mini", "qwen3":
 #: the estimator's terms that are allocated before the first step (the replayed window's base)
 RESIDENT_TERMS = ("pool", "extras", "lora_weights", "cublas_workspace", "resident_rounding")
 STEP = {"seq": 64, "batch": 1}  # --find-max's resolution per axis
-
-
-def box_transformers(folder: Path) -> str:
-    line = next(ln for ln in (folder / "stack.txt").read_text().splitlines() if ln.startswith("transformers "))
-    return line.split()[1]
 
 
 def anatomy() -> list[tuple[str, dict, object]]:
@@ -54,7 +50,7 @@ def anatomy() -> list[tuple[str, dict, object]]:
         e = estimate_key(FAMILY[name.split("-")[1]], quant=d["quant"], seq=d["seq"], batch=d["batch"],
                          release="0.77.0", task=d["task"], targets=targets, lora_r=d.get("r") or 8,
                          steps=d.get("steps") or 1, accumulation=d.get("accum") or 1, soup=False,
-                         transformers=box_transformers(folder))
+                         transformers=box_stack((folder / "stack.txt").read_text())["transformers"])
         out.append((name, d, e))
     return out
 

@@ -30,6 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from issue395.estimator.stacks import box_stack  # noqa: E402
 from issue395.model.registry import FAMILIES, MAP_FAMILIES, RELEASE_FAMILIES, SHAPES  # noqa: E402
 from issue395.record import MAP_BATCHES  # noqa: E402
 from issue395.results.result import map_order  # noqa: E402
@@ -44,7 +45,7 @@ OLD = [ROOT / "results" / "margin-map-h200x2-soup0.73.3-f3ad9d2" / "map-2gpu.jso
 def environment() -> dict:
     """The call's stack as its stack.txt records it (the row file holds none)."""
     text = (RUN / "stack.txt").read_text()
-    versions = dict(re.findall(r"^(\S+)\s+(\d[\w.+]*)$", text, re.M))
+    versions = box_stack(text)
     smi = re.search(r"Driver Version: (\S+)\s+CUDA Version: (\S+)", text)
     command = (RUN / "commands.txt").read_text().split("python3 ", 1)[1].strip()
     return {"gpu": re.search(r"\|\s+\d+\s+(NVIDIA [^|]+?)\s{2,}", text).group(1), "driver": smi.group(1),

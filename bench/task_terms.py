@@ -24,14 +24,14 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from issue395.estimator.estimate import estimate_key  # noqa: E402
+from issue395.estimator.stacks import box_stack  # noqa: E402
 
 def arms() -> list[dict]:
     """Every committed task anatomy arm whose step completed, with its file and family."""
     out = []
 
     def box_transformers(folder) -> str:  # the release the box ran, from its stack.txt (pip list)
-        line = next(ln for ln in (folder / "stack.txt").read_text().splitlines() if ln.startswith("transformers "))
-        return line.split()[1]
+        return box_stack((folder / "stack.txt").read_text())["transformers"]
     for path in sorted(ROOT.glob("results/task-anatomy-*/anatomy-*.json")):
         d = json.loads(path.read_text(encoding="utf-8"))
         if d.get("step_error"):

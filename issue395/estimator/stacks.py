@@ -97,6 +97,11 @@ KNOWN_STACKS: tuple[KnownStack, ...] = (
 )
 
 
+def box_stack(text: str) -> dict[str, str]:
+    """The versions a GPU box's stack.txt names (pip's list there: one package and its version a line)."""
+    return dict(re.findall(r"^(\S+)\s+(\d\S*)\s*$", text, flags=re.M))
+
+
 def package_version(name: str) -> str:
     """A package's installed version from its metadata (the package is never imported)."""
     try:

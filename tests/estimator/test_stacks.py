@@ -6,7 +6,6 @@ have (transformers 5.24.0, a measured row), the version is FAKED: it says so; no
 from __future__ import annotations
 
 import json
-import re
 import subprocess
 import sys
 from dataclasses import replace
@@ -32,7 +31,7 @@ def named_in(folder) -> list[dict[str, str]]:
     run's environment."""
     files = []
     for txt in sorted(folder.glob("stack*.txt")):
-        lines = dict(re.findall(r"^(\S+)\s+(\d\S*)\s*$", txt.read_text(), flags=re.M))
+        lines = S.box_stack(txt.read_text())
         files.append({p: lines[p] for p in S.PACKAGES if p in lines})
     for path in sorted(folder.rglob("*.json")):
         try:
