@@ -7,6 +7,9 @@ from typing import Any
 
 MiB = 2**20
 GB = 1e9  # the unit every table and published figure states sizes in
+#: A size's unit as a message words it (torch's out-of-memory text: binary units), in bytes
+SIZE_UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40,
+              "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12}
 
 # -- CUDA caching allocator (default config, as measured): constants as in the torch wheel's
 # c10/core/AllocatorConfig.h; rules: CUDACachingAllocator.cpp get_allocation_size, shouldSplit --

@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from ..constants import SIZE_UNITS
 from ..errors import cut, last_line, soups_words
 from ..text import table
 from .minfree import hold_ballast, release_ballast
@@ -61,7 +62,6 @@ PROBE_KEYS = {
 PROBE_LIMIT = 12
 
 
-_UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
 _SIZE = r"([0-9.]+) (B|KiB|MiB|GiB|TiB)"
 #: torch's CUDA out-of-memory message, as its caching allocator words it (c10/cuda/CUDACachingAllocator.cpp)
 _OOM_MESSAGE = re.compile(
@@ -94,7 +94,7 @@ def oom_reading(text: str) -> Optional[OomReading]:
     m = _OOM_MESSAGE.search(text)
     if m is None:
         return None
-    n = [int(float(m.group(i)) * _UNITS[m.group(i + 1)]) for i in range(1, 13, 2)]
+    n = [int(float(m.group(i)) * SIZE_UNITS[m.group(i + 1)]) for i in range(1, 13, 2)]
     return OomReading(tried=n[0], free=n[2], process_in_use=n[3], allocated=n[4], reserved_unallocated=n[5])
 
 

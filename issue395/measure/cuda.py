@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
-from ..constants import block_bytes
+from ..constants import SIZE_UNITS, MiB, block_bytes
 from ..estimator.anatomy import classify_blocks, live_blocks
 
 
@@ -46,9 +46,7 @@ def peak_window() -> Iterator[Window]:
 def oom_request(exc: BaseException) -> Optional[int]:
     """The size an OOM asked for, off torch's message ("Tried to allocate 1.20 GiB")."""
     m = re.search(r"Tried to allocate ([0-9.]+) ([KMGT]i?B)", str(exc))
-    units = {"KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40,
-             "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12}
-    return int(float(m.group(1)) * units[m.group(2)]) if m else None
+    return int(float(m.group(1)) * SIZE_UNITS[m.group(2)]) if m else None
 
 
 def is_oom(exc: BaseException) -> bool:
@@ -80,11 +78,22 @@ def allocator_history(max_entries: int, stacks: Optional[str] = None) -> Iterato
         torch.cuda.memory._record_memory_history(enabled=None)
 
 
+def device_history(snapshot: dict[str, Any]) -> tuple[list, set]:
+    """The device's allocator trace (the longest, one GPU) and the actions that end a block there: a
+    history with free_requested frees a block when it is requested (allocated_bytes drops then), an
+    older one at free or free_completed."""
+    traces = snapshot.get("device_traces") or []
+    trace = max(traces, key=len) if traces else []
+    frees = ({"free_requested"} if any(e.get("action") == "free_requested" for e in trace)
+             else {"free", "free_completed"})
+    return trace, frees
+
+
 #: What expandable segments map physical memory in, per pool: 20 MiB pages in the large pool, 2 MiB in
 #: the small one (torch's kLargeBuffer and kSmallBuffer, ExpandableSegment's segment size in
 #: c10/cuda/CUDACachingAllocator.cpp). At an OOM the allocator unmaps every wholly free page and
 #: retries, so the pages a live block touches are what a card cannot do without.
-EXPANDABLE_PAGE_BYTES = {"large": 20 * 2**20, "small": 2 * 2**20}
+EXPANDABLE_PAGE_BYTES = {"large": 20 * MiB, "small": 2 * MiB}
 
 
 @dataclass(frozen=True)
@@ -116,37 +125,42 @@ def page_need(snapshot: dict[str, Any]) -> Optional[PageNeed]:
     if not segments:
         return None
     bases = [s["address"] for s in segments]
-    traces = snapshot.get("device_traces") or []
-    trace = max(traces, key=len) if traces else []
-    frees = ({"free_requested"} if any(e.get("action") == "free_requested" for e in trace)
-             else {"free", "free_completed"})
-    first: dict[int, str] = {}
-    for e in trace:
-        if e.get("action") == "alloc" or e.get("action") in frees:
-            first.setdefault(int(e["addr"]), e["action"])
+    trace, frees = device_history(snapshot)
+    touched: set[int] = set()  # each address the history allocates or frees
     live: dict[int, int] = {}
+    for e in trace:
+        act, addr = e.get("action"), int(e.get("addr", 0))
+        if (act == "alloc" or act in frees) and addr not in touched:
+            touched.add(addr)
+            if act in frees:  # first seen freed: allocated before the history began
+                live[addr] = block_bytes(int(e.get("size", 0)))
     for seg in segments:
         for b in seg.get("blocks") or []:
-            if b.get("state") in ("active_allocated", "active_pending_free") and int(b["address"]) not in first:
+            if b.get("state") in ("active_allocated", "active_pending_free") and int(b["address"]) not in touched:
                 live[int(b["address"])] = int(b["size"])
-    for e in trace:
-        if e.get("action") in frees and first.get(int(e["addr"])) in frees:
-            live.setdefault(int(e["addr"]), block_bytes(int(e["size"])))
-    net_map = 0  # mapped minus unmapped over the history, up to the event replayed
-    total, best, best_live, best_map = sum(live.values()), -1, dict(live), 0
-    for e in trace:
+    # Copying the live blocks at every new high is quadratic while memory climbs: find the peak's
+    # event first (the state before any event counts too), then replay up to it once.
+    sizes, total, net_map, mapped_seen = dict(live), sum(live.values()), 0, False
+    best, at, best_map = total, -1, 0
+    for i, e in enumerate(trace):
         act, addr, size = e.get("action"), int(e.get("addr", 0)), int(e.get("size", 0))
-        if act == "segment_map":
-            net_map += size
-        elif act == "segment_unmap":
-            net_map -= size
+        if act in ("segment_map", "segment_unmap"):
+            net_map += size if act == "segment_map" else -size
+            mapped_seen = True
         elif act == "alloc":
-            live[addr] = block_bytes(size)
-            total += live[addr]
-        elif act in frees and addr in live:
-            total -= live.pop(addr)
+            sizes[addr] = block_bytes(size)
+            total += sizes[addr]
+        elif act in frees and addr in sizes:
+            total -= sizes.pop(addr)
         if total > best:
-            best, best_live, best_map = total, dict(live), net_map
+            best, at, best_map = total, i, net_map
+    best_live = live
+    for e in trace[:at + 1]:
+        act, addr = e.get("action"), int(e.get("addr", 0))
+        if act == "alloc":
+            best_live[addr] = block_bytes(int(e.get("size", 0)))
+        elif act in frees:
+            best_live.pop(addr, None)
     pages: set[tuple[int, int, int]] = set()  # (segment base, page index, page size)
     for addr, size in best_live.items():
         k = bisect.bisect_right(bases, addr) - 1
@@ -154,11 +168,8 @@ def page_need(snapshot: dict[str, Any]) -> Optional[PageNeed]:
         page = EXPANDABLE_PAGE_BYTES.get(kind, EXPANDABLE_PAGE_BYTES["large"])
         pages.update((base, i, page) for i in range((addr - base) // page, (addr - base + size - 1) // page + 1))
     page_bytes = sum(page for *_, page in pages)
-    any_map = any(e.get("action") in ("segment_map", "segment_unmap") for e in trace)
-    mapped_end = sum(int(s.get("total_size", 0)) for s in segments)
-    final_net = sum(int(e.get("size", 0)) * (1 if e.get("action") == "segment_map" else -1) for e in trace
-                    if e.get("action") in ("segment_map", "segment_unmap"))
-    return PageNeed(allocated=best, mapped=mapped_end - final_net + best_map if any_map else None, pages=page_bytes)
+    mapped_end = sum(int(seg.get("total_size", 0)) for seg in segments)
+    return PageNeed(allocated=best, mapped=mapped_end - net_map + best_map if mapped_seen else None, pages=page_bytes)
 
 
 def save_snapshot(snapshot: dict[str, Any], path: Path) -> str:
@@ -184,10 +195,7 @@ def attribute_peak(snapshot: dict[str, Any], resident: int, elements: int,
     saved row's classes can be named again when it is rendered). ``resident`` was
     allocated before recording began (a block freed but never seen allocated comes out of it).
     A replayed peak off the measured one means the history was incomplete, and it says so."""
-    traces = snapshot.get("device_traces") or []
-    trace = max(traces, key=len) if traces else []
-    frees = ({"free_requested"} if any(e.get("action") == "free_requested" for e in trace)
-             else {"free", "free_completed"})
+    trace, frees = device_history(snapshot)
 
     def replay(events: list) -> Iterator[tuple[int, int, int, dict[int, int]]]:
         live: dict[int, int] = {}
