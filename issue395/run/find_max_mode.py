@@ -90,11 +90,9 @@ def answers(req: FindMaxRequest) -> Answers:
                 "admits": gate.admits(mine.soup_predicted, one.corrected_predicted, available)}
 
     def charged_at(value: int, context: int) -> dict:
-        from ..estimator.cards import STEP_GROWTH_BYTES
-
         e = estimate_for(config, **dict(kw, **{axis: value}), workspace=card.workspace(workspace_env()))
         return {"allocated": e.corrected_predicted, "reserve": e.needs_free - e.corrected_predicted,
-                "outside": context + STEP_GROWTH_BYTES}
+                "outside": card.total_bytes - budget(card, context).step_free_bytes}
 
     def tool_with_context(context: int) -> Optional[int]:
         return longest(axis, config, budget(card, context).step_free_bytes, workspace=card.workspace(workspace_env()), **kw)
