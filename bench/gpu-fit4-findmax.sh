@@ -19,6 +19,10 @@ fm() {  # fm NAME AXIS YAML CARD
   rm -rf /dev/shm/s
 }
 case "${PART:-1}" in
+# PART=3's two that did not answer: Mistral's second probe failed as CUBLAS_STATUS_ALLOC_FAILED (now read as
+# OOM), llama-sft.yaml had no chat template (now chatml)
+6) fm mistral-orpo-nf4-6GB seq mistral-orpo-nf4-r32-attn.yaml RTX3050-Laptop-6GB
+   fm llama-sft-8GB seq llama-sft.yaml RTX4060-Laptop-8GB ;;
 1) fm phi3-sft-nf4-r64-4GB seq phi3-sft-nf4-r64-fused.yaml RTX3050-Laptop-4GB
    fm qwen-dpo-nf4-r64-T4 seq qwen-dpo-nf4-r64-all.yaml T4
    fm smol-kto-batch-4GB batch smol-kto-bf16-batch.yaml RTX3050-Laptop-4GB ;;

@@ -34,9 +34,12 @@ from .minfree import hold_ballast, release_ballast
 COMPLETED, OOM, FAILED = "completed", "OOM", "failed"
 
 #: What Soup prints at its gates and when a step runs out of memory (soup_cli/utils/errors.py: "GPU ran
-#: out of memory ..."), the same on soup-cli 0.73.3 and 0.77.0 (trainer/stream_setup.py).
+#: out of memory ..."), the same on soup-cli 0.73.3 and 0.77.0 (trainer/stream_setup.py). cuBLAS allocates
+#: its handle's workspace with cudaMalloc, outside torch's allocator: when the card is full at a step's first
+#: matmul it fails as CUBLAS_STATUS_ALLOC_FAILED, the same out-of-memory by another name (measured: Mistral-7B
+#: ORPO NF4 on an emulated 6 GB card, results/fit4-pages-findmax-stack-*/).
 GATE_LINE = re.compile(r"VRAM|predicted to need|Predicted over budget", re.IGNORECASE)
-OOM_LINE = re.compile(r"out of memory|OutOfMemoryError", re.IGNORECASE)
+OOM_LINE = re.compile(r"out of memory|OutOfMemoryError|CUBLAS_STATUS_ALLOC_FAILED", re.IGNORECASE)
 SOUP_NUMBER = re.compile(r"peak VRAM ~([0-9.]+) GB")
 SOUP_FREE = re.compile(r"free VRAM ([0-9.]+) GB(?: \(training\.stream_vram_override; driver reports ([0-9.]+) GB)?")
 REFUSED = re.compile(r"predicted to need .* is free", re.DOTALL)
