@@ -1,7 +1,11 @@
 """Issue 34, measure first: the corrected estimate against the allocator's history of 11 streamed runs
 (results/fit4-anatomy-findmax-*/call-1-2/anatomy-*.json: soup-cli 0.77.0 on one H200, 1 to 3 optimizer
 steps, large adapters, gradient accumulation 1 against 4 or 2), then --find-max's measured limits
-beside this tool's longest seq or batch (…/call-1-2 and …/call-3-4/find-max-*.json).
+beside this tool's longest seq or batch (…/call-1-2 and …/call-3-4/find-max-*.json); then, from the next
+session's calls (results/fit4-pages-findmax-stack-*/): the allocator's reserve at the peak under expandable
+segments, read off the history of 8 more runs (call-1/pages-*.json, page_need), and three more --find-max
+configs (call-2, call-4), every config's like-for-like longest both as its run printed it and as this tree's
+estimator computes it now.
 
 Three peaks per arm, each labelled:
   measured   torch.cuda.max_memory_allocated over the run (the allocator's own count: block sizes);
@@ -32,20 +36,22 @@ from issue395.estimator.estimate import estimate_key  # noqa: E402
 from issue395.estimator.stacks import box_stack  # noqa: E402
 
 FOLDER = next(ROOT.glob("results/fit4-anatomy-findmax-h200-soup0.77.0-*"))
+PAGES = next(ROOT.glob("results/fit4-pages-findmax-stack-h200-soup0.77.0-*"))
+#: each folder's find-max calls, the later call first where one config ran twice (the run that answered)
+FIND_MAX_CALLS = ((FOLDER, ("call-3-4", "call-1-2")), (PAGES, ("call-4", "call-2")))
 #: the registry key each anatomy file's checkpoint was built from (bench/gpu-fit4-anatomy.sh's `an` lines)
 FAMILY = {"llama32": "llama32-1b", "qwen": "qwen", "phi3": "phi3-mini", "qwen3": "qwen3-0.6b",
-          "mistral": "mistral-7b", "gemma2": "gemma2-2b"}
+          "mistral": "mistral-7b", "gemma2": "gemma2-2b", "smol": "smol"}
 #: the estimator's terms that are allocated before the first step (the replayed window's base)
 RESIDENT_TERMS = ("pool", "extras", "lora_weights", "cublas_workspace", "resident_rounding")
 STEP = {"seq": 64, "batch": 1}  # --find-max's resolution per axis
 
 
-def anatomy() -> list[tuple[str, dict, object]]:
+def anatomy(folder: Path = FOLDER / "call-1-2", prefix: str = "anatomy-") -> list[tuple[str, dict, object]]:
     out = []
-    folder = FOLDER / "call-1-2"
-    for path in sorted(folder.glob("anatomy-*.json")):
+    for path in sorted(folder.glob(f"{prefix}*.json")):
         d = json.loads(path.read_text(encoding="utf-8"))
-        name = path.stem[len("anatomy-"):]
+        name = path.stem[len(prefix):]
         targets = tuple(d["targets"].split(",")) if d.get("targets") else None
         e = estimate_key(FAMILY[name.split("-")[1]], quant=d["quant"], seq=d["seq"], batch=d["batch"],
                          release="0.77.0", task=d["task"], targets=targets, lora_r=d.get("r") or 8,
@@ -94,70 +100,121 @@ def main() -> None:
         t = e.terms
         print(f"{name:<46} adapter {t.get('lora_weights', 0):>13,}  held grads {t.get('held_gradients', 0):>13,}  "
               f"moments {t.get('adam_moments', 0):>13,}  transients {t.get('optimizer_transients', 0):>13,}")
+    pages()
     findmax()
+
+
+def pages() -> None:
+    """The reserve a card cannot do without, under expandable segments (what `soup train` runs): at the
+    replayed peak, the 20 MiB (large pool) and 2 MiB (small pool) pages the live blocks touch."""
+    from issue395.estimator.estimate import EXPANDABLE_RESERVE_BYTES, EXPANDABLE_RESERVE_PAGES, needs_free
+
+    rows = anatomy(PAGES / "call-1", "pages-")
+    print(f"\nunder expandable segments, as `soup train` runs (H200, soup-cli 0.77.0; {PAGES.name}/call-1): the allocated "
+          "peak, and the pages its live blocks touch at the replayed peak (measured, page_need)")
+    print(f"{'arm':<46}{'allocated GB':>13}{'corrected GB':>13}{'/allocated':>11}{'pages GB':>10}{'reserve MB':>11}"
+          f"{'in pages':>9}{'charged MB':>11}{'needs free - pages MB':>22}")
+    for name, d, e in rows:
+        p, c = d["page_need"], e.corrected_predicted
+        print(f"{name:<46}{p['allocated'] / 1e9:>13.4f}{c / 1e9:>13.4f}{c / p['allocated']:>10.4f}x{p['pages'] / 1e9:>10.4f}"
+              f"{p['reserve'] / 1e6:>11.1f}{p['reserve'] / (20 * 2**20):>9.2f}{(needs_free(c) - c) / 1e6:>11.1f}"
+              f"{(needs_free(c) - p['pages']) / 1e6:>22.1f}")
+    print(f"allocated: the replayed peak (requested sizes at 512 B; under expandable segments a block splits to its "
+          f"request, so it equals max_memory_allocated: unseen 0 to 0.03 MB on these arms); reserve: pages - allocated; "
+          f"charged: {EXPANDABLE_RESERVE_PAGES} pages of 20 MiB ({EXPANDABLE_RESERVE_BYTES:,} B), the whole pages above "
+          "the most measured here and in torch's OOM messages below")
+    unseen = max(d["real_peak"] - d["requested_peak"] for _, d, _ in rows)
+    print(f"max_memory_allocated - the requested peak, the most on these arms: {unseen:,} B")
 
 
 def findmax() -> None:
     print("\n--find-max on emulated cards (the real `python -m soup_cli train`, 3 steps a probe, Soup's gate lifted): "
           "the measured limit beside this tool's longest (computed) and Soup's gate's longest (computed by Soup)")
-    print(f"{'config':<34}{'axis':<6}{'card':<22}{'limit':>7}{'OOM at':>8}{'like-for-like':>14}{'bound ctx':>10}"
-          f"{'Soup gate':>10}{'steps under':>12}{'probes':>7}")
+    print(f"{'config':<34}{'axis':<6}{'card':<22}{'limit':>7}{'OOM at':>8}{'like (run)':>11}{'like (now)':>11}"
+          f"{'bound ctx':>10}{'Soup gate':>10}{'under (now)':>12}{'probes':>7}")
     seen = set()
-    for call in ("call-3-4", "call-1-2"):  # call 3's Phi-3 run is the one that probed
-        for path in sorted((FOLDER / call).glob("find-max-*.json")):
-            if path.name in seen:
-                continue
-            d = json.loads(path.read_text(encoding="utf-8"))
-            seen.add(path.name)
-            m = d.get("measured") or {}
-            axis, limit, above = m.get("axis"), m.get("limit"), m.get("oom_above")
-            like, bound, soup = d.get("this_tool_longest_like_for_like"), d.get("this_tool_longest"), d.get("soup_gate_longest")
-            under = (limit - like) // STEP[axis] if limit is not None and like is not None else None
-            print(f"{path.stem[len('find-max-'):]:<34}{axis!s:<6}{d['card']['card']:<22}{limit!s:>7}{above!s:>8}"
-                  f"{like!s:>14}{bound!s:>10}{soup!s:>10}{under!s:>12}{len(m.get('probes') or ()):>7}")
-    print("steps under: (limit - this tool's like-for-like longest) / the resolution (64 tokens, 1 row); 0 is exact; "
-          "never above the limit is the claim")
+    for folder, calls in FIND_MAX_CALLS:
+        for call in calls:
+            for path in sorted((folder / call).glob("find-max-*.json")):
+                d = json.loads(path.read_text(encoding="utf-8"))
+                m = d.get("measured") or {}
+                if path.name in seen or m.get("limit") is None:
+                    continue
+                seen.add(path.name)
+                axis, limit, above = m["axis"], m["limit"], m.get("oom_above")
+                like, soup = d.get("this_tool_longest_like_for_like"), d.get("soup_gate_longest")
+                now, bound = longest_now(d)
+                under = (limit - now) // STEP[axis] if now is not None else None
+                print(f"{path.stem[len('find-max-'):]:<34}{axis!s:<6}{d['card']['card']:<22}{limit!s:>7}{above!s:>8}"
+                      f"{like!s:>11}{now!s:>11}{bound!s:>10}{soup!s:>10}{under!s:>12}{len(m.get('probes') or ()):>7}")
+    print("like (run): this tool's longest with the box's own context, as the run printed it (the tree of its day); "
+          "like (now): the same, computed by this tree's estimator; bound ctx: now, with the card's bound context; "
+          "under: (limit - like (now)) / the resolution (64 tokens, 1 row); 0 is exact; never above the limit is the claim")
     oom_readings()
+
+
+def run_kwargs(d: dict, value: int | None = None) -> tuple[dict, dict]:
+    """A find-max JSON's config file read as the estimator's arguments (the JSON's stack and steps; the
+    axis at ``value``, else the file's): the family's config.json and the keyword arguments."""
+    import yaml
+
+    from issue395.model.registry import by_hub_id, config_json
+
+    cfg = yaml.safe_load((ROOT / d["config"]).read_text(encoding="utf-8"))
+    tr = cfg["training"]
+    targets = tr["lora"]["target_modules"]
+    kw = dict(quant={"4bit": "nf4"}.get(tr["quantization"], "none"), seq=cfg["data"]["max_length"],
+              batch=tr["batch_size"], task=cfg.get("task", "sft"),
+              targets=tuple(targets) if isinstance(targets, list) else targets, lora_r=tr["lora"]["r"],
+              steps=d["steps"], accumulation=tr.get("gradient_accumulation_steps", 4), soup=False,
+              release=d["stack"]["packages"]["soup-cli"], transformers=d["stack"]["packages"]["transformers"],
+              stream={k: v for k, v in tr.items() if k.startswith("stream_") and k not in ("stream_layers", "stream_vram_override")})
+    if value is not None:
+        kw[d["measured"]["axis"]] = value
+    return config_json(by_hub_id(cfg["base"])), kw
+
+
+def longest_now(d: dict) -> tuple[int | None, int | None]:
+    """This tree's longest along the run's axis on its card: with the box's own context (like for like),
+    and with the card's bound context."""
+    from issue395.estimator.cards import budget, parse_card
+    from issue395.estimator.fits import longest
+
+    config, kw = run_kwargs(d)
+    card = parse_card(d["card"]["card"])
+    axis = d["measured"]["axis"]
+    return tuple(longest(axis, config, budget(card, ctx).step_free_bytes, workspace=card.workspace(), **kw)
+                 for ctx in (d["box_context_bytes"], None))
 
 
 def oom_readings() -> None:
     """Each OOM probe whose Soup console holds torch's own out-of-memory message: the margin's parts
     at that moment, measured inside Soup's process, beside what this tool charges at that seq."""
-    import yaml
-
     from issue395.estimator.cards import STEP_GROWTH_BYTES
-    from issue395.estimator.estimate import needs_free
+    from issue395.estimator.estimate import estimate, needs_free
     from issue395.constraints.findmax import oom_reading
-    from issue395.model.registry import by_hub_id
 
     print("\ntorch's out-of-memory message in Soup's own process (measured, as torch printed it) against this tool's "
           "charge at that seq (computed; context: the box's, measured by the probing process)")
     print(f"{'probe':<40}{'allocated+tried GB':>19}{'corrected GB':>13}{'reserve MB':>11}{'charged MB':>11}"
           f"{'outside MB':>11}{'charged MB':>11}")
-    for call in ("call-3-4", "call-1-2"):
-        for logs in sorted((FOLDER / call).glob("find-max-*-logs")):
-            name = logs.name[len("find-max-"):-len("-logs")]
-            d = json.loads((logs.parent / f"find-max-{name}.json").read_text(encoding="utf-8"))
-            cfg = yaml.safe_load((ROOT / d["config"]).read_text(encoding="utf-8"))
-            tr = cfg["training"]
-            for log in sorted(logs.glob("soup-find-max-seq-*.log")):
-                r = oom_reading(log.read_text(encoding="utf-8", errors="replace"))
-                if r is None:
-                    continue
-                seq = int(log.stem.rsplit("-", 1)[1])
-                targets = tr["lora"]["target_modules"]
-                e = estimate_key(by_hub_id(cfg["base"]), quant={"4bit": "nf4"}.get(tr["quantization"], "none"), seq=seq,
-                                 batch=tr["batch_size"], task=cfg.get("task", "sft"),
-                                 targets=tuple(targets) if isinstance(targets, list) else targets,
-                                 lora_r=tr["lora"]["r"], steps=d["steps"],
-                                 accumulation=tr.get("gradient_accumulation_steps", 4), soup=False,
-                                 release=d["stack"]["packages"]["soup-cli"],
-                                 transformers=d["stack"]["packages"]["transformers"])
-                charged = needs_free(e.corrected_predicted) - e.corrected_predicted
-                outside = d["box_context_bytes"] + STEP_GROWTH_BYTES
-                print(f"{name + ' seq ' + str(seq):<40}{(r.allocated + r.tried) / 1e9:>19.4f}"
-                      f"{e.corrected_predicted / 1e9:>13.4f}{r.reserved_unallocated / 1e6:>11.1f}{charged / 1e6:>11.1f}"
-                      f"{r.outside_allocator / 1e6:>11.1f}{outside / 1e6:>11.1f}")
+    for folder, calls in FIND_MAX_CALLS:
+        for call in calls:
+            for logs in sorted((folder / call).glob("find-max-*-logs")):
+                name = logs.name[len("find-max-"):-len("-logs")]
+                d = json.loads((logs.parent / f"find-max-{name}.json").read_text(encoding="utf-8"))
+                for log in sorted(logs.glob("soup-find-max-seq-*.log")):
+                    r = oom_reading(log.read_text(encoding="utf-8", errors="replace"))
+                    if r is None:
+                        continue
+                    seq = int(log.stem.rsplit("-", 1)[1])
+                    config, kw = run_kwargs(d, seq)
+                    e = estimate(config, **kw)
+                    charged = needs_free(e.corrected_predicted) - e.corrected_predicted
+                    outside = d["box_context_bytes"] + STEP_GROWTH_BYTES
+                    print(f"{name + ' seq ' + str(seq):<40}{(r.allocated + r.tried) / 1e9:>19.4f}"
+                          f"{e.corrected_predicted / 1e9:>13.4f}{r.reserved_unallocated / 1e6:>11.1f}{charged / 1e6:>11.1f}"
+                          f"{r.outside_allocator / 1e6:>11.1f}{outside / 1e6:>11.1f}")
     print("allocated+tried: the allocated bytes when the request failed plus the request; reserve: torch's reserved but "
           "unallocated (expandable segments, after the allocator released what it could); outside: this process's memory "
           "in use less both (the CUDA context and the runtime's growth). Accumulation: the file's, else Soup's default 4")

@@ -11,7 +11,8 @@
 # Wheels: bench/README.md (.whl/ holds the release carried: 0.73.3, or 0.77.0 in place of it). $R defaults to /tmp/results, the cache to /tmp/issue395-cache.
 set -e
 R=${R:-/tmp/results}; C=${C:-/tmp/issue395-cache}; D=$(date -u +%Y-%m-%d)
-if [ "${1:-0.73.3}" = 0.77.0 ]; then
+# 0.77.0 from .whl077/ beside .whl/'s 0.73.3, or (the carry since the fit4 calls) from .whl/ itself
+if [ "${1:-0.73.3}" = 0.77.0 ] && [ -d .whl077 ]; then
   python3 -m pip install -q --no-index --no-deps --no-cache-dir --upgrade --target /tmp/site \
     $(ls .whl/*.whl | grep -v soup_cli) .whl077/*.whl
 else

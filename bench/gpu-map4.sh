@@ -9,8 +9,8 @@
 #   source bench/gpu-map4.sh layouts   # ~5.5 min, only if the session has it: 4 x 4 against 6 x 2 and 8 x 2
 #
 # The expected seconds are from committed timings (each line below names its source); the map's own is a
-# SIMULATION (bench/schedule_sim.py, results/schedule-sim-map-077.txt): 394 s with the steps overlapping as
-# they did in the committed 4-lane run, 507 s with one step at a time, 427 s if each arm held the default
+# SIMULATION (bench/schedule_sim.py, results/schedule-sim-map-077.txt): 400 s with the steps overlapping as
+# they did in the committed 4-lane run, 509 s with one step at a time, 427 s if each arm held the default
 # allocator's reserved rather than its needs-free. The claim it tests: at most 540 s of the tool's own wall.
 #
 # Lessons of the committed full map's call (bench/README.md), kept: every run stopped at its limit gets a

@@ -11,7 +11,11 @@ Known limitations (measured: results/fit4-anatomy-findmax-render.txt, bench/fit4
   remainder of up to 1 MiB unsplit and counts it as allocated (CUDACachingAllocator should_split:
   remaining > kSmallSize); its history records only the request. Not charged: 0 to 22 MB on the
   fit4 arms, 170-174 MB on Mistral-7B NF4 r256 all-linear's optimizer step (1,792 live adapter
-  blocks), and up to 58 MB in the setup's resident bytes of the same arm.
+  blocks), and up to 58 MB in the setup's resident bytes of the same arm. The same arm under
+  expandable segments: allocated equals requested to 26 KB, and the corrected peak is 1.0005x
+  (results/fit4-pages-findmax-stack-*/call-1).
+- The allocator's reserve (needs_free - corrected) is an envelope in whole 20 MiB pages of 8 arms'
+  page need and 7 OOM readings (EXPANDABLE_RESERVE_PAGES), not a count of the gaps a run leaves.
 - Qwen2.5's DPO resident holds 10.1 MB beyond its two adapter copies at r64 all-linear; unattributed
   (no allocator history exists before the step's window).
 """

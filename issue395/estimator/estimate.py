@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ..constants import CUBLAS_WORKSPACE, CUBLASLT_WORKSPACE, K_MIN_LARGE_ALLOC, K_ROUND_LARGE, K_SMALL_SIZE, STREAM_KEYS, block_bytes
+from ..constants import CUBLAS_WORKSPACE, CUBLASLT_WORKSPACE, EXPANDABLE_PAGE_BYTES, K_MIN_LARGE_ALLOC, K_ROUND_LARGE, K_SMALL_SIZE, STREAM_KEYS, block_bytes
 from ..errors import UsageError
 from ..record import LORA_R, QUANTS
 from ..model.registry import RECOMPUTES, config_json, stream_mode
@@ -55,14 +55,13 @@ FP32_HIDDEN_SEGMENTS, BF16_HIDDEN_SEGMENTS = 4, 3
 #: unattributed resident bytes and per-token bytes at batch > 1, left after the rounding is charged.
 #: Evidence: docs/PEAK.md, "ALLOCATED_ALLOWANCE_BYTES".
 ALLOCATED_ALLOWANCE_BYTES = 3_500_000
-#: needs_free over allocated under expandable segments (what `soup train` sets): the allocator
-#: reserves more than it allocates, and a card must hold what it reserves. Charged: the measured
-#: +3.4% reserved. Evidence: docs/PEAK.md, "EXPANDABLE_RESERVE_FRACTION, EXPANDABLE_RESERVE_BYTES".
-EXPANDABLE_RESERVE_FRACTION = 0.034
-#: ...plus a constant, for the small arms whose reserved sits further over (the fraction alone
-#: raised OOM on some): the envelope of every committed figure.
-#: Evidence: docs/PEAK.md, "EXPANDABLE_RESERVE_FRACTION, EXPANDABLE_RESERVE_BYTES".
-EXPANDABLE_RESERVE_BYTES = 128 * 2**20
+#: The allocator's reserve a card must hold above the allocated peak under expandable segments (what
+#: `soup train` sets): the partial pages live blocks touch (at an OOM the allocator unmaps every wholly
+#: free page and retries). It follows the gaps between live blocks, not their bytes: 26-216 MB at the
+#: replayed peak of 8 arms of 1.25 to 14.9 GB, 85-230 MB in torch's OOM messages inside Soup's process.
+#: Charged: the whole pages above the most measured. Evidence: docs/PEAK.md, "EXPANDABLE_RESERVE_PAGES".
+EXPANDABLE_RESERVE_PAGES = 11
+EXPANDABLE_RESERVE_BYTES = EXPANDABLE_RESERVE_PAGES * EXPANDABLE_PAGE_BYTES["large"]
 
 
 # -- The physical terms (bytes) --
@@ -496,5 +495,5 @@ def estimate_key(key: str, **kwargs) -> Estimate:
 
 
 def needs_free(allocated: int) -> int:
-    """Free bytes a card must have: allocated plus the expandable-segments reserve allowance."""
-    return math.ceil(allocated * (1 + EXPANDABLE_RESERVE_FRACTION)) + EXPANDABLE_RESERVE_BYTES
+    """Free bytes a card must have: allocated plus the allocator's reserve under expandable segments."""
+    return allocated + EXPANDABLE_RESERVE_BYTES

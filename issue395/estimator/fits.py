@@ -12,8 +12,8 @@ from ..record import LORA_R
 from ..text import gb, table
 from ..tasks import PROTOCOL_TASK, task
 from .cards import CARDS, DRIVER_KEPT, GATE_GROWTH_BYTES, STEP_GROWTH_BYTES, Budget, Card, budget, workspace_env
-from .estimate import EXPANDABLE_RESERVE_BYTES, EXPANDABLE_RESERVE_FRACTION, Estimate, estimate
-from .arch import layer_bytes
+from .estimate import EXPANDABLE_RESERVE_BYTES, EXPANDABLE_RESERVE_PAGES, Estimate, estimate
+from .arch import arch_from_config, layer_bytes
 from .soup_number import arch_of, soup_namespace
 from .terms import Phase, words
 
@@ -70,7 +70,8 @@ def axis_range(config: dict, axis: str, task_name: Optional[str] = None) -> tupl
     """(smallest, step, largest) of the values an answer along ``axis`` takes: seq, multiples of 64
     up to max positions; batch, every whole batch from the task's smallest up to BATCH_TOP."""
     if axis == "seq":
-        return SEQ_STEP, SEQ_STEP, arch_of(config).max_pos // SEQ_STEP * SEQ_STEP
+        # the model's own limit: whether the installed Soup streams it is the estimate's question (its release)
+        return SEQ_STEP, SEQ_STEP, arch_from_config(config).max_pos // SEQ_STEP * SEQ_STEP
     if axis == "batch":
         return task(task_name or PROTOCOL_TASK).min_batch, 1, BATCH_TOP
     raise UsageError(f"no answer along {axis!r}: seq or batch")
@@ -268,10 +269,10 @@ def estimate_table(rows: list[Estimate], cards, config: Optional[dict] = None, *
                    f"by the step's end, {STEP_GROWTH_BYTES / 1e6:.1f} MB, {GATE_GROWTH_BYTES / 1e6:.1f} MB of it "
                    "before Soup's gate reads free memory (measured on the H200: kernel modules loaded lazily, "
                    "library handles). the allocator's reserve: what the caching allocator holds above the allocated "
-                   f"peak under expandable segments, charged {EXPANDABLE_RESERVE_FRACTION:.1%} + "
-                   f"{EXPANDABLE_RESERVE_BYTES // 2**20} MiB (the envelope of the committed reserved figures; the "
-                   "lowest cap that completes measured 0.9%-1.5% above the allocated peak on Mistral-7B NF4 8128 and 512, "
-                   "results/min-free-*)")
+                   f"peak under expandable segments that a card cannot do without: the partial 20 MiB pages live "
+                   f"blocks touch, charged {EXPANDABLE_RESERVE_PAGES} pages, {EXPANDABLE_RESERVE_BYTES / 1e6:.1f} MB "
+                   "(the whole pages above the most measured: 26-216 MB at the allocator's replayed peak on 8 arms, "
+                   "85-230 MB in torch's OOM messages inside Soup's process; docs/PEAK.md)")
     if not verbose:  # the legends and the cards' sources: --verbose (the verdict lines come first)
         legend, sources = "--verbose: what each line means (the peak's terms, the fit rule, the context) and each card's source", []
     if len(rows) > WIDE_ARMS:

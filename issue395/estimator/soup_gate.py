@@ -13,7 +13,7 @@ from typing import Any, Optional
 from ..constants import STREAM_KEYS
 from ..errors import UsageError
 from ..record import SOUP_QUANT
-from .cards import GATE_GROWTH_BYTES, STEP_GROWTH_BYTES
+from .cards import STEP_GROWTH_BYTES
 from .estimate import estimate, needs_free
 
 #: `soup train` runs many optimizer steps; from the second on the optimizer's states are live and
@@ -82,7 +82,13 @@ def preflight(cfg: Any, tcfg: Any, model_config: Any, *, steps: Optional[int] = 
         why = str(exc) if isinstance(exc, UsageError) else f"{type(exc).__name__}: {exc}"
         return {"peak": None, "gate_bytes": None, "formula": formula, "refused": why,
                 "line": f"  corrected    not computed ({why}); the gate keeps Soup's formula"}
-    gate = needs_free(e.corrected_predicted) + STEP_GROWTH_BYTES - GATE_GROWTH_BYTES
+    # Soup's gate reads free memory before almost all of the runtime's growth: in `soup train`'s own
+    # process (every --find-max probe) the free memory at its gate was total - context - 16 to 22 MB,
+    # and torch's OOM messages there put 795-870 MB outside the allocator by the step (the context plus
+    # 220-230 MB grown after the gate): so the whole step growth is charged after the gate, not
+    # STEP_GROWTH_BYTES - GATE_GROWTH_BYTES (168 MB: the harness's own process, where its setup has
+    # loaded 90 MiB of modules by Soup's gate). Evidence: docs/PEAK.md, "GATE_GROWTH_BYTES, STEP_GROWTH_BYTES".
+    gate = needs_free(e.corrected_predicted) + STEP_GROWTH_BYTES
     held = int(getattr(tcfg, "gradient_accumulation_steps", 1) or 1) > 1 and not set(ACCUMULATION_KEYWORDS) & set(kwargs)
     return {"peak": e.corrected_predicted, "needs_free": e.needs_free, "gate_bytes": gate, "phase": e.phase,
             "steps": e.steps, "release": e.release, "terms": dict(e.terms), "formula": formula, "refused": None,

@@ -82,6 +82,8 @@ KNOWN_STACKS: tuple[KnownStack, ...] = (
         "depth-and-cap-proof-h200-soup0.77.0-6f45ab3",
         "emulated-card-proof-h200-soup0.77.0-9520654",
         "findmax-kimi-anatomy-h200-soup0.77.0-f6c944f",
+        "fit4-anatomy-findmax-h200-soup0.77.0-2de65db-and-f2319d3",
+        "fit4-pages-findmax-stack-h200-soup0.77.0-6a4d442",
         "map-077-full-h200-soup0.77.0-684477c",
         "min-free-h200-soup0.77.0-13837da",
         "moe-and-stream-modes-h200-soup0.77.0-fcde6d3",
@@ -93,6 +95,15 @@ KNOWN_STACKS: tuple[KnownStack, ...] = (
         "task-map-h200-soup0.77.0-f8e1b91-and-85975aa",
         "tasks-rest-h200-soup0.77.0-and-0.73.3-7e1f9a6",
         "untied-seq512-h200x2-soup0.73.3-and-0.77.0-f3ad9d2",
+    )),
+    # What `pip install "soup-cli[all]==0.77.0"` resolved on 2026-12-01, measured beside the pinned stack
+    # (bench/stack_latest.py renders the comparison, arm by arm: results/stack-latest-vs-pinned.txt).
+    KnownStack(_stack("2.11.0", "5.24.0", "0.21.2", "0.29.1", "0.50.2", "0.77.0"), (
+        "fit4-pages-findmax-stack-h200-soup0.77.0-6a4d442",
+    ), notes=(
+        TermNote("eager_masks", "Gemma-2 runs eager attention (transformers 5.24.0 declares _supports_sdpa = False): "
+                 "its two (rows, 1, seq, seq) bf16 masks are live at the peak, +8,388,608 B on DPO 1024x1, charged "
+                 "by this term where transformers is 5.24.0 or later"),
     )),
 )
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
-from ..constants import SIZE_UNITS, MiB, block_bytes
+from ..constants import EXPANDABLE_PAGE_BYTES, SIZE_UNITS, MiB, block_bytes
 from ..estimator.anatomy import classify_blocks, live_blocks
 
 
@@ -89,11 +89,6 @@ def device_history(snapshot: dict[str, Any]) -> tuple[list, set]:
     return trace, frees
 
 
-#: What expandable segments map physical memory in, per pool: 20 MiB pages in the large pool, 2 MiB in
-#: the small one (torch's kLargeBuffer and kSmallBuffer, ExpandableSegment's segment size in
-#: c10/cuda/CUDACachingAllocator.cpp). At an OOM the allocator unmaps every wholly free page and
-#: retries, so the pages a live block touches are what a card cannot do without.
-EXPANDABLE_PAGE_BYTES = {"large": 20 * MiB, "small": 2 * MiB}
 
 
 @dataclass(frozen=True)

@@ -206,8 +206,9 @@ FAMILIES: dict[str, Family] = {
 
 #: Model types Soup streams that no family here covers, and why (a map names them, never skips).
 NOT_ON_MAP = {
-    "qwen4_exp": "transformers 5.16.1's Qwen4ExpTextConfig defaults do not build (its sparse-attention "
-                 "indexer fields default to None) and no public qwen4_exp checkpoint exists",
+    # read in both stacks' source (transformers 5.16.1 and 5.24.0), so a verdict on either says the same
+    "qwen4_exp": "transformers' Qwen4ExpTextConfig defaults do not build, on 5.16.1 as on 5.24.0 (its "
+                 "sparse-attention indexer fields default to None), and no public qwen4_exp checkpoint exists",
 }
 
 

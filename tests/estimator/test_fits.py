@@ -51,11 +51,11 @@ def test_soup_admits_a_run_that_will_oom_where_its_number_is_under_needs_free():
 
 
 @pytest.mark.skipif(release_source("0.73.3") is None, reason="soup-cli 0.73.3's own code is not here (its venv runs it)")
-def test_on_24gb_soup_refuses_runs_that_would_fit():
-    e = E.estimate(MISTRAL, quant="nf4", seq=32704, release="0.73.3")
-    a = answer(C.parse_card("24GB"), e, context=0)
+def test_on_23gb_soup_refuses_runs_that_would_fit():
+    e = E.estimate(MISTRAL, quant="nf4", seq=32256, release="0.73.3")
+    a = answer(C.parse_card("23GB"), e, context=0)
     assert (a["fits"], a["soup_admits"], a["disagreement"]) == (True, False, F.REFUSES)
-    assert a["longest_seq"] == 32704 > a["longest_seq_soup_admits"]
+    assert a["longest_seq"] == 32256 > a["longest_seq_soup_admits"]
     assert "Soup refuses" in F.seq_direction(a)
 
 
@@ -140,8 +140,11 @@ def test_the_readmes_does_it_fit_example_is_what_estimate_prints(capfd, tmp_path
 
 def test_the_readmes_dpo_example_is_what_estimate_prints(capfd, tmp_path, monkeypatch):
     """The README's second soup.yaml (task: dpo) through --estimate --config prints the README's
-    verdict lines, line for line: Soup admits a run that will OOM, on the card its command names."""
+    verdict lines, line for line: Soup admits a run that will OOM, on the card its command names. Checked
+    where the installed soup-cli is the release its command names (the corrected peak moves by release)."""
     from conftest import ROOT
+
+    from issue395.estimator.releases import installed_release
 
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
     yaml_block = readme.split("```yaml\n")[2].split("```", 1)[0]
@@ -149,6 +152,9 @@ def test_the_readmes_dpo_example_is_what_estimate_prints(capfd, tmp_path, monkey
                    ).split("```", 1)[0].split()
     shown = readme.split("```text\n")[2].split("```", 1)[0].splitlines()
     assert "task: dpo" in yaml_block and "--card" in command
+    named = command[command.index("soup-cli") + 1] if "soup-cli" in command else None
+    if named is not None and named != installed_release():
+        pytest.skip(f"the README shows soup-cli {named}'s output")
     (tmp_path / "soup-dpo.yaml").write_text(yaml_block, encoding="utf-8")
     monkeypatch.chdir(tmp_path)
     code, out, _ = main(capfd, ["--estimate", "--config", "soup-dpo.yaml", "--card", command[command.index("--card") + 1]])

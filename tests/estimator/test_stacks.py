@@ -24,13 +24,15 @@ VERIFIED_077 = {"torch": "2.11.0+cu130", "transformers": "5.16.1", "peft": "0.20
                 "bitsandbytes": "0.50.2", "soup-cli": "0.77.0"}
 #: what a fresh `pip install "soup-cli[all]==0.77.0"` resolved on 2026-12-01 (issue 37), on the H200's torch
 LATEST = dict(VERIFIED_077, transformers="5.24.0", peft="0.21.2")
+#: FAKED: a stack no committed run measured, for the rows a test adds to the table
+NEWER = dict(LATEST, transformers="5.25.0", peft="0.22.0")
 
 
 def named_in(folder) -> list[dict[str, str]]:
     """Each evidence file's named versions: a stack*.txt is pip's list on the GPU box, a JSON the
     run's environment."""
     files = []
-    for txt in sorted(folder.glob("stack*.txt")):
+    for txt in sorted(folder.rglob("stack*.txt")):
         lines = S.box_stack(txt.read_text())
         files.append({p: lines[p] for p in S.PACKAGES if p in lines})
     for path in sorted(folder.rglob("*.json")):
@@ -76,36 +78,45 @@ def test_the_verified_stack_reads_verified_with_its_evidence_and_charges_nothing
     assert c.to_json()["evidence"][0] == "results/" + S.KNOWN_STACKS[1].evidence[0]
 
 
-def test_the_latest_stack_soup_admits_reads_not_verified_naming_what_differs():
-    """FAKED versions: transformers 5.24.0 and peft 0.21.2, what pip resolves today for soup-cli 0.77.0."""
+def test_the_latest_stack_soup_admits_reads_verified_with_what_it_charges_for_it():
+    """FAKED versions: transformers 5.24.0 and peft 0.21.2, what pip resolves today for soup-cli 0.77.0,
+    measured on the H200 beside the pinned stack: verified, and its verdict names the term it charges."""
     c = S.check(LATEST)
+    assert c.status == "verified" and c.match is S.KNOWN_STACKS[2] and c.differs == ()
+    assert c.charged.startswith("eager_masks: Gemma-2 runs eager attention")
+    assert "verified on this stack; charged for it: eager_masks: " in c.words()
+
+
+def test_a_stack_newer_than_the_latest_measured_reads_not_verified_naming_what_differs():
+    """FAKED versions: a transformers and peft no committed run measured."""
+    c = S.check(NEWER)
     assert c.status == "not verified" and c.match is None
-    assert c.differs == (("transformers", "5.24.0", "5.16.1"), ("peft", "0.21.2", "0.20.0"))
-    assert c.words() == ("not verified on this stack: transformers 5.24.0 (verified on 5.16.1), peft 0.21.2 "
+    assert c.differs == (("transformers", "5.25.0", "5.16.1"), ("peft", "0.22.0", "0.20.0"))
+    assert c.words() == ("not verified on this stack: transformers 5.25.0 (verified on 5.16.1), peft 0.22.0 "
                          "(verified on 0.20.0); charged for it: nothing extra (issue395/estimator/stacks.py)")
     j = c.to_json()
-    assert (j["verified"], j["charged"], j["packages"]["transformers"]) == (False, "nothing extra", "5.24.0")
+    assert (j["verified"], j["charged"], j["packages"]["transformers"]) == (False, "nothing extra", "5.25.0")
 
 
 def test_a_measured_row_carries_its_notes_per_term_and_charges_them():
-    """A FAKED row of the kind the GPU comparison adds: the latest stack measured, not verified, with a note
+    """A FAKED row of the kind the GPU comparison adds: a newer stack measured, not verified, with a note
     on one term. The check matches it, says measured, names what differs from the verified stack, and
     charges the note."""
     note = S.TermNote("allocated_allowance", "+8,388,608 B on Gemma-2's forward (a FAKED note)")
-    measured = S.KnownStack(tuple((p, S.release(LATEST[p])) for p in S.PACKAGES), ("a-folder",), verified=False,
+    measured = S.KnownStack(tuple((p, S.release(NEWER[p])) for p in S.PACKAGES), ("a-folder",), verified=False,
                             notes=(note,))
-    c = S.check(LATEST, known=S.KNOWN_STACKS + (measured,))
+    c = S.check(NEWER, known=S.KNOWN_STACKS + (measured,))
     assert c.status == "measured, not verified" and c.match is measured
     assert c.charged == "allocated_allowance: +8,388,608 B on Gemma-2's forward (a FAKED note)"
-    assert "measured on it (results/a-folder)" in c.words() and "transformers 5.24.0 (verified on 5.16.1)" in c.words()
+    assert "measured on it (results/a-folder)" in c.words() and "transformers 5.25.0 (verified on 5.16.1)" in c.words()
     assert c.to_json()["notes"] == [{"term": "allocated_allowance", "note": note.note}]
 
 
 def test_a_verified_row_with_notes_says_what_it_charges():
-    """A FAKED row: the latest stack verified once its difference is modelled; its note is charged."""
+    """A FAKED row: a newer stack verified once its difference is modelled; its note is charged."""
     note = S.TermNote("allocated_allowance", "+8 MiB (a FAKED note)")
-    row = S.KnownStack(tuple((p, S.release(LATEST[p])) for p in S.PACKAGES), ("a", "b"), notes=(note,))
-    c = S.check(LATEST, known=S.KNOWN_STACKS + (row,))
+    row = S.KnownStack(tuple((p, S.release(NEWER[p])) for p in S.PACKAGES), ("a", "b"), notes=(note,))
+    c = S.check(NEWER, known=S.KNOWN_STACKS + (row,))
     assert c.status == "verified" and c.differs == ()
     assert c.words() == ("verified on this stack; charged for it: allocated_allowance: +8 MiB (a FAKED note) "
                          "(2 results folders: issue395/estimator/stacks.py)")

@@ -5,7 +5,8 @@ torch.cuda.memory._snapshot() gives (segments with their end-state blocks, one d
 
 from __future__ import annotations
 
-from issue395.measure.cuda import EXPANDABLE_PAGE_BYTES, page_need
+from issue395.constants import EXPANDABLE_PAGE_BYTES
+from issue395.measure.cuda import page_need
 
 MiB = 2**20
 P = EXPANDABLE_PAGE_BYTES["large"]

@@ -59,14 +59,34 @@ def test_the_estimates_verdict_names_the_installed_stack_under_the_card_lines_an
     assert json.loads((tmp_path / "e.json").read_text())["stack"] == stack.to_json()
 
 
-def test_under_the_latest_stack_the_estimate_says_not_verified_naming_what_differs(capfd, soup_yaml, monkeypatch, tmp_path):
-    """FAKED: transformers 5.24.0 and peft 0.21.2 on the H200's torch (what pip resolves today)."""
+def test_under_the_latest_stack_the_estimate_names_what_it_charges_for_it(capfd, soup_yaml, monkeypatch, tmp_path):
+    """FAKED: transformers 5.24.0 and peft 0.21.2 on the H200's torch (what pip resolves today), measured
+    with soup-cli 0.77.0: verified there, charging Gemma-2's eager masks; beside 0.73.3, not verified, and
+    the one package that differs from the nearest verified row is soup-cli."""
     fake_versions(monkeypatch, LATEST)
     code, out, err = main(capfd, ["--estimate", "--config", soup_yaml(), "--card", "T4", "--json", "e.json"])
     assert code == 0, err
+    head = (f"  stack: torch 2.11.0+cu130, transformers 5.24.0, peft 0.21.2, trl 0.29.1, bitsandbytes 0.50.2, soup-cli "
+            f"{installed_release()}: ")
+    saved = json.loads((tmp_path / "e.json").read_text())["stack"]
+    if installed_release() == "0.77.0":
+        assert verdict_block(out)[2].startswith(head + "verified on this stack; charged for it: eager_masks: Gemma-2 ")
+        assert (saved["status"], saved["verified"]) == ("verified", True) and saved["charged"].startswith("eager_masks")
+    else:
+        assert verdict_block(out)[2] == (head + f"not verified on this stack: soup-cli {installed_release()} (verified on "
+                                         "0.77.0); charged for it: nothing extra (issue395/estimator/stacks.py)")
+        assert (saved["status"], saved["verified"], saved["charged"]) == ("not verified", False, "nothing extra")
+
+
+def test_under_a_stack_no_run_measured_the_estimate_says_not_verified_naming_what_differs(capfd, soup_yaml, monkeypatch,
+                                                                                         tmp_path):
+    """FAKED: a transformers and peft newer than any committed run's, on the H200's torch."""
+    fake_versions(monkeypatch, dict(LATEST, transformers="5.25.0", peft="0.22.0"))
+    code, out, err = main(capfd, ["--estimate", "--config", soup_yaml(), "--card", "T4", "--json", "e.json"])
+    assert code == 0, err
     assert verdict_block(out)[2] == (
-        f"  stack: torch 2.11.0+cu130, transformers 5.24.0, peft 0.21.2, trl 0.29.1, bitsandbytes 0.50.2, soup-cli "
-        f"{installed_release()}: not verified on this stack: transformers 5.24.0 (verified on 5.16.1), peft 0.21.2 "
+        f"  stack: torch 2.11.0+cu130, transformers 5.25.0, peft 0.22.0, trl 0.29.1, bitsandbytes 0.50.2, soup-cli "
+        f"{installed_release()}: not verified on this stack: transformers 5.25.0 (verified on 5.16.1), peft 0.22.0 "
         "(verified on 0.20.0); charged for it: nothing extra (issue395/estimator/stacks.py)")
     saved = json.loads((tmp_path / "e.json").read_text())["stack"]
     assert (saved["status"], saved["verified"], saved["charged"]) == ("not verified", False, "nothing extra")
