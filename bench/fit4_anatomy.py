@@ -107,6 +107,7 @@ def main() -> None:
 def pages() -> None:
     """The reserve a card cannot do without, under expandable segments (what `soup train` runs): at the
     replayed peak, the 20 MiB (large pool) and 2 MiB (small pool) pages the live blocks touch."""
+    from issue395.constants import EXPANDABLE_PAGE_BYTES
     from issue395.estimator.estimate import EXPANDABLE_RESERVE_BYTES, EXPANDABLE_RESERVE_PAGES, needs_free
 
     rows = anatomy(PAGES / "call-1", "pages-")
@@ -117,11 +118,11 @@ def pages() -> None:
     for name, d, e in rows:
         p, c = d["page_need"], e.corrected_predicted
         print(f"{name:<46}{p['allocated'] / 1e9:>13.4f}{c / 1e9:>13.4f}{c / p['allocated']:>10.4f}x{p['pages'] / 1e9:>10.4f}"
-              f"{p['reserve'] / 1e6:>11.1f}{p['reserve'] / (20 * 2**20):>9.2f}{(needs_free(c) - c) / 1e6:>11.1f}"
+              f"{p['reserve'] / 1e6:>11.1f}{p['reserve'] / EXPANDABLE_PAGE_BYTES['large']:>9.2f}{(needs_free(c) - c) / 1e6:>11.1f}"
               f"{(needs_free(c) - p['pages']) / 1e6:>22.1f}")
     print(f"allocated: the replayed peak (requested sizes at 512 B; under expandable segments a block splits to its "
-          f"request, so it equals max_memory_allocated: unseen 0 to 0.03 MB on these arms); reserve: pages - allocated; "
-          f"charged: {EXPANDABLE_RESERVE_PAGES} pages of 20 MiB ({EXPANDABLE_RESERVE_BYTES:,} B), the whole pages above "
+          f"request, so it equals max_memory_allocated to the difference below); reserve: pages - allocated; "
+          f"charged: {EXPANDABLE_RESERVE_PAGES} pages of {EXPANDABLE_PAGE_BYTES['large'] // 2**20} MiB ({EXPANDABLE_RESERVE_BYTES:,} B), the whole pages above "
           "the most measured here and in torch's OOM messages below")
     unseen = max(d["real_peak"] - d["requested_peak"] for _, d, _ in rows)
     print(f"max_memory_allocated - the requested peak, the most on these arms: {unseen:,} B")

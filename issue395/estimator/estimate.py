@@ -58,7 +58,7 @@ ALLOCATED_ALLOWANCE_BYTES = 3_500_000
 #: The allocator's reserve a card must hold above the allocated peak under expandable segments (what
 #: `soup train` sets): the partial pages live blocks touch (at an OOM the allocator unmaps every wholly
 #: free page and retries). It follows the gaps between live blocks, not their bytes: 26-216 MB at the
-#: replayed peak of 8 arms of 1.25 to 14.9 GB, 85-230 MB in torch's OOM messages inside Soup's process.
+#: replayed peak of 8 arms of 1.25 to 14.9 GB, 54-230 MB in torch's OOM messages inside Soup's process.
 #: Charged: the whole pages above the most measured. Evidence: docs/PEAK.md, "EXPANDABLE_RESERVE_PAGES".
 EXPANDABLE_RESERVE_PAGES = 11
 EXPANDABLE_RESERVE_BYTES = EXPANDABLE_RESERVE_PAGES * EXPANDABLE_PAGE_BYTES["large"]
