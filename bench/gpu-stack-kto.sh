@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 37 (soup-cli 0.77.0, one H200; not yet run): the one difference left unattributed between the pinned
+# Issue 37 (soup-cli 0.77.0, one H200; ran as call 5 of results/fit4-pages-findmax-stack-*): the one difference left unattributed between the pinned
 # stack and the latest (results/stack-latest-vs-pinned.txt): KTO NF4 at 512x2 measured +1,024 B on the latest
 # stack on all five families, equal at 2048x2. Each arm here once per stack, with the allocator's history and
 # the Python frames of each live block (task_peak_anatomy's groups), so the 1,024 B is read off the history, not inferred.

@@ -5,10 +5,10 @@ Measured: the task map's families and tasks on the latest stack (results/fit4-pa
 task-map-*latest.json: SFT, DPO, ORPO, SimPO at batch 1 and KTO at batch 2, seq 512 and 2048, bf16 and
 NF4) beside the pinned stack's committed task maps (results/task-map-h200-soup0.77.0-*/task-map-*.json),
 and Gemma-2-2B DPO bf16 1024x1 with the allocator's history on both stacks (…/call-3/anatomy-*-latest.json,
-results/fit4-anatomy-findmax-*/call-1-2/anatomy-*-pinned.json). Computed: this tool's corrected estimate
+results/fit4-anatomy-findmax-*/call-1-2/anatomy-*-pinned.json), and SmolLM2 KTO NF4 at 512x2 and 2048x2 alone in
+one process each on both stacks (…/call-5/), where the maps' rows were 1,024 B apart. Computed: this tool's corrected estimate
 for each arm on the stack it ran (its transformers release picks the attention the estimator charges).
-Every difference in bytes is set beside what the allocator's history shows where one was recorded, and
-said to be unattributed where none was.
+Every difference in bytes is set beside what the allocator's history shows.
 
     .venv/bin/python bench/stack_latest.py > results/stack-latest-vs-pinned.txt
 """
@@ -28,6 +28,7 @@ from issue395.model.registry import FAMILIES, SHAPES  # noqa: E402
 LATEST = next(ROOT.glob("results/fit4-pages-findmax-stack-h200-soup0.77.0-*")) / "call-3"
 PINNED = next(ROOT.glob("results/task-map-h200-soup0.77.0-*"))
 PINNED_ANATOMY = next(ROOT.glob("results/fit4-anatomy-findmax-h200-soup0.77.0-*")) / "call-1-2"
+ISOLATED = LATEST.parent / "call-5"  # bench/gpu-stack-kto.sh: the KTO NF4 arms alone, on both stacks
 NAME = {**{k: f.name for k, f in FAMILIES.items()}, **{k: s.name for k, s in SHAPES.items()}}
 PACKAGES = ("torch", "transformers", "peft", "trl", "bitsandbytes", "soup_cli")
 
@@ -86,9 +87,22 @@ def main() -> None:
     print(f"\n{len(shared)} arms measured on both stacks: {len(shared) - len(apart)} equal to the byte, {len(apart)} apart "
           f"({', '.join(sorted({f'{b - a:+,} B' for k in apart for a, b in [(old[k]['real_peak'], new[k]['real_peak'])]}))}: "
           + "; ".join(f"{NAME[k[0]]} {k[1]} {k[2]} {k[3]}x{k[4]}" for k in apart) + ")")
-    print("  unattributed: the maps record no allocator history. All are KTO NF4 at 512x2; the same arms at 2048x2 are "
-          "equal to the byte. Within the corrected estimate's allowance (never under); their history is the next "
-          "device call (bench/gpu-stack-kto.sh).")
+    iso = {(s, side): json.loads((ISOLATED / f"anatomy-kto-smol-nf4-{s}x2-{side}.json").read_text(encoding="utf-8"))
+           for s in (512, 2048) for side in ("pinned", "latest")}
+    print("  the same arm in one process each, on each stack, with the allocator's history "
+          f"({ISOLATED.parent.name}/{ISOLATED.name}, SmolLM2-135M KTO NF4):")
+    for s in (512, 2048):
+        a, b = iso[(s, "pinned")], iso[(s, "latest")]
+        c = estimate_key("smol", quant="nf4", seq=s, batch=2, release="0.77.0", task="kto", soup=False,
+                         transformers="5.24.0").corrected_predicted
+        print(f"    {s}x2: max_memory_allocated pinned {a['real_peak']:,} B, latest {b['real_peak']:,} B "
+              f"({b['real_peak'] - a['real_peak']:+,}); replayed {a['replayed_peak']:,} B against {b['replayed_peak']:,} B "
+              f"({b['replayed_peak'] - a['replayed_peak']:+,}); corrected {c:,} B, {c / b['real_peak']:.4f}x")
+    key = ("smol", "kto", "nf4", 512, 2)
+    one = iso[(512, "pinned")]["real_peak"]
+    print(f"  so it is not the stack: the two maps' SmolLM2 row sits {old[key]['real_peak'] - one:+,} B (pinned) and "
+          f"{new[key]['real_peak'] - one:+,} B (latest) from the one-process peak both stacks share: it moves with the "
+          "process a map ran the arm in (a lane runs many arms in one), not with the package.")
     ratios = [corrected(k, new[k], new_env[k]) / new[k]["real_peak"] for k in new]
     print(f"\nmeasured on the latest stack only ({len(only)} arms: the pinned task maps did not run them): corrected/real "
           f"{min(corrected(k, new[k], new_env[k]) / new[k]['real_peak'] for k in only):.4f}x to "
