@@ -199,10 +199,14 @@ def oom_readings() -> None:
           "charge at that seq (computed; context: the box's, measured by the probing process)")
     print(f"{'probe':<40}{'allocated+tried GB':>19}{'corrected GB':>13}{'reserve MB':>11}{'charged MB':>11}"
           f"{'outside MB':>11}{'charged MB':>11}")
+    seen = set()  # a config run twice (FIND_MAX_CALLS: the later call first) is read once, as findmax() reads it
     for folder, calls in FIND_MAX_CALLS:
         for call in calls:
             for logs in sorted((folder / call).glob("find-max-*-logs")):
                 name = logs.name[len("find-max-"):-len("-logs")]
+                if name in seen:
+                    continue
+                seen.add(name)
                 d = json.loads((logs.parent / f"find-max-{name}.json").read_text(encoding="utf-8"))
                 for log in sorted(logs.glob("soup-find-max-seq-*.log")):
                     r = oom_reading(log.read_text(encoding="utf-8", errors="replace"))

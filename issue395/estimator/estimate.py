@@ -10,7 +10,6 @@ peak = resident + max(loss phase, layer phase) [+ steady-state terms when steps 
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from ..constants import CUBLAS_WORKSPACE, CUBLASLT_WORKSPACE, EXPANDABLE_PAGE_BYTES, K_MIN_LARGE_ALLOC, K_ROUND_LARGE, K_SMALL_SIZE, STREAM_KEYS, block_bytes
