@@ -126,8 +126,9 @@ NEW_RUNS = sorted(str(p.relative_to(ROOT)) for d in ("moe-and-stream-modes-h200-
                                                        "out-of-sample-and-fit-proof-h200-soup0.77.0-95d9ed3")
                   for p in (ROOT / "results" / d).glob("*.json") if not p.name.startswith("estimate-"))
 #: What each streaming mode or family adds that Soup's formula has no term for (the corrected terms).
-NEW_TERMS = {"retained_activations": "stream_recompute off: every layer keeps its activations, L x T x what a "
-                                     "layer saves per token; Soup's docstring says its formula does not count them",
+NEW_TERMS = {"retained_activations": "stream_recompute off: every layer from the first that holds a LoRA target "
+                                     "keeps its activations, T x what that layer saves per token (before it autograd "
+                                     "records nothing); Soup's docstring says its formula does not count them",
              "chunked_loss": "stream_loss_chunk: a backward's cuBLAS workspace inside the loss (32 MiB) and Soup's "
                              "two [batch, seq, hidden] tensors; and the chunk's logits at 14 B (3 fp32 + its bf16 "
                              "logits) that Soup charges",
@@ -241,7 +242,7 @@ def preference() -> None:
 
 
 FIND_MAX = "results/findmax-kimi-anatomy-h200-soup0.77.0-f6c944f/find-max-qwen-dpo-12GB.json"
-PATCH_PROOF = sorted(str(p.relative_to(ROOT)) for p in ROOT.glob("results/soup-patch-gate-*/soup-patch-gate-*.json"))
+PATCH_PROOF = sorted(str(p.relative_to(ROOT)) for p in ROOT.glob("results/*/*/soup-patch-gate-*.json"))
 
 
 def soup_patch() -> None:
@@ -333,9 +334,14 @@ def soup_patch() -> None:
         print("\nThe GPU proof (the real `soup train`, patched, gate NOT lifted; `bench/gpu-soup-patch.sh`):\n")
         for path in PATCH_PROOF:
             d = json.loads((ROOT / path).read_text(encoding="utf-8"))
-            print(f"- `{path}` ({d['config']}, {d['card']}, measured limit {d['limit']}): " + "; ".join(
-                f"{p['seq']} {p['outcome']}" for p in d["probes"]) + f". Every admitted run completed: "
-                f"{'yes' if d['never_oom'] else 'NO'}; longest admitted {d['longest_admitted']}.")
+            probes = sorted(d["probes"], key=lambda p: p["seq"])
+            print(f"- `{path}` ({d['config']}, {d['card']}, measured limit {d['limit']} with the gate lifted): " + "; ".join(
+                f"seq {p['seq']} {p['outcome']} (patched number {p['patched_number'] / 1e9:.2f} GB, free "
+                f"{p['free_gb']:.2f} GB as Soup printed it)" for p in probes) + f". Every admitted run completed: "
+                f"{'yes' if d['never_oom'] else 'NO'}; longest admitted {d['longest_admitted']}"
+                + (" (the limit)." if d["longest_admitted"] == d["limit"] else
+                   " (one resolution step below the limit)." if d["longest_admitted"] == d["limit"] - 64 else
+                   f" (the limit is {d['limit']})."))
     else:
         print("\nThe GPU proof is `bench/gpu-soup-patch.sh` (the real `soup train`, patched, its gate NOT lifted, on "
               "emulated cards at and around the measured limits); not yet run.")

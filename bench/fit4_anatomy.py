@@ -37,6 +37,10 @@ from issue395.estimator.stacks import box_stack  # noqa: E402
 
 FOLDER = next(ROOT.glob("results/fit4-anatomy-findmax-h200-soup0.77.0-*"))
 PAGES = next(ROOT.glob("results/fit4-pages-findmax-stack-h200-soup0.77.0-*"))
+#: the next session's expandable-segments reruns of the arms that read under with the default allocator
+PAGES2 = next(ROOT.glob("results/pages2-soup-patch-map4-modes-h200-soup0.77.0-*"))
+#: every folder of pages-*.json (bench/gpu-fit4-pages.sh, PART=1 then PART=2)
+PAGE_CALLS = (PAGES / "call-1", PAGES2 / "call-1-3")
 #: each folder's find-max calls, the later call first where one config ran twice (the run that answered)
 FIND_MAX_CALLS = ((FOLDER, ("call-3-4", "call-1-2")), (PAGES, ("call-4", "call-2")))
 #: the registry key each anatomy file's checkpoint was built from (bench/gpu-fit4-anatomy.sh's `an` lines)
@@ -110,8 +114,9 @@ def pages() -> None:
     from issue395.constants import EXPANDABLE_PAGE_BYTES
     from issue395.estimator.estimate import EXPANDABLE_RESERVE_BYTES, EXPANDABLE_RESERVE_PAGES, needs_free
 
-    rows = anatomy(PAGES / "call-1", "pages-")
-    print(f"\nunder expandable segments, as `soup train` runs (H200, soup-cli 0.77.0; {PAGES.name}/call-1): the allocated "
+    rows = [r for call in PAGE_CALLS for r in anatomy(call, "pages-")]
+    print("\nunder expandable segments, as `soup train` runs (H200, soup-cli 0.77.0; "
+          + ", ".join(f"{c.parent.name}/{c.name}" for c in PAGE_CALLS) + "): the allocated "
           "peak, and the pages its live blocks touch at the replayed peak (measured, page_need)")
     print(f"{'arm':<46}{'allocated GB':>13}{'corrected GB':>13}{'/allocated':>11}{'pages GB':>10}{'reserve MB':>11}"
           f"{'in pages':>9}{'charged MB':>11}{'needs free - pages MB':>22}")
@@ -126,6 +131,13 @@ def pages() -> None:
           "the most measured here and in torch's OOM messages below")
     unseen = max(d["real_peak"] - d["requested_peak"] for _, d, _ in rows)
     print(f"max_memory_allocated - the requested peak, the most on these arms: {unseen:,} B")
+    default = {name: d for name, d, _ in anatomy()}
+    print("\nthe same arm under the default allocator (the first table: its max_memory_allocated counts unsplit block "
+          "remainders) and under expandable segments (above): corrected / max_memory_allocated")
+    for name, d, e in rows:
+        if name in default:
+            c = e.corrected_predicted
+            print(f"{name:<46} default {c / default[name]['real_peak']:.4f}x  expandable {c / d['real_peak']:.4f}x")
 
 
 def findmax() -> None:

@@ -20,6 +20,10 @@ else
 fi
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
 set +e
+if [ -n "${1:-}" ]; then  # a release asked for is the release installed, or nothing runs on the wrong one
+  got=$(python3 -c "import importlib.metadata as m; print(m.version('soup-cli'))" 2>/dev/null)
+  if [ "$got" != "$1" ]; then echo "gpu-box.sh: soup-cli ${got:-none} is installed, $1 was asked" >&2; return 1 2>/dev/null || exit 1; fi
+fi
 mkdir -p "$R"
 { nvidia-smi; python3 -m pip list 2>/dev/null |
   grep -iE "^(torch|transformers|trl|peft|soup-cli|datasets|accelerate|bitsandbytes) "; } > "$R/stack.txt" 2>&1

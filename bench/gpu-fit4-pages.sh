@@ -7,7 +7,8 @@
 # process measured 193-230 MB of it at two --find-max limits (results/fit4-anatomy-findmax-render.txt).
 # PART=1 (ran: results/fit4-pages-findmax-stack-*/call-1/): the five find-max configs at their measured limits,
 # the two committed --min-free arms and Mistral r256.
-# PART=2 (not yet run, about 4 min, BUDGET_S=300 is enough): issue 34's last claim, the corrected estimate within
+# PART=2 (ran: results/pages2-soup-patch-map4-modes-*/call-1-3/; about 5.5 min on a fresh box, so BUDGET_S=420:
+# at 300 the Mistral arm's 14 GB checkpoint build took what was left): issue 34's last claim, the corrected estimate within
 # [1.00, 1.02] of the real peak on every committed large-adapter arm. The arms of
 # results/fit4-anatomy-findmax-*/call-1-2/ that read under there ran the default allocator (max_memory_allocated
 # counts unsplit block remainders the history cannot see; the replayed base holds the setup's): Qwen2.5 DPO bf16
@@ -25,7 +26,8 @@ print(synthetic_checkpoint(family_shape('$1'), Path('$C/checkpoints'))[0])"; }
 an() {  # an TAG FAMILY ARGS...
   local tag=$1 fam=$2; shift 2
   if [ "$(left)" -lt 45 ]; then echo "not run (time): $tag" >> "$R/commands.txt"; return; fi
-  local base; base=$(ck "$fam"); echo "checkpoint $fam: $base" >> "$R/commands.txt"
+  local base; base=$(ck "$fam") || { echo "checkpoint $fam: its build failed, $tag not run" >> "$R/commands.txt"; return; }
+  echo "checkpoint $fam: $base" >> "$R/commands.txt"
   cmd "pages-$tag" timeout -s INT -k 15 "$(left 20)" python3 bench/task_peak_anatomy.py --expandable --base "$base" "$@" \
       --work /dev/shm/w --json "$R/pages-$tag.json"
   rm -rf /dev/shm/w

@@ -262,8 +262,6 @@ def class_breakdown(classes: dict, est, *, seq: int, batch: int, config: dict) -
         charged[FP32_RESIDUAL] = 0  # (CLASSES tie-break 3)
     named = {t for terms in NAMED_TERMS.values() for t in terms} | _UNCHARGED
     charged[REST] = sum(_charged(est, t) for t in est.terms if t not in named and BY_KEY[t].phases & _STEP_PHASES)
-    if est.phase == Phase.LAYER.value and "retained_activations" in est.terms:  # all but the layer run
-        charged[REST] += est.terms["retained_activations"] * (a.L - 1) // a.L
     per = {DEQUANTISED: (1, "layer"), LOGITS_FP32: (elements, "logits element"),
            LOGITS_BF16: (elements, "logits element"), HEAD_COPY: None, CHECKPOINTED: (T, "token"),
            FP32_RESIDUAL: (T, "token"), MASKS: (seq * seq * rows, "seq^2"), ROTARY: (seq, "position"),

@@ -237,13 +237,20 @@ def kind_terms(a: Arch, k: Kind, quant: str, targets: tuple, r: int, T: int, per
             "expert_in_flight": expert_in_flight(a.layers.expert, quant) if per_expert and k.routed else 0}
 
 
-def retained_per_token(a: Arch, quant: str, targets: tuple, r: int) -> int:
-    """stream_recompute off: what one layer keeps per token for its backward (its per-token count
-    less the transients), the widest kind. Evidence: SmolLM2 keeps 19.6-20.0 KB a token a layer
-    over the checkpointed step (results/moe-and-stream-modes-*/recompute.txt); this counts 20.4."""
+def retained_by_layer(a: Arch, quant: str, targets: tuple, r: int) -> list[int]:
+    """stream_recompute off: what each layer keeps per token for its backward, first to last: its
+    kind's per-token count less the transients. A layer before the first that holds a LoRA target
+    keeps nothing: neither its input nor its weights need a gradient, so autograd records no graph
+    there (Qwen3.5's q_proj and v_proj are in its full-attention layers only, every fourth).
+    Evidence: SmolLM2 keeps 19.6-20.0 KB a token a layer over the checkpointed step
+    (results/moe-and-stream-modes-*/recompute.txt; this counts 20.4); Qwen3.5-MoE (4 of 40 layers,
+    q_proj and v_proj) keeps 129.5 KB a token at 2048 and 4096, all of it from layer 3 on (the
+    recompute-off rows of results/pages2-soup-patch-map4-modes-*/call-5 against call-4's)."""
     if a.layers is None:
-        return layer_per_token(a, quant, targets, r) - 2 * 3 * a.i - 2 * a.h
-    return max(kind_per_token(a, k, targets, r) - kind_transients(a, k) for k in a.layers.kinds)
+        return [layer_per_token(a, quant, targets, r) - 2 * 3 * a.i - 2 * a.h] * a.L
+    kinds = [a.layers.kinds[j] for j in (a.layers.order or (0,) * a.L)]
+    first = next((n for n, k in enumerate(kinds) if any(t in k.dequant for t in targets)), 0)
+    return [0 if n < first else kind_per_token(a, k, targets, r) - kind_transients(a, k) for n, k in enumerate(kinds)]
 
 
 # -- A preference loss's step (issue395/tasks.py names the task; the bytes are here) --
@@ -452,7 +459,9 @@ def estimate(config: dict, *, quant: str = "none", seq: int, batch: int = 1, tar
         t["allocator_rounding"] = allocator_rounding(a, min(chunk, seq) * batch)
         t[Term.CHUNKED_LOSS.key] = ws + 2 * 2 * a.h * T
     if recompute == "off":
-        t[Term.RETAINED_ACTIVATIONS.key] = a.L * T * retained_per_token(a, quant, targets, lora_r)
+        kept = retained_by_layer(a, quant, targets, lora_r)
+        t[Term.RETAINED_ACTIVATIONS.key] = T * sum(kept)
+        t[Term.RETAINED_BESIDE_LAYER.key] = T * (sum(kept) - kept[-1])  # the last layer's backward runs first
     t.update(gradient_terms(a, n, per, accumulation))
     if steps > 1:
         t.update(steady_terms(a, targets, lora_r, optimizer, per))
@@ -463,8 +472,6 @@ def estimate(config: dict, *, quant: str = "none", seq: int, batch: int = 1, tar
         # the last (one input, every other layer's gradients), whichever holds more
         ckpt = t[Term.CHECKPOINTED_INPUTS.key]
         layer -= t[Term.BACKWARD_GRADIENTS.key] + ckpt - max(ckpt, ckpt // a.L + t[Term.BACKWARD_GRADIENTS.key])
-    if recompute == "off":  # the backward's first layer: every other layer still holds its activations
-        layer += t["retained_activations"] * (a.L - 1) // a.L
     step = {Phase.LOSS: phase_sum(t, Phase.LOSS), Phase.REFERENCE: phase_sum(t, Phase.REFERENCE) if tk.reference
             else 0, Phase.LAYER: layer}
     if steps > 1 or accumulation > 1:  # after a first backward its thread's cuBLAS workspace stays

@@ -271,8 +271,8 @@ def estimate_table(rows: list[Estimate], cards, config: Optional[dict] = None, *
                    "library handles). the allocator's reserve: what the caching allocator holds above the allocated "
                    f"peak under expandable segments that a card cannot do without: the partial 20 MiB pages live "
                    f"blocks touch, charged {EXPANDABLE_RESERVE_PAGES} pages, {EXPANDABLE_RESERVE_BYTES / 1e6:.1f} MB "
-                   "(the whole pages above the most measured: 26-216 MB at the allocator's replayed peak on 8 arms, "
-                   "54-230 MB in torch's OOM messages inside Soup's process; docs/PEAK.md)")
+                   "(the whole pages above the most measured, at the allocator's replayed peak and in torch's OOM "
+                   "messages inside Soup's process: docs/PEAK.md, results/fit4-anatomy-findmax-render.txt)")
     if not verbose:  # the legends and the cards' sources: --verbose (the verdict lines come first)
         legend, sources = "--verbose: what each line means (the peak's terms, the fit rule, the context) and each card's source", []
     if len(rows) > WIDE_ARMS:

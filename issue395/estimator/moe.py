@@ -52,6 +52,7 @@ class Layers:
     expert: tuple  # one routed expert's matrices' elements (empty: no experts)
     lora: dict  # name -> (in, out, bias)
     kinds: tuple  # (Kind, ...)
+    order: tuple = ()  # each layer's index into kinds, first to last (empty: every layer the first kind)
 
 
 def _get(config: dict, defaults: dict, name: str):
@@ -87,8 +88,9 @@ def deepseek_v3(config: dict, h: int, i: int, L: int, heads: int) -> Layers:
     attention_width, extra = 2 * qk + 2 * heads * vh, kvr + rope + (qr or 0)
     kinds = ((Kind(dict(attn, **dense), attention_width, extra, i),) if has_dense else ()) + (
         (Kind(dict(attn, **shared_mlp), attention_width, extra, k * mi + mi * shared, E, k),) if has_moe else ())
+    order = tuple(0 if n < first_dense else len(kinds) - 1 for n in range(L))
     return Layers(tuple(union), (h * mi, h * mi, mi * h) if has_moe else (), dict(attn, **dense, **shared_mlp),
-                  kinds)
+                  kinds, order)
 
 
 def qwen3_5(config: dict, h: int, i: int, L: int, heads: int, kv: int, hd: int, moe: bool) -> Layers:
@@ -124,10 +126,12 @@ def qwen3_5(config: dict, h: int, i: int, L: int, heads: int, kv: int, hd: int, 
     if moe:
         union += [(E * h, "bf16"), (E * 2 * mi * h, "expert"), (E * h * mi, "expert")]
     width = k * mi + si if moe else i
-    kinds = tuple(Kind(dict(attn, **mlp), aw, ew, width, E, k) for kind, attn, aw, ew in (
+    present = [(kind, attn, aw, ew) for kind, attn, aw, ew in (
         ("linear_attention", delta, 0, 2 * qkv + 2 * nv * vd + 4 * nv),
-        ("full_attention", full, 3 * heads * hd + 2 * kv * hd, 0)) if kind in types)
-    return Layers(tuple(union), (h * mi, h * mi, mi * h) if moe else (), dict(delta, **full, **mlp), kinds)
+        ("full_attention", full, 3 * heads * hd + 2 * kv * hd, 0)) if kind in types]
+    kinds = tuple(Kind(dict(attn, **mlp), aw, ew, width, E, k) for _, attn, aw, ew in present)
+    order = tuple([kind for kind, *_ in present].index(t) for t in types[:L])
+    return Layers(tuple(union), (h * mi, h * mi, mi * h) if moe else (), dict(delta, **full, **mlp), kinds, order)
 
 
 def soup_intermediate(get) -> int:

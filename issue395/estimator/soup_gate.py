@@ -85,7 +85,7 @@ def preflight(cfg: Any, tcfg: Any, model_config: Any, *, steps: Optional[int] = 
     # Soup's gate reads free memory before almost all of the runtime's growth: in `soup train`'s own
     # process (every --find-max probe) the free memory at its gate was total - context - 16 to 22 MB,
     # and torch's OOM messages there put 795-870 MB outside the allocator by the step (the context plus
-    # 220-230 MB grown after the gate): so the whole step growth is charged after the gate, not
+    # 150-230 MB grown after the gate): so the whole step growth is charged after the gate, not
     # STEP_GROWTH_BYTES - GATE_GROWTH_BYTES (168 MB: the harness's own process, where its setup has
     # loaded 90 MiB of modules by Soup's gate). Evidence: docs/PEAK.md, "GATE_GROWTH_BYTES, STEP_GROWTH_BYTES".
     gate = needs_free(e.corrected_predicted) + STEP_GROWTH_BYTES

@@ -81,10 +81,13 @@ class Term(Enum):
     AUTOGRAD_WORKSPACE = ("autograd_workspace", {_LA}, Kind.OTH, "the autograd workspace", None)
     EXPERT_IN_FLIGHT = ("expert_in_flight", {_LA}, Kind.TEMP, "the expert in flight", "per_expert")
     CHUNKED_LOSS = ("chunked_loss", {_LO}, Kind.TEMP, "the chunked loss", "stream_loss_chunk")
-    #: stream_recompute off: every layer's activations through the loss; the layer phase holds
-    #: all but the layer being run (the estimator charges that fraction there)
+    #: stream_recompute off: every layer's activations through the loss (from the first layer that
+    #: holds a LoRA target: before it autograd records nothing)...
     RETAINED_ACTIVATIONS = ("retained_activations", {_LO}, Kind.ACT, "retained activations",
                             "stream_recompute off")
+    #: ...and at the backward's first layer, every other layer's (the one being run is its per-token count)
+    RETAINED_BESIDE_LAYER = ("retained_beside_layer", {_LA}, Kind.ACT, "the other layers' retained activations",
+                             "stream_recompute off")
     #: the adapter's gradients as the backward makes them, at its first layer: every other layer's
     #: (one micro-batch; the layer phase takes the larger of this with one checkpointed input and
     #: every input with none)

@@ -39,6 +39,12 @@ class Shape:
     #: (stream_expert_layout, stream_loss_chunk, stream_recompute); empty: Soup's defaults.
     stream: tuple = ()
 
+    @property
+    def checkpoint_bytes(self) -> int:
+        """The bf16 bytes its synthetic checkpoint's weights hold: each layer half the two-buffer pool
+        (a family whose layers differ pools its widest two, so this errs high), plus the extras."""
+        return self.pool // 2 * self.n_layers + self.extras
+
 
 #: The record's two models, as its published grid records them (docs/PROTOCOL.md's shape table).
 SHAPES: dict[str, Shape] = {

@@ -19,7 +19,7 @@ import time
 from typing import Iterator, Optional
 
 from ..estimator.cards import CONTEXT_BOUND_BYTES
-from .schedule import Ledger, Need, Room
+from .schedule import Ledger, Need, Room, may_build
 
 
 def _acquire(path: str, how: int) -> int:
@@ -127,3 +127,74 @@ def _alive(key: str) -> bool:
 
 def ledger_for(path: Optional[str], total: Optional[int], context: int = CONTEXT_BOUND_BYTES) -> Optional[CardLedger]:
     return CardLedger(path, total, context) if path and total else None
+
+
+#: What the lanes write to the checkpoints' disk beside the checkpoints (rows, logs, each arm's work
+#: folder, Soup's audit log: kilobytes to a few MB an arm), kept out of the checkpoints' budget.
+DISK_HEADROOM_BYTES = 2**30
+
+
+class DiskLedger:
+    """The disk the map's synthetic checkpoints share, between lanes (issue 38: on a box whose root disk
+    had 43 GB free, four lanes each building one family ahead ran out: "No space left on device", three
+    lanes lost). A build holds its bytes from before its first byte is written until its family's release;
+    one that does not fit beside what the live lanes hold (schedule.may_build) is not started ahead, and
+    a lane that needs it now waits, unless nothing is held (the only way on). The budget is the disk's
+    free bytes when the run started, less DISK_HEADROOM_BYTES, written once by the parent. The same
+    flock'd JSON as CardLedger; a dead lane's bytes are dropped by the next reader."""
+
+    def __init__(self, path: str, poll_s: float = 0.5) -> None:
+        self.path, self.poll_s, self.pid = path, poll_s, str(os.getpid())
+
+    @classmethod
+    def create(cls, path: str, folder: str, budget: Optional[int] = None) -> "DiskLedger":
+        """A new ledger at ``path`` for the checkpoints that will be built under ``folder``'s disk
+        (``budget``: the bytes they may hold at once; default the disk's free bytes less the headroom)."""
+        import shutil
+
+        if budget is None:
+            budget = max(0, shutil.disk_usage(folder).free - DISK_HEADROOM_BYTES)
+        with open(path, "w", encoding="utf-8") as fh:
+            json.dump({"budget": budget, "held": {}}, fh)
+        return cls(path)
+
+    @contextlib.contextmanager
+    def _state(self) -> Iterator[dict]:
+        fd = _acquire(f"{self.path}.lock", fcntl.LOCK_EX)
+        try:
+            with open(self.path, encoding="utf-8") as fh:
+                state = json.load(fh)
+            state["held"] = {k: int(v) for k, v in state.get("held", {}).items() if _alive(k)}
+            yield state
+            tmp = f"{self.path}.{self.pid}.tmp"
+            with open(tmp, "w", encoding="utf-8") as fh:
+                json.dump(state, fh)
+            os.replace(tmp, self.path)
+        finally:
+            os.close(fd)
+
+    def try_hold(self, name: str, size: int) -> bool:
+        """Hold ``size`` bytes for ``name``'s checkpoint if they fit now (True: held)."""
+        with self._state() as state:
+            key = f"{self.pid}:{name}"
+            if key in state["held"]:
+                return True
+            if not may_build(sum(state["held"].values()), size, state.get("budget")):
+                return False
+            state["held"][key] = size
+            return True
+
+    def hold(self, name: str, size: int) -> float:
+        """Hold them, waiting for other lanes' releases; the seconds it waited."""
+        started = time.monotonic()
+        while not self.try_hold(name, size):
+            time.sleep(self.poll_s)
+        return time.monotonic() - started
+
+    def release(self, name: str) -> None:
+        with self._state() as state:
+            state["held"].pop(f"{self.pid}:{name}", None)
+
+    def snapshot(self) -> dict:
+        with self._state() as state:
+            return dict(state)

@@ -23,6 +23,7 @@ from ..model.registry import Shape
 from ..measure.builder import checkpoint_fingerprint, prepare_checkpoint, safetensors_problem
 from ..measure.console import Stop
 from ..measure.shapes import config_only
+from .cardlock import DiskLedger
 from .request import MeasureRequest
 from .scratch import Scratch
 
@@ -74,11 +75,15 @@ def synthetic_checkpoint(shape: Shape, root: Path) -> tuple[Path, float]:
     return dest, 0.0 if building is None else time.perf_counter() - started
 
 
+def checkpoint_name(shape: Shape) -> str:
+    return f"{shape.key}-{checkpoint_fingerprint(shape)}"
+
+
 def start_checkpoint(shape: Shape, root: Path,
                      writer: Any = None) -> tuple[Path, Optional[Callable[[], Path]]]:
     """The checkpoint of ``shape`` under ``root``, and None if it verified, else a call that waits
     for its weights (written by ``writer``, an executor, when given); a damaged one is rebuilt."""
-    dest = root / f"{shape.key}-{checkpoint_fingerprint(shape)}"
+    dest = root / checkpoint_name(shape)
     problem = checkpoint_problem(dest) if dest.exists() else None
     if dest.exists() and problem is None:
         return dest, None
@@ -124,8 +129,11 @@ class Checkpoints:
     overlapping this model's arms. Without --cache-dir a model's checkpoint and shards go once
     its last arm is done: the map's families would not fit a GPU box's disk together."""
 
-    def __init__(self, keys: list[str], shapes: dict[str, Shape], run: MeasureRequest, scratch: Scratch):
+    def __init__(self, keys: list[str], shapes: dict[str, Shape], run: MeasureRequest, scratch: Scratch,
+                 disk: Optional[DiskLedger] = None):
         self.shapes, self.run, self.scratch, self.keys = shapes, run, scratch, keys
+        # the disk's share is only asked where a release frees it: a --cache-dir keeps every checkpoint
+        self.disk = None if run.cache_dir else disk
         self.writer = ThreadPoolExecutor(1, thread_name_prefix="checkpoint-writer")
         self.paths: dict[str, str] = {}
         self.pending: dict[str, tuple[Callable[[], Path], float]] = {}
@@ -133,15 +141,39 @@ class Checkpoints:
         reap_dead_partials(scratch.checkpoint_root())
         self.start(keys[0] if keys else None)
 
-    def start(self, key: Optional[str]) -> None:
+    def start(self, key: Optional[str], now: bool = True) -> None:
+        """Its build started (``now``: the lane needs it next and waits for the disk; else one ahead,
+        started only where the disk holds it beside the lanes' others)."""
         if key is not None and key != "custom" and self.run.weights == "synthetic" \
                 and key not in self.pending and key not in self.paths:
+            if not self.disk_share(key, now):
+                return
             started = time.perf_counter()
             dest, building = start_checkpoint(self.shapes[key], self.scratch.checkpoint_root(), self.writer)
             if building is None:
                 self.paths[key] = str(dest)  # cached: nothing is built, nothing is timed
             else:
                 self.pending[key] = (building, started)
+
+    def disk_share(self, key: str, now: bool) -> bool:
+        """Whether ``key``'s build may start: its bytes held in the lanes' disk ledger (a cached one
+        holds none). Charged the checkpoint's bytes, and as many again where Soup's shards of it go to
+        the same disk (its bf16 shards are the layers' bytes; an NF4 set is about a quarter of them)."""
+        shape = self.shapes[key]
+        root = self.scratch.checkpoint_root()
+        if self.disk is None or (root / checkpoint_name(shape)).exists():
+            return True
+        shards = Path(self.scratch.shard_root)
+        same = shards.exists() and os.stat(shards).st_dev == os.stat(root).st_dev
+        size = shape.checkpoint_bytes * (2 if same else 1)
+        if not now:
+            return self.disk.try_hold(key, size)
+        waited = self.disk.hold(key, size)
+        if waited >= 1.0:
+            print(f"note: {shape.name}'s checkpoint ({size / 1e9:.1f} GB with its shards where they share its "
+                  f"disk, computed) waited {waited:.0f} s (measured) for other lanes to free the disk",
+                  file=sys.stderr, flush=True)
+        return True
 
     def release(self, key: str) -> None:
         """A model's built checkpoint and Soup's shards of it, gone (scratch only)."""
@@ -156,13 +188,15 @@ class Checkpoints:
                     shutil.rmtree(resolve_shard_dir(str(alias)), ignore_errors=True)
                     alias.unlink(missing_ok=True)
             shutil.rmtree(path, ignore_errors=True)
+        if self.disk is not None:
+            self.disk.release(key)
         self.paths[key] = ""  # never rebuilt in this run
 
     def get(self, key: str) -> str:
         self.start(key)
         following = self.keys[self.keys.index(key) + 1:] if key in self.keys else []
         if following:
-            self.start(following[0])  # one model ahead, built while this one's arms run
+            self.start(following[0], now=False)  # one model ahead, built while this one's arms run
         if self.paths.get(key):
             return self.paths[key]
         if key in self.pending:

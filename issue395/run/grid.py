@@ -84,12 +84,11 @@ def arm_seconds(arm: Arm) -> float:
         params = f.params if f.params is not None else shape_params(family)
     else:  # the record's two: bf16 bytes of the layers and the extras, over 2
         shape = SHAPES[family]
-        params = (shape.pool // 2 * shape.n_layers + shape.extras) // 2
+        params = shape.checkpoint_bytes // 2
     return 3.0 + 0.7e-9 * params
 
 
 @functools.lru_cache(maxsize=None)  # dealing shards asks once per arm; the meta build is per family
 def shape_params(family: str) -> int:
     """A family's parameters from its derived shape (pool and extras are bf16 bytes)."""
-    shape = family_shape(family)
-    return (shape.pool // 2 * shape.n_layers + shape.extras) // 2
+    return family_shape(family).checkpoint_bytes // 2

@@ -45,6 +45,7 @@ from .grid import plan_arms, shard_of
 from .parser import NO_CUDA
 from .probes import min_free_arms
 from .request import Adapter, Children, MeasureRequest, Outputs
+from .cardlock import DiskLedger
 from .scratch import Scratch, cache_dir_of, shard_dir_of
 from .spread import Job, Lanes, gpu_total_bytes, plan_lanes, spread, visible_gpu_count
 from .userconfig import read_soup_config
@@ -288,7 +289,10 @@ def measure_all(run: MeasureRequest, protocol: Protocol, job: Optional[Job], scr
                 children += spread(replace(run, repeats=None), arms, scratch, on_row, protocol.script,
                                    **({"lanes": lanes} if lanes else {}))
         elif run.run_arms:
-            checkpoints = Checkpoints(list(dict.fromkeys(family_of(a.model) for a in arms)), shapes, run, scratch)
+            disk = (DiskLedger(run.children.disk_ledger) if run.children.disk_ledger else
+                    DiskLedger.create(str(scratch.path("disk") / "disk.json"), str(scratch.checkpoint_root())))
+            checkpoints = Checkpoints(list(dict.fromkeys(family_of(a.model) for a in arms)), shapes, run, scratch,
+                                      disk)
             sweep(arms, shapes, checkpoints, scratch, run, protocol.run_arm, on_row,
                   result.margins.append if run.map and not run.dry_run and not run.constraints.fresh else None)
             if run.snapshot and not Stop.requested:

@@ -55,6 +55,7 @@ class Children:
     ledger: Optional[str] = None  # a --lanes map child's ledger (cardlock.CardLedger): its GPU's bytes between lanes
     card_total: Optional[int] = None  # ... the bytes CUDA hands out of that card
     needs: tuple = ()  # ... and each of its arms' (index, bytes it holds, Soup's number): schedule.Need
+    disk_ledger: Optional[str] = None  # a map child's share of the checkpoints' disk (cardlock.DiskLedger)
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ from ..results.result import Result
 from ..results.row import Row
 from ..results.saved import RowFile
 from ..measure.console import Stop
+from .cardlock import DiskLedger
 from .grid import arm_seconds, shard_of
 from .request import Children, MeasureRequest, Outputs, measure_from_json
 from .schedule import Need, Room, card_total, claim_order
@@ -252,6 +253,8 @@ def spread(run: MeasureRequest, arms: list[Arm], scratch: Scratch, on_row: Calla
     # measurement), a whole-card job all of them.
     threads = str(max(1, min(8, (os.cpu_count() or 2) // max(1, len(queues)) - 2)))
     needs = {n[0]: n for n in lanes.needs} if lanes else {}  # the map's lanes share their GPU's ledger
+    # children that build and free their own checkpoints share the disk they build them on
+    disk = None if cache else DiskLedger.create(str(folder / "disk.json"), str(scratch.root))
 
     def free_slot(gpu: Optional[int]) -> Optional[int]:
         """A lane of this GPU its next job may take now: a whole-card job waits for an idle GPU,
@@ -281,7 +284,8 @@ def spread(run: MeasureRequest, arms: list[Arm], scratch: Scratch, on_row: Calla
         ledger = {} if job.whole_card or not needs or lanes.total is None else dict(
             ledger=str(folder / f"card-{gpu if gpu is not None else 'visible'}.json"),
             card_total=card_total(lanes.total), needs=tuple(needs[a.index] for a in job.arms if a.index in needs))
-        write_job(Path(env[CHILD_JOB]), child_run(run, job, str(out), cache, **ledger), job)
+        write_job(Path(env[CHILD_JOB]), child_run(run, job, str(out), cache, **ledger,
+                                                  disk_ledger=disk.path if disk else None), job)
         # Its own process group: a terminal's Ctrl-C reaches the parent alone, which relays it
         # once (the child would otherwise get two, the second meaning "stop now").
         with open(out.with_suffix(".stdout"), "w") as fh:
@@ -369,13 +373,13 @@ def child_cache(run: MeasureRequest, scratch: Scratch) -> Optional[str]:
 
 
 def child_run(run: MeasureRequest, job: Job, out: str, cache: Optional[str], ledger: Optional[str] = None,
-              card_total: Optional[int] = None, needs: tuple = ()) -> MeasureRequest:
+              card_total: Optional[int] = None, needs: tuple = (), disk_ledger: Optional[str] = None) -> MeasureRequest:
     """The settled run a child executes: its parent's, narrowed to one job in one process, its
     rows saved to its own JSON (a lane of the map: its GPU's ledger, the card's bytes and what each of
     its arms holds). Nothing is re-parsed: the child gets this as data."""
     return replace(run, outputs=Outputs(json=out), cache_dir=cache, children=Children(
                    shard=job.shard, child=True, repeat_tag=job.repeat, ledger=ledger, card_total=card_total,
-                   needs=needs),
+                   needs=needs, disk_ledger=disk_ledger),
                    isolate=False, repeats=None, run_arms=True,
                    measure=run.measure and job.extra_modes, sdpa=run.sdpa and job.extra_modes)
 

@@ -158,8 +158,8 @@ def test_recompute_off_is_charged_in_the_layer_phase_too():
     c = config_json("deepseek-v3")
     on = E.estimate(c, quant="nf4", seq=64, release="0.77.0", soup=False)
     off = E.estimate(c, quant="nf4", seq=64, release="0.77.0", soup=False, stream={"stream_recompute": "off"})
-    assert on.phase == "layer" and off.corrected_predicted >= on.corrected_predicted + off.terms[
-        "retained_activations"] * 3 // 4
+    assert on.phase == "layer" and off.terms["retained_beside_layer"] > 0
+    assert off.corrected_predicted >= on.corrected_predicted + off.terms["retained_beside_layer"]
 
 
 def test_no_corrected_number_for_a_layout_soup_refuses():
@@ -239,3 +239,49 @@ def test_the_map_takes_the_streaming_mode_axes_it_names():
                           "moonlight", "moonlight+recompute-off", "moonlight+chunk32", "moonlight+chunk32+recompute-off",
                           "moonlight+per_expert", "moonlight+per_expert+recompute-off", "moonlight+per_expert+chunk32",
                           "moonlight+per_expert+chunk32+recompute-off")
+
+
+MODES_CALL = next(ROOT.glob("results/pages2-soup-patch-map4-modes-h200-soup0.77.0-*/call-5"))
+
+
+def modes_rows(name: str) -> list[dict]:
+    return [r for r in json.loads((MODES_CALL / name).read_text())["rows"] if r.get("real_peak")]
+
+
+def corrected(row: dict) -> int:
+    family, stream = stream_mode(row["model_key"])
+    return E.estimate(config_json(family), quant=row["quant"], seq=row["seq"], batch=row["batch"],
+                      targets=tuple(row["targets"]), release="0.77.0", stream=stream, soup=False).corrected_predicted
+
+
+@pytest.mark.parametrize("name", ["modes-qwen35moe-recompute-off.json", "modes-moonlight-per-expert-chunk512.json"])
+def test_the_modes_measured_with_the_allocators_history_are_within_2_percent_never_under(name):
+    """Issue 38 item 5. Qwen3.5-MoE with stream_recompute off read 1.173x and 1.218x while every layer
+    was charged its widest kind's retained bytes; its rows are where "a layer before the first LoRA
+    target keeps nothing" was read (in sample). Moonlight per-expert with a 512-token chunked loss was
+    measured after its terms were written (held out)."""
+    rows = modes_rows(name)
+    assert len(rows) >= 2
+    for r in rows:
+        assert r["real_peak"] <= corrected(r) <= 1.02 * r["real_peak"], (r["model_key"], r["quant"], r["seq"])
+
+
+def test_kimi_k2_at_2048_in_both_layouts_is_never_under():
+    """Issue 38 item 4: Kimi K2 (2 of 61 layers, full width) NF4 at 2048, fused and per-expert, with and
+    without the chunked loss. Known loose: per-expert with the chunk at 2048 (its layer phase binds)."""
+    rows = modes_rows("kimi-k2-2048-fused.json") + modes_rows("kimi-k2-2048-per-expert.json")
+    assert {r["seq"] for r in rows} >= {2048} and len(rows) == 5
+    assert all(corrected(r) >= r["real_peak"] for r in rows)
+
+
+def test_recompute_off_keeps_nothing_in_the_layers_before_the_first_lora_target():
+    # Qwen3.5-MoE's q_proj and v_proj are in its full-attention layers only (the 4th of 4 here): a
+    # delta-net target (in_proj_qkv) puts a graph in every layer, and the retained bytes grow
+    c = config_json("qwen3.5-moe")
+    off = {"stream_recompute": "off"}
+    attn = E.estimate(c, seq=2048, release="0.77.0", soup=False, stream=off, targets=("q_proj", "v_proj"))
+    every = E.estimate(c, seq=2048, release="0.77.0", soup=False, stream=off, targets=("q_proj", "v_proj", "in_proj_qkv"))
+    kept = E.retained_by_layer(arch_from_config(c), "none", ("q_proj", "v_proj"), 8)
+    assert kept[:3] == [0, 0, 0] and kept[3] > 0
+    assert attn.terms["retained_beside_layer"] == 0  # the last layer's backward runs first: nothing else kept
+    assert every.terms["retained_activations"] > 3 * attn.terms["retained_activations"]

@@ -135,3 +135,64 @@ def test_the_ledger_is_empty_after_its_lanes_leave(tmp_path):
     assert seen["running"] == [[ledger.key, 4 * 10**9]] and seen["lanes"] == [ledger.key]
     ledger.leave()
     assert ledger.snapshot() == {"lanes": [], "patience": 0.0, "running": [], "waiting": []}
+
+
+DISK_HOLDER = textwrap.dedent("""
+    import sys, time
+    sys.path.insert(0, {root!r})
+    from issue395.run.cardlock import DiskLedger
+
+    name, gb, hold_s = sys.argv[1], float(sys.argv[2]), float(sys.argv[3])
+    ledger = DiskLedger({ledger!r}, poll_s=0.05)
+    with open({log!r}, "a") as log:
+        log.write(f"{{name}} ask {{time.monotonic()}}\\n"); log.flush()
+        ledger.hold(name, int(gb * 1e9))
+        log.write(f"{{name}} got {{time.monotonic()}}\\n"); log.flush()
+        time.sleep(hold_s)
+        ledger.release(name)
+        log.write(f"{{name}} free {{time.monotonic()}}\\n"); log.flush()
+""")
+
+
+def disk_holders(tmp_path: Path, budget_gb: float):
+    """Processes holding checkpoints' bytes (GB) of a disk ledger whose budget is ``budget_gb``."""
+    from issue395.run.cardlock import DiskLedger
+
+    script, log, path = tmp_path / "disk_holder.py", tmp_path / "disk.log", tmp_path / "disk.json"
+    DiskLedger.create(str(path), str(tmp_path), budget=int(budget_gb * 1e9))
+    script.write_text(DISK_HOLDER.format(root=str(ROOT), log=str(log), ledger=str(path)))
+    wait_for, times = holders(tmp_path, script, log)
+
+    def start(name: str, gb: float, hold_s: float) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, str(script), name, str(gb), str(hold_s)])
+
+    return start, wait_for, times, DiskLedger(str(path))
+
+
+@pytest.mark.slow
+def test_a_checkpoint_that_does_not_fit_the_disk_beside_another_lanes_waits_for_its_release(tmp_path):
+    """Issue 38's map lost three lanes to "No space left on device": a build that does not fit beside
+    what another lane holds starts only after that lane frees its family; one that fits starts at once."""
+    start, wait_for, times, _ = disk_holders(tmp_path, budget_gb=40)
+    a = start("a", 30, 2.0)
+    wait_for("a", "got")
+    small = start("small", 10, 0.0)  # 30 + 10 fits 40
+    finish(small)
+    big = start("big", 20, 0.0)  # 30 + 20 does not
+    finish(a, big)
+    t = times()
+    assert t[("small", "got")] < t[("a", "free")], "a build that fit waited"
+    assert t[("big", "got")] >= t[("a", "free")] - 0.1, "a build that did not fit started beside the other"
+
+
+@pytest.mark.slow
+def test_a_killed_lanes_checkpoint_bytes_come_back_and_an_oversized_build_runs_on_an_empty_disk(tmp_path):
+    start, wait_for, times, ledger = disk_holders(tmp_path, budget_gb=40)
+    dead = start("dead", 35, 60.0)
+    wait_for("dead", "got")
+    dead.kill()
+    dead.wait(timeout=10)
+    huge = start("huge", 90, 0.0)  # past the whole budget: with nothing held it is the only way on
+    finish(huge)
+    assert ("huge", "free") in times()
+    assert ledger.snapshot()["held"] == {}

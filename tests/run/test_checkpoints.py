@@ -6,6 +6,7 @@ builder's tensor maker where the stop test counts what it made."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -148,3 +149,31 @@ def test_synthetic_checkpoint_rebuilds_an_unfinished_folder(tmp_path, capsys):
     assert checkpoint_problem(path) is None
     assert json.loads((path / "config.json").read_text())["num_hidden_layers"] == 2
     assert [p.name for p in tmp_path.iterdir()] == [dest.name]
+
+
+def test_the_next_family_is_not_built_ahead_where_the_disk_cannot_hold_it_beside_this_one(tmp_path):
+    """Issue 38: one family ahead only where the disk's budget holds both; the held bytes go with the
+    release, and the next family is then built when its first arm asks for it."""
+    from issue395.run.cardlock import DiskLedger
+
+    other = dataclasses.replace(TINY, key="tiny2", name="tiny2")
+    size = TINY.checkpoint_bytes
+    assert size > 0
+    with Scratch() as scratch:
+        ledger = DiskLedger.create(str(tmp_path / "disk.json"), str(tmp_path), budget=size * 3)
+        checkpoints = Checkpoints(["tiny", "tiny2"], {"tiny": TINY, "tiny2": other},
+                                  MeasureRequest(models=("tiny", "tiny2"), weights="synthetic"), scratch, ledger)
+        same = os.stat(scratch.shard_root).st_dev == os.stat(scratch.checkpoint_root()).st_dev
+        charge = size * (2 if same else 1)
+        checkpoints.get("tiny")
+        held = ledger.snapshot()["held"]
+        if same:  # 2 + 2 of a budget of 3: the ahead build waits
+            assert "tiny2" not in checkpoints.pending and list(held.values()) == [charge]
+        else:  # 1 + 1 of 3: it starts beside
+            assert sorted(held.values()) == [charge, charge]
+        checkpoints.release("tiny")
+        assert all(not k.endswith(":tiny") for k in ledger.snapshot()["held"])
+        assert checkpoint_problem(Path(checkpoints.get("tiny2"))) is None
+        checkpoints.release("tiny2")
+        checkpoints.close()
+        assert ledger.snapshot()["held"] == {}
