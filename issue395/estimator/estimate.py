@@ -241,7 +241,10 @@ def retained_by_layer(a: Arch, quant: str, targets: tuple, r: int) -> list[int]:
     """stream_recompute off: what each layer keeps per token for its backward, first to last: its
     kind's per-token count less the transients. A layer before the first that holds a LoRA target
     keeps nothing: neither its input nor its weights need a gradient, so autograd records no graph
-    there (Qwen3.5's q_proj and v_proj are in its full-attention layers only, every fourth).
+    there (Qwen3.5's q_proj and v_proj are in its full-attention layers only, every fourth). Targets
+    no layer kind names keep every layer charged: the safe side. Not yet measured under NF4 (Soup's
+    streamed path adds no input-gradient hook there either: soup_cli's stream setup never calls
+    prepare_model_for_kbit_training).
     Evidence: SmolLM2 keeps 19.6-20.0 KB a token a layer over the checkpointed step
     (results/moe-and-stream-modes-*/recompute.txt; this counts 20.4); Qwen3.5-MoE (4 of 40 layers,
     q_proj and v_proj) keeps 129.5 KB a token at 2048 and 4096, all of it from layer 3 on (the

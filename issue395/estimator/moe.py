@@ -102,8 +102,9 @@ def qwen3_5(config: dict, h: int, i: int, L: int, heads: int, kv: int, hd: int, 
     g = lambda n: _get(config, d, n)  # noqa: E731
     kd, vd, nk, nv, ck = (g("linear_key_head_dim"), g("linear_value_head_dim"), g("linear_num_key_heads"),
                           g("linear_num_value_heads"), g("linear_conv_kernel_dim"))
-    types = config.get("layer_types") or ["full_attention" if (n + 1) % g("full_attention_interval") == 0
-                                          else "linear_attention" for n in range(L)]
+    # the layers built (a reduced depth keeps the first L of a config's list)
+    types = (config.get("layer_types") or ["full_attention" if (n + 1) % g("full_attention_interval") == 0
+                                           else "linear_attention" for n in range(L)])[:L]
     qkv = 2 * nk * kd + nv * vd
     delta = {"in_proj_qkv": (h, qkv, False), "in_proj_z": (h, nv * vd, False), "in_proj_b": (h, nv, False),
              "in_proj_a": (h, nv, False), "out_proj": (nv * vd, h, False)}
@@ -130,7 +131,7 @@ def qwen3_5(config: dict, h: int, i: int, L: int, heads: int, kv: int, hd: int, 
         ("linear_attention", delta, 0, 2 * qkv + 2 * nv * vd + 4 * nv),
         ("full_attention", full, 3 * heads * hd + 2 * kv * hd, 0)) if kind in types]
     kinds = tuple(Kind(dict(attn, **mlp), aw, ew, width, E, k) for _, attn, aw, ew in present)
-    order = tuple([kind for kind, *_ in present].index(t) for t in types[:L])
+    order = tuple([kind for kind, *_ in present].index(t) for t in types)
     return Layers(tuple(union), (h * mi, h * mi, mi * h) if moe else (), dict(delta, **full, **mlp), kinds, order)
 
 

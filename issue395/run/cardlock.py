@@ -155,7 +155,7 @@ class DiskLedger:
         if budget is None:
             budget = max(0, shutil.disk_usage(folder).free - DISK_HEADROOM_BYTES)
         with open(path, "w", encoding="utf-8") as fh:
-            json.dump({"budget": budget, "held": {}}, fh)
+            json.dump({"budget": budget, "held": {}, "waiting": []}, fh)
         return cls(path)
 
     @contextlib.contextmanager
@@ -165,6 +165,7 @@ class DiskLedger:
             with open(self.path, encoding="utf-8") as fh:
                 state = json.load(fh)
             state["held"] = {k: int(v) for k, v in state.get("held", {}).items() if _alive(k)}
+            state["waiting"] = [k for k in state.get("waiting", ()) if _alive(k)]
             yield state
             tmp = f"{self.path}.{self.pid}.tmp"
             with open(tmp, "w", encoding="utf-8") as fh:
@@ -173,27 +174,46 @@ class DiskLedger:
         finally:
             os.close(fd)
 
-    def try_hold(self, name: str, size: int) -> bool:
-        """Hold ``size`` bytes for ``name``'s checkpoint if they fit now (True: held)."""
+    def try_hold(self, name: str, size: int, ahead: bool = True) -> bool:
+        """Hold ``size`` bytes for ``name``'s checkpoint if they fit now (True: held). A build ahead
+        defers to a lane that is waiting for its next family (it would otherwise take back the bytes
+        it just released, every time, and the waiting lane would wait for its last family)."""
         with self._state() as state:
             key = f"{self.pid}:{name}"
             if key in state["held"]:
                 return True
+            if ahead and any(not w.startswith(f"{self.pid}:") for w in state["waiting"]):
+                return False
             if not may_build(sum(state["held"].values()), size, state.get("budget")):
                 return False
             state["held"][key] = size
+            state["waiting"] = [w for w in state["waiting"] if w != key]
             return True
 
     def hold(self, name: str, size: int) -> float:
-        """Hold them, waiting for other lanes' releases; the seconds it waited."""
-        started = time.monotonic()
-        while not self.try_hold(name, size):
-            time.sleep(self.poll_s)
+        """Hold them, waiting (as a waiter every build ahead defers to) for other lanes' releases;
+        the seconds it waited."""
+        started, key = time.monotonic(), f"{self.pid}:{name}"
+        if self.try_hold(name, size, ahead=False):
+            return 0.0
+        try:
+            with self._state() as state:
+                state["waiting"] = [w for w in state["waiting"] if w != key] + [key]
+            while not self.try_hold(name, size, ahead=False):
+                time.sleep(self.poll_s)
+        finally:
+            with self._state() as state:
+                state["waiting"] = [w for w in state["waiting"] if w != key]
         return time.monotonic() - started
 
     def release(self, name: str) -> None:
         with self._state() as state:
             state["held"].pop(f"{self.pid}:{name}", None)
+
+    @property
+    def budget(self) -> int:
+        with self._state() as state:
+            return int(state.get("budget") or 0)
 
     def snapshot(self) -> dict:
         with self._state() as state:

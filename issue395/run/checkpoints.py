@@ -130,8 +130,9 @@ class Checkpoints:
     its last arm is done: the map's families would not fit a GPU box's disk together."""
 
     def __init__(self, keys: list[str], shapes: dict[str, Shape], run: MeasureRequest, scratch: Scratch,
-                 disk: Optional[DiskLedger] = None):
+                 disk: Optional[DiskLedger] = None, shard_sets: Optional[dict[str, int]] = None):
         self.shapes, self.run, self.scratch, self.keys = shapes, run, scratch, keys
+        self.shard_sets = shard_sets or {}  # each family's shard folders its arms make (shard_tag)
         # the disk's share is only asked where a release frees it: a --cache-dir keeps every checkpoint
         self.disk = None if run.cache_dir else disk
         self.writer = ThreadPoolExecutor(1, thread_name_prefix="checkpoint-writer")
@@ -156,16 +157,18 @@ class Checkpoints:
                 self.pending[key] = (building, started)
 
     def disk_share(self, key: str, now: bool) -> bool:
-        """Whether ``key``'s build may start: its bytes held in the lanes' disk ledger (a cached one
-        holds none). Charged the checkpoint's bytes, and as many again where Soup's shards of it go to
-        the same disk (its bf16 shards are the layers' bytes; an NF4 set is about a quarter of them)."""
+        """Whether ``key``'s build may start: its bytes held in the lanes' disk ledger (a sound cached
+        one holds none). Charged the checkpoint's bytes, and where Soup's shards go to the same disk,
+        as many again for each shard folder the family's arms make (shard_tag: a quantization, a
+        layout), all kept until its release: a bf16 set is the layers' bytes, an NF4 one less."""
         shape = self.shapes[key]
         root = self.scratch.checkpoint_root()
-        if self.disk is None or (root / checkpoint_name(shape)).exists():
+        cached = root / checkpoint_name(shape)
+        if self.disk is None or (cached.exists() and checkpoint_problem(cached) is None):
             return True
         shards = Path(self.scratch.shard_root)
         same = shards.exists() and os.stat(shards).st_dev == os.stat(root).st_dev
-        size = shape.checkpoint_bytes * (2 if same else 1)
+        size = shape.checkpoint_bytes * (1 + max(1, self.shard_sets.get(key, 1)) if same else 1)
         if not now:
             return self.disk.try_hold(key, size)
         waited = self.disk.hold(key, size)

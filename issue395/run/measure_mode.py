@@ -36,7 +36,7 @@ from ..measure.shapes import (bitsandbytes_present, config_only, default_map_fam
 from ..report.outputs import write_outputs
 from ..report.tables import render_text
 from .arms import STACK_OF_PARENT, Protocol, run_timings, stack_notes, sweep
-from .checkpoints import Checkpoints
+from .checkpoints import Checkpoints, shard_tag
 from .checks import (ARM_NEEDS, context_within_cards, distinct_choices, local_or_hub, no_output_is_an_input, one_card, one_int,
                      parse_ints, require_installed, settle_tasks, within_positions, writable_folder)
 from .clashes import check
@@ -291,8 +291,11 @@ def measure_all(run: MeasureRequest, protocol: Protocol, job: Optional[Job], scr
         elif run.run_arms:
             disk = (DiskLedger(run.children.disk_ledger) if run.children.disk_ledger else
                     DiskLedger.create(str(scratch.path("disk") / "disk.json"), str(scratch.checkpoint_root())))
+            sets: dict[str, set] = {}
+            for a in arms:
+                sets.setdefault(family_of(a.model), set()).add(shard_tag(a.quant, shapes[a.model].stream))
             checkpoints = Checkpoints(list(dict.fromkeys(family_of(a.model) for a in arms)), shapes, run, scratch,
-                                      disk)
+                                      disk, {k: len(v) for k, v in sets.items()})
             sweep(arms, shapes, checkpoints, scratch, run, protocol.run_arm, on_row,
                   result.margins.append if run.map and not run.dry_run and not run.constraints.fresh else None)
             if run.snapshot and not Stop.requested:

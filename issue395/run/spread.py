@@ -24,11 +24,11 @@ from ..results.result import Result
 from ..results.row import Row
 from ..results.saved import RowFile
 from ..measure.console import Stop
-from .cardlock import DiskLedger
+from .cardlock import DISK_HEADROOM_BYTES, DiskLedger
 from .grid import arm_seconds, shard_of
 from .request import Children, MeasureRequest, Outputs, measure_from_json
 from .schedule import Need, Room, card_total, claim_order
-from .scratch import Scratch
+from .scratch import Scratch, reap_dead_scratch
 
 #: A child process finds its work here: the file names its settled MeasureRequest and its Job.
 CHILD_JOB = "ISSUE395_CHILD_JOB"
@@ -255,6 +255,9 @@ def spread(run: MeasureRequest, arms: list[Arm], scratch: Scratch, on_row: Calla
     needs = {n[0]: n for n in lanes.needs} if lanes else {}  # the map's lanes share their GPU's ledger
     # children that build and free their own checkpoints share the disk they build them on
     disk = None if cache else DiskLedger.create(str(folder / "disk.json"), str(scratch.root))
+    if disk is not None and lanes:
+        print(f"checkpoints' disk: {disk.budget / 1e9:.1f} GB for the lanes' builds at once (its free bytes at the "
+              f"start, measured, less {DISK_HEADROOM_BYTES / 2**30:.0f} GiB for logs and rows)", file=sys.stderr, flush=True)
 
     def free_slot(gpu: Optional[int]) -> Optional[int]:
         """A lane of this GPU its next job may take now: a whole-card job waits for an idle GPU,
@@ -322,6 +325,8 @@ def spread(run: MeasureRequest, arms: list[Arm], scratch: Scratch, on_row: Calla
     def settle(key: tuple[Optional[int], int]) -> None:
         entry = running.pop(key)
         job, code = entry["job"], entry["proc"].returncode
+        if code:  # a child killed before its clean-up leaves its checkpoints: gone before the disk is given out again
+            reap_dead_scratch(Path(tempfile.gettempdir()))
         take(entry, new_rows(entry))
         with contextlib.suppress(OSError, ValueError):
             res = Result.from_json(json.loads(entry["out"].read_text()))

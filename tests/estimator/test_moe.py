@@ -285,3 +285,17 @@ def test_recompute_off_keeps_nothing_in_the_layers_before_the_first_lora_target(
     assert kept[:3] == [0, 0, 0] and kept[3] > 0
     assert attn.terms["retained_beside_layer"] == 0  # the last layer's backward runs first: nothing else kept
     assert every.terms["retained_activations"] > 3 * attn.terms["retained_activations"]
+
+
+def test_each_layer_has_its_kind_dense_first_and_a_hybrids_every_fourth_full_attention():
+    # DeepSeek-V3's first_k_dense_replace dense layers come first; Qwen3.5's layer_types (or every
+    # full_attention_interval-th layer) cut to the depth built
+    assert arch_from_config(config_json("deepseek-v3")).layers.order == (0, 0, 0, 1)
+    assert arch_from_config(config_json("moonlight")).layers.order == (0, 1, 1, 1)
+    c = dict(config_json("qwen3.5-moe"))
+    c["layer_types"] = ["linear_attention", "full_attention"] * 20  # longer than the 4 layers built
+    a = arch_from_config(c)
+    kinds = [a.layers.kinds[j] for j in a.layers.order]
+    assert len(kinds) == a.L and ["q_proj" in k.dequant for k in kinds] == [False, True, False, True]
+    kept = E.retained_by_layer(a, "none", ("q_proj", "v_proj"), 8)
+    assert kept[0] == 0 and kept[1] > 0 and kept[2] > 0  # from the first target's layer on, every layer

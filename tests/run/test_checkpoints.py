@@ -177,3 +177,20 @@ def test_the_next_family_is_not_built_ahead_where_the_disk_cannot_hold_it_beside
         checkpoints.release("tiny2")
         checkpoints.close()
         assert ledger.snapshot()["held"] == {}
+
+
+def test_the_next_family_is_built_ahead_where_the_disk_holds_both():
+    """...and where the budget holds this family and the next, with their shards, the next one's build
+    starts while this one's arms run."""
+    import tempfile
+
+    from issue395.run.cardlock import DiskLedger
+
+    other = dataclasses.replace(TINY, key="tiny2", name="tiny2")
+    with Scratch() as scratch, tempfile.TemporaryDirectory() as tmp:
+        ledger = DiskLedger.create(str(Path(tmp) / "disk.json"), tmp, budget=TINY.checkpoint_bytes * 8)
+        checkpoints = Checkpoints(["tiny", "tiny2"], {"tiny": TINY, "tiny2": other},
+                                  MeasureRequest(models=("tiny", "tiny2"), weights="synthetic"), scratch, ledger)
+        checkpoints.get("tiny")
+        assert "tiny2" in checkpoints.pending and len(ledger.snapshot()["held"]) == 2
+        checkpoints.close()
