@@ -5,7 +5,8 @@ beside this tool's longest seq or batch (…/call-1-2 and …/call-3-4/find-max-
 session's calls (results/fit4-pages-findmax-stack-*/): the allocator's reserve at the peak under expandable
 segments, read off the history of 8 more runs (call-1/pages-*.json, page_need), and three more --find-max
 configs (call-2, call-4), every config's like-for-like longest both as its run printed it and as this tree's
-estimator computes it now.
+estimator computes it now; and the twelfth session's five reruns under expandable segments of the arms the
+default allocator read under (results/pages2-soup-patch-map4-modes-*/call-1-3/pages-*.json).
 
 Three peaks per arm, each labelled:
   measured   torch.cuda.max_memory_allocated over the run (the allocator's own count: block sizes);

@@ -6,7 +6,8 @@ together while their bytes fit the card beside every live lane's CUDA context an
 first served (run/schedule.py, the rule; here, that rule kept between processes). It replaces issue 30's
 binary card lock, under which an arm past a lane's 1/N of the card held the whole card and drained every
 other lane. flock(2) on the ledger's lock file: a lock belongs to the open file, so a process that dies
-releases it, and a dead lane's bytes are dropped by the next reader.
+releases it, and a dead lane's bytes are dropped by the next reader. The same for the disk the lanes build
+their checkpoints on (DiskLedger: each build's bytes from before it starts to its family's release).
 """
 
 from __future__ import annotations
