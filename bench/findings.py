@@ -245,6 +245,19 @@ FIND_MAX = "results/findmax-kimi-anatomy-h200-soup0.77.0-f6c944f/find-max-qwen-d
 PATCH_PROOF = sorted(str(p.relative_to(ROOT)) for p in ROOT.glob("results/*/*/soup-patch-gate-*.json"))
 
 
+def gate_growth() -> tuple[float, float, int]:
+    """What Soup's gate did not see as free in `soup train`'s own process: the card's total less the box's
+    context (measured by the probing process) less the free memory Soup's gate printed (two decimals, so
+    +-5 MB), MB, the least and the most over every --find-max JSON that has the context; and how many."""
+    seen = []
+    for path in sorted(ROOT.glob("results/*/find-max-*.json")) + sorted(ROOT.glob("results/*/*/find-max-*.json")):
+        d = json.loads(path.read_text(encoding="utf-8"))
+        if d.get("box_context_bytes"):
+            seen += [(d["card"]["bytes"] - d["box_context_bytes"]) / 1e6 - p["driver_free_gb"] * 1e3
+                     for p in d["measured"]["probes"] if p.get("driver_free_gb")]
+    return min(seen), max(seen), len(seen)
+
+
 def soup_patch() -> None:
     """The fix, for a maintainer: what --soup-patch changes, the evidence, how to apply and test it."""
     import statistics
@@ -253,6 +266,7 @@ def soup_patch() -> None:
     from issue395.estimator.cards import STEP_GROWTH_BYTES
     from issue395.estimator.estimate import EXPANDABLE_RESERVE_BYTES, EXPANDABLE_RESERVE_PAGES
 
+    lo, hi, n = gate_growth()
     print("\n## The fix: `--soup-patch`, a patch to soup-cli whose own gate compares the corrected peak\n")
     print("`python issue395_second_stack_vram.py --soup-patch OUT.diff` writes a unified diff against the installed "
           "soup-cli release's own source (each release 0.73.3 to 0.77.0 gets its own, generated from its source; "
@@ -268,7 +282,8 @@ def soup_patch() -> None:
           f"live) + {EXPANDABLE_RESERVE_BYTES / 1e6:.1f} MB (the allocator's reserve under expandable segments: "
           f"{EXPANDABLE_RESERVE_PAGES} pages of 20 MiB, the partial pages live blocks touch) + {STEP_GROWTH_BYTES / 1e6:.1f} MB (what the "
           "CUDA runtime adds outside the allocator by the step's end: in `soup train`'s own process nearly all of it "
-          "after Soup's gate reads free memory, 16 to 22 MB before it, measured on every --find-max probe). It is fed what the "
+          f"after Soup's gate reads free memory, {lo:.0f} to {hi:.0f} MB before it, measured on {n} --find-max probes: the "
+          "card's total less the box's context less the free memory Soup printed). It is fed what the "
           "setup already holds: the model's config (`model_config.to_dict()`), `task`, `data.max_length`, "
           "`training.quantization`, `batch_size`, `gradient_accumulation_steps`, the LoRA targets and r, the "
           "streaming modes, `optimizer`. The "

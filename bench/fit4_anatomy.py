@@ -168,24 +168,20 @@ def findmax() -> None:
 
 
 def run_kwargs(d: dict, value: int | None = None) -> tuple[dict, dict]:
-    """A find-max JSON's config file read as the estimator's arguments (the JSON's stack and steps; the
-    axis at ``value``, else the file's): the family's config.json and the keyword arguments."""
-    import yaml
-
+    """A find-max JSON's config file read by Soup's own loader, as --estimate reads it
+    (issue395.run.userconfig), as the estimator's arguments (the JSON's stack and steps; the axis at
+    ``value``, else the file's): the family's config.json and the keyword arguments."""
     from issue395.model.registry import by_hub_id, config_json
+    from issue395.run.userconfig import read_soup_config
 
-    cfg = yaml.safe_load((ROOT / d["config"]).read_text(encoding="utf-8"))
-    tr = cfg["training"]
-    targets = tr["lora"]["target_modules"]
-    kw = dict(quant={"4bit": "nf4"}.get(tr["quantization"], "none"), seq=cfg["data"]["max_length"],
-              batch=tr["batch_size"], task=cfg.get("task", "sft"),
-              targets=tuple(targets) if isinstance(targets, list) else targets, lora_r=tr["lora"]["r"],
-              steps=d["steps"], accumulation=tr.get("gradient_accumulation_steps", 4), soup=False,
+    u = read_soup_config(str(ROOT / d["config"]))
+    kw = dict(quant=u.quant, seq=u.seq, batch=u.batch, task=u.task, targets=u.targets, lora_r=u.lora_r,
+              steps=d["steps"], accumulation=u.accumulation, optimizer=u.optimizer, soup=False,
               release=d["stack"]["packages"]["soup-cli"], transformers=d["stack"]["packages"]["transformers"],
-              stream={k: v for k, v in tr.items() if k.startswith("stream_") and k not in ("stream_layers", "stream_vram_override")})
+              stream=dict(u.stream_options))
     if value is not None:
         kw[d["measured"]["axis"]] = value
-    return config_json(by_hub_id(cfg["base"])), kw
+    return config_json(by_hub_id(u.base)), kw
 
 
 def longest_now(d: dict) -> tuple[int | None, int | None]:
