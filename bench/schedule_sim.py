@@ -253,8 +253,8 @@ def whole_card(arms: list[Arm], lanes: int) -> set:
     """The old lock's whole-card arms (run/spread.plan_lanes' rule): needs-free or Soup's number past a
     lane's 1/N of the card, unless Soup refuses it alone."""
     whole, lane = budget(Card("card", H200.total_bytes)), budget(Card("lane", H200.total_bytes // lanes))
-    return {a.index for a in arms if not (a.need.soup > whole.gate_free_bytes
-                                          or (lane.fits(a.need.holds) and a.need.soup <= lane.gate_free_bytes))}
+    return {a.index for a in arms if not (a.need.soup > whole.harness_gate_free_bytes
+                                          or (lane.fits(a.need.holds) and a.need.soup <= lane.harness_gate_free_bytes))}
 
 
 def simulate(arms: list[Arm], policy: Policy, facts: dict, rate: float) -> Outcome:

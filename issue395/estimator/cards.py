@@ -6,7 +6,8 @@ The verdict every fit answer uses: ``needs_free + context + the runtime's growth
 i.e. a run fits when ``needs_free <= step_free_bytes``, the card's free memory
 (``total_bytes - context_bytes``, what an idle process sees) less what the CUDA runtime adds
 outside the allocator by the end of the step. Soup's gate reads the free memory earlier, less
-only what the runtime has added by then (``gate_free_bytes``).
+only what the runtime has added by then: in `soup train` (``gate_free_bytes``), in this tool's own
+process (``harness_gate_free_bytes``).
 """
 
 from __future__ import annotations
@@ -32,6 +33,12 @@ CONTEXT_EVIDENCE = "0.85 GB on the dev box, which also drives"  # the words in S
 #: each, charged on every card. Evidence: docs/PEAK.md, "GATE_GROWTH_BYTES, STEP_GROWTH_BYTES".
 GATE_GROWTH_BYTES = 94_371_840
 STEP_GROWTH_BYTES = 262_144_000
+#: ...by Soup's gate in `soup train`'s own process (the CLI, whose setup runs far fewer kernels before its
+#: gate than this tool's in-process setup): the card's total less the box's context less the free memory
+#: Soup's gate printed, 16.3 to 22.4 MB on 33 --find-max probes of 9 configs (two decimals: +-5 MB); the
+#: most measured. Evidence: docs/PEAK.md, "GATE_GROWTH_BYTES, STEP_GROWTH_BYTES" (bench/findings.py
+#: gate_growth() reads it off the find-max JSONs).
+CLI_GATE_GROWTH_BYTES = 22_400_000
 
 #: The compute capabilities PyTorch gives the larger default cuBLAS workspace (constants: both
 #: defaults; 11.x since torch 2.9's source). CUBLAS_WORKSPACE_CONFIG replaces the default: every
@@ -167,7 +174,14 @@ class Budget:
 
     @property
     def gate_free_bytes(self) -> int:
-        """What Soup's gate reads: the free memory less the modules loaded before it asks."""
+        """What Soup's gate reads in `soup train` (what --estimate and --find-max predict): the free
+        memory less what the CLI's runtime has loaded before it asks."""
+        return self.free_bytes - CLI_GATE_GROWTH_BYTES
+
+    @property
+    def harness_gate_free_bytes(self) -> int:
+        """...and in this tool's own process, whose setup has loaded more modules by Soup's gate (the
+        map's lanes: which arms Soup admits beside the others)."""
         return self.free_bytes - GATE_GROWTH_BYTES
 
     def fits(self, needs_free: int) -> bool:

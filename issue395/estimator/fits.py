@@ -11,7 +11,7 @@ from ..errors import EXIT_FINDING, EXIT_OK, EXIT_SOUP_REFUSES, UsageError
 from ..record import LORA_R
 from ..text import gb, table
 from ..tasks import PROTOCOL_TASK, task
-from .cards import CARDS, DRIVER_KEPT, GATE_GROWTH_BYTES, STEP_GROWTH_BYTES, Budget, Card, budget, workspace_env
+from .cards import CARDS, CLI_GATE_GROWTH_BYTES, DRIVER_KEPT, STEP_GROWTH_BYTES, Budget, Card, budget, workspace_env
 from .estimate import EXPANDABLE_RESERVE_BYTES, EXPANDABLE_RESERVE_PAGES, Estimate, estimate
 from .arch import arch_from_config, layer_bytes
 from .soup_number import arch_of, soup_namespace
@@ -266,9 +266,9 @@ def estimate_table(rows: list[Estimate], cards, config: Optional[dict] = None, *
         legend += ("\nfits: needs free + context + runtime growth <= total. context: 'bound' is Soup's own 0.85 GB "
                    "(its dev box, driving a display; --context GB gives yours, as an idle process sees it), "
                    "'measured' this tool's on that card" + driver_kept_words() + ". runtime growth: what CUDA adds outside the allocator "
-                   f"by the step's end, {STEP_GROWTH_BYTES / 1e6:.1f} MB, {GATE_GROWTH_BYTES / 1e6:.1f} MB of it "
-                   "before Soup's gate reads free memory (measured on the H200: kernel modules loaded lazily, "
-                   "library handles). the allocator's reserve: what the caching allocator holds above the allocated "
+                   f"by the step's end, {STEP_GROWTH_BYTES / 1e6:.1f} MB (kernel modules loaded lazily, library "
+                   f"handles), {CLI_GATE_GROWTH_BYTES / 1e6:.1f} MB of it before Soup's gate reads free memory in "
+                   "`soup train` (both measured on the H200). the allocator's reserve: what the caching allocator holds above the allocated "
                    f"peak under expandable segments that a card cannot do without: the partial 20 MiB pages live "
                    f"blocks touch, charged {EXPANDABLE_RESERVE_PAGES} pages, {EXPANDABLE_RESERVE_BYTES / 1e6:.1f} MB "
                    "(the whole pages above the most measured, at the allocator's replayed peak and in torch's OOM "

@@ -158,8 +158,8 @@ def plan_lanes(run: MeasureRequest, arms: list[Arm], total: Optional[int] = None
         fits = packed and need is not None and room.fits_beside_lanes(need)
         if fits:
             needs.append((arm.index, need.holds, need.soup))
-        if found is None or not (found[1] > whole_card.gate_free_bytes
-                                 or (lane.fits(found[0]) and found[1] <= lane.gate_free_bytes)):
+        if found is None or not (found[1] > whole_card.harness_gate_free_bytes
+                                 or (lane.fits(found[0]) and found[1] <= lane.harness_gate_free_bytes)):
             alone.append(arm)
             if fits:
                 in_lane.append(arm)

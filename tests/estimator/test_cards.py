@@ -65,8 +65,30 @@ def test_the_verdict_is_needs_free_plus_context_plus_the_runtimes_growth_within_
     assert (b.free_bytes, b.context_source) == (23 * 10**9, "given")
     room = 23 * 10**9 - 262_144_000
     assert b.step_free_bytes == room and b.fits(room) and not b.fits(room + 1)
-    assert b.gate_free_bytes == 23 * 10**9 - 94_371_840
-    assert C.GATE_GROWTH_BYTES < C.STEP_GROWTH_BYTES, "the modules by the gate are part of the step's growth"
+    assert b.harness_gate_free_bytes == 23 * 10**9 - 94_371_840
+    assert b.gate_free_bytes == 23 * 10**9 - C.CLI_GATE_GROWTH_BYTES
+    assert C.CLI_GATE_GROWTH_BYTES < C.GATE_GROWTH_BYTES < C.STEP_GROWTH_BYTES, \
+        "the modules by the gate are part of the step's growth, and `soup train` loads fewer by then"
+
+
+def test_soups_gate_in_soup_train_reads_what_the_find_max_probes_saw_it_print():
+    """The free memory Soup's gate printed on every committed --find-max probe (the real `soup train`,
+    two decimals) is the card's total less the box's context less the CLI's growth, to Soup's rounding."""
+    import json
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    seen = 0
+    for path in sorted(root.glob("results/*/find-max-*.json")) + sorted(root.glob("results/*/*/find-max-*.json")):
+        d = json.loads(path.read_text())
+        if not d.get("box_context_bytes"):
+            continue
+        b = C.budget(C.parse_card(d["card"]["card"]), context=d["box_context_bytes"])
+        for p in d["measured"]["probes"]:
+            if p.get("driver_free_gb"):
+                assert abs(b.gate_free_bytes / 1e9 - p["driver_free_gb"]) <= 0.005 + 0.0065, (path.name, p)
+                seen += 1
+    assert seen >= 30
 
 
 def test_the_a10g_workspace_is_not_subtracted_because_the_record_would_be_under():

@@ -34,10 +34,10 @@ def test_fits_exactly_when_needs_free_is_within_total_minus_context_and_the_runt
 
 
 def test_soups_gate_is_answered_on_the_free_memory_it_reads_after_the_modules_load():
-    """On the emulated 16 GB card Soup's gate read 90 MiB less than the ballast left and refused
-    by that margin: its answer here is on the same smaller figure."""
+    """`soup train`'s gate reads the free memory less what the CLI's runtime has loaded by then (the
+    free memory it printed on every --find-max probe): its answer here is on that smaller figure."""
     e = E.estimate(MISTRAL, quant="nf4", seq=512)
-    card = C.Card("edge", e.soup_predicted + C.GATE_GROWTH_BYTES)
+    card = C.Card("edge", e.soup_predicted + C.CLI_GATE_GROWTH_BYTES)
     assert answer(card, e, context=0)["soup_admits"] is True
     assert answer(card, e, context=1)["soup_admits"] is False
 
