@@ -54,6 +54,9 @@ def parse(argv=None) -> argparse.Namespace:
     ap.add_argument("--steps", type=int, default=1, help="optimizer steps (the steady state from 2)")
     ap.add_argument("--accum", type=int, default=1, help="gradient_accumulation_steps")
     ap.add_argument("--optim", default=None, help="training.optimizer (default: Soup's)")
+    ap.add_argument("--stream", action="append", default=[], metavar="KEY=VALUE",
+                    help="a soup-cli 0.77.0 streaming mode (stream_expert_layout=per_expert, stream_loss_chunk=512, "
+                         "stream_recompute=off); repeatable")
     ap.add_argument("--work", default=None)
     ap.add_argument("--json", default=None, help="write the attribution here")
     ap.add_argument("--snapshot", default=None, help="also pickle the raw snapshot here")
@@ -89,9 +92,10 @@ def task_rows(task: str, seq: int, batch: int, micro_batches: int = 1) -> list[d
 
 
 def soup_yaml(task: str, base: str, data: Path, out: Path, seq: int, batch: int, quant: str,
-              targets: list[str], r: int = 8, accum: int = 1, optim: Optional[str] = None) -> str:
+              targets: list[str], r: int = 8, accum: int = 1, optim: Optional[str] = None,
+              stream: Optional[dict] = None) -> str:
     import yaml
-    training_extra = {"optimizer": optim} if optim else {}
+    training_extra = {**({"optimizer": optim} if optim else {}), **(stream or {})}
     return yaml.safe_dump({
         "base": base, "task": task, "backend": "transformers", "modality": "text",
         "data": {"train": str(data), "max_length": seq, "chat_template": "chatml"},
@@ -101,6 +105,17 @@ def soup_yaml(task: str, base: str, data: Path, out: Path, seq: int, batch: int,
                      "logging_steps": 1, "save_steps": 100000, **training_extra,
                      "lora": {"r": r, "alpha": 2 * r, "target_modules": targets}},
     }, sort_keys=False)
+
+
+def stream_modes(pairs: list[str]) -> dict:
+    """--stream KEY=VALUE pairs as Soup's training keys (a number where it is one: stream_loss_chunk)."""
+    out = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key.startswith("stream_"):
+            raise SystemExit(f"--stream {pair!r}: give KEY=VALUE with a stream_* key")
+        out[key] = int(value) if value.isdigit() else value
+    return out
 
 
 def realised(trainer: Any, task: str) -> dict[str, Any]:
@@ -271,7 +286,8 @@ def main(argv=None) -> int:
     from soup_cli.config.loader import load_config_from_string
     from soup_cli.data.loader import load_dataset
     config = load_config_from_string(soup_yaml(a.task, a.base, data, work / "out", a.seq, a.batch,
-                                               a.quant, a.targets.split(","), a.r, a.accum, a.optim))
+                                               a.quant, a.targets.split(","), a.r, a.accum, a.optim,
+                                               stream_modes(a.stream)))
     from soup_cli.utils import layer_stream
     seen: dict = {}
     _est = layer_stream.estimate_stream_peak_vram
@@ -352,7 +368,7 @@ def main(argv=None) -> int:
                 k += 1
         res = {"task": a.task, "seq": a.seq, "batch": a.batch, "quant": a.quant, "realised": width,
                "r": a.r, "targets": a.targets, "steps": a.steps, "accum": a.accum, "optim": a.optim,
-               "step_peaks": step_peaks,
+               "stream": stream_modes(a.stream), "step_peaks": step_peaks,
                "vocab": vocab, "E": E, "step_error": step_error, "soup_predicted": seen.get("soup"),
                "soup_kwargs": seen.get("kwargs"), "real_peak": window.peak, "requested_peak": requested_peak,
                "resident_before": window.before, "reserved_peak": window.reserved,
