@@ -105,13 +105,14 @@ def main() -> None:
         t = e.terms
         print(f"{name:<46} adapter {t.get('lora_weights', 0):>13,}  held grads {t.get('held_gradients', 0):>13,}  "
               f"moments {t.get('adam_moments', 0):>13,}  transients {t.get('optimizer_transients', 0):>13,}")
-    pages()
+    pages(rows)
     findmax()
 
 
-def pages() -> None:
+def pages(default_rows: list[tuple[str, dict, object]]) -> None:
     """The reserve a card cannot do without, under expandable segments (what `soup train` runs): at the
-    replayed peak, the 20 MiB (large pool) and 2 MiB (small pool) pages the live blocks touch."""
+    replayed peak, the 20 MiB (large pool) and 2 MiB (small pool) pages the live blocks touch; and each
+    arm also among ``default_rows`` (the first table's, default allocator) set beside itself."""
     from issue395.constants import EXPANDABLE_PAGE_BYTES
     from issue395.estimator.estimate import EXPANDABLE_RESERVE_BYTES, EXPANDABLE_RESERVE_PAGES, needs_free
 
@@ -132,7 +133,7 @@ def pages() -> None:
           "the most measured here and in torch's OOM messages below")
     unseen = max(d["real_peak"] - d["requested_peak"] for _, d, _ in rows)
     print(f"max_memory_allocated - the requested peak, the most on these arms: {unseen:,} B")
-    default = {name: d for name, d, _ in anatomy()}
+    default = {name: d for name, d, _ in default_rows}
     print("\nthe same arm under the default allocator (the first table: its max_memory_allocated counts unsplit block "
           "remainders) and under expandable segments (above): corrected / max_memory_allocated")
     for name, d, e in rows:

@@ -13,7 +13,6 @@
 source bench/gpu-box.sh 0.77.0
 export TMPDIR=/dev/shm
 END=$(( $(date +%s) + 555 ))
-left() { local l=$(( END - $(date +%s) - ${1:-0} )); [ $l -lt 5 ] && l=5; echo $l; }
 git log -1 --format=%H >> "$R/stack.txt" 2>/dev/null; df -h /tmp /dev/shm >> "$R/stack.txt"
 H="python3 issue395_second_stack_vram.py"
 cmd find-max-qwen-dpo-12GB timeout -s INT -k 40 "$(left 330)" $H --find-max seq --config bench/find-max/qwen-dpo.yaml \

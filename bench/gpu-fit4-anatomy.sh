@@ -9,19 +9,8 @@
 source bench/gpu-box.sh
 export TMPDIR=/dev/shm
 END=$(( $(date +%s) + 575 ))
-left() { local l=$(( END - $(date +%s) - ${1:-0} )); [ $l -lt 5 ] && l=5; echo $l; }
 git log -1 --format=%H >> "$R/stack.txt" 2>/dev/null; df -h /tmp /dev/shm >> "$R/stack.txt"
-ck() { python3 -c "
-from pathlib import Path; from issue395.measure.shapes import family_shape; from issue395.run.checkpoints import synthetic_checkpoint
-print(synthetic_checkpoint(family_shape('$1'), Path('$C/checkpoints'))[0])"; }
-an() {  # an TAG FAMILY ARGS...: one anatomy run on FAMILY's synthetic checkpoint, skipped when time is short
-  local tag=$1 fam=$2; shift 2
-  if [ "$(left)" -lt 45 ]; then echo "not run (time): $tag" >> "$R/commands.txt"; return; fi
-  local base; base=$(ck "$fam"); echo "checkpoint $fam: $base" >> "$R/commands.txt"
-  cmd "anatomy-$tag" timeout -s INT -k 15 "$(left 20)" python3 bench/task_peak_anatomy.py --base "$base" "$@" \
-      --work /dev/shm/w --json "$R/anatomy-$tag.json"
-  rm -rf /dev/shm/w
-}
+an() { anatomy anatomy "$1" "$2" "${@:3}"; }  # an TAG FAMILY ARGS...: one anatomy run (gpu-box.sh)
 L7=q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj
 an sft-llama32-1b-bf16-2048x1-r64-all-s3-a1 llama32-1b --task sft --seq 2048 --r 64 --targets $L7 --steps 3 --accum 1
 an sft-llama32-1b-bf16-2048x1-r64-all-s3-a4 llama32-1b --task sft --seq 2048 --r 64 --targets $L7 --steps 3 --accum 4

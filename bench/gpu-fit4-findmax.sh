@@ -9,7 +9,6 @@
 source bench/gpu-box.sh
 export TMPDIR=/dev/shm
 END=$(( $(date +%s) + ${BUDGET_S:-570} ))
-left() { local l=$(( END - $(date +%s) - ${1:-0} )); [ $l -lt 5 ] && l=5; echo $l; }
 git log -1 --format=%H >> "$R/stack.txt" 2>/dev/null; df -h /tmp /dev/shm >> "$R/stack.txt"
 H="python3 issue395_second_stack_vram.py"
 fm() {  # fm NAME AXIS YAML CARD

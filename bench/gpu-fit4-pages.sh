@@ -18,20 +18,8 @@
 source bench/gpu-box.sh
 export TMPDIR=/dev/shm
 END=$(( $(date +%s) + ${BUDGET_S:-570} ))
-left() { local l=$(( END - $(date +%s) - ${1:-0} )); [ $l -lt 5 ] && l=5; echo $l; }
 git log -1 --format=%H >> "$R/stack.txt" 2>/dev/null; df -h /tmp /dev/shm >> "$R/stack.txt"
-ck() { python3 -c "
-from pathlib import Path; from issue395.measure.shapes import family_shape; from issue395.run.checkpoints import synthetic_checkpoint
-print(synthetic_checkpoint(family_shape('$1'), Path('$C/checkpoints'))[0])"; }
-an() {  # an TAG FAMILY ARGS...
-  local tag=$1 fam=$2; shift 2
-  if [ "$(left)" -lt 45 ]; then echo "not run (time): $tag" >> "$R/commands.txt"; return; fi
-  local base; base=$(ck "$fam") || { echo "checkpoint $fam: its build failed, $tag not run" >> "$R/commands.txt"; return; }
-  echo "checkpoint $fam: $base" >> "$R/commands.txt"
-  cmd "pages-$tag" timeout -s INT -k 15 "$(left 20)" python3 bench/task_peak_anatomy.py --expandable --base "$base" "$@" \
-      --work /dev/shm/w --json "$R/pages-$tag.json"
-  rm -rf /dev/shm/w
-}
+an() { anatomy pages "$1" "$2" --expandable "${@:3}"; }  # an TAG FAMILY ARGS... (gpu-box.sh)
 L7=q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj
 case "${PART:-1}" in
 1) an sft-phi3-nf4-3264x1-r64-fused-s3-a4 phi3-mini --task sft --seq 3264 --quant nf4 --r 64 --targets qkv_proj,o_proj,gate_up_proj,down_proj --steps 3 --accum 4

@@ -11,20 +11,8 @@
 source bench/gpu-box.sh 0.77.0
 export TMPDIR=/dev/shm
 END=$(( $(date +%s) + ${BUDGET_S:-540} ))
-left() { local l=$(( END - $(date +%s) - ${1:-0} )); [ $l -lt 5 ] && l=5; echo $l; }
 git log -1 --format=%H >> "$R/stack.txt" 2>/dev/null; df -h /tmp /dev/shm >> "$R/stack.txt"
-ck() { python3 -c "
-from pathlib import Path; from issue395.measure.shapes import family_shape; from issue395.run.checkpoints import synthetic_checkpoint
-print(synthetic_checkpoint(family_shape('$1'), Path('$C/checkpoints'))[0])"; }
-an() {  # an TAG FAMILY ARGS...
-  local tag=$1 fam=$2; shift 2
-  if [ "$(left)" -lt 60 ]; then echo "not run (time): $tag" >> "$R/commands.txt"; return; fi
-  local base; base=$(ck "$fam") || { echo "checkpoint $fam: its build failed, $tag not run" >> "$R/commands.txt"; return; }
-  echo "checkpoint $fam: $base" >> "$R/commands.txt"
-  cmd "layer-$tag" timeout -s INT -k 15 "$(left 20)" python3 bench/task_peak_anatomy.py --base "$base" "$@" \
-      --stacks all --work /dev/shm/w --json "$R/layer-$tag.json"
-  rm -rf /dev/shm/w
-}
+an() { anatomy layer "$1" "$2" --stacks all "${@:3}"; }  # an TAG FAMILY ARGS... (gpu-box.sh)
 an sft-mistral-nf4-512x1-r8 mistral-7b --task sft --seq 512 --quant nf4
 an sft-mistral-nf4-4096x1-r8 mistral-7b --task sft --seq 4096 --quant nf4
 rm -rf "$C/checkpoints"/mistral-7b-*  # the disk: Kimi K2's checkpoint is about 40 GB

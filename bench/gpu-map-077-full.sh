@@ -8,7 +8,6 @@
 # the committed serial 0.77.0 sweep). Disk and RAM use are sampled every 15 s. Sourced from the repo root.
 source bench/gpu-box.sh 0.77.0
 END=$(( $(date +%s) + 575 ))
-left() { local l=$(( END - $(date +%s) - ${1:-0} )); [ $l -lt 5 ] && l=5; echo $l; }
 git log -1 --format=%H >> "$R/stack.txt" 2>/dev/null; nproc >> "$R/stack.txt"; df -h /tmp /dev/shm >> "$R/stack.txt"
 mkdir -p /dev/shm/h
 ( while true; do echo "$(date +%s) $(df -B1 --output=used /tmp | tail -1) $(df -B1 --output=used /dev/shm | tail -1) $(free -b | awk '/Mem:/{print $3}')"; sleep 15; done ) > "$R/usage-tmp-shm-ram.txt" 2>&1 &

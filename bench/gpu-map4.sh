@@ -32,7 +32,6 @@ PART=${1:-map}
 R=${OUT:-/tmp}/map4-$PART
 source bench/gpu-box.sh 0.77.0
 END=$(( $(date +%s) + 590 ))  # the device's 600 s, less the last pack
-left() { local l=$(( END - $(date +%s) - ${1:-0} )); [ $l -lt 5 ] && l=5; echo $l; }
 room() { [ "$(left)" -gt "$1" ] || { echo "not run (time, needs ${1} s): $2" >> "$R/commands.txt"; return 1; }; }
 git log -1 --format=%H >> "$R/stack.txt" 2>/dev/null; nproc >> "$R/stack.txt"; df -h /tmp /dev/shm >> "$R/stack.txt"
 mkdir -p /dev/shm/h

@@ -14,7 +14,6 @@
 source bench/gpu-box.sh
 export TMPDIR=/dev/shm
 END=$(( $(date +%s) + ${BUDGET_S:-540} ))  # after the install: the device counts it too
-left() { local l=$(( END - $(date +%s) - ${1:-0} )); [ $l -lt 5 ] && l=5; echo $l; }
 git log -1 --format=%H >> "$R/stack.txt" 2>/dev/null
 cmd soup-patch python3 issue395_second_stack_vram.py --soup-patch "$R/soup-cli-0.77.0-corrected-preflight.diff"
 cmd patch-apply bash -c "cd /tmp/site && patch -p1 < '$R/soup-cli-0.77.0-corrected-preflight.diff'"

@@ -12,7 +12,6 @@ export PYTHONPATH=/tmp/site-new:/tmp/site TMPDIR=/dev/shm
 import importlib.metadata as m
 for p in ('torch','transformers','peft','trl','soup-cli','bitsandbytes','datasets','accelerate'): print(p, m.version(p))"; } >> "$R/stack.txt"
 END=$(( $(date +%s) + 575 ))
-left() { local l=$(( END - $(date +%s) - ${1:-0} )); [ $l -lt 5 ] && l=5; echo $l; }
 git log -1 --format=%H >> "$R/stack.txt" 2>/dev/null
 G=$(python3 -c "
 from pathlib import Path; from issue395.measure.shapes import family_shape; from issue395.run.checkpoints import synthetic_checkpoint

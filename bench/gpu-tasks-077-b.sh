@@ -9,7 +9,6 @@
 source bench/gpu-box.sh 0.77.0
 export TMPDIR=/dev/shm
 END=$(( $(date +%s) + 570 ))
-left() { local l=$(( END - $(date +%s) - ${1:-0} )); [ $l -lt 5 ] && l=5; echo $l; }
 trun() { local name=$1 reserve=$2; shift 2; cmd "$name" timeout -s INT -k 20 "$(left $reserve)" \
            python3 issue395_second_stack_vram.py "$@"; }
 git log -1 --format=%H >> "$R/stack.txt" 2>/dev/null; df -h /tmp /dev/shm >> "$R/stack.txt"

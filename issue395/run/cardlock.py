@@ -33,6 +33,29 @@ def _acquire(path: str, how: int) -> int:
     return fd
 
 
+@contextlib.contextmanager
+def _locked_json(path: str, writer: str, missing_ok: bool = False) -> Iterator[dict]:
+    """The JSON object at ``path`` under an exclusive flock of ``path``.lock, written back whole (through
+    a temporary file of ``writer``'s, replaced at once) when the block ends without an exception.
+    ``missing_ok``: a file not there yet, or not readable, reads as empty."""
+    fd = _acquire(f"{path}.lock", fcntl.LOCK_EX)
+    try:
+        try:
+            with open(path, encoding="utf-8") as fh:
+                state = json.load(fh)
+        except (OSError, ValueError):
+            if not missing_ok:
+                raise
+            state = {}
+        yield state
+        tmp = f"{path}.{writer}.tmp"
+        with open(tmp, "w", encoding="utf-8") as fh:
+            json.dump(state, fh)
+        os.replace(tmp, path)
+    finally:
+        os.close(fd)
+
+
 class CardLedger:
     """One GPU's lanes packed by bytes (issue 38): schedule.Ledger kept in a JSON file at ``path``,
     read and written under an exclusive flock of ``path``.lock, so each lane process asks, starts and
@@ -48,27 +71,17 @@ class CardLedger:
 
     @contextlib.contextmanager
     def _state(self) -> Iterator[dict]:
-        fd = _acquire(f"{self.path}.lock", fcntl.LOCK_EX)
-        try:
-            try:
-                with open(self.path, encoding="utf-8") as fh:
-                    state = json.load(fh)
-            except (OSError, ValueError):
-                state = {}
-            lanes = [k for k in state.get("lanes", ()) if _alive(k)]
-            ledger = Ledger.from_json(self.room(len(lanes)), state.get("ledger", {"patience": self.patience}))
+        with _locked_json(self.path, self.key, missing_ok=True) as saved:
+            lanes = [k for k in saved.get("lanes", ()) if _alive(k)]
+            ledger = Ledger.from_json(self.room(len(lanes)), saved.get("ledger", {"patience": self.patience}))
             for key in [k for k in ledger.running if not _alive(k)] + [w[0] for w in ledger.waiting if not _alive(w[0])]:
                 ledger.done(key)
             state = {"lanes": lanes, "ledger": ledger}
             yield state
             state["ledger"].room = self.room(len(state["lanes"]))
             state["ledger"].admit(time.monotonic())  # a lane that left may let a waiting arm in
-            tmp = f"{self.path}.{self.key}.tmp"
-            with open(tmp, "w", encoding="utf-8") as fh:
-                json.dump({"lanes": state["lanes"], "ledger": state["ledger"].to_json()}, fh)
-            os.replace(tmp, self.path)
-        finally:
-            os.close(fd)
+            saved.clear()
+            saved.update(lanes=state["lanes"], ledger=state["ledger"].to_json())
 
     def room(self, lanes: int) -> Room:
         return Room(self.total, max(1, lanes), self.context)
@@ -161,19 +174,10 @@ class DiskLedger:
 
     @contextlib.contextmanager
     def _state(self) -> Iterator[dict]:
-        fd = _acquire(f"{self.path}.lock", fcntl.LOCK_EX)
-        try:
-            with open(self.path, encoding="utf-8") as fh:
-                state = json.load(fh)
+        with _locked_json(self.path, self.pid) as state:
             state["held"] = {k: int(v) for k, v in state.get("held", {}).items() if _alive(k)}
             state["waiting"] = [k for k in state.get("waiting", ()) if _alive(k)]
             yield state
-            tmp = f"{self.path}.{self.pid}.tmp"
-            with open(tmp, "w", encoding="utf-8") as fh:
-                json.dump(state, fh)
-            os.replace(tmp, self.path)
-        finally:
-            os.close(fd)
 
     def try_hold(self, name: str, size: int, ahead: bool = True) -> bool:
         """Hold ``size`` bytes for ``name``'s checkpoint if they fit now (True: held). A build ahead
