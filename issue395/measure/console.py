@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from ..constants import GB
-from ..tasks import PROTOCOL_TASK
 from ..results.row import Row
 
 
@@ -217,8 +216,7 @@ class Progress:
         self.done += 1
         elapsed = time.perf_counter() - self.started
         peak = f"{row.real_peak / GB:.4f} GB" if row.measured else "no peak"
-        task = "" if row.task == PROTOCOL_TASK else f"{row.task} "  # a task other than SFT is always named
-        what = f"{row.model} {task}{row.quant + ' ' if row.quant != 'none' else ''}seq {row.seq} batch {row.batch}"
+        what = f"{row.label} {row.quant + ' ' if row.quant != 'none' else ''}seq {row.seq} batch {row.batch}"
         if self.bar is not None:
             self.bar.update(self.task, completed=self.done, description=f"{what}: {row.status}, {peak}")
             return

@@ -106,3 +106,19 @@ def test_import_time_library_warnings_land_in_the_arm_log(tmp_path, capfd, monke
     assert "gemm_4bit_forward" not in out + err
     assert "gemm_4bit_forward" in log.read_text()
     sys.modules.pop("fake_bnb_ops", None)
+
+
+def test_progress_names_a_task_other_than_sft_and_never_prints_none_for_sft(capfd):
+    """The twelfth session's map printed "Moonlight-16B-A3B (layers 4 of 27) None nf4 seq 512": an SFT row's task is None, and
+    the progress line treated None as a task to name."""
+    from dataclasses import replace
+
+    p = Progress(3, 0.0)
+    sft = make_row("smol", 64)
+    p.arm(sft)
+    p.arm(replace(sft, task="dpo"))
+    p.arm(replace(sft, quant="nf4"))
+    err = capfd.readouterr().err.splitlines()
+    assert "None" not in err[0] and f"{sft.model} seq 64 batch" in err[0], err[0]
+    assert f"{sft.model} dpo seq 64" in err[1], err[1]
+    assert f"{sft.model} nf4 seq 64" in err[2] and "None" not in err[2], err[2]
