@@ -193,7 +193,10 @@ def layer_per_token(a: Arch, quant: str, targets: tuple, r: int) -> int:
     its output and fp32 logsumexp; Qwen3/Gemma-3 q/k norms save fp32 q and k; the incoming
     gradient (act x h). MLP: gate, act(gate), up saved (3i), and at the mul backward the down
     grad and the two mul grads (3i): 6i; phi's python gelu_new saves 4 i-sized tensors: 7i.
-    Evidence: PEAK counts about 258 KB/token for Mistral-7B, this count's figure."""
+    Evidence: PEAK counts about 258 KB/token for Mistral-7B, this count's figure. Known limitation:
+    the peak measured on NF4 arms is in the recomputed forward's MLP (4 i-sized, not the backward's
+    6), with fewer weights in a first layer whose input needs no gradient; the over-charge is safe.
+    Evidence: docs/PEAK.md, "The NF4 layer phase, read per phase"."""
     act = activation_bytes(a, quant)
     qw, kw = a.heads * a.head_dim, a.kv * a.head_dim
     b = 4 * a.h * (a.norms if a.quirks.norm_inputs_saved else 0)
