@@ -7,8 +7,9 @@
 # (1.030x at per-expert 512, 1.056x at per-expert + chunk 512 at 2048); Mistral-7B NF4 512x1 is 1.0166x.
 # Each arm here runs bench/task_peak_anatomy.py (the allocator's history split at every forward; frames with
 # --stacks all) in the map's allocator (no --expandable), so its rows compare with the map's.
-# The arms go most telling first (the worst Kimi row, then the other; Mistral 4096 last), so a short budget
-# still brings back the pair the layer-phase question needs: Mistral 512 and Kimi 2048 chunk 512.
+# The pair the layer-phase question needs goes first (Mistral 512, then Kimi's worst row, 2048 chunk 512), so a
+# short budget still brings it back; Kimi 512 next, Mistral 4096 last (its checkpoint built again: the disk
+# cannot hold Mistral's and Kimi's at once).
 # Sourced from the repo root with .whl carried (bench/README.md).
 source bench/gpu-box.sh 0.77.0
 export TMPDIR=/dev/shm

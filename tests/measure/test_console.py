@@ -109,8 +109,8 @@ def test_import_time_library_warnings_land_in_the_arm_log(tmp_path, capfd, monke
 
 
 def test_progress_names_a_task_other_than_sft_and_never_prints_none_for_sft(capfd):
-    """The twelfth session's map printed "Moonlight-16B-A3B (layers 4 of 27) None nf4 seq 512": an SFT row's task is None, and
-    the progress line treated None as a task to name."""
+    """The full map of 2026-12-02 printed "Moonlight-16B-A3B (layers 4 of 27) None nf4 seq 512": an SFT
+    row's task is None, and the progress line treated None as a task to name."""
     from dataclasses import replace
 
     p = Progress(3, 0.0)
