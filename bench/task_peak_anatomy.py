@@ -57,6 +57,9 @@ def parse(argv=None) -> argparse.Namespace:
     ap.add_argument("--stream", action="append", default=[], metavar="KEY=VALUE",
                     help="a soup-cli 0.77.0 streaming mode (stream_expert_layout=per_expert, stream_loss_chunk=512, "
                          "stream_recompute=off); repeatable")
+    ap.add_argument("--train", action="append", default=[], metavar="KEY=VALUE",
+                    help="any other Soup training key: stream_layers=false (a resident run), "
+                         "gradient_checkpointing=true|selective|medium|full; repeatable")
     ap.add_argument("--work", default=None)
     ap.add_argument("--json", default=None, help="write the attribution here")
     ap.add_argument("--snapshot", default=None, help="also pickle the raw snapshot here")
@@ -116,6 +119,38 @@ def stream_modes(pairs: list[str]) -> dict:
             raise SystemExit(f"--stream {pair!r}: give KEY=VALUE with a stream_* key")
         out[key] = int(value) if value.isdigit() else value
     return out
+
+
+def training_keys(pairs: list[str]) -> dict:
+    """--train KEY=VALUE pairs as Soup's training keys: true/false as booleans, digits as numbers."""
+    out = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--train {pair!r}: give KEY=VALUE")
+        out[key] = {"true": True, "false": False}.get(value.lower(), int(value) if value.isdigit() else value)
+    return out
+
+
+def soup_resident_gate(config: Any, total_bytes: int) -> Optional[dict]:
+    """Soup's resident pre-flight as `soup train` runs it (commands/train.py): the input its CLI builds
+    from this config, estimate_peak_vram_gb's breakdown and decide_hardware_fit against the card's total
+    (computed by Soup). None where Soup's CLI has no such gate or builds no input."""
+    try:
+        from soup_cli.commands.train import _build_hardware_fit_input
+        from soup_cli.utils.hardware_fit import decide_hardware_fit, estimate_peak_vram_gb
+    except ImportError:
+        return None
+    inp = _build_hardware_fit_input(config)
+    if inp is None:
+        return {"input": None}
+    b = estimate_peak_vram_gb(inp)
+    r = decide_hardware_fit(inp, available_vram_gb=total_bytes / 1e9)
+    return {"input": {k: getattr(inp, k) for k in inp.__dataclass_fields__},
+            "breakdown_gb": {k: getattr(b, k) for k in b.__dataclass_fields__}, "peak_gb": b.total_gb,
+            "ok": r.ok, "required_with_margin_gb": r.required_with_margin_gb,
+            "available_gb": r.available_vram_gb, "reason": r.reason,
+            "applies": not getattr(config.training, "stream_layers", False)}
 
 
 def realised(trainer: Any, task: str) -> dict[str, Any]:
@@ -287,7 +322,8 @@ def main(argv=None) -> int:
     from soup_cli.data.loader import load_dataset
     config = load_config_from_string(soup_yaml(a.task, a.base, data, work / "out", a.seq, a.batch,
                                                a.quant, a.targets.split(","), a.r, a.accum, a.optim,
-                                               stream_modes(a.stream)))
+                                               {**stream_modes(a.stream), **training_keys(a.train)}))
+    gate = soup_resident_gate(config, torch.cuda.mem_get_info()[1])
     from soup_cli.utils import layer_stream
     seen: dict = {}
     _est = layer_stream.estimate_stream_peak_vram
@@ -368,7 +404,8 @@ def main(argv=None) -> int:
                 k += 1
         res = {"task": a.task, "seq": a.seq, "batch": a.batch, "quant": a.quant, "realised": width,
                "r": a.r, "targets": a.targets, "steps": a.steps, "accum": a.accum, "optim": a.optim,
-               "stream": stream_modes(a.stream), "step_peaks": step_peaks,
+               "stream": stream_modes(a.stream), "train": training_keys(a.train),
+               "soup_resident_gate": gate, "step_peaks": step_peaks,
                "vocab": vocab, "E": E, "step_error": step_error, "soup_predicted": seen.get("soup"),
                "soup_kwargs": seen.get("kwargs"), "real_peak": window.peak, "requested_peak": requested_peak,
                "resident_before": window.before, "reserved_peak": window.reserved,
