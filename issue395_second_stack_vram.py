@@ -53,6 +53,7 @@ from typing import Any, Iterable, Iterator, Optional
 from issue395.measure.cuda import allocator_history, peak_window
 from issue395.errors import last_line
 from issue395.measure.measurement import ArmHooks, Measurement
+from issue395.results.extras import ResidentGate
 from issue395.model.arm import Arm
 from issue395.record import DATA_ROWS, LORA_ALPHA, LORA_R, OVERSHOOT, SOUP_QUANT
 from issue395.model.registry import Shape
@@ -198,6 +199,8 @@ def measure_arm(arm: Arm, shape: Shape, base: str, work: Path, *, dry_run: bool 
             config = load_config_from_string(soup_config_yaml(
                 base, data_path, work / "out", arm.seq, arm.batch, arm.quant, shape.targets, shape.stream,
                 shape.lora_r, shape.lora_alpha, arm.task))
+            if not config.training.stream_layers:  # `soup train`'s resident gate runs before any setup
+                m.soup_resident = soup_resident_preflight(config, dry_run)
             wrapper = getattr(importlib.import_module(module), wrapper_class)(
                 config, device="cpu" if dry_run else STEP_DEVICE)
             wrapper.setup(load_dataset(config.data))
@@ -248,6 +251,30 @@ def watch_soup_preflight(m: Measurement) -> Iterator[Measurement]:
         yield m
     finally:
         layer_stream.estimate_stream_peak_vram, layer_stream.decide_stream_fit = estimate, decide
+
+
+def soup_resident_preflight(config: Any, dry_run: bool = False) -> ResidentGate:
+    """A resident run's pre-flight as `soup train` runs it before any setup (commands/train.py's
+    _hardware_fit_preflight): the input its CLI builds from the config, its estimate, and its verdict against
+    the card's total memory as Soup reads it (get_gpu_info). Without CUDA Soup's gate does not run, so there
+    is no verdict; where its CLI builds no input (a model size it cannot tell) the gate is skipped: no number."""
+    from soup_cli.commands.train import _build_hardware_fit_input
+    from soup_cli.utils.hardware_fit import decide_hardware_fit, estimate_peak_vram_gb
+
+    inp = _build_hardware_fit_input(config)
+    if inp is None:
+        return ResidentGate()
+    b = estimate_peak_vram_gb(inp)
+    total = 0
+    if not dry_run and STEP_DEVICE == "cuda":
+        from soup_cli.utils.gpu import get_gpu_info
+
+        total = int(get_gpu_info(backend=config.backend).get("memory_total_bytes", 0) or 0)
+    verdict = decide_hardware_fit(inp, available_vram_gb=total / 1e9) if total > 0 else None
+    return ResidentGate(input={k: getattr(inp, k) for k in inp.__dataclass_fields__}, peak=round(b.total_gb * 1e9),
+                        breakdown={k: getattr(b, k) for k in b.__dataclass_fields__},
+                        required=round(verdict.required_with_margin_gb * 1e9) if verdict else None,
+                        card_total=total or None, admits=verdict.ok if verdict else None)
 
 
 def teardown(wrapper: Any) -> Optional[str]:

@@ -249,10 +249,22 @@ def known(key: str) -> bool:
     return base in SHAPES or base in FAMILIES
 
 
+#: The map key's spelling of a resident run and of its gradient checkpointing (both Soup ``training`` keys).
+RESIDENT, CHECKPOINTED = "resident", "gc"
+#: Whether Soup streams the layers (its default) or keeps them resident: the values of --stream-layers.
+STREAM_LAYERS = ("on", "off")
+#: training.gradient_checkpointing on a resident run (Soup's default off first): --gradient-checkpointing.
+CHECKPOINTING = ("off", "on")
+
+
 #: soup-cli 0.77.0's streaming modes as map axes: how a mode is spelled after a family's key
 #: ("moonlight+per_expert+chunk512"), and the Soup ``training`` key each one sets.
 STREAM_MODES = {"per_expert": ("stream_expert_layout", "per_expert"),
-                "recompute-off": ("stream_recompute", "off")}
+                "recompute-off": ("stream_recompute", "off"),
+                # a resident run: Soup keeps every layer on the card (training.stream_layers false), and
+                # HF's gradient checkpointing where the file turns it on (Soup's default: off)
+                RESIDENT: ("stream_layers", False),
+                CHECKPOINTED: ("gradient_checkpointing", True)}
 LOSS_CHUNK_PREFIX = "chunk"  # chunkN: training.stream_loss_chunk = N tokens
 #: The values of the two named axes, Soup's default first (the default adds nothing to a key).
 EXPERT_LAYOUTS, RECOMPUTES = ("fused", "per_expert"), ("on", "off")
@@ -281,11 +293,26 @@ def stream_mode(key: str) -> tuple[str, dict[str, Any]]:
 
 
 def mode_key(family: str, layout: str = "fused", loss_chunk: Optional[int] = None,
-             recompute: str = "on") -> str:
-    """The map key of ``family`` under these modes; Soup's defaults add nothing to the key."""
+             recompute: str = "on", resident: bool = False, checkpointing: bool = False) -> str:
+    """The map key of ``family`` under these modes; Soup's defaults add nothing to the key. A resident
+    run has no streaming modes (Soup reads none of them), and checkpointing is a resident run's only."""
+    if resident and (layout != "fused" or loss_chunk or recompute != "on"):
+        raise UsageError(f"{family}: a resident run (stream_layers off) takes no streaming mode")
+    if checkpointing and not resident:
+        raise UsageError(f"{family}: gradient checkpointing is a resident run's (a streamed run checkpoints "
+                         "every layer itself)")
     return "+".join([family] + (["per_expert"] if layout == "per_expert" else [])
                     + ([f"{LOSS_CHUNK_PREFIX}{loss_chunk}"] if loss_chunk else [])
-                    + (["recompute-off"] if recompute == "off" else []))
+                    + (["recompute-off"] if recompute == "off" else [])
+                    + ([RESIDENT] if resident else []) + ([CHECKPOINTED] if checkpointing else []))
+
+
+def is_resident(key: str) -> bool:
+    """A map key whose run keeps every layer on the card (stream_layers off)."""
+    try:
+        return stream_mode(key)[1].get("stream_layers") is False
+    except UsageError:
+        return False
 
 
 def is_moe(key: str) -> bool:
@@ -309,16 +336,24 @@ def config_json(key: str) -> dict[str, Any]:
             "tie_word_embeddings": True, "hidden_act": "silu", **s.arch}
 
 
-def stream_mode_keys(families: list, layouts: list, chunks: list, recomputes: list) -> tuple:
+def stream_mode_keys(families: list, layouts: list, chunks: list, recomputes: list,
+                     layers: tuple = ("on",), checkpointing: tuple = ("off",)) -> tuple:
     """Every family under every mode: modes after the family, so its checkpoint serves them all.
-    A per-expert layout is a MoE family's axis only; each axis names each value once."""
+    A per-expert layout is a MoE family's axis only; the streaming modes are a streamed run's, gradient
+    checkpointing a resident run's (``layers``: --stream-layers); each axis names each value once."""
     for flag, values, allowed in (("--expert-layout", layouts, EXPERT_LAYOUTS),
-                                  ("--recompute", recomputes, RECOMPUTES)):
+                                  ("--recompute", recomputes, RECOMPUTES),
+                                  ("--stream-layers", layers, STREAM_LAYERS),
+                                  ("--gradient-checkpointing", checkpointing, CHECKPOINTING)):
         if any(v not in allowed for v in values) or len(set(values)) != len(values):
             raise UsageError(f"{flag} {','.join(values)!r}: choose from {','.join(allowed)}, each once")
     if len(set(chunks)) != len(chunks):
         raise UsageError("--loss-chunk: a value named twice")
     if "per_expert" in layouts and not any(is_moe(f) for f in families):
         raise UsageError("--expert-layout per_expert: none of these families has routed experts")
-    return tuple(mode_key(fam, layout, chunk, recompute) for fam in families for layout in layouts
-                 if layout == "fused" or is_moe(fam) for chunk in chunks for recompute in recomputes)
+    if "on" in checkpointing and "off" not in layers:
+        raise UsageError("--gradient-checkpointing on: a resident run's setting; add --stream-layers off")
+    return tuple(key for fam in families for key in (
+        [mode_key(fam, layout, chunk, recompute) for layout in layouts if layout == "fused" or is_moe(fam)
+         for chunk in chunks for recompute in recomputes] if "on" in layers else []) + (
+        [mode_key(fam, resident=True, checkpointing=gc == "on") for gc in checkpointing] if "off" in layers else []))

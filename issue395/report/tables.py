@@ -213,14 +213,17 @@ def map_table(rows: list[Row], env: Optional[dict] = None) -> str:
     """The margin map, one row per arm, with the same guard and statuses as the sweep."""
     cells = []
     for r in rows:
-        diff = (f"{(r.soup_predicted - r.predicted) / 1e6:+.1f}" if r.soup_predicted and r.predicted else "-")
+        # a resident row: Soup's resident gate is its own number, and the grid's streamed convention is no figure of its run
+        conv, own = (None, r.soup_resident.peak) if r.soup_resident else (r.predicted, r.soup_predicted)
+        diff = f"{(own - conv) / 1e6:+.1f}" if own and conv else "-"
         cells.append([r.label, r.quant, str(r.seq), str(r.batch), "-" if r.realised is None else str(r.realised),
-                      ",".join(r.targets) or "-", gb(r.predicted), gb(r.soup_predicted), diff, peak_cell(r),
+                      ",".join(r.targets) or "-", gb(conv), gb(own), diff, peak_cell(r),
                       "VOID" if r.status == "VOID" else ratio(r.margin_ratio), gb(corrected(r, env)),
                       "VOID" if r.status == "VOID" else ratio(corrected_ratio(r, env)), r.status])
     notes = [f"  {r.label} {r.quant} seq {r.seq} batch {r.batch}: {r.status} - {r.error}"
              for r in rows if r.failure and r.error]
-    legend = [MAP_LEGEND] + ([TASK_LEGEND] if any(r.task for r in rows) else [])
+    legend = ([MAP_LEGEND] + ([TASK_LEGEND] if any(r.task for r in rows) else [])
+              + ([RESIDENT_LEGEND] if any(r.soup_resident for r in rows) else []))
     return "\n".join(["margin map (record-conv and Soup's own: computed by Soup; real peak: measured here)"]
                      + table(MAP_COLUMNS, cells) + legend + (["notes:"] + notes if notes else []))
 
@@ -228,6 +231,46 @@ def map_table(rows: list[Row], env: Optional[dict] = None) -> str:
 TASK_LEGEND = ("a task after the family (dpo, orpo, simpo, kto): Soup's own task; record-conv is Soup's estimator "
                "at the rows its setup counts for it (2 x batch for dpo, orpo, simpo), and lower/real is Soup's own "
                "number alone over the real peak")
+
+
+RESIDENT_LEGEND = ("[resident]: training.stream_layers off, every layer on the card ([resident+gc]: with "
+                   "training.gradient_checkpointing); Soup's own is its resident gate's number (commands/train.py's input, "
+                   "hardware_fit.estimate_peak_vram_gb: computed by Soup), lower/real that number over the real peak, and "
+                   "record-conv (a streamed run's convention) does not apply; corrected: not yet modelled for a resident run")
+
+
+def resident_gate_table(rows: list[Row], cards: Optional[list] = None) -> str:
+    """Soup's resident gate beside each resident row's real peak: its number and its number with the 10%
+    margin (computed by Soup), its verdict on this card (Soup's own decide_hardware_fit, where it ran on
+    CUDA), and, on the named cards, the smallest one it admits the run on where the measured peak alone is
+    past that card's total memory (a run its gate admits that cannot fit), or the largest it refuses where
+    the measured peak fits inside the card (a run it refuses that fits, before the CUDA context)."""
+    from ..estimator.cards import CARDS
+
+    named = sorted(cards or CARDS.values(), key=lambda c: c.total_bytes)
+    cells = []
+    for r in [r for r in rows if r.soup_resident]:
+        g = r.soup_resident
+        with_margin = g.peak * 1.1 if g.peak else None  # Soup's VRAM_SAFETY_MARGIN, as decide_hardware_fit adds it
+        wrong = "-"
+        if with_margin and r.measured:
+            admitted = [c for c in named if with_margin <= c.total_bytes - c.hidden_bytes]
+            dies = [c for c in admitted if r.real_peak > c.total_bytes - c.hidden_bytes]
+            refused = [c for c in named if with_margin > c.total_bytes - c.hidden_bytes
+                       and r.real_peak <= c.total_bytes - c.hidden_bytes]
+            wrong = (f"admits on {dies[0].name}, peak past its total" if dies else
+                     f"refuses on {refused[-1].name}, peak inside it" if refused else "right on every named card")
+        verdict = "-" if g.admits is None else "admits" if g.admits else "REFUSES"
+        cells.append([r.label, r.quant, str(r.seq), str(r.batch), gb(g.peak), gb(with_margin and round(with_margin)),
+                      peak_cell(r), ratio(r.margin_ratio), verdict, wrong])
+    if not cells:
+        return ""
+    return "\n".join(["Soup's resident gate (its number and margin: computed by Soup; real peak: measured here)"] + table(
+        [("family", -26), ("quant", 5), ("seq", 6), ("batch", 5), ("Soup GB", 8), ("+10% GB", 8),
+         ("real peak GB", 13), ("Soup/real", 9), ("this card", 9), ("on the named cards", -40)], cells)
+        + ["this card: Soup's decide_hardware_fit against the total memory it read here (- without CUDA, or where "
+           "its CLI builds no input and skips its gate); named cards: issue395/estimator/cards.py, their totals as "
+           "CUDA reports them, against the measured peak alone (the CUDA context comes on top)"])
 
 
 def map_summary(rows: list[Row]) -> str:
@@ -388,6 +431,8 @@ def render_text(result: Result) -> str:
     parts = [header_line(result.environment), stack_check_line(result)]
     if result.kind == "map":
         parts += ["", map_table(sweep_rows, result.environment), "", map_summary(sweep_rows)]
+        gates = resident_gate_table(sweep_rows)
+        parts += ["", gates] if gates else []
         if result.margins:
             parts += ["", margins_table(result.margins)]
             anatomy = margin_anatomy(result.margins, result.environment.get("soup_cli"), result.environment.get("transformers"))

@@ -1,5 +1,5 @@
 """What a row holds beyond the arm and its measurement, each as its own typed record: where it ran
-(``Ran``), what Soup's gate read (``Gate``), the user's soup.yaml it is (``UserConfig``), and the
+(``Ran``), what Soup's gate read (``Gate``), a resident run's gate as Soup's CLI runs it (``ResidentGate``), the user's soup.yaml it is (``UserConfig``), and the
 constraint it ran under, one at most (``Capped``, ``Emulated``, ``MinFreeFound``: each constraint's
 record, written under its ``KIND``). Each record reads itself back from JSON, checking what it holds.
 """
@@ -70,6 +70,27 @@ class Gate(Record):
 
     CHECKS: ClassVar = {"terms": (lambda v: v is None or isinstance(v, dict), "an object or null"),
                         "free": _BYTES}
+
+
+@dataclass(frozen=True)
+class ResidentGate(Record):
+    """A resident run's (stream_layers off) pre-flight as `soup train` runs it (computed by Soup: commands/
+    train.py's _build_hardware_fit_input on the arm's config, hardware_fit's estimate_peak_vram_gb and
+    decide_hardware_fit): the input its CLI built (None where it builds none and skips its gate), Soup's peak in
+    bytes and its five classes in GB, the peak with its 10% margin, the card's total it compares with (None
+    without CUDA: Soup's gate does not run there) and its verdict (admits: None where it did not decide)."""
+
+    input: Optional[dict] = None
+    peak: Optional[int] = None
+    breakdown: Optional[dict] = None
+    required: Optional[int] = None
+    card_total: Optional[int] = None
+    admits: Optional[bool] = None
+
+    CHECKS: ClassVar = {"input": (lambda v: v is None or isinstance(v, dict), "an object or null"),
+                        "breakdown": (lambda v: v is None or isinstance(v, dict), "an object or null"),
+                        "peak": _BYTES, "required": _BYTES, "card_total": _BYTES,
+                        "admits": (lambda v: v is None or isinstance(v, bool), "true, false or null")}
 
 
 @dataclass(frozen=True)

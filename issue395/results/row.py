@@ -15,7 +15,8 @@ from ..tasks import PROTOCOL_TASK, TASKS, task as task_of
 from ..model.arm import Arm, logits_charge, predicted_bytes
 from ..model.registry import Shape, family_of
 from ..estimator.cards import emulated_outcome, step_free
-from .extras import Capped, Emulated, Gate, Ran, Record, UserConfig, constraint_from_json, constraint_to_json
+from .extras import (Capped, Emulated, Gate, Ran, Record, ResidentGate, UserConfig, constraint_from_json,
+                     constraint_to_json)
 
 
 def realised_as_requested(seq: int, batch: int, width: Optional[int], rows: Iterable[int],
@@ -53,6 +54,7 @@ ROW_FIELDS = {
 SUB_RECORDS = {"ran": lambda v: Ran.from_json(v, "ran"),
                "gate": lambda v: None if v is None else Gate.from_json(v, "gate"),
                "config": lambda v: None if v is None else UserConfig.from_json(v, "config"),
+               "soup_resident": lambda v: None if v is None else ResidentGate.from_json(v, "soup_resident"),
                "constraint": constraint_from_json}
 
 
@@ -98,6 +100,9 @@ class Row:
     #: an arm with no public config here to recompute it from (--model, a --config's folder base);
     #: None (its JSON key absent) for a registry model, whose figure is recomputed when rendered
     corrected_custom: Optional[int] = None
+    #: a resident run (stream_layers off): Soup's resident gate as its CLI runs it; None (its JSON key absent)
+    #: for a streamed run, so every streamed row saved before re-renders alike
+    soup_resident: Optional[ResidentGate] = None
 
     @property
     def arm(self) -> tuple:
@@ -134,7 +139,8 @@ class Row:
             return "VOID"
         if self.real_peak is None:
             return "dry-run" if self.dry_run else "FAILED"
-        return "UNDER" if self.lowest_prediction < self.real_peak else "ok"
+        low = self.lowest_prediction  # None: Soup's resident gate built no input, so it predicts nothing
+        return "UNDER" if low is not None and low < self.real_peak else "ok"
 
     @property
     def oom_at_soup_cap(self) -> bool:
@@ -170,6 +176,8 @@ class Row:
         """The lower of the record's convention and Soup's own pre-flight (where captured); for a
         task other than SFT, Soup's own number alone, which its setup computes for the task (the
         record's convention is an SFT grid's)."""
+        if self.soup_resident is not None:  # Soup's resident gate's number alone: the grid's is a streamed one
+            return self.soup_resident.peak
         if self.task and self.soup_predicted:
             return self.soup_predicted
         return min((p for p in (self.predicted, self.soup_predicted) if p), default=None)
@@ -194,7 +202,7 @@ class Row:
     @property
     def margin_ratio(self) -> Optional[float]:
         """The lower of the two predictions (the record's convention, Soup's own) over the peak."""
-        return self.lowest_prediction / self.real_peak if self.measured else None
+        return self.lowest_prediction / self.real_peak if self.measured and self.lowest_prediction else None
 
     @property
     def nonlogits_overestimate(self) -> Optional[float]:
@@ -223,10 +231,11 @@ class Row:
         if self.emulated is not None:
             derived.update(emulated_fits=self.emulated_fits, emulated_outcome=self.emulated_outcome)
         data = {f.name: getattr(self, f.name) for f in fields(self)
-                if f.name not in ("task", "corrected_custom") or getattr(self, f.name) is not None}
+                if f.name not in ("task", "corrected_custom", "soup_resident") or getattr(self, f.name) is not None}
         return dict(data, realised_rows=list(self.realised_rows), targets=list(self.targets),
                     ran=self.ran.to_json(), gate=self.gate and self.gate.to_json(),
-                    config=self.config and self.config.to_json(), constraint=constraint_to_json(self.constraint),
+                    config=self.config and self.config.to_json(),
+                    **({"soup_resident": self.soup_resident.to_json()} if self.soup_resident else {}), constraint=constraint_to_json(self.constraint),
                     derived=derived)  # "derived" is for readers; it is never read back
 
     @classmethod

@@ -180,7 +180,9 @@ def stream_mode_families(args: argparse.Namespace, families: list) -> tuple:
     return stream_mode_keys(families, comma_list(args.expert_layout) if args.expert_layout else ["fused"],
                             [None if c == "off" else parse_ints("--loss-chunk", c, minimum=low, maximum=high)[0]
                              for c in chunks],
-                            comma_list(args.recompute) if args.recompute else ["on"])
+                            comma_list(args.recompute) if args.recompute else ["on"],
+                            tuple(comma_list(args.stream_layers)) if args.stream_layers else ("on",),
+                            tuple(comma_list(args.gradient_checkpointing)) if args.gradient_checkpointing else ("off",))
 
 
 def not_an_empty_shard(run: MeasureRequest) -> None:

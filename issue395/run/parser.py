@@ -131,6 +131,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "tokens per chunk: training.stream_loss_chunk (default off)")
     a.add_argument("--recompute", default=None, help="with --map (soup-cli 0.77.0): comma list of on,off: "
                    "training.stream_recompute (default on)")
+    a.add_argument("--stream-layers", default=None, help="with --map: comma list of on,off: training.stream_layers "
+                   "(default on; off: a resident run, every layer on the card, judged against Soup's resident gate)")
+    a.add_argument("--gradient-checkpointing", default=None, help="with --map and --stream-layers off: comma list "
+                   "of off,on: training.gradient_checkpointing on the resident runs (default off, Soup's)")
     a.add_argument("--quant", default=None, help="with --map or --estimate: comma list of none,nf4 (--map: both; "
                    "nf4 needs bitsandbytes)")
     a.add_argument("--seq", default=None, help="comma list of seq lengths, each at least 64 (Soup's schema), "

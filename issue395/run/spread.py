@@ -113,11 +113,19 @@ def gpu_total_bytes(gpu: Optional[int]) -> Optional[int]:
 def arm_needs(arm: Arm, run: MeasureRequest) -> Optional[tuple[int, int]]:
     """This tool's corrected needs-free and Soup's own number for an arm (None: not estimated here,
     e.g. a --model checkpoint), both from the family's public config."""
-    from ..model.registry import known
-    from ..estimator.estimate import estimate_key
+    from ..model.registry import is_resident, known
+    from ..estimator.estimate import estimate_key, needs_free, resident_packing_bound
 
     if not known(arm.model):
         return None
+    if is_resident(arm.model):  # not yet estimated: an upper bound, to pack by; Soup's resident gate reads the
+        # card's total, never its free memory, so neighbours cannot turn its verdict (0: nothing to fit)
+        try:
+            return needs_free(resident_packing_bound(arm.model, quant=arm.quant, seq=arm.seq, batch=arm.batch,
+                                                     targets=run.adapter.targets, lora_r=run.adapter.lora_r,
+                                                     task=arm.task)), 0
+        except (UsageError, ValueError, TypeError):
+            return None
     try:
         e = estimate_key(arm.model, quant=arm.quant, seq=arm.seq, batch=arm.batch, targets=run.adapter.targets,
                          lora_r=run.adapter.lora_r, steps=run.steps, task=arm.task)
