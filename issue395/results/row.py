@@ -102,7 +102,8 @@ class Row:
     corrected_custom: Optional[int] = None
     #: computed by this tool: the corrected estimate and needs-free the text renders for the arm, put in the
     #: row as a result is written (issue395.results.corrected.with_corrected); None where the estimator does
-    #: not model the arm, or on a row read from a result saved before it was kept
+    #: not model the arm, or on a row read from a result saved before it was kept. Not the row's identity
+    #: (compare=False): one measurement saved under two estimators is one row
     corrected: Optional[Corrected] = field(default=None, compare=False)
 
     @property
