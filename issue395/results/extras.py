@@ -1,7 +1,8 @@
 """What a row holds beyond the arm and its measurement, each as its own typed record: where it ran
 (``Ran``), what Soup's gate read (``Gate``), the user's soup.yaml it is (``UserConfig``), this tool's
 corrected estimate for its arm as the result was written (``Corrected``), and the constraint it ran under,
-one at most (``Capped``, ``Emulated``, ``MinFreeFound``: each constraint's record, written under its ``KIND``). Each record reads itself back from JSON, checking what it holds.
+one at most (``Capped``, ``Emulated``, ``MinFreeFound``: each constraint's record, written under its ``KIND``).
+Each record reads itself back from JSON, checking what it holds.
 """
 
 from __future__ import annotations
