@@ -28,6 +28,7 @@ from typing import Any, Callable, Optional
 
 from ..constants import SIZE_UNITS
 from ..errors import cut, last_line, soups_words
+from ..estimator.cards import STEP_GROWTH_BYTES
 from ..text import table
 from .minfree import hold_ballast, release_ballast
 
@@ -46,6 +47,12 @@ REFUSED = re.compile(r"predicted to need .* is free", re.DOTALL)
 #: Soup's own error line (soup_cli/utils/errors.py, format_friendly_error: "Error: <type>: <message>"),
 #: above its "Run with --verbose" hint, on both releases.
 SOUP_ERROR = re.compile(r"Error: ")
+#: A cuDNN or cuBLAS status a failed step raised. Both libraries allocate their handles, plans and
+#: workspaces with cudaMalloc, outside torch's allocator, so at the memory edge a card's last bytes run
+#: out inside them under a status other than out-of-memory (observed: CUDNN_STATUS_INTERNAL_ERROR at
+#: a find-max probe one step past the limit, which raised OOM twice when run again by hand). Such a
+#: failure is read by the allocator's figures (``read_at_edge``), never by its name alone.
+LIBRARY_STATUS = re.compile(r"\b(CUDNN_STATUS_[A-Z_]+|CUBLAS_STATUS_[A-Z_]+)")
 
 #: What a probe's copy of the user's soup.yaml changes, and why; every other key is the user's.
 PROBE_KEYS = {
@@ -128,6 +135,9 @@ class Probe:
     driver_free_gb: Optional[float] = None  # the free memory its driver reported at the gate (printed by Soup)
     allocator: Optional[ProbeAllocator] = None  # None where Soup's process never initialised CUDA
     oom: Optional[OomReading] = None  # torch's first out-of-memory message in Soup's console, read
+    library: Optional[str] = None  # a failure's cuDNN or cuBLAS status, as Soup's console printed it
+    #: how a library failure was read (read_at_edge): by the allocator's figures, as OOM or not, in words
+    edge: Optional[str] = None
 
     @property
     def completed(self) -> bool:
@@ -162,7 +172,8 @@ class FindMax:
         return self.limit == self.high or (self.above is not None and self.above - self.limit == self.resolution)
 
     def probe_at(self, value: Optional[int]) -> Optional[Probe]:
-        return next((p for p in self.probes if p.value == value), None)
+        """The probe that decided ``value`` (a failure probed once more: the last of them)."""
+        return next((p for p in reversed(self.probes) if p.value == value), None)
 
     def to_json(self) -> dict:
         return {"axis": self.axis, "resolution": self.resolution, "start": self.start, "low": self.low,
@@ -175,61 +186,59 @@ def find_max(probe: Callable[[int], Probe], axis: str, start: Optional[int], res
              limit: int = PROBE_LIMIT, clock: Callable[[], float] = time.perf_counter,
              other: Optional[int] = None) -> FindMax:
     """The largest value in [low, high] (on the grid of ``resolution`` steps) whose probe completes.
-    The bracket starts at ``start`` (this tool's answer; None: ``low``); ``other`` is a second
-    prediction (Soup's gate's longest): where it lies on the side ``start``'s outcome points to, it is
-    probed next, so two predictions that straddle the limit bracket it in two probes. Then the bracket
-    grows by a distance that doubles each time (one resolution step, two, four ...; after two
-    predictions on one side, their gap, then twice it ...) until its far end flips, and is bisected
-    to the resolution. A probe that fails for another reason is no evidence of
+    It starts at ``start`` (this tool's answer; None: ``low``) and probes its next step on the side the
+    outcome points to, so a right answer is proven in two probes: it completes and one step above raises
+    OOM. Else the walk goes on by a distance that doubles each time (one step, two, four ...) until its
+    far end flips, and the bracket is bisected to the resolution. ``other`` is a second prediction
+    (Soup's gate's longest), probed only where it brackets: inside the walk's next stride, in place of
+    the walk's own far end; where it completes on the way up, its own next step is probed next (proving
+    it, where it is the limit). A probe that fails as a cuDNN or cuBLAS status (one ``read_at_edge`` did
+    not read as OOM) is probed once more; a failure of any other kind, or twice, is no evidence of
     memory: the search stops there and says so."""
     started = clock()
     snap = lambda v: max(low, min(high, low + (v - low) // resolution * resolution))  # noqa: E731
     found = FindMax(axis, resolution, snap(low if start is None else start), low, high)
 
     def run(value: int) -> Optional[bool]:
-        if len(found.probes) >= limit:
-            found.stopped = f"the probe limit ({limit}) was reached"
-            return None
-        p = probe(value)
-        found.probes.append(p)
-        if p.outcome == FAILED:
-            found.stopped = f"the probe at {value} failed, not OOM: {p.line or 'no line from Soup'}"
-            return None
-        return p.completed
+        for attempt in (1, 2):
+            if len(found.probes) >= limit:
+                found.stopped = f"the probe limit ({limit}) was reached"
+                return None
+            p = probe(value)
+            found.probes.append(p)
+            if p.outcome != FAILED:
+                return p.completed
+            if p.library is None:  # no library's status: nothing a second probe would read otherwise
+                break
+        why = "; ".join(filter(None, (p.line or "no line from Soup", p.edge)))
+        found.stopped = f"the probe at {value} failed{' twice' if attempt == 2 else ''}, not OOM: {why}"
+        return None
 
     good, bad = None, None
     ok = run(found.start)
-    distance = resolution
     if ok is not None:
         good, bad = (found.start, None) if ok else (None, found.start)
-    second = None if other is None else snap(other)
-    if second is not None and ok is not None and (second > found.start if ok else second < found.start):
-        ok = run(second)  # the other prediction, on the side the first outcome points to
-        if ok is not None:
-            good, bad = (second, bad) if ok else (good, second)
-            distance = max(resolution, abs(second - found.start))  # the predictions' gap: the scale
-    if ok is None or (good is not None and bad is not None):
-        pass  # stopped, or bracketed: the bisection below
-    elif ok:
-        while good < high:
-            value = min(high, good + distance)
-            ok = run(value)
-            if ok is None:
-                break
-            if not ok:
-                bad = value
-                break
-            good, distance = value, distance * 2
-    else:
-        while bad > low:
-            value = max(low, bad - distance)
-            ok = run(value)
-            if ok is None:
-                break
-            if ok:
-                good = value
-                break
-            bad, distance = value, distance * 2
+    gate = None if other is None else snap(other)
+    stride, resume = resolution, None
+    while found.stopped is None and (good is None) != (bad is None):  # the walk: one side of the bracket known
+        up = bad is None
+        edge = good if up else bad
+        if edge == (high if up else low):
+            break
+        value = min(high, edge + stride) if up else max(low, edge - stride)
+        gated = gate is not None and found.probe_at(gate) is None and (
+            edge < gate <= value if up else value <= gate < edge)
+        value = gate if gated else value  # Soup's gate's answer, where it brackets within the stride
+        ok = run(value)
+        if ok is None:
+            break
+        if ok != up:  # the far end flipped: bracketed
+            good, bad = (good, value) if up else (value, bad)
+        elif gated and up:  # Soup's answer completed: its next step, then the walk's stride
+            good, stride, resume = value, resolution, stride
+        else:
+            good, bad = (value, bad) if up else (good, value)
+            stride, resume = (resume, None) if resume else (stride * 2, None)
     while found.stopped is None and good is not None and bad is not None and bad - good > resolution:
         mid = good + (bad - good) // resolution // 2 * resolution
         ok = run(mid)
@@ -239,6 +248,28 @@ def find_max(probe: Callable[[int], Probe], axis: str, start: Optional[int], res
     found.limit, found.above = good, bad
     found.seconds = clock() - started
     return found
+
+
+def read_at_edge(p: Probe, card_free: int) -> Probe:
+    """A probe that failed as a cuDNN or cuBLAS status, read by its allocator's figures (measured in Soup's
+    own process, read as it exited): ``card_free`` (the card's total less the context the probes bring)
+    less the allocator's reserved peak is what the card had left outside torch's allocator at its height.
+    Where that is less than the runtime's growth in a step (STEP_GROWTH_BYTES: the most measured outside
+    the allocator by a step's end, the libraries' handles among it) the library ran out of the card: OOM
+    by another name (as CUBLAS_STATUS_ALLOC_FAILED is by its own). Else, or with no reading, the failure
+    stays a failure (find_max probes it once more). Any other probe is returned as it is."""
+    if p.outcome != FAILED or p.library is None:
+        return p
+    if p.allocator is None:
+        return replace(p, edge="not read as OOM: Soup's process left no allocator reading")
+    left = card_free - p.allocator.reserved_peak
+    words = (f"the allocator's reserved peak ({p.allocator.reserved_peak / 1e9:.3f} GB, measured) left "
+             f"{left / 1e6:.1f} MB of the card's {card_free / 1e9:.3f} GB free, "
+             + ("less" if left < STEP_GROWTH_BYTES else "no less")
+             + f" than the runtime's growth in a step ({STEP_GROWTH_BYTES / 1e6:.1f} MB)")
+    if left < STEP_GROWTH_BYTES:
+        return replace(p, outcome=OOM, edge=f"{p.library} read as OOM: {words}")
+    return replace(p, edge=f"not read as OOM: {words}")
 
 
 def measured_words(found: FindMax, steps: int) -> str:
@@ -251,9 +282,12 @@ def measured_words(found: FindMax, steps: int) -> str:
     if found.limit is None:
         return (f"no {found.axis} completes {steps} step(s): the smallest, {found.above}, raised OOM" if found.above
                 is not None else f"no {found.axis} was probed ({found.stopped or 'nothing ran'})")
+    above = found.probe_at(found.above)
     measured = (f"{found.axis} {found.limit} completes {steps} of {steps} step(s); "
-                + (f"{found.axis} {found.above} raised OOM" if found.above is not None else
-                   f"no OOM up to the largest {found.axis} there is ({found.high})"))
+                + (f"{found.axis} {found.above} raised OOM" + (f" ({above.edge})" if above and above.edge else "")
+                   if found.above is not None else
+                   f"no OOM up to the largest {found.axis} there is ({found.high})" if found.limit == found.high
+                   else "no probe above it completed or raised OOM"))
     return measured + (f" -- stopped before the answer was proven: {found.stopped}" if found.stopped else "")
 
 
@@ -376,7 +410,8 @@ def judge(value: int, log: str, exit_code: int, steps: Optional[int], wanted: in
     error = next((x for x in lines if SOUP_ERROR.match(x)), None)  # Soup's own words (format_friendly_error)
     why = (f"exit 0 after {steps} of {wanted} step(s)" if exit_code == 0 and error is None else
            "refused by Soup's gate" if REFUSED.search(log) else error or (lines[-1] if lines else "no output"))
-    return Probe(value, FAILED, steps, cut(why), seconds, exit_code, **gate)
+    library = LIBRARY_STATUS.search(plain) if exit_code != 0 else None
+    return Probe(value, FAILED, steps, cut(why), seconds, exit_code, **gate, library=library and library.group(1))
 
 
 #: Soup's own ``python -m soup_cli`` with one exit hook: the allocator's peaks, written where
@@ -449,6 +484,8 @@ def run_probe(config: Path, value: int, wanted: int, card_total: int, *, soup: O
 def probe_words(p: Probe, wanted: int) -> str:
     if p.completed:
         return f"completed {p.steps} of {wanted} step(s)"
+    if p.library and p.outcome == OOM:  # a library's failure read as OOM: its status, and by what
+        return f"OOM ({p.library}, read by the allocator's figures): {p.line}"
     return f"{p.outcome}: {p.line}" if p.line else p.outcome
 
 

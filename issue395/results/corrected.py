@@ -2,18 +2,21 @@
 streaming modes its map key names, and the Soup release the row ran, never from the row's own
 measurement. A row whose arm the estimator does not model has none, and says so by being None: a
 --model run (no public config here), or an arm the estimator refuses (per_expert on a family Soup
-refuses it for, a seq past the model's max positions).
+refuses it for, a seq past the model's max positions). The figures the text renders are the ones a
+saved row carries (``with_corrected``: its ``Corrected`` record, put in the row as the result is written).
 """
 
 from __future__ import annotations
 
 import functools
+from dataclasses import replace
 from typing import Optional
 
 from ..errors import UsageError
 from ..model.registry import known
-from ..estimator.estimate import estimate_key
+from ..estimator.estimate import estimate_key, needs_free
 from ..tasks import PROTOCOL_TASK
+from .extras import Corrected
 from .row import Row
 
 
@@ -42,3 +45,15 @@ def corrected(r: Row, env: Optional[dict] = None) -> Optional[int]:
 def corrected_ratio(r: Row, env: Optional[dict] = None) -> Optional[float]:
     c = corrected(r, env)
     return c / r.real_peak if c and r.measured else None
+
+
+def corrected_record(r: Row, env: Optional[dict] = None) -> Optional[Corrected]:
+    """The row's corrected estimate (``corrected``) and its needs-free, as a row's record (None where the
+    estimator does not model the arm)."""
+    c = corrected(r, env)
+    return None if c is None else Corrected(allocated=c, needs_free=needs_free(c))
+
+
+def with_corrected(r: Row, env: Optional[dict] = None) -> Row:
+    """The row carrying the corrected figures the text renders for it under the run's environment."""
+    return replace(r, corrected=corrected_record(r, env))

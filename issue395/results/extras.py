@@ -1,7 +1,8 @@
 """What a row holds beyond the arm and its measurement, each as its own typed record: where it ran
-(``Ran``), what Soup's gate read (``Gate``), a resident run's gate as Soup's CLI runs it (``ResidentGate``), the user's soup.yaml it is (``UserConfig``), and the
-constraint it ran under, one at most (``Capped``, ``Emulated``, ``MinFreeFound``: each constraint's
-record, written under its ``KIND``). Each record reads itself back from JSON, checking what it holds.
+(``Ran``), what Soup's gate read (``Gate``), a resident run's gate as Soup's CLI runs it (``ResidentGate``),
+the user's soup.yaml it is (``UserConfig``), this tool's corrected estimate for its arm as the result was written
+(``Corrected``), and the constraint it ran under, one at most (``Capped``, ``Emulated``, ``MinFreeFound``: each
+constraint's record, written under its ``KIND``). Each record reads itself back from JSON, checking what it holds.
 """
 
 from __future__ import annotations
@@ -104,6 +105,20 @@ class UserConfig(Record):
     CHECKS: ClassVar = {"path": (lambda v: isinstance(v, str), "a string"),
                         "lora_r": (lambda v: is_whole(v, 1), "a whole number >= 1"),
                         "lora_alpha": (lambda v: is_whole(v, 1), "a whole number >= 1")}
+
+
+@dataclass(frozen=True)
+class Corrected(Record):
+    """This tool's corrected estimate for the row's arm (computed by the estimator: the allocated peak, and
+    the free memory a card must have for it, its needs-free: allocated plus the allocator's reserve), the
+    figures the text renders beside the row. Written with the row on every save by
+    issue395.results.corrected, from the arm and the run's environment; a render recomputes them, so a saved
+    row's figure is the one its own save rendered, and a re-save writes the estimator's of the day."""
+
+    allocated: Optional[int] = None
+    needs_free: Optional[int] = None
+
+    CHECKS: ClassVar = {"allocated": _BYTES, "needs_free": _BYTES}
 
 
 @dataclass(frozen=True)

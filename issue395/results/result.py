@@ -12,6 +12,7 @@ from ..errors import EXIT_FINDING, EXIT_INTERRUPTED, EXIT_OK
 from ..record import QUANTS
 from ..tasks import PROTOCOL_TASK, TASKS
 from ..model.registry import ALL_FAMILIES
+from .corrected import with_corrected
 from .row import FINDINGS, Row
 from .schema import READS, SCHEMA, TOOL, check_blocks, check_unique, determinism_rows, schema1_row, schema2_row
 
@@ -40,9 +41,12 @@ class Result:
         return EXIT_OK
 
     def to_json(self) -> dict[str, Any]:
+        """The saved result; each row with the corrected figures the text renders for it (computed here,
+        under this result's environment, whatever the row was read with)."""
         return {"tool": TOOL, "schema": SCHEMA,
                 **{f.name: getattr(self, f.name) for f in fields(self)},
-                "rows": [r.to_json() for r in self.rows], "exit_code": self.exit_code}
+                "rows": [with_corrected(r, self.environment).to_json() for r in self.rows],
+                "exit_code": self.exit_code}
 
     @classmethod
     def from_json(cls, data: Any) -> "Result":

@@ -15,7 +15,7 @@ from ..tasks import PROTOCOL_TASK, TASKS, task as task_of
 from ..model.arm import Arm, logits_charge, predicted_bytes
 from ..model.registry import Shape, family_of
 from ..estimator.cards import emulated_outcome, step_free
-from .extras import (Capped, Emulated, Gate, Ran, Record, ResidentGate, UserConfig, constraint_from_json,
+from .extras import (Capped, Corrected, Emulated, Gate, Ran, Record, ResidentGate, UserConfig, constraint_from_json,
                      constraint_to_json)
 
 
@@ -55,6 +55,7 @@ SUB_RECORDS = {"ran": lambda v: Ran.from_json(v, "ran"),
                "gate": lambda v: None if v is None else Gate.from_json(v, "gate"),
                "config": lambda v: None if v is None else UserConfig.from_json(v, "config"),
                "soup_resident": lambda v: None if v is None else ResidentGate.from_json(v, "soup_resident"),
+               "corrected": lambda v: None if v is None else Corrected.from_json(v, "corrected"),
                "constraint": constraint_from_json}
 
 
@@ -103,6 +104,11 @@ class Row:
     #: a resident run (stream_layers off): Soup's resident gate as its CLI runs it; None (its JSON key absent)
     #: for a streamed run, so every streamed row saved before re-renders alike
     soup_resident: Optional[ResidentGate] = None
+    #: computed by this tool: the corrected estimate and needs-free the text renders for the arm, put in the
+    #: row as a result is written (issue395.results.corrected.with_corrected); None where the estimator does
+    #: not model the arm, or on a row read from a result saved before it was kept. Not the row's identity
+    #: (compare=False): one measurement saved under two estimators is one row
+    corrected: Optional[Corrected] = field(default=None, compare=False)
 
     @property
     def arm(self) -> tuple:
@@ -221,13 +227,19 @@ class Row:
         return self.logits14 <= self.real_peak if self.measured else None
 
     @property
+    def corrected_over_real(self) -> Optional[float]:
+        """The corrected estimate the row carries over its real peak (the text's corr/real)."""
+        c = self.corrected and self.corrected.allocated
+        return c / self.real_peak if c and self.measured else None
+
+    @property
     def vs_record(self) -> Optional[float]:
         return self.real_peak / self.record_peak if self.measured and self.record_peak else None
 
     def to_json(self) -> dict[str, Any]:
         derived = {k: getattr(self, k) for k in (
             "status", "realised", "pred_over_real", "nonlogits_modelled",
-            "nonlogits_overestimate", "retained_copy_would_fit", "vs_record")}
+            "nonlogits_overestimate", "retained_copy_would_fit", "vs_record", "corrected_over_real")}
         if self.emulated is not None:
             derived.update(emulated_fits=self.emulated_fits, emulated_outcome=self.emulated_outcome)
         data = {f.name: getattr(self, f.name) for f in fields(self)
@@ -235,7 +247,8 @@ class Row:
         return dict(data, realised_rows=list(self.realised_rows), targets=list(self.targets),
                     ran=self.ran.to_json(), gate=self.gate and self.gate.to_json(),
                     config=self.config and self.config.to_json(),
-                    **({"soup_resident": self.soup_resident.to_json()} if self.soup_resident else {}), constraint=constraint_to_json(self.constraint),
+                    **({"soup_resident": self.soup_resident.to_json()} if self.soup_resident else {}),
+                    constraint=constraint_to_json(self.constraint), corrected=self.corrected and self.corrected.to_json(),
                     derived=derived)  # "derived" is for readers; it is never read back
 
     @classmethod

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from ..errors import UsageError, last_line
+from .corrected import with_corrected
 from .result import Result
 from .row import Row
 from .schema import SCHEMA, TOOL
@@ -30,6 +31,7 @@ class RowFile:
     def __init__(self, json_path: Optional[str], environment: Optional[dict] = None, kind: str = "sweep"):
         self.path = self.path_for(json_path) if json_path and json_path != "-" else None  # -: stdout
         self.ok = True
+        self.environment = environment
         if self.path:
             self.refuse_unfinished(json_path)  # never deleted: the rows of a run that did not finish
             self.path.unlink(missing_ok=True)  # empty: it holds no row
@@ -75,7 +77,8 @@ class RowFile:
         return data[:done].splitlines(), done
 
     def add(self, row: Row) -> None:
-        self.write(row.to_json())
+        """A finished row, with the corrected figures the run's text renders for it."""
+        self.write(with_corrected(row, self.environment).to_json())
 
     def write(self, line: dict) -> None:
         if self.path and self.ok:

@@ -1,6 +1,8 @@
 """What a saved result must hold to be read back: the version this one writes (``SCHEMA``), the
 types of its own blocks (environment, modes, margins and their terms), one row per arm, and
 schema 1's rows (the first H200 results) and schema 2's flat rows in this version's records. Each check raises ValueError naming what it found.
+A row's record added within a schema (``corrected``, issue 52; ``task`` and ``corrected_custom`` before it) is
+optional: a row saved before it reads with none, and its re-save writes it.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ from ..constants import comma_list
 from ..errors import EXIT_FINDING, EXIT_OK, EXIT_USAGE, UsageError
 from ..tasks import task
 from ..constraints.findmax import (PROBE_KEYS, PROBE_LIMIT, FindMax, find_max, measured_words, probe_config,
-                                   probe_table, soup_checks,
+                                   probe_table, read_at_edge, soup_checks,
                                    probe_words, run_probe, soup_command, write_probe_config)
 from ..report.outputs import write_json
 from ..text import gb
@@ -107,12 +107,13 @@ def plan_lines(run: EstimateRequest, a: Answers, like: Optional[int] = None) -> 
     start, second = a.first_and_second(like)
     which = ("this tool's longest that fits with the box's own context" if like is not None else
              "this tool's longest that fits" if a.tool is not None else "this tool's longest that fits: none fits, so the smallest")
-    then = (f"; then Soup's gate's longest, {second}, where it lies on the side the first outcome points to"
-            if second is not None and second != start else "")
-    return [f"plan: start at {a.axis} {start} ({which}){then}; "
-            f"if it completes, step up by {a.step}, {2 * a.step}, {4 * a.step} ... {unit} until one raises OOM, if "
-            f"not, step down likewise until one completes; then bisect to the resolution, {a.step} {unit}, within "
-            f"{a.low}..{a.high}; at most {PROBE_LIMIT} probes",
+    then = (f", Soup's gate's longest, {second}, probed only where it brackets the limit (inside the next stride, in place "
+            f"of its far end; where it completes, its next step after it)" if second is not None and second != start else "")
+    return [f"plan: start at {a.axis} {start} ({which}) and probe its next step (an answer that is right completes and "
+            f"the next raises OOM: two probes); else step on by {a.step}, {2 * a.step}, {4 * a.step} ... {unit} the way "
+            f"the outcome points until one flips{then}; then bisect to the resolution, {a.step} {unit}, within {a.low}..{a.high}; at most "
+            f"{PROBE_LIMIT} probes; a cuDNN or cuBLAS failure is read as OOM where the probe's allocator peak left the "
+            f"card less than the runtime's growth in a step, else probed once more",
             f"  each probe: {' '.join(soup_command())} train --config <the probe's soup.yaml> --yes, a fresh "
             f"process, while this process holds a ballast outside any allocator that leaves {a.card.name}'s total "
             f"({a.card.total_bytes:,} B) free; it completes when Soup exits 0 with the trainer's global step at "
@@ -242,10 +243,14 @@ def execute(ask: FindMaxRequest, protocol: Any) -> int:
         print(head, flush=True)
         print("\n".join(plan_lines(run, a, like)), flush=True)
 
+        # what the card leaves the probes' Soup processes: its total less the context they bring (this box's)
+        card_free = a.card.total_bytes - (box if box is not None else a.budget.context_bytes)
+
         def probe(value: int):
             config = write(value)
             p, ballast, log = run_probe(config, value, run.steps, a.card.total_bytes,
                                         log_to=config.parent / "soup-train.log")
+            p = read_at_edge(p, card_free)  # a cuDNN or cuBLAS failure, read by the allocator's figures
             if logs is not None:
                 shutil.copyfile(config.parent / "soup-train.log", logs / f"soup-find-max-{axis}-{value}.log")
             print(f"  probe {axis} {value}: {probe_words(p, run.steps)} ({p.seconds} s; ballast {ballast.size:,} B, "

@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import math
 import types
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -53,24 +54,62 @@ def test_the_limit_and_the_value_above_are_adjacent_at_the_resolution_in_a_few_p
 
 @pytest.mark.parametrize("limit,start,other", list(itertools.product([640, 1920, 3712, 32768],
                                                                       [1024, 3264, None], [1792, 3200, 4096, None])))
-def test_a_second_prediction_on_the_far_side_brackets_the_limit_and_any_pair_still_finds_it(limit, start, other):
+def test_a_second_prediction_anywhere_still_finds_the_limit(limit, start, other):
     """Soup's gate's longest beside this tool's: wherever the two sit, the search ends at the limit,
-    adjacent to the first OOM; when they straddle the limit the bracket is made in two probes."""
+    adjacent to the first OOM, and every probe's outcome is the faked card's."""
     found = F.find_max(fake_probe(limit), "seq", start, **SEQ, limit=100, other=other)
     assert found.limit == limit and found.adjacent
     assert all(p.completed == (p.value <= limit) for p in found.probes)
-    if start is not None and other is not None and min(start, other) <= limit < max(start, other):
-        assert [p.value for p in found.probes][:2] == [start, other]
-        assert len(found.probes) <= 2 + math.ceil(math.log2(abs(other - start) / 64)) + 1
 
 
-def test_the_issues_phi3_bracket_needs_six_probes_not_ten():
-    """Phi-3-mini's measured limit on the 4 GB card (3712, 3776 OOM) from this tool's like-for-like
-    3264 and Soup's gate's 3520 (--estimate, --context 0.624): faked probes, the real search."""
-    alone = F.find_max(fake_probe(3712), "seq", 3264, **SEQ)
-    both = F.find_max(fake_probe(3712), "seq", 3264, **SEQ, other=3520)
-    assert alone.limit == both.limit == 3712 and both.adjacent
-    assert len(both.probes) <= len(alone.probes) <= 10 and len(both.probes) <= 6
+@pytest.mark.parametrize("other", [None, 64, 1856, 1920, 2432, 32768])
+def test_a_right_answer_is_proven_in_two_probes_wherever_soups_gate_sits(other):
+    """Issue 52 item 4: this tool's answer completes and its next step raises OOM, two probes, with
+    Soup's gate's answer anywhere (far above the limit it costs nothing); and an answer one step over
+    the limit is proven in two the other way. The CUDA probe is faked (no OOM can happen on CPU)."""
+    right = F.find_max(fake_probe(1856), "seq", 1856, **SEQ, other=other)
+    assert [(p.value, p.outcome) for p in right.probes] == [(1856, F.COMPLETED), (1920, F.OOM)]
+    over = F.find_max(fake_probe(1856), "seq", 1920, **SEQ, other=other)
+    assert [p.value for p in over.probes] == [1920, 1856] and (over.limit, over.above) == (1856, 1920)
+
+
+def test_soups_gate_far_above_the_limit_is_not_probed():
+    """The issue's six-probe search (results/fit4-anatomy-findmax-*/find-max-qwen-dpo-nf4-r64-T4.json:
+    this tool's 2432, the limit 2560, Soup's gate's 3328 probed second): the faked probe at the measured
+    limit, the real search, which never probes 3328 and proves the limit in four."""
+    found = F.find_max(fake_probe(2560), "seq", 2432, **SEQ, other=3328)
+    assert 3328 not in [p.value for p in found.probes]
+    assert (found.limit, found.above, len(found.probes)) == (2560, 2624, 4)
+
+
+def test_soups_gate_inside_the_stride_is_probed_and_proven_with_its_next_step():
+    """Where Soup's gate's answer lies inside the walk's next stride it is the far end probed, and where
+    it completes its next step is probed next: Soup's answer at the limit is proven by it
+    (results/fit4-anatomy-findmax-*/find-max-qwen3-simpo-12GB.json's: 2304, Soup's 2368, OOM at 2432)."""
+    found = F.find_max(fake_probe(2368), "seq", 2304, **SEQ, other=2368)
+    assert [p.value for p in found.probes] == [2304, 2368, 2432]
+    inside = F.find_max(fake_probe(3200), "seq", 3072, **SEQ, other=3264)  # llama32-sft-r128-8GB's
+    assert [p.value for p in inside.probes] == [3072, 3136, 3264, 3200] and inside.adjacent
+
+
+def committed_searches():
+    root = Path(__file__).resolve().parents[2] / "results"
+    for path in sorted(root.rglob("*.json")):
+        data = __import__("json").loads(path.read_text())
+        if isinstance(data, dict) and data.get("kind") == "find-max" and data["measured"]["proven"]:
+            yield pytest.param(data, id=str(path.relative_to(root)))
+
+
+@pytest.mark.parametrize("data", list(committed_searches()))
+def test_every_committed_search_replayed_needs_no_more_probes_and_finds_its_limit(data):
+    """Each committed --find-max search that proved its limit, replayed from its own start and Soup's
+    gate's answer with the probe faked at its measured limit (a CUDA OOM cannot happen on CPU): the same
+    limit and first OOM, in no more probes than it took on the GPU."""
+    m = data["measured"]
+    found = F.find_max(fake_probe(m["limit"]), m["axis"], m["start"], m["resolution"], m["low"], m["high"],
+                       other=data["soup_gate_longest"])
+    assert (found.limit, found.above, found.adjacent) == (m["limit"], m["oom_above"], True)
+    assert len(found.probes) <= len(m["probes"])
 
 
 def test_nothing_completes_the_smallest_value_raised_oom():
@@ -247,3 +286,83 @@ def test_an_oom_probe_reads_the_allocators_reserve_from_torchs_message():
     assert r.allocated == int(2.56 * 2**30) and r.process_in_use == int(3.58 * 2**30)
     assert r.outside_allocator == r.process_in_use - r.allocated - r.reserved_unallocated > 0
     assert F.judge(3328, PANEL + "Error: GPU ran out of memory during training.\n", 1, None, 3).oom is None
+
+
+# -- a cuDNN or cuBLAS failure at the memory edge (issue 52 item 3) --
+#: The committed probe one step past Mistral-7B ORPO NF4's limit on the emulated 6 GB card
+#: (results/fit4-pages-findmax-stack-*/call-4/find-max-mistral-orpo-nf4-6GB.json, seq 3008): its
+#: allocator's peaks as Soup's process read them at exit, the card, and the box's context measured there.
+EDGE_ALLOCATOR = F.ProbeAllocator(allocated_peak=5_072_832_000, requested_peak=5_072_820_588, reserved_peak=5_567_938_560)
+EDGE_CARD_FREE = 6_442_450_944 - 623_706_112
+CUDNN = ("RuntimeError: cuDNN error: CUDNN_STATUS_INTERNAL_ERROR\n"
+         "Error: RuntimeError: cuDNN error: CUDNN_STATUS_INTERNAL_ERROR\n")
+
+
+def library_failure(value, reserved_peak=EDGE_ALLOCATOR.reserved_peak):
+    """Soup's console for a step that failed inside cuDNN, judged for real; its allocator's peaks as the
+    exit hook would have read them on CUDA (faked: no CUDA here)."""
+    p = F.judge(value, PANEL + CUDNN, 1, None, 3)
+    return replace(p, allocator=replace(EDGE_ALLOCATOR, reserved_peak=reserved_peak))
+
+
+def test_judge_names_a_cudnn_status_on_a_failed_probe_and_no_other():
+    p = F.judge(3008, PANEL + CUDNN, 1, None, 3)
+    assert (p.outcome, p.library) == (F.FAILED, "CUDNN_STATUS_INTERNAL_ERROR")
+    assert p.line == "Error: RuntimeError: cuDNN error: CUDNN_STATUS_INTERNAL_ERROR"
+    assert F.judge(64, PANEL + "ValueError: data.train: no such file\n", 1, None, 2).library is None
+
+
+def test_a_library_failure_the_allocator_puts_at_the_memory_edge_reads_as_oom():
+    """At the committed edge probe's figures (250.8 MB of the card left outside the allocator at its
+    reserved peak, under the runtime's 262.1 MB growth in a step) a cuDNN failure is an OOM, said so;
+    the same failure with the allocator a GB lower, or with no reading, stays a failure."""
+    edge = F.read_at_edge(library_failure(3008), EDGE_CARD_FREE)
+    assert edge.outcome == F.OOM and edge.library == "CUDNN_STATUS_INTERNAL_ERROR"
+    assert edge.edge.startswith("CUDNN_STATUS_INTERNAL_ERROR read as OOM: the allocator's reserved peak (5.568 GB, "
+                                "measured) left 250.8 MB of the card's 5.819 GB free, less than")
+    assert F.probe_words(edge, 3).startswith("OOM (CUDNN_STATUS_INTERNAL_ERROR, read by the allocator's figures)")
+    room = F.read_at_edge(library_failure(3008, EDGE_ALLOCATOR.reserved_peak - 10**9), EDGE_CARD_FREE)
+    assert room.outcome == F.FAILED and room.edge.startswith("not read as OOM: ") and "1250.8 MB" in room.edge
+    blind = F.read_at_edge(replace(library_failure(3008), allocator=None), EDGE_CARD_FREE)
+    assert blind.outcome == F.FAILED and "no allocator reading" in blind.edge
+    other = F.judge(64, PANEL + "ValueError: data.train: no such file\n", 1, None, 2)
+    assert F.read_at_edge(other, EDGE_CARD_FREE) is other  # no library's status: as it is
+
+
+def test_a_library_failure_not_at_the_edge_is_probed_once_more_and_the_second_outcome_counts():
+    """The observed case: a cuDNN failure one step past the limit that raised OOM when run again. The
+    CUDA probe is faked (its first run at 1984 fails inside cuDNN, away from the edge by its figures)."""
+    runs = []
+
+    def probe(value):
+        runs.append(value)
+        if value == 1984 and runs.count(1984) == 1:
+            return F.read_at_edge(library_failure(value, 10**9), EDGE_CARD_FREE)
+        return fake_probe(1920)(value)
+
+    found = F.find_max(probe, "seq", 1920, **SEQ)
+    assert runs == [1920, 1984, 1984]
+    assert (found.limit, found.above, found.adjacent, found.stopped) == (1920, 1984, True, None)
+    assert found.probe_at(1984).outcome == F.OOM  # the probe that decided it: the second
+
+
+def test_a_search_stopped_by_a_failure_says_so_and_never_claims_no_oom_up_to_the_top():
+    """The issue's search: completes up to one step under the largest seq there is, and fails there
+    inside cuDNN (not at the edge by its figures) twice; faked probes, the real search and its words."""
+    high = 131072
+
+    def probe(value):
+        if value == high:
+            return F.read_at_edge(library_failure(value, 10**9), EDGE_CARD_FREE)
+        return fake_probe(high)(value)
+
+    found = F.find_max(probe, "seq", high - 64, resolution=64, low=64, high=high)
+    assert [p.value for p in found.probes] == [high - 64, high, high] and not found.adjacent
+    assert found.stopped.startswith(f"the probe at {high} failed twice, not OOM: Error: RuntimeError: cuDNN error: "
+                                    "CUDNN_STATUS_INTERNAL_ERROR; not read as OOM: ")
+    words = F.measured_words(found, 3)
+    assert "no OOM up to" not in words
+    assert words.startswith(f"seq {high - 64} completes 3 of 3 step(s); no probe above it completed or raised OOM "
+                            f"-- stopped before the answer was proven: the probe at {high} failed twice")
+    top = F.find_max(fake_probe(high), "seq", high - 64, resolution=64, low=64, high=high)
+    assert F.measured_words(top, 3).endswith(f"no OOM up to the largest seq there is ({high})") and top.adjacent

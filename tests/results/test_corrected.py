@@ -1,17 +1,23 @@
 """issue395.results.corrected: this tool's corrected estimate for a saved row's arm, from its family's public
 config and the Soup release the row ran, never from the row's own measurement; None where the
-estimator does not model the arm. Rows are built by the harness's own constructor with a peak standing
-in for a CUDA measurement; the estimator is the real one. Nothing else is faked."""
+estimator does not model the arm; and the saved row carrying it (issue 52 item 2): read back from the JSON of
+a real CPU dry run and of a committed map re-rendered with --from-json. Rows are built by the harness's own
+constructor with a peak standing in for a CUDA measurement, or are the committed rows' own measured peaks; the
+estimator, Soup's CPU setup in the dry run and the command line are real. Nothing else is faked."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 
-from conftest import make_row
+import pytest
+from conftest import MAP_512, main, make_row
 
 from issue395.results.extras import UserConfig
-from issue395.results.corrected import corrected, corrected_ratio
-from issue395.estimator.estimate import estimate
+from issue395.results.corrected import corrected, corrected_ratio, with_corrected
+from issue395.results.row import Row
+from issue395.text import gb, ratio
+from issue395.estimator.estimate import estimate, estimate_key
 from issue395.model.registry import config_json
 
 ENV = {"soup_cli": "0.73.3"}
@@ -60,3 +66,58 @@ def test_an_arm_the_estimator_refuses_has_none_whatever_its_family():
     row = make_row("smol", 2048, real_peak=10**9)
     assert corrected(replace(row, model_key="smol+per_expert"), {"soup_cli": "0.77.0"}) is None
     assert corrected(replace(row, seq=10**6), ENV) is None
+
+
+def test_a_committed_map_resaved_carries_in_every_row_the_corrected_figures_its_text_renders(capfd, tmp_path):
+    """The committed map at seq 512 and 1024 (80 measured rows) re-rendered with --from-json and re-saved
+    with --json: every row of the JSON holds its corrected estimate and needs-free, the corrected GB and
+    corr/real cells of its table row are those figures, and "never under" is checked from the JSON alone
+    with the count the text's verdict states."""
+    out = tmp_path / "map.json"
+    code, text, err = main(capfd, ["--from-json", MAP_512, "--json", out])
+    assert (code, err) == (1, "")  # 1: Soup's own UNDER rows, the map's finding
+    data = json.loads(out.read_text())
+    rows = data["rows"]
+    lines = text.split("margin map (", 1)[1].splitlines()[3:3 + len(rows)]  # the table's rows, in the JSON's order
+    for row, line in zip(rows, lines, strict=True):
+        cells = line.split()
+        assert (cells[0], cells[1], int(cells[2]), int(cells[3])) == (row["model"], row["quant"], row["seq"], row["batch"])
+        c = row["corrected"]
+        assert (gb(c["allocated"]), ratio(row["derived"]["corrected_over_real"])) == (cells[-3], cells[-2])
+        assert c["needs_free"] > c["allocated"]
+    judged = [r for r in rows if r["derived"]["corrected_over_real"] is not None]
+    assert all(r["corrected"]["allocated"] >= r["real_peak"] for r in judged)  # a script's "never under"
+    assert f"corrected estimate: never under on the {len(judged)} measured row(s) it covers" in text
+    assert len(judged) == 80
+    read = Row.from_json(rows[0])  # the record reads back, typed
+    assert (read.corrected.allocated, read.corrected.needs_free) == (rows[0]["corrected"]["allocated"],
+                                                                     rows[0]["corrected"]["needs_free"])
+
+
+def test_a_cpu_dry_runs_json_carries_the_corrected_estimate_and_the_estimators_needs_free(capfd, tmp_path):
+    """A real --dry-run (Soup's setup on CPU, nothing measured): its saved row holds the corrected figure
+    its text prints and the estimator's needs-free for that arm, though no peak stands beside them."""
+    out = tmp_path / "dry.json"
+    code, text, err = main(capfd, ["--dry-run", "--models", "smol", "--seq", "512", "--json", out])
+    assert code == 0, err
+    (row,) = json.loads(out.read_text())["rows"]
+    want = estimate_key("smol", quant="none", seq=512, batch=1, targets=tuple(row["targets"]), soup=False,
+                        release=json.loads(out.read_text())["environment"]["soup_cli"])
+    assert row["corrected"] == {"allocated": want.corrected_predicted, "needs_free": want.needs_free}
+    assert row["derived"]["status"] == "dry-run" and row["derived"]["corrected_over_real"] is None
+    line = next(ln for ln in text.splitlines() if ln.split()[:3] == ["512", "512", "1"])
+    assert gb(want.corrected_predicted) in line.split()
+
+
+def test_a_row_saved_before_the_corrected_record_reads_with_none_and_its_resave_writes_it():
+    """A schema 3 row as every result before issue 52 saved it (no corrected key) still loads; a re-save
+    under the run's environment writes the figures; a malformed record is refused by name."""
+    old = make_row("smol", 2048, real_peak=10**9).to_json()
+    assert "corrected" in old and old["corrected"] is None
+    old.pop("corrected")
+    row = Row.from_json(old)
+    assert row.corrected is None
+    saved = with_corrected(row, ENV).to_json()
+    assert saved["corrected"]["allocated"] == corrected(row, ENV)
+    with pytest.raises(ValueError, match="row field 'corrected.allocated'"):
+        Row.from_json(dict(saved, corrected={"allocated": -1, "needs_free": 5}))

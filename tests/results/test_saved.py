@@ -15,6 +15,7 @@ import pytest
 from conftest import ROOT, h, main, make_row, one_error_line
 
 from issue395.errors import EXIT_INTERRUPTED, UsageError
+from issue395.results.corrected import with_corrected
 from issue395.results.saved import RowFile
 from issue395.run import arms, measure_mode
 
@@ -48,7 +49,9 @@ def test_each_finished_row_is_a_json_line_beside_the_json_until_the_json_holds_i
     for row in measured:
         rows.add(row)
     saved = [json.loads(line) for line in stale.read_text().splitlines()]
-    assert saved == [json.loads(json.dumps(r.to_json(), default=str)) for r in measured]
+    # each as the final JSON writes it: with the corrected figures the text renders for it
+    assert saved == [json.loads(json.dumps(with_corrected(r).to_json(), default=str)) for r in measured]
+    assert all(line["corrected"]["allocated"] for line in saved)
     rows.finish()
     assert not stale.exists()
 

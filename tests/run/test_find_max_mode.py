@@ -253,3 +253,34 @@ def test_the_readmes_find_max_dry_run_is_what_it_prints(capfd, tmp_path, monkeyp
     assert code == 0, err
     missing = [s for s in shown if s.rstrip() not in (ln.rstrip() for ln in out.splitlines())]
     assert not missing and len(shown) == 4, missing
+
+
+def test_a_cudnn_failure_at_the_memory_edge_is_read_as_oom_and_proves_the_limit_in_two_probes(
+        capfd, soup_yaml, tmp_path, cuda_box):
+    """Issue 52 items 3 and 4 through the command line. The CUDA probe is faked (a CUDA OOM cannot happen
+    on CPU): this tool's like-for-like answer completes, and the step above it fails inside cuDNN with the
+    allocator's reserved peak leaving 200 MB of the 13 GB card (less the box's context): the mode reads
+    that as OOM by the allocator's figures, and the limit is proven in two probes."""
+    card_free = 13_000_000_000 - BOX_CONTEXT
+
+    class CudnnAtTheEdge(FakeCudaProbe):
+        def __call__(self, config, value, *a, **kw):
+            p, ballast, log = super().__call__(config, value, *a, **kw)
+            if p.outcome == F.OOM:  # the same step, failing inside cuDNN instead, as Soup's console prints it
+                p = replace(F.judge(value, "Error: RuntimeError: cuDNN error: CUDNN_STATUS_INTERNAL_ERROR\n", 1, None,
+                                    2, 30.0), allocator=F.ProbeAllocator(1, 1, card_free - 200_000_000))
+            return p, ballast, log
+
+    path = soup_yaml()
+    like = estimate_json(capfd, path, "13GB", tmp_path, "--context", str(BOX_CONTEXT / 1e9))["rows"][0]["cards"][0]["longest_seq"]
+    cuda_box(CudnnAtTheEdge(like))
+    code, out, err = main(capfd, ["--find-max", "seq", "--config", path, "--emulate-card", "13GB", "--json",
+                                  tmp_path / "f.json"])
+    assert code == 0, err
+    m = json.loads((tmp_path / "f.json").read_text())["measured"]
+    assert [(p["value"], p["outcome"]) for p in m["probes"]] == [(like, "completed"), (like + 64, "OOM")]
+    assert (m["limit"], m["oom_above"], m["proven"], m["stopped"]) == (like, like + 64, True, None)
+    assert m["probes"][1]["library"] == "CUDNN_STATUS_INTERNAL_ERROR"
+    assert m["probes"][1]["edge"].startswith("CUDNN_STATUS_INTERNAL_ERROR read as OOM: the allocator's reserved peak")
+    assert "left 200.0 MB of the card's" in m["probes"][1]["edge"]
+    assert f"seq {like} completes 2 of 2 step(s); seq {like + 64} raised OOM (CUDNN_STATUS_INTERNAL_ERROR read as OOM" in out
