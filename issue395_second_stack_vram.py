@@ -266,7 +266,7 @@ def soup_resident_preflight(config: Any, dry_run: bool = False) -> ResidentGate:
         return ResidentGate()
     b = estimate_peak_vram_gb(inp)
     total = 0
-    if not dry_run and STEP_DEVICE == "cuda":
+    if not dry_run:  # the card Soup's gate reads (0 where there is none: no verdict)
         from soup_cli.utils.gpu import get_gpu_info
 
         total = int(get_gpu_info(backend=config.backend).get("memory_total_bytes", 0) or 0)

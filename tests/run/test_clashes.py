@@ -31,6 +31,8 @@ EVERY_RULE = [
     (["--expert-layout", "fused"], "--expert-layout goes with --map (an axis) or --estimate"),
     (["--loss-chunk", "off"], "--loss-chunk goes with --map (an axis) or --estimate"),
     (["--recompute", "on"], "--recompute goes with --map (an axis) or --estimate"),
+    (["--stream-layers", "off"], "--stream-layers goes with --map (an axis)"),
+    (["--gradient-checkpointing", "on"], "--gradient-checkpointing goes with --map (an axis)"),
     ([*ESTIMATE, "--weights", "hub"],
      "--estimate and --weights are exclusive: an estimate reads the config, no weights"),
     (["--compare", "r.json"], "--compare goes with --from-json"),
