@@ -373,7 +373,47 @@ def soup_patch() -> None:
           "patched gate's number as Soup's own, with Soup's formula beside it in the row's terms.")
 
 
+RESIDENT = sorted(str(p.relative_to(ROOT)) for p in ROOT.glob("results/resident-map-*/call-*/*.json"))
+
+
+def resident() -> None:
+    """Soup's resident gate (stream_layers off): its number over the real peak, from the committed resident rows."""
+    if not RESIDENT:
+        return
+    from issue395.report.tables import resident_gate_table
+
+    rows = [r for path in RESIDENT for r in load(path).rows]
+    measured = [r for r in rows if r.measured]
+    print("\n## Soup's resident gate (`training.stream_layers: false`): `hardware_fit.estimate_peak_vram_gb`\n")
+    print("Rendered from " + ", ".join(f"`{p}`" for p in RESIDENT) + ". Soup's number: its own code "
+          "(`commands/train.py:_build_hardware_fit_input` on the arm's config, `estimate_peak_vram_gb`, "
+          "`decide_hardware_fit` against the card's total), computed in each arm's process; real peak: "
+          "`torch.cuda.max_memory_allocated()` over one optimizer step on an H200 (soup-cli 0.77.0, synthetic weights). "
+          "The corrected resident estimate is not yet modelled.\n")
+    print(f"{sum(1 for r in measured if r.status == 'UNDER')} of {len(measured)} measured resident arms are under "
+          "Soup's resident number.\n")
+    print("| arms | measured | Soup/real min | median | max |\n|---|---:|---:|---:|---:|")
+    groups: dict = {}
+    for r in measured:
+        kind = ("QLoRA nf4" if r.quant == "nf4" else "LoRA bf16") + (" + checkpointing" if "+gc" in r.model_key else "")
+        groups.setdefault((r.task or "sft") + " " + kind, []).append(r.margin_ratio)
+    for name, got in sorted(groups.items()):
+        got.sort()
+        print(f"| {name} | {len(got)} | {got[0]:.3f}x | {got[len(got) // 2]:.3f}x | {got[-1]:.3f}x |")
+    print("\nWhat Soup's formula charges, against what the anatomies of results/resident-anatomy-* hold at the peak: "
+          "1% of the parameters as trainable for any LoRA (the adapters measured are far smaller, so this term "
+          "over-charges); activations as seq x batch x a hidden size guessed from the parameter count x 4 B, halved "
+          "for checkpointing, where without checkpointing every layer keeps its own (the MLP's i-wide tensors, the "
+          "norms' fp32 copies, attention's inputs); no logits or loss term, where the loss's three fp32 logits blocks "
+          "(12 B a logits element) are the largest live blocks at every resident peak measured; and NF4 weights at "
+          "0.5 B a parameter, where the NF4 anatomy (Llama-3.2-1B) held an fp32 embedding and fp32 activations (the NF4 "
+          "arms are its worst). The arms where its verdict is wrong on a named card (the measured peak alone past the "
+          "card's total, which Soup admits; or inside a card Soup refuses):\n")
+    print("```\n" + resident_gate_table(rows) + "\n```")
+
+
 if __name__ == "__main__":
     main()
     preference()
     soup_patch()
+    resident()
