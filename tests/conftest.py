@@ -370,3 +370,41 @@ class FakeDevice:
     def cudaFree(self, ptr):
         self.free += self.held.pop(ptr.value)
         return 0
+
+
+# --- the README's soup.yaml, and what --estimate --config answers for it (the new user's rounds three and
+# four, issues 29 and 36, read it in several wings) -------------------------------------------------
+
+#: The README's soup.yaml (Mistral-7B NF4, LoRA r 8 on q_proj, v_proj), every field a parameter.
+README_YAML = ("base: {base}\ndata: {{train: data.jsonl, max_length: {seq}}}\n"
+               "training:\n  batch_size: {batch}\n  quantization: 4bit\n  stream_layers: true\n"
+               "  lora: {{r: {r}, alpha: 16, target_modules: {targets}}}\n{extra}")
+
+
+def readme_yaml(folder, seq=2048, r=8, targets="[q_proj, v_proj]", extra="", name="soup.yaml", batch=1,
+                base="mistralai/Mistral-7B-v0.3"):
+    """The README's soup.yaml written to ``folder/name``, with the values given; ``extra`` is appended
+    under ``training:`` (each line indented two spaces)."""
+    path = folder / name
+    path.write_text(README_YAML.format(seq=seq, r=r, targets=targets, extra=extra, batch=batch, base=base))
+    return path
+
+
+def estimate_config_json(capfd, tmp_path, config, *extra):
+    """``--estimate --config config --json``: (the JSON it wrote, its stdout); the run must exit 0."""
+    out = tmp_path / "e.json"
+    code, text, err = main(capfd, ["--estimate", "--config", config, "--json", out, *extra])
+    assert code == 0, err
+    return json.loads(out.read_text()), text
+
+
+def verdicts(out):
+    """The verdict lines: the lines under the first that name a card and say fits or not."""
+    import re
+
+    return [ln.strip() for ln in out.splitlines()[1:] if re.match(r"  \S+: .*(fits|no room)", ln)]
+
+
+def file_lines(text):
+    """--estimate --config's lines on the file's own keys (how each is read)."""
+    return [line for line in text.splitlines() if line.startswith("  from the file: ")]

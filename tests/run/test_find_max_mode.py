@@ -14,6 +14,7 @@ from conftest import main, one_error_line
 
 from issue395.constraints import findmax as F
 from issue395.model.registry import config_json
+from conftest import readme_yaml
 
 YAML = """base: {base}
 task: {task}
@@ -253,3 +254,23 @@ def test_the_readmes_find_max_dry_run_is_what_it_prints(capfd, tmp_path, monkeyp
     assert code == 0, err
     missing = [s for s in shown if s.rstrip() not in (ln.rstrip() for ln in out.splitlines())]
     assert not missing and len(shown) == 4, missing
+
+
+# Moved from tests/run/test_round3.py and test_round4.py (issues 29 and 36, the new user's rounds three
+# and four), named for the behaviour each checks.
+
+
+def test_find_max_dry_run_json_writes_the_plan_and_from_json_names_it(capfd, tmp_path):
+    """Issue 36 item 10: --find-max --dry-run --json writes the plan (kind find-max, dry run, nothing
+    measured), says where, and --from-json names it as a --find-max result."""
+    path = readme_yaml(tmp_path, base="HuggingFaceTB/SmolLM2-135M", seq=512).read_text()
+    (tmp_path / "s.yaml").write_text(path.replace("quantization: 4bit", "quantization: none"))
+    out_json = tmp_path / "fm.json"
+    code, out, err = main(capfd, ["--find-max", "seq", "--config", tmp_path / "s.yaml", "--card", "T4", "--dry-run",
+                                  "--json", out_json])
+    assert code == 0, err
+    data = json.loads(out_json.read_text())
+    assert data["kind"] == "find-max" and data["dry_run"] is True and data["measured"] is None
+    assert data["this_tool_longest"] is not None and data["plan"], data
+    assert f"--json {out_json}" in out + err or str(out_json) in out + err  # said where it went
+    one_error_line(*main(capfd, ["--from-json", out_json]), "--find-max")
