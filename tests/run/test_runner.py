@@ -48,13 +48,13 @@ def test_the_estimate_says_what_it_assumes_and_what_it_leaves_out(capfd, tmp_pat
 
 
 @pytest.mark.slow
-def test_map_dry_run_realises_seq_on_every_row_in_bf16_and_nf4_and_captures_soups_own_number(
-        capfd, cache_dir, tmp_path):
-    out = tmp_path / "map.json"
-    code, stdout, err = main(capfd, ["--map", "--dry-run", "--families", "smol", "--seq", "64",
-                                     "--batch", "1", "--cache-dir", cache_dir, "--json", out])
+def test_map_dry_run_realises_seq_on_every_row_in_bf16_and_nf4_and_captures_soups_own_number(smol_map_dry_run):
+    """SmolLM2's map dry run at seq 64 (the session's, conftest.smol_map_dry_run): a bf16 and an NF4 row, each
+    realised at 64; Soup's own pre-flight ran inside each setup (NF4's number under bf16's) with its terms;
+    the map's tables and the verdict that nothing was measured are printed."""
+    code, stdout, err, saved = smol_map_dry_run
     assert code == 0, err
-    rows = [Row.from_json(r) for r in json.loads(out.read_text())["rows"]]
+    rows = [Row.from_json(r) for r in saved["rows"]]
     assert [(r.quant, r.realised, r.status) for r in rows] == [("none", 64, "dry-run"),
                                                               ("nf4", 64, "dry-run")]
     # Soup's pre-flight ran inside the setup (on CPU it budgets float32 weights).
