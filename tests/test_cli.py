@@ -74,6 +74,7 @@ def once(capfd, tmp_path_factory, cache_dir, name, fresh=False):
 
 
 @pytest.mark.slow
+@pytest.mark.release
 def test_dry_run_both_models_realises_requested_seq_and_keeps_soup_text_off_stdout(
         capfd, cache_dir, tmp_path_factory):
     code, out, err, _, result = once(capfd, tmp_path_factory, cache_dir, "both")
@@ -352,6 +353,7 @@ def _file_stamps(root: Path) -> dict[str, int]:
 
 
 @pytest.mark.slow
+@pytest.mark.release
 def test_second_run_with_the_same_cache_dir_reuses_checkpoint_and_shards(
         capfd, cache_dir, tmp_path_factory):
     code, _, err, _, _ = once(capfd, tmp_path_factory, cache_dir, "both")  # the first run

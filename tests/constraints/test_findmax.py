@@ -279,6 +279,7 @@ def test_judge_quotes_soups_error_line_not_its_verbose_hint():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("template, refused", [("", True), ("  chat_template: chatml\n", False)])
+@pytest.mark.release
 def test_soups_own_checks_run_on_the_probes_file_before_any_probe(tmp_path, cache_dir, template, refused):
     """The synthetic checkpoint's tokenizer has no chat template: an SFT file that names none is
     refused by Soup's own format check (at setup, before any step), here on CPU, costing no probe."""

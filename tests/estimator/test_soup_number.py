@@ -55,6 +55,7 @@ def test_soup_number_is_soups_own_function_not_a_copy():
 
 
 @pytest.mark.slow
+@pytest.mark.release
 def test_soups_number_from_the_config_is_what_soups_own_setup_computes_on_cpu(smol_map_dry_run):
     """SmolLM2 at seq 64, bf16 and NF4, through Soup's real setup (--map --dry-run on CPU: the session's
     conftest.smol_map_dry_run). Soup's setup budgets the weights it holds, float32 on CPU: every other

@@ -71,6 +71,7 @@ def test_an_arm_the_estimator_refuses_has_none_whatever_its_family():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("how", ["--model", "--config"])
+@pytest.mark.release
 def test_a_local_config_json_bases_arm_has_the_corrected_figure_estimate_gives(capfd, tmp_path, cache_dir, how):
     """Issue 36 item 11: a dry-run arm on a local config.json base (by --model or in a --config file) has the
     corrected figure --estimate gives for it, and --from-json prints it."""

@@ -109,6 +109,7 @@ def test_a_map_in_two_lanes_gives_the_rows_and_tables_of_one_lane_in_grid_order(
 
 
 @pytest.mark.slow
+@pytest.mark.release
 def test_soups_shards_land_in_shard_dir_and_the_checkpoint_in_cache_dir(tmp_path):
     """A fresh process's dry run with --cache-dir and --shard-dir: Soup writes its layer shards under
     --shard-dir (the installed release honours the folder it is told), the checkpoint lands in --cache-dir,

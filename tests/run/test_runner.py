@@ -48,6 +48,7 @@ def test_the_estimate_says_what_it_assumes_and_what_it_leaves_out(capfd, tmp_pat
 
 
 @pytest.mark.slow
+@pytest.mark.release
 def test_map_dry_run_realises_seq_on_every_row_in_bf16_and_nf4_and_captures_soups_own_number(smol_map_dry_run):
     """SmolLM2's map dry run at seq 64 (the session's, conftest.smol_map_dry_run): a bf16 and an NF4 row, each
     realised at 64; Soup's own pre-flight ran inside each setup (NF4's number under bf16's) with its terms;

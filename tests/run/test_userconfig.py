@@ -356,6 +356,7 @@ def test_soups_refusal_has_no_pydantic_prefix_even_when_its_words_hold_a_colon(c
 
 
 @pytest.mark.slow
+@pytest.mark.release
 def test_many_unknown_keys_are_a_capped_list_and_cost_little_beyond_soups_own_loader(capfd, tmp_path):
     """300,000 keys took 357 s in the issue; 30,000 here (the same per-key cost, a tenth of the wait):
     the tool's own work beside Soup's loader, which reads the file once as `soup train` does, is small."""
