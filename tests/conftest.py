@@ -11,9 +11,11 @@ where a test needs a measured peak, through the measured path with only the CUDA
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import ctypes
 import dataclasses
+import io
 import json
 import os
 import shutil
@@ -45,21 +47,39 @@ from issue395.results.stack import environment
 SMOL, QWEN = SHAPES["smol"], SHAPES["qwen"]
 
 
-@pytest.fixture(autouse=True)
-def _clean_process_state():
+@contextlib.contextmanager
+def clean_process_state():
     """h.main in-process sets CUDA_VISIBLE_DEVICES and installs its own SIGINT handler and
-    Ctrl-C flag; none of that may leak from one test into the next."""
+    Ctrl-C flag; none of that may leak out of the block."""
     saved_env = dict(os.environ)
     saved_handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     saved_tempdir = tempfile.tempdir
     Stop.requested = False
-    yield
-    Stop.requested = False
-    for sig, handler in saved_handlers.items():
-        signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
-    tempfile.tempdir = saved_tempdir
-    os.environ.clear()
-    os.environ.update(saved_env)
+    try:
+        yield
+    finally:
+        Stop.requested = False
+        for sig, handler in saved_handlers.items():
+            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+        tempfile.tempdir = saved_tempdir
+        os.environ.clear()
+        os.environ.update(saved_env)
+
+
+@pytest.fixture(autouse=True)
+def _clean_process_state():
+    """No test's in-process run leaks its environment, signal handlers or Ctrl-C flag into the next."""
+    with clean_process_state():
+        yield
+
+
+def main_captured(argv) -> tuple[int, str, str]:
+    """h.main in this process outside a test (a session fixture's run, which has no capfd):
+    (exit code, stdout, stderr), the process state restored after it."""
+    out, err = io.StringIO(), io.StringIO()
+    with clean_process_state(), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = h.main([str(a) for a in argv])
+    return code, out.getvalue(), err.getvalue()
 
 
 @pytest.fixture(scope="session")
@@ -69,6 +89,17 @@ def cache_dir():
     path = Path(tempfile.mkdtemp(prefix="issue395-test-cache-"))
     yield path
     shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def smol_map_dry_run(cache_dir, tmp_path_factory):
+    """One map dry run several tests read: SmolLM2 at seq 64, batch 1, bf16 and NF4, each arm Soup's real
+    setup on CPU (``--map --dry-run --families smol --seq 64 --batch 1``), made once a session in this
+    process with the session's --cache-dir. (exit code, stdout, stderr, the JSON it saved)."""
+    out = tmp_path_factory.mktemp("smol-map") / "map.json"
+    code, stdout, err = main_captured(["--map", "--dry-run", "--families", "smol", "--seq", "64", "--batch", "1",
+                                       "--cache-dir", cache_dir, "--json", out])
+    return code, stdout, err, json.loads(out.read_text()) if out.exists() else None
 
 
 @pytest.fixture
@@ -370,3 +401,41 @@ class FakeDevice:
     def cudaFree(self, ptr):
         self.free += self.held.pop(ptr.value)
         return 0
+
+
+# --- the README's soup.yaml, and what --estimate --config answers for it (the new user's rounds three and
+# four, issues 29 and 36, read it in several wings) -------------------------------------------------
+
+#: The README's soup.yaml (Mistral-7B NF4, LoRA r 8 on q_proj, v_proj), every field a parameter.
+README_YAML = ("base: {base}\ndata: {{train: data.jsonl, max_length: {seq}}}\n"
+               "training:\n  batch_size: {batch}\n  quantization: 4bit\n  stream_layers: true\n"
+               "  lora: {{r: {r}, alpha: 16, target_modules: {targets}}}\n{extra}")
+
+
+def readme_yaml(folder, seq=2048, r=8, targets="[q_proj, v_proj]", extra="", name="soup.yaml", batch=1,
+                base="mistralai/Mistral-7B-v0.3"):
+    """The README's soup.yaml written to ``folder/name``, with the values given; ``extra`` is appended
+    under ``training:`` (each line indented two spaces)."""
+    path = folder / name
+    path.write_text(README_YAML.format(seq=seq, r=r, targets=targets, extra=extra, batch=batch, base=base))
+    return path
+
+
+def estimate_config_json(capfd, tmp_path, config, *extra):
+    """``--estimate --config config --json``: (the JSON it wrote, its stdout); the run must exit 0."""
+    out = tmp_path / "e.json"
+    code, text, err = main(capfd, ["--estimate", "--config", config, "--json", out, *extra])
+    assert code == 0, err
+    return json.loads(out.read_text()), text
+
+
+def verdicts(out):
+    """The verdict lines: the lines under the first that name a card and say fits or not."""
+    import re
+
+    return [ln.strip() for ln in out.splitlines()[1:] if re.match(r"  \S+: .*(fits|no room)", ln)]
+
+
+def file_lines(text):
+    """--estimate --config's lines on the file's own keys (how each is read)."""
+    return [line for line in text.splitlines() if line.startswith("  from the file: ")]

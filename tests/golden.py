@@ -105,24 +105,37 @@ def result_outputs(mod, path: Path, tmp: str) -> tuple[dict[str, str], str]:
     return got, status
 
 
-def outputs(harness: Path) -> dict[str, str]:
-    """Every golden file's text, keyed by its path under tests/golden/."""
+def golden_names() -> set[str]:
+    """The name of every golden file the outputs make, without rendering any (the results' three each)."""
+    names = {"help.txt", "bad-command-lines.txt", "results.status"}
+    for path in saved_results():
+        base = str(path.relative_to(ROOT).with_suffix(""))
+        names |= {f"{base}.txt", f"{base}.md", f"{base}.json.diff"}
+    return names
+
+
+def outputs(harness: Path, part: tuple[int, int] = (0, 1)) -> dict[str, str]:
+    """Every golden file's text, keyed by its path under tests/golden/. ``part`` (i, n) renders only the
+    i-th of n slices (the test spreads the render over processes): --help and the bad command lines in the
+    first, every n-th result from the i-th, and results.status holding only that slice's lines."""
+    i, n = part
     mod = load(harness)
     got: dict[str, str] = {}
     saved = dict(os.environ)
     with tempfile.TemporaryDirectory() as tmp:
         os.chdir(tmp)
         try:
-            code, out, err = call(mod.main, ["--help"])
-            got["help.txt"] = f"exit {code}\n{out}"
-            bad = []
-            for argv in BAD:
-                code, out, err = call(mod.main, argv)
-                bad.append(f"$ {quoted(argv)}\nexit {code}, stdout {'empty' if not out else repr(out)}\n"
-                           f"{err.strip()}\n")
-            got["bad-command-lines.txt"] = "\n".join(bad)
+            if i == 0:
+                code, out, err = call(mod.main, ["--help"])
+                got["help.txt"] = f"exit {code}\n{out}"
+                bad = []
+                for argv in BAD:
+                    code, out, err = call(mod.main, argv)
+                    bad.append(f"$ {quoted(argv)}\nexit {code}, stdout {'empty' if not out else repr(out)}\n"
+                               f"{err.strip()}\n")
+                got["bad-command-lines.txt"] = "\n".join(bad)
             status = []
-            for path in saved_results():
+            for path in saved_results()[i::n]:
                 files, line = result_outputs(mod, path, tmp)
                 got.update(files)
                 status.append(line)

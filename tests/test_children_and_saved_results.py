@@ -10,14 +10,12 @@ conftest's (the A10G record's peaks standing in for CUDA measurements).
 
 from __future__ import annotations
 
-import copy
 import json
 from pathlib import Path
 
 import pytest
-from conftest import main, make_row, one_error_line, table_lines
+from conftest import main, make_row, one_error_line
 
-from issue395.errors import EXIT_FINDING, EXIT_OK
 from issue395.results.result import Result
 from issue395.run.spread import CHILD_JOB
 
@@ -56,33 +54,6 @@ def test_the_retired_child_options_are_refused_like_any_unknown_option(capfd):
 # ---------------------------------------------------------------------------
 
 
-def test_a_parent_of_children_with_steps_keeps_the_childrens_stack_and_writes_its_json(
-        capfd, tmp_path, monkeypatch):
-    """--isolate --steps 2: the parent has no stack of its own; naming the steps must not stand in
-    for the children's (it did: the render raised KeyError 'torch' and no JSON was written). The
-    children are stood in for by one saved child result (no process is started here)."""
-    from issue395.run import measure_mode
-
-    child = Result(environment=json.loads((ROOT_RESULT).read_text())["environment"],
-                   rows=[make_row("smol", 64, index=0, real_peak=None, dry_run=True)])
-
-    def one_child(run, arms, scratch, on_row, script):
-        on_row(child.rows[0])
-        return [child]
-
-    monkeypatch.setattr(measure_mode, "spread", one_child)
-    out = tmp_path / "o.json"
-    code, stdout, err = main(capfd, ["--dry-run", "--isolate", "--steps", "2", "--models", "smol", "--seq", "64",
-                                     "--json", out])
-    assert "Traceback" not in err and code == 0, err
-    env = json.loads(out.read_text())["environment"]
-    assert env["steps"] == 2 and env["torch"] == child.environment["torch"]
-    assert "2 optimizer steps per arm" in stdout.splitlines()[0]
-
-
-ROOT_RESULT = Path(__file__).resolve().parents[1] / "results/split-check-h200x2-soup0.73.3-b5bee37/full-cold.json"
-
-
 @pytest.mark.parametrize("mode", ["--measure", "--sdpa", "--snapshot"])
 def test_cap_refuses_modes_that_would_run_under_the_cap(capfd, mode):
     one_error_line(*main(capfd, ["--cap", "soup", "--models", "smol", "--seq", "2048", mode]), "--cap")
@@ -100,42 +71,3 @@ def test_a_sweep_among_map_parts_is_refused_naming_that_file(capfd):
 # ---------------------------------------------------------------------------
 
 
-def test_from_json_rejudges_an_edited_row_under_and_void(saved, tmp_path, capfd):
-    """The saved verdicts ("derived") are never read back: a row edited above its prediction
-    re-renders UNDER, one edited to a realised width of 1000 re-renders VOID; exit 1."""
-    data = json.loads(saved.read_text())
-    assert data["rows"][0]["derived"]["status"] == "ok"
-    under = copy.deepcopy(data)
-    under["rows"][0]["real_peak"] = under["rows"][0]["predicted"] + 1
-    void = copy.deepcopy(data)
-    void["rows"][1]["realised_width"] = 1000
-    (tmp_path / "under.json").write_text(json.dumps(under))
-    (tmp_path / "void.json").write_text(json.dumps(void))
-
-    code, out, err = main(capfd, ["--from-json", tmp_path / "under.json"])
-    assert code == EXIT_FINDING, err
-    line = table_lines(out, "SmolLM2-135M")[0]
-    assert line.split()[0] == "2048" and line.split()[-1] == "UNDER"
-    assert line.split()[5] == "1.000x"  # predicted / (predicted + 1), rounded
-
-    code, out, err = main(capfd, ["--from-json", tmp_path / "void.json"])
-    assert code == EXIT_FINDING, err
-    line = table_lines(out, "SmolLM2-135M")[1]
-    assert line.split()[:2] == ["3072", "1000"] and line.split()[-1] == "VOID"
-    assert line.split()[5] == "VOID"
-    assert "VOID - realised [3072] (width 1000) != requested 3072" in out
-
-
-def test_from_json_compare_lists_the_byte_difference_of_the_same_arm(saved, tmp_path, capfd):
-    other = json.loads(saved.read_text())
-    other["environment"]["arms"] = "isolated, one fresh process per arm"
-    other["rows"][0]["real_peak"] += 1_000_000
-    other_path = tmp_path / "other.json"
-    other_path.write_text(json.dumps(other))
-    code, out, err = main(capfd, ["--from-json", saved, "--compare", other_path])
-    assert code == EXIT_OK, err
-    assert "compare: A = in one process" in out
-    assert "B = isolated, one fresh process per arm" in out
-    line = next(x for x in out.splitlines() if x.split()[:2] == ["SmolLM2-135M", "2048"])
-    assert line.split()[5] == "1000000"
-    assert "9 of 10 shared arm(s) equal to the byte" in out

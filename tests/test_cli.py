@@ -23,12 +23,10 @@ from pathlib import Path
 import pytest
 from conftest import SMOL, h, main, one_error_line, table_rows
 
-from issue395.run import measure_mode
 from issue395.measure.builder import checkpoint_fingerprint, prepare_checkpoint
 from issue395.errors import EXIT_OK
-from issue395.model.arm import Arm, predicted_bytes
+from issue395.model.arm import predicted_bytes
 from issue395.measure.shapes import load_custom_shape
-from issue395.run.spread import plan_jobs
 
 SOUP_CONSOLE_TEXT = ("Layer streaming", "LoRA applied", "Preparing layer shards",
                      "Loading tokenizer", "chat_template override", "Map:", "Truncating",
@@ -76,6 +74,7 @@ def once(capfd, tmp_path_factory, cache_dir, name, fresh=False):
 
 
 @pytest.mark.slow
+@pytest.mark.release
 def test_dry_run_both_models_realises_requested_seq_and_keeps_soup_text_off_stdout(
         capfd, cache_dir, tmp_path_factory):
     code, out, err, _, result = once(capfd, tmp_path_factory, cache_dir, "both")
@@ -354,6 +353,7 @@ def _file_stamps(root: Path) -> dict[str, int]:
 
 
 @pytest.mark.slow
+@pytest.mark.release
 def test_second_run_with_the_same_cache_dir_reuses_checkpoint_and_shards(
         capfd, cache_dir, tmp_path_factory):
     code, _, err, _, _ = once(capfd, tmp_path_factory, cache_dir, "both")  # the first run
@@ -423,25 +423,6 @@ def test_determinism_repeats_an_arm_in_distinct_fresh_processes(capfd, cache_dir
     assert f"pids {pids[0]},{pids[1]}" in line
     assert "--determinism: the same arm in fresh processes" in out
     assert "realised" not in out  # --determinism alone runs no sweep
-
-
-def test_sweep_alongside_determinism_spreads_the_sweep_once_and_the_repeats_once(
-        capfd, monkeypatch):
-    """--sweep --isolate --determinism 2: the sweep's arms one process each, then the
-    repeats. What each spread would start is read off the harness's own plan (the
-    processes themselves are the two tests above); no process is started here."""
-    planned = []
-
-    def plan_only(run, arms, scratch, on_row, script):
-        planned.append([(job.arms, job.repeat) for job in plan_jobs(run, arms)])
-        return []
-
-    monkeypatch.setattr(measure_mode, "spread", plan_only)
-    code, out, err = main(capfd, ["--dry-run", "--sweep", "--isolate", "--determinism", "2",
-                                  "--models", "smol", "--seq", "64"])
-    arm = Arm("smol", 64, 1, 0)
-    assert planned == [[((arm,), None)], [((arm,), 1), ((arm,), 2)]], \
-        "the sweep was spread as determinism repeats: its rows collide with the repeats' rows"
 
 
 # ---------------------------------------------------------------------------

@@ -9,6 +9,8 @@ import signal
 import pytest
 
 from issue395.errors import EXIT_FINDING, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, UsageError, last_line
+import re
+from conftest import main, one_error_line, readme_yaml
 
 
 def test_the_last_line_of_an_exception_is_its_type_and_its_last_non_blank_line():
@@ -37,3 +39,23 @@ def test_each_exit_code_means_one_thing_and_an_interrupt_is_the_shells_sigint(ca
         argparse.ArgumentParser().parse_args(["--no-such-option"])
     assert bad.value.code == EXIT_USAGE
     assert EXIT_INTERRUPTED == 128 + signal.SIGINT  # what a shell reports for a Ctrl-C'd process
+
+
+# Moved from tests/run/test_round3.py and test_round4.py (issues 29 and 36, the new user's rounds three
+# and four), named for the behaviour each checks.
+
+
+def test_a_long_refusal_is_cut_at_a_word_with_an_ellipsis(capfd, tmp_path):
+    """Issue 36 polish: errors.cut cuts a long line at a word with an ellipsis, and Soup's long refusal is cut
+    so."""
+    from issue395.errors import cut
+
+    text = "word " * 100
+    short = cut(text.strip(), 52)
+    assert short.endswith("...") and len(short) <= 52 and short[:-3].endswith("word"), short
+    assert cut("short enough", 52) == "short enough"
+    path = readme_yaml(tmp_path)
+    path.write_text(path.read_text().replace("batch_size: 1", "batch_size: auto"))
+    line = one_error_line(*main(capfd, ["--estimate", "--config", path]), "Soup refuses it")
+    if len(line) > 300:
+        assert line.endswith("...") and line[-4] != " " and re.search(r"[\w.,'=)]\.\.\.$", line), line

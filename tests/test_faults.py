@@ -409,6 +409,7 @@ def _hard_ctrl_c_after_setup(monkeypatch):
     ("tiny", _hard_ctrl_c_after_setup),
 ], ids=["clean", "failed-arm", "interrupted"])
 @pytest.mark.slow
+@pytest.mark.release
 def test_dry_run_without_cache_dir_leaves_no_files_behind(capfd, tmp_path, monkeypatch,
                                                           tiny_model, model, fault):
     """No fakes but the fault itself. $HOME, the temp dir ($TMPDIR and tempfile.tempdir, which

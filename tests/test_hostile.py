@@ -137,6 +137,7 @@ def test_a_truncated_cached_checkpoint_is_rebuilt_by_the_next_run(capfd, tmp_pat
 
 
 @pytest.mark.slow
+@pytest.mark.release
 def test_damaged_soup_shards_are_removed_and_sharded_again(capfd, tmp_path, smol_built):
     """Soup checks only that its shard files exist; a truncated one would fail the arm."""
     cache, dest = private_cache(tmp_path, smol_built)

@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, main, one_error_line
 
-from issue395.measure.shapes import default_map_families
 
 MAP = ROOT / "results/margin-map-h200x2-soup0.73.3-f3ad9d2/map-2gpu.json"
 SWEEP = ROOT / "results/margin-map-in-4-parts-h200-soup0.73.3-3238e1a-to-b3a7891/full-cold.json"
@@ -247,36 +246,6 @@ def test_a_size_no_real_run_has_is_one_line_naming_the_limit(capfd, argv, words)
 
 # 8. saved results that cannot be merged, rendered or compared; a terminal that cannot encode ------
 
-def _two_shards(tmp_path):
-    a, b = tmp_path / "a.json", tmp_path / "b.json"
-    a.write_bytes(SWEEP.read_bytes())
-    b.write_bytes(SWEEP.read_bytes())
-    return a, b
-
-
-@pytest.mark.parametrize("target, exc", [
-    ("merge", KeyError("environment")), ("merge", TypeError("unorderable")),
-    ("render_text", ZeroDivisionError("division by zero")),
-    ("render_markdown", KeyError("torch")),
-    ("compare_table", ZeroDivisionError("division by zero")),
-], ids=["merge-key-error", "merge-type-error", "render-zero-division", "markdown-key-error",
-        "compare-zero-division"])
-def test_any_failure_while_merging_rendering_or_comparing_is_one_line_naming_the_file(
-        capfd, tmp_path, monkeypatch, target, exc):
-    import issue395.run.rerender_mode as rerender_mode
-
-    def boom(*a, **k):
-        raise exc
-
-    monkeypatch.setattr(rerender_mode, target, boom)
-    a, b = _two_shards(tmp_path)
-    argv = {"merge": ["--from-json", a, b], "render_text": ["--from-json", a],
-            "render_markdown": ["--from-json", a, "--markdown", tmp_path / "o.md"],
-            "compare_table": ["--from-json", a, "--compare", b]}[target]
-    line = one_error_line(*main(capfd, argv), str(a) if target != "compare_table" else str(b),
-                          type(exc).__name__)
-    assert not (tmp_path / "o.md").exists(), line
-
 
 @pytest.mark.parametrize("source", [SWEEP, MAP], ids=["full-cold", "map-with-non-ascii"])
 def test_a_terminal_that_cannot_encode_still_gets_the_tables_and_the_markdown(tmp_path, source):
@@ -291,27 +260,6 @@ def test_a_terminal_that_cannot_encode_still_gets_the_tables_and_the_markdown(tm
     if source == SWEEP:
         assert proc.returncode == 0, proc.stderr[-2000:]
     assert md.exists() and md.stat().st_size > 0 and proc.stdout
-
-
-def test_compare_with_no_arm_in_common_is_one_line(capfd, tmp_path):
-    other = _corrupt(tmp_path, SWEEP, lambda d: [r.update(seq=r["seq"] + 1, realised_width=r["seq"] + 1,
-                                                          realised_rows=[r["seq"] + 1] * len(r["realised_rows"]))
-                                                 for r in d["rows"]])
-    one_error_line(*main(capfd, ["--from-json", SWEEP, "--compare", other]), "--compare", "no arm in common")
-
-
-_N_MAP = len(default_map_families()) + 1
-
-
-@pytest.mark.parametrize("argv, words", [
-    (["--dry-run", "--shard", "11/11"], ["--shard 11/11", "10 arm"]),
-    (["--dry-run", "--models", "smol", "--seq", "128", "--shard", "2/2"], ["--shard 2/2", "1 arm"]),
-    # the default map's families follow the installed Soup (0.77.0 adds three), and Llama-3.1-8B
-    (["--dry-run", "--map", "--shard", f"{_N_MAP + 1}/{_N_MAP + 1}"], [f"--shard {_N_MAP + 1}/{_N_MAP + 1}",
-                                                                        f"{_N_MAP} famil"]),
-], ids=["sweep-11-of-11", "one-arm-2-of-2", "map-one-more-than-its-families"])
-def test_an_empty_shard_is_one_line_naming_it_before_anything_runs(capfd, argv, words):
-    one_error_line(*main(capfd, argv), "empty", *words)
 
 
 # 9. --model paths, hub ids, and output paths --------------------------------------------------------

@@ -16,6 +16,7 @@ import pytest
 import yaml
 
 from issue395.constraints import findmax as F
+from conftest import readme_yaml
 
 SEQ = dict(resolution=64, low=64, high=32768)
 
@@ -366,3 +367,54 @@ def test_a_search_stopped_by_a_failure_says_so_and_never_claims_no_oom_up_to_the
                             f"-- stopped before the answer was proven: the probe at {high} failed twice")
     top = F.find_max(fake_probe(high), "seq", high - 64, resolution=64, low=64, high=high)
     assert F.measured_words(top, 3).endswith(f"no OOM up to the largest seq there is ({high})") and top.adjacent
+# Moved from tests/run/test_round3.py and test_round4.py (issues 29 and 36, the new user's rounds three
+# and four), named for the behaviour each checks.
+
+
+def test_a_search_stopped_by_a_non_oom_failure_says_what_failed_not_none_raised_oom():
+    """Issue 36 item 14: a --find-max search stopped by a failure that is not an OOM quotes what failed, never
+    'None raised OOM'; an OOM at the smallest says so."""
+    from issue395.constraints.findmax import FAILED, FindMax, Probe, find_max, measured_words
+
+    line = "Error: ValueError: Tokenizer has no chat_template. Pass data.chat_template: chatml"
+    found = find_max(lambda v: Probe(v, FAILED, 0, line, 1.0, 1), "seq", 2048, 64, 64, 4096)
+    words = measured_words(found, 2)
+    assert "None" not in words and "raised OOM" not in words and "Tokenizer has no chat_template" in words, words
+    oom = find_max(lambda v: Probe(v, "OOM", 0, "CUDA out of memory", 1.0, 1), "seq", 64, 64, 64, 4096)
+    assert "the smallest, 64, raised OOM" in measured_words(oom, 2)
+
+
+def test_judge_quotes_soups_error_line_not_its_verbose_hint():
+    """Issue 36 item 14: a probe's line is Soup's error line, not its --verbose hint."""
+    from issue395.constraints.findmax import judge
+
+    log = ("Loading ...\n\nError: OSError: We couldn't connect to 'https://huggingface.co' to load the files.\n"
+           "Check your internet connection.\nRun with --verbose for the full traceback.\n")
+    p = judge(2048, log, 1, None, 2)
+    assert p.line.startswith("Error: OSError: We couldn't connect"), p.line
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("template, refused", [("", True), ("  chat_template: chatml\n", False)])
+@pytest.mark.release
+def test_soups_own_checks_run_on_the_probes_file_before_any_probe(tmp_path, cache_dir, template, refused):
+    """The synthetic checkpoint's tokenizer has no chat template: an SFT file that names none is
+    refused by Soup's own format check (at setup, before any step), here on CPU, costing no probe."""
+    from issue395.constraints.findmax import probe_config, soup_checks, write_probe_config
+    from issue395.run.checkpoints import synthetic_checkpoint
+    from issue395.model.registry import SHAPES
+    from conftest import h
+
+    base = synthetic_checkpoint(SHAPES["smol"], cache_dir / "checkpoints")[0]
+    text = readme_yaml(tmp_path, seq=128, base=base).read_text().replace("quantization: 4bit", "quantization: none")
+    text = text.replace("max_length: 128}", "max_length: 128}\n").replace("data: {train: data.jsonl, max_length: 128}",
+                                                                          "data:\n  train: data.jsonl\n  max_length: 128\n"
+                                                                          + template)
+    config = probe_config(text, "seq", 128, data=tmp_path / "p" / "train.jsonl", output=tmp_path / "p" / "out",
+                          override=10**10, data_format="chatml")
+    path = write_probe_config(tmp_path / "p", config, h.task_rows("sft", 128, 4))
+    line = soup_checks(path, "sft")
+    if refused:
+        assert line is not None and "chat_template" in line and "Value error" not in line, line
+    else:
+        assert line is None, line

@@ -137,3 +137,18 @@ def test_a_rope_dicts_partial_rotary_factor_is_checked_too():
         A.arch_from_config(c)
     c["rope_parameters"]["partial_rotary_factor"] = 0.25
     assert A.arch_from_config(c).rotary_dim == 20  # rope_parameters' own value first, as transformers
+
+
+# Moved from tests/run/test_round3.py and test_round4.py (issues 29 and 36, the new user's rounds three
+# and four), named for the behaviour each checks.
+
+
+def test_a_gemma2_config_saved_by_transformers_is_estimated(capfd, tmp_path):
+    """Issue 29 item 5: a config.json transformers writes itself for gemma2 (use_bidirectional_attention null)
+    is read as an architecture and estimated, not refused."""
+    from transformers import AutoConfig
+
+    AutoConfig.for_model("gemma2").save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["use_bidirectional_attention"] is None
+    code, out, err = main(capfd, ["--estimate", "--model", tmp_path, "--seq", "512"])
+    assert code == 0 and "needs free" in out, err

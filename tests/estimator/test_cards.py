@@ -12,6 +12,7 @@ from issue395.errors import UsageError
 from issue395.record import RECORD_A10G_PEAK
 from issue395.model.registry import config_json
 from issue395.estimator.releases import soup_dir as _soup_dir
+from conftest import main, one_error_line
 
 ASKED = ("A10G", "L4", "T4", "RTX3090", "RTX4090", "RTX5090", "A100-40GB", "A100-80GB", "L40S", "H100", "H200")
 
@@ -133,3 +134,20 @@ def test_each_default_workspace_is_what_torchs_own_spelling_of_it_sums_to(cc, sp
 def test_the_emulated_outcomes_are_the_issues_words():
     assert [C.emulated_outcome(True, False), C.emulated_outcome(False, False), C.emulated_outcome(False, True)] == [
         "refused by Soup", "admitted and completed", "admitted and OOM"]
+
+
+# Moved from tests/run/test_round3.py and test_round4.py (issues 29 and 36, the new user's rounds three
+# and four), named for the behaviour each checks.
+
+
+def test_card_list_names_every_card_with_its_source(capfd):
+    """Issue 29 item 14: --card list names every card with its source, and refuses other options beside it in
+    one line."""
+    from issue395.estimator.cards import CARDS
+
+    code, out, err = main(capfd, ["--card", "list"])
+    assert code == 0, err
+    for card in CARDS.values():
+        (line,) = [ln for ln in out.splitlines() if ln.split()[0] == card.name]
+        assert card.source in line
+    one_error_line(*main(capfd, ["--card", "list", "--seq", "512"]), "--card list", "--seq")

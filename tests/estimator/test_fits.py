@@ -15,6 +15,8 @@ from issue395.estimator import estimate as E
 from issue395.estimator import fits as F
 from issue395.estimator.releases import release_source
 from issue395.model.registry import config_json
+import re
+from conftest import estimate_config_json, readme_yaml, verdicts
 
 MISTRAL = config_json("mistral-7b")
 
@@ -192,3 +194,109 @@ def test_estimate_targets_all_linear_on_the_command_line_is_soups_count(capfd, t
     want = E.estimate(MISTRAL, quant="nf4", seq=1024, lora_r=64, targets="all-linear")
     assert data["targets"] == list(ALL_LINEAR) and data["soup_targets"] == "all-linear"
     assert data["rows"][0]["soup_predicted"] == want.soup_predicted
+
+
+# Moved from tests/run/test_round3.py and test_round4.py (issues 29 and 36, the new user's rounds three
+# and four), named for the behaviour each checks.
+
+
+def test_a_context_the_card_holds_still_answers(capfd, tmp_path):
+    """Issue 29 item 9: a --context the card holds is charged (its bytes in the JSON) and still leaves a
+    positive step-free figure."""
+    data, _ = estimate_config_json(capfd, tmp_path, readme_yaml(tmp_path), "--card", "T4", "--context", "2")
+    (card,) = data["rows"][0]["cards"]
+    assert card["context_bytes"] == 2 * 10**9 and card["step_free_bytes"] > 0
+
+
+def test_a_card_no_seq_fits_on_says_so_not_oom_past_none():
+    """Issue 29 item 12: where no seq fits the card, the seq direction says 'no seq' and names Soup's own
+    longest, never 'past none'."""
+    from issue395.estimator.fits import seq_direction
+
+    text = seq_direction({"longest_seq": None, "longest_seq_soup_admits": 4096})
+    assert "past none" not in text and "4096" in text and "no seq" in text, text
+
+
+def test_soup_refusing_every_seq_says_so_not_past_none():
+    """Issue 29 item 12: where Soup's gate refuses every seq, the seq direction says 'every seq', never 'past
+    none'."""
+    from issue395.estimator.fits import seq_direction
+
+    text = seq_direction({"longest_seq": 2048, "longest_seq_soup_admits": None})
+    assert "past none" not in text and "every seq" in text, text
+
+
+def test_the_probe_refuses_past_four_times_the_free_memory_without_measuring(capfd, tmp_path):
+    """Issue 29 item 4: Soup's measured-probe gate admits by the one step against the free memory, and refuses
+    without measuring past four times the free memory."""
+    from issue395.estimator.fits import Gate
+
+    gate = Gate(probe=True)
+    assert gate.admits(soup_predicted=3 * 10**9, one_step_allocated=10**9, available=10**9)
+    assert not gate.admits(soup_predicted=5 * 10**9, one_step_allocated=10**9, available=10**9)
+
+
+@pytest.mark.parametrize("model, card", [("phi3-mini", "T4"), ("smol", "H200"), ("qwen", "A100-80GB")])
+def test_a_longest_seq_that_is_the_models_positions_says_so(capfd, model, card):
+    """Issue 36 item 4: where the longest seq that fits is the model's max positions, not memory, the verdict
+    says 'max positions'."""
+    code, out, err = main(capfd, ["--estimate", "--model", model, "--seq", "1024", "--card", card])
+    assert code == 0, err
+    (line,) = verdicts(out)
+    assert "max positions" in line, line
+
+
+def test_a_longest_seq_memory_stops_says_no_positions(capfd):
+    """Issue 36 item 4: where memory stops the longest seq, the verdict does not say 'max positions'."""
+    code, out, err = main(capfd, ["--estimate", "--model", "mistral-7b", "--quant", "nf4", "--seq", "1024",
+                                  "--card", "T4"])
+    assert code == 0, err
+    (line,) = verdicts(out)
+    assert "max positions" not in line, line
+
+
+@pytest.mark.parametrize("card", ["0.5GB", "1GB", "1GiB"])
+def test_a_card_with_no_room_is_one_clear_line_never_a_negative_free_figure(capfd, card):
+    """Issue 36 item 13: a card with no room is one 'no room' verdict and no negative figure anywhere in the
+    output."""
+    code, out, err = main(capfd, ["--estimate", "--model", "smol", "--seq", "512", "--card", f"{card},H200",
+                                  "--verbose"])
+    assert code == 0, err
+    (line,) = [ln for ln in verdicts(out) if ln.startswith(card)]
+    assert "no room" in line and "-0." not in line, line
+    assert not re.search(r"\s-\d+\.\d+", out), out  # no negative figure anywhere in the table either
+
+
+def test_a_cards_context_cell_is_what_the_legend_says_it_is(capfd):
+    """Issue 36 item 13: each card's context cell is labelled as the legend names it (the H200's is not the
+    bound)."""
+    code, out, err = main(capfd, ["--estimate", "--model", "smol", "--seq", "512", "--card", "H200,T4",
+                                  "--verbose"])
+    assert code == 0, err
+    for card in ("H200", "T4"):
+        i = out.splitlines().index(next(ln for ln in out.splitlines() if ln.startswith(f"{card}: total GB")))
+        label, value = re.match(r"\s+context GB \((.+)\)\s+(\S+)$", out.splitlines()[i + 1]).groups()
+        # the legend names this label and the figure it stands for on this card
+        (legend,) = [ln for ln in out.splitlines() if ln.startswith("fits: ")]
+        assert f"'{label}'" in legend, (label, legend)
+        if card == "H200":
+            assert label != "bound" and value != "0.8500"
+            assert f"{card} " in legend or "H200" in legend, legend
+
+
+@pytest.mark.parametrize("model", ["deepseek-v3", "kimi-k2", "mistral-7b"])
+def test_the_host_ram_the_streamed_store_needs_is_beside_the_verdict(capfd, model):
+    """Issue 36 item 13: the host RAM the streamed store needs is the line under the card's verdict, of the
+    config's own depth."""
+    from issue395.measure.shapes import soup_has_stream_modes
+
+    if model != "mistral-7b" and not soup_has_stream_modes():
+        pytest.skip("soup-cli 0.73.3 does not stream deepseek_v3")
+    code, out, err = main(capfd, ["--estimate", "--model", model, "--quant", "nf4", "--seq", "512", "--card", "H100"])
+    assert code == 0, err
+    lines = out.splitlines()
+    (i,) = [k for k, ln in enumerate(lines) if ln.startswith("  H100: ")]
+    assert "host RAM" in lines[i + 1] and "GB" in lines[i + 1], lines[i + 1]
+    gbs = float(re.search(r"store[^0-9]*([0-9.]+) GB", lines[i + 1]).group(1))
+    assert (gbs > 20) == (model != "mistral-7b"), lines[i + 1]  # the store of the config's own depth (4 of 61 layers here)
+    assert not any(ln.startswith("note: not estimated: host RAM") for ln in lines)

@@ -64,6 +64,7 @@ def test_every_committed_resident_is_the_adapter_in_its_tasks_dtype():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("task", list(TASKS))
+@pytest.mark.release
 def test_soups_real_setup_leaves_the_adapter_in_the_dtype_the_estimate_charges(task, tmp_path, monkeypatch):
     """Soup's own wrapper for each task, set up on CPU on a tiny checkpoint under 4bit and unquantised:
     the trainable parameters' bytes each are what adapter_bytes charges (TRL's SFT and DPO trainers

@@ -55,15 +55,15 @@ def test_soup_number_is_soups_own_function_not_a_copy():
 
 
 @pytest.mark.slow
-def test_soups_number_from_the_config_is_what_soups_own_setup_computes_on_cpu(capfd, cache_dir, tmp_path):
-    """SmolLM2 at seq 64, bf16 and NF4, through Soup's real setup (--map --dry-run on CPU). Soup's setup
-    budgets the weights it holds, float32 on CPU: every other argument it passes its estimator is the
-    one computed here from the config, and its number is Soup's estimator (as read here) on them."""
-    out = tmp_path / "map.json"
-    code, _, err = main(capfd, ["--map", "--dry-run", "--families", "smol", "--seq", "64", "--batch", "1",
-                                "--cache-dir", cache_dir, "--json", out])
+@pytest.mark.release
+def test_soups_number_from_the_config_is_what_soups_own_setup_computes_on_cpu(smol_map_dry_run):
+    """SmolLM2 at seq 64, bf16 and NF4, through Soup's real setup (--map --dry-run on CPU: the session's
+    conftest.smol_map_dry_run). Soup's setup budgets the weights it holds, float32 on CPU: every other
+    argument it passes its estimator is the one computed here from the config, and its number is Soup's
+    estimator (as read here) on them."""
+    code, _, err, saved = smol_map_dry_run
     assert code == 0, err
-    rows = {r["quant"]: r for r in json.loads(out.read_text())["rows"]}
+    rows = {r["quant"]: r for r in saved["rows"]}
     for quant, row in rows.items():
         _, mine = soup_preflight_from_config(config_json("smol"), quant=quant, seq=64, batch=1,
                                              targets=("q_proj", "v_proj"), lora_r=8)

@@ -192,6 +192,7 @@ print(json.dumps(out))
 
 
 @pytest.mark.slow
+@pytest.mark.release
 def test_the_patched_setup_itself_gates_on_the_corrected_number_on_cpu(patched_site):
     """Soup's own _stream_budget_lines (patched), on Soup's loader's config and transformers' AutoConfig of
     the model, in a process whose soup_cli is the patched copy: its gate's number is the one this tool

@@ -122,3 +122,20 @@ def test_progress_names_a_task_other_than_sft_and_never_prints_none_for_sft(capf
     assert "None" not in err[0] and f"{sft.model} seq 64 batch" in err[0], err[0]
     assert f"{sft.model} dpo seq 64" in err[1], err[1]
     assert f"{sft.model} nf4 seq 64" in err[2] and "None" not in err[2], err[2]
+
+
+# Moved from tests/run/test_round3.py and test_round4.py (issues 29 and 36, the new user's rounds three
+# and four), named for the behaviour each checks.
+
+
+def test_a_map_progress_line_names_a_task_that_is_not_sft(capfd):
+    """Issue 36 item 3: a map's progress line names a task that is not SFT."""
+    from conftest import SMOL
+    from issue395.measure.console import Progress
+    from issue395.model.arm import Arm
+    from issue395.results.row import arm_row
+
+    row = arm_row(Arm("smol", 512, 2, 0, task="dpo"), SMOL, realised_width=512, realised_rows=(512,) * 4)
+    p = Progress(2, time.perf_counter())
+    p.arm(row)
+    assert " dpo " in capfd.readouterr().err

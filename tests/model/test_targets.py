@@ -16,6 +16,7 @@ from issue395.estimator.arch import arch_from_config
 from issue395.errors import UsageError
 from issue395.model.registry import FAMILIES, config_json
 from issue395.model.targets import soup_targets
+import re
 
 #: Sizes small enough to build on CPU in well under a second; every name a module has is kept.
 SMALL = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, vocab_size=256, bos_token_id=0,
@@ -127,3 +128,25 @@ def test_auto_on_a_model_type_peft_has_no_default_for_is_one_line(capfd):
                    "--targets auto", "'phi3'", "peft")
     one_error_line(*main(capfd, ["--estimate", "--model", "phi-2", "--seq", "512", "--targets", "auto,fc1"]),
                    "stand alone")
+
+
+# Moved from tests/run/test_round3.py and test_round4.py (issues 29 and 36, the new user's rounds three
+# and four), named for the behaviour each checks.
+
+
+@pytest.mark.parametrize("model", ["moonlight", "qwen3.5", "deepseek-v3"])
+def test_auto_targets_suggest_modules_the_model_has_and_the_suggestion_is_taken(capfd, model):
+    """Issue 36 item 9: --targets auto on a model peft has no table for suggests modules the model has, and
+    the suggestion is taken."""
+    from issue395.measure.shapes import soup_has_stream_modes
+
+    if not soup_has_stream_modes():
+        pytest.skip("soup-cli 0.73.3 does not stream these families")
+    base = ["--estimate", "--model", model, "--quant", "nf4", "--seq", "512"]
+    code, out, err = main(capfd, base + ["--targets", "auto"])
+    if code == 0:  # peft has a table for it: nothing suggested
+        return
+    line = one_error_line(code, out, err, "--targets")
+    suggested = re.search(r"--targets (\S+) \(or some of them\)", line).group(1)
+    code, out, err = main(capfd, base + ["--targets", suggested])
+    assert code == 0, err

@@ -239,3 +239,25 @@ def test_a_task_arm_is_its_own_line_of_the_map_and_its_summary_and_its_own_secti
     assert f"{shape.name} dpo  (predicted" in sweep_table(rows)
     assert "lower/real is Soup's own number alone" in map_table(rows)
     assert "lower/real is Soup's own number alone" not in map_table(rows[:1])
+
+
+# Moved from tests/run/test_round3.py and test_round4.py (issues 29 and 36, the new user's rounds three
+# and four), named for the behaviour each checks.
+
+
+def test_a_dry_run_table_says_soups_number_there_is_the_cpu_budgets():
+    """Issue 29 item 13: a dry run's sweep table says Soup's number there is the CPU budget's (float32,
+    --estimate), and a measured table does not."""
+    from dataclasses import replace as swap
+
+    from issue395.report.tables import sweep_table
+    from issue395.results.result import Result
+    from conftest import ROOT
+
+    saved = Result.from_json(json.loads((ROOT / "results/margin-map-in-4-parts-h200-soup0.73.3-3238e1a-to-b3a7891/"
+                                         "full-cold.json").read_text()))
+    measured = sweep_table(saved.rows[:2])
+    assert "float32" not in measured
+    dry = sweep_table([swap(r, dry_run=True, real_peak=None) for r in saved.rows[:2]])
+    (line,) = [ln for ln in dry.splitlines() if "float32" in ln]
+    assert "--estimate" in line and "CPU" in line

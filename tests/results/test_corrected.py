@@ -19,6 +19,9 @@ from issue395.results.row import Row
 from issue395.text import gb, ratio
 from issue395.estimator.estimate import estimate, estimate_key
 from issue395.model.registry import config_json
+import json
+import pytest
+from conftest import main, readme_yaml
 
 ENV = {"soup_cli": "0.73.3"}
 
@@ -121,3 +124,37 @@ def test_a_row_saved_before_the_corrected_record_reads_with_none_and_its_resave_
     assert saved["corrected"]["allocated"] == corrected(row, ENV)
     with pytest.raises(ValueError, match="row field 'corrected.allocated'"):
         Row.from_json(dict(saved, corrected={"allocated": -1, "needs_free": 5}))
+# Moved from tests/run/test_round3.py and test_round4.py (issues 29 and 36, the new user's rounds three
+# and four), named for the behaviour each checks.
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["--model", "--config"])
+@pytest.mark.release
+def test_a_local_config_json_bases_arm_has_the_corrected_figure_estimate_gives(capfd, tmp_path, cache_dir, how):
+    """Issue 36 item 11: a dry-run arm on a local config.json base (by --model or in a --config file) has the
+    corrected figure --estimate gives for it, and --from-json prints it."""
+    from issue395.model.registry import config_json
+
+    folder = tmp_path / "my-model"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(config_json("smol")))
+    if how == "--model":
+        argv = ["--model", folder, "--seq", "128"]
+        est = ["--estimate", "--model", folder / "config.json", "--seq", "128"]
+    else:
+        # the measured arm runs the protocol's one micro-batch a step: the estimate it is held to, too
+        yaml = readme_yaml(tmp_path, seq=128, base=folder, extra="  gradient_accumulation_steps: 1\n").read_text().replace(
+            "quantization: 4bit", "quantization: none")
+        (tmp_path / "soup.yaml").write_text(yaml)
+        argv = ["--config", tmp_path / "soup.yaml"]
+        est = ["--estimate", "--config", tmp_path / "soup.yaml", "--steps", "1"]
+    code, out, err = main(capfd, argv + ["--dry-run", "--cache-dir", cache_dir, "--json", tmp_path / "r.json"])
+    assert code == 0, err
+    (row,) = json.loads((tmp_path / "r.json").read_text())["rows"]
+    code, _, err = main(capfd, est + ["--json", tmp_path / "e.json"])
+    assert code == 0, err
+    (want,) = json.loads((tmp_path / "e.json").read_text())["rows"]
+    assert row["corrected_custom"] == want["corrected_predicted"], (row.get("corrected_custom"), want)
+    code, out, err = main(capfd, ["--from-json", tmp_path / "r.json"])
+    assert f"{want['corrected_predicted'] / 1e9:.4f}" in out, out

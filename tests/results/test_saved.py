@@ -195,3 +195,77 @@ def test_a_parents_row_file_header_holds_its_own_stack_and_says_so(capfd, tmp_pa
     code, text, err = main(capfd, ["--from-json", RowFile.path_for(str(out))])
     assert code == EXIT_INTERRUPTED, err
     assert f"| stack of {arms.STACK_OF_PARENT} | rows from {RowFile.ROWS_FROM}" in text.splitlines()[0]
+
+
+EROFS = (30, "Read-only file system")
+
+
+def unfinished_row_file(tmp_path, name="m.json", header=True):
+    """A row file as a killed run leaves it: its header (since 0439a03) and a row's line."""
+    from issue395.results.saved import RowFile
+
+    rows = RowFile.path_for(str(tmp_path / name))
+    lines = ([json.dumps({RowFile.HEADER: 1, "tool": "x", "kind": "map", "environment": {}})] if header else [])
+    rows.write_text("\n".join(lines + [json.dumps({"model": "smol", "seq": 512})]) + "\n")
+    return rows
+
+
+# Moved from tests/run/test_round3.py and test_round4.py (issues 29 and 36, the new user's rounds three
+# and four), named for the behaviour each checks.
+
+
+@pytest.mark.parametrize("argv", [
+    ["--map", "--families", "smol", "--quant", "none", "--seq", "512", "--batch", "1", "--dry-run"],
+    ["--dry-run", "--models", "smol", "--seq", "64"],
+    ["--estimate", "--model", "smol", "--seq", "512"],
+])
+@pytest.mark.parametrize("header", [True, False])
+def test_a_json_whose_row_file_holds_an_unfinished_runs_rows_is_refused_and_kept(capfd, tmp_path, argv,
+                                                                                       header):
+    """Issue 36 item 1: a --json whose row file holds an unfinished run's rows (with or without its header) is
+    one line naming the file and --from-json, in every mode, and the row file is kept byte for byte."""
+    rows = unfinished_row_file(tmp_path, header=header)
+    before = rows.read_bytes()
+    line = one_error_line(*main(capfd, argv + ["--json", tmp_path / "m.json"]), str(rows), "--from-json")
+    assert "move it" in line, line
+    assert rows.read_bytes() == before
+
+
+def test_an_empty_row_file_holds_no_rows_and_is_no_bar(capfd, tmp_path):
+    """Issue 36 item 1: an empty row file holds no rows and does not stop a run writing its --json."""
+    from issue395.results.saved import RowFile
+
+    RowFile.path_for(str(tmp_path / "m.json")).write_text("")
+    code, out, err = main(capfd, ["--estimate", "--model", "smol", "--seq", "512", "--json", tmp_path / "m.json"])
+    assert code == 0, err
+
+
+def test_a_row_file_on_a_folder_turned_read_only_keeps_its_rows_and_the_run_goes_on(capfd, tmp_path, monkeypatch):
+    """The fault is faked (root ignores a read-only mode): the row file's appends and its removal
+    raise EROFS from the second row on, as on a remounted folder."""
+    from pathlib import Path
+
+    from issue395.results.saved import RowFile
+
+    rf = RowFile(str(tmp_path / "o.json"), {"command": "x"})
+    rf.write({"row": 1})
+    real_open, real_unlink = open, Path.unlink
+
+    def ro_open(path, mode="r", *a, **kw):
+        if str(path) == str(rf.path) and "a" in mode:
+            raise OSError(*EROFS)
+        return real_open(path, mode, *a, **kw)
+
+    def ro_unlink(self, *a, **kw):
+        if str(self) == str(rf.path):
+            raise OSError(*EROFS)
+        return real_unlink(self, *a, **kw)
+
+    monkeypatch.setattr("builtins.open", ro_open)
+    monkeypatch.setattr(Path, "unlink", ro_unlink)
+    rf.write({"row": 2})  # no exception: the run goes on
+    rf.write({"row": 3})
+    monkeypatch.undo()
+    assert [json.loads(ln) for ln in rf.path.read_text().splitlines()][1:] == [{"row": 1}]
+    err = capfd.readouterr().err
+    assert err.count("warning") == 1 and "Read-only file system" in err and str(rf.path) in err

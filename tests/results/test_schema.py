@@ -14,6 +14,7 @@ from issue395.errors import EXIT_OK
 from issue395.results.result import Result
 from issue395.results.row import Row
 from issue395.results.schema import SCHEMA, TOOL, check_blocks, check_unique, determinism_rows, schema1_row, schema2_row
+from conftest import one_error_line
 
 SCHEMA1 = ROOT / "results" / "record-h200x2-soup0.73.3-e7c26f7" / "h200-2026-11-30-full-cold.json"
 TASKS_CAPPED = ROOT / "results" / "task-map-h200-soup0.77.0-f8e1b91-and-85975aa" / "cap-soup-tasks.json"
@@ -130,3 +131,18 @@ def test_every_json_this_version_writes_carries_the_one_tool_and_schema_it_reads
     est = tmp_path / "est.json"
     assert main(capfd, ["--estimate", "--model", "smol", "--seq", "512", "--json", est])[0] == 0
     assert (json.loads(est.read_text())["tool"], json.loads(est.read_text())["schema"]) == (TOOL, SCHEMA)
+
+
+# Moved from tests/run/test_round3.py and test_round4.py (issues 29 and 36, the new user's rounds three
+# and four), named for the behaviour each checks.
+
+
+def test_a_schema1_row_with_an_impossible_seq_blames_seq_not_vocab(capfd, tmp_path):
+    """Issue 29 item 12: a schema-1 row with an impossible seq is one line blaming 'seq', not vocab."""
+    from conftest import ROOT
+
+    saved = json.loads((ROOT / "results/record-h200x2-soup0.73.3-e7c26f7/h200-2026-11-30-full-cold.json").read_text())
+    saved["rows"][0]["seq"] = 10**30
+    (tmp_path / "bad.json").write_text(json.dumps(saved))
+    line = one_error_line(*main(capfd, ["--from-json", tmp_path / "bad.json"]), "'seq'")
+    assert "vocab" not in line, line

@@ -194,3 +194,24 @@ def test_the_next_family_is_built_ahead_where_the_disk_holds_both():
         checkpoints.get("tiny")
         assert "tiny2" in checkpoints.pending and len(ledger.snapshot()["held"]) == 2
         checkpoints.close()
+
+
+# Moved from tests/run/test_round3.py and test_round4.py (issues 29 and 36, the new user's rounds three
+# and four), named for the behaviour each checks.
+
+
+def test_a_checkpoint_build_says_so_on_stderr_when_it_is_not_a_terminal(capfd):
+    """Issue 29 item 13: building a synthetic checkpoint is said on stderr (building, built in) even when
+    stderr is not a terminal."""
+    from conftest import TINY
+
+    from issue395.run.checkpoints import Checkpoints
+    from issue395.run.request import MeasureRequest
+    from issue395.run.scratch import Scratch
+
+    with Scratch() as scratch:
+        checkpoints = Checkpoints(["tiny"], {"tiny": TINY}, MeasureRequest(models=("tiny",), weights="synthetic"), scratch)
+        checkpoints.get("tiny")
+        checkpoints.close()
+    err = capfd.readouterr().err
+    assert "building" in err and "synthetic checkpoint" in err and "built in" in err, err

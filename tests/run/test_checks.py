@@ -25,6 +25,7 @@ def test_a_model_that_is_no_file_is_said_as_what_it_is(capfd, tmp_path, make, wo
 """issue395.checks: what the command line names, checked before anything runs."""
 
 import pytest
+from conftest import readme_yaml
 
 
 def test_whole_numbers_keep_their_plain_spellings():
@@ -69,3 +70,93 @@ def test_a_choice_list_names_a_repeat_only_when_every_name_is_known():
 @pytest.mark.parametrize("mode", [["--map", "--dry-run"], ["--estimate", "--model", "smol", "--seq", "512"]])
 def test_both_modes_refuse_a_quantization_named_twice_in_one_line(capfd, mode):
     one_error_line(*main(capfd, [*mode, "--quant", "none,none"]), "--quant none,none: a quantization is named twice")
+
+
+BLOCKER = '''import os, sys
+BLOCK = set(os.environ["ISSUE395_TEST_BLOCK"].split(","))
+class Blocker:  # stands for a venv that lacks these (a `pip install --no-deps soup-cli`)
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in BLOCK:
+            raise ModuleNotFoundError(f"No module named {name.split('.')[0]!r}", name=name.split(".")[0])
+sys.meta_path.insert(0, Blocker())
+'''
+
+
+def without(run_cli, tmp_path, modules, argv):
+    """The command line in a fresh process where ``modules`` cannot be imported (a sitecustomize
+    finder refuses them, as a venv without them would)."""
+    import os
+
+    (tmp_path / "sitecustomize.py").write_text(BLOCKER)
+    env = dict(os.environ, PYTHONPATH=str(tmp_path), ISSUE395_TEST_BLOCK=",".join(modules))
+    return run_cli(argv, cwd=tmp_path, env=env, timeout=120)
+
+
+# Moved from tests/run/test_round3.py and test_round4.py (issues 29 and 36, the new user's rounds three
+# and four), named for the behaviour each checks.
+
+
+@pytest.mark.parametrize("spelling", ["same", "dot", "dotdot", "symlink", "dry-run"])
+def test_json_onto_the_soup_yaml_is_one_line_and_the_file_is_kept(capfd, tmp_path, monkeypatch, spelling):
+    """Issue 29 item 1: --json never overwrites the user's soup.yaml, however the path is spelled (the same
+    path, ./.., ../x/.., a symlink, a --dry-run): one line naming --json and --config, and the file is kept
+    byte for byte."""
+    sub = tmp_path / "sub"
+    sub.mkdir()
+    config = readme_yaml(tmp_path)
+    before = config.read_text()
+    monkeypatch.chdir(sub)
+    out = {"same": str(config), "dot": "./../soup.yaml", "dotdot": f"../sub/../soup.yaml",
+           "symlink": "link.yaml", "dry-run": "../soup.yaml"}[spelling]
+    if spelling == "symlink":
+        os.symlink(config, sub / "link.yaml")
+    argv = (["--dry-run"] if spelling == "dry-run" else ["--estimate"]) + ["--config", config, "--json", out]
+    one_error_line(*main(capfd, argv), "--json", "--config", "overwrite")
+    assert config.read_text() == before
+
+
+@pytest.mark.parametrize("context, card", [("20", "T4"), ("16", "T4"), ("4.2", "RTX3050-Laptop-4GB"), ("3", "3GB")])
+def test_a_context_as_large_as_the_card_is_one_line(capfd, tmp_path, context, card):
+    """Issue 29 item 9: a --context that leaves a card no free memory for a step is one line naming --context
+    and that card."""
+    argv = ["--estimate", "--config", readme_yaml(tmp_path), "--card", f"A10G,{card}", "--context", context]
+    one_error_line(*main(capfd, argv), "--context", card)
+
+
+@pytest.mark.parametrize("mode", [["--estimate", "--model", "mistral-7b", "--seq", "512"], ["--map", "--dry-run"]])
+def test_quant_4bit_is_told_soups_4bit_is_nf4_here(capfd, mode):
+    """Issue 29 item 12: --quant 4bit is one line saying Soup's 4bit is nf4 here, in --estimate and --map
+    alike."""
+    one_error_line(*main(capfd, mode + ["--quant", "4bit"]), "--quant", "nf4", "Soup's 4bit")
+
+
+@pytest.mark.parametrize("argv", [["--dry-run", "--models", "smol", "--seq", "64"],
+                                  ["--map", "--dry-run", "--families", "smol", "--quant", "none"],
+                                  ["--dry-run", "--config", "soup.yaml"],
+                                  ["--models", "smol", "--seq", "64", "--isolate", "--dry-run"]])
+@pytest.mark.parametrize("missing", [["torch"], ["trl", "peft"], ["datasets"]])
+def test_a_run_of_arms_without_its_packages_is_one_line_naming_them_and_pip(run_cli, tmp_path, argv, missing):
+    """Issue 36 item 6: a run of arms in a venv without torch, trl and peft, or datasets is one line naming
+    them and pip, before any build (a fresh process)."""
+    readme_yaml(tmp_path, base="HuggingFaceTB/SmolLM2-135M", seq=64)
+    out = without(run_cli, tmp_path, missing, argv)
+    lines = [ln for ln in out.stderr.splitlines() if ln.strip()]
+    assert out.returncode == 2 and len(lines) == 1 and out.stdout == "", (out.stdout, out.stderr)
+    assert all(m in lines[0] for m in missing) and "pip install" in lines[0] and "Traceback" not in out.stderr
+    assert "building" not in out.stderr
+
+
+def test_plot_without_matplotlib_says_so_before_the_run(run_cli, tmp_path):
+    """Issue 36 item 6: --plot without matplotlib is one line naming it and pip, before the run."""
+    out = without(run_cli, tmp_path, ["matplotlib"], ["--dry-run", "--models", "smol", "--seq", "64", "--plot",
+                                                      tmp_path / "p.png"])
+    lines = [ln for ln in out.stderr.splitlines() if ln.strip()]
+    assert out.returncode == 2 and len(lines) == 1 and "matplotlib" in lines[0] and "pip install" in lines[0], out.stderr
+    assert out.stdout == ""
+
+
+def test_estimate_needs_none_of_them(run_cli, tmp_path):
+    """Issue 36 item 6: --estimate runs without torch, transformers, trl, peft, datasets and accelerate."""
+    out = without(run_cli, tmp_path, ["torch", "transformers", "trl", "peft", "datasets", "accelerate"],
+                  ["--estimate", "--model", "smol", "--seq", "512", "--card", "T4"])
+    assert out.returncode == 0, out.stderr

@@ -14,6 +14,7 @@ from conftest import main, one_error_line
 
 from issue395.constraints import findmax as F
 from issue395.model.registry import config_json
+from conftest import readme_yaml
 
 YAML = """base: {base}
 task: {task}
@@ -284,3 +285,21 @@ def test_a_cudnn_failure_at_the_memory_edge_is_read_as_oom_and_proves_the_limit_
     assert m["probes"][1]["edge"].startswith("CUDNN_STATUS_INTERNAL_ERROR read as OOM: the allocator's reserved peak")
     assert "left 200.0 MB of the card's" in m["probes"][1]["edge"]
     assert f"seq {like} completes 2 of 2 step(s); seq {like + 64} raised OOM (CUDNN_STATUS_INTERNAL_ERROR read as OOM" in out
+# Moved from tests/run/test_round3.py and test_round4.py (issues 29 and 36, the new user's rounds three
+# and four), named for the behaviour each checks.
+
+
+def test_find_max_dry_run_json_writes_the_plan_and_from_json_names_it(capfd, tmp_path):
+    """Issue 36 item 10: --find-max --dry-run --json writes the plan (kind find-max, dry run, nothing
+    measured), says where, and --from-json names it as a --find-max result."""
+    path = readme_yaml(tmp_path, base="HuggingFaceTB/SmolLM2-135M", seq=512).read_text()
+    (tmp_path / "s.yaml").write_text(path.replace("quantization: 4bit", "quantization: none"))
+    out_json = tmp_path / "fm.json"
+    code, out, err = main(capfd, ["--find-max", "seq", "--config", tmp_path / "s.yaml", "--card", "T4", "--dry-run",
+                                  "--json", out_json])
+    assert code == 0, err
+    data = json.loads(out_json.read_text())
+    assert data["kind"] == "find-max" and data["dry_run"] is True and data["measured"] is None
+    assert data["this_tool_longest"] is not None and data["plan"], data
+    assert f"--json {out_json}" in out + err or str(out_json) in out + err  # said where it went
+    one_error_line(*main(capfd, ["--from-json", out_json]), "--find-max")

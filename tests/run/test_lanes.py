@@ -22,13 +22,26 @@ STAND_IN = textwrap.dedent("""
     from issue395.run import measure_mode, runner
     from issue395.run.arms import Protocol
 
-    def fake_peak(trainer, snapshot=False, steps=1):  # the one fake: the CUDA peak, the arm's alone
+    # the one fake: the CUDA peak, the arm's alone (under Soup's number even for a toy checkpoint)
+    def fake_peak(trainer, snapshot=False, steps=1):
         seq = int(trainer.args.max_length)
         time.sleep({step_s})
-        return {{"real_peak": 100_003 * seq, "resident": 4096, "reserved": 200_000 * seq, "step_s": 0.01,
+        return {{"real_peak": 1_003 * seq, "resident": 4096, "reserved": 2_000 * seq, "step_s": 0.01,
                  "snapshot": None}}
 
     h.STEP_DEVICE, h.real_peak = "cpu", fake_peak
+    if {small}:  # the checkpoint each lane builds, at toy sizes: 2 layers, hidden 64, vocab 512 (its key, its
+        import dataclasses  # estimate and its Soup setup are the family's; only the weights built are smaller)
+        from issue395.run import checkpoints
+
+        real_prepare = checkpoints.prepare_checkpoint
+
+        def small_checkpoint(shape, dest):
+            return real_prepare(dataclasses.replace(shape, n_layers=2, hidden=64, intermediate=128, vocab=512,
+                                                    arch=dict(shape.arch, num_attention_heads=4,
+                                                              num_key_value_heads=2)), dest)
+
+        checkpoints.prepare_checkpoint = small_checkpoint
     if os.environ.get("LEDGER_LOG"):  # not a fake: each lane's ledger, logged as it admits and frees an arm
         from issue395.run import cardlock
 
@@ -53,9 +66,12 @@ STAND_IN = textwrap.dedent("""
 """)
 
 
-def stand_in(tmp_path: Path, total=None, step_s: float = 0.0) -> Path:
+def stand_in(tmp_path: Path, total=None, step_s: float = 0.0, small: bool = True) -> Path:
+    """The harness as a script whose one fake is the CUDA peak; with ``small`` (the default) each family's
+    checkpoint is built at toy sizes into a --cache-dir of the test's own (never the session's: the
+    checkpoint keeps the family's name), so a lane's build and Soup's setup take a second, not twenty."""
     script = tmp_path / "harness.py"
-    script.write_text(STAND_IN.format(root=str(ROOT), total=total, step_s=step_s))
+    script.write_text(STAND_IN.format(root=str(ROOT), total=total, step_s=step_s, small=small))
     return script
 
 
@@ -67,10 +83,13 @@ def comparable(path: Path) -> tuple[list[dict], dict]:
 
 
 @pytest.mark.slow
-def test_a_map_in_two_lanes_gives_the_rows_and_tables_of_one_lane_in_grid_order(tmp_path, cache_dir):
+def test_a_map_in_two_lanes_gives_the_rows_and_tables_of_one_lane_in_grid_order(tmp_path):
+    """A two-family map (4 arms) in one lane and in two: the same rows (but each row's own seconds and
+    pid) in grid order, the same tables, the header saying how it ran, two child processes for two lanes.
+    The lanes share one --cache-dir (the test's own: the checkpoints are built at toy sizes)."""
     script = stand_in(tmp_path)
     args = ["--map", "--families", "smol,qwen", "--quant", "none", "--seq", "512,1024", "--batch", "1",
-            "--cache-dir", cache_dir]
+            "--cache-dir", tmp_path / "cache"]
     runs = {}
     for n in (1, 2):
         out = tmp_path / f"lanes{n}.json"
@@ -90,10 +109,15 @@ def test_a_map_in_two_lanes_gives_the_rows_and_tables_of_one_lane_in_grid_order(
 
 
 @pytest.mark.slow
-def test_soups_shards_land_in_shard_dir_and_the_checkpoint_in_cache_dir(tmp_path, run_cli):
+@pytest.mark.release
+def test_soups_shards_land_in_shard_dir_and_the_checkpoint_in_cache_dir(tmp_path):
+    """A fresh process's dry run with --cache-dir and --shard-dir: Soup writes its layer shards under
+    --shard-dir (the installed release honours the folder it is told), the checkpoint lands in --cache-dir,
+    and neither folder holds the other's files (the checkpoint built at toy sizes)."""
     cache, shards = tmp_path / "ckpt", tmp_path / "shm"
-    p = run_cli(["--dry-run", "--models", "smol", "--seq", "64", "--cache-dir", cache, "--shard-dir", shards],
-                cwd=tmp_path)
+    p = subprocess.run([sys.executable, str(stand_in(tmp_path)), "--dry-run", "--models", "smol", "--seq", "64",
+                        "--cache-dir", str(cache), "--shard-dir", str(shards)],
+                       capture_output=True, text=True, timeout=900, cwd=tmp_path)
     assert p.returncode == 0, p.stderr[-3000:]
     assert list((shards / "layer-stream").glob("*/index.json")), "Soup's shards are not in --shard-dir"
     assert list((cache / "checkpoints").glob("smol-*/model.safetensors"))
@@ -105,7 +129,7 @@ def test_soups_shards_land_in_shard_dir_and_the_checkpoint_in_cache_dir(tmp_path
 def test_a_map_familys_whole_card_arm_runs_in_its_own_lane_packed_by_bytes_as_the_plan_says(tmp_path):
     """A faked 6 GB card in two lanes (3 GB each): Qwen2.5 at 1024 (Soup's number 2.60 GB) is past a lane's
     share, the other arms fit one. With no --cache-dir each lane builds its family's checkpoint in its own
-    scratch: Qwen2.5's whole-card arm runs in Qwen2.5's lane (the process that measured its other arm),
+    scratch (at toy sizes): Qwen2.5's whole-card arm runs in Qwen2.5's lane (the process that measured its other arm),
     each family is built once, no third process is started. The lanes' ledger, logged as it admits and
     frees each arm (the one fake: the CUDA peak, which sleeps 2 s a step so the lanes' arms meet): each arm
     held exactly this tool's needs-free for it, the arms held at once never summed past the card less the

@@ -11,7 +11,7 @@ import json
 import pytest
 from conftest import ROOT, main, one_error_line
 
-from issue395.run import measure_mode, options
+from issue395.run import options
 from issue395.run.options import settle
 from issue395.run.parser import build_parser
 
@@ -101,12 +101,6 @@ def test_bad_map_input_is_one_line_and_exit_2(capfd, argv, words):
     assert len(err.strip().splitlines()) == 1 and words in err
 
 
-def test_an_explicit_nf4_request_without_bitsandbytes_is_a_usage_error(capfd, monkeypatch):
-    monkeypatch.setattr(measure_mode, "bitsandbytes_present", lambda: False)
-    code, stdout, err = main(capfd, ["--map", "--quant", "nf4", "--families", "smol"])
-    assert code == 2 and "bitsandbytes" in err and len(err.strip().splitlines()) == 1
-
-
 @pytest.mark.parametrize("config, argv, words", [
     ({"model_type": "bert", "hidden_size": 64}, ["--seq", "512"], ["bert"]),
     ({"model_type": "llama", "hidden_size": 64}, ["--seq", "512"], ["intermediate_size"]),
@@ -122,14 +116,6 @@ def test_bad_estimate_input_is_one_line_and_exit_2(capfd, tmp_path, config, argv
         model = tmp_path / "config.json"
         model.write_text(json.dumps(config))
     one_error_line(*main(capfd, ["--estimate", "--model", model, *argv]), *words)
-
-
-def test_compare_with_a_missing_file_names_that_file(saved, tmp_path, capfd):
-    """The error must be about the missing --compare file, not some other flaw."""
-    missing = tmp_path / "missing.json"
-    code, out, err = main(capfd, ["--from-json", saved, "--compare", missing])
-    line = one_error_line(code, out, err, "--compare", "missing.json")
-    assert str(saved) not in line
 
 
 @pytest.mark.parametrize("extra, word", [

@@ -30,6 +30,8 @@ from issue395.record import QUANTS
 from issue395.run.scratch import Scratch
 from issue395.run.spread import spread
 from issue395.run.spread import Job, child_cache, child_run, plan_jobs, read_job, write_job
+import pytest
+from conftest import main
 
 #: What every stand-in child does first: the real child's own job file, its stop handler, its row file
 #: with a header (a stand-in stack), as the real child's runner starts it.
@@ -418,3 +420,24 @@ def test_a_map_lanes_child_gets_its_gpus_ledger_the_cards_bytes_and_its_own_arms
     for run, job in seen:
         assert run.children.card_total == h200.total_bytes - h200.hidden_bytes
         assert [tuple(n) for n in run.children.needs] == [(a.index, 10**9 * (a.index + 1), None) for a in job.arms]
+
+
+# Moved from tests/run/test_round3.py and test_round4.py (issues 29 and 36, the new user's rounds three
+# and four), named for the behaviour each checks.
+
+
+@pytest.mark.slow
+def test_lanes_on_a_cpu_dry_run_say_cpu_not_one_gpu_and_count_in_the_singular(capfd, cache_dir):
+    """Issue 36 polish: --lanes on a CPU dry run says the CPU, not one GPU, and counts one arm in the
+    singular."""
+    code, out, err = main(capfd, ["--dry-run", "--lanes", "1000", "--models", "smol", "--seq", "64",
+                                  "--cache-dir", cache_dir])
+    assert code == 0, err
+    head = out.splitlines()[0]
+    assert "only 1 arm)" in head or "only 1 arm," in head, head
+    assert "1 arms" not in head and "1 families" not in head
+    code, out, err = main(capfd, ["--dry-run", "--lanes", "2", "--models", "smol", "--seq", "64,128",
+                                  "--cache-dir", cache_dir])
+    assert code == 0, err
+    head = out.splitlines()[0]
+    assert "GPU none" in head and "on one GPU" not in head and "on the CPU" in head, head

@@ -1,0 +1,50 @@
+"""Soup's gate as a soup.yaml sets it (estimator/soup_gate.py): training.stream_vram_override replaces the
+driver's free memory in Soup's fit check, training.stream_vram_probe answers by the measured one-step rule
+(decide_measured_fit); both read through --estimate --config with the real Soup loader."""
+
+from __future__ import annotations
+from conftest import estimate_config_json, readme_yaml
+
+
+# Moved from tests/run/test_round3.py and test_round4.py (issues 29 and 36, the new user's rounds three
+# and four), named for the behaviour each checks.
+
+
+def test_an_override_of_1GB_makes_soup_refuse_the_readmes_run(capfd, tmp_path):
+    """Soup's resolve_available_vram_bytes replaces the driver's free memory with the override: its
+    number (2.47 GB at the README's run) against 1 GB refuses, whatever the card holds."""
+    plain, _ = estimate_config_json(capfd, tmp_path, readme_yaml(tmp_path), "--card", "T4")
+    (row,) = plain["rows"]
+    assert row["cards"][0]["soup_admits"] is True
+    over = readme_yaml(tmp_path, extra="  stream_vram_override: 1000000000\n", name="o.yaml")
+    data, text = estimate_config_json(capfd, tmp_path, over, "--card", "T4")
+    (card,) = data["rows"][0]["cards"]
+    assert card["soup_admits"] is False and card["gate_free_bytes"] == 10**9
+    assert card["fits"] is True  # the card is what it is: only Soup's gate moved
+    assert card["longest_seq_soup_admits"] < row["cards"][0]["longest_seq_soup_admits"]
+    assert "Soup refuses it" in text.splitlines()[1] and "stream_vram_override" in text
+
+
+def test_an_override_above_the_card_lets_soup_admit_what_does_not_fit(capfd, tmp_path):
+    """Issue 29 item 4: a training.stream_vram_override above the card lets Soup's gate admit a run that does
+    not fit, and the disagreement says so."""
+    over = readme_yaml(tmp_path, seq=8192, extra="  stream_vram_override: 100000000000\n")
+    data, _ = estimate_config_json(capfd, tmp_path, over, "--card", "RTX3050-Laptop-4GB")
+    (card,) = data["rows"][0]["cards"]
+    assert (card["fits"], card["soup_admits"]) == (False, True)
+    assert card["disagreement"] == "Soup admits a run that will OOM"
+
+
+def test_the_probe_answers_by_the_measured_rule_on_one_step(capfd, tmp_path):
+    """decide_measured_fit: one measured step against the free memory. Where Soup's number is over
+    the free memory but the step (no optimizer state) fits, the formula refuses and the probe admits."""
+    base, _ = estimate_config_json(capfd, tmp_path, readme_yaml(tmp_path, seq=3136), "--card", "RTX3050-Laptop-4GB",
+                            "--steps", "1")
+    probed = readme_yaml(tmp_path, seq=3136, extra="  stream_vram_probe: true\n", name="p.yaml")
+    data, text = estimate_config_json(capfd, tmp_path, probed, "--card", "RTX3050-Laptop-4GB", "--steps", "1")
+    (plain,), (card,) = base["rows"][0]["cards"], data["rows"][0]["cards"]
+    row = data["rows"][0]
+    assert card["gate_rule"].startswith("measured probe")
+    assert card["soup_admits"] == (row["corrected_predicted"] <= card["gate_free_bytes"])
+    assert plain["longest_seq_soup_admits"] != card["longest_seq_soup_admits"]
+    assert "stream_vram_probe" in text and "decide_measured_fit" in text
