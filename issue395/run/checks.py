@@ -17,6 +17,7 @@ from ..constants import comma_list
 from ..errors import UsageError
 from ..record import SOUP_QUANT
 from ..tasks import PROTOCOL_TASK, TASKS
+from ..report.outputs import NOT_OURS, not_ours
 
 #: The largest value each whole-number option takes: batch sizes no real run has, seq lengths
 #: beyond any model's positions, and counts that would only run for hours are refused up front.
@@ -122,10 +123,14 @@ def check_output(flag: str, path: str) -> None:
         if stat.S_ISREG(st.st_mode) and not st.st_mode & 0o222:  # even root: someone protected it
             raise UsageError(f"{flag} {path} is read-only; it is not replaced (give another path, or "
                              "make it writable)")
+    if path.endswith(("/", os.sep)):  # out.json/ names a folder: never written as out.json
+        raise UsageError(f"{flag} {path} ends in '/', a folder's spelling; give a file path")
     if flag == "--plot" and Path(path).suffix.lower() != ".png":
         raise UsageError(f"--plot {path}: the plot is a PNG; give a path ending in .png")
     if Path(path).is_dir():
         raise UsageError(f"{flag} {path} is a folder; give a file path")
+    if not_ours(path):  # data loss: a config.json, a soup.yaml, a script (USAGE.md, "Files it writes")
+        raise UsageError(f"{flag} {path} {NOT_OURS} (give a new path, or move the file away)")
     if not Path(os.path.realpath(path)).exists():
         writable_folder(flag, os.path.dirname(os.path.realpath(path)), given=path)
 
