@@ -15,7 +15,7 @@ from typing import Optional
 
 from ..errors import UsageError
 from ..tasks import PROTOCOL_TASK
-from ..model.registry import FAMILIES, SHAPES, by_hub_id, max_positions, mode_key
+from ..model.registry import ALL_FAMILIES, FAMILIES, SHAPES, by_hub_id, max_positions, mode_key
 from ..estimator.soup_number import require_streamed
 from ..measure.shapes import bitsandbytes_present
 from .checks import HUB_ID, within_positions
@@ -75,6 +75,7 @@ def base_of(user: UserRun, weights: str) -> tuple[Optional[str], str]:
     folder = os.path.expanduser(user.base)
     if os.path.isdir(folder):
         return folder, "custom"
+    base_is_no_family_key(user)
     key = by_hub_id(user.base)
     if key is not None:
         return None, key
@@ -83,3 +84,13 @@ def base_of(user: UserRun, weights: str) -> tuple[Optional[str], str]:
     raise UsageError(f"--config {user.path}: base {user.base!r} is neither a checkpoint folder here nor a model "
                      "this tool builds (a family's hub id, e.g. mistralai/Mistral-7B-v0.3); it downloads "
                      "nothing unless --weights hub asks")
+
+
+def base_is_no_family_key(user: UserRun) -> None:
+    """A base spelled as this tool's family key (``base: mistral-7b``), with no folder of that name here, is
+    no base `soup train` loads (transformers reads it as a hub id no one publishes): one line naming the
+    family's hub id, the same in --estimate, --find-max and the measured arm (issue 53 item 4)."""
+    if user.base in ALL_FAMILIES and not os.path.isdir(os.path.expanduser(user.base)):
+        hub = (FAMILIES[user.base] if user.base in FAMILIES else SHAPES[user.base]).hub_id
+        raise UsageError(f"--config {user.path}: base {user.base!r} is this tool's name for a family, not a base "
+                         f"`soup train` can load (no folder of that name here, nor a hub id): write base: {hub}")

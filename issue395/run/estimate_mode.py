@@ -26,7 +26,7 @@ from ..report.outputs import write_json
 from .checks import (_shown, context_within_cards, distinct_choices, no_output_is_an_input, odd_file, one_int,
                      parse_ints, settle_tasks, within_positions)
 from .clashes import check
-from .configarm import STEADY_STEPS
+from .configarm import STEADY_STEPS, base_is_no_family_key
 from .request import Adapter, CardListRequest, EstimateRequest, Outputs
 from .userconfig import UserRun, hub_config, read_soup_config
 
@@ -88,6 +88,7 @@ class FromFile(FromOptions):
         self.user = user
 
     def model(self) -> str:
+        base_is_no_family_key(self.user)  # --model mistral-7b is a family; a soup.yaml's base is soup train's
         return self.user.base
 
     def quants(self) -> tuple:
