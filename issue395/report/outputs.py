@@ -368,12 +368,13 @@ def not_ours(path: str) -> bool:
     target = os.path.realpath(path)
     try:
         st = os.stat(target)
-        if not stat.S_ISREG(st.st_mode) or st.st_size == 0:
-            return False
+    except OSError:  # nothing there (or no folder to hold it: said by the output's own checks)
+        return False
+    if not stat.S_ISREG(st.st_mode) or st.st_size == 0:
+        return False
+    try:
         with open(target, "rb") as fh:
             head = fh.read(MARK_BYTES)
-    except FileNotFoundError:
-        return False
     except OSError:
         return True  # there and unreadable: not known to be ours
     return not any(mark.search(head) for mark in OWN_MARKS)
