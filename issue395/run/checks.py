@@ -129,10 +129,30 @@ def check_output(flag: str, path: str) -> None:
         raise UsageError(f"--plot {path}: the plot is a PNG; give a path ending in .png")
     if Path(path).is_dir():
         raise UsageError(f"{flag} {path} is a folder; give a file path")
-    if not_ours(path):  # data loss: a config.json, a soup.yaml, a script (USAGE.md, "Files it writes")
-        raise UsageError(f"{flag} {path} {NOT_OURS} (give a new path, or move the file away)")
     if not Path(os.path.realpath(path)).exists():
         writable_folder(flag, os.path.dirname(os.path.realpath(path)), given=path)
+
+
+def config_is_a_file(given: str) -> None:
+    """--config names a file to read: an empty value is no path (it read '.', issue 53 item 7), a FIFO, device
+    or socket is never opened (a FIFO hung the run, item 6), a folder is said as one; each one line."""
+    if not given.strip():
+        raise UsageError("--config: the path is empty; give the soup.yaml `soup train` takes")
+    path = os.path.expanduser(given)
+    odd = odd_file(path)
+    if odd and not odd.startswith("a symlink to nothing"):  # that one is said by the loader as not there
+        raise UsageError(f"--config {given}: {odd}: give the soup.yaml `soup train` takes")
+    if os.path.isdir(path):
+        raise UsageError(f"--config {given} is a folder; give the soup.yaml `soup train` takes")
+    if not os.path.lexists(path):
+        raise UsageError(f"--config {given}: no such file (relative to the working directory {os.getcwd()})")
+
+
+def never_replaced(flag: str, path: Optional[str]) -> None:
+    """An output never replaces a file this tool did not write (a config.json, a soup.yaml, a script: issue 53
+    items 1 and 2; the rule: USAGE.md, "Files it writes"), checked after the checks that name the input it is."""
+    if path not in (None, "-") and not_ours(path):
+        raise UsageError(f"{flag} {path} {NOT_OURS} (give a new path, or move the file away)")
 
 
 def same_file(a: str, b: str) -> bool:

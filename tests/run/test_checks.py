@@ -138,3 +138,28 @@ def test_an_output_spelled_as_a_folder_is_refused_not_written_beside_it(capfd, t
     one_error_line(*main(capfd, ["--estimate", "--model", "qwen", "--seq", "512", "--json", path]),
                    "ends in '/'", "give a file path")
     assert list(tmp_path.iterdir()) == []
+
+
+# Issue 53 items 6 and 7: --config names a file to read, said as what it is when it is not one.
+
+@pytest.mark.parametrize("make, words", [
+    (lambda p: os.mkfifo(p), ["a FIFO (named pipe)"]),
+    (lambda p: os.mkdir(p), ["is a folder"]),
+    (None, ["a character device"]),
+    (lambda p: None, ["no such file"]),
+])
+@pytest.mark.parametrize("mode", [["--estimate"], ["--dry-run"], ["--find-max", "seq", "--card", "T4", "--dry-run"]])
+def test_a_config_that_is_no_file_is_one_line_and_never_hangs(capfd, tmp_path, make, words, mode):
+    """A FIFO as --config hung every mode (the loader opened it and waited for a writer): now it, a device,
+    a folder and a missing file are each one line, exit 2, before anything is opened."""
+    path = "/dev/null" if make is None else str(tmp_path / "soup.yaml")
+    if make is not None:
+        make(path)
+    one_error_line(*main(capfd, [*mode, "--config", path]), f"--config {path}", *words)
+
+
+@pytest.mark.parametrize("given", ["", " "])
+def test_an_empty_config_is_said_as_empty_not_as_the_working_directory(capfd, given):
+    """`--config ''` said "IsADirectoryError: ... '.'": an empty path is one line saying so."""
+    line = one_error_line(*main(capfd, ["--estimate", "--config", given]), "--config: the path is empty")
+    assert "IsADirectoryError" not in line and "'.'" not in line
