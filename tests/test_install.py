@@ -101,8 +101,9 @@ def test_the_installed_command_answers_estimate_config_naming_its_stack(tmp_path
     done = _run([INSTALLED, "--estimate", "--config", "soup.yaml", "--card", "T4", "--json", "estimate.json"], tmp_path)
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
-    assert lines[0].startswith("--estimate: mistralai/Mistral-7B-v0.3, from --config soup.yaml: ")
-    assert any(ln.startswith("  T4: fits (") for ln in lines), done.stdout
+    assert lines[0].startswith("verdict (this tool's estimate and Soup's own gate): fits on T4")
+    assert lines[1].startswith("--estimate: mistralai/Mistral-7B-v0.3, from --config soup.yaml: ")
+    assert any(ln.startswith("  T4: sft nf4 2048x1: fits (needs ") for ln in lines), done.stdout
     stack = check_installed(nf4=True)
     assert f"  {stack.line()}" in lines, done.stdout
     saved = json.loads((tmp_path / "estimate.json").read_text())

@@ -253,8 +253,8 @@ def execute(request: EstimateRequest, protocol: object = None) -> int:
     from ..estimator.cards import workspace_env
     from ..estimator.arch import protocol_targets
     from ..estimator.soup_number import arch_of
-    from ..estimator.fits import (budgets_for, card_answers, estimate_for, estimate_table, runs_exit_code, steps_words,
-                                  verdict_lines)
+    from ..estimator.fits import (budgets_for, card_answers, estimate_for, estimate_table, first_line, runs_exit_code,
+                                  steps_words, verdict_lines)
     from ..estimator.releases import UnknownRelease, installed_release, release_label
     from ..estimator.stacks import check_installed
 
@@ -281,7 +281,7 @@ def execute(request: EstimateRequest, protocol: object = None) -> int:
     named = f"{e.model}, from --config {a.soup_config}" if a.soup_config else e.model
     answer = steps_words(e.steps, e.steps_from)
     stack = check_installed(nf4="nf4" in e.quants)
-    text = (f"--estimate: {named}: {answer}\n" + "".join(f"  {v}\n" for v in verdict_lines(rows, e.cards, answers))
+    text = (first_line(rows, e.cards, answers) + f"\n--estimate: {named}: {answer}\n" + "".join(f"  {v}\n" for v in verdict_lines(rows, e.cards, answers))
             + f"  {stack.line()}\n"
             + "".join(f"  from the file: {k}\n" for k in e.keys)
             + "(Soup's pre-flight: computed by Soup's own estimator code; corrected and needs free: this tool's "

@@ -221,7 +221,7 @@ def test_item4_an_override_of_1GB_makes_soup_refuse_the_readmes_run(capfd, tmp_p
     assert card["soup_admits"] is False and card["gate_free_bytes"] == 10**9
     assert card["fits"] is True  # the card is what it is: only Soup's gate moved
     assert card["longest_seq_soup_admits"] < row["cards"][0]["longest_seq_soup_admits"]
-    assert "Soup refuses it" in text.splitlines()[1] and "stream_vram_override" in text
+    assert "Soup refuses it" in text.splitlines()[2] and "stream_vram_override" in text
 
 
 def test_item4_an_override_above_the_card_lets_soup_admit_what_does_not_fit(capfd, tmp_path):
@@ -353,7 +353,7 @@ def test_item14_the_verdict_is_one_line_a_card_above_the_table(capfd, tmp_path):
     lines = out.splitlines()
     head = next(i for i, ln in enumerate(lines) if ln.startswith("soup-cli"))
     verdicts = [ln for ln in lines[:head] if ln.startswith(("  T4: ", "  RTX3050-Laptop-4GB: "))]
-    assert len(verdicts) == 2 and lines[1] == verdicts[0]
+    assert len(verdicts) == 2 and lines[2] == verdicts[0]
     for line in verdicts:
         assert ("fits" in line) and ("longest seq that fits" in line) and ("Soup admits" in line or "Soup refuses" in line)
     assert "peak = resident" not in out  # the legends: --verbose
@@ -402,14 +402,14 @@ def test_build2_the_file_is_answered_at_the_runs_steady_state_and_steps_1_keeps_
     assert (run["steps"], one["steps"]) == (2, 1)
     assert run["rows"][0]["needs_free"] > one["rows"][0]["needs_free"]
     assert (run["rows"][0]["cards"][0]["fits"], one["rows"][0]["cards"][0]["fits"]) == (False, True)
-    assert "steady state" in run_text.splitlines()[0] and "one step" in one_text.splitlines()[0]
-    assert "steady state" not in one_text.splitlines()[0]
+    assert "steady state" in run_text.splitlines()[1] and "one step" in one_text.splitlines()[1]
+    assert "steady state" not in one_text.splitlines()[1]
 
 
 def test_build2_without_a_file_estimate_keeps_the_protocols_one_step(capfd, tmp_path):
     out = tmp_path / "e.json"
     code, text, err = main(capfd, ["--estimate", "--model", "mistral-7b", "--quant", "nf4", "--seq", "512", "--json", out])
-    assert code == 0 and json.loads(out.read_text())["steps"] == 1 and "one step" in text.splitlines()[0], err
+    assert code == 0 and json.loads(out.read_text())["steps"] == 1 and "one step" in text.splitlines()[1], err
 
 
 # 13. a --dry-run's Soup number is said to be the CPU budget's; the checkpoint build is not silent --
