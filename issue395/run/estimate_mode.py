@@ -19,7 +19,8 @@ from ..constants import comma_list
 from ..errors import EXIT_OK, EXIT_USAGE, UsageError, last_line
 from ..record import LORA_ALPHA, LORA_R, QUANTS
 from ..tasks import TASKS
-from ..model.registry import ALL_FAMILIES, EXPERT_LAYOUTS, RECOMPUTES, by_hub_id, config_json
+from ..model.registry import (ALL_FAMILIES, EXPERT_LAYOUTS, RECOMPUTES, by_hub_id, config_json, hub_id_of,
+                              variant_of)
 from ..model.targets import soup_targets
 from ..measure.shapes import soup_loss_chunk_bounds
 from ..report.outputs import write_json
@@ -229,6 +230,8 @@ def estimate_config(model: Optional[str], named: str = "--model") -> tuple[str, 
     family = by_hub_id(model)
     if family is not None:  # a registry model's hub id (a soup.yaml's base): its committed public config
         return model, config_json(family)
+    if variant_of(model) is not None:  # its instruct, chat or base variant: the same shapes, offline (shape_line)
+        return model, config_json(variant_of(model))
     path = Path(model).expanduser()
     path = path / "config.json" if path.is_dir() else path
     odd = odd_file(str(path))
@@ -282,7 +285,7 @@ def execute(request: EstimateRequest, protocol: object = None) -> int:
     answer = steps_words(e.steps, e.steps_from)
     stack = check_installed(nf4="nf4" in e.quants)
     text = (first_line(rows, e.cards, answers) + f"\n--estimate: {named}: {answer}\n" + "".join(f"  {v}\n" for v in verdict_lines(rows, e.cards, answers))
-            + f"  {stack.line()}\n"
+            + f"  {stack.line()}\n" + (f"  {shape_line(e.model)}\n" if variant_of(e.model) else "")
             + "".join(f"  from the file: {k}\n" for k in e.keys)
             + "(Soup's pre-flight: computed by Soup's own estimator code; corrected and needs free: this tool's "
             "estimator, from the config alone)\n" + table + "".join(f"note: {n}\n" for n in notes))
@@ -292,7 +295,9 @@ def execute(request: EstimateRequest, protocol: object = None) -> int:
         arch = arch_of(e.config)
         targets = soup_targets(a.targets, e.config, arch, None) or protocol_targets(arch)
         if not write_json(e.outputs.json, "estimate", {
-                "model": e.model, "soup_cli": installed, "stack": stack.to_json(), "tasks": list(e.tasks),
+                "model": e.model, **({"shape": {"family": variant_of(e.model), "hub_id": hub_id_of(variant_of(e.model)),
+                                                "said": shape_line(e.model)}} if variant_of(e.model) else {}),
+                "soup_cli": installed, "stack": stack.to_json(), "tasks": list(e.tasks),
                 "targets": list(targets),
                 **({"soup_targets": a.targets[0]} if a.targets and tuple(targets) != tuple(a.targets) else {}),
                 "config": a.soup_config, "lora_alpha": a.lora_alpha, "stream": stream, "steps": e.steps,
@@ -303,6 +308,14 @@ def execute(request: EstimateRequest, protocol: object = None) -> int:
                 "rows": [dict(r.to_json(), cards=x) for r, x in zip(rows, answers)]}):
             return EXIT_USAGE
     return runs_exit_code(answers) if e.fit_exit else EXIT_OK
+
+
+def shape_line(model: str) -> str:
+    """Which shape answered for a registry model's instruct, chat or base variant (issue 53 item 12)."""
+    key = variant_of(model)
+    return (f"shape: {model} is answered by {hub_id_of(key)}'s public config (the family {key}, committed here, "
+            "offline): its variant of the same architecture and sizes; give its own config.json with --model for "
+            "any difference")
 
 
 def estimated_as(e: EstimateRequest) -> str:

@@ -42,3 +42,38 @@ def test_the_same_value_from_an_option_names_the_option(capfd):
                    "--lora-r 4096", "more than 1024")
     one_error_line(*main(capfd, ["--estimate", "--model", "mistral-7b", "--seq", "512", "--targets", "q_proj,q_proj"]),
                    "--targets q_proj,q_proj", "named twice")
+
+
+@pytest.mark.parametrize("variant, base", [
+    ("Qwen/Qwen2.5-0.5B-Instruct", "Qwen/Qwen2.5-0.5B"),
+    ("meta-llama/Llama-3.1-8B-Instruct", "meta-llama/Llama-3.1-8B"),
+    ("mistralai/Mistral-7B-Instruct-v0.3", "mistralai/Mistral-7B-v0.3"),
+    ("google/gemma-2-2b-it", "google/gemma-2-2b"),
+])
+def test_an_instruct_variant_of_a_known_family_is_answered_offline_saying_which_shape(
+        capfd, tmp_path, monkeypatch, variant, base):
+    """Issue 53 item 12: the instruct and chat variants of the families this tool knows have the same shapes;
+    offline, with an empty hub cache, --estimate answers them from the family's committed config, with the
+    same figures as the base's, and a `shape:` line (and the JSON's `shape`) naming which config answered."""
+    import json
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-cache"))
+    out_json = tmp_path / "fit.json"
+    code, out, err = main(capfd, ["--estimate", "--model", variant, "--seq", "512", "--card", "T4", "--json", out_json])
+    assert code == 0, err
+    assert any(ln.startswith(f"  shape: {variant} is answered by {base}'s public config") for ln in out.splitlines())
+    assert json.loads(out_json.read_text())["shape"]["hub_id"] == base
+    code, plain, err = main(capfd, ["--estimate", "--model", base, "--seq", "512", "--card", "T4"])
+    assert code == 0, err
+    figures = lambda text: [ln for ln in text.splitlines() if ln.startswith(("  T4: ", "corrected", "Soup's own"))]  # noqa: E731
+    assert figures(out) == figures(plain) and figures(out)
+
+
+def test_a_variant_with_another_version_is_no_variant(capfd, tmp_path, monkeypatch):
+    """Mistral-7B-Instruct-v0.2 has another vocabulary than v0.3: a version is not a variant word, so it is
+    looked up as any hub id (offline with no cache: one line), never answered by v0.3's shapes."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-cache"))
+    one_error_line(*main(capfd, ["--estimate", "--model", "mistralai/Mistral-7B-Instruct-v0.2", "--seq", "512"]),
+                   "no config.json in the local Hugging Face cache, and offline")
