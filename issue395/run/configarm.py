@@ -49,9 +49,11 @@ class ConfigArm:
     task: str = PROTOCOL_TASK  # the file's task: (issue395.tasks)
 
 
-def config_arm(user: UserRun, weights: str, dry_run: bool) -> ConfigArm:
-    """The soup.yaml as one measured arm; a base this tool cannot run without a download is one line."""
-    if user.targets == ("auto",):  # --estimate resolves it (model.targets); the measured arm names its modules
+def config_arm(user: UserRun, weights: str, dry_run: bool, soup_resolves_targets: bool = False) -> ConfigArm:
+    """The soup.yaml as one measured arm; a base this tool cannot run without a download is one line.
+    ``soup_resolves_targets``: --find-max's probes run `soup train` on the file, which resolves
+    ``target_modules: auto`` itself (issue 53 item 8), so it is not refused there."""
+    if user.targets == ("auto",) and not soup_resolves_targets:  # --estimate resolves it (model.targets)
         raise UsageError(f"--config {user.path}: training.lora.target_modules 'auto' is estimated (--estimate) but "
                          "not run as an arm here: name the modules")
     model, key = base_of(user, weights)

@@ -98,7 +98,7 @@ def test_an_option_the_file_gives_is_one_line_naming_the_clash(capfd, tmp_path, 
     one_error_line(*main(capfd, ["--config", config, flag] + ([value] if value else [])), "--config", flag)
 
 
-@pytest.mark.parametrize("base, words", [("someorg/not-a-family", ["--weights hub"]), ("mistral-7b", ["--weights hub"]),
+@pytest.mark.parametrize("base, words", [("someorg/not-a-family", ["--weights hub"]), ("mistral-7b", ["write base: mistralai/Mistral-7B-v0.3"]),
                                          ("./no-such-folder", ["no such folder"])])  # a path is not a hub id
 def test_a_base_that_is_neither_a_checkpoint_here_nor_a_registry_model_is_one_line(capfd, tmp_path, base, words):
     one_error_line(*main(capfd, ["--config", soup_yaml(tmp_path, base), "--dry-run"]), "base", base, *words)

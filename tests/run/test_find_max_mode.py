@@ -253,3 +253,16 @@ def test_the_readmes_find_max_dry_run_is_what_it_prints(capfd, tmp_path, monkeyp
     assert code == 0, err
     missing = [s for s in shown if s.rstrip() not in (ln.rstrip() for ln in out.splitlines())]
     assert not missing and len(shown) == 4, missing
+
+
+@pytest.mark.parametrize("targets", ["auto", "all-linear"])
+def test_find_max_takes_soups_own_target_spellings_its_probes_resolve_them(capfd, tmp_path, targets):
+    """Issue 53 item 8: --find-max refused `target_modules: auto` ("not run as an arm here"), although its probes
+    run `soup train` on the file, which resolves it. The plan is printed, the probe's soup.yaml keeps the file's
+    spelling, and no line speaks of an arm."""
+    path = tmp_path / "soup.yaml"
+    path.write_text(YAML.format(base="Qwen/Qwen2.5-0.5B", task="sft").replace("[q_proj, v_proj]", targets))
+    code, out, err = main(capfd, ["--find-max", "seq", "--config", path, "--card", "T4", "--dry-run"])
+    assert code == 0, err
+    assert "plan: start at seq" in out and f"target_modules: {targets}" in out
+    assert " arm" not in err
