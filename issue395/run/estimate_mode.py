@@ -286,6 +286,7 @@ def execute(request: EstimateRequest, protocol: object = None) -> int:
     stack = check_installed(nf4="nf4" in e.quants)
     text = (first_line(rows, e.cards, answers) + f"\n--estimate: {named}: {answer}\n" + "".join(f"  {v}\n" for v in verdict_lines(rows, e.cards, answers))
             + f"  {stack.line()}\n" + (f"  {shape_line(e.model)}\n" if variant_of(e.model) else "")
+            + f"  {lora_line(e)}\n"
             + "".join(f"  from the file: {k}\n" for k in e.keys)
             + "(Soup's pre-flight: computed by Soup's own estimator code; corrected and needs free: this tool's "
             "estimator, from the config alone)\n" + table + "".join(f"note: {n}\n" for n in notes))
@@ -308,6 +309,22 @@ def execute(request: EstimateRequest, protocol: object = None) -> int:
                 "rows": [dict(r.to_json(), cards=x) for r, x in zip(rows, answers)]}):
             return EXIT_USAGE
     return runs_exit_code(answers) if e.fit_exit else EXIT_OK
+
+
+def lora_line(e: EstimateRequest) -> str:
+    """The adapter the figures are at (issue 53 item 9): its rank and alpha, and its targets as Soup's LoraConfig
+    resolves them (auto: peft's table for the model type; all-linear: every linear module of a layer; none
+    given: the protocol's), with where they came from."""
+    from ..estimator.arch import protocol_targets
+    from ..estimator.soup_number import arch_of
+
+    a, arch = e.adapter, arch_of(e.config)
+    targets = soup_targets(a.targets, e.config, arch, None) or protocol_targets(arch)
+    source = "training.lora" if a.soup_config else "--lora-r and --targets, or their defaults"
+    spelled = (f" (target_modules {a.targets[0]}, resolved as Soup's LoraConfig does)" if a.targets
+               and tuple(targets) != tuple(a.targets) else "" if a.targets else " (the protocol's; --targets names others)")
+    return (f"LoRA (the figures' adapter, from {source}): r {a.lora_r}, alpha {a.lora_alpha}, on {len(targets)} "
+            f"module(s) a layer: {','.join(targets)}{spelled}")
 
 
 def shape_line(model: str) -> str:

@@ -77,3 +77,18 @@ def test_a_variant_with_another_version_is_no_variant(capfd, tmp_path, monkeypat
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-cache"))
     one_error_line(*main(capfd, ["--estimate", "--model", "mistralai/Mistral-7B-Instruct-v0.2", "--seq", "512"]),
                    "no config.json in the local Hugging Face cache, and offline")
+
+
+@pytest.mark.parametrize("targets, r, modules, said", [
+    ("auto", 16, "q_proj,v_proj", "(target_modules auto, resolved as Soup's LoraConfig does)"),
+    ("all-linear", 32, "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
+     "(target_modules all-linear, resolved as Soup's LoraConfig does)"),
+    ("[q_proj, k_proj]", 4, "q_proj,k_proj", ""),
+])
+def test_the_text_names_the_lora_rank_and_the_targets_the_figures_are_at(capfd, tmp_path, targets, r, modules, said):
+    """Issue 53 item 9: the text never named the adapter; now one line gives its rank, alpha and targets, auto
+    (peft's table for mistral) and all-linear (every linear module of a layer) resolved."""
+    code, out, err = main(capfd, ["--estimate", "--config", soup_yaml(tmp_path, r=r, targets=targets), "--card", "T4"])
+    assert code == 0, err
+    (line,) = [ln.strip() for ln in out.splitlines() if ln.startswith("  LoRA ")]
+    assert f"r {r}, alpha 16, on {len(modules.split(','))} module(s) a layer: {modules}" in line and line.endswith(said)
