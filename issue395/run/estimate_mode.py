@@ -260,6 +260,7 @@ def execute(request: EstimateRequest, protocol: object = None) -> int:
                                   steps_words, verdict_lines)
     from ..estimator.releases import UnknownRelease, installed_release, release_label
     from ..estimator.stacks import check_installed
+    from ..estimator.steady import bound_words, is_bounded
 
     e, a = request, request.adapter
     gate, optimizer, stream = e.gate, e.optimizer, dict(e.stream)
@@ -284,9 +285,13 @@ def execute(request: EstimateRequest, protocol: object = None) -> int:
     named = f"{e.model}, from --config {a.soup_config}" if a.soup_config else e.model
     answer = steps_words(e.steps, e.steps_from)
     stack = check_installed(nf4="nf4" in e.quants)
-    text = (first_line(rows, e.cards, answers) + f"\n--estimate: {named}: {answer}\n" + "".join(f"  {v}\n" for v in verdict_lines(rows, e.cards, answers))
+    bound = bound_words(optimizer) if optimizer and e.steps > 1 and is_bounded(optimizer) else None
+    verdict = first_line(rows, e.cards, answers)
+    if bound:  # every figure is the bound's: said on the verdict's line and on its own
+        verdict = verdict.replace("verdict (", f"verdict (an UPPER BOUND: training.optimizer {optimizer} is not modelled; ", 1)
+    text = (verdict + f"\n--estimate: {named}: {answer}\n" + "".join(f"  {v}\n" for v in verdict_lines(rows, e.cards, answers))
             + f"  {stack.line()}\n" + (f"  {shape_line(e.model)}\n" if variant_of(e.model) else "")
-            + f"  {lora_line(e)}\n"
+            + f"  {lora_line(e)}\n" + (f"  {bound}\n" if bound else "")
             + "".join(f"  from the file: {k}\n" for k in e.keys)
             + "(Soup's pre-flight: computed by Soup's own estimator code; corrected and needs free: this tool's "
             "estimator, from the config alone)\n" + table + "".join(f"note: {n}\n" for n in notes))
@@ -303,7 +308,7 @@ def execute(request: EstimateRequest, protocol: object = None) -> int:
                 **({"soup_targets": a.targets[0]} if a.targets and tuple(targets) != tuple(a.targets) else {}),
                 "config": a.soup_config, "lora_alpha": a.lora_alpha, "stream": stream, "steps": e.steps,
                 "answer": answer, "soup_gate": {"rule": gate.rule, "override_bytes": gate.override},
-                "config_keys": list(e.keys), "fits_every_card": fits_all if e.cards else None,
+                "config_keys": list(e.keys), "upper_bound": bound, "fits_every_card": fits_all if e.cards else None,
                 "runs_on_every_card": runs_exit_code(answers) == EXIT_OK if e.cards else None, "lora_r": a.lora_r,
                 "cards": [{"card": c.name, "bytes": c.total_bytes} for c in e.cards], "notes": notes,
                 "rows": [dict(r.to_json(), cards=x) for r, x in zip(rows, answers)]}):

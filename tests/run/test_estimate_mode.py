@@ -92,3 +92,24 @@ def test_the_text_names_the_lora_rank_and_the_targets_the_figures_are_at(capfd, 
     assert code == 0, err
     (line,) = [ln.strip() for ln in out.splitlines() if ln.startswith("  LoRA ")]
     assert f"r {r}, alpha 16, on {len(modules.split(','))} module(s) a layer: {modules}" in line and line.endswith(said)
+
+
+@pytest.mark.parametrize("optimizer", ["adafactor", "adamw_hf"])
+def test_an_optimizer_not_modelled_is_answered_as_an_upper_bound_labelled_as_one(capfd, tmp_path, optimizer):
+    """Issue 53 item 14: an optimizer the estimator does not model was refused; the answer is now an upper
+    bound, said on the verdict's line, on its own line and in the JSON, never below Soup's default's figures."""
+    import json
+
+    path = soup_yaml(tmp_path)
+    path.write_text(path.read_text() + f"  optimizer: {optimizer}\n")
+    out_json = tmp_path / "bound.json"
+    code, out, err = main(capfd, ["--estimate", "--config", path, "--card", "T4", "--json", out_json])
+    assert code == 0, err
+    lines = out.splitlines()
+    assert lines[0].startswith(f"verdict (an UPPER BOUND: training.optimizer {optimizer} is not modelled; ")
+    assert f"  an upper bound: training.optimizer {optimizer} is not modelled" in out
+    bound = json.loads(out_json.read_text())
+    assert bound["upper_bound"].startswith("an upper bound")
+    default = tmp_path / "default.json"
+    code, _, err = main(capfd, ["--estimate", "--config", soup_yaml(tmp_path), "--card", "T4", "--json", default])
+    assert bound["rows"][0]["needs_free"] >= json.loads(default.read_text())["rows"][0]["needs_free"]
