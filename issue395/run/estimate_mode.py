@@ -292,9 +292,10 @@ def execute(request: EstimateRequest, protocol: object = None) -> int:
     text = (verdict + f"\n--estimate: {named}: {answer}\n" + "".join(f"  {v}\n" for v in verdict_lines(rows, e.cards, answers))
             + f"  {stack.line()}\n" + (f"  {shape_line(e.model)}\n" if variant_of(e.model) else "")
             + f"  {lora_line(e)}\n" + (f"  {bound}\n" if bound else "")
+            + "".join(f"  {c}\n" for c in config_caveats(e.config, e.quants))
             + "".join(f"  from the file: {k}\n" for k in e.keys)
             + "(Soup's pre-flight: computed by Soup's own estimator code; corrected and needs free: this tool's "
-            "estimator, from the config alone)\n" + table + "".join(f"note: {n}\n" for n in notes))
+            "estimator, from the config alone)\n" + table + "".join(f"note: {n}\n" for n in notes if not n.startswith("config: ")))
     print(text, end="")
     fits_all = all(x["fits"] for per in answers for x in per)
     if e.outputs.json:
@@ -345,14 +346,27 @@ def estimated_as(e: EstimateRequest) -> str:
     return f"--config {e.adapter.soup_config} (base {e.model})" if e.adapter.soup_config else f"--model {e.model}"
 
 
-def estimate_notes(config: dict, quants) -> list[str]:
-    """What the estimate leaves out, said where its numbers are read."""
-    notes = []
+def config_caveats(config: dict, quants) -> list[str]:
+    """What of the config itself the figures do not follow, said under the verdict, where it is read (issue 53
+    item 11: a quantization_config and a hidden size no head count divides were answered without a word)."""
+    lines = []
     q = config.get("quantization_config")
     if q is not None:
         method = q.get("quant_method", "unnamed") if isinstance(q, dict) else type(q).__name__
-        notes.append(f"the config's quantization_config ({method}) is NOT modelled: these figures are Soup's "
+        lines.append(f"config: its quantization_config ({method}) is NOT modelled: these figures are Soup's "
                      f"--quant {','.join(quants)} of the full-precision shapes the config describes")
+    h, nh = config.get("hidden_size"), config.get("num_attention_heads")
+    if config.get("head_dim") is None and all(isinstance(v, int) and not isinstance(v, bool) and v > 0
+                                              for v in (h, nh)) and h % nh:
+        lines.append(f"config: hidden_size {h} is not a multiple of num_attention_heads {nh}, and no head_dim is "
+                     f"given: each head is taken {h // nh} wide (hidden_size // heads, as transformers takes it), the "
+                     f"attention {nh * (h // nh)} wide, not {h}; no released model is shaped so: check the config")
+    return lines
+
+
+def estimate_notes(config: dict, quants) -> list[str]:
+    """What the estimate leaves out, said where its numbers are read."""
+    notes = config_caveats(config, quants)
     notes.append("needs free assumes the allocator's expandable segments, as `soup train` sets them "
                  "(PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True)")
     notes.append("not estimated: the disk Soup's store overflows to where the free RAM is short of its RAM tier "

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import os
+import sys
 
 from ..errors import UsageError
 from ..record import MAP_BATCHES, MAP_SEQS, QUANTS, RECORD_GRID
@@ -122,8 +124,18 @@ def values_taken(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
     return out
 
 
+#: The console command `pip install` makes (pyproject.toml's [project.scripts]).
+COMMAND = "issue395"
+
+
+def command_name() -> str:
+    """What the user typed, as usage names it: the console command `issue395`, else the entry script
+    (issue 53 item 11: `issue395 --help` said `usage: issue395_second_stack_vram.py`)."""
+    return COMMAND if os.path.basename(sys.argv[0] or "") == COMMAND else "issue395_second_stack_vram.py"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = Parser(prog="issue395_second_stack_vram.py", epilog=EPILOG,
+    p = Parser(prog=command_name(), epilog=EPILOG,
                description="Re-measure Soup's stream peak-VRAM pre-flight (the issue #395 record).",
                formatter_class=argparse.RawDescriptionHelpFormatter)
     m = p.add_argument_group("modes (default: the sweep)")

@@ -113,3 +113,35 @@ def test_an_optimizer_not_modelled_is_answered_as_an_upper_bound_labelled_as_one
     default = tmp_path / "default.json"
     code, _, err = main(capfd, ["--estimate", "--config", soup_yaml(tmp_path), "--card", "T4", "--json", default])
     assert bound["rows"][0]["needs_free"] >= json.loads(default.read_text())["rows"][0]["needs_free"]
+
+
+@pytest.mark.parametrize("change, words", [
+    ({"hidden_size": 2050, "num_attention_heads": 32, "num_key_value_heads": 2},
+     ["hidden_size 2050 is not a multiple of num_attention_heads 32", "each head is taken 64 wide", "check the config"]),
+    ({"quantization_config": {"quant_method": "gptq", "bits": 4}}, ["quantization_config (gptq) is NOT modelled"]),
+])
+def test_a_config_the_figures_do_not_follow_is_said_under_the_verdict(capfd, tmp_path, change, words):
+    """Issue 53 item 11: a config.json with hidden 2050 and 32 heads, or with quantization_config gptq, was
+    answered without a word (the gptq note stood below the table): each is a `config:` line under the verdict."""
+    import json
+
+    from issue395.model.registry import config_json
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**config_json("qwen"), **change}))
+    code, out, err = main(capfd, ["--estimate", "--model", path, "--seq", "512", "--card", "T4"])
+    assert code == 0, err
+    head = out.split("\n(Soup's pre-flight:", 1)[0].splitlines()  # the verdict block, above the table
+    (line,) = [ln for ln in head if ln.startswith("  config: ")]
+    for w in words:
+        assert w in line, (w, line)
+
+
+def test_the_repository_ignores_the_readmes_pip_venv():
+    """Issue 53 item 11: the README's `.venv-pip` was not git-ignored."""
+    import subprocess
+
+    from conftest import ROOT
+
+    done = subprocess.run(["git", "check-ignore", "-q", ".venv-pip/bin/issue395"], cwd=ROOT)
+    assert done.returncode == 0

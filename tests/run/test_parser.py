@@ -49,3 +49,22 @@ def test_a_repeated_flag_that_takes_no_value_is_harmless(capfd):
     """--verbose twice asks for the same thing twice: it is not refused."""
     code, out, err = main(capfd, ["--estimate", "--model", "qwen", "--seq", "512", "--verbose", "--verbose"])
     assert code == 0, err
+
+
+def test_usage_names_the_command_the_user_typed(tmp_path):
+    """Issue 53 item 11: `issue395 --help` (the console command pip installs) printed `usage:
+    issue395_second_stack_vram.py`; usage now names the command typed. Run as a console script would be: a
+    file named issue395 calling the entry script's main."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    command = tmp_path / "issue395"
+    command.write_text(f"import sys\nsys.path.insert(0, {str(ROOT)!r})\nimport issue395_second_stack_vram as h\n"
+                       "sys.exit(h.main())\n")
+    done = subprocess.run([sys.executable, str(command), "--help"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.startswith("usage: issue395 [-h]"), done.stderr
+    script = subprocess.run([sys.executable, str(ROOT / "issue395_second_stack_vram.py"), "--help"],
+                            capture_output=True, text=True, timeout=120)
+    assert script.stdout.startswith("usage: issue395_second_stack_vram.py [-h]")
