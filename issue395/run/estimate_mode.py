@@ -10,6 +10,7 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -134,7 +135,31 @@ def settle(args: argparse.Namespace, argv: list[str]) -> EstimateRequest:
     check("lanes", args)
     check("shard dir", args)
     return replace(request, fit_exit=args.exit_code, verbose=args.verbose, outputs=Outputs(json=args.json),
-                   argv=tuple(argv))
+                   argv=tuple(argv), stack=settle_stack(args.stack))
+
+
+def settle_stack(given: Optional[str]) -> tuple:
+    """--stack PKG=VERSION,...: the training box's packages whose code decides the peak (issue 53 item 16),
+    each named once; soup-cli is not among them: Soup's number is computed from the installed release's source."""
+    from ..estimator.stacks import PACKAGES
+
+    if given is None:
+        return ()
+    takes = [p for p in PACKAGES if p != "soup-cli"]
+    pairs: dict = {}
+    for part in comma_list(given):
+        name, eq, version = (x.strip() for x in part.partition("="))
+        name = name.lower().replace("_", "-")
+        if name == "soup-cli":
+            raise UsageError(f"--stack {given}: soup-cli is not named here: Soup's own number is computed from the "
+                             "installed soup-cli's source, so install the training box's release here")
+        if not eq or name not in takes or not re.fullmatch(r"\d+(?:\.\d+)*(?:[.+\-\w]*)", version):
+            raise UsageError(f"--stack {given}: {part!r} is not PACKAGE=VERSION with a package among "
+                             f"{', '.join(takes)} (e.g. --stack transformers=5.25.0,torch=2.11.0+cu130)")
+        if name in pairs:
+            raise UsageError(f"--stack {given}: {name} is named twice")
+        pairs[name] = version
+    return tuple(pairs.items())
 
 
 @contextlib.contextmanager
@@ -252,7 +277,22 @@ def estimate_config(model: Optional[str], named: str = "--model") -> tuple[str, 
 
 
 def execute(request: EstimateRequest, protocol: object = None) -> int:
-    """--estimate: each (task, quant, seq, batch) from the config alone, on CPU; the table, and --json."""
+    """--estimate: each (task, quant, seq, batch) from the config alone, on CPU; the table, and --json, under
+    the training box's stack where --stack names it."""
+    from ..estimator.attention import training_box
+    from ..estimator.stacks import check, installed_stack
+
+    e, a = request, request.adapter
+    gate, optimizer, stream = e.gate, e.optimizer, dict(e.stream)
+    kw = {"targets": a.targets, "lora_r": a.lora_r}
+    box = dict(e.stack)  # --stack: the training box's packages, in place of this machine's
+    with training_box(box.get("transformers")):
+        return answered(e, a, gate, optimizer, stream, kw, box,
+                        check({**installed_stack(), **box}, nf4="nf4" in e.quants) if box else None)
+
+
+def answered(e: EstimateRequest, a: Adapter, gate, optimizer, stream: dict, kw: dict, box: dict, boxed) -> int:
+    """--estimate's rows, text and JSON, under the stack they answer for (``boxed``: --stack's check)."""
     from ..estimator.cards import workspace_env
     from ..estimator.arch import protocol_targets
     from ..estimator.soup_number import arch_of
@@ -262,9 +302,6 @@ def execute(request: EstimateRequest, protocol: object = None) -> int:
     from ..estimator.stacks import check_installed
     from ..estimator.steady import bound_words, is_bounded
 
-    e, a = request, request.adapter
-    gate, optimizer, stream = e.gate, e.optimizer, dict(e.stream)
-    kw = {"targets": a.targets, "lora_r": a.lora_r}
     try:
         rows = [estimate_for(e.config, quant=q, seq=s, batch=b, steps=e.steps, stream=stream, task=t,
                              optimizer=optimizer, accumulation=e.accumulation, **kw)
@@ -284,13 +321,16 @@ def execute(request: EstimateRequest, protocol: object = None) -> int:
     notes = estimate_notes(e.config, e.quants)
     named = f"{e.model}, from --config {a.soup_config}" if a.soup_config else e.model
     answer = steps_words(e.steps, e.steps_from)
-    stack = check_installed(nf4="nf4" in e.quants)
+    stack = boxed or check_installed(nf4="nf4" in e.quants)
+    stack_line = stack.line() if not box else stack.line().replace(
+        "stack: ", f"stack (the training box's, by --stack {','.join(f'{p}={v}' for p, v in box.items())}; the rest "
+        "this machine's): ", 1)
     bound = bound_words(optimizer) if optimizer and e.steps > 1 and is_bounded(optimizer) else None
     verdict = first_line(rows, e.cards, answers)
     if bound:  # every figure is the bound's: said on the verdict's line and on its own
         verdict = verdict.replace("verdict (", f"verdict (an UPPER BOUND: training.optimizer {optimizer} is not modelled; ", 1)
     text = (verdict + f"\n--estimate: {named}: {answer}\n" + "".join(f"  {v}\n" for v in verdict_lines(rows, e.cards, answers))
-            + f"  {stack.line()}\n" + (f"  {shape_line(e.model)}\n" if variant_of(e.model) else "")
+            + f"  {stack_line}\n" + (f"  {shape_line(e.model)}\n" if variant_of(e.model) else "")
             + f"  {lora_line(e)}\n" + (f"  {bound}\n" if bound else "")
             + "".join(f"  {c}\n" for c in config_caveats(e.config, e.quants))
             + "".join(f"  from the file: {k}\n" for k in e.keys)
@@ -304,7 +344,7 @@ def execute(request: EstimateRequest, protocol: object = None) -> int:
         if not write_json(e.outputs.json, "estimate", {
                 "model": e.model, **({"shape": {"family": variant_of(e.model), "hub_id": hub_id_of(variant_of(e.model)),
                                                 "said": shape_line(e.model)}} if variant_of(e.model) else {}),
-                "soup_cli": installed, "stack": stack.to_json(), "tasks": list(e.tasks),
+                "soup_cli": installed, "stack": {**stack.to_json(), **({"given": box} if box else {})}, "tasks": list(e.tasks),
                 "targets": list(targets),
                 **({"soup_targets": a.targets[0]} if a.targets and tuple(targets) != tuple(a.targets) else {}),
                 "config": a.soup_config, "lora_alpha": a.lora_alpha, "stream": stream, "steps": e.steps,

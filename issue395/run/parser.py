@@ -213,6 +213,11 @@ def build_parser() -> argparse.ArgumentParser:
                    "(2 stays a usage error)")
     e.add_argument("--context", default=None, metavar="GB", help="with --card or --emulate-card: the CUDA context your card "
                    "leaves outside the allocator, in GB (default: Soup's measured 0.85 GB)")
+    e.add_argument("--stack", default=None, metavar="PKG=VERSION,...",
+                   help="with --estimate, run on another machine than the one that will train (a laptop): the "
+                        "training box's packages, a comma list of torch, transformers, peft, trl, bitsandbytes "
+                        "=VERSION, in place of this machine's; the stack check and transformers' attention "
+                        "(Gemma-2 runs eager from 5.24.0) follow it")
     e.add_argument("--targets", default=None, help="comma list of LoRA targets (default q_proj,v_proj; "
                    "Phi-3: qkv_proj)")
     e.add_argument("--lora-r", default=None, help="LoRA rank (default 8)")

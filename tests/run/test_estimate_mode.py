@@ -145,3 +145,50 @@ def test_the_repository_ignores_the_readmes_pip_venv():
 
     done = subprocess.run(["git", "check-ignore", "-q", ".venv-pip/bin/issue395"], cwd=ROOT)
     assert done.returncode == 0
+
+
+def test_stack_names_the_training_boxs_packages_and_the_answer_follows_them(capfd, tmp_path):
+    """Issue 53 items 10 and 16: the stack line described the machine running the estimate (a laptop), while
+    the number moves with the training box's transformers (Gemma-2 runs eager from 5.24.0). --stack names the
+    training box's packages: the stack line checks them, said as the training box's, the JSON keeps them, and
+    Gemma-2's eager masks are charged under transformers 5.25.0 as on that box."""
+    import json
+
+    argv = ["--estimate", "--model", "gemma2-2b", "--task", "dpo", "--seq", "1024", "--card", "T4"]
+    here, boxed = tmp_path / "here.json", tmp_path / "boxed.json"
+    assert main(capfd, [*argv, "--json", here])[0] == 0
+    code, out, err = main(capfd, [*argv, "--stack", "transformers=5.25.0,torch=2.11.0+cu130", "--json", boxed])
+    assert code == 0, err
+    (line,) = [ln for ln in out.splitlines() if ln.startswith("  stack")]
+    assert line.startswith("  stack (the training box's, by --stack transformers=5.25.0,torch=2.11.0+cu130; ")
+    assert "transformers 5.25.0" in line and "torch 2.11.0+cu130" in line
+    saved = json.loads(boxed.read_text())
+    assert saved["stack"]["given"] == {"transformers": "5.25.0", "torch": "2.11.0+cu130"}
+    plain = json.loads(here.read_text())["rows"][0]
+    assert saved["rows"][0]["terms"]["eager_masks"] > plain["terms"].get("eager_masks", 0)
+    assert saved["rows"][0]["needs_free"] > plain["needs_free"]
+
+
+def test_stack_naming_a_verified_stack_is_said_verified_on_a_box_without_it(capfd):
+    """A laptop without torch (or with another) read "not verified"; naming the training box's verified stack
+    is answered as verified."""
+    argv = ["--estimate", "--model", "qwen", "--seq", "512", "--stack",
+            "torch=2.11.0+cu130,transformers=5.16.1,peft=0.20.0,trl=0.29.1"]
+    code, out, err = main(capfd, argv)
+    from issue395.estimator.releases import installed_release
+
+    assert code == 0, err
+    (line,) = [ln for ln in out.splitlines() if ln.startswith("  stack")]
+    assert ("verified on this stack" in line and "not verified" not in line) or installed_release() not in (
+        "0.73.3", "0.77.0"), line
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--estimate", "--model", "qwen", "--seq", "512", "--stack", "soup-cli=0.77.0"], ["soup-cli is not named here"]),
+    (["--estimate", "--model", "qwen", "--seq", "512", "--stack", "numpy=2.0"], ["'numpy=2.0' is not PACKAGE=VERSION"]),
+    (["--estimate", "--model", "qwen", "--seq", "512", "--stack", "transformers"], ["is not PACKAGE=VERSION"]),
+    (["--estimate", "--model", "qwen", "--seq", "512", "--stack", "trl=1,trl=2"], ["trl is named twice"]),
+    (["--dry-run", "--stack", "torch=2.11.0"], ["--stack goes with --estimate"]),
+])
+def test_a_bad_stack_is_one_line(capfd, argv, words):
+    one_error_line(*main(capfd, argv), *words)
