@@ -89,7 +89,7 @@ def test_a_json_output_that_cannot_be_written_exits_2_naming_it_and_where_the_ro
     folder = tmp_path / "outputs"
     folder.mkdir()
     out_json = folder / "out.json"
-    out_json.write_text("old\n")
+    out_json.write_text('{"tool": "issue395_second_stack_vram", "old": true}\n')  # an earlier run's
     real_replace = os.replace
 
     def replace(src, dst, *a, **kw):
@@ -109,7 +109,7 @@ def test_a_json_output_that_cannot_be_written_exits_2_naming_it_and_where_the_ro
     header, row = [json.loads(line) for line in rows_file.read_text().splitlines()]
     assert header["row_file"] == 1 and header["environment"]["command"].endswith(f"--json {out_json}")
     assert (row["seq"], row["derived"]["status"]) == (64, "dry-run")
-    assert out_json.read_text() == "old\n"
+    assert out_json.read_text() == '{"tool": "issue395_second_stack_vram", "old": true}\n'
     assert sorted(p.name for p in folder.iterdir()) == ["out.json", "out.json.rows.jsonl"]
     assert len(table_rows(out, 64)) == 1  # the table was printed before the write
 

@@ -92,7 +92,8 @@ def _run(argv: list, cwd: Path) -> subprocess.CompletedProcess:
 def test_the_installed_commands_help_is_the_scripts(tmp_path):
     command, script = _run([INSTALLED, "--help"], tmp_path), _run([sys.executable, SCRIPT, "--help"], tmp_path)
     assert command.returncode == script.returncode == 0, command.stderr + script.stderr
-    assert command.stdout == script.stdout and command.stdout.startswith("usage: ")
+    assert command.stdout.startswith(f"usage: {COMMAND} ") and script.stdout.startswith(f"usage: {SCRIPT.name} ")
+    assert command.stdout.split("\n\n", 1)[1] == script.stdout.split("\n\n", 1)[1]  # all but usage's own lines
 
 
 @needs_install
@@ -101,9 +102,20 @@ def test_the_installed_command_answers_estimate_config_naming_its_stack(tmp_path
     done = _run([INSTALLED, "--estimate", "--config", "soup.yaml", "--card", "T4", "--json", "estimate.json"], tmp_path)
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
-    assert lines[0].startswith("--estimate: mistralai/Mistral-7B-v0.3, from --config soup.yaml: ")
-    assert any(ln.startswith("  T4: fits (") for ln in lines), done.stdout
+    assert lines[0].startswith("verdict (this tool's estimate and Soup's own gate): fits on T4")
+    assert lines[1].startswith("--estimate: mistralai/Mistral-7B-v0.3, from --config soup.yaml: ")
+    assert any(ln.startswith("  T4: sft nf4 2048x1: fits (needs ") for ln in lines), done.stdout
     stack = check_installed(nf4=True)
     assert f"  {stack.line()}" in lines, done.stdout
     saved = json.loads((tmp_path / "estimate.json").read_text())
     assert saved["stack"] == stack.to_json()
+
+
+def test_the_readmes_pip_section_installs_torchs_cpu_wheel_before_the_package_on_a_cpu_box():
+    """Issue 53 item 11: the README's pip commands pulled PyPI's CUDA torch (about 6.2 GB) onto a CPU box that
+    only asks --estimate; its block installs torch from the CPU index first, a line said to be for a CPU box."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    block = readme.split("## With pip", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0].splitlines()
+    cpu = next(i for i, ln in enumerate(block) if "download.pytorch.org/whl/cpu" in ln)
+    package = next(i for i, ln in enumerate(block) if 'install ".[all]"' in ln)
+    assert cpu < package and "torch" in block[cpu] and "CPU box" in block[cpu]

@@ -13,11 +13,12 @@ run SDPA, as every architecture the committed arms measured did.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import re
 from functools import lru_cache
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Optional
 
 _NO_SDPA = re.compile(r"^\s*_supports_sdpa\s*=\s*False\b", re.MULTILINE)
 
@@ -56,9 +57,28 @@ def _version(text: str) -> tuple:
     return tuple(int(x) for x in re.findall(r"\d+", text.split("+")[0])[:3])
 
 
+#: --stack transformers=VERSION (issue 53 item 16): the training box's transformers, named while the estimate
+#: runs elsewhere (a laptop); its attention is taken by EAGER_SINCE in place of the installed source's.
+_TRAINING_BOX: dict = {}
+
+
+@contextlib.contextmanager
+def training_box(transformers_version: Optional[str]) -> Iterator[None]:
+    """Within it, an architecture's attention is the one ``transformers_version`` runs (None: the installed)."""
+    saved = dict(_TRAINING_BOX)
+    _TRAINING_BOX["transformers"] = transformers_version
+    try:
+        yield
+    finally:
+        _TRAINING_BOX.clear()
+        _TRAINING_BOX.update(saved)
+
+
 def eager(model_type: str, transformers_version: Optional[str] = None) -> bool:
     """Whether ``model_type`` runs eager attention: under the installed transformers (None), read from
-    its source; under a saved row's transformers release, by EAGER_SINCE."""
+    its source; under a saved row's transformers release, or the training box's (--stack), by EAGER_SINCE."""
+    if transformers_version is None:
+        transformers_version = _TRAINING_BOX.get("transformers")
     if transformers_version is None:
         return runs_eager(model_type)
     since = EAGER_SINCE.get(model_type)

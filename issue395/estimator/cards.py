@@ -109,7 +109,29 @@ CARDS: dict[str, Card] = {c.name.lower(): c for c in (
     Card("RTX4060-Laptop-8GB", _mib(8188), (8, 9), "nvidia-smi 8188 MiB (public listing)"),
     Card("RTX3060-12GB", _mib(12288), (8, 6), "nvidia-smi 12288MiB (public nvidia-smi listings)"),
     Card("RTX4060Ti-16GB", _mib(16384), (8, 9), "nameplate 16 GB (no nvidia-smi listing known)"),
+    # Issue 53 item 15. Where two drivers print two totals, the lower (a fit that holds on either).
+    # https://github.com/4paradigm/k8s-vgpu-scheduler/issues/7: "112MiB / 16160MiB", Tesla V100-SXM2 (driver 440)
+    Card("V100-16GB", _mib(16160), (7, 0), "nvidia-smi 16160MiB (Tesla V100-SXM2-16GB, driver 440: "
+         "k8s-vgpu-scheduler issue #7; newer drivers print 16384MiB)"),
+    Card("V100-32GB", _mib(32510), (7, 0), "nvidia-smi 32510MiB (Tesla V100-SXM2/PCIE-32GB, public nvidia-smi "
+         "listings; newer drivers print 32768MiB)"),
+    Card("RTX-A6000", _mib(49140), (8, 6), "nvidia-smi 49140MiB (ECC off, its default; public nvidia-smi listings)"),
+    Card("RTX4080", _mib(16376), (8, 9), "nvidia-smi 16376MiB (public nvidia-smi listings)"),
+    Card("RTX3080", _mib(10240), (8, 6), "nvidia-smi 10240MiB (the 10 GB card; public nvidia-smi listings)"),
+    Card("A40", _mib(46068), (8, 6), "nvidia-smi 46068MiB (ECC on, its default; public nvidia-smi listings)"),
+    Card("L40", _mib(46068), (8, 9), "nvidia-smi 46068MiB (ECC on, its default; 49140MiB with ECC off; public "
+         "nvidia-smi listings)"),
+    Card("RTX2080Ti", _mib(11264), (7, 5), "nvidia-smi 11264MiB (public nvidia-smi listings)"),
 )}
+
+
+def _spelled(name: str) -> str:
+    """A card's name as a user may type it: case, spaces, '-' and '_' aside (RTX 4080, rtx-a6000, v100 32gb)."""
+    return re.sub(r"[^0-9a-z]", "", name.lower())
+
+
+#: Every named card by its loose spelling (``_spelled``); no two cards share one.
+SPELLED: dict[str, Card] = {_spelled(c.name): c for c in CARDS.values()}
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(GB|GiB)\s*$", re.IGNORECASE | re.ASCII)  # not ２４GB
 
@@ -117,7 +139,7 @@ _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(GB|GiB)\s*$", re.IGNORECASE | re.ASC
 def parse_card(part: str) -> Card:
     """A named card (any case) or a plain size: 24GB = 24e9 bytes, 24GiB = 24 x 2^30; a plain
     size has no compute capability (the larger cuBLAS workspace is charged)."""
-    named = CARDS.get(part.strip().lower())
+    named = CARDS.get(part.strip().lower()) or SPELLED.get(_spelled(part))
     if named is not None:
         return named
     m = _SIZE.match(part)
@@ -137,8 +159,9 @@ def parse_cards(text: str) -> list[Card]:
     if not isinstance(text, str) or not text.strip():
         raise UsageError("--card needs card names or sizes, e.g. A10G,RTX4090,24GB")
     cards = [parse_card(part) for part in comma_list(text)]
-    # One card under two spellings (24GB and 24.0GB, a10g and A10G) is named twice too.
-    seen = [(c.total_bytes, c.cc) for c in cards]
+    # One card under two spellings (24GB and 24.0GB, a10g and A10G) is named twice too; two cards of one
+    # total (L40 and L40S) are two cards.
+    seen = [c.total_bytes if c.source == "the size given" else c.name for c in cards]
     twice = next((c.name for c, k in zip(cards, seen) if seen.count(k) > 1), None)
     if twice:
         raise UsageError(f"--card {text.strip()}: {twice} is named twice")

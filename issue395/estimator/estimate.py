@@ -24,7 +24,7 @@ from ..model.targets import soup_targets
 from ..tasks import PROTOCOL_TASK, task as task_named
 from .releases import Features, installed_release
 from .soup_number import arch_of, features, soup_preflight_from_config, vocab_matrices_resident
-from .steady import DEFAULT_OPTIMIZER, FP32, LORA_WEIGHT_BYTES, OPTIMIZERS, adapter_bytes, gradient_terms, optimizer_state_bytes, steady_terms
+from .steady import DEFAULT_OPTIMIZER, FP32, LORA_WEIGHT_BYTES, adapter_bytes, gradient_terms, steady_terms
 from .terms import Phase, Term, phase_sum
 
 # CUBLAS_WORKSPACE (constants) is kept on every card though torch gives less below sm 9
@@ -419,8 +419,6 @@ def estimate(config: dict, *, quant: str = "none", seq: int, batch: int = 1, tar
     tk = task_named(task)
     if tk.batch_refused(batch):
         raise UsageError(f"batch {batch}: {tk.batch_refused(batch)}")
-    if optimizer not in OPTIMIZERS:
-        optimizer_state_bytes([], optimizer)  # its one-line refusal
     if chunk and tk.name != PROTOCOL_TASK:
         raise UsageError(f"training.stream_loss_chunk with task {tk.name} is not modelled by this estimator")
     rows = batch * tk.rows_per_example

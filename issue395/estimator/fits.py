@@ -358,12 +358,9 @@ def verdict_lines(rows: list[Estimate], cards, answers: list[list[dict]]) -> lis
     """What a person reads first: per card (and arm, where there are several) fits or not, the
     longest seq that fits, Soup's gate, the longest seq it admits. No card: needs-free alone."""
     lines = []
-    # the task is named on every line where one is not the protocol's SFT (as the table's heads are)
-    tasked = any(e.task != PROTOCOL_TASK for e in rows)
-    several = len(rows) > 1
     said_ram: set = set()
     for e, per in zip(rows, answers):
-        arm = (f"{e.task} " if tasked else "") + f"{e.quant} {e.seq}x{e.batch}: " if several or tasked else ""
+        arm = f"{arm_tag(e)}: "  # every line its arm's task, quantization and shape, SFT's as DPO's
         if not cards:
             lines.append(f"{arm}needs {e.needs_free / 1e9:.2f} GB free (this estimator); Soup's own number "
                          f"{e.soup_predicted / 1e9:.2f} GB; give --card to fit it on a card")
@@ -372,8 +369,8 @@ def verdict_lines(rows: list[Estimate], cards, answers: list[list[dict]]) -> lis
             if room:
                 lines.append(f"{card.name}: {arm}{room}")
                 continue
-            fit = (f"fits ({a['needs_free'] / 1e9:.2f} of {a['step_free_bytes'] / 1e9:.2f} GB free)" if a["fits"]
-                   else f"does NOT fit (needs {a['needs_free'] / 1e9:.2f} GB, {a['step_free_bytes'] / 1e9:.2f} GB free)")
+            fit = (f"{'fits' if a['fits'] else 'does NOT fit'} (needs {a['needs_free'] / 1e9:.2f} GB, "
+                   f"{a['step_free_bytes'] / 1e9:.2f} GB free)")
             gate = "admits" if a["soup_admits"] else "refuses"
             lines.append(f"{card.name}: {arm}{fit}, longest seq that fits {seq_words(a['longest_seq'])}"
                          f"{positions_words(a, 'longest_seq')}; Soup {gate} it, longest seq it admits "
@@ -383,6 +380,45 @@ def verdict_lines(rows: list[Estimate], cards, answers: list[list[dict]]) -> lis
             said_ram.add(e.quant)
             lines.append(host_ram_line(per[0], e.quant))
     return lines
+
+
+def arm_tag(e: Estimate) -> str:
+    """An estimate's arm as the verdict lines name it: task, quantization, seq x batch (``sft nf4 2048x1``)."""
+    return f"{e.task} {e.quant} {e.seq}x{e.batch}"
+
+
+def first_line(rows: list[Estimate], cards, answers: list[list[dict]]) -> str:
+    """The verdict in one line, --estimate's first (issue 53 item 13): per card, whether every arm asked fits
+    (this tool's estimate) and Soup's gate admits it, grouped, with what --exit-code answers; without a card,
+    the most any arm needs free beside Soup's own number."""
+    several = len(rows) > 1
+    if not cards:
+        e = max(rows, key=lambda r: r.needs_free)
+        return (f"verdict: needs {e.needs_free / 1e9:.2f} GB free by this tool's estimate"
+                + (f" (the most of {len(rows)} arms, at {arm_tag(e)})" if several else "")
+                + f"; Soup's own number {e.soup_predicted / 1e9:.2f} GB; give --card to fit it on a card")
+    admitted, refused, parts = [], [], []
+    for i, card in enumerate(cards):
+        per = [(e, a[i]) for e, a in zip(rows, answers)]
+        misfit = next(((e, a) for e, a in per if not a["fits"]), None)
+        if misfit is not None:
+            e, a = misfit
+            parts.append(f"does NOT fit on {card.name}" + (f" at {arm_tag(e)}" if several else "")
+                         + f" (needs {a['needs_free'] / 1e9:.2f} GB, {max(a['step_free_bytes'], 0) / 1e9:.2f} GB free)"
+                         + (", yet Soup's gate admits it: a run that will OOM" if a["soup_admits"] else ""))
+        elif all(a["soup_admits"] for _, a in per):
+            admitted.append(card.name)
+        else:
+            refused.append(card.name)
+    if admitted:
+        parts.append(f"fits on {', '.join(admitted)}, and Soup's gate admits it there")
+    if refused:
+        parts.append(f"fits on {', '.join(refused)}, but Soup's gate refuses it there: soup train would not start it")
+    code = runs_exit_code(answers)
+    said = {EXIT_OK: "soup train runs it to the end on every card", EXIT_FINDING: "it does not fit on every card",
+            EXIT_SOUP_REFUSES: "Soup's gate refuses it on some card"}[code]
+    return (f"verdict ({'every arm asked, ' if several else ''}this tool's estimate and Soup's own gate): "
+            + "; ".join(parts) + f"; --exit-code {code}: {said}")
 
 
 def card_list() -> str:

@@ -15,6 +15,7 @@ from ..errors import UsageError
 from ..record import SOUP_QUANT
 from .cards import STEP_GROWTH_BYTES
 from .estimate import estimate, needs_free
+from .steady import is_bounded
 
 #: `soup train` runs many optimizer steps; from the second on the optimizer's states are live and
 #: each later step repeats that peak, so two steps hold the peak over all of them (as --estimate
@@ -52,6 +53,9 @@ def gate_kwargs(cfg: Any, tcfg: Any, model_config: Any, steps: Optional[int] = N
         if _setting(tcfg, dotted, assumed) not in (assumed, *_UNSET_MEANS.get(dotted, ())):
             raise UsageError(f"training.{dotted} {_setting(tcfg, dotted, assumed)!r} is not modelled (the "
                              f"estimator assumes {assumed!r})")
+    optimizer = str(getattr(tcfg, "optimizer", "adamw_torch"))
+    if is_bounded(optimizer):  # --estimate charges it as an upper bound; a gate keeps Soup's formula
+        raise UsageError(f"training.optimizer {optimizer!r} is not modelled (only bounded from above)")
     targets = tcfg.lora.target_modules
     targets = (targets,) if isinstance(targets, str) else tuple(str(t) for t in targets)
     stream = {k: getattr(tcfg, k) for k in STREAM_KEYS if getattr(tcfg, k, None) is not None}

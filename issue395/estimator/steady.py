@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..errors import UsageError
 from ..tasks import task as task_named
 from .arch import Arch
 from .terms import Term
@@ -61,6 +60,29 @@ OPTIMIZERS = {
 }
 #: Soup's default (``training.optimizer``)
 DEFAULT_OPTIMIZER = "adamw_torch"
+#: An optimizer the table has no entry for (adafactor, adamw_hf, ...) is charged as an upper bound, said as
+#: one (issue 53 item 14): two fp32 states per parameter (Adam's two moments, the most any optimizer above
+#: keeps; Adafactor's factored row and column states are far fewer) and two fp32 copies of every parameter
+#: inside its step (Adafactor's update and its factored square, a for-each kernel's scratch), whatever the
+#: adapter's dtype. No optimizer the table holds is charged more.
+UPPER_BOUND = Optimizer(2, 32, False, 2, False)
+
+
+def optimizer_named(name: str) -> Optimizer:
+    """``name``'s entry, or for one the table has no entry for, ``UPPER_BOUND``."""
+    return OPTIMIZERS.get(name, UPPER_BOUND)
+
+
+def is_bounded(name: str) -> bool:
+    """Whether ``name``'s states are charged as ``UPPER_BOUND`` (the table has no entry for it)."""
+    return name not in OPTIMIZERS
+
+
+def bound_words(name: str) -> str:
+    """The words that label every figure charged with ``UPPER_BOUND``."""
+    return (f"an upper bound: training.optimizer {name} is not modelled, so its states are charged as two fp32 "
+            "states per LoRA parameter and its step as two fp32 copies of the adapter, more than any optimizer the "
+            f"estimator models ({', '.join(OPTIMIZERS)})")
 
 
 def lora_tensors(a: Arch, targets: tuple, r: int) -> list[int]:
@@ -72,11 +94,7 @@ def lora_tensors(a: Arch, targets: tuple, r: int) -> list[int]:
 def optimizer_state_bytes(sizes: list[int], name: str, per: int = FP32) -> int:
     """The bytes ``name``'s states hold in torch's allocator for LoRA tensors of ``sizes`` elements
     whose parameters take ``per`` bytes each."""
-    try:
-        o = OPTIMIZERS[name]
-    except KeyError:
-        raise UsageError(f"optimizer {name!r} is not modelled by this estimator (it models "
-                         f"{', '.join(OPTIMIZERS)})") from None
+    o = optimizer_named(name)
     out = 0
     for n in sizes:
         if o.paged and n >= BNB_PAGED_FROM:
@@ -97,7 +115,8 @@ def steady_terms(a: Arch, targets: tuple, r: int, optimizer: str, per: int = FP3
     n = sum(sizes)
     return {Term.OPTIMIZER_STATES.key: optimizer_state_bytes(sizes, optimizer, per),
             Term.ADAPTER_GRADIENTS.key: per * n,
-            Term.OPTIMIZER_TRANSIENTS.key: OPTIMIZERS[optimizer].transient * per * n}
+            Term.OPTIMIZER_TRANSIENTS.key: optimizer_named(optimizer).transient
+            * (FP32 if is_bounded(optimizer) else per) * n}
 
 
 def gradient_terms(a: Arch, n: int, per: int, accumulation: int) -> dict:

@@ -240,6 +240,34 @@ def by_hub_id(hub_id: str) -> Optional[str]:
     return next((k for k in ALL_FAMILIES if hub_id and ids[k] == hub_id), None)
 
 
+#: The words of a hub name that mark one release's variants of one architecture, whose config.json shapes
+#: are the same: instruct and chat tunes, Gemma's "it" beside its "pt", a "Base" beside its tune (issue 53
+#: item 12: meta-llama/Llama-3.1-8B-Instruct, google/gemma-2-2b-it, mistralai/Mistral-7B-Instruct-v0.3).
+VARIANT_WORDS = ("instruct", "chat", "it", "pt", "base")
+
+
+def _plain(hub_id: str) -> tuple[str, str]:
+    org, _, name = hub_id.lower().partition("/")
+    return org, "-".join(w for w in name.split("-") if w not in VARIANT_WORDS)
+
+
+def variant_of(hub_id: str) -> Optional[str]:
+    """The registry key of the model ``hub_id`` is a variant of (the same org and name but for
+    ``VARIANT_WORDS``: its instruct, chat or base release, the same shapes); None for a registry hub id
+    itself (``by_hub_id``) and for any other. A version is no variant word: Mistral-7B-Instruct-v0.2 is not
+    v0.3's."""
+    if not hub_id or "/" not in hub_id or by_hub_id(hub_id) is not None:
+        return None
+    ids = {**{k: f.hub_id for k, f in FAMILIES.items()}, **{k: s.hub_id for k, s in SHAPES.items()}}
+    plain = _plain(hub_id)
+    return next((k for k in ALL_FAMILIES if ids[k] and "/" in ids[k] and _plain(ids[k]) == plain), None)
+
+
+def hub_id_of(key: str) -> str:
+    """A registry model's hub id."""
+    return (FAMILIES[key] if key in FAMILIES else SHAPES[key]).hub_id
+
+
 def known(key: str) -> bool:
     """Whether ``key`` names a model here: the record's two or a family, with any streaming modes."""
     try:

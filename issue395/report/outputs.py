@@ -8,6 +8,7 @@ import contextlib
 import io
 import json
 import os
+import re
 import stat
 import sys
 import tempfile
@@ -17,6 +18,7 @@ from ..record import A10G_STACK, QUANTS, RECORD_A10G_PREDICTED, RECORD_RTX3050
 from ..model.registry import SHAPES
 from ..results.result import Result
 from ..results.schema import SCHEMA, TOOL
+from ..estimator.releases import PATCH_MARKER
 from ..results.saved import RowFile
 from ..text import gb, ratio
 from ..constraints.cap import Cap
@@ -192,7 +194,7 @@ def render_plot(result: Result) -> bytes:
     ax.legend(fontsize=8, loc="lower left")
     fig.tight_layout()
     buf = io.BytesIO()
-    fig.savefig(buf, format="png")
+    fig.savefig(buf, format="png", metadata=PNG_MARK)
     plt.close(fig)
     return buf.getvalue()
 
@@ -336,20 +338,63 @@ def render_heatmap(result: Result, plt: Any) -> bytes:
     """The map's heatmap (``heatmap_figure``) as PNG bytes."""
     fig = heatmap_figure(result, plt)
     buf = io.BytesIO()
-    fig.savefig(buf, format="png", bbox_inches="tight")
+    fig.savefig(buf, format="png", bbox_inches="tight", metadata=PNG_MARK)
     plt.close(fig)
     return buf.getvalue()
 
 
+#: The PNG text chunk every plot this tool writes carries (its mark: ``OWN_MARKS``).
+PNG_MARK = {"Software": f"{TOOL} (matplotlib)"}
+
+#: What marks a file as one this tool wrote, read off its first ``MARK_BYTES``: a JSON whose first key is
+#: "tool": TOOL (a saved result, --estimate's and --find-max's), --markdown's record (its heading), a PNG
+#: whose Software chunk names the tool (--plot), a --soup-patch diff (it adds the marked module to soup_cli).
+OWN_MARKS = (
+    re.compile(rb'\A\s*\{\s*"tool"\s*:\s*"' + re.escape(TOOL.encode()) + rb'"'),
+    re.compile(rb"\A# Second-stack VRAM record: "),
+    re.compile(rb"\A\x89PNG\r\n\x1a\n.*?tEXtSoftware\x00" + re.escape(TOOL.encode()), re.S),
+    re.compile(rb"\A--- .*?\n\+\+\+ b/soup_cli/.*?" + re.escape(PATCH_MARKER.encode()), re.S),
+)
+MARK_BYTES = 1 << 16
+#: The words for a file an output would replace and this tool did not write (USAGE.md, "Files it writes").
+NOT_OURS = "exists and is not this tool's own output, so it is never replaced"
+
+
+class NotOurs(OSError):
+    """An output's path holds a file this tool did not write: it is not replaced."""
+
+
+def not_ours(path: str) -> bool:
+    """Whether writing an output at ``path`` would replace a file this tool did not write: a non-empty
+    regular file (a symlink's target) that carries none of ``OWN_MARKS``. Nothing there, an empty file, a
+    device or a FIFO (written to directly, never replaced) are not."""
+    target = os.path.realpath(path)
+    try:
+        st = os.stat(target)
+    except OSError:  # nothing there (or no folder to hold it: said by the output's own checks)
+        return False
+    if not stat.S_ISREG(st.st_mode) or st.st_size == 0:
+        return False
+    try:
+        with open(target, "rb") as fh:
+            head = fh.read(MARK_BYTES)
+    except OSError:
+        return True  # there and unreadable: not known to be ours
+    return not any(mark.search(head) for mark in OWN_MARKS)
+
+
 def write_output(path: str, data: bytes) -> None:
     """Write an output without ever replacing what is not ours: a symlink is written
-    through to its target, a device or FIFO is written to directly, and a regular file
-    (or a new one) is replaced atomically through a temp file that never outlives a failure."""
+    through to its target, a device or FIFO is written to directly, a regular file this tool did
+    not write (``not_ours``) is refused (``NotOurs``), and one it did (or a new one) is replaced
+    atomically through a temp file that never outlives a failure."""
     if path == "-":  # the process's real stdout (the tables went to stderr)
         sys.__stdout__.buffer.write(data)
         sys.__stdout__.flush()
         return
     target = os.path.realpath(path)
+    if not_ours(target):  # checked when settled too: a file put there while the run ran
+        raise NotOurs(0, NOT_OURS, path)
     try:
         mode = os.stat(target).st_mode
     except FileNotFoundError:

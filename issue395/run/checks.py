@@ -17,6 +17,7 @@ from ..constants import comma_list
 from ..errors import UsageError
 from ..record import SOUP_QUANT
 from ..tasks import PROTOCOL_TASK, TASKS
+from ..report.outputs import NOT_OURS, not_ours
 
 #: The largest value each whole-number option takes: batch sizes no real run has, seq lengths
 #: beyond any model's positions, and counts that would only run for hours are refused up front.
@@ -122,12 +123,36 @@ def check_output(flag: str, path: str) -> None:
         if stat.S_ISREG(st.st_mode) and not st.st_mode & 0o222:  # even root: someone protected it
             raise UsageError(f"{flag} {path} is read-only; it is not replaced (give another path, or "
                              "make it writable)")
+    if path.endswith(("/", os.sep)):  # out.json/ names a folder: never written as out.json
+        raise UsageError(f"{flag} {path} ends in '/', a folder's spelling; give a file path")
     if flag == "--plot" and Path(path).suffix.lower() != ".png":
         raise UsageError(f"--plot {path}: the plot is a PNG; give a path ending in .png")
     if Path(path).is_dir():
         raise UsageError(f"{flag} {path} is a folder; give a file path")
     if not Path(os.path.realpath(path)).exists():
         writable_folder(flag, os.path.dirname(os.path.realpath(path)), given=path)
+
+
+def config_is_a_file(given: str) -> None:
+    """--config names a file to read: an empty value is no path (it read '.', issue 53 item 7), a FIFO, device
+    or socket is never opened (a FIFO hung the run, item 6), a folder is said as one; each one line."""
+    if not given.strip():
+        raise UsageError("--config: the path is empty; give the soup.yaml `soup train` takes")
+    path = os.path.expanduser(given)
+    odd = odd_file(path)
+    if odd and not odd.startswith("a symlink to nothing"):  # that one is said by the loader as not there
+        raise UsageError(f"--config {given}: {odd}: give the soup.yaml `soup train` takes")
+    if os.path.isdir(path):
+        raise UsageError(f"--config {given} is a folder; give the soup.yaml `soup train` takes")
+    if not os.path.lexists(path):
+        raise UsageError(f"--config {given}: no such file (relative to the working directory {os.getcwd()})")
+
+
+def never_replaced(flag: str, path: Optional[str]) -> None:
+    """An output never replaces a file this tool did not write (a config.json, a soup.yaml, a script: issue 53
+    items 1 and 2; the rule: USAGE.md, "Files it writes"), checked after the checks that name the input it is."""
+    if path not in (None, "-") and not_ours(path):
+        raise UsageError(f"{flag} {path} {NOT_OURS} (give a new path, or move the file away)")
 
 
 def same_file(a: str, b: str) -> bool:

@@ -117,6 +117,8 @@ CLASHES = (
           Others(frozenset({"card", "estimate"})), "it lists the named cards"),
     Clash("settle", truthy("--exit-code"), (without("--estimate"),), "its exit code says whether the run fits",
           "{flag} goes with {other} ({why})"),
+    Clash("settle", is_set("--stack"), (without("--estimate"),), "it names the training box's stack for an estimate",
+          "{flag} goes with {other} ({why})"),
     Clash("options", truthy("--from-json"), Others(FROM_JSON_OPTIONS),
           "--from-json re-renders saved results and runs nothing"),
     Clash("options", is_set("--config"), tuple(is_set(f) for f in CONFIG_GIVES), "the file gives it"),

@@ -15,7 +15,7 @@ from typing import Optional
 
 from ..errors import UsageError
 from ..tasks import PROTOCOL_TASK
-from ..model.registry import FAMILIES, SHAPES, by_hub_id, max_positions, mode_key
+from ..model.registry import ALL_FAMILIES, FAMILIES, SHAPES, by_hub_id, max_positions, mode_key
 from ..estimator.soup_number import require_streamed
 from ..measure.shapes import bitsandbytes_present
 from .checks import HUB_ID, within_positions
@@ -49,9 +49,11 @@ class ConfigArm:
     task: str = PROTOCOL_TASK  # the file's task: (issue395.tasks)
 
 
-def config_arm(user: UserRun, weights: str, dry_run: bool) -> ConfigArm:
-    """The soup.yaml as one measured arm; a base this tool cannot run without a download is one line."""
-    if user.targets == ("auto",):  # --estimate resolves it (model.targets); the measured arm names its modules
+def config_arm(user: UserRun, weights: str, dry_run: bool, soup_resolves_targets: bool = False) -> ConfigArm:
+    """The soup.yaml as one measured arm; a base this tool cannot run without a download is one line.
+    ``soup_resolves_targets``: --find-max's probes run `soup train` on the file, which resolves
+    ``target_modules: auto`` itself (issue 53 item 8), so it is not refused there."""
+    if user.targets == ("auto",) and not soup_resolves_targets:  # --estimate resolves it (model.targets)
         raise UsageError(f"--config {user.path}: training.lora.target_modules 'auto' is estimated (--estimate) but "
                          "not run as an arm here: name the modules")
     model, key = base_of(user, weights)
@@ -75,6 +77,7 @@ def base_of(user: UserRun, weights: str) -> tuple[Optional[str], str]:
     folder = os.path.expanduser(user.base)
     if os.path.isdir(folder):
         return folder, "custom"
+    base_is_no_family_key(user)
     key = by_hub_id(user.base)
     if key is not None:
         return None, key
@@ -83,3 +86,13 @@ def base_of(user: UserRun, weights: str) -> tuple[Optional[str], str]:
     raise UsageError(f"--config {user.path}: base {user.base!r} is neither a checkpoint folder here nor a model "
                      "this tool builds (a family's hub id, e.g. mistralai/Mistral-7B-v0.3); it downloads "
                      "nothing unless --weights hub asks")
+
+
+def base_is_no_family_key(user: UserRun) -> None:
+    """A base spelled as this tool's family key (``base: mistral-7b``), with no folder of that name here, is
+    no base `soup train` loads (transformers reads it as a hub id no one publishes): one line naming the
+    family's hub id, the same in --estimate, --find-max and the measured arm (issue 53 item 4)."""
+    if user.base in ALL_FAMILIES and not os.path.isdir(os.path.expanduser(user.base)):
+        hub = (FAMILIES[user.base] if user.base in FAMILIES else SHAPES[user.base]).hub_id
+        raise UsageError(f"--config {user.path}: base {user.base!r} is this tool's name for a family, not a base "
+                         f"`soup train` can load (no folder of that name here, nor a hub id): write base: {hub}")

@@ -10,6 +10,7 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -19,14 +20,15 @@ from ..constants import comma_list
 from ..errors import EXIT_OK, EXIT_USAGE, UsageError, last_line
 from ..record import LORA_ALPHA, LORA_R, QUANTS
 from ..tasks import TASKS
-from ..model.registry import ALL_FAMILIES, EXPERT_LAYOUTS, RECOMPUTES, by_hub_id, config_json
+from ..model.registry import (ALL_FAMILIES, EXPERT_LAYOUTS, RECOMPUTES, by_hub_id, config_json, hub_id_of,
+                              variant_of)
 from ..model.targets import soup_targets
 from ..measure.shapes import soup_loss_chunk_bounds
 from ..report.outputs import write_json
 from .checks import (_shown, context_within_cards, distinct_choices, no_output_is_an_input, odd_file, one_int,
                      parse_ints, settle_tasks, within_positions)
 from .clashes import check
-from .configarm import STEADY_STEPS
+from .configarm import STEADY_STEPS, base_is_no_family_key
 from .request import Adapter, CardListRequest, EstimateRequest, Outputs
 from .userconfig import UserRun, hub_config, read_soup_config
 
@@ -88,6 +90,7 @@ class FromFile(FromOptions):
         self.user = user
 
     def model(self) -> str:
+        base_is_no_family_key(self.user)  # --model mistral-7b is a family; a soup.yaml's base is soup train's
         return self.user.base
 
     def quants(self) -> tuple:
@@ -132,7 +135,31 @@ def settle(args: argparse.Namespace, argv: list[str]) -> EstimateRequest:
     check("lanes", args)
     check("shard dir", args)
     return replace(request, fit_exit=args.exit_code, verbose=args.verbose, outputs=Outputs(json=args.json),
-                   argv=tuple(argv))
+                   argv=tuple(argv), stack=settle_stack(args.stack))
+
+
+def settle_stack(given: Optional[str]) -> tuple:
+    """--stack PKG=VERSION,...: the training box's packages whose code decides the peak (issue 53 item 16),
+    each named once; soup-cli is not among them: Soup's number is computed from the installed release's source."""
+    from ..estimator.stacks import PACKAGES
+
+    if given is None:
+        return ()
+    takes = [p for p in PACKAGES if p != "soup-cli"]
+    pairs: dict = {}
+    for part in comma_list(given):
+        name, eq, version = (x.strip() for x in part.partition("="))
+        name = name.lower().replace("_", "-")
+        if name == "soup-cli":
+            raise UsageError(f"--stack {given}: soup-cli is not named here: Soup's own number is computed from the "
+                             "installed soup-cli's source, so install the training box's release here")
+        if not eq or name not in takes or not re.fullmatch(r"\d+(?:\.\d+)*(?:[.+\-\w]*)", version):
+            raise UsageError(f"--stack {given}: {part!r} is not PACKAGE=VERSION with a package among "
+                             f"{', '.join(takes)} (e.g. --stack transformers=5.25.0,torch=2.11.0+cu130)")
+        if name in pairs:
+            raise UsageError(f"--stack {given}: {name} is named twice")
+        pairs[name] = version
+    return tuple(pairs.items())
 
 
 @contextlib.contextmanager
@@ -228,6 +255,8 @@ def estimate_config(model: Optional[str], named: str = "--model") -> tuple[str, 
     family = by_hub_id(model)
     if family is not None:  # a registry model's hub id (a soup.yaml's base): its committed public config
         return model, config_json(family)
+    if variant_of(model) is not None:  # its instruct, chat or base variant: the same shapes, offline (shape_line)
+        return model, config_json(variant_of(model))
     path = Path(model).expanduser()
     path = path / "config.json" if path.is_dir() else path
     odd = odd_file(str(path))
@@ -248,18 +277,31 @@ def estimate_config(model: Optional[str], named: str = "--model") -> tuple[str, 
 
 
 def execute(request: EstimateRequest, protocol: object = None) -> int:
-    """--estimate: each (task, quant, seq, batch) from the config alone, on CPU; the table, and --json."""
-    from ..estimator.cards import workspace_env
-    from ..estimator.arch import protocol_targets
-    from ..estimator.soup_number import arch_of
-    from ..estimator.fits import (budgets_for, card_answers, estimate_for, estimate_table, runs_exit_code, steps_words,
-                                  verdict_lines)
-    from ..estimator.releases import UnknownRelease, installed_release, release_label
-    from ..estimator.stacks import check_installed
+    """--estimate: each (task, quant, seq, batch) from the config alone, on CPU; the table, and --json, under
+    the training box's stack where --stack names it."""
+    from ..estimator.attention import training_box
+    from ..estimator.stacks import check, installed_stack
 
     e, a = request, request.adapter
     gate, optimizer, stream = e.gate, e.optimizer, dict(e.stream)
     kw = {"targets": a.targets, "lora_r": a.lora_r}
+    box = dict(e.stack)  # --stack: the training box's packages, in place of this machine's
+    with training_box(box.get("transformers")):
+        return answered(e, a, gate, optimizer, stream, kw, box,
+                        check({**installed_stack(), **box}, nf4="nf4" in e.quants) if box else None)
+
+
+def answered(e: EstimateRequest, a: Adapter, gate, optimizer, stream: dict, kw: dict, box: dict, boxed) -> int:
+    """--estimate's rows, text and JSON, under the stack they answer for (``boxed``: --stack's check)."""
+    from ..estimator.cards import workspace_env
+    from ..estimator.arch import protocol_targets
+    from ..estimator.soup_number import arch_of
+    from ..estimator.fits import (budgets_for, card_answers, estimate_for, estimate_table, first_line, runs_exit_code,
+                                  steps_words, verdict_lines)
+    from ..estimator.releases import UnknownRelease, installed_release, release_label
+    from ..estimator.stacks import check_installed
+    from ..estimator.steady import bound_words, is_bounded
+
     try:
         rows = [estimate_for(e.config, quant=q, seq=s, batch=b, steps=e.steps, stream=stream, task=t,
                              optimizer=optimizer, accumulation=e.accumulation, **kw)
@@ -279,24 +321,35 @@ def execute(request: EstimateRequest, protocol: object = None) -> int:
     notes = estimate_notes(e.config, e.quants)
     named = f"{e.model}, from --config {a.soup_config}" if a.soup_config else e.model
     answer = steps_words(e.steps, e.steps_from)
-    stack = check_installed(nf4="nf4" in e.quants)
-    text = (f"--estimate: {named}: {answer}\n" + "".join(f"  {v}\n" for v in verdict_lines(rows, e.cards, answers))
-            + f"  {stack.line()}\n"
+    stack = boxed or check_installed(nf4="nf4" in e.quants)
+    stack_line = stack.line() if not box else stack.line().replace(
+        "stack: ", f"stack (the training box's, by --stack {','.join(f'{p}={v}' for p, v in box.items())}; the rest "
+        "this machine's): ", 1)
+    bound = bound_words(optimizer) if optimizer and e.steps > 1 and is_bounded(optimizer) else None
+    verdict = first_line(rows, e.cards, answers)
+    if bound:  # every figure is the bound's: said on the verdict's line and on its own
+        verdict = verdict.replace("verdict (", f"verdict (an UPPER BOUND: training.optimizer {optimizer} is not modelled; ", 1)
+    text = (verdict + f"\n--estimate: {named}: {answer}\n" + "".join(f"  {v}\n" for v in verdict_lines(rows, e.cards, answers))
+            + f"  {stack_line}\n" + (f"  {shape_line(e.model)}\n" if variant_of(e.model) else "")
+            + f"  {lora_line(e)}\n" + (f"  {bound}\n" if bound else "")
+            + "".join(f"  {c}\n" for c in config_caveats(e.config, e.quants))
             + "".join(f"  from the file: {k}\n" for k in e.keys)
             + "(Soup's pre-flight: computed by Soup's own estimator code; corrected and needs free: this tool's "
-            "estimator, from the config alone)\n" + table + "".join(f"note: {n}\n" for n in notes))
+            "estimator, from the config alone)\n" + table + "".join(f"note: {n}\n" for n in notes if not n.startswith("config: ")))
     print(text, end="")
     fits_all = all(x["fits"] for per in answers for x in per)
     if e.outputs.json:
         arch = arch_of(e.config)
         targets = soup_targets(a.targets, e.config, arch, None) or protocol_targets(arch)
         if not write_json(e.outputs.json, "estimate", {
-                "model": e.model, "soup_cli": installed, "stack": stack.to_json(), "tasks": list(e.tasks),
+                "model": e.model, **({"shape": {"family": variant_of(e.model), "hub_id": hub_id_of(variant_of(e.model)),
+                                                "said": shape_line(e.model)}} if variant_of(e.model) else {}),
+                "soup_cli": installed, "stack": {**stack.to_json(), **({"given": box} if box else {})}, "tasks": list(e.tasks),
                 "targets": list(targets),
                 **({"soup_targets": a.targets[0]} if a.targets and tuple(targets) != tuple(a.targets) else {}),
                 "config": a.soup_config, "lora_alpha": a.lora_alpha, "stream": stream, "steps": e.steps,
                 "answer": answer, "soup_gate": {"rule": gate.rule, "override_bytes": gate.override},
-                "config_keys": list(e.keys), "fits_every_card": fits_all if e.cards else None,
+                "config_keys": list(e.keys), "upper_bound": bound, "fits_every_card": fits_all if e.cards else None,
                 "runs_on_every_card": runs_exit_code(answers) == EXIT_OK if e.cards else None, "lora_r": a.lora_r,
                 "cards": [{"card": c.name, "bytes": c.total_bytes} for c in e.cards], "notes": notes,
                 "rows": [dict(r.to_json(), cards=x) for r, x in zip(rows, answers)]}):
@@ -304,19 +357,56 @@ def execute(request: EstimateRequest, protocol: object = None) -> int:
     return runs_exit_code(answers) if e.fit_exit else EXIT_OK
 
 
+def lora_line(e: EstimateRequest) -> str:
+    """The adapter the figures are at (issue 53 item 9): its rank and alpha, and its targets as Soup's LoraConfig
+    resolves them (auto: peft's table for the model type; all-linear: every linear module of a layer; none
+    given: the protocol's), with where they came from."""
+    from ..estimator.arch import protocol_targets
+    from ..estimator.soup_number import arch_of
+
+    a, arch = e.adapter, arch_of(e.config)
+    targets = soup_targets(a.targets, e.config, arch, None) or protocol_targets(arch)
+    source = "training.lora" if a.soup_config else "--lora-r and --targets, or their defaults"
+    spelled = (f" (target_modules {a.targets[0]}, resolved as Soup's LoraConfig does)" if a.targets
+               and tuple(targets) != tuple(a.targets) else "" if a.targets else " (the protocol's; --targets names others)")
+    return (f"LoRA (the figures' adapter, from {source}): r {a.lora_r}, alpha {a.lora_alpha}, on {len(targets)} "
+            f"module(s) a layer: {','.join(targets)}{spelled}")
+
+
+def shape_line(model: str) -> str:
+    """Which shape answered for a registry model's instruct, chat or base variant (issue 53 item 12)."""
+    key = variant_of(model)
+    return (f"shape: {model} is answered by {hub_id_of(key)}'s public config (the family {key}, committed here, "
+            "offline): its variant of the same architecture and sizes; give its own config.json with --model for "
+            "any difference")
+
+
 def estimated_as(e: EstimateRequest) -> str:
     """What the user named: --config's file and its base, else --model."""
     return f"--config {e.adapter.soup_config} (base {e.model})" if e.adapter.soup_config else f"--model {e.model}"
 
 
-def estimate_notes(config: dict, quants) -> list[str]:
-    """What the estimate leaves out, said where its numbers are read."""
-    notes = []
+def config_caveats(config: dict, quants) -> list[str]:
+    """What of the config itself the figures do not follow, said under the verdict, where it is read (issue 53
+    item 11: a quantization_config and a hidden size no head count divides were answered without a word)."""
+    lines = []
     q = config.get("quantization_config")
     if q is not None:
         method = q.get("quant_method", "unnamed") if isinstance(q, dict) else type(q).__name__
-        notes.append(f"the config's quantization_config ({method}) is NOT modelled: these figures are Soup's "
+        lines.append(f"config: its quantization_config ({method}) is NOT modelled: these figures are Soup's "
                      f"--quant {','.join(quants)} of the full-precision shapes the config describes")
+    h, nh = config.get("hidden_size"), config.get("num_attention_heads")
+    if config.get("head_dim") is None and all(isinstance(v, int) and not isinstance(v, bool) and v > 0
+                                              for v in (h, nh)) and h % nh:
+        lines.append(f"config: hidden_size {h} is not a multiple of num_attention_heads {nh}, and no head_dim is "
+                     f"given: each head is taken {h // nh} wide (hidden_size // heads, as transformers takes it), the "
+                     f"attention {nh * (h // nh)} wide, not {h}; no released model is shaped so: check the config")
+    return lines
+
+
+def estimate_notes(config: dict, quants) -> list[str]:
+    """What the estimate leaves out, said where its numbers are read."""
+    notes = config_caveats(config, quants)
     notes.append("needs free assumes the allocator's expandable segments, as `soup train` sets them "
                  "(PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True)")
     notes.append("not estimated: the disk Soup's store overflows to where the free RAM is short of its RAM tier "

@@ -14,7 +14,8 @@ from typing import Any, Callable
 from ..errors import UsageError
 from ..results.saved import RowFile
 from . import estimate_mode, find_max_mode, measure_mode, patchout, rerender_mode
-from .checks import PLOT_NEEDS, _shown, check_output, no_output_is_an_input, require_installed
+from .checks import (PLOT_NEEDS, _shown, check_output, config_is_a_file, never_replaced, no_output_is_an_input,
+                     require_installed)
 from .clashes import check
 from .request import CardListRequest, EstimateRequest, FindMaxRequest, MeasureRequest, RerenderRequest, SoupPatchRequest
 
@@ -53,7 +54,10 @@ def settle(args: argparse.Namespace, argv: list[str]) -> Any:
     check("settle", args)
     try:
         shared_checks(args)
-        return next(m for m in MODES if m.chosen(args)).settle(args, argv)
+        request = next(m for m in MODES if m.chosen(args)).settle(args, argv)
+        for flag in ("--json", "--markdown", "--plot"):  # after each mode's own: an input is said as one
+            never_replaced(flag, getattr(args, flag[2:]))
+        return request
     except OSError as exc:  # a path no filesystem takes (a name too long, a loop): one line naming it
         raise UsageError(f"{path_flag(args, exc.filename)} {_shown(str(exc.filename))}: "
                          f"{(exc.strerror or 'cannot be used').lower()}") from None
@@ -78,6 +82,8 @@ def shared_checks(args: argparse.Namespace) -> None:
     if args.from_json:
         args.from_json = [os.path.expanduser(p) for p in args.from_json]
     check("options", args)
+    if args.config is not None:
+        config_is_a_file(args.config)
     outputs = {f: getattr(args, f.strip("-").replace("-", "_")) for f in ("--json", "--markdown", "--plot")}
     for flag, path in outputs.items():
         if path is not None:

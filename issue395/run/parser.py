@@ -5,6 +5,9 @@ one line (exit 2, no usage dump). What the options mean together is settled in `
 from __future__ import annotations
 
 import argparse
+import itertools
+import os
+import sys
 
 from ..errors import UsageError
 from ..record import MAP_BATCHES, MAP_SEQS, QUANTS, RECORD_GRID
@@ -50,6 +53,8 @@ class Parser(argparse.ArgumentParser):
         raise UsageError(meant(self, message))
 
     def parse_known_args(self, args=None, namespace=None):  # type: ignore[override]
+        if args is not None:
+            given_once(self, list(args))
         return super().parse_known_args(None if args is None else values_taken(self, list(args)), namespace)
 
 
@@ -68,6 +73,32 @@ def meant(parser: argparse.ArgumentParser, message: str) -> str:
         if near:
             hints.append(f"{flag}: did you mean {near[0]}?")
     return message + (f" ({'; '.join(hints)})" if hints else "")
+
+
+def given_once(parser: argparse.ArgumentParser, argv: list[str]) -> None:
+    """An option that takes a value, given twice, is one line: argparse would keep the last and drop the
+    first without a word (``--card 24GB --card 80GB --exit-code`` checked 80GB alone). A comma list's
+    values go in one comma list; --from-json's paths all after the one flag. A flag (--dry-run) may repeat."""
+    seen: dict[str, str] = {}
+    for i, word in enumerate(argv):
+        if word == "--":
+            return
+        flag, eq, value = word.partition("=")
+        action = parser._option_string_actions.get(flag) if flag.startswith("--") else None
+        if action is None or action.nargs == 0:
+            continue
+        if not eq:  # its value(s): the words up to the next option (one, where it takes one)
+            rest = argv[i + 1:i + 2] if action.nargs is None else \
+                list(itertools.takewhile(lambda w: not w.startswith("-"), argv[i + 1:]))
+            value = " ".join(rest[:1] if action.nargs in (None, "?") else rest)
+        if flag in seen:
+            listed = "comma list" in (action.help or "")
+            how = (f"several go in one comma list ({flag} {seen[flag]},{value})" if listed else
+                   f"every path after the one {flag} ({flag} {seen[flag]} {value})" if action.nargs == "+"
+                   else "give it once")
+            raise UsageError(f"{flag} is given twice ({seen[flag] or 'bare'}, then {value or 'bare'}): a second "
+                             f"would silently replace the first; {how}")
+        seen[flag] = value
 
 
 def values_taken(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
@@ -93,8 +124,18 @@ def values_taken(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
     return out
 
 
+#: The console command `pip install` makes (pyproject.toml's [project.scripts]).
+COMMAND = "issue395"
+
+
+def command_name() -> str:
+    """What the user typed, as usage names it: the console command `issue395`, else the entry script
+    (issue 53 item 11: `issue395 --help` said `usage: issue395_second_stack_vram.py`)."""
+    return COMMAND if os.path.basename(sys.argv[0] or "") == COMMAND else "issue395_second_stack_vram.py"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = Parser(prog="issue395_second_stack_vram.py", epilog=EPILOG,
+    p = Parser(prog=command_name(), epilog=EPILOG,
                description="Re-measure Soup's stream peak-VRAM pre-flight (the issue #395 record).",
                formatter_class=argparse.RawDescriptionHelpFormatter)
     m = p.add_argument_group("modes (default: the sweep)")
@@ -176,6 +217,11 @@ def build_parser() -> argparse.ArgumentParser:
                    "(2 stays a usage error)")
     e.add_argument("--context", default=None, metavar="GB", help="with --card or --emulate-card: the CUDA context your card "
                    "leaves outside the allocator, in GB (default: Soup's measured 0.85 GB)")
+    e.add_argument("--stack", default=None, metavar="PKG=VERSION,...",
+                   help="with --estimate, run on another machine than the one that will train (a laptop): the "
+                        "training box's packages, a comma list of torch, transformers, peft, trl, bitsandbytes "
+                        "=VERSION, in place of this machine's; the stack check and transformers' attention "
+                        "(Gemma-2 runs eager from 5.24.0) follow it")
     e.add_argument("--targets", default=None, help="comma list of LoRA targets (default q_proj,v_proj; "
                    "Phi-3: qkv_proj)")
     e.add_argument("--lora-r", default=None, help="LoRA rank (default 8)")

@@ -16,7 +16,7 @@ from ..estimator.releases import PATCH_MODULE, installed_release, soup_dir
 from ..estimator.soup_number import patched
 from ..estimator.soup_patch import soup_patch
 from ..report.outputs import write_output
-from .checks import check_output
+from .checks import check_output, never_replaced
 from .request import SoupPatchRequest
 
 
@@ -33,6 +33,7 @@ def settle(args: argparse.Namespace, argv: list[str]) -> SoupPatchRequest:
                          f"{', '.join(others)})")
     path = os.path.expanduser(args.soup_patch)
     check_output("--soup-patch", path)
+    never_replaced("--soup-patch", path)
     src = soup_dir()
     if os.path.realpath(path).startswith(os.path.realpath(src) + os.sep):
         raise UsageError(f"--soup-patch {path} is inside the installed soup_cli ({src}), which the diff is made "

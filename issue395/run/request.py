@@ -140,6 +140,7 @@ class EstimateRequest:
     verbose: bool = False
     outputs: Outputs = Outputs()
     argv: tuple = ()
+    stack: tuple = ()  # --stack: the training box's (package, version) pairs, in place of this machine's
 
     @property
     def gate(self) -> Any:

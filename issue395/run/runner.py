@@ -22,8 +22,60 @@ EXECUTE = {m.request: m.execute for m in (SOUP_PATCH, CARD_LIST, *MODES)}
 
 
 def cli(argv: list[str], protocol: Protocol) -> int:
-    """The command line (or, in a child, its job file) settled and executed; bad input is one line."""
-    argv = list(argv)
+    """The command line (or, in a child, its job file) settled and executed; bad input is one line, and so is
+    a stdout that cannot be written (a full disk, ``> /dev/full``: issue 53 item 5), never a traceback."""
+    out = WatchedStdout(sys.stdout)
+    try:
+        with contextlib.redirect_stdout(out):
+            code = settled_and_executed(list(argv), protocol)
+            out.flush()
+    except SystemExit:  # --help: argparse swallows its own write's error
+        if out.failed is None:
+            raise
+    except OSError:
+        if out.failed is None:
+            raise
+    return code if out.failed is None else stdout_lost(out.failed)
+
+
+class WatchedStdout:
+    """stdout as the run writes it, its first failure kept (the run's own OSErrors are not stdout's)."""
+
+    def __init__(self, stream: Any) -> None:
+        self._stream, self.failed = stream, None
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream.write(text)
+        except OSError as exc:
+            self.failed = self.failed or exc
+            raise
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except OSError as exc:
+            self.failed = self.failed or exc
+            raise
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
+def stdout_lost(exc: OSError) -> int:
+    """One line on stderr for a stdout that could not be written, exit 2; stdout then goes to /dev/null so
+    the interpreter's own flush at exit does not fail again."""
+    print(f"error: stdout cannot be written ({(exc.strerror or str(exc)).lower()}): the answer printed there is "
+          "lost; give --json PATH to keep it in a file, or send stdout where it can be written", file=sys.stderr)
+    with contextlib.suppress(OSError, ValueError):
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, sys.__stdout__.fileno())
+        os.close(null)
+    return EXIT_USAGE
+
+
+def settled_and_executed(argv: list[str], protocol: Protocol) -> int:
+    """The command line (or a child's job file) settled and executed by its mode; bad input is one line."""
     tolerant_streams()
     try:
         job_file = os.environ.pop(CHILD_JOB, None)

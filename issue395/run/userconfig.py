@@ -259,7 +259,7 @@ def key_lines(cfg: Any, quant: str, given: Optional[set] = None) -> list[str]:
                      "adapter's gradients (held_gradients)")
     if str(t.optimizer) != DEFAULT_OPTIMIZER:  # its steady state, by the estimator's optimizer table
         lines.append(f"training.optimizer {t.optimizer}: its states from step 2 on, by the estimator's optimizer "
-                     "table (an optimizer it has no entry for is refused)")
+                     "table (one it has no entry for is charged as an upper bound, said as one)")
     dropout = float(getattr(t.lora, "dropout", LORA_DROPOUT))
     if dropout > 0 and dropout != LORA_DROPOUT:
         lines.append(f"training.lora.dropout {dropout:g}: modelled: peft's Dropout keeps its output and a 1-byte mask "

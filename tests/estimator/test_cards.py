@@ -13,6 +13,7 @@ from issue395.record import RECORD_A10G_PEAK
 from issue395.model.registry import config_json
 from issue395.estimator.releases import soup_dir as _soup_dir
 from conftest import main, one_error_line
+from issue395.estimator.cards import CARDS, parse_card, parse_cards
 
 ASKED = ("A10G", "L4", "T4", "RTX3090", "RTX4090", "RTX5090", "A100-40GB", "A100-80GB", "L40S", "H100", "H200")
 
@@ -151,3 +152,37 @@ def test_card_list_names_every_card_with_its_source(capfd):
         (line,) = [ln for ln in out.splitlines() if ln.split()[0] == card.name]
         assert card.source in line
     one_error_line(*main(capfd, ["--card", "list", "--seq", "512"]), "--card list", "--seq")
+NEW_CARDS = {"V100-16GB": (16160, (7, 0)), "V100-32GB": (32510, (7, 0)), "RTX-A6000": (49140, (8, 6)),
+             "RTX4080": (16376, (8, 9)), "RTX3080": (10240, (8, 6)), "A40": (46068, (8, 6)), "L40": (46068, (8, 9)),
+             "RTX2080Ti": (11264, (7, 5))}
+
+
+@pytest.mark.parametrize("name", sorted(NEW_CARDS))
+def test_issue53_cards_are_named_with_their_total_compute_capability_and_source(capfd, name):
+    """Issue 53 item 15: V100 16/32 GB, RTX A6000, RTX 4080, RTX 3080, A40, L40 and RTX 2080 Ti are named cards,
+    each with nvidia-smi's total, its compute capability and where the total comes from, listed by --card list,
+    and --estimate answers on it."""
+    from conftest import main
+
+    card = CARDS[name.lower()]
+    assert (card.total_bytes, card.cc) == (NEW_CARDS[name][0] * 2**20, NEW_CARDS[name][1])
+    assert f"{NEW_CARDS[name][0]}MiB" in card.source
+    code, out, err = main(capfd, ["--card", "list"])
+    (line,) = [ln for ln in out.splitlines() if ln.split()[0] == name]
+    assert card.source in line
+    code, out, err = main(capfd, ["--estimate", "--model", "qwen", "--seq", "512", "--card", name])
+    assert code == 0 and out.splitlines()[0].startswith("verdict") and f"  {name}: sft none 512x1: " in out, err
+
+
+@pytest.mark.parametrize("spelled, name", [("RTX 4080", "RTX4080"), ("rtx a6000", "RTX-A6000"), ("v100 32gb", "V100-32GB"),
+                                          ("RTX_2080_Ti", "RTX2080Ti"), ("a100 80gb", "A100-80GB")])
+def test_a_card_is_named_whatever_its_case_spaces_and_dashes(spelled, name):
+    assert parse_card(spelled).name == name
+
+
+def test_two_cards_of_one_total_are_two_cards_and_one_card_twice_is_refused():
+    """L40 and L40S print the same total; they are still two cards. The same card in two spellings is one."""
+    assert [c.name for c in parse_cards("L40,L40S,A40")] == ["L40", "L40S", "A40"]
+    for twice in ("L40,l40", "RTX 4080,RTX4080", "24GB,24.0GB"):
+        with pytest.raises(UsageError, match="named twice"):
+            parse_cards(twice)

@@ -114,7 +114,7 @@ def test_a_wide_grid_is_one_row_per_arm_and_its_lines_stay_under_160_characters(
     assert [ln.split()[:2] for ln in table[2:]] == [[q, f"{s}x1"] for q in ("none", "nf4")
                                                     for s in (512, 1024, 2048, 4096)]
     code, out, _ = main(capfd, ["--estimate", "--model", "llama31-8b", "--seq", "512,1024,2048", "--quant", "none,nf4"])
-    assert "none 512x1" in out.splitlines()[1]  # six arms: still a column each
+    assert "none 512x1" in out.splitlines()[2]  # six arms: still a column each (under the verdict, the header)
 
 
 def test_the_readmes_does_it_fit_example_is_what_estimate_prints(capfd, tmp_path, monkeypatch):
@@ -300,3 +300,50 @@ def test_the_host_ram_the_streamed_store_needs_is_beside_the_verdict(capfd, mode
     gbs = float(re.search(r"store[^0-9]*([0-9.]+) GB", lines[i + 1]).group(1))
     assert (gbs > 20) == (model != "mistral-7b"), lines[i + 1]  # the store of the config's own depth (4 of 61 layers here)
     assert not any(ln.startswith("note: not estimated: host RAM") for ln in lines)
+README_SOUP = ("base: mistralai/Mistral-7B-v0.3\ndata: {{train: data.jsonl, max_length: {seq}}}\ntraining: {{batch_size: 1, "
+               "quantization: 4bit, stream_layers: true, lora: {{r: 8, alpha: 16, target_modules: [q_proj, v_proj]}}}}\n")
+
+
+@pytest.mark.parametrize("seq, card, code, words", [
+    (2048, "T4", 0, ["fits on T4, and Soup's gate admits it there", "--exit-code 0"]),
+    (2048, "3.3GB", 1, ["does NOT fit on 3.3GB (needs ", "--exit-code 1"]),
+    (2048, "3.3GB,T4", 1, ["does NOT fit on 3.3GB (needs ", "fits on T4, and Soup's gate admits it there"]),
+    (19584, "T4", 3, ["fits on T4, but Soup's gate refuses it there", "--exit-code 3"]),
+])
+def test_the_verdict_is_the_first_line_and_says_what_the_exit_code_answers(capfd, tmp_path, seq, card, code, words):
+    """Issue 53 item 13: line 1 was a 213-character header; it is now the verdict over every card (this tool's
+    fit and Soup's gate), naming the exit code --exit-code gives, which it agrees with."""
+    from conftest import main
+
+    yaml = tmp_path / "soup.yaml"
+    yaml.write_text(README_SOUP.format(seq=seq))
+    got, out, err = main(capfd, ["--estimate", "--config", yaml, "--card", card, "--exit-code"])
+    assert got == code, err
+    first = out.splitlines()[0]
+    assert first.startswith("verdict (this tool's estimate and Soup's own gate): ") and len(first) < 213, first
+    for w in words:
+        assert w in first, (w, first)
+    assert out.splitlines()[1].startswith("--estimate: mistralai/Mistral-7B-v0.3, from --config ")
+
+
+def test_without_a_card_the_first_line_is_what_it_needs_free(capfd):
+    from conftest import main
+
+    code, out, err = main(capfd, ["--estimate", "--model", "qwen", "--seq", "512,1024"])
+    first = out.splitlines()[0]
+    assert code == 0 and first.startswith("verdict: needs ") and "at sft none 1024x1" in first, first
+
+
+def test_every_card_line_carries_its_arms_tag_and_says_fits_as_does_not_fit_does(capfd):
+    """Issue 53 item 11: SFT lines had no task/quant/shape tag where DPO lines did, and "fits (4.70 of 14.99 GB
+    free)" stood beside "does NOT fit (needs 27.55 GB, ...)": every line is `CARD: TASK QUANT SEQxBATCH:` and
+    both verdicts read (needs X GB, Y GB free)."""
+    from conftest import main
+
+    code, out, err = main(capfd, ["--estimate", "--model", "qwen", "--seq", "512,16384", "--task", "sft,dpo",
+                                  "--card", "T4"])
+    cards = [ln.strip() for ln in out.splitlines() if ln.startswith("  T4: ")]
+    assert [ln.split(":")[1].strip() for ln in cards] == ["sft none 512x1", "sft none 16384x1", "dpo none 512x1",
+                                                           "dpo none 16384x1"], cards
+    assert any("does NOT fit (needs " in ln for ln in cards) and any(": fits (needs " in ln for ln in cards)
+    assert all(" GB free)" in ln for ln in cards)

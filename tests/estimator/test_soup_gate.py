@@ -22,7 +22,7 @@ def test_an_override_of_1GB_makes_soup_refuse_the_readmes_run(capfd, tmp_path):
     assert card["soup_admits"] is False and card["gate_free_bytes"] == 10**9
     assert card["fits"] is True  # the card is what it is: only Soup's gate moved
     assert card["longest_seq_soup_admits"] < row["cards"][0]["longest_seq_soup_admits"]
-    assert "Soup refuses it" in text.splitlines()[1] and "stream_vram_override" in text
+    assert "Soup refuses it" in text.splitlines()[2] and "stream_vram_override" in text
 
 
 def test_an_override_above_the_card_lets_soup_admit_what_does_not_fit(capfd, tmp_path):

@@ -102,8 +102,21 @@ def test_a_task_the_estimator_cannot_model_is_refused_in_one_line():
         E.estimate_key("smol+chunk512", seq=2048, task="dpo", release="0.77.0", soup=False)
     with pytest.raises(UsageError, match="not one Soup streams"):
         E.estimate_key("smol", seq=512, task="grpo", soup=False)
-    with pytest.raises(UsageError, match="optimizer 'adamw_4bit' is not modelled"):
-        E.estimate_key("smol", seq=512, steps=2, optimizer="adamw_4bit", soup=False)
+
+
+
+def test_an_optimizer_the_estimator_does_not_model_is_charged_as_an_upper_bound_not_refused():
+    """Issue 53 item 14: adafactor, adamw_hf (any name the optimizer table lacks) was refused; it is charged as
+    two fp32 states and two fp32 step copies per LoRA parameter, at least what any modelled optimizer costs."""
+    from issue395.estimator.steady import OPTIMIZERS
+
+    bound = {o: E.estimate_key("smol", seq=512, steps=2, optimizer=o, soup=False).terms
+             for o in ("adafactor", "adamw_hf")}
+    assert bound["adafactor"] == bound["adamw_hf"]
+    for name in OPTIMIZERS:
+        modelled = E.estimate_key("smol", seq=512, steps=2, optimizer=name, soup=False).terms
+        for key in ("adam_moments", "optimizer_transients"):  # the states term keeps its first name
+            assert bound["adafactor"][key] >= modelled[key], (name, key)
 
 
 def test_the_untied_head_keeps_a_private_copy_only_where_a_second_forward_refills_its_slot():

@@ -91,3 +91,16 @@ def test_the_records_models_are_looked_up_from_their_shapes_under_any_mode():
     assert (smol["num_attention_heads"], smol["num_key_value_heads"], smol["tie_word_embeddings"]) == (9, 3, True)
     assert config_json("qwen")["use_sliding_window"] is False
     assert config_json("gemma-2b") == {"model_type": "gemma", **FAMILIES["gemma-2b"].config}
+
+
+def test_variant_of_maps_instruct_chat_and_base_names_onto_their_family_and_nothing_else():
+    """Issue 53 item 12: a variant word (instruct, chat, it, pt, base) is all that may differ from a registry
+    hub id; the org, size and version must match."""
+    from issue395.model.registry import variant_of
+
+    assert variant_of("google/gemma-3-1b-it") == "gemma3-1b"  # Gemma's it beside its pt
+    assert variant_of("HuggingFaceTB/SmolLM2-135M-Instruct") == "smol"
+    assert variant_of("Qwen/Qwen3-0.6B-Base") == "qwen3-0.6b"
+    for other in ("Qwen/Qwen2.5-0.5B", "Qwen/Qwen2.5-1.5B-Instruct", "mistralai/Mistral-7B-Instruct-v0.2",
+                  "someone/Qwen2.5-0.5B-Instruct", "Qwen2.5-0.5B-Instruct", ""):
+        assert variant_of(other) is None, other

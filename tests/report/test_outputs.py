@@ -96,10 +96,14 @@ def test_a_read_only_output_is_refused_not_replaced(capfd, tmp_path):
 ENOSPC = (28, "No space left on device")
 
 
+#: A file this tool wrote: a JSON whose first key is its "tool" (the only kind write_output replaces).
+OURS = '{"tool": "issue395_second_stack_vram", "schema": 3, "kind": "estimate"}\n'
+
+
 def test_write_output_through_a_symlink_writes_the_target_and_keeps_the_link(tmp_path):
     target = tmp_path / "real" / "out.json"
     target.parent.mkdir()
-    target.write_text("old")
+    target.write_text(OURS)
     link = tmp_path / "link.json"
     link.symlink_to(target)
     write_output(str(link), b"new")
@@ -143,7 +147,7 @@ def test_write_output_to_dev_null_leaves_it_a_character_device():
 
 def test_write_output_replaces_a_regular_file_and_leaves_no_temp_file(tmp_path):
     out = tmp_path / "out.json"
-    out.write_text("old content that is longer than the new one")
+    out.write_text(OURS + " " * 64)  # this tool's own JSON, longer than the new content
     write_output(str(out), b"new")
     assert out.read_bytes() == b"new"
     assert [p.name for p in tmp_path.iterdir()] == ["out.json"]
@@ -154,7 +158,7 @@ def test_write_output_replaces_a_regular_file_and_leaves_no_temp_file(tmp_path):
 
 def test_write_output_that_fails_leaves_the_old_content_and_no_temp_file(tmp_path, monkeypatch):
     out = tmp_path / "out.json"
-    out.write_text("old")
+    out.write_text(OURS)
 
     def full_disk(src, dst):
         raise OSError(*ENOSPC)
@@ -162,7 +166,7 @@ def test_write_output_that_fails_leaves_the_old_content_and_no_temp_file(tmp_pat
     monkeypatch.setattr(os, "replace", full_disk)
     with pytest.raises(OSError, match="No space left on device"):
         write_output(str(out), b"new")
-    assert out.read_text() == "old"
+    assert out.read_text() == OURS
     assert [p.name for p in tmp_path.iterdir()] == ["out.json"]
 
 
@@ -381,3 +385,42 @@ def test_from_json_writes_markdown_and_a_valid_png_plot(saved, result, tmp_path,
         width, height = img.size
     assert width >= 600 and height >= 400
     assert render_plot(result)[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# Issue 53, items 1 and 2: an output never replaces a file this tool did not write (USAGE.md, "Files it writes").
+
+def test_write_output_refuses_a_file_this_tool_did_not_write_even_when_it_appears_mid_run(tmp_path):
+    """A file put at an output's path after the command line was settled (a config.json, a script) is not
+    replaced at the write either: NotOurs, an OSError the outputs' one error line reports, the file intact."""
+    from issue395.report.outputs import NotOurs
+
+    out = tmp_path / "config.json"
+    out.write_text('{"model_type": "llama"}\n')
+    with pytest.raises(NotOurs, match="not this tool's own output"):
+        write_output(str(out), b"{}")
+    assert out.read_text() == '{"model_type": "llama"}\n'
+    assert [p.name for p in tmp_path.iterdir()] == ["config.json"]
+
+
+def test_every_output_this_tool_writes_carries_its_mark_and_a_foreign_one_does_not(tmp_path, result):
+    """The rule's other half: a JSON result, --markdown's record and --plot's PNG (the sweep's and the map's
+    heatmap) as this tool renders them are recognised as its own, so a second run replaces them; a PNG
+    matplotlib wrote for someone else, a markdown file and a JSON without the tool's key are not."""
+    from issue395.report.outputs import not_ours
+
+    ours = {"r.json": json.dumps(result.to_json(), indent=2, default=str).encode(),
+            "r.md": render_markdown(result).encode(), "r.png": render_plot(result)}
+    fig, ax = plt.subplots()
+    ax.plot([1, 2])
+    import io
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    plt.close(fig)
+    foreign = {"f.png": buf.getvalue(), "f.md": b"# My notes\n", "f.json": b'{"model_type": "llama"}\n',
+               "f.yaml": b"base: x\n"}
+    for name, data in {**ours, **foreign}.items():
+        (tmp_path / name).write_bytes(data)
+    assert [n for n in ours if not_ours(str(tmp_path / n))] == []
+    assert [n for n in foreign if not not_ours(str(tmp_path / n))] == []
+    (tmp_path / "empty").write_bytes(b"")  # nothing to lose (a mktemp'd name)
+    assert not not_ours(str(tmp_path / "empty")) and not not_ours(str(tmp_path / "absent.json"))

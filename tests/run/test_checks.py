@@ -160,3 +160,95 @@ def test_estimate_needs_none_of_them(run_cli, tmp_path):
     out = without(run_cli, tmp_path, ["torch", "transformers", "trl", "peft", "datasets", "accelerate"],
                   ["--estimate", "--model", "smol", "--seq", "512", "--card", "T4"])
     assert out.returncode == 0, out.stderr
+# Issue 53, item 1: --json (and --markdown, --plot) never replace a file this tool did not write.
+
+FAMILY_YAML = """base: {base}
+task: sft
+data: {{train: data.jsonl, max_length: 512}}
+training:
+  batch_size: 1
+  quantization: none
+  stream_layers: true
+  lora: {{r: 8, alpha: 16, target_modules: [q_proj, v_proj]}}
+"""
+
+
+def test_json_naming_the_bases_config_json_is_refused_and_the_next_estimate_still_runs(capfd, tmp_path):
+    """The user's --json pointed at the config.json of the soup.yaml's base folder: one line, exit 2, the
+    config.json byte for byte as it was, and the next --estimate answers (before, it was overwritten)."""
+    import json
+
+    from issue395.model.registry import config_json
+
+    base = tmp_path / "base"
+    base.mkdir()
+    config = base / "config.json"
+    config.write_text(json.dumps(config_json("qwen")))
+    before = config.read_bytes()
+    yaml = tmp_path / "soup.yaml"
+    yaml.write_text(FAMILY_YAML.format(base=base))
+    one_error_line(*main(capfd, ["--estimate", "--config", yaml, "--json", config]),
+                   f"--json {config}", "not this tool's own output", "never replaced")
+    assert config.read_bytes() == before
+    code, out, err = main(capfd, ["--estimate", "--config", yaml])
+    assert code == 0, err
+
+
+@pytest.mark.parametrize("flag", ["--json", "--markdown", "--plot"])
+def test_an_output_on_a_users_file_is_one_line_and_the_file_is_untouched(capfd, tmp_path, flag):
+    """The tool's own entry script, a soup.yaml, any file it did not write: never replaced by any output
+    in any mode, refused before anything runs."""
+    from conftest import SCRIPT
+
+    victim = tmp_path / ("entry.png" if flag == "--plot" else "entry.py")
+    victim.write_bytes(SCRIPT.read_bytes())
+    for argv in (["--estimate", "--model", "qwen", "--seq", "512"], ["--dry-run", "--models", "smol", "--seq", "64"]):
+        if flag != "--json" and argv[0] == "--estimate":
+            continue  # --estimate writes --json alone
+        one_error_line(*main(capfd, [*argv, flag, victim]), f"{flag} {victim}", "not this tool's own output")
+    assert victim.read_bytes() == SCRIPT.read_bytes()
+
+
+def test_json_replaces_this_tools_own_json_and_an_empty_file(capfd, tmp_path):
+    """What may be replaced: a JSON this tool wrote (a second run on the same path) and an empty file."""
+    out = tmp_path / "fit.json"
+    for _ in range(2):
+        code, _, err = main(capfd, ["--estimate", "--model", "qwen", "--seq", "512", "--json", out])
+        assert code == 0, err
+    empty = tmp_path / "empty.json"
+    empty.write_bytes(b"")
+    code, _, err = main(capfd, ["--estimate", "--model", "qwen", "--seq", "512", "--json", empty])
+    assert code == 0 and empty.read_text().startswith('{\n  "tool": "issue395_second_stack_vram"'), err
+
+
+def test_an_output_spelled_as_a_folder_is_refused_not_written_beside_it(capfd, tmp_path):
+    """Issue 53 item 11: --json out.json/ wrote out.json; a trailing '/' names a folder."""
+    path = f"{tmp_path / 'out.json'}/"
+    one_error_line(*main(capfd, ["--estimate", "--model", "qwen", "--seq", "512", "--json", path]),
+                   "ends in '/'", "give a file path")
+    assert list(tmp_path.iterdir()) == []
+
+
+# Issue 53 items 6 and 7: --config names a file to read, said as what it is when it is not one.
+
+@pytest.mark.parametrize("make, words", [
+    (lambda p: os.mkfifo(p), ["a FIFO (named pipe)"]),
+    (lambda p: os.mkdir(p), ["is a folder"]),
+    (None, ["a character device"]),
+    (lambda p: None, ["no such file"]),
+])
+@pytest.mark.parametrize("mode", [["--estimate"], ["--dry-run"], ["--find-max", "seq", "--card", "T4", "--dry-run"]])
+def test_a_config_that_is_no_file_is_one_line_and_never_hangs(capfd, tmp_path, make, words, mode):
+    """A FIFO as --config hung every mode (the loader opened it and waited for a writer): now it, a device,
+    a folder and a missing file are each one line, exit 2, before anything is opened."""
+    path = "/dev/null" if make is None else str(tmp_path / "soup.yaml")
+    if make is not None:
+        make(path)
+    one_error_line(*main(capfd, [*mode, "--config", path]), f"--config {path}", *words)
+
+
+@pytest.mark.parametrize("given", ["", " "])
+def test_an_empty_config_is_said_as_empty_not_as_the_working_directory(capfd, given):
+    """`--config ''` said "IsADirectoryError: ... '.'": an empty path is one line saying so."""
+    line = one_error_line(*main(capfd, ["--estimate", "--config", given]), "--config: the path is empty")
+    assert "IsADirectoryError" not in line and "'.'" not in line

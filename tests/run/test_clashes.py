@@ -24,6 +24,7 @@ training: {batch_size: 1, quantization: none, stream_layers: true, lora: {r: 4, 
 EVERY_RULE = [
     (["--card", "list", "--seq", "128"], "--card list and --seq are exclusive: it lists the named cards"),
     (["--exit-code"], "--exit-code goes with --estimate (its exit code says whether the run fits)"),
+    (["--stack", "torch=2.11.0"], "--stack goes with --estimate (it names the training box's stack for an estimate)"),
     (["--from-json", "r.json", "--sweep"],
      "--from-json and --sweep are exclusive: --from-json re-renders saved results and runs nothing"),
     (["--config", "{yaml}", "--seq", "128"], "--config and --seq are exclusive: the file gives it"),

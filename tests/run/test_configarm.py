@@ -98,7 +98,7 @@ def test_an_option_the_file_gives_is_one_line_naming_the_clash(capfd, tmp_path, 
     one_error_line(*main(capfd, ["--config", config, flag] + ([value] if value else [])), "--config", flag)
 
 
-@pytest.mark.parametrize("base, words", [("someorg/not-a-family", ["--weights hub"]), ("mistral-7b", ["--weights hub"]),
+@pytest.mark.parametrize("base, words", [("someorg/not-a-family", ["--weights hub"]), ("mistral-7b", ["write base: mistralai/Mistral-7B-v0.3"]),
                                          ("./no-such-folder", ["no such folder"])])  # a path is not a hub id
 def test_a_base_that_is_neither_a_checkpoint_here_nor_a_registry_model_is_one_line(capfd, tmp_path, base, words):
     one_error_line(*main(capfd, ["--config", soup_yaml(tmp_path, base), "--dry-run"]), "base", base, *words)
@@ -141,3 +141,18 @@ def test_the_files_task_is_the_arms_and_its_row_says_so(capfd, tmp_path, cache_d
     assert (row["task"], row["derived"]["status"], row["realised_rows"]) == ("dpo", "dry-run", [64, 64])
     code, text, err = main(capfd, ["--estimate", "--config", config])
     assert code == 0 and "dpo" in text, err
+
+
+@pytest.mark.parametrize("family, hub", [("mistral-7b", "mistralai/Mistral-7B-v0.3"), ("qwen", "Qwen/Qwen2.5-0.5B")])
+def test_a_base_spelled_as_a_family_key_gets_one_answer_in_every_mode(capfd, tmp_path, monkeypatch, family, hub):
+    """Issue 53 item 4: `base: mistral-7b` got exit 0 from --estimate --exit-code while --find-max refused it;
+    `soup train` cannot load it (no such folder, nor a hub id). Every mode now says the same line, naming the
+    family's hub id to write instead; a folder of that name here is a base, and is read as one."""
+    monkeypatch.chdir(tmp_path)
+    yaml = tmp_path / "soup.yaml"
+    yaml.write_text(YAML.format(base=family, seq=512, quant="none", extra=""))
+    lines = set()
+    for argv in (["--estimate", "--card", "T4", "--exit-code"], ["--find-max", "seq", "--card", "T4", "--dry-run"],
+                 ["--dry-run"]):
+        lines.add(one_error_line(*main(capfd, ["--config", yaml, *argv]), f"base {family!r}", f"write base: {hub}"))
+    assert len(lines) == 1

@@ -79,7 +79,7 @@ def test_the_verdict_is_one_line_a_card_above_the_table(capfd, tmp_path):
     lines = out.splitlines()
     head = next(i for i, ln in enumerate(lines) if ln.startswith("soup-cli"))
     verdicts = [ln for ln in lines[:head] if ln.startswith(("  T4: ", "  RTX3050-Laptop-4GB: "))]
-    assert len(verdicts) == 2 and lines[1] == verdicts[0]
+    assert len(verdicts) == 2 and lines[2] == verdicts[0]
     for line in verdicts:
         assert ("fits" in line) and ("longest seq that fits" in line) and ("Soup admits" in line or "Soup refuses" in line)
     assert "peak = resident" not in out  # the legends: --verbose
@@ -119,15 +119,15 @@ def test_the_file_is_answered_at_the_runs_steady_state_and_steps_1_keeps_one_ste
     assert (run["steps"], one["steps"]) == (2, 1)
     assert run["rows"][0]["needs_free"] > one["rows"][0]["needs_free"]
     assert (run["rows"][0]["cards"][0]["fits"], one["rows"][0]["cards"][0]["fits"]) == (False, True)
-    assert "steady state" in run_text.splitlines()[0] and "one step" in one_text.splitlines()[0]
-    assert "steady state" not in one_text.splitlines()[0]
+    assert "steady state" in run_text.splitlines()[1] and "one step" in one_text.splitlines()[1]
+    assert "steady state" not in one_text.splitlines()[1]
 
 
 def test_without_a_file_estimate_keeps_the_protocols_one_step(capfd, tmp_path):
     """Issue 29 (what to build 2): --estimate without a file answers the protocol's one step and says so."""
     out = tmp_path / "e.json"
     code, text, err = main(capfd, ["--estimate", "--model", "mistral-7b", "--quant", "nf4", "--seq", "512", "--json", out])
-    assert code == 0 and json.loads(out.read_text())["steps"] == 1 and "one step" in text.splitlines()[0], err
+    assert code == 0 and json.loads(out.read_text())["steps"] == 1 and "one step" in text.splitlines()[1], err
 
 
 @pytest.mark.parametrize("tasks", ["sft,dpo", "orpo,kto", "dpo,simpo,sft"])
@@ -169,3 +169,151 @@ def test_exit_code_is_zero_only_where_it_fits_and_soups_gate_admits_it(capfd, tm
 def test_estimate_alone_names_both_of_what_it_needs(capfd):
     """Issue 36 polish: --estimate alone is one line naming both --model and --config."""
     one_error_line(*main(capfd, ["--estimate"]), "--model", "--config")
+@pytest.mark.parametrize("variant, base", [
+    ("Qwen/Qwen2.5-0.5B-Instruct", "Qwen/Qwen2.5-0.5B"),
+    ("meta-llama/Llama-3.1-8B-Instruct", "meta-llama/Llama-3.1-8B"),
+    ("mistralai/Mistral-7B-Instruct-v0.3", "mistralai/Mistral-7B-v0.3"),
+    ("google/gemma-2-2b-it", "google/gemma-2-2b"),
+])
+def test_an_instruct_variant_of_a_known_family_is_answered_offline_saying_which_shape(
+        capfd, tmp_path, monkeypatch, variant, base):
+    """Issue 53 item 12: the instruct and chat variants of the families this tool knows have the same shapes;
+    offline, with an empty hub cache, --estimate answers them from the family's committed config, with the
+    same figures as the base's, and a `shape:` line (and the JSON's `shape`) naming which config answered."""
+    import json
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-cache"))
+    out_json = tmp_path / "fit.json"
+    code, out, err = main(capfd, ["--estimate", "--model", variant, "--seq", "512", "--card", "T4", "--json", out_json])
+    assert code == 0, err
+    assert any(ln.startswith(f"  shape: {variant} is answered by {base}'s public config") for ln in out.splitlines())
+    assert json.loads(out_json.read_text())["shape"]["hub_id"] == base
+    code, plain, err = main(capfd, ["--estimate", "--model", base, "--seq", "512", "--card", "T4"])
+    assert code == 0, err
+    figures = lambda text: [ln for ln in text.splitlines() if ln.startswith(("  T4: ", "corrected", "Soup's own"))]  # noqa: E731
+    assert figures(out) == figures(plain) and figures(out)
+
+
+def test_a_variant_with_another_version_is_no_variant(capfd, tmp_path, monkeypatch):
+    """Mistral-7B-Instruct-v0.2 has another vocabulary than v0.3: a version is not a variant word, so it is
+    looked up as any hub id (offline with no cache: one line), never answered by v0.3's shapes."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-cache"))
+    one_error_line(*main(capfd, ["--estimate", "--model", "mistralai/Mistral-7B-Instruct-v0.2", "--seq", "512"]),
+                   "no config.json in the local Hugging Face cache, and offline")
+
+
+@pytest.mark.parametrize("targets, r, modules, said", [
+    ("auto", 16, "q_proj,v_proj", "(target_modules auto, resolved as Soup's LoraConfig does)"),
+    ("all-linear", 32, "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
+     "(target_modules all-linear, resolved as Soup's LoraConfig does)"),
+    ("[q_proj, k_proj]", 4, "q_proj,k_proj", ""),
+])
+def test_the_text_names_the_lora_rank_and_the_targets_the_figures_are_at(capfd, tmp_path, targets, r, modules, said):
+    """Issue 53 item 9: the text never named the adapter; now one line gives its rank, alpha and targets, auto
+    (peft's table for mistral) and all-linear (every linear module of a layer) resolved."""
+    code, out, err = main(capfd, ["--estimate", "--config", soup_yaml(tmp_path, r=r, targets=targets), "--card", "T4"])
+    assert code == 0, err
+    (line,) = [ln.strip() for ln in out.splitlines() if ln.startswith("  LoRA ")]
+    assert f"r {r}, alpha 16, on {len(modules.split(','))} module(s) a layer: {modules}" in line and line.endswith(said)
+
+
+@pytest.mark.parametrize("optimizer", ["adafactor", "adamw_hf"])
+def test_an_optimizer_not_modelled_is_answered_as_an_upper_bound_labelled_as_one(capfd, tmp_path, optimizer):
+    """Issue 53 item 14: an optimizer the estimator does not model was refused; the answer is now an upper
+    bound, said on the verdict's line, on its own line and in the JSON, never below Soup's default's figures."""
+    import json
+
+    path = soup_yaml(tmp_path)
+    path.write_text(path.read_text() + f"  optimizer: {optimizer}\n")
+    out_json = tmp_path / "bound.json"
+    code, out, err = main(capfd, ["--estimate", "--config", path, "--card", "T4", "--json", out_json])
+    assert code == 0, err
+    lines = out.splitlines()
+    assert lines[0].startswith(f"verdict (an UPPER BOUND: training.optimizer {optimizer} is not modelled; ")
+    assert f"  an upper bound: training.optimizer {optimizer} is not modelled" in out
+    bound = json.loads(out_json.read_text())
+    assert bound["upper_bound"].startswith("an upper bound")
+    default = tmp_path / "default.json"
+    code, _, err = main(capfd, ["--estimate", "--config", soup_yaml(tmp_path), "--card", "T4", "--json", default])
+    assert bound["rows"][0]["needs_free"] >= json.loads(default.read_text())["rows"][0]["needs_free"]
+
+
+@pytest.mark.parametrize("change, words", [
+    ({"hidden_size": 2050, "num_attention_heads": 32, "num_key_value_heads": 2},
+     ["hidden_size 2050 is not a multiple of num_attention_heads 32", "each head is taken 64 wide", "check the config"]),
+    ({"quantization_config": {"quant_method": "gptq", "bits": 4}}, ["quantization_config (gptq) is NOT modelled"]),
+])
+def test_a_config_the_figures_do_not_follow_is_said_under_the_verdict(capfd, tmp_path, change, words):
+    """Issue 53 item 11: a config.json with hidden 2050 and 32 heads, or with quantization_config gptq, was
+    answered without a word (the gptq note stood below the table): each is a `config:` line under the verdict."""
+    import json
+
+    from issue395.model.registry import config_json
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**config_json("qwen"), **change}))
+    code, out, err = main(capfd, ["--estimate", "--model", path, "--seq", "512", "--card", "T4"])
+    assert code == 0, err
+    head = out.split("\n(Soup's pre-flight:", 1)[0].splitlines()  # the verdict block, above the table
+    (line,) = [ln for ln in head if ln.startswith("  config: ")]
+    for w in words:
+        assert w in line, (w, line)
+
+
+def test_the_repository_ignores_the_readmes_pip_venv():
+    """Issue 53 item 11: the README's `.venv-pip` was not git-ignored."""
+    import subprocess
+
+    from conftest import ROOT
+
+    done = subprocess.run(["git", "check-ignore", "-q", ".venv-pip/bin/issue395"], cwd=ROOT)
+    assert done.returncode == 0
+
+
+def test_stack_names_the_training_boxs_packages_and_the_answer_follows_them(capfd, tmp_path):
+    """Issue 53 items 10 and 16: the stack line described the machine running the estimate (a laptop), while
+    the number moves with the training box's transformers (Gemma-2 runs eager from 5.24.0). --stack names the
+    training box's packages: the stack line checks them, said as the training box's, the JSON keeps them, and
+    Gemma-2's eager masks are charged under transformers 5.25.0 as on that box."""
+    import json
+
+    argv = ["--estimate", "--model", "gemma2-2b", "--task", "dpo", "--seq", "1024", "--card", "T4"]
+    here, boxed = tmp_path / "here.json", tmp_path / "boxed.json"
+    assert main(capfd, [*argv, "--json", here])[0] == 0
+    code, out, err = main(capfd, [*argv, "--stack", "transformers=5.25.0,torch=2.11.0+cu130", "--json", boxed])
+    assert code == 0, err
+    (line,) = [ln for ln in out.splitlines() if ln.startswith("  stack")]
+    assert line.startswith("  stack (the training box's, by --stack transformers=5.25.0,torch=2.11.0+cu130; ")
+    assert "transformers 5.25.0" in line and "torch 2.11.0+cu130" in line
+    saved = json.loads(boxed.read_text())
+    assert saved["stack"]["given"] == {"transformers": "5.25.0", "torch": "2.11.0+cu130"}
+    plain = json.loads(here.read_text())["rows"][0]
+    assert saved["rows"][0]["terms"]["eager_masks"] > plain["terms"].get("eager_masks", 0)
+    assert saved["rows"][0]["needs_free"] > plain["needs_free"]
+
+
+def test_stack_naming_a_verified_stack_is_said_verified_on_a_box_without_it(capfd):
+    """A laptop without torch (or with another) read "not verified"; naming the training box's verified stack
+    is answered as verified."""
+    argv = ["--estimate", "--model", "qwen", "--seq", "512", "--stack",
+            "torch=2.11.0+cu130,transformers=5.16.1,peft=0.20.0,trl=0.29.1"]
+    code, out, err = main(capfd, argv)
+    from issue395.estimator.releases import installed_release
+
+    assert code == 0, err
+    (line,) = [ln for ln in out.splitlines() if ln.startswith("  stack")]
+    assert ("verified on this stack" in line and "not verified" not in line) or installed_release() not in (
+        "0.73.3", "0.77.0"), line
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--estimate", "--model", "qwen", "--seq", "512", "--stack", "soup-cli=0.77.0"], ["soup-cli is not named here"]),
+    (["--estimate", "--model", "qwen", "--seq", "512", "--stack", "numpy=2.0"], ["'numpy=2.0' is not PACKAGE=VERSION"]),
+    (["--estimate", "--model", "qwen", "--seq", "512", "--stack", "transformers"], ["is not PACKAGE=VERSION"]),
+    (["--estimate", "--model", "qwen", "--seq", "512", "--stack", "trl=1,trl=2"], ["trl is named twice"]),
+    (["--dry-run", "--stack", "torch=2.11.0"], ["--stack goes with --estimate"]),
+])
+def test_a_bad_stack_is_one_line(capfd, argv, words):
+    one_error_line(*main(capfd, argv), *words)

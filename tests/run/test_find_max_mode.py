@@ -303,3 +303,14 @@ def test_find_max_dry_run_json_writes_the_plan_and_from_json_names_it(capfd, tmp
     assert data["this_tool_longest"] is not None and data["plan"], data
     assert f"--json {out_json}" in out + err or str(out_json) in out + err  # said where it went
     one_error_line(*main(capfd, ["--from-json", out_json]), "--find-max")
+@pytest.mark.parametrize("targets", ["auto", "all-linear"])
+def test_find_max_takes_soups_own_target_spellings_its_probes_resolve_them(capfd, tmp_path, targets):
+    """Issue 53 item 8: --find-max refused `target_modules: auto` ("not run as an arm here"), although its probes
+    run `soup train` on the file, which resolves it. The plan is printed, the probe's soup.yaml keeps the file's
+    spelling, and no line speaks of an arm."""
+    path = tmp_path / "soup.yaml"
+    path.write_text(YAML.format(base="Qwen/Qwen2.5-0.5B", task="sft").replace("[q_proj, v_proj]", targets))
+    code, out, err = main(capfd, ["--find-max", "seq", "--config", path, "--card", "T4", "--dry-run"])
+    assert code == 0, err
+    assert "plan: start at seq" in out and f"target_modules: {targets}" in out
+    assert " arm" not in err

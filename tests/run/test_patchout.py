@@ -34,3 +34,16 @@ def test_soup_patch_stands_alone_and_never_writes_a_folder_or_into_soup(capfd, t
     code, out, err = main(capfd, ["--soup-patch", inside])
     one_error_line(code, out, err, "inside the installed soup_cli")
     assert not inside.exists() and not (tmp_path / "x.diff").exists()
+
+
+def test_soup_patch_never_replaces_the_users_soup_yaml_but_replaces_its_own_diff(capfd, tmp_path):
+    """Issue 53 item 2: --soup-patch soup.yaml overwrote the user's soup.yaml with the diff. Now one line,
+    exit 2, the file untouched; a diff this tool wrote is replaced by the next --soup-patch."""
+    yaml = tmp_path / "soup.yaml"
+    yaml.write_text("base: Qwen/Qwen2.5-0.5B\n")
+    one_error_line(*main(capfd, ["--soup-patch", yaml]), f"--soup-patch {yaml}", "not this tool's own output")
+    assert yaml.read_text() == "base: Qwen/Qwen2.5-0.5B\n"
+    diff = tmp_path / "soup.diff"
+    for _ in range(2):
+        code, _, err = main(capfd, ["--soup-patch", diff])
+        assert code == 0, err

@@ -1,4 +1,5 @@
-"""issue395.run.runner: the sweep, the map and --estimate end to end in process. --estimate's output
+"""issue395.run.runner: the sweep, the map and --estimate end to end in process; a stdout that cannot be written
+(issue 53 item 5: `> /dev/full` was a traceback) is one line and exit 2, in a fresh process. --estimate's output
 (issue 22): what it leaves out said where its numbers are read, and a JSON that says what it is; a
 Ctrl-C said alike everywhere; the map's dry run (the real Soup setup on CPU, bf16 and NF4, slow); a
 --model folder holding only a config built from it. Nothing is faked but the spread's children where
@@ -7,12 +8,14 @@ a test says so."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
 import pytest
 from conftest import SCRIPT, SMOL, main
 
+from issue395.errors import EXIT_USAGE
 from issue395.model.registry import FAMILIES
 from issue395.results.row import Row
 
@@ -25,8 +28,8 @@ def test_a_quantization_config_is_said_to_be_not_modelled(capfd, tmp_path):
         "quant_method": "bitsandbytes", "load_in_4bit": True}}))
     code, out, err = main(capfd, ["--estimate", "--model", path, "--seq", "512"])
     assert code == 0, err
-    assert [ln for ln in out.splitlines() if ln.startswith("note:") and "quantization" in ln] == [
-        "note: the config's quantization_config (bitsandbytes) is NOT modelled: these figures are Soup's "
+    assert [ln for ln in out.splitlines() if ln.startswith("  config: ")] == [  # under the verdict (issue 53 item 11)
+        "  config: its quantization_config (bitsandbytes) is NOT modelled: these figures are Soup's "
         "--quant none of the full-precision shapes the config describes"]
     code, out, _ = main(capfd, ["--estimate", "--model", "llama31-8b", "--seq", "512"])
     assert "quantization_config" not in out
@@ -103,3 +106,18 @@ def test_estimate_answers_from_a_config_without_importing_torch(tmp_path):
     for r in rows:  # each arm on each card (issue 20)
         assert [c["card"] for c in r["cards"]] == ["24GB", "16GiB"]
         assert all(c["free_bytes"] == c["total_bytes"] - c["context_bytes"] for c in r["cards"])
+
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+@pytest.mark.parametrize("argv", [["--estimate", "--model", "qwen", "--seq", "512", "--card", "T4", "--verbose"],
+                                  ["--estimate", "--model", "qwen", "--seq", "512"], ["--card", "list"], ["--help"]])
+def test_a_stdout_that_cannot_be_written_is_one_line_and_exit_2_never_a_traceback(argv):
+    """Long text (past the buffer: the print itself fails) and short text (the flush at exit fails) alike."""
+    with open("/dev/full", "w") as full:
+        done = subprocess.run([sys.executable, str(SCRIPT), *argv], stdout=full, stderr=subprocess.PIPE, text=True,
+                              timeout=120)
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert done.returncode == EXIT_USAGE, done.stderr
+    assert lines == [lines[0]] and lines[0].startswith("error: stdout cannot be written (no space left on device)")
+    assert "Traceback" not in done.stderr and "Exception ignored" not in done.stderr

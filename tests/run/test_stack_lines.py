@@ -41,8 +41,9 @@ def fake_versions(monkeypatch, versions: dict) -> None:
 
 def verdict_block(out: str) -> list[str]:
     """The lines above the table's legend: the head, one line a card, the stack, the file's keys (the
-    host RAM line under the verdicts left out: the machine's, not the stack's)."""
-    lines = out.splitlines()
+    host RAM line under the verdicts left out: the machine's, not the stack's; the verdict's own first line,
+    issue 53 item 13, and the LoRA line, item 9, too)."""
+    lines = [ln for ln in out.splitlines()[1:] if not ln.startswith("  LoRA ")]
     return [ln for ln in lines[:next(i for i, ln in enumerate(lines) if ln.startswith("(Soup's pre-flight"))]
             if not ln.startswith("  host RAM")]
 
