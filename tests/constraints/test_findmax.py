@@ -12,10 +12,10 @@ import types
 from pathlib import Path
 
 import pytest
+from conftest import readme_yaml
 import yaml
 
 from issue395.constraints import findmax as F
-from conftest import readme_yaml
 
 SEQ = dict(resolution=64, low=64, high=32768)
 

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import pytest
-from conftest import ROOT
+from conftest import ROOT, main, one_error_line
 
 from issue395.estimator import cards as C
 from issue395.estimator import estimate as E
@@ -12,7 +12,6 @@ from issue395.errors import UsageError
 from issue395.record import RECORD_A10G_PEAK
 from issue395.model.registry import config_json
 from issue395.estimator.releases import soup_dir as _soup_dir
-from conftest import main, one_error_line
 
 ASKED = ("A10G", "L4", "T4", "RTX3090", "RTX4090", "RTX5090", "A100-40GB", "A100-80GB", "L40S", "H100", "H200")
 

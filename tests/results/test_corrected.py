@@ -5,17 +5,16 @@ in for a CUDA measurement; the estimator is the real one. Nothing else is faked.
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 
-from conftest import make_row
+import pytest
+from conftest import main, make_row, readme_yaml
 
 from issue395.results.extras import UserConfig
 from issue395.results.corrected import corrected, corrected_ratio
 from issue395.estimator.estimate import estimate
 from issue395.model.registry import config_json
-import json
-import pytest
-from conftest import main, readme_yaml
 
 ENV = {"soup_cli": "0.73.3"}
 
