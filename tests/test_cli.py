@@ -21,9 +21,10 @@ from importlib import metadata
 from pathlib import Path
 
 import pytest
-from conftest import SMOL, h, main, one_error_line, table_rows
+from conftest import QWEN, SMOL, h, main, one_error_line, table_rows
 
 from issue395.measure.builder import checkpoint_fingerprint, prepare_checkpoint
+from issue395.run.checkpoints import synthetic_checkpoint
 from issue395.errors import EXIT_OK
 from issue395.model.arm import predicted_bytes
 from issue395.measure.shapes import load_custom_shape
@@ -59,8 +60,13 @@ def run_args(name: str, cache_dir: Path) -> list:
 
 def once(capfd, tmp_path_factory, cache_dir, name, fresh=False):
     """(code, stdout, stderr, json path, saved result) of a named run, made at most once
-    (``fresh`` makes it again and keeps the new one)."""
+    (``fresh`` makes it again and keeps the new one). The record's two checkpoints are in the
+    session's cache first (built here if no test before this one in this process built them), so
+    a run's stderr is its arms' progress, never a build's."""
     if fresh or name not in _RUNS:
+        for shape in (SMOL, QWEN):
+            synthetic_checkpoint(shape, cache_dir / "checkpoints")
+        capfd.readouterr()
         path = tmp_path_factory.mktemp(name) / f"{name}.json"
         code, out, err = main(capfd, run_args(name, cache_dir) + ["--json", path])
         saved = json.loads(path.read_text()) if path.exists() else None

@@ -4,13 +4,13 @@ a shell or CI reads. Nothing is faked."""
 from __future__ import annotations
 
 import argparse
+import re
 import signal
 
 import pytest
+from conftest import main, one_error_line, readme_yaml
 
 from issue395.errors import EXIT_FINDING, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, UsageError, last_line
-import re
-from conftest import main, one_error_line, readme_yaml
 
 
 def test_the_last_line_of_an_exception_is_its_type_and_its_last_non_blank_line():

@@ -13,10 +13,10 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from conftest import readme_yaml
 import yaml
 
 from issue395.constraints import findmax as F
-from conftest import readme_yaml
 
 SEQ = dict(resolution=64, low=64, high=32768)
 

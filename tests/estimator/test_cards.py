@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import pytest
-from conftest import ROOT
+from conftest import ROOT, main, one_error_line
 
 from issue395.estimator import cards as C
 from issue395.estimator import estimate as E

@@ -5,18 +5,16 @@ code, no torch."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
-
-from conftest import main
+from conftest import estimate_config_json, main, readme_yaml, verdicts
 
 from issue395.estimator import cards as C
 from issue395.estimator import estimate as E
 from issue395.estimator import fits as F
 from issue395.estimator.releases import release_source
 from issue395.model.registry import config_json
-import re
-from conftest import estimate_config_json, readme_yaml, verdicts
 
 MISTRAL = config_json("mistral-7b")
 

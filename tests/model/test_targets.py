@@ -7,6 +7,7 @@ line. Nothing is faked."""
 from __future__ import annotations
 
 import json
+import re
 import warnings
 
 import pytest
@@ -16,7 +17,6 @@ from issue395.estimator.arch import arch_from_config
 from issue395.errors import UsageError
 from issue395.model.registry import FAMILIES, config_json
 from issue395.model.targets import soup_targets
-import re
 
 #: Sizes small enough to build on CPU in well under a second; every name a module has is kept.
 SMALL = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, vocab_size=256, bos_token_id=0,

@@ -11,7 +11,7 @@ import json
 from dataclasses import replace
 
 import pytest
-from conftest import MAP_512, main, make_row
+from conftest import MAP_512, main, make_row, readme_yaml
 
 from issue395.results.extras import UserConfig
 from issue395.results.corrected import corrected, corrected_ratio, with_corrected
@@ -19,9 +19,6 @@ from issue395.results.row import Row
 from issue395.text import gb, ratio
 from issue395.estimator.estimate import estimate, estimate_key
 from issue395.model.registry import config_json
-import json
-import pytest
-from conftest import main, readme_yaml
 
 ENV = {"soup_cli": "0.73.3"}
 

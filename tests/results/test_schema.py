@@ -8,13 +8,12 @@ import json
 import math
 
 import pytest
-from conftest import ROOT, main, make_row, table_lines
+from conftest import ROOT, main, make_row, one_error_line, table_lines
 
 from issue395.errors import EXIT_OK
 from issue395.results.result import Result
 from issue395.results.row import Row
 from issue395.results.schema import SCHEMA, TOOL, check_blocks, check_unique, determinism_rows, schema1_row, schema2_row
-from conftest import one_error_line
 
 SCHEMA1 = ROOT / "results" / "record-h200x2-soup0.73.3-e7c26f7" / "h200-2026-11-30-full-cold.json"
 TASKS_CAPPED = ROOT / "results" / "task-map-h200-soup0.77.0-f8e1b91-and-85975aa" / "cap-soup-tasks.json"

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 
 import pytest
-from conftest import main, one_error_line
+from conftest import main, one_error_line, readme_yaml
 
 
 @pytest.mark.parametrize("make, words", [
@@ -25,7 +25,6 @@ def test_a_model_that_is_no_file_is_said_as_what_it_is(capfd, tmp_path, make, wo
 """issue395.checks: what the command line names, checked before anything runs."""
 
 import pytest
-from conftest import readme_yaml
 
 
 def test_whole_numbers_keep_their_plain_spellings():

@@ -10,11 +10,10 @@ from dataclasses import replace
 
 import pytest
 import yaml
-from conftest import main, one_error_line
+from conftest import main, one_error_line, readme_yaml
 
 from issue395.constraints import findmax as F
 from issue395.model.registry import config_json
-from conftest import readme_yaml
 
 YAML = """base: {base}
 task: {task}

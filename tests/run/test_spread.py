@@ -18,7 +18,8 @@ import threading
 import time
 from pathlib import Path
 
-from conftest import ROOT
+import pytest
+from conftest import ROOT, main
 
 from issue395.measure.console import Stop
 from issue395.run.grid import plan_map
@@ -30,8 +31,6 @@ from issue395.record import QUANTS
 from issue395.run.scratch import Scratch
 from issue395.run.spread import spread
 from issue395.run.spread import Job, child_cache, child_run, plan_jobs, read_job, write_job
-import pytest
-from conftest import main
 
 #: What every stand-in child does first: the real child's own job file, its stop handler, its row file
 #: with a header (a stand-in stack), as the real child's runner starts it.

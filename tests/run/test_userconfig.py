@@ -5,14 +5,13 @@ local Hugging Face cache (a fake cache dir here: no network)."""
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
-from conftest import main, one_error_line
+from conftest import estimate_config_json, file_lines, main, one_error_line, readme_yaml
 
 from issue395.model.registry import config_json
 from issue395.measure.shapes import soup_has_stream_modes
-import time
-from conftest import estimate_config_json, file_lines, readme_yaml
 
 YAML = """base: {base}
 task: sft
