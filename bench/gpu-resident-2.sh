@@ -3,7 +3,7 @@
 # families x bf16/NF4 x seq 512,1024,2048 x batch 1,4 with Soup's default (no gradient checkpointing), then the
 # same families with gradient checkpointing on at seq 1024,4096 x batch 1 while the call has time. Each row:
 # the real peak, Soup's resident gate as its CLI runs it (its number, its margin, its verdict on this card).
-# The lanes pack resident arms by an upper bound (estimate.resident_packing_bound), never by Soup's number.
+# The lanes pack resident arms by an upper bound (run/spread.py: resident_packing_bound), never by Soup's number.
 # Packed into $OUT/results.tar.gz after each command (bench/gpu-box.sh).
 R=/tmp/resident-map
 source bench/gpu-box.sh 0.77.0

@@ -508,28 +508,3 @@ def needs_free(allocated: int) -> int:
     """Free bytes a card must have: allocated plus the allocator's reserve under expandable segments."""
     return allocated + EXPANDABLE_RESERVE_BYTES
 
-
-def resident_packing_bound(key: str, *, quant: str, seq: int, batch: int, targets=None, lora_r: int = LORA_R,
-                           task: str = PROTOCOL_TASK) -> int:
-    """An UPPER BOUND on a resident run's allocated peak (stream_layers off), for the map's lanes to pack by
-    and for nothing else: it is never printed, and is no estimate (the corrected resident estimate is not yet
-    modelled). Every term is charged at its most: the whole model with its linears in bf16 and every vocab
-    matrix in fp32 (NF4: what bitsandbytes does not quantise is cast to fp32); the adapter's
-    fp32 weights, gradients and Adam states (16 B a parameter); every layer's saved activations and backward
-    transients at once, in fp32 (an NF4 run's residual is fp32; checkpointing not credited); under NF4 every
-    layer's weights in fp32 too (Qwen3.5-MoE's fused experts stay unquantised and are cast); 16 B a logits
-    element (the loss's three fp32 blocks and a bf16 copy), twice for a task with a reference forward; and
-    1 GiB. Measured against it: every committed resident row (tests/run/test_resident.py)."""
-    family, _ = stream_mode(key)
-    a = arch_from_config(config_json(family))
-    tk = task_named(task)
-    targets = protocol_targets(a) if targets is None else targets
-    targets = soup_targets((targets,) if isinstance(targets, str) else tuple(targets), config_json(family), a,
-                           str(targets))
-    T = seq * batch * tk.rows_per_example * (2 if tk.kl_batch else 1)
-    wide = 2 if quant == "nf4" else 1  # NF4: a MoE's fused experts are no Linear bnb quantises, so fp32 too
-    weights = wide * a.L * layer_bytes(a, "none") + 4 * a.V * a.h * (1 if a.tied else 2)
-    adapter = 16 * lora_params(a, tuple(t for t in targets if t in a.modules), lora_r)
-    per_token = 2 * a.L * layer_per_token(a, "none", tuple(t for t in targets if t in a.modules), lora_r) \
-        if a.layers is None else 4 * a.L * max(kind_per_token(a, k, targets, lora_r) for k in a.layers.kinds)
-    return weights + adapter + T * per_token + 16 * T * a.V * (2 if tk.reference else 1) + 2**30
