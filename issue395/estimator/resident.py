@@ -6,16 +6,17 @@ through the loss (the terms of ``stream_recompute: off``); with it, HF saves eac
 layer at a time in the backward (the terms of Soup's own per-layer recompute). One terms table (estimator/terms.py)
 serves both paths; this module adds only ``resident_weights``.
 
-Measured (tests/estimator/test_resident.py): with checkpointing, on every committed bf16 arm of these families
-(results/resident-map-*), 1.0001x-1.0011x of the real peak.
+Measured (tests/estimator/test_resident.py), on the 84 committed bf16 arms of these families it models
+(results/resident-map-*): never under; with checkpointing 1.0001x-1.0011x, without it 1.0018x-1.0155x (SFT) and
+1.0145x-1.0247x (the four preference tasks); median 1.0048x.
 
 Known limitations
-    - Without checkpointing it is refused: the construction is under on 19 of 64 committed SFT arms, by up to 2.2%
-      (Phi-3-mini 2048x4, 0.978x). The per-token counts are exact (Qwen2.5 2048x1: 45,912 B a token a layer,
-      measured and counted) and the i-wide blocks' segment tails are charged (retained_rounding), but the peak holds
-      more than the tensors requested: 21 MB on SmolLM2 1024x1, 32 MB on Qwen2.5 2048x1 past its MLP tails, 118 MB
-      on Gemma-3 2048x1 (max_memory_allocated over the requested_bytes peak, results/resident-anatomy-*), which
-      only the allocator's packing of its 20 MiB segments explains, not yet modelled.
+    - Without checkpointing, the retained blocks' rounding is bounded, not replayed: each 1-10 MiB block class is
+      cut from 20 MiB segments whose last block keeps a rest under 1 MiB, charged as 1 MiB a segment
+      (retained_rounding); the measured excess of max_memory_allocated over the requested peak was 21 MB on SmolLM2
+      1024x1, 108 MB on Qwen2.5 2048x1 (75.5 MB of it the MLP blocks' tails), 0 on Llama-3.2-1B 2048x1.
+    - Past a sliding window without checkpointing it is refused: Gemma-3 and Phi-3 keep attention masks per layer
+      there that the counts do not have (Gemma-3 2048x1: 48 blocks of 8 MiB; the construction was 0.978x-0.997x).
     - NF4 (QLoRA) is not yet modelled: bitsandbytes leaves what it does not quantise in fp32 and the residual stream
       then runs in fp32 (results/resident-anatomy-*: Llama-3.2-1B NF4 held an fp32 embedding and fp32 i-wide
       activations), which the shared per-token counts do not charge. Refused in one line.
@@ -27,6 +28,7 @@ Known limitations
 
 from __future__ import annotations
 
+from ..constants import K_LARGE_BUFFER, K_MIN_LARGE_ALLOC, K_SMALL_SIZE, block_bytes
 from ..errors import UsageError
 from ..model.targets import soup_targets
 from ..tasks import PROTOCOL_TASK, task as task_named
@@ -61,14 +63,19 @@ def retained_rounding(a: Arch, targets: tuple, r: int, T: int) -> int:
     widths += [w for t in targets for w in ((act, a.modules[t][0]), (1, a.modules[t][0]), (act, r))]
     widths += [(act, qw), (act, kw), (act, (qw + 2 * kw) if a.quirks.fused_qkv else kw), (act, qw)]
     widths += [(act, a.i)] * (a.quirks.mlp_saved - a.quirks.mlp_transients)
-    return a.L * sum(segment_tail(b * w * T) for b, w in widths)
+    sizes = [block_bytes(b * w * T) for b, w in widths]
+    # requests from 1 MiB to 10 MiB are cut from 20 MiB segments, and a segment's last block keeps a rest under
+    # 1 MiB unsplit (the allocator splits a large block only where more than 1 MiB would remain): at most 1 MiB a
+    # segment those blocks fill
+    cut = a.L * sum(s for s in sizes if K_SMALL_SIZE <= s < K_MIN_LARGE_ALLOC)
+    return a.L * sum(segment_tail(s) for s in sizes) + -(-cut // K_LARGE_BUFFER) * K_SMALL_SIZE
 
 
-def refused(a: Arch, quant: str, checkpointing: bool = True) -> str | None:
+def refused(a: Arch, quant: str, checkpointing: bool = True, seq: int = 0) -> str | None:
     """Why this tool does not estimate this resident run (None: it does)."""
-    if not checkpointing:
-        return ("a resident run without gradient checkpointing is not yet modelled by this estimator (the allocator's "
-                "unsplit remainders at its peak)")
+    if not checkpointing and a.window and seq >= a.window:
+        return (f"a resident {a.model_type} run past its sliding window ({a.window}) without gradient checkpointing "
+                "is not yet modelled by this estimator (its layers keep attention masks the counts do not have)")
     if quant != "none":
         return "a resident NF4 (QLoRA) run is not yet modelled by this estimator (its fp32 casts)"
     if a.layers is not None or a.model_type not in MODELLED_TYPES:
@@ -95,7 +102,7 @@ def estimate_resident(config: dict, *, quant: str = "none", seq: int, batch: int
     with it) with every layer's weights in place of the pool and the extras. The Estimate carries no Soup number
     (Soup's resident gate is hardware_fit's; the row has it)."""
     a = arch_from_config(config)
-    why = refused(a, quant, checkpointing)
+    why = refused(a, quant, checkpointing, seq)
     if why:
         raise UsageError(why)
     e = estimate(config, quant=quant, seq=seq, batch=batch, targets=targets, lora_r=lora_r, steps=steps,

@@ -22,22 +22,24 @@ def committed_resident_rows() -> list[Row]:
             for r in json.loads(path.read_text())["rows"]]
 
 
-def test_the_resident_estimate_is_never_under_and_within_two_per_mille_on_every_committed_arm_it_models():
-    """Every committed resident row the estimator models (bf16, checkpointing on, dense families: the map's corrected
-    column, from the family's public config alone) is at or above its real peak and within 1.002x; the ones it does
-    not model get no figure."""
+def test_the_resident_estimate_is_never_under_and_tight_on_every_committed_arm_it_models():
+    """Every committed resident row the estimator models (the map's corrected column, from the family's public config
+    alone) is at or above its real peak, within 1.025x, median at most 1.005x; the ones it does not model (NF4, MoE
+    and hybrid layers, phi, past a sliding window without checkpointing) get no figure."""
+    import statistics
+
     rows = [r for r in committed_resident_rows() if r.measured]
     env = {"soup_cli": "0.77.0", "transformers": "5.16.1"}
     got = [(r, corrected(r, env)) for r in rows]
     modelled = [(r, c / r.real_peak) for r, c in got if c is not None]
-    assert len(modelled) >= 12, len(modelled)
-    assert all(1.0 <= v <= 1.002 for _, v in modelled), [(r.model_key, r.seq, round(v, 4)) for r, v in modelled]
-    assert all("+gc" in r.model_key and r.quant == "none" for r, _ in modelled)
-    assert any(c is None for r, c in got if "+gc" not in r.model_key), "a run it does not model got a figure"
+    assert len(modelled) >= 80, len(modelled)
+    assert all(1.0 <= v <= 1.025 for _, v in modelled), [(r.model_key, r.seq, round(v, 4)) for r, v in modelled]
+    assert statistics.median(v for _, v in modelled) <= 1.005
+    assert all(c is None for r, c in got if r.quant == "nf4" or r.model_key.startswith(("moonlight", "qwen3.5", "phi-2")))
 
 
 @pytest.mark.parametrize("key, quant, words", [
-    ("llama32-1b+resident", "none", "without gradient checkpointing"),
+    ("gemma3-1b+resident", "none", "sliding window"),
     ("llama32-1b+resident+gc", "nf4", "NF4"),
     ("moonlight+resident+gc", "none", "deepseek_v3"),
     ("phi-2+resident+gc", "none", "phi run"),
@@ -47,7 +49,7 @@ def test_a_resident_run_it_does_not_model_is_one_line_naming_why(key, quant, wor
     family, modes = stream_mode(key)
     with pytest.raises(UsageError, match=words):
         estimate_resident(config_json(family), quant=quant, seq=1024, checkpointing=bool(modes.get("gradient_checkpointing")))
-    assert refused(arch_from_config(config_json(family)), quant, bool(modes.get("gradient_checkpointing")))
+    assert refused(arch_from_config(config_json(family)), quant, bool(modes.get("gradient_checkpointing")), 1024)
 
 
 def test_the_resident_weights_replace_the_pool_and_the_extras_and_an_untied_head_is_on_the_card():
