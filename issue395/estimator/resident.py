@@ -19,7 +19,9 @@ Known limitations
       per-block bound SmolLM2 NF4 at 2048 tokens was 9.8 MB under. This is why the median is 1.013x, not 1.005x.
     - Past a sliding window without checkpointing it is refused: Gemma-3 and Phi-3 keep attention masks per layer
       there that the counts do not have (Gemma-3 2048x1: 48 blocks of 8 MiB; the construction was 0.978x-0.997x).
-    - One optimizer step of one micro-batch: --steps and gradient accumulation on a resident run are refused.
+    - The steady state (steps > 1: the optimizer's states) and gradient accumulation are the streamed step's terms
+      (estimator/steady.py), measured there, not yet on a resident run: every committed resident row is one step
+      of one micro-batch.
     - Layers of more than one kind (MoE, latent attention, Qwen3.5's hybrid) and phi's parallel block are not yet
       modelled resident (their committed rows are 0.80x-1.15x of this construction). Refused in one line.
     - Soup's own resident number is hardware_fit's (computed by Soup, from its CLI's input); it is not this
@@ -114,12 +116,9 @@ def estimate_resident(config: dict, *, quant: str = "none", seq: int, batch: int
     why = refused(a, quant, checkpointing, seq)
     if why:
         raise UsageError(why)
-    if steps > 1 or accumulation > 1:
-        raise UsageError("a resident run's steady state and gradient accumulation are not yet modelled by this "
-                         "estimator (one optimizer step of one micro-batch)")
     e = estimate(config, quant="none", seq=seq, batch=batch, targets=targets, lora_r=lora_r, release=release,
-                 soup=False, task=task, transformers=transformers,
-                 stream={} if checkpointing else {"stream_recompute": "off"})
+                 soup=False, task=task, transformers=transformers, steps=steps, optimizer=optimizer,
+                 accumulation=accumulation, stream={} if checkpointing else {"stream_recompute": "off"})
     t = dict(e.terms)
     for streamed in (Term.POOL.key, Term.EXTRAS.key, Term.RESIDENT_ROUNDING.key):
         t[streamed] = 0  # the pool's slots and the streamed extras: here, the whole model's tensors
@@ -150,7 +149,17 @@ def estimate_resident(config: dict, *, quant: str = "none", seq: int, batch: int
     step = {p: phase_sum(t, p) for p in (Phase.LOSS, Phase.REFERENCE, Phase.LAYER)}
     if not task_named(task).reference:
         step[Phase.REFERENCE] = 0
+    ws = t[Term.AUTOGRAD_WORKSPACE.key]
+    if steps > 1 or accumulation > 1:  # the steady state's phases, as estimate() composes a streamed run's: after
+        # a first backward its thread's cuBLAS workspace stays beside every phase
+        step = {p: v + ws if v else v for p, v in step.items()}
     binding = max(step, key=step.get)
-    corrected = phase_sum(t, Phase.RESIDENT) + step[binding] + phase_sum(t, Phase.ALLOWANCE)
-    return Estimate(e.seq, e.batch, quant, 1, e.release, None, {}, corrected, needs_free(corrected),
-                    binding.value, t, e.task, e.optimizer, 1)
+    peak = step[binding]
+    if steps > 1:  # the optimizer's states beside every phase, and its own step once the activations are freed
+        optimizer_step = t[Term.ADAPTER_GRADIENTS.key] + t[Term.OPTIMIZER_TRANSIENTS.key] + ws
+        if optimizer_step > peak:
+            binding, peak = Phase.OPTIMIZER, optimizer_step
+        peak += t[Term.OPTIMIZER_STATES.key]
+    corrected = phase_sum(t, Phase.RESIDENT) + peak + phase_sum(t, Phase.ALLOWANCE)
+    return Estimate(e.seq, e.batch, quant, e.steps, e.release, None, {}, corrected, needs_free(corrected),
+                    binding.value, t, e.task, e.optimizer, e.accumulation)

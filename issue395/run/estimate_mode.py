@@ -130,7 +130,7 @@ def settle(args: argparse.Namespace, argv: list[str]) -> EstimateRequest:
                               [("--model", os.path.expanduser(args.model))])
     with under_the_file(args.config) if args.config is not None else contextlib.nullcontext():
         check("estimate", args)
-        given = FromOptions(args) if args.config is None else FromFile(args, read_soup_config(args.config))
+        given = FromOptions(args) if args.config is None else FromFile(args, read_soup_config(args.config, True))
         request = settle_values(args, given, args.card)
     check("lanes", args)
     check("shard dir", args)
@@ -283,6 +283,10 @@ def execute(request: EstimateRequest, protocol: object = None) -> int:
     from ..estimator.stacks import check, installed_stack
 
     e, a = request, request.adapter
+    if e.user is not None and e.user.resident is not None:  # every layer on the card: Soup's resident gate
+        from .resident_estimate import answer_resident
+
+        return answer_resident(e)
     gate, optimizer, stream = e.gate, e.optimizer, dict(e.stream)
     kw = {"targets": a.targets, "lora_r": a.lora_r}
     box = dict(e.stack)  # --stack: the training box's packages, in place of this machine's

@@ -52,6 +52,18 @@ class UserRun:
     keys: tuple = ()  # one line per key of the file that changes the peak or Soup's gate: how it is read
     text: str = ""  # the file as written (--find-max's probes copy it, changing only their keys)
     lora_dropout: float = 0.05  # training.lora.dropout (Soup's default; the estimator's figures are at it)
+    resident: Optional["ResidentRun"] = None  # training.stream_layers false: what a resident run adds
+
+
+@dataclass(frozen=True)
+class ResidentRun:
+    """A resident soup.yaml (training.stream_layers false): its gradient checkpointing (any tier is HF's full
+    checkpointing, as Soup's resolve_gradient_checkpointing sets it) and the input Soup's resident gate takes, as
+    `soup train`'s CLI builds it from the file (commands/train.py's _build_hardware_fit_input: computed by Soup;
+    None where it builds none and skips its gate)."""
+
+    checkpointing: bool
+    soup_input: Optional[dict]
 
 
 def missing_for_loader(exc: ImportError) -> str:
@@ -65,7 +77,7 @@ def missing_for_loader(exc: ImportError) -> str:
             f"{' '.join(LOADER_NEEDS.values())}")
 
 
-def read_soup_config(path: str) -> UserRun:
+def read_soup_config(path: str, resident_ok: bool = False) -> UserRun:
     """A soup.yaml through soup_cli.config.loader (its own schema and validators): one line for a
     file Soup refuses, a config Soup would not stream, or an option the estimator does not model."""
     try:
@@ -90,9 +102,17 @@ def read_soup_config(path: str) -> UserRun:
         raise UsageError(f"--config {path}: base {cfg.base}: no such folder (a path, relative to the working "
                          f"directory {os.getcwd()}; a hub id is org/name)")
     t = cfg.training
+    resident = None
     if not getattr(t, "stream_layers", False):
-        raise UsageError(f"--config {path}: training.stream_layers is not true, so Soup would not stream "
-                         "this run (the pre-flight this tool checks is the streamed one)")
+        if not resident_ok:
+            raise UsageError(f"--config {path}: training.stream_layers is not true (a resident run): --estimate "
+                             "answers it, and --map --stream-layers off measures resident arms; this mode runs "
+                             "streamed files only, so far")
+        from soup_cli.commands.train import _build_hardware_fit_input
+
+        inp = _build_hardware_fit_input(cfg)
+        resident = ResidentRun(bool(getattr(t, "gradient_checkpointing", False)),
+                               None if inp is None else {k: getattr(inp, k) for k in inp.__dataclass_fields__})
     task = str(getattr(cfg, "task", PROTOCOL_TASK))
     if task not in TASKS:  # a task Soup takes but does not stream: Soup itself would refuse to stream it
         raise UsageError(f"--config {path}: task {task!r} is not one Soup streams ({', '.join(TASKS)})")
@@ -123,7 +143,7 @@ def read_soup_config(path: str) -> UserRun:
                    probe=bool(getattr(t, "stream_vram_probe", False)), optimizer=str(t.optimizer),
                    accumulation=int(t.gradient_accumulation_steps),
                    keys=tuple(unknown_keys(raw)) + tuple(key_lines(cfg, quant, set_in(raw, "training"))), text=text,
-                   lora_dropout=float(getattr(lora, "dropout", LORA_DROPOUT)))
+                   lora_dropout=float(getattr(lora, "dropout", LORA_DROPOUT)), resident=resident)
 
 
 def soup_release() -> str:

@@ -69,9 +69,9 @@ def test_the_soup_yaml_is_read_once_in_every_mode(monkeypatch, soup_yaml, argv, 
     reads = []
     real = userconfig.read_soup_config
 
-    def counted(path):
+    def counted(path, *rest):
         reads.append(path)
-        return real(path)
+        return real(path, *rest)
 
     for module in (userconfig, configarm, estimate_mode, find_max_mode, measure_mode):
         if hasattr(module, "read_soup_config"):

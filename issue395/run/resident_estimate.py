@@ -1,0 +1,80 @@
+"""--estimate on a resident soup.yaml (training.stream_layers false): Soup's resident gate as `soup train` runs it
+(computed by Soup: the input its CLI built from the file, hardware_fit's number, decide_hardware_fit against each
+card's total memory) beside this tool's resident estimate (issue395.estimator.resident) and its fit on each card,
+the verdict first; where the estimator does not model the run, it says so and answers no fit."""
+
+from __future__ import annotations
+
+from ..errors import EXIT_FINDING, EXIT_OK, EXIT_SOUP_REFUSES, EXIT_USAGE, UsageError
+from ..report.outputs import write_json
+from .request import EstimateRequest
+
+
+def soup_resident(soup_input: dict | None, total_bytes: int) -> tuple[float | None, bool]:
+    """Soup's resident number (GB, its unit) and its verdict on a card of ``total_bytes`` as CUDA reports them; where
+    its CLI built no input Soup skips its gate, so the run is admitted with no number (computed by Soup)."""
+    if soup_input is None:
+        return None, True
+    from soup_cli.utils.hardware_fit import HardwareFitInput, decide_hardware_fit, estimate_peak_vram_gb
+
+    inp = HardwareFitInput(**soup_input)
+    return estimate_peak_vram_gb(inp).total_gb, decide_hardware_fit(inp, available_vram_gb=total_bytes / 1e9).ok
+
+
+def answer_resident(e: EstimateRequest) -> int:
+    """The resident run's rows, verdict, text and JSON (one (task, quant, seq, batch): the file's)."""
+    from ..estimator.cards import budget
+    from ..estimator.resident import estimate_resident
+
+    r, a = e.user.resident, e.adapter
+    task, quant, seq, batch = e.tasks[0], e.quants[0], e.seqs[0], e.batches[0]
+    try:
+        est = estimate_resident(e.config, quant=quant, seq=seq, batch=batch, targets=a.targets, lora_r=a.lora_r,
+                                task=task, checkpointing=r.checkpointing, steps=e.steps,
+                                optimizer=e.optimizer or "adamw_torch", accumulation=e.accumulation or 1)
+        why = None
+    except UsageError as exc:
+        est, why = None, str(exc)
+    if why and e.fit_exit:
+        raise UsageError(f"--exit-code: this tool cannot say whether {e.model} fits: {why}")
+    soup_gb, _ = soup_resident(r.soup_input, 1)
+    cards = []
+    for card in e.cards:
+        b = budget(card, e.context)
+        _, admits = soup_resident(r.soup_input, card.total_bytes - card.hidden_bytes)
+        cards.append({"card": card.name, "total_bytes": card.total_bytes, "free_bytes": b.free_bytes,
+                      "fits": None if est is None else b.fits(est.needs_free), "soup_admits": admits})
+    tag = f"{task} {quant} {seq}x{batch}" + (" with gradient checkpointing" if r.checkpointing else "")
+    mine = (f"needs {est.needs_free / 1e9:.2f} GB free by this tool's resident estimate" if est else
+            f"not estimated by this tool ({why})")
+    soup = (f"Soup's resident gate: {soup_gb:.2f} GB, +10% margin {soup_gb * 1.1:.2f} GB against a card's total"
+            if soup_gb is not None else "Soup's resident gate: no number (its CLI builds no input, so it skips its gate)")
+    verdict = "verdict: " + ("; ".join(
+        f"{c['card']}: " + ("fits" if c["fits"] else "does NOT fit" if c["fits"] is False else "fit not estimated")
+        + (", Soup's gate admits it" if c["soup_admits"] else ", Soup's gate REFUSES it") for c in cards)
+        if cards else mine + "; give --card to fit it on a card")
+    lines = [verdict, f"--estimate: {e.model}, from --config {a.soup_config}: a resident run (training.stream_layers "
+             f"false), {tag}, {e.steps} optimizer step(s)", f"  this tool: {mine}", f"  {soup}"]
+    if est:
+        lines += [f"  corrected allocated peak {est.corrected_predicted / 1e9:.4f} GB ({est.phase} phase); terms:"]
+        lines += [f"    {k:<28} {v / 1e9:.4f} GB" for k, v in est.terms.items() if v]
+    lines += [f"  {c['card']}: " + (f"needs {est.needs_free / 1e9:.2f} of {c['free_bytes'] / 1e9:.2f} GB free; " if est
+                                     else "") + ("Soup admits it" if c["soup_admits"] else "Soup REFUSES it")
+              + (f" (its +10% number against the card's {c['total_bytes'] / 1e9:.2f} GB total)" if soup_gb else "")
+              for c in cards]
+    lines.append("(Soup's resident gate: computed by Soup's own code; needs free and the terms: this tool's estimator, "
+                 "from the config alone)")
+    print("\n".join(lines))
+    if e.outputs.json and not write_json(e.outputs.json, "estimate", {
+            "model": e.model, "config": a.soup_config, "resident": {"checkpointing": r.checkpointing,
+                                                                     "soup_input": r.soup_input},
+            "task": task, "quant": quant, "seq": seq, "batch": batch, "steps": e.steps,
+            "soup_resident_gb": soup_gb, "corrected": est.corrected_predicted if est else None,
+            "needs_free": est.needs_free if est else None, "not_estimated": why,
+            "terms": est.terms if est else None, "cards": cards}):
+        return EXIT_USAGE
+    if not e.fit_exit:
+        return EXIT_OK
+    if not all(c["fits"] for c in cards):
+        return EXIT_FINDING
+    return EXIT_OK if all(c["soup_admits"] for c in cards) else EXIT_SOUP_REFUSES

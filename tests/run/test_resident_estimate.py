@@ -1,0 +1,75 @@
+"""--estimate on a resident soup.yaml (training.stream_layers false): the verdict first, Soup's resident gate as
+`soup train` runs it (the input its own CLI builds from the file, hardware_fit's number, its verdict on each card's
+total), this tool's resident estimate at the file's own run, and one line where it cannot answer. Real Soup loader
+and gate code; no GPU is needed for any of it."""
+
+from __future__ import annotations
+
+import json
+
+from conftest import main, one_error_line
+
+from issue395.errors import EXIT_FINDING, EXIT_OK
+
+YAML = """base: meta-llama/Llama-3.2-1B
+task: sft
+data: {{train: ./data.jsonl, max_length: {seq}}}
+training:
+  batch_size: 1
+  quantization: {quant}
+  stream_layers: false
+  gradient_checkpointing: {gc}
+  lora: {{r: 16, alpha: 32, target_modules: [q_proj, v_proj]}}
+"""
+
+
+def resident_yaml(tmp_path, seq=2048, quant="none", gc="true", base=None):
+    text = YAML.format(seq=seq, quant=quant, gc=gc)
+    path = tmp_path / "soup.yaml"
+    path.write_text(text if base is None else text.replace("meta-llama/Llama-3.2-1B", base))
+    return path
+
+
+def test_a_resident_soup_yaml_is_answered_with_soups_resident_gate_and_the_estimate_verdict_first(capfd, tmp_path):
+    """The verdict is line 1 and names each card; Soup's number is its own code on the input its CLI builds from
+    the file (a hub id's size read from its name, as Soup reads it); the estimate is at the file's checkpointing and
+    steady state, and the cards' answers agree with the needs-free in the JSON."""
+    from soup_cli.commands.train import _build_hardware_fit_input
+    from soup_cli.config.loader import load_config
+    from soup_cli.utils.hardware_fit import estimate_peak_vram_gb
+
+    path, out = resident_yaml(tmp_path), tmp_path / "e.json"
+    code, text, err = main(capfd, ["--estimate", "--config", path, "--card", "T4,RTX3050-Laptop-4GB", "--json", out])
+    assert code == EXIT_OK, err
+    first = text.splitlines()[0]
+    assert first.startswith("verdict: T4: fits") and "RTX3050-Laptop-4GB: does NOT fit" in first
+    got = json.loads(out.read_text())
+    inp = _build_hardware_fit_input(load_config(str(path)))
+    assert got["resident"] == {"checkpointing": True, "soup_input": {k: getattr(inp, k) for k in inp.__dataclass_fields__}}
+    assert got["soup_resident_gb"] == estimate_peak_vram_gb(inp).total_gb and inp.params_b == 1.0
+    assert got["steps"] == 2 and got["terms"]["adam_moments"] > 0 and got["terms"]["checkpointed_inputs"] > 0
+    assert [c["fits"] for c in got["cards"]] == [True, False] and got["cards"][1]["free_bytes"] < got["needs_free"]
+    assert "Soup's resident gate: computed by Soup's own code" in text
+
+
+def test_exit_code_says_the_resident_run_does_not_fit_a_small_card(capfd, tmp_path):
+    """--exit-code answers as for a streamed file: 1 where this tool's estimate does not fit a card."""
+    path = resident_yaml(tmp_path, gc="false", seq=1024)
+    code, text, err = main(capfd, ["--estimate", "--config", path, "--card", "4GB", "--exit-code"])
+    assert code == EXIT_FINDING and text.startswith("verdict: 4GB: does NOT fit"), (text, err)
+
+
+def test_a_resident_run_the_estimator_does_not_model_says_so_and_exit_code_is_one_line(capfd, tmp_path):
+    """Phi-2 resident is not modelled: the text says why beside Soup's number; asked for an exit code, one line."""
+    path = resident_yaml(tmp_path, base="microsoft/phi-2")
+    code, text, err = main(capfd, ["--estimate", "--config", path, "--card", "T4"])
+    assert code == EXIT_OK and "not estimated by this tool (a resident phi run is not yet modelled" in text, err
+    one_error_line(*main(capfd, ["--estimate", "--config", path, "--card", "T4", "--exit-code"]),
+                   "--exit-code", "phi")
+
+
+def test_a_resident_soup_yamls_measured_arm_is_one_line_naming_what_answers_it(capfd, tmp_path):
+    """The measured arm runs streamed files only so far: a resident one is refused before any work, naming
+    --estimate and --map --stream-layers off."""
+    one_error_line(*main(capfd, ["--config", resident_yaml(tmp_path), "--dry-run"]), "stream_layers", "--estimate",
+                   "--map --stream-layers off")
