@@ -41,8 +41,7 @@ def corrected(r: Row, env: Optional[dict] = None) -> Optional[int]:
     env = env or {}
     return _corrected(r.model_key, r.quant, r.seq, r.batch, tuple(r.targets), r.rank, env.get("soup_cli"),
                       int(env.get("steps") or 1), getattr(r, "task", None) or PROTOCOL_TASK, env.get("transformers"),
-                      tuple((k, v) for k, v in (("optimizer", r.optimizer), ("accumulation", r.accumulation))
-                            if v is not None))
+                      tuple(r.run.items()))
 
 
 def corrected_ratio(r: Row, env: Optional[dict] = None) -> Optional[float]:

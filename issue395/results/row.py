@@ -132,6 +132,12 @@ class Row:
             (self.task,) if self.task else ()) + self.run_setting
 
     @property
+    def run(self) -> dict[str, Any]:
+        """The estimator's keywords for the row's run beyond its shape, as issue395.model.arm.Arm.run gives them:
+        those the arm set (a --config arm's optimizer and accumulation)."""
+        return {k: v for k, v in (("optimizer", self.optimizer), ("accumulation", self.accumulation)) if v is not None}
+
+    @property
     def run_setting(self) -> tuple:
         """What the arm's run set beyond the protocol's (a --config file's optimizer and accumulation), as
         the arm's identity carries it: empty at the protocol's own (Soup's default optimizer, one micro-batch)."""
