@@ -15,12 +15,13 @@ SIZE_UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40,
 # c10/core/AllocatorConfig.h; rules: CUDACachingAllocator.cpp get_allocation_size, shouldSplit --
 K_MIN_BLOCK_SIZE, K_SMALL_SIZE = 512, 1 * MiB  # 512 B rounding; small pool up to 1 MiB
 K_MIN_LARGE_ALLOC, K_ROUND_LARGE = 10 * MiB, 2 * MiB  # own segment from 10 MiB, in 2 MiB steps
+K_LARGE_BUFFER = 20 * MiB  # the segment requests from 1 MiB up to 10 MiB are cut from
 #: What expandable segments (`soup train`'s allocator) map physical memory in, per pool: 20 MiB pages
 #: in the large pool, 2 MiB in the small one (torch's kLargeBuffer and kSmallBuffer, ExpandableSegment's
 #: segment size in c10/cuda/CUDACachingAllocator.cpp). At an OOM the allocator unmaps every wholly free
 #: page and retries, so the pages a live block touches are what a card cannot do without: the
 #: measurement reads them (measure.cuda.page_need), the estimator charges them (EXPANDABLE_RESERVE_PAGES).
-EXPANDABLE_PAGE_BYTES = {"large": 20 * MiB, "small": 2 * MiB}
+EXPANDABLE_PAGE_BYTES = {"large": K_LARGE_BUFFER, "small": 2 * MiB}
 
 
 def block_bytes(requested: int) -> int:

@@ -51,6 +51,10 @@ class Term(Enum):
     it appears under: None for a term every estimate carries). The order is the estimate's."""
 
     POOL = ("pool", {_R}, Kind.PARAM, "pool", None)
+    #: a resident run (stream_layers off): every parameter on the card at its dtype, in place of the pool and
+    #: the extras (issue395.estimator.resident)
+    RESIDENT_WEIGHTS = ("resident_weights", {_R}, Kind.PARAM, "every layer's weights on the card",
+                        "stream_layers off")
     EXTRAS = ("extras", {_R}, Kind.PARAM, "extras", None)
     LORA_WEIGHTS = ("lora_weights", {_R}, Kind.PARAM, "LoRA weights", None)
     REFERENCE_ADAPTER = ("reference_adapter", {_R}, Kind.PARAM, "the reference adapter", "DPO on 0.77.0")

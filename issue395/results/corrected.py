@@ -13,7 +13,8 @@ from dataclasses import replace
 from typing import Optional
 
 from ..errors import UsageError
-from ..model.registry import known
+from ..model.registry import config_json, is_resident, known, stream_mode
+from ..estimator.resident import estimate_resident
 from ..estimator.estimate import estimate_key, needs_free
 from ..tasks import PROTOCOL_TASK
 from .extras import Corrected
@@ -25,6 +26,11 @@ def _corrected(key: str, quant: str, seq: int, batch: int, targets: tuple, lora_
                steps: int, task: str = PROTOCOL_TASK, transformers: Optional[str] = None,
                run: tuple = ()) -> Optional[int]:
     try:
+        if is_resident(key):  # every layer on the card: the resident construction, where it is modelled
+            family, modes = stream_mode(key)
+            return estimate_resident(config_json(family), quant=quant, seq=seq, batch=batch, targets=targets or None,
+                                     lora_r=lora_r, steps=steps, release=release, task=task, transformers=transformers,
+                                     checkpointing=bool(modes.get("gradient_checkpointing"))).corrected_predicted
         return estimate_key(key, quant=quant, seq=seq, batch=batch, targets=targets or None, lora_r=lora_r,
                             steps=steps, release=release, soup=False, task=task,
                             transformers=transformers, **dict(run)).corrected_predicted

@@ -1,0 +1,127 @@
+"""The corrected estimate of a resident run (``training.stream_layers: false``): Soup loads the whole model on the
+card and trains it with Hugging Face's own loop, so what a streamed step holds in its two-layer pool and its extras
+is, here, every parameter at its dtype; the step's other terms are the streamed step's own, op by op, because the
+decoder layers are the same modules: without gradient checkpointing every layer keeps what its backward needs
+through the loss (the terms of ``stream_recompute: off``); with it, HF saves each layer's input and recomputes one
+layer at a time in the backward (the terms of Soup's own per-layer recompute). One terms table (estimator/terms.py)
+serves both paths; this module adds only ``resident_weights``.
+
+Measured (tests/estimator/test_resident.py), on the 84 committed bf16 arms of these families it models
+(results/resident-map-*): never under; with checkpointing 1.0001x-1.0011x, without it 1.0018x-1.0155x (SFT) and
+1.0145x-1.0247x (the four preference tasks); median 1.0048x.
+
+Known limitations
+    - Without checkpointing, the retained blocks' rounding is bounded, not replayed: each 1-10 MiB block class is
+      cut from 20 MiB segments whose last block keeps a rest under 1 MiB, charged as 1 MiB a segment
+      (retained_rounding); the measured excess of max_memory_allocated over the requested peak was 21 MB on SmolLM2
+      1024x1, 108 MB on Qwen2.5 2048x1 (75.5 MB of it the MLP blocks' tails), 0 on Llama-3.2-1B 2048x1.
+    - Past a sliding window without checkpointing it is refused: Gemma-3 and Phi-3 keep attention masks per layer
+      there that the counts do not have (Gemma-3 2048x1: 48 blocks of 8 MiB; the construction was 0.978x-0.997x).
+    - NF4 (QLoRA) is not yet modelled: bitsandbytes leaves what it does not quantise in fp32 and the residual stream
+      then runs in fp32 (results/resident-anatomy-*: Llama-3.2-1B NF4 held an fp32 embedding and fp32 i-wide
+      activations), which the shared per-token counts do not charge. Refused in one line.
+    - Layers of more than one kind (MoE, latent attention, Qwen3.5's hybrid) and phi's parallel block are not yet
+      modelled resident (their committed rows are 0.80x-1.15x of this construction). Refused in one line.
+    - Soup's own resident number is hardware_fit's (computed by Soup, from its CLI's input); it is not this
+      module's business: the row carries it (results/extras.ResidentGate).
+"""
+
+from __future__ import annotations
+
+from ..constants import K_LARGE_BUFFER, K_MIN_LARGE_ALLOC, K_SMALL_SIZE, block_bytes
+from ..errors import UsageError
+from ..model.targets import soup_targets
+from ..tasks import PROTOCOL_TASK, task as task_named
+from .arch import Arch, arch_from_config, layer_bytes, protocol_targets
+from .estimate import Estimate, estimate, needs_free, segment_tail
+from .terms import Phase, Term, phase_sum
+
+#: The architectures the resident construction is held to (every committed resident row of theirs).
+MODELLED_TYPES = ("llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "gemma3_text", "phi3")
+
+
+def resident_weights(a: Arch) -> int:
+    """Every parameter in bf16, as Soup's resident load puts it on the card: each layer's tensors, the embedding
+    and an untied head (both vocab matrices: nothing streams them), the final norm and a head's bias, each tensor
+    its own block with its segment's tail (estimate.segment_tail: HF loads tensor by tensor)."""
+    norms = 2 * a.h * (2 if a.norm_bias else 1)
+    per_layer = layer_bytes(a, "none") + sum(segment_tail(2 * fi * fo) for fi, fo, _ in a.modules.values())
+    vocab = (1 if a.tied else 2) * (2 * a.V * a.h + segment_tail(2 * a.V * a.h))
+    return a.L * per_layer + vocab + norms + (2 * a.V if a.quirks.head_bias and not a.tied else 0)
+
+
+def retained_rounding(a: Arch, targets: tuple, r: int, T: int) -> int:
+    """segment_tail of each block a layer keeps through the loss without checkpointing, over every layer: the
+    tensors retained_by_layer counts per token (the norms' fp32 inputs, each target's dropout output, mask and
+    lora_A output, attention's q, k, v and output, the MLP's saved i-wide tensors), each its own block; from 10 MiB
+    a block's segment rounds to 2 MiB and a rest up to 1 MiB stays in it. Measured: Qwen2.5 2048x1 keeps 72 MLP
+    blocks of 19,922,944 B, each with a 1 MiB tail, which the allocator's history (requested sizes) does not show
+    and max_memory_allocated does (results/resident-anatomy-*/call-1/res-sft-qwen-bf16-2048x1: replayed peak
+    107.7 MB under the real one)."""
+    act, qw, kw = 2, a.heads * a.head_dim, a.kv * a.head_dim
+    widths = [(4, a.h)] * (a.norms if a.quirks.norm_inputs_saved else 0)
+    widths += [w for t in targets for w in ((act, a.modules[t][0]), (1, a.modules[t][0]), (act, r))]
+    widths += [(act, qw), (act, kw), (act, (qw + 2 * kw) if a.quirks.fused_qkv else kw), (act, qw)]
+    widths += [(act, a.i)] * (a.quirks.mlp_saved - a.quirks.mlp_transients)
+    sizes = [block_bytes(b * w * T) for b, w in widths]
+    # requests from 1 MiB to 10 MiB are cut from 20 MiB segments, and a segment's last block keeps a rest under
+    # 1 MiB unsplit (the allocator splits a large block only where more than 1 MiB would remain): at most 1 MiB a
+    # segment those blocks fill
+    cut = a.L * sum(s for s in sizes if K_SMALL_SIZE <= s < K_MIN_LARGE_ALLOC)
+    return a.L * sum(segment_tail(s) for s in sizes) + -(-cut // K_LARGE_BUFFER) * K_SMALL_SIZE
+
+
+def refused(a: Arch, quant: str, checkpointing: bool = True, seq: int = 0) -> str | None:
+    """Why this tool does not estimate this resident run (None: it does)."""
+    if not checkpointing and a.window and seq >= a.window:
+        return (f"a resident {a.model_type} run past its sliding window ({a.window}) without gradient checkpointing "
+                "is not yet modelled by this estimator (its layers keep attention masks the counts do not have)")
+    if quant != "none":
+        return "a resident NF4 (QLoRA) run is not yet modelled by this estimator (its fp32 casts)"
+    if a.layers is not None or a.model_type not in MODELLED_TYPES:
+        return f"a resident {a.model_type} run is not yet modelled by this estimator"
+    return None
+
+
+def targets_of(a: Arch, targets, config: dict) -> tuple:
+    """The LoRA targets as the layer's modules (Soup's spellings resolved, the protocol's by default)."""
+    targets = protocol_targets(a) if targets is None else targets
+    return soup_targets((targets,) if isinstance(targets, str) else tuple(targets), config, a, str(targets))
+
+
+def rows_of(task: str) -> int:
+    """The rows a step's forward runs per configured example (a paired task's two)."""
+    return task_named(task).rows_per_example
+
+
+def estimate_resident(config: dict, *, quant: str = "none", seq: int, batch: int = 1, targets=None,
+                      lora_r: int = 8, steps: int = 1, release: str | None = None, task: str = PROTOCOL_TASK,
+                      checkpointing: bool = False, optimizer: str = "adamw_torch", accumulation: int = 1,
+                      transformers: str | None = None) -> Estimate:
+    """The corrected peak of a resident run: the streamed step's terms (recompute off without checkpointing, on
+    with it) with every layer's weights in place of the pool and the extras. The Estimate carries no Soup number
+    (Soup's resident gate is hardware_fit's; the row has it)."""
+    a = arch_from_config(config)
+    why = refused(a, quant, checkpointing, seq)
+    if why:
+        raise UsageError(why)
+    e = estimate(config, quant=quant, seq=seq, batch=batch, targets=targets, lora_r=lora_r, steps=steps,
+                 release=release, soup=False, task=task, optimizer=optimizer, accumulation=accumulation,
+                 transformers=transformers, stream={} if checkpointing else {"stream_recompute": "off"})
+    t = dict(e.terms)
+    before = phase_sum(t, Phase.RESIDENT)
+    for streamed in (Term.POOL.key, Term.EXTRAS.key, Term.RESIDENT_ROUNDING.key):
+        t[streamed] = 0  # the pool's slots and the streamed extras: here, the whole model's tensors
+    t = {Term.RESIDENT_WEIGHTS.key: resident_weights(a), **t}
+    corrected = e.corrected_predicted - before + phase_sum(t, Phase.RESIDENT)
+    if not checkpointing and e.phase == Phase.LOSS.value:
+        # no checkpoint saves a layer's input: what each layer's backward needs is its retained count (the
+        # norms' fp32 copies among it). Measured: Qwen2.5 2048x1 keeps 45,912 B a token a layer at its loss
+        # peak, retained_by_layer's count to the byte (results/resident-anatomy-*/call-1/res-sft-qwen-bf16-2048x1)
+        corrected -= t[Term.CHECKPOINTED_INPUTS.key]
+        t[Term.CHECKPOINTED_INPUTS.key] = 0
+        rounding = retained_rounding(a, targets_of(a, targets, config), lora_r, e.seq * e.batch * rows_of(task))
+        t[Term.ALLOCATOR_ROUNDING.key] += rounding
+        corrected += rounding
+    return Estimate(e.seq, e.batch, e.quant, e.steps, e.release, None, {}, corrected, needs_free(corrected),
+                    e.phase, t, e.task, e.optimizer, e.accumulation)
