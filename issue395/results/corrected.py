@@ -30,7 +30,8 @@ def _corrected(key: str, quant: str, seq: int, batch: int, targets: tuple, lora_
             family, modes = stream_mode(key)
             return estimate_resident(config_json(family), quant=quant, seq=seq, batch=batch, targets=targets or None,
                                      lora_r=lora_r, steps=steps, release=release, task=task, transformers=transformers,
-                                     checkpointing=bool(modes.get("gradient_checkpointing"))).corrected_predicted
+                                     checkpointing=bool(modes.get("gradient_checkpointing")),
+                                     **dict(run)).corrected_predicted
         return estimate_key(key, quant=quant, seq=seq, batch=batch, targets=targets or None, lora_r=lora_r,
                             steps=steps, release=release, soup=False, task=task,
                             transformers=transformers, **dict(run)).corrected_predicted
