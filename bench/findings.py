@@ -389,8 +389,8 @@ def resident() -> None:
           "(`commands/train.py:_build_hardware_fit_input` on the arm's config, `estimate_peak_vram_gb`, "
           "`decide_hardware_fit` against the card's total), computed in each arm's process; real peak: "
           "`torch.cuda.max_memory_allocated()` over one optimizer step on an H200 (soup-cli 0.77.0, synthetic weights). "
-          "This tool's corrected resident estimate (issue395.estimator.resident) models bf16 LoRA on the dense "
-          "families (past a sliding window only with checkpointing), so far.\n")
+          "This tool's corrected resident estimate (issue395.estimator.resident) models LoRA and QLoRA on the dense "
+          "families (past a sliding window only with checkpointing), one step of one micro-batch, so far.\n")
     print(f"{sum(1 for r in measured if r.status == 'UNDER')} of {len(measured)} measured resident arms are under "
           "Soup's resident number.\n")
     print("| arms | measured | Soup/real min | median | max |\n|---|---:|---:|---:|---:|")

@@ -6,20 +6,20 @@ through the loss (the terms of ``stream_recompute: off``); with it, HF saves eac
 layer at a time in the backward (the terms of Soup's own per-layer recompute). One terms table (estimator/terms.py)
 serves both paths; this module adds only ``resident_weights``.
 
-Measured (tests/estimator/test_resident.py), on the 84 committed bf16 arms of these families it models
-(results/resident-map-*): never under; with checkpointing 1.0001x-1.0011x, without it 1.0018x-1.0155x (SFT) and
-1.0145x-1.0247x (the four preference tasks); median 1.0048x.
+Measured (tests/estimator/test_resident.py), on the 143 committed arms of these families it models, bf16 and NF4
+(results/resident-map-*): never under; with checkpointing 1.0000x-1.0027x, without it 1.0027x-1.0854x, median
+1.0128x (the widest: Phi-3-mini NF4, whose fused gate_up the shared count charges whole).
 
 Known limitations
     - Without checkpointing, the retained blocks' rounding is bounded, not replayed: each 1-10 MiB block class is
-      cut from 20 MiB segments whose last block keeps a rest under 1 MiB, charged as 1 MiB a segment
-      (retained_rounding); the measured excess of max_memory_allocated over the requested peak was 21 MB on SmolLM2
-      1024x1, 108 MB on Qwen2.5 2048x1 (75.5 MB of it the MLP blocks' tails), 0 on Llama-3.2-1B 2048x1.
+      cut from 20 MiB segments whose last block keeps a rest under 1 MiB (1 MiB a segment), and each block from
+      10 MiB keeps its segment's tail, or, served from a larger cached block, a rest under 1 MiB (1 MiB a block)
+      (retained_rounding). The measured excess of max_memory_allocated over the requested peak was 21 MB on SmolLM2
+      1024x1, 108 MB on Qwen2.5 2048x1 (75.5 MB of it the MLP blocks' tails), 0 on Llama-3.2-1B 2048x1; without the
+      per-block bound SmolLM2 NF4 at 2048 tokens was 9.8 MB under. This is why the median is 1.013x, not 1.005x.
     - Past a sliding window without checkpointing it is refused: Gemma-3 and Phi-3 keep attention masks per layer
       there that the counts do not have (Gemma-3 2048x1: 48 blocks of 8 MiB; the construction was 0.978x-0.997x).
-    - NF4 (QLoRA) is not yet modelled: bitsandbytes leaves what it does not quantise in fp32 and the residual stream
-      then runs in fp32 (results/resident-anatomy-*: Llama-3.2-1B NF4 held an fp32 embedding and fp32 i-wide
-      activations), which the shared per-token counts do not charge. Refused in one line.
+    - One optimizer step of one micro-batch: --steps and gradient accumulation on a resident run are refused.
     - Layers of more than one kind (MoE, latent attention, Qwen3.5's hybrid) and phi's parallel block are not yet
       modelled resident (their committed rows are 0.80x-1.15x of this construction). Refused in one line.
     - Soup's own resident number is hardware_fit's (computed by Soup, from its CLI's input); it is not this
@@ -32,7 +32,7 @@ from ..constants import K_LARGE_BUFFER, K_MIN_LARGE_ALLOC, K_SMALL_SIZE, block_b
 from ..errors import UsageError
 from ..model.targets import soup_targets
 from ..tasks import PROTOCOL_TASK, task as task_named
-from .arch import Arch, arch_from_config, layer_bytes, protocol_targets
+from .arch import Arch, arch_from_config, layer_bytes, nf4_bytes, protocol_targets
 from .estimate import Estimate, estimate, needs_free, segment_tail
 from .terms import Phase, Term, phase_sum
 
@@ -40,17 +40,25 @@ from .terms import Phase, Term, phase_sum
 MODELLED_TYPES = ("llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "gemma3_text", "phi3")
 
 
-def resident_weights(a: Arch) -> int:
-    """Every parameter in bf16, as Soup's resident load puts it on the card: each layer's tensors, the embedding
-    and an untied head (both vocab matrices: nothing streams them), the final norm and a head's bias, each tensor
-    its own block with its segment's tail (estimate.segment_tail: HF loads tensor by tensor)."""
+def resident_weights(a: Arch, quant: str = "none") -> int:
+    """Every parameter as Soup's resident load puts it on the card: each layer's tensors, the embedding and an untied
+    head (both vocab matrices: nothing streams them), the final norm and a head's bias, each tensor its own block
+    with its segment's tail (estimate.segment_tail: HF loads tensor by tensor). NF4: each linear as bitsandbytes packs
+    it (arch.nf4_bytes), everything it does not quantise cast to fp32 (measured: within 0.1% of what every committed
+    dense NF4 arm held before its step, results/resident-map-*)."""
+    if quant == "nf4":
+        per_layer = sum(nf4_bytes(fi * fo) + (4 * fo if bias else 0) for fi, fo, bias in a.modules.values())
+        per_layer += 4 * a.h * a.norms * (2 if a.norm_bias else 1) + (4 * 2 * a.head_dim if a.qk_norm else 0)
+        vocab = (1 if a.tied else 2) * (4 * a.V * a.h + segment_tail(4 * a.V * a.h))
+        return a.L * per_layer + vocab + 4 * a.h * (2 if a.norm_bias else 1) + (
+            4 * a.V if a.quirks.head_bias and not a.tied else 0)
     norms = 2 * a.h * (2 if a.norm_bias else 1)
     per_layer = layer_bytes(a, "none") + sum(segment_tail(2 * fi * fo) for fi, fo, _ in a.modules.values())
     vocab = (1 if a.tied else 2) * (2 * a.V * a.h + segment_tail(2 * a.V * a.h))
     return a.L * per_layer + vocab + norms + (2 * a.V if a.quirks.head_bias and not a.tied else 0)
 
 
-def retained_rounding(a: Arch, targets: tuple, r: int, T: int) -> int:
+def retained_rounding(a: Arch, targets: tuple, r: int, T: int, quant: str = "none") -> int:
     """segment_tail of each block a layer keeps through the loss without checkpointing, over every layer: the
     tensors retained_by_layer counts per token (the norms' fp32 inputs, each target's dropout output, mask and
     lora_A output, attention's q, k, v and output, the MLP's saved i-wide tensors), each its own block; from 10 MiB
@@ -62,13 +70,14 @@ def retained_rounding(a: Arch, targets: tuple, r: int, T: int) -> int:
     widths = [(4, a.h)] * (a.norms if a.quirks.norm_inputs_saved else 0)
     widths += [w for t in targets for w in ((act, a.modules[t][0]), (1, a.modules[t][0]), (act, r))]
     widths += [(act, qw), (act, kw), (act, (qw + 2 * kw) if a.quirks.fused_qkv else kw), (act, qw)]
-    widths += [(act, a.i)] * (a.quirks.mlp_saved - a.quirks.mlp_transients)
+    widths += [(4 if quant == "nf4" else act, a.i)] * (a.quirks.mlp_saved - a.quirks.mlp_transients)
     sizes = [block_bytes(b * w * T) for b, w in widths]
     # requests from 1 MiB to 10 MiB are cut from 20 MiB segments, and a segment's last block keeps a rest under
     # 1 MiB unsplit (the allocator splits a large block only where more than 1 MiB would remain): at most 1 MiB a
     # segment those blocks fill
     cut = a.L * sum(s for s in sizes if K_SMALL_SIZE <= s < K_MIN_LARGE_ALLOC)
-    return a.L * sum(segment_tail(s) for s in sizes) + -(-cut // K_LARGE_BUFFER) * K_SMALL_SIZE
+    own = a.L * sum(segment_tail(s) or K_SMALL_SIZE for s in sizes if s >= K_MIN_LARGE_ALLOC)
+    return own + -(-cut // K_LARGE_BUFFER) * K_SMALL_SIZE
 
 
 def refused(a: Arch, quant: str, checkpointing: bool = True, seq: int = 0) -> str | None:
@@ -76,8 +85,8 @@ def refused(a: Arch, quant: str, checkpointing: bool = True, seq: int = 0) -> st
     if not checkpointing and a.window and seq >= a.window:
         return (f"a resident {a.model_type} run past its sliding window ({a.window}) without gradient checkpointing "
                 "is not yet modelled by this estimator (its layers keep attention masks the counts do not have)")
-    if quant != "none":
-        return "a resident NF4 (QLoRA) run is not yet modelled by this estimator (its fp32 casts)"
+    if quant not in ("none", "nf4"):
+        return f"a resident {quant} run is not modelled by this estimator"
     if a.layers is not None or a.model_type not in MODELLED_TYPES:
         return f"a resident {a.model_type} run is not yet modelled by this estimator"
     return None
@@ -98,30 +107,50 @@ def estimate_resident(config: dict, *, quant: str = "none", seq: int, batch: int
                       lora_r: int = 8, steps: int = 1, release: str | None = None, task: str = PROTOCOL_TASK,
                       checkpointing: bool = False, optimizer: str = "adamw_torch", accumulation: int = 1,
                       transformers: str | None = None) -> Estimate:
-    """The corrected peak of a resident run: the streamed step's terms (recompute off without checkpointing, on
-    with it) with every layer's weights in place of the pool and the extras. The Estimate carries no Soup number
-    (Soup's resident gate is hardware_fit's; the row has it)."""
+    """The corrected peak of a resident run: the streamed step's bf16 terms (recompute off without checkpointing, on
+    with it) with every parameter on the card in place of the pool and the extras, and under NF4 what runs in fp32.
+    The Estimate carries no Soup number (Soup's resident gate is hardware_fit's; the row has it)."""
     a = arch_from_config(config)
     why = refused(a, quant, checkpointing, seq)
     if why:
         raise UsageError(why)
-    e = estimate(config, quant=quant, seq=seq, batch=batch, targets=targets, lora_r=lora_r, steps=steps,
-                 release=release, soup=False, task=task, optimizer=optimizer, accumulation=accumulation,
-                 transformers=transformers, stream={} if checkpointing else {"stream_recompute": "off"})
+    if steps > 1 or accumulation > 1:
+        raise UsageError("a resident run's steady state and gradient accumulation are not yet modelled by this "
+                         "estimator (one optimizer step of one micro-batch)")
+    e = estimate(config, quant="none", seq=seq, batch=batch, targets=targets, lora_r=lora_r, release=release,
+                 soup=False, task=task, transformers=transformers,
+                 stream={} if checkpointing else {"stream_recompute": "off"})
     t = dict(e.terms)
-    before = phase_sum(t, Phase.RESIDENT)
     for streamed in (Term.POOL.key, Term.EXTRAS.key, Term.RESIDENT_ROUNDING.key):
         t[streamed] = 0  # the pool's slots and the streamed extras: here, the whole model's tensors
-    t = {Term.RESIDENT_WEIGHTS.key: resident_weights(a), **t}
-    corrected = e.corrected_predicted - before + phase_sum(t, Phase.RESIDENT)
-    if not checkpointing and e.phase == Phase.LOSS.value:
+    t = {Term.RESIDENT_WEIGHTS.key: resident_weights(a, quant), **t}
+    T = e.seq * e.batch * rows_of(task)
+    if not checkpointing:
         # no checkpoint saves a layer's input: what each layer's backward needs is its retained count (the
         # norms' fp32 copies among it). Measured: Qwen2.5 2048x1 keeps 45,912 B a token a layer at its loss
         # peak, retained_by_layer's count to the byte (results/resident-anatomy-*/call-1/res-sft-qwen-bf16-2048x1)
-        corrected -= t[Term.CHECKPOINTED_INPUTS.key]
         t[Term.CHECKPOINTED_INPUTS.key] = 0
-        rounding = retained_rounding(a, targets_of(a, targets, config), lora_r, e.seq * e.batch * rows_of(task))
-        t[Term.ALLOCATOR_ROUNDING.key] += rounding
-        corrected += rounding
-    return Estimate(e.seq, e.batch, e.quant, e.steps, e.release, None, {}, corrected, needs_free(corrected),
-                    e.phase, t, e.task, e.optimizer, e.accumulation)
+        t[Term.ALLOCATOR_ROUNDING.key] += retained_rounding(a, targets_of(a, targets, config), lora_r, T, quant)
+    if quant == "nf4":
+        # the embedding is fp32, so the residual stream is, and bitsandbytes' Linear4bit returns its input's dtype:
+        # the MLP's i-wide tensors are fp32 (Llama-3.2-1B NF4 2048x1 kept 48 of 67,108,864 B, i x T x 4, where bf16
+        # kept 33,554,432), and the layer inputs a checkpoint saves are fp32. The head's weight is fp32 too, so
+        # autocast casts it to bf16 for the head's matmul, which saves that copy for its backward: V x h x 2 beside
+        # the loss, whatever the tokens (Llama-3.2-1B NF4: real peaks 3.733 MB a token plus 561 MB at 512-8192
+        # tokens; this copy is 525 MB). The backward dequantises one linear at a time.
+        saved = 2 * a.i * (a.quirks.mlp_saved - a.quirks.mlp_transients)
+        if checkpointing:
+            t[Term.CHECKPOINTED_INPUTS.key] *= 2
+        else:
+            t[Term.RETAINED_ACTIVATIONS.key] += T * a.L * saved
+            t[Term.RETAINED_BESIDE_LAYER.key] += T * (a.L - 1) * saved
+        t[Term.LAYER_PER_TOKEN.key] += T * 2 * a.i * a.quirks.mlp_saved
+        t[Term.HEAD_COPY.key] = 2 * a.V * a.h + segment_tail(2 * a.V * a.h)
+        t[Term.DEQUANTISED_LAYER.key] = 2 * max(fi * fo for fi, fo, _ in a.modules.values())
+    step = {p: phase_sum(t, p) for p in (Phase.LOSS, Phase.REFERENCE, Phase.LAYER)}
+    if not task_named(task).reference:
+        step[Phase.REFERENCE] = 0
+    binding = max(step, key=step.get)
+    corrected = phase_sum(t, Phase.RESIDENT) + step[binding] + phase_sum(t, Phase.ALLOWANCE)
+    return Estimate(e.seq, e.batch, quant, 1, e.release, None, {}, corrected, needs_free(corrected),
+                    binding.value, t, e.task, e.optimizer, 1)

@@ -237,8 +237,8 @@ RESIDENT_LEGEND = ("[resident]: training.stream_layers off, every layer on the c
                    "training.gradient_checkpointing); Soup's own is its resident gate's number (commands/train.py's input, "
                    "hardware_fit.estimate_peak_vram_gb: computed by Soup), lower/real that number over the real peak, and "
                    "record-conv (a streamed run's convention) does not apply; corrected: this tool's resident estimate "
-                   "(issue395.estimator.resident) where it models the run (bf16 LoRA on dense families; "
-                   "past a sliding window only with checkpointing), else blank")
+                   "(issue395.estimator.resident) where it models the run (LoRA and QLoRA on dense "
+                   "families; past a sliding window only with checkpointing), else blank")
 
 
 def resident_gate_table(rows: list[Row], cards: Optional[list] = None) -> str:

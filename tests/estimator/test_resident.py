@@ -23,24 +23,26 @@ def committed_resident_rows() -> list[Row]:
 
 
 def test_the_resident_estimate_is_never_under_and_tight_on_every_committed_arm_it_models():
-    """Every committed resident row the estimator models (the map's corrected column, from the family's public config
-    alone) is at or above its real peak, within 1.025x, median at most 1.005x; the ones it does not model (NF4, MoE
-    and hybrid layers, phi, past a sliding window without checkpointing) get no figure."""
+    """Every committed resident row the estimator models, bf16 and NF4 (the map's corrected column, from the family's
+    public config alone) is at or above its real peak, within 1.09x, median at most 1.015x, and within 1.003x with
+    checkpointing; the ones it does not model (MoE and hybrid layers, phi, past a sliding window without
+    checkpointing) get no figure."""
     import statistics
 
     rows = [r for r in committed_resident_rows() if r.measured]
     env = {"soup_cli": "0.77.0", "transformers": "5.16.1"}
     got = [(r, corrected(r, env)) for r in rows]
     modelled = [(r, c / r.real_peak) for r, c in got if c is not None]
-    assert len(modelled) >= 80, len(modelled)
-    assert all(1.0 <= v <= 1.025 for _, v in modelled), [(r.model_key, r.seq, round(v, 4)) for r, v in modelled]
-    assert statistics.median(v for _, v in modelled) <= 1.005
-    assert all(c is None for r, c in got if r.quant == "nf4" or r.model_key.startswith(("moonlight", "qwen3.5", "phi-2")))
+    assert len(modelled) >= 140 and any(r.quant == "nf4" for r, _ in modelled), len(modelled)
+    assert all(1.0 <= v <= 1.09 for _, v in modelled), [(r.model_key, r.seq, round(v, 4)) for r, v in modelled]
+    assert all(v <= 1.003 for r, v in modelled if "+gc" in r.model_key)
+    assert statistics.median(v for _, v in modelled) <= 1.015
+    assert all(c is None for r, c in got if r.model_key.startswith(("moonlight", "qwen3.5", "phi-2")))
 
 
 @pytest.mark.parametrize("key, quant, words", [
     ("gemma3-1b+resident", "none", "sliding window"),
-    ("llama32-1b+resident+gc", "nf4", "NF4"),
+    ("llama32-1b+resident+gc", "8bit", "8bit"),
     ("moonlight+resident+gc", "none", "deepseek_v3"),
     ("phi-2+resident+gc", "none", "phi run"),
 ])
@@ -61,3 +63,21 @@ def test_the_resident_weights_replace_the_pool_and_the_extras_and_an_untied_head
     c = config_json("llama31-8b")
     assert (e.terms["resident_weights"] - estimate_resident(tied, seq=1024, checkpointing=True).terms["resident_weights"]
             >= 2 * c["vocab_size"] * c["hidden_size"])
+
+
+def test_a_resident_runs_steady_state_or_accumulation_is_refused_not_estimated_as_one_step():
+    """One optimizer step of one micro-batch is what the construction is held to: --steps 2 or accumulation 4 is one
+    line, never the one-step figure under another name."""
+    for kw in ({"steps": 2}, {"accumulation": 4}):
+        with pytest.raises(UsageError, match="steady state and gradient accumulation"):
+            estimate_resident(config_json("llama32-1b"), seq=1024, checkpointing=True, **kw)
+
+
+def test_nf4_weights_are_bitsandbytes_packing_and_fp32_for_the_rest():
+    """A resident QLoRA run holds far less than bf16 in its layers but its embedding in fp32: Llama-3.2-1B's NF4
+    weights are under half its bf16 weights, and more than its fp32 embedding alone (V x h x 4)."""
+    from issue395.estimator.resident import resident_weights
+
+    a = arch_from_config(config_json("llama32-1b"))
+    nf4, bf16 = resident_weights(a, "nf4"), resident_weights(a, "none")
+    assert 4 * a.V * a.h < nf4 < bf16 * 0.7
