@@ -91,10 +91,12 @@ def rows_for_batch(batch: int, steps: int = 1, val_split: float = 0.1) -> int:
 
 def soup_config_yaml(base: str, data_path: Path, output: Path, seq: int, batch: int, quant: str = "none",
                      targets: Iterable[str] = ("q_proj", "v_proj"), stream: Iterable[tuple[str, Any]] = (),
-                     lora_r: int = LORA_R, lora_alpha: int = LORA_ALPHA, task_name: str = PROTOCOL_TASK) -> str:
+                     lora_r: int = LORA_R, lora_alpha: int = LORA_ALPHA, task_name: str = PROTOCOL_TASK,
+                     training: Optional[dict[str, Any]] = None) -> str:
     """The protocol's Soup config, verbatim but for the paths, seq and batch (and, on the margin map, the
     quantization, the family's own LoRA targets and 0.77.0's streaming modes: expert layout, chunked loss,
-    recompute; with --config, the file's own LoRA r and alpha too; with --task, the task and its rows'
+    recompute; with --config, the file's own LoRA r and alpha, optimizer and gradient accumulation too
+    (``training``: the arm's keys, issue395.model.arm.Arm.training); with --task, the task and its rows'
     data.format, each task's own keys at Soup's defaults). SFT's stays the record's, which names no format. Soup
     spells NF4 "4bit"."""
     import yaml
@@ -106,7 +108,7 @@ def soup_config_yaml(base: str, data_path: Path, output: Path, seq: int, batch: 
         "output": str(output),
         "training": {"batch_size": batch, "gradient_accumulation_steps": 1, "epochs": 1,
                      "quantization": SOUP_QUANT[quant], "stream_layers": True, "logging_steps": 1,
-                     "save_steps": 100000, **dict(stream),
+                     "save_steps": 100000, **dict(stream), **(training or {}),
                      "lora": {"r": lora_r, "alpha": lora_alpha, "target_modules": list(targets)}},
     }, sort_keys=False)
 
@@ -187,7 +189,8 @@ def measure_arm(arm: Arm, shape: Shape, base: str, work: Path, *, dry_run: bool 
     work.mkdir(parents=True, exist_ok=True)
     data_path = work / "train.jsonl"
     data_path.write_text("".join(json.dumps(r) + "\n"
-                                 for r in task_rows(arm.task, arm.seq, rows_for_batch(arm.batch, steps))))
+                                 for r in task_rows(arm.task, arm.seq,
+                                                    rows_for_batch(arm.batch * arm.micro_batches, steps))))
     m, wrapper = Measurement(), None
     try:
         hooks.before_setup()  # the runner's cap, before Soup puts anything on the card
@@ -198,7 +201,7 @@ def measure_arm(arm: Arm, shape: Shape, base: str, work: Path, *, dry_run: bool 
             module, wrapper_class = task(arm.task).wrapper
             config = load_config_from_string(soup_config_yaml(
                 base, data_path, work / "out", arm.seq, arm.batch, arm.quant, shape.targets, shape.stream,
-                shape.lora_r, shape.lora_alpha, arm.task))
+                shape.lora_r, shape.lora_alpha, arm.task, arm.training))
             if not config.training.stream_layers:  # `soup train`'s resident gate runs before any setup
                 m.soup_resident = soup_resident_preflight(config, dry_run)
             wrapper = getattr(importlib.import_module(module), wrapper_class)(

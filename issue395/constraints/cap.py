@@ -20,7 +20,7 @@ from .emulation import arm_config
 
 def cap_bytes(cap: str, key: str, *, quant: str, seq: int, batch: int, targets: tuple, lora_r: int = LORA_R,
               steps: int = 1, release: Optional[str] = None, config: Optional[dict] = None,
-              task: str = PROTOCOL_TASK) -> Optional[int]:
+              task: str = PROTOCOL_TASK, run: Optional[dict] = None) -> Optional[int]:
     """The cap in bytes for one arm of a family (or the record's models), from its public config,
     at the arm's LoRA r and under its task (a preference task's step is not SFT's): Soup's own number is Soup's estimator fed what its setup computes (exact
     on every map arm)."""
@@ -30,7 +30,7 @@ def cap_bytes(cap: str, key: str, *, quant: str, seq: int, batch: int, targets: 
         return int(cap.partition(":")[2])
     # Soup's number only where it is the cap: it needs the release's own code, the physics does not
     kw = dict(quant=quant, seq=seq, batch=batch, targets=targets, lora_r=lora_r, steps=steps, release=release,
-              soup=cap == "soup", task=task)
+              soup=cap == "soup", task=task, **(run or {}))
     # a streaming mode is capped at its own estimate; a --model arm at its checkpoint's config
     e = estimate_key(key, **kw) if config is None else estimate(config, stream=stream_mode(key)[1], **kw)
     return {"soup": e.soup_predicted, "corrected": e.corrected_predicted, "needs-free": e.needs_free}[cap]
@@ -62,7 +62,7 @@ class Cap(Constraint):
         if self.at != "soup" and not s.dry_run:
             self.bytes = cap_bytes(self.at, s.arm.model, quant=s.arm.quant, seq=s.arm.seq, batch=s.arm.batch,
                                    targets=s.shape.targets, lora_r=s.shape.lora_r, steps=s.steps,
-                                   config=arm_config(s.arm.model, s.base), task=s.arm.task)
+                                   config=arm_config(s.arm.model, s.base), task=s.arm.task, run=s.arm.run)
             self.capped = True
             apply_cap(self.bytes)
 

@@ -40,7 +40,7 @@ def arm_config(model_key: str, base: Optional[str]) -> Optional[dict]:
 
 def tool_needs_free(config: Optional[dict], b: Optional[Budget], *, quant: str, seq: int, batch: int,
                     targets: tuple, lora_r: int = LORA_R, steps: int = 1, stream: tuple = (),
-                    task: str = PROTOCOL_TASK) -> Optional[int]:
+                    task: str = PROTOCOL_TASK, run: Optional[dict] = None) -> Optional[int]:
     """This tool's needs-free for the arm under its task (on card ``b``: its cuBLAS workspace), or None where the
     estimator cannot model the arm (it is said as '-', never guessed)."""
     if config is None:
@@ -49,11 +49,12 @@ def tool_needs_free(config: Optional[dict], b: Optional[Budget], *, quant: str, 
 
     try:
         e = estimate(config, quant=quant, seq=seq, batch=batch, targets=tuple(targets) or None,
-                     lora_r=lora_r, steps=steps, stream=dict(stream), task=task)
+                     lora_r=lora_r, steps=steps, stream=dict(stream), task=task, **(run or {}))
         if b is None:
             return e.needs_free
         return card_answers(config, e, [b], targets=tuple(targets) or None, lora_r=lora_r,
-                            env=workspace_env(), stream=dict(stream))[0]["needs_free"]
+                            env=workspace_env(), stream=dict(stream),
+                            optimizer=(run or {}).get("optimizer"))[0]["needs_free"]
     except Exception:  # noqa: BLE001 - an arm the estimator does not model has no verdict
         return None
 
@@ -75,7 +76,7 @@ class EmulateCard(Constraint):
         self.needs_free = tool_needs_free(
             arm_config(s.arm.model, s.base), self.budget, quant=s.arm.quant, seq=s.arm.seq, batch=s.arm.batch,
             targets=s.shape.targets, lora_r=s.shape.lora_r, steps=s.steps, stream=s.shape.stream,
-            task=s.arm.task)
+            task=s.arm.task, run=s.arm.run)
 
     def before_setup(self, s: ArmSetting) -> None:
         if not s.dry_run:  # Soup's gate then measures the card's free memory

@@ -193,7 +193,7 @@ def custom_corrected(arm: Arm, shape: Shape, base: str, steps: int) -> Optional[
     try:
         config = json.loads((Path(base) / "config.json").read_text(encoding="utf-8"))
         return estimate(config, quant=arm.quant, seq=arm.seq, batch=arm.batch, targets=tuple(shape.targets) or None,
-                        lora_r=shape.lora_r, steps=steps, task=arm.task, soup=False).corrected_predicted
+                        lora_r=shape.lora_r, steps=steps, task=arm.task, soup=False, **arm.run).corrected_predicted
     except (OSError, ValueError, TypeError, KeyError, UsageError):
         return None
 

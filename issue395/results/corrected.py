@@ -23,29 +23,32 @@ from .row import Row
 
 @functools.lru_cache(maxsize=4096)
 def _corrected(key: str, quant: str, seq: int, batch: int, targets: tuple, lora_r: int, release: Optional[str],
-               steps: int, task: str = PROTOCOL_TASK, transformers: Optional[str] = None) -> Optional[int]:
+               steps: int, task: str = PROTOCOL_TASK, transformers: Optional[str] = None,
+               run: tuple = ()) -> Optional[int]:
     try:
         if is_resident(key):  # every layer on the card: the resident construction, where it is modelled
             family, modes = stream_mode(key)
             return estimate_resident(config_json(family), quant=quant, seq=seq, batch=batch, targets=targets or None,
                                      lora_r=lora_r, steps=steps, release=release, task=task, transformers=transformers,
-                                     checkpointing=bool(modes.get("gradient_checkpointing"))).corrected_predicted
+                                     checkpointing=bool(modes.get("gradient_checkpointing")),
+                                     **dict(run)).corrected_predicted
         return estimate_key(key, quant=quant, seq=seq, batch=batch, targets=targets or None, lora_r=lora_r,
                             steps=steps, release=release, soup=False, task=task,
-                            transformers=transformers).corrected_predicted
+                            transformers=transformers, **dict(run)).corrected_predicted
     except UsageError:
         return None
 
 
 def corrected(r: Row, env: Optional[dict] = None) -> Optional[int]:
     """This tool's corrected allocated peak for a row's arm (its LoRA targets and r), from its family's
-    public config and the Soup release (and transformers) the row ran, at the row's task (None where the
-    estimator does not model the arm)."""
+    public config and the Soup release (and transformers) the row ran, at the row's task, optimizer and
+    accumulation (None where the estimator does not model the arm)."""
     if not known(r.model_key):  # no public config here: the figure the arm's own config gave as it ran
         return r.corrected_custom
     env = env or {}
     return _corrected(r.model_key, r.quant, r.seq, r.batch, tuple(r.targets), r.rank, env.get("soup_cli"),
-                      int(env.get("steps") or 1), getattr(r, "task", None) or PROTOCOL_TASK, env.get("transformers"))
+                      int(env.get("steps") or 1), getattr(r, "task", None) or PROTOCOL_TASK, env.get("transformers"),
+                      tuple(r.run.items()))
 
 
 def corrected_ratio(r: Row, env: Optional[dict] = None) -> Optional[float]:

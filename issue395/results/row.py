@@ -15,6 +15,7 @@ from ..tasks import PROTOCOL_TASK, TASKS, task as task_of
 from ..model.arm import Arm, logits_charge, predicted_bytes
 from ..model.registry import Shape, family_of
 from ..estimator.cards import emulated_outcome, step_free
+from ..estimator.steady import DEFAULT_OPTIMIZER
 from .extras import (Capped, Corrected, Emulated, Gate, Ran, Record, ResidentGate, UserConfig, constraint_from_json,
                      constraint_to_json)
 
@@ -48,7 +49,13 @@ ROW_FIELDS = {
     # absent for the protocol's SFT, so every SFT row saved before tasks re-renders to the same bytes
     "task": (lambda v: v is None or (isinstance(v, str) and v in TASKS and v != PROTOCOL_TASK),
              f"one of {', '.join(t for t in TASKS if t != PROTOCOL_TASK)} (absent for {PROTOCOL_TASK})"),
+    # absent for the protocol's arm, which names neither (issue395.model.arm.Arm)
+    "optimizer": (lambda v: v is None or (isinstance(v, str) and v.isprintable() and bool(v)), "a printable name"),
+    "accumulation": (lambda v: v is None or is_whole(v, 1), "a whole number >= 1"),
 }
+
+#: Row fields whose JSON key is absent where they are None, so every row saved before them re-renders alike.
+ABSENT_WHEN_NONE = ("task", "corrected_custom", "soup_resident", "optimizer", "accumulation")
 
 #: A row's sub-records (issue395.results.extras) and how each reads back from its JSON.
 SUB_RECORDS = {"ran": lambda v: Ran.from_json(v, "ran"),
@@ -104,6 +111,10 @@ class Row:
     #: a resident run (stream_layers off): Soup's resident gate as its CLI runs it; None (its JSON key absent)
     #: for a streamed run, so every streamed row saved before re-renders alike
     soup_resident: Optional[ResidentGate] = None
+    #: a --config arm's training.optimizer and gradient_accumulation_steps, which it ran (issue395.model.arm.Arm);
+    #: None (their JSON keys absent) for the protocol's arm, which names neither
+    optimizer: Optional[str] = None
+    accumulation: Optional[int] = None
     #: computed by this tool: the corrected estimate and needs-free the text renders for the arm, put in the
     #: row as a result is written (issue395.results.corrected.with_corrected); None where the estimator does
     #: not model the arm, or on a row read from a result saved before it was kept. Not the row's identity
@@ -118,7 +129,21 @@ class Row:
         checkpoint's name stands for the key: two checkpoints never share an arm."""
         custom = family_of(self.model_key) == "custom"
         return (self.model if custom else self.model_key, self.quant, self.seq, self.batch) + (
-            (self.task,) if self.task else ())
+            (self.task,) if self.task else ()) + self.run_setting
+
+    @property
+    def run(self) -> dict[str, Any]:
+        """The estimator's keywords for the row's run beyond its shape, as issue395.model.arm.Arm.run gives them:
+        those the arm set (a --config arm's optimizer and accumulation)."""
+        return {k: v for k, v in (("optimizer", self.optimizer), ("accumulation", self.accumulation)) if v is not None}
+
+    @property
+    def run_setting(self) -> tuple:
+        """What the arm's run set beyond the protocol's (a --config file's optimizer and accumulation), as
+        the arm's identity carries it: empty at the protocol's own (Soup's default optimizer, one micro-batch)."""
+        optimizer = self.optimizer if self.optimizer not in (None, DEFAULT_OPTIMIZER) else None
+        accumulation = self.accumulation if self.accumulation not in (None, 1) else None
+        return () if optimizer is None and accumulation is None else (optimizer or DEFAULT_OPTIMIZER, accumulation or 1)
 
     @property
     def label(self) -> str:
@@ -243,7 +268,7 @@ class Row:
         if self.emulated is not None:
             derived.update(emulated_fits=self.emulated_fits, emulated_outcome=self.emulated_outcome)
         data = {f.name: getattr(self, f.name) for f in fields(self)
-                if f.name not in ("task", "corrected_custom", "soup_resident") or getattr(self, f.name) is not None}
+                if f.name not in ABSENT_WHEN_NONE or getattr(self, f.name) is not None}
         return dict(data, realised_rows=list(self.realised_rows), targets=list(self.targets),
                     ran=self.ran.to_json(), gate=self.gate and self.gate.to_json(),
                     config=self.config and self.config.to_json(),
@@ -295,6 +320,13 @@ class Row:
         return cls(**dict(data, realised_rows=tuple(rows), targets=tuple(data.get("targets") or ()), **subs))
 
 
+def arm_identity(arm: Arm) -> dict[str, Any]:
+    """What a row carries of its arm's run beside its model, seq, batch and quantization: its task (other than
+    SFT) and a --config arm's optimizer and accumulation, each only where the arm sets it."""
+    return {k: v for k, v in (("task", None if arm.task == PROTOCOL_TASK else arm.task),
+                              ("optimizer", arm.optimizer), ("accumulation", arm.accumulation)) if v is not None}
+
+
 def arm_row(arm: Arm, shape: Shape, **measured: Any) -> Row:
     """An arm's row: its inputs, Soup's prediction and the record's figure, plus what was measured.
     Soup's estimator is fed the rows its setup feeds it for the task (batch x
@@ -307,5 +339,5 @@ def arm_row(arm: Arm, shape: Shape, **measured: Any) -> Row:
     return Row(model=shape.name, model_key=arm.model, seq=arm.seq, batch=arm.batch,
                index=arm.index, predicted=predicted_bytes(shape, arm.seq, rows),
                logits14=logits14, loss_bytes_per_element=bpe, vocab=shape.vocab, quant=arm.quant,
-               targets=tuple(shape.targets), record_peak=record, **({} if sft else {"task": arm.task}),
+               targets=tuple(shape.targets), record_peak=record, **arm_identity(arm),
                **dict(measured, ran=replace(measured.get("ran") or Ran(), pid=os.getpid())))

@@ -47,6 +47,10 @@ class ConfigArm:
     lora_r: int
     lora_alpha: int
     task: str = PROTOCOL_TASK  # the file's task: (issue395.tasks)
+    #: the file's training.optimizer and gradient_accumulation_steps as Soup's loader read them (Soup's
+    #: defaults where it sets none): the arm runs them, as `soup train` and --estimate do
+    optimizer: Optional[str] = None
+    accumulation: Optional[int] = None
 
 
 def config_arm(user: UserRun, weights: str, dry_run: bool, soup_resolves_targets: bool = False) -> ConfigArm:
@@ -64,11 +68,20 @@ def config_arm(user: UserRun, weights: str, dry_run: bool, soup_resolves_targets
     if user.quant == "nf4" and not dry_run and not bitsandbytes_present():
         raise UsageError(f"--config {user.path}: training.quantization 4bit needs bitsandbytes, which is not "
                          "installed here")
+    if bitsandbytes_optimizer(user.optimizer) and not dry_run and not bitsandbytes_present():
+        raise UsageError(f"--config {user.path}: training.optimizer {user.optimizer} is bitsandbytes', which is not "
+                         "installed here")
     modes = user.stream_options
     return ConfigArm(user.path, mode_key(key, modes.get("stream_expert_layout") or "fused",
                                          modes.get("stream_loss_chunk"), modes.get("stream_recompute") or "on"),
                      model, user.quant, user.seq, user.batch, user.targets, user.lora_r, user.lora_alpha,
-                     user.task)
+                     user.task, user.optimizer, user.accumulation)
+
+
+def bitsandbytes_optimizer(name: str) -> bool:
+    """An optimizer transformers builds from bitsandbytes (its 8-bit and paged ones: adamw_8bit,
+    paged_adamw_32bit, lion_8bit, ...)."""
+    return "8bit" in name or name.startswith("paged_") or "bnb" in name
 
 
 def base_of(user: UserRun, weights: str) -> tuple[Optional[str], str]:

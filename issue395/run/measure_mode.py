@@ -116,7 +116,8 @@ def settle(args: argparse.Namespace, argv: list[str]) -> MeasureRequest:
         isolate=args.isolate or constraints.fresh, constraints=constraints, context=context,
         children=Children(gpus=gpus, lanes=lanes, shard=shard), outputs=Outputs.of(args),
         steps=steps, argv=tuple(argv),
-        adapter=Adapter(arm.targets, arm.lora_r, arm.lora_alpha, arm.path) if arm else Adapter())
+        adapter=Adapter(arm.targets, arm.lora_r, arm.lora_alpha, arm.path) if arm else Adapter(),
+        optimizer=arm.optimizer if arm else None, accumulation=arm.accumulation if arm else None)
     if shard:
         not_an_empty_shard(run)
     return run
@@ -249,7 +250,8 @@ def measure_all(run: MeasureRequest, protocol: Protocol, job: Optional[Job], scr
             shapes.update({a.model: with_modes(shapes[family_of(a.model)], a.model) for a in arms})
         imports_s = time.perf_counter() - t
     det_models, det_seqs, det_batches = run.determinism_grid
-    det_arms = plan_arms(*run.determinism_grid, run.quants[0], run.tasks) if run.repeats else []
+    det_arms = (plan_arms(*run.determinism_grid, run.quants[0], run.tasks, optimizer=run.optimizer,
+                          accumulation=run.accumulation) if run.repeats else [])
     how = run.constraints.how or (
         lanes.label(run) if lanes and fan_out else
         "isolated, one fresh process per arm" if run.isolate else
@@ -258,7 +260,8 @@ def measure_all(run: MeasureRequest, protocol: Protocol, job: Optional[Job], scr
         f"1 lane, in one process ({lanes.why})" if lanes else "in one process")
     if run.adapter.soup_config:  # the user's config, not the protocol: said where every table's header is
         how += (f"; the arm is --config {run.adapter.soup_config}'s ({run.quants[0]}, LoRA r {run.adapter.lora_r} alpha "
-                f"{run.adapter.lora_alpha} on {','.join(run.adapter.targets or ())})")
+                f"{run.adapter.lora_alpha} on {','.join(run.adapter.targets or ())}, optimizer {run.optimizer}, "
+                f"gradient accumulation {run.accumulation})")
     arms_label = how if run.run_arms else ("determinism: one fresh process per repeat" if run.repeats
                                         else "none (modes only)")
     command = [os.path.basename(protocol.script), *run.argv]

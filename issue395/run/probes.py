@@ -60,7 +60,7 @@ def min_free_arms(run: MeasureRequest, arms: list[Arm], scratch: Scratch, on_row
         # the adapter the control ran with (a family's targets, a --config file's targets and r)
         needs = tool_needs_free(arm_config(arm.model, control.ran.base), None, quant=arm.quant, seq=arm.seq,
                                 batch=arm.batch, targets=control.targets, lora_r=control.rank, steps=run.steps,
-                                stream=tuple(stream_mode(arm.model)[1].items()), task=arm.task)
+                                stream=tuple(stream_mode(arm.model)[1].items()), task=arm.task, run=arm.run)
         peak = control.real_peak
         try:
             found = bisect_min_free(lambda cap: probe(arm, f"bytes:{cap}").measured, peak=peak,

@@ -90,6 +90,10 @@ class MeasureRequest:
     context: Optional[int] = None  # --context, bytes (--emulate-card's card)
     adapter: Adapter = Adapter()
     argv: tuple = ()
+    #: --config: the file's training.optimizer and gradient_accumulation_steps, which every arm runs (None:
+    #: the protocol's, which names neither)
+    optimizer: Optional[str] = None
+    accumulation: Optional[int] = None
 
     @property
     def determinism_grid(self) -> tuple[tuple, Optional[tuple], tuple]:
@@ -100,8 +104,9 @@ class MeasureRequest:
 
     def arms(self) -> list[Arm]:
         """The grid's arms, in grid order (the map's, or the sweep's)."""
-        return (plan_map(self.models, self.quants, self.seqs, self.batches, self.tasks) if self.map
-                else plan_arms(self.models, self.seqs, self.batches, self.quants[0], self.tasks))
+        run = dict(optimizer=self.optimizer, accumulation=self.accumulation)
+        return (plan_map(self.models, self.quants, self.seqs, self.batches, self.tasks, **run) if self.map
+                else plan_arms(self.models, self.seqs, self.batches, self.quants[0], self.tasks, **run))
 
 
 #: MeasureRequest's sub-records by field, as a child's job file reads them back.

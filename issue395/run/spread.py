@@ -23,7 +23,7 @@ from ..model.arm import Arm
 from ..model.registry import FAMILIES, SHAPES, family_of
 from ..results.extras import UserConfig
 from ..results.result import Result
-from ..results.row import Row
+from ..results.row import Row, arm_identity
 from ..results.saved import RowFile
 from ..measure.console import Stop
 from .cardlock import DISK_HEADROOM_BYTES, DiskLedger
@@ -162,7 +162,7 @@ def arm_needs(arm: Arm, run: MeasureRequest) -> Optional[tuple[int, int]]:
             return None
     try:
         e = estimate_key(arm.model, quant=arm.quant, seq=arm.seq, batch=arm.batch, targets=run.adapter.targets,
-                         lora_r=run.adapter.lora_r, steps=run.steps, task=arm.task)
+                         lora_r=run.adapter.lora_r, steps=run.steps, task=arm.task, **arm.run)
     except (UsageError, ValueError, TypeError):
         return None
     return e.needs_free, e.soup_predicted
@@ -462,7 +462,8 @@ def read_job(path: str) -> tuple[MeasureRequest, Job]:
 
 def lost_row(arm: Arm, run: MeasureRequest, repeat: Optional[int], code: Optional[int]) -> Row:
     """A FAILED row for an arm whose process died before reporting it (no prediction: this
-    process does not import Soup); a --config arm's names its file and adapter as a live one does."""
+    process does not import Soup); a --config arm's names its file and adapter as a live one does, and it
+    carries its arm's task, optimizer and accumulation as a live one's row does (``arm_identity``)."""
     shape = SHAPES.get(family_of(arm.model))
     family = FAMILIES.get(family_of(arm.model))  # a streaming mode is its family's
     name = shape.name if shape else family.name if family else (run.custom_model or arm.model)
@@ -475,7 +476,8 @@ def lost_row(arm: Arm, run: MeasureRequest, repeat: Optional[int], code: Optiona
                predicted=None, logits14=None, loss_bytes_per_element=None, vocab=vocab,
                quant=arm.quant, repeat=repeat,
                dry_run=run.dry_run, failure="FAILED",
-               error=f"its process exited with code {code} before this arm reported", **adapter)
+               error=f"its process exited with code {code} before this arm reported", **adapter,
+               **arm_identity(arm))
 
 
 def visible_gpu_count() -> int:

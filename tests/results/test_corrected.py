@@ -155,3 +155,24 @@ def test_a_local_config_json_bases_arm_has_the_corrected_figure_estimate_gives(c
     assert row["corrected_custom"] == want["corrected_predicted"], (row.get("corrected_custom"), want)
     code, out, err = main(capfd, ["--from-json", tmp_path / "r.json"])
     assert f"{want['corrected_predicted'] / 1e9:.4f}" in out, out
+
+
+def test_a_config_rows_corrected_figure_charges_the_accumulation_and_optimizer_it_ran():
+    """Issue 50: a --config arm runs the file's gradient accumulation and optimizer, so the corrected figure beside
+    its row is the estimator's for that run (the held gradients of micro-batch 2 on; from step 2 on, the
+    optimizer's states), the same keywords --estimate --config charges; the protocol's row keeps its own."""
+    from issue395.estimator.estimate import estimate_key
+    from issue395.model.arm import Arm
+    from issue395.model.registry import SHAPES
+    from issue395.results.corrected import corrected
+    from issue395.results.row import arm_row
+
+    plain = arm_row(Arm("qwen", 2048, 1), SHAPES["qwen"])
+    run = arm_row(Arm("qwen", 2048, 1, optimizer="adamw_8bit", accumulation=4), SHAPES["qwen"])
+    for steps in (1, 2):
+        env = {"steps": steps}
+        want = estimate_key("qwen", seq=2048, batch=1, targets=tuple(run.targets), steps=steps, soup=False,
+                            optimizer="adamw_8bit", accumulation=4).corrected_predicted
+        assert corrected(run, env) == want != corrected(plain, env)
+    # one step: no optimizer state yet, so only the gradients held across micro-batches add
+    assert corrected(run, {"steps": 1}) > corrected(plain, {"steps": 1})

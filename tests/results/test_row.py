@@ -380,6 +380,34 @@ def test_a_task_row_carries_its_task_keyed_in_its_arm_and_shown_by_its_label_and
     assert dpo.record_peak is None  # the record's A10G peaks are SFT's
 
 
+def test_a_config_arms_optimizer_and_accumulation_are_saved_read_back_and_key_its_arm():
+    """Issue 50: a --config arm runs the file's training.optimizer and gradient_accumulation_steps, and its row
+    says them (read back alike); the protocol's arm names neither, so its JSON has no such keys (every row saved
+    before re-renders to the same bytes). The arm's identity carries them where they differ from the protocol's
+    (two optimizers of one file are two arms in compare and merge); Soup's default optimizer at one micro-batch
+    is the protocol's own run."""
+    plain = make_row("qwen", 2048, 1)
+    run = arm_row(Arm("qwen", 2048, 1, 1, optimizer="adamw_8bit", accumulation=4), SHAPES_QWEN)
+    assert not {"optimizer", "accumulation"} & set(plain.to_json())
+    assert (run.to_json()["optimizer"], run.to_json()["accumulation"]) == ("adamw_8bit", 4)
+    assert Row.from_json(run.to_json()) == run
+    assert run.arm == ("qwen", "none", 2048, 1, "adamw_8bit", 4) and plain.arm == ("qwen", "none", 2048, 1)
+    default = arm_row(Arm("qwen", 2048, 1, 1, optimizer="adamw_torch", accumulation=1), SHAPES_QWEN)
+    assert default.arm == plain.arm and default.to_json()["optimizer"] == "adamw_torch"
+    lost = lost_row(Arm("qwen", 2048, 1, 6, task="dpo", optimizer="adamw_8bit", accumulation=4), MeasureRequest(),
+                    None, -9)
+    assert (lost.task, lost.optimizer, lost.accumulation) == ("dpo", "adamw_8bit", 4)  # a lost arm is still its arm
+
+
+@pytest.mark.parametrize("field, value", [("optimizer", ""), ("optimizer", 8), ("optimizer", "adam\nw"),
+                                          ("accumulation", 0), ("accumulation", 2.0), ("accumulation", True)])
+def test_a_saved_optimizer_or_accumulation_that_cannot_be_a_run_is_refused(field, value):
+    data = dict(arm_row(Arm("qwen", 2048, 1, optimizer="adamw_8bit", accumulation=4), SHAPES_QWEN).to_json(),
+                **{field: value})
+    with pytest.raises(ValueError, match=f"row field '{field}'"):
+        Row.from_json(data)
+
+
 def test_a_paired_tasks_record_convention_is_soups_estimator_at_its_two_rows_per_example():
     dpo = arm_row(Arm("qwen", 2048, 1, task="dpo"), SHAPES_QWEN)
     assert dpo.predicted == predicted_bytes(SHAPES_QWEN, 2048, 2) and dpo.elements == 2 * make_row("qwen", 2048).elements

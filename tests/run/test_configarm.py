@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import TINY, h, main, one_error_line
+from conftest import TINY, estimate_config_json, h, main, one_error_line
 
 from issue395.run import configarm
 from issue395.measure.builder import prepare_checkpoint
@@ -72,7 +72,8 @@ def test_the_files_r_alpha_and_targets_are_what_soups_setup_builds(capfd, tmp_pa
     assert (row["config"], row["targets"]) == ({"path": str(config), "lora_r": 4, "lora_alpha": 8}, ["q_proj"])
     assert (row["model_key"], row["seq"], row["batch"], row["quant"], row["realised_width"]) == ("custom", 64, 1, "none", 64)
     assert row["gate"]["terms"]["adapter_params"] == 2 * 1 * 2 * 4 * 64  # Soup's own count: layers x targets x 2 x r x hidden
-    assert f"the arm is --config {config}'s (none, LoRA r 4 alpha 8 on q_proj)" in text.splitlines()[0]
+    assert (f"the arm is --config {config}'s (none, LoRA r 4 alpha 8 on q_proj, optimizer adamw_torch, gradient "
+            "accumulation ") in text.splitlines()[0]
 
 
 def test_a_familys_hub_id_is_its_registry_arm_at_the_files_own_settings(tmp_path):
@@ -156,3 +157,58 @@ def test_a_base_spelled_as_a_family_key_gets_one_answer_in_every_mode(capfd, tmp
                  ["--dry-run"]):
         lines.add(one_error_line(*main(capfd, ["--config", yaml, *argv]), f"base {family!r}", f"write base: {hub}"))
     assert len(lines) == 1
+
+
+def test_the_measured_arm_runs_the_optimizer_and_accumulation_estimate_charges(capfd, tmp_path, monkeypatch,
+                                                                               cache_dir, tiny_checkpoint):
+    """Issue 50's probe: one soup.yaml with training.optimizer adamw_8bit and gradient_accumulation_steps 4.
+    --estimate --config charged both; the measured arm of the same file (--config --dry-run) ran adamw_torch at
+    one micro-batch and its row named neither. Now Soup's own setup builds the arm's trainer with the file's
+    optimizer and accumulation (read off the trainer it built), and the two JSONs' rows say the same."""
+    config = soup_yaml(tmp_path, tiny_checkpoint, extra="  optimizer: adamw_8bit\n  gradient_accumulation_steps: 4\n")
+    built = {}
+    real = h.realised_lengths
+
+    def args_seen(trainer, *guarded):  # Soup's setup is done: read the trainer's arguments it built
+        built.update(optim=str(trainer.args.optim.value), accumulation=trainer.args.gradient_accumulation_steps,
+                     rows=len(trainer.train_dataset))
+        return real(trainer, *guarded)
+
+    monkeypatch.setattr(h, "realised_lengths", args_seen)
+    out = tmp_path / "dry.json"
+    code, text, err = main(capfd, ["--config", config, "--dry-run", "--cache-dir", cache_dir, "--json", out])
+    assert code == 0, err
+    assert (built["optim"], built["accumulation"]) == ("adamw_8bit", 4)
+    assert built["rows"] >= 4  # one optimizer step reads batch x 4 micro-batches of the protocol's rows
+    (row,) = json.loads(out.read_text())["rows"]
+    estimated, _ = estimate_config_json(capfd, tmp_path, config)
+    (answer,) = estimated["rows"]
+    assert (row["optimizer"], row["accumulation"]) == (answer["optimizer"], answer["accumulation"]) == ("adamw_8bit", 4)
+    assert "optimizer adamw_8bit, gradient accumulation 4" in text.splitlines()[0]
+
+
+def test_a_file_without_the_keys_runs_soups_defaults_and_says_them(capfd, tmp_path, cache_dir, tiny_checkpoint):
+    """A soup.yaml that sets neither key is run as `soup train` runs it: Soup's defaults (adamw_torch and, on
+    soup-cli's schema, 4 micro-batches a step), the same values --estimate --config charges; the protocol's own
+    arm names neither (its row has no such keys)."""
+    config = soup_yaml(tmp_path, tiny_checkpoint)
+    run = settled(["--config", config, "--dry-run"])
+    from soup_cli.config.schema import TrainingConfig
+
+    default = TrainingConfig.model_fields["gradient_accumulation_steps"].default
+    assert (run.optimizer, run.accumulation) == ("adamw_torch", default)
+    assert {(a.optimizer, a.accumulation) for a in run.arms()} == {("adamw_torch", default)}
+    estimated, _ = estimate_config_json(capfd, tmp_path, config)
+    assert (estimated["rows"][0]["optimizer"], estimated["rows"][0]["accumulation"]) == ("adamw_torch", default)
+    protocol = settled(["--dry-run", "--models", "smol", "--seq", "64"])
+    assert {(a.optimizer, a.accumulation) for a in protocol.arms()} == {(None, None)}
+
+
+def test_a_bitsandbytes_optimizer_without_bitsandbytes_is_one_line_before_any_work(capfd, tmp_path, monkeypatch):
+    """The measured arm runs the file's optimizer, so an 8-bit one where bitsandbytes is missing is one line
+    naming the key, as NF4 is; a dry run builds no optimizer and goes on."""
+    monkeypatch.setattr(configarm, "bitsandbytes_present", lambda: False)  # FAKED: bitsandbytes absent
+    config = soup_yaml(tmp_path, "mistralai/Mistral-7B-v0.3", extra="  optimizer: paged_adamw_8bit\n")
+    one_error_line(*main(capfd, ["--config", config, "--emulate-card", "T4"]), "training.optimizer paged_adamw_8bit",
+                   "bitsandbytes")
+    assert settled(["--config", config, "--dry-run"]).optimizer == "paged_adamw_8bit"

@@ -201,8 +201,9 @@ def test_a_map_spread_over_two_gpus_starts_one_child_per_gpu_each_with_whole_fam
 
 def test_a_config_arms_child_gets_the_files_adapter_and_quantization_and_a_lost_one_names_them(tmp_path):
     """--config's arm under --emulate-card runs in a fresh child: the settled MeasureRequest it reads back is the
-    parent's to the field (the file, its targets, r and alpha), its one arm at the file's NF4; a child
-    that dies leaves a row naming the same file and adapter."""
+    parent's to the field (the file, its targets, r and alpha), its one arm at the file's NF4, optimizer and
+    accumulation (Soup's defaults, which the file leaves); a child that dies leaves a row naming the same file,
+    adapter and run."""
     from issue395.run.options import settle
     from issue395.run.parser import build_parser
     from issue395.run.spread import lost_row
@@ -217,10 +218,15 @@ def test_a_config_arms_child_gets_the_files_adapter_and_quantization_and_a_lost_
     sent = child_run(parent, job, "out.json", "/tmp/cache")
     write_job(path, sent, job)
     run, back = read_job(str(path))
-    assert run == sent and back == job and back.arms == (Arm("mistral-7b", 512, 1, 0, "nf4"),)
+    from soup_cli.config.schema import TrainingConfig
+
+    accumulation = TrainingConfig.model_fields["gradient_accumulation_steps"].default  # Soup's: the file sets none
+    assert run == sent and back == job and back.arms == (
+        Arm("mistral-7b", 512, 1, 0, "nf4", optimizer="adamw_torch", accumulation=accumulation),)
     assert (run.adapter.soup_config, run.adapter.targets, run.adapter.lora_r, run.adapter.lora_alpha) == (str(config), ("q_proj",), 4, 8)
     row = lost_row(back.arms[0], run, None, 139)
     assert (row.config, row.targets, row.quant) == (UserConfig(str(config), 4, 8), ("q_proj",), "nf4")
+    assert (row.optimizer, row.accumulation) == ("adamw_torch", accumulation)
 
 
 # --lanes (issue 30): lanes at once on one GPU, whole-card arms alone after them, a dead lane's arms FAILED
