@@ -209,13 +209,13 @@ def kind_per_token(a: Arch, k: Kind, targets: tuple, r: int, *, at: Moment = Mom
 
 def kind_transients(a: Arch, k: Kind, per_expert: bool = False) -> int:
     """What a kind's per-token count at the MLP backward frees before the next layer runs: its three
-    i-sized gradients and the incoming gradient, and in the fused expert layout the routed output's
-    gradient (top_k x 2h). transformers' grouped_mm experts save only the expert output for the
-    weighting's mul: the gathered input is not saved, since the frozen expert weights need no
-    gradient and the input gradient needs only them (Moonlight recompute-off 2048 x 1: one
-    top_k x 2h block a MoE layer, moe.py:332). Soup's per-expert layout saves both (_mlp)."""
-    routed = 0 if per_expert or not k.routed else 2 * k.top_k * a.h
-    return 2 * MLP_BACKWARD_TRANSIENTS * k.mlp_width + 2 * a.h + routed
+    i-sized gradients and the incoming gradient. The routed experts' gathered input stays charged as
+    kept in both layouts. Moonlight recompute-off 2048 x 1's live set holds one top_k x 2h block a MoE
+    layer (transformers' grouped_mm experts save only the expert output), but without the second
+    Qwen3.5-MoE recompute-off is under its committed peaks (4096 x 1 by 43 MB, 2048 x 1 by 19 MB), so
+    the safe side stays until a Qwen3.5-MoE history says why (issue 52). ``per_expert``: unused, kept for
+    the callers' signature."""
+    return 2 * MLP_BACKWARD_TRANSIENTS * k.mlp_width + 2 * a.h
 
 
 def retained_by_layer(a: Arch, quant: str, targets: tuple, r: int) -> list[int]:
@@ -300,8 +300,12 @@ def layer_peak(a: Arch, quant: str, targets: tuple, r: int, T: int, *, per: int,
     if not recompute:
         best = max(((dequantised_layer(a, quant, m), T * count(k, Moment.BACKWARD, True), expert(k))
                     for m, k in {id(k): (m, k) for m, k in layers}.values()), key=sum)
-        # no checkpoint, so no saved inputs; the first layer's backward runs beside every other's gradients
-        return LayerPeak(None, Moment.BACKWARD, *best, 0, sum(grads[1:]))
+        # the first layer's backward runs beside every other's gradients. No checkpoint saves a layer's
+        # input (SmolLM2 512 x 1's live set holds none), yet the step holds more than the count without
+        # them: 3.2 MB at 512 (the allocator's blocks above their requests, 5.6 MB there) and 50-110 MB on
+        # SmolLM2 2048 and Qwen3.5-MoE 2048/4096, with no history to name it. The inputs stay charged, the
+        # safe side, until one does (issue 52).
+        return LayerPeak(None, Moment.BACKWARD, *best, checkpointed_through(a, quant, T, a.L - 1), sum(grads[1:]))
     peaks = []
     for n, (modules, kind) in enumerate(layers):
         mine = [t for t in targets if t in modules]
