@@ -15,6 +15,7 @@ from issue395.estimator import estimate as E
 from issue395.estimator.arch import arch_from_config, protocol_targets
 from issue395.errors import UsageError
 from issue395.estimator.moe import union_bytes
+from issue395.estimator.layer import retained_by_layer
 from issue395.model.registry import FAMILIES, config_json, stream_mode
 from issue395.estimator.arch import nf4_bytes
 from issue395.estimator.soup_number import supported_archs
@@ -285,7 +286,7 @@ def test_recompute_off_keeps_nothing_in_the_layers_before_the_first_lora_target(
     off = {"stream_recompute": "off"}
     attn = E.estimate(c, seq=2048, release="0.77.0", soup=False, stream=off, targets=("q_proj", "v_proj"))
     every = E.estimate(c, seq=2048, release="0.77.0", soup=False, stream=off, targets=("q_proj", "v_proj", "in_proj_qkv"))
-    kept = E.retained_by_layer(arch_from_config(c), "none", ("q_proj", "v_proj"), 8)
+    kept = retained_by_layer(arch_from_config(c), "none", ("q_proj", "v_proj"), 8)
     assert kept[:3] == [0, 0, 0] and kept[3] > 0
     assert attn.terms["retained_beside_layer"] == 0  # the last layer's backward runs first: nothing else kept
     assert every.terms["retained_activations"] > 3 * attn.terms["retained_activations"]
@@ -301,5 +302,5 @@ def test_each_layer_has_its_kind_dense_first_and_a_hybrids_every_fourth_full_att
     a = arch_from_config(c)
     kinds = [a.layers.kinds[j] for j in a.layers.order]
     assert len(kinds) == a.L and ["q_proj" in k.dequant for k in kinds] == [False, True, False, True]
-    kept = E.retained_by_layer(a, "none", ("q_proj", "v_proj"), 8)
+    kept = retained_by_layer(a, "none", ("q_proj", "v_proj"), 8)
     assert kept[0] == 0 and kept[1] > 0 and kept[2] > 0  # from the first target's layer on, every layer
