@@ -1,5 +1,5 @@
 """The corrected estimator on soup-cli 0.77.0's families and streaming modes, family by family,
-against every peak measured on them (results/*soup0.77.0*/). Its only fitted number, the 3.5 MB
+against every peak measured on them (results/*soup0.77.0*/). Its only fitted number, the 6.0 MB
 allocated allowance, was fitted on the dense families alone (bench/leave_one_out.py), so every
 arm here is outside that fit; the new terms were read from these arms' allocator histories,
 except the out-of-sample ones, whose estimates were committed before they ran.

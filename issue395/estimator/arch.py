@@ -321,10 +321,14 @@ def arch_from_config(config: dict) -> Arch:
 
 
 # -- The shard geometry: what one layer of the architecture holds, read by Soup's number and the physics alike --
+#: bitsandbytes' NF4 block: one absmax per 64 weights (Soup quantises at its default blocksize)
+NF4_BLOCK = 64
+
+
 def nf4_bytes(n: int) -> int:
     """bitsandbytes NF4 + double quant, as Soup's shard stores it: packed nibbles, uint8
-    absmax per 64-block, fp32 nested absmax per 256 absmax, a 4-byte offset."""
-    blocks = -(-n // 64)
+    absmax per NF4_BLOCK, fp32 nested absmax per 256 absmax, a 4-byte offset."""
+    blocks = -(-n // NF4_BLOCK)
     return -(-n // 2) + blocks + 4 * -(-blocks // 256) + 4
 
 

@@ -16,10 +16,9 @@ from ..constants import CUBLAS_WORKSPACE, CUBLASLT_WORKSPACE, EXPANDABLE_PAGE_BY
 from ..errors import UsageError
 from ..record import LORA_R, QUANTS
 from ..model.registry import RECOMPUTES, config_json, stream_mode
-from .arch import (Arch, activation_bytes, arch_from_config, fp32_residual, layer_bytes, linear_elements, lora_params,
-                   protocol_targets)
+from .arch import Arch, activation_bytes, arch_from_config, layer_bytes, lora_params, protocol_targets
 from .attention import eager as eager_attention, eager_masks, eager_scores
-from .moe import Kind, expert_in_flight
+from .layer import LORA_DROPOUT_MASK_BYTES, checkpointed_through, kind_per_token, layer_peak, retained_by_layer
 from ..model.targets import soup_targets
 from ..tasks import PROTOCOL_TASK, task as task_named
 from .releases import Features, installed_release
@@ -37,9 +36,6 @@ LOGITS_BYTES = 12
 SOFTCAP_EXTRA_BYTES = 2
 IDS_LABELS_BYTES_PER_TOKEN = 32  # input_ids, labels, attention mask, shifted labels: int64 each
 POSITION_BYTES = 8  # int64 position ids, one row per position
-#: Soup's LoRA dropout default (soup_cli config schema, lora.dropout=0.05): peft applies an
-#: nn.Dropout per targeted module, which saves a 1-byte mask and its output for lora_A.
-LORA_DROPOUT_MASK_BYTES = 1
 
 # -- CUDA caching allocator: its constants and 512 B rounding are in issue395/constants.py --
 #: Segments first made for hidden-sized tensors (4hT fp32: RMSNorm's input copy, square, product;
@@ -53,7 +49,7 @@ FP32_HIDDEN_SEGMENTS, BF16_HIDDEN_SEGMENTS = 4, 3
 #: 0.5 MB steps (bench/leave_one_out.py fits it; a test checks it equals the all-family fit):
 #: unattributed resident bytes and per-token bytes at batch > 1, left after the rounding is charged.
 #: Evidence: docs/PEAK.md, "ALLOCATED_ALLOWANCE_BYTES".
-ALLOCATED_ALLOWANCE_BYTES = 3_500_000
+ALLOCATED_ALLOWANCE_BYTES = 6_000_000
 #: The allocator's reserve a card must hold above the allocated peak under expandable segments (what
 #: `soup train` sets): the partial pages live blocks touch (at an OOM the allocator unmaps every wholly
 #: free page and retries). It follows the gaps between live blocks, not their bytes: 26-216 MB at the
@@ -91,9 +87,9 @@ def logits(a: Arch, T: int) -> int:
 
 
 def checkpointed_inputs(a: Arch, quant: str, T: int) -> int:
-    """Each layer's saved input, 2hL B/token; phi NF4 (4L-2)h: its residual is fp32 after layer 0
-    (PEAK: phi-2 NF4 2048x1 325.1 MB and 2048x4 1,300.2 MB above bf16 = 31 T h 2)."""
-    return T * a.h * ((4 * a.L - 2) if fp32_residual(a, quant) else 2 * a.L)
+    """Each layer's saved input, live through the loss (layer.checkpointed_through: 2hL B/token;
+    phi NF4 (4L-2)h)."""
+    return checkpointed_through(a, quant, T, a.L - 1)
 
 
 def final_norm(a: Arch, T: int) -> int:
@@ -165,16 +161,6 @@ def hidden_rounding(a: Arch, T: int) -> int:
     return FP32_HIDDEN_SEGMENTS * segment_tail(4 * T * a.h) + BF16_HIDDEN_SEGMENTS * segment_tail(2 * T * a.h)
 
 
-def dequantised_layer(a: Arch, quant: str, modules: dict | None = None) -> int:
-    """W16: under NF4 Soup's _dequant_forward dequantises each linear to bf16 and F.linear saves
-    it for backward; bf16 weights are the pool. ``modules``: one layer kind's linears
-    (issue395.estimator.moe), else the dense layer's.
-    Evidence: docs/PEAK.md, "Layer phase (binds only on short NF4 arms)"."""
-    if quant != "nf4":
-        return 0
-    return 2 * (linear_elements(a) if modules is None else sum(fi * fo for fi, fo, _ in modules.values()))
-
-
 def dequantised_linear(a: Arch, quant: str, modules: dict | None = None) -> int:
     """The reference (and KTO's KL) forward under NF4: no_grad, so F.linear saves nothing and each
     linear's dequantised bf16 weight is freed after its matmul; the largest one is what is live at
@@ -183,80 +169,6 @@ def dequantised_linear(a: Arch, quant: str, modules: dict | None = None) -> int:
     if quant != "nf4":
         return 0
     return 2 * max(fi * fo for fi, fo, _ in (a.modules if modules is None else modules).values())
-
-
-def layer_per_token(a: Arch, quant: str, targets: tuple, r: int) -> int:
-    """What the recomputed layer saves per token plus the MLP backward's transients, op by op
-    (act = 2 B, 4 B for phi NF4 whose residual is fp32). Each RMSNorm saves an fp32 copy of its
-    input (4h); each LoRA module saves its dropout output (act x in) and mask (1 x in) and
-    lora_A's output (act x r); rotary writes new q and k (act x (q + kv)); SDPA saves q, k, v,
-    its output and fp32 logsumexp; Qwen3/Gemma-3 q/k norms save fp32 q and k; the incoming
-    gradient (act x h). MLP: gate, act(gate), up saved (3i), and at the mul backward the down
-    grad and the two mul grads (3i): 6i; phi's python gelu_new saves 4 i-sized tensors: 7i.
-    Evidence: PEAK counts about 258 KB/token for Mistral-7B, this count's figure. Known limitation:
-    the peak measured on NF4 arms is in the recomputed forward's MLP (4 i-sized, not the backward's
-    6), with fewer weights in a first layer whose input needs no gradient; the over-charge is safe.
-    Evidence: docs/PEAK.md, "The NF4 layer phase, read per phase"."""
-    act = activation_bytes(a, quant)
-    qw, kw = a.heads * a.head_dim, a.kv * a.head_dim
-    b = 4 * a.h * (a.norms if a.quirks.norm_inputs_saved else 0)
-    b += sum(act * a.modules[t][0] + LORA_DROPOUT_MASK_BYTES * a.modules[t][0] + act * r
-             for t in targets)
-    v = (qw + 2 * kw) if a.quirks.fused_qkv else kw  # phi3: v is a view of the fused qkv
-    b += act * (qw + kw + v + qw) + 4 * a.heads + act * a.h
-    b += 4 * (qw + kw) if a.qk_norm else 0
-    b += act * a.i * a.quirks.mlp_saved
-    return b
-
-
-def kind_per_token(a: Arch, k: Kind, targets: tuple, r: int) -> int:
-    """layer_per_token for one kind of a MoE, latent or hybrid layer (issue395.estimator.moe), op by op on
-    the kind's own widths: two RMSNorms' fp32 copies (4h each); each LoRA target this kind has
-    (dropout output, mask, lora_A's output); attention's q, k, v and output with fp32 logsumexp
-    and the incoming gradient; the latent or delta-net widths in bf16 beside an fp32 norm copy
-    (6 B); the MLP's 6 x width as a dense one (3 saved, 3 backward transients); routing: the
-    router's fp32 logits and scores (8 B an expert) and each token's hidden state gathered for
-    every expert it visits and its weighted output (2 x top_k x 2h). Evidence: DeepSeek-V3 NF4
-    512x1 (both layouts) and Moonlight's recompute-off arms, results/moe-and-stream-modes-*."""
-    b = 4 * a.h * 2 + sum(2 * k.dequant[t][0] + LORA_DROPOUT_MASK_BYTES * k.dequant[t][0] + 2 * r
-                          for t in targets if t in k.dequant)
-    b += 2 * k.attention_width + 4 * a.heads + 2 * a.h + 6 * k.extra_width
-    return b + 2 * 6 * k.mlp_width + 8 * k.routed + 2 * k.top_k * 2 * a.h
-
-
-def kind_transients(a: Arch, k: Kind) -> int:
-    """What a kind's per-token count frees before the next layer runs (its MLP backward's three
-    i-sized gradients and the incoming gradient): kept out of what a layer retains with
-    stream_recompute off."""
-    return 2 * 3 * k.mlp_width + 2 * a.h
-
-
-def kind_terms(a: Arch, k: Kind, quant: str, targets: tuple, r: int, T: int, per_expert: bool) -> dict:
-    """One layer kind's recompute beyond the shared terms: its dequantised linears (NF4 only: fused
-    experts stay bf16 in the pool), T x its per-token count, and under the per-expert layout Soup's
-    expert in flight (its packed copy and bf16 weights, twice). The kind whose sum is largest binds."""
-    return {"dequantised_layer": dequantised_layer(a, quant, k.dequant),
-            "layer_per_token": T * kind_per_token(a, k, targets, r),
-            "expert_in_flight": expert_in_flight(a.layers.expert, quant) if per_expert and k.routed else 0}
-
-
-def retained_by_layer(a: Arch, quant: str, targets: tuple, r: int) -> list[int]:
-    """stream_recompute off: what each layer keeps per token for its backward, first to last: its
-    kind's per-token count less the transients. A layer before the first that holds a LoRA target
-    keeps nothing: neither its input nor its weights need a gradient, so autograd records no graph
-    there (Qwen3.5's q_proj and v_proj are in its full-attention layers only, every fourth). Targets
-    no layer kind names keep every layer charged: the safe side. Not yet measured under NF4 (Soup's
-    streamed path adds no input-gradient hook there either: soup_cli's stream setup never calls
-    prepare_model_for_kbit_training).
-    Evidence: SmolLM2 keeps 19.6-20.0 KB a token a layer over the checkpointed step
-    (results/moe-and-stream-modes-*/recompute.txt; this counts 20.4); Qwen3.5-MoE (4 of 40 layers,
-    q_proj and v_proj) keeps 129.5 KB a token at 2048 and 4096, all of it from layer 3 on (the
-    recompute-off rows of results/pages2-soup-patch-map4-modes-*/call-5 against call-4's)."""
-    if a.layers is None:
-        return [layer_per_token(a, quant, targets, r) - 2 * 3 * a.i - 2 * a.h] * a.L
-    kinds = [a.layers.kinds[j] for j in (a.layers.order or (0,) * a.L)]
-    first = next((n for n, k in enumerate(kinds) if any(t in k.dequant for t in targets)), 0)
-    return [0 if n < first else kind_per_token(a, k, targets, r) - kind_transients(a, k) for n, k in enumerate(kinds)]
 
 
 # -- A preference loss's step (issue395/tasks.py names the task; the bytes are here) --
@@ -433,16 +345,17 @@ def estimate(config: dict, *, quant: str = "none", seq: int, batch: int = 1, tar
          Term.IDS_LABELS.key: ids_labels(T), Term.POSITION_IDS.key: position_ids(seq),
          Term.ROTARY_TABLES.key: rotary_tables(a, seq),
          Term.SLIDING_MASK.key: 0 if eager else sliding_mask(a, seq, rows),
-         Term.DEQUANTISED_LAYER.key: dequantised_layer(a, quant),
-         Term.LAYER_PER_TOKEN.key: T * layer_per_token(a, quant, targets, lora_r),
          Term.AUTOGRAD_WORKSPACE.key: ws}
+    # the layer that binds in the backward's walk, at its moment: its weights, its tokens, its expert
+    lp = layer_peak(a, quant, targets, lora_r, T, per=per, held=accumulation > 1, per_expert=per_expert,
+                    recompute=recompute == "on")
+    t[Term.DEQUANTISED_LAYER.key], t[Term.LAYER_PER_TOKEN.key] = lp.weights, lp.activations
+    if a.layers is not None:
+        t[Term.EXPERT_IN_FLIGHT.key] = lp.expert
     if eager:  # its masks replace SDPA's bool sliding mask
         t[Term.EAGER_MASKS.key], t[Term.EAGER_SCORES.key] = eager_masks(a, seq, rows), eager_scores(a, seq, rows)
     if any(bias for *_, bias in a.modules.values()):  # the bias epilogue's own workspace
         t[Term.CUBLASLT_WORKSPACE.key] = CUBLASLT_WORKSPACE
-    if a.layers is not None:  # the kind whose recompute binds: its W16, its tokens, its expert
-        t.update(max((kind_terms(a, k, quant, targets, lora_r, T, per_expert) for k in a.layers.kinds),
-                     key=lambda terms: sum(terms.values())))
     if tk.name != PROTOCOL_TASK:  # the loss's own fp32 blocks replace SFT's three
         blocks = task_loss_blocks(a, tk.name, seq, batch)
         t[Term.LOGITS.key] = sum(blocks) + (SOFTCAP_EXTRA_BYTES * T * a.V if a.softcap else 0)
@@ -466,16 +379,13 @@ def estimate(config: dict, *, quant: str = "none", seq: int, batch: int = 1, tar
         kept = retained_by_layer(a, quant, targets, lora_r)
         t[Term.RETAINED_ACTIVATIONS.key] = T * sum(kept)
         t[Term.RETAINED_BESIDE_LAYER.key] = T * (sum(kept) - kept[-1])  # the last layer's backward runs first
-    t.update(gradient_terms(a, n, per, accumulation))
+    t.update(gradient_terms(per, n, accumulation, lp.gradients))
     if steps > 1:
         t.update(steady_terms(a, targets, lora_r, optimizer, per))
     t[Term.ALLOCATED_ALLOWANCE.key] = ALLOCATED_ALLOWANCE_BYTES if allowance is None else allowance
     t = {term.key: t[term.key] for term in Term if term.key in t}  # the table's order
-    layer = phase_sum(t, Phase.LAYER)
-    if Term.BACKWARD_GRADIENTS.key in t:  # the first layer processed (every input, no gradient) or
-        # the last (one input, every other layer's gradients), whichever holds more
-        ckpt = t[Term.CHECKPOINTED_INPUTS.key]
-        layer -= t[Term.BACKWARD_GRADIENTS.key] + ckpt - max(ckpt, ckpt // a.L + t[Term.BACKWARD_GRADIENTS.key])
+    # at the binding layer only the inputs of the layers not yet run backward are live
+    layer = phase_sum(t, Phase.LAYER) - t[Term.CHECKPOINTED_INPUTS.key] + lp.checkpointed
     step = {Phase.LOSS: phase_sum(t, Phase.LOSS), Phase.REFERENCE: phase_sum(t, Phase.REFERENCE) if tk.reference
             else 0, Phase.LAYER: layer}
     if steps > 1 or accumulation > 1:  # after a first backward its thread's cuBLAS workspace stays

@@ -119,14 +119,13 @@ def steady_terms(a: Arch, targets: tuple, r: int, optimizer: str, per: int = FP3
             * (FP32 if is_bounded(optimizer) else per) * n}
 
 
-def gradient_terms(a: Arch, n: int, per: int, accumulation: int) -> dict:
-    """The adapter's gradients inside a step's phases. With accumulation > 1, micro-batch 2 on runs
-    with every gradient micro-batch 1 made (autograd accumulates into ``.grad`` in place until the
-    optimizer's step): live through its loss, reference forward and layer phase. With one micro-batch,
-    the backward makes them layer by layer, from the last layer to the first, freeing each layer's
-    checkpointed input as it goes: at the first layer's backward every other layer's gradients are
-    live beside one checkpointed input (the estimate takes the larger of that and the first layer
-    processed, which holds every input and no gradient). Evidence: docs/PEAK.md, "gradient_terms"."""
+def gradient_terms(per: int, n: int, accumulation: int, made: int) -> dict:
+    """The adapter's ``n`` gradients (``per`` bytes each) inside a step's phases. With accumulation > 1,
+    micro-batch 2 on runs with every gradient micro-batch 1 made (autograd accumulates into ``.grad``
+    in place until the optimizer's step): live through its loss, reference forward and layer phase.
+    With one micro-batch the backward makes them layer by layer, last to first, freeing each layer's
+    checkpointed input as it goes: ``made`` is what the layers run before the binding one made
+    (issue395.estimator.layer's walk). Evidence: docs/PEAK.md, "gradient_terms"."""
     if accumulation > 1:
         return {Term.HELD_GRADIENTS.key: per * n}
-    return {Term.BACKWARD_GRADIENTS.key: per * n * (a.L - 1) // a.L}
+    return {Term.BACKWARD_GRADIENTS.key: made}

@@ -124,7 +124,7 @@ def resident_packing_bound(key: str, *, quant: str, seq: int, batch: int, target
     element (the loss's three fp32 blocks and a bf16 copy), twice for a task with a reference forward; and
     1 GiB. Measured against it: every committed resident row (tests/run/test_resident.py)."""
     from ..estimator.arch import arch_from_config, layer_bytes, lora_params, protocol_targets
-    from ..estimator.estimate import kind_per_token, layer_per_token
+    from ..estimator.layer import kind_per_token, layer_per_token
     from ..model.registry import config_json, stream_mode
     from ..model.targets import soup_targets
     from ..tasks import task as task_named

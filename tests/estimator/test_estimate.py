@@ -230,13 +230,13 @@ def committed_leave_one_out() -> dict[str, dict]:
     return out
 
 
-#: The one arm the record shows under when its family is held out: Gemma-3-1B NF4 2048x1, 0.16 MB
-#: short of the 3.0 MB allowance fitted on the other ten families (the Gemma family's unattributed
-#: NF4 bytes, which the fp32 adapter charge covered until the NF4 SFT adapter was charged bf16:
-#: docs/PEAK.md, "adapter_bytes"). Before that the miss was Mistral-7B bf16 16384x4 by 0.12 MB, and
-#: until the cuBLASLt workspace of biased linears was charged, Qwen2.5 bf16 1024x1 by 0.28 MB.
-#: Fewer misses or more, or this one by another amount, fails.
-KNOWN_MISS = {("gemma3-1b", "0.73.3", "nf4", 2048, 1): 0.16}
+#: The arms the record shows under when their family is held out: Phi-3-mini NF4 512x1 on both releases,
+#: 2.48 and 1.76 MB short of the 3.5 MB allowance fitted on the other ten families. The layer walk
+#: charges its requested bytes at the peak (layer 31's forward end), but its blocks sit 6.3 MB above
+#: their requests (the allocator's rounding: docs/PEAK.md, "ALLOCATED_ALLOWANCE_BYTES"). Before the walk
+#: the miss was Gemma-3-1B NF4 2048x1 by 0.16 MB, before that Mistral-7B bf16 16384x4 by 0.12 MB and
+#: Qwen2.5 bf16 1024x1 by 0.28 MB. Fewer misses or more, or these by another amount, fails.
+KNOWN_MISS = {("phi3-mini", "0.73.3", "nf4", 512, 1): 2.48, ("phi3-mini", "0.77.0", "nf4", 512, 1): 1.76}
 
 
 @pytest.mark.parametrize("family", list(dict.fromkeys(a["family"] for a in ARMS)))

@@ -15,6 +15,7 @@ from issue395.estimator import estimate as E
 from issue395.estimator.arch import arch_from_config, protocol_targets
 from issue395.errors import UsageError
 from issue395.estimator.moe import union_bytes
+from issue395.estimator.layer import retained_by_layer
 from issue395.model.registry import FAMILIES, config_json, stream_mode
 from issue395.estimator.arch import nf4_bytes
 from issue395.estimator.soup_number import supported_archs
@@ -154,12 +155,16 @@ def test_on_0733_a_deepseek_config_cannot_be_streamed(capfd):
 
 def test_recompute_off_is_charged_in_the_layer_phase_too():
     # DeepSeek-V3 NF4 at 64 tokens: the first dense layer's recompute binds; with recompute off the
-    # other layers' activations are still held there, so the estimate must grow
+    # other layers' activations are still held there, so the estimate must grow by them, less what only
+    # the recompute's forward end holds (the last linear's dequant in flight with its fp32 absmax:
+    # layer.forward_end_weights), which recompute off never runs inside the backward
     c = config_json("deepseek-v3")
     on = E.estimate(c, quant="nf4", seq=64, release="0.77.0", soup=False)
     off = E.estimate(c, quant="nf4", seq=64, release="0.77.0", soup=False, stream={"stream_recompute": "off"})
     assert on.phase == "layer" and off.terms["retained_beside_layer"] > 0
-    assert off.corrected_predicted >= on.corrected_predicted + off.terms["retained_beside_layer"]
+    forward_end_only = on.terms["dequantised_layer"] - off.terms["dequantised_layer"]
+    assert 0 < forward_end_only < off.terms["retained_beside_layer"]
+    assert off.corrected_predicted >= on.corrected_predicted + off.terms["retained_beside_layer"] - forward_end_only
 
 
 def test_no_corrected_number_for_a_layout_soup_refuses():
@@ -281,7 +286,7 @@ def test_recompute_off_keeps_nothing_in_the_layers_before_the_first_lora_target(
     off = {"stream_recompute": "off"}
     attn = E.estimate(c, seq=2048, release="0.77.0", soup=False, stream=off, targets=("q_proj", "v_proj"))
     every = E.estimate(c, seq=2048, release="0.77.0", soup=False, stream=off, targets=("q_proj", "v_proj", "in_proj_qkv"))
-    kept = E.retained_by_layer(arch_from_config(c), "none", ("q_proj", "v_proj"), 8)
+    kept = retained_by_layer(arch_from_config(c), "none", ("q_proj", "v_proj"), 8)
     assert kept[:3] == [0, 0, 0] and kept[3] > 0
     assert attn.terms["retained_beside_layer"] == 0  # the last layer's backward runs first: nothing else kept
     assert every.terms["retained_activations"] > 3 * attn.terms["retained_activations"]
@@ -297,5 +302,5 @@ def test_each_layer_has_its_kind_dense_first_and_a_hybrids_every_fourth_full_att
     a = arch_from_config(c)
     kinds = [a.layers.kinds[j] for j in a.layers.order]
     assert len(kinds) == a.L and ["q_proj" in k.dequant for k in kinds] == [False, True, False, True]
-    kept = E.retained_by_layer(a, "none", ("q_proj", "v_proj"), 8)
+    kept = retained_by_layer(a, "none", ("q_proj", "v_proj"), 8)
     assert kept[0] == 0 and kept[1] > 0 and kept[2] > 0  # from the first target's layer on, every layer

@@ -1,0 +1,323 @@
+"""The layer phase: what a streamed step holds while Soup's checkpoint recomputes one decoder layer
+inside the backward and runs its backward, layer by layer and at the two moments that bound it.
+Stdlib only. Evidence: docs/PEAK.md, "The NF4 layer phase, read per phase".
+
+The backward runs the layers last to first. At layer n's turn the checkpointed inputs of layers 0..n
+are live (each later one was freed by its layer's backward) and so are the adapter gradients layers
+n+1.. made. Inside the layer, two moments (``Moment``):
+
+- the forward's end: the recomputed MLP's last linear is being dequantised (NF4). Every weight the
+  layer's F.linear calls saved is live, and that one with its nested absmax expanded to fp32. Also
+  live: what the recompute saved, the MLP's saved tensors and its product, the residual, the MLP's
+  normed input, and the incoming gradient;
+- the MLP backward's mul: the last linear's weight has been freed. Its input gradient and the two
+  mul gradients sit beside the saved tensors (the MLP's saved i-sized tensors plus three).
+
+A layer whose input needs no gradient (layer 0: the embedding is frozen; and every layer before the
+first that holds a LoRA target) records no op on that input. F.linear then saves the weight only of
+a linear downstream of a LoRA target. The input norm keeps no fp32 copy, and a target's dropout keeps
+no mask. A layer with no target at or before it records nothing, so its backward never runs.
+
+Known limitations:
+
+- A linear's place in the layer is its stage (``STAGES``): the stages before it decide whether its
+  input needs a gradient. A module no stage names counts as reading a gradient-carrying input
+  (its weight saved). So does phi's fc1, which reads the layer's input in parallel with attention.
+  Both are the safe side.
+- Attention's saved tensors and the MLP's are charged in a layer that records anything, even where
+  only a later linear carries a target (then the earlier ops record nothing). That is the safe side.
+- A MoE kind's routed experts are counted as one MLP of their summed width at both moments (a bound:
+  at the forward's end only the experts already run hold their tensors).
+- stream_recompute off recomputes nothing. Its layer phase is the backward of the kind that holds
+  most, with every linear's weight, as before the walk (retained_by_layer carries the rest).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+from .arch import NF4_BLOCK, Arch, activation_bytes, fp32_residual
+from .moe import Kind, expert_in_flight
+
+#: nn.Dropout's saved mask, 1 B an input element. Soup's LoRA dropout defaults to 0.05 (soup_cli's
+#: config schema, lora.dropout), so peft puts an nn.Dropout on every targeted module.
+LORA_DROPOUT_MASK_BYTES = 1
+#: What the MLP backward makes beside the saved tensors: the down projection's input gradient and
+#: the two gradients of act(gate) x up.
+MLP_BACKWARD_TRANSIENTS = 3
+#: A dense kind's i-sized tensors saved by its recompute: gate, act(gate), up (moe.Kind's MLP).
+KIND_MLP_SAVED = 3
+
+#: Where each linear reads its input in a decoder layer, upstream first. 0: the normed layer input.
+#: 1: a latent made at stage 0. 2: attention's output projection. 3: the MLP's input projections,
+#: which read the normed residual. 4: the MLP's last linear.
+STAGES = {
+    **dict.fromkeys(("q_proj", "k_proj", "v_proj", "qkv_proj", "q_a_proj", "kv_a_proj_with_mqa", "in_proj_qkv",
+                     "in_proj_z", "in_proj_b", "in_proj_a"), 0),
+    **dict.fromkeys(("q_b_proj", "kv_b_proj"), 1),
+    **dict.fromkeys(("o_proj", "dense", "out_proj"), 2),
+    **dict.fromkeys(("gate_proj", "up_proj", "gate_up_proj", "fc1", "shared_experts.gate_proj",
+                     "shared_experts.up_proj", "shared_expert.gate_proj", "shared_expert.up_proj",
+                     "shared_expert_gate"), 3),
+    **dict.fromkeys(("down_proj", "fc2", "shared_experts.down_proj", "shared_expert.down_proj"), 4),
+}
+LAST_STAGE = 4
+
+
+class Moment(Enum):
+    """The two moments of one layer's turn in the backward (the module's docstring)."""
+
+    FORWARD_END = "the recomputed forward's end"
+    BACKWARD = "the MLP backward"
+
+
+def _stage(name: str) -> int:
+    return STAGES.get(name, 0)  # a module no stage names: upstream of every other, the safe side
+
+
+def input_needs_grad(name: str, targets, input_grad: bool) -> bool:
+    """Whether the input of linear ``name`` carries a gradient: the layer's input does, or a LoRA
+    target sits at an earlier stage. A module no stage names always does."""
+    return input_grad or name not in STAGES or any(_stage(t) < STAGES[name] for t in targets)
+
+
+def saved_weights(quant: str, modules: dict, targets, input_grad: bool) -> int:
+    """Bytes of the dequantised bf16 weights F.linear saves in one layer's recompute, NF4 only
+    (bf16 weights are the pool). A weight is saved where its input carries a gradient: the backward
+    needs W to reach the input."""
+    if quant != "nf4":
+        return 0
+    return 2 * sum(fi * fo for n, (fi, fo, _) in modules.items() if input_needs_grad(n, targets, input_grad))
+
+
+def dequantised_layer(a: Arch, quant: str, modules: dict | None = None) -> int:
+    """W16: under NF4 Soup's _dequant_forward dequantises each linear to bf16 and F.linear saves
+    it for backward: every linear of a layer whose input carries a gradient. ``modules``: one layer
+    kind's linears (issue395.estimator.moe), else the dense layer's.
+    Evidence: docs/PEAK.md, "Layer phase (binds only on short NF4 arms)"."""
+    modules = a.modules if modules is None else modules
+    return saved_weights(quant, modules, (), True)
+
+
+def forward_end_weights(quant: str, modules: dict, targets, input_grad: bool) -> int:
+    """The weights live as the recomputed forward ends: the saved ones, and the last linear being
+    dequantised with its nested absmax expanded to fp32 (bitsandbytes' dequantize_4bit: 4 B per
+    block of NF4_BLOCK). The measured temp is i x h / 64 x 4 B (ops.py:337)."""
+    if quant != "nf4":
+        return 0
+    last = [fi * fo for n, (fi, fo, _) in modules.items() if STAGES.get(n) == LAST_STAGE] or [
+        max(fi * fo for fi, fo, _ in modules.values())]
+    unsaved = [fi * fo for n, (fi, fo, _) in modules.items()
+               if STAGES.get(n) == LAST_STAGE and not input_needs_grad(n, targets, input_grad)]
+    return saved_weights(quant, modules, targets, input_grad) + 2 * max(unsaved, default=0) + 4 * -(
+        -max(last) // NF4_BLOCK)
+
+
+def backward_weights(quant: str, modules: dict, targets, input_grad: bool) -> int:
+    """The weights live at the MLP backward's mul: the saved ones less the last linears', whose
+    backward has run and freed them."""
+    if quant != "nf4":
+        return 0
+    last = {n: v for n, v in modules.items() if STAGES.get(n) == LAST_STAGE}
+    return saved_weights(quant, modules, targets, input_grad) - saved_weights(quant, last, targets, input_grad)
+
+
+def _lora(a_act: int, modules: dict, targets, r: int, input_grad: bool) -> int:
+    """Each LoRA target's dropout output (act x in) and lora_A's output (act x r), and its dropout's
+    mask (1 x in) where the target's input carries a gradient."""
+    return sum(a_act * modules[t][0] + a_act * r + (LORA_DROPOUT_MASK_BYTES * modules[t][0]
+                                                   if input_needs_grad(t, targets, input_grad) else 0)
+               for t in targets if t in modules)
+
+
+def layer_per_token(a: Arch, quant: str, targets: tuple, r: int, *, at: Moment = Moment.BACKWARD,
+                    input_grad: bool = True) -> int:
+    """What one dense layer holds a token at moment ``at``, op by op (act = 2 B, 4 B for phi NF4
+    whose residual is fp32). Each RMSNorm saves an fp32 copy of its input (4h; the input norm's only
+    where the layer's input carries a gradient). Each LoRA module saves its dropout output and
+    lora_A's output, and its mask where its input carries a gradient (_lora). Rotary writes new q
+    and k (act x (q + kv)). SDPA saves q, k, v, its output and fp32 logsumexp. Qwen3/Gemma-3 q/k
+    norms save fp32 q and k. The MLP saves gate, act(gate) and up (phi's python gelu_new: 4 i-sized).
+    At the MLP backward, add the incoming gradient (act x h) and MLP_BACKWARD_TRANSIENTS i-sized
+    tensors: 258 KB/token on Mistral-7B. At the forward's end, add the incoming gradient, the
+    residual and the MLP's normed input (3 x act x h) and the MLP's product (i): 217,248 B/token on
+    Mistral-7B NF4 512 x 1, the measured live set to the byte (docs/PEAK.md, "The NF4 layer phase,
+    read per phase")."""
+    act = activation_bytes(a, quant)
+    qw, kw = a.heads * a.head_dim, a.kv * a.head_dim
+    norms = (a.norms - (0 if input_grad else 1)) if a.quirks.norm_inputs_saved else 0
+    b = 4 * a.h * norms + _lora(act, a.modules, targets, r, input_grad)
+    v = (qw + 2 * kw) if a.quirks.fused_qkv else kw  # phi3: v is a view of the fused qkv
+    b += act * (qw + kw + v + qw) + 4 * a.heads
+    b += 4 * (qw + kw) if a.qk_norm else 0
+    saved = a.quirks.mlp_saved - MLP_BACKWARD_TRANSIENTS
+    if at is Moment.BACKWARD:
+        return b + act * a.h + act * a.i * a.quirks.mlp_saved
+    return b + 3 * act * a.h + act * a.i * (saved + 1)
+
+
+def expert_forward(a: Arch, k: Kind) -> int:
+    """One routed expert's forward inside Soup's per-expert _ExpertMLP (no graph: nothing saved), a
+    token it serves: gate_up's output, act(gate) and the product (2 x 4 expert_width), and its
+    output (2h). A bound at every token: an expert serves each token at most once."""
+    return 2 * 4 * k.expert_width + 2 * a.h
+
+
+def expert_backward(a: Arch, k: Kind) -> int:
+    """One routed expert's backward inside _ExpertMLP, a token it serves: its local recompute's graph
+    (expert_forward), as many bytes again of gradients, and the incoming gradient (2h)."""
+    return 2 * expert_forward(a, k) + 2 * a.h
+
+
+def _mlp(a: Arch, k: Kind, at: Moment, per_expert: bool) -> int:
+    """A kind's MLP at moment ``at``, a token. Dense or fused experts: one MLP of the kind's whole
+    width, KIND_MLP_SAVED saved and the moment's own (MLP_BACKWARD_TRANSIENTS at the backward, the
+    product at the forward's end), and each expert's gathered input and weighted output (top_k x 2 x
+    2h). Soup's per-expert layout (soup_cli.utils.expert_stream._ExpertMLP) saves only the gathered
+    input, and the weighting's mul the expert's output (the same top_k x 2 x 2h). Its intermediates
+    live one expert at a time beside the shared experts' MLP, which runs after the routed ones (so
+    the routed output, 2h, is live at the forward's end) and whose backward runs first."""
+    routed = 8 * k.routed + 2 * k.top_k * 2 * a.h  # the router's fp32 logits and scores, 8 B an expert
+    if not (per_expert and k.routed):
+        width = k.mlp_width
+        return routed + 2 * (KIND_MLP_SAVED + (MLP_BACKWARD_TRANSIENTS if at is Moment.BACKWARD else 1)) * width
+    shared = k.shared_width
+    if at is Moment.BACKWARD:
+        return routed + max(2 * (KIND_MLP_SAVED + MLP_BACKWARD_TRANSIENTS) * shared, expert_backward(a, k))
+    return routed + max(2 * a.h + 2 * (KIND_MLP_SAVED + 1) * shared, expert_forward(a, k))
+
+
+def kind_per_token(a: Arch, k: Kind, targets: tuple, r: int, *, at: Moment = Moment.BACKWARD,
+                   input_grad: bool = True, per_expert: bool = False) -> int:
+    """layer_per_token for one kind of a MoE, latent or hybrid layer (issue395.estimator.moe), op by
+    op on the kind's own widths. Two RMSNorms' fp32 copies (4h each; the input norm's only where the
+    input carries a gradient). Each LoRA target this kind has (_lora). Attention's q, k, v and output
+    with fp32 logsumexp. The latent or delta-net widths in bf16 beside an fp32 norm copy (6 B), where
+    a stage-0 linear's output carries a gradient. The MLP as a dense one (KIND_MLP_SAVED saved, and
+    the moment's own as layer_per_token's). Routing: the router's fp32 logits and scores (8 B an
+    expert), and each token's hidden state gathered for every expert it visits with its weighted
+    output (2 x top_k x 2h). Evidence: DeepSeek-V3 NF4 512x1 (both layouts) and Moonlight's
+    recompute-off arms, results/moe-and-stream-modes-*; Kimi K2's dense layer 0 at its forward's end
+    (docs/PEAK.md, "The NF4 layer phase, read per phase")."""
+    mine = tuple(t for t in targets if t in k.dequant)
+    latent = input_grad or any(_stage(t) == 0 for t in mine)
+    b = 4 * a.h * (2 if input_grad else 1) + _lora(2, k.dequant, mine, r, input_grad)
+    b += 2 * k.attention_width + 4 * a.heads + (6 * k.extra_width if latent else 0)
+    return b + (2 if at is Moment.BACKWARD else 3 * 2) * a.h + _mlp(a, k, at, per_expert)
+
+
+def kind_transients(a: Arch, k: Kind, per_expert: bool = False) -> int:
+    """What a kind's per-token count at the MLP backward frees before the next layer runs: its three
+    i-sized gradients and the incoming gradient. The routed experts' gathered input stays charged as
+    kept in both layouts. Moonlight recompute-off 2048 x 1's live set holds one top_k x 2h block a MoE
+    layer (transformers' grouped_mm experts save only the expert output), but without the second
+    Qwen3.5-MoE recompute-off is under its committed peaks (4096 x 1 by 43 MB, 2048 x 1 by 19 MB), so
+    the safe side stays until a Qwen3.5-MoE history says why (issue 52). ``per_expert``: unused, kept for
+    the callers' signature."""
+    return 2 * MLP_BACKWARD_TRANSIENTS * k.mlp_width + 2 * a.h
+
+
+def retained_by_layer(a: Arch, quant: str, targets: tuple, r: int) -> list[int]:
+    """stream_recompute off: what each layer keeps per token for its backward, first to last (Soup's
+    _body_retained: no checkpoint, so no saved input either): its count at the MLP backward less the
+    transients. A layer before the first that holds a LoRA target keeps nothing: neither its input
+    nor its weights need a gradient, so autograd records no graph there (Qwen3.5's q_proj and v_proj
+    are in its full-attention layers only, every fourth). The first that holds one keeps what a layer
+    whose input needs no gradient saves (layer 0 on a dense model: no input norm copy, no dropout
+    mask). Targets no layer kind names keep every layer charged: the safe side. Not yet measured
+    under NF4 (Soup's streamed path adds no input-gradient hook there either: soup_cli's stream setup
+    never calls prepare_model_for_kbit_training). The fused expert count: per_expert is not modelled
+    with stream_recompute off (its per-token count is charged, the safe side).
+    Evidence: SmolLM2 512 x 1 and Moonlight bf16 2048 x 1, the live set at the loss peak
+    (results/layer-walk-modes-h200-soup0.77.0-2798321/call-1); Qwen3.5-MoE (4 of 40 layers, q_proj
+    and v_proj) keeps 129.5 KB a token at 2048 and 4096, all of it from layer 3 on
+    (results/pages2-soup-patch-map4-modes-*/call-5 against call-4's)."""
+    layers = _layer_kinds(a)
+    first = next((n for n, (m, _) in enumerate(layers) if any(t in m for t in targets)), 0)
+    kept = []
+    for n, (_, kind) in enumerate(layers):
+        grad = n > first
+        if kind is None:
+            kept.append(layer_per_token(a, quant, targets, r, input_grad=grad)
+                        - 2 * MLP_BACKWARD_TRANSIENTS * a.i - 2 * a.h)
+        else:
+            kept.append(0 if n < first else kind_per_token(a, kind, targets, r, input_grad=grad)
+                        - kind_transients(a, kind))
+    return kept
+
+
+def checkpointed_through(a: Arch, quant: str, T: int, n: int) -> int:
+    """The saved inputs of layers 0..n, 2h B a token each; phi NF4 4h after layer 0, whose output
+    makes the residual fp32 (PEAK: phi-2 NF4 2048x1 325.1 MB and 2048x4 1,300.2 MB above bf16 =
+    31 T h 2)."""
+    return T * a.h * ((2 + 4 * n) if fp32_residual(a, quant) else 2 * (n + 1))
+
+
+@dataclass(frozen=True)
+class LayerPeak:
+    """The layer phase at its binding layer and moment, in bytes: the layer's weights (NF4), its
+    activations (T x the moment's per-token count), Soup's expert in flight, the checkpointed inputs
+    still live, and the adapter's gradients made before it. ``layer`` is None for stream_recompute
+    off (no walk: the kind that holds most)."""
+
+    layer: int | None
+    moment: Moment
+    weights: int
+    activations: int
+    expert: int
+    checkpointed: int
+    gradients: int
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.activations + self.expert + self.checkpointed + self.gradients
+
+
+def _layer_kinds(a: Arch) -> list[tuple[dict, Kind | None]]:
+    """Each layer's linears and its kind (None: the dense layer), first to last."""
+    if a.layers is None:
+        return [(a.modules, None)] * a.L
+    order = a.layers.order or (0,) * a.L
+    return [(a.layers.kinds[j].dequant, a.layers.kinds[j]) for j in order]
+
+
+def layer_peak(a: Arch, quant: str, targets: tuple, r: int, T: int, *, per: int, held: bool,
+               per_expert: bool, recompute: bool = True) -> LayerPeak:
+    """The largest of every layer's two moments in the backward's walk (the module's docstring).
+    ``per``: bytes an adapter gradient takes. ``held``: gradient accumulation past 1, so micro-batch 2
+    accumulates into gradients already held (estimate's held_gradients) and makes none."""
+    layers = _layer_kinds(a)
+    grads = [0 if held else per * sum(r * (m[t][0] + m[t][1]) for t in targets if t in m) for m, _ in layers]
+
+    def count(kind, at, input_grad):
+        return (layer_per_token(a, quant, targets, r, at=at, input_grad=input_grad) if kind is None else
+                kind_per_token(a, kind, targets, r, at=at, input_grad=input_grad, per_expert=per_expert))
+
+    def expert(kind):
+        return expert_in_flight(a.layers.expert, quant) if per_expert and kind is not None and kind.routed else 0
+
+    if not recompute:
+        best = max(((dequantised_layer(a, quant, m), T * count(k, Moment.BACKWARD, True), expert(k))
+                    for m, k in {id(k): (m, k) for m, k in layers}.values()), key=sum)
+        # the first layer's backward runs beside every other's gradients. No checkpoint saves a layer's
+        # input (SmolLM2 512 x 1's live set holds none), yet the step holds more than the count without
+        # them: 3.2 MB at 512 (the allocator's blocks above their requests, 5.6 MB there) and 50-110 MB on
+        # SmolLM2 2048 and Qwen3.5-MoE 2048/4096, with no history to name it. The inputs stay charged, the
+        # safe side, until one does (issue 52).
+        return LayerPeak(None, Moment.BACKWARD, *best, checkpointed_through(a, quant, T, a.L - 1), sum(grads[1:]))
+    peaks = []
+    for n, (modules, kind) in enumerate(layers):
+        mine = [t for t in targets if t in modules]
+        if not mine and not any(t in m for m, _ in layers[:n] for t in targets):
+            continue  # nothing at or before it carries a gradient: its backward never runs
+        input_grad = any(t in m for m, _ in layers[:n] for t in targets)
+        inputs, made = checkpointed_through(a, quant, T, n), sum(grads[n + 1:])
+        peaks.append(LayerPeak(n, Moment.FORWARD_END, forward_end_weights(quant, modules, mine, input_grad),
+                               T * count(kind, Moment.FORWARD_END, input_grad), expert(kind), inputs, made))
+        peaks.append(LayerPeak(n, Moment.BACKWARD, backward_weights(quant, modules, mine, input_grad),
+                               T * count(kind, Moment.BACKWARD, input_grad), expert(kind), inputs,
+                               made + grads[n]))
+    if not peaks:  # no target in any layer: estimate refuses such targets before this
+        raise ValueError("no layer holds a LoRA target")
+    return max(peaks, key=lambda p: p.total)
