@@ -7,8 +7,8 @@ layer at a time in the backward (the terms of Soup's own per-layer recompute). O
 serves both paths; this module adds only ``resident_weights``.
 
 Measured (tests/estimator/test_resident.py), on the 143 committed arms of these families it models, bf16 and NF4
-(results/resident-map-*): never under; with checkpointing 1.0000x-1.0027x, without it 1.0027x-1.0854x, median
-1.0128x (the widest: Phi-3-mini NF4, whose fused gate_up the shared count charges whole).
+(results/resident-map-*): never under; with checkpointing 1.0001x-1.0033x, without it 1.0021x-1.0833x, median
+1.0114x (the widest: Phi-3-mini NF4, whose fused gate_up the shared count charges whole).
 
 Known limitations
     - Without checkpointing, the retained blocks' rounding is bounded, not replayed: each 1-10 MiB block class is
@@ -16,7 +16,7 @@ Known limitations
       10 MiB keeps its segment's tail, or, served from a larger cached block, a rest under 1 MiB (1 MiB a block)
       (retained_rounding). The measured excess of max_memory_allocated over the requested peak was 21 MB on SmolLM2
       1024x1, 108 MB on Qwen2.5 2048x1 (75.5 MB of it the MLP blocks' tails), 0 on Llama-3.2-1B 2048x1; without the
-      per-block bound SmolLM2 NF4 at 2048 tokens was 9.8 MB under. This is why the median is 1.013x, not 1.005x.
+      per-block bound SmolLM2 NF4 at 2048 tokens was 9.8 MB under. This is why the median is 1.011x, not 1.005x.
     - Past a sliding window without checkpointing it is refused: Gemma-3 and Phi-3 keep attention masks per layer
       there that the counts do not have (Gemma-3 2048x1: 48 blocks of 8 MiB; the construction was 0.978x-0.997x).
     - The steady state (steps > 1: the optimizer's states) and gradient accumulation are the streamed step's terms

@@ -24,7 +24,7 @@ def committed_resident_rows() -> list[Row]:
 
 def test_the_resident_estimate_is_never_under_and_tight_on_every_committed_arm_it_models():
     """Every committed resident row the estimator models, bf16 and NF4 (the map's corrected column, from the family's
-    public config alone) is at or above its real peak, within 1.09x, median at most 1.015x, and within 1.003x with
+    public config alone) is at or above its real peak, within 1.09x, median at most 1.015x, and within 1.004x with
     checkpointing; the ones it does not model (MoE and hybrid layers, phi, past a sliding window without
     checkpointing) get no figure."""
     import statistics
@@ -35,7 +35,7 @@ def test_the_resident_estimate_is_never_under_and_tight_on_every_committed_arm_i
     modelled = [(r, c / r.real_peak) for r, c in got if c is not None]
     assert len(modelled) >= 140 and any(r.quant == "nf4" for r, _ in modelled), len(modelled)
     assert all(1.0 <= v <= 1.09 for _, v in modelled), [(r.model_key, r.seq, round(v, 4)) for r, v in modelled]
-    assert all(v <= 1.003 for r, v in modelled if "+gc" in r.model_key)
+    assert all(v <= 1.004 for r, v in modelled if "+gc" in r.model_key)
     assert statistics.median(v for _, v in modelled) <= 1.015
     assert all(c is None for r, c in got if r.model_key.startswith(("moonlight", "qwen3.5", "phi-2")))
 
