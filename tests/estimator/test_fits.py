@@ -318,7 +318,8 @@ def test_the_verdict_is_the_first_line_and_says_what_the_exit_code_answers(capfd
     got, out, err = main(capfd, ["--estimate", "--config", yaml, "--card", card, "--exit-code"])
     assert got == code, err
     first = out.splitlines()[0]
-    assert first.startswith("verdict (this tool's estimate and Soup's own gate): ") and len(first) < 213, first
+    # one readable line, though a release's disagreement words lengthen it (0.77.0: "a run that will OOM")
+    assert first.startswith("verdict (this tool's estimate and Soup's own gate): ") and len(first) < 300, first
     for w in words:
         assert w in first, (w, first)
     assert out.splitlines()[1].startswith("--estimate: mistralai/Mistral-7B-v0.3, from --config ")

@@ -225,8 +225,15 @@ def test_an_optimizer_not_modelled_is_answered_as_an_upper_bound_labelled_as_one
     bound, said on the verdict's line, on its own line and in the JSON, never below Soup's default's figures."""
     import json
 
+    from soup_cli.config.loader import load_config_from_string
+
     path = soup_yaml(tmp_path)
     path.write_text(path.read_text() + f"  optimizer: {optimizer}\n")
+    try:
+        load_config_from_string(path.read_text())
+    except Exception:  # a release whose own schema refuses it (0.77.0: adamw_hf): Soup's refusal, in one line
+        one_error_line(*main(capfd, ["--estimate", "--config", path, "--card", "T4"]), "Soup refuses it", optimizer)
+        return
     out_json = tmp_path / "bound.json"
     code, out, err = main(capfd, ["--estimate", "--config", path, "--card", "T4", "--json", out_json])
     assert code == 0, err

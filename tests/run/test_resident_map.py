@@ -121,7 +121,7 @@ def test_the_packing_bound_covers_every_committed_resident_peak():
 
 
 def skeleton_parameters(key: str) -> int:
-    """The parameters of the checkpoint this tool builds for a family (its meta skeleton, a tied head once)."""
+    """The values of the checkpoint this tool builds for a family (its meta skeleton's state dict, a tied head once)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -131,7 +131,10 @@ def skeleton_parameters(key: str) -> int:
     config = hf_config(family_shape(key))
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    return sum(p.numel() for p in model.parameters())  # parameters() yields a tied weight once
+    tied = bool(getattr(config, "tie_word_embeddings", True))
+    # the tensors the checkpoint holds (its state dict: DeepSeek-V3's e_score_correction_bias is a buffer there, and
+    # Soup counts it), a tied head once, as the builder writes them
+    return sum(t.numel() for name, t in model.state_dict().items() if not (tied and name == "lm_head.weight"))
 
 
 def test_soups_resident_number_on_every_committed_row_is_its_own_code_on_the_input_its_cli_built():
