@@ -297,6 +297,7 @@ def soup_patch() -> None:
     from types import SimpleNamespace as S
 
     from issue395.estimator.arch import arch_from_config, protocol_targets
+    from issue395.estimator.attention import training_box
     from issue395.model.registry import stream_mode
 
     sys.path.insert(0, str(ROOT / "bench"))
@@ -314,7 +315,8 @@ def soup_patch() -> None:
         tcfg = S(quantization={"none": "none", "nf4": "4bit"}[kw["quant"]], batch_size=kw["batch"], lora=lora,
                  optimizer="adamw_torch", stream_buffers=2, **kw["stream"])
         cfg = S(task=kw["task"], data=S(max_length=kw["seq"]))
-        out = preflight(cfg, tcfg, config, steps=1, release=arm["release"])
+        with training_box(arm.get("transformers")):  # the attention the arm's own box ran, not this machine's
+            out = preflight(cfg, tcfg, config, steps=1, release=arm["release"])
         rows.append((arm, out["peak"] / arm["real_peak"], arm["soup_predicted"] / arm["real_peak"]))
     ratios, soup = [r for _, r, _ in rows], [s for *_, s in rows]
     print(f"Evidence, on every committed H200 arm of every task ({len(rows)} rows, as bench/task_terms.py and bench/leave_one_out.py read them: "

@@ -288,7 +288,8 @@ def test_stack_names_the_training_boxs_packages_and_the_answer_follows_them(capf
 
     argv = ["--estimate", "--model", "gemma2-2b", "--task", "dpo", "--seq", "1024", "--card", "T4"]
     here, boxed = tmp_path / "here.json", tmp_path / "boxed.json"
-    assert main(capfd, [*argv, "--json", here])[0] == 0
+    # the laptop's side named too, so the test holds whatever transformers this machine has
+    assert main(capfd, [*argv, "--stack", "transformers=5.16.1", "--json", here])[0] == 0
     code, out, err = main(capfd, [*argv, "--stack", "transformers=5.25.0,torch=2.11.0+cu130", "--json", boxed])
     assert code == 0, err
     (line,) = [ln for ln in out.splitlines() if ln.startswith("  stack")]
