@@ -258,26 +258,12 @@ def watch_soup_preflight(m: Measurement) -> Iterator[Measurement]:
 
 def soup_resident_preflight(config: Any, dry_run: bool = False) -> ResidentGate:
     """A resident run's pre-flight as `soup train` runs it before any setup (commands/train.py's
-    _hardware_fit_preflight): the input its CLI builds from the config, its estimate, and its verdict against
-    the card's total memory as Soup reads it (get_gpu_info). Without CUDA Soup's gate does not run, so there
-    is no verdict; where its CLI builds no input (a model size it cannot tell) the gate is skipped: no number."""
-    from soup_cli.commands.train import _build_hardware_fit_input
-    from soup_cli.utils.hardware_fit import decide_hardware_fit, estimate_peak_vram_gb
+    _hardware_fit_preflight): the input its CLI builds from the config, its number, and its verdict against the
+    card's total memory as Soup reads it (get_gpu_info; none without CUDA, where Soup's gate does not run)."""
+    from soup_cli.utils.gpu import get_gpu_info
 
-    inp = _build_hardware_fit_input(config)
-    if inp is None:
-        return ResidentGate()
-    b = estimate_peak_vram_gb(inp)
-    total = 0
-    if not dry_run:  # the card Soup's gate reads (0 where there is none: no verdict)
-        from soup_cli.utils.gpu import get_gpu_info
-
-        total = int(get_gpu_info(backend=config.backend).get("memory_total_bytes", 0) or 0)
-    verdict = decide_hardware_fit(inp, available_vram_gb=total / 1e9) if total > 0 else None
-    return ResidentGate(input={k: getattr(inp, k) for k in inp.__dataclass_fields__}, peak=round(b.total_gb * 1e9),
-                        breakdown={k: getattr(b, k) for k in b.__dataclass_fields__},
-                        required=round(verdict.required_with_margin_gb * 1e9) if verdict else None,
-                        card_total=total or None, admits=verdict.ok if verdict else None)
+    total = 0 if dry_run else int(get_gpu_info(backend=config.backend).get("memory_total_bytes", 0) or 0)
+    return ResidentGate.computed(ResidentGate.input_of(config), total)
 
 
 def teardown(wrapper: Any) -> Optional[str]:

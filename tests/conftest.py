@@ -439,3 +439,24 @@ def verdicts(out):
 def file_lines(text):
     """--estimate --config's lines on the file's own keys (how each is read)."""
     return [line for line in text.splitlines() if line.startswith("  from the file: ")]
+
+
+#: A streamed soup.yaml of SmolLM2's shape at 512 on a base given by name (a family key, a folder, a hub id).
+BASE_YAML = """base: {base}
+task: sft
+data: {{train: data.jsonl, max_length: 512}}
+training:
+  batch_size: 1
+  quantization: none
+  stream_layers: true
+  lora: {{r: 8, alpha: 16, target_modules: [q_proj, v_proj]}}
+"""
+
+
+def edited_copy(tmp_path, source, edit):
+    """A saved result's JSON as a user edited it by hand: ``edit`` applied to its data, written to saved.json."""
+    data = json.loads(Path(source).read_text())
+    edit(data)
+    path = tmp_path / "saved.json"
+    path.write_text(json.dumps(data))
+    return path

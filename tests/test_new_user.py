@@ -8,10 +8,9 @@ import copy
 import json
 import os
 import time
-from pathlib import Path
 
 import pytest
-from conftest import ROOT, main, one_error_line
+from conftest import ROOT, edited_copy, main, one_error_line
 
 
 MAP = ROOT / "results/margin-map-h200x2-soup0.73.3-f3ad9d2/map-2gpu.json"
@@ -77,12 +76,6 @@ def test_after_a_hang_up_a_terminal_stdout_writes_to_dev_null_and_a_pipe_is_kept
 
 # 4 and 5. saved results edited by hand ---------------------------------------------------------
 
-def _corrupt(tmp_path, source, edit):
-    data = json.loads(Path(source).read_text())
-    edit(data)
-    path = tmp_path / "saved.json"
-    path.write_text(json.dumps(data))
-    return path
 
 
 def _dup_first_row(d):
@@ -148,12 +141,12 @@ def _margin(**kw):
         "schema-true", "row-timings-list", "row-error-list", "row-gpu-list", "row-log-number",
         "row-dry-run-string", "row-soup-terms-list", "row-targets-number"])
 def test_a_hand_edited_saved_result_is_one_line_and_exit_2(capfd, tmp_path, source, edit, words):
-    path = _corrupt(tmp_path, source, edit)
+    path = edited_copy(tmp_path, source, edit)
     one_error_line(*main(capfd, ["--from-json", path]), "--from-json", *words)
 
 
 def test_two_maps_whose_row_model_key_is_a_list_are_one_line_not_a_traceback(capfd, tmp_path):
-    bad = _corrupt(tmp_path, MAP, lambda d: d["rows"][0].update(model_key=["smol"]))
+    bad = edited_copy(tmp_path, MAP, lambda d: d["rows"][0].update(model_key=["smol"]))
     good = tmp_path / "good.json"
     good.write_text(MAP.read_text())
     one_error_line(*main(capfd, ["--from-json", bad, good]), "model_key")

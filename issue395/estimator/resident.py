@@ -100,11 +100,6 @@ def targets_of(a: Arch, targets, config: dict) -> tuple:
     return soup_targets((targets,) if isinstance(targets, str) else tuple(targets), config, a, str(targets))
 
 
-def rows_of(task: str) -> int:
-    """The rows a step's forward runs per configured example (a paired task's two)."""
-    return task_named(task).rows_per_example
-
-
 def estimate_resident(config: dict, *, quant: str = "none", seq: int, batch: int = 1, targets=None,
                       lora_r: int = 8, steps: int = 1, release: str | None = None, task: str = PROTOCOL_TASK,
                       checkpointing: bool = False, optimizer: str = "adamw_torch", accumulation: int = 1,
@@ -123,7 +118,7 @@ def estimate_resident(config: dict, *, quant: str = "none", seq: int, batch: int
     for streamed in (Term.POOL.key, Term.EXTRAS.key, Term.RESIDENT_ROUNDING.key):
         t[streamed] = 0  # the pool's slots and the streamed extras: here, the whole model's tensors
     t = {Term.RESIDENT_WEIGHTS.key: resident_weights(a, quant), **t}
-    T = e.seq * e.batch * rows_of(task)
+    T = e.seq * e.batch * task_named(task).rows_per_example
     if not checkpointing:
         # no checkpoint saves a layer's input: what each layer's backward needs is its retained count (the
         # norms' fp32 copies among it). Measured: Qwen2.5 2048x1 keeps 45,912 B a token a layer at its loss

@@ -93,6 +93,35 @@ class ResidentGate(Record):
                         "peak": _BYTES, "required": _BYTES, "card_total": _BYTES,
                         "admits": (lambda v: v is None or isinstance(v, bool), "true, false or null")}
 
+    @staticmethod
+    def input_of(config: Any) -> Optional[dict]:
+        """The input Soup's resident gate takes, as `soup train`'s CLI builds it from a config Soup's loader read
+        (computed by Soup); None where it builds none, and skips its gate."""
+        from soup_cli.commands.train import _build_hardware_fit_input
+
+        inp = _build_hardware_fit_input(config)
+        return None if inp is None else {k: getattr(inp, k) for k in inp.__dataclass_fields__}
+
+    @classmethod
+    def computed(cls, soup_input: Optional[dict], card_total: int = 0) -> "ResidentGate":
+        """Soup's number on that input and its verdict against a card's total memory as CUDA reports it (computed
+        by Soup: hardware_fit); no verdict without a card (0), nothing without an input."""
+        if soup_input is None:
+            return cls()
+        from soup_cli.utils.hardware_fit import HardwareFitInput, decide_hardware_fit, estimate_peak_vram_gb
+
+        inp = HardwareFitInput(**soup_input)
+        b = estimate_peak_vram_gb(inp)
+        verdict = decide_hardware_fit(inp, available_vram_gb=card_total / 1e9) if card_total > 0 else None
+        return cls(input=soup_input, peak=round(b.total_gb * 1e9), breakdown={k: getattr(b, k) for k in b.__dataclass_fields__},
+                   required=round(verdict.required_with_margin_gb * 1e9) if verdict else None,
+                   card_total=card_total or None, admits=verdict.ok if verdict else None)
+
+    @property
+    def admitted(self) -> bool:
+        """Whether `soup train` goes on: its verdict, or, where its CLI built no input, yes (it skips its gate)."""
+        return self.admits is not False
+
 
 @dataclass(frozen=True)
 class UserConfig(Record):

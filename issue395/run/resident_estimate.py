@@ -7,18 +7,8 @@ from __future__ import annotations
 
 from ..errors import EXIT_FINDING, EXIT_OK, EXIT_SOUP_REFUSES, EXIT_USAGE, UsageError
 from ..report.outputs import write_json
+from ..results.extras import ResidentGate
 from .request import EstimateRequest
-
-
-def soup_resident(soup_input: dict | None, total_bytes: int) -> tuple[float | None, bool]:
-    """Soup's resident number (GB, its unit) and its verdict on a card of ``total_bytes`` as CUDA reports them; where
-    its CLI built no input Soup skips its gate, so the run is admitted with no number (computed by Soup)."""
-    if soup_input is None:
-        return None, True
-    from soup_cli.utils.hardware_fit import HardwareFitInput, decide_hardware_fit, estimate_peak_vram_gb
-
-    inp = HardwareFitInput(**soup_input)
-    return estimate_peak_vram_gb(inp).total_gb, decide_hardware_fit(inp, available_vram_gb=total_bytes / 1e9).ok
 
 
 def answer_resident(e: EstimateRequest) -> int:
@@ -37,24 +27,25 @@ def answer_resident(e: EstimateRequest) -> int:
         est, why = None, str(exc)
     if why and e.fit_exit:
         raise UsageError(f"--exit-code: this tool cannot say whether {e.model} fits: {why}")
-    soup_gb, _ = soup_resident(r.soup_input, 1)
+    soup = ResidentGate.computed(r.soup_input)
+    soup_gb = None if soup.peak is None else soup.peak / 1e9
     cards = []
     for card in e.cards:
         b = budget(card, e.context)
-        _, admits = soup_resident(r.soup_input, card.total_bytes - card.hidden_bytes)
         cards.append({"card": card.name, "total_bytes": card.total_bytes, "free_bytes": b.free_bytes,
-                      "fits": None if est is None else b.fits(est.needs_free), "soup_admits": admits})
+                      "fits": None if est is None else b.fits(est.needs_free),
+                      "soup_admits": ResidentGate.computed(r.soup_input, card.total_bytes - card.hidden_bytes).admitted})
     tag = f"{task} {quant} {seq}x{batch}" + (" with gradient checkpointing" if r.checkpointing else "")
     mine = (f"needs {est.needs_free / 1e9:.2f} GB free by this tool's resident estimate" if est else
             f"not estimated by this tool ({why})")
-    soup = (f"Soup's resident gate: {soup_gb:.2f} GB, +10% margin {soup_gb * 1.1:.2f} GB against a card's total"
+    gate = (f"Soup's resident gate: {soup_gb:.2f} GB, +10% margin {soup_gb * 1.1:.2f} GB against a card's total"
             if soup_gb is not None else "Soup's resident gate: no number (its CLI builds no input, so it skips its gate)")
     verdict = "verdict: " + ("; ".join(
         f"{c['card']}: " + ("fits" if c["fits"] else "does NOT fit" if c["fits"] is False else "fit not estimated")
         + (", Soup's gate admits it" if c["soup_admits"] else ", Soup's gate REFUSES it") for c in cards)
         if cards else mine + "; give --card to fit it on a card")
     lines = [verdict, f"--estimate: {e.model}, from --config {a.soup_config}: a resident run (training.stream_layers "
-             f"false), {tag}, {e.steps} optimizer step(s)", f"  this tool: {mine}", f"  {soup}"]
+             f"false), {tag}, {e.steps} optimizer step(s)", f"  this tool: {mine}", f"  {gate}"]
     if est:
         lines += [f"  corrected allocated peak {est.corrected_predicted / 1e9:.4f} GB ({est.phase} phase); terms:"]
         lines += [f"    {k:<28} {v / 1e9:.4f} GB" for k, v in est.terms.items() if v]
@@ -69,7 +60,7 @@ def answer_resident(e: EstimateRequest) -> int:
             "model": e.model, "config": a.soup_config, "resident": {"checkpointing": r.checkpointing,
                                                                      "soup_input": r.soup_input},
             "task": task, "quant": quant, "seq": seq, "batch": batch, "steps": e.steps,
-            "soup_resident_gb": soup_gb, "corrected": est.corrected_predicted if est else None,
+            "soup_resident_bytes": soup.peak, "corrected": est.corrected_predicted if est else None,
             "needs_free": est.needs_free if est else None, "not_estimated": why,
             "terms": est.terms if est else None, "cards": cards}):
         return EXIT_USAGE

@@ -17,6 +17,7 @@ from ..errors import UsageError, cut, last_line, soups_words
 from ..record import SOUP_QUANT
 from ..tasks import PROTOCOL_TASK, TASKS
 from ..estimator.steady import DEFAULT_OPTIMIZER
+from ..results.extras import ResidentGate
 from .checks import HUB_ID, LOADER_NEEDS, looks_like_a_path
 
 #: Soup's quantization spelling -> this tool's.
@@ -108,11 +109,7 @@ def read_soup_config(path: str, resident_ok: bool = False) -> UserRun:
             raise UsageError(f"--config {path}: training.stream_layers is not true (a resident run): --estimate "
                              "answers it, and --map --stream-layers off measures resident arms; this mode runs "
                              "streamed files only, so far")
-        from soup_cli.commands.train import _build_hardware_fit_input
-
-        inp = _build_hardware_fit_input(cfg)
-        resident = ResidentRun(bool(getattr(t, "gradient_checkpointing", False)),
-                               None if inp is None else {k: getattr(inp, k) for k in inp.__dataclass_fields__})
+        resident = ResidentRun(bool(getattr(t, "gradient_checkpointing", False)), ResidentGate.input_of(cfg))
     task = str(getattr(cfg, "task", PROTOCOL_TASK))
     if task not in TASKS:  # a task Soup takes but does not stream: Soup itself would refuse to stream it
         raise UsageError(f"--config {path}: task {task!r} is not one Soup streams ({', '.join(TASKS)})")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 
 import pytest
-from conftest import main, one_error_line, readme_yaml
+from conftest import BASE_YAML, main, one_error_line, readme_yaml
 
 
 @pytest.mark.parametrize("make, words", [
@@ -161,15 +161,6 @@ def test_estimate_needs_none_of_them(run_cli, tmp_path):
     assert out.returncode == 0, out.stderr
 # Issue 53, item 1: --json (and --markdown, --plot) never replace a file this tool did not write.
 
-FAMILY_YAML = """base: {base}
-task: sft
-data: {{train: data.jsonl, max_length: 512}}
-training:
-  batch_size: 1
-  quantization: none
-  stream_layers: true
-  lora: {{r: 8, alpha: 16, target_modules: [q_proj, v_proj]}}
-"""
 
 
 def test_json_naming_the_bases_config_json_is_refused_and_the_next_estimate_still_runs(capfd, tmp_path):
@@ -185,7 +176,7 @@ def test_json_naming_the_bases_config_json_is_refused_and_the_next_estimate_stil
     config.write_text(json.dumps(config_json("qwen")))
     before = config.read_bytes()
     yaml = tmp_path / "soup.yaml"
-    yaml.write_text(FAMILY_YAML.format(base=base))
+    yaml.write_text(BASE_YAML.format(base=base))
     one_error_line(*main(capfd, ["--estimate", "--config", yaml, "--json", config]),
                    f"--json {config}", "not this tool's own output", "never replaced")
     assert config.read_bytes() == before

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from conftest import BASE_YAML
 
 from issue395.model.registry import config_json
 from issue395.run import configarm, estimate_mode, find_max_mode, measure_mode, userconfig
@@ -17,15 +18,6 @@ from issue395.run.request import (CardListRequest, EstimateRequest, FindMaxReque
                                   measure_from_json)
 from issue395.run.runner import EXECUTE
 
-YAML = """base: {base}
-task: sft
-data: {{train: data.jsonl, max_length: 512}}
-training:
-  batch_size: 1
-  quantization: none
-  stream_layers: true
-  lora: {{r: 8, alpha: 16, target_modules: [q_proj, v_proj]}}
-"""
 
 
 @pytest.fixture
@@ -34,7 +26,7 @@ def soup_yaml(tmp_path):
     base.mkdir()
     (base / "config.json").write_text(json.dumps(config_json("qwen")))
     path = tmp_path / "soup.yaml"
-    path.write_text(YAML.format(base=base))
+    path.write_text(BASE_YAML.format(base=base))
     return path
 
 

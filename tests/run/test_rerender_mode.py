@@ -6,10 +6,9 @@ from __future__ import annotations
 
 import copy
 import json
-from pathlib import Path
 
 import pytest
-from conftest import ROOT, SWEEP, main, one_error_line, table_lines
+from conftest import ROOT, SWEEP, edited_copy, main, one_error_line, table_lines
 
 from issue395.errors import EXIT_FINDING, EXIT_OK
 
@@ -73,17 +72,11 @@ def test_any_failure_while_merging_rendering_or_comparing_is_one_line_naming_the
     assert not (tmp_path / "o.md").exists(), line
 
 
-def _corrupt(tmp_path, source, edit):
-    data = json.loads(Path(source).read_text())
-    edit(data)
-    path = tmp_path / "saved.json"
-    path.write_text(json.dumps(data))
-    return path
 
 
 def test_compare_with_no_arm_in_common_is_one_line(capfd, tmp_path):
     """--compare of two results that share no arm is one line saying so."""
-    other = _corrupt(tmp_path, SWEEP, lambda d: [r.update(seq=r["seq"] + 1, realised_width=r["seq"] + 1,
+    other = edited_copy(tmp_path, SWEEP, lambda d: [r.update(seq=r["seq"] + 1, realised_width=r["seq"] + 1,
                                                           realised_rows=[r["seq"] + 1] * len(r["realised_rows"]))
                                                  for r in d["rows"]])
     one_error_line(*main(capfd, ["--from-json", SWEEP, "--compare", other]), "--compare", "no arm in common")

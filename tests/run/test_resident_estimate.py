@@ -46,7 +46,7 @@ def test_a_resident_soup_yaml_is_answered_with_soups_resident_gate_and_the_estim
     got = json.loads(out.read_text())
     inp = _build_hardware_fit_input(load_config(str(path)))
     assert got["resident"] == {"checkpointing": True, "soup_input": {k: getattr(inp, k) for k in inp.__dataclass_fields__}}
-    assert got["soup_resident_gb"] == estimate_peak_vram_gb(inp).total_gb and inp.params_b == 1.0
+    assert got["soup_resident_bytes"] == round(estimate_peak_vram_gb(inp).total_gb * 1e9) and inp.params_b == 1.0
     assert got["steps"] == 2 and got["terms"]["adam_moments"] > 0 and got["terms"]["checkpointed_inputs"] > 0
     assert [c["fits"] for c in got["cards"]] == [True, False] and got["cards"][1]["free_bytes"] < got["needs_free"]
     assert "Soup's resident gate: computed by Soup's own code" in text
