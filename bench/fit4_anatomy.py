@@ -177,7 +177,7 @@ def run_kwargs(d: dict, value: int | None = None) -> tuple[dict, dict]:
 
     u = read_soup_config(str(ROOT / d["config"]))
     kw = dict(quant=u.quant, seq=u.seq, batch=u.batch, task=u.task, targets=u.targets, lora_r=u.lora_r,
-              steps=d["steps"], accumulation=u.accumulation, optimizer=u.optimizer, soup=False,
+              steps=d["steps"], **u.settings.estimator(), soup=False,
               release=d["stack"]["packages"]["soup-cli"], transformers=d["stack"]["packages"]["transformers"],
               stream=dict(u.stream_options))
     if value is not None:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from ..constants import CUBLAS_WORKSPACE, CUBLASLT_WORKSPACE, EXPANDABLE_PAGE_BYTES, K_MIN_LARGE_ALLOC, K_ROUND_LARGE, K_SMALL_SIZE, STREAM_KEYS, block_bytes
 from ..errors import UsageError
 from ..record import LORA_R, QUANTS
+from ..model.arm import DEFAULT_OPTIMIZER
 from ..model.registry import RECOMPUTES, config_json, stream_mode
 from .arch import Arch, activation_bytes, arch_from_config, layer_bytes, lora_params, protocol_targets
 from .attention import eager as eager_attention, eager_masks, eager_scores
@@ -23,7 +24,7 @@ from ..model.targets import soup_targets
 from ..tasks import PROTOCOL_TASK, task as task_named
 from .releases import Features, installed_release
 from .soup_number import arch_of, features, soup_preflight_from_config, vocab_matrices_resident
-from .steady import DEFAULT_OPTIMIZER, FP32, LORA_WEIGHT_BYTES, adapter_bytes, gradient_terms, steady_terms
+from .steady import FP32, LORA_WEIGHT_BYTES, adapter_bytes, gradient_terms, steady_terms
 from .terms import Phase, Term, phase_sum
 
 # CUBLAS_WORKSPACE (constants) is kept on every card though torch gives less below sm 9

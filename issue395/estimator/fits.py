@@ -23,7 +23,6 @@ SEQ_STEP = 64
 #: Soup's measured gate refuses by arithmetic a run its number puts past this many times the free
 #: memory, without measuring (soup_cli/trainer/stream_setup.py, _PROBE_DEFERRAL_CEILING, both releases).
 PROBE_DEFERRAL_CEILING = 4.0
-#: Soup's default training.optimizer, the one main's estimate charges from step 2 on.
 
 
 @dataclass(frozen=True)

@@ -58,8 +58,6 @@ OPTIMIZERS = {
     "paged_lion_8bit": Optimizer(1, 8, True), "paged_lion_32bit": Optimizer(1, 32, True),
     "sgd": Optimizer(0, 32, False, 0, True),
 }
-#: Soup's default (``training.optimizer``)
-DEFAULT_OPTIMIZER = "adamw_torch"
 #: An optimizer the table has no entry for (adafactor, adamw_hf, ...) is charged as an upper bound, said as
 #: one (issue 53 item 14): two fp32 states per parameter (Adam's two moments, the most any optimizer above
 #: keeps; Adafactor's factored row and column states are far fewer) and two fp32 copies of every parameter

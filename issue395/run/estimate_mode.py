@@ -287,7 +287,7 @@ def execute(request: EstimateRequest, protocol: object = None) -> int:
         from .resident_estimate import answer_resident
 
         return answer_resident(e)
-    gate, optimizer, stream = e.gate, e.optimizer, dict(e.stream)
+    gate, optimizer, stream = e.gate, e.settings.optimizer, dict(e.stream)
     kw = {"targets": a.targets, "lora_r": a.lora_r}
     box = dict(e.stack)  # --stack: the training box's packages, in place of this machine's
     with training_box(box.get("transformers")):
@@ -308,7 +308,7 @@ def answered(e: EstimateRequest, a: Adapter, gate, optimizer, stream: dict, kw: 
 
     try:
         rows = [estimate_for(e.config, quant=q, seq=s, batch=b, steps=e.steps, stream=stream, task=t,
-                             optimizer=optimizer, accumulation=e.accumulation, **kw)
+                             optimizer=optimizer, accumulation=e.settings.accumulation, **kw)
                 for t in e.tasks for q in e.quants for s in e.seqs for b in e.batches]
         budgets = budgets_for(e.cards, e.context)
         answers = [card_answers(e.config, r, budgets, env=workspace_env(), stream=stream, gate=gate,

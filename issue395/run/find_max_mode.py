@@ -71,10 +71,10 @@ def answers(req: FindMaxRequest) -> Answers:
     from ..estimator.fits import axis_range, estimate_for, fit_kwargs, longest, longest_soup_admits
 
     axis, run, config = req.axis, req.estimate, req.estimate.config
-    gate, optimizer, stream = run.gate, run.optimizer, dict(run.stream)
+    gate, optimizer, stream = run.gate, run.settings.optimizer, dict(run.stream)
     e = estimate_for(config, quant=run.quants[0], seq=run.seqs[0], batch=run.batches[0], targets=run.adapter.targets,
                      lora_r=run.adapter.lora_r, steps=run.steps, stream=stream, task=run.tasks[0], optimizer=optimizer,
-                     accumulation=run.accumulation)
+                     accumulation=run.settings.accumulation)
     kw = dict(fit_kwargs(e, run.adapter.targets, run.adapter.lora_r, stream, optimizer),
               **({"seq": e.seq} if axis == "batch" else {}))
     card = run.cards[0]
@@ -184,7 +184,7 @@ def execute(ask: FindMaxRequest, protocol: Any) -> int:
 
     axis, t = ask.axis, task(run.tasks[0])
     user_text = run.user.text
-    accumulation = run.user.accumulation or 1
+    accumulation = run.user.settings.micro_batches
     head = (f"--find-max {axis}: {run.model}, from --config {run.adapter.soup_config} ({run.tasks[0]} "
             f"{run.quants[0]}, " + (f"batch {run.batches[0]}" if axis == "seq" else f"seq {run.seqs[0]}")
             + f"), on {a.card.name} ({a.card.total_bytes:,} B; {ask.flag}); {steps_words(run.steps, run.steps_from)}")

@@ -18,6 +18,7 @@ from issue395.results.corrected import corrected, corrected_ratio, with_correcte
 from issue395.results.row import Row
 from issue395.text import gb, ratio
 from issue395.estimator.estimate import estimate, estimate_key
+from issue395.model.arm import Arm, Settings
 from issue395.model.registry import config_json
 
 ENV = {"soup_cli": "0.73.3"}
@@ -168,7 +169,7 @@ def test_a_config_rows_corrected_figure_charges_the_accumulation_and_optimizer_i
     from issue395.results.row import arm_row
 
     plain = arm_row(Arm("qwen", 2048, 1), SHAPES["qwen"])
-    run = arm_row(Arm("qwen", 2048, 1, optimizer="adamw_8bit", accumulation=4), SHAPES["qwen"])
+    run = arm_row(Arm("qwen", 2048, 1, settings=Settings("adamw_8bit", 4)), SHAPES["qwen"])
     for steps in (1, 2):
         env = {"steps": steps}
         want = estimate_key("qwen", seq=2048, batch=1, targets=tuple(run.targets), steps=steps, soup=False,

@@ -196,12 +196,12 @@ def test_a_file_without_the_keys_runs_soups_defaults_and_says_them(capfd, tmp_pa
     from soup_cli.config.schema import TrainingConfig
 
     default = TrainingConfig.model_fields["gradient_accumulation_steps"].default
-    assert (run.optimizer, run.accumulation) == ("adamw_torch", default)
-    assert {(a.optimizer, a.accumulation) for a in run.arms()} == {("adamw_torch", default)}
+    assert (run.settings.optimizer, run.settings.accumulation) == ("adamw_torch", default)
+    assert {(a.settings.optimizer, a.settings.accumulation) for a in run.arms()} == {("adamw_torch", default)}
     estimated, _ = estimate_config_json(capfd, tmp_path, config)
     assert (estimated["rows"][0]["optimizer"], estimated["rows"][0]["accumulation"]) == ("adamw_torch", default)
     protocol = settled(["--dry-run", "--models", "smol", "--seq", "64"])
-    assert {(a.optimizer, a.accumulation) for a in protocol.arms()} == {(None, None)}
+    assert {(a.settings.optimizer, a.settings.accumulation) for a in protocol.arms()} == {(None, None)}
 
 
 def test_a_bitsandbytes_optimizer_without_bitsandbytes_is_one_line_before_any_work(capfd, tmp_path, monkeypatch):
@@ -211,4 +211,4 @@ def test_a_bitsandbytes_optimizer_without_bitsandbytes_is_one_line_before_any_wo
     config = soup_yaml(tmp_path, "mistralai/Mistral-7B-v0.3", extra="  optimizer: paged_adamw_8bit\n")
     one_error_line(*main(capfd, ["--config", config, "--emulate-card", "T4"]), "training.optimizer paged_adamw_8bit",
                    "bitsandbytes")
-    assert settled(["--config", config, "--dry-run"]).optimizer == "paged_adamw_8bit"
+    assert settled(["--config", config, "--dry-run"]).settings.optimizer == "paged_adamw_8bit"
