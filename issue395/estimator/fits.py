@@ -49,12 +49,10 @@ class Gate:
         return "measured probe (decide_measured_fit)" if self.probe else "Soup's number (decide_stream_fit)"
 
 
-def estimate_for(config: dict, optimizer: Optional[str] = None, accumulation: Optional[int] = None,
-                 **kwargs) -> Estimate:
-    """``estimate`` with the run's training.optimizer (its steady-state states by name; None: Soup's
-    default) and training.gradient_accumulation_steps (None: one micro-batch a step)."""
-    return estimate(config, **kwargs, **({"optimizer": optimizer} if optimizer else {}),
-                    **({"accumulation": accumulation} if accumulation else {}))
+def estimate_for(config: dict, run: Optional[dict] = None, **kwargs) -> Estimate:
+    """``estimate`` at the run's settings (``run``: issue395.model.arm.Settings.estimator, those the run sets;
+    a setting given None, or left out, is the estimator's default: Soup's default optimizer, one micro-batch)."""
+    return estimate(config, **kwargs, **{k: v for k, v in (run or {}).items() if v is not None})
 
 
 REFUSES = "Soup refuses a run that would fit"
@@ -102,7 +100,7 @@ def longest_soup_admits(axis: str, config: dict, free_bytes: int, gate: Gate = G
     the probe, the measured path's rule on one step (Gate.admits)."""
     kwargs.pop("workspace", None)
     if gate.probe:  # the probe measures one step, before any optimizer state
-        kwargs = dict(kwargs, steps=1, optimizer=None)
+        kwargs = dict(kwargs, steps=1, run=dict(kwargs.get("run") or {}, optimizer=None))
     return _longest(config, lambda e: gate.admits(e.soup_predicted, e.corrected_predicted, free_bytes), axis,
                     **kwargs)
 
@@ -116,10 +114,11 @@ def longest_seq_soup_admits(config: dict, free_bytes: int, gate: Gate = Gate(), 
 
 
 def fit_kwargs(e: Estimate, targets=None, lora_r: int = LORA_R, stream: Optional[dict] = None,
-               optimizer: Optional[str] = None) -> dict:
-    """What every answer about ``e``'s run passes the estimator besides seq (and a card's workspace)."""
+               run: Optional[dict] = None) -> dict:
+    """What every answer about ``e``'s run passes estimate_for besides seq (and a card's workspace): ``run``,
+    the run's settings (issue395.model.arm.Settings.estimator)."""
     return dict(quant=e.quant, batch=e.batch, steps=e.steps, release=e.release, targets=targets,
-                lora_r=lora_r, stream=stream, task=e.task, optimizer=optimizer, accumulation=e.accumulation)
+                lora_r=lora_r, stream=stream, task=e.task, run=run)
 
 
 def host_store(config: dict, quant: str) -> tuple[int, int, float]:
@@ -149,13 +148,13 @@ def disagreement(fits: bool, soup_admits: bool) -> Optional[str]:
 
 def card_answers(config: dict, e: Estimate, budgets: list[Budget], targets=None, lora_r: int = LORA_R,
                  env: Optional[str] = None, stream: Optional[dict] = None, gate: Gate = Gate(),
-                 optimizer: Optional[str] = None) -> list[dict]:
+                 run: Optional[dict] = None) -> list[dict]:
     """One arm on each card: the JSON's ``cards`` entries. needs_free is recomputed only where the
     card's cuBLAS workspace is larger than the estimator's (CUBLAS_WORKSPACE_CONFIG). Soup's gate
     is the file's (``gate``): the free memory it reads, or its override; its number, or the probe."""
-    kw = fit_kwargs(e, targets, lora_r, stream, optimizer)
-    one_step = e if not gate.probe or e.steps == 1 else estimate_for(config, seq=e.seq, **dict(kw, steps=1,
-                                                                                              optimizer=None))
+    kw = fit_kwargs(e, targets, lora_r, stream, run)
+    one_step = e if not gate.probe or e.steps == 1 else estimate_for(
+        config, seq=e.seq, **dict(kw, steps=1, run=dict(run or {}, optimizer=None)))
     out = []
     store, ram, headroom = host_store(config, e.quant)
     top = axis_range(config, "seq")[2]

@@ -307,12 +307,12 @@ def answered(e: EstimateRequest, a: Adapter, gate, optimizer, stream: dict, kw: 
     from ..estimator.steady import bound_words, is_bounded
 
     try:
-        rows = [estimate_for(e.config, quant=q, seq=s, batch=b, steps=e.steps, stream=stream, task=t,
-                             optimizer=optimizer, accumulation=e.settings.accumulation, **kw)
+        run = e.settings.estimator()
+        rows = [estimate_for(e.config, quant=q, seq=s, batch=b, steps=e.steps, stream=stream, task=t, run=run, **kw)
                 for t in e.tasks for q in e.quants for s in e.seqs for b in e.batches]
         budgets = budgets_for(e.cards, e.context)
-        answers = [card_answers(e.config, r, budgets, env=workspace_env(), stream=stream, gate=gate,
-                                optimizer=optimizer, **kw) for r in rows]
+        answers = [card_answers(e.config, r, budgets, env=workspace_env(), stream=stream, gate=gate, run=run, **kw)
+                   for r in rows]
         installed = installed_release()
         table = estimate_table(rows, e.cards, e.config, answers=answers, release_label=release_label(installed),
                                verbose=e.verbose, **kw)

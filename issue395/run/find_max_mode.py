@@ -71,11 +71,10 @@ def answers(req: FindMaxRequest) -> Answers:
     from ..estimator.fits import axis_range, estimate_for, fit_kwargs, longest, longest_soup_admits
 
     axis, run, config = req.axis, req.estimate, req.estimate.config
-    gate, optimizer, stream = run.gate, run.settings.optimizer, dict(run.stream)
+    gate, settings, stream = run.gate, run.settings.estimator(), dict(run.stream)
     e = estimate_for(config, quant=run.quants[0], seq=run.seqs[0], batch=run.batches[0], targets=run.adapter.targets,
-                     lora_r=run.adapter.lora_r, steps=run.steps, stream=stream, task=run.tasks[0], optimizer=optimizer,
-                     accumulation=run.settings.accumulation)
-    kw = dict(fit_kwargs(e, run.adapter.targets, run.adapter.lora_r, stream, optimizer),
+                     lora_r=run.adapter.lora_r, steps=run.steps, stream=stream, task=run.tasks[0], run=settings)
+    kw = dict(fit_kwargs(e, run.adapter.targets, run.adapter.lora_r, stream, settings),
               **({"seq": e.seq} if axis == "batch" else {}))
     card = run.cards[0]
     b = budget(card, run.context)
@@ -85,7 +84,7 @@ def answers(req: FindMaxRequest) -> Answers:
     def gate_at(value: int) -> dict:
         at = dict(kw, **{axis: value})
         mine = estimate_for(config, **at)
-        one = mine if not gate.probe else estimate_for(config, **dict(at, steps=1, optimizer=None))
+        one = mine if not gate.probe else estimate_for(config, **dict(at, steps=1, run=dict(settings, optimizer=None)))
         return {"value": value, "soup_predicted": mine.soup_predicted, "gate_free_bytes": available,
                 "admits": gate.admits(mine.soup_predicted, one.corrected_predicted, available)}
 
