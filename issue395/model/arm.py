@@ -20,8 +20,10 @@ class Setting:
     """One soup.yaml ``training`` key that changes the step beyond the arm's model, quantization, seq, batch
     and task, declared once: the Settings field (the row's JSON key too), the key Soup's loader reads, the
     estimator's keyword, the protocol's own value (an arm at it is the protocol's), the type Soup's loader
-    gives, and how the estimator models a value other than the protocol's (said under --estimate). A new
-    setting is one line here and one field of ``Settings``; the estimator takes its keyword (docs/LAYOUT.md)."""
+    gives, how the estimator models a value other than the protocol's (said under --estimate), and whether
+    only a streamed step reads it (a resident run, stream_layers false, has no use for it: its estimate
+    does not take it). A new setting is one line here and one field of ``Settings``; the estimator takes
+    its keyword (docs/LAYOUT.md)."""
 
     field: str
     soup: str
@@ -29,6 +31,7 @@ class Setting:
     protocol: Any
     kind: type
     modelled: str
+    streamed_only: bool = False
 
     def valid(self, value: Any) -> bool:
         """A value a saved row may hold: a printable name, or a whole number >= 1."""
@@ -45,6 +48,13 @@ SETTINGS = (
             "each micro-batch is training.batch_size rows, the step's batch, and from micro-batch 2 on every "
             "phase holds the adapter's gradients (held_gradients)"),
 )
+
+
+#: training keys that change what a streamed step holds and that no Setting models, with the value the
+#: estimator assumes (Soup's default): a soup.yaml with any other value is one line naming it. 0.77.0's
+#: streaming modes it does model (an expert layout, a loss chunk, recompute on or off) are the arm's key's
+#: (issue395.model.registry); stream_recompute auto (a step measured at setup) is refused where it is read.
+ASSUMED = {"stream_buffers": 2}
 
 
 @dataclass(frozen=True)
@@ -68,9 +78,10 @@ class Settings:
         """The ``training`` keys a Soup config gets beyond the protocol's (none for the protocol's arm)."""
         return {s.soup: v for s, v in self.given()}
 
-    def estimator(self) -> dict[str, Any]:
-        """The estimator's keywords (issue395.estimator.estimate), those the run sets."""
-        return {s.estimator: v for s, v in self.given()}
+    def estimator(self, resident: bool = False) -> dict[str, Any]:
+        """The estimator's keywords (issue395.estimator.estimate; ``resident``: estimate_resident's), those the
+        run sets."""
+        return {s.estimator: v for s, v in self.given() if not (resident and s.streamed_only)}
 
     def to_json(self) -> dict[str, Any]:
         """The row's keys, each absent where the arm sets none (so rows saved before re-render alike)."""

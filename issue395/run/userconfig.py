@@ -15,19 +15,12 @@ from ..constants import STREAM_KEYS
 from ..errors import UsageError, cut, last_line, soups_words
 from ..record import SOUP_QUANT
 from ..tasks import PROTOCOL_TASK, TASKS
-from ..model.arm import Settings
+from ..model.arm import ASSUMED, Settings
 from ..results.extras import ResidentGate
 from .checks import HUB_ID, LOADER_NEEDS, looks_like_a_path
 
 #: Soup's quantization spelling -> this tool's.
 QUANT_OF = {soup: ours for ours, soup in SOUP_QUANT.items()}
-
-#: training.* options that change what a streamed step holds and that the estimator does not
-#: model, with the value it assumes (Soup's default): any other value is one line naming it.
-#: 0.77.0's streaming modes it does model (an expert layout, a loss chunk, recompute on or off)
-#: pass, and reach the arm's Soup config as the file sets them; stream_recompute auto (a step
-#: measured at setup) does not.
-ASSUMED = {"stream_buffers": 2}
 
 
 @dataclass(frozen=True)
