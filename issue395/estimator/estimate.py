@@ -61,10 +61,10 @@ EXPANDABLE_RESERVE_BYTES = EXPANDABLE_RESERVE_PAGES * EXPANDABLE_PAGE_BYTES["lar
 
 
 # -- The physical terms (bytes) --
-def pool(a: Arch, quant: str, per_expert: bool = False) -> int:
-    """Two streamed layer buffers (NF4 packed with absmax, or bf16); a MoE or hybrid model's buffer
-    holds the union of its layer kinds. Evidence: docs/PEAK.md, "pool"."""
-    return 2 * layer_bytes(a, quant, per_expert)
+def pool(a: Arch, quant: str, per_expert: bool = False, buffers: int = 2) -> int:
+    """The streamed layer buffers (NF4 packed with absmax, or bf16): Soup's training.stream_buffers slots, 2 by
+    default; a MoE or hybrid model's buffer holds the union of its layer kinds. Evidence: docs/PEAK.md, "pool"."""
+    return buffers * layer_bytes(a, quant, per_expert)
 
 
 def extras(a: Arch, f: Features) -> int:
@@ -134,19 +134,19 @@ def segment_tail(size: int) -> int:
     return rest if rest <= K_SMALL_SIZE else 0
 
 
-def resident_rounding(a: Arch, quant: str, f: Features, per_expert: bool = False) -> int:
+def resident_rounding(a: Arch, quant: str, f: Features, per_expert: bool = False, buffers: int = 2) -> int:
     """segment_tail of each resident tensor: every vocab matrix (materialize_extras) and each
-    linear weight in both pool slots (LayerBufferPool: a torch.empty per tensor; NF4 packed n/2 B).
+    linear weight in every pool slot (LayerBufferPool: a torch.empty per tensor; NF4 packed n/2 B).
     Evidence: docs/PEAK.md, "resident_rounding"."""
     out = vocab_matrices_resident(a, f) * segment_tail(2 * a.V * a.h)
     if a.layers is not None:  # every tensor of the union buffer, in both slots
         sizes = {"bf16": 2, "fp32": 4, "expert": 0 if per_expert else 2}
-        return out + sum(2 * segment_tail(-(-n // 2) if kind == "linear" and quant == "nf4"
+        return out + sum(buffers * segment_tail(-(-n // 2) if kind == "linear" and quant == "nf4"
                                           else n * sizes.get(kind, 2))
                          for n, kind in a.layers.union if sizes.get(kind, 2))
     for fan_in, fan_out, _ in a.modules.values():
         n = fan_in * fan_out
-        out += 2 * segment_tail(2 * n if quant == "none" else -(-n // 2))
+        out += buffers * segment_tail(2 * n if quant == "none" else -(-n // 2))
     return out
 
 
@@ -274,7 +274,7 @@ def estimate(config: dict, *, quant: str = "none", seq: int, batch: int = 1, tar
              lora_r: int = LORA_R, steps: int = 1, release: str | None = None,
              allowance: int | None = None, workspace: int | None = None,
              stream: dict | None = None, soup: bool = True, task: str = PROTOCOL_TASK,
-             optimizer: str = DEFAULT_OPTIMIZER, accumulation: int = 1,
+             optimizer: str = DEFAULT_OPTIMIZER, accumulation: int = 1, buffers: int = 2,
              transformers: str | None = None) -> Estimate:
     """Soup's own pre-flight and the corrected peak for one (seq, batch). ``targets=None`` is the
     protocol's (q_proj, v_proj), or qkv_proj on Phi-3. ``allowance`` overrides the fitted
@@ -292,14 +292,15 @@ def estimate(config: dict, *, quant: str = "none", seq: int, batch: int = 1, tar
     it is computed by Soup's own code at its own rows. ``steps`` > 1: the run's steady state, with
     ``optimizer``'s states (Soup's ``training.optimizer``). ``accumulation``: Soup's
     ``training.gradient_accumulation_steps``; past 1 every phase of micro-batch 2 on holds the
-    adapter's gradients (gradient_terms). ``transformers``: the release a saved row ran (None: the
+    adapter's gradients (gradient_terms). ``buffers``: ``training.stream_buffers``, the pool's slots.
+    ``transformers``: the release a saved row ran (None: the
     installed one, its source read), which decides whether the model runs eager attention."""
     a = arch_of(config) if soup else arch_from_config(config)
     if quant not in QUANTS:
         raise UsageError(f"quant {quant!r} is not one Soup streams ({', '.join(QUANTS)})")
     seq, batch = _whole("seq", seq), _whole("batch", batch)
     lora_r, steps = _whole("lora_r", lora_r), _whole("steps", steps)
-    accumulation = _whole("gradient_accumulation_steps", accumulation)
+    accumulation, buffers = _whole("gradient_accumulation_steps", accumulation), _whole("stream_buffers", buffers)
     if seq > a.max_pos:
         raise UsageError(f"seq {seq} is past the model's max_position_embeddings {a.max_pos}")
     task_named(task)
@@ -321,7 +322,7 @@ def estimate(config: dict, *, quant: str = "none", seq: int, batch: int = 1, tar
         raise UsageError(f"training.{unknown[0]} is not modelled by this estimator")
     soup_number, soup_terms = soup_preflight_from_config(
         config, quant=quant, seq=seq, batch=batch, targets=spelled, lora_r=lora_r, release=release,
-        stream=stream, task=task, optimizer=optimizer, accumulation=accumulation) if soup else (None, {})
+        stream=stream, task=task, optimizer=optimizer, accumulation=accumulation, buffers=buffers) if soup else (None, {})
     per_expert = stream.get("stream_expert_layout") == "per_expert"
     if per_expert and not a.quirks.per_expert_layout:  # Soup refuses it: no number for a run that cannot be
         raise UsageError(f"Soup refuses stream_expert_layout 'per_expert' on {a.model_type} (it admits "
@@ -338,9 +339,9 @@ def estimate(config: dict, *, quant: str = "none", seq: int, batch: int = 1, tar
     T, n = seq * rows, lora_params(a, targets, lora_r)
     per = adapter_bytes(tk.name, quant)
     eager = eager_attention(a.model_type, transformers)
-    t = {Term.POOL.key: pool(a, quant, per_expert), Term.EXTRAS.key: extras(a, f),
+    t = {Term.POOL.key: pool(a, quant, per_expert, buffers), Term.EXTRAS.key: extras(a, f),
          Term.LORA_WEIGHTS.key: lora_weights(n, per), Term.CUBLAS_WORKSPACE.key: ws, Term.LOGITS.key: logits(a, T),
-         Term.RESIDENT_ROUNDING.key: resident_rounding(a, quant, f, per_expert),
+         Term.RESIDENT_ROUNDING.key: resident_rounding(a, quant, f, per_expert, buffers),
          Term.ALLOCATOR_ROUNDING.key: allocator_rounding(a, T),
          Term.CHECKPOINTED_INPUTS.key: checkpointed_inputs(a, quant, T), Term.FINAL_NORM.key: final_norm(a, T),
          Term.IDS_LABELS.key: ids_labels(T), Term.POSITION_IDS.key: position_ids(seq),

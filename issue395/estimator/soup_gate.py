@@ -13,6 +13,7 @@ from typing import Any, Optional
 from ..constants import STREAM_KEYS
 from ..errors import UsageError
 from ..record import SOUP_QUANT
+from ..model.arm import SETTINGS
 from .cards import STEP_GROWTH_BYTES
 from .estimate import estimate, needs_free
 from .steady import is_bounded
@@ -21,18 +22,14 @@ from .steady import is_bounded
 #: each later step repeats that peak, so two steps hold the peak over all of them (as --estimate
 #: --config reads a run). Soup's setup does not know the run's length when its gate reads memory.
 GATE_STEPS = 2
-#: What the estimator assumes of Soup's settings it does not model (Soup's defaults): the two
-#: streamed buffers its pool term charges, peft's dropout whose mask the layer term counts, double-quantised
+#: What the estimator assumes of Soup's settings it does not model (Soup's defaults): peft's dropout whose
+#: mask the layer term counts, double-quantised
 #: NF4 (the pool's absmax), no resident NF4 scale cache, a plain LoRA adapter (no MoE experts). Another
 #: value keeps Soup's formula (which charges the scale cache itself), said so.
-ASSUMED_SETTINGS = (("stream_buffers", 2), ("lora.dropout", 0.05), ("bnb_4bit_use_double_quant", True),
+ASSUMED_SETTINGS = (("lora.dropout", 0.05), ("bnb_4bit_use_double_quant", True),
                     ("stream_nf4_scale_cache", False), ("moe_lora", False))
 #: Soup's bnb_4bit_use_double_quant is tri-state: unset (None) is what every 4-bit load has always done, double.
 _UNSET_MEANS = {"bnb_4bit_use_double_quant": (None,)}
-#: The estimate's keyword for training.gradient_accumulation_steps (the gradients held between
-#: micro-batches): fed where it takes it; an estimator without one charges each micro-batch at
-#: training.batch_size rows, and the panel says the held gradients are not counted.
-ACCUMULATION_KEYWORDS = ("accumulation",)
 
 
 def _setting(tcfg: Any, dotted: str, default: Any) -> Any:
@@ -60,13 +57,14 @@ def gate_kwargs(cfg: Any, tcfg: Any, model_config: Any, steps: Optional[int] = N
     targets = (targets,) if isinstance(targets, str) else tuple(str(t) for t in targets)
     stream = {k: getattr(tcfg, k) for k in STREAM_KEYS if getattr(tcfg, k, None) is not None}
     taken = set(inspect.signature(estimate).parameters)
-    accumulation = {k: int(getattr(tcfg, "gradient_accumulation_steps", 1) or 1) for k in ACCUMULATION_KEYWORDS
-                    if k in taken}
-    return config, dict(**accumulation, quant=quant, seq=int(cfg.data.max_length),
+    # the run's settings (issue395.model.arm.SETTINGS), each fed where the estimate takes it; an estimate
+    # without accumulation's charges each micro-batch at batch_size rows, and the panel says so
+    settings = {s.estimator: s.kind(getattr(tcfg, s.soup, None) or s.protocol) for s in SETTINGS
+                if s.estimator in taken}
+    return config, dict(**settings, quant=quant, seq=int(cfg.data.max_length),
                         batch=tcfg.batch_size if isinstance(tcfg.batch_size, int) else 1, targets=targets,
                         lora_r=int(tcfg.lora.r), steps=steps or GATE_STEPS, stream=stream,
-                        task=str(getattr(cfg, "task", "sft")), optimizer=str(getattr(tcfg, "optimizer", "adamw_torch")),
-                        soup=False)
+                        task=str(getattr(cfg, "task", "sft")), soup=False)
 
 
 def preflight(cfg: Any, tcfg: Any, model_config: Any, *, steps: Optional[int] = None,
@@ -93,7 +91,7 @@ def preflight(cfg: Any, tcfg: Any, model_config: Any, *, steps: Optional[int] = 
     # STEP_GROWTH_BYTES - GATE_GROWTH_BYTES (168 MB: the harness's own process, where its setup has
     # loaded 90 MiB of modules by Soup's gate). Evidence: docs/PEAK.md, "GATE_GROWTH_BYTES, STEP_GROWTH_BYTES".
     gate = needs_free(e.corrected_predicted) + STEP_GROWTH_BYTES
-    held = int(getattr(tcfg, "gradient_accumulation_steps", 1) or 1) > 1 and not set(ACCUMULATION_KEYWORDS) & set(kwargs)
+    held = int(getattr(tcfg, "gradient_accumulation_steps", 1) or 1) > 1 and "accumulation" not in kwargs
     return {"peak": e.corrected_predicted, "needs_free": e.needs_free, "gate_bytes": gate, "phase": e.phase,
             "steps": e.steps, "release": e.release, "terms": dict(e.terms), "formula": formula, "refused": None,
             "line": (f"  corrected    peak {e.corrected_predicted / 1e9:.2f} GB allocated ({e.phase} phase, steady "

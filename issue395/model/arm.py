@@ -1,5 +1,7 @@
-"""An arm of the grid, and Soup's prediction for it: Soup's own estimator and logits charge, fed
-the arm's shape exactly as the record fed them (computed by Soup)."""
+"""An arm of the grid, the run settings it carries, and Soup's prediction for it: ``SETTINGS``, each soup.yaml
+``training`` key that changes the step declared once (its Soup key, the estimator's keyword, the protocol's value),
+and ``Settings``, a run's values of them, which every mode, the estimator and the row take; Soup's own estimator
+and logits charge, fed the arm's shape exactly as the record fed them (computed by Soup)."""
 
 from __future__ import annotations
 
@@ -47,14 +49,11 @@ SETTINGS = (
     Setting("accumulation", "gradient_accumulation_steps", "accumulation", 1, int,
             "each micro-batch is training.batch_size rows, the step's batch, and from micro-batch 2 on every "
             "phase holds the adapter's gradients (held_gradients)"),
+    Setting("buffers", "stream_buffers", "buffers", 2, int,
+            "Soup's pool pre-allocates that many slots of one layer each (LayerBufferPool: a torch.empty per "
+            "tensor a slot), so the pool and its rounding are charged that many times; Soup's own number "
+            "takes it as its setup passes it", streamed_only=True),
 )
-
-
-#: training keys that change what a streamed step holds and that no Setting models, with the value the
-#: estimator assumes (Soup's default): a soup.yaml with any other value is one line naming it. 0.77.0's
-#: streaming modes it does model (an expert layout, a loss chunk, recompute on or off) are the arm's key's
-#: (issue395.model.registry); stream_recompute auto (a step measured at setup) is refused where it is read.
-ASSUMED = {"stream_buffers": 2}
 
 
 @dataclass(frozen=True)
@@ -65,6 +64,7 @@ class Settings:
 
     optimizer: Optional[str] = None
     accumulation: Optional[int] = None
+    buffers: Optional[int] = None
 
     @classmethod
     def read(cls, training: Any) -> "Settings":

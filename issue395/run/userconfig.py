@@ -15,7 +15,7 @@ from ..constants import STREAM_KEYS
 from ..errors import UsageError, cut, last_line, soups_words
 from ..record import SOUP_QUANT
 from ..tasks import PROTOCOL_TASK, TASKS
-from ..model.arm import ASSUMED, Settings
+from ..model.arm import Settings
 from ..results.extras import ResidentGate
 from .checks import HUB_ID, LOADER_NEEDS, looks_like_a_path
 
@@ -111,11 +111,6 @@ def read_soup_config(path: str, resident_ok: bool = False) -> UserRun:
     if not isinstance(t.batch_size, int):
         raise UsageError(f"--config {path}: training.batch_size {t.batch_size!r} is one the estimator does not "
                          "model (give a whole number)")
-    for name, assumed in ASSUMED.items():
-        value = getattr(t, name, assumed)
-        if value != assumed:
-            raise UsageError(f"--config {path}: training.{name} {value!r} is an option the estimator does not "
-                             f"model (it assumes {assumed!r})")
     lora = t.lora
     targets = lora.target_modules
     if isinstance(targets, str):  # auto and all-linear: resolved as --targets resolves them (model.targets)

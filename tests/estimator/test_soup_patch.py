@@ -245,7 +245,7 @@ def test_estimate_sets_the_patched_gate_beside_the_stock_formula(patched_site, m
     assert "longest seq it admits 1792" not in next(line for line in stock.splitlines() if line.startswith("  12GB:"))
 
 
-@pytest.mark.parametrize("setting", [("stream_buffers", 3), ("lora.dropout", 0.1), ("bnb_4bit_use_double_quant", False),
+@pytest.mark.parametrize("setting", [("lora.dropout", 0.1), ("bnb_4bit_use_double_quant", False),
                                      ("stream_nf4_scale_cache", True), ("moe_lora", True), ("optimizer", "adafactor"),
                                      ("quantization", "8bit"), ("stream_recompute", "auto")])
 def test_a_setting_the_estimator_does_not_model_keeps_soups_formula_and_says_so(setting):
@@ -262,6 +262,22 @@ def test_a_setting_the_estimator_does_not_model_keeps_soups_formula_and_says_so(
     record = preflight(cfg, tcfg, config_json("qwen"), formula=123)
     assert record["gate_bytes"] is None and record["formula"] == 123
     assert "the gate keeps Soup's formula" in record["line"] and str(value) in record["line"]
+
+
+def test_the_patched_gate_reads_the_runs_stream_buffers_off_soups_config():
+    """Issue 50 item 4: training.stream_buffers, a run setting (issue395.model.arm.SETTINGS), reaches the patched
+    gate from Soup's own config: at 3 its estimate is the estimate at buffers 3, not Soup's formula kept."""
+    from types import SimpleNamespace as S
+
+    from issue395.estimator.soup_gate import preflight
+
+    lora = S(target_modules=["q_proj", "v_proj"], r=8, dropout=0.05)
+    cfg = S(task="sft", data=S(max_length=512))
+    peaks = [preflight(cfg, S(quantization="4bit", batch_size=1, lora=lora, optimizer="adamw_torch", stream_buffers=n),
+                       config_json("qwen"), formula=123)["peak"] for n in (2, 3)]
+    want = [estimate(config_json("qwen"), quant="nf4", seq=512, steps=2, buffers=n, soup=False).corrected_predicted
+            for n in (2, 3)]
+    assert peaks == want and peaks[1] > peaks[0]
 
 
 def test_a_config_the_estimator_cannot_read_keeps_soups_formula_not_a_crash_of_soups_setup():

@@ -391,7 +391,7 @@ def test_a_config_arms_optimizer_and_accumulation_are_saved_read_back_and_key_it
     assert not {"optimizer", "accumulation"} & set(plain.to_json())
     assert (run.to_json()["optimizer"], run.to_json()["accumulation"]) == ("adamw_8bit", 4)
     assert Row.from_json(run.to_json()) == run
-    assert run.arm == ("qwen", "none", 2048, 1, "adamw_8bit", 4) and plain.arm == ("qwen", "none", 2048, 1)
+    assert run.arm == ("qwen", "none", 2048, 1, "adamw_8bit", 4, 2) and plain.arm == ("qwen", "none", 2048, 1)
     default = arm_row(Arm("qwen", 2048, 1, 1, settings=Settings("adamw_torch", 1)), SHAPES_QWEN)
     assert default.arm == plain.arm and default.to_json()["optimizer"] == "adamw_torch"
     lost = lost_row(Arm("qwen", 2048, 1, 6, task="dpo", settings=Settings("adamw_8bit", 4)), MeasureRequest(),

@@ -222,7 +222,7 @@ def test_a_config_arms_child_gets_the_files_adapter_and_quantization_and_a_lost_
 
     accumulation = TrainingConfig.model_fields["gradient_accumulation_steps"].default  # Soup's: the file sets none
     assert run == sent and back == job and back.arms == (
-        Arm("mistral-7b", 512, 1, 0, "nf4", settings=Settings("adamw_torch", accumulation)),)
+        Arm("mistral-7b", 512, 1, 0, "nf4", settings=Settings("adamw_torch", accumulation, 2)),)
     assert (run.adapter.soup_config, run.adapter.targets, run.adapter.lora_r, run.adapter.lora_alpha) == (str(config), ("q_proj",), 4, 8)
     row = lost_row(back.arms[0], run, None, 139)
     assert (row.config, row.targets, row.quant) == (UserConfig(str(config), 4, 8), ("q_proj",), "nf4")
