@@ -24,7 +24,7 @@ from ..model.targets import soup_targets
 from ..tasks import PROTOCOL_TASK, task as task_named
 from .releases import Features, installed_release
 from .soup_number import arch_of, features, soup_preflight_from_config, vocab_matrices_resident
-from .steady import FP32, LORA_WEIGHT_BYTES, adapter_bytes, gradient_terms, steady_terms
+from .steady import FP32, LORA_WEIGHT_BYTES, adapter_bytes, gradient_terms, steady_terms, unsplit_remainders
 from .terms import Phase, Term, phase_sum
 
 # CUBLAS_WORKSPACE (constants) is kept on every card though torch gives less below sm 9
@@ -257,6 +257,12 @@ class Estimate:
     optimizer: str = DEFAULT_OPTIMIZER  # its states count from step 2 on
     accumulation: int = 1  # training.gradient_accumulation_steps: past 1 the gradients are held
 
+    @property
+    def split_allocated(self) -> int:
+        """The allocated peak with every block split to its request, as expandable segments (`soup train`)
+        split them: the corrected peak less the unsplit remainders the default allocator leaves."""
+        return self.corrected_predicted - self.terms.get(Term.UNSPLIT_REMAINDERS.key, 0)
+
     def to_json(self) -> dict:
         """Every field, the task always (an --estimate JSON row says which task it answers); the
         optimizer only past step 1, where its states are live; the accumulation only past 1."""
@@ -384,6 +390,10 @@ def estimate(config: dict, *, quant: str = "none", seq: int, batch: int = 1, tar
     t.update(gradient_terms(per, n, accumulation, lp.gradients))
     if steps > 1:
         t.update(steady_terms(a, targets, lora_r, optimizer, per))
+    unsplit = unsplit_remainders(a, targets, lora_r, optimizer, per, steps=steps,
+                                 copies=2 if t.get(Term.REFERENCE_ADAPTER.key) else 1)
+    if unsplit:
+        t[Term.UNSPLIT_REMAINDERS.key] = unsplit
     t[Term.ALLOCATED_ALLOWANCE.key] = ALLOCATED_ALLOWANCE_BYTES if allowance is None else allowance
     t = {term.key: t[term.key] for term in Term if term.key in t}  # the table's order
     # at the binding layer only the inputs of the layers not yet run backward are live
@@ -399,13 +409,13 @@ def estimate(config: dict, *, quant: str = "none", seq: int, batch: int = 1, tar
     peak = step[binding]
     if steps > 1:  # the states beside every phase; the optimizer's own step, once the backward has
         # freed the activations
-        optimizer_step = (t[Term.ADAPTER_GRADIENTS.key] + t[Term.OPTIMIZER_TRANSIENTS.key] + ws)
+        optimizer_step = (t[Term.ADAPTER_GRADIENTS.key] + t[Term.OPTIMIZER_TRANSIENTS.key] + ws + unsplit)
         if optimizer_step > peak:
             binding, peak = Phase.OPTIMIZER, optimizer_step
         peak += t[Term.OPTIMIZER_STATES.key]
     corrected = phase_sum(t, Phase.RESIDENT) + peak + t[Term.ALLOCATED_ALLOWANCE.key]
     return Estimate(seq, batch, quant, steps, release, soup_number, soup_terms, corrected,
-                    needs_free(corrected), binding.value, t, tk.name, optimizer, accumulation)
+                    needs_free(corrected - unsplit), binding.value, t, tk.name, optimizer, accumulation)
 
 
 def estimate_key(key: str, **kwargs) -> Estimate:
@@ -417,6 +427,7 @@ def estimate_key(key: str, **kwargs) -> Estimate:
 
 
 def needs_free(allocated: int) -> int:
-    """Free bytes a card must have: allocated plus the allocator's reserve under expandable segments."""
+    """Free bytes a card must have: the allocated peak under expandable segments (every block split to
+    its request: an Estimate's ``split_allocated``) plus the allocator's reserve there."""
     return allocated + EXPANDABLE_RESERVE_BYTES
 

@@ -242,8 +242,8 @@ def estimate_table(rows: list[Estimate], cards, config: Optional[dict] = None, *
                   ["  runtime growth GB (CUDA outside the allocator by the step's end)"] + [gb(STEP_GROWTH_BYTES)] * len(rows),
                   ["  the step's free GB (free - runtime growth)"] + [free_gb(a["step_free_bytes"]) for a in per],
                   ["  needs free GB (this estimator)"] + [gb(a["needs_free"]) for a in per],
-                  ["    of it, the allocator's reserve GB (needs free - allocated)"]
-                  + [gb(a["needs_free"] - e.corrected_predicted) for e, a in zip(rows, per)],
+                  ["    of it, the allocator's reserve GB (needs free - split peak)"]
+                  + [gb(a["needs_free"] - e.split_allocated) for e, a in zip(rows, per)],
                   ["  fits (needs free <= the step's free)"] + ["yes" if a["fits"] else "NO" for a in per],
                   ["  longest seq that fits"] + [seq_words(a["longest_seq"]) for a in per],
                   [f"  free GB at Soup's gate ({gate_free_words(first)})"] + [free_gb(a["gate_free_bytes"]) for a in per],

@@ -15,7 +15,7 @@ from ..errors import UsageError
 from ..record import SOUP_QUANT
 from ..model.arm import SETTINGS
 from .cards import STEP_GROWTH_BYTES
-from .estimate import estimate, needs_free
+from .estimate import estimate
 from .steady import is_bounded
 
 #: `soup train` runs many optimizer steps; from the second on the optimizer's states are live and
@@ -90,7 +90,7 @@ def preflight(cfg: Any, tcfg: Any, model_config: Any, *, steps: Optional[int] = 
     # 150-230 MB grown after the gate): so the whole step growth is charged after the gate, not
     # STEP_GROWTH_BYTES - GATE_GROWTH_BYTES (168 MB: the harness's own process, where its setup has
     # loaded 90 MiB of modules by Soup's gate). Evidence: docs/PEAK.md, "GATE_GROWTH_BYTES, STEP_GROWTH_BYTES".
-    gate = needs_free(e.corrected_predicted) + STEP_GROWTH_BYTES
+    gate = e.needs_free + STEP_GROWTH_BYTES
     held = int(getattr(tcfg, "gradient_accumulation_steps", 1) or 1) > 1 and "accumulation" not in kwargs
     return {"peak": e.corrected_predicted, "needs_free": e.needs_free, "gate_bytes": gate, "phase": e.phase,
             "steps": e.steps, "release": e.release, "terms": dict(e.terms), "formula": formula, "refused": None,

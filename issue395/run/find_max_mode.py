@@ -90,7 +90,7 @@ def answers(req: FindMaxRequest) -> Answers:
 
     def charged_at(value: int, context: int) -> dict:
         e = estimate_for(config, **dict(kw, **{axis: value}), workspace=card.workspace(workspace_env()))
-        return {"allocated": e.corrected_predicted, "reserve": e.needs_free - e.corrected_predicted,
+        return {"allocated": e.split_allocated, "reserve": e.needs_free - e.split_allocated,  # `soup train`: split
                 "outside": card.total_bytes - budget(card, context).step_free_bytes}
 
     def tool_with_context(context: int) -> Optional[int]:
