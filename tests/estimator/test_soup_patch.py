@@ -273,3 +273,223 @@ def test_a_config_the_estimator_cannot_read_keeps_soups_formula_not_a_crash_of_s
              optimizer="adamw_torch", stream_buffers=2)
     record = preflight(S(task="sft", data=S(max_length=512)), tcfg, {"model_type": "qwen2"}, formula=7)
     assert record["gate_bytes"] is None and record["formula"] == 7 and "hidden_size" in record["refused"]
+
+
+# Issue 51 item 6: the resident gate (commands/train.py's _hardware_fit_preflight), patched.
+
+RESIDENT_GATE = r"""
+import io, json, sys
+import typer
+from rich.console import Console
+from soup_cli.config.loader import load_config_from_string
+import soup_cli.commands.train as train
+out = []
+for case in json.loads(sys.argv[1]):
+    if case.get("free") is not None:  # the CUDA card is faked: the free memory torch reads on it
+        import torch
+        torch.cuda.mem_get_info = lambda device=None, _f=case["free"], _t=case["total"]: (_f, _t)
+    buf = io.StringIO()
+    train.console = Console(file=buf, width=1000, color_system=None)
+    try:  # gpu_info is faked too: the card's total as Soup's get_gpu_info reports it
+        train._hardware_fit_preflight(load_config_from_string(case["yaml"]), {"memory_total_bytes": case["total"]},
+                                      allow_oom_attempt=case["allow"])
+        code = None
+    except typer.Exit as exc:
+        code = exc.exit_code
+    out.append({"exit": code, "console": buf.getvalue()})
+print(json.dumps(out))
+"""
+
+
+def _resident_yaml(base: Path, seq: int, batch: int, **training) -> str:
+    """A small resident soup.yaml (stream_layers false; Soup's defaults but for the run's own keys)."""
+    import yaml
+
+    return yaml.safe_dump({"base": str(base), "task": "sft", "data": {"train": "train.jsonl", "max_length": seq},
+                           "training": {"batch_size": batch, "quantization": "none", "stream_layers": False,
+                                        "lora": {"r": 8, "alpha": 16, "target_modules": ["q_proj", "v_proj"]},
+                                        **training}})
+
+
+def _base(root: Path, name: str, family: str) -> Path:
+    """A local base folder holding the family's config.json (named as its hub id names it, which Soup's
+    model_size_from_name reads where no weights are local)."""
+    folder = root / name
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(config_json(family)))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def resident_gate(patched_site, tmp_path_factory):
+    """The patched soup_cli's own _hardware_fit_preflight, in a process whose soup_cli is the patched copy, on
+    Soup's loader's config of each case's soup.yaml; the CUDA card is faked (gpu_info's total, and where a
+    case gives it, torch's free-memory reading); on CPU torch reads no free memory, so those cases compare
+    with the card's total less the context bound. Cases by name -> (case, outcome)."""
+    from issue395.estimator.cards import CARDS, CONTEXT_BOUND_BYTES
+    from issue395.estimator.soup_gate import resident_preflight
+
+    root = tmp_path_factory.mktemp("resident")
+    qwen, moe = _base(root, "Qwen2.5-0.5B", "qwen"), _base(root, "Moonlight-16B-A3B", "moonlight")
+    big, small = _resident_yaml(qwen, 4096, 4), _resident_yaml(qwen, 1024, 1)
+    from soup_cli.config.loader import load_config_from_string
+
+    edge = resident_preflight(load_config_from_string(small), config_json("qwen"), free=None,
+                              total=1)["gate_bytes"] + CONTEXT_BOUND_BYTES  # the smallest card it fits on
+    card = CARDS["rtx4090"].total_bytes
+    cases = {"big": dict(yaml=big, total=card, allow=False), "big-allowed": dict(yaml=big, total=card, allow=True),
+             "small-edge": dict(yaml=small, total=edge, allow=False),
+             "small-edge-less-1": dict(yaml=small, total=edge - 1, allow=False),
+             "small-busy-card": dict(yaml=small, total=card, allow=False, free=edge - CONTEXT_BOUND_BYTES - 1),
+             "moe-small-card": dict(yaml=_resident_yaml(moe, 1024, 1), total=4 * 10**9, allow=False),
+             "moe-large-card": dict(yaml=_resident_yaml(moe, 1024, 1), total=card, allow=False)}
+    env = {"PYTHONPATH": str(patched_site), "PATH": "/usr/bin:/bin", "HOME": str(root), "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run([sys.executable, "-c", RESIDENT_GATE, json.dumps(list(cases.values()))], capture_output=True,
+                          text=True, env=env, cwd=str(root), timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    return {name: (case, outcome) for (name, case), outcome in zip(cases.items(), got)}
+
+
+def _stock(case: dict) -> tuple:
+    """The installed (stock) soup_cli's own _hardware_fit_preflight on the same faked card: (exit, console)."""
+    import io
+
+    import typer
+    from rich.console import Console
+    from soup_cli.config.loader import load_config_from_string
+
+    import soup_cli.commands.train as train
+
+    buf, saved = io.StringIO(), train.console
+    train.console = Console(file=buf, width=1000, color_system=None)
+    try:
+        train._hardware_fit_preflight(load_config_from_string(case["yaml"]), {"memory_total_bytes": case["total"]},
+                                      allow_oom_attempt=case["allow"])
+        return None, buf.getvalue()
+    except typer.Exit as exc:
+        return exc.exit_code, buf.getvalue()
+    finally:
+        train.console = saved
+
+
+def test_the_patch_adds_the_resident_gate_to_the_installed_releases_train_command(patched_site):
+    text = (patched_site / "soup_cli" / "commands" / "train.py").read_text()
+    assert "from soup_cli.utils.corrected_peak import resident_preflight" in text
+    assert text.index("def _corrected_free_bytes") < text.index("def _hardware_fit_preflight")
+
+
+def test_stock_soup_admits_a_resident_run_the_patched_gate_refuses_in_soups_panel(resident_gate):
+    """Qwen2.5-0.5B SFT bf16 4096x4 (no checkpointing) on an RTX 4090's total (faked card): Soup's formula
+    (+10%) is under the card's total, so stock Soup launches it; the corrected resident estimate's need is over
+    it, so the patched gate refuses, exit 1, in Soup's own panel, with the corrected number, what it charges,
+    and Soup's formula beside it."""
+    from issue395.estimator.resident import estimate_resident
+    from issue395.results.extras import ResidentGate
+    from soup_cli.config.loader import load_config_from_string
+
+    case, patched_out = resident_gate["big"]
+    stock_exit, stock_console = _stock(case)
+    assert stock_exit is None and stock_console == ""  # stock Soup: admitted, silently
+    soup = ResidentGate.computed(ResidentGate.input_of(load_config_from_string(case["yaml"])), case["total"])
+    assert soup.admits is True
+    peak = estimate_resident(config_json("qwen"), quant="none", seq=4096, batch=4, targets=("q_proj", "v_proj"),
+                             lora_r=8, steps=2, accumulation=4).corrected_predicted  # Soup's default accumulation
+    assert patched_out["exit"] == 1
+    panel = patched_out["console"]
+    assert "Hardware-fit gate" in panel and "Reduce batch_size / max_length" in panel
+    assert f"Predicted peak VRAM {peak / 1e9:.1f} GB (corrected" in panel
+    assert "resident weights and adapter" in panel and "allocator reserve" in panel
+    assert f"Soup's formula: {soup.peak / 1e9:.1f} GB (+10% margin = {soup.required / 1e9:.1f} GB)" in panel
+    assert "it admits the run" in panel
+
+
+def test_allow_oom_attempt_launches_what_the_patched_gate_refuses_with_soups_warning(resident_gate):
+    _, out = resident_gate["big-allowed"]
+    assert out["exit"] is None
+    assert "Hardware-fit warning" in out["console"] and "--allow-oom-attempt set: launching anyway." in out["console"]
+
+
+def test_the_patched_gate_admits_a_run_that_fits_to_the_byte_and_refuses_one_byte_less(resident_gate):
+    """Qwen2.5-0.5B SFT bf16 1024x1: on a card whose total less the context bound is exactly the corrected
+    need (torch reads no free memory on CPU), admitted with one line; one byte smaller, refused."""
+    _, fits = resident_gate["small-edge"]
+    _, short = resident_gate["small-edge-less-1"]
+    assert fits["exit"] is None and ": fits." in fits["console"] and "Hardware-fit (corrected): peak" in fits["console"]
+    assert "context bound" in fits["console"]
+    assert short["exit"] == 1 and "Hardware-fit gate" in short["console"]
+
+
+def test_the_patched_gate_compares_the_free_memory_torch_reads_not_the_total(resident_gate):
+    """The same run on a 24 GB card (faked) that another process holds all but one byte short of the need:
+    Soup's formula admits it against the total; the patched gate reads torch's free memory and refuses."""
+    case, out = resident_gate["small-busy-card"]
+    assert _stock(case)[0] is None
+    assert out["exit"] == 1 and "free on the card (torch.cuda.mem_get_info)" in out["console"]
+
+
+def test_a_moe_base_keeps_soups_formula_and_says_so(resident_gate):
+    """Moonlight (DeepSeek-V3's MoE and latent attention): the resident estimate does not model it, so Soup's
+    own formula gates it, as stock Soup does (refused on a 4 GB card, admitted on a 24 GB one), after one line."""
+    for name in ("moe-small-card", "moe-large-card"):
+        case, out = resident_gate[name]
+        stock_exit, stock_console = _stock(case)
+        assert out["exit"] == stock_exit, name
+        assert "not computed (a resident deepseek_v3 run is not yet modelled" in out["console"]
+        assert "the gate keeps Soup's formula" in out["console"]
+        assert out["console"].endswith(stock_console)  # then Soup's own panel, or nothing, as stock
+    assert resident_gate["moe-small-card"][1]["exit"] == 1
+
+
+def test_a_release_without_the_resident_gate_gets_its_streamed_gate_patched_and_one_line(tmp_path):
+    """A train.py with no _hardware_fit_preflight (renamed here in a copy): the diff patches the streamed gate
+    alone and still applies."""
+    from issue395.estimator.soup_patch import NO_RESIDENT_GATE, resident_site
+
+    src = tmp_path / "src" / "soup_cli"
+    shutil.copytree(soup_dir(), src)
+    train = src / "commands" / "train.py"
+    train.write_text(train.read_text().replace("_hardware_fit_preflight", "_another_gate"))
+    assert resident_site(train.read_text()) is None
+    diff = soup_patch(src, VERSION)
+    assert "b/soup_cli/commands/train.py" not in diff and "b/soup_cli/trainer/stream_setup.py" in diff
+    assert _apply(src, tmp_path / "site", diff, dry=True).returncode == 0
+    assert "resident gate is not patched" in NO_RESIDENT_GATE
+
+
+@pytest.mark.parametrize("dotted, value", [("unfrozen_parameters", ["model.layers.0"]), ("lora.use_dora", True),
+                                           ("use_liger", True), ("backend", "unsloth"), ("quantization", "8bit"),
+                                           ("batch_size", "auto"), ("optimizer", "adafactor")])
+def test_a_resident_setting_the_estimate_does_not_model_keeps_soups_formula(dotted, value):
+    """Each names itself in the line; Soup's defaults (the same file without it) are modelled."""
+    from soup_cli.config.loader import load_config_from_string
+
+    from issue395.estimator.soup_gate import resident_preflight
+
+    import yaml
+
+    raw = yaml.safe_load(_resident_yaml(Path("Qwen2.5-0.5B"), 1024, 1))
+    assert resident_preflight(load_config_from_string(yaml.safe_dump(raw)), config_json("qwen"), free=None,
+                              total=10**11)["refused"] is None
+    where = raw if dotted == "backend" else raw["training"]
+    for part in dotted.split(".")[:-1]:
+        where = where[part]
+    where[dotted.split(".")[-1]] = value
+    record = resident_preflight(load_config_from_string(yaml.safe_dump(raw)), config_json("qwen"), free=None,
+                                total=10**11, formula=(1.0, 1.1, True))
+    assert record["gate_bytes"] is None and dotted.split(".")[-1] in record["refused"]
+    assert "the gate keeps Soup's formula" in record["line"]
+
+
+def test_every_resident_assumption_is_soups_own_default():
+    """RESIDENT_ASSUMED holds Soup's schema defaults (or an unset that means them), so a plain file is modelled,
+    on whichever release is installed; a key the release does not have is its default."""
+    from soup_cli.config.schema import LoraConfig, SoupConfig, TrainingConfig
+
+    from issue395.estimator.soup_gate import _UNSET_MEANS, RESIDENT_ASSUMED
+
+    for dotted, assumed in RESIDENT_ASSUMED:
+        model = SoupConfig if dotted == "backend" else LoraConfig if dotted.startswith("lora.") else TrainingConfig
+        field = model.model_fields.get(dotted.split(".")[-1])
+        if field is not None:
+            assert field.default in (assumed, *_UNSET_MEANS.get(dotted, ())), dotted
