@@ -5,8 +5,12 @@ on its path); the PATCHED soup_cli's own number, by its own corrected_peak modul
 peak of every committed H200 arm of every task of the installed release (the peaks are the record's, read
 from results/; nothing is faked); the patched setup's own _stream_budget_lines, run here on CPU on Soup's own
 config (its loader) and transformers' own config of the model, computes that same number; the patched gate
-on the committed --find-max probes' free memory. A CUDA step cannot run here: the GPU proof is
-bench/gpu-soup-patch.sh."""
+on the committed --find-max probes' free memory. Issue 51 item 6, the resident gate: the patched
+commands/train.py's own _hardware_fit_preflight on Soup's loaded config of small resident soup.yaml files,
+beside the stock one, on a faked CUDA card (gpu_info's total; torch's free memory where a test says so),
+and the patched `soup train` CLI gating then training a resident run on CPU. A CUDA step cannot run here:
+the streamed gate's GPU proof was bench/gpu-soup-patch.sh (git history), the resident one's is
+bench/gpu-resident-patch.sh."""
 
 from __future__ import annotations
 
@@ -493,3 +497,51 @@ def test_every_resident_assumption_is_soups_own_default():
         field = model.model_fields.get(dotted.split(".")[-1])
         if field is not None:
             assert field.default in (assumed, *_UNSET_MEANS.get(dotted, ())), dotted
+
+
+SOUP_TRAIN = r"""
+import runpy, sys
+import soup_cli.commands.train as train
+assert hasattr(train, "_corrected_free_bytes"), train.__file__  # the patched copy, not the installed Soup
+real, total = train.get_gpu_info, int(sys.argv[2])
+# the CUDA card is faked: get_gpu_info reports a card of this total; the run itself is on CPU
+train.get_gpu_info = lambda backend=None: dict(real(backend=backend), memory_total_bytes=total)
+sys.argv = ["soup", "train", "--config", sys.argv[1], "--yes"]
+runpy.run_module("soup_cli", run_name="__main__")
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.release
+def test_the_patched_soup_train_cli_gates_a_resident_run_then_trains_it_on_cpu(patched_site, cache_dir, tmp_path):
+    """The real `soup train` of the patched copy (its CLI from `python -m soup_cli`'s own entry) on a resident
+    SmolLM2 (synthetic weights) SFT file at 64 tokens, on CPU, with get_gpu_info faked to report a card so
+    Soup's CLI runs its resident gate (on CPU it skips it): on a 1 GB card, whose total Soup's formula (+10%)
+    admits, the patched gate refuses before any training (exit 1, Soup's panel, no output folder); on an 80 GB
+    card it admits with its one line, and the run trains its one step (the trainer's own state)."""
+    from issue395.constraints.findmax import probe_config, steps_done, write_probe_config
+    from issue395.run.checkpoints import synthetic_checkpoint
+    from issue395.model.registry import SHAPES
+    from conftest import h
+
+    base = synthetic_checkpoint(SHAPES["smol"], cache_dir / "checkpoints")[0]
+    data, out = tmp_path / "train.jsonl", tmp_path / "out"
+    user = h.soup_config_yaml(str(base), data, out, 64, 1, "none", ("q_proj", "v_proj"), (),
+                              training={"stream_layers": False})
+    config = write_probe_config(tmp_path, probe_config(user, "seq", 64, data=data, output=out, override=None,
+                                                       data_format="chatml"), h.task_rows("sft", 64, 1))
+    env = {"PYTHONPATH": str(patched_site), "PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "HF_HUB_OFFLINE": "1",
+           "COLUMNS": "400"}
+
+    def soup_train(total: int) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-c", SOUP_TRAIN, str(config), str(total)], capture_output=True,
+                              text=True, env=env, cwd=str(tmp_path), timeout=600)
+
+    refused = soup_train(10**9)
+    assert refused.returncode == 1, refused.stdout[-2000:] + refused.stderr[-2000:]
+    assert "Hardware-fit gate" in refused.stdout and "(corrected: this tool's resident estimate" in refused.stdout
+    assert "it admits the run" in refused.stdout and not out.exists()  # Soup's formula would have launched it
+    done = soup_train(80 * 10**9)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "Hardware-fit (corrected): peak" in done.stdout and ": fits." in done.stdout
+    assert steps_done(out, done.stdout) == 1
