@@ -176,7 +176,7 @@ def resident_preflight(cfg: Any, model_config: Any, *, free: Optional[int], tota
     except Exception as exc:  # noqa: BLE001 -- inside Soup's CLI: what this estimator cannot read keeps Soup's gate
         why = str(exc) if isinstance(exc, UsageError) else f"{type(exc).__name__}: {exc}"
         return {"peak": None, "gate_bytes": None, "fits": None, "refused": why,
-                "line": f"Hardware-fit (corrected): not computed ({why}); the gate keeps Soup's formula"}
+                "line": f"Hardware-fit (corrected peak VRAM): not computed ({why}); the gate keeps Soup's formula"}
     gate = needs_free(e.corrected_predicted) + STEP_GROWTH_BYTES
     measured = free is not None
     free = free if measured else total - CONTEXT_BOUND_BYTES
@@ -196,8 +196,8 @@ def resident_preflight(cfg: Any, model_config: Any, *, free: Optional[int], tota
     return {"peak": e.corrected_predicted, "needs_free": e.needs_free, "gate_bytes": gate, "free": free,
             "free_measured": measured, "fits": fits, "phase": e.phase, "steps": e.steps, "refused": None,
             "terms": dict(e.terms),
-            "line": (f"Hardware-fit (corrected): peak {e.corrected_predicted / 1e9:.2f} GB allocated ({run}); needs "
-                     f"{gate / 1e9:.2f} GB free; {free / 1e9:.2f} GB {where}: "
+            "line": (f"Hardware-fit (corrected peak VRAM): {e.corrected_predicted / 1e9:.2f} GB allocated ({run}); "
+                     f"needs {gate / 1e9:.2f} GB free; {free / 1e9:.2f} GB {where}: "
                      f"{'fits' if fits else 'does NOT fit'}. {_formula_words(formula, total)}"),
             "panel": (f"Predicted peak VRAM {e.corrected_predicted / 1e9:.1f} GB (corrected: this tool's resident "
                       f"estimate, {run}) needs {gate / 1e9:.1f} GB free, more than the {free / 1e9:.1f} GB {where}.\n"

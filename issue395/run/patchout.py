@@ -1,7 +1,7 @@
 """--soup-patch OUT.diff: the unified diff that makes the installed soup-cli's own gates (streamed and
 resident) compare this tool's corrected peak (issue395.estimator.soup_patch), written safely. It runs
-nothing else, so it is settled before anything else of the command line and stands alone on it. No torch, no Soup import: Soup
-is read from its source.
+nothing else, so it is settled before anything else of the command line and stands alone on it. No
+torch, no Soup import: Soup is read from its source.
 """
 
 from __future__ import annotations

@@ -419,7 +419,8 @@ def test_the_patched_gate_admits_a_run_that_fits_to_the_byte_and_refuses_one_byt
     need (torch reads no free memory on CPU), admitted with one line; one byte smaller, refused."""
     _, fits = resident_gate["small-edge"]
     _, short = resident_gate["small-edge-less-1"]
-    assert fits["exit"] is None and ": fits." in fits["console"] and "Hardware-fit (corrected): peak" in fits["console"]
+    assert fits["exit"] is None and ": fits." in fits["console"]
+    assert "Hardware-fit (corrected peak VRAM): " in fits["console"]
     assert "context bound" in fits["console"]
     assert short["exit"] == 1 and "Hardware-fit gate" in short["console"]
 
@@ -543,5 +544,5 @@ def test_the_patched_soup_train_cli_gates_a_resident_run_then_trains_it_on_cpu(p
     assert "it admits the run" in refused.stdout and not out.exists()  # Soup's formula would have launched it
     done = soup_train(80 * 10**9)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    assert "Hardware-fit (corrected): peak" in done.stdout and ": fits." in done.stdout
+    assert "Hardware-fit (corrected peak VRAM): " in done.stdout and ": fits." in done.stdout
     assert steps_done(out, done.stdout) == 1
