@@ -315,11 +315,10 @@ def soup_patch() -> None:
     from issue395.model.registry import stream_mode
 
     sys.path.insert(0, str(ROOT / "bench"))
-    import leave_one_out
-    import task_terms
+    import estimator_checks
 
     rows = []
-    for arm in task_terms.arms() + [dict(a, task="sft") for a in leave_one_out.load_arms()]:
+    for arm in estimator_checks.tasks_arms() + [dict(a, task="sft") for a in estimator_checks.load_arms()]:
         family, stream = stream_mode(arm["family"])
         config = config_json(family)
         kw = dict(quant=arm["quant"], seq=arm["seq"], batch=arm["batch"], task=arm["task"], stream=stream,
@@ -333,7 +332,7 @@ def soup_patch() -> None:
             out = preflight(cfg, tcfg, config, steps=1, release=arm["release"])
         rows.append((arm, out["peak"] / arm["real_peak"], arm["soup_predicted"] / arm["real_peak"]))
     ratios, soup = [r for _, r, _ in rows], [s for *_, s in rows]
-    print(f"Evidence, on every committed H200 arm of every task ({len(rows)} rows, as bench/task_terms.py and bench/leave_one_out.py read them: "
+    print(f"Evidence, on every committed H200 arm of every task ({len(rows)} rows, as bench/estimator_checks.py's tasks and leave-one-out subcommands read them: "
           + ", ".join(f"{t} {sum(a['task'] == t for a, *_ in rows)}" for t in ("sft", "dpo", "orpo", "simpo", "kto"))
           + "; soup-cli 0.73.3 and 0.77.0; one optimizer step each, as measured), the patched number (the patched "
           "module's allocated peak, computed by this tool's estimator, which the module is) against the real peak "

@@ -48,9 +48,26 @@ def test_every_bench_script_imports_what_the_package_holds_now(script):
     load(script)
 
 
+@pytest.mark.parametrize("script", ["estimator_checks", "rerenders"])
+def test_a_render_script_refuses_a_missing_or_unknown_subcommand_in_one_line(script, capsys):
+    """Issue 50 item 5: the merged render scripts take exactly one subcommand; none, an unknown one or two is
+    one line on stderr naming the subcommands, exit 2, and nothing rendered."""
+    module = load(script)
+    for argv in ([], ["nope"], [next(iter(module.COMMANDS)), "extra"]):
+        assert module.main(argv) == 2, argv
+        out, err = capsys.readouterr()
+        assert out == "" and len(err.splitlines()) == 1 and "|".join(module.COMMANDS) in err, (argv, err)
+
+
+def test_bench_keeps_at_most_20_files():
+    """Issue 50 item 5: bench/ holds at most 20 files, find-max/ counted (docs/LAYOUT.md, bench/README.md)."""
+    files = [p for p in (ROOT / "bench").rglob("*") if p.is_file() and "__pycache__" not in p.parts]
+    assert len(files) <= 20, sorted(str(p.relative_to(ROOT)) for p in files)
+
+
 def test_the_committed_task_estimates_are_what_the_task_anatomy_arms_give_now():
-    out = subprocess.run([sys.executable, str(ROOT / "bench" / "task_terms.py")], capture_output=True, text=True,
-                         check=True, timeout=120).stdout
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "estimator_checks.py"), "tasks"], capture_output=True,
+                         text=True, check=True, timeout=120).stdout
     assert out == (ROOT / "results" / "estimator-tasks.txt").read_text()
     # the map arms were measured after the terms were written (out of sample but for SmolLM2 and
     # Qwen2.5); the two Qwen2.5 KTO 512x2 arms once under by 0.36 and 0.28 MB held the cuBLASLt
@@ -91,10 +108,10 @@ def test_soup_train_card_writes_a_soup_yaml_soups_loader_takes_for_the_task_and_
 
 def test_the_committed_full_077_map_render_is_what_its_row_file_gives_now():
     """The 0.77.0 full map stopped at its time limit before writing its JSON: its row file and stack.txt are
-    what it left, and bench/map_077_full.py renders them through --from-json; the committed render is what
+    what it left, and bench/rerenders.py map-077 renders them through --from-json; the committed render is what
     the script prints now, and it never counts an arm the row file lacks."""
-    out = subprocess.run([sys.executable, str(ROOT / "bench" / "map_077_full.py")], capture_output=True, text=True,
-                         check=True, timeout=300).stdout
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "rerenders.py"), "map-077"], capture_output=True,
+                         text=True, check=True, timeout=300).stdout
     assert out == (ROOT / "results" / "map-077-full-h200-soup0.77.0-684477c-render.txt").read_text()
     assert "planned 277 arms; 246 reported (241 measured" in out and "not run (31:" in out
     assert "corrected estimate: never under on the 241 measured row(s)" in out
@@ -125,8 +142,8 @@ def test_the_fit4_render_is_what_the_anatomy_and_find_max_files_give_now():
     reserve torch held. The reserve (11 pages) was chosen to cover the first 8 pages arms and the OOM
     readings, so "needs free covers the pages" holds by construction there; the 5 reruns of the next call
     (PART=2, among them the arms the default allocator read under) were not used to choose it."""
-    out = subprocess.run([sys.executable, str(ROOT / "bench" / "fit4_anatomy.py")], capture_output=True, text=True,
-                         check=True, timeout=300).stdout
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "rerenders.py"), "fit4"], capture_output=True,
+                         text=True, check=True, timeout=300).stdout
     assert out == (ROOT / "results" / "fit4-anatomy-findmax-render.txt").read_text()
     pairs = out.split("\npair ")[1].split("\n\n")[0].splitlines()[1:]
     held = [ln for ln in pairs if "mistral" not in ln]  # Mistral r256's peak is the optimizer's: no held gradients
@@ -160,8 +177,8 @@ def test_the_stack_render_is_what_both_stacks_rows_give_now():
     the corrected estimate is never under on any latest-stack arm; and on Gemma-2 the bytes the estimator
     charges for eager attention's masks on transformers 5.24.0 are the replayed difference the history shows,
     held by eager_mask's blocks."""
-    out = subprocess.run([sys.executable, str(ROOT / "bench" / "stack_latest.py")], capture_output=True, text=True,
-                         check=True, timeout=300).stdout
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "rerenders.py"), "stack-latest"], capture_output=True,
+                         text=True, check=True, timeout=300).stdout
     assert out == (ROOT / "results" / "stack-latest-vs-pinned.txt").read_text()
     arms = out.split("corrected/latest\n")[1].split("\n\n")[0].splitlines()
     assert len(arms) == 60

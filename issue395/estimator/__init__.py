@@ -3,7 +3,7 @@ Soup's own code, the corrected physics term by term, the cards and what fits on 
 of a peak. Stdlib only: no torch, and Soup is read (with ast), never imported, at module level.
 Soup's next release goes in releases; a new card in cards.
 
-Known limitations (measured: results/fit4-anatomy-findmax-render.txt, bench/fit4_anatomy.py):
+Known limitations (measured: results/fit4-anatomy-findmax-render.txt, bench/rerenders.py fit4):
 
 - The adapter blocks' unsplit remainders (the default allocator, the harness's in-process step, hands a
   large-pool request a cached block whole when the rest is 1 MiB or less, and counts the block) are

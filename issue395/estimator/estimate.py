@@ -47,7 +47,7 @@ FP32_HIDDEN_SEGMENTS, BF16_HIDDEN_SEGMENTS = 4, 3
 
 # -- allowances: the only fitted numbers, each fitted on committed results only -------------
 #: Allocated bytes the physics misses: max(real - physics, 0) over every committed arm, in
-#: 0.5 MB steps (bench/leave_one_out.py fits it; a test checks it equals the all-family fit):
+#: 0.5 MB steps (bench/estimator_checks.py leave-one-out fits it; a test checks it equals the all-family fit):
 #: unattributed resident bytes and per-token bytes at batch > 1, left after the rounding is charged.
 #: Evidence: docs/PEAK.md, "ALLOCATED_ALLOWANCE_BYTES".
 ALLOCATED_ALLOWANCE_BYTES = 6_000_000

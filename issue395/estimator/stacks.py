@@ -97,7 +97,7 @@ KNOWN_STACKS: tuple[KnownStack, ...] = (
         "untied-seq512-h200x2-soup0.73.3-and-0.77.0-f3ad9d2",
     )),
     # What `pip install "soup-cli[all]==0.77.0"` resolved on 2026-12-01, measured beside the pinned stack
-    # (bench/stack_latest.py renders the comparison, arm by arm: results/stack-latest-vs-pinned.txt).
+    # (bench/rerenders.py stack-latest renders the comparison, arm by arm: results/stack-latest-vs-pinned.txt).
     KnownStack(_stack("2.11.0", "5.24.0", "0.21.2", "0.29.1", "0.50.2", "0.77.0"), (
         "fit4-pages-findmax-stack-h200-soup0.77.0-6a4d442",
     ), notes=(

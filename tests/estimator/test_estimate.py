@@ -23,7 +23,7 @@ from issue395.constants import K_MIN_LARGE_ALLOC, K_ROUND_LARGE, K_SMALL_SIZE  #
 from issue395.errors import UsageError  # noqa: E402
 from issue395.estimator.soup_number import arch_of, supported_archs  # noqa: E402
 
-_spec = importlib.util.spec_from_file_location("leave_one_out", ROOT / "bench" / "leave_one_out.py")
+_spec = importlib.util.spec_from_file_location("estimator_checks", ROOT / "bench" / "estimator_checks.py")
 LOO = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(LOO)
 ARMS = LOO.load_arms()
@@ -53,7 +53,7 @@ def test_qwen_allocator_rounding_is_the_fp32_logits_segments_tail():
 
 def test_committed_leave_one_out_file_is_what_the_script_prints_now():
     committed = (ROOT / "results" / "estimator-leave-one-family-out.txt").read_text()
-    out = subprocess.run([sys.executable, str(ROOT / "bench" / "leave_one_out.py")],
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "estimator_checks.py"), "leave-one-out"],
                          capture_output=True, text=True, check=True).stdout
     assert out == committed
 
@@ -242,7 +242,7 @@ KNOWN_MISS = {("phi3-mini", "0.73.3", "nf4", 512, 1): 2.48, ("phi3-mini", "0.77.
 @pytest.mark.parametrize("family", list(dict.fromkeys(a["family"] for a in ARMS)))
 def test_held_out_family_is_never_under_an_allowance_fitted_without_it(family):
     """For each family: the allowance is fitted on the OTHER families' arms only, then every arm
-    of the held-out family is checked against its measured peak (bench/leave_one_out.py's fit)."""
+    of the held-out family is checked against its measured peak (bench/estimator_checks.py leave-one-out's fit)."""
     cfgs = LOO.configs()
     mine = [a for a in ARMS if a["family"] == family]
     allowance = LOO.fit_allowance([a for a in ARMS if a["family"] != family], cfgs)

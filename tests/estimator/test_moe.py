@@ -69,7 +69,7 @@ def committed_new_rows():
             continue
         for r in data.get("rows", []):
             family, stream = stream_mode(r["model_key"])
-            if r.get("soup_predicted") and (family in NEW or stream) and not r.get("task"):  # tasks: task_terms
+            if r.get("soup_predicted") and (family in NEW or stream) and not r.get("task"):  # tasks: a subcommand of their own
                 seen.setdefault((r["model_key"], r["quant"], r["seq"], r["batch"]), (r, stream, path.name))
     return list(seen.values())
 
@@ -225,7 +225,7 @@ def test_the_committed_new_families_report_is_what_the_script_prints_now():
     import sys
 
     committed = (ROOT / "results" / "estimator-0.77.0-families.txt").read_text()
-    out = subprocess.run([sys.executable, str(ROOT / "bench" / "new_families.py")], capture_output=True,
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "estimator_checks.py"), "families"], capture_output=True,
                          text=True, check=True).stdout
     assert out == committed
     assert "corrected under on 0;" in committed

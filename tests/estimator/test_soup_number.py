@@ -1,6 +1,6 @@
 """issue395.estimator.soup_number: Soup's own pre-flight number computed by Soup's own code (its estimator read
 from the installed soup-cli's source, no torch), fed what Soup's setup computes from the config. Against
-every soup_predicted a GPU captured (the committed arms bench/leave_one_out.py reads), and against
+every soup_predicted a GPU captured (the committed arms bench/estimator_checks.py leave-one-out reads), and against
 Soup's real setup run here on CPU through --dry-run (where it budgets float32 weights); --estimate's
 Soup number for a committed map arm (Mistral-7B NF4 512 x 1, read back through Result) is the one its
 setup computed on the GPU. Nothing is faked."""
@@ -18,7 +18,7 @@ from issue395.results.result import Result
 from issue395.estimator.releases import installed_release, release_source, soup_dir as _soup_dir
 from issue395.estimator.soup_number import features, soup_namespace, soup_preflight_from_config, supported_archs
 
-_spec = importlib.util.spec_from_file_location("leave_one_out", ROOT / "bench" / "leave_one_out.py")
+_spec = importlib.util.spec_from_file_location("estimator_checks", ROOT / "bench" / "estimator_checks.py")
 LOO = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(LOO)
 ARMS = LOO.load_arms()

@@ -40,8 +40,9 @@ def _bench(name: str):
     return module
 
 
-TASK_ARMS = _bench("task_terms").arms()
-SFT_ARMS = [dict(a, task="sft") for a in _bench("leave_one_out").load_arms()]
+CHECKS = _bench("estimator_checks")
+TASK_ARMS = CHECKS.tasks_arms()
+SFT_ARMS = [dict(a, task="sft") for a in CHECKS.load_arms()]
 ARMS = [a for a in TASK_ARMS + SFT_ARMS if a["release"] == installed_release()]
 VERSION = "test"
 

@@ -215,8 +215,8 @@ def test_the_corrected_estimate_is_never_under_on_any_committed_measured_row():
     assert len(rows) > 1800
     under = [(p, r.model_key, r.quant, r.seq, r.batch, c / r.real_peak) for p, r, c in rows if c < r.real_peak]
     assert under == []
-    bench = Path(__file__).resolve().parents[2] / "bench" / "fit4_anatomy.py"
-    spec = importlib.util.spec_from_file_location("fit4_anatomy", bench)
+    bench = Path(__file__).resolve().parents[2] / "bench" / "rerenders.py"
+    spec = importlib.util.spec_from_file_location("rerenders", bench)
     fit4 = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(fit4)
     default = fit4.anatomy()

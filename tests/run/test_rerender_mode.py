@@ -33,7 +33,7 @@ def test_the_readme_says_what_renders_the_committed_full_maps_row_file(capfd):
 
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
     sentence = readme[readme.index("results/map-077-full-h200-soup0.77.0-684477c/`"):][:400]
-    assert "bench/map_077_full.py" in sentence, sentence
+    assert "bench/rerenders.py map-077" in sentence, sentence
     rows = ROOT / "results/map-077-full-h200-soup0.77.0-684477c/map-077-full.json.rows.jsonl"
     line = one_error_line(*main(capfd, ["--from-json", rows]), "row file")
     assert "bench/" in line, line  # the committed ones: the script that renders them
