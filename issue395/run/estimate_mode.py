@@ -26,7 +26,7 @@ from ..model.targets import soup_targets
 from ..measure.shapes import soup_loss_chunk_bounds
 from ..report.outputs import write_json
 from .checks import (_shown, context_within_cards, distinct_choices, no_output_is_an_input, odd_file, one_int,
-                     parse_ints, settle_tasks, within_positions)
+                     parse_ints, settle_tasks, within, within_positions)
 from .clashes import check
 from .configarm import STEADY_STEPS, base_is_no_family_key
 from .request import Adapter, CardListRequest, EstimateRequest, Outputs
@@ -97,7 +97,7 @@ class FromFile(FromOptions):
         return (self.user.quant,)
 
     def seqs(self) -> tuple:
-        return parse_ints("--seq", str(self.user.seq), minimum=64, named=self.SEQ)
+        return (within("--seq", self.user.seq, minimum=64, named=self.SEQ),)
 
     def targets(self) -> tuple[Optional[tuple], Optional[str]]:
         return self.user.targets, ",".join(self.user.targets)
@@ -112,10 +112,10 @@ class FromFile(FromOptions):
         return (self.user.task,)
 
     def batches(self) -> tuple:
-        return parse_ints("--batch", str(self.user.batch), named=self.BATCH)
+        return (within("--batch", self.user.batch, named=self.BATCH),)
 
     def lora(self) -> tuple[int, int]:
-        return one_int("--lora-r", str(self.user.lora_r), LORA_R, named="training.lora.r"), self.user.lora_alpha or LORA_ALPHA
+        return within("--lora-r", self.user.lora_r, named="training.lora.r"), self.user.lora_alpha or LORA_ALPHA
 
     def steps(self) -> tuple[int, Optional[str]]:
         given = self.args.steps
