@@ -122,6 +122,27 @@ class ResidentGate(Record):
         """Whether `soup train` goes on: its verdict, or, where its CLI built no input, yes (it skips its gate)."""
         return self.admits is not False
 
+    @staticmethod
+    def profile_of(config: Any) -> Optional[dict]:
+        """`soup profile`'s memory estimate of a config Soup's loader read, as that command computes it (computed
+        by Soup: commands/profile.py's model_size_from_name on the base, batch auto as 4, utils/profiler's
+        estimate_total): its total in bytes, the parameters it took in billions, and its classes in GB. None where
+        the installed Soup has no such command."""
+        try:
+            from soup_cli.utils.gpu import model_size_from_name
+            from soup_cli.utils.profiler import estimate_total
+        except ImportError:
+            return None
+        t = config.training
+        params = model_size_from_name(config.base)
+        out = estimate_total(model_name=config.base, model_params_b=params, quantization=t.quantization,
+                             lora_r=t.lora.r, lora_alpha=t.lora.alpha,
+                             batch_size=4 if t.batch_size == "auto" else int(t.batch_size),
+                             seq_len=config.data.max_length, optimizer=t.optimizer,
+                             gradient_checkpointing=t.gradient_checkpointing)
+        return {"total_bytes": round(out["total_memory_gb"] * 1e9), "model_params_b": params,
+                **{k: v for k, v in out.items() if k.endswith("_gb") and k != "total_memory_gb"}}
+
 
 @dataclass(frozen=True)
 class UserConfig(Record):

@@ -54,6 +54,7 @@ class ResidentRun:
 
     checkpointing: bool
     soup_input: Optional[dict]
+    soup_profile: Optional[dict] = None  # `soup profile`'s estimate of the file (ResidentGate.profile_of)
 
 
 def missing_for_loader(exc: ImportError) -> str:
@@ -98,7 +99,8 @@ def read_soup_config(path: str, resident_ok: bool = False) -> UserRun:
             raise UsageError(f"--config {path}: training.stream_layers is not true (a resident run): --estimate "
                              "answers it, and --map --stream-layers off measures resident arms; this mode runs "
                              "streamed files only, so far")
-        resident = ResidentRun(bool(getattr(t, "gradient_checkpointing", False)), ResidentGate.input_of(cfg))
+        resident = ResidentRun(bool(getattr(t, "gradient_checkpointing", False)), ResidentGate.input_of(cfg),
+                               ResidentGate.profile_of(cfg))
     task = str(getattr(cfg, "task", PROTOCOL_TASK))
     if task not in TASKS:  # a task Soup takes but does not stream: Soup itself would refuse to stream it
         raise UsageError(f"--config {path}: task {task!r} is not one Soup streams ({', '.join(TASKS)})")
