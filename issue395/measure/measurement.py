@@ -21,7 +21,7 @@ from ..model.arm import Arm
 from ..model.registry import Shape, known
 from ..estimator.anatomy import classifier_for
 from ..estimator.estimate import estimate
-from ..results.extras import Gate, Ran, ResidentGate, UserConfig
+from ..results.extras import Gate, Ran, ResidentGate, SoupProbe, UserConfig
 from ..results.row import Row, arm_row
 from ..constraints.constraint import ArmSetting, Constraint
 from .console import soup_console
@@ -45,6 +45,7 @@ class Measurement:
     soup_terms: Optional[dict] = None  # the arguments it passed its estimator
     soup_fit: Any = None  # Soup's fit decision: a refusal by its gate is REFUSED, not FAILED
     soup_resident: Optional[ResidentGate] = None  # a resident run: Soup's resident gate, as its CLI runs it
+    soup_probe: Optional[SoupProbe] = None  # training.stream_vram_probe: Soup's probe and its verdict (measure/probe.py)
     error: Optional[BaseException] = None  # what stopped the arm, if anything did
     teardown_error: Optional[str] = None
 
@@ -180,7 +181,8 @@ def run_arm(measure_arm: Callable[..., Measurement], step_device: str, arm: Arm,
                    realised_width=m.realised_width,
                    realised_rows=m.realised_rows, real_peak=m.real_peak, resident=m.resident,
                    reserved=m.reserved, attribution=attribution,
-                   soup_predicted=m.soup_predicted, gate=gate, soup_resident=m.soup_resident, constraint=constraint.record() if constraint else None, config=config,
+                   soup_predicted=m.soup_predicted, gate=gate, soup_resident=m.soup_resident,
+                   soup_probe=m.soup_probe, constraint=constraint.record() if constraint else None, config=config,
                    **failure_of(m))
 
 
