@@ -100,12 +100,14 @@ def carried_bytes(dry_run: bool, step_device: str) -> Optional[int]:
 
 
 def failure_of(m: Measurement) -> dict[str, Any]:
-    """A failure is the row's finding: REFUSED when Soup's own gate said no, OOM with the size it
+    """A failure is the row's finding: REFUSED when Soup's own gate said no (its probe's too), OOM with the size it
     asked for, FAILED with the error's last line."""
     if m.error is None:
         return {}
-    fit, oom = m.soup_fit, is_oom(m.error)
-    refused = fit is not None and not fit.fits and str(m.error).startswith(fit.reason)
+    fit, oom, probe = m.soup_fit, is_oom(m.error), m.soup_probe
+    # Soup's own probe running out of memory at setup is its gate's refusal too (it raises its own line)
+    refused = (fit is not None and not fit.fits and str(m.error).startswith(fit.reason)) or (
+        probe is not None and probe.path == SoupProbe.SOUP and probe.outcome == "oom")
     return {"failure": "REFUSED" if refused else "OOM" if oom else "FAILED",
             "error": last_line(m.error), "oom_request": oom_request(m.error) if oom else None}
 

@@ -144,11 +144,10 @@ def test_a_probe_map_of_the_five_tasks_carries_soups_probe_and_verdict_beside_th
                                   ",".join(TASKS), "--quant", "none", "--seq", "64", "--batch", "2",
                                   "--cache-dir", cache_dir, "--json", out_json])
     assert code == 0, err
-    assert [(c["caller"], c["rows"], c["seq"], c["vocab"], c["device"], c["lora"]) for c in probe.calls[:5]] == [
+    assert [(c["caller"], c["rows"], c["seq"], c["vocab"], c["device"], c["lora"]) for c in probe.calls] == [
         ("_run_stream_vram_probe" if name == "sft" else "call_soup_probe", 2 * soup_rows_per_example(name), 64,
          SHAPES["smol"].vocab, "cpu", True) for name in TASKS]
-    # the map's margin re-runs (an arm again under the allocator's history) come after, each probing again
-    assert step.probes_before[:5] == [1, 2, 3, 4, 5], "each arm's probe ran before its measured step"
+    assert step.probes_before == [1, 2, 3, 4, 5], "each arm's probe ran before its measured step, no margin re-run"
     saved = json.loads(out_json.read_text())["rows"]
     for r, name in zip(saved, TASKS):
         p, rows = r["soup_probe"], 2 * soup_rows_per_example(name)
@@ -186,7 +185,7 @@ def test_soups_own_probe_refusing_an_sft_arm_is_refused_with_its_peak_and_no_ste
 
 def test_a_refusal_by_soups_own_probe_is_refused_and_one_by_the_called_probe_gates_nothing(monkeypatch):
     """The watcher on Soup's real decide_measured_fit: on Soup's own path its verdict is the arm's gate (an error
-    starting with its reason is REFUSED); on the called path it is recorded and leaves Soup's gate as it was. Off
+    starting with its reason is REFUSED, as is its probe running out of memory at setup); on the called path it is recorded and leaves Soup's gate as it was. Off
     CUDA the called probe is Soup's own function, which returns None: the record stays "not run"."""
     from soup_cli.utils import layer_stream
 
@@ -197,6 +196,10 @@ def test_a_refusal_by_soups_own_probe_is_refused_and_one_by_the_called_probe_gat
         assert (m.soup_probe.available, m.soup_probe.admits) == (GB, False)
         m.fail(ValueError(fit.reason))
         assert failure_of(m)["failure"] == ("REFUSED" if path == SoupProbe.SOUP else "FAILED")
+
+    oom = Measurement(soup_probe=SoupProbe(SoupProbe.SOUP, outcome="oom"))  # Soup's probe ran out at setup
+    oom.fail(ValueError("a streaming step at batch 1 x seq 64 ran out of VRAM while being measured"))
+    assert failure_of(oom)["failure"] == "REFUSED"
 
     class Wrapper:  # what call_soup_probe reads of Soup's wrapper after its setup: its streamed model, device, rows
         _STREAM_ROWS_PER_EXAMPLE, device = 2, "cpu"
