@@ -293,7 +293,21 @@ def soup_patch() -> None:
           "(`stream_recompute: auto`, `stream_buffers` other than 2, a LoRA dropout other than 0.05, NF4 without "
           "double quantisation, `stream_nf4_scale_cache`, `moe_lora`, an optimizer it has no table for) keeps Soup's "
           "formula, and the panel says why in one line. `gradient_accumulation_steps` (Soup's default is 4) reaches "
-          "the estimate, which charges the adapter's gradients held from the second micro-batch on.\n")
+          "the estimate, which charges the adapter's gradients held from the second micro-batch on.")
+    print("- In `soup_cli/commands/train.py`, `_hardware_fit_preflight` (Soup's resident gate, `training.stream_layers` "
+          "false; 0.73.3 and 0.77.0 have it, a release without it gets one line and its streamed gate alone), before "
+          "Soup's formula: the corrected resident estimate (`issue395/estimator/resident.py`, bundled with the rest) "
+          "of the run `soup train` builds from the file (the model's config, read by transformers' `AutoConfig` from "
+          "`base`; `task`, `training.quantization`, `data.max_length`, `batch_size`, the LoRA targets and r, "
+          "`optimizer`, `gradient_accumulation_steps`, `gradient_checkpointing`), charged as the streamed gate charges "
+          "(the same reserve and runtime growth), compared with the free memory torch reads on the card "
+          "(`torch.cuda.mem_get_info`), where Soup compares its formula with the card's total. A run that does not "
+          "fit is refused in Soup's own panel (its title and advice; `--allow-oom-attempt` still launches it) with "
+          "the corrected number, what it charges and Soup's formula beside it; one that fits is admitted with one "
+          "line. A run the resident estimate does not model (MoE, latent attention, hybrid layers, phi, past a "
+          "sliding window without checkpointing, full fine-tuning, DoRA, another backend) goes on to Soup's formula, "
+          "and the line says why. Its GPU proof with the real `soup train` is `bench/gpu-resident-patch.sh` (not yet "
+          "run).\n")
     from types import SimpleNamespace as S
 
     from issue395.estimator.arch import arch_from_config, protocol_targets

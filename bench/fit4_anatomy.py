@@ -69,15 +69,17 @@ def anatomy(folder: Path = FOLDER / "call-1-2", prefix: str = "anatomy-") -> lis
 def main() -> None:
     rows = anatomy()
     print(f"corrected estimate against the allocator's history (H200, soup-cli 0.77.0; {FOLDER.name}/call-1-2)")
-    print(f"{'arm':<46}{'measured GB':>12}{'replayed GB':>12}{'unseen MB':>10}{'corrected GB':>13}"
-          f"{'/measured':>10}{'/replayed':>10}  phase")
+    print(f"{'arm':<46}{'measured GB':>12}{'replayed GB':>12}{'unseen MB':>10}{'unsplit MB':>11}{'corrected GB':>13}"
+          f"{'/measured':>10}{'split GB':>10}{'/replayed':>10}  phase")
     for name, d, e in rows:
         real, rep, c = d["real_peak"], d["replayed_peak"], e.corrected_predicted
-        print(f"{name:<46}{real / 1e9:>12.4f}{rep / 1e9:>12.4f}{(real - rep) / 1e6:>10.1f}{c / 1e9:>13.4f}"
-              f"{c / real:>9.4f}x{c / rep:>9.4f}x  {e.phase}")
+        print(f"{name:<46}{real / 1e9:>12.4f}{rep / 1e9:>12.4f}{(real - rep) / 1e6:>10.1f}"
+              f"{(c - e.split_allocated) / 1e6:>11.1f}{c / 1e9:>13.4f}"
+              f"{c / real:>9.4f}x{e.split_allocated / 1e9:>10.4f}{e.split_allocated / rep:>9.4f}x  {e.phase}")
     print("measured: max_memory_allocated (the allocator's block bytes); replayed: the allocator's history replayed "
           "(requested sizes); unseen: measured - replayed (blocks larger than their request); corrected: computed by "
-          "this tool's estimator")
+          "this tool's estimator, with unsplit (its bound on the adapter blocks' unsplit remainders, the term "
+          "unsplit_remainders); split: corrected less unsplit (every block split to its request)")
     print("\nthe same peaks split at the window's start (allocated when the first step began: the resident), "
           "bytes; corrected's resident terms: pool, extras, lora_weights, cublas_workspace, resident_rounding")
     print(f"{'arm':<46}{'resident meas.':>15}{'resident est.':>15}{'diff':>13}{'step (replayed)':>17}"
@@ -114,7 +116,7 @@ def pages(default_rows: list[tuple[str, dict, object]]) -> None:
     replayed peak, the 20 MiB (large pool) and 2 MiB (small pool) pages the live blocks touch; and each
     arm also among ``default_rows`` (the first table's, default allocator) set beside itself."""
     from issue395.constants import EXPANDABLE_PAGE_BYTES
-    from issue395.estimator.estimate import EXPANDABLE_RESERVE_BYTES, EXPANDABLE_RESERVE_PAGES, needs_free
+    from issue395.estimator.estimate import EXPANDABLE_RESERVE_BYTES, EXPANDABLE_RESERVE_PAGES
 
     rows = [r for call in PAGE_CALLS for r in anatomy(call, "pages-")]
     print("\nunder expandable segments, as `soup train` runs (H200, soup-cli 0.77.0; "
@@ -123,10 +125,10 @@ def pages(default_rows: list[tuple[str, dict, object]]) -> None:
     print(f"{'arm':<46}{'allocated GB':>13}{'corrected GB':>13}{'/allocated':>11}{'pages GB':>10}{'reserve MB':>11}"
           f"{'in pages':>9}{'charged MB':>11}{'needs free - pages MB':>22}")
     for name, d, e in rows:
-        p, c = d["page_need"], e.corrected_predicted
+        p, c = d["page_need"], e.split_allocated  # expandable segments split every block to its request
         print(f"{name:<46}{p['allocated'] / 1e9:>13.4f}{c / 1e9:>13.4f}{c / p['allocated']:>10.4f}x{p['pages'] / 1e9:>10.4f}"
-              f"{p['reserve'] / 1e6:>11.1f}{p['reserve'] / EXPANDABLE_PAGE_BYTES['large']:>9.2f}{(needs_free(c) - c) / 1e6:>11.1f}"
-              f"{(needs_free(c) - p['pages']) / 1e6:>22.1f}")
+              f"{p['reserve'] / 1e6:>11.1f}{p['reserve'] / EXPANDABLE_PAGE_BYTES['large']:>9.2f}{(e.needs_free - c) / 1e6:>11.1f}"
+              f"{(e.needs_free - p['pages']) / 1e6:>22.1f}")
     print(f"allocated: the replayed peak (requested sizes at 512 B; under expandable segments a block splits to its "
           f"request, so it equals max_memory_allocated to the difference below); reserve: pages - allocated; "
           f"charged: {EXPANDABLE_RESERVE_PAGES} pages of {EXPANDABLE_PAGE_BYTES['large'] // 2**20} MiB ({EXPANDABLE_RESERVE_BYTES:,} B), the whole pages above "
@@ -139,7 +141,7 @@ def pages(default_rows: list[tuple[str, dict, object]]) -> None:
     for name, d, e in rows:
         if name in default:
             c = e.corrected_predicted
-            print(f"{name:<46} default {c / default[name]['real_peak']:.4f}x  expandable {c / d['real_peak']:.4f}x")
+            print(f"{name:<46} default {c / default[name]['real_peak']:.4f}x  expandable {e.split_allocated / d['real_peak']:.4f}x")
 
 
 def findmax() -> None:
@@ -177,7 +179,7 @@ def run_kwargs(d: dict, value: int | None = None) -> tuple[dict, dict]:
 
     u = read_soup_config(str(ROOT / d["config"]))
     kw = dict(quant=u.quant, seq=u.seq, batch=u.batch, task=u.task, targets=u.targets, lora_r=u.lora_r,
-              steps=d["steps"], accumulation=u.accumulation, optimizer=u.optimizer, soup=False,
+              steps=d["steps"], **u.settings.estimator(), soup=False,
               release=d["stack"]["packages"]["soup-cli"], transformers=d["stack"]["packages"]["transformers"],
               stream=dict(u.stream_options))
     if value is not None:
@@ -202,7 +204,7 @@ def oom_readings() -> None:
     """Each OOM probe whose Soup console holds torch's own out-of-memory message: the margin's parts
     at that moment, measured inside Soup's process, beside what this tool charges at that seq."""
     from issue395.estimator.cards import STEP_GROWTH_BYTES
-    from issue395.estimator.estimate import estimate, needs_free
+    from issue395.estimator.estimate import estimate
     from issue395.constraints.findmax import oom_reading
 
     print("\ntorch's out-of-memory message in Soup's own process (measured, as torch printed it) against this tool's "
@@ -225,10 +227,10 @@ def oom_readings() -> None:
                     seq = int(log.stem.rsplit("-", 1)[1])
                     config, kw = run_kwargs(d, seq)
                     e = estimate(config, **kw)
-                    charged = needs_free(e.corrected_predicted) - e.corrected_predicted
+                    charged = e.needs_free - e.split_allocated
                     outside = d["box_context_bytes"] + STEP_GROWTH_BYTES
                     print(f"{name + ' seq ' + str(seq):<40}{(r.allocated + r.tried) / 1e9:>19.4f}"
-                          f"{e.corrected_predicted / 1e9:>13.4f}{r.reserved_unallocated / 1e6:>11.1f}{charged / 1e6:>11.1f}"
+                          f"{e.split_allocated / 1e9:>13.4f}{r.reserved_unallocated / 1e6:>11.1f}{charged / 1e6:>11.1f}"
                           f"{r.outside_allocator / 1e6:>11.1f}{outside / 1e6:>11.1f}")
     print("allocated+tried: the allocated bytes when the request failed plus the request; reserve: torch's reserved but "
           "unallocated (expandable segments, after the allocator released what it could); outside: this process's memory "

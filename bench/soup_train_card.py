@@ -12,7 +12,13 @@ epoch is exactly --steps steps, and, with --override, training.stream_vram_overr
 lift of its gate: the bytes it assumes free).
 
     python3 bench/soup_train_card.py --family qwen --task dpo --seq 2048 --batch 1 --card 12GB \\
-        [--quant none] [--steps 2] [--override BYTES|total] [--work DIR] [--soup "python -m soup_cli"]
+        [--quant none] [--steps 2] [--override BYTES|total] [--train KEY=VALUE ...] [--work DIR]
+        [--soup "python -m soup_cli"]
+
+``--train stream_layers=false`` makes it a resident run (Soup's resident gate, commands/train.py's
+_hardware_fit_preflight, compares its formula with the card's TOTAL as CUDA reports it, which a ballast
+does not change: an emulated card shows what the run itself meets; a --soup-patch'ed Soup reads the free
+memory the ballast leaves), ``gradient_checkpointing=true`` its checkpointing.
 
 The soup.yaml, its rows and the probe itself (the ballast, Soup's process, its outcome read from
 Soup's console and trainer state) are issue395.constraints.findmax's, the probe --find-max runs.
@@ -43,6 +49,9 @@ from issue395.estimator.cards import parse_card  # noqa: E402
 from issue395.model.registry import ALL_FAMILIES  # noqa: E402
 from issue395.tasks import TASKS, task  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from task_peak_anatomy import training_keys  # noqa: E402  (the one --train parser of bench/)
+
 
 def parse(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="soup_train_card.py", description=__doc__.splitlines()[0])
@@ -55,6 +64,9 @@ def parse(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=2, help="optimizer steps: one epoch of exactly this many batches")
     p.add_argument("--override", default=None, help="training.stream_vram_override in bytes, or 'total' (this "
                    "GPU's total: the gate lifted)")
+    p.add_argument("--train", action="append", default=[], metavar="KEY=VALUE",
+                   help="any other Soup training key (task_peak_anatomy.py's): stream_layers=false, a resident run; "
+                        "gradient_checkpointing=true; repeatable")
     p.add_argument("--work", default=None, help="keep the checkpoint, soup.yaml and Soup's output here")
     p.add_argument("--soup", default=None, help="the command that runs soup-cli (default: this python -m soup_cli)")
     p.add_argument("--dry-run", action="store_true", help="write the soup.yaml and print the command; run nothing")
@@ -68,7 +80,8 @@ def parse(argv: Optional[list[str]] = None) -> argparse.Namespace:
                              f"{a.task}) and --steps {a.steps} (>= 1): one is out of Soup's bounds")
         if a.override not in (None, "total") and not a.override.isdigit():
             raise UsageError(f"--override {a.override!r}: bytes, or 'total'")
-    except UsageError as exc:
+        a.train = training_keys(a.train)
+    except (UsageError, SystemExit) as exc:
         p.exit(2, f"error: {exc}\n")
     return a
 
@@ -82,7 +95,7 @@ def write_config(a: argparse.Namespace, base: str, work: Path, override: Optiona
     shape = family_shape(a.family)
     data, out = work / "train.jsonl", work / "out"
     user = h.soup_config_yaml(base, data, out, a.seq, a.batch, a.quant, shape.targets, shape.stream,
-                              shape.lora_r, shape.lora_alpha, a.task)
+                              shape.lora_r, shape.lora_alpha, a.task, training=a.train)
     config = probe_config(user, "seq", a.seq, data=data, output=out, override=override,
                           data_format=task(a.task).data_format)
     return write_probe_config(work, config, h.task_rows(a.task, a.seq, a.batch * a.steps))
@@ -111,7 +124,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         config = write_config(a, base, work, override)
         argv_soup = command + ["train", "--config", str(config), "--yes"]
         print(f"{a.family} {a.task} {a.quant} seq {a.seq} batch {a.batch}, {a.steps} step(s), as {card.name} "
-              f"({card.total_bytes:,} B)" + (f"; stream_vram_override {override:,} B" if override is not None else ""))
+              f"({card.total_bytes:,} B)" + (f"; stream_vram_override {override:,} B" if override is not None else "")
+              + "".join(f"; training.{k}: {v}" for k, v in a.train.items()))
         print(f"  soup.yaml: {config}\n  command: {shlex.join(argv_soup)}")
         from soup_cli.config.loader import load_config_from_string
 

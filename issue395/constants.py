@@ -30,6 +30,16 @@ def block_bytes(requested: int) -> int:
     return max(K_MIN_BLOCK_SIZE, -(-requested // K_MIN_BLOCK_SIZE) * K_MIN_BLOCK_SIZE)
 
 
+def unsplit_bound(requested: int) -> int:
+    """The most a live block of ``requested`` bytes can hold past its 512 B rounding under the default
+    allocator: a large-pool request (over kSmallSize) is handed a free block whole when the block's rest
+    would be kSmallSize or less (CUDACachingAllocator shouldSplit: remaining > kSmallSize), and a fresh
+    segment's tail is under kRoundLarge - kSmallSize; the allocated-bytes stat counts the whole block, the
+    history only the request. A small-pool request (kSmallSize or less) always splits at 512 B: nothing.
+    Under expandable segments every block splits at 512 B (shouldSplit: remaining >= kMinBlockSize)."""
+    return K_SMALL_SIZE if block_bytes(requested) > K_SMALL_SIZE else 0
+
+
 #: PyTorch's default cuBLAS workspace per handle, one a thread (aten/src/ATen/cuda/CublasHandlePool.cpp,
 #: parseChosenWorkspaceSize): ":4096:8" on compute capability 9.x to 12.x (Hopper, Blackwell),
 #: ":4096:2:16:8" below. Each ':SIZE_KiB:COUNT' pair adds SIZE x 1024 x COUNT, and the sum is ONE

@@ -76,7 +76,13 @@ def test_soup_train_card_writes_a_soup_yaml_soups_loader_takes_for_the_task_and_
     assert config["training"]["stream_vram_override"] == 5_000_000_000 and config["training"]["batch_size"] == 2
     rows = [json.loads(line) for line in (tmp_path / "train.jsonl").read_text().splitlines()]
     assert len(rows) == 6 and {r["label"] for r in rows} == {True, False}
-    for bad in (["--task", "kto", "--batch", "1"], ["--family", "nope"], ["--card", "huge"]):
+    # issue 51 item 6: a resident run (its gate: commands/train.py's), gradient checkpointing on, Soup's gate kept
+    assert bench.main(["--family", "qwen", "--seq", "256", "--card", "24GB", "--train", "stream_layers=false",
+                       "--train", "gradient_checkpointing=true", "--work", str(tmp_path / "r"), "--dry-run"]) == 0
+    training = yaml.safe_load((tmp_path / "r" / "soup.yaml").read_text())["training"]
+    assert (training["stream_layers"], training["gradient_checkpointing"]) == (False, True)
+    assert "stream_vram_override" not in training and "training.stream_layers: False" in capsys.readouterr().out
+    for bad in (["--task", "kto", "--batch", "1"], ["--family", "nope"], ["--card", "huge"], ["--train", "x"]):
         argv = ["--family", "qwen", "--seq", "256", "--card", "12GB", *bad]
         with pytest.raises(SystemExit) as exc:
             bench.main(argv)

@@ -53,8 +53,7 @@ def tool_needs_free(config: Optional[dict], b: Optional[Budget], *, quant: str, 
         if b is None:
             return e.needs_free
         return card_answers(config, e, [b], targets=tuple(targets) or None, lora_r=lora_r,
-                            env=workspace_env(), stream=dict(stream),
-                            optimizer=(run or {}).get("optimizer"))[0]["needs_free"]
+                            env=workspace_env(), stream=dict(stream), run=run)[0]["needs_free"]
     except Exception:  # noqa: BLE001 - an arm the estimator does not model has no verdict
         return None
 

@@ -43,7 +43,9 @@ GATE_LINE = re.compile(r"VRAM|predicted to need|Predicted over budget", re.IGNOR
 OOM_LINE = re.compile(r"out of memory|OutOfMemoryError|CUBLAS_STATUS_ALLOC_FAILED", re.IGNORECASE)
 SOUP_NUMBER = re.compile(r"peak VRAM ~([0-9.]+) GB")
 SOUP_FREE = re.compile(r"free VRAM ([0-9.]+) GB(?: \(training\.stream_vram_override; driver reports ([0-9.]+) GB)?")
-REFUSED = re.compile(r"predicted to need .* is free", re.DOTALL)
+#: ...and where it refuses: the streamed gate's reason, or the resident gate's panel (commands/train.py's
+#: _hardware_fit_preflight, stock or --soup-patch'ed; "Hardware-fit warning" where --allow-oom-attempt lifts it).
+REFUSED = re.compile(r"predicted to need .* is free|Hardware-fit gate", re.DOTALL)
 #: Soup's own error line (soup_cli/utils/errors.py, format_friendly_error: "Error: <type>: <message>"),
 #: above its "Run with --verbose" hint, on both releases.
 SOUP_ERROR = re.compile(r"Error: ")

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from ..constants import CUBLAS_WORKSPACE, CUBLASLT_WORKSPACE, EXPANDABLE_PAGE_BYTES, K_MIN_LARGE_ALLOC, K_ROUND_LARGE, K_SMALL_SIZE, STREAM_KEYS, block_bytes
 from ..errors import UsageError
 from ..record import LORA_R, QUANTS
+from ..model.arm import DEFAULT_OPTIMIZER
 from ..model.registry import RECOMPUTES, config_json, stream_mode
 from .arch import Arch, activation_bytes, arch_from_config, layer_bytes, lora_params, protocol_targets
 from .attention import eager as eager_attention, eager_masks, eager_scores
@@ -23,7 +24,7 @@ from ..model.targets import soup_targets
 from ..tasks import PROTOCOL_TASK, task as task_named
 from .releases import Features, installed_release
 from .soup_number import arch_of, features, soup_preflight_from_config, vocab_matrices_resident
-from .steady import DEFAULT_OPTIMIZER, FP32, LORA_WEIGHT_BYTES, adapter_bytes, gradient_terms, steady_terms
+from .steady import FP32, LORA_WEIGHT_BYTES, adapter_bytes, gradient_terms, steady_terms, unsplit_remainders
 from .terms import Phase, Term, phase_sum
 
 # CUBLAS_WORKSPACE (constants) is kept on every card though torch gives less below sm 9
@@ -60,10 +61,10 @@ EXPANDABLE_RESERVE_BYTES = EXPANDABLE_RESERVE_PAGES * EXPANDABLE_PAGE_BYTES["lar
 
 
 # -- The physical terms (bytes) --
-def pool(a: Arch, quant: str, per_expert: bool = False) -> int:
-    """Two streamed layer buffers (NF4 packed with absmax, or bf16); a MoE or hybrid model's buffer
-    holds the union of its layer kinds. Evidence: docs/PEAK.md, "pool"."""
-    return 2 * layer_bytes(a, quant, per_expert)
+def pool(a: Arch, quant: str, per_expert: bool = False, buffers: int = 2) -> int:
+    """The streamed layer buffers (NF4 packed with absmax, or bf16): Soup's training.stream_buffers slots, 2 by
+    default; a MoE or hybrid model's buffer holds the union of its layer kinds. Evidence: docs/PEAK.md, "pool"."""
+    return buffers * layer_bytes(a, quant, per_expert)
 
 
 def extras(a: Arch, f: Features) -> int:
@@ -133,19 +134,19 @@ def segment_tail(size: int) -> int:
     return rest if rest <= K_SMALL_SIZE else 0
 
 
-def resident_rounding(a: Arch, quant: str, f: Features, per_expert: bool = False) -> int:
+def resident_rounding(a: Arch, quant: str, f: Features, per_expert: bool = False, buffers: int = 2) -> int:
     """segment_tail of each resident tensor: every vocab matrix (materialize_extras) and each
-    linear weight in both pool slots (LayerBufferPool: a torch.empty per tensor; NF4 packed n/2 B).
+    linear weight in every pool slot (LayerBufferPool: a torch.empty per tensor; NF4 packed n/2 B).
     Evidence: docs/PEAK.md, "resident_rounding"."""
     out = vocab_matrices_resident(a, f) * segment_tail(2 * a.V * a.h)
     if a.layers is not None:  # every tensor of the union buffer, in both slots
         sizes = {"bf16": 2, "fp32": 4, "expert": 0 if per_expert else 2}
-        return out + sum(2 * segment_tail(-(-n // 2) if kind == "linear" and quant == "nf4"
+        return out + sum(buffers * segment_tail(-(-n // 2) if kind == "linear" and quant == "nf4"
                                           else n * sizes.get(kind, 2))
                          for n, kind in a.layers.union if sizes.get(kind, 2))
     for fan_in, fan_out, _ in a.modules.values():
         n = fan_in * fan_out
-        out += 2 * segment_tail(2 * n if quant == "none" else -(-n // 2))
+        out += buffers * segment_tail(2 * n if quant == "none" else -(-n // 2))
     return out
 
 
@@ -256,6 +257,12 @@ class Estimate:
     optimizer: str = DEFAULT_OPTIMIZER  # its states count from step 2 on
     accumulation: int = 1  # training.gradient_accumulation_steps: past 1 the gradients are held
 
+    @property
+    def split_allocated(self) -> int:
+        """The allocated peak with every block split to its request, as expandable segments (`soup train`)
+        split them: the corrected peak less the unsplit remainders the default allocator leaves."""
+        return self.corrected_predicted - self.terms.get(Term.UNSPLIT_REMAINDERS.key, 0)
+
     def to_json(self) -> dict:
         """Every field, the task always (an --estimate JSON row says which task it answers); the
         optimizer only past step 1, where its states are live; the accumulation only past 1."""
@@ -273,7 +280,7 @@ def estimate(config: dict, *, quant: str = "none", seq: int, batch: int = 1, tar
              lora_r: int = LORA_R, steps: int = 1, release: str | None = None,
              allowance: int | None = None, workspace: int | None = None,
              stream: dict | None = None, soup: bool = True, task: str = PROTOCOL_TASK,
-             optimizer: str = DEFAULT_OPTIMIZER, accumulation: int = 1,
+             optimizer: str = DEFAULT_OPTIMIZER, accumulation: int = 1, buffers: int = 2,
              transformers: str | None = None) -> Estimate:
     """Soup's own pre-flight and the corrected peak for one (seq, batch). ``targets=None`` is the
     protocol's (q_proj, v_proj), or qkv_proj on Phi-3. ``allowance`` overrides the fitted
@@ -292,14 +299,15 @@ def estimate(config: dict, *, quant: str = "none", seq: int, batch: int = 1, tar
     it is computed by Soup's own code at its own rows. ``steps`` > 1: the run's steady state, with
     ``optimizer``'s states (Soup's ``training.optimizer``). ``accumulation``: Soup's
     ``training.gradient_accumulation_steps``; past 1 every phase of micro-batch 2 on holds the
-    adapter's gradients (gradient_terms). ``transformers``: the release a saved row ran (None: the
+    adapter's gradients (gradient_terms). ``buffers``: ``training.stream_buffers``, the pool's slots.
+    ``transformers``: the release a saved row ran (None: the
     installed one, its source read), which decides whether the model runs eager attention."""
     a = arch_of(config) if soup else arch_from_config(config)
     if quant not in QUANTS:
         raise UsageError(f"quant {quant!r} is not one Soup streams ({', '.join(QUANTS)})")
     seq, batch = _whole("seq", seq), _whole("batch", batch)
     lora_r, steps = _whole("lora_r", lora_r), _whole("steps", steps)
-    accumulation = _whole("gradient_accumulation_steps", accumulation)
+    accumulation, buffers = _whole("gradient_accumulation_steps", accumulation), _whole("stream_buffers", buffers)
     if seq > a.max_pos:
         raise UsageError(f"seq {seq} is past the model's max_position_embeddings {a.max_pos}")
     task_named(task)
@@ -322,7 +330,7 @@ def estimate(config: dict, *, quant: str = "none", seq: int, batch: int = 1, tar
         raise UsageError(f"training.{unknown[0]} is not modelled by this estimator")
     soup_number, soup_terms = soup_preflight_from_config(
         config, quant=quant, seq=seq, batch=batch, targets=spelled, lora_r=lora_r, release=release,
-        stream=stream, task=task, optimizer=optimizer, accumulation=accumulation) if soup else (None, {})
+        stream=stream, task=task, optimizer=optimizer, accumulation=accumulation, buffers=buffers) if soup else (None, {})
     per_expert = stream.get("stream_expert_layout") == "per_expert"
     if per_expert and not a.quirks.per_expert_layout:  # Soup refuses it: no number for a run that cannot be
         raise UsageError(f"Soup refuses stream_expert_layout 'per_expert' on {a.model_type} (it admits "
@@ -339,9 +347,9 @@ def estimate(config: dict, *, quant: str = "none", seq: int, batch: int = 1, tar
     T, n = seq * rows, lora_params(a, targets, lora_r)
     per = adapter_bytes(tk.name, quant)
     eager = eager_attention(a.model_type, transformers)
-    t = {Term.POOL.key: pool(a, quant, per_expert), Term.EXTRAS.key: extras(a, f),
+    t = {Term.POOL.key: pool(a, quant, per_expert, buffers), Term.EXTRAS.key: extras(a, f),
          Term.LORA_WEIGHTS.key: lora_weights(n, per), Term.CUBLAS_WORKSPACE.key: ws, Term.LOGITS.key: logits(a, T),
-         Term.RESIDENT_ROUNDING.key: resident_rounding(a, quant, f, per_expert),
+         Term.RESIDENT_ROUNDING.key: resident_rounding(a, quant, f, per_expert, buffers),
          Term.ALLOCATOR_ROUNDING.key: allocator_rounding(a, T),
          Term.CHECKPOINTED_INPUTS.key: checkpointed_inputs(a, quant, T), Term.FINAL_NORM.key: final_norm(a, T),
          Term.IDS_LABELS.key: ids_labels(T), Term.POSITION_IDS.key: position_ids(seq),
@@ -384,6 +392,10 @@ def estimate(config: dict, *, quant: str = "none", seq: int, batch: int = 1, tar
     t.update(gradient_terms(per, n, accumulation, lp.gradients))
     if steps > 1:
         t.update(steady_terms(a, targets, lora_r, optimizer, per))
+    unsplit = unsplit_remainders(a, targets, lora_r, optimizer, per, steps=steps,
+                                 copies=2 if t.get(Term.REFERENCE_ADAPTER.key) else 1)
+    if unsplit:
+        t[Term.UNSPLIT_REMAINDERS.key] = unsplit
     t[Term.ALLOCATED_ALLOWANCE.key] = ALLOCATED_ALLOWANCE_BYTES if allowance is None else allowance
     t = {term.key: t[term.key] for term in Term if term.key in t}  # the table's order
     # at the binding layer only the inputs of the layers not yet run backward are live
@@ -400,13 +412,13 @@ def estimate(config: dict, *, quant: str = "none", seq: int, batch: int = 1, tar
     peak = step[binding]
     if steps > 1:  # the states beside every phase; the optimizer's own step, once the backward has
         # freed the activations
-        optimizer_step = (t[Term.ADAPTER_GRADIENTS.key] + t[Term.OPTIMIZER_TRANSIENTS.key] + ws)
+        optimizer_step = (t[Term.ADAPTER_GRADIENTS.key] + t[Term.OPTIMIZER_TRANSIENTS.key] + ws + unsplit)
         if optimizer_step > peak:
             binding, peak = Phase.OPTIMIZER, optimizer_step
         peak += t[Term.OPTIMIZER_STATES.key]
     corrected = phase_sum(t, Phase.RESIDENT) + peak + t[Term.ALLOCATED_ALLOWANCE.key]
     return Estimate(seq, batch, quant, steps, release, soup_number, soup_terms, corrected,
-                    needs_free(corrected), binding.value, t, tk.name, optimizer, accumulation)
+                    needs_free(corrected - unsplit), binding.value, t, tk.name, optimizer, accumulation)
 
 
 def estimate_key(key: str, **kwargs) -> Estimate:
@@ -418,6 +430,7 @@ def estimate_key(key: str, **kwargs) -> Estimate:
 
 
 def needs_free(allocated: int) -> int:
-    """Free bytes a card must have: allocated plus the allocator's reserve under expandable segments."""
+    """Free bytes a card must have: the allocated peak under expandable segments (every block split to
+    its request: an Estimate's ``split_allocated``) plus the allocator's reserve there."""
     return allocated + EXPANDABLE_RESERVE_BYTES
 

@@ -23,7 +23,6 @@ SEQ_STEP = 64
 #: Soup's measured gate refuses by arithmetic a run its number puts past this many times the free
 #: memory, without measuring (soup_cli/trainer/stream_setup.py, _PROBE_DEFERRAL_CEILING, both releases).
 PROBE_DEFERRAL_CEILING = 4.0
-#: Soup's default training.optimizer, the one main's estimate charges from step 2 on.
 
 
 @dataclass(frozen=True)
@@ -50,12 +49,10 @@ class Gate:
         return "measured probe (decide_measured_fit)" if self.probe else "Soup's number (decide_stream_fit)"
 
 
-def estimate_for(config: dict, optimizer: Optional[str] = None, accumulation: Optional[int] = None,
-                 **kwargs) -> Estimate:
-    """``estimate`` with the run's training.optimizer (its steady-state states by name; None: Soup's
-    default) and training.gradient_accumulation_steps (None: one micro-batch a step)."""
-    return estimate(config, **kwargs, **({"optimizer": optimizer} if optimizer else {}),
-                    **({"accumulation": accumulation} if accumulation else {}))
+def estimate_for(config: dict, run: Optional[dict] = None, **kwargs) -> Estimate:
+    """``estimate`` at the run's settings (``run``: issue395.model.arm.Settings.estimator, those the run sets;
+    a setting given None, or left out, is the estimator's default: Soup's default optimizer, one micro-batch)."""
+    return estimate(config, **kwargs, **{k: v for k, v in (run or {}).items() if v is not None})
 
 
 REFUSES = "Soup refuses a run that would fit"
@@ -103,7 +100,7 @@ def longest_soup_admits(axis: str, config: dict, free_bytes: int, gate: Gate = G
     the probe, the measured path's rule on one step (Gate.admits)."""
     kwargs.pop("workspace", None)
     if gate.probe:  # the probe measures one step, before any optimizer state
-        kwargs = dict(kwargs, steps=1, optimizer=None)
+        kwargs = dict(kwargs, steps=1, run=dict(kwargs.get("run") or {}, optimizer=None))
     return _longest(config, lambda e: gate.admits(e.soup_predicted, e.corrected_predicted, free_bytes), axis,
                     **kwargs)
 
@@ -117,10 +114,11 @@ def longest_seq_soup_admits(config: dict, free_bytes: int, gate: Gate = Gate(), 
 
 
 def fit_kwargs(e: Estimate, targets=None, lora_r: int = LORA_R, stream: Optional[dict] = None,
-               optimizer: Optional[str] = None) -> dict:
-    """What every answer about ``e``'s run passes the estimator besides seq (and a card's workspace)."""
+               run: Optional[dict] = None) -> dict:
+    """What every answer about ``e``'s run passes estimate_for besides seq (and a card's workspace): ``run``,
+    the run's settings (issue395.model.arm.Settings.estimator)."""
     return dict(quant=e.quant, batch=e.batch, steps=e.steps, release=e.release, targets=targets,
-                lora_r=lora_r, stream=stream, task=e.task, optimizer=optimizer, accumulation=e.accumulation)
+                lora_r=lora_r, stream=stream, task=e.task, run=run)
 
 
 def host_store(config: dict, quant: str) -> tuple[int, int, float]:
@@ -150,13 +148,13 @@ def disagreement(fits: bool, soup_admits: bool) -> Optional[str]:
 
 def card_answers(config: dict, e: Estimate, budgets: list[Budget], targets=None, lora_r: int = LORA_R,
                  env: Optional[str] = None, stream: Optional[dict] = None, gate: Gate = Gate(),
-                 optimizer: Optional[str] = None) -> list[dict]:
+                 run: Optional[dict] = None) -> list[dict]:
     """One arm on each card: the JSON's ``cards`` entries. needs_free is recomputed only where the
     card's cuBLAS workspace is larger than the estimator's (CUBLAS_WORKSPACE_CONFIG). Soup's gate
     is the file's (``gate``): the free memory it reads, or its override; its number, or the probe."""
-    kw = fit_kwargs(e, targets, lora_r, stream, optimizer)
-    one_step = e if not gate.probe or e.steps == 1 else estimate_for(config, seq=e.seq, **dict(kw, steps=1,
-                                                                                              optimizer=None))
+    kw = fit_kwargs(e, targets, lora_r, stream, run)
+    one_step = e if not gate.probe or e.steps == 1 else estimate_for(
+        config, seq=e.seq, **dict(kw, steps=1, run=dict(run or {}, optimizer=None)))
     out = []
     store, ram, headroom = host_store(config, e.quant)
     top = axis_range(config, "seq")[2]
@@ -244,8 +242,8 @@ def estimate_table(rows: list[Estimate], cards, config: Optional[dict] = None, *
                   ["  runtime growth GB (CUDA outside the allocator by the step's end)"] + [gb(STEP_GROWTH_BYTES)] * len(rows),
                   ["  the step's free GB (free - runtime growth)"] + [free_gb(a["step_free_bytes"]) for a in per],
                   ["  needs free GB (this estimator)"] + [gb(a["needs_free"]) for a in per],
-                  ["    of it, the allocator's reserve GB (needs free - allocated)"]
-                  + [gb(a["needs_free"] - e.corrected_predicted) for e, a in zip(rows, per)],
+                  ["    of it, the allocator's reserve GB (needs free - split peak)"]
+                  + [gb(a["needs_free"] - e.split_allocated) for e, a in zip(rows, per)],
                   ["  fits (needs free <= the step's free)"] + ["yes" if a["fits"] else "NO" for a in per],
                   ["  longest seq that fits"] + [seq_words(a["longest_seq"]) for a in per],
                   [f"  free GB at Soup's gate ({gate_free_words(first)})"] + [free_gb(a["gate_free_bytes"]) for a in per],

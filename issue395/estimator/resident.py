@@ -151,10 +151,12 @@ def estimate_resident(config: dict, *, quant: str = "none", seq: int, batch: int
     binding = max(step, key=step.get)
     peak = step[binding]
     if steps > 1:  # the optimizer's states beside every phase, and its own step once the activations are freed
-        optimizer_step = t[Term.ADAPTER_GRADIENTS.key] + t[Term.OPTIMIZER_TRANSIENTS.key] + ws
+        optimizer_step = (t[Term.ADAPTER_GRADIENTS.key] + t[Term.OPTIMIZER_TRANSIENTS.key] + ws
+                          + t.get(Term.UNSPLIT_REMAINDERS.key, 0))
         if optimizer_step > peak:
             binding, peak = Phase.OPTIMIZER, optimizer_step
         peak += t[Term.OPTIMIZER_STATES.key]
     corrected = phase_sum(t, Phase.RESIDENT) + peak + phase_sum(t, Phase.ALLOWANCE)
-    return Estimate(e.seq, e.batch, quant, e.steps, e.release, None, {}, corrected, needs_free(corrected),
+    return Estimate(e.seq, e.batch, quant, e.steps, e.release, None, {}, corrected,
+                    needs_free(corrected - t.get(Term.UNSPLIT_REMAINDERS.key, 0)),
                     binding.value, t, e.task, e.optimizer, e.accumulation)

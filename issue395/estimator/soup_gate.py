@@ -1,8 +1,10 @@
-"""The corrected pre-flight as Soup's own setup calls it (``--soup-patch``): Soup's config objects
-(its ``cfg``, ``cfg.training`` and the model's transformers config, as ``_stream_budget_lines`` holds
-them) read into this tool's estimate, and the bytes Soup's gate compares with the free memory it
-reads. Stdlib only: ``soup_patch`` bundles this function with everything it reaches into one module
-of soup_cli, so the patched gate is this tool's estimator, never a copy of it.
+"""The corrected pre-flight as Soup's own gates call it (``--soup-patch``): Soup's config objects
+(its ``cfg``, ``cfg.training`` and the model's transformers config) read into this tool's estimate, and
+the bytes Soup's gate compares with the free memory: the streamed gate's (``preflight``, as
+``_stream_budget_lines`` holds them) and the resident one's (``resident_preflight``, as
+``commands/train.py:_hardware_fit_preflight`` holds them). Stdlib only: ``soup_patch`` bundles these
+functions with everything they reach into one module of soup_cli, so the patched gates are this tool's
+estimator, never a copy of it.
 """
 
 from __future__ import annotations
@@ -13,26 +15,25 @@ from typing import Any, Optional
 from ..constants import STREAM_KEYS
 from ..errors import UsageError
 from ..record import SOUP_QUANT
-from .cards import STEP_GROWTH_BYTES
-from .estimate import estimate, needs_free
+from ..model.arm import SETTINGS
+from .cards import CONTEXT_BOUND_BYTES, STEP_GROWTH_BYTES
+from .estimate import estimate
+from .resident import estimate_resident
+from .terms import Phase, Term, phase_sum
 from .steady import is_bounded
 
 #: `soup train` runs many optimizer steps; from the second on the optimizer's states are live and
 #: each later step repeats that peak, so two steps hold the peak over all of them (as --estimate
 #: --config reads a run). Soup's setup does not know the run's length when its gate reads memory.
 GATE_STEPS = 2
-#: What the estimator assumes of Soup's settings it does not model (Soup's defaults): the two
-#: streamed buffers its pool term charges, peft's dropout whose mask the layer term counts, double-quantised
+#: What the estimator assumes of Soup's settings it does not model (Soup's defaults): peft's dropout whose
+#: mask the layer term counts, double-quantised
 #: NF4 (the pool's absmax), no resident NF4 scale cache, a plain LoRA adapter (no MoE experts). Another
 #: value keeps Soup's formula (which charges the scale cache itself), said so.
-ASSUMED_SETTINGS = (("stream_buffers", 2), ("lora.dropout", 0.05), ("bnb_4bit_use_double_quant", True),
+ASSUMED_SETTINGS = (("lora.dropout", 0.05), ("bnb_4bit_use_double_quant", True),
                     ("stream_nf4_scale_cache", False), ("moe_lora", False))
 #: Soup's bnb_4bit_use_double_quant is tri-state: unset (None) is what every 4-bit load has always done, double.
 _UNSET_MEANS = {"bnb_4bit_use_double_quant": (None,)}
-#: The estimate's keyword for training.gradient_accumulation_steps (the gradients held between
-#: micro-batches): fed where it takes it; an estimator without one charges each micro-batch at
-#: training.batch_size rows, and the panel says the held gradients are not counted.
-ACCUMULATION_KEYWORDS = ("accumulation",)
 
 
 def _setting(tcfg: Any, dotted: str, default: Any) -> Any:
@@ -60,13 +61,14 @@ def gate_kwargs(cfg: Any, tcfg: Any, model_config: Any, steps: Optional[int] = N
     targets = (targets,) if isinstance(targets, str) else tuple(str(t) for t in targets)
     stream = {k: getattr(tcfg, k) for k in STREAM_KEYS if getattr(tcfg, k, None) is not None}
     taken = set(inspect.signature(estimate).parameters)
-    accumulation = {k: int(getattr(tcfg, "gradient_accumulation_steps", 1) or 1) for k in ACCUMULATION_KEYWORDS
-                    if k in taken}
-    return config, dict(**accumulation, quant=quant, seq=int(cfg.data.max_length),
+    # the run's settings (issue395.model.arm.SETTINGS), each fed where the estimate takes it; an estimate
+    # without accumulation's charges each micro-batch at batch_size rows, and the panel says so
+    settings = {s.estimator: s.kind(getattr(tcfg, s.soup, None) or s.protocol) for s in SETTINGS
+                if s.estimator in taken}
+    return config, dict(**settings, quant=quant, seq=int(cfg.data.max_length),
                         batch=tcfg.batch_size if isinstance(tcfg.batch_size, int) else 1, targets=targets,
                         lora_r=int(tcfg.lora.r), steps=steps or GATE_STEPS, stream=stream,
-                        task=str(getattr(cfg, "task", "sft")), optimizer=str(getattr(tcfg, "optimizer", "adamw_torch")),
-                        soup=False)
+                        task=str(getattr(cfg, "task", "sft")), soup=False)
 
 
 def preflight(cfg: Any, tcfg: Any, model_config: Any, *, steps: Optional[int] = None,
@@ -92,11 +94,110 @@ def preflight(cfg: Any, tcfg: Any, model_config: Any, *, steps: Optional[int] = 
     # 150-230 MB grown after the gate): so the whole step growth is charged after the gate, not
     # STEP_GROWTH_BYTES - GATE_GROWTH_BYTES (168 MB: the harness's own process, where its setup has
     # loaded 90 MiB of modules by Soup's gate). Evidence: docs/PEAK.md, "GATE_GROWTH_BYTES, STEP_GROWTH_BYTES".
-    gate = needs_free(e.corrected_predicted) + STEP_GROWTH_BYTES
-    held = int(getattr(tcfg, "gradient_accumulation_steps", 1) or 1) > 1 and not set(ACCUMULATION_KEYWORDS) & set(kwargs)
+    gate = e.needs_free + STEP_GROWTH_BYTES
+    held = int(getattr(tcfg, "gradient_accumulation_steps", 1) or 1) > 1 and "accumulation" not in kwargs
     return {"peak": e.corrected_predicted, "needs_free": e.needs_free, "gate_bytes": gate, "phase": e.phase,
             "steps": e.steps, "release": e.release, "terms": dict(e.terms), "formula": formula, "refused": None,
             "line": (f"  corrected    peak {e.corrected_predicted / 1e9:.2f} GB allocated ({e.phase} phase, steady "
                      f"state); the gate needs {gate / 1e9:.2f} GB free"
                      + ("" if formula is None else f" (Soup's formula: {formula / 1e9:.2f} GB)")
                      + ("; the gradients held between micro-batches are not counted by this estimator" if held else ""))}
+
+
+#: Soup's settings a resident step's bytes depend on that the resident estimate does not model, with the
+#: value it assumes (Soup's schema default; None and False where Soup's default is unset): another value keeps
+#: Soup's formula, said so. Full fine-tuning (Soup's peft "full": unfrozen_parameters, freeze_layers,
+#: freeze_ratio), another adapter (DoRA, VeRA), another backend, a fused or offloaded loss or activations, QAT,
+#: LISA's layer switching, MoE LoRA; the dropout and double quantisation as the streamed gate assumes them.
+RESIDENT_ASSUMED = (("backend", "transformers"), ("unfrozen_parameters", None), ("freeze_layers", None),
+                    ("freeze_ratio", None), ("lora.use_dora", False), ("lora.use_vera", False), ("use_galore", False),
+                    ("use_liger", False), ("use_cut_ce", False), ("activation_offloading", None),
+                    ("quantization_aware", False), ("lisa_enabled", False), ("moe_lora", False),
+                    ("lora.dropout", 0.05), ("bnb_4bit_use_double_quant", True))
+_RESIDENT_QUANT = {"none": "none", "4bit": "nf4"}
+
+
+def resident_kwargs(cfg: Any, model_config: Any, steps: Optional[int] = None) -> tuple[dict, dict]:
+    """(the model's config as a config.json dict, estimate_resident's keywords) for the run `soup train` builds
+    from ``cfg`` (Soup's loaded config): the file's task, quantization, max_length as seq, batch, LoRA targets and
+    r, optimizer, accumulation and gradient checkpointing (any tier is HF's full checkpointing, as Soup's
+    resolve_gradient_checkpointing sets it); one UsageError naming a setting it does not model."""
+    if isinstance(model_config, BaseException):
+        raise UsageError(f"the base's config could not be read ({type(model_config).__name__}: {model_config})")
+    config = model_config if isinstance(model_config, dict) else model_config.to_dict()
+    t = cfg.training
+    quant = _RESIDENT_QUANT.get(str(t.quantization))
+    if quant is None:
+        raise UsageError(f"training.quantization {t.quantization!r} is not modelled resident")
+    if not isinstance(t.batch_size, int) or isinstance(t.batch_size, bool):
+        raise UsageError(f"training.batch_size {t.batch_size!r} is resolved later, so not known at this gate")
+    for dotted, assumed in RESIDENT_ASSUMED:
+        value = _setting(cfg if dotted == "backend" else t, dotted, assumed)
+        if value not in (assumed, *_UNSET_MEANS.get(dotted, ())) and not (assumed in (None, False) and not value):
+            raise UsageError(f"{'' if dotted == 'backend' else 'training.'}{dotted} {value!r} is not modelled "
+                             f"resident (the estimator assumes {assumed!r})")
+    optimizer = str(getattr(t, "optimizer", "adamw_torch"))
+    if is_bounded(optimizer):
+        raise UsageError(f"training.optimizer {optimizer!r} is not modelled (only bounded from above)")
+    targets = t.lora.target_modules
+    targets = (targets,) if isinstance(targets, str) else tuple(str(x) for x in targets)
+    return config, dict(quant=quant, seq=int(cfg.data.max_length), batch=int(t.batch_size), targets=targets,
+                        lora_r=int(t.lora.r), steps=steps or GATE_STEPS, task=str(getattr(cfg, "task", "sft")),
+                        checkpointing=bool(getattr(t, "gradient_checkpointing", False)),
+                        **{s.estimator: s.kind(getattr(t, s.soup, None) or s.protocol) for s in SETTINGS
+                           if not s.streamed_only})
+
+
+def _formula_words(formula: Optional[tuple], total: int) -> str:
+    if formula is None:
+        return "Soup's formula: none (its CLI builds no input for this run, so it skips its gate)"
+    peak_gb, required_gb, ok = formula
+    return (f"Soup's formula: {peak_gb:.1f} GB (+10% margin = {required_gb:.1f} GB) against the card's "
+            f"{total / 1e9:.1f} GB total: it {'admits' if ok else 'refuses'} the run")
+
+
+def resident_preflight(cfg: Any, model_config: Any, *, free: Optional[int], total: int,
+                       formula: Optional[tuple] = None, steps: Optional[int] = None) -> dict:
+    """The corrected resident pre-flight of the run `soup train` builds from ``cfg``: ``peak``, the allocated
+    peak of its steady state (estimate_resident, ``steps``: GATE_STEPS); ``gate_bytes``, what must be free for
+    it: the same charge as the streamed gate's (``preflight``: the expandable-segments reserve and the whole
+    step growth of the CUDA runtime after the gate), compared with the same reading, ``free``, the free
+    memory torch reads on the card (torch.cuda.mem_get_info, which other processes and the CUDA context
+    already left; so one verdict for both of Soup's gates, and the one --estimate gives on a card: needs free
+    + the runtime's growth <= total - context). Where torch cannot read it (``free`` None), the card's
+    ``total`` less this tool's CUDA context bound, said so. ``formula``: Soup's own (peak GB, +10% GB, admits)
+    from hardware_fit, printed beside. A run the estimate does not model (MoE, latent attention, hybrid,
+    phi, past a sliding window without checkpointing, full fine-tuning, a setting in RESIDENT_ASSUMED) or a
+    config it cannot read keeps Soup's formula (``refused`` says why; never a crash, never a gate lifted)."""
+    try:
+        config, kwargs = resident_kwargs(cfg, model_config, steps)
+        e = estimate_resident(config, **kwargs)
+    except Exception as exc:  # noqa: BLE001 -- inside Soup's CLI: what this estimator cannot read keeps Soup's gate
+        why = str(exc) if isinstance(exc, UsageError) else f"{type(exc).__name__}: {exc}"
+        return {"peak": None, "gate_bytes": None, "fits": None, "refused": why,
+                "line": f"Hardware-fit (corrected peak VRAM): not computed ({why}); the gate keeps Soup's formula"}
+    gate = e.needs_free + STEP_GROWTH_BYTES
+    measured = free is not None
+    free = free if measured else total - CONTEXT_BOUND_BYTES
+    where = ("free on the card (torch.cuda.mem_get_info)" if measured else
+             f"free by the card's total less this tool's CUDA context bound ({CONTEXT_BOUND_BYTES / 1e9:.2f} GB; "
+             "torch could not read the free memory)")
+    fits = gate <= free
+    resident, allowance = phase_sum(e.terms, Phase.RESIDENT), phase_sum(e.terms, Phase.ALLOWANCE)
+    states = e.terms.get(Term.OPTIMIZER_STATES.key, 0) if e.steps > 1 else 0
+    charged = (f"resident weights and adapter {resident / 1e9:.2f} | optimizer states {states / 1e9:.2f} | the "
+               f"{e.phase} phase's activations, logits, loss and gradients "
+               f"{(e.corrected_predicted - resident - states - allowance) / 1e9:.2f} | allowance "
+               f"{allowance / 1e9:.3f} | allocator reserve {(e.needs_free - e.corrected_predicted) / 1e9:.2f} | CUDA "
+               f"runtime after the gate {STEP_GROWTH_BYTES / 1e9:.2f} GB")
+    run = (f"{kwargs['task']} {kwargs['quant']} {kwargs['seq']}x{kwargs['batch']}, "
+           f"{'with' if kwargs['checkpointing'] else 'no'} gradient checkpointing, step {e.steps}")
+    return {"peak": e.corrected_predicted, "needs_free": e.needs_free, "gate_bytes": gate, "free": free,
+            "free_measured": measured, "fits": fits, "phase": e.phase, "steps": e.steps, "refused": None,
+            "terms": dict(e.terms),
+            "line": (f"Hardware-fit (corrected peak VRAM): {e.corrected_predicted / 1e9:.2f} GB allocated ({run}); "
+                     f"needs {gate / 1e9:.2f} GB free; {free / 1e9:.2f} GB {where}: "
+                     f"{'fits' if fits else 'does NOT fit'}. {_formula_words(formula, total)}"),
+            "panel": (f"Predicted peak VRAM {e.corrected_predicted / 1e9:.1f} GB (corrected: this tool's resident "
+                      f"estimate, {run}) needs {gate / 1e9:.1f} GB free, more than the {free / 1e9:.1f} GB {where}.\n"
+                      f"{charged}\n{_formula_words(formula, total)}")}

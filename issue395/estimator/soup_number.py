@@ -274,7 +274,7 @@ def _patched_module(path: Path, mtime: float):
 
 def patched_preflight(src: Path, config: dict, *, quant: str, seq: int, batch: int, targets, lora_r: int,
                       stream: dict, task: str, optimizer: str, formula: int, steps: Optional[int] = None,
-                      accumulation: int = 1) -> dict:
+                      accumulation: int = 1, buffers: int = 2) -> dict:
     """What a patched release's own setup computes: its corrected_peak.preflight called as the patched
     _stream_budget_lines calls it, on Soup's config objects as its loader builds them from these values
     (task, data.max_length, training's quantization, batch, LoRA, streaming modes, optimizer) and the
@@ -286,7 +286,7 @@ def patched_preflight(src: Path, config: dict, *, quant: str, seq: int, batch: i
     lora = SimpleNamespace(target_modules=list(targets) if isinstance(targets, (tuple, list)) else targets,
                            r=lora_r, dropout=0.05)
     tcfg = SimpleNamespace(quantization=soup_quant, batch_size=batch, lora=lora, optimizer=optimizer,
-                           stream_buffers=2, gradient_accumulation_steps=accumulation, **dict(stream))
+                           stream_buffers=buffers, gradient_accumulation_steps=accumulation, **dict(stream))
     cfg = SimpleNamespace(task=task, data=SimpleNamespace(max_length=seq), training=tcfg)
     return module.preflight(cfg, tcfg, dict(config), formula=formula, steps=steps)
 
@@ -294,14 +294,15 @@ def patched_preflight(src: Path, config: dict, *, quant: str, seq: int, batch: i
 def soup_preflight_from_config(config: dict, *, quant: str, seq: int, batch: int, targets,
                                lora_r: int, release: str | None = None, stream: dict | None = None,
                                task: str = PROTOCOL_TASK, optimizer: str = "adamw_torch",
-                               accumulation: int = 1) -> tuple[int, dict]:
+                               accumulation: int = 1, buffers: int = 2) -> tuple[int, dict]:
     """Soup's own number, computed by ``release``'s estimator (the installed one by default) on the
     keywords that release's setup passes, and those keywords. ``targets``: the LoRA targets as
     Soup's config holds them: a tuple of modules, or Soup's own string (all-linear, auto), which
     its _estimate_adapter_params counts as it counts it. ``stream``: Soup training keys. A release
     patched by --soup-patch: its gate's number, computed by its own corrected_peak module as its
     setup calls it (``optimizer``: training.optimizer, which that module charges from step 2 on;
-    ``accumulation``: training.gradient_accumulation_steps, whose held gradients it charges), with
+    ``accumulation``: training.gradient_accumulation_steps, whose held gradients it charges; ``buffers``:
+    training.stream_buffers, its pool's slots), with
     the terms {"formula": Soup's own number, "formula_kwargs": its keywords, "corrected": the
     module's record}."""
     src = release_source(release)
@@ -330,7 +331,7 @@ def soup_preflight_from_config(config: dict, *, quant: str, seq: int, batch: int
     resolved = list(targets) if isinstance(targets, (tuple, list)) else list(a.modules)
     adapter_kw = {"target_modules": resolved} if "target_modules" in dict(f.setup_kwargs)["adapter_params"] else {}
     values = {
-        "layer_bytes": layer_bytes(a, quant, per_expert), "buffers": 2,
+        "layer_bytes": layer_bytes(a, quant, per_expert), "buffers": buffers,
         "extras_bytes": vocab_mat * vocab_matrices_in_extras(a, f) + 2 * a.h * (2 if a.norm_bias else 1)
         + (2 * a.V if a.quirks.head_bias and not a.tied else 0),
         "adapter_params": mixin._estimate_adapter_params(mixin(), _tcfg(soup_value, lora_r),
@@ -354,6 +355,7 @@ def soup_preflight_from_config(config: dict, *, quant: str, seq: int, batch: int
     if patched(src) is None:
         return number, kwargs
     record = patched_preflight(src, config, quant=quant, seq=seq, batch=batch, targets=soup_value, lora_r=lora_r,
-                               stream=stream, task=task, optimizer=optimizer, formula=number, accumulation=accumulation)
+                               stream=stream, task=task, optimizer=optimizer, formula=number, accumulation=accumulation,
+                               buffers=buffers)
     gate = number if record["gate_bytes"] is None else int(record["gate_bytes"])
     return gate, {"formula": number, "formula_kwargs": kwargs, "corrected": record}

@@ -1,14 +1,20 @@
 """``--soup-patch``: a unified diff against a soup-cli release's own source that makes Soup's own
-pre-flight gate on this tool's corrected peak. It adds ``soup_cli/utils/corrected_peak.py``, this
+pre-flight gates gate on this tool's corrected peak. It adds ``soup_cli/utils/corrected_peak.py``, this
 tool's estimator bundled into one stdlib-only module (generated here from the estimator's own source,
-with ``ast``: the functions ``soup_gate.preflight`` reaches, in their modules' order, each name kept
-but where two modules define it; so a change to the estimator is in the next patch, never a copy
-that drifts), and patches the setup's call of ``estimate_stream_peak_vram`` (``_stream_budget_lines``
-in ``soup_cli/trainer/stream_setup.py``, the one call every task's wrapper reaches) so that the
-number its gate compares is the corrected one. Soup's gate stays Soup's: the free memory it reads,
-``training.stream_vram_override``, the probe and their messages are untouched; Soup's formula is
-still computed and printed beside the corrected peak. ``patch -p1`` applies it in the folder that
-holds ``soup_cli/`` (site-packages). Stdlib only; Soup is read, never imported.
+with ``ast``: the functions ``soup_gate.preflight`` and ``soup_gate.resident_preflight`` reach, in their
+modules' order, each name kept but where two modules define it; so a change to the estimator is in the
+next patch, never a copy that drifts), and patches two call sites. The streamed gate: the setup's call of
+``estimate_stream_peak_vram`` (``_stream_budget_lines`` in ``soup_cli/trainer/stream_setup.py``, the one
+call every task's wrapper reaches), so that the number its gate compares is the corrected one; Soup's
+gate stays Soup's there (the free memory it reads, ``training.stream_vram_override``, the probe and their
+messages), its formula printed beside. The resident gate (``_hardware_fit_preflight`` in
+``soup_cli/commands/train.py``, where the release has one): before Soup's formula, the corrected resident
+estimate of the file's run is compared with the free memory torch reads, as the streamed gate's reading
+is (soup_gate.resident_preflight says why); a run that does not fit is refused in Soup's own panel and
+words (its title, its ``--allow-oom-attempt`` tail, which still launches it), one that fits is admitted
+with one line; a run the estimate does not model goes on to Soup's formula, said so. ``patch -p1``
+applies it in the folder that holds ``soup_cli/`` (site-packages). Stdlib only; Soup is read, never
+imported.
 """
 
 from __future__ import annotations
@@ -25,10 +31,10 @@ from ..errors import UsageError
 from .releases import PATCH_MARKER, PATCH_MODULE, installed_release, soup_dir
 
 PACKAGE = Path(__file__).resolve().parents[1]  # issue395/
-#: What the bundle is built from: the glue Soup's setup calls, and each name of the tool that stands
+#: What the bundle is built from: the glue Soup's two gates call, and each name of the tool that stands
 #: in for reading Soup from outside (inside Soup, the release is the one patched, and Soup has
 #: already checked that it streams the model).
-ENTRY = ("issue395.estimator.soup_gate", "preflight")
+ENTRIES = (("issue395.estimator.soup_gate", "preflight"), ("issue395.estimator.soup_gate", "resident_preflight"))
 STUBS = {
     ("issue395.estimator.releases", "installed_release"):
         'def installed_release() -> str:\n    """The release this module was generated for."""\n    return RELEASE\n',
@@ -129,7 +135,7 @@ def bundle(release: str, features_repr: str, version: str) -> str:
     wanted: dict = {}  # (module, name) -> the statement node (or a stub)
     order: list = []
     stdlib: dict = {}
-    todo = [ENTRY, ("issue395.estimator.releases", "Features")]
+    todo = [*ENTRIES, ("issue395.estimator.releases", "Features")]
     while todo:
         key = todo.pop()
         if key in wanted:
@@ -199,9 +205,10 @@ def bundle(release: str, features_repr: str, version: str) -> str:
             body.insert(0, "\n".join(aliases) + "  # the names this module imports them as\n")
         if body:
             parts.append(f"# -- {name} ({m.path.relative_to(PACKAGE.parent)}) --\n" + "\n\n".join(body))
-    header = (f'"""{PATCH_MARKER} (issue395 {version}): this tool\'s corrected peak-VRAM pre-flight for a layer-streamed\n'
-              f"LoRA step, generated from its estimator's own source (issue395/estimator/, the functions\n"
-              f"soup_gate.preflight reaches, bundled in their modules' order) for soup-cli {release}.\n"
+    header = (f'"""{PATCH_MARKER} (issue395 {version}): this tool\'s corrected peak-VRAM pre-flight for a LoRA step,\n'
+              f"layer-streamed or resident, generated from its estimator's own source (issue395/estimator/, the\n"
+              f"functions soup_gate.preflight and resident_preflight reach, bundled in their modules' order)\n"
+              f"for soup-cli {release}.\n"
               f"Stdlib only; imports nothing of soup_cli or of the tool. Regenerate it with\n"
               f"`python issue395_second_stack_vram.py --soup-patch OUT.diff`; never edit it by hand.\n"
               '"""\n\nfrom __future__ import annotations\n\n')
@@ -232,6 +239,100 @@ CALL_SITE = """\
             predicted = self._corrected_preflight["gate_bytes"]
 """
 PANEL_LINE = "        lines.append(self._corrected_preflight[\"line\"])\n"
+
+
+#: Two helpers put above ``_hardware_fit_preflight``: what the resident gate reads that Soup's gate does not
+#: (the model's config, the free memory), each failure handed to the corrected pre-flight, which keeps Soup's
+#: formula and says why. LOCAL_RANK: a rank reads its own card, not card 0, before its device is set.
+RESIDENT_HELPERS = """\
+def _corrected_model_config(cfg):
+    \"\"\"{marker}: the base's config as transformers reads it (a hub id or a
+    local folder), or the exception that stopped it (the corrected pre-flight then keeps Soup's formula,
+    saying why).\"\"\"
+    try:
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(str(cfg.base))
+    except Exception as exc:  # noqa: BLE001 -- never a crash of Soup's gate
+        return exc
+
+
+def _corrected_free_bytes():
+    \"\"\"{marker}: the free memory of this rank's card as torch reads it, or
+    None where it cannot.\"\"\"
+    try:
+        import torch
+
+        return int(torch.cuda.mem_get_info(int(os.environ.get("LOCAL_RANK", "0") or 0))[0])
+    except Exception:  # noqa: BLE001 -- the corrected pre-flight says what it compared with instead
+        return None
+
+
+"""
+#: The lines put before ``inp = _build_hardware_fit_input(cfg)`` in ``_hardware_fit_preflight``: the run's
+#: corrected resident peak answers first, in Soup's panel (its title, tail and exit); Soup's formula is
+#: computed beside it, and gates the run alone where the corrected estimate does not model it.
+RESIDENT_CALL_SITE = """\
+    # {marker} (soup_cli/utils/corrected_peak.py): this tool's corrected
+    # resident peak gates the run against the free memory torch reads, as the patched streamed gate
+    # does; a run it does not model goes on to Soup's formula below, said so.
+    from soup_cli.utils.corrected_peak import resident_preflight as _corrected_resident
+
+    _formula = None
+    _soup_input = _build_hardware_fit_input(cfg)
+    if _soup_input is not None:
+        from soup_cli.utils.hardware_fit import decide_hardware_fit as _decide
+
+        _report = _decide(_soup_input, available_vram_gb=total_bytes / 1e9)
+        _formula = (_report.peak_vram_gb, _report.required_with_margin_gb, _report.ok)
+    _corrected = _corrected_resident(cfg, _corrected_model_config(cfg), free=_corrected_free_bytes(),
+                                     total=total_bytes, formula=_formula)
+    if _corrected["refused"] is not None:
+        console.print(f"[yellow]{{markup_escape(_corrected['line'])}}[/]")
+    elif _corrected["fits"]:
+        console.print(f"[dim]{{markup_escape(_corrected['line'])}}[/]")
+        return
+    else:
+        tail = (
+            "[yellow]--allow-oom-attempt set: launching anyway.[/]"
+            if allow_oom_attempt
+            else "Reduce batch_size / max_length, enable gradient_checkpointing or "
+            "quantization, or pass [bold]--allow-oom-attempt[/] to try anyway."
+        )
+        console.print(
+            Panel(
+                markup_escape(_corrected["panel"]) + "\\n\\n" + tail,
+                title=(
+                    "[yellow]Hardware-fit warning[/]"
+                    if allow_oom_attempt
+                    else "[bold red]Hardware-fit gate[/]"
+                ),
+                border_style="yellow" if allow_oom_attempt else "red",
+            )
+        )
+        if not allow_oom_attempt:
+            raise typer.Exit(1)
+        return
+"""
+#: What a release without the resident gate gets instead: one line, and its streamed gate patched alone.
+NO_RESIDENT_GATE = ("soup_cli/commands/train.py has no _hardware_fit_preflight calling _build_hardware_fit_input: "
+                    "this release's resident gate is not patched (its streamed gate is)")
+
+
+def resident_site(train: str) -> Optional[tuple[int, int]]:
+    """(the line of ``def _hardware_fit_preflight``, the line of its ``inp = _build_hardware_fit_input(cfg)``),
+    0-based, read with ast from the release's own commands/train.py; None where it has no such gate."""
+    for fn in ast.parse(train).body:
+        if not (isinstance(fn, ast.FunctionDef) and fn.name == "_hardware_fit_preflight"):
+            continue
+        for n in fn.body:
+            if (isinstance(n, ast.Assign) and isinstance(n.value, ast.Call)
+                    and getattr(n.value.func, "id", None) == "_build_hardware_fit_input"
+                    and [getattr(t, "id", None) for t in n.targets] == ["inp"]
+                    and "total_bytes" in {x.id for x in ast.walk(fn) if isinstance(x, ast.Name)}):
+                start = fn.decorator_list[0].lineno if fn.decorator_list else fn.lineno
+                return start - 1, n.lineno - 1
+    return None
 
 
 def _call_site(stream_setup: str) -> tuple[int, int]:
@@ -273,8 +374,16 @@ def patched_files(src: Path, version: Optional[str] = None) -> dict:
     new = (lines[:after_call] + ["\n", CALL_SITE.format(marker=PATCH_MARKER)] + lines[after_call:after_lines]
            + [PANEL_LINE] + lines[after_lines:])
     module = bundle(release, repr(read_features(src)), version or tool_version())
-    return {f"soup_cli/{PATCH_MODULE}": (None, module),
-            "soup_cli/trainer/stream_setup.py": (old, "".join(new))}
+    files = {f"soup_cli/{PATCH_MODULE}": (None, module), "soup_cli/trainer/stream_setup.py": (old, "".join(new))}
+    train_path = src / "commands" / "train.py"
+    train = train_path.read_text(encoding="utf-8") if train_path.exists() else ""
+    site = resident_site(train) if train else None
+    if site is not None:
+        lines = train.splitlines(keepends=True)
+        files["soup_cli/commands/train.py"] = (train, "".join(
+            lines[:site[0]] + [RESIDENT_HELPERS.format(marker=PATCH_MARKER)] + lines[site[0]:site[1]]
+            + [RESIDENT_CALL_SITE.format(marker=PATCH_MARKER), "\n"] + lines[site[1]:]))
+    return files
 
 
 def soup_patch(src: Optional[Path] = None, version: Optional[str] = None) -> str:

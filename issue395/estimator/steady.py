@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..constants import unsplit_bound
 from ..tasks import task as task_named
 from .arch import Arch
 from .terms import Term
@@ -58,8 +59,6 @@ OPTIMIZERS = {
     "paged_lion_8bit": Optimizer(1, 8, True), "paged_lion_32bit": Optimizer(1, 32, True),
     "sgd": Optimizer(0, 32, False, 0, True),
 }
-#: Soup's default (``training.optimizer``)
-DEFAULT_OPTIMIZER = "adamw_torch"
 #: An optimizer the table has no entry for (adafactor, adamw_hf, ...) is charged as an upper bound, said as
 #: one (issue 53 item 14): two fp32 states per parameter (Adam's two moments, the most any optimizer above
 #: keeps; Adafactor's factored row and column states are far fewer) and two fp32 copies of every parameter
@@ -94,16 +93,7 @@ def lora_tensors(a: Arch, targets: tuple, r: int) -> list[int]:
 def optimizer_state_bytes(sizes: list[int], name: str, per: int = FP32) -> int:
     """The bytes ``name``'s states hold in torch's allocator for LoRA tensors of ``sizes`` elements
     whose parameters take ``per`` bytes each."""
-    o = optimizer_named(name)
-    out = 0
-    for n in sizes:
-        if o.paged and n >= BNB_PAGED_FROM:
-            continue  # managed memory, outside the allocator
-        if o.bits == 8 and n >= BNB_MIN_8BIT:
-            out += o.states * (n + FP32 * -(-n // BNB_BLOCK))
-        else:
-            out += o.states * (per if o.states_follow_param else FP32) * n
-    return out
+    return sum(b for n in sizes for b in state_blocks(n, name, per))
 
 
 def steady_terms(a: Arch, targets: tuple, r: int, optimizer: str, per: int = FP32) -> dict:
@@ -117,6 +107,33 @@ def steady_terms(a: Arch, targets: tuple, r: int, optimizer: str, per: int = FP3
             Term.ADAPTER_GRADIENTS.key: per * n,
             Term.OPTIMIZER_TRANSIENTS.key: optimizer_named(optimizer).transient
             * (FP32 if is_bounded(optimizer) else per) * n}
+
+
+def state_blocks(n: int, name: str, per: int = FP32) -> list[int]:
+    """The blocks ``name``'s states of one LoRA tensor of ``n`` elements take in torch's allocator (one
+    allocation each: a moment, or an 8-bit state and its absmax), as optimizer_state_bytes sums them."""
+    o = optimizer_named(name)
+    if o.paged and n >= BNB_PAGED_FROM:
+        return []
+    if o.bits == 8 and n >= BNB_MIN_8BIT:
+        return [n, FP32 * -(-n // BNB_BLOCK)] * o.states
+    return [(per if o.states_follow_param else FP32) * n] * o.states
+
+
+def unsplit_remainders(a: Arch, targets: tuple, r: int, optimizer: str, per: int, *, steps: int,
+                       copies: int) -> int:
+    """The most the adapter-shaped blocks live at once can hold past their requests under the default
+    allocator (constants.unsplit_bound: up to 1 MiB each over 1 MiB), at the phase holding most of them:
+    ``copies`` of the adapter on the card (its parameters, and DPO's reference copy), its gradients (held
+    between micro-batches, made by the backward, or read by the optimizer's step), and from step 2 on the
+    optimizer's states and, inside its step, its transients. Evidence: docs/PEAK.md, "unsplit_remainders"."""
+    sizes = lora_tensors(a, targets, r)
+    o = optimizer_named(optimizer)
+    transient = (FP32 if is_bounded(optimizer) else per) if steps > 1 else 0
+    blocks = [b for n in sizes for b in [per * n] * (copies + 1) + [transient * n] * o.transient]
+    if steps > 1:
+        blocks += [b for n in sizes for b in state_blocks(n, optimizer, per)]
+    return sum(map(unsplit_bound, blocks))
 
 
 def gradient_terms(per: int, n: int, accumulation: int, made: int) -> dict:

@@ -103,6 +103,12 @@ class Term(Enum):
     OPTIMIZER_STATES = ("adam_moments", {_ST, _OP}, Kind.OPT, "the optimizer's states", "steps > 1")
     ADAPTER_GRADIENTS = ("adapter_gradients", {_OP}, Kind.GRAD, "the adapter's gradients", "steps > 1")
     OPTIMIZER_TRANSIENTS = ("optimizer_transients", {_OP}, Kind.TEMP, "the optimizer's transients", "steps > 1")
+    #: the default allocator (the harness's step) hands a large-pool request a cached block whole when the rest
+    #: would be 1 MiB or less: each adapter-shaped block over 1 MiB (parameters, the reference copy, gradients,
+    #: the optimizer's states and transients) charged that 1 MiB, at the phase holding most of them; not in
+    #: needs_free (`soup train`'s expandable segments split every block at 512 B)
+    UNSPLIT_REMAINDERS = ("unsplit_remainders", {_LO, _RF, _LA, _OP}, Kind.OTH,
+                          "the adapter blocks' unsplit remainders", "an adapter tensor over 1 MiB")
     ALLOCATED_ALLOWANCE = ("allocated_allowance", {_AL}, Kind.OTH, "the allowance", None)
 
     def __init__(self, key: str, phases: set, kind: Kind, words: str, when: str | None):

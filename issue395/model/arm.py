@@ -1,22 +1,113 @@
-"""An arm of the grid, and Soup's prediction for it: Soup's own estimator and logits charge, fed
-the arm's shape exactly as the record fed them (computed by Soup)."""
+"""An arm of the grid, the run settings it carries, and Soup's prediction for it: ``SETTINGS``, each soup.yaml
+``training`` key that changes the step declared once (its Soup key, the estimator's keyword, the protocol's value),
+and ``Settings``, a run's values of them, which every mode, the estimator and the row take; Soup's own estimator
+and logits charge, fed the arm's shape exactly as the record fed them (computed by Soup)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from ..constants import is_whole
 from ..tasks import PROTOCOL_TASK
 from .registry import Shape
+
+
+#: Soup's default ``training.optimizer`` (its schema's), the protocol's: the one its step runs.
+DEFAULT_OPTIMIZER = "adamw_torch"
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One soup.yaml ``training`` key that changes the step beyond the arm's model, quantization, seq, batch
+    and task, declared once: the Settings field (the row's JSON key too), the key Soup's loader reads, the
+    estimator's keyword, the protocol's own value (an arm at it is the protocol's), the type Soup's loader
+    gives, how the estimator models a value other than the protocol's (said under --estimate), and whether
+    only a streamed step reads it (a resident run, stream_layers false, has no use for it: its estimate
+    does not take it). A new setting is one line here and one field of ``Settings``; the estimator takes
+    its keyword (docs/LAYOUT.md)."""
+
+    field: str
+    soup: str
+    estimator: str
+    protocol: Any
+    kind: type
+    modelled: str
+    streamed_only: bool = False
+
+    def valid(self, value: Any) -> bool:
+        """A value a saved row may hold: a printable name, or a whole number >= 1."""
+        if self.kind is int:
+            return is_whole(value, 1)
+        return isinstance(value, str) and value.isprintable() and bool(value)
+
+
+SETTINGS = (
+    Setting("optimizer", "optimizer", "optimizer", DEFAULT_OPTIMIZER, str,
+            "its states from step 2 on, by the estimator's optimizer table (one it has no entry for is charged "
+            "as an upper bound, said as one)"),
+    Setting("accumulation", "gradient_accumulation_steps", "accumulation", 1, int,
+            "each micro-batch is training.batch_size rows, the step's batch, and from micro-batch 2 on every "
+            "phase holds the adapter's gradients (held_gradients)"),
+    Setting("buffers", "stream_buffers", "buffers", 2, int,
+            "Soup's pool pre-allocates that many slots of one layer each (LayerBufferPool: a torch.empty per "
+            "tensor a slot), so the pool and its rounding are charged that many times; Soup's own number "
+            "takes it as its setup passes it", streamed_only=True),
+)
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The run's SETTINGS as a soup.yaml gives them (Soup's loader's values, its defaults too: the run `soup train`
+    runs), or None each where the protocol's arm names none. Every mode takes the arm's: the Soup config its
+    measured arm runs (``soup_keys``), every estimate of it (``estimator``), the row's JSON (``to_json``)."""
+
+    optimizer: Optional[str] = None
+    accumulation: Optional[int] = None
+    buffers: Optional[int] = None
+
+    @classmethod
+    def read(cls, training: Any) -> "Settings":
+        """Each setting off Soup's loaded ``cfg.training``, as its loader normalised it."""
+        return cls(**{s.field: s.kind(getattr(training, s.soup)) for s in SETTINGS})
+
+    def given(self) -> list[tuple[Setting, Any]]:
+        return [(s, getattr(self, s.field)) for s in SETTINGS if getattr(self, s.field) is not None]
+
+    def soup_keys(self) -> dict[str, Any]:
+        """The ``training`` keys a Soup config gets beyond the protocol's (none for the protocol's arm)."""
+        return {s.soup: v for s, v in self.given()}
+
+    def estimator(self, resident: bool = False) -> dict[str, Any]:
+        """The estimator's keywords (issue395.estimator.estimate; ``resident``: estimate_resident's), those the
+        run sets."""
+        return {s.estimator: v for s, v in self.given() if not (resident and s.streamed_only)}
+
+    def to_json(self) -> dict[str, Any]:
+        """The row's keys, each absent where the arm sets none (so rows saved before re-render alike)."""
+        return {s.field: v for s, v in self.given()}
+
+    @property
+    def identity(self) -> tuple:
+        """What the run set beyond the protocol's, as an arm's identity carries it: empty at the protocol's
+        own values (named or not), else every setting's value."""
+        values = tuple(getattr(self, s.field) for s in SETTINGS)
+        if all(v in (None, s.protocol) for s, v in zip(SETTINGS, values)):
+            return ()
+        return tuple(s.protocol if v is None else v for s, v in zip(SETTINGS, values))
+
+    @property
+    def micro_batches(self) -> int:
+        """Micro-batches per optimizer step: the data one step reads is batch x this."""
+        return self.accumulation or 1
 
 
 @dataclass(frozen=True)
 class Arm:
     """One point of the grid: a model at one seq and batch, under one of Soup's tasks; index is its
-    grid position. ``optimizer`` and ``accumulation``: Soup's ``training.optimizer`` and
-    ``training.gradient_accumulation_steps`` where a --config file names the run (its values as Soup's
-    loader read them, its defaults too: the run `soup train` runs); None: the protocol's arm, which names
-    neither (Soup's default optimizer, one micro-batch a step)."""
+    grid position. ``settings``: what a --config file's run sets (issue395.model.arm.SETTINGS: its
+    optimizer and accumulation as Soup's loader read them); none for the protocol's arm (Soup's default
+    optimizer, one micro-batch a step)."""
 
     model: str
     seq: int
@@ -24,26 +115,21 @@ class Arm:
     index: int = 0
     quant: str = "none"
     task: str = PROTOCOL_TASK  # Soup's task (issue395.tasks), the protocol's SFT unless asked
-    optimizer: Optional[str] = None  # training.optimizer (None: the protocol's, Soup's default)
-    accumulation: Optional[int] = None  # training.gradient_accumulation_steps (None: the protocol's 1)
+    settings: Settings = Settings()
 
     @property
     def micro_batches(self) -> int:
-        """Micro-batches per optimizer step: the data one step reads is batch x this."""
-        return self.accumulation or 1
+        return self.settings.micro_batches
 
     @property
     def training(self) -> dict[str, Any]:
         """The Soup ``training`` keys this arm sets beyond the protocol's config (none for the protocol's arm)."""
-        return {k: v for k, v in (("optimizer", self.optimizer),
-                                  ("gradient_accumulation_steps", self.accumulation)) if v is not None}
+        return self.settings.soup_keys()
 
     @property
     def run(self) -> dict[str, Any]:
-        """The estimator's keywords for this arm's run beyond its shape (issue395.estimator.estimate: its
-        ``optimizer`` and ``accumulation``), those the arm sets: one estimate for the run every mode runs."""
-        return {k: v for k, v in (("optimizer", self.optimizer), ("accumulation", self.accumulation))
-                if v is not None}
+        """The estimator's keywords for this arm's run beyond its shape: one estimate for the run every mode runs."""
+        return self.settings.estimator()
 
 
 def predicted_bytes(shape: Shape, seq: int, batch: int = 1) -> int:

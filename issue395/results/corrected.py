@@ -15,7 +15,7 @@ from typing import Optional
 from ..errors import UsageError
 from ..model.registry import config_json, is_resident, known, stream_mode
 from ..estimator.resident import estimate_resident
-from ..estimator.estimate import estimate_key, needs_free
+from ..estimator.estimate import Estimate, estimate_key, needs_free
 from ..tasks import PROTOCOL_TASK
 from .extras import Corrected
 from .row import Row
@@ -24,19 +24,26 @@ from .row import Row
 @functools.lru_cache(maxsize=4096)
 def _corrected(key: str, quant: str, seq: int, batch: int, targets: tuple, lora_r: int, release: Optional[str],
                steps: int, task: str = PROTOCOL_TASK, transformers: Optional[str] = None,
-               run: tuple = ()) -> Optional[int]:
+               run: tuple = ()) -> Optional[Estimate]:
     try:
         if is_resident(key):  # every layer on the card: the resident construction, where it is modelled
             family, modes = stream_mode(key)
             return estimate_resident(config_json(family), quant=quant, seq=seq, batch=batch, targets=targets or None,
                                      lora_r=lora_r, steps=steps, release=release, task=task, transformers=transformers,
                                      checkpointing=bool(modes.get("gradient_checkpointing")),
-                                     **dict(run)).corrected_predicted
+                                     **dict(run))
         return estimate_key(key, quant=quant, seq=seq, batch=batch, targets=targets or None, lora_r=lora_r,
                             steps=steps, release=release, soup=False, task=task,
-                            transformers=transformers, **dict(run)).corrected_predicted
+                            transformers=transformers, **dict(run))
     except UsageError:
         return None
+
+
+def _estimated(r: Row, env: Optional[dict]) -> Optional[Estimate]:
+    env = env or {}
+    return _corrected(r.model_key, r.quant, r.seq, r.batch, tuple(r.targets), r.rank, env.get("soup_cli"),
+                      int(env.get("steps") or 1), getattr(r, "task", None) or PROTOCOL_TASK, env.get("transformers"),
+                      tuple(r.run.items()))
 
 
 def corrected(r: Row, env: Optional[dict] = None) -> Optional[int]:
@@ -45,10 +52,8 @@ def corrected(r: Row, env: Optional[dict] = None) -> Optional[int]:
     accumulation (None where the estimator does not model the arm)."""
     if not known(r.model_key):  # no public config here: the figure the arm's own config gave as it ran
         return r.corrected_custom
-    env = env or {}
-    return _corrected(r.model_key, r.quant, r.seq, r.batch, tuple(r.targets), r.rank, env.get("soup_cli"),
-                      int(env.get("steps") or 1), getattr(r, "task", None) or PROTOCOL_TASK, env.get("transformers"),
-                      tuple(r.run.items()))
+    e = _estimated(r, env)
+    return None if e is None else e.corrected_predicted
 
 
 def corrected_ratio(r: Row, env: Optional[dict] = None) -> Optional[float]:
@@ -59,8 +64,11 @@ def corrected_ratio(r: Row, env: Optional[dict] = None) -> Optional[float]:
 def corrected_record(r: Row, env: Optional[dict] = None) -> Optional[Corrected]:
     """The row's corrected estimate (``corrected``) and its needs-free, as a row's record (None where the
     estimator does not model the arm)."""
-    c = corrected(r, env)
-    return None if c is None else Corrected(allocated=c, needs_free=needs_free(c))
+    if not known(r.model_key):
+        c = r.corrected_custom
+        return None if c is None else Corrected(allocated=c, needs_free=needs_free(c))
+    e = _estimated(r, env)
+    return None if e is None else Corrected(allocated=e.corrected_predicted, needs_free=e.needs_free)
 
 
 def with_corrected(r: Row, env: Optional[dict] = None) -> Row:

@@ -12,10 +12,9 @@ from typing import Any, Iterable, Optional
 from ..constants import is_whole
 from ..record import LORA_R, RECORD_A10G_PEAK, SOUP_QUANT
 from ..tasks import PROTOCOL_TASK, TASKS, task as task_of
-from ..model.arm import Arm, logits_charge, predicted_bytes
+from ..model.arm import SETTINGS, Arm, Settings, logits_charge, predicted_bytes
 from ..model.registry import Shape, family_of
 from ..estimator.cards import emulated_outcome, step_free
-from ..estimator.steady import DEFAULT_OPTIMIZER
 from .extras import (Capped, Corrected, Emulated, Gate, Ran, Record, ResidentGate, SoupProbe, UserConfig,
                      constraint_from_json, constraint_to_json)
 
@@ -49,13 +48,13 @@ ROW_FIELDS = {
     # absent for the protocol's SFT, so every SFT row saved before tasks re-renders to the same bytes
     "task": (lambda v: v is None or (isinstance(v, str) and v in TASKS and v != PROTOCOL_TASK),
              f"one of {', '.join(t for t in TASKS if t != PROTOCOL_TASK)} (absent for {PROTOCOL_TASK})"),
-    # absent for the protocol's arm, which names neither (issue395.model.arm.Arm)
-    "optimizer": (lambda v: v is None or (isinstance(v, str) and v.isprintable() and bool(v)), "a printable name"),
-    "accumulation": (lambda v: v is None or is_whole(v, 1), "a whole number >= 1"),
+    # a run's settings, absent for the protocol's arm, which names none (issue395.model.arm.SETTINGS)
+    **{s.field: (lambda v, s=s: v is None or s.valid(v),
+                 "a whole number >= 1" if s.kind is int else "a printable name") for s in SETTINGS},
 }
 
 #: Row fields whose JSON key is absent where they are None, so every row saved before them re-renders alike.
-ABSENT_WHEN_NONE = ("task", "corrected_custom", "soup_resident", "optimizer", "accumulation", "soup_probe")
+ABSENT_WHEN_NONE = ("task", "corrected_custom", "soup_resident", "soup_probe")
 
 #: A row's sub-records (issue395.results.extras) and how each reads back from its JSON.
 SUB_RECORDS = {"ran": lambda v: Ran.from_json(v, "ran"),
@@ -112,10 +111,9 @@ class Row:
     #: a resident run (stream_layers off): Soup's resident gate as its CLI runs it; None (its JSON key absent)
     #: for a streamed run, so every streamed row saved before re-renders alike
     soup_resident: Optional[ResidentGate] = None
-    #: a --config arm's training.optimizer and gradient_accumulation_steps, which it ran (issue395.model.arm.Arm);
-    #: None (their JSON keys absent) for the protocol's arm, which names neither
-    optimizer: Optional[str] = None
-    accumulation: Optional[int] = None
+    #: a --config arm's run settings, which it ran (issue395.model.arm.Settings: its optimizer and accumulation),
+    #: saved as the row's own keys, each absent where the arm sets none (the protocol's arm)
+    settings: Settings = Settings()
     #: an arm that asked for training.stream_vram_probe: Soup's probe and its verdict (SoupProbe says who ran it);
     #: None (its JSON key absent) for every other, so every row saved before re-renders alike
     soup_probe: Optional[SoupProbe] = None
@@ -133,21 +131,12 @@ class Row:
         checkpoint's name stands for the key: two checkpoints never share an arm."""
         custom = family_of(self.model_key) == "custom"
         return (self.model if custom else self.model_key, self.quant, self.seq, self.batch) + (
-            (self.task,) if self.task else ()) + self.run_setting
+            (self.task,) if self.task else ()) + self.settings.identity
 
     @property
     def run(self) -> dict[str, Any]:
-        """The estimator's keywords for the row's run beyond its shape, as issue395.model.arm.Arm.run gives them:
-        those the arm set (a --config arm's optimizer and accumulation)."""
-        return {k: v for k, v in (("optimizer", self.optimizer), ("accumulation", self.accumulation)) if v is not None}
-
-    @property
-    def run_setting(self) -> tuple:
-        """What the arm's run set beyond the protocol's (a --config file's optimizer and accumulation), as
-        the arm's identity carries it: empty at the protocol's own (Soup's default optimizer, one micro-batch)."""
-        optimizer = self.optimizer if self.optimizer not in (None, DEFAULT_OPTIMIZER) else None
-        accumulation = self.accumulation if self.accumulation not in (None, 1) else None
-        return () if optimizer is None and accumulation is None else (optimizer or DEFAULT_OPTIMIZER, accumulation or 1)
+        """The estimator's keywords for the row's run beyond its shape, as issue395.model.arm.Arm.run gives them."""
+        return self.settings.estimator()
 
     @property
     def label(self) -> str:
@@ -271,8 +260,12 @@ class Row:
             "nonlogits_overestimate", "retained_copy_would_fit", "vs_record", "corrected_over_real")}
         if self.emulated is not None:
             derived.update(emulated_fits=self.emulated_fits, emulated_outcome=self.emulated_outcome)
-        data = {f.name: getattr(self, f.name) for f in fields(self)
-                if f.name not in ABSENT_WHEN_NONE or getattr(self, f.name) is not None}
+        data: dict[str, Any] = {}
+        for f in fields(self):
+            if f.name == "settings":  # the settings' own keys, in the row, each absent where the arm sets none
+                data.update(self.settings.to_json())
+            elif f.name not in ABSENT_WHEN_NONE or getattr(self, f.name) is not None:
+                data[f.name] = getattr(self, f.name)
         return dict(data, realised_rows=list(self.realised_rows), targets=list(self.targets),
                     ran=self.ran.to_json(), gate=self.gate and self.gate.to_json(),
                     config=self.config and self.config.to_json(),
@@ -289,11 +282,13 @@ class Row:
         for name, (ok, what) in ROW_FIELDS.items():
             if (name in data or name in ("model", "model_key")) and not ok(data.get(name)):
                 raise ValueError(f"row field {name!r} is {data.get(name)!r:.60}, not {what}")
-        known = {f.name for f in fields(cls)}
-        unknown = set(data) - known - {"derived"}
+        setting = {s.field for s in SETTINGS}
+        known = {f.name for f in fields(cls)} - {"settings"}
+        unknown = set(data) - known - setting - {"derived"}
         if unknown:
             raise ValueError(f"unknown row field {sorted(unknown)[0]!r}")
-        data = {k: v for k, v in data.items() if k in known}
+        settings = Settings(**{k: v for k, v in data.items() if k in setting})
+        data = dict({k: v for k, v in data.items() if k in known}, settings=settings)
         for key in ("seq", "batch", "vocab"):
             if not is_whole(data.get(key), minimum=1):
                 raise ValueError(f"row field {key!r} must be a whole number >= 1")
@@ -327,9 +322,9 @@ class Row:
 
 def arm_identity(arm: Arm) -> dict[str, Any]:
     """What a row carries of its arm's run beside its model, seq, batch and quantization: its task (other than
-    SFT) and a --config arm's optimizer and accumulation, each only where the arm sets it."""
+    SFT) and a --config arm's settings, each only where the arm sets it."""
     return {k: v for k, v in (("task", None if arm.task == PROTOCOL_TASK else arm.task),
-                              ("optimizer", arm.optimizer), ("accumulation", arm.accumulation)) if v is not None}
+                              ("settings", arm.settings)) if v not in (None, Settings())}
 
 
 def arm_row(arm: Arm, shape: Shape, **measured: Any) -> Row:

@@ -15,6 +15,7 @@ from typing import Optional
 
 from ..errors import UsageError
 from ..tasks import PROTOCOL_TASK
+from ..model.arm import Settings
 from ..model.registry import ALL_FAMILIES, FAMILIES, SHAPES, by_hub_id, max_positions, mode_key
 from ..estimator.soup_number import require_streamed
 from ..measure.shapes import bitsandbytes_present
@@ -47,10 +48,9 @@ class ConfigArm:
     lora_r: int
     lora_alpha: int
     task: str = PROTOCOL_TASK  # the file's task: (issue395.tasks)
-    #: the file's training.optimizer and gradient_accumulation_steps as Soup's loader read them (Soup's
-    #: defaults where it sets none): the arm runs them, as `soup train` and --estimate do
-    optimizer: Optional[str] = None
-    accumulation: Optional[int] = None
+    #: the file's run settings as Soup's loader read them (Soup's defaults where it sets none): the arm runs
+    #: them, as `soup train` and --estimate do
+    settings: Settings = Settings()
 
 
 def config_arm(user: UserRun, weights: str, dry_run: bool, soup_resolves_targets: bool = False) -> ConfigArm:
@@ -68,14 +68,14 @@ def config_arm(user: UserRun, weights: str, dry_run: bool, soup_resolves_targets
     if user.quant == "nf4" and not dry_run and not bitsandbytes_present():
         raise UsageError(f"--config {user.path}: training.quantization 4bit needs bitsandbytes, which is not "
                          "installed here")
-    if bitsandbytes_optimizer(user.optimizer) and not dry_run and not bitsandbytes_present():
-        raise UsageError(f"--config {user.path}: training.optimizer {user.optimizer} is bitsandbytes', which is not "
+    if bitsandbytes_optimizer(user.settings.optimizer) and not dry_run and not bitsandbytes_present():
+        raise UsageError(f"--config {user.path}: training.optimizer {user.settings.optimizer} is bitsandbytes', which is not "
                          "installed here")
     modes = user.stream_options
     return ConfigArm(user.path, mode_key(key, modes.get("stream_expert_layout") or "fused",
                                          modes.get("stream_loss_chunk"), modes.get("stream_recompute") or "on"),
                      model, user.quant, user.seq, user.batch, user.targets, user.lora_r, user.lora_alpha,
-                     user.task, user.optimizer, user.accumulation)
+                     user.task, user.settings)
 
 
 def bitsandbytes_optimizer(name: str) -> bool:

@@ -26,7 +26,7 @@ from ..model.targets import soup_targets
 from ..measure.shapes import soup_loss_chunk_bounds
 from ..report.outputs import write_json
 from .checks import (_shown, context_within_cards, distinct_choices, no_output_is_an_input, odd_file, one_int,
-                     parse_ints, settle_tasks, within_positions)
+                     parse_ints, settle_tasks, within, within_positions)
 from .clashes import check
 from .configarm import STEADY_STEPS, base_is_no_family_key
 from .request import Adapter, CardListRequest, EstimateRequest, Outputs
@@ -97,7 +97,7 @@ class FromFile(FromOptions):
         return (self.user.quant,)
 
     def seqs(self) -> tuple:
-        return parse_ints("--seq", str(self.user.seq), minimum=64, named=self.SEQ)
+        return (within("--seq", self.user.seq, minimum=64, named=self.SEQ),)
 
     def targets(self) -> tuple[Optional[tuple], Optional[str]]:
         return self.user.targets, ",".join(self.user.targets)
@@ -112,10 +112,10 @@ class FromFile(FromOptions):
         return (self.user.task,)
 
     def batches(self) -> tuple:
-        return parse_ints("--batch", str(self.user.batch), named=self.BATCH)
+        return (within("--batch", self.user.batch, named=self.BATCH),)
 
     def lora(self) -> tuple[int, int]:
-        return one_int("--lora-r", str(self.user.lora_r), LORA_R, named="training.lora.r"), self.user.lora_alpha or LORA_ALPHA
+        return within("--lora-r", self.user.lora_r, named="training.lora.r"), self.user.lora_alpha or LORA_ALPHA
 
     def steps(self) -> tuple[int, Optional[str]]:
         given = self.args.steps
@@ -287,7 +287,7 @@ def execute(request: EstimateRequest, protocol: object = None) -> int:
         from .resident_estimate import answer_resident
 
         return answer_resident(e)
-    gate, optimizer, stream = e.gate, e.optimizer, dict(e.stream)
+    gate, optimizer, stream = e.gate, e.settings.optimizer, dict(e.stream)
     kw = {"targets": a.targets, "lora_r": a.lora_r}
     box = dict(e.stack)  # --stack: the training box's packages, in place of this machine's
     with training_box(box.get("transformers")):
@@ -307,12 +307,12 @@ def answered(e: EstimateRequest, a: Adapter, gate, optimizer, stream: dict, kw: 
     from ..estimator.steady import bound_words, is_bounded
 
     try:
-        rows = [estimate_for(e.config, quant=q, seq=s, batch=b, steps=e.steps, stream=stream, task=t,
-                             optimizer=optimizer, accumulation=e.accumulation, **kw)
+        run = e.settings.estimator()
+        rows = [estimate_for(e.config, quant=q, seq=s, batch=b, steps=e.steps, stream=stream, task=t, run=run, **kw)
                 for t in e.tasks for q in e.quants for s in e.seqs for b in e.batches]
         budgets = budgets_for(e.cards, e.context)
-        answers = [card_answers(e.config, r, budgets, env=workspace_env(), stream=stream, gate=gate,
-                                optimizer=optimizer, **kw) for r in rows]
+        answers = [card_answers(e.config, r, budgets, env=workspace_env(), stream=stream, gate=gate, run=run, **kw)
+                   for r in rows]
         installed = installed_release()
         table = estimate_table(rows, e.cards, e.config, answers=answers, release_label=release_label(installed),
                                verbose=e.verbose, **kw)

@@ -71,11 +71,10 @@ def answers(req: FindMaxRequest) -> Answers:
     from ..estimator.fits import axis_range, estimate_for, fit_kwargs, longest, longest_soup_admits
 
     axis, run, config = req.axis, req.estimate, req.estimate.config
-    gate, optimizer, stream = run.gate, run.optimizer, dict(run.stream)
+    gate, settings, stream = run.gate, run.settings.estimator(), dict(run.stream)
     e = estimate_for(config, quant=run.quants[0], seq=run.seqs[0], batch=run.batches[0], targets=run.adapter.targets,
-                     lora_r=run.adapter.lora_r, steps=run.steps, stream=stream, task=run.tasks[0], optimizer=optimizer,
-                     accumulation=run.accumulation)
-    kw = dict(fit_kwargs(e, run.adapter.targets, run.adapter.lora_r, stream, optimizer),
+                     lora_r=run.adapter.lora_r, steps=run.steps, stream=stream, task=run.tasks[0], run=settings)
+    kw = dict(fit_kwargs(e, run.adapter.targets, run.adapter.lora_r, stream, settings),
               **({"seq": e.seq} if axis == "batch" else {}))
     card = run.cards[0]
     b = budget(card, run.context)
@@ -85,13 +84,13 @@ def answers(req: FindMaxRequest) -> Answers:
     def gate_at(value: int) -> dict:
         at = dict(kw, **{axis: value})
         mine = estimate_for(config, **at)
-        one = mine if not gate.probe else estimate_for(config, **dict(at, steps=1, optimizer=None))
+        one = mine if not gate.probe else estimate_for(config, **dict(at, steps=1, run=dict(settings, optimizer=None)))
         return {"value": value, "soup_predicted": mine.soup_predicted, "gate_free_bytes": available,
                 "admits": gate.admits(mine.soup_predicted, one.corrected_predicted, available)}
 
     def charged_at(value: int, context: int) -> dict:
         e = estimate_for(config, **dict(kw, **{axis: value}), workspace=card.workspace(workspace_env()))
-        return {"allocated": e.corrected_predicted, "reserve": e.needs_free - e.corrected_predicted,
+        return {"allocated": e.split_allocated, "reserve": e.needs_free - e.split_allocated,  # `soup train`: split
                 "outside": card.total_bytes - budget(card, context).step_free_bytes}
 
     def tool_with_context(context: int) -> Optional[int]:
@@ -184,7 +183,7 @@ def execute(ask: FindMaxRequest, protocol: Any) -> int:
 
     axis, t = ask.axis, task(run.tasks[0])
     user_text = run.user.text
-    accumulation = run.user.accumulation or 1
+    accumulation = run.user.settings.micro_batches
     head = (f"--find-max {axis}: {run.model}, from --config {run.adapter.soup_config} ({run.tasks[0]} "
             f"{run.quants[0]}, " + (f"batch {run.batches[0]}" if axis == "seq" else f"seq {run.seqs[0]}")
             + f"), on {a.card.name} ({a.card.total_bytes:,} B; {ask.flag}); {steps_words(run.steps, run.steps_from)}")

@@ -11,16 +11,16 @@ from typing import Iterable, Optional
 
 from ..record import MAP_SEQS, PUBLISHED_NF4, RECORD_GRID
 from ..tasks import PROTOCOL_TASK
-from ..model.arm import Arm
+from ..model.arm import Arm, Settings
 from ..model.registry import FAMILIES, SHAPES, family_of, max_positions
 from ..measure.shapes import family_shape
 
 
 def plan_map(families: Iterable[str], quants: Iterable[str], seqs: Optional[Iterable[int]],
-             batches: Iterable[int], tasks: Iterable[str] = (PROTOCOL_TASK,), optimizer: Optional[str] = None,
-             accumulation: Optional[int] = None) -> list[Arm]:
+             batches: Iterable[int], tasks: Iterable[str] = (PROTOCOL_TASK,),
+             settings: Settings = Settings()) -> list[Arm]:
     """The map's grid, in order: family, quantization, seq (within the family's max
-    positions), batch, task; every arm at ``optimizer`` and ``accumulation`` (issue395.model.arm.Arm). Llama-3.1-8B is there for its published NF4 arm, batch 1 x seq 512.
+    positions), batch, task; every arm at ``settings`` (issue395.model.arm.Settings). Llama-3.1-8B is there for its published NF4 arm, batch 1 x seq 512.
     Every batch asked runs under every task: one below a task's smallest batch is planned and
     measured as SKIPPED with its reason (issue395.measure.measurement), never dropped."""
     arms: list[Arm] = []
@@ -32,7 +32,7 @@ def plan_map(families: Iterable[str], quants: Iterable[str], seqs: Optional[Iter
             for seq in (q for q in grid if q <= max_positions(fam)):
                 for batch in (batches if seqs or not published else (1,)):
                     for name in tasks:
-                        arms.append(Arm(fam, seq, batch, len(arms), quant, name, optimizer, accumulation))
+                        arms.append(Arm(fam, seq, batch, len(arms), quant, name, settings))
     return arms
 
 
@@ -44,17 +44,17 @@ def past_positions(families: Iterable[str], seqs: Optional[Iterable[int]]) -> li
 
 
 def plan_arms(models: Iterable[str], seqs: Optional[Iterable[int]], batches: Iterable[int],
-              quant: str = "none", tasks: Iterable[str] = (PROTOCOL_TASK,), optimizer: Optional[str] = None,
-              accumulation: Optional[int] = None) -> list[Arm]:
+              quant: str = "none", tasks: Iterable[str] = (PROTOCOL_TASK,),
+              settings: Settings = Settings()) -> list[Arm]:
     """Grid order: model, then seq, then batch (the record's order), then task, at one
-    quantization (the protocol's bf16, or a --config file's), optimizer and accumulation (a --config
-    file's; None: the protocol's)."""
+    quantization (the protocol's bf16, or a --config file's), and settings (a --config file's; none: the
+    protocol's)."""
     arms: list[Arm] = []
     for model in models:
         for seq in (seqs or RECORD_GRID.get(model, ())):
             for batch in batches:
                 for name in tasks:
-                    arms.append(Arm(model, seq, batch, len(arms), quant, name, optimizer, accumulation))
+                    arms.append(Arm(model, seq, batch, len(arms), quant, name, settings))
     return arms
 
 

@@ -18,6 +18,7 @@ from typing import Optional
 from ..constants import comma_list
 from ..errors import EXIT_USAGE, UsageError, last_line
 from ..record import MAP_BATCHES, QUANTS, RECORD_GRID
+from ..model.arm import Settings
 from ..model.registry import ALL_FAMILIES, FAMILIES, SHAPES, family_of, max_positions, stream_mode_keys
 from ..estimator.cards import parse_context
 from ..estimator.soup_number import require_streamed
@@ -118,7 +119,7 @@ def settle(args: argparse.Namespace, argv: list[str]) -> MeasureRequest:
         children=Children(gpus=gpus, lanes=lanes, shard=shard), outputs=Outputs.of(args),
         steps=steps, argv=tuple(argv),
         adapter=Adapter(arm.targets, arm.lora_r, arm.lora_alpha, arm.path) if arm else Adapter(),
-        optimizer=arm.optimizer if arm else None, accumulation=arm.accumulation if arm else None)
+        settings=arm.settings if arm else Settings())
     if shard:
         not_an_empty_shard(run)
     return run
@@ -255,8 +256,7 @@ def measure_all(run: MeasureRequest, protocol: Protocol, job: Optional[Job], scr
             shapes.update({a.model: with_modes(shapes[family_of(a.model)], a.model) for a in arms})
         imports_s = time.perf_counter() - t
     det_models, det_seqs, det_batches = run.determinism_grid
-    det_arms = (plan_arms(*run.determinism_grid, run.quants[0], run.tasks, optimizer=run.optimizer,
-                          accumulation=run.accumulation) if run.repeats else [])
+    det_arms = plan_arms(*run.determinism_grid, run.quants[0], run.tasks, run.settings) if run.repeats else []
     how = run.constraints.how or (
         lanes.label(run) if lanes and fan_out else
         "isolated, one fresh process per arm" if run.isolate else
@@ -265,8 +265,8 @@ def measure_all(run: MeasureRequest, protocol: Protocol, job: Optional[Job], scr
         f"1 lane, in one process ({lanes.why})" if lanes else "in one process")
     if run.adapter.soup_config:  # the user's config, not the protocol: said where every table's header is
         how += (f"; the arm is --config {run.adapter.soup_config}'s ({run.quants[0]}, LoRA r {run.adapter.lora_r} alpha "
-                f"{run.adapter.lora_alpha} on {','.join(run.adapter.targets or ())}, optimizer {run.optimizer}, "
-                f"gradient accumulation {run.accumulation})")
+                f"{run.adapter.lora_alpha} on {','.join(run.adapter.targets or ())}, optimizer {run.settings.optimizer}, "
+                f"gradient accumulation {run.settings.accumulation})")
     arms_label = how if run.run_arms else ("determinism: one fresh process per repeat" if run.repeats
                                         else "none (modes only)")
     command = [os.path.basename(protocol.script), *run.argv]

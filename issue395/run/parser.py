@@ -157,8 +157,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "fits and bisected to 64 tokens (seq) or 1 (batch), beside this tool's answer and Soup's "
                         "gate. --dry-run: the first probe's soup.yaml and the plan")
     m.add_argument("--soup-patch", default=None, metavar="OUT.diff",
-                   help="write a unified diff against the installed soup-cli's own source that makes Soup's own gate "
-                        "compare this tool's corrected peak (its estimator, generated into soup_cli/utils/"
+                   help="write a unified diff against the installed soup-cli's own source that makes Soup's own gates "
+                        "(streamed and resident) compare this tool's corrected peak (its estimator, generated into soup_cli/utils/"
                         "corrected_peak.py); `patch -p1` applies it in the folder that holds soup_cli/. Alone; on CPU")
     m.add_argument("--determinism", nargs="?", const="2", default=None, metavar="N",
                    help="repeat arms in N fresh processes (default 2; default arms: SmolLM2 at 4096 and 6144)")

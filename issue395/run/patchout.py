@@ -1,7 +1,7 @@
-"""--soup-patch OUT.diff: the unified diff that makes the installed soup-cli's own gate compare this
-tool's corrected peak (issue395.estimator.soup_patch), written safely. It runs nothing else, so it is
-settled before anything else of the command line and stands alone on it. No torch, no Soup import: Soup
-is read from its source.
+"""--soup-patch OUT.diff: the unified diff that makes the installed soup-cli's own gates (streamed and
+resident) compare this tool's corrected peak (issue395.estimator.soup_patch), written safely. It runs
+nothing else, so it is settled before anything else of the command line and stands alone on it. No
+torch, no Soup import: Soup is read from its source.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any
 from ..errors import EXIT_OK, UsageError
 from ..estimator.releases import PATCH_MODULE, installed_release, soup_dir
 from ..estimator.soup_number import patched
-from ..estimator.soup_patch import soup_patch
+from ..estimator.soup_patch import NO_RESIDENT_GATE, soup_patch
 from ..report.outputs import write_output
 from .checks import check_output, never_replaced
 from .request import SoupPatchRequest
@@ -54,8 +54,13 @@ def execute(request: SoupPatchRequest, protocol: Any = None) -> int:
         raise UsageError(f"--soup-patch {request.path}: cannot be written "
                          f"({(exc.strerror or str(exc)).lower()})") from None
     where = os.path.abspath(request.path)
+    resident = "+++ b/soup_cli/commands/train.py" in diff
     print(f"--soup-patch: wrote {request.path} ({diff.count(chr(10)):,} lines): soup-cli {installed_release()}'s own "
-          f"gate compares this tool's corrected peak; it adds soup_cli/{PATCH_MODULE} (this tool's estimator, "
-          "generated from its source) and patches soup_cli/trainer/stream_setup.py (_stream_budget_lines)")
+          f"gates compare this tool's corrected peak; it adds soup_cli/{PATCH_MODULE} (this tool's estimator, "
+          "generated from its source) and patches soup_cli/trainer/stream_setup.py (_stream_budget_lines, the "
+          "streamed gate)" + (" and soup_cli/commands/train.py (_hardware_fit_preflight, the resident gate)"
+                              if resident else ""))
+    if not resident:
+        print(f"  {NO_RESIDENT_GATE}")
     print(f"  apply it: cd {src.parent} && patch -p1 --dry-run < {where} && patch -p1 < {where}")
     return EXIT_OK

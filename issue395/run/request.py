@@ -13,7 +13,7 @@ from typing import Any, Optional
 
 from ..tasks import PROTOCOL_TASK
 from ..record import LORA_ALPHA, LORA_R, RECORD_DETERMINISM
-from ..model.arm import Arm
+from ..model.arm import Arm, Settings
 from ..model.registry import SHAPES
 from ..constraints.asked import Constraints
 from .grid import plan_arms, plan_map
@@ -90,10 +90,8 @@ class MeasureRequest:
     context: Optional[int] = None  # --context, bytes (--emulate-card's card)
     adapter: Adapter = Adapter()
     argv: tuple = ()
-    #: --config: the file's training.optimizer and gradient_accumulation_steps, which every arm runs (None:
-    #: the protocol's, which names neither)
-    optimizer: Optional[str] = None
-    accumulation: Optional[int] = None
+    #: --config: the file's run settings, which every arm runs (none: the protocol's)
+    settings: Settings = Settings()
 
     @property
     def determinism_grid(self) -> tuple[tuple, Optional[tuple], tuple]:
@@ -104,13 +102,13 @@ class MeasureRequest:
 
     def arms(self) -> list[Arm]:
         """The grid's arms, in grid order (the map's, or the sweep's)."""
-        run = dict(optimizer=self.optimizer, accumulation=self.accumulation)
-        return (plan_map(self.models, self.quants, self.seqs, self.batches, self.tasks, **run) if self.map
-                else plan_arms(self.models, self.seqs, self.batches, self.quants[0], self.tasks, **run))
+        return (plan_map(self.models, self.quants, self.seqs, self.batches, self.tasks, self.settings) if self.map
+                else plan_arms(self.models, self.seqs, self.batches, self.quants[0], self.tasks, self.settings))
 
 
 #: MeasureRequest's sub-records by field, as a child's job file reads them back.
-MEASURE_RECORDS = {"outputs": Outputs, "adapter": Adapter, "children": Children, "constraints": Constraints}
+MEASURE_RECORDS = {"outputs": Outputs, "adapter": Adapter, "children": Children, "constraints": Constraints,
+                   "settings": Settings}
 
 
 def measure_from_json(data: dict[str, Any]) -> MeasureRequest:
@@ -155,15 +153,10 @@ class EstimateRequest:
         return Gate(self.user.gate_override, self.user.probe) if self.user else Gate()
 
     @property
-    def optimizer(self) -> Optional[str]:
-        """The file's training.optimizer (None: the estimator's default, as for --model)."""
-        return self.user.optimizer if self.user else None
-
-    @property
-    def accumulation(self) -> Optional[int]:
-        """The file's training.gradient_accumulation_steps (Soup's default where it sets none; None:
-        one micro-batch a step, as for --model)."""
-        return self.user.accumulation if self.user else None
+    def settings(self) -> Settings:
+        """The file's run settings (Soup's defaults where it sets none; none for --model: the estimator's
+        defaults, Soup's default optimizer and one micro-batch a step)."""
+        return self.user.settings if self.user else Settings()
 
     @property
     def keys(self) -> tuple:

@@ -21,7 +21,7 @@ def answer_resident(e: EstimateRequest) -> int:
     try:
         est = estimate_resident(e.config, quant=quant, seq=seq, batch=batch, targets=a.targets, lora_r=a.lora_r,
                                 task=task, checkpointing=r.checkpointing, steps=e.steps,
-                                optimizer=e.optimizer or "adamw_torch", accumulation=e.accumulation or 1)
+                                **e.settings.estimator(resident=True))
         why = None
     except UsageError as exc:
         est, why = None, str(exc)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,19 +15,12 @@ from ..constants import STREAM_KEYS
 from ..errors import UsageError, cut, last_line, soups_words
 from ..record import SOUP_QUANT
 from ..tasks import PROTOCOL_TASK, TASKS
-from ..estimator.steady import DEFAULT_OPTIMIZER
+from ..model.arm import Settings
 from ..results.extras import ResidentGate
 from .checks import HUB_ID, LOADER_NEEDS, looks_like_a_path
 
 #: Soup's quantization spelling -> this tool's.
 QUANT_OF = {soup: ours for ours, soup in SOUP_QUANT.items()}
-
-#: training.* options that change what a streamed step holds and that the estimator does not
-#: model, with the value it assumes (Soup's default): any other value is one line naming it.
-#: 0.77.0's streaming modes it does model (an expert layout, a loss chunk, recompute on or off)
-#: pass, and reach the arm's Soup config as the file sets them; stream_recompute auto (a step
-#: measured at setup) does not.
-ASSUMED = {"stream_buffers": 2}
 
 
 @dataclass(frozen=True)
@@ -43,16 +35,13 @@ class UserRun:
     lora_r: int
     lora_alpha: int
     targets: Optional[tuple]
-    stream_buffers: int
     stream_options: dict  # 0.77.0's streaming modes, as the file sets them (none on 0.73.3)
     task: str = PROTOCOL_TASK  # Soup's task: (issue395.tasks)
     gate_override: Optional[int] = None  # training.stream_vram_override: bytes Soup's gate takes as free
     probe: bool = False  # training.stream_vram_probe: Soup's gate is one measured step (decide_measured_fit)
-    optimizer: str = DEFAULT_OPTIMIZER  # training.optimizer, Soup's normalised name
-    accumulation: int = 1  # training.gradient_accumulation_steps
+    settings: Settings = Settings()  # the run's SETTINGS (optimizer, accumulation) as Soup's loader read them
     keys: tuple = ()  # one line per key of the file that changes the peak or Soup's gate: how it is read
     text: str = ""  # the file as written (--find-max's probes copy it, changing only their keys)
-    lora_dropout: float = 0.05  # training.lora.dropout (Soup's default; the estimator's figures are at it)
     resident: Optional["ResidentRun"] = None  # training.stream_layers false: what a resident run adds
 
 
@@ -120,11 +109,6 @@ def read_soup_config(path: str, resident_ok: bool = False) -> UserRun:
     if not isinstance(t.batch_size, int):
         raise UsageError(f"--config {path}: training.batch_size {t.batch_size!r} is one the estimator does not "
                          "model (give a whole number)")
-    for name, assumed in ASSUMED.items():
-        value = getattr(t, name, assumed)
-        if value != assumed:
-            raise UsageError(f"--config {path}: training.{name} {value!r} is an option the estimator does not "
-                             f"model (it assumes {assumed!r})")
     lora = t.lora
     targets = lora.target_modules
     if isinstance(targets, str):  # auto and all-linear: resolved as --targets resolves them (model.targets)
@@ -135,12 +119,10 @@ def read_soup_config(path: str, resident_ok: bool = False) -> UserRun:
                          "model (it measures a step at setup; give on or off)")
     override = getattr(t, "stream_vram_override", None)
     return UserRun(str(path), cfg.base, quant, int(cfg.data.max_length), int(t.batch_size), int(lora.r),
-                   int(lora.alpha), tuple(targets), int(t.stream_buffers), stream, task,
+                   int(lora.alpha), tuple(targets), stream, task,
                    gate_override=None if override is None else int(override),
-                   probe=bool(getattr(t, "stream_vram_probe", False)), optimizer=str(t.optimizer),
-                   accumulation=int(t.gradient_accumulation_steps),
-                   keys=tuple(unknown_keys(raw)) + tuple(key_lines(cfg, quant, set_in(raw, "training"))), text=text,
-                   lora_dropout=float(getattr(lora, "dropout", LORA_DROPOUT)), resident=resident)
+                   probe=bool(getattr(t, "stream_vram_probe", False)), settings=Settings.read(t),
+                   keys=tuple(unknown_keys(raw)) + tuple(key_lines(cfg, quant, set_in(raw, "training"))), text=text, resident=resident)
 
 
 def soup_release() -> str:
@@ -268,15 +250,10 @@ def key_lines(cfg: Any, quant: str, given: Optional[set] = None) -> list[str]:
                      "double-quantised (Soup's default); single quantisation keeps fp32 block scales")
     if getattr(t, "moe_lora", False):
         lines.append("training.moe_lora true: NOT modelled: the estimate is of a plain LoRA adapter")
-    accum = int(getattr(t, "gradient_accumulation_steps", 1))
-    if accum > 1:
-        default = "" if "gradient_accumulation_steps" in given else " (Soup's default, not set in the file)"
-        lines.append(f"training.gradient_accumulation_steps {accum}{default}: modelled: each micro-batch is "
-                     "training.batch_size rows, the step's batch, and from micro-batch 2 on every phase holds the "
-                     "adapter's gradients (held_gradients)")
-    if str(t.optimizer) != DEFAULT_OPTIMIZER:  # its steady state, by the estimator's optimizer table
-        lines.append(f"training.optimizer {t.optimizer}: its states from step 2 on, by the estimator's optimizer "
-                     "table (one it has no entry for is charged as an upper bound, said as one)")
+    for setting, value in Settings.read(t).given():  # one at the protocol's value says nothing
+        if value != setting.protocol:
+            default = "" if setting.soup in given else " (Soup's default, not set in the file)"
+            lines.append(f"training.{setting.soup} {value}{default}: modelled: {setting.modelled}")
     dropout = float(getattr(t.lora, "dropout", LORA_DROPOUT))
     if dropout > 0 and dropout != LORA_DROPOUT:
         lines.append(f"training.lora.dropout {dropout:g}: modelled: peft's Dropout keeps its output and a 1-byte mask "

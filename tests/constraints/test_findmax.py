@@ -209,6 +209,12 @@ def test_judge_reads_soups_own_lines():
     assert other.outcome == F.FAILED and other.line == "ValueError: data.train: no such file"
     refused = F.judge(64, "a streaming step is predicted to need 9.34 GB of VRAM but only 8.00 GB is free\n", 1, None, 2)
     assert refused.outcome == F.FAILED and refused.line == "refused by Soup's gate"
+    # the resident gate's panel, as commands/train.py's _hardware_fit_preflight prints it (stock and patched alike)
+    resident = F.judge(64, "╭──── Hardware-fit gate ────╮\n│ Predicted peak VRAM 49.3 GB (corrected: ...) │\n", 1, None, 2)
+    assert resident.outcome == F.FAILED and resident.line == "refused by Soup's gate"
+    lifted = F.judge(64, "╭── Hardware-fit warning ──╮\n│ --allow-oom-attempt set: launching anyway. │\n{'loss': 1}\n",
+                     0, 2, 2)
+    assert lifted.outcome == F.COMPLETED
 
 
 def test_run_probe_holds_the_ballast_around_soups_own_process(tmp_path):

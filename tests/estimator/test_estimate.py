@@ -291,3 +291,24 @@ def test_soups_probe_before_the_step_leaves_its_backwards_cublas_workspace_besid
         probed = E.estimate_key(key + "+probe", seq=1024, batch=2, task=task)
         assert probed.corrected_predicted - plain.corrected_predicted == plain.terms[Term.CUBLAS_WORKSPACE.key] > 0
         assert probed.soup_predicted == plain.soup_predicted
+
+
+@pytest.mark.parametrize("key", FAMILY_KEYS)
+def test_the_protocols_adapter_has_no_block_over_1_mib_so_no_unsplit_remainder_is_charged(key):
+    """Issue 52 item 1: every LoRA tensor of the protocol's r8 adapter is 1 MiB or less (the small pool splits at
+    512 B), so the term is absent and the corrected peak is the split one, at three steps and accumulation too."""
+    e = E.estimate(config_json(key), seq=1024, steps=3, accumulation=2)
+    assert "unsplit_remainders" not in e.terms and e.split_allocated == e.corrected_predicted
+
+
+def test_a_large_adapters_unsplit_remainders_are_charged_to_the_allocated_peak_not_to_needs_free():
+    """Issue 52 item 1: Mistral-7B NF4 r256 all-linear (the fit4 anatomy arm): its adapter blocks over 1 MiB are
+    charged in the corrected peak (what the harness's default allocator counts), and needs_free is the split peak
+    plus the reserve, as before (`soup train`'s expandable segments split every block); more live copies, more."""
+    kw = dict(quant="nf4", seq=1024, targets="all-linear", lora_r=256, steps=3)
+    e = E.estimate(config_json("mistral-7b"), **kw)
+    unsplit = e.terms["unsplit_remainders"]
+    assert unsplit > 0 and e.corrected_predicted - e.split_allocated == unsplit
+    assert e.needs_free == E.needs_free(e.split_allocated)
+    one = E.estimate(config_json("mistral-7b"), **dict(kw, steps=1))
+    assert 0 < one.terms["unsplit_remainders"] < unsplit  # step 1 holds no states nor transients

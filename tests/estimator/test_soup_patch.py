@@ -5,8 +5,12 @@ on its path); the PATCHED soup_cli's own number, by its own corrected_peak modul
 peak of every committed H200 arm of every task of the installed release (the peaks are the record's, read
 from results/; nothing is faked); the patched setup's own _stream_budget_lines, run here on CPU on Soup's own
 config (its loader) and transformers' own config of the model, computes that same number; the patched gate
-on the committed --find-max probes' free memory. A CUDA step cannot run here: the GPU proof is
-bench/gpu-soup-patch.sh."""
+on the committed --find-max probes' free memory. Issue 51 item 6, the resident gate: the patched
+commands/train.py's own _hardware_fit_preflight on Soup's loaded config of small resident soup.yaml files,
+beside the stock one, on a faked CUDA card (gpu_info's total; torch's free memory where a test says so),
+and the patched `soup train` CLI gating then training a resident run on CPU. A CUDA step cannot run here:
+the streamed gate's GPU proof was bench/gpu-soup-patch.sh (git history), the resident one's is
+bench/gpu-resident-patch.sh."""
 
 from __future__ import annotations
 
@@ -245,7 +249,7 @@ def test_estimate_sets_the_patched_gate_beside_the_stock_formula(patched_site, m
     assert "longest seq it admits 1792" not in next(line for line in stock.splitlines() if line.startswith("  12GB:"))
 
 
-@pytest.mark.parametrize("setting", [("stream_buffers", 3), ("lora.dropout", 0.1), ("bnb_4bit_use_double_quant", False),
+@pytest.mark.parametrize("setting", [("lora.dropout", 0.1), ("bnb_4bit_use_double_quant", False),
                                      ("stream_nf4_scale_cache", True), ("moe_lora", True), ("optimizer", "adafactor"),
                                      ("quantization", "8bit"), ("stream_recompute", "auto")])
 def test_a_setting_the_estimator_does_not_model_keeps_soups_formula_and_says_so(setting):
@@ -264,6 +268,22 @@ def test_a_setting_the_estimator_does_not_model_keeps_soups_formula_and_says_so(
     assert "the gate keeps Soup's formula" in record["line"] and str(value) in record["line"]
 
 
+def test_the_patched_gate_reads_the_runs_stream_buffers_off_soups_config():
+    """Issue 50 item 4: training.stream_buffers, a run setting (issue395.model.arm.SETTINGS), reaches the patched
+    gate from Soup's own config: at 3 its estimate is the estimate at buffers 3, not Soup's formula kept."""
+    from types import SimpleNamespace as S
+
+    from issue395.estimator.soup_gate import preflight
+
+    lora = S(target_modules=["q_proj", "v_proj"], r=8, dropout=0.05)
+    cfg = S(task="sft", data=S(max_length=512))
+    peaks = [preflight(cfg, S(quantization="4bit", batch_size=1, lora=lora, optimizer="adamw_torch", stream_buffers=n),
+                       config_json("qwen"), formula=123)["peak"] for n in (2, 3)]
+    want = [estimate(config_json("qwen"), quant="nf4", seq=512, steps=2, buffers=n, soup=False).corrected_predicted
+            for n in (2, 3)]
+    assert peaks == want and peaks[1] > peaks[0]
+
+
 def test_a_config_the_estimator_cannot_read_keeps_soups_formula_not_a_crash_of_soups_setup():
     from types import SimpleNamespace as S
 
@@ -273,3 +293,272 @@ def test_a_config_the_estimator_cannot_read_keeps_soups_formula_not_a_crash_of_s
              optimizer="adamw_torch", stream_buffers=2)
     record = preflight(S(task="sft", data=S(max_length=512)), tcfg, {"model_type": "qwen2"}, formula=7)
     assert record["gate_bytes"] is None and record["formula"] == 7 and "hidden_size" in record["refused"]
+
+
+# Issue 51 item 6: the resident gate (commands/train.py's _hardware_fit_preflight), patched.
+
+RESIDENT_GATE = r"""
+import io, json, sys
+import typer
+from rich.console import Console
+from soup_cli.config.loader import load_config_from_string
+import soup_cli.commands.train as train
+out = []
+for case in json.loads(sys.argv[1]):
+    if case.get("free") is not None:  # the CUDA card is faked: the free memory torch reads on it
+        import torch
+        torch.cuda.mem_get_info = lambda device=None, _f=case["free"], _t=case["total"]: (_f, _t)
+    buf = io.StringIO()
+    train.console = Console(file=buf, width=1000, color_system=None)
+    try:  # gpu_info is faked too: the card's total as Soup's get_gpu_info reports it
+        train._hardware_fit_preflight(load_config_from_string(case["yaml"]), {"memory_total_bytes": case["total"]},
+                                      allow_oom_attempt=case["allow"])
+        code = None
+    except typer.Exit as exc:
+        code = exc.exit_code
+    out.append({"exit": code, "console": buf.getvalue()})
+print(json.dumps(out))
+"""
+
+
+def _resident_yaml(base: Path, seq: int, batch: int, **training) -> str:
+    """A small resident soup.yaml (stream_layers false; Soup's defaults but for the run's own keys)."""
+    import yaml
+
+    return yaml.safe_dump({"base": str(base), "task": "sft", "data": {"train": "train.jsonl", "max_length": seq},
+                           "training": {"batch_size": batch, "quantization": "none", "stream_layers": False,
+                                        "lora": {"r": 8, "alpha": 16, "target_modules": ["q_proj", "v_proj"]},
+                                        **training}})
+
+
+def _base(root: Path, name: str, family: str) -> Path:
+    """A local base folder holding the family's config.json (named as its hub id names it, which Soup's
+    model_size_from_name reads where no weights are local)."""
+    folder = root / name
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(config_json(family)))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def resident_gate(patched_site, tmp_path_factory):
+    """The patched soup_cli's own _hardware_fit_preflight, in a process whose soup_cli is the patched copy, on
+    Soup's loader's config of each case's soup.yaml; the CUDA card is faked (gpu_info's total, and where a
+    case gives it, torch's free-memory reading); on CPU torch reads no free memory, so those cases compare
+    with the card's total less the context bound. Cases by name -> (case, outcome)."""
+    from issue395.estimator.cards import CARDS, CONTEXT_BOUND_BYTES
+    from issue395.estimator.soup_gate import resident_preflight
+
+    root = tmp_path_factory.mktemp("resident")
+    qwen, moe = _base(root, "Qwen2.5-0.5B", "qwen"), _base(root, "Moonlight-16B-A3B", "moonlight")
+    big, small = _resident_yaml(qwen, 4096, 4), _resident_yaml(qwen, 1024, 1)
+    from soup_cli.config.loader import load_config_from_string
+
+    edge = resident_preflight(load_config_from_string(small), config_json("qwen"), free=None,
+                              total=1)["gate_bytes"] + CONTEXT_BOUND_BYTES  # the smallest card it fits on
+    card = CARDS["rtx4090"].total_bytes
+    cases = {"big": dict(yaml=big, total=card, allow=False), "big-allowed": dict(yaml=big, total=card, allow=True),
+             "small-edge": dict(yaml=small, total=edge, allow=False),
+             "small-edge-less-1": dict(yaml=small, total=edge - 1, allow=False),
+             "small-busy-card": dict(yaml=small, total=card, allow=False, free=edge - CONTEXT_BOUND_BYTES - 1),
+             "moe-small-card": dict(yaml=_resident_yaml(moe, 1024, 1), total=4 * 10**9, allow=False),
+             "moe-large-card": dict(yaml=_resident_yaml(moe, 1024, 1), total=card, allow=False)}
+    env = {"PYTHONPATH": str(patched_site), "PATH": "/usr/bin:/bin", "HOME": str(root), "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run([sys.executable, "-c", RESIDENT_GATE, json.dumps(list(cases.values()))], capture_output=True,
+                          text=True, env=env, cwd=str(root), timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    return {name: (case, outcome) for (name, case), outcome in zip(cases.items(), got)}
+
+
+def _stock(case: dict) -> tuple:
+    """The installed (stock) soup_cli's own _hardware_fit_preflight on the same faked card: (exit, console)."""
+    import io
+
+    import typer
+    from rich.console import Console
+    from soup_cli.config.loader import load_config_from_string
+
+    import soup_cli.commands.train as train
+
+    buf, saved = io.StringIO(), train.console
+    train.console = Console(file=buf, width=1000, color_system=None)
+    try:
+        train._hardware_fit_preflight(load_config_from_string(case["yaml"]), {"memory_total_bytes": case["total"]},
+                                      allow_oom_attempt=case["allow"])
+        return None, buf.getvalue()
+    except typer.Exit as exc:
+        return exc.exit_code, buf.getvalue()
+    finally:
+        train.console = saved
+
+
+def test_the_patch_adds_the_resident_gate_to_the_installed_releases_train_command(patched_site):
+    text = (patched_site / "soup_cli" / "commands" / "train.py").read_text()
+    assert "from soup_cli.utils.corrected_peak import resident_preflight" in text
+    assert text.index("def _corrected_free_bytes") < text.index("def _hardware_fit_preflight")
+
+
+def test_stock_soup_admits_a_resident_run_the_patched_gate_refuses_in_soups_panel(resident_gate):
+    """Qwen2.5-0.5B SFT bf16 4096x4 (no checkpointing) on an RTX 4090's total (faked card): Soup's formula
+    (+10%) is under the card's total, so stock Soup launches it; the corrected resident estimate's need is over
+    it, so the patched gate refuses, exit 1, in Soup's own panel, with the corrected number, what it charges,
+    and Soup's formula beside it."""
+    from issue395.estimator.resident import estimate_resident
+    from issue395.results.extras import ResidentGate
+    from soup_cli.config.loader import load_config_from_string
+
+    case, patched_out = resident_gate["big"]
+    stock_exit, stock_console = _stock(case)
+    assert stock_exit is None and stock_console == ""  # stock Soup: admitted, silently
+    soup = ResidentGate.computed(ResidentGate.input_of(load_config_from_string(case["yaml"])), case["total"])
+    assert soup.admits is True
+    peak = estimate_resident(config_json("qwen"), quant="none", seq=4096, batch=4, targets=("q_proj", "v_proj"),
+                             lora_r=8, steps=2, accumulation=4).corrected_predicted  # Soup's default accumulation
+    assert patched_out["exit"] == 1
+    panel = patched_out["console"]
+    assert "Hardware-fit gate" in panel and "Reduce batch_size / max_length" in panel
+    assert f"Predicted peak VRAM {peak / 1e9:.1f} GB (corrected" in panel
+    assert "resident weights and adapter" in panel and "allocator reserve" in panel
+    assert f"Soup's formula: {soup.peak / 1e9:.1f} GB (+10% margin = {soup.required / 1e9:.1f} GB)" in panel
+    assert "it admits the run" in panel
+
+
+def test_allow_oom_attempt_launches_what_the_patched_gate_refuses_with_soups_warning(resident_gate):
+    _, out = resident_gate["big-allowed"]
+    assert out["exit"] is None
+    assert "Hardware-fit warning" in out["console"] and "--allow-oom-attempt set: launching anyway." in out["console"]
+
+
+def test_the_patched_gate_admits_a_run_that_fits_to_the_byte_and_refuses_one_byte_less(resident_gate):
+    """Qwen2.5-0.5B SFT bf16 1024x1: on a card whose total less the context bound is exactly the corrected
+    need (torch reads no free memory on CPU), admitted with one line; one byte smaller, refused."""
+    _, fits = resident_gate["small-edge"]
+    _, short = resident_gate["small-edge-less-1"]
+    assert fits["exit"] is None and ": fits." in fits["console"]
+    assert "Hardware-fit (corrected peak VRAM): " in fits["console"]
+    assert "context bound" in fits["console"]
+    assert short["exit"] == 1 and "Hardware-fit gate" in short["console"]
+
+
+def test_the_patched_gate_compares_the_free_memory_torch_reads_not_the_total(resident_gate):
+    """The same run on a 24 GB card (faked) that another process holds all but one byte short of the need:
+    Soup's formula admits it against the total; the patched gate reads torch's free memory and refuses."""
+    case, out = resident_gate["small-busy-card"]
+    assert _stock(case)[0] is None
+    assert out["exit"] == 1 and "free on the card (torch.cuda.mem_get_info)" in out["console"]
+
+
+def test_a_moe_base_keeps_soups_formula_and_says_so(resident_gate):
+    """Moonlight (DeepSeek-V3's MoE and latent attention): the resident estimate does not model it, so Soup's
+    own formula gates it, as stock Soup does (refused on a 4 GB card, admitted on a 24 GB one), after one line."""
+    for name in ("moe-small-card", "moe-large-card"):
+        case, out = resident_gate[name]
+        stock_exit, stock_console = _stock(case)
+        assert out["exit"] == stock_exit, name
+        assert "not computed (a resident deepseek_v3 run is not yet modelled" in out["console"]
+        assert "the gate keeps Soup's formula" in out["console"]
+        assert out["console"].endswith(stock_console)  # then Soup's own panel, or nothing, as stock
+    assert resident_gate["moe-small-card"][1]["exit"] == 1
+
+
+def test_a_release_without_the_resident_gate_gets_its_streamed_gate_patched_and_one_line(tmp_path):
+    """A train.py with no _hardware_fit_preflight (renamed here in a copy): the diff patches the streamed gate
+    alone and still applies."""
+    from issue395.estimator.soup_patch import NO_RESIDENT_GATE, resident_site
+
+    src = tmp_path / "src" / "soup_cli"
+    shutil.copytree(soup_dir(), src)
+    train = src / "commands" / "train.py"
+    train.write_text(train.read_text().replace("_hardware_fit_preflight", "_another_gate"))
+    assert resident_site(train.read_text()) is None
+    diff = soup_patch(src, VERSION)
+    assert "b/soup_cli/commands/train.py" not in diff and "b/soup_cli/trainer/stream_setup.py" in diff
+    assert _apply(src, tmp_path / "site", diff, dry=True).returncode == 0
+    assert "resident gate is not patched" in NO_RESIDENT_GATE
+
+
+@pytest.mark.parametrize("dotted, value", [("unfrozen_parameters", ["model.layers.0"]), ("lora.use_dora", True),
+                                           ("use_liger", True), ("backend", "unsloth"), ("quantization", "8bit"),
+                                           ("batch_size", "auto"), ("optimizer", "adafactor")])
+def test_a_resident_setting_the_estimate_does_not_model_keeps_soups_formula(dotted, value):
+    """Each names itself in the line; Soup's defaults (the same file without it) are modelled."""
+    from soup_cli.config.loader import load_config_from_string
+
+    from issue395.estimator.soup_gate import resident_preflight
+
+    import yaml
+
+    raw = yaml.safe_load(_resident_yaml(Path("Qwen2.5-0.5B"), 1024, 1))
+    assert resident_preflight(load_config_from_string(yaml.safe_dump(raw)), config_json("qwen"), free=None,
+                              total=10**11)["refused"] is None
+    where = raw if dotted == "backend" else raw["training"]
+    for part in dotted.split(".")[:-1]:
+        where = where[part]
+    where[dotted.split(".")[-1]] = value
+    record = resident_preflight(load_config_from_string(yaml.safe_dump(raw)), config_json("qwen"), free=None,
+                                total=10**11, formula=(1.0, 1.1, True))
+    assert record["gate_bytes"] is None and dotted.split(".")[-1] in record["refused"]
+    assert "the gate keeps Soup's formula" in record["line"]
+
+
+def test_every_resident_assumption_is_soups_own_default():
+    """RESIDENT_ASSUMED holds Soup's schema defaults (or an unset that means them), so a plain file is modelled,
+    on whichever release is installed; a key the release does not have is its default."""
+    from soup_cli.config.schema import LoraConfig, SoupConfig, TrainingConfig
+
+    from issue395.estimator.soup_gate import _UNSET_MEANS, RESIDENT_ASSUMED
+
+    for dotted, assumed in RESIDENT_ASSUMED:
+        model = SoupConfig if dotted == "backend" else LoraConfig if dotted.startswith("lora.") else TrainingConfig
+        field = model.model_fields.get(dotted.split(".")[-1])
+        if field is not None:
+            assert field.default in (assumed, *_UNSET_MEANS.get(dotted, ())), dotted
+
+
+SOUP_TRAIN = r"""
+import runpy, sys
+import soup_cli.commands.train as train
+assert hasattr(train, "_corrected_free_bytes"), train.__file__  # the patched copy, not the installed Soup
+real, total = train.get_gpu_info, int(sys.argv[2])
+# the CUDA card is faked: get_gpu_info reports a card of this total; the run itself is on CPU
+train.get_gpu_info = lambda backend=None: dict(real(backend=backend), memory_total_bytes=total)
+sys.argv = ["soup", "train", "--config", sys.argv[1], "--yes"]
+runpy.run_module("soup_cli", run_name="__main__")
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.release
+def test_the_patched_soup_train_cli_gates_a_resident_run_then_trains_it_on_cpu(patched_site, cache_dir, tmp_path):
+    """The real `soup train` of the patched copy (its CLI from `python -m soup_cli`'s own entry) on a resident
+    SmolLM2 (synthetic weights) SFT file at 64 tokens, on CPU, with get_gpu_info faked to report a card so
+    Soup's CLI runs its resident gate (on CPU it skips it): on a 1 GB card, whose total Soup's formula (+10%)
+    admits, the patched gate refuses before any training (exit 1, Soup's panel, no output folder); on an 80 GB
+    card it admits with its one line, and the run trains its one step (the trainer's own state)."""
+    from issue395.constraints.findmax import probe_config, steps_done, write_probe_config
+    from issue395.run.checkpoints import synthetic_checkpoint
+    from issue395.model.registry import SHAPES
+    from conftest import h
+
+    base = synthetic_checkpoint(SHAPES["smol"], cache_dir / "checkpoints")[0]
+    data, out = tmp_path / "train.jsonl", tmp_path / "out"
+    user = h.soup_config_yaml(str(base), data, out, 64, 1, "none", ("q_proj", "v_proj"), (),
+                              training={"stream_layers": False})
+    config = write_probe_config(tmp_path, probe_config(user, "seq", 64, data=data, output=out, override=None,
+                                                       data_format="chatml"), h.task_rows("sft", 64, 1))
+    env = {"PYTHONPATH": str(patched_site), "PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "HF_HUB_OFFLINE": "1",
+           "COLUMNS": "400"}
+
+    def soup_train(total: int) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-c", SOUP_TRAIN, str(config), str(total)], capture_output=True,
+                              text=True, env=env, cwd=str(tmp_path), timeout=600)
+
+    refused = soup_train(10**9)
+    assert refused.returncode == 1, refused.stdout[-2000:] + refused.stderr[-2000:]
+    assert "Hardware-fit gate" in refused.stdout and "(corrected: this tool's resident estimate" in refused.stdout
+    assert "it admits the run" in refused.stdout and not out.exists()  # Soup's formula would have launched it
+    done = soup_train(80 * 10**9)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "Hardware-fit (corrected peak VRAM): " in done.stdout and ": fits." in done.stdout
+    assert steps_done(out, done.stdout) == 1

@@ -21,7 +21,7 @@ import pytest
 from conftest import PUBLISHED, RECORD_ARMS, ROOT, SMOL, main, make_row, one_error_line, record_row, record_rows
 
 from issue395.results.extras import Capped, Emulated, MinFreeFound, Ran, UserConfig
-from issue395.model.arm import Arm, predicted_bytes
+from issue395.model.arm import Arm, Settings, predicted_bytes
 from issue395.model.registry import SHAPES
 from issue395.measure.cuda import attribute_peak
 from issue395.run.request import MeasureRequest
@@ -387,22 +387,22 @@ def test_a_config_arms_optimizer_and_accumulation_are_saved_read_back_and_key_it
     (two optimizers of one file are two arms in compare and merge); Soup's default optimizer at one micro-batch
     is the protocol's own run."""
     plain = make_row("qwen", 2048, 1)
-    run = arm_row(Arm("qwen", 2048, 1, 1, optimizer="adamw_8bit", accumulation=4), SHAPES_QWEN)
+    run = arm_row(Arm("qwen", 2048, 1, 1, settings=Settings("adamw_8bit", 4)), SHAPES_QWEN)
     assert not {"optimizer", "accumulation"} & set(plain.to_json())
     assert (run.to_json()["optimizer"], run.to_json()["accumulation"]) == ("adamw_8bit", 4)
     assert Row.from_json(run.to_json()) == run
-    assert run.arm == ("qwen", "none", 2048, 1, "adamw_8bit", 4) and plain.arm == ("qwen", "none", 2048, 1)
-    default = arm_row(Arm("qwen", 2048, 1, 1, optimizer="adamw_torch", accumulation=1), SHAPES_QWEN)
+    assert run.arm == ("qwen", "none", 2048, 1, "adamw_8bit", 4, 2) and plain.arm == ("qwen", "none", 2048, 1)
+    default = arm_row(Arm("qwen", 2048, 1, 1, settings=Settings("adamw_torch", 1)), SHAPES_QWEN)
     assert default.arm == plain.arm and default.to_json()["optimizer"] == "adamw_torch"
-    lost = lost_row(Arm("qwen", 2048, 1, 6, task="dpo", optimizer="adamw_8bit", accumulation=4), MeasureRequest(),
+    lost = lost_row(Arm("qwen", 2048, 1, 6, task="dpo", settings=Settings("adamw_8bit", 4)), MeasureRequest(),
                     None, -9)
-    assert (lost.task, lost.optimizer, lost.accumulation) == ("dpo", "adamw_8bit", 4)  # a lost arm is still its arm
+    assert (lost.task, lost.settings.optimizer, lost.settings.accumulation) == ("dpo", "adamw_8bit", 4)  # a lost arm is still its arm
 
 
 @pytest.mark.parametrize("field, value", [("optimizer", ""), ("optimizer", 8), ("optimizer", "adam\nw"),
                                           ("accumulation", 0), ("accumulation", 2.0), ("accumulation", True)])
 def test_a_saved_optimizer_or_accumulation_that_cannot_be_a_run_is_refused(field, value):
-    data = dict(arm_row(Arm("qwen", 2048, 1, optimizer="adamw_8bit", accumulation=4), SHAPES_QWEN).to_json(),
+    data = dict(arm_row(Arm("qwen", 2048, 1, settings=Settings("adamw_8bit", 4)), SHAPES_QWEN).to_json(),
                 **{field: value})
     with pytest.raises(ValueError, match=f"row field '{field}'"):
         Row.from_json(data)

@@ -196,12 +196,12 @@ def test_a_file_without_the_keys_runs_soups_defaults_and_says_them(capfd, tmp_pa
     from soup_cli.config.schema import TrainingConfig
 
     default = TrainingConfig.model_fields["gradient_accumulation_steps"].default
-    assert (run.optimizer, run.accumulation) == ("adamw_torch", default)
-    assert {(a.optimizer, a.accumulation) for a in run.arms()} == {("adamw_torch", default)}
+    assert (run.settings.optimizer, run.settings.accumulation) == ("adamw_torch", default)
+    assert {(a.settings.optimizer, a.settings.accumulation) for a in run.arms()} == {("adamw_torch", default)}
     estimated, _ = estimate_config_json(capfd, tmp_path, config)
     assert (estimated["rows"][0]["optimizer"], estimated["rows"][0]["accumulation"]) == ("adamw_torch", default)
     protocol = settled(["--dry-run", "--models", "smol", "--seq", "64"])
-    assert {(a.optimizer, a.accumulation) for a in protocol.arms()} == {(None, None)}
+    assert {(a.settings.optimizer, a.settings.accumulation) for a in protocol.arms()} == {(None, None)}
 
 
 def test_a_bitsandbytes_optimizer_without_bitsandbytes_is_one_line_before_any_work(capfd, tmp_path, monkeypatch):
@@ -211,4 +211,39 @@ def test_a_bitsandbytes_optimizer_without_bitsandbytes_is_one_line_before_any_wo
     config = soup_yaml(tmp_path, "mistralai/Mistral-7B-v0.3", extra="  optimizer: paged_adamw_8bit\n")
     one_error_line(*main(capfd, ["--config", config, "--emulate-card", "T4"]), "training.optimizer paged_adamw_8bit",
                    "bitsandbytes")
-    assert settled(["--config", config, "--dry-run"]).optimizer == "paged_adamw_8bit"
+    assert settled(["--config", config, "--dry-run"]).settings.optimizer == "paged_adamw_8bit"
+
+
+def test_the_files_stream_buffers_is_the_pool_soups_setup_builds_and_every_estimate_charges(
+        capfd, tmp_path, monkeypatch, cache_dir, tiny_checkpoint):
+    """Issue 50 item 4, a new Soup setting done by docs/LAYOUT.md's recipe (model/arm.py's SETTINGS, the estimator's
+    keyword, Soup's number's keyword): training.stream_buffers 3 was refused in one line. Now Soup's own setup
+    builds the measured arm's pool with the file's 3 slots (read off the LayerBufferPool it built), the row and
+    --estimate's JSON row say buffers 3, and the corrected estimate's pool term is the bytes of the pool Soup
+    built (its tensors' own elements, at bf16 as on a card), one layer slot more than at Soup's default 2."""
+    from soup_cli.utils import layer_stream_runtime as runtime
+    from issue395.estimator.estimate import estimate
+
+    pools = []
+    built = runtime.LayerBufferPool.__init__
+
+    def kept(self, *args, **kwargs):  # the real pool, kept to read after the setup
+        built(self, *args, **kwargs)
+        pools.append(self)
+
+    monkeypatch.setattr(runtime.LayerBufferPool, "__init__", kept)
+    config = soup_yaml(tmp_path, tiny_checkpoint, extra="  stream_buffers: 3\n")
+    out = tmp_path / "dry.json"
+    code, text, err = main(capfd, ["--config", config, "--dry-run", "--cache-dir", cache_dir, "--json", out])
+    assert code == 0, err
+    (pool,) = pools
+    # Soup builds the pool in fp32 on CPU and in bf16 on a card: its elements at bf16's 2 B are a card's slot
+    slots = [2 * sum(t.numel() for t in slot.values()) for slot in pool.buffers]
+    assert len(slots) == 3
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["buffers"] == 3
+    estimated, _ = estimate_config_json(capfd, tmp_path, config)
+    assert estimated["config_keys"][-1].startswith("training.stream_buffers 3: modelled")
+    model = json.loads((tiny_checkpoint / "config.json").read_text())
+    three, two = (estimate(model, seq=64, buffers=n, soup=False).terms["pool"] for n in (3, 2))
+    assert three == sum(slots) and three - two == slots[0]

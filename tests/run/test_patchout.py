@@ -18,6 +18,7 @@ def test_soup_patch_writes_the_diff_and_says_how_to_apply_it(capfd, tmp_path):
     code, stdout, err = main(capfd, ["--soup-patch", out])
     assert code == 0, err
     assert f"--soup-patch: wrote {out}" in stdout and "patch -p1 --dry-run <" in stdout
+    assert "_stream_budget_lines, the streamed gate" in stdout and "_hardware_fit_preflight, the resident gate" in stdout
     site = tmp_path / "site"
     shutil.copytree(soup_dir(), site / "soup_cli")
     done = subprocess.run(["patch", "-p1", "--dry-run"], input=out.read_text(), text=True, cwd=site,

@@ -26,7 +26,7 @@ from issue395.run.grid import plan_map
 from issue395.run.request import Children, MeasureRequest
 from issue395.constraints.asked import Constraints
 from issue395.results.extras import Capped, UserConfig
-from issue395.model.arm import Arm
+from issue395.model.arm import Arm, Settings
 from issue395.record import QUANTS
 from issue395.run.scratch import Scratch
 from issue395.run.spread import spread
@@ -101,7 +101,7 @@ PARENT = textwrap.dedent("""
     import sys
     sys.path.insert(0, {root!r})
     from issue395.run.request import Children, MeasureRequest
-    from issue395.model.arm import Arm
+    from issue395.model.arm import Arm, Settings
     from issue395.run.scratch import Scratch
     from issue395.run.spread import spread
 
@@ -222,11 +222,11 @@ def test_a_config_arms_child_gets_the_files_adapter_and_quantization_and_a_lost_
 
     accumulation = TrainingConfig.model_fields["gradient_accumulation_steps"].default  # Soup's: the file sets none
     assert run == sent and back == job and back.arms == (
-        Arm("mistral-7b", 512, 1, 0, "nf4", optimizer="adamw_torch", accumulation=accumulation),)
+        Arm("mistral-7b", 512, 1, 0, "nf4", settings=Settings("adamw_torch", accumulation, 2)),)
     assert (run.adapter.soup_config, run.adapter.targets, run.adapter.lora_r, run.adapter.lora_alpha) == (str(config), ("q_proj",), 4, 8)
     row = lost_row(back.arms[0], run, None, 139)
     assert (row.config, row.targets, row.quant) == (UserConfig(str(config), 4, 8), ("q_proj",), "nf4")
-    assert (row.optimizer, row.accumulation) == ("adamw_torch", accumulation)
+    assert (row.settings.optimizer, row.settings.accumulation) == ("adamw_torch", accumulation)
 
 
 # --lanes (issue 30): lanes at once on one GPU, whole-card arms alone after them, a dead lane's arms FAILED

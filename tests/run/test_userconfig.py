@@ -52,7 +52,6 @@ def test_the_files_own_values_drive_the_estimate(capfd, tmp_path):
 
 @pytest.mark.parametrize("change, words", [
     (dict(stream="false"), ["stream_layers", "a resident run", "--estimate answers it"]),
-    (dict(extra="  stream_buffers: 3\n"), ["stream_buffers", "does not model"]),
     (dict(seq=16), ["Soup refuses"]),  # Soup's own schema: max_length under its minimum
 ])
 def test_a_config_soup_would_not_stream_or_the_estimator_does_not_model_is_one_line(capfd, tmp_path, change, words):
@@ -329,12 +328,6 @@ def test_target_modules_auto_in_the_file_is_what_targets_auto_gives(capfd, tmp_p
     assert code == 0, err
     flag = json.loads(out.read_text())
     assert data["targets"] == flag["targets"] and data["rows"][0]["needs_free"] == flag["rows"][0]["needs_free"]
-
-
-def test_an_unmodelled_stream_buffers_stays_one_line(capfd, tmp_path):
-    """Issue 29 item 10: training.stream_buffers, not modelled, is one line naming the key."""
-    one_error_line(*main(capfd, ["--estimate", "--config", readme_yaml(tmp_path, extra="  stream_buffers: 3\n")]),
-                   "training.stream_buffers", "not")
 
 
 @pytest.mark.parametrize("typo, meant", [("batchsize: 8", "training.batch_size"),
