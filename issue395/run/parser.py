@@ -176,6 +176,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default on; off: a resident run, every layer on the card, judged against Soup's resident gate)")
     a.add_argument("--gradient-checkpointing", default=None, help="with --map and --stream-layers off: comma list "
                    "of off,on: training.gradient_checkpointing on the resident runs (default off, Soup's)")
+    a.add_argument("--stream-vram-probe", default=None, help="with --map: comma list of off,on: "
+                   "training.stream_vram_probe on the streamed runs (default off, Soup's): Soup's measured step at setup "
+                   "beside the real one; for a task Soup's schema refuses it for, Soup's probe called by this tool")
     a.add_argument("--quant", default=None, help="with --map or --estimate: comma list of none,nf4 (--map: both; "
                    "nf4 needs bitsandbytes)")
     a.add_argument("--seq", default=None, help="comma list of seq lengths, each at least 64 (Soup's schema), "
