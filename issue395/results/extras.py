@@ -123,6 +123,28 @@ class ResidentGate(Record):
         """Whether `soup train` goes on: its verdict, or, where its CLI built no input, yes (it skips its gate)."""
         return self.admits is not False
 
+    #: the input's field each axis sets: Soup's CLI copies data.max_length and training.batch_size into it as
+    #: they are (_build_hardware_fit_input), so a file differing only there gives this input with that one changed
+    AXIS_FIELD: ClassVar = {"seq": "seq_len", "batch": "batch_size"}
+
+    @classmethod
+    def at(cls, soup_input: Optional[dict], axis: str, value: int, card_total: int = 0) -> "ResidentGate":
+        """Soup's resident gate on the file's run with only ``axis`` set to ``value`` (computed by Soup)."""
+        return cls.computed(None if soup_input is None else dict(soup_input, **{cls.AXIS_FIELD[axis]: int(value)}),
+                            card_total)
+
+    @classmethod
+    def longest(cls, soup_input: Optional[dict], axis: str, card_total: int, low: int, step: int,
+                top: int) -> Optional[int]:
+        """The largest seq (or batch) on the axis's grid that Soup's resident gate admits on a card whose total
+        CUDA reports as ``card_total`` (computed by Soup: decide_hardware_fit at each value; its number grows
+        with both); None where it admits not even ``low``, or its CLI builds no input (it skips its gate)."""
+        from ..estimator.fits import largest
+
+        if soup_input is None:
+            return None
+        return largest(lambda v: bool(cls.at(soup_input, axis, v, card_total).admits), low, step, top)
+
     @staticmethod
     def profile_of(config: Any) -> Optional[dict]:
         """`soup profile`'s memory estimate of a config Soup's loader read, as that command computes it (computed

@@ -177,6 +177,7 @@ def settle_values(args: argparse.Namespace, given: FromOptions, cards_given: Opt
     """An EstimateRequest of the values ``given`` reads (the options', or a soup.yaml's), against ``cards_given``
     (--card, or --find-max's card): a config, seqs, and nothing that needs a GPU or Soup's setup."""
     from ..estimator.cards import parse_cards, parse_context
+    from ..estimator.arch import arch_from_config
     from ..estimator.soup_number import arch_of, stream_refused
 
     name, config = estimate_config(given.model(), given.MODEL)
@@ -189,8 +190,9 @@ def settle_values(args: argparse.Namespace, given: FromOptions, cards_given: Opt
         raise UsageError(f"{given.TARGETS} {spelled!r}: empty name")
     if targets is not None and len(set(targets)) != len(targets):
         raise UsageError(f"{given.TARGETS} {spelled}: a target is named twice")
-    try:  # the config's own sizes, heads and positions: one line here, before any table
-        arch = arch_of(config)
+    resident = getattr(given, "user", None) is not None and given.user.resident is not None
+    try:  # the config's own sizes, heads and positions: one line here, before any table (streamed: Soup streams it)
+        arch = arch_from_config(config) if resident else arch_of(config)
     except UsageError as exc:
         raise UsageError(f"{given.MODEL} {name}: {exc}") from None
     except Exception as exc:  # a value of the wrong kind deeper in the config

@@ -97,8 +97,8 @@ def read_soup_config(path: str, resident_ok: bool = False) -> UserRun:
     if not getattr(t, "stream_layers", False):
         if not resident_ok:
             raise UsageError(f"--config {path}: training.stream_layers is not true (a resident run): --estimate "
-                             "answers it, and --map --stream-layers off measures resident arms; this mode runs "
-                             "streamed files only, so far")
+                             "and --find-max answer it, and --map --stream-layers off measures resident arms; this "
+                             "mode runs streamed files only, so far")
         resident = ResidentRun(bool(getattr(t, "gradient_checkpointing", False)), ResidentGate.input_of(cfg),
                                ResidentGate.profile_of(cfg))
     task = str(getattr(cfg, "task", PROTOCOL_TASK))
