@@ -20,6 +20,10 @@ The protocol (one arm = one row)
     judged against Soup's own pre-flight for the task as its setup computes it. The step never saves a
     checkpoint, for any task (``one_step``).
 
+    With --stream-vram-probe on, Soup's measured-fit probe (``training.stream_vram_probe``) runs before the measured
+    step, as in Soup's setup: inside Soup's setup where its schema takes the key (SFT), and, where it refuses it
+    for the task (Soup's #840), Soup's own probe function called by this tool right after Soup's setup.
+
 The trap
     ``data.max_length`` truncates; it never pads. A row that tokenizes short runs at its own length, the
     real peak stops following seq, and the table shows a clean, growing over-prediction that is pure
@@ -53,6 +57,7 @@ from typing import Any, Iterable, Iterator, Optional
 from issue395.measure.cuda import allocator_history, peak_window
 from issue395.errors import last_line
 from issue395.measure.measurement import ArmHooks, Measurement
+from issue395.measure.probe import call_soup_probe, probe_config, watch_soup_probe
 from issue395.results.extras import ResidentGate
 from issue395.model.arm import Arm
 from issue395.record import DATA_ROWS, LORA_ALPHA, LORA_R, OVERSHOOT, SOUP_QUANT
@@ -194,12 +199,13 @@ def measure_arm(arm: Arm, shape: Shape, base: str, work: Path, *, dry_run: bool 
     m, wrapper = Measurement(), None
     try:
         hooks.before_setup()  # the runner's cap, before Soup puts anything on the card
-        with hooks.console(), watch_soup_preflight(m):
+        with hooks.console(), watch_soup_preflight(m), watch_soup_probe(m):
             from soup_cli.config.loader import load_config_from_string
             from soup_cli.data.loader import load_dataset
 
             module, wrapper_class = task(arm.task).wrapper
-            config = load_config_from_string(soup_config_yaml(
+            # training.stream_vram_probe where the arm asks for it and Soup's schema takes it (else this tool calls it)
+            config, m.soup_probe = probe_config(load_config_from_string, soup_config_yaml(
                 base, data_path, work / "out", arm.seq, arm.batch, arm.quant, shape.targets, shape.stream,
                 shape.lora_r, shape.lora_alpha, arm.task, arm.training))
             if not config.training.stream_layers:  # `soup train`'s resident gate runs before any setup
@@ -207,6 +213,7 @@ def measure_arm(arm: Arm, shape: Shape, base: str, work: Path, *, dry_run: bool 
             wrapper = getattr(importlib.import_module(module), wrapper_class)(
                 config, device="cpu" if dry_run else STEP_DEVICE)
             wrapper.setup(load_dataset(config.data))
+            call_soup_probe(wrapper, config, m)  # Soup's probe where its schema refuses the key for the task (#840)
             width, lengths = realised_lengths(wrapper.trainer, arm.seq, arm.task)
             m.realised_width, m.realised_rows = width, tuple(lengths)
             hooks.mark("setup")

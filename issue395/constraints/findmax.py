@@ -73,6 +73,11 @@ PROBE_KEYS = {
 #: At most this many probes in one search (the bracket from this tool's answer needs a handful).
 PROBE_LIMIT = 12
 
+#: Soup's documented opt-out of its resident gate (commands/train.py, _hardware_fit_preflight: "pass
+#: --allow-oom-attempt to try anyway"), an option of `soup train` on soup-cli 0.73.3 and 0.77.0 alike: a resident
+#: probe passes it, so it measures completion, not Soup's refusal (stream_vram_override is the streamed gate's).
+ALLOW_OOM_ATTEMPT = "--allow-oom-attempt"
+
 
 _SIZE = r"([0-9.]+) (B|KiB|MiB|GiB|TiB)"
 #: torch's CUDA out-of-memory message, as its caching allocator words it (c10/cuda/CUDACachingAllocator.cpp)
@@ -182,6 +187,23 @@ class FindMax:
                 "high": self.high, "limit": self.limit, "oom_above": self.above, "proven": self.adjacent,
                 "stopped": self.stopped, "wall_s": round(self.seconds, 1),
                 "probes": [asdict(p) for p in self.probes]}
+
+
+@dataclass(frozen=True)
+class ResidentSearch:
+    """What a search over a resident soup.yaml (training.stream_layers false) adds to its record: the file's
+    gradient checkpointing, the input Soup's CLI built from it for its resident gate (computed by Soup; None: it
+    builds none and skips its gate), how every probe lifted that gate, why this tool's resident estimate gave no
+    answer (None: it gave one), and what the search started from, in words."""
+
+    checkpointing: bool
+    soup_input: Optional[dict]
+    started_from: str
+    estimate_refused: Optional[str] = None
+    gate_lifted_by: str = ALLOW_OOM_ATTEMPT
+
+    def to_json(self) -> dict:
+        return asdict(self)
 
 
 def find_max(probe: Callable[[int], Probe], axis: str, start: Optional[int], resolution: int, low: int, high: int,
@@ -459,15 +481,17 @@ def read_peaks(path: Path) -> Optional[ProbeAllocator]:
 
 def run_probe(config: Path, value: int, wanted: int, card_total: int, *, soup: Optional[list] = None,
               log_to: Optional[Path] = None, hold: Callable = hold_ballast, release: Callable = release_ballast,
-              run: Callable = subprocess.run, clock: Callable[[], float] = time.perf_counter) -> tuple[Probe, Any, str]:
-    """``soup train --config CONFIG --yes`` in a fresh process while this process holds a ballast that
-    leaves ``card_total`` bytes free (Soup's process brings its own context out of it, as on the card
-    itself); judged. Returns the probe, the ballast held and Soup's console."""
+              run: Callable = subprocess.run, clock: Callable[[], float] = time.perf_counter,
+              allow_oom_attempt: bool = False) -> tuple[Probe, Any, str]:
+    """``soup train --config CONFIG --yes`` (a resident file's with ALLOW_OOM_ATTEMPT) in a fresh process while
+    this process holds a ballast that leaves ``card_total`` bytes free (Soup's process brings its own context out
+    of it, as on the card itself); judged. Returns the probe, the ballast held and Soup's console."""
     ballast = hold(card_total)
     try:
         started = clock()
         peaks = config.parent / "allocator-peaks.json"
-        done = run(hooked_soup_command(soup) + ["train", "--config", str(config), "--yes"], capture_output=True, text=True,
+        done = run(hooked_soup_command(soup) + ["train", "--config", str(config), "--yes"]
+                   + ([ALLOW_OOM_ATTEMPT] if allow_oom_attempt else []), capture_output=True, text=True,
                    cwd=str(config.parent), env=dict(os.environ, PYTHONUNBUFFERED="1", COLUMNS="400",
                                                     **{PEAKS_ENV: str(peaks)}))
         seconds = round(clock() - started, 1)

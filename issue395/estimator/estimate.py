@@ -287,7 +287,8 @@ def estimate(config: dict, *, quant: str = "none", seq: int, batch: int = 1, tar
     ALLOCATED_ALLOWANCE_BYTES (the leave-one-family-out fit passes its own); ``workspace`` is a
     card's cuBLAS workspace per handle, charged only where it is larger than CUBLAS_WORKSPACE.
     ``stream``: soup-cli 0.77.0's training keys (stream_expert_layout, stream_loss_chunk,
-    stream_recompute); any other is refused in one line, never estimated as if absent. ``soup=False``:
+    stream_recompute) and training.stream_vram_probe (Soup's measured step at setup, whose backward comes
+    before the run's first); any other is refused in one line, never estimated as if absent. ``soup=False``:
     the physics alone, with no Soup number beside it (a saved row re-rendered where the installed
     Soup is another release: its own number is the one the row captured). ``release``: Soup's number
     by that release's own code (installed, or an unpacked wheel), the physics by its features
@@ -323,6 +324,7 @@ def estimate(config: dict, *, quant: str = "none", seq: int, batch: int = 1, tar
     f = features(release)
     ws = max(CUBLAS_WORKSPACE, workspace or 0)
     stream = dict(stream or {})
+    probed = bool(stream.pop("stream_vram_probe", False))  # no term of Soup's number: its formula is the same
     unknown = sorted(set(stream) - set(STREAM_KEYS))
     if unknown:
         raise UsageError(f"training.{unknown[0]} is not modelled by this estimator")
@@ -400,10 +402,11 @@ def estimate(config: dict, *, quant: str = "none", seq: int, batch: int = 1, tar
     layer = phase_sum(t, Phase.LAYER) - t[Term.CHECKPOINTED_INPUTS.key] + lp.checkpointed
     step = {Phase.LOSS: phase_sum(t, Phase.LOSS), Phase.REFERENCE: phase_sum(t, Phase.REFERENCE) if tk.reference
             else 0, Phase.LAYER: layer}
-    if steps > 1 or accumulation > 1:  # after a first backward its thread's cuBLAS workspace stays
+    if steps > 1 or accumulation > 1 or probed:  # after a first backward its thread's cuBLAS workspace stays
         # resident beside every phase, the layer phase's too: at step 1 the layer phase's peak can come
         # before the backward makes it (measured: 3 steps add 44.7 MB on Mistral-7B NF4 512x1, the
-        # workspace's 33.6 and the bf16 moments' 13.6; docs/PEAK.md "Steps after the first")
+        # workspace's 33.6 and the bf16 moments' 13.6; docs/PEAK.md "Steps after the first"); Soup's
+        # probe's backward at setup is such a first one (layer_stream_runtime.measure_step_peak_bytes)
         step = {p: v + ws if v else v for p, v in step.items()}
     binding = max(step, key=step.get)  # a tie goes to the loss, as it always has
     peak = step[binding]

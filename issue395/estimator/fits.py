@@ -17,7 +17,8 @@ from .arch import arch_from_config, layer_bytes
 from .soup_number import arch_of, soup_namespace
 from .terms import Phase, words
 
-__all__ = ["card_answers", "estimate_table", "longest", "longest_seq", "longest_seq_soup_admits", "longest_soup_admits"]
+__all__ = ["card_answers", "estimate_table", "largest", "longest", "longest_resident", "longest_seq",
+           "longest_seq_soup_admits", "longest_soup_admits"]
 
 SEQ_STEP = 64
 #: Soup's measured gate refuses by arithmetic a run its number puts past this many times the free
@@ -74,19 +75,53 @@ def axis_range(config: dict, axis: str, task_name: Optional[str] = None) -> tupl
     raise UsageError(f"no answer along {axis!r}: seq or batch")
 
 
+def largest(ok: Callable[[int], bool], low: int, step: int, top: int) -> Optional[int]:
+    """The largest multiple of ``step`` in [low, top] that passes ``ok``, where ``ok`` holds below every value it
+    holds at (a number that grows with seq and with batch, against a fixed budget): a bisection; None when not even
+    ``low`` passes."""
+    lo, hi = low // step, top // step
+    if hi < lo or not ok(lo * step):
+        return None
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if ok(mid * step) else (lo, mid - 1)
+    return lo * step
+
+
 def _longest(config: dict, fits: Callable[[Estimate], bool], axis: str = "seq", **kwargs) -> Optional[int]:
     """The largest value along ``axis`` (axis_range) whose estimate passes ``fits``; None when not
     even the smallest does. Both numbers grow with seq and with batch, so a bisection finds it."""
     kwargs.pop(axis, None)
     low, step, top = axis_range(config, axis, kwargs.get("task"))
-    ok = lambda k: fits(estimate_for(config, **{axis: k * step}, **kwargs))  # noqa: E731
-    lo, hi = low // step, top // step
-    if hi < lo or not ok(lo):
-        return None
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        lo, hi = (mid, hi) if ok(mid) else (lo, mid - 1)
-    return lo * step
+    return largest(lambda v: fits(estimate_for(config, **{axis: v}, **kwargs)), low, step, top)
+
+
+def longest_resident(axis: str, config: dict, free_bytes: int, **kwargs) -> tuple[Optional[int], Optional[str]]:
+    """The longest seq (or largest batch) whose resident needs-free (estimator.resident, at each value, with
+    ``kwargs``: estimate_resident's) fits ``free_bytes``, and why there is none where the estimator does not
+    model the run: (None, its line) where it refuses the smallest value (MoE, a hybrid, latent attention, phi),
+    or where the run fits up to the last value it models (past a sliding window without checkpointing) and
+    beyond that it cannot say. (None, None): not even the smallest fits."""
+    from .resident import estimate_resident
+
+    kwargs.pop(axis, None)
+    low, step, top = axis_range(config, axis, kwargs.get("task"))
+
+    def at(value: int) -> tuple[Optional[Estimate], Optional[str]]:
+        try:
+            return estimate_resident(config, **{axis: value}, **kwargs), None
+        except UsageError as exc:
+            return None, str(exc)
+
+    why = at(low)[1]
+    if why is not None:
+        return None, why
+    # refused only past a value (a sliding window, without checkpointing): the modelled values are a prefix
+    modelled = largest(lambda v: at(v)[0] is not None, low, step, top)
+    found = largest(lambda v: at(v)[0].needs_free <= free_bytes, low, step, modelled)
+    if found is not None and found == modelled < top:
+        return None, f"it fits up to {axis} {found} and is not modelled past it: {at(found + step)[1]}"
+    return found, None
 
 
 def longest(axis: str, config: dict, free_bytes: int, **kwargs) -> Optional[int]:

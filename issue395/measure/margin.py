@@ -81,8 +81,9 @@ def margin_breakdown(row: Row) -> dict[str, Any]:
 def margin_arms(rows: list[Row]) -> list[Arm]:
     """The arms worth attributing: the tightest measured row of each family (and task), and every UNDER. Not a
     resident row's: the breakdown splits Soup's streamed estimator's terms, which a resident run has none of (the
-    resident calls of results/resident-map-* ran each UNDER arm twice for nothing, before this)."""
-    rows = [r for r in rows if r.soup_resident is None]
+    resident calls of results/resident-map-* ran each UNDER arm twice for nothing, before this). Nor a probed row's
+    (training.stream_vram_probe): its step's margin is the plain key's, and a re-run would run Soup's probe again."""
+    rows = [r for r in rows if r.soup_resident is None and r.soup_probe is None]
     picked: dict[int, Row] = {}
     for fam, name in dict.fromkeys((r.model_key, r.task) for r in rows):
         measured = [r for r in rows if (r.model_key, r.task) == (fam, name) and r.measured and r.soup_predicted]

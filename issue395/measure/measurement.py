@@ -21,7 +21,7 @@ from ..model.arm import Arm
 from ..model.registry import Shape, known
 from ..estimator.anatomy import classifier_for
 from ..estimator.estimate import estimate
-from ..results.extras import Gate, Ran, ResidentGate, UserConfig
+from ..results.extras import Gate, Ran, ResidentGate, SoupProbe, UserConfig
 from ..results.row import Row, arm_row
 from ..constraints.constraint import ArmSetting, Constraint
 from .console import soup_console
@@ -45,6 +45,7 @@ class Measurement:
     soup_terms: Optional[dict] = None  # the arguments it passed its estimator
     soup_fit: Any = None  # Soup's fit decision: a refusal by its gate is REFUSED, not FAILED
     soup_resident: Optional[ResidentGate] = None  # a resident run: Soup's resident gate, as its CLI runs it
+    soup_probe: Optional[SoupProbe] = None  # training.stream_vram_probe: Soup's probe and its verdict (measure/probe.py)
     error: Optional[BaseException] = None  # what stopped the arm, if anything did
     teardown_error: Optional[str] = None
 
@@ -99,12 +100,14 @@ def carried_bytes(dry_run: bool, step_device: str) -> Optional[int]:
 
 
 def failure_of(m: Measurement) -> dict[str, Any]:
-    """A failure is the row's finding: REFUSED when Soup's own gate said no, OOM with the size it
+    """A failure is the row's finding: REFUSED when Soup's own gate said no (its probe's too), OOM with the size it
     asked for, FAILED with the error's last line."""
     if m.error is None:
         return {}
-    fit, oom = m.soup_fit, is_oom(m.error)
-    refused = fit is not None and not fit.fits and str(m.error).startswith(fit.reason)
+    fit, oom, probe = m.soup_fit, is_oom(m.error), m.soup_probe
+    # Soup's own probe running out of memory at setup is its gate's refusal too (it raises its own line)
+    refused = (fit is not None and not fit.fits and str(m.error).startswith(fit.reason)) or (
+        probe is not None and probe.path == SoupProbe.SOUP and probe.outcome == "oom")
     return {"failure": "REFUSED" if refused else "OOM" if oom else "FAILED",
             "error": last_line(m.error), "oom_request": oom_request(m.error) if oom else None}
 
@@ -180,7 +183,8 @@ def run_arm(measure_arm: Callable[..., Measurement], step_device: str, arm: Arm,
                    realised_width=m.realised_width,
                    realised_rows=m.realised_rows, real_peak=m.real_peak, resident=m.resident,
                    reserved=m.reserved, attribution=attribution,
-                   soup_predicted=m.soup_predicted, gate=gate, soup_resident=m.soup_resident, constraint=constraint.record() if constraint else None, config=config,
+                   soup_predicted=m.soup_predicted, gate=gate, soup_resident=m.soup_resident,
+                   soup_probe=m.soup_probe, constraint=constraint.record() if constraint else None, config=config,
                    **failure_of(m))
 
 

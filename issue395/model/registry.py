@@ -283,6 +283,9 @@ RESIDENT, CHECKPOINTED = "resident", "gc"
 STREAM_LAYERS = ("on", "off")
 #: training.gradient_checkpointing on a resident run (Soup's default off first): --gradient-checkpointing.
 CHECKPOINTING = ("off", "on")
+#: The map key's spelling of training.stream_vram_probe (Soup's measured-fit gate, #349: one measured step at
+#: setup decides the fit), and the values of --stream-vram-probe (Soup's default off first).
+PROBE, PROBES = "probe", ("off", "on")
 
 
 #: soup-cli 0.77.0's streaming modes as map axes: how a mode is spelled after a family's key
@@ -292,7 +295,9 @@ STREAM_MODES = {"per_expert": ("stream_expert_layout", "per_expert"),
                 # a resident run: Soup keeps every layer on the card (training.stream_layers false), and
                 # HF's gradient checkpointing where the file turns it on (Soup's default: off)
                 RESIDENT: ("stream_layers", False),
-                CHECKPOINTED: ("gradient_checkpointing", True)}
+                CHECKPOINTED: ("gradient_checkpointing", True),
+                # Soup's measured step at setup (a streamed run's; Soup's schema takes it for SFT only, #840)
+                PROBE: ("stream_vram_probe", True)}
 LOSS_CHUNK_PREFIX = "chunk"  # chunkN: training.stream_loss_chunk = N tokens
 #: The values of the two named axes, Soup's default first (the default adds nothing to a key).
 EXPERT_LAYOUTS, RECOMPUTES = ("fused", "per_expert"), ("on", "off")
@@ -321,10 +326,10 @@ def stream_mode(key: str) -> tuple[str, dict[str, Any]]:
 
 
 def mode_key(family: str, layout: str = "fused", loss_chunk: Optional[int] = None,
-             recompute: str = "on", resident: bool = False, checkpointing: bool = False) -> str:
+             recompute: str = "on", resident: bool = False, checkpointing: bool = False, probe: bool = False) -> str:
     """The map key of ``family`` under these modes; Soup's defaults add nothing to the key. A resident
     run has no streaming modes (Soup reads none of them), and checkpointing is a resident run's only."""
-    if resident and (layout != "fused" or loss_chunk or recompute != "on"):
+    if resident and (layout != "fused" or loss_chunk or recompute != "on" or probe):
         raise UsageError(f"{family}: a resident run (stream_layers off) takes no streaming mode")
     if checkpointing and not resident:
         raise UsageError(f"{family}: gradient checkpointing is a resident run's (a streamed run checkpoints "
@@ -332,7 +337,16 @@ def mode_key(family: str, layout: str = "fused", loss_chunk: Optional[int] = Non
     return "+".join([family] + (["per_expert"] if layout == "per_expert" else [])
                     + ([f"{LOSS_CHUNK_PREFIX}{loss_chunk}"] if loss_chunk else [])
                     + (["recompute-off"] if recompute == "off" else [])
-                    + ([RESIDENT] if resident else []) + ([CHECKPOINTED] if checkpointing else []))
+                    + ([RESIDENT] if resident else []) + ([CHECKPOINTED] if checkpointing else [])
+                    + ([PROBE] if probe else []))
+
+
+def is_probed(key: str) -> bool:
+    """A map key whose run sets training.stream_vram_probe (Soup's measured step at setup)."""
+    try:
+        return bool(stream_mode(key)[1].get("stream_vram_probe"))
+    except UsageError:
+        return False
 
 
 def is_resident(key: str) -> bool:
@@ -365,14 +379,15 @@ def config_json(key: str) -> dict[str, Any]:
 
 
 def stream_mode_keys(families: list, layouts: list, chunks: list, recomputes: list,
-                     layers: tuple = ("on",), checkpointing: tuple = ("off",)) -> tuple:
+                     layers: tuple = ("on",), checkpointing: tuple = ("off",), probes: tuple = ("off",)) -> tuple:
     """Every family under every mode: modes after the family, so its checkpoint serves them all.
-    A per-expert layout is a MoE family's axis only; the streaming modes are a streamed run's, gradient
-    checkpointing a resident run's (``layers``: --stream-layers); each axis names each value once."""
+    A per-expert layout is a MoE family's axis only; the streaming modes (Soup's probe too) are a streamed run's,
+    gradient checkpointing a resident run's (``layers``: --stream-layers); each axis names each value once."""
     for flag, values, allowed in (("--expert-layout", layouts, EXPERT_LAYOUTS),
                                   ("--recompute", recomputes, RECOMPUTES),
                                   ("--stream-layers", layers, STREAM_LAYERS),
-                                  ("--gradient-checkpointing", checkpointing, CHECKPOINTING)):
+                                  ("--gradient-checkpointing", checkpointing, CHECKPOINTING),
+                                  ("--stream-vram-probe", probes, PROBES)):
         if any(v not in allowed for v in values) or len(set(values)) != len(values):
             raise UsageError(f"{flag} {','.join(values)!r}: choose from {','.join(allowed)}, each once")
     if len(set(chunks)) != len(chunks):
@@ -381,7 +396,10 @@ def stream_mode_keys(families: list, layouts: list, chunks: list, recomputes: li
         raise UsageError("--expert-layout per_expert: none of these families has routed experts")
     if "on" in checkpointing and "off" not in layers:
         raise UsageError("--gradient-checkpointing on: a resident run's setting; add --stream-layers off")
+    if "on" in probes and "on" not in layers:
+        raise UsageError("--stream-vram-probe on: Soup's probe measures a streamed step; add --stream-layers on")
     return tuple(key for fam in families for key in (
-        [mode_key(fam, layout, chunk, recompute) for layout in layouts if layout == "fused" or is_moe(fam)
-         for chunk in chunks for recompute in recomputes] if "on" in layers else []) + (
+        [mode_key(fam, layout, chunk, recompute, probe=probe == "on") for layout in layouts
+         if layout == "fused" or is_moe(fam) for chunk in chunks for recompute in recomputes for probe in probes]
+        if "on" in layers else []) + (
         [mode_key(fam, resident=True, checkpointing=gc == "on") for gc in checkpointing] if "off" in layers else []))

@@ -29,6 +29,7 @@ from .tables import (
     determinism_table,
     map_summary,
     map_table,
+    probe_table,
     resident_gate_table,
     map_verdict,
     margins_table,
@@ -107,8 +108,8 @@ def render_markdown(result: Result, parts: Optional[list[tuple[str, dict]]] = No
            + how + ".", ""]
     if result.kind == "map":  # the map's own table: quant, Soup's own, the lower of the two
         md += ["```", map_table(rows, env), "", map_summary(rows)]
-        gates = resident_gate_table(rows)
-        md += ["", gates] if gates else []
+        gates, probes = resident_gate_table(rows), probe_table(rows)
+        md += (["", gates] if gates else []) + (["", probes] if probes else [])
         if result.margins:
             md += ["", margins_table(result.margins)]
         md += ["", map_verdict(rows, env), "```", ""]

@@ -275,6 +275,37 @@ def resident_gate_table(rows: list[Row], cards: Optional[list] = None) -> str:
            "CUDA reports them, against the measured peak alone (the CUDA context comes on top)"])
 
 
+def probe_table(rows: list[Row]) -> str:
+    """Soup's stream_vram_probe per task (issue 51 item 5, Soup's #840): the peak Soup's probe function measured
+    beside the real step's, their ratio, and Soup's verdict on the probe (decide_measured_fit against the free memory
+    its gate read), flagged where it admits a run whose real step is past that free memory or refuses one inside it."""
+    cells, ceilings = [], sorted({r.soup_probe.ceiling for r in rows if r.soup_probe and r.soup_probe.ceiling})
+    for r in [r for r in rows if r.soup_probe]:
+        p = r.soup_probe
+        wrong = "-"
+        if p.admits is not None and r.measured:
+            wrong = ("admits, real peak past free" if p.admits and r.real_peak > p.available else
+                     "refuses, real peak fits" if not p.admits and r.real_peak <= p.available else "right")
+        cells.append([r.label, r.quant, str(r.seq), str(r.batch), str(p.rows or "-"),
+                      "Soup's setup" if p.path == p.SOUP else "this tool", gb(p.peak) if p.peak else p.outcome or "-",
+                      peak_cell(r), ratio(p.peak / r.real_peak if p.peak and r.measured else None), gb(p.available),
+                      "-" if p.admits is None else "admits" if p.admits else "REFUSES", wrong])
+    if not cells:
+        return ""
+    deferral = (f"; Soup defers its formula's refusal to the probe within {' or '.join(f'{c:g}' for c in ceilings)}x "
+                "that free memory (stream_setup._PROBE_DEFERRAL_CEILING, read from Soup)") if ceilings else ""
+    return "\n".join(["Soup's stream_vram_probe per task: probe number vs real step peak, ratio, would it admit "
+                      "(probe: computed by Soup's measure_step_peak_bytes on this card; verdict: Soup's "
+                      "decide_measured_fit; real peak: measured here)"] + table(
+        [("family", -26), ("quant", 5), ("seq", 6), ("batch", 5), ("rows", 4), ("probed by", -12), ("probe GB", 8),
+         ("real peak GB", 13), ("probe/real", 10), ("free GB", 8), ("verdict", 7), ("its verdict on the real peak", -28)],
+        cells) + ["probed by: Soup's setup: training.stream_vram_probe set, Soup's setup ran its probe and decided the "
+                  "run on it; this tool: Soup's probe function, called by this tool: Soup refuses the key for this task "
+                  "(its schema; Soup's #840 asks for it), right after Soup's setup, at the rows Soup's setup counts for "
+                  "the task, and Soup's decide_measured_fit on it (it gated nothing); rows: the probe's, each seq long; "
+                  "free: what Soup's gate read (- without CUDA)" + deferral])
+
+
 def map_summary(rows: list[Row]) -> str:
     """Per family and quantization: rows, the thinnest and widest margin and where, UNDERs."""
     cells = []
@@ -433,8 +464,8 @@ def render_text(result: Result) -> str:
     parts = [header_line(result.environment), stack_check_line(result)]
     if result.kind == "map":
         parts += ["", map_table(sweep_rows, result.environment), "", map_summary(sweep_rows)]
-        gates = resident_gate_table(sweep_rows)
-        parts += ["", gates] if gates else []
+        gates, probes = resident_gate_table(sweep_rows), probe_table(sweep_rows)
+        parts += (["", gates] if gates else []) + (["", probes] if probes else [])
         if result.margins:
             parts += ["", margins_table(result.margins)]
             anatomy = margin_anatomy(result.margins, result.environment.get("soup_cli"), result.environment.get("transformers"))

@@ -1,5 +1,6 @@
 """What a row holds beyond the arm and its measurement, each as its own typed record: where it ran
 (``Ran``), what Soup's gate read (``Gate``), a resident run's gate as Soup's CLI runs it (``ResidentGate``),
+Soup's measured-fit probe where the arm asked for it (``SoupProbe``),
 the user's soup.yaml it is (``UserConfig``), this tool's corrected estimate for its arm as the result was written
 (``Corrected``), and the constraint it ran under, one at most (``Capped``, ``Emulated``, ``MinFreeFound``: each
 constraint's record, written under its ``KIND``). Each record reads itself back from JSON, checking what it holds.
@@ -121,6 +122,85 @@ class ResidentGate(Record):
     def admitted(self) -> bool:
         """Whether `soup train` goes on: its verdict, or, where its CLI built no input, yes (it skips its gate)."""
         return self.admits is not False
+
+    #: the input's field each axis sets: Soup's CLI copies data.max_length and training.batch_size into it as
+    #: they are (_build_hardware_fit_input), so a file differing only there gives this input with that one changed
+    AXIS_FIELD: ClassVar = {"seq": "seq_len", "batch": "batch_size"}
+
+    @classmethod
+    def at(cls, soup_input: Optional[dict], axis: str, value: int, card_total: int = 0) -> "ResidentGate":
+        """Soup's resident gate on the file's run with only ``axis`` set to ``value`` (computed by Soup)."""
+        return cls.computed(None if soup_input is None else dict(soup_input, **{cls.AXIS_FIELD[axis]: int(value)}),
+                            card_total)
+
+    @classmethod
+    def longest(cls, soup_input: Optional[dict], axis: str, card_total: int, low: int, step: int,
+                top: int) -> Optional[int]:
+        """The largest seq (or batch) on the axis's grid that Soup's resident gate admits on a card whose total
+        CUDA reports as ``card_total`` (computed by Soup: decide_hardware_fit at each value; its number grows
+        with both); None where it admits not even ``low``, or its CLI builds no input (it skips its gate)."""
+        from ..estimator.fits import largest
+
+        if soup_input is None:
+            return None
+        return largest(lambda v: bool(cls.at(soup_input, axis, v, card_total).admits), low, step, top)
+
+    @staticmethod
+    def profile_of(config: Any) -> Optional[dict]:
+        """`soup profile`'s memory estimate of a config Soup's loader read, as that command computes it (computed
+        by Soup: commands/profile.py's model_size_from_name on the base, batch auto as 4, utils/profiler's
+        estimate_total): its total in bytes, the parameters it took in billions, and its classes in GB. None where
+        the installed Soup has no such command."""
+        try:
+            from soup_cli.utils.gpu import model_size_from_name
+            from soup_cli.utils.profiler import estimate_total
+        except ImportError:
+            return None
+        t = config.training
+        params = model_size_from_name(config.base)
+        out = estimate_total(model_name=config.base, model_params_b=params, quantization=t.quantization,
+                             lora_r=t.lora.r, lora_alpha=t.lora.alpha,
+                             batch_size=4 if t.batch_size == "auto" else int(t.batch_size),
+                             seq_len=config.data.max_length, optimizer=t.optimizer,
+                             gradient_checkpointing=t.gradient_checkpointing)
+        return {"total_bytes": round(out["total_memory_gb"] * 1e9), "model_params_b": params,
+                **{k: v for k, v in out.items() if k.endswith("_gb") and k != "total_memory_gb"}}
+
+
+@dataclass(frozen=True)
+class SoupProbe(Record):
+    """training.stream_vram_probe (Soup's measured-fit gate, its #349; #840 asks for it on DPO, ORPO, SimPO and
+    KTO): who ran it (``path``: SOUP, Soup's own setup with the key set, which decides the run on it; CALLED,
+    Soup's schema refuses the key for the task, so this tool called Soup's probe function, measure_step_peak_bytes,
+    on the task's streamed model at the rows Soup's setup counts for it, after Soup's setup, and Soup's
+    decide_measured_fit on it, as #840's extension would), what Soup's function measured on this card (its peak
+    allocated and reserved, its seconds, at its rows x seq), the free memory Soup's gate read and Soup's verdict
+    on the probe's peak (``admits``), and the formula's overshoot Soup defers to the probe within
+    (``ceiling``: stream_setup._PROBE_DEFERRAL_CEILING, read from Soup). ``outcome`` says why there is no peak:
+    "not run" (off CUDA Soup's function returns None), "oom", "failed: <error>"."""
+
+    PATHS: ClassVar = ("soup", "called")
+    SOUP, CALLED = PATHS
+
+    path: str
+    peak: Optional[int] = None
+    reserved: Optional[int] = None
+    seconds: Optional[float] = None
+    rows: Optional[int] = None
+    seq: Optional[int] = None
+    available: Optional[int] = None
+    admits: Optional[bool] = None
+    ceiling: Optional[float] = None
+    outcome: Optional[str] = None
+
+    CHECKS: ClassVar = {"path": (PATHS.__contains__, " or ".join(PATHS)),
+                        "peak": _BYTES, "reserved": _BYTES, "available": _BYTES,
+                        "rows": _BYTES, "seq": _BYTES, "outcome": _STR,
+                        "seconds": (lambda v: v is None or (isinstance(v, (int, float)) and not isinstance(v, bool)
+                                                            and v >= 0), "a number >= 0 or null"),
+                        "ceiling": (lambda v: v is None or (isinstance(v, (int, float)) and not isinstance(v, bool)
+                                                            and v > 0), "a number > 0 or null"),
+                        "admits": (lambda v: v is None or isinstance(v, bool), "true, false or null")}
 
 
 @dataclass(frozen=True)

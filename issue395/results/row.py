@@ -15,8 +15,8 @@ from ..tasks import PROTOCOL_TASK, TASKS, task as task_of
 from ..model.arm import SETTINGS, Arm, Settings, logits_charge, predicted_bytes
 from ..model.registry import Shape, family_of
 from ..estimator.cards import emulated_outcome, step_free
-from .extras import (Capped, Corrected, Emulated, Gate, Ran, Record, ResidentGate, UserConfig, constraint_from_json,
-                     constraint_to_json)
+from .extras import (Capped, Corrected, Emulated, Gate, Ran, Record, ResidentGate, SoupProbe, UserConfig,
+                     constraint_from_json, constraint_to_json)
 
 
 def realised_as_requested(seq: int, batch: int, width: Optional[int], rows: Iterable[int],
@@ -54,13 +54,14 @@ ROW_FIELDS = {
 }
 
 #: Row fields whose JSON key is absent where they are None, so every row saved before them re-renders alike.
-ABSENT_WHEN_NONE = ("task", "corrected_custom", "soup_resident")
+ABSENT_WHEN_NONE = ("task", "corrected_custom", "soup_resident", "soup_probe")
 
 #: A row's sub-records (issue395.results.extras) and how each reads back from its JSON.
 SUB_RECORDS = {"ran": lambda v: Ran.from_json(v, "ran"),
                "gate": lambda v: None if v is None else Gate.from_json(v, "gate"),
                "config": lambda v: None if v is None else UserConfig.from_json(v, "config"),
                "soup_resident": lambda v: None if v is None else ResidentGate.from_json(v, "soup_resident"),
+               "soup_probe": lambda v: None if v is None else SoupProbe.from_json(v, "soup_probe"),
                "corrected": lambda v: None if v is None else Corrected.from_json(v, "corrected"),
                "constraint": constraint_from_json}
 
@@ -113,6 +114,9 @@ class Row:
     #: a --config arm's run settings, which it ran (issue395.model.arm.Settings: its optimizer and accumulation),
     #: saved as the row's own keys, each absent where the arm sets none (the protocol's arm)
     settings: Settings = Settings()
+    #: an arm that asked for training.stream_vram_probe: Soup's probe and its verdict (SoupProbe says who ran it);
+    #: None (its JSON key absent) for every other, so every row saved before re-renders alike
+    soup_probe: Optional[SoupProbe] = None
     #: computed by this tool: the corrected estimate and needs-free the text renders for the arm, put in the
     #: row as a result is written (issue395.results.corrected.with_corrected); None where the estimator does
     #: not model the arm, or on a row read from a result saved before it was kept. Not the row's identity
@@ -266,6 +270,7 @@ class Row:
                     ran=self.ran.to_json(), gate=self.gate and self.gate.to_json(),
                     config=self.config and self.config.to_json(),
                     **({"soup_resident": self.soup_resident.to_json()} if self.soup_resident else {}),
+                    **({"soup_probe": self.soup_probe.to_json()} if self.soup_probe else {}),
                     constraint=constraint_to_json(self.constraint), corrected=self.corrected and self.corrected.to_json(),
                     derived=derived)  # "derived" is for readers; it is never read back
 

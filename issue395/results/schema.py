@@ -2,7 +2,9 @@
 types of its own blocks (environment, modes, margins and their terms), one row per arm, and
 schema 1's rows (the first H200 results) and schema 2's flat rows in this version's records. Each check raises ValueError naming what it found.
 A row's record added within a schema (``corrected``, issue 52; ``task`` and ``corrected_custom`` before it) is
-optional: a row saved before it reads with none, and its re-save writes it.
+optional: a row saved before it reads with none, and its re-save writes it. A mode's record (``soup_resident``,
+``soup_probe``: issue 51) is absent where the arm did not ask for the mode, so a row saved before it reads and re-saves
+to the same bytes.
 """
 
 from __future__ import annotations

@@ -52,14 +52,25 @@ def parse_ints(flag: str, text: Optional[str], minimum: int = 1,
     for item in items:
         if not _WHOLE.fullmatch(item):
             raise UsageError(f"{flag} {_shown(item)!r} is not a whole number")
-        if int(item) < minimum:
-            raise UsageError(f"{flag} {_shown(str(int(item)))} must be at least {minimum}")
-        if top is not None and int(item) > top:
-            raise UsageError(f"{flag} {_shown(str(int(item)))} is more than {top}" + (f", {why}" if why else ""))
         if int(item) in out:
             raise UsageError(f"{flag} {_shown(text)}: {int(item)} is named twice")
-        out.append(int(item))
+        out.append(_bounded(flag, int(item), minimum, top, why))
     return tuple(out)
+
+
+def _bounded(named: str, value: int, minimum: int, top: Optional[int], why: str) -> int:
+    if value < minimum:
+        raise UsageError(f"{named} {_shown(str(value))} must be at least {minimum}")
+    if top is not None and value > top:
+        raise UsageError(f"{named} {_shown(str(value))} is more than {top}" + (f", {why}" if why else ""))
+    return value
+
+
+def within(flag: str, value: int, minimum: int = 1, named: Optional[str] = None) -> int:
+    """A whole number a soup.yaml gave (Soup's loader read it) inside the bounds ``flag`` has (MAXIMA), one line
+    naming the file's key (``named``) where it is not."""
+    top, why = MAXIMA.get(flag, (None, ""))
+    return _bounded(named or flag, value, minimum, top, why)
 
 
 #: A choice spelt as Soup's config spells it -> this tool's name for it (record.SOUP_QUANT).

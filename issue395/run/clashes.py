@@ -127,7 +127,7 @@ CLASHES = (
             says=GOES_WITH)  # never measured as if the mode were asked and absent
       for mode in ("--expert-layout", "--loss-chunk", "--recompute")),
     *(Clash("options", is_set(mode), (without("--map (an axis)", lambda f: f.map),), says=GOES_WITH)
-      for mode in ("--stream-layers", "--gradient-checkpointing")),  # a soup.yaml says it with stream_layers
+      for mode in ("--stream-layers", "--gradient-checkpointing", "--stream-vram-probe")),  # a soup.yaml says it with stream_layers
     Clash("options", truthy("--estimate"), (Flag("--weights", lambda f: f.weights != "synthetic"),),
           "an estimate reads the config, no weights"),
     Clash("compare", truthy("--compare"), (without("--from-json"),), says=GOES_WITH),

@@ -61,9 +61,10 @@ def config_arm(user: UserRun, weights: str, dry_run: bool, soup_resolves_targets
         raise UsageError(f"--config {user.path}: training.lora.target_modules 'auto' is estimated (--estimate) but "
                          "not run as an arm here: name the modules")
     model, key = base_of(user, weights)
-    if key != "custom":
+    if key != "custom" and user.resident is None:  # a resident run (--find-max's) needs Soup to stream nothing
         require_streamed((FAMILIES[key] if key in FAMILIES else SHAPES[key]).model_type,
                          f"--config {user.path}: base {user.base}")
+    if key != "custom":
         within_positions(user.base, max_positions(key), (user.seq,), f"--config {user.path}: data.max_length")
     if user.quant == "nf4" and not dry_run and not bitsandbytes_present():
         raise UsageError(f"--config {user.path}: training.quantization 4bit needs bitsandbytes, which is not "

@@ -26,7 +26,7 @@ from ..model.targets import soup_targets
 from ..measure.shapes import soup_loss_chunk_bounds
 from ..report.outputs import write_json
 from .checks import (_shown, context_within_cards, distinct_choices, no_output_is_an_input, odd_file, one_int,
-                     parse_ints, settle_tasks, within_positions)
+                     parse_ints, settle_tasks, within, within_positions)
 from .clashes import check
 from .configarm import STEADY_STEPS, base_is_no_family_key
 from .request import Adapter, CardListRequest, EstimateRequest, Outputs
@@ -97,7 +97,7 @@ class FromFile(FromOptions):
         return (self.user.quant,)
 
     def seqs(self) -> tuple:
-        return parse_ints("--seq", str(self.user.seq), minimum=64, named=self.SEQ)
+        return (within("--seq", self.user.seq, minimum=64, named=self.SEQ),)
 
     def targets(self) -> tuple[Optional[tuple], Optional[str]]:
         return self.user.targets, ",".join(self.user.targets)
@@ -112,10 +112,10 @@ class FromFile(FromOptions):
         return (self.user.task,)
 
     def batches(self) -> tuple:
-        return parse_ints("--batch", str(self.user.batch), named=self.BATCH)
+        return (within("--batch", self.user.batch, named=self.BATCH),)
 
     def lora(self) -> tuple[int, int]:
-        return one_int("--lora-r", str(self.user.lora_r), LORA_R, named="training.lora.r"), self.user.lora_alpha or LORA_ALPHA
+        return within("--lora-r", self.user.lora_r, named="training.lora.r"), self.user.lora_alpha or LORA_ALPHA
 
     def steps(self) -> tuple[int, Optional[str]]:
         given = self.args.steps
@@ -177,6 +177,7 @@ def settle_values(args: argparse.Namespace, given: FromOptions, cards_given: Opt
     """An EstimateRequest of the values ``given`` reads (the options', or a soup.yaml's), against ``cards_given``
     (--card, or --find-max's card): a config, seqs, and nothing that needs a GPU or Soup's setup."""
     from ..estimator.cards import parse_cards, parse_context
+    from ..estimator.arch import arch_from_config
     from ..estimator.soup_number import arch_of, stream_refused
 
     name, config = estimate_config(given.model(), given.MODEL)
@@ -189,8 +190,9 @@ def settle_values(args: argparse.Namespace, given: FromOptions, cards_given: Opt
         raise UsageError(f"{given.TARGETS} {spelled!r}: empty name")
     if targets is not None and len(set(targets)) != len(targets):
         raise UsageError(f"{given.TARGETS} {spelled}: a target is named twice")
-    try:  # the config's own sizes, heads and positions: one line here, before any table
-        arch = arch_of(config)
+    resident = getattr(given, "user", None) is not None and given.user.resident is not None
+    try:  # the config's own sizes, heads and positions: one line here, before any table (streamed: Soup streams it)
+        arch = arch_from_config(config) if resident else arch_of(config)
     except UsageError as exc:
         raise UsageError(f"{given.MODEL} {name}: {exc}") from None
     except Exception as exc:  # a value of the wrong kind deeper in the config

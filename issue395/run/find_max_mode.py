@@ -17,8 +17,8 @@ from typing import Any, Callable, Optional
 from ..constants import comma_list
 from ..errors import EXIT_FINDING, EXIT_OK, EXIT_USAGE, UsageError
 from ..tasks import task
-from ..constraints.findmax import (PROBE_KEYS, PROBE_LIMIT, FindMax, find_max, measured_words, probe_config,
-                                   probe_table, read_at_edge, soup_checks,
+from ..constraints.findmax import (ALLOW_OOM_ATTEMPT, PROBE_KEYS, PROBE_LIMIT, FindMax, ResidentSearch, find_max,
+                                   measured_words, probe_config, probe_table, read_at_edge, soup_checks,
                                    probe_words, run_probe, soup_command, write_probe_config)
 from ..report.outputs import write_json
 from ..text import gb
@@ -34,6 +34,8 @@ from .userconfig import read_soup_config
 UNITS = {"seq": "tokens", "batch": "batch"}
 #: The probed key of the axis not searched: the file's own value, not a probe's change.
 OTHER_AXIS_KEY = {"seq": "training.batch_size", "batch": "data.max_length"}
+#: Soup's resident gate as its CLI runs it (commands/train.py, _hardware_fit_preflight)
+RESIDENT_RULE = "hardware_fit's number +10% against the card's total memory (decide_hardware_fit)"
 
 
 @dataclass
@@ -57,16 +59,34 @@ class Answers:
     #: this tool's charge at a value, part by part (computed): the corrected allocated peak, the
     #: allocator's reserve (needs free - allocated) and what lies outside the allocator at the step's
     #: end (a context, and the runtime's growth)
-    charged_at: Callable[[int, int], dict] = lambda value, context: {}
+    charged_at: Callable[[int, int], Optional[dict]] = lambda value, context: {}
+    #: a resident file's run (training.stream_layers false), and why its estimate gave no answer (None: it did)
+    resident: Any = None  # issue395.run.userconfig.ResidentRun
+    refused: Optional[str] = None
 
     def first_and_second(self, like: Optional[int]) -> tuple[int, Optional[int]]:
         """Where the search starts (this tool's like-for-like answer, else its answer on the card's
-        context, else the smallest) and the second prediction it brackets with (Soup's gate's)."""
-        first = like if like is not None else self.tool if self.tool is not None else self.low
+        context; where its estimate does not model the run, Soup's gate's answer; else the smallest) and the
+        second prediction it brackets with (Soup's gate's)."""
+        first = like if like is not None else self.tool if self.tool is not None else (
+            self.soup if self.refused and self.soup is not None else self.low)
         return first, self.soup
+
+    def started_from(self, like: Optional[int]) -> str:
+        """What the first probe is, in words."""
+        if like is not None:
+            return "this tool's longest that fits with the box's own context"
+        if self.tool is not None:
+            return "this tool's longest that fits"
+        if self.refused is None:
+            return "this tool's longest that fits: none fits, so the smallest"
+        return (f"this tool's estimate does not answer ({self.refused}): " + (
+            "Soup's gate's longest" if self.soup is not None else "the smallest, then a plain doubling"))
 
 
 def answers(req: FindMaxRequest) -> Answers:
+    if req.estimate.user is not None and req.estimate.user.resident is not None:
+        return resident_answers(req)
     from ..estimator.cards import budget, workspace_env
     from ..estimator.fits import axis_range, estimate_for, fit_kwargs, longest, longest_soup_admits
 
@@ -101,11 +121,46 @@ def answers(req: FindMaxRequest) -> Answers:
                    tool_with_context, charged_at)
 
 
+def resident_answers(req: FindMaxRequest) -> Answers:
+    """A resident file's answers on the card: this tool's corrected resident estimate at each value (as --estimate
+    answers the file), and Soup's resident gate's (computed by Soup: the input its CLI built from the file with
+    the axis's value, decide_hardware_fit on the card's total as CUDA reports it)."""
+    from ..estimator.cards import budget
+    from ..estimator.fits import axis_range, longest_resident
+    from ..estimator.resident import estimate_resident
+    from ..results.extras import ResidentGate
+
+    axis, run, config = req.axis, req.estimate, req.estimate.config
+    r, card = run.user.resident, run.cards[0]
+    kw = dict(quant=run.quants[0], seq=run.seqs[0], batch=run.batches[0], targets=run.adapter.targets,
+              lora_r=run.adapter.lora_r, task=run.tasks[0], checkpointing=r.checkpointing, steps=run.steps,
+              **run.settings.estimator(resident=True))
+    b = budget(card, run.context)
+    total = card.total_bytes - card.hidden_bytes  # what CUDA reports as the card's total, which Soup's gate reads
+    low, step, high = axis_range(config, axis, run.tasks[0])
+
+    def gate_at(value: int) -> dict:
+        return {"value": value, **ResidentGate.at(r.soup_input, axis, value, total).to_json()}
+
+    def charged_at(value: int, context: int) -> Optional[dict]:
+        try:
+            e = estimate_resident(config, **dict(kw, **{axis: value}))
+        except UsageError:  # not modelled there: nothing charged
+            return None
+        return {"allocated": e.corrected_predicted, "reserve": e.needs_free - e.corrected_predicted,
+                "outside": card.total_bytes - budget(card, context).step_free_bytes}
+
+    tool, refused = longest_resident(axis, config, b.step_free_bytes, **kw)
+    return Answers(axis, card, b, tool, ResidentGate.longest(r.soup_input, axis, total, low, step, high), low, step,
+                   high, RESIDENT_RULE, gate_at,
+                   lambda context: longest_resident(axis, config, budget(card, context).step_free_bytes, **kw)[0],
+                   charged_at, resident=r, refused=refused)
+
+
 def plan_lines(run: EstimateRequest, a: Answers, like: Optional[int] = None) -> list[str]:
     unit = UNITS[a.axis]
     start, second = a.first_and_second(like)
-    which = ("this tool's longest that fits with the box's own context" if like is not None else
-             "this tool's longest that fits" if a.tool is not None else "this tool's longest that fits: none fits, so the smallest")
+    which = a.started_from(like)
     then = (f", Soup's gate's longest, {second}, probed only where it brackets the limit (inside the next stride, in place "
             f"of its far end; where it completes, its next step after it)" if second is not None and second != start else "")
     return [f"plan: start at {a.axis} {start} ({which}) and probe its next step (an answer that is right completes and "
@@ -113,13 +168,17 @@ def plan_lines(run: EstimateRequest, a: Answers, like: Optional[int] = None) -> 
             f"the outcome points until one flips{then}; then bisect to the resolution, {a.step} {unit}, within {a.low}..{a.high}; at most "
             f"{PROBE_LIMIT} probes; a cuDNN or cuBLAS failure is read as OOM where the probe's allocator peak left the "
             f"card less than the runtime's growth in a step, else probed once more",
-            f"  each probe: {' '.join(soup_command())} train --config <the probe's soup.yaml> --yes, a fresh "
+            f"  each probe: {' '.join(soup_command())} train --config <the probe's soup.yaml> --yes"
+            f"{' ' + ALLOW_OOM_ATTEMPT if a.resident else ''}, a fresh "
             f"process, while this process holds a ballast outside any allocator that leaves {a.card.name}'s total "
             f"({a.card.total_bytes:,} B) free; it completes when Soup exits 0 with the trainer's global step at "
             f"{run.steps}; an exit hook in that process reads its allocator's peaks, and torch's out-of-memory "
             f"message, where one comes, is read for the allocator's reserve at that moment",
             "  the probe's soup.yaml: every key of your file but " + "; ".join(
-                f"{k} ({why})" for k, why in PROBE_KEYS.items() if k != OTHER_AXIS_KEY[a.axis])]
+                f"{k} ({why})" for k, why in PROBE_KEYS.items() if k != OTHER_AXIS_KEY[a.axis]
+                and not (a.resident and k == "training.stream_vram_override"))
+            + (f"; Soup's resident gate is lifted on the command line instead ({ALLOW_OOM_ATTEMPT}, as Soup documents "
+               "it), and Soup prints its warning where its gate, reading the GPU's own total, would refuse" if a.resident else "")]
 
 
 def gate_words(run: EstimateRequest, a: Answers, found: FindMax, value: Optional[int], what: str) -> Optional[tuple[str, dict]]:
@@ -129,6 +188,8 @@ def gate_words(run: EstimateRequest, a: Answers, found: FindMax, value: Optional
         return None
     g = dict(a.gate_at(value))
     p = found.probe_at(value)
+    if a.resident:
+        return resident_gate_words(a, g, p, run.steps, what)
     override = run.gate.override
     if p is not None and p.soup_gb is not None and p.driver_free_gb is not None:
         g.update(probe_soup_gb=p.soup_gb, probe_driver_free_gb=p.driver_free_gb,
@@ -142,6 +203,16 @@ def gate_words(run: EstimateRequest, a: Answers, found: FindMax, value: Optional
     return line, g
 
 
+def resident_gate_words(a: Answers, g: dict, p: Any, steps: int, what: str) -> tuple[str, dict]:
+    """Soup's resident gate, unlifted, at ``g``'s value (computed by Soup: results.extras.ResidentGate)."""
+    outcome = "" if p is None else f" (measured: {probe_words(p, steps)})"
+    head = f"Soup's resident gate (unlifted) at {a.axis} {g['value']}, {what}{outcome}: "
+    if g["input"] is None:
+        return head + "no verdict: its CLI builds no input for this file, so it skips its gate", g
+    return (head + f"{'admits' if g['admits'] else 'refuses'} it (computed by Soup's own code: {gb(g['peak'], 2)} GB, "
+            f"+10% {gb(g['required'], 2)} GB, against the card's {gb(g['card_total'], 2)} GB total)"), g
+
+
 def margin_at_oom(a: Answers, found: FindMax, context: int) -> Optional[tuple[str, dict]]:
     """The margin's parts at the first OOM above the limit, where Soup's console holds torch's own
     out-of-memory message (measured, inside Soup's process), beside this tool's charge at that value
@@ -150,6 +221,8 @@ def margin_at_oom(a: Answers, found: FindMax, context: int) -> Optional[tuple[st
     if p is None or p.oom is None:
         return None
     r, c = p.oom, a.charged_at(found.above, context)
+    if c is None:  # this tool's estimate does not model the run there
+        return None
     d = {"value": found.above, "measured": {"allocated_plus_request": r.allocated + r.tried,
                                             "reserve": r.reserved_unallocated, "outside": r.outside_allocator},
          "charged": c}
@@ -172,7 +245,6 @@ def execute(ask: FindMaxRequest, protocol: Any) -> int:
         if not torch.cuda.is_available():
             raise UsageError(FIND_MAX_NO_CUDA)
         lift = int(torch.cuda.mem_get_info()[1])
-    from ..estimator.fits import steps_words
     from ..results.stack import measure_context
 
     # like for like: the probes' Soup processes bring this box's CUDA context out of the card's total,
@@ -184,9 +256,7 @@ def execute(ask: FindMaxRequest, protocol: Any) -> int:
     axis, t = ask.axis, task(run.tasks[0])
     user_text = run.user.text
     accumulation = run.user.settings.micro_batches
-    head = (f"--find-max {axis}: {run.model}, from --config {run.adapter.soup_config} ({run.tasks[0]} "
-            f"{run.quants[0]}, " + (f"batch {run.batches[0]}" if axis == "seq" else f"seq {run.seqs[0]}")
-            + f"), on {a.card.name} ({a.card.total_bytes:,} B; {ask.flag}); {steps_words(run.steps, run.steps_from)}")
+    head, tool_line, soup_line, like_line = said(ask, a, box, like)
     with Scratch(ask.cache_dir, ask.shard_dir) as scratch:
         base = ask.base_folder
         if not ask.dry_run:
@@ -196,21 +266,12 @@ def execute(ask: FindMaxRequest, protocol: Any) -> int:
             folder = scratch.path("find-max", f"{axis}-{value}")
             seq, batch = (value, run.batches[0]) if axis == "seq" else (run.seqs[0], value)
             config = probe_config(user_text, axis, value, data=folder / "train.jsonl", output=folder / "out",
-                                  override=lift if lift is not None else a.card.total_bytes,
+                                  override=None if a.resident else lift if lift is not None else a.card.total_bytes,
                                   data_format=t.data_format, base=base)
             return write_probe_config(folder, config, protocol.task_rows(t.name, seq, batch * accumulation * run.steps))
 
-        tool_line = (f"computed by this tool (--estimate's corrected estimate, {a.budget.context_source} context): the "
-                     f"longest {axis} that fits {a.card.name}: {a.tool if a.tool is not None else 'none'}")
-        soup_line = (f"computed by Soup (its own pre-flight, {a.gate_rule}, gate unlifted): the longest {axis} Soup's gate "
-                     f"admits on {a.card.name}: {a.soup if a.soup is not None else 'none'}")
-        like_line = ("computed by this tool like for like (the context the probes had: this box's own, measured here, "
-                     f"{box / 1e9:.3f} GB): the longest {axis} that fits {a.card.name}: {like if like is not None else 'none'}"
-                     if box is not None else
-                     "like for like (this tool's longest with the context the probes have): on the GPU box, with its "
-                     "context measured there")
         stack = check_installed(nf4=run.quants[0] == "nf4")
-        first = write(a.tool if a.tool is not None else a.low)
+        first = write(a.first_and_second(None)[0])
         refused = soup_checks(first, t.name)  # Soup's own config and data checks on CPU: a refusal costs no probe
         if ask.dry_run:
             plan = [*plan_lines(run, a), *([f"  Soup refuses the probe's file before any probe (its own checks, on "
@@ -221,12 +282,13 @@ def execute(ask: FindMaxRequest, protocol: Any) -> int:
                                 "the probes run the synthetic checkpoint this tool builds for it (no download)"]
                                if ask.base_key and not ask.base_folder else []),
                              *(f"  from the file: {k}" for k in run.keys),
-                             f"the first probe's soup.yaml (as written in the scratch folder, removed at exit; on the GPU "
-                             f"box stream_vram_override is the GPU's total):",
+                             "the first probe's soup.yaml (as written in the scratch folder, removed at exit; "
+                             + (f"each probe runs it with {ALLOW_OOM_ATTEMPT}):" if a.resident else
+                                "on the GPU box stream_vram_override is the GPU's total):"),
                              first.read_text().rstrip()]))
             if ask.outputs.json:  # the plan, as data: nothing measured
                 if not write_json(ask.outputs.json, "find-max", {
-                        **json_head(ask, a), "dry_run": True, "measured": None, "stack": stack.to_json(),
+                        **json_head(ask, a, None), "dry_run": True, "measured": None, "stack": stack.to_json(),
                         "plan": [ln.strip() for ln in plan],
                         "soup_refuses": refused, "first_probe_config": first.read_text()}):
                     return EXIT_USAGE
@@ -248,7 +310,7 @@ def execute(ask: FindMaxRequest, protocol: Any) -> int:
         def probe(value: int):
             config = write(value)
             p, ballast, log = run_probe(config, value, run.steps, a.card.total_bytes,
-                                        log_to=config.parent / "soup-train.log")
+                                        log_to=config.parent / "soup-train.log", allow_oom_attempt=bool(a.resident))
             p = read_at_edge(p, card_free)  # a cuDNN or cuBLAS failure, read by the allocator's figures
             if logs is not None:
                 shutil.copyfile(config.parent / "soup-train.log", logs / f"soup-find-max-{axis}-{value}.log")
@@ -264,7 +326,9 @@ def execute(ask: FindMaxRequest, protocol: Any) -> int:
              gate_words(run, a, found, found.above, "the first above it")]
     margin = margin_at_oom(a, found, box if box is not None else a.budget.context_bytes)
     lines = [head,
-             f"  measured (the real soup train, Soup's gate lifted by training.stream_vram_override): {measured} "
+             "  measured (the real soup train, " + (f"Soup's resident gate lifted by {ALLOW_OOM_ATTEMPT}" if a.resident
+                                                     else "Soup's gate lifted by training.stream_vram_override")
+             + f"): {measured} "
              f"(resolution {a.step} {unit}; {len(found.probes)} probe(s), {found.seconds:.1f} s)",
              "  " + tool_line, "  " + like_line, "  " + soup_line, *(f"  {g[0]}" for g in gates if g),
              *([f"  {margin[0]}"] if margin else []), "  " + stack.line(),
@@ -274,7 +338,7 @@ def execute(ask: FindMaxRequest, protocol: Any) -> int:
              *probe_table(found, run.steps)]
     print("\n".join(lines), flush=True)
     if ask.outputs.json and not write_json(ask.outputs.json, "find-max", {
-            **json_head(ask, a), "measured": found.to_json(),
+            **json_head(ask, a, like), "measured": found.to_json(),
             "this_tool_longest_like_for_like": like, "box_context_bytes": box, "stack": stack.to_json(),
             "soup_gate_at_limit": gates[0][1] if gates[0] else None,
             "soup_gate_above_limit": gates[1][1] if gates[1] else None,
@@ -283,14 +347,44 @@ def execute(ask: FindMaxRequest, protocol: Any) -> int:
     return EXIT_OK if found.adjacent else EXIT_FINDING
 
 
-def json_head(ask: FindMaxRequest, a: Any) -> dict:
-    """What a --find-max JSON holds whether it ran or planned: the file, the arm, the card, both answers."""
-    run = ask.estimate
+def said(ask: FindMaxRequest, a: Answers, box: Optional[int], like: Optional[int]) -> tuple[str, str, str, str]:
+    """The search's head line, and this tool's, Soup's and the like-for-like answer in words, each labelled."""
+    from ..estimator.fits import steps_words
+
+    run, axis, card, r = ask.estimate, ask.axis, a.card.name, a.resident
+    head = (f"--find-max {axis}: {run.model}, from --config {run.adapter.soup_config} ("
+            + (f"a resident run, training.stream_layers false{', gradient checkpointing' if r.checkpointing else ''}; "
+               if r else "") + f"{run.tasks[0]} {run.quants[0]}, "
+            + (f"batch {run.batches[0]}" if axis == "seq" else f"seq {run.seqs[0]}")
+            + f"), on {card} ({a.card.total_bytes:,} B; {ask.flag}); {steps_words(run.steps, run.steps_from)}")
+    tool = a.tool if a.tool is not None else f"none (not estimated: {a.refused})" if a.refused else "none"
+    soup = (a.soup if a.soup is not None else "none: its CLI builds no input for this file, so it skips its gate"
+            if r and r.soup_input is None else "none")
+    estimate = "the corrected resident estimate" if r else "--estimate's corrected estimate"
+    tool_line = (f"computed by this tool ({estimate}, {a.budget.context_source} context): the longest {axis} that fits "
+                 f"{card}: {tool}")
+    soup_line = (f"computed by Soup ({'its resident gate as soup train runs it' if r else 'its own pre-flight'}, "
+                 f"{a.gate_rule}, gate unlifted): the longest {axis} Soup's {'resident ' if r else ''}gate admits on "
+                 f"{card}: {soup}")
+    like_line = ("computed by this tool like for like (the context the probes had: this box's own, measured here, "
+                 f"{box / 1e9:.3f} GB): the longest {axis} that fits {card}: {like if like is not None else 'none'}"
+                 if box is not None else
+                 "like for like (this tool's longest with the context the probes have): on the GPU box, with its "
+                 "context measured there")
+    return head, tool_line, soup_line, like_line
+
+
+def json_head(ask: FindMaxRequest, a: Answers, like: Optional[int]) -> dict:
+    """What a --find-max JSON holds whether it ran or planned: the file, the arm, the card, both answers, and what
+    a resident file's search adds (its typed record; null for a streamed file)."""
+    run, r = ask.estimate, a.resident
+    resident = None if r is None else ResidentSearch(r.checkpointing, r.soup_input, a.started_from(like), a.refused)
     return {"config": run.adapter.soup_config, "model": run.model, "task": run.tasks[0], "quant": run.quants[0],
             "seq": run.seqs[0], "batch": run.batches[0], "steps": run.steps,
             "card": {"card": a.card.name, "bytes": a.card.total_bytes, "given_as": ask.flag},
             "this_tool_longest": a.tool, "soup_gate_longest": a.soup, "soup_gate_rule": a.gate_rule,
-            "probe_keys": list(PROBE_KEYS), "command": ["issue395_second_stack_vram.py", *ask.argv]}
+            "probe_keys": [k for k in PROBE_KEYS if not (r and k == "training.stream_vram_override")],
+            "resident": resident and resident.to_json(), "command": ["issue395_second_stack_vram.py", *ask.argv]}
 
 
 def checkpoint_for(ask: FindMaxRequest, scratch: Scratch) -> str:
@@ -321,7 +415,7 @@ def settle(args: argparse.Namespace, argv: list[str]) -> FindMaxRequest:
     one_card(flag, given)
     if not args.dry_run:  # the probes' checkpoint and Soup's own processes
         require_installed("--find-max", ARM_NEEDS)
-    user = read_soup_config(args.config)
+    user = read_soup_config(args.config, True)  # a resident file too: its probes lift Soup's resident gate
     config_arm(user, args.weights, args.dry_run, soup_resolves_targets=True)  # its probes are soup train's own
     folder, key = base_of(user, args.weights)
     with under_the_file(args.config):

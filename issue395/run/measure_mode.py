@@ -31,6 +31,7 @@ from ..constraints.asked import Constraints
 from ..measure.console import Progress, Stop
 from ..measure.cuda import control_step, positive_control
 from ..measure.modes import measure_mode, sdpa_mode
+from ..measure.probe import probe_missing
 from ..measure.shapes import (bitsandbytes_present, config_only, default_map_families, family_shape,
                               load_custom_shape, registry_shape, soup_has_stream_modes, soup_loss_chunk_bounds,
                               with_modes)
@@ -179,12 +180,16 @@ def stream_mode_families(args: argparse.Namespace, families: list) -> tuple:
                          "whose training config has them; the installed one does not")
     chunks = comma_list(args.loss_chunk) if args.loss_chunk else ["off"]
     low, high = soup_loss_chunk_bounds()
+    missing = "on" in comma_list(args.stream_vram_probe or "") and probe_missing()
+    if missing:
+        raise UsageError(missing)
     return stream_mode_keys(families, comma_list(args.expert_layout) if args.expert_layout else ["fused"],
                             [None if c == "off" else parse_ints("--loss-chunk", c, minimum=low, maximum=high)[0]
                              for c in chunks],
                             comma_list(args.recompute) if args.recompute else ["on"],
                             tuple(comma_list(args.stream_layers)) if args.stream_layers else ("on",),
-                            tuple(comma_list(args.gradient_checkpointing)) if args.gradient_checkpointing else ("off",))
+                            tuple(comma_list(args.gradient_checkpointing)) if args.gradient_checkpointing else ("off",),
+                            tuple(comma_list(args.stream_vram_probe)) if args.stream_vram_probe else ("off",))
 
 
 def not_an_empty_shard(run: MeasureRequest) -> None:

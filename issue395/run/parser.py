@@ -153,8 +153,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="on a CUDA box, with --config and --card (or --emulate-card): the largest seq (or batch) whose "
                         "run of the real `python -m soup_cli train` completes --steps optimizer steps (default: the "
                         "run's steady state, 2) on that card, each probe a fresh process under a ballast, Soup's gate "
-                        "lifted by its own training.stream_vram_override; bracketed from this tool's longest that "
-                        "fits and bisected to 64 tokens (seq) or 1 (batch), beside this tool's answer and Soup's "
+                        "lifted by its own training.stream_vram_override (a resident file's, stream_layers false: by "
+                        "its --allow-oom-attempt); bracketed from this tool's longest that fits and bisected to 64 tokens (seq) or 1 (batch), beside this tool's answer and Soup's "
                         "gate. --dry-run: the first probe's soup.yaml and the plan")
     m.add_argument("--soup-patch", default=None, metavar="OUT.diff",
                    help="write a unified diff against the installed soup-cli's own source that makes Soup's own gates "
@@ -176,6 +176,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default on; off: a resident run, every layer on the card, judged against Soup's resident gate)")
     a.add_argument("--gradient-checkpointing", default=None, help="with --map and --stream-layers off: comma list "
                    "of off,on: training.gradient_checkpointing on the resident runs (default off, Soup's)")
+    a.add_argument("--stream-vram-probe", default=None, help="with --map: comma list of off,on: "
+                   "training.stream_vram_probe on the streamed runs (default off, Soup's): Soup's measured step at setup "
+                   "beside the real one; for a task Soup's schema refuses it for, Soup's probe called by this tool")
     a.add_argument("--quant", default=None, help="with --map or --estimate: comma list of none,nf4 (--map: both; "
                    "nf4 needs bitsandbytes)")
     a.add_argument("--seq", default=None, help="comma list of seq lengths, each at least 64 (Soup's schema), "

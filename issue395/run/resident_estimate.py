@@ -46,6 +46,11 @@ def answer_resident(e: EstimateRequest) -> int:
         if cards else mine + "; give --card to fit it on a card")
     lines = [verdict, f"--estimate: {e.model}, from --config {a.soup_config}: a resident run (training.stream_layers "
              f"false), {tag}, {e.steps} optimizer step(s)", f"  this tool: {mine}", f"  {gate}"]
+    if r.soup_profile:  # Soup's other estimator, which no gate reads: said beside its gate's
+        p = r.soup_profile
+        lines.append(f"  `soup profile`: {p['total_bytes'] / 1e9:.2f} GB (computed by Soup: its profile command's "
+                     f"estimate_total, the model taken as {p['model_params_b']:g}B parameters by its name or "
+                     "checkpoint; no gate reads it)")
     if est:
         lines += [f"  corrected allocated peak {est.corrected_predicted / 1e9:.4f} GB ({est.phase} phase); terms:"]
         lines += [f"    {k:<28} {v / 1e9:.4f} GB" for k, v in est.terms.items() if v]
@@ -60,7 +65,8 @@ def answer_resident(e: EstimateRequest) -> int:
             "model": e.model, "config": a.soup_config, "resident": {"checkpointing": r.checkpointing,
                                                                      "soup_input": r.soup_input},
             "task": task, "quant": quant, "seq": seq, "batch": batch, "steps": e.steps,
-            "soup_resident_bytes": soup.peak, "corrected": est.corrected_predicted if est else None,
+            "soup_resident_bytes": soup.peak,
+            "soup_profile": r.soup_profile, "corrected": est.corrected_predicted if est else None,
             "needs_free": est.needs_free if est else None, "not_estimated": why,
             "terms": est.terms if est else None, "cards": cards}):
         return EXIT_USAGE

@@ -35,7 +35,6 @@ class UserRun:
     lora_r: int
     lora_alpha: int
     targets: Optional[tuple]
-    stream_buffers: int
     stream_options: dict  # 0.77.0's streaming modes, as the file sets them (none on 0.73.3)
     task: str = PROTOCOL_TASK  # Soup's task: (issue395.tasks)
     gate_override: Optional[int] = None  # training.stream_vram_override: bytes Soup's gate takes as free
@@ -43,7 +42,6 @@ class UserRun:
     settings: Settings = Settings()  # the run's SETTINGS (optimizer, accumulation) as Soup's loader read them
     keys: tuple = ()  # one line per key of the file that changes the peak or Soup's gate: how it is read
     text: str = ""  # the file as written (--find-max's probes copy it, changing only their keys)
-    lora_dropout: float = 0.05  # training.lora.dropout (Soup's default; the estimator's figures are at it)
     resident: Optional["ResidentRun"] = None  # training.stream_layers false: what a resident run adds
 
 
@@ -56,6 +54,7 @@ class ResidentRun:
 
     checkpointing: bool
     soup_input: Optional[dict]
+    soup_profile: Optional[dict] = None  # `soup profile`'s estimate of the file (ResidentGate.profile_of)
 
 
 def missing_for_loader(exc: ImportError) -> str:
@@ -98,9 +97,10 @@ def read_soup_config(path: str, resident_ok: bool = False) -> UserRun:
     if not getattr(t, "stream_layers", False):
         if not resident_ok:
             raise UsageError(f"--config {path}: training.stream_layers is not true (a resident run): --estimate "
-                             "answers it, and --map --stream-layers off measures resident arms; this mode runs "
-                             "streamed files only, so far")
-        resident = ResidentRun(bool(getattr(t, "gradient_checkpointing", False)), ResidentGate.input_of(cfg))
+                             "and --find-max answer it, and --map --stream-layers off measures resident arms; this "
+                             "mode runs streamed files only, so far")
+        resident = ResidentRun(bool(getattr(t, "gradient_checkpointing", False)), ResidentGate.input_of(cfg),
+                               ResidentGate.profile_of(cfg))
     task = str(getattr(cfg, "task", PROTOCOL_TASK))
     if task not in TASKS:  # a task Soup takes but does not stream: Soup itself would refuse to stream it
         raise UsageError(f"--config {path}: task {task!r} is not one Soup streams ({', '.join(TASKS)})")
@@ -121,11 +121,10 @@ def read_soup_config(path: str, resident_ok: bool = False) -> UserRun:
                          "model (it measures a step at setup; give on or off)")
     override = getattr(t, "stream_vram_override", None)
     return UserRun(str(path), cfg.base, quant, int(cfg.data.max_length), int(t.batch_size), int(lora.r),
-                   int(lora.alpha), tuple(targets), int(t.stream_buffers), stream, task,
+                   int(lora.alpha), tuple(targets), stream, task,
                    gate_override=None if override is None else int(override),
                    probe=bool(getattr(t, "stream_vram_probe", False)), settings=Settings.read(t),
-                   keys=tuple(unknown_keys(raw)) + tuple(key_lines(cfg, quant, set_in(raw, "training"))), text=text,
-                   lora_dropout=float(getattr(lora, "dropout", LORA_DROPOUT)), resident=resident)
+                   keys=tuple(unknown_keys(raw)) + tuple(key_lines(cfg, quant, set_in(raw, "training"))), text=text, resident=resident)
 
 
 def soup_release() -> str:

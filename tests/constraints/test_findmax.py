@@ -424,3 +424,61 @@ def test_soups_own_checks_run_on_the_probes_file_before_any_probe(tmp_path, cach
         assert line is not None and "chat_template" in line and "Value error" not in line, line
     else:
         assert line is None, line
+
+
+# Issue 51 item 4: a resident soup.yaml's probe lifts Soup's resident gate with its own --allow-oom-attempt.
+
+def test_soup_train_takes_allow_oom_attempt_through_the_probes_exit_hook():
+    """The real ``soup train --help`` (CPU), through the probe's hooked command: the installed soup-cli (0.73.3 and
+    0.77.0 both) has the option a resident probe passes."""
+    import subprocess
+
+    done = subprocess.run(F.hooked_soup_command() + ["train", "--help"], capture_output=True, text=True, timeout=120,
+                          env=dict(__import__("os").environ, COLUMNS="300"))
+    assert done.returncode == 0 and F.ALLOW_OOM_ATTEMPT in done.stdout
+
+
+def test_a_resident_probe_runs_soup_train_with_allow_oom_attempt_and_no_streamed_gate_key(tmp_path):
+    """The ballast and Soup's process are faked (CUDA): a resident probe's command line ends in --allow-oom-attempt,
+    a streamed one's does not, and a probe written with no override keeps the file's gate keys as they are."""
+    text = USER.replace("stream_layers: true", "stream_layers: false")
+    config = F.write_probe_config(tmp_path, F.probe_config(text, "seq", 1024, data=tmp_path / "t.jsonl",
+                                                           output=tmp_path / "out", override=None, data_format="dpo"), [])
+    assert "stream_vram_override" not in config.read_text() and "stream_layers: false" in config.read_text()
+    argvs = []
+
+    def run(argv, **kw):
+        argvs.append(argv)
+        return types.SimpleNamespace(returncode=1, stdout="", stderr="GPU ran out of memory\n")
+
+    for lifted in (True, False):
+        p, _, _ = F.run_probe(config, 1024, 2, 12_000_000_000, hold=lambda free: "B", release=lambda b: None, run=run,
+                              allow_oom_attempt=lifted)
+        assert p.outcome == F.OOM
+    assert argvs[0][-5:] == ["train", "--config", str(config), "--yes", "--allow-oom-attempt"]
+    assert argvs[1][-4:] == ["train", "--config", str(config), "--yes"]
+
+
+@pytest.mark.slow
+@pytest.mark.release
+def test_the_real_soup_train_completes_a_resident_probes_file_on_cpu_with_its_gate_lifted(tmp_path, cache_dir):
+    """The real `soup train` (CPU: no ballast to hold, so hold and release are stand-ins; Soup's resident gate skips
+    itself without CUDA) runs a resident probe's soup.yaml, written by probe_config from a user's DPO file, with
+    --allow-oom-attempt, on the synthetic SmolLM2 checkpoint: it accepts the option and the file, completes both
+    optimizer steps, and the probe reads completed from Soup's own console and trainer state."""
+    from conftest import h
+
+    from issue395.model.registry import SHAPES
+    from issue395.run.checkpoints import synthetic_checkpoint
+
+    base = synthetic_checkpoint(SHAPES["smol"], cache_dir / "checkpoints")[0]
+    text = ("base: HuggingFaceTB/SmolLM2-135M\ntask: dpo\ndata: {train: pairs.jsonl, max_length: 2048}\n"
+            "training: {batch_size: 1, gradient_accumulation_steps: 1, quantization: none, stream_layers: false, "
+            "lora: {r: 8, alpha: 16, target_modules: [q_proj, v_proj]}}\n")
+    folder = tmp_path / "probe"
+    config = F.write_probe_config(folder, F.probe_config(text, "seq", 128, data=folder / "train.jsonl",
+                                                         output=folder / "out", override=None, data_format="dpo",
+                                                         base=str(base)), h.task_rows("dpo", 128, 2))
+    p, _, log = F.run_probe(config, 128, 2, 10**10, hold=lambda free: "B", release=lambda b: None,
+                            allow_oom_attempt=True)
+    assert p.completed and p.steps == 2 and p.exit_code == 0, log[-2000:]

@@ -279,6 +279,20 @@ def test_the_corrected_estimate_is_never_under_and_within_5_percent_on_the_lates
         assert r["real_peak"] <= c <= 1.05 * r["real_peak"], (r["model_key"], r["quant"], r["seq"], r["batch"])
 
 
+def test_soups_probe_before_the_step_leaves_its_backwards_cublas_workspace_beside_it():
+    """Issue 51 item 5: training.stream_vram_probe runs one forward and backward at setup (Soup's
+    measure_step_peak_bytes), whose backward thread keeps its cuBLAS workspace, so the measured step
+    that follows has it beside every phase: the probed key's corrected estimate is the plain key's plus
+    the workspace term the estimate lists, and Soup's own number (its formula, the same) is unchanged."""
+    from issue395.estimator.terms import Term
+
+    for key, task in (("smol", "sft"), ("qwen", "dpo")):
+        plain = E.estimate_key(key, seq=1024, batch=2, task=task)
+        probed = E.estimate_key(key + "+probe", seq=1024, batch=2, task=task)
+        assert probed.corrected_predicted - plain.corrected_predicted == plain.terms[Term.CUBLAS_WORKSPACE.key] > 0
+        assert probed.soup_predicted == plain.soup_predicted
+
+
 @pytest.mark.parametrize("key", FAMILY_KEYS)
 def test_the_protocols_adapter_has_no_block_over_1_mib_so_no_unsplit_remainder_is_charged(key):
     """Issue 52 item 1: every LoRA tensor of the protocol's r8 adapter is 1 MiB or less (the small pool splits at

@@ -346,3 +346,31 @@ def test_every_card_line_carries_its_arms_tag_and_says_fits_as_does_not_fit_does
                                                            "dpo none 16384x1"], cards
     assert any("does NOT fit (needs " in ln for ln in cards) and any(": fits (needs " in ln for ln in cards)
     assert all(" GB free)" in ln for ln in cards)
+
+
+# Issue 51 item 4: --find-max's first probe on a resident soup.yaml is the corrected resident estimate's longest.
+
+@pytest.mark.parametrize("axis, kw, step", [("seq", {"batch": 1}, 64), ("batch", {"seq": 1024}, 1)])
+def test_the_longest_resident_value_fits_and_one_step_more_does_not(axis, kw, step):
+    """On a 12 GB budget, Llama-3.2-1B resident: estimate_resident's needs-free at the answer fits, one step more
+    does not (the search over the estimator, not its terms)."""
+    from issue395.estimator.resident import estimate_resident
+
+    config, free = config_json("llama32-1b"), 12_000_000_000
+    got, why = F.longest_resident(axis, config, free, **kw)
+    assert why is None and got is not None and got > step
+    assert estimate_resident(config, **{**kw, axis: got}).needs_free <= free
+    assert estimate_resident(config, **{**kw, axis: got + step}).needs_free > free
+    assert F.longest_resident(axis, config, 10**9, **kw) == (None, None)  # not even the smallest fits 1 GB
+
+
+def test_a_resident_run_the_estimator_does_not_model_has_no_longest_and_says_why():
+    """Phi-2 resident is refused whole; Gemma-3-1B without checkpointing is modelled only below its 512-token
+    window, so on a card where that fits the answer is none, and why; with checkpointing it answers."""
+    assert F.longest_resident("seq", config_json("phi-2"), 80 * 10**9) == (
+        None, "a resident phi run is not yet modelled by this estimator")
+    gemma = config_json("gemma3-1b")
+    got, why = F.longest_resident("seq", gemma, 80 * 10**9)
+    assert got is None and why.startswith("it fits up to seq 448 and is not modelled past it: a resident gemma3_text "
+                                          "run past its sliding window (512)")
+    assert F.longest_resident("seq", gemma, 80 * 10**9, checkpointing=True)[0] > 512

@@ -261,3 +261,31 @@ def test_a_dry_run_table_says_soups_number_there_is_the_cpu_budgets():
     dry = sweep_table([swap(r, dry_run=True, real_peak=None) for r in saved.rows[:2]])
     (line,) = [ln for ln in dry.splitlines() if "float32" in ln]
     assert "--estimate" in line and "CPU" in line
+
+
+def test_the_probe_table_flags_soups_probe_verdict_against_the_real_step_and_a_map_without_probes_has_none():
+    """Issue 51 item 5: each probed row's probe peak beside its real peak, their ratio and Soup's verdict; an
+    admit whose real step is past the free memory Soup read, and a refusal of one inside it, are flagged; a row the
+    probe did not run on says why; a map without probed rows prints no such table, and its rows' JSON has no
+    soup_probe key (what rows saved before it hold), while a probed row's reads back equal."""
+    from issue395.report.tables import probe_table
+    from issue395.results.extras import SoupProbe
+
+    gb = 10**9
+    admits = make_row("smol", 1024, 1, index=0, real_peak=3 * gb, soup_predicted=gb,
+                      soup_probe=SoupProbe("soup", peak=2 * gb, rows=1, seq=1024, available=int(2.5 * gb), admits=True,
+                                           ceiling=4.0))
+    from issue395.tasks import task
+
+    refuses = make_row("smol", 1024, 1, index=1, task="dpo", real_peak=gb, soup_predicted=gb,
+                       realised_rows=(1024,) * task("dpo").guard_rows(1),
+                       soup_probe=SoupProbe("called", peak=3 * gb, rows=2, seq=1024, available=2 * gb, admits=False))
+    idle = make_row("smol", 1024, 1, index=2, task="kto", dry_run=True, soup_probe=SoupProbe("called", outcome="not run"))
+    text = probe_table([admits, refuses, idle])
+    lines = text.splitlines()
+    assert "admits, real peak past free" in lines[3] and "0.667x" in lines[3] and "Soup's setup" in lines[3]
+    assert "refuses, real peak fits" in lines[4] and "3.000x" in lines[4] and "this tool" in lines[4]
+    assert "not run" in lines[5] and "within 4x" in text
+    assert probe_table([make_row("smol", 1024, 1)]) == ""
+    assert "soup_probe" not in make_row("smol", 1024, 1).to_json()
+    assert Row.from_json(json.loads(json.dumps(refuses.to_json()))) == refuses

@@ -34,6 +34,7 @@ EVERY_RULE = [
     (["--recompute", "on"], "--recompute goes with --map (an axis) or --estimate"),
     (["--stream-layers", "off"], "--stream-layers goes with --map (an axis)"),
     (["--gradient-checkpointing", "on"], "--gradient-checkpointing goes with --map (an axis)"),
+    (["--stream-vram-probe", "on"], "--stream-vram-probe goes with --map (an axis)"),
     ([*ESTIMATE, "--weights", "hub"],
      "--estimate and --weights are exclusive: an estimate reads the config, no weights"),
     (["--compare", "r.json"], "--compare goes with --from-json"),

@@ -313,3 +313,140 @@ def test_find_max_takes_soups_own_target_spellings_its_probes_resolve_them(capfd
     assert code == 0, err
     assert "plan: start at seq" in out and f"target_modules: {targets}" in out
     assert " arm" not in err
+
+
+# Issue 51 item 4: --find-max on a resident soup.yaml (training.stream_layers false), each probe the real `soup train`
+# with Soup's resident gate lifted by its own --allow-oom-attempt.
+
+RESIDENT = """base: {base}
+task: dpo
+experiment_name: mine
+data: {{train: pairs.jsonl, max_length: 1024}}
+training: {{batch_size: 1, quantization: none, stream_layers: false, gradient_checkpointing: {gc},
+           lora: {{r: 8, alpha: 16, target_modules: [q_proj, v_proj]}}}}
+"""
+
+
+def resident_yaml(tmp_path, family="llama32-1b", folder="Llama-3.2-1B", gc="false"):
+    """A resident soup.yaml whose base is a checkpoint folder (a registry family's public config alone), named as
+    the hub names it, so Soup's CLI reads its size from the name as it does for the hub id."""
+    base = tmp_path / folder
+    base.mkdir(exist_ok=True)
+    (base / "config.json").write_text(json.dumps(config_json(family)))
+    path = tmp_path / "resident.yaml"
+    path.write_text(RESIDENT.format(base=base, gc=gc))
+    return path
+
+
+def resident_estimate_at(capfd, path, tmp_path, card, seq, *extra):
+    """--estimate's resident answer for the file at ``seq`` on ``card`` (its JSON's card, and its resident block)."""
+    at = yaml.safe_load(path.read_text())
+    at["data"]["max_length"] = seq
+    (tmp_path / "at.yaml").write_text(yaml.safe_dump(at))
+    got = estimate_json(capfd, tmp_path / "at.yaml", card, tmp_path, *extra)
+    return got["cards"][0], got["resident"]
+
+
+@pytest.mark.parametrize("flag", ["--emulate-card", "--card"])
+def test_a_resident_files_dry_run_starts_at_the_resident_estimates_longest_and_lifts_soups_gate_on_its_command_line(
+        capfd, tmp_path, flag):
+    """The first probe is the corrected resident estimate's longest seq: --estimate's resident answer says it fits
+    the card and 64 tokens more does not; Soup's resident gate's longest is what --estimate's Soup verdict admits, 64
+    tokens more refused; the probe's soup.yaml is Soup's to load, resident, with no streamed gate key; the plan runs
+    `soup train ... --allow-oom-attempt`; the JSON's resident record is typed, the input Soup's CLI built the same
+    as --estimate's. --card and --emulate-card alike."""
+    from soup_cli.config.loader import load_config_from_string
+
+    path = resident_yaml(tmp_path)
+    before = path.read_bytes()
+    code, out, err = main(capfd, ["--find-max", "seq", "--config", path, flag, "16GB", "--dry-run", "--json",
+                                  tmp_path / "plan.json"])
+    assert code == 0, err
+    data = json.loads((tmp_path / "plan.json").read_text())
+    tool, soup = data["this_tool_longest"], data["soup_gate_longest"]
+    assert resident_estimate_at(capfd, path, tmp_path, "16GB", tool)[0]["fits"] is True
+    assert resident_estimate_at(capfd, path, tmp_path, "16GB", tool + 64)[0]["fits"] is False
+    assert resident_estimate_at(capfd, path, tmp_path, "16GB", soup)[0]["soup_admits"] is True
+    assert resident_estimate_at(capfd, path, tmp_path, "16GB", soup + 64)[0]["soup_admits"] is False
+    soup_input = resident_estimate_at(capfd, path, tmp_path, "16GB", 1024)[1]["soup_input"]
+    assert data["resident"] == {"checkpointing": False, "soup_input": soup_input, "started_from":
+                                "this tool's longest that fits", "estimate_refused": None,
+                                "gate_lifted_by": "--allow-oom-attempt"}
+    assert data["card"]["given_as"] == flag and "training.stream_vram_override" not in data["probe_keys"]
+    assert f"(a resident run, training.stream_layers false; dpo none, batch 1), on 16GB" in out
+    assert f"computed by this tool (the corrected resident estimate, bound context): the longest seq that fits 16GB: " \
+           f"{tool}" in out
+    assert f"the longest seq Soup's resident gate admits on 16GB: {soup}" in out
+    assert f"plan: start at seq {tool} (this tool's longest that fits)" in out
+    assert "train --config <the probe's soup.yaml> --yes --allow-oom-attempt, a fresh process" in out
+    probe = load_config_from_string(data["first_probe_config"])  # Soup's own loader takes it
+    assert probe.training.stream_layers is False and probe.data.max_length == tool and probe.experiment_name == "mine"
+    assert "stream_vram_override" not in data["first_probe_config"]
+    assert path.read_bytes() == before
+
+
+class RecordsItsCommand(FakeCudaProbe):
+    """The CUDA probe faked, as FakeCudaProbe, completing up to two resolution steps past the search's first
+    value; it keeps whether each probe's `soup train` was told --allow-oom-attempt."""
+
+    def __call__(self, config, value, *a, **kw):
+        if not self.configs:
+            self.limit, self.lifted = value + 128, []
+        self.lifted.append(kw.get("allow_oom_attempt"))
+        return super().__call__(config, value, *a, **kw)
+
+
+@pytest.mark.parametrize("flag", ["--emulate-card", "--card"])
+def test_a_resident_search_probes_soup_train_with_allow_oom_attempt_and_records_soups_resident_gate(
+        capfd, tmp_path, cuda_box, flag):
+    """The CUDA probe is faked (a CUDA OOM cannot happen on CPU): Soup's run completes up to two resolution steps
+    past this tool's like-for-like answer. The search starts there (--estimate's resident answer with the box's
+    context: it fits, 64 tokens more does not), every probe's `soup train` gets --allow-oom-attempt and a soup.yaml
+    with no streamed gate key, the limit is proven, the text says Soup's resident gate was lifted, and Soup's
+    resident gate at the limit is its own verdict (--estimate's), as a typed record."""
+    path = resident_yaml(tmp_path)
+    fake = cuda_box(RecordsItsCommand(None))
+    code, out, err = main(capfd, ["--find-max", "seq", "--config", path, flag, "16GB", "--json", tmp_path / "f.json"])
+    assert code == 0, err
+    data = json.loads((tmp_path / "f.json").read_text())
+    m, like, soup = data["measured"], data["this_tool_longest_like_for_like"], data["soup_gate_longest"]
+    context = ("--context", str(BOX_CONTEXT / 1e9))
+    assert resident_estimate_at(capfd, path, tmp_path, "16GB", like, *context)[0]["fits"] is True
+    assert resident_estimate_at(capfd, path, tmp_path, "16GB", like + 64, *context)[0]["fits"] is False
+    assert m["start"] == like and (m["limit"], m["oom_above"], m["proven"]) == (like + 128, like + 192, True)
+    assert fake.lifted and set(fake.lifted) == {True}
+    assert all("stream_vram_override" not in c["training"] and c["training"]["stream_layers"] is False
+               for c in fake.configs)
+    assert data["resident"]["started_from"] == "this tool's longest that fits with the box's own context"
+    assert "measured (the real soup train, Soup's resident gate lifted by --allow-oom-attempt): seq " \
+           f"{like + 128} completes 2 of 2 step(s); seq {like + 192} raised OOM" in out
+    gate = data["soup_gate_at_limit"]
+    verdict = resident_estimate_at(capfd, path, tmp_path, "16GB", like + 128)[0]["soup_admits"]
+    assert gate["value"] == like + 128 and gate["admits"] is verdict is (like + 128 <= soup)
+    assert set(gate) == {"value", "input", "peak", "breakdown", "required", "card_total", "admits"}
+    assert f"Soup's resident gate (unlifted) at seq {like + 128}, the limit (measured: completed 2 of 2 step(s)): " \
+           f"{'admits' if verdict else 'refuses'} it (computed by Soup's own code: " in out
+
+
+@pytest.mark.parametrize("card, start", [("80GB", "Soup's gate's longest"), ("4GB", "the smallest, then a plain doubling")])
+def test_a_resident_run_the_estimate_does_not_model_starts_from_soups_gate_or_the_smallest_and_says_so(
+        capfd, tmp_path, cuda_box, card, start):
+    """Phi-2 resident is not modelled by the corrected estimate (its parallel block): the search starts from Soup's
+    resident gate's longest where it admits one (an 80 GB card), else from the smallest value and doubles (a 4 GB
+    card, where Soup's gate admits nothing), and the text and the typed record say which and why. The CUDA probe is
+    faked: Soup's run completes up to 1024 tokens."""
+    path = resident_yaml(tmp_path, family="phi-2", folder="phi-2")
+    fake = cuda_box(FakeCudaProbe(1024))
+    code, out, err = main(capfd, ["--find-max", "seq", "--config", path, "--emulate-card", card, "--json",
+                                  tmp_path / "f.json"])
+    assert code == 0, err
+    data = json.loads((tmp_path / "f.json").read_text())
+    why = "a resident phi run is not yet modelled by this estimator"
+    assert data["this_tool_longest"] is None and data["resident"]["estimate_refused"] == why
+    assert data["resident"]["started_from"] == f"this tool's estimate does not answer ({why}): {start}"
+    first = data["soup_gate_longest"] if card == "80GB" else 64
+    assert (card == "80GB") == (first is not None and first > 64)
+    assert fake.configs[0]["data"]["max_length"] == first and data["measured"]["start"] == first
+    assert (data["measured"]["limit"], data["measured"]["oom_above"], data["measured"]["proven"]) == (1024, 1088, True)
+    assert f"the longest seq that fits {card}: none (not estimated: {why})" in out
+    assert data["margin_at_first_oom"] is None  # nothing charged where the estimate does not model the run

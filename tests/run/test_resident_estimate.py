@@ -73,3 +73,21 @@ def test_a_resident_soup_yamls_measured_arm_is_one_line_naming_what_answers_it(c
     --estimate and --map --stream-layers off."""
     one_error_line(*main(capfd, ["--config", resident_yaml(tmp_path), "--dry-run"]), "stream_layers", "--estimate",
                    "--map --stream-layers off")
+
+
+def test_soup_profiles_own_number_is_said_beside_its_gate_as_its_cli_prints_it(capfd, tmp_path):
+    """Issue 51 item 2: `soup profile` has an estimator of its own, which no gate reads. --estimate on a resident
+    file says its number, and it is what Soup's own `soup profile --config F --json` command prints for the file."""
+    from typer.testing import CliRunner
+    from soup_cli.cli import app
+
+    config = resident_yaml(tmp_path, seq=1024, quant="4bit")
+    out = tmp_path / "e.json"
+    code, text, err = main(capfd, ["--estimate", "--config", config, "--card", "24GB", "--json", out])
+    assert code == EXIT_OK, err
+    mine = json.loads(out.read_text())["soup_profile"]
+    done = CliRunner().invoke(app, ["profile", "--config", str(config), "--json"])
+    assert done.exit_code == 0, done.output
+    soups = json.loads(done.output[done.output.index("{"):])
+    assert mine["total_bytes"] == round(soups["total_memory_gb"] * 1e9) and mine["model_params_b"] == soups["model_params_b"]
+    assert f"`soup profile`: {soups['total_memory_gb']:.2f} GB (computed by Soup" in text

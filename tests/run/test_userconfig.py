@@ -51,7 +51,7 @@ def test_the_files_own_values_drive_the_estimate(capfd, tmp_path):
 
 
 @pytest.mark.parametrize("change, words", [
-    (dict(stream="false"), ["stream_layers", "a resident run", "--estimate answers it"]),
+    (dict(stream="false"), ["stream_layers", "a resident run", "--estimate and --find-max answer it"]),
     (dict(seq=16), ["Soup refuses"]),  # Soup's own schema: max_length under its minimum
 ])
 def test_a_config_soup_would_not_stream_or_the_estimator_does_not_model_is_one_line(capfd, tmp_path, change, words):
