@@ -306,7 +306,7 @@ def soup_patch() -> None:
           "the corrected number, what it charges and Soup's formula beside it; one that fits is admitted with one "
           "line. A run the resident estimate does not model (MoE, latent attention, hybrid layers, phi, past a "
           "sliding window without checkpointing, full fine-tuning, DoRA, another backend) goes on to Soup's formula, "
-          "and the line says why. Its GPU proof with the real `soup train` is `bench/gpu-resident-patch.sh` (not yet "
+          "and the line says why. Its GPU proof with the real `soup train` is `bench/gpu-next.sh resident-patch` (not yet "
           "run).\n")
     from types import SimpleNamespace as S
 

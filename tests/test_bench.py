@@ -188,24 +188,25 @@ def test_the_stack_render_is_what_both_stacks_rows_give_now():
     assert diff.count("block(s)") == 1 and "eager_mask" in diff
 
 
-def test_the_resident_find_max_device_call_settles_each_of_its_searches_on_cpu(capfd, monkeypatch):
-    """bench/gpu-resident-findmax.sh (issue 51 item 4): each `search TAG AXIS CARD` it runs is a --find-max on a
-    resident soup.yaml here that this tree settles and plans on CPU (--dry-run: Soup's own loader and checks on the
+def test_the_resident_find_max_device_call_settles_each_of_its_searches_on_cpu(capfd, monkeypatch, tmp_path):
+    """bench/gpu-next.sh resident-findmax (issue 51 item 4): each `search TAG AXIS CARD` it runs is a --find-max on a
+    resident soup.yaml the script writes (`configs DIR`) that this tree settles and plans on CPU (--dry-run: Soup's own loader and checks on the
     probe's file, the resident estimate's first probe, Soup's gate lifted by --allow-oom-attempt), so a bad file or
-    card costs no device time; the script names four, the resident-*.yaml files here, one of them checkpointed."""
+    card costs no device time; the script names four, the resident-*.yaml files it writes, one of them checkpointed."""
     import re
 
     from conftest import main
 
-    script = (ROOT / "bench" / "gpu-resident-findmax.sh").read_text()
-    searches = re.findall(r"^search (\S+) (seq|batch) (\S+)$", script, re.MULTILINE)
-    files = sorted(p.name for p in (ROOT / "bench" / "find-max").glob("resident-*.yaml"))
+    script = (ROOT / "bench" / "gpu-next.sh").read_text()
+    searches = re.findall(r"^\s*search (\S+) (seq|batch) (\S+)$", script, re.MULTILINE)
+    subprocess.run(["bash", str(ROOT / "bench" / "gpu-next.sh"), "configs", str(tmp_path)], check=True, timeout=30)
+    files = sorted(p.name for p in tmp_path.glob("resident-*.yaml"))
     assert len(searches) >= 4 and sorted(f"resident-{t}.yaml" for t, _, _ in searches) == files
     monkeypatch.chdir(ROOT)
     for tag, axis, card in searches:
-        code, out, err = main(capfd, ["--find-max", axis, "--config", f"bench/find-max/resident-{tag}.yaml",
+        code, out, err = main(capfd, ["--find-max", axis, "--config", str(tmp_path / f"resident-{tag}.yaml"),
                                       "--emulate-card", card, "--dry-run"])
         assert code == 0 and "a resident run, training.stream_layers false" in out, (tag, err)
         probe = out.split("each probe runs it with --allow-oom-attempt):\n", 1)[1]  # the first probe's soup.yaml
         assert "--yes --allow-oom-attempt" in out and "stream_layers: false" in probe and "stream_vram_override" not in probe
-    assert any("gradient_checkpointing: true" in (ROOT / "bench" / "find-max" / f).read_text() for f in files)
+    assert any("gradient_checkpointing: true" in (tmp_path / f).read_text() for f in files)

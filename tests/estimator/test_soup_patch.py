@@ -10,7 +10,7 @@ commands/train.py's own _hardware_fit_preflight on Soup's loaded config of small
 beside the stock one, on a faked CUDA card (gpu_info's total; torch's free memory where a test says so),
 and the patched `soup train` CLI gating then training a resident run on CPU. A CUDA step cannot run here:
 the streamed gate's GPU proof was bench/gpu-soup-patch.sh (git history), the resident one's is
-bench/gpu-resident-patch.sh."""
+bench/gpu-next.sh resident-patch."""
 
 from __future__ import annotations
 

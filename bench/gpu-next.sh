@@ -1,0 +1,152 @@
+#!/usr/bin/env bash
+# The device calls left to run, one 10-minute call each, sourced from the repo root on a lent GPU box with .whl/
+# carried (bench/README.md); each packs $R into $OUT/results.tar.gz after every command (bench/gpu-box.sh). A call
+# leaves this file once a results folder's commands.txt records it (git history keeps it).
+#   source bench/gpu-next.sh resident-patch [SOUP]        issue 51 item 6: the patched resident gate, real soup train
+#   source bench/gpu-next.sh resident-findmax [TAG ...]   issue 51 item 4: --find-max on resident soup.yamls
+#   source bench/gpu-next.sh probe840                     issue 51 item 5: Soup's stream_vram_probe per task (#840)
+#   bash bench/gpu-next.sh configs DIR                    CPU: write resident-findmax's soup.yamls into DIR, only
+#
+# resident-patch, issue 51 item 6: Soup's RESIDENT gate (commands/train.py's _hardware_fit_preflight), fixed by
+# --soup-patch, proven by the real `python -m soup_cli train` (bench/soup_train_card.py: a synthetic Qwen2.5-0.5B,
+# training.stream_layers false, Soup's gate NOT lifted, 2 optimizer steps, on an emulated card: a ballast leaves
+# the card's total free before Soup's process starts). Stock Soup's gate compares its formula with the H200's own
+# total (gpu_info), which a ballast does not change; the patched gate reads the free memory the ballast leaves.
+#   A: SFT bf16 4096x4, no checkpointing, on an RTX 4090 (24 GB). --estimate prints Soup's own verdict on that
+#      card's total (computed by Soup: its formula +10% is under it) and this tool's need. Claims: stock `soup
+#      train` launches it and it dies (OOM); the patched gate refuses it, in Soup's panel.
+#   B: SFT bf16 batch 1 with gradient checkpointing on 12 GB, from the longest seq whose corrected need fits the
+#      card's total less the context bound (the estimator's, computed here) up in 64-token steps to the first the
+#      patched gate refuses (at most 4 runs). C: the same without checkpointing, its longest only.
+#      Claim: every run the patched gate admits completes its 2 steps.
+# soup_train_card.py exits 0 where the run ends as Soup's gate said (refused, or admitted and completed), 1 where
+# Soup admitted a run that died: stock-A's 1 is the finding; any patched 1 fails the claim.
+#
+# resident-findmax, issue 51 item 4: --find-max on resident soup.yamls (training.stream_layers false), each probe the real
+# `soup train --allow-oom-attempt` (Soup's own lift of its resident gate) under the ballast of an emulated card, so
+# each search stays short: the resident soup.yamls below, written into $R/configs (Llama-3.2-1B bf16 DPO; Phi-3-mini bf16 SFT with gradient
+# checkpointing; Gemma-2B bf16 SFT; Mistral-7B NF4 QLoRA SFT). The claim it tests: on each, this tool's longest
+# (like for like: the box's own context) is the measured limit or one step below it.
+# TAGs: the searches below (default: all, cheapest first). All four do not fit one call: call 1 `llama-dpo-bf16 phi3-sft-bf16-gc gemma-sft-bf16`, call 2 `mistral-sft-nf4`
+# (its 7B synthetic checkpoint is built first, then NF4-quantised at each probe's load). SOUP=0.73.3 for the pin.
+#
+# probe840, issue 51 item 5 (Soup's #840): Soup's training.stream_vram_probe per task, through the harness itself
+# (--map --stream-vram-probe on): three families x the five tasks x seq 512,1024,2048,4096 x batch 1,2,4, bf16
+# (KTO's batch 1 is planned and SKIPPED: Soup's schema refuses it). Each row: the real step's peak, Soup's probe
+# number (SFT: Soup's own setup ran it, the key set; DPO, ORPO, SimPO, KTO: Soup refuses the key, so the harness
+# calls Soup's measure_step_peak_bytes on the task's streamed model after Soup's setup) and Soup's verdict on it
+# (decide_measured_fit against the free memory its gate read). The table "Soup's stream_vram_probe per task" is the
+# answer. Seq 512 and 2048 first (every task and batch), then 1024 and 4096 while the call has time; rows are kept
+# on a timeout (SIGINT). The lanes pack by the measured step's needs-free; an arm Soup's own probe refuses beside
+# neighbours (its probe's OOM) is measured again holding the whole card.
+
+resident_configs() {  # resident_configs DIR: the four resident soup.yamls resident-findmax searches
+  mkdir -p "$1"
+  cat > "$1/resident-gemma-sft-bf16.yaml" <<'YAML'
+base: google/gemma-2b
+data: {train: data.jsonl, chat_template: chatml, max_length: 2048}
+training: {batch_size: 1, gradient_accumulation_steps: 1, quantization: none, stream_layers: false, lora: {r: 8, alpha: 16, target_modules: [q_proj, v_proj]}}
+YAML
+  cat > "$1/resident-llama-dpo-bf16.yaml" <<'YAML'
+base: meta-llama/Llama-3.2-1B
+task: dpo
+data: {train: pairs.jsonl, max_length: 1024}
+training: {batch_size: 1, gradient_accumulation_steps: 1, quantization: none, stream_layers: false, lora: {r: 8, alpha: 16, target_modules: [q_proj, v_proj]}}
+YAML
+  cat > "$1/resident-mistral-sft-nf4.yaml" <<'YAML'
+base: mistralai/Mistral-7B-v0.3
+data: {train: data.jsonl, chat_template: chatml, max_length: 2048}
+training: {batch_size: 1, gradient_accumulation_steps: 1, quantization: 4bit, stream_layers: false, lora: {r: 16, alpha: 32, target_modules: [q_proj, k_proj, v_proj, o_proj]}}
+YAML
+  cat > "$1/resident-phi3-sft-bf16-gc.yaml" <<'YAML'
+base: microsoft/Phi-3-mini-4k-instruct
+data: {train: data.jsonl, chat_template: chatml, max_length: 2048}
+training: {batch_size: 1, gradient_accumulation_steps: 1, quantization: none, stream_layers: false, gradient_checkpointing: true, lora: {r: 16, alpha: 32, target_modules: [qkv_proj, o_proj]}}
+YAML
+}
+
+resident_patch() {
+  R=${R:-/tmp/resident-patch}
+  source bench/gpu-box.sh "${1:-0.77.0}" || return 1
+  export TMPDIR=/dev/shm HF_HUB_OFFLINE=1
+  END=$(( $(date +%s) + ${BUDGET_S:-540} ))  # after the install: the device counts it too
+  git log -1 --format=%H >> "$R/stack.txt" 2>/dev/null
+  W=/dev/shm/rp  # the work folder: the checkpoint is built once in it; each run's output is cleared
+  card() {  # card NAME CARD ARGS...: one resident `soup train` under the ballast; its soup.yaml kept as $R/NAME.soup.yaml
+    local name=$1 c=$2; shift 2
+    if [ "$(left)" -lt 60 ]; then echo "not run (time): $name" >> "$R/commands.txt"; return 2; fi
+    rm -rf "$W/out"
+    cmd "$name" timeout -s INT -k 30 "$(left 30)" python3 bench/soup_train_card.py --family qwen --task sft \
+        --card "$c" --steps 2 --train stream_layers=false --work "$W" "$@"
+    local rc=$?; cp "$W/soup.yaml" "$R/$name.soup.yaml" 2>/dev/null; return $rc
+  }
+  edge() {  # edge CARD GC: the longest seq (64-token steps) whose corrected resident need fits CARD's total - context bound
+    python3 -c "
+  import sys; from issue395.estimator.cards import parse_card, CONTEXT_BOUND_BYTES as CB, STEP_GROWTH_BYTES as G
+  from issue395.estimator.estimate import needs_free; from issue395.estimator.resident import estimate_resident
+  from issue395.measure.shapes import family_shape; from issue395.model.registry import config_json
+  s, room = family_shape('qwen'), parse_card('$1').total_bytes - CB
+  need = lambda q: needs_free(estimate_resident(config_json('qwen'), seq=q, batch=1, targets=s.targets, lora_r=s.lora_r,
+                                                steps=2, checkpointing='$2' == 'true').corrected_predicted) + G
+  q = 64
+  while need(q + 64) <= room: q += 64
+  print(q)"
+  }
+  card stock-A RTX4090 --seq 4096 --batch 4
+  run est-A --estimate --config "$R/stock-A.soup.yaml" --card RTX4090
+  cmd soup-patch python3 issue395_second_stack_vram.py --soup-patch "$R/corrected-preflight.diff"
+  cmd patch-apply bash -c "cd /tmp/site && patch -p1 < '$R/corrected-preflight.diff'"
+  card patched-A RTX4090 --seq 4096 --batch 4
+  s=$(edge 12GB true); echo "edge 12GB checkpointing: $s" >> "$R/commands.txt"
+  for i in 0 1 2 3; do
+    card "patched-B-$((s + 64 * i))" 12GB --seq $((s + 64 * i)) --batch 1 --train gradient_checkpointing=true
+    grep -q "refused by Soup's gate" "$R/patched-B-$((s + 64 * i)).txt" 2>/dev/null && break
+  done
+  s=$(edge 12GB false); echo "edge 12GB no checkpointing: $s" >> "$R/commands.txt"
+  card "patched-C-$s" 12GB --seq "$s" --batch 1
+}
+
+resident_findmax() {
+  WANT="$*"
+  R=${R:-/tmp/resident-findmax}
+  source bench/gpu-box.sh "${SOUP:-0.77.0}" || return 1
+  resident_configs "$R/configs"
+  END=$(( $(date +%s) + ${BUDGET_S:-560} ))
+  git log -1 --format=%H >> "$R/stack.txt" 2>/dev/null; df -h /tmp >> "$R/stack.txt"
+  H="python3 issue395_second_stack_vram.py"
+  search() {  # search TAG AXIS CARD: --find-max AXIS on $R/configs/resident-TAG.yaml on an emulated CARD
+    local tag=$1 axis=$2 card=$3 name="find-max-resident-$1-$3"
+    case " ${WANT:-$tag} " in *" $tag "*) ;; *) return ;; esac
+    if [ "$(left)" -lt 90 ]; then echo "not run (time): $name" >> "$R/commands.txt"; return; fi
+    cmd "$name" timeout -s INT -k 40 "$(left 45)" $H --find-max "$axis" --config "$R/configs/resident-$tag.yaml" \
+        --emulate-card "$card" --cache-dir "$C" --log-dir "$R/$name-logs" --json "$R/$name.json"
+  }
+  search llama-dpo-bf16 seq 16GB
+  search phi3-sft-bf16-gc seq 10GB
+  search gemma-sft-bf16 seq 24GB
+  search mistral-sft-nf4 seq 24GB
+}
+
+probe840() {
+  R=/tmp/probe840
+  source bench/gpu-box.sh "${SOUP:-0.77.0}" || return 1
+  END=$(( $(date +%s) + ${BUDGET_S:-560} ))
+  git log -1 --format=%H >> "$R/stack.txt" 2>/dev/null; nproc >> "$R/stack.txt"
+  mkdir -p /dev/shm/h
+  H="env HOME=/dev/shm/h python3 issue395_second_stack_vram.py"
+  A="--map --families smol,qwen,llama32-1b --stream-vram-probe on --task sft,dpo,orpo,simpo,kto --quant none \
+    --batch 1,2,4 --lanes 4 --shard-dir /dev/shm/h/s --cache-dir $C"
+  cmd probe-512-2048 timeout -s INT -k 60 "$(left 260)" $H $A --seq 512,2048 \
+      --json $R/probe-512-2048.json --markdown $R/probe-512-2048.md
+  cmd probe-1024-4096 timeout -s INT -k 40 "$(left 45)" $H $A --seq 1024,4096 \
+      --json $R/probe-1024-4096.json --markdown $R/probe-1024-4096.md
+}
+
+call=${1:-}; shift 2>/dev/null
+case "$call" in
+  configs) resident_configs "$1" ;;
+  resident-patch) resident_patch "$@" ;;
+  resident-findmax) resident_findmax "$@" ;;
+  probe840) probe840 ;;
+  *) echo "gpu-next.sh: say which call: resident-patch, resident-findmax, probe840 (or configs DIR)" >&2; false ;;
+esac
