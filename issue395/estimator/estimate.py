@@ -303,6 +303,31 @@ def estimate(config: dict, *, quant: str = "none", seq: int, batch: int = 1, tar
     ``transformers``: the release a saved row ran (None: the
     installed one, its source read), which decides whether the model runs eager attention."""
     a = arch_of(config) if soup else arch_from_config(config)
+    targets, spelled = checked_arguments(config, a, quant=quant, seq=seq, batch=batch, targets=targets, lora_r=lora_r,
+                                         steps=steps, accumulation=accumulation, buffers=buffers, task=task)
+    release = release or installed_release()
+    f = features(release)
+    ws = max(CUBLAS_WORKSPACE, workspace or 0)
+    stream, probed = modelled_stream(stream)
+    soup_number, soup_terms = soups_own_number(
+        config, soup, quant=quant, seq=seq, batch=batch, targets=spelled, lora_r=lora_r, release=release,
+        stream=stream, task=task, optimizer=optimizer, accumulation=accumulation, buffers=buffers)
+    per_expert, chunk, recompute, tk = checked_modes(a, stream, task, batch)
+    t, lp, unsplit = step_terms(a, f, tk, quant=quant, targets=targets, lora_r=lora_r, seq=seq, batch=batch, ws=ws,
+                                per_expert=per_expert, buffers=buffers, chunk=chunk, recompute=recompute,
+                                accumulation=accumulation, steps=steps, optimizer=optimizer,
+                                transformers=transformers, allowance=allowance)
+    binding, peak = binding_phase(t, lp.checkpointed, tk.reference, steps, accumulation, probed, ws, unsplit)
+    corrected = phase_sum(t, Phase.RESIDENT) + peak + t[Term.ALLOCATED_ALLOWANCE.key]
+    return Estimate(seq, batch, quant, steps, release, soup_number, soup_terms, corrected,
+                    needs_free(corrected - unsplit), binding.value, t, tk.name, optimizer, accumulation)
+
+
+def checked_arguments(config: dict, a: Arch, *, quant: str, seq: int, batch: int, targets, lora_r: int, steps: int,
+                      accumulation: int, buffers: int, task: str) -> tuple:
+    """The run's arguments, each refused in one line where no estimate can stand for it (a quantization Soup
+    does not stream, a count below 1, a seq past the model's positions, a task Soup does not stream, LoRA
+    targets its layer lacks); the targets as the physics takes them and as Soup's config spells them."""
     if quant not in QUANTS:
         raise UsageError(f"quant {quant!r} is not one Soup streams ({', '.join(QUANTS)})")
     seq, batch = _whole("seq", seq), _whole("batch", batch)
@@ -320,17 +345,30 @@ def estimate(config: dict, *, quant: str = "none", seq: int, batch: int = 1, tar
     if not targets or missing:
         raise UsageError(f"LoRA target(s) {', '.join(missing) or '(none)'} not in a {a.model_type}"
                          f" layer (it has {', '.join(a.modules)})")
-    release = release or installed_release()
-    f = features(release)
-    ws = max(CUBLAS_WORKSPACE, workspace or 0)
+    return targets, spelled
+
+
+def modelled_stream(stream: dict | None) -> tuple:
+    """Soup's streaming keys as given, and whether Soup's probe runs a backward at setup
+    (training.stream_vram_probe); a key this estimator does not model is refused in one line, never
+    estimated as if absent."""
     stream = dict(stream or {})
     probed = bool(stream.pop("stream_vram_probe", False))  # no term of Soup's number: its formula is the same
     unknown = sorted(set(stream) - set(STREAM_KEYS))
     if unknown:
         raise UsageError(f"training.{unknown[0]} is not modelled by this estimator")
-    soup_number, soup_terms = soup_preflight_from_config(
-        config, quant=quant, seq=seq, batch=batch, targets=spelled, lora_r=lora_r, release=release,
-        stream=stream, task=task, optimizer=optimizer, accumulation=accumulation, buffers=buffers) if soup else (None, {})
+    return stream, probed
+
+
+def soups_own_number(config: dict, soup: bool, **kwargs) -> tuple:
+    """Soup's own pre-flight and its terms, by Soup's own code, beside the corrected peak; none where
+    ``soup`` is False (the physics alone)."""
+    return soup_preflight_from_config(config, **kwargs) if soup else (None, {})
+
+
+def checked_modes(a: Arch, stream: dict, task: str, batch: int) -> tuple:
+    """The streaming modes (per-expert layout, loss chunk, recompute) and the task, each refused in one line
+    where Soup refuses it or the estimator does not model it: no number for a run that cannot be."""
     per_expert = stream.get("stream_expert_layout") == "per_expert"
     if per_expert and not a.quirks.per_expert_layout:  # Soup refuses it: no number for a run that cannot be
         raise UsageError(f"Soup refuses stream_expert_layout 'per_expert' on {a.model_type} (it admits "
@@ -343,6 +381,14 @@ def estimate(config: dict, *, quant: str = "none", seq: int, batch: int = 1, tar
         raise UsageError(f"batch {batch}: {tk.batch_refused(batch)}")
     if chunk and tk.name != PROTOCOL_TASK:
         raise UsageError(f"training.stream_loss_chunk with task {tk.name} is not modelled by this estimator")
+    return per_expert, chunk, recompute, tk
+
+
+def step_terms(a: Arch, f: Features, tk, *, quant: str, targets: tuple, lora_r: int, seq: int, batch: int, ws: int,
+               per_expert: bool, buffers: int, chunk, recompute: str, accumulation: int, steps: int, optimizer: str,
+               transformers: str | None, allowance: int | None) -> tuple:
+    """Every physical term of the step in bytes, in the table's order (Term), with the binding layer's peak
+    and the unsplit remainders, which the phases read apart from the terms."""
     rows = batch * tk.rows_per_example
     T, n = seq * rows, lora_params(a, targets, lora_r)
     per = adapter_bytes(tk.name, quant)
@@ -367,24 +413,9 @@ def estimate(config: dict, *, quant: str = "none", seq: int, batch: int = 1, tar
     if any(bias for *_, bias in a.modules.values()):  # the bias epilogue's own workspace
         t[Term.CUBLASLT_WORKSPACE.key] = CUBLASLT_WORKSPACE
     if tk.name != PROTOCOL_TASK:  # the loss's own fp32 blocks replace SFT's three
-        blocks = task_loss_blocks(a, tk.name, seq, batch)
-        t[Term.LOGITS.key] = sum(blocks) + (SOFTCAP_EXTRA_BYTES * T * a.V if a.softcap else 0)
-        t[Term.ALLOCATOR_ROUNDING.key] = sum(map(segment_tail, blocks)) + hidden_rounding(a, T)
-        t[Term.REFERENCE_ADAPTER.key] = reference_adapter(n, f, tk.name, per)
-        t[Term.HEAD_COPY.key] = head_copy(a, f, tk.name)
-        if tk.kl_batch:  # the KL batch's mismatched completions, collated as the batch's
-            t[Term.KL_BATCH_IDS.key] = ids_labels(T)
-        if tk.reference:
-            t[Term.REFERENCE_HELD.key] = sum(reference_held_blocks(a, tk.name, seq, batch))
-            t[Term.REFERENCE_LAYER.key] = T * no_grad_layer_per_token(a, quant, targets, lora_r)
-            t[Term.DEQUANTISED_LINEAR.key] = (dequantised_linear(a, quant) if a.layers is None else
-                                              max(dequantised_linear(a, quant, k.dequant) for k in a.layers.kinds))
-    if chunk:  # the chunked loss: per chunk 3 fp32 + its bf16 logits (14 B), a backward's cuBLAS
-        # workspace inside the loss, Soup's two [batch, seq, hidden] stream-dtype tensors;
-        # measured: SmolLM2 and Moonlight chunk 512 (results/moe-and-stream-modes-*/loss-chunk.txt)
-        t["logits"] = (LOGITS_BYTES + 2 + (SOFTCAP_EXTRA_BYTES if a.softcap else 0)) * min(chunk, seq) * batch * a.V
-        t["allocator_rounding"] = allocator_rounding(a, min(chunk, seq) * batch)
-        t[Term.CHUNKED_LOSS.key] = ws + 2 * 2 * a.h * T
+        t.update(task_terms(a, f, tk, quant, targets, lora_r, seq, batch, T, n, per))
+    if chunk:
+        t.update(chunked_loss_terms(a, chunk, seq, batch, T, ws))
     if recompute == "off":
         kept = retained_by_layer(a, quant, targets, lora_r)
         t[Term.RETAINED_ACTIVATIONS.key] = T * sum(kept)
@@ -397,10 +428,47 @@ def estimate(config: dict, *, quant: str = "none", seq: int, batch: int = 1, tar
     if unsplit:
         t[Term.UNSPLIT_REMAINDERS.key] = unsplit
     t[Term.ALLOCATED_ALLOWANCE.key] = ALLOCATED_ALLOWANCE_BYTES if allowance is None else allowance
-    t = {term.key: t[term.key] for term in Term if term.key in t}  # the table's order
+    return {term.key: t[term.key] for term in Term if term.key in t}, lp, unsplit  # the table's order
+
+
+def task_terms(a: Arch, f: Features, tk, quant: str, targets: tuple, lora_r: int, seq: int, batch: int, T: int,
+               n: int, per: int) -> dict:
+    """A preference or KTO task's own terms: its loss's fp32 blocks in place of SFT's three (and their
+    rounding), the reference adapter and head copy the release makes, the KL batch's ids, and where the
+    task runs a reference model, what its forward holds."""
+    blocks = task_loss_blocks(a, tk.name, seq, batch)
+    t = {Term.LOGITS.key: sum(blocks) + (SOFTCAP_EXTRA_BYTES * T * a.V if a.softcap else 0),
+         Term.ALLOCATOR_ROUNDING.key: sum(map(segment_tail, blocks)) + hidden_rounding(a, T),
+         Term.REFERENCE_ADAPTER.key: reference_adapter(n, f, tk.name, per),
+         Term.HEAD_COPY.key: head_copy(a, f, tk.name)}
+    if tk.kl_batch:  # the KL batch's mismatched completions, collated as the batch's
+        t[Term.KL_BATCH_IDS.key] = ids_labels(T)
+    if tk.reference:
+        t[Term.REFERENCE_HELD.key] = sum(reference_held_blocks(a, tk.name, seq, batch))
+        t[Term.REFERENCE_LAYER.key] = T * no_grad_layer_per_token(a, quant, targets, lora_r)
+        t[Term.DEQUANTISED_LINEAR.key] = (dequantised_linear(a, quant) if a.layers is None else
+                                          max(dequantised_linear(a, quant, k.dequant) for k in a.layers.kinds))
+    return t
+
+
+def chunked_loss_terms(a: Arch, chunk: int, seq: int, batch: int, T: int, ws: int) -> dict:
+    """The chunked loss (training.stream_loss_chunk): its logits and their rounding per chunk, and what the
+    loss holds beside them."""
+    # per chunk 3 fp32 + its bf16 logits (14 B), a backward's cuBLAS workspace inside the loss, Soup's
+    # two [batch, seq, hidden] stream-dtype tensors;
+    # measured: SmolLM2 and Moonlight chunk 512 (results/moe-and-stream-modes-*/loss-chunk.txt)
+    return {"logits": (LOGITS_BYTES + 2 + (SOFTCAP_EXTRA_BYTES if a.softcap else 0)) * min(chunk, seq) * batch * a.V,
+            "allocator_rounding": allocator_rounding(a, min(chunk, seq) * batch),
+            Term.CHUNKED_LOSS.key: ws + 2 * 2 * a.h * T}
+
+
+def binding_phase(t: dict, checkpointed: int, reference: bool, steps: int, accumulation: int, probed: bool,
+                  ws: int, unsplit: int) -> tuple:
+    """The phase whose bytes bind the step (the loss, the reference's forward, the binding layer, or past
+    step 1 the optimizer's own step) and its bytes above the resident terms and the allowance."""
     # at the binding layer only the inputs of the layers not yet run backward are live
-    layer = phase_sum(t, Phase.LAYER) - t[Term.CHECKPOINTED_INPUTS.key] + lp.checkpointed
-    step = {Phase.LOSS: phase_sum(t, Phase.LOSS), Phase.REFERENCE: phase_sum(t, Phase.REFERENCE) if tk.reference
+    layer = phase_sum(t, Phase.LAYER) - t[Term.CHECKPOINTED_INPUTS.key] + checkpointed
+    step = {Phase.LOSS: phase_sum(t, Phase.LOSS), Phase.REFERENCE: phase_sum(t, Phase.REFERENCE) if reference
             else 0, Phase.LAYER: layer}
     if steps > 1 or accumulation > 1 or probed:  # after a first backward its thread's cuBLAS workspace stays
         # resident beside every phase, the layer phase's too: at step 1 the layer phase's peak can come
@@ -416,9 +484,7 @@ def estimate(config: dict, *, quant: str = "none", seq: int, batch: int = 1, tar
         if optimizer_step > peak:
             binding, peak = Phase.OPTIMIZER, optimizer_step
         peak += t[Term.OPTIMIZER_STATES.key]
-    corrected = phase_sum(t, Phase.RESIDENT) + peak + t[Term.ALLOCATED_ALLOWANCE.key]
-    return Estimate(seq, batch, quant, steps, release, soup_number, soup_terms, corrected,
-                    needs_free(corrected - unsplit), binding.value, t, tk.name, optimizer, accumulation)
+    return binding, peak
 
 
 def estimate_key(key: str, **kwargs) -> Estimate:

@@ -254,8 +254,6 @@ def heatmap_figure(result: Result, plt: Any) -> Any:
     peak): family x (seq x batch), one panel per quantization. Red: under 1.0, an UNDER (also
     hatched, boxed and named); blue: over; grey with its status: in the grid, not measured
     (REFUSED, SKIPPED, OOM, FAILED, VOID, dry run); blank: not in the grid."""
-    from matplotlib.patches import Rectangle
-
     env = result.environment
     rows = [r for r in result.rows if r.repeat is None]
     quants = [q for q in QUANTS if any(r.quant == q for r in rows)]
@@ -287,41 +285,8 @@ def heatmap_figure(result: Result, plt: Any) -> Any:
                 r = cell.get((fam, seq, batch))
                 if r is None:
                     continue  # not in the grid: left blank
-                if r.measured:
-                    colour = cmap(norm(r.margin_ratio))
-                    under = r.status == "UNDER"
-                    if under:
-                        ax.add_patch(Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, hatch="///",
-                                               edgecolor="black", linewidth=2.2))
-                    ax.text(j, i, ("UNDER\n" if under else "") + ratio_words(r.margin_ratio, under), ha="center",
-                            va="center", fontsize=7, color=text_colour(colour),
-                            fontweight="bold" if under else "normal",
-                            bbox=dict(boxstyle="square,pad=0.1", facecolor=colour, edgecolor="none")
-                            if under else None)
-                elif r.oom_at_soup_cap:  # no peak read, but above Soup's number: the under-prediction
-                    colour = cmap(norm(HEATMAP_LOW))
-                    ax.add_patch(Rectangle((j - 0.5, i - 0.5), 1, 1, facecolor=colour, hatch="///",
-                                           edgecolor="black", linewidth=2.2))
-                    ax.text(j, i, "UNDER\nOOM at\nSoup's cap", ha="center", va="center", fontsize=6,
-                            fontweight="bold", color=text_colour(colour),
-                            bbox=dict(boxstyle="square,pad=0.1", facecolor=colour, edgecolor="none"))
-                else:
-                    ax.add_patch(Rectangle((j - 0.5, i - 0.5), 1, 1, facecolor=NOT_MEASURED_GREY,
-                                           edgecolor="white", linewidth=0.5))
-                    word = "dry run" if r.status == "dry-run" else r.status  # a FAILED dry run says so
-                    ax.text(j, i, word, ha="center", va="center", fontsize=6, color="black")
-        ax.set_xticks(range(len(columns)), [f"{q}\nx{b}" for q, b in columns])
-        ax.set_yticks(range(len(families)), families)
-        ax.set_xlim(-0.5, len(columns) - 0.5)
-        ax.set_ylim(len(families) - 0.5, -0.5)
-        ax.set_xlabel("seq x batch", fontsize=8)
-        ax.set_ylabel("family", fontsize=8)
-        ax.set_title(f"quantization: {quant}", fontsize=9)
-        ax.tick_params(labelsize=7)
-        ax.set_xticks([x - 0.5 for x in range(1, len(columns))], minor=True)
-        ax.set_yticks([y - 0.5 for y in range(1, len(families))], minor=True)
-        ax.grid(which="minor", color="white", linewidth=0.8)
-        ax.tick_params(which="minor", length=0)
+                heatmap_cell(ax, r, i, j, cmap, norm)
+        heatmap_axes(ax, quant, families, columns)
     if measured:
         from matplotlib.cm import ScalarMappable
 
@@ -333,6 +298,53 @@ def heatmap_figure(result: Result, plt: Any) -> Any:
              "in the grid, not measured; blank: not in the grid" + ("" if measured else
              "; nothing measured: no ratio to colour"), fontsize=7, ha="left", va="top")
     return fig
+
+
+def heatmap_cell(ax: Any, r: Any, i: int, j: int, cmap: Any, norm: Any) -> None:
+    """One cell of the map: a measured arm's ratio in its colour (an UNDER hatched, boxed and named), an OOM
+    at Soup's cap as the under-prediction it is, any other arm grey with its status."""
+    from matplotlib.patches import Rectangle
+
+    if r.measured:
+        colour = cmap(norm(r.margin_ratio))
+        under = r.status == "UNDER"
+        if under:
+            ax.add_patch(Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, hatch="///",
+                                   edgecolor="black", linewidth=2.2))
+        ax.text(j, i, ("UNDER\n" if under else "") + ratio_words(r.margin_ratio, under), ha="center",
+                va="center", fontsize=7, color=text_colour(colour),
+                fontweight="bold" if under else "normal",
+                bbox=dict(boxstyle="square,pad=0.1", facecolor=colour, edgecolor="none")
+                if under else None)
+    elif r.oom_at_soup_cap:  # no peak read, but above Soup's number: the under-prediction
+        colour = cmap(norm(HEATMAP_LOW))
+        ax.add_patch(Rectangle((j - 0.5, i - 0.5), 1, 1, facecolor=colour, hatch="///",
+                               edgecolor="black", linewidth=2.2))
+        ax.text(j, i, "UNDER\nOOM at\nSoup's cap", ha="center", va="center", fontsize=6,
+                fontweight="bold", color=text_colour(colour),
+                bbox=dict(boxstyle="square,pad=0.1", facecolor=colour, edgecolor="none"))
+    else:
+        ax.add_patch(Rectangle((j - 0.5, i - 0.5), 1, 1, facecolor=NOT_MEASURED_GREY,
+                               edgecolor="white", linewidth=0.5))
+        word = "dry run" if r.status == "dry-run" else r.status  # a FAILED dry run says so
+        ax.text(j, i, word, ha="center", va="center", fontsize=6, color="black")
+
+
+def heatmap_axes(ax: Any, quant: str, families: list[str], columns: list[tuple[int, int]]) -> None:
+    """One panel's axes: seq x batch across, the families down, the quantization its title, white lines
+    between the cells."""
+    ax.set_xticks(range(len(columns)), [f"{q}\nx{b}" for q, b in columns])
+    ax.set_yticks(range(len(families)), families)
+    ax.set_xlim(-0.5, len(columns) - 0.5)
+    ax.set_ylim(len(families) - 0.5, -0.5)
+    ax.set_xlabel("seq x batch", fontsize=8)
+    ax.set_ylabel("family", fontsize=8)
+    ax.set_title(f"quantization: {quant}", fontsize=9)
+    ax.tick_params(labelsize=7)
+    ax.set_xticks([x - 0.5 for x in range(1, len(columns))], minor=True)
+    ax.set_yticks([y - 0.5 for y in range(1, len(families))], minor=True)
+    ax.grid(which="minor", color="white", linewidth=0.8)
+    ax.tick_params(which="minor", length=0)
 
 
 def render_heatmap(result: Result, plt: Any) -> bytes:

@@ -227,56 +227,14 @@ def execute(run: MeasureRequest, protocol: Protocol, job: Optional[Job] = None) 
 
 def measure_all(run: MeasureRequest, protocol: Protocol, job: Optional[Job], scratch: Scratch, started: float,
                 local: bool, fan_out: bool, lanes: Optional[Lanes] = None) -> int:
-    imports_s = 0.0
-    if job is not None:  # a child: exactly the arms its parent dealt it
-        arms = list(job.arms)
-    else:
-        arms = run.arms()
-        arms = shard_of(arms, run.children.shard, whole_models=run.map) if run.children.shard else arms
-    shapes = dict(SHAPES)
-    if local:
-        t = time.perf_counter()
-        import torch
-
-        if not run.dry_run and protocol.step_device == "cuda" and not torch.cuda.is_available():
-            raise UsageError(NO_CUDA)
-        scratch.verify_shard_root()
-        # the LoRA adapter a --config file names, else the protocol's (targets None: the model's own)
-        adapter = dict(targets=run.adapter.targets, lora_r=run.adapter.lora_r, lora_alpha=run.adapter.lora_alpha)
-        if run.custom_model:
-            shapes["custom"] = load_custom_shape(run.custom_model, **adapter)
-            within_positions(run.custom_model, shapes["custom"].max_positions, run.seqs,
-                             f"--config {run.adapter.soup_config}: data.max_length" if run.adapter.soup_config else "--seq")
-        families = [f for f in dict.fromkeys(family_of(a.model) for a in arms) if f != "custom"]
-        if run.map:  # this shard's families only, each derived once, then each streaming mode of it
-            shapes.update({f: family_shape(f) for f in families})
-        if run.adapter.soup_config:  # the file's base under the file's adapter (the record's two are no record here)
-            shapes.update({f: registry_shape(f, **adapter) for f in families})
-        if run.map or run.adapter.soup_config:
-            shapes.update({a.model: with_modes(shapes[family_of(a.model)], a.model) for a in arms})
-        imports_s = time.perf_counter() - t
+    """Every arm and mode of the run, here or in children; the rows printed and saved whatever stops it."""
+    arms = arms_to_run(run, job)
+    shapes, imports_s = local_shapes(run, protocol, scratch, arms) if local else (dict(SHAPES), 0.0)
     det_models, det_seqs, det_batches = run.determinism_grid
     det_arms = plan_arms(*run.determinism_grid, run.quants[0], run.tasks, run.settings) if run.repeats else []
-    how = run.constraints.how or (
-        lanes.label(run) if lanes and fan_out else
-        "isolated, one fresh process per arm" if run.isolate else
-        f"one process per GPU ({','.join(map(str, run.children.gpus))}), merged" if run.children.gpus else
-        f"shard {run.children.shard[0]}/{run.children.shard[1]} in one process" if run.children.shard else
-        f"1 lane, in one process ({lanes.why})" if lanes else "in one process")
-    if run.adapter.soup_config:  # the user's config, not the protocol: said where every table's header is
-        how += (f"; the arm is --config {run.adapter.soup_config}'s ({run.quants[0]}, LoRA r {run.adapter.lora_r} alpha "
-                f"{run.adapter.lora_alpha} on {','.join(run.adapter.targets or ())}, optimizer {run.settings.optimizer}, "
-                f"gradient accumulation {run.settings.accumulation})")
-    arms_label = how if run.run_arms else ("determinism: one fresh process per repeat" if run.repeats
-                                        else "none (modes only)")
+    arms_label = how_arms_ran(run, lanes, fan_out)
     command = [os.path.basename(protocol.script), *run.argv]
-    result = Result(environment=environment(run.weights, run.dry_run, arms_label, command) if local else {},
-                    kind="map" if run.map else "sweep")
-    # The row file's header: the stack known now, so a run stopped before its JSON still renders.
-    # A parent's children report their stacks only in their final JSONs: it records its own, said so.
-    stack = result.environment or dict(environment(run.weights, run.dry_run, arms_label, command, with_torch=False),
-                                       stack_of=STACK_OF_PARENT)
-    rows_file = RowFile(run.outputs.json, dict(stack, **stack_notes(run)), result.kind)
+    result, rows_file = started_result(run, local, arms_label, command)
     rows: list[Row] = []
     children: list[Result] = []
     usage_error = None
@@ -299,13 +257,7 @@ def measure_all(run: MeasureRequest, protocol: Protocol, job: Optional[Job], scr
                 children += spread(replace(run, repeats=None), arms, scratch, on_row, protocol.script,
                                    **({"lanes": lanes} if lanes else {}))
         elif run.run_arms:
-            disk = (DiskLedger(run.children.disk_ledger) if run.children.disk_ledger else
-                    DiskLedger.create(str(scratch.path("disk") / "disk.json"), str(scratch.checkpoint_root())))
-            sets: dict[str, set] = {}
-            for a in arms:
-                sets.setdefault(family_of(a.model), set()).add(shard_tag(a.quant, shapes[a.model].stream))
-            checkpoints = Checkpoints(list(dict.fromkeys(family_of(a.model) for a in arms)), shapes, run, scratch,
-                                      disk, {k: len(v) for k, v in sets.items()})
+            checkpoints = local_checkpoints(run, arms, shapes, scratch)
             sweep(arms, shapes, checkpoints, scratch, run, protocol.run_arm, on_row,
                   result.margins.append if run.map and not run.dry_run and not run.constraints.fresh else None)
             if run.snapshot and not Stop.requested:
@@ -316,12 +268,8 @@ def measure_all(run: MeasureRequest, protocol: Protocol, job: Optional[Job], scr
                               measure=run.measure and not local, sdpa=run.sdpa and not local)
             with Stop.arm():
                 children += spread(det_run, det_arms, scratch, on_row, protocol.script)
-        if local and run.measure and not Stop.requested:
-            with Stop.arm():
-                result.measure = measure_mode(run.dry_run)
-        if local and run.sdpa and not Stop.requested:
-            with Stop.arm():
-                result.sdpa = sdpa_mode(run.dry_run)
+        if local:
+            local_modes(run, result)
     except KeyboardInterrupt:
         Stop.requested = True
     except UsageError as exc:
@@ -341,6 +289,103 @@ def measure_all(run: MeasureRequest, protocol: Protocol, job: Optional[Job], scr
     # message, the exit code and the JSON agree (interrupted only if a stop cut the arms short).
     interrupted = Stop.requested
     Stop.finish()
+    finish_result(result, run, children, local, arms_label, command)
+    result.rows = sorted(rows, key=row_order)
+    result.interrupted = interrupted
+    result.timings = run_timings(rows, imports_s, time.perf_counter() - started,
+                                 checkpoints.build_s if checkpoints else {}, children)
+    return report_run(result, run, rows_file, lanes, fan_out, usage_error)
+
+
+def arms_to_run(run: MeasureRequest, job: Optional[Job]) -> list:
+    """The arms this process runs: a child exactly the ones its parent dealt it, else the grid's (its shard's)."""
+    if job is not None:
+        return list(job.arms)
+    arms = run.arms()
+    return shard_of(arms, run.children.shard, whole_models=run.map) if run.children.shard else arms
+
+
+def local_shapes(run: MeasureRequest, protocol: Protocol, scratch: Scratch, arms: list) -> tuple[dict, float]:
+    """Each arm's shape, for arms run in this process (a custom model's, the map's families, a --config
+    file's base under its adapter), and the seconds its imports took; CUDA checked first where the step needs it."""
+    shapes = dict(SHAPES)
+    t = time.perf_counter()
+    import torch
+
+    if not run.dry_run and protocol.step_device == "cuda" and not torch.cuda.is_available():
+        raise UsageError(NO_CUDA)
+    scratch.verify_shard_root()
+    # the LoRA adapter a --config file names, else the protocol's (targets None: the model's own)
+    adapter = dict(targets=run.adapter.targets, lora_r=run.adapter.lora_r, lora_alpha=run.adapter.lora_alpha)
+    if run.custom_model:
+        shapes["custom"] = load_custom_shape(run.custom_model, **adapter)
+        within_positions(run.custom_model, shapes["custom"].max_positions, run.seqs,
+                         f"--config {run.adapter.soup_config}: data.max_length" if run.adapter.soup_config else "--seq")
+    families = [f for f in dict.fromkeys(family_of(a.model) for a in arms) if f != "custom"]
+    if run.map:  # this shard's families only, each derived once, then each streaming mode of it
+        shapes.update({f: family_shape(f) for f in families})
+    if run.adapter.soup_config:  # the file's base under the file's adapter (the record's two are no record here)
+        shapes.update({f: registry_shape(f, **adapter) for f in families})
+    if run.map or run.adapter.soup_config:
+        shapes.update({a.model: with_modes(shapes[family_of(a.model)], a.model) for a in arms})
+    return shapes, time.perf_counter() - t
+
+
+def how_arms_ran(run: MeasureRequest, lanes: Optional[Lanes], fan_out: bool) -> str:
+    """How the arms ran (lanes, fresh processes, GPUs, a shard, one process) and, for a --config file, whose arm
+    it is: the label every table's header and the stack carry."""
+    how = run.constraints.how or (
+        lanes.label(run) if lanes and fan_out else
+        "isolated, one fresh process per arm" if run.isolate else
+        f"one process per GPU ({','.join(map(str, run.children.gpus))}), merged" if run.children.gpus else
+        f"shard {run.children.shard[0]}/{run.children.shard[1]} in one process" if run.children.shard else
+        f"1 lane, in one process ({lanes.why})" if lanes else "in one process")
+    if run.adapter.soup_config:  # the user's config, not the protocol: said where every table's header is
+        how += (f"; the arm is --config {run.adapter.soup_config}'s ({run.quants[0]}, LoRA r {run.adapter.lora_r} alpha "
+                f"{run.adapter.lora_alpha} on {','.join(run.adapter.targets or ())}, optimizer {run.settings.optimizer}, "
+                f"gradient accumulation {run.settings.accumulation})")
+    return how if run.run_arms else ("determinism: one fresh process per repeat" if run.repeats
+                                     else "none (modes only)")
+
+
+def started_result(run: MeasureRequest, local: bool, arms_label: str, command: list) -> tuple[Result, RowFile]:
+    """The run's result, its stack read here where this process runs arms, and the row file rows are saved to
+    as they finish."""
+    result = Result(environment=environment(run.weights, run.dry_run, arms_label, command) if local else {},
+                    kind="map" if run.map else "sweep")
+    # The row file's header: the stack known now, so a run stopped before its JSON still renders.
+    # A parent's children report their stacks only in their final JSONs: it records its own, said so.
+    stack = result.environment or dict(environment(run.weights, run.dry_run, arms_label, command, with_torch=False),
+                                       stack_of=STACK_OF_PARENT)
+    return result, RowFile(run.outputs.json, dict(stack, **stack_notes(run)), result.kind)
+
+
+def local_checkpoints(run: MeasureRequest, arms: list, shapes: dict, scratch: Scratch) -> Checkpoints:
+    """The checkpoints the arms of this process stream, each family's shard sets counted, on the disk ledger
+    a parent shares with its children (else this run's own), so a full disk is foreseen, not hit."""
+    disk = (DiskLedger(run.children.disk_ledger) if run.children.disk_ledger else
+            DiskLedger.create(str(scratch.path("disk") / "disk.json"), str(scratch.checkpoint_root())))
+    sets: dict[str, set] = {}
+    for a in arms:
+        sets.setdefault(family_of(a.model), set()).add(shard_tag(a.quant, shapes[a.model].stream))
+    return Checkpoints(list(dict.fromkeys(family_of(a.model) for a in arms)), shapes, run, scratch,
+                       disk, {k: len(v) for k, v in sets.items()})
+
+
+def local_modes(run: MeasureRequest, result: Result) -> None:
+    """--measure and --sdpa, in this process, each unless a stop was asked."""
+    if run.measure and not Stop.requested:
+        with Stop.arm():
+            result.measure = measure_mode(run.dry_run)
+    if run.sdpa and not Stop.requested:
+        with Stop.arm():
+            result.sdpa = sdpa_mode(run.dry_run)
+
+
+def finish_result(result: Result, run: MeasureRequest, children: list, local: bool, arms_label: str,
+                  command: list) -> None:
+    """The children's results merged into this one (what this process lacks: its stack, modes, control, error,
+    margins) under the command the user typed, and the run's notes on the stack."""
     if children:
         merged = merge(children + ([result] if local else []), arms_label)
         for name in ("environment", "measure", "sdpa", "control", "error"):
@@ -352,10 +397,12 @@ def measure_all(run: MeasureRequest, protocol: Protocol, job: Optional[Job], scr
     if not result.environment:
         result.environment = environment(run.weights, run.dry_run, arms_label, command, with_torch=False)
     result.environment.update(stack_notes(run))
-    result.rows = sorted(rows, key=row_order)
-    result.interrupted = interrupted
-    result.timings = run_timings(rows, imports_s, time.perf_counter() - started,
-                                 checkpoints.build_s if checkpoints else {}, children)
+
+
+def report_run(result: Result, run: MeasureRequest, rows_file: RowFile, lanes: Optional[Lanes], fan_out: bool,
+               usage_error: Optional[str]) -> int:
+    """The result printed and written, the lanes' wall time beside it (the benchmark of lanes 1 against N), and
+    the exit code: a usage error or an output not written is a usage error, else the rows' verdict."""
     if lanes is not None:
         result.timings.update(lanes=lanes.count, threads_per_lane=lanes.threads,
                               whole_card_arms=len(lanes.whole_card) if fan_out else 0,

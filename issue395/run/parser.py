@@ -134,10 +134,8 @@ def command_name() -> str:
     return COMMAND if os.path.basename(sys.argv[0] or "") == COMMAND else "issue395_second_stack_vram.py"
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = Parser(prog=command_name(), epilog=EPILOG,
-               description="Re-measure Soup's stream peak-VRAM pre-flight (the issue #395 record).",
-               formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_modes(p: argparse.ArgumentParser) -> None:
+    """The modes: each a way of running the tool (the sweep is the default)."""
     m = p.add_argument_group("modes (default: the sweep)")
     m.add_argument("--sweep", action="store_true", help="run the sweep alongside other modes")
     m.add_argument("--measure", action="store_true", help="Soup's logits bytes-per-element probe")
@@ -162,6 +160,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "corrected_peak.py); `patch -p1` applies it in the folder that holds soup_cli/. Alone; on CPU")
     m.add_argument("--determinism", nargs="?", const="2", default=None, metavar="N",
                    help="repeat arms in N fresh processes (default 2; default arms: SmolLM2 at 4096 and 6144)")
+
+
+def add_arm_options(p: argparse.ArgumentParser) -> None:
+    """The arms: which models, shapes, tasks and Soup settings each arm of the grid takes."""
     a = p.add_argument_group("arms")
     a.add_argument("--models", default=None, help="comma list of smol,qwen (default both)")
     a.add_argument("--families", default=None, help="with --map: comma list of families (default "
@@ -203,6 +205,10 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--steps", default=None, help="optimizer steps per arm, the peak over all of them "
                    "(default 1, the protocol's; --estimate --config: 2, the run's steady state, with the file's "
                    "optimizer; --steps 1 keeps the protocol's one step)")
+
+
+def add_estimate_options(p: argparse.ArgumentParser) -> None:
+    """--estimate's options: the user's soup.yaml, the cards to fit, and what the estimate assumes."""
     e = p.add_argument_group("--estimate")
     e.add_argument("--config", default=None, metavar="SOUP_YAML", help="the soup.yaml `soup train` takes, read by "
                    "Soup's own loader: its base, data.max_length, training.batch_size, quantization, LoRA and "
@@ -228,6 +234,10 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--targets", default=None, help="comma list of LoRA targets (default q_proj,v_proj; "
                    "Phi-3: qkv_proj)")
     e.add_argument("--lora-r", default=None, help="LoRA rank (default 8)")
+
+
+def add_running_options(p: argparse.ArgumentParser) -> None:
+    """How the arms run: on CPU or CUDA, in fresh processes or lanes, constrained, sharded; what each keeps."""
     r = p.add_argument_group("running")
     r.add_argument("--dry-run", action="store_true", help="everything but the CUDA step, on CPU")
     r.add_argument("--isolate", action="store_true", help="each arm in its own fresh process")
@@ -277,6 +287,10 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--verbose", action="store_true", help="show Soup's own console output live; with --estimate, "
                    "the legends and each card's source")
     r.add_argument("--log-dir", default=None, help="keep Soup's per-arm console logs here")
+
+
+def add_output_options(p: argparse.ArgumentParser) -> None:
+    """Where the result is written, and the saved results re-rendered from."""
     o = p.add_argument_group("outputs")
     o.add_argument("--json", default=None, metavar="PATH", help="every row, result and timing")
     o.add_argument("--markdown", default=None, metavar="PATH", help="a record ready to paste")
@@ -286,4 +300,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="re-render saved results, merging shards (no GPU, no Soup setup)")
     o.add_argument("--compare", default=None, metavar="PATH",
                    help="with --from-json: the same arms' peaks in another saved result")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Every option, group by group in --help's order; one line on a usage error (``Parser``)."""
+    p = Parser(prog=command_name(), epilog=EPILOG,
+               description="Re-measure Soup's stream peak-VRAM pre-flight (the issue #395 record).",
+               formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_modes(p)
+    add_arm_options(p)
+    add_estimate_options(p)
+    add_running_options(p)
+    add_output_options(p)
     return p

@@ -280,56 +280,25 @@ def spread(run: MeasureRequest, arms: list[Arm], scratch: Scratch, on_row: Calla
     """Each job in a fresh process, one GPU's jobs in turn (with --lanes, up to N at once, a
     whole-card job alone), GPUs at once, rows taken up as each child saves them; a child that dies
     leaves a FAILED row for each arm it did not report, never a gap."""
-    queues: dict[Optional[int], list[Job]] = {}
-    for job in plan_jobs(run, arms, lanes):
-        queues.setdefault(job.gpu, []).append(job)
+    queues = gpu_queues(plan_jobs(run, arms, lanes))
     slots = lanes.count if lanes else 1
     running: dict[tuple[Optional[int], int], dict[str, Any]] = {}
     results: list[Result] = []
     count = 0
     cache = child_cache(run, scratch)
     folder = Path(tempfile.mkdtemp(dir=scratch.path("children")))  # one per spread: no stale files
-    # Each child would take a thread per core; side by side they stall each other's parallel
-    # copies into Soup's pinned store (measured on CPU: 0.06-0.15 s alone, up to 1.9 s beside
-    # a busy twin). A share of the cores each; host-side only. --lanes: cores/N each (the issue's
-    # measurement), a whole-card job all of them.
-    threads = str(max(1, min(8, (os.cpu_count() or 2) // max(1, len(queues)) - 2)))
+    threads = child_threads(len(queues))
     needs = {n[0]: n for n in lanes.needs} if lanes else {}  # the map's lanes share their GPU's ledger
-    # children that build and free their own checkpoints share the disk they build them on
-    disk = None if cache else DiskLedger.create(str(folder / "disk.json"), str(scratch.root))
-    if disk is not None and lanes:
-        print(f"checkpoints' disk: {disk.budget / 1e9:.1f} GB for the lanes' builds at once (its free bytes at the "
-              f"start, measured, less {DISK_HEADROOM_BYTES / 2**30:.0f} GiB for logs and rows)", file=sys.stderr, flush=True)
-
-    def free_slot(gpu: Optional[int]) -> Optional[int]:
-        """A lane of this GPU its next job may take now: a whole-card job waits for an idle GPU,
-        and nothing starts beside one."""
-        mine = [k for g, k in running if g == gpu]
-        if not queues[gpu] or any(running[(gpu, k)]["job"].whole_card for k in mine):
-            return None
-        if queues[gpu][0].whole_card:
-            return 0 if not mine else None
-        return next((k for k in range(slots) if k not in mine), None)
+    disk = children_disk(cache, folder, scratch, lanes)
 
     def launch(gpu: Optional[int], slot: int) -> None:
         nonlocal count
         job = queues[gpu].pop(0)
         count += 1
         out = folder / f"{count:04d}.json"
-        env = dict(os.environ)
-        if gpu is not None:
-            env["CUDA_VISIBLE_DEVICES"] = visible_gpu(gpu)
-        mine = threads if lanes is None else str(host_cores() if job.whole_card else lanes.threads)
-        for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "RAYON_NUM_THREADS"):
-            env.setdefault(var, mine) if lanes is None else env.__setitem__(var, mine)
-        if run.constraints.fresh:  # as `soup train` sets it, before CUDA starts: only a fresh process can
-            env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
-        env[CHILD_JOB] = str(out.with_suffix(".job.json"))
-        env[PARENT_PID] = str(os.getpid())
-        ledger = {} if job.whole_card or not needs or lanes.total is None else dict(
-            ledger=str(folder / f"card-{gpu if gpu is not None else 'visible'}.json"),
-            card_total=card_total(lanes.total), needs=tuple(needs[a.index] for a in job.arms if a.index in needs))
-        write_job(Path(env[CHILD_JOB]), child_run(run, job, str(out), cache, **ledger,
+        env = child_env(run, job, gpu, out, threads, lanes)
+        write_job(Path(env[CHILD_JOB]), child_run(run, job, str(out), cache,
+                                                  **card_ledger(job, gpu, folder, needs, lanes),
                                                   disk_ledger=disk.path if disk else None), job)
         # Its own process group: a terminal's Ctrl-C reaches the parent alone, which relays it
         # once (the child would otherwise get two, the second meaning "stop now").
@@ -338,30 +307,9 @@ def spread(run: MeasureRequest, arms: list[Arm], scratch: Scratch, on_row: Calla
                                     process_group=0)
         running[(gpu, slot)] = {"proc": proc, "job": job, "out": out, "seen": set(), "read": 0}
 
-    def take(entry: dict[str, Any], rows: Iterable[Row]) -> None:
-        for row in rows:
-            if (row.index, row.repeat) not in entry["seen"]:
-                entry["seen"].add((row.index, row.repeat))
-                on_row(row)
-
-    def new_rows(entry: dict[str, Any]) -> list[Row]:
-        """The rows a child saved since the last look: whole lines only (the last may be
-        half-written), past its header; a line that does not parse is left for the child's final JSON."""
-        try:
-            with open(RowFile.path_for(str(entry["out"])), "rb") as fh:
-                fh.seek(entry["read"])
-                chunk = fh.read()
-            whole, done = RowFile.whole_lines(chunk)
-            lines = [json.loads(line) for line in whole]
-            rows = [Row.from_json(line) for line in lines if not RowFile.is_header(line)]
-        except (OSError, ValueError):
-            return []
-        entry["read"] += done
-        return rows
-
     def launch_free() -> None:
         for gpu in queues:
-            while not Stop.requested and (slot := free_slot(gpu)) is not None:
+            while not Stop.requested and (slot := free_slot(queues, running, gpu, slots)) is not None:
                 launch(gpu, slot)
 
     def settle(key: tuple[Optional[int], int]) -> None:
@@ -369,21 +317,18 @@ def spread(run: MeasureRequest, arms: list[Arm], scratch: Scratch, on_row: Calla
         job, code = entry["job"], entry["proc"].returncode
         if code:  # a child killed before its clean-up leaves its checkpoints: gone before the disk is given out again
             reap_dead_scratch(Path(tempfile.gettempdir()))
-        take(entry, new_rows(entry))
+        take_rows(entry, new_rows(entry), on_row)
         with contextlib.suppress(OSError, ValueError):
             res = Result.from_json(json.loads(entry["out"].read_text()))
-            take(entry, res.rows)
+            take_rows(entry, res.rows, on_row)
             results.append(res)
         if not Stop.requested:
             for arm in job.arms:
                 if (arm.index, job.repeat) not in entry["seen"]:
-                    take(entry, [lost_row(arm, run, job.repeat, code)])
+                    take_rows(entry, [lost_row(arm, run, job.repeat, code)], on_row)
 
     def relay() -> None:
-        for entry in running.values():
-            if entry["proc"].poll() is None:
-                with contextlib.suppress(OSError):
-                    entry["proc"].send_signal(signal.SIGINT)
+        interrupt_children(running)
 
     Stop.relays.append(relay)
     try:
@@ -392,23 +337,128 @@ def spread(run: MeasureRequest, arms: list[Arm], scratch: Scratch, on_row: Calla
             time.sleep(0.2)
             for key in list(running):
                 entry = running[key]
-                take(entry, new_rows(entry))
+                take_rows(entry, new_rows(entry), on_row)
                 if entry["proc"].poll() is not None:
                     settle(key)
             launch_free()
     finally:
         Stop.relays.remove(relay)
-        for entry in running.values():  # a second Ctrl-C, SIGTERM or an error here
-            if entry["proc"].poll() is None:
-                entry["proc"].send_signal(signal.SIGTERM)
+        terminate_children(running)  # a second Ctrl-C, SIGTERM or an error here
         for key in list(running):
-            try:
-                running[key]["proc"].wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                running[key]["proc"].kill()
-                running[key]["proc"].wait()
+            wait_or_kill(running[key]["proc"])
             settle(key)
     return results
+
+
+def gpu_queues(jobs: list[Job]) -> dict[Optional[int], list[Job]]:
+    """The jobs in queues by GPU, each in its planned order."""
+    queues: dict[Optional[int], list[Job]] = {}
+    for job in jobs:
+        queues.setdefault(job.gpu, []).append(job)
+    return queues
+
+
+def take_rows(entry: dict[str, Any], rows: Iterable[Row], on_row: Callable[[Row], None]) -> None:
+    """A child's rows handed on once each, however often the child's files are read."""
+    for row in rows:
+        if (row.index, row.repeat) not in entry["seen"]:
+            entry["seen"].add((row.index, row.repeat))
+            on_row(row)
+
+
+def child_threads(gpus: int) -> str:
+    """The threads a child takes, side by side with the children of ``gpus`` GPUs (without --lanes)."""
+    # Each child would take a thread per core; side by side they stall each other's parallel
+    # copies into Soup's pinned store (measured on CPU: 0.06-0.15 s alone, up to 1.9 s beside
+    # a busy twin). A share of the cores each; host-side only. --lanes: cores/N each (the issue's
+    # measurement), a whole-card job all of them.
+    return str(max(1, min(8, (os.cpu_count() or 2) // max(1, gpus) - 2)))
+
+
+def children_disk(cache: Optional[str], folder: Path, scratch: Scratch, lanes: Optional[Lanes]) -> Optional[DiskLedger]:
+    """The disk ledger children that build and free their own checkpoints share (none where they share a
+    cache), so builds at once never outgrow the disk they are built on; with --lanes, its budget said."""
+    disk = None if cache else DiskLedger.create(str(folder / "disk.json"), str(scratch.root))
+    if disk is not None and lanes:
+        print(f"checkpoints' disk: {disk.budget / 1e9:.1f} GB for the lanes' builds at once (its free bytes at the "
+              f"start, measured, less {DISK_HEADROOM_BYTES / 2**30:.0f} GiB for logs and rows)", file=sys.stderr, flush=True)
+    return disk
+
+
+def free_slot(queues: dict, running: dict, gpu: Optional[int], slots: int) -> Optional[int]:
+    """A lane of this GPU its next job may take now: a whole-card job waits for an idle GPU,
+    and nothing starts beside one."""
+    mine = [k for g, k in running if g == gpu]
+    if not queues[gpu] or any(running[(gpu, k)]["job"].whole_card for k in mine):
+        return None
+    if queues[gpu][0].whole_card:
+        return 0 if not mine else None
+    return next((k for k in range(slots) if k not in mine), None)
+
+
+def child_env(run: MeasureRequest, job: Job, gpu: Optional[int], out: Path, threads: str,
+              lanes: Optional[Lanes]) -> dict:
+    """A child's environment: its GPU, its share of the host's threads, the allocator `soup train` sets
+    where the arm needs a fresh process, and where its job and its parent are."""
+    env = dict(os.environ)
+    if gpu is not None:
+        env["CUDA_VISIBLE_DEVICES"] = visible_gpu(gpu)
+    mine = threads if lanes is None else str(host_cores() if job.whole_card else lanes.threads)
+    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "RAYON_NUM_THREADS"):
+        env.setdefault(var, mine) if lanes is None else env.__setitem__(var, mine)
+    if run.constraints.fresh:  # as `soup train` sets it, before CUDA starts: only a fresh process can
+        env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+    env[CHILD_JOB] = str(out.with_suffix(".job.json"))
+    env[PARENT_PID] = str(os.getpid())
+    return env
+
+
+def card_ledger(job: Job, gpu: Optional[int], folder: Path, needs: dict, lanes: Optional[Lanes]) -> dict:
+    """Where a lane's job claims its arms' bytes of the card beside the other lanes (the ledger its GPU's
+    lanes share, the card's total, each arm's need); none for a whole-card job or where nothing is known."""
+    return {} if job.whole_card or not needs or lanes.total is None else dict(
+        ledger=str(folder / f"card-{gpu if gpu is not None else 'visible'}.json"),
+        card_total=card_total(lanes.total), needs=tuple(needs[a.index] for a in job.arms if a.index in needs))
+
+
+def new_rows(entry: dict[str, Any]) -> list[Row]:
+    """The rows a child saved since the last look: whole lines only (the last may be
+    half-written), past its header; a line that does not parse is left for the child's final JSON."""
+    try:
+        with open(RowFile.path_for(str(entry["out"])), "rb") as fh:
+            fh.seek(entry["read"])
+            chunk = fh.read()
+        whole, done = RowFile.whole_lines(chunk)
+        lines = [json.loads(line) for line in whole]
+        rows = [Row.from_json(line) for line in lines if not RowFile.is_header(line)]
+    except (OSError, ValueError):
+        return []
+    entry["read"] += done
+    return rows
+
+
+def interrupt_children(running: dict) -> None:
+    """A Ctrl-C relayed once to every child still running (each is its own process group)."""
+    for entry in running.values():
+        if entry["proc"].poll() is None:
+            with contextlib.suppress(OSError):
+                entry["proc"].send_signal(signal.SIGINT)
+
+
+def terminate_children(running: dict) -> None:
+    """SIGTERM to every child still running: the parent is stopping now."""
+    for entry in running.values():
+        if entry["proc"].poll() is None:
+            entry["proc"].send_signal(signal.SIGTERM)
+
+
+def wait_or_kill(proc: subprocess.Popen) -> None:
+    """A child given 30 s to end after SIGTERM, then killed."""
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def child_cache(run: MeasureRequest, scratch: Scratch) -> Optional[str]:
