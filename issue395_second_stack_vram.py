@@ -64,7 +64,7 @@ from issue395.record import DATA_ROWS, LORA_ALPHA, LORA_R, OVERSHOOT, SOUP_QUANT
 from issue395.model.registry import Shape
 from issue395.results.row import realised_as_requested
 from issue395.tasks import PROTOCOL_TASK, task
-from issue395.run.arms import Protocol
+from issue395.host.arms import Protocol
 from issue395.run.runner import cli
 
 #: Where Soup builds an arm whose step is measured. The CPU tests set "cpu" and fake the step itself (only the

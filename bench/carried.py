@@ -16,10 +16,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 import issue395_second_stack_vram as h  # noqa: E402
-from issue395.run.checkpoints import quant_base, synthetic_checkpoint  # noqa: E402
+from issue395.host.checkpoints import quant_base, synthetic_checkpoint  # noqa: E402
 from issue395.model.arm import Arm  # noqa: E402
 from issue395.model.registry import SHAPES  # noqa: E402
-from issue395.run.scratch import Scratch  # noqa: E402
+from issue395.host.scratch import Scratch  # noqa: E402
 
 ORDER = (("smol", "none"), ("smol", "nf4"), ("qwen", "none"))
 

@@ -40,7 +40,7 @@ run() { local name=$1; shift; cmd "$name" python3 issue395_second_stack_vram.py 
 # The scripts' budget and anatomy helpers. The sourcing script sets END (epoch seconds) after sourcing.
 left() { local l=$(( END - $(date +%s) - ${1:-0} )); [ $l -lt 5 ] && l=5; echo $l; }  # seconds to END, less $1
 ck() { python3 -c "
-from pathlib import Path; from issue395.measure.shapes import family_shape; from issue395.run.checkpoints import synthetic_checkpoint
+from pathlib import Path; from issue395.measure.shapes import family_shape; from issue395.host.checkpoints import synthetic_checkpoint
 print(synthetic_checkpoint(family_shape('$1'), Path('$C/checkpoints'))[0])"; }  # FAMILY's checkpoint under $C, built if need be
 anatomy() {  # anatomy PREFIX TAG FAMILY ARGS...: bench/task_peak_anatomy.py on FAMILY's checkpoint, to $R/PREFIX-TAG.*
   local prefix=$1 tag=$2 fam=$3; shift 3

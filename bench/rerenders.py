@@ -30,7 +30,7 @@ from issue395.estimator.stacks import box_stack  # noqa: E402
 from issue395.model.registry import FAMILIES, MAP_FAMILIES, RELEASE_FAMILIES, SHAPES  # noqa: E402
 from issue395.record import MAP_BATCHES  # noqa: E402
 from issue395.results.result import map_order  # noqa: E402
-from issue395.run.grid import plan_map  # noqa: E402
+from issue395.host.grid import plan_map  # noqa: E402
 
 NAME = {**{k: f.name for k, f in FAMILIES.items()}, **{k: s.name for k, s in SHAPES.items()}}
 

@@ -1,5 +1,5 @@
 """A SIMULATION, on CPU, of the map's lanes on one H200 (issue 38 item 1): how long soup-cli 0.77.0's
-277-arm default map would take under the lanes' old card lock and under issue395.run.schedule's packing
+277-arm default map would take under the lanes' old card lock and under issue395.host.schedule's packing
 by bytes, with 4, 6 and 8 lanes. Nothing here is measured by this script; it replays the committed
 full map's own timings (results/map-077-full-h200-soup0.77.0-684477c/, 4 lanes x 4 threads, stopped
 at its limit after 246 arms) through a discrete-event model of the lanes. The claim it gives an
@@ -13,9 +13,9 @@ The model, each part named where it is not the record's own figure:
   a lane process carries the CUDA warm-up; it moves with the lane's first arm.
 - A lane starts after its imports (the committed lanes' first arm began 26-30 s in) and builds its
   first family's checkpoint at 2 bytes a parameter at the rate the committed first builds ran; then
-  one family ahead, as run/checkpoints.py does. After a family's last arm its margin re-runs
+  one family ahead, as host/checkpoints.py does. After a family's last arm its margin re-runs
   (measure/margin.py's margin_arms on its rows) run at the arm's own seconds.
-- The card: issue395.run.schedule's Ledger over Room(the H200's total, live lanes). The old lock is
+- The card: issue395.host.schedule's Ledger over Room(the H200's total, live lanes). The old lock is
   the same ledger with an arm holding a lane's 1/N of the room, a whole-card arm all of it.
 - Steps on the GPU: "overlap" lets steps run at once at their measured seconds (the committed run
   overlapped 2-4 steps for 67 s without a visible slow-down against the serial run); "one at a time"
@@ -44,8 +44,8 @@ from issue395.measure.margin import margin_arms  # noqa: E402
 from issue395.model.registry import FAMILIES, MAP_FAMILIES, RELEASE_FAMILIES, SHAPES, family_of  # noqa: E402
 from issue395.record import MAP_BATCHES, QUANTS  # noqa: E402
 from issue395.results.row import Row  # noqa: E402
-from issue395.run.grid import arm_seconds, plan_map, shard_of  # noqa: E402
-from issue395.run.schedule import Ledger, Need, Room, card_total, claim_order, may_build  # noqa: E402
+from issue395.host.grid import arm_seconds, plan_map, shard_of  # noqa: E402
+from issue395.host.schedule import Ledger, Need, Room, card_total, claim_order, may_build  # noqa: E402
 
 RUN = ROOT / "results" / "map-077-full-h200-soup0.77.0-684477c"
 #: the transformers release the committed map ran (its stack.txt, pip list), for the needs-free it packs by
@@ -59,12 +59,12 @@ CUT_S = 530.0  # the committed call's SIGINT: timeout -s INT 530 (commands.txt)
 #: 60 GB leaves room for the logs and the arms' files)
 DISK = 60 * 10**9
 #: The disk of the box the next full map met (its stack.txt's `df -h /tmp`: 43G available, GiB), less the
-#: headroom the lanes' disk ledger keeps (issue395/run/cardlock.DiskLedger): the budget it would have set
+#: headroom the lanes' disk ledger keeps (issue395/host/cardlock.DiskLedger): the budget it would have set
 MET = ROOT / "results" / "pages2-soup-patch-map4-modes-h200-soup0.77.0-9d73b77" / "call-4" / "stack.txt"
 
 
 def met_disk() -> int:
-    from issue395.run.cardlock import DISK_HEADROOM_BYTES
+    from issue395.host.cardlock import DISK_HEADROOM_BYTES
 
     line = next(ln for ln in MET.read_text().splitlines() if ln.endswith(" /"))
     avail = line.split()[3]
@@ -187,7 +187,7 @@ def arms_077() -> tuple[list[Arm], dict]:
 
 def checkpoint_bytes(fam: str) -> int:
     """2 bytes a parameter (bf16), the registry's count or the derived shape's."""
-    from issue395.run.grid import shape_params
+    from issue395.host.grid import shape_params
 
     if fam in FAMILIES:
         return 2 * (FAMILIES[fam].params or shape_params(fam))
@@ -250,7 +250,7 @@ class Outcome:
 
 
 def whole_card(arms: list[Arm], lanes: int) -> set:
-    """The old lock's whole-card arms (run/spread.plan_lanes' rule): needs-free or Soup's number past a
+    """The old lock's whole-card arms (host/spread.plan_lanes' rule): needs-free or Soup's number past a
     lane's 1/N of the card, unless Soup refuses it alone."""
     whole, lane = budget(Card("card", H200.total_bytes)), budget(Card("lane", H200.total_bytes // lanes))
     return {a.index for a in arms if not (a.need.soup > whole.harness_gate_free_bytes

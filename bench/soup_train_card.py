@@ -105,8 +105,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     a = parse(argv)
     import torch
 
-    from issue395.run.checkpoints import quant_base, synthetic_checkpoint
-    from issue395.run.scratch import Scratch
+    from issue395.host.checkpoints import quant_base, synthetic_checkpoint
+    from issue395.host.scratch import Scratch
     from issue395.measure.shapes import family_shape
 
     cuda = torch.cuda.is_available()

@@ -113,7 +113,7 @@ def test_the_committed_full_077_map_render_is_what_its_row_file_gives_now():
 
 @pytest.mark.slow
 def test_the_committed_schedule_simulation_is_what_the_committed_map_timings_give_now():
-    """bench/schedule_sim.py replays the committed full map's timings through run/schedule's ledger (a
+    """bench/schedule_sim.py replays the committed full map's timings through host/schedule's ledger (a
     simulation, said so in its first line); Soup's own number for each arm is 0.77.0's, so it runs where
     0.77.0's code is."""
     from issue395.estimator.releases import release_source

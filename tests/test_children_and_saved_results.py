@@ -17,7 +17,7 @@ import pytest
 from conftest import main, make_row, one_error_line
 
 from issue395.results.result import Result
-from issue395.run.spread import CHILD_JOB
+from issue395.host.spread import CHILD_JOB
 
 
 def test_an_unreadable_job_file_is_one_line_and_exit_2(capfd, tmp_path, monkeypatch):

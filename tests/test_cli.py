@@ -24,7 +24,7 @@ import pytest
 from conftest import QWEN, SMOL, h, main, one_error_line, table_rows
 
 from issue395.measure.builder import checkpoint_fingerprint, prepare_checkpoint
-from issue395.run.checkpoints import synthetic_checkpoint
+from issue395.host.checkpoints import synthetic_checkpoint
 from issue395.errors import EXIT_OK
 from issue395.model.arm import predicted_bytes
 from issue395.measure.shapes import load_custom_shape

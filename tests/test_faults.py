@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 from conftest import SMOL, h, main, safe_peak, send_ctrl_c, short_chat_rows, table_rows
 
-from issue395.run import checkpoints, spread
+from issue395.host import checkpoints, spread
 from issue395.measure.builder import checkpoint_fingerprint
-from issue395.run.checkpoints import synthetic_checkpoint
+from issue395.host.checkpoints import synthetic_checkpoint
 from issue395.measure.console import Progress
 from issue395.errors import EXIT_FINDING, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, UsageError
 from issue395.model.arm import predicted_bytes

@@ -27,10 +27,10 @@ import pytest
 from conftest import SCRIPT, SMOL, cuda, main, table_rows, dead_pid
 
 from issue395.measure.builder import build_tokenizer, checkpoint_fingerprint, hf_config, safetensors_problem
-from issue395.run.checkpoints import checkpoint_problem, synthetic_checkpoint
+from issue395.host.checkpoints import checkpoint_problem, synthetic_checkpoint
 from issue395.errors import EXIT_OK, EXIT_USAGE
 from issue395.model.registry import SHAPES
-from issue395.run.scratch import SCRATCH_PREFIX, Scratch
+from issue395.host.scratch import SCRATCH_PREFIX, Scratch
 
 #: A tiny streamable llama (2 layers, vocab 512): a real --model folder in a fraction of a second.
 TINY = dataclasses.replace(SMOL, key="tiny", name="tiny", n_layers=2, vocab=512, hidden=64,

@@ -19,7 +19,7 @@ from conftest import TINY, h, main, one_error_line
 from issue395.errors import UsageError
 from issue395.measure.builder import prepare_checkpoint
 from issue395.model.arm import Arm
-from issue395.run.scratch import Scratch
+from issue395.host.scratch import Scratch
 from issue395.tasks import PROTOCOL_TASK, TASKS, task
 
 SEQ = 64

@@ -45,7 +45,7 @@ class Constraints:
 
     @property
     def probes(self) -> bool:
-        """Each arm is a series of fresh probes (issue395.run.probes drives them), not one arm."""
+        """Each arm is a series of fresh probes (issue395.host.probes drives them), not one arm."""
         return self.asked is not None and self.asked[0].PROBES
 
     @property

@@ -31,7 +31,7 @@ class Constraint:
 
     FLAG: ClassVar[str]  # its option on the command line
     RECORD: ClassVar[type]  # its row record
-    #: Its arms are each a series of fresh probes its driver runs (issue395.run.probes), not one arm each.
+    #: Its arms are each a series of fresh probes its driver runs (issue395.host.probes), not one arm each.
     PROBES: ClassVar[bool] = False
 
     @classmethod

@@ -153,7 +153,7 @@ def release_ballast(ballast: Ballast, lib: Optional[ctypes.CDLL] = None) -> None
 
 class MinFreeBisection(Constraint):
     """--min-free: each arm's lowest completing cap, by bisection over fresh capped processes. It
-    constrains no arm in-process (each probe is a --cap child, issue395.run.probes drives them); its
+    constrains no arm in-process (each probe is a --cap child, issue395.host.probes drives them); its
     record is the bisection's outcome, set on the control's row."""
 
     FLAG, RECORD, PROBES = "--min-free", MinFreeFound, True

@@ -1,5 +1,5 @@
 """Where an arm's margin goes: Soup's estimator split into its terms, the blocks live at the peak
-named by shape, and the arms worth attributing (the map's grid and shards: issue395.run.grid).
+named by shape, and the arms worth attributing (the map's grid and shards: issue395.host.grid).
 """
 
 from __future__ import annotations

@@ -9,7 +9,6 @@ import importlib.util
 import os
 import re
 import stat
-import tempfile
 from pathlib import Path
 from typing import Iterable, Optional
 
@@ -18,6 +17,7 @@ from ..errors import UsageError
 from ..record import SOUP_QUANT
 from ..tasks import PROTOCOL_TASK, TASKS
 from ..report.outputs import NOT_OURS, not_ours
+from ..host.scratch import writable_folder
 
 #: The largest value each whole-number option takes: batch sizes no real run has, seq lengths
 #: beyond any model's positions, and counts that would only run for hours are refused up front.
@@ -95,31 +95,6 @@ def within_positions(name: str, limit: int, seqs: Iterable[int], given_as: str =
     beyond = [s for s in seqs if limit and s > limit]
     if beyond:
         raise UsageError(f"{given_as} {beyond[0]} is beyond {name}'s maximum positions ({limit})")
-
-
-def writable_folder(flag: str, folder: str, given: Optional[str] = None) -> None:
-    """A folder the tool may write into: it exists, or the nearest one above it is writable.
-    ``given`` is the value on the command line when the folder is an output file's."""
-    if not folder.strip():
-        raise UsageError(f"{flag}: the path is empty; give a folder")
-    named = f"{flag} {given if given is not None else folder}"
-    p = Path(folder).expanduser().absolute()
-    if p.exists() and not p.is_dir():
-        raise UsageError(f"{named}: {p} is not a folder" if given is not None else f"{named}: not a folder")
-    while not p.exists():
-        p = p.parent
-    if not p.is_dir() or not os.access(p, os.W_OK) or not can_make_in(p):
-        raise UsageError(f"{named}: {'its folder ' if given is not None else ''}{p} cannot be written")
-
-
-def can_make_in(folder: Path) -> bool:
-    """A folder can be made in ``folder``: tried, and removed (os.access says yes to root on /proc,
-    and a read-only mount answers only when written)."""
-    try:
-        os.rmdir(tempfile.mkdtemp(prefix=".issue395-probe-", dir=folder))
-    except OSError:
-        return False
-    return True
 
 
 def check_output(flag: str, path: str) -> None:

@@ -29,7 +29,8 @@ from .checks import (_shown, context_within_cards, distinct_choices, no_output_i
                      parse_ints, settle_tasks, within, within_positions)
 from .clashes import check
 from .configarm import STEADY_STEPS, base_is_no_family_key
-from .request import Adapter, CardListRequest, EstimateRequest, Outputs
+from ..host.measured import Adapter, Outputs
+from .request import CardListRequest, EstimateRequest
 from .userconfig import UserRun, hub_config, read_soup_config
 
 

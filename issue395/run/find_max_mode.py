@@ -22,13 +22,14 @@ from ..constraints.findmax import (ALLOW_OOM_ATTEMPT, PROBE_KEYS, PROBE_LIMIT, F
                                    probe_words, run_probe, soup_command, write_probe_config)
 from ..report.outputs import write_json
 from ..text import gb
-from .checks import ARM_NEEDS, one_card, require_installed, writable_folder
+from .checks import ARM_NEEDS, one_card, require_installed
 from .clashes import check
 from .configarm import base_of, config_arm
 from .estimate_mode import FromFile, settle_values, under_the_file
 from .parser import FIND_MAX_NO_CUDA
-from .request import EstimateRequest, FindMaxRequest, Outputs
-from .scratch import Scratch, cache_dir_of, shard_dir_of
+from ..host.measured import Outputs
+from .request import EstimateRequest, FindMaxRequest
+from ..host.scratch import Scratch, cache_dir_of, shard_dir_of, writable_folder
 from .userconfig import read_soup_config
 
 UNITS = {"seq": "tokens", "batch": "batch"}
@@ -392,7 +393,7 @@ def checkpoint_for(ask: FindMaxRequest, scratch: Scratch) -> str:
     model whose hub id the file names (built here, as --config's measured arm builds it); under its
     quantization's own path (Soup keys its shards by the base's path)."""
     from ..measure.shapes import family_shape
-    from .checkpoints import quant_base, synthetic_checkpoint
+    from ..host.checkpoints import quant_base, synthetic_checkpoint
 
     run, folder = ask.estimate, ask.base_folder
     if folder is None:

@@ -1,7 +1,7 @@
 """The measured arms on the GPU (the sweep, the map, --determinism's repeats) and the modes beside them
 (--measure, --sdpa), each arm under the constraint asked: settled once into a ``MeasureRequest`` (the
 sweep's models, the map's families, or a soup.yaml's one arm, read once: issue395.run.configarm) and
-executed here, in this process or spread over children (issue395.run.spread, issue395.run.probes);
+executed here, in this process or spread over children (issue395.host.spread, issue395.host.probes);
 rows are printed and saved whatever stops the run.
 """
 
@@ -37,19 +37,19 @@ from ..measure.shapes import (bitsandbytes_present, config_only, default_map_fam
                               with_modes)
 from ..report.outputs import write_outputs
 from ..report.tables import render_text
-from .arms import STACK_OF_PARENT, Protocol, run_timings, stack_notes, sweep
-from .checkpoints import Checkpoints, shard_tag
+from ..host.arms import STACK_OF_PARENT, Protocol, run_timings, stack_notes, sweep
+from ..host.checkpoints import Checkpoints, shard_tag
 from .checks import (ARM_NEEDS, context_within_cards, distinct_choices, local_or_hub, no_output_is_an_input, one_card, one_int,
-                     parse_ints, require_installed, settle_tasks, within_positions, writable_folder)
+                     parse_ints, require_installed, settle_tasks, within_positions)
 from .clashes import check
 from .configarm import ConfigArm, config_arm
-from .grid import plan_arms, shard_of
+from ..host.grid import plan_arms, shard_of
 from .parser import NO_CUDA
-from .probes import min_free_arms
-from .request import Adapter, Children, MeasureRequest, Outputs
-from .cardlock import DiskLedger
-from .scratch import Scratch, cache_dir_of, shard_dir_of
-from .spread import Job, Lanes, gpu_total_bytes, plan_lanes, spread, visible_gpu_count
+from ..host.probes import min_free_arms
+from ..host.measured import Adapter, Children, MeasureRequest, Outputs
+from ..host.cardlock import DiskLedger
+from ..host.scratch import Scratch, cache_dir_of, shard_dir_of, writable_folder
+from ..host.spread import Job, Lanes, gpu_total_bytes, plan_lanes, spread, visible_gpu_count
 from .userconfig import read_soup_config
 
 

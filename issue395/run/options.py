@@ -17,7 +17,8 @@ from . import estimate_mode, find_max_mode, measure_mode, patchout, rerender_mod
 from .checks import (PLOT_NEEDS, _shown, check_output, config_is_a_file, never_replaced, no_output_is_an_input,
                      require_installed)
 from .clashes import check
-from .request import CardListRequest, EstimateRequest, FindMaxRequest, MeasureRequest, RerenderRequest, SoupPatchRequest
+from ..host.measured import MeasureRequest
+from .request import CardListRequest, EstimateRequest, FindMaxRequest, RerenderRequest, SoupPatchRequest
 
 
 @dataclass(frozen=True)

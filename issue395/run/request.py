@@ -1,124 +1,19 @@
 """What the command line asks for, as one typed request per mode, each settled once (issue395.run.options
 picks the mode; the mode's own module settles its request and executes it): ``MeasureRequest`` (the
-sweep, the map, --determinism, --measure and --sdpa, under their constraints; a child's job file holds
-one), ``EstimateRequest`` and ``CardListRequest`` (--estimate, --card list), ``FindMaxRequest``
+sweep, the map, --determinism, --measure and --sdpa: issue395.host.measured, beside the machinery that runs
+it), ``EstimateRequest`` and ``CardListRequest`` (--estimate, --card list), ``FindMaxRequest``
 (--find-max) and ``RerenderRequest`` (--from-json). Nothing changes a request once settled. A new mode
 is one request here and one ``<mode>_mode`` module (docs/LAYOUT.md)."""
 
 from __future__ import annotations
 
-import argparse
 from dataclasses import dataclass
 from typing import Any, Optional
 
 from ..tasks import PROTOCOL_TASK
-from ..record import LORA_ALPHA, LORA_R, RECORD_DETERMINISM
-from ..model.arm import Arm, Settings
-from ..model.registry import SHAPES
-from ..constraints.asked import Constraints
-from .grid import plan_arms, plan_map
+from ..model.arm import Settings
+from ..host.measured import Adapter, Outputs
 from .userconfig import UserRun
-
-
-@dataclass(frozen=True)
-class Outputs:
-    """Where the run's outputs go (None: not asked; "-": stdout)."""
-
-    json: Optional[str] = None
-    markdown: Optional[str] = None
-    plot: Optional[str] = None
-
-    @classmethod
-    def of(cls, args: argparse.Namespace) -> "Outputs":
-        return cls(args.json, args.markdown, args.plot)
-
-
-@dataclass(frozen=True)
-class Adapter:
-    """The LoRA adapter every arm runs: the protocol's, or --config's (or --estimate's --targets, --lora-r)."""
-
-    targets: Optional[tuple] = None
-    lora_r: int = LORA_R
-    lora_alpha: int = LORA_ALPHA
-    soup_config: Optional[str] = None  # --config: the user's soup.yaml (its arm's, or --estimate's)
-
-
-@dataclass(frozen=True)
-class Children:
-    """How the run is spread: its GPUs, lanes and shard, and, in a child, that it is one and its repeat."""
-
-    gpus: Optional[tuple] = None
-    lanes: Optional[int] = None  # --lanes N (0: bare --lanes, chosen from the host when the run starts)
-    shard: Optional[tuple] = None
-    child: bool = False  # a child of --gpus, --isolate or --determinism (never the command line)
-    repeat_tag: Optional[int] = None  # a child's repeat of --determinism
-    ledger: Optional[str] = None  # a --lanes map child's ledger (cardlock.CardLedger): its GPU's bytes between lanes
-    card_total: Optional[int] = None  # ... the bytes CUDA hands out of that card
-    needs: tuple = ()  # ... and each of its arms' (index, bytes it holds, Soup's number): schedule.Need
-    disk_ledger: Optional[str] = None  # a map child's share of the checkpoints' disk (cardlock.DiskLedger)
-
-
-@dataclass(frozen=True)
-class MeasureRequest:
-    """The arms measured on the GPU (the sweep's or, with map, the map's; --determinism's repeats) and
-    the modes beside them (--measure, --sdpa), each arm under the constraint asked."""
-
-    run_arms: bool = True  # run the grid's arms (the sweep's or, with map, the map's)
-    map: bool = False  # --map: models are families, with a quantization axis
-    quants: tuple = ("none",)
-    measure: bool = False
-    sdpa: bool = False
-    repeats: Optional[int] = None  # --determinism N
-    models: tuple = tuple(SHAPES)
-    seqs: Optional[tuple] = None  # None: the record's grid per model
-    batches: tuple = (1,)
-    tasks: tuple = (PROTOCOL_TASK,)  # Soup's tasks: an axis of the grid (issue395.tasks)
-    custom_model: Optional[str] = None
-    weights: str = "synthetic"
-    dry_run: bool = False
-    verbose: bool = False
-    snapshot: bool = False
-    snapshot_dir: Optional[str] = None
-    log_dir: Optional[str] = None
-    cache_dir: Optional[str] = None
-    shard_dir: Optional[str] = None  # --shard-dir: Soup's layer shards, apart from the checkpoints
-    isolate: bool = False
-    constraints: Constraints = Constraints()  # --cap, --emulate-card, --min-free
-    children: Children = Children()
-    outputs: Outputs = Outputs()
-    steps: int = 1  # optimizer steps per arm (the protocol's 1)
-    context: Optional[int] = None  # --context, bytes (--emulate-card's card)
-    adapter: Adapter = Adapter()
-    argv: tuple = ()
-    #: --config: the file's run settings, which every arm runs (none: the protocol's)
-    settings: Settings = Settings()
-
-    @property
-    def determinism_grid(self) -> tuple[tuple, Optional[tuple], tuple]:
-        """The record's two repeated arms, unless the command line chose others."""
-        if self.custom_model or self.seqs or self.models != tuple(SHAPES) or self.batches != (1,):
-            return self.models, self.seqs, self.batches
-        return tuple(dict.fromkeys(m for m, _ in RECORD_DETERMINISM)), tuple(s for _, s in RECORD_DETERMINISM), (1,)
-
-    def arms(self) -> list[Arm]:
-        """The grid's arms, in grid order (the map's, or the sweep's)."""
-        return (plan_map(self.models, self.quants, self.seqs, self.batches, self.tasks, self.settings) if self.map
-                else plan_arms(self.models, self.seqs, self.batches, self.quants[0], self.tasks, self.settings))
-
-
-#: MeasureRequest's sub-records by field, as a child's job file reads them back.
-MEASURE_RECORDS = {"outputs": Outputs, "adapter": Adapter, "children": Children, "constraints": Constraints,
-                   "settings": Settings}
-
-
-def measure_from_json(data: dict[str, Any]) -> MeasureRequest:
-    """A MeasureRequest as ``dataclasses.asdict`` wrote it (a child's job file): JSON lists back to tuples,
-    its sub-records back to theirs."""
-    def plain(d: dict) -> dict:
-        return {k: tuple(v) if isinstance(v, list) else v for k, v in d.items()}
-
-    return MeasureRequest(**{k: MEASURE_RECORDS[k](**plain(v)) if k in MEASURE_RECORDS and isinstance(v, dict) else v
-                      for k, v in plain(data).items()})
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,8 @@ from ..results.saved import RowFile, load_result
 from ..report.outputs import render_markdown, write_outputs
 from ..report.tables import arm_pairs, compare_table, render_text
 from .checks import check_input, no_output_is_an_input, one_int
-from .request import Outputs, RerenderRequest
+from ..host.measured import Outputs
+from .request import RerenderRequest
 
 
 def chosen(args: argparse.Namespace) -> bool:

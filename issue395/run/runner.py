@@ -12,10 +12,10 @@ from typing import Any
 from ..errors import EXIT_INTERRUPTED, EXIT_USAGE, UsageError
 from ..measure.console import Stop
 from . import measure_mode
-from .arms import Protocol
+from ..host.arms import Protocol
 from .options import CARD_LIST, MODES, SOUP_PATCH, settle
 from .parser import build_parser
-from .spread import CHILD_JOB, die_with_parent, read_job
+from ..host.spread import CHILD_JOB, die_with_parent, read_job
 
 #: Each request's execution, by its type.
 EXECUTE = {m.request: m.execute for m in (SOUP_PATCH, CARD_LIST, *MODES)}

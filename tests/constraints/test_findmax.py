@@ -407,7 +407,7 @@ def test_soups_own_checks_run_on_the_probes_file_before_any_probe(tmp_path, cach
     """The synthetic checkpoint's tokenizer has no chat template: an SFT file that names none is
     refused by Soup's own format check (at setup, before any step), here on CPU, costing no probe."""
     from issue395.constraints.findmax import probe_config, soup_checks, write_probe_config
-    from issue395.run.checkpoints import synthetic_checkpoint
+    from issue395.host.checkpoints import synthetic_checkpoint
     from issue395.model.registry import SHAPES
     from conftest import h
 
@@ -469,7 +469,7 @@ def test_the_real_soup_train_completes_a_resident_probes_file_on_cpu_with_its_ga
     from conftest import h
 
     from issue395.model.registry import SHAPES
-    from issue395.run.checkpoints import synthetic_checkpoint
+    from issue395.host.checkpoints import synthetic_checkpoint
 
     base = synthetic_checkpoint(SHAPES["smol"], cache_dir / "checkpoints")[0]
     text = ("base: HuggingFaceTB/SmolLM2-135M\ntask: dpo\ndata: {train: pairs.jsonl, max_length: 2048}\n"

@@ -73,7 +73,7 @@ def test_soups_real_setup_leaves_the_adapter_in_the_dtype_the_estimate_charges(t
 
     sys.path.insert(0, str(ROOT / "bench"))
     import task_peak_anatomy as A
-    from issue395.run.checkpoints import synthetic_checkpoint
+    from issue395.host.checkpoints import synthetic_checkpoint
     from soup_cli.config.loader import load_config_from_string
     from soup_cli.data.loader import load_dataset
 

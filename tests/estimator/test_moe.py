@@ -190,10 +190,10 @@ def test_a_hub_wrapper_config_is_read_as_its_text_decoder_and_kv_must_divide_hea
 
 
 def test_a_familys_streaming_modes_stay_in_one_shard_and_a_lost_row_names_the_family():
-    from issue395.run.grid import shard_of
-    from issue395.run.request import MeasureRequest
+    from issue395.host.grid import shard_of
+    from issue395.host.measured import MeasureRequest
     from issue395.model.arm import Arm
-    from issue395.run.spread import lost_row
+    from issue395.host.spread import lost_row
 
     arms = [Arm(k, 512, 1, i) for i, k in enumerate(("smol", "smol+chunk512", "qwen", "qwen+chunk512"))]
     for k in (1, 2):

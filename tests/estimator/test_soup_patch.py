@@ -538,7 +538,7 @@ def test_the_patched_soup_train_cli_gates_a_resident_run_then_trains_it_on_cpu(p
     admits, the patched gate refuses before any training (exit 1, Soup's panel, no output folder); on an 80 GB
     card it admits with its one line, and the run trains its one step (the trainer's own state)."""
     from issue395.constraints.findmax import probe_config, steps_done, write_probe_config
-    from issue395.run.checkpoints import synthetic_checkpoint
+    from issue395.host.checkpoints import synthetic_checkpoint
     from issue395.model.registry import SHAPES
     from conftest import h
 

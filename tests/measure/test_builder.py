@@ -25,7 +25,7 @@ from conftest import QWEN, SMOL, TINY
 from issue395.measure import builder
 from issue395.model.arm import predicted_bytes
 from issue395.measure.builder import checkpoint_fingerprint, hf_config, prepare_checkpoint, safetensors_problem
-from issue395.run.checkpoints import synthetic_checkpoint
+from issue395.host.checkpoints import synthetic_checkpoint
 from issue395.model.registry import FAMILIES, SHAPES, Shape
 from issue395.measure.shapes import derive_shape, family_shape, load_custom_shape
 

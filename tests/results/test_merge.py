@@ -16,7 +16,7 @@ from conftest import ENV, attributed, make_row, safe_peak
 from issue395.model.arm import Arm, predicted_bytes
 from issue395.measure.cuda import positive_control
 from issue395.errors import EXIT_FINDING, EXIT_INTERRUPTED, EXIT_OK, UsageError
-from issue395.run.grid import plan_arms, shard_of
+from issue395.host.grid import plan_arms, shard_of
 from issue395.results.merge import merge, thinnest
 from issue395.model.registry import SHAPES
 from issue395.results.result import Result

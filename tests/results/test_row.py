@@ -24,10 +24,10 @@ from issue395.results.extras import Capped, Emulated, MinFreeFound, Ran, UserCon
 from issue395.model.arm import Arm, Settings, predicted_bytes
 from issue395.model.registry import SHAPES
 from issue395.measure.cuda import attribute_peak
-from issue395.run.request import MeasureRequest
+from issue395.host.measured import MeasureRequest
 from issue395.record import RECORD_A10G_PEAK
 from issue395.results.row import Row, arm_row, realised_as_requested
-from issue395.run.spread import lost_row
+from issue395.host.spread import lost_row
 from issue395.report.tables import map_verdict, overestimate_summary
 
 SAVED = ROOT / "results" / "cap-proof-and-seq512-1024-map-h200x2-soup0.73.3-b5bee37" / "map-512-1024.json"

@@ -17,7 +17,8 @@ from conftest import ROOT, h, main, make_row, one_error_line
 from issue395.errors import EXIT_INTERRUPTED, UsageError
 from issue395.results.corrected import with_corrected
 from issue395.results.saved import RowFile
-from issue395.run import arms, measure_mode
+from issue395.host import arms
+from issue395.run import measure_mode
 
 SAVED = ROOT / "results" / "cap-proof-and-seq512-1024-map-h200x2-soup0.73.3-b5bee37" / "map-512-1024.json"
 

@@ -14,7 +14,7 @@ from issue395.measure.shapes import default_map_families
 from issue395.model.arm import Arm
 from issue395.results.result import Result
 from issue395.run import measure_mode
-from issue395.run.spread import plan_jobs
+from issue395.host.spread import plan_jobs
 
 
 # Moved from tests/run/test_round3.py and test_round4.py (issues 29 and 36, the new user's rounds three

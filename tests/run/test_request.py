@@ -14,8 +14,8 @@ from issue395.model.registry import config_json
 from issue395.run import configarm, estimate_mode, find_max_mode, measure_mode, userconfig
 from issue395.run.options import CARD_LIST, MODES, SOUP_PATCH, settle
 from issue395.run.parser import build_parser
-from issue395.run.request import (CardListRequest, EstimateRequest, FindMaxRequest, MeasureRequest, RerenderRequest,
-                                  measure_from_json)
+from issue395.host.measured import MeasureRequest, measure_from_json
+from issue395.run.request import CardListRequest, EstimateRequest, FindMaxRequest, RerenderRequest
 from issue395.run.runner import EXECUTE
 
 

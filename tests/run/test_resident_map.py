@@ -106,7 +106,7 @@ def test_a_resident_rows_soup_gate_is_its_clis_on_the_arms_config_and_judged_aga
 def test_the_packing_bound_covers_every_committed_resident_peak():
     """The lanes pack resident arms by an upper bound (never printed): it is above each committed resident
     anatomy's real peak and each committed resident map row's, so no arm is packed beside more than the card holds."""
-    from issue395.run.spread import resident_packing_bound
+    from issue395.host.spread import resident_packing_bound
 
     root = Path(h.__file__).parent / "results"
     seen = 0

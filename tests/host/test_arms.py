@@ -1,4 +1,4 @@
-"""run/arms.py: what the arms in this process say of a run: a task's mark in an arm's file names
+"""host/arms.py: what the arms in this process say of a run: a task's mark in an arm's file names
 (``task_tag``), what the stack says beyond the packages (``stack_notes``: the steps, the map's arms left
 out, never silently), and the harness's own cost (``run_timings``). The in-process sweep itself
 (``sweep``) runs end to end in test_cli.py (a real dry run's rows, Soup's text kept off the terminal)
@@ -13,8 +13,8 @@ from conftest import make_row
 
 from issue395.model.arm import Arm
 from issue395.results.result import Result
-from issue395.run.arms import run_timings, stack_notes, task_tag
-from issue395.run.request import Children, MeasureRequest
+from issue395.host.arms import run_timings, stack_notes, task_tag
+from issue395.host.measured import Children, MeasureRequest
 
 
 @pytest.mark.parametrize("task, tag", [("sft", ""), ("dpo", "-dpo"), ("kto", "-kto")])

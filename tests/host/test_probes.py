@@ -1,4 +1,4 @@
-"""issue395.run.probes (--min-free, issue 20): each arm's control, then a bisection over caps, each probe
+"""issue395.host.probes (--min-free, issue 20): each arm's control, then a bisection over caps, each probe
 a fresh capped child. FAKED here, and only this: each probe's fresh capped child (its outcome is a
 function of the cap: it completes iff the cap >= the arm's true need, and the control's peak is
 given). Real: the settled MeasureRequest, the bisection, this tool's needs-free, the row, its JSON and the
@@ -15,7 +15,7 @@ from issue395.measure.console import Stop
 from issue395.constraints.minfree import resolution
 from issue395.run.options import settle
 from issue395.run.parser import build_parser
-from issue395.run.probes import min_free_arms
+from issue395.host.probes import min_free_arms
 from issue395.model.arm import Arm
 from issue395.results.merge import merge
 from issue395.results.result import Result

@@ -1,4 +1,4 @@
-"""issue395.run.spread: jobs and children. A first Ctrl-C to a --gpus parent reaches its children, each
+"""issue395.host.spread: jobs and children. A first Ctrl-C to a --gpus parent reaches its children, each
 stopping after its own arm in flight; a SIGKILLed parent leaves no orphan (issue 22, defect 9); a
 child gets its settled MeasureRequest and Job back as data; a map is dealt one child per GPU with whole
 families; a lost arm's row keeps its cap or card.
@@ -22,15 +22,15 @@ import pytest
 from conftest import ROOT, main
 
 from issue395.measure.console import Stop
-from issue395.run.grid import plan_map
-from issue395.run.request import Children, MeasureRequest
+from issue395.host.grid import plan_map
+from issue395.host.measured import Children, MeasureRequest
 from issue395.constraints.asked import Constraints
 from issue395.results.extras import Capped, UserConfig
 from issue395.model.arm import Arm, Settings
 from issue395.record import QUANTS
-from issue395.run.scratch import Scratch
-from issue395.run.spread import spread
-from issue395.run.spread import Job, child_cache, child_run, plan_jobs, read_job, write_job
+from issue395.host.scratch import Scratch
+from issue395.host.spread import spread
+from issue395.host.spread import Job, child_cache, child_run, plan_jobs, read_job, write_job
 
 #: What every stand-in child does first: the real child's own job file, its stop handler, its row file
 #: with a header (a stand-in stack), as the real child's runner starts it.
@@ -39,7 +39,7 @@ CHILD_PREAMBLE = """
     sys.path.insert(0, {root!r})
     from issue395.measure.console import Stop
     from issue395.results.saved import RowFile
-    from issue395.run.spread import CHILD_JOB, die_with_parent, lost_row, read_job
+    from issue395.host.spread import CHILD_JOB, die_with_parent, lost_row, read_job
 
     die_with_parent()
     run, job = read_job(os.environ[CHILD_JOB])
@@ -100,10 +100,10 @@ def test_one_ctrl_c_to_a_gpus_parent_stops_each_child_after_its_arm_in_flight(tm
 PARENT = textwrap.dedent("""
     import sys
     sys.path.insert(0, {root!r})
-    from issue395.run.request import Children, MeasureRequest
+    from issue395.host.measured import Children, MeasureRequest
     from issue395.model.arm import Arm, Settings
-    from issue395.run.scratch import Scratch
-    from issue395.run.spread import spread
+    from issue395.host.scratch import Scratch
+    from issue395.host.spread import spread
 
     with Scratch() as scratch:
         spread(MeasureRequest(models=("smol",), seqs=(64,), children=Children(gpus=(0,)), dry_run=True), [Arm("smol", 64, 1, 0)],
@@ -141,7 +141,7 @@ def test_a_sigkilled_gpus_parent_leaves_no_child_running(tmp_path):
                 except ProcessLookupError:
                     pass
 
-# issue395.run.spread: children get their settled MeasureRequest and Job back as data, their own scratch and cache.
+# issue395.host.spread: children get their settled MeasureRequest and Job back as data, their own scratch and cache.
 
 def child_job(tmp_path, **run):
     """A child's work as its parent hands it over (a job file) and as the child reads it back."""
@@ -176,7 +176,7 @@ def test_a_map_spread_gives_children_their_own_scratch_so_each_family_can_be_fre
 
 
 def test_a_capped_map_child_shares_the_cache_and_a_lost_capped_arm_stays_in_the_cap_table():
-    from issue395.run.spread import lost_row
+    from issue395.host.spread import lost_row
 
     with Scratch() as scratch:
         assert child_cache(MeasureRequest(map=True, models=("smol",), constraints=Constraints(cap="soup")), scratch) is not None
@@ -185,7 +185,7 @@ def test_a_capped_map_child_shares_the_cache_and_a_lost_capped_arm_stays_in_the_
 
 
 def test_a_lost_emulated_arm_keeps_its_card():
-    from issue395.run.spread import lost_row
+    from issue395.host.spread import lost_row
 
     row = lost_row(Arm("smol", 2048), MeasureRequest(constraints=Constraints(emulate_card="t4")), None, 139)
     assert row.constraint.card == "T4" and row.emulated_outcome == "FAILED"
@@ -206,7 +206,7 @@ def test_a_config_arms_child_gets_the_files_adapter_and_quantization_and_a_lost_
     adapter and run."""
     from issue395.run.options import settle
     from issue395.run.parser import build_parser
-    from issue395.run.spread import lost_row
+    from issue395.host.spread import lost_row
 
     config = tmp_path / "soup.yaml"
     config.write_text("base: mistralai/Mistral-7B-v0.3\ndata: {train: d.jsonl, max_length: 512}\ntraining:\n"
@@ -264,7 +264,7 @@ def spans(log: Path) -> dict[str, dict]:
 def test_two_lanes_run_at_once_on_one_gpu_and_a_whole_card_arm_runs_alone_after_them(tmp_path):
     """Stand-in children (no Soup, no GPU): four arms in two lanes at once, threads bounded per lane;
     the arm that needs the card to itself starts only once both lanes have exited."""
-    from issue395.run.spread import Lanes
+    from issue395.host.spread import Lanes
 
     script, log = lane_child(tmp_path)
     arms = [Arm("smol", 64 * (i + 1), 1, i) for i in range(5)]
@@ -284,7 +284,7 @@ def test_two_lanes_run_at_once_on_one_gpu_and_a_whole_card_arm_runs_alone_after_
 def test_a_lane_that_dies_leaves_a_failed_row_for_each_arm_it_did_not_report_never_a_lost_row(tmp_path):
     """Stand-in children: the lane holding arm 1 exits with code 3 before reporting it; its later arm
     and the other lane's arms are all rows, grid order kept by index."""
-    from issue395.run.spread import Lanes
+    from issue395.host.spread import Lanes
 
     script, _ = lane_child(tmp_path, dies_at=1)
     arms = [Arm("smol", 64 * (i + 1), 1, i) for i in range(4)]
@@ -307,7 +307,7 @@ SAVES_THEN_DIES = textwrap.dedent(CHILD_PREAMBLE + """    for arm in job.arms:
 def test_a_lanes_rows_past_its_row_files_header_reach_the_parent_when_it_dies_before_its_json(tmp_path):
     """Stand-in children that save every arm's row (marked code 42) to a row file with a header, then
     exit 3 with no JSON: the parent has each row from the file, none as lost with code 3."""
-    from issue395.run.spread import Lanes
+    from issue395.host.spread import Lanes
 
     script = tmp_path / "saves.py"
     script.write_text(SAVES_THEN_DIES.format(root=str(ROOT)))
@@ -326,7 +326,7 @@ def test_a_map_in_lanes_runs_a_familys_whole_card_arms_in_its_own_lane_and_a_swe
     gate alone, so beside neighbours too, and stays in its lane. On the map the two whole-card arms
     run in their family's lane (its checkpoint is there), no whole-card job; a sweep of the same
     arms (whose children share one cache) keeps them for a job after the lanes."""
-    from issue395.run.spread import Lanes, lane_jobs, plan_lanes
+    from issue395.host.spread import Lanes, lane_jobs, plan_lanes
 
     run = MeasureRequest(map=True, models=("smol", "qwen"), children=Children(lanes=2))
     arms = plan_map(("smol", "qwen"), ("none",), (2048, 6144), (1,))
@@ -359,7 +359,7 @@ def test_a_map_arm_that_does_not_fit_beside_the_idle_lanes_runs_after_them_alone
     growth (1.11 GB): SmolLM2 at 6144 (Soup's number 4.59 GB) still fits beside it and runs in its
     lane; Qwen2.5 at 2048 (4.85 GB) would be admitted alone but not beside it, so it runs after the
     lanes, alone, as Soup's gate would see an idle card."""
-    from issue395.run.spread import lane_jobs, plan_lanes
+    from issue395.host.spread import lane_jobs, plan_lanes
 
     run = MeasureRequest(map=True, models=("smol", "qwen"), children=Children(lanes=2))
     arms = plan_map(("smol", "qwen"), ("none",), (2048, 6144), (1,))
@@ -375,7 +375,7 @@ def test_a_lanes_whole_card_judgement_reads_the_arms_task():
     """A DPO arm's needs are DPO's (its policy and reference logits over 2 x batch rows), not SFT's at
     the same shape: a lane's share is judged on what the arm will hold (it read SFT's before)."""
     from issue395.estimator.estimate import estimate_key
-    from issue395.run.spread import arm_needs
+    from issue395.host.spread import arm_needs
 
     run = MeasureRequest()
     sft, dpo = (arm_needs(Arm("qwen", 2048, 2, 0, "none", t), run) for t in ("sft", "dpo"))
@@ -387,7 +387,7 @@ def test_a_lanes_whole_card_judgement_reads_the_arms_task():
 def test_a_lane_runs_its_families_costliest_first_and_each_familys_arms_in_grid_order():
     """Two lanes over four families (the grid's rough cost: 3 s an arm plus 0.7 s a billion parameters):
     each lane builds its largest checkpoint first, one family ahead while the next runs."""
-    from issue395.run.spread import Lanes, lane_jobs
+    from issue395.host.spread import Lanes, lane_jobs
 
     families = ("smol", "qwen", "llama32-1b", "mistral-7b")
     run = MeasureRequest(map=True, models=families, children=Children(lanes=2))
@@ -406,7 +406,7 @@ def test_a_map_lanes_child_gets_its_gpus_ledger_the_cards_bytes_and_its_own_arms
     H200's driver total less its hidden 616 MiB) and, of the plan's needs, those of its own arms only;
     the child's settled Run reads them back (stand-in children: no Soup, no GPU)."""
     from issue395.estimator.cards import CARDS
-    from issue395.run.spread import Lanes
+    from issue395.host.spread import Lanes
 
     script, _ = lane_child(tmp_path)
     arms = [Arm(("smol", "qwen")[i // 2], 64 * (i + 1), 1, i) for i in range(4)]

@@ -25,7 +25,7 @@ from ..measure.shapes import not_on_map
 from .cardlock import CardLedger
 from .checkpoints import Checkpoints, quant_base
 from .grid import past_positions
-from .request import MeasureRequest
+from .measured import MeasureRequest
 from .schedule import Need
 from .scratch import Scratch
 

@@ -20,7 +20,7 @@ STAND_IN = textwrap.dedent("""
     sys.path.insert(0, {root!r})
     import issue395_second_stack_vram as h
     from issue395.run import measure_mode, runner
-    from issue395.run.arms import Protocol
+    from issue395.host.arms import Protocol
 
     # the one fake: the CUDA peak, the arm's alone (under Soup's number even for a toy checkpoint)
     def fake_peak(trainer, snapshot=False, steps=1):
@@ -32,7 +32,7 @@ STAND_IN = textwrap.dedent("""
     h.STEP_DEVICE, h.real_peak = "cpu", fake_peak
     if {small}:  # the checkpoint each lane builds, at toy sizes: 2 layers, hidden 64, vocab 512 (its key, its
         import dataclasses  # estimate and its Soup setup are the family's; only the weights built are smaller)
-        from issue395.run import checkpoints
+        from issue395.host import checkpoints
 
         real_prepare = checkpoints.prepare_checkpoint
 
@@ -43,7 +43,7 @@ STAND_IN = textwrap.dedent("""
 
         checkpoints.prepare_checkpoint = small_checkpoint
     if os.environ.get("LEDGER_LOG"):  # not a fake: each lane's ledger, logged as it admits and frees an arm
-        from issue395.run import cardlock
+        from issue395.host import cardlock
 
         held = cardlock.CardLedger.held
 
@@ -135,7 +135,7 @@ def test_a_map_familys_whole_card_arm_runs_in_its_own_lane_packed_by_bytes_as_th
     held exactly this tool's needs-free for it, the arms held at once never summed past the card less the
     two lanes' contexts and growth, and the two lanes' arms ran side by side."""
     from issue395.estimator.estimate import estimate_key
-    from issue395.run.schedule import Room, card_total
+    from issue395.host.schedule import Room, card_total
 
     script = stand_in(tmp_path, total=6 * 10**9, step_s=2.0)
     out, log = tmp_path / "lanes2.json", tmp_path / "ledger.log"

@@ -16,9 +16,33 @@ from typing import Any, Iterator, Optional
 
 from ..errors import UsageError
 from ..measure.builder import safetensors_problem
-from .checks import writable_folder
 
 SCRATCH_PREFIX = "issue395-scratch-"
+
+
+def writable_folder(flag: str, folder: str, given: Optional[str] = None) -> None:
+    """A folder the tool may write into: it exists, or the nearest one above it is writable.
+    ``given`` is the value on the command line when the folder is an output file's."""
+    if not folder.strip():
+        raise UsageError(f"{flag}: the path is empty; give a folder")
+    named = f"{flag} {given if given is not None else folder}"
+    p = Path(folder).expanduser().absolute()
+    if p.exists() and not p.is_dir():
+        raise UsageError(f"{named}: {p} is not a folder" if given is not None else f"{named}: not a folder")
+    while not p.exists():
+        p = p.parent
+    if not p.is_dir() or not os.access(p, os.W_OK) or not can_make_in(p):
+        raise UsageError(f"{named}: {'its folder ' if given is not None else ''}{p} cannot be written")
+
+
+def can_make_in(folder: Path) -> bool:
+    """A folder can be made in ``folder``: tried, and removed (os.access says yes to root on /proc,
+    and a read-only mount answers only when written)."""
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".issue395-probe-", dir=folder))
+    except OSError:
+        return False
+    return True
 
 
 def process_start(pid: int) -> Optional[str]:

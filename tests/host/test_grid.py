@@ -1,4 +1,4 @@
-"""issue395.run.grid: the arms, in order (model, then seq, then batch): the record's grid, the margin
+"""issue395.host.grid: the arms, in order (model, then seq, then batch): the record's grid, the margin
 map's (families, quantizations, seqs within each family's max positions, batches), and shards of
 them (--shard modulo the grid on a sweep; whole families dealt heaviest first on the map, so no
 shard builds a family twice). Nothing is faked: the registry's families and the planner's real arms."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 from conftest import RECORD_ARMS
 
-from issue395.run.grid import arm_seconds, plan_arms, plan_map, shard_of
+from issue395.host.grid import arm_seconds, plan_arms, plan_map, shard_of
 from issue395.model.arm import Arm
 from issue395.record import MAP_BATCHES, QUANTS
 from issue395.model.registry import MAP_FAMILIES, max_positions
@@ -108,7 +108,7 @@ def test_a_map_seq_past_one_familys_positions_is_left_out_for_it_and_named():
     """--map --seq 512,4096 on SmolLM2 (8192 positions) and phi-2 (2048): settled, not refused (the
     first GPU try of the task map stopped at the options); phi-2 plans 512 alone, SmolLM2 both, and
     what is left out is named with its reason for the result's 'not on this map' lines."""
-    from issue395.run.grid import past_positions, plan_map
+    from issue395.host.grid import past_positions, plan_map
     from issue395.run.options import settle
     from issue395.run.parser import build_parser
 

@@ -28,7 +28,7 @@ from ..results.saved import RowFile
 from ..measure.console import Stop
 from .cardlock import DISK_HEADROOM_BYTES, DiskLedger
 from .grid import arm_seconds, shard_of
-from .request import Children, MeasureRequest, Outputs, measure_from_json
+from .measured import Children, MeasureRequest, Outputs, measure_from_json
 from .schedule import Need, Room, card_total, claim_order
 from .scratch import Scratch, reap_dead_scratch
 
@@ -175,7 +175,7 @@ def plan_lanes(run: MeasureRequest, arms: list[Arm], total: Optional[int] = None
     both fit a lane's share (an arm Soup refuses alone is refused beside neighbours too).
 
     On the map (whole families per lane, no shared checkpoint cache) every arm runs in its family's lane,
-    packed by bytes (issue 38, run/schedule.py): each holds this tool's needs-free for it, and arms run
+    packed by bytes (issue 38, host/schedule.py): each holds this tool's needs-free for it, and arms run
     together while their bytes fit what the card leaves beside every live lane's CUDA context and growth,
     and Soup's number fits the free memory its gate reads. An arm that cannot fit beside the idle lanes
     runs after the lanes instead, so Soup's gate decides as it would alone."""

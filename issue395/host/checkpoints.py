@@ -24,7 +24,7 @@ from ..measure.builder import checkpoint_fingerprint, prepare_checkpoint, safete
 from ..measure.console import Stop
 from ..measure.shapes import config_only
 from .cardlock import DiskLedger
-from .request import MeasureRequest
+from .measured import MeasureRequest
 from .scratch import Scratch
 
 

@@ -17,7 +17,7 @@ from ..constraints.emulation import arm_config, tool_needs_free
 from ..constraints.minfree import bisect_min_free
 from ..constraints.asked import Constraints
 from ..measure.console import Stop
-from .request import MeasureRequest
+from .measured import MeasureRequest
 from .scratch import Scratch
 from .spread import spread
 

@@ -1,11 +1,11 @@
-"""issue395.run.scratch: the scratch folder, reaping what killed runs left, Soup's shard cache checked and repaired."""
+"""issue395.host.scratch: the scratch folder, reaping what killed runs left, Soup's shard cache checked and repaired."""
 
 from __future__ import annotations
 import os
 import tempfile
 from pathlib import Path
 from conftest import dead_pid
-from issue395.run.scratch import SCRATCH_PREFIX, Scratch, process_start
+from issue395.host.scratch import SCRATCH_PREFIX, Scratch, process_start
 
 
 def test_scratch_left_by_a_dead_run_is_reaped_and_a_live_ones_kept(tmp_path, monkeypatch):

@@ -1,4 +1,4 @@
-"""issue395.run.cardlock: the ledger that packs the map's lanes' arms by bytes on one card (issue 38: each
+"""issue395.host.cardlock: the ledger that packs the map's lanes' arms by bytes on one card (issue 38: each
 holds its own bytes; arms run together while they fit the card; first asked, first served; a killed
 lane's bytes come back; an arm asking for the whole card waits for the others to drain). Real processes
 on the real lock files; each process logs when it asked, got and let go (CLOCK_MONOTONIC, one clock for
@@ -42,8 +42,8 @@ def finish(*procs: subprocess.Popen) -> None:
 LEDGER_HOLDER = textwrap.dedent("""
     import sys, time
     sys.path.insert(0, {root!r})
-    from issue395.run.cardlock import CardLedger
-    from issue395.run.schedule import Need
+    from issue395.host.cardlock import CardLedger
+    from issue395.host.schedule import Need
 
     name, hold_s = sys.argv[1], float(sys.argv[3])
     need = None if sys.argv[2] == "all" else Need(int(float(sys.argv[2]) * 1e9))
@@ -125,8 +125,8 @@ def test_a_killed_lanes_bytes_come_back_to_the_card(tmp_path):
 
 
 def test_the_ledger_is_empty_after_its_lanes_leave(tmp_path):
-    from issue395.run.cardlock import CardLedger
-    from issue395.run.schedule import Need
+    from issue395.host.cardlock import CardLedger
+    from issue395.host.schedule import Need
 
     ledger = CardLedger(str(tmp_path / "card.json"), total=10 * 10**9, context=0)
     ledger.join()
@@ -141,7 +141,7 @@ def test_the_ledger_is_empty_after_its_lanes_leave(tmp_path):
 DISK_HOLDER = textwrap.dedent("""
     import sys, time
     sys.path.insert(0, {root!r})
-    from issue395.run.cardlock import DiskLedger
+    from issue395.host.cardlock import DiskLedger
 
     name, gb, hold_s = sys.argv[1], float(sys.argv[2]), float(sys.argv[3])
     ledger = DiskLedger({ledger!r}, poll_s=0.05)
@@ -157,7 +157,7 @@ DISK_HOLDER = textwrap.dedent("""
 
 def disk_holders(tmp_path: Path, budget_gb: float):
     """Processes holding checkpoints' bytes (GB) of a disk ledger whose budget is ``budget_gb``."""
-    from issue395.run.cardlock import DiskLedger
+    from issue395.host.cardlock import DiskLedger
 
     script, log, path = tmp_path / "disk_holder.py", tmp_path / "disk.log", tmp_path / "disk.json"
     DiskLedger.create(str(path), str(tmp_path), budget=int(budget_gb * 1e9))
@@ -189,7 +189,7 @@ def test_a_checkpoint_that_does_not_fit_the_disk_beside_another_lanes_waits_for_
 def test_a_build_ahead_defers_to_a_lane_waiting_for_its_next_family(tmp_path):
     """A lane that frees its family and at once builds its next one ahead would take the bytes back
     from a lane waiting for them, every time; a build ahead yields to a waiter instead."""
-    from issue395.run.cardlock import DiskLedger
+    from issue395.host.cardlock import DiskLedger
 
     ledger = DiskLedger.create(str(tmp_path / "disk.json"), str(tmp_path), budget=40 * 10**9)
     with ledger._state() as state:  # another live lane (this test's parent process) waits

@@ -1,4 +1,4 @@
-"""issue395.run.checkpoints: the checkpoint cache (built once, then served; an unfinished or damaged
+"""issue395.host.checkpoints: the checkpoint cache (built once, then served; an unfinished or damaged
 folder rebuilt, each kind of damage named), a Ctrl-C during a build (issue 22, defect 10: the writer
 stops between tensors and leaves no half-built folder), NF4 shard aliases, and another host's partial
 builds left alone. CPU, tiny shapes built by the harness's own builder; nothing faked but the
@@ -19,12 +19,12 @@ from conftest import TINY
 
 from issue395.measure import builder
 from issue395.measure.builder import BuildStopped, checkpoint_fingerprint
-from issue395.run.checkpoints import (Checkpoints, checkpoint_problem, quant_base, reap_dead_partials,
+from issue395.host.checkpoints import (Checkpoints, checkpoint_problem, quant_base, reap_dead_partials,
                                   synthetic_checkpoint)
 from issue395.measure.console import Stop
-from issue395.run.request import MeasureRequest
+from issue395.host.measured import MeasureRequest
 from issue395.model.registry import Shape
-from issue395.run.scratch import Scratch
+from issue395.host.scratch import Scratch
 
 #: Many layers of toy size: a build long enough in tensors for a stop to land in the middle of it.
 MANY_LAYERS = Shape(key="tiny", name="tiny", hub_id="tiny", model_type="llama", pool=0, extras=0, grid_adapter=0,
@@ -154,7 +154,7 @@ def test_synthetic_checkpoint_rebuilds_an_unfinished_folder(tmp_path, capsys):
 def test_the_next_family_is_not_built_ahead_where_the_disk_cannot_hold_it_beside_this_one(tmp_path):
     """Issue 38: one family ahead only where the disk's budget holds both; the held bytes go with the
     release, and the next family is then built when its first arm asks for it."""
-    from issue395.run.cardlock import DiskLedger
+    from issue395.host.cardlock import DiskLedger
 
     other = dataclasses.replace(TINY, key="tiny2", name="tiny2")
     size = TINY.checkpoint_bytes
@@ -184,7 +184,7 @@ def test_the_next_family_is_built_ahead_where_the_disk_holds_both():
     starts while this one's arms run."""
     import tempfile
 
-    from issue395.run.cardlock import DiskLedger
+    from issue395.host.cardlock import DiskLedger
 
     other = dataclasses.replace(TINY, key="tiny2", name="tiny2")
     with Scratch() as scratch, tempfile.TemporaryDirectory() as tmp:
@@ -205,9 +205,9 @@ def test_a_checkpoint_build_says_so_on_stderr_when_it_is_not_a_terminal(capfd):
     stderr is not a terminal."""
     from conftest import TINY
 
-    from issue395.run.checkpoints import Checkpoints
-    from issue395.run.request import MeasureRequest
-    from issue395.run.scratch import Scratch
+    from issue395.host.checkpoints import Checkpoints
+    from issue395.host.measured import MeasureRequest
+    from issue395.host.scratch import Scratch
 
     with Scratch() as scratch:
         checkpoints = Checkpoints(["tiny"], {"tiny": TINY}, MeasureRequest(models=("tiny",), weights="synthetic"), scratch)

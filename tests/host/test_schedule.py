@@ -1,4 +1,4 @@
-"""issue395.run.schedule: the lanes' card packed by bytes. Pure rules, no process: the room the lanes
+"""issue395.host.schedule: the lanes' card packed by bytes. Pure rules, no process: the room the lanes
 leave their arms, the admission of an arm beside others (its bytes and Soup's gate), first asked first
 served with a later arm let through only where it fits beside the earlier ones, the families' order
 and the threads per lane. The needs are the real estimator's where a test reads an arm."""
@@ -9,7 +9,7 @@ import pytest
 
 from issue395.estimator.cards import CONTEXT_BOUND_BYTES, STEP_GROWTH_BYTES
 from issue395.estimator.cards import CARDS
-from issue395.run.schedule import (Ledger, Need, Room, card_total, claim_order, deal, lane_threads, may_build,
+from issue395.host.schedule import (Ledger, Need, Room, card_total, claim_order, deal, lane_threads, may_build,
                                     needs_table)
 
 GB = 10**9

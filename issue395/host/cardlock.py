@@ -3,7 +3,7 @@
 checkpoints do not fit the box's disk together), so every arm runs in its family's lane, where its
 checkpoint already is. Each arm holds this tool's needs-free for it while it runs; arms of all lanes run
 together while their bytes fit the card beside every live lane's CUDA context and growth, first asked
-first served (run/schedule.py, the rule; here, that rule kept between processes). It replaces issue 30's
+first served (host/schedule.py, the rule; here, that rule kept between processes). It replaces issue 30's
 binary card lock, under which an arm past a lane's 1/N of the card held the whole card and drained every
 other lane. flock(2) on the ledger's lock file: a lock belongs to the open file, so a process that dies
 releases it, and a dead lane's bytes are dropped by the next reader. The same for the disk the lanes build
