@@ -15,14 +15,10 @@ The protocol (one arm = one row)
     is ``max_memory_allocated()`` around exactly that step, after emptying the cache and resetting the peak
     stats. The prediction is Soup's own estimator, fed the grid's shape figures.
 
-    Soup streams four more tasks (--task dpo,orpo,simpo,kto; issue395/tasks.py): the same arm through that
-    task's own wrapper, with its rows in its data.format (prompt/chosen/rejected; prompt/completion/label),
-    judged against Soup's own pre-flight for the task as its setup computes it. The step never saves a
-    checkpoint, for any task (``one_step``).
-
-    With --stream-vram-probe on, Soup's measured-fit probe (``training.stream_vram_probe``) runs before the measured
-    step, as in Soup's setup: inside Soup's setup where its schema takes the key (SFT), and, where it refuses it
-    for the task (Soup's #840), Soup's own probe function called by this tool right after Soup's setup.
+    Soup's four other tasks (--task dpo,orpo,simpo,kto; issue395/tasks.py) run the same arm through their own
+    wrapper and rows, judged against Soup's own pre-flight for the task; the step never saves a checkpoint. A
+    resident arm (stream_layers false) is judged against Soup's resident gate; with --stream-vram-probe on, Soup's
+    measured-fit probe runs before the step (Soup's own where its schema takes the key, else called by this tool).
 
 The trap
     ``data.max_length`` truncates; it never pads. A row that tokenizes short runs at its own length, the
@@ -33,13 +29,9 @@ The trap
     the measured step receives). A row whose realised length differs from the requested seq is VOID: it has
     no ratio, by construction, and the process exits 1.
 
-Beside the protocol (this file) lies the package ``issue395/``: the record's data, the tables and outputs,
-the CLI, spreading arms over processes, judging an arm's measurement into a row, and the corrected estimator
-(docs/LAYOUT.md). The package never imports this file: ``main`` hands it ``measure_arm``.
-
-Every number printed is measured here, computed by Soup, computed by this tool's corrected estimator, or
-quoted from the record, and labelled as such. Requirements, usage, what the tool adds to the record, every
-option and the exit codes: docs/USAGE.md.
+The package ``issue395/`` beside this file holds everything else (docs/LAYOUT.md) and never imports it: ``main``
+hands it ``measure_arm``. Every number printed is measured here, computed by Soup, computed by this tool's
+corrected estimator, or quoted from the record, and labelled as such. Usage and exit codes: docs/USAGE.md.
 """
 
 from __future__ import annotations
@@ -67,8 +59,7 @@ from issue395.tasks import PROTOCOL_TASK, task
 from issue395.host.arms import Protocol
 from issue395.run.runner import cli
 
-#: Where Soup builds an arm whose step is measured. The CPU tests set "cpu" and fake the step itself (only the
-#: CUDA peak cannot run there); nothing else changes for them.
+#: Where Soup builds an arm whose step is measured; the CPU tests set "cpu" and fake the step (a CUDA peak).
 STEP_DEVICE = "cuda"
 
 
@@ -80,14 +71,12 @@ def chat_rows(seq: int, rows: int = DATA_ROWS) -> list[dict[str, Any]]:
 
 
 def task_rows(name: str, seq: int, rows: int = DATA_ROWS) -> list[dict[str, Any]]:
-    """A task's rows in the shape its wrapper takes (Soup's data.format), each completion a 3x overshoot; each
-    task's prompt and row shape are its own (issue395.tasks: Task.prompt, Task.rows)."""
+    """A task's rows in the shape its wrapper takes (Soup's data.format; Task.rows), each completion a 3x overshoot."""
     return chat_rows(seq, rows) if name == PROTOCOL_TASK else task(name).rows(OVERSHOOT * seq, rows)
 
 
 def rows_for_batch(batch: int, steps: int = 1, val_split: float = 0.1) -> int:
-    """The protocol's 4 rows, or more where Soup's validation split would leave a short batch (or too few
-    batches for --steps in its one epoch)."""
+    """The protocol's 4 rows, or more where Soup's validation split would leave a short batch (or too few steps)."""
     n = DATA_ROWS
     while int(n * (1 - val_split)) < batch * steps:
         n += 1
@@ -98,12 +87,9 @@ def soup_config_yaml(base: str, data_path: Path, output: Path, seq: int, batch: 
                      targets: Iterable[str] = ("q_proj", "v_proj"), stream: Iterable[tuple[str, Any]] = (),
                      lora_r: int = LORA_R, lora_alpha: int = LORA_ALPHA, task_name: str = PROTOCOL_TASK,
                      training: Optional[dict[str, Any]] = None) -> str:
-    """The protocol's Soup config, verbatim but for the paths, seq and batch (and, on the margin map, the
-    quantization, the family's own LoRA targets and 0.77.0's streaming modes: expert layout, chunked loss,
-    recompute; with --config, the file's own LoRA r and alpha, optimizer and gradient accumulation too
-    (``training``: the arm's keys, issue395.model.arm.Arm.training); with --task, the task and its rows'
-    data.format, each task's own keys at Soup's defaults). SFT's stays the record's, which names no format. Soup
-    spells NF4 "4bit"."""
+    """The protocol's Soup config, verbatim but for the paths, seq and batch (on the map, the quantization, the
+    family's LoRA targets and streaming modes; with --config, the file's adapter and run settings, ``training``:
+    Arm.training; with --task, the task and its rows' data.format). SFT's names no format. Soup spells NF4 "4bit"."""
     import yaml
 
     data_format = {} if task_name == PROTOCOL_TASK else {"format": task(task_name).data_format}
@@ -119,13 +105,10 @@ def soup_config_yaml(base: str, data_path: Path, output: Path, seq: int, batch: 
 
 
 def realised_lengths(trainer: Any, seq: int, name: str = PROTOCOL_TASK) -> tuple[int, list[int]]:
-    """The first collated batch's width (what the step runs at) and each row's token count (the second guard):
-    with batch > 1 a short row would hide behind its neighbours' padding. Every key the task's forwards read
-    (issue395.tasks: guard_keys; KTO's untruncated answer_input_ids is no input of the model's), each key's rows
-    in turn; of the keys' widths, the one furthest from seq. Where TRL cuts the batch inside compute_loss (DPO
-    on soup-cli 0.73.3 collates 3 x seq + 2 wide), the cut is TRL's own (issue395.tasks: Task.loss_cut) on this
-    very batch, so the guard reads the width the forwards run at; the measured step checks it again
-    (``forward_widths``)."""
+    """The first collated batch's width (what the step runs at) and each row's token count (the second guard: with
+    batch > 1 a short row hides behind its neighbours' padding), over every key the task's forwards read (Task.
+    guard_keys); of the widths, the one furthest from seq. Where TRL cuts the batch inside its loss (Task.loss_cut)
+    the cut is TRL's own on this very batch; the measured step checks the widths again (``forward_widths``)."""
     t = task(name)
     batch = next(iter(trainer.get_train_dataloader()))
     if t.loss_cut:
@@ -161,18 +144,15 @@ def forward_widths(model: Any) -> Iterator[list[int]]:
 
 
 def one_step(trainer: Any, steps: int = 1) -> None:
-    """Exactly ONE optimizer step (--steps N: N), and no checkpoint: the protocol measures the step, not the
-    save. Hugging Face's trainer saves at the last step whatever save_steps says, and on soup-cli 0.73.3 that
-    save raises for DPO after its step (TRL's "ref" adapter stays on Soup's meta skeleton: "Cannot copy out of
-    meta tensor"; 0.77.0 materialises it). The save comes after the step's peak, so SFT's peaks do not move."""
+    """Exactly ONE optimizer step (--steps N: N), and no checkpoint: the protocol measures the step, not the save
+    (which on soup-cli 0.73.3 raises for DPO: TRL's "ref" adapter stays on Soup's meta skeleton)."""
     trainer.args.max_steps = steps
     trainer.args.save_strategy = "no"
     trainer.train()
 
 
 def real_peak(trainer: Any, snapshot: bool = False, steps: int = 1) -> dict[str, Any]:
-    """Empty the cache, reset the peak, run exactly ONE optimizer step (the protocol; --steps N runs N), read
-    the peak; with ``snapshot``, the allocator's history around the same step."""
+    """Empty the cache, reset the peak, run the step (``one_step``), read the peak; ``snapshot``: the history too."""
     import torch
 
     history = allocator_history(2_000_000) if snapshot else contextlib.nullcontext({})
@@ -274,8 +254,7 @@ def soup_resident_preflight(config: Any, dry_run: bool = False) -> ResidentGate:
 
 
 def teardown(wrapper: Any) -> Optional[str]:
-    """Release the stream runtime and the model. An error here is reported beside the measurement, never raised:
-    teardown must never mask a measurement."""
+    """Release the stream runtime and the model; an error here is reported beside the measurement, never raised."""
     error = None
     try:
         if wrapper is not None:
@@ -285,9 +264,8 @@ def teardown(wrapper: Any) -> Optional[str]:
     try:
         if wrapper is not None:
             wrapper.trainer = wrapper.model = None
-        # bitsandbytes caches its 256-entry dynamic map on the GPU the first time Soup quantizes NF4 shards, and
-        # keeps it: 1,024 bytes every later arm carried (the map's Qwen2.5 bf16 peaks were 1 KiB over the
-        # sweep's; found by bench/carried.py).
+        # bitsandbytes keeps its dynamic map on the GPU once Soup quantizes NF4: 1,024 bytes every later arm
+        # carried (bench/carried.py)
         qmap = getattr(sys.modules.get("bitsandbytes.functional"), "name2qmap", {})
         if getattr(qmap.get("dynamic"), "is_cuda", False):
             del qmap["dynamic"]
@@ -296,9 +274,8 @@ def teardown(wrapper: Any) -> Optional[str]:
 
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.synchronize()
-            # Each thread's cuBLAS handle keeps a workspace (32 MiB on Hopper) in the caching allocator. The
-            # autograd thread's appears after the first step's peak, so a fresh process never has it at the
-            # peak, but the next arm in this process would: +32 MiB on every later arm, measured, before this.
+            # the autograd thread's cuBLAS workspace (32 MiB on Hopper) appears after a fresh process's peak, so
+            # the next arm in this process would carry it: +32 MiB on every later arm, measured, before this
             clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
             if clear is not None:
                 clear()
