@@ -485,7 +485,7 @@ def run_kwargs(d: dict, value: int | None = None) -> tuple[dict, dict]:
     from issue395.run.userconfig import read_soup_config
 
     u = read_soup_config(str(ROOT / d["config"]))
-    kw = dict(quant=u.quant, seq=u.seq, batch=u.batch, task=u.task, targets=u.targets, lora_r=u.lora_r,
+    kw = dict(quant=u.quant, seq=u.seq, batch=u.batch, task=u.task, targets=u.adapter.targets, lora_r=u.adapter.lora_r,
               steps=d["steps"], **u.settings.estimator(), soup=False,
               release=d["stack"]["packages"]["soup-cli"], transformers=d["stack"]["packages"]["transformers"],
               stream=dict(u.stream_options))

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from ..tasks import PROTOCOL_TASK
-from ..record import LORA_ALPHA, LORA_R, RECORD_DETERMINISM
-from ..model.arm import Arm, Settings
+from ..record import RECORD_DETERMINISM
+from ..model.arm import Adapter, Arm, Settings
 from ..model.registry import SHAPES
 from ..constraints.asked import Constraints
 from .grid import plan_arms, plan_map
@@ -28,16 +28,6 @@ class Outputs:
     @classmethod
     def of(cls, args: argparse.Namespace) -> "Outputs":
         return cls(args.json, args.markdown, args.plot)
-
-
-@dataclass(frozen=True)
-class Adapter:
-    """The LoRA adapter every arm runs: the protocol's, or --config's (or --estimate's --targets, --lora-r)."""
-
-    targets: Optional[tuple] = None
-    lora_r: int = LORA_R
-    lora_alpha: int = LORA_ALPHA
-    soup_config: Optional[str] = None  # --config: the user's soup.yaml (its arm's, or --estimate's)
 
 
 @dataclass(frozen=True)

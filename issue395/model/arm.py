@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from ..constants import is_whole
+from ..record import LORA_ALPHA, LORA_R
 from ..tasks import PROTOCOL_TASK
 from .registry import Shape
 
@@ -100,6 +101,18 @@ class Settings:
     def micro_batches(self) -> int:
         """Micro-batches per optimizer step: the data one step reads is batch x this."""
         return self.accumulation or 1
+
+
+@dataclass(frozen=True)
+class Adapter:
+    """The LoRA adapter a run trains, read once: the protocol's, a soup.yaml's ``training.lora`` (its targets as
+    Soup's config holds them, r, alpha; ``soup_config``: the file), or --estimate's --targets and --lora-r.
+    ``targets`` None: the family's own (the protocol's q_proj, v_proj where it has them)."""
+
+    targets: Optional[tuple] = None
+    lora_r: int = LORA_R
+    lora_alpha: int = LORA_ALPHA
+    soup_config: Optional[str] = None
 
 
 @dataclass(frozen=True)

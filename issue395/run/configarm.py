@@ -15,7 +15,7 @@ from typing import Optional
 
 from ..errors import UsageError
 from ..tasks import PROTOCOL_TASK
-from ..model.arm import Settings
+from ..model.arm import Adapter, Settings
 from ..model.registry import ALL_FAMILIES, FAMILIES, SHAPES, by_hub_id, max_positions, mode_key
 from ..estimator.soup_number import require_streamed
 from ..measure.shapes import bitsandbytes_present
@@ -44,9 +44,7 @@ class ConfigArm:
     quant: str
     seq: int
     batch: int
-    targets: tuple
-    lora_r: int
-    lora_alpha: int
+    adapter: Adapter  # the file's training.lora (its path too)
     task: str = PROTOCOL_TASK  # the file's task: (issue395.tasks)
     #: the file's run settings as Soup's loader read them (Soup's defaults where it sets none): the arm runs
     #: them, as `soup train` and --estimate do
@@ -57,7 +55,7 @@ def config_arm(user: UserRun, weights: str, dry_run: bool, soup_resolves_targets
     """The soup.yaml as one measured arm; a base this tool cannot run without a download is one line.
     ``soup_resolves_targets``: --find-max's probes run `soup train` on the file, which resolves
     ``target_modules: auto`` itself (issue 53 item 8), so it is not refused there."""
-    if user.targets == ("auto",) and not soup_resolves_targets:  # --estimate resolves it (model.targets)
+    if user.adapter.targets == ("auto",) and not soup_resolves_targets:  # --estimate resolves it (model.targets)
         raise UsageError(f"--config {user.path}: training.lora.target_modules 'auto' is estimated (--estimate) but "
                          "not run as an arm here: name the modules")
     model, key = base_of(user, weights)
@@ -75,7 +73,7 @@ def config_arm(user: UserRun, weights: str, dry_run: bool, soup_resolves_targets
     modes = user.stream_options
     return ConfigArm(user.path, mode_key(key, modes.get("stream_expert_layout") or "fused",
                                          modes.get("stream_loss_chunk"), modes.get("stream_recompute") or "on"),
-                     model, user.quant, user.seq, user.batch, user.targets, user.lora_r, user.lora_alpha,
+                     model, user.quant, user.seq, user.batch, user.adapter,
                      user.task, user.settings)
 
 

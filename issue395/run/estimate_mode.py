@@ -20,6 +20,7 @@ from ..constants import comma_list
 from ..errors import EXIT_OK, EXIT_USAGE, UsageError, last_line
 from ..record import LORA_ALPHA, LORA_R, QUANTS
 from ..tasks import TASKS
+from ..model.arm import Adapter
 from ..model.registry import (ALL_FAMILIES, EXPERT_LAYOUTS, RECOMPUTES, by_hub_id, config_json, hub_id_of,
                               variant_of)
 from ..model.targets import soup_targets
@@ -29,7 +30,7 @@ from .checks import (_shown, context_within_cards, distinct_choices, no_output_i
                      parse_ints, settle_tasks, within, within_positions)
 from .clashes import check
 from .configarm import STEADY_STEPS, base_is_no_family_key
-from ..host.measured import Adapter, Outputs
+from ..host.measured import Outputs
 from .request import CardListRequest, EstimateRequest
 from .userconfig import UserRun, hub_config, read_soup_config
 
@@ -101,7 +102,7 @@ class FromFile(FromOptions):
         return (within("--seq", self.user.seq, minimum=64, named=self.SEQ),)
 
     def targets(self) -> tuple[Optional[tuple], Optional[str]]:
-        return self.user.targets, ",".join(self.user.targets)
+        return self.user.adapter.targets, ",".join(self.user.adapter.targets)
 
     def stream(self) -> dict:
         modes = self.user.stream_options
@@ -116,7 +117,8 @@ class FromFile(FromOptions):
         return (within("--batch", self.user.batch, named=self.BATCH),)
 
     def lora(self) -> tuple[int, int]:
-        return within("--lora-r", self.user.lora_r, named="training.lora.r"), self.user.lora_alpha or LORA_ALPHA
+        a = self.user.adapter
+        return within("--lora-r", a.lora_r, named="training.lora.r"), a.lora_alpha or LORA_ALPHA
 
     def steps(self) -> tuple[int, Optional[str]]:
         given = self.args.steps

@@ -18,7 +18,7 @@ from typing import Optional
 from ..constants import comma_list
 from ..errors import EXIT_USAGE, UsageError, last_line
 from ..record import MAP_BATCHES, QUANTS, RECORD_GRID
-from ..model.arm import Settings
+from ..model.arm import Adapter, Settings
 from ..model.registry import ALL_FAMILIES, FAMILIES, SHAPES, family_of, max_positions, stream_mode_keys
 from ..estimator.cards import parse_context
 from ..estimator.soup_number import require_streamed
@@ -40,13 +40,13 @@ from ..report.tables import render_text
 from ..host.arms import STACK_OF_PARENT, Protocol, run_timings, stack_notes, sweep
 from ..host.checkpoints import Checkpoints, shard_tag
 from .checks import (ARM_NEEDS, context_within_cards, distinct_choices, local_or_hub, no_output_is_an_input, one_card, one_int,
-                     parse_ints, require_installed, settle_tasks, within_positions)
+                     parse_ints, require_installed, settle_tasks, within, within_positions)
 from .clashes import check
 from .configarm import ConfigArm, config_arm
 from ..host.grid import plan_arms, shard_of
 from .parser import NO_CUDA
 from ..host.probes import min_free_arms
-from ..host.measured import Adapter, Children, MeasureRequest, Outputs
+from ..host.measured import Children, MeasureRequest, Outputs
 from ..host.cardlock import DiskLedger
 from ..host.scratch import Scratch, cache_dir_of, shard_dir_of, writable_folder
 from ..host.spread import Job, Lanes, gpu_total_bytes, plan_lanes, spread, visible_gpu_count
@@ -118,7 +118,7 @@ def settle(args: argparse.Namespace, argv: list[str]) -> MeasureRequest:
         isolate=args.isolate or constraints.fresh, constraints=constraints, context=context,
         children=Children(gpus=gpus, lanes=lanes, shard=shard), outputs=Outputs.of(args),
         steps=steps, argv=tuple(argv),
-        adapter=Adapter(arm.targets, arm.lora_r, arm.lora_alpha, arm.path) if arm else Adapter(),
+        adapter=arm.adapter if arm else Adapter(),
         settings=arm.settings if arm else Settings())
     if shard:
         not_an_empty_shard(run)
@@ -128,10 +128,8 @@ def settle(args: argparse.Namespace, argv: list[str]) -> MeasureRequest:
 def sweep_grid(args: argparse.Namespace, arm: Optional[ConfigArm]) -> tuple:
     """The sweep's models, quantization, seqs and batches (--config: its one arm's)."""
     if arm is not None:  # the file's values, as Soup's loader read them (the bounds every seq and batch has)
-        seqs = (parse_ints("--seq", str(arm.seq), minimum=64, named=f"--config {arm.path}: data.max_length")
-                if arm.model else (arm.seq,))
-        return (arm.key,), (arm.quant,), seqs, parse_ints("--batch", str(arm.batch),
-                                                          named=f"--config {arm.path}: training.batch_size")
+        seq = within("--seq", arm.seq, minimum=64, named=f"--config {arm.path}: data.max_length") if arm.model else arm.seq
+        return (arm.key,), (arm.quant,), (seq,), (within("--batch", arm.batch, named=f"--config {arm.path}: training.batch_size"),)
     if args.model is not None and not args.model.strip():
         raise UsageError("--model needs a checkpoint folder or a hub id")
     models = (("custom",) if args.model else tuple(SHAPES) if args.models is None

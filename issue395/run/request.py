@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from ..tasks import PROTOCOL_TASK
-from ..model.arm import Settings
-from ..host.measured import Adapter, Outputs
+from ..model.arm import Adapter, Settings
+from ..host.measured import Outputs
 from .userconfig import UserRun
 
 

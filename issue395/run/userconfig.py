@@ -15,7 +15,7 @@ from ..constants import STREAM_KEYS
 from ..errors import UsageError, cut, last_line, soups_words
 from ..record import SOUP_QUANT
 from ..tasks import PROTOCOL_TASK, TASKS
-from ..model.arm import Settings
+from ..model.arm import Adapter, Settings
 from ..results.extras import ResidentGate
 from .checks import HUB_ID, LOADER_NEEDS, looks_like_a_path
 
@@ -32,9 +32,7 @@ class UserRun:
     quant: str
     seq: int
     batch: int
-    lora_r: int
-    lora_alpha: int
-    targets: Optional[tuple]
+    adapter: Adapter  # training.lora: its targets (auto, all-linear: Soup's own spelling, one item), r, alpha
     stream_options: dict  # 0.77.0's streaming modes, as the file sets them (none on 0.73.3)
     task: str = PROTOCOL_TASK  # Soup's task: (issue395.tasks)
     gate_override: Optional[int] = None  # training.stream_vram_override: bytes Soup's gate takes as free
@@ -120,8 +118,8 @@ def read_soup_config(path: str, resident_ok: bool = False) -> UserRun:
         raise UsageError(f"--config {path}: training.stream_recompute 'auto' is an option the estimator does not "
                          "model (it measures a step at setup; give on or off)")
     override = getattr(t, "stream_vram_override", None)
-    return UserRun(str(path), cfg.base, quant, int(cfg.data.max_length), int(t.batch_size), int(lora.r),
-                   int(lora.alpha), tuple(targets), stream, task,
+    return UserRun(str(path), cfg.base, quant, int(cfg.data.max_length), int(t.batch_size),
+                   Adapter(tuple(targets), int(lora.r), int(lora.alpha), str(path)), stream, task,
                    gate_override=None if override is None else int(override),
                    probe=bool(getattr(t, "stream_vram_probe", False)), settings=Settings.read(t),
                    keys=tuple(unknown_keys(raw)) + tuple(key_lines(cfg, quant, set_in(raw, "training"))), text=text, resident=resident)
