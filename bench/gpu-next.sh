@@ -6,6 +6,7 @@
 #   source bench/gpu-next.sh resident-findmax [TAG ...]   issue 51 item 4: --find-max on resident soup.yamls
 #   source bench/gpu-next.sh probe840                     issue 51 item 5: Soup's stream_vram_probe per task (#840)
 #   bash bench/gpu-next.sh configs DIR                    CPU: write resident-findmax's soup.yamls into DIR, only
+#   bash bench/gpu-next.sh edge CARD true|false           CPU: resident-patch's starting seq on CARD (gc on or off)
 #
 # resident-patch, issue 51 item 6: Soup's RESIDENT gate (commands/train.py's _hardware_fit_preflight), fixed by
 # --soup-patch, proven by the real `python -m soup_cli train` (bench/soup_train_card.py: a synthetic Qwen2.5-0.5B,
@@ -65,6 +66,23 @@ training: {batch_size: 1, gradient_accumulation_steps: 1, quantization: none, st
 YAML
 }
 
+edge() {  # edge CARD GC: the longest seq (64-token steps) whose corrected resident need fits CARD's total - context bound
+  python3 - "$1" "$2" <<'PY'
+import sys
+from issue395.estimator.cards import CONTEXT_BOUND_BYTES, STEP_GROWTH_BYTES, parse_card
+from issue395.estimator.resident import estimate_resident
+from issue395.measure.shapes import family_shape
+from issue395.model.registry import config_json
+s, room = family_shape("qwen"), parse_card(sys.argv[1]).total_bytes - CONTEXT_BOUND_BYTES
+need = lambda q: estimate_resident(config_json("qwen"), seq=q, batch=1, targets=s.targets, lora_r=s.lora_r, steps=2,
+                                   checkpointing=sys.argv[2] == "true").needs_free + STEP_GROWTH_BYTES
+q = 64
+while need(q + 64) <= room:
+    q += 64
+print(q)
+PY
+}
+
 resident_patch() {
   R=${R:-/tmp/resident-patch}
   source bench/gpu-box.sh "${1:-0.77.0}" || return 1
@@ -79,18 +97,6 @@ resident_patch() {
     cmd "$name" timeout -s INT -k 30 "$(left 30)" python3 bench/soup_train_card.py --family qwen --task sft \
         --card "$c" --steps 2 --train stream_layers=false --work "$W" "$@"
     local rc=$?; cp "$W/soup.yaml" "$R/$name.soup.yaml" 2>/dev/null; return $rc
-  }
-  edge() {  # edge CARD GC: the longest seq (64-token steps) whose corrected resident need fits CARD's total - context bound
-    python3 -c "
-  import sys; from issue395.estimator.cards import parse_card, CONTEXT_BOUND_BYTES as CB, STEP_GROWTH_BYTES as G
-  from issue395.estimator.estimate import needs_free; from issue395.estimator.resident import estimate_resident
-  from issue395.measure.shapes import family_shape; from issue395.model.registry import config_json
-  s, room = family_shape('qwen'), parse_card('$1').total_bytes - CB
-  need = lambda q: needs_free(estimate_resident(config_json('qwen'), seq=q, batch=1, targets=s.targets, lora_r=s.lora_r,
-                                                steps=2, checkpointing='$2' == 'true').corrected_predicted) + G
-  q = 64
-  while need(q + 64) <= room: q += 64
-  print(q)"
   }
   card stock-A RTX4090 --seq 4096 --batch 4
   run est-A --estimate --config "$R/stock-A.soup.yaml" --card RTX4090
@@ -145,6 +151,7 @@ probe840() {
 call=${1:-}; shift 2>/dev/null
 case "$call" in
   configs) resident_configs "$1" ;;
+  edge) edge "$@" ;;
   resident-patch) resident_patch "$@" ;;
   resident-findmax) resident_findmax "$@" ;;
   probe840) probe840 ;;

@@ -210,3 +210,16 @@ def test_the_resident_find_max_device_call_settles_each_of_its_searches_on_cpu(c
         probe = out.split("each probe runs it with --allow-oom-attempt):\n", 1)[1]  # the first probe's soup.yaml
         assert "--yes --allow-oom-attempt" in out and "stream_layers: false" in probe and "stream_vram_override" not in probe
     assert any("gradient_checkpointing: true" in (tmp_path / f).read_text() for f in files)
+
+
+def test_the_resident_patch_device_calls_starting_seq_is_computed_on_cpu():
+    """bench/gpu-next.sh resident-patch starts its ladder at `edge CARD GC` (the longest seq whose corrected resident
+    need fits the card): a helper that broke there would waste the call, so it runs here, with checkpointing on and
+    off, and answers a whole number of 64-token steps, longer with checkpointing than without."""
+    import os
+
+    env = dict(os.environ, PATH=f"{os.path.dirname(sys.executable)}{os.pathsep}{os.environ.get('PATH', '')}")
+    got = [subprocess.run(["bash", str(ROOT / "bench" / "gpu-next.sh"), "edge", "12GB", gc], capture_output=True,
+                          text=True, env=env, timeout=120, check=True).stdout.strip() for gc in ("true", "false")]
+    on, off = (int(v) for v in got)
+    assert on % 64 == 0 and off % 64 == 0 and on > off >= 64

@@ -256,6 +256,7 @@ class Estimate:
     task: str = PROTOCOL_TASK
     optimizer: str = DEFAULT_OPTIMIZER  # its states count from step 2 on
     accumulation: int = 1  # training.gradient_accumulation_steps: past 1 the gradients are held
+    buffers: int = 2  # training.stream_buffers: the pool's slots
 
     @property
     def split_allocated(self) -> int:
@@ -265,9 +266,11 @@ class Estimate:
 
     def to_json(self) -> dict:
         """Every field, the task always (an --estimate JSON row says which task it answers); the
-        optimizer only past step 1, where its states are live; the accumulation only past 1."""
+        optimizer only past step 1, where its states are live; the accumulation only past 1, the pool's
+        buffers only other than 2 (so rows saved before them read alike)."""
         return {k: dict(v) if isinstance(v, dict) else v for k, v in vars(self).items()
-                if not (k == "optimizer" and self.steps == 1) and not (k == "accumulation" and v == 1)}
+                if not (k == "optimizer" and self.steps == 1) and not (k == "accumulation" and v == 1)
+                and not (k == "buffers" and v == 2)}
 
 
 def _whole(name: str, v, low: int = 1) -> int:
@@ -320,7 +323,7 @@ def estimate(config: dict, *, quant: str = "none", seq: int, batch: int = 1, tar
     binding, peak = binding_phase(t, lp.checkpointed, tk.reference, steps, accumulation, probed, ws, unsplit)
     corrected = phase_sum(t, Phase.RESIDENT) + peak + t[Term.ALLOCATED_ALLOWANCE.key]
     return Estimate(seq, batch, quant, steps, release, soup_number, soup_terms, corrected,
-                    needs_free(corrected - unsplit), binding.value, t, tk.name, optimizer, accumulation)
+                    needs_free(corrected - unsplit), binding.value, t, tk.name, optimizer, accumulation, buffers)
 
 
 def checked_arguments(config: dict, a: Arch, *, quant: str, seq: int, batch: int, targets, lora_r: int, steps: int,

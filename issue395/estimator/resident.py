@@ -24,6 +24,9 @@ Known limitations
       of one micro-batch.
     - Layers of more than one kind (MoE, latent attention, Qwen3.5's hybrid) and phi's parallel block are not yet
       modelled resident (their committed rows are 0.80x-1.15x of this construction). Refused in one line.
+    - Its needs-free is the allocated peak plus the reserve measured under expandable segments: `soup train` runs a
+      resident run on the default allocator (it sets expandable segments for streamed runs only), whose reserve
+      has not been measured on a resident run yet (bench/gpu-next.sh resident-patch is the call that shows it).
     - Soup's own resident number is hardware_fit's (computed by Soup, from its CLI's input); it is not this
       module's business: the row carries it (results/extras.ResidentGate).
 """
@@ -157,6 +160,7 @@ def estimate_resident(config: dict, *, quant: str = "none", seq: int, batch: int
             binding, peak = Phase.OPTIMIZER, optimizer_step
         peak += t[Term.OPTIMIZER_STATES.key]
     corrected = phase_sum(t, Phase.RESIDENT) + peak + phase_sum(t, Phase.ALLOWANCE)
-    return Estimate(e.seq, e.batch, quant, e.steps, e.release, None, {}, corrected,
-                    needs_free(corrected - t.get(Term.UNSPLIT_REMAINDERS.key, 0)),
+    # `soup train` sets expandable segments for streamed runs only (stream_setup): a resident run's allocator is
+    # the default one, whose unsplit remainders stay in what it needs
+    return Estimate(e.seq, e.batch, quant, e.steps, e.release, None, {}, corrected, needs_free(corrected),
                     binding.value, t, e.task, e.optimizer, e.accumulation)

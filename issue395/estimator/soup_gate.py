@@ -9,7 +9,6 @@ estimator, never a copy of it.
 
 from __future__ import annotations
 
-import inspect
 from typing import Any, Optional
 
 from ..constants import STREAM_KEYS
@@ -60,11 +59,8 @@ def gate_kwargs(cfg: Any, tcfg: Any, model_config: Any, steps: Optional[int] = N
     targets = tcfg.lora.target_modules
     targets = (targets,) if isinstance(targets, str) else tuple(str(t) for t in targets)
     stream = {k: getattr(tcfg, k) for k in STREAM_KEYS if getattr(tcfg, k, None) is not None}
-    taken = set(inspect.signature(estimate).parameters)
-    # the run's settings (issue395.model.arm.SETTINGS), each fed where the estimate takes it; an estimate
-    # without accumulation's charges each micro-batch at batch_size rows, and the panel says so
-    settings = {s.estimator: s.kind(getattr(tcfg, s.soup, None) or s.protocol) for s in SETTINGS
-                if s.estimator in taken}
+    # the run's settings (issue395.model.arm.SETTINGS), each read off Soup's config as its loader holds it
+    settings = {s.estimator: s.kind(getattr(tcfg, s.soup, None) or s.protocol) for s in SETTINGS}
     return config, dict(**settings, quant=quant, seq=int(cfg.data.max_length),
                         batch=tcfg.batch_size if isinstance(tcfg.batch_size, int) else 1, targets=targets,
                         lora_r=int(tcfg.lora.r), steps=steps or GATE_STEPS, stream=stream,
@@ -95,13 +91,11 @@ def preflight(cfg: Any, tcfg: Any, model_config: Any, *, steps: Optional[int] = 
     # STEP_GROWTH_BYTES - GATE_GROWTH_BYTES (168 MB: the harness's own process, where its setup has
     # loaded 90 MiB of modules by Soup's gate). Evidence: docs/PEAK.md, "GATE_GROWTH_BYTES, STEP_GROWTH_BYTES".
     gate = e.needs_free + STEP_GROWTH_BYTES
-    held = int(getattr(tcfg, "gradient_accumulation_steps", 1) or 1) > 1 and "accumulation" not in kwargs
     return {"peak": e.corrected_predicted, "needs_free": e.needs_free, "gate_bytes": gate, "phase": e.phase,
             "steps": e.steps, "release": e.release, "terms": dict(e.terms), "formula": formula, "refused": None,
             "line": (f"  corrected    peak {e.corrected_predicted / 1e9:.2f} GB allocated ({e.phase} phase, steady "
                      f"state); the gate needs {gate / 1e9:.2f} GB free"
-                     + ("" if formula is None else f" (Soup's formula: {formula / 1e9:.2f} GB)")
-                     + ("; the gradients held between micro-batches are not counted by this estimator" if held else ""))}
+                     + ("" if formula is None else f" (Soup's formula: {formula / 1e9:.2f} GB)"))}
 
 
 #: Soup's settings a resident step's bytes depend on that the resident estimate does not model, with the

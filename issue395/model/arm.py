@@ -23,7 +23,8 @@ class Setting:
     """One soup.yaml ``training`` key that changes the step beyond the arm's model, quantization, seq, batch
     and task, declared once: the Settings field (the row's JSON key too), the key Soup's loader reads, the
     estimator's keyword, the protocol's own value (an arm at it is the protocol's), the type Soup's loader
-    gives, how the estimator models a value other than the protocol's (said under --estimate), and whether
+    gives, how the estimator models a value other than the protocol's (said under --estimate), its name in a run's
+    header (``words``), and whether
     only a streamed step reads it (a resident run, stream_layers false, has no use for it: its estimate
     does not take it). A new setting is one line here and one field of ``Settings``; the estimator takes
     its keyword (docs/LAYOUT.md)."""
@@ -34,6 +35,7 @@ class Setting:
     protocol: Any
     kind: type
     modelled: str
+    words: str
     streamed_only: bool = False
 
     def valid(self, value: Any) -> bool:
@@ -46,14 +48,14 @@ class Setting:
 SETTINGS = (
     Setting("optimizer", "optimizer", "optimizer", DEFAULT_OPTIMIZER, str,
             "its states from step 2 on, by the estimator's optimizer table (one it has no entry for is charged "
-            "as an upper bound, said as one)"),
+            "as an upper bound, said as one)", "optimizer"),
     Setting("accumulation", "gradient_accumulation_steps", "accumulation", 1, int,
             "each micro-batch is training.batch_size rows, the step's batch, and from micro-batch 2 on every "
-            "phase holds the adapter's gradients (held_gradients)"),
+            "phase holds the adapter's gradients (held_gradients)", "gradient accumulation"),
     Setting("buffers", "stream_buffers", "buffers", 2, int,
             "Soup's pool pre-allocates that many slots of one layer each (LayerBufferPool: a torch.empty per "
             "tensor a slot), so the pool and its rounding are charged that many times; Soup's own number "
-            "takes it as its setup passes it", streamed_only=True),
+            "takes it as its setup passes it", "stream buffers", streamed_only=True),
 )
 
 
@@ -87,6 +89,10 @@ class Settings:
     def to_json(self) -> dict[str, Any]:
         """The row's keys, each absent where the arm sets none (so rows saved before re-render alike)."""
         return {s.field: v for s, v in self.given()}
+
+    def said(self) -> str:
+        """The settings the run sets, as a header names them (``optimizer adamw_8bit, gradient accumulation 4``)."""
+        return ", ".join(f"{s.words} {v}" for s, v in self.given())
 
     @property
     def identity(self) -> tuple:
@@ -145,12 +151,13 @@ class Arm:
         return self.settings.estimator()
 
 
-def predicted_bytes(shape: Shape, seq: int, batch: int = 1) -> int:
-    """Soup's estimator fed the grid's figures, exactly as the record did."""
+def predicted_bytes(shape: Shape, seq: int, batch: int = 1, buffers: int = 2) -> int:
+    """Soup's estimator fed the grid's figures, exactly as the record did (the pool at the run's ``buffers``
+    slots: training.stream_buffers, the record's 2)."""
     from soup_cli.utils.layer_stream import estimate_stream_peak_vram
 
     return int(estimate_stream_peak_vram(
-        layer_bytes=shape.pool // 2, buffers=2, extras_bytes=shape.extras,
+        layer_bytes=shape.pool // 2, buffers=buffers, extras_bytes=shape.extras,
         adapter_params=shape.grid_adapter, vocab_size=shape.vocab, hidden_size=shape.hidden,
         intermediate_size=shape.intermediate, n_layers=shape.n_layers,
         seq_len=seq, batch_size=batch))

@@ -341,14 +341,6 @@ def mode_key(family: str, layout: str = "fused", loss_chunk: Optional[int] = Non
                     + ([PROBE] if probe else []))
 
 
-def is_probed(key: str) -> bool:
-    """A map key whose run sets training.stream_vram_probe (Soup's measured step at setup)."""
-    try:
-        return bool(stream_mode(key)[1].get("stream_vram_probe"))
-    except UsageError:
-        return False
-
-
 def is_resident(key: str) -> bool:
     """A map key whose run keeps every layer on the card (stream_layers off)."""
     try:

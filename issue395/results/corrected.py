@@ -43,7 +43,7 @@ def _estimated(r: Row, env: Optional[dict]) -> Optional[Estimate]:
     env = env or {}
     return _corrected(r.model_key, r.quant, r.seq, r.batch, tuple(r.targets), r.rank, env.get("soup_cli"),
                       int(env.get("steps") or 1), getattr(r, "task", None) or PROTOCOL_TASK, env.get("transformers"),
-                      tuple(r.run.items()))
+                      tuple(r.settings.estimator(resident=is_resident(r.model_key)).items()))
 
 
 def corrected(r: Row, env: Optional[dict] = None) -> Optional[int]:

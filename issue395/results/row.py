@@ -337,7 +337,7 @@ def arm_row(arm: Arm, shape: Shape, **measured: Any) -> Row:
     record = (RECORD_A10G_PEAK.get((shape.key, arm.seq))
               if shape.record and arm.batch == 1 and arm.quant == "none" and sft else None)
     return Row(model=shape.name, model_key=arm.model, seq=arm.seq, batch=arm.batch,
-               index=arm.index, predicted=predicted_bytes(shape, arm.seq, rows),
+               index=arm.index, predicted=predicted_bytes(shape, arm.seq, rows, arm.settings.buffers or 2),
                logits14=logits14, loss_bytes_per_element=bpe, vocab=shape.vocab, quant=arm.quant,
                targets=tuple(shape.targets), record_peak=record, **arm_identity(arm),
                **dict(measured, ran=replace(measured.get("ran") or Ran(), pid=os.getpid())))

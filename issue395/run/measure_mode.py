@@ -340,8 +340,7 @@ def how_arms_ran(run: MeasureRequest, lanes: Optional[Lanes], fan_out: bool) -> 
         f"1 lane, in one process ({lanes.why})" if lanes else "in one process")
     if run.adapter.soup_config:  # the user's config, not the protocol: said where every table's header is
         how += (f"; the arm is --config {run.adapter.soup_config}'s ({run.quants[0]}, LoRA r {run.adapter.lora_r} alpha "
-                f"{run.adapter.lora_alpha} on {','.join(run.adapter.targets or ())}, optimizer {run.settings.optimizer}, "
-                f"gradient accumulation {run.settings.accumulation})")
+                f"{run.adapter.lora_alpha} on {','.join(run.adapter.targets or ())}, {run.settings.said()})")
     return how if run.run_arms else ("determinism: one fresh process per repeat" if run.repeats
                                      else "none (modes only)")
 

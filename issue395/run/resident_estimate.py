@@ -15,6 +15,7 @@ def answer_resident(e: EstimateRequest) -> int:
     """The resident run's rows, verdict, text and JSON (one (task, quant, seq, batch): the file's)."""
     from ..estimator.cards import budget
     from ..estimator.resident import estimate_resident
+    from ..estimator.steady import bound_words, is_bounded
 
     r, a = e.user.resident, e.adapter
     task, quant, seq, batch = e.tasks[0], e.quants[0], e.seqs[0], e.batches[0]
@@ -44,8 +45,13 @@ def answer_resident(e: EstimateRequest) -> int:
         f"{c['card']}: " + ("fits" if c["fits"] else "does NOT fit" if c["fits"] is False else "fit not estimated")
         + (", Soup's gate admits it" if c["soup_admits"] else ", Soup's gate REFUSES it") for c in cards)
         if cards else mine + "; give --card to fit it on a card")
+    optimizer = e.settings.optimizer
+    bound = bound_words(optimizer) if est and optimizer and e.steps > 1 and is_bounded(optimizer) else None
+    if bound:  # every figure is the bound's: said on the verdict's line and on its own
+        verdict = verdict.replace("verdict: ", f"verdict (an UPPER BOUND: training.optimizer {optimizer} is not modelled): ", 1)
     lines = [verdict, f"--estimate: {e.model}, from --config {a.soup_config}: a resident run (training.stream_layers "
              f"false), {tag}, {e.steps} optimizer step(s)", f"  this tool: {mine}", f"  {gate}"]
+    lines += ([f"  {bound}"] if bound else []) + [f"  from the file: {k}" for k in e.keys]
     if r.soup_profile:  # Soup's other estimator, which no gate reads: said beside its gate's
         p = r.soup_profile
         lines.append(f"  `soup profile`: {p['total_bytes'] / 1e9:.2f} GB (computed by Soup: its profile command's "
@@ -66,7 +72,7 @@ def answer_resident(e: EstimateRequest) -> int:
                                                                      "soup_input": r.soup_input},
             "task": task, "quant": quant, "seq": seq, "batch": batch, "steps": e.steps,
             "soup_resident_bytes": soup.peak,
-            "soup_profile": r.soup_profile, "corrected": est.corrected_predicted if est else None,
+            "soup_profile": r.soup_profile, "config_keys": list(e.keys), "upper_bound": bound, "corrected": est.corrected_predicted if est else None,
             "needs_free": est.needs_free if est else None, "not_estimated": why,
             "terms": est.terms if est else None, "cards": cards}):
         return EXIT_USAGE
