@@ -260,9 +260,27 @@ def gate_growth() -> tuple[float, float, int]:
 
 def soup_patch() -> None:
     """The fix, for a maintainer: what --soup-patch changes, the evidence, how to apply and test it."""
-    import statistics
+    soup_patch_changes()
+    soup_patch_evidence()
+    soup_patch_gate_on_card()
+    soup_patch_gpu_proof()
+    print("\nHow to apply it, in the environment that runs `soup train`:\n")
+    print("```bash\npython issue395_second_stack_vram.py --soup-patch soup-corrected-preflight.diff\n"
+          "cd \"$(python -c 'import os, soup_cli; print(os.path.dirname(os.path.dirname(soup_cli.__file__)))')\"\n"
+          "patch -p1 --dry-run < soup-corrected-preflight.diff && patch -p1 < soup-corrected-preflight.diff\n```\n")
+    print("How to test it: `tests/estimator/test_soup_patch.py` applies the diff with `patch -p1` to a copy of the "
+          "installed soup_cli (and of every release unpacked under `ISSUE395_RELEASE_SOURCES`), loads the module in "
+          "an isolated interpreter, runs the patched `_stream_budget_lines` on CPU on Soup's own loader and "
+          "transformers' AutoConfig, and holds the patched number to [1.00, 1.05] of the real peak on every committed "
+          "arm; on a GPU, `bench/gpu-soup-patch.sh` (bench/soup_patch_gate.py). With the patch installed, this tool "
+          "reads the patched soup_cli as it reads any release: `--estimate`, the tables and the map then show the "
+          "patched gate's number as Soup's own, with Soup's formula beside it in the row's terms.")
 
-    from issue395.estimator.soup_gate import GATE_STEPS, preflight
+
+def soup_patch_changes() -> None:
+    """What the patch changes in each file it touches, the gate's terms quoted from the estimator's own
+    constants and the runtime's growth before Soup's gate from the committed --find-max probes."""
+    from issue395.estimator.soup_gate import GATE_STEPS
     from issue395.estimator.cards import STEP_GROWTH_BYTES
     from issue395.estimator.estimate import EXPANDABLE_RESERVE_BYTES, EXPANDABLE_RESERVE_PAGES
 
@@ -308,8 +326,15 @@ def soup_patch() -> None:
           "sliding window without checkpointing, full fine-tuning, DoRA, another backend) goes on to Soup's formula, "
           "and the line says why. Its GPU proof with the real `soup train` is `bench/gpu-next.sh resident-patch` (not yet "
           "run).\n")
+
+
+def soup_patch_evidence() -> None:
+    """The patched number (computed) against the real peak (measured) on every committed H200 arm of
+    every task, beside Soup's own number's ratio, as a table."""
+    import statistics
     from types import SimpleNamespace as S
 
+    from issue395.estimator.soup_gate import preflight
     from issue395.estimator.arch import arch_from_config, protocol_targets
     from issue395.estimator.attention import training_box
     from issue395.model.registry import stream_mode
@@ -342,6 +367,15 @@ def soup_patch() -> None:
           f"{min(ratios):.4f}x | {statistics.median(ratios):.4f}x | {max(ratios):.4f}x |")
     print(f"| Soup's own (its setup's, captured) | {len(rows)} | {sum(r < 1 for r in soup)} | "
           f"{sum(r > 1.05 for r in soup)} | {min(soup):.4f}x | {statistics.median(soup):.4f}x | {max(soup):.4f}x |\n")
+
+
+def soup_patch_gate_on_card() -> None:
+    """The gate on a measured card (the committed --find-max run): Soup's stock gate against the patched
+    gate (computed) at the measured limit and the first OOM, and the longest the patched gate admits."""
+    from types import SimpleNamespace as S
+
+    from issue395.estimator.soup_gate import preflight
+
     found = json.loads((ROOT / FIND_MAX).read_text(encoding="utf-8"))
     m = found["measured"]
     free = max(p["driver_free_gb"] for p in m["probes"])
@@ -360,6 +394,11 @@ def soup_patch() -> None:
           f"{m['oom_above']}: on the same {free:.2f} GB it admits up to {longest} "
           + ("(one resolution step below the limit)." if longest == m["limit"] - 64 else
              "(the limit)." if longest == m["limit"] else f"(the limit is {m['limit']})."))
+
+
+def soup_patch_gpu_proof() -> None:
+    """The committed GPU proofs of the patched gate (the real soup train, gate not lifted), each probe's
+    outcome; or that the proof has not run."""
     if PATCH_PROOF:
         print("\nThe GPU proof (the real `soup train`, patched, gate NOT lifted; `bench/gpu-soup-patch.sh`):\n")
         for path in PATCH_PROOF:
@@ -375,17 +414,6 @@ def soup_patch() -> None:
     else:
         print("\nThe GPU proof is `bench/gpu-soup-patch.sh` (the real `soup train`, patched, its gate NOT lifted, on "
               "emulated cards at and around the measured limits); not yet run.")
-    print("\nHow to apply it, in the environment that runs `soup train`:\n")
-    print("```bash\npython issue395_second_stack_vram.py --soup-patch soup-corrected-preflight.diff\n"
-          "cd \"$(python -c 'import os, soup_cli; print(os.path.dirname(os.path.dirname(soup_cli.__file__)))')\"\n"
-          "patch -p1 --dry-run < soup-corrected-preflight.diff && patch -p1 < soup-corrected-preflight.diff\n```\n")
-    print("How to test it: `tests/estimator/test_soup_patch.py` applies the diff with `patch -p1` to a copy of the "
-          "installed soup_cli (and of every release unpacked under `ISSUE395_RELEASE_SOURCES`), loads the module in "
-          "an isolated interpreter, runs the patched `_stream_budget_lines` on CPU on Soup's own loader and "
-          "transformers' AutoConfig, and holds the patched number to [1.00, 1.05] of the real peak on every committed "
-          "arm; on a GPU, `bench/gpu-soup-patch.sh` (bench/soup_patch_gate.py). With the patch installed, this tool "
-          "reads the patched soup_cli as it reads any release: `--estimate`, the tables and the map then show the "
-          "patched gate's number as Soup's own, with Soup's formula beside it in the row's terms.")
 
 
 RESIDENT = sorted(str(p.relative_to(ROOT)) for p in ROOT.glob("results/resident-map-*/call-*/*.json"))

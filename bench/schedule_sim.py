@@ -257,216 +257,283 @@ def whole_card(arms: list[Arm], lanes: int) -> set:
                                           or (lane.fits(a.need.holds) and a.need.soup <= lane.harness_gate_free_bytes))}
 
 
-def simulate(arms: list[Arm], policy: Policy, facts: dict, rate: float) -> Outcome:
+def deal(arms: list[Arm], policy: Policy, whole: set, cost: dict) -> tuple[list, Optional[list]]:
+    """Which lane runs which family: a dynamic policy's one pool, claimed costliest first as lanes need a
+    family (dealt None); else each lane's families dealt up front as run/grid's shard_of deals them
+    (pool empty), each lane's costliest first where the policy says so."""
     n = policy.lanes
-    full = Room(card_total(H200.total_bytes), n)
-    after = [a for a in arms if policy.bytes_ and not full.fits_beside_lanes(a.need)]
-    arms = [a for a in arms if a not in after]
-    families = list(dict.fromkeys(a.family for a in arms))
-    by_fam = {f: [a for a in arms if a.family == f] for f in families}
-    whole = whole_card(arms, n) if not policy.bytes_ else set()
-    cost = {f: sum(arm_seconds(_ArmLike(a)) for a in by_fam[f]) for f in families}
     if policy.dynamic:
-        pool = claim_order(cost)
-        dealt = None
-    else:
-        from issue395.model.arm import Arm as GridArm
-        grid = [GridArm(a.key[0], a.key[2], a.key[3], a.index, a.key[1]) for a in arms]
-        dealt = [list(dict.fromkeys(family_of(g.model) for g in shard_of(grid, (k, n), whole_models=True)))
-                 for k in range(1, n + 1)]
-        if policy.costliest_first:
-            dealt = [claim_order({f: cost[f] for f in mine}) for mine in dealt]
-    room = lambda live: Room(card_total(H200.total_bytes), live)  # noqa: E731
-    ledger = Ledger(room(n), patience=policy.patience)
-    live = n
-    events: list = []  # (time, seq, callback)
-    seq = [0]
-    now = [0.0]
-    disk = [0, 0]  # on disk now, peak
-    gpu = {"busy": 0, "queue": [], "intervals": []}
-    lane_ends = [0.0] * n
-    done_times: list[float] = []
-    busy = [0.0]
+        return claim_order(cost), None
+    from issue395.model.arm import Arm as GridArm
+    grid = [GridArm(a.key[0], a.key[2], a.key[3], a.index, a.key[1]) for a in arms]
+    dealt = [list(dict.fromkeys(family_of(g.model) for g in shard_of(grid, (k, n), whole_models=True)))
+             for k in range(1, n + 1)]
+    if policy.costliest_first:
+        dealt = [claim_order({f: cost[f] for f in mine}) for mine in dealt]
+    return [], dealt
 
-    def at(t, fn):
-        seq[0] += 1
-        heapq.heappush(events, (t, seq[0], fn))
 
-    def holds_of(a: Arm) -> Need:
-        if policy.bytes_ and policy.reserved:
+class Simulation:
+    """One simulated call's state, shared by its lanes: the event queue (time, then the order events
+    were scheduled), the clock, the card's ledger, the disk the checkpoints hold, the GPU's steps, and
+    what each lane and arm has done."""
+
+    def __init__(self, arms: list[Arm], policy: Policy, facts: dict, rate: float):
+        n = policy.lanes
+        self.policy, self.facts, self.rate = policy, facts, rate
+        families = list(dict.fromkeys(a.family for a in arms))
+        self.by_fam = {f: [a for a in arms if a.family == f] for f in families}
+        self.whole = whole_card(arms, n) if not policy.bytes_ else set()
+        cost = {f: sum(arm_seconds(_ArmLike(a)) for a in self.by_fam[f]) for f in families}
+        self.pool, self.dealt = deal(arms, policy, self.whole, cost)
+        self.ledger = Ledger(self.room(n), patience=policy.patience)
+        self.live = n
+        self.events: list = []  # (time, seq, callback)
+        self.seq = 0
+        self.now = 0.0
+        self.disk = [0, 0]  # on disk now, peak
+        self.gpu = {"busy": 0, "queue": [], "intervals": []}
+        self.lane_ends = [0.0] * n
+        self.done_times: list[float] = []
+        self.busy = 0.0
+        self.waiting_start: dict = {}
+        self.disk_wait: list = []
+        self.warm = statistics.mean(a.warm for a in arms if a.warm) if any(a.warm for a in arms) else 0.0
+
+    def room(self, live: int) -> Room:
+        return Room(card_total(H200.total_bytes), live)
+
+    def at(self, t, fn):
+        """Schedule ``fn`` at time ``t`` (events at one time run in the order scheduled)."""
+        self.seq += 1
+        heapq.heappush(self.events, (t, self.seq, fn))
+
+    def holds_of(self, a: Arm) -> Need:
+        """What the arm holds of the card: its needs-free (or its measured reserved where larger and the
+        policy says so) under bytes; under the old lock a lane's 1/N of the room, or all of it."""
+        n = self.policy.lanes
+        if self.policy.bytes_ and self.policy.reserved:
             return Need(max(a.need.holds, a.reserved), a.need.soup)
-        if policy.bytes_:
+        if self.policy.bytes_:
             return a.need
-        share = room(n).arm_bytes // n
-        return Need(room(n).arm_bytes if a.index in whole else share)
+        share = self.room(n).arm_bytes // n
+        return Need(self.room(n).arm_bytes if a.index in self.whole else share)
 
-    waiting_start: dict = {}
-    disk_wait: list = []
+    def admit(self):
+        """Start every waiting arm the ledger admits now."""
+        for key in self.ledger.admit(self.now):
+            self.at(self.now, self.waiting_start.pop(key))
 
-    def admit():
-        for key in ledger.admit(now[0]):
-            at(now[0], waiting_start.pop(key))
+    def run(self) -> None:
+        """Every lane started after its imports, events run in time order until none is left."""
+        lanes = [SimLane(self, k) for k in range(self.policy.lanes)]
+        for lane in lanes:
+            self.at(self.facts["first_start"], lane.start)
+        while self.events:
+            t, _, fn = heapq.heappop(self.events)
+            self.now = t
+            fn()
 
-    class Lane:
-        def __init__(self, k):
-            self.k, self.first, self.parked = k, True, False
-            self.queue = list(dealt[k]) if dealt is not None else []
-            self.next_build = None  # (family, ready time)
-
-        def take(self) -> Optional[str]:
-            if dealt is not None:
-                return self.queue.pop(0) if self.queue else None
-            return pool.pop(0) if pool else None
-
-        def start(self):
-            fam = self.take()
-            if fam is None:
-                return self.exit()
-            size = checkpoint_bytes(fam)
-            disk[0] += size
-            disk[1] = max(disk[1], disk[0])
-            at(now[0] + size / rate, lambda: self.family(fam, size))
-
-        def family(self, fam, size):
-            order = by_fam[fam]
-            if policy.back_to_back and not policy.bytes_:
-                order = sorted(order, key=lambda a: a.index in whole)
-            self.next_build = None
-            self.ahead()
-            items = list(order) + facts["reruns"][fam]
-            self.run(items, 0, fam, size, holding=False)
-
-        def ahead(self):
-            """The builder, one family ahead, where the disk holds it beside what is there."""
-            if self.next_build is not None or not (self.queue if dealt is not None else pool):
-                return
-            nxt = (self.queue if dealt is not None else pool)[0]
-            nsize = checkpoint_bytes(nxt)
-            if not may_build(disk[0], nsize, policy.disk):
-                if self not in disk_wait:
-                    disk_wait.append(self)
-                return
-            self.take()
-            disk[0] += nsize
-            disk[1] = max(disk[1], disk[0])
-            self.next_build = (nxt, nsize, now[0] + nsize / rate)
-            if self.parked:  # it had nothing to run: it starts the family once built
-                self.parked = False
-                ready = self.next_build[2]
-                at(ready, lambda: self.family(nxt, nsize))
-
-        def released(self):
-            for lane in list(disk_wait):
-                disk_wait.remove(lane)
-                lane.ahead()
-
-        def run(self, items, i, fam, size, holding):
-            if i == len(items):
-                if holding:
-                    ledger.done(self.k)
-                    admit()
-                disk[0] -= size
-                self.released()
-                if self.next_build is None:
-                    if self in disk_wait:
-                        disk_wait.remove(self)
-                    self.ahead()
-                if self.next_build is None:
-                    if (self.queue if dealt is not None else pool):  # waits for disk room
-                        self.parked = True
-                        if self not in disk_wait:
-                            disk_wait.append(self)
-                        return
-                    return self.exit()
-                nxt, nsize, ready = self.next_build
-                return at(max(now[0], ready), lambda: self.family(nxt, nsize))
-            a = items[i]
-            keep = (policy.back_to_back and not policy.bytes_ and a.index in whole
-                    and i + 1 < len(items) and items[i + 1].index in whole)
-
-            def go():
-                setup = a.setup * policy.setup_scale
-                step = a.step - a.warm + (warm if self.first else 0.0)
-                self.first = False
-                t0 = now[0]
-
-                def stepped():
-                    def tear():
-                        busy[0] += now[0] - t0
-                        if not a.rerun:
-                            done_times.append(now[0])
-                        if not keep:
-                            ledger.done(self.k)
-                            admit()
-                        self.run(items, i + 1, fam, size, holding=keep)
-                    at(now[0] + a.teardown, tear)
-
-                def step_now():
-                    gpu["busy"] += 1
-                    s0 = now[0]
-
-                    def end():
-                        gpu["busy"] -= 1
-                        gpu["intervals"].append((s0, now[0]))
-                        if gpu["queue"]:
-                            gpu["queue"].pop(0)()
-                        stepped()
-                    at(now[0] + step, end)
-
-                def steps():
-                    if policy.gpu_slots is None or gpu["busy"] < policy.gpu_slots:
-                        step_now()
-                    else:
-                        gpu["queue"].append(step_now)
-                at(now[0] + setup, steps)
-
-            if holding:
-                return go()
-            waiting_start[self.k] = go
-            ledger.ask(self.k, holds_of(a), now[0])
-            admit()
-
-        def exit(self):
-            nonlocal live
-            lane_ends[self.k] = now[0]
-            live -= 1
-            ledger.room = room(max(1, live))
-            admit()
-
-    warm = statistics.mean(a.warm for a in arms if a.warm) if any(a.warm for a in arms) else 0.0
-    lanes = [Lane(k) for k in range(n)]
-    for lane in lanes:
-        at(facts["first_start"], lane.start)
-    while events:
-        t, _, fn = heapq.heappop(events)
-        now[0] = t
-        fn()
-    end = max(lane_ends)
-    if after:  # one fresh process, alone: its imports, each family's checkpoint again, its arms in turn
+    def run_after(self, after: list[Arm]) -> None:
+        """The arms that fit no card beside the lanes: one fresh process after them, alone: its imports,
+        each family's checkpoint again, its arms in turn."""
+        policy, facts = self.policy, self.facts
+        end = max(self.lane_ends)
         end += facts["first_start"]
         for fam in dict.fromkeys(a.family for a in after):
-            end += checkpoint_bytes(fam) / rate
+            end += checkpoint_bytes(fam) / self.rate
             for i, a in enumerate(x for x in after if x.family == fam):
                 setup = facts["first_setup"][(fam, a.key[1])] if i == 0 else a.setup
-                busy[0] += setup * policy.setup_scale + a.step + a.teardown
+                self.busy += setup * policy.setup_scale + a.step + a.teardown
                 end += setup * policy.setup_scale + a.step + a.teardown
-                gpu["intervals"].append((end - a.teardown - a.step, end - a.teardown))
-                done_times.append(end)
-        lane_ends.append(end)
-    if ledger.waiting:
-        raise RuntimeError(f"{policy.name}: arms never admitted: {ledger.waiting}")
-    iv = sorted(gpu["intervals"])
+                self.gpu["intervals"].append((end - a.teardown - a.step, end - a.teardown))
+                self.done_times.append(end)
+        self.lane_ends.append(end)
+
+
+class SimLane:
+    """One simulated lane: it builds a family's checkpoint (the next one ahead where the disk holds it),
+    runs the family's arms and re-runs as the ledger admits them, and exits when no family is left."""
+
+    def __init__(self, sim: Simulation, k: int):
+        self.sim = sim
+        self.k, self.first, self.parked = k, True, False
+        self.queue = list(sim.dealt[k]) if sim.dealt is not None else []
+        self.next_build = None  # (family, ready time)
+
+    def pending(self) -> list:
+        """The families this lane may still take: its own dealt ones, or the shared pool."""
+        return self.queue if self.sim.dealt is not None else self.sim.pool
+
+    def take(self) -> Optional[str]:
+        pending = self.pending()
+        return pending.pop(0) if pending else None
+
+    def start(self):
+        s = self.sim
+        fam = self.take()
+        if fam is None:
+            return self.exit()
+        size = checkpoint_bytes(fam)
+        s.disk[0] += size
+        s.disk[1] = max(s.disk[1], s.disk[0])
+        s.at(s.now + size / s.rate, lambda: self.family(fam, size))
+
+    def family(self, fam, size):
+        s = self.sim
+        order = s.by_fam[fam]
+        if s.policy.back_to_back and not s.policy.bytes_:
+            order = sorted(order, key=lambda a: a.index in s.whole)
+        self.next_build = None
+        self.ahead()
+        items = list(order) + s.facts["reruns"][fam]
+        self.run(items, 0, fam, size, holding=False)
+
+    def ahead(self):
+        """The builder, one family ahead, where the disk holds it beside what is there."""
+        s = self.sim
+        if self.next_build is not None or not self.pending():
+            return
+        nxt = self.pending()[0]
+        nsize = checkpoint_bytes(nxt)
+        if not may_build(s.disk[0], nsize, s.policy.disk):
+            if self not in s.disk_wait:
+                s.disk_wait.append(self)
+            return
+        self.take()
+        s.disk[0] += nsize
+        s.disk[1] = max(s.disk[1], s.disk[0])
+        self.next_build = (nxt, nsize, s.now + nsize / s.rate)
+        if self.parked:  # it had nothing to run: it starts the family once built
+            self.parked = False
+            ready = self.next_build[2]
+            s.at(ready, lambda: self.family(nxt, nsize))
+
+    def released(self):
+        for lane in list(self.sim.disk_wait):
+            self.sim.disk_wait.remove(lane)
+            lane.ahead()
+
+    def run(self, items, i, fam, size, holding):
+        """Run the family's arm ``i`` (held on from the last where it keeps the card, else once the
+        ledger admits it); past the last, the family is done."""
+        s = self.sim
+        if i == len(items):
+            return self.family_done(size, holding)
+        a = items[i]
+        keep = (s.policy.back_to_back and not s.policy.bytes_ and a.index in s.whole
+                and i + 1 < len(items) and items[i + 1].index in s.whole)
+
+        def go():
+            self.arm(items, i, fam, size, keep)
+
+        if holding:
+            return go()
+        s.waiting_start[self.k] = go
+        s.ledger.ask(self.k, s.holds_of(a), s.now)
+        s.admit()
+
+    def family_done(self, size, holding):
+        """The family's checkpoint leaves the disk; the lane goes on to the family built ahead, waits for
+        disk room to build one, or exits."""
+        s = self.sim
+        if holding:
+            s.ledger.done(self.k)
+            s.admit()
+        s.disk[0] -= size
+        self.released()
+        if self.next_build is None:
+            if self in s.disk_wait:
+                s.disk_wait.remove(self)
+            self.ahead()
+        if self.next_build is None:
+            if self.pending():  # waits for disk room
+                self.parked = True
+                if self not in s.disk_wait:
+                    s.disk_wait.append(self)
+                return
+            return self.exit()
+        nxt, nsize, ready = self.next_build
+        return s.at(max(s.now, ready), lambda: self.family(nxt, nsize))
+
+    def arm(self, items, i, fam, size, keep):
+        """One admitted arm: its setup, its step (on the GPU at once, or queued for a GPU slot), its
+        teardown; then the ledger's hold released (unless kept for the next) and the next arm."""
+        s = self.sim
+        a = items[i]
+        setup = a.setup * s.policy.setup_scale
+        step = a.step - a.warm + (s.warm if self.first else 0.0)
+        self.first = False
+        t0 = s.now
+
+        def stepped():
+            def tear():
+                s.busy += s.now - t0
+                if not a.rerun:
+                    s.done_times.append(s.now)
+                if not keep:
+                    s.ledger.done(self.k)
+                    s.admit()
+                self.run(items, i + 1, fam, size, holding=keep)
+            s.at(s.now + a.teardown, tear)
+
+        def step_now():
+            s.gpu["busy"] += 1
+            s0 = s.now
+
+            def end():
+                s.gpu["busy"] -= 1
+                s.gpu["intervals"].append((s0, s.now))
+                if s.gpu["queue"]:
+                    s.gpu["queue"].pop(0)()
+                stepped()
+            s.at(s.now + step, end)
+
+        def steps():
+            if s.policy.gpu_slots is None or s.gpu["busy"] < s.policy.gpu_slots:
+                step_now()
+            else:
+                s.gpu["queue"].append(step_now)
+        s.at(s.now + setup, steps)
+
+    def exit(self):
+        s = self.sim
+        s.lane_ends[self.k] = s.now
+        s.live -= 1
+        s.ledger.room = s.room(max(1, s.live))
+        s.admit()
+
+
+def union_seconds(intervals: list) -> float:
+    """The seconds the sorted intervals cover together (a GPU busy with any step)."""
     union, cur = 0.0, None
-    for a, b in iv:
+    for a, b in intervals:
         if cur is None or a > cur[1]:
             union += cur[1] - cur[0] if cur else 0.0
             cur = [a, b]
         else:
             cur[1] = max(cur[1], b)
     union += cur[1] - cur[0] if cur else 0.0
-    wall = max(lane_ends)
-    return Outcome(wall, sum(1 for t in done_times if t <= CUT_S), lane_ends, union,
-                   sum(b - a for a, b in iv), disk[1], busy[0], n * wall - busy[0], len(after))
+    return union
+
+
+def simulate(arms: list[Arm], policy: Policy, facts: dict, rate: float) -> Outcome:
+    """One policy's simulated call: the lanes' event model over the arms that fit beside the lanes, then
+    those that do not, alone; its wall, arms done by the committed call's cut, GPU and lanes' use, disk."""
+    n = policy.lanes
+    full = Room(card_total(H200.total_bytes), n)
+    after = [a for a in arms if policy.bytes_ and not full.fits_beside_lanes(a.need)]
+    arms = [a for a in arms if a not in after]
+    sim = Simulation(arms, policy, facts, rate)
+    sim.run()
+    if after:
+        sim.run_after(after)
+    if sim.ledger.waiting:
+        raise RuntimeError(f"{policy.name}: arms never admitted: {sim.ledger.waiting}")
+    iv = sorted(sim.gpu["intervals"])
+    wall = max(sim.lane_ends)
+    return Outcome(wall, sum(1 for t in sim.done_times if t <= CUT_S), sim.lane_ends, union_seconds(iv),
+                   sum(b - a for a, b in iv), sim.disk[1], sim.busy, n * wall - sim.busy, len(after))
 
 
 class _ArmLike:

@@ -300,30 +300,27 @@ def group(blocks: list, E: int, per_row: int, top: int) -> list[dict]:
     return out
 
 
-def main(argv=None) -> int:
-    a = parse(argv)
-    if a.expandable:  # read once, when CUDA starts: before torch is imported
-        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
-    import torch
-    if not torch.cuda.is_available():
-        print(f"task_peak_anatomy: no CUDA device here; nothing measured "
-              f"(task {a.task}, seq {a.seq}, batch {a.batch}, quant {a.quant}).")
-        return 0
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout this script is in
-    import importlib
-    from issue395.measure.cuda import allocator_history, attribute_peak, page_need, peak_window
-
+def soup_config(a: argparse.Namespace) -> Any:
+    """The run's Soup config, loaded by Soup's own loader from the soup.yaml the flags give, its data file
+    (the task's rows, enough for every micro-batch of every step) written in the work folder, where
+    Soup's shards go too."""
     work = Path(a.work or tempfile.mkdtemp(prefix=f"anatomy-{a.task}-"))
     work.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("SOUP_LAYER_STREAM_CACHE_DIR", str(work / "shards"))
     data = work / "train.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in task_rows(a.task, a.seq, a.batch, a.steps * a.accum)))
     from soup_cli.config.loader import load_config_from_string
-    from soup_cli.data.loader import load_dataset
-    config = load_config_from_string(soup_yaml(a.task, a.base, data, work / "out", a.seq, a.batch,
-                                               a.quant, a.targets.split(","), a.r, a.accum, a.optim,
-                                               {**stream_modes(a.stream), **training_keys(a.train)}))
-    gate = soup_resident_gate(config, torch.cuda.mem_get_info()[1])
+    # before the estimator is wrapped, as the measured runs imported it (a module bound to it keeps Soup's own)
+    from soup_cli.data.loader import load_dataset  # noqa: F401
+    return load_config_from_string(soup_yaml(a.task, a.base, data, work / "out", a.seq, a.batch,
+                                             a.quant, a.targets.split(","), a.r, a.accum, a.optim,
+                                             {**stream_modes(a.stream), **training_keys(a.train)}))
+
+
+def watch_soup_number() -> dict:
+    """Soup's own streamed estimate as its setup computes it: its estimator wrapped, so that the number
+    (the gate's call, _stream_budget_lines', over any earlier one) and its plain keyword arguments are
+    kept in the dict returned."""
     from soup_cli.utils import layer_stream
     seen: dict = {}
     _est = layer_stream.estimate_stream_peak_vram
@@ -335,89 +332,133 @@ def main(argv=None) -> int:
             seen["kwargs"] = {k: v for k, v in kwargs.items() if isinstance(v, (int, float, str, type(None)))}
         return r
     layer_stream.estimate_stream_peak_vram = _est_seen
+    return seen
+
+
+def mark_steps(trainer: Any) -> tuple[list[dict], list[str], list]:
+    """Marks in the allocator's history where each forward and optimizer step starts and ends (a
+    uniquely sized allocation each, which phase_maxima finds): the forwards in order (grad mode, the
+    logits' shape and dtype, allocated after), the marks' names, and the hooks' handles to remove."""
+    import torch
+    # forwards in order, with grad mode and the logits' shape/dtype
+    calls: list[dict] = []
+    events: list[str] = []
+
+    def mark(name: str) -> None:
+        events.append(name)
+        torch.empty(MARK + 1024 * (len(events) - 1), dtype=torch.uint8, device="cuda").zero_()
+
+    def pre(mod_, args, kwargs):
+        mark(f"forward {len(calls) + 1} ({'grad' if torch.is_grad_enabled() else 'no grad'}) start")
+
+    def post(mod_, args, kwargs, out):
+        lg = getattr(out, "logits", None)
+        calls.append({"grad": torch.is_grad_enabled(),
+                      "logits": None if lg is None else [list(lg.shape), str(lg.dtype)],
+                      "allocated_after": int(torch.cuda.memory_allocated())})
+        mark(f"forward {len(calls)} ({'grad' if calls[-1]['grad'] else 'no grad'}) end")
+    handles = [trainer.model.register_forward_pre_hook(pre, with_kwargs=True),
+               trainer.model.register_forward_hook(post, with_kwargs=True)]
+    from transformers import TrainerCallback
+
+    class Marks(TrainerCallback):
+        def on_pre_optimizer_step(self, args, state, control, **kw):
+            mark(f"optimizer step {state.global_step + 1} start")
+
+        def on_optimizer_step(self, args, state, control, **kw):
+            mark(f"optimizer step {state.global_step + 1} end")
+
+        def on_step_end(self, args, state, control, **kw):
+            mark(f"step {state.global_step} end")
+    trainer.add_callback(Marks())
+    return calls, events, handles
+
+
+def step_peaks_of(phases: list[dict]) -> list[int]:
+    """Each optimizer step's own peak: the maximum of the phases up to its "step N end" mark."""
+    step_peaks, k = [], 0
+    for seg in phases:
+        if k >= len(step_peaks):
+            step_peaks.append(0)
+        step_peaks[k] = max(step_peaks[k], seg["max"])
+        if seg["from"].startswith("step ") and seg["from"].endswith(" end"):
+            k += 1
+    return step_peaks
+
+
+def anatomy(a: argparse.Namespace, trainer: Any, gate: Optional[dict], seen: dict) -> dict:
+    """The measured run's record: the trainer's steps run under the peak window and the allocator's
+    history, then the peak attributed (logits, groups of live blocks, the phases between the marks, the
+    pages it touches) beside Soup's numbers and the run's settings."""
+    import torch
+    from issue395.measure.cuda import allocator_history, attribute_peak, page_need, peak_window
+
+    width = realised(trainer, a.task)
+    vocab = int(trainer.model.config.vocab_size) if hasattr(trainer.model, "config") else 0
+    E, per_row = width["rows"] * width["width"] * vocab, width["width"] * vocab
+    calls, events, handles = mark_steps(trainer)
+    trainer.args.max_steps = a.steps
+    step_error = None
+    with peak_window() as window, allocator_history(a.max_entries, stacks=a.stacks) as taken:
+        try:
+            trainer.train()
+        except Exception as exc:  # 0.73.3 DPO: the end-of-run save of a meta ref adapter
+            step_error = f"{type(exc).__name__}: {str(exc)[:200]}"
+        torch.cuda.synchronize()
+        # the window's requested peak (what the tensors asked for), beside its allocated one (block
+        # sizes): their difference is the blocks' unsplit remainders, which the history cannot see
+        requested_peak = int(torch.cuda.memory_stats().get("requested_bytes.all.peak", 0))
+    for h in handles:
+        h.remove()
+    snap = taken["snapshot"]
+    if a.snapshot:
+        from issue395.measure.cuda import save_snapshot
+        save_snapshot(snap, Path(a.snapshot))
+    summary = attribute_peak(snap, window.before, E, window.peak)
+    pages = page_need(snap)
+    replayed, blocks = peak_blocks(snap, window.before)
+    phases = phase_maxima(snap, window.before, events)
+    return {"task": a.task, "seq": a.seq, "batch": a.batch, "quant": a.quant, "realised": width,
+            "r": a.r, "targets": a.targets, "steps": a.steps, "accum": a.accum, "optim": a.optim,
+            "stream": stream_modes(a.stream), "train": training_keys(a.train),
+            "soup_resident_gate": gate, "step_peaks": step_peaks_of(phases),
+            "vocab": vocab, "E": E, "step_error": step_error, "soup_predicted": seen.get("soup"),
+            "soup_kwargs": seen.get("kwargs"), "real_peak": window.peak, "requested_peak": requested_peak,
+            "resident_before": window.before, "reserved_peak": window.reserved,
+            "expandable": a.expandable,
+            "page_need": None if pages is None else {"allocated": pages.allocated, "mapped": pages.mapped,
+                                                     "pages": pages.pages, "reserve": pages.reserve},
+            "dynamic_over_E": round((window.peak - window.before) / E, 4) if E else None,
+            "replayed_peak": replayed, "forwards": calls,
+            "phases": phases,
+            "attribute_peak": {k: summary[k] for k in ("complete", "logits_fp32", "logits_bf16",
+                                                       "other_groups", "events")},
+            "groups": group(blocks, E, per_row, a.top)}
+
+
+def main(argv=None) -> int:
+    a = parse(argv)
+    if a.expandable:  # read once, when CUDA starts: before torch is imported
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+    import torch
+    if not torch.cuda.is_available():
+        print(f"task_peak_anatomy: no CUDA device here; nothing measured "
+              f"(task {a.task}, seq {a.seq}, batch {a.batch}, quant {a.quant}).")
+        return 0
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout this script is in
+    import importlib
+    # first, before Soup's modules, as the measured runs imported it
+    import issue395.measure.cuda  # noqa: F401
+
+    config = soup_config(a)
+    gate = soup_resident_gate(config, torch.cuda.mem_get_info()[1])
+    seen = watch_soup_number()
     mod, cls = WRAPPERS[a.task]
     wrapper = getattr(importlib.import_module(mod), cls)(config, device="cuda")
     try:
+        from soup_cli.data.loader import load_dataset
         wrapper.setup(load_dataset(config.data))
-        trainer = wrapper.trainer
-        width = realised(trainer, a.task)
-        vocab = int(trainer.model.config.vocab_size) if hasattr(trainer.model, "config") else 0
-        E, per_row = width["rows"] * width["width"] * vocab, width["width"] * vocab
-        # forwards in order, with grad mode and the logits' shape/dtype
-        calls: list[dict] = []
-        events: list[str] = []
-
-        def mark(name: str) -> None:
-            events.append(name)
-            torch.empty(MARK + 1024 * (len(events) - 1), dtype=torch.uint8, device="cuda").zero_()
-
-        def pre(mod_, args, kwargs):
-            mark(f"forward {len(calls) + 1} ({'grad' if torch.is_grad_enabled() else 'no grad'}) start")
-
-        def post(mod_, args, kwargs, out):
-            lg = getattr(out, "logits", None)
-            calls.append({"grad": torch.is_grad_enabled(),
-                          "logits": None if lg is None else [list(lg.shape), str(lg.dtype)],
-                          "allocated_after": int(torch.cuda.memory_allocated())})
-            mark(f"forward {len(calls)} ({'grad' if calls[-1]['grad'] else 'no grad'}) end")
-        handles = [trainer.model.register_forward_pre_hook(pre, with_kwargs=True),
-                   trainer.model.register_forward_hook(post, with_kwargs=True)]
-        from transformers import TrainerCallback
-
-        class Marks(TrainerCallback):
-            def on_pre_optimizer_step(self, args, state, control, **kw):
-                mark(f"optimizer step {state.global_step + 1} start")
-
-            def on_optimizer_step(self, args, state, control, **kw):
-                mark(f"optimizer step {state.global_step + 1} end")
-
-            def on_step_end(self, args, state, control, **kw):
-                mark(f"step {state.global_step} end")
-        trainer.add_callback(Marks())
-        trainer.args.max_steps = a.steps
-        step_error = None
-        with peak_window() as window, allocator_history(a.max_entries, stacks=a.stacks) as taken:
-            try:
-                trainer.train()
-            except Exception as exc:  # 0.73.3 DPO: the end-of-run save of a meta ref adapter
-                step_error = f"{type(exc).__name__}: {str(exc)[:200]}"
-            torch.cuda.synchronize()
-            # the window's requested peak (what the tensors asked for), beside its allocated one (block
-            # sizes): their difference is the blocks' unsplit remainders, which the history cannot see
-            requested_peak = int(torch.cuda.memory_stats().get("requested_bytes.all.peak", 0))
-        for h in handles:
-            h.remove()
-        snap = taken["snapshot"]
-        if a.snapshot:
-            from issue395.measure.cuda import save_snapshot
-            save_snapshot(snap, Path(a.snapshot))
-        summary = attribute_peak(snap, window.before, E, window.peak)
-        pages = page_need(snap)
-        replayed, blocks = peak_blocks(snap, window.before)
-        phases = phase_maxima(snap, window.before, events)
-        step_peaks, k = [], 0
-        for seg in phases:  # each optimizer step's own peak: the segments up to its "step N end"
-            if k >= len(step_peaks):
-                step_peaks.append(0)
-            step_peaks[k] = max(step_peaks[k], seg["max"])
-            if seg["from"].startswith("step ") and seg["from"].endswith(" end"):
-                k += 1
-        res = {"task": a.task, "seq": a.seq, "batch": a.batch, "quant": a.quant, "realised": width,
-               "r": a.r, "targets": a.targets, "steps": a.steps, "accum": a.accum, "optim": a.optim,
-               "stream": stream_modes(a.stream), "train": training_keys(a.train),
-               "soup_resident_gate": gate, "step_peaks": step_peaks,
-               "vocab": vocab, "E": E, "step_error": step_error, "soup_predicted": seen.get("soup"),
-               "soup_kwargs": seen.get("kwargs"), "real_peak": window.peak, "requested_peak": requested_peak,
-               "resident_before": window.before, "reserved_peak": window.reserved,
-               "expandable": a.expandable,
-               "page_need": None if pages is None else {"allocated": pages.allocated, "mapped": pages.mapped,
-                                                        "pages": pages.pages, "reserve": pages.reserve},
-               "dynamic_over_E": round((window.peak - window.before) / E, 4) if E else None,
-               "replayed_peak": replayed, "forwards": calls,
-               "phases": phases,
-               "attribute_peak": {k: summary[k] for k in ("complete", "logits_fp32", "logits_bf16",
-                                                          "other_groups", "events")},
-               "groups": group(blocks, E, per_row, a.top)}
+        res = anatomy(a, wrapper.trainer, gate, seen)
         print(json.dumps(res, indent=1, default=str))
         if a.json:
             Path(a.json).write_text(json.dumps(res, indent=1, default=str))

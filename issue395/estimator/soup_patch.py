@@ -123,9 +123,10 @@ def _names_used(node: ast.AST) -> set:
     return out
 
 
-def bundle(release: str, features_repr: str, version: str) -> str:
-    """The module text: every statement the entry reaches, in dependency order, stdlib imports only."""
-    modules: dict = {}
+def _reach(modules: dict) -> tuple[dict, dict]:
+    """Walk from the entries (and Features, the bundle's FEATURES) through every name each statement
+    reads, following the tool's imports to their modules: the statements the bundle must hold, by
+    (module, name), and the stdlib import lines they need. ``modules`` gains each module read."""
 
     def mod(name: str) -> _Module:
         if name not in modules:
@@ -133,7 +134,6 @@ def bundle(release: str, features_repr: str, version: str) -> str:
         return modules[name]
 
     wanted: dict = {}  # (module, name) -> the statement node (or a stub)
-    order: list = []
     stdlib: dict = {}
     todo = [*ENTRIES, ("issue395.estimator.releases", "Features")]
     while todo:
@@ -159,7 +159,12 @@ def bundle(release: str, features_repr: str, version: str) -> str:
                 todo.append(m.imports[used])
             elif used in m.stdlib:
                 stdlib[m.stdlib[used]] = None
-    # A module's statements stand after every module they import: the tool's own layering.
+    return wanted, stdlib
+
+
+def _module_order(modules: dict) -> list:
+    """The modules' names in the bundle's order: a module's statements stand after every module they
+    import (the tool's own layering), ties by name."""
     deps = {name: {src for src, _ in modules[name].imports.values() if src in modules} for name in modules}
     seen: list = []
 
@@ -172,39 +177,60 @@ def bundle(release: str, features_repr: str, version: str) -> str:
 
     for name in sorted(modules):
         place(name)
-    # One global name per definition: where two modules define one name, the later one is renamed.
+    return seen
+
+
+def _renames(order: list, wanted: dict) -> dict:
+    """One global name per definition: where two modules define one name, the module later in
+    ``order`` has its name renamed (name_of_module), by (module, name)."""
     bare: dict = {}
     rename: dict = {}
-    for name in seen:
+    for name in order:
         for (mname, n), node in wanted.items():
             if mname != name:
                 continue
             owner = bare.setdefault(n, (mname, id(node)))
             if owner != (mname, id(node)):
                 rename[(mname, n)] = f"{n}_of_{mname.rsplit('.', 1)[-1]}"
-    parts = []
+    return rename
+
+
+def _module_part(m: _Module, wanted: dict, rename: dict, done: set) -> Optional[str]:
+    """One module's part of the bundle: its wanted statements in source order (a stub where the bundle
+    stands in for one), each renamed name rewritten, the names it imports under another name bound
+    first; None where it adds no statement. ``done`` holds the statements already placed (one node can
+    define several names)."""
+    name = m.name
+    local = {n: rename[(name, n)] for (mn, n) in rename if mn == name}
+    local.update({n: rename[src] for n, src in m.imports.items() if src in rename})
+    body = []
+    for node in sorted({id(v): v for (mn, _), v in wanted.items() if mn == name}.values(),
+                       key=lambda v: v.lineno):
+        if id(node) in done:
+            continue
+        done.add(id(node))
+        own = next((STUBS[(name, n)] for n, v in m.defs.items() if v is node and (name, n) in STUBS), None)
+        text = own if own is not None else m.segment(node)
+        for old, new in local.items():
+            text = re.sub(rf"(?<![\w.]){re.escape(old)}(?![\w])", new, text)
+        body.append(text)
+    aliases = sorted({f"{n} = {rename.get(src, src[1])}" for n, src in m.imports.items()
+                      if n != rename.get(src, src[1]) and src in wanted and n not in local})
+    if aliases and body:  # an import under another name: bound after the module it came from
+        body.insert(0, "\n".join(aliases) + "  # the names this module imports them as\n")
+    if not body:
+        return None
+    return f"# -- {name} ({m.path.relative_to(PACKAGE.parent)}) --\n" + "\n\n".join(body)
+
+
+def bundle(release: str, features_repr: str, version: str) -> str:
+    """The module text: every statement the entry reaches, in dependency order, stdlib imports only."""
+    modules: dict = {}
+    wanted, stdlib = _reach(modules)
+    order = _module_order(modules)
+    rename = _renames(order, wanted)
     done: set = set()
-    for name in seen:
-        m = modules[name]
-        local = {n: rename[(name, n)] for (mn, n) in rename if mn == name}
-        local.update({n: rename[src] for n, src in m.imports.items() if src in rename})
-        body = []
-        for node in sorted({id(v): v for (mn, _), v in wanted.items() if mn == name}.values(),
-                           key=lambda v: v.lineno):
-            if id(node) in done:
-                continue
-            done.add(id(node))
-            own = next((STUBS[(name, n)] for n, v in m.defs.items() if v is node and (name, n) in STUBS), None)
-            text = own if own is not None else m.segment(node)
-            for old, new in local.items():
-                text = re.sub(rf"(?<![\w.]){re.escape(old)}(?![\w])", new, text)
-            body.append(text)
-        aliases = sorted({f"{n} = {rename.get(src, src[1])}" for n, src in m.imports.items()
-                          if n != rename.get(src, src[1]) and src in wanted and n not in local})
-        if aliases and body:  # an import under another name: bound after the module it came from
-            body.insert(0, "\n".join(aliases) + "  # the names this module imports them as\n")
-        if body:
-            parts.append(f"# -- {name} ({m.path.relative_to(PACKAGE.parent)}) --\n" + "\n\n".join(body))
+    parts = [p for p in (_module_part(modules[name], wanted, rename, done) for name in order) if p is not None]
     header = (f'"""{PATCH_MARKER} (issue395 {version}): this tool\'s corrected peak-VRAM pre-flight for a LoRA step,\n'
               f"layer-streamed or resident, generated from its estimator's own source (issue395/estimator/, the\n"
               f"functions soup_gate.preflight and resident_preflight reach, bundled in their modules' order)\n"

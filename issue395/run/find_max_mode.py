@@ -238,14 +238,7 @@ def execute(ask: FindMaxRequest, protocol: Any) -> int:
     """--find-max: the plan (--dry-run, on any box), or the search on a CUDA box; its text and --json."""
     run = ask.estimate
     a = answers(ask)
-    lift = None  # Soup's gate lifted by the GPU's own total: every probe is admitted
-    if not ask.dry_run:
-        os.environ.setdefault("CUDA_VISIBLE_DEVICES", "0")  # Soup refuses to stream with several GPUs visible
-        import torch
-
-        if not torch.cuda.is_available():
-            raise UsageError(FIND_MAX_NO_CUDA)
-        lift = int(torch.cuda.mem_get_info()[1])
+    lift = None if ask.dry_run else gate_lift()  # Soup's gate lifted by the GPU's own total: every probe is admitted
     from ..results.stack import measure_context
 
     # like for like: the probes' Soup processes bring this box's CUDA context out of the card's total,
@@ -254,73 +247,123 @@ def execute(ask: FindMaxRequest, protocol: Any) -> int:
     like = a.tool_with_context(box) if box is not None else None
     from ..estimator.stacks import check_installed
 
-    axis, t = ask.axis, task(run.tasks[0])
-    user_text = run.user.text
-    accumulation = run.user.settings.micro_batches
-    head, tool_line, soup_line, like_line = said(ask, a, box, like)
+    t = task(run.tasks[0])
+    words = said(ask, a, box, like)
     with Scratch(ask.cache_dir, ask.shard_dir) as scratch:
         base = ask.base_folder
         if not ask.dry_run:
             base = checkpoint_for(ask, scratch)
-
-        def write(value: int) -> Path:
-            folder = scratch.path("find-max", f"{axis}-{value}")
-            seq, batch = (value, run.batches[0]) if axis == "seq" else (run.seqs[0], value)
-            config = probe_config(user_text, axis, value, data=folder / "train.jsonl", output=folder / "out",
-                                  override=None if a.resident else lift if lift is not None else a.card.total_bytes,
-                                  data_format=t.data_format, base=base)
-            return write_probe_config(folder, config, protocol.task_rows(t.name, seq, batch * accumulation * run.steps))
-
+        write = probe_writer(ask, a, protocol, t, scratch, base, lift)
         stack = check_installed(nf4=run.quants[0] == "nf4")
         first = write(a.first_and_second(None)[0])
         refused = soup_checks(first, t.name)  # Soup's own config and data checks on CPU: a refusal costs no probe
         if ask.dry_run:
-            plan = [*plan_lines(run, a), *([f"  Soup refuses the probe's file before any probe (its own checks, on "
-                                            f"CPU): {refused}"] if refused else [])]
-            print("\n".join([head + " -- --dry-run: the plan, nothing run", "  " + tool_line, "  " + like_line,
-                             "  " + soup_line, "  " + stack.line(), *plan,
-                             *([f"  base: {run.model} is a registry model's hub id: on the GPU box "
-                                "the probes run the synthetic checkpoint this tool builds for it (no download)"]
-                               if ask.base_key and not ask.base_folder else []),
-                             *(f"  from the file: {k}" for k in run.keys),
-                             "the first probe's soup.yaml (as written in the scratch folder, removed at exit; "
-                             + (f"each probe runs it with {ALLOW_OOM_ATTEMPT}):" if a.resident else
-                                "on the GPU box stream_vram_override is the GPU's total):"),
-                             first.read_text().rstrip()]))
-            if ask.outputs.json:  # the plan, as data: nothing measured
-                if not write_json(ask.outputs.json, "find-max", {
-                        **json_head(ask, a, None), "dry_run": True, "measured": None, "stack": stack.to_json(),
-                        "plan": [ln.strip() for ln in plan],
-                        "soup_refuses": refused, "first_probe_config": first.read_text()}):
-                    return EXIT_USAGE
-                print(f"the plan: --json {ask.outputs.json}", file=sys.stderr)
-            return EXIT_FINDING if refused else EXIT_OK
+            return print_plan(ask, a, words, stack, first, refused)
         if refused:
             raise UsageError(f"--find-max: Soup refuses the probe's copy of --config {run.adapter.soup_config} before "
                              f"any probe (its own checks, on CPU): {refused}")
-        scratch.verify_shard_root()
-        logs = Path(ask.log_dir) if ask.log_dir else None
+        found = run_search(ask, a, scratch, write, box, like, words[0])
+    return report_found(ask, a, found, words, box, like, stack)
+
+
+def gate_lift() -> int:
+    """The GPU's total bytes, the override that lifts Soup's streamed gate for every probe (one GPU
+    visible, as Soup streams only with one); no CUDA is a usage error."""
+    os.environ.setdefault("CUDA_VISIBLE_DEVICES", "0")  # Soup refuses to stream with several GPUs visible
+    import torch
+
+    if not torch.cuda.is_available():
+        raise UsageError(FIND_MAX_NO_CUDA)
+    return int(torch.cuda.mem_get_info()[1])
+
+
+def probe_writer(ask: FindMaxRequest, a: Answers, protocol: Any, t: Any, scratch: Scratch, base: Optional[str],
+                 lift: Optional[int]) -> Callable[[int], Path]:
+    """What writes one probe's folder at a value of the axis: its soup.yaml (the file's, the probed keys
+    changed; a streamed run's gate lifted by ``lift``, the GPU's total, or by the card's total in a plan;
+    a resident run's left to --allow-oom-attempt) and its data rows, in the scratch folder; the write
+    returns the soup.yaml's path."""
+    run, axis = ask.estimate, ask.axis
+    user_text = run.user.text
+    accumulation = run.user.settings.micro_batches
+
+    def write(value: int) -> Path:
+        folder = scratch.path("find-max", f"{axis}-{value}")
+        seq, batch = (value, run.batches[0]) if axis == "seq" else (run.seqs[0], value)
+        config = probe_config(user_text, axis, value, data=folder / "train.jsonl", output=folder / "out",
+                              override=None if a.resident else lift if lift is not None else a.card.total_bytes,
+                              data_format=t.data_format, base=base)
+        return write_probe_config(folder, config, protocol.task_rows(t.name, seq, batch * accumulation * run.steps))
+
+    return write
+
+
+def print_plan(ask: FindMaxRequest, a: Answers, words: tuple[str, str, str, str], stack: Any, first: Path,
+               refused: Optional[str]) -> int:
+    """--dry-run: the plan in words and the first probe's soup.yaml (and, with --json, the plan as data,
+    nothing measured); a finding where Soup's own checks refuse the probe's file."""
+    run = ask.estimate
+    head, tool_line, soup_line, like_line = words
+    plan = [*plan_lines(run, a), *([f"  Soup refuses the probe's file before any probe (its own checks, on "
+                                    f"CPU): {refused}"] if refused else [])]
+    print("\n".join([head + " -- --dry-run: the plan, nothing run", "  " + tool_line, "  " + like_line,
+                     "  " + soup_line, "  " + stack.line(), *plan,
+                     *([f"  base: {run.model} is a registry model's hub id: on the GPU box "
+                        "the probes run the synthetic checkpoint this tool builds for it (no download)"]
+                       if ask.base_key and not ask.base_folder else []),
+                     *(f"  from the file: {k}" for k in run.keys),
+                     "the first probe's soup.yaml (as written in the scratch folder, removed at exit; "
+                     + (f"each probe runs it with {ALLOW_OOM_ATTEMPT}):" if a.resident else
+                        "on the GPU box stream_vram_override is the GPU's total):"),
+                     first.read_text().rstrip()]))
+    if ask.outputs.json:  # the plan, as data: nothing measured
+        if not write_json(ask.outputs.json, "find-max", {
+                **json_head(ask, a, None), "dry_run": True, "measured": None, "stack": stack.to_json(),
+                "plan": [ln.strip() for ln in plan],
+                "soup_refuses": refused, "first_probe_config": first.read_text()}):
+            return EXIT_USAGE
+        print(f"the plan: --json {ask.outputs.json}", file=sys.stderr)
+    return EXIT_FINDING if refused else EXIT_OK
+
+
+def run_search(ask: FindMaxRequest, a: Answers, scratch: Scratch, write: Callable[[int], Path], box: Optional[int],
+           like: Optional[int], head: str) -> FindMax:
+    """The search on the GPU: each probe a real soup train of ``write``'s file, read at the edge of the
+    card's free memory, its line printed as it ends (its log kept under --log-dir), from this tool's
+    answer (like for like where the box's context is measured) bracketed with Soup's gate's."""
+    run, axis = ask.estimate, ask.axis
+    scratch.verify_shard_root()
+    logs = Path(ask.log_dir) if ask.log_dir else None
+    if logs is not None:
+        logs.mkdir(parents=True, exist_ok=True)
+    print(head, flush=True)
+    print("\n".join(plan_lines(run, a, like)), flush=True)
+
+    # what the card leaves the probes' Soup processes: its total less the context they bring (this box's)
+    card_free = a.card.total_bytes - (box if box is not None else a.budget.context_bytes)
+
+    def probe(value: int):
+        config = write(value)
+        p, ballast, log = run_probe(config, value, run.steps, a.card.total_bytes,
+                                    log_to=config.parent / "soup-train.log", allow_oom_attempt=bool(a.resident))
+        p = read_at_edge(p, card_free)  # a cuDNN or cuBLAS failure, read by the allocator's figures
         if logs is not None:
-            logs.mkdir(parents=True, exist_ok=True)
-        print(head, flush=True)
-        print("\n".join(plan_lines(run, a, like)), flush=True)
+            shutil.copyfile(config.parent / "soup-train.log", logs / f"soup-find-max-{axis}-{value}.log")
+        print(f"  probe {axis} {value}: {probe_words(p, run.steps)} ({p.seconds} s; ballast {ballast.size:,} B, "
+              f"free with it held {ballast.free_after:,} B)", flush=True)
+        return p
 
-        # what the card leaves the probes' Soup processes: its total less the context they bring (this box's)
-        card_free = a.card.total_bytes - (box if box is not None else a.budget.context_bytes)
+    start, second = a.first_and_second(like)
+    return find_max(probe, axis, start, a.step, a.low, a.high, other=second)
 
-        def probe(value: int):
-            config = write(value)
-            p, ballast, log = run_probe(config, value, run.steps, a.card.total_bytes,
-                                        log_to=config.parent / "soup-train.log", allow_oom_attempt=bool(a.resident))
-            p = read_at_edge(p, card_free)  # a cuDNN or cuBLAS failure, read by the allocator's figures
-            if logs is not None:
-                shutil.copyfile(config.parent / "soup-train.log", logs / f"soup-find-max-{axis}-{value}.log")
-            print(f"  probe {axis} {value}: {probe_words(p, run.steps)} ({p.seconds} s; ballast {ballast.size:,} B, "
-                  f"free with it held {ballast.free_after:,} B)", flush=True)
-            return p
 
-        start, second = a.first_and_second(like)
-        found = find_max(probe, axis, start, a.step, a.low, a.high, other=second)
+def report_found(ask: FindMaxRequest, a: Answers, found: FindMax, words: tuple[str, str, str, str],
+                 box: Optional[int], like: Optional[int], stack: Any) -> int:
+    """The search's text (the measured limit beside both answers, Soup's gate at the limit and above it,
+    the margin at the first OOM, the probes' table) and its --json; a finding unless the limit and the
+    first value above it are adjacent."""
+    run, axis = ask.estimate, ask.axis
+    head, tool_line, soup_line, like_line = words
     unit = UNITS[axis]
     measured = measured_words(found, run.steps)
     gates = [gate_words(run, a, found, found.limit, "the limit"),
