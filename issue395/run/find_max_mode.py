@@ -394,6 +394,7 @@ def report_found(ask: FindMaxRequest, a: Answers, found: FindMax, words: tuple[s
 def said(ask: FindMaxRequest, a: Answers, box: Optional[int], like: Optional[int]) -> tuple[str, str, str, str]:
     """The search's head line, and this tool's, Soup's and the like-for-like answer in words, each labelled."""
     from ..estimator.fits import steps_words
+    from ..estimator.steady import is_bounded
 
     run, axis, card, r = ask.estimate, ask.axis, a.card.name, a.resident
     head = (f"--find-max {axis}: {run.model}, from --config {run.adapter.soup_config} ("
@@ -405,6 +406,9 @@ def said(ask: FindMaxRequest, a: Answers, box: Optional[int], like: Optional[int
     soup = (a.soup if a.soup is not None else "none: its CLI builds no input for this file, so it skips its gate"
             if r and r.soup_input is None else "none")
     estimate = "the corrected resident estimate" if r else "--estimate's corrected estimate"
+    optimizer = run.settings.optimizer
+    if optimizer and run.steps > 1 and is_bounded(optimizer):  # its answer is the bound's: said where it is read
+        estimate += f", an UPPER BOUND: training.optimizer {optimizer} is not modelled"
     tool_line = (f"computed by this tool ({estimate}, {a.budget.context_source} context): the longest {axis} that fits "
                  f"{card}: {tool}")
     soup_line = (f"computed by Soup ({'its resident gate as soup train runs it' if r else 'its own pre-flight'}, "

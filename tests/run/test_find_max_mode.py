@@ -450,3 +450,17 @@ def test_a_resident_run_the_estimate_does_not_model_starts_from_soups_gate_or_th
     assert (data["measured"]["limit"], data["measured"]["oom_above"], data["measured"]["proven"]) == (1024, 1088, True)
     assert f"the longest seq that fits {card}: none (not estimated: {why})" in out
     assert data["margin_at_first_oom"] is None  # nothing charged where the estimate does not model the run
+
+
+@pytest.mark.parametrize("layers", ["true", "false"])
+def test_an_optimizer_charged_as_an_upper_bound_is_said_on_the_answers_line(capfd, tmp_path, layers):
+    """Issue 53 item 14's rule, for --find-max too (streamed and resident files): an optimizer the estimator's table
+    lacks is charged as an upper bound, and the line with this tool's longest says so where it is read."""
+    path = tmp_path / "soup.yaml"
+    path.write_text("base: meta-llama/Llama-3.2-1B\ndata: {train: ./d.jsonl, max_length: 1024}\n"
+                    f"training: {{batch_size: 1, stream_layers: {layers}, optimizer: adafactor, "
+                    "lora: {r: 16, alpha: 32, target_modules: [q_proj, v_proj]}}\n")
+    code, out, err = main(capfd, ["--find-max", "seq", "--config", path, "--card", "24GB", "--dry-run"])
+    assert code == 0, err
+    tool = next(line for line in out.splitlines() if line.startswith("  computed by this tool ("))
+    assert "an UPPER BOUND: training.optimizer adafactor is not modelled" in tool
