@@ -10,8 +10,7 @@ from typing import Optional
 from ..record import LORA_R
 from ..tasks import PROTOCOL_TASK
 from ..text import gb, table
-from ..model.registry import stream_mode
-from ..estimator.estimate import estimate, estimate_key
+from ..estimator.resident import estimate_run
 from ..results.extras import Capped
 from ..results.row import Row
 from .constraint import ArmSetting, Constraint, arm_name
@@ -31,8 +30,8 @@ def cap_bytes(cap: str, key: str, *, quant: str, seq: int, batch: int, targets: 
     # Soup's number only where it is the cap: it needs the release's own code, the physics does not
     kw = dict(quant=quant, seq=seq, batch=batch, targets=targets, lora_r=lora_r, steps=steps, release=release,
               soup=cap == "soup", task=task, **(run or {}))
-    # a streaming mode is capped at its own estimate; a --model arm at its checkpoint's config
-    e = estimate_key(key, **kw) if config is None else estimate(config, stream=stream_mode(key)[1], **kw)
+    # a streaming mode or a resident run is capped at its own estimate; a --model arm at its checkpoint's config
+    e = estimate_run(key, config, **kw)
     return {"soup": e.soup_predicted, "corrected": e.corrected_predicted, "needs-free": e.needs_free}[cap]
 
 

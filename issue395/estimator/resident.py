@@ -164,3 +164,21 @@ def estimate_resident(config: dict, *, quant: str = "none", seq: int, batch: int
     # the default one, whose unsplit remainders stay in what it needs
     return Estimate(e.seq, e.batch, quant, e.steps, e.release, None, {}, corrected, needs_free(corrected),
                     binding.value, t, e.task, e.optimizer, e.accumulation)
+
+
+def estimate_run(key: str, config: dict | None = None, **kwargs) -> Estimate:
+    """This tool's corrected estimate of a map key's run, streamed or resident, in one place: a resident key
+    (stream_layers off) is ``estimate_resident``'s at the key's checkpointing, with only the settings a resident
+    run reads (a streamed-only one, stream_buffers, left out) and no Soup number (Soup's resident gate is
+    hardware_fit's, which the row carries); any other is ``estimate``'s under the key's streaming modes.
+    ``config``: the checkpoint's own config.json where the key's family has no public one (--model, --config)."""
+    from ..model.arm import SETTINGS
+    from ..model.registry import config_json, stream_mode
+
+    family, modes = stream_mode(key)
+    config = config_json(family) if config is None else config
+    if modes.get("stream_layers") is False:
+        streamed = {s.estimator for s in SETTINGS if s.streamed_only} | {"soup", "stream", "allowance", "workspace"}
+        return estimate_resident(config, checkpointing=bool(modes.get("gradient_checkpointing")),
+                                 **{k: v for k, v in kwargs.items() if k not in streamed})
+    return estimate(config, stream=modes, **kwargs)

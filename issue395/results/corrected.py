@@ -13,9 +13,9 @@ from dataclasses import replace
 from typing import Optional
 
 from ..errors import UsageError
-from ..model.registry import config_json, is_resident, known, stream_mode
-from ..estimator.resident import estimate_resident
-from ..estimator.estimate import Estimate, estimate_key, needs_free
+from ..model.registry import known
+from ..estimator.resident import estimate_run
+from ..estimator.estimate import Estimate, needs_free
 from ..tasks import PROTOCOL_TASK
 from .extras import Corrected
 from .row import Row
@@ -25,16 +25,9 @@ from .row import Row
 def _corrected(key: str, quant: str, seq: int, batch: int, targets: tuple, lora_r: int, release: Optional[str],
                steps: int, task: str = PROTOCOL_TASK, transformers: Optional[str] = None,
                run: tuple = ()) -> Optional[Estimate]:
-    try:
-        if is_resident(key):  # every layer on the card: the resident construction, where it is modelled
-            family, modes = stream_mode(key)
-            return estimate_resident(config_json(family), quant=quant, seq=seq, batch=batch, targets=targets or None,
-                                     lora_r=lora_r, steps=steps, release=release, task=task, transformers=transformers,
-                                     checkpointing=bool(modes.get("gradient_checkpointing")),
-                                     **dict(run))
-        return estimate_key(key, quant=quant, seq=seq, batch=batch, targets=targets or None, lora_r=lora_r,
-                            steps=steps, release=release, soup=False, task=task,
-                            transformers=transformers, **dict(run))
+    try:  # streamed or resident (every layer on the card: the resident construction, where it is modelled)
+        return estimate_run(key, quant=quant, seq=seq, batch=batch, targets=targets or None, lora_r=lora_r,
+                            steps=steps, release=release, soup=False, task=task, transformers=transformers, **dict(run))
     except UsageError:
         return None
 
@@ -43,7 +36,7 @@ def _estimated(r: Row, env: Optional[dict]) -> Optional[Estimate]:
     env = env or {}
     return _corrected(r.model_key, r.quant, r.seq, r.batch, tuple(r.targets), r.rank, env.get("soup_cli"),
                       int(env.get("steps") or 1), getattr(r, "task", None) or PROTOCOL_TASK, env.get("transformers"),
-                      tuple(r.settings.estimator(resident=is_resident(r.model_key)).items()))
+                      tuple(r.run.items()))
 
 
 def corrected(r: Row, env: Optional[dict] = None) -> Optional[int]:

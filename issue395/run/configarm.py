@@ -71,10 +71,11 @@ def config_arm(user: UserRun, weights: str, dry_run: bool, soup_resolves_targets
         raise UsageError(f"--config {user.path}: training.optimizer {user.settings.optimizer} is bitsandbytes', which is not "
                          "installed here")
     modes = user.stream_options
-    return ConfigArm(user.path, mode_key(key, modes.get("stream_expert_layout") or "fused",
-                                         modes.get("stream_loss_chunk"), modes.get("stream_recompute") or "on"),
-                     model, user.quant, user.seq, user.batch, user.adapter,
-                     user.task, user.settings)
+    # a resident file is the map's resident arm (`family+resident[+gc]`): Soup reads no streaming mode there
+    key = (mode_key(key, resident=True, checkpointing=user.resident.checkpointing) if user.resident else
+           mode_key(key, modes.get("stream_expert_layout") or "fused", modes.get("stream_loss_chunk"),
+                    modes.get("stream_recompute") or "on"))
+    return ConfigArm(user.path, key, model, user.quant, user.seq, user.batch, user.adapter, user.task, user.settings)
 
 
 def bitsandbytes_optimizer(name: str) -> bool:

@@ -133,7 +133,7 @@ def settle(args: argparse.Namespace, argv: list[str]) -> EstimateRequest:
                               [("--model", os.path.expanduser(args.model))])
     with under_the_file(args.config) if args.config is not None else contextlib.nullcontext():
         check("estimate", args)
-        given = FromOptions(args) if args.config is None else FromFile(args, read_soup_config(args.config, True))
+        given = FromOptions(args) if args.config is None else FromFile(args, read_soup_config(args.config))
         request = settle_values(args, given, args.card)
     check("lanes", args)
     check("shard dir", args)

@@ -463,7 +463,7 @@ def settle(args: argparse.Namespace, argv: list[str]) -> FindMaxRequest:
     one_card(flag, given)
     if not args.dry_run:  # the probes' checkpoint and Soup's own processes
         require_installed("--find-max", ARM_NEEDS)
-    user = read_soup_config(args.config, True)  # a resident file too: its probes lift Soup's resident gate
+    user = read_soup_config(args.config)  # a resident file too: its probes lift Soup's resident gate
     config_arm(user, args.weights, args.dry_run, soup_resolves_targets=True)  # its probes are soup train's own
     folder, key = base_of(user, args.weights)
     with under_the_file(args.config):

@@ -66,7 +66,7 @@ def missing_for_loader(exc: ImportError) -> str:
             f"{' '.join(LOADER_NEEDS.values())}")
 
 
-def read_soup_config(path: str, resident_ok: bool = False) -> UserRun:
+def read_soup_config(path: str) -> UserRun:
     """A soup.yaml through soup_cli.config.loader (its own schema and validators): one line for a
     file Soup refuses, a config Soup would not stream, or an option the estimator does not model."""
     try:
@@ -92,11 +92,7 @@ def read_soup_config(path: str, resident_ok: bool = False) -> UserRun:
                          f"directory {os.getcwd()}; a hub id is org/name)")
     t = cfg.training
     resident = None
-    if not getattr(t, "stream_layers", False):
-        if not resident_ok:
-            raise UsageError(f"--config {path}: training.stream_layers is not true (a resident run): --estimate "
-                             "and --find-max answer it, and --map --stream-layers off measures resident arms; this "
-                             "mode runs streamed files only, so far")
+    if not getattr(t, "stream_layers", False):  # a resident run: every mode answers it
         resident = ResidentRun(bool(getattr(t, "gradient_checkpointing", False)), ResidentGate.input_of(cfg),
                                ResidentGate.profile_of(cfg))
     task = str(getattr(cfg, "task", PROTOCOL_TASK))

@@ -247,3 +247,27 @@ def test_the_files_stream_buffers_is_the_pool_soups_setup_builds_and_every_estim
     model = json.loads((tiny_checkpoint / "config.json").read_text())
     three, two = (estimate(model, seq=64, buffers=n, soup=False).terms["pool"] for n in (3, 2))
     assert three == sum(slots) and three - two == slots[0]
+
+
+def test_a_resident_soup_yaml_is_measured_as_the_maps_resident_arm(capfd, tmp_path, monkeypatch, cache_dir,
+                                                                   tiny_checkpoint):
+    """Issue 51 item 1: a resident soup.yaml (training.stream_layers false) is a measured arm too, as the map's
+    resident arm (`+resident`, `+gc` with gradient checkpointing): Soup's own setup builds it resident with the
+    file's checkpointing, the row records Soup's resident gate as `soup train` runs it, and its row names no setting
+    a streamed step alone reads (stream_buffers). Before, the measured --config arm refused the file in one line."""
+    seen = {}
+    real = h.realised_lengths
+
+    def kept(trainer, *guarded):  # Soup's setup is done: what it built
+        seen["checkpointing"] = bool(trainer.args.gradient_checkpointing)
+        return real(trainer, *guarded)
+
+    monkeypatch.setattr(h, "realised_lengths", kept)
+    config = soup_yaml(tmp_path, tiny_checkpoint, extra="  gradient_checkpointing: true\n")
+    config.write_text(config.read_text().replace("stream_layers: true", "stream_layers: false"))
+    out = tmp_path / "dry.json"
+    code, text, err = main(capfd, ["--config", config, "--dry-run", "--cache-dir", cache_dir, "--json", out])
+    assert code == 0, err
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["model_key"] == "custom+resident+gc" and row["soup_resident"] is not None
+    assert seen["checkpointing"] and "buffers" not in row and "[resident+gc]" in text

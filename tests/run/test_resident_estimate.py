@@ -68,13 +68,6 @@ def test_a_resident_run_the_estimator_does_not_model_says_so_and_exit_code_is_on
                    "--exit-code", "phi")
 
 
-def test_a_resident_soup_yamls_measured_arm_is_one_line_naming_what_answers_it(capfd, tmp_path):
-    """The measured arm runs streamed files only so far: a resident one is refused before any work, naming
-    --estimate and --map --stream-layers off."""
-    one_error_line(*main(capfd, ["--config", resident_yaml(tmp_path), "--dry-run"]), "stream_layers", "--estimate",
-                   "--map --stream-layers off")
-
-
 def test_soup_profiles_own_number_is_said_beside_its_gate_as_its_cli_prints_it(capfd, tmp_path):
     """Issue 51 item 2: `soup profile` has an estimator of its own, which no gate reads. --estimate on a resident
     file says its number, and it is what Soup's own `soup profile --config F --json` command prints for the file."""

@@ -50,17 +50,9 @@ def test_the_files_own_values_drive_the_estimate(capfd, tmp_path):
     assert "from --config" in text and row["cards"][0]["card"] == "A10G"
 
 
-@pytest.mark.parametrize("change, words", [
-    (dict(stream="false"), ["stream_layers", "a resident run", "--estimate and --find-max answer it"]),
-    (dict(seq=16), ["Soup refuses"]),  # Soup's own schema: max_length under its minimum
-])
-def test_a_config_soup_would_not_stream_or_the_estimator_does_not_model_is_one_line(capfd, tmp_path, change, words):
-    if "extra" in change:  # training.* keys go under training:
-        change = dict(extra="", stream="true\n" + change["extra"])
-    # a resident file (stream_layers false) --estimate answers (tests/run/test_resident_estimate.py): the measured
-    # arm, which runs streamed files only so far, is the mode that refuses it
-    mode = ["--dry-run"] if change.get("stream") == "false" else ["--estimate"]
-    one_error_line(*main(capfd, [*mode, "--config", soup_yaml(tmp_path, **change)]), *words)
+def test_a_config_soup_refuses_is_one_line_in_soups_words(capfd, tmp_path):
+    """Soup's own schema (max_length under its minimum): one line, Soup's words."""
+    one_error_line(*main(capfd, ["--estimate", "--config", soup_yaml(tmp_path, seq=16)]), "Soup refuses")
 
 
 def test_config_and_the_options_it_replaces_are_exclusive(capfd, tmp_path):
