@@ -95,7 +95,8 @@ class Cap(Constraint):
                 outcome = "OOM" + (": admitted by Soup, OOM at its own number" if r.constraint.at == "soup" else "")
             else:
                 outcome = r.status
-            cells.append([arm_name(r), r.constraint.at, gb(r.constraint.bytes), gb(r.soup_predicted),
+            soup = r.soup_resident.peak if r.soup_resident is not None else r.soup_predicted  # a resident run's: its gate's
+            cells.append([arm_name(r), r.constraint.at, gb(r.constraint.bytes), gb(soup),
                           gb(r.real_peak if r.measured else None), gb(r.reserved if r.measured else None), outcome])
         return "\n".join(["--cap: each arm in a fresh process, PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, "
                           "allocator capped at the prediction named (cap: computed by Soup or this tool's estimator; "

@@ -154,7 +154,9 @@ def run_arm(measure_arm: Callable[..., Measurement], step_device: str, arm: Arm,
         constraint.before_arm(setting)
     clock = Clock()
     hooks = ArmHooks(before_setup=lambda: constraint and constraint.before_setup(setting),
-                     before_step=lambda m: constraint and constraint.before_step(setting, m.soup_predicted),
+                     # Soup's own number for the arm as this setup computed it: a resident run's is its resident gate's
+                     before_step=lambda m: constraint and constraint.before_step(
+                         setting, m.soup_resident.peak if m.soup_resident is not None else m.soup_predicted),
                      mark=clock.mark,
                      console=lambda: soup_console(log or work / "soup.log", verbose))
     try:

@@ -26,12 +26,13 @@ ARM = Arm("smol", 2048)
 GB = 10**9
 
 
-def protocol(error=None, fit=None, peak=None, teardown_error=None, phases=(), soup_predicted=None):
+def protocol(error=None, fit=None, peak=None, teardown_error=None, phases=(), soup_predicted=None, soup_resident=None):
     """A stand-in for the entry script's measure_arm: calls the hooks at their moments and returns
     what it was told the protocol saw."""
     def measure_arm(arm, shape, base, work, *, dry_run=False, snapshot=False, steps=1, hooks=None):
         m = Measurement(realised_width=arm.seq, realised_rows=(arm.seq,) * arm.batch,
-                        soup_predicted=soup_predicted, soup_fit=fit, teardown_error=teardown_error)
+                        soup_predicted=soup_predicted, soup_fit=fit, teardown_error=teardown_error,
+                        soup_resident=soup_resident)
         hooks.before_setup()
         for phase, pause in phases:
             time.sleep(pause)
@@ -91,6 +92,20 @@ def test_cap_soup_caps_at_soups_own_number_before_the_step_and_never_on_a_dry_ru
     assert capped == [3 * GB] and row.constraint == Capped("soup", 3 * GB)
     dry = run_arm(protocol(**seen), "cpu", ARM, SMOL, "unused", tmp_path, constraint=Cap("soup"), dry_run=True)
     assert capped == [3 * GB] and dry.constraint is None
+
+
+def test_cap_soup_caps_a_resident_arm_at_its_resident_gates_number(tmp_path, monkeypatch):
+    """Issue 51 item 1: a resident run's own Soup number is its resident gate's (hardware_fit's, which `soup train`
+    runs before any setup; Soup's setup computes no streamed number there), so --cap soup caps a resident arm at
+    it, not at nothing. FAKE: the CUDA fraction call and the step (the stand-in protocol)."""
+    from issue395.results.extras import ResidentGate
+
+    capped = []
+    monkeypatch.setattr(cap, "apply_cap", capped.append)
+    gate = ResidentGate(peak=2 * GB)
+    row = run_arm(protocol(peak=GB, soup_resident=gate), "cpu", Arm("smol+resident", 2048), SMOL, "unused", tmp_path,
+                  constraint=Cap("soup"))
+    assert capped == [2 * GB] and row.constraint == Capped("soup", 2 * GB) and row.soup_resident == gate
 
 
 def test_a_kept_failure_drops_its_frames_so_teardown_can_free_the_model():
