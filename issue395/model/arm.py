@@ -11,7 +11,7 @@ from typing import Any, Optional
 from ..constants import is_whole
 from ..record import LORA_ALPHA, LORA_R
 from ..tasks import PROTOCOL_TASK
-from .registry import Shape, is_resident
+from .registry import Shape
 
 
 #: Soup's default ``training.optimizer`` (its schema's), the protocol's: the one its step runs.
@@ -80,15 +80,14 @@ class Settings:
     def given(self) -> list[tuple[Setting, Any]]:
         return [(s, getattr(self, s.field)) for s in SETTINGS if getattr(self, s.field) is not None]
 
-    def soup_keys(self, resident: bool = False) -> dict[str, Any]:
-        """The ``training`` keys a Soup config gets beyond the protocol's (none for the protocol's arm; a resident
-        run's, stream_layers false, none a streamed step alone reads)."""
-        return {s.soup: v for s, v in self.given() if not (resident and s.streamed_only)}
+    def soup_keys(self) -> dict[str, Any]:
+        """The ``training`` keys a Soup config gets beyond the protocol's (none for the protocol's arm)."""
+        return {s.soup: v for s, v in self.given()}
 
-    def estimator(self, resident: bool = False) -> dict[str, Any]:
-        """The estimator's keywords (issue395.estimator.estimate; ``resident``: estimate_resident's), those the
-        run sets."""
-        return {s.estimator: v for s, v in self.given() if not (resident and s.streamed_only)}
+    def estimator(self) -> dict[str, Any]:
+        """The estimator's keywords (issue395.estimator.estimate), those the run sets; a resident run's hold none a
+        streamed step alone reads (``read``), and ``resident.estimate_run`` leaves such a one out of its estimate."""
+        return {s.estimator: v for s, v in self.given()}
 
     def to_json(self) -> dict[str, Any]:
         """The row's keys, each absent where the arm sets none (so rows saved before re-render alike)."""
@@ -147,12 +146,12 @@ class Arm:
     @property
     def training(self) -> dict[str, Any]:
         """The Soup ``training`` keys this arm sets beyond the protocol's config (none for the protocol's arm)."""
-        return self.settings.soup_keys(resident=is_resident(self.model))
+        return self.settings.soup_keys()
 
     @property
     def run(self) -> dict[str, Any]:
         """The estimator's keywords for this arm's run beyond its shape: one estimate for the run every mode runs."""
-        return self.settings.estimator(resident=is_resident(self.model))
+        return self.settings.estimator()
 
 
 def predicted_bytes(shape: Shape, seq: int, batch: int = 1, buffers: int = 2) -> int:

@@ -16,6 +16,8 @@ from ..constants import is_whole
 _STR = (lambda v: v is None or isinstance(v, str), "a string or null")
 _PRINTABLE = (lambda v: isinstance(v, str) and v.isprintable(), "a printable string")
 _BYTES = (lambda v: v is None or is_whole(v, 1), "a whole number >= 1 or null")
+_OBJECT = (lambda v: v is None or isinstance(v, dict), "an object or null")
+_BOOL = (lambda v: v is None or isinstance(v, bool), "true, false or null")
 
 
 class Record:
@@ -54,7 +56,7 @@ class Ran(Record):
 
     CHECKS: ClassVar = {"base": _STR, "gpu": _STR, "log": _STR, "teardown_error": _STR,
                         "pid": (lambda v: v is None or is_whole(v, 0), "a whole number or null"),
-                        "timings": (lambda v: v is None or isinstance(v, dict), "an object or null")}
+                        "timings": _OBJECT}
 
     @classmethod
     def from_json(cls, data: Any, where: str) -> "Ran":
@@ -70,7 +72,7 @@ class Gate(Record):
     terms: Optional[dict] = None
     free: Optional[int] = None
 
-    CHECKS: ClassVar = {"terms": (lambda v: v is None or isinstance(v, dict), "an object or null"),
+    CHECKS: ClassVar = {"terms": _OBJECT,
                         "free": _BYTES}
 
 
@@ -89,10 +91,10 @@ class ResidentGate(Record):
     card_total: Optional[int] = None
     admits: Optional[bool] = None
 
-    CHECKS: ClassVar = {"input": (lambda v: v is None or isinstance(v, dict), "an object or null"),
-                        "breakdown": (lambda v: v is None or isinstance(v, dict), "an object or null"),
+    CHECKS: ClassVar = {"input": _OBJECT,
+                        "breakdown": _OBJECT,
                         "peak": _BYTES, "required": _BYTES, "card_total": _BYTES,
-                        "admits": (lambda v: v is None or isinstance(v, bool), "true, false or null")}
+                        "admits": _BOOL}
 
     @staticmethod
     def input_of(config: Any) -> Optional[dict]:
@@ -200,7 +202,7 @@ class SoupProbe(Record):
                                                             and v >= 0), "a number >= 0 or null"),
                         "ceiling": (lambda v: v is None or (isinstance(v, (int, float)) and not isinstance(v, bool)
                                                             and v > 0), "a number > 0 or null"),
-                        "admits": (lambda v: v is None or isinstance(v, bool), "true, false or null")}
+                        "admits": _BOOL}
 
 
 @dataclass(frozen=True)

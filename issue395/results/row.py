@@ -13,7 +13,7 @@ from ..constants import is_whole
 from ..record import LORA_R, RECORD_A10G_PEAK, SOUP_QUANT
 from ..tasks import PROTOCOL_TASK, TASKS, task as task_of
 from ..model.arm import SETTINGS, Arm, Settings, logits_charge, predicted_bytes
-from ..model.registry import Shape, family_of, is_resident
+from ..model.registry import Shape, family_of
 from ..estimator.cards import emulated_outcome, step_free
 from .extras import (Capped, Corrected, Emulated, Gate, Ran, Record, ResidentGate, SoupProbe, UserConfig,
                      constraint_from_json, constraint_to_json)
@@ -136,7 +136,7 @@ class Row:
     @property
     def run(self) -> dict[str, Any]:
         """The estimator's keywords for the row's run beyond its shape, as issue395.model.arm.Arm.run gives them."""
-        return self.settings.estimator(resident=is_resident(self.model_key))
+        return self.settings.estimator()
 
     @property
     def label(self) -> str:

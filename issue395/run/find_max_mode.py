@@ -135,7 +135,7 @@ def resident_answers(req: FindMaxRequest) -> Answers:
     r, card = run.user.resident, run.cards[0]
     kw = dict(quant=run.quants[0], seq=run.seqs[0], batch=run.batches[0], targets=run.adapter.targets,
               lora_r=run.adapter.lora_r, task=run.tasks[0], checkpointing=r.checkpointing, steps=run.steps,
-              **run.settings.estimator(resident=True))
+              **run.settings.estimator())
     b = budget(card, run.context)
     total = card.total_bytes - card.hidden_bytes  # what CUDA reports as the card's total, which Soup's gate reads
     low, step, high = axis_range(config, axis, run.tasks[0])

@@ -22,7 +22,7 @@ def answer_resident(e: EstimateRequest) -> int:
     try:
         est = estimate_resident(e.config, quant=quant, seq=seq, batch=batch, targets=a.targets, lora_r=a.lora_r,
                                 task=task, checkpointing=r.checkpointing, steps=e.steps,
-                                **e.settings.estimator(resident=True))
+                                **e.settings.estimator())
         why = None
     except UsageError as exc:
         est, why = None, str(exc)
