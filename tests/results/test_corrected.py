@@ -18,7 +18,7 @@ from issue395.results.corrected import corrected, corrected_ratio, with_correcte
 from issue395.results.row import Row
 from issue395.text import gb, ratio
 from issue395.estimator.estimate import estimate, estimate_key
-from issue395.model.arm import Arm, Settings
+from issue395.model.arm import Settings
 from issue395.model.registry import config_json
 
 ENV = {"soup_cli": "0.73.3"}
