@@ -4,19 +4,29 @@ is, here, every parameter at its dtype; the step's other terms are the streamed 
 decoder layers are the same modules: without gradient checkpointing every layer keeps what its backward needs
 through the loss (the terms of ``stream_recompute: off``); with it, HF saves each layer's input and recomputes one
 layer at a time in the backward (the terms of Soup's own per-layer recompute). One terms table (estimator/terms.py)
-serves both paths; this module adds only ``resident_weights``.
+serves both paths; this module adds ``resident_weights`` and, without checkpointing, what is live at the loss peak
+there and not in a streamed step: the adapter's bf16 copies its matmuls save (``adapter_casts``), no dropout mask
+where the task's trainer turns dropout off (``dropout_masks``), no kept rest where every block of the step is whole
+2 MiB (``whole_granules``).
 
 Measured (tests/estimator/test_resident.py), on the 143 committed arms of these families it models, bf16 and NF4
-(results/resident-map-*): never under; with checkpointing 1.0001x-1.0033x, without it 1.0021x-1.0833x, median
-1.0114x (the widest: Phi-3-mini NF4, whose fused gate_up the shared count charges whole).
+(results/resident-map-*): never under, median 1.0010x; with checkpointing 1.0001x-1.0033x, without it
+1.0001x-1.0796x, median 1.0016x (the widest: Phi-3-mini NF4, 1.064x-1.080x, whose fused gate_up the shared count
+charges whole; without its 4 rows at most 1.0241x, SmolLM2's bounded rounding).
 
 Known limitations
-    - Without checkpointing, the retained blocks' rounding is bounded, not replayed: each 1-10 MiB block class is
+    - Without checkpointing, where a block of the step or of the weights is not whole 2 MiB (on the committed rows:
+      SmolLM2, Qwen2.5, Gemma-2, Phi-3, Qwen3 NF4, and the 512-token rows of Qwen3 bf16), the retained blocks'
+      rounding is bounded, not replayed: each 1-10 MiB block class is
       cut from 20 MiB segments whose last block keeps a rest under 1 MiB (1 MiB a segment), and each block from
       10 MiB keeps its segment's tail, or, served from a larger cached block, a rest under 1 MiB (1 MiB a block)
       (retained_rounding). The measured excess of max_memory_allocated over the requested peak was 21 MB on SmolLM2
       1024x1, 108 MB on Qwen2.5 2048x1 (75.5 MB of it the MLP blocks' tails), 0 on Llama-3.2-1B 2048x1; without the
-      per-block bound SmolLM2 NF4 at 2048 tokens was 9.8 MB under. This is why the median is 1.011x, not 1.005x.
+      per-block bound SmolLM2 NF4 at 2048 tokens was 9.8 MB under. Those rows are 1.002x-1.024x, which a replay
+      of the forward's requests through the allocator's rules (not built) would tighten.
+    - Phi-3-mini NF4 without checkpointing is 1.064x-1.080x: about 12.3 KB a token a layer (1.5 i, or 4 h) over,
+      unnamed: no anatomy of it is committed (bench/gpu-resident-1.sh ran out of its budget before
+      sft-phi3-nf4-1024x1). Its bf16 rows are 1.0005x-1.019x and its checkpointed NF4 ones 1.0016x-1.0033x.
     - Past a sliding window without checkpointing it is refused: Gemma-3 and Phi-3 keep attention masks per layer
       there that the counts do not have (Gemma-3 2048x1: 48 blocks of 8 MiB; the construction was 0.978x-0.997x).
     - The steady state (steps > 1: the optimizer's states) and gradient accumulation are the streamed step's terms
@@ -33,12 +43,14 @@ Known limitations
 
 from __future__ import annotations
 
-from ..constants import K_LARGE_BUFFER, K_MIN_LARGE_ALLOC, K_SMALL_SIZE, block_bytes
+from ..constants import K_LARGE_BUFFER, K_MIN_LARGE_ALLOC, K_ROUND_LARGE, K_SMALL_SIZE, block_bytes
 from ..errors import UsageError
 from ..model.targets import soup_targets
 from ..tasks import PROTOCOL_TASK, task as task_named
-from .arch import Arch, arch_from_config, layer_bytes, nf4_bytes, protocol_targets
+from .arch import NF4_BLOCK, Arch, arch_from_config, layer_bytes, nf4_bytes, protocol_targets
 from .estimate import Estimate, estimate, needs_free, segment_tail
+from .layer import LORA_DROPOUT_MASK_BYTES
+from .steady import adapter_bytes
 from .terms import Phase, Term, phase_sum
 
 #: The architectures the resident construction is held to (every committed resident row of theirs).
@@ -63,26 +75,88 @@ def resident_weights(a: Arch, quant: str = "none") -> int:
     return a.L * per_layer + vocab + norms + (2 * a.V if a.quirks.head_bias and not a.tied else 0)
 
 
-def retained_rounding(a: Arch, targets: tuple, r: int, T: int, quant: str = "none") -> int:
+def retained_rounding(a: Arch, targets: tuple, r: int, T: int, quant: str = "none", seq: int | None = None,
+                      masks: bool = True) -> int:
     """segment_tail of each block a layer keeps through the loss without checkpointing, over every layer: the
-    tensors retained_by_layer counts per token (the norms' fp32 inputs, each target's dropout output, mask and
-    lora_A output, attention's q, k, v and output, the MLP's saved i-wide tensors), each its own block; from 10 MiB
-    a block's segment rounds to 2 MiB and a rest up to 1 MiB stays in it. Measured: Qwen2.5 2048x1 keeps 72 MLP
-    blocks of 19,922,944 B, each with a 1 MiB tail, which the allocator's history (requested sizes) does not show
-    and max_memory_allocated does (results/resident-anatomy-*/call-1/res-sft-qwen-bf16-2048x1: replayed peak
-    107.7 MB under the real one)."""
+    tensors retained_by_layer counts per token (the norms' fp32 inputs, each target's dropout output, mask
+    (``masks``: where the trainer has not turned dropout off) and lora_A output, attention's q, k, v and output,
+    the MLP's saved i-wide tensors), each its own block; from 10 MiB a block's segment rounds to 2 MiB and a rest
+    up to 1 MiB stays in it. Measured: Qwen2.5 2048x1 keeps 72 MLP blocks of 19,922,944 B, each with a 1 MiB
+    tail, which the allocator's history (requested sizes) does not show and max_memory_allocated does
+    (results/resident-anatomy-*/call-1/res-sft-qwen-bf16-2048x1: replayed peak 107.7 MB under the real one).
+    Where every block the forward can request is a whole number of 2 MiB (``whole_granules``; ``seq`` given),
+    no rest is kept but beside a weight's block (``unaligned_weight_blocks``)."""
+    if seq is not None and whole_granules(a, targets, r, T, seq):
+        return K_SMALL_SIZE * unaligned_weight_blocks(a, quant, targets, r)
     act, qw, kw = 2, a.heads * a.head_dim, a.kv * a.head_dim
     widths = [(4, a.h)] * (a.norms if a.quirks.norm_inputs_saved else 0)
-    widths += [w for t in targets for w in ((act, a.modules[t][0]), (1, a.modules[t][0]), (act, r))]
+    widths += [w for t in targets for w in ((act, a.modules[t][0]), (1 if masks else 0, a.modules[t][0]), (act, r))]
     widths += [(act, qw), (act, kw), (act, (qw + 2 * kw) if a.quirks.fused_qkv else kw), (act, qw)]
     widths += [(4 if quant == "nf4" else act, a.i)] * (a.quirks.mlp_saved - a.quirks.mlp_transients)
-    sizes = [block_bytes(b * w * T) for b, w in widths]
+    sizes = [block_bytes(b * w * T) for b, w in widths if b]
     # requests from 1 MiB to 10 MiB are cut from 20 MiB segments, and a segment's last block keeps a rest under
     # 1 MiB unsplit (the allocator splits a large block only where more than 1 MiB would remain): at most 1 MiB a
     # segment those blocks fill
     cut = a.L * sum(s for s in sizes if K_SMALL_SIZE <= s < K_MIN_LARGE_ALLOC)
     own = a.L * sum(segment_tail(s) or K_SMALL_SIZE for s in sizes if s >= K_MIN_LARGE_ALLOC)
     return own + -(-cut // K_LARGE_BUFFER) * K_SMALL_SIZE
+
+
+def whole_granules(a: Arch, targets: tuple, r: int, T: int, seq: int) -> bool:
+    """Whether every block of the large pool a resident forward can request up to its loss is a whole number of
+    2 MiB, over a superset of its tensors, per token: the residual stream and each norm's input (h) and each
+    linear's output (phi3's fused qkv and gate_up among them), each target's input and lora_A's output (r), q, k
+    and the MLP's i, the rotary tables, at 2 and 4 B (bf16, or fp32 under NF4); each target's dropout mask (1 B
+    a feature), the heads' logsumexp (4 B), the ids and positions (8 B); eager attention's scores (2 and 4 B a
+    head and position) and a mask row (1 B a position). Why it matters: every segment is a whole number of
+    2 MiB (K_ROUND_LARGE), and a block is cut from the front of a free one, which keeps the rest only where it
+    is at most 1 MiB (the allocator splits where more would remain). Where every request is whole 2 MiB, every
+    free block cut from whole 2 MiB is too, so a rest is 0 or at least 2 MiB: none is ever kept. Blocks of
+    1 MiB and less are the small pool's, cut from their own 2 MiB segments to 512 B: none is kept there either."""
+    qw, kw = a.heads * a.head_dim, a.kv * a.head_dim
+    widths = {a.h, a.i, qw, kw, r, a.rotary_dim, a.heads * seq} | {fo for _, fo, _ in a.modules.values()}
+    widths |= {a.modules[t][0] for t in targets if t in a.modules}
+    sizes = {b * w for w in widths for b in (2, 4)} | {a.modules[t][0] for t in targets if t in a.modules}
+    sizes |= {4 * a.heads, 8, seq}
+    return all(block_bytes(s * T) <= K_SMALL_SIZE or block_bytes(s * T) % K_ROUND_LARGE == 0 for s in sizes)
+
+
+def unaligned_weight_blocks(a: Arch, quant: str, targets: tuple, r: int) -> int:
+    """The weights' blocks over 1 MiB (and the loading's own: the bf16 a linear is quantised from, the fp32
+    embedding's bf16 source) that are not a whole number of 2 MiB. Each can leave one free block that is not
+    either, in its segment, after it: a forward of whole 2 MiB requests cut from that free block keeps its rest
+    (at most 1 MiB) in one block only, the one that takes its end, whose rest the segment then has no more."""
+    sizes = []
+    for fi, fo, _ in a.modules.values():
+        n = fi * fo
+        sizes += [2 * n] + ([-(-n // 2), -(-n // NF4_BLOCK)] if quant == "nf4" else [])
+    sizes = a.L * sizes + a.L * [b * r * w for t in targets for w in a.modules[t][:2] for b in (2, 4)]
+    sizes += (1 if a.tied else 2) * [2 * a.V * a.h] + ([4 * a.V * a.h] if quant == "nf4" else [])
+    return sum(1 for s in map(block_bytes, sizes) if s > K_SMALL_SIZE and s % K_ROUND_LARGE)
+
+
+def adapter_casts(a: Arch, targets: tuple, r: int, per: int) -> int:
+    """The bf16 copy of each fp32 LoRA matrix (``per`` 4: adapter_bytes) that autocast makes for its matmul, which
+    saves it for the backward: lora_B's in every layer (its input, lora_A's output, needs a gradient), lora_A's
+    from the second (layer 0's input needs none, so its matmul saves only that input); each its own small
+    block, rounded to 512 B. None where the adapter is bf16 already (per 2: TRL's cast under a 4-bit model).
+    Measured: Qwen2.5 2048x1 keeps 70 blocks of 14,336 B (8 x 896 x 2: q's A and B, v's A) and 24 of 2,048
+    (v's B, 128 x 8 x 2) at its loss peak (results/resident-anatomy-*/call-1/res-sft-qwen-bf16-2048x1); its
+    bf16 rows at 7B and 8B were 1-2 MB under without them, the NF4 rows (a bf16 adapter) not."""
+    if per != 4:
+        return 0
+    first = sum(block_bytes(2 * r * a.modules[t][0]) for t in targets if t in a.modules)
+    last = sum(block_bytes(2 * r * a.modules[t][1]) for t in targets if t in a.modules)
+    return a.L * last + (a.L - 1) * first
+
+
+def dropout_masks(a: Arch, targets: tuple) -> int:
+    """Bytes a token of each LoRA dropout mask a layer saves where its input carries a gradient (layer._lora):
+    what a trainer that turns dropout off (tasks.Task.dropout_disabled) does not make, since dropout at p 0
+    returns its input and only the fused kernel, for 0 < p < 1, writes a mask (ATen's dropout). Measured:
+    Llama-3.2-1B SFT 2048x1 keeps 30 blocks of 4,194,304 B (1 x h x T, q_proj and v_proj in layers 1-15) at its
+    loss peak, DPO at the same 2048 tokens none, every other block alike (results/resident-anatomy-*/call-1)."""
+    return sum(LORA_DROPOUT_MASK_BYTES * a.modules[t][0] for t in targets if t in a.modules)
 
 
 def refused(a: Arch, quant: str, checkpointing: bool = True, seq: int = 0) -> str | None:
@@ -122,12 +196,19 @@ def estimate_resident(config: dict, *, quant: str = "none", seq: int, batch: int
         t[streamed] = 0  # the pool's slots and the streamed extras: here, the whole model's tensors
     t = {Term.RESIDENT_WEIGHTS.key: resident_weights(a, quant), **t}
     T = e.seq * e.batch * task_named(task).rows_per_example
+    tg, masks = targets_of(a, targets, config), not task_named(task).dropout_disabled
     if not checkpointing:
         # no checkpoint saves a layer's input: what each layer's backward needs is its retained count (the
         # norms' fp32 copies among it). Measured: Qwen2.5 2048x1 keeps 45,912 B a token a layer at its loss
         # peak, retained_by_layer's count to the byte (results/resident-anatomy-*/call-1/res-sft-qwen-bf16-2048x1)
         t[Term.CHECKPOINTED_INPUTS.key] = 0
-        t[Term.ALLOCATOR_ROUNDING.key] += retained_rounding(a, targets_of(a, targets, config), lora_r, T, quant)
+        t[Term.ALLOCATOR_ROUNDING.key] += retained_rounding(a, tg, lora_r, T, quant, e.seq, masks)
+        t[Term.ADAPTER_CASTS.key] = adapter_casts(a, tg, lora_r, adapter_bytes(task, quant))
+        if not masks:  # layers 1 to L-1 save a mask per target (layer 0's input needs no gradient); the last
+            # layer's is not beside it, and the binding layer's backward count holds its own
+            t[Term.RETAINED_ACTIVATIONS.key] -= T * (a.L - 1) * dropout_masks(a, tg)
+            t[Term.RETAINED_BESIDE_LAYER.key] -= T * (a.L - 2) * dropout_masks(a, tg)
+            t[Term.LAYER_PER_TOKEN.key] -= T * dropout_masks(a, tg)
     if quant == "nf4":
         # the embedding is fp32, so the residual stream is, and bitsandbytes' Linear4bit returns its input's dtype:
         # the MLP's i-wide tensors are fp32 (Llama-3.2-1B NF4 2048x1 kept 48 of 67,108,864 B, i x T x 4, where bf16

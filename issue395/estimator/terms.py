@@ -92,6 +92,10 @@ class Term(Enum):
     #: ...and at the backward's first layer, every other layer's (the one being run is its per-token count)
     RETAINED_BESIDE_LAYER = ("retained_beside_layer", {_LA}, Kind.ACT, "the other layers' retained activations",
                              "stream_recompute off")
+    #: no checkpointing: each LoRA matrix's bf16 copy that autocast makes of the fp32 adapter, which its matmul
+    #: saves for the backward (a reentrant checkpoint runs the forward without grad: none is kept there)
+    ADAPTER_CASTS = ("adapter_casts", {_LO, _LA}, Kind.TEMP, "the adapter's bf16 copies",
+                     "an fp32 adapter, no checkpointing")
     #: the adapter's gradients as the backward makes them, at its first layer: every other layer's
     #: (one micro-batch; the layer phase takes the larger of this with one checkpointed input and
     #: every input with none)
