@@ -29,6 +29,22 @@ Known limitations
       has not been measured on a resident run yet (bench/gpu-next.sh resident-patch is the call that shows it).
     - Soup's own resident number is hardware_fit's (computed by Soup, from its CLI's input); it is not this
       module's business: the row carries it (results/extras.ResidentGate).
+    - Full fine-tuning (Soup's ``training.lora.r: 0``, ``estimate_full``) is built from physics alone and NOT
+      MEASURED: no full fine-tuning row exists, so every figure of it is unmeasured. What it charges: the
+      weights at the checkpoint's bf16 (Soup 0.73.3 passes no dtype, transformers 5 loads "auto"); every
+      parameter's gradient and torch AdamW's two states in that dtype (steady.OPTIMIZERS' rules per tensor; the
+      states are made at step 1's optimizer step, so the optimizer's step binds from step 1); the foreach
+      AdamW's square-root copy of every parameter at once (a bound: one group); each gradient/state block with
+      the 1 MiB the default allocator may leave in it (constants.unsplit_bound); each layer's count with every
+      linear's input and every norm's normed tensor kept for its weight's gradient (read from transformers'
+      Llama and Gemma norms and SDPA attention, not from a live set); the head's gradient beside the loss (a
+      bound: the loss's fp32 blocks may be freed by the head's backward); the backward walked with the
+      gradients already made, each layer's own counted whole at its MLP backward (a bound); the embedding's
+      backward with its fresh V x h gradient and a 4h-a-token bound on its kernel's fp32 partial sums. Refused
+      in one line: any task but sft and any quantization (Soup does not build them), a release that loads the
+      base as fp32 master weights (0.77.0's resolve_base_load_dtype: an fp32 residual stream and autocast's
+      cached bf16 copy of every weight, not modelled), transformers before 5 (fp32 by default), a config
+      giving another dtype than bf16 or fp16. Spectrum's and the freezes' partial fine-tuning are not modelled.
 """
 
 from __future__ import annotations
