@@ -39,15 +39,35 @@ Known limitations
       has not been measured on a resident run yet (bench/gpu-next.sh resident-patch is the call that shows it).
     - Soup's own resident number is hardware_fit's (computed by Soup, from its CLI's input); it is not this
       module's business: the row carries it (results/extras.ResidentGate).
+    - Full fine-tuning (Soup's ``training.lora.r: 0``, ``estimate_full``) is built from physics alone and NOT
+      MEASURED: no full fine-tuning row exists, so every figure of it is unmeasured. What it charges: the
+      weights at the checkpoint's bf16 (Soup 0.73.3 passes no dtype, transformers 5 loads "auto"); every
+      parameter's gradient and torch AdamW's two states in that dtype (steady.OPTIMIZERS' rules per tensor; the
+      states are made at step 1's optimizer step, so the optimizer's step binds from step 1); the foreach
+      AdamW's square-root copy of every parameter at once (a bound: one group); each gradient/state block with
+      the 1 MiB the default allocator may leave in it (constants.unsplit_bound); each layer's count with every
+      linear's input and every norm's normed tensor kept for its weight's gradient (read from transformers'
+      Llama and Gemma norms and SDPA attention, not from a live set); the head's gradient beside the loss (a
+      bound: the loss's fp32 blocks may be freed by the head's backward); the backward walked with the
+      gradients already made, each layer's own counted whole at its MLP backward (a bound); the embedding's
+      backward with its fresh V x h gradient and a 4h-a-token bound on its kernel's fp32 partial sums. Refused
+      in one line: any task but sft and any quantization (Soup does not build them), a release that loads the
+      base as fp32 master weights (0.77.0's resolve_base_load_dtype: an fp32 residual stream and autocast's
+      cached bf16 copy of every weight, not modelled), transformers before 5 (fp32 by default), a config
+      giving another dtype than bf16 or fp16. Spectrum's and the freezes' partial fine-tuning are not modelled.
 """
 
 from __future__ import annotations
 
-from ..constants import K_LARGE_BUFFER, K_MIN_LARGE_ALLOC, K_ROUND_LARGE, K_SMALL_SIZE, block_bytes
+from ..constants import K_LARGE_BUFFER, K_MIN_LARGE_ALLOC, K_ROUND_LARGE, K_SMALL_SIZE, block_bytes, unsplit_bound
 from ..errors import UsageError
 from ..model.targets import soup_targets
 from ..tasks import PROTOCOL_TASK, task as task_named
 from .arch import NF4_BLOCK, Arch, arch_from_config, layer_bytes, nf4_bytes, protocol_targets
+from .layer import MLP_BACKWARD_TRANSIENTS, Moment, checkpointed_through, layer_per_token
+from .releases import installed_release, release_source
+from .stacks import package_version
+from .steady import FP32, is_bounded, optimizer_named, state_blocks
 from .estimate import Estimate, estimate, needs_free, segment_tail
 from .layer import LORA_DROPOUT_MASK_BYTES
 from .steady import adapter_bytes
@@ -184,6 +204,10 @@ def estimate_resident(config: dict, *, quant: str = "none", seq: int, batch: int
     """The corrected peak of a resident run: the streamed step's bf16 terms (recompute off without checkpointing, on
     with it) with every parameter on the card in place of the pool and the extras, and under NF4 what runs in fp32.
     The Estimate carries no Soup number (Soup's resident gate is hardware_fit's; the row has it)."""
+    if lora_r == 0:  # Soup's full fine-tuning (lora.r 0): no adapter, every parameter trains
+        return estimate_full(config, quant=quant, seq=seq, batch=batch, steps=steps, release=release, task=task,
+                             checkpointing=checkpointing, optimizer=optimizer, accumulation=accumulation,
+                             transformers=transformers)
     a = arch_from_config(config)
     why = refused(a, quant, checkpointing, seq)
     if why:
@@ -263,3 +287,199 @@ def estimate_run(key: str, config: dict | None = None, **kwargs) -> Estimate:
         return estimate_resident(config, checkpointing=bool(modes.get("gradient_checkpointing")),
                                  **{k: v for k, v in kwargs.items() if k not in streamed})
     return estimate(config, stream=modes, **kwargs)
+
+
+# -- Full fine-tuning (Soup's training.lora.r 0): no adapter, every parameter trains --
+#: Soup trains every parameter under lora.r 0 in its SFT trainer only (config/schema.py _validate_full_finetune:
+#: sft + transformers + text + quantization none; its other trainers pass r 0 to peft, which refuses it).
+FULL_FT_TASKS = ("sft",)
+#: The norms that compute in fp32 and scale by ``1 + weight.float()`` (transformers' GemmaRMSNorm and its
+#: heirs): a trained weight makes that mul keep the fp32 normed tensor. Every other modelled norm is Llama's
+#: RMSNorm, whose ``weight * x.to(input_dtype)`` keeps the normed tensor in the model's dtype.
+FP32_NORM_TYPES = ("gemma", "gemma2", "gemma3_text")
+#: The bytes a parameter takes as Soup's full fine-tuning loads it on the stacks this estimate models: the
+#: checkpoint's own bf16 or fp16 (Soup 0.73.3 passes no dtype to from_pretrained, and transformers 5 loads
+#: dtype "auto": the config's, else the weights' own; every checkpoint this tool builds or reads is bf16).
+#: Its gradient and a torch optimizer's states take the same (torch.zeros_like).
+FULL_FT_BYTES = 2
+
+
+def full_refused(a: Arch, config: dict, *, quant: str, task: str, release: str | None,
+                 transformers: str | None) -> str | None:
+    """Why this tool does not estimate this full fine-tuning (None: it does)."""
+    if task not in FULL_FT_TASKS:
+        return (f"full fine-tuning (lora.r 0) under task {task} is not a run Soup builds: its {task} trainer "
+                "passes r 0 to peft, which refuses it (Soup fine-tunes in full under task sft only)")
+    if quant != "none":
+        return f"full fine-tuning (lora.r 0) under {quant}: Soup's loader refuses it (quantization none only)"
+    src = release_source(release)
+    if src is None:
+        return f"soup-cli {release}'s source is not here, so how it loads a fully fine-tuned base is not read"
+    sft = src / "trainer" / "sft.py"
+    if sft.is_file() and "resolve_base_load_dtype" in sft.read_text(encoding="utf-8"):
+        return (f"soup-cli {release or installed_release()} loads a fully fine-tuned base as fp32 master weights "
+                "under bf16 autocast (its resolve_base_load_dtype), which this estimator does not yet model (an "
+                "fp32 residual stream, autocast's cached bf16 copy of every weight)")
+    major = (transformers or package_version("transformers")).split(".")[0]
+    if not major.isdigit() or int(major) < 5:
+        return (f"transformers {transformers or package_version('transformers')} loads a base Soup passes no "
+                "dtype in fp32 (its default before 5), which this estimator does not yet model")
+    dtype = config.get("dtype") or config.get("torch_dtype")
+    if dtype not in (None, "bfloat16", "float16"):  # none given: the weights' own, bf16 in every checkpoint read
+        return (f"a full fine-tuning of a checkpoint whose config.json gives dtype {dtype} is not modelled "
+                "(transformers loads it at that dtype; this estimate charges bf16 or fp16)")
+    return None
+
+
+def layer_tensors(a: Arch) -> list[int]:
+    """One decoder layer's parameter tensors' element counts: its linears (and their biases), its norms (and
+    their biases), its q/k norms."""
+    per_layer = [n for fi, fo, bias in a.modules.values() for n in ((fi * fo, fo) if bias else (fi * fo,))]
+    return per_layer + [a.h] * (a.norms * (2 if a.norm_bias else 1)) + ([a.head_dim] * 2 if a.qk_norm else [])
+
+
+def full_params(a: Arch) -> list[int]:
+    """Each parameter tensor's element count, as transformers builds the model: every layer's (layer_tensors),
+    the embedding, an untied head (its bias) and the final norm."""
+    vocab = [a.V * a.h] + ([] if a.tied else [a.V * a.h] + ([a.V] if a.quirks.head_bias else []))
+    return layer_tensors(a) * a.L + vocab + [a.h] * (2 if a.norm_bias else 1)
+
+
+def _norm_bytes(a: Arch) -> int:
+    return 4 if a.model_type in FP32_NORM_TYPES else 2
+
+
+def full_saved_per_token(a: Arch) -> int:
+    """What a trained weight makes one layer's autograd keep a token beyond a frozen one's: each norm's normed
+    tensor, which its weight's gradient reads (the q/k norms' too); each linear's input, which its weight's
+    gradient reads, where nothing else keeps it: the normed input the attention's and the MLP's input
+    projections share (2 x 2h), attention's output made contiguous for o_proj (2q), the MLP's product for
+    down_proj (2i)."""
+    qw, kw = a.heads * a.head_dim, a.kv * a.head_dim
+    norms = _norm_bytes(a) * (a.norms * a.h + (qw + kw if a.qk_norm else 0))
+    return norms + 2 * 2 * a.h + 2 * qw + 2 * a.i
+
+
+def full_per_token(a: Arch, at: Moment) -> int:
+    """One layer's count a token at moment ``at`` under full fine-tuning: layer_per_token with no adapter and
+    every layer's input carrying a gradient (the embedding trains), and what the trained weights keep."""
+    return layer_per_token(a, "none", (), 0, at=at, input_grad=True) + full_saved_per_token(a)
+
+
+def full_retained(a: Arch) -> int:
+    """What each layer keeps a token for its backward without checkpointing (retained_by_layer's rule: its
+    count at the MLP backward less that moment's transients)."""
+    return full_per_token(a, Moment.BACKWARD) - 2 * MLP_BACKWARD_TRANSIENTS * a.i - 2 * a.h
+
+
+def full_retained_rounding(a: Arch, T: int) -> int:
+    """retained_rounding's bound on the blocks each layer keeps without checkpointing, for full fine-tuning's
+    blocks: the norms' fp32 inputs and normed tensors, the shared normed inputs, attention's q, k, v, output
+    and o_proj's input, the MLP's saved i-wide tensors and down_proj's input; the same allocator rules
+    (1 MiB a 20 MiB segment the 1-10 MiB blocks fill, each block from 10 MiB its tail or 1 MiB)."""
+    qw, kw, nb = a.heads * a.head_dim, a.kv * a.head_dim, _norm_bytes(a)
+    widths = [(4, a.h)] * (a.norms if a.quirks.norm_inputs_saved else 0) + [(nb, a.h)] * a.norms
+    widths += [(2, a.h)] * 2 + [(2, qw), (2, kw), (2, (qw + 2 * kw) if a.quirks.fused_qkv else kw), (2, qw), (2, qw)]
+    widths += [(2, a.i)] * (a.quirks.mlp_saved - a.quirks.mlp_transients + 1)
+    sizes = [block_bytes(b * w * T) for b, w in widths]
+    cut = a.L * sum(s for s in sizes if K_SMALL_SIZE <= s < K_MIN_LARGE_ALLOC)
+    own = a.L * sum(segment_tail(s) or K_SMALL_SIZE for s in sizes if s >= K_MIN_LARGE_ALLOC)
+    return own + -(-cut // K_LARGE_BUFFER) * K_SMALL_SIZE
+
+
+def held(blocks) -> int:
+    """Blocks of these requested sizes as the default allocator holds them: each rounded to 512 B, and up to
+    1 MiB past it where it is over 1 MiB (constants.unsplit_bound: a cached block handed over whole)."""
+    return sum(block_bytes(b) + unsplit_bound(b) for b in blocks)
+
+
+def full_backward(a: Arch, T: int, *, checkpointing: bool, accumulated: bool) -> dict:
+    """The layer phase of a full fine-tuning, walked last layer to first, and the backward's end: the terms of
+    its binding moment. At layer n's turn: the checkpointed inputs of layers 0..n (without checkpointing, what
+    layers 0..n-1 keep), layer n's count at the moment, the gradients already made (the head's, the final
+    norm's, layers n+1..'s; none where micro-batches accumulate into held ones) and, at its MLP backward, its
+    own (a bound: every one of its tensors' at once). At the end the embedding's backward makes a fresh V x h
+    gradient (untied: its own; tied: added into the head's) beside every gradient, with its kernel's fp32
+    partial sums (a bound of 4h a token)."""
+    own = held(FULL_FT_BYTES * n for n in layer_tensors(a))
+    top = head_gradient(a) + held(FULL_FT_BYTES * n for n in [a.h] * (2 if a.norm_bias else 1))
+    best = {}
+    for n in range(a.L):
+        made = 0 if accumulated else top + (a.L - 1 - n) * own
+        before = checkpointed_through(a, "none", T, n) if checkpointing else T * full_retained(a) * n
+        for at in (Moment.FORWARD_END, Moment.BACKWARD) if checkpointing else (Moment.BACKWARD,):
+            mine = own if at is Moment.BACKWARD else 0
+            terms = {Term.LAYER_PER_TOKEN.key: T * full_per_token(a, at), Term.BACKWARD_GRADIENTS.key: made + mine,
+                     "before": before}
+            if sum(terms.values()) > sum(best.values()):
+                best = terms
+    end = {Term.LAYER_PER_TOKEN.key: 0, "before": 0,
+           Term.BACKWARD_GRADIENTS.key: 0 if accumulated else top + a.L * own,
+           Term.EMBEDDING_BACKWARD.key: held([FULL_FT_BYTES * a.V * a.h]) + 4 * a.h * T}
+    return end if sum(end.values()) > sum(best.values()) else best
+
+
+def head_gradient(a: Arch) -> int:
+    """The head's weight gradient, V x h, made at the loss's backward (tied: the embedding's gradient, made
+    there first), and an untied head's bias's."""
+    return held([FULL_FT_BYTES * a.V * a.h] + ([FULL_FT_BYTES * a.V] if a.quirks.head_bias and not a.tied else []))
+
+
+def full_optimizer(a: Arch, optimizer: str) -> dict:
+    """The optimizer's step over every parameter (steady.OPTIMIZERS' rules, per parameter tensor): every
+    gradient, the optimizer's states (torch's in the parameter's dtype, bitsandbytes' own), and its
+    transients (torch's foreach AdamW: exp_avg_sq's square root, one copy of every parameter of a group
+    at once; a bound: the whole model as one group). Each block as the default allocator holds it (held)."""
+    sizes = full_params(a)
+    o = optimizer_named(optimizer)
+    per = FP32 if is_bounded(optimizer) else FULL_FT_BYTES
+    return {Term.PARAMETER_GRADIENTS.key: held(FULL_FT_BYTES * n for n in sizes),
+            Term.OPTIMIZER_STATES.key: held(b for n in sizes for b in state_blocks(n, optimizer, FULL_FT_BYTES)),
+            Term.OPTIMIZER_TRANSIENTS.key: held(per * n for n in sizes for _ in range(o.transient))}
+
+
+def estimate_full(config: dict, *, quant: str = "none", seq: int, batch: int = 1, steps: int = 1,
+                  release: str | None = None, task: str = PROTOCOL_TASK, checkpointing: bool = False,
+                  optimizer: str = "adamw_torch", accumulation: int = 1, transformers: str | None = None) -> Estimate:
+    """The corrected peak of a resident full fine-tuning (Soup's lora.r 0): estimate_resident's shared terms
+    (the weights on the card, the logits and the loss, the ids, the rotary tables, the workspaces, the
+    allowance) with no adapter, each layer's count as a trained layer keeps it, the head's gradient at the
+    loss, the backward walked with every gradient it has made, and the optimizer's step over every parameter,
+    which runs at step 1 too (its states are made there: AdamW's zeros_like at its first step). From step 2
+    the states are live beside every phase. Unmeasured: the module docstring says what is not yet shown."""
+    a = arch_from_config(config)
+    why = full_refused(a, config, quant=quant, task=task, release=release, transformers=transformers)
+    if why:
+        raise UsageError(why)
+    base = estimate_resident(config, seq=seq, batch=batch, lora_r=1, release=release, task=task,
+                             checkpointing=checkpointing, transformers=transformers)
+    T = base.seq * base.batch
+    t = {k: v for k, v in base.terms.items() if k not in (
+        Term.LORA_WEIGHTS.key, Term.BACKWARD_GRADIENTS.key, Term.HELD_GRADIENTS.key, Term.UNSPLIT_REMAINDERS.key)}
+    t[Term.HEAD_INPUT.key] = T * a.h * (_norm_bytes(a) + 2)  # the final norm's normed tensor and the head's input
+    t[Term.HEAD_GRADIENT.key] = head_gradient(a)
+    if accumulation > 1:  # micro-batch 2 on runs with every gradient micro-batch 1 made
+        t[Term.HELD_GRADIENTS.key] = held(FULL_FT_BYTES * n for n in full_params(a))
+    walk = full_backward(a, T, checkpointing=checkpointing, accumulated=accumulation > 1)
+    before = walk.pop("before")
+    t.update(walk)
+    if not checkpointing:
+        t[Term.RETAINED_ACTIVATIONS.key] = T * a.L * full_retained(a)
+        t[Term.RETAINED_BESIDE_LAYER.key] = before
+        t[Term.ALLOCATOR_ROUNDING.key] += full_retained_rounding(a, T) - retained_rounding(
+            a, targets_of(a, None, config), 1, T)
+    t.update(full_optimizer(a, optimizer))
+    ws = t[Term.AUTOGRAD_WORKSPACE.key]
+    layer = phase_sum(t, Phase.LAYER) - (t[Term.CHECKPOINTED_INPUTS.key] - before if checkpointing else 0)
+    step = {Phase.LOSS: phase_sum(t, Phase.LOSS), Phase.LAYER: layer}
+    if steps > 1 or accumulation > 1:  # after a first backward its cuBLAS workspace stays beside every phase
+        step = {p: v + ws for p, v in step.items()}
+    states = t[Term.OPTIMIZER_STATES.key]
+    if steps > 1:
+        step = {p: v + states for p, v in step.items()}
+    step[Phase.OPTIMIZER] = t[Term.PARAMETER_GRADIENTS.key] + states + t[Term.OPTIMIZER_TRANSIENTS.key] + ws
+    binding = max(step, key=step.get)
+    corrected = phase_sum(t, Phase.RESIDENT) + step[binding] + phase_sum(t, Phase.ALLOWANCE)
+    return Estimate(base.seq, base.batch, quant, steps, base.release, None, {}, corrected, needs_free(corrected),
+                    binding.value, {term.key: t[term.key] for term in Term if term.key in t}, base.task, optimizer,
+                    accumulation)

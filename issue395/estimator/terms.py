@@ -113,6 +113,14 @@ class Term(Enum):
     #: needs_free (`soup train`'s expandable segments split every block at 512 B)
     UNSPLIT_REMAINDERS = ("unsplit_remainders", {_LO, _RF, _LA, _OP}, Kind.OTH,
                           "the adapter blocks' unsplit remainders", "an adapter tensor over 1 MiB")
+    #: full fine-tuning (Soup's lora.r 0, resident; issue395.estimator.resident.estimate_full): what a trained
+    #: weight makes autograd keep at the head (its input and the final norm's normed tensor), the head's weight
+    #: gradient made at the loss's backward, the embedding's backward at the walk's end (its fresh V x h gradient
+    #: block and its kernel's fp32 partial sums), and every parameter's gradient at the optimizer's step
+    HEAD_INPUT = ("head_input", {_LO, _RF}, Kind.ACT, "the head's saved input", "lora.r 0")
+    HEAD_GRADIENT = ("head_gradient", {_LO}, Kind.GRAD, "the head's weight gradient", "lora.r 0")
+    EMBEDDING_BACKWARD = ("embedding_backward", {_LA}, Kind.TEMP, "the embedding's backward", "lora.r 0")
+    PARAMETER_GRADIENTS = ("parameter_gradients", {_OP}, Kind.GRAD, "every parameter's gradient", "lora.r 0")
     ALLOCATED_ALLOWANCE = ("allocated_allowance", {_AL}, Kind.OTH, "the allowance", None)
 
     def __init__(self, key: str, phases: set, kind: Kind, words: str, when: str | None):

@@ -118,7 +118,9 @@ class FromFile(FromOptions):
 
     def lora(self) -> tuple[int, int]:
         a = self.user.adapter
-        return within("--lora-r", a.lora_r, named="training.lora.r"), a.lora_alpha or LORA_ALPHA
+        # r 0 is Soup's full fine-tuning, a resident run's (its loader refuses it streamed)
+        return (within("--lora-r", a.lora_r, minimum=0 if self.user.resident else 1, named="training.lora.r"),
+                a.lora_alpha or LORA_ALPHA)
 
     def steps(self) -> tuple[int, Optional[str]]:
         given = self.args.steps

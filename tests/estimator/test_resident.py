@@ -176,3 +176,85 @@ def test_trls_disable_dropout_removes_one_saved_tensor_per_target_from_layer_1_o
     before = saved_count()
     disable_dropout_in_model(m)
     assert before - saved_count() == 2 * (cfg.num_hidden_layers - 1)
+
+
+# -- Full fine-tuning (Soup's training.lora.r 0; issue 51 item 1). No measured full-FT row exists: these hold
+#    the construction to Soup's own setup and to the physics' own rules, not to a peak --
+
+
+def test_soups_own_cpu_setup_of_a_full_fine_tuning_trains_exactly_the_tensors_the_estimate_charges(tmp_path):
+    """Soup's SFT setup (real, CPU) of a tiny resident lora.r 0 run on the harness's own checkpoint: every tensor
+    it leaves trainable is one the estimate charges a gradient and the optimizer's states for, element for
+    element, at the dtype it charges (the checkpoint's own: Soup passes no dtype, transformers 5 loads "auto")."""
+    import yaml
+    from conftest import TINY
+    from soup_cli.config.loader import load_config_from_string
+    from soup_cli.trainer.sft import SFTTrainerWrapper
+
+    from issue395.estimator.resident import FULL_FT_BYTES, full_params, full_refused
+    from issue395.measure.builder import prepare_checkpoint
+
+    base = tmp_path / "tiny"
+    prepare_checkpoint(TINY, base)()
+    config = json.loads((base / "config.json").read_text())
+    a = arch_from_config(config)
+    if full_refused(a, config, quant="none", task="sft", release=None, transformers=None):
+        pytest.skip("the installed Soup's full fine-tuning is one the estimate refuses (its release's line says why)")
+    cfg = load_config_from_string(yaml.safe_dump({
+        "base": str(base), "task": "sft", "data": {"train": "t.jsonl", "max_length": 64},
+        "training": {"batch_size": 1, "quantization": "none", "stream_layers": False, "lora": {"r": 0}}}))
+    wrapper = SFTTrainerWrapper(cfg, device="cpu")
+    wrapper._setup_transformers(cfg, cfg.training)
+    trained = [p for p in wrapper.model.parameters() if p.requires_grad]
+    assert sorted(p.numel() for p in trained) == sorted(full_params(a))
+    assert {p.element_size() for p in trained} == {FULL_FT_BYTES}
+
+
+def test_a_full_fine_tuning_charges_no_adapter_and_every_parameters_gradient_and_states():
+    """Llama-3.2-1B SFT 1024x1, lora.r 0: no LoRA weights; the optimizer's step holds every parameter's gradient
+    and AdamW's two states of each (bf16, as the parameters) and binds; it needs more than the same run with a
+    LoRA adapter by more than those states; from step 2 on the states sit beside every phase."""
+    from issue395.estimator.resident import full_params
+
+    config = config_json("llama32-1b")
+    n = sum(full_params(arch_from_config(config)))
+    full = estimate_resident(config, seq=1024, lora_r=0, steps=2, checkpointing=True)
+    lora = estimate_resident(config, seq=1024, lora_r=8, steps=2, checkpointing=True)
+    t = full.terms
+    assert "lora_weights" not in t and full.phase == "optimizer"
+    assert 2 * 2 * n <= t["adam_moments"] < 2 * 2 * n * 1.05 and 2 * n <= t["parameter_gradients"] < 2 * n * 1.05
+    assert full.corrected_predicted - lora.corrected_predicted > t["adam_moments"]
+    one = estimate_resident(config, seq=1024, lora_r=0, steps=1, checkpointing=True)
+    assert one.phase == "optimizer" and one.terms["adam_moments"] == t["adam_moments"]  # made at step 1's step
+
+
+def test_without_checkpointing_a_fully_trained_layer_keeps_more_than_a_frozen_one():
+    """Every linear's input and every norm's normed tensor kept for its weight's gradient: the retained
+    activations of a full fine-tuning are above a LoRA run's on q and v at the same tokens."""
+    config = config_json("llama32-1b")
+    full = estimate_resident(config, seq=1024, lora_r=0, checkpointing=False)
+    lora = estimate_resident(config, seq=1024, lora_r=8, checkpointing=False)
+    assert full.terms["retained_activations"] > lora.terms["retained_activations"] > 0
+
+
+@pytest.mark.parametrize("kwargs,words", [
+    (dict(task="dpo"), "task dpo is not a run Soup builds"),
+    (dict(quant="nf4"), "Soup's loader refuses it"),
+])
+def test_a_full_fine_tuning_soup_does_not_build_is_one_line(kwargs, words):
+    with pytest.raises(UsageError, match=words):
+        estimate_resident(config_json("llama32-1b"), seq=512, batch=2, lora_r=0, **kwargs)
+
+
+def test_a_release_that_loads_fp32_master_weights_is_refused_in_one_line(tmp_path, monkeypatch):
+    """soup-cli 0.77.0's SFT setup loads a fully fine-tuned base in fp32 (its resolve_base_load_dtype): not
+    modelled, said so naming the release (a soup_cli folder whose sft.py calls it stands for the release)."""
+    from issue395.estimator.releases import SOURCE_ENV
+
+    src = tmp_path / "soup_cli"
+    (src / "trainer").mkdir(parents=True)
+    (src / "trainer" / "sft.py").write_text("dtype = resolve_base_load_dtype(device, full_finetune=True)\n")
+    (tmp_path / "soup_cli-0.77.0.dist-info").mkdir()
+    monkeypatch.setenv(SOURCE_ENV, str(src))
+    with pytest.raises(UsageError, match="soup-cli 0.77.0 loads a fully fine-tuned base as fp32 master weights"):
+        estimate_resident(config_json("llama32-1b"), seq=512, lora_r=0)
