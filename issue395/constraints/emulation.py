@@ -15,7 +15,8 @@ from ..errors import last_line
 from ..record import LORA_R
 from ..tasks import PROTOCOL_TASK
 from ..text import gb, table
-from ..model.registry import FAMILIES, SHAPES, config_json, family_of, is_resident, stream_mode
+from ..model.registry import FAMILIES, SHAPES, config_json, is_resident, stream_mode
+from ..model.streaming import family_of
 from ..estimator.cards import Budget, budget, parse_card, workspace_env
 from ..estimator.fits import card_answers
 from ..results.extras import Emulated

@@ -15,7 +15,8 @@ from typing import Any, Callable, Optional
 
 from ..tasks import PROTOCOL_TASK
 from ..model.arm import Arm
-from ..model.registry import Shape, family_of
+from ..model.registry import Shape
+from ..model.streaming import family_of
 from ..results.result import Result
 from ..results.row import Row
 from ..measure.console import Stop

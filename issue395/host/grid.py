@@ -12,7 +12,8 @@ from typing import Iterable, Optional
 from ..record import MAP_SEQS, PUBLISHED_NF4, RECORD_GRID
 from ..tasks import PROTOCOL_TASK
 from ..model.arm import Arm, Settings
-from ..model.registry import FAMILIES, SHAPES, family_of, max_positions
+from ..model.registry import FAMILIES, SHAPES, max_positions
+from ..model.streaming import family_of
 from ..measure.shapes import family_shape
 
 

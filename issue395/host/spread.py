@@ -20,7 +20,8 @@ from ..record import LORA_R
 from ..tasks import PROTOCOL_TASK
 from ..errors import UsageError, last_line
 from ..model.arm import Arm, Settings
-from ..model.registry import FAMILIES, SHAPES, family_of
+from ..model.registry import FAMILIES, SHAPES
+from ..model.streaming import family_of
 from ..results.extras import UserConfig
 from ..results.result import Result
 from ..results.row import Row, arm_identity

@@ -15,7 +15,8 @@ from ..constants import CONFIG_LIMITS, is_whole
 from ..errors import UsageError, last_line
 from ..record import GRID_ADAPTER_FACTOR, LORA_ALPHA, LORA_R
 from ..model.registry import (FAMILIES, MAP_FAMILIES, NOT_ON_MAP, RELEASE_FAMILIES, SHAPES, Shape, config_json,
-                              family_of, stream_mode)
+                              stream_mode)
+from ..model.streaming import family_of
 from ..estimator.arch import protocol_targets_in
 from ..estimator.moe import soup_intermediate
 from ..estimator.releases import installed_release

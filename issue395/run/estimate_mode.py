@@ -21,8 +21,8 @@ from ..errors import EXIT_OK, EXIT_USAGE, UsageError, last_line
 from ..record import LORA_ALPHA, LORA_R, QUANTS
 from ..tasks import TASKS
 from ..model.arm import Adapter
-from ..model.registry import (ALL_FAMILIES, EXPERT_LAYOUTS, RECOMPUTES, by_hub_id, config_json, hub_id_of,
-                              variant_of)
+from ..model.registry import ALL_FAMILIES, by_hub_id, config_json, hub_id_of, variant_of
+from ..model.streaming import EXPERT_LAYOUTS, RECOMPUTES
 from ..model.targets import soup_targets
 from ..measure.shapes import soup_loss_chunk_bounds
 from ..report.outputs import write_json

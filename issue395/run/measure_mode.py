@@ -19,7 +19,8 @@ from ..constants import comma_list
 from ..errors import EXIT_USAGE, UsageError, last_line
 from ..record import MAP_BATCHES, QUANTS, RECORD_GRID
 from ..model.arm import Adapter, Settings
-from ..model.registry import ALL_FAMILIES, FAMILIES, SHAPES, family_of, max_positions, stream_mode_keys
+from ..model.registry import ALL_FAMILIES, FAMILIES, SHAPES, max_positions, stream_mode_keys
+from ..model.streaming import family_of
 from ..estimator.cards import parse_context
 from ..estimator.soup_number import require_streamed
 from ..results.merge import merge
