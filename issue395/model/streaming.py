@@ -86,10 +86,10 @@ class Streaming:
         """The map key of ``family`` under these modes."""
         return SEP.join((family,) + self.checked(family).modes)
 
-    @property
-    def suffix(self) -> str:
-        """The modes as a row's name says them in brackets ("resident+gc"); empty at Soup's defaults."""
-        return SEP.join(self.modes)
+    def label(self, name: str) -> str:
+        """A row's name for a run of ``name`` under these modes: the modes in brackets ("Llama-3.2-1B
+        [resident+gc]"); the name alone at Soup's defaults."""
+        return f"{name} [{SEP.join(self.modes)}]" if self.modes else name
 
     @classmethod
     def parse(cls, key: str) -> tuple[str, "Streaming"]:

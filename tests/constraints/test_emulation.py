@@ -246,7 +246,7 @@ def test_a_resident_arms_card_verdict_and_cap_are_the_resident_estimates():
     for key, gc in (("qwen+resident", False), ("qwen+resident+gc", True)):
         want = estimate_resident(config_json("qwen"), checkpointing=gc, **kw)
         e = EmulateCard("T4")
-        e.before_arm(ArmSetting(Arm(key, 1024, 1, settings=Settings(buffers=2)), with_modes(family_shape("qwen"), key),
+        e.before_arm(ArmSetting(Arm.at(key, 1024, 1, settings=Settings(buffers=2)), with_modes(family_shape("qwen"), key),
                                 "unused"))
         assert e.needs_free == want.needs_free
         assert cap_bytes("corrected", key, run={"buffers": 2}, **kw) == want.corrected_predicted
