@@ -194,6 +194,13 @@ class Arm:
         """The estimator's keywords for this arm's run beyond its shape: one estimate for the run every mode runs."""
         return self.settings.estimator()
 
+    def estimator(self) -> dict[str, Any]:
+        """The estimator's keywords for this arm (issue395.estimator.estimate's, a streamed one's ``stream`` aside):
+        its shape, its adapter (None: the family's own targets), its steps, task and settings; every estimate of an
+        arm takes these, so no mode lists them again."""
+        return dict(quant=self.quant, seq=self.seq, batch=self.batch, targets=self.adapter.targets or None,
+                    lora_r=self.adapter.lora_r, steps=self.steps, task=self.task, **self.run)
+
     @classmethod
     def from_json(cls, data: dict) -> "Arm":
         """An Arm as ``dataclasses.asdict`` wrote it (a child's job file)."""

@@ -305,19 +305,18 @@ def answered(e: EstimateRequest, a: Adapter, gate, optimizer, stream: dict, kw: 
     from ..estimator.cards import workspace_env
     from ..estimator.arch import protocol_targets
     from ..estimator.soup_number import arch_of
-    from ..estimator.fits import (budgets_for, card_answers, estimate_for, estimate_table, first_line, runs_exit_code,
-                                  steps_words, verdict_lines)
+    from ..estimator.fits import (budgets_for, card_answers, estimate_table, first_line, runs_exit_code, steps_words,
+                                  verdict_lines)
+    from ..estimator.resident import estimate_run
     from ..estimator.releases import UnknownRelease, installed_release, release_label
     from ..estimator.stacks import check_installed
     from ..estimator.steady import bound_words, is_bounded
 
     try:
-        run = e.settings.estimator()
-        rows = [estimate_for(e.config, quant=q, seq=s, batch=b, steps=e.steps, stream=stream, task=t, run=run, **kw)
-                for t in e.tasks for q in e.quants for s in e.seqs for b in e.batches]
+        arms = e.arms()
+        rows = [estimate_run(arm, e.config) for arm in arms]
         budgets = budgets_for(e.cards, e.context)
-        answers = [card_answers(e.config, r, budgets, env=workspace_env(), stream=stream, gate=gate, run=run, **kw)
-                   for r in rows]
+        answers = [card_answers(e.config, r, budgets, arm, env=workspace_env(), gate=gate) for r, arm in zip(rows, arms)]
         installed = installed_release()
         table = estimate_table(rows, e.cards, e.config, answers=answers, release_label=release_label(installed),
                                verbose=e.verbose, **kw)

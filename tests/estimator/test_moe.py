@@ -174,10 +174,10 @@ def test_no_corrected_number_for_a_layout_soup_refuses():
 
 
 def test_a_streaming_mode_is_capped_at_its_own_estimate():
-    from issue395.constraints.cap import cap_bytes
+    from conftest import cap_of
 
     kw = dict(quant="none", seq=512, batch=1, targets=("q_proj", "v_proj"), release="0.77.0")
-    assert cap_bytes("corrected", "smol+recompute-off", **kw) > cap_bytes("corrected", "smol", **kw) + 200e6
+    assert cap_of("corrected", "smol+recompute-off", **kw) > cap_of("corrected", "smol", **kw) + 200e6
 
 
 def test_a_hub_wrapper_config_is_read_as_its_text_decoder_and_kv_must_divide_heads():

@@ -103,3 +103,30 @@ def test_an_arm_comes_back_from_a_childs_job_file_as_it_was_sent():
     arm = Arm.at("moonlight+per_expert+chunk512", 512, 1, 3, "nf4", settings=Settings("adamw_8bit", 4),
                  adapter=Adapter(("q_proj", "kv_b_proj"), 8, 16, "soup.yaml"), steps=2)
     assert Arm.from_json(json.loads(json.dumps(dataclasses.asdict(arm)))) == arm
+
+
+@pytest.mark.parametrize("key, run, words", [
+    ("smol", {}, dict(seq=1024, batch=2)),
+    ("moonlight+per_expert+chunk512", {}, dict(seq=512, batch=1, stream={"stream_expert_layout": "per_expert",
+                                                                        "stream_loss_chunk": 512})),
+    ("qwen", {"optimizer": "adamw_8bit", "accumulation": 4}, dict(seq=2048, batch=1, steps=2, optimizer="adamw_8bit",
+                                                                  accumulation=4)),
+    ("llama32-1b+resident+gc", {"buffers": 4}, dict(seq=1024, batch=1, checkpointing=True)),
+])
+def test_an_arms_estimate_is_the_estimate_its_keywords_gave(key, run, words):
+    """issue 50 item 2: estimate_run of a typed Arm is the estimator's answer for the same run spelled as the old
+    keyword lists (estimate / estimate_resident called directly, keywords written out here): a resident arm drops the
+    streamed-only stream_buffers and takes its checkpointing; a streamed arm its modes and settings."""
+    from issue395.estimator.estimate import estimate
+    from issue395.estimator.resident import estimate_resident, estimate_run
+    from issue395.model.arm import Settings
+    from issue395.model.registry import config_json
+
+    arm = Arm.at(key, words["seq"], words["batch"], settings=Settings(**run), steps=words.get("steps", 1))
+    got = estimate_run(arm, release="0.77.0", **({} if arm.streaming.resident else {"soup": False}))
+    family = key.split("+")[0]
+    if "checkpointing" in words:
+        want = estimate_resident(config_json(family), release="0.77.0", **words)
+    else:
+        want = estimate(config_json(family), release="0.77.0", soup=False, **words)
+    assert got.to_json() == want.to_json()
