@@ -233,7 +233,7 @@ def seq_words(n: Optional[int]) -> str:
 
 def estimate_table(rows: list[Estimate], cards, config: Optional[dict] = None, *, context: Optional[int] = None,
                    answers: Optional[list[list[dict]]] = None, release_label: Optional[str] = None,
-                   verbose: bool = True, **kwargs) -> str:
+                   verbose: bool = True, arms: Optional[list] = None) -> str:
     """One column per (quant, seq, batch); down it, in order: Soup's own pre-flight (computed by
     Soup), the corrected allocated peak and the free memory it needs (this estimator), each term,
     then per card: total, context, free, needs-free, fits, the longest seq that fits, and Soup's
@@ -246,7 +246,10 @@ def estimate_table(rows: list[Estimate], cards, config: Optional[dict] = None, *
         if config is None:
             raise UsageError("the fit table needs the model's config")
         budgets = budgets_for(cards, context)
-        answers = [card_answers(config, e, budgets, env=workspace_env(), **kwargs) for e in rows]
+        from ..model.arm import Arm  # each row's own arm, else the plain one its figures name
+
+        arms = arms or [Arm("custom", e.seq, e.batch, quant=e.quant, task=e.task, steps=e.steps) for e in rows]
+        answers = [card_answers(config, e, budgets, arm, env=workspace_env()) for e, arm in zip(rows, arms)]
     # the task is named wherever one is not the protocol's SFT, so an SFT-only table reads as before
     tasked = any(e.task != PROTOCOL_TASK for e in rows)
     heads = [f"{e.task} {e.quant} {e.seq}x{e.batch}" if tasked else f"{e.quant} {e.seq}x{e.batch}" for e in rows]

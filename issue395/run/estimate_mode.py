@@ -319,7 +319,7 @@ def answered(e: EstimateRequest, a: Adapter, gate, optimizer, stream: dict, kw: 
         answers = [card_answers(e.config, r, budgets, arm, env=workspace_env(), gate=gate) for r, arm in zip(rows, arms)]
         installed = installed_release()
         table = estimate_table(rows, e.cards, e.config, answers=answers, release_label=release_label(installed),
-                               verbose=e.verbose, **kw)
+                               verbose=e.verbose)
     except UnknownRelease:  # the release's fault, not the model's: said without naming the model
         raise
     except UsageError as exc:
