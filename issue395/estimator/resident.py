@@ -271,22 +271,23 @@ def estimate_resident(config: dict, *, quant: str = "none", seq: int, batch: int
                     binding.value, t, e.task, e.optimizer, e.accumulation)
 
 
-def estimate_run(key: str, config: dict | None = None, **kwargs) -> Estimate:
-    """This tool's corrected estimate of a map key's run, streamed or resident, in one place: a resident key
-    (stream_layers off) is ``estimate_resident``'s at the key's checkpointing, with only the settings a resident
-    run reads (a streamed-only one, stream_buffers, left out) and no Soup number (Soup's resident gate is
-    hardware_fit's, which the row carries); any other is ``estimate``'s under the key's streaming modes.
-    ``config``: the checkpoint's own config.json where the key's family has no public one (--model, --config)."""
+def estimate_run(arm, config: dict | None = None, **extra) -> Estimate:
+    """This tool's corrected estimate of an arm's run (issue395.model.arm.Arm), streamed or resident, in one place: a
+    resident arm (stream_layers off) is ``estimate_resident``'s at its checkpointing, with only the settings a
+    resident run reads (a streamed-only one, stream_buffers, left out) and no Soup number (Soup's resident gate is
+    hardware_fit's, which the row carries); any other is ``estimate``'s under its streaming modes. ``config``: the
+    checkpoint's own config.json where the arm's base has no public one (--model, --config); ``extra``: what is not
+    the run's (the release, a card's workspace, ``soup``, the transformers a saved row ran)."""
     from ..model.arm import SETTINGS
-    from ..model.registry import config_json, stream_mode
+    from ..model.registry import config_json
 
-    family, modes = stream_mode(key)
-    config = config_json(family) if config is None else config
-    if modes.get("stream_layers") is False:
-        streamed = {s.estimator for s in SETTINGS if s.streamed_only} | {"soup", "stream", "allowance", "workspace"}
-        return estimate_resident(config, checkpointing=bool(modes.get("gradient_checkpointing")),
+    config = config_json(arm.base) if config is None else config
+    kwargs = dict(arm.estimator(), **extra)
+    if arm.streaming.resident:
+        streamed = {s.estimator for s in SETTINGS if s.streamed_only} | {"soup", "allowance", "workspace"}
+        return estimate_resident(config, checkpointing=arm.streaming.checkpointing,
                                  **{k: v for k, v in kwargs.items() if k not in streamed})
-    return estimate(config, stream=modes, **kwargs)
+    return estimate(config, stream=arm.streaming.stream(), **kwargs)
 
 
 # -- Full fine-tuning (Soup's training.lora.r 0): no adapter, every parameter trains --
