@@ -20,6 +20,7 @@ import re
 import subprocess
 import sys
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -484,14 +485,12 @@ def run_kwargs(d: dict, value: int | None = None) -> tuple[dict, dict]:
     from issue395.model.registry import by_hub_id, config_json
     from issue395.run.userconfig import read_soup_config
 
-    u = read_soup_config(str(ROOT / d["config"]))
-    kw = dict(quant=u.quant, seq=u.seq, batch=u.batch, task=u.task, targets=u.adapter.targets, lora_r=u.adapter.lora_r,
-              steps=d["steps"], **u.settings.estimator(), soup=False,
-              release=d["stack"]["packages"]["soup-cli"], transformers=d["stack"]["packages"]["transformers"],
-              stream=dict(u.stream_options))
+    arm = replace(read_soup_config(str(ROOT / d["config"])).arm, steps=d["steps"])
+    kw = dict(arm.estimator(), soup=False, release=d["stack"]["packages"]["soup-cli"],
+              transformers=d["stack"]["packages"]["transformers"], stream=arm.streaming.stream())
     if value is not None:
         kw[d["measured"]["axis"]] = value
-    return config_json(by_hub_id(u.base)), kw
+    return config_json(by_hub_id(arm.checkpoint)), kw
 
 
 def longest_now(d: dict) -> tuple[int | None, int | None]:

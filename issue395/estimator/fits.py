@@ -95,20 +95,21 @@ def _longest(config: dict, fits: Callable[[Estimate], bool], axis: str = "seq", 
     return largest(lambda v: fits(estimate_for(config, **{axis: v}, **kwargs)), low, step, top)
 
 
-def longest_resident(axis: str, config: dict, free_bytes: int, **kwargs) -> tuple[Optional[int], Optional[str]]:
-    """The longest seq (or largest batch) whose resident needs-free (estimator.resident, at each value, with
-    ``kwargs``: estimate_resident's) fits ``free_bytes``, and why there is none where the estimator does not
-    model the run: (None, its line) where it refuses the smallest value (MoE, a hybrid, latent attention, phi),
-    or where the run fits up to the last value it models (past a sliding window without checkpointing) and
+def longest_resident(axis: str, config: dict, free_bytes: int, arm) -> tuple[Optional[int], Optional[str]]:
+    """The longest seq (or largest batch) whose resident needs-free (estimator.resident, the resident Arm
+    ``arm`` at each value: issue395.model.arm.Arm) fits ``free_bytes``, and why there is none where the estimator
+    does not model the run: (None, its line) where it refuses the smallest value (MoE, a hybrid, latent attention,
+    phi), or where the run fits up to the last value it models (past a sliding window without checkpointing) and
     beyond that it cannot say. (None, None): not even the smallest fits."""
-    from .resident import estimate_resident
+    from dataclasses import replace
 
-    kwargs.pop(axis, None)
-    low, step, top = axis_range(config, axis, kwargs.get("task"))
+    from .resident import estimate_run
+
+    low, step, top = axis_range(config, axis, arm.task)
 
     def at(value: int) -> tuple[Optional[Estimate], Optional[str]]:
         try:
-            return estimate_resident(config, **{axis: value}, **kwargs), None
+            return estimate_run(replace(arm, **{axis: value}), config), None
         except UsageError as exc:
             return None, str(exc)
 

@@ -10,13 +10,12 @@ ever downloaded unless --weights hub asks: any other base is one line.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import replace
 from typing import Optional
 
 from ..errors import UsageError
-from ..tasks import PROTOCOL_TASK
-from ..model.arm import Adapter, Settings
-from ..model.registry import ALL_FAMILIES, FAMILIES, SHAPES, by_hub_id, max_positions, mode_key
+from ..model.arm import Arm
+from ..model.registry import ALL_FAMILIES, FAMILIES, SHAPES, by_hub_id, max_positions
 from ..estimator.soup_number import require_streamed
 from ..measure.shapes import bitsandbytes_present
 from .checks import HUB_ID, within_positions
@@ -32,50 +31,31 @@ CONFIG_GIVES = ("--model", "--quant", "--seq", "--batch", "--task", "--targets",
 #: repeats that peak, so two steps hold the peak over all of them.
 STEADY_STEPS = 2
 
-@dataclass(frozen=True)
-class ConfigArm:
-    """The file's one arm: its model key (a registry key or "custom", the file's streaming modes
-    after it, as the map spells a mode), the checkpoint a custom key runs, and the file's own
-    quantization, seq, batch, adapter and task."""
-
-    path: str
-    key: str
-    model: Optional[str]  # the checkpoint folder (or, with --weights hub, the hub id) of a custom key
-    quant: str
-    seq: int
-    batch: int
-    adapter: Adapter  # the file's training.lora (its path too)
-    task: str = PROTOCOL_TASK  # the file's task: (issue395.tasks)
-    #: the file's run settings as Soup's loader read them (Soup's defaults where it sets none): the arm runs
-    #: them, as `soup train` and --estimate do
-    settings: Settings = Settings()
-
-
-def config_arm(user: UserRun, weights: str, dry_run: bool, soup_resolves_targets: bool = False) -> ConfigArm:
-    """The soup.yaml as one measured arm; a base this tool cannot run without a download is one line.
-    ``soup_resolves_targets``: --find-max's probes run `soup train` on the file, which resolves
-    ``target_modules: auto`` itself (issue 53 item 8), so it is not refused there."""
-    if user.adapter.targets == ("auto",) and not soup_resolves_targets:  # --estimate resolves it (model.targets)
+def config_arm(user: UserRun, weights: str, dry_run: bool, soup_resolves_targets: bool = False) -> Arm:
+    """The soup.yaml's Arm (``user.arm``) with its base resolved (a registry key, or "custom" with its checkpoint
+    folder or, with --weights hub, its hub id), checked as a measured arm; a base this tool cannot run without a
+    download is one line. ``soup_resolves_targets``: --find-max's probes run `soup train` on the file, which
+    resolves ``target_modules: auto`` itself (issue 53 item 8), so it is not refused there."""
+    arm = user.arm
+    if arm.adapter.targets == ("auto",) and arm.adapter.lora_r and not soup_resolves_targets:  # r 0 trains no target
         raise UsageError(f"--config {user.path}: training.lora.target_modules 'auto' is estimated (--estimate) but "
                          "not run as an arm here: name the modules")
     model, key = base_of(user, weights)
-    if key != "custom" and user.resident is None:  # a resident run (--find-max's) needs Soup to stream nothing
+    if key != "custom" and not arm.streaming.resident:  # a resident run needs Soup to stream nothing
         require_streamed((FAMILIES[key] if key in FAMILIES else SHAPES[key]).model_type,
                          f"--config {user.path}: base {user.base}")
     if key != "custom":
-        within_positions(user.base, max_positions(key), (user.seq,), f"--config {user.path}: data.max_length")
-    if user.quant == "nf4" and not dry_run and not bitsandbytes_present():
+        within_positions(user.base, max_positions(key), (arm.seq,), f"--config {user.path}: data.max_length")
+    if arm.quant == "nf4" and not dry_run and not bitsandbytes_present():
         raise UsageError(f"--config {user.path}: training.quantization 4bit needs bitsandbytes, which is not "
                          "installed here")
-    if bitsandbytes_optimizer(user.settings.optimizer) and not dry_run and not bitsandbytes_present():
-        raise UsageError(f"--config {user.path}: training.optimizer {user.settings.optimizer} is bitsandbytes', which is not "
+    optimizer = arm.settings.optimizer
+    if bitsandbytes_optimizer(optimizer) and not dry_run and not bitsandbytes_present():
+        raise UsageError(f"--config {user.path}: training.optimizer {optimizer} is bitsandbytes', which is not "
                          "installed here")
-    modes = user.stream_options
-    # a resident file is the map's resident arm (`family+resident[+gc]`): Soup reads no streaming mode there
-    key = (mode_key(key, resident=True, checkpointing=user.resident.checkpointing) if user.resident else
-           mode_key(key, modes.get("stream_expert_layout") or "fused", modes.get("stream_loss_chunk"),
-                    modes.get("stream_recompute") or "on"))
-    return ConfigArm(user.path, key, model, user.quant, user.seq, user.batch, user.adapter, user.task, user.settings)
+    arm = replace(arm, base=key, checkpoint=model)
+    arm.streaming.checked(key)  # a resident file is the map's resident arm (`family+resident[+gc]`)
+    return arm
 
 
 def bitsandbytes_optimizer(name: str) -> bool:

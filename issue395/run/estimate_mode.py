@@ -22,7 +22,7 @@ from ..record import LORA_ALPHA, LORA_R, QUANTS
 from ..tasks import TASKS
 from ..model.arm import Adapter
 from ..model.registry import ALL_FAMILIES, by_hub_id, config_json, hub_id_of, variant_of
-from ..model.streaming import EXPERT_LAYOUTS, RECOMPUTES
+from ..model.streaming import EXPERT_LAYOUTS, RECOMPUTES, Streaming
 from ..model.targets import soup_targets
 from ..measure.shapes import soup_loss_chunk_bounds
 from ..report.outputs import write_json
@@ -78,6 +78,10 @@ class FromOptions:
     def steps(self) -> tuple[int, Optional[str]]:
         return one_int("--steps", self.args.steps, 1), None
 
+    def streaming(self, stream: dict) -> Streaming:
+        """The run's Streaming: the modes settled (``settled_stream``'s Soup keys)."""
+        return Streaming.of_training(stream)
+
 
 class FromFile(FromOptions):
     """--estimate's values off the soup.yaml's UserRun (Soup's own loader validated them), an error naming
@@ -96,28 +100,32 @@ class FromFile(FromOptions):
         return self.user.base
 
     def quants(self) -> tuple:
-        return (self.user.quant,)
+        return (self.user.arm.quant,)
 
     def seqs(self) -> tuple:
-        return (within("--seq", self.user.seq, minimum=64, named=self.SEQ),)
+        return (within("--seq", self.user.arm.seq, minimum=64, named=self.SEQ),)
 
     def targets(self) -> tuple[Optional[tuple], Optional[str]]:
-        return self.user.adapter.targets, ",".join(self.user.adapter.targets)
+        return self.user.arm.adapter.targets, ",".join(self.user.arm.adapter.targets)
 
     def stream(self) -> dict:
-        modes = self.user.stream_options
-        chunk = modes.get("stream_loss_chunk")
-        return {"expert_layout": modes.get("stream_expert_layout"), "recompute": modes.get("stream_recompute"),
-                "loss_chunk": None if chunk is None else str(chunk)}
+        s = self.user.arm.streaming
+        return {"expert_layout": s.layout, "recompute": s.recompute,
+                "loss_chunk": None if s.loss_chunk is None else str(s.loss_chunk)}
+
+    def streaming(self, stream: dict) -> Streaming:
+        """The file's Streaming whole: a resident run and its checkpointing, Soup's probe (issue 50, F: every
+        estimate of a probed file takes the probe's backward at setup, as the map's ``+probe`` arm does)."""
+        return self.user.arm.streaming
 
     def tasks(self) -> tuple:
-        return (self.user.task,)
+        return (self.user.arm.task,)
 
     def batches(self) -> tuple:
-        return (within("--batch", self.user.batch, named=self.BATCH),)
+        return (within("--batch", self.user.arm.batch, named=self.BATCH),)
 
     def lora(self) -> tuple[int, int]:
-        a = self.user.adapter
+        a = self.user.arm.adapter
         # r 0 is Soup's full fine-tuning, a resident run's (its loader refuses it streamed)
         return (within("--lora-r", a.lora_r, minimum=0 if self.user.resident else 1, named="training.lora.r"),
                 a.lora_alpha or LORA_ALPHA)
@@ -224,7 +232,7 @@ def settle_values(args: argparse.Namespace, given: FromOptions, cards_given: Opt
     user = getattr(given, "user", None)
     return EstimateRequest(name, config, quants, seqs, batches, tasks,
                     Adapter(targets, lora_r, lora_alpha, soup_config=args.config), cards, context,
-                    tuple(sorted(stream.items())), steps, user=user, steps_from=steps_from)
+                    given.streaming(stream), steps, user=user, steps_from=steps_from)
 
 
 def settled_stream(given: dict, named: dict) -> dict:

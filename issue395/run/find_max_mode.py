@@ -10,7 +10,7 @@ import argparse
 import os
 import shutil
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -128,14 +128,11 @@ def resident_answers(req: FindMaxRequest) -> Answers:
     the axis's value, decide_hardware_fit on the card's total as CUDA reports it)."""
     from ..estimator.cards import budget
     from ..estimator.fits import axis_range, longest_resident
-    from ..estimator.resident import estimate_resident
+    from ..estimator.resident import estimate_run
     from ..results.extras import ResidentGate
 
     axis, run, config = req.axis, req.estimate, req.estimate.config
-    r, card = run.user.resident, run.cards[0]
-    kw = dict(quant=run.quants[0], seq=run.seqs[0], batch=run.batches[0], targets=run.adapter.targets,
-              lora_r=run.adapter.lora_r, task=run.tasks[0], checkpointing=r.checkpointing, steps=run.steps,
-              **run.settings.estimator())
+    r, card, arm = run.user.resident, run.cards[0], run.arms()[0]
     b = budget(card, run.context)
     total = card.total_bytes - card.hidden_bytes  # what CUDA reports as the card's total, which Soup's gate reads
     low, step, high = axis_range(config, axis, run.tasks[0])
@@ -145,16 +142,16 @@ def resident_answers(req: FindMaxRequest) -> Answers:
 
     def charged_at(value: int, context: int) -> Optional[dict]:
         try:
-            e = estimate_resident(config, **dict(kw, **{axis: value}))
+            e = estimate_run(replace(arm, **{axis: value}), config)
         except UsageError:  # not modelled there: nothing charged
             return None
         return {"allocated": e.corrected_predicted, "reserve": e.needs_free - e.corrected_predicted,
                 "outside": card.total_bytes - budget(card, context).step_free_bytes}
 
-    tool, refused = longest_resident(axis, config, b.step_free_bytes, **kw)
+    tool, refused = longest_resident(axis, config, b.step_free_bytes, arm)
     return Answers(axis, card, b, tool, ResidentGate.longest(r.soup_input, axis, total, low, step, high), low, step,
                    high, RESIDENT_RULE, gate_at,
-                   lambda context: longest_resident(axis, config, budget(card, context).step_free_bytes, **kw)[0],
+                   lambda context: longest_resident(axis, config, budget(card, context).step_free_bytes, arm)[0],
                    charged_at, resident=r, refused=refused)
 
 
@@ -285,7 +282,7 @@ def probe_writer(ask: FindMaxRequest, a: Answers, protocol: Any, t: Any, scratch
     returns the soup.yaml's path."""
     run, axis = ask.estimate, ask.axis
     user_text = run.user.text
-    accumulation = run.user.settings.micro_batches
+    accumulation = run.settings.micro_batches
 
     def write(value: int) -> Path:
         folder = scratch.path("find-max", f"{axis}-{value}")
@@ -398,7 +395,7 @@ def said(ask: FindMaxRequest, a: Answers, box: Optional[int], like: Optional[int
 
     run, axis, card, r = ask.estimate, ask.axis, a.card.name, a.resident
     head = (f"--find-max {axis}: {run.model}, from --config {run.adapter.soup_config} ("
-            + (f"a resident run, training.stream_layers false{', gradient checkpointing' if r.checkpointing else ''}; "
+            + (f"a resident run, training.stream_layers false{', gradient checkpointing' if run.streaming.checkpointing else ''}; "
                if r else "") + f"{run.tasks[0]} {run.quants[0]}, "
             + (f"batch {run.batches[0]}" if axis == "seq" else f"seq {run.seqs[0]}")
             + f"), on {card} ({a.card.total_bytes:,} B; {ask.flag}); {steps_words(run.steps, run.steps_from)}")
@@ -426,7 +423,7 @@ def json_head(ask: FindMaxRequest, a: Answers, like: Optional[int]) -> dict:
     """What a --find-max JSON holds whether it ran or planned: the file, the arm, the card, both answers, and what
     a resident file's search adds (its typed record; null for a streamed file)."""
     run, r = ask.estimate, a.resident
-    resident = None if r is None else ResidentSearch(r.checkpointing, r.soup_input, a.started_from(like), a.refused)
+    resident = None if r is None else ResidentSearch(run.streaming.checkpointing, r.soup_input, a.started_from(like), a.refused)
     return {"config": run.adapter.soup_config, "model": run.model, "task": run.tasks[0], "quant": run.quants[0],
             "seq": run.seqs[0], "batch": run.batches[0], "steps": run.steps,
             "card": {"card": a.card.name, "bytes": a.card.total_bytes, "given_as": ask.flag},

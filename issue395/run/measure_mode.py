@@ -18,7 +18,7 @@ from typing import Optional
 from ..constants import comma_list
 from ..errors import EXIT_USAGE, UsageError, last_line
 from ..record import MAP_BATCHES, QUANTS, RECORD_GRID
-from ..model.arm import Adapter, Settings
+from ..model.arm import Adapter, Arm, Settings
 from ..model.registry import ALL_FAMILIES, FAMILIES, SHAPES, max_positions, stream_mode_keys
 from ..model.streaming import family_of
 from ..estimator.cards import parse_context
@@ -43,7 +43,7 @@ from ..host.checkpoints import Checkpoints, shard_tag
 from .checks import (ARM_NEEDS, context_within_cards, distinct_choices, local_or_hub, no_output_is_an_input, one_card, one_int,
                      parse_ints, require_installed, settle_tasks, within, within_positions)
 from .clashes import check
-from .configarm import ConfigArm, config_arm
+from .configarm import config_arm
 from ..host.grid import plan_arms, shard_of
 from .parser import NO_CUDA
 from ..host.probes import min_free_arms
@@ -83,7 +83,7 @@ def settle(args: argparse.Namespace, argv: list[str]) -> MeasureRequest:
         if not (re.fullmatch("[0-9]{1,18}", k) and re.fullmatch("[0-9]{1,18}", n) and 1 <= int(k) <= int(n)):
             raise UsageError(f"--shard {args.shard}: give K/N with 1 <= K <= N, e.g. --shard 2/4")
         shard = (int(k), int(n))
-    model = arm.model if arm else args.model
+    model = arm.checkpoint if arm else args.model
     check("shard", args, model=model, shard=shard, gpus=gpus, repeats=repeats, seqs=seqs)
     if model is not None:  # a path that is not there is one line here, not a hub lookup
         model = local_or_hub(model)
@@ -126,11 +126,12 @@ def settle(args: argparse.Namespace, argv: list[str]) -> MeasureRequest:
     return run
 
 
-def sweep_grid(args: argparse.Namespace, arm: Optional[ConfigArm]) -> tuple:
+def sweep_grid(args: argparse.Namespace, arm: Optional[Arm]) -> tuple:
     """The sweep's models, quantization, seqs and batches (--config: its one arm's)."""
     if arm is not None:  # the file's values, as Soup's loader read them (the bounds every seq and batch has)
-        seq = within("--seq", arm.seq, minimum=64, named=f"--config {arm.path}: data.max_length") if arm.model else arm.seq
-        return (arm.key,), (arm.quant,), (seq,), (within("--batch", arm.batch, named=f"--config {arm.path}: training.batch_size"),)
+        path = arm.adapter.soup_config
+        seq = within("--seq", arm.seq, minimum=64, named=f"--config {path}: data.max_length") if arm.checkpoint else arm.seq
+        return (arm.key,), (arm.quant,), (seq,), (within("--batch", arm.batch, named=f"--config {path}: training.batch_size"),)
     if args.model is not None and not args.model.strip():
         raise UsageError("--model needs a checkpoint folder or a hub id")
     models = (("custom",) if args.model else tuple(SHAPES) if args.models is None

@@ -31,7 +31,7 @@ class EstimateRequest:
     adapter: Adapter = Adapter()
     cards: tuple = ()  # issue395.estimator.cards.Card
     context: Optional[int] = None  # --context, bytes
-    stream: tuple = ()  # soup-cli 0.77.0's streaming modes: (training key, value) pairs
+    streaming: Streaming = Streaming()  # how the run streams (a file's: resident, its checkpointing, Soup's probe)
     steps: int = 1
     fit_exit: bool = False  # --exit-code: exits 1 when the run does not fit a card
     user: Optional[UserRun] = None  # --config: the soup.yaml these values are read from
@@ -46,13 +46,18 @@ class EstimateRequest:
         """Soup's gate as the file sets it (issue395.estimator.fits.Gate: its override, its probe)."""
         from ..estimator.fits import Gate
 
-        return Gate(self.user.gate_override, self.user.probe) if self.user else Gate()
+        return Gate(self.user.gate_override, self.streaming.probe) if self.user else Gate()
+
+    @property
+    def stream(self) -> tuple:
+        """soup-cli 0.77.0's streaming modes as (training key, value) pairs, Soup's probe aside (the gate's)."""
+        return tuple(sorted((k, v) for k, v in self.streaming.stream().items() if k != "stream_vram_probe"))
 
     @property
     def settings(self) -> Settings:
         """The file's run settings (Soup's defaults where it sets none; none for --model: the estimator's
         defaults, Soup's default optimizer and one micro-batch a step)."""
-        return self.user.settings if self.user else Settings()
+        return self.user.arm.settings if self.user else Settings()
 
     def arms(self) -> list[Arm]:
         """Each (task, quant, seq, batch) asked, in the table's order, as one Arm: the model's registry key where it
@@ -60,7 +65,7 @@ class EstimateRequest:
         from ..model.registry import ALL_FAMILIES, by_hub_id
 
         key = self.model if self.model in ALL_FAMILIES else by_hub_id(self.model)
-        run = dict(base=key or "custom", streaming=Streaming.of_training(dict(self.stream)), adapter=self.adapter,
+        run = dict(base=key or "custom", streaming=self.streaming, adapter=self.adapter,
                    settings=self.settings, steps=self.steps, checkpoint=None if key else self.model, stack=self.stack)
         return [Arm(seq=s, batch=b, quant=q, task=t, **run)
                 for t in self.tasks for q in self.quants for s in self.seqs for b in self.batches]

@@ -14,16 +14,13 @@ from .request import EstimateRequest
 def answer_resident(e: EstimateRequest) -> int:
     """The resident run's rows, verdict, text and JSON (one (task, quant, seq, batch): the file's)."""
     from ..estimator.cards import budget
-    from ..estimator.resident import estimate_resident
+    from ..estimator.resident import estimate_run
     from ..estimator.steady import bound_words, is_bounded
 
-    r, a = e.user.resident, e.adapter
-    task, quant, seq, batch = e.tasks[0], e.quants[0], e.seqs[0], e.batches[0]
+    r, a, arm = e.user.resident, e.adapter, e.arms()[0]
+    task, quant, seq, batch, checkpointing = arm.task, arm.quant, arm.seq, arm.batch, arm.streaming.checkpointing
     try:
-        est = estimate_resident(e.config, quant=quant, seq=seq, batch=batch, targets=a.targets, lora_r=a.lora_r,
-                                task=task, checkpointing=r.checkpointing, steps=e.steps,
-                                **e.settings.estimator())
-        why = None
+        est, why = estimate_run(arm, e.config), None
     except UsageError as exc:
         est, why = None, str(exc)
     if why and e.fit_exit:
@@ -36,7 +33,7 @@ def answer_resident(e: EstimateRequest) -> int:
         cards.append({"card": card.name, "total_bytes": card.total_bytes, "free_bytes": b.free_bytes,
                       "fits": None if est is None else b.fits(est.needs_free),
                       "soup_admits": ResidentGate.computed(r.soup_input, card.total_bytes - card.hidden_bytes).admitted})
-    tag = (f"{task} {quant} {seq}x{batch}" + (" with gradient checkpointing" if r.checkpointing else "")
+    tag = (f"{task} {quant} {seq}x{batch}" + (" with gradient checkpointing" if checkpointing else "")
            + (", full fine-tuning (training.lora.r 0: no adapter, every parameter trains)" if a.lora_r == 0 else ""))
     mine = (f"needs {est.needs_free / 1e9:.2f} GB free by this tool's resident estimate" if est else
             f"not estimated by this tool ({why})")
@@ -69,7 +66,7 @@ def answer_resident(e: EstimateRequest) -> int:
                  "from the config alone)")
     print("\n".join(lines))
     if e.outputs.json and not write_json(e.outputs.json, "estimate", {
-            "model": e.model, "config": a.soup_config, "resident": {"checkpointing": r.checkpointing,
+            "model": e.model, "config": a.soup_config, "resident": {"checkpointing": checkpointing,
                                                                      "soup_input": r.soup_input},
             "task": task, "quant": quant, "seq": seq, "batch": batch, "steps": e.steps,
             "soup_resident_bytes": soup.peak,

@@ -15,7 +15,8 @@ from ..constants import STREAM_KEYS
 from ..errors import UsageError, cut, last_line, soups_words
 from ..record import SOUP_QUANT
 from ..tasks import PROTOCOL_TASK, TASKS
-from ..model.arm import Adapter, Settings
+from ..model.arm import Adapter, Arm, Settings
+from ..model.streaming import Streaming
 from ..results.extras import ResidentGate
 from .checks import HUB_ID, LOADER_NEEDS, looks_like_a_path
 
@@ -25,34 +26,46 @@ QUANT_OF = {soup: ours for ours, soup in SOUP_QUANT.items()}
 
 @dataclass(frozen=True)
 class UserRun:
-    """What a soup.yaml asks for, in the estimator's terms."""
+    """What a soup.yaml asks for: its run as one typed Arm (``arm``: its shape, task, adapter, settings and
+    streaming as Soup's loader read them; its base "custom" with ``checkpoint`` the base as the file writes it,
+    until issue395.run.configarm resolves it to a registry key), and what is not the run's shape: the file, Soup's
+    gate override, how each key is read, the text, and a resident run's Soup gate input."""
 
     path: str
-    base: str
-    quant: str
-    seq: int
-    batch: int
-    adapter: Adapter  # training.lora: its targets (auto, all-linear: Soup's own spelling, one item), r, alpha
-    stream_options: dict  # 0.77.0's streaming modes, as the file sets them (none on 0.73.3)
-    task: str = PROTOCOL_TASK  # Soup's task: (issue395.tasks)
+    arm: Arm
     gate_override: Optional[int] = None  # training.stream_vram_override: bytes Soup's gate takes as free
-    probe: bool = False  # training.stream_vram_probe: Soup's gate is one measured step (decide_measured_fit)
-    settings: Settings = Settings()  # the run's SETTINGS (optimizer, accumulation) as Soup's loader read them
     keys: tuple = ()  # one line per key of the file that changes the peak or Soup's gate: how it is read
     text: str = ""  # the file as written (--find-max's probes copy it, changing only their keys)
-    resident: Optional["ResidentRun"] = None  # training.stream_layers false: what a resident run adds
+    resident: Optional["ResidentRun"] = None  # training.stream_layers false: Soup's resident gate's input
+
+    @property
+    def base(self) -> str:
+        """The file's base as written (a hub id or a folder)."""
+        return str(self.arm.checkpoint)
+
+    @property
+    def probe(self) -> bool:
+        """training.stream_vram_probe: Soup's gate is one measured step (decide_measured_fit); the arm's too."""
+        return self.arm.streaming.probe
 
 
 @dataclass(frozen=True)
 class ResidentRun:
-    """A resident soup.yaml (training.stream_layers false): its gradient checkpointing (any tier is HF's full
-    checkpointing, as Soup's resolve_gradient_checkpointing sets it) and the input Soup's resident gate takes, as
-    `soup train`'s CLI builds it from the file (commands/train.py's _build_hardware_fit_input: computed by Soup;
-    None where it builds none and skips its gate)."""
+    """A resident soup.yaml (training.stream_layers false): the input Soup's resident gate takes, as `soup train`'s
+    CLI builds it from the file (commands/train.py's _build_hardware_fit_input: computed by Soup; None where it
+    builds none and skips its gate); its gradient checkpointing is the arm's (``Streaming.checkpointing``)."""
 
-    checkpointing: bool
     soup_input: Optional[dict]
     soup_profile: Optional[dict] = None  # `soup profile`'s estimate of the file (ResidentGate.profile_of)
+
+
+def file_streaming(t: Any) -> Streaming:
+    """How the file's run streams, off Soup's loaded ``cfg.training``: a resident run (stream_layers false) reads
+    no streaming mode, only its gradient checkpointing (any tier is HF's full checkpointing, as Soup's
+    resolve_gradient_checkpointing sets it); a streamed one its modes and Soup's probe."""
+    if not getattr(t, "stream_layers", False):
+        return Streaming(layers=False, checkpointing=bool(getattr(t, "gradient_checkpointing", False)))
+    return Streaming.of_training({k: getattr(t, k, None) for k in STREAM_KEYS + ("stream_vram_probe",)})
 
 
 def missing_for_loader(exc: ImportError) -> str:
@@ -93,8 +106,7 @@ def read_soup_config(path: str) -> UserRun:
     t = cfg.training
     resident = None
     if not getattr(t, "stream_layers", False):  # a resident run: every mode answers it
-        resident = ResidentRun(bool(getattr(t, "gradient_checkpointing", False)), ResidentGate.input_of(cfg),
-                               ResidentGate.profile_of(cfg))
+        resident = ResidentRun(ResidentGate.input_of(cfg), ResidentGate.profile_of(cfg))
     task = str(getattr(cfg, "task", PROTOCOL_TASK))
     if task not in TASKS:  # a task Soup takes but does not stream: Soup itself would refuse to stream it
         raise UsageError(f"--config {path}: task {task!r} is not one Soup streams ({', '.join(TASKS)})")
@@ -109,16 +121,16 @@ def read_soup_config(path: str) -> UserRun:
     targets = lora.target_modules
     if isinstance(targets, str):  # auto and all-linear: resolved as --targets resolves them (model.targets)
         targets = (targets,)
-    stream = {k: getattr(t, k) for k in STREAM_KEYS if hasattr(t, k)}
-    if stream.get("stream_recompute") == "auto":
+    if getattr(t, "stream_recompute", None) == "auto":
         raise UsageError(f"--config {path}: training.stream_recompute 'auto' is an option the estimator does not "
                          "model (it measures a step at setup; give on or off)")
     override = getattr(t, "stream_vram_override", None)
-    return UserRun(str(path), cfg.base, quant, int(cfg.data.max_length), int(t.batch_size),
-                   Adapter(tuple(targets), int(lora.r), int(lora.alpha), str(path)), stream, task,
-                   gate_override=None if override is None else int(override),
-                   probe=bool(getattr(t, "stream_vram_probe", False)), settings=Settings.read(t),
-                   keys=tuple(unknown_keys(raw)) + tuple(key_lines(cfg, quant, set_in(raw, "training"))), text=text, resident=resident)
+    arm = Arm("custom", int(cfg.data.max_length), int(t.batch_size), quant=quant, task=task, settings=Settings.read(t),
+              streaming=file_streaming(t), adapter=Adapter(tuple(targets), int(lora.r), int(lora.alpha), str(path)),
+              checkpoint=str(cfg.base))
+    return UserRun(str(path), arm, gate_override=None if override is None else int(override),
+                   keys=tuple(unknown_keys(raw)) + tuple(key_lines(cfg, quant, set_in(raw, "training"))), text=text,
+                   resident=resident)
 
 
 def soup_release() -> str:

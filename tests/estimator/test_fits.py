@@ -363,21 +363,26 @@ def test_the_longest_resident_value_fits_and_one_step_more_does_not(axis, kw, st
     does not (the search over the estimator, not its terms)."""
     from issue395.estimator.resident import estimate_resident
 
+    from issue395.model.arm import Arm
+
     config, free = config_json("llama32-1b"), 12_000_000_000
-    got, why = F.longest_resident(axis, config, free, **kw)
+    arm = Arm.at("llama32-1b+resident", **{"seq": 64, "batch": 1, **kw})
+    got, why = F.longest_resident(axis, config, free, arm)
     assert why is None and got is not None and got > step
     assert estimate_resident(config, **{**kw, axis: got}).needs_free <= free
     assert estimate_resident(config, **{**kw, axis: got + step}).needs_free > free
-    assert F.longest_resident(axis, config, 10**9, **kw) == (None, None)  # not even the smallest fits 1 GB
+    assert F.longest_resident(axis, config, 10**9, arm) == (None, None)  # not even the smallest fits 1 GB
 
 
 def test_a_resident_run_the_estimator_does_not_model_has_no_longest_and_says_why():
     """Phi-2 resident is refused whole; Gemma-3-1B without checkpointing is modelled only below its 512-token
     window, so on a card where that fits the answer is none, and why; with checkpointing it answers."""
-    assert F.longest_resident("seq", config_json("phi-2"), 80 * 10**9) == (
+    from issue395.model.arm import Arm
+
+    assert F.longest_resident("seq", config_json("phi-2"), 80 * 10**9, Arm.at("phi-2+resident", 64)) == (
         None, "a resident phi run is not yet modelled by this estimator")
     gemma = config_json("gemma3-1b")
-    got, why = F.longest_resident("seq", gemma, 80 * 10**9)
+    got, why = F.longest_resident("seq", gemma, 80 * 10**9, Arm.at("gemma3-1b+resident", 64))
     assert got is None and why.startswith("it fits up to seq 448 and is not modelled past it: a resident gemma3_text "
                                           "run past its sliding window (512)")
-    assert F.longest_resident("seq", gemma, 80 * 10**9, checkpointing=True)[0] > 512
+    assert F.longest_resident("seq", gemma, 80 * 10**9, Arm.at("gemma3-1b+resident+gc", 64))[0] > 512

@@ -271,3 +271,120 @@ def test_a_resident_soup_yaml_is_measured_as_the_maps_resident_arm(capfd, tmp_pa
     (row,) = json.loads(out.read_text())["rows"]
     assert row["model_key"] == "custom+resident+gc" and row["soup_resident"] is not None
     assert seen["checkpointing"] and "buffers" not in row and "[resident+gc]" in text
+
+
+# Issue 50 items 1 and 3 (house5b): a soup.yaml and the command line are read into one typed Arm.
+
+QWEN_YAML = """base: Qwen/Qwen2.5-0.5B
+task: sft
+data: {{train: data.jsonl, max_length: 1024}}
+training:
+  batch_size: 2
+  gradient_accumulation_steps: 1
+  quantization: none
+{training}  lora: {{r: 16, alpha: 16, target_modules: [q_proj, v_proj]}}
+"""
+
+
+def qwen_yaml(tmp_path, training, name="soup.yaml"):
+    path = tmp_path / name
+    path.write_text(QWEN_YAML.format(training=training))
+    return path
+
+
+def file_arm(path):
+    from issue395.run.configarm import config_arm
+    from issue395.run.userconfig import read_soup_config
+
+    return config_arm(read_soup_config(str(path)), "synthetic", dry_run=True)
+
+
+def as_the_command_line_can_say_it(arm):
+    """What a soup.yaml carries that no option spells: its run settings as Soup's loader read them (optimizer,
+    gradient accumulation and, streamed, stream buffers: each Soup's default unless the file sets it), and the
+    adapter's file; the command line's arm has none of them."""
+    from dataclasses import replace
+
+    from issue395.model.arm import Settings
+
+    return replace(arm, settings=Settings(), adapter=replace(arm.adapter, soup_config=None))
+
+
+def test_a_resident_gc_file_and_the_maps_key_for_it_are_one_arm(tmp_path):
+    """A resident soup.yaml with gradient checkpointing (Qwen2.5-0.5B at 1024x2, r 16 on q_proj,v_proj) is read into
+    the Arm the map builds from --families qwen --stream-layers off --gradient-checkpointing on at the same seq and
+    batch, but for what the map does not spell: its adapter (the map's arms train the protocol's: --lora-r and
+    --targets are --estimate's options) and the file's settings."""
+    from dataclasses import replace
+
+    from issue395.model.arm import Adapter
+
+    arm = file_arm(qwen_yaml(tmp_path, "  stream_layers: false\n  gradient_checkpointing: true\n"))
+    assert (arm.key, arm.label(), arm.checkpoint) == ("qwen+resident+gc", "Qwen2.5-0.5B [resident+gc]", None)
+    assert (arm.adapter.targets, arm.adapter.lora_r, arm.adapter.lora_alpha) == (("q_proj", "v_proj"), 16, 16)
+    (mapped,) = settled(["--map", "--families", "qwen", "--quant", "none", "--stream-layers", "off",
+                         "--gradient-checkpointing", "on", "--seq", "1024", "--batch", "2", "--dry-run"]).arms()
+    assert replace(as_the_command_line_can_say_it(arm), adapter=Adapter()) == mapped
+    assert arm.settings.buffers is None  # a resident run reads no stream_buffers: none is carried
+
+
+def test_a_streamed_file_and_estimates_options_for_it_are_one_arm(tmp_path):
+    """The same run streamed: the soup.yaml's Arm (the measured arm's, and --estimate --config's at --steps 1) is
+    --estimate --model qwen --seq 1024 --batch 2 --lora-r 16 --targets q_proj,v_proj's Arm, but for the file's
+    settings and its path on the adapter."""
+    config = qwen_yaml(tmp_path, "  stream_layers: true\n")
+    arm = file_arm(config)
+    (options,) = settled(["--estimate", "--model", "qwen", "--seq", "1024", "--batch", "2", "--lora-r", "16",
+                          "--targets", "q_proj,v_proj"]).arms()
+    assert as_the_command_line_can_say_it(arm) == options
+    (from_file,) = settled(["--estimate", "--config", config, "--steps", "1"]).arms()
+    assert from_file == arm
+    assert (arm.settings.optimizer, arm.settings.accumulation, arm.settings.buffers) == ("adamw_torch", 1, 2)
+
+
+@pytest.mark.skipif(not soup_has_stream_modes(), reason="soup-cli 0.77.0's streaming modes")
+def test_a_files_streaming_modes_are_the_maps_key_for_them(tmp_path):
+    """A streamed file's per_expert layout and loss chunk are the Streaming the map's key spells: the file's arm is
+    Arm.at of "moonlight+per_expert+chunk512" at its seq and batch, its adapter and settings aside."""
+    from dataclasses import replace
+
+    from issue395.model.arm import Adapter, Arm
+
+    path = tmp_path / "moe.yaml"
+    path.write_text(QWEN_YAML.format(training="  stream_layers: true\n  stream_expert_layout: per_expert\n"
+                                              "  stream_loss_chunk: 512\n")
+                    .replace("Qwen/Qwen2.5-0.5B", "moonshotai/Moonlight-16B-A3B").replace("1024", "512"))
+    arm = file_arm(path)
+    assert replace(as_the_command_line_can_say_it(arm), adapter=Adapter()) == Arm.at(
+        "moonlight+per_expert+chunk512", 512, 2)
+
+
+def test_a_probed_files_estimate_takes_the_probe_as_the_maps_probe_arm_does(tmp_path):
+    """Issue 50 F: a streamed soup.yaml with training.stream_vram_probe true is estimated with the probe's backward
+    at setup (its cuBLAS workspace beside every phase), as the map's `+probe` arm is; before, only Soup's gate read
+    the probe and --estimate answered the file as if unprobed. At one step and one micro-batch the probe binds:
+    the corrected figure moves, to the `qwen+probe` arm's estimate of the same run."""
+    from dataclasses import replace
+
+    from issue395.estimator.resident import estimate_run
+    from issue395.model.arm import Arm
+
+    figures = {}
+    for probe in (False, True):
+        config = qwen_yaml(tmp_path, f"  stream_layers: true\n  stream_vram_probe: {str(probe).lower()}\n",
+                           f"soup-{probe}.yaml")
+        out = tmp_path / f"estimate-{probe}.json"
+        request = settled(["--estimate", "--config", config, "--steps", "1", "--json", out])
+        from issue395.run.estimate_mode import execute
+
+        assert execute(request) == 0
+        (row,) = json.loads(out.read_text())["rows"]
+        figures[probe] = row["corrected_predicted"]
+        assert request.gate.probe is probe and request.arms()[0].key == ("qwen+probe" if probe else "qwen")
+        assert file_arm(config).key == request.arms()[0].key  # the measured arm runs the probe too
+    arm = request.arms()[0]
+    assert figures[True] > figures[False]
+    assert figures[True] == estimate_run(Arm.at("qwen+probe", 1024, 2, settings=arm.settings,
+                                                adapter=replace(arm.adapter, soup_config=None))).corrected_predicted
+    assert figures[False] == estimate_run(Arm.at("qwen", 1024, 2, settings=arm.settings,
+                                                 adapter=arm.adapter)).corrected_predicted
