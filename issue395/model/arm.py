@@ -125,6 +125,11 @@ class Adapter:
     soup_config: Optional[str] = None
 
 
+#: How a full fine-tuning's row is named after its streaming modes ("Llama-3.2-1B [resident+full]"): the label's
+#: only, never the map key's (its key is its streaming's: a saved row's model_key parses as ever).
+FULL = "full"
+
+
 @dataclass(frozen=True)
 class Arm:
     """One run, typed, as every mode answers it: its base (``base``: a registry key, or "custom" for the checkpoint
@@ -171,7 +176,20 @@ class Arm:
         ("Llama-3.2-1B [resident+gc]")."""
         if name is None:
             name = FAMILIES[self.base].label if self.base in FAMILIES else SHAPES[self.base].name
-        return self.streaming.label(name)
+        return self.streaming.label(name, *((FULL,) if self.full else ()))
+
+    @property
+    def full(self) -> bool:
+        """A full fine-tuning: Soup's ``training.lora.r: 0`` (no adapter, every parameter trains; a resident
+        SFT run's, Soup's loader refuses it elsewhere). Its key is its streaming's, its label says it (``FULL``)."""
+        return self.adapter.lora_r == 0
+
+    def adapter_words(self) -> str:
+        """The adapter as a run's header says it: LoRA r, alpha and targets, or a full fine-tuning's words."""
+        a = self.adapter
+        if self.full:
+            return "full fine-tuning (training.lora.r 0: no adapter, every parameter trains)"
+        return f"LoRA r {a.lora_r} alpha {a.lora_alpha} on {','.join(a.targets or ())}"
 
     def stem(self, repeat: Optional[int] = None) -> str:
         """What the arm's files are named by (its Soup log, its snapshot): index, key, seq, batch, --determinism's

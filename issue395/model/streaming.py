@@ -86,10 +86,11 @@ class Streaming:
         """The map key of ``family`` under these modes."""
         return SEP.join((family,) + self.checked(family).modes)
 
-    def label(self, name: str) -> str:
-        """A row's name for a run of ``name`` under these modes: the modes in brackets ("Llama-3.2-1B
-        [resident+gc]"); the name alone at Soup's defaults."""
-        return f"{name} [{SEP.join(self.modes)}]" if self.modes else name
+    def label(self, name: str, *more: str) -> str:
+        """A row's name for a run of ``name`` under these modes (and ``more``, the arm's own words after them: a
+        full fine-tuning's): in brackets ("Llama-3.2-1B [resident+gc]"); the name alone at Soup's defaults."""
+        modes = self.modes + more
+        return f"{name} [{SEP.join(modes)}]" if modes else name
 
     @classmethod
     def parse(cls, key: str) -> tuple[str, "Streaming"]:

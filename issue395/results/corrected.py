@@ -13,22 +13,17 @@ from dataclasses import replace
 from typing import Optional
 
 from ..errors import UsageError
-from ..model.arm import Adapter, Arm, Settings
+from ..model.arm import Arm
 from ..model.registry import known
 from ..estimator.resident import estimate_run
 from ..estimator.estimate import Estimate, needs_free
-from ..tasks import PROTOCOL_TASK
 from .extras import Corrected
 from .row import Row
 
 
 @functools.lru_cache(maxsize=4096)
-def _corrected(key: str, quant: str, seq: int, batch: int, targets: tuple, lora_r: int, release: Optional[str],
-               steps: int, task: str = PROTOCOL_TASK, transformers: Optional[str] = None,
-               run: tuple = ()) -> Optional[Estimate]:
+def _corrected(arm: Arm, release: Optional[str], transformers: Optional[str] = None) -> Optional[Estimate]:
     try:  # streamed or resident (every layer on the card: the resident construction, where it is modelled)
-        arm = Arm.at(key, seq, batch, quant=quant, task=task, settings=Settings(**dict(run)),
-                     adapter=Adapter(targets or None, lora_r), steps=steps)
         return estimate_run(arm, release=release, soup=False, transformers=transformers)
     except UsageError:
         return None
@@ -36,9 +31,11 @@ def _corrected(key: str, quant: str, seq: int, batch: int, targets: tuple, lora_
 
 def _estimated(r: Row, env: Optional[dict]) -> Optional[Estimate]:
     env = env or {}
-    return _corrected(r.model_key, r.quant, r.seq, r.batch, tuple(r.targets), r.rank, env.get("soup_cli"),
-                      int(env.get("steps") or 1), getattr(r, "task", None) or PROTOCOL_TASK, env.get("transformers"),
-                      tuple(r.run.items()))
+    try:
+        arm = r.run_arm(int(env.get("steps") or 1))
+    except UsageError:  # a key no streaming record has
+        return None
+    return _corrected(replace(arm, index=0), env.get("soup_cli"), env.get("transformers"))
 
 
 def corrected(r: Row, env: Optional[dict] = None) -> Optional[int]:

@@ -12,7 +12,7 @@ from typing import Any, Iterable, Optional
 from ..constants import is_whole
 from ..record import LORA_R, RECORD_A10G_PEAK, SOUP_QUANT
 from ..tasks import PROTOCOL_TASK, TASKS, task as task_of
-from ..model.arm import SETTINGS, Arm, Settings, logits_charge, predicted_bytes
+from ..model.arm import SETTINGS, Adapter, Arm, Settings, logits_charge, predicted_bytes
 from ..model.registry import Shape
 from ..model.streaming import family_of
 from ..estimator.cards import emulated_outcome, step_free
@@ -138,6 +138,13 @@ class Row:
     def run(self) -> dict[str, Any]:
         """The estimator's keywords for the row's run beyond its shape, as issue395.model.arm.Arm.run gives them."""
         return self.settings.estimator()
+
+    def run_arm(self, steps: int = 1) -> Arm:
+        """The typed Arm this row ran (issue395.model.arm.Arm): its map key's base and streaming, shape, task,
+        settings and adapter (its targets and r), at the run's ``steps`` (a saved result's environment keeps them,
+        not the row)."""
+        return Arm.at(self.model_key, self.seq, self.batch, self.index, self.quant, self.task or PROTOCOL_TASK,
+                      self.settings, adapter=Adapter(tuple(self.targets) or None, self.rank), steps=steps)
 
     @property
     def label(self) -> str:

@@ -327,7 +327,8 @@ def local_shapes(run: MeasureRequest, protocol: Protocol, scratch: Scratch, arms
     if run.adapter.soup_config:  # the file's base under the file's adapter (the record's two are no record here)
         shapes.update({f: registry_shape(f, **adapter) for f in families})
     if run.map or run.adapter.soup_config:
-        shapes.update({a.model: with_modes(shapes[family_of(a.model)], a.model) for a in arms})
+        shapes.update({a.model: replace(with_modes(shapes[family_of(a.model)], a.model),  # its name: the Arm's label
+                                        name=a.label(shapes[family_of(a.model)].name)) for a in arms})
     return shapes, time.perf_counter() - t
 
 
@@ -341,8 +342,8 @@ def how_arms_ran(run: MeasureRequest, lanes: Optional[Lanes], fan_out: bool) -> 
         f"shard {run.children.shard[0]}/{run.children.shard[1]} in one process" if run.children.shard else
         f"1 lane, in one process ({lanes.why})" if lanes else "in one process")
     if run.adapter.soup_config:  # the user's config, not the protocol: said where every table's header is
-        how += (f"; the arm is --config {run.adapter.soup_config}'s ({run.quants[0]}, LoRA r {run.adapter.lora_r} alpha "
-                f"{run.adapter.lora_alpha} on {','.join(run.adapter.targets or ())}, {run.settings.said()})")
+        how += (f"; the arm is --config {run.adapter.soup_config}'s ({run.quants[0]}, {run.arms()[0].adapter_words()}, "
+                f"{run.settings.said()})")
     return how if run.run_arms else ("determinism: one fresh process per repeat" if run.repeats
                                      else "none (modes only)")
 

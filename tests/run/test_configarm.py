@@ -388,3 +388,24 @@ def test_a_probed_files_estimate_takes_the_probe_as_the_maps_probe_arm_does(tmp_
                                                 adapter=replace(arm.adapter, soup_config=None))).corrected_predicted
     assert figures[False] == estimate_run(Arm.at("qwen", 1024, 2, settings=arm.settings,
                                                  adapter=arm.adapter)).corrected_predicted
+
+
+def test_a_full_fine_tuning_file_is_an_arm_whose_label_and_header_say_full(tmp_path):
+    """Issue 51 (house5b E): a resident soup.yaml with training.lora.r 0 and target_modules auto (Soup's default) is
+    accepted as a measured arm (no target is trained, so auto is not refused), its key stays its streaming's
+    (`llama32-1b+resident+gc`, as saved rows parse it), its row's name says full, its header says no LoRA, and
+    every estimate of it is the full fine-tuning's (estimate_resident at lora_r 0: no LoRA weights)."""
+    from issue395.estimator.resident import estimate_resident, estimate_run
+    from issue395.model.registry import config_json
+
+    path = tmp_path / "full.yaml"
+    path.write_text("base: meta-llama/Llama-3.2-1B\ntask: sft\ndata: {train: data.jsonl, max_length: 1024}\n"
+                    "training:\n  batch_size: 1\n  quantization: none\n  stream_layers: false\n"
+                    "  gradient_checkpointing: true\n  lora: {r: 0}\n")
+    arm = file_arm(path)
+    assert (arm.key, arm.label(), arm.full) == ("llama32-1b+resident+gc", "Llama-3.2-1B [resident+gc+full]", True)
+    assert "LoRA" not in arm.adapter_words() and "full fine-tuning" in arm.adapter_words()
+    e = estimate_run(arm)
+    assert "lora_weights" not in e.terms or not e.terms["lora_weights"]
+    assert e.corrected_predicted == estimate_resident(config_json("llama32-1b"), seq=1024, lora_r=0, checkpointing=True,
+                                                      **arm.run).corrected_predicted
