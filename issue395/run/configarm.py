@@ -1,10 +1,9 @@
 """--config: the user's soup.yaml (read once, by issue395.run.userconfig through Soup's own loader, into its
-``UserRun``) settled into what it stands for. For --estimate, the values it gives in place of the options
-(issue395.run.estimate_mode reads them off the UserRun, each error naming its key); as a measured arm, its base as a
-registry model (a family's or the record's hub id: that model's architecture-exact synthetic
-checkpoint, as --map builds it) or a checkpoint folder (as --model PATH runs one), at the file's
-quantization, seq, batch and task, with its LoRA targets, r and alpha and its streaming modes. No base is
-ever downloaded unless --weights hub asks: any other base is one line.
+``UserRun``, its run one typed Arm) settled into what it stands for. For --estimate, the values it gives in place
+of the options (issue395.run.estimate_mode reads them off the UserRun's Arm, each error naming its key); as a
+measured arm (``config_arm``), that Arm with its base resolved: a registry model (a family's or the record's hub id:
+that model's architecture-exact synthetic checkpoint, as --map builds it) or a checkpoint folder (as --model PATH
+runs one). No base is ever downloaded unless --weights hub asks: any other base is one line.
 """
 
 from __future__ import annotations
