@@ -12,14 +12,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..constants import CUBLAS_WORKSPACE, CUBLASLT_WORKSPACE, EXPANDABLE_PAGE_BYTES, K_MIN_LARGE_ALLOC, K_ROUND_LARGE, K_SMALL_SIZE, STREAM_KEYS, block_bytes
+from ..constants import (CUBLAS_WORKSPACE, CUBLASLT_WORKSPACE, EXPANDABLE_PAGE_BYTES, K_LARGE_BUFFER, K_MIN_LARGE_ALLOC,
+                         K_ROUND_LARGE, K_SMALL_SIZE, STREAM_KEYS, block_bytes, unsplit_bound)
 from ..errors import UsageError
 from ..record import LORA_R, QUANTS
 from ..model.arm import DEFAULT_OPTIMIZER
 from ..model.registry import RECOMPUTES, config_json, stream_mode
 from .arch import Arch, activation_bytes, arch_from_config, layer_bytes, lora_params, protocol_targets
 from .attention import eager as eager_attention, eager_masks, eager_scores
-from .layer import LORA_DROPOUT_MASK_BYTES, checkpointed_through, kind_per_token, layer_peak, retained_by_layer
+from .layer import (LORA_DROPOUT_MASK_BYTES, checkpointed_through, kind_per_token, layer_blocks, layer_peak,
+                    retained_by_layer)
 from ..model.targets import soup_targets
 from ..tasks import PROTOCOL_TASK, task as task_named
 from .releases import Features, installed_release
@@ -50,7 +52,7 @@ FP32_HIDDEN_SEGMENTS, BF16_HIDDEN_SEGMENTS = 4, 3
 #: 0.5 MB steps (bench/estimator_checks.py leave-one-out fits it; a test checks it equals the all-family fit):
 #: unattributed resident bytes and per-token bytes at batch > 1, left after the rounding is charged.
 #: Evidence: docs/PEAK.md, "ALLOCATED_ALLOWANCE_BYTES".
-ALLOCATED_ALLOWANCE_BYTES = 6_000_000
+ALLOCATED_ALLOWANCE_BYTES = 3_500_000
 #: The allocator's reserve a card must hold above the allocated peak under expandable segments (what
 #: `soup train` sets): the partial pages live blocks touch (at an OOM the allocator unmaps every wholly
 #: free page and retries). It follows the gaps between live blocks, not their bytes: 26-216 MB at the
@@ -132,6 +134,18 @@ def segment_tail(size: int) -> int:
     if size < K_MIN_LARGE_ALLOC:
         return 0
     return rest if rest <= K_SMALL_SIZE else 0
+
+
+def layer_remainders(sizes: list[int]) -> int:
+    """What the blocks of ``sizes`` requested bytes, live at once, can hold past their 512 B rounding under the
+    default allocator (the rule resident.retained_rounding charges): a request over kSmallSize and under
+    kMinLargeAlloc is cut from a kLargeBuffer segment, whose last block keeps a rest of kSmallSize or less
+    unsplit (shouldSplit: remaining > kSmallSize), so kSmallSize a segment those blocks fill; one of
+    kMinLargeAlloc or more has its own segment or a cached block, either up to kSmallSize larger
+    (unsplit_bound); the small pool splits at 512 B. Evidence: docs/PEAK.md, "layer_remainders"."""
+    large = [block_bytes(s) for s in sizes if block_bytes(s) > K_SMALL_SIZE]
+    cut = sum(s for s in large if s < K_MIN_LARGE_ALLOC)
+    return sum(unsplit_bound(s) for s in large if s >= K_MIN_LARGE_ALLOC) + -(-cut // K_LARGE_BUFFER) * K_SMALL_SIZE
 
 
 def resident_rounding(a: Arch, quant: str, f: Features, per_expert: bool = False, buffers: int = 2) -> int:
@@ -261,8 +275,11 @@ class Estimate:
     @property
     def split_allocated(self) -> int:
         """The allocated peak with every block split to its request, as expandable segments (`soup train`)
-        split them: the corrected peak less the unsplit remainders the default allocator leaves."""
-        return self.corrected_predicted - self.terms.get(Term.UNSPLIT_REMAINDERS.key, 0)
+        split them: the corrected peak less the unsplit remainders the default allocator leaves (the adapter's, and
+        where the layer phase binds, the layer's: needs_free's allocated peak; a resident estimate's needs_free
+        keeps them, its allocator being the default one)."""
+        return min(self.corrected_predicted - self.terms.get(Term.UNSPLIT_REMAINDERS.key, 0),
+                   self.needs_free - EXPANDABLE_RESERVE_BYTES)
 
     def to_json(self) -> dict:
         """Every field, the task always (an --estimate JSON row says which task it answers); the
@@ -322,8 +339,12 @@ def estimate(config: dict, *, quant: str = "none", seq: int, batch: int = 1, tar
                                 transformers=transformers, allowance=allowance)
     binding, peak = binding_phase(t, lp.checkpointed, tk.reference, steps, accumulation, probed, ws, unsplit)
     corrected = phase_sum(t, Phase.RESIDENT) + peak + t[Term.ALLOCATED_ALLOWANCE.key]
+    # `soup train`'s expandable segments split every block: the peak without the remainders, whichever phase binds
+    split = {k: v for k, v in t.items() if k not in (Term.UNSPLIT_REMAINDERS.key, Term.LAYER_REMAINDERS.key)}
+    _, split_peak = binding_phase(split, lp.checkpointed, tk.reference, steps, accumulation, probed, ws, 0)
     return Estimate(seq, batch, quant, steps, release, soup_number, soup_terms, corrected,
-                    needs_free(corrected - unsplit), binding.value, t, tk.name, optimizer, accumulation, buffers)
+                    needs_free(corrected - peak + split_peak), binding.value, t, tk.name, optimizer, accumulation,
+                    buffers)
 
 
 def checked_arguments(config: dict, a: Arch, *, quant: str, seq: int, batch: int, targets, lora_r: int, steps: int,
@@ -409,6 +430,9 @@ def step_terms(a: Arch, f: Features, tk, *, quant: str, targets: tuple, lora_r: 
     lp = layer_peak(a, quant, targets, lora_r, T, per=per, held=accumulation > 1, per_expert=per_expert,
                     recompute=recompute == "on")
     t[Term.DEQUANTISED_LAYER.key], t[Term.LAYER_PER_TOKEN.key] = lp.weights, lp.activations
+    remainders = layer_remainders(layer_blocks(a, quant, targets, lora_r, T, lp))
+    if remainders:
+        t[Term.LAYER_REMAINDERS.key] = remainders
     if a.layers is not None:
         t[Term.EXPERT_IN_FLIGHT.key] = lp.expert
     if eager:  # its masks replace SDPA's bool sliding mask

@@ -109,6 +109,10 @@ class Term(Enum):
     #: needs_free (`soup train`'s expandable segments split every block at 512 B)
     UNSPLIT_REMAINDERS = ("unsplit_remainders", {_LO, _RF, _LA, _OP}, Kind.OTH,
                           "the adapter blocks' unsplit remainders", "an adapter tensor over 1 MiB")
+    #: ...and the same allocator's rests in the blocks the binding layer's turn holds (its dequantised weights and
+    #: its tokens' tensors: estimate.layer_remainders), a dense layer's, in the layer phase only; not in needs_free
+    LAYER_REMAINDERS = ("layer_remainders", {_LA}, Kind.OTH, "the binding layer's blocks' unsplit remainders",
+                        "a dense layer's blocks over 1 MiB")
     ALLOCATED_ALLOWANCE = ("allocated_allowance", {_AL}, Kind.OTH, "the allowance", None)
 
     def __init__(self, key: str, phases: set, kind: Kind, words: str, when: str | None):

@@ -121,7 +121,9 @@ def test_to_json_and_needs_free():
     for k in ("seq", "batch", "quant", "steps", "soup_predicted", "corrected_predicted",
               "needs_free", "terms"):
         assert k in j
-    assert j["needs_free"] == E.needs_free(j["corrected_predicted"])
+    # the layer phase binds here: the layer's unsplit rests count in the allocated peak, not under `soup train`'s
+    # expandable segments (issue 52)
+    assert j["needs_free"] == E.needs_free(e.split_allocated) < E.needs_free(j["corrected_predicted"])
     # the lowest cap the same arm completed under (results/min-free-*: a bisection of fresh processes
     # under expandable segments, soup-cli 0.77.0) is what the card must hold: needs-free covers it
     mf = json.loads(next(ROOT.glob("results/min-free-h200-soup0.77.0-*/min-free-mistral-7b-512.json")).read_text())
@@ -230,13 +232,14 @@ def committed_leave_one_out() -> dict[str, dict]:
     return out
 
 
-#: The arms the record shows under when their family is held out: Phi-3-mini NF4 512x1 on both releases,
-#: 2.48 and 1.76 MB short of the 3.5 MB allowance fitted on the other ten families. The layer walk
-#: charges its requested bytes at the peak (layer 31's forward end), but its blocks sit 6.3 MB above
-#: their requests (the allocator's rounding: docs/PEAK.md, "ALLOCATED_ALLOWANCE_BYTES"). Before the walk
-#: the miss was Gemma-3-1B NF4 2048x1 by 0.16 MB, before that Mistral-7B bf16 16384x4 by 0.12 MB and
-#: Qwen2.5 bf16 1024x1 by 0.28 MB. Fewer misses or more, or these by another amount, fails.
-KNOWN_MISS = {("phi3-mini", "0.73.3", "nf4", 512, 1): 2.48, ("phi3-mini", "0.77.0", "nf4", 512, 1): 1.76}
+#: The arms the record shows under when their family is held out: Gemma-3-1B NF4 2048x1 on 0.73.3, 0.16 MB short
+#: of the 3.0 MB allowance fitted on the other ten families (its loss phase's hidden-sized blocks under 10 MiB,
+#: cut from 20 MiB segments, are not charged their rests: docs/PEAK.md, "ALLOCATED_ALLOWANCE_BYTES"). Before
+#: the layer's blocks were charged their unsplit rests (estimate.layer_remainders), the miss was Phi-3-mini NF4
+#: 512x1 on both releases by 2.48 and 1.76 MB; before the walk this Gemma-3 arm by 0.16 MB, before that
+#: Mistral-7B bf16 16384x4 by 0.12 MB and Qwen2.5 bf16 1024x1 by 0.28 MB. Fewer misses or more, or these by
+#: another amount, fails.
+KNOWN_MISS = {("gemma3-1b", "0.73.3", "nf4", 2048, 1): 0.16}
 
 
 @pytest.mark.parametrize("family", list(dict.fromkeys(a["family"] for a in ARMS)))
