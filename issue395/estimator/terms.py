@@ -113,6 +113,15 @@ class Term(Enum):
     #: its tokens' tensors: estimate.layer_remainders), a dense layer's, in the layer phase only; not in needs_free
     LAYER_REMAINDERS = ("layer_remainders", {_LA}, Kind.OTH, "the binding layer's blocks' unsplit remainders",
                         "a dense layer's blocks over 1 MiB")
+    #: ...and in the blocks the loss phase lists (its logits and hidden-sized blocks: estimate.loss_blocks) over
+    #: 1 MiB and under 10 MiB, cut from 20 MiB segments (estimate.cut_remainders; from 10 MiB their fresh segments'
+    #: tails are the allocator rounding's); not in needs_free
+    LOSS_REMAINDERS = ("loss_remainders", {_LO}, Kind.OTH, "the loss's blocks' unsplit remainders",
+                       "a loss block over 1 MiB and under 10 MiB")
+    #: ...and in the blocks the reference forward lists (the policy's held loss tensors, its no-grad linear's
+    #: weight), none charged there before; not in needs_free
+    REFERENCE_REMAINDERS = ("reference_remainders", {_RF}, Kind.OTH, "the reference forward's blocks' remainders",
+                            "DPO, KTO")
     ALLOCATED_ALLOWANCE = ("allocated_allowance", {_AL}, Kind.OTH, "the allowance", None)
 
     def __init__(self, key: str, phases: set, kind: Kind, words: str, when: str | None):
