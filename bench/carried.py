@@ -45,7 +45,7 @@ def main(cache: str | None, order=ORDER, seq: int = 2048) -> None:
         root = scratch.checkpoint_root()
         bases = {k: str(synthetic_checkpoint(SHAPES[k], root)[0]) for k in dict(order)}
         for i, (key, quant) in enumerate(order):
-            arm = Arm(key, seq, 1, i, quant)
+            arm = Arm.at(key, seq, 1, i, quant)
             base = quant_base(scratch, bases[key], quant)
             row = h.protocol().run_arm(arm, SHAPES[key], base, scratch.path("arms", str(i)))
             left = torch.cuda.memory_allocated()

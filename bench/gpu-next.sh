@@ -5,6 +5,7 @@
 #   source bench/gpu-next.sh resident-patch [SOUP]        issue 51 item 6: the patched resident gate, real soup train
 #   source bench/gpu-next.sh resident-findmax [TAG ...]   issue 51 item 4: --find-max on resident soup.yamls
 #   source bench/gpu-next.sh probe840                     issue 51 item 5: Soup's stream_vram_probe per task (#840)
+#   source bench/gpu-next.sh findmax52                    issue 52 items 3-4: failures read right, the two-probe bracket
 #   bash bench/gpu-next.sh configs DIR                    CPU: write resident-findmax's soup.yamls into DIR, only
 #   bash bench/gpu-next.sh edge CARD true|false           CPU: resident-patch's starting seq on CARD (gc on or off)
 #
@@ -40,6 +41,14 @@
 # answer. Seq 512 and 2048 first (every task and batch), then 1024 and 4096 while the call has time; rows are kept
 # on a timeout (SIGINT). The lanes pack by the measured step's needs-free; an arm Soup's own probe refuses beside
 # neighbours (its probe's OOM) is measured again holding the whole card.
+
+# findmax52, issue 52 items 3-4: --find-max on two streamed configs nobody built the estimate on, each under an
+# emulated card, three optimizer steps a probe (the steady state). Claims: the search proves the limit in as few
+# probes as the estimate allows (two where it is right: its answer completes, the next step raises OOM); Soup's
+# gate's answer is probed only where it brackets the limit; a cuDNN/cuBLAS failure at the edge is read as OOM only
+# where the allocator's figures say so, else probed once more, and a stopped search never claims "no OOM up to"
+# a value it did not probe. Expected from the CPU plan: qwen-dpo-nf4-r64-all on a T4, 4 probes; mistral-orpo-nf4-
+# r32-attn on an RTX 3050 Laptop 6GB, 2 probes (the first OOM at 3008).
 
 resident_configs() {  # resident_configs DIR: the four resident soup.yamls resident-findmax searches
   mkdir -p "$1"
@@ -148,6 +157,21 @@ probe840() {
       --json $R/probe-1024-4096.json --markdown $R/probe-1024-4096.md
 }
 
+findmax52() {
+  R=${R:-/tmp/findmax52}
+  source bench/gpu-box.sh "${SOUP:-0.77.0}" || return 1
+  END=$(( $(date +%s) + ${BUDGET_S:-560} ))
+  git log -1 --format=%H >> "$R/stack.txt" 2>/dev/null
+  H="env HOME=/dev/shm/h python3 issue395_second_stack_vram.py"
+  mkdir -p /dev/shm/h
+  for pair in qwen-dpo-nf4-r64-all:T4 mistral-orpo-nf4-r32-attn:RTX3050-Laptop-6GB; do
+    tag=${pair%%:*} card=${pair#*:} name="find-max-${pair%%:*}"
+    if [ "$(left)" -lt 90 ]; then echo "not run (time): $name" >> "$R/commands.txt"; continue; fi
+    cmd "$name" timeout -s INT -k 40 "$(left 45)" $H --find-max seq --config "bench/find-max/$tag.yaml" \
+        --emulate-card "$card" --steps 3 --cache-dir "$C" --log-dir "$R/$name-logs" --json "$R/$name.json"
+  done
+}
+
 call=${1:-}; shift 2>/dev/null
 case "$call" in
   configs) resident_configs "$1" ;;
@@ -155,5 +179,6 @@ case "$call" in
   resident-patch) resident_patch "$@" ;;
   resident-findmax) resident_findmax "$@" ;;
   probe840) probe840 ;;
-  *) echo "gpu-next.sh: say which call: resident-patch, resident-findmax, probe840 (or configs DIR)" >&2; false ;;
+  findmax52) findmax52 ;;
+  *) echo "gpu-next.sh: say which call: resident-patch, resident-findmax, probe840, findmax52 (or configs DIR)" >&2; false ;;
 esac

@@ -41,7 +41,8 @@ sys.path.insert(0, str(ROOT))
 from issue395.estimator.cards import CARDS, budget, Card  # noqa: E402
 from issue395.estimator.estimate import estimate_key  # noqa: E402
 from issue395.measure.margin import margin_arms  # noqa: E402
-from issue395.model.registry import FAMILIES, MAP_FAMILIES, RELEASE_FAMILIES, SHAPES, family_of  # noqa: E402
+from issue395.model.registry import FAMILIES, MAP_FAMILIES, RELEASE_FAMILIES, SHAPES  # noqa: E402
+from issue395.model.streaming import family_of
 from issue395.record import MAP_BATCHES, QUANTS  # noqa: E402
 from issue395.results.row import Row  # noqa: E402
 from issue395.host.grid import arm_seconds, plan_map, shard_of  # noqa: E402

@@ -55,6 +55,10 @@ class Task:
     #: stamps ``is_loaded_in_4bit`` (layer_stream_runtime ``_stamp_4bit_markers``); TRL's experimental
     #: KTO, ORPO and CPO (SimPO) trainers keep them fp32. Evidence: docs/PEAK.md, "adapter_bytes".
     adapter_bf16_under_4bit: bool = False
+    #: the trainer sets every nn.Dropout's p to 0 before training (TRL 0.29.1's DPO, ORPO, CPO (SimPO) and KTO
+    #: configs: ``disable_dropout`` defaults to True and Soup's wrappers leave it so; ``disable_dropout_in_model``),
+    #: LoRA's dropout among them; SFTTrainer has no such setting
+    dropout_disabled: bool = False
 
     def batch_refused(self, batch: int) -> Optional[str]:
         """Why Soup's schema refuses ``batch`` for this task (None: it takes it), in the words every check
@@ -89,15 +93,17 @@ TASKS: dict[str, Task] = {
     "dpo": Task("dpo", ("soup_cli.trainer.dpo", "DPOTrainerWrapper"), paired=True, reference=True,
                 kl_batch=False, guard_keys=("input_ids",), data_format="dpo",
                 loss_cut=("_truncate_inputs", ("input_ids", "attention_mask", "completion_mask")), prompt="hi",
-                adapter_bf16_under_4bit=True),
+                adapter_bf16_under_4bit=True, dropout_disabled=True),
     "orpo": Task("orpo", ("soup_cli.trainer.orpo", "ORPOTrainerWrapper"), paired=True, reference=False,
-                 kl_batch=False, guard_keys=("chosen_input_ids", "rejected_input_ids"), data_format="dpo"),
+                 kl_batch=False, guard_keys=("chosen_input_ids", "rejected_input_ids"), data_format="dpo",
+                 dropout_disabled=True),
     # SimPO is TRL's CPO trainer with loss_type "simpo" (Soup keeps cpo_alpha > 0: the chosen NLL stays)
     "simpo": Task("simpo", ("soup_cli.trainer.simpo", "SimPOTrainerWrapper"), paired=True, reference=False,
-                  kl_batch=False, guard_keys=("chosen_input_ids", "rejected_input_ids"), data_format="dpo"),
+                  kl_batch=False, guard_keys=("chosen_input_ids", "rejected_input_ids"), data_format="dpo",
+                 dropout_disabled=True),
     "kto": Task("kto", ("soup_cli.trainer.kto", "KTOTrainerWrapper"), paired=False, reference=True,
                 kl_batch=True, guard_keys=("completion_input_ids", "KL_completion_input_ids"),
-                data_format="kto", min_batch=2),
+                data_format="kto", min_batch=2, dropout_disabled=True),
 }
 
 #: The protocol's task: every arm without a task is SFT, as the record's are.

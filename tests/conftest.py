@@ -143,6 +143,25 @@ TINY = dataclasses.replace(SMOL, key="tiny", name="tiny", n_layers=2, vocab=512,
                            arch=dict(SMOL.arch, num_attention_heads=4, num_key_value_heads=2))
 
 
+def arm_of(key: str, seq: int, batch: int = 1, quant: str = "none", targets=None, lora_r: int | None = None,
+           steps: int = 1, task: str = "sft", run: dict | None = None) -> Arm:
+    """The Arm of a map key at these figures, as the tests spelled them in keywords (issue 50: every estimate of an
+    arm takes the typed Arm)."""
+    from issue395.model.arm import Adapter, Settings
+    from issue395.record import LORA_R
+
+    return Arm.at(key, seq, batch, quant=quant, task=task, settings=Settings(**(run or {})),
+                  adapter=Adapter(tuple(targets) if targets else None, LORA_R if lora_r is None else lora_r),
+                  steps=steps)
+
+
+def cap_of(cap: str, key: str, release=None, config=None, **kw):
+    """--cap's bytes for the arm of a map key (issue395.constraints.cap.cap_bytes, which takes an Arm)."""
+    from issue395.constraints.cap import cap_bytes
+
+    return cap_bytes(cap, arm_of(key, **kw), release, config)
+
+
 def make_row(key: str = "smol", seq: int = 2048, batch: int = 1, index: int = 0, **measured) -> Row:
     """A row built the way an arm builds it: the harness's own constructor, with Soup's real
     prediction; ``measured`` are the fields a step would have measured. A realised length

@@ -7,9 +7,8 @@ from __future__ import annotations
 
 from typing import Optional
 
-from ..record import LORA_R
-from ..tasks import PROTOCOL_TASK
 from ..text import gb, table
+from ..model.arm import Arm
 from ..estimator.resident import estimate_run
 from ..results.extras import Capped
 from ..results.row import Row
@@ -17,21 +16,17 @@ from .constraint import ArmSetting, Constraint, arm_name
 from .emulation import arm_config
 
 
-def cap_bytes(cap: str, key: str, *, quant: str, seq: int, batch: int, targets: tuple, lora_r: int = LORA_R,
-              steps: int = 1, release: Optional[str] = None, config: Optional[dict] = None,
-              task: str = PROTOCOL_TASK, run: Optional[dict] = None) -> Optional[int]:
-    """The cap in bytes for one arm of a family (or the record's models), from its public config,
-    at the arm's LoRA r and under its task (a preference task's step is not SFT's): Soup's own number is Soup's estimator fed what its setup computes (exact
-    on every map arm)."""
+def cap_bytes(cap: str, arm: Arm, release: Optional[str] = None, config: Optional[dict] = None) -> Optional[int]:
+    """The cap in bytes for one arm (issue395.model.arm.Arm: its family, or the record's models, from its public
+    config, or ``config``, a --model arm's checkpoint's), at its adapter, under its task (a preference task's step is
+    not SFT's) and streaming modes or resident run: Soup's own number is Soup's estimator fed what its setup
+    computes (exact on every map arm)."""
     if cap == "off":
         return None
     if cap.startswith("bytes:"):  # --min-free's probes: a number, not a prediction
         return int(cap.partition(":")[2])
     # Soup's number only where it is the cap: it needs the release's own code, the physics does not
-    kw = dict(quant=quant, seq=seq, batch=batch, targets=targets, lora_r=lora_r, steps=steps, release=release,
-              soup=cap == "soup", task=task, **(run or {}))
-    # a streaming mode or a resident run is capped at its own estimate; a --model arm at its checkpoint's config
-    e = estimate_run(key, config, **kw)
+    e = estimate_run(arm, config, release=release, soup=cap == "soup")
     return {"soup": e.soup_predicted, "corrected": e.corrected_predicted, "needs-free": e.needs_free}[cap]
 
 
@@ -59,9 +54,7 @@ class Cap(Constraint):
 
     def before_setup(self, s: ArmSetting) -> None:
         if self.at != "soup" and not s.dry_run:
-            self.bytes = cap_bytes(self.at, s.arm.model, quant=s.arm.quant, seq=s.arm.seq, batch=s.arm.batch,
-                                   targets=s.shape.targets, lora_r=s.shape.lora_r, steps=s.steps,
-                                   config=arm_config(s.arm.model, s.base), task=s.arm.task, run=s.arm.run)
+            self.bytes = cap_bytes(self.at, s.estimated, config=arm_config(s.arm.model, s.base))
             self.capped = True
             apply_cap(self.bytes)
 

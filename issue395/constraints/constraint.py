@@ -5,7 +5,7 @@ adds to the row (issue395.results.extras), and the table it prints for the rows 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import ClassVar, Optional
 
 from ..model.arm import Arm
@@ -23,6 +23,13 @@ class ArmSetting:
     base: str  # the checkpoint the arm runs
     steps: int = 1
     dry_run: bool = False
+
+    @property
+    def estimated(self) -> Arm:
+        """The arm as its estimate reads it: the adapter its shape resolved (a family's targets, a --config file's
+        targets and r) and the run's steps."""
+        return replace(self.arm, adapter=replace(self.arm.adapter, targets=tuple(self.shape.targets) or None,
+                                                 lora_r=self.shape.lora_r), steps=self.steps)
 
 
 class Constraint:

@@ -12,10 +12,10 @@ from pathlib import Path
 from typing import Optional
 
 from ..errors import last_line
-from ..record import LORA_R
-from ..tasks import PROTOCOL_TASK
 from ..text import gb, table
-from ..model.registry import FAMILIES, SHAPES, config_json, family_of, is_resident, stream_mode
+from ..model.arm import Arm
+from ..model.registry import FAMILIES, SHAPES, config_json
+from ..model.streaming import family_of
 from ..estimator.cards import Budget, budget, parse_card, workspace_env
 from ..estimator.fits import card_answers
 from ..results.extras import Emulated
@@ -38,23 +38,19 @@ def arm_config(model_key: str, base: Optional[str]) -> Optional[dict]:
     return config if isinstance(config, dict) else None
 
 
-def tool_needs_free(config: Optional[dict], b: Optional[Budget], key: str, *, quant: str, seq: int, batch: int,
-                    targets: tuple, lora_r: int = LORA_R, steps: int = 1, task: str = PROTOCOL_TASK,
-                    run: Optional[dict] = None) -> Optional[int]:
-    """This tool's needs-free for the arm of map key ``key`` (its streaming modes, or a resident run) under its task
-    (on card ``b``: its cuBLAS workspace, for a streamed step), or None where the estimator cannot model the arm
-    (it is said as '-', never guessed)."""
+def tool_needs_free(config: Optional[dict], b: Optional[Budget], arm: Arm) -> Optional[int]:
+    """This tool's needs-free for an arm (issue395.model.arm.Arm: its streaming modes, or a resident run, its task
+    and adapter) on card ``b`` (its cuBLAS workspace, for a streamed step), or None where the estimator cannot
+    model the arm (it is said as '-', never guessed)."""
     if config is None:
         return None
     from ..estimator.resident import estimate_run
 
     try:
-        e = estimate_run(key, config, quant=quant, seq=seq, batch=batch, targets=tuple(targets) or None,
-                         lora_r=lora_r, steps=steps, task=task, **(run or {}))
-        if b is None or is_resident(key):
+        e = estimate_run(arm, config)
+        if b is None or arm.streaming.resident:
             return e.needs_free
-        return card_answers(config, e, [b], targets=tuple(targets) or None, lora_r=lora_r,
-                            env=workspace_env(), stream=stream_mode(key)[1], run=run)[0]["needs_free"]
+        return card_answers(config, e, [b], arm, env=workspace_env())[0]["needs_free"]
     except Exception:  # noqa: BLE001 - an arm the estimator does not model has no verdict
         return None
 
@@ -73,10 +69,7 @@ class EmulateCard(Constraint):
 
     def before_arm(self, s: ArmSetting) -> None:
         """This tool's verdict for the arm on the card (its needs-free), before the card decides."""
-        self.needs_free = tool_needs_free(
-            arm_config(s.arm.model, s.base), self.budget, s.arm.model, quant=s.arm.quant, seq=s.arm.seq,
-            batch=s.arm.batch, targets=s.shape.targets, lora_r=s.shape.lora_r, steps=s.steps, task=s.arm.task,
-            run=s.arm.run)
+        self.needs_free = tool_needs_free(arm_config(s.arm.model, s.base), self.budget, s.estimated)
 
     def before_setup(self, s: ArmSetting) -> None:
         if not s.dry_run:  # Soup's gate then measures the card's free memory

@@ -22,7 +22,8 @@ from typing import Callable, Iterable
 from ..constants import CUBLAS_WORKSPACE, CUBLAS_WORKSPACE_PRE_HOPPER, block_bytes
 from ..errors import UsageError
 from ..record import LORA_R
-from ..model.registry import FAMILIES, SHAPES, config_json, family_of
+from ..model.registry import FAMILIES, SHAPES, config_json
+from ..model.streaming import family_of
 from .arch import arch_from_config, fp32_residual
 from . import estimate as E
 from .releases import RELEASE_FEATURES, installed_release

@@ -17,7 +17,8 @@ from ..constants import (CUBLAS_WORKSPACE, CUBLASLT_WORKSPACE, EXPANDABLE_PAGE_B
 from ..errors import UsageError
 from ..record import LORA_R, QUANTS
 from ..model.arm import DEFAULT_OPTIMIZER
-from ..model.registry import RECOMPUTES, config_json, stream_mode
+from ..model.registry import config_json, stream_mode
+from ..model.streaming import RECOMPUTES
 from .arch import Arch, activation_bytes, arch_from_config, layer_bytes, lora_params, protocol_targets
 from .attention import eager as eager_attention, eager_masks, eager_scores
 from .layer import (LORA_DROPOUT_MASK_BYTES, checkpointed_through, kind_per_token, layer_blocks, layer_peak,

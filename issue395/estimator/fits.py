@@ -8,7 +8,6 @@ from typing import Callable, Optional
 
 from ..constants import CUBLAS_WORKSPACE
 from ..errors import EXIT_FINDING, EXIT_OK, EXIT_SOUP_REFUSES, UsageError
-from ..record import LORA_R
 from ..text import gb, table
 from ..tasks import PROTOCOL_TASK, task
 from .cards import CARDS, CLI_GATE_GROWTH_BYTES, DRIVER_KEPT, STEP_GROWTH_BYTES, Budget, Card, budget, workspace_env
@@ -148,12 +147,11 @@ def longest_seq_soup_admits(config: dict, free_bytes: int, gate: Gate = Gate(), 
     return longest_soup_admits("seq", config, free_bytes, gate, **kwargs)
 
 
-def fit_kwargs(e: Estimate, targets=None, lora_r: int = LORA_R, stream: Optional[dict] = None,
-               run: Optional[dict] = None) -> dict:
-    """What every answer about ``e``'s run passes estimate_for besides seq (and a card's workspace): ``run``,
-    the run's settings (issue395.model.arm.Settings.estimator)."""
-    return dict(quant=e.quant, batch=e.batch, steps=e.steps, release=e.release, targets=targets,
-                lora_r=lora_r, stream=stream, task=e.task, run=run)
+def fit_kwargs(e: Estimate, arm) -> dict:
+    """What every answer about ``e``'s run passes estimate_for besides seq (and a card's workspace): the arm's
+    (issue395.model.arm.Arm) adapter, streaming modes and settings, at the estimate's own shape."""
+    return dict(quant=e.quant, batch=e.batch, steps=e.steps, release=e.release, targets=arm.adapter.targets or None,
+                lora_r=arm.adapter.lora_r, stream=arm.streaming.stream(), task=e.task, run=arm.run)
 
 
 def host_store(config: dict, quant: str) -> tuple[int, int, float]:
@@ -181,15 +179,14 @@ def disagreement(fits: bool, soup_admits: bool) -> Optional[str]:
     return REFUSES if fits else ADMITS_OOM
 
 
-def card_answers(config: dict, e: Estimate, budgets: list[Budget], targets=None, lora_r: int = LORA_R,
-                 env: Optional[str] = None, stream: Optional[dict] = None, gate: Gate = Gate(),
-                 run: Optional[dict] = None) -> list[dict]:
-    """One arm on each card: the JSON's ``cards`` entries. needs_free is recomputed only where the
+def card_answers(config: dict, e: Estimate, budgets: list[Budget], arm, env: Optional[str] = None,
+                 gate: Gate = Gate()) -> list[dict]:
+    """One arm (issue395.model.arm.Arm) on each card: the JSON's ``cards`` entries. needs_free is recomputed only where the
     card's cuBLAS workspace is larger than the estimator's (CUBLAS_WORKSPACE_CONFIG). Soup's gate
     is the file's (``gate``): the free memory it reads, or its override; its number, or the probe."""
-    kw = fit_kwargs(e, targets, lora_r, stream, run)
+    kw = fit_kwargs(e, arm)
     one_step = e if not gate.probe or e.steps == 1 else estimate_for(
-        config, seq=e.seq, **dict(kw, steps=1, run=dict(run or {}, optimizer=None)))
+        config, seq=e.seq, **dict(kw, steps=1, run=dict(arm.run, optimizer=None)))
     out = []
     store, ram, headroom = host_store(config, e.quant)
     top = axis_range(config, "seq")[2]
@@ -236,7 +233,7 @@ def seq_words(n: Optional[int]) -> str:
 
 def estimate_table(rows: list[Estimate], cards, config: Optional[dict] = None, *, context: Optional[int] = None,
                    answers: Optional[list[list[dict]]] = None, release_label: Optional[str] = None,
-                   verbose: bool = True, **kwargs) -> str:
+                   verbose: bool = True, arms: Optional[list] = None) -> str:
     """One column per (quant, seq, batch); down it, in order: Soup's own pre-flight (computed by
     Soup), the corrected allocated peak and the free memory it needs (this estimator), each term,
     then per card: total, context, free, needs-free, fits, the longest seq that fits, and Soup's
@@ -249,7 +246,10 @@ def estimate_table(rows: list[Estimate], cards, config: Optional[dict] = None, *
         if config is None:
             raise UsageError("the fit table needs the model's config")
         budgets = budgets_for(cards, context)
-        answers = [card_answers(config, e, budgets, env=workspace_env(), **kwargs) for e in rows]
+        from ..model.arm import Arm  # each row's own arm, else the plain one its figures name
+
+        arms = arms or [Arm("custom", e.seq, e.batch, quant=e.quant, task=e.task, steps=e.steps) for e in rows]
+        answers = [card_answers(config, e, budgets, arm, env=workspace_env()) for e, arm in zip(rows, arms)]
     # the task is named wherever one is not the protocol's SFT, so an SFT-only table reads as before
     tasked = any(e.task != PROTOCOL_TASK for e in rows)
     heads = [f"{e.task} {e.quant} {e.seq}x{e.batch}" if tasked else f"{e.quant} {e.seq}x{e.batch}" for e in rows]

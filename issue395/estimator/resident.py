@@ -4,19 +4,29 @@ is, here, every parameter at its dtype; the step's other terms are the streamed 
 decoder layers are the same modules: without gradient checkpointing every layer keeps what its backward needs
 through the loss (the terms of ``stream_recompute: off``); with it, HF saves each layer's input and recomputes one
 layer at a time in the backward (the terms of Soup's own per-layer recompute). One terms table (estimator/terms.py)
-serves both paths; this module adds only ``resident_weights``.
+serves both paths; this module adds ``resident_weights`` and, without checkpointing, what is live at the loss peak
+there and not in a streamed step: the adapter's bf16 copies its matmuls save (``adapter_casts``), no dropout mask
+where the task's trainer turns dropout off (``dropout_masks``), no kept rest where every block of the step is whole
+2 MiB (``whole_granules``).
 
 Measured (tests/estimator/test_resident.py), on the 143 committed arms of these families it models, bf16 and NF4
-(results/resident-map-*): never under; with checkpointing 1.0001x-1.0033x, without it 1.0021x-1.0833x, median
-1.0114x (the widest: Phi-3-mini NF4, whose fused gate_up the shared count charges whole).
+(results/resident-map-*): never under, median 1.0010x; with checkpointing 1.0001x-1.0033x, without it
+1.0001x-1.0796x, median 1.0016x (the widest: Phi-3-mini NF4, 1.064x-1.080x, whose fused gate_up the shared count
+charges whole; without its 4 rows at most 1.0241x, SmolLM2's bounded rounding).
 
 Known limitations
-    - Without checkpointing, the retained blocks' rounding is bounded, not replayed: each 1-10 MiB block class is
+    - Without checkpointing, where a block of the step or of the weights is not whole 2 MiB (on the committed rows:
+      SmolLM2, Qwen2.5, Gemma-2, Phi-3, Qwen3 NF4, and the 512-token rows of Qwen3 bf16), the retained blocks'
+      rounding is bounded, not replayed: each 1-10 MiB block class is
       cut from 20 MiB segments whose last block keeps a rest under 1 MiB (1 MiB a segment), and each block from
       10 MiB keeps its segment's tail, or, served from a larger cached block, a rest under 1 MiB (1 MiB a block)
       (retained_rounding). The measured excess of max_memory_allocated over the requested peak was 21 MB on SmolLM2
       1024x1, 108 MB on Qwen2.5 2048x1 (75.5 MB of it the MLP blocks' tails), 0 on Llama-3.2-1B 2048x1; without the
-      per-block bound SmolLM2 NF4 at 2048 tokens was 9.8 MB under. This is why the median is 1.011x, not 1.005x.
+      per-block bound SmolLM2 NF4 at 2048 tokens was 9.8 MB under. Those rows are 1.002x-1.024x, which a replay
+      of the forward's requests through the allocator's rules (not built) would tighten.
+    - Phi-3-mini NF4 without checkpointing is 1.064x-1.080x: about 12.3 KB a token a layer (1.5 i, or 4 h) over,
+      unnamed: no anatomy of it is committed (bench/gpu-resident-1.sh ran out of its budget before
+      sft-phi3-nf4-1024x1). Its bf16 rows are 1.0005x-1.019x and its checkpointed NF4 ones 1.0016x-1.0033x.
     - Past a sliding window without checkpointing it is refused: Gemma-3 and Phi-3 keep attention masks per layer
       there that the counts do not have (Gemma-3 2048x1: 48 blocks of 8 MiB; the construction was 0.978x-0.997x).
     - The steady state (steps > 1: the optimizer's states) and gradient accumulation are the streamed step's terms
@@ -29,16 +39,38 @@ Known limitations
       has not been measured on a resident run yet (bench/gpu-next.sh resident-patch is the call that shows it).
     - Soup's own resident number is hardware_fit's (computed by Soup, from its CLI's input); it is not this
       module's business: the row carries it (results/extras.ResidentGate).
+    - Full fine-tuning (Soup's ``training.lora.r: 0``, ``estimate_full``) is built from physics alone and NOT
+      MEASURED: no full fine-tuning row exists, so every figure of it is unmeasured. What it charges: the
+      weights at the checkpoint's bf16 (Soup 0.73.3 passes no dtype, transformers 5 loads "auto"); every
+      parameter's gradient and torch AdamW's two states in that dtype (steady.OPTIMIZERS' rules per tensor; the
+      states are made at step 1's optimizer step, so the optimizer's step binds from step 1); the foreach
+      AdamW's square-root copy of every parameter at once (a bound: one group); each gradient/state block with
+      the 1 MiB the default allocator may leave in it (constants.unsplit_bound); each layer's count with every
+      linear's input and every norm's normed tensor kept for its weight's gradient (read from transformers'
+      Llama and Gemma norms and SDPA attention, not from a live set); the head's gradient beside the loss (a
+      bound: the loss's fp32 blocks may be freed by the head's backward); the backward walked with the
+      gradients already made, each layer's own counted whole at its MLP backward (a bound); the embedding's
+      backward with its fresh V x h gradient and a 4h-a-token bound on its kernel's fp32 partial sums. Refused
+      in one line: any task but sft and any quantization (Soup does not build them), a release that loads the
+      base as fp32 master weights (0.77.0's resolve_base_load_dtype: an fp32 residual stream and autocast's
+      cached bf16 copy of every weight, not modelled), transformers before 5 (fp32 by default), a config
+      giving another dtype than bf16 or fp16. Spectrum's and the freezes' partial fine-tuning are not modelled.
 """
 
 from __future__ import annotations
 
-from ..constants import K_LARGE_BUFFER, K_MIN_LARGE_ALLOC, K_SMALL_SIZE, block_bytes
+from ..constants import K_LARGE_BUFFER, K_MIN_LARGE_ALLOC, K_ROUND_LARGE, K_SMALL_SIZE, block_bytes, unsplit_bound
 from ..errors import UsageError
 from ..model.targets import soup_targets
 from ..tasks import PROTOCOL_TASK, task as task_named
-from .arch import Arch, arch_from_config, layer_bytes, nf4_bytes, protocol_targets
+from .arch import NF4_BLOCK, Arch, arch_from_config, layer_bytes, nf4_bytes, protocol_targets
+from .layer import MLP_BACKWARD_TRANSIENTS, Moment, checkpointed_through, layer_per_token
+from .releases import installed_release, release_source
+from .stacks import package_version
+from .steady import FP32, is_bounded, optimizer_named, state_blocks
 from .estimate import Estimate, estimate, needs_free, segment_tail
+from .layer import LORA_DROPOUT_MASK_BYTES
+from .steady import adapter_bytes
 from .terms import Phase, Term, phase_sum
 
 #: The architectures the resident construction is held to (every committed resident row of theirs).
@@ -63,26 +95,88 @@ def resident_weights(a: Arch, quant: str = "none") -> int:
     return a.L * per_layer + vocab + norms + (2 * a.V if a.quirks.head_bias and not a.tied else 0)
 
 
-def retained_rounding(a: Arch, targets: tuple, r: int, T: int, quant: str = "none") -> int:
+def retained_rounding(a: Arch, targets: tuple, r: int, T: int, quant: str = "none", seq: int | None = None,
+                      masks: bool = True) -> int:
     """segment_tail of each block a layer keeps through the loss without checkpointing, over every layer: the
-    tensors retained_by_layer counts per token (the norms' fp32 inputs, each target's dropout output, mask and
-    lora_A output, attention's q, k, v and output, the MLP's saved i-wide tensors), each its own block; from 10 MiB
-    a block's segment rounds to 2 MiB and a rest up to 1 MiB stays in it. Measured: Qwen2.5 2048x1 keeps 72 MLP
-    blocks of 19,922,944 B, each with a 1 MiB tail, which the allocator's history (requested sizes) does not show
-    and max_memory_allocated does (results/resident-anatomy-*/call-1/res-sft-qwen-bf16-2048x1: replayed peak
-    107.7 MB under the real one)."""
+    tensors retained_by_layer counts per token (the norms' fp32 inputs, each target's dropout output, mask
+    (``masks``: where the trainer has not turned dropout off) and lora_A output, attention's q, k, v and output,
+    the MLP's saved i-wide tensors), each its own block; from 10 MiB a block's segment rounds to 2 MiB and a rest
+    up to 1 MiB stays in it. Measured: Qwen2.5 2048x1 keeps 72 MLP blocks of 19,922,944 B, each with a 1 MiB
+    tail, which the allocator's history (requested sizes) does not show and max_memory_allocated does
+    (results/resident-anatomy-*/call-1/res-sft-qwen-bf16-2048x1: replayed peak 107.7 MB under the real one).
+    Where every block the forward can request is a whole number of 2 MiB (``whole_granules``; ``seq`` given),
+    no rest is kept but beside a weight's block (``unaligned_weight_blocks``)."""
+    if seq is not None and whole_granules(a, targets, r, T, seq):
+        return K_SMALL_SIZE * unaligned_weight_blocks(a, quant, targets, r)
     act, qw, kw = 2, a.heads * a.head_dim, a.kv * a.head_dim
     widths = [(4, a.h)] * (a.norms if a.quirks.norm_inputs_saved else 0)
-    widths += [w for t in targets for w in ((act, a.modules[t][0]), (1, a.modules[t][0]), (act, r))]
+    widths += [w for t in targets for w in ((act, a.modules[t][0]), (1 if masks else 0, a.modules[t][0]), (act, r))]
     widths += [(act, qw), (act, kw), (act, (qw + 2 * kw) if a.quirks.fused_qkv else kw), (act, qw)]
     widths += [(4 if quant == "nf4" else act, a.i)] * (a.quirks.mlp_saved - a.quirks.mlp_transients)
-    sizes = [block_bytes(b * w * T) for b, w in widths]
+    sizes = [block_bytes(b * w * T) for b, w in widths if b]
     # requests from 1 MiB to 10 MiB are cut from 20 MiB segments, and a segment's last block keeps a rest under
     # 1 MiB unsplit (the allocator splits a large block only where more than 1 MiB would remain): at most 1 MiB a
     # segment those blocks fill
     cut = a.L * sum(s for s in sizes if K_SMALL_SIZE <= s < K_MIN_LARGE_ALLOC)
     own = a.L * sum(segment_tail(s) or K_SMALL_SIZE for s in sizes if s >= K_MIN_LARGE_ALLOC)
     return own + -(-cut // K_LARGE_BUFFER) * K_SMALL_SIZE
+
+
+def whole_granules(a: Arch, targets: tuple, r: int, T: int, seq: int) -> bool:
+    """Whether every block of the large pool a resident forward can request up to its loss is a whole number of
+    2 MiB, over a superset of its tensors, per token: the residual stream and each norm's input (h) and each
+    linear's output (phi3's fused qkv and gate_up among them), each target's input and lora_A's output (r), q, k
+    and the MLP's i, the rotary tables, at 2 and 4 B (bf16, or fp32 under NF4); each target's dropout mask (1 B
+    a feature), the heads' logsumexp (4 B), the ids and positions (8 B); eager attention's scores (2 and 4 B a
+    head and position) and a mask row (1 B a position). Why it matters: every segment is a whole number of
+    2 MiB (K_ROUND_LARGE), and a block is cut from the front of a free one, which keeps the rest only where it
+    is at most 1 MiB (the allocator splits where more would remain). Where every request is whole 2 MiB, every
+    free block cut from whole 2 MiB is too, so a rest is 0 or at least 2 MiB: none is ever kept. Blocks of
+    1 MiB and less are the small pool's, cut from their own 2 MiB segments to 512 B: none is kept there either."""
+    qw, kw = a.heads * a.head_dim, a.kv * a.head_dim
+    widths = {a.h, a.i, qw, kw, r, a.rotary_dim, a.heads * seq} | {fo for _, fo, _ in a.modules.values()}
+    widths |= {a.modules[t][0] for t in targets if t in a.modules}
+    sizes = {b * w for w in widths for b in (2, 4)} | {a.modules[t][0] for t in targets if t in a.modules}
+    sizes |= {4 * a.heads, 8, seq}
+    return all(block_bytes(s * T) <= K_SMALL_SIZE or block_bytes(s * T) % K_ROUND_LARGE == 0 for s in sizes)
+
+
+def unaligned_weight_blocks(a: Arch, quant: str, targets: tuple, r: int) -> int:
+    """The weights' blocks over 1 MiB (and the loading's own: the bf16 a linear is quantised from, the fp32
+    embedding's bf16 source) that are not a whole number of 2 MiB. Each can leave one free block that is not
+    either, in its segment, after it: a forward of whole 2 MiB requests cut from that free block keeps its rest
+    (at most 1 MiB) in one block only, the one that takes its end, whose rest the segment then has no more."""
+    sizes = []
+    for fi, fo, _ in a.modules.values():
+        n = fi * fo
+        sizes += [2 * n] + ([-(-n // 2), -(-n // NF4_BLOCK)] if quant == "nf4" else [])
+    sizes = a.L * sizes + a.L * [b * r * w for t in targets for w in a.modules[t][:2] for b in (2, 4)]
+    sizes += (1 if a.tied else 2) * [2 * a.V * a.h] + ([4 * a.V * a.h] if quant == "nf4" else [])
+    return sum(1 for s in map(block_bytes, sizes) if s > K_SMALL_SIZE and s % K_ROUND_LARGE)
+
+
+def adapter_casts(a: Arch, targets: tuple, r: int, per: int) -> int:
+    """The bf16 copy of each fp32 LoRA matrix (``per`` 4: adapter_bytes) that autocast makes for its matmul, which
+    saves it for the backward: lora_B's in every layer (its input, lora_A's output, needs a gradient), lora_A's
+    from the second (layer 0's input needs none, so its matmul saves only that input); each its own small
+    block, rounded to 512 B. None where the adapter is bf16 already (per 2: TRL's cast under a 4-bit model).
+    Measured: Qwen2.5 2048x1 keeps 70 blocks of 14,336 B (8 x 896 x 2: q's A and B, v's A) and 24 of 2,048
+    (v's B, 128 x 8 x 2) at its loss peak (results/resident-anatomy-*/call-1/res-sft-qwen-bf16-2048x1); its
+    bf16 rows at 7B and 8B were 1-2 MB under without them, the NF4 rows (a bf16 adapter) not."""
+    if per != 4:
+        return 0
+    first = sum(block_bytes(2 * r * a.modules[t][0]) for t in targets if t in a.modules)
+    last = sum(block_bytes(2 * r * a.modules[t][1]) for t in targets if t in a.modules)
+    return a.L * last + (a.L - 1) * first
+
+
+def dropout_masks(a: Arch, targets: tuple) -> int:
+    """Bytes a token of each LoRA dropout mask a layer saves where its input carries a gradient (layer._lora):
+    what a trainer that turns dropout off (tasks.Task.dropout_disabled) does not make, since dropout at p 0
+    returns its input and only the fused kernel, for 0 < p < 1, writes a mask (ATen's dropout). Measured:
+    Llama-3.2-1B SFT 2048x1 keeps 30 blocks of 4,194,304 B (1 x h x T, q_proj and v_proj in layers 1-15) at its
+    loss peak, DPO at the same 2048 tokens none, every other block alike (results/resident-anatomy-*/call-1)."""
+    return sum(LORA_DROPOUT_MASK_BYTES * a.modules[t][0] for t in targets if t in a.modules)
 
 
 def refused(a: Arch, quant: str, checkpointing: bool = True, seq: int = 0) -> str | None:
@@ -110,6 +204,10 @@ def estimate_resident(config: dict, *, quant: str = "none", seq: int, batch: int
     """The corrected peak of a resident run: the streamed step's bf16 terms (recompute off without checkpointing, on
     with it) with every parameter on the card in place of the pool and the extras, and under NF4 what runs in fp32.
     The Estimate carries no Soup number (Soup's resident gate is hardware_fit's; the row has it)."""
+    if lora_r == 0:  # Soup's full fine-tuning (lora.r 0): no adapter, every parameter trains
+        return estimate_full(config, quant=quant, seq=seq, batch=batch, steps=steps, release=release, task=task,
+                             checkpointing=checkpointing, optimizer=optimizer, accumulation=accumulation,
+                             transformers=transformers)
     a = arch_from_config(config)
     why = refused(a, quant, checkpointing, seq)
     if why:
@@ -122,12 +220,19 @@ def estimate_resident(config: dict, *, quant: str = "none", seq: int, batch: int
         t[streamed] = 0  # the pool's slots and the streamed extras: here, the whole model's tensors
     t = {Term.RESIDENT_WEIGHTS.key: resident_weights(a, quant), **t}
     T = e.seq * e.batch * task_named(task).rows_per_example
+    tg, masks = targets_of(a, targets, config), not task_named(task).dropout_disabled
     if not checkpointing:
         # no checkpoint saves a layer's input: what each layer's backward needs is its retained count (the
         # norms' fp32 copies among it). Measured: Qwen2.5 2048x1 keeps 45,912 B a token a layer at its loss
         # peak, retained_by_layer's count to the byte (results/resident-anatomy-*/call-1/res-sft-qwen-bf16-2048x1)
         t[Term.CHECKPOINTED_INPUTS.key] = 0
-        t[Term.ALLOCATOR_ROUNDING.key] += retained_rounding(a, targets_of(a, targets, config), lora_r, T, quant)
+        t[Term.ALLOCATOR_ROUNDING.key] += retained_rounding(a, tg, lora_r, T, quant, e.seq, masks)
+        t[Term.ADAPTER_CASTS.key] = adapter_casts(a, tg, lora_r, adapter_bytes(task, quant))
+        if not masks:  # layers 1 to L-1 save a mask per target (layer 0's input needs no gradient); the last
+            # layer's is not beside it, and the binding layer's backward count holds its own
+            t[Term.RETAINED_ACTIVATIONS.key] -= T * (a.L - 1) * dropout_masks(a, tg)
+            t[Term.RETAINED_BESIDE_LAYER.key] -= T * (a.L - 2) * dropout_masks(a, tg)
+            t[Term.LAYER_PER_TOKEN.key] -= T * dropout_masks(a, tg)
     if quant == "nf4":
         # the embedding is fp32, so the residual stream is, and bitsandbytes' Linear4bit returns its input's dtype:
         # the MLP's i-wide tensors are fp32 (Llama-3.2-1B NF4 2048x1 kept 48 of 67,108,864 B, i x T x 4, where bf16
@@ -166,19 +271,216 @@ def estimate_resident(config: dict, *, quant: str = "none", seq: int, batch: int
                     binding.value, t, e.task, e.optimizer, e.accumulation)
 
 
-def estimate_run(key: str, config: dict | None = None, **kwargs) -> Estimate:
-    """This tool's corrected estimate of a map key's run, streamed or resident, in one place: a resident key
-    (stream_layers off) is ``estimate_resident``'s at the key's checkpointing, with only the settings a resident
-    run reads (a streamed-only one, stream_buffers, left out) and no Soup number (Soup's resident gate is
-    hardware_fit's, which the row carries); any other is ``estimate``'s under the key's streaming modes.
-    ``config``: the checkpoint's own config.json where the key's family has no public one (--model, --config)."""
+def estimate_run(arm, config: dict | None = None, **extra) -> Estimate:
+    """This tool's corrected estimate of an arm's run (issue395.model.arm.Arm), streamed or resident, in one place: a
+    resident arm (stream_layers off) is ``estimate_resident``'s at its checkpointing, with only the settings a
+    resident run reads (a streamed-only one, stream_buffers, left out) and no Soup number (Soup's resident gate is
+    hardware_fit's, which the row carries); any other is ``estimate``'s under its streaming modes. ``config``: the
+    checkpoint's own config.json where the arm's base has no public one (--model, --config); ``extra``: what is not
+    the run's (the release, a card's workspace, ``soup``, the transformers a saved row ran)."""
     from ..model.arm import SETTINGS
-    from ..model.registry import config_json, stream_mode
+    from ..model.registry import config_json
 
-    family, modes = stream_mode(key)
-    config = config_json(family) if config is None else config
-    if modes.get("stream_layers") is False:
-        streamed = {s.estimator for s in SETTINGS if s.streamed_only} | {"soup", "stream", "allowance", "workspace"}
-        return estimate_resident(config, checkpointing=bool(modes.get("gradient_checkpointing")),
+    config = config_json(arm.base) if config is None else config
+    kwargs = dict(arm.estimator(), **extra)
+    if arm.streaming.resident:
+        streamed = {s.estimator for s in SETTINGS if s.streamed_only} | {"soup", "allowance", "workspace"}
+        return estimate_resident(config, checkpointing=arm.streaming.checkpointing,
                                  **{k: v for k, v in kwargs.items() if k not in streamed})
-    return estimate(config, stream=modes, **kwargs)
+    return estimate(config, stream=arm.streaming.stream(), **kwargs)
+
+
+# -- Full fine-tuning (Soup's training.lora.r 0): no adapter, every parameter trains --
+#: Soup trains every parameter under lora.r 0 in its SFT trainer only (config/schema.py _validate_full_finetune:
+#: sft + transformers + text + quantization none; its other trainers pass r 0 to peft, which refuses it).
+FULL_FT_TASKS = ("sft",)
+#: The norms that compute in fp32 and scale by ``1 + weight.float()`` (transformers' GemmaRMSNorm and its
+#: heirs): a trained weight makes that mul keep the fp32 normed tensor. Every other modelled norm is Llama's
+#: RMSNorm, whose ``weight * x.to(input_dtype)`` keeps the normed tensor in the model's dtype.
+FP32_NORM_TYPES = ("gemma", "gemma2", "gemma3_text")
+#: The bytes a parameter takes as Soup's full fine-tuning loads it on the stacks this estimate models: the
+#: checkpoint's own bf16 or fp16 (Soup 0.73.3 passes no dtype to from_pretrained, and transformers 5 loads
+#: dtype "auto": the config's, else the weights' own; every checkpoint this tool builds or reads is bf16).
+#: Its gradient and a torch optimizer's states take the same (torch.zeros_like).
+FULL_FT_BYTES = 2
+
+
+def full_refused(a: Arch, config: dict, *, quant: str, task: str, release: str | None,
+                 transformers: str | None) -> str | None:
+    """Why this tool does not estimate this full fine-tuning (None: it does)."""
+    if task not in FULL_FT_TASKS:
+        return (f"full fine-tuning (lora.r 0) under task {task} is not a run Soup builds: its {task} trainer "
+                "passes r 0 to peft, which refuses it (Soup fine-tunes in full under task sft only)")
+    if quant != "none":
+        return f"full fine-tuning (lora.r 0) under {quant}: Soup's loader refuses it (quantization none only)"
+    src = release_source(release)
+    if src is None:
+        return f"soup-cli {release}'s source is not here, so how it loads a fully fine-tuned base is not read"
+    sft = src / "trainer" / "sft.py"
+    if sft.is_file() and "resolve_base_load_dtype" in sft.read_text(encoding="utf-8"):
+        return (f"soup-cli {release or installed_release()} loads a fully fine-tuned base as fp32 master weights "
+                "under bf16 autocast (its resolve_base_load_dtype), which this estimator does not yet model (an "
+                "fp32 residual stream, autocast's cached bf16 copy of every weight)")
+    major = (transformers or package_version("transformers")).split(".")[0]
+    if not major.isdigit() or int(major) < 5:
+        return (f"transformers {transformers or package_version('transformers')} loads a base Soup passes no "
+                "dtype in fp32 (its default before 5), which this estimator does not yet model")
+    dtype = config.get("dtype") or config.get("torch_dtype")
+    if dtype not in (None, "bfloat16", "float16"):  # none given: the weights' own, bf16 in every checkpoint read
+        return (f"a full fine-tuning of a checkpoint whose config.json gives dtype {dtype} is not modelled "
+                "(transformers loads it at that dtype; this estimate charges bf16 or fp16)")
+    return None
+
+
+def layer_tensors(a: Arch) -> list[int]:
+    """One decoder layer's parameter tensors' element counts: its linears (and their biases), its norms (and
+    their biases), its q/k norms."""
+    per_layer = [n for fi, fo, bias in a.modules.values() for n in ((fi * fo, fo) if bias else (fi * fo,))]
+    return per_layer + [a.h] * (a.norms * (2 if a.norm_bias else 1)) + ([a.head_dim] * 2 if a.qk_norm else [])
+
+
+def full_params(a: Arch) -> list[int]:
+    """Each parameter tensor's element count, as transformers builds the model: every layer's (layer_tensors),
+    the embedding, an untied head (its bias) and the final norm."""
+    vocab = [a.V * a.h] + ([] if a.tied else [a.V * a.h] + ([a.V] if a.quirks.head_bias else []))
+    return layer_tensors(a) * a.L + vocab + [a.h] * (2 if a.norm_bias else 1)
+
+
+def _norm_bytes(a: Arch) -> int:
+    return 4 if a.model_type in FP32_NORM_TYPES else 2
+
+
+def full_saved_per_token(a: Arch) -> int:
+    """What a trained weight makes one layer's autograd keep a token beyond a frozen one's: each norm's normed
+    tensor, which its weight's gradient reads (the q/k norms' too); each linear's input, which its weight's
+    gradient reads, where nothing else keeps it: the normed input the attention's and the MLP's input
+    projections share (2 x 2h), attention's output made contiguous for o_proj (2q), the MLP's product for
+    down_proj (2i)."""
+    qw, kw = a.heads * a.head_dim, a.kv * a.head_dim
+    norms = _norm_bytes(a) * (a.norms * a.h + (qw + kw if a.qk_norm else 0))
+    return norms + 2 * 2 * a.h + 2 * qw + 2 * a.i
+
+
+def full_per_token(a: Arch, at: Moment) -> int:
+    """One layer's count a token at moment ``at`` under full fine-tuning: layer_per_token with no adapter and
+    every layer's input carrying a gradient (the embedding trains), and what the trained weights keep."""
+    return layer_per_token(a, "none", (), 0, at=at, input_grad=True) + full_saved_per_token(a)
+
+
+def full_retained(a: Arch) -> int:
+    """What each layer keeps a token for its backward without checkpointing (retained_by_layer's rule: its
+    count at the MLP backward less that moment's transients)."""
+    return full_per_token(a, Moment.BACKWARD) - 2 * MLP_BACKWARD_TRANSIENTS * a.i - 2 * a.h
+
+
+def full_retained_rounding(a: Arch, T: int) -> int:
+    """retained_rounding's bound on the blocks each layer keeps without checkpointing, for full fine-tuning's
+    blocks: the norms' fp32 inputs and normed tensors, the shared normed inputs, attention's q, k, v, output
+    and o_proj's input, the MLP's saved i-wide tensors and down_proj's input; the same allocator rules
+    (1 MiB a 20 MiB segment the 1-10 MiB blocks fill, each block from 10 MiB its tail or 1 MiB)."""
+    qw, kw, nb = a.heads * a.head_dim, a.kv * a.head_dim, _norm_bytes(a)
+    widths = [(4, a.h)] * (a.norms if a.quirks.norm_inputs_saved else 0) + [(nb, a.h)] * a.norms
+    widths += [(2, a.h)] * 2 + [(2, qw), (2, kw), (2, (qw + 2 * kw) if a.quirks.fused_qkv else kw), (2, qw), (2, qw)]
+    widths += [(2, a.i)] * (a.quirks.mlp_saved - a.quirks.mlp_transients + 1)
+    sizes = [block_bytes(b * w * T) for b, w in widths]
+    cut = a.L * sum(s for s in sizes if K_SMALL_SIZE <= s < K_MIN_LARGE_ALLOC)
+    own = a.L * sum(segment_tail(s) or K_SMALL_SIZE for s in sizes if s >= K_MIN_LARGE_ALLOC)
+    return own + -(-cut // K_LARGE_BUFFER) * K_SMALL_SIZE
+
+
+def held(blocks) -> int:
+    """Blocks of these requested sizes as the default allocator holds them: each rounded to 512 B, and up to
+    1 MiB past it where it is over 1 MiB (constants.unsplit_bound: a cached block handed over whole)."""
+    return sum(block_bytes(b) + unsplit_bound(b) for b in blocks)
+
+
+def full_backward(a: Arch, T: int, *, checkpointing: bool, accumulated: bool) -> dict:
+    """The layer phase of a full fine-tuning, walked last layer to first, and the backward's end: the terms of
+    its binding moment. At layer n's turn: the checkpointed inputs of layers 0..n (without checkpointing, what
+    layers 0..n-1 keep), layer n's count at the moment, the gradients already made (the head's, the final
+    norm's, layers n+1..'s; none where micro-batches accumulate into held ones) and, at its MLP backward, its
+    own (a bound: every one of its tensors' at once). At the end the embedding's backward makes a fresh V x h
+    gradient (untied: its own; tied: added into the head's) beside every gradient, with its kernel's fp32
+    partial sums (a bound of 4h a token)."""
+    own = held(FULL_FT_BYTES * n for n in layer_tensors(a))
+    top = head_gradient(a) + held(FULL_FT_BYTES * n for n in [a.h] * (2 if a.norm_bias else 1))
+    best = {}
+    for n in range(a.L):
+        made = 0 if accumulated else top + (a.L - 1 - n) * own
+        before = checkpointed_through(a, "none", T, n) if checkpointing else T * full_retained(a) * n
+        for at in (Moment.FORWARD_END, Moment.BACKWARD) if checkpointing else (Moment.BACKWARD,):
+            mine = own if at is Moment.BACKWARD else 0
+            terms = {Term.LAYER_PER_TOKEN.key: T * full_per_token(a, at), Term.BACKWARD_GRADIENTS.key: made + mine,
+                     "before": before}
+            if sum(terms.values()) > sum(best.values()):
+                best = terms
+    end = {Term.LAYER_PER_TOKEN.key: 0, "before": 0,
+           Term.BACKWARD_GRADIENTS.key: 0 if accumulated else top + a.L * own,
+           Term.EMBEDDING_BACKWARD.key: held([FULL_FT_BYTES * a.V * a.h]) + 4 * a.h * T}
+    return end if sum(end.values()) > sum(best.values()) else best
+
+
+def head_gradient(a: Arch) -> int:
+    """The head's weight gradient, V x h, made at the loss's backward (tied: the embedding's gradient, made
+    there first), and an untied head's bias's."""
+    return held([FULL_FT_BYTES * a.V * a.h] + ([FULL_FT_BYTES * a.V] if a.quirks.head_bias and not a.tied else []))
+
+
+def full_optimizer(a: Arch, optimizer: str) -> dict:
+    """The optimizer's step over every parameter (steady.OPTIMIZERS' rules, per parameter tensor): every
+    gradient, the optimizer's states (torch's in the parameter's dtype, bitsandbytes' own), and its
+    transients (torch's foreach AdamW: exp_avg_sq's square root, one copy of every parameter of a group
+    at once; a bound: the whole model as one group). Each block as the default allocator holds it (held)."""
+    sizes = full_params(a)
+    o = optimizer_named(optimizer)
+    per = FP32 if is_bounded(optimizer) else FULL_FT_BYTES
+    return {Term.PARAMETER_GRADIENTS.key: held(FULL_FT_BYTES * n for n in sizes),
+            Term.OPTIMIZER_STATES.key: held(b for n in sizes for b in state_blocks(n, optimizer, FULL_FT_BYTES)),
+            Term.OPTIMIZER_TRANSIENTS.key: held(per * n for n in sizes for _ in range(o.transient))}
+
+
+def estimate_full(config: dict, *, quant: str = "none", seq: int, batch: int = 1, steps: int = 1,
+                  release: str | None = None, task: str = PROTOCOL_TASK, checkpointing: bool = False,
+                  optimizer: str = "adamw_torch", accumulation: int = 1, transformers: str | None = None) -> Estimate:
+    """The corrected peak of a resident full fine-tuning (Soup's lora.r 0): estimate_resident's shared terms
+    (the weights on the card, the logits and the loss, the ids, the rotary tables, the workspaces, the
+    allowance) with no adapter, each layer's count as a trained layer keeps it, the head's gradient at the
+    loss, the backward walked with every gradient it has made, and the optimizer's step over every parameter,
+    which runs at step 1 too (its states are made there: AdamW's zeros_like at its first step). From step 2
+    the states are live beside every phase. Unmeasured: the module docstring says what is not yet shown."""
+    a = arch_from_config(config)
+    why = full_refused(a, config, quant=quant, task=task, release=release, transformers=transformers)
+    if why:
+        raise UsageError(why)
+    base = estimate_resident(config, seq=seq, batch=batch, lora_r=1, release=release, task=task,
+                             checkpointing=checkpointing, transformers=transformers)
+    T = base.seq * base.batch
+    t = {k: v for k, v in base.terms.items() if k not in (
+        Term.LORA_WEIGHTS.key, Term.BACKWARD_GRADIENTS.key, Term.HELD_GRADIENTS.key, Term.UNSPLIT_REMAINDERS.key)}
+    t[Term.HEAD_INPUT.key] = T * a.h * (_norm_bytes(a) + 2)  # the final norm's normed tensor and the head's input
+    t[Term.HEAD_GRADIENT.key] = head_gradient(a)
+    if accumulation > 1:  # micro-batch 2 on runs with every gradient micro-batch 1 made
+        t[Term.HELD_GRADIENTS.key] = held(FULL_FT_BYTES * n for n in full_params(a))
+    walk = full_backward(a, T, checkpointing=checkpointing, accumulated=accumulation > 1)
+    before = walk.pop("before")
+    t.update(walk)
+    if not checkpointing:
+        t[Term.RETAINED_ACTIVATIONS.key] = T * a.L * full_retained(a)
+        t[Term.RETAINED_BESIDE_LAYER.key] = before
+        t[Term.ALLOCATOR_ROUNDING.key] += full_retained_rounding(a, T) - retained_rounding(
+            a, targets_of(a, None, config), 1, T)
+    t.update(full_optimizer(a, optimizer))
+    ws = t[Term.AUTOGRAD_WORKSPACE.key]
+    layer = phase_sum(t, Phase.LAYER) - (t[Term.CHECKPOINTED_INPUTS.key] - before if checkpointing else 0)
+    step = {Phase.LOSS: phase_sum(t, Phase.LOSS), Phase.LAYER: layer}
+    if steps > 1 or accumulation > 1:  # after a first backward its cuBLAS workspace stays beside every phase
+        step = {p: v + ws for p, v in step.items()}
+    states = t[Term.OPTIMIZER_STATES.key]
+    if steps > 1:
+        step = {p: v + states for p, v in step.items()}
+    step[Phase.OPTIMIZER] = t[Term.PARAMETER_GRADIENTS.key] + states + t[Term.OPTIMIZER_TRANSIENTS.key] + ws
+    binding = max(step, key=step.get)
+    corrected = phase_sum(t, Phase.RESIDENT) + step[binding] + phase_sum(t, Phase.ALLOWANCE)
+    return Estimate(base.seq, base.batch, quant, steps, base.release, None, {}, corrected, needs_free(corrected),
+                    binding.value, {term.key: t[term.key] for term in Term if term.key in t}, base.task, optimizer,
+                    accumulation)

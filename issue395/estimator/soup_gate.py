@@ -100,8 +100,8 @@ def preflight(cfg: Any, tcfg: Any, model_config: Any, *, steps: Optional[int] = 
 
 #: Soup's settings a resident step's bytes depend on that the resident estimate does not model, with the
 #: value it assumes (Soup's schema default; None and False where Soup's default is unset): another value keeps
-#: Soup's formula, said so. Full fine-tuning (Soup's peft "full": unfrozen_parameters, freeze_layers,
-#: freeze_ratio), another adapter (DoRA, VeRA), another backend, a fused or offloaded loss or activations, QAT,
+#: Soup's formula, said so. Spectrum's and the freezes' partial fine-tuning (unfrozen_parameters, freeze_layers,
+#: freeze_ratio; lora.r 0, every parameter trained, is modelled: resident.estimate_full), another adapter (DoRA, VeRA), another backend, a fused or offloaded loss or activations, QAT,
 #: LISA's layer switching, MoE LoRA; the dropout and double quantisation as the streamed gate assumes them.
 RESIDENT_ASSUMED = (("backend", "transformers"), ("unfrozen_parameters", None), ("freeze_layers", None),
                     ("freeze_ratio", None), ("lora.use_dora", False), ("lora.use_vera", False), ("use_galore", False),
@@ -161,8 +161,9 @@ def resident_preflight(cfg: Any, model_config: Any, *, free: Optional[int], tota
     + the runtime's growth <= total - context). Where torch cannot read it (``free`` None), the card's
     ``total`` less this tool's CUDA context bound, said so. ``formula``: Soup's own (peak GB, +10% GB, admits)
     from hardware_fit, printed beside. A run the estimate does not model (MoE, latent attention, hybrid,
-    phi, past a sliding window without checkpointing, full fine-tuning, a setting in RESIDENT_ASSUMED) or a
-    config it cannot read keeps Soup's formula (``refused`` says why; never a crash, never a gate lifted)."""
+    phi, past a sliding window without checkpointing, a setting in RESIDENT_ASSUMED; a full fine-tuning, lora.r 0,
+    is estimate_resident's estimate_full, except where it refuses it) or a config it cannot read keeps Soup's
+    formula (``refused`` says why; never a crash, never a gate lifted)."""
     try:
         config, kwargs = resident_kwargs(cfg, model_config, steps)
         e = estimate_resident(config, **kwargs)
@@ -185,6 +186,7 @@ def resident_preflight(cfg: Any, model_config: Any, *, free: Optional[int], tota
                f"{allowance / 1e9:.3f} | allocator reserve {(e.needs_free - e.corrected_predicted) / 1e9:.2f} | CUDA "
                f"runtime after the gate {STEP_GROWTH_BYTES / 1e9:.2f} GB")
     run = (f"{kwargs['task']} {kwargs['quant']} {kwargs['seq']}x{kwargs['batch']}, "
+           + ("full fine-tuning (lora.r 0), " if kwargs["lora_r"] == 0 else "") +
            f"{'with' if kwargs['checkpointing'] else 'no'} gradient checkpointing, step {e.steps}")
     return {"peak": e.corrected_predicted, "needs_free": e.needs_free, "gate_bytes": gate, "free": free,
             "free_measured": measured, "fits": fits, "phase": e.phase, "steps": e.steps, "refused": None,

@@ -92,6 +92,10 @@ class Term(Enum):
     #: ...and at the backward's first layer, every other layer's (the one being run is its per-token count)
     RETAINED_BESIDE_LAYER = ("retained_beside_layer", {_LA}, Kind.ACT, "the other layers' retained activations",
                              "stream_recompute off")
+    #: no checkpointing: each LoRA matrix's bf16 copy that autocast makes of the fp32 adapter, which its matmul
+    #: saves for the backward (a reentrant checkpoint runs the forward without grad: none is kept there)
+    ADAPTER_CASTS = ("adapter_casts", {_LO, _LA}, Kind.TEMP, "the adapter's bf16 copies",
+                     "an fp32 adapter, no checkpointing")
     #: the adapter's gradients as the backward makes them, at its first layer: every other layer's
     #: (one micro-batch; the layer phase takes the larger of this with one checkpointed input and
     #: every input with none)
@@ -122,6 +126,14 @@ class Term(Enum):
     #: weight), none charged there before; not in needs_free
     REFERENCE_REMAINDERS = ("reference_remainders", {_RF}, Kind.OTH, "the reference forward's blocks' remainders",
                             "DPO, KTO")
+    #: full fine-tuning (Soup's lora.r 0, resident; issue395.estimator.resident.estimate_full): what a trained
+    #: weight makes autograd keep at the head (its input and the final norm's normed tensor), the head's weight
+    #: gradient made at the loss's backward, the embedding's backward at the walk's end (its fresh V x h gradient
+    #: block and its kernel's fp32 partial sums), and every parameter's gradient at the optimizer's step
+    HEAD_INPUT = ("head_input", {_LO, _RF}, Kind.ACT, "the head's saved input", "lora.r 0")
+    HEAD_GRADIENT = ("head_gradient", {_LO}, Kind.GRAD, "the head's weight gradient", "lora.r 0")
+    EMBEDDING_BACKWARD = ("embedding_backward", {_LA}, Kind.TEMP, "the embedding's backward", "lora.r 0")
+    PARAMETER_GRADIENTS = ("parameter_gradients", {_OP}, Kind.GRAD, "every parameter's gradient", "lora.r 0")
     ALLOCATED_ALLOWANCE = ("allocated_allowance", {_AL}, Kind.OTH, "the allowance", None)
 
     def __init__(self, key: str, phases: set, kind: Kind, words: str, when: str | None):

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from ..tasks import PROTOCOL_TASK
 from ..model.arm import Arm
-from ..model.registry import Shape, family_of
+from ..model.registry import Shape
+from ..model.streaming import family_of
 from ..results.result import Result
 from ..results.row import Row
 from ..measure.console import Stop
@@ -93,7 +93,7 @@ def sweep(arms: list[Arm], shapes: dict[str, Shape], bases: Checkpoints, scratch
         if (run.cache_dir or run.shard_dir) and first:
             scratch.repair_shards(base)
         checked.add((arm.model, arm.quant))
-        log = (Path(run.log_dir) / f"soup-{arm.index:03d}-{arm.model}-{arm.seq}-b{arm.batch}{task_tag(arm)}.log"
+        log = (Path(run.log_dir) / f"soup-{arm.stem()}.log"
                if run.log_dir else None)
         row = measure(arm, base, scratch.path("arms", f"{arm.index:03d}"), scratch.sharding(base) if first else None,
                       dry_run=run.dry_run, snapshot=run.snapshot, snapshot_dir=run.snapshot_dir,
@@ -119,11 +119,6 @@ def sweep(arms: list[Arm], shapes: dict[str, Shape], bases: Checkpoints, scratch
         bases.release(family)
     if ledger is not None:
         ledger.leave()
-
-
-def task_tag(arm: Arm) -> str:
-    """A file name's mark of a task other than SFT (the protocol's names stay as they were)."""
-    return "" if arm.task == PROTOCOL_TASK else f"-{arm.task}"
 
 
 #: The row file's header of a parent of children (lanes, --gpus, --isolate): the stack is its own.

@@ -7,18 +7,19 @@ the map, dealt heaviest first, each family's streaming modes with it.
 from __future__ import annotations
 
 import functools
-from typing import Iterable, Optional
+from typing import Any, Iterable, Optional
 
 from ..record import MAP_SEQS, PUBLISHED_NF4, RECORD_GRID
 from ..tasks import PROTOCOL_TASK
 from ..model.arm import Arm, Settings
-from ..model.registry import FAMILIES, SHAPES, family_of, max_positions
+from ..model.registry import FAMILIES, SHAPES, max_positions
+from ..model.streaming import family_of
 from ..measure.shapes import family_shape
 
 
 def plan_map(families: Iterable[str], quants: Iterable[str], seqs: Optional[Iterable[int]],
              batches: Iterable[int], tasks: Iterable[str] = (PROTOCOL_TASK,),
-             settings: Settings = Settings()) -> list[Arm]:
+             settings: Settings = Settings(), **fields: Any) -> list[Arm]:
     """The map's grid, in order: family, quantization, seq (within the family's max
     positions), batch, task; every arm at ``settings`` (issue395.model.arm.Settings). Llama-3.1-8B is there for its published NF4 arm, batch 1 x seq 512.
     Every batch asked runs under every task: one below a task's smallest batch is planned and
@@ -32,7 +33,7 @@ def plan_map(families: Iterable[str], quants: Iterable[str], seqs: Optional[Iter
             for seq in (q for q in grid if q <= max_positions(fam)):
                 for batch in (batches if seqs or not published else (1,)):
                     for name in tasks:
-                        arms.append(Arm(fam, seq, batch, len(arms), quant, name, settings))
+                        arms.append(Arm.at(fam, seq, batch, len(arms), quant, name, settings, **fields))
     return arms
 
 
@@ -45,7 +46,7 @@ def past_positions(families: Iterable[str], seqs: Optional[Iterable[int]]) -> li
 
 def plan_arms(models: Iterable[str], seqs: Optional[Iterable[int]], batches: Iterable[int],
               quant: str = "none", tasks: Iterable[str] = (PROTOCOL_TASK,),
-              settings: Settings = Settings()) -> list[Arm]:
+              settings: Settings = Settings(), **fields: Any) -> list[Arm]:
     """Grid order: model, then seq, then batch (the record's order), then task, at one
     quantization (the protocol's bf16, or a --config file's), and settings (a --config file's; none: the
     protocol's)."""
@@ -54,7 +55,7 @@ def plan_arms(models: Iterable[str], seqs: Optional[Iterable[int]], batches: Ite
         for seq in (seqs or RECORD_GRID.get(model, ())):
             for batch in batches:
                 for name in tasks:
-                    arms.append(Arm(model, seq, batch, len(arms), quant, name, settings))
+                    arms.append(Arm.at(model, seq, batch, len(arms), quant, name, settings, **fields))
     return arms
 
 

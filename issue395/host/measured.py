@@ -6,7 +6,7 @@ cache); a child's job file holds one (``measure_from_json`` reads it back). Noth
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Optional
 
 from ..tasks import PROTOCOL_TASK
@@ -89,8 +89,14 @@ class MeasureRequest:
 
     def arms(self) -> list[Arm]:
         """The grid's arms, in grid order (the map's, or the sweep's)."""
-        return (plan_map(self.models, self.quants, self.seqs, self.batches, self.tasks, self.settings) if self.map
-                else plan_arms(self.models, self.seqs, self.batches, self.quants[0], self.tasks, self.settings))
+        return self.carried(plan_map(self.models, self.quants, self.seqs, self.batches, self.tasks, self.settings)
+                            if self.map else plan_arms(self.models, self.seqs, self.batches, self.quants[0], self.tasks,
+                                                       self.settings))
+
+    def carried(self, arms: list[Arm]) -> list[Arm]:
+        """The grid's arms carrying what the run gives each: its adapter, its steps, and a custom base's checkpoint."""
+        return [replace(a, adapter=self.adapter, steps=self.steps,
+                        checkpoint=self.custom_model if a.base == "custom" else None) for a in arms]
 
 
 #: MeasureRequest's sub-records by field, as a child's job file reads them back.

@@ -57,9 +57,9 @@ def min_free_arms(run: MeasureRequest, arms: list[Arm], scratch: Scratch, on_row
             on_row(replace(control, constraint=None))
             continue
         # the adapter the control ran with (a family's targets, a --config file's targets and r)
-        needs = tool_needs_free(arm_config(arm.model, control.ran.base), None, arm.model, quant=arm.quant,
-                                seq=arm.seq, batch=arm.batch, targets=control.targets, lora_r=control.rank,
-                                steps=run.steps, task=arm.task, run=arm.run)
+        needs = tool_needs_free(arm_config(arm.model, control.ran.base), None, replace(
+            arm, adapter=replace(arm.adapter, targets=tuple(control.targets) or None, lora_r=control.rank),
+            steps=run.steps))
         peak = control.real_peak
         try:
             found = bisect_min_free(lambda cap: probe(arm, f"bytes:{cap}").measured, peak=peak,

@@ -19,8 +19,9 @@ from typing import Any, Callable, Iterable, Optional
 from ..record import LORA_R
 from ..tasks import PROTOCOL_TASK
 from ..errors import UsageError, last_line
-from ..model.arm import Arm, Settings
-from ..model.registry import FAMILIES, SHAPES, family_of
+from ..model.arm import Arm
+from ..model.registry import FAMILIES, SHAPES
+from ..model.streaming import family_of
 from ..results.extras import UserConfig
 from ..results.result import Result
 from ..results.row import Row, arm_identity
@@ -503,7 +504,7 @@ def read_job(path: str) -> tuple[MeasureRequest, Job]:
     try:
         data = json.loads(Path(path).read_text(encoding="utf-8"))
         j = data["job"]
-        job = Job(shard=tuple(j["shard"]), arms=tuple(Arm(**dict(a, settings=Settings(**a["settings"]))) for a in j["arms"]), gpu=j["gpu"],
+        job = Job(shard=tuple(j["shard"]), arms=tuple(map(Arm.from_json, j["arms"])), gpu=j["gpu"],
                   repeat=j["repeat"], extra_modes=j["extra_modes"], whole_card=j.get("whole_card", False))
         return measure_from_json(data["run"]), job
     except (OSError, ValueError, KeyError, TypeError) as exc:

@@ -91,7 +91,7 @@ def margin_arms(rows: list[Row]) -> list[Arm]:
             tight = min(measured, key=lambda r: r.margin_ratio)
             picked[tight.index] = tight
     picked.update({r.index: r for r in rows if r.status == "UNDER"})
-    return [Arm(r.model_key, r.seq, r.batch, r.index, r.quant, r.task or PROTOCOL_TASK)
+    return [Arm.at(r.model_key, r.seq, r.batch, r.index, r.quant, r.task or PROTOCOL_TASK)
             for _, r in sorted(picked.items())]
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Callable, ContextManager, Optional
 
 from ..errors import UsageError, last_line
-from ..tasks import PROTOCOL_TASK, task
+from ..tasks import task
 from ..model.arm import Arm
 from ..model.registry import Shape, known
 from ..estimator.anatomy import classifier_for
@@ -173,9 +173,7 @@ def run_arm(measure_arm: Callable[..., Measurement], step_device: str, arm: Arm,
         if m.error is None:
             m.fail(exc)
     if attribution and snapshot_dir:
-        rep = f"-r{repeat}" if repeat is not None else ""
-        name = (f"snapshot-{arm.index:03d}-{arm.model}-{arm.seq}-b{arm.batch}{rep}"
-                f"{'' if arm.task == PROTOCOL_TASK else '-' + arm.task}.pickle")
+        name = f"snapshot-{arm.stem(repeat)}.pickle"
         attribution["snapshot_file"] = save_snapshot(m.snapshot, Path(snapshot_dir) / name)
     ran = Ran(base=base, gpu=gpu_label(dry_run, step_device), log=str(log) if log else None, timings=timings,
               teardown_error=m.teardown_error)

@@ -14,8 +14,8 @@ from typing import Any, Optional
 from ..constants import CONFIG_LIMITS, is_whole
 from ..errors import UsageError, last_line
 from ..record import GRID_ADAPTER_FACTOR, LORA_ALPHA, LORA_R
-from ..model.registry import (FAMILIES, MAP_FAMILIES, NOT_ON_MAP, RELEASE_FAMILIES, SHAPES, Shape, config_json,
-                              family_of, stream_mode)
+from ..model.registry import FAMILIES, MAP_FAMILIES, NOT_ON_MAP, RELEASE_FAMILIES, SHAPES, Shape, config_json
+from ..model.streaming import Streaming, family_of
 from ..estimator.arch import protocol_targets_in
 from ..estimator.moe import soup_intermediate
 from ..estimator.releases import installed_release
@@ -142,10 +142,10 @@ def registry_shape(base: str, targets: Optional[tuple] = None, lora_r: int = LOR
 def with_modes(shape: Shape, key: str) -> Shape:
     """``shape`` (a family's) under the streaming modes ``key`` names: the name says them, the
     arm's Soup config carries them; the checkpoint stays the family's."""
-    base, training = stream_mode(key)
-    if not training:
+    streaming = Streaming.parse(key)[1]
+    if streaming == Streaming():
         return shape
-    return replace(shape, name=f"{shape.name} [{key[len(base) + 1:]}]", stream=tuple(training.items()))
+    return replace(shape, name=streaming.label(shape.name), stream=tuple(streaming.training().items()))
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tiktoken.model")

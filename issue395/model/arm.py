@@ -11,7 +11,8 @@ from typing import Any, Optional
 from ..constants import is_whole
 from ..record import LORA_ALPHA, LORA_R
 from ..tasks import PROTOCOL_TASK
-from .registry import Shape
+from .registry import FAMILIES, SHAPES, Shape
+from .streaming import SEP, Streaming
 
 
 #: Soup's default ``training.optimizer`` (its schema's), the protocol's: the one its step runs.
@@ -126,18 +127,58 @@ class Adapter:
 
 @dataclass(frozen=True)
 class Arm:
-    """One point of the grid: a model at one seq and batch, under one of Soup's tasks; index is its
-    grid position. ``settings``: what a --config file's run sets (issue395.model.arm.SETTINGS: its
-    optimizer and accumulation as Soup's loader read them); none for the protocol's arm (Soup's default
-    optimizer, one micro-batch a step)."""
+    """One run, typed, as every mode answers it: its base (``base``: a registry key, or "custom" for the checkpoint
+    ``checkpoint`` names: a folder, a config.json or a hub id), at one seq and batch, quantization and task, how it
+    streams (``streaming``: issue395.model.streaming.Streaming), the LoRA adapter it trains (``adapter``), its run
+    settings (``settings``: a --config file's optimizer, accumulation, stream buffers; none for the protocol's arm),
+    its optimizer steps, and the stack it is answered for where that is not this machine's (``stack``: --estimate's
+    --stack). ``index`` is its grid position. Its key (``model``), its row's name (``label``) and its files' stem
+    (``stem``) are derived here, once; ``Arm.at`` builds one from a map key."""
 
-    model: str
+    base: str
     seq: int
     batch: int = 1
     index: int = 0
     quant: str = "none"
     task: str = PROTOCOL_TASK  # Soup's task (issue395.tasks), the protocol's SFT unless asked
     settings: Settings = Settings()
+    streaming: Streaming = Streaming()
+    adapter: Adapter = Adapter()
+    steps: int = 1
+    checkpoint: Optional[str] = None  # a custom base's checkpoint (None: a registry model's synthetic one)
+    stack: tuple = ()  # (package, version) pairs the arm is answered for (none: this machine's)
+
+    def __post_init__(self) -> None:
+        if SEP in self.base:  # a map key is parsed once, by Arm.at: its modes are the streaming record's
+            raise ValueError(f"Arm base {self.base!r} is a map key: build it with Arm.at")
+
+    @classmethod
+    def at(cls, key: str, seq: int, batch: int = 1, index: int = 0, quant: str = "none", task: str = PROTOCOL_TASK,
+           settings: Settings = Settings(), **fields: Any) -> "Arm":
+        """The arm of map key ``key`` (its streaming modes after its family), the rest as given."""
+        base, streaming = Streaming.parse(key)
+        return cls(base, seq, batch, index, quant, task, settings, streaming, **fields)
+
+    @property
+    def model(self) -> str:
+        """The arm's map key: its base and its streaming modes ("llama32-1b+resident+gc"), as rows save it."""
+        return self.streaming.key(self.base)
+
+    key = model
+
+    def label(self, name: Optional[str] = None) -> str:
+        """The row's name for the arm: its base's (``name``, else the registry's) and its modes in brackets
+        ("Llama-3.2-1B [resident+gc]")."""
+        if name is None:
+            name = FAMILIES[self.base].label if self.base in FAMILIES else SHAPES[self.base].name
+        return self.streaming.label(name)
+
+    def stem(self, repeat: Optional[int] = None) -> str:
+        """What the arm's files are named by (its Soup log, its snapshot): index, key, seq, batch, --determinism's
+        repeat, and a task other than SFT (the protocol's names stay as they were)."""
+        rep = f"-r{repeat}" if repeat is not None else ""
+        task = "" if self.task == PROTOCOL_TASK else f"-{self.task}"
+        return f"{self.index:03d}-{self.model}-{self.seq}-b{self.batch}{rep}{task}"
 
     @property
     def micro_batches(self) -> int:
@@ -152,6 +193,23 @@ class Arm:
     def run(self) -> dict[str, Any]:
         """The estimator's keywords for this arm's run beyond its shape: one estimate for the run every mode runs."""
         return self.settings.estimator()
+
+    def estimator(self) -> dict[str, Any]:
+        """The estimator's keywords for this arm (issue395.estimator.estimate's, a streamed one's ``stream`` aside):
+        its shape, its adapter (None: the family's own targets), its steps, task and settings; every estimate of an
+        arm takes these, so no mode lists them again."""
+        return dict(quant=self.quant, seq=self.seq, batch=self.batch, targets=self.adapter.targets or None,
+                    lora_r=self.adapter.lora_r, steps=self.steps, task=self.task, **self.run)
+
+    @classmethod
+    def from_json(cls, data: dict) -> "Arm":
+        """An Arm as ``dataclasses.asdict`` wrote it (a child's job file)."""
+        adapter = dict(data.get("adapter") or {})
+        if adapter.get("targets") is not None:
+            adapter["targets"] = tuple(adapter["targets"])
+        return cls(**dict(data, settings=Settings(**data.get("settings", {})),
+                          streaming=Streaming(**data.get("streaming", {})), adapter=Adapter(**adapter),
+                          stack=tuple(map(tuple, data.get("stack", ())))))
 
 
 def predicted_bytes(shape: Shape, seq: int, batch: int = 1, buffers: int = 2) -> int:

@@ -12,6 +12,8 @@ from typing import Any, Optional
 
 from ..errors import UsageError
 from ..record import LORA_ALPHA, LORA_R, LORA_TARGETS
+from .streaming import (CHECKPOINTING, EXPERT_LAYOUTS, PROBES, RECOMPUTES, STREAM_LAYERS, Streaming,
+                        family_of)
 
 
 @dataclass(frozen=True)
@@ -271,80 +273,28 @@ def hub_id_of(key: str) -> str:
 def known(key: str) -> bool:
     """Whether ``key`` names a model here: the record's two or a family, with any streaming modes."""
     try:
-        base, _ = stream_mode(key)
+        base, _ = Streaming.parse(key)
     except UsageError:
         return False
     return base in SHAPES or base in FAMILIES
 
 
-#: The map key's spelling of a resident run and of its gradient checkpointing (both Soup ``training`` keys).
-RESIDENT, CHECKPOINTED = "resident", "gc"
-#: Whether Soup streams the layers (its default) or keeps them resident: the values of --stream-layers.
-STREAM_LAYERS = ("on", "off")
-#: training.gradient_checkpointing on a resident run (Soup's default off first): --gradient-checkpointing.
-CHECKPOINTING = ("off", "on")
-#: The map key's spelling of training.stream_vram_probe (Soup's measured-fit gate, #349: one measured step at
-#: setup decides the fit), and the values of --stream-vram-probe (Soup's default off first).
-PROBE, PROBES = "probe", ("off", "on")
-
-
-#: soup-cli 0.77.0's streaming modes as map axes: how a mode is spelled after a family's key
-#: ("moonlight+per_expert+chunk512"), and the Soup ``training`` key each one sets.
-STREAM_MODES = {"per_expert": ("stream_expert_layout", "per_expert"),
-                "recompute-off": ("stream_recompute", "off"),
-                # a resident run: Soup keeps every layer on the card (training.stream_layers false), and
-                # HF's gradient checkpointing where the file turns it on (Soup's default: off)
-                RESIDENT: ("stream_layers", False),
-                CHECKPOINTED: ("gradient_checkpointing", True),
-                # Soup's measured step at setup (a streamed run's; Soup's schema takes it for SFT only, #840)
-                PROBE: ("stream_vram_probe", True)}
-LOSS_CHUNK_PREFIX = "chunk"  # chunkN: training.stream_loss_chunk = N tokens
-#: The values of the two named axes, Soup's default first (the default adds nothing to a key).
-EXPERT_LAYOUTS, RECOMPUTES = ("fused", "per_expert"), ("on", "off")
-
-
-def family_of(key: str) -> str:
-    """The family (or record model) a map key names, its streaming modes aside: the one place that
-    knows how a mode is spelled after a family ("moonlight+per_expert" -> "moonlight")."""
-    return key.split("+")[0]
-
-
 def stream_mode(key: str) -> tuple[str, dict[str, Any]]:
-    """A map key's family and the Soup training keys its modes set (none: Soup's defaults)."""
-    base, modes = family_of(key), key.split("+")[1:]
-    training: dict[str, Any] = {}
-    for mode in modes:
-        digits = mode[len(LOSS_CHUNK_PREFIX):]
-        if mode in STREAM_MODES:
-            training.__setitem__(*STREAM_MODES[mode])
-        elif mode.startswith(LOSS_CHUNK_PREFIX) and digits.isdigit() and digits[0] != "0":
-            training["stream_loss_chunk"] = int(digits)
-        else:
-            raise UsageError(f"{key}: unknown streaming mode {mode!r} (modes: "
-                             f"{', '.join(STREAM_MODES)}, {LOSS_CHUNK_PREFIX}N)")
-    return base, training
+    """A map key's family and the Soup training keys its modes set (none: Soup's defaults): ``Streaming.parse``'s."""
+    base, streaming = Streaming.parse(key)
+    return base, streaming.training()
 
 
 def mode_key(family: str, layout: str = "fused", loss_chunk: Optional[int] = None,
              recompute: str = "on", resident: bool = False, checkpointing: bool = False, probe: bool = False) -> str:
-    """The map key of ``family`` under these modes; Soup's defaults add nothing to the key. A resident
-    run has no streaming modes (Soup reads none of them), and checkpointing is a resident run's only."""
-    if resident and (layout != "fused" or loss_chunk or recompute != "on" or probe):
-        raise UsageError(f"{family}: a resident run (stream_layers off) takes no streaming mode")
-    if checkpointing and not resident:
-        raise UsageError(f"{family}: gradient checkpointing is a resident run's (a streamed run checkpoints "
-                         "every layer itself)")
-    return "+".join([family] + (["per_expert"] if layout == "per_expert" else [])
-                    + ([f"{LOSS_CHUNK_PREFIX}{loss_chunk}"] if loss_chunk else [])
-                    + (["recompute-off"] if recompute == "off" else [])
-                    + ([RESIDENT] if resident else []) + ([CHECKPOINTED] if checkpointing else [])
-                    + ([PROBE] if probe else []))
+    """The map key of ``family`` under these modes (``Streaming.key``: its refusals too)."""
+    return Streaming(not resident, layout, loss_chunk, recompute, checkpointing, probe).key(family)
 
 
 def is_resident(key: str) -> bool:
     """A map key whose run keeps every layer on the card (stream_layers off)."""
     try:
-        return stream_mode(key)[1].get("stream_layers") is False
+        return Streaming.parse(key)[1].resident
     except UsageError:
         return False
 
@@ -390,8 +340,7 @@ def stream_mode_keys(families: list, layouts: list, chunks: list, recomputes: li
         raise UsageError("--gradient-checkpointing on: a resident run's setting; add --stream-layers off")
     if "on" in probes and "on" not in layers:
         raise UsageError("--stream-vram-probe on: Soup's probe measures a streamed step; add --stream-layers on")
-    return tuple(key for fam in families for key in (
-        [mode_key(fam, layout, chunk, recompute, probe=probe == "on") for layout in layouts
-         if layout == "fused" or is_moe(fam) for chunk in chunks for recompute in recomputes for probe in probes]
-        if "on" in layers else []) + (
-        [mode_key(fam, resident=True, checkpointing=gc == "on") for gc in checkpointing] if "off" in layers else []))
+    streamed = [Streaming(True, layout, chunk, recompute, probe=probe == "on") for layout in layouts
+                for chunk in chunks for recompute in recomputes for probe in probes] if "on" in layers else []
+    resident = [Streaming(False, checkpointing=gc == "on") for gc in checkpointing] if "off" in layers else []
+    return tuple(s.key(fam) for fam in families for s in streamed + resident if s.layout == "fused" or is_moe(fam))

@@ -13,6 +13,7 @@ from dataclasses import replace
 from typing import Optional
 
 from ..errors import UsageError
+from ..model.arm import Adapter, Arm, Settings
 from ..model.registry import known
 from ..estimator.resident import estimate_run
 from ..estimator.estimate import Estimate, needs_free
@@ -26,8 +27,9 @@ def _corrected(key: str, quant: str, seq: int, batch: int, targets: tuple, lora_
                steps: int, task: str = PROTOCOL_TASK, transformers: Optional[str] = None,
                run: tuple = ()) -> Optional[Estimate]:
     try:  # streamed or resident (every layer on the card: the resident construction, where it is modelled)
-        return estimate_run(key, quant=quant, seq=seq, batch=batch, targets=targets or None, lora_r=lora_r,
-                            steps=steps, release=release, soup=False, task=task, transformers=transformers, **dict(run))
+        arm = Arm.at(key, seq, batch, quant=quant, task=task, settings=Settings(**dict(run)),
+                     adapter=Adapter(targets or None, lora_r), steps=steps)
+        return estimate_run(arm, release=release, soup=False, transformers=transformers)
     except UsageError:
         return None
 

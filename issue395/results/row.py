@@ -13,7 +13,8 @@ from ..constants import is_whole
 from ..record import LORA_R, RECORD_A10G_PEAK, SOUP_QUANT
 from ..tasks import PROTOCOL_TASK, TASKS, task as task_of
 from ..model.arm import SETTINGS, Arm, Settings, logits_charge, predicted_bytes
-from ..model.registry import Shape, family_of
+from ..model.registry import Shape
+from ..model.streaming import family_of
 from ..estimator.cards import emulated_outcome, step_free
 from .extras import (Capped, Corrected, Emulated, Gate, Ran, Record, ResidentGate, SoupProbe, UserConfig,
                      constraint_from_json, constraint_to_json)

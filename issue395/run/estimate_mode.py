@@ -21,8 +21,8 @@ from ..errors import EXIT_OK, EXIT_USAGE, UsageError, last_line
 from ..record import LORA_ALPHA, LORA_R, QUANTS
 from ..tasks import TASKS
 from ..model.arm import Adapter
-from ..model.registry import (ALL_FAMILIES, EXPERT_LAYOUTS, RECOMPUTES, by_hub_id, config_json, hub_id_of,
-                              variant_of)
+from ..model.registry import ALL_FAMILIES, by_hub_id, config_json, hub_id_of, variant_of
+from ..model.streaming import EXPERT_LAYOUTS, RECOMPUTES
 from ..model.targets import soup_targets
 from ..measure.shapes import soup_loss_chunk_bounds
 from ..report.outputs import write_json
@@ -118,7 +118,9 @@ class FromFile(FromOptions):
 
     def lora(self) -> tuple[int, int]:
         a = self.user.adapter
-        return within("--lora-r", a.lora_r, named="training.lora.r"), a.lora_alpha or LORA_ALPHA
+        # r 0 is Soup's full fine-tuning, a resident run's (its loader refuses it streamed)
+        return (within("--lora-r", a.lora_r, minimum=0 if self.user.resident else 1, named="training.lora.r"),
+                a.lora_alpha or LORA_ALPHA)
 
     def steps(self) -> tuple[int, Optional[str]]:
         given = self.args.steps
@@ -305,22 +307,21 @@ def answered(e: EstimateRequest, a: Adapter, gate, optimizer, stream: dict, kw: 
     from ..estimator.cards import workspace_env
     from ..estimator.arch import protocol_targets
     from ..estimator.soup_number import arch_of
-    from ..estimator.fits import (budgets_for, card_answers, estimate_for, estimate_table, first_line, runs_exit_code,
-                                  steps_words, verdict_lines)
+    from ..estimator.fits import (budgets_for, card_answers, estimate_table, first_line, runs_exit_code, steps_words,
+                                  verdict_lines)
+    from ..estimator.resident import estimate_run
     from ..estimator.releases import UnknownRelease, installed_release, release_label
     from ..estimator.stacks import check_installed
     from ..estimator.steady import bound_words, is_bounded
 
     try:
-        run = e.settings.estimator()
-        rows = [estimate_for(e.config, quant=q, seq=s, batch=b, steps=e.steps, stream=stream, task=t, run=run, **kw)
-                for t in e.tasks for q in e.quants for s in e.seqs for b in e.batches]
+        arms = e.arms()
+        rows = [estimate_run(arm, e.config) for arm in arms]
         budgets = budgets_for(e.cards, e.context)
-        answers = [card_answers(e.config, r, budgets, env=workspace_env(), stream=stream, gate=gate, run=run, **kw)
-                   for r in rows]
+        answers = [card_answers(e.config, r, budgets, arm, env=workspace_env(), gate=gate) for r, arm in zip(rows, arms)]
         installed = installed_release()
         table = estimate_table(rows, e.cards, e.config, answers=answers, release_label=release_label(installed),
-                               verbose=e.verbose, **kw)
+                               verbose=e.verbose)
     except UnknownRelease:  # the release's fault, not the model's: said without naming the model
         raise
     except UsageError as exc:

@@ -90,13 +90,13 @@ def answers(req: FindMaxRequest) -> Answers:
         return resident_answers(req)
     from ..estimator.cards import budget, workspace_env
     from ..estimator.fits import axis_range, estimate_for, fit_kwargs, longest, longest_soup_admits
+    from ..estimator.resident import estimate_run
 
     axis, run, config = req.axis, req.estimate, req.estimate.config
-    gate, settings, stream = run.gate, run.settings.estimator(), dict(run.stream)
-    e = estimate_for(config, quant=run.quants[0], seq=run.seqs[0], batch=run.batches[0], targets=run.adapter.targets,
-                     lora_r=run.adapter.lora_r, steps=run.steps, stream=stream, task=run.tasks[0], run=settings)
-    kw = dict(fit_kwargs(e, run.adapter.targets, run.adapter.lora_r, stream, settings),
-              **({"seq": e.seq} if axis == "batch" else {}))
+    gate, arm = run.gate, run.arms()[0]
+    settings = arm.run
+    e = estimate_run(arm, config)
+    kw = dict(fit_kwargs(e, arm), **({"seq": e.seq} if axis == "batch" else {}))
     card = run.cards[0]
     b = budget(card, run.context)
     available = gate.available(b.gate_free_bytes)

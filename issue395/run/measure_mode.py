@@ -19,7 +19,8 @@ from ..constants import comma_list
 from ..errors import EXIT_USAGE, UsageError, last_line
 from ..record import MAP_BATCHES, QUANTS, RECORD_GRID
 from ..model.arm import Adapter, Settings
-from ..model.registry import ALL_FAMILIES, FAMILIES, SHAPES, family_of, max_positions, stream_mode_keys
+from ..model.registry import ALL_FAMILIES, FAMILIES, SHAPES, max_positions, stream_mode_keys
+from ..model.streaming import family_of
 from ..estimator.cards import parse_context
 from ..estimator.soup_number import require_streamed
 from ..results.merge import merge
@@ -229,7 +230,7 @@ def measure_all(run: MeasureRequest, protocol: Protocol, job: Optional[Job], scr
     arms = arms_to_run(run, job)
     shapes, imports_s = local_shapes(run, protocol, scratch, arms) if local else (dict(SHAPES), 0.0)
     det_models, det_seqs, det_batches = run.determinism_grid
-    det_arms = plan_arms(*run.determinism_grid, run.quants[0], run.tasks, run.settings) if run.repeats else []
+    det_arms = run.carried(plan_arms(*run.determinism_grid, run.quants[0], run.tasks, run.settings)) if run.repeats else []
     arms_label = how_arms_ran(run, lanes, fan_out)
     command = [os.path.basename(protocol.script), *run.argv]
     result, rows_file = started_result(run, local, arms_label, command)

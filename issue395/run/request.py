@@ -11,7 +11,8 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from ..tasks import PROTOCOL_TASK
-from ..model.arm import Adapter, Settings
+from ..model.arm import Adapter, Arm, Settings
+from ..model.streaming import Streaming
 from ..host.measured import Outputs
 from .userconfig import UserRun
 
@@ -52,6 +53,17 @@ class EstimateRequest:
         """The file's run settings (Soup's defaults where it sets none; none for --model: the estimator's
         defaults, Soup's default optimizer and one micro-batch a step)."""
         return self.user.settings if self.user else Settings()
+
+    def arms(self) -> list[Arm]:
+        """Each (task, quant, seq, batch) asked, in the table's order, as one Arm: the model's registry key where it
+        has one (else "custom", the config named), the streaming modes, adapter, settings, steps and stack asked."""
+        from ..model.registry import ALL_FAMILIES, by_hub_id
+
+        key = self.model if self.model in ALL_FAMILIES else by_hub_id(self.model)
+        run = dict(base=key or "custom", streaming=Streaming.of_training(dict(self.stream)), adapter=self.adapter,
+                   settings=self.settings, steps=self.steps, checkpoint=None if key else self.model, stack=self.stack)
+        return [Arm(seq=s, batch=b, quant=q, task=t, **run)
+                for t in self.tasks for q in self.quants for s in self.seqs for b in self.batches]
 
     @property
     def keys(self) -> tuple:

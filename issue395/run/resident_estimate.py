@@ -36,7 +36,8 @@ def answer_resident(e: EstimateRequest) -> int:
         cards.append({"card": card.name, "total_bytes": card.total_bytes, "free_bytes": b.free_bytes,
                       "fits": None if est is None else b.fits(est.needs_free),
                       "soup_admits": ResidentGate.computed(r.soup_input, card.total_bytes - card.hidden_bytes).admitted})
-    tag = f"{task} {quant} {seq}x{batch}" + (" with gradient checkpointing" if r.checkpointing else "")
+    tag = (f"{task} {quant} {seq}x{batch}" + (" with gradient checkpointing" if r.checkpointing else "")
+           + (", full fine-tuning (training.lora.r 0: no adapter, every parameter trains)" if a.lora_r == 0 else ""))
     mine = (f"needs {est.needs_free / 1e9:.2f} GB free by this tool's resident estimate" if est else
             f"not estimated by this tool ({why})")
     gate = (f"Soup's resident gate: {soup_gb:.2f} GB, +10% margin {soup_gb * 1.1:.2f} GB against a card's total"

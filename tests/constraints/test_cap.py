@@ -7,9 +7,9 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import ROOT
+from conftest import ROOT, cap_of
 
-from issue395.constraints.cap import Cap, apply_cap, cap_bytes
+from issue395.constraints.cap import Cap, apply_cap
 from issue395.estimator.releases import release_source
 
 CAP_SOUP = ROOT / "results" / "cap-proof-and-seq512-1024-map-h200x2-soup0.73.3-b5bee37" / "cap-soup.json"
@@ -24,14 +24,14 @@ needs_073 = pytest.mark.skipif(release_source("0.73.3") is None,
 @pytest.mark.parametrize("row", json.loads(CAP_SOUP.read_text())["rows"],
                          ids=lambda r: f"{r['model_key']}-{r['quant']}-{r['seq']}x{r['batch']}")
 def test_soups_cap_is_the_number_soup_computed_in_its_own_setup(row):
-    got = cap_bytes("soup", row["model_key"], quant=row["quant"], seq=row["seq"], batch=row["batch"],
+    got = cap_of("soup", row["model_key"], quant=row["quant"], seq=row["seq"], batch=row["batch"],
                     targets=tuple(row["targets"]), release="0.73.3")
     assert row["cap_at"] == "soup" and row["cap"] == row["soup_predicted"]
     assert abs(got - row["soup_predicted"]) <= 16  # Soup's own float arithmetic, to the byte
 
 
 def test_the_control_is_uncapped():
-    assert cap_bytes("off", "smol", quant="none", seq=2048, batch=1, targets=("q_proj", "v_proj")) is None
+    assert cap_of("off", "smol", quant="none", seq=2048, batch=1, targets=("q_proj", "v_proj")) is None
     assert apply_cap(None) is None
 
 
@@ -39,7 +39,7 @@ def test_the_control_is_uncapped():
 def test_the_corrected_caps_sit_above_soups_own_on_an_arm_soup_under_predicts():
     """Mistral-7B NF4 512x1 is the arm Soup under-predicts (cap-soup.json: it died under Soup's cap)."""
     kw = dict(quant="nf4", seq=512, batch=1, targets=("q_proj", "v_proj"), release="0.73.3")
-    soup, corrected, free = (cap_bytes(c, "mistral-7b", **kw) for c in ("soup", "corrected", "needs-free"))
+    soup, corrected, free = (cap_of(c, "mistral-7b", **kw) for c in ("soup", "corrected", "needs-free"))
     assert soup < corrected <= free
 
 
@@ -61,7 +61,7 @@ def test_a_preference_arm_is_capped_at_its_own_tasks_estimate(monkeypatch, task)
     monkeypatch.setattr(cap, "apply_cap", capped.append)
     for at, number in (("corrected", want.corrected_predicted), ("needs-free", want.needs_free)):
         kw_cap = {k: v for k, v in kw.items() if k != "soup"}
-        assert cap_bytes(at, "smol", task=task, **kw_cap) == number
+        assert cap_of(at, "smol", task=task, **kw_cap) == number
         c = Cap(at)
         c.before_setup(ArmSetting(Arm("smol", 512, 2, task=task), family_shape("smol"), "unused"))
         assert c.bytes == number == capped[-1]

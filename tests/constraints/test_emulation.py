@@ -11,7 +11,7 @@ import json
 
 import pytest
 import torch
-from conftest import FakeDevice
+from conftest import FakeDevice, arm_of, cap_of
 
 from issue395.constraints.cap import Cap
 from issue395.constraints.emulation import EmulateCard
@@ -88,8 +88,8 @@ def test_the_card_decides_and_the_row_says_so_beside_this_tools_verdict(device, 
     assert card_free <= seen[0] < card_free + 2 * 2**20 and row.constraint.free == seen[0]
     assert device.free == 140 * 10**9 and not device.held  # the ballast went back
     assert row.emulated_outcome == outcome and row.constraint.card == parse_card(card).name
-    assert row.constraint.needs_free == tool_needs_free(config_json_of("mistral-7b"), budget(parse_card(card)), "mistral-7b", quant="nf4",
-                                             seq=512, batch=1, targets=mistral_shape().targets)
+    assert row.constraint.needs_free == tool_needs_free(config_json_of("mistral-7b"), budget(parse_card(card)), arm_of(
+        "mistral-7b", quant="nf4", seq=512, batch=1, targets=mistral_shape().targets))
     assert row.emulated_fits == (row.constraint.needs_free <= step_free(card_free))
     assert row.gate.free == seen[0], "the free memory Soup's gate compared with, kept in the row"
     back = Row.from_json(json.loads(json.dumps(row.to_json())))
@@ -132,7 +132,6 @@ def test_a_model_arm_is_capped_and_emulated_from_its_own_config(tmp_path, device
     config.json. FAKED: the CUDA calls (the device fixture; apply_cap's fraction) and the step."""
     import issue395.constraints.cap as cap
     import issue395.measure.measurement as measurement
-    from issue395.constraints.cap import cap_bytes
     from issue395.estimator.estimate import estimate
 
     (tmp_path / "config.json").write_text(json.dumps(config_json("mistral-7b")))
@@ -145,7 +144,7 @@ def test_a_model_arm_is_capped_and_emulated_from_its_own_config(tmp_path, device
     row = run_arm(protocol_with_fake_step(10**9, []), "cuda", arm, mistral_shape(), str(tmp_path), tmp_path,
                   constraint=Cap("needs-free"))
     want = estimate(config_json("mistral-7b"), quant="nf4", seq=512, batch=1, targets=mistral_shape().targets)
-    assert capped_at == [want.needs_free] == [row.constraint.bytes] and row.constraint.bytes == cap_bytes(
+    assert capped_at == [want.needs_free] == [row.constraint.bytes] and row.constraint.bytes == cap_of(
         "needs-free", "custom", quant="nf4", seq=512, batch=1, targets=mistral_shape().targets,
         config=config_json("mistral-7b"))
     row = run_arm(protocol_with_fake_step(10**9, []), "cuda", arm, mistral_shape(), str(tmp_path), tmp_path,
@@ -178,11 +177,11 @@ def test_needs_free_is_the_estimators_on_the_card_and_none_where_it_cannot_model
     kw = dict(quant="nf4", seq=512, batch=1, targets=("q_proj", "v_proj"))
     plain = estimate(mistral, **kw).needs_free
     l4 = budget(parse_card("L4"))
-    assert tool_needs_free(mistral, None, "mistral-7b", **kw) == plain == tool_needs_free(mistral, l4, "mistral-7b", **kw)
+    assert tool_needs_free(mistral, None, arm_of("mistral-7b", **kw)) == plain == tool_needs_free(mistral, l4, arm_of("mistral-7b", **kw))
     monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:16")
-    assert tool_needs_free(mistral, l4, "mistral-7b", **kw) > plain == tool_needs_free(mistral, None, "mistral-7b", **kw)
-    assert tool_needs_free(None, l4, "mistral-7b", **kw) is None
-    assert tool_needs_free({"model_type": "bert", "hidden_size": 64}, None, "custom", **kw) is None
+    assert tool_needs_free(mistral, l4, arm_of("mistral-7b", **kw)) > plain == tool_needs_free(mistral, None, arm_of("mistral-7b", **kw))
+    assert tool_needs_free(None, l4, arm_of("mistral-7b", **kw)) is None
+    assert tool_needs_free({"model_type": "bert", "hidden_size": 64}, None, arm_of("custom", **kw)) is None
 
 
 def test_a_config_arm_is_capped_and_emulated_at_its_own_lora_r(tmp_path, device, monkeypatch):
@@ -207,8 +206,8 @@ def test_a_config_arm_is_capped_and_emulated_at_its_own_lora_r(tmp_path, device,
     assert capped_at == [want] == [row.constraint.bytes] and row.rank == 32
     row = run_arm(protocol_with_fake_step(10**9, []), "cuda", ARM, own, "unused", tmp_path, constraint=EmulateCard("T4"),
                   soup_config="soup.yaml")
-    assert row.constraint.needs_free == tool_needs_free(config_json("mistral-7b"), budget(parse_card("T4")), "mistral-7b", targets=("q_proj",),
-                                             lora_r=32, **kw) and (row.config.lora_r, row.config.lora_alpha) == (32, 64)
+    assert row.constraint.needs_free == tool_needs_free(config_json("mistral-7b"), budget(parse_card("T4")), arm_of(
+        "mistral-7b", targets=("q_proj",), lora_r=32, **kw)) and (row.config.lora_r, row.config.lora_alpha) == (32, 64)
 
 
 def test_the_cards_verdict_on_a_preference_arm_is_its_own_tasks_needs_free():
@@ -223,8 +222,8 @@ def test_the_cards_verdict_on_a_preference_arm_is_its_own_tasks_needs_free():
     assert dpo > sft
     t4 = budget(parse_card("T4"))
     tool_kw = {k: v for k, v in kw.items() if k != "soup"}
-    assert tool_needs_free(config_json("smol"), None, "smol", task="dpo", **tool_kw) == dpo
-    assert tool_needs_free(config_json("smol"), t4, "smol", task="dpo", **tool_kw) == dpo  # T4's workspace is the estimator's
+    assert tool_needs_free(config_json("smol"), None, arm_of("smol", task="dpo", **tool_kw)) == dpo
+    assert tool_needs_free(config_json("smol"), t4, arm_of("smol", task="dpo", **tool_kw)) == dpo  # T4's workspace is the estimator's
     e = EmulateCard("T4")
     e.before_arm(ArmSetting(Arm("smol", 512, 1, task="dpo"), family_shape("smol"), "unused"))
     assert e.needs_free == dpo
@@ -236,7 +235,6 @@ def test_a_resident_arms_card_verdict_and_cap_are_the_resident_estimates():
     """Issue 51 item 1: a resident arm (the map's `family+resident[+gc]`, or a resident --config file) under
     --emulate-card and --cap is judged by the corrected resident estimate at its checkpointing, never the streamed
     step's (which refused it: no verdict) nor a stream_buffers it does not read (no CUDA is touched)."""
-    from issue395.constraints.cap import cap_bytes
     from issue395.constraints.constraint import ArmSetting
     from issue395.estimator.resident import estimate_resident
     from issue395.measure.shapes import family_shape, with_modes
@@ -246,9 +244,9 @@ def test_a_resident_arms_card_verdict_and_cap_are_the_resident_estimates():
     for key, gc in (("qwen+resident", False), ("qwen+resident+gc", True)):
         want = estimate_resident(config_json("qwen"), checkpointing=gc, **kw)
         e = EmulateCard("T4")
-        e.before_arm(ArmSetting(Arm(key, 1024, 1, settings=Settings(buffers=2)), with_modes(family_shape("qwen"), key),
+        e.before_arm(ArmSetting(Arm.at(key, 1024, 1, settings=Settings(buffers=2)), with_modes(family_shape("qwen"), key),
                                 "unused"))
         assert e.needs_free == want.needs_free
-        assert cap_bytes("corrected", key, run={"buffers": 2}, **kw) == want.corrected_predicted
+        assert cap_of("corrected", key, run={"buffers": 2}, **kw) == want.corrected_predicted
     assert estimate_resident(config_json("qwen"), checkpointing=True, **kw).needs_free < \
         estimate_resident(config_json("qwen"), checkpointing=False, **kw).needs_free

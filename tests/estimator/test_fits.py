@@ -15,12 +15,19 @@ from issue395.estimator import estimate as E
 from issue395.estimator import fits as F
 from issue395.estimator.releases import release_source
 from issue395.model.registry import config_json
+from issue395.record import LORA_R
 
 MISTRAL = config_json("mistral-7b")
 
 
-def answer(card, e, context=None, **kw):
-    (a,) = F.card_answers(MISTRAL, e, [C.budget(card, context)], **kw)
+def answer(card, e, context=None, targets=None, lora_r=LORA_R, stream=None, run=None, **kw):
+    """One card's answer for Mistral-7B's arm at ``e``'s figures, its adapter, modes and settings as keywords."""
+    from issue395.model.arm import Adapter, Arm, Settings
+    from issue395.model.streaming import Streaming
+
+    arm = Arm("mistral-7b", e.seq, e.batch, quant=e.quant, adapter=Adapter(targets, lora_r),
+              streaming=Streaming.of_training(stream or {}), settings=Settings(**(run or {})))
+    (a,) = F.card_answers(MISTRAL, e, [C.budget(card, context)], arm, **kw)
     return a
 
 

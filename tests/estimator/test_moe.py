@@ -174,10 +174,10 @@ def test_no_corrected_number_for_a_layout_soup_refuses():
 
 
 def test_a_streaming_mode_is_capped_at_its_own_estimate():
-    from issue395.constraints.cap import cap_bytes
+    from conftest import cap_of
 
     kw = dict(quant="none", seq=512, batch=1, targets=("q_proj", "v_proj"), release="0.77.0")
-    assert cap_bytes("corrected", "smol+recompute-off", **kw) > cap_bytes("corrected", "smol", **kw) + 200e6
+    assert cap_of("corrected", "smol+recompute-off", **kw) > cap_of("corrected", "smol", **kw) + 200e6
 
 
 def test_a_hub_wrapper_config_is_read_as_its_text_decoder_and_kv_must_divide_heads():
@@ -195,11 +195,11 @@ def test_a_familys_streaming_modes_stay_in_one_shard_and_a_lost_row_names_the_fa
     from issue395.model.arm import Arm
     from issue395.host.spread import lost_row
 
-    arms = [Arm(k, 512, 1, i) for i, k in enumerate(("smol", "smol+chunk512", "qwen", "qwen+chunk512"))]
+    arms = [Arm.at(k, 512, 1, i) for i, k in enumerate(("smol", "smol+chunk512", "qwen", "qwen+chunk512"))]
     for k in (1, 2):
         families = {a.model.split("+")[0] for a in shard_of(arms, (k, 2), whole_models=True)}
         assert len(families) == 1
-    row = lost_row(Arm("smol+chunk512", 512, 1, 0), MeasureRequest(), None, 9)
+    row = lost_row(Arm.at("smol+chunk512", 512, 1, 0), MeasureRequest(), None, 9)
     assert row.model == "SmolLM2-135M" and row.vocab == 49152
 
 

@@ -358,7 +358,13 @@ def resident_gate(patched_site, tmp_path_factory):
     edge = resident_preflight(load_config_from_string(small), config_json("qwen"), free=None,
                               total=1)["gate_bytes"] + CONTEXT_BOUND_BYTES  # the smallest card it fits on
     card = CARDS["rtx4090"].total_bytes
-    cases = {"big": dict(yaml=big, total=card, allow=False), "big-allowed": dict(yaml=big, total=card, allow=True),
+    full = _resident_yaml(qwen, 1024, 1, lora={"r": 0})  # Soup's full fine-tuning
+    full_gate = resident_preflight(load_config_from_string(full), config_json("qwen"), free=None, total=1)
+    full_edge = (full_gate["gate_bytes"] or 0) + CONTEXT_BOUND_BYTES
+    # first: a later case's faked free-memory reading stays in the process
+    cases = {} if full_gate["refused"] else {"full-edge": dict(yaml=full, total=full_edge, allow=False),
+                                             "full-edge-less-1": dict(yaml=full, total=full_edge - 1, allow=False)}
+    cases |= {"big": dict(yaml=big, total=card, allow=False), "big-allowed": dict(yaml=big, total=card, allow=True),
              "small-edge": dict(yaml=small, total=edge, allow=False),
              "small-edge-less-1": dict(yaml=small, total=edge - 1, allow=False),
              "small-busy-card": dict(yaml=small, total=card, allow=False, free=edge - CONTEXT_BOUND_BYTES - 1),
@@ -563,3 +569,22 @@ def test_the_patched_soup_train_cli_gates_a_resident_run_then_trains_it_on_cpu(p
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     assert "Hardware-fit (corrected peak VRAM): " in done.stdout and ": fits." in done.stdout
     assert steps_done(out, done.stdout) == 1
+
+
+def test_the_patched_gate_admits_a_full_fine_tuning_by_its_corrected_number_and_refuses_one_byte_less(resident_gate):
+    """Issue 51 item 1: Qwen2.5-0.5B SFT bf16 1024x1 with training.lora.r 0 (Soup's full fine-tuning) is gated by
+    the corrected full fine-tuning estimate, not Soup's formula: on a card (faked: gpu_info's total; torch reads
+    no free memory on CPU) whose total less the context bound is exactly its need, admitted in one line naming
+    full fine-tuning; one byte smaller, refused in Soup's panel. Stock Soup judges both by its formula on the
+    input its CLI builds (0.73.3's CLI passes peft "lora" for r 0, so it admits both)."""
+    from issue395.results.extras import ResidentGate
+    from soup_cli.config.loader import load_config_from_string
+
+    if "full-edge" not in resident_gate:
+        pytest.skip("the installed Soup's full fine-tuning is one the estimate refuses (its gate keeps the formula)")
+    case, fits = resident_gate["full-edge"]
+    _, short = resident_gate["full-edge-less-1"]
+    assert fits["exit"] is None and ": fits." in fits["console"] and "full fine-tuning (lora.r 0)" in fits["console"]
+    assert short["exit"] == 1 and "Hardware-fit gate" in short["console"]
+    soup = ResidentGate.computed(ResidentGate.input_of(load_config_from_string(case["yaml"])), case["total"] - 1)
+    assert _stock(dict(case, total=case["total"] - 1))[0] == (None if soup.admits else 1)

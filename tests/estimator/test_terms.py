@@ -60,7 +60,7 @@ def test_the_anatomy_charges_every_byte_of_the_binding_phase_but_the_allocator_r
     e = _estimate(key, kw)
     if e.phase == Phase.OPTIMIZER.value:
         return  # nothing of the step is live then: the anatomy names a step's blocks
-    from issue395.model.registry import family_of
+    from issue395.model.streaming import family_of
     rows = class_breakdown({c: 0 for c in CLASSES}, e, seq=e.seq, batch=e.batch, config=config_json(family_of(key)))
     charged = sum(r["charged"] for r in rows)
     phase = Phase(e.phase)

@@ -1,5 +1,5 @@
 """host/arms.py: what the arms in this process say of a run: a task's mark in an arm's file names
-(``task_tag``), what the stack says beyond the packages (``stack_notes``: the steps, the map's arms left
+(``Arm.stem``), what the stack says beyond the packages (``stack_notes``: the steps, the map's arms left
 out, never silently), and the harness's own cost (``run_timings``). The in-process sweep itself
 (``sweep``) runs end to end in test_cli.py (a real dry run's rows, Soup's text kept off the terminal)
 and test_faults.py (each fault during a sweep)."""
@@ -13,14 +13,15 @@ from conftest import make_row
 
 from issue395.model.arm import Arm
 from issue395.results.result import Result
-from issue395.host.arms import run_timings, stack_notes, task_tag
+from issue395.host.arms import run_timings, stack_notes
 from issue395.host.measured import Children, MeasureRequest
 
 
 @pytest.mark.parametrize("task, tag", [("sft", ""), ("dpo", "-dpo"), ("kto", "-kto")])
 def test_a_task_other_than_sft_marks_an_arms_file_names_and_sft_keeps_the_protocols(task, tag):
-    """The protocol's file names stay as they were for SFT; any other task is named in them."""
-    assert task_tag(Arm("smol", 512, 2, 0, task=task)) == tag
+    """The protocol's file names stay as they were for SFT; any other task is named in them (Arm.stem)."""
+    assert Arm("smol", 512, 2, 0, task=task).stem() == f"000-smol-512-b2{tag}"
+    assert Arm.at("smol+chunk512", 512, 2, 3, task=task).stem(repeat=2) == f"003-smol+chunk512-512-b2-r2{tag}"
 
 
 def test_the_stack_names_steps_only_when_they_are_not_the_protocols_one():

@@ -26,7 +26,7 @@ from issue395.host.grid import plan_map
 from issue395.host.measured import Children, MeasureRequest
 from issue395.constraints.asked import Constraints
 from issue395.results.extras import Capped, UserConfig
-from issue395.model.arm import Arm, Settings
+from issue395.model.arm import Adapter, Arm, Settings
 from issue395.record import QUANTS
 from issue395.host.scratch import Scratch
 from issue395.host.spread import spread
@@ -222,7 +222,8 @@ def test_a_config_arms_child_gets_the_files_adapter_and_quantization_and_a_lost_
 
     accumulation = TrainingConfig.model_fields["gradient_accumulation_steps"].default  # Soup's: the file sets none
     assert run == sent and back == job and back.arms == (
-        Arm("mistral-7b", 512, 1, 0, "nf4", settings=Settings("adamw_torch", accumulation, 2)),)
+        Arm("mistral-7b", 512, 1, 0, "nf4", settings=Settings("adamw_torch", accumulation, 2),
+            adapter=Adapter(("q_proj",), 4, 8, str(config))),)
     assert (run.adapter.soup_config, run.adapter.targets, run.adapter.lora_r, run.adapter.lora_alpha) == (str(config), ("q_proj",), 4, 8)
     row = lost_row(back.arms[0], run, None, 139)
     assert (row.config, row.targets, row.quant) == (UserConfig(str(config), 4, 8), ("q_proj",), "nf4")

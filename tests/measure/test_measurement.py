@@ -103,7 +103,7 @@ def test_cap_soup_caps_a_resident_arm_at_its_resident_gates_number(tmp_path, mon
     capped = []
     monkeypatch.setattr(cap, "apply_cap", capped.append)
     gate = ResidentGate(peak=2 * GB)
-    row = run_arm(protocol(peak=GB, soup_resident=gate), "cpu", Arm("smol+resident", 2048), SMOL, "unused", tmp_path,
+    row = run_arm(protocol(peak=GB, soup_resident=gate), "cpu", Arm.at("smol+resident", 2048), SMOL, "unused", tmp_path,
                   constraint=Cap("soup"))
     assert capped == [2 * GB] and row.constraint == Capped("soup", 2 * GB) and row.soup_resident == gate
 

@@ -71,3 +71,62 @@ def test_predicted_bytes_grows_with_batch():
     assert predicted_bytes(SMOL, 4096, 2) > predicted_bytes(SMOL, 4096, 1)
     assert make_row("smol", 4096, batch=2).predicted == predicted_bytes(SMOL, 4096, 2)
 
+
+
+def test_an_arm_built_from_a_map_key_gives_the_key_its_rows_name_and_its_files_stem_back():
+    """issue 50 item 1: Arm.at parses a key once into typed fields; the key, the row's name and the file stem are
+    derived from them (the names written out here as saved rows and logs spell them)."""
+    from issue395.model.streaming import Streaming
+
+    arm = Arm.at("llama32-1b+resident+gc", 1024, 2, 7, task="dpo")
+    assert (arm.base, arm.streaming) == ("llama32-1b", Streaming(layers=False, checkpointing=True))
+    assert arm.model == arm.key == "llama32-1b+resident+gc"
+    assert arm.label() == "Llama-3.2-1B [resident+gc]"
+    assert Arm.at("moonlight+per_expert", 512).label() == "Moonlight-16B-A3B (layers 4 of 27) [per_expert]"
+    assert arm.stem() == "007-llama32-1b+resident+gc-1024-b2-dpo"
+    assert Arm("smol", 2048).label() == "SmolLM2-135M" and Arm("smol", 2048).stem(repeat=1) == "000-smol-2048-b1-r1"
+
+
+def test_an_arm_is_never_built_with_a_map_key_as_its_base():
+    """The modes of a key are the streaming record's: a base holding them would be read twice."""
+    with pytest.raises(ValueError, match="Arm.at"):
+        Arm("smol+chunk512", 512)
+
+
+def test_an_arm_comes_back_from_a_childs_job_file_as_it_was_sent():
+    """A child's job file (dataclasses.asdict through JSON) gives the parent's Arm back, every typed field."""
+    import dataclasses
+    import json
+
+    from issue395.model.arm import Adapter, Settings
+
+    arm = Arm.at("moonlight+per_expert+chunk512", 512, 1, 3, "nf4", settings=Settings("adamw_8bit", 4),
+                 adapter=Adapter(("q_proj", "kv_b_proj"), 8, 16, "soup.yaml"), steps=2)
+    assert Arm.from_json(json.loads(json.dumps(dataclasses.asdict(arm)))) == arm
+
+
+@pytest.mark.parametrize("key, run, words", [
+    ("smol", {}, dict(seq=1024, batch=2)),
+    ("moonlight+per_expert+chunk512", {}, dict(seq=512, batch=1, stream={"stream_expert_layout": "per_expert",
+                                                                        "stream_loss_chunk": 512})),
+    ("qwen", {"optimizer": "adamw_8bit", "accumulation": 4}, dict(seq=2048, batch=1, steps=2, optimizer="adamw_8bit",
+                                                                  accumulation=4)),
+    ("llama32-1b+resident+gc", {"buffers": 4}, dict(seq=1024, batch=1, checkpointing=True)),
+])
+def test_an_arms_estimate_is_the_estimate_its_keywords_gave(key, run, words):
+    """issue 50 item 2: estimate_run of a typed Arm is the estimator's answer for the same run spelled as the old
+    keyword lists (estimate / estimate_resident called directly, keywords written out here): a resident arm drops the
+    streamed-only stream_buffers and takes its checkpointing; a streamed arm its modes and settings."""
+    from issue395.estimator.estimate import estimate
+    from issue395.estimator.resident import estimate_resident, estimate_run
+    from issue395.model.arm import Settings
+    from issue395.model.registry import config_json
+
+    arm = Arm.at(key, words["seq"], words["batch"], settings=Settings(**run), steps=words.get("steps", 1))
+    got = estimate_run(arm, release="0.77.0", **({} if arm.streaming.resident else {"soup": False}))
+    family = key.split("+")[0]
+    if "checkpointing" in words:
+        want = estimate_resident(config_json(family), release="0.77.0", **words)
+    else:
+        want = estimate(config_json(family), release="0.77.0", soup=False, **words)
+    assert got.to_json() == want.to_json()

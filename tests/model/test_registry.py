@@ -9,19 +9,9 @@ import pytest
 
 from issue395.errors import UsageError
 from issue395.record import LORA_TARGETS
-from issue395.model.registry import (
-    ALL_FAMILIES,
-    FAMILIES,
-    MAP_FAMILIES,
-    SHAPES,
-    by_hub_id,
-    config_json,
-    family_of,
-    known,
-    max_positions,
-    mode_key,
-    stream_mode,
-)
+from issue395.model.registry import (ALL_FAMILIES, FAMILIES, MAP_FAMILIES, SHAPES, by_hub_id, config_json, known,
+                                     max_positions, mode_key, stream_mode)
+from issue395.model.streaming import family_of
 
 # docs/PROTOCOL.md's shape table, typed in here independently of the harness's own copy.
 PROTOCOL_SHAPES = {

@@ -84,3 +84,29 @@ def test_soup_profiles_own_number_is_said_beside_its_gate_as_its_cli_prints_it(c
     soups = json.loads(done.output[done.output.index("{"):])
     assert mine["total_bytes"] == round(soups["total_memory_gb"] * 1e9) and mine["model_params_b"] == soups["model_params_b"]
     assert f"`soup profile`: {soups['total_memory_gb']:.2f} GB (computed by Soup" in text
+
+
+def test_a_full_fine_tuning_file_is_answered_with_soups_gate_on_its_clis_input_and_the_full_estimate(capfd, tmp_path):
+    """Issue 51 item 1: a resident file with training.lora.r 0 (Soup's full fine-tuning) is answered, not refused:
+    Soup's resident number is its own estimate_peak_vram_gb on the input its own CLI builds from the file (computed
+    by Soup, whatever peft mode its release passes), `soup profile`'s beside it, and this tool's estimate is the
+    full fine-tuning's: every parameter's gradient and the optimizer's states, no adapter."""
+    from soup_cli.commands.train import _build_hardware_fit_input
+    from soup_cli.config.loader import load_config
+    from soup_cli.utils.hardware_fit import estimate_peak_vram_gb
+
+    path = resident_yaml(tmp_path, seq=1024)
+    path.write_text(path.read_text().replace("lora: {r: 16, alpha: 32, target_modules: [q_proj, v_proj]}", "lora: {r: 0}"))
+    out = tmp_path / "e.json"
+    code, text, err = main(capfd, ["--estimate", "--config", path, "--card", "H200", "--json", out])
+    assert code == EXIT_OK, err
+    got = json.loads(out.read_text())
+    inp = _build_hardware_fit_input(load_config(str(path)))
+    assert got["soup_resident_bytes"] == round(estimate_peak_vram_gb(inp).total_gb * 1e9)
+    assert got["soup_profile"]["total_bytes"] > 0 and "`soup profile`" in text
+    if got["not_estimated"]:  # a release whose full fine-tuning the estimate does not model: said, no figure
+        assert "not estimated by this tool (soup-cli" in text and got["corrected"] is None
+        return
+    assert "full fine-tuning (training.lora.r 0" in text and "lora_weights" not in got["terms"]
+    assert got["terms"]["parameter_gradients"] > 0 and got["terms"]["adam_moments"] > got["terms"]["parameter_gradients"]
+    assert got["cards"][0]["fits"] is True
