@@ -11,8 +11,10 @@ Known limitations (measured: results/fit4-anatomy-findmax-render.txt, bench/rere
   measured, they are 0-22 MB on the fit4 arms and 166 MiB on Mistral-7B NF4 r256 all-linear's optimizer
   step, where the bound is 2.01 GB, so large adapters read 1.035x-1.239x there. Which blocks the allocator
   rounds up is history: a tighter count needs the free list's sizes at the peak. needs_free leaves the
-  term out (expandable segments split every block). The same rounding on the layer phase's activation
-  blocks is not charged (Phi-3-mini NF4 512x1: 6.3 MB; the allowance covers it).
+  term out (expandable segments split every block). The binding layer's blocks are charged the same
+  rule's bound (layer_remainders: 8.4 MB on Phi-3-mini NF4 512x1, measured 6.3 MB; 13-22 MB on the other
+  layer-phase arms), and the loss phase's blocks under 10 MiB (loss_remainders: 1-3 MiB on the committed
+  loss-phase arms; Gemma-3-1B NF4 2048x1 3 MiB, its physics alone then 0.02 MB under its measured peak).
 - The allocator's reserve (needs_free - split_allocated) is an envelope in whole 20 MiB pages of 8 arms'
   page need and 7 OOM readings (EXPANDABLE_RESERVE_PAGES), not a count of the gaps a run leaves.
 - Qwen2.5's DPO resident holds 10.1 MB beyond its two adapter copies at r64 all-linear; unattributed

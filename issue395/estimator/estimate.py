@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..constants import CUBLAS_WORKSPACE, CUBLASLT_WORKSPACE, EXPANDABLE_PAGE_BYTES, K_MIN_LARGE_ALLOC, K_ROUND_LARGE, K_SMALL_SIZE, STREAM_KEYS, block_bytes
+from ..constants import (CUBLAS_WORKSPACE, CUBLASLT_WORKSPACE, EXPANDABLE_PAGE_BYTES, K_LARGE_BUFFER, K_MIN_LARGE_ALLOC,
+                         K_ROUND_LARGE, K_SMALL_SIZE, STREAM_KEYS, block_bytes, unsplit_bound)
 from ..errors import UsageError
 from ..record import LORA_R, QUANTS
 from ..model.arm import DEFAULT_OPTIMIZER
@@ -20,7 +21,8 @@ from ..model.registry import config_json, stream_mode
 from ..model.streaming import RECOMPUTES
 from .arch import Arch, activation_bytes, arch_from_config, layer_bytes, lora_params, protocol_targets
 from .attention import eager as eager_attention, eager_masks, eager_scores
-from .layer import LORA_DROPOUT_MASK_BYTES, checkpointed_through, kind_per_token, layer_peak, retained_by_layer
+from .layer import (LORA_DROPOUT_MASK_BYTES, checkpointed_through, kind_per_token, layer_blocks, layer_peak,
+                    retained_by_layer)
 from ..model.targets import soup_targets
 from ..tasks import PROTOCOL_TASK, task as task_named
 from .releases import Features, installed_release
@@ -51,7 +53,7 @@ FP32_HIDDEN_SEGMENTS, BF16_HIDDEN_SEGMENTS = 4, 3
 #: 0.5 MB steps (bench/estimator_checks.py leave-one-out fits it; a test checks it equals the all-family fit):
 #: unattributed resident bytes and per-token bytes at batch > 1, left after the rounding is charged.
 #: Evidence: docs/PEAK.md, "ALLOCATED_ALLOWANCE_BYTES".
-ALLOCATED_ALLOWANCE_BYTES = 6_000_000
+ALLOCATED_ALLOWANCE_BYTES = 3_000_000
 #: The allocator's reserve a card must hold above the allocated peak under expandable segments (what
 #: `soup train` sets): the partial pages live blocks touch (at an OOM the allocator unmaps every wholly
 #: free page and retries). It follows the gaps between live blocks, not their bytes: 26-216 MB at the
@@ -59,6 +61,10 @@ ALLOCATED_ALLOWANCE_BYTES = 6_000_000
 #: Charged: the whole pages above the most measured. Evidence: docs/PEAK.md, "EXPANDABLE_RESERVE_PAGES".
 EXPANDABLE_RESERVE_PAGES = 11
 EXPANDABLE_RESERVE_BYTES = EXPANDABLE_RESERVE_PAGES * EXPANDABLE_PAGE_BYTES["large"]
+#: The rests the default allocator leaves in blocks (shouldSplit), charged to the allocated peak only: `soup train`'s
+#: expandable segments split every block at 512 B, so needs_free's allocated peak is without them
+DEFAULT_ALLOCATOR_ONLY = tuple(t.key for t in (Term.UNSPLIT_REMAINDERS, Term.LAYER_REMAINDERS, Term.LOSS_REMAINDERS,
+                                               Term.REFERENCE_REMAINDERS))
 
 
 # -- The physical terms (bytes) --
@@ -135,6 +141,18 @@ def segment_tail(size: int) -> int:
     return rest if rest <= K_SMALL_SIZE else 0
 
 
+def layer_remainders(sizes: list[int]) -> int:
+    """What the blocks of ``sizes`` requested bytes, live at once, can hold past their 512 B rounding under the
+    default allocator (the rule resident.retained_rounding charges): a request over kSmallSize and under
+    kMinLargeAlloc is cut from a kLargeBuffer segment, whose last block keeps a rest of kSmallSize or less
+    unsplit (shouldSplit: remaining > kSmallSize), so kSmallSize a segment those blocks fill; one of
+    kMinLargeAlloc or more has its own segment or a cached block, either up to kSmallSize larger
+    (unsplit_bound); the small pool splits at 512 B. Evidence: docs/PEAK.md, "layer_remainders"."""
+    large = [block_bytes(s) for s in sizes if block_bytes(s) > K_SMALL_SIZE]
+    cut = sum(s for s in large if s < K_MIN_LARGE_ALLOC)
+    return sum(unsplit_bound(s) for s in large if s >= K_MIN_LARGE_ALLOC) + -(-cut // K_LARGE_BUFFER) * K_SMALL_SIZE
+
+
 def resident_rounding(a: Arch, quant: str, f: Features, per_expert: bool = False, buffers: int = 2) -> int:
     """segment_tail of each resident tensor: every vocab matrix (materialize_extras) and each
     linear weight in every pool slot (LayerBufferPool: a torch.empty per tensor; NF4 packed n/2 B).
@@ -151,16 +169,35 @@ def resident_rounding(a: Arch, quant: str, f: Features, per_expert: bool = False
     return out
 
 
+def loss_blocks(a: Arch, T: int) -> list[int]:
+    """The blocks (requested bytes) the loss peak lists: the three fp32 logits buffers (4TV each) and the
+    hidden-sized ones (hidden_blocks)."""
+    return [4 * T * a.V] * 3 + hidden_blocks(a, T)
+
+
+def hidden_blocks(a: Arch, T: int) -> list[int]:
+    """The hidden-sized blocks live at the loss peak (*_HIDDEN_SEGMENTS): 4hT fp32 and 2hT bf16."""
+    return [4 * T * a.h] * FP32_HIDDEN_SEGMENTS + [2 * T * a.h] * BF16_HIDDEN_SEGMENTS
+
+
 def allocator_rounding(a: Arch, T: int) -> int:
-    """segment_tail of the large blocks live at the loss peak: the three fp32 logits buffers (4TV
-    each, fresh: nothing cached is that large; why Soup's probe reads 12.0101 B/element at vocab
-    151936, 12.0 elsewhere) and the hidden-sized segments (*_HIDDEN_SEGMENTS)."""
-    return 3 * segment_tail(4 * T * a.V) + hidden_rounding(a, T)
+    """segment_tail of the large blocks live at the loss peak (loss_blocks): the logits buffers are fresh
+    (nothing cached is that large; why Soup's probe reads 12.0101 B/element at vocab 151936, 12.0
+    elsewhere), as are the hidden-sized segments (*_HIDDEN_SEGMENTS)."""
+    return sum(map(segment_tail, loss_blocks(a, T)))
 
 
 def hidden_rounding(a: Arch, T: int) -> int:
     """segment_tail of the hidden-sized segments live at the loss peak (*_HIDDEN_SEGMENTS)."""
-    return FP32_HIDDEN_SEGMENTS * segment_tail(4 * T * a.h) + BF16_HIDDEN_SEGMENTS * segment_tail(2 * T * a.h)
+    return sum(map(segment_tail, hidden_blocks(a, T)))
+
+
+def cut_remainders(sizes: list[int]) -> int:
+    """layer_remainders' rule on the blocks of ``sizes`` under kMinLargeAlloc (cut from 20 MiB segments; a
+    block of 1 MiB or less splits at 512 B): what a phase charges where its blocks of kMinLargeAlloc or
+    more are fresh, each one's own segment tail being segment_tail's (charged in allocator_rounding).
+    Evidence: docs/PEAK.md, "loss_remainders"."""
+    return layer_remainders([s for s in sizes if block_bytes(s) < K_MIN_LARGE_ALLOC])
 
 
 def dequantised_linear(a: Arch, quant: str, modules: dict | None = None) -> int:
@@ -262,8 +299,11 @@ class Estimate:
     @property
     def split_allocated(self) -> int:
         """The allocated peak with every block split to its request, as expandable segments (`soup train`)
-        split them: the corrected peak less the unsplit remainders the default allocator leaves."""
-        return self.corrected_predicted - self.terms.get(Term.UNSPLIT_REMAINDERS.key, 0)
+        split them: the corrected peak less the unsplit remainders the default allocator leaves (the adapter's, and
+        where the layer phase binds, the layer's: needs_free's allocated peak; a resident estimate's needs_free
+        keeps them, its allocator being the default one)."""
+        return min(self.corrected_predicted - self.terms.get(Term.UNSPLIT_REMAINDERS.key, 0),
+                   self.needs_free - EXPANDABLE_RESERVE_BYTES)
 
     def to_json(self) -> dict:
         """Every field, the task always (an --estimate JSON row says which task it answers); the
@@ -323,8 +363,12 @@ def estimate(config: dict, *, quant: str = "none", seq: int, batch: int = 1, tar
                                 transformers=transformers, allowance=allowance)
     binding, peak = binding_phase(t, lp.checkpointed, tk.reference, steps, accumulation, probed, ws, unsplit)
     corrected = phase_sum(t, Phase.RESIDENT) + peak + t[Term.ALLOCATED_ALLOWANCE.key]
+    # `soup train`'s expandable segments split every block: the peak without the remainders, whichever phase binds
+    split = {k: v for k, v in t.items() if k not in DEFAULT_ALLOCATOR_ONLY}
+    _, split_peak = binding_phase(split, lp.checkpointed, tk.reference, steps, accumulation, probed, ws, 0)
     return Estimate(seq, batch, quant, steps, release, soup_number, soup_terms, corrected,
-                    needs_free(corrected - unsplit), binding.value, t, tk.name, optimizer, accumulation, buffers)
+                    needs_free(corrected - peak + split_peak), binding.value, t, tk.name, optimizer, accumulation,
+                    buffers)
 
 
 def checked_arguments(config: dict, a: Arch, *, quant: str, seq: int, batch: int, targets, lora_r: int, steps: int,
@@ -410,6 +454,10 @@ def step_terms(a: Arch, f: Features, tk, *, quant: str, targets: tuple, lora_r: 
     lp = layer_peak(a, quant, targets, lora_r, T, per=per, held=accumulation > 1, per_expert=per_expert,
                     recompute=recompute == "on")
     t[Term.DEQUANTISED_LAYER.key], t[Term.LAYER_PER_TOKEN.key] = lp.weights, lp.activations
+    remainders = layer_remainders(layer_blocks(a, quant, targets, lora_r, T, lp))
+    if remainders:
+        t[Term.LAYER_REMAINDERS.key] = remainders
+    t[Term.LOSS_REMAINDERS.key] = cut_remainders(loss_blocks(a, T))
     if a.layers is not None:
         t[Term.EXPERT_IN_FLIGHT.key] = lp.expert
     if eager:  # its masks replace SDPA's bool sliding mask
@@ -431,6 +479,9 @@ def step_terms(a: Arch, f: Features, tk, *, quant: str, targets: tuple, lora_r: 
                                  copies=2 if t.get(Term.REFERENCE_ADAPTER.key) else 1)
     if unsplit:
         t[Term.UNSPLIT_REMAINDERS.key] = unsplit
+    for term in (Term.LOSS_REMAINDERS, Term.REFERENCE_REMAINDERS):  # listed where they charge
+        if not t.get(term.key):
+            t.pop(term.key, None)
     t[Term.ALLOCATED_ALLOWANCE.key] = ALLOCATED_ALLOWANCE_BYTES if allowance is None else allowance
     return {term.key: t[term.key] for term in Term if term.key in t}, lp, unsplit  # the table's order
 
@@ -443,15 +494,21 @@ def task_terms(a: Arch, f: Features, tk, quant: str, targets: tuple, lora_r: int
     blocks = task_loss_blocks(a, tk.name, seq, batch)
     t = {Term.LOGITS.key: sum(blocks) + (SOFTCAP_EXTRA_BYTES * T * a.V if a.softcap else 0),
          Term.ALLOCATOR_ROUNDING.key: sum(map(segment_tail, blocks)) + hidden_rounding(a, T),
+         Term.LOSS_REMAINDERS.key: cut_remainders(blocks + hidden_blocks(a, T)),
          Term.REFERENCE_ADAPTER.key: reference_adapter(n, f, tk.name, per),
          Term.HEAD_COPY.key: head_copy(a, f, tk.name)}
     if tk.kl_batch:  # the KL batch's mismatched completions, collated as the batch's
         t[Term.KL_BATCH_IDS.key] = ids_labels(T)
     if tk.reference:
-        t[Term.REFERENCE_HELD.key] = sum(reference_held_blocks(a, tk.name, seq, batch))
+        held = reference_held_blocks(a, tk.name, seq, batch)
+        t[Term.REFERENCE_HELD.key] = sum(held)
         t[Term.REFERENCE_LAYER.key] = T * no_grad_layer_per_token(a, quant, targets, lora_r)
         t[Term.DEQUANTISED_LINEAR.key] = (dequantised_linear(a, quant) if a.layers is None else
                                           max(dequantised_linear(a, quant, k.dequant) for k in a.layers.kinds))
+        # the held blocks were made fresh for the loss (their tails, or the cut rule); the no-grad linear's
+        # weight is dequantised again each layer, into a cached block or a cut one (the layer's rule)
+        t[Term.REFERENCE_REMAINDERS.key] = (sum(map(segment_tail, held)) + cut_remainders(held)
+                                            + layer_remainders([t[Term.DEQUANTISED_LINEAR.key]]))
     return t
 
 
@@ -463,6 +520,7 @@ def chunked_loss_terms(a: Arch, chunk: int, seq: int, batch: int, T: int, ws: in
     # measured: SmolLM2 and Moonlight chunk 512 (results/moe-and-stream-modes-*/loss-chunk.txt)
     return {"logits": (LOGITS_BYTES + 2 + (SOFTCAP_EXTRA_BYTES if a.softcap else 0)) * min(chunk, seq) * batch * a.V,
             "allocator_rounding": allocator_rounding(a, min(chunk, seq) * batch),
+            Term.LOSS_REMAINDERS.key: cut_remainders(loss_blocks(a, min(chunk, seq) * batch)),
             Term.CHUNKED_LOSS.key: ws + 2 * 2 * a.h * T}
 
 

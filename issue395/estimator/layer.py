@@ -247,6 +247,42 @@ def retained_by_layer(a: Arch, quant: str, targets: tuple, r: int) -> list[int]:
     return kept
 
 
+def layer_blocks(a: Arch, quant: str, targets: tuple, r: int, T: int, peak: "LayerPeak") -> list[int]:
+    """The blocks (requested bytes) a dense layer's turn holds at ``peak``'s layer and moment besides the
+    checkpointed inputs and the gradients: each weight F.linear saved or is dequantising (NF4), block by
+    block as forward_end_weights and backward_weights sum them, and each of the T-token tensors
+    layer_per_token counts, one block a width. None for a MoE or hybrid kind, whose count sums widths as a
+    bound (moe.Kind), nor for stream_recompute off (no walk)."""
+    if a.layers is not None or peak.layer is None:
+        return []
+    act, input_grad = activation_bytes(a, quant), peak.layer > 0
+    mine = tuple(t for t in targets if t in a.modules)
+    weights = []
+    if quant == "nf4":
+        saved = {n: 2 * fi * fo for n, (fi, fo, _) in a.modules.items() if input_needs_grad(n, mine, input_grad)}
+        last = {n: fi * fo for n, (fi, fo, _) in a.modules.items() if STAGES.get(n) == LAST_STAGE}
+        if peak.moment is Moment.FORWARD_END:
+            unsaved = [2 * v for n, v in last.items() if n not in saved]
+            biggest = max(last.values(), default=0) or max(fi * fo for fi, fo, _ in a.modules.values())
+            weights = list(saved.values()) + sorted(unsaved)[-1:] + [4 * -(-biggest // NF4_BLOCK)]
+        else:
+            weights = [v for n, v in saved.items() if n not in last]
+    qw, kw = a.heads * a.head_dim, a.kv * a.head_dim
+    norms = (a.norms - (0 if input_grad else 1)) if a.quirks.norm_inputs_saved else 0
+    widths = [(4, a.h)] * norms
+    for t in targets:
+        fan_in = a.modules[t][0]
+        widths += [(act, fan_in), (act, r)] + ([(LORA_DROPOUT_MASK_BYTES, fan_in)]
+                                                if input_needs_grad(t, targets, input_grad) else [])
+    widths += [(act, qw), (act, kw), (act, (qw + 2 * kw) if a.quirks.fused_qkv else kw), (act, qw), (4, a.heads)]
+    widths += [(4, qw), (4, kw)] if a.qk_norm else []
+    if peak.moment is Moment.BACKWARD:
+        widths += [(act, a.h)] + [(act, a.i)] * a.quirks.mlp_saved
+    else:
+        widths += [(act, a.h)] * 3 + [(act, a.i)] * (a.quirks.mlp_saved - MLP_BACKWARD_TRANSIENTS + 1)
+    return weights + [b * w * T for b, w in widths]
+
+
 def checkpointed_through(a: Arch, quant: str, T: int, n: int) -> int:
     """The saved inputs of layers 0..n, 2h B a token each; phi NF4 4h after layer 0, whose output
     makes the residual fp32 (PEAK: phi-2 NF4 2048x1 325.1 MB and 2048x4 1,300.2 MB above bf16 =

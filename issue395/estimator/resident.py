@@ -10,9 +10,11 @@ where the task's trainer turns dropout off (``dropout_masks``), no kept rest whe
 2 MiB (``whole_granules``).
 
 Measured (tests/estimator/test_resident.py), on the 143 committed arms of these families it models, bf16 and NF4
-(results/resident-map-*): never under, median 1.0010x; with checkpointing 1.0001x-1.0033x, without it
-1.0001x-1.0796x, median 1.0016x (the widest: Phi-3-mini NF4, 1.064x-1.080x, whose fused gate_up the shared count
-charges whole; without its 4 rows at most 1.0241x, SmolLM2's bounded rounding).
+(results/resident-map-*): never under, median 1.0011x; with checkpointing 1.0001x-1.0029x, without it
+1.0000x-1.0794x, median 1.0014x (the widest: Phi-3-mini NF4, 1.063x-1.080x, whose fused gate_up the shared count
+charges whole; without its 4 rows at most 1.0238x, SmolLM2's bounded rounding). Under NF4 the rotary tables are
+fp32, as the residual stream is: charged bf16, Gemma-2-2B NF4 4096x1 with checkpointing was 3.20 MB under its real
+peak, the allowance aside; charged fp32, 0.99 MB over.
 
 Known limitations
     - Without checkpointing, where a block of the step or of the weights is not whole 2 MiB (on the committed rows:
@@ -26,7 +28,7 @@ Known limitations
       of the forward's requests through the allocator's rules (not built) would tighten.
     - Phi-3-mini NF4 without checkpointing is 1.064x-1.080x: about 12.3 KB a token a layer (1.5 i, or 4 h) over,
       unnamed: no anatomy of it is committed (bench/gpu-resident-1.sh ran out of its budget before
-      sft-phi3-nf4-1024x1). Its bf16 rows are 1.0005x-1.019x and its checkpointed NF4 ones 1.0016x-1.0033x.
+      sft-phi3-nf4-1024x1). Its bf16 rows are 1.0003x-1.019x and its checkpointed NF4 ones 1.0014x-1.0029x.
     - Past a sliding window without checkpointing it is refused: Gemma-3 and Phi-3 keep attention masks per layer
       there that the counts do not have (Gemma-3 2048x1: 48 blocks of 8 MiB; the construction was 0.978x-0.997x).
     - The steady state (steps > 1: the optimizer's states) and gradient accumulation are the streamed step's terms
@@ -248,6 +250,11 @@ def estimate_resident(config: dict, *, quant: str = "none", seq: int, batch: int
             t[Term.RETAINED_BESIDE_LAYER.key] += T * (a.L - 1) * saved
         t[Term.LAYER_PER_TOKEN.key] += T * 2 * a.i * a.quirks.mlp_saved
         t[Term.HEAD_COPY.key] = 2 * a.V * a.h + segment_tail(2 * a.V * a.h)
+        # the rotary tables take the residual stream's dtype (transformers' rotary embeddings return
+        # cos.to(x.dtype)): fp32 here, twice the streamed step's bf16 tables. Measured: Llama-3.2-1B NF4 2048x1
+        # keeps cos and sin as 2 blocks of 524,288 B (rd x seq x 4) at its loss peak, bf16 2 of 262,144
+        # (results/resident-anatomy-*/call-1/res-sft-llama1b-*-2048x1)
+        t[Term.ROTARY_TABLES.key] *= 2
         t[Term.DEQUANTISED_LAYER.key] = 2 * max(fi * fo for fi, fo, _ in a.modules.values())
     step = {p: phase_sum(t, p) for p in (Phase.LOSS, Phase.REFERENCE, Phase.LAYER)}
     if not task_named(task).reference:

@@ -113,6 +113,19 @@ class Term(Enum):
     #: needs_free (`soup train`'s expandable segments split every block at 512 B)
     UNSPLIT_REMAINDERS = ("unsplit_remainders", {_LO, _RF, _LA, _OP}, Kind.OTH,
                           "the adapter blocks' unsplit remainders", "an adapter tensor over 1 MiB")
+    #: ...and the same allocator's rests in the blocks the binding layer's turn holds (its dequantised weights and
+    #: its tokens' tensors: estimate.layer_remainders), a dense layer's, in the layer phase only; not in needs_free
+    LAYER_REMAINDERS = ("layer_remainders", {_LA}, Kind.OTH, "the binding layer's blocks' unsplit remainders",
+                        "a dense layer's blocks over 1 MiB")
+    #: ...and in the blocks the loss phase lists (its logits and hidden-sized blocks: estimate.loss_blocks) over
+    #: 1 MiB and under 10 MiB, cut from 20 MiB segments (estimate.cut_remainders; from 10 MiB their fresh segments'
+    #: tails are the allocator rounding's); not in needs_free
+    LOSS_REMAINDERS = ("loss_remainders", {_LO}, Kind.OTH, "the loss's blocks' unsplit remainders",
+                       "a loss block over 1 MiB and under 10 MiB")
+    #: ...and in the blocks the reference forward lists (the policy's held loss tensors, its no-grad linear's
+    #: weight), none charged there before; not in needs_free
+    REFERENCE_REMAINDERS = ("reference_remainders", {_RF}, Kind.OTH, "the reference forward's blocks' remainders",
+                            "DPO, KTO")
     #: full fine-tuning (Soup's lora.r 0, resident; issue395.estimator.resident.estimate_full): what a trained
     #: weight makes autograd keep at the head (its input and the final norm's normed tensor), the head's weight
     #: gradient made at the loss's backward, the embedding's backward at the walk's end (its fresh V x h gradient

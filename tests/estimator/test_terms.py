@@ -54,7 +54,7 @@ def test_every_class_is_one_torch_mem_tracker_documents():
 
 
 @pytest.mark.parametrize("key,kw", ARMS)
-def test_the_anatomy_charges_every_byte_of_the_binding_phase_but_the_allocator_rounding(key, kw):
+def test_the_anatomy_charges_every_byte_of_the_binding_phase_but_the_allocator_rounding_and_rests(key, kw):
     """Before the table, the anatomy's own lists lacked chunked_loss, retained_activations and
     expert_in_flight, so a streaming mode's charged bytes fell short of the estimate's phase."""
     e = _estimate(key, kw)
@@ -64,7 +64,8 @@ def test_the_anatomy_charges_every_byte_of_the_binding_phase_but_the_allocator_r
     rows = class_breakdown({c: 0 for c in CLASSES}, e, seq=e.seq, batch=e.batch, config=config_json(family_of(key)))
     charged = sum(r["charged"] for r in rows)
     phase = Phase(e.phase)
-    held = phase_sum(e.terms, phase) - (e.terms["allocator_rounding"] if phase is Phase.LOSS else 0)
+    rests = {Phase.LOSS: ("allocator_rounding", "loss_remainders"), Phase.REFERENCE: ("reference_remainders",)}
+    held = phase_sum(e.terms, phase) - sum(e.terms.get(k, 0) for k in rests.get(phase, ()))
     assert charged == held
 
 

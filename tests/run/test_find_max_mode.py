@@ -201,8 +201,11 @@ def test_the_margin_at_the_first_oom_sets_torchs_reading_beside_this_tools_charg
     assert margin["value"] == above
     assert margin["measured"] == {"allocated_plus_request": 12_400_000_000, "reserve": 230_000_000,
                                   "outside": 870_000_000}
-    assert margin["charged"]["allocated"] == row["corrected_predicted"]
-    assert margin["charged"]["reserve"] == row["needs_free"] - row["corrected_predicted"]
+    from issue395.estimator.estimate import EXPANDABLE_RESERVE_BYTES
+
+    # `soup train`'s expandable segments split every block: the split peak, at most the corrected one
+    assert margin["charged"]["allocated"] == row["needs_free"] - EXPANDABLE_RESERVE_BYTES <= row["corrected_predicted"]
+    assert margin["charged"]["reserve"] == EXPANDABLE_RESERVE_BYTES
     assert margin["charged"]["outside"] == card["total_bytes"] - card["step_free_bytes"]
     assert f"the margin at the first OOM (seq {above}; measured: torch's message in Soup's process" in out
     assert "the allocator's reserve 230.0 MB, charged" in out
