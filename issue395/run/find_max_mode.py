@@ -89,36 +89,33 @@ def answers(req: FindMaxRequest) -> Answers:
     if req.estimate.user is not None and req.estimate.user.resident is not None:
         return resident_answers(req)
     from ..estimator.cards import budget, workspace_env
-    from ..estimator.fits import axis_range, estimate_for, fit_kwargs, longest, longest_soup_admits
+    from ..estimator.fits import axis_range, longest, longest_soup_admits
     from ..estimator.resident import estimate_run
 
     axis, run, config = req.axis, req.estimate, req.estimate.config
     gate, arm = run.gate, run.arms()[0]
-    settings = arm.run
-    e = estimate_run(arm, config)
-    kw = dict(fit_kwargs(e, arm), **({"seq": e.seq} if axis == "batch" else {}))
     card = run.cards[0]
     b = budget(card, run.context)
     available = gate.available(b.gate_free_bytes)
-    low, step, high = axis_range(config, axis, e.task)
+    low, step, high = axis_range(config, axis, arm.task)
+    ws = card.workspace(workspace_env())
 
     def gate_at(value: int) -> dict:
-        at = dict(kw, **{axis: value})
-        mine = estimate_for(config, **at)
-        one = mine if not gate.probe else estimate_for(config, **dict(at, steps=1, run=dict(settings, optimizer=None)))
+        mine = estimate_run(replace(arm, **{axis: value}), config)
+        one = mine if not gate.probe else estimate_run(replace(gate.measured(arm), **{axis: value}), config)
         return {"value": value, "soup_predicted": mine.soup_predicted, "gate_free_bytes": available,
                 "admits": gate.admits(mine.soup_predicted, one.corrected_predicted, available)}
 
     def charged_at(value: int, context: int) -> dict:
-        e = estimate_for(config, **dict(kw, **{axis: value}), workspace=card.workspace(workspace_env()))
+        e = estimate_run(replace(arm, **{axis: value}), config, workspace=ws)
         return {"allocated": e.split_allocated, "reserve": e.needs_free - e.split_allocated,  # `soup train`: split
                 "outside": card.total_bytes - budget(card, context).step_free_bytes}
 
     def tool_with_context(context: int) -> Optional[int]:
-        return longest(axis, config, budget(card, context).step_free_bytes, workspace=card.workspace(workspace_env()), **kw)
+        return longest(axis, config, budget(card, context).step_free_bytes, arm, workspace=ws)
 
-    return Answers(axis, card, b, longest(axis, config, b.step_free_bytes, workspace=card.workspace(workspace_env()), **kw),
-                   longest_soup_admits(axis, config, available, gate, **kw), low, step, high, gate.rule, gate_at,
+    return Answers(axis, card, b, longest(axis, config, b.step_free_bytes, arm, workspace=ws),
+                   longest_soup_admits(axis, config, available, arm, gate), low, step, high, gate.rule, gate_at,
                    tool_with_context, charged_at)
 
 
