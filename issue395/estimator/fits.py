@@ -11,7 +11,7 @@ from ..errors import EXIT_FINDING, EXIT_OK, EXIT_SOUP_REFUSES, UsageError
 from ..text import gb, table
 from ..tasks import PROTOCOL_TASK, task
 from .cards import CARDS, CLI_GATE_GROWTH_BYTES, DRIVER_KEPT, STEP_GROWTH_BYTES, Budget, Card, budget, workspace_env
-from .estimate import EXPANDABLE_RESERVE_BYTES, EXPANDABLE_RESERVE_PAGES, Estimate, estimate
+from .estimate import EXPANDABLE_RESERVE_BYTES, EXPANDABLE_RESERVE_PAGES, Estimate
 from .arch import arch_from_config, layer_bytes
 from .resident import estimate_run
 from .soup_number import arch_of, soup_namespace
