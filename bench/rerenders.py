@@ -478,19 +478,19 @@ def findmax() -> None:
     oom_readings()
 
 
-def run_kwargs(d: dict, value: int | None = None) -> tuple[dict, dict]:
+def run_arm(d: dict, value: int | None = None) -> tuple[dict, object, dict]:
     """A find-max JSON's config file read by Soup's own loader, as --estimate reads it
-    (issue395.run.userconfig), as the estimator's arguments (the JSON's stack and steps; the axis at
-    ``value``, else the file's): the family's config.json and the keyword arguments."""
+    (issue395.run.userconfig), as the estimator takes it: the family's config.json, the file's Arm (the JSON's
+    steps; the axis at ``value``, else the file's) and what is not the run (the JSON's stack, no Soup number)."""
     from issue395.model.registry import by_hub_id, config_json
     from issue395.run.userconfig import read_soup_config
 
     arm = replace(read_soup_config(str(ROOT / d["config"])).arm, steps=d["steps"])
-    kw = dict(arm.estimator(), soup=False, release=d["stack"]["packages"]["soup-cli"],
-              transformers=d["stack"]["packages"]["transformers"], stream=arm.streaming.stream())
     if value is not None:
-        kw[d["measured"]["axis"]] = value
-    return config_json(by_hub_id(arm.checkpoint)), kw
+        arm = replace(arm, **{d["measured"]["axis"]: value})
+    extra = dict(soup=False, release=d["stack"]["packages"]["soup-cli"],
+                 transformers=d["stack"]["packages"]["transformers"])
+    return config_json(by_hub_id(arm.checkpoint)), arm, extra
 
 
 def longest_now(d: dict) -> tuple[int | None, int | None]:
@@ -499,10 +499,10 @@ def longest_now(d: dict) -> tuple[int | None, int | None]:
     from issue395.estimator.cards import budget, parse_card
     from issue395.estimator.fits import longest
 
-    config, kw = run_kwargs(d)
+    config, arm, extra = run_arm(d)
     card = parse_card(d["card"]["card"])
     axis = d["measured"]["axis"]
-    return tuple(longest(axis, config, budget(card, ctx).step_free_bytes, workspace=card.workspace(), **kw)
+    return tuple(longest(axis, config, budget(card, ctx).step_free_bytes, arm, workspace=card.workspace(), **extra)
                  for ctx in (d["box_context_bytes"], None))
 
 
@@ -510,7 +510,7 @@ def oom_readings() -> None:
     """Each OOM probe whose Soup console holds torch's own out-of-memory message: the margin's parts
     at that moment, measured inside Soup's process, beside what this tool charges at that seq."""
     from issue395.estimator.cards import STEP_GROWTH_BYTES
-    from issue395.estimator.estimate import estimate
+    from issue395.estimator.resident import estimate_run
     from issue395.constraints.findmax import oom_reading
 
     print("\ntorch's out-of-memory message in Soup's own process (measured, as torch printed it) against this tool's "
@@ -531,8 +531,8 @@ def oom_readings() -> None:
                     if r is None:
                         continue
                     seq = int(log.stem.rsplit("-", 1)[1])
-                    config, kw = run_kwargs(d, seq)
-                    e = estimate(config, **kw)
+                    config, arm, extra = run_arm(d, seq)
+                    e = estimate_run(arm, config, **extra)
                     charged = e.needs_free - e.split_allocated
                     outside = d["box_context_bytes"] + STEP_GROWTH_BYTES
                     print(f"{name + ' seq ' + str(seq):<40}{(r.allocated + r.tried) / 1e9:>19.4f}"

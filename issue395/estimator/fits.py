@@ -3,16 +3,17 @@ fits, Soup's own gate on the same card and the longest seq it admits; the table.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable, Optional
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Optional
 
 from ..constants import CUBLAS_WORKSPACE
 from ..errors import EXIT_FINDING, EXIT_OK, EXIT_SOUP_REFUSES, UsageError
 from ..text import gb, table
 from ..tasks import PROTOCOL_TASK, task
 from .cards import CARDS, CLI_GATE_GROWTH_BYTES, DRIVER_KEPT, STEP_GROWTH_BYTES, Budget, Card, budget, workspace_env
-from .estimate import EXPANDABLE_RESERVE_BYTES, EXPANDABLE_RESERVE_PAGES, Estimate, estimate
+from .estimate import EXPANDABLE_RESERVE_BYTES, EXPANDABLE_RESERVE_PAGES, Estimate
 from .arch import arch_from_config, layer_bytes
+from .resident import estimate_run
 from .soup_number import arch_of, soup_namespace
 from .terms import Phase, words
 
@@ -48,11 +49,12 @@ class Gate:
     def rule(self) -> str:
         return "measured probe (decide_measured_fit)" if self.probe else "Soup's number (decide_stream_fit)"
 
-
-def estimate_for(config: dict, run: Optional[dict] = None, **kwargs) -> Estimate:
-    """``estimate`` at the run's settings (``run``: issue395.model.arm.Settings.estimator, those the run sets;
-    a setting given None, or left out, is the estimator's default: Soup's default optimizer, one micro-batch)."""
-    return estimate(config, **kwargs, **{k: v for k, v in (run or {}).items() if v is not None})
+    def measured(self, arm: Any) -> Any:
+        """The arm (issue395.model.arm.Arm) whose corrected allocated peak the gate reads: with the probe, the one
+        step it measures, before any optimizer state (the estimator's default optimizer); else the run itself."""
+        if not self.probe:
+            return arm
+        return replace(arm, steps=1, settings=replace(arm.settings, optimizer=None))
 
 
 REFUSES = "Soup refuses a run that would fit"
@@ -87,12 +89,12 @@ def largest(ok: Callable[[int], bool], low: int, step: int, top: int) -> Optiona
     return lo * step
 
 
-def _longest(config: dict, fits: Callable[[Estimate], bool], axis: str = "seq", **kwargs) -> Optional[int]:
-    """The largest value along ``axis`` (axis_range) whose estimate passes ``fits``; None when not
-    even the smallest does. Both numbers grow with seq and with batch, so a bisection finds it."""
-    kwargs.pop(axis, None)
-    low, step, top = axis_range(config, axis, kwargs.get("task"))
-    return largest(lambda v: fits(estimate_for(config, **{axis: v}, **kwargs)), low, step, top)
+def _longest(config: dict, arm: Any, fits: Callable[[Estimate], bool], axis: str = "seq", **extra) -> Optional[int]:
+    """The largest value along ``axis`` (axis_range) whose estimate of ``arm`` (issue395.model.arm.Arm, at each
+    value; ``extra``: what is not the run, as estimate_run takes it) passes ``fits``; None when not even the smallest
+    does. Both numbers grow with seq and with batch, so a bisection finds it."""
+    low, step, top = axis_range(config, axis, arm.task)
+    return largest(lambda v: fits(estimate_run(replace(arm, **{axis: v}), config, **extra)), low, step, top)
 
 
 def longest_resident(axis: str, config: dict, free_bytes: int, arm) -> tuple[Optional[int], Optional[str]]:
@@ -101,10 +103,6 @@ def longest_resident(axis: str, config: dict, free_bytes: int, arm) -> tuple[Opt
     does not model the run: (None, its line) where it refuses the smallest value (MoE, a hybrid, latent attention,
     phi), or where the run fits up to the last value it models (past a sliding window without checkpointing) and
     beyond that it cannot say. (None, None): not even the smallest fits."""
-    from dataclasses import replace
-
-    from .resident import estimate_run
-
     low, step, top = axis_range(config, axis, arm.task)
 
     def at(value: int) -> tuple[Optional[Estimate], Optional[str]]:
@@ -124,35 +122,28 @@ def longest_resident(axis: str, config: dict, free_bytes: int, arm) -> tuple[Opt
     return found, None
 
 
-def longest(axis: str, config: dict, free_bytes: int, **kwargs) -> Optional[int]:
-    """The longest seq (or largest batch) whose needs-free (this tool's estimator) fits ``free_bytes``."""
-    return _longest(config, lambda e: e.needs_free <= free_bytes, axis, **kwargs)
+def longest(axis: str, config: dict, free_bytes: int, arm: Any, **extra) -> Optional[int]:
+    """The longest seq (or largest batch) whose needs-free (this tool's estimator, of the streamed Arm ``arm`` at each
+    value) fits ``free_bytes``; ``extra``: what is not the run (a card's workspace, the release)."""
+    return _longest(config, arm, lambda e: e.needs_free <= free_bytes, axis, **extra)
 
 
-def longest_soup_admits(axis: str, config: dict, free_bytes: int, gate: Gate = Gate(), **kwargs) -> Optional[int]:
-    """The longest seq (or largest batch) Soup's gate admits with ``free_bytes`` free: its own number
+def longest_soup_admits(axis: str, config: dict, free_bytes: int, arm: Any, gate: Gate = Gate(),
+                        **extra) -> Optional[int]:
+    """The longest seq (or largest batch) of ``arm`` Soup's gate admits with ``free_bytes`` free: its own number
     (computed by its own estimator code) <= the free VRAM it measures (decide_stream_fit), or, with
-    the probe, the measured path's rule on one step (Gate.admits)."""
-    kwargs.pop("workspace", None)
-    if gate.probe:  # the probe measures one step, before any optimizer state
-        kwargs = dict(kwargs, steps=1, run=dict(kwargs.get("run") or {}, optimizer=None))
-    return _longest(config, lambda e: gate.admits(e.soup_predicted, e.corrected_predicted, free_bytes), axis,
-                    **kwargs)
+    the probe, the measured path's rule on one step (Gate.admits, Gate.measured)."""
+    extra.pop("workspace", None)
+    return _longest(config, gate.measured(arm), lambda e: gate.admits(e.soup_predicted, e.corrected_predicted,
+                                                                      free_bytes), axis, **extra)
 
 
-def longest_seq(config: dict, free_bytes: int, **kwargs) -> Optional[int]:
-    return longest("seq", config, free_bytes, **kwargs)
+def longest_seq(config: dict, free_bytes: int, arm: Any, **extra) -> Optional[int]:
+    return longest("seq", config, free_bytes, arm, **extra)
 
 
-def longest_seq_soup_admits(config: dict, free_bytes: int, gate: Gate = Gate(), **kwargs) -> Optional[int]:
-    return longest_soup_admits("seq", config, free_bytes, gate, **kwargs)
-
-
-def fit_kwargs(e: Estimate, arm) -> dict:
-    """What every answer about ``e``'s run passes estimate_for besides seq (and a card's workspace): the arm's
-    (issue395.model.arm.Arm) adapter, streaming modes and settings, at the estimate's own shape."""
-    return dict(quant=e.quant, batch=e.batch, steps=e.steps, release=e.release, targets=arm.adapter.targets or None,
-                lora_r=arm.adapter.lora_r, stream=arm.streaming.stream(), task=e.task, run=arm.run)
+def longest_seq_soup_admits(config: dict, free_bytes: int, arm: Any, gate: Gate = Gate(), **extra) -> Optional[int]:
+    return longest_soup_admits("seq", config, free_bytes, arm, gate, **extra)
 
 
 def host_store(config: dict, quant: str) -> tuple[int, int, float]:
@@ -185,24 +176,23 @@ def card_answers(config: dict, e: Estimate, budgets: list[Budget], arm, env: Opt
     """One arm (issue395.model.arm.Arm) on each card: the JSON's ``cards`` entries. needs_free is recomputed only where the
     card's cuBLAS workspace is larger than the estimator's (CUBLAS_WORKSPACE_CONFIG). Soup's gate
     is the file's (``gate``): the free memory it reads, or its override; its number, or the probe."""
-    kw = fit_kwargs(e, arm)
-    one_step = e if not gate.probe or e.steps == 1 else estimate_for(
-        config, seq=e.seq, **dict(kw, steps=1, run=dict(arm.run, optimizer=None)))
+    extra = {"release": e.release}  # ``e`` is the arm's estimate: its release is the answers' too
+    one_step = e if not gate.probe or e.steps == 1 else estimate_run(gate.measured(arm), config, **extra)
     out = []
     store, ram, headroom = host_store(config, e.quant)
     top = axis_range(config, "seq")[2]
     for b in budgets:
         ws = b.card.workspace(env)
-        mine = e if ws <= CUBLAS_WORKSPACE else estimate_for(config, seq=e.seq, workspace=ws, **kw)
+        mine = e if ws <= CUBLAS_WORKSPACE else estimate_run(arm, config, workspace=ws, **extra)
         available = gate.available(b.gate_free_bytes)
         fits = b.fits(mine.needs_free)
         admits = gate.admits(e.soup_predicted, one_step.corrected_predicted, available)
         out.append({"card": b.card.name, "total_bytes": b.card.total_bytes, "context_bytes": b.context_bytes,
                     "free_bytes": b.free_bytes, "step_free_bytes": b.step_free_bytes,
                     "gate_free_bytes": available, "needs_free": mine.needs_free, "fits": fits,
-                    "longest_seq": longest_seq(config, b.step_free_bytes, workspace=ws, **kw),
+                    "longest_seq": longest_seq(config, b.step_free_bytes, arm, workspace=ws, **extra),
                     "soup_admits": admits,
-                    "longest_seq_soup_admits": longest_seq_soup_admits(config, available, gate, **kw),
+                    "longest_seq_soup_admits": longest_seq_soup_admits(config, available, arm, gate, **extra),
                     "gate_rule": gate.rule,
                     "gate_free_source": ("training.stream_vram_override" if gate.override is not None
                                          else "the card's free memory less the modules loaded"),

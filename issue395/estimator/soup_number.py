@@ -359,20 +359,3 @@ def soup_preflight_from_config(config: dict, *, quant: str, seq: int, batch: int
                                buffers=buffers)
     gate = number if record["gate_bytes"] is None else int(record["gate_bytes"])
     return gate, {"formula": number, "formula_kwargs": kwargs, "corrected": record}
-
-
-def soup_number_of(arm, config: dict | None = None, release: str | None = None) -> tuple[int, dict]:
-    """Soup's own number for one run, typed (issue395.model.arm.Arm): its shape, task, streaming modes (Soup's
-    probe aside: its formula is the same), settings, and adapter (its targets as Soup's config holds them: none
-    given, the protocol's; ``auto`` or ``all-linear``, Soup's own string), through ``soup_preflight_from_config``;
-    ``config``: the checkpoint's own where the arm's base has no public one."""
-    from .arch import protocol_targets
-    from ..model.registry import config_json
-
-    config = config_json(arm.base) if config is None else config
-    targets = arm.adapter.targets or protocol_targets(arch_of(config))
-    stream = {k: v for k, v in arm.streaming.stream().items() if k != "stream_vram_probe"}
-    return soup_preflight_from_config(config, quant=arm.quant, seq=arm.seq, batch=arm.batch,
-                                      targets=targets[0] if len(targets) == 1 and targets[0] in ("auto", "all-linear")
-                                      else tuple(targets), lora_r=arm.adapter.lora_r, release=release, stream=stream,
-                                      task=arm.task, **arm.run)

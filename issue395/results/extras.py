@@ -207,14 +207,15 @@ class SoupProbe(Record):
 
 @dataclass(frozen=True)
 class UserConfig(Record):
-    """--config: the user's soup.yaml this arm is, and the LoRA r and alpha it ran with from it."""
+    """--config: the user's soup.yaml this arm is, and the LoRA r and alpha it ran with from it (r 0: Soup's full
+    fine-tuning, no adapter)."""
 
     path: str
     lora_r: int
     lora_alpha: int
 
     CHECKS: ClassVar = {"path": (lambda v: isinstance(v, str), "a string"),
-                        "lora_r": (lambda v: is_whole(v, 1), "a whole number >= 1"),
+                        "lora_r": (lambda v: is_whole(v, 0), "a whole number >= 0 (0: a full fine-tuning)"),
                         "lora_alpha": (lambda v: is_whole(v, 1), "a whole number >= 1")}
 
 

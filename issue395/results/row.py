@@ -274,7 +274,8 @@ class Row:
                 data.update(self.settings.to_json())
             elif f.name not in ABSENT_WHEN_NONE or getattr(self, f.name) is not None:
                 data[f.name] = getattr(self, f.name)
-        return dict(data, realised_rows=list(self.realised_rows), targets=list(self.targets),
+        # a full fine-tuning (lora.r 0) trains no target: null, never the shape's resolution of "auto"
+        return dict(data, realised_rows=list(self.realised_rows), targets=None if self.rank == 0 else list(self.targets),
                     ran=self.ran.to_json(), gate=self.gate and self.gate.to_json(),
                     config=self.config and self.config.to_json(),
                     **({"soup_resident": self.soup_resident.to_json()} if self.soup_resident else {}),
@@ -347,5 +348,5 @@ def arm_row(arm: Arm, shape: Shape, **measured: Any) -> Row:
     return Row(model=shape.name, model_key=arm.model, seq=arm.seq, batch=arm.batch,
                index=arm.index, predicted=predicted_bytes(shape, arm.seq, rows, arm.settings.buffers or 2),
                logits14=logits14, loss_bytes_per_element=bpe, vocab=shape.vocab, quant=arm.quant,
-               targets=tuple(shape.targets), record_peak=record, **arm_identity(arm),
+               targets=() if arm.full else tuple(shape.targets), record_peak=record, **arm_identity(arm),
                **dict(measured, ran=replace(measured.get("ran") or Ran(), pid=os.getpid())))

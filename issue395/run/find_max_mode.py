@@ -24,11 +24,11 @@ from ..report.outputs import write_json
 from ..text import gb
 from .checks import ARM_NEEDS, one_card, require_installed
 from .clashes import check
-from .configarm import base_of, config_arm
+from .configarm import config_arm
 from .estimate_mode import FromFile, settle_values, under_the_file
 from .parser import FIND_MAX_NO_CUDA
 from ..host.measured import Outputs
-from .request import EstimateRequest, FindMaxRequest
+from .request import FindMaxRequest
 from ..host.scratch import Scratch, cache_dir_of, shard_dir_of, writable_folder
 from .userconfig import read_soup_config
 
@@ -89,36 +89,33 @@ def answers(req: FindMaxRequest) -> Answers:
     if req.estimate.user is not None and req.estimate.user.resident is not None:
         return resident_answers(req)
     from ..estimator.cards import budget, workspace_env
-    from ..estimator.fits import axis_range, estimate_for, fit_kwargs, longest, longest_soup_admits
+    from ..estimator.fits import axis_range, longest, longest_soup_admits
     from ..estimator.resident import estimate_run
 
     axis, run, config = req.axis, req.estimate, req.estimate.config
-    gate, arm = run.gate, run.arms()[0]
-    settings = arm.run
-    e = estimate_run(arm, config)
-    kw = dict(fit_kwargs(e, arm), **({"seq": e.seq} if axis == "batch" else {}))
+    gate, arm = run.gate, req.arm
     card = run.cards[0]
     b = budget(card, run.context)
     available = gate.available(b.gate_free_bytes)
-    low, step, high = axis_range(config, axis, e.task)
+    low, step, high = axis_range(config, axis, arm.task)
+    ws = card.workspace(workspace_env())
 
     def gate_at(value: int) -> dict:
-        at = dict(kw, **{axis: value})
-        mine = estimate_for(config, **at)
-        one = mine if not gate.probe else estimate_for(config, **dict(at, steps=1, run=dict(settings, optimizer=None)))
+        mine = estimate_run(replace(arm, **{axis: value}), config)
+        one = mine if not gate.probe else estimate_run(replace(gate.measured(arm), **{axis: value}), config)
         return {"value": value, "soup_predicted": mine.soup_predicted, "gate_free_bytes": available,
                 "admits": gate.admits(mine.soup_predicted, one.corrected_predicted, available)}
 
     def charged_at(value: int, context: int) -> dict:
-        e = estimate_for(config, **dict(kw, **{axis: value}), workspace=card.workspace(workspace_env()))
+        e = estimate_run(replace(arm, **{axis: value}), config, workspace=ws)
         return {"allocated": e.split_allocated, "reserve": e.needs_free - e.split_allocated,  # `soup train`: split
                 "outside": card.total_bytes - budget(card, context).step_free_bytes}
 
     def tool_with_context(context: int) -> Optional[int]:
-        return longest(axis, config, budget(card, context).step_free_bytes, workspace=card.workspace(workspace_env()), **kw)
+        return longest(axis, config, budget(card, context).step_free_bytes, arm, workspace=ws)
 
-    return Answers(axis, card, b, longest(axis, config, b.step_free_bytes, workspace=card.workspace(workspace_env()), **kw),
-                   longest_soup_admits(axis, config, available, gate, **kw), low, step, high, gate.rule, gate_at,
+    return Answers(axis, card, b, longest(axis, config, b.step_free_bytes, arm, workspace=ws),
+                   longest_soup_admits(axis, config, available, arm, gate), low, step, high, gate.rule, gate_at,
                    tool_with_context, charged_at)
 
 
@@ -132,10 +129,10 @@ def resident_answers(req: FindMaxRequest) -> Answers:
     from ..results.extras import ResidentGate
 
     axis, run, config = req.axis, req.estimate, req.estimate.config
-    r, card, arm = run.user.resident, run.cards[0], run.arms()[0]
+    r, card, arm = run.user.resident, run.cards[0], req.arm
     b = budget(card, run.context)
     total = card.total_bytes - card.hidden_bytes  # what CUDA reports as the card's total, which Soup's gate reads
-    low, step, high = axis_range(config, axis, run.tasks[0])
+    low, step, high = axis_range(config, axis, arm.task)
 
     def gate_at(value: int) -> dict:
         return {"value": value, **ResidentGate.at(r.soup_input, axis, value, total).to_json()}
@@ -155,7 +152,7 @@ def resident_answers(req: FindMaxRequest) -> Answers:
                    charged_at, resident=r, refused=refused)
 
 
-def plan_lines(run: EstimateRequest, a: Answers, like: Optional[int] = None) -> list[str]:
+def plan_lines(ask: FindMaxRequest, a: Answers, like: Optional[int] = None) -> list[str]:
     unit = UNITS[a.axis]
     start, second = a.first_and_second(like)
     which = a.started_from(like)
@@ -170,7 +167,7 @@ def plan_lines(run: EstimateRequest, a: Answers, like: Optional[int] = None) -> 
             f"{' ' + ALLOW_OOM_ATTEMPT if a.resident else ''}, a fresh "
             f"process, while this process holds a ballast outside any allocator that leaves {a.card.name}'s total "
             f"({a.card.total_bytes:,} B) free; it completes when Soup exits 0 with the trainer's global step at "
-            f"{run.steps}; an exit hook in that process reads its allocator's peaks, and torch's out-of-memory "
+            f"{ask.arm.steps}; an exit hook in that process reads its allocator's peaks, and torch's out-of-memory "
             f"message, where one comes, is read for the allocator's reserve at that moment",
             "  the probe's soup.yaml: every key of your file but " + "; ".join(
                 f"{k} ({why})" for k, why in PROBE_KEYS.items() if k != OTHER_AXIS_KEY[a.axis]
@@ -179,7 +176,7 @@ def plan_lines(run: EstimateRequest, a: Answers, like: Optional[int] = None) -> 
                "it), and Soup prints its warning where its gate, reading the GPU's own total, would refuse" if a.resident else "")]
 
 
-def gate_words(run: EstimateRequest, a: Answers, found: FindMax, value: Optional[int], what: str) -> Optional[tuple[str, dict]]:
+def gate_words(ask: FindMaxRequest, a: Answers, found: FindMax, value: Optional[int], what: str) -> Optional[tuple[str, dict]]:
     """Soup's gate, unlifted, at ``value``: computed by Soup's own estimator code on the card's budget,
     and what Soup printed in that value's probe (its number and the free memory its driver reported)."""
     if value is None:
@@ -187,14 +184,14 @@ def gate_words(run: EstimateRequest, a: Answers, found: FindMax, value: Optional
     g = dict(a.gate_at(value))
     p = found.probe_at(value)
     if a.resident:
-        return resident_gate_words(a, g, p, run.steps, what)
-    override = run.gate.override
+        return resident_gate_words(a, g, p, ask.arm.steps, what)
+    override = ask.estimate.gate.override
     if p is not None and p.soup_gb is not None and p.driver_free_gb is not None:
         g.update(probe_soup_gb=p.soup_gb, probe_driver_free_gb=p.driver_free_gb,
                  probe_admits=p.soup_gb <= (override / 1e9 if override is not None else p.driver_free_gb))
     said = (f"; in its probe Soup printed ~{p.soup_gb:.2f} GB with {p.driver_free_gb:.2f} GB free reported by its driver"
             if "probe_soup_gb" in g else "")
-    outcome = "" if p is None else f" (measured: {probe_words(p, run.steps)})"
+    outcome = "" if p is None else f" (measured: {probe_words(p, ask.arm.steps)})"
     line = (f"Soup's gate (unlifted) at {a.axis} {value}, {what}{outcome}: {'admits' if g['admits'] else 'refuses'} it "
             f"(computed by Soup's own estimator code: {gb(g['soup_predicted'], 2)} GB against {gb(g['gate_free_bytes'], 2)} GB "
             f"free at its gate, {a.gate_rule}){said}")
@@ -233,7 +230,6 @@ def margin_at_oom(a: Answers, found: FindMax, context: int) -> Optional[tuple[st
 
 def execute(ask: FindMaxRequest, protocol: Any) -> int:
     """--find-max: the plan (--dry-run, on any box), or the search on a CUDA box; its text and --json."""
-    run = ask.estimate
     a = answers(ask)
     lift = None if ask.dry_run else gate_lift()  # Soup's gate lifted by the GPU's own total: every probe is admitted
     from ..results.stack import measure_context
@@ -244,20 +240,20 @@ def execute(ask: FindMaxRequest, protocol: Any) -> int:
     like = a.tool_with_context(box) if box is not None else None
     from ..estimator.stacks import check_installed
 
-    t = task(run.tasks[0])
+    t = task(ask.arm.task)
     words = said(ask, a, box, like)
     with Scratch(ask.cache_dir, ask.shard_dir) as scratch:
-        base = ask.base_folder
+        base = ask.arm.checkpoint
         if not ask.dry_run:
             base = checkpoint_for(ask, scratch)
         write = probe_writer(ask, a, protocol, t, scratch, base, lift)
-        stack = check_installed(nf4=run.quants[0] == "nf4")
+        stack = check_installed(nf4=ask.arm.quant == "nf4")
         first = write(a.first_and_second(None)[0])
         refused = soup_checks(first, t.name)  # Soup's own config and data checks on CPU: a refusal costs no probe
         if ask.dry_run:
             return print_plan(ask, a, words, stack, first, refused)
         if refused:
-            raise UsageError(f"--find-max: Soup refuses the probe's copy of --config {run.adapter.soup_config} before "
+            raise UsageError(f"--find-max: Soup refuses the probe's copy of --config {ask.arm.adapter.soup_config} before "
                              f"any probe (its own checks, on CPU): {refused}")
         found = run_search(ask, a, scratch, write, box, like, words[0])
     return report_found(ask, a, found, words, box, like, stack)
@@ -282,15 +278,15 @@ def probe_writer(ask: FindMaxRequest, a: Answers, protocol: Any, t: Any, scratch
     returns the soup.yaml's path."""
     run, axis = ask.estimate, ask.axis
     user_text = run.user.text
-    accumulation = run.settings.micro_batches
+    arm = ask.arm
 
     def write(value: int) -> Path:
         folder = scratch.path("find-max", f"{axis}-{value}")
-        seq, batch = (value, run.batches[0]) if axis == "seq" else (run.seqs[0], value)
+        seq, batch = (value, arm.batch) if axis == "seq" else (arm.seq, value)
         config = probe_config(user_text, axis, value, data=folder / "train.jsonl", output=folder / "out",
                               override=None if a.resident else lift if lift is not None else a.card.total_bytes,
                               data_format=t.data_format, base=base)
-        return write_probe_config(folder, config, protocol.task_rows(t.name, seq, batch * accumulation * run.steps))
+        return write_probe_config(folder, config, protocol.task_rows(t.name, seq, batch * arm.micro_batches * arm.steps))
 
     return write
 
@@ -301,13 +297,13 @@ def print_plan(ask: FindMaxRequest, a: Answers, words: tuple[str, str, str, str]
     nothing measured); a finding where Soup's own checks refuse the probe's file."""
     run = ask.estimate
     head, tool_line, soup_line, like_line = words
-    plan = [*plan_lines(run, a), *([f"  Soup refuses the probe's file before any probe (its own checks, on "
+    plan = [*plan_lines(ask, a), *([f"  Soup refuses the probe's file before any probe (its own checks, on "
                                     f"CPU): {refused}"] if refused else [])]
     print("\n".join([head + " -- --dry-run: the plan, nothing run", "  " + tool_line, "  " + like_line,
                      "  " + soup_line, "  " + stack.line(), *plan,
                      *([f"  base: {run.model} is a registry model's hub id: on the GPU box "
                         "the probes run the synthetic checkpoint this tool builds for it (no download)"]
-                       if ask.base_key and not ask.base_folder else []),
+                       if ask.arm.checkpoint is None else []),
                      *(f"  from the file: {k}" for k in run.keys),
                      "the first probe's soup.yaml (as written in the scratch folder, removed at exit; "
                      + (f"each probe runs it with {ALLOW_OOM_ATTEMPT}):" if a.resident else
@@ -328,25 +324,25 @@ def run_search(ask: FindMaxRequest, a: Answers, scratch: Scratch, write: Callabl
     """The search on the GPU: each probe a real soup train of ``write``'s file, read at the edge of the
     card's free memory, its line printed as it ends (its log kept under --log-dir), from this tool's
     answer (like for like where the box's context is measured) bracketed with Soup's gate's."""
-    run, axis = ask.estimate, ask.axis
+    axis = ask.axis
     scratch.verify_shard_root()
     logs = Path(ask.log_dir) if ask.log_dir else None
     if logs is not None:
         logs.mkdir(parents=True, exist_ok=True)
     print(head, flush=True)
-    print("\n".join(plan_lines(run, a, like)), flush=True)
+    print("\n".join(plan_lines(ask, a, like)), flush=True)
 
     # what the card leaves the probes' Soup processes: its total less the context they bring (this box's)
     card_free = a.card.total_bytes - (box if box is not None else a.budget.context_bytes)
 
     def probe(value: int):
         config = write(value)
-        p, ballast, log = run_probe(config, value, run.steps, a.card.total_bytes,
+        p, ballast, log = run_probe(config, value, ask.arm.steps, a.card.total_bytes,
                                     log_to=config.parent / "soup-train.log", allow_oom_attempt=bool(a.resident))
         p = read_at_edge(p, card_free)  # a cuDNN or cuBLAS failure, read by the allocator's figures
         if logs is not None:
             shutil.copyfile(config.parent / "soup-train.log", logs / f"soup-find-max-{axis}-{value}.log")
-        print(f"  probe {axis} {value}: {probe_words(p, run.steps)} ({p.seconds} s; ballast {ballast.size:,} B, "
+        print(f"  probe {axis} {value}: {probe_words(p, ask.arm.steps)} ({p.seconds} s; ballast {ballast.size:,} B, "
               f"free with it held {ballast.free_after:,} B)", flush=True)
         return p
 
@@ -362,9 +358,9 @@ def report_found(ask: FindMaxRequest, a: Answers, found: FindMax, words: tuple[s
     run, axis = ask.estimate, ask.axis
     head, tool_line, soup_line, like_line = words
     unit = UNITS[axis]
-    measured = measured_words(found, run.steps)
-    gates = [gate_words(run, a, found, found.limit, "the limit"),
-             gate_words(run, a, found, found.above, "the first above it")]
+    measured = measured_words(found, ask.arm.steps)
+    gates = [gate_words(ask, a, found, found.limit, "the limit"),
+             gate_words(ask, a, found, found.above, "the first above it")]
     margin = margin_at_oom(a, found, box if box is not None else a.budget.context_bytes)
     lines = [head,
              "  measured (the real soup train, " + (f"Soup's resident gate lifted by {ALLOW_OOM_ATTEMPT}" if a.resident
@@ -376,7 +372,7 @@ def report_found(ask: FindMaxRequest, a: Answers, found: FindMax, words: tuple[s
              *(f"  from the file: {k}" for k in run.keys),
              f"probes (measured, in order; Soup's number and the driver's free memory as Soup printed them at its gate; "
              f"allocated and reserved: the peaks of the allocator in Soup's own process, read as it exited):",
-             *probe_table(found, run.steps)]
+             *probe_table(found, ask.arm.steps)]
     print("\n".join(lines), flush=True)
     if ask.outputs.json and not write_json(ask.outputs.json, "find-max", {
             **json_head(ask, a, like), "measured": found.to_json(),
@@ -393,18 +389,18 @@ def said(ask: FindMaxRequest, a: Answers, box: Optional[int], like: Optional[int
     from ..estimator.fits import steps_words
     from ..estimator.steady import is_bounded
 
-    run, axis, card, r = ask.estimate, ask.axis, a.card.name, a.resident
-    head = (f"--find-max {axis}: {run.model}, from --config {run.adapter.soup_config} ("
-            + (f"a resident run, training.stream_layers false{', gradient checkpointing' if run.streaming.checkpointing else ''}; "
-               if r else "") + f"{run.tasks[0]} {run.quants[0]}, "
-            + (f"batch {run.batches[0]}" if axis == "seq" else f"seq {run.seqs[0]}")
-            + f"), on {card} ({a.card.total_bytes:,} B; {ask.flag}); {steps_words(run.steps, run.steps_from)}")
+    run, arm, axis, card, r = ask.estimate, ask.arm, ask.axis, a.card.name, a.resident
+    head = (f"--find-max {axis}: {run.model}, from --config {arm.adapter.soup_config} ("
+            + (f"a resident run, training.stream_layers false{', gradient checkpointing' if arm.streaming.checkpointing else ''}; "
+               if r else "") + f"{arm.task} {arm.quant}, "
+            + (f"batch {arm.batch}" if axis == "seq" else f"seq {arm.seq}")
+            + f"), on {card} ({a.card.total_bytes:,} B; {ask.flag}); {steps_words(arm.steps, run.steps_from)}")
     tool = a.tool if a.tool is not None else f"none (not estimated: {a.refused})" if a.refused else "none"
     soup = (a.soup if a.soup is not None else "none: its CLI builds no input for this file, so it skips its gate"
             if r and r.soup_input is None else "none")
     estimate = "the corrected resident estimate" if r else "--estimate's corrected estimate"
-    optimizer = run.settings.optimizer
-    if optimizer and run.steps > 1 and is_bounded(optimizer):  # its answer is the bound's: said where it is read
+    optimizer = arm.settings.optimizer
+    if optimizer and arm.steps > 1 and is_bounded(optimizer):  # its answer is the bound's: said where it is read
         estimate += f", an UPPER BOUND: training.optimizer {optimizer} is not modelled"
     tool_line = (f"computed by this tool ({estimate}, {a.budget.context_source} context): the longest {axis} that fits "
                  f"{card}: {tool}")
@@ -422,10 +418,10 @@ def said(ask: FindMaxRequest, a: Answers, box: Optional[int], like: Optional[int
 def json_head(ask: FindMaxRequest, a: Answers, like: Optional[int]) -> dict:
     """What a --find-max JSON holds whether it ran or planned: the file, the arm, the card, both answers, and what
     a resident file's search adds (its typed record; null for a streamed file)."""
-    run, r = ask.estimate, a.resident
-    resident = None if r is None else ResidentSearch(run.streaming.checkpointing, r.soup_input, a.started_from(like), a.refused)
-    return {"config": run.adapter.soup_config, "model": run.model, "task": run.tasks[0], "quant": run.quants[0],
-            "seq": run.seqs[0], "batch": run.batches[0], "steps": run.steps,
+    arm, r = ask.arm, a.resident
+    resident = None if r is None else ResidentSearch(arm.streaming.checkpointing, r.soup_input, a.started_from(like), a.refused)
+    return {"config": arm.adapter.soup_config, "model": ask.estimate.model, "task": arm.task, "quant": arm.quant,
+            "seq": arm.seq, "batch": arm.batch, "steps": arm.steps,
             "card": {"card": a.card.name, "bytes": a.card.total_bytes, "given_as": ask.flag},
             "this_tool_longest": a.tool, "soup_gate_longest": a.soup, "soup_gate_rule": a.gate_rule,
             "probe_keys": [k for k in PROBE_KEYS if not (r and k == "training.stream_vram_override")],
@@ -439,11 +435,11 @@ def checkpoint_for(ask: FindMaxRequest, scratch: Scratch) -> str:
     from ..measure.shapes import family_shape
     from ..host.checkpoints import quant_base, synthetic_checkpoint
 
-    run, folder = ask.estimate, ask.base_folder
+    arm, folder = ask.arm, ask.arm.checkpoint
     if folder is None:
-        print(f"building the synthetic checkpoint of {run.model} ({ask.base_key}) ...", file=sys.stderr, flush=True)
-        folder = str(synthetic_checkpoint(family_shape(ask.base_key), scratch.checkpoint_root())[0])
-    return quant_base(scratch, folder, run.quants[0], run.stream)
+        print(f"building the synthetic checkpoint of {ask.estimate.model} ({arm.base}) ...", file=sys.stderr, flush=True)
+        folder = str(synthetic_checkpoint(family_shape(arm.base), scratch.checkpoint_root())[0])
+    return quant_base(scratch, folder, arm.quant, tuple(arm.streaming.stream().items()))
 
 
 def chosen(args: argparse.Namespace) -> bool:
@@ -461,14 +457,14 @@ def settle(args: argparse.Namespace, argv: list[str]) -> FindMaxRequest:
     if not args.dry_run:  # the probes' checkpoint and Soup's own processes
         require_installed("--find-max", ARM_NEEDS)
     user = read_soup_config(args.config)  # a resident file too: its probes lift Soup's resident gate
-    config_arm(user, args.weights, args.dry_run, soup_resolves_targets=True)  # its probes are soup train's own
-    folder, key = base_of(user, args.weights)
+    arm = config_arm(user, args.weights, args.dry_run, soup_resolves_targets=True)  # its probes are soup train's own
     with under_the_file(args.config):
         estimate = settle_values(args, FromFile(args, user), given)
+    # the probes run in the scratch folder: the file's checkpoint folder (a relative one too) by its absolute path
+    arm = replace(arm, steps=estimate.steps, checkpoint=arm.checkpoint and os.path.abspath(arm.checkpoint))
     for option, folder_given in (("--log-dir", args.log_dir), ("--cache-dir", args.cache_dir)):
         if folder_given is not None:
             writable_folder(option, folder_given)
     cache = cache_dir_of(args.cache_dir, args.shard_dir)
-    return FindMaxRequest(estimate, args.find_max, flag, os.path.abspath(folder) if folder else None, key,
-                          dry_run=args.dry_run, log_dir=args.log_dir, cache_dir=cache,
+    return FindMaxRequest(estimate, arm, args.find_max, flag, dry_run=args.dry_run, log_dir=args.log_dir, cache_dir=cache,
                           shard_dir=shard_dir_of(args.shard_dir), outputs=Outputs.of(args), argv=tuple(argv))

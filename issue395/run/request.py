@@ -96,15 +96,15 @@ class SoupPatchRequest:
 
 @dataclass(frozen=True)
 class FindMaxRequest:
-    """--find-max: the axis searched on one card (as --card or --emulate-card named it), for the
-    file's run as --estimate settles it (``estimate``), and the checkpoint the probes run (a folder,
-    or the registry model whose synthetic checkpoint this tool builds for the file's hub id)."""
+    """--find-max: the axis searched on one card (as --card or --emulate-card named it), for the file's run:
+    its Arm (``arm``: config_arm's, its base resolved to a registry key or "custom" with the checkpoint folder the
+    probes run, absolute; at the steps settled) and its answers on the card as --estimate settles them (``estimate``:
+    the card, its context, the file's keys and gate)."""
 
     estimate: EstimateRequest
+    arm: Arm
     axis: str = "seq"
     flag: str = "--card"
-    base_folder: Optional[str] = None
-    base_key: Optional[str] = None
     dry_run: bool = False
     log_dir: Optional[str] = None
     cache_dir: Optional[str] = None

@@ -183,13 +183,15 @@ def test_parse_cards():
 
 
 def test_longest_seq_is_the_last_multiple_of_64_that_fits():
+    from issue395.model.arm import Arm
+
     c = config_json("qwen")
     card = int(24e9)
-    best = F.longest_seq(c, card, batch=1)
+    best = F.longest_seq(c, card, Arm("qwen", 64))
     assert best % 64 == 0
     assert E.estimate(c, seq=best).needs_free <= card < E.estimate(c, seq=best + 64).needs_free
-    assert F.longest_seq(c, 10**6) is None
-    assert F.longest_seq(config_json("smol"), 10**12) == 8192  # capped at max positions
+    assert F.longest_seq(c, 10**6, Arm("qwen", 64)) is None
+    assert F.longest_seq(config_json("smol"), 10**12, Arm("smol", 64)) == 8192  # capped at max positions
 
 
 @pytest.mark.parametrize("key", FAMILY_KEYS)

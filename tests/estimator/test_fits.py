@@ -67,9 +67,12 @@ def test_on_23gb_soup_refuses_runs_that_would_fit():
 
 
 def test_both_longest_seqs_are_the_last_multiple_of_64_each_rule_admits():
+    from issue395.model.arm import Arm
+
     free = 20 * 10**9
     kw = dict(quant="nf4", batch=1)
-    fit, soup = F.longest_seq(MISTRAL, free, **kw), F.longest_seq_soup_admits(MISTRAL, free, **kw)
+    arm = Arm("mistral-7b", 64, **kw)  # its seq is the axis searched
+    fit, soup = F.longest_seq(MISTRAL, free, arm), F.longest_seq_soup_admits(MISTRAL, free, arm)
     assert E.estimate(MISTRAL, seq=fit, **kw).needs_free <= free < E.estimate(MISTRAL, seq=fit + 64, **kw).needs_free
     assert (E.estimate(MISTRAL, seq=soup, **kw).soup_predicted <= free
             < E.estimate(MISTRAL, seq=soup + 64, **kw).soup_predicted)
@@ -386,3 +389,42 @@ def test_a_resident_run_the_estimator_does_not_model_has_no_longest_and_says_why
     assert got is None and why.startswith("it fits up to seq 448 and is not modelled past it: a resident gemma3_text "
                                           "run past its sliding window (512)")
     assert F.longest_resident("seq", gemma, 80 * 10**9, Arm.at("gemma3-1b+resident+gc", 64))[0] > 512
+
+
+def test_the_fit_answers_take_the_arm_its_settings_and_adapter_move_the_longest():
+    """Issue 50 item 2 (house5c): the fit answers (longest, longest_soup_admits, card_answers) take the typed Arm and
+    answer its whole run: a --config file's gradient accumulation and a wider adapter shorten the longest seq that
+    fits on a card, and card_answers' longest is ``longest``'s for that Arm (one entry, not a keyword list)."""
+    from dataclasses import replace
+
+    from issue395.estimator.resident import estimate_run
+    from issue395.model.arm import Adapter, Arm, Settings
+
+    plain = Arm("mistral-7b", 512, quant="nf4")
+    held = replace(plain, settings=Settings(accumulation=4), steps=2)
+    wide = replace(plain, adapter=Adapter(("q_proj", "k_proj", "v_proj", "o_proj"), 64))
+    free = 20 * 10**9
+    base = F.longest("seq", MISTRAL, free, plain)
+    assert F.longest("seq", MISTRAL, free, held) < base and F.longest("seq", MISTRAL, free, wide) < base
+    card = C.Card("20", free + C.STEP_GROWTH_BYTES)
+    for arm in (plain, held, wide):
+        (a,) = F.card_answers(MISTRAL, estimate_run(arm, MISTRAL), [C.budget(card, 0)], arm)
+        assert a["longest_seq"] == F.longest("seq", MISTRAL, free, arm)
+
+
+def test_the_probe_gate_answers_the_one_step_it_measures_whatever_the_runs_optimizer():
+    """Issue 50 item 2 (house5c): under training.stream_vram_probe Soup's gate reads one measured step, before any
+    optimizer state (Gate.measured): its longest is the same for a two-step adamw_8bit run as for the one-step
+    plain run, while the plain gate (Soup's number) is unmoved by either."""
+    from dataclasses import replace
+
+    from issue395.model.arm import Arm, Settings
+
+    gate = F.Gate(probe=True)
+    one = Arm("mistral-7b", 512, quant="nf4")
+    run = replace(one, steps=2, settings=Settings(optimizer="adamw_8bit"))
+    assert gate.measured(run) == replace(one, settings=Settings())
+    free = 12 * 10**9
+    assert (F.longest_soup_admits("seq", MISTRAL, free, run, gate)
+            == F.longest_soup_admits("seq", MISTRAL, free, one, gate) is not None)
+    assert F.longest_soup_admits("seq", MISTRAL, free, run) == F.longest_soup_admits("seq", MISTRAL, free, one)

@@ -341,7 +341,7 @@ def test_from_json_refuses_a_failure_kind_it_does_not_know(kind):
 @pytest.mark.parametrize("field,value", [("seq", 0), ("batch", True), ("vocab", 49152.0),
                                          ("realised_rows", [2048, -1]), ("realised_rows", "2048"),
                                          ("loss_bytes_per_element", float("nan")),
-                                         ("predicted", None), ("config", {"path": "a", "lora_r": 0, "lora_alpha": 16}),
+                                         ("predicted", None), ("config", {"path": "a", "lora_r": -1, "lora_alpha": 16}),
                                          ("config", {"path": "a", "lora_r": 8, "lora_alpha": "16"}),
                                          ("config", {"path": 3, "lora_r": 8, "lora_alpha": 16}),
                                          ("constraint", {"kind": "find-max"}), ("constraint", {"kind": "cap"}),
@@ -431,3 +431,23 @@ def test_a_task_row_is_judged_on_soups_own_number_and_its_guard_counts_the_tasks
     assert replace(ok, soup_predicted=10 ** 9 - 1).status == "UNDER"
     assert realised_as_requested(64, 2, 64, [64] * 4, "kto") and not realised_as_requested(64, 2, 64, [64] * 2, "kto")
 SHAPES_QWEN = SHAPES["qwen"]
+
+
+def test_a_full_fine_tunings_row_saves_no_targets_and_reads_back():
+    """Issue 50 item 2 (house5c): a full fine-tuning's row (a --config arm at lora.r 0) trains no LoRA target, so it
+    saves targets null (not the shape's resolution of "auto") and reads back as a full fine-tuning's Arm; a LoRA
+    row at the same file keeps its targets; a lost full row saves none either."""
+    from issue395.host.measured import MeasureRequest
+    from issue395.host.spread import lost_row
+    from issue395.model.arm import Adapter
+
+    full = Adapter(("auto",), 0, 16, "soup.yaml")
+    arm = Arm("qwen", 2048, 1, 1, adapter=full)
+    row = arm_row(arm, SHAPES_QWEN, config=UserConfig("soup.yaml", 0, 16))
+    assert row.to_json()["targets"] is None and "targets" in row.to_json()
+    back = Row.from_json(json.loads(json.dumps(row.to_json())))
+    assert back == row and back.run_arm().full and back.run_arm().adapter.targets is None
+    lora = arm_row(Arm("qwen", 2048, 1, 1), SHAPES_QWEN, config=UserConfig("soup.yaml", 8, 16))
+    assert lora.to_json()["targets"] == list(SHAPES_QWEN.targets)
+    lost = lost_row(arm, MeasureRequest(adapter=full), None, -9)
+    assert lost.to_json()["targets"] is None and lost.rank == 0

@@ -76,4 +76,16 @@ def test_find_max_settles_its_estimate_as_estimate_settles_the_same_file_and_car
     found = settled("--find-max", "seq", "--config", soup_yaml, "--emulate-card", "12GB", "--dry-run")
     estimated = settled("--estimate", "--config", soup_yaml, "--card", "12GB")
     assert found.estimate == estimated.__class__(**{**vars(estimated), "argv": ()})
-    assert (found.flag, found.axis, found.base_folder) == ("--emulate-card", "seq", str(soup_yaml.parent / "qwen"))
+    assert (found.flag, found.axis, found.arm.checkpoint) == ("--emulate-card", "seq", str(soup_yaml.parent / "qwen"))
+
+
+def test_find_max_carries_the_files_arm_the_run_estimate_answers_at_the_steps_settled(soup_yaml):
+    """Issue 50 item 2 (house5c): --find-max's request carries the file's Arm (config_arm's: its base resolved, the
+    probes' checkpoint folder absolute) and reads the run from it: it is the Arm --estimate answers for the same
+    file, at the steps settled (the run's steady state, or --steps)."""
+    from dataclasses import replace
+
+    found = settled("--find-max", "batch", "--config", soup_yaml, "--card", "12GB", "--dry-run")
+    (estimated,) = settled("--estimate", "--config", soup_yaml, "--card", "12GB").arms()
+    assert found.arm == replace(estimated, checkpoint=str(soup_yaml.parent / "qwen")) and found.arm.steps == 2
+    assert settled("--find-max", "seq", "--config", soup_yaml, "--card", "12GB", "--dry-run", "--steps", "1").arm.steps == 1
