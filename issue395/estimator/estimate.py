@@ -22,7 +22,7 @@ from ..model.streaming import RECOMPUTES
 from .arch import Arch, activation_bytes, arch_from_config, layer_bytes, lora_params, protocol_targets
 from .attention import eager as eager_attention, eager_masks, eager_scores
 from .layer import (LORA_DROPOUT_MASK_BYTES, checkpointed_through, kind_per_token, layer_blocks, layer_peak,
-                    retained_by_layer)
+                    mask_bytes, retained_by_layer)
 from ..model.targets import soup_targets
 from ..tasks import PROTOCOL_TASK, task as task_named
 from .releases import Features, installed_release
@@ -249,18 +249,19 @@ def reference_held_blocks(a: Arch, name: str, seq: int, batch: int) -> list[int]
     return [blocks[0], blocks[2]] if name == "dpo" else [blocks[0]] + blocks[2::2]
 
 
-def no_grad_layer_per_token(a: Arch, quant: str, targets: tuple, r: int) -> int:
+def no_grad_layer_per_token(a: Arch, quant: str, targets: tuple, r: int,
+                            mask: int = LORA_DROPOUT_MASK_BYTES) -> int:
     """What one decoder layer's forward under no_grad (the reference's, KTO's KL) holds per token at
     once, op by op and summed although they do not overlap: the residual stream in and its running
     sum (2 x act x h), the RMSNorm's fp32 copy and square (8h), the MLP at its product (act(gate),
     up and the product: 3 x act x i; phi's gelu_new 4), the widest LoRA target's dropout output, mask
-    and lora_A output. Nothing is saved (no autograd graph), so the widths of attention, which the
-    MLP's exceed on every dense family here, are not added. A MoE or hybrid model: its recompute's
+    (``mask`` a feature: layer.mask_bytes) and lora_A output. Nothing is saved (no autograd graph), so
+    the widths of attention, which the MLP's exceed on every dense family here, are not added. A MoE or hybrid model: its recompute's
     count, the bound (issue395.estimator.moe's kinds are counted with their backward)."""
     if a.layers is not None:
-        return max(kind_per_token(a, k, targets, r) for k in a.layers.kinds)
+        return max(kind_per_token(a, k, targets, r, mask=mask) for k in a.layers.kinds)
     act = activation_bytes(a, quant)
-    lora = max(act * a.modules[t][0] + LORA_DROPOUT_MASK_BYTES * a.modules[t][0] + act * r for t in targets)
+    lora = max(act * a.modules[t][0] + mask * a.modules[t][0] + act * r for t in targets)
     return 2 * act * a.h + 8 * a.h + act * a.i * a.quirks.mlp_transients + lora
 
 
@@ -451,8 +452,10 @@ def step_terms(a: Arch, f: Features, tk, *, quant: str, targets: tuple, lora_r: 
          Term.SLIDING_MASK.key: 0 if eager else sliding_mask(a, seq, rows),
          Term.AUTOGRAD_WORKSPACE.key: ws}
     # the layer that binds in the backward's walk, at its moment: its weights, its tokens, its expert
+    # no LoRA dropout mask where the task's trainer turns dropout off (layer.mask_bytes), in every count below
+    mask = mask_bytes(tk)
     lp = layer_peak(a, quant, targets, lora_r, T, per=per, held=accumulation > 1, per_expert=per_expert,
-                    recompute=recompute == "on")
+                    recompute=recompute == "on", mask=mask)
     t[Term.DEQUANTISED_LAYER.key], t[Term.LAYER_PER_TOKEN.key] = lp.weights, lp.activations
     remainders = layer_remainders(layer_blocks(a, quant, targets, lora_r, T, lp))
     if remainders:
@@ -465,11 +468,11 @@ def step_terms(a: Arch, f: Features, tk, *, quant: str, targets: tuple, lora_r: 
     if any(bias for *_, bias in a.modules.values()):  # the bias epilogue's own workspace
         t[Term.CUBLASLT_WORKSPACE.key] = CUBLASLT_WORKSPACE
     if tk.name != PROTOCOL_TASK:  # the loss's own fp32 blocks replace SFT's three
-        t.update(task_terms(a, f, tk, quant, targets, lora_r, seq, batch, T, n, per))
+        t.update(task_terms(a, f, tk, quant, targets, lora_r, seq, batch, T, n, per, mask))
     if chunk:
         t.update(chunked_loss_terms(a, chunk, seq, batch, T, ws))
     if recompute == "off":
-        kept = retained_by_layer(a, quant, targets, lora_r)
+        kept = retained_by_layer(a, quant, targets, lora_r, mask)
         t[Term.RETAINED_ACTIVATIONS.key] = T * sum(kept)
         t[Term.RETAINED_BESIDE_LAYER.key] = T * (sum(kept) - kept[-1])  # the last layer's backward runs first
     t.update(gradient_terms(per, n, accumulation, lp.gradients))
@@ -487,7 +490,7 @@ def step_terms(a: Arch, f: Features, tk, *, quant: str, targets: tuple, lora_r: 
 
 
 def task_terms(a: Arch, f: Features, tk, quant: str, targets: tuple, lora_r: int, seq: int, batch: int, T: int,
-               n: int, per: int) -> dict:
+               n: int, per: int, mask: int) -> dict:
     """A preference or KTO task's own terms: its loss's fp32 blocks in place of SFT's three (and their
     rounding), the reference adapter and head copy the release makes, the KL batch's ids, and where the
     task runs a reference model, what its forward holds."""
@@ -502,7 +505,7 @@ def task_terms(a: Arch, f: Features, tk, quant: str, targets: tuple, lora_r: int
     if tk.reference:
         held = reference_held_blocks(a, tk.name, seq, batch)
         t[Term.REFERENCE_HELD.key] = sum(held)
-        t[Term.REFERENCE_LAYER.key] = T * no_grad_layer_per_token(a, quant, targets, lora_r)
+        t[Term.REFERENCE_LAYER.key] = T * no_grad_layer_per_token(a, quant, targets, lora_r, mask)
         t[Term.DEQUANTISED_LINEAR.key] = (dequantised_linear(a, quant) if a.layers is None else
                                           max(dequantised_linear(a, quant, k.dequant) for k in a.layers.kinds))
         # the held blocks were made fresh for the loss (their tails, or the cut rule); the no-grad linear's

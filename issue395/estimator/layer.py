@@ -65,6 +65,21 @@ STAGES = {
 LAST_STAGE = 4
 
 
+def mask_bytes(task) -> int:
+    """The bytes each LoRA dropout's mask takes an input element in a run of ``task`` (issue395.tasks.Task):
+    LORA_DROPOUT_MASK_BYTES, or none where the task's trainer turns dropout off (``dropout_disabled``: TRL
+    0.29.1's DPO, ORPO, CPO and KTO set every nn.Dropout's p to 0 at their init), since ATen's dropout at p 0
+    returns its input and only the fused kernel, for 0 < p < 1, writes a mask. Streamed and resident alike:
+    Soup's StreamedDecoderLayer holds the peft layer as its child ``inner``, which TRL's
+    disable_dropout_in_model reaches through model.modules(), and its forward, its checkpoint's recompute and
+    stream_recompute off's retained body all run that same module through functional_call, which swaps its
+    parameters and leaves the Dropout's p (soup-cli 0.73.3 and 0.77.0, layer_stream_runtime). Measured
+    (resident): Llama-3.2-1B SFT 2048x1 keeps 30 blocks of 4,194,304 B (1 x h x T, q_proj and v_proj in layers
+    1-15) at its loss peak, DPO at the same 2048 tokens none, every other block alike
+    (results/resident-anatomy-*/call-1)."""
+    return 0 if task.dropout_disabled else LORA_DROPOUT_MASK_BYTES
+
+
 class Moment(Enum):
     """The two moments of one layer's turn in the backward (the module's docstring)."""
 
@@ -123,21 +138,21 @@ def backward_weights(quant: str, modules: dict, targets, input_grad: bool) -> in
     return saved_weights(quant, modules, targets, input_grad) - saved_weights(quant, last, targets, input_grad)
 
 
-def _lora(a_act: int, modules: dict, targets, r: int, input_grad: bool) -> int:
+def _lora(a_act: int, modules: dict, targets, r: int, input_grad: bool, mask: int) -> int:
     """Each LoRA target's dropout output (act x in) and lora_A's output (act x r), and its dropout's
-    mask (1 x in) where the target's input carries a gradient."""
-    return sum(a_act * modules[t][0] + a_act * r + (LORA_DROPOUT_MASK_BYTES * modules[t][0]
+    mask (``mask`` x in: mask_bytes) where the target's input carries a gradient."""
+    return sum(a_act * modules[t][0] + a_act * r + (mask * modules[t][0]
                                                    if input_needs_grad(t, targets, input_grad) else 0)
                for t in targets if t in modules)
 
 
 def layer_per_token(a: Arch, quant: str, targets: tuple, r: int, *, at: Moment = Moment.BACKWARD,
-                    input_grad: bool = True) -> int:
+                    input_grad: bool = True, mask: int = LORA_DROPOUT_MASK_BYTES) -> int:
     """What one dense layer holds a token at moment ``at``, op by op (act = 2 B, 4 B for phi NF4
     whose residual is fp32). Each RMSNorm saves an fp32 copy of its input (4h; the input norm's only
     where the layer's input carries a gradient). Each LoRA module saves its dropout output and
-    lora_A's output, and its mask where its input carries a gradient (_lora). Rotary writes new q
-    and k (act x (q + kv)). SDPA saves q, k, v, its output and fp32 logsumexp. Qwen3/Gemma-3 q/k
+    lora_A's output, and its mask where its input carries a gradient (_lora; ``mask``: mask_bytes).
+    Rotary writes new q and k (act x (q + kv)). SDPA saves q, k, v, its output and fp32 logsumexp. Qwen3/Gemma-3 q/k
     norms save fp32 q and k. The MLP saves gate, act(gate) and up (phi's python gelu_new: 4 i-sized).
     At the MLP backward, add the incoming gradient (act x h) and MLP_BACKWARD_TRANSIENTS i-sized
     tensors: 258 KB/token on Mistral-7B. At the forward's end, add the incoming gradient, the
@@ -147,7 +162,7 @@ def layer_per_token(a: Arch, quant: str, targets: tuple, r: int, *, at: Moment =
     act = activation_bytes(a, quant)
     qw, kw = a.heads * a.head_dim, a.kv * a.head_dim
     norms = (a.norms - (0 if input_grad else 1)) if a.quirks.norm_inputs_saved else 0
-    b = 4 * a.h * norms + _lora(act, a.modules, targets, r, input_grad)
+    b = 4 * a.h * norms + _lora(act, a.modules, targets, r, input_grad, mask)
     v = (qw + 2 * kw) if a.quirks.fused_qkv else kw  # phi3: v is a view of the fused qkv
     b += act * (qw + kw + v + qw) + 4 * a.heads
     b += 4 * (qw + kw) if a.qk_norm else 0
@@ -189,7 +204,7 @@ def _mlp(a: Arch, k: Kind, at: Moment, per_expert: bool) -> int:
 
 
 def kind_per_token(a: Arch, k: Kind, targets: tuple, r: int, *, at: Moment = Moment.BACKWARD,
-                   input_grad: bool = True, per_expert: bool = False) -> int:
+                   input_grad: bool = True, per_expert: bool = False, mask: int = LORA_DROPOUT_MASK_BYTES) -> int:
     """layer_per_token for one kind of a MoE, latent or hybrid layer (issue395.estimator.moe), op by
     op on the kind's own widths. Two RMSNorms' fp32 copies (4h each; the input norm's only where the
     input carries a gradient). Each LoRA target this kind has (_lora). Attention's q, k, v and output
@@ -202,7 +217,7 @@ def kind_per_token(a: Arch, k: Kind, targets: tuple, r: int, *, at: Moment = Mom
     (docs/PEAK.md, "The NF4 layer phase, read per phase")."""
     mine = tuple(t for t in targets if t in k.dequant)
     latent = input_grad or any(_stage(t) == 0 for t in mine)
-    b = 4 * a.h * (2 if input_grad else 1) + _lora(2, k.dequant, mine, r, input_grad)
+    b = 4 * a.h * (2 if input_grad else 1) + _lora(2, k.dequant, mine, r, input_grad, mask)
     b += 2 * k.attention_width + 4 * a.heads + (6 * k.extra_width if latent else 0)
     return b + (2 if at is Moment.BACKWARD else 3 * 2) * a.h + _mlp(a, k, at, per_expert)
 
@@ -218,7 +233,7 @@ def kind_transients(a: Arch, k: Kind, per_expert: bool = False) -> int:
     return 2 * MLP_BACKWARD_TRANSIENTS * k.mlp_width + 2 * a.h
 
 
-def retained_by_layer(a: Arch, quant: str, targets: tuple, r: int) -> list[int]:
+def retained_by_layer(a: Arch, quant: str, targets: tuple, r: int, mask: int = LORA_DROPOUT_MASK_BYTES) -> list[int]:
     """stream_recompute off: what each layer keeps per token for its backward, first to last (Soup's
     _body_retained: no checkpoint, so no saved input either): its count at the MLP backward less the
     transients. A layer before the first that holds a LoRA target keeps nothing: neither its input
@@ -239,10 +254,10 @@ def retained_by_layer(a: Arch, quant: str, targets: tuple, r: int) -> list[int]:
     for n, (_, kind) in enumerate(layers):
         grad = n > first
         if kind is None:
-            kept.append(layer_per_token(a, quant, targets, r, input_grad=grad)
+            kept.append(layer_per_token(a, quant, targets, r, input_grad=grad, mask=mask)
                         - 2 * MLP_BACKWARD_TRANSIENTS * a.i - 2 * a.h)
         else:
-            kept.append(0 if n < first else kind_per_token(a, kind, targets, r, input_grad=grad)
+            kept.append(0 if n < first else kind_per_token(a, kind, targets, r, input_grad=grad, mask=mask)
                         - kind_transients(a, kind))
     return kept
 
@@ -272,8 +287,8 @@ def layer_blocks(a: Arch, quant: str, targets: tuple, r: int, T: int, peak: "Lay
     widths = [(4, a.h)] * norms
     for t in targets:
         fan_in = a.modules[t][0]
-        widths += [(act, fan_in), (act, r)] + ([(LORA_DROPOUT_MASK_BYTES, fan_in)]
-                                                if input_needs_grad(t, targets, input_grad) else [])
+        widths += [(act, fan_in), (act, r)] + ([(peak.mask, fan_in)]
+                                                if peak.mask and input_needs_grad(t, targets, input_grad) else [])
     widths += [(act, qw), (act, kw), (act, (qw + 2 * kw) if a.quirks.fused_qkv else kw), (act, qw), (4, a.heads)]
     widths += [(4, qw), (4, kw)] if a.qk_norm else []
     if peak.moment is Moment.BACKWARD:
@@ -295,7 +310,8 @@ class LayerPeak:
     """The layer phase at its binding layer and moment, in bytes: the layer's weights (NF4), its
     activations (T x the moment's per-token count), Soup's expert in flight, the checkpointed inputs
     still live, and the adapter's gradients made before it. ``layer`` is None for stream_recompute
-    off (no walk: the kind that holds most)."""
+    off (no walk: the kind that holds most). ``mask``: the bytes a LoRA dropout's mask took an input
+    element in its count (mask_bytes), which its blocks (layer_blocks) list alike."""
 
     layer: int | None
     moment: Moment
@@ -304,6 +320,7 @@ class LayerPeak:
     expert: int
     checkpointed: int
     gradients: int
+    mask: int = LORA_DROPOUT_MASK_BYTES
 
     @property
     def total(self) -> int:
@@ -319,16 +336,18 @@ def _layer_kinds(a: Arch) -> list[tuple[dict, Kind | None]]:
 
 
 def layer_peak(a: Arch, quant: str, targets: tuple, r: int, T: int, *, per: int, held: bool,
-               per_expert: bool, recompute: bool = True) -> LayerPeak:
+               per_expert: bool, recompute: bool = True, mask: int = LORA_DROPOUT_MASK_BYTES) -> LayerPeak:
     """The largest of every layer's two moments in the backward's walk (the module's docstring).
     ``per``: bytes an adapter gradient takes. ``held``: gradient accumulation past 1, so micro-batch 2
-    accumulates into gradients already held (estimate's held_gradients) and makes none."""
+    accumulates into gradients already held (estimate's held_gradients) and makes none. ``mask``: the
+    bytes a LoRA dropout's mask takes an input element (mask_bytes: none where the trainer turns dropout off)."""
     layers = _layer_kinds(a)
     grads = [0 if held else per * sum(r * (m[t][0] + m[t][1]) for t in targets if t in m) for m, _ in layers]
 
     def count(kind, at, input_grad):
-        return (layer_per_token(a, quant, targets, r, at=at, input_grad=input_grad) if kind is None else
-                kind_per_token(a, kind, targets, r, at=at, input_grad=input_grad, per_expert=per_expert))
+        if kind is None:
+            return layer_per_token(a, quant, targets, r, at=at, input_grad=input_grad, mask=mask)
+        return kind_per_token(a, kind, targets, r, at=at, input_grad=input_grad, per_expert=per_expert, mask=mask)
 
     def expert(kind):
         return expert_in_flight(a.layers.expert, quant) if per_expert and kind is not None and kind.routed else 0
@@ -341,7 +360,8 @@ def layer_peak(a: Arch, quant: str, targets: tuple, r: int, T: int, *, per: int,
         # them: 3.2 MB at 512 (the allocator's blocks above their requests, 5.6 MB there) and 50-110 MB on
         # SmolLM2 2048 and Qwen3.5-MoE 2048/4096, with no history to name it. The inputs stay charged, the
         # safe side, until one does (issue 52).
-        return LayerPeak(None, Moment.BACKWARD, *best, checkpointed_through(a, quant, T, a.L - 1), sum(grads[1:]))
+        return LayerPeak(None, Moment.BACKWARD, *best, checkpointed_through(a, quant, T, a.L - 1), sum(grads[1:]),
+                         mask)
     peaks = []
     for n, (modules, kind) in enumerate(layers):
         mine = [t for t in targets if t in modules]
@@ -350,10 +370,10 @@ def layer_peak(a: Arch, quant: str, targets: tuple, r: int, T: int, *, per: int,
         input_grad = any(t in m for m, _ in layers[:n] for t in targets)
         inputs, made = checkpointed_through(a, quant, T, n), sum(grads[n + 1:])
         peaks.append(LayerPeak(n, Moment.FORWARD_END, forward_end_weights(quant, modules, mine, input_grad),
-                               T * count(kind, Moment.FORWARD_END, input_grad), expert(kind), inputs, made))
+                               T * count(kind, Moment.FORWARD_END, input_grad), expert(kind), inputs, made, mask))
         peaks.append(LayerPeak(n, Moment.BACKWARD, backward_weights(quant, modules, mine, input_grad),
                                T * count(kind, Moment.BACKWARD, input_grad), expert(kind), inputs,
-                               made + grads[n]))
+                               made + grads[n], mask))
     if not peaks:  # no target in any layer: estimate refuses such targets before this
         raise ValueError("no layer holds a LoRA target")
     return max(peaks, key=lambda p: p.total)

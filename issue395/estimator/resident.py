@@ -5,9 +5,9 @@ decoder layers are the same modules: without gradient checkpointing every layer 
 through the loss (the terms of ``stream_recompute: off``); with it, HF saves each layer's input and recomputes one
 layer at a time in the backward (the terms of Soup's own per-layer recompute). One terms table (estimator/terms.py)
 serves both paths; this module adds ``resident_weights`` and, without checkpointing, what is live at the loss peak
-there and not in a streamed step: the adapter's bf16 copies its matmuls save (``adapter_casts``), no dropout mask
-where the task's trainer turns dropout off (``dropout_masks``), no kept rest where every block of the step is whole
-2 MiB (``whole_granules``).
+there and not in a streamed step: the adapter's bf16 copies its matmuls save (``adapter_casts``), no kept rest where
+every block of the step is whole 2 MiB (``whole_granules``). Where the task's trainer turns dropout off, no LoRA
+dropout mask is charged, by the streamed step's own rule (layer.mask_bytes), in each count and its blocks' rounding.
 
 Measured (tests/estimator/test_resident.py), on the 143 committed arms of these families it models, bf16 and NF4
 (results/resident-map-*): never under, median 1.0011x; with checkpointing 1.0001x-1.0029x, without it
@@ -66,12 +66,12 @@ from ..errors import UsageError
 from ..model.targets import soup_targets
 from ..tasks import PROTOCOL_TASK, task as task_named
 from .arch import NF4_BLOCK, Arch, arch_from_config, layer_bytes, nf4_bytes, protocol_targets
-from .layer import MLP_BACKWARD_TRANSIENTS, Moment, checkpointed_through, layer_per_token
+from .layer import (LORA_DROPOUT_MASK_BYTES, MLP_BACKWARD_TRANSIENTS, Moment, checkpointed_through, layer_per_token,
+                    mask_bytes)
 from .releases import installed_release, release_source
 from .stacks import package_version
 from .steady import FP32, is_bounded, optimizer_named, state_blocks
 from .estimate import Estimate, estimate, needs_free, segment_tail
-from .layer import LORA_DROPOUT_MASK_BYTES
 from .steady import adapter_bytes
 from .terms import Phase, Term, phase_sum
 
@@ -98,11 +98,11 @@ def resident_weights(a: Arch, quant: str = "none") -> int:
 
 
 def retained_rounding(a: Arch, targets: tuple, r: int, T: int, quant: str = "none", seq: int | None = None,
-                      masks: bool = True) -> int:
+                      mask: int = LORA_DROPOUT_MASK_BYTES) -> int:
     """segment_tail of each block a layer keeps through the loss without checkpointing, over every layer: the
     tensors retained_by_layer counts per token (the norms' fp32 inputs, each target's dropout output, mask
-    (``masks``: where the trainer has not turned dropout off) and lora_A output, attention's q, k, v and output,
-    the MLP's saved i-wide tensors), each its own block; from 10 MiB a block's segment rounds to 2 MiB and a rest
+    (``mask`` B a feature: layer.mask_bytes, none where the trainer turns dropout off) and lora_A output,
+    attention's q, k, v and output, the MLP's saved i-wide tensors), each its own block; from 10 MiB a block's segment rounds to 2 MiB and a rest
     up to 1 MiB stays in it. Measured: Qwen2.5 2048x1 keeps 72 MLP blocks of 19,922,944 B, each with a 1 MiB
     tail, which the allocator's history (requested sizes) does not show and max_memory_allocated does
     (results/resident-anatomy-*/call-1/res-sft-qwen-bf16-2048x1: replayed peak 107.7 MB under the real one).
@@ -112,7 +112,7 @@ def retained_rounding(a: Arch, targets: tuple, r: int, T: int, quant: str = "non
         return K_SMALL_SIZE * unaligned_weight_blocks(a, quant, targets, r)
     act, qw, kw = 2, a.heads * a.head_dim, a.kv * a.head_dim
     widths = [(4, a.h)] * (a.norms if a.quirks.norm_inputs_saved else 0)
-    widths += [w for t in targets for w in ((act, a.modules[t][0]), (1 if masks else 0, a.modules[t][0]), (act, r))]
+    widths += [w for t in targets for w in ((act, a.modules[t][0]), (mask, a.modules[t][0]), (act, r))]
     widths += [(act, qw), (act, kw), (act, (qw + 2 * kw) if a.quirks.fused_qkv else kw), (act, qw)]
     widths += [(4 if quant == "nf4" else act, a.i)] * (a.quirks.mlp_saved - a.quirks.mlp_transients)
     sizes = [block_bytes(b * w * T) for b, w in widths if b]
@@ -172,15 +172,6 @@ def adapter_casts(a: Arch, targets: tuple, r: int, per: int) -> int:
     return a.L * last + (a.L - 1) * first
 
 
-def dropout_masks(a: Arch, targets: tuple) -> int:
-    """Bytes a token of each LoRA dropout mask a layer saves where its input carries a gradient (layer._lora):
-    what a trainer that turns dropout off (tasks.Task.dropout_disabled) does not make, since dropout at p 0
-    returns its input and only the fused kernel, for 0 < p < 1, writes a mask (ATen's dropout). Measured:
-    Llama-3.2-1B SFT 2048x1 keeps 30 blocks of 4,194,304 B (1 x h x T, q_proj and v_proj in layers 1-15) at its
-    loss peak, DPO at the same 2048 tokens none, every other block alike (results/resident-anatomy-*/call-1)."""
-    return sum(LORA_DROPOUT_MASK_BYTES * a.modules[t][0] for t in targets if t in a.modules)
-
-
 def refused(a: Arch, quant: str, checkpointing: bool = True, seq: int = 0) -> str | None:
     """Why this tool does not estimate this resident run (None: it does)."""
     if not checkpointing and a.window and seq >= a.window:
@@ -222,19 +213,15 @@ def estimate_resident(config: dict, *, quant: str = "none", seq: int, batch: int
         t[streamed] = 0  # the pool's slots and the streamed extras: here, the whole model's tensors
     t = {Term.RESIDENT_WEIGHTS.key: resident_weights(a, quant), **t}
     T = e.seq * e.batch * task_named(task).rows_per_example
-    tg, masks = targets_of(a, targets, config), not task_named(task).dropout_disabled
+    tg = targets_of(a, targets, config)
     if not checkpointing:
         # no checkpoint saves a layer's input: what each layer's backward needs is its retained count (the
         # norms' fp32 copies among it). Measured: Qwen2.5 2048x1 keeps 45,912 B a token a layer at its loss
         # peak, retained_by_layer's count to the byte (results/resident-anatomy-*/call-1/res-sft-qwen-bf16-2048x1)
         t[Term.CHECKPOINTED_INPUTS.key] = 0
-        t[Term.ALLOCATOR_ROUNDING.key] += retained_rounding(a, tg, lora_r, T, quant, e.seq, masks)
+        t[Term.ALLOCATOR_ROUNDING.key] += retained_rounding(a, tg, lora_r, T, quant, e.seq,
+                                                            mask_bytes(task_named(task)))
         t[Term.ADAPTER_CASTS.key] = adapter_casts(a, tg, lora_r, adapter_bytes(task, quant))
-        if not masks:  # layers 1 to L-1 save a mask per target (layer 0's input needs no gradient); the last
-            # layer's is not beside it, and the binding layer's backward count holds its own
-            t[Term.RETAINED_ACTIVATIONS.key] -= T * (a.L - 1) * dropout_masks(a, tg)
-            t[Term.RETAINED_BESIDE_LAYER.key] -= T * (a.L - 2) * dropout_masks(a, tg)
-            t[Term.LAYER_PER_TOKEN.key] -= T * dropout_masks(a, tg)
     if quant == "nf4":
         # the embedding is fp32, so the residual stream is, and bitsandbytes' Linear4bit returns its input's dtype:
         # the MLP's i-wide tensors are fp32 (Llama-3.2-1B NF4 2048x1 kept 48 of 67,108,864 B, i x T x 4, where bf16

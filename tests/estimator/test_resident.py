@@ -178,7 +178,7 @@ def test_trls_disable_dropout_removes_one_saved_tensor_per_target_from_layer_1_o
     """Issue 51 item 3, on the real stack (CPU): a tiny Llama with LoRA on q_proj and v_proj (dropout 0.05) in
     train mode saves one tensor for each dropout whose input carries a gradient (layers 1 and 2, two targets:
     4); after TRL's own disable_dropout_in_model (what DPO, ORPO, CPO and KTO run) it saves those 4 fewer,
-    which is what dropout_masks takes off a resident estimate of those tasks."""
+    which is what layer.mask_bytes leaves out of a resident (and a streamed) estimate of those tasks."""
     import torch
     import transformers
     import peft

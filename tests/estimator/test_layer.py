@@ -1,0 +1,89 @@
+"""issue395.estimator.layer: the layer phase's counts, here the LoRA dropout masks a streamed step keeps or not
+by its task (layer.mask_bytes, the rule resident.py's estimate takes too), held to a committed anatomy's saved
+blocks and to Soup's own streamed layer on CPU."""
+
+from __future__ import annotations
+
+import json
+
+from conftest import ROOT
+
+from issue395.estimator.arch import arch_from_config
+from issue395.estimator.estimate import estimate, no_grad_layer_per_token
+from issue395.estimator.layer import layer_blocks, layer_peak, mask_bytes
+from issue395.model.registry import config_json
+from issue395.tasks import task
+
+ANATOMY = ROOT / "results" / "resident-anatomy-h200-soup0.77.0-2400c0d" / "call-1"
+#: the same 2048 tokens in each task's own shape: SFT 2048x1, the paired losses 1024x1 (2 rows), KTO 1024x2
+TARGETS = ("q_proj", "v_proj")  # the protocol's, which the anatomies ran
+SHAPES = {"sft": (2048, 1), "dpo": (1024, 1), "orpo": (1024, 1), "simpo": (1024, 1), "kto": (1024, 2)}
+
+
+def _peak_blocks(name: str) -> dict:
+    """The requested sizes live at an anatomy's peak, by size (the allocator's history)."""
+    return {g["size"]: g["count"] for g in json.loads((ANATOMY / f"{name}.json").read_text())["groups"]}
+
+
+def test_a_preference_tasks_streamed_layer_phase_charges_no_dropout_mask_and_sfts_charges_the_measured_ones():
+    """Issue 52 (fidelity): TRL's DPO, ORPO, CPO (SimPO) and KTO set LoRA's dropout p to 0, so no mask is saved.
+    Measured on the same peft layers (Llama-3.2-1B, q_proj and v_proj, 2048 tokens, no checkpoint): SFT keeps 30
+    mask blocks (layers 1-15, two targets), DPO none. The streamed estimate of SFT charges exactly those bytes
+    more than each preference task's: in the layer phase's walk (the binding layer's own share of them, one
+    block each target, listed among its blocks), with stream_recompute off through the loss (all 30), and in
+    the reference forward's no-grad layer (one block); the rest of each count is alike."""
+    sft_blocks, dpo_blocks = _peak_blocks("res-sft-llama1b-bf16-2048x1"), _peak_blocks("res-dpo-llama1b-bf16-1024x1")
+    (size, count), = [(s, n) for s, n in sft_blocks.items() if s not in dpo_blocks and s < 2 ** 24]
+    c = config_json("llama32-1b")
+    a = arch_from_config(c)
+    per_layer = count // (a.L - 1)  # layer 0's input carries no gradient: its dropouts keep no mask
+    assert (size, count, per_layer) == (4194304, 30, 2)
+
+    def terms(name, **kw):
+        seq, batch = SHAPES[name]
+        return estimate(c, seq=seq, batch=batch, task=name, soup=False, **kw).terms
+
+    sft, sft_off = terms("sft"), terms("sft", stream={"stream_recompute": "off"})
+    for name in ("dpo", "orpo", "simpo", "kto"):
+        t, off = terms(name), terms(name, stream={"stream_recompute": "off"})
+        assert sft["layer_per_token"] - t["layer_per_token"] == per_layer * size, name
+        assert sft_off["retained_activations"] - off["retained_activations"] == count * size, name
+        if task(name).reference:  # the no-grad layer's widest target: its mask, one block, is not made
+            assert 2048 * no_grad_layer_per_token(a, "none", TARGETS, 8) - t["reference_layer"] == size, name
+    for name, kept in (("sft", per_layer), ("dpo", 0)):
+        lp = layer_peak(a, "none", TARGETS, 8, 2048, per=4, held=False, per_expert=False,
+                        mask=mask_bytes(task(name)))
+        assert layer_blocks(a, "none", TARGETS, 8, 2048, lp).count(size) == kept, name
+
+
+def test_trls_disable_dropout_reaches_every_lora_dropout_inside_soups_streamed_layers():
+    """Issue 52 (fidelity), on the real stack (CPU): Soup's StreamedDecoderLayer (the installed soup-cli's own
+    class, which install_streaming puts in place of every decoder layer) holds the peft layer as its child
+    ``inner``, so TRL's own disable_dropout_in_model, which DPO, ORPO, CPO and KTO run at their init on the
+    model Soup hands them, sets every LoRA dropout inside it to p 0; the streamed forward, its checkpoint's
+    recompute and a retained body all run that same module, so no mask is written there (mask_bytes' rule).
+    SFT runs no such step: its dropouts keep Soup's 0.05."""
+    import torch
+    import peft
+    import transformers
+    from soup_cli.utils.layer_stream_runtime import _streamed_layer_class
+    from trl.trainer.utils import disable_dropout_in_model
+
+    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=128)
+    torch.manual_seed(0)
+    m = peft.get_peft_model(transformers.LlamaForCausalLM(cfg), peft.LoraConfig(
+        r=8, target_modules=list(TARGETS), lora_dropout=0.05))
+    layers = m.base_model.model.model.layers
+    streamed = _streamed_layer_class()
+    for i in range(len(layers)):
+        layers[i] = streamed(layers[i], i, None, None)
+
+    def dropouts():
+        return [d.p for layer in layers for d in layer.inner.modules() if isinstance(d, torch.nn.Dropout)]
+
+    assert dropouts() == [0.05] * (len(TARGETS) * cfg.num_hidden_layers)
+    assert mask_bytes(task("sft")) == 1
+    disable_dropout_in_model(m)
+    assert dropouts() == [0] * (len(TARGETS) * cfg.num_hidden_layers)
+    assert all(mask_bytes(task(name)) == 0 for name in ("dpo", "orpo", "simpo", "kto"))
