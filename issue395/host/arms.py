@@ -97,9 +97,9 @@ def sweep(arms: list[Arm], shapes: dict[str, Shape], bases: Checkpoints, scratch
                if run.log_dir else None)
         row = measure(arm, base, scratch.path("arms", f"{arm.index:03d}"), scratch.sharding(base) if first else None,
                       dry_run=run.dry_run, snapshot=run.snapshot, snapshot_dir=run.snapshot_dir,
-                      log=log, verbose=run.verbose, repeat=run.children.repeat_tag, steps=run.steps,
+                      log=log, verbose=run.verbose, repeat=run.children.repeat_tag, steps=arm.steps,
                       constraint=run.constraints.for_arm(run.context),
-                      **({"soup_config": run.adapter.soup_config} if run.adapter.soup_config else {}))
+                      **({"soup_config": arm.adapter.soup_config} if arm.adapter.soup_config else {}))
         on_row(row)
         done.append(row)
         if any(family_of(a.model) == family for a in arms[i + 1:]):
@@ -112,7 +112,7 @@ def sweep(arms: list[Arm], shapes: dict[str, Shape], bases: Checkpoints, scratch
                     break
                 again.append(measure(a, quant_base(scratch, bases.get(family), a.quant, shapes[a.model].stream),
                                      scratch.path("arms", f"{a.index:03d}-margin"), snapshot=True,
-                                     log=log, verbose=run.verbose, steps=run.steps))
+                                     log=log, verbose=run.verbose, steps=run.arm.steps))
             for r in again:
                 if r.attribution and r.measured and r.soup_predicted:
                     on_margin(margin_breakdown(r))
@@ -129,8 +129,8 @@ STACK_OF_PARENT = ("the parent process, which runs no arm: its children's stacks
 def stack_notes(run: MeasureRequest) -> dict[str, Any]:
     """What the stack says of the run beyond the packages: the steps, and the map's arms left out."""
     notes: dict[str, Any] = {}
-    if run.steps != 1:  # the protocol's one step is implied; anything else is named (the stack settled)
-        notes["steps"] = run.steps
+    if run.arm.steps != 1:  # the protocol's one step is implied; anything else is named (the stack settled)
+        notes["steps"] = run.arm.steps
     left_out = not_on_map() + past_positions(run.models, run.seqs) if run.map else []
     if left_out and not run.children.child:  # never skipped silently: named with the reason
         notes["not_on_map"] = " | ".join(left_out)

@@ -208,12 +208,12 @@ class Checkpoints:
             path = wait()
             self.build_s[key] = round(time.perf_counter() - started, 2)
             built(self.build_s[key])
-        elif key == "custom" and config_only(self.run.custom_model):
+        elif key == "custom" and config_only(self.run.arm.checkpoint):
             building(self.shapes[key])
             path, self.build_s[key] = synthetic_checkpoint(self.shapes[key], self.scratch.checkpoint_root())
             built(self.build_s[key])
         elif key == "custom":
-            model = self.run.custom_model
+            model = self.run.arm.checkpoint
             path = Path(model).resolve() if Path(model).exists() else hub_snapshot(model, self.scratch)
         else:
             path = hub_snapshot(self.shapes[key].hub_id, self.scratch)

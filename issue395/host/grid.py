@@ -7,21 +7,35 @@ the map, dealt heaviest first, each family's streaming modes with it.
 from __future__ import annotations
 
 import functools
-from typing import Any, Iterable, Optional
+from dataclasses import replace
+from typing import Iterable, Optional
 
 from ..record import MAP_SEQS, PUBLISHED_NF4, RECORD_GRID
 from ..tasks import PROTOCOL_TASK
-from ..model.arm import Arm, Settings
+from ..model.arm import Arm
 from ..model.registry import FAMILIES, SHAPES, max_positions
-from ..model.streaming import family_of
+from ..model.streaming import Streaming, family_of
 from ..measure.shapes import family_shape
+
+#: The protocol's run, which a sweep's or the map's arms take where the command line names no other: the family's
+#: own targets at the record's r and alpha, no settings, one step, a registry model's synthetic checkpoint. Its base
+#: and shape are no arm's: the grid gives each arm its own (``grid_arm``).
+PROTOCOL_RUN = Arm("custom", 0)
+
+
+def grid_arm(run: Arm, key: str, seq: int, batch: int, index: int, quant: str, task: str) -> Arm:
+    """The run ``run`` (a request's template: its adapter, settings, steps, stack and checkpoint) at one point of
+    the grid: map key ``key``'s base and streaming modes, at that seq, batch, quantization and task. Only a custom
+    base reads the run's checkpoint; a registry model's is its synthetic one (None)."""
+    base, streaming = Streaming.parse(key)
+    return replace(run, base=base, streaming=streaming, seq=seq, batch=batch, index=index, quant=quant, task=task,
+                   checkpoint=run.checkpoint if base == "custom" else None)
 
 
 def plan_map(families: Iterable[str], quants: Iterable[str], seqs: Optional[Iterable[int]],
-             batches: Iterable[int], tasks: Iterable[str] = (PROTOCOL_TASK,),
-             settings: Settings = Settings(), **fields: Any) -> list[Arm]:
+             batches: Iterable[int], tasks: Iterable[str] = (PROTOCOL_TASK,), run: Arm = PROTOCOL_RUN) -> list[Arm]:
     """The map's grid, in order: family, quantization, seq (within the family's max
-    positions), batch, task; every arm at ``settings`` (issue395.model.arm.Settings). Llama-3.1-8B is there for its published NF4 arm, batch 1 x seq 512.
+    positions), batch, task; every arm the run ``run`` (``grid_arm``). Llama-3.1-8B is there for its published NF4 arm, batch 1 x seq 512.
     Every batch asked runs under every task: one below a task's smallest batch is planned and
     measured as SKIPPED with its reason (issue395.measure.measurement), never dropped."""
     arms: list[Arm] = []
@@ -33,7 +47,7 @@ def plan_map(families: Iterable[str], quants: Iterable[str], seqs: Optional[Iter
             for seq in (q for q in grid if q <= max_positions(fam)):
                 for batch in (batches if seqs or not published else (1,)):
                     for name in tasks:
-                        arms.append(Arm.at(fam, seq, batch, len(arms), quant, name, settings, **fields))
+                        arms.append(grid_arm(run, fam, seq, batch, len(arms), quant, name))
     return arms
 
 
@@ -45,17 +59,16 @@ def past_positions(families: Iterable[str], seqs: Optional[Iterable[int]]) -> li
 
 
 def plan_arms(models: Iterable[str], seqs: Optional[Iterable[int]], batches: Iterable[int],
-              quant: str = "none", tasks: Iterable[str] = (PROTOCOL_TASK,),
-              settings: Settings = Settings(), **fields: Any) -> list[Arm]:
+              quant: str = "none", tasks: Iterable[str] = (PROTOCOL_TASK,), run: Arm = PROTOCOL_RUN) -> list[Arm]:
     """Grid order: model, then seq, then batch (the record's order), then task, at one
-    quantization (the protocol's bf16, or a --config file's), and settings (a --config file's; none: the
-    protocol's)."""
+    quantization (the protocol's bf16, or a --config file's), every arm the run ``run`` (``grid_arm``: a --config
+    file's Arm, else the protocol's at the steps and checkpoint asked)."""
     arms: list[Arm] = []
     for model in models:
         for seq in (seqs or RECORD_GRID.get(model, ())):
             for batch in batches:
                 for name in tasks:
-                    arms.append(Arm.at(model, seq, batch, len(arms), quant, name, settings, **fields))
+                    arms.append(grid_arm(run, model, seq, batch, len(arms), quant, name))
     return arms
 
 

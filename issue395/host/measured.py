@@ -1,20 +1,20 @@
 """What a measured run asks for (the sweep, the map, --determinism, --measure and --sdpa, under their constraints),
-settled once by issue395.run.measure_mode: ``MeasureRequest`` and its sub-records (``Outputs``, ``Adapter``,
-``Children``), which the host's machinery takes (the grid, the lanes and children, the scratch and the checkpoint
+settled once by issue395.run.measure_mode: ``MeasureRequest``, its run one Arm (``arm``: the grid's arms are it at
+each point of the grid), and its sub-records (``Outputs``, ``Children``), which the host's machinery takes (the grid, the lanes and children, the scratch and the checkpoint
 cache); a child's job file holds one (``measure_from_json`` reads it back). Nothing changes a request once settled."""
 
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Optional
 
 from ..tasks import PROTOCOL_TASK
 from ..record import RECORD_DETERMINISM
-from ..model.arm import Adapter, Arm, Settings
+from ..model.arm import Arm
 from ..model.registry import SHAPES
 from ..constraints.asked import Constraints
-from .grid import plan_arms, plan_map
+from .grid import PROTOCOL_RUN, plan_arms, plan_map
 
 
 @dataclass(frozen=True)
@@ -48,7 +48,9 @@ class Children:
 @dataclass(frozen=True)
 class MeasureRequest:
     """The arms measured on the GPU (the sweep's or, with map, the map's; --determinism's repeats) and
-    the modes beside them (--measure, --sdpa), each arm under the constraint asked."""
+    the modes beside them (--measure, --sdpa), each arm under the constraint asked. The run is one Arm
+    (``arm``): its adapter, settings, steps, stack and a custom base's checkpoint (--model's, a --config file's
+    folder), and for --config the file's whole Arm; the grid's axes (models, quants, seqs, batches, tasks) place it."""
 
     run_arms: bool = True  # run the grid's arms (the sweep's or, with map, the map's)
     map: bool = False  # --map: models are families, with a quantization axis
@@ -60,7 +62,6 @@ class MeasureRequest:
     seqs: Optional[tuple] = None  # None: the record's grid per model
     batches: tuple = (1,)
     tasks: tuple = (PROTOCOL_TASK,)  # Soup's tasks: an axis of the grid (issue395.tasks)
-    custom_model: Optional[str] = None
     weights: str = "synthetic"
     dry_run: bool = False
     verbose: bool = False
@@ -73,35 +74,31 @@ class MeasureRequest:
     constraints: Constraints = Constraints()  # --cap, --emulate-card, --min-free
     children: Children = Children()
     outputs: Outputs = Outputs()
-    steps: int = 1  # optimizer steps per arm (the protocol's 1)
     context: Optional[int] = None  # --context, bytes (--emulate-card's card)
-    adapter: Adapter = Adapter()
     argv: tuple = ()
-    #: --config: the file's run settings, which every arm runs (none: the protocol's)
-    settings: Settings = Settings()
+    #: the run every arm of the grid is (issue395.host.grid.grid_arm): the protocol's at --steps and --model's
+    #: checkpoint, or a --config file's Arm (config_arm's) at --steps with its checkpoint settled
+    arm: Arm = PROTOCOL_RUN
 
     @property
     def determinism_grid(self) -> tuple[tuple, Optional[tuple], tuple]:
         """The record's two repeated arms, unless the command line chose others."""
-        if self.custom_model or self.seqs or self.models != tuple(SHAPES) or self.batches != (1,):
+        if self.arm.checkpoint or self.seqs or self.models != tuple(SHAPES) or self.batches != (1,):
             return self.models, self.seqs, self.batches
         return tuple(dict.fromkeys(m for m, _ in RECORD_DETERMINISM)), tuple(s for _, s in RECORD_DETERMINISM), (1,)
 
     def arms(self) -> list[Arm]:
-        """The grid's arms, in grid order (the map's, or the sweep's)."""
-        return self.carried(plan_map(self.models, self.quants, self.seqs, self.batches, self.tasks, self.settings)
-                            if self.map else plan_arms(self.models, self.seqs, self.batches, self.quants[0], self.tasks,
-                                                       self.settings))
+        """The grid's arms, in grid order (the map's, or the sweep's), each the run's ``arm`` at its point."""
+        return (plan_map(self.models, self.quants, self.seqs, self.batches, self.tasks, self.arm) if self.map
+                else plan_arms(self.models, self.seqs, self.batches, self.quants[0], self.tasks, self.arm))
 
-    def carried(self, arms: list[Arm]) -> list[Arm]:
-        """The grid's arms carrying what the run gives each: its adapter, its steps, and a custom base's checkpoint."""
-        return [replace(a, adapter=self.adapter, steps=self.steps,
-                        checkpoint=self.custom_model if a.base == "custom" else None) for a in arms]
+    def determinism_arms(self) -> list[Arm]:
+        """--determinism's arms (``determinism_grid``), each the run's ``arm`` as the grid's are."""
+        return plan_arms(*self.determinism_grid, self.quants[0], self.tasks, self.arm) if self.repeats else []
 
 
 #: MeasureRequest's sub-records by field, as a child's job file reads them back.
-MEASURE_RECORDS = {"outputs": Outputs, "adapter": Adapter, "children": Children, "constraints": Constraints,
-                   "settings": Settings}
+MEASURE_RECORDS = {"outputs": Outputs, "children": Children, "constraints": Constraints}
 
 
 def measure_from_json(data: dict[str, Any]) -> MeasureRequest:
@@ -110,5 +107,6 @@ def measure_from_json(data: dict[str, Any]) -> MeasureRequest:
     def plain(d: dict) -> dict:
         return {k: tuple(v) if isinstance(v, list) else v for k, v in d.items()}
 
-    return MeasureRequest(**{k: MEASURE_RECORDS[k](**plain(v)) if k in MEASURE_RECORDS and isinstance(v, dict) else v
-                      for k, v in plain(data).items()})
+    return MeasureRequest(**{k: Arm.from_json(v) if k == "arm" else
+                             MEASURE_RECORDS[k](**plain(v)) if k in MEASURE_RECORDS and isinstance(v, dict) else v
+                             for k, v in plain(data).items()})

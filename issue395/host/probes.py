@@ -58,8 +58,7 @@ def min_free_arms(run: MeasureRequest, arms: list[Arm], scratch: Scratch, on_row
             continue
         # the adapter the control ran with (a family's targets, a --config file's targets and r)
         needs = tool_needs_free(arm_config(arm.model, control.ran.base), None, replace(
-            arm, adapter=replace(arm.adapter, targets=tuple(control.targets) or None, lora_r=control.rank),
-            steps=run.steps))
+            arm, adapter=replace(arm.adapter, targets=tuple(control.targets) or None, lora_r=control.rank)))
         peak = control.real_peak
         try:
             found = bisect_min_free(lambda cap: probe(arm, f"bytes:{cap}").measured, peak=peak,

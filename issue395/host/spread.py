@@ -157,13 +157,12 @@ def arm_needs(arm: Arm, run: MeasureRequest) -> Optional[tuple[int, int]]:
         # card's total, never its free memory, so neighbours cannot turn its verdict (0: nothing to fit)
         try:
             return needs_free(resident_packing_bound(arm.model, quant=arm.quant, seq=arm.seq, batch=arm.batch,
-                                                     targets=run.adapter.targets, lora_r=run.adapter.lora_r,
+                                                     targets=arm.adapter.targets, lora_r=arm.adapter.lora_r,
                                                      task=arm.task)), 0
         except (UsageError, ValueError, TypeError):
             return None
     try:
-        e = estimate_key(arm.model, quant=arm.quant, seq=arm.seq, batch=arm.batch, targets=run.adapter.targets,
-                         lora_r=run.adapter.lora_r, steps=run.steps, task=arm.task, **arm.run)
+        e = estimate_key(arm.model, **arm.estimator())
     except (UsageError, ValueError, TypeError):
         return None
     return e.needs_free, e.soup_predicted
@@ -517,9 +516,9 @@ def lost_row(arm: Arm, run: MeasureRequest, repeat: Optional[int], code: Optiona
     carries its arm's task, optimizer and accumulation as a live one's row does (``arm_identity``)."""
     shape = SHAPES.get(family_of(arm.model))
     family = FAMILIES.get(family_of(arm.model))  # a streaming mode is its family's
-    name = shape.name if shape else family.name if family else (run.custom_model or arm.model)
+    name = shape.name if shape else family.name if family else (arm.checkpoint or arm.model)
     vocab = shape.vocab if shape else family.vocab if family else 1
-    a = run.adapter
+    a = arm.adapter
     adapter = (dict(config=UserConfig(a.soup_config, a.lora_r, a.lora_alpha), targets=tuple(a.targets or ()) if a.lora_r else ())
                if a.soup_config else {})
     return Row(model=name, model_key=arm.model, seq=arm.seq, batch=arm.batch, index=arm.index,

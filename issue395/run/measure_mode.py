@@ -18,7 +18,7 @@ from typing import Optional
 from ..constants import comma_list
 from ..errors import EXIT_USAGE, UsageError, last_line
 from ..record import MAP_BATCHES, QUANTS, RECORD_GRID
-from ..model.arm import Adapter, Arm, Settings
+from ..model.arm import Arm
 from ..model.registry import ALL_FAMILIES, FAMILIES, SHAPES, max_positions, stream_mode_keys
 from ..model.streaming import family_of
 from ..estimator.cards import parse_context
@@ -44,7 +44,7 @@ from .checks import (ARM_NEEDS, context_within_cards, distinct_choices, local_or
                      parse_ints, require_installed, settle_tasks, within, within_positions)
 from .clashes import check
 from .configarm import config_arm
-from ..host.grid import plan_arms, shard_of
+from ..host.grid import PROTOCOL_RUN, shard_of
 from .parser import NO_CUDA
 from ..host.probes import min_free_arms
 from ..host.measured import Children, MeasureRequest, Outputs
@@ -112,15 +112,13 @@ def settle(args: argparse.Namespace, argv: list[str]) -> MeasureRequest:
         check("lanes run", args, shard=shard, repeats=repeats, run_arms=run_arms)
     run = MeasureRequest(
         run_arms=run_arms, map=args.map, quants=quants, measure=args.measure, sdpa=args.sdpa, repeats=repeats,
-        models=models, seqs=seqs, batches=batches, tasks=tasks, custom_model=model,
+        models=models, seqs=seqs, batches=batches, tasks=tasks,
         weights=("synthetic" if config_only(model) else "local") if model else args.weights,
         dry_run=args.dry_run, verbose=args.verbose, snapshot=args.snapshot or bool(args.snapshot_dir),
         snapshot_dir=args.snapshot_dir, log_dir=args.log_dir, cache_dir=cache, shard_dir=shard_dir_of(args.shard_dir),
         isolate=args.isolate or constraints.fresh, constraints=constraints, context=context,
         children=Children(gpus=gpus, lanes=lanes, shard=shard), outputs=Outputs.of(args),
-        steps=steps, argv=tuple(argv),
-        adapter=arm.adapter if arm else Adapter(),
-        settings=arm.settings if arm else Settings())
+        argv=tuple(argv), arm=replace(arm or PROTOCOL_RUN, steps=steps, checkpoint=model))
     if shard:
         not_an_empty_shard(run)
     return run
@@ -231,7 +229,7 @@ def measure_all(run: MeasureRequest, protocol: Protocol, job: Optional[Job], scr
     arms = arms_to_run(run, job)
     shapes, imports_s = local_shapes(run, protocol, scratch, arms) if local else (dict(SHAPES), 0.0)
     det_models, det_seqs, det_batches = run.determinism_grid
-    det_arms = run.carried(plan_arms(*run.determinism_grid, run.quants[0], run.tasks, run.settings)) if run.repeats else []
+    det_arms = run.determinism_arms()
     arms_label = how_arms_ran(run, lanes, fan_out)
     command = [os.path.basename(protocol.script), *run.argv]
     result, rows_file = started_result(run, local, arms_label, command)
@@ -316,17 +314,18 @@ def local_shapes(run: MeasureRequest, protocol: Protocol, scratch: Scratch, arms
         raise UsageError(NO_CUDA)
     scratch.verify_shard_root()
     # the LoRA adapter a --config file names, else the protocol's (targets None: the model's own)
-    adapter = dict(targets=run.adapter.targets, lora_r=run.adapter.lora_r, lora_alpha=run.adapter.lora_alpha)
-    if run.custom_model:
-        shapes["custom"] = load_custom_shape(run.custom_model, **adapter)
-        within_positions(run.custom_model, shapes["custom"].max_positions, run.seqs,
-                         f"--config {run.adapter.soup_config}: data.max_length" if run.adapter.soup_config else "--seq")
+    a, checkpoint = run.arm.adapter, run.arm.checkpoint
+    adapter = dict(targets=a.targets, lora_r=a.lora_r, lora_alpha=a.lora_alpha)
+    if checkpoint:
+        shapes["custom"] = load_custom_shape(checkpoint, **adapter)
+        within_positions(checkpoint, shapes["custom"].max_positions, run.seqs,
+                         f"--config {a.soup_config}: data.max_length" if a.soup_config else "--seq")
     families = [f for f in dict.fromkeys(family_of(a.model) for a in arms) if f != "custom"]
     if run.map:  # this shard's families only, each derived once, then each streaming mode of it
         shapes.update({f: family_shape(f) for f in families})
-    if run.adapter.soup_config:  # the file's base under the file's adapter (the record's two are no record here)
+    if a.soup_config:  # the file's base under the file's adapter (the record's two are no record here)
         shapes.update({f: registry_shape(f, **adapter) for f in families})
-    if run.map or run.adapter.soup_config:
+    if run.map or a.soup_config:
         shapes.update({a.model: replace(with_modes(shapes[family_of(a.model)], a.model),  # its name: the Arm's label
                                         name=a.label(shapes[family_of(a.model)].name)) for a in arms})
     return shapes, time.perf_counter() - t
@@ -341,9 +340,9 @@ def how_arms_ran(run: MeasureRequest, lanes: Optional[Lanes], fan_out: bool) -> 
         f"one process per GPU ({','.join(map(str, run.children.gpus))}), merged" if run.children.gpus else
         f"shard {run.children.shard[0]}/{run.children.shard[1]} in one process" if run.children.shard else
         f"1 lane, in one process ({lanes.why})" if lanes else "in one process")
-    if run.adapter.soup_config:  # the user's config, not the protocol: said where every table's header is
-        how += (f"; the arm is --config {run.adapter.soup_config}'s ({run.quants[0]}, {run.arms()[0].adapter_words()}, "
-                f"{run.settings.said()})")
+    if run.arm.adapter.soup_config:  # the user's config, not the protocol: said where every table's header is
+        how += (f"; the arm is --config {run.arm.adapter.soup_config}'s ({run.arm.quant}, {run.arm.adapter_words()}, "
+                f"{run.arm.settings.said()})")
     return how if run.run_arms else ("determinism: one fresh process per repeat" if run.repeats
                                      else "none (modes only)")
 

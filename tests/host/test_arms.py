@@ -28,7 +28,7 @@ def test_the_stack_names_steps_only_when_they_are_not_the_protocols_one():
     """The protocol's one optimizer step is implied; any other count is in the stack's notes."""
     run = MeasureRequest(models=("smol",))
     assert stack_notes(run) == {}
-    assert stack_notes(dataclasses.replace(run, steps=3)) == {"steps": 3}
+    assert stack_notes(dataclasses.replace(run, arm=dataclasses.replace(run.arm, steps=3))) == {"steps": 3}
 
 
 def test_a_maps_arm_left_out_is_named_with_its_reason_never_skipped_silently():

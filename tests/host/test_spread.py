@@ -16,13 +16,14 @@ import sys
 import textwrap
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 from conftest import ROOT, main
 
 from issue395.measure.console import Stop
-from issue395.host.grid import plan_map
+from issue395.host.grid import PROTOCOL_RUN, plan_map
 from issue395.host.measured import Children, MeasureRequest
 from issue395.constraints.asked import Constraints
 from issue395.results.extras import Capped, UserConfig
@@ -152,11 +153,11 @@ def child_job(tmp_path, **run):
 
 
 def test_a_child_of_a_model_run_gets_its_settled_run_and_job_back_as_data(tmp_path):
-    job, (run, back) = child_job(tmp_path, custom_model="/some/checkpoint", models=("custom",),
+    job, (run, back) = child_job(tmp_path, arm=replace(PROTOCOL_RUN, checkpoint="/some/checkpoint"), models=("custom",),
                                  seqs=(64,), weights="local", isolate=True, children=Children(gpus=(0, 1)),
                                  measure=True)
     assert back == job
-    assert (run.custom_model, run.models, run.seqs, run.weights) == ("/some/checkpoint", ("custom",), (64,),
+    assert (run.arm.checkpoint, run.models, run.seqs, run.weights) == ("/some/checkpoint", ("custom",), (64,),
                                                                       "local")
     assert (run.isolate, run.children) == (False, Children(gpus=None, shard=(1, 2), child=True, repeat_tag=2))
     assert (run.outputs.json, run.cache_dir, run.measure) == ("out.json", "/tmp/cache", True)
@@ -224,7 +225,7 @@ def test_a_config_arms_child_gets_the_files_adapter_and_quantization_and_a_lost_
     assert run == sent and back == job and back.arms == (
         Arm("mistral-7b", 512, 1, 0, "nf4", settings=Settings("adamw_torch", accumulation, 2),
             adapter=Adapter(("q_proj",), 4, 8, str(config))),)
-    assert (run.adapter.soup_config, run.adapter.targets, run.adapter.lora_r, run.adapter.lora_alpha) == (str(config), ("q_proj",), 4, 8)
+    assert run.arm.adapter == Adapter(("q_proj",), 4, 8, str(config))
     row = lost_row(back.arms[0], run, None, 139)
     assert (row.config, row.targets, row.quant) == (UserConfig(str(config), 4, 8), ("q_proj",), "nf4")
     assert (row.settings.optimizer, row.settings.accumulation) == ("adamw_torch", accumulation)

@@ -449,5 +449,5 @@ def test_a_full_fine_tunings_row_saves_no_targets_and_reads_back():
     assert back == row and back.run_arm().full and back.run_arm().adapter.targets is None
     lora = arm_row(Arm("qwen", 2048, 1, 1), SHAPES_QWEN, config=UserConfig("soup.yaml", 8, 16))
     assert lora.to_json()["targets"] == list(SHAPES_QWEN.targets)
-    lost = lost_row(arm, MeasureRequest(adapter=full), None, -9)
+    lost = lost_row(arm, MeasureRequest(), None, -9)  # the lost arm's own adapter
     assert lost.to_json()["targets"] is None and lost.rank == 0

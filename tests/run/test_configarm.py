@@ -7,6 +7,7 @@ file already gives, is one line. Nothing is faked (a missing bitsandbytes is, wh
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 from conftest import TINY, estimate_config_json, h, main, one_error_line
@@ -79,9 +80,32 @@ def test_the_files_r_alpha_and_targets_are_what_soups_setup_builds(capfd, tmp_pa
 def test_a_familys_hub_id_is_its_registry_arm_at_the_files_own_settings(tmp_path):
     run = settled(["--config", soup_yaml(tmp_path, "mistralai/Mistral-7B-v0.3", seq=512, quant="4bit"), "--dry-run"])
     assert (run.models, run.quants, run.seqs, run.batches) == (("mistral-7b",), ("nf4",), (512,), (1,))
-    assert (run.adapter.targets, run.adapter.lora_r, run.adapter.lora_alpha, run.custom_model, run.weights) == (
+    assert (run.arm.adapter.targets, run.arm.adapter.lora_r, run.arm.adapter.lora_alpha, run.arm.checkpoint, run.weights) == (
         ("q_proj",), 4, 8, None, "synthetic")
     assert settled(["--config", soup_yaml(tmp_path, "HuggingFaceTB/SmolLM2-135M")]).models == ("smol",)
+
+
+@pytest.mark.parametrize("base, quant", [("mistralai/Mistral-7B-v0.3", "4bit"), ("folder", "none")])
+def test_a_measured_runs_grid_arm_is_the_files_arm_field_for_field(tmp_path, tiny_checkpoint, base, quant):
+    """Issue 50 item 2 (house5d): the measured run's one arm is the soup.yaml's Arm (UserRun.arm, its base
+    resolved by config_arm) in every field: base, seq, batch, quantization, task, settings, streaming, adapter,
+    steps, checkpoint (a folder's, or none for a registry model), stack; the run's Arm is it too."""
+    from dataclasses import fields
+
+    from issue395.model.arm import Arm
+    from issue395.run.userconfig import read_soup_config
+
+    extra = "  optimizer: adamw_8bit\n  gradient_accumulation_steps: 3\n"
+    config = soup_yaml(tmp_path, tiny_checkpoint if base == "folder" else base, seq=512 if quant == "4bit" else 64,
+                       quant=quant, extra=extra)
+    run = settled(["--config", config, "--dry-run"])
+    file_arm = configarm.config_arm(read_soup_config(str(config)), "synthetic", True)
+    (arm,) = run.arms()
+    for f in fields(Arm):
+        assert getattr(arm, f.name) == getattr(file_arm, f.name), f.name
+    assert run.arm == file_arm and (arm.settings.optimizer, arm.settings.accumulation) == ("adamw_8bit", 3)
+    assert arm.checkpoint == (str(tiny_checkpoint) if base == "folder" else None)
+    assert settled(["--config", config, "--dry-run", "--steps", "4"]).arms() == [replace(file_arm, steps=4)]
 
 
 @pytest.mark.skipif(not soup_has_stream_modes(), reason="soup-cli 0.77.0's streaming modes")
@@ -107,7 +131,7 @@ def test_a_base_that_is_neither_a_checkpoint_here_nor_a_registry_model_is_one_li
 
 def test_with_weights_hub_any_hub_id_is_the_arm_as_model_runs_one(tmp_path):
     run = settled(["--config", soup_yaml(tmp_path, "someorg/not-a-family"), "--weights", "hub"])
-    assert (run.models, run.custom_model) == (("custom",), "someorg/not-a-family")
+    assert (run.models, run.arm.checkpoint) == (("custom",), "someorg/not-a-family")
 
 
 def test_a_seq_past_the_bases_positions_and_nf4_without_bitsandbytes_are_one_line(capfd, tmp_path, monkeypatch):
@@ -196,7 +220,7 @@ def test_a_file_without_the_keys_runs_soups_defaults_and_says_them(capfd, tmp_pa
     from soup_cli.config.schema import TrainingConfig
 
     default = TrainingConfig.model_fields["gradient_accumulation_steps"].default
-    assert (run.settings.optimizer, run.settings.accumulation) == ("adamw_torch", default)
+    assert (run.arm.settings.optimizer, run.arm.settings.accumulation) == ("adamw_torch", default)
     assert {(a.settings.optimizer, a.settings.accumulation) for a in run.arms()} == {("adamw_torch", default)}
     estimated, _ = estimate_config_json(capfd, tmp_path, config)
     assert (estimated["rows"][0]["optimizer"], estimated["rows"][0]["accumulation"]) == ("adamw_torch", default)
@@ -211,7 +235,7 @@ def test_a_bitsandbytes_optimizer_without_bitsandbytes_is_one_line_before_any_wo
     config = soup_yaml(tmp_path, "mistralai/Mistral-7B-v0.3", extra="  optimizer: paged_adamw_8bit\n")
     one_error_line(*main(capfd, ["--config", config, "--emulate-card", "T4"]), "training.optimizer paged_adamw_8bit",
                    "bitsandbytes")
-    assert settled(["--config", config, "--dry-run"]).settings.optimizer == "paged_adamw_8bit"
+    assert settled(["--config", config, "--dry-run"]).arm.settings.optimizer == "paged_adamw_8bit"
 
 
 def test_the_files_stream_buffers_is_the_pool_soups_setup_builds_and_every_estimate_charges(

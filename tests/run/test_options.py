@@ -63,12 +63,15 @@ def test_every_run_but_a_configs_keeps_the_protocols_adapter():
     --model run r 8, alpha 16 on their own targets, and name no soup.yaml."""
     for argv in (["--dry-run"], ["--dry-run", "--map"], ["--dry-run", "--model", "someorg/some-model", "--seq", "64"]):
         run = settle(build_parser().parse_args(argv), argv)
-        assert (run.adapter.lora_r, run.adapter.lora_alpha, run.adapter.targets, run.adapter.soup_config) == (8, 16, None, None), argv
+        assert {(a.adapter.lora_r, a.adapter.lora_alpha, a.adapter.targets, a.adapter.soup_config)
+                for a in run.arms()} == {(8, 16, None, None)}, argv
 
 
-def test_steps_reaches_the_sweep_and_the_map():
+def test_steps_reaches_every_arm_of_the_sweep_and_the_map():
+    """Issue 50 item 2 (house5d): --steps is the run's Arm's, which every arm of the grid is at its point."""
     for argv in (["--dry-run", "--steps", "3"], ["--dry-run", "--map", "--steps", "3"]):
-        assert settle(build_parser().parse_args(argv), argv).steps == 3, argv
+        run = settle(build_parser().parse_args(argv), argv)
+        assert run.arm.steps == 3 and run.arms() and {a.steps for a in run.arms()} == {3}, argv
 
 
 def test_emulate_card_is_settled_into_fresh_processes_and_bad_input_is_one_line(capfd):
