@@ -86,10 +86,11 @@ def rows_for_batch(batch: int, steps: int = 1, val_split: float = 0.1) -> int:
 def soup_config_yaml(base: str, data_path: Path, output: Path, seq: int, batch: int, quant: str = "none",
                      targets: Iterable[str] = ("q_proj", "v_proj"), stream: Iterable[tuple[str, Any]] = (),
                      lora_r: int = LORA_R, lora_alpha: int = LORA_ALPHA, task_name: str = PROTOCOL_TASK,
-                     training: Optional[dict[str, Any]] = None) -> str:
+                     training: Optional[dict[str, Any]] = None, lora: Optional[dict[str, Any]] = None) -> str:
     """The protocol's Soup config, verbatim but for the paths, seq and batch (on the map, the quantization, the
     family's LoRA targets and streaming modes; with --config, the file's adapter and run settings, ``training``:
-    Arm.training; with --task, the task and its rows' data.format). SFT's names no format. Soup spells NF4 "4bit"."""
+    Arm.training, ``lora``: Adapter.soup_lora, its dropout; with --task, the task and its rows' data.format).
+    SFT's names no format. Soup spells NF4 "4bit"."""
     import yaml
 
     data_format = {} if task_name == PROTOCOL_TASK else {"format": task(task_name).data_format}
@@ -100,7 +101,7 @@ def soup_config_yaml(base: str, data_path: Path, output: Path, seq: int, batch: 
         "training": {"batch_size": batch, "gradient_accumulation_steps": 1, "epochs": 1,
                      "quantization": SOUP_QUANT[quant], "stream_layers": True, "logging_steps": 1,
                      "save_steps": 100000, **dict(stream), **(training or {}),
-                     "lora": {"r": lora_r, "alpha": lora_alpha, "target_modules": list(targets)}},
+                     "lora": {"r": lora_r, "alpha": lora_alpha, "target_modules": list(targets), **(lora or {})}},
     }, sort_keys=False)
 
 
@@ -187,7 +188,7 @@ def measure_arm(arm: Arm, shape: Shape, base: str, work: Path, *, dry_run: bool 
             # training.stream_vram_probe where the arm asks for it and Soup's schema takes it (else this tool calls it)
             config, m.soup_probe = probe_config(load_config_from_string, soup_config_yaml(
                 base, data_path, work / "out", arm.seq, arm.batch, arm.quant, shape.targets, shape.stream,
-                shape.lora_r, shape.lora_alpha, arm.task, arm.training))
+                shape.lora_r, shape.lora_alpha, arm.task, arm.training, arm.adapter.soup_lora()))
             if not config.training.stream_layers:  # `soup train`'s resident gate runs before any setup
                 m.soup_resident = soup_resident_preflight(config, dry_run)
             wrapper = getattr(importlib.import_module(module), wrapper_class)(

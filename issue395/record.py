@@ -13,6 +13,10 @@ RECORD_GRID: dict[str, tuple[int, ...]] = {
 
 
 LORA_R, LORA_ALPHA, LORA_TARGETS = 8, 16, ("q_proj", "v_proj")
+#: The protocol's LoRA dropout: its config names none, so Soup's schema default (soup_cli/config/schema.py,
+#: LoraConfig.dropout) holds, and peft puts an nn.Dropout of this p on every targeted module. No option of
+#: this tool spells another: the protocol's and the map's arms run at it; a --config file's is its own.
+LORA_DROPOUT = 0.05
 
 
 SOUP_QUANT = {"none": "none", "nf4": "4bit"}  # the harness's name: Soup config's spelling

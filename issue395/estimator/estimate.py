@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from ..constants import (CUBLAS_WORKSPACE, CUBLASLT_WORKSPACE, EXPANDABLE_PAGE_BYTES, K_LARGE_BUFFER, K_MIN_LARGE_ALLOC,
                          K_ROUND_LARGE, K_SMALL_SIZE, STREAM_KEYS, block_bytes, unsplit_bound)
 from ..errors import UsageError
-from ..record import LORA_R, QUANTS
+from ..record import LORA_DROPOUT, LORA_R, QUANTS
 from ..model.arm import DEFAULT_OPTIMIZER
 from ..model.registry import config_json, stream_mode
 from ..model.streaming import RECOMPUTES
@@ -326,7 +326,7 @@ def estimate(config: dict, *, quant: str = "none", seq: int, batch: int = 1, tar
              allowance: int | None = None, workspace: int | None = None,
              stream: dict | None = None, soup: bool = True, task: str = PROTOCOL_TASK,
              optimizer: str = DEFAULT_OPTIMIZER, accumulation: int = 1, buffers: int = 2,
-             transformers: str | None = None) -> Estimate:
+             transformers: str | None = None, lora_dropout: float = LORA_DROPOUT) -> Estimate:
     """Soup's own pre-flight and the corrected peak for one (seq, batch). ``targets=None`` is the
     protocol's (q_proj, v_proj), or qkv_proj on Phi-3. ``allowance`` overrides the fitted
     ALLOCATED_ALLOWANCE_BYTES (the leave-one-family-out fit passes its own); ``workspace`` is a
@@ -346,10 +346,13 @@ def estimate(config: dict, *, quant: str = "none", seq: int, batch: int = 1, tar
     ``training.gradient_accumulation_steps``; past 1 every phase of micro-batch 2 on holds the
     adapter's gradients (gradient_terms). ``buffers``: ``training.stream_buffers``, the pool's slots.
     ``transformers``: the release a saved row ran (None: the
-    installed one, its source read), which decides whether the model runs eager attention."""
+    installed one, its source read), which decides whether the model runs eager attention. ``lora_dropout``:
+    Soup's ``training.lora.dropout``, which decides whether the LoRA dropouts keep masks (layer.mask_bytes);
+    Soup's own number does not read it."""
     a = arch_of(config) if soup else arch_from_config(config)
     targets, spelled = checked_arguments(config, a, quant=quant, seq=seq, batch=batch, targets=targets, lora_r=lora_r,
-                                         steps=steps, accumulation=accumulation, buffers=buffers, task=task)
+                                         steps=steps, accumulation=accumulation, buffers=buffers, task=task,
+                                         lora_dropout=lora_dropout)
     release = release or installed_release()
     f = features(release)
     ws = max(CUBLAS_WORKSPACE, workspace or 0)
@@ -361,7 +364,7 @@ def estimate(config: dict, *, quant: str = "none", seq: int, batch: int = 1, tar
     t, lp, unsplit = step_terms(a, f, tk, quant=quant, targets=targets, lora_r=lora_r, seq=seq, batch=batch, ws=ws,
                                 per_expert=per_expert, buffers=buffers, chunk=chunk, recompute=recompute,
                                 accumulation=accumulation, steps=steps, optimizer=optimizer,
-                                transformers=transformers, allowance=allowance)
+                                transformers=transformers, allowance=allowance, dropout=lora_dropout)
     binding, peak = binding_phase(t, lp.checkpointed, tk.reference, steps, accumulation, probed, ws, unsplit)
     corrected = phase_sum(t, Phase.RESIDENT) + peak + t[Term.ALLOCATED_ALLOWANCE.key]
     # `soup train`'s expandable segments split every block: the peak without the remainders, whichever phase binds
@@ -373,10 +376,11 @@ def estimate(config: dict, *, quant: str = "none", seq: int, batch: int = 1, tar
 
 
 def checked_arguments(config: dict, a: Arch, *, quant: str, seq: int, batch: int, targets, lora_r: int, steps: int,
-                      accumulation: int, buffers: int, task: str) -> tuple:
+                      accumulation: int, buffers: int, task: str, lora_dropout: float = LORA_DROPOUT) -> tuple:
     """The run's arguments, each refused in one line where no estimate can stand for it (a quantization Soup
     does not stream, a count below 1, a seq past the model's positions, a task Soup does not stream, LoRA
-    targets its layer lacks); the targets as the physics takes them and as Soup's config spells them."""
+    targets its layer lacks, a LoRA dropout peft's nn.Dropout refuses); the targets as the physics takes them
+    and as Soup's config spells them."""
     if quant not in QUANTS:
         raise UsageError(f"quant {quant!r} is not one Soup streams ({', '.join(QUANTS)})")
     seq, batch = _whole("seq", seq), _whole("batch", batch)
@@ -384,6 +388,9 @@ def checked_arguments(config: dict, a: Arch, *, quant: str, seq: int, batch: int
     accumulation, buffers = _whole("gradient_accumulation_steps", accumulation), _whole("stream_buffers", buffers)
     if seq > a.max_pos:
         raise UsageError(f"seq {seq} is past the model's max_position_embeddings {a.max_pos}")
+    if isinstance(lora_dropout, bool) or not isinstance(lora_dropout, (int, float)) or not lora_dropout <= 1:
+        raise UsageError(f"training.lora.dropout {lora_dropout!r}: peft's nn.Dropout refuses it (a probability "
+                         "up to 1; at or below 0 peft builds none), so no run has it")
     task_named(task)
     targets = protocol_targets(a) if targets is None else targets
     targets = (targets,) if isinstance(targets, str) else tuple(targets)
@@ -435,7 +442,7 @@ def checked_modes(a: Arch, stream: dict, task: str, batch: int) -> tuple:
 
 def step_terms(a: Arch, f: Features, tk, *, quant: str, targets: tuple, lora_r: int, seq: int, batch: int, ws: int,
                per_expert: bool, buffers: int, chunk, recompute: str, accumulation: int, steps: int, optimizer: str,
-               transformers: str | None, allowance: int | None) -> tuple:
+               transformers: str | None, allowance: int | None, dropout: float = LORA_DROPOUT) -> tuple:
     """Every physical term of the step in bytes, in the table's order (Term), with the binding layer's peak
     and the unsplit remainders, which the phases read apart from the terms."""
     rows = batch * tk.rows_per_example
@@ -452,8 +459,8 @@ def step_terms(a: Arch, f: Features, tk, *, quant: str, targets: tuple, lora_r: 
          Term.SLIDING_MASK.key: 0 if eager else sliding_mask(a, seq, rows),
          Term.AUTOGRAD_WORKSPACE.key: ws}
     # the layer that binds in the backward's walk, at its moment: its weights, its tokens, its expert
-    # no LoRA dropout mask where the task's trainer turns dropout off (layer.mask_bytes), in every count below
-    mask = mask_bytes(tk)
+    # no LoRA dropout mask where the task's trainer turns dropout off or p is 0 (layer.mask_bytes), in every count below
+    mask = mask_bytes(tk, dropout)
     lp = layer_peak(a, quant, targets, lora_r, T, per=per, held=accumulation > 1, per_expert=per_expert,
                     recompute=recompute == "on", mask=mask)
     t[Term.DEQUANTISED_LAYER.key], t[Term.LAYER_PER_TOKEN.key] = lp.weights, lp.activations

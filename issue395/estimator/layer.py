@@ -37,11 +37,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
+from ..record import LORA_DROPOUT
 from .arch import NF4_BLOCK, Arch, activation_bytes, fp32_residual
 from .moe import Kind, expert_in_flight
 
-#: nn.Dropout's saved mask, 1 B an input element. Soup's LoRA dropout defaults to 0.05 (soup_cli's
-#: config schema, lora.dropout), so peft puts an nn.Dropout on every targeted module.
+#: nn.Dropout's saved mask, 1 B an input element. Soup's LoRA dropout defaults to 0.05 (LORA_DROPOUT), so
+#: peft puts an nn.Dropout on every targeted module.
 LORA_DROPOUT_MASK_BYTES = 1
 #: What the MLP backward makes beside the saved tensors: the down projection's input gradient and
 #: the two gradients of act(gate) x up.
@@ -65,10 +66,12 @@ STAGES = {
 LAST_STAGE = 4
 
 
-def mask_bytes(task) -> int:
-    """The bytes each LoRA dropout's mask takes an input element in a run of ``task`` (issue395.tasks.Task):
-    LORA_DROPOUT_MASK_BYTES, or none where the task's trainer turns dropout off (``dropout_disabled``: TRL
-    0.29.1's DPO, ORPO, CPO and KTO set every nn.Dropout's p to 0 at their init), since ATen's dropout at p 0
+def mask_bytes(task, dropout: float = LORA_DROPOUT) -> int:
+    """The bytes each LoRA dropout's mask takes an input element in a run of ``task`` (issue395.tasks.Task) at
+    LoRA dropout p ``dropout`` (Soup's training.lora.dropout): LORA_DROPOUT_MASK_BYTES, or none where no kernel
+    writes one: where the task's trainer turns dropout off (``dropout_disabled``: TRL 0.29.1's DPO, ORPO, CPO
+    and KTO set every nn.Dropout's p to 0 at their init), and whatever the task where p is not in (0, 1) (peft
+    builds nn.Identity for p <= 0; nn.Dropout at p 1 multiplies by a zero scalar), since ATen's dropout at p 0
     returns its input and only the fused kernel, for 0 < p < 1, writes a mask. Streamed and resident alike:
     Soup's StreamedDecoderLayer holds the peft layer as its child ``inner``, which TRL's
     disable_dropout_in_model reaches through model.modules(), and its forward, its checkpoint's recompute and
@@ -77,7 +80,7 @@ def mask_bytes(task) -> int:
     (resident): Llama-3.2-1B SFT 2048x1 keeps 30 blocks of 4,194,304 B (1 x h x T, q_proj and v_proj in layers
     1-15) at its loss peak, DPO at the same 2048 tokens none, every other block alike
     (results/resident-anatomy-*/call-1)."""
-    return 0 if task.dropout_disabled else LORA_DROPOUT_MASK_BYTES
+    return 0 if task.dropout_disabled or not 0 < dropout < 1 else LORA_DROPOUT_MASK_BYTES
 
 
 class Moment(Enum):
@@ -141,6 +144,8 @@ def backward_weights(quant: str, modules: dict, targets, input_grad: bool) -> in
 def _lora(a_act: int, modules: dict, targets, r: int, input_grad: bool, mask: int) -> int:
     """Each LoRA target's dropout output (act x in) and lora_A's output (act x r), and its dropout's
     mask (``mask`` x in: mask_bytes) where the target's input carries a gradient."""
+    # the dropout's output stays charged where p is 0, an upper bound: peft's nn.Identity there makes no new
+    # tensor (lora_A saves the target's input itself), but no committed anatomy has shown that run's blocks
     return sum(a_act * modules[t][0] + a_act * r + (mask * modules[t][0]
                                                    if input_needs_grad(t, targets, input_grad) else 0)
                for t in targets if t in modules)

@@ -63,6 +63,7 @@ from __future__ import annotations
 
 from ..constants import K_LARGE_BUFFER, K_MIN_LARGE_ALLOC, K_ROUND_LARGE, K_SMALL_SIZE, block_bytes, unsplit_bound
 from ..errors import UsageError
+from ..record import LORA_DROPOUT
 from ..model.targets import soup_targets
 from ..tasks import PROTOCOL_TASK, task as task_named
 from .arch import NF4_BLOCK, Arch, arch_from_config, layer_bytes, nf4_bytes, protocol_targets
@@ -193,7 +194,7 @@ def targets_of(a: Arch, targets, config: dict) -> tuple:
 def estimate_resident(config: dict, *, quant: str = "none", seq: int, batch: int = 1, targets=None,
                       lora_r: int = 8, steps: int = 1, release: str | None = None, task: str = PROTOCOL_TASK,
                       checkpointing: bool = False, optimizer: str = "adamw_torch", accumulation: int = 1,
-                      transformers: str | None = None) -> Estimate:
+                      transformers: str | None = None, lora_dropout: float = LORA_DROPOUT) -> Estimate:
     """The corrected peak of a resident run: the streamed step's bf16 terms (recompute off without checkpointing, on
     with it) with every parameter on the card in place of the pool and the extras, and under NF4 what runs in fp32.
     The Estimate carries no Soup number (Soup's resident gate is hardware_fit's; the row has it)."""
@@ -207,7 +208,8 @@ def estimate_resident(config: dict, *, quant: str = "none", seq: int, batch: int
         raise UsageError(why)
     e = estimate(config, quant="none", seq=seq, batch=batch, targets=targets, lora_r=lora_r, release=release,
                  soup=False, task=task, transformers=transformers, steps=steps, optimizer=optimizer,
-                 accumulation=accumulation, stream={} if checkpointing else {"stream_recompute": "off"})
+                 accumulation=accumulation, stream={} if checkpointing else {"stream_recompute": "off"},
+                 lora_dropout=lora_dropout)
     t = dict(e.terms)
     for streamed in (Term.POOL.key, Term.EXTRAS.key, Term.RESIDENT_ROUNDING.key):
         t[streamed] = 0  # the pool's slots and the streamed extras: here, the whole model's tensors
@@ -220,7 +222,7 @@ def estimate_resident(config: dict, *, quant: str = "none", seq: int, batch: int
         # peak, retained_by_layer's count to the byte (results/resident-anatomy-*/call-1/res-sft-qwen-bf16-2048x1)
         t[Term.CHECKPOINTED_INPUTS.key] = 0
         t[Term.ALLOCATOR_ROUNDING.key] += retained_rounding(a, tg, lora_r, T, quant, e.seq,
-                                                            mask_bytes(task_named(task)))
+                                                            mask_bytes(task_named(task), lora_dropout))
         t[Term.ADAPTER_CASTS.key] = adapter_casts(a, tg, lora_r, adapter_bytes(task, quant))
     if quant == "nf4":
         # the embedding is fp32, so the residual stream is, and bitsandbytes' Linear4bit returns its input's dtype:

@@ -14,7 +14,7 @@ from typing import Any, Optional
 from ..constants import STREAM_KEYS
 from ..errors import UsageError
 from ..record import SOUP_QUANT
-from ..model.arm import SETTINGS
+from ..model.arm import SETTINGS, lora_dropout
 from .cards import CONTEXT_BOUND_BYTES, STEP_GROWTH_BYTES
 from .estimate import estimate
 from .resident import estimate_resident
@@ -25,12 +25,11 @@ from .steady import is_bounded
 #: each later step repeats that peak, so two steps hold the peak over all of them (as --estimate
 #: --config reads a run). Soup's setup does not know the run's length when its gate reads memory.
 GATE_STEPS = 2
-#: What the estimator assumes of Soup's settings it does not model (Soup's defaults): peft's dropout whose
-#: mask the layer term counts, double-quantised
+#: What the estimator assumes of Soup's settings it does not model (Soup's defaults): double-quantised
 #: NF4 (the pool's absmax), no resident NF4 scale cache, a plain LoRA adapter (no MoE experts). Another
-#: value keeps Soup's formula (which charges the scale cache itself), said so.
-ASSUMED_SETTINGS = (("lora.dropout", 0.05), ("bnb_4bit_use_double_quant", True),
-                    ("stream_nf4_scale_cache", False), ("moe_lora", False))
+#: value keeps Soup's formula (which charges the scale cache itself), said so. The LoRA dropout is read
+#: (model.arm.lora_dropout, as a --config file's is): its masks are charged only where p is in (0, 1).
+ASSUMED_SETTINGS = (("bnb_4bit_use_double_quant", True), ("stream_nf4_scale_cache", False), ("moe_lora", False))
 #: Soup's bnb_4bit_use_double_quant is tri-state: unset (None) is what every 4-bit load has always done, double.
 _UNSET_MEANS = {"bnb_4bit_use_double_quant": (None,)}
 
@@ -63,8 +62,8 @@ def gate_kwargs(cfg: Any, tcfg: Any, model_config: Any, steps: Optional[int] = N
     settings = {s.estimator: s.kind(getattr(tcfg, s.soup, None) or s.protocol) for s in SETTINGS}
     return config, dict(**settings, quant=quant, seq=int(cfg.data.max_length),
                         batch=tcfg.batch_size if isinstance(tcfg.batch_size, int) else 1, targets=targets,
-                        lora_r=int(tcfg.lora.r), steps=steps or GATE_STEPS, stream=stream,
-                        task=str(getattr(cfg, "task", "sft")), soup=False)
+                        lora_r=int(tcfg.lora.r), lora_dropout=lora_dropout(tcfg), steps=steps or GATE_STEPS,
+                        stream=stream, task=str(getattr(cfg, "task", "sft")), soup=False)
 
 
 def preflight(cfg: Any, tcfg: Any, model_config: Any, *, steps: Optional[int] = None,
@@ -102,12 +101,13 @@ def preflight(cfg: Any, tcfg: Any, model_config: Any, *, steps: Optional[int] = 
 #: value it assumes (Soup's schema default; None and False where Soup's default is unset): another value keeps
 #: Soup's formula, said so. Spectrum's and the freezes' partial fine-tuning (unfrozen_parameters, freeze_layers,
 #: freeze_ratio; lora.r 0, every parameter trained, is modelled: resident.estimate_full), another adapter (DoRA, VeRA), another backend, a fused or offloaded loss or activations, QAT,
-#: LISA's layer switching, MoE LoRA; the dropout and double quantisation as the streamed gate assumes them.
+#: LISA's layer switching, MoE LoRA; double quantisation as the streamed gate assumes it (the dropout is read, as
+#: the streamed gate reads it).
 RESIDENT_ASSUMED = (("backend", "transformers"), ("unfrozen_parameters", None), ("freeze_layers", None),
                     ("freeze_ratio", None), ("lora.use_dora", False), ("lora.use_vera", False), ("use_galore", False),
                     ("use_liger", False), ("use_cut_ce", False), ("activation_offloading", None),
                     ("quantization_aware", False), ("lisa_enabled", False), ("moe_lora", False),
-                    ("lora.dropout", 0.05), ("bnb_4bit_use_double_quant", True))
+                    ("bnb_4bit_use_double_quant", True))
 _RESIDENT_QUANT = {"none": "none", "4bit": "nf4"}
 
 
@@ -136,7 +136,8 @@ def resident_kwargs(cfg: Any, model_config: Any, steps: Optional[int] = None) ->
     targets = t.lora.target_modules
     targets = (targets,) if isinstance(targets, str) else tuple(str(x) for x in targets)
     return config, dict(quant=quant, seq=int(cfg.data.max_length), batch=int(t.batch_size), targets=targets,
-                        lora_r=int(t.lora.r), steps=steps or GATE_STEPS, task=str(getattr(cfg, "task", "sft")),
+                        lora_r=int(t.lora.r), lora_dropout=lora_dropout(t), steps=steps or GATE_STEPS,
+                        task=str(getattr(cfg, "task", "sft")),
                         checkpointing=bool(getattr(t, "gradient_checkpointing", False)),
                         **{s.estimator: s.kind(getattr(t, s.soup, None) or s.protocol) for s in SETTINGS
                            if not s.streamed_only})

@@ -519,7 +519,7 @@ def lost_row(arm: Arm, run: MeasureRequest, repeat: Optional[int], code: Optiona
     name = shape.name if shape else family.name if family else (arm.checkpoint or arm.model)
     vocab = shape.vocab if shape else family.vocab if family else 1
     a = arm.adapter
-    adapter = (dict(config=UserConfig(a.soup_config, a.lora_r, a.lora_alpha), targets=tuple(a.targets or ()) if a.lora_r else ())
+    adapter = (dict(config=UserConfig(a.soup_config, a.lora_r, a.lora_alpha, a.dropout), targets=tuple(a.targets or ()) if a.lora_r else ())
                if a.soup_config else {})
     return Row(model=name, model_key=arm.model, seq=arm.seq, batch=arm.batch, index=arm.index,
                constraint=run.constraints.lost(),

@@ -141,7 +141,7 @@ def run_arm(measure_arm: Callable[..., Measurement], step_device: str, arm: Arm,
     the row's finding, and a teardown error sits beside the measurement, never replacing it. A
     --config arm's row names the file and the LoRA r and alpha it ran with (its shape's)."""
     carried = carried_bytes(dry_run, step_device)
-    config = UserConfig(soup_config, shape.lora_r, shape.lora_alpha) if soup_config else None
+    config = UserConfig(soup_config, shape.lora_r, shape.lora_alpha, arm.adapter.dropout) if soup_config else None
     refused = task(arm.task).batch_refused(arm.batch)
     if refused:  # planned, never dropped: the row says why it did not run
         return arm_row(arm, shape, ran=Ran(base=base), dry_run=dry_run, repeat=repeat, failure="SKIPPED",
@@ -197,7 +197,8 @@ def custom_corrected(arm: Arm, shape: Shape, base: str, steps: int) -> Optional[
     try:
         config = json.loads((Path(base) / "config.json").read_text(encoding="utf-8"))
         return estimate(config, quant=arm.quant, seq=arm.seq, batch=arm.batch, targets=tuple(shape.targets) or None,
-                        lora_r=shape.lora_r, steps=steps, task=arm.task, soup=False, **arm.run).corrected_predicted
+                        lora_r=shape.lora_r, lora_dropout=arm.adapter.dropout, steps=steps, task=arm.task, soup=False,
+                        **arm.run).corrected_predicted
     except (OSError, ValueError, TypeError, KeyError, UsageError):
         return None
 

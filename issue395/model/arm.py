@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from ..constants import is_whole
-from ..record import LORA_ALPHA, LORA_R
+from ..record import LORA_ALPHA, LORA_DROPOUT, LORA_R
 from ..tasks import PROTOCOL_TASK
 from .registry import FAMILIES, SHAPES, Shape
 from .streaming import SEP, Streaming
@@ -116,13 +116,26 @@ class Settings:
 @dataclass(frozen=True)
 class Adapter:
     """The LoRA adapter a run trains, read once: the protocol's, a soup.yaml's ``training.lora`` (its targets as
-    Soup's config holds them, r, alpha; ``soup_config``: the file), or --estimate's --targets and --lora-r.
-    ``targets`` None: the family's own (the protocol's q_proj, v_proj where it has them)."""
+    Soup's config holds them, r, alpha, dropout; ``soup_config``: the file), or --estimate's --targets and --lora-r.
+    ``targets`` None: the family's own (the protocol's q_proj, v_proj where it has them). ``dropout``: peft's
+    LoRA dropout p, Soup's default (LORA_DROPOUT) but for a --config file's own: no option spells it."""
 
     targets: Optional[tuple] = None
     lora_r: int = LORA_R
     lora_alpha: int = LORA_ALPHA
     soup_config: Optional[str] = None
+    dropout: float = LORA_DROPOUT
+
+    def soup_lora(self) -> dict[str, Any]:
+        """The ``training.lora`` keys a Soup config gets beyond r, alpha and targets: the dropout where it is not
+        Soup's default (the protocol's config stays as it was)."""
+        return {} if self.dropout == LORA_DROPOUT else {"dropout": self.dropout}
+
+
+def lora_dropout(training: Any) -> float:
+    """``training.lora.dropout`` off Soup's loaded ``cfg.training`` (its schema's default where a release has
+    none): the one reading of it, a --config file's Adapter's and the patched gates' alike."""
+    return float(getattr(training.lora, "dropout", LORA_DROPOUT))
 
 
 #: How a full fine-tuning's row is named after its streaming modes ("Llama-3.2-1B [resident+full]"): the label's
@@ -214,10 +227,11 @@ class Arm:
 
     def estimator(self) -> dict[str, Any]:
         """The estimator's keywords for this arm (issue395.estimator.estimate's, a streamed one's ``stream`` aside):
-        its shape, its adapter (None: the family's own targets), its steps, task and settings; every estimate of an
+        its shape, its adapter (None: the family's own targets; its dropout), its steps, task and settings; every estimate of an
         arm takes these, so no mode lists them again."""
         return dict(quant=self.quant, seq=self.seq, batch=self.batch, targets=self.adapter.targets or None,
-                    lora_r=self.adapter.lora_r, steps=self.steps, task=self.task, **self.run)
+                    lora_r=self.adapter.lora_r, lora_dropout=self.adapter.dropout, steps=self.steps, task=self.task,
+                    **self.run)
 
     @classmethod
     def from_json(cls, data: dict) -> "Arm":

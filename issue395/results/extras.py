@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Callable, ClassVar, Optional
 
 from ..constants import is_whole
+from ..record import LORA_DROPOUT
 
 _STR = (lambda v: v is None or isinstance(v, str), "a string or null")
 _PRINTABLE = (lambda v: isinstance(v, str) and v.isprintable(), "a printable string")
@@ -207,16 +208,26 @@ class SoupProbe(Record):
 
 @dataclass(frozen=True)
 class UserConfig(Record):
-    """--config: the user's soup.yaml this arm is, and the LoRA r and alpha it ran with from it (r 0: Soup's full
-    fine-tuning, no adapter)."""
+    """--config: the user's soup.yaml this arm is, and the LoRA r, alpha and dropout it ran with from it (r 0:
+    Soup's full fine-tuning, no adapter). The dropout's key is absent at Soup's default (LORA_DROPOUT), so every
+    row saved before it re-renders alike."""
 
     path: str
     lora_r: int
     lora_alpha: int
+    lora_dropout: float = LORA_DROPOUT
 
     CHECKS: ClassVar = {"path": (lambda v: isinstance(v, str), "a string"),
                         "lora_r": (lambda v: is_whole(v, 0), "a whole number >= 0 (0: a full fine-tuning)"),
-                        "lora_alpha": (lambda v: is_whole(v, 1), "a whole number >= 1")}
+                        "lora_alpha": (lambda v: is_whole(v, 1), "a whole number >= 1"),
+                        "lora_dropout": (lambda v: v is None or (isinstance(v, (int, float)) and not isinstance(v, bool)
+                                                                 and v <= 1), f"a number up to 1 (absent: {LORA_DROPOUT})")}
+
+    def to_json(self) -> dict[str, Any]:
+        data = super().to_json()
+        if self.lora_dropout == LORA_DROPOUT:
+            del data["lora_dropout"]
+        return data
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any, Iterable, Optional
 
 from ..constants import is_whole
-from ..record import LORA_R, RECORD_A10G_PEAK, SOUP_QUANT
+from ..record import LORA_DROPOUT, LORA_R, RECORD_A10G_PEAK, SOUP_QUANT
 from ..tasks import PROTOCOL_TASK, TASKS, task as task_of
 from ..model.arm import SETTINGS, Adapter, Arm, Settings, logits_charge, predicted_bytes
 from ..model.registry import Shape
@@ -141,10 +141,12 @@ class Row:
 
     def run_arm(self, steps: int = 1) -> Arm:
         """The typed Arm this row ran (issue395.model.arm.Arm): its map key's base and streaming, shape, task,
-        settings and adapter (its targets and r), at the run's ``steps`` (a saved result's environment keeps them,
-        not the row)."""
+        settings and adapter (its targets, r and dropout), at the run's ``steps`` (a saved result's environment keeps
+        them, not the row)."""
+        dropout = self.config.lora_dropout if self.config else LORA_DROPOUT
         return Arm.at(self.model_key, self.seq, self.batch, self.index, self.quant, self.task or PROTOCOL_TASK,
-                      self.settings, adapter=Adapter(tuple(self.targets) or None, self.rank), steps=steps)
+                      self.settings, adapter=Adapter(tuple(self.targets) or None, self.rank, dropout=dropout),
+                      steps=steps)
 
     @property
     def label(self) -> str:

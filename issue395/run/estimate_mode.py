@@ -18,7 +18,7 @@ from typing import Iterator, Optional
 
 from ..constants import comma_list
 from ..errors import EXIT_OK, EXIT_USAGE, UsageError, last_line
-from ..record import LORA_ALPHA, LORA_R, QUANTS
+from ..record import LORA_ALPHA, LORA_DROPOUT, LORA_R, QUANTS
 from ..tasks import TASKS
 from ..model.arm import Adapter
 from ..model.registry import ALL_FAMILIES, by_hub_id, config_json, hub_id_of, variant_of
@@ -231,7 +231,8 @@ def settle_values(args: argparse.Namespace, given: FromOptions, cards_given: Opt
     (lora_r, lora_alpha), (steps, steps_from) = given.lora(), given.steps()
     user = getattr(given, "user", None)
     return EstimateRequest(name, config, quants, seqs, batches, tasks,
-                    Adapter(targets, lora_r, lora_alpha, soup_config=args.config), cards, context,
+                    Adapter(targets, lora_r, lora_alpha, args.config, user.arm.adapter.dropout if user else LORA_DROPOUT),
+                    cards, context,
                     given.streaming(stream), steps, user=user, steps_from=steps_from)
 
 
@@ -365,7 +366,8 @@ def answered(e: EstimateRequest, a: Adapter, gate, optimizer, stream: dict, kw: 
                 "soup_cli": installed, "stack": {**stack.to_json(), **({"given": box} if box else {})}, "tasks": list(e.tasks),
                 "targets": list(targets),
                 **({"soup_targets": a.targets[0]} if a.targets and tuple(targets) != tuple(a.targets) else {}),
-                "config": a.soup_config, "lora_alpha": a.lora_alpha, "stream": stream, "steps": e.steps,
+                "config": a.soup_config, "lora_alpha": a.lora_alpha, **{f"lora_{k}": v for k, v in a.soup_lora().items()},
+                "stream": stream, "steps": e.steps,
                 "answer": answer, "soup_gate": {"rule": gate.rule, "override_bytes": gate.override},
                 "config_keys": list(e.keys), "upper_bound": bound, "fits_every_card": fits_all if e.cards else None,
                 "runs_on_every_card": runs_exit_code(answers) == EXIT_OK if e.cards else None, "lora_r": a.lora_r,

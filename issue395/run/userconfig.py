@@ -13,9 +13,9 @@ from typing import Any, Optional
 
 from ..constants import STREAM_KEYS
 from ..errors import UsageError, cut, last_line, soups_words
-from ..record import SOUP_QUANT
+from ..record import LORA_DROPOUT, SOUP_QUANT
 from ..tasks import PROTOCOL_TASK, TASKS
-from ..model.arm import Adapter, Arm, Settings
+from ..model.arm import Adapter, Arm, Settings, lora_dropout
 from ..model.streaming import Streaming
 from ..results.extras import ResidentGate
 from .checks import HUB_ID, LOADER_NEEDS, looks_like_a_path
@@ -126,8 +126,8 @@ def read_soup_config(path: str) -> UserRun:
                          "model (it measures a step at setup; give on or off)")
     override = getattr(t, "stream_vram_override", None)
     arm = Arm("custom", int(cfg.data.max_length), int(t.batch_size), quant=quant, task=task, settings=Settings.read(t),
-              streaming=file_streaming(t), adapter=Adapter(tuple(targets), int(lora.r), int(lora.alpha), str(path)),
-              checkpoint=str(cfg.base))
+              streaming=file_streaming(t), checkpoint=str(cfg.base),
+              adapter=Adapter(tuple(targets), int(lora.r), int(lora.alpha), str(path), lora_dropout(t)))
     return UserRun(str(path), arm, gate_override=None if override is None else int(override),
                    keys=tuple(unknown_keys(raw)) + tuple(key_lines(cfg, quant, set_in(raw, "training"))), text=text,
                    resident=resident)
@@ -230,10 +230,6 @@ def unknown_keys(raw: Any) -> list[str]:
     return lines
 
 
-#: Soup's training.lora.dropout default, at which the estimator's LoRA terms are counted.
-LORA_DROPOUT = 0.05
-
-
 def key_lines(cfg: Any, quant: str, given: Optional[set] = None) -> list[str]:
     """How each key of the file that changes the peak or Soup's gate is read: modelled (and how),
     or not modelled, one line each; Soup's defaults say nothing, but one that changes the peak
@@ -262,15 +258,15 @@ def key_lines(cfg: Any, quant: str, given: Optional[set] = None) -> list[str]:
         if value != setting.protocol:
             default = "" if setting.soup in given else " (Soup's default, not set in the file)"
             lines.append(f"training.{setting.soup} {value}{default}: modelled: {setting.modelled}")
-    dropout = float(getattr(t.lora, "dropout", LORA_DROPOUT))
-    if dropout > 0 and dropout != LORA_DROPOUT:
+    dropout = lora_dropout(t)
+    if 0 < dropout < 1 and dropout != LORA_DROPOUT:
         lines.append(f"training.lora.dropout {dropout:g}: modelled: peft's Dropout keeps its output and a 1-byte mask "
-                     "per adapted linear's input whatever p is, as at Soup's default 0.05")
-    elif dropout <= 0:
-        lines.append(f"training.lora.dropout {dropout:g}: an upper bound: at 0 peft runs no Dropout (nn.Identity), so "
-                     "the output copy and 1-byte mask charged per adapted linear at Soup's default 0.05 are not made "
-                     "(lora_A keeps its input, which may be one the layer keeps anyway): these figures are 0.05's, "
-                     "at most what the run holds; Soup's own number does not read the dropout")
+                     f"per adapted linear's input whatever p is, as at Soup's default {LORA_DROPOUT:g}")
+    elif dropout != LORA_DROPOUT:
+        lines.append(f"training.lora.dropout {dropout:g}: modelled, the dropout's output an upper bound: no 1-byte "
+                     "mask is charged (peft runs nn.Identity at p 0 or below, nn.Dropout at p 1 writes none); the "
+                     "output copy still is, though nn.Identity makes none (lora_A keeps its input, which may be one "
+                     "the layer keeps anyway); Soup's own number does not read the dropout")
     for key in STREAM_KEYS:
         value = getattr(t, key, None)
         if value not in (None, "on", "fused"):  # Soup's defaults say nothing

@@ -87,3 +87,22 @@ def test_trls_disable_dropout_reaches_every_lora_dropout_inside_soups_streamed_l
     disable_dropout_in_model(m)
     assert dropouts() == [0] * (len(TARGETS) * cfg.num_hidden_layers)
     assert all(mask_bytes(task(name)) == 0 for name in ("dpo", "orpo", "simpo", "kto"))
+
+
+def test_a_lora_dropout_of_0_builds_no_dropout_in_peft_so_no_task_keeps_a_mask():
+    """Issue 50 item 1, on the real stack (CPU): peft builds nn.Identity for a LoRA dropout of 0 (Soup's
+    training.lora.dropout 0), no nn.Dropout, so no mask is written whatever the task (mask_bytes at p 0: none,
+    SFT's too); at Soup's default or another p in (0, 1) an nn.Dropout of that p, whose mask SFT keeps."""
+    import torch
+    import peft
+    import transformers
+
+    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=128)
+    for p, kept in ((0.0, 0), (0.05, 1), (0.3, 1)):
+        m = peft.get_peft_model(transformers.LlamaForCausalLM(cfg), peft.LoraConfig(
+            r=8, target_modules=list(TARGETS), lora_dropout=p))
+        kinds = {type(d).__name__ for name, d in m.named_modules() if name.endswith("lora_dropout.default")}
+        assert kinds == ({"Identity"} if p == 0 else {"Dropout"}), (p, kinds)
+        assert mask_bytes(task("sft"), p) == kept, p
+        assert all(mask_bytes(task(name), p) == 0 for name in ("dpo", "orpo", "simpo", "kto"))

@@ -283,3 +283,22 @@ def test_a_release_that_loads_fp32_master_weights_is_refused_in_one_line(tmp_pat
     monkeypatch.setenv(SOURCE_ENV, str(src))
     with pytest.raises(UsageError, match="soup-cli 0.77.0 loads a fully fine-tuned base as fp32 master weights"):
         estimate_resident(config_json("llama32-1b"), seq=512, lora_r=0)
+
+
+def test_a_resident_run_at_lora_dropout_0_drops_exactly_the_masks_a_run_without_dropout_keeps_none_of():
+    """Issue 50 item 1: a resident arm's adapter at training.lora.dropout 0 (peft's nn.Identity: no Dropout, so no
+    mask) reaches the resident estimate through its Arm (estimate_run), as a task whose trainer sets p to 0 does.
+    Measured: Llama-3.2-1B SFT 2048x1 without checkpointing keeps 30 mask blocks of 4,194,304 B at its loss peak
+    (p 0.05), DPO at p 0 none; the SFT arm at dropout 0 is charged exactly those bytes less through the loss, and
+    its Soup's-default arm is the estimate of an arm that names no dropout."""
+    from issue395.model.arm import Adapter, Arm
+    from issue395.estimator.resident import estimate_run
+
+    sft, dpo = _peak_blocks("res-sft-llama1b-bf16-2048x1"), _peak_blocks("res-dpo-llama1b-bf16-1024x1")
+    measured = sft[4194304] * 4194304
+    assert 4194304 not in dpo
+    at = {p: estimate_run(Arm.at("llama32-1b+resident", 2048, adapter=Adapter(dropout=p))) for p in (0.05, 0.0)}
+    assert at[0.05] == estimate_run(Arm.at("llama32-1b+resident", 2048))
+    assert at[0.05].terms["retained_activations"] - at[0.0].terms["retained_activations"] == measured
+    assert at[0.05].phase == at[0.0].phase == "loss"
+    assert at[0.05].corrected_predicted - at[0.0].corrected_predicted == measured

@@ -250,7 +250,7 @@ def test_estimate_sets_the_patched_gate_beside_the_stock_formula(patched_site, m
     assert "longest seq it admits 1792" not in next(line for line in stock.splitlines() if line.startswith("  12GB:"))
 
 
-@pytest.mark.parametrize("setting", [("lora.dropout", 0.1), ("bnb_4bit_use_double_quant", False),
+@pytest.mark.parametrize("setting", [("bnb_4bit_use_double_quant", False),
                                      ("stream_nf4_scale_cache", True), ("moe_lora", True), ("optimizer", "adafactor"),
                                      ("quantization", "8bit"), ("stream_recompute", "auto")])
 def test_a_setting_the_estimator_does_not_model_keeps_soups_formula_and_says_so(setting):
@@ -283,6 +283,42 @@ def test_the_patched_gate_reads_the_runs_stream_buffers_off_soups_config():
     want = [estimate(config_json("qwen"), quant="nf4", seq=512, steps=2, buffers=n, soup=False).corrected_predicted
             for n in (2, 3)]
     assert peaks == want and peaks[1] > peaks[0]
+
+
+def test_both_patched_gates_read_the_lora_dropout_off_soups_config(patched_site):
+    """Issue 50 item 1: training.lora.dropout is modelled (no mask at p 0), so neither gate keeps Soup's formula for
+    it: each reads it off Soup's config (model.arm.lora_dropout, as a --config file's Adapter does), in the bundled
+    module too. Streamed (Mistral-7B NF4 2048x1, the layer phase binding): at 0 the estimate at lora_dropout 0, at
+    0.1 Soup's default's (masks and output alike). Resident (Qwen2.5 1024x1, Soup's loader's config): less at 0,
+    as the tool's own gate computes it."""
+    from types import SimpleNamespace as S
+
+    from soup_cli.config.loader import load_config_from_string
+
+    from issue395.estimator.soup_gate import resident_kwargs, resident_preflight
+    from issue395.estimator.soup_number import _patched_module
+
+    path = patched_site / "soup_cli" / PATCH_MODULE
+    module = _patched_module(path, path.stat().st_mtime)
+    mistral, cfg = config_json("mistral-7b"), S(task="sft", data=S(max_length=2048))
+
+    def tcfg(p):
+        return S(quantization="4bit", batch_size=1, lora=S(target_modules=["q_proj", "v_proj"], r=8, dropout=p),
+                 optimizer="adamw_torch", stream_buffers=2)
+
+    streamed = {p: module.preflight(cfg, tcfg(p), mistral) for p in (0.05, 0.1, 0.0)}
+    want = {p: estimate(mistral, quant="nf4", seq=2048, steps=2, lora_dropout=p, soup=False) for p in (0.05, 0.0)}
+    assert all(r["refused"] is None for r in streamed.values())
+    assert streamed[0.05]["peak"] == streamed[0.1]["peak"] == want[0.05].corrected_predicted
+    assert streamed[0.0]["peak"] == want[0.0].corrected_predicted < want[0.05].corrected_predicted
+    lora = {"r": 8, "alpha": 16, "target_modules": ["q_proj", "v_proj"]}
+    files = {p: load_config_from_string(_resident_yaml(Path("Qwen2.5-0.5B"), 1024, 1, lora=dict(lora, dropout=p)))
+             for p in (0.05, 0.0)}
+    assert resident_kwargs(files[0.0], config_json("qwen"))[1]["lora_dropout"] == 0.0
+    mine = {p: resident_preflight(f, config_json("qwen"), free=None, total=10**11)["peak"] for p, f in files.items()}
+    theirs = {p: module.resident_preflight(f, config_json("qwen"), free=None, total=10**11)["peak"]
+              for p, f in files.items()}
+    assert theirs == mine and mine[0.0] < mine[0.05]
 
 
 def test_a_config_the_estimator_cannot_read_keeps_soups_formula_not_a_crash_of_soups_setup():

@@ -130,3 +130,26 @@ def test_an_arms_estimate_is_the_estimate_its_keywords_gave(key, run, words):
     else:
         want = estimate(config_json(family), release="0.77.0", soup=False, **words)
     assert got.to_json() == want.to_json()
+
+
+def test_an_adapters_lora_dropout_is_soups_default_unless_given_and_travels_with_its_arm():
+    """Issue 50 item 1: the Adapter carries the LoRA dropout, Soup's schema default (LoraConfig.dropout) unless a
+    --config file gives another; every estimate of the arm takes it (Arm.estimator), the measured arm's Soup config
+    gets it only where it is not the default (so the protocol's config is as it was), and a child's job file
+    carries it (an older job file with none reads as the default)."""
+    import dataclasses
+
+    from soup_cli.config.schema import LoraConfig
+
+    from issue395.model.arm import Adapter
+    from issue395.record import LORA_DROPOUT
+
+    assert Adapter().dropout == LORA_DROPOUT == LoraConfig().dropout
+    arm = Arm("qwen", 2048, adapter=Adapter(("q_proj",), 8, 16, "soup.yaml", 0.0))
+    assert arm.estimator()["lora_dropout"] == 0.0 and Arm("qwen", 2048).estimator()["lora_dropout"] == LORA_DROPOUT
+    assert (arm.adapter.soup_lora(), Adapter().soup_lora()) == ({"dropout": 0.0}, {})
+    sent = json.loads(json.dumps(dataclasses.asdict(arm)))
+    assert Arm.from_json(sent) == arm and Arm.from_json(sent) != dataclasses.replace(arm, adapter=Adapter(
+        ("q_proj",), 8, 16, "soup.yaml"))
+    del sent["adapter"]["dropout"]
+    assert Arm.from_json(sent).adapter.dropout == LORA_DROPOUT

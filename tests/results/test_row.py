@@ -451,3 +451,29 @@ def test_a_full_fine_tunings_row_saves_no_targets_and_reads_back():
     assert lora.to_json()["targets"] == list(SHAPES_QWEN.targets)
     lost = lost_row(arm, MeasureRequest(), None, -9)  # the lost arm's own adapter
     assert lost.to_json()["targets"] is None and lost.rank == 0
+
+
+def test_a_config_rows_lora_dropout_is_saved_where_it_is_not_soups_default_and_its_arm_reads_it_back():
+    """Issue 50 item 1: a --config row's LoRA dropout is its UserConfig's: absent from the JSON at Soup's default
+    (so every row saved before re-renders alike), saved otherwise; it reads back to an equal row whose Arm's adapter
+    has it, so its corrected figure is the dropout's (at 0: no masks, less); a lost row of such an arm carries it;
+    a value no run has (past 1) is refused on reading."""
+    from issue395.host.measured import MeasureRequest
+    from issue395.host.spread import lost_row
+    from issue395.model.arm import Adapter
+    from issue395.results.corrected import corrected
+
+    arm = Arm.at("qwen+resident", 2048, 1, 1)  # resident without checkpointing: every layer's masks held at the loss
+    rows = {p: arm_row(arm, SHAPES_QWEN, real_peak=10**9, realised_width=2048, realised_rows=(2048,),
+                       config=UserConfig("soup.yaml", 8, 16, p)) for p in (0.05, 0.0)}
+    assert "lora_dropout" not in rows[0.05].to_json()["config"] and rows[0.0].to_json()["config"]["lora_dropout"] == 0
+    back = {p: roundtrip(r) for p, r in rows.items()}
+    assert back == rows and back[0.0].to_json() == rows[0.0].to_json()
+    assert back[0.0].run_arm().adapter.dropout == 0.0 and back[0.05].run_arm().adapter.dropout == 0.05
+    assert corrected(back[0.0]) < corrected(back[0.05])
+    lost = lost_row(replace(arm, adapter=Adapter(("q_proj",), 8, 16, "soup.yaml", 0.0)), MeasureRequest(), None, -9)
+    assert roundtrip(lost).config == UserConfig("soup.yaml", 8, 16, 0.0)
+    data = rows[0.0].to_json()
+    data["config"]["lora_dropout"] = 1.5
+    with pytest.raises(ValueError, match="lora_dropout"):
+        Row.from_json(data)

@@ -108,6 +108,25 @@ def test_a_measured_runs_grid_arm_is_the_files_arm_field_for_field(tmp_path, tin
     assert settled(["--config", config, "--dry-run", "--steps", "4"]).arms() == [replace(file_arm, steps=4)]
 
 
+def test_a_files_lora_dropout_is_its_measured_arms_and_the_protocols_config_names_none(tmp_path):
+    """Issue 50 item 1: a --config file's training.lora.dropout is its measured arm's (the Soup config the protocol
+    builds for the arm, read back by Soup's own loader, holds it), so the row and the run agree; the protocol's
+    and the map's arms name no dropout (Soup's default: their config is as it was)."""
+    from soup_cli.config.loader import load_config_from_string
+
+    path = soup_yaml(tmp_path, "mistralai/Mistral-7B-v0.3", seq=512, quant="4bit")
+    path.write_text(path.read_text().replace("alpha: 8,", "alpha: 8, dropout: 0,"))
+    (arm,) = settled(["--config", path, "--dry-run"]).arms()
+    (protocol,) = settled(["--model", "smol", "--seq", "512", "--dry-run"]).arms()
+
+    def measured(a):
+        return h.soup_config_yaml("x/base", "/tmp/d.jsonl", "/tmp/out", a.seq, 1, a.quant, ("q_proj",), (),
+                                  a.adapter.lora_r, a.adapter.lora_alpha, a.task, a.training, a.adapter.soup_lora())
+
+    assert arm.adapter.dropout == 0.0 and load_config_from_string(measured(arm)).training.lora.dropout == 0.0
+    assert "dropout" not in measured(protocol) and protocol.adapter.dropout == 0.05
+
+
 @pytest.mark.skipif(not soup_has_stream_modes(), reason="soup-cli 0.77.0's streaming modes")
 def test_the_files_streaming_modes_name_the_arm_as_the_map_spells_them(capfd, tmp_path):
     extra = "  stream_loss_chunk: 512\n  stream_recompute: 'off'\n"

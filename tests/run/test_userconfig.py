@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections import Counter
 
 import pytest
 from conftest import estimate_config_json, file_lines, main, one_error_line, readme_yaml
@@ -386,21 +387,71 @@ def test_the_accumulation_line_says_soups_default_when_the_file_does_not_set_it(
 
 @pytest.mark.parametrize("dropout", ["0.1", "0.3", "0.0", "0"])
 def test_a_lora_dropout_is_answered_and_said_how(capfd, tmp_path, dropout):
-    """Issue 36 item 12: training.lora.dropout is answered (the same needs-free and Soup number) and said how:
-    modelled for p > 0, an upper bound for 0."""
+    """Issue 36 item 12, issue 50 item 1: training.lora.dropout is answered and said how: for 0 < p < 1 the same
+    needs-free as Soup's default (its masks and output alike); at 0 no mask, so less, the output copy still
+    charged as an upper bound; Soup's own number the same at every p (it does not read the dropout)."""
     base = main(capfd, ["--estimate", "--config", readme_yaml(tmp_path, name="a.yaml"), "--card", "T4", "--json",
                         tmp_path / "a.json"])
-    path = readme_yaml(tmp_path, targets=f"[q_proj, v_proj]}}\n  lora_dropout_: 0\n  lora: {{dropout: {dropout}, r: 8")
-    path.write_text(readme_yaml(tmp_path).read_text().replace("alpha: 16,", f"alpha: 16, dropout: {dropout},"))
+    path = readme_yaml(tmp_path, name="b.yaml")
+    path.write_text(path.read_text().replace("alpha: 16,", f"alpha: 16, dropout: {dropout},"))
     code, out, err = main(capfd, ["--estimate", "--config", path, "--card", "T4", "--json", tmp_path / "b.json"])
     assert base[0] == 0 and code == 0, err
     (line,) = [ln for ln in out.splitlines() if "training.lora.dropout" in ln]
     a, b = (json.loads((tmp_path / f).read_text())["rows"][0] for f in ("a.json", "b.json"))
-    assert a["needs_free"] == b["needs_free"] and a["soup_predicted"] == b["soup_predicted"]
+    assert a["soup_predicted"] == b["soup_predicted"]
     if float(dropout) > 0:
+        assert a["needs_free"] == b["needs_free"]
         assert "modelled" in line and "bound" not in line, line
     else:
-        assert "upper bound" in line, line
+        assert b["needs_free"] < a["needs_free"]
+        assert "no 1-byte mask is charged" in line and "upper bound" in line, line
+
+
+def test_a_files_lora_dropout_0_is_its_arms_and_drops_exactly_the_layer_phases_masks(capfd, tmp_path, monkeypatch):
+    """Issue 50 item 1: a soup.yaml's training.lora.dropout, read by Soup's own loader, is its Arm's adapter's
+    (0 there; Soup's default 0.05 where the file sets none). Issue 50 item 1 (estimator): at p 0 peft builds no
+    Dropout, so no mask; --estimate --config of the file at 0 against the same file at 0.05 differs by exactly
+    the mask blocks the layer phase's own block list (layer.layer_blocks, read as the estimate ran) holds at
+    0.05 and not at 0, each 1 B an input element of its target: the layer term by their bytes, its remainders
+    by theirs, needs-free (every block split) by their bytes alone; every other term and Soup's number alike."""
+    import issue395.estimator.estimate as est
+    from issue395.run.userconfig import read_soup_config
+
+    seen = {}
+    real = est.layer_blocks
+
+    def listed(a, quant, targets, r, T, lp):
+        blocks = real(a, quant, targets, r, T, lp)
+        seen.setdefault(lp.mask, (T, a.h, blocks))  # the first call: the row's own estimate
+        return blocks
+
+    monkeypatch.setattr(est, "layer_blocks", listed)
+    files = {}
+    for p in ("0.05", "0"):
+        path = readme_yaml(tmp_path, name=f"d{p}.yaml")
+        path.write_text(path.read_text().replace("alpha: 16,", f"alpha: 16, dropout: {p},"))
+        files[p] = estimate_config_json(capfd, tmp_path, path)[0]
+    assert read_soup_config(str(tmp_path / "d0.yaml")).arm.adapter.dropout == 0.0
+    assert read_soup_config(str(readme_yaml(tmp_path))).arm.adapter.dropout == 0.05
+    (T, h, with_masks), (_, _, without) = seen[1], seen[0]
+    masks = list((Counter(with_masks) - Counter(without)).elements())
+    assert not Counter(without) - Counter(with_masks) and masks == [T * h] * 2  # q_proj and v_proj: h wide each
+    a, b = (files[p]["rows"][0] for p in ("0.05", "0"))
+    assert files["0"]["lora_dropout"] == 0.0 and "lora_dropout" not in files["0.05"]
+    rests = est.layer_remainders(with_masks) - est.layer_remainders(without)
+    diff = {k: a["terms"][k] - b["terms"][k] for k in a["terms"] if a["terms"][k] != b["terms"][k]}
+    assert diff == {"layer_per_token": sum(masks), **({"layer_remainders": rests} if rests else {})}, diff
+    assert a["phase"] == b["phase"] == "layer" and a["soup_predicted"] == b["soup_predicted"]
+    assert a["corrected_predicted"] - b["corrected_predicted"] == sum(masks) + rests
+    assert a["needs_free"] - b["needs_free"] == sum(masks)
+
+
+def test_a_lora_dropout_no_run_has_is_one_line(capfd, tmp_path):
+    """Issue 50 item 1: peft's nn.Dropout refuses a p past 1 (Soup's schema does not), so --estimate names the key
+    in one line, never a figure for a run that cannot be."""
+    path = readme_yaml(tmp_path)
+    path.write_text(path.read_text().replace("alpha: 16,", "alpha: 16, dropout: 1.5,"))
+    one_error_line(*main(capfd, ["--estimate", "--config", path]), "training.lora.dropout 1.5", "nn.Dropout")
 
 
 @pytest.mark.parametrize("base", ["./models/my-llama", "models/my-llama", "../nowhere/x", "a/b/c", "~/no-such-model-x"])
