@@ -65,7 +65,8 @@ from ..constants import K_LARGE_BUFFER, K_MIN_LARGE_ALLOC, K_ROUND_LARGE, K_SMAL
 from ..errors import UsageError
 from ..model.targets import soup_targets
 from ..tasks import PROTOCOL_TASK, task as task_named
-from .arch import NF4_BLOCK, Arch, arch_from_config, layer_bytes, nf4_bytes, protocol_targets
+from .arch import (NF4_BLOCK, Arch, activation_bytes, arch_from_config, fp32_residual, layer_bytes, nf4_bytes,
+                   protocol_targets)
 from .layer import (LORA_DROPOUT_MASK_BYTES, MLP_BACKWARD_TRANSIENTS, Moment, checkpointed_through, layer_per_token,
                     mask_bytes)
 from .releases import installed_release, release_source
@@ -76,7 +77,7 @@ from .steady import adapter_bytes
 from .terms import Phase, Term, phase_sum
 
 #: The architectures the resident construction is held to (every committed resident row of theirs).
-MODELLED_TYPES = ("llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "gemma3_text", "phi3")
+MODELLED_TYPES = ("llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "gemma3_text", "phi3", "phi")
 
 
 def resident_weights(a: Arch, quant: str = "none") -> int:
@@ -114,7 +115,9 @@ def retained_rounding(a: Arch, targets: tuple, r: int, T: int, quant: str = "non
     widths = [(4, a.h)] * (a.norms if a.quirks.norm_inputs_saved else 0)
     widths += [w for t in targets for w in ((act, a.modules[t][0]), (mask, a.modules[t][0]), (act, r))]
     widths += [(act, qw), (act, kw), (act, (qw + 2 * kw) if a.quirks.fused_qkv else kw), (act, qw)]
-    widths += [(4 if quant == "nf4" else act, a.i)] * (a.quirks.mlp_saved - a.quirks.mlp_transients)
+    upcast, _ = autocast_upcasts(a, quant)  # autocast's fp32 copies in place of as many of the count's MLP blocks
+    mlp = a.quirks.mlp_saved - a.quirks.mlp_transients - sum(1 for _, w in upcast if w == a.i)
+    widths += [(4 if quant == "nf4" else act, a.i)] * mlp + upcast
     sizes = [block_bytes(b * w * T) for b, w in widths if b]
     # requests from 1 MiB to 10 MiB are cut from 20 MiB segments, and a segment's last block keeps a rest under
     # 1 MiB unsplit (the allocator splits a large block only where more than 1 MiB would remain): at most 1 MiB a
@@ -157,6 +160,36 @@ def unaligned_weight_blocks(a: Arch, quant: str, targets: tuple, r: int) -> int:
     return sum(1 for s in map(block_bytes, sizes) if s > K_SMALL_SIZE and s % K_ROUND_LARGE)
 
 
+#: The bytes autocast's fp32 ops make one element of what they save: layer_norm and pow are on CUDA autocast's
+#: float32 list (torch's autocast_mode.cpp), so each casts its bf16 input to fp32 and saves that copy.
+AUTOCAST_FP32 = 4
+
+
+def autocast_upcasts(a: Arch, quant: str) -> tuple[list[tuple[int, int]], int]:
+    """The blocks, as (bytes an element, width) a token, that a layer keeps under Hugging Face's bf16 autocast (a
+    resident run's: Soup's streamed step runs without it, and the shared counts are measured there) where the
+    count charges other ones, and the bytes a token of the count's they replace. nn.LayerNorm (``norm_bias``:
+    phi's input_layernorm, transformers 5.16.1 modeling_phi.py) runs in fp32 and saves its input's fp32 copy
+    and its fp32 mean and rstd (4 B a token each), none of which the count charges (under NF4 the residual is
+    fp32 already, and the input itself is what it saves). phi's python gelu_new (activations.py
+    NewGELUActivation, ``mlp_saved`` 7) calls torch.pow, which autocast runs in fp32: its input's fp32 copy
+    (which pow saves), tanh's output and 1 + tanh (which the last mul saves) are fp32, where the count charges
+    three bf16 (0.5 x stays bf16); under NF4 the count charges them fp32 already (fp32_residual)."""
+    blocks, replaced = [], 0
+    if a.norm_bias:
+        blocks += [(AUTOCAST_FP32, a.h), (AUTOCAST_FP32, 1), (AUTOCAST_FP32, 1)] * a.norms
+    if a.quirks.mlp_saved == 7 and not fp32_residual(a, quant):
+        blocks += [(AUTOCAST_FP32, a.i)] * 3
+        replaced += 3 * activation_bytes(a, quant) * a.i
+    return blocks, replaced
+
+
+def autocast_per_token(a: Arch, quant: str) -> int:
+    """What autocast_upcasts adds to a layer's count a token."""
+    blocks, replaced = autocast_upcasts(a, quant)
+    return sum(b * w for b, w in blocks) - replaced
+
+
 def adapter_casts(a: Arch, targets: tuple, r: int, per: int) -> int:
     """The bf16 copy of each fp32 LoRA matrix (``per`` 4: adapter_bytes) that autocast makes for its matmul, which
     saves it for the backward: lora_B's in every layer (its input, lora_A's output, needs a gradient), lora_A's
@@ -179,6 +212,9 @@ def refused(a: Arch, quant: str, checkpointing: bool = True, seq: int = 0) -> st
                 "is not yet modelled by this estimator (its layers keep attention masks the counts do not have)")
     if quant not in ("none", "nf4"):
         return f"a resident {quant} run is not modelled by this estimator"
+    if fp32_residual(a, quant):
+        return (f"a resident {quant} {a.model_type} run is not yet modelled by this estimator (its fp32 residual "
+                "stream under autocast keeps more a layer than the counts name)")
     if a.layers is not None or a.model_type not in MODELLED_TYPES:
         return f"a resident {a.model_type} run is not yet modelled by this estimator"
     return None
@@ -222,6 +258,10 @@ def estimate_resident(config: dict, *, quant: str = "none", seq: int, batch: int
         t[Term.ALLOCATOR_ROUNDING.key] += retained_rounding(a, tg, lora_r, T, quant, e.seq,
                                                             mask_bytes(task_named(task)))
         t[Term.ADAPTER_CASTS.key] = adapter_casts(a, tg, lora_r, adapter_bytes(task, quant))
+        t[Term.RETAINED_ACTIVATIONS.key] += T * a.L * autocast_per_token(a, quant)
+        t[Term.RETAINED_BESIDE_LAYER.key] += T * (a.L - 1) * autocast_per_token(a, quant)
+    # the layer the backward runs holds them too, recomputed or not
+    t[Term.LAYER_PER_TOKEN.key] += T * autocast_per_token(a, quant)
     if quant == "nf4":
         # the embedding is fp32, so the residual stream is, and bitsandbytes' Linear4bit returns its input's dtype:
         # the MLP's i-wide tensors are fp32 (Llama-3.2-1B NF4 2048x1 kept 48 of 67,108,864 B, i x T x 4, where bf16
@@ -229,13 +269,14 @@ def estimate_resident(config: dict, *, quant: str = "none", seq: int, batch: int
         # autocast casts it to bf16 for the head's matmul, which saves that copy for its backward: V x h x 2 beside
         # the loss, whatever the tokens (Llama-3.2-1B NF4: real peaks 3.733 MB a token plus 561 MB at 512-8192
         # tokens; this copy is 525 MB). The backward dequantises one linear at a time.
-        saved = 2 * a.i * (a.quirks.mlp_saved - a.quirks.mlp_transients)
+        # (phi's residual is fp32 from layer 0's output: its count charges every activation fp32 already)
+        saved = 0 if fp32_residual(a, quant) else 2 * a.i * (a.quirks.mlp_saved - a.quirks.mlp_transients)
         if checkpointing:
             t[Term.CHECKPOINTED_INPUTS.key] *= 2
         else:
             t[Term.RETAINED_ACTIVATIONS.key] += T * a.L * saved
             t[Term.RETAINED_BESIDE_LAYER.key] += T * (a.L - 1) * saved
-        t[Term.LAYER_PER_TOKEN.key] += T * 2 * a.i * a.quirks.mlp_saved
+        t[Term.LAYER_PER_TOKEN.key] += 0 if fp32_residual(a, quant) else T * 2 * a.i * a.quirks.mlp_saved
         t[Term.HEAD_COPY.key] = 2 * a.V * a.h + segment_tail(2 * a.V * a.h)
         # the rotary tables take the residual stream's dtype (transformers' rotary embeddings return
         # cos.to(x.dtype)): fp32 here, twice the streamed step's bf16 tables. Measured: Llama-3.2-1B NF4 2048x1
