@@ -77,7 +77,14 @@ from .steady import adapter_bytes
 from .terms import Phase, Term, phase_sum
 
 #: The architectures the resident construction is held to (every committed resident row of theirs).
-MODELLED_TYPES = ("llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "gemma3_text", "phi3", "phi")
+MODELLED_TYPES = ("llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "gemma3_text", "phi3", "phi", "deepseek_v3",
+                  "qwen3_5_text", "qwen3_5_moe_text")
+#: The layered families' runs whose committed rows the shared counts leave under their real peaks (the module's
+#: docstring has the figures): refused, each with why.
+LAYERED_REFUSED = {
+    ("qwen3_5_text", False): "its delta-net layers keep more without checkpointing than the counts name",
+    ("qwen3_5_moe_text", True): "its recomputed MoE layer holds more than the count names",
+}
 
 
 def resident_weights(a: Arch, quant: str = "none") -> int:
@@ -86,6 +93,8 @@ def resident_weights(a: Arch, quant: str = "none") -> int:
     with its segment's tail (estimate.segment_tail: HF loads tensor by tensor). NF4: each linear as bitsandbytes packs
     it (arch.nf4_bytes), everything it does not quantise cast to fp32 (measured: within 0.1% of what every committed
     dense NF4 arm held before its step, results/resident-map-*)."""
+    if a.layers is not None:
+        return kinds_weights(a, quant)
     if quant == "nf4":
         per_layer = sum(nf4_bytes(fi * fo) + (4 * fo if bias else 0) for fi, fo, bias in a.modules.values())
         per_layer += 4 * a.h * a.norms * (2 if a.norm_bias else 1) + (4 * 2 * a.head_dim if a.qk_norm else 0)
@@ -96,6 +105,30 @@ def resident_weights(a: Arch, quant: str = "none") -> int:
     per_layer = layer_bytes(a, "none") + sum(segment_tail(2 * fi * fo) for fi, fo, _ in a.modules.values())
     vocab = (1 if a.tied else 2) * (2 * a.V * a.h + segment_tail(2 * a.V * a.h))
     return a.L * per_layer + vocab + norms + (2 * a.V if a.quirks.head_bias and not a.tied else 0)
+
+
+def kinds_weights(a: Arch, quant: str) -> int:
+    """resident_weights of a model whose layers are of several kinds (issue395.estimator.moe: DeepSeek-V3's
+    dense and MoE layers, Qwen3.5's delta-net and full-attention ones): each layer its own kind's tensors, in
+    the model's order, beside the vocab matrices and the final norm as a dense model's. bf16: every tensor at
+    2 B but DeepSeek's expert-score bias (fp32: its _keep_in_fp32_modules_strict), the fused experts (3-D
+    parameters) among them. NF4: bitsandbytes packs each nn.Linear (arch.nf4_bytes); everything else, the fused
+    experts too (not nn.Linear: Soup's loader quantises none), is cast to fp32 as on a dense model. Each
+    tensor its own block with its segment's tail (estimate.segment_tail)."""
+    def held_as(n: int, kind: str) -> int:
+        b = n * (4 if quant == "nf4" or kind == "fp32" else 2)
+        return b + segment_tail(b)
+
+    def layer(k) -> int:
+        linears = sum(nf4_bytes(fi * fo) if quant == "nf4" else held_as(fi * fo, "linear")
+                      for fi, fo, _ in k.dequant.values())
+        return linears + sum(held_as(n, kind) for n, kind in k.tensors)
+
+    order = a.layers.order or (0,) * a.L
+    each = [layer(k) for k in a.layers.kinds]
+    per = 4 if quant == "nf4" else 2
+    vocab = (1 if a.tied else 2) * held_as(a.V * a.h, "linear")
+    return sum(each[j] for j in order) + vocab + per * a.h
 
 
 def retained_rounding(a: Arch, targets: tuple, r: int, T: int, quant: str = "none", seq: int | None = None,
@@ -215,7 +248,10 @@ def refused(a: Arch, quant: str, checkpointing: bool = True, seq: int = 0) -> st
     if fp32_residual(a, quant):
         return (f"a resident {quant} {a.model_type} run is not yet modelled by this estimator (its fp32 residual "
                 "stream under autocast keeps more a layer than the counts name)")
-    if a.layers is not None or a.model_type not in MODELLED_TYPES:
+    if a.layers is not None and (a.model_type, checkpointing) in LAYERED_REFUSED:
+        return (f"a resident {a.model_type} run {'with' if checkpointing else 'without'} gradient checkpointing "
+                f"is not yet modelled by this estimator ({LAYERED_REFUSED[a.model_type, checkpointing]})")
+    if a.model_type not in MODELLED_TYPES:
         return f"a resident {a.model_type} run is not yet modelled by this estimator"
     return None
 
