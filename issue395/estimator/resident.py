@@ -9,10 +9,17 @@ there and not in a streamed step: the adapter's bf16 copies its matmuls save (``
 every block of the step is whole 2 MiB (``whole_granules``). Where the task's trainer turns dropout off, no LoRA
 dropout mask is charged, by the streamed step's own rule (layer.mask_bytes), in each count and its blocks' rounding.
 
-Measured (tests/estimator/test_resident.py), on the 143 committed arms of these families it models, bf16 and NF4
-(results/resident-map-*): never under, median 1.0011x; with checkpointing 1.0001x-1.0029x, without it
-1.0000x-1.0794x, median 1.0014x (the widest: Phi-3-mini NF4, 1.063x-1.080x, whose fused gate_up the shared count
-charges whole; without its 4 rows at most 1.0238x, SmolLM2's bounded rounding). Under NF4 the rotary tables are
+Measured (tests/estimator/test_resident.py), on the 181 committed arms of these families it models, bf16 and NF4
+(results/resident-map-*): never under, median 1.0014x; with checkpointing 1.0001x-1.0029x, without it
+1.0000x-1.0794x, median 1.0023x (the widest: Phi-3-mini NF4, 1.063x-1.080x, whose fused gate_up the shared count
+charges whole; phi-2 bf16 1.024x-1.035x; Moonlight 1.002x-1.029x; without those at most 1.0238x, SmolLM2's
+bounded rounding). Layers of several kinds (issue395.estimator.moe) hold each its own kind's tensors
+(``kinds_weights``: Moonlight's dense layer 0 and MoE layers of 64 fused experts, Qwen3.5's delta-net and
+full-attention layers; within 0.1% of what each committed row held before its step, where charging every layer
+the union of the kinds was 10-30% off): Moonlight (DeepSeek-V3) 1.0003x-1.0286x on its 16 rows, Qwen3.5 with
+checkpointing 1.0002x-1.0008x (4), Qwen3.5-MoE without it 1.0001x-1.0040x (12). phi-2 bf16 (6 rows,
+1.0236x-1.0352x): a resident run trains under bf16 autocast, which the streamed step (where the counts are
+measured) does not, and autocast runs layer_norm and pow in fp32 (``autocast_upcasts``). Under NF4 the rotary tables are
 fp32, as the residual stream is: charged bf16, Gemma-2-2B NF4 4096x1 with checkpointing was 3.20 MB under its real
 peak, the allowance aside; charged fp32, 0.99 MB over.
 
@@ -30,12 +37,22 @@ Known limitations
       unnamed: no anatomy of it is committed (bench/gpu-resident-1.sh ran out of its budget before
       sft-phi3-nf4-1024x1). Its bf16 rows are 1.0003x-1.019x and its checkpointed NF4 ones 1.0014x-1.0029x.
     - Past a sliding window without checkpointing it is refused: Gemma-3 and Phi-3 keep attention masks per layer
-      there that the counts do not have (Gemma-3 2048x1: 48 blocks of 8 MiB; the construction was 0.978x-0.997x).
+      there that the counts do not have (Gemma-3 2048x1: 48 blocks of 8 MiB; the construction was 0.983x-1.018x on
+      Gemma-3-1B's 20 committed rows, 0.984x on Phi-3-mini bf16 2048, its NF4 1.044x-1.053x).
     - The steady state (steps > 1: the optimizer's states) and gradient accumulation are the streamed step's terms
       (estimator/steady.py), measured there, not yet on a resident run: every committed resident row is one step
       of one micro-batch.
-    - Layers of more than one kind (MoE, latent attention, Qwen3.5's hybrid) and phi's parallel block are not yet
-      modelled resident (their committed rows are 0.80x-1.15x of this construction). Refused in one line.
+    - phi-2 bf16 without checkpointing is 1.024x-1.035x: at 2048x1 (every block whole 2 MiB, no rounding
+      charged) 10.35 KB a token a layer over, about the LayerNorm's fp32 input copy (4h) that autocast's fp32
+      layer_norm makes and saves; without it the rows would be 0.999x-1.003x, gelu_new's fp32 tensors (6i)
+      alone matching the measured slope to 620 B a token a layer. Kept: torch's autocast lists layer_norm as fp32
+      and no phi anatomy is committed to show it is not saved. phi under NF4 is refused in one line: its rows were
+      0.68x-0.82x of this construction (0.90x-0.95x with the dense NF4 rule's fp32 MLP charged twice over the
+      fp32 count), about 71 KB a token a layer missing at 2048x1 that the counts do not name; no anatomy of it.
+    - Qwen3.5 (dense hybrid) without checkpointing is refused: its bf16 rows were 0.9938x-0.9995x (up to 197 MB
+      under at 2048x4, in the step; its NF4 rows 1.008x-1.038x). Qwen3.5-MoE with checkpointing is refused: 1024x1
+      bf16 0.9999x (its row held 34 MB more before its step than at its other rows), 4096x1 0.9986x bf16 and
+      0.9990x NF4 (29 MB under, in the step). No resident anatomy of either is committed.
     - Its needs-free is the allocated peak plus the reserve measured under expandable segments: `soup train` runs a
       resident run on the default allocator (it sets expandable segments for streamed runs only), whose reserve
       has not been measured on a resident run yet (bench/gpu-next.sh resident-patch is the call that shows it).
@@ -65,7 +82,8 @@ from ..constants import K_LARGE_BUFFER, K_MIN_LARGE_ALLOC, K_ROUND_LARGE, K_SMAL
 from ..errors import UsageError
 from ..model.targets import soup_targets
 from ..tasks import PROTOCOL_TASK, task as task_named
-from .arch import NF4_BLOCK, Arch, arch_from_config, layer_bytes, nf4_bytes, protocol_targets
+from .arch import (NF4_BLOCK, Arch, activation_bytes, arch_from_config, fp32_residual, layer_bytes, nf4_bytes,
+                   protocol_targets)
 from .layer import (LORA_DROPOUT_MASK_BYTES, MLP_BACKWARD_TRANSIENTS, Moment, checkpointed_through, layer_per_token,
                     mask_bytes)
 from .releases import installed_release, release_source
@@ -76,7 +94,14 @@ from .steady import adapter_bytes
 from .terms import Phase, Term, phase_sum
 
 #: The architectures the resident construction is held to (every committed resident row of theirs).
-MODELLED_TYPES = ("llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "gemma3_text", "phi3")
+MODELLED_TYPES = ("llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "gemma3_text", "phi3", "phi", "deepseek_v3",
+                  "qwen3_5_text", "qwen3_5_moe_text")
+#: The layered families' runs whose committed rows the shared counts leave under their real peaks (the module's
+#: docstring has the figures): refused, each with why.
+LAYERED_REFUSED = {
+    ("qwen3_5_text", False): "its delta-net layers keep more without checkpointing than the counts name",
+    ("qwen3_5_moe_text", True): "its recomputed MoE layer holds more than the count names",
+}
 
 
 def resident_weights(a: Arch, quant: str = "none") -> int:
@@ -85,6 +110,8 @@ def resident_weights(a: Arch, quant: str = "none") -> int:
     with its segment's tail (estimate.segment_tail: HF loads tensor by tensor). NF4: each linear as bitsandbytes packs
     it (arch.nf4_bytes), everything it does not quantise cast to fp32 (measured: within 0.1% of what every committed
     dense NF4 arm held before its step, results/resident-map-*)."""
+    if a.layers is not None:
+        return kinds_weights(a, quant)
     if quant == "nf4":
         per_layer = sum(nf4_bytes(fi * fo) + (4 * fo if bias else 0) for fi, fo, bias in a.modules.values())
         per_layer += 4 * a.h * a.norms * (2 if a.norm_bias else 1) + (4 * 2 * a.head_dim if a.qk_norm else 0)
@@ -95,6 +122,30 @@ def resident_weights(a: Arch, quant: str = "none") -> int:
     per_layer = layer_bytes(a, "none") + sum(segment_tail(2 * fi * fo) for fi, fo, _ in a.modules.values())
     vocab = (1 if a.tied else 2) * (2 * a.V * a.h + segment_tail(2 * a.V * a.h))
     return a.L * per_layer + vocab + norms + (2 * a.V if a.quirks.head_bias and not a.tied else 0)
+
+
+def kinds_weights(a: Arch, quant: str) -> int:
+    """resident_weights of a model whose layers are of several kinds (issue395.estimator.moe: DeepSeek-V3's
+    dense and MoE layers, Qwen3.5's delta-net and full-attention ones): each layer its own kind's tensors, in
+    the model's order, beside the vocab matrices and the final norm as a dense model's. bf16: every tensor at
+    2 B but DeepSeek's expert-score bias (fp32: its _keep_in_fp32_modules_strict), the fused experts (3-D
+    parameters) among them. NF4: bitsandbytes packs each nn.Linear (arch.nf4_bytes); everything else, the fused
+    experts too (not nn.Linear: Soup's loader quantises none), is cast to fp32 as on a dense model. Each
+    tensor its own block with its segment's tail (estimate.segment_tail)."""
+    def held_as(n: int, kind: str) -> int:
+        b = n * (4 if quant == "nf4" or kind == "fp32" else 2)
+        return b + segment_tail(b)
+
+    def layer(k) -> int:
+        linears = sum(nf4_bytes(fi * fo) if quant == "nf4" else held_as(fi * fo, "linear")
+                      for fi, fo, _ in k.dequant.values())
+        return linears + sum(held_as(n, kind) for n, kind in k.tensors)
+
+    order = a.layers.order or (0,) * a.L
+    each = [layer(k) for k in a.layers.kinds]
+    per = 4 if quant == "nf4" else 2
+    vocab = (1 if a.tied else 2) * held_as(a.V * a.h, "linear")
+    return sum(each[j] for j in order) + vocab + per * a.h
 
 
 def retained_rounding(a: Arch, targets: tuple, r: int, T: int, quant: str = "none", seq: int | None = None,
@@ -114,7 +165,9 @@ def retained_rounding(a: Arch, targets: tuple, r: int, T: int, quant: str = "non
     widths = [(4, a.h)] * (a.norms if a.quirks.norm_inputs_saved else 0)
     widths += [w for t in targets for w in ((act, a.modules[t][0]), (mask, a.modules[t][0]), (act, r))]
     widths += [(act, qw), (act, kw), (act, (qw + 2 * kw) if a.quirks.fused_qkv else kw), (act, qw)]
-    widths += [(4 if quant == "nf4" else act, a.i)] * (a.quirks.mlp_saved - a.quirks.mlp_transients)
+    upcast, _ = autocast_upcasts(a, quant)  # autocast's fp32 copies in place of as many of the count's MLP blocks
+    mlp = a.quirks.mlp_saved - a.quirks.mlp_transients - sum(1 for _, w in upcast if w == a.i)
+    widths += [(4 if quant == "nf4" else act, a.i)] * mlp + upcast
     sizes = [block_bytes(b * w * T) for b, w in widths if b]
     # requests from 1 MiB to 10 MiB are cut from 20 MiB segments, and a segment's last block keeps a rest under
     # 1 MiB unsplit (the allocator splits a large block only where more than 1 MiB would remain): at most 1 MiB a
@@ -157,6 +210,36 @@ def unaligned_weight_blocks(a: Arch, quant: str, targets: tuple, r: int) -> int:
     return sum(1 for s in map(block_bytes, sizes) if s > K_SMALL_SIZE and s % K_ROUND_LARGE)
 
 
+#: The bytes autocast's fp32 ops make one element of what they save: layer_norm and pow are on CUDA autocast's
+#: float32 list (torch's autocast_mode.cpp), so each casts its bf16 input to fp32 and saves that copy.
+AUTOCAST_FP32 = 4
+
+
+def autocast_upcasts(a: Arch, quant: str) -> tuple[list[tuple[int, int]], int]:
+    """The blocks, as (bytes an element, width) a token, that a layer keeps under Hugging Face's bf16 autocast (a
+    resident run's: Soup's streamed step runs without it, and the shared counts are measured there) where the
+    count charges other ones, and the bytes a token of the count's they replace. nn.LayerNorm (``norm_bias``:
+    phi's input_layernorm, transformers 5.16.1 modeling_phi.py) runs in fp32 and saves its input's fp32 copy
+    and its fp32 mean and rstd (4 B a token each), none of which the count charges (under NF4 the residual is
+    fp32 already, and the input itself is what it saves). phi's python gelu_new (activations.py
+    NewGELUActivation, ``mlp_saved`` 7) calls torch.pow, which autocast runs in fp32: its input's fp32 copy
+    (which pow saves), tanh's output and 1 + tanh (which the last mul saves) are fp32, where the count charges
+    three bf16 (0.5 x stays bf16); under NF4 the count charges them fp32 already (fp32_residual)."""
+    blocks, replaced = [], 0
+    if a.norm_bias:
+        blocks += [(AUTOCAST_FP32, a.h), (AUTOCAST_FP32, 1), (AUTOCAST_FP32, 1)] * a.norms
+    if a.quirks.mlp_saved == 7 and not fp32_residual(a, quant):
+        blocks += [(AUTOCAST_FP32, a.i)] * 3
+        replaced += 3 * activation_bytes(a, quant) * a.i
+    return blocks, replaced
+
+
+def autocast_per_token(a: Arch, quant: str) -> int:
+    """What autocast_upcasts adds to a layer's count a token."""
+    blocks, replaced = autocast_upcasts(a, quant)
+    return sum(b * w for b, w in blocks) - replaced
+
+
 def adapter_casts(a: Arch, targets: tuple, r: int, per: int) -> int:
     """The bf16 copy of each fp32 LoRA matrix (``per`` 4: adapter_bytes) that autocast makes for its matmul, which
     saves it for the backward: lora_B's in every layer (its input, lora_A's output, needs a gradient), lora_A's
@@ -179,7 +262,13 @@ def refused(a: Arch, quant: str, checkpointing: bool = True, seq: int = 0) -> st
                 "is not yet modelled by this estimator (its layers keep attention masks the counts do not have)")
     if quant not in ("none", "nf4"):
         return f"a resident {quant} run is not modelled by this estimator"
-    if a.layers is not None or a.model_type not in MODELLED_TYPES:
+    if fp32_residual(a, quant):
+        return (f"a resident {quant} {a.model_type} run is not yet modelled by this estimator (its fp32 residual "
+                "stream under autocast keeps more a layer than the counts name)")
+    if a.layers is not None and (a.model_type, checkpointing) in LAYERED_REFUSED:
+        return (f"a resident {a.model_type} run {'with' if checkpointing else 'without'} gradient checkpointing "
+                f"is not yet modelled by this estimator ({LAYERED_REFUSED[a.model_type, checkpointing]})")
+    if a.model_type not in MODELLED_TYPES:
         return f"a resident {a.model_type} run is not yet modelled by this estimator"
     return None
 
@@ -222,6 +311,10 @@ def estimate_resident(config: dict, *, quant: str = "none", seq: int, batch: int
         t[Term.ALLOCATOR_ROUNDING.key] += retained_rounding(a, tg, lora_r, T, quant, e.seq,
                                                             mask_bytes(task_named(task)))
         t[Term.ADAPTER_CASTS.key] = adapter_casts(a, tg, lora_r, adapter_bytes(task, quant))
+        t[Term.RETAINED_ACTIVATIONS.key] += T * a.L * autocast_per_token(a, quant)
+        t[Term.RETAINED_BESIDE_LAYER.key] += T * (a.L - 1) * autocast_per_token(a, quant)
+    # the layer the backward runs holds them too, recomputed or not
+    t[Term.LAYER_PER_TOKEN.key] += T * autocast_per_token(a, quant)
     if quant == "nf4":
         # the embedding is fp32, so the residual stream is, and bitsandbytes' Linear4bit returns its input's dtype:
         # the MLP's i-wide tensors are fp32 (Llama-3.2-1B NF4 2048x1 kept 48 of 67,108,864 B, i x T x 4, where bf16
@@ -229,13 +322,14 @@ def estimate_resident(config: dict, *, quant: str = "none", seq: int, batch: int
         # autocast casts it to bf16 for the head's matmul, which saves that copy for its backward: V x h x 2 beside
         # the loss, whatever the tokens (Llama-3.2-1B NF4: real peaks 3.733 MB a token plus 561 MB at 512-8192
         # tokens; this copy is 525 MB). The backward dequantises one linear at a time.
-        saved = 2 * a.i * (a.quirks.mlp_saved - a.quirks.mlp_transients)
+        # (phi's residual is fp32 from layer 0's output: its count charges every activation fp32 already)
+        saved = 0 if fp32_residual(a, quant) else 2 * a.i * (a.quirks.mlp_saved - a.quirks.mlp_transients)
         if checkpointing:
             t[Term.CHECKPOINTED_INPUTS.key] *= 2
         else:
             t[Term.RETAINED_ACTIVATIONS.key] += T * a.L * saved
             t[Term.RETAINED_BESIDE_LAYER.key] += T * (a.L - 1) * saved
-        t[Term.LAYER_PER_TOKEN.key] += T * 2 * a.i * a.quirks.mlp_saved
+        t[Term.LAYER_PER_TOKEN.key] += 0 if fp32_residual(a, quant) else T * 2 * a.i * a.quirks.mlp_saved
         t[Term.HEAD_COPY.key] = 2 * a.V * a.h + segment_tail(2 * a.V * a.h)
         # the rotary tables take the residual stream's dtype (transformers' rotary embeddings return
         # cos.to(x.dtype)): fp32 here, twice the streamed step's bf16 tables. Measured: Llama-3.2-1B NF4 2048x1
