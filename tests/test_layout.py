@@ -183,3 +183,13 @@ def test_no_function_runs_past_a_page():
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
             and node.end_lineno - node.lineno + 1 > LONGEST_FUNCTION]
     assert not long, long
+
+
+def test_the_command_lines_wing_stays_the_command_line():
+    """Issue 50's bounds on what grows unseen: run/ (the command line and its modes) at most 3,500 lines, the
+    rest of the work in the wings that own it; bench/ at most 20 tracked files (a device call that has run lives on
+    in its results folder's commands.txt)."""
+    lines = sum(len(p.read_text(encoding="utf-8").splitlines()) for p in (PACKAGE / "run").glob("*.py"))
+    assert lines <= 3500, lines
+    bench = subprocess.run(["git", "ls-files", "bench"], cwd=ROOT, capture_output=True, text=True).stdout.split()
+    assert len(bench) <= 20 or not bench, bench
