@@ -53,10 +53,23 @@ Known limitations
       bound: the loss's fp32 blocks may be freed by the head's backward); the backward walked with the
       gradients already made, each layer's own counted whole at its MLP backward (a bound); the embedding's
       backward with its fresh V x h gradient and a 4h-a-token bound on its kernel's fp32 partial sums. Refused
-      in one line: any task but sft and any quantization (Soup does not build them), a release that loads the
-      base as fp32 master weights (0.77.0's resolve_base_load_dtype: an fp32 residual stream and autocast's
-      cached bf16 copy of every weight, not modelled), transformers before 5 (fp32 by default), a config
-      giving another dtype than bf16 or fp16. Spectrum's and the freezes' partial fine-tuning are not modelled.
+      in one line: any task but sft and any quantization (Soup does not build them), transformers before 5
+      (fp32 by default), a config giving another dtype than bf16 or fp16. Spectrum's and the freezes' partial
+      fine-tuning are not modelled.
+    - Full fine-tuning on a release that loads the base as fp32 master weights (0.77.0's
+      resolve_base_load_dtype, ``estimate_master``), also NOT MEASURED, built from Soup's, accelerate's,
+      transformers' and torch's source and held to transformers' own layers under CPU bf16 autocast
+      (tests/estimator/test_resident.py): every parameter, gradient and AdamW state fp32; the residual stream
+      fp32 from the embedding on (checkpointed inputs, rotary tables, norms' inputs and normed tensors); one bf16
+      cast of a normed input per linear reading it; autocast's bf16 copy of every weight at the loss (saved by
+      the matmuls without checkpointing; with it, held by the cast cache through the forward, a bound at the
+      loss's backward, where only the head's remains) and in the layer phase (the recomputed layer's own
+      casts). Bounds: a bias's cast, the head's bf16 and fp32 gradients at once, a layer's largest bf16 weight
+      gradient beside its fp32 ones. Not charged: Gemma's (1 + weight) per norm (4h B a norm a layer, not per
+      token). Phi-3's fused layer departs on CPU: its v is its own block beside one more q-sized block (2kw B a
+      token under the fused qkv view charged, as the streamed count charges it), its gate and up one 2i block
+      (the same bytes); not read on a card. Eager attention is refused (its softmax keeps rotary's fp32 query
+      dtype).
 """
 
 from __future__ import annotations
