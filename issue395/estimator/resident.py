@@ -70,13 +70,28 @@ Known limitations
       bound: the loss's fp32 blocks may be freed by the head's backward); the backward walked with the
       gradients already made, each layer's own counted whole at its MLP backward (a bound); the embedding's
       backward with its fresh V x h gradient and a 4h-a-token bound on its kernel's fp32 partial sums. Refused
-      in one line: any task but sft and any quantization (Soup does not build them), a release that loads the
-      base as fp32 master weights (0.77.0's resolve_base_load_dtype: an fp32 residual stream and autocast's
-      cached bf16 copy of every weight, not modelled), transformers before 5 (fp32 by default), a config
-      giving another dtype than bf16 or fp16. Spectrum's and the freezes' partial fine-tuning are not modelled.
+      in one line: any task but sft and any quantization (Soup does not build them), transformers before 5
+      (fp32 by default), a config giving another dtype than bf16 or fp16. Spectrum's and the freezes' partial
+      fine-tuning are not modelled.
+    - Full fine-tuning on a release that loads the base as fp32 master weights (0.77.0's
+      resolve_base_load_dtype, ``estimate_master``), also NOT MEASURED, built from Soup's, accelerate's,
+      transformers' and torch's source and held to transformers' own layers under CPU bf16 autocast
+      (tests/estimator/test_resident.py): every parameter, gradient and AdamW state fp32; the residual stream
+      fp32 from the embedding on (checkpointed inputs, rotary tables, norms' inputs and normed tensors); one bf16
+      cast of a normed input per linear reading it; autocast's bf16 copy of every weight at the loss (saved by
+      the matmuls without checkpointing; with it, held by the cast cache through the forward, a bound at the
+      loss's backward, where only the head's remains) and in the layer phase (the recomputed layer's own
+      casts). Bounds: a bias's cast, the head's bf16 and fp32 gradients at once, a layer's largest bf16 weight
+      gradient beside its fp32 ones. Not charged: Gemma's (1 + weight) per norm (4h B a norm a layer, not per
+      token). Phi-3's fused layer departs on CPU: its v is its own block beside one more q-sized block (2kw B a
+      token under the fused qkv view charged, as the streamed count charges it), its gate and up one 2i block
+      (the same bytes); not read on a card. Eager attention is refused (its softmax keeps rotary's fp32 query
+      dtype).
 """
 
 from __future__ import annotations
+
+import ast
 
 from ..constants import K_LARGE_BUFFER, K_MIN_LARGE_ALLOC, K_ROUND_LARGE, K_SMALL_SIZE, block_bytes, unsplit_bound
 from ..errors import UsageError
@@ -86,12 +101,13 @@ from .arch import (NF4_BLOCK, Arch, activation_bytes, arch_from_config, fp32_res
                    protocol_targets)
 from .layer import (LORA_DROPOUT_MASK_BYTES, MLP_BACKWARD_TRANSIENTS, Moment, checkpointed_through, layer_per_token,
                     mask_bytes)
-from .releases import installed_release, release_source
+from .releases import release_source
 from .stacks import package_version
 from .steady import FP32, is_bounded, optimizer_named, state_blocks
 from .estimate import Estimate, estimate, needs_free, segment_tail
 from .steady import adapter_bytes
 from .terms import Phase, Term, phase_sum
+from .layer import STAGES
 
 #: The architectures the resident construction is held to (every committed resident row of theirs).
 MODELLED_TYPES = ("llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "gemma3_text", "phi3", "phi", "deepseek_v3",
@@ -404,11 +420,8 @@ def full_refused(a: Arch, config: dict, *, quant: str, task: str, release: str |
     src = release_source(release)
     if src is None:
         return f"soup-cli {release}'s source is not here, so how it loads a fully fine-tuned base is not read"
-    sft = src / "trainer" / "sft.py"
-    if sft.is_file() and "resolve_base_load_dtype" in sft.read_text(encoding="utf-8"):
-        return (f"soup-cli {release or installed_release()} loads a fully fine-tuned base as fp32 master weights "
-                "under bf16 autocast (its resolve_base_load_dtype), which this estimator does not yet model (an "
-                "fp32 residual stream, autocast's cached bf16 copy of every weight)")
+    if loads_fp32_master(src):  # Soup passes torch.float32 whatever the checkpoint and transformers: estimate_master
+        return None
     major = (transformers or package_version("transformers")).split(".")[0]
     if not major.isdigit() or int(major) < 5:
         return (f"transformers {transformers or package_version('transformers')} loads a base Soup passes no "
@@ -514,17 +527,18 @@ def head_gradient(a: Arch) -> int:
     return held([FULL_FT_BYTES * a.V * a.h] + ([FULL_FT_BYTES * a.V] if a.quirks.head_bias and not a.tied else []))
 
 
-def full_optimizer(a: Arch, optimizer: str) -> dict:
+def full_optimizer(a: Arch, optimizer: str, per: int = FULL_FT_BYTES) -> dict:
     """The optimizer's step over every parameter (steady.OPTIMIZERS' rules, per parameter tensor): every
     gradient, the optimizer's states (torch's in the parameter's dtype, bitsandbytes' own), and its
     transients (torch's foreach AdamW: exp_avg_sq's square root, one copy of every parameter of a group
-    at once; a bound: the whole model as one group). Each block as the default allocator holds it (held)."""
+    at once; a bound: the whole model as one group). Each block as the default allocator holds it (held).
+    ``per``: a parameter's bytes (fp32 master weights: 4)."""
     sizes = full_params(a)
     o = optimizer_named(optimizer)
-    per = FP32 if is_bounded(optimizer) else FULL_FT_BYTES
-    return {Term.PARAMETER_GRADIENTS.key: held(FULL_FT_BYTES * n for n in sizes),
-            Term.OPTIMIZER_STATES.key: held(b for n in sizes for b in state_blocks(n, optimizer, FULL_FT_BYTES)),
-            Term.OPTIMIZER_TRANSIENTS.key: held(per * n for n in sizes for _ in range(o.transient))}
+    step = FP32 if is_bounded(optimizer) else per
+    return {Term.PARAMETER_GRADIENTS.key: held(per * n for n in sizes),
+            Term.OPTIMIZER_STATES.key: held(b for n in sizes for b in state_blocks(n, optimizer, per)),
+            Term.OPTIMIZER_TRANSIENTS.key: held(step * n for n in sizes for _ in range(o.transient))}
 
 
 def estimate_full(config: dict, *, quant: str = "none", seq: int, batch: int = 1, steps: int = 1,
@@ -540,6 +554,10 @@ def estimate_full(config: dict, *, quant: str = "none", seq: int, batch: int = 1
     why = full_refused(a, config, quant=quant, task=task, release=release, transformers=transformers)
     if why:
         raise UsageError(why)
+    if loads_fp32_master(release_source(release)):
+        return estimate_master(config, seq=seq, batch=batch, steps=steps, release=release, task=task,
+                               checkpointing=checkpointing, optimizer=optimizer, accumulation=accumulation,
+                               transformers=transformers)
     base = estimate_resident(config, seq=seq, batch=batch, lora_r=1, release=release, task=task,
                              checkpointing=checkpointing, transformers=transformers)
     T = base.seq * base.batch
@@ -558,6 +576,16 @@ def estimate_full(config: dict, *, quant: str = "none", seq: int, batch: int = 1
         t[Term.ALLOCATOR_ROUNDING.key] += full_retained_rounding(a, T) - retained_rounding(
             a, targets_of(a, None, config), 1, T)
     t.update(full_optimizer(a, optimizer))
+    return full_phases(t, base, before, checkpointing=checkpointing, steps=steps, optimizer=optimizer,
+                       accumulation=accumulation)
+
+
+def full_phases(t: dict, base: Estimate, before: int, *, checkpointing: bool, steps: int, optimizer: str,
+                accumulation: int) -> Estimate:
+    """A full fine-tuning's terms ``t`` into its estimate: the loss, the layer phase (its checkpointed inputs
+    those of the binding layer's turn, ``before``) and the optimizer's step, which binds from step 1 (its
+    states are made there); from step 2 the states, and after a first backward its cuBLAS workspace, beside
+    every phase."""
     ws = t[Term.AUTOGRAD_WORKSPACE.key]
     layer = phase_sum(t, Phase.LAYER) - (t[Term.CHECKPOINTED_INPUTS.key] - before if checkpointing else 0)
     step = {Phase.LOSS: phase_sum(t, Phase.LOSS), Phase.LAYER: layer}
@@ -569,6 +597,184 @@ def estimate_full(config: dict, *, quant: str = "none", seq: int, batch: int = 1
     step[Phase.OPTIMIZER] = t[Term.PARAMETER_GRADIENTS.key] + states + t[Term.OPTIMIZER_TRANSIENTS.key] + ws
     binding = max(step, key=step.get)
     corrected = phase_sum(t, Phase.RESIDENT) + step[binding] + phase_sum(t, Phase.ALLOWANCE)
-    return Estimate(base.seq, base.batch, quant, steps, base.release, None, {}, corrected, needs_free(corrected),
-                    binding.value, {term.key: t[term.key] for term in Term if term.key in t}, base.task, optimizer,
-                    accumulation)
+    return Estimate(base.seq, base.batch, base.quant, steps, base.release, None, {}, corrected,
+                    needs_free(corrected), binding.value, {term.key: t[term.key] for term in Term if term.key in t},
+                    base.task, optimizer, accumulation)
+
+
+# -- Full fine-tuning on fp32 master weights (soup-cli 0.77.0): every parameter fp32, the step under bf16 autocast --
+# Evidence, besides Soup's and transformers' source: tests/estimator/test_resident.py runs a tiny Llama of
+# transformers 5.16.1 under torch.autocast("cpu", bfloat16) with fp32 weights and reads what autograd saves and
+# which casts stay alive. CPU and CUDA autocast (torch's aten/src/ATen/autocast_mode.cpp) both list linear, mm,
+# matmul and scaled_dot_product_attention as lower_precision_fp and cache a cast alike (cached_cast: an fp32 leaf
+# that requires grad, the device's lower precision); CUDA's fp32 lists (pow, rsqrt, log_softmax, nll_loss) differ
+# from CPU's, but here those ops read fp32 already (the norms upcast, HF's loss takes logits.float()).
+
+def loads_fp32_master(src) -> bool:
+    """Whether the release whose soup_cli/ is ``src`` loads a fully fine-tuned base as fp32 master weights: its
+    SFT setup passes resolve_base_load_dtype as from_pretrained's torch_dtype, and that function (utils/gpu.py)
+    returns torch.float32 under full_finetune (0.77.0, #339 AC2: "explicit fp32 master weights"). Its
+    TrainingArguments get bf16 where the card has it (bf16_fp16_flags), so accelerate wraps the model's forward
+    in torch.autocast (prepare_model). Read with ast, never imported."""
+    sft, gpu = (src / "trainer" / "sft.py", src / "utils" / "gpu.py") if src is not None else (None, None)
+    if sft is None or not (sft.is_file() and gpu.is_file()) or "resolve_base_load_dtype" not in sft.read_text(
+            encoding="utf-8"):
+        return False
+    for fn in ast.walk(ast.parse(gpu.read_text(encoding="utf-8"))):
+        if isinstance(fn, ast.FunctionDef) and fn.name == "resolve_base_load_dtype":
+            return any(isinstance(n, ast.If) and "full_finetune" in ast.unparse(n.test) and any(
+                isinstance(r, ast.Return) and ast.unparse(r.value) == "torch.float32" for b in n.body
+                for r in ast.walk(b)) for n in ast.walk(fn))
+    return False
+
+
+def master_weights(a: Arch) -> int:
+    """Every parameter as Soup's fp32 load puts it on the card: each tensor (full_params) its own block of 4 B an
+    element, with its segment's tail (HF loads tensor by tensor)."""
+    return sum(block_bytes(FP32 * n) + segment_tail(FP32 * n) for n in full_params(a))
+
+
+def cast_sizes(a: Arch) -> list[int]:
+    """The bf16 copy autocast makes of each of one layer's fp32 linear weights and biases (linear and addmm are
+    lower_precision_fp ops). A bias's copy is held by the cache through the forward; its backward keeps only the
+    weight's (a bound of one bias a linear)."""
+    return [2 * n for fi, fo, bias in a.modules.values() for n in ((fi * fo, fo) if bias else (fi * fo,))]
+
+
+def head_cast(a: Arch) -> int:
+    """The head's weight as its matmul reads it under autocast, bf16 (tied: the embedding's, cast as the head's;
+    the embedding's own lookup is no autocast op and reads the fp32 weight), with an untied head's bias."""
+    return held([2 * a.V * a.h] + ([2 * a.V] if a.quirks.head_bias and not a.tied else []))
+
+
+def weight_casts(a: Arch) -> int:
+    """Autocast's bf16 copies live at the loss: every layer's (cast_sizes) and the head's. Without checkpointing
+    every matmul saved its copy for the backward. With it (non-reentrant: Soup's gradient_checkpointing_kwargs
+    use_reentrant False) nothing inside a layer is saved, but the cache keeps every copy until the forward's
+    autocast region exits, which is after the model's own loss (accelerate wraps model.forward): at the loss's
+    backward only the head's remains, so with checkpointing this is a bound on the loss's forward."""
+    return a.L * held(cast_sizes(a)) + head_cast(a)
+
+
+def master_blocks(a: Arch) -> list[tuple[int, int]]:
+    """(bytes an element, elements a token) of each block one layer keeps for its backward on fp32 master weights
+    under autocast, op by op. Each norm: its fp32 input (the residual stream itself, fp32 since the embedding is:
+    ``.to(float32)`` makes no copy; a bf16 linear output's fp32 copy where a norm reads one, Gemma-2's post
+    norms), its rsqrt, its fp32 normed tensor (its weight's gradient reads it). Each linear reading a normed
+    input (STAGES 0 and 3: q, k, v, gate, up; phi3's fused qkv and gate_up) casts it to bf16 itself, a copy
+    each, which its weight's gradient reads. SDPA saves bf16 q and k (its own casts of rotary's fp32 outputs:
+    bf16 x fp32 cos promotes), v, its output (which o_proj reads in place: the kernel lays it out token-major,
+    so transformers' transpose().contiguous() copies nothing) and fp32 logsumexp. q/k norms save their fp32 input
+    copy, rsqrt and normed tensor. The MLP saves gate, act(gate), up and down_proj's input, bf16."""
+    qw, kw = a.heads * a.head_dim, a.kv * a.head_dim
+    v = (qw + 2 * kw) if a.quirks.fused_qkv else kw  # phi3: v is a view of the fused qkv output
+    blocks = [(FP32, a.h), (FP32, 1), (FP32, a.h)] * a.norms
+    blocks += [(2, a.h)] * sum(1 for m in a.modules if STAGES.get(m) in (0, 3))
+    blocks += [(2, qw), (2, kw), (2, v), (2, qw), (FP32, a.heads)]
+    if a.qk_norm:
+        blocks += [(FP32, qw), (FP32, kw), (FP32, a.heads), (FP32, a.kv), (_norm_bytes(a), qw), (_norm_bytes(a), kw)]
+    return blocks + [(2, a.i)] * (a.quirks.mlp_saved - a.quirks.mlp_transients + 1)
+
+
+def master_retained(a: Arch) -> int:
+    """What each layer keeps a token for its backward without checkpointing (master_blocks)."""
+    return sum(b * w for b, w in master_blocks(a))
+
+
+def master_per_token(a: Arch, at: Moment, checkpointing: bool) -> int:
+    """One layer's count a token at moment ``at``: what it keeps (with checkpointing, less its input norm's input,
+    which is the checkpointed input itself), and at the MLP backward the incoming fp32 gradient, its bf16 cast
+    into the MLP's branch and MLP_BACKWARD_TRANSIENTS bf16 i-wide gradients; at the recomputed forward's end
+    the incoming gradient, the MLP's fp32 normed input (held by the layer's frame through the MLP) and
+    down_proj's bf16 output."""
+    kept = master_retained(a) - (FP32 * a.h if checkpointing else 0)
+    if at is Moment.BACKWARD:
+        return kept + FP32 * a.h + 2 * a.h + 2 * MLP_BACKWARD_TRANSIENTS * a.i
+    return kept + FP32 * a.h + FP32 * a.h + 2 * a.h
+
+
+def master_retained_rounding(a: Arch, T: int) -> int:
+    """full_retained_rounding's allocator bound over master_blocks' blocks (1 MiB a 20 MiB segment the 1-10 MiB
+    blocks fill, each block from 10 MiB its tail or 1 MiB)."""
+    sizes = [block_bytes(b * w * T) for b, w in master_blocks(a)]
+    cut = a.L * sum(s for s in sizes if K_SMALL_SIZE <= s < K_MIN_LARGE_ALLOC)
+    own = a.L * sum(segment_tail(s) or K_SMALL_SIZE for s in sizes if s >= K_MIN_LARGE_ALLOC)
+    return own + -(-cut // K_LARGE_BUFFER) * K_SMALL_SIZE
+
+
+def master_head_gradient(a: Arch) -> int:
+    """The head's fp32 weight gradient made at the loss's backward, and the bf16 gradient of its weight's copy
+    that ToCopyBackward casts into it (a bound: both live at once only inside that cast)."""
+    return held([FP32 * a.V * a.h] + ([FP32 * a.V] if a.quirks.head_bias and not a.tied else [])) + held(
+        [2 * a.V * a.h])
+
+
+def master_backward(a: Arch, T: int, *, checkpointing: bool, accumulated: bool) -> dict:
+    """full_backward's walk on fp32 master weights: fp32 checkpointed inputs and gradients; at layer n's turn
+    the bf16 weight copies live (with checkpointing the recomputed layer's, its recompute being an autocast
+    region of its own; without, those layers 0..n saved); its own gradients at its MLP backward with the bf16
+    gradient of its largest weight's copy before its cast (one at a time; a bound). The embedding's backward
+    makes a fresh fp32 V x h gradient, with its kernel's partial sums (4h a token, a bound)."""
+    grads = held(FP32 * n for n in layer_tensors(a))
+    own = grads + held([2 * max(fi * fo for fi, fo, _ in a.modules.values())])
+    top = held([FP32 * a.V * a.h] + ([FP32 * a.V] if a.quirks.head_bias and not a.tied else [])) + held(
+        FP32 * n for n in [a.h] * (2 if a.norm_bias else 1))
+    casts, best = held(cast_sizes(a)), {}
+    for n in range(a.L):
+        made = 0 if accumulated else top + (a.L - 1 - n) * grads
+        before = 2 * checkpointed_through(a, "none", T, n) if checkpointing else T * master_retained(a) * n
+        for at in (Moment.FORWARD_END, Moment.BACKWARD) if checkpointing else (Moment.BACKWARD,):
+            terms = {Term.LAYER_PER_TOKEN.key: T * master_per_token(a, at, checkpointing),
+                     Term.LAYER_WEIGHT_CASTS.key: casts * (1 if checkpointing else n + 1),
+                     Term.BACKWARD_GRADIENTS.key: made + (own if at is Moment.BACKWARD else 0), "before": before}
+            if sum(terms.values()) > sum(best.values()):
+                best = terms
+    end = {Term.LAYER_PER_TOKEN.key: 0, Term.LAYER_WEIGHT_CASTS.key: 0, "before": 0,
+           Term.BACKWARD_GRADIENTS.key: 0 if accumulated else top + a.L * grads,
+           Term.EMBEDDING_BACKWARD.key: held([FP32 * a.V * a.h]) + FP32 * a.h * T}
+    return end if sum(end.values()) > sum(best.values()) else best
+
+
+def estimate_master(config: dict, *, seq: int, batch: int = 1, steps: int = 1, release: str | None = None,
+                    task: str = PROTOCOL_TASK, checkpointing: bool = False, optimizer: str = "adamw_torch",
+                    accumulation: int = 1, transformers: str | None = None) -> Estimate:
+    """estimate_full's run on a release that loads the base as fp32 master weights (loads_fp32_master: soup-cli
+    0.77.0) under bf16 autocast: every parameter, its gradient and torch AdamW's states fp32, and the foreach
+    step's square root of every state; the residual stream fp32 from the embedding on (its checkpointed
+    inputs, the rotary tables, which take its dtype, each layer's norms); autocast's bf16 copies of the weights
+    (weight_casts, master_backward); each layer's kept blocks as master_blocks lists them; the head's input
+    (the final norm's fp32 normed tensor, the head's own bf16 cast, the norm's rsqrt) and its gradients
+    (master_head_gradient). The loss's logits are the LoRA step's (the head's matmul is bf16 under autocast
+    there too). Unmeasured: no full fine-tuning row exists. Eager attention is refused (its softmax returns
+    rotary's fp32 query dtype: fp32 scores the counts do not have)."""
+    a = arch_from_config(config)
+    base = estimate_resident(config, seq=seq, batch=batch, lora_r=1, release=release, task=task,
+                             checkpointing=checkpointing, transformers=transformers)
+    if base.terms.get(Term.EAGER_SCORES.key) or base.terms.get(Term.EAGER_MASKS.key):
+        raise UsageError(f"a full fine-tuning of {a.model_type} on fp32 master weights under eager attention is "
+                         "not yet modelled by this estimator (its softmax keeps rotary's fp32 query dtype)")
+    T = base.seq * base.batch
+    t = {k: v for k, v in base.terms.items() if k not in (
+        Term.LORA_WEIGHTS.key, Term.BACKWARD_GRADIENTS.key, Term.HELD_GRADIENTS.key, Term.UNSPLIT_REMAINDERS.key,
+        Term.ADAPTER_CASTS.key)}
+    t[Term.RESIDENT_WEIGHTS.key] = master_weights(a)
+    t[Term.ROTARY_TABLES.key] *= 2  # cos.to(x.dtype), x the fp32 residual: measured fp32 on CPU
+    t[Term.HEAD_INPUT.key] = T * (FP32 * a.h + 2 * a.h + FP32)
+    t[Term.HEAD_GRADIENT.key] = master_head_gradient(a)
+    t[Term.WEIGHT_CASTS.key] = weight_casts(a)
+    if checkpointing:
+        t[Term.CHECKPOINTED_INPUTS.key] *= 2  # every layer's input is the fp32 residual stream
+    if accumulation > 1:  # micro-batch 2 on runs with every fp32 gradient micro-batch 1 made
+        t[Term.HELD_GRADIENTS.key] = held(FP32 * n for n in full_params(a))
+    walk = master_backward(a, T, checkpointing=checkpointing, accumulated=accumulation > 1)
+    before = walk.pop("before")
+    t.update(walk)
+    if not checkpointing:
+        t[Term.RETAINED_ACTIVATIONS.key] = T * a.L * master_retained(a)
+        t[Term.RETAINED_BESIDE_LAYER.key] = before
+        # less exactly what the base's LoRA count added (its seq: whole_granules may have answered there)
+        t[Term.ALLOCATOR_ROUNDING.key] += master_retained_rounding(a, T) - retained_rounding(
+            a, targets_of(a, None, config), 1, T, "none", base.seq, mask_bytes(task_named(task)))
+    t.update(full_optimizer(a, optimizer, FP32))
+    return full_phases(t, base, before, checkpointing=checkpointing, steps=steps, optimizer=optimizer,
+                       accumulation=accumulation)

@@ -490,7 +490,8 @@ def test_a_release_without_the_resident_gate_gets_its_streamed_gate_patched_and_
 
 @pytest.mark.parametrize("dotted, value", [("unfrozen_parameters", ["model.layers.0"]), ("lora.use_dora", True),
                                            ("use_liger", True), ("backend", "unsloth"), ("quantization", "8bit"),
-                                           ("batch_size", "auto"), ("optimizer", "adafactor")])
+                                           ("batch_size", "auto"), ("optimizer", "adafactor"),
+                                           ("auto_mixed_precision", True)])
 def test_a_resident_setting_the_estimate_does_not_model_keeps_soups_formula(dotted, value):
     """Each names itself in the line; Soup's defaults (the same file without it) are modelled."""
     from soup_cli.config.loader import load_config_from_string
@@ -579,7 +580,9 @@ def test_the_patched_gate_admits_a_full_fine_tuning_by_its_corrected_number_and_
     the corrected full fine-tuning estimate, not Soup's formula: on a card (faked: gpu_info's total; torch reads
     no free memory on CPU) whose total less the context bound is exactly its need, admitted in one line naming
     full fine-tuning; one byte smaller, refused in Soup's panel. Stock Soup judges both by its formula on the
-    input its CLI builds (0.73.3's CLI passes peft "lora" for r 0, so it admits both)."""
+    input its CLI builds (0.73.3's CLI passes peft "lora" for r 0, so it admits both; 0.77.0's is_full_finetune
+    passes peft "full"). On 0.77.0 the corrected number is estimate_master's (fp32 master weights under bf16
+    autocast), the same figure in the patched Soup's bundled module and in this tool."""
     from issue395.results.extras import ResidentGate
     from soup_cli.config.loader import load_config_from_string
 
