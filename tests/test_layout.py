@@ -168,3 +168,28 @@ def test_no_module_hands_on_a_name_it_only_imports():
                      for module, name in _takes_through(ast.parse(path.read_text(encoding="utf-8")), set(modules))
                      if name in modules[module][1])
     assert not through, through
+
+
+#: The longest a function may run (its def to its last line): a function past a page is split (issue 50).
+LONGEST_FUNCTION = 80
+
+
+def test_no_function_runs_past_a_page():
+    """Issue 50's bound, held where it can slip: no function or method of the package, the entry script or bench/
+    runs past LONGEST_FUNCTION lines (an ast walk over every one, nested ones too)."""
+    files = sorted(PACKAGE.rglob("*.py")) + [SCRIPT] + sorted((ROOT / "bench").glob("*.py"))
+    long = [f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({node.end_lineno - node.lineno + 1} lines)"
+            for path in files for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+            and node.end_lineno - node.lineno + 1 > LONGEST_FUNCTION]
+    assert not long, long
+
+
+def test_the_command_lines_wing_stays_the_command_line():
+    """Issue 50's bounds on what grows unseen: run/ (the command line and its modes) at most 3,500 lines, the
+    rest of the work in the wings that own it; bench/ at most 20 tracked files (a device call that has run lives on
+    in its results folder's commands.txt)."""
+    lines = sum(len(p.read_text(encoding="utf-8").splitlines()) for p in (PACKAGE / "run").glob("*.py"))
+    assert lines <= 3500, lines
+    bench = subprocess.run(["git", "ls-files", "bench"], cwd=ROOT, capture_output=True, text=True).stdout.split()
+    assert len(bench) <= 20 or not bench, bench

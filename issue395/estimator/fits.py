@@ -257,29 +257,7 @@ def estimate_table(rows: list[Estimate], cards, config: Optional[dict] = None, *
         lines.append([f"  term: {name} GB"] + [gb(e.terms[name]) if name in e.terms else "-" for e in rows])
     notes, sources = [], []
     for i, card in enumerate(cards):
-        per = [a[i] for a in answers]
-        first = per[0]
-        cc = f"compute capability {first['compute_capability']}, " if first["compute_capability"] else ""
-        sources.append(f"{card.name}: total {card.source}; {cc}cuBLAS workspace {first['cublas_workspace_bytes']:,} B "
-                       "a handle")
-        lines += [[f"{card.name}: total GB"] + [gb(first["total_bytes"])] * len(rows),
-                  [f"  context GB ({first['context_source']})"] + [gb(a["context_bytes"]) for a in per],
-                  ["  free GB (total - context)"] + [free_gb(a["free_bytes"]) for a in per],
-                  ["  runtime growth GB (CUDA outside the allocator by the step's end)"] + [gb(STEP_GROWTH_BYTES)] * len(rows),
-                  ["  the step's free GB (free - runtime growth)"] + [free_gb(a["step_free_bytes"]) for a in per],
-                  ["  needs free GB (this estimator)"] + [gb(a["needs_free"]) for a in per],
-                  ["    of it, the allocator's reserve GB (needs free - split peak)"]
-                  + [gb(a["needs_free"] - e.split_allocated) for e, a in zip(rows, per)],
-                  ["  fits (needs free <= the step's free)"] + ["yes" if a["fits"] else "NO" for a in per],
-                  ["  longest seq that fits"] + [seq_words(a["longest_seq"]) for a in per],
-                  [f"  free GB at Soup's gate ({gate_free_words(first)})"] + [free_gb(a["gate_free_bytes"]) for a in per],
-                  [f"  Soup's gate admits it ({gate_rule_words(first)})"] + ["yes" if a["soup_admits"] else "no" for a in per],
-                  ["  longest seq Soup's gate admits"] + [seq_words(a["longest_seq_soup_admits"]) for a in per]]
-        for e, a in zip(rows, per):
-            if a["disagreement"]:
-                notes.append(f"{card.name}, {e.quant} {e.seq}x{e.batch}: {a['disagreement']}")
-            if a["fits"] is not None and a["longest_seq"] != a["longest_seq_soup_admits"]:
-                notes.append(f"{card.name}, {e.quant} batch {e.batch}: {seq_direction(a)}")
+        card_lines(card, rows, [a[i] for a in answers], lines, notes, sources)
     if len(rows) > WIDE_ARMS:
         wide = per_arm_table(rows, cards, answers or [[] for _ in rows], heads)
     first_w = max(len(line[0]) for line in lines)
@@ -304,6 +282,33 @@ def estimate_table(rows: list[Estimate], cards, config: Optional[dict] = None, *
         return "\n".join([head] + wide + [legend] + sources + list(dict.fromkeys(notes))) + "\n"
     return "\n".join([head, "-" * len(head)] + [fmt(line) for line in lines] + [legend] + sources
                      + list(dict.fromkeys(notes))) + "\n"
+
+
+def card_lines(card: Card, rows: list[Estimate], per: list[dict], lines: list, notes: list, sources: list) -> None:
+    """One card's block of the fit table (its total, context, free, needs-free, fits, the longest seq, Soup's two
+    answers), its source line and the notes where this tool and Soup's gate differ, appended in place."""
+    first = per[0]
+    cc = f"compute capability {first['compute_capability']}, " if first["compute_capability"] else ""
+    sources.append(f"{card.name}: total {card.source}; {cc}cuBLAS workspace {first['cublas_workspace_bytes']:,} B "
+                   "a handle")
+    lines += [[f"{card.name}: total GB"] + [gb(first["total_bytes"])] * len(rows),
+              [f"  context GB ({first['context_source']})"] + [gb(a["context_bytes"]) for a in per],
+              ["  free GB (total - context)"] + [free_gb(a["free_bytes"]) for a in per],
+              ["  runtime growth GB (CUDA outside the allocator by the step's end)"] + [gb(STEP_GROWTH_BYTES)] * len(rows),
+              ["  the step's free GB (free - runtime growth)"] + [free_gb(a["step_free_bytes"]) for a in per],
+              ["  needs free GB (this estimator)"] + [gb(a["needs_free"]) for a in per],
+              ["    of it, the allocator's reserve GB (needs free - split peak)"]
+              + [gb(a["needs_free"] - e.split_allocated) for e, a in zip(rows, per)],
+              ["  fits (needs free <= the step's free)"] + ["yes" if a["fits"] else "NO" for a in per],
+              ["  longest seq that fits"] + [seq_words(a["longest_seq"]) for a in per],
+              [f"  free GB at Soup's gate ({gate_free_words(first)})"] + [free_gb(a["gate_free_bytes"]) for a in per],
+              [f"  Soup's gate admits it ({gate_rule_words(first)})"] + ["yes" if a["soup_admits"] else "no" for a in per],
+              ["  longest seq Soup's gate admits"] + [seq_words(a["longest_seq_soup_admits"]) for a in per]]
+    for e, a in zip(rows, per):
+        if a["disagreement"]:
+            notes.append(f"{card.name}, {e.quant} {e.seq}x{e.batch}: {a['disagreement']}")
+        if a["fits"] is not None and a["longest_seq"] != a["longest_seq_soup_admits"]:
+            notes.append(f"{card.name}, {e.quant} batch {e.batch}: {seq_direction(a)}")
 
 
 #: The fit table's legend, its terms read from the term table (issue395.estimator.terms).

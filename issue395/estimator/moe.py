@@ -41,6 +41,7 @@ class Kind:
     routed: int = 0  # routed experts (router logits per token); 0 for a dense MLP
     top_k: int = 0  # experts a token visits (its hidden state gathered and weighted per expert)
     expert_width: int = 0  # one routed expert's intermediate width (moe_intermediate_size)
+    tensors: tuple = ()  # its parameters beside the linears, as Layers.union's (elements, kind) pairs
 
     @property
     def shared_width(self) -> int:
@@ -94,8 +95,11 @@ def deepseek_v3(config: dict, h: int, i: int, L: int, heads: int) -> Layers:
     # q and the expanded k (qk each), SDPA's output (vh), and v: a view of kv_b's output, which it
     # keeps whole (nope + vh; Kimi K2's live set, docs/PEAK.md "The NF4 layer phase, read per phase")
     attention_width, extra = 2 * qk + heads * (nope + vh) + heads * vh, kvr + rope + (qr or 0)
-    kinds = ((Kind(dict(attn, **dense), attention_width, extra, i),) if has_dense else ()) + (
-        (Kind(dict(attn, **shared_mlp), attention_width, extra, k * mi + mi * shared, E, k, mi),) if has_moe else ())
+    norms = ((h, "bf16"), (h, "bf16"), (kvr, "bf16")) + (((qr, "bf16"),) if qr else ())
+    experts = ((E * h, "bf16"), (E, "fp32"), (E * 2 * mi * h, "expert"), (E * h * mi, "expert"))
+    kinds = ((Kind(dict(attn, **dense), attention_width, extra, i, tensors=norms),) if has_dense else ()) + (
+        (Kind(dict(attn, **shared_mlp), attention_width, extra, k * mi + mi * shared, E, k, mi, norms + experts),)
+        if has_moe else ())
     order = tuple(0 if n < first_dense else len(kinds) - 1 for n in range(L))
     return Layers(tuple(union), (h * mi, h * mi, mi * h) if has_moe else (), dict(attn, **dense, **shared_mlp),
                   kinds, order)
@@ -135,10 +139,14 @@ def qwen3_5(config: dict, h: int, i: int, L: int, heads: int, kv: int, hd: int, 
     if moe:
         union += [(E * h, "bf16"), (E * 2 * mi * h, "expert"), (E * h * mi, "expert")]
     width = k * mi + si if moe else i
+    own = {"linear_attention": ((qkv * ck, "bf16"), (nv, "bf16"), (nv, "bf16"), (vd, "bf16")),
+           "full_attention": ((hd, "bf16"), (hd, "bf16"))}
+    experts = ((E * h, "bf16"), (E * 2 * mi * h, "expert"), (E * h * mi, "expert")) if moe else ()
     present = [(kind, attn, aw, ew) for kind, attn, aw, ew in (
         ("linear_attention", delta, 0, 2 * qkv + 2 * nv * vd + 4 * nv),
         ("full_attention", full, 3 * heads * hd + 2 * kv * hd, 0)) if kind in types]
-    kinds = tuple(Kind(dict(attn, **mlp), aw, ew, width, E, k, mi) for _, attn, aw, ew in present)
+    kinds = tuple(Kind(dict(attn, **mlp), aw, ew, width, E, k, mi, ((h, "bf16"), (h, "bf16")) + own[kind] + experts)
+                  for kind, attn, aw, ew in present)
     order = tuple([kind for kind, *_ in present].index(t) for t in types)
     return Layers(tuple(union), (h * mi, h * mi, mi * h) if moe else (), dict(delta, **full, **mlp), kinds, order)
 

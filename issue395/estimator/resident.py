@@ -9,10 +9,17 @@ there and not in a streamed step: the adapter's bf16 copies its matmuls save (``
 every block of the step is whole 2 MiB (``whole_granules``). Where the task's trainer turns dropout off, no LoRA
 dropout mask is charged, by the streamed step's own rule (layer.mask_bytes), in each count and its blocks' rounding.
 
-Measured (tests/estimator/test_resident.py), on the 143 committed arms of these families it models, bf16 and NF4
-(results/resident-map-*): never under, median 1.0011x; with checkpointing 1.0001x-1.0029x, without it
-1.0000x-1.0794x, median 1.0014x (the widest: Phi-3-mini NF4, 1.063x-1.080x, whose fused gate_up the shared count
-charges whole; without its 4 rows at most 1.0238x, SmolLM2's bounded rounding). Under NF4 the rotary tables are
+Measured (tests/estimator/test_resident.py), on the 181 committed arms of these families it models, bf16 and NF4
+(results/resident-map-*): never under, median 1.0014x; with checkpointing 1.0001x-1.0029x, without it
+1.0000x-1.0794x, median 1.0023x (the widest: Phi-3-mini NF4, 1.063x-1.080x, whose fused gate_up the shared count
+charges whole; phi-2 bf16 1.024x-1.035x; Moonlight 1.002x-1.029x; without those at most 1.0238x, SmolLM2's
+bounded rounding). Layers of several kinds (issue395.estimator.moe) hold each its own kind's tensors
+(``kinds_weights``: Moonlight's dense layer 0 and MoE layers of 64 fused experts, Qwen3.5's delta-net and
+full-attention layers; within 0.1% of what each committed row held before its step, where charging every layer
+the union of the kinds was 10-30% off): Moonlight (DeepSeek-V3) 1.0003x-1.0286x on its 16 rows, Qwen3.5 with
+checkpointing 1.0002x-1.0008x (4), Qwen3.5-MoE without it 1.0001x-1.0040x (12). phi-2 bf16 (6 rows,
+1.0236x-1.0352x): a resident run trains under bf16 autocast, which the streamed step (where the counts are
+measured) does not, and autocast runs layer_norm and pow in fp32 (``autocast_upcasts``). Under NF4 the rotary tables are
 fp32, as the residual stream is: charged bf16, Gemma-2-2B NF4 4096x1 with checkpointing was 3.20 MB under its real
 peak, the allowance aside; charged fp32, 0.99 MB over.
 
@@ -30,12 +37,22 @@ Known limitations
       unnamed: no anatomy of it is committed (bench/gpu-resident-1.sh ran out of its budget before
       sft-phi3-nf4-1024x1). Its bf16 rows are 1.0003x-1.019x and its checkpointed NF4 ones 1.0014x-1.0029x.
     - Past a sliding window without checkpointing it is refused: Gemma-3 and Phi-3 keep attention masks per layer
-      there that the counts do not have (Gemma-3 2048x1: 48 blocks of 8 MiB; the construction was 0.978x-0.997x).
+      there that the counts do not have (Gemma-3 2048x1: 48 blocks of 8 MiB; the construction was 0.983x-1.018x on
+      Gemma-3-1B's 20 committed rows, 0.984x on Phi-3-mini bf16 2048, its NF4 1.044x-1.053x).
     - The steady state (steps > 1: the optimizer's states) and gradient accumulation are the streamed step's terms
       (estimator/steady.py), measured there, not yet on a resident run: every committed resident row is one step
       of one micro-batch.
-    - Layers of more than one kind (MoE, latent attention, Qwen3.5's hybrid) and phi's parallel block are not yet
-      modelled resident (their committed rows are 0.80x-1.15x of this construction). Refused in one line.
+    - phi-2 bf16 without checkpointing is 1.024x-1.035x: at 2048x1 (every block whole 2 MiB, no rounding
+      charged) 10.35 KB a token a layer over, about the LayerNorm's fp32 input copy (4h) that autocast's fp32
+      layer_norm makes and saves; without it the rows would be 0.999x-1.003x, gelu_new's fp32 tensors (6i)
+      alone matching the measured slope to 620 B a token a layer. Kept: torch's autocast lists layer_norm as fp32
+      and no phi anatomy is committed to show it is not saved. phi under NF4 is refused in one line: its rows were
+      0.68x-0.82x of this construction (0.90x-0.95x with the dense NF4 rule's fp32 MLP charged twice over the
+      fp32 count), about 71 KB a token a layer missing at 2048x1 that the counts do not name; no anatomy of it.
+    - Qwen3.5 (dense hybrid) without checkpointing is refused: its bf16 rows were 0.9938x-0.9995x (up to 197 MB
+      under at 2048x4, in the step; its NF4 rows 1.008x-1.038x). Qwen3.5-MoE with checkpointing is refused: 1024x1
+      bf16 0.9999x (its row held 34 MB more before its step than at its other rows), 4096x1 0.9986x bf16 and
+      0.9990x NF4 (29 MB under, in the step). No resident anatomy of either is committed.
     - Its needs-free is the allocated peak plus the reserve measured under expandable segments: `soup train` runs a
       resident run on the default allocator (it sets expandable segments for streamed runs only), whose reserve
       has not been measured on a resident run yet (bench/gpu-next.sh resident-patch is the call that shows it).
@@ -53,31 +70,55 @@ Known limitations
       bound: the loss's fp32 blocks may be freed by the head's backward); the backward walked with the
       gradients already made, each layer's own counted whole at its MLP backward (a bound); the embedding's
       backward with its fresh V x h gradient and a 4h-a-token bound on its kernel's fp32 partial sums. Refused
-      in one line: any task but sft and any quantization (Soup does not build them), a release that loads the
-      base as fp32 master weights (0.77.0's resolve_base_load_dtype: an fp32 residual stream and autocast's
-      cached bf16 copy of every weight, not modelled), transformers before 5 (fp32 by default), a config
-      giving another dtype than bf16 or fp16. Spectrum's and the freezes' partial fine-tuning are not modelled.
+      in one line: any task but sft and any quantization (Soup does not build them), transformers before 5
+      (fp32 by default), a config giving another dtype than bf16 or fp16. Spectrum's and the freezes' partial
+      fine-tuning are not modelled.
+    - Full fine-tuning on a release that loads the base as fp32 master weights (0.77.0's
+      resolve_base_load_dtype, ``estimate_master``), also NOT MEASURED, built from Soup's, accelerate's,
+      transformers' and torch's source and held to transformers' own layers under CPU bf16 autocast
+      (tests/estimator/test_resident.py): every parameter, gradient and AdamW state fp32; the residual stream
+      fp32 from the embedding on (checkpointed inputs, rotary tables, norms' inputs and normed tensors); one bf16
+      cast of a normed input per linear reading it; autocast's bf16 copy of every weight at the loss (saved by
+      the matmuls without checkpointing; with it, held by the cast cache through the forward, a bound at the
+      loss's backward, where only the head's remains) and in the layer phase (the recomputed layer's own
+      casts). Bounds: a bias's cast, the head's bf16 and fp32 gradients at once, a layer's largest bf16 weight
+      gradient beside its fp32 ones. Not charged: Gemma's (1 + weight) per norm (4h B a norm a layer, not per
+      token). Phi-3's fused layer departs on CPU: its v is its own block beside one more q-sized block (2kw B a
+      token under the fused qkv view charged, as the streamed count charges it), its gate and up one 2i block
+      (the same bytes); not read on a card. Eager attention is refused (its softmax keeps rotary's fp32 query
+      dtype).
 """
 
 from __future__ import annotations
+
+import ast
 
 from ..constants import K_LARGE_BUFFER, K_MIN_LARGE_ALLOC, K_ROUND_LARGE, K_SMALL_SIZE, block_bytes, unsplit_bound
 from ..errors import UsageError
 from ..record import LORA_DROPOUT
 from ..model.targets import soup_targets
 from ..tasks import PROTOCOL_TASK, task as task_named
-from .arch import NF4_BLOCK, Arch, arch_from_config, layer_bytes, nf4_bytes, protocol_targets
+from .arch import (NF4_BLOCK, Arch, activation_bytes, arch_from_config, fp32_residual, layer_bytes, nf4_bytes,
+                   protocol_targets)
 from .layer import (LORA_DROPOUT_MASK_BYTES, MLP_BACKWARD_TRANSIENTS, Moment, checkpointed_through, layer_per_token,
                     mask_bytes)
-from .releases import installed_release, release_source
+from .releases import release_source
 from .stacks import package_version
 from .steady import FP32, is_bounded, optimizer_named, state_blocks
 from .estimate import Estimate, estimate, needs_free, segment_tail
 from .steady import adapter_bytes
 from .terms import Phase, Term, phase_sum
+from .layer import STAGES
 
 #: The architectures the resident construction is held to (every committed resident row of theirs).
-MODELLED_TYPES = ("llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "gemma3_text", "phi3")
+MODELLED_TYPES = ("llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "gemma3_text", "phi3", "phi", "deepseek_v3",
+                  "qwen3_5_text", "qwen3_5_moe_text")
+#: The layered families' runs whose committed rows the shared counts leave under their real peaks (the module's
+#: docstring has the figures): refused, each with why.
+LAYERED_REFUSED = {
+    ("qwen3_5_text", False): "its delta-net layers keep more without checkpointing than the counts name",
+    ("qwen3_5_moe_text", True): "its recomputed MoE layer holds more than the count names",
+}
 
 
 def resident_weights(a: Arch, quant: str = "none") -> int:
@@ -86,6 +127,8 @@ def resident_weights(a: Arch, quant: str = "none") -> int:
     with its segment's tail (estimate.segment_tail: HF loads tensor by tensor). NF4: each linear as bitsandbytes packs
     it (arch.nf4_bytes), everything it does not quantise cast to fp32 (measured: within 0.1% of what every committed
     dense NF4 arm held before its step, results/resident-map-*)."""
+    if a.layers is not None:
+        return kinds_weights(a, quant)
     if quant == "nf4":
         per_layer = sum(nf4_bytes(fi * fo) + (4 * fo if bias else 0) for fi, fo, bias in a.modules.values())
         per_layer += 4 * a.h * a.norms * (2 if a.norm_bias else 1) + (4 * 2 * a.head_dim if a.qk_norm else 0)
@@ -96,6 +139,30 @@ def resident_weights(a: Arch, quant: str = "none") -> int:
     per_layer = layer_bytes(a, "none") + sum(segment_tail(2 * fi * fo) for fi, fo, _ in a.modules.values())
     vocab = (1 if a.tied else 2) * (2 * a.V * a.h + segment_tail(2 * a.V * a.h))
     return a.L * per_layer + vocab + norms + (2 * a.V if a.quirks.head_bias and not a.tied else 0)
+
+
+def kinds_weights(a: Arch, quant: str) -> int:
+    """resident_weights of a model whose layers are of several kinds (issue395.estimator.moe: DeepSeek-V3's
+    dense and MoE layers, Qwen3.5's delta-net and full-attention ones): each layer its own kind's tensors, in
+    the model's order, beside the vocab matrices and the final norm as a dense model's. bf16: every tensor at
+    2 B but DeepSeek's expert-score bias (fp32: its _keep_in_fp32_modules_strict), the fused experts (3-D
+    parameters) among them. NF4: bitsandbytes packs each nn.Linear (arch.nf4_bytes); everything else, the fused
+    experts too (not nn.Linear: Soup's loader quantises none), is cast to fp32 as on a dense model. Each
+    tensor its own block with its segment's tail (estimate.segment_tail)."""
+    def held_as(n: int, kind: str) -> int:
+        b = n * (4 if quant == "nf4" or kind == "fp32" else 2)
+        return b + segment_tail(b)
+
+    def layer(k) -> int:
+        linears = sum(nf4_bytes(fi * fo) if quant == "nf4" else held_as(fi * fo, "linear")
+                      for fi, fo, _ in k.dequant.values())
+        return linears + sum(held_as(n, kind) for n, kind in k.tensors)
+
+    order = a.layers.order or (0,) * a.L
+    each = [layer(k) for k in a.layers.kinds]
+    per = 4 if quant == "nf4" else 2
+    vocab = (1 if a.tied else 2) * held_as(a.V * a.h, "linear")
+    return sum(each[j] for j in order) + vocab + per * a.h
 
 
 def retained_rounding(a: Arch, targets: tuple, r: int, T: int, quant: str = "none", seq: int | None = None,
@@ -115,7 +182,9 @@ def retained_rounding(a: Arch, targets: tuple, r: int, T: int, quant: str = "non
     widths = [(4, a.h)] * (a.norms if a.quirks.norm_inputs_saved else 0)
     widths += [w for t in targets for w in ((act, a.modules[t][0]), (mask, a.modules[t][0]), (act, r))]
     widths += [(act, qw), (act, kw), (act, (qw + 2 * kw) if a.quirks.fused_qkv else kw), (act, qw)]
-    widths += [(4 if quant == "nf4" else act, a.i)] * (a.quirks.mlp_saved - a.quirks.mlp_transients)
+    upcast, _ = autocast_upcasts(a, quant)  # autocast's fp32 copies in place of as many of the count's MLP blocks
+    mlp = a.quirks.mlp_saved - a.quirks.mlp_transients - sum(1 for _, w in upcast if w == a.i)
+    widths += [(4 if quant == "nf4" else act, a.i)] * mlp + upcast
     sizes = [block_bytes(b * w * T) for b, w in widths if b]
     # requests from 1 MiB to 10 MiB are cut from 20 MiB segments, and a segment's last block keeps a rest under
     # 1 MiB unsplit (the allocator splits a large block only where more than 1 MiB would remain): at most 1 MiB a
@@ -158,6 +227,36 @@ def unaligned_weight_blocks(a: Arch, quant: str, targets: tuple, r: int) -> int:
     return sum(1 for s in map(block_bytes, sizes) if s > K_SMALL_SIZE and s % K_ROUND_LARGE)
 
 
+#: The bytes autocast's fp32 ops make one element of what they save: layer_norm and pow are on CUDA autocast's
+#: float32 list (torch's autocast_mode.cpp), so each casts its bf16 input to fp32 and saves that copy.
+AUTOCAST_FP32 = 4
+
+
+def autocast_upcasts(a: Arch, quant: str) -> tuple[list[tuple[int, int]], int]:
+    """The blocks, as (bytes an element, width) a token, that a layer keeps under Hugging Face's bf16 autocast (a
+    resident run's: Soup's streamed step runs without it, and the shared counts are measured there) where the
+    count charges other ones, and the bytes a token of the count's they replace. nn.LayerNorm (``norm_bias``:
+    phi's input_layernorm, transformers 5.16.1 modeling_phi.py) runs in fp32 and saves its input's fp32 copy
+    and its fp32 mean and rstd (4 B a token each), none of which the count charges (under NF4 the residual is
+    fp32 already, and the input itself is what it saves). phi's python gelu_new (activations.py
+    NewGELUActivation, ``mlp_saved`` 7) calls torch.pow, which autocast runs in fp32: its input's fp32 copy
+    (which pow saves), tanh's output and 1 + tanh (which the last mul saves) are fp32, where the count charges
+    three bf16 (0.5 x stays bf16); under NF4 the count charges them fp32 already (fp32_residual)."""
+    blocks, replaced = [], 0
+    if a.norm_bias:
+        blocks += [(AUTOCAST_FP32, a.h), (AUTOCAST_FP32, 1), (AUTOCAST_FP32, 1)] * a.norms
+    if a.quirks.mlp_saved == 7 and not fp32_residual(a, quant):
+        blocks += [(AUTOCAST_FP32, a.i)] * 3
+        replaced += 3 * activation_bytes(a, quant) * a.i
+    return blocks, replaced
+
+
+def autocast_per_token(a: Arch, quant: str) -> int:
+    """What autocast_upcasts adds to a layer's count a token."""
+    blocks, replaced = autocast_upcasts(a, quant)
+    return sum(b * w for b, w in blocks) - replaced
+
+
 def adapter_casts(a: Arch, targets: tuple, r: int, per: int) -> int:
     """The bf16 copy of each fp32 LoRA matrix (``per`` 4: adapter_bytes) that autocast makes for its matmul, which
     saves it for the backward: lora_B's in every layer (its input, lora_A's output, needs a gradient), lora_A's
@@ -180,7 +279,13 @@ def refused(a: Arch, quant: str, checkpointing: bool = True, seq: int = 0) -> st
                 "is not yet modelled by this estimator (its layers keep attention masks the counts do not have)")
     if quant not in ("none", "nf4"):
         return f"a resident {quant} run is not modelled by this estimator"
-    if a.layers is not None or a.model_type not in MODELLED_TYPES:
+    if fp32_residual(a, quant):
+        return (f"a resident {quant} {a.model_type} run is not yet modelled by this estimator (its fp32 residual "
+                "stream under autocast keeps more a layer than the counts name)")
+    if a.layers is not None and (a.model_type, checkpointing) in LAYERED_REFUSED:
+        return (f"a resident {a.model_type} run {'with' if checkpointing else 'without'} gradient checkpointing "
+                f"is not yet modelled by this estimator ({LAYERED_REFUSED[a.model_type, checkpointing]})")
+    if a.model_type not in MODELLED_TYPES:
         return f"a resident {a.model_type} run is not yet modelled by this estimator"
     return None
 
@@ -224,6 +329,10 @@ def estimate_resident(config: dict, *, quant: str = "none", seq: int, batch: int
         t[Term.ALLOCATOR_ROUNDING.key] += retained_rounding(a, tg, lora_r, T, quant, e.seq,
                                                             mask_bytes(task_named(task), lora_dropout))
         t[Term.ADAPTER_CASTS.key] = adapter_casts(a, tg, lora_r, adapter_bytes(task, quant))
+        t[Term.RETAINED_ACTIVATIONS.key] += T * a.L * autocast_per_token(a, quant)
+        t[Term.RETAINED_BESIDE_LAYER.key] += T * (a.L - 1) * autocast_per_token(a, quant)
+    # the layer the backward runs holds them too, recomputed or not
+    t[Term.LAYER_PER_TOKEN.key] += T * autocast_per_token(a, quant)
     if quant == "nf4":
         # the embedding is fp32, so the residual stream is, and bitsandbytes' Linear4bit returns its input's dtype:
         # the MLP's i-wide tensors are fp32 (Llama-3.2-1B NF4 2048x1 kept 48 of 67,108,864 B, i x T x 4, where bf16
@@ -231,13 +340,14 @@ def estimate_resident(config: dict, *, quant: str = "none", seq: int, batch: int
         # autocast casts it to bf16 for the head's matmul, which saves that copy for its backward: V x h x 2 beside
         # the loss, whatever the tokens (Llama-3.2-1B NF4: real peaks 3.733 MB a token plus 561 MB at 512-8192
         # tokens; this copy is 525 MB). The backward dequantises one linear at a time.
-        saved = 2 * a.i * (a.quirks.mlp_saved - a.quirks.mlp_transients)
+        # (phi's residual is fp32 from layer 0's output: its count charges every activation fp32 already)
+        saved = 0 if fp32_residual(a, quant) else 2 * a.i * (a.quirks.mlp_saved - a.quirks.mlp_transients)
         if checkpointing:
             t[Term.CHECKPOINTED_INPUTS.key] *= 2
         else:
             t[Term.RETAINED_ACTIVATIONS.key] += T * a.L * saved
             t[Term.RETAINED_BESIDE_LAYER.key] += T * (a.L - 1) * saved
-        t[Term.LAYER_PER_TOKEN.key] += T * 2 * a.i * a.quirks.mlp_saved
+        t[Term.LAYER_PER_TOKEN.key] += 0 if fp32_residual(a, quant) else T * 2 * a.i * a.quirks.mlp_saved
         t[Term.HEAD_COPY.key] = 2 * a.V * a.h + segment_tail(2 * a.V * a.h)
         # the rotary tables take the residual stream's dtype (transformers' rotary embeddings return
         # cos.to(x.dtype)): fp32 here, twice the streamed step's bf16 tables. Measured: Llama-3.2-1B NF4 2048x1
@@ -312,11 +422,8 @@ def full_refused(a: Arch, config: dict, *, quant: str, task: str, release: str |
     src = release_source(release)
     if src is None:
         return f"soup-cli {release}'s source is not here, so how it loads a fully fine-tuned base is not read"
-    sft = src / "trainer" / "sft.py"
-    if sft.is_file() and "resolve_base_load_dtype" in sft.read_text(encoding="utf-8"):
-        return (f"soup-cli {release or installed_release()} loads a fully fine-tuned base as fp32 master weights "
-                "under bf16 autocast (its resolve_base_load_dtype), which this estimator does not yet model (an "
-                "fp32 residual stream, autocast's cached bf16 copy of every weight)")
+    if loads_fp32_master(src):  # Soup passes torch.float32 whatever the checkpoint and transformers: estimate_master
+        return None
     major = (transformers or package_version("transformers")).split(".")[0]
     if not major.isdigit() or int(major) < 5:
         return (f"transformers {transformers or package_version('transformers')} loads a base Soup passes no "
@@ -422,17 +529,18 @@ def head_gradient(a: Arch) -> int:
     return held([FULL_FT_BYTES * a.V * a.h] + ([FULL_FT_BYTES * a.V] if a.quirks.head_bias and not a.tied else []))
 
 
-def full_optimizer(a: Arch, optimizer: str) -> dict:
+def full_optimizer(a: Arch, optimizer: str, per: int = FULL_FT_BYTES) -> dict:
     """The optimizer's step over every parameter (steady.OPTIMIZERS' rules, per parameter tensor): every
     gradient, the optimizer's states (torch's in the parameter's dtype, bitsandbytes' own), and its
     transients (torch's foreach AdamW: exp_avg_sq's square root, one copy of every parameter of a group
-    at once; a bound: the whole model as one group). Each block as the default allocator holds it (held)."""
+    at once; a bound: the whole model as one group). Each block as the default allocator holds it (held).
+    ``per``: a parameter's bytes (fp32 master weights: 4)."""
     sizes = full_params(a)
     o = optimizer_named(optimizer)
-    per = FP32 if is_bounded(optimizer) else FULL_FT_BYTES
-    return {Term.PARAMETER_GRADIENTS.key: held(FULL_FT_BYTES * n for n in sizes),
-            Term.OPTIMIZER_STATES.key: held(b for n in sizes for b in state_blocks(n, optimizer, FULL_FT_BYTES)),
-            Term.OPTIMIZER_TRANSIENTS.key: held(per * n for n in sizes for _ in range(o.transient))}
+    step = FP32 if is_bounded(optimizer) else per
+    return {Term.PARAMETER_GRADIENTS.key: held(per * n for n in sizes),
+            Term.OPTIMIZER_STATES.key: held(b for n in sizes for b in state_blocks(n, optimizer, per)),
+            Term.OPTIMIZER_TRANSIENTS.key: held(step * n for n in sizes for _ in range(o.transient))}
 
 
 def estimate_full(config: dict, *, quant: str = "none", seq: int, batch: int = 1, steps: int = 1,
@@ -448,6 +556,10 @@ def estimate_full(config: dict, *, quant: str = "none", seq: int, batch: int = 1
     why = full_refused(a, config, quant=quant, task=task, release=release, transformers=transformers)
     if why:
         raise UsageError(why)
+    if loads_fp32_master(release_source(release)):
+        return estimate_master(config, seq=seq, batch=batch, steps=steps, release=release, task=task,
+                               checkpointing=checkpointing, optimizer=optimizer, accumulation=accumulation,
+                               transformers=transformers)
     base = estimate_resident(config, seq=seq, batch=batch, lora_r=1, release=release, task=task,
                              checkpointing=checkpointing, transformers=transformers)
     T = base.seq * base.batch
@@ -466,6 +578,16 @@ def estimate_full(config: dict, *, quant: str = "none", seq: int, batch: int = 1
         t[Term.ALLOCATOR_ROUNDING.key] += full_retained_rounding(a, T) - retained_rounding(
             a, targets_of(a, None, config), 1, T)
     t.update(full_optimizer(a, optimizer))
+    return full_phases(t, base, before, checkpointing=checkpointing, steps=steps, optimizer=optimizer,
+                       accumulation=accumulation)
+
+
+def full_phases(t: dict, base: Estimate, before: int, *, checkpointing: bool, steps: int, optimizer: str,
+                accumulation: int) -> Estimate:
+    """A full fine-tuning's terms ``t`` into its estimate: the loss, the layer phase (its checkpointed inputs
+    those of the binding layer's turn, ``before``) and the optimizer's step, which binds from step 1 (its
+    states are made there); from step 2 the states, and after a first backward its cuBLAS workspace, beside
+    every phase."""
     ws = t[Term.AUTOGRAD_WORKSPACE.key]
     layer = phase_sum(t, Phase.LAYER) - (t[Term.CHECKPOINTED_INPUTS.key] - before if checkpointing else 0)
     step = {Phase.LOSS: phase_sum(t, Phase.LOSS), Phase.LAYER: layer}
@@ -477,6 +599,184 @@ def estimate_full(config: dict, *, quant: str = "none", seq: int, batch: int = 1
     step[Phase.OPTIMIZER] = t[Term.PARAMETER_GRADIENTS.key] + states + t[Term.OPTIMIZER_TRANSIENTS.key] + ws
     binding = max(step, key=step.get)
     corrected = phase_sum(t, Phase.RESIDENT) + step[binding] + phase_sum(t, Phase.ALLOWANCE)
-    return Estimate(base.seq, base.batch, quant, steps, base.release, None, {}, corrected, needs_free(corrected),
-                    binding.value, {term.key: t[term.key] for term in Term if term.key in t}, base.task, optimizer,
-                    accumulation)
+    return Estimate(base.seq, base.batch, base.quant, steps, base.release, None, {}, corrected,
+                    needs_free(corrected), binding.value, {term.key: t[term.key] for term in Term if term.key in t},
+                    base.task, optimizer, accumulation)
+
+
+# -- Full fine-tuning on fp32 master weights (soup-cli 0.77.0): every parameter fp32, the step under bf16 autocast --
+# Evidence, besides Soup's and transformers' source: tests/estimator/test_resident.py runs a tiny Llama of
+# transformers 5.16.1 under torch.autocast("cpu", bfloat16) with fp32 weights and reads what autograd saves and
+# which casts stay alive. CPU and CUDA autocast (torch's aten/src/ATen/autocast_mode.cpp) both list linear, mm,
+# matmul and scaled_dot_product_attention as lower_precision_fp and cache a cast alike (cached_cast: an fp32 leaf
+# that requires grad, the device's lower precision); CUDA's fp32 lists (pow, rsqrt, log_softmax, nll_loss) differ
+# from CPU's, but here those ops read fp32 already (the norms upcast, HF's loss takes logits.float()).
+
+def loads_fp32_master(src) -> bool:
+    """Whether the release whose soup_cli/ is ``src`` loads a fully fine-tuned base as fp32 master weights: its
+    SFT setup passes resolve_base_load_dtype as from_pretrained's torch_dtype, and that function (utils/gpu.py)
+    returns torch.float32 under full_finetune (0.77.0, #339 AC2: "explicit fp32 master weights"). Its
+    TrainingArguments get bf16 where the card has it (bf16_fp16_flags), so accelerate wraps the model's forward
+    in torch.autocast (prepare_model). Read with ast, never imported."""
+    sft, gpu = (src / "trainer" / "sft.py", src / "utils" / "gpu.py") if src is not None else (None, None)
+    if sft is None or not (sft.is_file() and gpu.is_file()) or "resolve_base_load_dtype" not in sft.read_text(
+            encoding="utf-8"):
+        return False
+    for fn in ast.walk(ast.parse(gpu.read_text(encoding="utf-8"))):
+        if isinstance(fn, ast.FunctionDef) and fn.name == "resolve_base_load_dtype":
+            return any(isinstance(n, ast.If) and "full_finetune" in ast.unparse(n.test) and any(
+                isinstance(r, ast.Return) and ast.unparse(r.value) == "torch.float32" for b in n.body
+                for r in ast.walk(b)) for n in ast.walk(fn))
+    return False
+
+
+def master_weights(a: Arch) -> int:
+    """Every parameter as Soup's fp32 load puts it on the card: each tensor (full_params) its own block of 4 B an
+    element, with its segment's tail (HF loads tensor by tensor)."""
+    return sum(block_bytes(FP32 * n) + segment_tail(FP32 * n) for n in full_params(a))
+
+
+def cast_sizes(a: Arch) -> list[int]:
+    """The bf16 copy autocast makes of each of one layer's fp32 linear weights and biases (linear and addmm are
+    lower_precision_fp ops). A bias's copy is held by the cache through the forward; its backward keeps only the
+    weight's (a bound of one bias a linear)."""
+    return [2 * n for fi, fo, bias in a.modules.values() for n in ((fi * fo, fo) if bias else (fi * fo,))]
+
+
+def head_cast(a: Arch) -> int:
+    """The head's weight as its matmul reads it under autocast, bf16 (tied: the embedding's, cast as the head's;
+    the embedding's own lookup is no autocast op and reads the fp32 weight), with an untied head's bias."""
+    return held([2 * a.V * a.h] + ([2 * a.V] if a.quirks.head_bias and not a.tied else []))
+
+
+def weight_casts(a: Arch) -> int:
+    """Autocast's bf16 copies live at the loss: every layer's (cast_sizes) and the head's. Without checkpointing
+    every matmul saved its copy for the backward. With it (non-reentrant: Soup's gradient_checkpointing_kwargs
+    use_reentrant False) nothing inside a layer is saved, but the cache keeps every copy until the forward's
+    autocast region exits, which is after the model's own loss (accelerate wraps model.forward): at the loss's
+    backward only the head's remains, so with checkpointing this is a bound on the loss's forward."""
+    return a.L * held(cast_sizes(a)) + head_cast(a)
+
+
+def master_blocks(a: Arch) -> list[tuple[int, int]]:
+    """(bytes an element, elements a token) of each block one layer keeps for its backward on fp32 master weights
+    under autocast, op by op. Each norm: its fp32 input (the residual stream itself, fp32 since the embedding is:
+    ``.to(float32)`` makes no copy; a bf16 linear output's fp32 copy where a norm reads one, Gemma-2's post
+    norms), its rsqrt, its fp32 normed tensor (its weight's gradient reads it). Each linear reading a normed
+    input (STAGES 0 and 3: q, k, v, gate, up; phi3's fused qkv and gate_up) casts it to bf16 itself, a copy
+    each, which its weight's gradient reads. SDPA saves bf16 q and k (its own casts of rotary's fp32 outputs:
+    bf16 x fp32 cos promotes), v, its output (which o_proj reads in place: the kernel lays it out token-major,
+    so transformers' transpose().contiguous() copies nothing) and fp32 logsumexp. q/k norms save their fp32 input
+    copy, rsqrt and normed tensor. The MLP saves gate, act(gate), up and down_proj's input, bf16."""
+    qw, kw = a.heads * a.head_dim, a.kv * a.head_dim
+    v = (qw + 2 * kw) if a.quirks.fused_qkv else kw  # phi3: v is a view of the fused qkv output
+    blocks = [(FP32, a.h), (FP32, 1), (FP32, a.h)] * a.norms
+    blocks += [(2, a.h)] * sum(1 for m in a.modules if STAGES.get(m) in (0, 3))
+    blocks += [(2, qw), (2, kw), (2, v), (2, qw), (FP32, a.heads)]
+    if a.qk_norm:
+        blocks += [(FP32, qw), (FP32, kw), (FP32, a.heads), (FP32, a.kv), (_norm_bytes(a), qw), (_norm_bytes(a), kw)]
+    return blocks + [(2, a.i)] * (a.quirks.mlp_saved - a.quirks.mlp_transients + 1)
+
+
+def master_retained(a: Arch) -> int:
+    """What each layer keeps a token for its backward without checkpointing (master_blocks)."""
+    return sum(b * w for b, w in master_blocks(a))
+
+
+def master_per_token(a: Arch, at: Moment, checkpointing: bool) -> int:
+    """One layer's count a token at moment ``at``: what it keeps (with checkpointing, less its input norm's input,
+    which is the checkpointed input itself), and at the MLP backward the incoming fp32 gradient, its bf16 cast
+    into the MLP's branch and MLP_BACKWARD_TRANSIENTS bf16 i-wide gradients; at the recomputed forward's end
+    the incoming gradient, the MLP's fp32 normed input (held by the layer's frame through the MLP) and
+    down_proj's bf16 output."""
+    kept = master_retained(a) - (FP32 * a.h if checkpointing else 0)
+    if at is Moment.BACKWARD:
+        return kept + FP32 * a.h + 2 * a.h + 2 * MLP_BACKWARD_TRANSIENTS * a.i
+    return kept + FP32 * a.h + FP32 * a.h + 2 * a.h
+
+
+def master_retained_rounding(a: Arch, T: int) -> int:
+    """full_retained_rounding's allocator bound over master_blocks' blocks (1 MiB a 20 MiB segment the 1-10 MiB
+    blocks fill, each block from 10 MiB its tail or 1 MiB)."""
+    sizes = [block_bytes(b * w * T) for b, w in master_blocks(a)]
+    cut = a.L * sum(s for s in sizes if K_SMALL_SIZE <= s < K_MIN_LARGE_ALLOC)
+    own = a.L * sum(segment_tail(s) or K_SMALL_SIZE for s in sizes if s >= K_MIN_LARGE_ALLOC)
+    return own + -(-cut // K_LARGE_BUFFER) * K_SMALL_SIZE
+
+
+def master_head_gradient(a: Arch) -> int:
+    """The head's fp32 weight gradient made at the loss's backward, and the bf16 gradient of its weight's copy
+    that ToCopyBackward casts into it (a bound: both live at once only inside that cast)."""
+    return held([FP32 * a.V * a.h] + ([FP32 * a.V] if a.quirks.head_bias and not a.tied else [])) + held(
+        [2 * a.V * a.h])
+
+
+def master_backward(a: Arch, T: int, *, checkpointing: bool, accumulated: bool) -> dict:
+    """full_backward's walk on fp32 master weights: fp32 checkpointed inputs and gradients; at layer n's turn
+    the bf16 weight copies live (with checkpointing the recomputed layer's, its recompute being an autocast
+    region of its own; without, those layers 0..n saved); its own gradients at its MLP backward with the bf16
+    gradient of its largest weight's copy before its cast (one at a time; a bound). The embedding's backward
+    makes a fresh fp32 V x h gradient, with its kernel's partial sums (4h a token, a bound)."""
+    grads = held(FP32 * n for n in layer_tensors(a))
+    own = grads + held([2 * max(fi * fo for fi, fo, _ in a.modules.values())])
+    top = held([FP32 * a.V * a.h] + ([FP32 * a.V] if a.quirks.head_bias and not a.tied else [])) + held(
+        FP32 * n for n in [a.h] * (2 if a.norm_bias else 1))
+    casts, best = held(cast_sizes(a)), {}
+    for n in range(a.L):
+        made = 0 if accumulated else top + (a.L - 1 - n) * grads
+        before = 2 * checkpointed_through(a, "none", T, n) if checkpointing else T * master_retained(a) * n
+        for at in (Moment.FORWARD_END, Moment.BACKWARD) if checkpointing else (Moment.BACKWARD,):
+            terms = {Term.LAYER_PER_TOKEN.key: T * master_per_token(a, at, checkpointing),
+                     Term.LAYER_WEIGHT_CASTS.key: casts * (1 if checkpointing else n + 1),
+                     Term.BACKWARD_GRADIENTS.key: made + (own if at is Moment.BACKWARD else 0), "before": before}
+            if sum(terms.values()) > sum(best.values()):
+                best = terms
+    end = {Term.LAYER_PER_TOKEN.key: 0, Term.LAYER_WEIGHT_CASTS.key: 0, "before": 0,
+           Term.BACKWARD_GRADIENTS.key: 0 if accumulated else top + a.L * grads,
+           Term.EMBEDDING_BACKWARD.key: held([FP32 * a.V * a.h]) + FP32 * a.h * T}
+    return end if sum(end.values()) > sum(best.values()) else best
+
+
+def estimate_master(config: dict, *, seq: int, batch: int = 1, steps: int = 1, release: str | None = None,
+                    task: str = PROTOCOL_TASK, checkpointing: bool = False, optimizer: str = "adamw_torch",
+                    accumulation: int = 1, transformers: str | None = None) -> Estimate:
+    """estimate_full's run on a release that loads the base as fp32 master weights (loads_fp32_master: soup-cli
+    0.77.0) under bf16 autocast: every parameter, its gradient and torch AdamW's states fp32, and the foreach
+    step's square root of every state; the residual stream fp32 from the embedding on (its checkpointed
+    inputs, the rotary tables, which take its dtype, each layer's norms); autocast's bf16 copies of the weights
+    (weight_casts, master_backward); each layer's kept blocks as master_blocks lists them; the head's input
+    (the final norm's fp32 normed tensor, the head's own bf16 cast, the norm's rsqrt) and its gradients
+    (master_head_gradient). The loss's logits are the LoRA step's (the head's matmul is bf16 under autocast
+    there too). Unmeasured: no full fine-tuning row exists. Eager attention is refused (its softmax returns
+    rotary's fp32 query dtype: fp32 scores the counts do not have)."""
+    a = arch_from_config(config)
+    base = estimate_resident(config, seq=seq, batch=batch, lora_r=1, release=release, task=task,
+                             checkpointing=checkpointing, transformers=transformers)
+    if base.terms.get(Term.EAGER_SCORES.key) or base.terms.get(Term.EAGER_MASKS.key):
+        raise UsageError(f"a full fine-tuning of {a.model_type} on fp32 master weights under eager attention is "
+                         "not yet modelled by this estimator (its softmax keeps rotary's fp32 query dtype)")
+    T = base.seq * base.batch
+    t = {k: v for k, v in base.terms.items() if k not in (
+        Term.LORA_WEIGHTS.key, Term.BACKWARD_GRADIENTS.key, Term.HELD_GRADIENTS.key, Term.UNSPLIT_REMAINDERS.key,
+        Term.ADAPTER_CASTS.key)}
+    t[Term.RESIDENT_WEIGHTS.key] = master_weights(a)
+    t[Term.ROTARY_TABLES.key] *= 2  # cos.to(x.dtype), x the fp32 residual: measured fp32 on CPU
+    t[Term.HEAD_INPUT.key] = T * (FP32 * a.h + 2 * a.h + FP32)
+    t[Term.HEAD_GRADIENT.key] = master_head_gradient(a)
+    t[Term.WEIGHT_CASTS.key] = weight_casts(a)
+    if checkpointing:
+        t[Term.CHECKPOINTED_INPUTS.key] *= 2  # every layer's input is the fp32 residual stream
+    if accumulation > 1:  # micro-batch 2 on runs with every fp32 gradient micro-batch 1 made
+        t[Term.HELD_GRADIENTS.key] = held(FP32 * n for n in full_params(a))
+    walk = master_backward(a, T, checkpointing=checkpointing, accumulated=accumulation > 1)
+    before = walk.pop("before")
+    t.update(walk)
+    if not checkpointing:
+        t[Term.RETAINED_ACTIVATIONS.key] = T * a.L * master_retained(a)
+        t[Term.RETAINED_BESIDE_LAYER.key] = before
+        # less exactly what the base's LoRA count added (its seq: whole_granules may have answered there)
+        t[Term.ALLOCATOR_ROUNDING.key] += master_retained_rounding(a, T) - retained_rounding(
+            a, targets_of(a, None, config), 1, T, "none", base.seq, mask_bytes(task_named(task)))
+    t.update(full_optimizer(a, optimizer, FP32))
+    return full_phases(t, base, before, checkpointing=checkpointing, steps=steps, optimizer=optimizer,
+                       accumulation=accumulation)

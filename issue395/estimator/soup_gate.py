@@ -100,14 +100,17 @@ def preflight(cfg: Any, tcfg: Any, model_config: Any, *, steps: Optional[int] = 
 #: Soup's settings a resident step's bytes depend on that the resident estimate does not model, with the
 #: value it assumes (Soup's schema default; None and False where Soup's default is unset): another value keeps
 #: Soup's formula, said so. Spectrum's and the freezes' partial fine-tuning (unfrozen_parameters, freeze_layers,
-#: freeze_ratio; lora.r 0, every parameter trained, is modelled: resident.estimate_full), another adapter (DoRA, VeRA), another backend, a fused or offloaded loss or activations, QAT,
-#: LISA's layer switching, MoE LoRA; double quantisation as the streamed gate assumes it (the dropout is read, as
-#: the streamed gate reads it).
+#: freeze_ratio; lora.r 0, every parameter trained, is modelled: resident.estimate_full, and on 0.77.0's fp32 master
+#: weights resident.estimate_master), another adapter (DoRA, VeRA), another backend, a fused or offloaded loss or
+#: activations, QAT, LISA's layer switching, MoE LoRA; double quantisation as the streamed gate assumes it (the
+#: dropout is read, as the streamed gate reads it);
+#: auto_mixed_precision (pick_mixed_precision may answer "no": no autocast, a step the estimate's bf16 matmuls
+#: are not).
 RESIDENT_ASSUMED = (("backend", "transformers"), ("unfrozen_parameters", None), ("freeze_layers", None),
                     ("freeze_ratio", None), ("lora.use_dora", False), ("lora.use_vera", False), ("use_galore", False),
                     ("use_liger", False), ("use_cut_ce", False), ("activation_offloading", None),
                     ("quantization_aware", False), ("lisa_enabled", False), ("moe_lora", False),
-                    ("bnb_4bit_use_double_quant", True))
+                    ("bnb_4bit_use_double_quant", True), ("auto_mixed_precision", False))
 _RESIDENT_QUANT = {"none": "none", "4bit": "nf4"}
 
 
@@ -163,7 +166,8 @@ def resident_preflight(cfg: Any, model_config: Any, *, free: Optional[int], tota
     ``total`` less this tool's CUDA context bound, said so. ``formula``: Soup's own (peak GB, +10% GB, admits)
     from hardware_fit, printed beside. A run the estimate does not model (MoE, latent attention, hybrid,
     phi, past a sliding window without checkpointing, a setting in RESIDENT_ASSUMED; a full fine-tuning, lora.r 0,
-    is estimate_resident's estimate_full, except where it refuses it) or a config it cannot read keeps Soup's
+    is estimate_resident's estimate_full, on 0.77.0's fp32 master weights its estimate_master, except where it
+    refuses it) or a config it cannot read keeps Soup's
     formula (``refused`` says why; never a crash, never a gate lifted)."""
     try:
         config, kwargs = resident_kwargs(cfg, model_config, steps)

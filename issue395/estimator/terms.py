@@ -134,6 +134,16 @@ class Term(Enum):
     HEAD_GRADIENT = ("head_gradient", {_LO}, Kind.GRAD, "the head's weight gradient", "lora.r 0")
     EMBEDDING_BACKWARD = ("embedding_backward", {_LA}, Kind.TEMP, "the embedding's backward", "lora.r 0")
     PARAMETER_GRADIENTS = ("parameter_gradients", {_OP}, Kind.GRAD, "every parameter's gradient", "lora.r 0")
+    #: full fine-tuning on fp32 master weights under bf16 autocast (soup-cli 0.77.0's resolve_base_load_dtype;
+    #: resident.estimate_master): the bf16 copy autocast makes of each fp32 weight a matmul reads, held by its
+    #: cast cache until the forward's autocast region exits and by the matmul's saved tensors for the backward:
+    #: every one at the loss...
+    WEIGHT_CASTS = ("weight_casts", {_LO}, Kind.TEMP, "autocast's bf16 copies of the fp32 weights",
+                    "lora.r 0 on fp32 master weights")
+    #: ...and in the layer phase those of the layers not yet run backward (with checkpointing, the recomputed
+    #: layer's: its recompute is an autocast region of its own)
+    LAYER_WEIGHT_CASTS = ("layer_weight_casts", {_LA}, Kind.TEMP, "the layer's bf16 weight copies",
+                          "lora.r 0 on fp32 master weights")
     ALLOCATED_ALLOWANCE = ("allocated_allowance", {_AL}, Kind.OTH, "the allowance", None)
 
     def __init__(self, key: str, phases: set, kind: Kind, words: str, when: str | None):

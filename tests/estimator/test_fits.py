@@ -378,12 +378,14 @@ def test_the_longest_resident_value_fits_and_one_step_more_does_not(axis, kw, st
 
 
 def test_a_resident_run_the_estimator_does_not_model_has_no_longest_and_says_why():
-    """Phi-2 resident is refused whole; Gemma-3-1B without checkpointing is modelled only below its 512-token
-    window, so on a card where that fits the answer is none, and why; with checkpointing it answers."""
+    """Qwen3.5 resident without checkpointing is refused whole; Gemma-3-1B without checkpointing is modelled only
+    below its 512-token window, so on a card where that fits the answer is none, and why; with checkpointing it
+    answers."""
     from issue395.model.arm import Arm
 
-    assert F.longest_resident("seq", config_json("phi-2"), 80 * 10**9, Arm.at("phi-2+resident", 64)) == (
-        None, "a resident phi run is not yet modelled by this estimator")
+    got, why = F.longest_resident("seq", config_json("qwen3.5"), 80 * 10**9, Arm.at("qwen3.5+resident", 64))
+    assert got is None and why.startswith("a resident qwen3_5_text run without gradient checkpointing is not yet "
+                                          "modelled by this estimator")
     gemma = config_json("gemma3-1b")
     got, why = F.longest_resident("seq", gemma, 80 * 10**9, Arm.at("gemma3-1b+resident", 64))
     assert got is None and why.startswith("it fits up to seq 448 and is not modelled past it: a resident gemma3_text "

@@ -387,7 +387,7 @@ def resident_gate(patched_site, tmp_path_factory):
     from issue395.estimator.soup_gate import resident_preflight
 
     root = tmp_path_factory.mktemp("resident")
-    qwen, moe = _base(root, "Qwen2.5-0.5B", "qwen"), _base(root, "Moonlight-16B-A3B", "moonlight")
+    qwen, moe = _base(root, "Qwen2.5-0.5B", "qwen"), _base(root, "Qwen3.5-35B-A3B", "qwen3.5-moe")
     big, small = _resident_yaml(qwen, 4096, 4), _resident_yaml(qwen, 1024, 1)
     from soup_cli.config.loader import load_config_from_string
 
@@ -404,8 +404,10 @@ def resident_gate(patched_site, tmp_path_factory):
              "small-edge": dict(yaml=small, total=edge, allow=False),
              "small-edge-less-1": dict(yaml=small, total=edge - 1, allow=False),
              "small-busy-card": dict(yaml=small, total=card, allow=False, free=edge - CONTEXT_BOUND_BYTES - 1),
-             "moe-small-card": dict(yaml=_resident_yaml(moe, 1024, 1), total=4 * 10**9, allow=False),
-             "moe-large-card": dict(yaml=_resident_yaml(moe, 1024, 1), total=card, allow=False)}
+             "moe-small-card": dict(yaml=_resident_yaml(moe, 1024, 1, gradient_checkpointing=True), total=4 * 10**9,
+                                    allow=False),
+             "moe-large-card": dict(yaml=_resident_yaml(moe, 1024, 1, gradient_checkpointing=True), total=card,
+                                    allow=False)}
     env = {"PYTHONPATH": str(patched_site), "PATH": "/usr/bin:/bin", "HOME": str(root), "HF_HUB_OFFLINE": "1"}
     done = subprocess.run([sys.executable, "-c", RESIDENT_GATE, json.dumps(list(cases.values()))], capture_output=True,
                           text=True, env=env, cwd=str(root), timeout=600)
@@ -493,13 +495,14 @@ def test_the_patched_gate_compares_the_free_memory_torch_reads_not_the_total(res
 
 
 def test_a_moe_base_keeps_soups_formula_and_says_so(resident_gate):
-    """Moonlight (DeepSeek-V3's MoE and latent attention): the resident estimate does not model it, so Soup's
-    own formula gates it, as stock Soup does (refused on a 4 GB card, admitted on a 24 GB one), after one line."""
+    """Qwen3.5-MoE with checkpointing: the resident estimate does not model it, so Soup's own formula gates it, as
+    stock Soup does (refused on a 4 GB card, and on a 24 GB one as stock Soup decides), after one line."""
     for name in ("moe-small-card", "moe-large-card"):
         case, out = resident_gate[name]
         stock_exit, stock_console = _stock(case)
         assert out["exit"] == stock_exit, name
-        assert "not computed (a resident deepseek_v3 run is not yet modelled" in out["console"]
+        assert "not computed (a resident qwen3_5_moe_text run with gradient checkpointing is not yet modelled" in out[
+            "console"]
         assert "the gate keeps Soup's formula" in out["console"]
         assert out["console"].endswith(stock_console)  # then Soup's own panel, or nothing, as stock
     assert resident_gate["moe-small-card"][1]["exit"] == 1
@@ -523,7 +526,8 @@ def test_a_release_without_the_resident_gate_gets_its_streamed_gate_patched_and_
 
 @pytest.mark.parametrize("dotted, value", [("unfrozen_parameters", ["model.layers.0"]), ("lora.use_dora", True),
                                            ("use_liger", True), ("backend", "unsloth"), ("quantization", "8bit"),
-                                           ("batch_size", "auto"), ("optimizer", "adafactor")])
+                                           ("batch_size", "auto"), ("optimizer", "adafactor"),
+                                           ("auto_mixed_precision", True)])
 def test_a_resident_setting_the_estimate_does_not_model_keeps_soups_formula(dotted, value):
     """Each names itself in the line; Soup's defaults (the same file without it) are modelled."""
     from soup_cli.config.loader import load_config_from_string
@@ -612,7 +616,9 @@ def test_the_patched_gate_admits_a_full_fine_tuning_by_its_corrected_number_and_
     the corrected full fine-tuning estimate, not Soup's formula: on a card (faked: gpu_info's total; torch reads
     no free memory on CPU) whose total less the context bound is exactly its need, admitted in one line naming
     full fine-tuning; one byte smaller, refused in Soup's panel. Stock Soup judges both by its formula on the
-    input its CLI builds (0.73.3's CLI passes peft "lora" for r 0, so it admits both)."""
+    input its CLI builds (0.73.3's CLI passes peft "lora" for r 0, so it admits both; 0.77.0's is_full_finetune
+    passes peft "full"). On 0.77.0 the corrected number is estimate_master's (fp32 master weights under bf16
+    autocast), the same figure in the patched Soup's bundled module and in this tool."""
     from issue395.results.extras import ResidentGate
     from soup_cli.config.loader import load_config_from_string
 
