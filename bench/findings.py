@@ -304,11 +304,11 @@ def soup_patch_changes() -> None:
           "card's total less the box's context less the free memory Soup printed). It is fed what the "
           "setup already holds: the model's config (`model_config.to_dict()`), `task`, `data.max_length`, "
           "`training.quantization`, `batch_size`, `gradient_accumulation_steps`, the LoRA targets, r and dropout "
-          "(at 0 no dropout mask is charged), the streaming modes, `optimizer`. The "
+          "(at 0 no dropout mask is charged), the streaming modes, `stream_buffers` (the pool's slots), `optimizer`. The "
           "panel prints the corrected peak beside Soup's formula.")
     print("- Soup's gate stays Soup's: the free memory it reads (`mem_get_info`), `training.stream_vram_override`, "
           "the probe and its deferral ceiling, every refusal message. A setting the estimator does not model "
-          "(`stream_recompute: auto`, `stream_buffers` other than 2, NF4 without "
+          "(`stream_recompute: auto`, NF4 without "
           "double quantisation, `stream_nf4_scale_cache`, `moe_lora`, an optimizer it has no table for) keeps Soup's "
           "formula, and the panel says why in one line. `gradient_accumulation_steps` (Soup's default is 4) reaches "
           "the estimate, which charges the adapter's gradients held from the second micro-batch on.")
