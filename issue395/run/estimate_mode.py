@@ -211,7 +211,9 @@ def settle_values(args: argparse.Namespace, given: FromOptions, cards_given: Opt
     except Exception as exc:  # a value of the wrong kind deeper in the config
         raise UsageError(f"{given.MODEL} {name}: its config cannot be read as a model ({last_line(exc)})") from None
     within_positions(name, arch.max_pos, seqs, given.SEQ)
-    soup_targets(targets, config, arch, spelled, given.TARGETS)  # checked here; kept as spelled: Soup counts its own
+    (lora_r, lora_alpha), (steps, steps_from) = given.lora(), given.steps()
+    if lora_r:  # checked here; kept as spelled: Soup counts its own (a full fine-tuning, r 0, never reaches peft)
+        soup_targets(targets, config, arch, spelled, given.TARGETS)
     try:
         cards = tuple(parse_cards(cards_given)) if cards_given is not None else ()
     except (OverflowError, ValueError) as exc:
@@ -228,7 +230,6 @@ def settle_values(args: argparse.Namespace, given: FromOptions, cards_given: Opt
     if stream:  # Soup's own refusals of the streaming modes, in one line before any table
         stream_refused(config, stream)
     check("estimate answer", args, cards=cards)
-    (lora_r, lora_alpha), (steps, steps_from) = given.lora(), given.steps()
     user = getattr(given, "user", None)
     return EstimateRequest(name, config, quants, seqs, batches, tasks,
                     Adapter(targets, lora_r, lora_alpha, soup_config=args.config), cards, context,

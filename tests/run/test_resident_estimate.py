@@ -111,3 +111,15 @@ def test_a_full_fine_tuning_file_is_answered_with_soups_gate_on_its_clis_input_a
     assert "full fine-tuning (training.lora.r 0" in text and "lora_weights" not in got["terms"]
     assert got["terms"]["parameter_gradients"] > 0 and got["terms"]["adam_moments"] > got["terms"]["parameter_gradients"]
     assert got["cards"][0]["fits"] is True
+
+
+def test_a_full_fine_tuning_of_a_base_peft_has_no_auto_targets_for_is_answered(capfd, tmp_path):
+    """Reviewer item 2: a full fine-tuning (lora.r 0, target_modules left at Soup's default auto) of Moonlight
+    (deepseek_v3, which peft's default table lacks) is answered: a run with no adapter never reaches peft, so its
+    targets are not resolved. A LoRA run of it is still refused in one line (`soup train` would fail too)."""
+    path = resident_yaml(tmp_path, seq=512, base="moonshotai/Moonlight-16B-A3B")
+    path.write_text(path.read_text().replace("lora: {r: 16, alpha: 32, target_modules: [q_proj, v_proj]}", "lora: {r: 0}"))
+    code, text, err = main(capfd, ["--estimate", "--config", path])
+    assert code == EXIT_OK and "full fine-tuning (training.lora.r 0" in text and "peft" not in err, err
+    path.write_text(path.read_text().replace("lora: {r: 0}", "lora: {r: 16, alpha: 32}"))
+    one_error_line(*main(capfd, ["--estimate", "--config", path]), "peft has no default LoRA targets for model_type 'deepseek_v3'")
