@@ -129,7 +129,7 @@ def read_soup_config(path: str) -> UserRun:
               streaming=file_streaming(t), adapter=Adapter(tuple(targets), int(lora.r), int(lora.alpha), str(path)),
               checkpoint=str(cfg.base))
     return UserRun(str(path), arm, gate_override=None if override is None else int(override),
-                   keys=tuple(unknown_keys(raw)) + tuple(key_lines(cfg, quant, set_in(raw, "training"))), text=text,
+                   keys=tuple(unknown_keys(raw)) + tuple(key_lines(cfg, arm, set_in(raw, "training"))), text=text,
                    resident=resident)
 
 
@@ -234,12 +234,12 @@ def unknown_keys(raw: Any) -> list[str]:
 LORA_DROPOUT = 0.05
 
 
-def key_lines(cfg: Any, quant: str, given: Optional[set] = None) -> list[str]:
+def key_lines(cfg: Any, arm: Arm, given: Optional[set] = None) -> list[str]:
     """How each key of the file that changes the peak or Soup's gate is read: modelled (and how),
     or not modelled, one line each; Soup's defaults say nothing, but one that changes the peak
     (gradient accumulation) is said as Soup's default where the file does not set it (``given``:
-    the training keys the file sets)."""
-    t, lines = cfg.training, []
+    the training keys the file sets); ``arm``: the file's run (its quantization, whether it trains an adapter)."""
+    t, lines, quant = cfg.training, [], arm.quant
     given = set(t.model_fields) if given is None else given
     override = getattr(t, "stream_vram_override", None)
     if override is not None:
@@ -261,7 +261,7 @@ def key_lines(cfg: Any, quant: str, given: Optional[set] = None) -> list[str]:
     for setting, value in Settings.read(t).given():  # one at the protocol's value says nothing
         if value != setting.protocol:
             default = "" if setting.soup in given else " (Soup's default, not set in the file)"
-            lines.append(f"training.{setting.soup} {value}{default}: modelled: {setting.modelled}")
+            lines.append(f"training.{setting.soup} {value}{default}: modelled: {setting.how(arm)}")
     dropout = float(getattr(t.lora, "dropout", LORA_DROPOUT))
     if dropout > 0 and dropout != LORA_DROPOUT:
         lines.append(f"training.lora.dropout {dropout:g}: modelled: peft's Dropout keeps its output and a 1-byte mask "

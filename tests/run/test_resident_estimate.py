@@ -123,3 +123,18 @@ def test_a_full_fine_tuning_of_a_base_peft_has_no_auto_targets_for_is_answered(c
     assert code == EXIT_OK and "full fine-tuning (training.lora.r 0" in text and "peft" not in err, err
     path.write_text(path.read_text().replace("lora: {r: 0}", "lora: {r: 16, alpha: 32}"))
     one_error_line(*main(capfd, ["--estimate", "--config", path]), "peft has no default LoRA targets for model_type 'deepseek_v3'")
+
+
+def test_a_full_fine_tunings_accumulation_line_says_the_trained_parameters_gradients(capfd, tmp_path):
+    """Reviewer item 3: --estimate's line for gradient accumulation on a full fine-tuning file (lora.r 0) says the
+    trained parameters' gradients are held from micro-batch 2 on, not an adapter's it does not have; a LoRA file's
+    line still says the adapter's."""
+    path = resident_yaml(tmp_path, seq=512)
+    lora = path.read_text().replace("  lora:", "  gradient_accumulation_steps: 2\n  lora:")
+    for text_in, whose, not_whose in ((lora.replace("lora: {r: 16, alpha: 32, target_modules: [q_proj, v_proj]}",
+                                                    "lora: {r: 0}"), "the trained parameters'", "the adapter's"),
+                                      (lora, "the adapter's", "the trained parameters'")):
+        path.write_text(text_in)
+        code, text, err = main(capfd, ["--estimate", "--config", path])
+        line = next(x for x in text.splitlines() if "from the file: training.gradient_accumulation_steps 2" in x)
+        assert code == EXIT_OK and f"every phase holds {whose} gradients" in line and not_whose not in line, err
