@@ -16,7 +16,7 @@ from ..errors import UsageError, cut, last_line, soups_words
 from ..record import SOUP_QUANT
 from ..tasks import PROTOCOL_TASK, TASKS
 from ..model.arm import Adapter, Arm, Settings
-from ..model.streaming import Streaming
+from ..model.streaming import STREAMED_CHECKPOINTS, Streaming
 from ..results.extras import ResidentGate
 from .checks import HUB_ID, LOADER_NEEDS, looks_like_a_path
 
@@ -258,6 +258,10 @@ def key_lines(cfg: Any, arm: Arm, given: Optional[set] = None) -> list[str]:
                      "double-quantised (Soup's default); single quantisation keeps fp32 block scales")
     if getattr(t, "moe_lora", False):
         lines.append("training.moe_lora true: NOT modelled: the estimate is of a plain LoRA adapter")
+    if getattr(t, "stream_layers", False) and getattr(t, "gradient_checkpointing", False):
+        gc = t.gradient_checkpointing
+        lines.append(f"training.gradient_checkpointing {str(gc).lower() if gc is True else gc}: changes nothing: "
+                     f"{STREAMED_CHECKPOINTS}")
     for setting, value in Settings.read(t).given():  # one at the protocol's value says nothing
         if value != setting.protocol:
             default = "" if setting.soup in given else " (Soup's default, not set in the file)"
