@@ -322,6 +322,7 @@ def answered(e: EstimateRequest, a: Adapter, gate, optimizer, stream: dict, kw: 
     from ..estimator.releases import UnknownRelease, installed_release, release_label
     from ..estimator.stacks import check_installed
     from ..estimator.steady import bound_words, is_bounded
+    from ..estimator.terms import phases_of
 
     try:
         arms = e.arms()
@@ -371,6 +372,7 @@ def answered(e: EstimateRequest, a: Adapter, gate, optimizer, stream: dict, kw: 
                 "config_keys": list(e.keys), "upper_bound": bound, "fits_every_card": fits_all if e.cards else None,
                 "runs_on_every_card": runs_exit_code(answers) == EXIT_OK if e.cards else None, "lora_r": a.lora_r,
                 "cards": [{"card": c.name, "bytes": c.total_bytes} for c in e.cards], "notes": notes,
+                "term_phases": {k: list(phases_of(k)) for r in rows for k in r.terms},
                 "rows": [dict(r.to_json(), cards=x) for r, x in zip(rows, answers)]}):
             return EXIT_USAGE
     return runs_exit_code(answers) if e.fit_exit else EXIT_OK

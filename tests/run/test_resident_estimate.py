@@ -138,3 +138,26 @@ def test_a_full_fine_tunings_accumulation_line_says_the_trained_parameters_gradi
         code, text, err = main(capfd, ["--estimate", "--config", path])
         line = next(x for x in text.splitlines() if "from the file: training.gradient_accumulation_steps 2" in x)
         assert code == EXIT_OK and f"every phase holds {whose} gradients" in line and not_whose not in line, err
+
+
+def test_a_resident_answers_terms_each_say_the_phases_they_are_live_in(capfd, tmp_path):
+    """Reviewer item 7: a full fine-tuning's terms, listed under its peak, sum past the peak (every phase's terms);
+    each term line, text and JSON, says the phases it is live in, so the resident, allowance and binding phase's
+    terms are told apart from the others, and those hold no more than the peak."""
+    path = resident_yaml(tmp_path, seq=1024)
+    path.write_text(path.read_text().replace("lora: {r: 16, alpha: 32, target_modules: [q_proj, v_proj]}", "lora: {r: 0}"))
+    out = tmp_path / "e.json"
+    code, text, err = main(capfd, ["--estimate", "--config", path, "--json", out])
+    got = json.loads(out.read_text())
+    if got["not_estimated"]:
+        return  # a release whose full fine-tuning the estimate does not model: no terms
+    assert code == EXIT_OK, err
+    terms, phases, peak = got["terms"], got["term_phases"], got["corrected"]
+    binding = text.split("corrected allocated peak ", 1)[1].split("(", 1)[1].split(" phase)", 1)[0]
+    assert set(phases) == set(terms) and sum(terms.values()) > peak
+    held = {"resident", "allowance", binding, "steady state"}
+    assert sum(v for k, v in terms.items() if held & set(phases[k])) <= peak
+    for k, v in terms.items():
+        if v:
+            assert f"    {k:<28} {v / 1e9:.4f} GB  {', '.join(phases[k])}" in text.splitlines()
+    assert phases["logits"] == ["loss"] and phases["parameter_gradients"] == ["optimizer"]
