@@ -155,8 +155,8 @@ def families_arms() -> list[dict]:
 
 def cmd_families() -> None:
     """The corrected estimator on soup-cli 0.77.0's families and streaming modes, family by family,
-    against every peak measured on them (results/*soup0.77.0*/). Its only fitted number, the 6.0 MB
-    allocated allowance, was fitted on the dense families alone (the leave-one-out subcommand), so every
+    against every peak measured on them (results/*soup0.77.0*/). Its only fitted number, the allocated
+    allowance (issue395.estimator.estimate.ALLOCATED_ALLOWANCE_BYTES), was fitted on the dense families alone (the leave-one-out subcommand), so every
     arm here is outside that fit; the new terms were read from these arms' allocator histories,
     except the out-of-sample ones, whose estimates were committed before they ran.
 

@@ -223,3 +223,18 @@ def test_the_resident_patch_device_calls_starting_seq_is_computed_on_cpu():
                           text=True, env=env, timeout=120, check=True).stdout.strip() for gc in ("true", "false")]
     on, off = (int(v) for v in got)
     assert on % 64 == 0 and off % 64 == 0 and on > off >= 64
+
+
+def test_the_readmes_task_figures_are_what_results_estimator_tasks_says():
+    """Reviewer item 6: every figure README.md quotes from results/estimator-tasks.txt (its arms, its corrected
+    min, median and max over real) is the committed file's own 'all:' line, so a re-render cannot leave it stale."""
+    import re
+
+    line = next(x for x in (ROOT / "results" / "estimator-tasks.txt").read_text().splitlines() if x.startswith("all:"))
+    n, low, mid, high = re.fullmatch(r"all: (\d+) arms; corrected under on 0; min (\S+); median (\S+); max (\S+); .*",
+                                     line).groups()
+    readme = " ".join((ROOT / "README.md").read_text(encoding="utf-8").split())
+    quoted = [m.start() for m in re.finditer(re.escape("`results/estimator-tasks.txt`"), readme)]
+    assert len(quoted) == 2
+    assert f"over the {n} committed H200 task arms {low} to {high} of the real peak, median {mid}: " in readme
+    assert f"({n} task arms:" in readme and f"never under, median {mid} (`results/estimator-tasks.txt`)" in readme

@@ -15,7 +15,7 @@ from .estimate import EXPANDABLE_RESERVE_BYTES, EXPANDABLE_RESERVE_PAGES, Estima
 from .arch import arch_from_config, layer_bytes
 from .resident import estimate_run
 from .soup_number import arch_of, soup_namespace
-from .terms import Phase, words
+from .terms import Phase, phases_of, words
 
 __all__ = ["card_answers", "estimate_table", "largest", "longest", "longest_resident", "longest_seq",
            "longest_seq_soup_admits", "longest_soup_admits"]
@@ -254,7 +254,8 @@ def estimate_table(rows: list[Estimate], cards, config: Optional[dict] = None, *
              ["corrected: needs free GB"] + [gb(e.needs_free) for e in rows],
              ["  the peak's phase"] + [e.phase for e in rows]]
     for name in dict.fromkeys(t for e in rows for t in e.terms):
-        lines.append([f"  term: {name} GB"] + [gb(e.terms[name]) if name in e.terms else "-" for e in rows])
+        lines.append([f"  term: {name} GB ({', '.join(phases_of(name))})"]
+                     + [gb(e.terms[name]) if name in e.terms else "-" for e in rows])
     notes, sources = [], []
     for i, card in enumerate(cards):
         card_lines(card, rows, [a[i] for a in answers], lines, notes, sources)

@@ -158,6 +158,12 @@ def live_in(phase: Phase) -> tuple[str, ...]:
     return tuple(t.key for t in Term if phase in t.phases)
 
 
+def phases_of(key: str) -> tuple[str, ...]:
+    """The phases term ``key`` is live in, by their values, in the step's order: each answer's term line marks
+    its term with them (a resident estimate's and the fit table's), and its JSON carries them."""
+    return tuple(p.value for p in Phase if p in BY_KEY[key].phases)
+
+
 def phase_sum(terms: dict, phase: Phase) -> int:
     """The bytes an estimate's terms hold in ``phase``."""
     return sum(v for k, v in terms.items() if phase in BY_KEY[k].phases)

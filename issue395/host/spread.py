@@ -115,21 +115,25 @@ def gpu_total_bytes(gpu: Optional[int]) -> Optional[int]:
 
 def resident_packing_bound(key: str, *, quant: str, seq: int, batch: int, targets=None, lora_r: int = LORA_R,
                            task: str = PROTOCOL_TASK) -> int:
-    """An UPPER BOUND on a resident run's allocated peak (stream_layers off), for the map's lanes to pack by
-    and for nothing else: it is never printed, and is no estimate (the corrected resident estimate is not yet
-    modelled). Every term is charged at its most: the whole model with its linears in bf16 and every vocab
-    matrix in fp32 (NF4: what bitsandbytes does not quantise is cast to fp32); the adapter's
+    """An UPPER BOUND on a resident LoRA run's allocated peak (stream_layers off), for the map's lanes to pack by
+    where the corrected resident estimate (``resident.estimate_run``) refuses the arm, and for nothing else: it is
+    never printed, and is no estimate. Every term is charged at its most: the whole model with its linears in bf16
+    and every vocab matrix in fp32 (NF4: what bitsandbytes does not quantise is cast to fp32); the adapter's
     fp32 weights, gradients and Adam states (16 B a parameter); every layer's saved activations and backward
     transients at once, in fp32 (an NF4 run's residual is fp32; checkpointing not credited); under NF4 every
     layer's weights in fp32 too (Qwen3.5-MoE's fused experts stay unquantised and are cast); 16 B a logits
     element (the loss's three fp32 blocks and a bf16 copy), twice for a task with a reference forward; and
-    1 GiB. Measured against it: every committed resident row (tests/run/test_resident.py)."""
+    1 GiB. Measured against it: every committed resident row (tests/run/test_resident.py). A full fine-tuning
+    (``lora_r`` 0: every parameter's gradient and optimizer states, none of which this bound charges) has none:
+    refused (UsageError), so such an arm is never packed blind."""
     from ..estimator.arch import arch_from_config, layer_bytes, lora_params, protocol_targets
     from ..estimator.layer import kind_per_token, layer_per_token
     from ..model.registry import config_json, stream_mode
     from ..model.targets import soup_targets
     from ..tasks import task as task_named
 
+    if lora_r == 0:
+        raise UsageError("a full fine-tuning (lora.r 0) has no packing bound: it trains every parameter")
     family, _ = stream_mode(key)
     a = arch_from_config(config_json(family))
     tk = task_named(task)
@@ -145,27 +149,39 @@ def resident_packing_bound(key: str, *, quant: str, seq: int, batch: int, target
     return weights + adapter + T * per_token + 16 * T * a.V * (2 if tk.reference else 1) + 2**30
 
 
-def arm_needs(arm: Arm, run: MeasureRequest) -> Optional[tuple[int, int]]:
-    """This tool's corrected needs-free and Soup's own number for an arm (None: not estimated here,
-    e.g. a --model checkpoint), both from the family's public config."""
-    from ..model.registry import is_resident, known
-    from ..estimator.estimate import estimate_key, needs_free
+def run_config(run: MeasureRequest) -> Optional[dict]:
+    """The config.json a custom base's arms are estimated from (its checkpoint's own, read once a run), or None:
+    a registry base's public one is read by the estimate itself."""
+    from ..constraints.emulation import arm_config
 
-    if not known(arm.model):
+    return arm_config("custom", run.arm.checkpoint) if run.arm.checkpoint else None
+
+
+def arm_needs(arm: Arm, run: MeasureRequest, config: Optional[dict] = None) -> Optional[tuple[int, int]]:
+    """This tool's corrected needs-free and Soup's own number for an arm (None: not estimated here), by
+    ``resident.estimate_run`` from the family's public config or ``config``, a custom base's checkpoint's
+    (``run_config``). A resident arm the estimate refuses is packed by ``resident_packing_bound`` (a full
+    fine-tuning's refused too: not packed blind); Soup's resident gate reads the card's total, never its free
+    memory, so neighbours cannot turn its verdict (0: nothing to fit)."""
+    from ..model.registry import known
+    from ..estimator.estimate import needs_free
+    from ..estimator.resident import estimate_run
+
+    if arm.base == "custom" and config is None or arm.base != "custom" and not known(arm.model):
         return None
-    if is_resident(arm.model):  # not yet estimated: an upper bound, to pack by; Soup's resident gate reads the
-        # card's total, never its free memory, so neighbours cannot turn its verdict (0: nothing to fit)
-        try:
-            return needs_free(resident_packing_bound(arm.model, quant=arm.quant, seq=arm.seq, batch=arm.batch,
-                                                     targets=arm.adapter.targets, lora_r=arm.adapter.lora_r,
-                                                     task=arm.task)), 0
-        except (UsageError, ValueError, TypeError):
+    resident = arm.streaming.resident
+    try:
+        e = estimate_run(arm, config)
+        return e.needs_free, 0 if resident else e.soup_predicted
+    except (UsageError, ValueError, TypeError):
+        if not resident or arm.base == "custom":
             return None
     try:
-        e = estimate_key(arm.model, **arm.estimator())
+        return needs_free(resident_packing_bound(arm.model, quant=arm.quant, seq=arm.seq, batch=arm.batch,
+                                                 targets=arm.adapter.targets, lora_r=arm.adapter.lora_r,
+                                                 task=arm.task)), 0
     except (UsageError, ValueError, TypeError):
         return None
-    return e.needs_free, e.soup_predicted
 
 
 def plan_lanes(run: MeasureRequest, arms: list[Arm], total: Optional[int] = None, cores: Optional[int] = None) -> Lanes:
@@ -194,8 +210,9 @@ def plan_lanes(run: MeasureRequest, arms: list[Arm], total: Optional[int] = None
     room = Room(card_total(total), count)
     packed = run.map and not run.isolate
     alone, in_lane, needs = [], [], []
+    config = run_config(run)
     for arm in arms:
-        found = arm_needs(arm, run)
+        found = arm_needs(arm, run, config)
         need = Need(*found) if found is not None else None
         fits = packed and need is not None and room.fits_beside_lanes(need)
         if fits:

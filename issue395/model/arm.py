@@ -24,7 +24,7 @@ class Setting:
     """One soup.yaml ``training`` key that changes the step beyond the arm's model, quantization, seq, batch
     and task, declared once: the Settings field (the row's JSON key too), the key Soup's loader reads, the
     estimator's keyword, the protocol's own value (an arm at it is the protocol's), the type Soup's loader
-    gives, how the estimator models a value other than the protocol's (said under --estimate), its name in a run's
+    gives, how the estimator models a value other than the protocol's (said under --estimate, ``how``), its name in a run's
     header (``words``), and whether
     only a streamed step reads it (a resident run, stream_layers false, has no use for it: its estimate
     does not take it). A new setting is one line here and one field of ``Settings``; the estimator takes
@@ -39,6 +39,11 @@ class Setting:
     words: str
     streamed_only: bool = False
 
+    def how(self, arm: "Arm") -> str:
+        """How the estimator models a value of this setting on ``arm``'s run (``modelled``), its gradients the
+        adapter's or, a full fine-tuning's, the trained parameters' (``GRADIENTS_OF``)."""
+        return self.modelled.format(gradients=GRADIENTS_OF[arm.full])
+
     def valid(self, value: Any) -> bool:
         """A value a saved row may hold: a printable name, or a whole number >= 1."""
         if self.kind is int:
@@ -46,13 +51,17 @@ class Setting:
         return isinstance(value, str) and value.isprintable() and bool(value)
 
 
+#: Whose gradients a step holds, as a setting's words say it: a LoRA run's adapter's, a full fine-tuning's (``Arm.full``)
+#: every trained parameter's.
+GRADIENTS_OF = {False: "the adapter's gradients", True: "the trained parameters' gradients"}
+
 SETTINGS = (
     Setting("optimizer", "optimizer", "optimizer", DEFAULT_OPTIMIZER, str,
             "its states from step 2 on, by the estimator's optimizer table (one it has no entry for is charged "
             "as an upper bound, said as one)", "optimizer"),
     Setting("accumulation", "gradient_accumulation_steps", "accumulation", 1, int,
             "each micro-batch is training.batch_size rows, the step's batch, and from micro-batch 2 on every "
-            "phase holds the adapter's gradients (held_gradients)", "gradient accumulation"),
+            "phase holds {gradients} (held_gradients)", "gradient accumulation"),
     Setting("buffers", "stream_buffers", "buffers", 2, int,
             "Soup's pool pre-allocates that many slots of one layer each (LayerBufferPool: a torch.empty per "
             "tensor a slot), so the pool and its rounding are charged that many times; Soup's own number "

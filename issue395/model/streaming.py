@@ -33,6 +33,9 @@ STREAM_MODES = {"per_expert": ("stream_expert_layout", "per_expert"),
 LOSS_CHUNK_PREFIX = "chunk"  # chunkN: training.stream_loss_chunk = N tokens
 #: The values of the two named axes, Soup's default first (the default adds nothing to a key).
 EXPERT_LAYOUTS, RECOMPUTES = ("fused", "per_expert"), ("on", "off")
+#: Why gradient checkpointing is a resident run's only (``Streaming.checked``, and --config's line for the key on a
+#: streamed file).
+STREAMED_CHECKPOINTS = "a streamed run checkpoints every layer itself"
 #: What separates a family's key from its modes in a map key.
 SEP = "+"
 
@@ -69,8 +72,7 @@ class Streaming:
                               self.recompute != RECOMPUTES[0] or self.probe):
             raise UsageError(f"{family}: a resident run (stream_layers off) takes no streaming mode")
         if self.checkpointing and not self.resident:
-            raise UsageError(f"{family}: gradient checkpointing is a resident run's (a streamed run checkpoints "
-                             "every layer itself)")
+            raise UsageError(f"{family}: gradient checkpointing is a resident run's ({STREAMED_CHECKPOINTS})")
         return self
 
     @property

@@ -211,7 +211,9 @@ def settle_values(args: argparse.Namespace, given: FromOptions, cards_given: Opt
     except Exception as exc:  # a value of the wrong kind deeper in the config
         raise UsageError(f"{given.MODEL} {name}: its config cannot be read as a model ({last_line(exc)})") from None
     within_positions(name, arch.max_pos, seqs, given.SEQ)
-    soup_targets(targets, config, arch, spelled, given.TARGETS)  # checked here; kept as spelled: Soup counts its own
+    (lora_r, lora_alpha), (steps, steps_from) = given.lora(), given.steps()
+    if lora_r:  # checked here; kept as spelled: Soup counts its own (a full fine-tuning, r 0, never reaches peft)
+        soup_targets(targets, config, arch, spelled, given.TARGETS)
     try:
         cards = tuple(parse_cards(cards_given)) if cards_given is not None else ()
     except (OverflowError, ValueError) as exc:
@@ -228,7 +230,6 @@ def settle_values(args: argparse.Namespace, given: FromOptions, cards_given: Opt
     if stream:  # Soup's own refusals of the streaming modes, in one line before any table
         stream_refused(config, stream)
     check("estimate answer", args, cards=cards)
-    (lora_r, lora_alpha), (steps, steps_from) = given.lora(), given.steps()
     user = getattr(given, "user", None)
     return EstimateRequest(name, config, quants, seqs, batches, tasks,
                     Adapter(targets, lora_r, lora_alpha, args.config, user.arm.adapter.dropout if user else LORA_DROPOUT),
@@ -322,6 +323,7 @@ def answered(e: EstimateRequest, a: Adapter, gate, optimizer, stream: dict, kw: 
     from ..estimator.releases import UnknownRelease, installed_release, release_label
     from ..estimator.stacks import check_installed
     from ..estimator.steady import bound_words, is_bounded
+    from ..estimator.terms import phases_of
 
     try:
         arms = e.arms()
@@ -372,6 +374,7 @@ def answered(e: EstimateRequest, a: Adapter, gate, optimizer, stream: dict, kw: 
                 "config_keys": list(e.keys), "upper_bound": bound, "fits_every_card": fits_all if e.cards else None,
                 "runs_on_every_card": runs_exit_code(answers) == EXIT_OK if e.cards else None, "lora_r": a.lora_r,
                 "cards": [{"card": c.name, "bytes": c.total_bytes} for c in e.cards], "notes": notes,
+                "term_phases": {k: list(phases_of(k)) for r in rows for k in r.terms},
                 "rows": [dict(r.to_json(), cards=x) for r, x in zip(rows, answers)]}):
             return EXIT_USAGE
     return runs_exit_code(answers) if e.fit_exit else EXIT_OK

@@ -16,6 +16,7 @@ def answer_resident(e: EstimateRequest) -> int:
     from ..estimator.cards import budget
     from ..estimator.resident import estimate_run
     from ..estimator.steady import bound_words, is_bounded
+    from ..estimator.terms import phases_of
 
     r, a, arm = e.user.resident, e.adapter, e.arms()[0]
     task, quant, seq, batch, checkpointing = arm.task, arm.quant, arm.seq, arm.batch, arm.streaming.checkpointing
@@ -56,8 +57,9 @@ def answer_resident(e: EstimateRequest) -> int:
                      f"estimate_total, the model taken as {p['model_params_b']:g}B parameters by its name or "
                      "checkpoint; no gate reads it)")
     if est:
-        lines += [f"  corrected allocated peak {est.corrected_predicted / 1e9:.4f} GB ({est.phase} phase); terms:"]
-        lines += [f"    {k:<28} {v / 1e9:.4f} GB" for k, v in est.terms.items() if v]
+        lines += [f"  corrected allocated peak {est.corrected_predicted / 1e9:.4f} GB ({est.phase} phase); terms, each "
+                  "with the phases it is live in:"]
+        lines += [f"    {k:<28} {v / 1e9:.4f} GB  {', '.join(phases_of(k))}" for k, v in est.terms.items() if v]
     lines += [f"  {c['card']}: " + (f"needs {est.needs_free / 1e9:.2f} of {c['free_bytes'] / 1e9:.2f} GB free; " if est
                                      else "") + ("Soup admits it" if c["soup_admits"] else "Soup REFUSES it")
               + (f" (its +10% number against the card's {c['total_bytes'] / 1e9:.2f} GB total)" if soup_gb else "")
@@ -72,7 +74,8 @@ def answer_resident(e: EstimateRequest) -> int:
             "soup_resident_bytes": soup.peak,
             "soup_profile": r.soup_profile, "config_keys": list(e.keys), "upper_bound": bound, "corrected": est.corrected_predicted if est else None,
             "needs_free": est.needs_free if est else None, "not_estimated": why,
-            "terms": est.terms if est else None, "cards": cards}):
+            "terms": est.terms if est else None,
+            "term_phases": {k: list(phases_of(k)) for k in est.terms} if est else None, "cards": cards}):
         return EXIT_USAGE
     if not e.fit_exit:
         return EXIT_OK

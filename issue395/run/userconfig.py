@@ -16,7 +16,7 @@ from ..errors import UsageError, cut, last_line, soups_words
 from ..record import LORA_DROPOUT, SOUP_QUANT
 from ..tasks import PROTOCOL_TASK, TASKS
 from ..model.arm import Adapter, Arm, Settings, lora_dropout
-from ..model.streaming import Streaming
+from ..model.streaming import STREAMED_CHECKPOINTS, Streaming
 from ..results.extras import ResidentGate
 from .checks import HUB_ID, LOADER_NEEDS, looks_like_a_path
 
@@ -129,7 +129,7 @@ def read_soup_config(path: str) -> UserRun:
               streaming=file_streaming(t), checkpoint=str(cfg.base),
               adapter=Adapter(tuple(targets), int(lora.r), int(lora.alpha), str(path), lora_dropout(t)))
     return UserRun(str(path), arm, gate_override=None if override is None else int(override),
-                   keys=tuple(unknown_keys(raw)) + tuple(key_lines(cfg, quant, set_in(raw, "training"))), text=text,
+                   keys=tuple(unknown_keys(raw)) + tuple(key_lines(cfg, arm, set_in(raw, "training"))), text=text,
                    resident=resident)
 
 
@@ -230,12 +230,12 @@ def unknown_keys(raw: Any) -> list[str]:
     return lines
 
 
-def key_lines(cfg: Any, quant: str, given: Optional[set] = None) -> list[str]:
+def key_lines(cfg: Any, arm: Arm, given: Optional[set] = None) -> list[str]:
     """How each key of the file that changes the peak or Soup's gate is read: modelled (and how),
     or not modelled, one line each; Soup's defaults say nothing, but one that changes the peak
     (gradient accumulation) is said as Soup's default where the file does not set it (``given``:
-    the training keys the file sets)."""
-    t, lines = cfg.training, []
+    the training keys the file sets); ``arm``: the file's run (its quantization, whether it trains an adapter)."""
+    t, lines, quant = cfg.training, [], arm.quant
     given = set(t.model_fields) if given is None else given
     override = getattr(t, "stream_vram_override", None)
     if override is not None:
@@ -254,10 +254,14 @@ def key_lines(cfg: Any, quant: str, given: Optional[set] = None) -> list[str]:
                      "double-quantised (Soup's default); single quantisation keeps fp32 block scales")
     if getattr(t, "moe_lora", False):
         lines.append("training.moe_lora true: NOT modelled: the estimate is of a plain LoRA adapter")
+    if getattr(t, "stream_layers", False) and getattr(t, "gradient_checkpointing", False):
+        gc = t.gradient_checkpointing
+        lines.append(f"training.gradient_checkpointing {str(gc).lower() if gc is True else gc}: changes nothing: "
+                     f"{STREAMED_CHECKPOINTS}")
     for setting, value in Settings.read(t).given():  # one at the protocol's value says nothing
         if value != setting.protocol:
             default = "" if setting.soup in given else " (Soup's default, not set in the file)"
-            lines.append(f"training.{setting.soup} {value}{default}: modelled: {setting.modelled}")
+            lines.append(f"training.{setting.soup} {value}{default}: modelled: {setting.how(arm)}")
     dropout = lora_dropout(t)
     if 0 < dropout < 1 and dropout != LORA_DROPOUT:
         lines.append(f"training.lora.dropout {dropout:g}: modelled: peft's Dropout keeps its output and a 1-byte mask "

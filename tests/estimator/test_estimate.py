@@ -209,6 +209,20 @@ def test_estimate_table_labels_every_figure(key):
     assert sum(1 for n in names if n.startswith("longest seq Soup's gate admits")) == 2
 
 
+def test_the_fit_tables_term_rows_each_say_the_phases_they_are_live_in():
+    """Reviewer item 7, the streamed answer alike: the fit table lists every phase's terms down one column, so each
+    term row names the phases the term table has it live in (the loss's logits, the layer's per-token bytes, the
+    shared checkpointed inputs), and the terms summed over every row exceed the peak they are listed under."""
+    c = config_json("llama32-1b")
+    e = E.estimate(c, seq=2048, batch=1, steps=2)
+    rows = {ln.split(" GB (")[0].strip(): ln.split(" GB (")[1].split(")")[0]
+            for ln in F.estimate_table([e], parse_cards("24GB"), config=c).splitlines() if ln.startswith("  term: ")}
+    assert rows["term: logits"] == "loss" and rows["term: layer_per_token"] == "layer"
+    assert rows["term: checkpointed_inputs"] == "loss, reference, layer" and rows["term: pool"] == "resident"
+    assert rows["term: adam_moments"] == "optimizer, steady state" and len(rows) == len(e.terms)
+    assert sum(e.terms.values()) > e.corrected_predicted
+
+
 
 @pytest.mark.parametrize("name, bound", [("vocab_size", 2**22), ("num_hidden_layers", 1024),
                                          ("intermediate_size", 2**18), ("hidden_size", 2**16)])

@@ -448,3 +448,41 @@ def test_lanes_on_a_cpu_dry_run_say_cpu_not_one_gpu_and_count_in_the_singular(ca
     assert code == 0, err
     head = out.splitlines()[0]
     assert "GPU none" in head and "on one GPU" not in head and "on the CPU" in head, head
+
+
+def test_a_full_fine_tunings_packing_need_is_at_least_its_resident_estimate():
+    """A full fine-tuning (lora.r 0) is packed by the corrected resident estimate, never by the LoRA packing bound,
+    which charges no parameter gradient or optimizer state (it gave Llama-3.2-1B 512x1 7.67 GB against the
+    estimate's 12.90 GB): its lane need is at least the estimate, and the bound refuses r 0 (reviewer item 1)."""
+    from issue395.errors import UsageError
+    from issue395.estimator.resident import estimate_full
+    from issue395.host.spread import arm_needs, resident_packing_bound
+    from issue395.model.registry import config_json
+
+    for family in ("llama32-1b", "gemma2-2b"):
+        arm = Arm.at(f"{family}+resident", 512, adapter=Adapter(lora_r=0))
+        need, soup = arm_needs(arm, MeasureRequest())
+        assert need >= estimate_full(config_json(family), seq=512).corrected_predicted and soup == 0
+        with pytest.raises(UsageError):
+            resident_packing_bound(arm.model, quant="none", seq=512, batch=1, lora_r=0)
+    # where the estimate refuses a full fine-tuning (NF4: Soup's loader refuses it) it is not packed blind
+    assert arm_needs(Arm.at("qwen+resident", 512, quant="nf4", adapter=Adapter(lora_r=0)), MeasureRequest()) is None
+
+
+def test_a_custom_base_arm_gets_a_lane_estimate_from_its_checkpoints_config(tmp_path):
+    """A custom checkpoint's arm (--model, --config) is estimated from its own config.json (read once a run) for the
+    lanes, as the registry family with that config is; without it, none (reviewer item 1)."""
+    import json
+
+    from issue395.host.spread import arm_needs, run_config
+    from issue395.model.registry import config_json
+
+    (tmp_path / "config.json").write_text(json.dumps(config_json("qwen")))
+    run = MeasureRequest(models=("custom", "custom+resident"), seqs=(1024,),
+                         arm=replace(PROTOCOL_RUN, checkpoint=str(tmp_path)))
+    config = run_config(run)
+    custom = run.arms()
+    assert [a.base for a in custom] == ["custom", "custom"] and config == config_json("qwen")
+    for arm, key in zip(custom, ("qwen", "qwen+resident")):
+        assert arm_needs(arm, run, config) == arm_needs(Arm.at(key, 1024), MeasureRequest())
+        assert arm_needs(arm, run) is None  # no config read: not estimated, so it is run alone

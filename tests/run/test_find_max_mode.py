@@ -468,3 +468,18 @@ def test_an_optimizer_charged_as_an_upper_bound_is_said_on_the_answers_line(capf
     assert code == 0, err
     tool = next(line for line in out.splitlines() if line.startswith("  computed by this tool ("))
     assert "an UPPER BOUND: training.optimizer adafactor is not modelled" in tool
+
+
+def test_a_full_fine_tunings_longest_is_labelled_unmeasured(capfd, tmp_path):
+    """Reviewer item 4: --find-max on a full fine-tuning file (lora.r 0) labels this tool's longest as the corrected
+    resident estimate of a full fine-tuning, unmeasured (no full fine-tuning row exists); a LoRA file's line does not
+    say it."""
+    path = tmp_path / "soup.yaml"
+    for lora, full in (("{r: 0}", True), ("{r: 16, alpha: 32, target_modules: [q_proj, v_proj]}", False)):
+        path.write_text("base: meta-llama/Llama-3.2-1B\ndata: {train: ./d.jsonl, max_length: 1024}\n"
+                        f"training: {{batch_size: 1, stream_layers: false, quantization: none, lora: {lora}}}\n")
+        code, out, err = main(capfd, ["--find-max", "seq", "--config", path, "--card", "24GB", "--dry-run"])
+        assert code == 0, err
+        tool = next(line for line in out.splitlines() if line.startswith("  computed by this tool ("))
+        assert tool.startswith("  computed by this tool (the corrected resident estimate")
+        assert ("of a full fine-tuning, unmeasured" in tool) is full, tool

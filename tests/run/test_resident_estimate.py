@@ -111,3 +111,53 @@ def test_a_full_fine_tuning_file_is_answered_with_soups_gate_on_its_clis_input_a
     assert "full fine-tuning (training.lora.r 0" in text and "lora_weights" not in got["terms"]
     assert got["terms"]["parameter_gradients"] > 0 and got["terms"]["adam_moments"] > got["terms"]["parameter_gradients"]
     assert got["cards"][0]["fits"] is True
+
+
+def test_a_full_fine_tuning_of_a_base_peft_has_no_auto_targets_for_is_answered(capfd, tmp_path):
+    """Reviewer item 2: a full fine-tuning (lora.r 0, target_modules left at Soup's default auto) of Moonlight
+    (deepseek_v3, which peft's default table lacks) is answered: a run with no adapter never reaches peft, so its
+    targets are not resolved. A LoRA run of it is still refused in one line (`soup train` would fail too)."""
+    path = resident_yaml(tmp_path, seq=512, base="moonshotai/Moonlight-16B-A3B")
+    path.write_text(path.read_text().replace("lora: {r: 16, alpha: 32, target_modules: [q_proj, v_proj]}", "lora: {r: 0}"))
+    code, text, err = main(capfd, ["--estimate", "--config", path])
+    assert code == EXIT_OK and "full fine-tuning (training.lora.r 0" in text and "peft" not in err, err
+    path.write_text(path.read_text().replace("lora: {r: 0}", "lora: {r: 16, alpha: 32}"))
+    one_error_line(*main(capfd, ["--estimate", "--config", path]), "peft has no default LoRA targets for model_type 'deepseek_v3'")
+
+
+def test_a_full_fine_tunings_accumulation_line_says_the_trained_parameters_gradients(capfd, tmp_path):
+    """Reviewer item 3: --estimate's line for gradient accumulation on a full fine-tuning file (lora.r 0) says the
+    trained parameters' gradients are held from micro-batch 2 on, not an adapter's it does not have; a LoRA file's
+    line still says the adapter's."""
+    path = resident_yaml(tmp_path, seq=512)
+    lora = path.read_text().replace("  lora:", "  gradient_accumulation_steps: 2\n  lora:")
+    for text_in, whose, not_whose in ((lora.replace("lora: {r: 16, alpha: 32, target_modules: [q_proj, v_proj]}",
+                                                    "lora: {r: 0}"), "the trained parameters'", "the adapter's"),
+                                      (lora, "the adapter's", "the trained parameters'")):
+        path.write_text(text_in)
+        code, text, err = main(capfd, ["--estimate", "--config", path])
+        line = next(x for x in text.splitlines() if "from the file: training.gradient_accumulation_steps 2" in x)
+        assert code == EXIT_OK and f"every phase holds {whose} gradients" in line and not_whose not in line, err
+
+
+def test_a_resident_answers_terms_each_say_the_phases_they_are_live_in(capfd, tmp_path):
+    """Reviewer item 7: a full fine-tuning's terms, listed under its peak, sum past the peak (every phase's terms);
+    each term line, text and JSON, says the phases it is live in, so the resident, allowance and binding phase's
+    terms are told apart from the others, and those hold no more than the peak."""
+    path = resident_yaml(tmp_path, seq=1024)
+    path.write_text(path.read_text().replace("lora: {r: 16, alpha: 32, target_modules: [q_proj, v_proj]}", "lora: {r: 0}"))
+    out = tmp_path / "e.json"
+    code, text, err = main(capfd, ["--estimate", "--config", path, "--json", out])
+    got = json.loads(out.read_text())
+    if got["not_estimated"]:
+        return  # a release whose full fine-tuning the estimate does not model: no terms
+    assert code == EXIT_OK, err
+    terms, phases, peak = got["terms"], got["term_phases"], got["corrected"]
+    binding = text.split("corrected allocated peak ", 1)[1].split("(", 1)[1].split(" phase)", 1)[0]
+    assert set(phases) == set(terms) and sum(terms.values()) > peak
+    held = {"resident", "allowance", binding, "steady state"}
+    assert sum(v for k, v in terms.items() if held & set(phases[k])) <= peak
+    for k, v in terms.items():
+        if v:
+            assert f"    {k:<28} {v / 1e9:.4f} GB  {', '.join(phases[k])}" in text.splitlines()
+    assert phases["logits"] == ["loss"] and phases["parameter_gradients"] == ["optimizer"]

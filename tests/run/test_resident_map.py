@@ -104,7 +104,7 @@ def test_a_resident_rows_soup_gate_is_its_clis_on_the_arms_config_and_judged_aga
 
 
 def test_the_packing_bound_covers_every_committed_resident_peak():
-    """The lanes pack resident arms by an upper bound (never printed): it is above each committed resident
+    """The lanes pack a resident LoRA arm the corrected estimate refuses by an upper bound (never printed): it is above each committed resident
     anatomy's real peak and each committed resident map row's, so no arm is packed beside more than the card holds."""
     from issue395.host.spread import resident_packing_bound
 

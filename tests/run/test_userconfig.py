@@ -464,3 +464,20 @@ def test_a_base_path_that_is_not_there_is_no_such_folder(capfd, tmp_path, monkey
     path = readme_yaml(tmp_path, base=base)
     line = one_error_line(*main(capfd, mode + ["--config", path]), "no such folder", base)
     assert "hub" not in line.split("no such folder")[0], line
+
+
+def test_gradient_checkpointing_on_a_streamed_file_is_said_to_change_nothing(capfd, tmp_path):
+    """Reviewer item 5: training.gradient_checkpointing true on a streamed file is not dropped silently: one 'from
+    the file' line says a streamed run checkpoints every layer itself, and the figures are the file's without it."""
+    from issue395.model.streaming import STREAMED_CHECKPOINTS
+
+    got = []
+    for extra in ("  gradient_checkpointing: true\n", ""):
+        out_json = tmp_path / f"e{len(got)}.json"
+        code, out, err = main(capfd, ["--estimate", "--config", readme_yaml(tmp_path, extra=extra), "--json", out_json])
+        assert code == 0, err
+        said = [ln for ln in file_lines(out) if "training.gradient_checkpointing" in ln]
+        assert said == ([f"  from the file: training.gradient_checkpointing true: changes nothing: {STREAMED_CHECKPOINTS}"]
+                        if extra else []), said
+        got.append(json.loads(out_json.read_text())["rows"])
+    assert got[0] == got[1]
