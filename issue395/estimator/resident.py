@@ -27,9 +27,10 @@ Known limitations
     - Without checkpointing, where a block of the step or of the weights is not whole 2 MiB (on the committed rows:
       SmolLM2, Qwen2.5, Gemma-2, Phi-3, Qwen3 NF4, and the 512-token rows of Qwen3 bf16), the retained blocks'
       rounding is bounded, not replayed: each 1-10 MiB block class is
-      cut from 20 MiB segments whose last block keeps a rest under 1 MiB (1 MiB a segment), and each block from
-      10 MiB keeps its segment's tail, or, served from a larger cached block, a rest under 1 MiB (1 MiB a block)
-      (retained_rounding). The measured excess of max_memory_allocated over the requested peak was 21 MB on SmolLM2
+      cut from 20 MiB segments whose last block keeps a rest of at most 1 MiB (1 MiB a segment), and each block
+      from 10 MiB keeps its segment's tail, or, served from a larger cached block, a rest of at most 1 MiB (1 MiB
+      a block); a block of 1 MiB or less is the small pool's, split at 512 B (retained_rounding, through
+      constants.layer_remainders, the rule the streamed step's blocks take). The measured excess of max_memory_allocated over the requested peak was 21 MB on SmolLM2
       1024x1, 108 MB on Qwen2.5 2048x1 (75.5 MB of it the MLP blocks' tails), 0 on Llama-3.2-1B 2048x1; without the
       per-block bound SmolLM2 NF4 at 2048 tokens was 9.8 MB under. Those rows are 1.002x-1.024x, which a replay
       of the forward's requests through the allocator's rules (not built) would tighten.
@@ -93,7 +94,7 @@ from __future__ import annotations
 
 import ast
 
-from ..constants import K_LARGE_BUFFER, K_MIN_LARGE_ALLOC, K_ROUND_LARGE, K_SMALL_SIZE, block_bytes, unsplit_bound
+from ..constants import K_ROUND_LARGE, K_SMALL_SIZE, block_bytes, layer_remainders, unsplit_rests
 from ..errors import UsageError
 from ..model.targets import soup_targets
 from ..tasks import PROTOCOL_TASK, task as task_named
@@ -169,8 +170,9 @@ def retained_rounding(a: Arch, targets: tuple, r: int, T: int, quant: str = "non
     """segment_tail of each block a layer keeps through the loss without checkpointing, over every layer: the
     tensors retained_by_layer counts per token (the norms' fp32 inputs, each target's dropout output, mask
     (``mask`` B a feature: layer.mask_bytes, none where the trainer turns dropout off) and lora_A output,
-    attention's q, k, v and output, the MLP's saved i-wide tensors), each its own block; from 10 MiB a block's segment rounds to 2 MiB and a rest
-    up to 1 MiB stays in it. Measured: Qwen2.5 2048x1 keeps 72 MLP blocks of 19,922,944 B, each with a 1 MiB
+    attention's q, k, v and output, the MLP's saved i-wide tensors), each its own block, by the one rule
+    (constants.layer_remainders: 1 MiB a 20 MiB segment the blocks over 1 MiB and under 10 MiB fill, 1 MiB a
+    block from 10 MiB, which its fresh segment's tail or a cached block's rest may hold). Measured: Qwen2.5 2048x1 keeps 72 MLP blocks of 19,922,944 B, each with a 1 MiB
     tail, which the allocator's history (requested sizes) does not show and max_memory_allocated does
     (results/resident-anatomy-*/call-1/res-sft-qwen-bf16-2048x1: replayed peak 107.7 MB under the real one).
     Where every block the forward can request is a whole number of 2 MiB (``whole_granules``; ``seq`` given),
@@ -184,13 +186,7 @@ def retained_rounding(a: Arch, targets: tuple, r: int, T: int, quant: str = "non
     upcast, _ = autocast_upcasts(a, quant)  # autocast's fp32 copies in place of as many of the count's MLP blocks
     mlp = a.quirks.mlp_saved - a.quirks.mlp_transients - sum(1 for _, w in upcast if w == a.i)
     widths += [(4 if quant == "nf4" else act, a.i)] * mlp + upcast
-    sizes = [block_bytes(b * w * T) for b, w in widths if b]
-    # requests from 1 MiB to 10 MiB are cut from 20 MiB segments, and a segment's last block keeps a rest under
-    # 1 MiB unsplit (the allocator splits a large block only where more than 1 MiB would remain): at most 1 MiB a
-    # segment those blocks fill
-    cut = a.L * sum(s for s in sizes if K_SMALL_SIZE <= s < K_MIN_LARGE_ALLOC)
-    own = a.L * sum(segment_tail(s) or K_SMALL_SIZE for s in sizes if s >= K_MIN_LARGE_ALLOC)
-    return own + -(-cut // K_LARGE_BUFFER) * K_SMALL_SIZE
+    return layer_remainders([b * w * T for b, w in widths if b] * a.L)
 
 
 def whole_granules(a: Arch, targets: tuple, r: int, T: int, seq: int) -> bool:
@@ -477,22 +473,20 @@ def full_retained(a: Arch) -> int:
 def full_retained_rounding(a: Arch, T: int) -> int:
     """retained_rounding's bound on the blocks each layer keeps without checkpointing, for full fine-tuning's
     blocks: the norms' fp32 inputs and normed tensors, the shared normed inputs, attention's q, k, v, output
-    and o_proj's input, the MLP's saved i-wide tensors and down_proj's input; the same allocator rules
-    (1 MiB a 20 MiB segment the 1-10 MiB blocks fill, each block from 10 MiB its tail or 1 MiB)."""
+    and o_proj's input, the MLP's saved i-wide tensors and down_proj's input; the same allocator rule
+    (constants.layer_remainders)."""
     qw, kw, nb = a.heads * a.head_dim, a.kv * a.head_dim, _norm_bytes(a)
     widths = [(4, a.h)] * (a.norms if a.quirks.norm_inputs_saved else 0) + [(nb, a.h)] * a.norms
     widths += [(2, a.h)] * 2 + [(2, qw), (2, kw), (2, (qw + 2 * kw) if a.quirks.fused_qkv else kw), (2, qw), (2, qw)]
     widths += [(2, a.i)] * (a.quirks.mlp_saved - a.quirks.mlp_transients + 1)
-    sizes = [block_bytes(b * w * T) for b, w in widths]
-    cut = a.L * sum(s for s in sizes if K_SMALL_SIZE <= s < K_MIN_LARGE_ALLOC)
-    own = a.L * sum(segment_tail(s) or K_SMALL_SIZE for s in sizes if s >= K_MIN_LARGE_ALLOC)
-    return own + -(-cut // K_LARGE_BUFFER) * K_SMALL_SIZE
+    return layer_remainders([b * w * T for b, w in widths] * a.L)
 
 
 def held(blocks) -> int:
     """Blocks of these requested sizes as the default allocator holds them: each rounded to 512 B, and up to
-    1 MiB past it where it is over 1 MiB (constants.unsplit_bound: a cached block handed over whole)."""
-    return sum(block_bytes(b) + unsplit_bound(b) for b in blocks)
+    1 MiB past it where it is over 1 MiB (constants.unsplit_rests: a cached block handed over whole)."""
+    blocks = list(blocks)
+    return sum(map(block_bytes, blocks)) + unsplit_rests(blocks)
 
 
 def full_backward(a: Arch, T: int, *, checkpointing: bool, accumulated: bool) -> dict:
@@ -694,12 +688,8 @@ def master_per_token(a: Arch, at: Moment, checkpointing: bool) -> int:
 
 
 def master_retained_rounding(a: Arch, T: int) -> int:
-    """full_retained_rounding's allocator bound over master_blocks' blocks (1 MiB a 20 MiB segment the 1-10 MiB
-    blocks fill, each block from 10 MiB its tail or 1 MiB)."""
-    sizes = [block_bytes(b * w * T) for b, w in master_blocks(a)]
-    cut = a.L * sum(s for s in sizes if K_SMALL_SIZE <= s < K_MIN_LARGE_ALLOC)
-    own = a.L * sum(segment_tail(s) or K_SMALL_SIZE for s in sizes if s >= K_MIN_LARGE_ALLOC)
-    return own + -(-cut // K_LARGE_BUFFER) * K_SMALL_SIZE
+    """full_retained_rounding's allocator bound over master_blocks' blocks (constants.layer_remainders)."""
+    return layer_remainders([b * w * T for b, w in master_blocks(a)] * a.L)
 
 
 def master_head_gradient(a: Arch) -> int:

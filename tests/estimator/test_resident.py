@@ -166,6 +166,35 @@ def test_a_step_of_whole_2_mib_blocks_is_charged_no_rest_and_one_that_is_not_kee
         "res-sft-qwen-bf16-2048x1") - 3 * 2 ** 20  # the logits' three 1 MiB tails are allocator_rounding's
 
 
+def _small_qwen(intermediate: int):
+    """Qwen2.5's layer at h 256, four layers: at 1,024 tokens a norm's fp32 input and an i-wide bf16 tensor of
+    i 512 are exactly 1 MiB."""
+    return arch_from_config(dict(config_json("qwen"), hidden_size=256, intermediate_size=intermediate,
+                                 num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_hidden_layers=4))
+
+
+def test_a_retained_block_of_exactly_1_mib_is_the_small_pools_and_keeps_no_rest():
+    """Issue 53 item 3: CUDACachingAllocator's get_pool sends a request of kSmallSize (1 MiB) or less to the small
+    pool, which splits at 512 B: a resident step whose retained blocks are all 1 MiB or less keeps no rest (it
+    was charged as cut from 20 MiB segments, 1 MiB here), under the one rule the streamed step's blocks take."""
+    from issue395.constants import MiB, layer_remainders
+    from issue395.estimator.resident import retained_rounding
+
+    assert retained_rounding(_small_qwen(512), ("q_proj", "v_proj"), 8, 1024) == 0
+    assert layer_remainders([MiB] * 80) == 0 < layer_remainders([MiB + 512] * 80)
+
+
+def test_a_retained_block_from_10_mib_is_bound_by_a_cached_blocks_rest_not_its_fresh_tail():
+    """Issue 53 item 3: a retained block of 11.5 MiB has a fresh segment's tail of 0.5 MiB, but made after the
+    layer before freed its transients it may be a cached 12.5 MiB block handed over whole (shouldSplit: a rest
+    of 1 MiB or less stays): each of the 12 MLP blocks (3 a layer, 4 layers) is charged 1 MiB, not 0.5."""
+    from issue395.constants import MiB
+    from issue395.estimator.resident import retained_rounding
+
+    a = _small_qwen(int(11.5 * MiB) // 2 // 1024)
+    assert retained_rounding(a, ("q_proj", "v_proj"), 8, 1024) == 12 * MiB
+
+
 @pytest.mark.parametrize("key, quant, words", [
     ("gemma3-1b+resident", "none", "sliding window"),
     ("llama32-1b+resident+gc", "8bit", "8bit"),
