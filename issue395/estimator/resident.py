@@ -100,8 +100,8 @@ from ..model.targets import soup_targets
 from ..tasks import PROTOCOL_TASK, task as task_named
 from .arch import (NF4_BLOCK, Arch, activation_bytes, arch_from_config, fp32_residual, layer_bytes, nf4_bytes,
                    protocol_targets)
-from .layer import (LORA_DROPOUT_MASK_BYTES, MLP_BACKWARD_TRANSIENTS, Moment, checkpointed_through, layer_per_token,
-                    mask_bytes)
+from .layer import (LORA_DROPOUT_MASK_BYTES, MLP_BACKWARD_TRANSIENTS, LayerPeak, Moment, checkpointed_through,
+                    layer_blocks, layer_per_token, mask_bytes)
 from .releases import release_source
 from .stacks import package_version
 from .steady import FP32, is_bounded, optimizer_named, state_blocks
@@ -460,8 +460,13 @@ def full_saved_per_token(a: Arch) -> int:
 
 def full_per_token(a: Arch, at: Moment) -> int:
     """One layer's count a token at moment ``at`` under full fine-tuning: layer_per_token with no adapter and
-    every layer's input carrying a gradient (the embedding trains), and what the trained weights keep."""
-    return layer_per_token(a, "none", (), 0, at=at, input_grad=True) + full_saved_per_token(a)
+    every layer's input carrying a gradient (the embedding trains), what the trained weights keep, and
+    autocast's fp32 copies (autocast_upcasts: phi's LayerNorm and gelu_new). A resident run trains under bf16
+    autocast whether the weights train or not, and each of those ops saves its fp32 copy for its input's
+    gradient, which a fully trained layer needs as a LoRA one from layer 1 on: at least what the LoRA layer
+    keeps (phi-2: 71,688 B a token a layer)."""
+    return (layer_per_token(a, "none", (), 0, at=at, input_grad=True) + full_saved_per_token(a)
+            + autocast_per_token(a, "none"))
 
 
 def full_retained(a: Arch) -> int:
@@ -478,8 +483,28 @@ def full_retained_rounding(a: Arch, T: int) -> int:
     qw, kw, nb = a.heads * a.head_dim, a.kv * a.head_dim, _norm_bytes(a)
     widths = [(4, a.h)] * (a.norms if a.quirks.norm_inputs_saved else 0) + [(nb, a.h)] * a.norms
     widths += [(2, a.h)] * 2 + [(2, qw), (2, kw), (2, (qw + 2 * kw) if a.quirks.fused_qkv else kw), (2, qw), (2, qw)]
-    widths += [(2, a.i)] * (a.quirks.mlp_saved - a.quirks.mlp_transients + 1)
-    return layer_remainders([b * w * T for b, w in widths] * a.L)
+    upcast, _ = autocast_upcasts(a, "none")  # autocast's fp32 copies in place of as many of the MLP's blocks
+    widths += [(2, a.i)] * (a.quirks.mlp_saved - a.quirks.mlp_transients + 1 - sum(1 for _, w in upcast if w == a.i))
+    return layer_remainders([b * w * T for b, w in widths + upcast] * a.L)
+
+
+def full_layer_rests(a: Arch, T: int) -> int:
+    """The rests the binding layer's blocks keep under full fine-tuning with checkpointing (the layer phase's
+    layer_remainders, by the one rule constants.layer_remainders): at each moment of its turn, the blocks
+    layer.layer_blocks lists for a layer with no adapter whose input carries a gradient, beside what the trained
+    weights keep (full_saved_per_token's blocks) and autocast's fp32 copies (autocast_upcasts, beside the bf16
+    blocks they replace: a bound); the larger moment's (a bound: the walk does not say which binds)."""
+    qw, kw, nb = a.heads * a.head_dim, a.kv * a.head_dim, _norm_bytes(a)
+    kept = [(nb, a.h)] * a.norms + ([(nb, qw), (nb, kw)] if a.qk_norm else []) + [(2, a.h)] * 2 + [(2, qw), (2, a.i)]
+    kept += autocast_upcasts(a, "none")[0]
+    return max(layer_remainders(layer_blocks(a, "none", (), 0, T, LayerPeak(1, at, 0, 0, 0, 0, 0, 0))
+                                + [b * w * T for b, w in kept]) for at in Moment)
+
+
+def lora_retained_rounding(a: Arch, config: dict, T: int, seq: int, task: str) -> int:
+    """What estimate_resident added to the allocator's rounding without checkpointing for the r 1 LoRA run a full
+    fine-tuning's estimate starts from (its seq, its task's mask): exactly what that estimate takes off again."""
+    return retained_rounding(a, targets_of(a, None, config), 1, T, "none", seq, mask_bytes(task_named(task)))
 
 
 def held(blocks) -> int:
@@ -556,7 +581,10 @@ def estimate_full(config: dict, *, quant: str = "none", seq: int, batch: int = 1
                              checkpointing=checkpointing, transformers=transformers)
     T = base.seq * base.batch
     t = {k: v for k, v in base.terms.items() if k not in (
-        Term.LORA_WEIGHTS.key, Term.BACKWARD_GRADIENTS.key, Term.HELD_GRADIENTS.key, Term.UNSPLIT_REMAINDERS.key)}
+        Term.LORA_WEIGHTS.key, Term.BACKWARD_GRADIENTS.key, Term.HELD_GRADIENTS.key, Term.UNSPLIT_REMAINDERS.key,
+        Term.ADAPTER_CASTS.key, Term.LAYER_REMAINDERS.key)}  # no adapter; the r 1 layer's blocks are not this one's
+    if checkpointing:  # without it no layer is walked in its blocks (the LoRA step's rule): the retained rounding
+        t[Term.LAYER_REMAINDERS.key] = full_layer_rests(a, T)
     t[Term.HEAD_INPUT.key] = T * a.h * (_norm_bytes(a) + 2)  # the final norm's normed tensor and the head's input
     t[Term.HEAD_GRADIENT.key] = head_gradient(a)
     if accumulation > 1:  # micro-batch 2 on runs with every gradient micro-batch 1 made
@@ -567,8 +595,8 @@ def estimate_full(config: dict, *, quant: str = "none", seq: int, batch: int = 1
     if not checkpointing:
         t[Term.RETAINED_ACTIVATIONS.key] = T * a.L * full_retained(a)
         t[Term.RETAINED_BESIDE_LAYER.key] = before
-        t[Term.ALLOCATOR_ROUNDING.key] += full_retained_rounding(a, T) - retained_rounding(
-            a, targets_of(a, None, config), 1, T)
+        t[Term.ALLOCATOR_ROUNDING.key] += full_retained_rounding(a, T) - lora_retained_rounding(a, config, T,
+                                                                                                base.seq, task)
     t.update(full_optimizer(a, optimizer))
     return full_phases(t, base, before, checkpointing=checkpointing, steps=steps, optimizer=optimizer,
                        accumulation=accumulation)
@@ -692,6 +720,17 @@ def master_retained_rounding(a: Arch, T: int) -> int:
     return layer_remainders([b * w * T for b, w in master_blocks(a)] * a.L)
 
 
+def master_layer_rests(a: Arch, T: int) -> int:
+    """full_layer_rests on fp32 master weights: the recomputed layer's blocks at each moment of its turn as
+    master_per_token counts them (master_blocks, the incoming fp32 gradient, its bf16 cast and the MLP's bf16
+    gradients at its backward; the MLP's fp32 normed input and down_proj's bf16 output at the forward's end), by
+    constants.layer_remainders; the larger moment's."""
+    kept = master_blocks(a)
+    moments = (kept + [(FP32, a.h), (2, a.h)] + [(2, a.i)] * MLP_BACKWARD_TRANSIENTS,
+               kept + [(FP32, a.h), (FP32, a.h), (2, a.h)])
+    return max(layer_remainders([b * w * T for b, w in blocks]) for blocks in moments)
+
+
 def master_head_gradient(a: Arch) -> int:
     """The head's fp32 weight gradient made at the loss's backward, and the bf16 gradient of its weight's copy
     that ToCopyBackward casts into it (a bound: both live at once only inside that cast)."""
@@ -746,7 +785,9 @@ def estimate_master(config: dict, *, seq: int, batch: int = 1, steps: int = 1, r
     T = base.seq * base.batch
     t = {k: v for k, v in base.terms.items() if k not in (
         Term.LORA_WEIGHTS.key, Term.BACKWARD_GRADIENTS.key, Term.HELD_GRADIENTS.key, Term.UNSPLIT_REMAINDERS.key,
-        Term.ADAPTER_CASTS.key)}
+        Term.ADAPTER_CASTS.key, Term.LAYER_REMAINDERS.key)}  # the r 1 LoRA layer's blocks are not this one's
+    if checkpointing:
+        t[Term.LAYER_REMAINDERS.key] = master_layer_rests(a, T)
     t[Term.RESIDENT_WEIGHTS.key] = master_weights(a)
     t[Term.ROTARY_TABLES.key] *= 2  # cos.to(x.dtype), x the fp32 residual: measured fp32 on CPU
     t[Term.HEAD_INPUT.key] = T * (FP32 * a.h + 2 * a.h + FP32)
@@ -762,9 +803,8 @@ def estimate_master(config: dict, *, seq: int, batch: int = 1, steps: int = 1, r
     if not checkpointing:
         t[Term.RETAINED_ACTIVATIONS.key] = T * a.L * master_retained(a)
         t[Term.RETAINED_BESIDE_LAYER.key] = before
-        # less exactly what the base's LoRA count added (its seq: whole_granules may have answered there)
-        t[Term.ALLOCATOR_ROUNDING.key] += master_retained_rounding(a, T) - retained_rounding(
-            a, targets_of(a, None, config), 1, T, "none", base.seq, mask_bytes(task_named(task)))
+        t[Term.ALLOCATOR_ROUNDING.key] += master_retained_rounding(a, T) - lora_retained_rounding(a, config, T,
+                                                                                                  base.seq, task)
     t.update(full_optimizer(a, optimizer, FP32))
     return full_phases(t, base, before, checkpointing=checkpointing, steps=steps, optimizer=optimizer,
                        accumulation=accumulation)
