@@ -10,7 +10,7 @@ every block of the step is whole 2 MiB (``whole_granules``). Where the task's tr
 dropout mask is charged, by the streamed step's own rule (layer.mask_bytes), in each count and its blocks' rounding.
 
 Measured (tests/estimator/test_resident.py), on the 181 committed arms of these families it models, bf16 and NF4
-(results/resident-map-*): never under, median 1.0014x; with checkpointing 1.0001x-1.0029x, without it
+(results/resident-map-*): never under, median 1.0013x; with checkpointing 1.0001x-1.0029x, without it
 1.0000x-1.0794x, median 1.0023x (the widest: Phi-3-mini NF4, 1.063x-1.080x, whose fused gate_up the shared count
 charges whole; phi-2 bf16 1.024x-1.035x; Moonlight 1.002x-1.029x; without those at most 1.0238x, SmolLM2's
 bounded rounding). Layers of several kinds (issue395.estimator.moe) hold each its own kind's tensors
