@@ -40,6 +40,36 @@ def unsplit_bound(requested: int) -> int:
     return K_SMALL_SIZE if block_bytes(requested) > K_SMALL_SIZE else 0
 
 
+def unsplit_rests(sizes) -> int:
+    """unsplit_bound over blocks of ``sizes`` requested bytes: the most they hold past their 512 B rounding where
+    each may be a cached block handed over whole."""
+    return sum(map(unsplit_bound, sizes))
+
+
+def cut_remainders(sizes) -> int:
+    """What the blocks of ``sizes`` requested bytes under kMinLargeAlloc, live at once, hold past their 512 B
+    rounding when cut from fresh kLargeBuffer segments: a large-pool request (over kSmallSize: a request of
+    exactly kSmallSize is the small pool's, get_pool's ``size <= kSmallSize``) under kMinLargeAlloc gets a
+    20 MiB segment, cut block by block, and only its last block keeps its rest (kSmallSize or less: shouldSplit
+    splits where more would remain), so kSmallSize a segment those blocks fill. The small pool splits at 512 B:
+    nothing. Blocks of kMinLargeAlloc or more are not this rule's (layer_remainders, segment_tail).
+    Evidence: docs/PEAK.md, "loss_remainders"."""
+    cut = sum(s for s in map(block_bytes, sizes) if K_SMALL_SIZE < s < K_MIN_LARGE_ALLOC)
+    return -(-cut // K_LARGE_BUFFER) * K_SMALL_SIZE
+
+
+def layer_remainders(sizes) -> int:
+    """What the blocks of ``sizes`` requested bytes, live at once, can hold past their 512 B rounding under the
+    default allocator where any of them may have been made after others were freed: those under kMinLargeAlloc
+    by cut_remainders' rule, each of kMinLargeAlloc or more up to kSmallSize (unsplit_bound), which bounds both
+    a fresh segment's tail (under kRoundLarge - kSmallSize is split off: segment_tail's rest is at most
+    kSmallSize) and a larger cached block's rest. Where a block is known fresh (nothing cached is as large: the
+    loss's logits, the weights as they load), its own segment's tail is the figure, not this bound.
+    Evidence: docs/PEAK.md, "layer_remainders"."""
+    sizes = list(map(block_bytes, sizes))
+    return cut_remainders(sizes) + unsplit_rests(s for s in sizes if s >= K_MIN_LARGE_ALLOC)
+
+
 #: PyTorch's default cuBLAS workspace per handle, one a thread (aten/src/ATen/cuda/CublasHandlePool.cpp,
 #: parseChosenWorkspaceSize): ":4096:8" on compute capability 9.x to 12.x (Hopper, Blackwell),
 #: ":4096:2:16:8" below. Each ':SIZE_KiB:COUNT' pair adds SIZE x 1024 x COUNT, and the sum is ONE

@@ -101,3 +101,28 @@ def test_a_request_served_by_a_cached_block_it_cannot_split_is_charged_that_bloc
     split = _anatomy("pages2-soup-patch-map4-modes-h200-soup0.77.0-*/call-1-3",
                      "pages-sft-mistral-nf4-1024x1-r256-all-s2-a4.json")
     assert 0 <= split["real_peak"] - split["requested_peak"] < 26 * 1024 < unseen
+
+
+def test_the_layer_rule_charges_a_rest_only_where_a_block_is_cut_or_has_its_own_segment():
+    """Issue 52 item 1: the binding layer's blocks are charged the allocator's unsplit rests: none for blocks the
+    small pool splits at 512 B (1 MiB or less), one 1 MiB a 20 MiB segment the blocks under 10 MiB fill
+    (only the segment's last block keeps its rest), one 1 MiB a block of 10 MiB or more."""
+    from issue395.constants import MiB, layer_remainders
+
+    assert layer_remainders([MiB, 512 * 1024, 4096] * 40) == 0  # the small pool: split at 512 B
+    assert layer_remainders([3 * MiB] * 6) == MiB  # 18 MiB: one segment
+    assert layer_remainders([3 * MiB] * 7) == 2 * MiB  # 21 MiB: a second segment
+    assert layer_remainders([54 * MiB, 18 * MiB]) == 2 * MiB
+    assert layer_remainders([3 * MiB, 54 * MiB, 1024]) == 2 * MiB
+
+
+def test_the_loss_rule_charges_a_rest_only_for_blocks_cut_from_20_mib_segments():
+    """Issue 52 item 1: the loss phase's blocks over 1 MiB and under 10 MiB (kMinLargeAlloc) are cut from 20 MiB
+    segments, whose last block keeps its rest: 1 MiB a segment they fill (the layer rule); a block of 10 MiB or more
+    keeps only its fresh segment's tail (segment_tail, the allocator rounding's), and the small pool nothing."""
+    from issue395.constants import MiB, cut_remainders
+
+    assert cut_remainders([9 * MiB] * 4 + [9 * MiB // 2] * 3) == 3 * MiB  # Gemma-3-1B 2048x1: 49.5 MiB
+    assert cut_remainders([2048 * MiB] * 3 + [32 * MiB] * 4 + [16 * MiB] * 3) == 0  # own segments
+    assert cut_remainders([MiB, 576 * 1024] * 7) == 0  # the small pool splits at 512 B
+    assert cut_remainders([32 * MiB, 8 * MiB, 8 * MiB, 8 * MiB]) == 2 * MiB  # 24 MiB cut: two segments

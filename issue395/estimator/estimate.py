@@ -12,8 +12,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..constants import (CUBLAS_WORKSPACE, CUBLASLT_WORKSPACE, EXPANDABLE_PAGE_BYTES, K_LARGE_BUFFER, K_MIN_LARGE_ALLOC,
-                         K_ROUND_LARGE, K_SMALL_SIZE, STREAM_KEYS, block_bytes, unsplit_bound)
+from ..constants import (CUBLAS_WORKSPACE, CUBLASLT_WORKSPACE, EXPANDABLE_PAGE_BYTES, K_MIN_LARGE_ALLOC,
+                         K_ROUND_LARGE, K_SMALL_SIZE, STREAM_KEYS, block_bytes, cut_remainders,
+                         layer_remainders)
 from ..errors import UsageError
 from ..record import LORA_DROPOUT, LORA_R, QUANTS
 from ..model.arm import DEFAULT_OPTIMIZER
@@ -141,18 +142,6 @@ def segment_tail(size: int) -> int:
     return rest if rest <= K_SMALL_SIZE else 0
 
 
-def layer_remainders(sizes: list[int]) -> int:
-    """What the blocks of ``sizes`` requested bytes, live at once, can hold past their 512 B rounding under the
-    default allocator (the rule resident.retained_rounding charges): a request over kSmallSize and under
-    kMinLargeAlloc is cut from a kLargeBuffer segment, whose last block keeps a rest of kSmallSize or less
-    unsplit (shouldSplit: remaining > kSmallSize), so kSmallSize a segment those blocks fill; one of
-    kMinLargeAlloc or more has its own segment or a cached block, either up to kSmallSize larger
-    (unsplit_bound); the small pool splits at 512 B. Evidence: docs/PEAK.md, "layer_remainders"."""
-    large = [block_bytes(s) for s in sizes if block_bytes(s) > K_SMALL_SIZE]
-    cut = sum(s for s in large if s < K_MIN_LARGE_ALLOC)
-    return sum(unsplit_bound(s) for s in large if s >= K_MIN_LARGE_ALLOC) + -(-cut // K_LARGE_BUFFER) * K_SMALL_SIZE
-
-
 def resident_rounding(a: Arch, quant: str, f: Features, per_expert: bool = False, buffers: int = 2) -> int:
     """segment_tail of each resident tensor: every vocab matrix (materialize_extras) and each
     linear weight in every pool slot (LayerBufferPool: a torch.empty per tensor; NF4 packed n/2 B).
@@ -190,14 +179,6 @@ def allocator_rounding(a: Arch, T: int) -> int:
 def hidden_rounding(a: Arch, T: int) -> int:
     """segment_tail of the hidden-sized segments live at the loss peak (*_HIDDEN_SEGMENTS)."""
     return sum(map(segment_tail, hidden_blocks(a, T)))
-
-
-def cut_remainders(sizes: list[int]) -> int:
-    """layer_remainders' rule on the blocks of ``sizes`` under kMinLargeAlloc (cut from 20 MiB segments; a
-    block of 1 MiB or less splits at 512 B): what a phase charges where its blocks of kMinLargeAlloc or
-    more are fresh, each one's own segment tail being segment_tail's (charged in allocator_rounding).
-    Evidence: docs/PEAK.md, "loss_remainders"."""
-    return layer_remainders([s for s in sizes if block_bytes(s) < K_MIN_LARGE_ALLOC])
 
 
 def dequantised_linear(a: Arch, quant: str, modules: dict | None = None) -> int:

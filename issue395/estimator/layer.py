@@ -79,7 +79,16 @@ def mask_bytes(task, dropout: float = LORA_DROPOUT) -> int:
     parameters and leaves the Dropout's p (soup-cli 0.73.3 and 0.77.0, layer_stream_runtime). Measured
     (resident): Llama-3.2-1B SFT 2048x1 keeps 30 blocks of 4,194,304 B (1 x h x T, q_proj and v_proj in layers
     1-15) at its loss peak, DPO at the same 2048 tokens none, every other block alike
-    (results/resident-anatomy-*/call-1)."""
+    (results/resident-anatomy-*/call-1).
+
+    Only the mask goes: the dropout's output (act x in a target, _lora) stays charged, because what it stands
+    for is the input lora_A's matmul saves for its weight's gradient, which exists whether dropout writes a new
+    tensor or returns its input. peft 0.20's LoRA forward first casts the target's input to lora_A's dtype
+    (``_cast_input_dtype``: the fp32 adapter's, a copy); at p 0 dropout returns that copy, and lora_A's matmul
+    saves it (or, under a resident run's bf16 autocast, its own bf16 cast of it). So the two anatomies above
+    keep the same 64 blocks of 8,388,608 B (2 x h x T: q's and v's saved lora_A inputs, beside q and SDPA's
+    output, in each of the 16 layers) in SFT and DPO alike. Where two targets could share one saved tensor (an
+    adapter of the input's own dtype, no cast), charging each its own is a bound."""
     return 0 if task.dropout_disabled or not 0 < dropout < 1 else LORA_DROPOUT_MASK_BYTES
 
 

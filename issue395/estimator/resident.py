@@ -10,7 +10,7 @@ every block of the step is whole 2 MiB (``whole_granules``). Where the task's tr
 dropout mask is charged, by the streamed step's own rule (layer.mask_bytes), in each count and its blocks' rounding.
 
 Measured (tests/estimator/test_resident.py), on the 181 committed arms of these families it models, bf16 and NF4
-(results/resident-map-*): never under, median 1.0014x; with checkpointing 1.0001x-1.0029x, without it
+(results/resident-map-*): never under, median 1.0013x; with checkpointing 1.0001x-1.0029x, without it
 1.0000x-1.0794x, median 1.0023x (the widest: Phi-3-mini NF4, 1.063x-1.080x, whose fused gate_up the shared count
 charges whole; phi-2 bf16 1.024x-1.035x; Moonlight 1.002x-1.029x; without those at most 1.0238x, SmolLM2's
 bounded rounding). Layers of several kinds (issue395.estimator.moe) hold each its own kind's tensors
@@ -27,9 +27,10 @@ Known limitations
     - Without checkpointing, where a block of the step or of the weights is not whole 2 MiB (on the committed rows:
       SmolLM2, Qwen2.5, Gemma-2, Phi-3, Qwen3 NF4, and the 512-token rows of Qwen3 bf16), the retained blocks'
       rounding is bounded, not replayed: each 1-10 MiB block class is
-      cut from 20 MiB segments whose last block keeps a rest under 1 MiB (1 MiB a segment), and each block from
-      10 MiB keeps its segment's tail, or, served from a larger cached block, a rest under 1 MiB (1 MiB a block)
-      (retained_rounding). The measured excess of max_memory_allocated over the requested peak was 21 MB on SmolLM2
+      cut from 20 MiB segments whose last block keeps a rest of at most 1 MiB (1 MiB a segment), and each block
+      from 10 MiB keeps its segment's tail, or, served from a larger cached block, a rest of at most 1 MiB (1 MiB
+      a block); a block of 1 MiB or less is the small pool's, split at 512 B (retained_rounding, through
+      constants.layer_remainders, the rule the streamed step's blocks take). The measured excess of max_memory_allocated over the requested peak was 21 MB on SmolLM2
       1024x1, 108 MB on Qwen2.5 2048x1 (75.5 MB of it the MLP blocks' tails), 0 on Llama-3.2-1B 2048x1; without the
       per-block bound SmolLM2 NF4 at 2048 tokens was 9.8 MB under. Those rows are 1.002x-1.024x, which a replay
       of the forward's requests through the allocator's rules (not built) would tighten.
@@ -93,15 +94,15 @@ from __future__ import annotations
 
 import ast
 
-from ..constants import K_LARGE_BUFFER, K_MIN_LARGE_ALLOC, K_ROUND_LARGE, K_SMALL_SIZE, block_bytes, unsplit_bound
+from ..constants import K_ROUND_LARGE, K_SMALL_SIZE, block_bytes, layer_remainders, unsplit_rests
 from ..errors import UsageError
 from ..record import LORA_DROPOUT
 from ..model.targets import soup_targets
 from ..tasks import PROTOCOL_TASK, task as task_named
 from .arch import (NF4_BLOCK, Arch, activation_bytes, arch_from_config, fp32_residual, layer_bytes, nf4_bytes,
                    protocol_targets)
-from .layer import (LORA_DROPOUT_MASK_BYTES, MLP_BACKWARD_TRANSIENTS, Moment, checkpointed_through, layer_per_token,
-                    mask_bytes)
+from .layer import (LORA_DROPOUT_MASK_BYTES, MLP_BACKWARD_TRANSIENTS, LayerPeak, Moment, checkpointed_through,
+                    layer_blocks, layer_per_token, mask_bytes)
 from .releases import release_source
 from .stacks import package_version
 from .steady import FP32, is_bounded, optimizer_named, state_blocks
@@ -170,8 +171,9 @@ def retained_rounding(a: Arch, targets: tuple, r: int, T: int, quant: str = "non
     """segment_tail of each block a layer keeps through the loss without checkpointing, over every layer: the
     tensors retained_by_layer counts per token (the norms' fp32 inputs, each target's dropout output, mask
     (``mask`` B a feature: layer.mask_bytes, none where the trainer turns dropout off) and lora_A output,
-    attention's q, k, v and output, the MLP's saved i-wide tensors), each its own block; from 10 MiB a block's segment rounds to 2 MiB and a rest
-    up to 1 MiB stays in it. Measured: Qwen2.5 2048x1 keeps 72 MLP blocks of 19,922,944 B, each with a 1 MiB
+    attention's q, k, v and output, the MLP's saved i-wide tensors), each its own block, by the one rule
+    (constants.layer_remainders: 1 MiB a 20 MiB segment the blocks over 1 MiB and under 10 MiB fill, 1 MiB a
+    block from 10 MiB, which its fresh segment's tail or a cached block's rest may hold). Measured: Qwen2.5 2048x1 keeps 72 MLP blocks of 19,922,944 B, each with a 1 MiB
     tail, which the allocator's history (requested sizes) does not show and max_memory_allocated does
     (results/resident-anatomy-*/call-1/res-sft-qwen-bf16-2048x1: replayed peak 107.7 MB under the real one).
     Where every block the forward can request is a whole number of 2 MiB (``whole_granules``; ``seq`` given),
@@ -185,13 +187,7 @@ def retained_rounding(a: Arch, targets: tuple, r: int, T: int, quant: str = "non
     upcast, _ = autocast_upcasts(a, quant)  # autocast's fp32 copies in place of as many of the count's MLP blocks
     mlp = a.quirks.mlp_saved - a.quirks.mlp_transients - sum(1 for _, w in upcast if w == a.i)
     widths += [(4 if quant == "nf4" else act, a.i)] * mlp + upcast
-    sizes = [block_bytes(b * w * T) for b, w in widths if b]
-    # requests from 1 MiB to 10 MiB are cut from 20 MiB segments, and a segment's last block keeps a rest under
-    # 1 MiB unsplit (the allocator splits a large block only where more than 1 MiB would remain): at most 1 MiB a
-    # segment those blocks fill
-    cut = a.L * sum(s for s in sizes if K_SMALL_SIZE <= s < K_MIN_LARGE_ALLOC)
-    own = a.L * sum(segment_tail(s) or K_SMALL_SIZE for s in sizes if s >= K_MIN_LARGE_ALLOC)
-    return own + -(-cut // K_LARGE_BUFFER) * K_SMALL_SIZE
+    return layer_remainders([b * w * T for b, w in widths if b] * a.L)
 
 
 def whole_granules(a: Arch, targets: tuple, r: int, T: int, seq: int) -> bool:
@@ -466,8 +462,13 @@ def full_saved_per_token(a: Arch) -> int:
 
 def full_per_token(a: Arch, at: Moment) -> int:
     """One layer's count a token at moment ``at`` under full fine-tuning: layer_per_token with no adapter and
-    every layer's input carrying a gradient (the embedding trains), and what the trained weights keep."""
-    return layer_per_token(a, "none", (), 0, at=at, input_grad=True) + full_saved_per_token(a)
+    every layer's input carrying a gradient (the embedding trains), what the trained weights keep, and
+    autocast's fp32 copies (autocast_upcasts: phi's LayerNorm and gelu_new). A resident run trains under bf16
+    autocast whether the weights train or not, and each of those ops saves its fp32 copy for its input's
+    gradient, which a fully trained layer needs as a LoRA one from layer 1 on: at least what the LoRA layer
+    keeps (phi-2: 71,688 B a token a layer)."""
+    return (layer_per_token(a, "none", (), 0, at=at, input_grad=True) + full_saved_per_token(a)
+            + autocast_per_token(a, "none"))
 
 
 def full_retained(a: Arch) -> int:
@@ -479,22 +480,40 @@ def full_retained(a: Arch) -> int:
 def full_retained_rounding(a: Arch, T: int) -> int:
     """retained_rounding's bound on the blocks each layer keeps without checkpointing, for full fine-tuning's
     blocks: the norms' fp32 inputs and normed tensors, the shared normed inputs, attention's q, k, v, output
-    and o_proj's input, the MLP's saved i-wide tensors and down_proj's input; the same allocator rules
-    (1 MiB a 20 MiB segment the 1-10 MiB blocks fill, each block from 10 MiB its tail or 1 MiB)."""
+    and o_proj's input, the MLP's saved i-wide tensors and down_proj's input; the same allocator rule
+    (constants.layer_remainders)."""
     qw, kw, nb = a.heads * a.head_dim, a.kv * a.head_dim, _norm_bytes(a)
     widths = [(4, a.h)] * (a.norms if a.quirks.norm_inputs_saved else 0) + [(nb, a.h)] * a.norms
     widths += [(2, a.h)] * 2 + [(2, qw), (2, kw), (2, (qw + 2 * kw) if a.quirks.fused_qkv else kw), (2, qw), (2, qw)]
-    widths += [(2, a.i)] * (a.quirks.mlp_saved - a.quirks.mlp_transients + 1)
-    sizes = [block_bytes(b * w * T) for b, w in widths]
-    cut = a.L * sum(s for s in sizes if K_SMALL_SIZE <= s < K_MIN_LARGE_ALLOC)
-    own = a.L * sum(segment_tail(s) or K_SMALL_SIZE for s in sizes if s >= K_MIN_LARGE_ALLOC)
-    return own + -(-cut // K_LARGE_BUFFER) * K_SMALL_SIZE
+    upcast, _ = autocast_upcasts(a, "none")  # autocast's fp32 copies in place of as many of the MLP's blocks
+    widths += [(2, a.i)] * (a.quirks.mlp_saved - a.quirks.mlp_transients + 1 - sum(1 for _, w in upcast if w == a.i))
+    return layer_remainders([b * w * T for b, w in widths + upcast] * a.L)
+
+
+def full_layer_rests(a: Arch, T: int) -> int:
+    """The rests the binding layer's blocks keep under full fine-tuning with checkpointing (the layer phase's
+    layer_remainders, by the one rule constants.layer_remainders): at each moment of its turn, the blocks
+    layer.layer_blocks lists for a layer with no adapter whose input carries a gradient, beside what the trained
+    weights keep (full_saved_per_token's blocks) and autocast's fp32 copies (autocast_upcasts, beside the bf16
+    blocks they replace: a bound); the larger moment's (a bound: the walk does not say which binds)."""
+    qw, kw, nb = a.heads * a.head_dim, a.kv * a.head_dim, _norm_bytes(a)
+    kept = [(nb, a.h)] * a.norms + ([(nb, qw), (nb, kw)] if a.qk_norm else []) + [(2, a.h)] * 2 + [(2, qw), (2, a.i)]
+    kept += autocast_upcasts(a, "none")[0]
+    return max(layer_remainders(layer_blocks(a, "none", (), 0, T, LayerPeak(1, at, 0, 0, 0, 0, 0, 0))
+                                + [b * w * T for b, w in kept]) for at in Moment)
+
+
+def lora_retained_rounding(a: Arch, config: dict, T: int, seq: int, task: str) -> int:
+    """What estimate_resident added to the allocator's rounding without checkpointing for the r 1 LoRA run a full
+    fine-tuning's estimate starts from (its seq, its task's mask): exactly what that estimate takes off again."""
+    return retained_rounding(a, targets_of(a, None, config), 1, T, "none", seq, mask_bytes(task_named(task)))
 
 
 def held(blocks) -> int:
     """Blocks of these requested sizes as the default allocator holds them: each rounded to 512 B, and up to
-    1 MiB past it where it is over 1 MiB (constants.unsplit_bound: a cached block handed over whole)."""
-    return sum(block_bytes(b) + unsplit_bound(b) for b in blocks)
+    1 MiB past it where it is over 1 MiB (constants.unsplit_rests: a cached block handed over whole)."""
+    blocks = list(blocks)
+    return sum(map(block_bytes, blocks)) + unsplit_rests(blocks)
 
 
 def full_backward(a: Arch, T: int, *, checkpointing: bool, accumulated: bool) -> dict:
@@ -564,7 +583,10 @@ def estimate_full(config: dict, *, quant: str = "none", seq: int, batch: int = 1
                              checkpointing=checkpointing, transformers=transformers)
     T = base.seq * base.batch
     t = {k: v for k, v in base.terms.items() if k not in (
-        Term.LORA_WEIGHTS.key, Term.BACKWARD_GRADIENTS.key, Term.HELD_GRADIENTS.key, Term.UNSPLIT_REMAINDERS.key)}
+        Term.LORA_WEIGHTS.key, Term.BACKWARD_GRADIENTS.key, Term.HELD_GRADIENTS.key, Term.UNSPLIT_REMAINDERS.key,
+        Term.ADAPTER_CASTS.key, Term.LAYER_REMAINDERS.key)}  # no adapter; the r 1 layer's blocks are not this one's
+    if checkpointing:  # without it no layer is walked in its blocks (the LoRA step's rule): the retained rounding
+        t[Term.LAYER_REMAINDERS.key] = full_layer_rests(a, T)
     t[Term.HEAD_INPUT.key] = T * a.h * (_norm_bytes(a) + 2)  # the final norm's normed tensor and the head's input
     t[Term.HEAD_GRADIENT.key] = head_gradient(a)
     if accumulation > 1:  # micro-batch 2 on runs with every gradient micro-batch 1 made
@@ -575,8 +597,8 @@ def estimate_full(config: dict, *, quant: str = "none", seq: int, batch: int = 1
     if not checkpointing:
         t[Term.RETAINED_ACTIVATIONS.key] = T * a.L * full_retained(a)
         t[Term.RETAINED_BESIDE_LAYER.key] = before
-        t[Term.ALLOCATOR_ROUNDING.key] += full_retained_rounding(a, T) - retained_rounding(
-            a, targets_of(a, None, config), 1, T)
+        t[Term.ALLOCATOR_ROUNDING.key] += full_retained_rounding(a, T) - lora_retained_rounding(a, config, T,
+                                                                                                base.seq, task)
     t.update(full_optimizer(a, optimizer))
     return full_phases(t, base, before, checkpointing=checkpointing, steps=steps, optimizer=optimizer,
                        accumulation=accumulation)
@@ -696,12 +718,19 @@ def master_per_token(a: Arch, at: Moment, checkpointing: bool) -> int:
 
 
 def master_retained_rounding(a: Arch, T: int) -> int:
-    """full_retained_rounding's allocator bound over master_blocks' blocks (1 MiB a 20 MiB segment the 1-10 MiB
-    blocks fill, each block from 10 MiB its tail or 1 MiB)."""
-    sizes = [block_bytes(b * w * T) for b, w in master_blocks(a)]
-    cut = a.L * sum(s for s in sizes if K_SMALL_SIZE <= s < K_MIN_LARGE_ALLOC)
-    own = a.L * sum(segment_tail(s) or K_SMALL_SIZE for s in sizes if s >= K_MIN_LARGE_ALLOC)
-    return own + -(-cut // K_LARGE_BUFFER) * K_SMALL_SIZE
+    """full_retained_rounding's allocator bound over master_blocks' blocks (constants.layer_remainders)."""
+    return layer_remainders([b * w * T for b, w in master_blocks(a)] * a.L)
+
+
+def master_layer_rests(a: Arch, T: int) -> int:
+    """full_layer_rests on fp32 master weights: the recomputed layer's blocks at each moment of its turn as
+    master_per_token counts them (master_blocks, the incoming fp32 gradient, its bf16 cast and the MLP's bf16
+    gradients at its backward; the MLP's fp32 normed input and down_proj's bf16 output at the forward's end), by
+    constants.layer_remainders; the larger moment's."""
+    kept = master_blocks(a)
+    moments = (kept + [(FP32, a.h), (2, a.h)] + [(2, a.i)] * MLP_BACKWARD_TRANSIENTS,
+               kept + [(FP32, a.h), (FP32, a.h), (2, a.h)])
+    return max(layer_remainders([b * w * T for b, w in blocks]) for blocks in moments)
 
 
 def master_head_gradient(a: Arch) -> int:
@@ -758,7 +787,9 @@ def estimate_master(config: dict, *, seq: int, batch: int = 1, steps: int = 1, r
     T = base.seq * base.batch
     t = {k: v for k, v in base.terms.items() if k not in (
         Term.LORA_WEIGHTS.key, Term.BACKWARD_GRADIENTS.key, Term.HELD_GRADIENTS.key, Term.UNSPLIT_REMAINDERS.key,
-        Term.ADAPTER_CASTS.key)}
+        Term.ADAPTER_CASTS.key, Term.LAYER_REMAINDERS.key)}  # the r 1 LoRA layer's blocks are not this one's
+    if checkpointing:
+        t[Term.LAYER_REMAINDERS.key] = master_layer_rests(a, T)
     t[Term.RESIDENT_WEIGHTS.key] = master_weights(a)
     t[Term.ROTARY_TABLES.key] *= 2  # cos.to(x.dtype), x the fp32 residual: measured fp32 on CPU
     t[Term.HEAD_INPUT.key] = T * (FP32 * a.h + 2 * a.h + FP32)
@@ -774,9 +805,8 @@ def estimate_master(config: dict, *, seq: int, batch: int = 1, steps: int = 1, r
     if not checkpointing:
         t[Term.RETAINED_ACTIVATIONS.key] = T * a.L * master_retained(a)
         t[Term.RETAINED_BESIDE_LAYER.key] = before
-        # less exactly what the base's LoRA count added (its seq: whole_granules may have answered there)
-        t[Term.ALLOCATOR_ROUNDING.key] += master_retained_rounding(a, T) - retained_rounding(
-            a, targets_of(a, None, config), 1, T, "none", base.seq, mask_bytes(task_named(task)))
+        t[Term.ALLOCATOR_ROUNDING.key] += master_retained_rounding(a, T) - lora_retained_rounding(a, config, T,
+                                                                                                  base.seq, task)
     t.update(full_optimizer(a, optimizer, FP32))
     return full_phases(t, base, before, checkpointing=checkpointing, steps=steps, optimizer=optimizer,
                        accumulation=accumulation)

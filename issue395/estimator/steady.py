@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..constants import unsplit_bound
+from ..constants import unsplit_rests
 from ..tasks import task as task_named
 from .arch import Arch
 from .terms import Term
@@ -133,7 +133,7 @@ def unsplit_remainders(a: Arch, targets: tuple, r: int, optimizer: str, per: int
     blocks = [b for n in sizes for b in [per * n] * (copies + 1) + [transient * n] * o.transient]
     if steps > 1:
         blocks += [b for n in sizes for b in state_blocks(n, optimizer, per)]
-    return sum(map(unsplit_bound, blocks))
+    return unsplit_rests(blocks)
 
 
 def gradient_terms(per: int, n: int, accumulation: int, made: int) -> dict:

@@ -114,11 +114,11 @@ class Term(Enum):
     UNSPLIT_REMAINDERS = ("unsplit_remainders", {_LO, _RF, _LA, _OP}, Kind.OTH,
                           "the adapter blocks' unsplit remainders", "an adapter tensor over 1 MiB")
     #: ...and the same allocator's rests in the blocks the binding layer's turn holds (its dequantised weights and
-    #: its tokens' tensors: estimate.layer_remainders), a dense layer's, in the layer phase only; not in needs_free
+    #: its tokens' tensors: constants.layer_remainders), a dense layer's, in the layer phase only; not in needs_free
     LAYER_REMAINDERS = ("layer_remainders", {_LA}, Kind.OTH, "the binding layer's blocks' unsplit remainders",
                         "a dense layer's blocks over 1 MiB")
     #: ...and in the blocks the loss phase lists (its logits and hidden-sized blocks: estimate.loss_blocks) over
-    #: 1 MiB and under 10 MiB, cut from 20 MiB segments (estimate.cut_remainders; from 10 MiB their fresh segments'
+    #: 1 MiB and under 10 MiB, cut from 20 MiB segments (constants.cut_remainders; from 10 MiB their fresh segments'
     #: tails are the allocator rounding's); not in needs_free
     LOSS_REMAINDERS = ("loss_remainders", {_LO}, Kind.OTH, "the loss's blocks' unsplit remainders",
                        "a loss block over 1 MiB and under 10 MiB")

@@ -4,11 +4,11 @@ resident rows (results/resident-map-*: real peaks measured on an H200), and its 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 from conftest import ROOT
 
+from issue395.constants import block_bytes
 from issue395.errors import UsageError
 from issue395.estimator.resident import estimate_resident, refused
 from issue395.estimator.arch import arch_from_config
@@ -73,16 +73,21 @@ def test_phis_resident_layer_keeps_autocasts_fp32_copies_beyond_the_streamed_cou
     (torch's autocast fp32 list): phi-2's gelu_new keeps pow's fp32 input, tanh and 1 + tanh in fp32 where the
     streamed count has them bf16, and its LayerNorm an fp32 copy of its input: the bf16 rows, 0.71x-0.89x of
     the streamed count alone, are at or above their real peaks with them (2048x4: under without them)."""
-    from issue395.estimator.resident import autocast_per_token
+    import issue395.estimator.resident as R
 
     a = arch_from_config(config_json("phi-2"))
-    assert autocast_per_token(a, "none") >= 6 * a.i
-    assert autocast_per_token(arch_from_config(config_json("llama32-1b")), "none") == 0
     row = next(r for r in committed_resident_rows() if (r.model_key, r.quant, r.seq, r.batch) == (
         "phi-2+resident", "none", 2048, 4))
     e = estimate_resident(config_json("phi-2"), seq=2048, batch=4)
-    assert e.corrected_predicted >= row.real_peak
-    assert row.real_peak > e.corrected_predicted - row.seq * row.batch * a.L * autocast_per_token(a, "none")
+    llama = estimate_resident(config_json("llama32-1b"), seq=2048)
+    with pytest.MonkeyPatch.context() as m:  # the same estimates with no autocast copy
+        m.setattr(R, "autocast_upcasts", lambda a, quant: ([], 0))
+        plain = estimate_resident(config_json("phi-2"), seq=2048, batch=4)
+        assert estimate_resident(config_json("llama32-1b"), seq=2048).terms == llama.terms  # no LayerNorm, no pow
+    assert e.corrected_predicted >= row.real_peak > plain.corrected_predicted
+    # three fp32 i-wide tensors in place of three bf16 ones, and more, in every layer's kept count
+    kept = e.terms["retained_activations"] - plain.terms["retained_activations"]
+    assert kept >= row.seq * row.batch * a.L * 6 * a.i
 
 
 ANATOMY = ROOT / "results" / "resident-anatomy-h200-soup0.77.0-2400c0d" / "call-1"
@@ -164,6 +169,35 @@ def test_a_step_of_whole_2_mib_blocks_is_charged_no_rest_and_one_that_is_not_kee
     qa = arch_from_config(q)
     assert retained_rounding(qa, targets_of(qa, None, q), 8, 2048, "none", 2048) >= anatomy_excess(
         "res-sft-qwen-bf16-2048x1") - 3 * 2 ** 20  # the logits' three 1 MiB tails are allocator_rounding's
+
+
+def _small_qwen(intermediate: int):
+    """Qwen2.5's layer at h 256, four layers: at 1,024 tokens a norm's fp32 input and an i-wide bf16 tensor of
+    i 512 are exactly 1 MiB."""
+    return arch_from_config(dict(config_json("qwen"), hidden_size=256, intermediate_size=intermediate,
+                                 num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_hidden_layers=4))
+
+
+def test_a_retained_block_of_exactly_1_mib_is_the_small_pools_and_keeps_no_rest():
+    """Issue 51 review, item 3: CUDACachingAllocator's get_pool sends a request of kSmallSize (1 MiB) or less to the small
+    pool, which splits at 512 B: a resident step whose retained blocks are all 1 MiB or less keeps no rest (it
+    was charged as cut from 20 MiB segments, 1 MiB here), under the one rule the streamed step's blocks take."""
+    from issue395.constants import MiB, layer_remainders
+    from issue395.estimator.resident import retained_rounding
+
+    assert retained_rounding(_small_qwen(512), ("q_proj", "v_proj"), 8, 1024) == 0
+    assert layer_remainders([MiB] * 80) == 0 < layer_remainders([MiB + 512] * 80)
+
+
+def test_a_retained_block_from_10_mib_is_bound_by_a_cached_blocks_rest_not_its_fresh_tail():
+    """Issue 51 review, item 3: a retained block of 11.5 MiB has a fresh segment's tail of 0.5 MiB, but made after the
+    layer before freed its transients it may be a cached 12.5 MiB block handed over whole (shouldSplit: a rest
+    of 1 MiB or less stays): each of the 12 MLP blocks (3 a layer, 4 layers) is charged 1 MiB, not 0.5."""
+    from issue395.constants import MiB
+    from issue395.estimator.resident import retained_rounding
+
+    a = _small_qwen(int(11.5 * MiB) // 2 // 1024)
+    assert retained_rounding(a, ("q_proj", "v_proj"), 8, 1024) == 12 * MiB
 
 
 @pytest.mark.parametrize("key, quant, words", [
@@ -281,6 +315,24 @@ def test_soups_own_cpu_setup_of_a_full_fine_tuning_trains_exactly_the_tensors_th
     trained = [p for p in wrapper.model.parameters() if p.requires_grad]
     assert sorted(p.numel() for p in trained) == sorted(full_params(a))
     assert {p.element_size() for p in trained} == {FULL_FT_BYTES}
+    grads, states = _adamw_step(trained)
+    e = estimate_resident(config, seq=64, lora_r=0, steps=2, checkpointing=True)
+    assert e.terms["parameter_gradients"] == sum(map(block_bytes, grads))
+    assert e.terms["adam_moments"] == sum(map(block_bytes, states))
+
+
+def _adamw_step(params) -> tuple[list[int], list[int]]:
+    """One real torch AdamW step (Soup's adamw_torch) on ``params``: the bytes of each gradient and of each state
+    tensor it makes. Its scalar ``step`` is left out: torch keeps it on the host unless the step is capturable or
+    fused, neither of which the Trainer asks."""
+    import torch
+
+    for p in params:
+        p.grad = torch.ones_like(p)
+    opt = torch.optim.AdamW(params, lr=1e-3)
+    opt.step()
+    states = [v.numel() * v.element_size() for st in opt.state.values() for k, v in st.items() if k != "step"]
+    return [p.grad.numel() * p.grad.element_size() for p in params], states
 
 
 def test_a_full_fine_tuning_charges_no_adapter_and_every_parameters_gradient_and_states():
@@ -288,30 +340,46 @@ def test_a_full_fine_tuning_charges_no_adapter_and_every_parameters_gradient_and
     and AdamW's two states of each (the parameters' dtype: bf16, fp32 where the installed Soup loads fp32 master
     weights) and binds; it needs more than the same run with a LoRA adapter by more than those states; from step 2
     on the states sit beside every phase."""
-    from issue395.estimator.releases import release_source
-    from issue395.estimator.resident import FULL_FT_BYTES, full_params, loads_fp32_master
-
     config = config_json("llama32-1b")
-    n = sum(full_params(arch_from_config(config)))
-    per = 4 if loads_fp32_master(release_source(None)) else FULL_FT_BYTES
     full = estimate_resident(config, seq=1024, lora_r=0, steps=2, checkpointing=True)
     lora = estimate_resident(config, seq=1024, lora_r=8, steps=2, checkpointing=True)
     t = full.terms
     assert "lora_weights" not in t and full.phase == "optimizer"
-    assert 2 * per * n <= t["adam_moments"] < 2 * per * n * 1.05
-    assert per * n <= t["parameter_gradients"] < per * n * 1.05
+    assert t["adam_moments"] > t["parameter_gradients"] > 0  # their bytes: the real AdamW step's test
     assert full.corrected_predicted - lora.corrected_predicted > t["adam_moments"]
     one = estimate_resident(config, seq=1024, lora_r=0, steps=1, checkpointing=True)
     assert one.phase == "optimizer" and one.terms["adam_moments"] == t["adam_moments"]  # made at step 1's step
 
 
-def test_without_checkpointing_a_fully_trained_layer_keeps_more_than_a_frozen_one():
+@pytest.mark.parametrize("family", ["llama32-1b", "phi-2"])
+def test_without_checkpointing_a_fully_trained_layer_keeps_more_than_a_frozen_one(family):
     """Every linear's input and every norm's normed tensor kept for its weight's gradient: the retained
-    activations of a full fine-tuning are above a LoRA run's on q and v at the same tokens."""
-    config = config_json("llama32-1b")
+    activations of a full fine-tuning are above a LoRA run's on its targets at the same tokens. phi-2 (issue 51
+    review, item 1): a resident run trains under bf16 autocast whether the weights train or not, so a fully
+    trained phi layer keeps autocast's fp32 LayerNorm input and gelu_new's fp32 tensors as the LoRA one does
+    (they were dropped: 4.70 GB retained against the LoRA run's 6.21 GB at 1024x1)."""
+    config = config_json(family)
     full = estimate_resident(config, seq=1024, lora_r=0, checkpointing=False)
     lora = estimate_resident(config, seq=1024, lora_r=8, checkpointing=False)
     assert full.terms["retained_activations"] > lora.terms["retained_activations"] > 0
+
+
+def test_a_full_fine_tuning_charges_no_adapter_cast_and_its_own_layers_rests_and_rounding():
+    """Issue 51 review, item 2: a full fine-tuning has no adapter, so autocast makes no bf16 copy of one
+    (adapter_casts gone, not the r 1 LoRA run's it starts from); with checkpointing the binding layer's rests are
+    its own blocks' (a trained layer keeps more blocks than the LoRA one: more rests, where they were the LoRA
+    layer's); without it the allocator's rounding is the loss's and the full layer's retained blocks' only: the
+    r 1 LoRA count's was taken off at another seq than the one added (Llama-3.2-1B 2048x1, whose blocks are whole
+    2 MiB there, kept a stray figure)."""
+    from issue395.estimator.resident import full_retained_rounding
+
+    config = config_json("llama32-1b")
+    plain = dict(seq=2048, release="0.73.3")
+    full, lora = (estimate_resident(config, lora_r=r, checkpointing=True, **plain) for r in (0, 1))
+    assert "adapter_casts" not in estimate_resident(config, lora_r=0, checkpointing=False, **plain).terms
+    assert full.terms["layer_remainders"] > lora.terms["layer_remainders"] > 0
+    kept = estimate_resident(config, lora_r=0, checkpointing=False, **plain).terms["allocator_rounding"]
+    assert kept - full.terms["allocator_rounding"] == full_retained_rounding(arch_from_config(config), 2048)
 
 
 @pytest.mark.parametrize("kwargs,words", [
@@ -370,7 +438,8 @@ def test_a_release_that_loads_fp32_master_weights_is_estimated_on_them_not_refus
     fp32 = estimate_resident(config, seq=1024, lora_r=0, steps=2, checkpointing=True)
     t, b = fp32.terms, bf16.terms
     assert fp32.phase == "optimizer" and "weight_casts" not in b
-    assert 4 * n <= t["resident_weights"] < 4 * n * 1.01 and 2 * 4 * n <= t["adam_moments"] < 2 * 4 * n * 1.05
+    # each at 4 B where the bf16 run's is 2 (their bytes a tensor: the real AdamW step's tests), with their rests
+    assert t["resident_weights"] > 1.99 * b["resident_weights"] and t["adam_moments"] > 1.95 * b["adam_moments"]
     assert 2 * n <= t["weight_casts"] < 2 * n * 1.05  # each block over 1 MiB with its unsplit bound
     extra = sum(t[k] - b[k] for k in ("resident_weights", "parameter_gradients", "adam_moments"))
     assert fp32.corrected_predicted - bf16.corrected_predicted > extra > 0
@@ -513,6 +582,10 @@ def test_soup_0770s_own_cpu_setup_of_a_full_fine_tuning_loads_fp32_parameters_th
     assert master_weights(a) >= sum(p.numel() * p.element_size() for p in params)
     e = estimate_resident(config, seq=64, lora_r=0, checkpointing=False)
     assert e.terms["resident_weights"] == master_weights(a) and e.terms["weight_casts"] > 0
+    grads, states = _adamw_step(params)
+    e = estimate_resident(config, seq=64, lora_r=0, steps=2, checkpointing=True)
+    assert e.terms["parameter_gradients"] == sum(map(block_bytes, grads))
+    assert e.terms["adam_moments"] == sum(map(block_bytes, states))
 
 
 def test_a_resident_run_at_lora_dropout_0_drops_exactly_the_masks_a_run_without_dropout_keeps_none_of():
