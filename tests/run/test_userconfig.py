@@ -438,7 +438,9 @@ def test_a_files_lora_dropout_0_is_its_arms_and_drops_exactly_the_layer_phases_m
     assert not Counter(without) - Counter(with_masks) and masks == [T * h] * 2  # q_proj and v_proj: h wide each
     a, b = (files[p]["rows"][0] for p in ("0.05", "0"))
     assert files["0"]["lora_dropout"] == 0.0 and "lora_dropout" not in files["0.05"]
-    rests = est.layer_remainders(with_masks) - est.layer_remainders(without)
+    from issue395.constants import layer_remainders
+
+    rests = layer_remainders(with_masks) - layer_remainders(without)
     diff = {k: a["terms"][k] - b["terms"][k] for k in a["terms"] if a["terms"][k] != b["terms"][k]}
     assert diff == {"layer_per_token": sum(masks), **({"layer_remainders": rests} if rests else {})}, diff
     assert a["phase"] == b["phase"] == "layer" and a["soup_predicted"] == b["soup_predicted"]
