@@ -72,8 +72,9 @@ Known limitations
       gradients already made, each layer's own counted whole at its MLP backward (a bound); the embedding's
       backward with its fresh V x h gradient and a 4h-a-token bound on its kernel's fp32 partial sums. Refused
       in one line: any task but sft and any quantization (Soup does not build them), transformers before 5
-      (fp32 by default), a config giving another dtype than bf16 or fp16. Spectrum's and the freezes' partial
-      fine-tuning are not modelled.
+      (fp32 by default), a config giving another dtype than bf16 or fp16, layers of several kinds (MoE, latent
+      attention, delta-net: the trained tensors are counted for a plain layer), and phi on fp32 master weights
+      (the fp32 count walks a Llama-like layer). Spectrum's and the freezes' partial fine-tuning are not modelled.
     - Full fine-tuning on a release that loads the base as fp32 master weights (0.77.0's
       resolve_base_load_dtype, ``estimate_master``), also NOT MEASURED, built from Soup's, accelerate's,
       transformers' and torch's source and held to transformers' own layers under CPU bf16 autocast
@@ -415,10 +416,16 @@ def full_refused(a: Arch, config: dict, *, quant: str, task: str, release: str |
                 "passes r 0 to peft, which refuses it (Soup fine-tunes in full under task sft only)")
     if quant != "none":
         return f"full fine-tuning (lora.r 0) under {quant}: Soup's loader refuses it (quantization none only)"
+    if a.layers is not None:  # full_params counts a plain layer's modules: every expert's, each kind's, not yet
+        return (f"a full fine-tuning of {a.model_type} (layers of several kinds: experts, latent attention or "
+                "delta-net) is not yet modelled by this estimator: its trained tensors are counted for a plain layer")
     src = release_source(release)
     if src is None:
         return f"soup-cli {release}'s source is not here, so how it loads a fully fine-tuned base is not read"
     if loads_fp32_master(src):  # Soup passes torch.float32 whatever the checkpoint and transformers: estimate_master
+        if a.model_type == "phi":  # master_blocks walks a Llama-like layer: not phi's parallel block and gelu_new
+            return ("a full fine-tuning of phi on fp32 master weights is not yet modelled by this estimator (its "
+                    "parallel block, LayerNorm and gelu_new's autocast fp32 copies are not in the fp32 count)")
         return None
     major = (transformers or package_version("transformers")).split(".")[0]
     if not major.isdigit() or int(major) < 5:

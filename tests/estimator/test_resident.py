@@ -10,7 +10,8 @@ from conftest import ROOT
 
 from issue395.constants import block_bytes
 from issue395.errors import UsageError
-from issue395.estimator.resident import estimate_resident, refused
+from issue395.estimator.releases import release_source
+from issue395.estimator.resident import estimate_resident, loads_fp32_master, refused
 from issue395.estimator.arch import arch_from_config
 from issue395.model.registry import config_json, stream_mode
 from issue395.results.corrected import corrected
@@ -359,8 +360,12 @@ def test_without_checkpointing_a_fully_trained_layer_keeps_more_than_a_frozen_on
     trained phi layer keeps autocast's fp32 LayerNorm input and gelu_new's fp32 tensors as the LoRA one does
     (they were dropped: 4.70 GB retained against the LoRA run's 6.21 GB at 1024x1)."""
     config = config_json(family)
-    full = estimate_resident(config, seq=1024, lora_r=0, checkpointing=False)
     lora = estimate_resident(config, seq=1024, lora_r=8, checkpointing=False)
+    if family == "phi-2" and loads_fp32_master(release_source(None)):  # the fp32 count is a Llama-like layer's
+        with pytest.raises(UsageError, match="phi on fp32 master weights is not yet modelled"):
+            estimate_resident(config, seq=1024, lora_r=0, checkpointing=False)
+        return
+    full = estimate_resident(config, seq=1024, lora_r=0, checkpointing=False)
     assert full.terms["retained_activations"] > lora.terms["retained_activations"] > 0
 
 
@@ -373,6 +378,8 @@ def test_a_full_fine_tuning_charges_no_adapter_cast_and_its_own_layers_rests_and
     2 MiB there, kept a stray figure)."""
     from issue395.estimator.resident import full_retained_rounding
 
+    if release_source("0.73.3") is None:
+        pytest.skip("soup-cli 0.73.3's source is not here (its bf16 full fine-tuning is the one this holds)")
     config = config_json("llama32-1b")
     plain = dict(seq=2048, release="0.73.3")
     full, lora = (estimate_resident(config, lora_r=r, checkpointing=True, **plain) for r in (0, 1))

@@ -121,6 +121,7 @@ def test_a_full_fine_tuning_of_a_base_peft_has_no_auto_targets_for_is_answered(c
     path.write_text(path.read_text().replace("lora: {r: 16, alpha: 32, target_modules: [q_proj, v_proj]}", "lora: {r: 0}"))
     code, text, err = main(capfd, ["--estimate", "--config", path])
     assert code == EXIT_OK and "full fine-tuning (training.lora.r 0" in text and "peft" not in err, err
+    assert "layers of several kinds" in text  # its corrected figure: not modelled, said so (Soup's gate answers)
     path.write_text(path.read_text().replace("lora: {r: 0}", "lora: {r: 16, alpha: 32}"))
     one_error_line(*main(capfd, ["--estimate", "--config", path]), "peft has no default LoRA targets for model_type 'deepseek_v3'")
 
