@@ -461,8 +461,13 @@ def test_a_full_fine_tunings_packing_need_is_at_least_its_resident_estimate():
 
     for family in ("llama32-1b", "gemma2-2b"):
         arm = Arm.at(f"{family}+resident", 512, adapter=Adapter(lora_r=0))
+        try:  # the installed stack's: gemma2 on a stack whose transformers runs it eager, on fp32 master weights, is
+            want = estimate_full(config_json(family), seq=512).corrected_predicted  # refused (resident.py says why)
+        except UsageError:
+            assert arm_needs(arm, MeasureRequest()) is None  # refused: not packed blind
+            continue
         need, soup = arm_needs(arm, MeasureRequest())
-        assert need >= estimate_full(config_json(family), seq=512).corrected_predicted and soup == 0
+        assert need >= want and soup == 0
         with pytest.raises(UsageError):
             resident_packing_bound(arm.model, quant="none", seq=512, batch=1, lora_r=0)
     # where the estimate refuses a full fine-tuning (NF4: Soup's loader refuses it) it is not packed blind
