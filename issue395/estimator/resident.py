@@ -589,26 +589,13 @@ def estimate_full(config: dict, *, quant: str = "none", seq: int, batch: int = 1
     base = estimate_resident(config, seq=seq, batch=batch, lora_r=1, release=release, task=task,
                              checkpointing=checkpointing, transformers=transformers)
     T = base.seq * base.batch
-    t = {k: v for k, v in base.terms.items() if k not in (
-        Term.LORA_WEIGHTS.key, Term.BACKWARD_GRADIENTS.key, Term.HELD_GRADIENTS.key, Term.UNSPLIT_REMAINDERS.key,
-        Term.ADAPTER_CASTS.key, Term.LAYER_REMAINDERS.key)}  # no adapter; the r 1 layer's blocks are not this one's
+    t = adapterless(base)
     if checkpointing:  # without it no layer is walked in its blocks (the LoRA step's rule): the retained rounding
         t[Term.LAYER_REMAINDERS.key] = full_layer_rests(a, T)
     t[Term.HEAD_INPUT.key] = T * a.h * (_norm_bytes(a) + 2)  # the final norm's normed tensor and the head's input
     t[Term.HEAD_GRADIENT.key] = head_gradient(a)
-    if accumulation > 1:  # micro-batch 2 on runs with every gradient micro-batch 1 made
-        t[Term.HELD_GRADIENTS.key] = held(FULL_FT_BYTES * n for n in full_params(a))
-    walk = full_backward(a, T, checkpointing=checkpointing, accumulated=accumulation > 1)
-    before = walk.pop("before")
-    t.update(walk)
-    if not checkpointing:
-        t[Term.RETAINED_ACTIVATIONS.key] = T * a.L * full_retained(a)
-        t[Term.RETAINED_BESIDE_LAYER.key] = before
-        t[Term.ALLOCATOR_ROUNDING.key] += full_retained_rounding(a, T) - lora_retained_rounding(a, config, T,
-                                                                                                base.seq, task)
-    t.update(full_optimizer(a, optimizer))
-    return full_phases(t, base, before, checkpointing=checkpointing, steps=steps, optimizer=optimizer,
-                       accumulation=accumulation)
+    return trained_step(t, a, config, base, task, FULL_FT_BYTES, (full_backward, full_retained, full_retained_rounding),
+                        checkpointing=checkpointing, steps=steps, optimizer=optimizer, accumulation=accumulation)
 
 
 def full_phases(t: dict, base: Estimate, before: int, *, checkpointing: bool, steps: int, optimizer: str,
@@ -773,6 +760,38 @@ def master_backward(a: Arch, T: int, *, checkpointing: bool, accumulated: bool) 
     return end if sum(end.values()) > sum(best.values()) else best
 
 
+
+def adapterless(base: Estimate) -> dict:
+    """The terms of the r 1 LoRA run a full fine-tuning starts from, less what only an adapter holds (its weights,
+    gradients, held gradients and their rests, autocast's copies of it) and the r 1 layer's rests (not this one's)."""
+    return {k: v for k, v in base.terms.items() if k not in (
+        Term.LORA_WEIGHTS.key, Term.BACKWARD_GRADIENTS.key, Term.HELD_GRADIENTS.key, Term.UNSPLIT_REMAINDERS.key,
+        Term.ADAPTER_CASTS.key, Term.LAYER_REMAINDERS.key)}
+
+
+def trained_step(t: dict, a: Arch, config: dict, base: Estimate, task: str, per: int, counts: tuple, *,
+                 checkpointing: bool, steps: int, optimizer: str, accumulation: int) -> Estimate:
+    """What every full fine-tuning's step holds past its weights, one construction for the bf16 (estimate_full)
+    and the fp32 master (estimate_master) runs, each parameter's gradient and state at ``per`` bytes and
+    ``counts`` its (backward walk, retained per token, retained rounding): from micro-batch 2 every gradient of
+    micro-batch 1 held; the backward walked; without checkpointing every layer's kept blocks through the loss
+    (the r 1 LoRA count's rounding taken off exactly); the optimizer's step; the phases."""
+    backward, retained, rounding = counts
+    T = base.seq * base.batch
+    if accumulation > 1:
+        t[Term.HELD_GRADIENTS.key] = held(per * n for n in full_params(a))
+    walk = backward(a, T, checkpointing=checkpointing, accumulated=accumulation > 1)
+    before = walk.pop("before")
+    t.update(walk)
+    if not checkpointing:
+        t[Term.RETAINED_ACTIVATIONS.key] = T * a.L * retained(a)
+        t[Term.RETAINED_BESIDE_LAYER.key] = before
+        t[Term.ALLOCATOR_ROUNDING.key] += rounding(a, T) - lora_retained_rounding(a, config, T, base.seq, task)
+    t.update(full_optimizer(a, optimizer, per))
+    return full_phases(t, base, before, checkpointing=checkpointing, steps=steps, optimizer=optimizer,
+                       accumulation=accumulation)
+
+
 def estimate_master(config: dict, *, seq: int, batch: int = 1, steps: int = 1, release: str | None = None,
                     task: str = PROTOCOL_TASK, checkpointing: bool = False, optimizer: str = "adamw_torch",
                     accumulation: int = 1, transformers: str | None = None) -> Estimate:
@@ -792,9 +811,7 @@ def estimate_master(config: dict, *, seq: int, batch: int = 1, steps: int = 1, r
         raise UsageError(f"a full fine-tuning of {a.model_type} on fp32 master weights under eager attention is "
                          "not yet modelled by this estimator (its softmax keeps rotary's fp32 query dtype)")
     T = base.seq * base.batch
-    t = {k: v for k, v in base.terms.items() if k not in (
-        Term.LORA_WEIGHTS.key, Term.BACKWARD_GRADIENTS.key, Term.HELD_GRADIENTS.key, Term.UNSPLIT_REMAINDERS.key,
-        Term.ADAPTER_CASTS.key, Term.LAYER_REMAINDERS.key)}  # the r 1 LoRA layer's blocks are not this one's
+    t = adapterless(base)
     if checkpointing:
         t[Term.LAYER_REMAINDERS.key] = master_layer_rests(a, T)
     t[Term.RESIDENT_WEIGHTS.key] = master_weights(a)
@@ -804,16 +821,5 @@ def estimate_master(config: dict, *, seq: int, batch: int = 1, steps: int = 1, r
     t[Term.WEIGHT_CASTS.key] = weight_casts(a)
     if checkpointing:
         t[Term.CHECKPOINTED_INPUTS.key] *= 2  # every layer's input is the fp32 residual stream
-    if accumulation > 1:  # micro-batch 2 on runs with every fp32 gradient micro-batch 1 made
-        t[Term.HELD_GRADIENTS.key] = held(FP32 * n for n in full_params(a))
-    walk = master_backward(a, T, checkpointing=checkpointing, accumulated=accumulation > 1)
-    before = walk.pop("before")
-    t.update(walk)
-    if not checkpointing:
-        t[Term.RETAINED_ACTIVATIONS.key] = T * a.L * master_retained(a)
-        t[Term.RETAINED_BESIDE_LAYER.key] = before
-        t[Term.ALLOCATOR_ROUNDING.key] += master_retained_rounding(a, T) - lora_retained_rounding(a, config, T,
-                                                                                                  base.seq, task)
-    t.update(full_optimizer(a, optimizer, FP32))
-    return full_phases(t, base, before, checkpointing=checkpointing, steps=steps, optimizer=optimizer,
-                       accumulation=accumulation)
+    return trained_step(t, a, config, base, task, FP32, (master_backward, master_retained, master_retained_rounding),
+                        checkpointing=checkpointing, steps=steps, optimizer=optimizer, accumulation=accumulation)
