@@ -87,10 +87,9 @@ def soup_config_yaml(base: str, data_path: Path, output: Path, seq: int, batch: 
                      targets: Iterable[str] = ("q_proj", "v_proj"), stream: Iterable[tuple[str, Any]] = (),
                      lora_r: int = LORA_R, lora_alpha: int = LORA_ALPHA, task_name: str = PROTOCOL_TASK,
                      training: Optional[dict[str, Any]] = None, lora: Optional[dict[str, Any]] = None) -> str:
-    """The protocol's Soup config, verbatim but for the paths, seq and batch (on the map, the quantization, the
-    family's LoRA targets and streaming modes; with --config, the file's adapter and run settings, ``training``:
-    Arm.training, ``lora``: Adapter.soup_lora, its dropout; with --task, the task and its rows' data.format).
-    SFT's names no format. Soup spells NF4 "4bit"."""
+    """The protocol's Soup config, verbatim but for the paths, seq and batch (the map: quantization, the family's
+    LoRA targets, streaming modes; --config: ``training`` Arm.training, ``lora`` Adapter.soup_lora, its dropout;
+    --task: the task and its data.format, which SFT's names none). Soup spells NF4 "4bit"."""
     import yaml
 
     data_format = {} if task_name == PROTOCOL_TASK else {"format": task(task_name).data_format}
