@@ -4,12 +4,12 @@
 # leaves this file once a results folder's commands.txt records it (git history keeps it).
 #   source bench/gpu-next.sh resident-patch [SOUP]        issue 51 item 6: the patched resident gate, real soup train
 #   source bench/gpu-next.sh resident-findmax [TAG ...]   issue 51 item 4: --find-max on resident soup.yamls
-#   source bench/gpu-next.sh probe840                     issue 51 item 5: Soup's stream_vram_probe per task (#840)
-#   source bench/gpu-next.sh findmax52                    issue 52 items 3-4: failures read right, the two-probe bracket
+#   source bench/gpu-next.sh resident-full [SOUP]         issue 51 item 1: resident full fine-tuning, first measured
 #   bash bench/gpu-next.sh configs DIR                    CPU: write resident-findmax's soup.yamls into DIR, only
 #   bash bench/gpu-next.sh edge CARD true|false           CPU: resident-patch's starting seq on CARD (gc on or off)
 #
-# resident-patch, issue 51 item 6: Soup's RESIDENT gate (commands/train.py's _hardware_fit_preflight), fixed by
+# resident-patch, issue 51 item 6 (run again: results/resident-patch-h200-soup0.77.0-faaa21d ran the patch before it
+# set expandable segments, and the patched gate admitted runs the default allocator's fragmentation killed): Soup's RESIDENT gate (commands/train.py's _hardware_fit_preflight), fixed by
 # --soup-patch, proven by the real `python -m soup_cli train` (bench/soup_train_card.py: a synthetic Qwen2.5-0.5B,
 # training.stream_layers false, Soup's gate NOT lifted, 2 optimizer steps, on an emulated card: a ballast leaves
 # the card's total free before Soup's process starts). Stock Soup's gate compares its formula with the H200's own
@@ -24,7 +24,9 @@
 # soup_train_card.py exits 0 where the run ends as Soup's gate said (refused, or admitted and completed), 1 where
 # Soup admitted a run that died: stock-A's 1 is the finding; any patched 1 fails the claim.
 #
-# resident-findmax, issue 51 item 4: --find-max on resident soup.yamls (training.stream_layers false), each probe the real
+# resident-findmax, issue 51 item 4 (run again: results/resident-findmax-h200-soup0.77.0-faaa21d probed the default
+# allocator; the probes now run on expandable segments, the setting the answer holds under): --find-max on resident
+# soup.yamls (training.stream_layers false), each probe the real
 # `soup train --allow-oom-attempt` (Soup's own lift of its resident gate) under the ballast of an emulated card, so
 # each search stays short: the resident soup.yamls below, written into $R/configs (Llama-3.2-1B bf16 DPO; Phi-3-mini bf16 SFT with gradient
 # checkpointing; Gemma-2B bf16 SFT; Mistral-7B NF4 QLoRA SFT). The claim it tests: on each, this tool's longest
@@ -32,23 +34,13 @@
 # TAGs: the searches below (default: all, cheapest first). All four do not fit one call: call 1 `llama-dpo-bf16 phi3-sft-bf16-gc gemma-sft-bf16`, call 2 `mistral-sft-nf4`
 # (its 7B synthetic checkpoint is built first, then NF4-quantised at each probe's load). SOUP=0.73.3 for the pin.
 #
-# probe840, issue 51 item 5 (Soup's #840): Soup's training.stream_vram_probe per task, through the harness itself
-# (--map --stream-vram-probe on): three families x the five tasks x seq 512,1024,2048,4096 x batch 1,2,4, bf16
-# (KTO's batch 1 is planned and SKIPPED: Soup's schema refuses it). Each row: the real step's peak, Soup's probe
-# number (SFT: Soup's own setup ran it, the key set; DPO, ORPO, SimPO, KTO: Soup refuses the key, so the harness
-# calls Soup's measure_step_peak_bytes on the task's streamed model after Soup's setup) and Soup's verdict on it
-# (decide_measured_fit against the free memory its gate read). The table "Soup's stream_vram_probe per task" is the
-# answer. Seq 512 and 2048 first (every task and batch), then 1024 and 4096 while the call has time; rows are kept
-# on a timeout (SIGINT). The lanes pack by the measured step's needs-free; an arm Soup's own probe refuses beside
-# neighbours (its probe's OOM) is measured again holding the whole card.
-
-# findmax52, issue 52 items 3-4: --find-max on two streamed configs nobody built the estimate on, each under an
-# emulated card, three optimizer steps a probe (the steady state). Claims: the search proves the limit in as few
-# probes as the estimate allows (two where it is right: its answer completes, the next step raises OOM); Soup's
-# gate's answer is probed only where it brackets the limit; a cuDNN/cuBLAS failure at the edge is read as OOM only
-# where the allocator's figures say so, else probed once more, and a stopped search never claims "no OOM up to"
-# a value it did not probe. Expected from the CPU plan: qwen-dpo-nf4-r64-all on a T4, 4 probes; mistral-orpo-nf4-
-# r32-attn on an RTX 3050 Laptop 6GB, 2 probes (the first OOM at 3008).
+# resident-full, issue 51 item 1: full fine-tuning (training.lora.r 0, SFT bf16, 1024x1), Qwen2.5-0.5B and
+# Llama-3.2-1B, checkpointing off and on, one measured arm each (the harness's own step, --config): the first
+# measured rows of estimate_full / estimate_master (0.77.0's fp32 master weights), every figure of which is
+# unmeasured so far. SOUP=0.73.3 for the pin's bf16 build (its own call).
+#
+# Done (results/*-faaa21d, 2026-12-05): probe840 and findmax52 (their commands.txt), resident-findmax and
+# resident-patch on the default allocator: both run again, now that the probes and the patch set expandable segments.
 
 resident_configs() {  # resident_configs DIR: the four resident soup.yamls resident-findmax searches
   mkdir -p "$1"
@@ -142,33 +134,19 @@ resident_findmax() {
   search mistral-sft-nf4 seq 24GB
 }
 
-probe840() {
-  R=/tmp/probe840
-  source bench/gpu-box.sh "${SOUP:-0.77.0}" || return 1
-  END=$(( $(date +%s) + ${BUDGET_S:-560} ))
-  git log -1 --format=%H >> "$R/stack.txt" 2>/dev/null; nproc >> "$R/stack.txt"
-  mkdir -p /dev/shm/h
-  H="env HOME=/dev/shm/h python3 issue395_second_stack_vram.py"
-  A="--map --families smol,qwen,llama32-1b --stream-vram-probe on --task sft,dpo,orpo,simpo,kto --quant none \
-    --batch 1,2,4 --lanes 4 --shard-dir /dev/shm/h/s --cache-dir $C"
-  cmd probe-512-2048 timeout -s INT -k 60 "$(left 260)" $H $A --seq 512,2048 \
-      --json $R/probe-512-2048.json --markdown $R/probe-512-2048.md
-  cmd probe-1024-4096 timeout -s INT -k 40 "$(left 45)" $H $A --seq 1024,4096 \
-      --json $R/probe-1024-4096.json --markdown $R/probe-1024-4096.md
-}
-
-findmax52() {
-  R=${R:-/tmp/findmax52}
-  source bench/gpu-box.sh "${SOUP:-0.77.0}" || return 1
-  END=$(( $(date +%s) + ${BUDGET_S:-560} ))
-  git log -1 --format=%H >> "$R/stack.txt" 2>/dev/null
-  H="env HOME=/dev/shm/h python3 issue395_second_stack_vram.py"
-  mkdir -p /dev/shm/h
-  for pair in qwen-dpo-nf4-r64-all:T4 mistral-orpo-nf4-r32-attn:RTX3050-Laptop-6GB; do
-    tag=${pair%%:*} card=${pair#*:} name="find-max-${pair%%:*}"
-    if [ "$(left)" -lt 90 ]; then echo "not run (time): $name" >> "$R/commands.txt"; continue; fi
-    cmd "$name" timeout -s INT -k 40 "$(left 45)" $H --find-max seq --config "bench/find-max/$tag.yaml" \
-        --emulate-card "$card" --steps 3 --cache-dir "$C" --log-dir "$R/$name-logs" --json "$R/$name.json"
+resident_full() {  # issue 51 item 1: resident full fine-tuning (lora.r 0), measured for the first time
+  R=${R:-/tmp/resident-full}
+  source bench/gpu-box.sh "${1:-0.77.0}" || return 1
+  export TMPDIR=/dev/shm HF_HUB_OFFLINE=1
+  END=$(( $(date +%s) + ${BUDGET_S:-540} ))
+  git log -1 --format=%H >> "$R/stack.txt" 2>/dev/null; mkdir -p "$R/c"
+  for m in qwen:Qwen/Qwen2.5-0.5B llama:meta-llama/Llama-3.2-1B; do
+    for gc in false true; do
+      n=full-${m%%:*}-gc$gc f=$R/c/full-${m%%:*}-gc$gc.yaml
+      if [ "$(left)" -lt 60 ]; then echo "not run (time): $n" >> "$R/commands.txt"; continue; fi
+      printf 'base: %s\ndata: {train: data.jsonl, chat_template: chatml, max_length: 1024}\ntraining: {batch_size: 1, gradient_accumulation_steps: 1, quantization: none, stream_layers: false, gradient_checkpointing: %s, lora: {r: 0}}\n' "${m#*:}" "$gc" > "$f"
+      cmd "$n" timeout -s INT -k 30 "$(left 30)" python3 issue395_second_stack_vram.py --config "$f" --cache-dir "$C" --json "$R/$n.json"
+    done
   done
 }
 
@@ -178,7 +156,6 @@ case "$call" in
   edge) edge "$@" ;;
   resident-patch) resident_patch "$@" ;;
   resident-findmax) resident_findmax "$@" ;;
-  probe840) probe840 ;;
-  findmax52) findmax52 ;;
-  *) echo "gpu-next.sh: say which call: resident-patch, resident-findmax, probe840, findmax52 (or configs DIR)" >&2; false ;;
+  resident-full) resident_full "$@" ;;
+  *) echo "gpu-next.sh: say which call: resident-patch, resident-findmax, resident-full (or configs DIR)" >&2; false ;;
 esac

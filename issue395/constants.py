@@ -22,6 +22,18 @@ K_LARGE_BUFFER = 20 * MiB  # the segment requests from 1 MiB up to 10 MiB are cu
 #: page and retries, so the pages a live block touches are what a card cannot do without: the
 #: measurement reads them (measure.cuda.page_need), the estimator charges them (EXPANDABLE_RESERVE_PAGES).
 EXPANDABLE_PAGE_BYTES = {"large": K_LARGE_BUFFER, "small": 2 * MiB}
+#: The allocator setting every needs-free of this tool holds under (torch reads it once, at context creation).
+#: `soup train` sets it for a streamed run only (soup-cli 0.77.0 utils/gpu.py configure_cuda_alloc_hint; 0.73.3
+#: in its streamed setup): a resident run is on the default allocator, whose fragmentation this tool does not
+#: bound (measured: Gemma-2B SFT 3136x1 died holding 3.31 GB reserved but unallocated, one step past the
+#: answer under this setting; results/resident-findmax-h200-soup0.77.0-faaa21d). Soup keeps a value exported.
+ALLOC_CONF_VAR, EXPANDABLE_SEGMENTS = "PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True"
+
+
+def allocator_env(environ) -> dict:
+    """What a process started under ``environ`` needs added to run on expandable segments: the setting where
+    the variable is unset or empty (Soup's own rule), nothing where the user exported a value (it is theirs)."""
+    return {} if environ.get(ALLOC_CONF_VAR) else {ALLOC_CONF_VAR: EXPANDABLE_SEGMENTS}
 
 
 def block_bytes(requested: int) -> int:

@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from ..constants import SIZE_UNITS
+from ..constants import ALLOC_CONF_VAR, EXPANDABLE_SEGMENTS, SIZE_UNITS, allocator_env
 from ..errors import cut, last_line, soups_words
 from ..estimator.cards import STEP_GROWTH_BYTES
 from ..text import table
@@ -194,13 +194,15 @@ class ResidentSearch:
     """What a search over a resident soup.yaml (training.stream_layers false) adds to its record: the file's
     gradient checkpointing, the input Soup's CLI built from it for its resident gate (computed by Soup; None: it
     builds none and skips its gate), how every probe lifted that gate, why this tool's resident estimate gave no
-    answer (None: it gave one), and what the search started from, in words."""
+    answer (None: it gave one), what the search started from, in words, and the allocator setting the probes ran
+    on (PYTORCH_CUDA_ALLOC_CONF: set to expandable segments where unset, or the value exported to this tool)."""
 
     checkpointing: bool
     soup_input: Optional[dict]
     started_from: str
     estimate_refused: Optional[str] = None
     gate_lifted_by: str = ALLOW_OOM_ATTEMPT
+    allocator_conf: Optional[str] = None
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -479,13 +481,26 @@ def read_peaks(path: Path) -> Optional[ProbeAllocator]:
         return None
 
 
+#: Why a resident search's probes run on expandable segments, in the plan's words.
+ALLOC_WHY = ("the setting this tool's resident need holds under; `soup train` sets it for a streamed run only, so "
+             "a resident run needs it exported: export it to run on another setting")
+
+
+def probe_allocator() -> str:
+    """The allocator setting a resident search's probes run on (allocator_env's rule): the value exported to
+    this tool, else expandable segments."""
+    return os.environ.get(ALLOC_CONF_VAR) or EXPANDABLE_SEGMENTS
+
+
 def run_probe(config: Path, value: int, wanted: int, card_total: int, *, soup: Optional[list] = None,
               log_to: Optional[Path] = None, hold: Callable = hold_ballast, release: Callable = release_ballast,
               run: Callable = subprocess.run, clock: Callable[[], float] = time.perf_counter,
-              allow_oom_attempt: bool = False) -> tuple[Probe, Any, str]:
-    """``soup train --config CONFIG --yes`` (a resident file's with ALLOW_OOM_ATTEMPT) in a fresh process while
-    this process holds a ballast that leaves ``card_total`` bytes free (Soup's process brings its own context out
-    of it, as on the card itself); judged. Returns the probe, the ballast held and Soup's console."""
+              allow_oom_attempt: bool = False, expandable: bool = False) -> tuple[Probe, Any, str]:
+    """``soup train --config CONFIG --yes`` (a resident file's with ALLOW_OOM_ATTEMPT and ``expandable``: on
+    expandable segments, constants.allocator_env, the setting its answer holds under, which Soup sets for a
+    streamed run itself) in a fresh process while this process holds a ballast that leaves ``card_total`` bytes
+    free (Soup's process brings its own context out of it, as on the card itself); judged. Returns the probe, the
+    ballast held and Soup's console."""
     ballast = hold(card_total)
     try:
         started = clock()
@@ -493,7 +508,8 @@ def run_probe(config: Path, value: int, wanted: int, card_total: int, *, soup: O
         done = run(hooked_soup_command(soup) + ["train", "--config", str(config), "--yes"]
                    + ([ALLOW_OOM_ATTEMPT] if allow_oom_attempt else []), capture_output=True, text=True,
                    cwd=str(config.parent), env=dict(os.environ, PYTHONUNBUFFERED="1", COLUMNS="400",
-                                                    **{PEAKS_ENV: str(peaks)}))
+                                                    **{PEAKS_ENV: str(peaks)},
+                                                    **(allocator_env(os.environ) if expandable else {})))
         seconds = round(clock() - started, 1)
     finally:
         release(ballast)

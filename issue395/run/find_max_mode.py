@@ -14,12 +14,12 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from ..constants import comma_list
+from ..constants import ALLOC_CONF_VAR, comma_list
 from ..errors import EXIT_FINDING, EXIT_OK, EXIT_USAGE, UsageError
 from ..tasks import task
-from ..constraints.findmax import (ALLOW_OOM_ATTEMPT, PROBE_KEYS, PROBE_LIMIT, FindMax, ResidentSearch, find_max,
+from ..constraints.findmax import (ALLOC_WHY, ALLOW_OOM_ATTEMPT, PROBE_KEYS, PROBE_LIMIT, FindMax, ResidentSearch, find_max,
                                    measured_words, probe_config, probe_table, read_at_edge, soup_checks,
-                                   probe_words, run_probe, soup_command, write_probe_config)
+                                   probe_allocator, probe_words, run_probe, soup_command, write_probe_config)
 from ..report.outputs import write_json
 from ..text import gb
 from .checks import ARM_NEEDS, one_card, require_installed
@@ -164,7 +164,8 @@ def plan_lines(ask: FindMaxRequest, a: Answers, like: Optional[int] = None) -> l
             f"{PROBE_LIMIT} probes; a cuDNN or cuBLAS failure is read as OOM where the probe's allocator peak left the "
             f"card less than the runtime's growth in a step, else probed once more",
             f"  each probe: {' '.join(soup_command())} train --config <the probe's soup.yaml> --yes"
-            f"{' ' + ALLOW_OOM_ATTEMPT if a.resident else ''}, a fresh "
+            f"{' ' + ALLOW_OOM_ATTEMPT if a.resident else ''}"
+            + (f" with {ALLOC_CONF_VAR}={probe_allocator()} ({ALLOC_WHY})" if a.resident else "") + ", a fresh "
             f"process, while this process holds a ballast outside any allocator that leaves {a.card.name}'s total "
             f"({a.card.total_bytes:,} B) free; it completes when Soup exits 0 with the trainer's global step at "
             f"{ask.arm.steps}; an exit hook in that process reads its allocator's peaks, and torch's out-of-memory "
@@ -338,7 +339,8 @@ def run_search(ask: FindMaxRequest, a: Answers, scratch: Scratch, write: Callabl
     def probe(value: int):
         config = write(value)
         p, ballast, log = run_probe(config, value, ask.arm.steps, a.card.total_bytes,
-                                    log_to=config.parent / "soup-train.log", allow_oom_attempt=bool(a.resident))
+                                    log_to=config.parent / "soup-train.log", allow_oom_attempt=bool(a.resident),
+                                    expandable=bool(a.resident))
         p = read_at_edge(p, card_free)  # a cuDNN or cuBLAS failure, read by the allocator's figures
         if logs is not None:
             shutil.copyfile(config.parent / "soup-train.log", logs / f"soup-find-max-{axis}-{value}.log")
@@ -363,15 +365,16 @@ def report_found(ask: FindMaxRequest, a: Answers, found: FindMax, words: tuple[s
              gate_words(ask, a, found, found.above, "the first above it")]
     margin = margin_at_oom(a, found, box if box is not None else a.budget.context_bytes)
     lines = [head,
-             "  measured (the real soup train, " + (f"Soup's resident gate lifted by {ALLOW_OOM_ATTEMPT}" if a.resident
+             "  measured (the real soup train, " + (f"Soup's resident gate lifted by {ALLOW_OOM_ATTEMPT}, on "
+                                                     f"{ALLOC_CONF_VAR}={probe_allocator()}" if a.resident
                                                      else "Soup's gate lifted by training.stream_vram_override")
              + f"): {measured} "
              f"(resolution {a.step} {unit}; {len(found.probes)} probe(s), {found.seconds:.1f} s)",
              "  " + tool_line, "  " + like_line, "  " + soup_line, *(f"  {g[0]}" for g in gates if g),
              *([f"  {margin[0]}"] if margin else []), "  " + stack.line(),
              *(f"  from the file: {k}" for k in run.keys),
-             f"probes (measured, in order; Soup's number and the driver's free memory as Soup printed them at its gate; "
-             f"allocated and reserved: the peaks of the allocator in Soup's own process, read as it exited):",
+             "probes (measured, in order; Soup's number and the driver's free memory as Soup printed them at its gate; "
+             "allocated and reserved: the peaks of the allocator in Soup's own process, read as it exited):",
              *probe_table(found, ask.arm.steps)]
     print("\n".join(lines), flush=True)
     if ask.outputs.json and not write_json(ask.outputs.json, "find-max", {
@@ -421,7 +424,8 @@ def json_head(ask: FindMaxRequest, a: Answers, like: Optional[int]) -> dict:
     """What a --find-max JSON holds whether it ran or planned: the file, the arm, the card, both answers, and what
     a resident file's search adds (its typed record; null for a streamed file)."""
     arm, r = ask.arm, a.resident
-    resident = None if r is None else ResidentSearch(arm.streaming.checkpointing, r.soup_input, a.started_from(like), a.refused)
+    resident = None if r is None else ResidentSearch(arm.streaming.checkpointing, r.soup_input, a.started_from(like), a.refused,
+                                                     allocator_conf=probe_allocator())
     return {"config": arm.adapter.soup_config, "model": ask.estimate.model, "task": arm.task, "quant": arm.quant,
             "seq": arm.seq, "batch": arm.batch, "steps": arm.steps,
             "card": {"card": a.card.name, "bytes": a.card.total_bytes, "given_as": ask.flag},

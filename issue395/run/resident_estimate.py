@@ -5,6 +5,7 @@ the verdict first; where the estimator does not model the run, it says so and an
 
 from __future__ import annotations
 
+from ..constants import ALLOC_CONF_VAR, EXPANDABLE_SEGMENTS
 from ..errors import EXIT_FINDING, EXIT_OK, EXIT_SOUP_REFUSES, EXIT_USAGE, UsageError
 from ..report.outputs import write_json
 from ..results.extras import ResidentGate
@@ -50,6 +51,10 @@ def answer_resident(e: EstimateRequest) -> int:
         verdict = verdict.replace("verdict: ", f"verdict (an UPPER BOUND: training.optimizer {optimizer} is not modelled): ", 1)
     lines = [verdict, f"--estimate: {e.model}, from --config {a.soup_config}: a resident run (training.stream_layers "
              f"false), {tag}, {e.steps} optimizer step(s)", f"  this tool: {mine}", f"  {gate}"]
+    if est:  # soup train leaves a resident run on the default allocator, whose fragmentation the need does not bound
+        lines.append(f"  the need holds on expandable segments: run it with {ALLOC_CONF_VAR}={EXPANDABLE_SEGMENTS} "
+                     "exported (`soup train` sets it for a streamed run only and keeps a value exported); on the default "
+                     "allocator a resident run can need more, by its fragmentation, which this tool does not bound")
     lines += ([f"  {bound}"] if bound else []) + [f"  from the file: {k}" for k in e.keys]
     if r.soup_profile:  # Soup's other estimator, which no gate reads: said beside its gate's
         p = r.soup_profile
@@ -73,6 +78,7 @@ def answer_resident(e: EstimateRequest) -> int:
             "task": task, "quant": quant, "seq": seq, "batch": batch, "steps": e.steps,
             "soup_resident_bytes": soup.peak,
             "soup_profile": r.soup_profile, "config_keys": list(e.keys), "upper_bound": bound, "corrected": est.corrected_predicted if est else None,
+            "needs_free_allocator": EXPANDABLE_SEGMENTS if est else None,
             "needs_free": est.needs_free if est else None, "not_estimated": why,
             "terms": est.terms if est else None,
             "term_phases": {k: list(phases_of(k)) for k in est.terms} if est else None, "cards": cards}):

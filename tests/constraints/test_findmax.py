@@ -459,6 +459,32 @@ def test_a_resident_probe_runs_soup_train_with_allow_oom_attempt_and_no_streamed
     assert argvs[1][-4:] == ["train", "--config", str(config), "--yes"]
 
 
+def test_a_resident_probe_runs_on_expandable_segments_unless_the_user_exported_a_setting(tmp_path, monkeypatch):
+    """Soup's process is faked (CUDA): a resident probe's `soup train` starts with PYTORCH_CUDA_ALLOC_CONF set to
+    expandable segments (the setting the resident need holds under; `soup train` sets it for streamed runs
+    only), a value the user exported is passed on unchanged, and a streamed probe's environment gets nothing
+    added (Soup sets it there itself). Measured why: results/resident-findmax-h200-soup0.77.0-faaa21d."""
+    config = F.write_probe_config(tmp_path, F.probe_config(USER.replace("stream_layers: true", "stream_layers: false"),
+                                                           "seq", 1024, data=tmp_path / "t.jsonl", output=tmp_path / "out",
+                                                           override=None, data_format="dpo"), [])
+    envs = []
+
+    def run(argv, **kw):
+        envs.append(kw["env"].get("PYTORCH_CUDA_ALLOC_CONF"))
+        return types.SimpleNamespace(returncode=1, stdout="", stderr="GPU ran out of memory\n")
+
+    probe = dict(hold=lambda free: "B", release=lambda b: None, run=run, allow_oom_attempt=True)
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    F.run_probe(config, 1024, 2, 10**10, expandable=True, **probe)
+    F.run_probe(config, 1024, 2, 10**10, expandable=False, **probe)
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "")  # empty counts as unset, as Soup's own rule has it
+    F.run_probe(config, 1024, 2, 10**10, expandable=True, **probe)
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:128")
+    F.run_probe(config, 1024, 2, 10**10, expandable=True, **probe)
+    assert envs == ["expandable_segments:True", None, "expandable_segments:True", "max_split_size_mb:128"]
+    assert F.probe_allocator() == "max_split_size_mb:128"
+
+
 @pytest.mark.slow
 @pytest.mark.release
 def test_the_real_soup_train_completes_a_resident_probes_file_on_cpu_with_its_gate_lifted(tmp_path, cache_dir):

@@ -6,6 +6,7 @@ a card) and CUDA said present, where a test says so; nothing else is."""
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import replace
 
 import pytest
@@ -352,14 +353,16 @@ def resident_estimate_at(capfd, path, tmp_path, card, seq, *extra):
 
 @pytest.mark.parametrize("flag", ["--emulate-card", "--card"])
 def test_a_resident_files_dry_run_starts_at_the_resident_estimates_longest_and_lifts_soups_gate_on_its_command_line(
-        capfd, tmp_path, flag):
+        capfd, tmp_path, flag, monkeypatch):
     """The first probe is the corrected resident estimate's longest seq: --estimate's resident answer says it fits
     the card and 64 tokens more does not; Soup's resident gate's longest is what --estimate's Soup verdict admits, 64
     tokens more refused; the probe's soup.yaml is Soup's to load, resident, with no streamed gate key; the plan runs
-    `soup train ... --allow-oom-attempt`; the JSON's resident record is typed, the input Soup's CLI built the same
-    as --estimate's. --card and --emulate-card alike."""
+    `soup train ... --allow-oom-attempt` on expandable segments (the setting the resident need holds under); the
+    JSON's resident record is typed, the input Soup's CLI built the same as --estimate's. --card and --emulate-card
+    alike."""
     from soup_cli.config.loader import load_config_from_string
 
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
     path = resident_yaml(tmp_path)
     before = path.read_bytes()
     code, out, err = main(capfd, ["--find-max", "seq", "--config", path, flag, "16GB", "--dry-run", "--json",
@@ -374,14 +377,15 @@ def test_a_resident_files_dry_run_starts_at_the_resident_estimates_longest_and_l
     soup_input = resident_estimate_at(capfd, path, tmp_path, "16GB", 1024)[1]["soup_input"]
     assert data["resident"] == {"checkpointing": False, "soup_input": soup_input, "started_from":
                                 "this tool's longest that fits", "estimate_refused": None,
-                                "gate_lifted_by": "--allow-oom-attempt"}
+                                "gate_lifted_by": "--allow-oom-attempt", "allocator_conf": "expandable_segments:True"}
     assert data["card"]["given_as"] == flag and "training.stream_vram_override" not in data["probe_keys"]
     assert f"(a resident run, training.stream_layers false; dpo none, batch 1), on 16GB" in out
     assert f"computed by this tool (the corrected resident estimate, bound context): the longest seq that fits 16GB: " \
            f"{tool}" in out
     assert f"the longest seq Soup's resident gate admits on 16GB: {soup}" in out
     assert f"plan: start at seq {tool} (this tool's longest that fits)" in out
-    assert "train --config <the probe's soup.yaml> --yes --allow-oom-attempt, a fresh process" in out
+    assert "train --config <the probe's soup.yaml> --yes --allow-oom-attempt with " \
+           "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (the setting this tool's resident need holds under" in out
     probe = load_config_from_string(data["first_probe_config"])  # Soup's own loader takes it
     assert probe.training.stream_layers is False and probe.data.max_length == tool and probe.experiment_name == "mine"
     assert "stream_vram_override" not in data["first_probe_config"]
@@ -395,7 +399,7 @@ class RecordsItsCommand(FakeCudaProbe):
     def __call__(self, config, value, *a, **kw):
         if not self.configs:
             self.limit, self.lifted = value + 128, []
-        self.lifted.append(kw.get("allow_oom_attempt"))
+        self.lifted.append((kw.get("allow_oom_attempt"), kw.get("expandable")))
         return super().__call__(config, value, *a, **kw)
 
 
@@ -417,11 +421,12 @@ def test_a_resident_search_probes_soup_train_with_allow_oom_attempt_and_records_
     assert resident_estimate_at(capfd, path, tmp_path, "16GB", like, *context)[0]["fits"] is True
     assert resident_estimate_at(capfd, path, tmp_path, "16GB", like + 64, *context)[0]["fits"] is False
     assert m["start"] == like and (m["limit"], m["oom_above"], m["proven"]) == (like + 128, like + 192, True)
-    assert fake.lifted and set(fake.lifted) == {True}
+    assert fake.lifted and set(fake.lifted) == {(True, True)}
     assert all("stream_vram_override" not in c["training"] and c["training"]["stream_layers"] is False
                for c in fake.configs)
     assert data["resident"]["started_from"] == "this tool's longest that fits with the box's own context"
-    assert "measured (the real soup train, Soup's resident gate lifted by --allow-oom-attempt): seq " \
+    assert "measured (the real soup train, Soup's resident gate lifted by --allow-oom-attempt, on " \
+           f"PYTORCH_CUDA_ALLOC_CONF={os.environ.get('PYTORCH_CUDA_ALLOC_CONF') or 'expandable_segments:True'}): seq " \
            f"{like + 128} completes 2 of 2 step(s); seq {like + 192} raised OOM" in out
     gate = data["soup_gate_at_limit"]
     verdict = resident_estimate_at(capfd, path, tmp_path, "16GB", like + 128)[0]["soup_admits"]
