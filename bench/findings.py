@@ -11,6 +11,7 @@ each is labelled. tests/test_findings.py holds the committed file to what this p
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -595,6 +596,26 @@ def find_max_searches() -> None:
               "`configure_cuda_alloc_hint` (soup_cli/utils/gpu.py) sets `PYTORCH_CUDA_ALLOC_CONF="
               "expandable_segments:True` for a streamed run only. The same cause fails the patched resident gate's "
               "first GPU proof (the `--soup-patch` section above).")
+    expandable_reruns()
+
+
+def expandable_reruns() -> None:
+    """The resident searches run again with their probes on expandable segments (the setting the resident need holds
+    under since commit a696bb7), read from their text where the call's budget cut the search before its JSON."""
+    for path in sorted(ROOT.glob("results/resident-findmax-expandable-*/find-max-*.txt")):
+        text = path.read_text(encoding="utf-8")
+        conf = re.search(r"with (PYTORCH_CUDA_ALLOC_CONF=\S+)", text)
+        probes = re.findall(r"probe seq (\d+): (completed \d+ of \d+ step\(s\)|OOM)", text)
+        model = re.search(r"--find-max seq: (\S+)", text)
+        if not (conf and probes and model):
+            continue
+        default = [json.loads((ROOT / p).read_text(encoding="utf-8")) for p in FIND_MAX_RUNS
+                   if Path(p).name == path.with_suffix(".json").name and "expandable" not in p]
+        before = "".join(f", where the search on the default allocator (`{d['config']}`) completed {d['measured']['limit']} "
+                         f"and raised OOM at {d['measured']['oom_above']}" for d in default)
+        print(f"\nRun again with each probe on `{conf.group(1)}` (`{path.relative_to(ROOT)}`, cut by its call's "
+              f"budget before the search ended, so no limit is claimed): {model.group(1)} " + "; ".join(
+                  f"seq {v} {w}" for v, w in probes) + f" (measured){before}.")
 
 
 RESIDENT_PATCH = sorted(str(p.relative_to(ROOT)) for p in ROOT.glob("results/resident-patch-*") if p.is_dir())
