@@ -5,6 +5,7 @@
 #   source bench/gpu-next.sh resident-patch [SOUP]        issue 51 item 6: the patched resident gate, real soup train
 #   source bench/gpu-next.sh resident-findmax [TAG ...]   issue 51 item 4: --find-max on resident soup.yamls
 #   source bench/gpu-next.sh resident-full [SOUP]         issue 51 item 1: resident full fine-tuning, first measured
+#   source bench/gpu-next.sh resident-anatomy             issue 51 item 3: the resident rows over 1.02x, their live sets
 #   bash bench/gpu-next.sh configs DIR                    CPU: write resident-findmax's soup.yamls into DIR, only
 #   bash bench/gpu-next.sh edge CARD true|false           CPU: resident-patch's starting seq on CARD (gc on or off)
 #
@@ -38,6 +39,11 @@
 # Llama-3.2-1B, checkpointing off and on, one measured arm each (the harness's own step, --config): the first
 # measured rows of estimate_full / estimate_master (0.77.0's fp32 master weights), every figure of which is
 # unmeasured so far. SOUP=0.73.3 for the pin's bf16 build (its own call).
+#
+# resident-anatomy, issue 51 item 3: the allocator's history (bench/task_peak_anatomy.py) of the committed resident
+# rows the corrected estimate is most over (max 1.0794x; the Done-when asks 1.02x): Phi-3-mini NF4 without
+# checkpointing (1.063x-1.080x, about 1.5 i B a token a layer unnamed), phi-2 bf16 (1.024x-1.035x: is autocast's
+# fp32 LayerNorm input saved?), phi-2 NF4 (refused: 0.68x-0.82x), Moonlight 2048x4 without checkpointing (1.0286x).
 #
 # Done (results/*-faaa21d, 2026-12-05): probe840 and findmax52 (their commands.txt), resident-findmax and
 # resident-patch on the default allocator: both run again, now that the probes and the patch set expandable segments.
@@ -150,6 +156,18 @@ resident_full() {  # issue 51 item 1: resident full fine-tuning (lora.r 0), meas
   done
 }
 
+resident_anatomy() {
+  R=${R:-/tmp/resident-anatomy}
+  source bench/gpu-box.sh "${1:-0.77.0}" || return 1
+  export TMPDIR=/dev/shm HF_HUB_OFFLINE=1
+  END=$(( $(date +%s) + ${BUDGET_S:-540} ))
+  git log -1 --format=%H >> "$R/stack.txt" 2>/dev/null
+  anatomy res sft-phi3-nf4-1024x1 phi3-mini --train stream_layers=false --task sft --seq 1024 --quant nf4
+  anatomy res sft-phi2-bf16-2048x1 phi-2 --train stream_layers=false --task sft --seq 2048
+  anatomy res sft-phi2-nf4-1024x1 phi-2 --train stream_layers=false --task sft --seq 1024 --quant nf4
+  anatomy res sft-moonlight-bf16-2048x4 moonlight --train stream_layers=false --task sft --seq 2048 --batch 4
+}
+
 call=${1:-}; shift 2>/dev/null
 case "$call" in
   configs) resident_configs "$1" ;;
@@ -157,5 +175,6 @@ case "$call" in
   resident-patch) resident_patch "$@" ;;
   resident-findmax) resident_findmax "$@" ;;
   resident-full) resident_full "$@" ;;
-  *) echo "gpu-next.sh: say which call: resident-patch, resident-findmax, resident-full (or configs DIR)" >&2; false ;;
+  resident-anatomy) resident_anatomy "$@" ;;
+  *) echo "gpu-next.sh: say which call: resident-patch, resident-findmax, resident-full, resident-anatomy (or configs DIR)" >&2; false ;;
 esac
