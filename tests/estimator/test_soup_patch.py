@@ -8,7 +8,8 @@ config (its loader) and transformers' own config of the model, computes that sam
 on the committed --find-max probes' free memory. Issue 51 item 6, the resident gate: the patched
 commands/train.py's own _hardware_fit_preflight on Soup's loaded config of small resident soup.yaml files,
 beside the stock one, on a faked CUDA card (gpu_info's total; torch's free memory where a test says so),
-and the patched `soup train` CLI gating then training a resident run on CPU. A CUDA step cannot run here:
+and the patched `soup train` CLI gating then training a resident run on CPU, and running it up to
+detect_device on expandable segments (the allocator the gate's need holds on). A CUDA step cannot run here:
 the streamed gate's GPU proof was bench/gpu-soup-patch.sh (git history), the resident one's is
 bench/gpu-next.sh resident-patch."""
 
