@@ -29,6 +29,7 @@ import subprocess
 from pathlib import Path
 from typing import Optional
 
+from ..constants import ALLOC_CONF_VAR, EXPANDABLE_SEGMENTS
 from ..errors import UsageError
 from .releases import PATCH_MARKER, PATCH_MODULE, installed_release, soup_dir
 
@@ -348,7 +349,8 @@ NO_RESIDENT_GATE = ("soup_cli/commands/train.py has no _hardware_fit_preflight c
                     "before: this release's resident gate is not patched (its streamed gate is)")
 #: The lines put before ``device, device_name = detect_device(...)`` in ``train`` (at its indentation): the
 #: resident gate's need holds only on the allocator it was measured on. Soup's own rule for a streamed run
-#: (0.77.0's utils/gpu.py configure_cuda_alloc_hint; 0.73.3 sets nothing), for every run.
+#: (0.77.0's utils/gpu.py configure_cuda_alloc_hint; 0.73.3 tries it in its streamed setup, after detect_device
+#: has made the context), for every run.
 ALLOC_HINT = """\
 # {marker}: the patched resident gate's need is the allocated
 # peak plus the allocator's reserve under expandable segments, which Soup sets for a streamed run at most; a
@@ -356,8 +358,8 @@ ALLOC_HINT = """\
 # context is created, which detect_device does. A value the user exported is kept; an empty one is unset.
 import os as _os, sys as _sys
 
-if _sys.platform.startswith("linux") and not _os.environ.get("PYTORCH_CUDA_ALLOC_CONF"):
-    _os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+if _sys.platform.startswith("linux") and not _os.environ.get("{var}"):
+    _os.environ["{var}"] = "{value}"
 
 """
 
@@ -445,10 +447,10 @@ def patched_files(src: Path, version: Optional[str] = None) -> dict:
     hint = alloc_hint_site(train) if site is not None else None
     if hint is not None:  # both or neither: a resident gate whose need the run's allocator breaks is half a patch
         lines = train.splitlines(keepends=True)
+        block = ALLOC_HINT.format(marker=PATCH_MARKER, var=ALLOC_CONF_VAR, value=EXPANDABLE_SEGMENTS)
         inserts = {site[0]: RESIDENT_HELPERS.format(marker=PATCH_MARKER),
                    site[1]: RESIDENT_CALL_SITE.format(marker=PATCH_MARKER) + "\n",
-                   hint[0]: "".join(" " * hint[1] + line if line.strip() else line
-                                    for line in ALLOC_HINT.format(marker=PATCH_MARKER).splitlines(keepends=True))}
+                   hint[0]: "".join(" " * hint[1] + ln if ln.strip() else ln for ln in block.splitlines(keepends=True))}
         for at in sorted(inserts, reverse=True):
             lines.insert(at, inserts[at])
         files["soup_cli/commands/train.py"] = (train, "".join(lines))

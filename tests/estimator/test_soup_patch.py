@@ -609,11 +609,12 @@ def test_the_patched_soup_train_runs_a_resident_run_on_expandable_segments_keepi
                                                                                                   tmp_path):
     """The finding (results/resident-patch-h200-soup0.77.0-faaa21d, resident-findmax-h200-soup0.77.0-faaa21d):
     stock `soup train` creates a resident run's CUDA context on torch's default allocator (0.77.0 sets expandable
-    segments for a streamed run only, 0.73.3 for none), while the patched resident gate charges the reserve
-    measured under expandable segments. The patched copy's own train(), run by its CLI up to detect_device (faked
-    to stop there: no CUDA here), holds PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True for a resident run where
-    the variable was unset or empty, keeps a value the user exported, and a streamed run has it as Soup gives
-    it; the stock installed Soup on the same files, for contrast, as its own configure_cuda_alloc_hint decides."""
+    segments for a streamed run only, 0.73.3 only past detect_device), while the patched resident gate charges the
+    reserve measured under expandable segments. The patched copy's own train(), run by its CLI up to detect_device
+    (faked to stop there: no CUDA here), holds PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True for a resident run
+    where the variable was unset or empty, keeps a value the user exported, and a streamed run has it as Soup
+    gives it; the stock installed Soup on the same files, for contrast, as its own configure_cuda_alloc_hint
+    decides."""
     import soup_cli.utils.gpu as gpu
 
     base = _base(tmp_path, "Qwen2.5-0.5B", "qwen")
