@@ -326,8 +326,13 @@ def soup_patch_changes() -> None:
           "the corrected number, what it charges and Soup's formula beside it; one that fits is admitted with one "
           "line. A run the resident estimate does not model (MoE, latent attention, hybrid layers, phi, past a "
           "sliding window without checkpointing, full fine-tuning, DoRA, another backend) goes on to Soup's formula, "
-          "and the line says why. Its GPU proof with the real `soup train` is `bench/gpu-next.sh resident-patch` (not yet "
-          "run).\n")
+          "and the line says why. In `train` itself, before `detect_device` creates the CUDA context (torch's "
+          "allocator reads the variable then), it sets `PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True` where it "
+          "is unset or empty (Linux; a value the user exported is kept), which Soup sets for a streamed run only: the "
+          "resident gate's need is the allocated peak plus the reserve under expandable segments, and on the default "
+          "allocator runs it admitted died of fragmentation (docs/PEAK.md, EXPANDABLE_RESERVE_PAGES). Its GPU proof "
+          "with the real `soup train` is `bench/gpu-next.sh resident-patch` (results/resident-patch-h200-soup0.77.0-"
+          "faaa21d, run before this setting; not re-run since).\n")
 
 
 def soup_patch_evidence() -> None:

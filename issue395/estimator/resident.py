@@ -54,9 +54,9 @@ Known limitations
       under at 2048x4, in the step; its NF4 rows 1.008x-1.038x). Qwen3.5-MoE with checkpointing is refused: 1024x1
       bf16 0.9999x (its row held 34 MB more before its step than at its other rows), 4096x1 0.9986x bf16 and
       0.9990x NF4 (29 MB under, in the step). No resident anatomy of either is committed.
-    - Its needs-free is the allocated peak plus the reserve measured under expandable segments: `soup train` runs a
-      resident run on the default allocator (it sets expandable segments for streamed runs only), whose reserve
-      has not been measured on a resident run yet (bench/gpu-next.sh resident-patch is the call that shows it).
+    - Its needs-free is the allocated peak plus the reserve measured under expandable segments: stock `soup train`
+      runs a resident run on the default allocator, where runs the patched gate admitted died of its fragmentation;
+      `--soup-patch` sets expandable segments for every run. Evidence: docs/PEAK.md, "EXPANDABLE_RESERVE_PAGES".
     - Soup's own resident number is hardware_fit's (computed by Soup, from its CLI's input); it is not this
       module's business: the row carries it (results/extras.ResidentGate).
     - Full fine-tuning (Soup's ``training.lora.r: 0``, ``estimate_full``) is built from physics alone and NOT

@@ -158,7 +158,8 @@ def resident_preflight(cfg: Any, model_config: Any, *, free: Optional[int], tota
                        formula: Optional[tuple] = None, steps: Optional[int] = None) -> dict:
     """The corrected resident pre-flight of the run `soup train` builds from ``cfg``: ``peak``, the allocated
     peak of its steady state (estimate_resident, ``steps``: GATE_STEPS); ``gate_bytes``, what must be free for
-    it: the same charge as the streamed gate's (``preflight``: the expandable-segments reserve and the whole
+    it: the same charge as the streamed gate's (``preflight``: the expandable-segments reserve, which holds because
+    the patch sets expandable segments for every run (soup_patch.ALLOC_HINT), and the whole
     step growth of the CUDA runtime after the gate), compared with the same reading, ``free``, the free
     memory torch reads on the card (torch.cuda.mem_get_info, which other processes and the CUDA context
     already left; so one verdict for both of Soup's gates, and the one --estimate gives on a card: needs free
@@ -197,8 +198,10 @@ def resident_preflight(cfg: Any, model_config: Any, *, free: Optional[int], tota
             "free_measured": measured, "fits": fits, "phase": e.phase, "steps": e.steps, "refused": None,
             "terms": dict(e.terms),
             "line": (f"Hardware-fit (corrected peak VRAM): {e.corrected_predicted / 1e9:.2f} GB allocated ({run}); "
-                     f"needs {gate / 1e9:.2f} GB free; {free / 1e9:.2f} GB {where}: "
+                     f"needs {gate / 1e9:.2f} GB free under expandable segments (the patch sets them); "
+                     f"{free / 1e9:.2f} GB {where}: "
                      f"{'fits' if fits else 'does NOT fit'}. {_formula_words(formula, total)}"),
             "panel": (f"Predicted peak VRAM {e.corrected_predicted / 1e9:.1f} GB (corrected: this tool's resident "
-                      f"estimate, {run}) needs {gate / 1e9:.1f} GB free, more than the {free / 1e9:.1f} GB {where}.\n"
+                      f"estimate, {run}) needs {gate / 1e9:.1f} GB free under expandable segments (the patch sets "
+                      f"them), more than the {free / 1e9:.1f} GB {where}.\n"
                       f"{charged}\n{_formula_words(formula, total)}")}

@@ -12,7 +12,9 @@ messages), its formula printed beside. The resident gate (``_hardware_fit_prefli
 estimate of the file's run is compared with the free memory torch reads, as the streamed gate's reading
 is (soup_gate.resident_preflight says why); a run that does not fit is refused in Soup's own panel and
 words (its title, its ``--allow-oom-attempt`` tail, which still launches it), one that fits is admitted
-with one line; a run the estimate does not model goes on to Soup's formula, said so. ``patch -p1``
+with one line; a run the estimate does not model goes on to Soup's formula, said so. Its need holds under
+expandable segments, which Soup sets for a streamed run only, so ``train`` sets them before ``detect_device``
+for every run (``ALLOC_HINT``; a release missing either site keeps its resident gate unpatched). ``patch -p1``
 applies it in the folder that holds ``soup_cli/`` (site-packages). Stdlib only; Soup is read, never
 imported.
 """
@@ -27,6 +29,7 @@ import subprocess
 from pathlib import Path
 from typing import Optional
 
+from ..constants import ALLOC_CONF_VAR, EXPANDABLE_SEGMENTS
 from ..errors import UsageError
 from .releases import PATCH_MARKER, PATCH_MODULE, installed_release, soup_dir
 
@@ -341,8 +344,24 @@ RESIDENT_CALL_SITE = """\
         return
 """
 #: What a release without the resident gate gets instead: one line, and its streamed gate patched alone.
-NO_RESIDENT_GATE = ("soup_cli/commands/train.py has no _hardware_fit_preflight calling _build_hardware_fit_input: "
-                    "this release's resident gate is not patched (its streamed gate is)")
+NO_RESIDENT_GATE = ("soup_cli/commands/train.py has no _hardware_fit_preflight calling _build_hardware_fit_input, "
+                    "or no one `device, device_name = detect_device(...)` in train() to set expandable segments "
+                    "before: this release's resident gate is not patched (its streamed gate is)")
+#: The lines put before ``device, device_name = detect_device(...)`` in ``train`` (at its indentation): the
+#: resident gate's need holds only on the allocator it was measured on. Soup's own rule for a streamed run
+#: (0.77.0's utils/gpu.py configure_cuda_alloc_hint; 0.73.3 tries it in its streamed setup, after detect_device
+#: has made the context), for every run.
+ALLOC_HINT = """\
+# {marker}: the patched resident gate's need is the allocated
+# peak plus the allocator's reserve under expandable segments, which Soup sets for a streamed run at most; a
+# resident run on the default allocator fragments past it. torch reads the variable once, when the CUDA
+# context is created, which detect_device does. A value the user exported is kept; an empty one is unset.
+import os as _os, sys as _sys
+
+if _sys.platform.startswith("linux") and not _os.environ.get("{var}"):
+    _os.environ["{var}"] = "{value}"
+
+"""
 
 
 def resident_site(train: str) -> Optional[tuple[int, int]]:
@@ -358,6 +377,27 @@ def resident_site(train: str) -> Optional[tuple[int, int]]:
                     and "total_bytes" in {x.id for x in ast.walk(fn) if isinstance(x, ast.Name)}):
                 start = fn.decorator_list[0].lineno if fn.decorator_list else fn.lineno
                 return start - 1, n.lineno - 1
+    return None
+
+
+def alloc_hint_site(train: str) -> Optional[tuple[int, int]]:
+    """(the line ALLOC_HINT goes before: that of ``device, device_name = detect_device(...)`` in ``train``, or of
+    the comment lines right above it, which stay with it; its indentation), 0-based, read with ast from the
+    release's own commands/train.py; None where train() has no such line, or several."""
+    lines = train.splitlines()
+    for fn in ast.parse(train).body:
+        if not (isinstance(fn, ast.FunctionDef) and fn.name == "train"):
+            continue
+        found = [n for n in ast.walk(fn) if isinstance(n, ast.Assign) and isinstance(n.value, ast.Call)
+                 and getattr(n.value.func, "id", None) == "detect_device" and len(n.targets) == 1
+                 and isinstance(n.targets[0], ast.Tuple)
+                 and [getattr(t, "id", None) for t in n.targets[0].elts] == ["device", "device_name"]]
+        if len(found) != 1:
+            return None
+        start, indent = found[0].lineno - 1, found[0].col_offset
+        while start > 0 and lines[start - 1].startswith(" " * indent + "#"):
+            start -= 1
+        return start, indent
     return None
 
 
@@ -404,11 +444,16 @@ def patched_files(src: Path, version: Optional[str] = None) -> dict:
     train_path = src / "commands" / "train.py"
     train = train_path.read_text(encoding="utf-8") if train_path.exists() else ""
     site = resident_site(train) if train else None
-    if site is not None:
+    hint = alloc_hint_site(train) if site is not None else None
+    if hint is not None:  # both or neither: a resident gate whose need the run's allocator breaks is half a patch
         lines = train.splitlines(keepends=True)
-        files["soup_cli/commands/train.py"] = (train, "".join(
-            lines[:site[0]] + [RESIDENT_HELPERS.format(marker=PATCH_MARKER)] + lines[site[0]:site[1]]
-            + [RESIDENT_CALL_SITE.format(marker=PATCH_MARKER), "\n"] + lines[site[1]:]))
+        block = ALLOC_HINT.format(marker=PATCH_MARKER, var=ALLOC_CONF_VAR, value=EXPANDABLE_SEGMENTS)
+        inserts = {site[0]: RESIDENT_HELPERS.format(marker=PATCH_MARKER),
+                   site[1]: RESIDENT_CALL_SITE.format(marker=PATCH_MARKER) + "\n",
+                   hint[0]: "".join(" " * hint[1] + ln if ln.strip() else ln for ln in block.splitlines(keepends=True))}
+        for at in sorted(inserts, reverse=True):
+            lines.insert(at, inserts[at])
+        files["soup_cli/commands/train.py"] = (train, "".join(lines))
     return files
 
 

@@ -58,8 +58,8 @@ def execute(request: SoupPatchRequest, protocol: Any = None) -> int:
     print(f"--soup-patch: wrote {request.path} ({diff.count(chr(10)):,} lines): soup-cli {installed_release()}'s own "
           f"gates compare this tool's corrected peak; it adds soup_cli/{PATCH_MODULE} (this tool's estimator, "
           "generated from its source) and patches soup_cli/trainer/stream_setup.py (_stream_budget_lines, the "
-          "streamed gate)" + (" and soup_cli/commands/train.py (_hardware_fit_preflight, the resident gate)"
-                              if resident else ""))
+          "streamed gate)" + (" and soup_cli/commands/train.py (_hardware_fit_preflight, the resident gate; train, "
+                              "expandable segments before detect_device)" if resident else ""))
     if not resident:
         print(f"  {NO_RESIDENT_GATE}")
     print(f"  apply it: cd {src.parent} && patch -p1 --dry-run < {where} && patch -p1 < {where}")

@@ -8,7 +8,8 @@ config (its loader) and transformers' own config of the model, computes that sam
 on the committed --find-max probes' free memory. Issue 51 item 6, the resident gate: the patched
 commands/train.py's own _hardware_fit_preflight on Soup's loaded config of small resident soup.yaml files,
 beside the stock one, on a faked CUDA card (gpu_info's total; torch's free memory where a test says so),
-and the patched `soup train` CLI gating then training a resident run on CPU. A CUDA step cannot run here:
+and the patched `soup train` CLI gating then training a resident run on CPU, and running it up to
+detect_device on expandable segments (the allocator the gate's need holds on). A CUDA step cannot run here:
 the streamed gate's GPU proof was bench/gpu-soup-patch.sh (git history), the resident one's is
 bench/gpu-next.sh resident-patch."""
 
@@ -482,6 +483,7 @@ def test_the_patched_gate_admits_a_run_that_fits_to_the_byte_and_refuses_one_byt
     _, short = resident_gate["small-edge-less-1"]
     assert fits["exit"] is None and ": fits." in fits["console"]
     assert "Hardware-fit (corrected peak VRAM): " in fits["console"]
+    assert "GB free under expandable segments (the patch sets them)" in fits["console"]  # as the patched train does
     assert "context bound" in fits["console"]
     assert short["exit"] == 1 and "Hardware-fit gate" in short["console"]
 
@@ -561,6 +563,91 @@ def test_every_resident_assumption_is_soups_own_default():
         field = model.model_fields.get(dotted.split(".")[-1])
         if field is not None:
             assert field.default in (assumed, *_UNSET_MEANS.get(dotted, ())), dotted
+
+
+#: `soup train`'s own CLI (``python -m soup_cli``) run up to its detect_device, which creates the CUDA context
+#: (and so fixes the allocator torch uses): detect_device is replaced by one that reports the variable and stops
+#: the run there (no CUDA card here, so nothing past it could run). One case a run, the environment set per case.
+AT_DETECT_DEVICE = r"""
+import json, os, runpy, sys
+import soup_cli.commands.train as train
+seen = []
+def detect_device(backend=None):
+    seen.append(os.environ.get("PYTORCH_CUDA_ALLOC_CONF"))
+    raise SystemExit(97)
+train.detect_device = detect_device
+out = []
+for case in json.loads(sys.argv[1]):
+    os.environ.pop("PYTORCH_CUDA_ALLOC_CONF", None)
+    if case["exported"] is not None:
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = case["exported"]
+    sys.argv = ["soup", "train", "--config", case["config"], "--yes"]
+    try:
+        runpy.run_module("soup_cli", run_name="__main__")
+        code = 0
+    except SystemExit as exc:
+        code = exc.code
+    out.append({"exit": code, "at_detect_device": seen.pop() if code == 97 else "never reached"})
+print(json.dumps(out))
+"""
+
+
+def _at_detect_device(site, root: Path, cases: list) -> list:
+    """PYTORCH_CUDA_ALLOC_CONF as each case's `soup train` holds it when detect_device is called: the soup_cli
+    of ``site`` (None: the installed, stock one)."""
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(root), "HF_HUB_OFFLINE": "1"} | (
+        {"PYTHONPATH": str(site)} if site else {})
+    done = subprocess.run([sys.executable, "-c", AT_DETECT_DEVICE, json.dumps(cases)], capture_output=True,
+                          text=True, env=env, cwd=str(root), timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert [o["exit"] for o in out] == [97] * len(cases), out  # each reached detect_device
+    return [o["at_detect_device"] for o in out]
+
+
+def test_the_patched_soup_train_runs_a_resident_run_on_expandable_segments_keeping_a_users_value(patched_site,
+                                                                                                  tmp_path):
+    """The finding (results/resident-patch-h200-soup0.77.0-faaa21d, resident-findmax-h200-soup0.77.0-faaa21d):
+    stock `soup train` creates a resident run's CUDA context on torch's default allocator (0.77.0 sets expandable
+    segments for a streamed run only, 0.73.3 only past detect_device), while the patched resident gate charges the
+    reserve measured under expandable segments. The patched copy's own train(), run by its CLI up to detect_device
+    (faked to stop there: no CUDA here), holds PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True for a resident run
+    where the variable was unset or empty, keeps a value the user exported, and a streamed run has it as Soup
+    gives it; the stock installed Soup on the same files, for contrast, as its own configure_cuda_alloc_hint
+    decides."""
+    import soup_cli.utils.gpu as gpu
+
+    base = _base(tmp_path, "Qwen2.5-0.5B", "qwen")
+    configs = {}
+    for name, stream in (("resident", False), ("streamed", True)):
+        configs[name] = tmp_path / f"{name}.soup.yaml"
+        configs[name].write_text(_resident_yaml(base, 1024, 1, stream_layers=stream))
+    user = "garbage_collection_threshold:0.6"
+    cases = [dict(config=str(configs["resident"]), exported=None), dict(config=str(configs["resident"]), exported=""),
+             dict(config=str(configs["resident"]), exported=user), dict(config=str(configs["streamed"]), exported=None),
+             dict(config=str(configs["streamed"]), exported=user)]
+    expandable = "expandable_segments:True"
+    assert _at_detect_device(patched_site, tmp_path, cases) == [expandable, expandable, user, expandable, user]
+    soup_streamed = expandable if hasattr(gpu, "configure_cuda_alloc_hint") else None  # 0.77.0 has it, 0.73.3 not
+    assert _at_detect_device(None, tmp_path, [cases[0], cases[3]]) == [None, soup_streamed]
+
+
+def test_a_release_whose_train_has_no_detect_device_line_keeps_its_resident_gate_unpatched(tmp_path):
+    """Where train() has no `device, device_name = detect_device(...)` (renamed here in a copy), the resident gate
+    is not patched either (its need would not hold on the default allocator): the diff patches the streamed gate
+    alone, still applies, and the line says why."""
+    from issue395.estimator.soup_patch import NO_RESIDENT_GATE, alloc_hint_site, resident_site
+
+    src = tmp_path / "src" / "soup_cli"
+    shutil.copytree(soup_dir(), src)
+    train = src / "commands" / "train.py"
+    train.write_text(train.read_text().replace("device, device_name = detect_device(",
+                                               "device, device_name = detect_the_device("))
+    assert resident_site(train.read_text()) is not None and alloc_hint_site(train.read_text()) is None
+    diff = soup_patch(src, VERSION)
+    assert "b/soup_cli/commands/train.py" not in diff and "b/soup_cli/trainer/stream_setup.py" in diff
+    assert _apply(src, tmp_path / "site", diff, dry=True).returncode == 0
+    assert "detect_device" in NO_RESIDENT_GATE and "resident gate is not patched" in NO_RESIDENT_GATE
 
 
 SOUP_TRAIN = r"""
