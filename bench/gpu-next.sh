@@ -6,6 +6,7 @@
 #   source bench/gpu-next.sh resident-findmax [TAG ...]   issue 51 item 4: --find-max on resident soup.yamls
 #   source bench/gpu-next.sh resident-full [SOUP]         issue 51 item 1: resident full fine-tuning, first measured
 #   source bench/gpu-next.sh resident-anatomy             issue 51 item 3: the resident rows over 1.02x, their live sets
+#   source bench/gpu-next.sh segments52                   issue 52 item 1: which adapter blocks hold rests, at the steady state
 #   bash bench/gpu-next.sh configs DIR                    CPU: write resident-findmax's soup.yamls into DIR, only
 #   bash bench/gpu-next.sh edge CARD true|false           CPU: resident-patch's starting seq on CARD (gc on or off)
 #
@@ -44,6 +45,16 @@
 # rows the corrected estimate is most over (max 1.0794x; the Done-when asks 1.02x): Phi-3-mini NF4 without
 # checkpointing (1.063x-1.080x, about 1.5 i B a token a layer unnamed), phi-2 bf16 (1.024x-1.035x: is autocast's
 # fp32 LayerNorm input saved?), phi-2 NF4 (refused: 0.68x-0.82x), Moonlight 2048x4 without checkpointing (1.0286x).
+#
+# segments52, issue 52 item 1: the estimator charges unsplit_remainders, a BOUND of 1 MiB for every adapter-shaped
+# block over 1 MiB live at once; on the four arms below that bound is 253.8, 455.1, 335.5 and 2,013.3 MB against
+# 0.0, 6.7, 21.6 and 174.1 MB measured past the requests (max_memory_allocated - the replayed history, `python
+# bench/rerenders.py fit4`'s unsplit and unseen columns). The history records requests only, so it cannot say
+# which block holds a rest. bench/task_peak_anatomy.py --segments reads the allocator's segments right before and right after
+# the last optimizer step (step 3), gradients and states live, on four fit4 anatomy arms with the arguments they
+# ran with (results/fit4-anatomy-findmax-h200-soup0.77.0-2de65db-and-f2319d3/call-1-2/commands.txt), cheapest
+# first. The claim it tests: which adapter-shaped blocks hold rests past their 512 B rounding and how much, per
+# class (1 MiB or less, 1-10 MiB, 10 MiB or more), at the steady state, beside the bound over the same blocks.
 #
 # Done (results/*-faaa21d, 2026-12-05): probe840 and findmax52 (their commands.txt), resident-findmax and
 # resident-patch on the default allocator: both run again, now that the probes and the patch set expandable segments.
@@ -168,6 +179,18 @@ resident_anatomy() {
   anatomy res sft-moonlight-bf16-2048x4 moonlight --train stream_layers=false --task sft --seq 2048 --batch 4
 }
 
+segments52() {
+  R=${R:-/tmp/segments52}
+  source bench/gpu-box.sh "${1:-0.77.0}" || return 1
+  export TMPDIR=/dev/shm HF_HUB_OFFLINE=1
+  END=$(( $(date +%s) + ${BUDGET_S:-540} ))
+  git log -1 --format=%H >> "$R/stack.txt" 2>/dev/null
+  anatomy seg sft-llama32-1b-bf16-2048x1-r64-all-s3-a1 llama32-1b --task sft --seq 2048 --r 64 --targets q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj --steps 3 --accum 1 --segments
+  anatomy seg dpo-qwen-bf16-2048x1-r64-all-s3-a1 qwen --task dpo --seq 2048 --r 64 --targets q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj --steps 3 --accum 1 --segments
+  anatomy seg sft-phi3-nf4-2048x1-r64-fused-s3-a4 phi3-mini --task sft --seq 2048 --quant nf4 --r 64 --targets qkv_proj,o_proj,gate_up_proj,down_proj --steps 3 --accum 4 --segments
+  anatomy seg sft-mistral-nf4-1024x1-r256-all-s3-a1 mistral-7b --task sft --seq 1024 --quant nf4 --r 256 --targets q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj --steps 3 --accum 1 --segments
+}
+
 call=${1:-}; shift 2>/dev/null
 case "$call" in
   configs) resident_configs "$1" ;;
@@ -176,5 +199,6 @@ case "$call" in
   resident-findmax) resident_findmax "$@" ;;
   resident-full) resident_full "$@" ;;
   resident-anatomy) resident_anatomy "$@" ;;
-  *) echo "gpu-next.sh: say which call: resident-patch, resident-findmax, resident-full, resident-anatomy (or configs DIR)" >&2; false ;;
+  segments52) segments52 "$@" ;;
+  *) echo "gpu-next.sh: say which call: resident-patch, resident-findmax, resident-full, resident-anatomy, segments52 (or configs DIR)" >&2; false ;;
 esac

@@ -11,12 +11,19 @@ for dpo/orpo/simpo, batch for kto/sft; T = the realised width of the first colla
 
     python task_peak_anatomy.py --task dpo --base /path/to/ckpt --seq 2048 --batch 1 [--quant none|nf4]
                                 [--r R] [--steps N] [--accum K] [--optim NAME]
-                                [--work DIR] [--json OUT] [--max-entries N]
+                                [--work DIR] [--json OUT] [--max-entries N] [--segments]
 
 ``--steps N --accum K`` runs N optimizer steps of K micro-batches each (the run's steady state and
 gradient accumulation); the history is split at every model forward, at each optimizer step's start
 and end and at each step's end (after ``zero_grad``), so each phase's own maximum is read (``phases``)
 and each optimizer step's own peak (``step_peaks``).
+
+``--segments`` also reads the allocator's segments (torch.cuda.memory._snapshot()) right before and right
+after the LAST optimizer step, where the adapter's gradients (and, from step 2, its optimizer's states) are
+live: each live block's size beside its request, and what the blocks hold past their 512 B rounding by class
+and adapter-shaped or not (``segments_at``; issue 52 item 1). The history records requests only, so it cannot
+say which block a cached free block was handed to whole; the segments can. Off by default: each snapshot
+copies the whole history.
 
 Without CUDA it parses its arguments, says so, and exits 0 (nothing can be measured there).
 Run from /work/main (or with it on sys.path) so that ``issue395`` imports.
@@ -67,6 +74,9 @@ def parse(argv=None) -> argparse.Namespace:
     ap.add_argument("--expandable", action="store_true",
                     help="run under PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, as `soup train` does (set "
                          "before CUDA starts), and read the pages live blocks touch at the peak (page_need)")
+    ap.add_argument("--segments", action="store_true",
+                    help="read the allocator's segments right before and after the last optimizer step: each live "
+                         "block's size and request, the rests past 512 B rounding by class (segments_at)")
     ap.add_argument("--top", type=int, default=6, help="frames shown per group")
     ap.add_argument("--stacks", choices=("python", "all"), default="python",
                     help="each block's traceback: python, or all (C++ frames too, slower: for blocks "
@@ -374,6 +384,96 @@ def mark_steps(trainer: Any) -> tuple[list[dict], list[str], list]:
     return calls, events, handles
 
 
+#: A block's class by its request: the small pool's (kSmallSize or less: always split at 512 B), a large-pool
+#: block cut from a shared segment (under kMinLargeAlloc), or one of kMinLargeAlloc or more.
+SEGMENT_CLASSES = ("<=1MiB", "1-10MiB", ">=10MiB")
+#: The bytes an element of an adapter-shaped block takes: an 8-bit optimizer state, a 16-bit parameter or
+#: gradient, an fp32 one or an fp32 state or transient.
+ELEMENT_WIDTHS = (1, 2, 4)
+
+
+def block_class(requested: int) -> str:
+    from issue395.constants import K_MIN_LARGE_ALLOC, K_SMALL_SIZE
+    if requested <= K_SMALL_SIZE:
+        return SEGMENT_CLASSES[0]
+    return SEGMENT_CLASSES[1] if requested < K_MIN_LARGE_ALLOC else SEGMENT_CLASSES[2]
+
+
+def read_segments(snapshot: dict, adapter_bytes) -> dict:
+    """Every live block (state active_allocated: the allocated-bytes stat counts these, whole) in a snapshot's
+    segments (the dict torch.cuda.memory._snapshot() returns): its size and request, its offset in its segment,
+    the segment's total size and pool, and whether its request is adapter-shaped (one of ``adapter_bytes``);
+    then ``rests``: per adapter-shaped or other, per SEGMENT_CLASSES, the blocks, those holding more than their
+    512 B rounding (``whole``: handed a cached block whole, or a segment's tail), what they hold past it
+    (``rest``: size - block_bytes(request)) and the estimator's bound on the same blocks (constants.unsplit_bound)."""
+    from issue395.constants import block_bytes, unsplit_bound
+    adapter = set(adapter_bytes)
+    rests = {kind: {c: {"blocks": 0, "whole": 0, "rest": 0, "bound": 0} for c in SEGMENT_CLASSES}
+             for kind in ("adapter", "other")}
+    blocks = []
+    for seg in snapshot.get("segments") or []:
+        for b in seg.get("blocks") or []:
+            if b.get("state") != "active_allocated":  # free, or freed and waiting on a stream: not counted
+                continue
+            size, req = int(b["size"]), int(b["requested_size"])
+            kind = "adapter" if req in adapter else "other"
+            blocks.append({"size": size, "requested_size": req, "offset": int(b["address"]) - int(seg["address"]),
+                           "segment_size": int(seg["total_size"]), "pool": seg.get("segment_type"),
+                           "adapter": kind == "adapter"})
+            cell, rest = rests[kind][block_class(req)], size - block_bytes(req)
+            cell["blocks"] += 1
+            cell["whole"] += rest > 0
+            cell["rest"] += rest
+            cell["bound"] += unsplit_bound(req)
+    return {"allocated": sum(b["size"] for b in blocks), "requested": sum(b["requested_size"] for b in blocks),
+            "rest": {kind: sum(c["rest"] for c in rests[kind].values()) for kind in rests},
+            "rests": rests, "blocks": blocks}
+
+
+def adapter_shapes(trainer: Any, targets: str, r: int) -> dict:
+    """The adapter as live: each trainable tensor's element count (LoRA A and B, every target, every layer),
+    the element widths its blocks may take, and whether the estimator's lora_tensors counts the same tensors
+    (None, with the reason, where the estimator cannot read the model's config or a target)."""
+    from issue395.errors import UsageError
+    from issue395.estimator.arch import arch_from_config
+    from issue395.estimator.steady import lora_tensors
+    live = sorted(p.numel() for p in trainer.model.parameters() if p.requires_grad)
+    try:
+        est = sorted(lora_tensors(arch_from_config(trainer.model.config.to_dict()), tuple(targets.split(",")), r))
+        matches, why = est == live, None
+    except (UsageError, KeyError) as exc:
+        matches, why = None, f"{type(exc).__name__}: {exc}"
+    return {"tensors": len(live), "elements": sorted(set(live)), "element_widths": list(ELEMENT_WIDTHS),
+            "estimator_matches": matches, **({"estimator_unread": why} if why else {})}
+
+
+def watch_segments(trainer: Any, last: int, adapter_bytes: set) -> list[dict]:
+    """--segments: the segments read (read_segments) at the Trainer's on_pre_optimizer_step and on_optimizer_step
+    of step ``last``. transformers 5.16.1's inner loop calls them just before and just after
+    ``self.optimizer.step()``, before ``lr_scheduler.step()`` and ``model.zero_grad()``: the gradients are live
+    at both, the states of the earlier steps before and this step's after. on_step_end runs after zero_grad
+    (the gradients are None there); an optimizer step hook would sit on the torch optimizer inside accelerate's
+    wrapper at the same points, and these are where mark_steps splits the history too."""
+    import torch
+    from transformers import TrainerCallback
+    moments: list[dict] = []
+
+    def take(name: str) -> None:
+        moments.append({"name": name, "memory_allocated": int(torch.cuda.memory_allocated()),
+                        **read_segments(torch.cuda.memory._snapshot(), adapter_bytes)})
+
+    class Segments(TrainerCallback):
+        def on_pre_optimizer_step(self, args, state, control, **kw):
+            if state.global_step + 1 == last:
+                take(f"before optimizer step {last}")
+
+        def on_optimizer_step(self, args, state, control, **kw):
+            if state.global_step + 1 == last:
+                take(f"after optimizer step {last}")
+    trainer.add_callback(Segments())
+    return moments
+
+
 def step_peaks_of(phases: list[dict]) -> list[int]:
     """Each optimizer step's own peak: the maximum of the phases up to its "step N end" mark."""
     step_peaks, k = [], 0
@@ -397,6 +497,9 @@ def anatomy(a: argparse.Namespace, trainer: Any, gate: Optional[dict], seen: dic
     vocab = int(trainer.model.config.vocab_size) if hasattr(trainer.model, "config") else 0
     E, per_row = width["rows"] * width["width"] * vocab, width["width"] * vocab
     calls, events, handles = mark_steps(trainer)
+    adapter = adapter_shapes(trainer, a.targets, a.r) if a.segments else None
+    moments = (watch_segments(trainer, a.steps, {n * w for n in adapter["elements"] for w in ELEMENT_WIDTHS})
+               if adapter else None)
     trainer.args.max_steps = a.steps
     step_error = None
     with peak_window() as window, allocator_history(a.max_entries, stacks=a.stacks) as taken:
@@ -433,7 +536,8 @@ def anatomy(a: argparse.Namespace, trainer: Any, gate: Optional[dict], seen: dic
             "phases": phases,
             "attribute_peak": {k: summary[k] for k in ("complete", "logits_fp32", "logits_bf16",
                                                        "other_groups", "events")},
-            "groups": group(blocks, E, per_row, a.top)}
+            "groups": group(blocks, E, per_row, a.top),
+            **({"segments_at": {"adapter": adapter, "moments": moments}} if a.segments else {})}
 
 
 def main(argv=None) -> int:
@@ -443,7 +547,8 @@ def main(argv=None) -> int:
     import torch
     if not torch.cuda.is_available():
         print(f"task_peak_anatomy: no CUDA device here; nothing measured "
-              f"(task {a.task}, seq {a.seq}, batch {a.batch}, quant {a.quant}).")
+              f"(task {a.task}, seq {a.seq}, batch {a.batch}, quant {a.quant})."
+              + (" --segments: no snapshot taken, no segments recorded." if a.segments else ""))
         return 0
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout this script is in
     import importlib

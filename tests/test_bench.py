@@ -238,3 +238,69 @@ def test_the_readmes_task_figures_are_what_results_estimator_tasks_says():
     assert len(quoted) == 2
     assert f"over the {n} committed H200 task arms {low} to {high} of the real peak, median {mid}: " in readme
     assert f"({n} task arms:" in readme and f"never under, median {mid} (`results/estimator-tasks.txt`)" in readme
+
+
+def test_the_segments_reading_counts_what_live_large_pool_blocks_hold_past_their_rounding_by_class():
+    """Issue 52 item 1: task_peak_anatomy.py --segments reads the allocator's segments, where the history cannot
+    say which live block a cached free block was handed to whole. Fake: only torch.cuda.memory._snapshot()'s dict,
+    written by hand (segments of blocks: size, requested_size, address, state). A 2.5 MiB adapter-shaped request
+    handed a 3 MiB block counts 0.5 MiB in the 1-10 MiB class; a block split at its 512 B rounding, a small-pool
+    block and a large own-segment block cut to its request count 0; free and stream-pending blocks are not live."""
+    A = load("task_peak_anatomy")
+    MiB = 2**20
+    adapter = {5 * MiB // 2, 5 * MiB // 2 + 100, 1000}
+    snapshot = {"device_traces": [], "segments": [
+        {"address": 1 << 32, "total_size": 20 * MiB, "segment_type": "large", "blocks": [
+            {"address": (1 << 32), "size": 3 * MiB, "requested_size": 5 * MiB // 2, "state": "active_allocated"},
+            {"address": (1 << 32) + 3 * MiB, "size": 5 * MiB // 2 + 512, "requested_size": 5 * MiB // 2 + 100,
+             "state": "active_allocated"},
+            {"address": (1 << 32) + 11 * MiB // 2 + 512, "size": 4 * MiB, "requested_size": 3 * MiB,
+             "state": "inactive"},
+            {"address": (1 << 32) + 19 * MiB // 2 + 512, "size": 3 * MiB, "requested_size": 2 * MiB,
+             "state": "active_pending_free"}]},
+        {"address": 1 << 33, "total_size": 2 * MiB, "segment_type": "small", "blocks": [
+            {"address": (1 << 33) + 4096, "size": 1024, "requested_size": 1000, "state": "active_allocated"}]},
+        {"address": 1 << 34, "total_size": 12 * MiB, "segment_type": "large", "blocks": [
+            {"address": 1 << 34, "size": 12 * MiB, "requested_size": 12 * MiB - 300, "state": "active_allocated"}]}]}
+    got = A.read_segments(snapshot, adapter)
+    assert [(b["size"], b["offset"], b["segment_size"], b["pool"], b["adapter"]) for b in got["blocks"]] == [
+        (3 * MiB, 0, 20 * MiB, "large", True), (5 * MiB // 2 + 512, 3 * MiB, 20 * MiB, "large", True),
+        (1024, 4096, 2 * MiB, "small", True), (12 * MiB, 0, 12 * MiB, "large", False)]
+    mid = got["rests"]["adapter"]["1-10MiB"]
+    assert (mid["blocks"], mid["whole"], mid["rest"]) == (2, 1, MiB // 2)
+    assert mid["rest"] <= mid["bound"]  # the estimator's bound holds over the same live blocks
+    assert got["rests"]["adapter"]["<=1MiB"] == {"blocks": 1, "whole": 0, "rest": 0, "bound": 0}
+    assert got["rests"]["other"][">=10MiB"]["rest"] == 0 and got["rest"] == {"adapter": MiB // 2, "other": 0}
+    assert got["allocated"] == 3 * MiB + 5 * MiB // 2 + 512 + 1024 + 12 * MiB
+    assert A.read_segments({"segments": []}, adapter)["blocks"] == []
+
+
+def test_task_peak_anatomy_takes_segments_and_says_it_records_nothing_without_cuda(capsys):
+    """Issue 52 item 1: --segments is accepted on a host without CUDA (this CPU one), which measures nothing and
+    says the segments are not recorded either, exit 0."""
+    A = load("task_peak_anatomy")
+    assert not torch.cuda.is_available()
+    assert A.main(["--task", "sft", "--base", "none", "--seq", "64", "--segments"]) == 0
+    out = capsys.readouterr().out
+    assert "nothing measured" in out and "--segments: no snapshot taken" in out
+    assert A.parse(["--task", "sft", "--base", "none", "--seq", "64"]).segments is False
+
+
+def test_the_segments_device_call_runs_the_fit4_anatomy_arms_as_they_ran_with_segments():
+    """bench/gpu-next.sh segments52 (issue 52 item 1): each arm it runs is a committed fit4 anatomy arm with the
+    same arguments as results/fit4-*/call-1-2/commands.txt records, plus --segments, and each parses here."""
+    import re
+
+    commands = (ROOT / "results" / "fit4-anatomy-findmax-h200-soup0.77.0-2de65db-and-f2319d3" / "call-1-2"
+                / "commands.txt").read_text()
+    ran = {m.group(2): m.group(1).split() for m in re.finditer(
+        r"task_peak_anatomy\.py --base \S+ (.*) --work \S+ --json /tmp/results/anatomy-(\S+)\.json", commands)}
+    body = (ROOT / "bench" / "gpu-next.sh").read_text().split("\nsegments52() {", 1)[1].split("\n}\n", 1)[0]
+    arms = re.findall(r"^\s*anatomy seg (\S+) \S+ (.*)$", body, re.MULTILINE)
+    assert [t for t, _ in arms] == ["sft-llama32-1b-bf16-2048x1-r64-all-s3-a1", "dpo-qwen-bf16-2048x1-r64-all-s3-a1",
+                                    "sft-phi3-nf4-2048x1-r64-fused-s3-a4", "sft-mistral-nf4-1024x1-r256-all-s3-a1"]
+    A = load("task_peak_anatomy")
+    for tag, args in arms:
+        words = args.split()
+        assert words == ran[tag] + ["--segments"], tag
+        assert A.parse(["--base", "x"] + words).segments
