@@ -390,6 +390,8 @@ SEGMENT_CLASSES = ("<=1MiB", "1-10MiB", ">=10MiB")
 #: The bytes an element of an adapter-shaped block takes: an 8-bit optimizer state, a 16-bit parameter or
 #: gradient, an fp32 one or an fp32 state or transient.
 ELEMENT_WIDTHS = (1, 2, 4)
+#: A live block's row in ``segments_at`` (a row, not a dict: a steady state holds thousands of blocks).
+BLOCK_FIELDS = ("size", "requested_size", "offset", "segment_size", "pool", "adapter")
 
 
 def block_class(requested: int) -> str:
@@ -401,9 +403,9 @@ def block_class(requested: int) -> str:
 
 def read_segments(snapshot: dict, adapter_bytes) -> dict:
     """Every live block (state active_allocated: the allocated-bytes stat counts these, whole) in a snapshot's
-    segments (the dict torch.cuda.memory._snapshot() returns): its size and request, its offset in its segment,
-    the segment's total size and pool, and whether its request is adapter-shaped (one of ``adapter_bytes``);
-    then ``rests``: per adapter-shaped or other, per SEGMENT_CLASSES, the blocks, those holding more than their
+    segments (the dict torch.cuda.memory._snapshot() returns) as a row of BLOCK_FIELDS: its size and request, its
+    offset in its segment, the segment's total size and pool, and whether its request is adapter-shaped (one of
+    ``adapter_bytes``); then ``rests``: per adapter-shaped or other, per SEGMENT_CLASSES, the blocks, those holding more than their
     512 B rounding (``whole``: handed a cached block whole, or a segment's tail), what they hold past it
     (``rest``: size - block_bytes(request)) and the estimator's bound on the same blocks (constants.unsplit_bound)."""
     from issue395.constants import block_bytes, unsplit_bound
@@ -417,17 +419,16 @@ def read_segments(snapshot: dict, adapter_bytes) -> dict:
                 continue
             size, req = int(b["size"]), int(b["requested_size"])
             kind = "adapter" if req in adapter else "other"
-            blocks.append({"size": size, "requested_size": req, "offset": int(b["address"]) - int(seg["address"]),
-                           "segment_size": int(seg["total_size"]), "pool": seg.get("segment_type"),
-                           "adapter": kind == "adapter"})
+            blocks.append([size, req, int(b["address"]) - int(seg["address"]), int(seg["total_size"]),
+                           seg.get("segment_type"), kind == "adapter"])
             cell, rest = rests[kind][block_class(req)], size - block_bytes(req)
             cell["blocks"] += 1
             cell["whole"] += rest > 0
             cell["rest"] += rest
             cell["bound"] += unsplit_bound(req)
-    return {"allocated": sum(b["size"] for b in blocks), "requested": sum(b["requested_size"] for b in blocks),
+    return {"allocated": sum(b[0] for b in blocks), "requested": sum(b[1] for b in blocks),
             "rest": {kind: sum(c["rest"] for c in rests[kind].values()) for kind in rests},
-            "rests": rests, "blocks": blocks}
+            "rests": rests, "block_fields": list(BLOCK_FIELDS), "blocks": blocks}
 
 
 def adapter_shapes(trainer: Any, targets: str, r: int) -> dict:
@@ -564,7 +565,10 @@ def main(argv=None) -> int:
         from soup_cli.data.loader import load_dataset
         wrapper.setup(load_dataset(config.data))
         res = anatomy(a, wrapper.trainer, gate, seen)
-        print(json.dumps(res, indent=1, default=str))
+        shown = res if not a.segments else {  # the console without the blocks' rows: --json keeps them
+            **res, "segments_at": {**res["segments_at"], "moments": [
+                {k: v for k, v in m.items() if k != "blocks"} for m in res["segments_at"]["moments"]]}}
+        print(json.dumps(shown, indent=1, default=str))
         if a.json:
             Path(a.json).write_text(json.dumps(res, indent=1, default=str))
     finally:

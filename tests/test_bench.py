@@ -263,9 +263,11 @@ def test_the_segments_reading_counts_what_live_large_pool_blocks_hold_past_their
         {"address": 1 << 34, "total_size": 12 * MiB, "segment_type": "large", "blocks": [
             {"address": 1 << 34, "size": 12 * MiB, "requested_size": 12 * MiB - 300, "state": "active_allocated"}]}]}
     got = A.read_segments(snapshot, adapter)
-    assert [(b["size"], b["offset"], b["segment_size"], b["pool"], b["adapter"]) for b in got["blocks"]] == [
+    rows = [dict(zip(got["block_fields"], b)) for b in got["blocks"]]
+    assert [(b["size"], b["offset"], b["segment_size"], b["pool"], b["adapter"]) for b in rows] == [
         (3 * MiB, 0, 20 * MiB, "large", True), (5 * MiB // 2 + 512, 3 * MiB, 20 * MiB, "large", True),
         (1024, 4096, 2 * MiB, "small", True), (12 * MiB, 0, 12 * MiB, "large", False)]
+    assert rows[1]["requested_size"] == 5 * MiB // 2 + 100
     mid = got["rests"]["adapter"]["1-10MiB"]
     assert (mid["blocks"], mid["whole"], mid["rest"]) == (2, 1, MiB // 2)
     assert mid["rest"] <= mid["bound"]  # the estimator's bound holds over the same live blocks
