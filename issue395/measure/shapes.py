@@ -1,6 +1,7 @@
-"""The shape of any streamable config (pool, extras, adapter, dims) derived on a meta skeleton,
-from a registry family, a hub id or a local config; what the installed Soup streams, and what the
-map cannot cover. The families themselves are issue395.model.registry's.
+"""The shape of any config this tool builds (pool, extras, adapter, dims) derived on a meta skeleton,
+from a registry family, a hub id or a local config; what the installed Soup streams (asked of a
+streamed run only: a resident run streams nothing), and what the map cannot cover. The families
+themselves are issue395.model.registry's.
 """
 
 from __future__ import annotations
@@ -40,18 +41,18 @@ def size_problem(attr: str, value: Any) -> Optional[str]:
 
 def derive_shape(config: Any, name: str, key: str = "custom", hub_id: Optional[str] = None,
                  arch: Optional[dict] = None, targets: Optional[tuple] = None, lora_r: int = LORA_R,
-                 lora_alpha: int = LORA_ALPHA) -> Shape:
-    """pool, extras, adapter and dims of any streamable config, by the grid's conventions, on a
+                 lora_alpha: int = LORA_ALPHA, streamed: bool = True) -> Shape:
+    """pool, extras, adapter and dims of any config this tool builds, by the grid's conventions, on a
     meta skeleton: a bf16 layer is half the pool; extras every other unique parameter (a tied
     head once); the adapter at ``lora_r`` on ``targets``; ``arch`` keeps the other public
-    fields, so the exact shape can be built."""
+    fields, so the exact shape can be built. ``streamed``: the run streams its layers, so Soup
+    must stream its architecture (a resident run streams nothing: any model transformers builds)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     model_type = getattr(config, "model_type", "")
-    if streamed_as(model_type) is None:
-        raise UsageError(f"{name}: architecture {model_type!r} cannot be layer-streamed by Soup "
-                         f"(it streams {', '.join(supported_archs())})")
+    if streamed:
+        refuse_unstreamed(model_type, name)
     width = soup_intermediate(lambda n: getattr(config, n, None))
     for attr in CONFIG_LIMITS:  # a MoE config may have no dense intermediate_size: Soup's width then
         value = getattr(config, attr, None)
@@ -82,6 +83,20 @@ def derive_shape(config: Any, name: str, key: str = "custom", hub_id: Optional[s
                  max_positions=int(getattr(config, "max_position_embeddings", 0) or 0),
                  arch={k: v for k, v in (arch or {}).items() if k not in NOT_ARCH},
                  record=False, targets=targets, lora_r=lora_r, lora_alpha=lora_alpha)
+
+
+def refuse_unstreamed(model_type: Any, who: str) -> None:
+    """One line where the installed Soup cannot layer-stream ``model_type``: a streamed run's check only."""
+    if streamed_as(model_type) is None:
+        raise UsageError(f"{who}: architecture {model_type!r} cannot be layer-streamed by Soup "
+                         f"(it streams {', '.join(supported_archs())})")
+
+
+def transformers_builds(model_type: Any) -> bool:
+    """Whether the installed transformers knows ``model_type`` (its auto config's registry)."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    return isinstance(model_type, str) and model_type in CONFIG_MAPPING
 
 
 def default_map_families() -> tuple:
@@ -127,7 +142,9 @@ def registry_shape(base: str, targets: Optional[tuple] = None, lora_r: int = LOR
                    lora_alpha: int = LORA_ALPHA) -> Shape:
     """A registry model's shape derived from its public config (a family's; the record's two as
     config_json writes theirs) under a LoRA adapter: the family's targets and the protocol's r and
-    alpha unless a --config file names its own."""
+    alpha unless a --config file names its own. The model's shape, not a run's: whether the installed
+    Soup streams it is checked where a streamed run of it is settled (``require_streamed``: --families,
+    a --config file), so a resident run of it, and its checkpoint, build here."""
     from transformers import AutoConfig
 
     family, fields_ = FAMILIES.get(base), config_json(base)
@@ -136,7 +153,8 @@ def registry_shape(base: str, targets: Optional[tuple] = None, lora_r: int = LOR
         config = AutoConfig.for_model(fields_["model_type"], **arch)
     return derive_shape(config, family.label if family else SHAPES[base].name, key=base,
                         hub_id=family.hub_id if family else SHAPES[base].hub_id, arch=arch,
-                        targets=targets or (family.targets if family else None), lora_r=lora_r, lora_alpha=lora_alpha)
+                        targets=targets or (family.targets if family else None), lora_r=lora_r, lora_alpha=lora_alpha,
+                        streamed=False)
 
 
 def with_modes(shape: Shape, key: str) -> Shape:
@@ -163,11 +181,12 @@ def config_only(model: str) -> Optional[Path]:
 
 
 def load_custom_shape(model: str, targets: Optional[tuple] = None, lora_r: int = LORA_R,
-                      lora_alpha: int = LORA_ALPHA) -> Shape:
+                      lora_alpha: int = LORA_ALPHA, streamed: bool = True) -> Shape:
     """--model's figures from its config (a checkpoint folder, a config.json, or a hub id), under
-    the protocol's adapter unless a --config file names its own; what Soup cannot stream or this
-    tool cannot run is refused in one line, before anything is built."""
-    adapter = dict(targets=targets, lora_r=lora_r, lora_alpha=lora_alpha)
+    the protocol's adapter unless a --config file names its own; what Soup cannot stream (where the
+    run is ``streamed``: a --config file's resident run is not) or this tool cannot run is refused in
+    one line, before anything is built."""
+    adapter = dict(targets=targets, lora_r=lora_r, lora_alpha=lora_alpha, streamed=streamed)
     from transformers import AutoConfig
 
     path, config_file = Path(model), config_only(model)
@@ -193,9 +212,11 @@ def load_custom_shape(model: str, targets: Optional[tuple] = None, lora_r: int =
     except (OSError, ValueError, RecursionError) as exc:
         raise UsageError(f"--model {model}: {config_file.name} cannot be read ({last_line(exc)})") from None
     model_type = fields_.get("model_type")
-    if streamed_as(model_type) is None:
-        raise UsageError(f"--model {model}: architecture {model_type!r} cannot be layer-streamed by Soup "
-                         f"(it streams {', '.join(supported_archs())})")
+    if streamed:
+        refuse_unstreamed(model_type, f"--model {model}")
+    elif not transformers_builds(model_type):  # a resident run loads it as transformers does: nothing else to ask
+        raise UsageError(f"--model {model}: architecture {model_type!r} is not one the installed transformers "
+                         "builds, so no run of it can be loaded")
     for key in ("vocab_size", "hidden_size", "num_hidden_layers"):
         if not is_whole(fields_.get(key), minimum=1):
             raise UsageError(f"--model {model}: {config_file.name} has {key} {fields_.get(key)!r}; it must "

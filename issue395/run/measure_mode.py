@@ -20,7 +20,7 @@ from ..errors import EXIT_USAGE, UsageError, last_line
 from ..record import MAP_BATCHES, QUANTS, RECORD_GRID
 from ..model.arm import Arm
 from ..model.registry import ALL_FAMILIES, FAMILIES, SHAPES, max_positions, stream_mode_keys
-from ..model.streaming import family_of
+from ..model.streaming import Streaming, family_of
 from ..estimator.cards import parse_context
 from ..estimator.soup_number import require_streamed
 from ..results.merge import merge
@@ -155,9 +155,10 @@ def map_grid(args: argparse.Namespace) -> tuple:
     if unknown or not all(families) or len(set(families)) != len(families):
         raise UsageError(f"--families: {'unknown family ' + repr(unknown[0]) if unknown else 'empty or repeated name'}; "
                          f"choose from {','.join(known)}")
-    for fam in families:
-        require_streamed(FAMILIES[fam].model_type if fam in FAMILIES else "llama", f"--families {fam}")
     families = stream_mode_families(args, families)
+    for fam in dict.fromkeys(family_of(k) for k in families if not Streaming.parse(k)[1].resident):
+        # a resident arm streams nothing: only a family the map streams needs the installed Soup to stream it
+        require_streamed(FAMILIES[fam].model_type if fam in FAMILIES else "llama", f"--families {fam}")
     quants = QUANTS if args.quant is None else distinct_choices("--quant", args.quant, QUANTS, "quantization")
     if args.quant is not None and "nf4" in quants and not args.dry_run and not bitsandbytes_present():
         raise UsageError("--quant nf4 needs bitsandbytes, which is not installed here")
@@ -317,7 +318,7 @@ def local_shapes(run: MeasureRequest, protocol: Protocol, scratch: Scratch, arms
     a, checkpoint = run.arm.adapter, run.arm.checkpoint
     adapter = dict(targets=a.targets, lora_r=a.lora_r, lora_alpha=a.lora_alpha)
     if checkpoint:
-        shapes["custom"] = load_custom_shape(checkpoint, **adapter)
+        shapes["custom"] = load_custom_shape(checkpoint, streamed=not run.arm.streaming.resident, **adapter)
         within_positions(checkpoint, shapes["custom"].max_positions, run.seqs,
                          f"--config {a.soup_config}: data.max_length" if a.soup_config else "--seq")
     families = [f for f in dict.fromkeys(family_of(a.model) for a in arms) if f != "custom"]

@@ -126,3 +126,27 @@ def test_the_measurements_default_targets_are_the_estimators_on_the_same_config(
     assert got == protocol_targets(arch_from_config(fields_))
     assert got == {"llama32-1b": ("q_proj", "v_proj"), "phi3-mini": ("qkv_proj",),
                    "moonlight": ("q_proj", "kv_b_proj")}[key]
+
+
+@pytest.mark.parametrize("key", ["moonlight", "qwen3.5-moe"])
+def test_a_registry_models_shape_is_built_whatever_the_installed_soup_streams(key):
+    """A registry family's shape is the model's, not a run's: it builds on the meta device whether or not the installed
+    Soup streams its model type (soup-cli 0.73.3 streams neither DeepSeek-V3 nor Qwen3.5-MoE), so a resident run of it
+    and its checkpoint have one; a streamed run of it is refused where the run is settled (require_streamed)."""
+    shape = registry_shape(key)
+    assert (shape.key, shape.model_type, shape.n_layers) == (key, FAMILIES[key].model_type,
+                                                             FAMILIES[key].config["num_hidden_layers"])
+    assert shape.pool > 0 and shape.grid_adapter > 0
+
+
+def test_only_a_streamed_runs_shape_asks_whether_soup_streams_its_architecture():
+    """derive_shape refuses an architecture no Soup streams (Mixtral, an MoE) for a streamed run, and builds it for a
+    resident one (``streamed=False``)."""
+    from transformers import MixtralConfig
+
+    config = MixtralConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                           num_key_value_heads=2, num_local_experts=4, vocab_size=512)
+    with pytest.raises(UsageError, match="'mixtral' cannot be layer-streamed"):
+        derive_shape(config, name="tiny-mixtral")
+    shape = derive_shape(config, name="tiny-mixtral", streamed=False, targets=("q_proj", "v_proj"))
+    assert (shape.model_type, shape.n_layers, shape.vocab) == ("mixtral", 2, 512)

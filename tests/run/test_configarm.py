@@ -452,3 +452,93 @@ def test_a_full_fine_tuning_file_is_an_arm_whose_label_and_header_say_full(tmp_p
     assert "lora_weights" not in e.terms or not e.terms["lora_weights"]
     assert e.corrected_predicted == estimate_resident(config_json("llama32-1b"), seq=1024, lora_r=0, checkpointing=True,
                                                       **arm.run).corrected_predicted
+
+
+# A resident soup.yaml of a model Soup does not stream (Moonlight on soup-cli 0.73.3, a DeepSeek-V3 MoE): a resident
+# run streams nothing, so only a streamed file is refused for what Soup streams.
+
+#: Each registry family's config shrunk in every width (its model type and its kinds of layer kept: Moonlight's latent
+#: attention, shared and routed experts and dense first layer; Qwen3.5-MoE's delta-net and full-attention layers and
+#: experts), so Soup's real setup builds it on CPU in seconds; with the LoRA targets its layers have.
+TINY_FAMILIES = {
+    "moonlight": (dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2,
+                       n_shared_experts=1, kv_lora_rank=16, qk_rope_head_dim=8, v_head_dim=16, qk_nope_head_dim=16,
+                       vocab_size=512), "q_proj, kv_b_proj"),
+    "qwen3.5-moe": (dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4,
+                         num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32,
+                         vocab_size=512, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                         linear_value_head_dim=16), "q_proj, v_proj"),
+}
+
+
+def moonlight_yaml(tmp_path, base, stream_layers="false", targets="q_proj, kv_b_proj"):
+    path = soup_yaml(tmp_path, base)
+    path.write_text(path.read_text().replace("stream_layers: true", f"stream_layers: {stream_layers}")
+                    .replace("[q_proj]", f"[{targets}]"))
+    return path
+
+
+def config_folder(root, model_type, **config):
+    """A folder holding only a config.json (synthetic weights are built from it)."""
+    root.mkdir(parents=True)
+    (root / "config.json").write_text(json.dumps(dict(config, model_type=model_type)))
+    return root
+
+
+@pytest.mark.parametrize("key", list(TINY_FAMILIES))
+def test_a_resident_moe_file_dry_runs_as_the_maps_resident_arm(capfd, tmp_path, monkeypatch, cache_dir, key):
+    """A resident soup.yaml of Moonlight (base moonshotai/Moonlight-16B-A3B, stream_layers false; and of Qwen3.5-MoE)
+    runs --dry-run as the map's resident arm (`moonlight+resident`): exit 0, its row and its table name the resident
+    arm, Soup's resident gate is on the row, whether or not the installed Soup streams the model type. Before, the
+    shape refused it as 'cannot be layer-streamed' (soup-cli 0.73.3). The registry's family is the real one with its
+    widths shrunk (monkeypatched here, so the checkpoint builds in seconds); the path is the registry's, by hub id."""
+    from issue395.model.registry import FAMILIES
+
+    family, (tiny, targets) = FAMILIES[key], TINY_FAMILIES[key]
+    monkeypatch.setitem(FAMILIES, key, replace(family, config=dict(family.config, **tiny)))
+    out = tmp_path / "dry.json"
+    code, text, err = main(capfd, ["--config", moonlight_yaml(tmp_path, family.hub_id, targets=targets), "--dry-run",
+                                   "--cache-dir", cache_dir, "--json", out])
+    assert code == 0, err
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["model_key"] == f"{key}+resident" and row["dry_run"] and row["error"] is None
+    assert row["soup_resident"] is not None and family.name in text and "[resident]" in text
+
+
+def test_a_resident_file_on_a_local_moe_config_soup_does_not_stream_dry_runs(capfd, tmp_path, cache_dir):
+    """A resident soup.yaml whose base is a local config.json of an MoE no Soup release streams (Mixtral) runs
+    --dry-run (exit 0, the row `custom+resident`): a resident run loads what transformers builds."""
+    folder = config_folder(tmp_path / "mixtral", "mixtral", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                           vocab_size=512, max_position_embeddings=512)
+    out = tmp_path / "dry.json"
+    code, text, err = main(capfd, ["--config", moonlight_yaml(tmp_path, folder, targets="q_proj, v_proj"),
+                                   "--dry-run", "--cache-dir", cache_dir, "--json", out])
+    assert code == 0, err
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["model_key"] == "custom+resident" and "[resident]" in text
+
+
+def test_a_streamed_file_of_a_model_soup_cannot_stream_is_still_one_line(capfd, tmp_path):
+    """The same files streamed (stream_layers true) are refused in one line naming the architecture, before anything
+    is built: Mixtral (no release streams it) from a local config, and Moonlight where the installed Soup does not
+    stream deepseek_v3 (0.73.3)."""
+    from issue395.estimator.soup_number import streamed_as
+
+    folder = config_folder(tmp_path / "mixtral", "mixtral", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, vocab_size=512)
+    mixtral = moonlight_yaml(tmp_path, folder, stream_layers="true", targets="q_proj, v_proj")
+    one_error_line(*main(capfd, ["--config", mixtral, "--dry-run"]), "'mixtral'", "cannot be layer-streamed")
+    if streamed_as("deepseek_v3") is None:
+        moon = moonlight_yaml(tmp_path, "moonshotai/Moonlight-16B-A3B", stream_layers="true")
+        one_error_line(*main(capfd, ["--config", moon, "--dry-run"]), "does not stream deepseek_v3")
+
+
+def test_a_resident_file_of_an_architecture_transformers_does_not_build_is_one_line(capfd, tmp_path):
+    """A resident file whose base's config.json names a model type the installed transformers does not know is one
+    line naming it (not transformers' list of every model type), exit 2."""
+    folder = config_folder(tmp_path / "bogus", "not_a_model", hidden_size=64, num_hidden_layers=2, vocab_size=512)
+    line = one_error_line(*main(capfd, ["--config", moonlight_yaml(tmp_path, folder), "--dry-run"]),
+                          "'not_a_model'", "transformers")
+    assert len(line) < 300

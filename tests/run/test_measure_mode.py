@@ -149,3 +149,19 @@ def test_a_parent_of_children_with_steps_keeps_the_childrens_stack_and_writes_it
 
 
 ROOT_RESULT = Path(__file__).resolve().parents[2] / "results/split-check-h200x2-soup0.73.3-b5bee37/full-cold.json"
+
+
+def test_a_resident_map_of_a_family_soup_does_not_stream_is_planned_and_a_streamed_one_refused(capfd):
+    """`--map --families moonlight --stream-layers off` plans the resident arm alone (a resident run streams nothing);
+    with a streamed arm asked (`on,off`, or Soup's default on) it is one line where the installed Soup does not
+    stream deepseek_v3 (soup-cli 0.73.3)."""
+    from issue395.estimator.soup_number import streamed_as
+    from issue395.run.options import settle
+    from issue395.run.parser import build_parser
+
+    argv = ["--map", "--dry-run", "--families", "moonlight", "--stream-layers", "off"]
+    assert {a.model for a in settle(build_parser().parse_args(argv), argv).arms()} == {"moonlight+resident"}
+    if streamed_as("deepseek_v3") is None:
+        for layers in (["--stream-layers", "on,off"], []):
+            one_error_line(*main(capfd, ["--map", "--dry-run", "--families", "moonlight", *layers]),
+                           "--families moonlight", "does not stream deepseek_v3")
