@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional
 
+from ..constants import ALLOC_CONF_VAR, EXPANDABLE_SEGMENTS
 from ..record import LORA_R
 from ..tasks import PROTOCOL_TASK
 from ..errors import UsageError, last_line
@@ -424,7 +425,7 @@ def child_env(run: MeasureRequest, job: Job, gpu: Optional[int], out: Path, thre
     for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "RAYON_NUM_THREADS"):
         env.setdefault(var, mine) if lanes is None else env.__setitem__(var, mine)
     if run.constraints.fresh:  # as `soup train` sets it, before CUDA starts: only a fresh process can
-        env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+        env[ALLOC_CONF_VAR] = EXPANDABLE_SEGMENTS
     env[CHILD_JOB] = str(out.with_suffix(".job.json"))
     env[PARENT_PID] = str(os.getpid())
     return env
