@@ -391,3 +391,33 @@ def layer_peak(a: Arch, quant: str, targets: tuple, r: int, T: int, *, per: int,
     if not peaks:  # no target in any layer: estimate refuses such targets before this
         raise ValueError("no layer holds a LoRA target")
     return max(peaks, key=lambda p: p.total)
+
+
+#: The bytes autocast's fp32 ops make one element of what they save: layer_norm and pow are on CUDA autocast's
+#: float32 list (torch's autocast_mode.cpp), so each casts its bf16 input to fp32 and saves that copy.
+AUTOCAST_FP32 = 4
+
+
+def autocast_upcasts(a: Arch, quant: str) -> tuple[list[tuple[int, int]], int]:
+    """The blocks, as (bytes an element, width) a token, that a layer keeps under Hugging Face's bf16 autocast (a
+    resident run's: Soup's streamed step runs without it, and the shared counts are measured there) where the
+    count charges other ones, and the bytes a token of the count's they replace. nn.LayerNorm (``norm_bias``:
+    phi's input_layernorm, transformers 5.16.1 modeling_phi.py) runs in fp32 and saves its input's fp32 copy
+    and its fp32 mean and rstd (4 B a token each), none of which the count charges (under NF4 the residual is
+    fp32 already, and the input itself is what it saves). phi's python gelu_new (activations.py
+    NewGELUActivation, ``mlp_saved`` 7) calls torch.pow, which autocast runs in fp32: its input's fp32 copy
+    (which pow saves), tanh's output and 1 + tanh (which the last mul saves) are fp32, where the count charges
+    three bf16 (0.5 x stays bf16); under NF4 the count charges them fp32 already (fp32_residual)."""
+    blocks, replaced = [], 0
+    if a.norm_bias:
+        blocks += [(AUTOCAST_FP32, a.h), (AUTOCAST_FP32, 1), (AUTOCAST_FP32, 1)] * a.norms
+    if a.quirks.mlp_saved == 7 and not fp32_residual(a, quant):
+        blocks += [(AUTOCAST_FP32, a.i)] * 3
+        replaced += 3 * activation_bytes(a, quant) * a.i
+    return blocks, replaced
+
+
+def autocast_per_token(a: Arch, quant: str) -> int:
+    """What autocast_upcasts adds to a layer's count a token."""
+    blocks, replaced = autocast_upcasts(a, quant)
+    return sum(b * w for b, w in blocks) - replaced

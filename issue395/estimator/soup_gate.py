@@ -100,8 +100,8 @@ def preflight(cfg: Any, tcfg: Any, model_config: Any, *, steps: Optional[int] = 
 #: Soup's settings a resident step's bytes depend on that the resident estimate does not model, with the
 #: value it assumes (Soup's schema default; None and False where Soup's default is unset): another value keeps
 #: Soup's formula, said so. Spectrum's and the freezes' partial fine-tuning (unfrozen_parameters, freeze_layers,
-#: freeze_ratio; lora.r 0, every parameter trained, is modelled: resident.estimate_full, and on 0.77.0's fp32 master
-#: weights resident.estimate_master), another adapter (DoRA, VeRA), another backend, a fused or offloaded loss or
+#: freeze_ratio; lora.r 0, every parameter trained, is modelled: full.estimate_full, and on 0.77.0's fp32 master
+#: weights full.estimate_master), another adapter (DoRA, VeRA), another backend, a fused or offloaded loss or
 #: activations, QAT, LISA's layer switching, MoE LoRA; double quantisation as the streamed gate assumes it (the
 #: dropout is read, as the streamed gate reads it);
 #: auto_mixed_precision (pick_mixed_precision may answer "no": no autocast, a step the estimate's bf16 matmuls

@@ -126,7 +126,7 @@ class Term(Enum):
     #: weight), none charged there before; not in needs_free
     REFERENCE_REMAINDERS = ("reference_remainders", {_RF}, Kind.OTH, "the reference forward's blocks' remainders",
                             "DPO, KTO")
-    #: full fine-tuning (Soup's lora.r 0, resident; issue395.estimator.resident.estimate_full): what a trained
+    #: full fine-tuning (Soup's lora.r 0, resident; issue395.estimator.full.estimate_full): what a trained
     #: weight makes autograd keep at the head (its input and the final norm's normed tensor), the head's weight
     #: gradient made at the loss's backward, the embedding's backward at the walk's end (its fresh V x h gradient
     #: block and its kernel's fp32 partial sums), and every parameter's gradient at the optimizer's step
@@ -135,7 +135,7 @@ class Term(Enum):
     EMBEDDING_BACKWARD = ("embedding_backward", {_LA}, Kind.TEMP, "the embedding's backward", "lora.r 0")
     PARAMETER_GRADIENTS = ("parameter_gradients", {_OP}, Kind.GRAD, "every parameter's gradient", "lora.r 0")
     #: full fine-tuning on fp32 master weights under bf16 autocast (soup-cli 0.77.0's resolve_base_load_dtype;
-    #: resident.estimate_master): the bf16 copy autocast makes of each fp32 weight a matmul reads, held by its
+    #: full.estimate_master): the bf16 copy autocast makes of each fp32 weight a matmul reads, held by its
     #: cast cache until the forward's autocast region exits and by the matmul's saved tensors for the backward:
     #: every one at the loss...
     WEIGHT_CASTS = ("weight_casts", {_LO}, Kind.TEMP, "autocast's bf16 copies of the fp32 weights",

@@ -455,14 +455,15 @@ def test_a_full_fine_tunings_packing_need_is_at_least_its_resident_estimate():
     which charges no parameter gradient or optimizer state (it gave Llama-3.2-1B 512x1 7.67 GB against the
     estimate's 12.90 GB): its lane need is at least the estimate, and the bound refuses r 0 (reviewer item 1)."""
     from issue395.errors import UsageError
-    from issue395.estimator.resident import estimate_full
+    from issue395.estimator.resident import estimate_resident
     from issue395.host.spread import arm_needs, resident_packing_bound
     from issue395.model.registry import config_json
 
     for family in ("llama32-1b", "gemma2-2b"):
         arm = Arm.at(f"{family}+resident", 512, adapter=Adapter(lora_r=0))
         try:  # the installed stack's: gemma2 on a stack whose transformers runs it eager, on fp32 master weights, is
-            want = estimate_full(config_json(family), seq=512).corrected_predicted  # refused (resident.py says why)
+            # refused (full.py says why)
+            want = estimate_resident(config_json(family), seq=512, lora_r=0).corrected_predicted
         except UsageError:
             assert arm_needs(arm, MeasureRequest()) is None  # refused: not packed blind
             continue
