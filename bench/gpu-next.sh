@@ -39,7 +39,7 @@
 # resident-full, issue 51 item 1: full fine-tuning (training.lora.r 0, SFT bf16, 1024x1), Qwen2.5-0.5B and
 # Llama-3.2-1B, checkpointing off and on, one measured arm each (the harness's own step, --config): the first
 # measured rows of estimate_full / estimate_master (0.77.0's fp32 master weights), every figure of which is
-# unmeasured so far. SOUP=0.73.3 for the pin's bf16 build (its own call).
+# unmeasured so far. `resident-full 0.73.3` for the pin's bf16 build (its own call).
 #
 # resident-anatomy, issue 51 item 3: the allocator's history (bench/task_peak_anatomy.py) of the committed resident
 # rows the corrected estimate is most over (max 1.0794x; the Done-when asks 1.02x): Phi-3-mini NF4 without
@@ -173,10 +173,11 @@ resident_anatomy() {
   export TMPDIR=/dev/shm HF_HUB_OFFLINE=1
   END=$(( $(date +%s) + ${BUDGET_S:-540} ))
   git log -1 --format=%H >> "$R/stack.txt" 2>/dev/null
-  anatomy res sft-phi3-nf4-1024x1 phi3-mini --train stream_layers=false --task sft --seq 1024 --quant nf4
-  anatomy res sft-phi2-bf16-2048x1 phi-2 --train stream_layers=false --task sft --seq 2048
-  anatomy res sft-phi2-nf4-1024x1 phi-2 --train stream_layers=false --task sft --seq 1024 --quant nf4
-  anatomy res sft-moonlight-bf16-2048x4 moonlight --train stream_layers=false --task sft --seq 2048 --batch 4
+  anatomy res sft-phi3-nf4-1024x1 phi3-mini --train stream_layers=false --task sft --seq 1024 --quant nf4 --targets qkv_proj
+  anatomy res sft-phi2-bf16-2048x1 phi-2 --train stream_layers=false --task sft --seq 2048 --targets q_proj,v_proj
+  anatomy res sft-phi2-nf4-1024x1 phi-2 --train stream_layers=false --task sft --seq 1024 --quant nf4 --targets q_proj,v_proj
+  anatomy res sft-moonlight-bf16-2048x4 moonlight --train stream_layers=false --task sft --seq 2048 --batch 4 \
+      --targets q_proj,kv_b_proj
 }
 
 segments52() {

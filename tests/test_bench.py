@@ -306,3 +306,22 @@ def test_the_segments_device_call_runs_the_fit4_anatomy_arms_as_they_ran_with_se
         words = args.split()
         assert words == ran[tag] + ["--segments"], tag
         assert A.parse(["--base", "x"] + words).segments
+
+
+def test_the_resident_anatomy_call_trains_each_familys_own_lora_targets_resident():
+    """bench/gpu-next.sh resident-anatomy (issue 51 item 3): each arm is resident and names the LoRA targets its
+    family's committed resident rows trained (the registry shape's), so peft finds them (Phi-3's fused qkv_proj,
+    Moonlight's q_proj and kv_b_proj: task_peak_anatomy's default q_proj,v_proj exists in neither), and each
+    parses here."""
+    import re
+
+    from issue395.measure.shapes import family_shape
+
+    body = (ROOT / "bench" / "gpu-next.sh").read_text().split("\nresident_anatomy() {", 1)[1].split("\n}\n", 1)[0]
+    arms = re.findall(r"^\s*anatomy res (\S+) (\S+) (.*)$", body.replace("\\\n", " "), re.MULTILINE)
+    assert {fam for _, fam, _ in arms} == {"phi3-mini", "phi-2", "moonlight"}
+    A = load("task_peak_anatomy")
+    for tag, fam, args in arms:
+        a = A.parse(["--base", "x"] + args.split())
+        assert tuple(a.targets.split(",")) == family_shape(fam).targets, tag
+        assert "stream_layers=false" in args.split(), tag

@@ -482,8 +482,8 @@ def read_peaks(path: Path) -> Optional[ProbeAllocator]:
 
 
 #: Why a resident search's probes run on expandable segments, in the plan's words.
-ALLOC_WHY = ("the setting this tool's resident need holds under; `soup train` sets it for a streamed run only, so "
-             "a resident run needs it exported: export it to run on another setting")
+ALLOC_WHY = ("the setting this tool's resident need holds under; stock `soup train` sets it in time for a streamed "
+             "run of 0.77.0 only, so a resident run needs it exported: export another value to probe that one")
 
 
 def probe_allocator() -> str:

@@ -35,8 +35,8 @@ GATE_GROWTH_BYTES = 94_371_840
 STEP_GROWTH_BYTES = 262_144_000
 #: ...by Soup's gate in `soup train`'s own process (the CLI, whose setup runs far fewer kernels before its
 #: gate than this tool's in-process setup): the card's total less the box's context less the free memory
-#: Soup's gate printed, 16.3 to 22.4 MB on 33 --find-max probes of 9 configs (two decimals: +-5 MB); the
-#: most measured. Evidence: docs/PEAK.md, "GATE_GROWTH_BYTES, STEP_GROWTH_BYTES" (bench/findings.py
+#: Soup's gate printed, 16.3 to 22.4 MB on 33 --find-max probes of 9 configs when it was set (two decimals:
+#: +-5 MB; the four probes since are inside it); the most measured. Evidence: docs/PEAK.md, "GATE_GROWTH_BYTES, STEP_GROWTH_BYTES" (bench/findings.py
 #: gate_growth() reads it off the find-max JSONs).
 CLI_GATE_GROWTH_BYTES = 22_400_000
 

@@ -152,12 +152,13 @@ def add_modes(p: argparse.ArgumentParser) -> None:
                         "run of the real `python -m soup_cli train` completes --steps optimizer steps (default: the "
                         "run's steady state, 2) on that card, each probe a fresh process under a ballast, Soup's gate "
                         "lifted by its own training.stream_vram_override (a resident file's, stream_layers false: by "
-                        "its --allow-oom-attempt); bracketed from this tool's longest that fits and bisected to 64 tokens (seq) or 1 (batch), beside this tool's answer and Soup's "
+                        "its --allow-oom-attempt, on expandable segments unless PYTORCH_CUDA_ALLOC_CONF is exported); bracketed from this tool's longest that fits and bisected to 64 tokens (seq) or 1 (batch), beside this tool's answer and Soup's "
                         "gate. --dry-run: the first probe's soup.yaml and the plan")
     m.add_argument("--soup-patch", default=None, metavar="OUT.diff",
                    help="write a unified diff against the installed soup-cli's own source that makes Soup's own gates "
                         "(streamed and resident) compare this tool's corrected peak (its estimator, generated into soup_cli/utils/"
-                        "corrected_peak.py); `patch -p1` applies it in the folder that holds soup_cli/. Alone; on CPU")
+                        "corrected_peak.py), and runs every `soup train` on expandable segments, where their needs hold; "
+                        "`patch -p1` applies it in the folder that holds soup_cli/. Alone; on CPU")
     m.add_argument("--determinism", nargs="?", const="2", default=None, metavar="N",
                    help="repeat arms in N fresh processes (default 2; default arms: SmolLM2 at 4096 and 6144)")
 

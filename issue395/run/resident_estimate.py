@@ -53,8 +53,9 @@ def answer_resident(e: EstimateRequest) -> int:
              f"false), {tag}, {e.steps} optimizer step(s)", f"  this tool: {mine}", f"  {gate}"]
     if est:  # soup train leaves a resident run on the default allocator, whose fragmentation the need does not bound
         lines.append(f"  the need holds on expandable segments: run it with {ALLOC_CONF_VAR}={EXPANDABLE_SEGMENTS} "
-                     "exported (`soup train` sets it for a streamed run only and keeps a value exported); on the default "
-                     "allocator a resident run can need more, by its fragmentation, which this tool does not bound")
+                     "exported (stock `soup train` sets it in time for a streamed run of 0.77.0 only, a --soup-patch'ed one "
+                     "for every run; a value exported is kept); on the default allocator a resident run can need more, "
+                     "by its fragmentation, which this tool does not bound")
     lines += ([f"  {bound}"] if bound else []) + [f"  from the file: {k}" for k in e.keys]
     if r.soup_profile:  # Soup's other estimator, which no gate reads: said beside its gate's
         p = r.soup_profile

@@ -6,7 +6,6 @@ a card) and CUDA said present, where a test says so; nothing else is."""
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import replace
 
 import pytest
@@ -405,12 +404,13 @@ class RecordsItsCommand(FakeCudaProbe):
 
 @pytest.mark.parametrize("flag", ["--emulate-card", "--card"])
 def test_a_resident_search_probes_soup_train_with_allow_oom_attempt_and_records_soups_resident_gate(
-        capfd, tmp_path, cuda_box, flag):
+        capfd, tmp_path, cuda_box, flag, monkeypatch):
     """The CUDA probe is faked (a CUDA OOM cannot happen on CPU): Soup's run completes up to two resolution steps
     past this tool's like-for-like answer. The search starts there (--estimate's resident answer with the box's
     context: it fits, 64 tokens more does not), every probe's `soup train` gets --allow-oom-attempt and a soup.yaml
     with no streamed gate key, the limit is proven, the text says Soup's resident gate was lifted, and Soup's
     resident gate at the limit is its own verdict (--estimate's), as a typed record."""
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
     path = resident_yaml(tmp_path)
     fake = cuda_box(RecordsItsCommand(None))
     code, out, err = main(capfd, ["--find-max", "seq", "--config", path, flag, "16GB", "--json", tmp_path / "f.json"])
@@ -426,7 +426,7 @@ def test_a_resident_search_probes_soup_train_with_allow_oom_attempt_and_records_
                for c in fake.configs)
     assert data["resident"]["started_from"] == "this tool's longest that fits with the box's own context"
     assert "measured (the real soup train, Soup's resident gate lifted by --allow-oom-attempt, on " \
-           f"PYTORCH_CUDA_ALLOC_CONF={os.environ.get('PYTORCH_CUDA_ALLOC_CONF') or 'expandable_segments:True'}): seq " \
+           "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True): seq " \
            f"{like + 128} completes 2 of 2 step(s); seq {like + 192} raised OOM" in out
     gate = data["soup_gate_at_limit"]
     verdict = resident_estimate_at(capfd, path, tmp_path, "16GB", like + 128)[0]["soup_admits"]

@@ -162,3 +162,20 @@ def test_a_resident_answers_terms_each_say_the_phases_they_are_live_in(capfd, tm
         if v:
             assert f"    {k:<28} {v / 1e9:.4f} GB  {', '.join(phases[k])}" in text.splitlines()
     assert phases["logits"] == ["loss"] and phases["parameter_gradients"] == ["optimizer"]
+
+
+def test_a_resident_answer_says_its_need_holds_on_expandable_segments_and_a_refused_one_does_not(capfd, tmp_path):
+    """`soup train` leaves a resident run on the default allocator (it sets expandable segments for a streamed run
+    only), where the resident need was measured short (results/resident-findmax-h200-soup0.77.0-faaa21d: Gemma-2B
+    died one step past it): an answered file says, in its text and its JSON, the setting its need holds under; a
+    file the estimate does not model (phi-2 under NF4) has no need, and no such line or setting."""
+    path, out = resident_yaml(tmp_path), tmp_path / "e.json"
+    code, text, err = main(capfd, ["--estimate", "--config", path, "--card", "T4", "--json", out])
+    assert code == EXIT_OK, err
+    assert "the need holds on expandable segments: run it with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" in text
+    assert json.loads(out.read_text())["needs_free_allocator"] == "expandable_segments:True"
+    refused = resident_yaml(tmp_path, quant="4bit", base="microsoft/phi-2")
+    code, text, err = main(capfd, ["--estimate", "--config", refused, "--card", "T4", "--json", out])
+    got = json.loads(out.read_text())
+    assert got["needs_free"] is None and got["needs_free_allocator"] is None, (text, err)
+    assert "expandable segments" not in text
