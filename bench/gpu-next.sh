@@ -11,7 +11,7 @@
 #   bash bench/gpu-next.sh edge CARD true|false           CPU: resident-patch's starting seq on CARD (gc on or off)
 #
 # resident-patch, issue 51 item 6 (run again: results/resident-patch-h200-soup0.77.0-faaa21d ran the patch before it
-# set expandable segments, and the patched gate admitted runs the default allocator's fragmentation killed): Soup's RESIDENT gate (commands/train.py's _hardware_fit_preflight), fixed by
+# set expandable segments, and runs the patched gate admitted died on the default allocator): Soup's RESIDENT gate (commands/train.py's _hardware_fit_preflight), fixed by
 # --soup-patch, proven by the real `python -m soup_cli train` (bench/soup_train_card.py: a synthetic Qwen2.5-0.5B,
 # training.stream_layers false, Soup's gate NOT lifted, 2 optimizer steps, on an emulated card: a ballast leaves
 # the card's total free before Soup's process starts). Stock Soup's gate compares its formula with the H200's own

@@ -55,8 +55,9 @@ Known limitations
       bf16 0.9999x (its row held 34 MB more before its step than at its other rows), 4096x1 0.9986x bf16 and
       0.9990x NF4 (29 MB under, in the step). No resident anatomy of either is committed.
     - Its needs-free is the allocated peak plus the reserve measured under expandable segments: stock `soup train`
-      runs a resident run on the default allocator, where runs the patched gate admitted died of its fragmentation;
-      `--soup-patch` sets expandable segments for every run. Evidence: docs/PEAK.md, "EXPANDABLE_RESERVE_PAGES".
+      runs a resident run on the default allocator, where runs the patched gate admitted died (OOM; their reserve
+      not recorded) and a Gemma-2B search's OOM held 3.31 GB reserved but unallocated; `--soup-patch` sets
+      expandable segments for every run. Evidence: docs/PEAK.md, "EXPANDABLE_RESERVE_PAGES".
     - Soup's own resident number is hardware_fit's (computed by Soup, from its CLI's input); it is not this
       module's business: the row carries it (results/extras.ResidentGate).
     - Full fine-tuning (Soup's ``training.lora.r: 0``): estimator/full.py's, NOT MEASURED; its docstring has its limits.
