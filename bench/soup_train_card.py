@@ -101,6 +101,24 @@ def write_config(a: argparse.Namespace, base: str, work: Path, override: Optiona
     return write_probe_config(work, config, h.task_rows(a.task, a.seq, a.batch * a.steps))
 
 
+def died_lines(probe) -> list[str]:
+    """What a run that died leaves to read (measured, in Soup's process): Soup's line, torch's out-of-memory
+    figures where it printed them (the reserve the allocator held but could not hand over), and the allocator's
+    peaks its exit hook wrote; nothing for a run that completed or was refused."""
+    if probe.completed or probe.line == "refused by Soup's gate":
+        return []
+    out = [f"Soup's line: {probe.line}"] if probe.line else []
+    if probe.oom is not None:
+        o = probe.oom
+        out.append(f"torch's out-of-memory figures: tried {o.tried:,} B; allocated {o.allocated:,} B; reserved but "
+                   f"unallocated {o.reserved_unallocated:,} B; the process {o.process_in_use:,} B; free {o.free:,} B")
+    if probe.allocator is not None:
+        p = probe.allocator
+        out.append(f"allocator peaks (the exit hook): allocated {p.allocated_peak:,} B; requested {p.requested_peak:,} B; "
+                   f"reserved {p.reserved_peak:,} B")
+    return out
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     a = parse(argv)
     import torch
@@ -147,6 +165,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                f"admitted and completed {probe.steps} of {a.steps} step(s)" if probe.outcome == COMPLETED else
                f"admitted and failed (not OOM): {probe.line}")
     print(f"  outcome: {outcome}; soup exit code {probe.exit_code}" + (f"; log {work / 'soup-train.log'}" if a.work else ""))
+    for line in died_lines(probe):
+        print(f"  {line}")
     return 0 if refused or probe.outcome == COMPLETED else 1
 
 

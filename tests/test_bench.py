@@ -325,3 +325,23 @@ def test_the_resident_anatomy_call_trains_each_familys_own_lora_targets_resident
         a = A.parse(["--base", "x"] + args.split())
         assert tuple(a.targets.split(",")) == family_shape(fam).targets, tag
         assert "stream_layers=false" in args.split(), tag
+
+
+def test_a_run_that_died_under_soup_train_card_keeps_torchs_out_of_memory_figures():
+    """The resident-patch proof's runs that died left only "admitted and died: OOM" (their reserve unrecorded): a
+    died run now prints Soup's line, torch's out-of-memory figures read from it (the reserve held but not handed
+    over) and the exit hook's allocator peaks; a completed or refused run prints none. The probe is built by the
+    real judge from a console line torch writes (faked: a CUDA OOM cannot happen on CPU)."""
+    from issue395.constraints import findmax as F
+
+    bench = load("soup_train_card")
+    oom = ("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.99 GiB. GPU 0 has a total capacity of "
+           "139.80 GiB of which 667.56 MiB is free. Process 2519 has 117.44 GiB memory in use. Including non-PyTorch "
+           "memory, this process has 21.70 GiB memory in use. Of the allocated memory 17.88 GiB is allocated by "
+           "PyTorch, and 3.08 GiB is reserved by PyTorch but unallocated.\n")
+    died = F.judge(3136, oom, 1, None, 2, 30.0)
+    died = F.replace(died, allocator=F.ProbeAllocator(22_368_572_928, 22_367_723_322, 22_502_440_960))
+    lines = bench.died_lines(died)
+    assert died.outcome == F.OOM and lines[0].startswith("Soup's line: ")
+    assert "reserved but unallocated 3,307,124,817 B" in lines[1] and "reserved 22,502,440,960 B" in lines[2]
+    assert bench.died_lines(F.judge(3072, "{'loss': 1}\n", 0, 2, 2)) == []
