@@ -332,6 +332,8 @@ def test_a_run_that_died_under_soup_train_card_keeps_torchs_out_of_memory_figure
     died run now prints Soup's line, torch's out-of-memory figures read from it (the reserve held but not handed
     over) and the exit hook's allocator peaks; a completed or refused run prints none. The probe is built by the
     real judge from a console line torch writes (faked: a CUDA OOM cannot happen on CPU)."""
+    from dataclasses import replace
+
     from issue395.constraints import findmax as F
 
     bench = load("soup_train_card")
@@ -340,7 +342,7 @@ def test_a_run_that_died_under_soup_train_card_keeps_torchs_out_of_memory_figure
            "memory, this process has 21.70 GiB memory in use. Of the allocated memory 17.88 GiB is allocated by "
            "PyTorch, and 3.08 GiB is reserved by PyTorch but unallocated.\n")
     died = F.judge(3136, oom, 1, None, 2, 30.0)
-    died = F.replace(died, allocator=F.ProbeAllocator(22_368_572_928, 22_367_723_322, 22_502_440_960))
+    died = replace(died, allocator=F.ProbeAllocator(22_368_572_928, 22_367_723_322, 22_502_440_960))
     lines = bench.died_lines(died)
     assert died.outcome == F.OOM and lines[0].startswith("Soup's line: ")
     assert "reserved but unallocated 3,307,124,817 B" in lines[1] and "reserved 22,502,440,960 B" in lines[2]
