@@ -24,6 +24,7 @@ from issue395.estimator.soup_number import arch_of  # noqa: E402
 from issue395.results.result import Result  # noqa: E402
 from issue395.constraints.cap import Cap  # noqa: E402
 from issue395.model.registry import config_json  # noqa: E402
+from issue395.constants import ALLOC_CONF_VAR, EXPANDABLE_SEGMENTS  # noqa: E402
 
 CAP_DIR = "results/cap-proof-and-seq512-1024-map-h200x2-soup0.73.3-b5bee37"
 MAPS = ("results/margin-map-h200x2-soup0.73.3-f3ad9d2/map-2gpu.json", f"{CAP_DIR}/map-512-1024.json")
@@ -287,6 +288,8 @@ def soup_patch_changes() -> None:
     from issue395.estimator.estimate import EXPANDABLE_RESERVE_BYTES, EXPANDABLE_RESERVE_PAGES
 
     lo, hi, n = gate_growth()
+    calls, deaths = resident_patch_calls(), [f for f, _, default in resident_patch_deaths() if default]
+    before, after = [f for f, _, sets in calls if sets is False], [f for f, _, sets in calls if sets]
     print("\n## The fix: `--soup-patch`, a patch to soup-cli whose own gate compares the corrected peak\n")
     print("`python issue395_second_stack_vram.py --soup-patch OUT.diff` writes a unified diff against the installed "
           "soup-cli release's own source (each release 0.73.3 to 0.77.0 gets its own, generated from its source; "
@@ -329,10 +332,14 @@ def soup_patch_changes() -> None:
           "and the line says why. In `train` itself, before `detect_device` creates the CUDA context (torch's "
           "allocator reads the variable then), it sets `PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True` where it "
           "is unset or empty (Linux; a value the user exported is kept), which Soup sets for a streamed run only: the "
-          "resident gate's need is the allocated peak plus the reserve under expandable segments, and on the default "
-          "allocator runs it admitted died of fragmentation (docs/PEAK.md, EXPANDABLE_RESERVE_PAGES). Its GPU proof "
-          "with the real `soup train` is `bench/gpu-next.sh resident-patch` (results/resident-patch-h200-soup0.77.0-"
-          "faaa21d, run before this setting; not re-run since).\n")
+          "resident gate's need is the allocated peak plus the reserve under expandable segments (docs/PEAK.md, "
+          "EXPANDABLE_RESERVE_PAGES)" + (f", and runs it admitted on the default allocator died by OOM "
+                                         f"({', '.join(deaths)}; the cause not measured on those runs; the "
+                                         f"fragmentation measured on that allocator: {fragmentation_words()})"
+                                         if deaths else "")
+          + ". Its GPU proof with the real `soup train` is `bench/gpu-next.sh resident-patch` ("
+          + (f"{', '.join(before)}, run before this setting; " if before else "")
+          + (f"{', '.join(after)}, on it" if after else "not re-run since" if before else "not run") + ").\n")
 
 
 def soup_patch_evidence() -> None:
@@ -464,6 +471,8 @@ def resident() -> None:
 
 
 TASK_NAMES = {"sft": "SFT", "dpo": "DPO", "orpo": "ORPO", "simpo": "SimPO", "kto": "KTO"}
+#: The weights a row's quant name means (this tool's --quant: none is LoRA on bf16 weights).
+QUANT_WORDS = {"none": "bf16", "nf4": "nf4"}
 PROBE840 = sorted(str(p.relative_to(ROOT)) for p in ROOT.glob("results/probe840-*/probe-*.json"))
 
 
@@ -476,7 +485,11 @@ def stream_vram_probe() -> None:
     import statistics
 
     folders = sorted({str(Path(p).parent) for p in PROBE840})
-    rows = [r for path in PROBE840 for r in load(path).rows]
+    results = [load(path) for path in PROBE840]
+    rows = [r for res in results for r in res.rows]
+    soup = " and ".join(dict.fromkeys(res.environment["soup_cli"] for res in results))
+    gpu = " and ".join(dict.fromkeys(res.environment.get("gpu", "GPU not recorded").removeprefix("NVIDIA ")
+                                     for res in results))
     probed = [r for r in rows if r.measured and r.soup_probe and r.soup_probe.peak]
     exits = [int(x) for d in folders for x in re.findall(r"^exit (\d+),", (ROOT / d / "commands.txt").read_text(
         encoding="utf-8"), re.M)]
@@ -484,7 +497,9 @@ def stream_vram_probe() -> None:
     print("Rendered from " + ", ".join(f"`{p}`" for p in PROBE840) + " (`--map --stream-vram-probe on`: "
           + ", ".join(dict.fromkeys(r.model for r in rows)) + " x " + ", ".join(dict.fromkeys(r.task or "sft" for r in rows))
           + f" x seq {', '.join(map(str, sorted({r.seq for r in rows})))} x batch "
-          f"{', '.join(map(str, sorted({r.batch for r in rows})))}, bf16; soup-cli 0.77.0 on an H200). Real peak: "
+          f"{', '.join(map(str, sorted({r.batch for r in rows})))}, "
+          f"{', '.join(dict.fromkeys(QUANT_WORDS.get(r.quant, r.quant) for r in rows))}; soup-cli {soup} on an {gpu}). "
+          "Real peak: "
           "`torch.cuda.max_memory_allocated()` over one optimizer step (measured). Soup's probe: the peak Soup's "
           "`measure_step_peak_bytes` measured on this card (computed by Soup): for SFT Soup's own setup ran it "
           "(`training.stream_vram_probe` set); Soup's schema refuses the key for DPO, ORPO, SimPO and KTO, so this "
@@ -496,7 +511,7 @@ def stream_vram_probe() -> None:
           f"tool's verdict where Soup's own formula is under a row's real peak ({sum(r.status == 'UNDER' for r in probed)} "
           "rows), not a failure; every row was written.\n")
     print("| task | probed by | rows | probe/real min | median | max | probe under the real peak | "
-          "widest window, real - probe (arm) | its verdict on this H200: admits, dies |")
+          f"widest window, real - probe (arm) | its verdict on this {gpu}: admits, dies |")
     print("|---|---|---:|---:|---:|---:|---:|---|---:|")
     under_all, under_none = [], []
     for task in dict.fromkeys(r.task or "sft" for r in probed):
@@ -507,13 +522,20 @@ def stream_vram_probe() -> None:
         wide = max(under, key=lambda r: r.real_peak - r.soup_probe.peak, default=None)
         window = "-" if wide is None else (f"{(wide.real_peak - wide.soup_probe.peak) / 1e9:.2f} GB ({wide.model} "
                                            f"{wide.seq}x{wide.batch})")
+        admits = sum(bool(r.soup_probe.admits) for r in mine)
         dies = sum(bool(r.soup_probe.admits) and r.real_peak > r.soup_probe.available for r in mine)
         who = " and ".join(sorted({"Soup's setup" if r.soup_probe.path == r.soup_probe.SOUP else "this tool" for r in mine}))
         print(f"| {task} | {who} | {len(mine)} | {ratios[0]:.4f}x | {statistics.median(ratios):.4f}x | {ratios[-1]:.4f}x "
-              f"| {len(under)} of {len(mine)} | {window} | {dies} of {len(mine)} |")
+              f"| {len(under)} of {len(mine)} | {window} | {admits} of {len(mine)}, {dies} |")
     free = min(r.soup_probe.available for r in probed)
-    print(f"\nOn this H200 Soup's verdict admitted every row with at least {free / 1e9:.1f} GB free at its gate (read by "
-          "Soup), so none died here; but a probe under the real peak admits a run that dies on any card whose free "
+    admitted = sum(bool(r.soup_probe.admits) for r in probed)
+    died = sum(bool(r.soup_probe.admits) and r.real_peak > r.soup_probe.available for r in probed)
+    print(f"\nOn this {gpu} Soup's verdict admitted " + ("every row" if admitted == len(probed) else
+                                                       f"{admitted} of {len(probed)} probed rows")
+          + f" with at least {free / 1e9:.1f} GB free at its gate (read by Soup), "
+          + ("so none died here" if not died else f"and {died} of them would die here (the real peak past the free "
+                                                  "memory Soup read)")
+          + "; but a probe under the real peak admits a run that dies on any card whose free "
           "memory lies in the window between the two. The probe is above the real peak on every "
           f"{', '.join(under_none) or 'no'} row and under it on every {', '.join(under_all) or 'no'} row: Soup's "
           "function runs one causal-LM forward and backward at the rows (`model(input_ids=ids, labels=ids)`, "
@@ -522,16 +544,62 @@ def stream_vram_probe() -> None:
 
 
 #: --find-max's searches on the real `soup train`: resident soup.yamls (issue 51 item 4) and streamed ones nobody
-#: built the estimate on (issue 52 items 3-4).
+#: built the estimate on (issue 52 items 3-4); a resident one run again on another allocator is a row of its own.
 FIND_MAX_RUNS = [str(p.relative_to(ROOT)) for pattern in ("results/resident-findmax-*/find-max-*.json",
                                                          "results/findmax52-*/find-max-*.json")
                  for p in sorted(ROOT.glob(pattern))]
+#: What a resident search's probes ran on where its JSON records no allocator setting: those searches ran before
+#: the probes set one (their plan line names no PYTORCH_CUDA_ALLOC_CONF), so on torch's default caching allocator.
+DEFAULT_ALLOCATOR = "default allocator"
 
 
-def against(answer: int | None, limit: int, step: int) -> str:
+def read_json(path: str) -> dict:
+    return json.loads((ROOT / path).read_text(encoding="utf-8"))
+
+
+def allocator(d: dict) -> str | None:
+    """The allocator a resident search's probes ran on, as its JSON records it (None: a streamed search)."""
+    if not d.get("resident"):
+        return None
+    if "allocator_conf" not in d["resident"]:
+        return DEFAULT_ALLOCATOR
+    conf = d["resident"]["allocator_conf"]
+    return f"{ALLOC_CONF_VAR}={conf}" if conf else "allocator not recorded"
+
+
+def first_oom(m: dict) -> dict | None:
+    """The probe that decided a search's first OOM (one probed once more: the last); None where none raised it."""
+    return next((p for p in reversed(m["probes"]) if p["value"] == m["oom_above"]), None)
+
+
+def fragmented() -> list[tuple[str, dict, dict]]:
+    """The resident searches on the default allocator whose first OOM's `oom` block (torch's message in Soup's
+    process, measured) held more reserved but unallocated than this tool charges as the allocator's reserve:
+    (path, search, that block)."""
+    out = []
+    for path in FIND_MAX_RUNS:
+        d = read_json(path)
+        oom, margin = first_oom(d["measured"]), d.get("margin_at_first_oom")
+        if allocator(d) == DEFAULT_ALLOCATOR and oom and oom.get("oom") and margin \
+                and oom["oom"]["reserved_unallocated"] > margin["charged"]["reserve"]:
+            out.append((path, d, oom["oom"]))
+    return out
+
+
+def fragmentation_words() -> str:
+    """The fragmentation measured on the default allocator, in words (fragmented())."""
+    return "; ".join(f"the {d['model']} {d['task']} resident search's first OOM ({d['measured']['axis']} "
+                     f"{d['measured']['oom_above']}) held {o['reserved_unallocated'] / 1e9:.2f} GB reserved but "
+                     f"unallocated, where this tool charges {d['margin_at_first_oom']['charged']['reserve'] / 1e6:.1f} "
+                     f"MB of reserve (measured: `{p}`)" for p, d, o in fragmented()) or "none measured"
+
+
+def against(answer: int | None, limit: int | None, step: int, none: str = "none (it admits no value)") -> str:
     """An answer beside the measured limit, in the search's resolution steps."""
     if answer is None:
-        return "none (it admits no value)"
+        return none
+    if limit is None:
+        return f"{answer} (no value completed)"
     n = (limit - answer) // step
     return f"{answer} (" + ("the limit" if n == 0 else f"{abs(n)} step{'s' * (abs(n) > 1)} "
                             + ("under" if n > 0 else "ABOVE")) + ")"
@@ -539,7 +607,9 @@ def against(answer: int | None, limit: int, step: int) -> str:
 
 def soup_gate_at(d: dict, key: str) -> str:
     """Soup's unlifted gate at one probed value (computed by Soup), as the search's JSON keeps it."""
-    g = d[key]
+    g = d.get(key)
+    if g is None:
+        return "not computed (no such value)"
     verdict = "admits" if g["admits"] else "refuses"
     if d.get("resident"):
         return (f"{verdict} {g['value']} ({g['peak'] / 1e9:.2f} GB, +10% {g['required'] / 1e9:.2f} GB, against the "
@@ -547,15 +617,40 @@ def soup_gate_at(d: dict, key: str) -> str:
     return f"{verdict} {g['value']} ({g['soup_predicted'] / 1e9:.2f} GB against {g['gate_free_bytes'] / 1e9:.2f} GB free)"
 
 
+def weights_of(path: str) -> str:
+    """The weights a search's probes ran, as its text says (find_max_mode.checkpoint_for builds a synthetic one)."""
+    text = ROOT / Path(path).with_suffix(".txt")
+    return ("weights not recorded" if not text.exists() else "synthetic weights"
+            if "building the synthetic checkpoint of" in text.read_text(encoding="utf-8") else "the file's checkpoint")
+
+
+def find_max_row(d: dict) -> str:
+    """One search's row of the table: a resident one names the allocator its probes ran on."""
+    m, res = d["measured"], d["measured"]["resolution"]
+    run = ("resident" + (", checkpointing" if d["resident"]["checkpointing"] else "") + f", {allocator(d)}"
+           if d.get("resident") else "streamed")
+    refused = (d.get("resident") or {}).get("estimate_refused")
+    mine = "none (its estimate refused the run)" if refused else "none (it admits no value)"
+    return (f"| {Path(d['config']).name} | {d['task']} {d['quant']}, {run} | {d['card']['card']} | {d['steps']} | "
+            f"{'none' if m['limit'] is None else m['limit']} | {'none' if m['oom_above'] is None else m['oom_above']} "
+            f"| {len(m['probes'])} | {against(d['this_tool_longest_like_for_like'], m['limit'], res, mine)} | "
+            f"{against(d['this_tool_longest'], m['limit'], res, mine)} | "
+            f"{against(d['soup_gate_longest'], m['limit'], res)} | "
+            f"{soup_gate_at(d, 'soup_gate_at_limit')}; {soup_gate_at(d, 'soup_gate_above_limit')} |")
+
+
 def find_max_searches() -> None:
     """--find-max against the real `soup train` (issue 51 item 4, issue 52 items 3-4): the measured limit, this
     tool's answers and Soup's gate's, from the committed searches."""
     if not FIND_MAX_RUNS:
         return
-    found = [(p, json.loads((ROOT / p).read_text(encoding="utf-8"))) for p in FIND_MAX_RUNS]
+    found = [(p, read_json(p)) for p in FIND_MAX_RUNS]
+    soup = " and ".join(dict.fromkeys(f"soup-cli {(d.get('stack') or {}).get('packages', {}).get('soup-cli', 'not recorded')}"
+                                      for _, d in found))
     print("\n## `--find-max` against the real `soup train`: resident and streamed soup.yamls\n")
     print("Rendered from " + ", ".join(f"`{p}`" for p in FIND_MAX_RUNS) + ". Each probe: the real `soup train` "
-          "(soup-cli 0.77.0, synthetic weights) in a fresh process under a ballast that leaves the emulated card's "
+          f"({soup}, {' and '.join(dict.fromkeys(weights_of(p) for p, _ in found))}) in a fresh process under a "
+          "ballast that leaves the emulated card's "
           "total free, Soup's gate lifted (a resident file's by `" + " and ".join(sorted({d["resident"]["gate_lifted_by"]
           for _, d in found if d.get("resident")})) + "`), completed or OOM (measured). This tool's longest: its corrected estimate "
           "with the context bound, and like for like with the context the probes had (this box's own, measured); "
@@ -565,120 +660,212 @@ def find_max_searches() -> None:
     print("|---|---|---|---:|---:|---:|---:|---|---|---|---|")
     cublas, above = [], []
     for path, d in found:
-        m, res = d["measured"], d["measured"]["resolution"]
-        run = ("resident" + (", checkpointing" if d["resident"]["checkpointing"] else "")) if d.get("resident") else "streamed"
-        print(f"| {Path(d['config']).name} | {d['task']} {d['quant']}, {run} | {d['card']['card']} | {d['steps']} | "
-              f"{m['limit']} | {m['oom_above']} | {len(m['probes'])} | "
-              f"{against(d['this_tool_longest_like_for_like'], m['limit'], res)} | "
-              f"{against(d['this_tool_longest'], m['limit'], res)} | {against(d['soup_gate_longest'], m['limit'], res)} | "
-              f"{soup_gate_at(d, 'soup_gate_at_limit')}; {soup_gate_at(d, 'soup_gate_above_limit')} |")
-        oom = next(p for p in m["probes"] if p["value"] == m["oom_above"])
-        if "CUBLAS_STATUS_ALLOC_FAILED" in (oom["line"] or ""):
+        m, like = d["measured"], d["this_tool_longest_like_for_like"]
+        print(find_max_row(d))
+        oom = first_oom(m)
+        if oom and "CUBLAS_STATUS_ALLOC_FAILED" in (oom["line"] or ""):
             cublas.append(f"{d['model']} {d['task']} at {oom['value']}")
-        if d["this_tool_longest_like_for_like"] > m["limit"] and oom.get("oom") and d.get("margin_at_first_oom"):
+        if None not in (like, m["limit"]) and like > m["limit"] and oom and oom.get("oom") \
+                and d.get("margin_at_first_oom"):
             above.append((d, oom))
+    find_max_summary(found, cublas)
+    for d, oom in above:
+        print("\n" + above_limit_words(d, oom))
+    expandable_reruns(found)
+
+
+def find_max_summary(found: list[tuple[str, dict]], cublas: list[str]) -> None:
+    """The searches' totals: proven limits, the box's context, cuBLAS's OOMs, Soup's gate at the first OOM, and
+    this tool's like-for-like answer beside each limit (a search with no answer or no limit named apart)."""
+    boxes = dict.fromkeys(d["box_context_bytes"] for _, d in found if d.get("box_context_bytes"))
+    gated = [d for _, d in found if d.get("soup_gate_above_limit")]
     print(f"\n{sum(d['measured']['proven'] for _, d in found)} of {len(found)} searches proved their limit (a completed "
           f"probe and the next step's OOM), in {', '.join(str(len(d['measured']['probes'])) for _, d in found)} probes; "
-          f"the box's context: {found[0][1]['box_context_bytes'] / 1e9:.3f} GB (measured). Soup's line at the first OOM "
-          "was `CUBLAS_STATUS_ALLOC_FAILED` (cuBLAS's own out-of-memory status, read as OOM) for " + "; ".join(cublas)
-          + f". Soup's gate admits the first OOM on {sum(d['soup_gate_above_limit']['admits'] for _, d in found)} of "
-          f"{len(found)} searches" + "".join(
+          f"the box's context: {' and '.join(f'{b / 1e9:.3f} GB' for b in boxes) + ' (measured)' if boxes else 'not measured'}. "
+          "Soup's "
+          "line at the first OOM was `CUBLAS_STATUS_ALLOC_FAILED` (cuBLAS's own out-of-memory status, read as OOM) for "
+          + ("; ".join(cublas) or "none") + f". Soup's gate admits the first OOM on "
+          f"{sum(d['soup_gate_above_limit']['admits'] for d in gated)} of {len(gated)} searches" + "".join(
               f"; on {d['card']['card']} Soup's resident gate admits no {d['measured']['axis']} for {d['model']} (its "
               f"CLI's input takes the model as {d['resident']['soup_input']['params_b']} B parameters, computed by Soup)"
-              for _, d in found if d.get("resident") and d["soup_gate_longest"] is None) + ".", end=" ")
+              for _, d in found if d.get("resident") and d["resident"].get("soup_input")
+              and d["soup_gate_longest"] is None) + ".", end=" ")
+    paired = [d for _, d in found if None not in (d["this_tool_longest_like_for_like"], d["measured"]["limit"])]
     short = [(f"{d['model']} {d['task']} {d['quant']}", (d["measured"]["limit"] - d["this_tool_longest_like_for_like"])
-              // d["measured"]["resolution"], d["measured"]["resolution"]) for _, d in found]
+              // d["measured"]["resolution"], d["measured"]["resolution"]) for d in paired]
+    alone = [f"{d['model']} {d['task']} {d['quant']}" for _, d in found if not any(d is x for x in paired)]
     print("Like for like, this tool's answer is the measured limit on " + f"{sum(n == 0 for _, n, _ in short)} of "
           f"{len(short)}; under it on " + (", ".join(f"{k} ({n} x {r} tokens)" for k, n, r in short if n > 0) or "none")
-          + "; above it on " + (", ".join(f"{k} ({-n} x {r} tokens)" for k, n, r in short if n < 0) or "none") + ".")
-    for d, oom in above:
-        print(f"\n{d['model']} {d['task']} {d['quant']} ({'resident' if d.get('resident') else 'streamed'}): this "
-              f"tool's like-for-like answer is above the measured limit. Its first OOM's `oom` block (torch's message "
-              f"in Soup's process, measured) holds {oom['oom']['reserved_unallocated'] / 1e9:.2f} GB reserved but "
-              f"unallocated, where this tool's needs-free charges {d['margin_at_first_oom']['charged']['reserve'] / 1e6:.1f} "
-              "MB of reserve (computed by this tool: the allocator's reserve measured under expandable segments). "
-              "`soup train` runs a resident run on torch's default caching allocator: soup-cli 0.77.0's "
-              "`configure_cuda_alloc_hint` (soup_cli/utils/gpu.py) sets `PYTORCH_CUDA_ALLOC_CONF="
-              "expandable_segments:True` for a streamed run only. The same cause fails the patched resident gate's "
-              "first GPU proof (the `--soup-patch` section above).")
-    expandable_reruns()
+          + "; above it on " + (", ".join(f"{k} ({-n} x {r} tokens)" for k, n, r in short if n < 0) or "none")
+          + (f"; no answer or no limit to set beside it on {', '.join(alone)}" if alone else "") + ".")
 
 
-def expandable_reruns() -> None:
+def above_limit_words(d: dict, oom: dict) -> str:
+    """A search whose like-for-like answer is above the measured limit: its first OOM's reserve beside what this
+    tool charges, and, for a resident search on the default allocator only, why that allocator."""
+    cause = ""
+    if allocator(d) == DEFAULT_ALLOCATOR:
+        patched = [f for f, _, default in resident_patch_deaths() if default]
+        cause = (" `soup train` runs a resident run on torch's default caching allocator: soup-cli 0.77.0's "
+                 "`configure_cuda_alloc_hint` (soup_cli/utils/gpu.py) sets `PYTORCH_CUDA_ALLOC_CONF="
+                 "expandable_segments:True` for a streamed run only, and this search's probes ran before this tool "
+                 "set it (its JSON records no allocator setting)." + "".join(
+                     f" The patched resident gate's GPU proof `{f}` (the `--soup-patch` section above) ran on the same "
+                     "allocator; what killed its admitted runs was not measured there." for f in patched))
+    return (f"{d['model']} {d['task']} {d['quant']} ({'resident, ' + allocator(d) if d.get('resident') else 'streamed'}):"
+            f" this tool's like-for-like answer is above the measured limit. Its first OOM's `oom` block (torch's message "
+            f"in Soup's process, measured) holds {oom['oom']['reserved_unallocated'] / 1e9:.2f} GB reserved but "
+            f"unallocated, where this tool's needs-free charges {d['margin_at_first_oom']['charged']['reserve'] / 1e6:.1f} "
+            "MB of reserve (computed by this tool: the allocator's reserve measured under expandable segments)." + cause)
+
+
+def no_json_words(path: Path) -> str:
+    """Why a search's text has no JSON beside it, as its call's commands.txt shows: the line that ran it (by the
+    JSON it names) and its exit code; 124 is `timeout` cutting it at the call's budget."""
+    commands = path.parent / "commands.txt"
+    ran = re.findall(rf"^exit (\d+),.*--json (?:\S*/)?{re.escape(path.stem)}\.json(?:\s|$)",
+                     commands.read_text(encoding="utf-8") if commands.exists() else "", re.M)
+    if not ran:
+        return "no JSON, and no line of its call's commands.txt ran it"
+    return ("cut by its call's budget before the search ended and before its JSON was written (commands.txt: exit "
+            "124)" if ran[-1] == "124" else f"no JSON, though its call's commands.txt says it exited {ran[-1]}")
+
+
+def expandable_reruns(found: list[tuple[str, dict]]) -> None:
     """The resident searches run again with their probes on expandable segments (the setting the resident need holds
-    under since commit a696bb7), read from their text where the call's budget cut the search before its JSON."""
+    under since commit a696bb7) whose JSON is not committed (one that is is a row of the table above), read from
+    their text."""
     for path in sorted(ROOT.glob("results/resident-findmax-expandable-*/find-max-*.txt")):
+        if path.with_suffix(".json").exists():
+            continue
         text = path.read_text(encoding="utf-8")
         conf = re.search(r"with (PYTORCH_CUDA_ALLOC_CONF=\S+)", text)
         probes = re.findall(r"probe seq (\d+): (completed \d+ of \d+ step\(s\)|OOM)", text)
         model = re.search(r"--find-max seq: (\S+)", text)
         if not (conf and probes and model):
             continue
-        default = [json.loads((ROOT / p).read_text(encoding="utf-8")) for p in FIND_MAX_RUNS
-                   if Path(p).name == path.with_suffix(".json").name and "expandable" not in p]
-        before = "".join(f", where the search on the default allocator (`{d['config']}`) completed {d['measured']['limit']} "
-                         f"and raised OOM at {d['measured']['oom_above']}" for d in default)
-        print(f"\nRun again with each probe on `{conf.group(1)}` (`{path.relative_to(ROOT)}`, cut by its call's "
-              f"budget before the search ended, so no limit is claimed): {model.group(1)} " + "; ".join(
-                  f"seq {v} {w}" for v, w in probes) + f" (measured){before}.")
+        before = "".join(f", where the search on the default allocator (`{p}`) completed {d['measured']['limit']}"
+                         + ("" if d["measured"]["oom_above"] is None else
+                            f" and raised OOM at {d['measured']['oom_above']}")
+                         for p, d in found if Path(p).name == path.with_suffix(".json").name
+                         and allocator(d) == DEFAULT_ALLOCATOR)
+        print(f"\nRun again with each probe on `{conf.group(1)}` (`{path.relative_to(ROOT)}`, {no_json_words(path)}, "
+              f"so no limit is claimed): {model.group(1)} " + "; ".join(f"seq {v} {w}" for v, w in probes)
+              + f" (measured){before}.")
 
 
 RESIDENT_PATCH = sorted(str(p.relative_to(ROOT)) for p in ROOT.glob("results/resident-patch-*") if p.is_dir())
+#: The patched resident gate's need and the free memory it compared, as Soup printed them (estimator/soup_gate.py
+#: resident_preflight): admitted, "needs X GB free; Y GB free on the card"; refused, its panel's "needs X GB free,
+#: more than the Y GB free on the card"; since the patch sets expandable segments, "under expandable segments (the
+#: patch sets them)" after the need, in both.
+RESIDENT_NEED = re.compile(r"needs ([\d.]+) GB free(?: under expandable segments \(the patch sets them\))?[;,] "
+                           r"(?:more than the )?([\d.]+) GB free on the card")
 
 
-def resident_patch_run(path: Path) -> dict:
+def resident_patch_run(path: Path) -> dict | None:
     """One resident `soup train` of bench/soup_train_card.py as its text keeps it: the arm, the card, the patched
-    gate's need and the free memory as Soup printed them (absent on stock Soup), the outcome and Soup's exit code."""
-    import re
-
+    gate's need and the free memory as Soup printed them (absent on stock Soup, or not read), the outcome and
+    Soup's exit code; None where the text has no run's first line."""
     text = path.read_text(encoding="utf-8")
-    head = re.match(r"\S+ (\S+) (\S+) seq (\d+) batch (\d+), (\d+) step\(s\), as (\S+) ", text)
-    soup = re.search(r"needs ([\d.]+) GB free[;,] (?:more than the )?([\d.]+) GB free on the card", text)
+    head = re.match(r"(\S+) (\S+) (\S+) seq (\d+) batch (\d+), (\d+) step\(s\), as (\S+) ", text)
+    if head is None:
+        return None
+    soup = RESIDENT_NEED.search(text)
     outcome = re.search(r"outcome: (.*?); soup exit code (\d+)", text)
-    return dict(name=path.stem, task=head[1], quant=head[2], seq=int(head[3]), batch=int(head[4]), card=head[6],
-                steps=int(head[5]),
-                gc="gradient_checkpointing: True" in text, need=soup and soup[1], free=soup and soup[2],
-                outcome=outcome[1], admitted=outcome[1].startswith("admitted"), died="died" in outcome[1])
+    said = outcome[1] if outcome else "no outcome (its text ends before one)"
+    return dict(name=path.stem, model=head[1], task=head[2], quant=head[3], seq=int(head[4]), batch=int(head[5]),
+                steps=int(head[6]), card=head[7], gc="gradient_checkpointing: True" in text,
+                need=soup and soup[1], free=soup and soup[2],
+                outcome=said, admitted=said.startswith("admitted"), died="died" in said)
+
+
+def resident_patch_gate(r: dict) -> str:
+    """A run's gate, as the list names it: stock Soup, or the patched gate's need and free memory as Soup printed
+    them, or that its text does not give them."""
+    if r["name"].startswith("stock"):
+        return "stock Soup"
+    return (f"patched, needs {r['need']} GB free of {r['free']} GB" if r["need"] else
+            "patched; its need and free memory not read: no line of its text gives the patched gate's figures")
+
+
+def resident_patch_calls() -> list[tuple[str, list[dict], bool | None]]:
+    """Each resident-patch call: its folder, its runs (stock first) and whether the patch it applied sets
+    expandable segments (a line of code its diff adds names the setting; None: no diff kept)."""
+    out = []
+    for folder in RESIDENT_PATCH:
+        runs = [r for p in sorted((ROOT / folder).glob("*.txt"), key=lambda p: (not p.stem.startswith("stock"), p.stem))
+                if p.stem.startswith(("stock-", "patched-")) for r in [resident_patch_run(p)] if r]
+        diff = ROOT / folder / "corrected-preflight.diff"
+        sets = any(x.startswith("+") and EXPANDABLE_SEGMENTS in x and not x[1:].lstrip().startswith("#")
+                   for x in diff.read_text(encoding="utf-8").splitlines()) if diff.exists() else None
+        out.append((folder, runs, sets))
+    return out
+
+
+def resident_patch_deaths() -> list[tuple[str, list[dict], bool]]:
+    """The resident-patch calls where a run the patched gate admitted died: folder, those runs, and whether the
+    patch ran on torch's default allocator (its diff sets no allocator)."""
+    return [(f, died, sets is False) for f, runs, sets in resident_patch_calls()
+            for died in [[r for r in runs if r["name"].startswith("patched") and r["admitted"] and r["died"]]] if died]
+
+
+def stock_estimate(folder: str, stock: dict | None) -> str:
+    """Stock Soup's resident gate and this tool's need on the stock run's arm, as `--estimate` printed them."""
+    path = ROOT / folder / "est-A.txt"
+    est = path.read_text(encoding="utf-8") if path.exists() and stock else ""
+    soup = re.search(r"Soup's resident gate: ([\d.]+) GB, \+10% margin ([\d.]+) GB", est)
+    card = re.search(r"(\S+): needs ([\d.]+) of ([\d.]+) GB free; Soup (\w+) it .*?card's ([\d.]+) GB total", est)
+    if not (soup and card):
+        return ("On stock Soup: not run (no stock run in the folder)." if not stock else
+                "On stock Soup, `--estimate` (`est-A.txt`): " + ("not run." if not est else "its figures not read."))
+    return (f"On stock Soup, `--estimate` (`est-A.txt`): Soup's resident gate {card[4]} {arm_of(stock)} on the "
+            f"{card[1]} (computed by Soup: {soup[1]} GB, +10% {soup[2]} GB against the card's {card[5]} GB total); this "
+            f"tool needs {card[2]} GB free, where the card has {card[3]} GB (computed by this tool).")
+
+
+def arm_of(r: dict) -> str:
+    return f"{r['model']} {r['task']} {r['quant']} {r['seq']}x{r['batch']}"
 
 
 def resident_patch_proof() -> None:
     """The GPU proofs of the patched resident gate (issue 51 item 6; bench/gpu-next.sh resident-patch): stock Soup
     and the patched gate on the real `soup train`, resident, on emulated cards, each run's outcome (measured)."""
-    import re
-
-    for folder in RESIDENT_PATCH:
-        runs = [resident_patch_run(p) for p in sorted((ROOT / folder).glob("*.txt"), key=lambda p: (
-            not p.stem.startswith("stock"), p.stem)) if p.stem.startswith(("stock-", "patched-"))]
-        est = (ROOT / folder / "est-A.txt").read_text(encoding="utf-8")
-        soup = re.search(r"Soup's resident gate: ([\d.]+) GB, \+10% margin ([\d.]+) GB", est)
-        card = re.search(r"(\S+): needs ([\d.]+) of ([\d.]+) GB free; Soup (\w+) it .*?card's ([\d.]+) GB total", est)
+    for folder, runs, sets in resident_patch_calls():
+        if not runs:
+            print(f"\nThe GPU proof of the patched resident gate (`{folder}`): not run (no run's text in it).")
+            continue
         patched = [r for r in runs if r["name"].startswith("patched")]
         died = [r for r in patched if r["admitted"] and r["died"]]
-        stock = next(r for r in runs if r["name"].startswith("stock"))
-        twin = next((r for r in patched if all(r[k] == stock[k] for k in ("seq", "batch", "card", "gc"))), None)
-        arm = f"{stock['task']} {stock['quant']} {stock['seq']}x{stock['batch']}"
+        stock = next((r for r in runs if r["name"].startswith("stock")), None)
+        twin = stock and next((r for r in patched if all(r[k] == stock[k] for k in ("seq", "batch", "card", "gc"))), None)
         print(f"\nThe GPU proof of the patched resident gate (`{folder}`: `bench/gpu-next.sh resident-patch`, the real "
-              f"`soup train`, `training.stream_layers: false`, Soup's gate NOT lifted, {stock['steps']} optimizer steps a run, on an "
-              f"emulated card; outcomes measured). On stock Soup, `--estimate` (`est-A.txt`): Soup's resident gate "
-              f"{card[4]} {arm} on the {card[1]} (computed by Soup: {soup[1]} GB, +10% {soup[2]} GB against "
-              f"the card's {card[5]} GB total); this tool needs {card[2]} GB free, where the card has {card[3]} GB "
-              "(computed by this tool). The runs (the patched gate's need and the free memory torch read, as Soup printed them):\n")
+              f"`soup train`, `training.stream_layers: false`, Soup's gate NOT lifted, "
+              f"{' and '.join(dict.fromkeys(str(r['steps']) for r in runs))} optimizer steps a run, on an emulated card; "
+              f"outcomes measured). {stock_estimate(folder, stock)} The runs (the patched gate's need and the free "
+              "memory torch read, as Soup printed them):\n")
         for r in runs:
-            gate = "stock Soup" if r["name"].startswith("stock") else (
-                f"patched, needs {r['need']} GB free of {r['free']} GB" if r["need"] else "patched")
-            print(f"- `{r['name']}`: {r['task']} {r['quant']} {r['seq']}x{r['batch']}"
-                  f"{', gradient checkpointing' if r['gc'] else ''} on {r['card']} ({gate}): {r['outcome']}.")
+            print(f"- `{r['name']}`: {arm_of(r)}{', gradient checkpointing' if r['gc'] else ''} on {r['card']} "
+                  f"({resident_patch_gate(r)}): {r['outcome']}.")
+        cause = ("These runs ran on torch's default caching allocator (the patch they ran, `corrected-preflight.diff`, "
+                 "sets none; soup-cli 0.77.0's `configure_cuda_alloc_hint` sets expandable segments for a streamed run "
+                 "only), where the patched need charges the allocator's reserve measured under expandable segments. "
+                 "What killed them is not measured on these runs (each one's text keeps its outcome, OOM, and no "
+                 "reserved-but-unallocated figure); the fragmentation measured on that allocator, in the resident "
+                 f"`--find-max` searches (the section below): {fragmentation_words()}."
+                 + (" The next patch sets expandable segments for a resident run too, and must be proven again "
+                    "(`bench/gpu-next.sh resident-patch`)." if folder == RESIDENT_PATCH[-1] else "")
+                 if sets is False else "What killed them is not measured on these runs"
+                 + (" (the patch they ran sets expandable segments)." if sets else "."))
+        if not any(r["admitted"] for r in patched):
+            print("\nThe patched gate admitted no run here" + ("." if patched else " (no patched run in the folder)."))
+            continue
         print(f"\nEvery run the patched gate admitted completed: {'NO' if died else 'yes'} ({len(died)} of "
               f"{sum(r['admitted'] for r in patched)} admitted died)"
               + (". The claim of the patched resident gate fails: "
-                 + (f"it refused {arm} on the {stock['card']}, which stock Soup admitted ({stock['outcome']}), but "
-                    if twin and not twin["admitted"] else "") + "it admits runs that die by OOM on the card it read. "
-                 "The cause is the one the resident `--find-max` searches show (the section below): `soup train` runs a resident run on torch's default caching allocator (soup-cli "
-                 "0.77.0's `configure_cuda_alloc_hint` sets expandable segments for a streamed run only), where the "
-                 "patched need charges the allocator's reserve measured under expandable segments."
-                 + (" The next patch sets expandable segments for a resident run too, and must be proven again "
-                    "(`bench/gpu-next.sh resident-patch`)." if folder == RESIDENT_PATCH[-1] else "")
-                 if died else "."))
+                 + (f"it refused {arm_of(stock)} on the {stock['card']}, which stock Soup admitted ({stock['outcome']}), "
+                    "but " if twin and not twin["admitted"] and stock["admitted"] else "")
+                 + "it admits runs that die by OOM on the card it read. " + cause if died else "."))
 
 
 if __name__ == "__main__":

@@ -40,6 +40,85 @@ def test_the_committed_findings_report_is_what_the_results_render_to_now():
     assert out == (ROOT / "results" / "FINDINGS.md").read_text()
 
 
+def test_the_findings_read_the_patched_resident_gates_figures_in_its_old_and_current_wording(tmp_path):
+    """Reviewer item 1 (issue 51 item 6): a resident-patch run renders the need and free memory the patched gate
+    printed, in the committed runs' wording and in the wording estimator/soup_gate.py resident_preflight prints now
+    (its admitted line and its refusal panel, "under expandable segments (the patch sets them)"), and a run whose
+    figures cannot be read says so rather than render as plain "patched"."""
+    import yaml
+    from soup_cli.config.loader import load_config_from_string
+
+    from issue395.estimator.soup_gate import resident_preflight
+    from issue395.model.registry import config_json
+
+    findings = load("findings")
+    committed = sorted((ROOT / findings.RESIDENT_PATCH[0]).glob("patched-*.txt"))
+    assert committed
+    for path in committed:  # the old wording: "needs X GB free; Y GB free on the card" and "..., more than the Y"
+        run = findings.resident_patch_run(path)
+        text = path.read_text(encoding="utf-8")
+        assert run["need"] and f"needs {run['need']} GB free" in text and f"{run['free']} GB free on the card" in text
+    raw = {"base": "Qwen2.5-0.5B", "task": "sft", "data": {"train": "train.jsonl", "max_length": 1024},
+           "training": {"batch_size": 1, "quantization": "none", "stream_layers": False,
+                        "lora": {"r": 8, "alpha": 16, "target_modules": ["q_proj", "v_proj"]}}}
+    cfg = load_config_from_string(yaml.safe_dump(raw))
+    head = "qwen sft none seq 1024 batch 1, 2 step(s), as 12GB (12,000,000,000 B); training.stream_layers: False\n"
+    for free, key, places in ((10**11, "line", 0.005), (10**9, "panel", 0.05)):  # admitted; refused
+        gate = resident_preflight(cfg, config_json("qwen"), free=free, total=2 * 10**11, formula=(1.0, 1.1, True))
+        assert "under expandable segments (the patch sets them)" in gate[key]
+        (tmp_path / "patched-X.txt").write_text(head + f"  Soup: {gate[key].splitlines()[0]}\n  outcome: "
+                                                "refused by Soup's gate; soup exit code 1\n")
+        run = findings.resident_patch_run(tmp_path / "patched-X.txt")
+        assert run["model"] == "qwen" and abs(float(run["need"]) - gate["gate_bytes"] / 1e9) <= places, key
+        assert abs(float(run["free"]) - free / 1e9) <= places, key
+        assert findings.resident_patch_gate(run) == f"patched, needs {run['need']} GB free of {run['free']} GB"
+    (tmp_path / "patched-Y.txt").write_text(head + "  Soup: Hardware-fit: a wording no regex knows\n")
+    run = findings.resident_patch_run(tmp_path / "patched-Y.txt")
+    assert run["need"] is None and "not read" in findings.resident_patch_gate(run)
+    assert not run["admitted"] and "no outcome" in run["outcome"]
+
+
+def test_the_findings_render_a_search_and_a_resident_patch_call_cut_short_and_say_what_is_missing(tmp_path, capsys):
+    """Reviewer item 6: a --find-max search with no OOM, no like-for-like answer (the resident estimate refused it)
+    and no Soup gate at the first OOM, a rerun's text whose JSON is missing without a timeout, and a resident-patch
+    folder cut after its stock run's first line all render without a traceback, each saying what is not there;
+    a resident search on expandable segments names that allocator and gets no default-allocator cause."""
+    import json
+    import shutil
+
+    findings = load("findings")
+    d = json.loads((ROOT / findings.FIND_MAX_RUNS[0]).read_text(encoding="utf-8"))
+    m = d["measured"]
+    m["probes"] = [p for p in m["probes"] if p["outcome"] != "OOM"]
+    m.update(oom_above=None, proven=False)
+    d.update(this_tool_longest_like_for_like=None, this_tool_longest=None, soup_gate_above_limit=None,
+             margin_at_first_oom=None, box_context_bytes=None)
+    d["resident"].update(estimate_refused="a MoE base", allocator_conf="expandable_segments:True")
+    (tmp_path / "results/resident-findmax-expandable-x").mkdir(parents=True)
+    (tmp_path / "results/resident-findmax-expandable-x/find-max-a.json").write_text(json.dumps(d))
+    text = (ROOT / findings.FIND_MAX_RUNS[0]).with_suffix(".txt").read_text(encoding="utf-8")
+    (tmp_path / "results/resident-findmax-expandable-x/find-max-b.txt").write_text(
+        text.replace("--allow-oom-attempt, a fresh", "--allow-oom-attempt with PYTORCH_CUDA_ALLOC_CONF=x (why), a fresh"))
+    (tmp_path / "results/resident-findmax-expandable-x/commands.txt").write_text(
+        "exit 0, wall 1.0 s: python3 x.py --find-max seq --json /tmp/r/find-max-b.json\n")
+    patch = tmp_path / "results/resident-patch-x"
+    patch.mkdir(parents=True)
+    first = (ROOT / findings.RESIDENT_PATCH[0] / "stock-A.txt").read_text(encoding="utf-8").splitlines()[0]
+    (patch / "stock-A.txt").write_text(first + "\n")
+    shutil.copy(ROOT / findings.RESIDENT_PATCH[0] / "corrected-preflight.diff", patch)
+    findings.ROOT, findings.RESIDENT_PATCH = tmp_path, ["results/resident-patch-x"]
+    findings.FIND_MAX_RUNS = ["results/resident-findmax-expandable-x/find-max-a.json"]
+    findings.find_max_searches()
+    findings.resident_patch_proof()
+    out = capsys.readouterr().out
+    assert "resident, PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True |" in out
+    assert "none (its estimate refused the run)" in out and "default caching allocator" not in out
+    assert "no answer or no limit to set beside it on" in out and "the box's context: not measured" in out
+    assert "exited 0" in out and "cut by its call's budget" not in out
+    assert "no outcome" in out and "On stock Soup, `--estimate` (`est-A.txt`): not run." in out
+    assert "The patched gate admitted no run here (no patched run in the folder)." in out
+
+
 @pytest.mark.parametrize("script", sorted(p.stem for p in (ROOT / "bench").glob("*.py")
                                            if "issue395" in p.read_text(encoding="utf-8")))
 def test_every_bench_script_imports_what_the_package_holds_now(script):
