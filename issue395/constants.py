@@ -30,10 +30,10 @@ EXPANDABLE_PAGE_BYTES = {"large": K_LARGE_BUFFER, "small": 2 * MiB}
 ALLOC_CONF_VAR, EXPANDABLE_SEGMENTS = "PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True"
 
 
-def allocator_env(environ) -> dict:
-    """What a process started under ``environ`` needs added to run on expandable segments: the setting where
-    the variable is unset or empty (Soup's own rule), nothing where the user exported a value (it is theirs)."""
-    return {} if environ.get(ALLOC_CONF_VAR) else {ALLOC_CONF_VAR: EXPANDABLE_SEGMENTS}
+def allocator_setting(environ) -> str:
+    """The allocator setting a process started under ``environ`` should run on: the value the user exported (it
+    is theirs), else expandable segments where the variable is unset or empty (Soup's own rule)."""
+    return environ.get(ALLOC_CONF_VAR) or EXPANDABLE_SEGMENTS
 
 
 def block_bytes(requested: int) -> int:

@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from ..constants import ALLOC_CONF_VAR, EXPANDABLE_SEGMENTS, SIZE_UNITS, allocator_env
+from ..constants import ALLOC_CONF_VAR, SIZE_UNITS, allocator_setting
 from ..errors import cut, last_line, soups_words
 from ..estimator.cards import STEP_GROWTH_BYTES
 from ..text import table
@@ -487,9 +487,9 @@ ALLOC_WHY = ("the setting this tool's resident need holds under; stock `soup tra
 
 
 def probe_allocator() -> str:
-    """The allocator setting a resident search's probes run on (allocator_env's rule): the value exported to
-    this tool, else expandable segments."""
-    return os.environ.get(ALLOC_CONF_VAR) or EXPANDABLE_SEGMENTS
+    """The allocator setting a resident search's probes run on (constants.allocator_setting under this tool's
+    environment): the value exported to this tool, else expandable segments."""
+    return allocator_setting(os.environ)
 
 
 def run_probe(config: Path, value: int, wanted: int, card_total: int, *, soup: Optional[list] = None,
@@ -497,10 +497,10 @@ def run_probe(config: Path, value: int, wanted: int, card_total: int, *, soup: O
               run: Callable = subprocess.run, clock: Callable[[], float] = time.perf_counter,
               allow_oom_attempt: bool = False, expandable: bool = False) -> tuple[Probe, Any, str]:
     """``soup train --config CONFIG --yes`` (a resident file's with ALLOW_OOM_ATTEMPT and ``expandable``: on
-    expandable segments, constants.allocator_env, the setting its answer holds under, which Soup sets for a
-    streamed run itself) in a fresh process while this process holds a ballast that leaves ``card_total`` bytes
-    free (Soup's process brings its own context out of it, as on the card itself); judged. Returns the probe, the
-    ballast held and Soup's console."""
+    probe_allocator(), the setting its answer holds under, which Soup sets for a streamed run itself) in a fresh
+    process while this process holds a ballast that leaves ``card_total`` bytes free (Soup's process brings its
+    own context out of it, as on the card itself); judged. Returns the probe, the ballast held and Soup's
+    console."""
     ballast = hold(card_total)
     try:
         started = clock()
@@ -509,7 +509,7 @@ def run_probe(config: Path, value: int, wanted: int, card_total: int, *, soup: O
                    + ([ALLOW_OOM_ATTEMPT] if allow_oom_attempt else []), capture_output=True, text=True,
                    cwd=str(config.parent), env=dict(os.environ, PYTHONUNBUFFERED="1", COLUMNS="400",
                                                     **{PEAKS_ENV: str(peaks)},
-                                                    **(allocator_env(os.environ) if expandable else {})))
+                                                    **({ALLOC_CONF_VAR: probe_allocator()} if expandable else {})))
         seconds = round(clock() - started, 1)
     finally:
         release(ballast)
