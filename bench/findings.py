@@ -10,6 +10,7 @@ each is labelled. tests/test_findings.py holds the committed file to what this p
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import sys
@@ -476,12 +477,21 @@ QUANT_WORDS = {"none": "bf16", "nf4": "nf4"}
 PROBE840 = sorted(str(p.relative_to(ROOT)) for p in ROOT.glob("results/probe840-*/probe-*.json"))
 
 
+def admitted_by_probe(r) -> bool:
+    """Soup's verdict on a row's probe admits the run (computed by Soup)."""
+    return bool(r.soup_probe.admits)
+
+
+def dies_past_probe(r) -> bool:
+    """Soup's verdict admits the row's run and its real peak is past the free memory Soup's gate read."""
+    return admitted_by_probe(r) and r.real_peak > r.soup_probe.available
+
+
 def stream_vram_probe() -> None:
     """Soup's training.stream_vram_probe per task (issue 51 item 5, Soup's #840): its probe's peak over the real
     step's, and what its verdict admits that dies, from the committed --map --stream-vram-probe rows."""
     if not PROBE840:
         return
-    import re
     import statistics
 
     folders = sorted({str(Path(p).parent) for p in PROBE840})
@@ -522,14 +532,12 @@ def stream_vram_probe() -> None:
         wide = max(under, key=lambda r: r.real_peak - r.soup_probe.peak, default=None)
         window = "-" if wide is None else (f"{(wide.real_peak - wide.soup_probe.peak) / 1e9:.2f} GB ({wide.model} "
                                            f"{wide.seq}x{wide.batch})")
-        admits = sum(bool(r.soup_probe.admits) for r in mine)
-        dies = sum(bool(r.soup_probe.admits) and r.real_peak > r.soup_probe.available for r in mine)
+        admits, dies = sum(map(admitted_by_probe, mine)), sum(map(dies_past_probe, mine))
         who = " and ".join(sorted({"Soup's setup" if r.soup_probe.path == r.soup_probe.SOUP else "this tool" for r in mine}))
         print(f"| {task} | {who} | {len(mine)} | {ratios[0]:.4f}x | {statistics.median(ratios):.4f}x | {ratios[-1]:.4f}x "
               f"| {len(under)} of {len(mine)} | {window} | {admits} of {len(mine)}, {dies} |")
     free = min(r.soup_probe.available for r in probed)
-    admitted = sum(bool(r.soup_probe.admits) for r in probed)
-    died = sum(bool(r.soup_probe.admits) and r.real_peak > r.soup_probe.available for r in probed)
+    admitted, died = sum(map(admitted_by_probe, probed)), sum(map(dies_past_probe, probed))
     print(f"\nOn this {gpu} Soup's verdict admitted " + ("every row" if admitted == len(probed) else
                                                        f"{admitted} of {len(probed)} probed rows")
           + f" with at least {free / 1e9:.1f} GB free at its gate (read by Soup), "
@@ -557,6 +565,12 @@ def read_json(path: str) -> dict:
     return json.loads((ROOT / path).read_text(encoding="utf-8"))
 
 
+@functools.cache
+def find_max_found() -> tuple[tuple[str, dict], ...]:
+    """The committed searches, each read once: (path, its JSON), in FIND_MAX_RUNS' order."""
+    return tuple((p, read_json(p)) for p in FIND_MAX_RUNS)
+
+
 def allocator(d: dict) -> str | None:
     """The allocator a resident search's probes ran on, as its JSON records it (None: a streamed search)."""
     if not d.get("resident"):
@@ -577,8 +591,7 @@ def fragmented() -> list[tuple[str, dict, dict]]:
     process, measured) held more reserved but unallocated than this tool charges as the allocator's reserve:
     (path, search, that block)."""
     out = []
-    for path in FIND_MAX_RUNS:
-        d = read_json(path)
+    for path, d in find_max_found():
         oom, margin = first_oom(d["measured"]), d.get("margin_at_first_oom")
         if allocator(d) == DEFAULT_ALLOCATOR and oom and oom.get("oom") and margin \
                 and oom["oom"]["reserved_unallocated"] > margin["charged"]["reserve"]:
@@ -644,7 +657,7 @@ def find_max_searches() -> None:
     tool's answers and Soup's gate's, from the committed searches."""
     if not FIND_MAX_RUNS:
         return
-    found = [(p, read_json(p)) for p in FIND_MAX_RUNS]
+    found = list(find_max_found())
     soup = " and ".join(dict.fromkeys(f"soup-cli {(d.get('stack') or {}).get('packages', {}).get('soup-cli', 'not recorded')}"
                                       for _, d in found))
     print("\n## `--find-max` against the real `soup train`: resident and streamed soup.yamls\n")
@@ -789,9 +802,10 @@ def resident_patch_gate(r: dict) -> str:
             "patched; its need and free memory not read: no line of its text gives the patched gate's figures")
 
 
-def resident_patch_calls() -> list[tuple[str, list[dict], bool | None]]:
+@functools.cache
+def resident_patch_calls() -> tuple[tuple[str, list[dict], bool | None], ...]:
     """Each resident-patch call: its folder, its runs (stock first) and whether the patch it applied sets
-    expandable segments (a line of code its diff adds names the setting; None: no diff kept)."""
+    expandable segments (a line of code its diff adds names the setting; None: no diff kept); read once."""
     out = []
     for folder in RESIDENT_PATCH:
         runs = [r for p in sorted((ROOT / folder).glob("*.txt"), key=lambda p: (not p.stem.startswith("stock"), p.stem))
@@ -800,7 +814,7 @@ def resident_patch_calls() -> list[tuple[str, list[dict], bool | None]]:
         sets = any(x.startswith("+") and EXPANDABLE_SEGMENTS in x and not x[1:].lstrip().startswith("#")
                    for x in diff.read_text(encoding="utf-8").splitlines()) if diff.exists() else None
         out.append((folder, runs, sets))
-    return out
+    return tuple(out)
 
 
 def resident_patch_deaths() -> list[tuple[str, list[dict], bool]]:
