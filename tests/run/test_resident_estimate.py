@@ -179,3 +179,36 @@ def test_a_resident_answer_says_its_need_holds_on_expandable_segments_and_a_refu
     got = json.loads(out.read_text())
     assert got["needs_free"] is None and got["needs_free_allocator"] is None, (text, err)
     assert "expandable segments" not in text
+
+
+def completed_resident_probes():
+    """Every committed resident --find-max probe that completed: its search's soup.yaml (as committed beside it, at
+    the probe's seq), and the allocator's peaks Soup's own process read as it exited (measured, real `soup train`)."""
+    import re
+
+    from conftest import ROOT
+
+    for path in sorted((ROOT / "results").glob("resident-findmax*/find-max-*.json")):
+        d = json.loads(path.read_text())
+        text = (path.parent / "configs" / d["config"].rsplit("/", 1)[-1]).read_text()
+        for p in d["measured"]["probes"]:
+            if p["outcome"] == "completed" and p["allocator"]:
+                yield (f"{path.stem} {p['value']}", re.sub(r"max_length: \d+", f"max_length: {p['value']}", text),
+                       p["allocator"])
+
+
+def test_the_steady_state_estimate_is_never_under_what_soup_trains_own_process_allocated(capfd, tmp_path):
+    """Issue 51 item 3, on the real `soup train` (results/resident-findmax-*: 2 optimizer steps, the optimizer's
+    states live from step 2): --estimate --config at the probe's seq, with --steps 2, is at or above the allocated
+    peak Soup's process read at its exit, on every completed probe of every committed resident search. Its need
+    (needs free) is above what the run requested at its peak."""
+    probes = list(completed_resident_probes())
+    assert len(probes) >= 6, probes
+    for name, text, allocator in probes:
+        path, out = tmp_path / "soup.yaml", tmp_path / "e.json"
+        path.write_text(text)
+        code, _, err = main(capfd, ["--estimate", "--config", path, "--steps", "2", "--json", out])
+        assert code == EXIT_OK, (name, err)
+        got = json.loads(out.read_text())
+        assert got["corrected"] >= allocator["allocated_peak"], (name, got["corrected"], allocator)
+        assert got["needs_free"] >= allocator["requested_peak"], (name, got["needs_free"], allocator)
