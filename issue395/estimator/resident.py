@@ -71,7 +71,7 @@ from ..record import LORA_DROPOUT
 from ..model.targets import soup_targets
 from ..tasks import PROTOCOL_TASK, task as task_named
 from .arch import NF4_BLOCK, Arch, arch_from_config, fp32_residual, layer_bytes, nf4_bytes, protocol_targets
-from .layer import LORA_DROPOUT_MASK_BYTES, autocast_per_token, autocast_upcasts, mask_bytes
+from .layer import AUTOCAST_BF16, LORA_DROPOUT_MASK_BYTES, autocast_by_layer, autocast_per_token, autocast_upcasts, mask_bytes
 from .estimate import Estimate, estimate, needs_free, segment_tail
 from .steady import adapter_bytes
 from .terms import Phase, Term, phase_sum
@@ -139,7 +139,10 @@ def retained_rounding(a: Arch, targets: tuple, r: int, T: int, quant: str = "non
     (``mask`` B a feature: layer.mask_bytes, none where the trainer turns dropout off) and lora_A output,
     attention's q, k, v and output, the MLP's saved i-wide tensors), each its own block, by the one rule
     (constants.layer_remainders: 1 MiB a 20 MiB segment the blocks over 1 MiB and under 10 MiB fill, 1 MiB a
-    block from 10 MiB, which its fresh segment's tail or a cached block's rest may hold). Measured: Qwen2.5 2048x1 keeps 72 MLP blocks of 19,922,944 B, each with a 1 MiB
+    block from 10 MiB, which its fresh segment's tail or a cached block's rest may hold). phi3's MLP keeps two
+    blocks, its fused gate_up output (gate and up are views of it, 2i) and act(gate) (i), and under NF4 v is
+    autocast's own kv-wide copy (layer.autocast_upcasts); both measured on CPU under CUDA's autocast lists
+    (a Phi-3-mini NF4 layer: 65,536 and 32,768 B a token, fp32). Measured: Qwen2.5 2048x1 keeps 72 MLP blocks of 19,922,944 B, each with a 1 MiB
     tail, which the allocator's history (requested sizes) does not show and max_memory_allocated does
     (results/resident-anatomy-*/call-1/res-sft-qwen-bf16-2048x1: replayed peak 107.7 MB under the real one).
     Where every block the forward can request is a whole number of 2 MiB (``whole_granules``; ``seq`` given),
@@ -149,10 +152,18 @@ def retained_rounding(a: Arch, targets: tuple, r: int, T: int, quant: str = "non
     act, qw, kw = 2, a.heads * a.head_dim, a.kv * a.head_dim
     widths = [(4, a.h)] * (a.norms if a.quirks.norm_inputs_saved else 0)
     widths += [w for t in targets for w in ((act, a.modules[t][0]), (mask, a.modules[t][0]), (act, r))]
-    widths += [(act, qw), (act, kw), (act, (qw + 2 * kw) if a.quirks.fused_qkv else kw), (act, qw)]
-    upcast, _ = autocast_upcasts(a, quant)  # autocast's fp32 copies in place of as many of the count's MLP blocks
+    upcast, _ = autocast_upcasts(a, quant)  # autocast's copies in place of as many of the count's blocks
+    v = (qw + 2 * kw) if a.quirks.fused_qkv else kw  # phi3's v: a view of the fused output, under NF4 its own cast
+    if a.quirks.fused_qkv and (AUTOCAST_BF16, kw) in upcast:
+        upcast.remove((AUTOCAST_BF16, kw))
+        v = kw
+    widths += [(act, qw), (act, kw), (act, v), (act, qw)]
     mlp = a.quirks.mlp_saved - a.quirks.mlp_transients - sum(1 for _, w in upcast if w == a.i)
-    widths += [(4 if quant == "nf4" else act, a.i)] * mlp + upcast
+    b = 4 if quant == "nf4" else act
+    if "gate_up_proj" in a.modules and mlp == 3:  # phi3: gate and up are views of one fused block, act(gate) its own
+        widths += [(b, 2 * a.i), (b, a.i)] + upcast
+    else:
+        widths += [(b, a.i)] * mlp + upcast
     return layer_remainders([b * w * T for b, w in widths if b] * a.L)
 
 
@@ -261,8 +272,9 @@ def estimate_resident(config: dict, *, quant: str = "none", seq: int, batch: int
         t[Term.ALLOCATOR_ROUNDING.key] += retained_rounding(a, tg, lora_r, T, quant, e.seq,
                                                             mask_bytes(task_named(task), lora_dropout))
         t[Term.ADAPTER_CASTS.key] = adapter_casts(a, tg, lora_r, adapter_bytes(task, quant))
-        t[Term.RETAINED_ACTIVATIONS.key] += T * a.L * autocast_per_token(a, quant)
-        t[Term.RETAINED_BESIDE_LAYER.key] += T * (a.L - 1) * autocast_per_token(a, quant)
+        upcast = autocast_by_layer(a, quant, tg)
+        t[Term.RETAINED_ACTIVATIONS.key] += T * sum(upcast)
+        t[Term.RETAINED_BESIDE_LAYER.key] += T * (sum(upcast) - upcast[-1])  # the last layer's backward runs first
     # the layer the backward runs holds them too, recomputed or not
     t[Term.LAYER_PER_TOKEN.key] += T * autocast_per_token(a, quant)
     if quant == "nf4":
