@@ -55,12 +55,13 @@ class Quirks:
     mlp_transients: int = 3  # i-sized tensors the MLP's forward holds at once (phi's gelu_new: 4)
     rotary_tables: int = 1  # rotary tables of 4 x rotary dim x seq B (Gemma-3: global and local; DeepSeek-V3: 3)
     per_expert_layout: bool = False  # Soup admits stream_expert_layout per_expert (DeepSeek-V3 alone)
+    parallel_mlp: bool = False  # the MLP reads the normed layer input beside attention, not attention's sum (phi)
 
 
 PLAIN = Quirks()
 #: Every architecture that departs from the plain layer, and how.
 QUIRKS = {"phi": Quirks(head_bias=True, fp32_residual_nf4=True, norm_inputs_saved=False, mlp_saved=7,
-                        mlp_transients=4),
+                        mlp_transients=4, parallel_mlp=True),
           "phi3": Quirks(fused_qkv=True), "gemma3_text": Quirks(rotary_tables=2),
           "deepseek_v3": Quirks(rotary_tables=3, per_expert_layout=True)}
 

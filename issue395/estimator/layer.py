@@ -22,8 +22,9 @@ Known limitations:
 
 - A linear's place in the layer is its stage (``STAGES``): the stages before it decide whether its
   input needs a gradient. A module no stage names counts as reading a gradient-carrying input
-  (its weight saved). So does phi's fc1, which reads the layer's input in parallel with attention.
-  Both are the safe side.
+  (its weight saved). So does phi's fc1, which reads the layer's input in parallel with attention,
+  in the walk. Both are the safe side. Without recompute (``retained_by_layer``) phi's MLP keeps
+  nothing where the layer's input needs no gradient (``mlp_records``).
 - Attention's saved tensors and the MLP's are charged in a layer that records anything, even where
   only a later linear carries a target (then the earlier ops record nothing). That is the safe side.
 - A MoE kind's routed experts are counted as one MLP of their summed width at both moments (a bound:
@@ -257,23 +258,44 @@ def retained_by_layer(a: Arch, quant: str, targets: tuple, r: int, mask: int = L
     mask). Targets no layer kind names keep every layer charged: the safe side. Not yet measured
     under NF4 (Soup's streamed path adds no input-gradient hook there either: soup_cli's stream setup
     never calls prepare_model_for_kbit_training). The fused expert count: per_expert is not modelled
-    with stream_recompute off (its per-token count is charged, the safe side).
+    with stream_recompute off (its per-token count is charged, the safe side). A parallel MLP (phi) in the
+    first such layer keeps nothing (``mlp_records``).
     Evidence: SmolLM2 512 x 1 and Moonlight bf16 2048 x 1, the live set at the loss peak
     (results/layer-walk-modes-h200-soup0.77.0-2798321/call-1); Qwen3.5-MoE (4 of 40 layers, q_proj
     and v_proj) keeps 129.5 KB a token at 2048 and 4096, all of it from layer 3 on
     (results/pages2-soup-patch-map4-modes-*/call-5 against call-4's)."""
     layers = _layer_kinds(a)
-    first = next((n for n, (m, _) in enumerate(layers) if any(t in m for t in targets)), 0)
+    first = _first_target(a, targets)
     kept = []
     for n, (_, kind) in enumerate(layers):
         grad = n > first
         if kind is None:
+            mlp = 0 if mlp_records(a, targets, grad) else activation_bytes(a, quant) * a.i * (
+                a.quirks.mlp_saved - MLP_BACKWARD_TRANSIENTS)
             kept.append(layer_per_token(a, quant, targets, r, input_grad=grad, mask=mask)
-                        - 2 * MLP_BACKWARD_TRANSIENTS * a.i - 2 * a.h)
+                        - 2 * MLP_BACKWARD_TRANSIENTS * a.i - 2 * a.h - mlp)
         else:
             kept.append(0 if n < first else kind_per_token(a, kind, targets, r, input_grad=grad, mask=mask)
                         - kind_transients(a, kind))
     return kept
+
+
+def _first_target(a: Arch, targets: tuple) -> int:
+    """The first layer that holds a LoRA target (0 where no layer kind names one: the safe side)."""
+    return next((n for n, (m, _) in enumerate(_layer_kinds(a)) if any(t in m for t in targets)), 0)
+
+
+def mlp_records(a: Arch, targets: tuple, input_grad: bool) -> bool:
+    """Whether a dense layer's MLP records anything for its backward. A plain layer's MLP reads the residual
+    after attention, which carries a gradient from any attention target. phi's (``parallel_mlp``) reads the
+    normed layer input beside attention: where that input needs no gradient (the first layer holding a
+    target: the embedding is frozen) and no MLP linear is a target, neither its LayerNorm nor its fc1, gelu_new
+    and fc2 record an op. Measured on CPU (transformers 5.16.1, peft 0.20, phi-2's widths, q_proj and v_proj at
+    r 8, CUDA's bf16 autocast lists applied to each op): layer 0 saves 30,880 B a token, its attention's and
+    adapters' tensors alone, where retained_by_layer charged 112,800 and autocast_upcasts 71,688 more."""
+    if not a.quirks.parallel_mlp or input_grad:
+        return True
+    return any(STAGES.get(t, 0) >= 3 for t in targets if t in a.modules)
 
 
 def layer_blocks(a: Arch, quant: str, targets: tuple, r: int, T: int, peak: "LayerPeak") -> list[int]:
@@ -398,7 +420,11 @@ def layer_peak(a: Arch, quant: str, targets: tuple, r: int, T: int, *, per: int,
 AUTOCAST_FP32 = 4
 
 
-def autocast_upcasts(a: Arch, quant: str) -> tuple[list[tuple[int, int]], int]:
+#: The bytes of one element of the bf16 copy autocast's lower-precision ops (linear, SDPA) make of an fp32 input.
+AUTOCAST_BF16 = 2
+
+
+def autocast_upcasts(a: Arch, quant: str, mlp: bool = True) -> tuple[list[tuple[int, int]], int]:
     """The blocks, as (bytes an element, width) a token, that a layer keeps under Hugging Face's bf16 autocast (a
     resident run's: Soup's streamed step runs without it, and the shared counts are measured there) where the
     count charges other ones, and the bytes a token of the count's they replace. nn.LayerNorm (``norm_bias``:
@@ -407,17 +433,38 @@ def autocast_upcasts(a: Arch, quant: str) -> tuple[list[tuple[int, int]], int]:
     fp32 already, and the input itself is what it saves). phi's python gelu_new (activations.py
     NewGELUActivation, ``mlp_saved`` 7) calls torch.pow, which autocast runs in fp32: its input's fp32 copy
     (which pow saves), tanh's output and 1 + tanh (which the last mul saves) are fp32, where the count charges
-    three bf16 (0.5 x stays bf16); under NF4 the count charges them fp32 already (fp32_residual)."""
+    three bf16 (0.5 x stays bf16); under NF4 the count charges them fp32 already (fp32_residual). ``mlp``
+    False: a layer whose LayerNorm and MLP record nothing (mlp_records), which keeps neither.
+
+    phi3's fused qkv under NF4: bitsandbytes' Linear4bit returns its input's dtype, the fp32 residual's, so
+    the fused output is fp32, and SDPA (on CUDA autocast's lower-precision list) casts q, k and v to bf16 and
+    saves those copies: v is its own kv-wide bf16 block, not a view that keeps the fused output alive (the
+    count's charge, right in bf16, where v is a view of the bf16 fused output SDPA saves as it is). Measured on
+    CPU (transformers 5.16.1, peft 0.20, bitsandbytes 0.50.2's Linear4bit, Phi-3-mini's widths, qkv_proj at
+    r 8, CUDA's autocast lists applied to each op): a layer saves 156,824 B a token, the count 169,104 with
+    v's 18,432 where 6,144 are kept."""
     blocks, replaced = [], 0
-    if a.norm_bias:
+    if a.norm_bias and mlp:
         blocks += [(AUTOCAST_FP32, a.h), (AUTOCAST_FP32, 1), (AUTOCAST_FP32, 1)] * a.norms
-    if a.quirks.mlp_saved == 7 and not fp32_residual(a, quant):
+    if a.quirks.mlp_saved == 7 and not fp32_residual(a, quant) and mlp:
         blocks += [(AUTOCAST_FP32, a.i)] * 3
         replaced += 3 * activation_bytes(a, quant) * a.i
+    if a.quirks.fused_qkv and quant == "nf4" and not fp32_residual(a, quant):
+        qw, kw = a.heads * a.head_dim, a.kv * a.head_dim
+        blocks += [(AUTOCAST_BF16, kw)]
+        replaced += activation_bytes(a, quant) * (qw + 2 * kw)
     return blocks, replaced
 
 
-def autocast_per_token(a: Arch, quant: str) -> int:
+def autocast_per_token(a: Arch, quant: str, mlp: bool = True) -> int:
     """What autocast_upcasts adds to a layer's count a token."""
-    blocks, replaced = autocast_upcasts(a, quant)
+    blocks, replaced = autocast_upcasts(a, quant, mlp)
     return sum(b * w for b, w in blocks) - replaced
+
+
+def autocast_by_layer(a: Arch, quant: str, targets: tuple) -> list[int]:
+    """What autocast_upcasts adds to each dense layer's retained count a token, first to last (retained_by_layer's
+    layers): none before the first layer that holds a target (it records nothing), that one's without its
+    LayerNorm and MLP where they record nothing (mlp_records), the full addition from the next on."""
+    first = _first_target(a, targets)
+    return [0 if n < first else autocast_per_token(a, quant, mlp_records(a, targets, n > first)) for n in range(a.L)]

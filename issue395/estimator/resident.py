@@ -11,9 +11,8 @@ dropout mask is charged, by the streamed step's own rule (layer.mask_bytes), in 
 
 Measured (tests/estimator/test_resident.py), on the 181 committed arms of these families it models, bf16 and NF4
 (results/resident-map-*): never under, median 1.0013x; with checkpointing 1.0001x-1.0029x, without it
-1.0000x-1.0794x, median 1.0023x (the widest: Phi-3-mini NF4, 1.063x-1.080x, whose fused gate_up the shared count
-charges whole; phi-2 bf16 1.024x-1.035x; Moonlight 1.002x-1.029x; without those at most 1.0238x, SmolLM2's
-bounded rounding). Layers of several kinds (issue395.estimator.moe) hold each its own kind's tensors
+1.0000x-1.0286x, median 1.0022x (the widest: Moonlight 1.002x-1.029x; without it at most 1.0238x, SmolLM2's
+and Phi-3-mini NF4's bounded rounding; phi-2 bf16 1.0023x-1.0186x). Layers of several kinds (issue395.estimator.moe) hold each its own kind's tensors
 (``kinds_weights``: Moonlight's dense layer 0 and MoE layers of 64 fused experts, Qwen3.5's delta-net and
 full-attention layers; within 0.1% of what each committed row held before its step, where charging every layer
 the union of the kinds was 10-30% off): Moonlight (DeepSeek-V3) 1.0003x-1.0286x on its 16 rows, Qwen3.5 with
@@ -34,20 +33,23 @@ Known limitations
       1024x1, 108 MB on Qwen2.5 2048x1 (75.5 MB of it the MLP blocks' tails), 0 on Llama-3.2-1B 2048x1; without the
       per-block bound SmolLM2 NF4 at 2048 tokens was 9.8 MB under. Those rows are 1.002x-1.024x, which a replay
       of the forward's requests through the allocator's rules (not built) would tighten.
-    - Phi-3-mini NF4 without checkpointing is 1.064x-1.080x: about 12.3 KB a token a layer (1.5 i, or 4 h) over,
-      unnamed: no anatomy of it is committed (bench/gpu-resident-1.sh ran out of its budget before
-      sft-phi3-nf4-1024x1). Its bf16 rows are 1.0003x-1.019x and its checkpointed NF4 ones 1.0014x-1.0029x.
+    - Phi-3-mini NF4 without checkpointing is 1.0056x-1.0236x, the rest its retained blocks' rounding bound: the
+      12,288 B a token a layer it was over (1.063x-1.080x) was v, charged as a view of the fused qkv, where
+      the fused output is fp32 under NF4 and autocast's SDPA keeps its own bf16 copy of v
+      (layer.autocast_upcasts), measured on CPU under CUDA's autocast lists, not on a GPU anatomy (none is
+      committed). Its bf16 rows are 1.0003x-1.016x and its checkpointed NF4 ones 1.0014x-1.0029x.
     - Past a sliding window without checkpointing it is refused: Gemma-3 and Phi-3 keep attention masks per layer
       there that the counts do not have (Gemma-3 2048x1: 48 blocks of 8 MiB; the construction was 0.983x-1.018x on
       Gemma-3-1B's 20 committed rows, 0.984x on Phi-3-mini bf16 2048, its NF4 1.044x-1.053x).
     - The steady state (steps > 1: the optimizer's states) and gradient accumulation are the streamed step's terms
       (estimator/steady.py), measured there, not yet on a resident run: every committed resident row is one step
       of one micro-batch.
-    - phi-2 bf16 without checkpointing is 1.024x-1.035x: at 2048x1 (every block whole 2 MiB, no rounding
-      charged) 10.35 KB a token a layer over, about the LayerNorm's fp32 input copy (4h) that autocast's fp32
-      layer_norm makes and saves; without it the rows would be 0.999x-1.003x, gelu_new's fp32 tensors (6i)
-      alone matching the measured slope to 620 B a token a layer. Kept: torch's autocast lists layer_norm as fp32
-      and no phi anatomy is committed to show it is not saved. phi under NF4 is refused in one line: its rows were
+    - phi-2 bf16 without checkpointing is 1.0023x-1.0186x, the rest the retained blocks' rounding bound (its
+      5 MiB dropout masks at 2048 tokens are not whole 2 MiB: 352 MB charged at 2048x1, 353.6 MB over). Its
+      LayerNorm's fp32 input copy is saved (measured on CPU under CUDA's autocast lists: 189,608 B a token a
+      layer, the count with autocast_upcasts to the byte); what was over (1.024x-1.035x) was layer 0's
+      LayerNorm and parallel MLP, which record nothing there (layer.mlp_records: 153,608 B a token).
+      phi under NF4 is refused in one line: its rows were
       0.68x-0.82x of this construction (0.90x-0.95x with the dense NF4 rule's fp32 MLP charged twice over the
       fp32 count), about 71 KB a token a layer missing at 2048x1 that the counts do not name; no anatomy of it.
     - Qwen3.5 (dense hybrid) without checkpointing is refused: its bf16 rows were 0.9938x-0.9995x (up to 197 MB
@@ -71,7 +73,7 @@ from ..record import LORA_DROPOUT
 from ..model.targets import soup_targets
 from ..tasks import PROTOCOL_TASK, task as task_named
 from .arch import NF4_BLOCK, Arch, arch_from_config, fp32_residual, layer_bytes, nf4_bytes, protocol_targets
-from .layer import LORA_DROPOUT_MASK_BYTES, autocast_per_token, autocast_upcasts, mask_bytes
+from .layer import AUTOCAST_BF16, LORA_DROPOUT_MASK_BYTES, autocast_by_layer, autocast_per_token, autocast_upcasts, mask_bytes
 from .estimate import Estimate, estimate, needs_free, segment_tail
 from .steady import adapter_bytes
 from .terms import Phase, Term, phase_sum
@@ -139,7 +141,10 @@ def retained_rounding(a: Arch, targets: tuple, r: int, T: int, quant: str = "non
     (``mask`` B a feature: layer.mask_bytes, none where the trainer turns dropout off) and lora_A output,
     attention's q, k, v and output, the MLP's saved i-wide tensors), each its own block, by the one rule
     (constants.layer_remainders: 1 MiB a 20 MiB segment the blocks over 1 MiB and under 10 MiB fill, 1 MiB a
-    block from 10 MiB, which its fresh segment's tail or a cached block's rest may hold). Measured: Qwen2.5 2048x1 keeps 72 MLP blocks of 19,922,944 B, each with a 1 MiB
+    block from 10 MiB, which its fresh segment's tail or a cached block's rest may hold). phi3's MLP keeps two
+    blocks, its fused gate_up output (gate and up are views of it, 2i) and act(gate) (i), and under NF4 v is
+    autocast's own kv-wide copy (layer.autocast_upcasts); both measured on CPU under CUDA's autocast lists
+    (a Phi-3-mini NF4 layer: 65,536 and 32,768 B a token, fp32). Measured: Qwen2.5 2048x1 keeps 72 MLP blocks of 19,922,944 B, each with a 1 MiB
     tail, which the allocator's history (requested sizes) does not show and max_memory_allocated does
     (results/resident-anatomy-*/call-1/res-sft-qwen-bf16-2048x1: replayed peak 107.7 MB under the real one).
     Where every block the forward can request is a whole number of 2 MiB (``whole_granules``; ``seq`` given),
@@ -149,10 +154,18 @@ def retained_rounding(a: Arch, targets: tuple, r: int, T: int, quant: str = "non
     act, qw, kw = 2, a.heads * a.head_dim, a.kv * a.head_dim
     widths = [(4, a.h)] * (a.norms if a.quirks.norm_inputs_saved else 0)
     widths += [w for t in targets for w in ((act, a.modules[t][0]), (mask, a.modules[t][0]), (act, r))]
-    widths += [(act, qw), (act, kw), (act, (qw + 2 * kw) if a.quirks.fused_qkv else kw), (act, qw)]
-    upcast, _ = autocast_upcasts(a, quant)  # autocast's fp32 copies in place of as many of the count's MLP blocks
+    upcast, _ = autocast_upcasts(a, quant)  # autocast's copies in place of as many of the count's blocks
+    v = (qw + 2 * kw) if a.quirks.fused_qkv else kw  # phi3's v: a view of the fused output, under NF4 its own cast
+    if a.quirks.fused_qkv and (AUTOCAST_BF16, kw) in upcast:
+        upcast.remove((AUTOCAST_BF16, kw))
+        v = kw
+    widths += [(act, qw), (act, kw), (act, v), (act, qw)]
     mlp = a.quirks.mlp_saved - a.quirks.mlp_transients - sum(1 for _, w in upcast if w == a.i)
-    widths += [(4 if quant == "nf4" else act, a.i)] * mlp + upcast
+    b = 4 if quant == "nf4" else act
+    if "gate_up_proj" in a.modules and mlp == 3:  # phi3: gate and up are views of one fused block, act(gate) its own
+        widths += [(b, 2 * a.i), (b, a.i)] + upcast
+    else:
+        widths += [(b, a.i)] * mlp + upcast
     return layer_remainders([b * w * T for b, w in widths if b] * a.L)
 
 
@@ -261,8 +274,9 @@ def estimate_resident(config: dict, *, quant: str = "none", seq: int, batch: int
         t[Term.ALLOCATOR_ROUNDING.key] += retained_rounding(a, tg, lora_r, T, quant, e.seq,
                                                             mask_bytes(task_named(task), lora_dropout))
         t[Term.ADAPTER_CASTS.key] = adapter_casts(a, tg, lora_r, adapter_bytes(task, quant))
-        t[Term.RETAINED_ACTIVATIONS.key] += T * a.L * autocast_per_token(a, quant)
-        t[Term.RETAINED_BESIDE_LAYER.key] += T * (a.L - 1) * autocast_per_token(a, quant)
+        upcast = autocast_by_layer(a, quant, tg)
+        t[Term.RETAINED_ACTIVATIONS.key] += T * sum(upcast)
+        t[Term.RETAINED_BESIDE_LAYER.key] += T * (sum(upcast) - upcast[-1])  # the last layer's backward runs first
     # the layer the backward runs holds them too, recomputed or not
     t[Term.LAYER_PER_TOKEN.key] += T * autocast_per_token(a, quant)
     if quant == "nf4":

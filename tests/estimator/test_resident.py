@@ -25,8 +25,8 @@ def test_the_resident_estimate_is_never_under_and_tight_on_every_committed_arm_i
     """Issue 51 item 3: every committed resident row the estimator models, bf16 and NF4, dense, phi's parallel
     block (bf16), DeepSeek-V3's latent MoE (Moonlight), the Qwen3.5 hybrids where modelled (the map's corrected
     column, from the family's public config alone) is at or above its real peak, median at most 1.0015x
-    (resident.py's docstring), within 1.004x with checkpointing, within 1.025x without it but for Phi-3-mini
-    NF4, phi-2 and Moonlight, within 1.08x all told; the ones it does not model (phi NF4, Qwen3.5 without
+    (resident.py's docstring), within 1.004x with checkpointing, within 1.025x without it but for Moonlight,
+    within 1.03x all told; the ones it does not model (phi NF4, Qwen3.5 without
     checkpointing, Qwen3.5-MoE with it, past a sliding window without checkpointing) get no figure."""
     import statistics
 
@@ -35,10 +35,9 @@ def test_the_resident_estimate_is_never_under_and_tight_on_every_committed_arm_i
     got = [(r, corrected(r, env)) for r in rows]
     modelled = [(r, c / r.real_peak) for r, c in got if c is not None]
     assert len(modelled) >= 181 and any(r.quant == "nf4" for r, _ in modelled), len(modelled)
-    assert all(1.0 <= v <= 1.08 for _, v in modelled), [(r.model_key, r.seq, round(v, 4)) for r, v in modelled]
+    assert all(1.0 <= v <= 1.03 for _, v in modelled), [(r.model_key, r.seq, round(v, 4)) for r, v in modelled]
     assert all(v <= 1.004 for r, v in modelled if "+gc" in r.model_key)
-    assert all(v <= 1.025 for r, v in modelled if not (r.model_key.startswith("phi3") and r.quant == "nf4")
-               and not r.model_key.startswith(("phi-2", "moonlight")))
+    assert all(v <= 1.025 for r, v in modelled if not r.model_key.startswith("moonlight"))
     assert round(statistics.median(v for _, v in modelled), 4) <= 1.0015
     families = {r.model_key for r, _ in modelled}
     assert {"phi-2+resident", "moonlight+resident", "moonlight+resident+gc", "qwen3.5+resident+gc",
@@ -82,13 +81,13 @@ def test_phis_resident_layer_keeps_autocasts_fp32_copies_beyond_the_streamed_cou
     llama = estimate_resident(config_json("llama32-1b"), seq=2048)
     with pytest.MonkeyPatch.context() as m:  # the same estimates with no autocast copy
         for where in (R, L):  # the retained blocks' rounding reads it in resident, the layer's count in layer
-            m.setattr(where, "autocast_upcasts", lambda a, quant: ([], 0))
+            m.setattr(where, "autocast_upcasts", lambda a, quant, mlp=True: ([], 0))
         plain = estimate_resident(config_json("phi-2"), seq=2048, batch=4)
         assert estimate_resident(config_json("llama32-1b"), seq=2048).terms == llama.terms  # no LayerNorm, no pow
     assert e.corrected_predicted >= row.real_peak > plain.corrected_predicted
-    # three fp32 i-wide tensors in place of three bf16 ones, and more, in every layer's kept count
+    # three fp32 i-wide tensors in place of three bf16 ones, and more, in every layer's kept count but layer 0's
     kept = e.terms["retained_activations"] - plain.terms["retained_activations"]
-    assert kept >= row.seq * row.batch * a.L * 6 * a.i
+    assert kept >= row.seq * row.batch * (a.L - 1) * 6 * a.i
 
 
 ANATOMY = ROOT / "results" / "resident-anatomy-h200-soup0.77.0-2400c0d" / "call-1"
@@ -300,3 +299,22 @@ def test_a_resident_run_at_lora_dropout_0_drops_exactly_the_masks_a_run_without_
     assert at[0.05].terms["retained_activations"] - at[0.0].terms["retained_activations"] == measured
     assert at[0.05].phase == at[0.0].phase == "loss"
     assert at[0.05].corrected_predicted - at[0.0].corrected_predicted == measured
+
+
+def test_a_resident_layer_keeps_per_token_what_autograd_saved_on_cpu_under_cudas_autocast_lists():
+    """Issue 51 item 3: what each layer of a resident run keeps a token without checkpointing, as autograd's
+    saved tensors (deduplicated by storage) measured it on CPU with the real transformers 5.16.1 layers at the
+    families' full widths, peft 0.20 LoRA (the protocol's targets, r 8, dropout 0.05), bitsandbytes 0.50.2's
+    Linear4bit under NF4, CUDA's bf16 autocast lists applied to each op and CUDA's fused dropout (a bool mask);
+    the same method reproduced the committed Qwen2.5 bf16 and Llama-3.2-1B NF4 anatomies block for block.
+    Measured: Phi-3-mini NF4 156,824 B a layer (layer 0 141,460), its v autocast's own bf16 copy of the fp32
+    fused output (the count's view of the fused qkv was 12,288 B over); phi-2 bf16 189,608 (layer 0 30,880:
+    its LayerNorm and parallel MLP record nothing where the input needs no gradient). The estimate charges
+    those less each RMSNorm's fp32 rstd (4 B a token, uncharged)."""
+    def per_token(key, quant, seq):
+        one, two = (estimate_resident(config_json(key), quant=quant, seq=s) for s in (seq, 2 * seq))
+        return (two.terms["retained_activations"] - one.terms["retained_activations"]) // seq
+
+    a = arch_from_config(config_json("phi3-mini"))
+    assert per_token("phi3-mini", "nf4", 512) == (141_460 - 4) + (a.L - 1) * (156_824 - 8)
+    assert per_token("phi-2", "none", 512) == 30_880 + 31 * 189_608
