@@ -42,9 +42,11 @@
 # unmeasured so far. `resident-full 0.73.3` for the pin's bf16 build (its own call).
 #
 # resident-anatomy, issue 51 item 3: the allocator's history (bench/task_peak_anatomy.py) of the committed resident
-# rows the corrected estimate is most over (max 1.0794x; the Done-when asks 1.02x): Phi-3-mini NF4 without
-# checkpointing (1.063x-1.080x, about 1.5 i B a token a layer unnamed), phi-2 bf16 (1.024x-1.035x: is autocast's
-# fp32 LayerNorm input saved?), phi-2 NF4 (refused: 0.68x-0.82x), Moonlight 2048x4 without checkpointing (1.0286x).
+# rows the corrected estimate is most over (the Done-when asks 1.02x), to confirm on CUDA what the CPU saved-tensor
+# count under CUDA's autocast lists named (estimator/layer.py autocast_upcasts, mlp_records): Phi-3-mini NF4 without
+# checkpointing (now 1.0056x-1.0236x: v is SDPA's own bf16 copy of the fp32 fused qkv output), phi-2 bf16 (now
+# 1.0023x-1.0186x: layer 0's LayerNorm and parallel MLP record nothing; the fp32 LayerNorm input copy is saved),
+# phi-2 NF4 (refused: 0.68x-0.82x), Moonlight 2048x4 without checkpointing (1.0286x).
 #
 # segments52, issue 52 item 1: the estimator charges unsplit_remainders, a BOUND of 1 MiB for every adapter-shaped
 # block over 1 MiB live at once; on the four arms below that bound is 253.8, 455.1, 335.5 and 2,013.3 MB against
