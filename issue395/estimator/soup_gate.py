@@ -114,6 +114,19 @@ RESIDENT_ASSUMED = (("backend", "transformers"), ("unfrozen_parameters", None), 
 _RESIDENT_QUANT = {"none": "none", "4bit": "nf4"}
 
 
+def resident_unmodelled(cfg: Any) -> Optional[str]:
+    """The first of Soup's settings in RESIDENT_ASSUMED that ``cfg`` (Soup's loaded config) sets to another value
+    than the resident estimate assumes, as one line; None where the estimate models every one."""
+    for dotted, assumed in RESIDENT_ASSUMED:
+        if dotted == "bnb_4bit_use_double_quant" and str(cfg.training.quantization) != "4bit":
+            continue  # a bitsandbytes 4-bit setting: no other quantization reads it
+        value = _setting(cfg if dotted == "backend" else cfg.training, dotted, assumed)
+        if value not in (assumed, *_UNSET_MEANS.get(dotted, ())) and not (assumed in (None, False) and not value):
+            return (f"{'' if dotted == 'backend' else 'training.'}{dotted} {value!r} is not modelled resident (the "
+                    f"estimator assumes {assumed!r})")
+    return None
+
+
 def resident_kwargs(cfg: Any, model_config: Any, steps: Optional[int] = None) -> tuple[dict, dict]:
     """(the model's config as a config.json dict, estimate_resident's keywords) for the run `soup train` builds
     from ``cfg`` (Soup's loaded config): the file's task, quantization, max_length as seq, batch, LoRA targets and
@@ -128,11 +141,9 @@ def resident_kwargs(cfg: Any, model_config: Any, steps: Optional[int] = None) ->
         raise UsageError(f"training.quantization {t.quantization!r} is not modelled resident")
     if not isinstance(t.batch_size, int) or isinstance(t.batch_size, bool):
         raise UsageError(f"training.batch_size {t.batch_size!r} is resolved later, so not known at this gate")
-    for dotted, assumed in RESIDENT_ASSUMED:
-        value = _setting(cfg if dotted == "backend" else t, dotted, assumed)
-        if value not in (assumed, *_UNSET_MEANS.get(dotted, ())) and not (assumed in (None, False) and not value):
-            raise UsageError(f"{'' if dotted == 'backend' else 'training.'}{dotted} {value!r} is not modelled "
-                             f"resident (the estimator assumes {assumed!r})")
+    why = resident_unmodelled(cfg)
+    if why:
+        raise UsageError(why)
     optimizer = str(getattr(t, "optimizer", "adamw_torch"))
     if is_bounded(optimizer):
         raise UsageError(f"training.optimizer {optimizer!r} is not modelled (only bounded from above)")

@@ -39,6 +39,11 @@ def config_arm(user: UserRun, weights: str, dry_run: bool, soup_resolves_targets
     if arm.adapter.targets == ("auto",) and arm.adapter.lora_r and not soup_resolves_targets:  # r 0 trains no target
         raise UsageError(f"--config {user.path}: training.lora.target_modules 'auto' is estimated (--estimate) but "
                          "not run as an arm here: name the modules")
+    if user.dropped and not soup_resolves_targets:  # --find-max's probes run the file itself, every key of it
+        them = "it" if len(user.dropped) == 1 else "them"
+        raise UsageError(f"--config {user.path}: {', '.join(user.dropped)}: a measured arm runs the protocol's Soup "
+                         f"config with the file's shape, adapter, streaming modes and settings, which does not carry "
+                         f"{them}, so it would measure another run; remove {them} to measure the run without")
     model, key = base_of(user, weights)
     if key != "custom" and not arm.streaming.resident:  # a resident run needs Soup to stream nothing
         require_streamed((FAMILIES[key] if key in FAMILIES else SHAPES[key]).model_type,

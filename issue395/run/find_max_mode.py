@@ -138,6 +138,8 @@ def resident_answers(req: FindMaxRequest) -> Answers:
         return {"value": value, **ResidentGate.at(r.soup_input, axis, value, total).to_json()}
 
     def charged_at(value: int, context: int) -> Optional[dict]:
+        if r.unmodelled:
+            return None
         try:
             e = estimate_run(replace(arm, **{axis: value}), config)
         except UsageError:  # not modelled there: nothing charged
@@ -145,10 +147,12 @@ def resident_answers(req: FindMaxRequest) -> Answers:
         return {"allocated": e.corrected_predicted, "reserve": e.needs_free - e.corrected_predicted,
                 "outside": card.total_bytes - budget(card, context).step_free_bytes}
 
-    tool, refused = longest_resident(axis, config, b.step_free_bytes, arm)
+    def tool_at(free: int) -> tuple[Optional[int], Optional[str]]:  # a setting it does not model: no answer
+        return (None, r.unmodelled) if r.unmodelled else longest_resident(axis, config, free, arm)
+
+    tool, refused = tool_at(b.step_free_bytes)
     return Answers(axis, card, b, tool, ResidentGate.longest(r.soup_input, axis, total, low, step, high), low, step,
-                   high, RESIDENT_RULE, gate_at,
-                   lambda context: longest_resident(axis, config, budget(card, context).step_free_bytes, arm)[0],
+                   high, RESIDENT_RULE, gate_at, lambda context: tool_at(budget(card, context).step_free_bytes)[0],
                    charged_at, resident=r, refused=refused)
 
 

@@ -21,8 +21,8 @@ def answer_resident(e: EstimateRequest) -> int:
 
     r, a, arm = e.user.resident, e.adapter, e.arms()[0]
     task, quant, seq, batch, checkpointing = arm.task, arm.quant, arm.seq, arm.batch, arm.streaming.checkpointing
-    try:
-        est, why = estimate_run(arm, e.config), None
+    try:  # a setting the estimate does not model: no estimate of another run (soup_gate.RESIDENT_ASSUMED)
+        est, why = (None, r.unmodelled) if r.unmodelled else (estimate_run(arm, e.config), None)
     except UsageError as exc:
         est, why = None, str(exc)
     if why and e.fit_exit:

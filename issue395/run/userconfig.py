@@ -17,6 +17,7 @@ from ..record import LORA_DROPOUT, SOUP_QUANT
 from ..tasks import PROTOCOL_TASK, TASKS
 from ..model.arm import Adapter, Arm, Settings, lora_dropout
 from ..model.streaming import STREAMED_CHECKPOINTS, Streaming
+from ..estimator.soup_gate import resident_unmodelled
 from ..results.extras import ResidentGate
 from .checks import HUB_ID, LOADER_NEEDS, looks_like_a_path
 
@@ -37,6 +38,7 @@ class UserRun:
     keys: tuple = ()  # one line per key of the file that changes the peak or Soup's gate: how it is read
     text: str = ""  # the file as written (--find-max's probes copy it, changing only their keys)
     resident: Optional["ResidentRun"] = None  # training.stream_layers false: Soup's resident gate's input
+    dropped: tuple = ()  # settings that move the peak which a measured arm's Soup config does not carry (``dropped``)
 
     @property
     def base(self) -> str:
@@ -57,6 +59,7 @@ class ResidentRun:
 
     soup_input: Optional[dict]
     soup_profile: Optional[dict] = None  # `soup profile`'s estimate of the file (ResidentGate.profile_of)
+    unmodelled: Optional[str] = None  # a setting the resident estimate does not model (soup_gate.RESIDENT_ASSUMED)
 
 
 def file_streaming(t: Any) -> Streaming:
@@ -106,14 +109,17 @@ def read_soup_config(path: str) -> UserRun:
     t = cfg.training
     resident = None
     if not getattr(t, "stream_layers", False):  # a resident run: every mode answers it
-        resident = ResidentRun(ResidentGate.input_of(cfg), ResidentGate.profile_of(cfg))
+        resident = ResidentRun(ResidentGate.input_of(cfg), ResidentGate.profile_of(cfg), resident_unmodelled(cfg))
     task = str(getattr(cfg, "task", PROTOCOL_TASK))
-    if task not in TASKS:  # a task Soup takes but does not stream: Soup itself would refuse to stream it
-        raise UsageError(f"--config {path}: task {task!r} is not one Soup streams ({', '.join(TASKS)})")
+    # Soup's loader refuses a streamed run's other tasks and quantizations itself: what reaches here is a resident
+    # run's, which Soup trains, and only this tool does not model
+    if task not in TASKS:
+        raise UsageError(f"--config {path}: task {task!r} is not one this tool models ({', '.join(TASKS)}: the tasks "
+                         "Soup streams), resident or streamed")
     quant = QUANT_OF.get(str(t.quantization))
     if quant is None:
-        raise UsageError(f"--config {path}: training.quantization {t.quantization!r} is not one Soup streams "
-                         f"({', '.join(QUANT_OF)})")
+        raise UsageError(f"--config {path}: training.quantization {t.quantization!r} is not one this tool models "
+                         f"({', '.join(QUANT_OF)}: the ones Soup streams), resident or streamed")
     if not isinstance(t.batch_size, int):
         raise UsageError(f"--config {path}: training.batch_size {t.batch_size!r} is one the estimator does not "
                          "model (give a whole number)")
@@ -130,7 +136,7 @@ def read_soup_config(path: str) -> UserRun:
               adapter=Adapter(tuple(targets), int(lora.r), int(lora.alpha), str(path), lora_dropout(t)))
     return UserRun(str(path), arm, gate_override=None if override is None else int(override),
                    keys=tuple(unknown_keys(raw)) + tuple(key_lines(cfg, arm, set_in(raw, "training"))), text=text,
-                   resident=resident)
+                   resident=resident, dropped=dropped(cfg, quant))
 
 
 def soup_release() -> str:
@@ -230,6 +236,28 @@ def unknown_keys(raw: Any) -> list[str]:
     return lines
 
 
+#: Soup settings its loader takes beside training.stream_layers whose bytes the streamed estimate does not model,
+#: each set by the trainer's own arguments or training context, not the model load streaming replaces (0.73.3's
+#: SFT applies all three, its DPO and KTO the offloading): GaLore's optimizer, activation offloading's
+#: saved-tensor hooks, the autocast dtype pick_mixed_precision chooses.
+STREAMED_UNMODELLED = ("use_galore", "activation_offloading", "auto_mixed_precision")
+
+
+def dropped(cfg: Any, quant: str) -> tuple:
+    """The file's settings that move the peak and that a measured arm's Soup config (the protocol's, with the file's
+    shape, adapter, streaming modes and SETTINGS) does not carry, each as ``training.key value``: every one the
+    estimate does not model (a resident run's RESIDENT_ASSUMED, a streamed run's STREAMED_UNMODELLED, the NF4 scale
+    cache, single quantisation, MoE LoRA)."""
+    t = cfg.training
+    if not getattr(t, "stream_layers", False):
+        why = resident_unmodelled(cfg)
+        return (why.split(" is not modelled", 1)[0],) if why else ()
+    found = [(k, getattr(t, k, None)) for k in STREAMED_UNMODELLED + ("stream_nf4_scale_cache", "moe_lora")]
+    if quant == "nf4" and getattr(t, "bnb_4bit_use_double_quant", None) is False:
+        found.append(("bnb_4bit_use_double_quant", False))
+    return tuple(f"training.{k} {v}" for k, v in found if v or k == "bnb_4bit_use_double_quant")
+
+
 def key_lines(cfg: Any, arm: Arm, given: Optional[set] = None) -> list[str]:
     """How each key of the file that changes the peak or Soup's gate is read: modelled (and how),
     or not modelled, one line each; Soup's defaults say nothing, but one that changes the peak
@@ -249,11 +277,19 @@ def key_lines(cfg: Any, arm: Arm, given: Optional[set] = None) -> list[str]:
     if getattr(t, "stream_nf4_scale_cache", False):
         lines.append("training.stream_nf4_scale_cache true: NOT modelled: it keeps 4 B per 64-element NF4 block "
                      "for the whole run (Soup's schema: 416 MiB on Mistral-7B), not in these figures")
-    if quant == "nf4" and getattr(t, "bnb_4bit_use_double_quant", None) is False:
+    if quant == "nf4" and getattr(t, "bnb_4bit_use_double_quant", None) is False and getattr(t, "stream_layers", False):
         lines.append("training.bnb_4bit_use_double_quant false: NOT modelled: the NF4 pool is charged "
                      "double-quantised (Soup's default); single quantisation keeps fp32 block scales")
-    if getattr(t, "moe_lora", False):
+    if getattr(t, "moe_lora", False) and getattr(t, "stream_layers", False):
         lines.append("training.moe_lora true: NOT modelled: the estimate is of a plain LoRA adapter")
+    unmodelled = None if getattr(t, "stream_layers", False) else resident_unmodelled(cfg)
+    if unmodelled:  # the resident estimate would be another run's: none is given, as the patched gate gives none
+        lines.append(f"{unmodelled}, so this tool gives no estimate of the run (Soup's own gate still answers)")
+    for key in STREAMED_UNMODELLED if getattr(t, "stream_layers", False) else ():
+        value = getattr(t, key, None)
+        if value:
+            lines.append(f"training.{key} {str(value).lower() if value is True else value}: NOT modelled: the "
+                         "estimate is of a run without it")
     if getattr(t, "stream_layers", False) and getattr(t, "gradient_checkpointing", False):
         gc = t.gradient_checkpointing
         lines.append(f"training.gradient_checkpointing {str(gc).lower() if gc is True else gc}: changes nothing: "

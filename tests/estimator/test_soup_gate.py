@@ -48,3 +48,21 @@ def test_the_probe_answers_by_the_measured_rule_on_one_step(capfd, tmp_path):
     assert card["soup_admits"] == (row["corrected_predicted"] <= card["gate_free_bytes"])
     assert plain["longest_seq_soup_admits"] != card["longest_seq_soup_admits"]
     assert "stream_vram_probe" in text and "decide_measured_fit" in text
+
+
+def test_single_quantisation_leaves_a_bf16_resident_run_modelled_and_dora_does_not():
+    """Sweep: bnb_4bit_use_double_quant is bitsandbytes' 4-bit setting, so false on a bf16 resident run leaves it
+    modelled (it made the patched gate keep Soup's formula); on a 4-bit run it, and DoRA on any, are not modelled.
+    Soup's own loader builds the configs."""
+    from soup_cli.config.loader import load_config_from_string
+
+    from issue395.estimator.soup_gate import resident_unmodelled
+
+    def cfg(quant, lora=""):
+        return load_config_from_string(
+            f"base: meta-llama/Llama-3.2-1B\ndata: {{train: d.jsonl, max_length: 512}}\ntraining: {{batch_size: 1, "
+            f"quantization: {quant}, stream_layers: false, bnb_4bit_use_double_quant: false, lora: {{r: 8{lora}}}}}\n")
+
+    assert resident_unmodelled(cfg("none")) is None
+    assert resident_unmodelled(cfg("4bit")).startswith("training.bnb_4bit_use_double_quant False is not modelled")
+    assert resident_unmodelled(cfg("none", ", use_dora: true")).startswith("training.lora.use_dora True")

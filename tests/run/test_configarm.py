@@ -542,3 +542,17 @@ def test_a_resident_file_of_an_architecture_transformers_does_not_build_is_one_l
     line = one_error_line(*main(capfd, ["--config", moonlight_yaml(tmp_path, folder), "--dry-run"]),
                           "'not_a_model'", "transformers")
     assert len(line) < 300
+
+
+@pytest.mark.parametrize("stream, extra, named", [
+    ("true", "  activation_offloading: cpu\n", "training.activation_offloading cpu"),
+    ("false", "  use_liger: true\n", "training.use_liger True"),
+    ("false", "  use_cut_ce: true\n", "training.use_cut_ce True"),
+])
+def test_a_measured_arm_refuses_a_setting_its_soup_config_would_drop(capfd, tmp_path, stream, extra, named):
+    """Sweep: a measured --config arm runs the protocol's Soup config with the file's shape, adapter, streaming modes
+    and SETTINGS; a file setting that moves the peak beyond them (activation offloading, Liger, Cut CE) was dropped in
+    silence, so the row measured another run than the file's. Now one line names it, before anything is built."""
+    path = soup_yaml(tmp_path, "HuggingFaceTB/SmolLM2-135M", extra=extra)
+    path.write_text(path.read_text().replace("stream_layers: true", f"stream_layers: {stream}"))
+    one_error_line(*main(capfd, ["--config", path, "--dry-run"]), named, "does not carry it")

@@ -488,3 +488,20 @@ def test_a_full_fine_tunings_longest_is_labelled_unmeasured(capfd, tmp_path):
         tool = next(line for line in out.splitlines() if line.startswith("  computed by this tool ("))
         assert tool.startswith("  computed by this tool (the corrected resident estimate")
         assert ("of a full fine-tuning, unmeasured" in tool) is full, tool
+
+
+def test_a_resident_file_with_dora_gets_no_answer_from_the_resident_estimate_of_a_plain_lora_run(capfd, tmp_path):
+    """Sweep: a resident file with lora.use_dora was planned from the corrected estimate of the plain LoRA run;
+    now the plan says the estimate does not answer (as --soup-patch's resident gate keeps Soup's formula) and
+    starts from Soup's resident gate's longest. --dry-run on CPU: no probe runs."""
+    path = resident_yaml(tmp_path)
+    path.write_text(path.read_text().replace("target_modules: [q_proj, v_proj]", "target_modules: [q_proj, v_proj], "
+                                             "use_dora: true"))
+    code, out, err = main(capfd, ["--find-max", "seq", "--config", path, "--card", "A100-80GB", "--dry-run", "--json",
+                                  tmp_path / "f.json"])
+    assert code == 0, (out, err)
+    data = json.loads((tmp_path / "f.json").read_text())
+    why = "training.lora.use_dora True is not modelled resident (the estimator assumes False)"
+    assert data["this_tool_longest"] is None and data["resident"]["estimate_refused"] == why
+    assert data["resident"]["started_from"].startswith(f"this tool's estimate does not answer ({why})")
+    assert f"the longest seq that fits A100-80GB: none (not estimated: {why})" in out

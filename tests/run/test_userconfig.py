@@ -483,3 +483,57 @@ def test_gradient_checkpointing_on_a_streamed_file_is_said_to_change_nothing(cap
                         if extra else []), said
         got.append(json.loads(out_json.read_text())["rows"])
     assert got[0] == got[1]
+
+
+@pytest.mark.parametrize("extra, named", [
+    ("    use_dora: true\n", "training.lora.use_dora True"),
+    ("  use_liger: true\n", "training.use_liger True"),
+    ("  activation_offloading: cpu\n", "training.activation_offloading 'cpu'"),
+])
+def test_a_resident_file_with_a_setting_the_resident_estimate_does_not_model_gets_no_figure(capfd, tmp_path, extra,
+                                                                                           named):
+    """Sweep: a resident soup.yaml (stream_layers false) with DoRA, Liger or activation offloading was answered with
+    the plain LoRA run's needs, the setting unsaid; now, as --soup-patch's resident gate does (RESIDENT_ASSUMED), this
+    tool gives no figure for it, one 'from the file' line names the setting, and Soup's own gate still answers.
+    Soup's real loader reads the file."""
+    lines = YAML.format(base="mistralai/Mistral-7B-v0.3", seq=1024, stream="false", extra="").splitlines(True)
+    at = next(i for i, ln in enumerate(lines) if ln.startswith("  lora:")) + 1 if extra.startswith("    ") else len(lines)
+    path = tmp_path / "soup.yaml"
+    path.write_text("".join(lines[:at]) + extra + "".join(lines[at:]))
+    data, out = estimate_config_json(capfd, tmp_path, path, "--card", "T4")
+    assert data["needs_free"] is None and data["terms"] is None, data
+    assert data["not_estimated"].startswith(named) and "is not modelled resident" in data["not_estimated"]
+    assert out.splitlines()[0] == "verdict: T4: fit not estimated, Soup's gate admits it"
+    (said,) = [ln for ln in file_lines(out) if named in ln]
+    assert "no estimate of the run" in said, said
+    assert data["soup_resident_bytes"] > 0  # Soup's own gate's number, computed by Soup
+
+
+@pytest.mark.parametrize("key, value", [("use_galore", "true"), ("activation_offloading", "cpu"),
+                                        ("auto_mixed_precision", "true")])
+def test_a_streamed_file_with_a_setting_soups_trainer_applies_and_the_estimate_does_not_model_says_so(
+        capfd, tmp_path, key, value):
+    """Sweep: a streamed soup.yaml with GaLore, activation offloading or auto mixed precision (Soup's loader takes
+    each beside stream_layers, and its trainer arguments or training context apply them) is answered with one line
+    naming the setting as NOT modelled, never in silence."""
+    code, out, err = main(capfd, ["--estimate", "--config", readme_yaml(tmp_path, extra=f"  {key}: {value}\n")])
+    if code == 2 and "Soup refuses it" in err:  # the installed release's own schema says no
+        pytest.skip(err.strip())
+    assert code == 0, err
+    (line,) = [ln for ln in file_lines(out) if f"training.{key}" in ln]
+    assert f"training.{key} {value}: NOT modelled" in line, line
+
+
+@pytest.mark.parametrize("extra, words", [
+    (("task: sft", "task: grpo"), ["task 'grpo' is not one this tool models", "resident or streamed"]),
+    (("quantization: 4bit", "quantization: 8bit"), ["training.quantization '8bit' is not one this tool models",
+                                                    "resident or streamed"]),
+])
+def test_a_resident_task_or_quantization_the_tool_does_not_model_is_not_said_to_be_one_soup_cannot_stream(
+        capfd, tmp_path, extra, words):
+    """Sweep: a resident file (which Soup trains resident) with task grpo or quantization 8bit was refused as 'not one
+    Soup streams', though it streams nothing: the one line says this tool does not model it."""
+    text = YAML.format(base="mistralai/Mistral-7B-v0.3", seq=1024, stream="false", extra="")
+    (tmp_path / "soup.yaml").write_text(text.replace(*extra))
+    line = one_error_line(*main(capfd, ["--estimate", "--config", tmp_path / "soup.yaml"]), *words)
+    assert "Soup streams)" not in line.split(":")[2], line
