@@ -315,7 +315,8 @@ def soup_patch_changes() -> None:
     print("- Soup's gate stays Soup's: the free memory it reads (`mem_get_info`), `training.stream_vram_override`, "
           "the probe and its deferral ceiling, every refusal message. A setting the estimator does not model "
           "(`stream_recompute: auto`, NF4 without "
-          "double quantisation, `stream_nf4_scale_cache`, `moe_lora`, an optimizer it has no table for) keeps Soup's "
+          "double quantisation, `stream_nf4_scale_cache`, `moe_lora`, `use_galore`, `activation_offloading`, "
+          "`auto_mixed_precision`, an optimizer it has no table for) keeps Soup's "
           "formula, and the panel says why in one line. `gradient_accumulation_steps` (Soup's default is 4) reaches "
           "the estimate, which charges the adapter's gradients held from the second micro-batch on.")
     print("- In `soup_cli/commands/train.py`, `_hardware_fit_preflight` (Soup's resident gate, `training.stream_layers` "

@@ -16,6 +16,11 @@ class UsageError(Exception):
     """Bad input: one line on stderr, exit 2."""
 
 
+class InvalidRun(UsageError):
+    """A run no stack can start (peft refuses it: a LoRA target the model lacks, a dropout nn.Dropout refuses): bad
+    input in every mode, never a run the estimator merely does not model ("not estimated" beside Soup's gate)."""
+
+
 #: The longest a quoted message (an exception's line, Soup's refusal) runs on the one line.
 QUOTE_CHARS = 300
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from ..constants import (CUBLAS_WORKSPACE, CUBLASLT_WORKSPACE, EXPANDABLE_PAGE_BYTES, K_MIN_LARGE_ALLOC,
                          K_ROUND_LARGE, K_SMALL_SIZE, STREAM_KEYS, block_bytes, cut_remainders,
                          layer_remainders)
-from ..errors import UsageError
+from ..errors import InvalidRun, UsageError
 from ..record import LORA_DROPOUT, LORA_R, QUANTS
 from ..model.arm import DEFAULT_OPTIMIZER
 from ..model.registry import config_json, stream_mode
@@ -370,7 +370,7 @@ def checked_arguments(config: dict, a: Arch, *, quant: str, seq: int, batch: int
     if seq > a.max_pos:
         raise UsageError(f"seq {seq} is past the model's max_position_embeddings {a.max_pos}")
     if isinstance(lora_dropout, bool) or not isinstance(lora_dropout, (int, float)) or not lora_dropout <= 1:
-        raise UsageError(f"training.lora.dropout {lora_dropout!r}: peft's nn.Dropout refuses it (a probability "
+        raise InvalidRun(f"training.lora.dropout {lora_dropout!r}: peft's nn.Dropout refuses it (a probability "
                          "up to 1; at or below 0 peft builds none), so no run has it")
     task_named(task)
     targets = protocol_targets(a) if targets is None else targets
@@ -380,7 +380,7 @@ def checked_arguments(config: dict, a: Arch, *, quant: str, seq: int, batch: int
     spelled = spelled[0] if spelled != targets else targets  # Soup's config holds the string itself
     missing = [t for t in targets if t not in a.modules]
     if not targets or missing:
-        raise UsageError(f"LoRA target(s) {', '.join(missing) or '(none)'} not in a {a.model_type}"
+        raise InvalidRun(f"LoRA target(s) {', '.join(missing) or '(none)'} not in a {a.model_type}"
                          f" layer (it has {', '.join(a.modules)})")
     return targets, spelled
 

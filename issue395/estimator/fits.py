@@ -7,7 +7,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Callable, Optional
 
 from ..constants import CUBLAS_WORKSPACE
-from ..errors import EXIT_FINDING, EXIT_OK, EXIT_SOUP_REFUSES, UsageError
+from ..errors import EXIT_FINDING, EXIT_OK, EXIT_SOUP_REFUSES, InvalidRun, UsageError
 from ..text import gb, table
 from ..tasks import PROTOCOL_TASK, task
 from .cards import CARDS, CLI_GATE_GROWTH_BYTES, DRIVER_KEPT, STEP_GROWTH_BYTES, Budget, Card, budget, workspace_env
@@ -108,6 +108,8 @@ def longest_resident(axis: str, config: dict, free_bytes: int, arm) -> tuple[Opt
     def at(value: int) -> tuple[Optional[Estimate], Optional[str]]:
         try:
             return estimate_run(replace(arm, **{axis: value}), config), None
+        except InvalidRun:  # no stack starts it at any value: bad input, not a run beyond the estimator
+            raise
         except UsageError as exc:
             return None, str(exc)
 

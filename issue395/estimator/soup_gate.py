@@ -30,6 +30,11 @@ GATE_STEPS = 2
 #: value keeps Soup's formula (which charges the scale cache itself), said so. The LoRA dropout is read
 #: (model.arm.lora_dropout, as a --config file's is): its masks are charged only where p is in (0, 1).
 ASSUMED_SETTINGS = (("bnb_4bit_use_double_quant", True), ("stream_nf4_scale_cache", False), ("moe_lora", False))
+#: Soup settings its loader takes beside training.stream_layers whose bytes the streamed estimate does not model,
+#: each set by the trainer's own arguments or training context, not the model load streaming replaces (0.73.3's
+#: SFT applies all three, its DPO and KTO the offloading): GaLore's optimizer, activation offloading's
+#: saved-tensor hooks, the autocast dtype pick_mixed_precision chooses.
+STREAMED_UNMODELLED = ("use_galore", "activation_offloading", "auto_mixed_precision")
 #: Soup's bnb_4bit_use_double_quant is tri-state: unset (None) is what every 4-bit load has always done, double.
 _UNSET_MEANS = {"bnb_4bit_use_double_quant": (None,)}
 
@@ -52,6 +57,9 @@ def gate_kwargs(cfg: Any, tcfg: Any, model_config: Any, steps: Optional[int] = N
         if _setting(tcfg, dotted, assumed) not in (assumed, *_UNSET_MEANS.get(dotted, ())):
             raise UsageError(f"training.{dotted} {_setting(tcfg, dotted, assumed)!r} is not modelled (the "
                              f"estimator assumes {assumed!r})")
+    for key in STREAMED_UNMODELLED:  # --estimate gives the run without it, said so; a gate keeps Soup's formula
+        if getattr(tcfg, key, None):
+            raise UsageError(f"training.{key} {getattr(tcfg, key)!r} is not modelled (the estimator assumes none)")
     optimizer = str(getattr(tcfg, "optimizer", "adamw_torch"))
     if is_bounded(optimizer):  # --estimate charges it as an upper bound; a gate keeps Soup's formula
         raise UsageError(f"training.optimizer {optimizer!r} is not modelled (only bounded from above)")

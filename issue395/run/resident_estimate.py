@@ -6,7 +6,7 @@ the verdict first; where the estimator does not model the run, it says so and an
 from __future__ import annotations
 
 from ..constants import ALLOC_CONF_VAR, EXPANDABLE_SEGMENTS
-from ..errors import EXIT_FINDING, EXIT_OK, EXIT_SOUP_REFUSES, EXIT_USAGE, UsageError
+from ..errors import EXIT_FINDING, EXIT_OK, EXIT_SOUP_REFUSES, EXIT_USAGE, InvalidRun, UsageError
 from ..report.outputs import write_json
 from ..results.extras import ResidentGate
 from .request import EstimateRequest
@@ -23,6 +23,8 @@ def answer_resident(e: EstimateRequest) -> int:
     task, quant, seq, batch, checkpointing = arm.task, arm.quant, arm.seq, arm.batch, arm.streaming.checkpointing
     try:  # a setting the estimate does not model: no estimate of another run (soup_gate.RESIDENT_ASSUMED)
         est, why = (None, r.unmodelled) if r.unmodelled else (estimate_run(arm, e.config), None)
+    except InvalidRun as exc:  # no stack starts it: bad input, as for a streamed file, not "not estimated"
+        raise UsageError(f"--estimate --config {a.soup_config} (base {e.model}): {exc}") from None
     except UsageError as exc:
         est, why = None, str(exc)
     if why and e.fit_exit:

@@ -17,7 +17,7 @@ from ..record import LORA_DROPOUT, SOUP_QUANT
 from ..tasks import PROTOCOL_TASK, TASKS
 from ..model.arm import Adapter, Arm, Settings, lora_dropout
 from ..model.streaming import STREAMED_CHECKPOINTS, Streaming
-from ..estimator.soup_gate import resident_unmodelled
+from ..estimator.soup_gate import STREAMED_UNMODELLED, resident_unmodelled
 from ..results.extras import ResidentGate
 from .checks import HUB_ID, LOADER_NEEDS, looks_like_a_path
 
@@ -234,13 +234,6 @@ def unknown_keys(raw: Any) -> list[str]:
         lines.append(f"and {count - len(listed):,} more keys soup-cli {soup_release()}'s config schema does not have "
                      "(Soup ignores them, and so does this estimate)")
     return lines
-
-
-#: Soup settings its loader takes beside training.stream_layers whose bytes the streamed estimate does not model,
-#: each set by the trainer's own arguments or training context, not the model load streaming replaces (0.73.3's
-#: SFT applies all three, its DPO and KTO the offloading): GaLore's optimizer, activation offloading's
-#: saved-tensor hooks, the autocast dtype pick_mixed_precision chooses.
-STREAMED_UNMODELLED = ("use_galore", "activation_offloading", "auto_mixed_precision")
 
 
 def dropped(cfg: Any, quant: str) -> tuple:

@@ -253,8 +253,13 @@ def test_estimate_sets_the_patched_gate_beside_the_stock_formula(patched_site, m
 
 @pytest.mark.parametrize("setting", [("bnb_4bit_use_double_quant", False),
                                      ("stream_nf4_scale_cache", True), ("moe_lora", True), ("optimizer", "adafactor"),
-                                     ("quantization", "8bit"), ("stream_recompute", "auto")])
+                                     ("quantization", "8bit"), ("stream_recompute", "auto"), ("use_galore", True),
+                                     ("activation_offloading", "cpu"), ("auto_mixed_precision", True)])
 def test_a_setting_the_estimator_does_not_model_keeps_soups_formula_and_says_so(setting):
+    """The patched streamed gate gives no number of another run: a setting the streamed estimate does not model
+    (soup_gate's ASSUMED_SETTINGS, STREAMED_UNMODELLED: GaLore, activation offloading, auto mixed precision, which
+    --estimate says NOT modelled beside the run without it), a bounded optimizer, another quantization or recompute
+    mode keeps Soup's formula, and its line names the setting."""
     from types import SimpleNamespace as S
 
     from issue395.estimator.soup_gate import preflight

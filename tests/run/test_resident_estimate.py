@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from conftest import main, one_error_line
 
 from issue395.errors import EXIT_FINDING, EXIT_OK
@@ -212,3 +213,16 @@ def test_the_steady_state_estimate_is_never_under_what_soup_trains_own_process_a
         got = json.loads(out.read_text())
         assert got["corrected"] >= allocator["allocated_peak"], (name, got["corrected"], allocator)
         assert got["needs_free"] >= allocator["requested_peak"], (name, got["needs_free"], allocator)
+
+
+@pytest.mark.parametrize("stream", ["false", "true"])
+def test_a_lora_target_the_model_lacks_is_one_line_for_a_resident_file_as_for_a_streamed_one(capfd, tmp_path, stream):
+    """peft refuses a target the model lacks, so no stack starts the run: --estimate --config and --find-max's plan
+    say so in one line and exit 2 whether the file streams or not (a resident file used to get "not estimated"
+    beside Soup's gate, exit 0, as if the run were only beyond the estimator)."""
+    path = resident_yaml(tmp_path, gc="false", seq=1024)
+    path.write_text(path.read_text().replace("[q_proj, v_proj]", "[nope_proj]")
+                    .replace("stream_layers: false", f"stream_layers: {stream}"))
+    for args in (["--estimate", "--config", path, "--card", "T4"],
+                 ["--find-max", "seq", "--config", path, "--card", "T4", "--dry-run"]):
+        one_error_line(*main(capfd, args), "nope_proj not in a llama layer")
