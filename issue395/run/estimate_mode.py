@@ -175,13 +175,18 @@ def settle_stack(given: Optional[str]) -> tuple:
     return tuple(pairs.items())
 
 
+#: The options beside --config that a soup.yaml never sets: an error about one is the option's, not the file's.
+OWN_OPTIONS = ("--card ", "--context ", "--steps ", "--exit-code")
+
+
 @contextlib.contextmanager
 def under_the_file(path: str) -> Iterator[None]:
-    """An error settling a soup.yaml's values, said under --config PATH (one already about it as it is)."""
+    """An error settling a soup.yaml's values, said under --config PATH (one already about it as it is, or about
+    an option of the command line beside it: the card, the context)."""
     try:
         yield
     except UsageError as exc:
-        if str(exc).startswith("--config "):
+        if str(exc).startswith(("--config ", *OWN_OPTIONS)):
             raise
         raise UsageError(f"--config {path}: {exc}") from None
 

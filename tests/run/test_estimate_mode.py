@@ -325,3 +325,16 @@ def test_stack_naming_a_verified_stack_is_said_verified_on_a_box_without_it(capf
 ])
 def test_a_bad_stack_is_one_line(capfd, argv, words):
     one_error_line(*main(capfd, argv), *words)
+
+
+def test_an_option_beside_a_config_that_is_wrong_is_said_as_the_options_fault_not_the_files(capfd, tmp_path):
+    """A bad --context, --card or --steps beside --config is one line about the option; the file is not blamed
+    (it used to read '--config soup.yaml: --context ...'), while a fault of the file's stays under its name."""
+    path = tmp_path / "soup.yaml"
+    path.write_text("base: meta-llama/Llama-3.2-1B\ndata: {train: d.jsonl, max_length: 2048}\ntraining: {batch_size: 1, "
+                    "quantization: none, stream_layers: false, lora: {r: 8, alpha: 16}}\n")
+    for args, first in ((["--context", "-1", "--card", "T4"], "error: --context '-1'"),
+                        (["--card", "T4x"], "error: --card 'T4x'"), (["--steps", "0"], "error: --steps 0")):
+        assert one_error_line(*main(capfd, ["--estimate", "--config", path, *args])).startswith(first)
+    path.write_text(path.read_text().replace("max_length: 2048", "max_length: 999999"))
+    assert one_error_line(*main(capfd, ["--estimate", "--config", path])).startswith(f"error: --config {path}")
