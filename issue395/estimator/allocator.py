@@ -1,0 +1,226 @@
+"""torch's CUDA caching allocator (one device, one stream, no capacity limit) replayed in pure Python: a
+sequence of requests and frees in, the blocks it hands out and its allocated-bytes stat (what
+``torch.cuda.max_memory_allocated`` reads) out. Stdlib only. Issue 52 item 1: the rests a block keeps past
+its request are history, block by block; this module is that history's rules, not yet an estimator term.
+
+The rules, as c10/cuda/CUDACachingAllocator.cpp states them (torch 2.11-2.15; the constants are
+issue395.constants'):
+
+- ``malloc``: ``size_t size = round_size(orig_size); auto& pool = get_pool(size, stream); const size_t
+  alloc_size = get_allocation_size(size);`` then ``get_free_block(params)``, else ``alloc_block`` (a new
+  segment of ``alloc_size``), then ``bool split_remainder = should_split(params.block, params.size());``.
+- ``round_size``: ``kMinBlockSize * ((size + kMinBlockSize - 1) / kMinBlockSize)`` (512 B; under 512 B,
+  512 B), with the default ``roundup_power2_divisions`` (none).
+- ``get_pool``: ``if (size <= kSmallSize) return small_blocks; else return large_blocks;``
+- ``get_allocation_size``: ``if (size <= kSmallSize) return kSmallBuffer; else if (size < kMinLargeAlloc)
+  return kLargeBuffer; else return kRoundLarge * ((size + kRoundLarge - 1) / kRoundLarge);``
+- ``get_free_block``: ``auto it = pool.blocks.lower_bound(&p.search_key);`` over ``BlockComparatorSize``
+  (stream, then size, then address): the smallest free block at least the request, the lowest address among
+  equals. The oversize rules (``p.size() < max_split_size() && (*it)->size >= max_split_size()``, and
+  ``(*it)->size >= p.size() + kLargeBuffer``) never fire at the default ``max_split_size`` (SIZE_MAX).
+- ``should_split``: ``size_t remaining = block->size - size; if (block->pool->is_small ||
+  CUDAAllocatorConfig::expandable_segments()) return remaining >= kMinBlockSize; else return (size <
+  max_split_size()) && (remaining > kSmallSize);`` A large-pool block whose rest would be 1 MiB or less is
+  handed out whole.
+- ``alloc_found_block``: a split block keeps the request at the free block's address (``block = new
+  Block(device, stream, size, pool, block->ptr)``) and the rest after it goes back to the pool;
+  ``increase_stat(stats.allocated_bytes[stat_type], block->size)`` counts the whole block.
+- ``free`` -> ``free_block``: ``decrease_stat(stats.allocated_bytes[stat_type], block->size)``, then
+  ``try_merge_blocks`` with ``block->prev`` and ``block->next`` (a free neighbour in the same segment is
+  absorbed), and the block back in its pool. Segments are never returned (no ``empty_cache``, no OOM retry).
+
+Expandable segments (``expandable=True``): every pool splits at 512 B, so a block is its rounded request and
+the allocated stat is exact whatever the layout; the layout is modelled as one segment per pool that grows at
+its end in pages (20 MiB large, 2 MiB small: constants.EXPANDABLE_PAGE_BYTES), a free block at the end
+taken first. That layout (where a block lands, the reserved bytes) is this module's approximation, not
+torch's ``find_expandable_block``.
+
+What it does not model: several streams (``record_stream``, events), CUDA graphs' private pools,
+``max_split_size_mb``, ``roundup_power2_divisions``, garbage collection, ``empty_cache`` and the frees an OOM
+triggers, and cudaMalloc's addresses (a new segment is placed after every earlier one, so among free blocks
+of one size the older segment's wins, where the card's addresses may order them otherwise).
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+from typing import Iterable, Optional
+
+from ..constants import (EXPANDABLE_PAGE_BYTES, K_LARGE_BUFFER, K_MIN_BLOCK_SIZE, K_MIN_LARGE_ALLOC,
+                         K_ROUND_LARGE, K_SMALL_SIZE, block_bytes)
+
+K_SMALL_BUFFER = 2 * K_SMALL_SIZE  # the small pool's segment (kSmallBuffer)
+
+
+def allocation_size(size: int) -> int:
+    """The segment a rounded request of ``size`` bytes gets when nothing cached fits (get_allocation_size)."""
+    if size <= K_SMALL_SIZE:
+        return K_SMALL_BUFFER
+    if size < K_MIN_LARGE_ALLOC:
+        return K_LARGE_BUFFER
+    return -(-size // K_ROUND_LARGE) * K_ROUND_LARGE
+
+
+@dataclass(eq=False)
+class Block:
+    """One block of a segment: its address, its size, the request it holds (0 while free)."""
+
+    addr: int
+    size: int
+    small: bool
+    requested: int = 0
+    allocated: bool = False
+    prev: Optional["Block"] = field(default=None, repr=False)
+    next: Optional["Block"] = field(default=None, repr=False)
+
+    @property
+    def rest(self) -> int:
+        """What an allocated block holds past its rounded request (0 where it was split to it)."""
+        return self.size - block_bytes(self.requested) if self.allocated else 0
+
+
+class CachingAllocator:
+    """The default caching allocator's pools on one stream; ``allocated`` and ``peak`` are its allocated-bytes
+    stat (block sizes) and that stat's maximum since the last ``reset_peak``; ``requested`` sums the rounded
+    requests live (what an allocator history replays)."""
+
+    def __init__(self, expandable: bool = False):
+        self.expandable = expandable
+        self._free = {True: [], False: []}  # per pool (small?): sorted (size, addr, block)
+        self._tail = {True: None, False: None}  # expandable: each pool's segment's last block
+        self._end = 0  # the next segment's address
+        self.segments: list[Block] = []  # each segment's first block
+        self.allocated = self.peak = self.requested = self.requested_peak = self.reserved = 0
+
+    # -- the free lists (BlockComparatorSize: size, then address) --
+    def _insert(self, b: Block) -> None:
+        bisect.insort(self._free[b.small], (b.size, b.addr, id(b), b))
+
+    def _remove(self, b: Block) -> None:
+        lst = self._free[b.small]
+        i = bisect.bisect_left(lst, (b.size, b.addr, id(b)))
+        assert lst[i][3] is b
+        del lst[i]
+
+    def _best_fit(self, size: int, small: bool) -> Optional[Block]:
+        lst = self._free[small]
+        i = bisect.bisect_left(lst, (size, -1))
+        if i == len(lst):
+            return None
+        return lst.pop(i)[3]
+
+    def _new_segment(self, size: int, small: bool) -> Block:
+        """cudaMalloc of ``allocation_size`` (or, expandable, the pool's segment grown by whole pages)."""
+        if self.expandable:
+            return self._grow(size, small)
+        seg = allocation_size(size)
+        b = Block(self._end, seg, small)
+        self._end += seg
+        self.reserved += seg
+        self.segments.append(b)
+        return b
+
+    def _grow(self, size: int, small: bool) -> Block:
+        page = EXPANDABLE_PAGE_BYTES["small" if small else "large"]
+        tail = self._tail[small]
+        have = tail.size if tail is not None and not tail.allocated else 0
+        more = -(-(size - have) // page) * page
+        self.reserved += more
+        if have:
+            self._remove(tail)
+            tail.size += more
+            return tail
+        # each pool's segment stands in its own address range, far past any other
+        base = (1 << 60) if small else (1 << 59)
+        addr = tail.addr + tail.size if tail is not None else base
+        b = Block(addr, more, small, prev=tail)
+        if tail is not None:
+            tail.next = b
+        else:
+            self.segments.append(b)
+        self._tail[small] = b
+        return b
+
+    def _should_split(self, b: Block, size: int) -> bool:
+        remaining = b.size - size
+        if b.small or self.expandable:
+            return remaining >= K_MIN_BLOCK_SIZE
+        return remaining > K_SMALL_SIZE
+
+    def malloc(self, requested: int) -> Block:
+        """A request of ``requested`` bytes: the block it gets (best fit, else a new segment), split where
+        should_split says so."""
+        size = block_bytes(requested)
+        small = size <= K_SMALL_SIZE
+        b = self._best_fit(size, small) or self._new_segment(size, small)
+        if self._should_split(b, size):
+            rest = Block(b.addr + size, b.size - size, small, prev=b, next=b.next)
+            if b.next is not None:
+                b.next.prev = rest
+            b.next, b.size = rest, size
+            if self._tail[small] is b:
+                self._tail[small] = rest
+            self._insert(rest)
+        b.allocated, b.requested = True, requested
+        self.allocated += b.size
+        self.requested += size
+        self.peak = max(self.peak, self.allocated)
+        self.requested_peak = max(self.requested_peak, self.requested)
+        return b
+
+    def free(self, b: Block) -> None:
+        """``b`` back to its pool, merged with a free neighbour on either side (free_block, try_merge_blocks)."""
+        assert b.allocated, "a block freed twice"
+        self.allocated -= b.size
+        self.requested -= block_bytes(b.requested)
+        b.allocated, b.requested = False, 0
+        for other in (b.prev, b.next):
+            if other is not None and not other.allocated:
+                self._remove(other)
+                if other is b.prev:
+                    b.addr, b.prev = other.addr, other.prev
+                    if b.prev is not None:
+                        b.prev.next = b
+                    else:
+                        self.segments[self.segments.index(other)] = b
+                else:
+                    b.next = other.next
+                    if b.next is not None:
+                        b.next.prev = b
+                    if self._tail[b.small] is other:
+                        self._tail[b.small] = b
+                b.size += other.size
+        self._insert(b)
+
+    def reset_peak(self) -> None:
+        """torch.cuda.reset_peak_memory_stats: each peak from what is live now."""
+        self.peak, self.requested_peak = self.allocated, self.requested
+
+    def live(self) -> list[Block]:
+        """Every allocated block, segment by segment, in address order."""
+        out = []
+        for head in self.segments:
+            b = head
+            while b is not None:
+                if b.allocated:
+                    out.append(b)
+                b = b.next
+        return out
+
+
+def replay(events: Iterable[tuple], expandable: bool = False) -> CachingAllocator:
+    """The allocator after ``events``: ("alloc", key, bytes) or ("free", key), a key naming one request until
+    it is freed; a free of a key never allocated is an error."""
+    alloc = CachingAllocator(expandable)
+    held: dict = {}
+    for event in events:
+        if event[0] == "alloc":
+            held[event[1]] = alloc.malloc(event[2])
+        elif event[0] == "free":
+            alloc.free(held.pop(event[1]))
+        elif event[0] == "reset_peak":
+            alloc.reset_peak()
+        else:
+            raise ValueError(f"unknown allocator event {event[0]!r}")
+    return alloc

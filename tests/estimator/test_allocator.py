@@ -1,0 +1,105 @@
+"""issue395.estimator.allocator: torch's default CUDA caching allocator replayed in pure Python (issue 52 item 1).
+Each outcome here is derived by hand from CUDACachingAllocator.cpp's rules (get_allocation_size, get_free_block's
+best fit by size then address, should_split, free_block's merges), not from the module's code; nothing is faked."""
+
+import pytest
+
+from issue395.estimator.allocator import CachingAllocator, allocation_size, replay
+
+MiB = 2**20
+
+
+def test_a_7_mib_request_served_from_a_freed_8_mib_block_keeps_its_1_mib_rest():
+    """The Mistral r256 optimizer step's case: should_split's ``remaining > kSmallSize`` fails for a 1 MiB rest, so
+    the whole 8 MiB block is handed out and counted."""
+    a = CachingAllocator()
+    x, _ = a.malloc(8 * MiB), a.malloc(8 * MiB)
+    a.free(x)
+    b = a.malloc(7 * MiB)
+    assert (b.size, b.rest, b.addr) == (8 * MiB, MiB, x.addr)
+    assert a.allocated == 16 * MiB and a.requested == 15 * MiB
+
+
+def test_a_rest_over_1_mib_is_split_off_and_the_block_is_its_request():
+    a = CachingAllocator()
+    x, _ = a.malloc(8 * MiB), a.malloc(8 * MiB)
+    a.free(x)
+    assert a.malloc(6 * MiB).rest == 0 and a.allocated == 14 * MiB
+
+
+def test_sixteen_blocks_of_1_1875_mib_in_one_20_mib_segment_the_last_keeps_the_tail():
+    """Qwen2.5 DPO r64's fp32 adapter block (1.1875 MiB) cut from a kLargeBuffer segment: after 15 the free tail is
+    20 - 17.8125 = 2.1875 MiB; the 16th would leave exactly 1 MiB, not over kSmallSize, so it keeps it."""
+    a = CachingAllocator()
+    blocks = [a.malloc(1216 * 1024) for _ in range(16)]
+    assert [b.rest for b in blocks] == [0] * 15 + [MiB]
+    assert a.reserved == 20 * MiB and a.allocated == 20 * MiB
+    assert a.malloc(1216 * 1024).addr == 20 * MiB  # the 17th needs a new segment
+
+
+def test_requests_from_10_mib_get_their_own_segment_in_2_mib_steps():
+    """Qwen2.5's 19 MiB MLP blocks: a 20 MiB segment whose 1 MiB tail stays in the block."""
+    a = CachingAllocator()
+    assert allocation_size(19 * MiB) == 20 * MiB and allocation_size(10 * MiB) == 10 * MiB
+    assert allocation_size(10 * MiB - 512) == 20 * MiB and allocation_size(MiB) == 2 * MiB
+    b = a.malloc(19922944)
+    assert (b.size, b.rest) == (20 * MiB, MiB)
+
+
+def test_the_small_pool_splits_at_512_bytes_and_a_request_of_exactly_1_mib_is_small():
+    a = CachingAllocator()
+    x = a.malloc(MiB)
+    y = a.malloc(MiB - 512)
+    assert x.small and y.small and a.reserved == 2 * MiB and a.allocated == 2 * MiB - 512
+    assert a.malloc(1).size == 512 and a.malloc(1).rest == 0
+
+
+def test_best_fit_takes_the_smallest_free_block_then_the_lowest_address():
+    a = CachingAllocator()
+    big = a.malloc(30 * MiB)
+    keep = a.malloc(12 * MiB)
+    first = a.malloc(12 * MiB)
+    a.malloc(12 * MiB)
+    second = a.malloc(12 * MiB)
+    a.free(big), a.free(second), a.free(first)
+    got = a.malloc(11 * MiB)
+    # 12 MiB blocks before the 30 MiB one, the lower address first; its 1 MiB rest is not split off
+    assert (got.addr, got.size, got.rest) == (first.addr, 12 * MiB, MiB)
+    assert keep.allocated
+
+
+def test_a_freed_block_merges_with_free_neighbours_in_its_segment_only():
+    a = CachingAllocator()
+    x, y, z = a.malloc(6 * MiB), a.malloc(6 * MiB), a.malloc(6 * MiB)  # one 20 MiB segment, 2 MiB free tail
+    other = a.malloc(6 * MiB)  # the next segment
+    a.free(x), a.free(z)
+    a.free(y)
+    b = a.malloc(20 * MiB - 512)  # the whole first segment again, merged, 512 B rest kept (not over 1 MiB)
+    assert (b.addr, b.size) == (0, 20 * MiB) and other.addr == 20 * MiB
+
+
+def test_the_peak_counts_blocks_and_reset_starts_from_what_is_live():
+    events = [("alloc", "a", 8 * MiB), ("alloc", "b", 8 * MiB), ("free", "a"), ("reset_peak",),
+              ("alloc", "c", 7 * MiB), ("free", "c"), ("alloc", "d", 3 * MiB)]
+    a = replay(events)
+    assert a.peak == 16 * MiB and a.requested_peak == 15 * MiB
+    # 3 MiB best-fits the 4 MiB tail the two 8 MiB blocks left in their segment: a 1 MiB rest again
+    assert a.allocated == 12 * MiB and a.requested == 11 * MiB
+
+
+def test_under_expandable_segments_every_block_is_its_rounded_request():
+    """should_split: ``remaining >= kMinBlockSize`` in every pool under expandable segments."""
+    a = CachingAllocator(expandable=True)
+    x, _ = a.malloc(8 * MiB), a.malloc(8 * MiB)
+    a.free(x)
+    assert a.malloc(7 * MiB).rest == 0
+    blocks = [a.malloc(1216 * 1024) for _ in range(16)]
+    assert all(b.rest == 0 for b in blocks) and a.allocated == a.requested
+    assert a.reserved % (20 * MiB) == 0
+
+
+def test_an_unknown_event_or_a_free_of_a_key_never_allocated_is_an_error():
+    with pytest.raises(ValueError):
+        replay([("grow", 1)])
+    with pytest.raises(KeyError):
+        replay([("free", "x")])
