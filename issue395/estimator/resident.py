@@ -296,15 +296,7 @@ def estimate_resident(config: dict, *, quant: str = "none", seq: int, batch: int
         if checkpointing:
             t[Term.CHECKPOINTED_INPUTS.key] *= 2
         else:
-            t[Term.RETAINED_ACTIVATIONS.key] += T * a.L * saved
-            t[Term.RETAINED_BESIDE_LAYER.key] += T * (a.L - 1) * saved
-            # DeepSeek-V3's layers keep the kinds' bound under NF4 (layer.latent_retained is measured in bf16 only:
-            # the fp32 residual stream's MLA and expert blocks are not)
-            mask = mask_bytes(task_named(task), lora_dropout)
-            bound = [o - n for o, n in zip(retained_by_layer(a, quant, tg, lora_r, mask),
-                                           retained_by_layer(a, "none", tg, lora_r, mask))]
-            t[Term.RETAINED_ACTIVATIONS.key] += T * sum(bound)
-            t[Term.RETAINED_BESIDE_LAYER.key] += T * (sum(bound) - bound[-1])
+            nf4_retained(t, a, tg, lora_r, T, saved, mask_bytes(task_named(task), lora_dropout))
         t[Term.LAYER_PER_TOKEN.key] += 0 if fp32_residual(a, quant) else T * 2 * a.i * a.quirks.mlp_saved
         t[Term.HEAD_COPY.key] = 2 * a.V * a.h + segment_tail(2 * a.V * a.h)
         # the rotary tables take the residual stream's dtype (transformers' rotary embeddings return
@@ -333,6 +325,17 @@ def estimate_resident(config: dict, *, quant: str = "none", seq: int, batch: int
     # the default one, whose unsplit remainders stay in what it needs
     return Estimate(e.seq, e.batch, quant, e.steps, e.release, None, {}, corrected, needs_free(corrected),
                     binding.value, t, e.task, e.optimizer, e.accumulation)
+
+
+def nf4_retained(t: dict, a: Arch, targets: tuple, r: int, T: int, saved: int, mask: int) -> None:
+    """What an NF4 resident run's layers keep without checkpointing beyond the bf16 count ``t`` holds: each layer's
+    MLP tensors in fp32 (``saved`` a token, the bytes over bf16), and on DeepSeek-V3 the kinds' bound in place of
+    layer.latent_retained's count, which is measured in bf16 only (the fp32 residual stream's latent and expert
+    blocks are not)."""
+    bound = [o - n for o, n in zip(retained_by_layer(a, "nf4", targets, r, mask),
+                                   retained_by_layer(a, "none", targets, r, mask))]
+    t[Term.RETAINED_ACTIVATIONS.key] += T * (a.L * saved + sum(bound))
+    t[Term.RETAINED_BESIDE_LAYER.key] += T * ((a.L - 1) * saved + sum(bound) - bound[-1])
 
 
 def estimate_run(arm, config: dict | None = None, **extra) -> Estimate:
