@@ -243,7 +243,8 @@ def kind_transients(a: Arch, k: Kind, per_expert: bool = False) -> int:
     kept in both layouts. Moonlight recompute-off 2048 x 1's live set holds one top_k x 2h block a MoE
     layer (transformers' grouped_mm experts save only the expert output), but without the second
     Qwen3.5-MoE recompute-off is under its committed peaks (4096 x 1 by 43 MB, 2048 x 1 by 19 MB), so
-    the safe side stays until a Qwen3.5-MoE history says why (issue 52). ``per_expert``: unused, kept for
+    the safe side stays until a Qwen3.5-MoE history says why (issue 52). DeepSeek-V3's layers in bf16 keep
+    what latent_retained counts, measured on CPU, in place of this (retained_by_layer). ``per_expert``: unused, kept for
     the callers' signature."""
     return 2 * MLP_BACKWARD_TRANSIENTS * k.mlp_width + 2 * a.h
 
@@ -274,10 +275,64 @@ def retained_by_layer(a: Arch, quant: str, targets: tuple, r: int, mask: int = L
                 a.quirks.mlp_saved - MLP_BACKWARD_TRANSIENTS)
             kept.append(layer_per_token(a, quant, targets, r, input_grad=grad, mask=mask)
                         - 2 * MLP_BACKWARD_TRANSIENTS * a.i - 2 * a.h - mlp)
+        elif n < first:
+            kept.append(0)
+        elif kind.latent_norms and quant == "none":
+            kept.append(latent_retained(a, kind, targets, r, grad, mask))
         else:
-            kept.append(0 if n < first else kind_per_token(a, kind, targets, r, input_grad=grad, mask=mask)
-                        - kind_transients(a, kind))
+            kept.append(kind_per_token(a, kind, targets, r, input_grad=grad, mask=mask) - kind_transients(a, kind))
     return kept
+
+
+#: What DeepSeek-V3's router and grouped experts keep a token for each expert it visits, beside the experts'
+#: output: its top-k index (int64), the sort's permutation, the gather's index and the inverse permutation (int64
+#: each, per token-expert pair), the renormalised weights and their sorted copy (bf16 each), the sentinel mask (bool).
+ROUTED_BOOKKEEPING = 8 + 3 * 8 + 2 * 2 + 1
+#: The linear whose output each latent LoRA target reads (through its latent norm), not the layer's input.
+LATENT_SOURCE = {"kv_b_proj": "kv_a_proj_with_mqa", "q_b_proj": "q_a_proj"}
+
+
+def latent_retained(a: Arch, k: Kind, targets: tuple, r: int, input_grad: bool, mask: int) -> int:
+    """What one DeepSeek-V3 layer (a moe.Kind with latent_norms: its dense first layers and its MoE layers) keeps
+    a token for its backward without recompute, bf16, op by op: each RMSNorm's fp32 input and rstd (4h + 4; the
+    input norm's only where the layer's input carries a gradient); each LoRA target's bf16 input (autocast's cast
+    of its dropout output), lora_A's output and its dropout mask where its input carries a gradient: kv_b_proj and
+    q_b_proj read a latent made from the layer's input by kv_a_proj_with_mqa and q_a_proj, so q_proj's adapter
+    gives them none (LATENT_SOURCE); q, k, kv_b's whole output (v is its view) and SDPA's output, its fp32
+    logsumexp; each latent norm's fp32 input and rstd where its latent carries a gradient (the latent itself and
+    the rotary k are not kept: the norm keeps its fp32 copy, the rotary mul its tables); the MLP's three i-wide
+    (dense gate, up, act; or the shared experts' three and the routed experts' fused gate_up output and act);
+    and for routed experts, transformers' grouped_mm path (integrations/moe.py): the experts' output, which the
+    routing weights' mul keeps (top_k x h, bf16; the gathered input is not kept, the experts' weights being
+    frozen), the router's sigmoid scores (bf16 under autocast: its F.linear is on CUDA's lower-precision list),
+    the top-k bookkeeping (ROUTED_BOOKKEEPING a pair) and the renormalisation's fp32 denominator.
+
+    Measured on CPU (transformers 5.16.1, peft 0.20, Moonlight's full widths, 4 layers, q_proj and kv_b_proj at
+    r 8, dropout 0.05, CUDA's bf16 autocast lists applied op by op, the saved tensors alive beside the loss,
+    T 128 and 256): layer 0 keeps 105,572 B a token beside the rotary tables, each MoE layer 143,310, this
+    count to the byte, alike for two routings (grouped_mm's blocks are top_k x T whatever the routing). The
+    kinds' count (kind_per_token less kind_transients) charged 109,536 and 169,440: the gathered input beside
+    the experts' output (24,576), the router's fp32 logits and scores (512 where 354 are kept), the latent at
+    6 B a width (3,456 for 2,052) and, in layer 0, a latent and a mask q_proj's adapter does not reach. The
+    method reproduces to the byte every block Qwen2.5 2048x1 resident keeps
+    (results/resident-anatomy-*/call-1/res-sft-qwen-bf16-2048x1) and each MoE layer's blocks in Moonlight's
+    streamed recompute-off live set at 2048 (results/layer-walk-modes-*/call-1: 33,792, 24,576, 16,896 and
+    3 x 5,632 B a token of routed and shared MLP, one top_k x 2h block a layer)."""
+    mine = tuple(t for t in targets if t in k.dequant)
+
+    def carries(name: str) -> bool:  # whether linear ``name``'s input carries a gradient
+        if name in LATENT_SOURCE:
+            return input_grad or LATENT_SOURCE[name] in mine
+        return input_needs_grad(name, mine, input_grad)
+
+    b = (4 * a.h + 4) * (2 if input_grad else 1)
+    b += sum(2 * k.dequant[t][0] + 2 * r + (mask * k.dequant[t][0] if carries(t) else 0) for t in mine)
+    b += 2 * k.attention_width + 4 * a.heads
+    b += sum(4 * w + 4 for source, w in k.latent_norms if input_grad or source in mine)
+    b += 2 * KIND_MLP_SAVED * k.mlp_width
+    if k.routed:
+        b += 2 * k.top_k * a.h + 2 * k.routed + ROUTED_BOOKKEEPING * k.top_k + 4
+    return b
 
 
 def _first_target(a: Arch, targets: tuple) -> int:

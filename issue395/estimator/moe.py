@@ -42,6 +42,9 @@ class Kind:
     top_k: int = 0  # experts a token visits (its hidden state gathered and weighted per expert)
     expert_width: int = 0  # one routed expert's intermediate width (moe_intermediate_size)
     tensors: tuple = ()  # its parameters beside the linears, as Layers.union's (elements, kind) pairs
+    # DeepSeek-V3's latent RMSNorms as (the linear whose output each normalises, its width): kv_a_layernorm's, and
+    # q_a_layernorm's where q_lora_rank is set. Empty for every other kind (layer.latent_retained reads it)
+    latent_norms: tuple = ()
 
     @property
     def shared_width(self) -> int:
@@ -97,8 +100,11 @@ def deepseek_v3(config: dict, h: int, i: int, L: int, heads: int) -> Layers:
     attention_width, extra = 2 * qk + heads * (nope + vh) + heads * vh, kvr + rope + (qr or 0)
     norms = ((h, "bf16"), (h, "bf16"), (kvr, "bf16")) + (((qr, "bf16"),) if qr else ())
     experts = ((E * h, "bf16"), (E, "fp32"), (E * 2 * mi * h, "expert"), (E * h * mi, "expert"))
-    kinds = ((Kind(dict(attn, **dense), attention_width, extra, i, tensors=norms),) if has_dense else ()) + (
-        (Kind(dict(attn, **shared_mlp), attention_width, extra, k * mi + mi * shared, E, k, mi, norms + experts),)
+    latent = (("kv_a_proj_with_mqa", kvr),) + ((("q_a_proj", qr),) if qr else ())
+    kinds = ((Kind(dict(attn, **dense), attention_width, extra, i, tensors=norms, latent_norms=latent),)
+             if has_dense else ()) + (
+        (Kind(dict(attn, **shared_mlp), attention_width, extra, k * mi + mi * shared, E, k, mi, norms + experts,
+              latent),)
         if has_moe else ())
     order = tuple(0 if n < first_dense else len(kinds) - 1 for n in range(L))
     return Layers(tuple(union), (h * mi, h * mi, mi * h) if has_moe else (), dict(attn, **dense, **shared_mlp),

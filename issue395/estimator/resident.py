@@ -11,11 +11,15 @@ dropout mask is charged, by the streamed step's own rule (layer.mask_bytes), in 
 
 Measured (tests/estimator/test_resident.py), on the 181 committed arms of these families it models, bf16 and NF4
 (results/resident-map-*): never under, median 1.0013x; with checkpointing 1.0001x-1.0029x, without it
-1.0000x-1.0286x, median 1.0022x (the widest: Moonlight 1.002x-1.029x; without it at most 1.0238x, SmolLM2's
-and Phi-3-mini NF4's bounded rounding; phi-2 bf16 1.0023x-1.0186x). Layers of several kinds (issue395.estimator.moe) hold each its own kind's tensors
+1.0000x-1.0238x, median 1.0022x (the widest SmolLM2's and Phi-3-mini NF4's bounded rounding; phi-2 bf16
+1.0023x-1.0186x; Moonlight bf16 1.0023x-1.0048x, its layers' count measured on CPU: layer.latent_retained). Layers of several kinds (issue395.estimator.moe) hold each its own kind's tensors
 (``kinds_weights``: Moonlight's dense layer 0 and MoE layers of 64 fused experts, Qwen3.5's delta-net and
 full-attention layers; within 0.1% of what each committed row held before its step, where charging every layer
-the union of the kinds was 10-30% off): Moonlight (DeepSeek-V3) 1.0003x-1.0286x on its 16 rows, Qwen3.5 with
+the union of the kinds was 10-30% off): Moonlight (DeepSeek-V3) 1.0003x-1.0075x on its 16 rows (its bf16 rows
+without checkpointing were 1.010x-1.029x on the kinds' count, 22-27 KB a token a layer over, which
+layer.latent_retained, measured on CPU under CUDA's autocast lists, names: the routed experts' gathered input,
+which grouped_mm does not keep, the router's fp32 logits, the latent at 6 B a width; under NF4, not measured, the
+kinds' count stays: 1.0023x-1.0075x), Qwen3.5 with
 checkpointing 1.0002x-1.0008x (4), Qwen3.5-MoE without it 1.0001x-1.0040x (12). phi-2 bf16 (6 rows,
 1.0236x-1.0352x): a resident run trains under bf16 autocast, which the streamed step (where the counts are
 measured) does not, and autocast runs layer_norm and pow in fp32 (``autocast_upcasts``). Under NF4 the rotary tables are
@@ -73,7 +77,8 @@ from ..record import LORA_DROPOUT
 from ..model.targets import soup_targets
 from ..tasks import PROTOCOL_TASK, task as task_named
 from .arch import NF4_BLOCK, Arch, arch_from_config, fp32_residual, layer_bytes, nf4_bytes, protocol_targets
-from .layer import AUTOCAST_BF16, LORA_DROPOUT_MASK_BYTES, autocast_by_layer, autocast_per_token, autocast_upcasts, mask_bytes
+from .layer import (AUTOCAST_BF16, LORA_DROPOUT_MASK_BYTES, autocast_by_layer, autocast_per_token, autocast_upcasts,
+                    mask_bytes, retained_by_layer)
 from .estimate import Estimate, estimate, needs_free, segment_tail
 from .steady import adapter_bytes
 from .terms import Phase, Term, phase_sum
@@ -291,8 +296,7 @@ def estimate_resident(config: dict, *, quant: str = "none", seq: int, batch: int
         if checkpointing:
             t[Term.CHECKPOINTED_INPUTS.key] *= 2
         else:
-            t[Term.RETAINED_ACTIVATIONS.key] += T * a.L * saved
-            t[Term.RETAINED_BESIDE_LAYER.key] += T * (a.L - 1) * saved
+            nf4_retained(t, a, tg, lora_r, T, saved, mask_bytes(task_named(task), lora_dropout))
         t[Term.LAYER_PER_TOKEN.key] += 0 if fp32_residual(a, quant) else T * 2 * a.i * a.quirks.mlp_saved
         t[Term.HEAD_COPY.key] = 2 * a.V * a.h + segment_tail(2 * a.V * a.h)
         # the rotary tables take the residual stream's dtype (transformers' rotary embeddings return
@@ -321,6 +325,17 @@ def estimate_resident(config: dict, *, quant: str = "none", seq: int, batch: int
     # the default one, whose unsplit remainders stay in what it needs
     return Estimate(e.seq, e.batch, quant, e.steps, e.release, None, {}, corrected, needs_free(corrected),
                     binding.value, t, e.task, e.optimizer, e.accumulation)
+
+
+def nf4_retained(t: dict, a: Arch, targets: tuple, r: int, T: int, saved: int, mask: int) -> None:
+    """What an NF4 resident run's layers keep without checkpointing beyond the bf16 count ``t`` holds: each layer's
+    MLP tensors in fp32 (``saved`` a token, the bytes over bf16), and on DeepSeek-V3 the kinds' bound in place of
+    layer.latent_retained's count, which is measured in bf16 only (the fp32 residual stream's latent and expert
+    blocks are not)."""
+    bound = [o - n for o, n in zip(retained_by_layer(a, "nf4", targets, r, mask),
+                                   retained_by_layer(a, "none", targets, r, mask))]
+    t[Term.RETAINED_ACTIVATIONS.key] += T * (a.L * saved + sum(bound))
+    t[Term.RETAINED_BESIDE_LAYER.key] += T * ((a.L - 1) * saved + sum(bound) - bound[-1])
 
 
 def estimate_run(arm, config: dict | None = None, **extra) -> Estimate:

@@ -106,3 +106,21 @@ def test_a_lora_dropout_of_0_builds_no_dropout_in_peft_so_no_task_keeps_a_mask()
         assert kinds == ({"Identity"} if p == 0 else {"Dropout"}), (p, kinds)
         assert mask_bytes(task("sft"), p) == kept, p
         assert all(mask_bytes(task(name), p) == 0 for name in ("dpo", "orpo", "simpo", "kto"))
+
+
+def test_a_resident_deepseek_v3_layer_keeps_what_the_cpu_measurement_found_not_the_kinds_bound():
+    """Issue 51 item 3: without recompute a bf16 Moonlight layer keeps, per token, what the CPU measurement under
+    CUDA's autocast lists found alive beside the loss (transformers 5.16.1, peft 0.20, full widths, q_proj and
+    kv_b_proj at r 8; layer.latent_retained's docstring): 105,572 B in dense layer 0, 143,310 in each MoE layer,
+    where the kinds' count charged 109,536 and 169,440 (the routed experts' gathered input beside their output,
+    the router's fp32 logits, the latent at 6 B a width). The committed streamed recompute-off live set agrees:
+    one top_k x 2h block (50,331,648 B at 2048) a MoE layer, not two. Under NF4 (not measured) the bound stays."""
+    from issue395.estimator.layer import retained_by_layer
+
+    a = arch_from_config(config_json("moonlight"))
+    assert retained_by_layer(a, "none", ("q_proj", "kv_b_proj"), 8) == [105_572, 143_310, 143_310, 143_310]
+    assert retained_by_layer(a, "nf4", ("q_proj", "kv_b_proj"), 8) == [109_536, 169_440, 169_440, 169_440]
+    walk = json.loads((ROOT / "results" / "layer-walk-modes-h200-soup0.77.0-2798321" / "call-1"
+                       / "walk-sft-moonlight-bf16-2048x1-recompute-off.json").read_text())
+    expert_out = next(g for g in walk["groups"] if g["size"] == 6 * 2 * a.h * 2048)
+    assert expert_out["count"] == 3 and set(expert_out["frames"]) == {"moe.py:332 _grouped_mm <- ??:0 PyMethod_New"}

@@ -25,8 +25,9 @@ def test_the_resident_estimate_is_never_under_and_tight_on_every_committed_arm_i
     """Issue 51 item 3: every committed resident row the estimator models, bf16 and NF4, dense, phi's parallel
     block (bf16), DeepSeek-V3's latent MoE (Moonlight), the Qwen3.5 hybrids where modelled (the map's corrected
     column, from the family's public config alone) is at or above its real peak, median at most 1.0015x
-    (resident.py's docstring), within 1.004x with checkpointing, within 1.025x without it but for Moonlight,
-    within 1.03x all told; the ones it does not model (phi NF4, Qwen3.5 without
+    (resident.py's docstring), within 1.004x with checkpointing, within 1.024x without it, Moonlight within
+    1.008x (its bf16 rows without checkpointing within 1.005x: layer.latent_retained, measured on CPU, where the
+    kinds' count was 1.010x-1.029x); the ones it does not model (phi NF4, Qwen3.5 without
     checkpointing, Qwen3.5-MoE with it, past a sliding window without checkpointing) get no figure."""
     import statistics
 
@@ -35,9 +36,10 @@ def test_the_resident_estimate_is_never_under_and_tight_on_every_committed_arm_i
     got = [(r, corrected(r, env)) for r in rows]
     modelled = [(r, c / r.real_peak) for r, c in got if c is not None]
     assert len(modelled) >= 181 and any(r.quant == "nf4" for r, _ in modelled), len(modelled)
-    assert all(1.0 <= v <= 1.03 for _, v in modelled), [(r.model_key, r.seq, round(v, 4)) for r, v in modelled]
+    assert all(1.0 <= v <= 1.024 for _, v in modelled), [(r.model_key, r.seq, round(v, 4)) for r, v in modelled]
     assert all(v <= 1.004 for r, v in modelled if "+gc" in r.model_key)
-    assert all(v <= 1.025 for r, v in modelled if not r.model_key.startswith("moonlight"))
+    assert all(v <= 1.008 for r, v in modelled if r.model_key.startswith("moonlight"))
+    assert all(v <= 1.005 for r, v in modelled if r.model_key == "moonlight+resident" and r.quant == "none")
     assert round(statistics.median(v for _, v in modelled), 4) <= 1.0015
     families = {r.model_key for r, _ in modelled}
     assert {"phi-2+resident", "moonlight+resident", "moonlight+resident+gc", "qwen3.5+resident+gc",
