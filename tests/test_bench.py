@@ -426,3 +426,33 @@ def test_a_run_that_died_under_soup_train_card_keeps_torchs_out_of_memory_figure
     assert died.outcome == F.OOM and lines[0].startswith("Soup's line: ")
     assert "reserved but unallocated 3,307,124,817 B" in lines[1] and "reserved 22,502,440,960 B" in lines[2]
     assert bench.died_lines(F.judge(3072, "{'loss': 1}\n", 0, 2, 2)) == []
+
+
+def test_the_meta_capture_replays_the_committed_resident_anatomies_rests_within_a_tenth_of_a_megabyte():
+    """Issue 52 item 1: bench/allocator_replay.py's request sequence of a resident LoRA SFT bf16 step, captured from
+    the real transformers + peft model on the meta device and replayed through estimator/allocator.py, keeps at
+    its peak the rests (allocated-bytes peak minus the history's replayed peak) the card's max_memory_allocated
+    showed on the committed anatomy arms: Qwen2.5-0.5B 2048x1 107,741,184 B and Llama-3.2-1B 2048x1 25,088 B
+    (results/resident-anatomy-*/call-1), each within 0.1 MB. No CUDA is faked: the card's figures are the JSON's."""
+    replay = load("allocator_replay")
+    got = {label: (measured, f) for label, measured, f in replay.validations()}
+    for label, measured in (("res-sft-qwen-bf16-2048x1", 107_741_184), ("res-sft-llama1b-bf16-2048x1", 25_088)):
+        held, f = got[label]
+        assert held == measured, label  # the committed JSON's own figure
+        assert abs(f["rests"] - measured) <= 100_000, (label, f)
+        assert f["resident"] > 0 and f["peak_allocated"] == f["replayed_peak"] + f["rests"]
+
+
+def test_the_allocator_replay_refuses_an_nf4_capture_an_unknown_key_and_an_existing_events_file(tmp_path, capsys):
+    """bad input to bench/allocator_replay.py capture is one line on stderr and exit 2, and a file it did not write
+    is not overwritten: NF4 (bitsandbytes does not run on the meta device), a key the registry lacks, --events on
+    an existing file."""
+    replay = load("allocator_replay")
+    kept = tmp_path / "kept.json"
+    kept.write_text("mine")
+    for argv in (["capture", "qwen", "512", "--quant", "nf4"], ["capture", "nope", "512"],
+                 ["capture", "qwen", "512", "--events", str(kept)]):
+        assert replay.main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith("bench/allocator_replay.py: "), err
+    assert kept.read_text() == "mine"

@@ -1,7 +1,8 @@
 """torch's CUDA caching allocator (one device, one stream, no capacity limit) replayed in pure Python: a
 sequence of requests and frees in, the blocks it hands out and its allocated-bytes stat (what
 ``torch.cuda.max_memory_allocated`` reads) out. Stdlib only. Issue 52 item 1: the rests a block keeps past
-its request are history, block by block; this module is that history's rules, not yet an estimator term.
+its request are history, block by block; this module is that history's rules (estimator/sequence.py replays a
+resident step through it).
 
 The rules, as c10/cuda/CUDACachingAllocator.cpp states them (torch 2.11-2.15; the constants are
 issue395.constants'):

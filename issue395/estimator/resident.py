@@ -10,9 +10,11 @@ every block of the step is whole 2 MiB (``whole_granules``). Where the task's tr
 dropout mask is charged, by the streamed step's own rule (layer.mask_bytes), in each count and its blocks' rounding.
 
 Measured (tests/estimator/test_resident.py), on the 181 committed arms of these families it models, bf16 and NF4
-(results/resident-map-*): never under, median 1.0013x; with checkpointing 1.0001x-1.0029x, without it
-1.0000x-1.0238x, median 1.0022x (the widest SmolLM2's and Phi-3-mini NF4's bounded rounding; phi-2 bf16
-1.0023x-1.0186x; Moonlight bf16 1.0023x-1.0048x, its layers' count measured on CPU: layer.latent_retained). Layers of several kinds (issue395.estimator.moe) hold each its own kind's tensors
+(results/resident-map-*): never under, median 1.0011x; with checkpointing 1.0001x-1.0029x, without it
+1.0000x-1.0238x, median 1.0014x (the widest: the NF4 rows whose retained rests are still bounded, SmolLM2 and Phi-3-mini up to 1.0238x). Where the retained blocks' rests are replayed
+(estimator/sequence.py: SmolLM2, Qwen2.5, Llama-3.2-1B, Llama-3.1-8B, Qwen3-0.6B, Mistral-7B, SFT bf16 without
+checkpointing, 39 rows) 1.0000x-1.0047x, median 1.0006x (bounded they were up to 1.0237x); phi-2 bf16 1.0023x-1.0186x;
+Moonlight bf16 1.0023x-1.0048x, its layers' count measured on CPU: layer.latent_retained. Layers of several kinds (issue395.estimator.moe) hold each its own kind's tensors
 (``kinds_weights``: Moonlight's dense layer 0 and MoE layers of 64 fused experts, Qwen3.5's delta-net and
 full-attention layers; within 0.1% of what each committed row held before its step, where charging every layer
 the union of the kinds was 10-30% off): Moonlight (DeepSeek-V3) 1.0003x-1.0075x on its 16 rows (its bf16 rows
@@ -27,16 +29,21 @@ fp32, as the residual stream is: charged bf16, Gemma-2-2B NF4 4096x1 with checkp
 peak, the allowance aside; charged fp32, 0.99 MB over.
 
 Known limitations
-    - Without checkpointing, where a block of the step or of the weights is not whole 2 MiB (on the committed rows:
-      SmolLM2, Qwen2.5, Gemma-2, Phi-3, Qwen3 NF4, and the 512-token rows of Qwen3 bf16), the retained blocks'
-      rounding is bounded, not replayed: each 1-10 MiB block class is
+    - Without checkpointing, the retained blocks' rests are replayed (estimator/sequence.py: the step's
+      large-pool requests from the Arch, op by op, through estimator/allocator.py), on the plain llama-type decoder
+      (llama, mistral, qwen2, qwen3), SFT bf16 with the protocol's targets (q_proj, v_proj), LoRA dropout on or off:
+      the request sequence was the one bench/allocator_replay.py captures from the real model on the meta device,
+      request for request, on all six such families at 512x1-4096x1 (its rests the capture's at every point but
+      SmolLM2 1024x1, 0.5 MB over: a block the capture frees before its peak). Everywhere else (NF4, whose
+      Linear4bit does not run on the meta device; Gemma, Gemma-2, Phi-3, phi-2, the layered families; other
+      targets; the preference tasks) a block of the step or of the weights that is not whole 2 MiB has its
+      retained blocks' rounding bounded, not replayed: each 1-10 MiB block class is
       cut from 20 MiB segments whose last block keeps a rest of at most 1 MiB (1 MiB a segment), and each block
       from 10 MiB keeps its segment's tail, or, served from a larger cached block, a rest of at most 1 MiB (1 MiB
       a block); a block of 1 MiB or less is the small pool's, split at 512 B (retained_rounding, through
       constants.layer_remainders, the rule the streamed step's blocks take). The measured excess of max_memory_allocated over the requested peak was 21 MB on SmolLM2
       1024x1, 108 MB on Qwen2.5 2048x1 (75.5 MB of it the MLP blocks' tails), 0 on Llama-3.2-1B 2048x1; without the
-      per-block bound SmolLM2 NF4 at 2048 tokens was 9.8 MB under. Those rows are 1.002x-1.024x, which a replay
-      of the forward's requests through the allocator's rules (not built) would tighten.
+      per-block bound SmolLM2 NF4 at 2048 tokens was 9.8 MB under. The bounded rows are 1.002x-1.024x.
     - Phi-3-mini NF4 without checkpointing is 1.0056x-1.0236x, the rest its retained blocks' rounding bound: the
       12,288 B a token a layer it was over (1.063x-1.080x) was v, charged as a view of the fused qkv, where
       the fused output is fp32 under NF4 and autocast's SDPA keeps its own bf16 copy of v
@@ -83,6 +90,7 @@ from .estimate import Estimate, estimate, needs_free, segment_tail
 from .steady import adapter_bytes
 from .terms import Phase, Term, phase_sum
 from .full import estimate_full, full_refused
+from .sequence import layer_rests, replayed
 
 #: The architectures the resident construction is held to (every committed resident row of theirs).
 MODELLED_TYPES = ("llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "gemma3_text", "phi3", "phi", "deepseek_v3",
@@ -172,6 +180,16 @@ def retained_rounding(a: Arch, targets: tuple, r: int, T: int, quant: str = "non
     else:
         widths += [(b, a.i)] * mlp + upcast
     return layer_remainders([b * w * T for b, w in widths if b] * a.L)
+
+
+def kept_rests(a: Arch, targets: tuple, r: int, T: int, quant: str, seq: int, task: str, dropout: float) -> int:
+    """What the blocks each layer keeps through the loss without checkpointing hold past their requests: replayed
+    (estimator/sequence.py's layer_rests) where its sequence was checked against the real model's (``replayed``),
+    else retained_rounding's bound."""
+    mask = mask_bytes(task_named(task), dropout)
+    if replayed(a, quant, targets, task):
+        return layer_rests(a, targets, r, T, seq, mask > 0)
+    return retained_rounding(a, targets, r, T, quant, seq, mask)
 
 
 def whole_granules(a: Arch, targets: tuple, r: int, T: int, seq: int) -> bool:
@@ -276,8 +294,7 @@ def estimate_resident(config: dict, *, quant: str = "none", seq: int, batch: int
         # norms' fp32 copies among it). Measured: Qwen2.5 2048x1 keeps 45,912 B a token a layer at its loss
         # peak, retained_by_layer's count to the byte (results/resident-anatomy-*/call-1/res-sft-qwen-bf16-2048x1)
         t[Term.CHECKPOINTED_INPUTS.key] = 0
-        t[Term.ALLOCATOR_ROUNDING.key] += retained_rounding(a, tg, lora_r, T, quant, e.seq,
-                                                            mask_bytes(task_named(task), lora_dropout))
+        t[Term.ALLOCATOR_ROUNDING.key] += kept_rests(a, tg, lora_r, T, quant, e.seq, task, lora_dropout)
         t[Term.ADAPTER_CASTS.key] = adapter_casts(a, tg, lora_r, adapter_bytes(task, quant))
         upcast = autocast_by_layer(a, quant, tg)
         t[Term.RETAINED_ACTIVATIONS.key] += T * sum(upcast)
@@ -379,5 +396,5 @@ def full_run(config: dict, *, quant: str, seq: int, batch: int, steps: int, rele
 def lora_retained_rounding(a: Arch, config: dict, T: int, seq: int, task: str) -> int:
     """What estimate_resident added to the allocator's rounding without checkpointing for the r 1 LoRA run a full
     fine-tuning's estimate starts from (its seq, its task's mask): exactly what that estimate takes off again."""
-    return retained_rounding(a, targets_of(a, None, config), 1, T, "none", seq, mask_bytes(task_named(task)))
+    return kept_rests(a, targets_of(a, None, config), 1, T, "none", seq, task, LORA_DROPOUT)
 

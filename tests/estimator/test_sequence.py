@@ -1,0 +1,79 @@
+"""estimator/sequence.py (issue 52 item 2): the large-pool requests of a resident LoRA SFT bf16 step built from the
+estimator's own shapes are the ones the real transformers + peft model makes, captured on the meta device
+(bench/allocator_replay.py: CUDA's autocast, flash SDPA, fused dropout, cuBLAS workspaces substituted there), and
+the rests their blocks keep are the capture's. No CUDA is faked: both sides are replays of request sequences."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+from conftest import ROOT
+
+from issue395.constants import K_SMALL_SIZE, block_bytes
+from issue395.estimator import sequence
+from issue395.estimator.allocator import CachingAllocator
+from issue395.estimator.arch import arch_from_config, protocol_targets
+from issue395.model.registry import config_json
+
+
+def capture_module():
+    spec = importlib.util.spec_from_file_location("bench_allocator_replay", ROOT / "bench" / "allocator_replay.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def captured(events, a, T):
+    """The capture's large-pool requests up to the head's logits, and the rests of its forward's blocks live at
+    its requested peak (the window's start: its reset_peak)."""
+    sizes, seq, head, start = {}, [], None, None
+    for j, e in enumerate(events):
+        if e[0] == "reset_peak":
+            start = j
+        elif e[0] == "alloc":
+            sizes[e[1]] = e[2]
+            if start is not None and e[2] == 2 * T * a.V and e[3].endswith(f"{a.V}) torch.bfloat16"):
+                head = j
+                break
+            if block_bytes(e[2]) > K_SMALL_SIZE:
+                seq.append(("alloc", e[2]))
+        elif block_bytes(sizes[e[1]]) > K_SMALL_SIZE:
+            seq.append(("free", sizes[e[1]]))
+    alloc, held, top = CachingAllocator(), {}, (-1, 0)
+    for j, e in enumerate(events):
+        if e[0] == "alloc":
+            held[e[1]] = (j, alloc.malloc(e[2]))
+        elif e[0] == "free":
+            alloc.free(held.pop(e[1])[1])
+        if j > start and alloc.requested > top[0]:
+            top = (alloc.requested, j)
+    alloc, held = CachingAllocator(), {}
+    for j, e in enumerate(events[:top[1] + 1]):
+        if e[0] == "alloc":
+            held[e[1]] = (j, alloc.malloc(e[2]))
+        elif e[0] == "free":
+            alloc.free(held.pop(e[1])[1])
+    return seq, sum(b.rest for j, b in held.values() if start < j < head)
+
+
+@pytest.mark.parametrize("key,seq,batch,dropout", [("qwen", 2048, 1, 0.05), ("smol", 1024, 4, 0.05),
+                                                   ("qwen3-0.6b", 512, 1, 0.05), ("smol", 2048, 1, 0.0)])
+def test_the_synthetic_sequence_is_the_captured_ones_request_for_request_and_keeps_its_rests(key, seq, batch, dropout):
+    """Every request over 1 MiB and every free of one, in order, from the weights' load to the final norm, is
+    the capture's; the rests the forward's blocks keep (sequence.layer_rests, what resident.py charges) are
+    those the capture's forward blocks hold at its peak: Qwen2.5-0.5B 2048x1 104,693,760 B (the committed
+    anatomy measured 107,741,184 B over the history's peak, the loss's logits' three 1 MiB tails among them),
+    SmolLM2 1024x4, Qwen3-0.6B's q/k norms at 512x1, LoRA dropout 0 (no mask)."""
+    a = arch_from_config(config_json(key))
+    targets, T = protocol_targets(a), seq * batch
+    events = capture_module().capture(key, seq, batch, 8, targets, dropout)
+    want, rests = captured(events, a, T)
+    q = sequence.Requests(trace=True)
+    sequence.load(q, a, targets, 8)
+    loaded = len(q.trace)
+    kept = sequence.forward(q, a, T, seq, (targets, 8, dropout > 0))
+    assert q.trace == want, next(i for i, (x, y) in enumerate(zip(q.trace, want)) if x != y)
+    assert loaded > 2 * a.L and q.rests(kept) == rests == sequence.layer_rests(a, targets, 8, T, seq, dropout > 0)
+    if (key, seq, batch) == ("qwen", 2048, 1):
+        assert rests == 104_693_760
