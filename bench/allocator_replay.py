@@ -26,8 +26,21 @@ live sets):
 - transformers' caching_allocator_warmup: one block of the weights' bytes, freed at once, before the load;
 - the weights load in the checkpoint's sorted key order (safetensors), then peft's LoRA tensors; the
   packed-sequence check's .item() (small-pool blocks only) is skipped.
-NF4 is not captured: bitsandbytes quantises a Linear4bit's weight with its own kernels when it moves to the
-device, which the meta device has none of (``--quant nf4`` is refused in one line).
+NF4 (``--quant nf4``: Soup's resident QLoRA load, bitsandbytes 0.50.2) runs bitsandbytes' own Python on the
+meta device, its ops' registered fake kernels giving each output's shape; what its CUDA kernels allocate inside
+is substituted:
+- each decoder linear is a real ``bnb.nn.Linear4bit`` (NF4, double quantisation, bf16 compute, uint8 storage, as
+  Soup's BitsAndBytesConfig), the head and the embedding not; the warmup block counts a quantised element 0.5 B
+  (transformers' Bnb4bit quantizer's param_element_size); each quantised weight loads as its bf16 tensor, which
+  ``Params4bit._quantize`` (quantize_4bit: the packed weight, fp32 absmax, its mean offset, the fp32 difference,
+  quantize_blockwise's uint8 absmax and nested fp32 absmax) replaces, then is dropped;
+- peft's prepare_model_for_kbit_training casts every other parameter to fp32 (the embedding, so the residual
+  stream, and the norms), peft wraps each target in its bnb LoRA layer, TRL casts the adapter to bf16;
+- the CUDA gemm_4bit: at more than 1,536 rows, or where bitsandbytes' sm90 heuristic (an H100/H200: 132 SMs,
+  compute 9.0) declines its fused kernel, its dequantising fallback: the nested absmax dequantised (fp32), plus its
+  offset (fp32), the bf16 weight, then F.linear's output, the three freed on return;
+- ``torch.is_autocast_enabled()`` reads the emulated autocast (peft's bnb LoRA casts nothing under it), and
+  SDPA under autocast casts fp32 q, k, v to bf16 first (autocast's lower-precision list).
 """
 
 from __future__ import annotations
@@ -57,6 +70,8 @@ ANATOMY = "results/resident-anatomy-h200-soup0.77.0-2400c0d/call-1"
 CHECKS = (("qwen", f"{ANATOMY}/res-sft-qwen-bf16-2048x1.json"),
           ("llama32-1b", f"{ANATOMY}/res-sft-llama1b-bf16-2048x1.json"),
           ("smol", f"{ANATOMY}/res-sft-smol-bf16-1024x1.json"))
+GEMM_4BIT = None  # torch.ops.bitsandbytes.gemm_4bit.default, once an NF4 capture imports bitsandbytes
+QUANTISE: set = set()  # bitsandbytes' quantize_4bit and quantize_blockwise, likewise
 MM = {torch.ops.aten.mm.default, torch.ops.aten.bmm.default, torch.ops.aten.addmm.default,
       torch.ops.aten.baddbmm.default}
 
@@ -90,16 +105,57 @@ class Recorder(TorchDispatchMode):
         weakref.finalize(s, gone)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        temps = self.gemm_4bit_temps(args, kwargs or {}) if func is GEMM_4BIT else None
         out = func(*args, **(kwargs or {}))
-        for t in tree_leaves(out):
+        # bitsandbytes' quantising kernels allocate their absmax before the weight they return first
+        for t in reversed(tree_leaves(out)) if func in QUANTISE else tree_leaves(out):
             self.track(t)
-        if func in MM and self.thread not in self.workspace:
+        if temps is not None:
+            for k in temps:
+                self.events.append(("free", k))
+        if (func in MM or temps) and self.thread not in self.workspace:
             self.workspace.add(self.thread)
             self.alloc(CUBLAS_WORKSPACE, f"cublas workspace {self.thread}")  # held for the process
-        if func is torch.ops.aten.addmm.default and not self.lt:
+        if (func is torch.ops.aten.addmm.default or temps and args[6] is not None) and not self.lt:
             self.lt = True
             self.alloc(CUBLASLT_WORKSPACE, "cublasLt workspace")
         return out
+
+    def gemm_4bit_temps(self, args, kwargs) -> list | None:
+        """What CUDA's gemm_4bit allocates before its output where it takes the dequantising fallback (the
+        nested absmax dequantised, plus its offset, both fp32; the weight in A's dtype; None where it runs its
+        fused kernel): bitsandbytes' own choice, on an sm90 card of 132 SMs."""
+        ops = cuda_ops()
+        A, B, shape = args[0], args[1], args[2]
+        absmax_8bit = args[7] if len(args) > 7 else kwargs.get("absmax_8bit")
+        K, N = A.shape[-1], shape[0]
+        M = A.numel() // K
+        sm90 = ops._gpu_dispatch_props
+        ops._gpu_dispatch_props = lambda index: (132, 9, 0)
+        try:
+            custom = (M <= ops._gemm_4bit_custom_max_m and K % args[4] == 0
+                      and ops._gemm_4bit_use_custom_cuda(0, A.dtype, M, N, K))
+        finally:
+            ops._gpu_dispatch_props = sm90
+        if custom:
+            return None
+        temps = [self.alloc(4 * absmax_8bit.numel(), "absmax dequantised"),
+                 self.alloc(4 * absmax_8bit.numel(), "absmax + offset")] if absmax_8bit is not None else []
+        return temps + [self.alloc(N * K * A.element_size(), f"dequantised weight ({N}, {K}) {A.dtype}")]
+
+
+def cuda_ops():
+    """bitsandbytes' CUDA backend module (its gemm_4bit heuristic), imported on a build of torch without CUDA,
+    which lacks the raw-stream getter it binds at import and never calls here."""
+    stub = not hasattr(torch._C, "_cuda_getCurrentRawStream")
+    if stub:
+        torch._C._cuda_getCurrentRawStream = None
+    try:
+        from bitsandbytes.backends.cuda import ops
+    finally:
+        if stub:
+            del torch._C._cuda_getCurrentRawStream
+    return ops
 
 
 class Flash(torch.autograd.Function):
@@ -149,18 +205,23 @@ def dropout(x, p=0.5, training=True, inplace=False):
     return x if not training or p == 0 else FusedDropout.apply(x, p)
 
 
-def flash_sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-    return Flash.apply(q, k, v)
+def flash_sdpa(autocast: dict):
+    """Flash SDPA; under autocast (its lower-precision list) fp32 q, k, v cast to bf16 first."""
+    def sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        if autocast["on"]:
+            q, k, v = (x.to(torch.bfloat16) if x.dtype == torch.float32 else x for x in (q, k, v))
+        return Flash.apply(q, k, v)
+    return sdpa
 
 
 @contextlib.contextmanager
 def cuda_substitutes(autocast: dict, cast_cache: dict):
-    """F.linear under autocast (while ``autocast["on"]``), fused dropout, flash SDPA and no packed-sequence check,
-    restored on the way out."""
+    """F.linear under autocast (while ``autocast["on"]``, which torch.is_autocast_enabled reads), fused dropout,
+    flash SDPA and no packed-sequence check, restored on the way out."""
     import transformers.masking_utils as mu
 
-    linear0, dropout0, sdpa0, packed0 = (F.linear, F.dropout, F.scaled_dot_product_attention,
-                                         mu.find_packed_sequence_indices)
+    linear0, dropout0, sdpa0, packed0, enabled0 = (F.linear, F.dropout, F.scaled_dot_product_attention,
+                                                   mu.find_packed_sequence_indices, torch.is_autocast_enabled)
 
     def linear(x, w, b=None):
         if autocast["on"]:
@@ -171,19 +232,24 @@ def cuda_substitutes(autocast: dict, cast_cache: dict):
             b = b.to(torch.bfloat16) if b is not None and b.dtype == torch.float32 else b
         return linear0(x, w, b)
 
-    F.linear, F.dropout, F.scaled_dot_product_attention = linear, dropout, flash_sdpa
+    F.linear, F.dropout, F.scaled_dot_product_attention = linear, dropout, flash_sdpa(autocast)
     mu.find_packed_sequence_indices = lambda position_ids: None
+    torch.is_autocast_enabled = lambda *device: autocast["on"]
     try:
         yield
     finally:
         F.linear, F.dropout, F.scaled_dot_product_attention = linear0, dropout0, sdpa0
-        mu.find_packed_sequence_indices = packed0
+        mu.find_packed_sequence_indices, torch.is_autocast_enabled = packed0, enabled0
 
 
 def load_weights(model) -> None:
-    """transformers' caching_allocator_warmup (one block of the weights' bytes, freed at once), then each
-    parameter materialised in the checkpoint's sorted key order (a tied one once), then the buffers."""
-    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    """transformers' caching_allocator_warmup (one block of the weights' bytes, a quantised element 0.5 B, freed
+    at once), then each parameter materialised in the checkpoint's sorted key order (a tied one once; a
+    Linear4bit's weight as its bf16 tensor, quantised), then the buffers."""
+    import bitsandbytes as bnb
+
+    four = {id(m.weight) for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)}
+    total = sum(p.numel() * (0.5 if id(p) in four else p.element_size()) for p in model.parameters())
     total += sum(b.numel() * b.element_size() for n, b in model.named_buffers()
                  if n.rsplit(".", 1)[-1] not in ("inv_freq", "original_inv_freq"))
     warm = torch.empty(int(total // 2), dtype=torch.float16, device="meta")
@@ -192,13 +258,55 @@ def load_weights(model) -> None:
     fresh = {}
     for name in sorted(names):
         p = names[name]
-        if id(p) not in fresh:
-            fresh[id(p)] = torch.nn.Parameter(torch.empty_like(p), requires_grad=p.requires_grad)
         mod, _, leaf = name.rpartition(".")
+        if id(p) in four:
+            fresh[id(p)] = quantised(p, model.get_submodule(mod))
+        elif id(p) not in fresh:
+            fresh[id(p)] = torch.nn.Parameter(torch.empty_like(p), requires_grad=p.requires_grad)
         model.get_submodule(mod)._parameters[leaf] = fresh[id(p)]
     for name, b in list(model.named_buffers()):
         mod, _, leaf = name.rpartition(".")
         model.get_submodule(mod)._buffers[leaf] = torch.empty_like(b)
+
+
+def quantised(p, module):
+    """transformers' Bnb4bitQuantize: the weight's bf16 tensor on the device, a Params4bit of it quantised there
+    (Params4bit._quantize: bitsandbytes' quantize_4bit), the bf16 tensor dropped."""
+    import bitsandbytes as bnb
+
+    source = torch.empty(p.shape, dtype=torch.bfloat16, device="meta")
+    q = bnb.nn.Params4bit(source, requires_grad=False, blocksize=p.blocksize, compress_statistics=True,
+                          quant_type="nf4", quant_storage=torch.uint8, module=module)
+    del source
+    return q._quantize(torch.device("meta"))
+
+
+def nf4_linears(model) -> None:
+    """Every decoder linear of the meta model a bitsandbytes Linear4bit (NF4, double quantisation, bf16 compute;
+    transformers skips the head), as transformers' replace_with_bnb_linear builds them before the load."""
+    import bitsandbytes as bnb
+
+    for name, m in list(model.named_modules()):
+        if isinstance(m, torch.nn.Linear) and ".layers." in f".{name}":
+            four = bnb.nn.Linear4bit(m.in_features, m.out_features, m.bias is not None, compute_dtype=torch.bfloat16,
+                                     compress_statistics=True, quant_type="nf4", quant_storage=torch.uint8,
+                                     device="meta")
+            four.weight = bnb.nn.Params4bit(torch.empty_like(m.weight), requires_grad=False, quant_type="nf4",
+                                            module=four)
+            if m.bias is not None:
+                four.bias = torch.nn.Parameter(torch.empty_like(m.bias), requires_grad=False)
+            parent, _, leaf = name.rpartition(".")
+            setattr(model.get_submodule(parent), leaf, four)
+    model.is_loaded_in_4bit = True
+
+
+def nf4_load(model):
+    """Soup's resident QLoRA load: the weights (quantised as they land), then peft's
+    prepare_model_for_kbit_training (the rest cast to fp32; no checkpointing)."""
+    from peft import prepare_model_for_kbit_training
+
+    load_weights(model)
+    return prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
 
 
 def step(model, rec: Recorder, autocast: dict, cast_cache: dict, seq: int, batch: int) -> None:
@@ -231,9 +339,10 @@ def step(model, rec: Recorder, autocast: dict, cast_cache: dict, seq: int, batch
 
 
 def capture(key: str, seq: int, batch: int = 1, r: int = 8, targets: tuple = ("q_proj", "v_proj"),
-            dropout_p: float = LORA_DROPOUT) -> list:
-    """The request sequence of a resident LoRA SFT bf16 step of registry model ``key``: the load, a
-    ("reset_peak",) where the measured step's window starts, the step."""
+            dropout_p: float = LORA_DROPOUT, quant: str = "none") -> list:
+    """The request sequence of a resident LoRA SFT step of registry model ``key``, bf16 or (``quant`` "nf4")
+    Soup's QLoRA: the load, a ("reset_peak",) where the measured step's window starts, the step."""
+    global GEMM_4BIT
     from peft import LoraConfig, get_peft_model
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -244,10 +353,22 @@ def capture(key: str, seq: int, batch: int = 1, r: int = 8, targets: tuple = ("q
     rec, cast_cache, autocast = Recorder(), {}, {"on": False}
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    if quant == "nf4":
+        import bitsandbytes  # noqa: F401  (registers its ops)
+        GEMM_4BIT = torch.ops.bitsandbytes.gemm_4bit.default
+        QUANTISE.update({torch.ops.bitsandbytes.quantize_4bit.default, torch.ops.bitsandbytes.quantize_blockwise.default})
+        nf4_linears(model)
     with cuda_substitutes(autocast, cast_cache), rec:
-        load_weights(model)
+        if quant == "nf4":
+            model = nf4_load(model)
+        else:
+            load_weights(model)
         model = get_peft_model(model, LoraConfig(r=r, lora_alpha=2 * r, lora_dropout=dropout_p,
                                                  target_modules=list(targets), task_type="CAUSAL_LM"))
+        if quant == "nf4":  # TRL's SFTTrainer under a 4-bit model: the adapter in bf16
+            for p in model.parameters():
+                if p.requires_grad:
+                    p.data = p.data.to(torch.bfloat16)
         model.train()
         rec.events.append(("reset_peak",))
         step(model, rec, autocast, cast_cache, seq, batch)
@@ -305,9 +426,8 @@ def refused(a: argparse.Namespace) -> str | None:
 
     if not known(a.key):
         return f"unknown model key {a.key!r}"
-    if a.quant != "none":
-        return (f"--quant {a.quant}: not captured (bitsandbytes quantises a Linear4bit's weight with its own kernels "
-                "as it moves to the device, and the meta device has none)")
+    if a.quant not in ("none", "nf4"):
+        return f"--quant {a.quant}: not captured (none or nf4)"
     if a.seq < 1 or a.batch < 1 or a.r < 1 or not 0 <= a.dropout < 1:
         return "seq, batch and r must be positive and dropout in [0, 1)"
     if a.events and Path(a.events).exists():
@@ -331,8 +451,9 @@ def main(argv: list) -> int:
     from issue395.model.registry import config_json
 
     targets = tuple(a.targets.split(",")) if a.targets else protocol_targets(arch_from_config(config_json(a.key)))
-    events = capture(a.key, a.seq, a.batch, a.r, targets, a.dropout)
-    print(json.dumps({"key": a.key, "seq": a.seq, "batch": a.batch, "r": a.r, "targets": ",".join(targets),
+    events = capture(a.key, a.seq, a.batch, a.r, targets, a.dropout, a.quant)
+    print(json.dumps({"key": a.key, "seq": a.seq, "batch": a.batch, "quant": a.quant, "r": a.r,
+                      "targets": ",".join(targets),
                       "dropout": a.dropout, **figures(events)}))
     if a.events:
         Path(a.events).write_text(json.dumps(events), encoding="utf-8")

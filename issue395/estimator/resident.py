@@ -187,8 +187,8 @@ def kept_rests(a: Arch, targets: tuple, r: int, T: int, quant: str, seq: int, ta
     (estimator/sequence.py's layer_rests) where its sequence was checked against the real model's (``replayed``),
     else retained_rounding's bound."""
     mask = mask_bytes(task_named(task), dropout)
-    if replayed(a, quant, targets, task):
-        return layer_rests(a, targets, r, T, seq, mask > 0)
+    if replayed(a, quant, targets, task, T):
+        return layer_rests(a, targets, r, T, seq, mask > 0, quant)
     return retained_rounding(a, targets, r, T, quant, seq, mask)
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from ..constants import CUBLAS_WORKSPACE, K_SMALL_SIZE, block_bytes
 from .allocator import CachingAllocator
-from .arch import Arch
+from .arch import NF4_BLOCK, Arch
 
 #: The model types whose resident step this sequence follows (their decoder is llama's: RMSNorm, rotary, SDPA,
 #: a gated SiLU MLP; qwen2's q/k/v biases and qwen3's q/k norms included).
@@ -62,6 +62,13 @@ class Requests:
 def parameters(a: Arch, targets: tuple, r: int) -> tuple[list, list]:
     """Each parameter's bytes in the checkpoint's sorted key order (a tied head once), then peft's fp32 LoRA
     matrices layer by layer."""
+    names = parameter_bytes(a)
+    lora = [4 * r * w for _ in range(a.L) for t in targets for w in a.modules[t][:2]]
+    return [names[n] for n in sorted(names)], lora
+
+
+def parameter_bytes(a: Arch) -> dict:
+    """Each checkpoint tensor's name and bf16 bytes (a tied head once)."""
     names = {"model.embed_tokens.weight": 2 * a.V * a.h, "model.norm.weight": 2 * a.h}
     if not a.tied:
         names["lm_head.weight"] = 2 * a.V * a.h
@@ -75,8 +82,7 @@ def parameters(a: Arch, targets: tuple, r: int) -> tuple[list, list]:
             names[q + ".weight"] = 2 * fi * fo
             if bias:
                 names[q + ".bias"] = 2 * fo
-    lora = [4 * r * w for _ in range(a.L) for t in targets for w in a.modules[t][:2]]
-    return [names[n] for n in sorted(names)], lora
+    return names
 
 
 def load(q: Requests, a: Arch, targets: tuple, r: int) -> None:
@@ -133,15 +139,16 @@ def projection(q: Requests, a: Arch, T: int, name: str, lora: tuple, grad: bool)
     return q.get(2 * T * fo), []
 
 
-def rotary(q: Requests, T: int, width: int):
-    """x * cos + rotate_half(x) * sin, each step its own bf16 block; the sum returned."""
-    xc = q.get(2 * T * width)
-    half = q.get(T * width)
-    cat = q.get(2 * T * width)
+def rotary(q: Requests, T: int, width: int, b: int = 2):
+    """x * cos + rotate_half(x) * sin, each step its own block of ``b`` B an element (bf16; fp32 under NF4);
+    the sum returned."""
+    xc = q.get(b * T * width)
+    half = q.get(b * T * width // 2)
+    cat = q.get(b * T * width)
     q.put(half)
-    xs = q.get(2 * T * width)
+    xs = q.get(b * T * width)
     q.put(cat)
-    out = q.get(2 * T * width)
+    out = q.get(b * T * width)
     q.put(xc, xs)
     return out
 
@@ -202,18 +209,28 @@ def layer(q: Requests, a: Arch, T: int, x, first: bool, lora: tuple):
     return out, kept
 
 
-def forward(q: Requests, a: Arch, T: int, seq: int, lora: tuple) -> list:
-    """The embedding, the rotary tables (the cuBLAS workspace after their first matmul), every layer, the final
-    norm: the blocks live at the forward's end that the layers made."""
-    emb = q.get(2 * T * a.h)
+def tables(q: Requests, a: Arch, seq: int, fp32: bool):
+    """The rotary tables (the cuBLAS workspace after their first matmul): cos and sin, cast to the residual
+    stream's dtype (bf16; under NF4 fp32, where the cast is none)."""
     freqs = q.get(4 * seq * a.rotary_dim // 2)
     q.get(CUBLAS_WORKSPACE)  # held for the process
     tables = [q.get(4 * seq * a.rotary_dim) for _ in range(3)]
     q.put(tables[1])
     tables += [q.get(4 * seq * a.rotary_dim) for _ in range(2)]
     q.put(tables[3])
+    if fp32:
+        q.put(freqs, tables[0])
+        return tables[2], tables[4]
     cos, sin = q.get(2 * seq * a.rotary_dim), q.get(2 * seq * a.rotary_dim)
     q.put(freqs, tables[0], tables[2], tables[4])
+    return cos, sin
+
+
+def forward(q: Requests, a: Arch, T: int, seq: int, lora: tuple) -> list:
+    """The embedding, the rotary tables, every layer, the final norm: the blocks live at the forward's end that
+    the layers made."""
+    emb = q.get(2 * T * a.h)
+    cos, sin = tables(q, a, seq, False)
     kept, x = [], emb
     for k in range(a.L):
         out, held = layer(q, a, T, x, k == 0, lora)
@@ -226,24 +243,199 @@ def forward(q: Requests, a: Arch, T: int, seq: int, lora: tuple) -> list:
     return kept + held + [final, cos, sin]
 
 
-def replayed(a: Arch, quant: str, targets: tuple, task: str) -> bool:
+# -- NF4 (Soup's resident QLoRA: bitsandbytes' Linear4bit, NF4, double quantisation, bf16 compute) --
+
+def quantise(q: Requests, n: int) -> None:
+    """A decoder linear of ``n`` elements as it loads: its bf16 tensor, then bitsandbytes' quantize_4bit (fp32
+    absmax a block of NF4_BLOCK, the packed weight), the absmax less its mean (fp32) and quantize_blockwise's
+    uint8 absmax (its fp32 nested absmax is small), the difference and the fp32 absmax freed, then the bf16
+    tensor dropped."""
+    blocks = -(-n // NF4_BLOCK)
+    source = q.get(2 * n)
+    absmax = q.get(4 * blocks)
+    q.get(-(-n // 2))
+    diff = q.get(4 * blocks)
+    q.get(blocks)
+    q.put(diff, absmax, source)
+
+
+def load_nf4(q: Requests, a: Arch, targets: tuple, r: int) -> None:
+    """transformers' warmup block (a quantised element 0.5 B, every other at bf16's 2 B), each tensor in the
+    checkpoint's sorted key order (a decoder linear quantised as it lands), peft's prepare_model_for_kbit_training
+    (each tensor it does not quantise recast to fp32, in the modules' order), peft's fp32 LoRA matrices, which
+    TRL recasts to bf16."""
+    names = parameter_bytes(a)
+    linear = {n for n in names if n.endswith("_proj.weight")}
+    q.put(q.get(2 * (sum(names[n] // 4 if n in linear else names[n] for n in names) // 2)))
+    held = {}
+    for n in sorted(names):
+        if n in linear:
+            quantise(q, names[n] // 2)
+        else:
+            held[n] = q.get(names[n])
+    for n in module_order(a):
+        if n in held:
+            q.get(2 * names[n])
+            q.put(held[n])
+    lora = [q.get(4 * r * w) for _ in range(a.L) for t in targets for w in a.modules[t][:2]]
+    for k, w in zip(lora, [w for _ in range(a.L) for t in targets for w in a.modules[t][:2]]):
+        q.get(2 * r * w)
+        q.put(k)
+
+
+def module_order(a: Arch) -> list:
+    """The parameters in the model's module order (model.parameters(): the embedding, each layer's attention
+    (q/k/v/o, qwen3's q/k norms), MLP and norms, the final norm, an untied head)."""
+    out = ["model.embed_tokens.weight"]
+    for k in range(a.L):
+        p = f"model.layers.{k}."
+        for m, (_, _, bias) in a.modules.items():
+            q = p + ("self_attn." if m in ATTN else "mlp.") + m
+            out += [q + ".weight"] + ([q + ".bias"] if bias else [])
+            if m == "o_proj" and a.qk_norm:
+                out += [p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"]
+        out += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
+    return out + ["model.norm.weight"] + ([] if a.tied else ["lm_head.weight"])
+
+
+def norm32(q: Requests, T: int, width: int):
+    """HF's RMSNorm on an fp32 input (its .float() no copy): the square, the normalised, the weight's fp32
+    product (returned); the input itself is what its backward keeps."""
+    sq = q.get(4 * T * width)
+    q.put(sq)
+    y = q.get(4 * T * width)
+    out = q.get(4 * T * width)
+    q.put(y)
+    return out
+
+
+def linear4bit(q: Requests, T: int, fi: int, fo: int, fp32: bool):
+    """bitsandbytes' Linear4bit on an fp32 (``fp32``) or bf16 input past 1,536 rows: the input's bf16 cast,
+    gemm_4bit's dequantising fallback (the nested absmax dequantised and offset, fp32, the bf16 weight), its bf16
+    output, cast back to the input's dtype; nothing saved but the packed weight."""
+    cast = q.get(2 * T * fi) if fp32 else None
+    blocks = -(-fi * fo // NF4_BLOCK)
+    temps = (q.get(4 * blocks), q.get(4 * blocks), q.get(2 * fi * fo))
+    out = q.get(2 * T * fo)
+    q.put(*temps)
+    if not fp32:
+        return out
+    out32 = q.get(4 * T * fo)
+    q.put(out, cast)
+    return out32
+
+
+def lora4bit(q: Requests, T: int, fi: int, fo: int, r: int, grad: bool, dropout: bool):
+    """peft's bnb LoRA layer under autocast: the base output, peft's defensive clone, dropout's fp32 output and
+    mask (kept where the input needs a gradient), autocast's bf16 cast lora_A saves, lora_A's and lora_B's
+    outputs, the scaling, the fp32 sum (returned)."""
+    base = linear4bit(q, T, fi, fo, True)
+    clone = q.get(4 * T * fo)
+    q.put(base)
+    drop = q.get(4 * T * fi) if dropout else None
+    mask = q.get(T * fi) if dropout else None
+    if not grad:
+        q.put(mask)
+    cast = q.get(2 * T * fi)
+    q.put(drop)
+    q.get(2 * T * r)
+    b_out = q.get(2 * T * fo)
+    scaled = q.get(2 * T * fo)
+    q.put(b_out)
+    out = q.get(4 * T * fo)
+    q.put(clone, scaled)
+    return out
+
+
+def proj4bit(q: Requests, a: Arch, T: int, name: str, lora: tuple, grad: bool, fp32: bool = True):
+    fi, fo, _ = a.modules[name]
+    targets, r, dropout = lora
+    if name in targets:
+        return lora4bit(q, T, fi, fo, r, grad, dropout)
+    return linear4bit(q, T, fi, fo, fp32)
+
+
+def layer_nf4(q: Requests, a: Arch, T: int, x, first: bool, lora: tuple):
+    """One decoder layer's forward under NF4 (an fp32 residual stream): returns its output."""
+    normed = norm32(q, T, a.h)
+    outs = {}
+    for m in ("q_proj", "k_proj", "v_proj"):
+        outs[m] = proj4bit(q, a, T, m, lora, not first)
+        if a.qk_norm and m != "v_proj":  # qwen3's per-head RMSNorm: it saves its fp32 input where that needs a gradient
+            n = norm32(q, T, a.modules[m][1])
+            if first and m not in lora[0]:
+                q.put(outs[m])
+            outs[m] = n
+    qr = rotary(q, T, a.heads * a.head_dim, 4)
+    kr = rotary(q, T, a.kv * a.head_dim, 4)
+    q.put(outs["q_proj"], outs["k_proj"])
+    for w in (a.heads, a.kv, a.kv):  # autocast's bf16 q, k, v, which flash saves
+        q.get(2 * T * w * a.head_dim)
+    sdpa = q.get(2 * T * a.heads * a.head_dim)
+    q.get(4 * T * a.heads)
+    o = proj4bit(q, a, T, "o_proj", lora, True, False)
+    q.put(qr, kr, outs["v_proj"], normed)
+    mid = q.get(4 * T * a.h)
+    q.put(o)
+    normed2 = norm32(q, T, a.h)
+    gate = proj4bit(q, a, T, "gate_proj", lora, True)
+    q.get(4 * T * a.i)  # act(gate), fp32
+    up = proj4bit(q, a, T, "up_proj", lora, True)
+    prod = q.get(4 * T * a.i)
+    down = proj4bit(q, a, T, "down_proj", lora, True)
+    q.put(prod, normed2)
+    out = q.get(4 * T * a.h)
+    q.put(down)
+    return out
+
+
+def forward_nf4(q: Requests, a: Arch, T: int, seq: int, lora: tuple) -> list:
+    """The NF4 forward: the fp32 embedding's output, the fp32 rotary tables, every layer (each output kept: the
+    next norm saves it), the final norm (the blocks live at its end that it made, returned), then autocast's bf16
+    casts of the head's input and fp32 weight."""
+    first = q.n + 1
+    emb = q.get(4 * T * a.h)
+    tables(q, a, seq, True)
+    x = emb
+    for k in range(a.L):
+        x = layer_nf4(q, a, T, x, k == 0, lora)
+    norm32(q, T, a.h)
+    q.put(emb)
+    kept = [k for k in q.held if k >= first]
+    q.get(2 * T * a.h), q.get(2 * a.V * a.h)  # autocast's bf16 casts for the head, whose copy is HEAD_COPY's
+    return kept
+
+
+#: bitsandbytes 0.50.2's CUDA gemm_4bit runs its fused kernel up to this many rows where its per-card heuristic
+#: says so, and past it always dequantises the weight (backends/cuda/ops.py, ``_gemm_4bit_custom_max_m``): the
+#: NF4 sequence is the dequantising one, so it is the run's only past it.
+GEMM_4BIT_FUSED_MAX_ROWS = 1536
+
+
+def replayed(a: Arch, quant: str, targets: tuple, task: str, T: int = 0) -> bool:
     """Whether this sequence is the run's: a plain llama-type decoder (SEQUENCE_TYPES, one kind of layer), bf16,
-    the protocol's LoRA targets (q_proj and v_proj) and task (SFT: one forward, no reference), LoRA dropout on or
-    off: every capture it was checked against."""
-    return (a.model_type in SEQUENCE_TYPES and a.layers is None and quant == "none"
+    or NF4 past GEMM_4BIT_FUSED_MAX_ROWS tokens (``T``), the protocol's LoRA targets (q_proj and v_proj) and
+    task (SFT: one forward, no reference), LoRA dropout on or off: every capture it was checked against."""
+    return (a.model_type in SEQUENCE_TYPES and a.layers is None
+            and (quant == "none" or quant == "nf4" and T > GEMM_4BIT_FUSED_MAX_ROWS)
             and targets == ("q_proj", "v_proj") and task == "sft")
 
 
 _RESTS: dict = {}
 
 
-def layer_rests(a: Arch, targets: tuple, r: int, T: int, seq: int, dropout: bool = True) -> int:
+def layer_rests(a: Arch, targets: tuple, r: int, T: int, seq: int, dropout: bool = True, quant: str = "none") -> int:
     """What the blocks a resident forward keeps through the loss (its layers' and its final norm's, the rotary
-    tables) hold past their requests, replayed (``dropout``: whether LoRA dropout writes a mask); once an arm
-    (--find-max and the map ask many times)."""
-    key = (repr(a), targets, r, T, seq, dropout)
+    tables) hold past their requests, replayed (``dropout``: whether LoRA dropout writes a mask; ``quant`` none
+    or nf4); once an arm (--find-max and the map ask many times)."""
+    key = (repr(a), targets, r, T, seq, dropout, quant)
     if key not in _RESTS:
         q = Requests()
-        load(q, a, targets, r)
-        _RESTS[key] = q.rests(forward(q, a, T, seq, (targets, r, dropout)))
+        if quant == "nf4":
+            load_nf4(q, a, targets, r)
+            kept = forward_nf4(q, a, T, seq, (targets, r, dropout))
+        else:
+            load(q, a, targets, r)
+            kept = forward(q, a, T, seq, (targets, r, dropout))
+        _RESTS[key] = q.rests(kept)
     return _RESTS[key]
