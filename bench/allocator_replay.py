@@ -69,7 +69,8 @@ ANATOMY = "results/resident-anatomy-h200-soup0.77.0-2400c0d/call-1"
 #: The committed resident anatomies `check` replays: (registry key, the arm's JSON).
 CHECKS = (("qwen", f"{ANATOMY}/res-sft-qwen-bf16-2048x1.json"),
           ("llama32-1b", f"{ANATOMY}/res-sft-llama1b-bf16-2048x1.json"),
-          ("smol", f"{ANATOMY}/res-sft-smol-bf16-1024x1.json"))
+          ("smol", f"{ANATOMY}/res-sft-smol-bf16-1024x1.json"),
+          ("llama32-1b", f"{ANATOMY}/res-sft-llama1b-nf4-2048x1.json"))
 GEMM_4BIT = None  # torch.ops.bitsandbytes.gemm_4bit.default, once an NF4 capture imports bitsandbytes
 QUANTISE: set = set()  # bitsandbytes' quantize_4bit and quantize_blockwise, likewise
 MM = {torch.ops.aten.mm.default, torch.ops.aten.bmm.default, torch.ops.aten.addmm.default,
@@ -399,7 +400,7 @@ def validations() -> list:
     out = []
     for key, path in CHECKS:
         d = json.loads((ROOT / path).read_text(encoding="utf-8"))
-        events = capture(key, d["seq"], d["batch"], d["r"], tuple(d["targets"].split(",")))
+        events = capture(key, d["seq"], d["batch"], d["r"], tuple(d["targets"].split(",")), quant=d["quant"])
         out.append((Path(path).stem, d["real_peak"] - d["replayed_peak"], figures(events)))
     return out
 
@@ -441,7 +442,7 @@ def main(argv: list) -> int:
         for label, measured, f in validations():
             print(f"{label}: measured rests {measured:,} B (max_memory_allocated - replayed peak); replayed "
                   f"{f['rests']:,} B ({f['rests'] - measured:+,} B); replayed peak {f['replayed_peak']:,} B, "
-                  f"resident {f['resident']:,} B, {f['events']:,} events")
+                  f"allocated peak {f['peak_allocated']:,} B, resident {f['resident']:,} B, {f['events']:,} events")
         return 0
     why = refused(a)
     if why:

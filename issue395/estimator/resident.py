@@ -10,10 +10,12 @@ every block of the step is whole 2 MiB (``whole_granules``). Where the task's tr
 dropout mask is charged, by the streamed step's own rule (layer.mask_bytes), in each count and its blocks' rounding.
 
 Measured (tests/estimator/test_resident.py), on the 181 committed arms of these families it models, bf16 and NF4
-(results/resident-map-*): never under, median 1.0011x; with checkpointing 1.0001x-1.0029x, without it
-1.0000x-1.0238x, median 1.0014x (the widest: the NF4 rows whose retained rests are still bounded, SmolLM2 and Phi-3-mini up to 1.0238x). Where the retained blocks' rests are replayed
+(results/resident-map-*): never under, median 1.0010x; with checkpointing 1.0001x-1.0029x, without it
+1.0000x-1.0236x, median 1.0011x (the widest: rows whose retained rests are still bounded, Phi-3-mini NF4 up to
+1.0236x, Qwen3-0.6B NF4 1024x1 1.0186x). Where the retained blocks' rests are replayed
 (estimator/sequence.py: SmolLM2, Qwen2.5, Llama-3.2-1B, Llama-3.1-8B, Qwen3-0.6B, Mistral-7B, SFT bf16 without
-checkpointing, 39 rows) 1.0000x-1.0047x, median 1.0006x (bounded they were up to 1.0237x); phi-2 bf16 1.0023x-1.0186x;
+checkpointing, 39 rows) 1.0000x-1.0047x, median 1.0006x (bounded they were up to 1.0237x); NF4 past 1,536 tokens
+on the llama, mistral and qwen3 types (18 rows) 1.0001x-1.0016x, median 1.0004x (bounded, up to 1.0238x); phi-2 bf16 1.0023x-1.0186x;
 Moonlight bf16 1.0023x-1.0048x, its layers' count measured on CPU: layer.latent_retained. Layers of several kinds (issue395.estimator.moe) hold each its own kind's tensors
 (``kinds_weights``: Moonlight's dense layer 0 and MoE layers of 64 fused experts, Qwen3.5's delta-net and
 full-attention layers; within 0.1% of what each committed row held before its step, where charging every layer
@@ -31,11 +33,14 @@ peak, the allowance aside; charged fp32, 0.99 MB over.
 Known limitations
     - Without checkpointing, the retained blocks' rests are replayed (estimator/sequence.py: the step's
       large-pool requests from the Arch, op by op, through estimator/allocator.py), on the plain llama-type decoder
-      (llama, mistral, qwen2, qwen3), SFT bf16 with the protocol's targets (q_proj, v_proj), LoRA dropout on or off:
+      (llama, mistral, qwen2, qwen3), SFT bf16 with the protocol's targets (q_proj, v_proj), LoRA dropout on or off,
+      and NF4 past 1,536 tokens on llama, mistral and qwen3 (bitsandbytes' gemm_4bit dequantises there; the
+      capture runs bitsandbytes' own Python on the meta device, request for request at 2048x1-4096x1):
       the request sequence was the one bench/allocator_replay.py captures from the real model on the meta device,
       request for request, on all six such families at 512x1-4096x1 (its rests the capture's at every point but
-      SmolLM2 1024x1, 0.5 MB over: a block the capture frees before its peak). Everywhere else (NF4, whose
-      Linear4bit does not run on the meta device; Gemma, Gemma-2, Phi-3, phi-2, the layered families; other
+      SmolLM2 1024x1, 0.5 MB over: a block the capture frees before its peak). Everywhere else (NF4 at 1,536
+      tokens or fewer, where bitsandbytes' per-card heuristic may run its fused kernel; qwen2 NF4, which with
+      the replayed rests was 562,016 B under at 2048x4, a shortfall outside the rests; Gemma, Gemma-2, Phi-3, phi-2, the layered families; other
       targets; the preference tasks) a block of the step or of the weights that is not whole 2 MiB has its
       retained blocks' rounding bounded, not replayed: each 1-10 MiB block class is
       cut from 20 MiB segments whose last block keeps a rest of at most 1 MiB (1 MiB a segment), and each block

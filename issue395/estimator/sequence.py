@@ -13,7 +13,12 @@ segment with a large one: it is left out. What a block keeps past its request is
 layers' rests at the loss peak are those of the forward's blocks still live at its end: the loss and the backward
 add none of theirs to them (their own rests are the loss terms').
 
-Built only where it was checked against the capture (``SEQUENCE_TYPES``: the plain llama-type decoder, bf16, the
+Under NF4 (Soup's resident QLoRA) the load quantises each decoder linear as it lands, every other tensor is
+recast to fp32 (so the residual stream is fp32), each linear is bitsandbytes' Linear4bit (a bf16 cast of its
+input, the dequantised weight and its absmax, a bf16 output cast back) and each target peft's bnb LoRA layer:
+``load_nf4``, ``forward_nf4``, the capture's request for request past 1,536 tokens.
+
+Built only where it was checked against the capture (``replayed``: the plain llama-type decoder, bf16 or NF4, the
 protocol's SFT with LoRA dropout); everywhere else resident.py keeps its bound.
 """
 
@@ -410,14 +415,22 @@ def forward_nf4(q: Requests, a: Arch, T: int, seq: int, lora: tuple) -> list:
 #: says so, and past it always dequantises the weight (backends/cuda/ops.py, ``_gemm_4bit_custom_max_m``): the
 #: NF4 sequence is the dequantising one, so it is the run's only past it.
 GEMM_4BIT_FUSED_MAX_ROWS = 1536
+#: The model types whose NF4 step the sequence replays. Not qwen2: its sequence is the capture's request for
+#: request (Qwen2.5-0.5B 2048x1-2048x4), but with its replayed rests in place of the bound its committed NF4
+#: 2048x4 row would be 562,016 B under its real peak, where the capture's own replay peak is 2.72 MB under that
+#: row's max_memory_allocated: what is missing is outside the rests (the load's and the trainer's blocks the
+#: capture does not have; Llama-3.2-1B NF4 2048x1 held 1 MiB more before its step than the capture), and the
+#: bound stays there until it is named.
+NF4_SEQUENCE_TYPES = ("llama", "mistral", "qwen3")
 
 
 def replayed(a: Arch, quant: str, targets: tuple, task: str, T: int = 0) -> bool:
     """Whether this sequence is the run's: a plain llama-type decoder (SEQUENCE_TYPES, one kind of layer), bf16,
-    or NF4 past GEMM_4BIT_FUSED_MAX_ROWS tokens (``T``), the protocol's LoRA targets (q_proj and v_proj) and
+    or NF4 (NF4_SEQUENCE_TYPES) past GEMM_4BIT_FUSED_MAX_ROWS tokens (``T``), the protocol's LoRA targets (q_proj and v_proj) and
     task (SFT: one forward, no reference), LoRA dropout on or off: every capture it was checked against."""
     return (a.model_type in SEQUENCE_TYPES and a.layers is None
-            and (quant == "none" or quant == "nf4" and T > GEMM_4BIT_FUSED_MAX_ROWS)
+            and (quant == "none" or quant == "nf4" and T > GEMM_4BIT_FUSED_MAX_ROWS
+                 and a.model_type in NF4_SEQUENCE_TYPES)
             and targets == ("q_proj", "v_proj") and task == "sft")
 
 

@@ -24,11 +24,12 @@ def committed_resident_rows() -> list[Row]:
 def test_the_resident_estimate_is_never_under_and_tight_on_every_committed_arm_it_models():
     """Issue 51 item 3: every committed resident row the estimator models, bf16 and NF4, dense, phi's parallel
     block (bf16), DeepSeek-V3's latent MoE (Moonlight), the Qwen3.5 hybrids where modelled (the map's corrected
-    column, from the family's public config alone) is at or above its real peak, median at most 1.0012x
+    column, from the family's public config alone) is at or above its real peak, median at most 1.0010x
     (resident.py's docstring), within 1.004x with checkpointing, within 1.024x without it, Moonlight within
     1.008x (its bf16 rows without checkpointing within 1.005x: layer.latent_retained, measured on CPU, where the
     kinds' count was 1.010x-1.029x), within 1.005x where its retained blocks' rests are replayed (issue 52 item 1:
-    estimator/sequence.py); the ones it does not model (phi NF4, Qwen3.5 without
+    estimator/sequence.py: bf16, and NF4 past 1,536 tokens on llama, mistral and qwen3, within 1.002x there, where
+    the bound left them up to 1.0238x); the ones it does not model (phi NF4, Qwen3.5 without
     checkpointing, Qwen3.5-MoE with it, past a sliding window without checkpointing) get no figure."""
     import statistics
 
@@ -41,13 +42,16 @@ def test_the_resident_estimate_is_never_under_and_tight_on_every_committed_arm_i
     assert all(v <= 1.004 for r, v in modelled if "+gc" in r.model_key)
     assert all(v <= 1.008 for r, v in modelled if r.model_key.startswith("moonlight"))
     assert all(v <= 1.005 for r, v in modelled if r.model_key == "moonlight+resident" and r.quant == "none")
-    assert round(statistics.median(v for _, v in modelled), 4) <= 1.0012
+    assert round(statistics.median(v for _, v in modelled), 4) <= 1.0010
     # issue 52 item 1: where the retained blocks' rests are replayed (estimator/sequence.py: the llama-type SFT bf16
     # rows without checkpointing), not bounded, within 1.005x (SmolLM2 512x1 1.0047x; bounded, up to 1.0237x)
     replayed = [v for r, v in modelled if "+gc" not in r.model_key and r.quant == "none" and r.task in (None, "sft")
                 and stream_mode(r.model_key)[0] in ("smol", "qwen", "llama32-1b", "qwen3-0.6b", "mistral-7b",
                                                     "llama31-8b")]
     assert len(replayed) >= 39 and max(replayed) <= 1.005, max(replayed)
+    nf4 = [v for r, v in modelled if "+gc" not in r.model_key and r.quant == "nf4" and r.seq * r.batch > 1536
+           and stream_mode(r.model_key)[0] in ("smol", "llama32-1b", "qwen3-0.6b", "mistral-7b", "llama31-8b")]
+    assert len(nf4) >= 18 and max(nf4) <= 1.002, max(nf4)
     families = {r.model_key for r, _ in modelled}
     assert {"phi-2+resident", "moonlight+resident", "moonlight+resident+gc", "qwen3.5+resident+gc",
             "qwen3.5-moe+resident"} <= families

@@ -77,3 +77,37 @@ def test_the_synthetic_sequence_is_the_captured_ones_request_for_request_and_kee
     assert loaded > 2 * a.L and q.rests(kept) == rests == sequence.layer_rests(a, targets, 8, T, seq, dropout > 0)
     if (key, seq, batch) == ("qwen", 2048, 1):
         assert rests == 104_693_760
+
+
+@pytest.mark.parametrize("key,seq,batch", [("llama32-1b", 2048, 1), ("qwen3-0.6b", 1024, 4), ("smol", 4096, 1),
+                                           ("qwen", 2048, 4),
+                                           pytest.param("mistral-7b", 2048, 1, marks=pytest.mark.slow)])
+def test_the_nf4_sequence_is_the_nf4_captures_request_for_request_and_keeps_its_rests(key, seq, batch):
+    """Issue 52 item 1: under Soup's resident NF4 (bitsandbytes' Linear4bit past 1,536 tokens, where its CUDA
+    gemm_4bit always dequantises), every request over 1 MiB and every free of one, from the quantising load to the
+    head's bf16 casts, is bench/allocator_replay.py's NF4 capture's, and the rests its forward's blocks keep
+    (sequence.layer_rests, what resident.py charges, plus the head's cast, HEAD_COPY's) are the capture's:
+    Llama-3.2-1B 2048x1 2 MiB + 1 MiB, Qwen3-0.6B's fp32 q/k norms, SmolLM2, Qwen2.5 (whose rows keep the bound:
+    sequence.NF4_SEQUENCE_TYPES)."""
+    a = arch_from_config(config_json(key))
+    targets, T = protocol_targets(a), seq * batch
+    events = capture_module().capture(key, seq, batch, 8, targets, 0.05, "nf4")
+    want, rests = captured(events, a, T)
+    q = sequence.Requests(trace=True)
+    sequence.load_nf4(q, a, targets, 8)
+    kept = sequence.forward_nf4(q, a, T, seq, (targets, 8, True))
+    assert q.trace == want, next(i for i, (x, y) in enumerate(zip(q.trace, want)) if x != y)
+    head = list(q.held)[-2:]
+    assert q.rests(kept) + q.rests(head) == rests
+    assert q.rests(kept) == sequence.layer_rests(a, targets, 8, T, seq, True, "nf4")
+    if (key, seq, batch) == ("llama32-1b", 2048, 1):
+        assert (q.rests(kept), q.rests(head)) == (2_097_152, 1_048_576)
+
+
+def test_nf4_is_replayed_only_past_the_fused_kernels_rows_and_on_its_checked_types():
+    """At 1,536 tokens or fewer bitsandbytes' heuristic may run its fused kernel (no dequantised weight): the
+    bound stays; qwen2 NF4 keeps it too (sequence.NF4_SEQUENCE_TYPES); bf16 is replayed at any length."""
+    llama, qwen = arch_from_config(config_json("llama32-1b")), arch_from_config(config_json("qwen"))
+    t = ("q_proj", "v_proj")
+    assert sequence.replayed(llama, "nf4", t, "sft", 1537) and not sequence.replayed(llama, "nf4", t, "sft", 1536)
+    assert not sequence.replayed(qwen, "nf4", t, "sft", 4096) and sequence.replayed(qwen, "none", t, "sft", 512)
