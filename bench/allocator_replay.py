@@ -6,6 +6,14 @@ rests the default caching allocator's blocks keep past their requests at the pea
     python bench/allocator_replay.py capture KEY SEQ [--batch 1] [--quant none] [--r 8] [--targets q_proj,v_proj]
                                      [--dropout 0.05] [--events OUT.json]
     python bench/allocator_replay.py check
+    python bench/allocator_replay.py saved KEY [--layers 2] [--quant none|nf4] [--r 8] [--targets ...] [--seqs 128,256]
+
+``saved`` runs the real model (a few decoder layers, real compute on CPU; NF4 by bitsandbytes' CPU Linear4bit) under
+CUDA's bf16 autocast lists applied op by op (CudaAutocast), dropout as CUDA's fused kernel (a bool mask) and SDPA as
+CUDA's memory-efficient kernel saves, and prints each decoder layer's bytes a token autograd keeps for the backward
+beside the loss (saved_tensors_hooks, each storage once): the count estimator/layer.py's retained_by_layer,
+autocast_by_layer and latent_retained charge a resident run without checkpointing (tests/test_bench.py holds them
+equal at reduced widths).
 
 ``capture`` prints the replay's figures; ``--events`` writes the sequence (("alloc", key, bytes, what),
 ("free", key), ("reset_peak",)) as JSON. ``check`` captures the committed anatomy arms (CHECKS) and prints each
@@ -405,6 +413,202 @@ def validations() -> list:
     return out
 
 
+# -- saved: what each decoder layer keeps for its backward, counted on CPU under CUDA's autocast lists --
+BF16, FP32, T_ = torch.bfloat16, torch.float32, torch.Tensor
+#: torch's aten/src/ATen/autocast_mode.cpp, CUDA: the lower-precision list (the ops a decoder reaches)
+LOWER = {F.linear, torch.matmul, T_.matmul, T_.__matmul__, T_.__rmatmul__, torch.mm, T_.mm, torch.bmm, T_.bmm,
+         torch.addmm, T_.addmm, torch.baddbmm, T_.baddbmm, torch.addbmm, torch.addmv, torch.mv, T_.mv, torch.einsum,
+         F.conv1d, F.conv2d, F.scaled_dot_product_attention}
+#: ...its fp32 list
+TO_FP32 = {torch.pow, T_.pow, T_.__pow__, T_.__rpow__, torch.rsqrt, T_.rsqrt, torch.exp, T_.exp, torch.log, T_.log,
+           torch.log1p, T_.log1p, torch.expm1, torch.reciprocal, T_.reciprocal, torch.acos, torch.asin, torch.cosh,
+           torch.sinh, torch.tan, torch.erfinv, F.softplus, F.layer_norm, torch.layer_norm, F.group_norm,
+           F.cross_entropy, F.nll_loss, F.mse_loss, F.l1_loss, F.smooth_l1_loss, F.kl_div,
+           F.binary_cross_entropy_with_logits, F.cosine_similarity, torch.logsumexp, T_.logsumexp, torch.cdist}
+#: ...its fp32_set_opt_dtype ops: run in fp32 unless a dtype is given
+OPT_DTYPE = {torch.softmax, T_.softmax, F.softmax, torch.log_softmax, T_.log_softmax, F.log_softmax, torch.sum,
+             T_.sum, torch.prod, T_.prod, torch.cumsum, T_.cumsum, torch.cumprod, T_.cumprod}
+#: ...its promote list: the widest floating type of the inputs
+PROMOTE = {torch.cat, torch.stack, torch.addcmul, torch.addcdiv, torch.atan2, torch.index_put, torch.scatter_add}
+
+
+def _cast(x, dtype, cache):
+    """``x`` (or each of a list's) in ``dtype``, a trainable leaf's cast kept in ``cache`` (autocast's weight cache)."""
+    if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype not in (dtype, torch.float64):
+        if cache is not None and x.is_leaf and x.requires_grad:
+            return cache.setdefault(id(x), (x, x.to(dtype)))[1]
+        return x.to(dtype)
+    if isinstance(x, (list, tuple)):
+        return type(x)(_cast(y, dtype, cache) for y in x)
+    return x
+
+
+class MemEfficientSDPA(torch.autograd.Function):
+    """What CUDA's memory-efficient attention saves: q, k, v, its output and an fp32 logsumexp (B, H, T)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, mask, causal, scale, gqa):
+        with torch.no_grad():
+            out = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask, is_causal=causal,
+                                                 scale=scale, enable_gqa=gqa).to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, torch.empty(q.shape[:-1], dtype=FP32))
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):  # never run: only what the forward saves is counted
+        raise NotImplementedError
+
+
+class CudaAutocast(torch.overrides.TorchFunctionMode):
+    """CUDA's bf16 autocast at the torch-function level, op by op, off inside torch.autocast(enabled=False);
+    F.dropout as CUDA's fused native_dropout (a 1-byte mask), SDPA as MemEfficientSDPA."""
+
+    def __init__(self):
+        super().__init__()
+        self.stack, self.cache = [True], {}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.dropout and kwargs.get("training", args[2] if len(args) > 2 else True):
+            p = kwargs.get("p", args[1] if len(args) > 1 else 0.5)
+            if 0 < p < 1:
+                return torch.native_dropout(args[0], p, True)[0]
+        on = self.stack[-1]
+        if on and func in LOWER:
+            args, kwargs = _cast(args, BF16, self.cache), {k: _cast(v, BF16, self.cache) for k, v in kwargs.items()}
+        elif on and func in TO_FP32:
+            args, kwargs = _cast(args, FP32, None), {k: _cast(v, FP32, None) for k, v in kwargs.items()}
+        elif on and func in OPT_DTYPE:
+            first = args[0] if args else None
+            if isinstance(first, torch.Tensor) and first.dtype == BF16 and kwargs.get("dtype") is None and not (
+                    len(args) > 2 and func in (F.softmax, F.log_softmax) and args[2] is not None):
+                kwargs = dict(kwargs, dtype=FP32)
+        elif on and func in PROMOTE:
+            ts = [t for t in (args[0] if func in (torch.cat, torch.stack) else args)
+                  if isinstance(t, torch.Tensor) and t.is_floating_point()]
+            args = _cast(args, FP32, None) if any(t.dtype == FP32 for t in ts) else args
+        if func is F.scaled_dot_product_attention:
+            q, k, v = args[:3]
+            assert kwargs.get("dropout_p", 0.0) == 0.0
+            return MemEfficientSDPA.apply(q, k, v, kwargs.get("attn_mask", args[3] if len(args) > 3 else None),
+                                          kwargs.get("is_causal", False), kwargs.get("scale"),
+                                          kwargs.get("enable_gqa", False))
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def cuda_autocast():
+    """A CudaAutocast mode whose torch.autocast(enabled=False) regions (transformers' rotary tables) switch it off
+    and whose state torch.is_autocast_enabled reports (peft reads it); torch restored on the way out."""
+    mode = CudaAutocast()
+
+    class Region:
+        def __init__(self, device_type=None, dtype=None, enabled=True, cache_enabled=None):
+            self.enabled = enabled
+
+        def __enter__(self):
+            mode.stack.append(bool(self.enabled))
+
+        def __exit__(self, *exc):
+            mode.stack.pop()
+
+        def __call__(self, fn):
+            return fn
+
+    saved = (torch.autocast, torch.amp.autocast, torch.is_autocast_enabled)
+    torch.autocast = torch.amp.autocast = Region
+    torch.is_autocast_enabled = lambda *a, **k: mode.stack[-1]
+    try:
+        with mode:
+            yield mode
+    finally:
+        torch.autocast, torch.amp.autocast, torch.is_autocast_enabled = saved
+
+
+def saved_model(config, quant: str, targets: tuple, r: int, dropout: float, seed: int = 0):
+    """The real transformers model of ``config`` (bf16, small random weights, norms 1) with peft's LoRA, training
+    mode; NF4 as Soup's resident QLoRA load makes it: each decoder linear a bitsandbytes Linear4bit (NF4, double
+    quantised, bf16 compute; on CPU), every other parameter fp32 (prepare_model_for_kbit_training), the adapter
+    bf16 where the SFT trainer casts it (tasks.Task.adapter_bf16_under_4bit)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=BF16)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(torch.ones_like(p) if "norm" in name else torch.randn_like(p, dtype=FP32) * 0.02)
+    if quant == "nf4":
+        model = nf4_on_cpu(model)
+    model = get_peft_model(model, LoraConfig(r=r, lora_alpha=2 * r, lora_dropout=dropout, target_modules=list(targets),
+                                             task_type="CAUSAL_LM"))
+    if quant == "nf4":
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.data = p.data.to(BF16)
+    return model.train()
+
+
+def nf4_on_cpu(model):
+    """Each decoder layer's nn.Linear as bitsandbytes' Linear4bit, quantised on CPU; the rest fp32."""
+    import bitsandbytes as bnb
+
+    for name, m in list(model.named_modules()):
+        if isinstance(m, torch.nn.Linear) and ".layers." in f".{name}.":
+            q = bnb.nn.Linear4bit(m.in_features, m.out_features, bias=m.bias is not None, compute_dtype=BF16,
+                                  quant_type="nf4", quant_storage=torch.uint8)
+            q.weight = bnb.nn.Params4bit(m.weight.data, requires_grad=False, quant_type="nf4",
+                                         compress_statistics=True, quant_storage=torch.uint8)
+            if m.bias is not None:
+                q.bias = torch.nn.Parameter(m.bias.data.to(FP32), requires_grad=False)
+            parent, _, leaf = name.rpartition(".")
+            setattr(model.get_submodule(parent), leaf, q.to("cpu"))
+    for p in model.parameters():
+        if p.dtype in (BF16, torch.float16):
+            p.data = p.data.to(FP32)
+    return model
+
+
+def saved_by_layer(model, T: int, vocab: int, seed: int = 0) -> dict:
+    """{decoder layer index: bytes} of every non-parameter tensor autograd saves in the forward and the loss and
+    keeps beside the loss (a branch the loss does not reach dies with its nodes), each storage once, charged to
+    the layer running when it was first saved."""
+    layers = next(list(m) for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m)
+                  and "DecoderLayer" in type(m[0]).__name__)
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    where, seen, out = ["pre"], {}, {}
+    hooks = [h for n, layer in enumerate(layers) for h in (
+        layer.register_forward_pre_hook(lambda m, a, n=n: where.__setitem__(0, n)),
+        layer.register_forward_hook(lambda m, a, o: where.__setitem__(0, "post")))]
+
+    def pack(t):
+        s = t.untyped_storage()
+        if (s.data_ptr() not in seen or seen[s.data_ptr()]() is None) and s.data_ptr() not in params and s.nbytes():
+            seen[s.data_ptr()] = weakref.ref(t)  # a reused address counts again once its first tensor died
+            out.setdefault(where[0], []).append((s.nbytes(), seen[s.data_ptr()]))
+        return t
+
+    ids = torch.randint(0, vocab, (1, T), generator=torch.Generator().manual_seed(seed))
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), cuda_autocast():
+            loss = model(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids).loss
+        kept = {k: sum(n for n, ref in v if ref() is not None) for k, v in out.items()}
+        del loss
+    finally:
+        for h in hooks:
+            h.remove()
+    return kept
+
+
+def saved_per_token(config, quant: str, targets: tuple, r: int = 8, dropout: float = LORA_DROPOUT,
+                    seqs: tuple = (64, 128)) -> dict:
+    """Each decoder layer's saved bytes a token: the slope between two sequence lengths (which drops the
+    token-independent blocks)."""
+    model = saved_model(config, quant, targets, r, dropout)
+    a, b = (saved_by_layer(model, T, config.vocab_size) for T in seqs)
+    return {k: (b[k] - a.get(k, 0)) / (seqs[1] - seqs[0]) for k in b if isinstance(k, int)}
+
+
 def parse(argv: list) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="bench/allocator_replay.py", description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="command", required=True)
@@ -418,6 +622,14 @@ def parse(argv: list) -> argparse.Namespace:
     c.add_argument("--dropout", type=float, default=LORA_DROPOUT)
     c.add_argument("--events", help="write the sequence here (JSON)")
     sub.add_parser("check", help="the committed anatomy arms: measured rests beside the replay's")
+    v = sub.add_parser("saved", help="each decoder layer's saved bytes a token, on CPU under CUDA's autocast lists")
+    v.add_argument("key")
+    v.add_argument("--layers", type=int, default=2)
+    v.add_argument("--quant", default="none")
+    v.add_argument("--r", type=int, default=8)
+    v.add_argument("--targets", default=None, help="comma list (default: the protocol's on this architecture)")
+    v.add_argument("--dropout", type=float, default=LORA_DROPOUT)
+    v.add_argument("--seqs", default="128,256", help="two sequence lengths: the slope between them")
     return ap.parse_args(argv)
 
 
@@ -425,15 +637,45 @@ def refused(a: argparse.Namespace) -> str | None:
     """Why a capture's arguments are refused (None: they are not)."""
     from issue395.model.registry import known
 
+    from issue395.estimator.arch import arch_from_config
+    from issue395.model.registry import config_json
+
     if not known(a.key):
         return f"unknown model key {a.key!r}"
     if a.quant not in ("none", "nf4"):
         return f"--quant {a.quant}: not captured (none or nf4)"
-    if a.seq < 1 or a.batch < 1 or a.r < 1 or not 0 <= a.dropout < 1:
+    seqs = [getattr(a, "seq", 1), getattr(a, "batch", 1)] + (
+        [int(x) for x in a.seqs.split(",") if x.strip().isdigit()] if a.command == "saved" else [])
+    if min(seqs + [a.r]) < 1 or not 0 <= a.dropout < 1:
         return "seq, batch and r must be positive and dropout in [0, 1)"
-    if a.events and Path(a.events).exists():
+    if a.command == "saved" and (len(seqs) != 4 or seqs[2] >= seqs[3] or a.layers < 1):
+        return "--seqs takes two lengths, the shorter first, and --layers at least 1"
+    arch = arch_from_config(config_json(a.key))
+    missing = [t for t in (a.targets.split(",") if a.targets else ()) if t not in arch.modules]
+    if missing:
+        return f"--targets {','.join(missing)}: not in a {arch.model_type} layer ({', '.join(arch.modules)})"
+    if max(seqs) > arch.max_pos:
+        return f"a seq past the model's max_position_embeddings {arch.max_pos}"
+    if getattr(a, "events", None) and Path(a.events).exists():
         return f"--events {a.events}: exists; not overwritten"
     return None
+
+
+def print_saved(a: argparse.Namespace, targets: tuple) -> int:
+    """`saved`: each decoder layer's saved bytes a token (computed on CPU, not measured on a card)."""
+    from issue395.measure.builder import hf_config
+    from issue395.measure.shapes import family_shape
+
+    config = hf_config(family_shape(a.key))
+    config.num_hidden_layers, config._attn_implementation = a.layers, "sdpa"
+    seqs = tuple(int(x) for x in a.seqs.split(","))
+    per = saved_per_token(config, a.quant, targets, a.r, a.dropout, seqs)
+    print(f"{a.key} {a.quant}, {a.layers} layer(s), LoRA r {a.r} on {','.join(targets)}, dropout {a.dropout}: bytes a "
+          f"token each decoder layer saves for its backward (computed on CPU under CUDA's autocast lists, the slope "
+          f"between seq {seqs[0]} and {seqs[1]}; not measured on a card)")
+    for layer, b in sorted(per.items()):
+        print(f"  layer {layer}: {b:,.2f}")
+    return 0
 
 
 def main(argv: list) -> int:
@@ -452,6 +694,8 @@ def main(argv: list) -> int:
     from issue395.model.registry import config_json
 
     targets = tuple(a.targets.split(",")) if a.targets else protocol_targets(arch_from_config(config_json(a.key)))
+    if a.command == "saved":
+        return print_saved(a, targets)
     events = capture(a.key, a.seq, a.batch, a.r, targets, a.dropout, a.quant)
     print(json.dumps({"key": a.key, "seq": a.seq, "batch": a.batch, "quant": a.quant, "r": a.r,
                       "targets": ",".join(targets),
