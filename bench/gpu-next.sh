@@ -46,7 +46,8 @@
 # count under CUDA's autocast lists named (estimator/layer.py autocast_upcasts, mlp_records): Phi-3-mini NF4 without
 # checkpointing (now 1.0056x-1.0236x: v is SDPA's own bf16 copy of the fp32 fused qkv output), phi-2 bf16 (now
 # 1.0023x-1.0186x: layer 0's LayerNorm and parallel MLP record nothing; the fp32 LayerNorm input copy is saved),
-# phi-2 NF4 (refused: 0.68x-0.82x), Moonlight 2048x4 without checkpointing (1.0286x).
+# phi-2 NF4 (refused: 0.68x-0.82x), Moonlight 2048x4 without checkpointing (now 1.0023x-1.0048x on its bf16 rows:
+# layer.latent_retained; was 1.0286x). The CPU count is `python bench/allocator_replay.py saved KEY`.
 #
 # segments52, issue 52 item 1: the estimator charges unsplit_remainders, a BOUND of 1 MiB for every adapter-shaped
 # block over 1 MiB live at once; on the four arms below that bound is 253.8, 455.1, 335.5 and 2,013.3 MB against
