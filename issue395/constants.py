@@ -90,6 +90,8 @@ def layer_remainders(sizes) -> int:
 #: Evidence: docs/PEAK.md, "CUBLAS_WORKSPACE".
 CUBLAS_WORKSPACE = 4096 * 1024 * 8
 CUBLAS_WORKSPACE_PRE_HOPPER = 4096 * 1024 * 2 + 16 * 1024 * 8
+#: The variable whose ':SIZE_KiB:COUNT' pairs replace either default (estimator/cards.py cublas_workspace).
+WORKSPACE_CONFIG_VAR = "CUBLAS_WORKSPACE_CONFIG"
 #: A linear with a bias runs through cuBLASLt (the bias epilogue of addmm), which keeps its own
 #: workspace, 1 MiB, from the first such matmul on, the same at every seq and task.
 #: Evidence: docs/PEAK.md, "CUBLASLT_WORKSPACE".

@@ -74,6 +74,11 @@ def training_box(transformers_version: Optional[str]) -> Iterator[None]:
         _TRAINING_BOX.update(saved)
 
 
+def box_transformers() -> Optional[str]:
+    """The training box's transformers (--stack transformers=VERSION), None where none is named."""
+    return _TRAINING_BOX.get("transformers")
+
+
 def eager(model_type: str, transformers_version: Optional[str] = None) -> bool:
     """Whether ``model_type`` runs eager attention: under the installed transformers (None), read from
     its source; under a saved row's transformers release, or the training box's (--stack), by EAGER_SINCE."""

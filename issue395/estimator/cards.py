@@ -17,7 +17,7 @@ import re
 from dataclasses import dataclass
 from typing import Optional
 
-from ..constants import CUBLAS_WORKSPACE, CUBLAS_WORKSPACE_PRE_HOPPER, MiB, comma_list
+from ..constants import CUBLAS_WORKSPACE, CUBLAS_WORKSPACE_PRE_HOPPER, WORKSPACE_CONFIG_VAR, MiB, comma_list
 from ..errors import UsageError
 
 #: The CUDA context and driver reservation outside the caching allocator, for a card this tool
@@ -230,7 +230,7 @@ DRIVER_KEPT = "bound + the driver's"
 
 
 def workspace_env() -> Optional[str]:
-    return os.environ.get("CUBLAS_WORKSPACE_CONFIG")
+    return os.environ.get(WORKSPACE_CONFIG_VAR)
 
 
 def emulated_outcome(soup_refused: bool, oom: bool) -> str:

@@ -161,14 +161,21 @@ def _lora(a_act: int, modules: dict, targets, r: int, input_grad: bool, mask: in
                for t in targets if t in modules)
 
 
+#: What an RMSNorm's multiply by its fp32 rstd (x * rsqrt(mean(x^2) + eps): Llama's, Qwen's, Mistral's, Gemma's,
+#: and Qwen3's and Gemma-3's per-head q/k norms) saves beside the fp32 input, for that input's gradient: the rstd,
+#: one fp32 element a row normed (a token, or a token's head). Charged wherever a norm's fp32 input is, in the
+#: phases the input is (Mistral-7B at 32,768 tokens: 131,072 B a norm, 8,388,608 B over its 32 layers' two each).
+RMS_RSTD_BYTES = 4
+
+
 def layer_per_token(a: Arch, quant: str, targets: tuple, r: int, *, at: Moment = Moment.BACKWARD,
                     input_grad: bool = True, mask: int = LORA_DROPOUT_MASK_BYTES) -> int:
     """What one dense layer holds a token at moment ``at``, op by op (act = 2 B, 4 B for phi NF4
-    whose residual is fp32). Each RMSNorm saves an fp32 copy of its input (4h; the input norm's only
-    where the layer's input carries a gradient). Each LoRA module saves its dropout output and
+    whose residual is fp32). Each RMSNorm saves an fp32 copy of its input and its fp32 rstd (4h + 4:
+    RMS_RSTD_BYTES; the input norm's only where the layer's input carries a gradient). Each LoRA module saves its dropout output and
     lora_A's output, and its mask where its input carries a gradient (_lora; ``mask``: mask_bytes).
     Rotary writes new q and k (act x (q + kv)). SDPA saves q, k, v, its output and fp32 logsumexp. Qwen3/Gemma-3 q/k
-    norms save fp32 q and k. The MLP saves gate, act(gate) and up (phi's python gelu_new: 4 i-sized).
+    norms save fp32 q and k and a rstd a head (4 x (heads + kv)). The MLP saves gate, act(gate) and up (phi's python gelu_new: 4 i-sized).
     At the MLP backward, add the incoming gradient (act x h) and MLP_BACKWARD_TRANSIENTS i-sized
     tensors: 258 KB/token on Mistral-7B. At the forward's end, add the incoming gradient, the
     residual and the MLP's normed input (3 x act x h) and the MLP's product (i): 217,248 B/token on
@@ -177,10 +184,10 @@ def layer_per_token(a: Arch, quant: str, targets: tuple, r: int, *, at: Moment =
     act = activation_bytes(a, quant)
     qw, kw = a.heads * a.head_dim, a.kv * a.head_dim
     norms = (a.norms - (0 if input_grad else 1)) if a.quirks.norm_inputs_saved else 0
-    b = 4 * a.h * norms + _lora(act, a.modules, targets, r, input_grad, mask)
+    b = (4 * a.h + RMS_RSTD_BYTES) * norms + _lora(act, a.modules, targets, r, input_grad, mask)
     v = (qw + 2 * kw) if a.quirks.fused_qkv else kw  # phi3: v is a view of the fused qkv
     b += act * (qw + kw + v + qw) + 4 * a.heads
-    b += 4 * (qw + kw) if a.qk_norm else 0
+    b += 4 * (qw + kw) + RMS_RSTD_BYTES * (a.heads + a.kv) if a.qk_norm else 0
     saved = a.quirks.mlp_saved - MLP_BACKWARD_TRANSIENTS
     if at is Moment.BACKWARD:
         return b + act * a.h + act * a.i * a.quirks.mlp_saved
@@ -221,8 +228,8 @@ def _mlp(a: Arch, k: Kind, at: Moment, per_expert: bool) -> int:
 def kind_per_token(a: Arch, k: Kind, targets: tuple, r: int, *, at: Moment = Moment.BACKWARD,
                    input_grad: bool = True, per_expert: bool = False, mask: int = LORA_DROPOUT_MASK_BYTES) -> int:
     """layer_per_token for one kind of a MoE, latent or hybrid layer (issue395.estimator.moe), op by
-    op on the kind's own widths. Two RMSNorms' fp32 copies (4h each; the input norm's only where the
-    input carries a gradient). Each LoRA target this kind has (_lora). Attention's q, k, v and output
+    op on the kind's own widths. Two RMSNorms' fp32 copies and rstd (4h + 4 each; the input norm's only
+    where the input carries a gradient). Each LoRA target this kind has (_lora). Attention's q, k, v and output
     with fp32 logsumexp. The latent or delta-net widths in bf16 beside an fp32 norm copy (6 B), where
     a stage-0 linear's output carries a gradient. The MLP as a dense one (KIND_MLP_SAVED saved, and
     the moment's own as layer_per_token's). Routing: the router's fp32 logits and scores (8 B an
@@ -232,7 +239,7 @@ def kind_per_token(a: Arch, k: Kind, targets: tuple, r: int, *, at: Moment = Mom
     (docs/PEAK.md, "The NF4 layer phase, read per phase")."""
     mine = tuple(t for t in targets if t in k.dequant)
     latent = input_grad or any(_stage(t) == 0 for t in mine)
-    b = 4 * a.h * (2 if input_grad else 1) + _lora(2, k.dequant, mine, r, input_grad, mask)
+    b = (4 * a.h + RMS_RSTD_BYTES) * (2 if input_grad else 1) + _lora(2, k.dequant, mine, r, input_grad, mask)
     b += 2 * k.attention_width + 4 * a.heads + (6 * k.extra_width if latent else 0)
     return b + (2 if at is Moment.BACKWARD else 3 * 2) * a.h + _mlp(a, k, at, per_expert)
 
@@ -305,7 +312,12 @@ def latent_retained(a: Arch, k: Kind, targets: tuple, r: int, input_grad: bool, 
     and for routed experts, transformers' grouped_mm path (integrations/moe.py): the experts' output, which the
     routing weights' mul keeps (top_k x h, bf16; the gathered input is not kept, the experts' weights being
     frozen), the router's sigmoid scores (bf16 under autocast: its F.linear is on CUDA's lower-precision list),
-    the top-k bookkeeping (ROUTED_BOOKKEEPING a pair) and the renormalisation's fp32 denominator.
+    the top-k bookkeeping (ROUTED_BOOKKEEPING a pair) and the renormalisation's fp32 denominator. The streamed
+    step's stream_recompute off, which this count also serves, runs no autocast, yet its router is bf16 too (the
+    model's bf16 weight on a bf16 input): Moonlight recompute-off 2048x1's live set holds the router's logits
+    and sigmoid scores as blocks of 262,144 B (2 x 64 experts x 2,048 tokens; fp32 would be 524,288) in each
+    MoE layer (modeling_deepseek_v3.py:146-147) and the renormalised weights as 24,576 B (2 x top_k 6 x 2,048),
+    results/layer-walk-modes-*/call-1: the bf16 figures stand for both.
 
     Measured on CPU (transformers 5.16.1, peft 0.20, Moonlight's full widths, 4 layers, q_proj and kv_b_proj at
     r 8, dropout 0.05, CUDA's bf16 autocast lists applied op by op, the saved tensors alive beside the loss,
@@ -375,13 +387,13 @@ def layer_blocks(a: Arch, quant: str, targets: tuple, r: int, T: int, peak: "Lay
             weights = [v for n, v in saved.items() if n not in last]
     qw, kw = a.heads * a.head_dim, a.kv * a.head_dim
     norms = (a.norms - (0 if input_grad else 1)) if a.quirks.norm_inputs_saved else 0
-    widths = [(4, a.h)] * norms
+    widths = [(4, a.h), (RMS_RSTD_BYTES, 1)] * norms
     for t in targets:
         fan_in = a.modules[t][0]
         widths += [(act, fan_in), (act, r)] + ([(peak.mask, fan_in)]
                                                 if peak.mask and input_needs_grad(t, targets, input_grad) else [])
     widths += [(act, qw), (act, kw), (act, (qw + 2 * kw) if a.quirks.fused_qkv else kw), (act, qw), (4, a.heads)]
-    widths += [(4, qw), (4, kw)] if a.qk_norm else []
+    widths += [(4, qw), (4, kw), (RMS_RSTD_BYTES, a.heads), (RMS_RSTD_BYTES, a.kv)] if a.qk_norm else []
     if peak.moment is Moment.BACKWARD:
         widths += [(act, a.h)] + [(act, a.i)] * a.quirks.mlp_saved
     else:

@@ -10,12 +10,14 @@ every block of the step is whole 2 MiB (``whole_granules``). Where the task's tr
 dropout mask is charged, by the streamed step's own rule (layer.mask_bytes), in each count and its blocks' rounding.
 
 Measured (tests/estimator/test_resident.py), on the 181 committed arms of these families it models, bf16 and NF4
-(results/resident-map-*): never under, median 1.0010x; with checkpointing 1.0001x-1.0029x, without it
-1.0000x-1.0236x, median 1.0011x (the widest: rows whose retained rests are still bounded, Phi-3-mini NF4 up to
-1.0236x, Qwen3-0.6B NF4 1024x1 1.0186x). Where the retained blocks' rests are replayed
+(results/resident-map-*): never under, median 1.0012x; with checkpointing 1.0001x-1.0029x, without it
+1.0001x-1.0237x, median 1.0017x (the widest: rows whose retained rests are still bounded, Phi-3-mini NF4 up to
+1.0237x, Qwen3-0.6B NF4 1024x1 1.0192x). Where the retained blocks' rests are replayed
 (estimator/sequence.py: SmolLM2, Qwen2.5, Llama-3.2-1B, Llama-3.1-8B, Qwen3-0.6B, Mistral-7B, SFT bf16 without
-checkpointing, 39 rows) 1.0000x-1.0047x, median 1.0006x (bounded they were up to 1.0237x); NF4 past 1,536 tokens
-on the llama, mistral and qwen3 types (18 rows) 1.0001x-1.0016x, median 1.0004x (bounded, up to 1.0238x); phi-2 bf16 1.0023x-1.0186x;
+checkpointing, 39 rows) 1.0001x-1.0069x, median 1.0007x (the larger replay of the two default cuBLAS workspaces,
+the card not known: SmolLM2 2048x1 1.0069x, 1.0049x under the 32 MiB one its H200 held; bounded they were up to
+1.0237x); NF4 past 1,536 tokens on the llama, mistral and qwen3 types (18 rows) 1.0001x-1.0029x, median 1.0005x
+(bounded, up to 1.0238x); phi-2 bf16 1.0023x-1.0186x;
 Moonlight bf16 1.0023x-1.0048x, its layers' count measured on CPU: layer.latent_retained. Layers of several kinds (issue395.estimator.moe) hold each its own kind's tensors
 (``kinds_weights``: Moonlight's dense layer 0 and MoE layers of 64 fused experts, Qwen3.5's delta-net and
 full-attention layers; within 0.1% of what each committed row held before its step, where charging every layer
@@ -25,8 +27,8 @@ layer.latent_retained, measured on CPU under CUDA's autocast lists, names: the r
 which grouped_mm does not keep, the router's fp32 logits, the latent at 6 B a width; under NF4, not measured, the
 kinds' count stays: 1.0023x-1.0075x), Qwen3.5 with
 checkpointing 1.0002x-1.0008x (4), Qwen3.5-MoE without it 1.0001x-1.0040x (12). phi-2 bf16 (6 rows,
-1.0236x-1.0352x): a resident run trains under bf16 autocast, which the streamed step (where the counts are
-measured) does not, and autocast runs layer_norm and pow in fp32 (``autocast_upcasts``). Under NF4 the rotary tables are
+1.0023x-1.0186x; 1.0236x-1.0352x before layer.mlp_records): a resident run trains under bf16 autocast, which
+the streamed step (where the counts are measured) does not, and autocast runs layer_norm and pow in fp32 (``autocast_upcasts``). Under NF4 the rotary tables are
 fp32, as the residual stream is: charged bf16, Gemma-2-2B NF4 4096x1 with checkpointing was 3.20 MB under its real
 peak, the allowance aside; charged fp32, 0.99 MB over.
 
@@ -48,8 +50,9 @@ Known limitations
       a block); a block of 1 MiB or less is the small pool's, split at 512 B (retained_rounding, through
       constants.layer_remainders, the rule the streamed step's blocks take). The measured excess of max_memory_allocated over the requested peak was 21 MB on SmolLM2
       1024x1, 108 MB on Qwen2.5 2048x1 (75.5 MB of it the MLP blocks' tails), 0 on Llama-3.2-1B 2048x1; without the
-      per-block bound SmolLM2 NF4 at 2048 tokens was 9.8 MB under. The bounded rows are 1.002x-1.024x.
-    - Phi-3-mini NF4 without checkpointing is 1.0056x-1.0236x, the rest its retained blocks' rounding bound: the
+      per-block bound SmolLM2 NF4 at 2048 tokens was 9.8 MB under. The bounded rows without checkpointing (neither replayed nor a layered family's) are
+      1.0001x-1.0237x, median 1.0054x (71 rows).
+    - Phi-3-mini NF4 without checkpointing is 1.0057x-1.0237x, the rest its retained blocks' rounding bound: the
       12,288 B a token a layer it was over (1.063x-1.080x) was v, charged as a view of the fused qkv, where
       the fused output is fp32 under NF4 and autocast's SDPA keeps its own bf16 copy of v
       (layer.autocast_upcasts), measured on CPU under CUDA's autocast lists, not on a GPU anatomy (none is
@@ -58,8 +61,18 @@ Known limitations
       there that the counts do not have (Gemma-3 2048x1: 48 blocks of 8 MiB; the construction was 0.983x-1.018x on
       Gemma-3-1B's 20 committed rows, 0.984x on Phi-3-mini bf16 2048, its NF4 1.044x-1.053x).
     - The steady state (steps > 1: the optimizer's states) and gradient accumulation are the streamed step's terms
-      (estimator/steady.py), measured there, not yet on a resident run: every committed resident row is one step
-      of one micro-batch.
+      (estimator/steady.py). On a resident run the steady state is measured by the resident-findmax probes, which
+      ran 2 optimizer steps (tests/run/test_resident_estimate.py's steady-state test holds them: 1.0002x-1.0216x);
+      every committed resident map row is one step of one micro-batch, and none with accumulation past 1 is
+      committed. The replayed rests (sequence.replayed) are not gated on steps or accumulation: they are the
+      first forward's, and no committed run on the replay's path has more than one step or micro-batch; a meta
+      emulation of 3 AdamW steps (the review's) found the rests of steps 2-3 equal to or under step 1's.
+    - The replay's cuBLAS workspace: the estimate does not know the card, so the rests charged are the larger of
+      the replays under Hopper's 32 MiB and the pre-Hopper 8.125 MiB default (Mistral-7B and Llama-3.1-8B 1000x4
+      keep 86,114,304 B under the first, 128,581,632 B under the second); under CUBLAS_WORKSPACE_CONFIG, another
+      transformers than 5.16.1, or PYTORCH_CUDA_ALLOC_CONF's max_split_size_mb or roundup_power2_divisions, the
+      bound stays. Under expandable segments max_memory_allocated keeps no rest (every block split at 512 B), and
+      the rests charged (replayed or bounded) are over by what they are: the safe side.
     - phi-2 bf16 without checkpointing is 1.0023x-1.0186x, the rest the retained blocks' rounding bound (its
       5 MiB dropout masks at 2048 tokens are not whole 2 MiB: 352 MB charged at 2048x1, 353.6 MB over). Its
       LayerNorm's fp32 input copy is saved (measured on CPU under CUDA's autocast lists: 189,608 B a token a
@@ -89,13 +102,14 @@ from ..record import LORA_DROPOUT
 from ..model.targets import soup_targets
 from ..tasks import PROTOCOL_TASK, task as task_named
 from .arch import NF4_BLOCK, Arch, arch_from_config, fp32_residual, layer_bytes, nf4_bytes, protocol_targets
-from .layer import (AUTOCAST_BF16, LORA_DROPOUT_MASK_BYTES, autocast_by_layer, autocast_per_token, autocast_upcasts,
-                    mask_bytes, retained_by_layer)
+from .layer import (AUTOCAST_BF16, LORA_DROPOUT_MASK_BYTES, RMS_RSTD_BYTES, autocast_by_layer, autocast_per_token,
+                    autocast_upcasts, mask_bytes, retained_by_layer)
 from .estimate import Estimate, estimate, needs_free, segment_tail
 from .steady import adapter_bytes
 from .terms import Phase, Term, phase_sum
 from .full import estimate_full, full_refused
 from .sequence import layer_rests, replayed
+from .stacks import transformers_release
 
 #: The architectures the resident construction is held to (every committed resident row of theirs).
 MODELLED_TYPES = ("llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "gemma3_text", "phi3", "phi", "deepseek_v3",
@@ -155,7 +169,8 @@ def kinds_weights(a: Arch, quant: str) -> int:
 def retained_rounding(a: Arch, targets: tuple, r: int, T: int, quant: str = "none", seq: int | None = None,
                       mask: int = LORA_DROPOUT_MASK_BYTES) -> int:
     """segment_tail of each block a layer keeps through the loss without checkpointing, over every layer: the
-    tensors retained_by_layer counts per token (the norms' fp32 inputs, each target's dropout output, mask
+    tensors retained_by_layer counts per token (the norms' fp32 inputs and rstd, Qwen3's and Gemma-3's q/k norms'
+    among them, each target's dropout output, mask
     (``mask`` B a feature: layer.mask_bytes, none where the trainer turns dropout off) and lora_A output,
     attention's q, k, v and output, the MLP's saved i-wide tensors), each its own block, by the one rule
     (constants.layer_remainders: 1 MiB a 20 MiB segment the blocks over 1 MiB and under 10 MiB fill, 1 MiB a
@@ -170,7 +185,9 @@ def retained_rounding(a: Arch, targets: tuple, r: int, T: int, quant: str = "non
     if seq is not None and whole_granules(a, targets, r, T, seq):
         return K_SMALL_SIZE * unaligned_weight_blocks(a, quant, targets, r)
     act, qw, kw = 2, a.heads * a.head_dim, a.kv * a.head_dim
-    widths = [(4, a.h)] * (a.norms if a.quirks.norm_inputs_saved else 0)
+    widths = [(4, a.h), (RMS_RSTD_BYTES, 1)] * (a.norms if a.quirks.norm_inputs_saved else 0)
+    if a.qk_norm:  # Qwen3's and Gemma-3's per-head q/k norms: their fp32 inputs and rstd (layer_per_token)
+        widths += [(4, qw), (4, kw), (RMS_RSTD_BYTES, a.heads), (RMS_RSTD_BYTES, a.kv)]
     widths += [w for t in targets for w in ((act, a.modules[t][0]), (mask, a.modules[t][0]), (act, r))]
     upcast, _ = autocast_upcasts(a, quant)  # autocast's copies in place of as many of the count's blocks
     v = (qw + 2 * kw) if a.quirks.fused_qkv else kw  # phi3's v: a view of the fused output, under NF4 its own cast
@@ -187,12 +204,14 @@ def retained_rounding(a: Arch, targets: tuple, r: int, T: int, quant: str = "non
     return layer_remainders([b * w * T for b, w in widths if b] * a.L)
 
 
-def kept_rests(a: Arch, targets: tuple, r: int, T: int, quant: str, seq: int, task: str, dropout: float) -> int:
+def kept_rests(a: Arch, targets: tuple, r: int, T: int, quant: str, seq: int, task: str, dropout: float,
+               transformers: str | None = None) -> int:
     """What the blocks each layer keeps through the loss without checkpointing hold past their requests: replayed
-    (estimator/sequence.py's layer_rests) where its sequence was checked against the real model's (``replayed``),
-    else retained_rounding's bound."""
+    (estimator/sequence.py's layer_rests, the larger under either default cuBLAS workspace) where its sequence was
+    checked against the real model's (``replayed``: under ``transformers``, None the installed, and this
+    process's allocator settings), else retained_rounding's bound."""
     mask = mask_bytes(task_named(task), dropout)
-    if replayed(a, quant, targets, task, T):
+    if replayed(a, quant, targets, task, T, transformers=transformers_release(transformers)):
         return layer_rests(a, targets, r, T, seq, mask > 0, quant)
     return retained_rounding(a, targets, r, T, quant, seq, mask)
 
@@ -212,7 +231,7 @@ def whole_granules(a: Arch, targets: tuple, r: int, T: int, seq: int) -> bool:
     widths = {a.h, a.i, qw, kw, r, a.rotary_dim, a.heads * seq} | {fo for _, fo, _ in a.modules.values()}
     widths |= {a.modules[t][0] for t in targets if t in a.modules}
     sizes = {b * w for w in widths for b in (2, 4)} | {a.modules[t][0] for t in targets if t in a.modules}
-    sizes |= {4 * a.heads, 8, seq}
+    sizes |= {4 * a.heads, 4 * a.kv, RMS_RSTD_BYTES, 8, seq}
     return all(block_bytes(s * T) <= K_SMALL_SIZE or block_bytes(s * T) % K_ROUND_LARGE == 0 for s in sizes)
 
 
@@ -299,7 +318,8 @@ def estimate_resident(config: dict, *, quant: str = "none", seq: int, batch: int
         # norms' fp32 copies among it). Measured: Qwen2.5 2048x1 keeps 45,912 B a token a layer at its loss
         # peak, retained_by_layer's count to the byte (results/resident-anatomy-*/call-1/res-sft-qwen-bf16-2048x1)
         t[Term.CHECKPOINTED_INPUTS.key] = 0
-        t[Term.ALLOCATOR_ROUNDING.key] += kept_rests(a, tg, lora_r, T, quant, e.seq, task, lora_dropout)
+        t[Term.ALLOCATOR_ROUNDING.key] += kept_rests(a, tg, lora_r, T, quant, e.seq, task, lora_dropout,
+                                                     transformers)
         t[Term.ADAPTER_CASTS.key] = adapter_casts(a, tg, lora_r, adapter_bytes(task, quant))
         upcast = autocast_by_layer(a, quant, tg)
         t[Term.RETAINED_ACTIVATIONS.key] += T * sum(upcast)
@@ -393,13 +413,15 @@ def full_run(config: dict, *, quant: str, seq: int, batch: int, steps: int, rele
         raise UsageError(why)
     base = estimate_resident(config, seq=seq, batch=batch, lora_r=1, release=release, task=task,
                              checkpointing=checkpointing, transformers=transformers)
-    lora = 0 if checkpointing else lora_retained_rounding(a, config, base.seq * base.batch, base.seq, task)
+    lora = 0 if checkpointing else lora_retained_rounding(a, config, base.seq * base.batch, base.seq, task,
+                                                          transformers)
     return estimate_full(config, base, lora, release=release, steps=steps, checkpointing=checkpointing,
                          optimizer=optimizer, accumulation=accumulation)
 
 
-def lora_retained_rounding(a: Arch, config: dict, T: int, seq: int, task: str) -> int:
+def lora_retained_rounding(a: Arch, config: dict, T: int, seq: int, task: str, transformers: str | None = None) -> int:
     """What estimate_resident added to the allocator's rounding without checkpointing for the r 1 LoRA run a full
-    fine-tuning's estimate starts from (its seq, its task's mask): exactly what that estimate takes off again."""
-    return kept_rests(a, targets_of(a, None, config), 1, T, "none", seq, task, LORA_DROPOUT)
+    fine-tuning's estimate starts from (its seq, its task's mask, its transformers): exactly what that estimate
+    takes off again."""
+    return kept_rests(a, targets_of(a, None, config), 1, T, "none", seq, task, LORA_DROPOUT, transformers)
 

@@ -11,7 +11,9 @@ dropout and bf16 cast, the rotary embedding of q and k, flash SDPA, the residual
 norm. A request of 1 MiB or less is the small pool's, cut at 512 B (its blocks keep no rest) and never shares a
 segment with a large one: it is left out. What a block keeps past its request is fixed when it is cut, so the
 layers' rests at the loss peak are those of the forward's blocks still live at its end: the loss and the backward
-add none of theirs to them (their own rests are the loss terms').
+add none of theirs to them (their own rests are the loss terms'). The final norm's fp32 input and bf16 output
+are the forward's (in ``kept``) and also among the loss terms' hidden blocks (allocator_rounding's
+loss_remainders): their rests are counted twice, at most about 1 MiB over, the safe side, left so.
 
 Under NF4 (Soup's resident QLoRA) the load quantises each decoder linear as it lands, every other tensor is
 recast to fp32 (so the residual stream is fp32), each linear is bitsandbytes' Linear4bit (a bf16 cast of its
@@ -19,12 +21,17 @@ input, the dequantised weight and its absmax, a bf16 output cast back) and each 
 ``load_nf4``, ``forward_nf4``, the capture's request for request past 1,536 tokens.
 
 Built only where it was checked against the capture (``replayed``: the plain llama-type decoder, bf16 or NF4, the
-protocol's SFT with LoRA dropout); everywhere else resident.py keeps its bound.
+protocol's SFT with LoRA dropout, transformers 5.16.1, the default allocator; under either default cuBLAS
+workspace, the larger charged); everywhere else resident.py keeps its bound.
 """
 
 from __future__ import annotations
 
-from ..constants import CUBLAS_WORKSPACE, K_SMALL_SIZE, block_bytes
+import os
+import re
+
+from ..constants import (ALLOC_CONF_VAR, CUBLAS_WORKSPACE, CUBLAS_WORKSPACE_PRE_HOPPER, K_SMALL_SIZE,
+                         WORKSPACE_CONFIG_VAR, block_bytes)
 from .allocator import CachingAllocator
 from .arch import NF4_BLOCK, Arch
 
@@ -98,19 +105,32 @@ def load(q: Requests, a: Arch, targets: tuple, r: int) -> None:
         q.get(b)
 
 
-def norm(q: Requests, T: int, width: int, saved: bool):
-    """HF's RMSNorm on a bf16 input: its fp32 copy (kept where its input needs a gradient), the square, the
-    normalised fp32, its bf16 cast, the weight's product (returned); the rest freed."""
+def rstd(q: Requests, rows: int, sq):
+    """An RMSNorm's fp32 mean of the square (``sq``, freed), + eps and rsqrt over ``rows`` rows: the rsqrt's
+    output, which the normalising mul saves, returned (a small-pool block below 262,144 rows)."""
+    var = q.get(4 * rows)
+    q.put(sq)
+    eps = q.get(4 * rows)
+    q.put(var)
+    out = q.get(4 * rows)
+    q.put(eps)
+    return out
+
+
+def norm(q: Requests, T: int, width: int, saved: bool, heads: int = 1):
+    """HF's RMSNorm on a bf16 input (``heads`` rows a token: qwen3's per-head q/k norms): its fp32 copy and
+    rstd (kept where its input needs a gradient), the square, the normalised fp32, its bf16 cast, the weight's
+    product (returned); the rest freed."""
     x32 = q.get(4 * T * width)
     sq = q.get(4 * T * width)
-    q.put(sq)
+    r = rstd(q, T * heads, sq)
     y32 = q.get(4 * T * width)
     if not saved:
-        q.put(x32)
+        q.put(x32, r)
     cast = q.get(2 * T * width)
     out = q.get(2 * T * width)
     q.put(cast, y32)
-    return out, [x32] if saved else []
+    return out, [x32, r] if saved else []
 
 
 def lora_linear(q: Requests, T: int, fi: int, fo: int, r: int, grad: bool, dropout: bool):
@@ -167,7 +187,7 @@ def attention(q: Requests, a: Arch, T: int, x, lora: tuple, grad: bool):
         outs[m], k = projection(q, a, T, m, lora, grad)
         kept += k
         if a.qk_norm and m != "v_proj":  # qwen3's per-head RMSNorm; it saves its input where that needs a gradient
-            normed, k = norm(q, T, a.modules[m][1], grad or m in lora[0])
+            normed, k = norm(q, T, a.modules[m][1], grad or m in lora[0], a.heads if m == "q_proj" else a.kv)
             kept += k
             q.put(outs[m])
             outs[m] = normed
@@ -214,11 +234,11 @@ def layer(q: Requests, a: Arch, T: int, x, first: bool, lora: tuple):
     return out, kept
 
 
-def tables(q: Requests, a: Arch, seq: int, fp32: bool):
-    """The rotary tables (the cuBLAS workspace after their first matmul): cos and sin, cast to the residual
+def tables(q: Requests, a: Arch, seq: int, fp32: bool, workspace: int = CUBLAS_WORKSPACE):
+    """The rotary tables (the cuBLAS ``workspace`` after their first matmul): cos and sin, cast to the residual
     stream's dtype (bf16; under NF4 fp32, where the cast is none)."""
     freqs = q.get(4 * seq * a.rotary_dim // 2)
-    q.get(CUBLAS_WORKSPACE)  # held for the process
+    q.get(workspace)  # held for the process
     tables = [q.get(4 * seq * a.rotary_dim) for _ in range(3)]
     q.put(tables[1])
     tables += [q.get(4 * seq * a.rotary_dim) for _ in range(2)]
@@ -231,11 +251,11 @@ def tables(q: Requests, a: Arch, seq: int, fp32: bool):
     return cos, sin
 
 
-def forward(q: Requests, a: Arch, T: int, seq: int, lora: tuple) -> list:
+def forward(q: Requests, a: Arch, T: int, seq: int, lora: tuple, workspace: int = CUBLAS_WORKSPACE) -> list:
     """The embedding, the rotary tables, every layer, the final norm: the blocks live at the forward's end that
     the layers made."""
     emb = q.get(2 * T * a.h)
-    cos, sin = tables(q, a, seq, False)
+    cos, sin = tables(q, a, seq, False, workspace)
     kept, x = [], emb
     for k in range(a.L):
         out, held = layer(q, a, T, x, k == 0, lora)
@@ -303,12 +323,15 @@ def module_order(a: Arch) -> list:
     return out + ["model.norm.weight"] + ([] if a.tied else ["lm_head.weight"])
 
 
-def norm32(q: Requests, T: int, width: int):
-    """HF's RMSNorm on an fp32 input (its .float() no copy): the square, the normalised, the weight's fp32
-    product (returned); the input itself is what its backward keeps."""
+def norm32(q: Requests, T: int, width: int, saved: bool = True, heads: int = 1):
+    """HF's RMSNorm on an fp32 input (its .float() no copy): the square, the rstd (kept where its input needs a
+    gradient; ``heads`` rows a token), the normalised, the weight's fp32 product (returned); the input itself is
+    what its backward keeps."""
     sq = q.get(4 * T * width)
-    q.put(sq)
+    r = rstd(q, T * heads, sq)
     y = q.get(4 * T * width)
+    if not saved:
+        q.put(r)
     out = q.get(4 * T * width)
     q.put(y)
     return out
@@ -362,12 +385,12 @@ def proj4bit(q: Requests, a: Arch, T: int, name: str, lora: tuple, grad: bool, f
 
 def layer_nf4(q: Requests, a: Arch, T: int, x, first: bool, lora: tuple):
     """One decoder layer's forward under NF4 (an fp32 residual stream): returns its output."""
-    normed = norm32(q, T, a.h)
+    normed = norm32(q, T, a.h, not first)
     outs = {}
     for m in ("q_proj", "k_proj", "v_proj"):
         outs[m] = proj4bit(q, a, T, m, lora, not first)
         if a.qk_norm and m != "v_proj":  # qwen3's per-head RMSNorm: it saves its fp32 input where that needs a gradient
-            n = norm32(q, T, a.modules[m][1])
+            n = norm32(q, T, a.modules[m][1], not first or m in lora[0], a.heads if m == "q_proj" else a.kv)
             if first and m not in lora[0]:
                 q.put(outs[m])
             outs[m] = n
@@ -394,13 +417,13 @@ def layer_nf4(q: Requests, a: Arch, T: int, x, first: bool, lora: tuple):
     return out
 
 
-def forward_nf4(q: Requests, a: Arch, T: int, seq: int, lora: tuple) -> list:
+def forward_nf4(q: Requests, a: Arch, T: int, seq: int, lora: tuple, workspace: int = CUBLAS_WORKSPACE) -> list:
     """The NF4 forward: the fp32 embedding's output, the fp32 rotary tables, every layer (each output kept: the
     next norm saves it), the final norm (the blocks live at its end that it made, returned), then autocast's bf16
     casts of the head's input and fp32 weight."""
     first = q.n + 1
     emb = q.get(4 * T * a.h)
-    tables(q, a, seq, True)
+    tables(q, a, seq, True, workspace)
     x = emb
     for k in range(a.L):
         x = layer_nf4(q, a, T, x, k == 0, lora)
@@ -424,31 +447,67 @@ GEMM_4BIT_FUSED_MAX_ROWS = 1536
 NF4_SEQUENCE_TYPES = ("llama", "mistral", "qwen3")
 
 
-def replayed(a: Arch, quant: str, targets: tuple, task: str, T: int = 0) -> bool:
+#: The transformers release whose modeling code every capture the sequence was checked against ran (the pinned
+#: stack's): another one may order, fuse or keep the forward's tensors otherwise.
+SEQUENCE_TRANSFORMERS = "5.16.1"
+#: The PYTORCH_CUDA_ALLOC_CONF keys that change where a block is cut or how it is rounded (allocator.py models
+#: neither): under either the replay's rests are not the run's. expandable_segments:True is not among them: it
+#: splits every block at 512 B, so max_memory_allocated keeps no rest at all, and the replayed rests charged
+#: there are over (the safe side; the resident-findmax probes ran so, tests/run/test_resident_estimate.py).
+SPLIT_SETTINGS = ("max_split_size_mb", "roundup_power2_divisions")
+#: torch 2.9 on reads PYTORCH_ALLOC_CONF as well as PYTORCH_CUDA_ALLOC_CONF: either may carry a setting.
+ALLOC_CONF_VARS = (ALLOC_CONF_VAR, "PYTORCH_ALLOC_CONF")
+#: The cuBLAS workspace a run's first matmul holds: 32 MiB from Hopper on, 8.125 MiB before it
+#: (cards.cublas_workspace). The estimate does not know the card, so it replays both and charges the larger.
+WORKSPACE_SIZES = (CUBLAS_WORKSPACE, CUBLAS_WORKSPACE_PRE_HOPPER)
+
+
+def default_allocator(environ=None) -> bool:
+    """Whether ``environ`` (None: this process's) leaves the caching allocator's cutting and rounding as
+    allocator.py replays them (no SPLIT_SETTINGS) and the cuBLAS workspace at its defaults (no
+    CUBLAS_WORKSPACE_CONFIG: a size the replay does not take)."""
+    environ = os.environ if environ is None else environ
+    conf = ",".join(environ.get(v) or "" for v in ALLOC_CONF_VARS)
+    keys = {k.strip() for k in re.findall(r"([^,:]+):", conf)}
+    return not keys & set(SPLIT_SETTINGS) and not environ.get(WORKSPACE_CONFIG_VAR)
+
+
+def replayed(a: Arch, quant: str, targets: tuple, task: str, T: int = 0, *, transformers: str,
+             environ=None) -> bool:
     """Whether this sequence is the run's: a plain llama-type decoder (SEQUENCE_TYPES, one kind of layer), bf16,
-    or NF4 (NF4_SEQUENCE_TYPES) past GEMM_4BIT_FUSED_MAX_ROWS tokens (``T``), the protocol's LoRA targets (q_proj and v_proj) and
-    task (SFT: one forward, no reference), LoRA dropout on or off: every capture it was checked against."""
+    or NF4 (NF4_SEQUENCE_TYPES) past GEMM_4BIT_FUSED_MAX_ROWS tokens (``T``), the protocol's LoRA targets (q_proj
+    and v_proj, in any order) and task (SFT: one forward, no reference), LoRA dropout on or off, under
+    transformers SEQUENCE_TRANSFORMERS (``transformers``: the release the run has, its local tag dropped) and the
+    default allocator (``default_allocator`` of ``environ``): every capture it was checked against."""
     return (a.model_type in SEQUENCE_TYPES and a.layers is None
             and (quant == "none" or quant == "nf4" and T > GEMM_4BIT_FUSED_MAX_ROWS
                  and a.model_type in NF4_SEQUENCE_TYPES)
-            and targets == ("q_proj", "v_proj") and task == "sft")
+            and len(targets) == 2 and set(targets) == {"q_proj", "v_proj"} and task == "sft"
+            and transformers == SEQUENCE_TRANSFORMERS and default_allocator(environ))
 
 
 _RESTS: dict = {}
 
 
-def layer_rests(a: Arch, targets: tuple, r: int, T: int, seq: int, dropout: bool = True, quant: str = "none") -> int:
+def layer_rests(a: Arch, targets: tuple, r: int, T: int, seq: int, dropout: bool = True, quant: str = "none",
+                workspace: int | None = None) -> int:
     """What the blocks a resident forward keeps through the loss (its layers' and its final norm's, the rotary
     tables) hold past their requests, replayed (``dropout``: whether LoRA dropout writes a mask; ``quant`` none
-    or nf4); once an arm (--find-max and the map ask many times)."""
-    key = (repr(a), targets, r, T, seq, dropout, quant)
+    or nf4) with a cuBLAS ``workspace`` of that many bytes, or (None) the larger of the replays under each
+    default (WORKSPACE_SIZES: the workspace moves every later block, and with it which blocks keep a rest:
+    Mistral-7B 1000x4 keeps 86,114,304 B under the 32 MiB one, 128,581,632 B under the pre-Hopper one); once an
+    arm (--find-max and the map ask many times)."""
+    if workspace is None:
+        return max(layer_rests(a, targets, r, T, seq, dropout, quant, w) for w in WORKSPACE_SIZES)
+    targets = tuple(t for t in ATTN + MLP if t in targets)  # the layer's own order: a set, as replayed reads it
+    key = (repr(a), targets, r, T, seq, dropout, quant, workspace)
     if key not in _RESTS:
         q = Requests()
         if quant == "nf4":
             load_nf4(q, a, targets, r)
-            kept = forward_nf4(q, a, T, seq, (targets, r, dropout))
+            kept = forward_nf4(q, a, T, seq, (targets, r, dropout), workspace)
         else:
             load(q, a, targets, r)
-            kept = forward(q, a, T, seq, (targets, r, dropout))
+            kept = forward(q, a, T, seq, (targets, r, dropout), workspace)
         _RESTS[key] = q.rests(kept)
     return _RESTS[key]

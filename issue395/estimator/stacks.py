@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from importlib import metadata
 from typing import Callable, Mapping, Optional
 
+from .attention import box_transformers
+
 #: The packages a stack line names, in its order: each one's code decides a streamed step's peak
 #: (torch's allocator and autograd; transformers' forward; peft's adapter; trl's loss; bitsandbytes'
 #: NF4 shards) or Soup's number (soup-cli).
@@ -119,6 +121,12 @@ def package_version(name: str) -> str:
         return metadata.version(name)
     except metadata.PackageNotFoundError:
         return NOT_INSTALLED
+
+
+def transformers_release(version: Optional[str] = None) -> str:
+    """The transformers release a run has, its local tag dropped: ``version`` (a saved row's), else the training
+    box's (--stack transformers=VERSION), else the installed one's metadata (NOT_INSTALLED where none is)."""
+    return release(version or box_transformers() or package_version("transformers"))
 
 
 def installed_stack(version: Optional[Callable[[str], str]] = None) -> dict[str, str]:

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from conftest import ROOT
 
 from issue395.estimator.arch import arch_from_config
@@ -119,8 +121,64 @@ def test_a_resident_deepseek_v3_layer_keeps_what_the_cpu_measurement_found_not_t
 
     a = arch_from_config(config_json("moonlight"))
     assert retained_by_layer(a, "none", ("q_proj", "kv_b_proj"), 8) == [105_572, 143_310, 143_310, 143_310]
-    assert retained_by_layer(a, "nf4", ("q_proj", "kv_b_proj"), 8) == [109_536, 169_440, 169_440, 169_440]
+    # the kinds' count, its norms' fp32 rstd (layer.RMS_RSTD_BYTES) charged since review item 3: 4 B more in
+    # layer 0 (its one recorded norm), 8 in each other
+    assert retained_by_layer(a, "nf4", ("q_proj", "kv_b_proj"), 8) == [109_540, 169_448, 169_448, 169_448]
     walk = json.loads((ROOT / "results" / "layer-walk-modes-h200-soup0.77.0-2798321" / "call-1"
                        / "walk-sft-moonlight-bf16-2048x1-recompute-off.json").read_text())
     expert_out = next(g for g in walk["groups"] if g["size"] == 6 * 2 * a.h * 2048)
     assert expert_out["count"] == 3 and set(expert_out["frames"]) == {"moe.py:332 _grouped_mm <- ??:0 PyMethod_New"}
+
+
+def test_the_streamed_recompute_off_router_is_bf16_as_latent_retained_charges_it():
+    """Review item 6: layer.latent_retained (measured on CPU under a resident run's autocast) also serves the
+    streamed step's stream_recompute off, which runs no autocast; its router's logits and sigmoid scores are bf16
+    there too (the model's bf16 weight on a bf16 input): Moonlight recompute-off 2048x1's live set holds them as
+    2 B x 64 experts x 2,048 tokens in each of its 3 MoE layers (modeling_deepseek_v3.py:146-147; fp32 would be
+    twice that, and no block of that size is from there), so the count's bf16 figures stand."""
+    a = arch_from_config(config_json("moonlight"))
+    routed = next(k for k in a.layers.kinds if k.routed).routed
+    walk = json.loads((ROOT / "results" / "layer-walk-modes-h200-soup0.77.0-2798321" / "call-1"
+                       / "walk-sft-moonlight-bf16-2048x1-recompute-off.json").read_text())
+    router = lambda g: any(f.startswith(("modeling_deepseek_v3.py:146 ", "modeling_deepseek_v3.py:147 "))
+                           for f in g["frames"])
+    sizes = {g["size"] for g in walk["groups"] if router(g)}
+    T = walk["realised"]["width"] * walk["realised"]["rows"]
+    assert T == 2048 and sizes == {2 * routed * T}, sizes
+
+
+def test_an_rmsnorm_saves_its_fp32_input_and_rstd_as_the_count_charges_each_norm():
+    """Review item 3: transformers' RMSNorm (Qwen3's, run on CPU on a bf16 input, its weight frozen as under
+    LoRA) saves for its input's gradient the fp32 copy of its input and the fp32 rstd, one a row normed: 4h + 4
+    B a token for a layer norm, 4 x (heads x head_dim + heads) for the q norm and 4 x (kv x head_dim + kv) for
+    the k norm. layer_per_token charges each norm that much (a third layer norm, or the q/k norms taken away,
+    moves it by exactly the measured bytes); before the rstd was charged it was 4 B a row short."""
+    import dataclasses
+
+    torch = pytest.importorskip("torch")
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+
+    from issue395.estimator.layer import layer_per_token
+
+    a = arch_from_config(config_json("qwen3-0.6b"))
+
+    def saved_per_token(width: int, rows: int, T: int = 16) -> int:
+        norm = Qwen3RMSNorm(width).to(torch.bfloat16).requires_grad_(False)
+        x = torch.randn(T, rows, width, dtype=torch.bfloat16, requires_grad=True)
+        seen = {}
+
+        def pack(t):
+            if t.untyped_storage().data_ptr() != norm.weight.untyped_storage().data_ptr():
+                seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            norm(x)
+        return sum(seen.values()) // T
+
+    one_norm = saved_per_token(a.h, 1)
+    qk = saved_per_token(a.head_dim, a.heads) + saved_per_token(a.head_dim, a.kv)
+    assert one_norm == 4 * a.h + 4 and qk == 4 * (a.heads + a.kv) * (a.head_dim + 1)
+    t = ("q_proj", "v_proj")
+    assert layer_per_token(dataclasses.replace(a, norms=3), "none", t, 8) - layer_per_token(a, "none", t, 8) == one_norm
+    assert layer_per_token(a, "none", t, 8) - layer_per_token(dataclasses.replace(a, qk_norm=False), "none", t, 8) == qk

@@ -24,11 +24,11 @@ def committed_resident_rows() -> list[Row]:
 def test_the_resident_estimate_is_never_under_and_tight_on_every_committed_arm_it_models():
     """Issue 51 item 3: every committed resident row the estimator models, bf16 and NF4, dense, phi's parallel
     block (bf16), DeepSeek-V3's latent MoE (Moonlight), the Qwen3.5 hybrids where modelled (the map's corrected
-    column, from the family's public config alone) is at or above its real peak, median at most 1.0010x
+    column, from the family's public config alone) is at or above its real peak, median at most 1.0012x
     (resident.py's docstring), within 1.004x with checkpointing, within 1.024x without it, Moonlight within
     1.008x (its bf16 rows without checkpointing within 1.005x: layer.latent_retained, measured on CPU, where the
-    kinds' count was 1.010x-1.029x), within 1.005x where its retained blocks' rests are replayed (issue 52 item 1:
-    estimator/sequence.py: bf16, and NF4 past 1,536 tokens on llama, mistral and qwen3, within 1.002x there, where
+    kinds' count was 1.010x-1.029x), within 1.007x where its retained blocks' rests are replayed (issue 52 item 1:
+    estimator/sequence.py: bf16, and NF4 past 1,536 tokens on llama, mistral and qwen3, within 1.003x there, where
     the bound left them up to 1.0238x); the ones it does not model (phi NF4, Qwen3.5 without
     checkpointing, Qwen3.5-MoE with it, past a sliding window without checkpointing) get no figure."""
     import statistics
@@ -42,16 +42,21 @@ def test_the_resident_estimate_is_never_under_and_tight_on_every_committed_arm_i
     assert all(v <= 1.004 for r, v in modelled if "+gc" in r.model_key)
     assert all(v <= 1.008 for r, v in modelled if r.model_key.startswith("moonlight"))
     assert all(v <= 1.005 for r, v in modelled if r.model_key == "moonlight+resident" and r.quant == "none")
-    assert round(statistics.median(v for _, v in modelled), 4) <= 1.0010
+    # 1.0010 before the norms' fp32 rstd (layer.RMS_RSTD_BYTES) and the larger replay of the two default cuBLAS
+    # workspaces (the estimate does not know the card) were charged: 1.0011 with the rstd, 1.0012 with both
+    assert round(statistics.median(v for _, v in modelled), 4) <= 1.0012
     # issue 52 item 1: where the retained blocks' rests are replayed (estimator/sequence.py: the llama-type SFT bf16
-    # rows without checkpointing), not bounded, within 1.005x (SmolLM2 512x1 1.0047x; bounded, up to 1.0237x)
+    # rows without checkpointing), not bounded, within 1.007x (bounded, up to 1.0237x): the rests charged are the
+    # larger of the replays under either default cuBLAS workspace, as the estimate does not know the card; SmolLM2
+    # 2048x1 1.0069x, 1.0049x at most under the 32 MiB workspace these rows' H200 held (was within 1.005x)
     replayed = [v for r, v in modelled if "+gc" not in r.model_key and r.quant == "none" and r.task in (None, "sft")
                 and stream_mode(r.model_key)[0] in ("smol", "qwen", "llama32-1b", "qwen3-0.6b", "mistral-7b",
                                                     "llama31-8b")]
-    assert len(replayed) >= 39 and max(replayed) <= 1.005, max(replayed)
+    assert len(replayed) >= 39 and max(replayed) <= 1.007, max(replayed)
     nf4 = [v for r, v in modelled if "+gc" not in r.model_key and r.quant == "nf4" and r.seq * r.batch > 1536
            and stream_mode(r.model_key)[0] in ("smol", "llama32-1b", "qwen3-0.6b", "mistral-7b", "llama31-8b")]
-    assert len(nf4) >= 18 and max(nf4) <= 1.002, max(nf4)
+    # within 1.003x: the larger replay of the two default cuBLAS workspaces (was within 1.002x under the 32 MiB one)
+    assert len(nf4) >= 18 and max(nf4) <= 1.003, max(nf4)
     families = {r.model_key for r, _ in modelled}
     assert {"phi-2+resident", "moonlight+resident", "moonlight+resident+gc", "qwen3.5+resident+gc",
             "qwen3.5-moe+resident"} <= families
@@ -165,7 +170,8 @@ def test_under_nf4_the_rotary_tables_are_the_residual_streams_fp32_as_measured_a
 def test_a_step_of_whole_2_mib_blocks_is_charged_no_rest_and_one_that_is_not_keeps_its_bound():
     """Issue 51 item 3: Llama-3.2-1B 2048x1's blocks are whole 2 MiB: its real peak is 1,093,096 B over the
     requested one (its vocab's 1 MiB segment tail, charged with the weights, and small-pool 512 B rounding), and
-    the estimate charges its step 1 MiB of rest (one weight block that is not whole); Qwen2.5 2048x1's are not
+    the estimate's step keeps 1 MiB of rest (one weight block that is not whole: the replay's, sequence.layer_rests,
+    and where the replay does not serve, retained_rounding's); Qwen2.5 2048x1's are not
     (h = 896): it keeps 107.8 MB and the bound charges at least that."""
     from issue395.estimator.resident import retained_rounding, targets_of
 
@@ -323,11 +329,68 @@ def test_a_resident_layer_keeps_per_token_what_autograd_saved_on_cpu_under_cudas
     Measured: Phi-3-mini NF4 156,824 B a layer (layer 0 141,460), its v autocast's own bf16 copy of the fp32
     fused output (the count's view of the fused qkv was 12,288 B over); phi-2 bf16 189,608 (layer 0 30,880:
     its LayerNorm and parallel MLP record nothing where the input needs no gradient). The estimate charges
-    those less each RMSNorm's fp32 rstd (4 B a token, uncharged)."""
+    those to the byte, each RMSNorm's fp32 rstd among them (layer.RMS_RSTD_BYTES, 4 B a token a norm: review item 3;
+    before it was charged the count was 4 B a token under layer 0's one recorded norm and 8 under each other's two)."""
     def per_token(key, quant, seq):
         one, two = (estimate_resident(config_json(key), quant=quant, seq=s) for s in (seq, 2 * seq))
         return (two.terms["retained_activations"] - one.terms["retained_activations"]) // seq
 
     a = arch_from_config(config_json("phi3-mini"))
-    assert per_token("phi3-mini", "nf4", 512) == (141_460 - 4) + (a.L - 1) * (156_824 - 8)
+    assert per_token("phi3-mini", "nf4", 512) == 141_460 + (a.L - 1) * 156_824
     assert per_token("phi-2", "none", 512) == 30_880 + 31 * 189_608
+
+
+def test_the_bound_covers_qwen3s_q_k_norm_blocks_where_the_replay_does_not_serve():
+    """Review item 4: Qwen3's (and Gemma-3's) per-head q/k norms keep their fp32 inputs (4 x q width and 4 x k
+    width a token) and rstd through the loss; retained_rounding's widths left them out, and at Qwen3-0.6B 512x1
+    the bound (25,165,824 B) was under the replay's rests (27,262,976 B under the 32 MiB workspace)."""
+    from issue395.constants import CUBLAS_WORKSPACE
+    from issue395.estimator.resident import retained_rounding
+    from issue395.estimator.sequence import layer_rests
+
+    a, t = arch_from_config(config_json("qwen3-0.6b")), ("q_proj", "v_proj")
+    assert layer_rests(a, t, 8, 512, 512, True, "none", CUBLAS_WORKSPACE) == 27_262_976
+    assert retained_rounding(a, t, 8, 512, "none", 512) >= layer_rests(a, t, 8, 512, 512)
+
+
+@pytest.mark.parametrize("setting", [{"transformers": "5.24.0"}, {"env": ("CUBLAS_WORKSPACE_CONFIG", ":4096:8")},
+                                     {"env": ("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:256")}])
+def test_a_replayed_arm_off_the_checked_stack_or_allocator_is_charged_the_bound(setting, monkeypatch):
+    """Review items 1, 2: Llama-3.2-1B 1000x2 SFT bf16 without checkpointing is charged the replayed rests under
+    the pinned transformers and the default allocator and workspaces, and retained_rounding's bound under another
+    transformers, a CUBLAS_WORKSPACE_CONFIG or an allocator setting the replay does not model; the rest of the
+    estimate is the same."""
+    from issue395.estimator.resident import retained_rounding
+    from issue395.estimator.sequence import layer_rests
+
+    c = config_json("llama32-1b")
+    a = arch_from_config(c)
+    for var in ("CUBLAS_WORKSPACE_CONFIG", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        monkeypatch.delenv(var, raising=False)
+    replay = estimate_resident(c, seq=1000, batch=2, transformers="5.16.1")
+    if "env" in setting:
+        monkeypatch.setenv(*setting["env"])
+    bound = estimate_resident(c, seq=1000, batch=2, transformers=setting.get("transformers", "5.16.1"))
+    rests, bounded = layer_rests(a, ("q_proj", "v_proj"), 8, 2000, 1000), retained_rounding(
+        a, ("q_proj", "v_proj"), 8, 2000, "none", 1000)
+    assert rests != bounded
+    assert bound.terms["allocator_rounding"] - replay.terms["allocator_rounding"] == bounded - rests
+    assert {k: v for k, v in bound.terms.items() if k != "allocator_rounding"} == {
+        k: v for k, v in replay.terms.items() if k != "allocator_rounding"}
+
+
+@pytest.mark.parametrize("transformers", [None, "5.24.0"])
+def test_a_full_fine_tuning_takes_off_exactly_the_rests_its_r1_base_was_charged(transformers, monkeypatch):
+    """Review item 8: a full fine-tuning (lora.r 0) on a replayed arm (SmolLM2 1024x1 bf16, no checkpointing)
+    starts from the r 1 LoRA run's estimate and takes off what that run's retained blocks added to the
+    allocator's rounding: the same figure, replayed or (another transformers) bounded."""
+    from issue395.estimator import resident
+
+    added, taken = [], []
+    kept = resident.kept_rests
+    monkeypatch.setattr(resident, "kept_rests", lambda *a, **k: added.append(kept(*a, **k)) or added[-1])
+    full = resident.estimate_full
+    monkeypatch.setattr(resident, "estimate_full", lambda c, base, lora, **k: taken.append(lora) or full(
+        c, base, lora, **k))
+    estimate_resident(config_json("smol"), seq=1024, lora_r=0, transformers=transformers)
+    assert len(added) == 2 and added[0] == added[1] == taken[0] > 0

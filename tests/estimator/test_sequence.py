@@ -10,7 +10,7 @@ import importlib.util
 import pytest
 from conftest import ROOT
 
-from issue395.constants import K_SMALL_SIZE, block_bytes
+from issue395.constants import CUBLAS_WORKSPACE, K_SMALL_SIZE, block_bytes
 from issue395.estimator import sequence
 from issue395.estimator.allocator import CachingAllocator
 from issue395.estimator.arch import arch_from_config, protocol_targets
@@ -74,7 +74,8 @@ def test_the_synthetic_sequence_is_the_captured_ones_request_for_request_and_kee
     loaded = len(q.trace)
     kept = sequence.forward(q, a, T, seq, (targets, 8, dropout > 0))
     assert q.trace == want, next(i for i, (x, y) in enumerate(zip(q.trace, want)) if x != y)
-    assert loaded > 2 * a.L and q.rests(kept) == rests == sequence.layer_rests(a, targets, 8, T, seq, dropout > 0)
+    assert loaded > 2 * a.L and q.rests(kept) == rests == sequence.layer_rests(a, targets, 8, T, seq, dropout > 0,
+                                                                               workspace=CUBLAS_WORKSPACE)
     if (key, seq, batch) == ("qwen", 2048, 1):
         assert rests == 104_693_760
 
@@ -99,7 +100,7 @@ def test_the_nf4_sequence_is_the_nf4_captures_request_for_request_and_keeps_its_
     assert q.trace == want, next(i for i, (x, y) in enumerate(zip(q.trace, want)) if x != y)
     head = list(q.held)[-2:]
     assert q.rests(kept) + q.rests(head) == rests
-    assert q.rests(kept) == sequence.layer_rests(a, targets, 8, T, seq, True, "nf4")
+    assert q.rests(kept) == sequence.layer_rests(a, targets, 8, T, seq, True, "nf4", CUBLAS_WORKSPACE)
     if (key, seq, batch) == ("llama32-1b", 2048, 1):
         assert (q.rests(kept), q.rests(head)) == (2_097_152, 1_048_576)
 
@@ -109,5 +110,69 @@ def test_nf4_is_replayed_only_past_the_fused_kernels_rows_and_on_its_checked_typ
     bound stays; qwen2 NF4 keeps it too (sequence.NF4_SEQUENCE_TYPES); bf16 is replayed at any length."""
     llama, qwen = arch_from_config(config_json("llama32-1b")), arch_from_config(config_json("qwen"))
     t = ("q_proj", "v_proj")
-    assert sequence.replayed(llama, "nf4", t, "sft", 1537) and not sequence.replayed(llama, "nf4", t, "sft", 1536)
-    assert not sequence.replayed(qwen, "nf4", t, "sft", 4096) and sequence.replayed(qwen, "none", t, "sft", 512)
+    kw = dict(transformers=sequence.SEQUENCE_TRANSFORMERS, environ={})
+    assert sequence.replayed(llama, "nf4", t, "sft", 1537, **kw) and not sequence.replayed(llama, "nf4", t, "sft",
+                                                                                            1536, **kw)
+    assert not sequence.replayed(qwen, "nf4", t, "sft", 4096, **kw) and sequence.replayed(qwen, "none", t, "sft",
+                                                                                           512, **kw)
+
+
+def test_the_rests_charged_are_the_larger_replay_under_either_default_cublas_workspace():
+    """Review item 1: the workspace is one block of the forward (the rotary tables' first matmul makes it), so its
+    size moves every later block and which keep a rest: Mistral-7B 1000x4 keeps 86,114,304 B under Hopper's
+    32 MiB workspace and 128,581,632 B under the pre-Hopper 8.125 MiB one. The estimate does not know the card:
+    layer_rests with no workspace named is the larger of the two."""
+    from issue395.constants import CUBLAS_WORKSPACE_PRE_HOPPER
+
+    a, t = arch_from_config(config_json("mistral-7b")), ("q_proj", "v_proj")
+    hopper = sequence.layer_rests(a, t, 8, 4000, 1000, True, "none", CUBLAS_WORKSPACE)
+    pre = sequence.layer_rests(a, t, 8, 4000, 1000, True, "none", CUBLAS_WORKSPACE_PRE_HOPPER)
+    assert (hopper, pre) == (86_114_304, 128_581_632)
+    assert sequence.layer_rests(a, t, 8, 4000, 1000, True, "none") == pre
+
+
+@pytest.mark.parametrize("environ,replays", [
+    ({}, True), ({"PYTORCH_CUDA_ALLOC_CONF": ""}, True),
+    ({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}, True),  # no rest kept: the replay's are over
+    ({"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128"}, False),
+    ({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False,roundup_power2_divisions:4"}, False),
+    ({"PYTORCH_ALLOC_CONF": "max_split_size_mb:512"}, False),
+    ({"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}, False)])
+def test_the_replay_serves_only_the_default_allocator_and_workspaces_it_was_checked_under(environ, replays):
+    """Review item 2 (and item 1's CUBLAS_WORKSPACE_CONFIG): allocator.py cuts and rounds blocks as the default
+    settings do; max_split_size_mb and roundup_power2_divisions change both, and a workspace the config sets is
+    not one the replay takes: there the bound stays. Expandable segments keep no rest at all (every block split
+    at 512 B), so the replayed rests charged there are over, the safe side."""
+    a = arch_from_config(config_json("llama32-1b"))
+    assert sequence.replayed(a, "none", ("q_proj", "v_proj"), "sft", 2048, transformers="5.16.1",
+                             environ=environ) is replays
+
+
+@pytest.mark.parametrize("key,quant,targets,task,T,transformers", [
+    ("llama32-1b", "nf4", ("q_proj", "v_proj"), "sft", 1536, "5.16.1"),  # the fused kernel may run
+    ("qwen", "nf4", ("q_proj", "v_proj"), "sft", 4096, "5.16.1"),  # qwen2 NF4: a shortfall outside the rests
+    ("llama32-1b", "none", ("q_proj", "v_proj"), "dpo", 2048, "5.16.1"),
+    ("llama32-1b", "none", ("q_proj", "v_proj"), "kto", 2048, "5.16.1"),
+    ("gemma-2b", "none", ("q_proj", "v_proj"), "sft", 2048, "5.16.1"),
+    ("gemma2-2b", "none", ("q_proj", "v_proj"), "sft", 2048, "5.16.1"),
+    ("phi3-mini", "none", ("qkv_proj",), "sft", 2048, "5.16.1"),
+    ("llama32-1b", "none", ("q_proj", "k_proj", "v_proj"), "sft", 2048, "5.16.1"),
+    ("llama32-1b", "none", ("q_proj",), "sft", 2048, "5.16.1"),
+    ("llama32-1b", "none", ("q_proj", "v_proj"), "sft", 2048, "5.24.0"),
+    ("llama32-1b", "none", ("q_proj", "v_proj"), "sft", 2048, "not installed")])
+def test_every_run_the_sequence_was_not_checked_on_keeps_the_bound(key, quant, targets, task, T, transformers):
+    """Review item 8: sequence.replayed holds only what the captures checked (llama-type SFT q,v; bf16, or NF4
+    past 1,536 tokens on llama, mistral, qwen3; transformers 5.16.1; the default allocator): NF4 at 1,536 tokens,
+    qwen2 NF4, the other tasks, Gemma, Gemma-2, Phi-3, other targets, another transformers keep the bound."""
+    a = arch_from_config(config_json(key))
+    assert not sequence.replayed(a, quant, targets, task, T, transformers=transformers, environ={})
+    assert sequence.replayed(arch_from_config(config_json("llama32-1b")), "none", ("q_proj", "v_proj"), "sft", T,
+                             transformers="5.16.1", environ={})
+
+
+def test_the_targets_are_compared_as_a_set():
+    """Review item 7: a file listing [v_proj, q_proj] is the protocol's q,v run: replayed, with the same rests."""
+    a, kw = arch_from_config(config_json("smol")), dict(transformers="5.16.1", environ={})
+    assert sequence.replayed(a, "none", ("v_proj", "q_proj"), "sft", 1024, **kw)
+    assert sequence.layer_rests(a, ("v_proj", "q_proj"), 8, 1024, 1024) == sequence.layer_rests(
+        a, ("q_proj", "v_proj"), 8, 1024, 1024)
