@@ -321,9 +321,9 @@ def estimate_resident(config: dict, *, quant: str = "none", seq: int, batch: int
         t[Term.ALLOCATOR_ROUNDING.key] += kept_rests(a, tg, lora_r, T, quant, e.seq, task, lora_dropout,
                                                      transformers)
         t[Term.ADAPTER_CASTS.key] = adapter_casts(a, tg, lora_r, adapter_bytes(task, quant))
-        upcast = autocast_by_layer(a, quant, tg)
-        t[Term.RETAINED_ACTIVATIONS.key] += T * sum(upcast)
-        t[Term.RETAINED_BESIDE_LAYER.key] += T * (sum(upcast) - upcast[-1])  # the last layer's backward runs first
+        kept = kept_per_layer(a, quant, tg, lora_r, mask_bytes(task_named(task), lora_dropout))
+        t[Term.RETAINED_ACTIVATIONS.key] = T * sum(kept)
+        t[Term.RETAINED_BESIDE_LAYER.key] = T * (sum(kept) - kept[-1])  # the last layer's backward runs first
     # the layer the backward runs holds them too, recomputed or not
     t[Term.LAYER_PER_TOKEN.key] += T * autocast_per_token(a, quant)
     if quant == "nf4":
@@ -334,11 +334,8 @@ def estimate_resident(config: dict, *, quant: str = "none", seq: int, batch: int
         # the loss, whatever the tokens (Llama-3.2-1B NF4: real peaks 3.733 MB a token plus 561 MB at 512-8192
         # tokens; this copy is 525 MB). The backward dequantises one linear at a time.
         # (phi's residual is fp32 from layer 0's output: its count charges every activation fp32 already)
-        saved = 0 if fp32_residual(a, quant) else 2 * a.i * (a.quirks.mlp_saved - a.quirks.mlp_transients)
         if checkpointing:
             t[Term.CHECKPOINTED_INPUTS.key] *= 2
-        else:
-            nf4_retained(t, a, tg, lora_r, T, saved, mask_bytes(task_named(task), lora_dropout))
         t[Term.LAYER_PER_TOKEN.key] += 0 if fp32_residual(a, quant) else T * 2 * a.i * a.quirks.mlp_saved
         t[Term.HEAD_COPY.key] = 2 * a.V * a.h + segment_tail(2 * a.V * a.h)
         # the rotary tables take the residual stream's dtype (transformers' rotary embeddings return
@@ -369,15 +366,20 @@ def estimate_resident(config: dict, *, quant: str = "none", seq: int, batch: int
                     binding.value, t, e.task, e.optimizer, e.accumulation)
 
 
-def nf4_retained(t: dict, a: Arch, targets: tuple, r: int, T: int, saved: int, mask: int) -> None:
-    """What an NF4 resident run's layers keep without checkpointing beyond the bf16 count ``t`` holds: each layer's
-    MLP tensors in fp32 (``saved`` a token, the bytes over bf16), and on DeepSeek-V3 the kinds' bound in place of
-    layer.latent_retained's count, which is measured in bf16 only (the fp32 residual stream's latent and expert
-    blocks are not)."""
+def kept_per_layer(a: Arch, quant: str, targets: tuple, r: int, mask: int) -> list[int]:
+    """Bytes a token each layer keeps for its backward without checkpointing, first to last, as estimate_resident
+    charges them (retained_activations is the tokens times their sum): the shared bf16 count (layer.retained_by_layer,
+    DeepSeek-V3's layer.latent_retained among it), what Hugging Face's bf16 autocast adds to it (autocast_by_layer),
+    and under NF4 each layer's MLP tensors in fp32 (the bytes over bf16; phi's fp32 residual is charged fp32 by the
+    count already) and on DeepSeek-V3 the kinds' bound in place of latent_retained, which is measured in bf16 only.
+    `python bench/allocator_replay.py saved KEY` counts the same on CPU (tests/test_bench.py holds them equal)."""
+    kept = [n + u for n, u in zip(retained_by_layer(a, "none", targets, r, mask), autocast_by_layer(a, quant, targets))]
+    if quant != "nf4":
+        return kept
+    saved = 0 if fp32_residual(a, quant) else 2 * a.i * (a.quirks.mlp_saved - a.quirks.mlp_transients)
     bound = [o - n for o, n in zip(retained_by_layer(a, "nf4", targets, r, mask),
                                    retained_by_layer(a, "none", targets, r, mask))]
-    t[Term.RETAINED_ACTIVATIONS.key] += T * (a.L * saved + sum(bound))
-    t[Term.RETAINED_BESIDE_LAYER.key] += T * ((a.L - 1) * saved + sum(bound) - bound[-1])
+    return [k + saved + b for k, b in zip(kept, bound)]
 
 
 def estimate_run(arm, config: dict | None = None, **extra) -> Estimate:
