@@ -309,6 +309,23 @@ def nf4_linears(model) -> None:
     model.is_loaded_in_4bit = True
 
 
+@contextlib.contextmanager
+def bnb_maps_kept(quant: str):
+    """bitsandbytes caches its quantisation maps on the device of their first use (functional.name2qmap): one
+    made on the meta device here would break a later real quantisation in the process. Restored on the way out."""
+    if quant != "nf4":
+        yield
+        return
+    import bitsandbytes.functional as bnbf
+
+    kept = dict(bnbf.name2qmap)
+    try:
+        yield
+    finally:
+        bnbf.name2qmap.clear()
+        bnbf.name2qmap.update(kept)
+
+
 def nf4_load(model):
     """Soup's resident QLoRA load: the weights (quantised as they land), then peft's
     prepare_model_for_kbit_training (the rest cast to fp32; no checkpointing)."""
@@ -367,7 +384,7 @@ def capture(key: str, seq: int, batch: int = 1, r: int = 8, targets: tuple = ("q
         GEMM_4BIT = torch.ops.bitsandbytes.gemm_4bit.default
         QUANTISE.update({torch.ops.bitsandbytes.quantize_4bit.default, torch.ops.bitsandbytes.quantize_blockwise.default})
         nf4_linears(model)
-    with cuda_substitutes(autocast, cast_cache), rec:
+    with cuda_substitutes(autocast, cast_cache), rec, bnb_maps_kept(quant):
         if quant == "nf4":
             model = nf4_load(model)
         else:

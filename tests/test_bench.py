@@ -11,7 +11,7 @@ import sys
 
 import pytest
 import torch
-from conftest import ROOT
+from conftest import ROOT, checked_stack
 
 
 def load(name: str):
@@ -428,6 +428,7 @@ def test_a_run_that_died_under_soup_train_card_keeps_torchs_out_of_memory_figure
     assert bench.died_lines(F.judge(3072, "{'loss': 1}\n", 0, 2, 2)) == []
 
 
+@checked_stack
 def test_the_meta_capture_replays_the_committed_resident_anatomies_rests_within_a_tenth_of_a_megabyte():
     """Issue 52 item 1: bench/allocator_replay.py's request sequence of a resident LoRA SFT bf16 step, captured from
     the real transformers + peft model on the meta device and replayed through estimator/allocator.py, keeps at
@@ -443,6 +444,7 @@ def test_the_meta_capture_replays_the_committed_resident_anatomies_rests_within_
         assert f["resident"] > 0 and f["peak_allocated"] == f["replayed_peak"] + f["rests"]
 
 
+@checked_stack
 def test_the_nf4_capture_keeps_the_committed_nf4_anatomys_blocks_and_peak():
     """Issue 52 item 1: bench/allocator_replay.py's emulation of Soup's resident NF4 step (bitsandbytes' own Python
     on the meta device, CUDA gemm_4bit's dequantising fallback substituted) against the committed Llama-3.2-1B
@@ -507,6 +509,7 @@ SAVED_CASES = [
                                v_head_dim=32, first_k_dense_replace=1))]
 
 
+@checked_stack
 @pytest.mark.parametrize("key,quant,widths", SAVED_CASES, ids=[f"{k}-{q}" for k, q, _ in SAVED_CASES])
 def test_each_layers_cpu_saved_count_under_cudas_autocast_is_what_the_resident_estimate_keeps(key, quant, widths):
     """Issue 51 item 3: bench/allocator_replay.py saved (the real transformers + peft layers on CPU under CUDA's

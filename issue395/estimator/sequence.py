@@ -450,6 +450,9 @@ NF4_SEQUENCE_TYPES = ("llama", "mistral", "qwen3")
 #: The transformers release whose modeling code every capture the sequence was checked against ran (the pinned
 #: stack's): another one may order, fuse or keep the forward's tensors otherwise.
 SEQUENCE_TRANSFORMERS = "5.16.1"
+#: ...and the peft release they ran (its LoRA layers' casts and order): the tests that capture the real model hold
+#: the sequence to it on this stack only (replayed() reads the transformers release alone).
+SEQUENCE_PEFT = "0.20.0"
 #: The PYTORCH_CUDA_ALLOC_CONF keys that change where a block is cut or how it is rounded (allocator.py models
 #: neither): under either the replay's rests are not the run's. expandable_segments:True is not among them: it
 #: splits every block at 512 B, so max_memory_allocated keeps no rest at all, and the replayed rests charged

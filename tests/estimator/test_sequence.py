@@ -8,7 +8,7 @@ from __future__ import annotations
 import importlib.util
 
 import pytest
-from conftest import ROOT
+from conftest import ROOT, checked_stack
 
 from issue395.constants import CUBLAS_WORKSPACE, K_SMALL_SIZE, block_bytes
 from issue395.estimator import sequence
@@ -57,6 +57,7 @@ def captured(events, a, T):
     return seq, sum(b.rest for j, b in held.values() if start < j < head)
 
 
+@checked_stack
 @pytest.mark.parametrize("key,seq,batch,dropout", [("qwen", 2048, 1, 0.05), ("smol", 1024, 4, 0.05),
                                                    ("qwen3-0.6b", 512, 1, 0.05), ("smol", 2048, 1, 0.0)])
 def test_the_synthetic_sequence_is_the_captured_ones_request_for_request_and_keeps_its_rests(key, seq, batch, dropout):
@@ -80,6 +81,7 @@ def test_the_synthetic_sequence_is_the_captured_ones_request_for_request_and_kee
         assert rests == 104_693_760
 
 
+@checked_stack
 @pytest.mark.parametrize("key,seq,batch", [("llama32-1b", 2048, 1), ("qwen3-0.6b", 1024, 4), ("smol", 4096, 1),
                                            ("qwen", 2048, 4),
                                            pytest.param("mistral-7b", 2048, 1, marks=pytest.mark.slow)])
