@@ -20,9 +20,15 @@ recast to fp32 (so the residual stream is fp32), each linear is bitsandbytes' Li
 input, the dequantised weight and its absmax, a bf16 output cast back) and each target peft's bnb LoRA layer:
 ``load_nf4``, ``forward_nf4``, the capture's request for request past 1,536 tokens.
 
+Phi-3 (``fused_attention``): one qkv block whose q, k, v are views (kept whole), each rotated q and k cat with its
+pass-through part, one gate_up block whose halves the MLP's act and product save; the capture's request for
+request at 512x1-1024x4 bf16 and 512x4-1024x4 NF4 (2048 tokens and up a sliding-window mask comes first, and the
+real run's SDPA is then not flash: not built).
+
 Built only where it was checked against the capture (``replayed``: the plain llama-type decoder, bf16 or NF4, the
 protocol's SFT with LoRA dropout, transformers 5.16.1, the default allocator; under either default cuBLAS
-workspace, the larger charged); everywhere else resident.py keeps its bound.
+workspace, the larger charged; Phi-3 NF4 past 1,536 tokens, not its bf16: BF16_SEQUENCE_TYPES); everywhere else
+resident.py keeps its bound.
 """
 
 from __future__ import annotations
@@ -33,12 +39,14 @@ import re
 from ..constants import (ALLOC_CONF_VAR, CUBLAS_WORKSPACE, CUBLAS_WORKSPACE_PRE_HOPPER, K_SMALL_SIZE,
                          WORKSPACE_CONFIG_VAR, block_bytes)
 from .allocator import CachingAllocator
-from .arch import NF4_BLOCK, Arch
+from .arch import NF4_BLOCK, Arch, protocol_targets
 
 #: The model types whose resident step this sequence follows (their decoder is llama's: RMSNorm, rotary, SDPA,
 #: a gated SiLU MLP; qwen2's q/k/v biases and qwen3's q/k norms included).
-SEQUENCE_TYPES = ("llama", "mistral", "qwen2", "qwen3")
-ATTN, MLP = ("q_proj", "k_proj", "v_proj", "o_proj"), ("gate_proj", "up_proj", "down_proj")
+SEQUENCE_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+#: phi3's fused qkv_proj and gate_up_proj among them (its q, k, v and gate, up are views of one block)
+ATTN = ("q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj")
+MLP = ("gate_proj", "up_proj", "gate_up_proj", "down_proj")
 
 
 class Requests:
@@ -178,9 +186,27 @@ def rotary(q: Requests, T: int, width: int, b: int = 2):
     return out
 
 
+def fused_attention(q: Requests, a: Arch, T: int, lora: tuple, grad: bool):
+    """Phi-3: one qkv projection whose q, k, v are views of its block (kept: flash saves the v view), q and k
+    rotated, each then cat with its pass-through part (empty at a full rotary: a copy all the same), flash SDPA's
+    output and logsumexp, o_proj; returns o_proj's output and what the layer keeps."""
+    qkv, kept = projection(q, a, T, "qkv_proj", lora, grad)
+    rotated = []
+    for heads in (a.heads, a.kv):
+        r = rotary(q, T, heads * a.rotary_dim)
+        rotated.append(q.get(2 * T * heads * a.head_dim))
+        q.put(r)
+    sdpa = q.get(2 * T * a.heads * a.head_dim)
+    lse = q.get(4 * T * a.heads)
+    o, k = projection(q, a, T, "o_proj", lora, True)
+    return o, kept + k + rotated + [qkv, sdpa, lse]
+
+
 def attention(q: Requests, a: Arch, T: int, x, lora: tuple, grad: bool):
     """q, k, v projected (LoRA on the targets; qwen3's q and k normed), q and k rotated, flash SDPA's output and logsumexp, o_proj;
     returns o_proj's output and what the layer keeps."""
+    if "qkv_proj" in a.modules:
+        return fused_attention(q, a, T, lora, grad)
     kept = []
     outs = {}
     for m in ("q_proj", "k_proj", "v_proj"):
@@ -202,7 +228,15 @@ def attention(q: Requests, a: Arch, T: int, x, lora: tuple, grad: bool):
 
 
 def mlp(q: Requests, a: Arch, T: int, x, lora: tuple):
-    """gate, act(gate), up, their product (freed after down), down (returned)."""
+    """gate, act(gate), up, their product (freed after down), down (returned); phi3's gate and up the two halves
+    of one gate_up block (kept: act and the product save its views)."""
+    if "gate_up_proj" in a.modules:
+        gate_up, kept = projection(q, a, T, "gate_up_proj", lora, True)
+        act = q.get(2 * T * a.i)
+        prod = q.get(2 * T * a.i)
+        down, k = projection(q, a, T, "down_proj", lora, True)
+        q.put(prod)
+        return down, kept + k + [gate_up, act]
     kept = []
     gate, k = projection(q, a, T, "gate_proj", lora, True)
     kept += k
@@ -383,32 +417,51 @@ def proj4bit(q: Requests, a: Arch, T: int, name: str, lora: tuple, grad: bool, f
     return linear4bit(q, T, fi, fo, fp32)
 
 
+def attention_nf4(q: Requests, a: Arch, T: int, first: bool, lora: tuple):
+    """The attention under NF4: q, k, v projected (fp32 outputs; qwen3's q and k normed), q and k rotated in fp32,
+    autocast's bf16 q, k, v, flash's output and logsumexp, o_proj (bf16 in, bf16 out); returns o_proj's output and
+    the blocks the layer frees after it."""
+    if "qkv_proj" in a.modules:  # phi3: q, k, v views of one fused block, each rotated one cat with its pass part
+        qkv = proj4bit(q, a, T, "qkv_proj", lora, not first)
+        done = []
+        for heads in (a.heads, a.kv):
+            r = rotary(q, T, heads * a.rotary_dim, 4)
+            done.append(q.get(4 * T * heads * a.head_dim))
+            q.put(r)
+        done.append(qkv)
+    else:
+        outs = {}
+        for m in ("q_proj", "k_proj", "v_proj"):
+            outs[m] = proj4bit(q, a, T, m, lora, not first)
+            if a.qk_norm and m != "v_proj":  # qwen3's per-head RMSNorm: saves its fp32 input where that needs a grad
+                n = norm32(q, T, a.modules[m][1], not first or m in lora[0], a.heads if m == "q_proj" else a.kv)
+                if first and m not in lora[0]:
+                    q.put(outs[m])
+                outs[m] = n
+        done = [rotary(q, T, a.heads * a.head_dim, 4), rotary(q, T, a.kv * a.head_dim, 4), outs["v_proj"]]
+        q.put(outs["q_proj"], outs["k_proj"])
+    for w in (a.heads, a.kv, a.kv):  # autocast's bf16 q, k, v, which flash saves
+        q.get(2 * T * w * a.head_dim)
+    q.get(2 * T * a.heads * a.head_dim)
+    q.get(4 * T * a.heads)
+    return proj4bit(q, a, T, "o_proj", lora, True, False), done
+
+
 def layer_nf4(q: Requests, a: Arch, T: int, x, first: bool, lora: tuple):
     """One decoder layer's forward under NF4 (an fp32 residual stream): returns its output."""
     normed = norm32(q, T, a.h, not first)
-    outs = {}
-    for m in ("q_proj", "k_proj", "v_proj"):
-        outs[m] = proj4bit(q, a, T, m, lora, not first)
-        if a.qk_norm and m != "v_proj":  # qwen3's per-head RMSNorm: it saves its fp32 input where that needs a gradient
-            n = norm32(q, T, a.modules[m][1], not first or m in lora[0], a.heads if m == "q_proj" else a.kv)
-            if first and m not in lora[0]:
-                q.put(outs[m])
-            outs[m] = n
-    qr = rotary(q, T, a.heads * a.head_dim, 4)
-    kr = rotary(q, T, a.kv * a.head_dim, 4)
-    q.put(outs["q_proj"], outs["k_proj"])
-    for w in (a.heads, a.kv, a.kv):  # autocast's bf16 q, k, v, which flash saves
-        q.get(2 * T * w * a.head_dim)
-    sdpa = q.get(2 * T * a.heads * a.head_dim)
-    q.get(4 * T * a.heads)
-    o = proj4bit(q, a, T, "o_proj", lora, True, False)
-    q.put(qr, kr, outs["v_proj"], normed)
-    mid = q.get(4 * T * a.h)
+    o, done = attention_nf4(q, a, T, first, lora)
+    q.put(*done, normed)
+    q.get(4 * T * a.h)  # the residual sum, which the next norm saves
     q.put(o)
     normed2 = norm32(q, T, a.h)
-    gate = proj4bit(q, a, T, "gate_proj", lora, True)
-    q.get(4 * T * a.i)  # act(gate), fp32
-    up = proj4bit(q, a, T, "up_proj", lora, True)
+    if "gate_up_proj" in a.modules:  # phi3: gate and up views of one fused block
+        proj4bit(q, a, T, "gate_up_proj", lora, True)
+        q.get(4 * T * a.i)  # act(gate), fp32
+    else:
+        proj4bit(q, a, T, "gate_proj", lora, True)
+        q.get(4 * T * a.i)  # act(gate), fp32
+        proj4bit(q, a, T, "up_proj", lora, True)
     prod = q.get(4 * T * a.i)
     down = proj4bit(q, a, T, "down_proj", lora, True)
     q.put(prod, normed2)
@@ -444,7 +497,14 @@ GEMM_4BIT_FUSED_MAX_ROWS = 1536
 #: row's max_memory_allocated: what is missing is outside the rests (the load's and the trainer's blocks the
 #: capture does not have; Llama-3.2-1B NF4 2048x1 held 1 MiB more before its step than the capture), and the
 #: bound stays there until it is named.
-NF4_SEQUENCE_TYPES = ("llama", "mistral", "qwen3")
+NF4_SEQUENCE_TYPES = ("llama", "mistral", "qwen3", "phi3")
+
+
+#: The model types whose bf16 step the sequence replays. Not phi3: its sequence is the capture's request for request
+#: (Phi-3-mini 512x1-1024x4), but the capture's own peak at 512x1 is 23,332,352 B under that row's
+#: max_memory_allocated (263,680 B at 512x4 and 1024x4), and with the replayed rests in place of the bound the
+#: row would be 16,953,152 B under: what is missing is outside the rests, and the bound stays until it is named.
+BF16_SEQUENCE_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
 #: The transformers release whose modeling code every capture the sequence was checked against ran (the pinned
@@ -477,15 +537,17 @@ def default_allocator(environ=None) -> bool:
 
 def replayed(a: Arch, quant: str, targets: tuple, task: str, T: int = 0, *, transformers: str,
              environ=None) -> bool:
-    """Whether this sequence is the run's: a plain llama-type decoder (SEQUENCE_TYPES, one kind of layer), bf16,
-    or NF4 (NF4_SEQUENCE_TYPES) past GEMM_4BIT_FUSED_MAX_ROWS tokens (``T``), the protocol's LoRA targets (q_proj
-    and v_proj, in any order) and task (SFT: one forward, no reference), LoRA dropout on or off, under
+    """Whether this sequence is the run's: a plain llama-type decoder (SEQUENCE_TYPES, one kind of layer; Phi-3's
+    fused qkv and gate_up at a full rotary), bf16, or NF4 (NF4_SEQUENCE_TYPES) past GEMM_4BIT_FUSED_MAX_ROWS tokens
+    (``T``), the protocol's LoRA targets (protocol_targets: q_proj and v_proj, in any order; Phi-3's qkv_proj)
+    and task (SFT: one forward, no reference), LoRA dropout on or off, under
     transformers SEQUENCE_TRANSFORMERS (``transformers``: the release the run has, its local tag dropped) and the
     default allocator (``default_allocator`` of ``environ``): every capture it was checked against."""
     return (a.model_type in SEQUENCE_TYPES and a.layers is None
-            and (quant == "none" or quant == "nf4" and T > GEMM_4BIT_FUSED_MAX_ROWS
-                 and a.model_type in NF4_SEQUENCE_TYPES)
-            and len(targets) == 2 and set(targets) == {"q_proj", "v_proj"} and task == "sft"
+            and (quant == "none" and a.model_type in BF16_SEQUENCE_TYPES
+                 or quant == "nf4" and T > GEMM_4BIT_FUSED_MAX_ROWS and a.model_type in NF4_SEQUENCE_TYPES)
+            and a.rotary_dim == a.head_dim  # phi3's partial rotary (its pass-through part) was never captured
+            and len(targets) == len(set(targets)) and set(targets) == set(protocol_targets(a)) and task == "sft"
             and transformers == SEQUENCE_TRANSFORMERS and default_allocator(environ))
 
 

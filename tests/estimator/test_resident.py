@@ -24,11 +24,11 @@ def committed_resident_rows() -> list[Row]:
 def test_the_resident_estimate_is_never_under_and_tight_on_every_committed_arm_it_models():
     """Issue 51 item 3: every committed resident row the estimator models, bf16 and NF4, dense, phi's parallel
     block (bf16), DeepSeek-V3's latent MoE (Moonlight), the Qwen3.5 hybrids where modelled (the map's corrected
-    column, from the family's public config alone) is at or above its real peak, median at most 1.0012x
+    column, from the family's public config alone) is at or above its real peak, median at most 1.0011x
     (resident.py's docstring), within 1.004x with checkpointing, within 1.024x without it, Moonlight within
     1.008x (its bf16 rows without checkpointing within 1.005x: layer.latent_retained, measured on CPU, where the
     kinds' count was 1.010x-1.029x), within 1.007x where its retained blocks' rests are replayed (issue 52 item 1:
-    estimator/sequence.py: bf16, and NF4 past 1,536 tokens on llama, mistral and qwen3, within 1.003x there, where
+    estimator/sequence.py: bf16, and NF4 past 1,536 tokens on llama, mistral, qwen3 and phi3, within 1.003x there, where
     the bound left them up to 1.0238x); the ones it does not model (phi NF4, Qwen3.5 without
     checkpointing, Qwen3.5-MoE with it, past a sliding window without checkpointing) get no figure."""
     import statistics
@@ -43,8 +43,9 @@ def test_the_resident_estimate_is_never_under_and_tight_on_every_committed_arm_i
     assert all(v <= 1.008 for r, v in modelled if r.model_key.startswith("moonlight"))
     assert all(v <= 1.005 for r, v in modelled if r.model_key == "moonlight+resident" and r.quant == "none")
     # 1.0010 before the norms' fp32 rstd (layer.RMS_RSTD_BYTES) and the larger replay of the two default cuBLAS
-    # workspaces (the estimate does not know the card) were charged: 1.0011 with the rstd, 1.0012 with both
-    assert round(statistics.median(v for _, v in modelled), 4) <= 1.0012
+    # workspaces (the estimate does not know the card) were charged: 1.0011 with the rstd, 1.0012 with both; 1.0011
+    # with Phi-3-mini NF4 past 1,536 tokens replayed
+    assert round(statistics.median(v for _, v in modelled), 4) <= 1.0011
     # issue 52 item 1: where the retained blocks' rests are replayed (estimator/sequence.py: the llama-type SFT bf16
     # rows without checkpointing), not bounded, within 1.007x (bounded, up to 1.0237x): the rests charged are the
     # larger of the replays under either default cuBLAS workspace, as the estimate does not know the card; SmolLM2
@@ -54,9 +55,11 @@ def test_the_resident_estimate_is_never_under_and_tight_on_every_committed_arm_i
                                                     "llama31-8b")]
     assert len(replayed) >= 39 and max(replayed) <= 1.007, max(replayed)
     nf4 = [v for r, v in modelled if "+gc" not in r.model_key and r.quant == "nf4" and r.seq * r.batch > 1536
-           and stream_mode(r.model_key)[0] in ("smol", "llama32-1b", "qwen3-0.6b", "mistral-7b", "llama31-8b")]
-    # within 1.003x: the larger replay of the two default cuBLAS workspaces (was within 1.002x under the 32 MiB one)
-    assert len(nf4) >= 18 and max(nf4) <= 1.003, max(nf4)
+           and stream_mode(r.model_key)[0] in ("smol", "llama32-1b", "qwen3-0.6b", "mistral-7b", "llama31-8b",
+                                               "phi3-mini")]
+    # within 1.003x: the larger replay of the two default cuBLAS workspaces (was within 1.002x under the 32 MiB one);
+    # Phi-3-mini NF4 512x4 and 1024x4 1.0007x and 1.0004x replayed (bounded: 1.0057x and 1.0138x)
+    assert len(nf4) >= 20 and max(nf4) <= 1.003, max(nf4)
     families = {r.model_key for r, _ in modelled}
     assert {"phi-2+resident", "moonlight+resident", "moonlight+resident+gc", "qwen3.5+resident+gc",
             "qwen3.5-moe+resident"} <= families
