@@ -70,7 +70,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from issue395.constants import CUBLAS_WORKSPACE, CUBLASLT_WORKSPACE  # noqa: E402
-from issue395.estimator.allocator import CachingAllocator  # noqa: E402
+from issue395.estimator.allocator import CachingAllocator, replaying  # noqa: E402
 from issue395.record import LORA_DROPOUT  # noqa: E402
 
 ANATOMY = "results/resident-anatomy-h200-soup0.77.0-2400c0d/call-1"
@@ -405,15 +405,10 @@ def figures(events) -> dict:
     """The replay of ``events``: the resident blocks at the window's start, the allocated-bytes peak, the replayed
     peak as the anatomy's history gives it (resident blocks plus the window's rounded requests at their peak) and
     the rests (the one less the other)."""
-    a, held, resident = CachingAllocator(), {}, None
-    for e in events:
+    a, resident = CachingAllocator(), None
+    for _, e, _, _ in replaying(events, a):
         if e[0] == "reset_peak":
-            a.reset_peak()
             resident = (a.allocated, a.requested)
-        elif e[0] == "alloc":
-            held[e[1]] = a.malloc(e[2])
-        else:
-            a.free(held.pop(e[1]))
     replayed = resident[0] + a.requested_peak - resident[1]
     return {"events": len(events), "resident": resident[0], "peak_allocated": a.peak, "replayed_peak": replayed,
             "rests": a.peak - replayed}

@@ -456,7 +456,7 @@ def test_the_nf4_capture_keeps_the_committed_nf4_anatomys_blocks_and_peak():
     import collections
     import json
 
-    from issue395.estimator.allocator import CachingAllocator
+    from issue395.estimator.allocator import replaying
 
     replay = load("allocator_replay")
     d = json.loads((ROOT / replay.ANATOMY / "res-sft-llama1b-nf4-2048x1.json").read_text())
@@ -464,14 +464,10 @@ def test_the_nf4_capture_keeps_the_committed_nf4_anatomys_blocks_and_peak():
     f = replay.figures(events)
     assert abs(f["peak_allocated"] - d["real_peak"]) <= 30_000, f
     assert 0 <= f["rests"] - (d["real_peak"] - d["replayed_peak"]) <= 1_100_000, f
-    a, held, start, top = CachingAllocator(), {}, None, (-1, None)
-    for j, e in enumerate(events):
+    start, top = None, (-1, None)
+    for j, e, a, held in replaying(events):
         if e[0] == "reset_peak":
             start = j
-        elif e[0] == "alloc":
-            held[e[1]] = (j, a.malloc(e[2]))
-        else:
-            a.free(held.pop(e[1])[1])
         if start is not None and a.requested > top[0]:
             top = (a.requested, collections.Counter(b.requested for i, b in held.values() if i > start))
     card = next(p["live"] for p in d["phases"] if p["from"] == "forward 1 (grad) end")

@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass, field
-from typing import Iterable, Optional
+from typing import Iterable, Iterator, Optional
 
 from ..constants import (EXPANDABLE_PAGE_BYTES, K_LARGE_BUFFER, K_MIN_BLOCK_SIZE, K_MIN_LARGE_ALLOC,
                          K_ROUND_LARGE, K_SMALL_SIZE, block_bytes)
@@ -210,18 +210,27 @@ class CachingAllocator:
         return out
 
 
-def replay(events: Iterable[tuple], expandable: bool = False) -> CachingAllocator:
-    """The allocator after ``events``: ("alloc", key, bytes) or ("free", key), a key naming one request until
-    it is freed; a free of a key never allocated is an error."""
-    alloc = CachingAllocator(expandable)
+def replaying(events: Iterable[tuple], alloc: Optional[CachingAllocator] = None) -> Iterator[tuple]:
+    """The allocator after each of ``events`` in turn, as (index, event, allocator, held): ("alloc", key, bytes,
+    ...), ("free", key) or ("reset_peak",), a key naming one request until it is freed; ``held`` maps each live
+    key to (the index that allocated it, its block). A free of a key never allocated is an error."""
+    alloc = CachingAllocator() if alloc is None else alloc
     held: dict = {}
-    for event in events:
+    for j, event in enumerate(events):
         if event[0] == "alloc":
-            held[event[1]] = alloc.malloc(event[2])
+            held[event[1]] = (j, alloc.malloc(event[2]))
         elif event[0] == "free":
-            alloc.free(held.pop(event[1]))
+            alloc.free(held.pop(event[1])[1])
         elif event[0] == "reset_peak":
             alloc.reset_peak()
         else:
             raise ValueError(f"unknown allocator event {event[0]!r}")
+        yield j, event, alloc, held
+
+
+def replay(events: Iterable[tuple], expandable: bool = False) -> CachingAllocator:
+    """The allocator after every one of ``events`` (replaying's)."""
+    alloc = CachingAllocator(expandable)
+    for _ in replaying(events, alloc):
+        pass
     return alloc

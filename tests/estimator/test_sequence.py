@@ -12,7 +12,7 @@ from conftest import ROOT, checked_stack
 
 from issue395.constants import CUBLAS_WORKSPACE, K_SMALL_SIZE, block_bytes
 from issue395.estimator import sequence
-from issue395.estimator.allocator import CachingAllocator
+from issue395.estimator.allocator import replaying
 from issue395.estimator.arch import arch_from_config, protocol_targets
 from issue395.model.registry import config_json
 
@@ -40,20 +40,12 @@ def captured(events, a, T):
                 seq.append(("alloc", e[2]))
         elif block_bytes(sizes[e[1]]) > K_SMALL_SIZE:
             seq.append(("free", sizes[e[1]]))
-    alloc, held, top = CachingAllocator(), {}, (-1, 0)
-    for j, e in enumerate(events):
-        if e[0] == "alloc":
-            held[e[1]] = (j, alloc.malloc(e[2]))
-        elif e[0] == "free":
-            alloc.free(held.pop(e[1])[1])
+    top = (-1, 0)
+    for j, _, alloc, _ in replaying(events):
         if j > start and alloc.requested > top[0]:
             top = (alloc.requested, j)
-    alloc, held = CachingAllocator(), {}
-    for j, e in enumerate(events[:top[1] + 1]):
-        if e[0] == "alloc":
-            held[e[1]] = (j, alloc.malloc(e[2]))
-        elif e[0] == "free":
-            alloc.free(held.pop(e[1])[1])
+    for _, _, _, held in replaying(events[:top[1] + 1]):
+        pass
     return seq, sum(b.rest for j, b in held.values() if start < j < head)
 
 
