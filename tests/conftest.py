@@ -245,22 +245,14 @@ cuda = pytest.mark.skipif(not __import__("torch").cuda.is_available(),
                           reason="needs a CUDA GPU (runs on the GPU box)")
 
 
-def _installed(name: str):
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version(name)
-    except PackageNotFoundError:
-        return None
-
-
 #: A test that captures or counts the real transformers + peft model and holds the estimator's sequence or counts to
 #: it: they were checked on this stack (issue395.estimator.sequence: SEQUENCE_TRANSFORMERS, SEQUENCE_PEFT), and on
 #: another the model's own code is another's (the latest stack's run of them compares what no claim covers).
 def _checked_stack() -> bool:
     from issue395.estimator.sequence import SEQUENCE_PEFT, SEQUENCE_TRANSFORMERS
+    from issue395.estimator.stacks import package_version
 
-    return (_installed("transformers"), _installed("peft")) == (SEQUENCE_TRANSFORMERS, SEQUENCE_PEFT)
+    return (package_version("transformers"), package_version("peft")) == (SEQUENCE_TRANSFORMERS, SEQUENCE_PEFT)
 
 
 checked_stack = pytest.mark.skipif(not _checked_stack(), reason="captures or counts the real model: checked on the "

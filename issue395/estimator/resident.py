@@ -378,12 +378,12 @@ def kept_per_layer(a: Arch, quant: str, targets: tuple, r: int, mask: int) -> li
     and under NF4 each layer's MLP tensors in fp32 (the bytes over bf16; phi's fp32 residual is charged fp32 by the
     count already) and on DeepSeek-V3 the kinds' bound in place of latent_retained, which is measured in bf16 only.
     `python bench/allocator_replay.py saved KEY` counts the same on CPU (tests/test_bench.py holds them equal)."""
-    kept = [n + u for n, u in zip(retained_by_layer(a, "none", targets, r, mask), autocast_by_layer(a, quant, targets))]
+    bf16 = retained_by_layer(a, "none", targets, r, mask)
+    kept = [n + u for n, u in zip(bf16, autocast_by_layer(a, quant, targets))]
     if quant != "nf4":
         return kept
     saved = 0 if fp32_residual(a, quant) else 2 * a.i * (a.quirks.mlp_saved - a.quirks.mlp_transients)
-    bound = [o - n for o, n in zip(retained_by_layer(a, "nf4", targets, r, mask),
-                                   retained_by_layer(a, "none", targets, r, mask))]
+    bound = [o - n for o, n in zip(retained_by_layer(a, "nf4", targets, r, mask), bf16)]
     return [k + saved + b for k, b in zip(kept, bound)]
 
 
