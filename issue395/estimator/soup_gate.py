@@ -25,16 +25,24 @@ from .steady import is_bounded
 #: each later step repeats that peak, so two steps hold the peak over all of them (as --estimate
 #: --config reads a run). Soup's setup does not know the run's length when its gate reads memory.
 GATE_STEPS = 2
-#: What the estimator assumes of Soup's settings it does not model (Soup's defaults): double-quantised
-#: NF4 (the pool's absmax), no resident NF4 scale cache, a plain LoRA adapter (no MoE experts). Another
-#: value keeps Soup's formula (which charges the scale cache itself), said so. The LoRA dropout is read
-#: (model.arm.lora_dropout, as a --config file's is): its masks are charged only where p is in (0, 1).
-ASSUMED_SETTINGS = (("bnb_4bit_use_double_quant", True), ("stream_nf4_scale_cache", False), ("moe_lora", False))
 #: Soup settings its loader takes beside training.stream_layers whose bytes the streamed estimate does not model,
-#: each set by the trainer's own arguments or training context, not the model load streaming replaces (0.73.3's
-#: SFT applies all three, its DPO and KTO the offloading): GaLore's optimizer, activation offloading's
-#: saved-tensor hooks, the autocast dtype pick_mixed_precision chooses.
-STREAMED_UNMODELLED = ("use_galore", "activation_offloading", "auto_mixed_precision")
+#: each once: (the key, the value the estimator assumes: Soup's schema default, the quantization it applies under:
+#: None for any, why another value is not in the figures). Another value keeps Soup's formula in a gate (which
+#: charges the scale cache itself) and is a NOT modelled line of --estimate beside the run without it. The first
+#: three: double-quantised NF4 (the pool's absmax), no NF4 scale cache, a plain LoRA adapter (no MoE experts); the
+#: last three are set by the trainer's own arguments or training context, not the model load streaming replaces
+#: (0.73.3's SFT applies all three, its DPO and KTO the offloading): GaLore's optimizer, activation offloading's
+#: saved-tensor hooks, the autocast dtype pick_mixed_precision chooses. The LoRA dropout is read
+#: (model.arm.lora_dropout, as a --config file's is): its masks are charged only where p is in (0, 1).
+STREAMED_ASSUMED = (
+    ("stream_nf4_scale_cache", False, "nf4", "it keeps 4 B per 64-element NF4 block for the whole run (Soup's "
+                                             "schema: 416 MiB on Mistral-7B), not in these figures"),
+    ("bnb_4bit_use_double_quant", True, "nf4", "the NF4 pool is charged double-quantised (Soup's default); single "
+                                               "quantisation keeps fp32 block scales"),
+    ("moe_lora", False, None, "the estimate is of a plain LoRA adapter"),
+    ("use_galore", False, None, "the estimate is of a run without it"),
+    ("activation_offloading", None, None, "the estimate is of a run without it"),
+    ("auto_mixed_precision", False, None, "the estimate is of a run without it"))
 #: Soup's bnb_4bit_use_double_quant is tri-state: unset (None) is what every 4-bit load has always done, double.
 _UNSET_MEANS = {"bnb_4bit_use_double_quant": (None,)}
 
@@ -46,6 +54,30 @@ def _setting(tcfg: Any, dotted: str, default: Any) -> Any:
     return value
 
 
+def _departs(dotted: str, value: Any, assumed: Any) -> bool:
+    """Whether Soup's ``value`` of a setting is another than the estimate assumes (an unset or empty value where
+    the assumption is off is the same)."""
+    return value not in (assumed, *_UNSET_MEANS.get(dotted, ())) and not (assumed in (None, False) and not value)
+
+
+def _spelled(value: Any) -> str:
+    """A setting's value as a soup.yaml writes it (true, false, cpu)."""
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def streamed_unmodelled(tcfg: Any, quant: str) -> list[tuple[str, str]]:
+    """Each setting of STREAMED_ASSUMED that ``tcfg`` (Soup's loaded ``cfg.training``) sets to another value than
+    the streamed estimate assumes, where it applies (a 4-bit setting only where ``quant``, this tool's spelling, is
+    nf4), as (``training.key value``, why it is not in the figures); empty where the estimate models them all. The
+    patched streamed gate, --estimate's key lines and the measured arm's refusal all read it."""
+    found = []
+    for dotted, assumed, only, why in STREAMED_ASSUMED:
+        value = _setting(tcfg, dotted, assumed)
+        if only in (None, quant) and _departs(dotted, value, assumed):
+            found.append((f"training.{dotted} {_spelled(value)}", why))
+    return found
+
+
 def gate_kwargs(cfg: Any, tcfg: Any, model_config: Any, steps: Optional[int] = None) -> tuple[dict, dict]:
     """(the model's config as a config.json dict, the estimate's keywords) from what Soup's setup
     holds; one UsageError naming a setting the estimator does not model."""
@@ -53,13 +85,9 @@ def gate_kwargs(cfg: Any, tcfg: Any, model_config: Any, steps: Optional[int] = N
     quant = {soup: ours for ours, soup in SOUP_QUANT.items()}.get(str(tcfg.quantization))
     if quant is None:
         raise UsageError(f"training.quantization {tcfg.quantization!r} is not one the estimator models")
-    for dotted, assumed in ASSUMED_SETTINGS:
-        if _setting(tcfg, dotted, assumed) not in (assumed, *_UNSET_MEANS.get(dotted, ())):
-            raise UsageError(f"training.{dotted} {_setting(tcfg, dotted, assumed)!r} is not modelled (the "
-                             f"estimator assumes {assumed!r})")
-    for key in STREAMED_UNMODELLED:  # --estimate gives the run without it, said so; a gate keeps Soup's formula
-        if getattr(tcfg, key, None):
-            raise UsageError(f"training.{key} {getattr(tcfg, key)!r} is not modelled (the estimator assumes none)")
+    unmodelled = streamed_unmodelled(tcfg, quant)
+    if unmodelled:  # --estimate gives the run without it, said so; a gate keeps Soup's formula
+        raise UsageError("; ".join(f"{setting} is not modelled: {why}" for setting, why in unmodelled))
     optimizer = str(getattr(tcfg, "optimizer", "adamw_torch"))
     if is_bounded(optimizer):  # --estimate charges it as an upper bound; a gate keeps Soup's formula
         raise UsageError(f"training.optimizer {optimizer!r} is not modelled (only bounded from above)")
@@ -122,17 +150,25 @@ RESIDENT_ASSUMED = (("backend", "transformers"), ("unfrozen_parameters", None), 
 _RESIDENT_QUANT = {"none": "none", "4bit": "nf4"}
 
 
-def resident_unmodelled(cfg: Any) -> Optional[str]:
-    """The first of Soup's settings in RESIDENT_ASSUMED that ``cfg`` (Soup's loaded config) sets to another value
-    than the resident estimate assumes, as one line; None where the estimate models every one."""
+def resident_departures(cfg: Any) -> list[tuple[str, str]]:
+    """Every one of Soup's settings in RESIDENT_ASSUMED that ``cfg`` (Soup's loaded config) sets to another value
+    than the resident estimate assumes, as (the key and its value, what the estimator assumes); empty where the
+    estimate models them all."""
+    found = []
     for dotted, assumed in RESIDENT_ASSUMED:
         if dotted == "bnb_4bit_use_double_quant" and str(cfg.training.quantization) != "4bit":
             continue  # a bitsandbytes 4-bit setting: no other quantization reads it
         value = _setting(cfg if dotted == "backend" else cfg.training, dotted, assumed)
-        if value not in (assumed, *_UNSET_MEANS.get(dotted, ())) and not (assumed in (None, False) and not value):
-            return (f"{'' if dotted == 'backend' else 'training.'}{dotted} {value!r} is not modelled resident (the "
-                    f"estimator assumes {assumed!r})")
-    return None
+        if _departs(dotted, value, assumed):
+            found.append((f"{'' if dotted == 'backend' else 'training.'}{dotted} {value!r}",
+                          f"the estimator assumes {assumed!r}"))
+    return found
+
+
+def resident_unmodelled(cfg: Any) -> Optional[str]:
+    """The first of resident_departures, as one line; None where the estimate models every setting."""
+    first = next(iter(resident_departures(cfg)), None)
+    return None if first is None else f"{first[0]} is not modelled resident ({first[1]})"
 
 
 def resident_kwargs(cfg: Any, model_config: Any, steps: Optional[int] = None) -> tuple[dict, dict]:

@@ -17,7 +17,7 @@ from ..record import LORA_DROPOUT, SOUP_QUANT
 from ..tasks import PROTOCOL_TASK, TASKS
 from ..model.arm import Adapter, Arm, Settings, lora_dropout
 from ..model.streaming import STREAMED_CHECKPOINTS, Streaming
-from ..estimator.soup_gate import STREAMED_UNMODELLED, resident_unmodelled
+from ..estimator.soup_gate import resident_departures, resident_unmodelled, streamed_unmodelled
 from ..results.extras import ResidentGate
 from .checks import HUB_ID, LOADER_NEEDS, looks_like_a_path
 
@@ -239,16 +239,11 @@ def unknown_keys(raw: Any) -> list[str]:
 def dropped(cfg: Any, quant: str) -> tuple:
     """The file's settings that move the peak and that a measured arm's Soup config (the protocol's, with the file's
     shape, adapter, streaming modes and SETTINGS) does not carry, each as ``training.key value``: every one the
-    estimate does not model (a resident run's RESIDENT_ASSUMED, a streamed run's STREAMED_UNMODELLED, the NF4 scale
-    cache, single quantisation, MoE LoRA)."""
+    estimate does not model (a resident run's soup_gate.resident_departures, a streamed run's
+    soup_gate.streamed_unmodelled)."""
     t = cfg.training
-    if not getattr(t, "stream_layers", False):
-        why = resident_unmodelled(cfg)
-        return (why.split(" is not modelled", 1)[0],) if why else ()
-    found = [(k, getattr(t, k, None)) for k in STREAMED_UNMODELLED + ("stream_nf4_scale_cache", "moe_lora")]
-    if quant == "nf4" and getattr(t, "bnb_4bit_use_double_quant", None) is False:
-        found.append(("bnb_4bit_use_double_quant", False))
-    return tuple(f"training.{k} {v}" for k, v in found if v or k == "bnb_4bit_use_double_quant")
+    found = streamed_unmodelled(t, quant) if getattr(t, "stream_layers", False) else resident_departures(cfg)
+    return tuple(setting for setting, _ in found)
 
 
 def key_lines(cfg: Any, arm: Arm, given: Optional[set] = None) -> list[str]:
@@ -267,22 +262,11 @@ def key_lines(cfg: Any, arm: Arm, given: Optional[set] = None) -> list[str]:
                      "whose one measured step's allocated peak fits the free memory, unless its number is over 4x "
                      "that; this tool's one-step allocated peak stands in for the measurement (Soup's docstring: "
                      "the probe's step reads 12.5-14.3% above the real step)")
-    if getattr(t, "stream_nf4_scale_cache", False):
-        lines.append("training.stream_nf4_scale_cache true: NOT modelled: it keeps 4 B per 64-element NF4 block "
-                     "for the whole run (Soup's schema: 416 MiB on Mistral-7B), not in these figures")
-    if quant == "nf4" and getattr(t, "bnb_4bit_use_double_quant", None) is False and getattr(t, "stream_layers", False):
-        lines.append("training.bnb_4bit_use_double_quant false: NOT modelled: the NF4 pool is charged "
-                     "double-quantised (Soup's default); single quantisation keeps fp32 block scales")
-    if getattr(t, "moe_lora", False) and getattr(t, "stream_layers", False):
-        lines.append("training.moe_lora true: NOT modelled: the estimate is of a plain LoRA adapter")
+    if getattr(t, "stream_layers", False):  # the streamed estimate is of the run without them, said so
+        lines.extend(f"{setting}: NOT modelled: {why}" for setting, why in streamed_unmodelled(t, quant))
     unmodelled = None if getattr(t, "stream_layers", False) else resident_unmodelled(cfg)
     if unmodelled:  # the resident estimate would be another run's: none is given, as the patched gate gives none
         lines.append(f"{unmodelled}, so this tool gives no estimate of the run (Soup's own gate still answers)")
-    for key in STREAMED_UNMODELLED if getattr(t, "stream_layers", False) else ():
-        value = getattr(t, key, None)
-        if value:
-            lines.append(f"training.{key} {str(value).lower() if value is True else value}: NOT modelled: the "
-                         "estimate is of a run without it")
     if getattr(t, "stream_layers", False) and getattr(t, "gradient_checkpointing", False):
         gc = t.gradient_checkpointing
         lines.append(f"training.gradient_checkpointing {str(gc).lower() if gc is True else gc}: changes nothing: "

@@ -257,9 +257,10 @@ def test_estimate_sets_the_patched_gate_beside_the_stock_formula(patched_site, m
                                      ("activation_offloading", "cpu"), ("auto_mixed_precision", True)])
 def test_a_setting_the_estimator_does_not_model_keeps_soups_formula_and_says_so(setting):
     """The patched streamed gate gives no number of another run: a setting the streamed estimate does not model
-    (soup_gate's ASSUMED_SETTINGS, STREAMED_UNMODELLED: GaLore, activation offloading, auto mixed precision, which
-    --estimate says NOT modelled beside the run without it), a bounded optimizer, another quantization or recompute
-    mode keeps Soup's formula, and its line names the setting."""
+    (soup_gate.streamed_unmodelled: single quantisation and the scale cache under NF4, MoE LoRA, GaLore, activation
+    offloading, auto mixed precision, which --estimate says NOT modelled beside the run without it), a bounded
+    optimizer, another quantization or recompute mode keeps Soup's formula, and its line names the setting (a
+    boolean as a soup.yaml writes it)."""
     from types import SimpleNamespace as S
 
     from issue395.estimator.soup_gate import preflight
@@ -272,7 +273,8 @@ def test_a_setting_the_estimator_does_not_model_keeps_soups_formula_and_says_so(
     setattr(lora if name.startswith("lora.") else tcfg, name.split(".")[-1], value)
     record = preflight(cfg, tcfg, config_json("qwen"), formula=123)
     assert record["gate_bytes"] is None and record["formula"] == 123
-    assert "the gate keeps Soup's formula" in record["line"] and str(value) in record["line"]
+    assert "the gate keeps Soup's formula" in record["line"] and name in record["line"]
+    assert {True: "true", False: "false"}.get(value, value) in record["line"]
 
 
 def test_the_patched_gate_reads_the_runs_stream_buffers_off_soups_config():
@@ -325,6 +327,36 @@ def test_both_patched_gates_read_the_lora_dropout_off_soups_config(patched_site)
     theirs = {p: module.resident_preflight(f, config_json("qwen"), free=None, total=10**11)["peak"]
               for p, f in files.items()}
     assert theirs == mine and mine[0.0] < mine[0.05]
+
+
+def test_single_quantisation_keeps_soups_formula_in_the_patched_streamed_gate_only_under_nf4(patched_site):
+    """bnb_4bit_use_double_quant is bitsandbytes' 4-bit setting (soup_gate.STREAMED_ASSUMED, read once by the
+    patched gate, --estimate's key lines and the measured arm): false on a bf16 streamed file leaves the run
+    modelled, so the patched streamed gate (the bundled module, on Soup's own loader's config) gives its corrected
+    number, the one of the same file without the key; it kept Soup's formula before. On the NF4 file it keeps
+    Soup's formula and its line names the setting."""
+    from soup_cli.config.loader import load_config_from_string
+
+    from issue395.estimator.soup_number import _patched_module
+
+    path = patched_site / "soup_cli" / PATCH_MODULE
+    module = _patched_module(path, path.stat().st_mtime)
+
+    def gate(quant: str, **training) -> dict:
+        cfg = load_config_from_string(json.dumps({
+            "base": "unused", "data": {"train": "train.jsonl", "max_length": 1024},
+            "training": {"batch_size": 1, "quantization": quant, "stream_layers": True,
+                         "lora": {"r": 8, "alpha": 16, "target_modules": ["q_proj", "v_proj"]}, **training}}))
+        return module.preflight(cfg, cfg.training, config_json("qwen"), formula=123)
+
+    bf16, plain = gate("none", bnb_4bit_use_double_quant=False), gate("none")
+    assert bf16["refused"] is None and bf16["gate_bytes"] is not None
+    assert (bf16["peak"], bf16["gate_bytes"]) == (plain["peak"], plain["gate_bytes"])
+    nf4 = gate("4bit", bnb_4bit_use_double_quant=False)
+    assert gate("4bit")["refused"] is None
+    assert nf4["gate_bytes"] is None and nf4["formula"] == 123
+    assert "training.bnb_4bit_use_double_quant false is not modelled" in nf4["line"]
+    assert "the gate keeps Soup's formula" in nf4["line"]
 
 
 def test_a_config_the_estimator_cannot_read_keeps_soups_formula_not_a_crash_of_soups_setup():
@@ -556,14 +588,14 @@ def test_a_resident_setting_the_estimate_does_not_model_keeps_soups_formula(dott
     assert "the gate keeps Soup's formula" in record["line"]
 
 
-def test_every_resident_assumption_is_soups_own_default():
-    """RESIDENT_ASSUMED holds Soup's schema defaults (or an unset that means them), so a plain file is modelled,
-    on whichever release is installed; a key the release does not have is its default."""
+def test_every_resident_and_streamed_assumption_is_soups_own_default():
+    """RESIDENT_ASSUMED and STREAMED_ASSUMED hold Soup's schema defaults (or an unset that means them), so a plain
+    file is modelled, on whichever release is installed; a key the release does not have is its default."""
     from soup_cli.config.schema import LoraConfig, SoupConfig, TrainingConfig
 
-    from issue395.estimator.soup_gate import _UNSET_MEANS, RESIDENT_ASSUMED
+    from issue395.estimator.soup_gate import _UNSET_MEANS, RESIDENT_ASSUMED, STREAMED_ASSUMED
 
-    for dotted, assumed in RESIDENT_ASSUMED:
+    for dotted, assumed in RESIDENT_ASSUMED + tuple(row[:2] for row in STREAMED_ASSUMED):
         model = SoupConfig if dotted == "backend" else LoraConfig if dotted.startswith("lora.") else TrainingConfig
         field = model.model_fields.get(dotted.split(".")[-1])
         if field is not None:

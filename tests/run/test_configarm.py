@@ -556,3 +556,13 @@ def test_a_measured_arm_refuses_a_setting_its_soup_config_would_drop(capfd, tmp_
     path = soup_yaml(tmp_path, "HuggingFaceTB/SmolLM2-135M", extra=extra)
     path.write_text(path.read_text().replace("stream_layers: true", f"stream_layers: {stream}"))
     one_error_line(*main(capfd, ["--config", path, "--dry-run"]), named, "does not carry it")
+
+
+def test_a_measured_arm_names_every_resident_setting_its_soup_config_would_drop(capfd, tmp_path):
+    """A resident file with several settings the resident estimate does not model (Liger, Cut CE, DoRA) is refused in
+    one line naming every one, not the first alone (soup_gate.resident_departures)."""
+    path = soup_yaml(tmp_path, "HuggingFaceTB/SmolLM2-135M", extra="  use_liger: true\n  use_cut_ce: true\n")
+    path.write_text(path.read_text().replace("stream_layers: true", "stream_layers: false")
+                    .replace("r: 4,", "r: 4, use_dora: true,"))
+    one_error_line(*main(capfd, ["--config", path, "--dry-run"]), "training.use_liger True", "training.use_cut_ce True",
+                   "training.lora.use_dora True", "does not carry them")

@@ -284,6 +284,26 @@ def test_each_memory_key_is_one_line_saying_how_it_is_read(capfd, tmp_path, key,
         assert word in line, line
 
 
+@pytest.mark.parametrize("quant, said", [("4bit", True), ("none", False)])
+def test_single_quantisation_is_not_modelled_only_where_4bit_reads_it(capfd, tmp_path, quant, said):
+    """bnb_4bit_use_double_quant false on a streamed file (soup_gate.streamed_unmodelled, which the patched gate and
+    the measured arm read too): under NF4 one NOT modelled line and the measured arm's Soup config would drop it
+    (``dropped``); under bf16, which no 4-bit setting reaches, neither. Soup's own loader reads the file."""
+    from soup_cli.config.loader import load_config_from_string
+
+    from issue395.run.userconfig import dropped
+
+    path = readme_yaml(tmp_path, extra="  bnb_4bit_use_double_quant: false\n")
+    path.write_text(path.read_text().replace("quantization: 4bit", f"quantization: {quant}"))
+    code, out, err = main(capfd, ["--estimate", "--config", path])
+    assert code == 0, err
+    named = [ln.split("from the file: ", 1)[1] for ln in file_lines(out) if "bnb_4bit_use_double_quant" in ln]
+    assert named == (["training.bnb_4bit_use_double_quant false: NOT modelled: the NF4 pool is charged "
+                      "double-quantised (Soup's default); single quantisation keeps fp32 block scales"] if said else [])
+    assert dropped(load_config_from_string(path.read_text()), {"4bit": "nf4", "none": "none"}[quant]) == (
+        ("training.bnb_4bit_use_double_quant false",) if said else ())
+
+
 def test_the_scale_cache_is_named_not_modelled(capfd, tmp_path):
     """Issue 29 item 10: training.stream_nf4_scale_cache is named as NOT modelled (on releases that have it)."""
     from issue395.measure.shapes import soup_has_stream_modes
