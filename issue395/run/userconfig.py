@@ -18,6 +18,7 @@ from ..tasks import PROTOCOL_TASK, TASKS
 from ..model.arm import Adapter, Arm, Settings, lora_dropout
 from ..model.streaming import STREAMED_CHECKPOINTS, Streaming
 from ..estimator.soup_gate import resident_departures, resident_unmodelled, streamed_unmodelled
+from ..estimator.stacks import package_version
 from ..results.extras import ResidentGate
 from .checks import HUB_ID, LOADER_NEEDS, looks_like_a_path
 
@@ -98,7 +99,7 @@ def read_soup_config(path: str) -> UserRun:
         cfg = load_config_from_string(text)
     except Exception as exc:  # Soup's own validation: its message, one line, a typo it follows from first
         typos = [(dotted, near) for dotted, near in unknown_in(raw)[0] if near]
-        first = (f"{typos[0][0]} is not a key of soup-cli {soup_release()}'s config schema (did you mean "
+        first = (f"{typos[0][0]} is not a key of soup-cli {package_version('soup-cli')}'s config schema (did you mean "
                  f"{typos[0][1]}?{f'; {len(typos) - 1} more such key(s)' if len(typos) > 1 else ''}), so "
                  if typos else "")
         raise UsageError(cut(f"--config {path}: {first}Soup refuses it: {soups_words(str(exc))}")) from None
@@ -137,15 +138,6 @@ def read_soup_config(path: str) -> UserRun:
     return UserRun(str(path), arm, gate_override=None if override is None else int(override),
                    keys=tuple(unknown_keys(raw)) + tuple(key_lines(cfg, arm, set_in(raw, "training"))), text=text,
                    resident=resident, dropped=dropped(cfg, quant))
-
-
-def soup_release() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("soup-cli")
-    except PackageNotFoundError:
-        return "?"
 
 
 def raw_yaml(text: str) -> Any:
@@ -223,15 +215,15 @@ def unknown_keys(raw: Any) -> list[str]:
     (its models take extra keys silently), so it is named here, with the nearest key it has; past
     LISTED_KEYS, how many more."""
     listed, count = unknown_in(raw)
-    lines = []
+    lines, release = [], package_version("soup-cli")
     for dotted, meant in listed:
         key = dotted.rsplit(".", 1)[-1]
         hint = ("; soup-cli 0.77.0's streaming mode, not this release's" if key in STREAM_KEYS
                 else f"; did you mean {meant}?" if meant else "")
-        lines.append(f"{dotted} is not a key of soup-cli {soup_release()}'s config schema: Soup ignores it, and so "
+        lines.append(f"{dotted} is not a key of soup-cli {release}'s config schema: Soup ignores it, and so "
                      f"does this estimate{hint}")
     if count > len(listed):
-        lines.append(f"and {count - len(listed):,} more keys soup-cli {soup_release()}'s config schema does not have "
+        lines.append(f"and {count - len(listed):,} more keys soup-cli {release}'s config schema does not have "
                      "(Soup ignores them, and so does this estimate)")
     return lines
 
