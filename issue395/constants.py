@@ -28,6 +28,10 @@ EXPANDABLE_PAGE_BYTES = {"large": K_LARGE_BUFFER, "small": 2 * MiB}
 #: bound (measured: Gemma-2B SFT 3136x1 died holding 3.31 GB reserved but unallocated, one step past the
 #: answer under this setting; results/resident-findmax-h200-soup0.77.0-faaa21d). Soup keeps a value exported.
 ALLOC_CONF_VAR, EXPANDABLE_SEGMENTS = "PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True"
+#: Every variable torch reads an allocator setting from: torch 2.9 on reads PYTORCH_ALLOC_CONF as well as
+#: PYTORCH_CUDA_ALLOC_CONF, so either may carry a setting (what the estimator's replay asks of a run's
+#: environment, estimator.sequence.default_allocator); this tool and Soup set ALLOC_CONF_VAR.
+ALLOC_CONF_VARS = (ALLOC_CONF_VAR, "PYTORCH_ALLOC_CONF")
 
 
 def allocator_setting(environ) -> str:

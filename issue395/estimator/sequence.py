@@ -36,7 +36,7 @@ from __future__ import annotations
 import os
 import re
 
-from ..constants import (ALLOC_CONF_VAR, CUBLAS_WORKSPACE, CUBLAS_WORKSPACE_PRE_HOPPER, K_SMALL_SIZE,
+from ..constants import (ALLOC_CONF_VARS, CUBLAS_WORKSPACE, CUBLAS_WORKSPACE_PRE_HOPPER, K_SMALL_SIZE,
                          WORKSPACE_CONFIG_VAR, block_bytes)
 from .allocator import CachingAllocator
 from .arch import NF4_BLOCK, Arch, protocol_targets
@@ -518,8 +518,6 @@ SEQUENCE_PEFT = "0.20.0"
 #: splits every block at 512 B, so max_memory_allocated keeps no rest at all, and the replayed rests charged
 #: there are over (the safe side; the resident-findmax probes ran so, tests/run/test_resident_estimate.py).
 SPLIT_SETTINGS = ("max_split_size_mb", "roundup_power2_divisions")
-#: torch 2.9 on reads PYTORCH_ALLOC_CONF as well as PYTORCH_CUDA_ALLOC_CONF: either may carry a setting.
-ALLOC_CONF_VARS = (ALLOC_CONF_VAR, "PYTORCH_ALLOC_CONF")
 #: The cuBLAS workspace a run's first matmul holds: 32 MiB from Hopper on, 8.125 MiB before it
 #: (cards.cublas_workspace). The estimate does not know the card, so it replays both and charges the larger.
 WORKSPACE_SIZES = (CUBLAS_WORKSPACE, CUBLAS_WORKSPACE_PRE_HOPPER)
