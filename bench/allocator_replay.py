@@ -4,7 +4,7 @@ rests the default caching allocator's blocks keep past their requests at the pea
 (requested sizes) does not show and max_memory_allocated does. CPU only; nothing here is measured on a card.
 
     python bench/allocator_replay.py capture KEY SEQ [--batch 1] [--quant none] [--r 8] [--targets q_proj,v_proj]
-                                     [--dropout 0.05] [--events OUT.json]
+                                     [--dropout 0.05] [--events OUT.json] [--gemm-4bit sm90|fused|fallback]
     python bench/allocator_replay.py check
     python bench/allocator_replay.py saved KEY [--layers 2] [--quant none|nf4] [--r 8] [--targets ...] [--seqs 128,256]
 
@@ -45,7 +45,8 @@ is substituted:
 - peft's prepare_model_for_kbit_training casts every other parameter to fp32 (the embedding, so the residual
   stream, and the norms), peft wraps each target in its bnb LoRA layer, TRL casts the adapter to bf16;
 - the CUDA gemm_4bit: at more than 1,536 rows, or where bitsandbytes' sm90 heuristic (an H100/H200: 132 SMs,
-  compute 9.0) declines its fused kernel, its dequantising fallback: the nested absmax dequantised (fp32), plus its
+  compute 9.0) declines its fused kernel (``--gemm-4bit fused`` or ``fallback`` forces the heuristic's answer
+  on every shape: what another card's may be; its fused kernel allocates only its output), its dequantising fallback: the nested absmax dequantised (fp32), plus its
   offset (fp32), the bf16 weight, then F.linear's output, the three freed on return;
 - ``torch.is_autocast_enabled()`` reads the emulated autocast (peft's bnb LoRA casts nothing under it), and
   SDPA under autocast casts fp32 q, k, v to bf16 first (autocast's lower-precision list).
@@ -81,6 +82,8 @@ CHECKS = (("qwen", f"{ANATOMY}/res-sft-qwen-bf16-2048x1.json"),
           ("llama32-1b", f"{ANATOMY}/res-sft-llama1b-nf4-2048x1.json"))
 GEMM_4BIT = None  # torch.ops.bitsandbytes.gemm_4bit.default, once an NF4 capture imports bitsandbytes
 QUANTISE: set = set()  # bitsandbytes' quantize_4bit and quantize_blockwise, likewise
+#: how a capture's gemm_4bit chooses its kernel at 1,536 rows or fewer (--gemm-4bit; fused_kernel)
+GEMM_SM90, GEMM_FUSED, GEMM_FALLBACK = "sm90", "fused", "fallback"
 MM = {torch.ops.aten.mm.default, torch.ops.aten.bmm.default, torch.ops.aten.addmm.default,
       torch.ops.aten.baddbmm.default}
 
@@ -89,10 +92,11 @@ class Recorder(TorchDispatchMode):
     """Each op's output storages as requests (one per StorageImpl; its free when the last tensor of it dies), and
     the cuBLAS workspaces where CUDA's first matmul of a thread makes them."""
 
-    def __init__(self):
+    def __init__(self, gemm=GEMM_SM90):
         super().__init__()
         self.events, self.keys, self.live = [], itertools.count(), {}
         self.thread, self.workspace, self.lt = "fwd", set(), False
+        self.gemm = gemm  # how gemm_4bit chooses its kernel at 1,536 rows or fewer (fused_kernel)
 
     def alloc(self, nbytes: int, what: str = "") -> int:
         k = next(self.keys)
@@ -133,24 +137,35 @@ class Recorder(TorchDispatchMode):
     def gemm_4bit_temps(self, args, kwargs) -> list | None:
         """What CUDA's gemm_4bit allocates before its output where it takes the dequantising fallback (the
         nested absmax dequantised, plus its offset, both fp32; the weight in A's dtype; None where it runs its
-        fused kernel): bitsandbytes' own choice, on an sm90 card of 132 SMs."""
+        fused kernel): bitsandbytes' own dispatch (past _gemm_4bit_custom_max_m rows, or a K off its blocksize,
+        the fallback), its heuristic's choice as ``self.gemm`` says (fused_kernel)."""
         ops = cuda_ops()
         A, B, shape = args[0], args[1], args[2]
         absmax_8bit = args[7] if len(args) > 7 else kwargs.get("absmax_8bit")
         K, N = A.shape[-1], shape[0]
         M = A.numel() // K
-        sm90 = ops._gpu_dispatch_props
-        ops._gpu_dispatch_props = lambda index: (132, 9, 0)
-        try:
-            custom = (M <= ops._gemm_4bit_custom_max_m and K % args[4] == 0
-                      and ops._gemm_4bit_use_custom_cuda(0, A.dtype, M, N, K))
-        finally:
-            ops._gpu_dispatch_props = sm90
-        if custom:
+        if M <= ops._gemm_4bit_custom_max_m and K % args[4] == 0 and fused_kernel(self.gemm, ops, A.dtype, M, N, K):
             return None
         temps = [self.alloc(4 * absmax_8bit.numel(), "absmax dequantised"),
                  self.alloc(4 * absmax_8bit.numel(), "absmax + offset")] if absmax_8bit is not None else []
         return temps + [self.alloc(N * K * A.element_size(), f"dequantised weight ({N}, {K}) {A.dtype}")]
+
+
+def fused_kernel(gemm, ops, dtype, M: int, N: int, K: int) -> bool:
+    """The heuristic's answer (``_gemm_4bit_use_custom_cuda``) for an (N, K) weight at M rows: bitsandbytes' own on
+    an sm90 card of 132 SMs (GEMM_SM90, an H100/H200), forced (GEMM_FUSED: every shape its fused kernel;
+    GEMM_FALLBACK: none), or fused on the (N, K) shapes of a set (one card's answers, as sequence.gemm_choices
+    replays each)."""
+    if gemm == GEMM_FUSED or gemm == GEMM_FALLBACK:
+        return gemm == GEMM_FUSED
+    if gemm != GEMM_SM90:
+        return (N, K) in gemm
+    props = ops._gpu_dispatch_props
+    ops._gpu_dispatch_props = lambda index: (132, 9, 0)
+    try:
+        return ops._gemm_4bit_use_custom_cuda(0, dtype, M, N, K)
+    finally:
+        ops._gpu_dispatch_props = props
 
 
 def cuda_ops():
@@ -365,9 +380,10 @@ def step(model, rec: Recorder, autocast: dict, cast_cache: dict, seq: int, batch
 
 
 def capture(key: str, seq: int, batch: int = 1, r: int = 8, targets: tuple = ("q_proj", "v_proj"),
-            dropout_p: float = LORA_DROPOUT, quant: str = "none") -> list:
+            dropout_p: float = LORA_DROPOUT, quant: str = "none", gemm=GEMM_SM90) -> list:
     """The request sequence of a resident LoRA SFT step of registry model ``key``, bf16 or (``quant`` "nf4")
-    Soup's QLoRA: the load, a ("reset_peak",) where the measured step's window starts, the step."""
+    Soup's QLoRA (``gemm``: how its gemm_4bit chooses its kernel, fused_kernel): the load, a ("reset_peak",)
+    where the measured step's window starts, the step."""
     global GEMM_4BIT
     from peft import LoraConfig, get_peft_model
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -376,7 +392,7 @@ def capture(key: str, seq: int, batch: int = 1, r: int = 8, targets: tuple = ("q
 
     cfg = AutoConfig.for_model(**config_json(key))
     cfg._attn_implementation = "sdpa"
-    rec, cast_cache, autocast = Recorder(), {}, {"on": False}
+    rec, cast_cache, autocast = Recorder(gemm), {}, {"on": False}
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
     if quant == "nf4":
@@ -633,6 +649,9 @@ def parse(argv: list) -> argparse.Namespace:
     c.add_argument("--targets", default=None, help="comma list (default: the protocol's on this architecture)")
     c.add_argument("--dropout", type=float, default=LORA_DROPOUT)
     c.add_argument("--events", help="write the sequence here (JSON)")
+    c.add_argument("--gemm-4bit", default=GEMM_SM90, choices=(GEMM_SM90, GEMM_FUSED, GEMM_FALLBACK),
+                   help="NF4 at 1,536 tokens or fewer: bitsandbytes' heuristic on an sm90 card of 132 SMs (default), "
+                        "or forced to its fused kernel or its dequantising fallback on every shape")
     sub.add_parser("check", help="the committed anatomy arms: measured rests beside the replay's")
     v = sub.add_parser("saved", help="each decoder layer's saved bytes a token, on CPU under CUDA's autocast lists")
     v.add_argument("key")
@@ -708,10 +727,9 @@ def main(argv: list) -> int:
     targets = tuple(a.targets.split(",")) if a.targets else protocol_targets(arch_from_config(config_json(a.key)))
     if a.command == "saved":
         return print_saved(a, targets)
-    events = capture(a.key, a.seq, a.batch, a.r, targets, a.dropout, a.quant)
-    print(json.dumps({"key": a.key, "seq": a.seq, "batch": a.batch, "quant": a.quant, "r": a.r,
-                      "targets": ",".join(targets),
-                      "dropout": a.dropout, **figures(events)}))
+    events = capture(a.key, a.seq, a.batch, a.r, targets, a.dropout, a.quant, a.gemm_4bit)
+    print(json.dumps({"key": a.key, "seq": a.seq, "batch": a.batch, "quant": a.quant, "gemm_4bit": a.gemm_4bit,
+                      "r": a.r, "targets": ",".join(targets), "dropout": a.dropout, **figures(events)}))
     if a.events:
         Path(a.events).write_text(json.dumps(events), encoding="utf-8")
     return 0

@@ -11,13 +11,18 @@ dropout mask is charged, by the streamed step's own rule (layer.mask_bytes), in 
 
 Measured (tests/estimator/test_resident.py), on the 181 committed arms of these families it models, bf16 and NF4
 (results/resident-map-*): never under, median 1.0011x; with checkpointing 1.0001x-1.0029x, without it
-1.0001x-1.0237x, median 1.0014x (the widest: rows whose retained rests are still bounded, Phi-3-mini NF4 up to
-1.0237x, Qwen3-0.6B NF4 1024x1 1.0192x). Where the retained blocks' rests are replayed
+1.0001x-1.0186x, median 1.0014x (the widest: rows whose retained rests are still bounded, phi-2 bf16 up to
+1.0186x, Phi-3-mini bf16 1024x1 1.0157x; then SmolLM2 NF4 512x1 1.0147x, replayed under every gemm_4bit choice).
+Where the retained blocks' rests are replayed
 (estimator/sequence.py: SmolLM2, Qwen2.5, Llama-3.2-1B, Llama-3.1-8B, Qwen3-0.6B, Mistral-7B, SFT bf16 without
 checkpointing, 39 rows) 1.0001x-1.0069x, median 1.0007x (the larger replay of the two default cuBLAS workspaces,
 the card not known: SmolLM2 2048x1 1.0069x, 1.0049x under the 32 MiB one its H200 held; bounded they were up to
 1.0237x); NF4 past 1,536 tokens on the llama, mistral, qwen3 and phi3 types (20 rows) 1.0001x-1.0029x
-(Phi-3-mini 512x4 and 1024x4 1.0007x and 1.0004x; bounded, 1.0057x and 1.0138x; up to 1.0238x); phi-2 bf16 1.0023x-1.0186x;
+(Phi-3-mini 512x4 and 1024x4 1.0007x and 1.0004x; bounded, 1.0057x and 1.0138x; up to 1.0238x), at 1,536 or
+fewer (12 rows, the largest replay of every choice bitsandbytes' gemm_4bit could make, the card not known)
+1.0004x-1.0147x (Phi-3-mini 512x1 and 1024x1 1.0106x and 1.0049x, bounded 1.0209x and 1.0237x; Qwen3-0.6B 512x1
+and 1024x1 1.0077x and 1.0021x, bounded 1.0169x and 1.0192x; SmolLM2 512x1 1.0147x, where the bound charged
+less, 1.0114x; each row's H200's own choice replayed, 1.0004x-1.0039x); phi-2 bf16 1.0023x-1.0186x;
 Moonlight bf16 1.0023x-1.0048x, its layers' count measured on CPU: layer.latent_retained. Layers of several kinds (issue395.estimator.moe) hold each its own kind's tensors
 (``kinds_weights``: Moonlight's dense layer 0 and MoE layers of 64 fused experts, Qwen3.5's delta-net and
 full-attention layers; within 0.1% of what each committed row held before its step, where charging every layer
@@ -36,13 +41,14 @@ Known limitations
     - Without checkpointing, the retained blocks' rests are replayed (estimator/sequence.py: the step's
       large-pool requests from the Arch, op by op, through estimator/allocator.py), on the plain llama-type decoder
       (llama, mistral, qwen2, qwen3), SFT bf16 with the protocol's targets (q_proj, v_proj), LoRA dropout on or off,
-      and NF4 past 1,536 tokens on llama, mistral, qwen3 and phi3 (Phi-3's fused qkv_proj its target; bitsandbytes'
-      gemm_4bit dequantises there; the
-      capture runs bitsandbytes' own Python on the meta device, request for request at 2048x1-4096x1):
+      and NF4 on llama, mistral, qwen3 and phi3 (Phi-3's fused qkv_proj its target; bitsandbytes' gemm_4bit
+      dequantises past 1,536 tokens, and at 1,536 or fewer chooses per card and weight shape between that and its
+      fused kernel: every choice replayed, the largest charged, sequence.gemm_choices; the capture runs
+      bitsandbytes' own Python on the meta device, request for request at 2048x1-4096x1, and at 512x1 and 1024x1
+      with its heuristic forced each way):
       the request sequence was the one bench/allocator_replay.py captures from the real model on the meta device,
       request for request, on all six such families at 512x1-4096x1 (its rests the capture's at every point but
-      SmolLM2 1024x1, 0.5 MB over: a block the capture frees before its peak). Everywhere else (NF4 at 1,536
-      tokens or fewer, where bitsandbytes' per-card heuristic may run its fused kernel; qwen2 NF4, which with
+      SmolLM2 1024x1, 0.5 MB over: a block the capture frees before its peak). Everywhere else (qwen2 NF4, which with
       the replayed rests was 562,016 B under at 2048x4, a shortfall outside the rests; Gemma, Gemma-2, Phi-3, phi-2, the layered families; other
       targets; the preference tasks) a block of the step or of the weights that is not whole 2 MiB has its
       retained blocks' rounding bounded, not replayed: each 1-10 MiB block class is
@@ -52,12 +58,12 @@ Known limitations
       constants.layer_remainders, the rule the streamed step's blocks take). The measured excess of max_memory_allocated over the requested peak was 21 MB on SmolLM2
       1024x1, 108 MB on Qwen2.5 2048x1 (75.5 MB of it the MLP blocks' tails), 0 on Llama-3.2-1B 2048x1; without the
       per-block bound SmolLM2 NF4 at 2048 tokens was 9.8 MB under. The bounded rows without checkpointing (neither replayed nor a layered family's) are
-      1.0001x-1.0237x, median 1.0054x (69 rows; 71 before Phi-3-mini NF4 past 1,536 tokens was replayed).
+      1.0001x-1.0186x, median 1.0054x (57 rows; 69 before NF4 at 1,536 tokens or fewer was replayed, 71 before
+      Phi-3-mini NF4 past 1,536 tokens was).
     - Phi-3-mini bf16 keeps the bound: its sequence is the capture's request for request at 512x1-1024x4, but the
       capture's own peak at 512x1 is 23.3 MB under that row's (0.26 MB at 512x4, 1024x4), and replayed it would be
-      16.95 MB under (0.9983x): something outside the rests, not named. Its NF4 rows at 1,536 tokens or fewer keep it
-      too (bitsandbytes' fused kernel may run there).
-    - Phi-3-mini NF4 without checkpointing is 1.0004x-1.0237x, the rest its retained blocks' rounding bound: the
+      16.95 MB under (0.9983x): something outside the rests, not named.
+    - Phi-3-mini NF4 without checkpointing is 1.0004x-1.0106x, its retained blocks' rests replayed: the
       12,288 B a token a layer it was over (1.063x-1.080x) was v, charged as a view of the fused qkv, where
       the fused output is fp32 under NF4 and autocast's SDPA keeps its own bf16 copy of v
       (layer.autocast_upcasts), measured on CPU under CUDA's autocast lists, not on a GPU anatomy (none is

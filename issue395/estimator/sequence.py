@@ -18,7 +18,12 @@ loss_remainders): their rests are counted twice, at most about 1 MiB over, the s
 Under NF4 (Soup's resident QLoRA) the load quantises each decoder linear as it lands, every other tensor is
 recast to fp32 (so the residual stream is fp32), each linear is bitsandbytes' Linear4bit (a bf16 cast of its
 input, the dequantised weight and its absmax, a bf16 output cast back) and each target peft's bnb LoRA layer:
-``load_nf4``, ``forward_nf4``, the capture's request for request past 1,536 tokens.
+``load_nf4``, ``forward_nf4``, the capture's request for request past 1,536 tokens. At 1,536 tokens or fewer
+bitsandbytes' gemm_4bit chooses per card and per weight shape between its fused kernel (its output alone) and
+that dequantising fallback; the card unknown, every choice is replayed and the largest rests charged
+(``gemm_choices``): the capture's request for request with the heuristic forced each way (Llama-3.2-1B and
+Phi-3-mini 512x1 and 1024x1, Qwen3-0.6B's five shapes fused at 512x1), and with the H200's own mixed choice
+(SmolLM2 512x1: its gate and up fused).
 
 Phi-3 (``fused_attention``): one qkv block whose q, k, v are views (kept whole), each rotated q and k cat with its
 pass-through part, one gate_up block whose halves the MLP's act and product save; the capture's request for
@@ -27,8 +32,8 @@ real run's SDPA is then not flash: not built).
 
 Built only where it was checked against the capture (``replayed``: the plain llama-type decoder, bf16 or NF4, the
 protocol's SFT with LoRA dropout, transformers 5.16.1, the default allocator; under either default cuBLAS
-workspace, the larger charged; Phi-3 NF4 past 1,536 tokens, not its bf16: BF16_SEQUENCE_TYPES); everywhere else
-resident.py keeps its bound.
+workspace, the larger charged; under NF4 at 1,536 tokens or fewer, the largest of every gemm_4bit choice; Phi-3
+NF4, not its bf16: BF16_SEQUENCE_TYPES); everywhere else resident.py keeps its bound.
 """
 
 from __future__ import annotations
@@ -52,11 +57,12 @@ MLP = ("gate_proj", "up_proj", "gate_up_proj", "down_proj")
 class Requests:
     """The large pool's requests in order, replayed as they come; a small-pool request is no event."""
 
-    def __init__(self, trace: bool = False):
+    def __init__(self, trace: bool = False, fused: frozenset = frozenset()):
         self.alloc = CachingAllocator()
         self.held: dict = {}
         self.n = 0
         self.trace = [] if trace else None  # ("alloc", bytes) and ("free", bytes), to set beside a capture
+        self.fused = fused  # the (out, in) shapes whose NF4 gemm_4bit runs bitsandbytes' fused kernel (gemm_choices)
 
     def get(self, nbytes: int):
         if block_bytes(nbytes) <= K_SMALL_SIZE:
@@ -372,12 +378,14 @@ def norm32(q: Requests, T: int, width: int, saved: bool = True, heads: int = 1):
 
 
 def linear4bit(q: Requests, T: int, fi: int, fo: int, fp32: bool):
-    """bitsandbytes' Linear4bit on an fp32 (``fp32``) or bf16 input past 1,536 rows: the input's bf16 cast,
-    gemm_4bit's dequantising fallback (the nested absmax dequantised and offset, fp32, the bf16 weight), its bf16
-    output, cast back to the input's dtype; nothing saved but the packed weight."""
+    """bitsandbytes' Linear4bit on an fp32 (``fp32``) or bf16 input: the input's bf16 cast, gemm_4bit's
+    dequantising fallback (the nested absmax dequantised and offset, fp32, the bf16 weight; none where its fused
+    kernel runs: at most GEMM_4BIT_FUSED_MAX_ROWS rows and the shape in ``q.fused``), its bf16 output, cast back
+    to the input's dtype; nothing saved but the packed weight."""
     cast = q.get(2 * T * fi) if fp32 else None
     blocks = -(-fi * fo // NF4_BLOCK)
-    temps = (q.get(4 * blocks), q.get(4 * blocks), q.get(2 * fi * fo))
+    fused = T <= GEMM_4BIT_FUSED_MAX_ROWS and (fo, fi) in q.fused
+    temps = () if fused else (q.get(4 * blocks), q.get(4 * blocks), q.get(2 * fi * fo))
     out = q.get(2 * T * fo)
     q.put(*temps)
     if not fp32:
@@ -488,8 +496,8 @@ def forward_nf4(q: Requests, a: Arch, T: int, seq: int, lora: tuple, workspace: 
 
 
 #: bitsandbytes 0.50.2's CUDA gemm_4bit runs its fused kernel up to this many rows where its per-card heuristic
-#: says so, and past it always dequantises the weight (backends/cuda/ops.py, ``_gemm_4bit_custom_max_m``): the
-#: NF4 sequence is the dequantising one, so it is the run's only past it.
+#: says so, and past it always dequantises the weight (backends/cuda/ops.py, ``_gemm_4bit_custom_max_m``): past
+#: it the NF4 sequence is the dequantising one alone; up to it every choice is replayed (gemm_choices).
 GEMM_4BIT_FUSED_MAX_ROWS = 1536
 #: The model types whose NF4 step the sequence replays. Not qwen2: its sequence is the capture's request for
 #: request (Qwen2.5-0.5B 2048x1-2048x4), but with its replayed rests in place of the bound its committed NF4
@@ -536,36 +544,58 @@ def default_allocator(environ=None) -> bool:
 def replayed(a: Arch, quant: str, targets: tuple, task: str, T: int = 0, *, transformers: str,
              environ=None) -> bool:
     """Whether this sequence is the run's: a plain llama-type decoder (SEQUENCE_TYPES, one kind of layer; Phi-3's
-    fused qkv and gate_up at a full rotary), bf16, or NF4 (NF4_SEQUENCE_TYPES) past GEMM_4BIT_FUSED_MAX_ROWS tokens
-    (``T``), the protocol's LoRA targets (protocol_targets: q_proj and v_proj, in any order; Phi-3's qkv_proj)
-    and task (SFT: one forward, no reference), LoRA dropout on or off, under
+    fused qkv and gate_up at a full rotary), bf16, or NF4 (NF4_SEQUENCE_TYPES) at any token count ``T`` (at
+    GEMM_4BIT_FUSED_MAX_ROWS or fewer layer_rests charges the largest replay of every gemm_4bit choice; ``T``
+    narrows nothing now, kept for the callers), the protocol's LoRA targets (protocol_targets: q_proj and v_proj,
+    in any order; Phi-3's qkv_proj) and task (SFT: one forward, no reference), LoRA dropout on or off, under
     transformers SEQUENCE_TRANSFORMERS (``transformers``: the release the run has, its local tag dropped) and the
     default allocator (``default_allocator`` of ``environ``): every capture it was checked against."""
     return (a.model_type in SEQUENCE_TYPES and a.layers is None
             and (quant == "none" and a.model_type in BF16_SEQUENCE_TYPES
-                 or quant == "nf4" and T > GEMM_4BIT_FUSED_MAX_ROWS and a.model_type in NF4_SEQUENCE_TYPES)
+                 or quant == "nf4" and a.model_type in NF4_SEQUENCE_TYPES)
             and a.rotary_dim == a.head_dim  # phi3's partial rotary (its pass-through part) was never captured
             and len(targets) == len(set(targets)) and set(targets) == set(protocol_targets(a)) and task == "sft"
             and transformers == SEQUENCE_TRANSFORMERS and default_allocator(environ))
+
+
+def gemm_shapes(a: Arch) -> tuple:
+    """The decoder linears' distinct (out, in) shapes, on which bitsandbytes' per-card heuristic chooses its
+    kernel (``_gemm_4bit_use_custom_cuda(device, dtype, M, N, K)``: one answer a shape at a token count, every
+    layer alike; Llama-3.2-1B's four, Qwen3-0.6B's five)."""
+    return tuple(sorted({(fo, fi) for fi, fo, _ in a.modules.values()}))
+
+
+def gemm_choices(a: Arch, T: int) -> list:
+    """Every set of shapes whose NF4 gemm_4bit may run the fused kernel at ``T`` tokens: none past
+    GEMM_4BIT_FUSED_MAX_ROWS (it always dequantises there), else each subset of gemm_shapes. The estimate does not
+    know the card, and the heuristic's answer is the card's (its SM count and compute capability): every subset
+    is replayed, a superset of what any card's answers can be, so the largest of them is never under the run's."""
+    shapes = gemm_shapes(a)
+    if T > GEMM_4BIT_FUSED_MAX_ROWS:
+        return [frozenset()]
+    return [frozenset(s for j, s in enumerate(shapes) if bits >> j & 1) for bits in range(1 << len(shapes))]
 
 
 _RESTS: dict = {}
 
 
 def layer_rests(a: Arch, targets: tuple, r: int, T: int, seq: int, dropout: bool = True, quant: str = "none",
-                workspace: int | None = None) -> int:
+                workspace: int | None = None, fused: frozenset | None = None) -> int:
     """What the blocks a resident forward keeps through the loss (its layers' and its final norm's, the rotary
     tables) hold past their requests, replayed (``dropout``: whether LoRA dropout writes a mask; ``quant`` none
     or nf4) with a cuBLAS ``workspace`` of that many bytes, or (None) the larger of the replays under each
     default (WORKSPACE_SIZES: the workspace moves every later block, and with it which blocks keep a rest:
-    Mistral-7B 1000x4 keeps 86,114,304 B under the 32 MiB one, 128,581,632 B under the pre-Hopper one); once an
-    arm (--find-max and the map ask many times)."""
-    if workspace is None:
-        return max(layer_rests(a, targets, r, T, seq, dropout, quant, w) for w in WORKSPACE_SIZES)
+    Mistral-7B 1000x4 keeps 86,114,304 B under the 32 MiB one, 128,581,632 B under the pre-Hopper one); under
+    NF4 with the shapes ``fused`` whose gemm_4bit runs the fused kernel, or (None) the largest replay of every
+    choice the card's heuristic could make (gemm_choices); once an arm (--find-max and the map ask many times)."""
+    if workspace is None or quant == "nf4" and fused is None:
+        return max(layer_rests(a, targets, r, T, seq, dropout, quant, w, f)
+                   for w in ((workspace,) if workspace else WORKSPACE_SIZES)
+                   for f in (gemm_choices(a, T) if quant == "nf4" and fused is None else (fused,)))
     targets = tuple(t for t in ATTN + MLP if t in targets)  # the layer's own order: a set, as replayed reads it
-    key = (repr(a), targets, r, T, seq, dropout, quant, workspace)
+    key = (repr(a), targets, r, T, seq, dropout, quant, workspace, fused)
     if key not in _RESTS:
-        q = Requests()
+        q = Requests(fused=fused or frozenset())
         if quant == "nf4":
             load_nf4(q, a, targets, r)
             kept = forward_nf4(q, a, T, seq, (targets, r, dropout), workspace)

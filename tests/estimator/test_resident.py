@@ -25,11 +25,13 @@ def test_the_resident_estimate_is_never_under_and_tight_on_every_committed_arm_i
     """Issue 51 item 3: every committed resident row the estimator models, bf16 and NF4, dense, phi's parallel
     block (bf16), DeepSeek-V3's latent MoE (Moonlight), the Qwen3.5 hybrids where modelled (the map's corrected
     column, from the family's public config alone) is at or above its real peak, median at most 1.0011x
-    (resident.py's docstring), within 1.004x with checkpointing, within 1.024x without it, Moonlight within
+    (resident.py's docstring), within 1.004x with checkpointing, within 1.019x without it (1.024x before NF4 at
+    1,536 tokens or fewer was replayed), Moonlight within
     1.008x (its bf16 rows without checkpointing within 1.005x: layer.latent_retained, measured on CPU, where the
     kinds' count was 1.010x-1.029x), within 1.007x where its retained blocks' rests are replayed (issue 52 item 1:
-    estimator/sequence.py: bf16, and NF4 past 1,536 tokens on llama, mistral, qwen3 and phi3, within 1.003x there, where
-    the bound left them up to 1.0238x); the ones it does not model (phi NF4, Qwen3.5 without
+    estimator/sequence.py: bf16, and NF4 on llama, mistral, qwen3 and phi3, within 1.003x past 1,536 tokens and
+    1.015x at 1,536 or fewer, the largest of every gemm_4bit choice, where the bound left them up to 1.0237x); the
+    ones it does not model (phi NF4, Qwen3.5 without
     checkpointing, Qwen3.5-MoE with it, past a sliding window without checkpointing) get no figure."""
     import statistics
 
@@ -38,7 +40,7 @@ def test_the_resident_estimate_is_never_under_and_tight_on_every_committed_arm_i
     got = [(r, corrected(r, env)) for r in rows]
     modelled = [(r, c / r.real_peak) for r, c in got if c is not None]
     assert len(modelled) >= 181 and any(r.quant == "nf4" for r, _ in modelled), len(modelled)
-    assert all(1.0 <= v <= 1.024 for _, v in modelled), [(r.model_key, r.seq, round(v, 4)) for r, v in modelled]
+    assert all(1.0 <= v <= 1.019 for _, v in modelled), [(r.model_key, r.seq, round(v, 4)) for r, v in modelled]
     assert all(v <= 1.004 for r, v in modelled if "+gc" in r.model_key)
     assert all(v <= 1.008 for r, v in modelled if r.model_key.startswith("moonlight"))
     assert all(v <= 1.005 for r, v in modelled if r.model_key == "moonlight+resident" and r.quant == "none")
@@ -60,6 +62,13 @@ def test_the_resident_estimate_is_never_under_and_tight_on_every_committed_arm_i
     # within 1.003x: the larger replay of the two default cuBLAS workspaces (was within 1.002x under the 32 MiB one);
     # Phi-3-mini NF4 512x4 and 1024x4 1.0007x and 1.0004x replayed (bounded: 1.0057x and 1.0138x)
     assert len(nf4) >= 20 and max(nf4) <= 1.003, max(nf4)
+    # issue 51 item 3: at 1,536 tokens or fewer the card's gemm_4bit choice is not known and the largest replay of
+    # every choice is charged: within 1.015x (SmolLM2 512x1 1.0147x, its H200's own choice replayed 1.0039x;
+    # Phi-3-mini 512x1 and 1024x1 1.0106x and 1.0049x, bounded 1.0209x and 1.0237x)
+    short = [v for r, v in modelled if "+gc" not in r.model_key and r.quant == "nf4" and r.seq * r.batch <= 1536
+             and stream_mode(r.model_key)[0] in ("smol", "llama32-1b", "qwen3-0.6b", "mistral-7b", "llama31-8b",
+                                                 "phi3-mini")]
+    assert len(short) >= 12 and max(short) <= 1.015, max(short)
     families = {r.model_key for r, _ in modelled}
     assert {"phi-2+resident", "moonlight+resident", "moonlight+resident+gc", "qwen3.5+resident+gc",
             "qwen3.5-moe+resident"} <= families

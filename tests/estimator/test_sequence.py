@@ -106,20 +106,81 @@ def test_the_nf4_sequence_is_the_nf4_captures_request_for_request_and_keeps_its_
         assert (q.rests(kept), q.rests(head)) == (786_432, 131_072)
 
 
-def test_nf4_is_replayed_only_past_the_fused_kernels_rows_and_on_its_checked_types():
-    """At 1,536 tokens or fewer bitsandbytes' heuristic may run its fused kernel (no dequantised weight): the
-    bound stays; qwen2 NF4 keeps it too (sequence.NF4_SEQUENCE_TYPES); bf16 is replayed at any length; Phi-3's NF4
-    past 1,536 tokens with its protocol target, qkv_proj."""
+@checked_stack
+@pytest.mark.parametrize("key,seq,gemm,over", [
+    ("llama32-1b", 512, "fused", 0), ("llama32-1b", 512, "fallback", 0), ("llama32-1b", 1024, "fused", 0),
+    ("llama32-1b", 1024, "fallback", 0), ("phi3-mini", 512, "fused", 0), ("phi3-mini", 512, "fallback", 0),
+    ("phi3-mini", 1024, "fused", 0), ("phi3-mini", 1024, "fallback", 0),
+    ("smol", 512, "sm90", 393_216), ("qwen3-0.6b", 512, "fused", 1_048_576)])
+def test_the_nf4_sequence_at_1536_tokens_or_fewer_is_the_captures_whichever_kernel_gemm_4bit_chooses(key, seq, gemm,
+                                                                                                     over):
+    """Issue 51 item 3: at 1,536 tokens or fewer bitsandbytes' gemm_4bit runs its fused kernel (its output alone)
+    or its dequantising fallback per card and per weight shape. With the capture's heuristic forced each way on
+    every shape (bench/allocator_replay.py --gemm-4bit fused / fallback: Llama-3.2-1B and Phi-3-mini 512x1 and
+    1024x1, Qwen3-0.6B's five shapes fused), and left to the H200's own mixed answer (SmolLM2 512x1: its gate and
+    up fused, the rest not), every request over 1 MiB and every free of one is the synthetic sequence's under the
+    same choice (sequence.Requests' ``fused``), and the rests its forward's blocks keep (layer_rests under that
+    choice) are the capture's at its peak, or over by the final norm's fp32 output's rest (``over``: freed before
+    the peak, counted by the forward's end; the safe side, as sequence.py's docstring says of the final norm)."""
+    import torch
+
+    mod = capture_module()
+    a = arch_from_config(config_json(key))
+    targets = protocol_targets(a)
+    events = mod.capture(key, seq, 1, 8, targets, 0.05, "nf4", gemm)
+    want, rests = captured(events, a, seq)
+    ops = mod.cuda_ops()
+    fused = frozenset(s for s in sequence.gemm_shapes(a) if mod.fused_kernel(gemm, ops, torch.bfloat16, seq, *s))
+    assert fused == {"fused": frozenset(sequence.gemm_shapes(a)), "fallback": frozenset()}.get(gemm, fused)
+    q = sequence.Requests(trace=True, fused=fused)
+    sequence.load_nf4(q, a, targets, 8)
+    kept = sequence.forward_nf4(q, a, seq, seq, (targets, 8, True))
+    assert q.trace == want, next(i for i, (x, y) in enumerate(zip(q.trace, want)) if x != y)
+    head = [k for k in q.held if k > max(kept)]  # the head's bf16 casts (its input's a small block at 512x1024)
+    assert q.rests(kept) + q.rests(head) - rests == over
+    assert q.rests(kept) == sequence.layer_rests(a, targets, 8, seq, seq, True, "nf4", CUBLAS_WORKSPACE, fused)
+    if gemm == "sm90":
+        assert fused == {(a.i, a.h)}  # the H200's own answer on SmolLM2 512x1: gate and up fused
+
+
+def test_nf4_at_1536_tokens_or_fewer_charges_the_largest_replay_of_every_gemm_4bit_choice():
+    """Issue 51 item 3: the estimate does not know the card, so at 1,536 tokens or fewer (bitsandbytes'
+    _gemm_4bit_custom_max_m) every set of the layer's weight shapes that may run the fused kernel is replayed
+    (Qwen3-0.6B's five shapes: 32 sets) and the largest rests charged, under either cuBLAS workspace; past 1,536
+    tokens only the dequantising fallback. Phi-3-mini 512x1: 8,650,752 B all dequantised (an H200's answer
+    there), 1,572,864 B all fused, the charge the largest set's."""
+    from issue395.constants import CUBLAS_WORKSPACE_PRE_HOPPER
+
+    qwen3, phi3 = arch_from_config(config_json("qwen3-0.6b")), arch_from_config(config_json("phi3-mini"))
+    assert len(sequence.gemm_shapes(qwen3)) == 5 and len(set(sequence.gemm_choices(qwen3, 1536))) == 32
+    assert sequence.gemm_choices(qwen3, 1537) == [frozenset()]
+    t = ("qkv_proj",)
+    each = {(w, f): sequence.layer_rests(phi3, t, 8, 512, 512, True, "nf4", w, f)
+            for w in (CUBLAS_WORKSPACE, CUBLAS_WORKSPACE_PRE_HOPPER) for f in sequence.gemm_choices(phi3, 512)}
+    assert each[CUBLAS_WORKSPACE, frozenset()] == 8_650_752
+    assert each[CUBLAS_WORKSPACE, frozenset(sequence.gemm_shapes(phi3))] == 1_572_864
+    charged = sequence.layer_rests(phi3, t, 8, 512, 512, True, "nf4")
+    assert charged == max(each.values()) > each[CUBLAS_WORKSPACE, frozenset()]
+    assert sequence.layer_rests(phi3, t, 8, 2048, 2048, True, "nf4") == max(
+        sequence.layer_rests(phi3, t, 8, 2048, 2048, True, "nf4", w, frozenset())
+        for w in (CUBLAS_WORKSPACE, CUBLAS_WORKSPACE_PRE_HOPPER))
+
+
+def test_nf4_is_replayed_at_any_length_on_its_checked_types():
+    """Issue 51 item 3: NF4 is replayed at any token count on llama, mistral, qwen3 and phi3 (at 1,536 tokens or
+    fewer the largest of every gemm_4bit choice); qwen2 NF4 keeps the bound (sequence.NF4_SEQUENCE_TYPES); bf16 is
+    replayed at any length; Phi-3's NF4 with its protocol target, qkv_proj."""
     llama, qwen = arch_from_config(config_json("llama32-1b")), arch_from_config(config_json("qwen"))
     t = ("q_proj", "v_proj")
     kw = dict(transformers=sequence.SEQUENCE_TRANSFORMERS, environ={})
-    assert sequence.replayed(llama, "nf4", t, "sft", 1537, **kw) and not sequence.replayed(llama, "nf4", t, "sft",
-                                                                                            1536, **kw)
-    assert not sequence.replayed(qwen, "nf4", t, "sft", 4096, **kw) and sequence.replayed(qwen, "none", t, "sft",
-                                                                                           512, **kw)
+    assert sequence.replayed(llama, "nf4", t, "sft", 1537, **kw) and sequence.replayed(llama, "nf4", t, "sft", 512,
+                                                                                        **kw)
+    assert not sequence.replayed(qwen, "nf4", t, "sft", 4096, **kw) and not sequence.replayed(qwen, "nf4", t, "sft",
+                                                                                               512, **kw)
+    assert sequence.replayed(qwen, "none", t, "sft", 512, **kw)
     phi3 = arch_from_config(config_json("phi3-mini"))
     assert sequence.replayed(phi3, "nf4", ("qkv_proj",), "sft", 2048, **kw)
-    assert not sequence.replayed(phi3, "nf4", ("qkv_proj",), "sft", 1536, **kw)
+    assert sequence.replayed(phi3, "nf4", ("qkv_proj",), "sft", 1024, **kw)
 
 
 def test_the_rests_charged_are_the_larger_replay_under_either_default_cublas_workspace():
@@ -154,14 +215,12 @@ def test_the_replay_serves_only_the_default_allocator_and_workspaces_it_was_chec
 
 
 @pytest.mark.parametrize("key,quant,targets,task,T,transformers", [
-    ("llama32-1b", "nf4", ("q_proj", "v_proj"), "sft", 1536, "5.16.1"),  # the fused kernel may run
     ("qwen", "nf4", ("q_proj", "v_proj"), "sft", 4096, "5.16.1"),  # qwen2 NF4: a shortfall outside the rests
     ("llama32-1b", "none", ("q_proj", "v_proj"), "dpo", 2048, "5.16.1"),
     ("llama32-1b", "none", ("q_proj", "v_proj"), "kto", 2048, "5.16.1"),
     ("gemma-2b", "none", ("q_proj", "v_proj"), "sft", 2048, "5.16.1"),
     ("gemma2-2b", "none", ("q_proj", "v_proj"), "sft", 2048, "5.16.1"),
     ("phi3-mini", "none", ("qkv_proj",), "sft", 1024, "5.16.1"),  # bf16: a shortfall outside the rests at 512x1
-    ("phi3-mini", "nf4", ("qkv_proj",), "sft", 1024, "5.16.1"),
     ("phi3-mini", "nf4", ("qkv_proj", "o_proj"), "sft", 2048, "5.16.1"),
     ("llama32-1b", "none", ("q_proj", "k_proj", "v_proj"), "sft", 2048, "5.16.1"),
     ("llama32-1b", "none", ("q_proj",), "sft", 2048, "5.16.1"),
@@ -169,9 +228,9 @@ def test_the_replay_serves_only_the_default_allocator_and_workspaces_it_was_chec
     ("llama32-1b", "none", ("q_proj", "v_proj"), "sft", 2048, "not installed")])
 def test_every_run_the_sequence_was_not_checked_on_keeps_the_bound(key, quant, targets, task, T, transformers):
     """Review item 8: sequence.replayed holds only what the captures checked (llama-type SFT q,v; bf16, or NF4
-    past 1,536 tokens on llama, mistral, qwen3, and phi3 with qkv_proj; transformers 5.16.1; the default allocator): NF4 at 1,536 tokens,
-    qwen2 NF4, the other tasks, Gemma, Gemma-2, Phi-3 bf16 (and NF4 at 1,536 tokens or other targets), other targets,
-    another transformers keep the bound."""
+    on llama, mistral, qwen3, and phi3 with qkv_proj; transformers 5.16.1; the default allocator): qwen2 NF4, the
+    other tasks, Gemma, Gemma-2, Phi-3 bf16 (and NF4 with other targets), other targets, another transformers
+    keep the bound."""
     a = arch_from_config(config_json(key))
     assert not sequence.replayed(a, quant, targets, task, T, transformers=transformers, environ={})
     assert sequence.replayed(arch_from_config(config_json("llama32-1b")), "none", ("q_proj", "v_proj"), "sft", T,
