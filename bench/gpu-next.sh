@@ -58,6 +58,8 @@
 # ran with (results/fit4-anatomy-findmax-h200-soup0.77.0-2de65db-and-f2319d3/call-1-2/commands.txt), cheapest
 # first. The claim it tests: which adapter-shaped blocks hold rests past their 512 B rounding and how much, per
 # class (1 MiB or less, 1-10 MiB, 10 MiB or more), at the steady state, beside the bound over the same blocks.
+# --trace also brings back each arm's device history without its frames (task_peak_anatomy.save_trace): the real
+# request sequence of the streamed steady state, which estimator/allocator.py replays on CPU, for a synthetic one to match.
 #
 # Done (results/*-faaa21d, 2026-12-05): probe840 and findmax52 (their commands.txt), resident-findmax and
 # resident-patch on the default allocator: both run again, now that the probes and the patch set expandable segments.
@@ -189,10 +191,10 @@ segments52() {
   export TMPDIR=/dev/shm HF_HUB_OFFLINE=1
   END=$(( $(date +%s) + ${BUDGET_S:-540} ))
   git log -1 --format=%H >> "$R/stack.txt" 2>/dev/null
-  anatomy seg sft-llama32-1b-bf16-2048x1-r64-all-s3-a1 llama32-1b --task sft --seq 2048 --r 64 --targets q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj --steps 3 --accum 1 --segments
-  anatomy seg dpo-qwen-bf16-2048x1-r64-all-s3-a1 qwen --task dpo --seq 2048 --r 64 --targets q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj --steps 3 --accum 1 --segments
-  anatomy seg sft-phi3-nf4-2048x1-r64-fused-s3-a4 phi3-mini --task sft --seq 2048 --quant nf4 --r 64 --targets qkv_proj,o_proj,gate_up_proj,down_proj --steps 3 --accum 4 --segments
-  anatomy seg sft-mistral-nf4-1024x1-r256-all-s3-a1 mistral-7b --task sft --seq 1024 --quant nf4 --r 256 --targets q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj --steps 3 --accum 1 --segments
+  anatomy seg sft-llama32-1b-bf16-2048x1-r64-all-s3-a1 llama32-1b --task sft --seq 2048 --r 64 --targets q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj --steps 3 --accum 1 --segments --trace "$R/seg-sft-llama32-1b-bf16-2048x1-r64-all-s3-a1.trace.json.gz"
+  anatomy seg dpo-qwen-bf16-2048x1-r64-all-s3-a1 qwen --task dpo --seq 2048 --r 64 --targets q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj --steps 3 --accum 1 --segments --trace "$R/seg-dpo-qwen-bf16-2048x1-r64-all-s3-a1.trace.json.gz"
+  anatomy seg sft-phi3-nf4-2048x1-r64-fused-s3-a4 phi3-mini --task sft --seq 2048 --quant nf4 --r 64 --targets qkv_proj,o_proj,gate_up_proj,down_proj --steps 3 --accum 4 --segments --trace "$R/seg-sft-phi3-nf4-2048x1-r64-fused-s3-a4.trace.json.gz"
+  anatomy seg sft-mistral-nf4-1024x1-r256-all-s3-a1 mistral-7b --task sft --seq 1024 --quant nf4 --r 256 --targets q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj --steps 3 --accum 1 --segments --trace "$R/seg-sft-mistral-nf4-1024x1-r256-all-s3-a1.trace.json.gz"
 }
 
 call=${1:-}; shift 2>/dev/null

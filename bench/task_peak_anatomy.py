@@ -11,7 +11,7 @@ for dpo/orpo/simpo, batch for kto/sft; T = the realised width of the first colla
 
     python task_peak_anatomy.py --task dpo --base /path/to/ckpt --seq 2048 --batch 1 [--quant none|nf4]
                                 [--r R] [--steps N] [--accum K] [--optim NAME]
-                                [--work DIR] [--json OUT] [--max-entries N] [--segments]
+                                [--work DIR] [--json OUT] [--max-entries N] [--segments] [--trace OUT.gz]
 
 ``--steps N --accum K`` runs N optimizer steps of K micro-batches each (the run's steady state and
 gradient accumulation); the history is split at every model forward, at each optimizer step's start
@@ -70,6 +70,8 @@ def parse(argv=None) -> argparse.Namespace:
     ap.add_argument("--work", default=None)
     ap.add_argument("--json", default=None, help="write the attribution here")
     ap.add_argument("--snapshot", default=None, help="also pickle the raw snapshot here")
+    ap.add_argument("--trace", default=None,
+                    help="also write the device history's events, frames left out, gzipped JSON here (save_trace)")
     ap.add_argument("--max-entries", type=int, default=2_000_000)
     ap.add_argument("--expandable", action="store_true",
                     help="run under PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, as `soup train` does (set "
@@ -518,6 +520,8 @@ def anatomy(a: argparse.Namespace, trainer: Any, gate: Optional[dict], seen: dic
     if a.snapshot:
         from issue395.measure.cuda import save_snapshot
         save_snapshot(snap, Path(a.snapshot))
+    if a.trace:
+        save_trace(snap, Path(a.trace))
     summary = attribute_peak(snap, window.before, E, window.peak)
     pages = page_need(snap)
     replayed, blocks = peak_blocks(snap, window.before)
@@ -539,6 +543,17 @@ def anatomy(a: argparse.Namespace, trainer: Any, gate: Optional[dict], seen: dic
                                                        "other_groups", "events")},
             "groups": group(blocks, E, per_row, a.top),
             **({"segments_at": {"adapter": adapter, "moments": moments}} if a.segments else {})}
+
+
+def save_trace(snapshot: dict, path: Path) -> None:
+    """The device history as [action, addr, size, stream] rows, gzipped JSON: the real request sequence a
+    synthetic one is checked against (issue 52 item 1, the streamed steady state), small enough to bring
+    back where a raw snapshot, frames and all, is not."""
+    import gzip
+    from issue395.measure.cuda import device_history
+    trace, _ = device_history(snapshot)
+    with gzip.open(path, "wt") as f:
+        json.dump([[e.get("action"), e.get("addr"), e.get("size"), e.get("stream", 0)] for e in trace], f)
 
 
 def main(argv=None) -> int:

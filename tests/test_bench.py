@@ -383,8 +383,25 @@ def test_the_segments_device_call_runs_the_fit4_anatomy_arms_as_they_ran_with_se
     A = load("task_peak_anatomy")
     for tag, args in arms:
         words = args.split()
-        assert words == ran[tag] + ["--segments"], tag
+        assert words == ran[tag] + ["--segments", "--trace", f'"$R/seg-{tag}.trace.json.gz"'], tag
         assert A.parse(["--base", "x"] + words).segments
+
+
+def test_the_trace_written_for_a_synthetic_sequence_is_the_device_historys_events_in_order(tmp_path):
+    """Issue 52 item 1: --trace writes the longest device trace's events, in order, as [action, addr, size, stream]
+    (frames dropped), so a committed call can be replayed through estimator.allocator on CPU. The snapshot is a
+    hand-made dict in torch's _snapshot() shape: this host has no CUDA."""
+    import gzip
+    import json
+
+    A = load("task_peak_anatomy")
+    events = [{"action": "segment_alloc", "addr": 0, "size": 2 << 20, "stream": 0, "frames": [{"name": "f"}]},
+              {"action": "alloc", "addr": 0, "size": 1000, "stream": 7, "frames": []},
+              {"action": "free_requested", "addr": 0, "size": 1000, "stream": 7}]
+    A.save_trace({"device_traces": [events[:1], events]}, tmp_path / "t.gz")
+    with gzip.open(tmp_path / "t.gz", "rt") as f:
+        assert json.load(f) == [["segment_alloc", 0, 2 << 20, 0], ["alloc", 0, 1000, 7],
+                                ["free_requested", 0, 1000, 7]]
 
 
 def test_the_resident_anatomy_call_trains_each_familys_own_lora_targets_resident():
