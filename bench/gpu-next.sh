@@ -59,7 +59,8 @@
 # first. The claim it tests: which adapter-shaped blocks hold rests past their 512 B rounding and how much, per
 # class (1 MiB or less, 1-10 MiB, 10 MiB or more), at the steady state, beside the bound over the same blocks.
 # --trace also brings back each arm's device history without its frames (task_peak_anatomy.save_trace): the real
-# request sequence of the streamed steady state, which estimator/allocator.py replays on CPU, for a synthetic one to match.
+# request sequence of the streamed steady state (torch's actions, the segments before and after), for a converter to
+# replay through estimator/allocator.py on CPU and a synthetic sequence to match.
 #
 # Done (results/*-faaa21d, 2026-12-05): probe840 and findmax52 (their commands.txt), resident-findmax and
 # resident-patch on the default allocator: both run again, now that the probes and the patch set expandable segments.

@@ -88,6 +88,9 @@ def parse(argv=None) -> argparse.Namespace:
         a.batch = 2 if a.task == "kto" else 1
     if a.seq < 2 or a.batch < 1 or a.r < 1 or a.steps < 1 or a.accum < 1:
         ap.error("seq >= 2, batch, r, steps and accum >= 1")
+    for out in (a.json, a.snapshot, a.trace):  # checked before the run, so a bad path never loses a GPU run
+        if out and not Path(out).resolve().parent.is_dir():
+            ap.error(f"{out}: its folder does not exist")
     return a
 
 
@@ -504,6 +507,7 @@ def anatomy(a: argparse.Namespace, trainer: Any, gate: Optional[dict], seen: dic
     moments = (watch_segments(trainer, a.steps, {n * w for n in adapter["elements"] for w in ELEMENT_WIDTHS})
                if adapter else None)
     trainer.args.max_steps = a.steps
+    start = segments_of(torch.cuda.memory._snapshot()) if a.trace else []
     step_error = None
     with peak_window() as window, allocator_history(a.max_entries, stacks=a.stacks) as taken:
         try:
@@ -521,7 +525,7 @@ def anatomy(a: argparse.Namespace, trainer: Any, gate: Optional[dict], seen: dic
         from issue395.measure.cuda import save_snapshot
         save_snapshot(snap, Path(a.snapshot))
     if a.trace:
-        save_trace(snap, Path(a.trace))
+        save_trace(snap, Path(a.trace), start)
     summary = attribute_peak(snap, window.before, E, window.peak)
     pages = page_need(snap)
     replayed, blocks = peak_blocks(snap, window.before)
@@ -545,15 +549,27 @@ def anatomy(a: argparse.Namespace, trainer: Any, gate: Optional[dict], seen: dic
             **({"segments_at": {"adapter": adapter, "moments": moments}} if a.segments else {})}
 
 
-def save_trace(snapshot: dict, path: Path) -> None:
-    """The device history as [action, addr, size, stream] rows, gzipped JSON: the real request sequence a
-    synthetic one is checked against (issue 52 item 1, the streamed steady state), small enough to bring
-    back where a raw snapshot, frames and all, is not."""
+def segments_of(snapshot: dict) -> list[dict]:
+    """A snapshot's segments without frames: each segment's address, size and stream, and its blocks'
+    address, size, request and state (what a replay of the history after it starts from)."""
+    return [{"address": g.get("address"), "total_size": g.get("total_size"), "stream": g.get("stream", 0),
+             "blocks": [{k: b.get(k) for k in ("address", "size", "requested_size", "state")}
+                        for b in g.get("blocks") or []]} for g in snapshot.get("segments") or []]
+
+
+def save_trace(snapshot: dict, path: Path, start: list) -> None:
+    """The device history as [action, addr, size, stream] rows, with ``start`` (segments_of the snapshot taken
+    before recording began: the blocks the history frees but never allocated) and the end's segments, gzipped
+    JSON: the real request sequence a synthetic one is checked against (issue 52 item 1, the streamed steady
+    state), small enough to bring back where a raw snapshot, frames and all, is not. Torch's actions and
+    addresses, as recorded: a converter turns them into estimator.allocator's events."""
     import gzip
     from issue395.measure.cuda import device_history
     trace, _ = device_history(snapshot)
     with gzip.open(path, "wt") as f:
-        json.dump([[e.get("action"), e.get("addr"), e.get("size"), e.get("stream", 0)] for e in trace], f)
+        json.dump({"start_segments": start, "end_segments": segments_of(snapshot),
+                   "events": [[e.get("action"), e.get("addr"), e.get("size"), e.get("stream", 0)] for e in trace]},
+                  f)
 
 
 def main(argv=None) -> int:

@@ -384,7 +384,7 @@ def test_the_segments_device_call_runs_the_fit4_anatomy_arms_as_they_ran_with_se
     for tag, args in arms:
         words = args.split()
         assert words == ran[tag] + ["--segments", "--trace", f'"$R/seg-{tag}.trace.json.gz"'], tag
-        assert A.parse(["--base", "x"] + words).segments
+        assert A.parse(["--base", "x"] + words[:-1] + [str(ROOT / "t.gz")]).segments  # $R: the box's folder
 
 
 def test_the_trace_written_for_a_synthetic_sequence_is_the_device_historys_events_in_order(tmp_path):
@@ -398,10 +398,18 @@ def test_the_trace_written_for_a_synthetic_sequence_is_the_device_historys_event
     events = [{"action": "segment_alloc", "addr": 0, "size": 2 << 20, "stream": 0, "frames": [{"name": "f"}]},
               {"action": "alloc", "addr": 0, "size": 1000, "stream": 7, "frames": []},
               {"action": "free_requested", "addr": 0, "size": 1000, "stream": 7}]
-    A.save_trace({"device_traces": [events[:1], events]}, tmp_path / "t.gz")
+    seg = {"address": 0, "total_size": 2 << 20, "stream": 0, "segment_type": "small",
+           "blocks": [{"address": 0, "size": 1024, "requested_size": 1000, "state": "active_allocated",
+                       "frames": [{"name": "f"}]}]}
+    start = A.segments_of({"segments": [seg]})
+    assert start == [{"address": 0, "total_size": 2 << 20, "stream": 0, "blocks": [
+        {"address": 0, "size": 1024, "requested_size": 1000, "state": "active_allocated"}]}]
+    A.save_trace({"device_traces": [events[:1], events], "segments": []}, tmp_path / "t.gz", start)
     with gzip.open(tmp_path / "t.gz", "rt") as f:
-        assert json.load(f) == [["segment_alloc", 0, 2 << 20, 0], ["alloc", 0, 1000, 7],
-                                ["free_requested", 0, 1000, 7]]
+        assert json.load(f) == {"start_segments": start, "end_segments": [], "events": [
+            ["segment_alloc", 0, 2 << 20, 0], ["alloc", 0, 1000, 7], ["free_requested", 0, 1000, 7]]}
+    with pytest.raises(SystemExit):  # a path whose folder is missing is refused before anything runs
+        A.parse(["--task", "sft", "--base", "x", "--seq", "64", "--trace", str(tmp_path / "no" / "t.gz")])
 
 
 def test_the_resident_anatomy_call_trains_each_familys_own_lora_targets_resident():
