@@ -689,6 +689,13 @@ def refused(a: argparse.Namespace) -> str | None:
         return f"a seq past the model's max_position_embeddings {arch.max_pos}"
     if getattr(a, "events", None) and Path(a.events).exists():
         return f"--events {a.events}: exists; not overwritten"
+    from issue395.estimator.sequence import GEMM_4BIT_FUSED_MAX_ROWS
+
+    gemm = getattr(a, "gemm_4bit", GEMM_SM90)
+    if gemm != GEMM_SM90 and not (a.quant == "nf4" and a.seq * a.batch <= GEMM_4BIT_FUSED_MAX_ROWS):
+        # no gemm_4bit runs there, or it always dequantises: the capture would be labelled with a choice never made
+        return (f"--gemm-4bit {gemm}: only under --quant nf4 at {GEMM_4BIT_FUSED_MAX_ROWS:,} tokens (seq x batch) or "
+                "fewer, where bitsandbytes' gemm_4bit chooses its kernel")
     return None
 
 

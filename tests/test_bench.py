@@ -501,16 +501,21 @@ def test_the_nf4_capture_keeps_the_committed_nf4_anatomys_blocks_and_peak():
 
 def test_the_allocator_replay_refuses_an_int8_capture_an_unknown_key_and_an_existing_events_file(tmp_path, capsys):
     """bad input to bench/allocator_replay.py capture is one line on stderr and exit 2, and a file it did not write
-    is not overwritten: int8 (neither bf16 nor NF4), a key the registry lacks, --events on an existing file."""
+    is not overwritten: int8 (neither bf16 nor NF4), a key the registry lacks, --events on an existing file; and
+    (review item 5) --gemm-4bit other than sm90 on a bf16 capture or past 1,536 tokens (1024x2), where no choice of
+    gemm_4bit's is made and the capture would be labelled with one that never ran."""
     replay = load("allocator_replay")
     kept = tmp_path / "kept.json"
     kept.write_text("mine")
     for argv in (["capture", "qwen", "512", "--quant", "int8"], ["capture", "nope", "512"],
-                 ["capture", "qwen", "512", "--events", str(kept)]):
+                 ["capture", "qwen", "512", "--events", str(kept)],
+                 ["capture", "qwen", "512", "--gemm-4bit", "fused", "--events", str(tmp_path / "bf16.json")],
+                 ["capture", "qwen", "1024", "--batch", "2", "--quant", "nf4", "--gemm-4bit", "fallback"]):
         assert replay.main(argv) == 2, argv
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and err.startswith("bench/allocator_replay.py: "), err
-    assert kept.read_text() == "mine"
+        assert ("--gemm-4bit" in argv) == ("--gemm-4bit" in err), err
+    assert kept.read_text() == "mine" and not (tmp_path / "bf16.json").exists()
 
 
 #: Reduced widths of each structure the CPU-measured counts name (two layers, a 512-token vocabulary): Qwen2.5's

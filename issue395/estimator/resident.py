@@ -20,9 +20,10 @@ the card not known: SmolLM2 2048x1 1.0069x, 1.0049x under the 32 MiB one its H20
 1.0237x); NF4 past 1,536 tokens on the llama, mistral, qwen3 and phi3 types (20 rows) 1.0001x-1.0029x
 (Phi-3-mini 512x4 and 1024x4 1.0007x and 1.0004x; bounded, 1.0057x and 1.0138x; up to 1.0238x), at 1,536 or
 fewer (12 rows, the largest replay of every choice bitsandbytes' gemm_4bit could make, the card not known)
-1.0004x-1.0147x (Phi-3-mini 512x1 and 1024x1 1.0106x and 1.0049x, bounded 1.0209x and 1.0237x; Qwen3-0.6B 512x1
-and 1024x1 1.0077x and 1.0021x, bounded 1.0169x and 1.0192x; SmolLM2 512x1 1.0147x, where the bound charged
-less, 1.0114x; each row's H200's own choice replayed, 1.0004x-1.0039x); phi-2 bf16 1.0023x-1.0186x;
+1.0004x-1.0147x (Phi-3-mini 512x1 and 1024x1 1.0106x and 1.0014x, bounded 1.0209x and 1.0237x: at 1024x1 its
+four weights, each of 4 Mi elements or more, dequantise on every card, so the one choice replayed is the H200's;
+Qwen3-0.6B 512x1 and 1024x1 1.0077x and 1.0021x, bounded 1.0169x and 1.0192x; SmolLM2 512x1 1.0147x, where the
+bound charged less, 1.0114x; each row's H200's own choice replayed, 1.0004x-1.0040x); phi-2 bf16 1.0023x-1.0186x;
 Moonlight bf16 1.0023x-1.0048x, its layers' count measured on CPU: layer.latent_retained. Layers of several kinds (issue395.estimator.moe) hold each its own kind's tensors
 (``kinds_weights``: Moonlight's dense layer 0 and MoE layers of 64 fused experts, Qwen3.5's delta-net and
 full-attention layers; within 0.1% of what each committed row held before its step, where charging every layer
@@ -222,7 +223,7 @@ def kept_rests(a: Arch, targets: tuple, r: int, T: int, quant: str, seq: int, ta
     checked against the real model's (``replayed``: under ``transformers``, None the installed, and this
     process's allocator settings), else retained_rounding's bound."""
     mask = mask_bytes(task_named(task), dropout)
-    if replayed(a, quant, targets, task, T, transformers=transformers_release(transformers)):
+    if replayed(a, quant, targets, task, transformers=transformers_release(transformers)):
         return layer_rests(a, targets, r, T, seq, mask > 0, quant)
     return retained_rounding(a, targets, r, T, quant, seq, mask)
 

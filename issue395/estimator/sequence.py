@@ -20,10 +20,11 @@ recast to fp32 (so the residual stream is fp32), each linear is bitsandbytes' Li
 input, the dequantised weight and its absmax, a bf16 output cast back) and each target peft's bnb LoRA layer:
 ``load_nf4``, ``forward_nf4``, the capture's request for request past 1,536 tokens. At 1,536 tokens or fewer
 bitsandbytes' gemm_4bit chooses per card and per weight shape between its fused kernel (its output alone) and
-that dequantising fallback; the card unknown, every choice is replayed and the largest rests charged
-(``gemm_choices``): the capture's request for request with the heuristic forced each way (Llama-3.2-1B and
-Phi-3-mini 512x1 and 1024x1, Qwen3-0.6B's five shapes fused at 512x1), and with the H200's own mixed choice
-(SmolLM2 512x1: its gate and up fused).
+that dequantising fallback (a weight of 4 Mi elements or more past 512 tokens the fallback on every card:
+``may_fuse``); the card unknown, every choice is replayed and the largest rests charged (``gemm_choices``): the
+capture's request for request with the heuristic forced each way (Llama-3.2-1B and Phi-3-mini 512x1 and 1024x1,
+Qwen3-0.6B's five shapes fused at 512x1), and with the H200's own mixed choice (SmolLM2 512x1: its gate and up
+fused).
 
 Phi-3 (``fused_attention``): one qkv block whose q, k, v are views (kept whole), each rotated q and k cat with its
 pass-through part, one gate_up block whose halves the MLP's act and product save; the capture's request for
@@ -495,10 +496,19 @@ def forward_nf4(q: Requests, a: Arch, T: int, seq: int, lora: tuple, workspace: 
     return kept
 
 
+#: The bitsandbytes release whose CUDA gemm_4bit dispatch the GEMM_4BIT_ figures below read (the pinned stack's).
+SEQUENCE_BITSANDBYTES = "0.50.2"
 #: bitsandbytes 0.50.2's CUDA gemm_4bit runs its fused kernel up to this many rows where its per-card heuristic
 #: says so, and past it always dequantises the weight (backends/cuda/ops.py, ``_gemm_4bit_custom_max_m``): past
 #: it the NF4 sequence is the dequantising one alone; up to it every choice is replayed (gemm_choices).
 GEMM_4BIT_FUSED_MAX_ROWS = 1536
+#: ...and, the same release's heuristic (``_gemm_4bit_use_custom_cuda(device, dtype, M, N, K)``, M the rows, batch x
+#: seq), a weight of at least GEMM_4BIT_LARGE_WEIGHT elements (N x K: "Non-small-weight") it dequantises on every
+#: CUDA card past GEMM_4BIT_LARGE_MAX_ROWS rows ("if M > 512: return False"): only its M <= 4 floor, the fp32 and
+#: pre-sm75 cards' M < 8, sm87's and sm110's no and sm100's early exit (M <= 32 at most) come before it, and none
+#: of them fuses there. So at 512 < T <= 1536 such a shape is in no choice (gemm_choices).
+GEMM_4BIT_LARGE_WEIGHT = 4 * 1024 * 1024
+GEMM_4BIT_LARGE_MAX_ROWS = 512
 #: The model types whose NF4 step the sequence replays. Not qwen2: its sequence is the capture's request for
 #: request (Qwen2.5-0.5B 2048x1-2048x4), but with its replayed rests in place of the bound its committed NF4
 #: 2048x4 row would be 562,016 B under its real peak, where the capture's own replay peak is 2.72 MB under that
@@ -541,15 +551,14 @@ def default_allocator(environ=None) -> bool:
     return not keys & set(SPLIT_SETTINGS) and not environ.get(WORKSPACE_CONFIG_VAR)
 
 
-def replayed(a: Arch, quant: str, targets: tuple, task: str, T: int = 0, *, transformers: str,
-             environ=None) -> bool:
+def replayed(a: Arch, quant: str, targets: tuple, task: str, *, transformers: str, environ=None) -> bool:
     """Whether this sequence is the run's: a plain llama-type decoder (SEQUENCE_TYPES, one kind of layer; Phi-3's
-    fused qkv and gate_up at a full rotary), bf16, or NF4 (NF4_SEQUENCE_TYPES) at any token count ``T`` (at
-    GEMM_4BIT_FUSED_MAX_ROWS or fewer layer_rests charges the largest replay of every gemm_4bit choice; ``T``
-    narrows nothing now, kept for the callers), the protocol's LoRA targets (protocol_targets: q_proj and v_proj,
-    in any order; Phi-3's qkv_proj) and task (SFT: one forward, no reference), LoRA dropout on or off, under
-    transformers SEQUENCE_TRANSFORMERS (``transformers``: the release the run has, its local tag dropped) and the
-    default allocator (``default_allocator`` of ``environ``): every capture it was checked against."""
+    fused qkv and gate_up at a full rotary), bf16, or NF4 (NF4_SEQUENCE_TYPES) at any token count (at
+    GEMM_4BIT_FUSED_MAX_ROWS or fewer layer_rests charges the largest replay of every gemm_4bit choice), the
+    protocol's LoRA targets (protocol_targets: q_proj and v_proj, in any order; Phi-3's qkv_proj) and task (SFT: one
+    forward, no reference), LoRA dropout on or off, under transformers SEQUENCE_TRANSFORMERS (``transformers``: the
+    release the run has, its local tag dropped) and the default allocator (``default_allocator`` of ``environ``):
+    every capture it was checked against."""
     return (a.model_type in SEQUENCE_TYPES and a.layers is None
             and (quant == "none" and a.model_type in BF16_SEQUENCE_TYPES
                  or quant == "nf4" and a.model_type in NF4_SEQUENCE_TYPES)
@@ -565,14 +574,20 @@ def gemm_shapes(a: Arch) -> tuple:
     return tuple(sorted({(fo, fi) for fi, fo, _ in a.modules.values()}))
 
 
+def may_fuse(shape: tuple, T: int) -> bool:
+    """Whether bitsandbytes' gemm_4bit may run its fused kernel on some CUDA card for an (out, in) ``shape`` at
+    ``T`` rows: never past GEMM_4BIT_FUSED_MAX_ROWS, nor a weight of GEMM_4BIT_LARGE_WEIGHT elements or more past
+    GEMM_4BIT_LARGE_MAX_ROWS."""
+    return T <= GEMM_4BIT_FUSED_MAX_ROWS and (T <= GEMM_4BIT_LARGE_MAX_ROWS
+                                              or shape[0] * shape[1] < GEMM_4BIT_LARGE_WEIGHT)
+
+
 def gemm_choices(a: Arch, T: int) -> list:
-    """Every set of shapes whose NF4 gemm_4bit may run the fused kernel at ``T`` tokens: none past
-    GEMM_4BIT_FUSED_MAX_ROWS (it always dequantises there), else each subset of gemm_shapes. The estimate does not
+    """Every set of shapes whose NF4 gemm_4bit may run the fused kernel at ``T`` tokens: each subset of the
+    gemm_shapes some card may fuse there (may_fuse; none past GEMM_4BIT_FUSED_MAX_ROWS). The estimate does not
     know the card, and the heuristic's answer is the card's (its SM count and compute capability): every subset
     is replayed, a superset of what any card's answers can be, so the largest of them is never under the run's."""
-    shapes = gemm_shapes(a)
-    if T > GEMM_4BIT_FUSED_MAX_ROWS:
-        return [frozenset()]
+    shapes = [s for s in gemm_shapes(a) if may_fuse(s, T)]
     return [frozenset(s for j, s in enumerate(shapes) if bits >> j & 1) for bits in range(1 << len(shapes))]
 
 

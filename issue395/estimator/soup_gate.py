@@ -9,6 +9,7 @@ estimator, never a copy of it.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Optional
 
 from ..constants import STREAM_KEYS
@@ -25,26 +26,59 @@ from .steady import is_bounded
 #: each later step repeats that peak, so two steps hold the peak over all of them (as --estimate
 #: --config reads a run). Soup's setup does not know the run's length when its gate reads memory.
 GATE_STEPS = 2
-#: Soup settings its loader takes beside training.stream_layers whose bytes the streamed estimate does not model,
-#: each once: (the key, the value the estimator assumes: Soup's schema default, the quantization it applies under:
-#: None for any, why another value is not in the figures). Another value keeps Soup's formula in a gate (which
-#: charges the scale cache itself) and is a NOT modelled line of --estimate beside the run without it. The first
-#: three: double-quantised NF4 (the pool's absmax), no NF4 scale cache, a plain LoRA adapter (no MoE experts); the
-#: last three are set by the trainer's own arguments or training context, not the model load streaming replaces
-#: (0.73.3's SFT applies all three, its DPO and KTO the offloading): GaLore's optimizer, activation offloading's
-#: saved-tensor hooks, the autocast dtype pick_mixed_precision chooses. The LoRA dropout is read
-#: (model.arm.lora_dropout, as a --config file's is): its masks are charged only where p is in (0, 1).
-STREAMED_ASSUMED = (
-    ("stream_nf4_scale_cache", False, "nf4", "it keeps 4 B per 64-element NF4 block for the whole run (Soup's "
-                                             "schema: 416 MiB on Mistral-7B), not in these figures"),
-    ("bnb_4bit_use_double_quant", True, "nf4", "the NF4 pool is charged double-quantised (Soup's default); single "
-                                               "quantisation keeps fp32 block scales"),
-    ("moe_lora", False, None, "the estimate is of a plain LoRA adapter"),
-    ("use_galore", False, None, "the estimate is of a run without it"),
-    ("activation_offloading", None, None, "the estimate is of a run without it"),
-    ("auto_mixed_precision", False, None, "the estimate is of a run without it"))
-#: Soup's bnb_4bit_use_double_quant is tri-state: unset (None) is what every 4-bit load has always done, double.
-_UNSET_MEANS = {"bnb_4bit_use_double_quant": (None,)}
+@dataclass(frozen=True)
+class Assumed:
+    """One of Soup's settings whose bytes an estimate does not model: its key (dotted, under ``training`` unless
+    ``top``), the value the estimate assumes (``value``: Soup's schema default; None and False where Soup's
+    default is unset; ``same``: other values Soup reads as it), the one quantization it applies under (``quant``,
+    this tool's spelling; None: any), whether the resident estimate assumes it (``resident``), and why another
+    value is not in the streamed figures (``streamed``; None: the streamed estimate does not read it). Another
+    value keeps Soup's formula in a gate and is a NOT modelled line of --estimate (streamed: beside the run
+    without it; resident: no figure)."""
+
+    key: str
+    value: Any
+    resident: bool = True
+    streamed: Optional[str] = None
+    quant: Optional[str] = None
+    same: tuple = ()
+    top: bool = False
+
+
+_WITHOUT = "the estimate is of a run without it"
+#: Every setting either estimate does not model, each once, in the order a resident run names them (the first is
+#: its one-line verdict). Streamed (the settings Soup's loader takes beside training.stream_layers): double-quantised
+#: NF4 (the pool's absmax), no NF4 scale cache, a plain LoRA adapter (no MoE experts); GaLore's optimizer,
+#: activation offloading's saved-tensor hooks and the autocast dtype pick_mixed_precision chooses are set by the
+#: trainer's own arguments or training context, not the model load streaming replaces (0.73.3's SFT applies all
+#: three, its DPO and KTO the offloading). Resident: Spectrum's and the freezes' partial fine-tuning
+#: (unfrozen_parameters, freeze_layers, freeze_ratio; lora.r 0, every parameter trained, is modelled:
+#: full.estimate_full, and on 0.77.0's fp32 master weights full.estimate_master), another adapter (DoRA, VeRA),
+#: another backend, a fused or offloaded loss or activations, QAT, LISA's layer switching, MoE LoRA; double
+#: quantisation as the streamed gate assumes it; auto_mixed_precision (pick_mixed_precision may answer "no": no
+#: autocast, a step the estimate's bf16 matmuls are not). The LoRA dropout is read by both (model.arm.lora_dropout,
+#: as a --config file's is): its masks are charged only where p is in (0, 1).
+ASSUMED = (
+    Assumed("backend", "transformers", top=True), Assumed("unfrozen_parameters", None),
+    Assumed("freeze_layers", None), Assumed("freeze_ratio", None), Assumed("lora.use_dora", False),
+    Assumed("lora.use_vera", False),
+    Assumed("stream_nf4_scale_cache", False, resident=False, quant="nf4",
+            streamed="it keeps 4 B per 64-element NF4 block for the whole run (Soup's schema: 416 MiB on Mistral-7B), "
+                     "not in these figures"),
+    Assumed("use_galore", False, streamed=_WITHOUT), Assumed("use_liger", False), Assumed("use_cut_ce", False),
+    Assumed("activation_offloading", None, streamed=_WITHOUT), Assumed("quantization_aware", False),
+    Assumed("lisa_enabled", False), Assumed("moe_lora", False, streamed="the estimate is of a plain LoRA adapter"),
+    # tri-state in Soup: unset (None) is what every 4-bit load has always done, double
+    Assumed("bnb_4bit_use_double_quant", True, quant="nf4", same=(None,),
+            streamed="the NF4 pool is charged double-quantised (Soup's default); single quantisation keeps fp32 "
+                     "block scales"),
+    Assumed("auto_mixed_precision", False, streamed=_WITHOUT))
+
+
+def _departs(row: Assumed, value: Any) -> bool:
+    """Whether Soup's ``value`` of a setting is another than the estimate assumes (an unset or empty value where
+    the assumption is off is the same)."""
+    return value not in (row.value, *row.same) and not (row.value in (None, False) and not value)
 
 
 def _setting(tcfg: Any, dotted: str, default: Any) -> Any:
@@ -54,28 +88,30 @@ def _setting(tcfg: Any, dotted: str, default: Any) -> Any:
     return value
 
 
-def _departs(dotted: str, value: Any, assumed: Any) -> bool:
-    """Whether Soup's ``value`` of a setting is another than the estimate assumes (an unset or empty value where
-    the assumption is off is the same)."""
-    return value not in (assumed, *_UNSET_MEANS.get(dotted, ())) and not (assumed in (None, False) and not value)
-
-
 def _spelled(value: Any) -> str:
     """A setting's value as a soup.yaml writes it (true, false, cpu)."""
     return str(value).lower() if isinstance(value, bool) else str(value)
 
 
+def _departures(cfg: Any, tcfg: Any, quant: Optional[str], streamed: bool) -> list[tuple[Assumed, Any]]:
+    """Each row of ASSUMED the streamed (``streamed``) or resident estimate assumes, applying under ``quant`` (this
+    tool's spelling), that Soup's config (``cfg``, its ``training`` ``tcfg``) departs from, with its value."""
+    found = []
+    for row in ASSUMED:
+        if (row.streamed is not None if streamed else row.resident) and row.quant in (None, quant):
+            value = _setting(cfg if row.top else tcfg, row.key, row.value)
+            if _departs(row, value):
+                found.append((row, value))
+    return found
+
+
 def streamed_unmodelled(tcfg: Any, quant: str) -> list[tuple[str, str]]:
-    """Each setting of STREAMED_ASSUMED that ``tcfg`` (Soup's loaded ``cfg.training``) sets to another value than
-    the streamed estimate assumes, where it applies (a 4-bit setting only where ``quant``, this tool's spelling, is
+    """Each setting of ASSUMED the streamed estimate reads that ``tcfg`` (Soup's loaded ``cfg.training``) sets to
+    another value than it assumes, where it applies (a 4-bit setting only where ``quant``, this tool's spelling, is
     nf4), as (``training.key value``, why it is not in the figures); empty where the estimate models them all. The
     patched streamed gate, --estimate's key lines and the measured arm's refusal all read it."""
-    found = []
-    for dotted, assumed, only, why in STREAMED_ASSUMED:
-        value = _setting(tcfg, dotted, assumed)
-        if only in (None, quant) and _departs(dotted, value, assumed):
-            found.append((f"training.{dotted} {_spelled(value)}", why))
-    return found
+    return [(f"training.{row.key} {_spelled(value)}", row.streamed)
+            for row, value in _departures(None, tcfg, quant, True)]
 
 
 def gate_kwargs(cfg: Any, tcfg: Any, model_config: Any, steps: Optional[int] = None) -> tuple[dict, dict]:
@@ -133,42 +169,27 @@ def preflight(cfg: Any, tcfg: Any, model_config: Any, *, steps: Optional[int] = 
                      + ("" if formula is None else f" (Soup's formula: {formula / 1e9:.2f} GB)"))}
 
 
-#: Soup's settings a resident step's bytes depend on that the resident estimate does not model, with the
-#: value it assumes (Soup's schema default; None and False where Soup's default is unset): another value keeps
-#: Soup's formula, said so. Spectrum's and the freezes' partial fine-tuning (unfrozen_parameters, freeze_layers,
-#: freeze_ratio; lora.r 0, every parameter trained, is modelled: full.estimate_full, and on 0.77.0's fp32 master
-#: weights full.estimate_master), another adapter (DoRA, VeRA), another backend, a fused or offloaded loss or
-#: activations, QAT, LISA's layer switching, MoE LoRA; double quantisation as the streamed gate assumes it (the
-#: dropout is read, as the streamed gate reads it);
-#: auto_mixed_precision (pick_mixed_precision may answer "no": no autocast, a step the estimate's bf16 matmuls
-#: are not).
-RESIDENT_ASSUMED = (("backend", "transformers"), ("unfrozen_parameters", None), ("freeze_layers", None),
-                    ("freeze_ratio", None), ("lora.use_dora", False), ("lora.use_vera", False), ("use_galore", False),
-                    ("use_liger", False), ("use_cut_ce", False), ("activation_offloading", None),
-                    ("quantization_aware", False), ("lisa_enabled", False), ("moe_lora", False),
-                    ("bnb_4bit_use_double_quant", True), ("auto_mixed_precision", False))
 _RESIDENT_QUANT = {"none": "none", "4bit": "nf4"}
 
 
 def resident_departures(cfg: Any) -> list[tuple[str, str]]:
-    """Every one of Soup's settings in RESIDENT_ASSUMED that ``cfg`` (Soup's loaded config) sets to another value
-    than the resident estimate assumes, as (the key and its value, what the estimator assumes); empty where the
-    estimate models them all."""
-    found = []
-    for dotted, assumed in RESIDENT_ASSUMED:
-        if dotted == "bnb_4bit_use_double_quant" and str(cfg.training.quantization) != "4bit":
-            continue  # a bitsandbytes 4-bit setting: no other quantization reads it
-        value = _setting(cfg if dotted == "backend" else cfg.training, dotted, assumed)
-        if _departs(dotted, value, assumed):
-            found.append((f"{'' if dotted == 'backend' else 'training.'}{dotted} {value!r}",
-                          f"the estimator assumes {assumed!r}"))
-    return found
+    """Every one of Soup's settings in ASSUMED the resident estimate assumes that ``cfg`` (Soup's loaded config)
+    sets to another value, as (the key and its value, what the estimator assumes), each spelled as a soup.yaml
+    writes it; empty where the estimate models them all."""
+    quant = _RESIDENT_QUANT.get(str(cfg.training.quantization))
+    return [(f"{'' if row.top else 'training.'}{row.key} {_spelled(value)}",
+             "the estimator assumes " + ("it unset" if row.value is None else _spelled(row.value)))
+            for row, value in _departures(cfg, cfg.training, quant, False)]
+
+
+def resident_lines(cfg: Any) -> list[str]:
+    """Each of resident_departures as one line."""
+    return [f"{setting} is not modelled resident ({assumed})" for setting, assumed in resident_departures(cfg)]
 
 
 def resident_unmodelled(cfg: Any) -> Optional[str]:
-    """The first of resident_departures, as one line; None where the estimate models every setting."""
-    first = next(iter(resident_departures(cfg)), None)
-    return None if first is None else f"{first[0]} is not modelled resident ({first[1]})"
+    """The first of resident_lines (a run's one-line verdict); None where the estimate models every setting."""
+    return next(iter(resident_lines(cfg)), None)
 
 
 def resident_kwargs(cfg: Any, model_config: Any, steps: Optional[int] = None) -> tuple[dict, dict]:
@@ -221,7 +242,7 @@ def resident_preflight(cfg: Any, model_config: Any, *, free: Optional[int], tota
     + the runtime's growth <= total - context). Where torch cannot read it (``free`` None), the card's
     ``total`` less this tool's CUDA context bound, said so. ``formula``: Soup's own (peak GB, +10% GB, admits)
     from hardware_fit, printed beside. A run the estimate does not model (MoE, latent attention, hybrid,
-    phi, past a sliding window without checkpointing, a setting in RESIDENT_ASSUMED; a full fine-tuning, lora.r 0,
+    phi, past a sliding window without checkpointing, a resident setting of ASSUMED; a full fine-tuning, lora.r 0,
     is estimate_resident's estimate_full, on 0.77.0's fp32 master weights its estimate_master, except where it
     refuses it) or a config it cannot read keeps Soup's
     formula (``refused`` says why; never a crash, never a gate lifted)."""

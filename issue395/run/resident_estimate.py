@@ -21,7 +21,7 @@ def answer_resident(e: EstimateRequest) -> int:
 
     r, a, arm = e.user.resident, e.adapter, e.arms()[0]
     task, quant, seq, batch, checkpointing = arm.task, arm.quant, arm.seq, arm.batch, arm.streaming.checkpointing
-    try:  # a setting the estimate does not model: no estimate of another run (soup_gate.RESIDENT_ASSUMED)
+    try:  # a setting the estimate does not model: no estimate of another run (soup_gate.ASSUMED)
         est, why = (None, r.unmodelled) if r.unmodelled else (estimate_run(arm, e.config), None)
     except InvalidRun as exc:  # no stack starts it: bad input, as for a streamed file, not "not estimated"
         raise UsageError(f"--estimate --config {a.soup_config} (base {e.model}): {exc}") from None

@@ -17,7 +17,7 @@ from ..record import LORA_DROPOUT, SOUP_QUANT
 from ..tasks import PROTOCOL_TASK, TASKS
 from ..model.arm import Adapter, Arm, Settings, lora_dropout
 from ..model.streaming import STREAMED_CHECKPOINTS, Streaming
-from ..estimator.soup_gate import resident_departures, resident_unmodelled, streamed_unmodelled
+from ..estimator.soup_gate import resident_departures, resident_lines, resident_unmodelled, streamed_unmodelled
 from ..estimator.stacks import package_version
 from ..results.extras import ResidentGate
 from .checks import HUB_ID, LOADER_NEEDS, looks_like_a_path
@@ -60,7 +60,7 @@ class ResidentRun:
 
     soup_input: Optional[dict]
     soup_profile: Optional[dict] = None  # `soup profile`'s estimate of the file (ResidentGate.profile_of)
-    unmodelled: Optional[str] = None  # a setting the resident estimate does not model (soup_gate.RESIDENT_ASSUMED)
+    unmodelled: Optional[str] = None  # a setting the resident estimate does not model (soup_gate.ASSUMED)
 
 
 def file_streaming(t: Any) -> Streaming:
@@ -256,9 +256,9 @@ def key_lines(cfg: Any, arm: Arm, given: Optional[set] = None) -> list[str]:
                      "the probe's step reads 12.5-14.3% above the real step)")
     if getattr(t, "stream_layers", False):  # the streamed estimate is of the run without them, said so
         lines.extend(f"{setting}: NOT modelled: {why}" for setting, why in streamed_unmodelled(t, quant))
-    unmodelled = None if getattr(t, "stream_layers", False) else resident_unmodelled(cfg)
-    if unmodelled:  # the resident estimate would be another run's: none is given, as the patched gate gives none
-        lines.append(f"{unmodelled}, so this tool gives no estimate of the run (Soup's own gate still answers)")
+    else:  # the resident estimate would be another run's: none is given, as the patched gate gives none
+        lines.extend(f"{unmodelled}, so this tool gives no estimate of the run (Soup's own gate still answers)"
+                     for unmodelled in resident_lines(cfg))
     if getattr(t, "stream_layers", False) and getattr(t, "gradient_checkpointing", False):
         gc = t.gradient_checkpointing
         lines.append(f"training.gradient_checkpointing {str(gc).lower() if gc is True else gc}: changes nothing: "

@@ -14,6 +14,7 @@ from issue395.constants import CUBLAS_WORKSPACE, K_SMALL_SIZE, block_bytes
 from issue395.estimator import sequence
 from issue395.estimator.allocator import replaying
 from issue395.estimator.arch import arch_from_config, protocol_targets
+from issue395.estimator.stacks import package_version
 from issue395.model.registry import config_json
 
 
@@ -148,22 +149,49 @@ def test_nf4_at_1536_tokens_or_fewer_charges_the_largest_replay_of_every_gemm_4b
     _gemm_4bit_custom_max_m) every set of the layer's weight shapes that may run the fused kernel is replayed
     (Qwen3-0.6B's five shapes: 32 sets) and the largest rests charged, under either cuBLAS workspace; past 1,536
     tokens only the dequantising fallback. Phi-3-mini 512x1: 8,650,752 B all dequantised (an H200's answer
-    there), 1,572,864 B all fused, the charge the largest set's."""
-    from issue395.constants import CUBLAS_WORKSPACE_PRE_HOPPER
-
+    there), 1,572,864 B all fused, and charged 57,147,392 B, more than either (qkv and gate_up fused, the rest
+    not, under the 32 MiB workspace)."""
     qwen3, phi3 = arch_from_config(config_json("qwen3-0.6b")), arch_from_config(config_json("phi3-mini"))
     assert len(sequence.gemm_shapes(qwen3)) == 5 and len(set(sequence.gemm_choices(qwen3, 1536))) == 32
     assert sequence.gemm_choices(qwen3, 1537) == [frozenset()]
     t = ("qkv_proj",)
-    each = {(w, f): sequence.layer_rests(phi3, t, 8, 512, 512, True, "nf4", w, f)
-            for w in (CUBLAS_WORKSPACE, CUBLAS_WORKSPACE_PRE_HOPPER) for f in sequence.gemm_choices(phi3, 512)}
-    assert each[CUBLAS_WORKSPACE, frozenset()] == 8_650_752
-    assert each[CUBLAS_WORKSPACE, frozenset(sequence.gemm_shapes(phi3))] == 1_572_864
+    dequantised = sequence.layer_rests(phi3, t, 8, 512, 512, True, "nf4", CUBLAS_WORKSPACE, frozenset())
+    fused = sequence.layer_rests(phi3, t, 8, 512, 512, True, "nf4", CUBLAS_WORKSPACE,
+                                 frozenset(sequence.gemm_shapes(phi3)))
+    assert (dequantised, fused) == (8_650_752, 1_572_864)
     charged = sequence.layer_rests(phi3, t, 8, 512, 512, True, "nf4")
-    assert charged == max(each.values()) > each[CUBLAS_WORKSPACE, frozenset()]
-    assert sequence.layer_rests(phi3, t, 8, 2048, 2048, True, "nf4") == max(
-        sequence.layer_rests(phi3, t, 8, 2048, 2048, True, "nf4", w, frozenset())
-        for w in (CUBLAS_WORKSPACE, CUBLAS_WORKSPACE_PRE_HOPPER))
+    assert charged == 57_147_392 > dequantised > fused
+    assert sequence.layer_rests(phi3, t, 8, 512, 512, True, "nf4", CUBLAS_WORKSPACE) == charged
+
+
+@pytest.mark.skipif(package_version("bitsandbytes") != sequence.SEQUENCE_BITSANDBYTES,
+                    reason="reads the pinned bitsandbytes' gemm_4bit heuristic")
+def test_a_weight_of_4_mi_elements_or_more_is_dequantised_on_every_card_past_512_tokens(monkeypatch):
+    """Review item 1: bitsandbytes 0.50.2's heuristic (_gemm_4bit_use_custom_cuda) returns False for a weight of
+    4 Mi elements or more ("Non-small-weight") once M, the tokens, passes 512, on every card (checked here on the
+    real heuristic over every compute capability it branches on, with few and many SMs); so past 512 tokens such a
+    shape is in no choice: Phi-3-mini's four (all large) leave the one all-dequantised replay at 1024x1, Llama-3.2-1B
+    keeps its k/v shape's two choices, Qwen3-0.6B (every shape small) its 32; at 512 Phi-3-mini keeps all 16."""
+    import torch
+
+    ops = capture_module().cuda_ops()
+    use = ops._gemm_4bit_use_custom_cuda.__wrapped__
+    phi3, llama = arch_from_config(config_json("phi3-mini")), arch_from_config(config_json("llama32-1b"))
+    qwen3 = arch_from_config(config_json("qwen3-0.6b"))
+    caps = [(7, 0), (7, 5), (8, 0), (8, 6), (8, 7), (8, 9), (9, 0), (10, 0), (11, 0), (12, 0), (12, 1)]
+    shapes = set(sequence.gemm_shapes(phi3) + sequence.gemm_shapes(llama) + sequence.gemm_shapes(qwen3))
+    fused = set()
+    for sms in (16, 132, 400):
+        for cap in caps:
+            monkeypatch.setattr(ops, "_gpu_dispatch_props", lambda index, cap=cap, sms=sms: (sms, *cap))
+            fused |= {(T, n, k) for T in (513, 1024, 1536) for n, k in shapes if use(0, torch.bfloat16, T, n, k)}
+    assert fused and all(sequence.may_fuse((n, k), T) for T, n, k in fused)  # some small weight does fuse there
+    assert sequence.gemm_choices(phi3, 1024) == [frozenset()] and len(sequence.gemm_choices(phi3, 512)) == 16
+    assert sequence.gemm_choices(llama, 1024) == [frozenset(), frozenset({(512, 2048)})]
+    assert len(sequence.gemm_choices(qwen3, 1024)) == 32
+    t = ("qkv_proj",)
+    assert sequence.layer_rests(phi3, t, 8, 1024, 1024, True, "nf4") == max(
+        sequence.layer_rests(phi3, t, 8, 1024, 1024, True, "nf4", w, frozenset()) for w in sequence.WORKSPACE_SIZES)
 
 
 def test_nf4_is_replayed_at_any_length_on_its_checked_types():
@@ -173,14 +201,11 @@ def test_nf4_is_replayed_at_any_length_on_its_checked_types():
     llama, qwen = arch_from_config(config_json("llama32-1b")), arch_from_config(config_json("qwen"))
     t = ("q_proj", "v_proj")
     kw = dict(transformers=sequence.SEQUENCE_TRANSFORMERS, environ={})
-    assert sequence.replayed(llama, "nf4", t, "sft", 1537, **kw) and sequence.replayed(llama, "nf4", t, "sft", 512,
-                                                                                        **kw)
-    assert not sequence.replayed(qwen, "nf4", t, "sft", 4096, **kw) and not sequence.replayed(qwen, "nf4", t, "sft",
-                                                                                               512, **kw)
-    assert sequence.replayed(qwen, "none", t, "sft", 512, **kw)
+    assert sequence.replayed(llama, "nf4", t, "sft", **kw)
+    assert not sequence.replayed(qwen, "nf4", t, "sft", **kw)
+    assert sequence.replayed(qwen, "none", t, "sft", **kw)
     phi3 = arch_from_config(config_json("phi3-mini"))
-    assert sequence.replayed(phi3, "nf4", ("qkv_proj",), "sft", 2048, **kw)
-    assert sequence.replayed(phi3, "nf4", ("qkv_proj",), "sft", 1024, **kw)
+    assert sequence.replayed(phi3, "nf4", ("qkv_proj",), "sft", **kw)
 
 
 def test_the_rests_charged_are_the_larger_replay_under_either_default_cublas_workspace():
@@ -210,36 +235,36 @@ def test_the_replay_serves_only_the_default_allocator_and_workspaces_it_was_chec
     not one the replay takes: there the bound stays. Expandable segments keep no rest at all (every block split
     at 512 B), so the replayed rests charged there are over, the safe side."""
     a = arch_from_config(config_json("llama32-1b"))
-    assert sequence.replayed(a, "none", ("q_proj", "v_proj"), "sft", 2048, transformers="5.16.1",
+    assert sequence.replayed(a, "none", ("q_proj", "v_proj"), "sft", transformers="5.16.1",
                              environ=environ) is replays
 
 
-@pytest.mark.parametrize("key,quant,targets,task,T,transformers", [
-    ("qwen", "nf4", ("q_proj", "v_proj"), "sft", 4096, "5.16.1"),  # qwen2 NF4: a shortfall outside the rests
-    ("llama32-1b", "none", ("q_proj", "v_proj"), "dpo", 2048, "5.16.1"),
-    ("llama32-1b", "none", ("q_proj", "v_proj"), "kto", 2048, "5.16.1"),
-    ("gemma-2b", "none", ("q_proj", "v_proj"), "sft", 2048, "5.16.1"),
-    ("gemma2-2b", "none", ("q_proj", "v_proj"), "sft", 2048, "5.16.1"),
-    ("phi3-mini", "none", ("qkv_proj",), "sft", 1024, "5.16.1"),  # bf16: a shortfall outside the rests at 512x1
-    ("phi3-mini", "nf4", ("qkv_proj", "o_proj"), "sft", 2048, "5.16.1"),
-    ("llama32-1b", "none", ("q_proj", "k_proj", "v_proj"), "sft", 2048, "5.16.1"),
-    ("llama32-1b", "none", ("q_proj",), "sft", 2048, "5.16.1"),
-    ("llama32-1b", "none", ("q_proj", "v_proj"), "sft", 2048, "5.24.0"),
-    ("llama32-1b", "none", ("q_proj", "v_proj"), "sft", 2048, "not installed")])
-def test_every_run_the_sequence_was_not_checked_on_keeps_the_bound(key, quant, targets, task, T, transformers):
+@pytest.mark.parametrize("key,quant,targets,task,transformers", [
+    ("qwen", "nf4", ("q_proj", "v_proj"), "sft", "5.16.1"),  # qwen2 NF4: a shortfall outside the rests
+    ("llama32-1b", "none", ("q_proj", "v_proj"), "dpo", "5.16.1"),
+    ("llama32-1b", "none", ("q_proj", "v_proj"), "kto", "5.16.1"),
+    ("gemma-2b", "none", ("q_proj", "v_proj"), "sft", "5.16.1"),
+    ("gemma2-2b", "none", ("q_proj", "v_proj"), "sft", "5.16.1"),
+    ("phi3-mini", "none", ("qkv_proj",), "sft", "5.16.1"),  # bf16: a shortfall outside the rests at 512x1
+    ("phi3-mini", "nf4", ("qkv_proj", "o_proj"), "sft", "5.16.1"),
+    ("llama32-1b", "none", ("q_proj", "k_proj", "v_proj"), "sft", "5.16.1"),
+    ("llama32-1b", "none", ("q_proj",), "sft", "5.16.1"),
+    ("llama32-1b", "none", ("q_proj", "v_proj"), "sft", "5.24.0"),
+    ("llama32-1b", "none", ("q_proj", "v_proj"), "sft", "not installed")])
+def test_every_run_the_sequence_was_not_checked_on_keeps_the_bound(key, quant, targets, task, transformers):
     """Review item 8: sequence.replayed holds only what the captures checked (llama-type SFT q,v; bf16, or NF4
     on llama, mistral, qwen3, and phi3 with qkv_proj; transformers 5.16.1; the default allocator): qwen2 NF4, the
     other tasks, Gemma, Gemma-2, Phi-3 bf16 (and NF4 with other targets), other targets, another transformers
     keep the bound."""
     a = arch_from_config(config_json(key))
-    assert not sequence.replayed(a, quant, targets, task, T, transformers=transformers, environ={})
-    assert sequence.replayed(arch_from_config(config_json("llama32-1b")), "none", ("q_proj", "v_proj"), "sft", T,
+    assert not sequence.replayed(a, quant, targets, task, transformers=transformers, environ={})
+    assert sequence.replayed(arch_from_config(config_json("llama32-1b")), "none", ("q_proj", "v_proj"), "sft",
                              transformers="5.16.1", environ={})
 
 
 def test_the_targets_are_compared_as_a_set():
     """Review item 7: a file listing [v_proj, q_proj] is the protocol's q,v run: replayed, with the same rests."""
     a, kw = arch_from_config(config_json("smol")), dict(transformers="5.16.1", environ={})
-    assert sequence.replayed(a, "none", ("v_proj", "q_proj"), "sft", 1024, **kw)
+    assert sequence.replayed(a, "none", ("v_proj", "q_proj"), "sft", **kw)
     assert sequence.layer_rests(a, ("v_proj", "q_proj"), 8, 1024, 1024) == sequence.layer_rests(
         a, ("q_proj", "v_proj"), 8, 1024, 1024)

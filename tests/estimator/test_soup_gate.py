@@ -64,5 +64,5 @@ def test_single_quantisation_leaves_a_bf16_resident_run_modelled_and_dora_does_n
             f"quantization: {quant}, stream_layers: false, bnb_4bit_use_double_quant: false, lora: {{r: 8{lora}}}}}\n")
 
     assert resident_unmodelled(cfg("none")) is None
-    assert resident_unmodelled(cfg("4bit")).startswith("training.bnb_4bit_use_double_quant False is not modelled")
-    assert resident_unmodelled(cfg("none", ", use_dora: true")).startswith("training.lora.use_dora True")
+    assert resident_unmodelled(cfg("4bit")).startswith("training.bnb_4bit_use_double_quant false is not modelled")
+    assert resident_unmodelled(cfg("none", ", use_dora: true")).startswith("training.lora.use_dora true")

@@ -330,7 +330,7 @@ def test_both_patched_gates_read_the_lora_dropout_off_soups_config(patched_site)
 
 
 def test_single_quantisation_keeps_soups_formula_in_the_patched_streamed_gate_only_under_nf4(patched_site):
-    """bnb_4bit_use_double_quant is bitsandbytes' 4-bit setting (soup_gate.STREAMED_ASSUMED, read once by the
+    """bnb_4bit_use_double_quant is bitsandbytes' 4-bit setting (soup_gate.ASSUMED, read once by the
     patched gate, --estimate's key lines and the measured arm): false on a bf16 streamed file leaves the run
     modelled, so the patched streamed gate (the bundled module, on Soup's own loader's config) gives its corrected
     number, the one of the same file without the key; it kept Soup's formula before. On the NF4 file it keeps
@@ -589,17 +589,18 @@ def test_a_resident_setting_the_estimate_does_not_model_keeps_soups_formula(dott
 
 
 def test_every_resident_and_streamed_assumption_is_soups_own_default():
-    """RESIDENT_ASSUMED and STREAMED_ASSUMED hold Soup's schema defaults (or an unset that means them), so a plain
-    file is modelled, on whichever release is installed; a key the release does not have is its default."""
+    """soup_gate.ASSUMED (the resident and the streamed estimate's) holds Soup's schema defaults (or an unset that
+    means them), so a plain file is modelled, on whichever release is installed; a key the release does not have
+    is its default."""
     from soup_cli.config.schema import LoraConfig, SoupConfig, TrainingConfig
 
-    from issue395.estimator.soup_gate import _UNSET_MEANS, RESIDENT_ASSUMED, STREAMED_ASSUMED
+    from issue395.estimator.soup_gate import ASSUMED
 
-    for dotted, assumed in RESIDENT_ASSUMED + tuple(row[:2] for row in STREAMED_ASSUMED):
-        model = SoupConfig if dotted == "backend" else LoraConfig if dotted.startswith("lora.") else TrainingConfig
-        field = model.model_fields.get(dotted.split(".")[-1])
+    for row in ASSUMED:
+        model = SoupConfig if row.top else LoraConfig if row.key.startswith("lora.") else TrainingConfig
+        field = model.model_fields.get(row.key.split(".")[-1])
         if field is not None:
-            assert field.default in (assumed, *_UNSET_MEANS.get(dotted, ())), dotted
+            assert field.default in (row.value, *row.same), row.key
 
 
 #: `soup train`'s own CLI (``python -m soup_cli``) run up to its detect_device, which creates the CUDA context

@@ -546,8 +546,8 @@ def test_a_resident_file_of_an_architecture_transformers_does_not_build_is_one_l
 
 @pytest.mark.parametrize("stream, extra, named", [
     ("true", "  activation_offloading: cpu\n", "training.activation_offloading cpu"),
-    ("false", "  use_liger: true\n", "training.use_liger True"),
-    ("false", "  use_cut_ce: true\n", "training.use_cut_ce True"),
+    ("false", "  use_liger: true\n", "training.use_liger true"),
+    ("false", "  use_cut_ce: true\n", "training.use_cut_ce true"),
 ])
 def test_a_measured_arm_refuses_a_setting_its_soup_config_would_drop(capfd, tmp_path, stream, extra, named):
     """Sweep: a measured --config arm runs the protocol's Soup config with the file's shape, adapter, streaming modes
@@ -564,5 +564,5 @@ def test_a_measured_arm_names_every_resident_setting_its_soup_config_would_drop(
     path = soup_yaml(tmp_path, "HuggingFaceTB/SmolLM2-135M", extra="  use_liger: true\n  use_cut_ce: true\n")
     path.write_text(path.read_text().replace("stream_layers: true", "stream_layers: false")
                     .replace("r: 4,", "r: 4, use_dora: true,"))
-    one_error_line(*main(capfd, ["--config", path, "--dry-run"]), "training.use_liger True", "training.use_cut_ce True",
-                   "training.lora.use_dora True", "does not carry them")
+    one_error_line(*main(capfd, ["--config", path, "--dry-run"]), "training.use_liger true", "training.use_cut_ce true",
+                   "training.lora.use_dora true", "does not carry them")

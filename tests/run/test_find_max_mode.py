@@ -501,7 +501,7 @@ def test_a_resident_file_with_dora_gets_no_answer_from_the_resident_estimate_of_
                                   tmp_path / "f.json"])
     assert code == 0, (out, err)
     data = json.loads((tmp_path / "f.json").read_text())
-    why = "training.lora.use_dora True is not modelled resident (the estimator assumes False)"
+    why = "training.lora.use_dora true is not modelled resident (the estimator assumes false)"
     assert data["this_tool_longest"] is None and data["resident"]["estimate_refused"] == why
     assert data["resident"]["started_from"].startswith(f"this tool's estimate does not answer ({why})")
     assert f"the longest seq that fits A100-80GB: none (not estimated: {why})" in out

@@ -505,10 +505,26 @@ def test_gradient_checkpointing_on_a_streamed_file_is_said_to_change_nothing(cap
     assert got[0] == got[1]
 
 
+def test_a_resident_file_gets_one_line_for_every_setting_the_resident_estimate_does_not_model(capfd, tmp_path):
+    """Review item 2: docs/USAGE.md promises one 'from the file' line a key; a resident SmolLM2 file with GaLore and
+    auto_mixed_precision on named the first alone (soup_gate.resident_unmodelled). Now each of
+    soup_gate.resident_departures has its line, spelled as the file writes it, and the verdict (the JSON's
+    not_estimated) still names the first. Soup's real loader reads the file."""
+    path = soup_yaml(tmp_path, "HuggingFaceTB/SmolLM2-135M", 512, "false",
+                     "  use_galore: true\n  auto_mixed_precision: true\n")
+    data, out = estimate_config_json(capfd, tmp_path, path, "--card", "T4")
+    said = [ln for ln in file_lines(out) if "is not modelled resident" in ln]
+    assert [ln.split(": ", 1)[1].split(" is ")[0] for ln in said] == ["training.use_galore true",
+                                                                      "training.auto_mixed_precision true"], said
+    assert all(ln.endswith("so this tool gives no estimate of the run (Soup's own gate still answers)") for ln in said)
+    assert data["needs_free"] is None and data["not_estimated"].startswith("training.use_galore true is not modelled")
+    assert sum("is not modelled resident" in ln for ln in data["config_keys"]) == 2
+
+
 @pytest.mark.parametrize("extra, named", [
-    ("    use_dora: true\n", "training.lora.use_dora True"),
-    ("  use_liger: true\n", "training.use_liger True"),
-    ("  activation_offloading: cpu\n", "training.activation_offloading 'cpu'"),
+    ("    use_dora: true\n", "training.lora.use_dora true"),
+    ("  use_liger: true\n", "training.use_liger true"),
+    ("  activation_offloading: cpu\n", "training.activation_offloading cpu"),
 ])
 def test_a_resident_file_with_a_setting_the_resident_estimate_does_not_model_gets_no_figure(capfd, tmp_path, extra,
                                                                                            named):
