@@ -519,13 +519,14 @@ def test_the_allocator_replay_refuses_an_int8_capture_an_unknown_key_and_an_exis
 
 
 #: Reduced widths of each structure the CPU-measured counts name (two layers, a 512-token vocabulary): Qwen2.5's
-#: biased attention, Qwen3's q/k norms, phi's parallel block (bf16), Phi-3's fused qkv and Llama under NF4, and
-#: DeepSeek-V3's latent attention with a dense layer 0 and routed experts.
+#: biased attention, Qwen3's q/k norms, phi's parallel block (bf16, and NF4: its fp32 residual), Phi-3's fused qkv and
+#: Llama under NF4, and DeepSeek-V3's latent attention with a dense layer 0 and routed experts.
 SAVED_CASES = [
     ("qwen", "none", dict(hidden_size=128, intermediate_size=320, num_attention_heads=4, num_key_value_heads=2)),
     ("qwen3-0.6b", "none", dict(hidden_size=128, intermediate_size=320, num_attention_heads=4, num_key_value_heads=2,
                                 head_dim=32)),
     ("phi-2", "none", dict(hidden_size=128, intermediate_size=320, num_attention_heads=4, num_key_value_heads=4)),
+    ("phi-2", "nf4", dict(hidden_size=128, intermediate_size=320, num_attention_heads=4, num_key_value_heads=4)),
     ("phi3-mini", "nf4", dict(hidden_size=128, intermediate_size=320, num_attention_heads=4, num_key_value_heads=4)),
     ("llama32-1b", "nf4", dict(hidden_size=128, intermediate_size=320, num_attention_heads=4, num_key_value_heads=2,
                                head_dim=32)),
@@ -543,7 +544,8 @@ def test_each_layers_cpu_saved_count_under_cudas_autocast_is_what_the_resident_e
     decoder layer saves a token for its backward; the resident estimate's kept_per_layer is that count to the byte
     after layer 0; layer 0's count also holds the rotary tables (first saved there), which their own term charges:
     kept_per_layer and that term together are at or above it. The method behind layer.py's CPU-measured figures (Phi-3 NF4's v,
-    phi's layer 0, DeepSeek-V3's latent_retained), run at reduced widths."""
+    phi's layer 0, phi NF4's bf16 casts of its fp32 residual's tensors: autocast_casts, DeepSeek-V3's latent_retained),
+    run at reduced widths."""
     from transformers import AutoConfig
 
     from issue395.estimator.arch import arch_from_config

@@ -278,10 +278,10 @@ def retained_by_layer(a: Arch, quant: str, targets: tuple, r: int, mask: int = L
     for n, (_, kind) in enumerate(layers):
         grad = n > first
         if kind is None:
-            mlp = 0 if mlp_records(a, targets, grad) else activation_bytes(a, quant) * a.i * (
-                a.quirks.mlp_saved - MLP_BACKWARD_TRANSIENTS)
+            act = activation_bytes(a, quant)  # the backward's transients take the activations' dtype (phi NF4: 4 B)
+            mlp = 0 if mlp_records(a, targets, grad) else act * a.i * (a.quirks.mlp_saved - MLP_BACKWARD_TRANSIENTS)
             kept.append(layer_per_token(a, quant, targets, r, input_grad=grad, mask=mask)
-                        - 2 * MLP_BACKWARD_TRANSIENTS * a.i - 2 * a.h - mlp)
+                        - act * (MLP_BACKWARD_TRANSIENTS * a.i + a.h) - mlp)
         elif n < first:
             kept.append(0)
         elif kind.latent_norms and quant == "none":
@@ -529,9 +529,29 @@ def autocast_per_token(a: Arch, quant: str, mlp: bool = True) -> int:
     return sum(b * w for b, w in blocks) - replaced
 
 
-def autocast_by_layer(a: Arch, quant: str, targets: tuple) -> list[int]:
+def autocast_casts(a: Arch, quant: str, targets: tuple, r: int) -> int:
+    """What a layer's count charges a token over the bf16 copies autocast's lower-precision ops save where the
+    residual stream is fp32 (phi under NF4, fp32_residual), as a (negative) addition: F.linear saves the bf16 cast
+    of its fp32 input, so each LoRA target's lora_A keeps its dropout output's bf16 copy (in) and lora_B lora_A's
+    bf16 output (r), and SDPA keeps its bf16 copies of q, k, v and its bf16 output, where the count charges each
+    at the activations' 4 B. Measured on CPU (transformers 5.16.1, peft 0.20, bitsandbytes 0.50.2's Linear4bit,
+    phi-2's widths, q_proj and v_proj at r 8, CUDA's autocast lists applied to each op: bench/allocator_replay.py
+    saved phi-2 --quant nf4): a layer from 1 on saves 210,088 B a token, four fp32 gelu_new tensors (163,840), the
+    LayerNorm's fp32 input, mean and rstd (10,248), 20,480 of SDPA's and 15,392 of the adapters' (bf16, and
+    the 1 B masks); layer 0 30,880 beside its rotary tables."""
+    if not fp32_residual(a, quant):
+        return 0
+    act, qw, kw = activation_bytes(a, quant), a.heads * a.head_dim, a.kv * a.head_dim
+    widths = sum(a.modules[t][0] + r for t in targets if t in a.modules) + 2 * qw + 2 * kw
+    return (AUTOCAST_BF16 - act) * widths
+
+
+def autocast_by_layer(a: Arch, quant: str, targets: tuple, r: int = 0) -> list[int]:
     """What autocast_upcasts adds to each dense layer's retained count a token, first to last (retained_by_layer's
     layers): none before the first layer that holds a target (it records nothing), that one's without its
-    LayerNorm and MLP where they record nothing (mlp_records), the full addition from the next on."""
+    LayerNorm and MLP where they record nothing (mlp_records), the full addition from the next on; and from the
+    first on, where the residual is fp32, the bf16 copies its linears and SDPA save (autocast_casts, LoRA r ``r``)."""
     first = _first_target(a, targets)
-    return [0 if n < first else autocast_per_token(a, quant, mlp_records(a, targets, n > first)) for n in range(a.L)]
+    casts = autocast_casts(a, quant, targets, r)
+    return [0 if n < first else autocast_per_token(a, quant, mlp_records(a, targets, n > first)) + casts
+            for n in range(a.L)]

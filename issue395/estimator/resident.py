@@ -114,8 +114,8 @@ from ..record import LORA_DROPOUT
 from ..model.targets import soup_targets
 from ..tasks import PROTOCOL_TASK, task as task_named
 from .arch import NF4_BLOCK, Arch, arch_from_config, fp32_residual, layer_bytes, nf4_bytes, protocol_targets
-from .layer import (AUTOCAST_BF16, LORA_DROPOUT_MASK_BYTES, RMS_RSTD_BYTES, autocast_by_layer, autocast_per_token,
-                    autocast_upcasts, mask_bytes, retained_by_layer)
+from .layer import (AUTOCAST_BF16, LORA_DROPOUT_MASK_BYTES, MLP_BACKWARD_TRANSIENTS, RMS_RSTD_BYTES, autocast_by_layer,
+                    autocast_casts, autocast_per_token, autocast_upcasts, mask_bytes, retained_by_layer)
 from .estimate import Estimate, estimate, needs_free, segment_tail
 from .steady import adapter_bytes
 from .terms import Phase, Term, phase_sum
@@ -207,7 +207,8 @@ def retained_rounding(a: Arch, targets: tuple, r: int, T: int, quant: str = "non
         upcast.remove((AUTOCAST_BF16, kw))
         v = kw
     widths += [(act, qw), (act, kw), (act, v), (act, qw)]
-    mlp = a.quirks.mlp_saved - a.quirks.mlp_transients - sum(1 for _, w in upcast if w == a.i)
+    # the count's saved i-wide tensors (phi's gelu_new: 4, 3 of them autocast's fp32 copies in bf16, fp32 all under NF4)
+    mlp = a.quirks.mlp_saved - MLP_BACKWARD_TRANSIENTS - sum(1 for _, w in upcast if w == a.i)
     b = 4 if quant == "nf4" else act
     if "gate_up_proj" in a.modules and mlp == 3:  # phi3: gate and up are views of one fused block, act(gate) its own
         widths += [(b, 2 * a.i), (b, a.i)] + upcast
@@ -283,9 +284,9 @@ def refused(a: Arch, quant: str, checkpointing: bool = True, seq: int = 0) -> st
                 "is not yet modelled by this estimator (its layers keep attention masks the counts do not have)")
     if quant not in ("none", "nf4"):
         return f"a resident {quant} run is not modelled by this estimator"
-    if fp32_residual(a, quant):
-        return (f"a resident {quant} {a.model_type} run is not yet modelled by this estimator (its fp32 residual "
-                "stream under autocast keeps more a layer than the counts name)")
+    if fp32_residual(a, quant) and checkpointing:
+        return (f"a resident {quant} {a.model_type} run with gradient checkpointing is not yet modelled by this "
+                "estimator (its recompute of an fp32 residual stream under autocast is not counted)")
     if a.layers is not None and (a.model_type, checkpointing) in LAYERED_REFUSED:
         return (f"a resident {a.model_type} run {'with' if checkpointing else 'without'} gradient checkpointing "
                 f"is not yet modelled by this estimator ({LAYERED_REFUSED[a.model_type, checkpointing]})")
@@ -337,7 +338,7 @@ def estimate_resident(config: dict, *, quant: str = "none", seq: int, batch: int
         t[Term.RETAINED_ACTIVATIONS.key] = T * sum(kept)
         t[Term.RETAINED_BESIDE_LAYER.key] = T * (sum(kept) - kept[-1])  # the last layer's backward runs first
     # the layer the backward runs holds them too, recomputed or not
-    t[Term.LAYER_PER_TOKEN.key] += T * autocast_per_token(a, quant)
+    t[Term.LAYER_PER_TOKEN.key] += T * (autocast_per_token(a, quant) + autocast_casts(a, quant, tg, lora_r))
     if quant == "nf4":
         # the embedding is fp32, so the residual stream is, and bitsandbytes' Linear4bit returns its input's dtype:
         # the MLP's i-wide tensors are fp32 (Llama-3.2-1B NF4 2048x1 kept 48 of 67,108,864 B, i x T x 4, where bf16
@@ -386,7 +387,7 @@ def kept_per_layer(a: Arch, quant: str, targets: tuple, r: int, mask: int) -> li
     count already) and on DeepSeek-V3 the kinds' bound in place of latent_retained, which is measured in bf16 only.
     `python bench/allocator_replay.py saved KEY` counts the same on CPU (tests/test_bench.py holds them equal)."""
     bf16 = retained_by_layer(a, "none", targets, r, mask)
-    kept = [n + u for n, u in zip(bf16, autocast_by_layer(a, quant, targets))]
+    kept = [n + u for n, u in zip(bf16, autocast_by_layer(a, quant, targets, r))]
     if quant != "nf4":
         return kept
     saved = 0 if fp32_residual(a, quant) else 2 * a.i * (a.quirks.mlp_saved - a.quirks.mlp_transients)

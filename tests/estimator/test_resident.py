@@ -23,15 +23,17 @@ def committed_resident_rows() -> list[Row]:
 
 def test_the_resident_estimate_is_never_under_and_tight_on_every_committed_arm_it_models():
     """Issue 51 item 3: every committed resident row the estimator models, bf16 and NF4, dense, phi's parallel
-    block (bf16), DeepSeek-V3's latent MoE (Moonlight), the Qwen3.5 hybrids where modelled (the map's corrected
-    column, from the family's public config alone) is at or above its real peak, median at most 1.0011x
-    (resident.py's docstring), within 1.004x with checkpointing, within 1.019x without it (1.024x before NF4 at
-    1,536 tokens or fewer was replayed), Moonlight within
+    block (bf16, and NF4 without checkpointing: 0.68x-0.82x, then 1.27x-1.42x, before layer.autocast_casts), DeepSeek-V3's
+    latent MoE (Moonlight), the Qwen3.5 hybrids where modelled (the map's corrected
+    column, from the family's public config alone) is at or above its real peak, median at most 1.0012x
+    (resident.py's docstring; 1.0011x before phi NF4's 6 rows), within 1.004x with checkpointing, within 1.016x
+    without it but phi-2's, whose retained blocks' rests are bounded (phi-2 bf16 within 1.021x, its NF4 within
+    1.026x: the bound, where the meta capture's replayed rests are 1-9 MB), Moonlight within
     1.008x (its bf16 rows without checkpointing within 1.005x: layer.latent_retained, measured on CPU, where the
     kinds' count was 1.010x-1.029x), within 1.007x where its retained blocks' rests are replayed (issue 52 item 1:
     estimator/sequence.py: bf16, and NF4 on llama, mistral, qwen3 and phi3, within 1.003x past 1,536 tokens and
     1.015x at 1,536 or fewer, the largest of every gemm_4bit choice, where the bound left them up to 1.0237x); the
-    ones it does not model (phi NF4, Qwen3.5 without
+    ones it does not model (phi NF4 with checkpointing, Qwen3.5 without
     checkpointing, Qwen3.5-MoE with it, past a sliding window without checkpointing) get no figure."""
     import statistics
 
@@ -39,15 +41,20 @@ def test_the_resident_estimate_is_never_under_and_tight_on_every_committed_arm_i
     env = {"soup_cli": "0.77.0", "transformers": "5.16.1"}
     got = [(r, corrected(r, env)) for r in rows]
     modelled = [(r, c / r.real_peak) for r, c in got if c is not None]
-    assert len(modelled) >= 181 and any(r.quant == "nf4" for r, _ in modelled), len(modelled)
-    assert all(1.0 <= v <= 1.019 for _, v in modelled), [(r.model_key, r.seq, round(v, 4)) for r, v in modelled]
+    assert len(modelled) >= 187 and any(r.quant == "nf4" for r, _ in modelled), len(modelled)
+    assert all(1.0 <= v for _, v in modelled), [(r.model_key, r.seq, round(v, 4)) for r, v in modelled if v < 1]
+    phi = {"none": 1.021, "nf4": 1.026}
+    assert all(v <= (phi[r.quant] if r.model_key.startswith("phi-2") else 1.016) for r, v in modelled), [
+        (r.model_key, r.quant, r.seq, r.batch, round(v, 4)) for r, v in modelled]
+    # phi-2 NF4 without checkpointing (issue 51 item 3): every row modelled, never under (1.0056x-1.0250x)
+    assert len([r for r, _ in modelled if r.model_key == "phi-2+resident" and r.quant == "nf4"]) >= 6
     assert all(v <= 1.004 for r, v in modelled if "+gc" in r.model_key)
     assert all(v <= 1.008 for r, v in modelled if r.model_key.startswith("moonlight"))
     assert all(v <= 1.005 for r, v in modelled if r.model_key == "moonlight+resident" and r.quant == "none")
     # 1.0010 before the norms' fp32 rstd (layer.RMS_RSTD_BYTES) and the larger replay of the two default cuBLAS
     # workspaces (the estimate does not know the card) were charged: 1.0011 with the rstd, 1.0012 with both; 1.0011
-    # with Phi-3-mini NF4 past 1,536 tokens replayed
-    assert round(statistics.median(v for _, v in modelled), 4) <= 1.0011
+    # with Phi-3-mini NF4 past 1,536 tokens replayed; 1.0012 with phi-2 NF4's 6 rows (1.0056x-1.0250x) modelled
+    assert round(statistics.median(v for _, v in modelled), 4) <= 1.0012
     # issue 52 item 1: where the retained blocks' rests are replayed (estimator/sequence.py: the llama-type SFT bf16
     # rows without checkpointing), not bounded, within 1.007x (bounded, up to 1.0237x): the rests charged are the
     # larger of the replays under either default cuBLAS workspace, as the estimate does not know the card; SmolLM2
@@ -72,8 +79,7 @@ def test_the_resident_estimate_is_never_under_and_tight_on_every_committed_arm_i
     families = {r.model_key for r, _ in modelled}
     assert {"phi-2+resident", "moonlight+resident", "moonlight+resident+gc", "qwen3.5+resident+gc",
             "qwen3.5-moe+resident"} <= families
-    assert all(c is None for r, c in got if (r.model_key.startswith("phi-2") and r.quant == "nf4")
-               or r.model_key in ("qwen3.5+resident", "qwen3.5-moe+resident+gc"))
+    assert all(c is None for r, c in got if r.model_key in ("qwen3.5+resident", "qwen3.5-moe+resident+gc"))
 
 
 def test_a_layered_models_resident_weights_are_each_layers_own_kind_as_measured_before_its_step():
@@ -234,13 +240,13 @@ def test_a_retained_block_from_10_mib_is_bound_by_a_cached_blocks_rest_not_its_f
 @pytest.mark.parametrize("key, quant, words", [
     ("gemma3-1b+resident", "none", "sliding window"),
     ("llama32-1b+resident+gc", "8bit", "8bit"),
-    ("phi-2+resident", "nf4", "nf4 phi run"),
+    ("phi-2+resident+gc", "nf4", "nf4 phi run with gradient checkpointing"),
     ("qwen3.5+resident", "none", "qwen3_5_text run without gradient checkpointing"),
     ("qwen3.5-moe+resident+gc", "none", "qwen3_5_moe_text run with gradient checkpointing"),
 ])
 def test_a_resident_run_it_does_not_model_is_one_line_naming_why(key, quant, words):
-    """Refused, never estimated as if it were modelled: past a window without checkpointing, 8-bit, phi NF4, the
-    Qwen3.5 runs whose committed rows the counts leave under."""
+    """Refused, never estimated as if it were modelled: past a window without checkpointing, 8-bit, phi NF4 with
+    checkpointing (no row, its recompute not counted), the Qwen3.5 runs whose committed rows the counts leave under."""
     family, modes = stream_mode(key)
     with pytest.raises(UsageError, match=words):
         estimate_resident(config_json(family), quant=quant, seq=1024, checkpointing=bool(modes.get("gradient_checkpointing")))
