@@ -9,10 +9,11 @@ there and not in a streamed step: the adapter's bf16 copies its matmuls save (``
 every block of the step is whole 2 MiB (``whole_granules``). Where the task's trainer turns dropout off, no LoRA
 dropout mask is charged, by the streamed step's own rule (layer.mask_bytes), in each count and its blocks' rounding.
 
-Measured (tests/estimator/test_resident.py), on the 181 committed arms of these families it models, bf16 and NF4
-(results/resident-map-*): never under, median 1.0011x; with checkpointing 1.0001x-1.0029x, without it
-1.0001x-1.0186x, median 1.0014x (the widest: rows whose retained rests are still bounded, phi-2 bf16 up to
-1.0186x, Phi-3-mini bf16 1024x1 1.0157x; then SmolLM2 NF4 512x1 1.0147x, replayed under every gemm_4bit choice).
+Measured (tests/estimator/test_resident.py), on the 187 committed arms of these families it models, bf16 and NF4
+(results/resident-map-*): never under, median 1.0012x; with checkpointing 1.0001x-1.0029x, without it
+1.0001x-1.0250x, median 1.0017x (the widest: rows whose retained rests are still bounded, phi-2 NF4 up to
+1.0250x and bf16 up to 1.0204x, Phi-3-mini bf16 1024x1 1.0157x; then SmolLM2 NF4 512x1 1.0147x, replayed under
+every gemm_4bit choice; every row but phi-2's 1.0001x-1.0157x, median 1.0010x).
 Where the retained blocks' rests are replayed
 (estimator/sequence.py: SmolLM2, Qwen2.5, Llama-3.2-1B, Llama-3.1-8B, Qwen3-0.6B, Mistral-7B, SFT bf16 without
 checkpointing, 39 rows) 1.0001x-1.0069x, median 1.0007x (the larger replay of the two default cuBLAS workspaces,
@@ -23,7 +24,8 @@ fewer (12 rows, the largest replay of every choice bitsandbytes' gemm_4bit could
 1.0004x-1.0147x (Phi-3-mini 512x1 and 1024x1 1.0106x and 1.0014x, bounded 1.0209x and 1.0237x: at 1024x1 its
 four weights, each of 4 Mi elements or more, dequantise on every card, so the one choice replayed is the H200's;
 Qwen3-0.6B 512x1 and 1024x1 1.0077x and 1.0021x, bounded 1.0169x and 1.0192x; SmolLM2 512x1 1.0147x, where the
-bound charged less, 1.0114x; each row's H200's own choice replayed, 1.0004x-1.0040x); phi-2 bf16 1.0023x-1.0186x;
+bound charged less, 1.0114x; each row's H200's own choice replayed, 1.0004x-1.0040x); phi-2 bf16 1.0023x-1.0204x,
+NF4 1.0056x-1.0250x;
 Moonlight bf16 1.0023x-1.0048x, its layers' count measured on CPU: layer.latent_retained. Layers of several kinds (issue395.estimator.moe) hold each its own kind's tensors
 (``kinds_weights``: Moonlight's dense layer 0 and MoE layers of 64 fused experts, Qwen3.5's delta-net and
 full-attention layers; within 0.1% of what each committed row held before its step, where charging every layer
@@ -33,7 +35,7 @@ layer.latent_retained, measured on CPU under CUDA's autocast lists, names: the r
 which grouped_mm does not keep, the router's fp32 logits, the latent at 6 B a width; under NF4, not measured, the
 kinds' count stays: 1.0023x-1.0075x), Qwen3.5 with
 checkpointing 1.0002x-1.0008x (4), Qwen3.5-MoE without it 1.0001x-1.0040x (12). phi-2 bf16 (6 rows,
-1.0023x-1.0186x; 1.0236x-1.0352x before layer.mlp_records): a resident run trains under bf16 autocast, which
+1.0023x-1.0204x; 1.0236x-1.0352x before layer.mlp_records): a resident run trains under bf16 autocast, which
 the streamed step (where the counts are measured) does not, and autocast runs layer_norm and pow in fp32 (``autocast_upcasts``). Under NF4 the rotary tables are
 fp32, as the residual stream is: charged bf16, Gemma-2-2B NF4 4096x1 with checkpointing was 3.20 MB under its real
 peak, the allowance aside; charged fp32, 0.99 MB over.
@@ -59,8 +61,9 @@ Known limitations
       constants.layer_remainders, the rule the streamed step's blocks take). The measured excess of max_memory_allocated over the requested peak was 21 MB on SmolLM2
       1024x1, 108 MB on Qwen2.5 2048x1 (75.5 MB of it the MLP blocks' tails), 0 on Llama-3.2-1B 2048x1; without the
       per-block bound SmolLM2 NF4 at 2048 tokens was 9.8 MB under. The bounded rows without checkpointing (neither replayed nor a layered family's) are
-      1.0001x-1.0186x, median 1.0054x (57 rows; 69 before NF4 at 1,536 tokens or fewer was replayed, 71 before
-      Phi-3-mini NF4 past 1,536 tokens was).
+      1.0001x-1.0250x, median 1.0056x (63 rows, phi-2 NF4's 6 among them; 57, 1.0001x-1.0186x, median 1.0054x,
+      before they were modelled; 69 before NF4 at 1,536 tokens or fewer was replayed, 71 before Phi-3-mini NF4 past
+      1,536 tokens was).
     - Phi-3-mini bf16 keeps the bound: its sequence is the capture's request for request at 512x1-1024x4, but the
       capture's own peak at 512x1 is 23.3 MB under that row's (0.26 MB at 512x4, 1024x4), and replayed it would be
       16.95 MB under (0.9983x): something outside the rests, not named.
@@ -85,14 +88,25 @@ Known limitations
       transformers than 5.16.1, or PYTORCH_CUDA_ALLOC_CONF's max_split_size_mb or roundup_power2_divisions, the
       bound stays. Under expandable segments max_memory_allocated keeps no rest (every block split at 512 B), and
       the rests charged (replayed or bounded) are over by what they are: the safe side.
-    - phi-2 bf16 without checkpointing is 1.0023x-1.0186x, the rest the retained blocks' rounding bound (its
-      5 MiB dropout masks at 2048 tokens are not whole 2 MiB: 352 MB charged at 2048x1, 353.6 MB over). Its
+    - phi-2 bf16 without checkpointing is 1.0023x-1.0204x, the rest the retained blocks' rounding bound (its
+      5 MiB dropout masks at 2048 tokens are not whole 2 MiB: 385.9 MB charged at 2048x1, 387.1 MB over; 1.0186x
+      and 352.3 MB before the bound had gelu_new's fourth saved i-wide block, the bf16 0.5 x input). Its
       LayerNorm's fp32 input copy is saved (measured on CPU under CUDA's autocast lists: 189,608 B a token a
       layer, the count with autocast_upcasts to the byte); what was over (1.024x-1.035x) was layer 0's
       LayerNorm and parallel MLP, which record nothing there (layer.mlp_records: 153,608 B a token).
-      phi under NF4 is refused in one line: its rows were
-      0.68x-0.82x of this construction (0.90x-0.95x with the dense NF4 rule's fp32 MLP charged twice over the
-      fp32 count), about 71 KB a token a layer missing at 2048x1 that the counts do not name; no anatomy of it.
+    - phi-2 NF4 without checkpointing is 1.0056x-1.0250x (6 rows), its retained blocks' rests bounded: 171.97 MB
+      charged at 512x1, 385.88 MB at 2048x1, where bench/allocator_replay.py's meta capture of the step replays
+      8.7 MB and 1 MiB (0 to 6.8 MB at the other four). The rest of the estimate is the capture's live set: a layer
+      from 1 on keeps 210,088 B a token (CPU, bench/allocator_replay.py saved phi-2 --quant nf4: the LayerNorm's
+      fp32 input, mean and rstd, four fp32 gelu_new tensors, and the bf16 copies autocast's linear and SDPA make of
+      the fp32 residual's tensors, layer.autocast_casts), where 307,400 were charged before (1.27x-1.42x: each
+      target's dropout output and lora_A output and SDPA's q, k, v and output at 4 B, the MLP backward's three
+      i-wide transients and the incoming gradient taken off at 2 B); 0.68x-0.82x was an older construction's.
+      The bound stays (sequence.py does not build phi's step): the capture's own peak is 15.3 MB under the 512x1
+      row's (1.1-3.7 MB under at 512x4, 1024x1, 2048x1; 0.1-0.3 MB over at 1024x4, 2048x4), so its replayed rests
+      in place of the bound would leave that row 4.5 MB under: something outside the rests, not named (as
+      Phi-3-mini bf16 512x1's). With checkpointing it is refused (no committed row; its recompute under an fp32
+      residual is not counted).
     - Qwen3.5 (dense hybrid) without checkpointing is refused: its bf16 rows were 0.9938x-0.9995x (up to 197 MB
       under at 2048x4, in the step; its NF4 rows 1.008x-1.038x). Qwen3.5-MoE with checkpointing is refused: 1024x1
       bf16 0.9999x (its row held 34 MB more before its step than at its other rows), 4096x1 0.9986x bf16 and
