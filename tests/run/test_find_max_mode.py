@@ -439,18 +439,18 @@ def test_a_resident_search_probes_soup_train_with_allow_oom_attempt_and_records_
 @pytest.mark.parametrize("card, start", [("80GB", "Soup's gate's longest"), ("4GB", "the smallest, then a plain doubling")])
 def test_a_resident_run_the_estimate_does_not_model_starts_from_soups_gate_or_the_smallest_and_says_so(
         capfd, tmp_path, cuda_box, card, start):
-    """Phi-2 resident under NF4 is not modelled by the corrected estimate: the search starts from Soup's
+    """Phi-2 resident under NF4 with gradient checkpointing is not modelled by the corrected estimate: the search starts from Soup's
     resident gate's longest where it admits one (an 80 GB card), else from the smallest value and doubles (a 4 GB
     card, where Soup's gate admits nothing), and the text and the typed record say which and why. The CUDA probe is
     faked: Soup's run completes up to 1024 tokens."""
-    path = resident_yaml(tmp_path, family="phi-2", folder="phi-2", quant="4bit")
+    path = resident_yaml(tmp_path, family="phi-2", folder="phi-2", gc="true", quant="4bit")
     fake = cuda_box(FakeCudaProbe(1024))
     code, out, err = main(capfd, ["--find-max", "seq", "--config", path, "--emulate-card", card, "--json",
                                   tmp_path / "f.json"])
     assert code == 0, (out, err)
     data = json.loads((tmp_path / "f.json").read_text())
-    why = ("a resident nf4 phi run is not yet modelled by this estimator (its fp32 residual stream under autocast "
-           "keeps more a layer than the counts name)")
+    why = ("a resident nf4 phi run with gradient checkpointing is not yet modelled by this estimator (its recompute "
+           "of an fp32 residual stream under autocast is not counted)")
     assert data["this_tool_longest"] is None and data["resident"]["estimate_refused"] == why
     assert data["resident"]["started_from"] == f"this tool's estimate does not answer ({why}): {start}"
     first = data["soup_gate_longest"] if card == "80GB" else 64
