@@ -50,9 +50,10 @@ from .arch import NF4_BLOCK, Arch, protocol_targets
 #: The model types whose resident step this sequence follows (their decoder is llama's: RMSNorm, rotary, SDPA,
 #: a gated SiLU MLP; qwen2's q/k/v biases and qwen3's q/k norms included).
 SEQUENCE_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
-#: phi3's fused qkv_proj and gate_up_proj among them (its q, k, v and gate, up are views of one block)
-ATTN = ("q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj")
-MLP = ("gate_proj", "up_proj", "gate_up_proj", "down_proj")
+#: phi3's fused qkv_proj and gate_up_proj among them (its q, k, v and gate, up are views of one block); phi's
+#: dense (its o_proj) and fc1, fc2
+ATTN = ("q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj", "dense")
+MLP = ("gate_proj", "up_proj", "gate_up_proj", "down_proj", "fc1", "fc2")
 
 
 class Requests:
@@ -96,20 +97,22 @@ def parameters(a: Arch, targets: tuple, r: int) -> tuple[list, list]:
 
 def parameter_bytes(a: Arch) -> dict:
     """Each checkpoint tensor's name and bf16 bytes (a tied head once)."""
-    names = {"model.embed_tokens.weight": 2 * a.V * a.h, "model.norm.weight": 2 * a.h}
-    if not a.tied:
-        names["lm_head.weight"] = 2 * a.V * a.h
-    for k in range(a.L):
-        p = f"model.layers.{k}."
-        names[p + "input_layernorm.weight"] = names[p + "post_attention_layernorm.weight"] = 2 * a.h
-        if a.qk_norm:
-            names[p + "self_attn.q_norm.weight"] = names[p + "self_attn.k_norm.weight"] = 2 * a.head_dim
-        for m, (fi, fo, bias) in a.modules.items():
-            q = p + ("self_attn." if m in ATTN else "mlp.") + m
-            names[q + ".weight"] = 2 * fi * fo
-            if bias:
-                names[q + ".bias"] = 2 * fo
-    return names
+    return dict(module_order(a, sizes=True))
+
+
+def layer_parameters(a: Arch, k: int) -> list:
+    """Layer ``k``'s (name, bf16 bytes) in its modules' order: each linear's weight and bias (qwen3's q/k norms
+    after o_proj), then its norms (phi: one LayerNorm, weight and bias)."""
+    p = f"model.layers.{k}."
+    out = []
+    for m, (fi, fo, bias) in a.modules.items():
+        q = p + ("self_attn." if m in ATTN else "mlp.") + m
+        out += [(q + ".weight", 2 * fi * fo)] + ([(q + ".bias", 2 * fo)] if bias else [])
+        if m == "o_proj" and a.qk_norm:
+            out += [(p + "self_attn.q_norm.weight", 2 * a.head_dim), (p + "self_attn.k_norm.weight", 2 * a.head_dim)]
+    if a.model_type == "phi":
+        return out + [(p + "input_layernorm.weight", 2 * a.h), (p + "input_layernorm.bias", 2 * a.h)]
+    return out + [(p + "input_layernorm.weight", 2 * a.h), (p + "post_attention_layernorm.weight", 2 * a.h)]
 
 
 def load(q: Requests, a: Arch, targets: tuple, r: int) -> None:
@@ -331,7 +334,7 @@ def load_nf4(q: Requests, a: Arch, targets: tuple, r: int) -> None:
     (each tensor it does not quantise recast to fp32, in the modules' order), peft's fp32 LoRA matrices, which
     TRL recasts to bf16."""
     names = parameter_bytes(a)
-    linear = {n for n in names if n.endswith("_proj.weight")}
+    linear = {f"model.layers.{k}.{'self_attn' if m in ATTN else 'mlp'}.{m}.weight" for k in range(a.L) for m in a.modules}
     q.put(q.get(2 * (sum(names[n] // 4 if n in linear else names[n] for n in names) // 2)))
     held = {}
     for n in sorted(names):
@@ -349,19 +352,18 @@ def load_nf4(q: Requests, a: Arch, targets: tuple, r: int) -> None:
         q.put(k)
 
 
-def module_order(a: Arch) -> list:
+def module_order(a: Arch, sizes: bool = False) -> list:
     """The parameters in the model's module order (model.parameters(): the embedding, each layer's attention
-    (q/k/v/o, qwen3's q/k norms), MLP and norms, the final norm, an untied head)."""
-    out = ["model.embed_tokens.weight"]
+    (q/k/v/o, qwen3's q/k norms), MLP and norms, the final norm, an untied head; phi's final LayerNorm and its
+    head's bias), with their bf16 bytes where ``sizes``."""
+    phi = a.model_type == "phi"
+    out = [("model.embed_tokens.weight", 2 * a.V * a.h)]
     for k in range(a.L):
-        p = f"model.layers.{k}."
-        for m, (_, _, bias) in a.modules.items():
-            q = p + ("self_attn." if m in ATTN else "mlp.") + m
-            out += [q + ".weight"] + ([q + ".bias"] if bias else [])
-            if m == "o_proj" and a.qk_norm:
-                out += [p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"]
-        out += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
-    return out + ["model.norm.weight"] + ([] if a.tied else ["lm_head.weight"])
+        out += layer_parameters(a, k)
+    out += ([("model.final_layernorm.weight", 2 * a.h), ("model.final_layernorm.bias", 2 * a.h)] if phi
+            else [("model.norm.weight", 2 * a.h)])
+    out += [] if a.tied else [("lm_head.weight", 2 * a.V * a.h)] + ([("lm_head.bias", 2 * a.V)] if phi else [])
+    return out if sizes else [n for n, _ in out]
 
 
 def norm32(q: Requests, T: int, width: int, saved: bool = True, heads: int = 1):
@@ -479,6 +481,60 @@ def layer_nf4(q: Requests, a: Arch, T: int, x, first: bool, lora: tuple):
     return out
 
 
+def gelu_new(q: Requests, T: int, i: int, first: bool, b: int = 4):
+    """phi's gelu_new, 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), on fc1's output of ``b`` B an element, in
+    Python's order: 0.5 x, the cube (freed), its scaled, the sum, its scaled, tanh (kept where its input needs a
+    gradient), 1 + tanh, the product (returned); 0.5 x and 1 + tanh are what the product's backward keeps."""
+    half = q.get(b * T * i)
+    cube = q.get(b * T * i)
+    scaled = q.get(b * T * i)
+    q.put(cube)
+    total = q.get(b * T * i)
+    q.put(scaled)
+    inner = q.get(b * T * i)
+    q.put(total)
+    tanh = q.get(b * T * i)
+    q.put(inner)
+    one = q.get(b * T * i)
+    if first:
+        q.put(tanh)
+    return q.get(b * T * i), [half, one]
+
+
+def phi_attention_nf4(q: Requests, a: Arch, T: int, first: bool, lora: tuple):
+    """phi's attention under NF4: q, k, v projected (fp32 outputs), the rotary part of q and k rotated in fp32 and
+    each cat with its pass-through part, autocast's bf16 q, k, v, flash's output and logsumexp, dense (bf16 in,
+    bf16 out, returned); the fp32 blocks live until the attention returns (its locals), then freed."""
+    outs = {m: proj4bit(q, a, T, m, lora, not first) for m in ("q_proj", "k_proj", "v_proj")}
+    rotated = [rotary(q, T, a.heads * a.rotary_dim, 4), rotary(q, T, a.kv * a.rotary_dim, 4)]
+    cats = [q.get(4 * T * a.heads * a.head_dim), q.get(4 * T * a.kv * a.head_dim)]
+    for w in (a.heads, a.kv, a.kv):  # autocast's bf16 q, k, v, which flash saves
+        q.get(2 * T * w * a.head_dim)
+    q.get(2 * T * a.heads * a.head_dim)
+    q.get(4 * T * a.heads)
+    o = proj4bit(q, a, T, "dense", lora, True, False)
+    q.put(*cats, outs["v_proj"], rotated[0], outs["q_proj"], rotated[1], outs["k_proj"])
+    return o
+
+
+def layer_phi_nf4(q: Requests, a: Arch, T: int, x, first: bool, lora: tuple):
+    """One phi layer under NF4 (fp32 residual): its LayerNorm's fp32 output (its mean and rstd small; the input
+    itself is what its backward keeps), the attention and the MLP both on it (parallel), fc1's fp32 output and
+    gelu_new's fp32 blocks (kept from layer 1 on), fc2, attention + MLP + residual (the output, returned)."""
+    normed = q.get(4 * T * a.h)
+    o = phi_attention_nf4(q, a, T, first, lora)
+    fc1 = proj4bit(q, a, T, "fc1", lora, True)
+    act, saved = gelu_new(q, T, a.i, first)
+    if first:  # layer 0's input needs no gradient: its MLP keeps nothing
+        q.put(*saved, fc1)
+    down = proj4bit(q, a, T, "fc2", lora, True)
+    q.put(act)
+    total = q.get(4 * T * a.h)
+    out = q.get(4 * T * a.h)
+    q.put(total, normed, o, down)
+    return out
+
+
 def forward_nf4(q: Requests, a: Arch, T: int, seq: int, lora: tuple, workspace: int = CUBLAS_WORKSPACE) -> list:
     """The NF4 forward: the fp32 embedding's output, the fp32 rotary tables, every layer (each output kept: the
     next norm saves it), the final norm (the blocks live at its end that it made, returned), then autocast's bf16
@@ -486,10 +542,13 @@ def forward_nf4(q: Requests, a: Arch, T: int, seq: int, lora: tuple, workspace: 
     first = q.n + 1
     emb = q.get(4 * T * a.h)
     tables(q, a, seq, True, workspace)
-    x = emb
+    x, phi = emb, a.model_type == "phi"
     for k in range(a.L):
-        x = layer_nf4(q, a, T, x, k == 0, lora)
-    norm32(q, T, a.h)
+        x = (layer_phi_nf4 if phi else layer_nf4)(q, a, T, x, k == 0, lora)
+    if phi:
+        q.get(4 * T * a.h)  # the final LayerNorm's fp32 output
+    else:
+        norm32(q, T, a.h)
     q.put(emb)
     kept = [k for k in q.held if k >= first]
     q.get(2 * T * a.h), q.get(2 * a.V * a.h)  # autocast's bf16 casts for the head, whose copy is HEAD_COPY's
