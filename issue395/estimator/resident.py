@@ -102,10 +102,12 @@ Known limitations
       the fp32 residual's tensors, layer.autocast_casts), where 307,400 were charged before (1.27x-1.42x: each
       target's dropout output and lora_A output and SDPA's q, k, v and output at 4 B, the MLP backward's three
       i-wide transients and the incoming gradient taken off at 2 B); 0.68x-0.82x was an older construction's.
-      The bound stays (sequence.py does not build phi's step): the capture's own peak is 15.3 MB under the 512x1
-      row's (1.1-3.7 MB under at 512x4, 1024x1, 2048x1; 0.1-0.3 MB over at 1024x4, 2048x4), so its replayed rests
-      in place of the bound would leave that row 4.5 MB under: something outside the rests, not named (as
-      Phi-3-mini bf16 512x1's). With checkpointing it is refused (no committed row; its recompute under an fp32
+      The bound stays: sequence.py builds phi's NF4 step (layer_phi_nf4, the capture's request for request at
+      512x1-2048x4), but the capture's own peak is 15.3 MB under the 512x1 row's (1.1-3.7 MB under at 512x4,
+      1024x1, 2048x1; 0.1-0.3 MB over at 1024x4, 2048x4), so its replayed rests in place of the bound would leave
+      that row 4.35 MB under under the H200's own gemm_4bit choice (23.7 MB over charged the largest of every
+      choice, which covers it only by the other cards' choices): something outside the rests, not named (as
+      Phi-3-mini bf16 512x1's; sequence.NF4_SEQUENCE_TYPES). With checkpointing it is refused (no committed row; its recompute under an fp32
       residual is not counted).
     - Qwen3.5 (dense hybrid) without checkpointing is refused: its bf16 rows were 0.9938x-0.9995x (up to 197 MB
       under at 2048x4, in the step; its NF4 rows 1.008x-1.038x). Qwen3.5-MoE with checkpointing is refused: 1024x1

@@ -31,6 +31,13 @@ pass-through part, one gate_up block whose halves the MLP's act and product save
 request at 512x1-1024x4 bf16 and 512x4-1024x4 NF4 (2048 tokens and up a sliding-window mask comes first, and the
 real run's SDPA is then not flash: not built).
 
+phi (``layer_phi_nf4``, NF4 only): one LayerNorm's fp32 output feeds the attention and the MLP (parallel), the
+rotary part of q and k rotated in fp32 and cat with its pass-through part, dense, fc1's fp32 output and gelu_new's
+fp32 blocks (0.5 x, tanh and 1 + tanh kept from layer 1 on), fc2, attention + MLP + residual, the final LayerNorm;
+every linear and the head with a bias: the capture's request for request at phi-2 512x1 (the H200's choice, none
+fused, and every shape fused), 512x4, 1024x1, 1024x4, 2048x1, 2048x4. Not admitted (NF4_SEQUENCE_TYPES says why);
+its bf16 step is not built.
+
 Built only where it was checked against the capture (``replayed``: the plain llama-type decoder, bf16 or NF4, the
 protocol's SFT with LoRA dropout, transformers 5.16.1, the default allocator; under either default cuBLAS
 workspace, the larger charged; under NF4 at 1,536 tokens or fewer, the largest of every gemm_4bit choice; Phi-3
@@ -574,6 +581,14 @@ GEMM_4BIT_LARGE_MAX_ROWS = 512
 #: row's max_memory_allocated: what is missing is outside the rests (the load's and the trainer's blocks the
 #: capture does not have; Llama-3.2-1B NF4 2048x1 held 1 MiB more before its step than the capture), and the
 #: bound stays there until it is named.
+#: Not phi either: its NF4 sequence is the capture's request for request (phi-2 512x1-2048x4), but the capture's own
+#: peak is 15,343,616 B under the 512x1 row's max_memory_allocated (1,193,984 B under at 512x4, 3,749,888 B at
+#: 1024x1, 1,140,736 B at 2048x1; 301,056 B and 145,408 B over at 1024x4 and 2048x4), and the capture holds
+#: 458,752 B more before the step than every phi-2 NF4 row did (the load's history is not the run's). Every
+#: gemm_4bit choice has the same requested peak (6,322,400,256 B at 512x1); only the rests differ (8,716,288 B
+#: under the H200's own choice, none fused; 36,241,408 B the most). Charged the largest (36,896,768 B, under the
+#: pre-Hopper workspace) the 512x1 row would be 23,694,784 B over; under the H200's own choice 4,354,624 B under:
+#: what is missing is outside the capture's rests and not named, and the bound stays.
 NF4_SEQUENCE_TYPES = ("llama", "mistral", "qwen3", "phi3")
 
 
