@@ -107,7 +107,8 @@ Known limitations
       1024x1, 2048x1; 0.1-0.3 MB over at 1024x4, 2048x4), so its replayed rests in place of the bound would leave
       that row 4.35 MB under under the H200's own gemm_4bit choice (23.7 MB over charged the largest of every
       choice, which covers it only by the other cards' choices): something outside the rests, not named (as
-      Phi-3-mini bf16 512x1's; sequence.NF4_SEQUENCE_TYPES). With checkpointing it is refused (no committed row; its recompute under an fp32
+      Phi-3-mini bf16 512x1's; sequence.NF4_SEQUENCE_TYPES).
+      With checkpointing it is refused (no committed row; its recompute under an fp32
       residual is not counted).
     - Qwen3.5 (dense hybrid) without checkpointing is refused: its bf16 rows were 0.9938x-0.9995x (up to 197 MB
       under at 2048x4, in the step; its NF4 rows 1.008x-1.038x). Qwen3.5-MoE with checkpointing is refused: 1024x1

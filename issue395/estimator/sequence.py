@@ -341,7 +341,8 @@ def load_nf4(q: Requests, a: Arch, targets: tuple, r: int) -> None:
     (each tensor it does not quantise recast to fp32, in the modules' order), peft's fp32 LoRA matrices, which
     TRL recasts to bf16."""
     names = parameter_bytes(a)
-    linear = {f"model.layers.{k}.{'self_attn' if m in ATTN else 'mlp'}.{m}.weight" for k in range(a.L) for m in a.modules}
+    linear = {f"model.layers.{k}.{'self_attn' if m in ATTN else 'mlp'}.{m}.weight"
+              for k in range(a.L) for m in a.modules}
     q.put(q.get(2 * (sum(names[n] // 4 if n in linear else names[n] for n in names) // 2)))
     held = {}
     for n in sorted(names):

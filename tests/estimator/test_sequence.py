@@ -123,8 +123,8 @@ def test_the_nf4_sequence_at_1536_tokens_or_fewer_is_the_captures_whichever_kern
     """Issue 51 item 3: at 1,536 tokens or fewer bitsandbytes' gemm_4bit runs its fused kernel (its output alone)
     or its dequantising fallback per card and per weight shape. With the capture's heuristic forced each way on
     every shape (bench/allocator_replay.py --gemm-4bit fused / fallback: Llama-3.2-1B and Phi-3-mini 512x1 and
-    1024x1, Qwen3-0.6B's five shapes fused, phi-2 512x1 fused), and left to the H200's own answer (SmolLM2 512x1:
-    its gate and up fused, the rest not; phi-2 512x1 and 1024x1: none fused), every request over 1 MiB and every free of one is the synthetic sequence's under the
+    1024x1, Qwen3-0.6B's five shapes fused, phi-2 512x1 fused), and left to the H200's own answer (SmolLM2
+    512x1: its gate and up fused, the rest not; phi-2 512x1 and 1024x1: none fused), every request over 1 MiB and every free of one is the synthetic sequence's under the
     same choice (sequence.Requests' ``fused``), and the rests its forward's blocks keep (layer_rests under that
     choice) are the capture's at its peak, or over by the final norm's fp32 output's rest (``over``: freed before
     the peak, counted by the forward's end; the safe side, as sequence.py's docstring says of the final norm)."""
