@@ -24,7 +24,8 @@ the step's rounded requests at their peak), the committed anatomy's real_peak - 
 What a CUDA step does that the meta device does not, substituted (each checked against the committed anatomies'
 live sets):
 - Hugging Face's bf16 autocast: F.linear casts an fp32 input, then the weight (a leaf weight's cast kept until the
-  forward ends), then the bias, to bf16, as CUDA's autocast lower-precision list does for linear;
+  forward ends), then the bias, to bf16, as CUDA's autocast lower-precision list does for linear; layer_norm and
+  pow under its fp32 policy, each bf16 input cast to fp32 first (FP32_POLICY: phi's LayerNorm and gelu_new);
 - SDPA runs flash: its output (B,H,T,D) in the input's dtype, an fp32 logsumexp (B,H,T), two 8-byte philox
   tensors; its backward dq, dk, dv, fp32 softmax_d (B,H,T rounded to 128) and dq_accum (B,T128,H,D8), a GQA's
   dk and dv summed over each group;
@@ -238,10 +239,46 @@ def flash_sdpa(autocast: dict):
     return sdpa
 
 
+#: The ops a decoder's forward reaches that CUDA's autocast runs under its fp32 policy (every floating input cast
+#: to fp32 first: torch 2.13's ATen/autocast_mode.h, AT_FORALL_FP32, which autocast_mode.cpp registers for
+#: AutocastCUDA: ``pow`` Tensor_Scalar, Tensor_Tensor and Scalar, ``layer_norm``, ``native_layer_norm``), as
+#: (owner, attribute): phi's LayerNorm (nn.LayerNorm calls F.layer_norm) and gelu_new's torch.pow; RMSNorm's
+#: Tensor.pow takes an input it has cast to fp32 itself, where the policy casts nothing.
+FP32_POLICY = ((F, "layer_norm"), (torch, "pow"), (torch.Tensor, "pow"), (torch.Tensor, "__pow__"),
+               (torch.Tensor, "__rpow__"))
+
+
+@contextlib.contextmanager
+def fp32_policy(autocast: dict):
+    """FP32_POLICY's ops under autocast (while ``autocast["on"]``): each bf16 or fp16 tensor argument cast to
+    fp32 before the op, in argument order (layer_norm's input, then its weight and bias); restored on the way
+    out."""
+    saved = [(owner, name, getattr(owner, name)) for owner, name in FP32_POLICY]
+
+    def up(x):
+        return x.float() if isinstance(x, torch.Tensor) and x.dtype in (torch.bfloat16, torch.float16) else x
+
+    def policy(op):
+        def run(*args, **kwargs):
+            if autocast["on"]:
+                args, kwargs = tuple(up(x) for x in args), {k: up(v) for k, v in kwargs.items()}
+            return op(*args, **kwargs)
+        return run
+
+    for owner, name, op in saved:
+        setattr(owner, name, policy(op))
+    try:
+        yield
+    finally:
+        for owner, name, op in saved:
+            setattr(owner, name, op)
+
+
 @contextlib.contextmanager
 def cuda_substitutes(autocast: dict, cast_cache: dict):
-    """F.linear under autocast (while ``autocast["on"]``, which torch.is_autocast_enabled reads), fused dropout,
-    flash SDPA and no packed-sequence check, restored on the way out."""
+    """F.linear under autocast (while ``autocast["on"]``, which torch.is_autocast_enabled reads), layer_norm and
+    pow under its fp32 policy (fp32_policy), fused dropout, flash SDPA and no packed-sequence check, restored on the
+    way out."""
     import transformers.masking_utils as mu
 
     linear0, dropout0, sdpa0, packed0, enabled0 = (F.linear, F.dropout, F.scaled_dot_product_attention,
@@ -256,11 +293,13 @@ def cuda_substitutes(autocast: dict, cast_cache: dict):
             b = b.to(torch.bfloat16) if b is not None and b.dtype == torch.float32 else b
         return linear0(x, w, b)
 
+    fp32_ops = fp32_policy(autocast)
     F.linear, F.dropout, F.scaled_dot_product_attention = linear, dropout, flash_sdpa(autocast)
     mu.find_packed_sequence_indices = lambda position_ids: None
     torch.is_autocast_enabled = lambda *device: autocast["on"]
     try:
-        yield
+        with fp32_ops:
+            yield
     finally:
         F.linear, F.dropout, F.scaled_dot_product_attention = linear0, dropout0, sdpa0
         mu.find_packed_sequence_indices, torch.is_autocast_enabled = packed0, enabled0

@@ -294,6 +294,19 @@ def adapter_casts(a: Arch, targets: tuple, r: int, per: int) -> int:
     return a.L * last + (a.L - 1) * first
 
 
+def norm_casts(a: Arch, quant: str) -> int:
+    """The fp32 copies of each nn.LayerNorm's bf16 weight and bias (``norm_bias``: phi's) that CUDA autocast's fp32
+    policy makes for layer_norm (torch's ATen/autocast_mode.h, AT_FORALL_FP32) and native_layer_norm saves for its
+    backward, live through the loss without checkpointing: at every LayerNorm whose input needs a gradient, each
+    decoder layer's from the second (layer 0's input, the embedding's output, needs none) and the final one; each
+    its own small-pool block, rounded to 512 B. None under NF4, whose norms are fp32 already (peft's
+    prepare_model_for_kbit_training). Seen in bench/allocator_replay.py's capture of phi-2 bf16 (64 blocks of
+    10,240 B live at its peak, 512x1-2048x4), and in no per-token count (they do not grow with the tokens)."""
+    if not a.norm_bias or quant != "none":
+        return 0
+    return ((a.L - 1) * a.norms + 1) * 2 * block_bytes(4 * a.h)
+
+
 def refused(a: Arch, quant: str, checkpointing: bool = True, seq: int = 0) -> str | None:
     """Why this tool does not estimate this resident run (None: it does)."""
     if not checkpointing and a.window and seq >= a.window:
@@ -351,6 +364,7 @@ def estimate_resident(config: dict, *, quant: str = "none", seq: int, batch: int
         t[Term.ALLOCATOR_ROUNDING.key] += kept_rests(a, tg, lora_r, T, quant, e.seq, task, lora_dropout,
                                                      transformers)
         t[Term.ADAPTER_CASTS.key] = adapter_casts(a, tg, lora_r, adapter_bytes(task, quant))
+        t[Term.NORM_CASTS.key] = norm_casts(a, quant)
         kept = kept_per_layer(a, quant, tg, lora_r, mask_bytes(task_named(task), lora_dropout))
         t[Term.RETAINED_ACTIVATIONS.key] = T * sum(kept)
         t[Term.RETAINED_BESIDE_LAYER.key] = T * (sum(kept) - kept[-1])  # the last layer's backward runs first

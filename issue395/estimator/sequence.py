@@ -35,13 +35,19 @@ phi (``layer_phi_nf4``, NF4 only): one LayerNorm's fp32 output feeds the attenti
 rotary part of q and k rotated in fp32 and cat with its pass-through part, dense, fc1's fp32 output and gelu_new's
 fp32 blocks (0.5 x, tanh and 1 + tanh kept from layer 1 on), fc2, attention + MLP + residual, the final LayerNorm;
 every linear and the head with a bias: the capture's request for request at phi-2 512x1 (the H200's choice, none
-fused, and every shape fused), 512x4, 1024x1, 1024x4, 2048x1, 2048x4. Not admitted (NF4_SEQUENCE_TYPES says why);
-its bf16 step is not built.
+fused, and every shape fused), 512x4, 1024x1, 1024x4, 2048x1, 2048x4. Not admitted (NF4_SEQUENCE_TYPES says why).
+Its bf16 step (``forward_phi``, ``layer_phi``): the LayerNorm's fp32 copy of its bf16 input (autocast's fp32
+policy; what its backward keeps from layer 1 on) and fp32 output, each linear's own bf16 cast of it (peft's LoRA
+casts nothing: its input is fp32 already), q and k rotated in bf16, gelu_new on fc1's bf16 output (0.5 x bf16, the
+rest fp32 from pow's fp32 copy of its input), fc2 on the product's bf16 cast, the final LayerNorm's fp32 copy and
+output, the head's bf16 cast of it: the capture's request for request at phi-2 512x1-2048x4, admitted
+(BF16_SEQUENCE_TYPES).
 
 Built only where it was checked against the capture (``replayed``: the plain llama-type decoder, bf16 or NF4, the
 protocol's SFT with LoRA dropout, transformers 5.16.1, the default allocator; under either default cuBLAS
 workspace, the larger charged; under NF4 at 1,536 tokens or fewer, the largest of every gemm_4bit choice; Phi-3
-NF4, not its bf16: BF16_SEQUENCE_TYPES); everywhere else resident.py keeps its bound.
+NF4, not its bf16, and phi bf16, not its NF4: BF16_SEQUENCE_TYPES, NF4_SEQUENCE_TYPES); everywhere else
+resident.py keeps its bound.
 """
 
 from __future__ import annotations
@@ -55,8 +61,9 @@ from .allocator import CachingAllocator
 from .arch import NF4_BLOCK, Arch, protocol_targets
 
 #: The model types whose resident step this sequence follows (their decoder is llama's: RMSNorm, rotary, SDPA,
-#: a gated SiLU MLP; qwen2's q/k/v biases and qwen3's q/k norms included).
-SEQUENCE_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+#: a gated SiLU MLP; qwen2's q/k/v biases and qwen3's q/k norms included; phi's parallel LayerNorm layer, its own
+#: functions).
+SEQUENCE_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "phi")
 #: phi3's fused qkv_proj and gate_up_proj among them (its q, k, v and gate, up are views of one block); phi's
 #: dense (its o_proj) and fc1, fc2
 ATTN = ("q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj", "dense")
@@ -158,12 +165,14 @@ def norm(q: Requests, T: int, width: int, saved: bool, heads: int = 1):
     return out, [x32, r] if saved else []
 
 
-def lora_linear(q: Requests, T: int, fi: int, fo: int, r: int, grad: bool, dropout: bool):
+def lora_linear(q: Requests, T: int, fi: int, fo: int, r: int, grad: bool, dropout: bool, fp32: bool = False):
     """A LoRA target: the base output, the fp32 cast of its input, dropout's output and bool mask (kept where
     the input needs a gradient; neither at LoRA dropout 0, peft's nn.Identity), autocast's bf16 cast lora_A
-    saves, lora_A's and lora_B's outputs, the scaling, the sum (returned)."""
-    base = q.get(2 * T * fo)
-    x32 = q.get(4 * T * fi)
+    saves, lora_A's and lora_B's outputs, the scaling, the sum (returned). On an fp32 input (``fp32``: phi's
+    LayerNorm output) the base linear's own bf16 cast of it comes first, freed on its return, and peft casts
+    nothing."""
+    base = cast_linear(q, T, fi, fo) if fp32 else q.get(2 * T * fo)
+    x32 = None if fp32 else q.get(4 * T * fi)
     drop = q.get(4 * T * fi) if dropout else None
     mask = q.get(T * fi) if dropout else None
     if not grad:
@@ -179,14 +188,24 @@ def lora_linear(q: Requests, T: int, fi: int, fo: int, r: int, grad: bool, dropo
     return out, [cast, a_out] + ([mask] if grad else [])
 
 
-def projection(q: Requests, a: Arch, T: int, name: str, lora: tuple, grad: bool):
+def cast_linear(q: Requests, T: int, fi: int, fo: int):
+    """A frozen linear on an fp32 input under autocast: its bf16 cast (the matmul saves none: its weight needs no
+    gradient), the output (returned), the cast freed."""
+    cast = q.get(2 * T * fi)
+    out = q.get(2 * T * fo)
+    q.put(cast)
+    return out
+
+
+def projection(q: Requests, a: Arch, T: int, name: str, lora: tuple, grad: bool, fp32: bool = False):
     """A linear's output: a LoRA target's (``lora``: the targets, r, whether dropout writes a mask) or a frozen
-    one's (its matmul saves nothing: its weight needs no gradient)."""
+    one's (its matmul saves nothing: its weight needs no gradient); on an fp32 input (``fp32``) after
+    autocast's bf16 cast of it."""
     fi, fo, _ = a.modules[name]
     targets, r, dropout = lora
     if name in targets:
-        return lora_linear(q, T, fi, fo, r, grad, dropout)
-    return q.get(2 * T * fo), []
+        return lora_linear(q, T, fi, fo, r, grad, dropout, fp32)
+    return (cast_linear(q, T, fi, fo) if fp32 else q.get(2 * T * fo)), []
 
 
 def rotary(q: Requests, T: int, width: int, b: int = 2):
@@ -304,7 +323,9 @@ def tables(q: Requests, a: Arch, seq: int, fp32: bool, workspace: int = CUBLAS_W
 
 def forward(q: Requests, a: Arch, T: int, seq: int, lora: tuple, workspace: int = CUBLAS_WORKSPACE) -> list:
     """The embedding, the rotary tables, every layer, the final norm: the blocks live at the forward's end that
-    the layers made."""
+    the layers made (phi's: forward_phi)."""
+    if a.model_type == "phi":
+        return forward_phi(q, a, T, seq, lora, workspace)
     emb = q.get(2 * T * a.h)
     cos, sin = tables(q, a, seq, False, workspace)
     kept, x = [], emb
@@ -491,22 +512,27 @@ def layer_nf4(q: Requests, a: Arch, T: int, x, first: bool, lora: tuple):
 
 def gelu_new(q: Requests, T: int, i: int, first: bool, b: int = 4):
     """phi's gelu_new, 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), on fc1's output of ``b`` B an element, in
-    Python's order: 0.5 x, the cube (freed), its scaled, the sum, its scaled, tanh (kept where its input needs a
-    gradient), 1 + tanh, the product (returned); 0.5 x and 1 + tanh are what the product's backward keeps."""
+    Python's order: 0.5 x (``b`` B), on a bf16 input autocast's fp32 copy torch.pow takes (its fp32 policy; what
+    pow's backward keeps), the cube (freed), its scaled, the sum, its scaled, tanh (kept where its input needs a
+    gradient), 1 + tanh, the product (returned), each fp32 from the cube on; 0.5 x and 1 + tanh are what the
+    product's backward keeps (returned with them, the copy pow keeps where its input needs a gradient)."""
     half = q.get(b * T * i)
-    cube = q.get(b * T * i)
-    scaled = q.get(b * T * i)
+    copy = q.get(4 * T * i) if b != 4 else None
+    cube = q.get(4 * T * i)
+    if first:
+        q.put(copy)
+    scaled = q.get(4 * T * i)
     q.put(cube)
-    total = q.get(b * T * i)
+    total = q.get(4 * T * i)
     q.put(scaled)
-    inner = q.get(b * T * i)
+    inner = q.get(4 * T * i)
     q.put(total)
-    tanh = q.get(b * T * i)
+    tanh = q.get(4 * T * i)
     q.put(inner)
-    one = q.get(b * T * i)
+    one = q.get(4 * T * i)
     if first:
         q.put(tanh)
-    return q.get(b * T * i), [half, one]
+    return q.get(4 * T * i), [half, one]
 
 
 def phi_attention_nf4(q: Requests, a: Arch, T: int, first: bool, lora: tuple):
@@ -541,6 +567,63 @@ def layer_phi_nf4(q: Requests, a: Arch, T: int, x, first: bool, lora: tuple):
     out = q.get(4 * T * a.h)
     q.put(total, normed, o, down)
     return out
+
+
+def phi_attention(q: Requests, a: Arch, T: int, first: bool, lora: tuple):
+    """phi's attention under bf16 autocast: q, k, v projected from the LayerNorm's fp32 output (each linear's own
+    bf16 cast of it), the rotary part of q and k rotated and each cat with its pass-through part (the cats and v
+    what flash saves), flash's output and logsumexp, dense (bf16 in, returned); q's and k's projections and
+    rotated parts live until the attention returns (its locals), then freed."""
+    outs = {m: projection(q, a, T, m, lora, not first, True)[0] for m in ("q_proj", "k_proj", "v_proj")}
+    rotated = [rotary(q, T, a.heads * a.rotary_dim), rotary(q, T, a.kv * a.rotary_dim)]
+    q.get(2 * T * a.heads * a.head_dim), q.get(2 * T * a.kv * a.head_dim)
+    q.get(2 * T * a.heads * a.head_dim)
+    q.get(4 * T * a.heads)
+    o = projection(q, a, T, "dense", lora, True)[0]
+    q.put(rotated[0], outs["q_proj"], rotated[1], outs["k_proj"])
+    return o
+
+
+def layer_phi(q: Requests, a: Arch, T: int, x, first: bool, lora: tuple):
+    """One phi layer under bf16 autocast: its LayerNorm's fp32 copy of the input (autocast's fp32 policy; what its
+    backward keeps, freed in layer 0, whose input needs no gradient) and fp32 output, the attention and the MLP
+    both on it (parallel), fc1 on its bf16 cast, gelu_new on fc1's bf16 output (freed once it returns: pow keeps
+    its own fp32 copy), fc2 on the product's bf16 cast, attention + MLP + residual (the output, returned)."""
+    copy = q.get(4 * T * a.h)
+    normed = q.get(4 * T * a.h)
+    if first:
+        q.put(copy)
+    o = phi_attention(q, a, T, first, lora)
+    fc1 = projection(q, a, T, "fc1", lora, True, True)[0]
+    act, saved = gelu_new(q, T, a.i, first, 2)
+    q.put(*saved, fc1) if first else q.put(fc1)
+    down = projection(q, a, T, "fc2", lora, True, True)[0]
+    q.put(act)
+    total = q.get(2 * T * a.h)
+    out = q.get(2 * T * a.h)
+    q.put(total, normed, o, down)
+    return out
+
+
+def forward_phi(q: Requests, a: Arch, T: int, seq: int, lora: tuple, workspace: int = CUBLAS_WORKSPACE) -> list:
+    """phi's bf16 forward: the embedding's output, the rotary tables, every layer (each input freed after the
+    next layer: its LayerNorm keeps its own fp32 copy), the final LayerNorm's fp32 copy and output (the blocks
+    live at its end that the forward made, returned), then autocast's bf16 cast of the head's input (the frozen
+    head saves none)."""
+    first = q.n + 1
+    emb = q.get(2 * T * a.h)
+    tables(q, a, seq, False, workspace)
+    x = emb
+    for k in range(a.L):
+        out = layer_phi(q, a, T, x, k == 0, lora)
+        if k:
+            q.put(x)
+        x = out
+    q.get(4 * T * a.h), q.get(4 * T * a.h)
+    q.put(x, emb)
+    kept = [k for k in q.held if k >= first]
+    q.get(2 * T * a.h)
+    return kept
 
 
 def forward_nf4(q: Requests, a: Arch, T: int, seq: int, lora: tuple, workspace: int = CUBLAS_WORKSPACE) -> list:
@@ -597,7 +680,15 @@ NF4_SEQUENCE_TYPES = ("llama", "mistral", "qwen3", "phi3")
 #: (Phi-3-mini 512x1-1024x4), but the capture's own peak at 512x1 is 23,332,352 B under that row's
 #: max_memory_allocated (263,680 B at 512x4 and 1024x4), and with the replayed rests in place of the bound the
 #: row would be 16,953,152 B under: what is missing is outside the rests, and the bound stays until it is named.
-BF16_SEQUENCE_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+#: phi is (forward_phi): with layer_norm and pow under autocast's fp32 policy in the capture (bench/
+#: allocator_replay.py's FP32_POLICY) the capture's peak is within 778,240 B of every committed phi-2 bf16 row's
+#: max_memory_allocated (the real 778,240 B under at 512x1, where it kept no rest of the capture's 786,432 B;
+#: 26,624-538,624 B over at the other five), both holding 5,569,854,464 B before the step; with the replayed
+#: rests and resident.norm_casts (the LayerNorms' fp32 weight copies, 655,360 B, seen in the capture) charged,
+#: the estimate's physics is within 30,720 B of the capture's peak (under at 512x4, 1024x4, 2048x1, 2048x4), and
+#: what the real exceeds the capture by is inside the allowance (estimate.ALLOCATED_ALLOWANCE_BYTES): every row
+#: 1.0000x-1.0007x, 2.67-6.50 MB over.
+BF16_SEQUENCE_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi")
 
 
 #: The transformers release whose modeling code every capture the sequence was checked against ran (the pinned
@@ -628,7 +719,8 @@ def default_allocator(environ=None) -> bool:
 
 def replayed(a: Arch, quant: str, targets: tuple, task: str, *, transformers: str, environ=None) -> bool:
     """Whether this sequence is the run's: a plain llama-type decoder (SEQUENCE_TYPES, one kind of layer; Phi-3's
-    fused qkv and gate_up at a full rotary), bf16, or NF4 (NF4_SEQUENCE_TYPES) at any token count (at
+    fused qkv and gate_up at a full rotary; phi's parallel layer, bf16 only), bf16 (BF16_SEQUENCE_TYPES), or NF4
+    (NF4_SEQUENCE_TYPES) at any token count (at
     GEMM_4BIT_FUSED_MAX_ROWS or fewer layer_rests charges the largest replay of every gemm_4bit choice), the
     protocol's LoRA targets (protocol_targets: q_proj and v_proj, in any order; Phi-3's qkv_proj) and task (SFT: one
     forward, no reference), LoRA dropout on or off, under transformers SEQUENCE_TRANSFORMERS (``transformers``: the
@@ -637,7 +729,8 @@ def replayed(a: Arch, quant: str, targets: tuple, task: str, *, transformers: st
     return (a.model_type in SEQUENCE_TYPES and a.layers is None
             and (quant == "none" and a.model_type in BF16_SEQUENCE_TYPES
                  or quant == "nf4" and a.model_type in NF4_SEQUENCE_TYPES)
-            and a.rotary_dim == a.head_dim  # phi3's partial rotary (its pass-through part) was never captured
+            # phi3's partial rotary (its pass-through part) was never captured; phi's was, at phi-2's 0.4
+            and (a.rotary_dim == a.head_dim or a.model_type == "phi")
             and len(targets) == len(set(targets)) and set(targets) == set(protocol_targets(a)) and task == "sft"
             and transformers == SEQUENCE_TRANSFORMERS and default_allocator(environ))
 

@@ -96,6 +96,11 @@ class Term(Enum):
     #: saves for the backward (a reentrant checkpoint runs the forward without grad: none is kept there)
     ADAPTER_CASTS = ("adapter_casts", {_LO, _LA}, Kind.TEMP, "the adapter's bf16 copies",
                      "an fp32 adapter, no checkpointing")
+    #: no checkpointing, a bf16 nn.LayerNorm (phi's): the fp32 copies of its weight and bias that autocast's fp32
+    #: policy makes for layer_norm and native_layer_norm saves for its backward, at every LayerNorm whose input
+    #: needs a gradient
+    NORM_CASTS = ("norm_casts", {_LO, _LA}, Kind.TEMP, "the LayerNorms' fp32 weight copies",
+                  "a bf16 LayerNorm, no checkpointing")
     #: the adapter's gradients as the backward makes them, at its first layer: every other layer's
     #: (one micro-batch; the layer phase takes the larger of this with one checkpointed input and
     #: every input with none)

@@ -204,7 +204,8 @@ def test_a_weight_of_4_mi_elements_or_more_is_dequantised_on_every_card_past_512
 def test_nf4_is_replayed_at_any_length_on_its_checked_types():
     """Issue 51 item 3: NF4 is replayed at any token count on llama, mistral, qwen3 and phi3 (at 1,536 tokens or
     fewer the largest of every gemm_4bit choice); qwen2 NF4 keeps the bound (sequence.NF4_SEQUENCE_TYPES); bf16 is
-    replayed at any length; Phi-3's NF4 with its protocol target, qkv_proj."""
+    replayed at any length, phi-2's too (its partial rotary captured), not its NF4; Phi-3's NF4 with its protocol
+    target, qkv_proj."""
     llama, qwen = arch_from_config(config_json("llama32-1b")), arch_from_config(config_json("qwen"))
     t = ("q_proj", "v_proj")
     kw = dict(transformers=sequence.SEQUENCE_TRANSFORMERS, environ={})
@@ -213,6 +214,8 @@ def test_nf4_is_replayed_at_any_length_on_its_checked_types():
     assert sequence.replayed(qwen, "none", t, "sft", **kw)
     phi3 = arch_from_config(config_json("phi3-mini"))
     assert sequence.replayed(phi3, "nf4", ("qkv_proj",), "sft", **kw)
+    phi = arch_from_config(config_json("phi-2"))
+    assert sequence.replayed(phi, "none", t, "sft", **kw) and not sequence.replayed(phi, "nf4", t, "sft", **kw)
 
 
 def test_the_rests_charged_are_the_larger_replay_under_either_default_cublas_workspace():
@@ -255,7 +258,7 @@ def test_the_replay_serves_only_the_default_allocator_and_workspaces_it_was_chec
     ("phi3-mini", "none", ("qkv_proj",), "sft", "5.16.1"),  # bf16: a shortfall outside the rests at 512x1
     ("phi3-mini", "nf4", ("qkv_proj", "o_proj"), "sft", "5.16.1"),
     ("phi-2", "nf4", ("q_proj", "v_proj"), "sft", "5.16.1"),  # built, but a shortfall outside the rests at 512x1
-    ("phi-2", "none", ("q_proj", "v_proj"), "sft", "5.16.1"),  # bf16: not built
+    ("phi-2", "none", ("q_proj", "v_proj", "dense"), "sft", "5.16.1"),  # bf16: only its protocol targets captured
     ("llama32-1b", "none", ("q_proj", "k_proj", "v_proj"), "sft", "5.16.1"),
     ("llama32-1b", "none", ("q_proj",), "sft", "5.16.1"),
     ("llama32-1b", "none", ("q_proj", "v_proj"), "sft", "5.24.0"),
@@ -263,13 +266,61 @@ def test_the_replay_serves_only_the_default_allocator_and_workspaces_it_was_chec
 def test_every_run_the_sequence_was_not_checked_on_keeps_the_bound(key, quant, targets, task, transformers):
     """Review item 8: sequence.replayed holds only what the captures checked (llama-type SFT q,v; bf16, or NF4
     on llama, mistral, qwen3, and phi3 with qkv_proj; transformers 5.16.1; the default allocator): qwen2 NF4, the
-    other tasks, Gemma, Gemma-2, Phi-3 bf16 (and NF4 with other targets), phi-2 (issue 51 item 3: its NF4 step is
-    the capture's, but the capture's peak is 15.3 MB under the real one at 512x1), other targets, another
-    transformers keep the bound."""
+    other tasks, Gemma, Gemma-2, Phi-3 bf16 (and NF4 with other targets), phi-2 NF4 (issue 51 item 3: its NF4 step
+    is the capture's, but the capture's peak is 15.3 MB under the real one at 512x1) and bf16 on other targets,
+    other targets, another transformers keep the bound."""
     a = arch_from_config(config_json(key))
     assert not sequence.replayed(a, quant, targets, task, transformers=transformers, environ={})
     assert sequence.replayed(arch_from_config(config_json("llama32-1b")), "none", ("q_proj", "v_proj"), "sft",
                              transformers="5.16.1", environ={})
+
+
+@checked_stack
+@pytest.mark.parametrize("seq,batch,rests", [(512, 1, 786_432), (1024, 1, 0), (2048, 1, 1_048_576),
+                                             (512, 4, 1_048_576)])
+def test_phis_bf16_sequence_is_the_captures_request_for_request_under_autocasts_fp32_layer_norm_and_pow(seq, batch,
+                                                                                                      rests):
+    """Issue 51 item 3: phi-2's bf16 step (sequence.forward_phi: the LayerNorm's fp32 copy of its bf16 input and
+    fp32 output, each linear's own bf16 cast of it, partial rotary in bf16 and its cat, gelu_new's bf16 0.5 x and
+    pow's fp32 copy of its input, fc2 on the product's cast, the final LayerNorm, the head's cast), every request
+    over 1 MiB and every free of one from the load to the head's logits, is bench/allocator_replay.py's capture
+    with layer_norm and pow under CUDA autocast's fp32 policy (FP32_POLICY), at 512x1, 1024x1, 2048x1 and 512x4;
+    the rests its forward's blocks keep (layer_rests, what resident.py charges now phi bf16 is replayed) are the
+    capture's: 786,432 B, 0, 1 MiB, 1 MiB."""
+    a = arch_from_config(config_json("phi-2"))
+    targets, T = protocol_targets(a), seq * batch
+    assert sequence.replayed(a, "none", targets, "sft", transformers=sequence.SEQUENCE_TRANSFORMERS, environ={})
+    events = capture_module().capture("phi-2", seq, batch, 8, targets, 0.05)
+    want, captured_rests = captured(events, a, T)
+    q = sequence.Requests(trace=True)
+    sequence.load(q, a, targets, 8)
+    kept = sequence.forward(q, a, T, seq, (targets, 8, True))
+    assert q.trace == want, next(i for i, (x, y) in enumerate(zip(q.trace, want)) if x != y)
+    assert q.rests(kept) == captured_rests == rests
+    assert sequence.layer_rests(a, targets, 8, T, seq, True, workspace=CUBLAS_WORKSPACE) == rests
+
+
+@checked_stack
+def test_the_capture_runs_layer_norm_and_pow_in_fp32_under_autocast_as_cudas_fp32_policy_does():
+    """Issue 51 item 3: CUDA autocast's fp32 policy (torch's ATen/autocast_mode.h, AT_FORALL_FP32: pow's three
+    overloads, layer_norm, native_layer_norm) casts each bf16 input to fp32 first; bench/allocator_replay.py's
+    capture now does so for F.layer_norm (nn.LayerNorm) and pow (torch.pow, Tensor.pow, ** either side) while its
+    autocast is on, and nothing while it is off or on fp32 inputs (RMSNorm's pow, which casts to fp32 itself):
+    every capture of an RMSNorm model is unchanged (the request-for-request tests above)."""
+    import torch
+    import torch.nn.functional as F
+
+    mod = capture_module()
+    x = torch.empty((4, 8), dtype=torch.bfloat16, device="meta")
+    w, b = torch.empty(8, dtype=torch.bfloat16, device="meta"), torch.empty(8, dtype=torch.bfloat16, device="meta")
+    autocast, kept = {"on": True}, (F.layer_norm, torch.pow, torch.Tensor.pow, torch.Tensor.__pow__)
+    with mod.fp32_policy(autocast):
+        on = [F.layer_norm(x, (8,), w, b).dtype, torch.pow(x, 3.0).dtype, x.pow(2).dtype, (x ** 2).dtype,
+              (2 ** x).dtype, x.float().pow(2).dtype]
+        autocast["on"] = False
+        off = [F.layer_norm(x, (8,), w, b).dtype, torch.pow(x, 3.0).dtype, x.pow(2).dtype]
+    assert on == [torch.float32] * 6 and off == [torch.bfloat16] * 3
+    assert (F.layer_norm, torch.pow, torch.Tensor.pow, torch.Tensor.__pow__) == kept  # restored on the way out
 
 
 def test_the_targets_are_compared_as_a_set():
