@@ -35,7 +35,8 @@ layer.latent_retained, measured on CPU under CUDA's autocast lists, names: the r
 which grouped_mm does not keep, the router's fp32 logits, the latent at 6 B a width; under NF4, not measured, the
 kinds' count stays: 1.0023x-1.0075x), Qwen3.5 with
 checkpointing 1.0002x-1.0008x (4), Qwen3.5-MoE without it 1.0001x-1.0040x (12). phi-2 bf16 (6 rows,
-1.0000x-1.0007x; 1.0023x-1.0204x bounded, 1.0236x-1.0352x before layer.mlp_records): a resident run trains under bf16 autocast, which
+1.0000x-1.0007x; 1.0023x-1.0204x bounded, 1.0236x-1.0352x before layer.mlp_records): a resident run trains
+under bf16 autocast, which
 the streamed step (where the counts are measured) does not, and autocast runs layer_norm and pow in fp32 (``autocast_upcasts``). Under NF4 the rotary tables are
 fp32, as the residual stream is: charged bf16, Gemma-2-2B NF4 4096x1 with checkpointing was 3.20 MB under its real
 peak, the allowance aside; charged fp32, 0.99 MB over.
