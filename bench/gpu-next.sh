@@ -43,11 +43,13 @@
 #
 # resident-anatomy, issue 51 item 3: the allocator's history (bench/task_peak_anatomy.py) of the committed resident
 # rows the corrected estimate is most over (the Done-when asks 1.02x), to confirm on CUDA what the CPU saved-tensor
-# count under CUDA's autocast lists named (estimator/layer.py autocast_upcasts, mlp_records): Phi-3-mini NF4 without
-# checkpointing (now 1.0056x-1.0236x: v is SDPA's own bf16 copy of the fp32 fused qkv output), phi-2 bf16 (now
-# 1.0023x-1.0186x: layer 0's LayerNorm and parallel MLP record nothing; the fp32 LayerNorm input copy is saved),
-# phi-2 NF4 (refused: 0.68x-0.82x), Moonlight 2048x4 without checkpointing (now 1.0023x-1.0048x on its bf16 rows:
-# layer.latent_retained; was 1.0286x). The CPU count is `python bench/allocator_replay.py saved KEY`.
+# count under CUDA's autocast lists named (estimator/layer.py autocast_upcasts, autocast_casts, mlp_records), first
+# the rows over 1.02x: phi-2 NF4 without checkpointing (1.0056x-1.0250x, its retained blocks' rests still a bound:
+# the meta capture's peak is 15,343,616 B under the 512x1 row's, unnamed; --trace brings back the real request
+# sequence for sequence.py's phi NF4 step to be held against), Phi-3-mini NF4 1024x1 (v is SDPA's own bf16 copy of
+# the fp32 fused qkv output), phi-2 bf16 (now replayed, 1.0000x-1.0007x: layer 0's LayerNorm and parallel MLP record
+# nothing; autocast's fp32 LayerNorm weight copies, resident.norm_casts), Moonlight 2048x4 without checkpointing
+# (1.0023x-1.0048x on its bf16 rows: layer.latent_retained). The CPU count is `python bench/allocator_replay.py saved KEY`.
 #
 # segments52, issue 52 item 1: the estimator charges unsplit_remainders, a BOUND of 1 MiB for every adapter-shaped
 # block over 1 MiB live at once; on the four arms below that bound is 253.8, 455.1, 335.5 and 2,013.3 MB against
@@ -179,9 +181,10 @@ resident_anatomy() {
   export TMPDIR=/dev/shm HF_HUB_OFFLINE=1
   END=$(( $(date +%s) + ${BUDGET_S:-540} ))
   git log -1 --format=%H >> "$R/stack.txt" 2>/dev/null
+  anatomy res sft-phi2-nf4-512x1 phi-2 --train stream_layers=false --task sft --seq 512 --quant nf4 --targets q_proj,v_proj \
+      --trace "$R/res-sft-phi2-nf4-512x1.trace.json.gz"
   anatomy res sft-phi3-nf4-1024x1 phi3-mini --train stream_layers=false --task sft --seq 1024 --quant nf4 --targets qkv_proj
   anatomy res sft-phi2-bf16-2048x1 phi-2 --train stream_layers=false --task sft --seq 2048 --targets q_proj,v_proj
-  anatomy res sft-phi2-nf4-1024x1 phi-2 --train stream_layers=false --task sft --seq 1024 --quant nf4 --targets q_proj,v_proj
   anatomy res sft-moonlight-bf16-2048x4 moonlight --train stream_layers=false --task sft --seq 2048 --batch 4 \
       --targets q_proj,kv_b_proj
 }

@@ -426,6 +426,7 @@ def test_the_resident_anatomy_call_trains_each_familys_own_lora_targets_resident
     assert {fam for _, fam, _ in arms} == {"phi3-mini", "phi-2", "moonlight"}
     A = load("task_peak_anatomy")
     for tag, fam, args in arms:
+        args = re.sub(r'"\$R/([^"]+)"', lambda m: str(ROOT / m.group(1)), args)  # $R: the box's results folder
         a = A.parse(["--base", "x"] + args.split())
         assert tuple(a.targets.split(",")) == family_shape(fam).targets, tag
         assert "stream_layers=false" in args.split(), tag
