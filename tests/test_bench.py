@@ -520,14 +520,18 @@ def test_the_allocator_replay_refuses_an_int8_capture_an_unknown_key_and_an_exis
 
 
 #: Reduced widths of each structure the CPU-measured counts name (two layers, a 512-token vocabulary): Qwen2.5's
-#: biased attention, Qwen3's q/k norms, phi's parallel block (bf16, and NF4: its fp32 residual), Phi-3's fused qkv and
-#: Llama under NF4, and DeepSeek-V3's latent attention with a dense layer 0 and routed experts.
+#: biased attention, Qwen3's q/k norms, phi's parallel block (bf16, and NF4: its fp32 residual; each with
+#: microsoft/phi-2's own resid_pdrop 0.1, and with qk_layernorm, which the resident estimate refuses), Phi-3's fused
+#: qkv and Llama under NF4, and DeepSeek-V3's latent attention with a dense layer 0 and routed experts.
+PHI_WIDTHS = dict(hidden_size=128, intermediate_size=320, num_attention_heads=4, num_key_value_heads=4)
 SAVED_CASES = [
     ("qwen", "none", dict(hidden_size=128, intermediate_size=320, num_attention_heads=4, num_key_value_heads=2)),
     ("qwen3-0.6b", "none", dict(hidden_size=128, intermediate_size=320, num_attention_heads=4, num_key_value_heads=2,
                                 head_dim=32)),
     ("phi-2", "none", dict(hidden_size=128, intermediate_size=320, num_attention_heads=4, num_key_value_heads=4)),
     ("phi-2", "nf4", dict(hidden_size=128, intermediate_size=320, num_attention_heads=4, num_key_value_heads=4)),
+    ("phi-2", "none", dict(PHI_WIDTHS, resid_pdrop=0.1)), ("phi-2", "nf4", dict(PHI_WIDTHS, resid_pdrop=0.1)),
+    ("phi-2", "none", dict(PHI_WIDTHS, qk_layernorm=True)), ("phi-2", "nf4", dict(PHI_WIDTHS, qk_layernorm=True)),
     ("phi3-mini", "nf4", dict(hidden_size=128, intermediate_size=320, num_attention_heads=4, num_key_value_heads=4)),
     ("llama32-1b", "nf4", dict(hidden_size=128, intermediate_size=320, num_attention_heads=4, num_key_value_heads=2,
                                head_dim=32)),
@@ -538,7 +542,8 @@ SAVED_CASES = [
 
 
 @checked_stack
-@pytest.mark.parametrize("key,quant,widths", SAVED_CASES, ids=[f"{k}-{q}" for k, q, _ in SAVED_CASES])
+@pytest.mark.parametrize("key,quant,widths", SAVED_CASES, ids=[
+    f"{k}-{q}" + "".join(f"-{n}" for n in ("resid_pdrop", "qk_layernorm") if n in w) for k, q, w in SAVED_CASES])
 def test_each_layers_cpu_saved_count_under_cudas_autocast_is_what_the_resident_estimate_keeps(key, quant, widths):
     """Issue 51 item 3: bench/allocator_replay.py saved (the real transformers + peft layers on CPU under CUDA's
     autocast lists, fused dropout, memory-efficient SDPA; NF4 by bitsandbytes' CPU Linear4bit) counts what each
@@ -546,7 +551,9 @@ def test_each_layers_cpu_saved_count_under_cudas_autocast_is_what_the_resident_e
     after layer 0; layer 0's count also holds the rotary tables (first saved there), which their own term charges:
     kept_per_layer and that term together are at or above it. The method behind layer.py's CPU-measured figures (Phi-3 NF4's v,
     phi's layer 0, phi NF4's bf16 casts of its fp32 residual's tensors: autocast_casts, DeepSeek-V3's latent_retained),
-    run at reduced widths."""
+    run at reduced widths. phi's resid_pdrop (microsoft/phi-2's 0.1) keeps two 1 B masks h wide a layer from 1 on
+    (layer.resid_masks), in the count to the byte. A run the resident estimate refuses (phi's qk_layernorm) saves
+    more than the count, and is refused in one line, streamed too: never estimated as if the setting were off."""
     from transformers import AutoConfig
 
     from issue395.estimator.arch import arch_from_config
@@ -563,6 +570,15 @@ def test_each_layers_cpu_saved_count_under_cudas_autocast_is_what_the_resident_e
     config._attn_implementation = "sdpa"
     got = replay.saved_per_token(config, quant, targets, 8, 0.05, (64, 128))
     kept = kept_per_layer(a, quant, targets, 8, LORA_DROPOUT_MASK_BYTES)
+    if widths.get("qk_layernorm"):
+        from issue395.errors import UsageError
+        from issue395.estimator.estimate import estimate
+
+        assert all(got[n] > kept[n] for n in range(1, a.L)), (got, kept)
+        for run in (estimate_resident, estimate):
+            with pytest.raises(UsageError, match="qk_layernorm"):
+                run(c, quant=quant, seq=128, targets=targets)
+        return
     rotary = estimate_resident(c, quant=quant, seq=128, targets=targets).terms["rotary_tables"] / 128
     assert [got[n] for n in range(1, a.L)] == kept[1:], (got, kept)
     assert got[0] <= kept[0] + rotary, (got, kept, rotary)

@@ -34,6 +34,8 @@ class Arch:
     norm_bias: bool = False
     qk_norm: bool = False
     layers: Layers | None = None  # MoE / latent / hybrid layers (issue395.estimator.moe); None: one dense kind
+    qk_layernorm: bool = False  # phi's optional per-head LayerNorms on q and k (PhiConfig.qk_layernorm)
+    dropouts: frozenset = frozenset()  # the model's own dropout keys whose p writes a mask (0 < p < 1: MODEL_DROPOUTS)
 
 
     @property
@@ -113,15 +115,19 @@ CONFIG_DEFAULTS: dict[str, dict] = {
         sliding_window_pattern=6, use_bidirectional_attention=False),
     "phi": dict(  # PhiConfig; every linear carries a bias (modeling_phi.py)
         num_key_value_heads=HEADS, head_dim=PER_HEAD, tie_word_embeddings=False,
-        max_position_embeddings=2048, partial_rotary_factor=0.5),
+        max_position_embeddings=2048, partial_rotary_factor=0.5, qk_layernorm=False, resid_pdrop=0.0,
+        embd_pdrop=0.0, attention_dropout=0.0),
     "phi3": dict(  # Phi3Config
         num_key_value_heads=HEADS, head_dim=PER_HEAD, tie_word_embeddings=False,
         max_position_embeddings=4096, partial_rotary_factor=1.0, sliding_window=None),
 }
+#: The model's own dropouts a config sets (phi's PhiConfig: microsoft/phi-2's own config.json has resid_pdrop 0.1,
+#: which the registry's leaves out): nn.Dropout, like LoRA's, writes a mask only where 0 < p < 1 (layer.mask_bytes).
+MODEL_DROPOUTS = ("resid_pdrop", "embd_pdrop", "attention_dropout")
 #: Past these no released checkpoint goes (largest public head_dim 256, window 131072).
 _HEAD_DIM_LIMIT, _WINDOW_LIMIT = 4096, 2**24
 _FLAGS = ("tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window",
-          "use_bidirectional_attention")
+          "use_bidirectional_attention", "qk_layernorm")
 #: Flags transformers itself types ``bool | None`` and writes as null (Gemma2Config's
 #: use_bidirectional_attention defaults to None; save_pretrained writes it): null reads as false,
 #: as the class reads it (``if self.use_bidirectional_attention:``).
@@ -318,7 +324,25 @@ def arch_from_config(config: dict) -> Arch:
     return Arch(mt, h, i, L, V, nh, kv, hd, _field(config, mt, "tie_word_embeddings"),
                 max_pos, int(hd * float(factor)), _window(config, mt, L), softcap, mods,
                 norms=4 if mt in ("gemma2", "gemma3_text") else (1 if mt == "phi" else 2),
-                norm_bias=mt == "phi", qk_norm=mt in ("qwen3", "gemma3_text"))
+                norm_bias=mt == "phi", qk_norm=mt in ("qwen3", "gemma3_text"),
+                qk_layernorm=bool("qk_layernorm" in CONFIG_DEFAULTS[mt] and _field(config, mt, "qk_layernorm")),
+                dropouts=_dropouts(config, mt))
+
+
+def _dropouts(config: dict, mt: str) -> frozenset:
+    """The MODEL_DROPOUTS this model_type reads whose p writes a mask (0 < p < 1); a p no nn.Dropout takes is one
+    line naming it."""
+    out = set()
+    for name in MODEL_DROPOUTS:
+        if name not in CONFIG_DEFAULTS[mt]:
+            continue
+        p = _field(config, mt, name)
+        p = 0.0 if p is None else p  # PhiConfig's attention_dropout may be null: phi's attention reads it as no dropout
+        if not _number(p) or not 0 <= p <= 1:
+            raise UsageError(f"config {name} is {p!r}; it must be a probability from 0 to 1")
+        if 0 < p < 1:
+            out.add(name)
+    return frozenset(out)
 
 
 # -- The shard geometry: what one layer of the architecture holds, read by Soup's number and the physics alike --

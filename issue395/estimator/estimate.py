@@ -413,6 +413,9 @@ def checked_modes(a: Arch, stream: dict, task: str, batch: int) -> tuple:
     chunk, recompute = stream.get("stream_loss_chunk"), stream.get("stream_recompute", "on")
     if recompute not in RECOMPUTES:
         raise UsageError(f"stream_recompute {recompute!r} is not modelled (it measures one step at setup)")
+    if a.qk_layernorm:  # phi's per-head q and k LayerNorms: their saved fp32 copies, mean and rstd are in no count
+        raise UsageError(f"config qk_layernorm on {a.model_type} is not modelled by this estimator (its q and k "
+                         "LayerNorms' saved tensors are in no count)")
     tk = task_named(task)
     if tk.batch_refused(batch):
         raise UsageError(f"batch {batch}: {tk.batch_refused(batch)}")

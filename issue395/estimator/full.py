@@ -157,7 +157,7 @@ def full_retained_rounding(a: Arch, T: int) -> int:
     widths = [(4, a.h)] * (a.norms if a.quirks.norm_inputs_saved else 0) + [(nb, a.h)] * a.norms
     widths += [(2, a.h)] * 2 + [(2, qw), (2, kw), (2, (qw + 2 * kw) if a.quirks.fused_qkv else kw), (2, qw), (2, qw)]
     upcast, _ = autocast_upcasts(a, "none")  # autocast's fp32 copies in place of as many of the MLP's blocks
-    widths += [(2, a.i)] * (a.quirks.mlp_saved - a.quirks.mlp_transients + 1 - sum(1 for _, w in upcast if w == a.i))
+    widths += [(2, a.i)] * (a.quirks.mlp_saved - MLP_BACKWARD_TRANSIENTS + 1 - sum(1 for _, w in upcast if w == a.i))
     return layer_remainders([b * w * T for b, w in widths + upcast] * a.L)
 
 
@@ -345,7 +345,7 @@ def master_blocks(a: Arch) -> list[tuple[int, int]]:
     blocks += [(2, qw), (2, kw), (2, v), (2, qw), (FP32, a.heads)]
     if a.qk_norm:
         blocks += [(FP32, qw), (FP32, kw), (FP32, a.heads), (FP32, a.kv), (_norm_bytes(a), qw), (_norm_bytes(a), kw)]
-    return blocks + [(2, a.i)] * (a.quirks.mlp_saved - a.quirks.mlp_transients + 1)
+    return blocks + [(2, a.i)] * (a.quirks.mlp_saved - MLP_BACKWARD_TRANSIENTS + 1)
 
 
 def master_retained(a: Arch) -> int:

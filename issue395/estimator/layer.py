@@ -45,6 +45,10 @@ from .moe import Kind, expert_in_flight
 #: nn.Dropout's saved mask, 1 B an input element. Soup's LoRA dropout defaults to 0.05 (LORA_DROPOUT), so
 #: peft puts an nn.Dropout on every targeted module.
 LORA_DROPOUT_MASK_BYTES = 1
+#: The masks a phi layer's resid_dropout (one nn.Dropout, run twice: on attention's output and on the MLP's, before
+#: the parallel sum; transformers 5.16.1 modeling_phi.py) keeps where the config's resid_pdrop writes one
+#: (arch.MODEL_DROPOUTS), each h wide at the LoRA mask's 1 B an element.
+RESID_DROPOUTS = 2
 #: What the MLP backward makes beside the saved tensors: the down projection's input gradient and
 #: the two gradients of act(gate) x up.
 MLP_BACKWARD_TRANSIENTS = 3
@@ -188,10 +192,23 @@ def layer_per_token(a: Arch, quant: str, targets: tuple, r: int, *, at: Moment =
     v = (qw + 2 * kw) if a.quirks.fused_qkv else kw  # phi3: v is a view of the fused qkv
     b += act * (qw + kw + v + qw) + 4 * a.heads
     b += 4 * (qw + kw) + RMS_RSTD_BYTES * (a.heads + a.kv) if a.qk_norm else 0
+    b += LORA_DROPOUT_MASK_BYTES * a.h * resid_masks(a, targets, input_grad)
     saved = a.quirks.mlp_saved - MLP_BACKWARD_TRANSIENTS
     if at is Moment.BACKWARD:
         return b + act * a.h + act * a.i * a.quirks.mlp_saved
     return b + 3 * act * a.h + act * a.i * (saved + 1)
+
+
+def resid_masks(a: Arch, targets: tuple, input_grad: bool) -> int:
+    """The resid_dropout masks a layer keeps (RESID_DROPOUTS where the config's resid_pdrop writes them): attention's
+    output carries a gradient in any layer that records (its targets), the MLP's only where it records (mlp_records:
+    not in the first layer holding a target, whose input needs none). Charged whatever the task: where its trainer
+    turns dropout off (TRL's DPO, ORPO, CPO, KTO: layer.mask_bytes) no mask is written, and the charge is a bound.
+    Measured on CPU (bench/allocator_replay.py saved, phi-2 at reduced widths with resid_pdrop 0.1, tests/test_bench.py):
+    a layer from 1 on keeps 2h more, bf16 and NF4 alike."""
+    if "resid_pdrop" not in a.dropouts:
+        return 0
+    return RESID_DROPOUTS - (0 if mlp_records(a, targets, input_grad) else 1)
 
 
 def expert_forward(a: Arch, k: Kind) -> int:
@@ -256,7 +273,8 @@ def kind_transients(a: Arch, k: Kind, per_expert: bool = False) -> int:
     return 2 * MLP_BACKWARD_TRANSIENTS * k.mlp_width + 2 * a.h
 
 
-def retained_by_layer(a: Arch, quant: str, targets: tuple, r: int, mask: int = LORA_DROPOUT_MASK_BYTES) -> list[int]:
+def retained_by_layer(a: Arch, quant: str, targets: tuple, r: int, mask: int = LORA_DROPOUT_MASK_BYTES,
+                      resident: bool = False) -> list[int]:
     """stream_recompute off: what each layer keeps per token for its backward, first to last (Soup's
     _body_retained: no checkpoint, so no saved input either): its count at the MLP backward less the
     transients. A layer before the first that holds a LoRA target keeps nothing: neither its input
@@ -271,17 +289,20 @@ def retained_by_layer(a: Arch, quant: str, targets: tuple, r: int, mask: int = L
     Evidence: SmolLM2 512 x 1 and Moonlight bf16 2048 x 1, the live set at the loss peak
     (results/layer-walk-modes-h200-soup0.77.0-2798321/call-1); Qwen3.5-MoE (4 of 40 layers, q_proj
     and v_proj) keeps 129.5 KB a token at 2048 and 4096, all of it from layer 3 on
-    (results/pages2-soup-patch-map4-modes-*/call-5 against call-4's)."""
+    (results/pages2-soup-patch-map4-modes-*/call-5 against call-4's). ``resident``: the MLP backward's transients
+    and incoming gradient taken off at the activations' dtype (phi NF4's fp32: resident.kept_per_layer, held to
+    the CPU count); the streamed step's stay at 2 B, never measured under phi NF4's fp32 residual there."""
     layers = _layer_kinds(a)
     first = _first_target(a, targets)
     kept = []
     for n, (_, kind) in enumerate(layers):
         grad = n > first
         if kind is None:
-            act = activation_bytes(a, quant)  # the backward's transients take the activations' dtype (phi NF4: 4 B)
+            act = activation_bytes(a, quant)
             mlp = 0 if mlp_records(a, targets, grad) else act * a.i * (a.quirks.mlp_saved - MLP_BACKWARD_TRANSIENTS)
+            off = act if resident else 2  # the transients' dtype: the activations' (phi NF4: 4 B) where measured
             kept.append(layer_per_token(a, quant, targets, r, input_grad=grad, mask=mask)
-                        - act * (MLP_BACKWARD_TRANSIENTS * a.i + a.h) - mlp)
+                        - off * (MLP_BACKWARD_TRANSIENTS * a.i + a.h) - mlp)
         elif n < first:
             kept.append(0)
         elif kind.latent_norms and quant == "none":
@@ -394,6 +415,7 @@ def layer_blocks(a: Arch, quant: str, targets: tuple, r: int, T: int, peak: "Lay
                                                 if peak.mask and input_needs_grad(t, targets, input_grad) else [])
     widths += [(act, qw), (act, kw), (act, (qw + 2 * kw) if a.quirks.fused_qkv else kw), (act, qw), (4, a.heads)]
     widths += [(4, qw), (4, kw), (RMS_RSTD_BYTES, a.heads), (RMS_RSTD_BYTES, a.kv)] if a.qk_norm else []
+    widths += [(LORA_DROPOUT_MASK_BYTES, a.h)] * resid_masks(a, targets, input_grad)
     if peak.moment is Moment.BACKWARD:
         widths += [(act, a.h)] + [(act, a.i)] * a.quirks.mlp_saved
     else:
@@ -537,8 +559,9 @@ def autocast_casts(a: Arch, quant: str, targets: tuple, r: int) -> int:
     at the activations' 4 B. Measured on CPU (transformers 5.16.1, peft 0.20, bitsandbytes 0.50.2's Linear4bit,
     phi-2's widths, q_proj and v_proj at r 8, CUDA's autocast lists applied to each op: bench/allocator_replay.py
     saved phi-2 --quant nf4): a layer from 1 on saves 210,088 B a token, four fp32 gelu_new tensors (163,840), the
-    LayerNorm's fp32 input, mean and rstd (10,248), 20,480 of SDPA's and 15,392 of the adapters' (bf16, and
-    the 1 B masks); layer 0 30,880 beside its rotary tables."""
+    LayerNorm's fp32 input, mean and rstd (10,248), 20,480 of SDPA's q, k, v and output (bf16) and 128 of its
+    fp32 logsumexp (4 B x 32 heads), and 15,392 of the adapters' (bf16, and the 1 B masks); layer 0 30,880 beside
+    its rotary tables."""
     if not fp32_residual(a, quant):
         return 0
     act, qw, kw = activation_bytes(a, quant), a.heads * a.head_dim, a.kv * a.head_dim

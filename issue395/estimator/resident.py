@@ -13,7 +13,8 @@ Measured (tests/estimator/test_resident.py), on the 187 committed arms of these 
 (results/resident-map-*): never under, median 1.0010x; with checkpointing 1.0001x-1.0029x, without it
 1.0000x-1.0250x, median 1.0013x (the widest: rows whose retained rests are still bounded, phi-2 NF4 up to
 1.0250x, Phi-3-mini bf16 1024x1 1.0157x; then SmolLM2 NF4 512x1 1.0147x, replayed under every gemm_4bit
-choice; every row but phi-2 NF4's 1.0000x-1.0157x, median 1.0008x).
+choice; without checkpointing less phi-2 NF4's 6, 152 rows, 1.0000x-1.0157x, median 1.0013x); every row but phi-2
+NF4's, 181, 1.0000x-1.0157x, median 1.0008x.
 Where the retained blocks' rests are replayed
 (estimator/sequence.py: SmolLM2, Qwen2.5, Llama-3.2-1B, Llama-3.1-8B, Qwen3-0.6B, Mistral-7B, SFT bf16 without
 checkpointing, 39 rows) 1.0001x-1.0069x, median 1.0007x (the larger replay of the two default cuBLAS workspaces,
@@ -115,13 +116,21 @@ Known limitations
       target's dropout output and lora_A output and SDPA's q, k, v and output at 4 B, the MLP backward's three
       i-wide transients and the incoming gradient taken off at 2 B); 0.68x-0.82x was an older construction's.
       The bound stays: sequence.py builds phi's NF4 step (layer_phi_nf4, the capture's request for request at
-      512x1-2048x4), but the capture's own peak is 15.3 MB under the 512x1 row's (1.1-3.7 MB under at 512x4,
+      512x1, 1024x1, 2048x1), but the capture's own peak is 15.3 MB under the 512x1 row's (1.1-3.7 MB under at 512x4,
       1024x1, 2048x1; 0.1-0.3 MB over at 1024x4, 2048x4), so its replayed rests in place of the bound would leave
       that row 4.35 MB under under the H200's own gemm_4bit choice (23.7 MB over charged the largest of every
       choice, which covers it only by the other cards' choices): something outside the rests, not named (as
       Phi-3-mini bf16 512x1's; sequence.NF4_SEQUENCE_TYPES).
       With checkpointing it is refused (no committed row; its recompute under an fp32
-      residual is not counted).
+      residual is not counted). The layer the backward runs is its count at 4 B an activation (fp32_over:
+      343,208 B a token with autocast's; 163,976 were charged, the bf16 count, under one layer's kept 210,088).
+    - phi with qk_layernorm (its per-head q and k LayerNorms) is refused, streamed too (estimate.checked_modes): its
+      saved tensors are in no count (phi-2 512x1 with it, bench/allocator_replay.py's meta capture: bf16 peak
+      9,307,270,144 B, estimated as without it 8,961,982,144 B, 0.963x; NF4 6,674,983,936 B, 6,505,224,640, 0.975x). phi's resid_pdrop (microsoft/phi-2's own
+      config has 0.1; the registry's, which the committed rows ran, none) keeps two 1 B masks h wide a layer
+      (layer.resid_masks), charged in the count streamed and resident; with it, embd_pdrop or attention_dropout
+      set the retained rests are bounded, never replayed (no capture ran them); embd_pdrop with checkpointing is
+      refused (its mask, kept where the embedding's output needs a gradient, is in no count).
     - Qwen3.5 (dense hybrid) without checkpointing is refused: its bf16 rows were 0.9938x-0.9995x (up to 197 MB
       under at 2048x4, in the step; its NF4 rows 1.008x-1.038x). Qwen3.5-MoE with checkpointing is refused: 1024x1
       bf16 0.9999x (its row held 34 MB more before its step than at its other rows), 4096x1 0.9986x bf16 and
@@ -143,8 +152,9 @@ from ..record import LORA_DROPOUT
 from ..model.targets import soup_targets
 from ..tasks import PROTOCOL_TASK, task as task_named
 from .arch import NF4_BLOCK, Arch, arch_from_config, fp32_residual, layer_bytes, nf4_bytes, protocol_targets
-from .layer import (AUTOCAST_BF16, LORA_DROPOUT_MASK_BYTES, MLP_BACKWARD_TRANSIENTS, RMS_RSTD_BYTES, autocast_by_layer,
-                    autocast_casts, autocast_per_token, autocast_upcasts, mask_bytes, retained_by_layer)
+from .layer import (AUTOCAST_BF16, LORA_DROPOUT_MASK_BYTES, MLP_BACKWARD_TRANSIENTS, RESID_DROPOUTS, RMS_RSTD_BYTES,
+                    Moment, autocast_by_layer, autocast_casts, autocast_per_token, autocast_upcasts, layer_per_token,
+                    mask_bytes, retained_by_layer)
 from .estimate import Estimate, estimate, needs_free, segment_tail
 from .steady import adapter_bytes
 from .terms import Phase, Term, phase_sum
@@ -230,6 +240,7 @@ def retained_rounding(a: Arch, targets: tuple, r: int, T: int, quant: str = "non
     if a.qk_norm:  # Qwen3's and Gemma-3's per-head q/k norms: their fp32 inputs and rstd (layer_per_token)
         widths += [(4, qw), (4, kw), (RMS_RSTD_BYTES, a.heads), (RMS_RSTD_BYTES, a.kv)]
     widths += [w for t in targets for w in ((act, a.modules[t][0]), (mask, a.modules[t][0]), (act, r))]
+    widths += [(LORA_DROPOUT_MASK_BYTES, a.h)] * (RESID_DROPOUTS if "resid_pdrop" in a.dropouts else 0)
     upcast, _ = autocast_upcasts(a, quant)  # autocast's copies in place of as many of the count's blocks
     v = (qw + 2 * kw) if a.quirks.fused_qkv else kw  # phi3's v: a view of the fused output, under NF4 its own cast
     if a.quirks.fused_qkv and (AUTOCAST_BF16, kw) in upcast:
@@ -326,6 +337,13 @@ def refused(a: Arch, quant: str, checkpointing: bool = True, seq: int = 0) -> st
                 "is not yet modelled by this estimator (its layers keep attention masks the counts do not have)")
     if quant not in ("none", "nf4"):
         return f"a resident {quant} run is not modelled by this estimator"
+    if a.qk_layernorm:
+        return (f"a resident {a.model_type} run with qk_layernorm is not yet modelled by this estimator (its q and k "
+                "LayerNorms' saved tensors are in no count)")
+    if "embd_pdrop" in a.dropouts and checkpointing:
+        return (f"a resident {a.model_type} run with embd_pdrop and gradient checkpointing is not yet modelled by this "
+                "estimator (the embedding dropout's mask, kept where checkpointing makes its input need a gradient, "
+                "is in no count)")
     if fp32_residual(a, quant) and checkpointing:
         return (f"a resident {quant} {a.model_type} run with gradient checkpointing is not yet modelled by this "
                 "estimator (its recompute of an fp32 residual stream under autocast is not counted)")
@@ -389,10 +407,11 @@ def estimate_resident(config: dict, *, quant: str = "none", seq: int, batch: int
         # autocast casts it to bf16 for the head's matmul, which saves that copy for its backward: V x h x 2 beside
         # the loss, whatever the tokens (Llama-3.2-1B NF4: real peaks 3.733 MB a token plus 561 MB at 512-8192
         # tokens; this copy is 525 MB). The backward dequantises one linear at a time.
-        # (phi's residual is fp32 from layer 0's output: its count charges every activation fp32 already)
+        # phi's residual is fp32 from layer 0's output: every activation of its layer's count is (fp32_over)
         if checkpointing:
             t[Term.CHECKPOINTED_INPUTS.key] *= 2
-        t[Term.LAYER_PER_TOKEN.key] += 0 if fp32_residual(a, quant) else T * 2 * a.i * a.quirks.mlp_saved
+        t[Term.LAYER_PER_TOKEN.key] += T * (fp32_over(a, tg, lora_r, mask_bytes(task_named(task), lora_dropout))
+                                            if fp32_residual(a, quant) else 2 * a.i * a.quirks.mlp_saved)
         t[Term.HEAD_COPY.key] = 2 * a.V * a.h + segment_tail(2 * a.V * a.h)
         # the rotary tables take the residual stream's dtype (transformers' rotary embeddings return
         # cos.to(x.dtype)): fp32 here, twice the streamed step's bf16 tables. Measured: Llama-3.2-1B NF4 2048x1
@@ -429,13 +448,22 @@ def kept_per_layer(a: Arch, quant: str, targets: tuple, r: int, mask: int) -> li
     and under NF4 each layer's MLP tensors in fp32 (the bytes over bf16; phi's fp32 residual is charged fp32 by the
     count already) and on DeepSeek-V3 the kinds' bound in place of latent_retained, which is measured in bf16 only.
     `python bench/allocator_replay.py saved KEY` counts the same on CPU (tests/test_bench.py holds them equal)."""
-    bf16 = retained_by_layer(a, "none", targets, r, mask)
+    bf16 = retained_by_layer(a, "none", targets, r, mask, resident=True)
     kept = [n + u for n, u in zip(bf16, autocast_by_layer(a, quant, targets, r))]
     if quant != "nf4":
         return kept
-    saved = 0 if fp32_residual(a, quant) else 2 * a.i * (a.quirks.mlp_saved - a.quirks.mlp_transients)
-    bound = [o - n for o, n in zip(retained_by_layer(a, "nf4", targets, r, mask), bf16)]
+    saved = 0 if fp32_residual(a, quant) else 2 * a.i * (a.quirks.mlp_saved - MLP_BACKWARD_TRANSIENTS)
+    bound = [o - n for o, n in zip(retained_by_layer(a, "nf4", targets, r, mask, resident=True), bf16)]
     return [k + saved + b for k, b in zip(kept, bound)]
+
+
+def fp32_over(a: Arch, targets: tuple, r: int, mask: int) -> int:
+    """What the layer the backward runs holds a token over its bf16 count (layer.layer_per_token at the MLP
+    backward, whose bf16 figure the streamed step's terms charge) where the residual stream is fp32 (phi NF4): the
+    same count at the activations' 4 B. Without it phi-2 NF4's layer term was 163,976 B a token, under the
+    210,088 one layer keeps (the CPU count); with it, and autocast's additions, 343,208."""
+    at = dict(at=Moment.BACKWARD, input_grad=True, mask=mask)
+    return layer_per_token(a, "nf4", targets, r, **at) - layer_per_token(a, "none", targets, r, **at)
 
 
 def estimate_run(arm, config: dict | None = None, **extra) -> Estimate:

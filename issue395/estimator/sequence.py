@@ -35,7 +35,8 @@ phi (``layer_phi_nf4``, NF4 only): one LayerNorm's fp32 output feeds the attenti
 rotary part of q and k rotated in fp32 and cat with its pass-through part, dense, fc1's fp32 output and gelu_new's
 fp32 blocks (0.5 x, tanh and 1 + tanh kept from layer 1 on), fc2, attention + MLP + residual, the final LayerNorm;
 every linear and the head with a bias: the capture's request for request at phi-2 512x1 (the H200's choice, none
-fused, and every shape fused), 512x4, 1024x1, 1024x4, 2048x1, 2048x4. Not admitted (NF4_SEQUENCE_TYPES says why).
+fused, and every shape fused), 1024x1 and 2048x1 (tests/estimator/test_sequence.py; 512x4-2048x4 not held there).
+Not admitted (NF4_SEQUENCE_TYPES says why).
 Its bf16 step (``forward_phi``, ``layer_phi``): the LayerNorm's fp32 copy of its bf16 input (autocast's fp32
 policy; what its backward keeps from layer 1 on) and fp32 output, each linear's own bf16 cast of it (peft's LoRA
 casts nothing: its input is fp32 already), q and k rotated in bf16, gelu_new on fc1's bf16 output (0.5 x bf16, the
@@ -665,7 +666,7 @@ GEMM_4BIT_LARGE_MAX_ROWS = 512
 #: row's max_memory_allocated: what is missing is outside the rests (the load's and the trainer's blocks the
 #: capture does not have; Llama-3.2-1B NF4 2048x1 held 1 MiB more before its step than the capture), and the
 #: bound stays there until it is named.
-#: Not phi either: its NF4 sequence is the capture's request for request (phi-2 512x1-2048x4), but the capture's own
+#: Not phi either: its NF4 sequence is the capture's request for request (phi-2 512x1-2048x1), but the capture's own
 #: peak is 15,343,616 B under the 512x1 row's max_memory_allocated (1,193,984 B under at 512x4, 3,749,888 B at
 #: 1024x1, 1,140,736 B at 2048x1; 301,056 B and 145,408 B over at 1024x4 and 2048x4), and the capture holds
 #: 458,752 B more before the step than every phi-2 NF4 row did (the load's history is not the run's). Every
@@ -725,8 +726,9 @@ def replayed(a: Arch, quant: str, targets: tuple, task: str, *, transformers: st
     protocol's LoRA targets (protocol_targets: q_proj and v_proj, in any order; Phi-3's qkv_proj) and task (SFT: one
     forward, no reference), LoRA dropout on or off, under transformers SEQUENCE_TRANSFORMERS (``transformers``: the
     release the run has, its local tag dropped) and the default allocator (``default_allocator`` of ``environ``):
-    every capture it was checked against."""
-    return (a.model_type in SEQUENCE_TYPES and a.layers is None
+    every capture it was checked against. Never phi's qk_layernorm, nor a model dropout the config turns on
+    (arch.MODEL_DROPOUTS: resid_pdrop's masks, embd_pdrop's and SDPA's dropout): no capture ran them."""
+    return (a.model_type in SEQUENCE_TYPES and a.layers is None and not a.qk_layernorm and not a.dropouts
             and (quant == "none" and a.model_type in BF16_SEQUENCE_TYPES
                  or quant == "nf4" and a.model_type in NF4_SEQUENCE_TYPES)
             # phi3's partial rotary (its pass-through part) was never captured; phi's was, at phi-2's 0.4

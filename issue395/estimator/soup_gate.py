@@ -241,10 +241,11 @@ def resident_preflight(cfg: Any, model_config: Any, *, free: Optional[int], tota
     already left; so one verdict for both of Soup's gates, and the one --estimate gives on a card: needs free
     + the runtime's growth <= total - context). Where torch cannot read it (``free`` None), the card's
     ``total`` less this tool's CUDA context bound, said so. ``formula``: Soup's own (peak GB, +10% GB, admits)
-    from hardware_fit, printed beside. A run the estimate does not model (MoE, latent attention, hybrid,
-    phi, past a sliding window without checkpointing, a resident setting of ASSUMED; a full fine-tuning, lora.r 0,
-    is estimate_resident's estimate_full, on 0.77.0's fp32 master weights its estimate_master, except where it
-    refuses it) or a config it cannot read keeps Soup's
+    from hardware_fit, printed beside. A run the estimate does not model (a model type outside
+    resident.MODELLED_TYPES, Qwen3.5 without checkpointing or Qwen3.5-MoE with it, phi NF4 with checkpointing, phi
+    with qk_layernorm or with embd_pdrop and checkpointing, past a sliding window without checkpointing, a resident
+    setting of ASSUMED; a full fine-tuning, lora.r 0, is estimate_resident's estimate_full, on 0.77.0's fp32 master
+    weights its estimate_master, except where it refuses it) or a config it cannot read keeps Soup's
     formula (``refused`` says why; never a crash, never a gate lifted)."""
     try:
         config, kwargs = resident_kwargs(cfg, model_config, steps)

@@ -57,7 +57,12 @@ def arch_by_transformers(fields: dict) -> A.Arch:
                   2 * rotary.numel(), c.sliding_window if slides else None,
                   mt in SOFTCAPPED and c.final_logit_softcapping is not None, mods, norms=len(norms),
                   norm_bias=any(getattr(m, "bias", None) is not None for m in norms),
-                  qk_norm=hasattr(layer.self_attn, "q_norm"))
+                  qk_norm=hasattr(layer.self_attn, "q_norm"), qk_layernorm=hasattr(layer.self_attn, "q_layernorm"),
+                  dropouts=frozenset(n for n, p in (("resid_pdrop", getattr(layer, "resid_dropout", None)),
+                                                    ("embd_pdrop", getattr(model.model, "embed_dropout", None)))
+                                     if p is not None and 0 < p.p < 1)
+                  | ({"attention_dropout"} if mt == "phi" and 0 < (layer.self_attn.attention_dropout or 0) < 1
+                     else set()))
 
 
 def _variants(key: str):
