@@ -65,6 +65,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -642,7 +643,6 @@ def saved_by_layer(model, T: int, vocab: int, seed: int = 0) -> dict:
     the layer running when it was first saved."""
     layers = next(list(m) for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m)
                   and "DecoderLayer" in type(m[0]).__name__)
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     where, seen, out = ["pre"], {}, {}
     hooks = [h for n, layer in enumerate(layers) for h in (
         layer.register_forward_pre_hook(lambda m, a, n=n: where.__setitem__(0, n)),
@@ -650,8 +650,13 @@ def saved_by_layer(model, T: int, vocab: int, seed: int = 0) -> dict:
 
     def pack(t):
         s = t.untyped_storage()
-        if (s.data_ptr() not in seen or seen[s.data_ptr()]() is None) and s.data_ptr() not in params and s.nbytes():
-            seen[s.data_ptr()] = weakref.ref(t)  # a reused address counts again once its first tensor died
+        # the parameters' addresses now, not once before the forward: a parameter whose storage is swapped in it
+        # frees its old address for an activation, which a set taken before would skip (seen: 1 run in 8)
+        params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        if (s.data_ptr() not in seen or seen[s.data_ptr()].expired()) and s.data_ptr() not in params and s.nbytes():
+            # the storage's own weak reference, not its first tensor's: a tensor can outlive the storage it was
+            # first seen with (its storage swapped), and a new storage at that address must count again
+            seen[s.data_ptr()] = StorageWeakRef(s)
             out.setdefault(where[0], []).append((s.nbytes(), seen[s.data_ptr()]))
         return t
 
@@ -659,7 +664,7 @@ def saved_by_layer(model, T: int, vocab: int, seed: int = 0) -> dict:
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), cuda_autocast():
             loss = model(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids).loss
-        kept = {k: sum(n for n, ref in v if ref() is not None) for k, v in out.items()}
+        kept = {k: sum(n for n, ref in v if not ref.expired()) for k, v in out.items()}
         del loss
     finally:
         for h in hooks:
