@@ -152,9 +152,9 @@ from ..record import LORA_DROPOUT
 from ..model.targets import soup_targets
 from ..tasks import PROTOCOL_TASK, task as task_named
 from .arch import NF4_BLOCK, Arch, arch_from_config, fp32_residual, layer_bytes, nf4_bytes, protocol_targets
-from .layer import (AUTOCAST_BF16, LORA_DROPOUT_MASK_BYTES, MLP_BACKWARD_TRANSIENTS, RESID_DROPOUTS, RMS_RSTD_BYTES,
+from .layer import (AUTOCAST_BF16, LORA_DROPOUT_MASK_BYTES, MLP_BACKWARD_TRANSIENTS, RMS_RSTD_BYTES,
                     Moment, autocast_by_layer, autocast_casts, autocast_per_token, autocast_upcasts, layer_per_token,
-                    mask_bytes, retained_by_layer)
+                    mask_bytes, resid_masks, retained_by_layer)
 from .estimate import Estimate, estimate, needs_free, segment_tail
 from .steady import adapter_bytes
 from .terms import Phase, Term, phase_sum
@@ -240,7 +240,7 @@ def retained_rounding(a: Arch, targets: tuple, r: int, T: int, quant: str = "non
     if a.qk_norm:  # Qwen3's and Gemma-3's per-head q/k norms: their fp32 inputs and rstd (layer_per_token)
         widths += [(4, qw), (4, kw), (RMS_RSTD_BYTES, a.heads), (RMS_RSTD_BYTES, a.kv)]
     widths += [w for t in targets for w in ((act, a.modules[t][0]), (mask, a.modules[t][0]), (act, r))]
-    widths += [(LORA_DROPOUT_MASK_BYTES, a.h)] * (RESID_DROPOUTS if "resid_pdrop" in a.dropouts else 0)
+    widths += [(LORA_DROPOUT_MASK_BYTES, a.h)] * resid_masks(a, targets, True)  # a layer from 1 on: its input has grad
     upcast, _ = autocast_upcasts(a, quant)  # autocast's copies in place of as many of the count's blocks
     v = (qw + 2 * kw) if a.quirks.fused_qkv else kw  # phi3's v: a view of the fused output, under NF4 its own cast
     if a.quirks.fused_qkv and (AUTOCAST_BF16, kw) in upcast:
