@@ -22,6 +22,9 @@ from .resident import estimate_resident
 from .terms import Phase, Term, phase_sum
 from .steady import is_bounded
 
+#: Soup config's quantization spelling -> the harness's (SOUP_QUANT, inverted: the one map)
+OURS_QUANT = {soup: ours for ours, soup in SOUP_QUANT.items()}
+
 #: `soup train` runs many optimizer steps; from the second on the optimizer's states are live and
 #: each later step repeats that peak, so two steps hold the peak over all of them (as --estimate
 #: --config reads a run). Soup's setup does not know the run's length when its gate reads memory.
@@ -118,7 +121,7 @@ def gate_kwargs(cfg: Any, tcfg: Any, model_config: Any, steps: Optional[int] = N
     """(the model's config as a config.json dict, the estimate's keywords) from what Soup's setup
     holds; one UsageError naming a setting the estimator does not model."""
     config = model_config if isinstance(model_config, dict) else model_config.to_dict()
-    quant = {soup: ours for ours, soup in SOUP_QUANT.items()}.get(str(tcfg.quantization))
+    quant = OURS_QUANT.get(str(tcfg.quantization))
     if quant is None:
         raise UsageError(f"training.quantization {tcfg.quantization!r} is not one the estimator models")
     unmodelled = streamed_unmodelled(tcfg, quant)
@@ -169,14 +172,12 @@ def preflight(cfg: Any, tcfg: Any, model_config: Any, *, steps: Optional[int] = 
                      + ("" if formula is None else f" (Soup's formula: {formula / 1e9:.2f} GB)"))}
 
 
-_RESIDENT_QUANT = {"none": "none", "4bit": "nf4"}
-
 
 def resident_departures(cfg: Any) -> list[tuple[str, str]]:
     """Every one of Soup's settings in ASSUMED the resident estimate assumes that ``cfg`` (Soup's loaded config)
     sets to another value, as (the key and its value, what the estimator assumes), each spelled as a soup.yaml
     writes it; empty where the estimate models them all."""
-    quant = _RESIDENT_QUANT.get(str(cfg.training.quantization))
+    quant = OURS_QUANT.get(str(cfg.training.quantization))
     return [(f"{'' if row.top else 'training.'}{row.key} {_spelled(value)}",
              "the estimator assumes " + ("it unset" if row.value is None else _spelled(row.value)))
             for row, value in _departures(cfg, cfg.training, quant, False)]
@@ -201,7 +202,7 @@ def resident_kwargs(cfg: Any, model_config: Any, steps: Optional[int] = None) ->
         raise UsageError(f"the base's config could not be read ({type(model_config).__name__}: {model_config})")
     config = model_config if isinstance(model_config, dict) else model_config.to_dict()
     t = cfg.training
-    quant = _RESIDENT_QUANT.get(str(t.quantization))
+    quant = OURS_QUANT.get(str(t.quantization))
     if quant is None:
         raise UsageError(f"training.quantization {t.quantization!r} is not modelled resident")
     if not isinstance(t.batch_size, int) or isinstance(t.batch_size, bool):

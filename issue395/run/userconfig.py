@@ -13,17 +13,15 @@ from typing import Any, Optional
 
 from ..constants import STREAM_KEYS
 from ..errors import UsageError, cut, last_line, soups_words
-from ..record import LORA_DROPOUT, SOUP_QUANT
+from ..record import LORA_DROPOUT
 from ..tasks import PROTOCOL_TASK, TASKS
 from ..model.arm import Adapter, Arm, Settings, lora_dropout
 from ..model.streaming import STREAMED_CHECKPOINTS, Streaming
-from ..estimator.soup_gate import resident_departures, resident_lines, resident_unmodelled, streamed_unmodelled
+from ..estimator.soup_gate import (OURS_QUANT, resident_departures, resident_lines, resident_unmodelled,
+                                   streamed_unmodelled)
 from ..estimator.stacks import package_version
 from ..results.extras import ResidentGate
 from .checks import HUB_ID, LOADER_NEEDS, looks_like_a_path
-
-#: Soup's quantization spelling -> this tool's.
-QUANT_OF = {soup: ours for ours, soup in SOUP_QUANT.items()}
 
 
 @dataclass(frozen=True)
@@ -117,10 +115,10 @@ def read_soup_config(path: str) -> UserRun:
     if task not in TASKS:
         raise UsageError(f"--config {path}: task {task!r} is not one this tool models ({', '.join(TASKS)}: the tasks "
                          "Soup streams), resident or streamed")
-    quant = QUANT_OF.get(str(t.quantization))
+    quant = OURS_QUANT.get(str(t.quantization))
     if quant is None:
         raise UsageError(f"--config {path}: training.quantization {t.quantization!r} is not one this tool models "
-                         f"({', '.join(QUANT_OF)}: the ones Soup streams), resident or streamed")
+                         f"({', '.join(OURS_QUANT)}: the ones Soup streams), resident or streamed")
     if not isinstance(t.batch_size, int):
         raise UsageError(f"--config {path}: training.batch_size {t.batch_size!r} is one the estimator does not "
                          "model (give a whole number)")
