@@ -20,6 +20,8 @@ LORA_DROPOUT = 0.05
 
 
 SOUP_QUANT = {"none": "none", "nf4": "4bit"}  # the harness's name: Soup config's spelling
+#: Soup config's quantization spelling -> the harness's: SOUP_QUANT read the other way, so the two cannot drift
+OURS_QUANT = {soup: ours for ours, soup in SOUP_QUANT.items()}
 
 
 #: The grid's adapter count is twice the LoRA A+B parameters (921,600 = 2 x 460,800).

@@ -14,16 +14,13 @@ from typing import Any, Optional
 
 from ..constants import STREAM_KEYS
 from ..errors import UsageError
-from ..record import SOUP_QUANT
+from ..record import OURS_QUANT
 from ..model.arm import SETTINGS, lora_dropout
 from .cards import CONTEXT_BOUND_BYTES, STEP_GROWTH_BYTES
 from .estimate import estimate
 from .resident import estimate_resident
 from .terms import Phase, Term, phase_sum
 from .steady import is_bounded
-
-#: Soup config's quantization spelling -> the harness's (SOUP_QUANT, inverted: the one map)
-OURS_QUANT = {soup: ours for ours, soup in SOUP_QUANT.items()}
 
 #: `soup train` runs many optimizer steps; from the second on the optimizer's states are live and
 #: each later step repeats that peak, so two steps hold the peak over all of them (as --estimate

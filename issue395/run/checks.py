@@ -14,7 +14,7 @@ from typing import Iterable, Optional
 
 from ..constants import comma_list
 from ..errors import UsageError
-from ..record import SOUP_QUANT
+from ..record import OURS_QUANT
 from ..tasks import PROTOCOL_TASK, TASKS
 from ..report.outputs import NOT_OURS, not_ours
 from ..host.scratch import writable_folder
@@ -73,8 +73,8 @@ def within(flag: str, value: int, minimum: int = 1, named: Optional[str] = None)
     return _bounded(named or flag, value, minimum, top, why)
 
 
-#: A choice spelt as Soup's config spells it -> this tool's name for it (record.SOUP_QUANT).
-SPELLED = {"--quant": {soup: ours for ours, soup in SOUP_QUANT.items() if soup != ours}}
+#: A choice spelt as Soup's config spells it -> this tool's name for it, where the two differ (record.OURS_QUANT).
+SPELLED = {"--quant": {soup: ours for soup, ours in OURS_QUANT.items() if soup != ours}}
 
 
 def distinct_choices(flag: str, text: str, allowed: tuple[str, ...], noun: str) -> tuple[str, ...]:

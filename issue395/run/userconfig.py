@@ -13,11 +13,11 @@ from typing import Any, Optional
 
 from ..constants import STREAM_KEYS
 from ..errors import UsageError, cut, last_line, soups_words
-from ..record import LORA_DROPOUT
+from ..record import LORA_DROPOUT, OURS_QUANT
 from ..tasks import PROTOCOL_TASK, TASKS
 from ..model.arm import Adapter, Arm, Settings, lora_dropout
 from ..model.streaming import STREAMED_CHECKPOINTS, Streaming
-from ..estimator.soup_gate import (OURS_QUANT, resident_departures, resident_lines, resident_unmodelled,
+from ..estimator.soup_gate import (resident_departures, resident_lines, resident_unmodelled,
                                    streamed_unmodelled)
 from ..estimator.stacks import package_version
 from ..results.extras import ResidentGate
