@@ -26,9 +26,10 @@ live sets):
 - Hugging Face's bf16 autocast: F.linear casts an fp32 input, then the weight (a leaf weight's cast kept until the
   forward ends), then the bias, to bf16, as CUDA's autocast lower-precision list does for linear; layer_norm and
   pow under its fp32 policy, each bf16 input cast to fp32 first (FP32_POLICY: phi's LayerNorm and gelu_new);
-- SDPA runs flash: its output (B,H,T,D) in the input's dtype, an fp32 logsumexp (B,H,T), two 8-byte philox
-  tensors; its backward dq, dk, dv, fp32 softmax_d (B,H,T rounded to 128) and dq_accum (B,T128,H,D8), a GQA's
-  dk and dv summed over each group;
+- SDPA runs flash: its output (B,H,T,D) in the input's dtype and q's layout, an fp32 logsumexp (B,H,T), two 8-byte
+  philox tensors; its backward a contiguous (B,T,H,D) copy of the output where that layout is not it, dq, dk, dv,
+  fp32 softmax_d (B,H,T128) and dq_accum (B,T128,H,Dr), a GQA's dk and dv expanded to (B,T,H,D) and summed into
+  them (T128: T rounded to 128; Dr: D rounded to 32, past 128 to 64: torch's flash_api.cpp mha_bwd);
 - dropout is CUDA's fused native_dropout: its output, then a bool mask;
 - the cuBLAS workspace (constants.CUBLAS_WORKSPACE) after the first matmul's output on the forward's thread and
   again on the backward's; cuBLASLt's (CUBLASLT_WORKSPACE) after the first addmm;
@@ -185,12 +186,15 @@ def cuda_ops():
 
 
 class Flash(torch.autograd.Function):
-    """Flash SDPA's requests: what it saves in the forward, what its backward makes."""
+    """Flash SDPA's requests: what it saves in the forward, what its backward makes. From torch's
+    aten/src/ATen/native/transformers/cuda: flash_attn/flash_api.cpp mha_fwd (``out = at::empty_like(q_padded)``,
+    q being (B,T,H,D) transposed from the caller's (B,H,T,D): its layout) and mha_bwd, and attention_backward.cu
+    _flash_attention_backward (``out.contiguous()`` before mha_bwd)."""
 
     @staticmethod
     def forward(ctx, q, k, v):
         B, H, T, D = q.shape
-        out = torch.empty((B, T, H, D), dtype=q.dtype, device=q.device).transpose(1, 2)
+        out = torch.empty_like(q.transpose(1, 2)).transpose(1, 2)
         lse = torch.empty((B, H, T), dtype=torch.float32, device=q.device)
         seed = torch.empty((), dtype=torch.int64, device=q.device)
         off = torch.empty((), dtype=torch.int64, device=q.device)
@@ -201,15 +205,18 @@ class Flash(torch.autograd.Function):
     def backward(ctx, g):
         q, k, v, out, lse, seed, off = ctx.saved_tensors
         B, H, T, D = q.shape
-        T128, D8 = -(-T // 128) * 128, -(-D // 8) * 8
-        dq, dk, dv = (torch.empty((B, T, H, D), dtype=q.dtype, device=q.device).transpose(1, 2) for _ in range(3))
-        softmax_d = torch.empty((B, H, T128), dtype=torch.float32, device=q.device)
-        dq_accum = torch.empty((B, T128, H, D8), dtype=torch.float32, device=q.device)
-        del softmax_d, dq_accum
         Hk = k.shape[1]
-        if Hk != H:  # flash's GQA backward sums the expanded dk, dv over each group
-            dk = dk.reshape(B, Hk, H // Hk, T, D).sum(2)
-            dv = dv.reshape(B, Hk, H // Hk, T, D).sum(2)
+        # mha_bwd: head_size_rounded = round_multiple(head_size, head_size <= 128 ? 32 : 64), seqlen_q_rounded to 128
+        step = 32 if D <= 128 else 64
+        T128, Dr = -(-T // 128) * 128, -(-D // step) * step
+        out_t = out.transpose(1, 2).contiguous()  # _flash_attention_backward's contiguous_out
+        dq, dk, dv = (torch.empty_like(x.transpose(1, 2)).transpose(1, 2) for x in (q, k, v))
+        softmax_d = torch.empty((B, H, T128), dtype=torch.float32, device=q.device)
+        dq_accum = torch.empty((B, T128, H, Dr), dtype=torch.float32, device=q.device)
+        if Hk != H:  # MQA/GQA: the kernel writes (B,T,H,D) dk and dv, at::sum_out folds each group into dk, dv
+            expanded = [torch.empty((B, T, H, D), dtype=q.dtype, device=q.device) for _ in range(2)]
+            del expanded
+        del softmax_d, dq_accum, out_t
         return dq, dk, dv
 
 
