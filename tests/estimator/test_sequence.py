@@ -259,8 +259,10 @@ def test_the_replay_serves_only_the_default_allocator_and_workspaces_it_was_chec
     ("phi3-mini", "nf4", ("qkv_proj", "o_proj"), "sft", "5.16.1"),
     ("phi-2", "nf4", ("q_proj", "v_proj"), "sft", "5.16.1"),  # built, but a shortfall outside the rests at 512x1
     ("phi-2", "none", ("q_proj", "v_proj", "dense"), "sft", "5.16.1"),  # bf16: only its protocol targets captured
-    ("llama32-1b", "none", ("q_proj", "k_proj", "v_proj"), "sft", "5.16.1"),
-    ("llama32-1b", "none", ("q_proj",), "sft", "5.16.1"),
+    ("llama32-1b", "none", ("o_proj", "up_proj"), "sft", "5.16.1"),  # layer 0's SDPA saves nothing: not built so
+    ("llama32-1b", "none", ("gate_proj", "down_proj"), "sft", "5.16.1"),
+    ("llama32-1b", "nf4", ("q_proj", "k_proj", "v_proj"), "sft", "5.16.1"),  # NF4: only its protocol targets
+    ("phi3-mini", "none", ("qkv_proj", "o_proj"), "sft", "5.16.1"),
     ("llama32-1b", "none", ("q_proj", "v_proj"), "sft", "5.24.0"),
     ("llama32-1b", "none", ("q_proj", "v_proj"), "sft", "not installed")])
 def test_every_run_the_sequence_was_not_checked_on_keeps_the_bound(key, quant, targets, task, transformers):
@@ -268,11 +270,56 @@ def test_every_run_the_sequence_was_not_checked_on_keeps_the_bound(key, quant, t
     on llama, mistral, qwen3, and phi3 with qkv_proj; transformers 5.16.1; the default allocator): qwen2 NF4, the
     other tasks, Gemma, Gemma-2, Phi-3 bf16 (and NF4 with other targets), phi-2 NF4 (issue 51 item 3: its NF4 step
     is the capture's, but the capture's peak is 15.3 MB under the real one at 512x1) and bf16 on other targets,
-    other targets, another transformers keep the bound."""
+    other targets (issue 51 item 3: bf16 on the plain llama-type decoder without q_proj, k_proj or v_proj; NF4 off
+    the protocol's), another transformers keep the bound."""
     a = arch_from_config(config_json(key))
     assert not sequence.replayed(a, quant, targets, task, transformers=transformers, environ={})
     assert sequence.replayed(arch_from_config(config_json("llama32-1b")), "none", ("q_proj", "v_proj"), "sft",
                              transformers="5.16.1", environ={})
+
+
+SEVEN = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@checked_stack
+@pytest.mark.parametrize("key,seq,batch,r,targets,rests", [
+    ("smol", 777, 1, 8, SEVEN, 55_199_744), ("qwen", 300, 1, 8, SEVEN, 27_627_520),
+    ("llama32-1b", 777, 1, 8, ("q_proj",), 4_786_176), ("qwen3-0.6b", 300, 3, 8, ("k_proj", "down_proj"), 26_214_400)])
+def test_bf16_on_any_targets_with_an_attention_input_one_is_the_captures_request_for_request(key, seq, batch, r,
+                                                                                            targets, rests):
+    """Issue 51 item 3: on the plain llama-type decoder in bf16, LoRA on any of the layer's linears with q_proj,
+    k_proj or v_proj among them (all seven; q_proj alone; Qwen3's k_proj with its k norm and down_proj) is the
+    capture's request for request, and the rests its forward's blocks keep are the capture's, so it is replayed
+    (sequence.checked_targets): SmolLM2 777x1 with all seven, where the bound charged 23,003,136 B, keeps
+    55,199,744 B."""
+    a = arch_from_config(config_json(key))
+    T = seq * batch
+    assert sequence.replayed(a, "none", targets, "sft", transformers=sequence.SEQUENCE_TRANSFORMERS, environ={})
+    events = capture_module().capture(key, seq, batch, r, targets, 0.05)
+    want, captured_rests = captured(events, a, T)
+    q = sequence.Requests(trace=True)
+    sequence.load(q, a, targets, r)
+    kept = sequence.forward(q, a, T, seq, (targets, r, True))
+    assert q.trace == want, next(i for i, (x, y) in enumerate(zip(q.trace, want)) if x != y)
+    assert q.rests(kept) == captured_rests == rests
+    assert sequence.layer_rests(a, targets, r, T, seq, True, workspace=CUBLAS_WORKSPACE) == rests
+
+
+@checked_stack
+@pytest.mark.parametrize("key,seq,r,targets,dropout", [("qwen", 1536, 64, ("o_proj", "up_proj"), 0.0),
+                                                       ("smol", 777, 8, ("gate_proj", "down_proj"), 0.05)])
+def test_targets_that_leave_layer_0s_attention_without_a_gradient_are_not_the_sequences(key, seq, r, targets,
+                                                                                       dropout):
+    """Issue 51 item 3: with no q_proj, k_proj or v_proj target, layer 0's SDPA saves nothing (and with no
+    attention target its post-attention norm saves no fp32 input): the capture frees blocks the sequence keeps,
+    which is why sequence.checked_targets does not admit these targets."""
+    a = arch_from_config(config_json(key))
+    assert not sequence.replayed(a, "none", targets, "sft", transformers=sequence.SEQUENCE_TRANSFORMERS, environ={})
+    want, _ = captured(capture_module().capture(key, seq, 1, r, targets, dropout), a, seq)
+    q = sequence.Requests(trace=True)
+    sequence.load(q, a, targets, r)
+    sequence.forward(q, a, seq, seq, (targets, r, dropout > 0))
+    assert q.trace != want
 
 
 @checked_stack
