@@ -668,3 +668,14 @@ def test_a_streamed_setting_found_by_the_schema_sweep_is_said_not_modelled_and_r
     assert dropped(cfg, "nf4") == (named,)
     with pytest.raises(UsageError, match=named.replace("{", r"\{").replace("(", r"\(")):
         gate_kwargs(cfg, cfg.training, config_json("mistral-7b"))
+
+
+@pytest.mark.parametrize("stream", ["true", "false"])
+def test_an_optimizer_with_more_states_than_the_upper_bound_is_refused_not_charged_as_it(capfd, tmp_path, stream):
+    """Schema sweep: training.optimizer grokadamw (Soup's allowlist, 0.73.3 and 0.77.0) was answered as an upper
+    bound of two fp32 states per parameter, though GrokAdamW keeps three (exp_avg, exp_avg_sq, grok_ema): a figure
+    under its run, labelled a bound. Now one line refuses it, resident or streamed; Soup's real loader reads the
+    file."""
+    path = keyed_yaml(tmp_path, stream, "training", "  optimizer: grokadamw\n")
+    one_error_line(*main(capfd, ["--estimate", "--config", path]), "training.optimizer grokadamw is not modelled",
+                   "grok_ema", "upper bound")
