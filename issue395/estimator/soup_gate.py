@@ -48,18 +48,22 @@ class Assumed:
 _WITHOUT = "the estimate is of a run without it"
 #: Every setting either estimate does not model, each once, in the order a resident run names them (the first is
 #: its one-line verdict). Streamed (the settings Soup's loader takes beside training.stream_layers): double-quantised
-#: NF4 (the pool's absmax), no NF4 scale cache, a plain LoRA adapter (no MoE experts); GaLore's optimizer,
+#: NF4 (the pool's absmax), no NF4 scale cache, a plain LoRA adapter (no MoE experts, one r on target_modules
+#: alone, both matrices trained: no rank_pattern, target_parameters, LoRA-FA); GaLore's optimizer,
 #: activation offloading's saved-tensor hooks and the autocast dtype pick_mixed_precision chooses are set by the
 #: trainer's own arguments or training context, not the model load streaming replaces (0.73.3's SFT applies all
-#: three, its DPO and KTO the offloading). Resident: Spectrum's and the freezes' partial fine-tuning
+#: three, its DPO and KTO the offloading), as TrainingArguments sets NEFTune and a train() callback ReLoRA. Resident:
+#: another modality's model (vision, audio), Spectrum's and the freezes' partial fine-tuning
 #: (unfrozen_parameters, freeze_layers, freeze_ratio; lora.r 0, every parameter trained, is modelled:
 #: full.estimate_full, and on 0.77.0's fp32 master weights full.estimate_master), another adapter (DoRA, VeRA),
 #: another backend, a fused or offloaded loss or activations, QAT, LISA's layer switching, MoE LoRA; double
 #: quantisation as the streamed gate assumes it; auto_mixed_precision (pick_mixed_precision may answer "no": no
-#: autocast, a step the estimate's bf16 matmuls are not). The LoRA dropout is read by both (model.arm.lora_dropout,
+#: autocast, a step the estimate's bf16 matmuls are not); the rows after it (an init strategy, FlashAttention-2, packing,
+#: Mixture-of-Depths, NVFP4, LongLoRA, new tokens). The LoRA dropout is read by both (model.arm.lora_dropout,
 #: as a --config file's is): its masks are charged only where p is in (0, 1).
 ASSUMED = (
-    Assumed("backend", "transformers", top=True), Assumed("unfrozen_parameters", None),
+    Assumed("backend", "transformers", top=True), Assumed("modality", "text", top=True),
+    Assumed("unfrozen_parameters", None),
     Assumed("freeze_layers", None), Assumed("freeze_ratio", None), Assumed("lora.use_dora", False),
     Assumed("lora.use_vera", False),
     Assumed("stream_nf4_scale_cache", False, resident=False, quant="nf4",
@@ -72,7 +76,20 @@ ASSUMED = (
     Assumed("bnb_4bit_use_double_quant", True, quant="nf4", same=(None,),
             streamed="the NF4 pool is charged double-quantised (Soup's default); single quantisation keeps fp32 "
                      "block scales"),
-    Assumed("auto_mixed_precision", False, streamed=_WITHOUT))
+    Assumed("auto_mixed_precision", False, streamed=_WITHOUT),
+    # the adapter's shape beyond r and target_modules (0.73.3's SFT and DPO LoraConfig pass neither the pattern nor
+    # an init strategy; 0.77.0's build_lora_config_kwargs passes both, streamed and resident, and target_parameters)
+    Assumed("lora.rank_pattern", None, streamed="the adapter is charged at training.lora.r on every target"),
+    Assumed("lora.target_parameters", None,
+            streamed="the adapter is charged on training.lora.target_modules alone"),
+    Assumed("lora.init_strategy", "random"), Assumed("use_lorafa", False, streamed=_WITHOUT),
+    # the step's own tensors: NEFTune's noise (TrainingArguments, streamed too), ReLoRA's merges (a train() callback,
+    # streamed too), and on a resident load FlashAttention-2, packing, Mixture-of-Depths' routers, NVFP4 linears,
+    # LongLoRA's shifted attention, and new tokens' resized embedding and head
+    Assumed("neftune_alpha", None, streamed=_WITHOUT), Assumed("relora_steps", None, streamed=_WITHOUT),
+    Assumed("use_flash_attn", False), Assumed("packing", False), Assumed("multipack", False),
+    Assumed("use_mod", False), Assumed("nvfp4", False), Assumed("use_longlora", False),
+    Assumed("data.add_new_tokens", None, top=True), Assumed("data.new_special_tokens", None, top=True))
 
 
 def _departs(row: Assumed, value: Any) -> bool:

@@ -65,6 +65,10 @@ OPTIMIZERS = {
 #: inside its step (Adafactor's update and its factored square, a for-each kernel's scratch), whatever the
 #: adapter's dtype. No optimizer the table holds is charged more.
 UPPER_BOUND = Optimizer(2, 32, False, 2, False)
+#: Optimizers Soup's allowlist takes that keep more than UPPER_BOUND's states, so the bound would be under them:
+#: refused, never charged as the bound. GrokAdamW (the grokadamw package transformers builds it from) makes three
+#: states per parameter, each ``torch.zeros_like(p)``: exp_avg, exp_avg_sq and grok_ema.
+ABOVE_BOUND = {"grokadamw": "three states per parameter (exp_avg, exp_avg_sq, grok_ema)"}
 
 
 def optimizer_named(name: str) -> Optimizer:

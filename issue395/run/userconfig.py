@@ -20,6 +20,7 @@ from ..model.streaming import STREAMED_CHECKPOINTS, Streaming
 from ..estimator.soup_gate import (resident_departures, resident_lines, resident_unmodelled,
                                    streamed_unmodelled)
 from ..estimator.stacks import package_version
+from ..estimator.steady import ABOVE_BOUND
 from ..results.extras import ResidentGate
 from .checks import HUB_ID, LOADER_NEEDS, looks_like_a_path
 
@@ -126,6 +127,10 @@ def read_soup_config(path: str) -> UserRun:
     targets = lora.target_modules
     if isinstance(targets, str):  # auto and all-linear: resolved as --targets resolves them (model.targets)
         targets = (targets,)
+    if str(t.optimizer) in ABOVE_BOUND:  # its states outnumber the bound an unmodelled optimizer is charged at
+        raise UsageError(f"--config {path}: training.optimizer {t.optimizer} is not modelled: it keeps "
+                         f"{ABOVE_BOUND[str(t.optimizer)]}, more than the upper bound this tool charges an optimizer "
+                         "it has no table entry for")
     if getattr(t, "stream_recompute", None) == "auto":
         raise UsageError(f"--config {path}: training.stream_recompute 'auto' is an option the estimator does not "
                          "model (it measures a step at setup; give on or off)")

@@ -573,3 +573,109 @@ def test_a_resident_task_or_quantization_the_tool_does_not_model_is_not_said_to_
     (tmp_path / "soup.yaml").write_text(text.replace(*extra))
     line = one_error_line(*main(capfd, ["--estimate", "--config", tmp_path / "soup.yaml"]), *words)
     assert "Soup streams)" not in line.split(":")[2], line
+
+
+def keyed_yaml(tmp_path, stream, where, extra):
+    """YAML (Mistral-7B at 1024, NF4, streamed or resident) with ``extra`` written where its key belongs: at the top
+    level, or at the end of the ``data``, ``training`` or ``training.lora`` block (``where``)."""
+    lines = YAML.format(base="mistralai/Mistral-7B-v0.3", seq=1024, stream=stream, extra="").splitlines(True)
+    after = {"top": "task:", "data": "  max_length:", "lora": "    target_modules:"}
+    at = next(i for i, ln in enumerate(lines) if ln.startswith(after[where])) + 1 if where in after else len(lines)
+    path = tmp_path / "soup.yaml"
+    path.write_text("".join(lines[:at]) + extra + "".join(lines[at:]))
+    return path
+
+
+def answered_or_skipped(capfd, tmp_path, path):
+    """--estimate --config's (JSON, stdout); skipped where the installed release's schema refuses the file or has
+    no such key (Soup ignores it, and a line says so)."""
+    out = tmp_path / "e.json"
+    code, text, err = main(capfd, ["--estimate", "--config", path, "--json", out])
+    if code == 2 and "Soup refuses it" in err:
+        pytest.skip(err.strip())
+    assert code == 0, err
+    if any("is not a key of soup-cli" in ln for ln in file_lines(text)):
+        pytest.skip("not a key of the installed soup-cli's schema")
+    return json.loads(out.read_text()), text
+
+
+#: Settings Soup applies on a resident run that move its peak, none of them in the resident estimate; each is
+#: (where the key goes, the file's line, the setting as the verdict names it). Found by writing every key of soup-cli
+#: 0.73.3's and 0.77.0's schemas into a resident file: each was answered with the plain run's figure, unsaid.
+RESIDENT_ONLY = [
+    ("top", "modality: vision\n", "modality vision"),
+    ("data", "  add_new_tokens: ['<x1>']\n", "data.add_new_tokens ['<x1>']"),
+    ("data", "  new_special_tokens: ['<x1>']\n", "data.new_special_tokens ['<x1>']"),
+    ("lora", "    init_strategy: pissa\n", "training.lora.init_strategy pissa"),
+    ("training", "  use_flash_attn: true\n", "training.use_flash_attn true"),
+    ("training", "  packing: true\n", "training.packing true"),
+    ("training", "  multipack: true\n", "training.multipack true"),
+    ("training", "  use_mod: true\n", "training.use_mod true"),
+    ("training", "  nvfp4: true\n", "training.nvfp4 true"),
+    ("training", "  use_longlora: true\n", "training.use_longlora true"),
+]
+#: Settings Soup applies streamed and resident (a TrainingArguments field, a train() callback or optimizer, the
+#: adapter's LoraConfig), each (where, the file's line, the setting as its line names it).
+STREAMED_TOO = [
+    ("lora", "    rank_pattern: {q_proj: 64}\n", "training.lora.rank_pattern {'q_proj': 64}"),
+    ("training", "  neftune_alpha: 5\n", "training.neftune_alpha 5.0"),
+    ("training", "  relora_steps: 50\n", "training.relora_steps 50"),
+    ("training", "  use_lorafa: true\n", "training.use_lorafa true"),
+]
+
+
+@pytest.mark.parametrize("where, extra, named", RESIDENT_ONLY + STREAMED_TOO)
+def test_a_resident_setting_found_by_the_schema_sweep_gets_no_figure_and_its_line(capfd, tmp_path, where, extra,
+                                                                                   named):
+    """Schema sweep (every memory key of soup-cli 0.73.3's and 0.77.0's schemas): a resident file with another
+    modality, new tokens, an adapter init strategy or rank pattern, FlashAttention-2, packing, Mixture-of-Depths,
+    NVFP4, LongLoRA, NEFTune, ReLoRA or LoRA-FA was estimated as the plain run, the key unsaid. Now, as
+    soup_gate.ASSUMED's resident rows are, it gets no figure, one 'from the file' line naming it, and the measured
+    arm refuses it (userconfig.dropped). Soup's real loader reads the file; a key the installed release's schema
+    lacks or refuses is skipped."""
+    from soup_cli.config.loader import load_config_from_string
+
+    from issue395.run.userconfig import dropped
+
+    path = keyed_yaml(tmp_path, "false", where, extra)
+    data, out = answered_or_skipped(capfd, tmp_path, path)
+    assert data["needs_free"] is None and data["not_estimated"].startswith(f"{named} is not modelled resident"), data
+    (said,) = [ln for ln in file_lines(out) if named in ln]
+    assert "no estimate of the run" in said, said
+    assert named in dropped(load_config_from_string(path.read_text()), "nf4")
+
+
+@pytest.mark.parametrize("where, extra, named", STREAMED_TOO)
+def test_a_streamed_setting_found_by_the_schema_sweep_is_said_not_modelled_and_refused_as_an_arm(
+        capfd, tmp_path, where, extra, named):
+    """Schema sweep: a streamed file with a LoRA rank pattern (0.77.0's streamed LoraConfig takes it), NEFTune,
+    ReLoRA or LoRA-FA (the trainer applies them, streamed or not) was answered as the run without it, unsaid. Now one
+    line names it NOT modelled, the estimate is still given, a measured arm refuses it (dropped) and the patched
+    gate keeps Soup's formula (gate_kwargs). Soup's real loader reads the file."""
+    from soup_cli.config.loader import load_config_from_string
+
+    from issue395.errors import UsageError
+    from issue395.estimator.soup_gate import gate_kwargs
+    from issue395.model.registry import config_json
+    from issue395.run.userconfig import dropped
+
+    path = keyed_yaml(tmp_path, "true", where, extra)
+    data, out = answered_or_skipped(capfd, tmp_path, path)
+    (said,) = [ln for ln in file_lines(out) if named in ln]
+    assert f"{named}: NOT modelled" in said, said
+    assert data["rows"][0]["needs_free"] > 0
+    cfg = load_config_from_string(path.read_text())
+    assert dropped(cfg, "nf4") == (named,)
+    with pytest.raises(UsageError, match=named.replace("{", r"\{").replace("(", r"\(")):
+        gate_kwargs(cfg, cfg.training, config_json("mistral-7b"))
+
+
+@pytest.mark.parametrize("stream", ["true", "false"])
+def test_an_optimizer_with_more_states_than_the_upper_bound_is_refused_not_charged_as_it(capfd, tmp_path, stream):
+    """Schema sweep: training.optimizer grokadamw (Soup's allowlist, 0.73.3 and 0.77.0) was answered as an upper
+    bound of two fp32 states per parameter, though GrokAdamW keeps three (exp_avg, exp_avg_sq, grok_ema): a figure
+    under its run, labelled a bound. Now one line refuses it, resident or streamed; Soup's real loader reads the
+    file."""
+    path = keyed_yaml(tmp_path, stream, "training", "  optimizer: grokadamw\n")
+    one_error_line(*main(capfd, ["--estimate", "--config", path]), "training.optimizer grokadamw is not modelled",
+                   "grok_ema", "upper bound")
