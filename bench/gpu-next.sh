@@ -160,6 +160,7 @@ resident_findmax() {
 }
 
 resident_full() {  # issue 51 item 1: resident full fine-tuning (lora.r 0), measured for the first time
+  # the cache under $TMPDIR: Soup keeps its shard cache only inside $HOME, the working directory or the temp dir (the harness refuses one elsewhere)
   R=${R:-/tmp/resident-full}
   source bench/gpu-box.sh "${1:-0.77.0}" || return 1
   export TMPDIR=/dev/shm HF_HUB_OFFLINE=1
@@ -170,7 +171,7 @@ resident_full() {  # issue 51 item 1: resident full fine-tuning (lora.r 0), meas
       n=full-${m%%:*}-gc$gc f=$R/c/full-${m%%:*}-gc$gc.yaml
       if [ "$(left)" -lt 60 ]; then echo "not run (time): $n" >> "$R/commands.txt"; continue; fi
       printf 'base: %s\ndata: {train: data.jsonl, chat_template: chatml, max_length: 1024}\ntraining: {batch_size: 1, gradient_accumulation_steps: 1, quantization: none, stream_layers: false, gradient_checkpointing: %s, lora: {r: 0}}\n' "${m#*:}" "$gc" > "$f"
-      cmd "$n" timeout -s INT -k 30 "$(left 30)" python3 issue395_second_stack_vram.py --config "$f" --cache-dir "$C" --json "$R/$n.json"
+      cmd "$n" timeout -s INT -k 30 "$(left 30)" python3 issue395_second_stack_vram.py --config "$f" --cache-dir "$TMPDIR/issue395-cache" --json "$R/$n.json"
     done
   done
 }
