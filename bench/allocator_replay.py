@@ -194,7 +194,8 @@ class Flash(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v):
         B, H, T, D = q.shape
-        out = torch.empty_like(q.transpose(1, 2)).transpose(1, 2)
+        # laid out as q, (B,T,H,.), at v's head size: MLA's v is narrower than its q and k
+        out = q.new_empty((B, T, H, v.shape[-1])).transpose(1, 2)
         lse = torch.empty((B, H, T), dtype=torch.float32, device=q.device)
         seed = torch.empty((), dtype=torch.int64, device=q.device)
         off = torch.empty((), dtype=torch.int64, device=q.device)

@@ -71,7 +71,9 @@ HELD_OUT = [("smol", "none", 300, 1, 64, SEVEN), ("qwen", "none", 300, 3, 8, SEV
             ("phi3-mini", "none", 300, 1, 8, None), ("phi3-mini", "nf4", 1536, 1, 8, None),
             ("gemma-2b", "nf4", 300, 1, 8, None), ("gemma2-2b", "none", 300, 1, 8, None),
             ("gemma3-1b", "nf4", 300, 1, 8, None), ("qwen", "nf4", 300, 1, 8, None),
-            ("smol", "nf4", 300, 1, 8, SEVEN)]
+            ("smol", "nf4", 300, 1, 8, SEVEN),
+            # MLA: v narrower than q and k (flash's output at v's head size; the capture failed on it before)
+            ("moonlight", "none", 300, 3, 8, None), ("deepseek-v3", "none", 1536, 1, 8, None)]
 
 
 @pytest.mark.slow
