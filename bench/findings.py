@@ -688,6 +688,12 @@ def find_max_searches() -> None:
     expandable_reruns(found)
 
 
+def searched(d: dict) -> str:
+    """A search as the summary names it: the model, task and quantization, and a resident one's allocator (the same
+    file searched on two allocators is two searches)."""
+    return f"{d['model']} {d['task']} {d['quant']}" + (f" on {allocator(d)}" if allocator(d) else "")
+
+
 def find_max_summary(found: list[tuple[str, dict]], cublas: list[str]) -> None:
     """The searches' totals: proven limits, the box's context, cuBLAS's OOMs, Soup's gate at the first OOM, and
     this tool's like-for-like answer beside each limit (a search with no answer or no limit named apart)."""
@@ -700,14 +706,15 @@ def find_max_summary(found: list[tuple[str, dict]], cublas: list[str]) -> None:
           "line at the first OOM was `CUBLAS_STATUS_ALLOC_FAILED` (cuBLAS's own out-of-memory status, read as OOM) for "
           + ("; ".join(cublas) or "none") + f". Soup's gate admits the first OOM on "
           f"{sum(d['soup_gate_above_limit']['admits'] for d in gated)} of {len(gated)} searches" + "".join(
-              f"; on {d['card']['card']} Soup's resident gate admits no {d['measured']['axis']} for {d['model']} (its "
-              f"CLI's input takes the model as {d['resident']['soup_input']['params_b']} B parameters, computed by Soup)"
-              for _, d in found if d.get("resident") and d["resident"].get("soup_input")
-              and d["soup_gate_longest"] is None) + ".", end=" ")
+              dict.fromkeys(
+                  f"; on {d['card']['card']} Soup's resident gate admits no {d['measured']['axis']} for {d['model']} (its "
+                  f"CLI's input takes the model as {d['resident']['soup_input']['params_b']} B parameters, computed by "
+                  "Soup)" for _, d in found if d.get("resident") and d["resident"].get("soup_input")
+                  and d["soup_gate_longest"] is None)) + ".", end=" ")
     paired = [d for _, d in found if None not in (d["this_tool_longest_like_for_like"], d["measured"]["limit"])]
-    short = [(f"{d['model']} {d['task']} {d['quant']}", (d["measured"]["limit"] - d["this_tool_longest_like_for_like"])
+    short = [(searched(d), (d["measured"]["limit"] - d["this_tool_longest_like_for_like"])
               // d["measured"]["resolution"], d["measured"]["resolution"]) for d in paired]
-    alone = [f"{d['model']} {d['task']} {d['quant']}" for _, d in found if not any(d is x for x in paired)]
+    alone = [searched(d) for _, d in found if not any(d is x for x in paired)]
     print("Like for like, this tool's answer is the measured limit on " + f"{sum(n == 0 for _, n, _ in short)} of "
           f"{len(short)}; under it on " + (", ".join(f"{k} ({n} x {r} tokens)" for k, n, r in short if n > 0) or "none")
           + "; above it on " + (", ".join(f"{k} ({-n} x {r} tokens)" for k, n, r in short if n < 0) or "none")
@@ -815,7 +822,8 @@ def resident_patch_calls() -> tuple[tuple[str, list[dict], bool | None], ...]:
         sets = any(x.startswith("+") and EXPANDABLE_SEGMENTS in x and not x[1:].lstrip().startswith("#")
                    for x in diff.read_text(encoding="utf-8").splitlines()) if diff.exists() else None
         out.append((folder, runs, sets))
-    return tuple(out)
+    # the default allocator's proofs first: they came first, and the patch that sets expandable segments answers them
+    return tuple(sorted(out, key=lambda c: (c[2] is True, c[0])))
 
 
 def resident_patch_deaths() -> list[tuple[str, list[dict], bool]]:
@@ -869,7 +877,8 @@ def resident_patch_proof() -> None:
                  "reserved-but-unallocated figure); the fragmentation measured on that allocator, in the resident "
                  f"`--find-max` searches (the section below): {fragmentation_words()}."
                  + (" The next patch sets expandable segments for a resident run too, and must be proven again "
-                    "(`bench/gpu-next.sh resident-patch`)." if folder == RESIDENT_PATCH[-1] else "")
+                    "(`bench/gpu-next.sh resident-patch`)." if not any(c[2] for c in resident_patch_calls()) else
+                    " The patch that sets them was proven after these (below).")
                  if sets is False else "What killed them is not measured on these runs"
                  + (" (the patch they ran sets expandable segments)." if sets else "."))
         if not any(r["admitted"] for r in patched):

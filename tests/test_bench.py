@@ -291,19 +291,6 @@ def test_the_resident_find_max_device_call_settles_each_of_its_searches_on_cpu(c
     assert any("gradient_checkpointing: true" in (tmp_path / f).read_text() for f in files)
 
 
-def test_the_resident_patch_device_calls_starting_seq_is_computed_on_cpu():
-    """bench/gpu-next.sh resident-patch starts its ladder at `edge CARD GC` (the longest seq whose corrected resident
-    need fits the card): a helper that broke there would waste the call, so it runs here, with checkpointing on and
-    off, and answers a whole number of 64-token steps, longer with checkpointing than without."""
-    import os
-
-    env = dict(os.environ, PATH=f"{os.path.dirname(sys.executable)}{os.pathsep}{os.environ.get('PATH', '')}")
-    got = [subprocess.run(["bash", str(ROOT / "bench" / "gpu-next.sh"), "edge", "12GB", gc], capture_output=True,
-                          text=True, env=env, timeout=120, check=True).stdout.strip() for gc in ("true", "false")]
-    on, off = (int(v) for v in got)
-    assert on % 64 == 0 and off % 64 == 0 and on > off >= 64
-
-
 def test_the_readmes_task_figures_are_what_results_estimator_tasks_says():
     """Reviewer item 6: every figure README.md quotes from results/estimator-tasks.txt (its arms, its corrected
     min, median and max over real) is the committed file's own 'all:' line, so a re-render cannot leave it stale."""
@@ -368,8 +355,9 @@ def test_task_peak_anatomy_takes_segments_and_says_it_records_nothing_without_cu
 
 
 def test_the_segments_device_call_runs_the_fit4_anatomy_arms_as_they_ran_with_segments():
-    """bench/gpu-next.sh segments52 (issue 52 item 1): each arm it runs is a committed fit4 anatomy arm with the
-    same arguments as results/fit4-*/call-1-2/commands.txt records, plus --segments, and each parses here."""
+    """bench/gpu-next.sh segments52 (issue 52 item 1): each arm it still runs is a committed fit4 anatomy arm with the
+    same arguments as results/fit4-*/call-1-2/commands.txt records, plus --segments and --trace, and each parses
+    here (the arms that ran left the file: results/*segments52*-h100-*)."""
     import re
 
     commands = (ROOT / "results" / "fit4-anatomy-findmax-h200-soup0.77.0-2de65db-and-f2319d3" / "call-1-2"
@@ -378,8 +366,7 @@ def test_the_segments_device_call_runs_the_fit4_anatomy_arms_as_they_ran_with_se
         r"task_peak_anatomy\.py --base \S+ (.*) --work \S+ --json /tmp/results/anatomy-(\S+)\.json", commands)}
     body = (ROOT / "bench" / "gpu-next.sh").read_text().split("\nsegments52() {", 1)[1].split("\n}\n", 1)[0]
     arms = re.findall(r"^\s*anatomy seg (\S+) \S+ (.*)$", body, re.MULTILINE)
-    assert [t for t, _ in arms] == ["sft-llama32-1b-bf16-2048x1-r64-all-s3-a1", "dpo-qwen-bf16-2048x1-r64-all-s3-a1",
-                                    "sft-phi3-nf4-2048x1-r64-fused-s3-a4", "sft-mistral-nf4-1024x1-r256-all-s3-a1"]
+    assert arms and {t for t, _ in arms} <= set(ran)
     A = load("task_peak_anatomy")
     for tag, args in arms:
         words = args.split()
@@ -423,7 +410,7 @@ def test_the_resident_anatomy_call_trains_each_familys_own_lora_targets_resident
 
     body = (ROOT / "bench" / "gpu-next.sh").read_text().split("\nresident_anatomy() {", 1)[1].split("\n}\n", 1)[0]
     arms = re.findall(r"^\s*anatomy res (\S+) (\S+) (.*)$", body.replace("\\\n", " "), re.MULTILINE)
-    assert {fam for _, fam, _ in arms} == {"phi3-mini", "phi-2", "moonlight"}
+    assert arms
     A = load("task_peak_anatomy")
     for tag, fam, args in arms:
         args = re.sub(r'"\$R/([^"]+)"', lambda m: str(ROOT / m.group(1)), args)  # $R: the box's results folder

@@ -10,8 +10,8 @@ commands/train.py's own _hardware_fit_preflight on Soup's loaded config of small
 beside the stock one, on a faked CUDA card (gpu_info's total; torch's free memory where a test says so),
 and the patched `soup train` CLI gating then training a resident run on CPU, and running it up to
 detect_device on expandable segments (the allocator the gate's need holds on). A CUDA step cannot run here:
-the streamed gate's GPU proof was bench/gpu-soup-patch.sh (git history), the resident one's is
-bench/gpu-next.sh resident-patch."""
+the streamed gate's GPU proof was bench/gpu-soup-patch.sh (git history), the resident one's
+results/resident-patch-h100-soup0.77.0-96b7b97 (bench/gpu-next.sh resident-patch, git history)."""
 
 from __future__ import annotations
 
