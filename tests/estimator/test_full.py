@@ -289,6 +289,79 @@ def test_autocasts_cache_holds_every_weights_bf16_copy_through_the_forward_and_a
         assert cos.dtype == sin.dtype == torch.float32
 
 
+class _StepStorages:
+    """A dispatch mode counting the storages ops make while it is on, live and at their peak (each watched by a
+    weak reference; an op's output sharing an input's storage, an in-place op's, is not new)."""
+
+    def __init__(self):
+        import torch
+        from torch.utils._python_dispatch import TorchDispatchMode
+        from torch.utils._pytree import tree_leaves
+
+        outer = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                import weakref
+
+                seen = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if torch.is_tensor(t)}
+                out = func(*args, **(kwargs or {}))
+                for t in (t for t in tree_leaves(out) if torch.is_tensor(t)):
+                    key = t.untyped_storage().data_ptr()
+                    if key not in seen and key not in outer.live:
+                        outer.live[key] = t.untyped_storage().nbytes()
+                        weakref.finalize(t, outer.live.pop, key)
+                if sum(outer.live.values()) > sum(outer.at_peak):
+                    outer.at_peak = sorted(outer.live.values())
+                return out
+
+        self.live, self.at_peak, self.mode = {}, [], Mode()
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_the_optimizer_step_of_fp32_master_weights_holds_exactly_the_blocks_its_phase_charges(tied):
+    """Issue 51 item 1 (the measured rows bind here: 5 x 4 B a parameter): a tiny Llama of fp32 weights (tied like
+    Qwen2.5-0.5B and Llama-3.2-1B, and untied) trained one real step under CPU bf16 autocast, then stepped by the
+    AdamW Soup's adamw_torch builds (transformers' _get_adamw_torch: torch AdamW, not fused) with foreach on, the
+    choice torch's _default_to_fused_or_foreach makes for parameters on a card (on the host it makes none). The
+    backward leaves one fp32 gradient a parameter (a tied weight's once, full_params), and at the step's peak the
+    blocks it made are exactly AdamW's two states of every parameter and one square root of each (foreach's
+    exp_avg_sq_sqrt, all at once), nothing more: full_optimizer's gradients, states and transients, block for
+    block (every block here under 1 MiB: no allocator rest). What the rows' phase charges past these requests is
+    the allocator's rests alone (held: up to 1 MiB a block over 1 MiB)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from issue395.estimator.full import full_optimizer, full_params
+    from issue395.estimator.steady import state_blocks
+
+    config = AutoConfig.for_model("llama", hidden_size=64, intermediate_size=160, num_attention_heads=4,
+                                  num_key_value_heads=2, head_dim=16, num_hidden_layers=2, vocab_size=512,
+                                  max_position_embeddings=256, tie_word_embeddings=tied, pad_token_id=0)
+    a = arch_from_config(config.to_dict())
+    assert a.tied is tied
+    torch.manual_seed(0)
+    m = AutoModelForCausalLM.from_config(config).float()
+    ids = torch.randint(0, a.V, (1, T_CPU))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        m(input_ids=ids, labels=ids).loss.backward()
+    params = list(m.parameters())
+    assert sorted(p.grad.nbytes for p in params) == sorted(4 * n for n in full_params(a))
+    assert {p.grad.dtype for p in params} == {torch.float32}
+    opt = torch.optim.AdamW(params, lr=1e-3, foreach=True)
+    step = _StepStorages()
+    with step.mode:
+        opt.step()
+    sizes = full_params(a)
+    states = [b for n in sizes for b in state_blocks(n, "adamw_torch", 4)]
+    assert step.at_peak == sorted(states + [4 * n for n in sizes])
+    assert max(step.at_peak) < 1024 * 1024
+    t = full_optimizer(a, "adamw_torch", 4)
+    assert t["parameter_gradients"] == sum(block_bytes(p.grad.nbytes) for p in params)
+    assert t["adam_moments"] + t["optimizer_transients"] == sum(map(block_bytes, step.at_peak))
+    assert sorted(step.live.values()) == sorted(states)  # after the step: the states alone
+
+
 @pytest.mark.release
 @pytest.mark.slow
 def test_soup_0770s_own_cpu_setup_of_a_full_fine_tuning_loads_fp32_parameters_the_estimate_charges(tmp_path):
