@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from issue395.estimator.estimate import estimate, estimate_key  # noqa: E402
 from issue395.estimator.stacks import box_stack  # noqa: E402
-from issue395.model.registry import MAP_FAMILIES, config_json, stream_mode  # noqa: E402
+from issue395.model.registry import MAP_FAMILIES, config_json, is_resident, stream_mode  # noqa: E402
 
 #: The committed results whose rows carry Soup's captured kwargs (results/README.md): the maps
 #: and the sweeps measured after the workspace teardown fix.
@@ -139,7 +139,8 @@ def cmd_leave_one_out() -> None:
 # --- families -----------------------------------------------------------------------------------------
 
 def families_arms() -> list[dict]:
-    """Every distinct measured arm of a new family or a streaming mode, with the file it is in."""
+    """Every distinct measured arm of a new family or a streaming mode, with the file it is in (streamed: a resident
+    row, full fine-tuning's among them, is the resident estimate's, tests/estimator/test_resident.py's)."""
     seen: dict = {}
     for path in sorted(ROOT.glob("results/*soup0.77.0*/*.json")):
         data = json.loads(path.read_text(encoding="utf-8"))
@@ -148,7 +149,8 @@ def families_arms() -> list[dict]:
         for r in data.get("rows", []):
             family, stream = stream_mode(r["model_key"])
             # a preference task's arm is the tasks subcommand's
-            if r.get("real_peak") and not r.get("failure") and (family in NEW or stream) and not r.get("task"):
+            if (r.get("real_peak") and not r.get("failure") and (family in NEW or stream) and not r.get("task")
+                    and not is_resident(r["model_key"])):
                 seen.setdefault((r["model_key"], r["quant"], r["seq"], r["batch"]), dict(r, file=path.parent.name))
     return list(seen.values())
 
