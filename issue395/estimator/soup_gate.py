@@ -34,7 +34,8 @@ class Assumed:
     this tool's spelling; None: any), whether the resident estimate assumes it (``resident``), and why another
     value is not in the streamed figures (``streamed``; None: the streamed estimate does not read it). Another
     value keeps Soup's formula in a gate and is a NOT modelled line of --estimate (streamed: beside the run
-    without it; resident: no figure)."""
+    without it; resident: no figure). ``zero_off``: whether a zero or empty value is the setting off (False where
+    Soup applies any value but unset: NEFTune's alpha 0 still hooks its noise into the embedding)."""
 
     key: str
     value: Any
@@ -43,6 +44,7 @@ class Assumed:
     quant: Optional[str] = None
     same: tuple = ()
     top: bool = False
+    zero_off: bool = True
 
 
 _WITHOUT = "the estimate is of a run without it"
@@ -86,7 +88,7 @@ ASSUMED = (
     # the step's own tensors: NEFTune's noise (TrainingArguments, streamed too), ReLoRA's merges (a train() callback,
     # streamed too), and on a resident load FlashAttention-2, packing, Mixture-of-Depths' routers, NVFP4 linears,
     # LongLoRA's shifted attention, and new tokens' resized embedding and head
-    Assumed("neftune_alpha", None, streamed=_WITHOUT), Assumed("relora_steps", None, streamed=_WITHOUT),
+    Assumed("neftune_alpha", None, streamed=_WITHOUT, zero_off=False), Assumed("relora_steps", None, streamed=_WITHOUT),
     Assumed("use_flash_attn", False), Assumed("packing", False), Assumed("multipack", False),
     Assumed("use_mod", False), Assumed("nvfp4", False), Assumed("use_longlora", False),
     Assumed("data.add_new_tokens", None, top=True), Assumed("data.new_special_tokens", None, top=True))
@@ -95,7 +97,7 @@ ASSUMED = (
 def _departs(row: Assumed, value: Any) -> bool:
     """Whether Soup's ``value`` of a setting is another than the estimate assumes (an unset or empty value where
     the assumption is off is the same)."""
-    return value not in (row.value, *row.same) and not (row.value in (None, False) and not value)
+    return value not in (row.value, *row.same) and not (row.zero_off and row.value in (None, False) and not value)
 
 
 def _setting(tcfg: Any, dotted: str, default: Any) -> Any:

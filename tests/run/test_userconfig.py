@@ -619,6 +619,8 @@ RESIDENT_ONLY = [
 STREAMED_TOO = [
     ("lora", "    rank_pattern: {q_proj: 64}\n", "training.lora.rank_pattern {'q_proj': 64}"),
     ("training", "  neftune_alpha: 5\n", "training.neftune_alpha 5.0"),
+    # Soup passes any alpha but null to TrainingArguments, and transformers hooks the noise in at 0 too (review)
+    ("training", "  neftune_alpha: 0\n", "training.neftune_alpha 0.0"),
     ("training", "  relora_steps: 50\n", "training.relora_steps 50"),
     ("training", "  use_lorafa: true\n", "training.use_lorafa true"),
 ]
