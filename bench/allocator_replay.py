@@ -6,6 +6,7 @@ rests the default caching allocator's blocks keep past their requests at the pea
     python bench/allocator_replay.py capture KEY SEQ [--batch 1] [--quant none] [--r 8] [--targets q_proj,v_proj]
                                      [--dropout 0.05] [--events OUT.json] [--gemm-4bit sm90|fused|fallback]
     python bench/allocator_replay.py check
+    python bench/allocator_replay.py trace RUN.trace.json.gz
     python bench/allocator_replay.py saved KEY [--layers 2] [--quant none|nf4] [--r 8] [--targets ...] [--seqs 128,256]
 
 ``saved`` runs the real model (a few decoder layers, real compute on CPU; NF4 by bitsandbytes' CPU Linear4bit) under
@@ -14,6 +15,11 @@ CUDA's memory-efficient kernel saves, and prints each decoder layer's bytes a to
 beside the loss (saved_tensors_hooks, each storage once): the count estimator/layer.py's retained_by_layer,
 autocast_by_layer and latent_retained charge a resident run without checkpointing (tests/test_bench.py holds them
 equal at reduced widths).
+
+``trace`` replays a real run's device history (bench/task_peak_anatomy.py --trace: torch's own requests, in torch's
+order) through the same allocator (issue395.measure.trace) and prints the model's allocated peak beside the run's
+max_memory_allocated (the JSON beside the trace), the rests at that peak, and the first event where the model's block
+or segment departs from torch's, if any.
 
 ``capture`` prints the replay's figures; ``--events`` writes the sequence (("alloc", key, bytes, what),
 ("free", key), ("reset_peak",)) as JSON. ``check`` captures the committed anatomy arms (CHECKS) and prints each
@@ -705,6 +711,8 @@ def parse(argv: list) -> argparse.Namespace:
                    help="NF4 at 1,536 tokens or fewer: bitsandbytes' heuristic on an sm90 card of 132 SMs (default), "
                         "or forced to its fused kernel or its dequantising fallback on every shape")
     sub.add_parser("check", help="the committed anatomy arms: measured rests beside the replay's")
+    t = sub.add_parser("trace", help="a real run's device history (task_peak_anatomy --trace) through the allocator")
+    t.add_argument("path", help="a .trace.json.gz (its .json beside it, where there is one, gives real_peak)")
     v = sub.add_parser("saved", help="each decoder layer's saved bytes a token, on CPU under CUDA's autocast lists")
     v.add_argument("key")
     v.add_argument("--layers", type=int, default=2)
@@ -768,6 +776,28 @@ def print_saved(a: argparse.Namespace, targets: tuple) -> int:
     return 0
 
 
+def print_trace(path: Path) -> int:
+    """`trace`: a saved device history replayed (issue395.measure.trace), beside the run's measured peak."""
+    import gzip
+
+    from issue395.measure.trace import replay_trace
+
+    try:
+        trace = json.loads(gzip.open(path, "rt", encoding="utf-8").read())
+        r = replay_trace(trace)
+        row = path.with_name(path.name.removesuffix(".trace.json.gz") + ".json")
+        real = json.loads(row.read_text(encoding="utf-8")).get("real_peak") if row.is_file() else None
+    except (OSError, EOFError, ValueError, KeyError, TypeError, AttributeError, IndexError) as exc:
+        print(f"bench/allocator_replay.py: {path}: not a replayable device history ({exc})", file=sys.stderr)
+        return 2
+    print(json.dumps({"trace": str(path), "events": len(trace.get("events") or []),
+                      "real_peak": real, "model_peak": r.peak,
+                      "model_minus_real": None if real is None else r.peak - real,
+                      "peak_event": r.peak_at, "rests_at_peak": r.rests_at_peak, "departures": len(r.divergences),
+                      "first_departure": r.first, "end_blocks_differing": len(r.end_differs)}))
+    return 0
+
+
 def main(argv: list) -> int:
     a = parse(argv)
     if a.command == "check":
@@ -776,6 +806,8 @@ def main(argv: list) -> int:
                   f"{f['rests']:,} B ({f['rests'] - measured:+,} B); replayed peak {f['replayed_peak']:,} B, "
                   f"allocated peak {f['peak_allocated']:,} B, resident {f['resident']:,} B, {f['events']:,} events")
         return 0
+    if a.command == "trace":
+        return print_trace(Path(a.path))
     why = refused(a)
     if why:
         print(f"bench/allocator_replay.py: {why}", file=sys.stderr)

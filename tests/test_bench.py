@@ -506,6 +506,26 @@ def test_the_allocator_replay_refuses_an_int8_capture_an_unknown_key_and_an_exis
     assert kept.read_text() == "mine" and not (tmp_path / "bf16.json").exists()
 
 
+def test_the_allocator_replay_s_trace_replays_a_real_history_to_its_real_peak_and_refuses_a_broken_one(tmp_path,
+                                                                                                     capsys):
+    """Issue 52 item 1, issue 51 item 3: bench/allocator_replay.py trace on the committed H100 phi-2 NF4 history prints
+    the model's allocated peak equal to the run's max_memory_allocated (its JSON beside it), no departure; a history
+    freeing an address it never allocated is one line on stderr and exit 2."""
+    import gzip
+    import json
+
+    replay = load("allocator_replay")
+    path = ROOT / "results/anatomy-and-segments52-h100-soup0.77.0-96b7b97/res-sft-phi2-nf4-512x1.trace.json.gz"
+    assert replay.main(["trace", str(path)]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["model_minus_real"] == 0 and out["real_peak"] == 6_346_460_160 and out["departures"] == 0
+    bad = tmp_path / "bad.trace.json.gz"
+    bad.write_bytes(gzip.compress(b'{"events": [["free_requested", 4096, 512, 0]]}'))
+    assert replay.main(["trace", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "never allocated" in err
+
+
 #: Reduced widths of each structure the CPU-measured counts name (two layers, a 512-token vocabulary): Qwen2.5's
 #: biased attention, Qwen3's q/k norms, phi's parallel block (bf16, and NF4: its fp32 residual; each with
 #: microsoft/phi-2's own resid_pdrop 0.1, and with qk_layernorm, which the resident estimate refuses), Phi-3's fused

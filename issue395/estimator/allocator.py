@@ -26,9 +26,19 @@ issue395.constants'):
 - ``alloc_found_block``: a split block keeps the request at the free block's address (``block = new
   Block(device, stream, size, pool, block->ptr)``) and the rest after it goes back to the pool;
   ``increase_stat(stats.allocated_bytes[stat_type], block->size)`` counts the whole block.
-- ``free`` -> ``free_block``: ``decrease_stat(stats.allocated_bytes[stat_type], block->size)``, then
-  ``try_merge_blocks`` with ``block->prev`` and ``block->next`` (a free neighbour in the same segment is
-  absorbed), and the block back in its pool. Segments are never returned (no ``empty_cache``, no OOM retry).
+- ``free``: ``block->allocated = false;`` and ``stats.allocated_bytes[stat_type].decrease(block->size);``
+  at once (the history's ``free_requested``), then, where ``!block->stream_uses.empty()``, ``insert_events``:
+  the block waits for its streams' events and ``process_events`` hands it to ``free_block`` later (the
+  history's ``free_completed``); else ``free_block`` now. ``free_block``: ``try_merge_blocks`` with
+  ``block->prev`` and ``block->next`` (a neighbour is absorbed only where ``!src->allocated &&
+  src->event_count == 0 && src->stream_uses.empty()``: a block still waiting is not), and the block back in
+  its pool. ``free_requested`` and ``free_completed`` split the two for a history's deferred frees.
+- Streams: a block belongs to the stream it was allocated on (``Block(device, stream, size, pool, ptr)``, a
+  split keeps it) and ``BlockComparatorSize`` orders a pool ``if (a->stream != b->stream) return
+  (uintptr_t)a->stream < (uintptr_t)b->stream;`` before size and address; ``get_free_block`` gives up where
+  ``(*it)->stream != p.stream()``: a freed block serves only requests on its own stream (a pool per stream
+  here). Segments are returned only by a history's ``segment_free`` (``release_block``, of a wholly free
+  segment: ``empty_cache`` or an OOM's retry, never decided here).
 
 Expandable segments (``expandable=True``): every pool splits at 512 B, so a block is its rounded request and
 the allocated stat is exact whatever the layout; the layout is modelled as one segment per pool that grows at
@@ -36,7 +46,8 @@ its end in pages (20 MiB large, 2 MiB small: constants.EXPANDABLE_PAGE_BYTES), a
 taken first. That layout (where a block lands, the reserved bytes) is this module's approximation, not
 torch's ``find_expandable_block``.
 
-What it does not model: several streams (``record_stream``, events), CUDA graphs' private pools,
+What it does not model: when a deferred free completes (the caller says: ``free_completed``), CUDA graphs'
+private pools,
 ``max_split_size_mb``, ``roundup_power2_divisions``, garbage collection, ``empty_cache`` and the frees an OOM
 triggers, and cudaMalloc's addresses (a new segment is placed after every earlier one, so among free blocks
 of one size the older segment's wins, where the card's addresses may order them otherwise).
@@ -65,13 +76,16 @@ def allocation_size(size: int) -> int:
 
 @dataclass(eq=False)
 class Block:
-    """One block of a segment: its address, its size, the request it holds (0 while free)."""
+    """One block of a segment: its address, its size, the request it holds (0 while free), its stream;
+    ``pending`` while a free waits for its stream's events (out of the allocated stat, not yet in the pool)."""
 
     addr: int
     size: int
     small: bool
     requested: int = 0
     allocated: bool = False
+    stream: int = 0
+    pending: bool = False
     prev: Optional["Block"] = field(default=None, repr=False)
     next: Optional["Block"] = field(default=None, repr=False)
 
@@ -82,50 +96,51 @@ class Block:
 
 
 class CachingAllocator:
-    """The default caching allocator's pools on one stream; ``allocated`` and ``peak`` are its allocated-bytes
+    """The default caching allocator's pools, one per stream; ``allocated`` and ``peak`` are its allocated-bytes
     stat (block sizes) and that stat's maximum since the last ``reset_peak``; ``requested`` sums the rounded
-    requests live (what an allocator history replays)."""
+    requests live (what an allocator history replays: a block leaves both at its free's request)."""
 
     def __init__(self, expandable: bool = False):
         self.expandable = expandable
-        self._free = {True: [], False: []}  # per pool (small?): sorted (size, addr, block)
-        self._tail = {True: None, False: None}  # expandable: each pool's segment's last block
+        self._free: dict = {}  # per pool (small?, stream): sorted (size, addr, id, block)
+        self._tail: dict = {}  # expandable: each pool's segment's last block
         self._end = 0  # the next segment's address
         self.segments: list[Block] = []  # each segment's first block
         self.allocated = self.peak = self.requested = self.requested_peak = self.reserved = 0
 
-    # -- the free lists (BlockComparatorSize: size, then address) --
+    # -- the free lists (BlockComparatorSize: stream, then size, then address) --
     def _insert(self, b: Block) -> None:
-        bisect.insort(self._free[b.small], (b.size, b.addr, id(b), b))
+        bisect.insort(self._free.setdefault((b.small, b.stream), []), (b.size, b.addr, id(b), b))
 
     def _remove(self, b: Block) -> None:
-        lst = self._free[b.small]
+        lst = self._free[b.small, b.stream]
         i = bisect.bisect_left(lst, (b.size, b.addr, id(b)))
         assert lst[i][3] is b
         del lst[i]
 
-    def _best_fit(self, size: int, small: bool) -> Optional[Block]:
-        lst = self._free[small]
+    def _best_fit(self, size: int, small: bool, stream: int) -> Optional[Block]:
+        lst = self._free.get((small, stream), [])
         i = bisect.bisect_left(lst, (size, -1))
         if i == len(lst):
             return None
         return lst.pop(i)[3]
 
-    def _new_segment(self, size: int, small: bool) -> Block:
-        """cudaMalloc of ``allocation_size`` (or, expandable, the pool's segment grown by whole pages)."""
+    def _new_segment(self, size: int, small: bool, stream: int, at: Optional[int]) -> Block:
+        """cudaMalloc of ``allocation_size`` at ``at`` (a history's address) or after every segment so far (or,
+        expandable, the pool's segment grown by whole pages)."""
         if self.expandable:
-            return self._grow(size, small)
+            return self._grow(size, small, stream)
         seg = allocation_size(size)
-        b = Block(self._end, seg, small)
-        self._end += seg
+        b = Block(self._end if at is None else at, seg, small, stream=stream)
+        self._end = max(self._end, b.addr + seg)
         self.reserved += seg
         self.segments.append(b)
         return b
 
-    def _grow(self, size: int, small: bool) -> Block:
+    def _grow(self, size: int, small: bool, stream: int) -> Block:
         page = EXPANDABLE_PAGE_BYTES["small" if small else "large"]
-        tail = self._tail[small]
-        have = tail.size if tail is not None and not tail.allocated else 0
+        tail = self._tail.get((small, stream))
+        have = tail.size if tail is not None and not tail.allocated and not tail.pending else 0
         more = -(-(size - have) // page) * page
         self.reserved += more
         if have:
@@ -133,14 +148,14 @@ class CachingAllocator:
             tail.size += more
             return tail
         # each pool's segment stands in its own address range, far past any other
-        base = (1 << 60) if small else (1 << 59)
+        base = ((1 << 60) if small else (1 << 59)) + (stream << 50)
         addr = tail.addr + tail.size if tail is not None else base
-        b = Block(addr, more, small, prev=tail)
+        b = Block(addr, more, small, stream=stream, prev=tail)
         if tail is not None:
             tail.next = b
         else:
             self.segments.append(b)
-        self._tail[small] = b
+        self._tail[small, stream] = b
         return b
 
     def _should_split(self, b: Block, size: int) -> bool:
@@ -149,19 +164,25 @@ class CachingAllocator:
             return remaining >= K_MIN_BLOCK_SIZE
         return remaining > K_SMALL_SIZE
 
-    def malloc(self, requested: int) -> Block:
-        """A request of ``requested`` bytes: the block it gets (best fit, else a new segment), split where
-        should_split says so."""
+    def fits(self, requested: int, stream: int = 0) -> bool:
+        """Whether a cached free block would serve the request (else malloc cudaMallocs a segment)."""
+        size = block_bytes(requested)
+        lst = self._free.get((size <= K_SMALL_SIZE, stream), [])
+        return bisect.bisect_left(lst, (size, -1)) < len(lst)
+
+    def malloc(self, requested: int, stream: int = 0, at: Optional[int] = None) -> Block:
+        """A request of ``requested`` bytes on ``stream``: the block it gets (best fit in that stream's pool,
+        else a new segment, at ``at`` where given), split where should_split says so."""
         size = block_bytes(requested)
         small = size <= K_SMALL_SIZE
-        b = self._best_fit(size, small) or self._new_segment(size, small)
+        b = self._best_fit(size, small, stream) or self._new_segment(size, small, stream, at)
         if self._should_split(b, size):
-            rest = Block(b.addr + size, b.size - size, small, prev=b, next=b.next)
+            rest = Block(b.addr + size, b.size - size, small, stream=stream, prev=b, next=b.next)
             if b.next is not None:
                 b.next.prev = rest
             b.next, b.size = rest, size
-            if self._tail[small] is b:
-                self._tail[small] = rest
+            if self._tail.get((small, stream)) is b:
+                self._tail[small, stream] = rest
             self._insert(rest)
         b.allocated, b.requested = True, requested
         self.allocated += b.size
@@ -171,13 +192,24 @@ class CachingAllocator:
         return b
 
     def free(self, b: Block) -> None:
-        """``b`` back to its pool, merged with a free neighbour on either side (free_block, try_merge_blocks)."""
+        """``b`` freed with no stream's events to wait for: requested and completed at once."""
+        self.free_requested(b)
+        self.free_completed(b)
+
+    def free_requested(self, b: Block) -> None:
+        """The free's first half: out of the allocated stat now, kept from its pool and its neighbours' merges
+        until ``free_completed``."""
         assert b.allocated, "a block freed twice"
         self.allocated -= b.size
         self.requested -= block_bytes(b.requested)
-        b.allocated, b.requested = False, 0
+        b.allocated, b.pending, b.requested = False, True, 0
+
+    def free_completed(self, b: Block) -> None:
+        """``b`` back to its pool, merged with a free neighbour on either side (free_block, try_merge_blocks)."""
+        assert b.pending, "a free completed that was never requested"
+        b.pending = False
         for other in (b.prev, b.next):
-            if other is not None and not other.allocated:
+            if other is not None and not other.allocated and not other.pending:
                 self._remove(other)
                 if other is b.prev:
                     b.addr, b.prev = other.addr, other.prev
@@ -189,10 +221,44 @@ class CachingAllocator:
                     b.next = other.next
                     if b.next is not None:
                         b.next.prev = b
-                    if self._tail[b.small] is other:
-                        self._tail[b.small] = b
+                    if self._tail.get((b.small, b.stream)) is other:
+                        self._tail[b.small, b.stream] = b
                 b.size += other.size
         self._insert(b)
+
+    def release(self, head: Block) -> None:
+        """A wholly free segment given back to the driver (release_block: a history's ``segment_free``)."""
+        assert head.prev is None and head.next is None and not head.allocated and not head.pending, \
+            "only a wholly free segment is released"
+        self._remove(head)
+        self.segments.remove(head)
+        self.reserved -= head.size
+
+    def seed(self, addr: int, blocks: list[tuple], stream: int = 0) -> list[Block]:
+        """A segment already there when a history began, at ``addr``: its ``blocks`` in address order as (size,
+        request, state: "allocated", "pending" (its free requested, not completed) or "free"), counted in the
+        stats (the peak from there); its blocks returned. Only the small pool's segments are kSmallBuffer (a
+        large one is kLargeBuffer, or 10 MiB and more)."""
+        out: list[Block] = []
+        small = sum(size for size, *_ in blocks) == K_SMALL_BUFFER
+        for size, requested, state in blocks:
+            live = state == "allocated"
+            b = Block(addr, size, small, requested if live else 0, live, stream, state == "pending",
+                      prev=out[-1] if out else None)
+            if out:
+                out[-1].next = b
+            out.append(b)
+            addr += size
+            if live:
+                self.allocated += size
+                self.requested += block_bytes(requested)
+            elif state == "free":
+                self._insert(b)
+        self.segments.append(out[0])
+        self._end = max(self._end, addr)
+        self.reserved += addr - out[0].addr
+        self.reset_peak()
+        return out
 
     def reset_peak(self) -> None:
         """torch.cuda.reset_peak_memory_stats: each peak from what is live now."""
@@ -200,12 +266,15 @@ class CachingAllocator:
 
     def live(self) -> list[Block]:
         """Every allocated block, segment by segment, in address order."""
+        return [b for b in self.blocks() if b.allocated]
+
+    def blocks(self) -> list[Block]:
+        """Every block, segment by segment, in address order."""
         out = []
         for head in self.segments:
             b = head
             while b is not None:
-                if b.allocated:
-                    out.append(b)
+                out.append(b)
                 b = b.next
         return out
 

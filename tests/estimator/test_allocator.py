@@ -103,3 +103,55 @@ def test_an_unknown_event_or_a_free_of_a_key_never_allocated_is_an_error():
         replay([("grow", 1)])
     with pytest.raises(KeyError):
         replay([("free", "x")])
+
+
+def test_a_block_freed_on_one_stream_serves_only_requests_on_that_stream():
+    """Issue 52 item 1: BlockComparatorSize orders a pool by stream first and get_free_block gives up where
+    ``(*it)->stream != p.stream()``: a stream-1 request cudaMallocs its own segment beside a free stream-0 one."""
+    a = CachingAllocator()
+    x = a.malloc(8 * MiB, stream=0)
+    a.free(x)
+    y = a.malloc(8 * MiB, stream=1)
+    assert y.addr == 20 * MiB and y.stream == 1 and a.reserved == 40 * MiB
+    a.free(y)
+    assert a.malloc(8 * MiB, stream=0).addr == 0 and a.malloc(8 * MiB, stream=1).addr == 20 * MiB
+
+
+def test_a_requested_free_leaves_the_allocated_stat_at_once_and_its_pool_only_when_completed():
+    """Issue 52 item 1: free() decreases allocated_bytes before insert_events; free_block, which puts the block
+    back in its pool and merges it, runs at free_completed; try_merge_blocks skips a neighbour still waiting."""
+    a = CachingAllocator()
+    x, y = a.malloc(8 * MiB), a.malloc(8 * MiB)  # one 20 MiB segment, a 4 MiB free tail
+    a.free_requested(x)
+    assert a.allocated == 8 * MiB and a.peak == 16 * MiB
+    z = a.malloc(8 * MiB)  # x is not in the pool yet: a new segment
+    assert z.addr == 20 * MiB
+    a.free_requested(y)
+    a.free_completed(x)  # y still waits: x does not absorb it
+    assert a.malloc(8 * MiB).addr == 0
+    a.free_completed(y)  # y absorbs the free tail only
+    assert a.malloc(12 * MiB).addr == 8 * MiB
+
+
+def test_a_seeded_segment_holds_its_blocks_and_the_peak_starts_there():
+    """A history's state before it began (issue 52 item 1): a 20 MiB segment with an allocated 6 MiB block, a free
+    8 MiB one and a block still waiting on its free; the free one serves a 7 MiB request whole (1 MiB rest)."""
+    a = CachingAllocator()
+    made = a.seed(4 * MiB, [(6 * MiB, 6 * MiB - 100, "allocated"), (8 * MiB, 0, "free"),
+                            (6 * MiB, 0, "pending")])
+    assert (a.allocated, a.peak, a.reserved) == (6 * MiB, 6 * MiB, 20 * MiB)
+    b = a.malloc(7 * MiB)
+    assert (b.addr, b.size, b.rest) == (10 * MiB, 8 * MiB, MiB) and a.peak == 14 * MiB
+    a.free_completed(made[2])
+    a.free(b)  # merges with the completed block after it
+    assert a.malloc(14 * MiB).addr == 10 * MiB
+
+
+def test_only_a_wholly_free_segment_is_released():
+    a = CachingAllocator()
+    x = a.malloc(8 * MiB)
+    with pytest.raises(AssertionError):
+        a.release(a.segments[0])
+    a.free(x)
+    a.release(a.segments[0])
+    assert a.reserved == 0 and a.segments == [] and a.malloc(8 * MiB).addr == 20 * MiB

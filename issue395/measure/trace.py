@@ -1,0 +1,165 @@
+"""A device history of torch's caching allocator, as bench/task_peak_anatomy.py's ``save_trace`` keeps it
+(``{"start_segments": [...], "end_segments": [...], "events": [[action, addr, size, stream], ...]}``,
+frames left out), replayed through estimator.allocator: the real request sequence in, the model's blocks,
+splits, addresses and allocated-bytes stat out, each checked against what torch recorded (issue 52 item 1,
+issue 51 item 3). Stdlib only.
+
+Torch's actions (CUDACachingAllocator.cpp ``record_trace``): ``alloc`` carries the request (``orig_size``,
+what ``requested_size`` keeps), ``free_requested`` and ``free_completed`` the block's ``requested_size``
+(the two halves of a free: the allocated stat drops at the first, the block rejoins its pool at the
+second), ``segment_alloc`` the cudaMalloc'd segment (recorded in ``alloc_block``, before the ``alloc``
+it serves), ``segment_free`` a segment released; ``snapshot`` and ``oom`` change nothing. An expandable
+segment's ``segment_map``/``segment_unmap`` are refused: estimator.allocator lays expandable segments out
+its own way, not at torch's addresses.
+
+The state before the history: ``save_trace``'s ``start_segments`` is read before the measured window's
+``empty_cache`` (issue395.measure.cuda.peak_window), which releases every wholly free segment with no
+event recorded, so those are left out; every other block is seeded as it stood (allocated with its
+request, free in its stream's pool, or waiting on its free).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Optional
+
+from ..constants import block_bytes
+from ..estimator.allocator import Block, CachingAllocator, allocation_size
+
+#: what a snapshot's block state means to the model
+_STATES = {"active_allocated": "allocated", "active_pending_free": "pending", "inactive": "free"}
+_QUIET = {"snapshot", "oom"}
+
+
+def seeded(start_segments: list[dict]) -> tuple[CachingAllocator, dict[int, Block]]:
+    """The allocator as the history found it: every segment of ``start_segments`` that holds a block still in
+    use, at its address, on its stream; the blocks in use by address (what the history's frees name)."""
+    alloc = CachingAllocator()
+    held: dict[int, Block] = {}
+    for seg in sorted(start_segments, key=lambda s: int(s["address"])):
+        blocks = sorted(seg.get("blocks") or [], key=lambda b: int(b["address"]))
+        if all(b.get("state") == "inactive" for b in blocks):
+            continue  # released by the window's empty_cache before recording began
+        states = [_STATES.get(b.get("state"), "free") for b in blocks]
+        made = alloc.seed(int(seg["address"]), [(int(b["size"]), int(b.get("requested_size") or 0), st)
+                                                for b, st in zip(blocks, states)], int(seg.get("stream") or 0))
+        held.update((b.addr, b) for b, st in zip(made, states) if st != "free")
+    return alloc, held
+
+
+@dataclass
+class Event:
+    """One event of the history replayed: its index, its row, the allocator after it, the model's block it
+    touched (None for a segment's or a quiet event), and where the model departs from torch there (None where
+    it agrees: the same address, a segment cudaMalloc'd where and only where torch did)."""
+
+    index: int
+    row: list
+    alloc: CachingAllocator
+    block: Optional[Block]
+    diverged: Optional[str]
+
+
+def replaying_trace(trace: dict[str, Any]) -> Iterator[Event]:
+    """The model after each event of ``trace`` (save_trace's dict) in turn. An alloc takes the address torch's
+    cudaMalloc returned where both cudaMalloc a segment; a free names the block torch allocated at that address
+    (so the replay goes on past a departure). A free of an address never allocated, or a mapping event, is an
+    error (ValueError)."""
+    alloc, held = seeded(trace.get("start_segments") or [])
+    segment: Optional[tuple[int, int]] = None  # the cudaMalloc torch recorded for the next alloc
+    for i, row in enumerate(trace.get("events") or []):
+        action, addr, size = row[0], int(row[1] or 0), int(row[2] or 0)
+        stream = int(row[3] or 0) if len(row) > 3 else 0
+        block, why = None, None
+        if action == "segment_alloc":
+            segment = (addr, size)
+        elif action == "alloc":
+            block, why = _alloc(alloc, size, stream, addr, segment)
+            held[addr], segment = block, None
+        elif action in ("free_requested", "free", "free_completed"):
+            block = held.get(addr)
+            if block is None:
+                raise ValueError(f"event {i}: {action} of {addr:#x}, never allocated in this history")
+            if action != "free_completed":
+                alloc.free_requested(block)
+            if action != "free_requested":
+                alloc.free_completed(held.pop(addr))
+        elif action == "segment_free":
+            why = _release(alloc, addr, size)
+        elif action not in _QUIET:
+            raise ValueError(f"event {i}: {action!r} is not modelled (expandable segments' mapping?)")
+        yield Event(i, row, alloc, block, why)
+
+
+def _alloc(alloc: CachingAllocator, size: int, stream: int, addr: int,
+           segment: Optional[tuple[int, int]]) -> tuple[Block, Optional[str]]:
+    """One alloc replayed, and where the model departs from torch on it."""
+    cached = alloc.fits(size, stream)
+    block = alloc.malloc(size, stream, at=segment[0] if segment and not cached else None)
+    why = None
+    if cached and segment:
+        why = f"torch cudaMalloc'd {segment[1]:,} B for {size:,} B where the model reused a cached block"
+    elif not cached and not segment:
+        why = f"the model cudaMalloc'd for {size:,} B where torch reused a cached block"
+    elif segment and allocation_size(block_bytes(size)) != segment[1]:
+        why = f"segment of {segment[1]:,} B in torch, {allocation_size(block_bytes(size)):,} B in the model"
+    elif block.addr != addr:
+        why = f"{size:,} B at {addr:#x} in torch, at {block.addr:#x} in the model"
+    return block, why
+
+
+def _release(alloc: CachingAllocator, addr: int, size: int) -> Optional[str]:
+    head = next((s for s in alloc.segments if s.addr == addr), None)
+    if head is None or head.next is not None or head.allocated or head.pending or head.size != size:
+        return f"torch released the segment at {addr:#x} ({size:,} B), not wholly free in the model"
+    alloc.release(head)
+    return None
+
+
+@dataclass
+class TraceReplay:
+    """A whole history replayed: the model at its end, its peak (the allocated stat's maximum, from the
+    seeded state) with its event and the rests past the rounded requests then, the requests' peak, each
+    departure (index, action, why) and the end's blocks where the model's and torch's differ."""
+
+    alloc: CachingAllocator
+    peak: int
+    peak_at: int
+    rests_at_peak: int
+    requested_at_peak: int
+    divergences: list[tuple[int, str, str]] = field(default_factory=list)
+    end_differs: list[str] = field(default_factory=list)
+
+    @property
+    def first(self) -> Optional[tuple[int, str, str]]:
+        return self.divergences[0] if self.divergences else None
+
+
+def replay_trace(trace: dict[str, Any]) -> TraceReplay:
+    """``trace`` replayed to its end (replaying_trace), its peak and every departure from torch."""
+    alloc = None
+    best, at, rests, requested, diverged = -1, -1, 0, 0, []
+    for ev in replaying_trace(trace):
+        alloc = ev.alloc
+        if ev.diverged:
+            diverged.append((ev.index, ev.row[0], ev.diverged))
+        if alloc.allocated > best:
+            best, at = alloc.allocated, ev.index
+            rests, requested = alloc.allocated - alloc.requested, alloc.requested
+    if alloc is None:
+        alloc, _ = seeded(trace.get("start_segments") or [])
+    if best < alloc.peak:  # no event rose above the seeded state
+        best, rests, requested = alloc.peak, alloc.allocated - alloc.requested, alloc.requested
+    return TraceReplay(alloc, best, at, rests, requested, diverged, end_differs(alloc, trace.get("end_segments")))
+
+
+def end_differs(alloc: CachingAllocator, end_segments: Optional[list[dict]]) -> list[str]:
+    """Each block (address, size, in use or free) where the model's end and torch's differ; [] where no end
+    was recorded."""
+    if not end_segments:
+        return []
+    real = {(int(b["address"]), int(b["size"]), b.get("state") != "inactive")
+            for s in end_segments for b in s.get("blocks") or []}
+    model = {(b.addr, b.size, b.allocated or b.pending) for b in alloc.blocks()}
+    return [f"{'torch' if k in real else 'model'} only: {k[1]:,} B at {k[0]:#x} "
+            f"{'in use' if k[2] else 'free'}" for k in sorted(real ^ model)]

@@ -1,0 +1,86 @@
+"""issue395.measure.trace: a saved device history (bench/task_peak_anatomy.py's save_trace) replayed through
+estimator.allocator (issue 52 item 1, issue 51 item 3). The hand-written histories are torch's actions as
+CUDACachingAllocator.cpp records them; the committed one is a real H100 run's. Nothing is faked."""
+
+import gzip
+import json
+from pathlib import Path
+
+import pytest
+
+from issue395.measure.trace import replay_trace, replaying_trace
+
+MiB = 2**20
+BASE = 1 << 40
+PHI2_NF4 = Path(__file__).resolve().parents[2] / "results/anatomy-and-segments52-h100-soup0.77.0-96b7b97/" \
+    "res-sft-phi2-nf4-512x1"
+
+
+def start(*blocks):
+    """One 20 MiB segment at BASE holding ``blocks`` (size, request, state) in address order."""
+    out, addr = [], BASE
+    for size, req, state in blocks:
+        out.append({"address": addr, "size": size, "requested_size": req, "state": state})
+        addr += size
+    return [{"address": BASE, "total_size": addr - BASE, "stream": 0, "blocks": out}]
+
+
+def test_a_history_seeded_from_its_start_replays_to_torch_s_addresses_and_peak():
+    """A resident 6 MiB block, a 5 MiB request cut from the free rest of its segment, a deferred free that keeps
+    the block out of the pool (the next request, 10 MiB, which the 14 MiB the two would merge into would hold, gets a
+fresh segment at torch's cudaMalloc address), then
+    the resident block freed: the allocated peak counts whole blocks, and the model agrees at every event."""
+    seg2 = BASE + 100 * MiB
+    trace = {"start_segments": start((6 * MiB, 6 * MiB - 10, "active_allocated"), (14 * MiB, 0, "inactive")),
+             "events": [["alloc", BASE + 6 * MiB, 5 * MiB - 3, 0],
+                        ["free_requested", BASE + 6 * MiB, 5 * MiB - 3, 0],
+                        ["segment_alloc", seg2, 10 * MiB, 0],
+                        ["alloc", seg2, 10 * MiB, 0],
+                        ["free_completed", BASE + 6 * MiB, 5 * MiB - 3, 0],
+                        ["alloc", BASE + 6 * MiB, 13 * MiB, 0],  # 13 MiB of the 14 MiB free: not split
+                        ["free_requested", BASE, 6 * MiB - 10, 0], ["free_completed", BASE, 6 * MiB - 10, 0],
+                        ["snapshot", 0, 0, 0]]}
+    r = replay_trace(trace)
+    assert r.divergences == [] and r.peak == 6 * MiB + 10 * MiB + 14 * MiB and r.rests_at_peak == MiB
+    assert r.alloc.allocated == 24 * MiB
+
+
+def test_a_departure_from_torch_is_named_at_its_event_and_the_replay_goes_on():
+    """Torch cudaMalloc'd where the model finds a cached block (a second stream in torch the trace's row does not
+    carry, say): the departure is named at that event, and a later free of torch's address still finds its block."""
+    trace = {"start_segments": start((6 * MiB, 6 * MiB, "active_allocated"), (14 * MiB, 0, "inactive")),
+             "events": [["segment_alloc", BASE + 100 * MiB, 20 * MiB, 0], ["alloc", BASE + 100 * MiB, 5 * MiB, 0],
+                        ["free_requested", BASE + 100 * MiB, 5 * MiB, 0],
+                        ["free_completed", BASE + 100 * MiB, 5 * MiB, 0]]}
+    events = list(replaying_trace(trace))
+    assert "cudaMalloc'd" in events[1].diverged and events[1].block.addr == BASE + 6 * MiB
+    assert events[-1].alloc.allocated == 6 * MiB
+    assert replay_trace(trace).first[0] == 1
+
+
+def test_a_wholly_free_start_segment_is_left_out_as_the_window_s_empty_cache_released_it():
+    """peak_window empties the cache after save_trace's start was read: torch then cudaMallocs again at that
+    address, which the model must too."""
+    trace = {"start_segments": start((20 * MiB, 0, "inactive")),
+             "events": [["segment_alloc", BASE, 20 * MiB, 0], ["alloc", BASE, 8 * MiB, 0]]}
+    r = replay_trace(trace)
+    assert r.divergences == [] and r.alloc.reserved == 20 * MiB
+
+
+@pytest.mark.parametrize("row", [["free_requested", BASE + 7, 512, 0], ["segment_map", BASE, 2 * MiB, 0]])
+def test_a_free_never_allocated_or_an_expandable_mapping_is_refused(row):
+    with pytest.raises(ValueError):
+        replay_trace({"start_segments": [], "events": [row]})
+
+
+def test_the_committed_phi_2_nf4_history_replays_to_its_real_peak_block_for_block():
+    """Issue 51 item 3: the H100 run of phi-2 NF4 resident 512x1 (torch 2.11) replayed from its real requests: the
+    model's allocated peak is max_memory_allocated exactly, every alloc at torch's address, the end's blocks
+    torch's. The rests at that peak are allocated less the rounded requests then, which are no more than the
+    history's own requests' peak (replayed_peak, a maximum perhaps at another event)."""
+    trace = json.loads(gzip.open(f"{PHI2_NF4}.trace.json.gz", "rt").read())
+    row = json.loads(Path(f"{PHI2_NF4}.json").read_text())
+    r = replay_trace(trace)
+    assert r.divergences == [] and r.end_differs == []
+    assert r.peak == row["real_peak"] and r.rests_at_peak == r.peak - r.requested_at_peak
+    assert r.requested_at_peak <= row["replayed_peak"]
