@@ -138,7 +138,8 @@ Known limitations
       0.9990x NF4 (29 MB under, in the step). No resident anatomy of either is committed. Qwen3.5-MoE without it
       is refused where a target puts a delta-net layer on the backward's path (delta_refused: the estimate was down to
       0.83x the meta capture's peak there); its committed rows (q_proj, v_proj: the full-attention layer, last
-      of the four built) are not.
+      of the four the harness builds) are not, but the real 40-layer model's are (its layers past the fourth
+      include delta-net ones after the first full-attention layer).
     - Its needs-free is the allocated peak plus the reserve measured under expandable segments: stock `soup train`
       runs a resident run on the default allocator, where runs the patched gate admitted died (OOM; their reserve
       not recorded) and a Gemma-2B search's OOM held 3.31 GB reserved but unallocated; `--soup-patch` sets
