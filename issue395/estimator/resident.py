@@ -146,7 +146,8 @@ Known limitations
       expandable segments for every run. Evidence: docs/PEAK.md, "EXPANDABLE_RESERVE_PAGES".
     - Soup's own resident number is hardware_fit's (computed by Soup, from its CLI's input); it is not this
       module's business: the row carries it (results/extras.ResidentGate).
-    - Full fine-tuning (Soup's ``training.lora.r: 0``): estimator/full.py's, NOT MEASURED; its docstring has its limits.
+    - Full fine-tuning (Soup's ``training.lora.r: 0``): estimator/full.py's, measured at one shape only on 0.77.0's
+      fp32 master weights (full.MASTER_MEASURED), not on 0.73.3's bf16 build; its docstring has its limits.
 """
 
 from __future__ import annotations
