@@ -386,8 +386,9 @@ def cmd_fit4() -> None:
               f"{c / real:>9.4f}x{e.split_allocated / 1e9:>10.4f}{e.split_allocated / rep:>9.4f}x  {e.phase}")
     print("measured: max_memory_allocated (the allocator's block bytes); replayed: the allocator's history replayed "
           "(requested sizes); unseen: measured - replayed (blocks larger than their request); corrected: computed by "
-          "this tool's estimator, with unsplit (its bound on the adapter blocks' unsplit remainders, the term "
-          "unsplit_remainders); split: corrected less unsplit (every block split to its request)")
+          "this tool's estimator, with unsplit (its bound on the unsplit remainders of the adapter blocks live in the "
+          "binding phase, the terms unsplit_remainders, gradient_remainders, transient_remainders); split: corrected "
+          "less unsplit (every block split to its request)")
     print("\nthe same peaks split at the window's start (allocated when the first step began: the resident), "
           "bytes; corrected's resident terms: pool, extras, lora_weights, cublas_workspace, resident_rounding")
     print(f"{'arm':<46}{'resident meas.':>15}{'resident est.':>15}{'diff':>13}{'step (replayed)':>17}"
