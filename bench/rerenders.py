@@ -400,7 +400,8 @@ def cmd_fit4() -> None:
               f"{dyn_e:>15,}{dyn_e - dyn:>17,}")
     by = {name: (d, e) for name, d, e in rows}
     print("\ngradient accumulation: the same arm at 1 micro-batch and at 4 (or 2); the difference is the adapter's "
-          "held gradients (and, on the paired losses, nothing else)")
+          "held gradients (and, on the paired losses, nothing else); estimated: the split peaks' (requests, as the "
+          "history replays them: the held gradients' unsplit remainders are the corrected peak's alone)")
     print(f"{'pair':<44}{'measured MB':>12}{'replayed MB':>12}{'estimated MB':>13}")
     for a1 in sorted(n for n in by if n.endswith("-a1")):
         stem = a1[:-len("-s3-a1")]
@@ -410,7 +411,7 @@ def cmd_fit4() -> None:
         (d1, e1), (d2, e2) = by[a1], by[other]
         print(f"{stem + ' ' + other[len(stem) + 1:] + ' - a1':<44}{(d2['real_peak'] - d1['real_peak']) / 1e6:>12.1f}"
               f"{(d2['replayed_peak'] - d1['replayed_peak']) / 1e6:>12.1f}"
-              f"{(e2.corrected_predicted - e1.corrected_predicted) / 1e6:>13.1f}")
+              f"{(e2.split_allocated - e1.split_allocated) / 1e6:>13.1f}")
     print("\nthe held-gradient and moment terms the estimate charged (bytes, estimator terms)")
     for name, d, e in rows:
         t = e.terms

@@ -134,8 +134,8 @@ def unsplit_remainders(a: Arch, targets: tuple, r: int, optimizer: str, per: int
     micro-batch the gradients the backward makes, live from the layer phase to the optimizer's step (the Trainer's
     zero_grad sets them to None after it, so the next step's loss has none: gradient_remainders); from step 2 on the
     optimizer's own transients, inside its step only (transient_remainders). A block not live in a phase holds no
-    rest there, so each phase's sum is the bound over the blocks live in it. Evidence: docs/PEAK.md,
-    "unsplit_remainders"."""
+    rest there, so each phase's sum is the bound over the blocks live in it.
+    Evidence: docs/PEAK.md, "unsplit_remainders"."""
     sizes = lora_tensors(a, targets, r)
     beside = [per * n for n in sizes] * (copies + (accumulation > 1))
     if steps > 1:
