@@ -161,7 +161,7 @@ from .arch import NF4_BLOCK, Arch, arch_from_config, fp32_residual, layer_bytes,
 from .layer import (AUTOCAST_BF16, LORA_DROPOUT_MASK_BYTES, MLP_BACKWARD_TRANSIENTS, RMS_RSTD_BYTES,
                     Moment, autocast_by_layer, autocast_casts, autocast_per_token, autocast_upcasts, layer_per_token,
                     mask_bytes, resid_masks, retained_by_layer)
-from .estimate import Estimate, estimate, needs_free, segment_tail
+from .estimate import ADAPTER_RESTS, Estimate, estimate, needs_free, segment_tail
 from .steady import adapter_bytes
 from .terms import Phase, Term, phase_sum
 from .full import estimate_full, full_refused
@@ -474,7 +474,7 @@ def estimate_resident(config: dict, *, quant: str = "none", seq: int, batch: int
     peak = step[binding]
     if steps > 1:  # the optimizer's states beside every phase, and its own step once the activations are freed
         optimizer_step = (t[Term.ADAPTER_GRADIENTS.key] + t[Term.OPTIMIZER_TRANSIENTS.key] + ws
-                          + t.get(Term.UNSPLIT_REMAINDERS.key, 0))
+                          + sum(t.get(k.key, 0) for k in ADAPTER_RESTS))
         if optimizer_step > peak:
             binding, peak = Phase.OPTIMIZER, optimizer_step
         peak += t[Term.OPTIMIZER_STATES.key]
