@@ -127,7 +127,6 @@ def read_soup_config(path: str) -> UserRun:
     targets = lora.target_modules
     if isinstance(targets, str):  # auto and all-linear: resolved as --targets resolves them (model.targets)
         targets = (targets,)
-    targets = tuple(dict.fromkeys(targets))  # peft keeps target_modules as a set: one named twice trains once
     if str(t.optimizer) in ABOVE_BOUND:  # its states outnumber the bound an unmodelled optimizer is charged at
         raise UsageError(f"--config {path}: training.optimizer {t.optimizer} is not modelled: it keeps "
                          f"{ABOVE_BOUND[str(t.optimizer)]}, more than the upper bound this tool charges an optimizer "

@@ -682,21 +682,3 @@ def test_an_optimizer_with_more_states_than_the_upper_bound_is_refused_not_charg
     one_error_line(*main(capfd, ["--estimate", "--config", path]), "training.optimizer grokadamw is not modelled",
                    "grok_ema", "upper bound")
 
-
-@pytest.mark.parametrize("stream", ["true", "false"])
-def test_a_target_named_twice_in_a_file_is_estimated_as_named_once(capfd, tmp_path, stream):
-    """peft's LoraConfig keeps target_modules as a set, so a soup.yaml naming q_proj twice trains one adapter on it:
-    the file's figure (streamed and resident) is the one of the same file naming it once, where the duplicate was
-    counted as a second adapter (streamed) or took the resident estimate off its replayed rests (resident)."""
-    figures = []
-    for targets in ("[q_proj, k_proj, v_proj, q_proj]", "[q_proj, k_proj, v_proj]"):
-        path = soup_yaml(tmp_path, base="Qwen/Qwen2.5-0.5B", seq=512, stream=stream)
-        path.write_text(path.read_text().replace("target_modules: [q_proj, k_proj, v_proj]",
-                                                 f"target_modules: {targets}").replace("quantization: 4bit",
-                                                                                       "quantization: none"))
-        out = tmp_path / f"e{len(figures)}.json"
-        code, _, err = main(capfd, ["--estimate", "--config", path, "--json", out])
-        assert code == 0, err
-        saved = json.loads(out.read_text())  # a resident estimate is one record, a streamed one a row of "rows"
-        figures.append((saved["rows"][0] if "rows" in saved else saved)["needs_free"])
-    assert figures[0] == figures[1]
