@@ -22,7 +22,9 @@
 # rows the corrected estimate is most over (the Done-when asks 1.02x), to confirm on CUDA what the CPU saved-tensor
 # count under CUDA's autocast lists named (estimator/layer.py autocast_upcasts, autocast_casts, mlp_records), first
 # the rows over 1.02x (phi-2 NF4 512x1 with --trace, Phi-3-mini NF4 1024x1 and phi-2 bf16 2048x1 ran in
-# results/anatomy-and-segments52-h100-* and segments52-and-anatomy-h100-*; left: Moonlight): phi-2 NF4 without checkpointing (1.0056x-1.0250x, its retained blocks' rests still a bound:
+# results/anatomy-and-segments52-h100-* and segments52-and-anatomy-h100-*; left: Moonlight), and first SmolLM2 NF4
+# 1024x4 with --trace (the row the fixed capture order of branch `order` leaves 24.4 MB under: what the real step
+# holds there that the sequence does not): phi-2 NF4 without checkpointing (1.0056x-1.0250x, its retained blocks' rests still a bound:
 # the meta capture's peak is 15,343,616 B under the 512x1 row's, unnamed; --trace brings back the real request
 # sequence for sequence.py's phi NF4 step to be held against), Phi-3-mini NF4 1024x1 (v is SDPA's own bf16 copy of
 # the fp32 fused qkv output), phi-2 bf16 (now replayed, 1.0000x-1.0007x: layer 0's LayerNorm and parallel MLP record
@@ -99,6 +101,8 @@ resident_anatomy() {
   export TMPDIR=/dev/shm HF_HUB_OFFLINE=1
   END=$(( $(date +%s) + ${BUDGET_S:-540} ))
   git log -1 --format=%H >> "$R/stack.txt" 2>/dev/null
+  anatomy res sft-smol-nf4-1024x4 smol --train stream_layers=false --task sft --seq 1024 --batch 4 --quant nf4 \
+      --targets q_proj,v_proj --trace "$R/res-sft-smol-nf4-1024x4.trace.json.gz"
   anatomy res sft-moonlight-bf16-2048x4 moonlight --train stream_layers=false --task sft --seq 2048 --batch 4 \
       --targets q_proj,kv_b_proj
 }
