@@ -196,14 +196,19 @@ def cuda_ops():
 class Flash(torch.autograd.Function):
     """Flash SDPA's requests: what it saves in the forward, what its backward makes. From torch's
     aten/src/ATen/native/transformers/cuda: flash_attn/flash_api.cpp mha_fwd (``out = at::empty_like(q_padded)``,
-    q being (B,T,H,D) transposed from the caller's (B,H,T,D): its layout) and mha_bwd, and attention_backward.cu
-    _flash_attention_backward (``out.contiguous()`` before mha_bwd)."""
+    q being (B,T,H,D) transposed from the caller's (B,H,T,D): q's memory layout, whichever it is) and mha_bwd, and
+    attention_backward.cu _flash_attention_backward (``out.contiguous()`` before mha_bwd)."""
 
     @staticmethod
     def forward(ctx, q, k, v):
         B, H, T, D = q.shape
-        # laid out as q, (B,T,H,.), at v's head size: MLA's v is narrower than its q and k
-        out = q.new_empty((B, T, H, v.shape[-1])).transpose(1, 2)
+        # empty_like(q_padded): q's own memory layout (its dims outer to inner, as preserve_format keeps a dense
+        # tensor's strides), at v's head size (MLA's v is narrower than its q and k). A q laid out (B,T,H,D), as a
+        # rotary product of the projection's view is, gives (B,T,H,D); phi's torch.cat of its rotary and pass-through
+        # halves gives a contiguous (B,H,T,D), whose output transformers' transpose(1, 2).contiguous() then copies
+        order = sorted(range(4), key=lambda d: -q.stride(d))
+        shape = (B, H, T, v.shape[-1])
+        out = q.new_empty([shape[d] for d in order]).permute([order.index(d) for d in range(4)])
         lse = torch.empty((B, H, T), dtype=torch.float32, device=q.device)
         seed = torch.empty((), dtype=torch.int64, device=q.device)
         off = torch.empty((), dtype=torch.int64, device=q.device)
