@@ -175,8 +175,8 @@ def lora_linear(q: Requests, T: int, fi: int, fo: int, r: int, grad: bool, dropo
     nothing."""
     base = cast_linear(q, T, fi, fo) if fp32 else q.get(2 * T * fo)
     x32 = None if fp32 else q.get(4 * T * fi)
+    mask = q.get(T * fi) if dropout else None  # CUDA's native_dropout: its bool mask before its output
     drop = q.get(4 * T * fi) if dropout else None
-    mask = q.get(T * fi) if dropout else None
     if not grad:
         q.put(mask)
     cast = q.get(2 * T * fi)
@@ -224,6 +224,14 @@ def rotary(q: Requests, T: int, width: int, b: int = 2):
     return out
 
 
+def output_copy(q: Requests, a: Arch, T: int):
+    """The bf16 copy transformers' transpose(1, 2).contiguous() makes of flash's output where q was cat-built
+    (phi's and Phi-3's rotary and pass-through parts): flash lays its output out as q (mha_fwd's
+    empty_like(q_padded)), and a cat's output is a contiguous (B,H,T,D), so the (B,T,H,D) view is copied; the
+    caller frees it once the output projection returns (the H100 phi-2 NF4 trace's one extra transient a layer)."""
+    return q.get(2 * T * a.heads * a.head_dim)
+
+
 def fused_attention(q: Requests, a: Arch, T: int, lora: tuple, grad: bool):
     """Phi-3: one qkv projection whose q, k, v are views of its block (kept: flash saves the v view), q and k
     rotated, each then cat with its pass-through part (empty at a full rotary: a copy all the same), flash SDPA's
@@ -236,7 +244,9 @@ def fused_attention(q: Requests, a: Arch, T: int, lora: tuple, grad: bool):
         q.put(r)
     sdpa = q.get(2 * T * a.heads * a.head_dim)
     lse = q.get(4 * T * a.heads)
+    copy = output_copy(q, a, T)
     o, k = projection(q, a, T, "o_proj", lora, True)
+    q.put(copy)
     return o, kept + k + rotated + [qkv, sdpa, lse]
 
 
@@ -436,8 +446,8 @@ def lora4bit(q: Requests, T: int, fi: int, fo: int, r: int, grad: bool, dropout:
     base = linear4bit(q, T, fi, fo, True)
     clone = q.get(4 * T * fo)
     q.put(base)
+    mask = q.get(T * fi) if dropout else None  # CUDA's native_dropout: its bool mask before its output
     drop = q.get(4 * T * fi) if dropout else None
-    mask = q.get(T * fi) if dropout else None
     if not grad:
         q.put(mask)
     cast = q.get(2 * T * fi)
@@ -486,7 +496,10 @@ def attention_nf4(q: Requests, a: Arch, T: int, first: bool, lora: tuple):
         q.get(2 * T * w * a.head_dim)
     q.get(2 * T * a.heads * a.head_dim)
     q.get(4 * T * a.heads)
-    return proj4bit(q, a, T, "o_proj", lora, True, False), done
+    copy = output_copy(q, a, T) if "qkv_proj" in a.modules else None
+    o = proj4bit(q, a, T, "o_proj", lora, True, False)
+    q.put(copy)
+    return o, done
 
 
 def layer_nf4(q: Requests, a: Arch, T: int, x, first: bool, lora: tuple):
@@ -548,7 +561,9 @@ def phi_attention_nf4(q: Requests, a: Arch, T: int, first: bool, lora: tuple):
         q.get(2 * T * w * a.head_dim)
     q.get(2 * T * a.heads * a.head_dim)
     q.get(4 * T * a.heads)
+    copy = output_copy(q, a, T)
     o = proj4bit(q, a, T, "dense", lora, True, False)
+    q.put(copy)
     q.put(*cats, outs["v_proj"], rotated[0], outs["q_proj"], rotated[1], outs["k_proj"])
     return o
 
@@ -581,7 +596,9 @@ def phi_attention(q: Requests, a: Arch, T: int, first: bool, lora: tuple):
     q.get(2 * T * a.heads * a.head_dim), q.get(2 * T * a.kv * a.head_dim)
     q.get(2 * T * a.heads * a.head_dim)
     q.get(4 * T * a.heads)
+    copy = output_copy(q, a, T)
     o = projection(q, a, T, "dense", lora, True)[0]
+    q.put(copy)
     q.put(rotated[0], outs["q_proj"], rotated[1], outs["k_proj"])
     return o
 
@@ -611,7 +628,7 @@ def forward_phi(q: Requests, a: Arch, T: int, seq: int, lora: tuple, workspace: 
     """phi's bf16 forward: the embedding's output, the rotary tables, every layer (each input freed after the
     next layer: its LayerNorm keeps its own fp32 copy), the final LayerNorm's fp32 copy and output (the blocks
     live at its end that the forward made, returned), then autocast's bf16 cast of the head's input (the frozen
-    head saves none)."""
+    head saves none; its bias's cast, first, is small)."""
     first = q.n + 1
     emb = q.get(2 * T * a.h)
     tables(q, a, seq, False, workspace)
@@ -631,7 +648,7 @@ def forward_phi(q: Requests, a: Arch, T: int, seq: int, lora: tuple, workspace: 
 def forward_nf4(q: Requests, a: Arch, T: int, seq: int, lora: tuple, workspace: int = CUBLAS_WORKSPACE) -> list:
     """The NF4 forward: the fp32 embedding's output, the fp32 rotary tables, every layer (each output kept: the
     next norm saves it), the final norm (the blocks live at its end that it made, returned), then autocast's bf16
-    casts of the head's input and fp32 weight."""
+    casts of the head's fp32 weight and input."""
     first = q.n + 1
     emb = q.get(4 * T * a.h)
     tables(q, a, seq, True, workspace)
@@ -644,7 +661,9 @@ def forward_nf4(q: Requests, a: Arch, T: int, seq: int, lora: tuple, workspace: 
         norm32(q, T, a.h)
     q.put(emb)
     kept = [k for k in q.held if k >= first]
-    q.get(2 * T * a.h), q.get(2 * a.V * a.h)  # autocast's bf16 casts for the head, whose copy is HEAD_COPY's
+    # autocast's bf16 casts for the head (its linear's weight, then its input: the wrapper's argument pack, right to
+    # left), whose weight copy is HEAD_COPY's
+    q.get(2 * a.V * a.h), q.get(2 * T * a.h)
     return kept
 
 
