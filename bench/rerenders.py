@@ -386,8 +386,9 @@ def cmd_fit4() -> None:
               f"{c / real:>9.4f}x{e.split_allocated / 1e9:>10.4f}{e.split_allocated / rep:>9.4f}x  {e.phase}")
     print("measured: max_memory_allocated (the allocator's block bytes); replayed: the allocator's history replayed "
           "(requested sizes); unseen: measured - replayed (blocks larger than their request); corrected: computed by "
-          "this tool's estimator, with unsplit (its bound on the adapter blocks' unsplit remainders, the term "
-          "unsplit_remainders); split: corrected less unsplit (every block split to its request)")
+          "this tool's estimator, with unsplit (its bound on the unsplit remainders of the adapter blocks live in the "
+          "binding phase, the terms unsplit_remainders, gradient_remainders, transient_remainders); split: corrected "
+          "less unsplit (every block split to its request)")
     print("\nthe same peaks split at the window's start (allocated when the first step began: the resident), "
           "bytes; corrected's resident terms: pool, extras, lora_weights, cublas_workspace, resident_rounding")
     print(f"{'arm':<46}{'resident meas.':>15}{'resident est.':>15}{'diff':>13}{'step (replayed)':>17}"
@@ -399,7 +400,8 @@ def cmd_fit4() -> None:
               f"{dyn_e:>15,}{dyn_e - dyn:>17,}")
     by = {name: (d, e) for name, d, e in rows}
     print("\ngradient accumulation: the same arm at 1 micro-batch and at 4 (or 2); the difference is the adapter's "
-          "held gradients (and, on the paired losses, nothing else)")
+          "held gradients (and, on the paired losses, nothing else); estimated: the split peaks' (requests, as the "
+          "history replays them: the held gradients' unsplit remainders are the corrected peak's alone)")
     print(f"{'pair':<44}{'measured MB':>12}{'replayed MB':>12}{'estimated MB':>13}")
     for a1 in sorted(n for n in by if n.endswith("-a1")):
         stem = a1[:-len("-s3-a1")]
@@ -409,7 +411,7 @@ def cmd_fit4() -> None:
         (d1, e1), (d2, e2) = by[a1], by[other]
         print(f"{stem + ' ' + other[len(stem) + 1:] + ' - a1':<44}{(d2['real_peak'] - d1['real_peak']) / 1e6:>12.1f}"
               f"{(d2['replayed_peak'] - d1['replayed_peak']) / 1e6:>12.1f}"
-              f"{(e2.corrected_predicted - e1.corrected_predicted) / 1e6:>13.1f}")
+              f"{(e2.split_allocated - e1.split_allocated) / 1e6:>13.1f}")
     print("\nthe held-gradient and moment terms the estimate charged (bytes, estimator terms)")
     for name, d, e in rows:
         t = e.terms

@@ -64,7 +64,8 @@ EXPANDABLE_RESERVE_PAGES = 11
 EXPANDABLE_RESERVE_BYTES = EXPANDABLE_RESERVE_PAGES * EXPANDABLE_PAGE_BYTES["large"]
 #: The rests the default allocator leaves in blocks (shouldSplit), charged to the allocated peak only: `soup train`'s
 #: expandable segments split every block at 512 B, so needs_free's allocated peak is without them
-DEFAULT_ALLOCATOR_ONLY = tuple(t.key for t in (Term.UNSPLIT_REMAINDERS, Term.LAYER_REMAINDERS, Term.LOSS_REMAINDERS,
+ADAPTER_RESTS = (Term.UNSPLIT_REMAINDERS, Term.GRADIENT_REMAINDERS, Term.TRANSIENT_REMAINDERS)
+DEFAULT_ALLOCATOR_ONLY = tuple(t.key for t in (*ADAPTER_RESTS, Term.LAYER_REMAINDERS, Term.LOSS_REMAINDERS,
                                                Term.REFERENCE_REMAINDERS))
 
 
@@ -284,8 +285,8 @@ class Estimate:
         split them: the corrected peak less the unsplit remainders the default allocator leaves (the adapter's, and
         where the layer phase binds, the layer's: needs_free's allocated peak; a resident estimate's needs_free
         keeps them, its allocator being the default one)."""
-        return min(self.corrected_predicted - self.terms.get(Term.UNSPLIT_REMAINDERS.key, 0),
-                   self.needs_free - EXPANDABLE_RESERVE_BYTES)
+        rests = sum(self.terms.get(t.key, 0) for t in ADAPTER_RESTS if Phase(self.phase) in t.phases)
+        return min(self.corrected_predicted - rests, self.needs_free - EXPANDABLE_RESERVE_BYTES)
 
     def to_json(self) -> dict:
         """Every field, the task always (an --estimate JSON row says which task it answers); the
@@ -469,10 +470,10 @@ def step_terms(a: Arch, f: Features, tk, *, quant: str, targets: tuple, lora_r: 
     t.update(gradient_terms(per, n, accumulation, lp.gradients))
     if steps > 1:
         t.update(steady_terms(a, targets, lora_r, optimizer, per))
-    unsplit = unsplit_remainders(a, targets, lora_r, optimizer, per, steps=steps,
-                                 copies=2 if t.get(Term.REFERENCE_ADAPTER.key) else 1)
-    if unsplit:
-        t[Term.UNSPLIT_REMAINDERS.key] = unsplit
+    rests = unsplit_remainders(a, targets, lora_r, optimizer, per, steps=steps, accumulation=accumulation,
+                               copies=2 if t.get(Term.REFERENCE_ADAPTER.key) else 1)
+    t.update(rests)
+    unsplit = sum(rests.values())  # every adapter block's, live at the optimizer's step
     for term in (Term.LOSS_REMAINDERS, Term.REFERENCE_REMAINDERS):  # listed where they charge
         if not t.get(term.key):
             t.pop(term.key, None)

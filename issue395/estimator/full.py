@@ -11,7 +11,7 @@ resident.estimate_resident (or resident.estimate_run) at lora_r 0, which dispatc
 
 Known limitations
     - Full fine-tuning (Soup's ``training.lora.r: 0``, ``estimate_full``) is built from physics alone and NOT
-      MEASURED: no full fine-tuning row exists, so every figure of it is unmeasured. What it charges: the
+      MEASURED: no row of this bf16 build (soup-cli 0.73.3) exists, so every figure of it is unmeasured. What it charges: the
       weights at the checkpoint's bf16 (Soup 0.73.3 passes no dtype, transformers 5 loads "auto"); every
       parameter's gradient and torch AdamW's two states in that dtype (steady.OPTIMIZERS' rules per tensor; the
       states are made at step 1's optimizer step, so the optimizer's step binds from step 1); the foreach
@@ -27,7 +27,10 @@ Known limitations
       attention, delta-net: the trained tensors are counted for a plain layer), and phi on fp32 master weights
       (the fp32 count walks a Llama-like layer). Spectrum's and the freezes' partial fine-tuning are not modelled.
     - Full fine-tuning on a release that loads the base as fp32 master weights (0.77.0's
-      resolve_base_load_dtype, ``estimate_master``), also NOT MEASURED, built from Soup's, accelerate's,
+      resolve_base_load_dtype, ``estimate_master``), MEASURED AT ONE SHAPE ONLY (MASTER_MEASURED: the optimizer's
+      step binds there, every figure 1.019x-1.049x the real peak, the excess the 1 MiB a gradient, state and square
+      root block bound; Qwen2.5-0.5B's real peak holds 20.5-40.1 MB of allocator rests, so the bound is not
+      dropped), built from Soup's, accelerate's,
       transformers' and torch's source and held to transformers' own layers under CPU bf16 autocast
       (tests/estimator/test_full.py): every parameter, gradient and AdamW state fp32; the residual stream
       fp32 from the embedding on (checkpointed inputs, rotary tables, norms' inputs and normed tensors); one bf16
@@ -236,7 +239,7 @@ def estimate_full(config: dict, base: Estimate, lora_rounding: int, *, release: 
     with every gradient it has made, and the optimizer's step over every parameter, which runs at step 1 too (its
     states are made there: AdamW's zeros_like at its first step). From step 2 the states are live beside every
     phase. ``lora_rounding``: what ``base``'s retained blocks added to the allocator's rounding (0 with
-    checkpointing), taken off again. Unmeasured: the module docstring says what is not yet shown."""
+    checkpointing), taken off again. Barely measured: the module docstring says what is shown and what is not."""
     a = arch_from_config(config)
     if loads_fp32_master(release_source(release)):
         return estimate_master(config, base, lora_rounding, steps=steps, checkpointing=checkpointing,
@@ -281,6 +284,18 @@ def full_phases(t: dict, base: Estimate, before: int, *, checkpointing: bool, st
 # matmul and scaled_dot_product_attention as lower_precision_fp and cache a cast alike (cached_cast: an fp32 leaf
 # that requires grad, the device's lower precision); CUDA's fp32 lists (pow, rsqrt, log_softmax, nll_loss) differ
 # from CPU's, but here those ops read fp32 already (the norms upcast, HF's loss takes logits.float()).
+
+#: Where a full fine-tuning has been measured (results/resident-full-h100-soup0.77.0-96b7b97, H100): soup-cli 0.77.0's
+#: fp32 master weights only, SFT bf16 1024x1, one optimizer step, Qwen2.5-0.5B and Llama-3.2-1B, checkpointing off
+#: and on; corrected 1.019x-1.049x the real peak, the optimizer's step binding on all four.
+MASTER_MEASURED = "measured at one shape only (SFT 1024x1, one step, on fp32 master weights: estimator/full.py)"
+
+
+def measured_words(release: str | None = None) -> str:
+    """How far a full fine-tuning's figure on ``release`` (None: the installed one) is measured, as a label says it:
+    at one shape where the release loads fp32 master weights (MASTER_MEASURED), else not at all."""
+    return MASTER_MEASURED if loads_fp32_master(release_source(release)) else "unmeasured"
+
 
 def loads_fp32_master(src) -> bool:
     """Whether the release whose soup_cli/ is ``src`` loads a fully fine-tuned base as fp32 master weights: its
@@ -419,7 +434,7 @@ def adapterless(base: Estimate) -> dict:
     gradients, held gradients and their rests, autocast's copies of it) and the r 1 layer's rests (not this one's)."""
     return {k: v for k, v in base.terms.items() if k not in (
         Term.LORA_WEIGHTS.key, Term.BACKWARD_GRADIENTS.key, Term.HELD_GRADIENTS.key, Term.UNSPLIT_REMAINDERS.key,
-        Term.ADAPTER_CASTS.key, Term.LAYER_REMAINDERS.key)}
+        Term.GRADIENT_REMAINDERS.key, Term.TRANSIENT_REMAINDERS.key, Term.ADAPTER_CASTS.key, Term.LAYER_REMAINDERS.key)}
 
 
 def trained_step(t: dict, a: Arch, base: Estimate, lora_rounding: int, per: int, counts: tuple, *,
@@ -454,7 +469,7 @@ def estimate_master(config: dict, base: Estimate, lora_rounding: int, *, steps: 
     (weight_casts, master_backward); each layer's kept blocks as master_blocks lists them; the head's input
     (the final norm's fp32 normed tensor, the head's own bf16 cast, the norm's rsqrt) and its gradients
     (master_head_gradient). The loss's logits are the LoRA step's (the head's matmul is bf16 under autocast
-    there too). Unmeasured: no full fine-tuning row exists. Eager attention is refused (its softmax returns
+    there too). Measured at one shape only (MASTER_MEASURED). Eager attention is refused (its softmax returns
     rotary's fp32 query dtype: fp32 scores the counts do not have)."""
     a = arch_from_config(config)
     if base.terms.get(Term.EAGER_SCORES.key) or base.terms.get(Term.EAGER_MASKS.key):

@@ -138,14 +138,16 @@ Known limitations
       0.9990x NF4 (29 MB under, in the step). No resident anatomy of either is committed. Qwen3.5-MoE without it
       is refused where a target puts a delta-net layer on the backward's path (delta_refused: the estimate was down to
       0.83x the meta capture's peak there); its committed rows (q_proj, v_proj: the full-attention layer, last
-      of the four built) are not.
+      of the four the harness builds) are not, but the real 40-layer model's are (its layers past the fourth
+      include delta-net ones after the first full-attention layer).
     - Its needs-free is the allocated peak plus the reserve measured under expandable segments: stock `soup train`
       runs a resident run on the default allocator, where runs the patched gate admitted died (OOM; their reserve
       not recorded) and a Gemma-2B search's OOM held 3.31 GB reserved but unallocated; `--soup-patch` sets
       expandable segments for every run. Evidence: docs/PEAK.md, "EXPANDABLE_RESERVE_PAGES".
     - Soup's own resident number is hardware_fit's (computed by Soup, from its CLI's input); it is not this
       module's business: the row carries it (results/extras.ResidentGate).
-    - Full fine-tuning (Soup's ``training.lora.r: 0``): estimator/full.py's, NOT MEASURED; its docstring has its limits.
+    - Full fine-tuning (Soup's ``training.lora.r: 0``): estimator/full.py's, measured at one shape only on 0.77.0's
+      fp32 master weights (full.MASTER_MEASURED), not on 0.73.3's bf16 build; its docstring has its limits.
 """
 
 from __future__ import annotations
@@ -159,7 +161,7 @@ from .arch import NF4_BLOCK, Arch, arch_from_config, fp32_residual, layer_bytes,
 from .layer import (AUTOCAST_BF16, LORA_DROPOUT_MASK_BYTES, MLP_BACKWARD_TRANSIENTS, RMS_RSTD_BYTES,
                     Moment, autocast_by_layer, autocast_casts, autocast_per_token, autocast_upcasts, layer_per_token,
                     mask_bytes, resid_masks, retained_by_layer)
-from .estimate import Estimate, estimate, needs_free, segment_tail
+from .estimate import ADAPTER_RESTS, Estimate, estimate, needs_free, segment_tail
 from .steady import adapter_bytes
 from .terms import Phase, Term, phase_sum
 from .full import estimate_full, full_refused
@@ -472,7 +474,7 @@ def estimate_resident(config: dict, *, quant: str = "none", seq: int, batch: int
     peak = step[binding]
     if steps > 1:  # the optimizer's states beside every phase, and its own step once the activations are freed
         optimizer_step = (t[Term.ADAPTER_GRADIENTS.key] + t[Term.OPTIMIZER_TRANSIENTS.key] + ws
-                          + t.get(Term.UNSPLIT_REMAINDERS.key, 0))
+                          + sum(t.get(k.key, 0) for k in ADAPTER_RESTS))
         if optimizer_step > peak:
             binding, peak = Phase.OPTIMIZER, optimizer_step
         peak += t[Term.OPTIMIZER_STATES.key]

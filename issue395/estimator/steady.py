@@ -1,6 +1,7 @@
 """What a streamed step's optimizer and gradients hold: each optimizer's states, from step 2 on, in
 the adapter's dtype or bitsandbytes' own; the adapter's gradients inside a step's phases (one
-micro-batch, or held between micro-batches). Stdlib only; estimate.py sums them into the peak."""
+micro-batch, or held between micro-batches); the rests their blocks may hold under the default allocator, phase
+by phase. Stdlib only; estimate.py sums them into the peak."""
 
 from __future__ import annotations
 
@@ -125,19 +126,26 @@ def state_blocks(n: int, name: str, per: int = FP32) -> list[int]:
 
 
 def unsplit_remainders(a: Arch, targets: tuple, r: int, optimizer: str, per: int, *, steps: int,
-                       copies: int) -> int:
-    """The most the adapter-shaped blocks live at once can hold past their requests under the default
-    allocator (constants.unsplit_bound: up to 1 MiB each over 1 MiB), at the phase holding most of them:
-    ``copies`` of the adapter on the card (its parameters, and DPO's reference copy), its gradients (held
-    between micro-batches, made by the backward, or read by the optimizer's step), and from step 2 on the
-    optimizer's states and, inside its step, its transients. Evidence: docs/PEAK.md, "unsplit_remainders"."""
+                       copies: int, accumulation: int = 1) -> dict:
+    """The most the adapter-shaped blocks can hold past their requests under the default allocator
+    (constants.unsplit_bound: up to 1 MiB each over 1 MiB), each charged in the phases its blocks are live in: beside
+    every phase, ``copies`` of the adapter (its parameters, and DPO's reference copy), the gradients held between
+    micro-batches (accumulation > 1) and from step 2 on the optimizer's states (unsplit_remainders); with one
+    micro-batch the gradients the backward makes, live from the layer phase to the optimizer's step (the Trainer's
+    zero_grad sets them to None after it, so the next step's loss has none: gradient_remainders); from step 2 on the
+    optimizer's own transients, inside its step only (transient_remainders). A block not live in a phase holds no
+    rest there, so each phase's sum is the bound over the blocks live in it.
+    Evidence: docs/PEAK.md, "unsplit_remainders"."""
     sizes = lora_tensors(a, targets, r)
-    o = optimizer_named(optimizer)
-    transient = (FP32 if is_bounded(optimizer) else per) if steps > 1 else 0
-    blocks = [b for n in sizes for b in [per * n] * (copies + 1) + [transient * n] * o.transient]
+    beside = [per * n for n in sizes] * (copies + (accumulation > 1))
     if steps > 1:
-        blocks += [b for n in sizes for b in state_blocks(n, optimizer, per)]
-    return unsplit_rests(blocks)
+        beside += [b for n in sizes for b in state_blocks(n, optimizer, per)]
+    transient = (FP32 if is_bounded(optimizer) else per) if steps > 1 else 0
+    t = {Term.UNSPLIT_REMAINDERS.key: unsplit_rests(beside),
+         Term.GRADIENT_REMAINDERS.key: unsplit_rests(per * n for n in sizes) if accumulation == 1 else 0,
+         Term.TRANSIENT_REMAINDERS.key: unsplit_rests([transient * n for n in sizes]
+                                                      * optimizer_named(optimizer).transient)}
+    return {k: v for k, v in t.items() if v}
 
 
 def gradient_terms(per: int, n: int, accumulation: int, made: int) -> dict:

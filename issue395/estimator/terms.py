@@ -113,11 +113,17 @@ class Term(Enum):
     ADAPTER_GRADIENTS = ("adapter_gradients", {_OP}, Kind.GRAD, "the adapter's gradients", "steps > 1")
     OPTIMIZER_TRANSIENTS = ("optimizer_transients", {_OP}, Kind.TEMP, "the optimizer's transients", "steps > 1")
     #: the default allocator (the harness's step) hands a large-pool request a cached block whole when the rest
-    #: would be 1 MiB or less: each adapter-shaped block over 1 MiB (parameters, the reference copy, gradients,
-    #: the optimizer's states and transients) charged that 1 MiB, at the phase holding most of them; not in
-    #: needs_free (`soup train`'s expandable segments split every block at 512 B)
+    #: would be 1 MiB or less: each adapter-shaped block over 1 MiB charged that 1 MiB in the phases it is live in;
+    #: beside every phase the parameters, the reference copy, the held gradients and the optimizer's states...
     UNSPLIT_REMAINDERS = ("unsplit_remainders", {_LO, _RF, _LA, _OP}, Kind.OTH,
                           "the adapter blocks' unsplit remainders", "an adapter tensor over 1 MiB")
+    #: ...with one micro-batch the gradients the backward makes, from the layer phase to the optimizer's step...
+    GRADIENT_REMAINDERS = ("gradient_remainders", {_LA, _OP}, Kind.OTH, "the adapter gradients' unsplit remainders",
+                           "an adapter tensor over 1 MiB, one micro-batch")
+    #: ...and the optimizer's transients inside its step; none in needs_free (`soup train`'s expandable segments
+    #: split every block at 512 B)
+    TRANSIENT_REMAINDERS = ("transient_remainders", {_OP}, Kind.OTH, "the optimizer transients' unsplit remainders",
+                            "an adapter tensor over 1 MiB, steps > 1, a foreach optimizer")
     #: ...and the same allocator's rests in the blocks the binding layer's turn holds (its dequantised weights and
     #: its tokens' tensors: constants.layer_remainders), a dense layer's, in the layer phase only; not in needs_free
     LAYER_REMAINDERS = ("layer_remainders", {_LA}, Kind.OTH, "the binding layer's blocks' unsplit remainders",

@@ -406,8 +406,9 @@ def said(ask: FindMaxRequest, a: Answers, box: Optional[int], like: Optional[int
     soup = (a.soup if a.soup is not None else "none: its CLI builds no input for this file, so it skips its gate"
             if r and r.soup_input is None else "none")
     estimate = "the corrected resident estimate" if r else "--estimate's corrected estimate"
-    if r and arm.full:  # its physics alone: no full fine-tuning has been measured (estimator/full.py's MEASURED)
-        estimate += " of a full fine-tuning, unmeasured"
+    if r and arm.full:  # how far it is measured: estimator/full.py's Known limitations
+        from ..estimator.full import measured_words
+        estimate += f" of a full fine-tuning, {measured_words()}"
     optimizer = arm.settings.optimizer
     if optimizer and arm.steps > 1 and is_bounded(optimizer):  # its answer is the bound's: said where it is read
         estimate += f", an UPPER BOUND: training.optimizer {optimizer} is not modelled"

@@ -681,3 +681,4 @@ def test_an_optimizer_with_more_states_than_the_upper_bound_is_refused_not_charg
     path = keyed_yaml(tmp_path, stream, "training", "  optimizer: grokadamw\n")
     one_error_line(*main(capfd, ["--estimate", "--config", path]), "training.optimizer grokadamw is not modelled",
                    "grok_ema", "upper bound")
+
