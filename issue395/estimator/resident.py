@@ -270,7 +270,7 @@ def kept_rests(a: Arch, targets: tuple, r: int, T: int, quant: str, seq: int, ta
     checked against the real model's (``replayed``: under ``transformers``, None the installed, and this
     process's allocator settings), else retained_rounding's bound."""
     mask = mask_bytes(task_named(task), dropout)
-    if replayed(a, quant, targets, task, transformers=transformers_release(transformers)):
+    if replayed(a, quant, targets, task, transformers=transformers_release(transformers), batch=T // seq):
         return layer_rests(a, targets, r, T, seq, mask > 0, quant)
     return retained_rounding(a, targets, r, T, quant, seq, mask)
 
