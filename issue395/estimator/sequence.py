@@ -687,13 +687,15 @@ GEMM_4BIT_LARGE_MAX_ROWS = 512
 #: capture does not have; Llama-3.2-1B NF4 2048x1 held 1 MiB more before its step than the capture), and the
 #: bound stays there until it is named.
 #: Not phi either: its NF4 sequence is the capture's request for request (phi-2 512x1-2048x1), but the capture's own
-#: peak is 15,343,616 B under the 512x1 row's max_memory_allocated (1,193,984 B under at 512x4, 3,749,888 B at
-#: 1024x1, 1,140,736 B at 2048x1; 301,056 B and 145,408 B over at 1024x4 and 2048x4), and the capture holds
-#: 458,752 B more before the step than every phi-2 NF4 row did (the load's history is not the run's). Every
-#: gemm_4bit choice has the same requested peak (6,322,400,256 B at 512x1); only the rests differ (8,716,288 B
-#: under the H200's own choice, none fused; 36,241,408 B the most). Charged the largest (36,896,768 B, under the
-#: pre-Hopper workspace) the 512x1 row would be 23,694,784 B over; under the H200's own choice 4,354,624 B under:
-#: what is missing is outside the capture's rests and not named, and the bound stays.
+#: peak (CUDA's request order: native_dropout's mask first, autocast's casts right to left, accelerate's fp32
+#: logits, flash's output in q's layout) is 10,362,880 B under the 512x1 row's max_memory_allocated (2,186,752 B
+#: under at 512x4, 2,189,312 B at 2048x1; 4,114,432 B, 412,160 B and 367,104 B over at 1024x1, 1024x4 and 2048x4;
+#: before that order 15,343,616 B under at 512x1), and the capture holds 458,752 B more before the step than every
+#: phi-2 NF4 row did (the load's history is not the run's). Before that order every gemm_4bit choice had the same
+#: requested peak (6,322,400,256 B at 512x1), only the rests differing (8,716,288 B under the H200's own choice,
+#: none fused; 36,241,408 B the most), and charged the largest the 512x1 row would have been 23,694,784 B over,
+#: under the H200's own choice 4,354,624 B under: what is missing is outside the capture's rests and not named, and
+#: the bound stays (the choices not yet replayed again under the new order).
 NF4_SEQUENCE_TYPES = ("llama", "mistral", "qwen3", "phi3")
 #: ...but not these at a batch over 1: SmolLM2 NF4 1024x4's capture, its request order CUDA's (native_dropout's
 #: mask before its output, autocast's casts right to left, accelerate's fp32 logits), is 24,425,984 B under the
@@ -705,13 +707,16 @@ NF4_BATCHED_HELD_BACK = ("llama",)
 
 
 #: The model types whose bf16 step the sequence replays. Not phi3: its sequence is the capture's request for request
-#: (Phi-3-mini 512x1-1024x4), but the capture's own peak at 512x1 is 23,332,352 B under that row's
-#: max_memory_allocated (263,680 B at 512x4 and 1024x4), and with the replayed rests in place of the bound the
-#: row would be 16,953,152 B under: what is missing is outside the rests, and the bound stays until it is named.
+#: (Phi-3-mini 512x1-1024x4); before the capture laid flash's output out as q (its cat-built q's output copied by
+#: transformers' transpose(1, 2).contiguous(): output_copy) its own peak at 512x1 was 23,332,352 B under that row's
+#: max_memory_allocated and with the replayed rests the row would have been 16,953,152 B under; now the capture is
+#: 263,680 B under at 512x1, 512x4 and 1024x4 (3,917,824 B over at 1024x1), the estimate with the replayed rests
+#: not yet checked against the rows: the bound stays until it is.
 #: phi is (forward_phi): with layer_norm and pow under autocast's fp32 policy in the capture (bench/
 #: allocator_replay.py's FP32_POLICY) the capture's peak is within 778,240 B of every committed phi-2 bf16 row's
 #: max_memory_allocated (the real 778,240 B under at 512x1, where it kept no rest of the capture's 786,432 B;
-#: 26,624-538,624 B over at the other five), both holding 5,569,854,464 B before the step; with the replayed
+#: 24,064-538,624 B over at the other five, with CUDA's request order in the capture),
+#: both holding 5,569,854,464 B before the step; with the replayed
 #: rests and resident.norm_casts (the LayerNorms' fp32 weight copies, 655,360 B, seen in the capture) charged,
 #: the estimate's physics is within 30,720 B of the capture's peak (under at 512x4, 1024x4, 2048x1, 2048x4), and
 #: what the real exceeds the capture by is inside the allowance (estimate.ALLOCATED_ALLOWANCE_BYTES): every row
@@ -770,7 +775,8 @@ def default_allocator(environ=None) -> bool:
     return not keys & set(SPLIT_SETTINGS) and not environ.get(WORKSPACE_CONFIG_VAR)
 
 
-def replayed(a: Arch, quant: str, targets: tuple, task: str, *, transformers: str, environ=None, batch: int = 1) -> bool:
+def replayed(a: Arch, quant: str, targets: tuple, task: str, *, transformers: str, environ=None,
+             batch: int = 1) -> bool:
     """Whether this sequence is the run's: a plain llama-type decoder (SEQUENCE_TYPES, one kind of layer; Phi-3's
     fused qkv and gate_up at a full rotary; phi's parallel layer, bf16 only), bf16 (BF16_SEQUENCE_TYPES), or NF4
     (NF4_SEQUENCE_TYPES) at any token count (at
