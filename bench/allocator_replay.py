@@ -29,14 +29,16 @@ the step's rounded requests at their peak), the committed anatomy's real_peak - 
 
 What a CUDA step does that the meta device does not, substituted (each checked against the committed anatomies'
 live sets):
-- Hugging Face's bf16 autocast: F.linear casts an fp32 input, then the weight (a leaf weight's cast kept until the
-  forward ends), then the bias, to bf16, as CUDA's autocast lower-precision list does for linear; layer_norm and
+- Hugging Face's bf16 autocast: F.linear casts an fp32 bias, then the weight (a leaf weight's cast kept until the
+  forward ends), then the input, to bf16, as CUDA's autocast lower-precision list does for linear; layer_norm and
   pow under its fp32 policy, each bf16 input cast to fp32 first (FP32_POLICY: phi's LayerNorm and gelu_new);
 - SDPA runs flash: its output (B,H,T,D) in the input's dtype and q's layout, an fp32 logsumexp (B,H,T), two 8-byte
   philox tensors; its backward a contiguous (B,T,H,D) copy of the output where that layout is not it, dq, dk, dv,
   fp32 softmax_d (B,H,T128) and dq_accum (B,T128,H,Dr), a GQA's dk and dv expanded to (B,T,H,D) and summed into
   them (T128: T rounded to 128; Dr: D rounded to 32, past 128 to 64: torch's flash_api.cpp mha_bwd);
-- dropout is CUDA's fused native_dropout: its output, then a bool mask;
+- dropout is CUDA's fused native_dropout: a bool mask, then its output;
+- accelerate's convert_outputs_to_fp32 (the Trainer's bf16 mixed precision): the logits' fp32 copy replaces the
+  model's bf16 logits once the forward returns;
 - the cuBLAS workspace (constants.CUBLAS_WORKSPACE) after the first matmul's output on the forward's thread and
   again on the backward's; cuBLASLt's (CUBLASLT_WORKSPACE) after the first addmm;
 - transformers' caching_allocator_warmup: one block of the weights' bytes, freed at once, before the load;
@@ -194,14 +196,19 @@ def cuda_ops():
 class Flash(torch.autograd.Function):
     """Flash SDPA's requests: what it saves in the forward, what its backward makes. From torch's
     aten/src/ATen/native/transformers/cuda: flash_attn/flash_api.cpp mha_fwd (``out = at::empty_like(q_padded)``,
-    q being (B,T,H,D) transposed from the caller's (B,H,T,D): its layout) and mha_bwd, and attention_backward.cu
-    _flash_attention_backward (``out.contiguous()`` before mha_bwd)."""
+    q being (B,T,H,D) transposed from the caller's (B,H,T,D): q's memory layout, whichever it is) and mha_bwd, and
+    attention_backward.cu _flash_attention_backward (``out.contiguous()`` before mha_bwd)."""
 
     @staticmethod
     def forward(ctx, q, k, v):
         B, H, T, D = q.shape
-        # laid out as q, (B,T,H,.), at v's head size: MLA's v is narrower than its q and k
-        out = q.new_empty((B, T, H, v.shape[-1])).transpose(1, 2)
+        # empty_like(q_padded): q's own memory layout (its dims outer to inner, as preserve_format keeps a dense
+        # tensor's strides), at v's head size (MLA's v is narrower than its q and k). A q laid out (B,T,H,D), as a
+        # rotary product of the projection's view is, gives (B,T,H,D); phi's torch.cat of its rotary and pass-through
+        # halves gives a contiguous (B,H,T,D), whose output transformers' transpose(1, 2).contiguous() then copies
+        order = sorted(range(4), key=lambda d: -q.stride(d))
+        shape = (B, H, T, v.shape[-1])
+        out = q.new_empty([shape[d] for d in order]).permute([order.index(d) for d in range(4)])
         lse = torch.empty((B, H, T), dtype=torch.float32, device=q.device)
         seed = torch.empty((), dtype=torch.int64, device=q.device)
         off = torch.empty((), dtype=torch.int64, device=q.device)
@@ -228,13 +235,15 @@ class Flash(torch.autograd.Function):
 
 
 class FusedDropout(torch.autograd.Function):
-    """CUDA's native_dropout: the output, then a bool mask (CPU's keeps a mask in the input's dtype)."""
+    """CUDA's native_dropout: a bool mask, then the output (Dropout.cu dropout_cuda: ``Tensor mask =
+    at::empty_like(self, ...kBool)`` before ``Tensor ret = at::empty_like(self)``; the H100 phi-2 NF4 trace's order);
+    CPU's keeps a mask in the input's dtype."""
 
     @staticmethod
     def forward(ctx, x, p):
-        out = torch.empty_like(x)
-        ctx.save_for_backward(torch.empty_like(x, dtype=torch.bool))
-        return out
+        mask = torch.empty_like(x, dtype=torch.bool)
+        ctx.save_for_backward(mask)
+        return torch.empty_like(x)
 
     @staticmethod
     def backward(ctx, g):
@@ -300,12 +309,14 @@ def cuda_substitutes(autocast: dict, cast_cache: dict):
                                                    mu.find_packed_sequence_indices, torch.is_autocast_enabled)
 
     def linear(x, w, b=None):
+        # the bias's cast, then the weight's, then the input's: the autocast wrapper's cached_cast(args)... pack,
+        # evaluated right to left (GCC); the H100 phi-2 NF4 trace's fp32 head casts its bias, weight, input so
         if autocast["on"]:
-            x = x.to(torch.bfloat16) if x.dtype == torch.float32 else x
+            b = b.to(torch.bfloat16) if b is not None and b.dtype == torch.float32 else b
             if w.dtype == torch.float32:
                 w = (cast_cache.setdefault(id(w), w.to(torch.bfloat16)) if w.is_leaf and w.requires_grad
                      else w.to(torch.bfloat16))
-            b = b.to(torch.bfloat16) if b is not None and b.dtype == torch.float32 else b
+            x = x.to(torch.bfloat16) if x.dtype == torch.float32 else x
         return linear0(x, w, b)
 
     fp32_ops = fp32_policy(autocast)
@@ -415,6 +426,9 @@ def step(model, rec: Recorder, autocast: dict, cast_cache: dict, seq: int, batch
     autocast["on"] = True
     out = model(input_ids=ids, attention_mask=None, labels=labels, use_cache=False)
     autocast["on"] = False
+    # accelerate's convert_outputs_to_fp32 (its prepare_model under bf16 mixed precision): the logits' fp32 copy
+    # replaces the bf16 ones, which then go (the H100 phi-2 NF4 trace: 104,857,600 B in, 52,428,800 B out)
+    out.logits = out.logits.float()
     cast_cache.clear()
     loss = out.loss
     with torch.no_grad():

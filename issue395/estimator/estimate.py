@@ -39,6 +39,9 @@ from .terms import Phase, Term, phase_sum
 LOGITS_BYTES = 12
 #: + the saved bf16 tanh output under final_logit_softcapping (PEAK: Gemma-2's 1.007x margin).
 SOFTCAP_EXTRA_BYTES = 2
+#: TRL's SFTTrainer metric entropy_from_logits (trl/trainer/utils.py, chunk_size=128): rows of the flattened logits
+#: a chunk takes, its log_softmax, exp and their product live at once (PEAK "Loss phase": the entropy moment)
+ENTROPY_CHUNK_ROWS = 128
 IDS_LABELS_BYTES_PER_TOKEN = 32  # input_ids, labels, attention mask, shifted labels: int64 each
 POSITION_BYTES = 8  # int64 position ids, one row per position
 
@@ -91,9 +94,25 @@ def lora_weights(n: int, per: int = LORA_WEIGHT_BYTES) -> int:
 
 
 def logits(a: Arch, T: int) -> int:
-    """Loss backward: 3 fp32 logits buffers, 12 B/element; 14 B under final softcapping (PEAK
-    "Loss phase"; --snapshot: three fp32 blocks, no bf16 one; Gemma-2 margin 1.007x)."""
-    return (LOGITS_BYTES + (SOFTCAP_EXTRA_BYTES if a.softcap else 0)) * T * a.V
+    """The SFT loss's fp32 logits blocks at its binding moment (logits_blocks): at the loss backward 3 fp32
+    buffers, 12 B/element; + 2 B under final softcapping, its saved bf16 tanh output (PEAK "Loss phase";
+    --snapshot: three fp32 blocks, no bf16 one; Gemma-2 margin 1.007x)."""
+    return sum(logits_blocks(a, T)) + (SOFTCAP_EXTRA_BYTES if a.softcap else 0) * T * a.V
+
+
+def logits_blocks(a: Arch, T: int, entropy: bool = True) -> list[int]:
+    """The fp32 logits-sized blocks SFT's loss holds at whichever of its two moments holds more with their
+    segments' tails: the loss backward (the cross entropy's saved log_softmax, the gradient into it and the one
+    out of it: 3 x 4TV), or, before it, TRL's entropy metric (accelerate's convert_outputs_to_fp32 copy of the
+    logits beside the saved log_softmax, 2 x 4TV, and a chunk's log_softmax, exp and product, 3 x 4 x
+    min(ENTROPY_CHUNK_ROWS, T) x V: more below 384 tokens a step). The H100 phi-2 NF4 512x1 trace holds both
+    moments block for block (its 104,857,600 B fp32 copy, its 26,214,400 B chunks). ``entropy`` False: the
+    backward's alone (Soup's chunked loss returns no logits, so no entropy is taken)."""
+    backward = [4 * T * a.V] * 3
+    if not entropy:
+        return backward
+    entropy = [4 * T * a.V] * 2 + [4 * min(ENTROPY_CHUNK_ROWS, T) * a.V] * 3
+    return max(backward, entropy, key=lambda b: sum(b) + sum(map(segment_tail, b)))
 
 
 def checkpointed_inputs(a: Arch, quant: str, T: int) -> int:
@@ -159,10 +178,10 @@ def resident_rounding(a: Arch, quant: str, f: Features, per_expert: bool = False
     return out
 
 
-def loss_blocks(a: Arch, T: int) -> list[int]:
-    """The blocks (requested bytes) the loss peak lists: the three fp32 logits buffers (4TV each) and the
+def loss_blocks(a: Arch, T: int, entropy: bool = True) -> list[int]:
+    """The blocks (requested bytes) the loss peak lists: the fp32 logits buffers (logits_blocks) and the
     hidden-sized ones (hidden_blocks)."""
-    return [4 * T * a.V] * 3 + hidden_blocks(a, T)
+    return logits_blocks(a, T, entropy) + hidden_blocks(a, T)
 
 
 def hidden_blocks(a: Arch, T: int) -> list[int]:
@@ -170,11 +189,11 @@ def hidden_blocks(a: Arch, T: int) -> list[int]:
     return [4 * T * a.h] * FP32_HIDDEN_SEGMENTS + [2 * T * a.h] * BF16_HIDDEN_SEGMENTS
 
 
-def allocator_rounding(a: Arch, T: int) -> int:
+def allocator_rounding(a: Arch, T: int, entropy: bool = True) -> int:
     """segment_tail of the large blocks live at the loss peak (loss_blocks): the logits buffers are fresh
     (nothing cached is that large; why Soup's probe reads 12.0101 B/element at vocab 151936, 12.0
     elsewhere), as are the hidden-sized segments (*_HIDDEN_SEGMENTS)."""
-    return sum(map(segment_tail, loss_blocks(a, T)))
+    return sum(map(segment_tail, loss_blocks(a, T, entropy)))
 
 
 def hidden_rounding(a: Arch, T: int) -> int:
@@ -514,8 +533,8 @@ def chunked_loss_terms(a: Arch, chunk: int, seq: int, batch: int, T: int, ws: in
     # two [batch, seq, hidden] stream-dtype tensors;
     # measured: SmolLM2 and Moonlight chunk 512 (results/moe-and-stream-modes-*/loss-chunk.txt)
     return {"logits": (LOGITS_BYTES + 2 + (SOFTCAP_EXTRA_BYTES if a.softcap else 0)) * min(chunk, seq) * batch * a.V,
-            "allocator_rounding": allocator_rounding(a, min(chunk, seq) * batch),
-            Term.LOSS_REMAINDERS.key: cut_remainders(loss_blocks(a, min(chunk, seq) * batch)),
+            "allocator_rounding": allocator_rounding(a, min(chunk, seq) * batch, entropy=False),
+            Term.LOSS_REMAINDERS.key: cut_remainders(loss_blocks(a, min(chunk, seq) * batch, entropy=False)),
             Term.CHUNKED_LOSS.key: ws + 2 * 2 * a.h * T}
 
 

@@ -10,16 +10,17 @@ every block of the step is whole 2 MiB (``whole_granules``). Where the task's tr
 dropout mask is charged, by the streamed step's own rule (layer.mask_bytes), in each count and its blocks' rounding.
 
 Measured (tests/estimator/test_resident.py), on the 187 committed arms of these families it models, bf16 and NF4
-(results/resident-map-*): never under, median 1.0010x; with checkpointing 1.0001x-1.0029x, without it
-1.0000x-1.0250x, median 1.0013x (the widest: rows whose retained rests are still bounded, phi-2 NF4 up to
+(results/resident-map-*): never under, median 1.0011x; with checkpointing 1.0001x-1.0029x, without it
+1.0000x-1.0250x, median 1.0014x (the widest: rows whose retained rests are still bounded, phi-2 NF4 up to
 1.0250x, Phi-3-mini bf16 1024x1 1.0157x; then SmolLM2 NF4 512x1 1.0147x, replayed under every gemm_4bit
 choice; without checkpointing less phi-2 NF4's 6, 152 rows, 1.0000x-1.0157x, median 1.0013x); every row but phi-2
 NF4's, 181, 1.0000x-1.0157x, median 1.0008x.
 Where the retained blocks' rests are replayed
 (estimator/sequence.py: SmolLM2, Qwen2.5, Llama-3.2-1B, Llama-3.1-8B, Qwen3-0.6B, Mistral-7B, SFT bf16 without
-checkpointing, 39 rows) 1.0001x-1.0069x, median 1.0007x (the larger replay of the two default cuBLAS workspaces,
-the card not known: SmolLM2 2048x1 1.0069x, 1.0049x under the 32 MiB one its H200 held; bounded they were up to
-1.0237x); NF4 past 1,536 tokens on the llama, mistral, qwen3 and phi3 types (20 rows) 1.0001x-1.0029x
+checkpointing, 39 rows) 1.0001x-1.0049x, median 1.0007x (the larger replay of the two default cuBLAS workspaces,
+the card not known: SmolLM2 2048x1 1.0047x, 1.0069x before the capture's CUDA request order; bounded they were up to
+1.0237x); NF4 past 1,536 tokens on the llama, mistral, qwen3 and phi3 types (12 rows; batched llama's 8 keep the
+bound, sequence.NF4_BATCHED_HELD_BACK: 1.0001x-1.0240x) 1.0001x-1.0035x
 (Phi-3-mini 512x4 and 1024x4 1.0007x and 1.0004x; bounded, 1.0057x and 1.0138x; up to 1.0238x), at 1,536 or
 fewer (12 rows, the largest replay of every choice bitsandbytes' gemm_4bit could make, the card not known)
 1.0004x-1.0147x (Phi-3-mini 512x1 and 1024x1 1.0106x and 1.0014x, bounded 1.0209x and 1.0237x: at 1024x1 its
@@ -270,7 +271,7 @@ def kept_rests(a: Arch, targets: tuple, r: int, T: int, quant: str, seq: int, ta
     checked against the real model's (``replayed``: under ``transformers``, None the installed, and this
     process's allocator settings), else retained_rounding's bound."""
     mask = mask_bytes(task_named(task), dropout)
-    if replayed(a, quant, targets, task, transformers=transformers_release(transformers)):
+    if replayed(a, quant, targets, task, transformers=transformers_release(transformers), batch=T // seq):
         return layer_rests(a, targets, r, T, seq, mask > 0, quant)
     return retained_rounding(a, targets, r, T, quant, seq, mask)
 

@@ -46,7 +46,11 @@ def test_the_resident_estimate_is_never_under_and_tight_on_every_committed_arm_i
     assert len(modelled) >= 187 and any(r.quant == "nf4" for r, _ in modelled), len(modelled)
     assert all(1.0 <= v for _, v in modelled), [(r.model_key, r.seq, round(v, 4)) for r, v in modelled if v < 1]
     phi = {"none": 1.001, "nf4": 1.026}
-    assert all(v <= (phi[r.quant] if r.model_key.startswith("phi-2") else 1.016) for r, v in modelled), [
+
+    def batched_llama(r):
+        return r.quant == "nf4" and r.batch > 1 and stream_mode(r.model_key)[0] in ("smol", "llama32-1b", "llama31-8b")
+    assert all(v <= (phi[r.quant] if r.model_key.startswith("phi-2") else 1.025 if batched_llama(r) else 1.016)
+               for r, v in modelled), [
         (r.model_key, r.quant, r.seq, r.batch, round(v, 4)) for r, v in modelled]
     # phi-2 NF4 without checkpointing (issue 51 item 3): every row modelled, never under (1.0056x-1.0250x)
     assert len([r for r, _ in modelled if r.model_key == "phi-2+resident" and r.quant == "nf4"]) >= 6
@@ -56,8 +60,9 @@ def test_the_resident_estimate_is_never_under_and_tight_on_every_committed_arm_i
     # 1.0010 before the norms' fp32 rstd (layer.RMS_RSTD_BYTES) and the larger replay of the two default cuBLAS
     # workspaces (the estimate does not know the card) were charged: 1.0011 with the rstd, 1.0012 with both; 1.0011
     # with Phi-3-mini NF4 past 1,536 tokens replayed; 1.0012 with phi-2 NF4's 6 rows (1.0056x-1.0250x) modelled;
-    # 1.0010 with phi-2 bf16's 6 rows replayed (1.0000x-1.0007x; bounded 1.0023x-1.0204x)
-    assert round(statistics.median(v for _, v in modelled), 4) <= 1.0010
+    # 1.0010 with phi-2 bf16's 6 rows replayed (1.0000x-1.0007x; bounded 1.0023x-1.0204x); 1.0011 with batched NF4
+    # llama's 8 rows bounded (sequence.NF4_BATCHED_HELD_BACK)
+    assert round(statistics.median(v for _, v in modelled), 4) <= 1.0011
     # issue 52 item 1: where the retained blocks' rests are replayed (estimator/sequence.py: the llama-type SFT bf16
     # rows without checkpointing), not bounded, within 1.007x (bounded, up to 1.0237x): the rests charged are the
     # larger of the replays under either default cuBLAS workspace, as the estimate does not know the card; SmolLM2
@@ -66,12 +71,18 @@ def test_the_resident_estimate_is_never_under_and_tight_on_every_committed_arm_i
                 and stream_mode(r.model_key)[0] in ("smol", "qwen", "llama32-1b", "qwen3-0.6b", "mistral-7b",
                                                     "llama31-8b")]
     assert len(replayed) >= 39 and max(replayed) <= 1.007, max(replayed)
+    # batched NF4 llama keeps the bound (sequence.NF4_BATCHED_HELD_BACK: SmolLM2 NF4 1024x4's capture is 24.4 MB
+    # under its row, outside the rests): SmolLM2's three 1.0190x-1.0240x, Llama-3.2-1B's and -3.1-8B's 1.0001x-1.0006x
+    held = [v for r, v in modelled if "+gc" not in r.model_key and batched_llama(r)]
+    assert len(held) >= 8 and max(held) <= 1.025, max(held)
     nf4 = [v for r, v in modelled if "+gc" not in r.model_key and r.quant == "nf4" and r.seq * r.batch > 1536
            and stream_mode(r.model_key)[0] in ("smol", "llama32-1b", "qwen3-0.6b", "mistral-7b", "llama31-8b",
-                                               "phi3-mini")]
+                                               "phi3-mini") and not batched_llama(r)]
     # within 1.003x: the larger replay of the two default cuBLAS workspaces (was within 1.002x under the 32 MiB one);
     # Phi-3-mini NF4 512x4 and 1024x4 1.0007x and 1.0004x replayed (bounded: 1.0057x and 1.0138x)
-    assert len(nf4) >= 20 and max(nf4) <= 1.003, max(nf4)
+    # within 1.004x with the capture's CUDA order (SmolLM2 2048x1 1.0035x, 1.0029x before), 12 rows with batched
+    # NF4 llama's 8 bounded
+    assert len(nf4) >= 12 and max(nf4) <= 1.004, max(nf4)
     # issue 51 item 3: at 1,536 tokens or fewer the card's gemm_4bit choice is not known and the largest replay of
     # every choice is charged: within 1.015x (SmolLM2 512x1 1.0147x, its H200's own choice replayed 1.0040x;
     # Phi-3-mini 512x1 and 1024x1 1.0106x and 1.0014x, bounded 1.0209x and 1.0237x)
