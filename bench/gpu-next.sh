@@ -23,7 +23,7 @@
 # count under CUDA's autocast lists named (estimator/layer.py autocast_upcasts, autocast_casts, mlp_records), first
 # the rows over 1.02x (phi-2 NF4 512x1 with --trace, Phi-3-mini NF4 1024x1 and phi-2 bf16 2048x1 ran in
 # results/anatomy-and-segments52-h100-* and segments52-and-anatomy-h100-*; left: Moonlight), and first SmolLM2 NF4
-# 1024x4 with --trace (the row the fixed capture order of branch `order` leaves 24.4 MB under: what the real step
+# 1024x4 with --trace (the fixed capture order leaves that row 24.4 MB under its real peak, unnamed, so batched NF4 llama keeps the bound, sequence.NF4_BATCHED_HELD_BACK: what the real step
 # holds there that the sequence does not): phi-2 NF4 without checkpointing (1.0056x-1.0250x, its retained blocks' rests still a bound:
 # the meta capture's peak is 15,343,616 B under the 512x1 row's, unnamed; --trace brings back the real request
 # sequence for sequence.py's phi NF4 step to be held against), Phi-3-mini NF4 1024x1 (v is SDPA's own bf16 copy of
