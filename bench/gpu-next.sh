@@ -25,7 +25,7 @@
 # results/anatomy-and-segments52-h100-* and segments52-and-anatomy-h100-*; left: Moonlight), and first SmolLM2 NF4
 # 1024x4 with --trace (the fixed capture order leaves that row 24.4 MB under its real peak, unnamed, so batched NF4 llama keeps the bound, sequence.NF4_BATCHED_HELD_BACK: what the real step
 # holds there that the sequence does not): phi-2 NF4 without checkpointing (1.0056x-1.0250x, its retained blocks' rests still a bound:
-# the meta capture's peak is 15,343,616 B under the 512x1 row's, unnamed; --trace brings back the real request
+# the meta capture's peak, in the real order, is 10,362,880 B under the 512x1 row's: the loss's reduction scratch and the load's free blocks; --trace brought back the real request
 # sequence for sequence.py's phi NF4 step to be held against), Phi-3-mini NF4 1024x1 (v is SDPA's own bf16 copy of
 # the fp32 fused qkv output), phi-2 bf16 (now replayed, 1.0000x-1.0007x: layer 0's LayerNorm and parallel MLP record
 # nothing; autocast's fp32 LayerNorm weight copies, resident.norm_casts), Moonlight 2048x4 without checkpointing
