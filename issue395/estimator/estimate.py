@@ -223,7 +223,9 @@ def task_loss_blocks(a: Arch, name: str, seq: int, batch: int) -> list[int]:
     - DPO, in ``_compute_loss`` after the reference forward: the policy's and the reference's logits
       (R x T each), each one's ``[..., :-1, :].contiguous()`` copy (R x S each), and the chosen half
       masked out for the metrics (batch x S; at batch 1 it is the size of the one-row logsumexp
-      temp it outlives).
+      temp it outlives), or, before that, where it holds more (below 384 rows a step), TRL's entropy
+      metric on the policy's shifted copy: a chunk's log_softmax, exp and product (SFT's moment,
+      logits_blocks).
     - KTO, at the reference's ``index_select``: the policy's and the reference's logits (batch x T
       each), each split into its chosen and its rejected rows (copies: batch x T each, in two blocks).
     - ORPO and SimPO (one forward), in the backward of the per-row logsumexp: the logits (R x T),
@@ -234,7 +236,9 @@ def task_loss_blocks(a: Arch, name: str, seq: int, batch: int) -> list[int]:
     T, S, row = seq, seq - 1, a.V * FP32
     if name == "dpo":
         R = 2 * batch
-        return [R * T * row] * 2 + [R * S * row] * 2 + [batch * S * row]
+        held = [R * T * row] * 2 + [R * S * row] * 2
+        moments = (held + [batch * S * row], held + [min(ENTROPY_CHUNK_ROWS, R * S) * row] * 3)
+        return max(moments, key=lambda b: sum(b) + sum(map(segment_tail, b)))
     if name == "kto":
         return [batch * T * row] * 2 + [(batch + 1) // 2 * T * row, batch // 2 * T * row] * 2
     R = 2 * batch  # orpo, simpo

@@ -412,3 +412,57 @@ def test_the_layer_blocks_sum_to_the_layer_phases_weights_and_tokens():
                 lp = layer_peak(a, quant, targets, 8, T, per=2, held=held, per_expert=False)
                 if a.layers is None:
                     assert sum(layer_blocks(a, quant, targets, 8, T, lp)) == lp.weights + lp.activations
+
+
+def _entropy_transient_peak(logits) -> int:
+    """The most bytes TRL's entropy_from_logits holds at once in tensors it makes (views of its input left out), run
+    for real on CPU under a dispatch mode that tracks each output until it is collected."""
+    import weakref
+
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from trl.trainer.utils import entropy_from_logits
+
+    live, peak = [0], [0]
+
+    class Track(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            inputs = {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)}
+            for t in (out if isinstance(out, (tuple, list)) else [out]):
+                if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in inputs:
+                    n = t.untyped_storage().nbytes()
+                    live[0] += n
+                    peak[0] = max(peak[0], live[0])
+                    weakref.finalize(t, lambda n=n: live.__setitem__(0, live[0] - n))
+            return out
+
+    with Track():
+        entropy_from_logits(logits)
+    return peak[0]
+
+
+def test_dpo_at_short_sequences_charges_trls_entropy_moment():
+    """Review of 'order' (TRL's entropy moment): TRL 0.29.1's DPOTrainer._compute_loss logs the entropy of the
+    shifted policy logits (entropy_from_logits, 128-row chunks) while the policy's and the reference's logits and
+    their shifted copies are held, as SFT's does; measured here on CPU (the real function, 3 chunk-sized fp32 blocks
+    at once), below 384 rows a step that moment holds more than the metrics' masked chosen half the loss blocks list
+    (Qwen2.5-0.5B DPO 128x1: 155,779,072 B more with the tails): the estimate's loss must cover it."""
+    import inspect
+
+    import torch
+    from trl import DPOTrainer
+
+    from issue395.estimator.arch import arch_from_config
+
+    assert "entropy_from_logits(shift_logits" in inspect.getsource(DPOTrainer._compute_loss)
+    rows, vocab = 300, 1000
+    # log_softmax, exp and their product, fp32, one chunk each (the chunks' row entropies besides: a few KB)
+    per_row_element = _entropy_transient_peak(torch.zeros(1, rows, vocab)) // (128 * vocab)
+    assert per_row_element == 12
+    a = arch_from_config(config_json("qwen"))
+    for seq, batch in ((128, 1), (256, 1), (128, 2)):
+        R, S = 2 * batch, seq - 1
+        held = 2 * 4 * R * seq * a.V + 2 * 4 * R * S * a.V  # the policy's and reference's logits, shifted copies
+        e = E.estimate(config_json("qwen"), seq=seq, batch=batch, task="dpo", soup=False)
+        assert e.terms["logits"] >= held + per_row_element * min(128, R * S) * a.V, (seq, batch)
