@@ -466,3 +466,27 @@ def test_dpo_at_short_sequences_charges_trls_entropy_moment():
         held = 2 * 4 * R * seq * a.V + 2 * 4 * R * S * a.V  # the policy's and reference's logits, shifted copies
         e = E.estimate(config_json("qwen"), seq=seq, batch=batch, task="dpo", soup=False)
         assert e.terms["logits"] >= held + per_row_element * min(128, R * S) * a.V, (seq, batch)
+
+
+def test_sft_at_short_sequences_charges_trls_entropy_moment():
+    """Issue 51 item 3 (the real H100 trace of phi-2 NF4 512x1, events 7539-7606): TRL 0.29.1's SFTTrainer.compute_loss
+    logs the entropy of the logits (entropy_from_logits, 128-row chunks) on accelerate's fp32 copy of them while the
+    loss's saved fp32 log_softmax is held; measured here on CPU (the real function: 3 chunk-sized fp32 blocks at
+    once), below 384 tokens a step that moment holds more than the loss backward's three full fp32 blocks, and the
+    estimate's logits must cover it (SmolLM2 bf16 300x1 was 14 MB under the meta capture before)."""
+    import inspect
+
+    import torch
+    from trl import SFTTrainer
+
+    assert "entropy_from_logits" in inspect.getsource(SFTTrainer.compute_loss)
+    rows, vocab = 300, 1000
+    per_row_element = _entropy_transient_peak(torch.zeros(1, rows, vocab)) // (128 * vocab)
+    assert per_row_element == 12
+    for key in ("smol", "qwen"):
+        V = config_json(key)["vocab_size"]
+        for seq, batch in ((128, 1), (300, 1), (128, 2)):
+            T = seq * batch
+            held = 2 * 4 * T * V  # accelerate's fp32 copy of the logits and the loss's saved log_softmax
+            e = E.estimate(config_json(key), seq=seq, batch=batch, soup=False)
+            assert e.terms["logits"] >= held + per_row_element * min(128, T) * V, (key, seq, batch)
