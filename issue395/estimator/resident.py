@@ -10,11 +10,11 @@ every block of the step is whole 2 MiB (``whole_granules``). Where the task's tr
 dropout mask is charged, by the streamed step's own rule (layer.mask_bytes), in each count and its blocks' rounding.
 
 Measured (tests/estimator/test_resident.py), on the 187 committed arms of these families it models, bf16 and NF4
-(results/resident-map-*): never under, median 1.0011x; with checkpointing 1.0001x-1.0029x, without it
-1.0000x-1.0250x, median 1.0014x (the widest: rows whose retained rests are still bounded, phi-2 NF4 up to
-1.0250x, Phi-3-mini bf16 1024x1 1.0157x; then SmolLM2 NF4 512x1 1.0147x, replayed under every gemm_4bit
-choice; without checkpointing less phi-2 NF4's 6, 152 rows, 1.0000x-1.0157x, median 1.0013x); every row but phi-2
-NF4's, 181, 1.0000x-1.0157x, median 1.0008x.
+(results/resident-map-*): never under, median 1.0009x; with checkpointing 1.0001x-1.0029x, without it
+1.0000x-1.0250x, median 1.0013x (the widest: rows whose retained rests are still bounded, phi-2 NF4 up to
+1.0250x, SmolLM2 NF4 batched up to 1.0240x (sequence.NF4_BATCHED_HELD_BACK); then SmolLM2 NF4 512x1 1.0147x,
+replayed under every gemm_4bit choice; without checkpointing less phi-2 NF4's 6, 152 rows, 1.0000x-1.0240x, median
+1.0012x); every row but phi-2 NF4's, 181, 1.0000x-1.0240x, median 1.0008x.
 Where the retained blocks' rests are replayed
 (estimator/sequence.py: SmolLM2, Qwen2.5, Llama-3.2-1B, Llama-3.1-8B, Qwen3-0.6B, Mistral-7B, SFT bf16 without
 checkpointing, 39 rows) 1.0001x-1.0049x, median 1.0007x (the larger replay of the two default cuBLAS workspaces,
@@ -27,7 +27,8 @@ fewer (12 rows, the largest replay of every choice bitsandbytes' gemm_4bit could
 four weights, each of 4 Mi elements or more, dequantise on every card, so the one choice replayed is the H200's;
 Qwen3-0.6B 512x1 and 1024x1 1.0077x and 1.0021x, bounded 1.0169x and 1.0192x; SmolLM2 512x1 1.0147x, where the
 bound charged less, 1.0114x; each row's H200's own choice replayed, 1.0004x-1.0040x); phi-2 bf16 replayed
-1.0000x-1.0007x (bounded 1.0023x-1.0204x), its NF4 bounded 1.0056x-1.0250x;
+1.0000x-1.0007x (bounded 1.0023x-1.0204x), its NF4 bounded 1.0056x-1.0250x; Phi-3-mini bf16 (qkv_proj) replayed
+1.0001x-1.0007x (bounded 1.0003x-1.0157x);
 Moonlight bf16 1.0023x-1.0048x, its layers' count measured on CPU: layer.latent_retained. Layers of several kinds (issue395.estimator.moe) hold each its own kind's tensors
 (``kinds_weights``: Moonlight's dense layer 0 and MoE layers of 64 fused experts, Qwen3.5's delta-net and
 full-attention layers; within 0.1% of what each committed row held before its step, where charging every layer
@@ -57,8 +58,8 @@ Known limitations
       the request sequence was the one bench/allocator_replay.py captures from the real model on the meta device,
       request for request, on all six such families at 512x1-4096x1 (its rests the capture's at every point but
       SmolLM2 1024x1, 0.5 MB over: a block the capture frees before its peak). Everywhere else (qwen2 NF4, which with
-      the replayed rests was 562,016 B under at 2048x4, a shortfall outside the rests; Gemma, Gemma-2, Phi-3 bf16,
-      phi-2 NF4, the layered families; other
+      the replayed rests was 562,016 B under at 2048x4, a shortfall outside the rests; Gemma, Gemma-2,
+      phi-2 NF4, batched NF4 llama, the layered families; other
       targets; the preference tasks) a block of the step or of the weights that is not whole 2 MiB has its
       retained blocks' rounding bounded, not replayed: each 1-10 MiB block class is
       cut from 20 MiB segments whose last block keeps a rest of at most 1 MiB (1 MiB a segment), and each block
@@ -67,12 +68,13 @@ Known limitations
       constants.layer_remainders, the rule the streamed step's blocks take). The measured excess of max_memory_allocated over the requested peak was 21 MB on SmolLM2
       1024x1, 108 MB on Qwen2.5 2048x1 (75.5 MB of it the MLP blocks' tails), 0 on Llama-3.2-1B 2048x1; without the
       per-block bound SmolLM2 NF4 at 2048 tokens was 9.8 MB under. The bounded rows without checkpointing (neither replayed nor a layered family's) are
-      1.0001x-1.0250x, median 1.0054x (57 rows, phi-2 NF4's 6 among them; 63 before phi-2 bf16 was replayed; 57,
+      1.0001x-1.0250x, median 1.0054x (61 rows, phi-2 NF4's 6 among them; 57 before batched NF4 llama's 8 kept
+      the bound and Phi-3-mini bf16's 4 were replayed; 63 before phi-2 bf16 was replayed; 57,
       1.0001x-1.0186x, median 1.0054x, before phi-2 NF4 was modelled; 69 before NF4 at 1,536 tokens or fewer was
       replayed, 71 before Phi-3-mini NF4 past 1,536 tokens was).
-    - Phi-3-mini bf16 keeps the bound: its sequence is the capture's request for request at 512x1-1024x4, but the
-      capture's own peak at 512x1 is 23.3 MB under that row's (0.26 MB at 512x4, 1024x4), and replayed it would be
-      16.95 MB under (0.9983x): something outside the rests, not named.
+    - Phi-3-mini bf16 is replayed since the capture laid flash's output out as q (its cat-built q's output copied:
+      sequence.output_copy): its capture had been 23.3 MB under the 512x1 row, now 0.26 MB (sequence.py,
+      BF16_SEQUENCE_TYPES).
     - Phi-3-mini NF4 without checkpointing is 1.0004x-1.0106x, its retained blocks' rests replayed: the
       12,288 B a token a layer it was over (1.063x-1.080x) was v, charged as a view of the fused qkv, where
       the fused output is fp32 under NF4 and autocast's SDPA keeps its own bf16 copy of v
@@ -121,8 +123,8 @@ Known limitations
       512x1, 1024x1, 2048x1), but the capture's own peak is 15.3 MB under the 512x1 row's (1.1-3.7 MB under at 512x4,
       1024x1, 2048x1; 0.1-0.3 MB over at 1024x4, 2048x4), so its replayed rests in place of the bound would leave
       that row 4.35 MB under under the H200's own gemm_4bit choice (23.7 MB over charged the largest of every
-      choice, which covers it only by the other cards' choices): something outside the rests, not named (as
-      Phi-3-mini bf16 512x1's; sequence.NF4_SEQUENCE_TYPES).
+      choice, which covers it only by the other cards' choices): something outside the rests, not named
+      (sequence.NF4_SEQUENCE_TYPES; in CUDA's request order the capture is 10.4 MB under).
       With checkpointing it is refused (no committed row; its recompute under an fp32
       residual is not counted). The layer the backward runs is its count at 4 B an activation (fp32_over:
       343,208 B a token with autocast's; 163,976 were charged, the bf16 count, under one layer's kept 210,088).

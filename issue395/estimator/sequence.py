@@ -706,12 +706,14 @@ NF4_SEQUENCE_TYPES = ("llama", "mistral", "qwen3", "phi3")
 NF4_BATCHED_HELD_BACK = ("llama",)
 
 
-#: The model types whose bf16 step the sequence replays. Not phi3: its sequence is the capture's request for request
-#: (Phi-3-mini 512x1-1024x4); before the capture laid flash's output out as q (its cat-built q's output copied by
-#: transformers' transpose(1, 2).contiguous(): output_copy) its own peak at 512x1 was 23,332,352 B under that row's
-#: max_memory_allocated and with the replayed rests the row would have been 16,953,152 B under; now the capture is
-#: 263,680 B under at 512x1, 512x4 and 1024x4 (3,917,824 B over at 1024x1), the estimate with the replayed rests
-#: not yet checked against the rows: the bound stays until it is.
+#: The model types whose bf16 step the sequence replays. phi3 is (its fused qkv and gate_up): its sequence is the
+#: capture's request for request (Phi-3-mini 512x1-1024x4); before the capture laid flash's output out as q (its
+#: cat-built q's output copied by transformers' transpose(1, 2).contiguous(): output_copy) its own peak at 512x1 was
+#: 23,332,352 B under that row's max_memory_allocated and with the replayed rests the row would have been 16,953,152 B
+#: under; now the capture is 263,680 B under at 512x1, 512x4 and 1024x4 (3,917,824 B over at 1024x1), and with the
+#: replayed rests every committed Phi-3-mini bf16 row (512x1-1024x4, the 2048 ones past its window refused) is
+#: 1.00012x-1.00068x, what the real exceeds the capture by inside the allowance (estimate.ALLOCATED_ALLOWANCE_BYTES),
+#: as on the other replayed families.
 #: phi is (forward_phi): with layer_norm and pow under autocast's fp32 policy in the capture (bench/
 #: allocator_replay.py's FP32_POLICY) the capture's peak is within 778,240 B of every committed phi-2 bf16 row's
 #: max_memory_allocated (the real 778,240 B under at 512x1, where it kept no rest of the capture's 786,432 B;
@@ -721,7 +723,7 @@ NF4_BATCHED_HELD_BACK = ("llama",)
 #: the estimate's physics is within 30,720 B of the capture's peak (under at 512x4, 1024x4, 2048x1, 2048x4), and
 #: what the real exceeds the capture by is inside the allowance (estimate.ALLOCATED_ALLOWANCE_BYTES): every row
 #: 1.0000x-1.0007x, 2.67-6.50 MB over.
-BF16_SEQUENCE_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi")
+BF16_SEQUENCE_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi", "phi3")
 #: The model types whose bf16 step the sequence replays on any LoRA targets among the layer's linears, not only the
 #: protocol's: the plain llama-type decoder (``layer`` builds every target alike; phi3's fused and phi's parallel
 #: layers were captured on their protocol targets only). Issue 51 item 3: on SmolLM2 bf16 777x1 with all seven
