@@ -118,12 +118,15 @@ class CachingAllocator:
         assert lst[i][3] is b
         del lst[i]
 
-    def _best_fit(self, size: int, small: bool, stream: int) -> Optional[Block]:
+    def _fit(self, size: int, small: bool, stream: int) -> tuple[list, int]:
+        """The stream's pool and where in it the smallest free block of at least ``size`` bytes is (the pool's
+        length where none is: get_free_block's lower_bound)."""
         lst = self._free.get((small, stream), [])
-        i = bisect.bisect_left(lst, (size, -1))
-        if i == len(lst):
-            return None
-        return lst.pop(i)[3]
+        return lst, bisect.bisect_left(lst, (size, -1))
+
+    def _best_fit(self, size: int, small: bool, stream: int) -> Optional[Block]:
+        lst, i = self._fit(size, small, stream)
+        return lst.pop(i)[3] if i < len(lst) else None
 
     def _new_segment(self, size: int, small: bool, stream: int, at: Optional[int]) -> Block:
         """cudaMalloc of ``allocation_size`` at ``at`` (a history's address) or after every segment so far (or,
@@ -167,8 +170,8 @@ class CachingAllocator:
     def fits(self, requested: int, stream: int = 0) -> bool:
         """Whether a cached free block would serve the request (else malloc cudaMallocs a segment)."""
         size = block_bytes(requested)
-        lst = self._free.get((size <= K_SMALL_SIZE, stream), [])
-        return bisect.bisect_left(lst, (size, -1)) < len(lst)
+        lst, i = self._fit(size, size <= K_SMALL_SIZE, stream)
+        return i < len(lst)
 
     def malloc(self, requested: int, stream: int = 0, at: Optional[int] = None) -> Block:
         """A request of ``requested`` bytes on ``stream``: the block it gets (best fit in that stream's pool,
@@ -226,10 +229,14 @@ class CachingAllocator:
                 b.size += other.size
         self._insert(b)
 
+    @staticmethod
+    def wholly_free(head: Block) -> bool:
+        """Whether ``head`` is a whole segment, free and waiting on no free (release_block's condition)."""
+        return head.prev is None and head.next is None and not head.allocated and not head.pending
+
     def release(self, head: Block) -> None:
         """A wholly free segment given back to the driver (release_block: a history's ``segment_free``)."""
-        assert head.prev is None and head.next is None and not head.allocated and not head.pending, \
-            "only a wholly free segment is released"
+        assert self.wholly_free(head), "only a wholly free segment is released"
         self._remove(head)
         self.segments.remove(head)
         self.reserved -= head.size

@@ -111,8 +111,13 @@ def logits_blocks(a: Arch, T: int, entropy: bool = True) -> list[int]:
     backward = [4 * T * a.V] * 3
     if not entropy:
         return backward
-    entropy = [4 * T * a.V] * 2 + [4 * min(ENTROPY_CHUNK_ROWS, T) * a.V] * 3
-    return max(backward, entropy, key=lambda b: sum(b) + sum(map(segment_tail, b)))
+    return heavier(backward, [4 * T * a.V] * 2 + [4 * min(ENTROPY_CHUNK_ROWS, T) * a.V] * 3)
+
+
+def heavier(*moments: list[int]) -> list[int]:
+    """Of a loss's moments (each the blocks it holds, requested bytes), the one holding more with its segments'
+    tails: the one allocator_rounding's tails and the logits' bytes are charged at."""
+    return max(moments, key=lambda b: sum(b) + sum(map(segment_tail, b)))
 
 
 def checkpointed_inputs(a: Arch, quant: str, T: int) -> int:
@@ -237,8 +242,7 @@ def task_loss_blocks(a: Arch, name: str, seq: int, batch: int) -> list[int]:
     if name == "dpo":
         R = 2 * batch
         held = [R * T * row] * 2 + [R * S * row] * 2
-        moments = (held + [batch * S * row], held + [min(ENTROPY_CHUNK_ROWS, R * S) * row] * 3)
-        return max(moments, key=lambda b: sum(b) + sum(map(segment_tail, b)))
+        return heavier(held + [batch * S * row], held + [min(ENTROPY_CHUNK_ROWS, R * S) * row] * 3)
     if name == "kto":
         return [batch * T * row] * 2 + [(batch + 1) // 2 * T * row, batch // 2 * T * row] * 2
     R = 2 * batch  # orpo, simpo

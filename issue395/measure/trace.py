@@ -110,7 +110,7 @@ def _alloc(alloc: CachingAllocator, size: int, stream: int, addr: int,
 
 def _release(alloc: CachingAllocator, addr: int, size: int) -> Optional[str]:
     head = next((s for s in alloc.segments if s.addr == addr), None)
-    if head is None or head.next is not None or head.allocated or head.pending or head.size != size:
+    if head is None or not alloc.wholly_free(head) or head.size != size:
         return f"torch released the segment at {addr:#x} ({size:,} B), not wholly free in the model"
     alloc.release(head)
     return None

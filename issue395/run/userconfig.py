@@ -17,8 +17,7 @@ from ..record import LORA_DROPOUT, OURS_QUANT
 from ..tasks import PROTOCOL_TASK, TASKS
 from ..model.arm import Adapter, Arm, Settings, lora_dropout
 from ..model.streaming import STREAMED_CHECKPOINTS, Streaming
-from ..estimator.soup_gate import (resident_departures, resident_lines, resident_unmodelled,
-                                   streamed_unmodelled)
+from ..estimator.soup_gate import resident_departures, resident_lines, resident_unmodelled, streamed_unmodelled
 from ..estimator.stacks import package_version
 from ..estimator.steady import ABOVE_BOUND
 from ..results.extras import ResidentGate
