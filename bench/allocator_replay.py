@@ -19,7 +19,9 @@ equal at reduced widths).
 ``trace`` replays a real run's device history (bench/task_peak_anatomy.py --trace: torch's own requests, in torch's
 order) through the same allocator (issue395.measure.trace) and prints the model's allocated peak beside the run's
 max_memory_allocated (the JSON beside the trace), the rests at that peak, and the first event where the model's block
-or segment departs from torch's, if any.
+or segment departs from torch's, if any; where the JSON names the adapter (--segments' segments_at), the rests its
+adapter-shaped blocks over 1 MiB keep at that peak, split into the blocks made before the history (the parameters)
+and those cut in it, by the request last freed at each block's address (0: a segment's tail never freed).
 
 ``capture`` prints the replay's figures; ``--events`` writes the sequence (("alloc", key, bytes, what),
 ("free", key), ("reset_peak",)) as JSON. ``check`` captures the committed anatomy arms (CHECKS) and prints each
@@ -808,8 +810,33 @@ def print_trace(path: Path) -> int:
                       "real_peak": real, "model_peak": r.peak,
                       "model_minus_real": None if real is None else r.peak - real,
                       "peak_event": r.peak_at, "rests_at_peak": r.rests_at_peak, "departures": len(r.divergences),
-                      "first_departure": r.first, "end_blocks_differing": len(r.end_differs)}))
+                      "first_departure": r.first, "end_blocks_differing": len(r.end_differs),
+                      **adapter_rests(trace, r.peak_at, json.loads(row.read_text(encoding="utf-8"))
+                                      if row.is_file() else {})}))
     return 0
+
+
+def adapter_rests(trace: dict, at: int, row: dict) -> dict:
+    """The rests the adapter-shaped blocks over 1 MiB hold at event ``at`` (the row's segments_at sizes: its LoRA
+    tensors' elements at 1, 2 and 4 bytes), split by where each block came from: made before the history (the
+    parameters), or cut in it from a block whose address last held a request of a given size (0: a new segment's
+    tail, never freed). Issue 52 item 1: which blocks hold the rests, and what they were carved from. {} where the
+    row names no adapter."""
+    from issue395.constants import K_SMALL_SIZE, block_bytes
+    from issue395.measure.trace import held_at
+
+    ad = (row.get("segments_at") or {}).get("adapter") or {}
+    sizes = {n * w for n in ad.get("elements") or () for w in ad.get("element_widths") or ()}
+    if not sizes:
+        return {}
+    held = [h for h in held_at(trace, at) if h.requested in sizes and block_bytes(h.requested) > K_SMALL_SIZE]
+    by: dict = {}
+    for h in held:
+        if h.rest:
+            key = "before the history" if h.born < 0 else f"cut where {h.previous} B was freed"
+            by[key] = by.get(key, 0) + h.rest
+    return {"adapter_blocks_over_1_mib": len(held), "adapter_blocks_with_rests": sum(h.rest > 0 for h in held),
+            "adapter_rests": sum(by.values()), "adapter_rests_by_origin": dict(sorted(by.items()))}
 
 
 def main(argv: list) -> int:

@@ -526,6 +526,25 @@ def test_the_allocator_replay_s_trace_replays_a_real_history_to_its_real_peak_an
     assert err.count("\n") == 1 and "never allocated" in err
 
 
+
+def test_the_allocator_replay_s_trace_splits_the_adapter_blocks_rests_by_where_each_block_came_from(capsys):
+    """Issue 52 item 1 (which blocks hold the rests, and why): on the committed Mistral-7B NF4 r256 all-linear history
+    bench/allocator_replay.py trace names, beside the peak, the rests its adapter-shaped blocks over 1 MiB keep there,
+    split into those made before the history (the parameters) and those cut in it, by the request last freed at the
+    block's address; the split adds up to every rest at that peak (no other block keeps one there), and the
+    parameters and the blocks cut from freed 8 MiB requests each keep some."""
+    import json
+
+    replay = load("allocator_replay")
+    path = ROOT / "results/segments52-mistral-r256-h100-soup0.77.0-927f7a2/seg-sft-mistral-nf4-1024x1-r256-all-s3-a1" \
+        ".trace.json.gz"
+    assert replay.main(["trace", str(path)]) == 0
+    out = json.loads(capsys.readouterr().out)
+    by = out["adapter_rests_by_origin"]
+    assert out["model_minus_real"] == 0 and sum(by.values()) == out["adapter_rests"] == out["rests_at_peak"]
+    assert by["before the history"] > 0 and by[f"cut where {8 * 2**20} B was freed"] > 0
+    assert 0 < out["adapter_blocks_with_rests"] < out["adapter_blocks_over_1_mib"]
+
 #: Reduced widths of each structure the CPU-measured counts name (two layers, a 512-token vocabulary): Qwen2.5's
 #: biased attention, Qwen3's q/k norms, phi's parallel block (bf16, and NF4: its fp32 residual; each with
 #: microsoft/phi-2's own resid_pdrop 0.1, and with qk_layernorm, which the resident estimate refuses), Phi-3's fused

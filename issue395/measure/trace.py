@@ -163,3 +163,38 @@ def end_differs(alloc: CachingAllocator, end_segments: Optional[list[dict]]) -> 
     model = {(b.addr, b.size, b.allocated or b.pending) for b in alloc.blocks()}
     return [f"{'torch' if k in real else 'model'} only: {k[1]:,} B at {k[0]:#x} "
             f"{'in use' if k[2] else 'free'}" for k in sorted(real ^ model)]
+
+
+@dataclass(frozen=True)
+class Held:
+    """One block live at a moment of a replayed history: the event that allocated it (-1: it stood before the
+    history began), its request and its size (their difference its rest past the request, with the 512 B
+    rounding), and the request last freed at its address before it was allocated (0: none in the history, a
+    new segment's or a tail's), which names what a block with a rest was carved from."""
+
+    born: int
+    requested: int
+    size: int
+    previous: int
+
+    @property
+    def rest(self) -> int:
+        return self.size - block_bytes(self.requested)
+
+
+def held_at(trace: dict[str, Any], at: int) -> list[Held]:
+    """Every block live after event ``at`` of ``trace`` (replay_trace's ``peak_at`` for the allocated peak),
+    with when it was allocated and what its address held before (issue 52 item 1: which blocks keep the
+    rests at a peak, and what they were cut from)."""
+    born: dict[int, int] = {}
+    freed: dict[int, int] = {}  # address -> the request last freed there
+    before: dict[int, int] = {}  # id(block) -> freed[addr] when it was allocated
+    for ev in replaying_trace(trace):
+        if ev.row[0] == "alloc":
+            born[id(ev.block)] = ev.index
+            before[id(ev.block)] = freed.get(ev.block.addr, 0)
+        elif ev.row[0] in ("free_requested", "free"):
+            freed[ev.block.addr] = int(ev.row[2] or 0)
+        if ev.index == at:
+            return [Held(born.get(id(b), -1), b.requested, b.size, before.get(id(b), 0)) for b in ev.alloc.live()]
+    raise ValueError(f"event {at} is past the history's {len(trace.get('events') or [])} events")

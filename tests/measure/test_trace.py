@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from issue395.measure.trace import replay_trace, replaying_trace
+from issue395.measure.trace import held_at, replay_trace, replaying_trace
 
 MiB = 2**20
 BASE = 1 << 40
@@ -84,3 +84,25 @@ def test_the_committed_phi_2_nf4_history_replays_to_its_real_peak_block_for_bloc
     assert r.divergences == [] and r.end_differs == []
     assert r.peak == row["real_peak"] and r.rests_at_peak == r.peak - r.requested_at_peak
     assert r.requested_at_peak <= row["replayed_peak"]
+
+
+def test_the_blocks_held_at_an_event_carry_when_they_were_made_and_what_their_address_held_before():
+    """Issue 52 item 1 (which blocks keep the rests, and what they were cut from): a resident block from before the
+    history; an 8 MiB request between two live blocks, freed; a 7 MiB request that takes that 8 MiB block whole (its
+    1 MiB rest is not split off: the large pool splits only a rest over 1 MiB); a 5 MiB request in a new segment:
+    each held block says the event that made it (-1: before the history), its request, its size and the request
+    last freed at its address (0: none), and their rests are the replay's at its peak."""
+    trace = {"start_segments": start((6 * MiB, 6 * MiB, "active_allocated"), (14 * MiB, 0, "inactive")),
+             "events": [["alloc", BASE + 6 * MiB, 8 * MiB, 0], ["alloc", BASE + 14 * MiB, 6 * MiB, 0],
+                        ["free_requested", BASE + 6 * MiB, 8 * MiB, 0], ["free_completed", BASE + 6 * MiB, 8 * MiB, 0],
+                        ["alloc", BASE + 6 * MiB, 7 * MiB, 0],
+                        ["segment_alloc", BASE + 100 * MiB, 20 * MiB, 0], ["alloc", BASE + 100 * MiB, 5 * MiB, 0]]}
+    r = replay_trace(trace)
+    assert r.divergences == [] and r.peak_at == 6
+    held = held_at(trace, r.peak_at)
+    assert {(h.born, h.requested, h.size, h.previous, h.rest) for h in held} == {
+        (-1, 6 * MiB, 6 * MiB, 0, 0), (1, 6 * MiB, 6 * MiB, 0, 0), (4, 7 * MiB, 8 * MiB, 8 * MiB, MiB),
+        (6, 5 * MiB, 5 * MiB, 0, 0)}
+    assert sum(h.rest for h in held) == r.rests_at_peak == MiB
+    with pytest.raises(ValueError):
+        held_at(trace, 7)
