@@ -14,9 +14,14 @@
 # each search stays short: the resident soup.yamls below, written into $R/configs (Llama-3.2-1B bf16 DPO; Phi-3-mini bf16 SFT with gradient
 # checkpointing; Gemma-2B bf16 SFT; Mistral-7B NF4 QLoRA SFT). The claim it tests: on each, this tool's longest
 # (like for like: the box's own context) is the measured limit or one step below it.
-# TAGs: the searches below (default: all, cheapest first). Left: `mistral-sft-nf4` (its 7B synthetic checkpoint is
-# built first, then NF4-quantised at each probe's load); the other three ran on expandable segments in
-# results/resident-findmax-expandable-h100-soup0.77.0-96b7b97. SOUP=0.73.3 for the pin.
+# TAGs: the searches below (default: all, cheapest first). The four first ran on expandable segments in
+# results/resident-findmax-expandable-h100-soup0.77.0-96b7b97 and resident-findmax-mistral-h100-soup0.77.0-927f7a2.
+# Left (one call, `source bench/gpu-next.sh resident-findmax phi3-sft-bf16-gc phi2-sft-bf16-gc`): the probes' exit
+# hook now reads the device's free memory and the allocator's reserved bytes as Soup's process exits, so each search
+# says, measured, what the runtime grew by after the box's context in each probe and this tool's answer like for like
+# with that growth in place of STEP_GROWTH_BYTES (262.1 MB, the most measured on four streamed arms): Phi-3-mini bf16
+# with checkpointing (six steps under on 10GB, its probes left the runtime at most 180 MB), and Phi-2 bf16 with
+# checkpointing on 7.5GB, searched by nobody (this tool like for like, the bound's growth: 768). SOUP=0.73.3 for the pin.
 #
 # resident-anatomy, issue 51 item 3: the allocator's history (bench/task_peak_anatomy.py) of the committed resident
 # rows the corrected estimate is most over (the Done-when asks 1.02x), to confirm on CUDA what the CPU saved-tensor
@@ -49,7 +54,7 @@
 # resident-patch on the default allocator. Done (results/*-h100-soup0.77.0-96b7b97, 2026-12-05): resident-patch on
 # expandable segments, resident-full, and the arms each call's note above names.
 
-resident_configs() {  # resident_configs DIR: the four resident soup.yamls resident-findmax searches
+resident_configs() {  # resident_configs DIR: the five resident soup.yamls resident-findmax searches
   mkdir -p "$1"
   cat > "$1/resident-gemma-sft-bf16.yaml" <<'YAML'
 base: google/gemma-2b
@@ -66,6 +71,11 @@ YAML
 base: mistralai/Mistral-7B-v0.3
 data: {train: data.jsonl, chat_template: chatml, max_length: 2048}
 training: {batch_size: 1, gradient_accumulation_steps: 1, quantization: 4bit, stream_layers: false, lora: {r: 16, alpha: 32, target_modules: [q_proj, k_proj, v_proj, o_proj]}}
+YAML
+  cat > "$1/resident-phi2-sft-bf16-gc.yaml" <<'YAML'
+base: microsoft/phi-2
+data: {train: data.jsonl, chat_template: chatml, max_length: 2048}
+training: {batch_size: 1, gradient_accumulation_steps: 1, quantization: none, stream_layers: false, gradient_checkpointing: true, lora: {r: 16, alpha: 32, target_modules: [q_proj, k_proj, v_proj, dense]}}
 YAML
   cat > "$1/resident-phi3-sft-bf16-gc.yaml" <<'YAML'
 base: microsoft/Phi-3-mini-4k-instruct
@@ -91,6 +101,7 @@ resident_findmax() {
   }
   search llama-dpo-bf16 seq 16GB
   search phi3-sft-bf16-gc seq 10GB
+  search phi2-sft-bf16-gc seq 7.5GB
   search gemma-sft-bf16 seq 24GB
   search mistral-sft-nf4 seq 24GB
 }

@@ -126,6 +126,12 @@ class ProbeAllocator:
     allocated_peak: int
     requested_peak: int
     reserved_peak: int
+    #: the device's free memory (torch.cuda.mem_get_info) and the allocator's reserved bytes
+    #: (torch.cuda.memory_reserved) at the same moment, as the process exited: with the free memory the ballast
+    #: left before it started (Probe.free_held) they put its memory outside the allocator (runtime_growth); None
+    #: where the hook wrote none (probes before it read them)
+    free_at_exit: Optional[int] = None
+    reserved_at_exit: Optional[int] = None
 
 
 @dataclass(frozen=True)
@@ -145,6 +151,8 @@ class Probe:
     library: Optional[str] = None  # a failure's cuDNN or cuBLAS status, as Soup's console printed it
     #: how a library failure was read (read_at_edge): by the allocator's figures, as OOM or not, in words
     edge: Optional[str] = None
+    #: the device's free memory with the ballast held, before Soup's process started (measured by this process)
+    free_held: Optional[int] = None
 
     @property
     def completed(self) -> bool:
@@ -296,6 +304,31 @@ def read_at_edge(p: Probe, card_free: int) -> Probe:
     if left < STEP_GROWTH_BYTES:
         return replace(p, outcome=OOM, edge=f"{p.library} read as OOM: {words}")
     return replace(p, edge=f"not read as OOM: {words}")
+
+
+def runtime_growth(p: Probe, context: int) -> Optional[int]:
+    """What the CUDA runtime grew by after the context in the probe's own process (measured; None where nothing
+    read it): its memory outside the allocator less ``context`` (the box's, measured by the probing process). Read
+    as the process exited (the free memory the ballast left, less the free memory then, less the allocator's
+    reserved bytes then: the kernel modules it loaded and the libraries' handles stay loaded to the end), and at an
+    OOM from torch's message (its non-allocator memory, to torch's two decimals); the larger where both are.
+    It stands in for STEP_GROWTH_BYTES (the most measured on four streamed arms: docs/PEAK.md, "GATE_GROWTH_BYTES,
+    STEP_GROWTH_BYTES") in the answer like for like with the probes' own growth (``measured_growth``)."""
+    a, seen = p.allocator, []
+    if a is not None and None not in (p.free_held, a.free_at_exit, a.reserved_at_exit):
+        seen.append(p.free_held - a.free_at_exit - a.reserved_at_exit - context)
+    if p.oom is not None:
+        seen.append(p.oom.outside_allocator - context)
+    return max(seen) if seen else None
+
+
+def measured_growth(found: FindMax, context: Optional[int]) -> Optional[int]:
+    """The most the runtime grew by after ``context`` in any probe of the search that read it (runtime_growth),
+    never less than 0; None where no probe read it or the context is not measured."""
+    if context is None:
+        return None
+    seen = [g for g in (runtime_growth(p, context) for p in found.probes) if g is not None]
+    return max(0, *seen) if seen else None
 
 
 def measured_words(found: FindMax, steps: int) -> str:
@@ -450,10 +483,15 @@ def _issue395_peaks():
     try:
         if torch is not None and torch.cuda.is_initialized():
             stats = torch.cuda.memory_stats()
+            try:  # the peaks are read without it where the device no longer answers
+                free, reserved = int(torch.cuda.mem_get_info()[0]), int(torch.cuda.memory_reserved())
+            except Exception:
+                free = reserved = None
             with open(os.environ["%s"], "w") as f:
                 json.dump({"allocated_peak": int(torch.cuda.max_memory_allocated()),
                            "requested_peak": int(stats.get("requested_bytes.all.peak", 0)),
-                           "reserved_peak": int(torch.cuda.max_memory_reserved())}, f)
+                           "reserved_peak": int(torch.cuda.max_memory_reserved()),
+                           "free_at_exit": free, "reserved_at_exit": reserved}, f)
     except Exception:  # a reading that fails is no reading: the probe's outcome stays Soup's own
         pass
 atexit.register(_issue395_peaks)
@@ -476,7 +514,8 @@ def read_peaks(path: Path) -> Optional[ProbeAllocator]:
     """The probe's allocator peaks as its exit hook wrote them; None where it wrote none."""
     try:
         d = json.loads(path.read_text(encoding="utf-8"))
-        return ProbeAllocator(int(d["allocated_peak"]), int(d["requested_peak"]), int(d["reserved_peak"]))
+        exit_reading = [None if d.get(k) is None else int(d[k]) for k in ("free_at_exit", "reserved_at_exit")]
+        return ProbeAllocator(int(d["allocated_peak"]), int(d["requested_peak"]), int(d["reserved_peak"]), *exit_reading)
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
@@ -519,7 +558,8 @@ def run_probe(config: Path, value: int, wanted: int, card_total: int, *, soup: O
     import yaml
 
     out = Path(yaml.safe_load(config.read_text())["output"])
-    probe = replace(judge(value, log, done.returncode, steps_done(out, log), wanted, seconds), allocator=read_peaks(peaks))
+    probe = replace(judge(value, log, done.returncode, steps_done(out, log), wanted, seconds), allocator=read_peaks(peaks),
+                    free_held=getattr(ballast, "free_after", None))
     return probe, ballast, log
 
 
@@ -531,14 +571,21 @@ def probe_words(p: Probe, wanted: int) -> str:
     return f"{p.outcome}: {p.line}" if p.line else p.outcome
 
 
-def probe_table(found: FindMax, wanted: int) -> list[str]:
-    """Every probe in order (measured), with the allocator's peaks Soup's own process read at its exit."""
+def probe_table(found: FindMax, wanted: int, context: Optional[int] = None) -> list[str]:
+    """Every probe in order (measured), with the allocator's peaks Soup's own process read at its exit; with the
+    box's ``context`` (measured), and where a probe read it, the runtime's growth after it (runtime_growth)."""
     def peak(p: Probe, name: str) -> str:
         return f"{getattr(p.allocator, name) / 1e9:.3f}" if p.allocator is not None else "-"
+
+    def grown(p: Probe) -> list[str]:
+        g = runtime_growth(p, context)
+        return [f"{g / 1e6:.1f}" if g is not None else "-"]
+    read = context is not None and any(runtime_growth(p, context) is not None for p in found.probes)
     cells = [[str(i), str(p.value), probe_words(p, wanted)[:110], f"{p.seconds:.1f}" if p.seconds is not None else "-",
               f"{p.soup_gb:.2f}" if p.soup_gb is not None else "-",
               f"{p.driver_free_gb:.2f}" if p.driver_free_gb is not None else "-",
-              peak(p, "allocated_peak"), peak(p, "reserved_peak")]
+              peak(p, "allocated_peak"), peak(p, "reserved_peak"), *(grown(p) if read else [])]
              for i, p in enumerate(found.probes, 1)]
     return table([("#", 2), (found.axis, 6), ("outcome (measured)", -40), ("wall s", 6),
-                  ("Soup's number GB", 16), ("driver's free GB", 16), ("allocated GB", 12), ("reserved GB", 11)], cells)
+                  ("Soup's number GB", 16), ("driver's free GB", 16), ("allocated GB", 12), ("reserved GB", 11),
+                  *([("runtime growth MB", 17)] if read else [])], cells)

@@ -43,8 +43,11 @@ issue395.constants'):
 Expandable segments (``expandable=True``): every pool splits at 512 B, so a block is its rounded request and
 the allocated stat is exact whatever the layout; the layout is modelled as one segment per pool that grows at
 its end in pages (20 MiB large, 2 MiB small: constants.EXPANDABLE_PAGE_BYTES), a free block at the end
-taken first. That layout (where a block lands, the reserved bytes) is this module's approximation, not
-torch's ``find_expandable_block``.
+taken first. That layout (where a block lands, the reserved bytes) is this module's approximation of torch's
+``find_expandable_block`` and ``map_block`` (the stream's segment's unmapped end, with the free block before it,
+mapped in whole pages), not a copy of them; the pages live blocks touch at a history's peak (``touched_pages``),
+replayed so from the requests of three committed runs, are within one 20 MiB page of the page need measured on
+the same arms under expandable segments (tests/estimator/test_allocator.py).
 
 What it does not model: when a deferred free completes (the caller says: ``free_completed``), CUDA graphs'
 private pools,
@@ -270,6 +273,22 @@ class CachingAllocator:
     def reset_peak(self) -> None:
         """torch.cuda.reset_peak_memory_stats: each peak from what is live now."""
         self.peak, self.requested_peak = self.allocated, self.requested
+
+    def touched_pages(self) -> int:
+        """Under expandable segments, the bytes of the whole pages the live blocks touch now (20 MiB in the large pool,
+        2 MiB in the small: constants.EXPANDABLE_PAGE_BYTES), each pool's segment from its first page: what a card
+        cannot do without at this moment, since at an OOM the allocator unmaps every wholly free page before it
+        retries (docs/PEAK.md, "EXPANDABLE_RESERVE_PAGES"; measure.cuda.page_need reads the same of a real history)."""
+        pages = set()
+        for head in self.segments:
+            page = EXPANDABLE_PAGE_BYTES["small" if head.small else "large"]
+            b = head
+            while b is not None:
+                if b.allocated:
+                    first, last = (b.addr - head.addr) // page, (b.addr - head.addr + b.size - 1) // page
+                    pages.update((head.addr, page, i) for i in range(first, last + 1))
+                b = b.next
+        return sum(page for _, page, _ in pages)
 
     def live(self) -> list[Block]:
         """Every allocated block, segment by segment, in address order."""

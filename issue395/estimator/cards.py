@@ -185,6 +185,9 @@ class Budget:
     card: Card
     context_bytes: int
     context_source: str  # 'measured' (this tool, on that card), 'given' (--context) or 'bound'
+    #: the runtime's growth after the context by the step's end: None, STEP_GROWTH_BYTES (the most measured); a
+    #: search's probes' own where they read it (findmax.measured_growth: their answer like for like)
+    growth_bytes: Optional[int] = None
 
     @property
     def free_bytes(self) -> int:
@@ -193,7 +196,7 @@ class Budget:
 
     @property
     def step_free_bytes(self) -> int:
-        return step_free(self.free_bytes)
+        return step_free(self.free_bytes) if self.growth_bytes is None else self.free_bytes - self.growth_bytes
 
     @property
     def gate_free_bytes(self) -> int:
@@ -217,10 +220,11 @@ def step_free(free_bytes: int) -> int:
     return free_bytes - STEP_GROWTH_BYTES
 
 
-def budget(card: Card, context: Optional[int] = None) -> Budget:
-    """The card's budget: --context where given, else the documented bound for it."""
+def budget(card: Card, context: Optional[int] = None, growth: Optional[int] = None) -> Budget:
+    """The card's budget: --context where given, else the documented bound for it; the runtime's growth
+    ``growth`` where measured (a search's probes'), else STEP_GROWTH_BYTES."""
     if context is not None:
-        return Budget(card, context, "given")
+        return Budget(card, context, "given", growth)
     return Budget(card, card.context_bound, "bound" if not card.hidden_bytes else DRIVER_KEPT)
 
 

@@ -18,7 +18,7 @@ from ..constants import ALLOC_CONF_VAR, comma_list
 from ..errors import EXIT_FINDING, EXIT_OK, EXIT_USAGE, UsageError
 from ..tasks import task
 from ..constraints.findmax import (ALLOC_WHY, ALLOW_OOM_ATTEMPT, PROBE_KEYS, PROBE_LIMIT, FindMax, ResidentSearch, find_max,
-                                   measured_words, probe_config, probe_table, read_at_edge, soup_checks,
+                                   measured_growth, measured_words, probe_config, probe_table, read_at_edge, soup_checks,
                                    probe_allocator, probe_words, run_probe, soup_command, write_probe_config)
 from ..report.outputs import write_json
 from ..text import gb
@@ -55,8 +55,9 @@ class Answers:
     gate_rule: str
     gate_at: Callable[[int], dict]
     #: this tool's longest with another context: the box's own, measured where the probes run (like
-    #: for like: an emulated card's probes bring the box's context, not the card's)
-    tool_with_context: Callable[[int], Optional[int]] = lambda context: None
+    #: for like: an emulated card's probes bring the box's context, not the card's); and with the runtime's growth
+    #: the probes measured in place of STEP_GROWTH_BYTES where given (findmax.measured_growth)
+    tool_with_context: Callable[..., Optional[int]] = lambda context, growth=None: None
     #: this tool's charge at a value, part by part (computed): the corrected allocated peak, the
     #: allocator's reserve (needs free - allocated) and what lies outside the allocator at the step's
     #: end (a context, and the runtime's growth)
@@ -111,8 +112,8 @@ def answers(req: FindMaxRequest) -> Answers:
         return {"allocated": e.split_allocated, "reserve": e.needs_free - e.split_allocated,  # `soup train`: split
                 "outside": card.total_bytes - budget(card, context).step_free_bytes}
 
-    def tool_with_context(context: int) -> Optional[int]:
-        return longest(axis, config, budget(card, context).step_free_bytes, arm, workspace=ws)
+    def tool_with_context(context: int, growth: Optional[int] = None) -> Optional[int]:
+        return longest(axis, config, budget(card, context, growth).step_free_bytes, arm, workspace=ws)
 
     return Answers(axis, card, b, longest(axis, config, b.step_free_bytes, arm, workspace=ws),
                    longest_soup_admits(axis, config, available, arm, gate), low, step, high, gate.rule, gate_at,
@@ -152,7 +153,8 @@ def resident_answers(req: FindMaxRequest) -> Answers:
 
     tool, refused = tool_at(b.step_free_bytes)
     return Answers(axis, card, b, tool, ResidentGate.longest(r.soup_input, axis, total, low, step, high), low, step,
-                   high, RESIDENT_RULE, gate_at, lambda context: tool_at(budget(card, context).step_free_bytes)[0],
+                   high, RESIDENT_RULE, gate_at,
+                   lambda context, growth=None: tool_at(budget(card, context, growth).step_free_bytes)[0],
                    charged_at, resident=r, refused=refused)
 
 
@@ -368,27 +370,49 @@ def report_found(ask: FindMaxRequest, a: Answers, found: FindMax, words: tuple[s
     gates = [gate_words(ask, a, found, found.limit, "the limit"),
              gate_words(ask, a, found, found.above, "the first above it")]
     margin = margin_at_oom(a, found, box if box is not None else a.budget.context_bytes)
+    grown, grown_line = growth_answer(a, found, box)
     lines = [head,
              "  measured (the real soup train, " + (f"Soup's resident gate lifted by {ALLOW_OOM_ATTEMPT}, on "
                                                      f"{ALLOC_CONF_VAR}={probe_allocator()}" if a.resident
                                                      else "Soup's gate lifted by training.stream_vram_override")
              + f"): {measured} "
              f"(resolution {a.step} {unit}; {len(found.probes)} probe(s), {found.seconds:.1f} s)",
-             "  " + tool_line, "  " + like_line, "  " + soup_line, *(f"  {g[0]}" for g in gates if g),
+             "  " + tool_line, "  " + like_line, *([f"  {grown_line}"] if grown_line else []), "  " + soup_line,
+             *(f"  {g[0]}" for g in gates if g),
              *([f"  {margin[0]}"] if margin else []), "  " + stack.line(),
              *(f"  from the file: {k}" for k in run.keys),
              "probes (measured, in order; Soup's number and the driver's free memory as Soup printed them at its gate; "
-             "allocated and reserved: the peaks of the allocator in Soup's own process, read as it exited):",
-             *probe_table(found, ask.arm.steps)]
+             "allocated and reserved: the peaks of the allocator in Soup's own process, read as it exited"
+             + ("; runtime growth: its memory outside the allocator as it exited or at its OOM, less the box's context"
+                if grown_line else "") + "):",
+             *probe_table(found, ask.arm.steps, box)]
     print("\n".join(lines), flush=True)
     if ask.outputs.json and not write_json(ask.outputs.json, "find-max", {
             **json_head(ask, a, like), "measured": found.to_json(),
             "this_tool_longest_like_for_like": like, "box_context_bytes": box, "stack": stack.to_json(),
+            **grown,
             "soup_gate_at_limit": gates[0][1] if gates[0] else None,
             "soup_gate_above_limit": gates[1][1] if gates[1] else None,
             "margin_at_first_oom": margin[1] if margin else None}):
         return EXIT_USAGE
     return EXIT_OK if found.adjacent else EXIT_FINDING
+
+
+def growth_answer(a: Answers, found: FindMax, box: Optional[int]) -> tuple[dict, Optional[str]]:
+    """This tool's longest like for like with the probes' own runtime growth (measured in each probe's process:
+    findmax.measured_growth, the most any probe read) in place of STEP_GROWTH_BYTES, beside the box's context: its
+    JSON keys (absent where no probe read it, as in every search before the probes' exit hook read it) and its line."""
+    from ..estimator.cards import STEP_GROWTH_BYTES
+
+    grown = measured_growth(found, box)
+    if grown is None:
+        return {}, None
+    answer = a.tool_with_context(box, grown)
+    return ({"runtime_growth_bytes": grown, "this_tool_longest_like_for_like_measured_growth": answer},
+            f"computed by this tool like for like with the probes' own runtime growth (measured in each probe's process "
+            f"as it exited or at its OOM, the most of them: {grown / 1e6:.1f} MB after the box's context, in place of "
+            f"the {STEP_GROWTH_BYTES / 1e6:.1f} MB bound): the longest {a.axis} that fits {a.card.name}: "
+            f"{answer if answer is not None else 'none'}")
 
 
 def said(ask: FindMaxRequest, a: Answers, box: Optional[int], like: Optional[int]) -> tuple[str, str, str, str]:

@@ -295,6 +295,43 @@ def test_an_oom_probe_reads_the_allocators_reserve_from_torchs_message():
     assert F.judge(3328, PANEL + "Error: GPU ran out of memory during training.\n", 1, None, 3).oom is None
 
 
+def test_a_probe_reads_the_runtimes_growth_as_its_process_exits_and_at_an_oom(tmp_path):
+    """Issue 51 item 4: the exit hook's reading of the device's free memory and the allocator's reserved bytes (FAKED:
+    Soup's process writes the file the hook would, with figures CUDA would have given; the ballast's free memory is
+    faked too) puts the probe's memory outside the allocator, and less the box's context, what the runtime grew by.
+    The reading, the record and the arithmetic on it are real; a probe whose hook read no exit figures (every probe
+    before it did) has no growth from them, and an OOM's torch message gives its own."""
+    config = F.write_probe_config(tmp_path, F.probe_config(USER, "seq", 2112, data=tmp_path / "t.jsonl",
+                                                           output=tmp_path / "out", override=None, data_format="chatml"), [])
+    held, context = 10_001_514_496, 623_706_112
+
+    def run(argv, **kw):  # after the step: 9.3 GB mapped by the allocator, 150 MB more outside it than the context
+        Path(kw["env"][F.PEAKS_ENV]).write_text(
+            '{"allocated_peak": 9081700000, "requested_peak": 9081690000, "reserved_peak": 9198000000, '
+            f'"free_at_exit": {held - 9_300_000_000 - context - 150_000_000}, "reserved_at_exit": 9300000000}}')
+        (tmp_path / "out" / "checkpoint-2").mkdir(parents=True)
+        (tmp_path / "out" / "checkpoint-2" / "trainer_state.json").write_text('{"global_step": 2}')
+        return types.SimpleNamespace(returncode=0, stdout=PANEL, stderr="")
+
+    ballast = types.SimpleNamespace(size=1, free_after=held)
+    probe, _, _ = F.run_probe(config, 2112, 2, 10_000_000_000, hold=lambda free: ballast, release=lambda b: None,
+                              run=run)
+    assert probe.completed and probe.free_held == held
+    assert F.runtime_growth(probe, context) == 150_000_000
+    old = replace(probe, allocator=replace(probe.allocator, free_at_exit=None, reserved_at_exit=None))
+    assert F.runtime_growth(old, context) is None
+    oom = F.judge(3328, PANEL + TORCH_OOM + "Error: GPU ran out of memory during training.\n", 1, None, 3)
+    assert F.runtime_growth(oom, context) == oom.oom.outside_allocator - context  # torch's reading alone
+    both = replace(oom, allocator=probe.allocator, free_held=held)
+    assert F.runtime_growth(both, context) == max(150_000_000, oom.oom.outside_allocator - context)
+    found = F.FindMax("seq", 64, 2112, 64, 4096, probes=[old, probe], limit=2112)
+    assert F.measured_growth(found, context) == 150_000_000 and F.measured_growth(found, None) is None
+    assert F.measured_growth(F.FindMax("seq", 64, 2112, 64, 4096, probes=[old]), context) is None
+    table = F.probe_table(found, 2, context)
+    assert "runtime growth MB" in table[0] and table[-1].rstrip().endswith("150.0") and table[-2].rstrip().endswith("-")
+    assert "runtime growth MB" not in F.probe_table(F.FindMax("seq", 64, 2112, 64, 4096, probes=[old]), 2, context)[0]
+
+
 # -- a cuDNN or cuBLAS failure at the memory edge (issue 52 item 3) --
 #: The committed probe one step past Mistral-7B ORPO NF4's limit on the emulated 6 GB card
 #: (results/fit4-pages-findmax-stack-*/call-4/find-max-mistral-orpo-nf4-6GB.json, seq 3008): its

@@ -436,6 +436,58 @@ def test_a_resident_search_probes_soup_train_with_allow_oom_attempt_and_records_
            f"{'admits' if verdict else 'refuses'} it (computed by Soup's own code: " in out
 
 
+class ReadsItsGrowth(RecordsItsCommand):
+    """RecordsItsCommand's faked CUDA probe whose exit hook read the device's free memory and the allocator's
+    reserved bytes (FAKED: the figures CUDA would give where the runtime grew by ``growth`` past the box's context)."""
+
+    def __init__(self, growth):
+        super().__init__(None)
+        self.growth = growth
+
+    def __call__(self, config, value, wanted, card_total, **kw):
+        p, ballast, log = super().__call__(config, value, wanted, card_total, **kw)
+        reserved = 9_000_000_000
+        exit_reading = F.ProbeAllocator(8_900_000_000, 8_899_000_000, reserved, free_at_exit=card_total - BOX_CONTEXT
+                                        - self.growth - reserved, reserved_at_exit=reserved)
+        return replace(p, allocator=exit_reading, free_held=card_total), ballast, log
+
+
+def test_a_resident_search_answers_like_for_like_with_the_runtime_growth_its_probes_measured(
+        capfd, tmp_path, cuda_box, monkeypatch):
+    """Issue 51 item 4: the runtime's growth after the context is the most measured on four streamed arms
+    (STEP_GROWTH_BYTES, 262.1 MB), where a resident bf16 checkpointed search left the runtime at most 180 MB
+    (results/resident-findmax-expandable-h100-*/find-max-resident-phi3-sft-bf16-gc-10GB). The CUDA probe is FAKED,
+    its exit hook's reading with it (a CUDA run cannot happen on CPU): with a growth of 10 MB read by every probe the
+    search's JSON and text carry it and this tool's answer like for like with it, at or past its answer with the
+    bound; read at the bound itself, the two answers are one; with no probe reading it (every committed search)
+    neither the keys nor the line are there."""
+    from issue395.estimator.cards import STEP_GROWTH_BYTES
+
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    path = resident_yaml(tmp_path)
+    got = {}
+    for growth in (10_000_000, STEP_GROWTH_BYTES):
+        cuda_box(ReadsItsGrowth(growth))
+        code, out, err = main(capfd, ["--find-max", "seq", "--config", path, "--emulate-card", "16.3GB", "--json",
+                                      tmp_path / "f.json"])
+        assert code == 0, err
+        data = json.loads((tmp_path / "f.json").read_text())
+        assert data["runtime_growth_bytes"] == growth
+        got[growth] = (data["this_tool_longest_like_for_like"], data["this_tool_longest_like_for_like_measured_growth"])
+        assert (f"computed by this tool like for like with the probes' own runtime growth (measured in each probe's "
+                f"process as it exited or at its OOM, the most of them: {growth / 1e6:.1f} MB after the box's context, "
+                f"in place of the 262.1 MB bound): the longest seq that fits 16.3GB: {got[growth][1]}") in out
+        assert "runtime growth MB" in out
+    like, grown = got[10_000_000]
+    assert grown > like, "252 MB more of a 16.3 GB card fits a 64-token step more of Llama-3.2-1B DPO"
+    assert got[STEP_GROWTH_BYTES][1] == got[STEP_GROWTH_BYTES][0]
+    cuda_box(RecordsItsCommand(None))
+    code, out, err = main(capfd, ["--find-max", "seq", "--config", path, "--emulate-card", "16.3GB", "--json",
+                                  tmp_path / "f.json"])
+    data = json.loads((tmp_path / "f.json").read_text())
+    assert code == 0 and "runtime_growth_bytes" not in data and "runtime growth" not in out, err
+
+
 @pytest.mark.parametrize("card, start", [("80GB", "Soup's gate's longest"), ("4GB", "the smallest, then a plain doubling")])
 def test_a_resident_run_the_estimate_does_not_model_starts_from_soups_gate_or_the_smallest_and_says_so(
         capfd, tmp_path, cuda_box, card, start):
