@@ -23,6 +23,9 @@ or segment departs from torch's, if any; where the JSON names the adapter (--seg
 adapter-shaped blocks over 1 MiB keep at that peak, split into the blocks made before the history (the parameters)
 and those cut in it, by the request last freed at each block's address (0: a segment's tail never freed).
 
+``capture --full [--checkpointing]`` captures Soup 0.77.0's resident full fine-tuning instead (capture_full: fp32
+master weights, the forward and backward under bf16 autocast, the Trainer's two foreach AdamW groups' step), its
+figures at the optimizer step's peak: the oracle a synthetic full fine-tuning sequence is to be held to (issue 51).
 ``capture`` prints the replay's figures; ``--events`` writes the sequence (("alloc", key, bytes, what),
 ("free", key), ("reset_peak",)) as JSON. ``check`` captures the committed anatomy arms (CHECKS) and prints each
 one's measured rests (max_memory_allocated minus the history's replayed peak, both from its JSON) beside the
@@ -316,8 +319,10 @@ def cuda_substitutes(autocast: dict, cast_cache: dict):
         if autocast["on"]:
             b = b.to(torch.bfloat16) if b is not None and b.dtype == torch.float32 else b
             if w.dtype == torch.float32:
-                w = (cast_cache.setdefault(id(w), w.to(torch.bfloat16)) if w.is_leaf and w.requires_grad
-                     else w.to(torch.bfloat16))
+                # a checkpoint's recompute (autocast["recompute"]) is its own autocast region, whose cache goes
+                # when it exits: each cast there is held by what saves it alone
+                w = (cast_cache.setdefault(id(w), w.to(torch.bfloat16))
+                     if w.is_leaf and w.requires_grad and not autocast.get("recompute") else w.to(torch.bfloat16))
             x = x.to(torch.bfloat16) if x.dtype == torch.float32 else x
         return linear0(x, w, b)
 
@@ -417,9 +422,10 @@ def nf4_load(model):
     return prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
 
 
-def step(model, rec: Recorder, autocast: dict, cast_cache: dict, seq: int, batch: int) -> None:
+def step(model, rec: Recorder, autocast: dict, cast_cache: dict, seq: int, batch: int, recompute: bool = False) -> None:
     """One SFT step to the end of its backward, as TRL's SFTTrainer runs it: the forward under autocast (all-ones
-    mask: SDPA gets none), the loss, TRL's entropy and token accuracy without grad, the backward."""
+    mask: SDPA gets none), the loss, TRL's entropy and token accuracy without grad, the backward (``recompute``:
+    under non-reentrant checkpointing, each layer's recompute under autocast again, uncached)."""
     from trl.trainer.utils import entropy_from_logits
 
     ids = torch.zeros((batch, seq), dtype=torch.long, device="meta")
@@ -445,7 +451,9 @@ def step(model, rec: Recorder, autocast: dict, cast_cache: dict, seq: int, batch
         del shift_logits, shift_labels, predictions, m, correct, acc, ent
     del out
     rec.thread = "bwd"
+    autocast["on"] = autocast["recompute"] = recompute
     loss.backward()
+    autocast["on"] = autocast["recompute"] = False
     del loss
 
 
@@ -485,6 +493,48 @@ def capture(key: str, seq: int, batch: int = 1, r: int = 8, targets: tuple = ("q
         rec.events.append(("reset_peak",))
         step(model, rec, autocast, cast_cache, seq, batch)
     return list(rec.events)  # the model's own frees, once it goes, are no part of the step
+
+
+#: The Trainer's no-decay names (transformers 5.16.1 Trainer.get_decay_parameter_names): its second AdamW group.
+NO_DECAY = (r"bias", r"layernorm", r"rmsnorm", r"(?:^|\.)norm(?:$|\.)", r"_norm(?:$|\.)")
+
+
+def capture_full(key: str, seq: int, batch: int = 1, checkpointing: bool = False) -> list:
+    """The request sequence of Soup 0.77.0's resident full fine-tuning (lora.r 0) of registry model ``key``: the
+    cuBLAS workspace the harness's context made before the arm (a row's ``carried``), the fp32 master weights'
+    load (resolve_base_load_dtype's torch.float32: the warmup block at 4 B an element, each tensor cast on the
+    host), a ("reset_peak",), the SFT step's forward and backward under bf16 autocast (``checkpointing``:
+    non-reentrant, each layer recomputed in the backward), then the optimizer's step as the Trainer builds it for
+    Soup's adamw_torch (weight_decay 0.01): torch AdamW over two groups, decay then no-decay (NO_DECAY), foreach
+    (what torch picks for CUDA parameters), each group's exp_avg and exp_avg_sq made by _init_group then its step's
+    _foreach_sqrt of every exp_avg_sq. The Trainer's clip_grad_norm_ (max_grad_norm 1.0) is not run: its foreach
+    norms are one scalar a tensor (the small pool), its scaling in place, and torch refuses foreach on meta."""
+    import re
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from issue395.model.registry import config_json
+
+    cfg = AutoConfig.for_model(**config_json(key))
+    cfg._attn_implementation, cfg.use_cache = "sdpa", False
+    rec, cast_cache, autocast = Recorder(), {}, {"on": False}
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    rec.workspace.add(rec.thread)
+    rec.alloc(CUBLAS_WORKSPACE, "cublas workspace fwd (carried: made before the arm)")
+    with cuda_substitutes(autocast, cast_cache), rec:
+        load_weights(model)
+        model.train()
+        if checkpointing:
+            model.gradient_checkpointing_enable({"use_reentrant": False})
+        rec.events.append(("reset_peak",))
+        step(model, rec, autocast, cast_cache, seq, batch, recompute=checkpointing)
+        named = list(model.named_parameters())
+        decay = [not any(re.search(p, n) for p in NO_DECAY) for n, _ in named]
+        groups = [{"params": [p for (_, p), d in zip(named, decay) if d == want], "weight_decay": wd}
+                  for want, wd in ((True, 0.01), (False, 0.0))]
+        torch.optim.AdamW(groups, lr=2e-5, foreach=True).step()
+    return list(rec.events)
 
 
 def figures(events) -> dict:
@@ -723,6 +773,9 @@ def parse(argv: list) -> argparse.Namespace:
     c.add_argument("--targets", default=None, help="comma list (default: the protocol's on this architecture)")
     c.add_argument("--dropout", type=float, default=LORA_DROPOUT)
     c.add_argument("--events", help="write the sequence here (JSON)")
+    c.add_argument("--full", action="store_true", help="Soup 0.77.0's full fine-tuning (lora.r 0: fp32 master "
+                   "weights, the optimizer's step too) in place of the LoRA step")
+    c.add_argument("--checkpointing", action="store_true", help="with --full: non-reentrant gradient checkpointing")
     c.add_argument("--gemm-4bit", default=GEMM_SM90, choices=(GEMM_SM90, GEMM_FUSED, GEMM_FALLBACK),
                    help="NF4 at 1,536 tokens or fewer: bitsandbytes' heuristic on an sm90 card of 132 SMs (default), "
                         "or forced to its fused kernel or its dequantising fallback on every shape")
@@ -763,6 +816,10 @@ def refused(a: argparse.Namespace) -> str | None:
         return f"--targets {','.join(missing)}: not in a {arch.model_type} layer ({', '.join(arch.modules)})"
     if max(seqs) > arch.max_pos:
         return f"a seq past the model's max_position_embeddings {arch.max_pos}"
+    if getattr(a, "checkpointing", False) and not a.full:
+        return "--checkpointing: only with --full (the LoRA capture runs without it)"
+    if getattr(a, "full", False) and a.quant != "none":
+        return f"--full under --quant {a.quant}: Soup fine-tunes in full without quantization only"
     if getattr(a, "events", None) and Path(a.events).exists():
         return f"--events {a.events}: exists; not overwritten"
     from issue395.estimator.sequence import GEMM_4BIT_FUSED_MAX_ROWS
@@ -859,9 +916,14 @@ def main(argv: list) -> int:
     targets = tuple(a.targets.split(",")) if a.targets else protocol_targets(arch_from_config(config_json(a.key)))
     if a.command == "saved":
         return print_saved(a, targets)
-    events = capture(a.key, a.seq, a.batch, a.r, targets, a.dropout, a.quant, a.gemm_4bit)
-    print(json.dumps({"key": a.key, "seq": a.seq, "batch": a.batch, "quant": a.quant, "gemm_4bit": a.gemm_4bit,
-                      "r": a.r, "targets": ",".join(targets), "dropout": a.dropout, **figures(events)}))
+    if a.full:
+        events = capture_full(a.key, a.seq, a.batch, a.checkpointing)
+        print(json.dumps({"key": a.key, "seq": a.seq, "batch": a.batch, "full": True,
+                          "checkpointing": a.checkpointing, **figures(events)}))
+    else:
+        events = capture(a.key, a.seq, a.batch, a.r, targets, a.dropout, a.quant, a.gemm_4bit)
+        print(json.dumps({"key": a.key, "seq": a.seq, "batch": a.batch, "quant": a.quant, "gemm_4bit": a.gemm_4bit,
+                          "r": a.r, "targets": ",".join(targets), "dropout": a.dropout, **figures(events)}))
     if a.events:
         Path(a.events).write_text(json.dumps(events), encoding="utf-8")
     return 0

@@ -30,7 +30,15 @@ Known limitations
       resolve_base_load_dtype, ``estimate_master``), MEASURED AT ONE SHAPE ONLY (MASTER_MEASURED: the optimizer's
       step binds there, every figure 1.019x-1.049x the real peak, the excess the 1 MiB a gradient, state and square
       root block bound; Qwen2.5-0.5B's real peak holds 20.5-40.1 MB of allocator rests, so the bound is not
-      dropped), built from Soup's, accelerate's,
+      dropped). Those rests are history, not a rule a block: bench/allocator_replay.py capture --full, the real
+      step on the meta device replayed through allocator.py, peaks 26,624 B (Llama-3.2-1B, off and on) and
+      1,075,200 / 2,811,904 B (Qwen2.5-0.5B, checkpointing off / on) under the four rows' max_memory_allocated,
+      with Qwen's rests 39,878,656 B off and 18,546,688 B on (Llama's 0: every fp32 tensor a whole number of
+      2 MiB): its 3.0625 MiB q/o gradients and AdamW states land whole in the backward's freed 3.5 MiB fp32 T x h
+      blocks. The optimizer's requests alone on the load's pool keep 3,211,264 B on Qwen, under both rows, so a
+      replay that would replace the bound must build the forward's and the backward's blocks too (with
+      checkpointing, each layer's recompute): not yet built, the bound stays (tests/test_bench.py holds the
+      capture to the rows), built from Soup's, accelerate's,
       transformers' and torch's source and held to transformers' own layers under CPU bf16 autocast
       (tests/estimator/test_full.py): every parameter, gradient and AdamW state fp32; the residual stream
       fp32 from the embedding on (checkpointed inputs, rotary tables, norms' inputs and normed tensors); one bf16
