@@ -27,10 +27,10 @@ and those cut in it, by the request last freed at each block's address (0: a seg
 master weights, the forward and backward under bf16 autocast, the Trainer's two foreach AdamW groups' step), its
 figures at the optimizer step's peak: the oracle a synthetic full fine-tuning sequence is to be held to (issue 51).
 ``capture`` prints the replay's figures; ``--events`` writes the sequence (("alloc", key, bytes, what),
-("free", key), ("reset_peak",)) as JSON. ``check`` captures the committed anatomy arms (CHECKS) and prints each
-one's measured rests (max_memory_allocated minus the history's replayed peak, both from its JSON) beside the
-replay's, exactly. "Rests" here: the replay's allocated-bytes peak minus (the resident blocks before the step plus
-the step's rounded requests at their peak), the committed anatomy's real_peak - replayed_peak.
+("free", key), ("empty_cache",), ("reset_peak",)) as JSON. ``check`` captures the committed anatomy arms (CHECKS)
+and prints each one's measured rests (max_memory_allocated minus the history's replayed peak, both from its JSON)
+beside the replay's, exactly. "Rests" here: the replay's allocated-bytes peak minus (the resident blocks before the
+step plus the step's rounded requests at their peak), the committed anatomy's real_peak - replayed_peak.
 
 What a CUDA step does that the meta device does not, substituted (each checked against the committed anatomies'
 live sets):
@@ -58,7 +58,8 @@ is substituted:
   ``Params4bit._quantize`` (quantize_4bit: the packed weight, fp32 absmax, its mean offset, the fp32 difference,
   quantize_blockwise's uint8 absmax and nested fp32 absmax) replaces, then is dropped;
 - peft's prepare_model_for_kbit_training casts every other parameter to fp32 (the embedding, so the residual
-  stream, and the norms), peft wraps each target in its bnb LoRA layer, TRL casts the adapter to bf16;
+  stream, and the norms) and empties the cache (its CUDA-only torch.cuda.empty_cache: an ("empty_cache",) event
+  here), peft wraps each target in its bnb LoRA layer, TRL casts the adapter to bf16;
 - the CUDA gemm_4bit: at more than 1,536 rows, or where bitsandbytes' sm90 heuristic (an H100/H200: 132 SMs,
   compute 9.0) declines its fused kernel (``--gemm-4bit fused`` or ``fallback`` forces the heuristic's answer
   on every shape: what another card's may be; its fused kernel allocates only its output), its dequantising fallback: the nested absmax dequantised (fp32), plus its
@@ -260,10 +261,11 @@ def dropout(x, p=0.5, training=True, inplace=False):
 
 
 def flash_sdpa(autocast: dict):
-    """Flash SDPA; under autocast (its lower-precision list) fp32 q, k, v cast to bf16 first."""
+    """Flash SDPA; under autocast (its lower-precision list) fp32 q, k, v cast to bf16 first, v's first: the H100
+    SmolLM2 NF4 1024x4 trace's kv-wide pair before q's (GQA), where q first put each layer's mask in another block."""
     def sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-        if autocast["on"]:
-            q, k, v = (x.to(torch.bfloat16) if x.dtype == torch.float32 else x for x in (q, k, v))
+        if autocast["on"]:  # the wrapper's argument pack cast right to left (GCC), as linear's: v, k, then q
+            v, k, q = (x.to(torch.bfloat16) if x.dtype == torch.float32 else x for x in (v, k, q))
         return Flash.apply(q, k, v)
     return sdpa
 
@@ -413,13 +415,17 @@ def bnb_maps_kept(quant: str):
         bnbf.name2qmap.update(kept)
 
 
-def nf4_load(model):
+def nf4_load(model, rec: "Recorder"):
     """Soup's resident QLoRA load: the weights (quantised as they land), then peft's
-    prepare_model_for_kbit_training (the rest cast to fp32; no checkpointing)."""
+    prepare_model_for_kbit_training (the rest cast to fp32, then the cache emptied; no checkpointing)."""
     from peft import prepare_model_for_kbit_training
 
     load_weights(model)
-    return prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+    model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+    # its torch.cuda.empty_cache() after the fp32 casts (auto_clear_cache, on CUDA only): the warmup's segment, wholly
+    # free by then, goes back to the driver (the H100 traces hold no such segment at the step's start)
+    rec.events.append(("empty_cache",))
+    return model
 
 
 def step(model, rec: Recorder, autocast: dict, cast_cache: dict, seq: int, batch: int, recompute: bool = False) -> None:
@@ -480,7 +486,7 @@ def capture(key: str, seq: int, batch: int = 1, r: int = 8, targets: tuple = ("q
         nf4_linears(model)
     with cuda_substitutes(autocast, cast_cache), rec, bnb_maps_kept(quant):
         if quant == "nf4":
-            model = nf4_load(model)
+            model = nf4_load(model, rec)
         else:
             load_weights(model)
         model = get_peft_model(model, LoraConfig(r=r, lora_alpha=2 * r, lora_dropout=dropout_p,

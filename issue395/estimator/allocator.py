@@ -37,8 +37,8 @@ issue395.constants'):
   split keeps it) and ``BlockComparatorSize`` orders a pool ``if (a->stream != b->stream) return
   (uintptr_t)a->stream < (uintptr_t)b->stream;`` before size and address; ``get_free_block`` gives up where
   ``(*it)->stream != p.stream()``: a freed block serves only requests on its own stream (a pool per stream
-  here). Segments are returned only by a history's ``segment_free`` (``release_block``, of a wholly free
-  segment: ``empty_cache`` or an OOM's retry, never decided here).
+  here). Segments are returned only by a history's ``segment_free`` or the caller's ``empty_cache``
+  (``release_block``, of a wholly free segment: ``empty_cache`` or an OOM's retry, never decided here).
 
 Expandable segments (``expandable=True``): every pool splits at 512 B, so a block is its rounded request and
 the allocated stat is exact whatever the layout; the layout is modelled as one segment per pool that grows at
@@ -51,8 +51,8 @@ the same arms under expandable segments (tests/estimator/test_allocator.py).
 
 What it does not model: when a deferred free completes (the caller says: ``free_completed``), CUDA graphs'
 private pools,
-``max_split_size_mb``, ``roundup_power2_divisions``, garbage collection, ``empty_cache`` and the frees an OOM
-triggers, and cudaMalloc's addresses (a new segment is placed after every earlier one, so among free blocks
+``max_split_size_mb``, ``roundup_power2_divisions``, garbage collection, when ``empty_cache`` runs and the frees an
+OOM triggers, and cudaMalloc's addresses (a new segment is placed after every earlier one, so among free blocks
 of one size the older segment's wins, where the card's addresses may order them otherwise).
 """
 
@@ -243,6 +243,13 @@ class CachingAllocator:
         self._remove(head)
         self.segments.remove(head)
         self.reserved -= head.size
+        if self._tail.get((head.small, head.stream)) is head:  # an expandable pool's whole segment
+            del self._tail[head.small, head.stream]
+
+    def empty_cache(self) -> None:
+        """torch.cuda.empty_cache: every wholly free segment released (release_cached_blocks), both pools."""
+        for head in [h for h in self.segments if self.wholly_free(h)]:
+            self.release(head)
 
     def seed(self, addr: int, blocks: list[tuple], stream: int = 0) -> list[Block]:
         """A segment already there when a history began, at ``addr``: its ``blocks`` in address order as (size,
@@ -307,8 +314,8 @@ class CachingAllocator:
 
 def replaying(events: Iterable[tuple], alloc: Optional[CachingAllocator] = None) -> Iterator[tuple]:
     """The allocator after each of ``events`` in turn, as (index, event, allocator, held): ("alloc", key, bytes,
-    ...), ("free", key) or ("reset_peak",), a key naming one request until it is freed; ``held`` maps each live
-    key to (the index that allocated it, its block). A free of a key never allocated is an error."""
+    ...), ("free", key), ("reset_peak",) or ("empty_cache",), a key naming one request until it is freed; ``held``
+    maps each live key to (the index that allocated it, its block). A free of a key never allocated is an error."""
     alloc = CachingAllocator() if alloc is None else alloc
     held: dict = {}
     for j, event in enumerate(events):
@@ -318,6 +325,8 @@ def replaying(events: Iterable[tuple], alloc: Optional[CachingAllocator] = None)
             alloc.free(held.pop(event[1])[1])
         elif event[0] == "reset_peak":
             alloc.reset_peak()
+        elif event[0] == "empty_cache":
+            alloc.empty_cache()
         else:
             raise ValueError(f"unknown allocator event {event[0]!r}")
         yield j, event, alloc, held

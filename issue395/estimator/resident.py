@@ -10,25 +10,25 @@ every block of the step is whole 2 MiB (``whole_granules``). Where the task's tr
 dropout mask is charged, by the streamed step's own rule (layer.mask_bytes), in each count and its blocks' rounding.
 
 Measured (tests/estimator/test_resident.py), on the 187 committed arms of these families it models, bf16 and NF4
-(results/resident-map-*): never under, median 1.0009x; with checkpointing 1.0001x-1.0029x, without it
-1.0000x-1.0250x, median 1.0013x (the widest: rows whose retained rests are still bounded, phi-2 NF4 up to
-1.0250x, SmolLM2 NF4 batched up to 1.0240x (sequence.NF4_BATCHED_HELD_BACK); then SmolLM2 NF4 512x1 1.0147x,
-replayed under every gemm_4bit choice; without checkpointing less phi-2 NF4's 6, 152 rows, 1.0000x-1.0240x, median
-1.0012x); every row but phi-2 NF4's, 181, 1.0000x-1.0240x, median 1.0008x.
+(results/resident-map-*): never under, median 1.0008x (1.0009x before batched NF4 llama and phi-2 NF4 were
+replayed); with checkpointing 1.0001x-1.0029x, without it 1.0000x-1.0166x, median 1.0011x (the widest: SmolLM2
+NF4 512x1 1.0166x, replayed under every gemm_4bit choice, its H200's own 1.0042x; then the bounded rows, up to
+1.0129x: 47, median 1.0043x).
 Where the retained blocks' rests are replayed
 (estimator/sequence.py: SmolLM2, Qwen2.5, Llama-3.2-1B, Llama-3.1-8B, Qwen3-0.6B, Mistral-7B, SFT bf16 without
 checkpointing, 39 rows) 1.0001x-1.0049x, median 1.0007x (the larger replay of the two default cuBLAS workspaces,
 the card not known: SmolLM2 2048x1 1.0047x, 1.0069x before the capture's CUDA request order; bounded they were up to
-1.0237x); NF4 past 1,536 tokens on the llama, mistral, qwen3 and phi3 types (12 rows; batched llama's 8 keep the
-bound, sequence.NF4_BATCHED_HELD_BACK: 1.0001x-1.0240x) 1.0001x-1.0035x
+1.0237x); NF4 past 1,536 tokens on the llama, mistral, qwen3 and phi3 types (20 rows, batched llama's 8 among
+them: 1.0001x-1.0240x while they kept the bound, 1.0001x-1.0016x replayed) 1.0001x-1.0018x
 (Phi-3-mini 512x4 and 1024x4 1.0007x and 1.0004x; bounded, 1.0057x and 1.0138x; up to 1.0238x), at 1,536 or
 fewer (12 rows, the largest replay of every choice bitsandbytes' gemm_4bit could make, the card not known)
-1.0004x-1.0147x (Phi-3-mini 512x1 and 1024x1 1.0106x and 1.0014x, bounded 1.0209x and 1.0237x: at 1024x1 its
+1.0004x-1.0166x (Phi-3-mini 512x1 and 1024x1 1.0110x and 1.0013x, bounded 1.0209x and 1.0237x: at 1024x1 its
 four weights, each of 4 Mi elements or more, dequantise on every card, so the one choice replayed is the H200's;
-Qwen3-0.6B 512x1 and 1024x1 1.0077x and 1.0021x, bounded 1.0169x and 1.0192x; SmolLM2 512x1 1.0147x, where the
-bound charged less, 1.0114x; each row's H200's own choice replayed, 1.0004x-1.0040x); phi-2 bf16 replayed
-1.0000x-1.0007x (bounded 1.0023x-1.0204x), its NF4 bounded 1.0056x-1.0250x; Phi-3-mini bf16 (qkv_proj) replayed
-1.0001x-1.0007x (bounded 1.0003x-1.0157x);
+Qwen3-0.6B 512x1 and 1024x1 1.0077x and 1.0021x, bounded 1.0169x and 1.0192x; SmolLM2 512x1 1.0166x, where the
+bound charged less, 1.0114x, its H200's own choice replayed 1.0042x); phi-2 bf16 replayed
+1.0000x-1.0007x (bounded 1.0023x-1.0204x), its NF4 replayed 1.0002x-1.0031x (bounded 1.0056x-1.0250x: peft's
+empty_cache after the load, which its H100 trace named, sequence.NF4_SEQUENCE_TYPES); Phi-3-mini bf16 (qkv_proj)
+replayed 1.0001x-1.0007x (bounded 1.0003x-1.0157x);
 Moonlight bf16 1.0023x-1.0048x, its layers' count measured on CPU: layer.latent_retained. Layers of several kinds (issue395.estimator.moe) hold each its own kind's tensors
 (``kinds_weights``: Moonlight's dense layer 0 and MoE layers of 64 fused experts, Qwen3.5's delta-net and
 full-attention layers; within 0.1% of what each committed row held before its step, where charging every layer
@@ -50,16 +50,17 @@ Known limitations
       (llama, mistral, qwen2, qwen3) and phi's parallel layer, SFT bf16 with the protocol's targets (q_proj,
       v_proj; on the llama-type decoder any of its linears with q_proj, k_proj or v_proj among them, held out:
       sequence.checked_targets), LoRA dropout on or off,
-      and NF4 on llama, mistral, qwen3 and phi3 (Phi-3's fused qkv_proj its target; bitsandbytes' gemm_4bit
+      and NF4 on llama, mistral, qwen3, phi3 and phi (Phi-3's fused qkv_proj its target; bitsandbytes' gemm_4bit
       dequantises past 1,536 tokens, and at 1,536 or fewer chooses per card and weight shape between that and its
       fused kernel: every choice replayed, the largest charged, sequence.gemm_choices; the capture runs
       bitsandbytes' own Python on the meta device, request for request at 2048x1-4096x1, and at 512x1 and 1024x1
       with its heuristic forced each way):
       the request sequence was the one bench/allocator_replay.py captures from the real model on the meta device,
       request for request, on all six such families at 512x1-4096x1 (its rests the capture's at every point but
-      SmolLM2 1024x1, 0.5 MB over: a block the capture frees before its peak). Everywhere else (qwen2 NF4, which with
-      the replayed rests was 562,016 B under at 2048x4, a shortfall outside the rests; Gemma, Gemma-2,
-      phi-2 NF4, batched NF4 llama, the layered families; other
+      SmolLM2 1024x1, 0.5 MB over: a block the capture frees before its peak), and the NF4 forward is the H100
+      traces' request for request (SmolLM2 1024x4, phi-2 512x1: bench/task_peak_anatomy.py --trace). Everywhere else
+      (qwen2 NF4, which with the replayed rests was 562,016 B under at 2048x4, a shortfall outside the rests; Gemma,
+      Gemma-2, the layered families; other
       targets; the preference tasks) a block of the step or of the weights that is not whole 2 MiB has its
       retained blocks' rounding bounded, not replayed: each 1-10 MiB block class is
       cut from 20 MiB segments whose last block keeps a rest of at most 1 MiB (1 MiB a segment), and each block
@@ -67,8 +68,9 @@ Known limitations
       a block); a block of 1 MiB or less is the small pool's, split at 512 B (retained_rounding, through
       constants.layer_remainders, the rule the streamed step's blocks take). The measured excess of max_memory_allocated over the requested peak was 21 MB on SmolLM2
       1024x1, 108 MB on Qwen2.5 2048x1 (75.5 MB of it the MLP blocks' tails), 0 on Llama-3.2-1B 2048x1; without the
-      per-block bound SmolLM2 NF4 at 2048 tokens was 9.8 MB under. The bounded rows without checkpointing (neither replayed nor a layered family's) are
-      1.0001x-1.0250x, median 1.0054x (61 rows, phi-2 NF4's 6 among them; 57 before batched NF4 llama's 8 kept
+      per-block bound SmolLM2 NF4 at 2048 tokens was 9.8 MB under. The bounded rows without checkpointing (neither
+      replayed nor a layered family's) are 1.0001x-1.0129x, median 1.0043x (47 rows; 61, 1.0001x-1.0250x, before
+      batched NF4 llama's 8 and phi-2 NF4's 6 were replayed; 57 before batched NF4 llama's 8 kept
       the bound and Phi-3-mini bf16's 4 were replayed; 63 before phi-2 bf16 was replayed; 57,
       1.0001x-1.0186x, median 1.0054x, before phi-2 NF4 was modelled; 69 before NF4 at 1,536 tokens or fewer was
       replayed, 71 before Phi-3-mini NF4 past 1,536 tokens was).
@@ -111,20 +113,20 @@ Known limitations
       LayerNorm's fp32 input copy is saved (measured on CPU under CUDA's autocast lists: 189,608 B a token a
       layer, the count with autocast_upcasts to the byte); what was over (1.024x-1.035x) was layer 0's
       LayerNorm and parallel MLP, which record nothing there (layer.mlp_records: 153,608 B a token).
-    - phi-2 NF4 without checkpointing is 1.0056x-1.0250x (6 rows), its retained blocks' rests bounded: 171.97 MB
-      charged at 512x1, 385.88 MB at 2048x1, where bench/allocator_replay.py's meta capture of the step replays
-      8.7 MB and 1 MiB (0 to 6.8 MB at the other four). The rest of the estimate is the capture's live set: a layer
+    - phi-2 NF4 without checkpointing is 1.0002x-1.0031x (6 rows, 8.9-19.5 MB over), its retained blocks' rests
+      replayed (sequence.layer_phi_nf4: its forward the H100 trace's request for request at 512x1; 32.7 MB charged
+      there, the largest of every gemm_4bit choice, 16.3 MB under the H100's own, none fused, which leaves the row
+      3.1 MB over). Bounded it was 1.0056x-1.0250x (171.97 MB charged at 512x1, 385.88 MB at 2048x1). The rest of
+      the estimate is the capture's live set: a layer
       from 1 on keeps 210,088 B a token (CPU, bench/allocator_replay.py saved phi-2 --quant nf4: the LayerNorm's
       fp32 input, mean and rstd, four fp32 gelu_new tensors, and the bf16 copies autocast's linear and SDPA make of
       the fp32 residual's tensors, layer.autocast_casts), where 307,400 were charged before (1.27x-1.42x: each
       target's dropout output and lora_A output and SDPA's q, k, v and output at 4 B, the MLP backward's three
       i-wide transients and the incoming gradient taken off at 2 B); 0.68x-0.82x was an older construction's.
-      The bound stays: sequence.py builds phi's NF4 step (layer_phi_nf4, the capture's request for request at
-      512x1, 1024x1, 2048x1), but the capture's own peak is 15.3 MB under the 512x1 row's (1.1-3.7 MB under at 512x4,
-      1024x1, 2048x1; 0.1-0.3 MB over at 1024x4, 2048x4), so its replayed rests in place of the bound would leave
-      that row 4.35 MB under under the H200's own gemm_4bit choice (23.7 MB over charged the largest of every
-      choice, which covers it only by the other cards' choices): something outside the rests, not named
-      (sequence.NF4_SEQUENCE_TYPES; in CUDA's request order the capture is 10.4 MB under).
+      The capture's own peak, 10.4 MB under the 512x1 row while the bound stayed, is 7.7 MB under it with peft's
+      empty_cache after the load (within 1.7 MB of the other five rows): the load's history, named from the trace
+      (sequence.NF4_SEQUENCE_TYPES: transformers' warmup block less the process's 2 MiB reserved but unused, then
+      the order among free blocks of one size, cudaMalloc's addresses).
       With checkpointing it is refused (no committed row; its recompute under an fp32
       residual is not counted). The layer the backward runs is its count at 4 B an activation (fp32_over:
       343,208 B a token with autocast's; 163,976 were charged, the bf16 count, under one layer's kept 210,088).

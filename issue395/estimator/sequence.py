@@ -16,8 +16,10 @@ are the forward's (in ``kept``) and also among the loss terms' hidden blocks (al
 loss_remainders): their rests are counted twice, at most about 1 MiB over, the safe side, left so.
 
 Under NF4 (Soup's resident QLoRA) the load quantises each decoder linear as it lands, every other tensor is
-recast to fp32 (so the residual stream is fp32), each linear is bitsandbytes' Linear4bit (a bf16 cast of its
-input, the dequantised weight and its absmax, a bf16 output cast back) and each target peft's bnb LoRA layer:
+recast to fp32 (so the residual stream is fp32) and peft's prepare_model_for_kbit_training empties the cache
+(the warmup's segment, wholly free by then, goes back to the driver), each linear is bitsandbytes' Linear4bit (a
+bf16 cast of its input, the dequantised weight and its absmax, a bf16 output cast back) and each target peft's bnb
+LoRA layer:
 ``load_nf4``, ``forward_nf4``, the capture's request for request past 1,536 tokens. At 1,536 tokens or fewer
 bitsandbytes' gemm_4bit chooses per card and per weight shape between its fused kernel (its output alone) and
 that dequantising fallback (a weight of 4 Mi elements or more past 512 tokens the fallback on every card:
@@ -35,8 +37,8 @@ phi (``layer_phi_nf4``, NF4 only): one LayerNorm's fp32 output feeds the attenti
 rotary part of q and k rotated in fp32 and cat with its pass-through part, dense, fc1's fp32 output and gelu_new's
 fp32 blocks (0.5 x, tanh and 1 + tanh kept from layer 1 on), fc2, attention + MLP + residual, the final LayerNorm;
 every linear and the head with a bias: the capture's request for request at phi-2 512x1 (the H200's choice, none
-fused, and every shape fused), 1024x1 and 2048x1 (tests/estimator/test_sequence.py; 512x4-2048x4 not held there).
-Not admitted (NF4_SEQUENCE_TYPES says why).
+fused, and every shape fused), 1024x1 and 2048x1 (tests/estimator/test_sequence.py; 512x4-2048x4 not held there),
+and the H100 trace's forward request for request at 512x1: admitted (NF4_SEQUENCE_TYPES).
 Its bf16 step (``forward_phi``, ``layer_phi``): the LayerNorm's fp32 copy of its bf16 input (autocast's fp32
 policy; what its backward keeps from layer 1 on) and fp32 output, each linear's own bf16 cast of it (peft's LoRA
 casts nothing: its input is fp32 already), q and k rotated in bf16, gelu_new on fc1's bf16 output (0.5 x bf16, the
@@ -48,8 +50,9 @@ Built only where it was checked against the capture (``replayed``: the plain lla
 protocol's SFT with LoRA dropout (bf16 on the plain llama-type decoder, any targets with q_proj, k_proj or v_proj
 among them: checked_targets), transformers 5.16.1, the default allocator; under either default cuBLAS
 workspace, the larger charged; under NF4 at 1,536 tokens or fewer, the largest of every gemm_4bit choice; Phi-3
-NF4, not its bf16, and phi bf16, not its NF4: BF16_SEQUENCE_TYPES, NF4_SEQUENCE_TYPES); everywhere else
-resident.py keeps its bound.
+and phi bf16 and NF4: BF16_SEQUENCE_TYPES, NF4_SEQUENCE_TYPES); everywhere else resident.py keeps its bound.
+Checked too against a real step's own history (tests/estimator/test_sequence.py): the NF4 forward is the H100
+traces' request for request (SmolLM2 1024x4, phi-2 512x1; bench/task_peak_anatomy.py --trace).
 """
 
 from __future__ import annotations
@@ -98,6 +101,12 @@ class Requests:
                 if self.trace is not None:
                     self.trace.append(("free", b.requested))
                 self.alloc.free(b)
+
+    def empty_cache(self) -> None:
+        """torch.cuda.empty_cache: every wholly free segment back to the driver."""
+        self.alloc.empty_cache()
+        if self.trace is not None:
+            self.trace.append(("empty_cache",))
 
     def rests(self, keys) -> int:
         return sum(self.held[k].rest for k in keys if k is not None and k in self.held)
@@ -371,8 +380,8 @@ def quantise(q: Requests, n: int) -> None:
 def load_nf4(q: Requests, a: Arch, targets: tuple, r: int) -> None:
     """transformers' warmup block (a quantised element 0.5 B, every other at bf16's 2 B), each tensor in the
     checkpoint's sorted key order (a decoder linear quantised as it lands), peft's prepare_model_for_kbit_training
-    (each tensor it does not quantise recast to fp32, in the modules' order), peft's fp32 LoRA matrices, which
-    TRL recasts to bf16."""
+    (each tensor it does not quantise recast to fp32, in the modules' order, then its torch.cuda.empty_cache():
+    peft/utils/other.py, auto_clear_cache), peft's fp32 LoRA matrices, which TRL recasts to bf16."""
     names = parameter_bytes(a)
     linear = {f"model.layers.{k}.{'self_attn' if m in ATTN else 'mlp'}.{m}.weight"
               for k in range(a.L) for m in a.modules}
@@ -387,6 +396,7 @@ def load_nf4(q: Requests, a: Arch, targets: tuple, r: int) -> None:
         if n in held:
             q.get(2 * names[n])
             q.put(held[n])
+    q.empty_cache()  # the warmup's segment, wholly free once the weights are packed, goes back to the driver
     lora = [q.get(4 * r * w) for _ in range(a.L) for t in targets for w in a.modules[t][:2]]
     for k, w in zip(lora, [w for _ in range(a.L) for t in targets for w in a.modules[t][:2]]):
         q.get(2 * r * w)
@@ -492,7 +502,7 @@ def attention_nf4(q: Requests, a: Arch, T: int, first: bool, lora: tuple):
                 outs[m] = n
         done = [rotary(q, T, a.heads * a.head_dim, 4), rotary(q, T, a.kv * a.head_dim, 4), outs["v_proj"]]
         q.put(outs["q_proj"], outs["k_proj"])
-    for w in (a.heads, a.kv, a.kv):  # autocast's bf16 q, k, v, which flash saves
+    for w in (a.kv, a.kv, a.heads):  # autocast's bf16 v, k, q (its argument pack cast right to left), flash saves
         q.get(2 * T * w * a.head_dim)
     q.get(2 * T * a.heads * a.head_dim)
     q.get(4 * T * a.heads)
@@ -557,7 +567,7 @@ def phi_attention_nf4(q: Requests, a: Arch, T: int, first: bool, lora: tuple):
     outs = {m: proj4bit(q, a, T, m, lora, not first) for m in ("q_proj", "k_proj", "v_proj")}
     rotated = [rotary(q, T, a.heads * a.rotary_dim, 4), rotary(q, T, a.kv * a.rotary_dim, 4)]
     cats = [q.get(4 * T * a.heads * a.head_dim), q.get(4 * T * a.kv * a.head_dim)]
-    for w in (a.heads, a.kv, a.kv):  # autocast's bf16 q, k, v, which flash saves
+    for w in (a.kv, a.kv, a.heads):  # autocast's bf16 v, k, q (its argument pack cast right to left), flash saves
         q.get(2 * T * w * a.head_dim)
     q.get(2 * T * a.heads * a.head_dim)
     q.get(4 * T * a.heads)
@@ -685,25 +695,33 @@ GEMM_4BIT_LARGE_MAX_ROWS = 512
 #: 2048x4 row would be 562,016 B under its real peak, where the capture's own replay peak is 2.72 MB under that
 #: row's max_memory_allocated: what is missing is outside the rests (the load's and the trainer's blocks the
 #: capture does not have; Llama-3.2-1B NF4 2048x1 held 1 MiB more before its step than the capture), and the
-#: bound stays there until it is named.
-#: Not phi either: its NF4 sequence is the capture's request for request (phi-2 512x1-2048x1), but the capture's own
-#: peak (CUDA's request order: native_dropout's mask first, autocast's casts right to left, accelerate's fp32
-#: logits, flash's output in q's layout) is 10,362,880 B under the 512x1 row's max_memory_allocated (2,186,752 B
-#: under at 512x4, 2,189,312 B at 2048x1; 4,114,432 B, 412,160 B and 367,104 B over at 1024x1, 1024x4 and 2048x4;
-#: before that order 15,343,616 B under at 512x1), and the capture holds 458,752 B more before the step than every
-#: phi-2 NF4 row did (the load's history is not the run's). Before that order every gemm_4bit choice had the same
-#: requested peak (6,322,400,256 B at 512x1), only the rests differing (8,716,288 B under the H200's own choice,
-#: none fused; 36,241,408 B the most), and charged the largest the 512x1 row would have been 23,694,784 B over,
-#: under the H200's own choice 4,354,624 B under: what is missing is outside the capture's rests and not named, and
-#: the bound stays (the choices not yet replayed again under the new order).
-NF4_SEQUENCE_TYPES = ("llama", "mistral", "qwen3", "phi3")
-#: ...but not these at a batch over 1: SmolLM2 NF4 1024x4's capture, its request order CUDA's (native_dropout's
-#: mask before its output, autocast's casts right to left, accelerate's fp32 logits), is 24,425,984 B under the
-#: row's max_memory_allocated (6,339,354,624 B against 6,363,780,608), and with its replayed rests the row would be
-#: 5,599,432 B under: what is missing is outside the rests and not named (no trace of it is committed). Its other
-#: captures are 6,267,392 B over (512x4, 2048x1) to 2,897,920 B under (1024x1) their rows; Llama-3.2-1B's and
-#: Qwen3-0.6B's are within 1,050,112 B of all theirs. The under is the batched row, so batched llama keeps the bound.
-NF4_BATCHED_HELD_BACK = ("llama",)
+#: bound stays there until it is named (no trace of it is committed).
+#: phi is: its NF4 forward is the H100 trace's request for request (phi-2 512x1, tests/estimator/test_sequence.py),
+#: and with peft's empty_cache after the load's fp32 casts (load_nf4; it released a wholly free 50 MiB segment the
+#: capture had kept) the capture's peak is within 1,652,736 B of five of the six phi-2 NF4 rows (958,976 B,
+#: 412,160 B, 956,416 B and 367,104 B over at 512x4, 1024x4, 2048x1, 2048x4; 1,652,736 B under at 1024x1) and
+#: 7,741,440 B under the 512x1 row (10,362,880 B before). That one is the load's history, named from the trace: the
+#: run's process held 2 MiB reserved but unused before its load, which transformers' caching_allocator_warmup takes
+#: off its block (modeling_utils.py, ``byte_count - unused_memory``: 1,782,579,200 B, the capture's 1,784,676,352),
+#: so the last packed weights overflow into other segments and the step starts among other free blocks; with that
+#: warmup the capture's start is the trace's segment for segment, and it is 4,726,784 B under, from the first of
+#: the step's large requests that picks among free blocks of one size by address (the 756th: cudaMalloc's
+#: addresses, which allocator.py does not know). With the
+#: replayed rests every phi-2 NF4 row is 1.00015x-1.00307x, 8.9-19.5 MB over (512x1 3.1 MB over under the H100's
+#: own gemm_4bit choice, none fused; the largest of every choice is charged, the card not known).
+NF4_SEQUENCE_TYPES = ("llama", "mistral", "qwen3", "phi3", "phi")
+#: ...but not these at a batch over 1. None now: llama was, while SmolLM2 NF4 1024x4's capture was 24,425,984 B
+#: under that row's max_memory_allocated (6,339,354,624 B against 6,363,780,608), unnamed. The H100 trace of that
+#: row named it: autocast casts SDPA's fp32 q, k, v to bf16 right to left (its argument pack, as linear's: v's and
+#: k's kv-wide blocks before q's), where the capture cast q first and so put every layer's 2.25 MiB dropout masks
+#: in other free blocks (43 of them keep a rest at the real peak, 14 at the capture's); and peft's
+#: prepare_model_for_kbit_training empties the cache after its fp32 casts (peft/utils/other.py, auto_clear_cache),
+#: which released the warmup's 111 MB segment, wholly free, that the capture kept and cut the step's blocks from.
+#: With both the capture is 1,264,128 B over that row, its forward the trace's request for request, and SmolLM2's
+#: batched captures within 91,648 B of their rows (512x4 24,064 B under, 2048x4 91,648 B under: inside the
+#: allowance, estimate.ALLOCATED_ALLOWANCE_BYTES); the batched SmolLM2 NF4 rows go 1.0190x-1.0240x (bounded) ->
+#: 1.0004x-1.0016x.
+NF4_BATCHED_HELD_BACK = ()
 
 
 #: The model types whose bf16 step the sequence replays. phi3 is (its fused qkv and gate_up): its sequence is the
@@ -780,7 +798,7 @@ def default_allocator(environ=None) -> bool:
 def replayed(a: Arch, quant: str, targets: tuple, task: str, *, transformers: str, environ=None,
              batch: int = 1) -> bool:
     """Whether this sequence is the run's: a plain llama-type decoder (SEQUENCE_TYPES, one kind of layer; Phi-3's
-    fused qkv and gate_up at a full rotary; phi's parallel layer, bf16 only), bf16 (BF16_SEQUENCE_TYPES), or NF4
+    fused qkv and gate_up at a full rotary; phi's parallel layer), bf16 (BF16_SEQUENCE_TYPES), or NF4
     (NF4_SEQUENCE_TYPES) at any token count (at
     GEMM_4BIT_FUSED_MAX_ROWS or fewer layer_rests charges the largest replay of every gemm_4bit choice), the
     protocol's LoRA targets (protocol_targets: q_proj and v_proj, in any order; Phi-3's qkv_proj; bf16 on the plain
@@ -788,8 +806,8 @@ def replayed(a: Arch, quant: str, targets: tuple, task: str, *, transformers: st
     forward, no reference), LoRA dropout on or off, under transformers SEQUENCE_TRANSFORMERS (``transformers``: the
     release the run has, its local tag dropped) and the default allocator (``default_allocator`` of ``environ``):
     every capture it was checked against. Never phi's qk_layernorm, nor a model dropout the config turns on
-    (arch.MODEL_DROPOUTS: resid_pdrop's masks, embd_pdrop's and SDPA's dropout): no capture ran them. Nor NF4
-    llama at ``batch`` over 1 (NF4_BATCHED_HELD_BACK)."""
+    (arch.MODEL_DROPOUTS: resid_pdrop's masks, embd_pdrop's and SDPA's dropout): no capture ran them. Nor NF4 of a
+    type NF4_BATCHED_HELD_BACK names at ``batch`` over 1 (none now)."""
     return (a.model_type in SEQUENCE_TYPES and a.layers is None and not a.qk_layernorm and not a.dropouts
             and (quant == "none" and a.model_type in BF16_SEQUENCE_TYPES
                  or quant == "nf4" and a.model_type in NF4_SEQUENCE_TYPES

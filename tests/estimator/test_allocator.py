@@ -231,3 +231,19 @@ def test_the_expandable_model_replays_a_runs_requests_to_its_measured_page_need_
     replayed = expandable_replay(history, at)[0].touched_pages() - peak
     assert abs(replayed - measured["page_need"]["reserve"]) <= 20 * MiB + MiB, (replayed, measured["page_need"])
     assert replayed < EXPANDABLE_RESERVE_BYTES and measured["page_need"]["reserve"] < EXPANDABLE_RESERVE_BYTES
+
+
+def test_empty_cache_releases_only_wholly_free_segments_and_a_later_request_cuts_a_fresh_one():
+    """Issue 51 item 3 (peft's prepare_model_for_kbit_training ends its fp32 casts in torch.cuda.empty_cache, which
+    the SmolLM2 NF4 H100 trace's start shows: no wholly free segment): release_cached_blocks gives back a segment
+    all of whose blocks are free, never one holding a block in use; a request that the released segment would have
+    served cuts a new segment instead, so its rest is the new segment's, not the old free block's."""
+    a = replay([("alloc", "warm", 100 * MiB), ("free", "warm"), ("alloc", "kept", 30 * MiB),
+                ("alloc", "x", 200 * MiB), ("free", "x")])
+    assert a.reserved == 300 * MiB
+    a.empty_cache()  # the 200 MiB segment is wholly free; the 100 MiB one holds "kept" at its front
+    assert a.reserved == 100 * MiB and [b.size for b in a.blocks()] == [30 * MiB, 70 * MiB]
+    b = replay([("alloc", "warm", 100 * MiB), ("free", "warm"), ("empty_cache",), ("alloc", "m", 9 * MiB)])
+    assert b.reserved == 20 * MiB and b.live()[0].rest == 0
+    c = replay([("alloc", "warm", 100 * MiB), ("free", "warm"), ("alloc", "m", 9 * MiB)])
+    assert c.reserved == 100 * MiB  # without it the request is cut from the cached warmup block
