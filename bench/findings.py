@@ -638,6 +638,15 @@ def weights_of(path: str) -> str:
             if "building the synthetic checkpoint of" in text.read_text(encoding="utf-8") else "the file's checkpoint")
 
 
+def grown(d: dict, step: int, none: str) -> str:
+    """The answer like for like with the runtime's growth the search's own probes measured (its JSON's
+    runtime_growth_bytes), where its probes read it (searches before the exit hook read it have no such key)."""
+    if d.get("runtime_growth_bytes") is None:
+        return "not read (its probes predate the reading)"
+    return (against(d.get("this_tool_longest_like_for_like_measured_growth"), d["measured"]["limit"], step, none)
+            + f", growth {d['runtime_growth_bytes'] / 1e6:.1f} MB")
+
+
 def find_max_row(d: dict) -> str:
     """One search's row of the table: a resident one names the allocator its probes ran on."""
     m, res = d["measured"], d["measured"]["resolution"]
@@ -648,7 +657,7 @@ def find_max_row(d: dict) -> str:
     return (f"| {Path(d['config']).name} | {d['task']} {d['quant']}, {run} | {d['card']['card']} | {d['steps']} | "
             f"{'none' if m['limit'] is None else m['limit']} | {'none' if m['oom_above'] is None else m['oom_above']} "
             f"| {len(m['probes'])} | {against(d['this_tool_longest_like_for_like'], m['limit'], res, mine)} | "
-            f"{against(d['this_tool_longest'], m['limit'], res, mine)} | "
+            f"{grown(d, res, mine)} | {against(d['this_tool_longest'], m['limit'], res, mine)} | "
             f"{against(d['soup_gate_longest'], m['limit'], res)} | "
             f"{soup_gate_at(d, 'soup_gate_at_limit')}; {soup_gate_at(d, 'soup_gate_above_limit')} |")
 
@@ -667,11 +676,14 @@ def find_max_searches() -> None:
           "ballast that leaves the emulated card's "
           "total free, Soup's gate lifted (a resident file's by `" + " and ".join(sorted({d["resident"]["gate_lifted_by"]
           for _, d in found if d.get("resident")})) + "`), completed or OOM (measured). This tool's longest: its corrected estimate "
-          "with the context bound, and like for like with the context the probes had (this box's own, measured); "
+          "with the context bound, like for like with the context the probes had (this box's own, measured), and "
+          "like for like with the runtime's growth the probes measured too (each probe's memory outside the allocator "
+          "as its process exited or at its OOM, less the box's context, the most of them, in place of the runtime "
+          "growth's card-wide bound); "
           "Soup's gate's longest: Soup's own code, gate unlifted (computed by Soup).\n")
     print("| soup.yaml | run | card | steps a probe | measured limit | first OOM | probes | this tool, like for like "
-          "| this tool, bound context | Soup's gate's longest | Soup's gate at the limit; at the first OOM |")
-    print("|---|---|---|---:|---:|---:|---:|---|---|---|---|")
+          "| this tool, like for like with the probes' runtime growth (measured) | this tool, bound context | Soup's gate's longest | Soup's gate at the limit; at the first OOM |")
+    print("|---|---|---|---:|---:|---:|---:|---|---|---|---|---|")
     cublas, above = [], []
     for path, d in found:
         m, like = d["measured"], d["this_tool_longest_like_for_like"]
