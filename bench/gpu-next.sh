@@ -14,7 +14,8 @@
 # each search stays short: the resident soup.yamls below, written into $R/configs (Llama-3.2-1B bf16 DPO; Phi-3-mini bf16 SFT with gradient
 # checkpointing; Gemma-2B bf16 SFT; Mistral-7B NF4 QLoRA SFT). The claim it tests: on each, this tool's longest
 # (like for like: the box's own context) is the measured limit or one step below it.
-# TAGs: the searches below (default: all, cheapest first). The four first ran on expandable segments in
+# TAGs: the searches below (default: all, cheapest first). qwen-kto-bf16 (8GB) and qwen3-orpo-nf4 (16GB) were added
+# unsearched (2026-12-05): two preference tasks, batch 2, one of them NF4, that nobody had searched resident. The four first ran on expandable segments in
 # results/resident-findmax-expandable-h100-soup0.77.0-96b7b97 and resident-findmax-mistral-h100-soup0.77.0-927f7a2.
 # Left (one call, `source bench/gpu-next.sh resident-findmax phi3-sft-bf16-gc phi2-sft-bf16-gc`): the probes' exit
 # hook now reads the device's free memory and the allocator's reserved bytes as Soup's process exits, so each search
@@ -77,6 +78,18 @@ base: microsoft/phi-2
 data: {train: data.jsonl, chat_template: chatml, max_length: 2048}
 training: {batch_size: 1, gradient_accumulation_steps: 1, quantization: none, stream_layers: false, gradient_checkpointing: true, lora: {r: 16, alpha: 32, target_modules: [q_proj, k_proj, v_proj, dense]}}
 YAML
+  cat > "$1/resident-qwen-kto-bf16.yaml" <<'YAML'
+base: Qwen/Qwen2.5-0.5B
+task: kto
+data: {train: kto.jsonl, max_length: 1024}
+training: {batch_size: 2, gradient_accumulation_steps: 1, quantization: none, stream_layers: false, lora: {r: 8, alpha: 16, target_modules: [q_proj, v_proj]}}
+YAML
+  cat > "$1/resident-qwen3-orpo-nf4.yaml" <<'YAML'
+base: Qwen/Qwen3-0.6B
+task: orpo
+data: {train: pairs.jsonl, max_length: 1024}
+training: {batch_size: 2, gradient_accumulation_steps: 1, quantization: 4bit, stream_layers: false, lora: {r: 16, alpha: 32, target_modules: [q_proj, k_proj, v_proj, o_proj]}}
+YAML
   cat > "$1/resident-phi3-sft-bf16-gc.yaml" <<'YAML'
 base: microsoft/Phi-3-mini-4k-instruct
 data: {train: data.jsonl, chat_template: chatml, max_length: 2048}
@@ -104,6 +117,8 @@ resident_findmax() {
   search phi2-sft-bf16-gc seq 7.5GB
   search gemma-sft-bf16 seq 24GB
   search mistral-sft-nf4 seq 24GB
+  search qwen-kto-bf16 seq 8GB
+  search qwen3-orpo-nf4 seq 16GB
 }
 
 resident_anatomy() {
