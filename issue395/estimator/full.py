@@ -28,17 +28,23 @@ Known limitations
       (the fp32 count walks a Llama-like layer). Spectrum's and the freezes' partial fine-tuning are not modelled.
     - Full fine-tuning on a release that loads the base as fp32 master weights (0.77.0's
       resolve_base_load_dtype, ``estimate_master``), MEASURED AT ONE SHAPE ONLY (MASTER_MEASURED: the optimizer's
-      step binds there, every figure 1.019x-1.049x the real peak, the excess the 1 MiB a gradient, state and square
-      root block bound; Qwen2.5-0.5B's real peak holds 20.5-40.1 MB of allocator rests, so the bound is not
-      dropped). Those rests are history, not a rule a block: bench/allocator_replay.py capture --full, the real
-      step on the meta device replayed through allocator.py, peaks 26,624 B (Llama-3.2-1B, off and on) and
-      1,075,200 / 2,811,904 B (Qwen2.5-0.5B, checkpointing off / on) under the four rows' max_memory_allocated,
-      with Qwen's rests 39,878,656 B off and 18,546,688 B on (Llama's 0: every fp32 tensor a whole number of
-      2 MiB): its 3.0625 MiB q/o gradients and AdamW states land whole in the backward's freed 3.5 MiB fp32 T x h
-      blocks. The optimizer's requests alone on the load's pool keep 3,211,264 B on Qwen, under both rows, so a
-      replay that would replace the bound must build the forward's and the backward's blocks too (with
-      checkpointing, each layer's recompute): not yet built, the bound stays (tests/test_bench.py holds the
-      capture to the rows), built from Soup's, accelerate's,
+      step binds there). What its gradient, state and square-root blocks hold past their requests is history,
+      not a rule a block: bench/allocator_replay.py capture --full, the real step on the meta device replayed
+      through allocator.py, peaks 26,624 B (Llama-3.2-1B, off and on) and 1,075,200 / 2,811,904 B (Qwen2.5-0.5B,
+      checkpointing off / on) under the four rows' max_memory_allocated, with Qwen's rests 39,878,656 B off and
+      18,546,688 B on (Llama's 0: every fp32 tensor a whole number of 2 MiB): its 3.0625 MiB q/o gradients and
+      AdamW states land whole in the backward's freed 3.5 MiB fp32 T x h blocks, so the optimizer's requests
+      alone (3,211,264 B on Qwen) are not enough. estimator/full_sequence.py builds the whole step from the Arch
+      (the load, the forward, the loss, the backward, checkpointing's recompute, the two AdamW groups), the
+      capture's request for request on Qwen2.5-0.5B, Llama-3.2-1B and SmolLM2 (tests/estimator/test_full.py),
+      and where it was checked (master_replayed: llama and qwen2, SFT at batch 1, step 1, one micro-batch,
+      torch's AdamW, transformers 5.16.1, the default allocator) its replayed rests at the optimizer step's peak
+      (the larger under either default cuBLAS workspace: Qwen on 19,103,744 B under the pre-Hopper one) are
+      charged (Term.OPTIMIZER_REMAINDERS) in place of the 1 MiB a block bound: the four rows 1.0472x / 1.0492x
+      (Qwen off / on) and 1.0193x / 1.0193x (Llama) with the bound, 1.000351x / 1.000233x and 1.000153x /
+      1.000153x replayed. Elsewhere (another decoder, a batch, step 2, accumulation, another optimizer,
+      transformers or allocator setting) the bound stays. The rest is
+      built from Soup's, accelerate's,
       transformers' and torch's source and held to transformers' own layers under CPU bf16 autocast
       (tests/estimator/test_full.py): every parameter, gradient and AdamW state fp32; the residual stream
       fp32 from the embedding on (checkpointed inputs, rotary tables, norms' inputs and normed tensors); one bf16
@@ -301,7 +307,8 @@ def full_phases(t: dict, base: Estimate, before: int, *, checkpointing: bool, st
 
 #: Where a full fine-tuning has been measured (results/resident-full-h100-soup0.77.0-96b7b97, H100): soup-cli 0.77.0's
 #: fp32 master weights only, SFT bf16 1024x1, one optimizer step, Qwen2.5-0.5B and Llama-3.2-1B, checkpointing off
-#: and on; corrected 1.019x-1.049x the real peak, the optimizer's step binding on all four.
+#: and on; the optimizer's step binding on all four, corrected 1.0002x-1.0004x the real peak with its blocks' rests
+#: replayed (full_sequence.py), 1.019x-1.049x with the 1 MiB a block bound.
 MASTER_MEASURED = "measured at one shape only (SFT 1024x1, one step, on fp32 master weights: estimator/full.py)"
 
 
