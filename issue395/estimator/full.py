@@ -28,17 +28,23 @@ Known limitations
       (the fp32 count walks a Llama-like layer). Spectrum's and the freezes' partial fine-tuning are not modelled.
     - Full fine-tuning on a release that loads the base as fp32 master weights (0.77.0's
       resolve_base_load_dtype, ``estimate_master``), MEASURED AT ONE SHAPE ONLY (MASTER_MEASURED: the optimizer's
-      step binds there, every figure 1.019x-1.049x the real peak, the excess the 1 MiB a gradient, state and square
-      root block bound; Qwen2.5-0.5B's real peak holds 20.5-40.1 MB of allocator rests, so the bound is not
-      dropped). Those rests are history, not a rule a block: bench/allocator_replay.py capture --full, the real
-      step on the meta device replayed through allocator.py, peaks 26,624 B (Llama-3.2-1B, off and on) and
-      1,075,200 / 2,811,904 B (Qwen2.5-0.5B, checkpointing off / on) under the four rows' max_memory_allocated,
-      with Qwen's rests 39,878,656 B off and 18,546,688 B on (Llama's 0: every fp32 tensor a whole number of
-      2 MiB): its 3.0625 MiB q/o gradients and AdamW states land whole in the backward's freed 3.5 MiB fp32 T x h
-      blocks. The optimizer's requests alone on the load's pool keep 3,211,264 B on Qwen, under both rows, so a
-      replay that would replace the bound must build the forward's and the backward's blocks too (with
-      checkpointing, each layer's recompute): not yet built, the bound stays (tests/test_bench.py holds the
-      capture to the rows), built from Soup's, accelerate's,
+      step binds there). What its gradient, state and square-root blocks hold past their requests is history,
+      not a rule a block: bench/allocator_replay.py capture --full, the real step on the meta device replayed
+      through allocator.py, peaks 26,624 B (Llama-3.2-1B, off and on) and 1,075,200 / 2,811,904 B (Qwen2.5-0.5B,
+      checkpointing off / on) under the four rows' max_memory_allocated, with Qwen's rests 39,878,656 B off and
+      18,546,688 B on (Llama's 0: every fp32 tensor a whole number of 2 MiB): its 3.0625 MiB q/o gradients and
+      AdamW states land whole in the backward's freed 3.5 MiB fp32 T x h blocks, so the optimizer's requests
+      alone (3,211,264 B on Qwen) are not enough. estimator/full_sequence.py builds the whole step from the Arch
+      (the load, the forward, the loss, the backward, checkpointing's recompute, the two AdamW groups), the
+      capture's request for request on Qwen2.5-0.5B, Llama-3.2-1B and SmolLM2 (tests/estimator/test_full.py),
+      and where it was checked (master_replayed: llama and qwen2, SFT at batch 1, step 1, one micro-batch,
+      torch's AdamW, transformers 5.16.1, the default allocator) its replayed rests at the optimizer step's peak
+      (the larger under either default cuBLAS workspace: Qwen on 19,103,744 B under the pre-Hopper one) are
+      charged (Term.OPTIMIZER_REMAINDERS) in place of the 1 MiB a block bound: the four rows 1.0472x / 1.0492x
+      (Qwen off / on) and 1.0193x / 1.0193x (Llama) with the bound, 1.000351x / 1.000233x and 1.000153x /
+      1.000153x replayed. Elsewhere (another decoder, a batch, step 2, accumulation, another optimizer,
+      transformers or allocator setting) the bound stays. The rest is
+      built from Soup's, accelerate's,
       transformers' and torch's source and held to transformers' own layers under CPU bf16 autocast
       (tests/estimator/test_full.py): every parameter, gradient and AdamW state fp32; the residual stream
       fp32 from the embedding on (checkpointed inputs, rotary tables, norms' inputs and normed tensors); one bf16
@@ -62,8 +68,9 @@ from ..errors import UsageError
 from .arch import Arch, arch_from_config
 from .layer import (MLP_BACKWARD_TRANSIENTS, STAGES, LayerPeak, Moment, autocast_per_token, autocast_upcasts,
                     checkpointed_through, layer_blocks, layer_per_token)
+from .full_sequence import master_rests, replayed
 from .releases import release_source
-from .stacks import package_version
+from .stacks import package_version, transformers_release
 from .steady import FP32, is_bounded, optimizer_named, state_blocks
 from .estimate import Estimate, needs_free, segment_tail
 from .terms import Phase, Term, phase_sum
@@ -224,22 +231,26 @@ def head_gradient(a: Arch) -> int:
     return held([FULL_FT_BYTES * a.V * a.h] + ([FULL_FT_BYTES * a.V] if a.quirks.head_bias and not a.tied else []))
 
 
-def full_optimizer(a: Arch, optimizer: str, per: int = FULL_FT_BYTES) -> dict:
+def full_optimizer(a: Arch, optimizer: str, per: int = FULL_FT_BYTES, rests: int | None = None) -> dict:
     """The optimizer's step over every parameter (steady.OPTIMIZERS' rules, per parameter tensor): every
     gradient, the optimizer's states (torch's in the parameter's dtype, bitsandbytes' own), and its
     transients (torch's foreach AdamW: exp_avg_sq's square root, one copy of every parameter of a group
     at once; a bound: the whole model as one group). Each block as the default allocator holds it (held).
-    ``per``: a parameter's bytes (fp32 master weights: 4)."""
+    ``per``: a parameter's bytes (fp32 master weights: 4). ``rests``: what those blocks hold past their
+    requests replayed (full_sequence.master_rests), charged in place of the 1 MiB a block bound."""
     sizes = full_params(a)
     o = optimizer_named(optimizer)
     step = FP32 if is_bounded(optimizer) else per
-    return {Term.PARAMETER_GRADIENTS.key: held(per * n for n in sizes),
-            Term.OPTIMIZER_STATES.key: held(b for n in sizes for b in state_blocks(n, optimizer, per)),
-            Term.OPTIMIZER_TRANSIENTS.key: held(step * n for n in sizes for _ in range(o.transient))}
+    hold = held if rests is None else (lambda blocks: sum(map(block_bytes, blocks)))
+    terms = {Term.PARAMETER_GRADIENTS.key: hold(per * n for n in sizes),
+             Term.OPTIMIZER_STATES.key: hold(b for n in sizes for b in state_blocks(n, optimizer, per)),
+             Term.OPTIMIZER_TRANSIENTS.key: hold(step * n for n in sizes for _ in range(o.transient))}
+    return terms if rests is None else {**terms, Term.OPTIMIZER_REMAINDERS.key: rests}
 
 
 def estimate_full(config: dict, base: Estimate, lora_rounding: int, *, release: str | None = None, steps: int = 1,
-                  checkpointing: bool = False, optimizer: str = "adamw_torch", accumulation: int = 1) -> Estimate:
+                  checkpointing: bool = False, optimizer: str = "adamw_torch", accumulation: int = 1,
+                  transformers: str | None = None) -> Estimate:
     """The corrected peak of a resident full fine-tuning (Soup's lora.r 0) that full_refused does not refuse:
     the shared terms of ``base``, the r 1 LoRA run it starts from (resident.estimate_resident's: the weights on
     the card, the logits and the loss, the ids, the rotary tables, the workspaces, the allowance) with no
@@ -251,7 +262,7 @@ def estimate_full(config: dict, base: Estimate, lora_rounding: int, *, release: 
     a = arch_from_config(config)
     if loads_fp32_master(release_source(release)):
         return estimate_master(config, base, lora_rounding, steps=steps, checkpointing=checkpointing,
-                               optimizer=optimizer, accumulation=accumulation)
+                               optimizer=optimizer, accumulation=accumulation, transformers=transformers)
     T = base.seq * base.batch
     t = adapterless(base)
     if checkpointing:  # without it no layer is walked in its blocks (the LoRA step's rule): the retained rounding
@@ -277,7 +288,8 @@ def full_phases(t: dict, base: Estimate, before: int, *, checkpointing: bool, st
     states = t[Term.OPTIMIZER_STATES.key]
     if steps > 1:
         step = {p: v + states for p, v in step.items()}
-    step[Phase.OPTIMIZER] = t[Term.PARAMETER_GRADIENTS.key] + states + t[Term.OPTIMIZER_TRANSIENTS.key] + ws
+    step[Phase.OPTIMIZER] = (t[Term.PARAMETER_GRADIENTS.key] + states + t[Term.OPTIMIZER_TRANSIENTS.key] + ws
+                             + t.get(Term.OPTIMIZER_REMAINDERS.key, 0))
     binding = max(step, key=step.get)
     corrected = phase_sum(t, Phase.RESIDENT) + step[binding] + phase_sum(t, Phase.ALLOWANCE)
     return Estimate(base.seq, base.batch, base.quant, steps, base.release, None, {}, corrected,
@@ -295,7 +307,8 @@ def full_phases(t: dict, base: Estimate, before: int, *, checkpointing: bool, st
 
 #: Where a full fine-tuning has been measured (results/resident-full-h100-soup0.77.0-96b7b97, H100): soup-cli 0.77.0's
 #: fp32 master weights only, SFT bf16 1024x1, one optimizer step, Qwen2.5-0.5B and Llama-3.2-1B, checkpointing off
-#: and on; corrected 1.019x-1.049x the real peak, the optimizer's step binding on all four.
+#: and on; the optimizer's step binding on all four, corrected 1.0002x-1.0004x the real peak with its blocks' rests
+#: replayed (full_sequence.py), 1.019x-1.049x with the 1 MiB a block bound.
 MASTER_MEASURED = "measured at one shape only (SFT 1024x1, one step, on fp32 master weights: estimator/full.py)"
 
 
@@ -446,12 +459,14 @@ def adapterless(base: Estimate) -> dict:
 
 
 def trained_step(t: dict, a: Arch, base: Estimate, lora_rounding: int, per: int, counts: tuple, *,
-                 checkpointing: bool, steps: int, optimizer: str, accumulation: int) -> Estimate:
+                 checkpointing: bool, steps: int, optimizer: str, accumulation: int,
+                 rests: int | None = None) -> Estimate:
     """What every full fine-tuning's step holds past its weights, one construction for the bf16 (estimate_full)
     and the fp32 master (estimate_master) runs, each parameter's gradient and state at ``per`` bytes and
     ``counts`` its (backward walk, retained per token, retained rounding): from micro-batch 2 every gradient of
     micro-batch 1 held; the backward walked; without checkpointing every layer's kept blocks through the loss
-    (the r 1 LoRA count's rounding, ``lora_rounding``, taken off exactly); the optimizer's step; the phases."""
+    (the r 1 LoRA count's rounding, ``lora_rounding``, taken off exactly); the optimizer's step (its blocks'
+    replayed ``rests`` in place of the bound, where given); the phases."""
     backward, retained, rounding = counts
     T = base.seq * base.batch
     if accumulation > 1:
@@ -463,13 +478,13 @@ def trained_step(t: dict, a: Arch, base: Estimate, lora_rounding: int, per: int,
         t[Term.RETAINED_ACTIVATIONS.key] = T * a.L * retained(a)
         t[Term.RETAINED_BESIDE_LAYER.key] = before
         t[Term.ALLOCATOR_ROUNDING.key] += rounding(a, T) - lora_rounding
-    t.update(full_optimizer(a, optimizer, per))
+    t.update(full_optimizer(a, optimizer, per, rests))
     return full_phases(t, base, before, checkpointing=checkpointing, steps=steps, optimizer=optimizer,
                        accumulation=accumulation)
 
 
 def estimate_master(config: dict, base: Estimate, lora_rounding: int, *, steps: int = 1, checkpointing: bool = False,
-                    optimizer: str = "adamw_torch", accumulation: int = 1) -> Estimate:
+                    optimizer: str = "adamw_torch", accumulation: int = 1, transformers: str | None = None) -> Estimate:
     """estimate_full's run on a release that loads the base as fp32 master weights (loads_fp32_master: soup-cli
     0.77.0) under bf16 autocast: every parameter, its gradient and torch AdamW's states fp32, and the foreach
     step's square root of every state; the residual stream fp32 from the embedding on (its checkpointed
@@ -478,7 +493,10 @@ def estimate_master(config: dict, base: Estimate, lora_rounding: int, *, steps: 
     (the final norm's fp32 normed tensor, the head's own bf16 cast, the norm's rsqrt) and its gradients
     (master_head_gradient). The loss's logits are the LoRA step's (the head's matmul is bf16 under autocast
     there too). Measured at one shape only (MASTER_MEASURED). Eager attention is refused (its softmax returns
-    rotary's fp32 query dtype: fp32 scores the counts do not have)."""
+    rotary's fp32 query dtype: fp32 scores the counts do not have). Where the step's request sequence was
+    checked against the real model's (master_replayed), what the optimizer step's blocks hold past their
+    requests is replayed (full_sequence.master_rests) in place of the 1 MiB a block bound (``transformers``:
+    the run's release, None the installed one)."""
     a = arch_from_config(config)
     if base.terms.get(Term.EAGER_SCORES.key) or base.terms.get(Term.EAGER_MASKS.key):
         raise UsageError(f"a full fine-tuning of {a.model_type} on fp32 master weights under eager attention is "
@@ -494,5 +512,18 @@ def estimate_master(config: dict, base: Estimate, lora_rounding: int, *, steps: 
     t[Term.WEIGHT_CASTS.key] = weight_casts(a)
     if checkpointing:
         t[Term.CHECKPOINTED_INPUTS.key] *= 2  # every layer's input is the fp32 residual stream
+    rests = (master_rests(a, T, base.seq, checkpointing)
+             if master_replayed(a, base, transformers, steps=steps, optimizer=optimizer, accumulation=accumulation)
+             else None)
     return trained_step(t, a, base, lora_rounding, FP32, (master_backward, master_retained, master_retained_rounding),
-                        checkpointing=checkpointing, steps=steps, optimizer=optimizer, accumulation=accumulation)
+                        checkpointing=checkpointing, steps=steps, optimizer=optimizer, accumulation=accumulation,
+                        rests=rests)
+
+
+def master_replayed(a: Arch, base: Estimate, transformers: str | None, *, steps: int, optimizer: str,
+                    accumulation: int, environ=None) -> bool:
+    """Whether full_sequence's step is the run's: its decoder, task, batch, transformers and allocator
+    (full_sequence.replayed), step 1 only (from step 2 the states are made already), one micro-batch (no held
+    gradients) and torch's AdamW (the Trainer's two foreach groups): the captures it was checked against."""
+    return (steps == 1 and accumulation == 1 and optimizer == "adamw_torch"
+            and replayed(a, base.task, base.batch, transformers=transformers_release(transformers), environ=environ))

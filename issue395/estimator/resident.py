@@ -551,7 +551,7 @@ def full_run(config: dict, *, quant: str, seq: int, batch: int, steps: int, rele
     lora = 0 if checkpointing else lora_retained_rounding(a, config, base.seq * base.batch, base.seq, task,
                                                           transformers)
     return estimate_full(config, base, lora, release=release, steps=steps, checkpointing=checkpointing,
-                         optimizer=optimizer, accumulation=accumulation)
+                         optimizer=optimizer, accumulation=accumulation, transformers=transformers)
 
 
 def lora_retained_rounding(a: Arch, config: dict, T: int, seq: int, task: str, transformers: str | None = None) -> int:

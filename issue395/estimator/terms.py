@@ -155,6 +155,11 @@ class Term(Enum):
     #: layer's: its recompute is an autocast region of its own)
     LAYER_WEIGHT_CASTS = ("layer_weight_casts", {_LA}, Kind.TEMP, "the layer's bf16 weight copies",
                           "lora.r 0 on fp32 master weights")
+    #: ...and what the optimizer step's blocks (every gradient, state and square root) hold past their requests at
+    #: its peak, replayed from the step's request sequence (full_sequence.master_rests) where it was checked, in
+    #: place of the 1 MiB a block those terms' held() charges elsewhere
+    OPTIMIZER_REMAINDERS = ("optimizer_remainders", {_OP}, Kind.OTH, "the optimizer step's blocks' replayed remainders",
+                            "lora.r 0 on fp32 master weights, replayed")
     ALLOCATED_ALLOWANCE = ("allocated_allowance", {_AL}, Kind.OTH, "the allowance", None)
 
     def __init__(self, key: str, phases: set, kind: Kind, words: str, when: str | None):
