@@ -709,7 +709,7 @@ GEMM_4BIT_LARGE_MAX_ROWS = 512
 #: addresses, which allocator.py does not know). With the
 #: replayed rests every phi-2 NF4 row is 1.00015x-1.00307x, 8.9-19.5 MB over (512x1 3.1 MB over under the H100's
 #: own gemm_4bit choice, none fused; the largest of every choice is charged, the card not known).
-NF4_SEQUENCE_TYPES = ("llama", "mistral", "qwen3", "phi3", "phi")
+NF4_SEQUENCE_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "phi")
 #: ...but not these at a batch over 1. None now: llama was, while SmolLM2 NF4 1024x4's capture was 24,425,984 B
 #: under that row's max_memory_allocated (6,339,354,624 B against 6,363,780,608), unnamed. The H100 trace of that
 #: row named it: autocast casts SDPA's fp32 q, k, v to bf16 right to left (its argument pack, as linear's: v's and
