@@ -19,7 +19,8 @@ equal at reduced widths).
 ``trace`` replays a real run's device history (bench/task_peak_anatomy.py --trace: torch's own requests, in torch's
 order) through the same allocator (issue395.measure.trace) and prints the model's allocated peak beside the run's
 max_memory_allocated (the JSON beside the trace), the rests at that peak, and the first event where the model's block
-or segment departs from torch's, if any; where the JSON names the adapter (--segments' segments_at), the rests its
+or segment departs from torch's, if any; on expandable segments (segment_map events) the whole pages the live blocks
+touch at that peak beside the run's measured page_need; where the JSON names the adapter (--segments' segments_at), the rests its
 adapter-shaped blocks over 1 MiB keep at that peak, split into the blocks made before the history (the parameters)
 and those cut in it, by the request last freed at each block's address (0: a segment's tail never freed).
 
@@ -874,6 +875,10 @@ def print_trace(path: Path) -> int:
                       "model_minus_real": None if real is None else r.peak - real,
                       "peak_event": r.peak_at, "rests_at_peak": r.rests_at_peak, "departures": len(r.divergences),
                       "first_departure": r.first, "end_blocks_differing": len(r.end_differs),
+                      **({} if r.pages_at_peak is None else {
+                          "model_pages_at_peak": r.pages_at_peak, "model_page_reserve": r.pages_at_peak - r.peak,
+                          "measured_page_need": json.loads(row.read_text(encoding="utf-8")).get("page_need")
+                          if row.is_file() else None}),
                       **adapter_rests(trace, r.peak_at, json.loads(row.read_text(encoding="utf-8"))
                                       if row.is_file() else {})}))
     return 0

@@ -40,14 +40,27 @@ issue395.constants'):
   here). Segments are returned only by a history's ``segment_free`` or the caller's ``empty_cache``
   (``release_block``, of a wholly free segment: ``empty_cache`` or an OOM's retry, never decided here).
 
-Expandable segments (``expandable=True``): every pool splits at 512 B, so a block is its rounded request and
-the allocated stat is exact whatever the layout; the layout is modelled as one segment per pool that grows at
-its end in pages (20 MiB large, 2 MiB small: constants.EXPANDABLE_PAGE_BYTES), a free block at the end
-taken first. That layout (where a block lands, the reserved bytes) is this module's approximation of torch's
-``find_expandable_block`` and ``map_block`` (the stream's segment's unmapped end, with the free block before it,
-mapped in whole pages), not a copy of them; the pages live blocks touch at a history's peak (``touched_pages``),
-replayed so from the requests of three committed runs, are within one 20 MiB page of the page need measured on
-the same arms under expandable segments (tests/estimator/test_allocator.py).
+Expandable segments (``expandable=True``), torch's rules: every pool splits at 512 B, so a block is its rounded
+request and the allocated stat is exact whatever the layout. Each pool and stream has a segment of address space
+(``ExpandableSegment``; far larger here than torch's 9/8 of the card, so it never runs out) mapped in pages, 20
+MiB large and 2 MiB small (constants.EXPANDABLE_PAGE_BYTES); unmapped space is a block of its own
+(``mapped = false``).
+- ``get_free_block``: ``auto expandable_size = [](Block* b) { return b->size + (b->next && !b->next->mapped ?
+  b->next->size : 0); };`` and from the best fit ``while (... expandable_size(*next) < expandable_size(*it)) it =
+  next++;``: a free block before unmapped space is passed over for the next one that fits.
+- ``alloc_block``: ``try_allocate_expandable_block(..., p.size(), ...)``: ``find_expandable_block`` takes the
+  stream's unmapped blocks by address (``pool->unmapped``, BlockComparatorAddress) and for each ``if
+  (allocatable(c->prev)) c = c->prev;`` and the first whose run of free blocks holds the request
+  (``has_available_address_space``); ``map_block`` maps whole pages from an unmapped block's start (``segmentLeft``,
+  ``segmentRight``), splits the unmapped rest off and ``try_merge_blocks`` with both neighbours (``dst->mapped !=
+  src->mapped`` never merges), recording ``SEGMENT_MAP``.
+- ``release_blocks`` (empty_cache): every free block of an expandable segment ``unmap_block``: its whole pages
+  unmapped (the partial pages at its ends stay mapped, free blocks of their own), recording ``SEGMENT_UNMAP``.
+The pages live blocks touch at a history's peak (``touched_pages``) are what a card cannot do without then. Checked:
+a committed expandable history (Phi-3-mini bf16 with checkpointing, H100) replays through it with every mapping at
+torch's address and its touched pages the measured page need to the byte (tests/measure/test_trace.py); three runs'
+requests recorded on the default allocator reach their measured page need to the byte on two and one page under on
+the third (tests/estimator/test_allocator.py).
 
 What it does not model: when a deferred free completes (the caller says: ``free_completed``), CUDA graphs'
 private pools,
@@ -66,6 +79,19 @@ from ..constants import (EXPANDABLE_PAGE_BYTES, K_LARGE_BUFFER, K_MIN_BLOCK_SIZE
                          K_ROUND_LARGE, K_SMALL_SIZE, block_bytes)
 
 K_SMALL_BUFFER = 2 * K_SMALL_SIZE  # the small pool's segment (kSmallBuffer)
+#: The address space one expandable segment reserves: torch's is 9/8 of the card's memory (ExpandableSegment's
+#: max_handles_); the card unknown, one far larger, so a segment never runs out of room here.
+EXPANDABLE_ADDRESS_SPACE = 1 << 44
+
+
+def _allocatable(b: Optional["Block"]) -> bool:
+    """find_expandable_block's ``allocatable``: free (mapped or not) and waiting on no free."""
+    return b is not None and not b.allocated and not b.pending
+
+
+def _growable(b: "Block") -> int:
+    """get_free_block's ``expandable_size``: a free block and the unmapped space right after it."""
+    return b.size + (b.next.size if b.next is not None and not b.next.mapped else 0)
 
 
 def allocation_size(size: int) -> int:
@@ -89,6 +115,7 @@ class Block:
     allocated: bool = False
     stream: int = 0
     pending: bool = False
+    mapped: bool = True  # expandable: whether pages back it (an unmapped block is a segment's free address space)
     prev: Optional["Block"] = field(default=None, repr=False)
     next: Optional["Block"] = field(default=None, repr=False)
 
@@ -103,12 +130,13 @@ class CachingAllocator:
     stat (block sizes) and that stat's maximum since the last ``reset_peak``; ``requested`` sums the rounded
     requests live (what an allocator history replays: a block leaves both at its free's request)."""
 
-    def __init__(self, expandable: bool = False):
+    def __init__(self, expandable: bool = False, address_space: int = EXPANDABLE_ADDRESS_SPACE):
         self.expandable = expandable
-        self._free: dict = {}  # per pool (small?, stream): sorted (size, addr, id, block)
-        self._tail: dict = {}  # expandable: each pool's segment's last block
+        self.address_space = address_space  # expandable: the bytes of address space one segment reserves
+        self._free: dict = {}  # per pool (small?, stream): sorted (size, addr, id, block), mapped blocks only
         self._end = 0  # the next segment's address
-        self.segments: list[Block] = []  # each segment's first block
+        self.segments: list[Block] = []  # each segment's first block (expandable: its address space's first)
+        self.mappings: list[tuple] = []  # expandable: ("segment_map" | "segment_unmap", addr, bytes), in order
         self.allocated = self.peak = self.requested = self.requested_peak = self.reserved = 0
 
     # -- the free lists (BlockComparatorSize: stream, then size, then address) --
@@ -128,14 +156,20 @@ class CachingAllocator:
         return lst, bisect.bisect_left(lst, (size, -1))
 
     def _best_fit(self, size: int, small: bool, stream: int) -> Optional[Block]:
+        """get_free_block; under expandable segments a free block is as large as it can grow (itself and the
+        unmapped space after it), so one before a segment's unmapped end is passed over for the next that fits."""
         lst, i = self._fit(size, small, stream)
-        return lst.pop(i)[3] if i < len(lst) else None
+        if i >= len(lst):
+            return None
+        while self.expandable and i + 1 < len(lst) and _growable(lst[i + 1][3]) < _growable(lst[i][3]):
+            i += 1
+        return lst.pop(i)[3]
 
     def _new_segment(self, size: int, small: bool, stream: int, at: Optional[int]) -> Block:
         """cudaMalloc of ``allocation_size`` at ``at`` (a history's address) or after every segment so far (or,
-        expandable, the pool's segment grown by whole pages)."""
+        expandable, pages mapped into the stream's segment: try_allocate_expandable_block)."""
         if self.expandable:
-            return self._grow(size, small, stream)
+            return self._expand(size, small, stream)
         seg = allocation_size(size)
         b = Block(self._end if at is None else at, seg, small, stream=stream)
         self._end = max(self._end, b.addr + seg)
@@ -143,26 +177,104 @@ class CachingAllocator:
         self.segments.append(b)
         return b
 
-    def _grow(self, size: int, small: bool, stream: int) -> Block:
-        page = EXPANDABLE_PAGE_BYTES["small" if small else "large"]
-        tail = self._tail.get((small, stream))
-        have = tail.size if tail is not None and not tail.allocated and not tail.pending else 0
-        more = -(-(size - have) // page) * page
-        self.reserved += more
-        if have:
-            self._remove(tail)
-            tail.size += more
-            return tail
-        # each pool's segment stands in its own address range, far past any other
+    # -- expandable segments (try_allocate_expandable_block, find_expandable_block, map_block, unmap_block) --
+    def _expand(self, size: int, small: bool, stream: int) -> Block:
+        """The lowest unmapped space with the free block before it that holds ``size`` bytes, mapped in whole
+        pages from the unmapped block's start (the free block before it merged in), out of the pool."""
+        c = self._expandable_at(size, small, stream)
+        if not c.mapped:
+            self._map(c, min(c.size, size))
+        while c.size < size:
+            nxt = c.next
+            self._map(nxt, min(size - c.size, nxt.size))
+            c = nxt
+        self._remove(c)
+        return c
+
+    def _expandable_at(self, size: int, small: bool, stream: int) -> Block:
+        """find_expandable_block: each unmapped block of the stream's pool by address, taken with the free block
+        before it, the first whose run of free blocks holds ``size``; else a new segment's address space."""
+        for head in self._heads(small, stream):
+            b = head
+            while b is not None:
+                if not b.mapped:
+                    c = b.prev if _allocatable(b.prev) else b
+                    run, x = 0, c
+                    while run < size and _allocatable(x):
+                        run, x = run + x.size, x.next
+                    if run >= size:
+                        return c
+                b = b.next
+        # each pool's segments stand in their own address range, far past any other
         base = ((1 << 60) if small else (1 << 59)) + (stream << 50)
-        addr = tail.addr + tail.size if tail is not None else base
-        b = Block(addr, more, small, stream=stream, prev=tail)
-        if tail is not None:
-            tail.next = b
-        else:
-            self.segments.append(b)
-        self._tail[small, stream] = b
+        base += sum(h.small == small and h.stream == stream for h in self.segments) * self.address_space
+        b = Block(base, self.address_space, small, stream=stream, mapped=False)
+        self.segments.append(b)
         return b
+
+    def _heads(self, small: bool, stream: int) -> list[Block]:
+        return sorted((h for h in self.segments if h.small == small and h.stream == stream), key=lambda h: h.addr)
+
+    def _head_of(self, b: Block) -> Block:
+        while b.prev is not None:
+            b = b.prev
+        return b
+
+    def _map(self, b: Block, size: int) -> None:
+        """map_block: whole pages from an unmapped block's start (page-aligned) covering ``size`` bytes, the
+        unmapped rest split off after them, merged with a free neighbour, into the pool."""
+        page = EXPANDABLE_PAGE_BYTES["small" if b.small else "large"]
+        n = -(-size // page) * page
+        b.mapped = True
+        if n < b.size:
+            self._link(Block(b.addr + n, b.size - n, b.small, stream=b.stream, mapped=False), b, b.next)
+            b.size = n
+        self.reserved += n
+        self.mappings.append(("segment_map", b.addr, n))
+        self._merge(b)
+        self._insert(b)
+
+    def _unmap(self, b: Block) -> Optional[tuple[int, int]]:
+        """unmap_block: the whole pages inside a free mapped block unmapped (the partial pages at either end
+        stay mapped, free blocks of their own), merged with unmapped neighbours; the range, or None where it
+        holds no whole page."""
+        page = EXPANDABLE_PAGE_BYTES["small" if b.small else "large"]
+        base = self._head_of(b).addr
+        lo = base + -(-(b.addr - base) // page) * page
+        hi = base + (b.addr + b.size - base) // page * page
+        if lo >= hi:
+            return None
+        self._remove(b)
+        end = b.addr + b.size
+        if lo > b.addr:
+            before = Block(b.addr, lo - b.addr, b.small, stream=b.stream)
+            self._link(before, b.prev, b)
+            self._insert(before)
+        if hi < end:
+            after = Block(hi, end - hi, b.small, stream=b.stream)
+            self._link(after, b, b.next)
+            self._insert(after)
+        b.addr, b.size, b.mapped = lo, hi - lo, False
+        self._merge(b)
+        self.reserved -= hi - lo
+        self.mappings.append(("segment_unmap", lo, hi - lo))
+        return lo, hi - lo
+
+    def unmap_at(self, addr: int) -> Optional[tuple[int, int]]:
+        """The free mapped block holding ``addr`` unmapped (a history's segment_unmap); its range, or None."""
+        b = next((x for x in self.blocks() if x.mapped and not x.allocated and not x.pending
+                  and x.addr <= addr < x.addr + x.size), None)
+        return None if b is None else self._unmap(b)
+
+    def _link(self, b: Block, prev: Optional[Block], nxt: Optional[Block]) -> None:
+        """``b`` spliced between ``prev`` and ``nxt`` (Block::splice), the segment's head where it has no prev."""
+        b.prev, b.next = prev, nxt
+        if prev is not None:
+            prev.next = b
+        if nxt is not None:
+            if nxt.prev is None:
+                self.segments[self.segments.index(nxt)] = b
+            nxt.prev = b
 
     def _should_split(self, b: Block, size: int) -> bool:
         remaining = b.size - size
@@ -187,8 +299,6 @@ class CachingAllocator:
             if b.next is not None:
                 b.next.prev = rest
             b.next, b.size = rest, size
-            if self._tail.get((small, stream)) is b:
-                self._tail[small, stream] = rest
             self._insert(rest)
         b.allocated, b.requested = True, requested
         self.allocated += b.size
@@ -214,9 +324,16 @@ class CachingAllocator:
         """``b`` back to its pool, merged with a free neighbour on either side (free_block, try_merge_blocks)."""
         assert b.pending, "a free completed that was never requested"
         b.pending = False
+        self._merge(b)
+        self._insert(b)
+
+    def _merge(self, b: Block) -> None:
+        """try_merge_blocks with ``b``'s prev and next: a neighbour free, waiting on no free, and mapped as
+        ``b`` is (a free mapped block never absorbs unmapped space) is absorbed."""
         for other in (b.prev, b.next):
-            if other is not None and not other.allocated and not other.pending:
-                self._remove(other)
+            if other is not None and not other.allocated and not other.pending and other.mapped == b.mapped:
+                if other.mapped:
+                    self._remove(other)
                 if other is b.prev:
                     b.addr, b.prev = other.addr, other.prev
                     if b.prev is not None:
@@ -227,10 +344,7 @@ class CachingAllocator:
                     b.next = other.next
                     if b.next is not None:
                         b.next.prev = b
-                    if self._tail.get((b.small, b.stream)) is other:
-                        self._tail[b.small, b.stream] = b
                 b.size += other.size
-        self._insert(b)
 
     @staticmethod
     def wholly_free(head: Block) -> bool:
@@ -243,21 +357,30 @@ class CachingAllocator:
         self._remove(head)
         self.segments.remove(head)
         self.reserved -= head.size
-        if self._tail.get((head.small, head.stream)) is head:  # an expandable pool's whole segment
-            del self._tail[head.small, head.stream]
 
     def empty_cache(self) -> None:
-        """torch.cuda.empty_cache: every wholly free segment released (release_cached_blocks), both pools."""
-        for head in [h for h in self.segments if self.wholly_free(h)]:
-            self.release(head)
+        """torch.cuda.empty_cache: every wholly free segment released (release_cached_blocks), both pools; under
+        expandable segments every free block's whole pages unmapped (release_blocks, unmap_block), and a segment
+        left wholly unmapped given up."""
+        if not self.expandable:
+            for head in [h for h in self.segments if self.wholly_free(h)]:
+                self.release(head)
+            return
+        for small in (False, True):  # release_cached_blocks: the large pool, then the small
+            for key in sorted(k for k in self._free if k[0] == small):
+                for *_, b in list(self._free[key]):
+                    self._unmap(b)
+        self.segments = [h for h in self.segments if h.mapped or h.next is not None]
 
-    def seed(self, addr: int, blocks: list[tuple], stream: int = 0) -> list[Block]:
+    def seed(self, addr: int, blocks: list[tuple], stream: int = 0, small: Optional[bool] = None) -> list[Block]:
         """A segment already there when a history began, at ``addr``: its ``blocks`` in address order as (size,
         request, state: "allocated", "pending" (its free requested, not completed) or "free"), counted in the
-        stats (the peak from there); its blocks returned. Only the small pool's segments are kSmallBuffer (a
-        large one is kLargeBuffer, or 10 MiB and more)."""
+        stats (the peak from there); its blocks returned. ``small`` None: only the small pool's segments are
+        kSmallBuffer (a large one is kLargeBuffer, or 10 MiB and more). Under expandable segments a segment is a
+        mapped range of its pool's address space (torch's snapshot reports each so), laid into the unmapped
+        space of the pool's segment holding it, or the first range of a new one."""
         out: list[Block] = []
-        small = sum(size for size, *_ in blocks) == K_SMALL_BUFFER
+        small = sum(size for size, *_ in blocks) == K_SMALL_BUFFER if small is None else small
         for size, requested, state in blocks:
             live = state == "allocated"
             b = Block(addr, size, small, requested if live else 0, live, stream, state == "pending",
@@ -271,11 +394,42 @@ class CachingAllocator:
                 self.requested += block_bytes(requested)
             elif state == "free":
                 self._insert(b)
-        self.segments.append(out[0])
+        if self.expandable:
+            self._lay(out, small, stream)
+        else:
+            self.segments.append(out[0])
         self._end = max(self._end, addr)
         self.reserved += addr - out[0].addr
         self.reset_peak()
         return out
+
+    def _lay(self, run: list[Block], small: bool, stream: int) -> None:
+        """A seeded mapped range spliced into the unmapped block of its pool's segment that holds it (the
+        unmapped space before and after it kept), or made the first range of a new segment."""
+        start, end = run[0].addr, run[-1].addr + run[-1].size
+        u = next((b for h in self._heads(small, stream) for b in _chain(h)
+                  if not b.mapped and b.addr <= start and end <= b.addr + b.size), None)
+        if u is None:
+            self.segments.append(run[0])
+            self._link(Block(end, self.address_space - (end - start), small, stream=stream, mapped=False),
+                       run[-1], None)
+            return
+        prev, nxt = u.prev, u.next
+        if end < u.addr + u.size:
+            nxt = Block(end, u.addr + u.size - end, small, stream=stream, mapped=False, next=nxt)
+            if u.next is not None:
+                u.next.prev = nxt
+        run[-1].next = nxt
+        if nxt is not None:
+            nxt.prev = run[-1]
+        if start > u.addr:  # the unmapped space before the range stays, shortened
+            u.size, u.next, run[0].prev = start - u.addr, run[0], u
+            return
+        run[0].prev = prev
+        if prev is not None:
+            prev.next = run[0]
+        else:
+            self.segments[self.segments.index(u)] = run[0]
 
     def reset_peak(self) -> None:
         """torch.cuda.reset_peak_memory_stats: each peak from what is live now."""
@@ -302,14 +456,16 @@ class CachingAllocator:
         return [b for b in self.blocks() if b.allocated]
 
     def blocks(self) -> list[Block]:
-        """Every block, segment by segment, in address order."""
-        out = []
-        for head in self.segments:
-            b = head
-            while b is not None:
-                out.append(b)
-                b = b.next
-        return out
+        """Every block, segment by segment, in address order (expandable: unmapped space too)."""
+        return [b for head in self.segments for b in _chain(head)]
+
+
+def _chain(head: Block) -> Iterator[Block]:
+    """A segment's blocks from ``head``, in address order."""
+    b: Optional[Block] = head
+    while b is not None:
+        yield b
+        b = b.next
 
 
 def replaying(events: Iterable[tuple], alloc: Optional[CachingAllocator] = None) -> Iterator[tuple]:

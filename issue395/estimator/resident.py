@@ -10,10 +10,10 @@ every block of the step is whole 2 MiB (``whole_granules``). Where the task's tr
 dropout mask is charged, by the streamed step's own rule (layer.mask_bytes), in each count and its blocks' rounding.
 
 Measured (tests/estimator/test_resident.py), on the 187 committed arms of these families it models, bf16 and NF4
-(results/resident-map-*): never under, median 1.0008x (1.0009x before batched NF4 llama and phi-2 NF4 were
-replayed); with checkpointing 1.0001x-1.0029x, without it 1.0000x-1.0166x, median 1.0011x (the widest: SmolLM2
-NF4 512x1 1.0166x, replayed under every gemm_4bit choice, its H200's own 1.0042x; then the bounded rows, up to
-1.0129x: 47, median 1.0043x).
+(results/resident-map-*): never under, median 1.0007x (1.0008x before qwen2 NF4 was replayed, 1.0009x before
+batched NF4 llama and phi-2 NF4 were); with checkpointing 1.0001x-1.0029x, without it 1.0000x-1.0166x, median
+1.0008x (the widest: SmolLM2 NF4 512x1 1.0166x, replayed under every gemm_4bit choice, its H200's own 1.0042x;
+then the bounded rows, up to 1.0129x: 41, median 1.0012x).
 Where the retained blocks' rests are replayed
 (estimator/sequence.py: SmolLM2, Qwen2.5, Llama-3.2-1B, Llama-3.1-8B, Qwen3-0.6B, Mistral-7B, SFT bf16 without
 checkpointing, 39 rows) 1.0001x-1.0049x, median 1.0007x (the larger replay of the two default cuBLAS workspaces,
@@ -27,7 +27,8 @@ four weights, each of 4 Mi elements or more, dequantise on every card, so the on
 Qwen3-0.6B 512x1 and 1024x1 1.0077x and 1.0021x, bounded 1.0169x and 1.0192x; SmolLM2 512x1 1.0166x, where the
 bound charged less, 1.0114x, its H200's own choice replayed 1.0042x); phi-2 bf16 replayed
 1.0000x-1.0007x (bounded 1.0023x-1.0204x), its NF4 replayed 1.0002x-1.0031x (bounded 1.0056x-1.0250x: peft's
-empty_cache after the load, which its H100 trace named, sequence.NF4_SEQUENCE_TYPES); Phi-3-mini bf16 (qkv_proj)
+empty_cache after the load, which its H100 trace named, sequence.NF4_SEQUENCE_TYPES); Qwen2.5-0.5B NF4 replayed
+1.0001x-1.0023x (bounded 1.0041x-1.0110x: its forward the H100 trace's request for request); Phi-3-mini bf16 (qkv_proj)
 replayed 1.0001x-1.0007x (bounded 1.0003x-1.0157x);
 Moonlight bf16 1.0023x-1.0048x, its layers' count measured on CPU: layer.latent_retained. Layers of several kinds (issue395.estimator.moe) hold each its own kind's tensors
 (``kinds_weights``: Moonlight's dense layer 0 and MoE layers of 64 fused experts, Qwen3.5's delta-net and
@@ -50,7 +51,7 @@ Known limitations
       (llama, mistral, qwen2, qwen3) and phi's parallel layer, SFT bf16 with the protocol's targets (q_proj,
       v_proj; on the llama-type decoder any of its linears with q_proj, k_proj or v_proj among them, held out:
       sequence.checked_targets), LoRA dropout on or off,
-      and NF4 on llama, mistral, qwen3, phi3 and phi (Phi-3's fused qkv_proj its target; bitsandbytes' gemm_4bit
+      and NF4 on llama, mistral, qwen2, qwen3, phi3 and phi (Phi-3's fused qkv_proj its target; bitsandbytes' gemm_4bit
       dequantises past 1,536 tokens, and at 1,536 or fewer chooses per card and weight shape between that and its
       fused kernel: every choice replayed, the largest charged, sequence.gemm_choices; the capture runs
       bitsandbytes' own Python on the meta device, request for request at 2048x1-4096x1, and at 512x1 and 1024x1
@@ -58,9 +59,8 @@ Known limitations
       the request sequence was the one bench/allocator_replay.py captures from the real model on the meta device,
       request for request, on all six such families at 512x1-4096x1 (its rests the capture's at every point but
       SmolLM2 1024x1, 0.5 MB over: a block the capture frees before its peak), and the NF4 forward is the H100
-      traces' request for request (SmolLM2 1024x4, phi-2 512x1: bench/task_peak_anatomy.py --trace). Everywhere else
-      (qwen2 NF4, which with the replayed rests was 562,016 B under at 2048x4, a shortfall outside the rests; Gemma,
-      Gemma-2, the layered families; other
+      traces' request for request (SmolLM2 1024x4, phi-2 512x1, Qwen2.5-0.5B 1024x4: bench/task_peak_anatomy.py
+      --trace). Everywhere else (Gemma, Gemma-2, the layered families; other
       targets; the preference tasks) a block of the step or of the weights that is not whole 2 MiB has its
       retained blocks' rounding bounded, not replayed: each 1-10 MiB block class is
       cut from 20 MiB segments whose last block keeps a rest of at most 1 MiB (1 MiB a segment), and each block

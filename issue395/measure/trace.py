@@ -8,14 +8,21 @@ Torch's actions (CUDACachingAllocator.cpp ``record_trace``): ``alloc`` carries t
 what ``requested_size`` keeps), ``free_requested`` and ``free_completed`` the block's ``requested_size``
 (the two halves of a free: the allocated stat drops at the first, the block rejoins its pool at the
 second), ``segment_alloc`` the cudaMalloc'd segment (recorded in ``alloc_block``, before the ``alloc``
-it serves), ``segment_free`` a segment released; ``snapshot`` and ``oom`` change nothing. An expandable
-segment's ``segment_map``/``segment_unmap`` are refused: estimator.allocator lays expandable segments out
-its own way, not at torch's addresses.
+it serves), ``segment_free`` a segment released; ``snapshot`` and ``oom`` change nothing. Under expandable
+segments (a history with ``segment_map`` or ``segment_unmap``, or a start segment marked ``is_expandable``):
+``segment_map`` the pages ``map_block`` mapped for the ``alloc`` after it (recorded before it, as
+``segment_alloc`` is), ``segment_unmap`` the whole pages ``unmap_block`` gave back from a free block
+(``release_cached_blocks``: empty_cache, or an OOM's retry); the model maps and unmaps by torch's rules
+(estimator.allocator) and each of its mappings is checked against torch's.
 
 The state before the history: ``save_trace``'s ``start_segments`` is read before the measured window's
 ``empty_cache`` (issue395.measure.cuda.peak_window), which releases every wholly free segment with no
 event recorded, so those are left out; every other block is seeded as it stood (allocated with its
-request, free in its stream's pool, or waiting on its free).
+request, free in its stream's pool, or waiting on its free). Under expandable segments each start segment is
+one mapped range of its pool's address space (a snapshot reports each so), the whole pages of its free blocks
+unmapped by that empty_cache (no event recorded either); a range is the small pool's where its snapshot says
+so (``segment_type``) or, unsaid, where no block in use in it is over 1 MiB (a large-pool block is its request,
+over 1 MiB, under expandable segments).
 """
 
 from __future__ import annotations
@@ -23,28 +30,47 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional
 
-from ..constants import block_bytes
+from ..constants import K_SMALL_SIZE, block_bytes
 from ..estimator.allocator import Block, CachingAllocator, allocation_size
 
 #: what a snapshot's block state means to the model
 _STATES = {"active_allocated": "allocated", "active_pending_free": "pending", "inactive": "free"}
 _QUIET = {"snapshot", "oom"}
+_MAPPING = {"segment_map", "segment_unmap"}
 
 
-def seeded(start_segments: list[dict]) -> tuple[CachingAllocator, dict[int, Block]]:
+def is_expandable(trace: dict[str, Any]) -> bool:
+    """Whether ``trace`` ran on expandable segments: a mapping event in it, or a start segment so marked."""
+    return (any(row[0] in _MAPPING for row in trace.get("events") or [])
+            or any(s.get("is_expandable") for s in trace.get("start_segments") or []))
+
+
+def seeded(start_segments: list[dict], expandable: bool = False) -> tuple[CachingAllocator, dict[int, Block]]:
     """The allocator as the history found it: every segment of ``start_segments`` that holds a block still in
-    use, at its address, on its stream; the blocks in use by address (what the history's frees name)."""
-    alloc = CachingAllocator()
+    use, at its address, on its stream (``expandable``: every mapped range, then the window's empty_cache's
+    unmapping); the blocks in use by address (what the history's frees name)."""
+    alloc = CachingAllocator(expandable)
     held: dict[int, Block] = {}
     for seg in sorted(start_segments, key=lambda s: int(s["address"])):
         blocks = sorted(seg.get("blocks") or [], key=lambda b: int(b["address"]))
-        if all(b.get("state") == "inactive" for b in blocks):
+        if not expandable and all(b.get("state") == "inactive" for b in blocks):
             continue  # released by the window's empty_cache before recording began
         states = [_STATES.get(b.get("state"), "free") for b in blocks]
         made = alloc.seed(int(seg["address"]), [(int(b["size"]), int(b.get("requested_size") or 0), st)
-                                                for b, st in zip(blocks, states)], int(seg.get("stream") or 0))
+                                                for b, st in zip(blocks, states)], int(seg.get("stream") or 0),
+                          _small(seg, blocks, states) if expandable else None)
         held.update((b.addr, b) for b, st in zip(made, states) if st != "free")
+    if expandable:
+        alloc.empty_cache()
+        alloc.mappings.clear()
     return alloc, held
+
+
+def _small(seg: dict, blocks: list[dict], states: list[str]) -> bool:
+    """Whether an expandable start segment is the small pool's (its snapshot's segment_type, else its blocks)."""
+    if seg.get("segment_type"):
+        return seg["segment_type"] == "small"
+    return all(int(b["size"]) <= K_SMALL_SIZE for b, st in zip(blocks, states) if st != "free")
 
 
 @dataclass
@@ -65,17 +91,27 @@ def replaying_trace(trace: dict[str, Any]) -> Iterator[Event]:
     cudaMalloc returned where both cudaMalloc a segment; a free names the block torch allocated at that address
     (so the replay goes on past a departure). A free of an address never allocated, or a mapping event, is an
     error (ValueError)."""
-    alloc, held = seeded(trace.get("start_segments") or [])
+    alloc, held = seeded(trace.get("start_segments") or [], is_expandable(trace))
     segment: Optional[tuple[int, int]] = None  # the cudaMalloc torch recorded for the next alloc
+    mapped: list[tuple] = []  # the pages torch mapped for the next alloc
     for i, row in enumerate(trace.get("events") or []):
         action, addr, size = row[0], int(row[1] or 0), int(row[2] or 0)
         stream = int(row[3] or 0) if len(row) > 3 else 0
         block, why = None, None
         if action == "segment_alloc":
             segment = (addr, size)
+        elif action == "segment_map" and alloc.expandable:
+            mapped.append(("segment_map", addr, size))
+        elif action == "alloc" and alloc.expandable:
+            block, why = _alloc_expandable(alloc, size, stream, addr, mapped)
+            held[addr], mapped = block, []
         elif action == "alloc":
             block, why = _alloc(alloc, size, stream, addr, segment)
             held[addr], segment = block, None
+        elif action == "segment_unmap" and alloc.expandable:
+            got = alloc.unmap_at(addr)
+            if got != (addr, size):
+                why = f"torch unmapped {size:,} B at {addr:#x}, the model {got}"
         elif action in ("free_requested", "free", "free_completed"):
             block = held.get(addr)
             if block is None:
@@ -108,6 +144,20 @@ def _alloc(alloc: CachingAllocator, size: int, stream: int, addr: int,
     return block, why
 
 
+def _alloc_expandable(alloc: CachingAllocator, size: int, stream: int, addr: int,
+                      mapped: list[tuple]) -> tuple[Block, Optional[str]]:
+    """One alloc replayed under expandable segments, and where the model departs from torch on it: the pages
+    it mapped for it, or the block's address."""
+    before = len(alloc.mappings)
+    block = alloc.malloc(size, stream)
+    made = alloc.mappings[before:]
+    if made != mapped:
+        return block, f"for {size:,} B torch mapped {mapped}, the model {made}"
+    if block.addr != addr:
+        return block, f"{size:,} B at {addr:#x} in torch, at {block.addr:#x} in the model"
+    return block, None
+
+
 def _release(alloc: CachingAllocator, addr: int, size: int) -> Optional[str]:
     head = next((s for s in alloc.segments if s.addr == addr), None)
     if head is None or not alloc.wholly_free(head) or head.size != size:
@@ -120,7 +170,9 @@ def _release(alloc: CachingAllocator, addr: int, size: int) -> Optional[str]:
 class TraceReplay:
     """A whole history replayed: the model at its end, its peak (the allocated stat's maximum, from the
     seeded state) with its event and the rests past the rounded requests then, the requests' peak, each
-    departure (index, action, why) and the end's blocks where the model's and torch's differ."""
+    departure (index, action, why) and the end's blocks where the model's and torch's differ; under expandable
+    segments the bytes of the whole pages the live blocks touch at the peak (measure.cuda.page_need's
+    ``pages``), else None."""
 
     alloc: CachingAllocator
     peak: int
@@ -129,6 +181,7 @@ class TraceReplay:
     requested_at_peak: int
     divergences: list[tuple[int, str, str]] = field(default_factory=list)
     end_differs: list[str] = field(default_factory=list)
+    pages_at_peak: Optional[int] = None
 
     @property
     def first(self) -> Optional[tuple[int, str, str]]:
@@ -138,7 +191,7 @@ class TraceReplay:
 def replay_trace(trace: dict[str, Any]) -> TraceReplay:
     """``trace`` replayed to its end (replaying_trace), its peak and every departure from torch."""
     alloc = None
-    best, at, rests, requested, diverged = -1, -1, 0, 0, []
+    best, at, rests, requested, diverged, pages = -1, -1, 0, 0, [], None
     for ev in replaying_trace(trace):
         alloc = ev.alloc
         if ev.diverged:
@@ -146,11 +199,13 @@ def replay_trace(trace: dict[str, Any]) -> TraceReplay:
         if alloc.allocated > best:
             best, at = alloc.allocated, ev.index
             rests, requested = alloc.allocated - alloc.requested, alloc.requested
+            pages = alloc.touched_pages() if alloc.expandable else None
     if alloc is None:
-        alloc, _ = seeded(trace.get("start_segments") or [])
+        alloc, _ = seeded(trace.get("start_segments") or [], is_expandable(trace))
     if best < alloc.peak:  # no event rose above the seeded state
         best, rests, requested = alloc.peak, alloc.allocated - alloc.requested, alloc.requested
-    return TraceReplay(alloc, best, at, rests, requested, diverged, end_differs(alloc, trace.get("end_segments")))
+    return TraceReplay(alloc, best, at, rests, requested, diverged, end_differs(alloc, trace.get("end_segments")),
+                       pages)
 
 
 def end_differs(alloc: CachingAllocator, end_segments: Optional[list[dict]]) -> list[str]:
@@ -160,7 +215,7 @@ def end_differs(alloc: CachingAllocator, end_segments: Optional[list[dict]]) -> 
         return []
     real = {(int(b["address"]), int(b["size"]), b.get("state") != "inactive")
             for s in end_segments for b in s.get("blocks") or []}
-    model = {(b.addr, b.size, b.allocated or b.pending) for b in alloc.blocks()}
+    model = {(b.addr, b.size, b.allocated or b.pending) for b in alloc.blocks() if b.mapped}
     return [f"{'torch' if k in real else 'model'} only: {k[1]:,} B at {k[0]:#x} "
             f"{'in use' if k[2] else 'free'}" for k in sorted(real ^ model)]
 

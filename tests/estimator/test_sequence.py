@@ -210,15 +210,15 @@ def test_a_weight_of_4_mi_elements_or_more_is_dequantised_on_every_card_past_512
 
 
 def test_nf4_is_replayed_at_any_length_on_its_checked_types():
-    """Issue 51 item 3: NF4 is replayed at any token count on llama, mistral, qwen3, phi3 and phi (at 1,536 tokens
-    or fewer the largest of every gemm_4bit choice); qwen2 NF4 keeps the bound (sequence.NF4_SEQUENCE_TYPES); bf16
+    """Issue 51 item 3: NF4 is replayed at any token count on llama, mistral, qwen2, qwen3, phi3 and phi (at 1,536
+    tokens or fewer the largest of every gemm_4bit choice; qwen2's since its forward is the H100 trace's); bf16
     is replayed at any length, phi-2's too (its partial rotary captured), and its NF4 since its forward is the H100
     trace's request for request; Phi-3's NF4 with its protocol target, qkv_proj."""
     llama, qwen = arch_from_config(config_json("llama32-1b")), arch_from_config(config_json("qwen"))
     t = ("q_proj", "v_proj")
     kw = dict(transformers=sequence.SEQUENCE_TRANSFORMERS, environ={})
     assert sequence.replayed(llama, "nf4", t, "sft", **kw)
-    assert not sequence.replayed(qwen, "nf4", t, "sft", **kw)
+    assert sequence.replayed(qwen, "nf4", t, "sft", **kw)
     assert sequence.replayed(qwen, "none", t, "sft", **kw)
     phi3 = arch_from_config(config_json("phi3-mini"))
     assert sequence.replayed(phi3, "nf4", ("qkv_proj",), "sft", **kw)
@@ -235,8 +235,8 @@ def test_batched_nf4_is_replayed_on_every_nf4_type_llama_too():
     kw = dict(transformers=sequence.SEQUENCE_TRANSFORMERS, environ={})
     t = ("q_proj", "v_proj")
     assert sequence.NF4_BATCHED_HELD_BACK == ()
-    for key, targets in (("llama32-1b", t), ("smol", t), ("mistral-7b", t), ("qwen3-0.6b", t), ("phi-2", t),
-                         ("phi3-mini", ("qkv_proj",))):
+    for key, targets in (("llama32-1b", t), ("smol", t), ("qwen", t), ("mistral-7b", t), ("qwen3-0.6b", t),
+                         ("phi-2", t), ("phi3-mini", ("qkv_proj",))):
         a = arch_from_config(config_json(key))
         assert all(sequence.replayed(a, "nf4", targets, "sft", batch=b, **kw) for b in (1, 4)), key
 
@@ -266,17 +266,19 @@ def h100_trace_requests(path) -> tuple[list, list]:
 
 @pytest.mark.parametrize("key,seq,batch,path", [
     ("smol", 1024, 4, "resident-anatomy-smol-moonlight-h100-soup0.77.0-927f7a2/res-sft-smol-nf4-1024x4"),
-    ("phi-2", 512, 1, "anatomy-and-segments52-h100-soup0.77.0-96b7b97/res-sft-phi2-nf4-512x1")])
+    ("phi-2", 512, 1, "anatomy-and-segments52-h100-soup0.77.0-96b7b97/res-sft-phi2-nf4-512x1"),
+    ("qwen", 1024, 4, "resident-traces-qwen-nf4-phi3-gc-h100-soup0.77.0-1a0b582/res-sft-qwen-nf4-1024x4")])
 def test_the_nf4_forward_is_the_h100_traces_request_for_request(key, seq, batch, path):
     """Issue 51 item 3: the synthetic NF4 forward (sequence.forward_nf4, from the embedding to the head's casts) is
     the real step's on an H100, every request over 1 MiB and every free of one, in torch's own order
     (bench/task_peak_anatomy.py --trace, whose model peak is the row's max_memory_allocated exactly): SmolLM2 NF4
     1024x4 (3,222 events; its SDPA casts v, k, then q, autocast's argument pack right to left, where q first had
     put each layer's dropout masks in other blocks) and phi-2 NF4 512x1 (3,820; gemm_4bit's H100 choice there:
-    none fused). SmolLM2's load leaves the large segments the trace starts from (peft's empty_cache after its fp32
-    casts released the warmup's, wholly free: the capture 24.4 MB under that row before, 1.3 MB over now); phi-2's
-    does not, by the warmup's 2 MiB (transformers' caching_allocator_warmup takes the process's reserved but
-    unused bytes off its block: a process's history, not the model's)."""
+    none fused) and Qwen2.5-0.5B NF4 1024x4 (2,388; q/k/v with their biases, which made qwen2 NF4 replayed). SmolLM2's
+    load leaves the large segments the trace starts from (peft's empty_cache after its fp32 casts released the
+    warmup's, wholly free: the capture 24.4 MB under that row before, 1.3 MB over now); phi-2's and Qwen's do not, by
+    the warmup's 2 MiB (transformers' caching_allocator_warmup takes the process's reserved but unused bytes off its
+    block: a process's history, not the model's)."""
     a = arch_from_config(config_json(key))
     targets = protocol_targets(a)
     real, start = h100_trace_requests(ROOT / "results" / f"{path}.trace.json.gz")
@@ -285,7 +287,7 @@ def test_the_nf4_forward_is_the_h100_traces_request_for_request(key, seq, batch,
     loaded, segments = len(q.trace), used_segments(q.alloc)
     sequence.forward_nf4(q, a, seq * batch, seq, (targets, 8, True))
     forward = q.trace[loaded:]
-    assert len(forward) > 3000 and forward == real[:len(forward)], next(
+    assert len(forward) > 2000 and forward == real[:len(forward)], next(
         i for i, (x, y) in enumerate(zip(forward, real)) if x != y)
     assert (segments == start) is (key == "smol"), (segments, start)
 
@@ -333,7 +335,6 @@ def test_the_replay_serves_only_the_default_allocator_and_workspaces_it_was_chec
 
 
 @pytest.mark.parametrize("key,quant,targets,task,transformers", [
-    ("qwen", "nf4", ("q_proj", "v_proj"), "sft", "5.16.1"),  # qwen2 NF4: a shortfall outside the rests
     ("llama32-1b", "none", ("q_proj", "v_proj"), "dpo", "5.16.1"),
     ("llama32-1b", "none", ("q_proj", "v_proj"), "kto", "5.16.1"),
     ("gemma-2b", "none", ("q_proj", "v_proj"), "sft", "5.16.1"),
@@ -348,7 +349,7 @@ def test_the_replay_serves_only_the_default_allocator_and_workspaces_it_was_chec
     ("llama32-1b", "none", ("q_proj", "v_proj"), "sft", "not installed")])
 def test_every_run_the_sequence_was_not_checked_on_keeps_the_bound(key, quant, targets, task, transformers):
     """Review item 8: sequence.replayed holds only what the captures checked (llama-type SFT q,v; bf16, or NF4
-    on llama, mistral, qwen3, and phi3 with qkv_proj; transformers 5.16.1; the default allocator): qwen2 NF4, the
+    on llama, mistral, qwen2, qwen3, and phi3 with qkv_proj; transformers 5.16.1; the default allocator): the
     other tasks, Gemma, Gemma-2, Phi-3 on other targets than qkv_proj, phi-2 bf16 on other targets,
     other targets (issue 51 item 3: bf16 on the plain llama-type decoder without q_proj, k_proj or v_proj; NF4 off
     the protocol's), another transformers keep the bound."""

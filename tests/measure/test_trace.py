@@ -14,6 +14,8 @@ MiB = 2**20
 BASE = 1 << 40
 PHI2_NF4 = Path(__file__).resolve().parents[2] / "results/anatomy-and-segments52-h100-soup0.77.0-96b7b97/" \
     "res-sft-phi2-nf4-512x1"
+PHI3_GC = PHI2_NF4.parents[1] / "resident-traces-qwen-nf4-phi3-gc-h100-soup0.77.0-1a0b582/" \
+    "res-sft-phi3-bf16-gc-2048x1-exp"
 
 
 def start(*blocks):
@@ -67,10 +69,57 @@ def test_a_wholly_free_start_segment_is_left_out_as_the_window_s_empty_cache_rel
     assert r.divergences == [] and r.alloc.reserved == 20 * MiB
 
 
-@pytest.mark.parametrize("row", [["free_requested", BASE + 7, 512, 0], ["segment_map", BASE, 2 * MiB, 0]])
-def test_a_free_never_allocated_or_an_expandable_mapping_is_refused(row):
-    with pytest.raises(ValueError):
-        replay_trace({"start_segments": [], "events": [row]})
+@pytest.mark.parametrize("row", [["free_requested", BASE + 7, 512, 0], ["segment_unmap", BASE, 2 * MiB, 0]])
+def test_a_free_never_allocated_or_an_unmapping_torch_did_not_do_is_refused_or_named(row):
+    """A free of an address never allocated is an error; an unmapping of pages the model holds no free block over
+    is a departure named at its event."""
+    if row[0] == "free_requested":
+        with pytest.raises(ValueError):
+            replay_trace({"start_segments": [], "events": [row]})
+    else:
+        assert "unmapped" in replay_trace({"start_segments": [], "events": [row]}).first[2]
+
+
+def test_an_expandable_history_replays_torch_s_mappings_best_fit_and_touched_pages():
+    """Issue 51 item 4, torch's expandable segments (CUDACachingAllocator.cpp, derived by hand): a mapped range of 3
+    pages (60 MiB) holding X 10 MiB, a free 12 MiB, Y 8 MiB, a free 30 MiB; the window's empty_cache unmaps the last
+    page (wholly free; no event). A 10 MiB request then takes the 12 MiB block, not the 10 MiB one before the
+    unmapped page (get_free_block's expandable_size: that one can grow); 25 MiB fits no free block, so map_block maps
+    one page after the free 10 MiB it merges with (segment_map) and the request sits at 30 MiB: the peak, 53 MiB
+    live over all three pages. Every block but it freed, the first page is wholly free: empty_cache unmaps it
+    (segment_unmap), and a 15 MiB request maps it again (find_expandable_block: the lowest unmapped space with
+    the free block after it) rather than grow the segment's end."""
+    seg = start((10 * MiB, 10 * MiB, "active_allocated"), (12 * MiB, 0, "inactive"),
+                (8 * MiB, 8 * MiB, "active_allocated"), (30 * MiB, 0, "inactive"))
+    trace = {"start_segments": [{**seg[0], "is_expandable": True}],
+             "events": [["alloc", BASE + 10 * MiB, 10 * MiB, 0],
+                        ["segment_map", BASE + 40 * MiB, 20 * MiB, 0], ["alloc", BASE + 30 * MiB, 25 * MiB, 0],
+                        *[[a, x, n, 0] for x, n in ((BASE + 22 * MiB, 8 * MiB), (BASE, 10 * MiB),
+                                                    (BASE + 10 * MiB, 10 * MiB))
+                          for a in ("free_requested", "free_completed")],
+                        ["segment_unmap", BASE, 20 * MiB, 0],
+                        ["segment_map", BASE, 20 * MiB, 0], ["alloc", BASE, 15 * MiB, 0]]}
+    r = replay_trace(trace)
+    assert r.divergences == [] and r.peak == 53 * MiB and r.pages_at_peak == 60 * MiB
+    assert r.alloc.reserved == 60 * MiB and r.alloc.allocated == 40 * MiB
+    wrong = {**trace, "events": trace["events"][:1] + [["segment_map", BASE + 40 * MiB, 40 * MiB, 0]]
+             + trace["events"][2:3]}
+    assert "mapped" in replay_trace(wrong).first[2]
+
+
+def test_the_committed_expandable_phi_3_checkpointed_history_replays_to_its_measured_page_need():
+    """Issue 51 item 4: the H100 run of Phi-3-mini bf16 SFT with gradient checkpointing, 2048x1, 2 steps, on
+    expandable segments (48,306 events, 104 segment_map) replayed from its real requests: every alloc and every
+    mapping at torch's address, the end's blocks torch's, the allocated peak max_memory_allocated exactly, and the
+    whole pages the live blocks touch there the page need measure.cuda.page_need read off the same history
+    (9,139,388,416 B: 95,991,296 B over the allocated peak, in step 2's loss)."""
+    path = PHI3_GC
+    trace = json.loads(gzip.open(f"{path}.trace.json.gz", "rt").read())
+    row = json.loads(Path(f"{path}.json").read_text())
+    r = replay_trace(trace)
+    assert r.divergences == [] and r.end_differs == []
+    assert r.peak == row["real_peak"] == row["page_need"]["allocated"]
+    assert r.pages_at_peak == row["page_need"]["pages"] and r.pages_at_peak - r.peak == row["page_need"]["reserve"]
 
 
 def test_the_committed_phi_2_nf4_history_replays_to_its_real_peak_block_for_block():
