@@ -354,26 +354,6 @@ def test_task_peak_anatomy_takes_segments_and_says_it_records_nothing_without_cu
     assert A.parse(["--task", "sft", "--base", "none", "--seq", "64"]).segments is False
 
 
-def test_the_segments_device_call_runs_the_fit4_anatomy_arms_as_they_ran_with_segments():
-    """bench/gpu-next.sh segments52 (issue 52 item 1): each arm it still runs is a committed fit4 anatomy arm with the
-    same arguments as results/fit4-*/call-1-2/commands.txt records, plus --segments and --trace, and each parses
-    here (the arms that ran left the file: results/*segments52*-h100-*)."""
-    import re
-
-    commands = (ROOT / "results" / "fit4-anatomy-findmax-h200-soup0.77.0-2de65db-and-f2319d3" / "call-1-2"
-                / "commands.txt").read_text()
-    ran = {m.group(2): m.group(1).split() for m in re.finditer(
-        r"task_peak_anatomy\.py --base \S+ (.*) --work \S+ --json /tmp/results/anatomy-(\S+)\.json", commands)}
-    body = (ROOT / "bench" / "gpu-next.sh").read_text().split("\nsegments52() {", 1)[1].split("\n}\n", 1)[0]
-    arms = re.findall(r"^\s*anatomy seg (\S+) \S+ (.*)$", body, re.MULTILINE)
-    assert arms and {t for t, _ in arms} <= set(ran)
-    A = load("task_peak_anatomy")
-    for tag, args in arms:
-        words = args.split()
-        assert words == ran[tag] + ["--segments", "--trace", f'"$R/seg-{tag}.trace.json.gz"'], tag
-        assert A.parse(["--base", "x"] + words[:-1] + [str(ROOT / "t.gz")]).segments  # $R: the box's folder
-
-
 def test_the_trace_written_for_a_synthetic_sequence_is_the_device_historys_events_in_order(tmp_path):
     """Issue 52 item 1: --trace writes the longest device trace's events, in order, as [action, addr, size, stream]
     (frames dropped), so a committed call can be replayed through estimator.allocator on CPU. The snapshot is a
@@ -397,26 +377,6 @@ def test_the_trace_written_for_a_synthetic_sequence_is_the_device_historys_event
             ["segment_alloc", 0, 2 << 20, 0], ["alloc", 0, 1000, 7], ["free_requested", 0, 1000, 7]]}
     with pytest.raises(SystemExit):  # a path whose folder is missing is refused before anything runs
         A.parse(["--task", "sft", "--base", "x", "--seq", "64", "--trace", str(tmp_path / "no" / "t.gz")])
-
-
-def test_the_resident_anatomy_call_trains_each_familys_own_lora_targets_resident():
-    """bench/gpu-next.sh resident-anatomy (issue 51 item 3): each arm is resident and names the LoRA targets its
-    family's committed resident rows trained (the registry shape's), so peft finds them (Phi-3's fused qkv_proj,
-    Moonlight's q_proj and kv_b_proj: task_peak_anatomy's default q_proj,v_proj exists in neither), and each
-    parses here."""
-    import re
-
-    from issue395.measure.shapes import family_shape
-
-    body = (ROOT / "bench" / "gpu-next.sh").read_text().split("\nresident_anatomy() {", 1)[1].split("\n}\n", 1)[0]
-    arms = re.findall(r"^\s*anatomy res (\S+) (\S+) (.*)$", body.replace("\\\n", " "), re.MULTILINE)
-    assert arms
-    A = load("task_peak_anatomy")
-    for tag, fam, args in arms:
-        args = re.sub(r'"\$R/([^"]+)"', lambda m: str(ROOT / m.group(1)), args)  # $R: the box's results folder
-        a = A.parse(["--base", "x"] + args.split())
-        assert tuple(a.targets.split(",")) == family_shape(fam).targets, tag
-        assert "stream_layers=false" in args.split(), tag
 
 
 def test_a_run_that_died_under_soup_train_card_keeps_torchs_out_of_memory_figures():
