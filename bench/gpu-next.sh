@@ -14,15 +14,13 @@
 # each search stays short: the resident soup.yamls below, written into $R/configs (Llama-3.2-1B bf16 DPO; Phi-3-mini bf16 SFT with gradient
 # checkpointing; Gemma-2B bf16 SFT; Mistral-7B NF4 QLoRA SFT). The claim it tests: on each, this tool's longest
 # (like for like: the box's own context) is the measured limit or one step below it.
-# TAGs: the searches below (default: all, cheapest first). qwen-kto-bf16 (8GB) and qwen3-orpo-nf4 (16GB) were added
-# unsearched (2026-12-05): two preference tasks, batch 2, one of them NF4, that nobody had searched resident. The four first ran on expandable segments in
-# results/resident-findmax-expandable-h100-soup0.77.0-96b7b97 and resident-findmax-mistral-h100-soup0.77.0-927f7a2.
-# Left (one call, `source bench/gpu-next.sh resident-findmax phi3-sft-bf16-gc phi2-sft-bf16-gc`): the probes' exit
-# hook now reads the device's free memory and the allocator's reserved bytes as Soup's process exits, so each search
-# says, measured, what the runtime grew by after the box's context in each probe and this tool's answer like for like
-# with that growth in place of STEP_GROWTH_BYTES (262.1 MB, the most measured on four streamed arms): Phi-3-mini bf16
-# with checkpointing (six steps under on 10GB, its probes left the runtime at most 180 MB), and Phi-2 bf16 with
-# checkpointing on 7.5GB, searched by nobody (this tool like for like, the bound's growth: 768). SOUP=0.73.3 for the pin.
+# TAGs: the searches below (default: all, in the order listed). Done: llama-dpo-bf16, phi3-sft-bf16-gc, gemma-sft-bf16
+# and mistral-sft-nf4 on expandable segments in
+# results/resident-findmax-expandable-h100-soup0.77.0-96b7b97 and resident-findmax-mistral-h100-soup0.77.0-927f7a2;
+# phi3-sft-bf16-gc again and phi2-sft-bf16-gc (searched by nobody before) with the probes' exit hook reading the
+# runtime's growth (each search's answer like for like with it in place of STEP_GROWTH_BYTES) in
+# results/resident-findmax-gc-growth-h100-soup0.77.0-1a0b582; qwen-kto-bf16 (8GB) and qwen3-orpo-nf4 (16GB), two
+# preference tasks at batch 2 nobody had searched resident, in results/resident-findmax-heldout-h100-soup0.77.0-3cbde2c. SOUP=0.73.3 for the pin.
 #
 # resident-anatomy, issue 51 item 3: the allocator's history (bench/task_peak_anatomy.py) of the committed resident
 # rows the corrected estimate is most over (the Done-when asks 1.02x), to confirm on CUDA what the CPU saved-tensor
@@ -55,7 +53,7 @@
 # resident-patch on the default allocator. Done (results/*-h100-soup0.77.0-96b7b97, 2026-12-05): resident-patch on
 # expandable segments, resident-full, and the arms each call's note above names.
 
-resident_configs() {  # resident_configs DIR: the five resident soup.yamls resident-findmax searches
+resident_configs() {  # resident_configs DIR: the resident soup.yamls resident-findmax searches
   mkdir -p "$1"
   cat > "$1/resident-gemma-sft-bf16.yaml" <<'YAML'
 base: google/gemma-2b
