@@ -640,8 +640,11 @@ def weights_of(path: str) -> str:
 
 def grown(d: dict, step: int, none: str) -> str:
     """The answer like for like with the runtime's growth the search's own probes measured (its JSON's
-    runtime_growth_bytes), where its probes read it (searches before the exit hook read it have no such key)."""
+    runtime_growth_bytes), where its probes read it: a search whose probes carry no free_held predates the exit
+    hook's reading; one whose probes do, but none of which read it (each failed before its exit hook could), says so."""
     if d.get("runtime_growth_bytes") is None:
+        if any("free_held" in p for p in d["measured"]["probes"]):
+            return "not read (no probe's process read it)"
         return "not read (its probes predate the reading)"
     return (against(d.get("this_tool_longest_like_for_like_measured_growth"), d["measured"]["limit"], step, none)
             + f", growth {d['runtime_growth_bytes'] / 1e6:.1f} MB")

@@ -12,7 +12,7 @@
 # each search stays short: the resident soup.yamls below, written into $R/configs (Llama-3.2-1B bf16 DPO; Phi-3-mini bf16 SFT with gradient
 # checkpointing; Gemma-2B bf16 SFT; Mistral-7B NF4 QLoRA SFT). The claim it tests: on each, this tool's longest
 # (like for like: the box's own context) is the measured limit or one step below it.
-# TAGs: the searches below (default: all, cheapest first). Every one has run on expandable segments (Done, below);
+# TAGs: the searches below (default: all, in the order listed). Every one has run on expandable segments (Done, below);
 # the call stays to search again once the estimate's reserve or growth changes, and as the template for a new config
 # (a new `cat > resident-TAG.yaml` and `search TAG AXIS CARD`: tests/test_bench.py settles each on CPU). The probes'
 # exit hook reads the runtime's growth after the box's context (from -1a0b582 on). SOUP=0.73.3 for the pin.
@@ -23,7 +23,7 @@
 # Done (results/*-h100-soup0.77.0-927f7a2, -1a0b582, -3cbde2c): resident-anatomy's SmolLM2 NF4 trace and Moonlight,
 # segments52's Mistral-7B NF4 r256, every resident-findmax search above (the runtime growth read from -1a0b582 on).
 
-resident_configs() {  # resident_configs DIR: the five resident soup.yamls resident-findmax searches
+resident_configs() {  # resident_configs DIR: the resident soup.yamls resident-findmax searches
   mkdir -p "$1"
   cat > "$1/resident-gemma-sft-bf16.yaml" <<'YAML'
 base: google/gemma-2b

@@ -119,6 +119,28 @@ def test_the_findings_render_a_search_and_a_resident_patch_call_cut_short_and_sa
     assert "The patched gate admitted no run here (no patched run in the folder)." in out
 
 
+def test_the_findings_growth_column_says_why_a_search_has_no_growth_and_labels_an_answer_above_the_limit():
+    """Issue 51 item 4's column (bench/findings.py grown): a committed search whose probes read the runtime's growth
+    renders its answer beside the limit in steps; one whose probes predate the exit hook's reading (no free_held)
+    says so; one whose probes ran with it but none of which read the growth (each failed before its exit hook) does
+    not claim to predate it; an answer past the measured limit reads ABOVE."""
+    import json
+
+    findings = load("findings")
+    path = next(p for p in findings.FIND_MAX_RUNS if "gc-growth" in p and "phi2" in p)
+    d = json.loads((ROOT / path).read_text(encoding="utf-8"))
+    res = d["measured"]["resolution"]
+    assert findings.grown(d, res, "none") == "832 (3 steps under), growth 176.9 MB"
+    assert findings.grown({**d, "this_tool_longest_like_for_like_measured_growth": 1088}, res, "none").startswith(
+        "1088 (1 step ABOVE)")
+    unread = {k: v for k, v in d.items() if k not in ("runtime_growth_bytes",
+                                                     "this_tool_longest_like_for_like_measured_growth")}
+    assert findings.grown(unread, res, "none") == "not read (no probe's process read it)"
+    old = {**unread, "measured": {**d["measured"], "probes": [{k: v for k, v in p.items() if k != "free_held"}
+                                                              for p in d["measured"]["probes"]]}}
+    assert findings.grown(old, res, "none") == "not read (its probes predate the reading)"
+
+
 @pytest.mark.parametrize("script", sorted(p.stem for p in (ROOT / "bench").glob("*.py")
                                            if "issue395" in p.read_text(encoding="utf-8")))
 def test_every_bench_script_imports_what_the_package_holds_now(script):

@@ -225,7 +225,7 @@ def budget(card: Card, context: Optional[int] = None, growth: Optional[int] = No
     ``growth`` where measured (a search's probes'), else STEP_GROWTH_BYTES."""
     if context is not None:
         return Budget(card, context, "given", growth)
-    return Budget(card, card.context_bound, "bound" if not card.hidden_bytes else DRIVER_KEPT)
+    return Budget(card, card.context_bound, "bound" if not card.hidden_bytes else DRIVER_KEPT, growth)
 
 
 #: A named card's context where its driver keeps memory below nvidia-smi's total (Card.hidden_bytes):

@@ -69,7 +69,8 @@ Known limitations
       constants.layer_remainders, the rule the streamed step's blocks take). The measured excess of max_memory_allocated over the requested peak was 21 MB on SmolLM2
       1024x1, 108 MB on Qwen2.5 2048x1 (75.5 MB of it the MLP blocks' tails), 0 on Llama-3.2-1B 2048x1; without the
       per-block bound SmolLM2 NF4 at 2048 tokens was 9.8 MB under. The bounded rows without checkpointing (neither
-      replayed nor a layered family's) are 1.0001x-1.0129x, median 1.0043x (47 rows; 61, 1.0001x-1.0250x, before
+      replayed nor a layered family's) are 1.0001x-1.0129x, median 1.0012x (41 rows; 47, median 1.0043x, before
+      qwen2 NF4's 6 were replayed; 61, 1.0001x-1.0250x, before
       batched NF4 llama's 8 and phi-2 NF4's 6 were replayed; 57 before batched NF4 llama's 8 kept
       the bound and Phi-3-mini bf16's 4 were replayed; 63 before phi-2 bf16 was replayed; 57,
       1.0001x-1.0186x, median 1.0054x, before phi-2 NF4 was modelled; 69 before NF4 at 1,536 tokens or fewer was

@@ -89,8 +89,8 @@ class Event:
 def replaying_trace(trace: dict[str, Any]) -> Iterator[Event]:
     """The model after each event of ``trace`` (save_trace's dict) in turn. An alloc takes the address torch's
     cudaMalloc returned where both cudaMalloc a segment; a free names the block torch allocated at that address
-    (so the replay goes on past a departure). A free of an address never allocated, or a mapping event, is an
-    error (ValueError)."""
+    (so the replay goes on past a departure). A free of an address never allocated, or an action the model does
+    not know, is an error (ValueError); a mapping event is modelled (it makes the history expandable: is_expandable)."""
     alloc, held = seeded(trace.get("start_segments") or [], is_expandable(trace))
     segment: Optional[tuple[int, int]] = None  # the cudaMalloc torch recorded for the next alloc
     mapped: list[tuple] = []  # the pages torch mapped for the next alloc
@@ -123,7 +123,7 @@ def replaying_trace(trace: dict[str, Any]) -> Iterator[Event]:
         elif action == "segment_free":
             why = _release(alloc, addr, size)
         elif action not in _QUIET:
-            raise ValueError(f"event {i}: {action!r} is not modelled (expandable segments' mapping?)")
+            raise ValueError(f"event {i}: {action!r} is not modelled")
         yield Event(i, row, alloc, block, why)
 
 

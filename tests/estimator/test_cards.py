@@ -73,6 +73,16 @@ def test_the_verdict_is_needs_free_plus_context_plus_the_runtimes_growth_within_
         "the modules by the gate are part of the step's growth, and `soup train` loads fewer by then"
 
 
+def test_a_measured_runtime_growth_replaces_the_bound_with_a_given_context_and_with_the_cards_bound_alike():
+    """Issue 51 item 4: a search's probes' own runtime growth (findmax.measured_growth) takes STEP_GROWTH_BYTES'
+    place in the step's free memory whether the context is given or the card's bound; none given, the bound."""
+    card = C.parse_card("24GB")
+    for context in (10**9, None):
+        plain, grown = C.budget(card, context), C.budget(card, context, 100_000_000)
+        assert plain.step_free_bytes == plain.free_bytes - C.STEP_GROWTH_BYTES
+        assert grown.step_free_bytes == grown.free_bytes - 100_000_000 == plain.step_free_bytes + 162_144_000
+
+
 def test_soups_gate_in_soup_train_reads_what_the_find_max_probes_saw_it_print():
     """The free memory Soup's gate printed on every committed --find-max probe (the real `soup train`,
     two decimals) is the card's total less the box's context less the CLI's growth, to Soup's rounding."""
