@@ -827,6 +827,10 @@ def refused(a: argparse.Namespace) -> str | None:
         return "--checkpointing: only with --full (the LoRA capture runs without it)"
     if getattr(a, "full", False) and a.quant != "none":
         return f"--full under --quant {a.quant}: Soup fine-tunes in full without quantization only"
+    lora = [o for o, given in (("--targets", a.targets), ("--r", a.r != 8), ("--dropout", a.dropout != LORA_DROPOUT))
+            if given]
+    if getattr(a, "full", False) and lora:
+        return f"{', '.join(lora)} with --full: a full fine-tuning trains no adapter (dropped, not captured)"
     if getattr(a, "events", None) and Path(a.events).exists():
         return f"--events {a.events}: exists; not overwritten"
     from issue395.estimator.sequence import GEMM_4BIT_FUSED_MAX_ROWS

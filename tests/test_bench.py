@@ -293,7 +293,7 @@ def test_the_resident_find_max_device_call_settles_each_of_its_searches_on_cpu(c
     """bench/gpu-next.sh resident-findmax (issue 51 item 4): each `search TAG AXIS CARD` it runs is a --find-max on a
     resident soup.yaml the script writes (`configs DIR`) that this tree settles and plans on CPU (--dry-run: Soup's own loader and checks on the
     probe's file, the resident estimate's first probe, Soup's gate lifted by --allow-oom-attempt), so a bad file or
-    card costs no device time; the script names four, the resident-*.yaml files it writes, one of them checkpointed."""
+    card costs no device time; the script names at least four, the resident-*.yaml files it writes, one of them checkpointed."""
     import re
 
     from conftest import main
@@ -510,7 +510,8 @@ def test_the_allocator_replay_refuses_an_int8_capture_an_unknown_key_and_an_exis
     """bad input to bench/allocator_replay.py capture is one line on stderr and exit 2, and a file it did not write
     is not overwritten: int8 (neither bf16 nor NF4), a key the registry lacks, --events on an existing file; and
     (review item 5) --gemm-4bit other than sm90 on a bf16 capture or past 1,536 tokens (1024x2), where no choice of
-    gemm_4bit's is made and the capture would be labelled with one that never ran."""
+    gemm_4bit's is made and the capture would be labelled with one that never ran; and (review, today) an adapter's
+    --r or --targets with --full, which trains no adapter: dropped options are refused, not ignored."""
     replay = load("allocator_replay")
     kept = tmp_path / "kept.json"
     kept.write_text("mine")
@@ -518,7 +519,8 @@ def test_the_allocator_replay_refuses_an_int8_capture_an_unknown_key_and_an_exis
                  ["capture", "qwen", "512", "--events", str(kept)],
                  ["capture", "qwen", "512", "--gemm-4bit", "fused", "--events", str(tmp_path / "bf16.json")],
                  ["capture", "qwen", "1024", "--batch", "2", "--quant", "nf4", "--gemm-4bit", "fallback"],
-                 ["capture", "qwen", "512", "--checkpointing"], ["capture", "qwen", "512", "--full", "--quant", "nf4"]):
+                 ["capture", "qwen", "512", "--checkpointing"], ["capture", "qwen", "512", "--full", "--quant", "nf4"],
+                 ["capture", "qwen", "512", "--full", "--r", "64"], ["capture", "qwen", "512", "--full", "--targets", "q_proj"]):
         assert replay.main(argv) == 2, argv
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and err.startswith("bench/allocator_replay.py: "), err
