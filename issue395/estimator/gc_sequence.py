@@ -1,0 +1,357 @@
+"""A resident LoRA step with gradient checkpointing (transformers' non-reentrant checkpoint, Soup's
+``gradient_checkpointing: true``) built from the estimator's own shapes (``Arch``), op by op, in
+estimator/sequence.py's ``Requests``, to the next step's loss-backward peak, and replayed through
+estimator/allocator.py under expandable segments (issue 51 item 4): the pages its live blocks touch there
+(``touched_pages``) less its allocated peak is the run's own allocator reserve, in place of the
+EXPANDABLE_RESERVE_PAGES envelope where it was checked. Stdlib only.
+
+The step, as the committed H100 history of Phi-3-mini bf16 SFT 2048x1, r16 on qkv_proj,o_proj, checkpointed, 2 steps
+on expandable segments runs it (results/resident-traces-qwen-nf4-phi3-gc-h100-soup0.77.0-1a0b582/
+res-sft-phi3-bf16-gc-2048x1-exp: its every large-pool request and free, its oracle,
+tests/estimator/test_gc_sequence.py):
+
+- the load (sequence.load: the warmup block, the checkpoint's tensors in sorted key order; peft's adapter is the
+  small pool's at r16);
+- each step's forward: the embedding's output, the sliding-window causal mask (Phi-3 at its window and past it:
+  masking_utils' and of the causal and the window predicates, bool (T, T) blocks, the last kept), the rotary tables
+  (the cuBLAS workspace after their first matmul, step 1 only), each layer under checkpointing: the same ops as
+  sequence.layer, but nothing saved (the checkpoint keeps the layer's input and the mask alone), so every block goes
+  as its last Python reference does (the LoRA's bf16 cast after lora_A, the dropout mask at once; SDPA's bf16
+  additive mask after it: with a mask torch runs the memory-efficient kernel, not flash); the final norm (saved:
+  outside the checkpoints), the head's bf16 logits, HF's loss (the logits' fp32 copy and log_softmax), accelerate's
+  fp32 logits copy, TRL's entropy over 128-row chunks, TRL's token accuracy's (T-1, V) fp32 copy, the fp32 logits
+  dropped;
+- the loss's backward (nll's and log_softmax's fp32 gradients: the peak of step 2, the bf16 logits' gradient, the
+  head's input gradient, the backward's cuBLAS workspace after that first matmul, step 1 only), the final norm's;
+  each layer in reverse: its recompute (sequence.layer's ops with what they save kept, stopped by torch's
+  non-reentrant early stop as down_proj packs its weight: the product, the post-attention norm's output and the
+  residual then freed), the MLP's backward (down's input gradient, the product's two, silu's, the gate_up
+  gradient's cat, its input gradient), the norm's, o_proj's LoRA and frozen base, the memory-efficient attention's
+  backward (dq, dk, dv, its fp32 workspace: a grad-q accumulator and delta), k's then q's rotary, their slice and
+  reshape copies, the qkv gradient built from v's, k's and q's slices, qkv's LoRA and base, the input norm; every
+  gradient of the residual stream accumulated in place into one buffer (autograd's InputBuffer steals it);
+- the optimizer's step and zero_grad (r16: all the small pool's: no large-pool request).
+
+A request of 1 MiB or less is the small pool's (``sequence.Requests`` leaves it out): the small pool's pages are
+not built (the adapter, its gradients and AdamW's states: 7,124,480 B of the trace's reserve at its peak).
+"""
+
+from __future__ import annotations
+
+from ..constants import CUBLAS_WORKSPACE
+from .allocator import CachingAllocator
+from .arch import Arch
+from .sequence import SEQUENCE_TRANSFORMERS, Requests, default_allocator, load, norm, rotary
+
+FP32, BF16 = 4, 2
+#: TRL's entropy_from_logits splits the logits into chunks of this many rows.
+ENTROPY_CHUNK = 128
+#: The model types, targets and task whose checkpointed step this was checked on request for request (the H100
+#: trace above): Phi-3's fused layer, its protocol-and-o_proj targets, SFT at batch 1, past its sliding window's
+#: mask (2048 tokens: the memory-efficient SDPA).
+GC_SEQUENCE_TYPES = ("phi3",)
+GC_TARGETS = (frozenset({"qkv_proj", "o_proj"}),)
+
+
+class Paged(Requests):
+    """sequence.Requests on torch's expandable segments (what `soup train` sets), for LoRA ``targets`` at ``r``,
+    keeping the large pool's allocated bytes and the pages its live blocks touch at its allocated peak."""
+
+    def __init__(self, targets: tuple, r: int, trace: bool = False):
+        super().__init__(trace)
+        self.alloc = CachingAllocator(expandable=True)
+        self.targets, self.r = tuple(targets), r
+        self.top = (-1, 0)  # (allocated, touched pages) at the allocated peak
+
+    def get(self, nbytes: int):
+        k = super().get(nbytes)
+        if k is not None and self.alloc.allocated > self.top[0]:
+            self.top = (self.alloc.allocated, self.alloc.touched_pages())
+        return k
+
+
+_PAGES: dict = {}
+
+
+def reserve(a: Arch, targets: tuple, r: int, T: int) -> tuple[int, int]:
+    """The large pool's allocated peak and the whole pages its live blocks touch there, the load and step 1 whole
+    and step 2 to its loss's backward replayed under expandable segments (Paged); once a shape."""
+    key = (repr(a), frozenset(targets), r, T)
+    if key not in _PAGES:
+        q = Paged(targets, r)
+        load(q, a, q.targets, r)
+        step_to_peak(q, a, T)
+        _PAGES[key] = q.top
+    return _PAGES[key]
+
+
+def lora_nograd(q: Requests, T: int, fi: int, fo: int, r: int):
+    """A LoRA target inside a checkpointed forward (nothing saved): the base output, the fp32 cast of its input,
+    dropout's mask (freed at once) and output, the bf16 cast lora_A takes (freed after it), lora_B's output, the
+    scaling, the sum (returned); the rest freed as sequence.lora_linear frees them."""
+    base = q.get(BF16 * T * fo)
+    x32 = q.get(FP32 * T * fi)
+    mask = q.get(T * fi)
+    drop = q.get(FP32 * T * fi)
+    q.put(mask)
+    cast = q.get(BF16 * T * fi)
+    a_out = q.get(BF16 * T * r)
+    q.put(cast, drop)
+    b_out = q.get(BF16 * T * fo)
+    scaled = q.get(BF16 * T * fo)
+    q.put(b_out, a_out)
+    out = q.get(BF16 * T * fo)
+    q.put(scaled, base, x32)
+    return out
+
+
+def lora_saved(q: Requests, T: int, fi: int, fo: int, r: int):
+    """A LoRA target as the recompute runs it (what it saves kept): returns its output, its bf16 cast (lora_A's
+    input) and its dropout mask."""
+    base = q.get(BF16 * T * fo)
+    x32 = q.get(FP32 * T * fi)
+    mask = q.get(T * fi)
+    drop = q.get(FP32 * T * fi)
+    cast = q.get(BF16 * T * fi)
+    q.get(BF16 * T * r)  # lora_A's output, which lora_B saves
+    q.put(drop)
+    b_out = q.get(BF16 * T * fo)
+    scaled = q.get(BF16 * T * fo)
+    q.put(b_out)
+    out = q.get(BF16 * T * fo)
+    q.put(scaled, base, x32)
+    return out, cast, mask
+
+
+def linear(q: Requests, a: Arch, T: int, name: str, saved: bool):
+    """A linear's output: a LoRA target's (lora_saved's triple where ``saved``) or a frozen one's."""
+    fi, fo, _ = a.modules[name]
+    if name in q.targets:
+        return lora_saved(q, T, fi, fo, q.r) if saved else (lora_nograd(q, T, fi, fo, q.r), None, None)
+    return q.get(BF16 * T * fo), None, None
+
+
+def rotated(q: Requests, T: int, heads: int, a: Arch):
+    """q's or k's rotary (sequence.rotary) cat with its pass-through part; the rotated part freed."""
+    r = rotary(q, T, heads * a.rotary_dim)
+    out = q.get(BF16 * T * heads * a.head_dim)
+    q.put(r)
+    return out
+
+
+def layer_forward(q: Requests, a: Arch, T: int, saved: bool) -> dict:
+    """One Phi-3 layer on its input (held by the checkpoint): checkpointing's forward (``saved`` false: returns its
+    output) or its recompute (``saved``: stopped as down_proj packs its weight; returns what the layer saved)."""
+    normed, n1 = norm(q, T, a.h, saved)
+    qkv, qkv_cast, qkv_mask = linear(q, a, T, "qkv_proj", saved)
+    qr, kr = rotated(q, T, a.heads, a), rotated(q, T, a.kv, a)
+    bias = q.get(BF16 * T * T)  # SDPA's bf16 additive mask (the memory-efficient kernel's attn_bias)
+    sdpa = q.get(BF16 * T * a.heads * a.head_dim)
+    if not saved:
+        q.put(bias)
+    copy = q.get(BF16 * T * a.heads * a.head_dim)  # sequence.output_copy
+    if not saved:
+        q.put(sdpa)
+    o, o_cast, o_mask = linear(q, a, T, "o_proj", saved)
+    q.put(copy)
+    if not saved:
+        q.put(qr, kr, qkv)
+    q.put(normed)
+    mid = q.get(BF16 * T * a.h)
+    q.put(o)
+    normed2, n2 = norm(q, T, a.h, saved)
+    gate_up = q.get(BF16 * T * 2 * a.i)
+    act = q.get(BF16 * T * a.i)
+    prod = q.get(BF16 * T * a.i)
+    if saved:  # torch's early stop: down_proj packs its weight, the recompute's frames unwind
+        q.put(prod, normed2, mid)
+        return {"n1": n1, "n2": n2, "qkv": qkv, "qkv_cast": qkv_cast, "qkv_mask": qkv_mask, "qr": qr, "kr": kr,
+                "bias": bias, "sdpa": sdpa, "o_cast": o_cast, "o_mask": o_mask, "gate_up": gate_up, "act": act}
+    q.put(act)
+    down = q.get(BF16 * T * a.h)
+    q.put(prod, gate_up, normed2)
+    out = q.get(BF16 * T * a.h)
+    q.put(down, mid)
+    return {"out": out}
+
+
+def causal_mask(q: Requests, T: int):
+    """masking_utils' sliding-window causal mask, bool (T, T): the and of its predicates' blocks, the last kept."""
+    m1, m2 = q.get(T * T), q.get(T * T)
+    q.put(m1)
+    m3, m4 = q.get(T * T), q.get(T * T)
+    q.put(m3, m2)
+    m5 = q.get(T * T)
+    q.put(m4)
+    m6 = q.get(T * T)
+    q.put(m5)
+    return m6
+
+
+def forward(q: Requests, a: Arch, T: int, first: bool) -> dict:
+    """A checkpointed forward and HF's loss, accelerate's copy, TRL's entropy and accuracy (``first``: step 1,
+    whose first matmul makes the cuBLAS workspace): what the backward reads."""
+    emb = q.get(BF16 * T * a.h)
+    mask = causal_mask(q, T)
+    if first:
+        q.get(CUBLAS_WORKSPACE)  # the rotary tables' first matmul's; their own blocks are the small pool's
+    inputs, x = [], emb
+    for _ in range(a.L):
+        inputs.append(x)
+        x = layer_forward(q, a, T, False)["out"]
+    out, nf = norm(q, T, a.h, True)
+    q.put(x)
+    logits = q.get(BF16 * T * a.V)
+    copy = q.get(FP32 * T * a.V)
+    lsm = q.get(FP32 * T * a.V)
+    q.put(copy, out)
+    fp32 = q.get(FP32 * T * a.V)
+    q.put(logits)
+    last = None
+    for rows in [min(ENTROPY_CHUNK, T - j) for j in range(0, T, ENTROPY_CHUNK)]:
+        logps = q.get(FP32 * rows * a.V)
+        q.put(last)
+        ex = q.get(FP32 * rows * a.V)
+        prod = q.get(FP32 * rows * a.V)
+        q.put(ex, prod)
+        last = logps
+    q.put(last)
+    q.put(q.get(FP32 * (T - 1) * a.V))  # TRL's token accuracy: the shifted logits' copy
+    q.put(fp32)
+    return {"inputs": inputs, "mask": mask, "nf": nf, "lsm": lsm}
+
+
+def norm_backward(q: Requests, T: int, h: int, g, x32, recomputed: bool, x=None):
+    """HF's RMSNorm's backward on the bf16 gradient ``g`` (its weight frozen): the weight's product, its bf16
+    cast's ToCopyBackward to fp32, x * rsqrt's and rsqrt's and pow's fp32 gradients, the fp32 input copy freed
+    (first where recomputed), ``x`` (the checkpointed input) with it, the input's bf16 gradient (returned)."""
+    gw = q.get(BF16 * T * h)
+    q.put(g)
+    g32 = q.get(FP32 * T * h)
+    q.put(gw)
+    t = q.get(FP32 * T * h)
+    gx = q.get(FP32 * T * h)
+    q.put(t, g32)
+    p = [q.get(FP32 * T * h) for _ in range(4)]
+    q.put(p[2], p[1], *((x32, p[0]) if recomputed else (p[0], x32)), x, p[3])
+    out = q.get(BF16 * T * h)
+    q.put(gx)
+    return out
+
+
+def lora_backward(q: Requests, T: int, g, fi: int, fo: int, cast, mask, buffer=None):
+    """A LoRA target's backward on its output's gradient ``g``: the scaling's (lora_B's and lora_A's weight and
+    input gradients under 1 MiB: the small pool's), lora_A's input gradient, its cast's ToCopyBackward to fp32,
+    dropout's, the fp32 cast's back to bf16 (the input's gradient, returned), the frozen base's input gradient
+    added into it in place; ``buffer``: the gradient to free once the base has read it."""
+    gs = q.get(BF16 * T * fo)
+    q.put(gs)
+    ga = q.get(BF16 * T * fi)
+    q.put(cast)
+    g32 = q.get(FP32 * T * fi)
+    q.put(ga)
+    gd = q.get(FP32 * T * fi)
+    q.put(mask, g32)
+    gx = q.get(BF16 * T * fi)
+    q.put(gd)
+    base = q.get(BF16 * T * fi)
+    q.put(buffer, base)
+    return gx
+
+
+def efficient_workspace(a: Arch, T: int) -> int:
+    """The memory-efficient attention backward's fp32 workspace (torch's cutlass kernel's workspace_size): a head's
+    T x (head_dim + 1) floats and 2 more, a head each: 25,428,224 B on the trace (Phi-3-mini, 2048 tokens, head_dim
+    96), read there; its parts (the grad-q accumulator, the rest) not derived from the kernel's source here."""
+    return FP32 * a.heads * (T * (a.head_dim + 1) + 2)
+
+
+def rotary_backward(q: Requests, T: int, w: int):
+    """x * cos + rotate_half(x) * sin's backward (bf16 tables): rotate_half's share, its negation, each half's
+    zero-padded slice gradient (the second added in place), x's share added in place (returned)."""
+    s = q.get(BF16 * T * w)
+    n = q.get(BF16 * T * w // 2)
+    acc = q.get(BF16 * T * w)
+    q.put(n)
+    other = q.get(BF16 * T * w)
+    q.put(s, other)
+    q.put(q.get(BF16 * T * w))
+    return acc
+
+
+def layer_backward(q: Requests, a: Arch, T: int, g, x) -> None:
+    """One layer's recompute and backward on the residual stream's gradient buffer ``g`` (every share of it added
+    in place); ``x``: the checkpointed input freed with the input norm's backward."""
+    s = layer_forward(q, a, T, True)
+    qw, kw = a.heads * a.head_dim, a.kv * a.head_dim
+    gprod = q.get(BF16 * T * a.i)
+    gact, gup = q.get(BF16 * T * a.i), q.get(BF16 * T * a.i)
+    q.put(s["act"], gprod)
+    ggate = q.get(BF16 * T * a.i)
+    q.put(s["gate_up"], gact)
+    cat = q.get(BF16 * T * 2 * a.i)
+    q.put(ggate, gup)
+    gn = q.get(BF16 * T * a.h)
+    q.put(cat)
+    q.put(norm_backward(q, T, a.h, gn, s["n2"][0], True))
+    fi, fo, _ = a.modules["o_proj"]
+    gcopy = lora_backward(q, T, g, fi, fo, s["o_cast"], s["o_mask"])
+    dq, dk, dv = q.get(BF16 * T * qw), q.get(BF16 * T * kw), q.get(BF16 * T * kw)
+    q.put(q.get(efficient_workspace(a, T)))
+    q.put(s["sdpa"], s["qkv"], s["qr"], s["kr"], s["bias"], gcopy)
+    rk = rotary_backward(q, T, kw)
+    rq = rotary_backward(q, T, qw)
+    ck = q.get(BF16 * T * kw)  # the rotary part's slice gradient
+    q.put(dk, rk)
+    cq = q.get(BF16 * T * qw)
+    q.put(dq, rq)
+    vk = q.get(BF16 * T * kw)  # the (B, T, H, D) view's reshape copy
+    q.put(ck)
+    vq = q.get(BF16 * T * qw)
+    q.put(cq)
+    fi, fo, _ = a.modules["qkv_proj"]
+    gqkv = q.get(BF16 * T * fo)  # v's slice gradient, then k's and q's added in place
+    q.put(dv)
+    for v in (vk, vq):
+        share = q.get(BF16 * T * fo)
+        q.put(v, share)
+    gx = lora_backward(q, T, gqkv, fi, fo, s["qkv_cast"], s["qkv_mask"], gqkv)
+    q.put(norm_backward(q, T, a.h, gx, s["n1"][0], True, x))
+
+
+def backward(q: Requests, a: Arch, T: int, f: dict, first: bool, stop: bool = False):
+    """The loss's backward (to its peak where ``stop``: the log_softmax gradient's request), the head's, the final
+    norm's, every layer's in reverse, the gradient buffer and the embedding's output freed."""
+    nll = q.get(FP32 * T * a.V)
+    lsm = q.get(FP32 * T * a.V)
+    if stop:
+        return
+    q.put(nll, f["lsm"])
+    gl = q.get(BF16 * T * a.V)
+    q.put(lsm)
+    gx = q.get(BF16 * T * a.h)
+    if first:
+        q.get(CUBLAS_WORKSPACE)  # the backward thread's, after its first matmul
+    q.put(gl)
+    g = norm_backward(q, T, a.h, gx, f["nf"][0], False)
+    for k in reversed(range(a.L)):
+        layer_backward(q, a, T, g, f["inputs"][k] if k else f["mask"])
+    q.put(g, f["inputs"][0])
+
+
+def step_to_peak(q: Requests, a: Arch, T: int) -> None:
+    """Step 1 whole (the optimizer's step and zero_grad are the small pool's at these shapes), then step 2's
+    forward and loss to the backward's first two fp32 gradients: the peak."""
+    backward(q, a, T, forward(q, a, T, True), True)
+    backward(q, a, T, forward(q, a, T, False), False, stop=True)
+
+
+def replayed(a: Arch, quant: str, targets: tuple, task: str, seq: int, batch: int, *, transformers: str,
+             environ=None) -> bool:
+    """Whether this sequence is the run's: Phi-3 (GC_SEQUENCE_TYPES) bf16, LoRA on GC_TARGETS, SFT at batch 1,
+    transformers sequence.SEQUENCE_TRANSFORMERS, the default allocator's settings (sequence.default_allocator),
+    past the sliding window (``seq`` over ``a.window``: its mask, and with it the memory-efficient SDPA; at or under
+    it the mask is none and SDPA flash, not built)."""
+    return (a.model_type in GC_SEQUENCE_TYPES and quant == "none" and frozenset(targets) in GC_TARGETS
+            and task == "sft" and batch == 1 and a.window is not None and seq > a.window
+            and transformers == SEQUENCE_TRANSFORMERS and default_allocator(environ))

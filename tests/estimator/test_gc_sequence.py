@@ -1,0 +1,99 @@
+"""estimator/gc_sequence.py (issue 51 item 4): the resident LoRA step with gradient checkpointing, built from the
+estimator's own shapes, is the committed H100 history's (Phi-3-mini bf16 SFT 2048x1, r16 on qkv_proj,o_proj, 2 steps,
+expandable segments) request for request in the large pool, from step 1's embedding to step 2's peak, and replayed
+under torch's expandable rules its live blocks touch the history's own large-pool pages there to the byte. No CUDA
+is faked: both sides are replays of request sequences (the history's through measure/trace.py)."""
+
+from __future__ import annotations
+
+import gzip
+import json
+
+from conftest import ROOT
+
+from issue395.constants import EXPANDABLE_PAGE_BYTES, K_SMALL_SIZE, block_bytes
+from issue395.estimator import gc_sequence, sequence
+from issue395.estimator.arch import arch_from_config
+from issue395.measure.trace import replaying_trace
+from issue395.model.registry import config_json
+
+TRACE = ROOT / "results/resident-traces-qwen-nf4-phi3-gc-h100-soup0.77.0-1a0b582/res-sft-phi3-bf16-gc-2048x1-exp"
+TARGETS = ("qkv_proj", "o_proj")
+#: bench/task_peak_anatomy.py's markers (MARK + 1024 k bytes each, freed at once): the tool's, not the step's
+MARKS = {512 * 10_007 + 1024 * k for k in range(16)}
+
+
+def history():
+    return json.loads(gzip.open(f"{TRACE}.trace.json.gz", "rt", encoding="utf-8").read())
+
+
+def large_requests(trace: dict) -> list:
+    """The history's large-pool requests and frees (the free's first half) as sequence.Requests' trace spells
+    them, less the markers."""
+    out, marked = [], set()
+    for action, addr, size, *_ in trace["events"]:
+        if action == "alloc" and size in MARKS:
+            marked.add(addr)
+        elif action == "free_requested" and addr in marked:
+            marked.discard(addr)
+        elif block_bytes(size) > K_SMALL_SIZE and action in ("alloc", "free_requested"):
+            out.append(("alloc" if action == "alloc" else "free", size))
+    return out
+
+
+def large_pages(alloc) -> tuple[int, int]:
+    """The large pool's allocated bytes and the whole pages its live blocks touch."""
+    page, live, pages = EXPANDABLE_PAGE_BYTES["large"], 0, set()
+    for head in (h for h in alloc.segments if not h.small):
+        b = head
+        while b is not None:
+            if b.allocated:
+                live += b.size
+                pages.update((head.addr, i) for i in range((b.addr - head.addr) // page,
+                                                           (b.addr - head.addr + b.size - 1) // page + 1))
+            b = b.next
+    return live, len(pages) * page
+
+
+def test_the_checkpointed_step_is_the_h100_historys_request_for_request_to_its_peak():
+    """Issue 51 item 4: step 1 (its checkpointed forward keeping each layer's input and the window's mask, the loss,
+    TRL's entropy and accuracy, the backward with each layer's recompute to torch's early stop) and step 2 to its
+    loss's backward peak: 12,799 large-pool requests and frees, every one the history's, in its order; the last
+    the request the history peaks on."""
+    a = arch_from_config(config_json("phi3-mini"))
+    q = gc_sequence.Paged(TARGETS, 16, trace=True)
+    sequence.load(q, a, TARGETS, 16)
+    loaded = len(q.trace)
+    gc_sequence.step_to_peak(q, a, 2048)
+    step, real = q.trace[loaded:], large_requests(history())
+    assert len(step) > 12_000 and step == real[:len(step)], next(
+        i for i, (x, y) in enumerate(zip(step, real)) if x != y)
+
+
+def test_its_replay_touches_the_historys_own_large_pool_pages_at_the_peak():
+    """Issue 51 item 4: under expandable segments the sequence's large pool at its allocated peak holds the
+    history's allocated bytes and touches its pages to the byte (8,928,886,784 B and 9,017,753,600 B: a reserve of
+    88,866,816 B, the measured page need's large-pool part; the small pool's 7,124,480 B are not built), and the
+    history's peak is the sequence's."""
+    a = arch_from_config(config_json("phi3-mini"))
+    best, at_peak = -1, None
+    for ev in replaying_trace(history()):
+        if ev.alloc.allocated > best:
+            best, at_peak = ev.alloc.allocated, large_pages(ev.alloc)
+    assert gc_sequence.reserve(a, TARGETS, 16, 2048) == at_peak == (8_928_886_784, 9_017_753_600)
+
+
+def test_it_is_the_runs_only_past_the_window_on_the_checked_shape():
+    """Where no history checked it, the sequence is not the run's: at or under Phi-3's sliding window (no mask:
+    flash SDPA), other targets, NF4, another model type, batch over 1, another transformers, a split setting."""
+    phi3, phi2 = (arch_from_config(config_json(k)) for k in ("phi3-mini", "phi-2"))
+    kw = dict(transformers=sequence.SEQUENCE_TRANSFORMERS, environ={})
+    assert gc_sequence.replayed(phi3, "none", TARGETS, "sft", 2112, 1, **kw)
+    assert not gc_sequence.replayed(phi3, "none", TARGETS, "sft", phi3.window, 1, **kw)
+    assert not gc_sequence.replayed(phi3, "none", ("qkv_proj",), "sft", 2112, 1, **kw)
+    assert not gc_sequence.replayed(phi3, "nf4", TARGETS, "sft", 2112, 1, **kw)
+    assert not gc_sequence.replayed(phi3, "none", TARGETS, "sft", 2112, 2, **kw)
+    assert not gc_sequence.replayed(phi2, "none", ("q_proj", "v_proj"), "sft", 2112, 1, **kw)
+    assert not gc_sequence.replayed(phi3, "none", TARGETS, "sft", 2112, 1, transformers="5.25.0", environ={})
+    assert not gc_sequence.replayed(phi3, "none", TARGETS, "sft", 2112, 1, transformers=sequence.SEQUENCE_TRANSFORMERS,
+                                    environ={"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128"})
