@@ -5,6 +5,7 @@ rests the default caching allocator's blocks keep past their requests at the pea
 
     python bench/allocator_replay.py capture KEY SEQ [--batch 1] [--quant none] [--r 8] [--targets q_proj,v_proj]
                                      [--dropout 0.05] [--events OUT.json] [--gemm-4bit sm90|fused|fallback]
+                                     [--checkpointing]
     python bench/allocator_replay.py check
     python bench/allocator_replay.py trace RUN.trace.json.gz
     python bench/allocator_replay.py saved KEY [--layers 2] [--quant none|nf4] [--r 8] [--targets ...] [--seqs 128,256]
@@ -24,7 +25,9 @@ touch at that peak beside the run's measured page_need; where the JSON names the
 adapter-shaped blocks over 1 MiB keep at that peak, split into the blocks made before the history (the parameters)
 and those cut in it, by the request last freed at each block's address (0: a segment's tail never freed).
 
-``capture --full [--checkpointing]`` captures Soup 0.77.0's resident full fine-tuning instead (capture_full: fp32
+``capture --checkpointing`` captures the LoRA bf16 step under Soup's gradient checkpointing (issue 51 item 4: the
+oracle estimator/gc_sequence.py's flash path is held to; ENGINE_ORDER). ``capture --full [--checkpointing]``
+captures Soup 0.77.0's resident full fine-tuning instead (capture_full: fp32
 master weights, the forward and backward under bf16 autocast, the Trainer's two foreach AdamW groups' step), its
 figures at the optimizer step's peak: the oracle a synthetic full fine-tuning sequence is to be held to (issue 51).
 ``capture`` prints the replay's figures; ``--events`` writes the sequence (("alloc", key, bytes, what),
@@ -135,7 +138,19 @@ class Recorder(TorchDispatchMode):
             self.events.append(("free", k))
         weakref.finalize(s, gone)
 
+    def accumulated_in_place(self, func, args) -> bool:
+        """Whether ``func`` is the autograd engine's sum of two gradients of one tensor, which CUDA's run does in
+        place (InputBuffer::accumulate: ``old_var.add_(var)`` where it holds the buffer's last reference, a dense
+        one) but a Python dispatch mode's own reference to every tensor turns into ``old_var + var``, a new block
+        (tests/test_bench.py holds this on CPU): a no-grad tensor add of two like dense gradients in the backward."""
+        return (ENGINE_ORDER["on"] and func is torch.ops.aten.add.Tensor and self.thread == "bwd"
+                and not torch.is_grad_enabled() and len(args) == 2
+                and all(isinstance(t, torch.Tensor) for t in args) and args[0].shape == args[1].shape
+                and args[0].dtype == args[1].dtype and args[0].is_contiguous())
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self.accumulated_in_place(func, args):
+            return args[0]
         temps = self.gemm_4bit_temps(args, kwargs or {}) if func is GEMM_4BIT else None
         out = func(*args, **(kwargs or {}))
         # bitsandbytes' quantising kernels allocate their absmax before the weight they return first
@@ -241,6 +256,13 @@ class Flash(torch.autograd.Function):
         return dq, dk, dv
 
 
+#: Where on (the checkpointed LoRA capture), the CUDA autograd engine's order where a Python mode or Function
+#: departs from it: gradient sums in place (Recorder.accumulated_in_place) and dropout's mask released inside its
+#: backward, before its incoming gradient (FusedDropout). The other captures keep the order their committed
+#: validations were taken in.
+ENGINE_ORDER = {"on": False}
+
+
 class FusedDropout(torch.autograd.Function):
     """CUDA's native_dropout: a bool mask, then the output (Dropout.cu dropout_cuda: ``Tensor mask =
     at::empty_like(self, ...kBool)`` before ``Tensor ret = at::empty_like(self)``; the H100 phi-2 NF4 trace's order);
@@ -254,7 +276,12 @@ class FusedDropout(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        return torch.empty_like(g), None
+        # NativeDropoutBackward0 unpacks its mask, which goes before its incoming gradient does: under
+        # checkpointing the recomputed mask is held by the checkpoint's frame until unpacked
+        mask = ctx.saved_tensors if ENGINE_ORDER["on"] else ()
+        out = torch.empty_like(g)
+        del mask
+        return out, None
 
 
 def dropout(x, p=0.5, training=True, inplace=False):
@@ -465,10 +492,12 @@ def step(model, rec: Recorder, autocast: dict, cast_cache: dict, seq: int, batch
 
 
 def capture(key: str, seq: int, batch: int = 1, r: int = 8, targets: tuple = ("q_proj", "v_proj"),
-            dropout_p: float = LORA_DROPOUT, quant: str = "none", gemm=GEMM_SM90) -> list:
+            dropout_p: float = LORA_DROPOUT, quant: str = "none", gemm=GEMM_SM90, checkpointing: bool = False) -> list:
     """The request sequence of a resident LoRA SFT step of registry model ``key``, bf16 or (``quant`` "nf4")
     Soup's QLoRA (``gemm``: how its gemm_4bit chooses its kernel, fused_kernel): the load, a ("reset_peak",)
-    where the measured step's window starts, the step."""
+    where the measured step's window starts, the step. ``checkpointing``: Soup's ``gradient_checkpointing: true``
+    as TRL's SFTTrainer enables it on the peft model (transformers' non-reentrant checkpoint, its default; the
+    embedding's output made to require grad in place), each layer recomputed in the backward."""
     global GEMM_4BIT
     from peft import LoraConfig, get_peft_model
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -497,8 +526,14 @@ def capture(key: str, seq: int, batch: int = 1, r: int = 8, targets: tuple = ("q
                 if p.requires_grad:
                     p.data = p.data.to(torch.bfloat16)
         model.train()
+        if checkpointing:
+            model.gradient_checkpointing_enable({"use_reentrant": False})
         rec.events.append(("reset_peak",))
-        step(model, rec, autocast, cast_cache, seq, batch)
+        ENGINE_ORDER["on"] = checkpointing
+        try:
+            step(model, rec, autocast, cast_cache, seq, batch, recompute=checkpointing)
+        finally:
+            ENGINE_ORDER["on"] = False
     return list(rec.events)  # the model's own frees, once it goes, are no part of the step
 
 
@@ -782,7 +817,8 @@ def parse(argv: list) -> argparse.Namespace:
     c.add_argument("--events", help="write the sequence here (JSON)")
     c.add_argument("--full", action="store_true", help="Soup 0.77.0's full fine-tuning (lora.r 0: fp32 master "
                    "weights, the optimizer's step too) in place of the LoRA step")
-    c.add_argument("--checkpointing", action="store_true", help="with --full: non-reentrant gradient checkpointing")
+    c.add_argument("--checkpointing", action="store_true", help="non-reentrant gradient checkpointing (LoRA bf16 "
+                   "or --full)")
     c.add_argument("--gemm-4bit", default=GEMM_SM90, choices=(GEMM_SM90, GEMM_FUSED, GEMM_FALLBACK),
                    help="NF4 at 1,536 tokens or fewer: bitsandbytes' heuristic on an sm90 card of 132 SMs (default), "
                         "or forced to its fused kernel or its dequantising fallback on every shape")
@@ -823,8 +859,9 @@ def refused(a: argparse.Namespace) -> str | None:
         return f"--targets {','.join(missing)}: not in a {arch.model_type} layer ({', '.join(arch.modules)})"
     if max(seqs) > arch.max_pos:
         return f"a seq past the model's max_position_embeddings {arch.max_pos}"
-    if getattr(a, "checkpointing", False) and not a.full:
-        return "--checkpointing: only with --full (the LoRA capture runs without it)"
+    if getattr(a, "checkpointing", False) and a.quant != "none":
+        # prepare_model_for_kbit_training's own checkpointing set-up (reentrant, input grads) is not emulated
+        return f"--checkpointing under --quant {a.quant}: not captured (the bf16 LoRA or --full step only)"
     if getattr(a, "full", False) and a.quant != "none":
         return f"--full under --quant {a.quant}: Soup fine-tunes in full without quantization only"
     lora = [o for o, given in (("--targets", a.targets), ("--r", a.r != 8), ("--dropout", a.dropout != LORA_DROPOUT))
@@ -936,9 +973,10 @@ def main(argv: list) -> int:
         print(json.dumps({"key": a.key, "seq": a.seq, "batch": a.batch, "full": True,
                           "checkpointing": a.checkpointing, **figures(events)}))
     else:
-        events = capture(a.key, a.seq, a.batch, a.r, targets, a.dropout, a.quant, a.gemm_4bit)
+        events = capture(a.key, a.seq, a.batch, a.r, targets, a.dropout, a.quant, a.gemm_4bit, a.checkpointing)
         print(json.dumps({"key": a.key, "seq": a.seq, "batch": a.batch, "quant": a.quant, "gemm_4bit": a.gemm_4bit,
-                          "r": a.r, "targets": ",".join(targets), "dropout": a.dropout, **figures(events)}))
+                          "r": a.r, "targets": ",".join(targets), "dropout": a.dropout,
+                          "checkpointing": a.checkpointing, **figures(events)}))
     if a.events:
         Path(a.events).write_text(json.dumps(events), encoding="utf-8")
     return 0

@@ -506,12 +506,57 @@ def test_the_meta_capture_of_a_full_fine_tuning_step_replays_to_the_committed_fu
     assert rests["qwen", False] > rests["qwen", True] + 10_000_000 > 10_000_000
 
 
+def test_a_dispatch_mode_turns_the_engines_in_place_gradient_sum_into_a_new_block_which_the_capture_undoes():
+    """Issue 51 item 4: on CPU, a tensor read by two branches has its two gradients summed by autograd's
+    InputBuffer in place (the sum's storage is one of theirs) with no Python dispatch mode, into a new tensor under
+    any (the mode's reference): so the capture's Recorder, where allocator_replay.ENGINE_ORDER is on (the
+    checkpointed LoRA capture), returns the engine's sum in place of a new block, and off keeps the new one."""
+    import contextlib
+
+    replay = load("allocator_replay")
+    made = []
+
+    class Branch(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            out = torch.ones_like(g)
+            made.append(out.data_ptr())  # not the tensor: a reference of the test's would stop the in-place sum
+            return out
+
+    def summed_in_place(mode, engine: bool = False) -> bool:
+        made.clear()
+        x = torch.ones(64, 64, requires_grad=True)
+        y, seen = x * 2, []
+        y.register_hook(lambda g: seen.append(g.data_ptr()))
+        replay.ENGINE_ORDER["on"] = engine
+        try:
+            with mode:
+                (Branch.apply(y).sum() + Branch.apply(y).sum()).backward()
+        finally:
+            replay.ENGINE_ORDER["on"] = False
+        return seen[0] in made
+
+    def recorder():
+        rec = replay.Recorder()
+        rec.thread = "bwd"
+        return rec
+
+    assert summed_in_place(contextlib.nullcontext())
+    assert not summed_in_place(recorder())
+    assert summed_in_place(recorder(), engine=True)
+
+
 def test_the_allocator_replay_refuses_an_int8_capture_an_unknown_key_and_an_existing_events_file(tmp_path, capsys):
     """bad input to bench/allocator_replay.py capture is one line on stderr and exit 2, and a file it did not write
     is not overwritten: int8 (neither bf16 nor NF4), a key the registry lacks, --events on an existing file; and
     (review item 5) --gemm-4bit other than sm90 on a bf16 capture or past 1,536 tokens (1024x2), where no choice of
-    gemm_4bit's is made and the capture would be labelled with one that never ran; and (review, today) an adapter's
-    --r or --targets with --full, which trains no adapter: dropped options are refused, not ignored."""
+    gemm_4bit's is made and the capture would be labelled with one that never ran; (review, today) an adapter's
+    --r or --targets with --full, which trains no adapter: dropped options are refused, not ignored; and (issue 51
+    item 4) --checkpointing under NF4, whose kbit preparation's checkpointing set-up is not emulated."""
     replay = load("allocator_replay")
     kept = tmp_path / "kept.json"
     kept.write_text("mine")
@@ -519,7 +564,8 @@ def test_the_allocator_replay_refuses_an_int8_capture_an_unknown_key_and_an_exis
                  ["capture", "qwen", "512", "--events", str(kept)],
                  ["capture", "qwen", "512", "--gemm-4bit", "fused", "--events", str(tmp_path / "bf16.json")],
                  ["capture", "qwen", "1024", "--batch", "2", "--quant", "nf4", "--gemm-4bit", "fallback"],
-                 ["capture", "qwen", "512", "--checkpointing"], ["capture", "qwen", "512", "--full", "--quant", "nf4"],
+                 ["capture", "qwen", "512", "--checkpointing", "--quant", "nf4"],
+                 ["capture", "qwen", "512", "--full", "--quant", "nf4"],
                  ["capture", "qwen", "512", "--full", "--r", "64"], ["capture", "qwen", "512", "--full", "--targets", "q_proj"]):
         assert replay.main(argv) == 2, argv
         err = capsys.readouterr().err

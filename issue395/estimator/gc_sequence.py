@@ -32,6 +32,14 @@ tests/estimator/test_gc_sequence.py):
   gradient of the residual stream accumulated in place into one buffer (autograd's InputBuffer steals it);
 - the optimizer's step and zero_grad (r16: all the small pool's: no large-pool request).
 
+At or under the window (``masked`` false: masking_utils gives SDPA no mask) SDPA runs flash: no mask nor bias, the
+same output block, and flash's backward (flash_backward: the output's contiguous copy, dq, dk, dv, softmax_d,
+dq_accum) in place of the memory-efficient one's: step 1 as bench/allocator_replay.py capture --checkpointing
+captures it on the meta device (the real transformers + peft model, CUDA's autograd engine's order), request for
+request, its oracle there (tests/estimator/test_gc_sequence.py), less one (T-1) x V fp32 block the H100 trace holds
+at TRL's token accuracy and the meta capture does not make (its slice of the fp32 logits is contiguous at batch 1:
+that block is a CUDA kernel's, not a copy the capture's Python makes).
+
 A request of 1 MiB or less is the small pool's (``sequence.Requests`` leaves it out): the small pool's pages are
 not built (the adapter, its gradients and AdamW's states: 7,124,480 B of the trace's reserve at its peak).
 """
@@ -41,6 +49,7 @@ from __future__ import annotations
 from ..constants import CUBLAS_WORKSPACE
 from .allocator import CachingAllocator
 from .arch import Arch
+from .full_sequence import FLASH_ROWS
 from .sequence import SEQUENCE_TRANSFORMERS, Requests, default_allocator, load, norm, rotary
 
 FP32, BF16 = 4, 2
@@ -145,8 +154,9 @@ def layer_forward(q: Requests, a: Arch, T: int, saved: bool) -> dict:
     normed, n1 = norm(q, T, a.h, saved)
     qkv, qkv_cast, qkv_mask = linear(q, a, T, "qkv_proj", saved)
     qr, kr = rotated(q, T, a.heads, a), rotated(q, T, a.kv, a)
-    bias = q.get(BF16 * T * T)  # SDPA's bf16 additive mask (the memory-efficient kernel's attn_bias)
-    sdpa = q.get(BF16 * T * a.heads * a.head_dim)
+    # SDPA's bf16 additive mask (the memory-efficient kernel's attn_bias) past the window; none for flash
+    bias = q.get(BF16 * T * T) if masked(a, T) else None
+    sdpa = q.get(BF16 * T * a.heads * a.head_dim)  # q's layout (cat-built: (B,H,T,D)), either kernel
     if not saved:
         q.put(bias)
     copy = q.get(BF16 * T * a.heads * a.head_dim)  # sequence.output_copy
@@ -175,6 +185,12 @@ def layer_forward(q: Requests, a: Arch, T: int, saved: bool) -> dict:
     return {"out": out}
 
 
+def masked(a: Arch, T: int) -> bool:
+    """Whether masking_utils builds the sliding window's mask (past it), so SDPA runs the memory-efficient kernel;
+    at or under it (or with no window) the mask is none and SDPA flash (allow_is_causal_skip)."""
+    return a.window is not None and T > a.window
+
+
 def causal_mask(q: Requests, T: int):
     """masking_utils' sliding-window causal mask, bool (T, T): the and of its predicates' blocks, the last kept."""
     m1, m2 = q.get(T * T), q.get(T * T)
@@ -192,7 +208,7 @@ def forward(q: Requests, a: Arch, T: int, first: bool) -> dict:
     """A checkpointed forward and HF's loss, accelerate's copy, TRL's entropy and accuracy (``first``: step 1,
     whose first matmul makes the cuBLAS workspace): what the backward reads."""
     emb = q.get(BF16 * T * a.h)
-    mask = causal_mask(q, T)
+    mask = causal_mask(q, T) if masked(a, T) else None
     if first:
         q.get(CUBLAS_WORKSPACE)  # the rotary tables' first matmul's; their own blocks are the small pool's
     inputs, x = [], emb
@@ -266,6 +282,22 @@ def efficient_workspace(a: Arch, T: int) -> int:
     return FP32 * a.heads * (T * (a.head_dim + 1) + 2)
 
 
+def flash_backward(q: Requests, a: Arch, T: int, g, s: dict):
+    """Flash's backward on a recomputed layer (bench/allocator_replay.py's Flash, torch's mha_bwd): the output's
+    (B,T,H,D) contiguous copy (q cat-built lays it out (B,H,T,D)), dq, dk, dv, softmax_d and dq_accum (T rounded to
+    FLASH_ROWS, the head size to 32), the scratch freed, then what the recompute saved and ``g``."""
+    qw, kw = a.heads * a.head_dim, a.kv * a.head_dim
+    rows = -(-T // FLASH_ROWS) * FLASH_ROWS
+    dr = -(-a.head_dim // (32 if a.head_dim <= 128 else 64)) * (32 if a.head_dim <= 128 else 64)
+    out_t = q.get(BF16 * T * qw)
+    dq, dk, dv = q.get(BF16 * T * qw), q.get(BF16 * T * kw), q.get(BF16 * T * kw)
+    sd = q.get(FP32 * a.heads * rows)
+    acc = q.get(FP32 * rows * a.heads * dr)
+    q.put(sd, acc, out_t)
+    q.put(s["sdpa"], s["qkv"], s["qr"], s["kr"], g)
+    return dq, dk, dv
+
+
 def rotary_backward(q: Requests, T: int, w: int):
     """x * cos + rotate_half(x) * sin's backward (bf16 tables): rotate_half's share, its negation, each half's
     zero-padded slice gradient (the second added in place), x's share added in place (returned)."""
@@ -296,9 +328,12 @@ def layer_backward(q: Requests, a: Arch, T: int, g, x) -> None:
     q.put(norm_backward(q, T, a.h, gn, s["n2"][0], True))
     fi, fo, _ = a.modules["o_proj"]
     gcopy = lora_backward(q, T, g, fi, fo, s["o_cast"], s["o_mask"])
-    dq, dk, dv = q.get(BF16 * T * qw), q.get(BF16 * T * kw), q.get(BF16 * T * kw)
-    q.put(q.get(efficient_workspace(a, T)))
-    q.put(s["sdpa"], s["qkv"], s["qr"], s["kr"], s["bias"], gcopy)
+    if masked(a, T):
+        dq, dk, dv = q.get(BF16 * T * qw), q.get(BF16 * T * kw), q.get(BF16 * T * kw)
+        q.put(q.get(efficient_workspace(a, T)))
+        q.put(s["sdpa"], s["qkv"], s["qr"], s["kr"], s["bias"], gcopy)
+    else:
+        dq, dk, dv = flash_backward(q, a, T, gcopy, s)
     rk = rotary_backward(q, T, kw)
     rq = rotary_backward(q, T, qw)
     ck = q.get(BF16 * T * kw)  # the rotary part's slice gradient
@@ -346,12 +381,17 @@ def step_to_peak(q: Requests, a: Arch, T: int) -> None:
     backward(q, a, T, forward(q, a, T, False), False, stop=True)
 
 
+def step_whole(q: Requests, a: Arch, T: int) -> None:
+    """Step 1's forward and backward whole (what bench/allocator_replay.py capture --checkpointing captures)."""
+    backward(q, a, T, forward(q, a, T, True), True)
+
+
 def replayed(a: Arch, quant: str, targets: tuple, task: str, seq: int, batch: int, *, transformers: str,
              environ=None) -> bool:
     """Whether this sequence is the run's: Phi-3 (GC_SEQUENCE_TYPES) bf16, LoRA on GC_TARGETS, SFT at batch 1,
-    transformers sequence.SEQUENCE_TRANSFORMERS, the default allocator's settings (sequence.default_allocator),
-    past the sliding window (``seq`` over ``a.window``: its mask, and with it the memory-efficient SDPA; at or under
-    it the mask is none and SDPA flash, not built)."""
+    transformers sequence.SEQUENCE_TRANSFORMERS, the default allocator's settings (sequence.default_allocator); past
+    the sliding window (its mask, the memory-efficient SDPA: the H100 trace) or at and under it (no mask, flash:
+    bench/allocator_replay.py capture --checkpointing)."""
     return (a.model_type in GC_SEQUENCE_TYPES and quant == "none" and frozenset(targets) in GC_TARGETS
-            and task == "sft" and batch == 1 and a.window is not None and seq > a.window
+            and task == "sft" and batch == 1 and seq <= a.max_pos
             and transformers == SEQUENCE_TRANSFORMERS and default_allocator(environ))

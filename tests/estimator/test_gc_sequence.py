@@ -7,9 +7,10 @@ is faked: both sides are replays of request sequences (the history's through mea
 from __future__ import annotations
 
 import gzip
+import importlib.util
 import json
 
-from conftest import ROOT
+from conftest import ROOT, checked_stack
 
 from issue395.constants import EXPANDABLE_PAGE_BYTES, K_SMALL_SIZE, block_bytes
 from issue395.estimator import gc_sequence, sequence
@@ -83,13 +84,13 @@ def test_its_replay_touches_the_historys_own_large_pool_pages_at_the_peak():
     assert gc_sequence.reserve(a, TARGETS, 16, 2048) == at_peak == (8_928_886_784, 9_017_753_600)
 
 
-def test_it_is_the_runs_only_past_the_window_on_the_checked_shape():
-    """Where no history checked it, the sequence is not the run's: at or under Phi-3's sliding window (no mask:
-    flash SDPA), other targets, NF4, another model type, batch over 1, another transformers, a split setting."""
+def test_it_is_the_runs_only_on_the_checked_shape():
+    """Where no history or capture checked it, the sequence is not the run's (past Phi-3's window the H100 trace
+    checked it, at and under it the checkpointed capture): other targets, NF4, another model type, batch over 1, another transformers, a split setting."""
     phi3, phi2 = (arch_from_config(config_json(k)) for k in ("phi3-mini", "phi-2"))
     kw = dict(transformers=sequence.SEQUENCE_TRANSFORMERS, environ={})
     assert gc_sequence.replayed(phi3, "none", TARGETS, "sft", 2112, 1, **kw)
-    assert not gc_sequence.replayed(phi3, "none", TARGETS, "sft", phi3.window, 1, **kw)
+    assert gc_sequence.replayed(phi3, "none", TARGETS, "sft", phi3.window, 1, **kw)  # flash: the capture's
     assert not gc_sequence.replayed(phi3, "none", ("qkv_proj",), "sft", 2112, 1, **kw)
     assert not gc_sequence.replayed(phi3, "nf4", TARGETS, "sft", 2112, 1, **kw)
     assert not gc_sequence.replayed(phi3, "none", TARGETS, "sft", 2112, 2, **kw)
@@ -97,3 +98,48 @@ def test_it_is_the_runs_only_past_the_window_on_the_checked_shape():
     assert not gc_sequence.replayed(phi3, "none", TARGETS, "sft", 2112, 1, transformers="5.25.0", environ={})
     assert not gc_sequence.replayed(phi3, "none", TARGETS, "sft", 2112, 1, transformers=sequence.SEQUENCE_TRANSFORMERS,
                                     environ={"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128"})
+
+
+def capture_module():
+    spec = importlib.util.spec_from_file_location("bench_allocator_replay", ROOT / "bench" / "allocator_replay.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def captured_requests(events) -> list:
+    """A capture's large-pool requests and frees after its load's end (its reset_peak), as Requests spells them."""
+    sizes, out, started = {}, [], False
+    for e in events:
+        if e[0] == "reset_peak":
+            started = True
+        elif e[0] == "alloc":
+            sizes[e[1]] = e[2]
+            if started and block_bytes(e[2]) > K_SMALL_SIZE:
+                out.append(("alloc", e[2]))
+        elif e[0] == "free" and started and block_bytes(sizes[e[1]]) > K_SMALL_SIZE:
+            out.append(("free", sizes[e[1]]))
+    return out
+
+
+@checked_stack
+def test_under_the_window_the_flash_step_is_the_checkpointed_captures_request_for_request():
+    """Issue 51 item 4 (the flash path, where the Phi-3-mini 10GB search answers 1,728 tokens): at or under the
+    sliding window masking_utils gives SDPA no mask, so flash runs; the checkpointed step 1 the sequence builds
+    (no mask nor bias, flash's backward) is bench/allocator_replay.py capture --checkpointing's (the real
+    transformers + peft model on the meta device, r16 on qkv_proj,o_proj) request for request, 9,000+ requests and
+    frees, less the one (T-1) x V fp32 block the H100 trace holds at TRL's token accuracy, which no Python op of
+    the capture makes (its shifted logits are a contiguous slice at batch 1)."""
+    a = arch_from_config(config_json("phi3-mini"))
+    T = 1728
+    assert not gc_sequence.masked(a, T) and gc_sequence.masked(a, a.window + 1)
+    events = capture_module().capture("phi3-mini", T, 1, 16, TARGETS, checkpointing=True)
+    q = gc_sequence.Paged(TARGETS, 16, trace=True)
+    sequence.load(q, a, TARGETS, 16)
+    loaded = len(q.trace)
+    gc_sequence.step_whole(q, a, T)
+    accuracy = ("alloc", 4 * (T - 1) * a.V)
+    k = q.trace.index(accuracy)
+    assert q.trace[k + 1] == ("free", accuracy[1]) and accuracy not in q.trace[k + 1:]
+    mine, want = q.trace[loaded:k] + q.trace[k + 2:], captured_requests(events)
+    assert len(mine) > 9_000 and mine == want, next(i for i, (x, y) in enumerate(zip(mine, want)) if x != y)
