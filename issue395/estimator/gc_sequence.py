@@ -38,7 +38,8 @@ dq_accum) in place of the memory-efficient one's: step 1 as bench/allocator_repl
 captures it on the meta device (the real transformers + peft model, CUDA's autograd engine's order), request for
 request, its oracle there (tests/estimator/test_gc_sequence.py), less one (T-1) x V fp32 block the H100 trace holds
 at TRL's token accuracy and the meta capture does not make (its slice of the fp32 logits is contiguous at batch 1:
-that block is a CUDA kernel's, not a copy the capture's Python makes).
+that block is a CUDA kernel's, not a copy the capture's Python makes). phi's (phi-2's) parallel layer likewise,
+against the capture (phi_layer_forward, phi_layer_backward: no window, flash always).
 
 A request of 1 MiB or less is the small pool's (``sequence.Requests`` leaves it out): the small pool's pages are
 not built (the adapter, its gradients and AdamW's states: 7,124,480 B of the trace's reserve at its peak).
@@ -50,16 +51,17 @@ from ..constants import CUBLAS_WORKSPACE
 from .allocator import CachingAllocator
 from .arch import Arch
 from .full_sequence import FLASH_ROWS
-from .sequence import SEQUENCE_TRANSFORMERS, Requests, default_allocator, load, norm, rotary
+from .sequence import SEQUENCE_TRANSFORMERS, Requests, cast_linear, default_allocator, load, norm, rotary
 
 FP32, BF16 = 4, 2
 #: TRL's entropy_from_logits splits the logits into chunks of this many rows.
 ENTROPY_CHUNK = 128
-#: The model types, targets and task whose checkpointed step this was checked on request for request (the H100
-#: trace above): Phi-3's fused layer, its protocol-and-o_proj targets, SFT at batch 1, past its sliding window's
-#: mask (2048 tokens: the memory-efficient SDPA).
-GC_SEQUENCE_TYPES = ("phi3",)
-GC_TARGETS = (frozenset({"qkv_proj", "o_proj"}),)
+#: The model types and their targets whose checkpointed step (SFT at batch 1) was checked request for request:
+#: Phi-3's fused layer on its protocol-and-o_proj targets (past its sliding window the H100 trace, the
+#: memory-efficient SDPA; at and under it the checkpointed capture, flash) and phi's parallel layer on q, k, v and
+#: dense (the capture; no window: flash).
+GC_TARGETS = {"phi3": frozenset({"qkv_proj", "o_proj"}), "phi": frozenset({"q_proj", "k_proj", "v_proj", "dense"})}
+GC_SEQUENCE_TYPES = tuple(GC_TARGETS)
 
 
 class Paged(Requests):
@@ -94,12 +96,19 @@ def reserve(a: Arch, targets: tuple, r: int, T: int) -> tuple[int, int]:
     return _PAGES[key]
 
 
-def lora_nograd(q: Requests, T: int, fi: int, fo: int, r: int):
-    """A LoRA target inside a checkpointed forward (nothing saved): the base output, the fp32 cast of its input,
-    dropout's mask (freed at once) and output, the bf16 cast lora_A takes (freed after it), lora_B's output, the
-    scaling, the sum (returned); the rest freed as sequence.lora_linear frees them."""
-    base = q.get(BF16 * T * fo)
-    x32 = q.get(FP32 * T * fi)
+def base_output(q: Requests, T: int, fi: int, fo: int, fp32: bool):
+    """A linear's output; on an fp32 input (``fp32``: phi's LayerNorm output) autocast's bf16 cast of it first,
+    freed on its return (sequence.cast_linear)."""
+    return cast_linear(q, T, fi, fo) if fp32 else q.get(BF16 * T * fo)
+
+
+def lora_nograd(q: Requests, T: int, fi: int, fo: int, r: int, fp32: bool = False):
+    """A LoRA target inside a checkpointed forward (nothing saved): the base output, the fp32 cast of its input
+    (none on an fp32 input: peft casts nothing), dropout's mask (freed at once) and output, the bf16 cast lora_A
+    takes (freed after it), lora_B's output, the scaling, the sum (returned); the rest freed as
+    sequence.lora_linear frees them."""
+    base = base_output(q, T, fi, fo, fp32)
+    x32 = None if fp32 else q.get(FP32 * T * fi)
     mask = q.get(T * fi)
     drop = q.get(FP32 * T * fi)
     q.put(mask)
@@ -114,11 +123,11 @@ def lora_nograd(q: Requests, T: int, fi: int, fo: int, r: int):
     return out
 
 
-def lora_saved(q: Requests, T: int, fi: int, fo: int, r: int):
+def lora_saved(q: Requests, T: int, fi: int, fo: int, r: int, fp32: bool = False):
     """A LoRA target as the recompute runs it (what it saves kept): returns its output, its bf16 cast (lora_A's
     input) and its dropout mask."""
-    base = q.get(BF16 * T * fo)
-    x32 = q.get(FP32 * T * fi)
+    base = base_output(q, T, fi, fo, fp32)
+    x32 = None if fp32 else q.get(FP32 * T * fi)
     mask = q.get(T * fi)
     drop = q.get(FP32 * T * fi)
     cast = q.get(BF16 * T * fi)
@@ -132,12 +141,14 @@ def lora_saved(q: Requests, T: int, fi: int, fo: int, r: int):
     return out, cast, mask
 
 
-def linear(q: Requests, a: Arch, T: int, name: str, saved: bool):
-    """A linear's output: a LoRA target's (lora_saved's triple where ``saved``) or a frozen one's."""
+def linear(q: Requests, a: Arch, T: int, name: str, saved: bool, fp32: bool = False):
+    """A linear's output: a LoRA target's (lora_saved's triple where ``saved``) or a frozen one's; ``fp32``: on
+    an fp32 input."""
     fi, fo, _ = a.modules[name]
     if name in q.targets:
-        return lora_saved(q, T, fi, fo, q.r) if saved else (lora_nograd(q, T, fi, fo, q.r), None, None)
-    return q.get(BF16 * T * fo), None, None
+        return (lora_saved(q, T, fi, fo, q.r, fp32) if saved
+                else (lora_nograd(q, T, fi, fo, q.r, fp32), None, None))
+    return base_output(q, T, fi, fo, fp32), None, None
 
 
 def rotated(q: Requests, T: int, heads: int, a: Arch):
@@ -211,13 +222,19 @@ def forward(q: Requests, a: Arch, T: int, first: bool) -> dict:
     mask = causal_mask(q, T) if masked(a, T) else None
     if first:
         q.get(CUBLAS_WORKSPACE)  # the rotary tables' first matmul's; their own blocks are the small pool's
-    inputs, x = [], emb
+    inputs, x, phi = [], emb, a.model_type == "phi"
     for _ in range(a.L):
         inputs.append(x)
-        x = layer_forward(q, a, T, False)["out"]
-    out, nf = norm(q, T, a.h, True)
-    q.put(x)
-    logits = q.get(BF16 * T * a.V)
+        x = (phi_layer_forward if phi else layer_forward)(q, a, T, False)["out"]
+    if phi:  # the final LayerNorm's fp32 policy copy (saved) and fp32 output, autocast's cast for the biased head
+        nf = [q.get(FP32 * T * a.h)]
+        out = q.get(FP32 * T * a.h)
+        q.put(x)
+        logits = cast_linear(q, T, a.h, a.V)
+    else:
+        out, nf = norm(q, T, a.h, True)
+        q.put(x)
+        logits = q.get(BF16 * T * a.V)
     copy = q.get(FP32 * T * a.V)
     lsm = q.get(FP32 * T * a.V)
     q.put(copy, out)
@@ -282,10 +299,11 @@ def efficient_workspace(a: Arch, T: int) -> int:
     return FP32 * a.heads * (T * (a.head_dim + 1) + 2)
 
 
-def flash_backward(q: Requests, a: Arch, T: int, g, s: dict):
+def flash_backward(q: Requests, a: Arch, T: int, g, kept: list):
     """Flash's backward on a recomputed layer (bench/allocator_replay.py's Flash, torch's mha_bwd): the output's
     (B,T,H,D) contiguous copy (q cat-built lays it out (B,H,T,D)), dq, dk, dv, softmax_d and dq_accum (T rounded to
-    FLASH_ROWS, the head size to 32), the scratch freed, then what the recompute saved and ``g``."""
+    FLASH_ROWS, the head size to 32), the scratch freed, then what the recompute saved (``kept``, in the order the
+    capture frees them) and ``g``."""
     qw, kw = a.heads * a.head_dim, a.kv * a.head_dim
     rows = -(-T // FLASH_ROWS) * FLASH_ROWS
     dr = -(-a.head_dim // (32 if a.head_dim <= 128 else 64)) * (32 if a.head_dim <= 128 else 64)
@@ -294,7 +312,7 @@ def flash_backward(q: Requests, a: Arch, T: int, g, s: dict):
     sd = q.get(FP32 * a.heads * rows)
     acc = q.get(FP32 * rows * a.heads * dr)
     q.put(sd, acc, out_t)
-    q.put(s["sdpa"], s["qkv"], s["qr"], s["kr"], g)
+    q.put(*kept, g)
     return dq, dk, dv
 
 
@@ -333,7 +351,7 @@ def layer_backward(q: Requests, a: Arch, T: int, g, x) -> None:
         q.put(q.get(efficient_workspace(a, T)))
         q.put(s["sdpa"], s["qkv"], s["qr"], s["kr"], s["bias"], gcopy)
     else:
-        dq, dk, dv = flash_backward(q, a, T, gcopy, s)
+        dq, dk, dv = flash_backward(q, a, T, gcopy, [s["sdpa"], s["qkv"], s["qr"], s["kr"]])
     rk = rotary_backward(q, T, kw)
     rq = rotary_backward(q, T, qw)
     ck = q.get(BF16 * T * kw)  # the rotary part's slice gradient
@@ -368,9 +386,12 @@ def backward(q: Requests, a: Arch, T: int, f: dict, first: bool, stop: bool = Fa
     if first:
         q.get(CUBLAS_WORKSPACE)  # the backward thread's, after its first matmul
     q.put(gl)
-    g = norm_backward(q, T, a.h, gx, f["nf"][0], False)
+    g = (layernorm_backward if a.model_type == "phi" else norm_backward)(q, T, a.h, gx, f["nf"][0], False)
     for k in reversed(range(a.L)):
-        layer_backward(q, a, T, g, f["inputs"][k] if k else f["mask"])
+        if a.model_type == "phi":
+            phi_layer_backward(q, a, T, g, f["inputs"][k] if k else None)
+        else:
+            layer_backward(q, a, T, g, f["inputs"][k] if k else f["mask"])
     q.put(g, f["inputs"][0])
 
 
@@ -388,10 +409,164 @@ def step_whole(q: Requests, a: Arch, T: int) -> None:
 
 def replayed(a: Arch, quant: str, targets: tuple, task: str, seq: int, batch: int, *, transformers: str,
              environ=None) -> bool:
-    """Whether this sequence is the run's: Phi-3 (GC_SEQUENCE_TYPES) bf16, LoRA on GC_TARGETS, SFT at batch 1,
+    """Whether this sequence is the run's: a model type of GC_TARGETS, bf16, LoRA on its targets, SFT at batch 1,
     transformers sequence.SEQUENCE_TRANSFORMERS, the default allocator's settings (sequence.default_allocator); past
     the sliding window (its mask, the memory-efficient SDPA: the H100 trace) or at and under it (no mask, flash:
     bench/allocator_replay.py capture --checkpointing)."""
-    return (a.model_type in GC_SEQUENCE_TYPES and quant == "none" and frozenset(targets) in GC_TARGETS
+    return (GC_TARGETS.get(a.model_type) == frozenset(targets) and quant == "none"
             and task == "sft" and batch == 1 and seq <= a.max_pos
             and transformers == SEQUENCE_TRANSFORMERS and default_allocator(environ))
+
+
+# phi (phi-2): a parallel layer (one LayerNorm, its fp32 output feeding the attention and the MLP), q, k, v and dense
+# with biases, a partial rotary, gelu_new's fp32 chain, fc1 and fc2 frozen; no sliding window (flash always).
+
+
+def gelu(q: Requests, T: int, i: int, saved: bool) -> dict:
+    """sequence.gelu_new on fc1's bf16 output, its blocks named: 0.5 x (bf16), pow's fp32 copy, the cube, its
+    scaled, the sum, its scaled, tanh, 1 + tanh, the product; pow's copy and tanh freed unless ``saved``."""
+    half, copy, cube = q.get(BF16 * T * i), q.get(FP32 * T * i), q.get(FP32 * T * i)
+    if not saved:
+        q.put(copy)
+    scaled = q.get(FP32 * T * i)
+    q.put(cube)
+    total = q.get(FP32 * T * i)
+    q.put(scaled)
+    inner = q.get(FP32 * T * i)
+    q.put(total)
+    tanh = q.get(FP32 * T * i)
+    q.put(inner)
+    one = q.get(FP32 * T * i)
+    if not saved:
+        q.put(tanh)
+    return {"half": half, "pow": copy, "tanh": tanh, "one": one, "prod": q.get(FP32 * T * i)}
+
+
+def phi_layer_forward(q: Requests, a: Arch, T: int, saved: bool) -> dict:
+    """One phi layer on its input (held by the checkpoint): checkpointing's forward (``saved`` false: returns its
+    output) or its recompute (``saved``: stopped once fc2's input is cast, the product's mul the last to save;
+    returns what the layer saved)."""
+    copy, normed = q.get(FP32 * T * a.h), q.get(FP32 * T * a.h)  # the LayerNorm's fp32 policy copy, its output
+    if not saved:
+        q.put(copy)
+    p = {m: linear(q, a, T, m, saved, True) for m in ("q_proj", "k_proj", "v_proj")}
+    qr, kr = rotary(q, T, a.heads * a.rotary_dim), rotary(q, T, a.kv * a.rotary_dim)
+    qcat, kcat = q.get(BF16 * T * a.heads * a.head_dim), q.get(BF16 * T * a.kv * a.head_dim)
+    sdpa = q.get(BF16 * T * a.heads * a.head_dim)
+    out_copy = q.get(BF16 * T * a.heads * a.head_dim)  # sequence.output_copy
+    if not saved:
+        q.put(sdpa)
+    o, o_cast, o_mask = linear(q, a, T, "dense", saved)
+    q.put(out_copy)
+    if not saved:
+        q.put(qcat, kcat, p["v_proj"][0])
+    q.put(qr, p["q_proj"][0], kr, p["k_proj"][0])
+    fc1 = cast_linear(q, T, a.h, a.i)
+    g = gelu(q, T, a.i, saved)
+    if saved:  # torch's early stop: the recompute's frames unwind after fc2's input cast
+        q.put(fc1)
+        q.put(q.get(BF16 * T * a.i), g["prod"], normed, o)
+        return {"copy": copy, "lora": {m: p[m][1:] for m in p}, "v": p["v_proj"][0], "qcat": qcat, "kcat": kcat,
+                "sdpa": sdpa, "o_cast": o_cast, "o_mask": o_mask, **g}
+    q.put(g["half"], g["one"], fc1)
+    down = cast_linear(q, T, a.i, a.h)
+    q.put(g["prod"])
+    total = q.get(BF16 * T * a.h)
+    out = q.get(BF16 * T * a.h)
+    q.put(total, normed, o, down)
+    return {"out": out}
+
+
+def layernorm_backward(q: Requests, T: int, h: int, g, x32, recomputed: bool = False):
+    """phi's final LayerNorm's backward on the head's bf16 input gradient ``g``: its cast's to fp32, the norm's
+    fp32 input gradient, its saved fp32 copy ``x32`` freed, the cast back to bf16 (returned: the residual stream's
+    gradient buffer)."""
+    g32 = q.get(FP32 * T * h)
+    q.put(g)
+    gn = q.get(FP32 * T * h)
+    q.put(g32, x32)
+    out = q.get(BF16 * T * h)
+    q.put(gn)
+    return out
+
+
+def gelu_backward(q: Requests, T: int, i: int, s: dict):
+    """fc2's input gradient (its cast's to fp32), the product's mul, 0.5 x's cast back to bf16, tanh's, the inner
+    sum's scaling, x's share (bf16), the cube's pow backward (its square, the exponent's scaling, the product) and
+    its cast back to bf16 and 0.5 x's share, each added into x's share in place: fc1's output gradient, returned."""
+    g2 = q.get(BF16 * T * i)
+    gp = q.get(FP32 * T * i)
+    q.put(g2)
+    gone, ghalf32 = q.get(FP32 * T * i), q.get(FP32 * T * i)
+    q.put(s["half"], s["one"])
+    ghalf = q.get(BF16 * T * i)
+    q.put(ghalf32, gp)
+    gt = q.get(FP32 * T * i)
+    q.put(s["tanh"], gone)
+    gtot = q.get(FP32 * T * i)
+    q.put(gt)
+    gx = q.get(BF16 * T * i)
+    gcube = q.get(FP32 * T * i)
+    q.put(gtot)
+    sq, scaled, prod = q.get(FP32 * T * i), q.get(FP32 * T * i), q.get(FP32 * T * i)
+    q.put(scaled, sq, s["pow"], gcube)
+    cast = q.get(BF16 * T * i)
+    q.put(prod, cast)
+    share = q.get(BF16 * T * i)
+    q.put(ghalf, share)
+    return gx
+
+
+def lora_backward_fp32(q: Requests, T: int, g, fi: int, fo: int, cast, mask):
+    """lora_backward on an fp32 input (phi's q, k, v on the LayerNorm's output): the scaling's, lora_A's input
+    gradient, its cast's to fp32, dropout's (added into the norm's fp32 gradient in place), the frozen base's bf16
+    input gradient, ``g`` freed once it has read it, its cast to fp32 added likewise."""
+    gs = q.get(BF16 * T * fo)
+    q.put(gs)
+    ga = q.get(BF16 * T * fi)
+    q.put(cast)
+    g32 = q.get(FP32 * T * fi)
+    q.put(ga)
+    gd = q.get(FP32 * T * fi)
+    q.put(mask, g32, gd)
+    base = q.get(BF16 * T * fi)
+    q.put(g)
+    b32 = q.get(FP32 * T * fi)
+    q.put(base, b32)
+
+
+def phi_layer_backward(q: Requests, a: Arch, T: int, g, x) -> None:
+    """One phi layer's recompute and backward on the residual stream's gradient ``g`` (the layer norm's share
+    added in place): the MLP's, dense's, flash's, k's then q's rotary and their slices' zero-padded gradients, v's,
+    k's and q's (each from its reshape copy) into the norm's fp32 gradient, the LayerNorm's; ``x``: the
+    checkpointed input, freed with it."""
+    s = phi_layer_forward(q, a, T, True)
+    qw, kw = a.heads * a.head_dim, a.kv * a.head_dim
+    gx = gelu_backward(q, T, a.i, s)
+    gin = q.get(BF16 * T * a.h)  # fc1's input gradient, then its cast's to fp32: the norm's gradient buffer
+    q.put(gx)
+    gn = q.get(FP32 * T * a.h)
+    q.put(gin)
+    fi, fo, _ = a.modules["dense"]
+    gcopy = lora_backward(q, T, g, fi, fo, s["o_cast"], s["o_mask"])
+    dq, dk, dv = flash_backward(q, a, T, gcopy, [s["kcat"], s["v"], s["sdpa"], s["qcat"]])
+    rk = rotary_backward(q, T, a.kv * a.rotary_dim)
+    rq = rotary_backward(q, T, a.heads * a.rotary_dim)
+    pads = []
+    for d, r, w in ((dk, rk, kw), (dq, rq, qw)):  # the pass-through slice's gradient, the rotated one's added
+        pads.append(q.get(BF16 * T * w))
+        q.put(d)
+        pad = q.get(BF16 * T * w)
+        q.put(r, pad)
+    ck, cq = pads
+    fi, fo, _ = a.modules["v_proj"]
+    lora_backward_fp32(q, T, dv, fi, fo, *s["lora"]["v_proj"])
+    for name, c, w in (("k_proj", ck, kw), ("q_proj", cq, qw)):
+        view = q.get(BF16 * T * w)  # the (B,T,H,D) reshape copy
+        q.put(c)
+        fi, fo, _ = a.modules[name]
+        lora_backward_fp32(q, T, view, fi, fo, *s["lora"][name])
+    gl = q.get(FP32 * T * a.h)
+    q.put(s["copy"], gn, x)
+    cast = q.get(BF16 * T * a.h)  # its cast back to bf16, added into g in place
+    q.put(gl, cast)

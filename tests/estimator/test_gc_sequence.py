@@ -10,6 +10,7 @@ import gzip
 import importlib.util
 import json
 
+import pytest
 from conftest import ROOT, checked_stack
 
 from issue395.constants import EXPANDABLE_PAGE_BYTES, K_SMALL_SIZE, block_bytes
@@ -94,7 +95,10 @@ def test_it_is_the_runs_only_on_the_checked_shape():
     assert not gc_sequence.replayed(phi3, "none", ("qkv_proj",), "sft", 2112, 1, **kw)
     assert not gc_sequence.replayed(phi3, "nf4", TARGETS, "sft", 2112, 1, **kw)
     assert not gc_sequence.replayed(phi3, "none", TARGETS, "sft", 2112, 2, **kw)
-    assert not gc_sequence.replayed(phi2, "none", ("q_proj", "v_proj"), "sft", 2112, 1, **kw)
+    assert not gc_sequence.replayed(phi2, "none", ("q_proj", "v_proj"), "sft", 1024, 1, **kw)
+    assert gc_sequence.replayed(phi2, "none", ("q_proj", "k_proj", "v_proj", "dense"), "sft", 1024, 1, **kw)
+    assert not gc_sequence.replayed(phi2, "none", ("q_proj", "k_proj", "v_proj", "dense"), "sft", 1024, 1,
+                                    transformers="5.25.0", environ={})
     assert not gc_sequence.replayed(phi3, "none", TARGETS, "sft", 2112, 1, transformers="5.25.0", environ={})
     assert not gc_sequence.replayed(phi3, "none", TARGETS, "sft", 2112, 1, transformers=sequence.SEQUENCE_TRANSFORMERS,
                                     environ={"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128"})
@@ -123,19 +127,22 @@ def captured_requests(events) -> list:
 
 
 @checked_stack
-def test_under_the_window_the_flash_step_is_the_checkpointed_captures_request_for_request():
-    """Issue 51 item 4 (the flash path, where the Phi-3-mini 10GB search answers 1,728 tokens): at or under the
-    sliding window masking_utils gives SDPA no mask, so flash runs; the checkpointed step 1 the sequence builds
-    (no mask nor bias, flash's backward) is bench/allocator_replay.py capture --checkpointing's (the real
-    transformers + peft model on the meta device, r16 on qkv_proj,o_proj) request for request, 9,000+ requests and
-    frees, less the one (T-1) x V fp32 block the H100 trace holds at TRL's token accuracy, which no Python op of
-    the capture makes (its shifted logits are a contiguous slice at batch 1)."""
-    a = arch_from_config(config_json("phi3-mini"))
-    T = 1728
-    assert not gc_sequence.masked(a, T) and gc_sequence.masked(a, a.window + 1)
-    events = capture_module().capture("phi3-mini", T, 1, 16, TARGETS, checkpointing=True)
-    q = gc_sequence.Paged(TARGETS, 16, trace=True)
-    sequence.load(q, a, TARGETS, 16)
+@pytest.mark.parametrize("key,T,targets", [("phi3-mini", 1728, TARGETS),
+                                           ("phi-2", 1024, ("q_proj", "k_proj", "v_proj", "dense"))])
+def test_under_the_window_the_flash_step_is_the_checkpointed_captures_request_for_request(key, T, targets):
+    """Issue 51 item 4 (the flash path, where the two checkpointed searches answer: Phi-3-mini 10GB 1,728 tokens,
+    phi-2 7.5GB's limit 1,024): with no mask (Phi-3 at or under its sliding window; phi has none) SDPA runs flash;
+    the checkpointed step 1 the sequence builds (no mask nor bias, flash's backward; phi's parallel LayerNorm
+    layer, its fp32 LoRA inputs and gelu_new's fp32 chain) is bench/allocator_replay.py capture
+    --checkpointing's (the real transformers + peft model on the meta device, r16 on the searched soup.yamls'
+    targets) request for request, 9,000+ requests and frees, less the one (T-1) x V fp32 block the H100 trace holds
+    at TRL's token accuracy, which no Python op of the capture makes (its shifted logits are a contiguous slice at
+    batch 1)."""
+    a = arch_from_config(config_json(key))
+    assert not gc_sequence.masked(a, T) and gc_sequence.masked(a, (a.window or a.max_pos) + 1) == (a.window is not None)
+    events = capture_module().capture(key, T, 1, 16, targets, checkpointing=True)
+    q = gc_sequence.Paged(targets, 16, trace=True)
+    sequence.load(q, a, targets, 16)
     loaded = len(q.trace)
     gc_sequence.step_whole(q, a, T)
     accuracy = ("alloc", 4 * (T - 1) * a.V)
