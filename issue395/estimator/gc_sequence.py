@@ -39,7 +39,8 @@ captures it on the meta device (the real transformers + peft model, CUDA's autog
 request, its oracle there (tests/estimator/test_gc_sequence.py), less one (T-1) x V fp32 block the H100 trace holds
 at TRL's token accuracy and the meta capture does not make (its slice of the fp32 logits is contiguous at batch 1:
 that block is a CUDA kernel's, not a copy the capture's Python makes). phi's (phi-2's) parallel layer likewise,
-against the capture (phi_layer_forward, phi_layer_backward: no window, flash always).
+against the capture (phi_layer_forward, phi_layer_backward: no window, flash always), and llama's (GQA; LoRA on
+q_proj, v_proj) the same way (llama_layer_forward, llama_layer_backward).
 
 A request of 1 MiB or less is the small pool's (``sequence.Requests`` leaves it out): the small pool's pages are
 not built (the adapter, its gradients and AdamW's states: 7,124,480 B of the trace's reserve at its peak).
@@ -54,13 +55,16 @@ from .full_sequence import FLASH_ROWS
 from .sequence import SEQUENCE_TRANSFORMERS, Requests, cast_linear, default_allocator, load, norm, rotary
 
 FP32, BF16 = 4, 2
+#: The model types whose q is a cat of its rotary and pass-through parts (sequence.output_copy).
+CAT_BUILT = ("phi3", "phi")
 #: TRL's entropy_from_logits splits the logits into chunks of this many rows.
 ENTROPY_CHUNK = 128
 #: The model types and their targets whose checkpointed step (SFT at batch 1) was checked request for request:
 #: Phi-3's fused layer on its protocol-and-o_proj targets (past its sliding window the H100 trace, the
 #: memory-efficient SDPA; at and under it the checkpointed capture, flash) and phi's parallel layer on q, k, v and
 #: dense (the capture; no window: flash).
-GC_TARGETS = {"phi3": frozenset({"qkv_proj", "o_proj"}), "phi": frozenset({"q_proj", "k_proj", "v_proj", "dense"})}
+GC_TARGETS = {"phi3": frozenset({"qkv_proj", "o_proj"}), "phi": frozenset({"q_proj", "k_proj", "v_proj", "dense"}),
+              "llama": frozenset({"q_proj", "v_proj"})}
 GC_SEQUENCE_TYPES = tuple(GC_TARGETS)
 
 
@@ -225,7 +229,7 @@ def forward(q: Requests, a: Arch, T: int, first: bool) -> dict:
     inputs, x, phi = [], emb, a.model_type == "phi"
     for _ in range(a.L):
         inputs.append(x)
-        x = (phi_layer_forward if phi else layer_forward)(q, a, T, False)["out"]
+        x = LAYERS[a.model_type][0](q, a, T, False)["out"]
     if phi:  # the final LayerNorm's fp32 policy copy (saved) and fp32 output, autocast's cast for the biased head
         nf = [q.get(FP32 * T * a.h)]
         out = q.get(FP32 * T * a.h)
@@ -272,11 +276,12 @@ def norm_backward(q: Requests, T: int, h: int, g, x32, recomputed: bool, x=None)
     return out
 
 
-def lora_backward(q: Requests, T: int, g, fi: int, fo: int, cast, mask, buffer=None):
+def lora_backward(q: Requests, T: int, g, fi: int, fo: int, cast, mask, buffer=None, into: bool = False):
     """A LoRA target's backward on its output's gradient ``g``: the scaling's (lora_B's and lora_A's weight and
     input gradients under 1 MiB: the small pool's), lora_A's input gradient, its cast's ToCopyBackward to fp32,
-    dropout's, the fp32 cast's back to bf16 (the input's gradient, returned), the frozen base's input gradient
-    added into it in place; ``buffer``: the gradient to free once the base has read it."""
+    dropout's, the fp32 cast's back to bf16 (the input's gradient, returned; ``into``: added at once into an
+    earlier share's buffer in place, and freed), the frozen base's input gradient added into it in place;
+    ``buffer``: the gradient to free once the base has read it."""
     gs = q.get(BF16 * T * fo)
     q.put(gs)
     ga = q.get(BF16 * T * fi)
@@ -287,9 +292,11 @@ def lora_backward(q: Requests, T: int, g, fi: int, fo: int, cast, mask, buffer=N
     q.put(mask, g32)
     gx = q.get(BF16 * T * fi)
     q.put(gd)
+    if into:
+        q.put(gx)
     base = q.get(BF16 * T * fi)
     q.put(buffer, base)
-    return gx
+    return None if into else gx
 
 
 def efficient_workspace(a: Arch, T: int) -> int:
@@ -301,16 +308,20 @@ def efficient_workspace(a: Arch, T: int) -> int:
 
 def flash_backward(q: Requests, a: Arch, T: int, g, kept: list):
     """Flash's backward on a recomputed layer (bench/allocator_replay.py's Flash, torch's mha_bwd): the output's
-    (B,T,H,D) contiguous copy (q cat-built lays it out (B,H,T,D)), dq, dk, dv, softmax_d and dq_accum (T rounded to
-    FLASH_ROWS, the head size to 32), the scratch freed, then what the recompute saved (``kept``, in the order the
-    capture frees them) and ``g``."""
+    (B,T,H,D) contiguous copy where q was cat-built (phi's and Phi-3's rotary and pass-through parts lay flash's
+    output out (B,H,T,D)), dq, dk, dv, softmax_d and dq_accum (T rounded to FLASH_ROWS, the head size to 32), a
+    GQA's dk and dv expanded to q's heads (freed at once), the scratch freed, then what the recompute saved
+    (``kept``, in the order the capture frees them) and ``g``."""
     qw, kw = a.heads * a.head_dim, a.kv * a.head_dim
     rows = -(-T // FLASH_ROWS) * FLASH_ROWS
     dr = -(-a.head_dim // (32 if a.head_dim <= 128 else 64)) * (32 if a.head_dim <= 128 else 64)
-    out_t = q.get(BF16 * T * qw)
+    out_t = q.get(BF16 * T * qw) if a.model_type in CAT_BUILT else None
     dq, dk, dv = q.get(BF16 * T * qw), q.get(BF16 * T * kw), q.get(BF16 * T * kw)
     sd = q.get(FP32 * a.heads * rows)
     acc = q.get(FP32 * rows * a.heads * dr)
+    if a.kv != a.heads:
+        e = [q.get(BF16 * T * qw), q.get(BF16 * T * qw)]
+        q.put(e[1], e[0])
     q.put(sd, acc, out_t)
     q.put(*kept, g)
     return dq, dk, dv
@@ -388,10 +399,7 @@ def backward(q: Requests, a: Arch, T: int, f: dict, first: bool, stop: bool = Fa
     q.put(gl)
     g = (layernorm_backward if a.model_type == "phi" else norm_backward)(q, T, a.h, gx, f["nf"][0], False)
     for k in reversed(range(a.L)):
-        if a.model_type == "phi":
-            phi_layer_backward(q, a, T, g, f["inputs"][k] if k else None)
-        else:
-            layer_backward(q, a, T, g, f["inputs"][k] if k else f["mask"])
+        LAYERS[a.model_type][1](q, a, T, g, f["inputs"][k] if k else f["mask"])
     q.put(g, f["inputs"][0])
 
 
@@ -570,3 +578,96 @@ def phi_layer_backward(q: Requests, a: Arch, T: int, g, x) -> None:
     q.put(s["copy"], gn, x)
     cast = q.get(BF16 * T * a.h)  # its cast back to bf16, added into g in place
     q.put(gl, cast)
+
+
+# llama: RMSNorm, separate q, k, v (GQA) and gate, up, down; LoRA on q_proj and v_proj (the protocol's), the rest
+# frozen; no window (flash always).
+
+
+def llama_layer_forward(q: Requests, a: Arch, T: int, saved: bool) -> dict:
+    """One llama layer on its input (held by the checkpoint): checkpointing's forward (``saved`` false: returns its
+    output) or its recompute (``saved``: stopped as down_proj packs its weight; returns what the layer saved)."""
+    normed, n1 = norm(q, T, a.h, saved)
+    p = {m: linear(q, a, T, m, saved) for m in ("q_proj", "k_proj", "v_proj")}
+    qr, kr = rotary(q, T, a.heads * a.head_dim), rotary(q, T, a.kv * a.head_dim)
+    q.put(p["q_proj"][0], p["k_proj"][0])
+    sdpa = q.get(BF16 * T * a.heads * a.head_dim)  # (B,T,H,D): the o_proj input's view
+    o = q.get(BF16 * T * a.h)
+    if not saved:
+        q.put(sdpa, qr, kr, p["v_proj"][0])
+    q.put(normed)
+    mid = q.get(BF16 * T * a.h)
+    q.put(o)
+    normed2, n2 = norm(q, T, a.h, saved)
+    gate, act = q.get(BF16 * T * a.i), q.get(BF16 * T * a.i)
+    if not saved:
+        q.put(gate)
+    up, prod = q.get(BF16 * T * a.i), q.get(BF16 * T * a.i)
+    if saved:  # torch's early stop: down_proj packs its weight, the recompute's frames unwind
+        q.put(prod, normed2, mid)
+        return {"n1": n1, "n2": n2, "lora": {m: p[m][1:] for m in p}, "v": p["v_proj"][0], "qr": qr, "kr": kr,
+                "sdpa": sdpa, "gate": gate, "act": act, "up": up}
+    q.put(act, up)
+    down = q.get(BF16 * T * a.h)
+    q.put(prod, normed2)
+    out = q.get(BF16 * T * a.h)
+    q.put(down, mid)
+    return {"out": out}
+
+
+def llama_rotary_backward(q: Requests, T: int, w: int, g):
+    """rotary_backward on a view's gradient ``g``, freed before x's share is added in place (returned)."""
+    s = q.get(BF16 * T * w)
+    n = q.get(BF16 * T * w // 2)
+    acc = q.get(BF16 * T * w)
+    q.put(n)
+    other = q.get(BF16 * T * w)
+    q.put(s, other)
+    last = q.get(BF16 * T * w)
+    q.put(g, last)
+    return acc
+
+
+def llama_layer_backward(q: Requests, a: Arch, T: int, g, x) -> None:
+    """One llama layer's recompute and backward on the residual stream's gradient ``g`` (every share added in
+    place): the MLP's (down's input gradient, the product's two, up's input gradient, silu's, gate's added), the
+    post-attention norm's, o_proj's, flash's, q's and k's rotary, v's, k's then q's projections (autograd's order:
+    the last made first; each (B,T,H,D) reshape copy, the first share the buffer the later ones add into), the
+    input norm's; ``x``: the checkpointed input, freed with it."""
+    s = llama_layer_forward(q, a, T, True)
+    gp = q.get(BF16 * T * a.i)
+    g1, g2 = q.get(BF16 * T * a.i), q.get(BF16 * T * a.i)
+    q.put(s["act"], s["up"], gp)
+    gin = q.get(BF16 * T * a.h)
+    q.put(g1)
+    silu = q.get(BF16 * T * a.i)
+    q.put(s["gate"], g2)
+    gg = q.get(BF16 * T * a.h)
+    q.put(silu, gg)
+    q.put(norm_backward(q, T, a.h, gin, s["n2"][0], True))
+    go = q.get(BF16 * T * a.heads * a.head_dim)
+    dq, dk, dv = flash_backward(q, a, T, go, [s["kr"], s["v"], s["sdpa"], s["qr"]])
+    grads = {"k_proj": llama_rotary_backward(q, T, a.kv * a.head_dim, dk), "v_proj": dv}
+    grads["q_proj"] = llama_rotary_backward(q, T, a.heads * a.head_dim, dq)
+    buffer = None
+    for name in ("v_proj", "k_proj", "q_proj"):
+        fi, fo, _ = a.modules[name]
+        gout = grads[name]
+        if name != "v_proj":  # the rotated gradient's (B,T,H,D) reshape copy
+            gout = q.get(BF16 * T * fo)
+            q.put(grads[name])
+        if name in q.targets:
+            gx = lora_backward(q, T, gout, fi, fo, *s["lora"][name], gout, into=buffer is not None)
+        else:
+            gx = q.get(BF16 * T * fi)
+            q.put(gout)
+            if buffer is not None:
+                q.put(gx)
+                gx = None
+        buffer = buffer if gx is None else gx
+    q.put(norm_backward(q, T, a.h, buffer, s["n1"][0], True, x))
+
+
+#: Each checked model type's checkpointed layer: its forward (and recompute) and its backward.
+LAYERS = {"phi3": (layer_forward, layer_backward), "phi": (phi_layer_forward, phi_layer_backward),
+          "llama": (llama_layer_forward, llama_layer_backward)}
