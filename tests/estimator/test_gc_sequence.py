@@ -140,9 +140,9 @@ def test_under_the_window_the_flash_step_is_the_checkpointed_captures_request_fo
     step 1 the sequence builds (no mask nor bias, flash's backward; phi's parallel LayerNorm layer, its fp32 LoRA
     inputs and gelu_new's fp32 chain; llama's GQA expansion and its projections' gradients summed in place) is
     bench/allocator_replay.py capture --checkpointing's (the real transformers + peft model on the meta device, r16
-    on the searched soup.yamls' targets) request for request, 4,000+ requests and frees, less the one (T-1) x V fp32 block the H100 trace holds
-    at TRL's token accuracy, which no Python op of the capture makes (its shifted logits are a contiguous slice at
-    batch 1)."""
+    on the searched soup.yamls' targets) request for request, 4,000+ requests and frees, less the one (T-1) x V
+    fp32 block the H100 trace holds at TRL's token accuracy, which no Python op of the capture makes (its shifted
+    logits are a contiguous slice at batch 1)."""
     a = arch_from_config(config_json(key))
     assert not gc_sequence.masked(a, T) and gc_sequence.masked(a, (a.window or a.max_pos) + 1) == (a.window is not None)
     events = capture_module().capture(key, T, 1, 16, targets, checkpointing=True)
