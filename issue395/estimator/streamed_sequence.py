@@ -15,26 +15,44 @@ pool's and no event (``Requests``). From the pool a history leaves at the step's
 the history's block for block: every state and temporary the same size, so the same rest (Qwen2.5-0.5B DPO r64
 all-linear, Llama-3.2-1B and Mistral-7B NF4 r256 SFT all-linear, Phi-3-mini NF4 r64 at 4 micro-batches).
 
-What is not built (what is left of issue 52 item 1, so the estimate keeps the bound): that pool. Where the states
-and temporaries land is decided by the free blocks the step 1 backward leaves: the streamed layers' recompute and
-backward at their activation and weight sizes (Qwen2.5 DPO's 1,245,184 B states cut from the tails of its
-activations' segments, 2,228,224 B and 1,835,008 B blocks handed out whole), and before them by where the backward's
-own gradients landed (Mistral-7B NF4 r256's 7 MiB gradients in freed 8 MiB hidden states) and by the load's
-placement of the parameters (Soup's setup, before any history). Replayed into fresh segments instead, the
+What is not built (what is left of issue 52 item 1, so the estimate keeps the bound on the gradients, states and
+temporaries): that pool past the setup. Where the states and temporaries land is decided by the free blocks the
+step 1 backward leaves: the streamed layers' forward, recompute and backward at their activation and weight sizes
+(Qwen2.5 DPO's 1,245,184 B states cut from the tails of its activations' segments, 2,228,224 B and 1,835,008 B
+blocks handed out whole), and before them by where the backward's own gradients landed (Mistral-7B NF4 r256's 7 MiB
+gradients in freed 8 MiB hidden states). Replayed into fresh segments instead, the
 parameters', gradients', states' and temporaries' rests are under the histories' on Phi-3-mini NF4 (13,107,200 B at
 the loss, where the row needs 15,354,144 B past the split estimate) and Mistral-7B NF4 r256 (187,695,104 B at the
 optimizer step against 241,355,528 B): ``fresh_rests`` says so, and is not charged.
+
+What is built of that pool: the setup's, where the adapter's parameters sit (``setup``; the history starts after
+it, so its start segments are the check, not its requests): soup-cli 0.77.0's
+build_streamed_model (utils/layer_stream_runtime.py) on the card, in order: materialize_extras (the embedding),
+materialize_meta_adapters (each LoRA matrix fp32, ``data.to(device)``, model.named_modules()'s order), the
+LayerBufferPool (``stream_buffers`` slots, each a ``torch.empty`` per layer tensor in the layer spec's order), then
+under DPO materialize_meta_adapter_copy (TRL 0.29's "ref" adapter: each default matrix cloned, in
+named_parameters' order). Checked against both bf16 histories' start segments (the layout the window opened on:
+tests/estimator/test_streamed_sequence.py): every large-pool segment the same blocks, requests and free rests
+(Qwen2.5-0.5B DPO r64 all-linear: 144 adapter blocks, 9,764,864 B of rests; Llama-3.2-1B SFT: 48, none). Where it
+is checked (``setup_replayed``) the estimate charges the parameters' rests it leaves (``placed_rests``) in place of
+their bound; the gradients', states' and temporaries' keep it, their pool being the step's.
 """
 
 from __future__ import annotations
 
+from ..constants import CUBLAS_WORKSPACE
 from .arch import Arch
-from .sequence import Requests
+from .sequence import SEQUENCE_TRANSFORMERS, Requests, default_allocator, layer_parameters
 from .steady import OPTIMIZERS
 
 #: The optimizers whose first step ``adamw_step`` builds: torch's AdamW, foreach (a square-root temporary per
 #: parameter) and fused (none). bitsandbytes' and the others keep their states otherwise: not built.
 BUILT_OPTIMIZERS = ("adamw_torch", "adamw_torch_fused")
+#: The setup ``setup`` builds was checked on these (the bf16 histories' start segments): the model types, the tasks
+#: (DPO's reference copy; SFT none), soup-cli's release, its pool's slots.
+SETUP_TYPES, SETUP_TASKS, SETUP_RELEASE, SETUP_BUFFERS = ("llama", "qwen2"), ("sft", "dpo"), "0.77.0", 2
+#: Bytes a LoRA element takes as materialize_meta_adapters makes it (``torch.empty(..., dtype=torch.float32)``).
+MATERIALISED = 4
 
 
 def adapter_elements(a: Arch, targets: tuple, r: int) -> list[int]:
@@ -80,3 +98,39 @@ def fresh_rests(a: Arch, targets: tuple, r: int, per: int, *, copies: int = 1, o
     temporaries = [q.get(per * n) for n in elements] if OPTIMIZERS[optimizer].transient else []
     return {"parameters": q.rests(params), "gradients": q.rests(grads), "states": q.rests(states),
             "temporaries": q.rests(temporaries)}
+
+
+def setup(q: Requests, a: Arch, targets: tuple, r: int, *, reference: bool, buffers: int = SETUP_BUFFERS,
+          workspace: int = CUBLAS_WORKSPACE) -> list:
+    """soup-cli 0.77.0's streamed setup on the card (the module's docstring): the embedding (a tied model's one
+    vocab matrix), the adapter fp32, ``buffers`` slots of one layer's tensors in its modules' order, under
+    ``reference`` (DPO) the adapter's copy, and the cuBLAS workspace (its own segment; made before the window).
+    Returns the adapter's blocks' keys, both copies."""
+    elements = adapter_elements(a, targets, r)
+    q.get(2 * a.V * a.h)
+    made = [q.get(MATERIALISED * n) for n in elements]
+    for _ in range(buffers):
+        for _, nbytes in layer_parameters(a, 0):
+            q.get(nbytes)
+    if reference:
+        made += [q.get(MATERIALISED * n) for n in elements]
+    q.get(workspace)
+    return made
+
+
+def setup_replayed(a: Arch, quant: str, task: str, *, release: str, transformers: str, stream: dict,
+                   probed: bool, buffers: int, environ=None) -> bool:
+    """Whether ``setup`` is the run's: a tied dense bf16 llama-type decoder (SETUP_TYPES), SFT or DPO, soup-cli
+    SETUP_RELEASE with its default streaming (no training key, no probe: stream_vram_probe runs a step at setup, on
+    the card before DPO's copy), SETUP_BUFFERS slots, transformers sequence.SEQUENCE_TRANSFORMERS (``transformers``:
+    the release, its local tag dropped) and the default allocator: the two histories it was checked on."""
+    return (a.model_type in SETUP_TYPES and a.layers is None and a.tied and quant == "none" and task in SETUP_TASKS
+            and release == SETUP_RELEASE and not stream and not probed and buffers == SETUP_BUFFERS
+            and transformers == SEQUENCE_TRANSFORMERS and default_allocator(environ))
+
+
+def placed_rests(a: Arch, targets: tuple, r: int, reference: bool) -> int:
+    """What the adapter's parameters (and DPO's copy) keep past their requests where ``setup`` places them: live
+    from the setup on, in every phase of every step."""
+    q = Requests()
+    return q.rests(setup(q, a, targets, r, reference=reference))

@@ -55,7 +55,8 @@ def _at_peak(trace: dict) -> list:
 def test_the_adapter_blocks_rests_at_each_real_peak_are_within_the_rests_charged_in_its_binding_phase(key):
     """At the replayed peak (max_memory_allocated exactly: tests/measure/test_trace.py) the adapter-shaped blocks
     over 1 MiB hold rests no more than the adapter rest terms live in the estimate's binding phase, and no more of
-    them hold a rest than the blocks those terms count live there (1 MiB each): at the loss of a step past the first,
+    them hold a rest than the blocks those terms count live there (1 MiB each; where the setup is replayed its
+    parameters' rests are its own, streamed_sequence.placed_rests): at the loss of a step past the first,
     the parameters (and DPO's reference copy), the states, and with accumulation the held gradients; with one
     micro-batch no gradient (the Trainer's zero_grad freed them)."""
     trace, row = _history(key)
