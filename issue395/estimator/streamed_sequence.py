@@ -36,13 +36,18 @@ tests/estimator/test_streamed_sequence.py): every large-pool segment the same bl
 (Qwen2.5-0.5B DPO r64 all-linear: 144 adapter blocks, 9,764,864 B of rests; Llama-3.2-1B SFT: 48, none). Where it
 is checked (``setup_replayed``) the estimate charges the parameters' rests it leaves (``placed_rests``) in place of
 their bound; the gradients', states' and temporaries' keep it, their pool being the step's.
+
+Of the step itself: step 1's forward through the streamed layers (``layers_forward``: each layer under Soup's
+recompute keeps no graph, only its output as the next one's checkpointed input), both bf16 histories' large-pool
+requests and frees in order (Llama-3.2-1B SFT 2,544, Qwen2.5-0.5B DPO's policy forward 2,568). Not charged: the
+head, the loss, DPO's reference forward and the backward's recompute and gradients are not built yet.
 """
 
 from __future__ import annotations
 
 from ..constants import CUBLAS_WORKSPACE
 from .arch import Arch
-from .sequence import SEQUENCE_TRANSFORMERS, Requests, default_allocator, layer_parameters
+from .sequence import SEQUENCE_TRANSFORMERS, Requests, default_allocator, layer_parameters, norm, rotary
 from .steady import OPTIMIZERS
 
 #: The optimizers whose first step ``adamw_step`` builds: torch's AdamW, foreach (a square-root temporary per
@@ -134,3 +139,68 @@ def placed_rests(a: Arch, targets: tuple, r: int, reference: bool) -> int:
     from the setup on, in every phase of every step."""
     q = Requests()
     return q.rests(setup(q, a, targets, r, reference=reference))
+
+
+# -- step 1's forward: Soup's streamed layers under checkpointing (no autograd graph kept) --
+
+def lora_forward(q: Requests, T: int, fi: int, fo: int, r: int, dropout: bool):
+    """A LoRA target's forward with no graph kept: the base output, peft's fp32 cast of its input, dropout's bool mask
+    and output (``dropout``; none where the task's trainer turns dropout off), autocast's bf16 cast for lora_A (freed
+    with dropout's output once lora_A returns), lora_A's output (freed once lora_B's is made: a small-pool block on
+    every checked run), lora_B's, the scaling, the sum (returned); the rest freed."""
+    base, x32 = q.get(2 * T * fo), q.get(4 * T * fi)
+    mask = q.get(T * fi) if dropout else None
+    drop = q.get(4 * T * fi) if dropout else None
+    q.put(mask)
+    cast = q.get(2 * T * fi)
+    a_out = q.get(2 * T * r)
+    q.put(cast, drop)
+    b_out = q.get(2 * T * fo)
+    q.put(a_out)
+    scaled = q.get(2 * T * fo)
+    q.put(b_out)
+    out = q.get(2 * T * fo)
+    q.put(scaled, base, x32)
+    return out
+
+
+def projection_forward(q: Requests, a: Arch, T: int, name: str, lora: tuple):
+    """A linear's output with no graph kept: a LoRA target's (``lora``: targets, r, dropout) or a frozen one's."""
+    fi, fo, _ = a.modules[name]
+    targets, r, dropout = lora
+    return lora_forward(q, T, fi, fo, r, dropout) if name in targets else q.get(2 * T * fo)
+
+
+def layer_forward(q: Requests, a: Arch, T: int, lora: tuple):
+    """One streamed decoder layer's checkpointed forward (transformers' llama-type layer, no graph kept): the input
+    norm, q, k, v, q and k rotated (q's and k's projections freed), flash's output, o_proj, then as the attention's
+    frame goes flash's output, the rotated q and k, v, and the normed input; the residual add, the post-attention
+    norm, gate, its activation (gate freed), up, their product (the activation and up freed), down (the product and
+    the normed input freed), the residual add (down and the first sum freed). Returns the layer's output: the next
+    layer's checkpointed input, kept."""
+    normed, _ = norm(q, T, a.h, False)
+    qo, ko, vo = (projection_forward(q, a, T, m, lora) for m in ("q_proj", "k_proj", "v_proj"))
+    qr, kr = rotary(q, T, a.heads * a.head_dim), rotary(q, T, a.kv * a.head_dim)
+    q.put(qo, ko)
+    sdpa = q.get(2 * T * a.heads * a.head_dim)
+    o = projection_forward(q, a, T, "o_proj", lora)
+    q.put(sdpa, qr, kr, vo, normed)
+    mid = q.get(2 * T * a.h)
+    q.put(o)
+    normed2, _ = norm(q, T, a.h, False)
+    gate = projection_forward(q, a, T, "gate_proj", lora)
+    act = q.get(2 * T * a.i)
+    q.put(gate)
+    up = projection_forward(q, a, T, "up_proj", lora)
+    prod = q.get(2 * T * a.i)
+    q.put(act, up)
+    down = projection_forward(q, a, T, "down_proj", lora)
+    q.put(prod, normed2)
+    out = q.get(2 * T * a.h)
+    q.put(down, mid)
+    return out
+
+
+def layers_forward(q: Requests, a: Arch, T: int, lora: tuple) -> list:
+    """Every layer's checkpointed forward in turn; returns their outputs (each kept as the next one's input)."""
+    return [layer_forward(q, a, T, lora) for _ in range(a.L)]

@@ -21,7 +21,7 @@ from issue395.estimator.estimate import ADAPTER_RESTS, checked_arguments, estima
 from issue395.estimator.sequence import Requests, layer_parameters
 from issue395.estimator.steady import adapter_bytes, lora_tensors
 from issue395.estimator.streamed_sequence import (MATERIALISED, adamw_step, adapter_elements, fresh_rests,
-                                                  placed_rests, setup, setup_replayed)
+                                                  layers_forward, placed_rests, setup, setup_replayed)
 from issue395.estimator.terms import Phase
 from issue395.measure.trace import held_at, replay_trace, replaying_trace, seeded
 from issue395.model.registry import config_json
@@ -232,3 +232,31 @@ def test_each_traced_arm_is_charged_at_or_above_its_real_peak_and_its_adapter_re
         states = [h for h in held if h.born >= 0]
         placed = placed_rests(a, targets, row["r"], row["task"] == "dpo")
         assert charged == placed + len(states) * MiB
+
+
+def _large(trace: dict) -> list:
+    """The history's large-pool requests and frees in order, as sequence.Requests' trace writes them."""
+    out = []
+    for row in trace["events"]:
+        nbytes = int(row[2] or 0)
+        if block_bytes(nbytes) > K_SMALL_SIZE and row[0] in ("alloc", "free_requested"):
+            out.append(("alloc" if row[0] == "alloc" else "free", nbytes))
+    return out
+
+
+@pytest.mark.parametrize("key", ("qwen", "llama32-1b"))
+def test_the_streamed_layers_checkpointed_forward_is_each_bf16_historys_request_for_request(key):
+    """Issue 52 item 1, the streamed step's own requests, trace first: step 1's forward through every streamed layer
+    (no graph kept under Soup's recompute) built from the Arch is the history's large-pool requests and frees in
+    order, the first thing after the embedding's output, layer for layer (Llama-3.2-1B SFT with LoRA dropout's
+    masks: 16 layers, 2,544 events; Qwen2.5-0.5B DPO's policy forward, TRL having turned dropout off, at the paired
+    batch's 4,096 tokens: 24 layers, 2,568 events, q, k and v biases in their outputs)."""
+    trace, row = _history(key)
+    a, targets, _ = _adapter(key, row)
+    T = row["seq"] * row["batch"] * (2 if row["task"] == "dpo" else 1)
+    q = Requests(trace=True)
+    layers_forward(q, a, T, (targets, row["r"], row["task"] != "dpo"))
+    real = _large(trace)
+    embedded = real.index(("alloc", 2 * T * a.h))
+    assert real[embedded + 1:embedded + 1 + len(q.trace)] == q.trace
+    assert len(q.trace) == {"qwen": 2568, "llama32-1b": 2544}[key]
