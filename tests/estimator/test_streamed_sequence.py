@@ -18,7 +18,7 @@ from issue395.constants import K_SMALL_SIZE, MiB, block_bytes
 from issue395.estimator.allocator import _chain
 from issue395.estimator.arch import arch_from_config
 from issue395.estimator.estimate import ADAPTER_RESTS, checked_arguments, estimate_key
-from issue395.estimator.sequence import Requests, layer_parameters
+from issue395.estimator.sequence import Requests, layer, layer_parameters
 from issue395.estimator.steady import adapter_bytes, lora_tensors
 from issue395.estimator.streamed_sequence import (MATERIALISED, adamw_step, adapter_elements, fresh_rests,
                                                   layers_forward, placed_rests, setup, setup_replayed)
@@ -260,3 +260,27 @@ def test_the_streamed_layers_checkpointed_forward_is_each_bf16_historys_request_
     embedded = real.index(("alloc", 2 * T * a.h))
     assert real[embedded + 1:embedded + 1 + len(q.trace)] == q.trace
     assert len(q.trace) == {"qwen": 2568, "llama32-1b": 2544}[key]
+
+
+def test_each_streamed_layers_recompute_is_the_resident_forward_stopped_at_down_projs_lora_a():
+    """What the next builder starts from (issue 52 item 1, trace first): in the Llama-3.2-1B bf16 history every layer
+    but the first, in each of the 3 steps, recomputes its forward as sequence.layer builds a resident layer's with
+    its graph (the first 124 large-pool events, 40 identifying it) and stops where the last tensor its backward needs
+    is made (down_proj's lora_A output: torch's non-reentrant checkpoint stops early, lora_B's output never made),
+    one such layer every 312
+    events (the other 188: the early stop's frees and the layer's backward, its gradients among them: not built)."""
+    trace, row = _history("llama32-1b")
+    a, targets, _ = _adapter("llama32-1b", row)
+    T = row["seq"] * row["batch"]
+    q = Requests(trace=True)
+    x = q.get(2 * T * a.h)
+    q.trace.clear()
+    layer(q, a, T, x, False, (targets, row["r"], True))
+    made = q.trace
+    real = _large(trace)
+    starts = [i for i in range(len(real) - 40) if real[i:i + 40] == made[:40]]
+    assert len(starts) == 3 * (a.L - 1)
+    assert all(real[i:i + 124] == made[:124] and real[i + 124] != made[124] for i in starts)
+    # the last two: down_proj's bf16 cast for lora_A (its saved input), then dropout's fp32 output freed
+    assert made[122:124] == [("alloc", 2 * T * a.i), ("free", 4 * T * a.i)] and made[124] == ("alloc", 2 * T * a.h)
+    assert {j - i for i, j in zip(starts, starts[1:]) if j - i < 1000} == {312}
