@@ -39,8 +39,12 @@ their bound; the gradients', states' and temporaries' keep it, their pool being 
 
 Of the step itself: step 1's forward through the streamed layers (``layers_forward``: each layer under Soup's
 recompute keeps no graph, only its output as the next one's checkpointed input), both bf16 histories' large-pool
-requests and frees in order (Llama-3.2-1B SFT 2,544, Qwen2.5-0.5B DPO's policy forward 2,568). Not charged: the
-head, the loss, DPO's reference forward and the backward's recompute and gradients are not built yet.
+requests and frees in order (Llama-3.2-1B SFT 2,544, Qwen2.5-0.5B DPO's policy forward 2,568); and each layer's
+backward but the first's (``layer_backward``: the recompute torch's non-reentrant checkpoint stops after down_proj's
+lora_A, then the autograd engine's order, each LoRA target's fp32 gradients made in it), every such layer of every
+step of both histories (Llama 45 x 312 events, Qwen 69 x 228), each run of frees between two requests the same set.
+Not charged: the head, the loss, DPO's reference forward and the first layer's backward are not built yet, so the
+pool step 1's optimizer step meets is not either.
 """
 
 from __future__ import annotations
@@ -57,7 +61,9 @@ BUILT_OPTIMIZERS = ("adamw_torch", "adamw_torch_fused")
 #: (DPO's reference copy; SFT none), soup-cli's release, its pool's slots.
 SETUP_TYPES, SETUP_TASKS, SETUP_RELEASE, SETUP_BUFFERS = ("llama", "qwen2"), ("sft", "dpo"), "0.77.0", 2
 #: Bytes a LoRA element takes as materialize_meta_adapters makes it (``torch.empty(..., dtype=torch.float32)``).
-MATERIALISED = 4
+MATERIALISED = FP32 = 4
+#: SDPA's backward workspace past its fp32 accumulators (flash_backward), as the four H100 histories request it.
+FLASH_WORKSPACE_PAD = 256
 
 
 def adapter_elements(a: Arch, targets: tuple, r: int) -> list[int]:
@@ -204,3 +210,183 @@ def layer_forward(q: Requests, a: Arch, T: int, lora: tuple):
 def layers_forward(q: Requests, a: Arch, T: int, lora: tuple) -> list:
     """Every layer's checkpointed forward in turn; returns their outputs (each kept as the next one's input)."""
     return [layer_forward(q, a, T, lora) for _ in range(a.L)]
+
+
+# -- step 1's backward: each streamed layer's recompute (early-stopped) and its backward --
+
+def lora_recompute(q: Requests, T: int, fi: int, fo: int, r: int, dropout: bool, stop: bool = False) -> tuple:
+    """A LoRA target's forward recomputed with its graph: the base output, the fp32 cast, dropout's mask and
+    output, the bf16 cast lora_A saves, lora_A's output lora_B saves (dropout's output freed), then lora_B's, the
+    scaling, the sum; with ``stop`` (torch's non-reentrant checkpoint stops once the last tensor the backward
+    unpacks is made: down_proj's lora_A output) nothing after lora_A. Returns (output, what it saved, what the stop
+    leaves to free: the fp32 cast and the base output)."""
+    base, x32 = q.get(2 * T * fo), q.get(4 * T * fi)
+    mask = q.get(T * fi) if dropout else None
+    drop = q.get(4 * T * fi) if dropout else None
+    cast, a_out = q.get(2 * T * fi), q.get(2 * T * r)
+    q.put(drop)
+    saved = {"cast": cast, "a": a_out, "mask": mask, "fi": fi, "fo": fo, "r": r}
+    if stop:
+        return None, saved, [x32, base]
+    b_out = q.get(2 * T * fo)
+    scaled = q.get(2 * T * fo)
+    q.put(b_out)
+    out = q.get(2 * T * fo)
+    q.put(scaled, base, x32)
+    return out, saved, []
+
+
+def layer_recompute(q: Requests, a: Arch, T: int, lora: tuple) -> tuple:
+    """A layer's forward recomputed when its backward first unpacks (sequence.layer's resident forward with its
+    graph, the input's norm saving its fp32 copy), stopped after down_proj's lora_A. Returns what its backward
+    reads and what the stop leaves, in the order the unwound frames free it (down_proj's, the MLP's product, the
+    post-attention norm's output, the first residual sum)."""
+    targets, r, dropout = lora
+
+    def target(name: str, stop: bool = False) -> tuple:
+        fi, fo, _ = a.modules[name]
+        return lora_recompute(q, T, fi, fo, r, dropout, stop)
+
+    s = {}
+    n1, s["n1"] = norm(q, T, a.h, True)
+    outs = {}
+    for m in ("q_proj", "k_proj", "v_proj"):
+        outs[m], s[m], _ = target(m)
+    s["qr"], s["kr"] = rotary(q, T, a.heads * a.head_dim), rotary(q, T, a.kv * a.head_dim)
+    q.put(outs["q_proj"], outs["k_proj"])
+    s["v"], s["sdpa"] = outs["v_proj"], q.get(2 * T * a.heads * a.head_dim)
+    o, s["o_proj"], _ = target("o_proj")
+    q.put(n1)
+    mid = q.get(2 * T * a.h)
+    q.put(o)
+    n2, s["n2"] = norm(q, T, a.h, True)
+    s["gate"], s["gate_proj"], _ = target("gate_proj")
+    s["act"] = q.get(2 * T * a.i)
+    s["up"], s["up_proj"], _ = target("up_proj")
+    prod = q.get(2 * T * a.i)
+    _, s["down_proj"], dead = target("down_proj", stop=True)
+    return s, dead + [prod, n2, mid]
+
+
+def lora_backward(q: Requests, T: int, s: dict, scaled, into) -> tuple:
+    """A LoRA target's backward from its scaling's gradient ``scaled``: lora_B's mm (a_out saved, ``scaled`` freed),
+    B's fp32 gradient, lora_A's mm (the cast saved freed), the cast's ToCopy to fp32, A's fp32 gradient, dropout's
+    (its mask freed), the fp32 cast's ToCopy back to bf16, accumulated in place into ``into`` where the input's
+    buffer holds a gradient (freed), then the frozen base's input gradient. Returns (the input's gradient, the base's
+    share to accumulate and free, the fp32 gradients made)."""
+    fi, fo, r = s["fi"], s["fo"], s["r"]
+    ga, gbw = q.get(2 * T * r), q.get(2 * fo * r)
+    q.put(s["a"], scaled)
+    grads = [q.get(FP32 * fo * r)]
+    q.put(gbw)
+    gc, gaw = q.get(2 * T * fi), q.get(2 * r * fi)
+    q.put(s["cast"], ga)
+    g32 = q.get(FP32 * T * fi)
+    q.put(gc)
+    grads.append(q.get(FP32 * r * fi))
+    q.put(gaw)
+    if s["mask"] is not None:
+        gd = q.get(FP32 * T * fi)
+        q.put(s["mask"], g32)
+        g32 = gd
+    gx = q.get(2 * T * fi)
+    q.put(g32)
+    if into is not None:
+        q.put(gx)
+        gx = into
+    return gx, q.get(2 * T * fi), grads
+
+
+def mlp_backward(q: Requests, a: Arch, T: int, s: dict, scaled) -> tuple:
+    """The gated MLP's backward (down_proj's scaling gradient ``scaled`` made before the recompute): down_proj, the
+    product's (the activation and up freed), up_proj, the activation's (gate freed), gate_proj; each base's share
+    accumulated in place. Returns the post-attention norm output's gradient and the fp32 gradients made."""
+    gprod, gb, grads = lora_backward(q, T, s["down_proj"], scaled, None)
+    q.put(gb)
+    gact, gup = q.get(2 * T * a.i), q.get(2 * T * a.i)
+    q.put(s["act"], s["up"], gprod)
+    gn2, gb, made = lora_backward(q, T, s["up_proj"], q.get(2 * T * a.i), None)
+    q.put(gup, gb)
+    gg = q.get(2 * T * a.i)
+    q.put(s["gate"], gact)
+    gn2, gb, more = lora_backward(q, T, s["gate_proj"], q.get(2 * T * a.i), gn2)
+    q.put(gg, gb)
+    return gn2, grads + made + more
+
+
+def norm_backward(q: Requests, T: int, h: int, g, saved: list, x=None) -> None:
+    """HF's RMSNorm's backward (bf16 in and out, fp32 inside, its weight frozen) on ``g``: the weight's product,
+    its fp32 copy, x * rsqrt's two, mean's and pow's, the input's share cast to bf16 and accumulated in place into
+    the residual's gradient; ``x`` (the layer's checkpointed input, at the input norm) freed with the rest."""
+    x32, r = saved
+    gw = q.get(2 * T * h)
+    q.put(g)
+    g32 = q.get(FP32 * T * h)
+    q.put(gw)
+    gx, t = q.get(FP32 * T * h), q.get(FP32 * T * h)
+    q.put(t, g32)
+    m = q.get(FP32 * T * h)
+    p = [q.get(FP32 * T * h) for _ in range(3)]
+    q.put(p[1], p[0], x32, r, m, x, p[2])
+    out = q.get(2 * T * h)
+    q.put(gx, out)
+
+
+def rotary_backward(q: Requests, T: int, w: int, g):
+    """x * cos + rotate_half(x) * sin's backward in bf16 on ``g``: the sin product's, the negated half, each slice's
+    zero-padded gradient (the second accumulated in place into the first), the cos product's, accumulated too."""
+    c, n = q.get(2 * T * w), q.get(T * w)
+    s1 = q.get(2 * T * w)
+    q.put(n)
+    s2 = q.get(2 * T * w)
+    q.put(c, s2)
+    gc = q.get(2 * T * w)
+    q.put(g, gc)
+    return s1
+
+
+def flash_backward(q: Requests, a: Arch, T: int, g, s: dict) -> tuple:
+    """SDPA's backward: dq, dk, dv, then its one workspace (fp32: the output gradient's accumulator a head and
+    token, a second for the expanded heads' where k and v have fewer, the softmax's row sums, and 256 B; read off
+    the four committed H100 histories, GQA and not), freed; then ``g`` and what the forward saved."""
+    dq, dk = q.get(2 * T * a.heads * a.head_dim), q.get(2 * T * a.kv * a.head_dim)
+    dv = q.get(2 * T * a.kv * a.head_dim)
+    q.put(q.get(FP32 * T * a.heads * (a.head_dim * (2 if a.kv != a.heads else 1) + 1) + FLASH_WORKSPACE_PAD))
+    q.put(g, s["qr"], s["kr"], s["v"], s["sdpa"])
+    return dq, dk, dv
+
+
+def attention_backward(q: Requests, a: Arch, T: int, s: dict, g) -> tuple:
+    """o_proj's backward (on the residual's gradient ``g``, which stays), SDPA's, k's and q's rotary, v_proj's,
+    then k_proj's and q_proj's each on a contiguous copy of its gradient. Returns the input norm output's gradient
+    and the fp32 gradients made."""
+    gsd, gb, grads = lora_backward(q, T, s["o_proj"], q.get(2 * T * a.modules["o_proj"][1]), None)
+    q.put(gb)
+    dq, dk, dv = flash_backward(q, a, T, gsd, s)
+    rk = rotary_backward(q, T, a.kv * a.head_dim, dk)
+    rq = rotary_backward(q, T, a.heads * a.head_dim, dq)
+    gn1, gb, made = lora_backward(q, T, s["v_proj"], q.get(2 * T * a.modules["v_proj"][1]), None)
+    q.put(dv, gb)
+    grads += made
+    for name, rot in (("k_proj", rk), ("q_proj", rq)):
+        copy = q.get(2 * T * a.modules[name][1])
+        q.put(rot)
+        gn1, gb, made = lora_backward(q, T, s[name], q.get(2 * T * a.modules[name][1]), gn1)
+        q.put(copy, gb)
+        grads += made
+    return gn1, grads
+
+
+def layer_backward(q: Requests, a: Arch, T: int, x, g, lora: tuple) -> list:
+    """One streamed layer's backward (not the first's) on its output's gradient ``g`` (accumulated in place through
+    the layer: it leaves as the input's): down_proj's scaling gradient, the recompute and the stop's frees, the MLP's,
+    the post-attention norm's, the attention's, the input norm's (``x``, the checkpointed input, freed). Returns the
+    fp32 gradients made (the adapter's, held until the optimizer's step)."""
+    scaled = q.get(2 * T * a.h)
+    s, dead = layer_recompute(q, a, T, lora)
+    q.put(*dead)
+    gn2, grads = mlp_backward(q, a, T, s, scaled)
+    norm_backward(q, T, a.h, gn2, s["n2"])
+    gn1, made = attention_backward(q, a, T, s, g)
+    norm_backward(q, T, a.h, gn1, s["n1"], x)
+    return grads + made
