@@ -15,19 +15,22 @@ from unittest.mock import patch
 import pytest
 
 from issue395.constants import K_SMALL_SIZE, MiB, block_bytes
-from issue395.estimator.allocator import _chain
+from issue395.estimator.allocator import CachingAllocator, _chain
 from issue395.estimator.arch import arch_from_config
 from issue395.estimator.estimate import ADAPTER_RESTS, checked_arguments, estimate_key
 from issue395.estimator.sequence import Requests, layer, layer_parameters
 from issue395.estimator.steady import adapter_bytes, lora_tensors
 from issue395.estimator.streamed_sequence import (MATERIALISED, adamw_step, adapter_elements, fresh_rests,
-                                                  layer_backward, layers_forward, placed_rests, setup,
-                                                  setup_replayed)
+                                                  dpo_step, layer_backward, layers_forward, placed_rests,
+                                                  setup, setup_replayed, sft_step, step_rests)
 from issue395.estimator.terms import Phase
 from issue395.measure.trace import held_at, replay_trace, replaying_trace, seeded
 from issue395.model.registry import config_json
 
 ROOT = Path(__file__).resolve().parents[2] / "results"
+#: The transients every history makes and frees at once (5,123,584 B, then 1,024 B more each time), left out of the
+#: comparison: their maker is not identified, and each goes back to the free block it was cut from.
+TRANSIENTS = (5_000_000, 5_200_000)
 TRACES = {"qwen": "anatomy-and-segments52-h100-soup0.77.0-96b7b97/seg-dpo-qwen-bf16-2048x1-r64-all-s3-a1",
           "llama32-1b": "anatomy-and-segments52-h100-soup0.77.0-96b7b97/seg-sft-llama32-1b-bf16-2048x1-r64-all-s3-a1",
           "phi3-mini": "segments52-and-anatomy-h100-soup0.77.0-96b7b97/seg-sft-phi3-nf4-2048x1-r64-fused-s3-a4",
@@ -217,8 +220,9 @@ def test_the_setup_is_charged_only_where_it_was_checked():
 def test_each_traced_arm_is_charged_at_or_above_its_real_peak_and_its_adapter_rests(key):
     """Never under (issue 52 item 1): on each committed streamed history the corrected estimate is at or above
     the real peak (max_memory_allocated) and the adapter rest terms of its binding phase at or above what the
-    adapter-shaped blocks keep there; where the setup is replayed (the bf16 two) the parameters' part is its
-    rests exactly and every other adapter block live there (step 1's AdamW states) is still bounded at 1 MiB."""
+    adapter-shaped blocks keep there; where the setup and step 1 are replayed (the bf16 two: step_replayed) the
+    term is the parameters' and step 1's AdamW states' rests the replay leaves, the history's at its real peak to
+    the byte (Qwen2.5 DPO 15,859,712 B, 1.00024x; Llama-3.2-1B none, 1.00108x); NF4 keeps the bound."""
     trace, row = _history(key)
     a, targets, per = _adapter(key, row)
     r = replay_trace(trace)
@@ -229,10 +233,9 @@ def test_each_traced_arm_is_charged_at_or_above_its_real_peak_and_its_adapter_re
                      accumulation=row["accum"], soup=False, transformers="5.16.1")
     charged = sum(e.terms.get(t.key, 0) for t in ADAPTER_RESTS if Phase(e.phase) in t.phases)
     assert e.corrected_predicted >= r.peak == row["real_peak"] and charged >= sum(h.rest for h in held)
-    if row["quant"] == "none":
-        states = [h for h in held if h.born >= 0]
-        placed = placed_rests(a, targets, row["r"], row["task"] == "dpo")
-        assert charged == placed + len(states) * MiB
+    if row["quant"] == "none":  # the parameters' and the states' rests replayed: the history's to the byte
+        assert charged == sum(h.rest for h in held) == {"qwen": 15_859_712, "llama32-1b": 0}[key]
+        assert e.corrected_predicted / r.peak < 1.002
 
 
 def _large(trace: dict) -> list:
@@ -324,3 +327,53 @@ def test_each_streamed_layers_backward_is_the_historys_request_for_request(key):
     one_layer = [MATERIALISED * n for n in adapter_elements(a, targets, row["r"])][:len(grads)]
     assert sorted(q.held[k].requested for k in grads if k is not None) == sorted(
         b for b in one_layer if block_bytes(b) > K_SMALL_SIZE)
+
+
+
+@pytest.mark.parametrize("key", ("qwen", "llama32-1b"))
+def test_the_whole_step_from_the_built_setup_is_each_bf16_historys_block_for_block_through_its_optimizer(key):
+    """Issue 52 item 1, the pool the streamed step leaves, built: Soup's setup (no history read), step 1 (sft_step /
+    dpo_step) and its AdamW step replayed on an allocator placing each new segment below the earlier ones (as the
+    driver placed the histories') hand out the history's block sizes to every large request up to the optimizer
+    step's last temporary (Llama-3.2-1B SFT 3,985 requests, Qwen2.5-0.5B DPO 5,688), so its rests: step 1's states
+    keep 6,094,848 B (Qwen) and 0 (Llama), step_rests' figures. The history's requests left out are its transients
+    of 5,123,584 B and up (made and freed at once, maker not identified), each cut from a free block it goes back
+    to (the first makes the segment the embedding's output takes next). With the new segments placed after the
+    earlier ones the history's own requests depart from its blocks at Qwen's first backward's first gradient."""
+    trace, row = _history(key)
+    a, targets, per = _adapter(key, row)
+    elements = adapter_elements(a, targets, row["r"])
+    first = [b for n in elements for b in (per * n, per * n) if block_bytes(b) > K_SMALL_SIZE]
+    temporaries = [per * n for n in elements if block_bytes(per * n) > K_SMALL_SIZE]
+    end = _windows(trace, first + temporaries)[0][1]
+    real = [(int(ev.row[2]), ev.block.size) for ev in replaying_trace(trace) if ev.index <= end
+            and ev.row[0] == "alloc" and block_bytes(int(ev.row[2])) > K_SMALL_SIZE]
+    made = [x for x in real if not TRANSIENTS[0] <= x[0] < TRANSIENTS[1]]
+    q = Logged(CachingAllocator(descending=True))
+    dpo = row["task"] == "dpo"
+    setup(q, a, targets, row["r"], reference=dpo)
+    q.log.clear()
+    lora = (targets, row["r"], not dpo)
+    if dpo:
+        dpo_step(q, a, row["seq"] * 2, 2, lora)
+    else:
+        sft_step(q, a, row["seq"], lora)
+    adamw_step(q, elements, per, "adamw_torch")
+    assert q.log == made and len(made) == {"qwen": 5688, "llama32-1b": 3985}[key] and len(real) > len(made)
+    states = sum(size - block_bytes(req) for req, size in made[-len(first + temporaries):][:len(first)])
+    assert states == step_rests(a, targets, row["r"], row["task"], row["seq"], 1)["states"] == \
+        {"qwen": 6_094_848, "llama32-1b": 0}[key]
+    if dpo:  # the allocator's default placement, on the history's own requests
+        alloc, held = seeded(trace["start_segments"])
+        blocks, got = {}, []
+        for ev in replaying_trace(trace):
+            if ev.row[0] == "alloc":
+                blocks[ev.row[1]] = b = alloc.malloc(int(ev.row[2]))
+                if block_bytes(int(ev.row[2])) > K_SMALL_SIZE:
+                    got.append((int(ev.row[2]), b.size, ev.block.size))
+            elif ev.row[0] == "free_requested":
+                alloc.free(blocks.pop(ev.row[1], None) or held.pop(int(ev.row[1])))
+            if len(got) > 3000:
+                break
+        departs = next(i for i, (req, model, torch) in enumerate(got) if model != torch)
+        assert got[departs][0] == per * row["r"] * a.i and got[departs][1] < got[departs][2]  # an MLP gradient
