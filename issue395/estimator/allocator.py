@@ -66,7 +66,10 @@ What it does not model: when a deferred free completes (the caller says: ``free_
 private pools,
 ``max_split_size_mb``, ``roundup_power2_divisions``, garbage collection, when ``empty_cache`` runs and the frees an
 OOM triggers, and cudaMalloc's addresses (a new segment is placed after every earlier one, so among free blocks
-of one size the older segment's wins, where the card's addresses may order them otherwise).
+of one size the older segment's wins, where the card's addresses may order them otherwise; ``descending`` places
+each below every earlier one instead, as the driver placed the streamed H100 histories' segments, where the newest
+wins: with it the streamed step's replay is their block sizes to the end of step 1's optimizer step, without it
+Qwen2.5 DPO's departs at its first backward's first gradient).
 """
 
 from __future__ import annotations
@@ -82,6 +85,10 @@ K_SMALL_BUFFER = 2 * K_SMALL_SIZE  # the small pool's segment (kSmallBuffer)
 #: The address space one expandable segment reserves: torch's is 9/8 of the card's memory (ExpandableSegment's
 #: max_handles_); the card unknown, one far larger, so a segment never runs out of room here.
 EXPANDABLE_ADDRESS_SPACE = 1 << 44
+
+
+#: Where a descending allocator's first new segment ends (any address above every seeded one).
+DESCENDING_TOP = 1 << 48
 
 
 def _allocatable(b: Optional["Block"]) -> bool:
@@ -130,9 +137,14 @@ class CachingAllocator:
     stat (block sizes) and that stat's maximum since the last ``reset_peak``; ``requested`` sums the rounded
     requests live (what an allocator history replays: a block leaves both at its free's request)."""
 
-    def __init__(self, expandable: bool = False, address_space: int = EXPANDABLE_ADDRESS_SPACE):
+    def __init__(self, expandable: bool = False, address_space: int = EXPANDABLE_ADDRESS_SPACE,
+                 descending: bool = False):
         self.expandable = expandable
         self.address_space = address_space  # expandable: the bytes of address space one segment reserves
+        # a new segment below every earlier one, as the driver placed each of the streamed H100 histories' (issue 52
+        # item 1): among free blocks of one size the newest segment's then wins
+        self.descending = descending
+        self._low = DESCENDING_TOP
         self._free: dict = {}  # per pool (small?, stream): sorted (size, addr, id, block), mapped blocks only
         self._end = 0  # the next segment's address
         self.segments: list[Block] = []  # each segment's first block (expandable: its address space's first)
@@ -171,6 +183,8 @@ class CachingAllocator:
         if self.expandable:
             return self._expand(size, small, stream)
         seg = allocation_size(size)
+        if at is None and self.descending:
+            at = self._low = min([self._low] + [h.addr for h in self.segments]) - seg
         b = Block(self._end if at is None else at, seg, small, stream=stream)
         self._end = max(self._end, b.addr + seg)
         self.reserved += seg

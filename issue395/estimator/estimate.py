@@ -28,7 +28,9 @@ from ..model.targets import soup_targets
 from ..tasks import PROTOCOL_TASK, task as task_named
 from .releases import Features, installed_release
 from .soup_number import arch_of, features, soup_preflight_from_config, vocab_matrices_resident
+from .stacks import transformers_release
 from .steady import FP32, LORA_WEIGHT_BYTES, adapter_bytes, gradient_terms, steady_terms, unsplit_remainders
+from .streamed_sequence import placed_rests, setup_replayed, step_replayed, step_rests
 from .terms import Phase, Term, phase_sum
 
 # CUBLAS_WORKSPACE (constants) is kept on every card though torch gives less below sm 9
@@ -370,10 +372,15 @@ def estimate(config: dict, *, quant: str = "none", seq: int, batch: int = 1, tar
         config, soup, quant=quant, seq=seq, batch=batch, targets=spelled, lora_r=lora_r, release=release,
         stream=stream, task=task, optimizer=optimizer, accumulation=accumulation, buffers=buffers)
     per_expert, chunk, recompute, tk = checked_modes(a, stream, task, batch)
+    stack = dict(release=release, transformers=transformers_release(transformers), stream=stream, probed=probed,
+                 buffers=buffers)
+    placed = 2 if step_replayed(a, quant, tk.name, dropout=bool(mask_bytes(tk, lora_dropout)),
+                                accumulation=accumulation, optimizer=optimizer, steps=steps, **stack) else \
+        int(setup_replayed(a, quant, tk.name, **stack))
     t, lp, unsplit = step_terms(a, f, tk, quant=quant, targets=targets, lora_r=lora_r, seq=seq, batch=batch, ws=ws,
                                 per_expert=per_expert, buffers=buffers, chunk=chunk, recompute=recompute,
                                 accumulation=accumulation, steps=steps, optimizer=optimizer,
-                                transformers=transformers, allowance=allowance, dropout=lora_dropout)
+                                transformers=transformers, allowance=allowance, dropout=lora_dropout, placed=placed)
     binding, peak = binding_phase(t, lp.checkpointed, tk.reference, steps, accumulation, probed, ws, unsplit)
     corrected = phase_sum(t, Phase.RESIDENT) + peak + t[Term.ALLOCATED_ALLOWANCE.key]
     # `soup train`'s expandable segments split every block: the peak without the remainders, whichever phase binds
@@ -454,9 +461,12 @@ def checked_modes(a: Arch, stream: dict, task: str, batch: int) -> tuple:
 
 def step_terms(a: Arch, f: Features, tk, *, quant: str, targets: tuple, lora_r: int, seq: int, batch: int, ws: int,
                per_expert: bool, buffers: int, chunk, recompute: str, accumulation: int, steps: int, optimizer: str,
-               transformers: str | None, allowance: int | None, dropout: float = LORA_DROPOUT) -> tuple:
+               transformers: str | None, allowance: int | None, dropout: float = LORA_DROPOUT,
+               placed: int = 0) -> tuple:
     """Every physical term of the step in bytes, in the table's order (Term), with the binding layer's peak
-    and the unsplit remainders, which the phases read apart from the terms."""
+    and the unsplit remainders, which the phases read apart from the terms; ``placed``: 1 where the setup that
+    places the adapter is replayed (streamed_sequence.setup_replayed), so its parameters' rests are charged, not
+    bounded; 2 where step 1 is too (step_replayed), so its AdamW states' are."""
     rows = batch * tk.rows_per_example
     T, n = seq * rows, lora_params(a, targets, lora_r)
     per = adapter_bytes(tk.name, quant)
@@ -497,8 +507,11 @@ def step_terms(a: Arch, f: Features, tk, *, quant: str, targets: tuple, lora_r: 
     t.update(gradient_terms(per, n, accumulation, lp.gradients))
     if steps > 1:
         t.update(steady_terms(a, targets, lora_r, optimizer, per))
+    copies = 2 if t.get(Term.REFERENCE_ADAPTER.key) else 1
+    replayed = step_rests(a, targets, lora_r, tk.name, seq, batch) if placed == 2 else {}
     rests = unsplit_remainders(a, targets, lora_r, optimizer, per, steps=steps, accumulation=accumulation,
-                               copies=2 if t.get(Term.REFERENCE_ADAPTER.key) else 1)
+                               copies=copies, states=replayed.get("states"),
+                               placed=placed_rests(a, targets, lora_r, copies == 2) if placed else None)
     t.update(rests)
     unsplit = sum(rests.values())  # every adapter block's, live at the optimizer's step
     for term in (Term.LOSS_REMAINDERS, Term.REFERENCE_REMAINDERS):  # listed where they charge

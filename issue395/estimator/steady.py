@@ -126,7 +126,8 @@ def state_blocks(n: int, name: str, per: int = FP32) -> list[int]:
 
 
 def unsplit_remainders(a: Arch, targets: tuple, r: int, optimizer: str, per: int, *, steps: int,
-                       copies: int, accumulation: int = 1) -> dict:
+                       copies: int, accumulation: int = 1, placed: int | None = None,
+                       states: int | None = None) -> dict:
     """The most the adapter-shaped blocks can hold past their requests under the default allocator
     (constants.unsplit_bound: up to 1 MiB each over 1 MiB), each charged in the phases its blocks are live in: beside
     every phase, ``copies`` of the adapter (its parameters, and DPO's reference copy), the gradients held between
@@ -134,14 +135,17 @@ def unsplit_remainders(a: Arch, targets: tuple, r: int, optimizer: str, per: int
     micro-batch the gradients the backward makes, live from the layer phase to the optimizer's step (the Trainer's
     zero_grad sets them to None after it, so the next step's loss has none: gradient_remainders); from step 2 on the
     optimizer's own transients, inside its step only (transient_remainders). A block not live in a phase holds no
-    rest there, so each phase's sum is the bound over the blocks live in it.
+    rest there, so each phase's sum is the bound over the blocks live in it. ``placed``: the rests the ``copies``
+    keep where the setup that places them is replayed (streamed_sequence.placed_rests), charged in place of their
+    bound; ``states``: the rests step 1's optimizer states keep where that step is replayed
+    (streamed_sequence.step_rests), in place of theirs.
     Evidence: docs/PEAK.md, "unsplit_remainders"."""
     sizes = lora_tensors(a, targets, r)
-    beside = [per * n for n in sizes] * (copies + (accumulation > 1))
-    if steps > 1:
+    beside = [per * n for n in sizes] * ((copies if placed is None else 0) + (accumulation > 1))
+    if steps > 1 and states is None:
         beside += [b for n in sizes for b in state_blocks(n, optimizer, per)]
     transient = (FP32 if is_bounded(optimizer) else per) if steps > 1 else 0
-    t = {Term.UNSPLIT_REMAINDERS.key: unsplit_rests(beside),
+    t = {Term.UNSPLIT_REMAINDERS.key: unsplit_rests(beside) + (placed or 0) + ((states or 0) if steps > 1 else 0),
          Term.GRADIENT_REMAINDERS.key: unsplit_rests(per * n for n in sizes) if accumulation == 1 else 0,
          Term.TRANSIENT_REMAINDERS.key: unsplit_rests([transient * n for n in sizes]
                                                       * optimizer_named(optimizer).transient)}

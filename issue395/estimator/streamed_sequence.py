@@ -15,12 +15,36 @@ pool's and no event (``Requests``). From the pool a history leaves at the step's
 the history's block for block: every state and temporary the same size, so the same rest (Qwen2.5-0.5B DPO r64
 all-linear, Llama-3.2-1B and Mistral-7B NF4 r256 SFT all-linear, Phi-3-mini NF4 r64 at 4 micro-batches).
 
-What is not built (what is left of issue 52 item 1, so the estimate keeps the bound): that pool. Where the states
-and temporaries land is decided by the free blocks the step 1 backward leaves: the streamed layers' recompute and
-backward at their activation and weight sizes (Qwen2.5 DPO's 1,245,184 B states cut from the tails of its
-activations' segments, 2,228,224 B and 1,835,008 B blocks handed out whole), and before them by where the backward's
-own gradients landed (Mistral-7B NF4 r256's 7 MiB gradients in freed 8 MiB hidden states) and by the load's
-placement of the parameters (Soup's setup, before any history). Replayed into fresh segments instead, the
+The pool that step meets, built for the bf16 arms: Soup's setup (``setup``; the history starts after it, so its
+start segments are the check, not its requests): soup-cli 0.77.0's build_streamed_model
+(utils/layer_stream_runtime.py) on the card, in order: materialize_extras (the embedding),
+materialize_meta_adapters (each LoRA matrix fp32, ``data.to(device)``, model.named_modules()'s order), the
+LayerBufferPool (``stream_buffers`` slots, each a ``torch.empty`` per layer tensor in the layer spec's order), then
+under DPO materialize_meta_adapter_copy (TRL 0.29's "ref" adapter: each default matrix cloned, in
+named_parameters' order); both bf16 histories' start segments segment for segment (Qwen2.5-0.5B DPO r64
+all-linear: 144 adapter blocks, 9,764,864 B of rests; Llama-3.2-1B SFT: 48, none). Then step 1: the forward through
+the streamed layers (``layers_forward``: under Soup's recompute each keeps no graph, only its output as the next
+one's checkpointed input); the loss (``sft_loss``: the final norm, the head on the resident embedding, HF's loss,
+accelerate's fp32 copy, TRL's entropy chunks and token accuracy, and their backward; ``dpo_loss``: the policy's
+head and selective_log_softmax, TRL 0.29's reference forward under no grad with its own head, the entropy and the
+chosen and rejected logits' means, and the backward); each layer's backward last to first (``layer_backward``: the
+recompute torch's non-reentrant checkpoint stops after down_proj's lora_A, then the autograd engine's order, each
+LoRA target's fp32 gradients made in it; the first layer's without its input's gradient); then ``adamw_step``.
+Replayed from the setup, on an allocator placing each new segment below the earlier ones (as the driver placed the
+histories'; after them, the default, Qwen's own requests depart at its first backward's first gradient), every
+large request up to step 1's optimizer step's last temporary gets the history's block (Llama-3.2-1B SFT 3,985,
+Qwen2.5-0.5B DPO 5,688; the histories' 5,123,584 B-and-up transients left out: made and freed at once, their
+maker not identified); step 1's states keep 6,094,848 B (Qwen) and 0 (Llama). ``step_rests`` is that replay;
+where it was checked (``step_replayed``: the two arms' model type and task, setup_replayed's stack, one
+micro-batch, foreach AdamW, a step past the first) the estimate charges its parameters' and states' rests in place
+of their bound (the history's at its real peak to the byte); elsewhere where only the setup is (``setup_replayed``)
+the parameters' (``placed_rests``); the gradients' and temporaries' keep the bound everywhere.
+
+What is not built (what is left of issue 52 item 1): NF4 (its setup quantises on the card and frees blocks before
+the window; its layers dequantise), accumulation's held gradients, the other tasks, and any model type or task pair
+not checked above. Where the states and temporaries land there is decided as here, by the free blocks the step 1
+backward leaves (Mistral-7B NF4 r256's 7 MiB gradients in freed 8 MiB hidden states and NF4 q/o weights; Phi-3's
+1,179,648 B gradients in freed 1,572,864 B down_proj absmax blocks). Replayed into fresh segments instead, the
 parameters', gradients', states' and temporaries' rests are under the histories' on Phi-3-mini NF4 (13,107,200 B at
 the loss, where the row needs 15,354,144 B past the split estimate) and Mistral-7B NF4 r256 (187,695,104 B at the
 optimizer step against 241,355,528 B): ``fresh_rests`` says so, and is not charged.
@@ -28,13 +52,22 @@ optimizer step against 241,355,528 B): ``fresh_rests`` says so, and is not charg
 
 from __future__ import annotations
 
+from ..constants import CUBLAS_WORKSPACE
+from .allocator import CachingAllocator
 from .arch import Arch
-from .sequence import Requests
+from .sequence import SEQUENCE_TRANSFORMERS, Requests, default_allocator, layer_parameters, norm, rotary
 from .steady import OPTIMIZERS
 
 #: The optimizers whose first step ``adamw_step`` builds: torch's AdamW, foreach (a square-root temporary per
 #: parameter) and fused (none). bitsandbytes' and the others keep their states otherwise: not built.
 BUILT_OPTIMIZERS = ("adamw_torch", "adamw_torch_fused")
+#: The setup ``setup`` builds was checked on these (the bf16 histories' start segments): the model types, the tasks
+#: (DPO's reference copy; SFT none), soup-cli's release, its pool's slots.
+SETUP_TYPES, SETUP_TASKS, SETUP_RELEASE, SETUP_BUFFERS = ("llama", "qwen2"), ("sft", "dpo"), "0.77.0", 2
+#: Bytes a LoRA element takes as materialize_meta_adapters makes it (``torch.empty(..., dtype=torch.float32)``).
+MATERIALISED = FP32 = 4
+#: SDPA's backward workspace past its fp32 accumulators (flash_backward), as the four H100 histories request it.
+FLASH_WORKSPACE_PAD = 256
 
 
 def adapter_elements(a: Arch, targets: tuple, r: int) -> list[int]:
@@ -80,3 +113,478 @@ def fresh_rests(a: Arch, targets: tuple, r: int, per: int, *, copies: int = 1, o
     temporaries = [q.get(per * n) for n in elements] if OPTIMIZERS[optimizer].transient else []
     return {"parameters": q.rests(params), "gradients": q.rests(grads), "states": q.rests(states),
             "temporaries": q.rests(temporaries)}
+
+
+def setup(q: Requests, a: Arch, targets: tuple, r: int, *, reference: bool, buffers: int = SETUP_BUFFERS,
+          workspace: int = CUBLAS_WORKSPACE) -> list:
+    """soup-cli 0.77.0's streamed setup on the card (the module's docstring): the embedding (a tied model's one
+    vocab matrix), the adapter fp32, ``buffers`` slots of one layer's tensors in its modules' order, under
+    ``reference`` (DPO) the adapter's copy, and the cuBLAS workspace (its own segment; made before the window).
+    Returns the adapter's blocks' keys, both copies."""
+    elements = adapter_elements(a, targets, r)
+    q.get(2 * a.V * a.h)
+    made = [q.get(MATERIALISED * n) for n in elements]
+    for _ in range(buffers):
+        for _, nbytes in layer_parameters(a, 0):
+            q.get(nbytes)
+    if reference:
+        made += [q.get(MATERIALISED * n) for n in elements]
+    q.get(workspace)
+    return made
+
+
+def setup_replayed(a: Arch, quant: str, task: str, *, release: str, transformers: str, stream: dict,
+                   probed: bool, buffers: int, environ=None) -> bool:
+    """Whether ``setup`` is the run's: a tied dense bf16 llama-type decoder (SETUP_TYPES), SFT or DPO, soup-cli
+    SETUP_RELEASE with its default streaming (no training key, no probe: stream_vram_probe runs a step at setup, on
+    the card before DPO's copy), SETUP_BUFFERS slots, transformers sequence.SEQUENCE_TRANSFORMERS (``transformers``:
+    the release, its local tag dropped) and the default allocator: the two histories it was checked on."""
+    return (a.model_type in SETUP_TYPES and a.layers is None and a.tied and quant == "none" and task in SETUP_TASKS
+            and release == SETUP_RELEASE and not stream and not probed and buffers == SETUP_BUFFERS
+            and transformers == SEQUENCE_TRANSFORMERS and default_allocator(environ))
+
+
+def placed_rests(a: Arch, targets: tuple, r: int, reference: bool) -> int:
+    """What the adapter's parameters (and DPO's copy) keep past their requests where ``setup`` places them: live
+    from the setup on, in every phase of every step."""
+    q = Requests()
+    return q.rests(setup(q, a, targets, r, reference=reference))
+
+
+# -- step 1's forward: Soup's streamed layers under checkpointing (no autograd graph kept) --
+
+def lora_forward(q: Requests, T: int, fi: int, fo: int, r: int, dropout: bool):
+    """A LoRA target's forward with no graph kept: the base output, peft's fp32 cast of its input, dropout's bool mask
+    and output (``dropout``; none where the task's trainer turns dropout off), autocast's bf16 cast for lora_A (freed
+    with dropout's output once lora_A returns), lora_A's output (freed once lora_B's is made: a small-pool block on
+    every checked run), lora_B's, the scaling, the sum (returned); the rest freed."""
+    base, x32 = q.get(2 * T * fo), q.get(4 * T * fi)
+    mask = q.get(T * fi) if dropout else None
+    drop = q.get(4 * T * fi) if dropout else None
+    q.put(mask)
+    cast = q.get(2 * T * fi)
+    a_out = q.get(2 * T * r)
+    q.put(cast, drop)
+    b_out = q.get(2 * T * fo)
+    q.put(a_out)
+    scaled = q.get(2 * T * fo)
+    q.put(b_out)
+    out = q.get(2 * T * fo)
+    q.put(scaled, base, x32)
+    return out
+
+
+def projection_forward(q: Requests, a: Arch, T: int, name: str, lora: tuple):
+    """A linear's output with no graph kept: a LoRA target's (``lora``: targets, r, dropout) or a frozen one's."""
+    fi, fo, _ = a.modules[name]
+    targets, r, dropout = lora
+    return lora_forward(q, T, fi, fo, r, dropout) if name in targets else q.get(2 * T * fo)
+
+
+def layer_forward(q: Requests, a: Arch, T: int, lora: tuple):
+    """One streamed decoder layer's checkpointed forward (transformers' llama-type layer, no graph kept): the input
+    norm, q, k, v, q and k rotated (q's and k's projections freed), flash's output, o_proj, then as the attention's
+    frame goes flash's output, the rotated q and k, v, and the normed input; the residual add, the post-attention
+    norm, gate, its activation (gate freed), up, their product (the activation and up freed), down (the product and
+    the normed input freed), the residual add (down and the first sum freed). Returns the layer's output: the next
+    layer's checkpointed input, kept."""
+    normed, _ = norm(q, T, a.h, False)
+    qo, ko, vo = (projection_forward(q, a, T, m, lora) for m in ("q_proj", "k_proj", "v_proj"))
+    qr, kr = rotary(q, T, a.heads * a.head_dim), rotary(q, T, a.kv * a.head_dim)
+    q.put(qo, ko)
+    sdpa = q.get(2 * T * a.heads * a.head_dim)
+    o = projection_forward(q, a, T, "o_proj", lora)
+    q.put(sdpa, qr, kr, vo, normed)
+    mid = q.get(2 * T * a.h)
+    q.put(o)
+    normed2, _ = norm(q, T, a.h, False)
+    gate = projection_forward(q, a, T, "gate_proj", lora)
+    act = q.get(2 * T * a.i)
+    q.put(gate)
+    up = projection_forward(q, a, T, "up_proj", lora)
+    prod = q.get(2 * T * a.i)
+    q.put(act, up)
+    down = projection_forward(q, a, T, "down_proj", lora)
+    q.put(prod, normed2)
+    out = q.get(2 * T * a.h)
+    q.put(down, mid)
+    return out
+
+
+def layers_forward(q: Requests, a: Arch, T: int, lora: tuple) -> list:
+    """Every layer's checkpointed forward in turn; returns their outputs (each kept as the next one's input)."""
+    return [layer_forward(q, a, T, lora) for _ in range(a.L)]
+
+
+# -- step 1's backward: each streamed layer's recompute (early-stopped) and its backward --
+
+def lora_recompute(q: Requests, T: int, fi: int, fo: int, r: int, dropout: bool, stop: bool = False,
+                   needs_input: bool = True) -> tuple:
+    """A LoRA target's forward recomputed with its graph: the base output, the fp32 cast, dropout's mask and
+    output, the bf16 cast lora_A saves, lora_A's output lora_B saves (dropout's output freed), then lora_B's, the
+    scaling, the sum; with ``stop`` (torch's non-reentrant checkpoint stops once the last tensor the backward
+    unpacks is made: down_proj's lora_A output) nothing after lora_A. Where its input ``needs_input`` no gradient
+    (the first layer's q, k, v: the embedding is frozen) dropout saves no mask. Returns (output, what it saved, what
+    the stop leaves to free: the fp32 cast and the base output)."""
+    base, x32 = q.get(2 * T * fo), q.get(4 * T * fi)
+    mask = q.get(T * fi) if dropout else None
+    drop = q.get(4 * T * fi) if dropout else None
+    if not needs_input:
+        q.put(mask)
+        mask = None
+    cast, a_out = q.get(2 * T * fi), q.get(2 * T * r)
+    q.put(drop)
+    saved = {"cast": cast, "a": a_out, "mask": mask, "fi": fi, "fo": fo, "r": r, "input": needs_input}
+    if stop:
+        return None, saved, [x32, base]
+    b_out = q.get(2 * T * fo)
+    scaled = q.get(2 * T * fo)
+    q.put(b_out)
+    out = q.get(2 * T * fo)
+    q.put(scaled, base, x32)
+    return out, saved, []
+
+
+def layer_recompute(q: Requests, a: Arch, T: int, lora: tuple, first: bool = False) -> tuple:
+    """A layer's forward recomputed when its backward first unpacks (sequence.layer's resident forward with its
+    graph, the input's norm saving its fp32 copy), stopped after down_proj's lora_A. Returns what its backward
+    reads and what the stop leaves, in the order the unwound frames free it (down_proj's, the MLP's product, the
+    post-attention norm's output, the first residual sum). The ``first`` layer's input (the frozen embedding's
+    output) needs no gradient: its norm saves nothing, and q, k, v's inputs none."""
+    targets, r, dropout = lora
+
+    def target(name: str, stop: bool = False, needs_input: bool = True) -> tuple:
+        fi, fo, _ = a.modules[name]
+        return lora_recompute(q, T, fi, fo, r, dropout, stop, needs_input)
+
+    s = {}
+    n1, s["n1"] = norm(q, T, a.h, not first)
+    outs = {}
+    for m in ("q_proj", "k_proj", "v_proj"):
+        outs[m], s[m], _ = target(m, needs_input=not first)
+    s["qr"], s["kr"] = rotary(q, T, a.heads * a.head_dim), rotary(q, T, a.kv * a.head_dim)
+    q.put(outs["q_proj"], outs["k_proj"])
+    s["v"], s["sdpa"] = outs["v_proj"], q.get(2 * T * a.heads * a.head_dim)
+    o, s["o_proj"], _ = target("o_proj")
+    q.put(n1)
+    mid = q.get(2 * T * a.h)
+    q.put(o)
+    n2, s["n2"] = norm(q, T, a.h, True)
+    s["gate"], s["gate_proj"], _ = target("gate_proj")
+    s["act"] = q.get(2 * T * a.i)
+    s["up"], s["up_proj"], _ = target("up_proj")
+    prod = q.get(2 * T * a.i)
+    _, s["down_proj"], dead = target("down_proj", stop=True)
+    return s, dead + [prod, n2, mid]
+
+
+def lora_backward(q: Requests, T: int, s: dict, scaled, into) -> tuple:
+    """A LoRA target's backward from its scaling's gradient ``scaled``: lora_B's mm (a_out saved, ``scaled`` freed),
+    B's fp32 gradient, lora_A's mm (the cast saved freed), the cast's ToCopy to fp32, A's fp32 gradient, dropout's
+    (its mask freed), the fp32 cast's ToCopy back to bf16, accumulated in place into ``into`` where the input's
+    buffer holds a gradient (freed), then the frozen base's input gradient. Returns (the input's gradient, the base's
+    share to accumulate and free, the fp32 gradients made)."""
+    fi, fo, r = s["fi"], s["fo"], s["r"]
+    ga, gbw = q.get(2 * T * r), q.get(2 * fo * r)
+    q.put(s["a"], scaled)
+    grads = [q.get(FP32 * fo * r)]
+    q.put(gbw)
+    if not s["input"]:  # lora_A's weight gradient alone
+        gaw = q.get(2 * r * fi)
+        q.put(s["cast"], ga)
+        grads.append(q.get(FP32 * r * fi))
+        q.put(gaw)
+        return None, None, grads
+    gc, gaw = q.get(2 * T * fi), q.get(2 * r * fi)
+    q.put(s["cast"], ga)
+    g32 = q.get(FP32 * T * fi)
+    q.put(gc)
+    grads.append(q.get(FP32 * r * fi))
+    q.put(gaw)
+    if s["mask"] is not None:
+        gd = q.get(FP32 * T * fi)
+        q.put(s["mask"], g32)
+        g32 = gd
+    gx = q.get(2 * T * fi)
+    q.put(g32)
+    if into is not None:
+        q.put(gx)
+        gx = into
+    return gx, q.get(2 * T * fi), grads
+
+
+def mlp_backward(q: Requests, a: Arch, T: int, s: dict, scaled) -> tuple:
+    """The gated MLP's backward (down_proj's scaling gradient ``scaled`` made before the recompute): down_proj, the
+    product's (the activation and up freed), up_proj, the activation's (gate freed), gate_proj; each base's share
+    accumulated in place. Returns the post-attention norm output's gradient and the fp32 gradients made."""
+    gprod, gb, grads = lora_backward(q, T, s["down_proj"], scaled, None)
+    q.put(gb)
+    gact, gup = q.get(2 * T * a.i), q.get(2 * T * a.i)
+    q.put(s["act"], s["up"], gprod)
+    gn2, gb, made = lora_backward(q, T, s["up_proj"], q.get(2 * T * a.i), None)
+    q.put(gup, gb)
+    gg = q.get(2 * T * a.i)
+    q.put(s["gate"], gact)
+    gn2, gb, more = lora_backward(q, T, s["gate_proj"], q.get(2 * T * a.i), gn2)
+    q.put(gg, gb)
+    return gn2, grads + made + more
+
+
+def norm_backward(q: Requests, T: int, h: int, g, saved: list, x=None, residual: bool = True):
+    """HF's RMSNorm's backward (bf16 in and out, fp32 inside, its weight frozen) on ``g``: the weight's product,
+    its fp32 copy, x * rsqrt's two, mean's and pow's, the input's share cast to bf16 and accumulated in place into
+    the residual's gradient; ``x`` (the layer's checkpointed input, at the input norm) freed with the rest. The
+    final norm's (no ``residual``) is the last layer's output gradient, returned."""
+    x32, r = saved
+    gw = q.get(2 * T * h)
+    q.put(g)
+    g32 = q.get(FP32 * T * h)
+    q.put(gw)
+    gx, t = q.get(FP32 * T * h), q.get(FP32 * T * h)
+    q.put(t, g32)
+    m = q.get(FP32 * T * h)
+    p = [q.get(FP32 * T * h) for _ in range(3)]
+    q.put(p[1], p[0], x32, r, m, x, p[2])
+    out = q.get(2 * T * h)
+    q.put(gx)
+    if not residual:
+        return out
+    q.put(out)
+    return None
+
+
+def rotary_backward(q: Requests, T: int, w: int, g):
+    """x * cos + rotate_half(x) * sin's backward in bf16 on ``g``: the sin product's, the negated half, each slice's
+    zero-padded gradient (the second accumulated in place into the first), the cos product's, accumulated too."""
+    c, n = q.get(2 * T * w), q.get(T * w)
+    s1 = q.get(2 * T * w)
+    q.put(n)
+    s2 = q.get(2 * T * w)
+    q.put(c, s2)
+    gc = q.get(2 * T * w)
+    q.put(g, gc)
+    return s1
+
+
+def flash_backward(q: Requests, a: Arch, T: int, g, s: dict) -> tuple:
+    """SDPA's backward: dq, dk, dv, then its one workspace (fp32: the output gradient's accumulator a head and
+    token, a second for the expanded heads' where k and v have fewer, the softmax's row sums, and 256 B; read off
+    the four committed H100 histories, GQA and not), freed; then ``g`` and what the forward saved."""
+    dq, dk = q.get(2 * T * a.heads * a.head_dim), q.get(2 * T * a.kv * a.head_dim)
+    dv = q.get(2 * T * a.kv * a.head_dim)
+    q.put(q.get(FP32 * T * a.heads * (a.head_dim * (2 if a.kv != a.heads else 1) + 1) + FLASH_WORKSPACE_PAD))
+    q.put(g, s["qr"], s["kr"], s["v"], s["sdpa"])
+    return dq, dk, dv
+
+
+def attention_backward(q: Requests, a: Arch, T: int, s: dict, g, first: bool = False) -> tuple:
+    """o_proj's backward (on the residual's gradient ``g``, which stays), SDPA's, k's and q's rotary, v_proj's,
+    then k_proj's and q_proj's each on a contiguous copy of its gradient. Returns the input norm output's gradient
+    and the fp32 gradients made. In the ``first`` layer q, k and v's bases are out of the graph: each gradient is
+    freed once its scaling's is made, and no input gradient follows; the residual's ``g`` goes after o_proj."""
+    gsd, gb, grads = lora_backward(q, T, s["o_proj"], q.get(2 * T * a.modules["o_proj"][1]), None)
+    q.put(gb, *([g] if first else []))  # the first layer's residual gradient: o_proj's base was its last reader
+    dq, dk, dv = flash_backward(q, a, T, gsd, s)
+    rk = rotary_backward(q, T, a.kv * a.head_dim, dk)
+    rq = rotary_backward(q, T, a.heads * a.head_dim, dq)
+    gn1 = None
+    for name, g_in in (("v_proj", dv), ("k_proj", rk), ("q_proj", rq)):
+        if name != "v_proj":  # k's and q's gradients laid out for the projection's view
+            copy = q.get(2 * T * a.modules[name][1])
+            q.put(g_in)
+            g_in = copy
+        scaled = q.get(2 * T * a.modules[name][1])
+        if first:
+            q.put(g_in)
+        gn1, gb, made = lora_backward(q, T, s[name], scaled, gn1)
+        if not first:
+            q.put(g_in, gb)
+        grads += made
+    return gn1, grads
+
+
+def layer_backward(q: Requests, a: Arch, T: int, x, g, lora: tuple, first: bool = False) -> list:
+    """One streamed layer's backward (not the first's) on its output's gradient ``g`` (accumulated in place through
+    the layer: it leaves as the input's): down_proj's scaling gradient, the recompute and the stop's frees, the MLP's,
+    the post-attention norm's, the attention's, the input norm's (``x``, the checkpointed input, freed). Returns the
+    fp32 gradients made (the adapter's, held until the optimizer's step). The ``first`` layer's input norm has no
+    backward: the residual's gradient goes after o_proj's, its input at the end."""
+    scaled = q.get(2 * T * a.h)
+    s, dead = layer_recompute(q, a, T, lora, first)
+    q.put(*dead)
+    gn2, grads = mlp_backward(q, a, T, s, scaled)
+    norm_backward(q, T, a.h, gn2, s["n2"])
+    gn1, made = attention_backward(q, a, T, s, g, first)
+    if first:
+        q.put(x)
+    else:
+        norm_backward(q, T, a.h, gn1, s["n1"], x)
+    return grads + made
+
+
+# -- the head and the loss (TRL's SFT), and step 1 whole --
+#: TRL's entropy_from_logits splits the logits into chunks of this many rows (full_sequence's, the same TRL).
+ENTROPY_CHUNK = 128
+
+
+def sft_loss(q: Requests, a: Arch, T: int, x, workspace: int = CUBLAS_WORKSPACE):
+    """The final norm on the last layer's output ``x`` (its fp32 copy saved; ``x`` freed), the head on a tied
+    model's resident embedding (the bf16 logits), HF's loss (the fp32 copy, log_softmax; the copy and the norm's
+    output freed as the model returns), accelerate's fp32 logits in place of the bf16, TRL's entropy in
+    ENTROPY_CHUNK-row chunks and its token accuracy's shifted copy (T - 1 rows), the fp32 logits dropped; then the
+    backward: nll's and log_softmax's, the logits' bf16 gradient, the head's input gradient, the autograd thread's
+    cuBLAS ``workspace`` at that first matmul (kept: the thread's), the final norm's. Returns the last layer's output
+    gradient (full_sequence.head_forward and loss_backward, the resident full step's, less the head's weight copy
+    and gradient: the head is frozen and bf16)."""
+    out, nf = norm(q, T, a.h, True)
+    q.put(x)
+    logits, copy = q.get(2 * T * a.V), q.get(FP32 * T * a.V)
+    lsm = q.get(FP32 * T * a.V)
+    q.put(copy, out)
+    fp32 = q.get(FP32 * T * a.V)
+    q.put(logits)
+    last = None
+    for rows in [min(ENTROPY_CHUNK, T - j) for j in range(0, T, ENTROPY_CHUNK)]:
+        logps = q.get(FP32 * rows * a.V)
+        q.put(last)
+        ex = q.get(FP32 * rows * a.V)
+        prod = q.get(FP32 * rows * a.V)
+        q.put(ex, prod)
+        last = logps
+    q.put(last)
+    q.put(q.get(FP32 * (T - 1) * a.V), fp32)
+    nll, l2 = q.get(FP32 * T * a.V), q.get(FP32 * T * a.V)
+    q.put(nll, lsm)
+    gl = q.get(2 * T * a.V)
+    q.put(l2)
+    gx = q.get(2 * T * a.h)
+    q.get(workspace)
+    q.put(gl)
+    return norm_backward(q, T, a.h, gx, nf, residual=False)
+
+
+def sft_step(q: Requests, a: Arch, T: int, lora: tuple, workspace: int = CUBLAS_WORKSPACE) -> list:
+    """Step 1 of a streamed SFT run up to its optimizer's step: the embedding's output, every layer's checkpointed
+    forward, the loss (sft_loss), every layer's backward last to first. Returns the adapter's fp32 gradients (the
+    optimizer's step reads them; zero_grad frees them after it)."""
+    x = [q.get(2 * T * a.h)] + layers_forward(q, a, T, lora)
+    g = sft_loss(q, a, T, x[-1], workspace)
+    grads = []
+    for k in reversed(range(a.L)):
+        grads += layer_backward(q, a, T, x[k], g, lora, first=k == 0)
+    return grads
+
+
+def entropy_chunks(q: Requests, rows: int, V: int) -> None:
+    """TRL's entropy_from_logits under no grad, ENTROPY_CHUNK rows at a time: each chunk's log-probabilities (the
+    last chunk's freed as the next comes), its exp and their product (freed); the last freed at the end."""
+    last = None
+    for n in [min(ENTROPY_CHUNK, rows - j) for j in range(0, rows, ENTROPY_CHUNK)]:
+        logps = q.get(FP32 * n * V)
+        q.put(last)
+        ex, prod = q.get(FP32 * n * V), q.get(FP32 * n * V)
+        q.put(ex, prod)
+        last = logps
+    q.put(last)
+
+
+def dpo_head(q: Requests, a: Arch, T: int, rows: int, x, saved: bool, embedded=None) -> tuple:
+    """A forward's end under TRL 0.29's DPO _compute_loss: the final norm (its fp32 copy saved under the policy's
+    graph; ``x`` and the reference forward's ``embedded`` output freed), the bf16 logits (the norm's output freed as
+    the model returns), the fp32 logits, the
+    shifted copy (``rows`` x (seq - 1)), selective_log_softmax's logsumexp a row at a time (its temporary freed).
+    Returns (the fp32 logits, the shifted copy, the final norm's saved)."""
+    out, nf = norm(q, T, a.h, saved)
+    q.put(x, embedded)
+    logits = q.get(2 * T * a.V)
+    q.put(out)
+    l32 = q.get(FP32 * T * a.V)
+    q.put(logits)
+    shifted = q.get(FP32 * (T - rows) * a.V)
+    for _ in range(rows):
+        q.put(q.get(FP32 * (T // rows - 1) * a.V))
+    return l32, shifted, nf
+
+
+def dpo_loss(q: Requests, a: Arch, T: int, rows: int, lora: tuple, x: list, workspace: int = CUBLAS_WORKSPACE):
+    """TRL 0.29's DPO step after the policy's layers (``x``: the embedding's output and each layer's): the policy's
+    head (dpo_head), the reference forward under no grad (each layer's input freed after it but the embedding's,
+    its head), the entropy of the policy's shifted logits, the chosen and rejected logits' means (every token a
+    completion token: one (seq - 1)-row copy each), the reference's and the policy's fp32 logits and the
+    reference's shifted copy freed as the function returns; the backward: each row's logsumexp's, unbind's (the
+    shifted copy's gradient), gather's (accumulated in place), the slice's, the bf16 cast's, the head's input's
+    and the autograd thread's cuBLAS ``workspace``, the final norm's. Returns the last layer's output gradient."""
+    l32, shifted, nf = dpo_head(q, a, T, rows, x[-1], True)
+    e = q.get(2 * T * a.h)
+    prev = e
+    for k in range(a.L):
+        out = layer_forward(q, a, T, lora)
+        if k:
+            q.put(prev)
+        prev = out
+    rl32, rshifted, _ = dpo_head(q, a, T, rows, prev, False, e)
+    entropy_chunks(q, T - rows, a.V)
+    for _ in range(rows):
+        q.put(q.get(FP32 * (T // rows - 1) * a.V))
+    q.put(rl32, l32, rshifted)
+    per_row = []
+    for _ in range(rows):
+        t = [q.get(FP32 * (T // rows - 1) * a.V) for _ in range(3)]
+        q.put(t[0], t[1])
+        per_row.append(t[2])
+    g = q.get(FP32 * (T - rows) * a.V)
+    q.put(*per_row)
+    q.put(q.get(FP32 * (T - rows) * a.V), shifted)
+    gl32 = q.get(FP32 * T * a.V)
+    q.put(g)
+    gl = q.get(2 * T * a.V)
+    q.put(gl32)
+    gx = q.get(2 * T * a.h)
+    q.get(workspace)
+    q.put(gl)
+    return norm_backward(q, T, a.h, gx, nf, residual=False)
+
+
+def dpo_step(q: Requests, a: Arch, T: int, rows: int, lora: tuple, workspace: int = CUBLAS_WORKSPACE) -> list:
+    """Step 1 of a streamed DPO run (``rows``: chosen and rejected, T tokens in all) up to its optimizer's step: the
+    policy's checkpointed forward, dpo_loss, every layer's backward last to first. Returns the adapter's fp32
+    gradients."""
+    x = [q.get(2 * T * a.h)] + layers_forward(q, a, T, lora)
+    g = dpo_loss(q, a, T, rows, lora, x, workspace)
+    grads = []
+    for k in reversed(range(a.L)):
+        grads += layer_backward(q, a, T, x[k], g, lora, first=k == 0)
+    return grads
+
+
+# -- what the estimate charges: the parameters' and step 1's AdamW states' rests, replayed --
+#: The (model type, task) pairs whose whole step 1 was checked against a history through its optimizer's step
+#: (Llama-3.2-1B SFT with LoRA dropout, Qwen2.5-0.5B DPO without), at one micro-batch.
+STEP_CHECKED = (("llama", "sft"), ("qwen2", "dpo"))
+
+
+def step_replayed(a: Arch, quant: str, task: str, *, dropout: bool, accumulation: int, optimizer: str,
+                  steps: int, **stack) -> bool:
+    """Whether ``step_rests`` is the run's: its setup is (setup_replayed, ``stack`` its keywords), its model type
+    and task a pair STEP_CHECKED names, with LoRA dropout as checked (SFT keeping masks; TRL's DPO turns it off),
+    one micro-batch (accumulation's held gradients were not built), torch's foreach AdamW, a GQA model (SDPA's
+    workspace, flash_backward) and a step past the first (the states are live from step 2)."""
+    return (setup_replayed(a, quant, task, **stack) and (a.model_type, task) in STEP_CHECKED
+            and dropout == (task == "sft") and accumulation == 1 and optimizer == "adamw_torch" and steps > 1
+            and a.kv != a.heads)
+
+
+def step_rests(a: Arch, targets: tuple, r: int, task: str, seq: int, batch: int) -> dict:
+    """The setup, step 1 (sft_step or dpo_step) and its AdamW step replayed on an allocator whose new segments go
+    below the earlier ones (the histories' driver placement): what the adapter's parameters (both copies under DPO)
+    and step 1's states keep past their requests, live together from step 2 on. Checked: both bf16 histories' to
+    the byte (Llama-3.2-1B SFT 0 and 0; Qwen2.5-0.5B DPO 9,764,864 and 6,094,848 B)."""
+    q = Requests()
+    q.alloc = CachingAllocator(descending=True)
+    dpo = task == "dpo"
+    params = setup(q, a, targets, r, reference=dpo)
+    rows = batch * (2 if dpo else 1)
+    lora = (targets, r, not dpo)
+    grads = (dpo_step if dpo else sft_step)(q, a, seq * rows, *((rows,) if dpo else ()), lora)
+    states = adamw_step(q, adapter_elements(a, targets, r), MATERIALISED, "adamw_torch")
+    return {"parameters": q.rests(params), "states": q.rests(states), "gradients": q.rests(grads)}
