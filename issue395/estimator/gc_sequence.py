@@ -42,19 +42,29 @@ that block is a CUDA kernel's, not a copy the capture's Python makes). phi's (ph
 against the capture (phi_layer_forward, phi_layer_backward: no window, flash always), and llama's (GQA; LoRA on
 q_proj, v_proj) the same way (llama_layer_forward, llama_layer_backward).
 
+The pages a card cannot do without are the most its live blocks touch at any moment, not at the allocated peak
+alone (an OOM unmaps every wholly free page, then fails where they and the request outgrow the card):
+``page_need`` counts them as blocks come and go, request by request, over the replay (to step 2's peak, or through
+step 2 whole), and says where the most is; on the H100 history above it is the history's own most to the byte, at
+its request (step 2's token-accuracy copy, two requests before the allocated peak). Not charged.
+
 A request of 1 MiB or less is the small pool's (``sequence.Requests`` leaves it out): the small pool's pages are
 not built (the adapter, its gradients and AdamW's states: 7,124,480 B of the trace's reserve at its peak).
 """
 
 from __future__ import annotations
 
-from ..constants import CUBLAS_WORKSPACE
+from collections import Counter
+from typing import NamedTuple
+
+from ..constants import CUBLAS_WORKSPACE, EXPANDABLE_PAGE_BYTES
 from .allocator import CachingAllocator
 from .arch import Arch
 from .full_sequence import FLASH_ROWS
 from .sequence import SEQUENCE_TRANSFORMERS, Requests, cast_linear, default_allocator, load, norm, rotary
 
 FP32, BF16 = 4, 2
+LARGE_PAGE = EXPANDABLE_PAGE_BYTES["large"]
 #: The model types whose q is a cat of its rotary and pass-through parts (sequence.output_copy).
 CAT_BUILT = ("phi3", "phi")
 #: TRL's entropy_from_logits splits the logits into chunks of this many rows.
@@ -70,7 +80,8 @@ GC_SEQUENCE_TYPES = tuple(GC_TARGETS)
 
 class Paged(Requests):
     """sequence.Requests on torch's expandable segments (what `soup train` sets), for LoRA ``targets`` at ``r``,
-    keeping the large pool's allocated bytes and the pages its live blocks touch at its allocated peak."""
+    keeping the large pool's allocated bytes and the pages its live blocks touch at its allocated peak (``top``)
+    and the most pages they touch after any request (``most``: a Need; ``phase`` names where the step is)."""
 
     def __init__(self, targets: tuple, r: int, trace: bool = False):
         super().__init__(trace)
@@ -78,11 +89,52 @@ class Paged(Requests):
         self.targets, self.r = tuple(targets), r
         self.top = (-1, 0)  # (allocated, touched pages) at the allocated peak
 
+        # the live blocks on each (segment, large page), kept as they come and go: the touched pages at every
+        # request, not only at the allocated peak (an OOM can come wherever they outgrow the card)
+        self.on_page: Counter = Counter()
+        self.most = Need(-1, 0, 0, 0, 0, "")
+        self.phase = "load"
+
     def get(self, nbytes: int):
+        before = (self.alloc.allocated, len(self.on_page) * LARGE_PAGE)
         k = super().get(nbytes)
-        if k is not None and self.alloc.allocated > self.top[0]:
-            self.top = (self.alloc.allocated, self.alloc.touched_pages())
+        if k is None:
+            return k
+        self.on_page.update(self._pages(self.held[k]))
+        touched = len(self.on_page) * LARGE_PAGE
+        if touched > self.most.touched:
+            self.most = Need(touched, self.alloc.allocated, self.n, nbytes, before[1] - before[0], self.phase)
+        if self.alloc.allocated > self.top[0]:
+            self.top = (self.alloc.allocated, touched)
         return k
+
+    def put(self, *keys) -> None:
+        for k in keys:
+            if k is not None:
+                for page in self._pages(self.held[k]):
+                    self.on_page[page] -= 1
+                    if not self.on_page[page]:  # no live block touches it: a page the allocator can unmap
+                        del self.on_page[page]
+                super().put(k)
+
+    def _pages(self, b) -> list:
+        """The (segment, page) pairs block ``b`` touches, its segment the address space it lies in."""
+        base = max(h.addr for h in self.alloc.segments if h.addr <= b.addr)
+        return [(base, i) for i in range((b.addr - base) // LARGE_PAGE, (b.addr - base + b.size - 1) // LARGE_PAGE + 1)]
+
+
+class Need(NamedTuple):
+    """The most large pages the live blocks touch at any moment of a replay (``touched``), just after request
+    number ``index`` (``nbytes``, in ``phase``) with ``allocated`` bytes live; ``unallocated_before``: the touched
+    pages less the allocated bytes just before it (what torch's OOM message reads as reserved-unallocated, after
+    unmapping every wholly free page, where that request is the one that fails)."""
+
+    touched: int
+    allocated: int
+    index: int
+    nbytes: int
+    unallocated_before: int
+    phase: str
 
 
 _PAGES: dict = {}
@@ -222,6 +274,8 @@ def causal_mask(q: Requests, T: int):
 def forward(q: Requests, a: Arch, T: int, first: bool) -> dict:
     """A checkpointed forward and HF's loss, accelerate's copy, TRL's entropy and accuracy (``first``: step 1,
     whose first matmul makes the cuBLAS workspace): what the backward reads."""
+    step = 1 if first else 2
+    q.phase = f"step {step} forward"
     emb = q.get(BF16 * T * a.h)
     mask = causal_mask(q, T) if masked(a, T) else None
     if first:
@@ -230,6 +284,7 @@ def forward(q: Requests, a: Arch, T: int, first: bool) -> dict:
     for _ in range(a.L):
         inputs.append(x)
         x = LAYERS[a.model_type][0](q, a, T, False)["out"]
+    q.phase = f"step {step} head and loss"
     if phi:  # the final LayerNorm's fp32 policy copy (saved) and fp32 output, autocast's cast for the biased head
         nf = [q.get(FP32 * T * a.h)]
         out = q.get(FP32 * T * a.h)
@@ -386,6 +441,8 @@ def layer_backward(q: Requests, a: Arch, T: int, g, x) -> None:
 def backward(q: Requests, a: Arch, T: int, f: dict, first: bool, stop: bool = False):
     """The loss's backward (to its peak where ``stop``: the log_softmax gradient's request), the head's, the final
     norm's, every layer's in reverse, the gradient buffer and the embedding's output freed."""
+    step = 1 if first else 2
+    q.phase = f"step {step} loss backward"
     nll = q.get(FP32 * T * a.V)
     lsm = q.get(FP32 * T * a.V)
     if stop:
@@ -399,6 +456,7 @@ def backward(q: Requests, a: Arch, T: int, f: dict, first: bool, stop: bool = Fa
     q.put(gl)
     g = (layernorm_backward if a.model_type == "phi" else norm_backward)(q, T, a.h, gx, f["nf"][0], False)
     for k in reversed(range(a.L)):
+        q.phase = f"step {step} backward layer {k}"
         LAYERS[a.model_type][1](q, a, T, g, f["inputs"][k] if k else f["mask"])
     q.put(g, f["inputs"][0])
 
@@ -671,3 +729,23 @@ def llama_layer_backward(q: Requests, a: Arch, T: int, g, x) -> None:
 #: Each checked model type's checkpointed layer: its forward (and recompute) and its backward.
 LAYERS = {"phi3": (layer_forward, layer_backward), "phi": (phi_layer_forward, phi_layer_backward),
           "llama": (llama_layer_forward, llama_layer_backward)}
+
+
+def page_need(a: Arch, targets: tuple, r: int, T: int, whole: bool = False) -> Need:
+    """The most large pages the live blocks touch at any request of the load, step 1 whole and step 2 to its
+    loss's backward peak (``whole``: step 2 whole, as a 2-step run goes on) under expandable segments: where the
+    card's need is, which may be off the allocated peak (reserve's); once a shape. Not charged."""
+    key = (repr(a), frozenset(targets), r, T, whole)
+    if key not in _NEEDS:
+        q = Paged(targets, r)
+        load(q, a, q.targets, r)
+        if whole:
+            step_whole(q, a, T)
+            backward(q, a, T, forward(q, a, T, False), False)
+        else:
+            step_to_peak(q, a, T)
+        _NEEDS[key] = q.most
+    return _NEEDS[key]
+
+
+_NEEDS: dict = {}

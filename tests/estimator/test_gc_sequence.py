@@ -87,6 +87,43 @@ def test_its_replay_touches_the_historys_own_large_pool_pages_at_the_peak():
     assert gc_sequence.reserve(a, TARGETS, 16, 2048) == at_peak == (8_928_886_784, 9_017_753_600)
 
 
+def test_the_most_pages_over_the_whole_history_are_the_sequences_most_off_its_allocated_peak():
+    """Issue 51 item 4 (the page need at every moment, not only at the allocated peak): over the whole H100 history
+    (11,146 large-pool requests: both steps) the most large pages its live blocks touch after any request, found by
+    recounting every live block's pages there, are the sequence's (gc_sequence.page_need, counted as blocks come and
+    go), to the byte, at the same request: step 2's (T-1) x V fp32 token-accuracy copy (262,540,032 B), two requests
+    before the allocated peak, 9,017,753,600 B touched at 8,928,758,784 B allocated, and 78,905,344 B of touched
+    pages unallocated just before it (what torch's OOM message would read in the large pool were that the request
+    that failed); replayed to step 2's peak or through step 2 whole, the sequence's most is the same."""
+    a = arch_from_config(config_json("phi3-mini"))
+    most, before, allocs = None, (0, 0), 0
+    for ev in replaying_trace(history()):
+        if ev.row[0] in ("alloc", "free_requested") and block_bytes(int(ev.row[2])) > K_SMALL_SIZE:
+            live, pages = large_pages(ev.alloc)
+            if ev.row[0] == "alloc":
+                allocs += 1
+                if most is None or pages > most[0]:
+                    most = (pages, live, int(ev.row[2]), before[1] - before[0])
+            before = (live, pages)
+    need = gc_sequence.page_need(a, TARGETS, 16, 2048)
+    assert allocs == 11_146 and most == (need.touched, need.allocated, need.nbytes, need.unallocated_before) == (
+        9_017_753_600, 8_928_758_784, 4 * 2047 * a.V, 78_905_344)
+    assert need.phase == "step 2 head and loss" and need.allocated < gc_sequence.reserve(a, TARGETS, 16, 2048)[0]
+    assert gc_sequence.page_need(a, TARGETS, 16, 2048, whole=True)[:5] == need[:5]
+
+
+def test_phi2s_most_pages_at_1088_tokens_lie_off_its_allocated_peak():
+    """Issue 51 item 4 (phi-2 7.5GB's OOM at 1,088 tokens, torch's message naming a 214 MiB request): the
+    checkpointed phi-2 step's most large pages come at step 2's (T-1) x V fp32 token-accuracy copy (214 MiB in 2 MiB
+    rounding, the request torch's message names), above the pages its live blocks touch at the allocated peak (the
+    reserve there): the need lies off that peak. No CUDA faked: a replay of the sequence's requests."""
+    a = arch_from_config(config_json("phi-2"))
+    targets = ("q_proj", "k_proj", "v_proj", "dense")
+    need, (peak, at_peak) = gc_sequence.page_need(a, targets, 16, 1088), gc_sequence.reserve(a, targets, 16, 1088)
+    assert need.nbytes == 4 * 1087 * a.V and -(-need.nbytes // (2 << 20)) * (2 << 20) == 214 << 20
+    assert need.phase == "step 2 head and loss" and need.touched > at_peak and need.allocated < peak
+
+
 def test_it_is_the_runs_only_on_the_checked_shape():
     """Where no history or capture checked it, the sequence is not the run's (past Phi-3's window the H100 trace
     checked it, at and under it the checkpointed capture): other targets, NF4, another model type, batch over 1,
