@@ -86,7 +86,9 @@ def test_a_full_fine_tuning_charges_no_adapter_and_every_parameters_gradient_and
     assert t["adam_moments"] > t["parameter_gradients"] > 0  # their bytes: the real AdamW step's test
     assert full.corrected_predicted - lora.corrected_predicted > t["adam_moments"]
     one = estimate_resident(config, seq=1024, lora_r=0, steps=1, checkpointing=True)
-    assert one.phase == "optimizer" and one.terms["adam_moments"] == t["adam_moments"]  # made at step 1's step
+    # made at step 1's step: two states the size of each gradient (where step 1 is replayed, 0.77.0's
+    # full_sequence, both carry their rounded bytes and the rests sit in optimizer_remainders; else both the bound)
+    assert one.phase == "optimizer" and one.terms["adam_moments"] == 2 * one.terms["parameter_gradients"] > 0
 
 
 @pytest.mark.parametrize("family", ["llama32-1b", "phi-2"])
