@@ -40,9 +40,17 @@ micro-batch, foreach AdamW, a step past the first) the estimate charges its para
 of their bound (the history's at its real peak to the byte); elsewhere where only the setup is (``setup_replayed``)
 the parameters' (``placed_rests``); the gradients' and temporaries' keep the bound everywhere.
 
-What is not built (what is left of issue 52 item 1): NF4 (its setup quantises on the card and frees blocks before
-the window; its layers dequantise), accumulation's held gradients, the other tasks, and any model type or task pair
-not checked above. Where the states and temporaries land there is decided as here, by the free blocks the step 1
+The NF4 setup (``setup(quant="nf4")``, an untied model): no quantisation on the card (the shards are packed on
+disk): the adapter fp32, the two slots of packed NF4 shards (nf4_slot), install_streaming's LargeLayerBufferPool
+(one slot for the untied embedding and head, materialize_extras having left both on meta), then each matrix recast
+to bf16 (the 4-bit model's adapter dtype) and its fp32 freed, one by one; the Mistral-7B NF4 r256 SFT history's
+start segments segment for segment (new segments below the earlier ones; the default placement departs), its
+adapter's rests 57,671,680 B, the history's setup-born adapter blocks' at its real peak; charged where
+setup_replayed admits it (NF4_SETUPS).
+
+What is not built (what is left of issue 52 item 1): NF4's step (its layers dequantise under Soup's own
+Linear4bit forward), accumulation's held gradients, the other tasks, and any model type or task pair not checked
+above. Where the states and temporaries land there is decided as here, by the free blocks the step 1
 backward leaves (Mistral-7B NF4 r256's 7 MiB gradients in freed 8 MiB hidden states and NF4 q/o weights; Phi-3's
 1,179,648 B gradients in freed 1,572,864 B down_proj absmax blocks). Replayed into fresh segments instead, the
 parameters', gradients', states' and temporaries' rests are under the histories' on Phi-3-mini NF4 (13,107,200 B at
@@ -54,7 +62,7 @@ from __future__ import annotations
 
 from ..constants import CUBLAS_WORKSPACE
 from .allocator import CachingAllocator
-from .arch import Arch
+from .arch import Arch, nf4_pieces
 from .sequence import SEQUENCE_TRANSFORMERS, Requests, default_allocator, layer_parameters, norm, rotary
 from .steady import OPTIMIZERS
 
@@ -64,6 +72,9 @@ BUILT_OPTIMIZERS = ("adamw_torch", "adamw_torch_fused")
 #: The setup ``setup`` builds was checked on these (the bf16 histories' start segments): the model types, the tasks
 #: (DPO's reference copy; SFT none), soup-cli's release, its pool's slots.
 SETUP_TYPES, SETUP_TASKS, SETUP_RELEASE, SETUP_BUFFERS = ("llama", "qwen2"), ("sft", "dpo"), "0.77.0", 2
+#: ...and under NF4 (an untied model: its embedding and head share one LargeLayerBufferPool slot) on these (model
+#: type, task): Mistral-7B NF4 r256 SFT's history. DPO's copy beside the recast adapter was not.
+NF4_SETUPS = (("mistral", "sft"),)
 #: Bytes a LoRA element takes as materialize_meta_adapters makes it (``torch.empty(..., dtype=torch.float32)``).
 MATERIALISED = FP32 = 4
 #: SDPA's backward workspace past its fp32 accumulators (flash_backward), as the four H100 histories request it.
@@ -115,40 +126,61 @@ def fresh_rests(a: Arch, targets: tuple, r: int, per: int, *, copies: int = 1, o
             "temporaries": q.rests(temporaries)}
 
 
-def setup(q: Requests, a: Arch, targets: tuple, r: int, *, reference: bool, buffers: int = SETUP_BUFFERS,
-          workspace: int = CUBLAS_WORKSPACE) -> list:
+def nf4_slot(a: Arch) -> list:
+    """One pool slot's tensors' bytes under Soup's NF4 shards, in the layer spec's order: each linear's pieces
+    (arch.nf4_pieces: the checkpoint key, then its sidecars), then the bf16 norms."""
+    return [b for fi, fo, _ in a.modules.values() for b in nf4_pieces(fi * fo)] + [2 * a.h, 2 * a.h]
+
+
+def setup(q: Requests, a: Arch, targets: tuple, r: int, *, reference: bool, quant: str = "none",
+          buffers: int = SETUP_BUFFERS, workspace: int = CUBLAS_WORKSPACE) -> list:
     """soup-cli 0.77.0's streamed setup on the card (the module's docstring): the embedding (a tied model's one
-    vocab matrix), the adapter fp32, ``buffers`` slots of one layer's tensors in its modules' order, under
-    ``reference`` (DPO) the adapter's copy, and the cuBLAS workspace (its own segment; made before the window).
-    Returns the adapter's blocks' keys, both copies."""
+    vocab matrix, materialize_extras), the adapter fp32, ``buffers`` slots of one layer's tensors in its modules'
+    order (NF4: its packed shards, nf4_slot), an untied model's LargeLayerBufferPool (one slot of the larger of its
+    embedding and head, install_streaming's, after the layers'), under ``reference`` (DPO) the adapter's copy;
+    under NF4 each fp32 matrix recast to bf16 one by one (the 4-bit model's adapter dtype, adapter_bytes); the cuBLAS
+    ``workspace`` (its own segment; made before the window). Returns the adapter's blocks' keys, both copies."""
     elements = adapter_elements(a, targets, r)
-    q.get(2 * a.V * a.h)
+    if a.tied:
+        q.get(2 * a.V * a.h)
     made = [q.get(MATERIALISED * n) for n in elements]
     for _ in range(buffers):
-        for _, nbytes in layer_parameters(a, 0):
+        for nbytes in (nf4_slot(a) if quant == "nf4" else [b for _, b in layer_parameters(a, 0)]):
             q.get(nbytes)
+    if not a.tied:
+        q.get(2 * a.V * a.h)
     if reference:
         made += [q.get(MATERIALISED * n) for n in elements]
+    if quant == "nf4":
+        recast = []
+        for k, n in zip(made, elements):
+            recast.append(q.get(2 * n))
+            q.put(k)
+        made = recast
     q.get(workspace)
     return made
 
 
 def setup_replayed(a: Arch, quant: str, task: str, *, release: str, transformers: str, stream: dict,
                    probed: bool, buffers: int, environ=None) -> bool:
-    """Whether ``setup`` is the run's: a tied dense bf16 llama-type decoder (SETUP_TYPES), SFT or DPO, soup-cli
+    """Whether ``setup`` is the run's: a tied dense bf16 llama-type decoder (SETUP_TYPES), SFT or DPO, or an untied
+    dense NF4 one NF4_SETUPS names (Mistral-7B's SFT: its LargeLayerBufferPool and recast adapter), soup-cli
     SETUP_RELEASE with its default streaming (no training key, no probe: stream_vram_probe runs a step at setup, on
     the card before DPO's copy), SETUP_BUFFERS slots, transformers sequence.SEQUENCE_TRANSFORMERS (``transformers``:
-    the release, its local tag dropped) and the default allocator: the two histories it was checked on."""
-    return (a.model_type in SETUP_TYPES and a.layers is None and a.tied and quant == "none" and task in SETUP_TASKS
-            and release == SETUP_RELEASE and not stream and not probed and buffers == SETUP_BUFFERS
-            and transformers == SEQUENCE_TRANSFORMERS and default_allocator(environ))
+    the release, its local tag dropped) and the default allocator: the three histories it was checked on."""
+    checked = (a.tied and quant == "none" and a.model_type in SETUP_TYPES and task in SETUP_TASKS) or (
+        not a.tied and quant == "nf4" and (a.model_type, task) in NF4_SETUPS)
+    return (checked and a.layers is None and release == SETUP_RELEASE and not stream and not probed
+            and buffers == SETUP_BUFFERS and transformers == SEQUENCE_TRANSFORMERS and default_allocator(environ))
 
 
-def placed_rests(a: Arch, targets: tuple, r: int, reference: bool) -> int:
-    """What the adapter's parameters (and DPO's copy) keep past their requests where ``setup`` places them: live
-    from the setup on, in every phase of every step."""
+def placed_rests(a: Arch, targets: tuple, r: int, reference: bool, quant: str = "none") -> int:
+    """What the adapter's parameters (and DPO's copy) keep past their requests where ``setup`` places them, each new
+    segment below the earlier ones (the driver's placement in the histories; Mistral-7B NF4's recast adapter lands
+    otherwise after the default's): live from the setup on, in every phase of every step."""
     q = Requests()
-    return q.rests(setup(q, a, targets, r, reference=reference))
+    q.alloc = CachingAllocator(descending=True)
+    return q.rests(setup(q, a, targets, r, reference=reference, quant=quant))
 
 
 # -- step 1's forward: Soup's streamed layers under checkpointing (no autograd graph kept) --

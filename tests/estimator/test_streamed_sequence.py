@@ -171,45 +171,59 @@ def _layout(alloc) -> Counter:
     return out
 
 
-@pytest.mark.parametrize("key", ("qwen", "llama32-1b"))
-def test_the_setup_built_from_the_arch_is_each_bf16_historys_start_segment_for_segment(key):
-    """Issue 52 item 1, where the parameters sit: soup-cli 0.77.0's streamed setup built from the Arch (the
-    embedding, the adapter fp32 in the layers' module order, two pool slots of one layer's tensors, DPO's reference
-    copy, the workspace) lays out the large pool as the history's start segments (the layout the window opened on,
-    torch's snapshot): every segment the same blocks, requests and free rests (Qwen2.5-0.5B DPO: 144 adapter blocks
-    packed into 20 MiB segments beside the pool's q, o and MLP slots). The rests it leaves the adapter's blocks are
-    those the history's setup blocks keep at its real peak (9,764,864 B; Llama-3.2-1B's 2 MiB blocks none); the
-    layer spec taken in the checkpoint's sorted key order lays Qwen's out otherwise."""
+@pytest.mark.parametrize("key", ("qwen", "llama32-1b", "mistral-7b"))
+def test_the_setup_built_from_the_arch_is_each_historys_start_segment_for_segment(key):
+    """Issue 52 item 1, where the parameters sit: soup-cli 0.77.0's streamed setup built from the Arch (a tied
+    model's embedding, the adapter fp32 in the layers' module order, two pool slots of one layer's tensors, an
+    untied model's one LargeLayerBufferPool slot, DPO's reference copy, under NF4 the adapter recast to bf16 matrix
+    by matrix, the workspace), each new segment below the earlier ones, lays out the large pool as the history's
+    start segments (the layout the window opened on, torch's snapshot): every segment the same blocks, requests and
+    free rests (Qwen2.5-0.5B DPO: 144 adapter blocks packed into 20 MiB segments beside the pool's q, o and MLP
+    slots; Mistral-7B NF4 r256: the packed 8 and 28 MiB shards, the 7 and 2 MiB bf16 matrices in the 20 and 14 MiB
+    segments their fp32 forms left, 7 MiB in 8 MiB and 2 MiB in 3 MiB blocks). The rests it leaves the adapter's
+    blocks are those the history's setup blocks keep at its real peak (9,764,864 B; Llama-3.2-1B's 2 MiB blocks
+    none; Mistral-7B 57,671,680 B); the layer spec taken in the checkpoint's sorted key order lays Qwen's out
+    otherwise, and Mistral's recast adapter placed by the allocator's default (new segments after the old) too."""
     trace, row = _history(key)
-    a, targets, _ = _adapter(key, row)
-    q = Requests()
-    setup(q, a, targets, row["r"], reference=row["task"] == "dpo")
-    start, _ = seeded(trace["start_segments"])
-    assert _layout(q.alloc) == _layout(start)
-    r = replay_trace(trace)
-    sizes = {MATERIALISED * n for n in adapter_elements(a, targets, row["r"])}
-    at_setup = [h for h in held_at(trace, r.peak_at) if h.born < 0 and h.requested in sizes]
-    placed = placed_rests(a, targets, row["r"], row["task"] == "dpo")
-    assert placed == sum(h.rest for h in at_setup) == {"qwen": 9_764_864, "llama32-1b": 0}[key]
-    if key == "qwen":
+    a, targets, per = _adapter(key, row)
+    dpo = row["task"] == "dpo"
+
+    def built(descending: bool = True) -> Requests:
         q = Requests()
+        q.alloc = CachingAllocator(descending=descending)
+        setup(q, a, targets, row["r"], reference=dpo, quant=row["quant"])
+        return q
+
+    start, _ = seeded(trace["start_segments"])
+    assert _layout(built().alloc) == _layout(start)
+    r = replay_trace(trace)
+    sizes = {per * n for n in adapter_elements(a, targets, row["r"])}
+    at_setup = [h for h in held_at(trace, r.peak_at) if h.born < 0 and h.requested in sizes]
+    placed = placed_rests(a, targets, row["r"], dpo, row["quant"])
+    assert placed == sum(h.rest for h in at_setup) == {"qwen": 9_764_864, "llama32-1b": 0,
+                                                       "mistral-7b": 57_671_680}[key]
+    if key == "qwen":
         with patch("issue395.estimator.streamed_sequence.layer_parameters",
                    lambda a, k: sorted(layer_parameters(a, k))):
-            setup(q, a, targets, row["r"], reference=True)
-        assert _layout(q.alloc) != _layout(start)
+            assert _layout(built().alloc) != _layout(start)
+    if key == "mistral-7b":
+        assert _layout(built(descending=False).alloc) != _layout(start)
 
 
 def test_the_setup_is_charged_only_where_it_was_checked():
     """The replayed setup's rests replace the parameters' bound only on what the two histories ran: a tied dense
     llama or qwen2 in bf16, SFT or DPO, soup-cli 0.77.0 with its default streaming and two slots, transformers
-    5.16.1, the default allocator's cutting (expandable segments' split peak drops the rest terms anyway). NF4 (its
-    quantisation at setup frees blocks), another release, a probe's step at setup, an untied model, ORPO, another
-    split size: the bound."""
+    5.16.1, the default allocator's cutting (expandable segments' split peak drops the rest terms anyway), and
+    under NF4 Mistral's untied SFT (its history). A tied NF4 model, untied bf16, NF4 DPO (its copy beside the
+    recast), another release, a probe's step at setup, ORPO, another split size: the bound."""
     qwen, mistral = arch_from_config(config_json("qwen")), arch_from_config(config_json("mistral-7b"))
     ok = dict(release="0.77.0", transformers="5.16.1", stream={}, probed=False, buffers=2, environ={})
     assert setup_replayed(qwen, "none", "dpo", **ok) and setup_replayed(qwen, "none", "sft", **ok)
     assert not setup_replayed(qwen, "nf4", "sft", **ok) and not setup_replayed(qwen, "none", "orpo", **ok)
-    assert not setup_replayed(mistral, "none", "sft", **ok)  # untied
+    assert not setup_replayed(mistral, "none", "sft", **ok)  # untied bf16: its large pool beside bf16 slots unchecked
+    assert setup_replayed(mistral, "nf4", "sft", **ok) and not setup_replayed(mistral, "nf4", "dpo", **ok)
+    for change in ({"release": "0.73.3"}, {"probed": True}, {"buffers": 3}):
+        assert not setup_replayed(mistral, "nf4", "sft", **{**ok, **change})
     for change in ({"release": "0.73.3"}, {"probed": True}, {"transformers": "5.25.0"}, {"buffers": 3},
                    {"stream": {"stream_loss_chunk": 512}},
                    {"environ": {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128"}}):
@@ -222,7 +236,8 @@ def test_each_traced_arm_is_charged_at_or_above_its_real_peak_and_its_adapter_re
     the real peak (max_memory_allocated) and the adapter rest terms of its binding phase at or above what the
     adapter-shaped blocks keep there; where the setup and step 1 are replayed (the bf16 two: step_replayed) the
     term is the parameters' and step 1's AdamW states' rests the replay leaves, the history's at its real peak to
-    the byte (Qwen2.5 DPO 15,859,712 B, 1.00024x; Llama-3.2-1B none, 1.00108x); NF4 keeps the bound."""
+    the byte (Qwen2.5 DPO 15,859,712 B, 1.00024x; Llama-3.2-1B none, 1.00108x); where the setup alone is (Mistral-7B
+    NF4 r256) its parameters' rests, the rest the bound; Phi-3-mini NF4 the bound."""
     trace, row = _history(key)
     a, targets, per = _adapter(key, row)
     r = replay_trace(trace)
