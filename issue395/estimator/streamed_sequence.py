@@ -62,7 +62,7 @@ from __future__ import annotations
 
 from ..constants import CUBLAS_WORKSPACE
 from .allocator import CachingAllocator
-from .arch import Arch, nf4_pieces
+from .arch import NF4_BLOCK, Arch, nf4_pieces
 from .sequence import SEQUENCE_TRANSFORMERS, Requests, default_allocator, layer_parameters, norm, rotary
 from .steady import OPTIMIZERS
 
@@ -206,46 +206,82 @@ def lora_forward(q: Requests, T: int, fi: int, fo: int, r: int, dropout: bool):
     return out
 
 
-def projection_forward(q: Requests, a: Arch, T: int, name: str, lora: tuple):
-    """A linear's output with no graph kept: a LoRA target's (``lora``: targets, r, dropout) or a frozen one's."""
+def nf4_base(q: Requests, T: int, fi: int, fo: int):
+    """A streamed NF4 linear's output (soup-cli 0.77.0's install_dequant_forward on bitsandbytes' dequantising arm,
+    no scale cache): dequantize_4bit's fp32 absmax (the nested codes expanded, its offset added in place), the bf16
+    weight, the absmax freed, F.linear's output, the weight freed."""
+    absmax = q.get(FP32 * -(-fi * fo // NF4_BLOCK))
+    w = q.get(2 * fi * fo)
+    q.put(absmax)
+    out = q.get(2 * T * fo)
+    q.put(w)
+    return out
+
+
+def lora_forward_nf4(q: Requests, T: int, fi: int, fo: int, r: int, dropout: bool):
+    """A LoRA target over a streamed NF4 base with no graph kept: the base output (nf4_base), peft's bnb layer's
+    defensive clone (the base freed), dropout's bool mask and bf16 output (the adapter is bf16: no cast), freed once
+    lora_A returns, lora_B's, the scaling, the sum (returned); the rest freed."""
+    base = nf4_base(q, T, fi, fo)
+    clone = q.get(2 * T * fo)
+    q.put(base)
+    mask = q.get(T * fi) if dropout else None
+    drop = q.get(2 * T * fi) if dropout else None
+    q.put(mask)
+    a_out = q.get(2 * T * r)
+    q.put(drop)
+    b_out = q.get(2 * T * fo)
+    q.put(a_out)
+    scaled = q.get(2 * T * fo)
+    q.put(b_out)
+    out = q.get(2 * T * fo)
+    q.put(scaled, clone)
+    return out
+
+
+def projection_forward(q: Requests, a: Arch, T: int, name: str, lora: tuple, nf4: bool = False):
+    """A linear's output with no graph kept: a LoRA target's (``lora``: targets, r, dropout) or a frozen one's,
+    over a bf16 or (``nf4``) a streamed NF4 base."""
     fi, fo, _ = a.modules[name]
     targets, r, dropout = lora
+    if nf4:
+        return lora_forward_nf4(q, T, fi, fo, r, dropout) if name in targets else nf4_base(q, T, fi, fo)
     return lora_forward(q, T, fi, fo, r, dropout) if name in targets else q.get(2 * T * fo)
 
 
-def layer_forward(q: Requests, a: Arch, T: int, lora: tuple):
+def layer_forward(q: Requests, a: Arch, T: int, lora: tuple, nf4: bool = False):
     """One streamed decoder layer's checkpointed forward (transformers' llama-type layer, no graph kept): the input
     norm, q, k, v, q and k rotated (q's and k's projections freed), flash's output, o_proj, then as the attention's
     frame goes flash's output, the rotated q and k, v, and the normed input; the residual add, the post-attention
     norm, gate, its activation (gate freed), up, their product (the activation and up freed), down (the product and
     the normed input freed), the residual add (down and the first sum freed). Returns the layer's output: the next
-    layer's checkpointed input, kept."""
+    layer's checkpointed input, kept. Under ``nf4`` each base is a streamed NF4 linear (projection_forward)."""
     normed, _ = norm(q, T, a.h, False)
-    qo, ko, vo = (projection_forward(q, a, T, m, lora) for m in ("q_proj", "k_proj", "v_proj"))
+    qo, ko, vo = (projection_forward(q, a, T, m, lora, nf4) for m in ("q_proj", "k_proj", "v_proj"))
     qr, kr = rotary(q, T, a.heads * a.head_dim), rotary(q, T, a.kv * a.head_dim)
     q.put(qo, ko)
     sdpa = q.get(2 * T * a.heads * a.head_dim)
-    o = projection_forward(q, a, T, "o_proj", lora)
+    o = projection_forward(q, a, T, "o_proj", lora, nf4)
     q.put(sdpa, qr, kr, vo, normed)
     mid = q.get(2 * T * a.h)
     q.put(o)
     normed2, _ = norm(q, T, a.h, False)
-    gate = projection_forward(q, a, T, "gate_proj", lora)
+    gate = projection_forward(q, a, T, "gate_proj", lora, nf4)
     act = q.get(2 * T * a.i)
     q.put(gate)
-    up = projection_forward(q, a, T, "up_proj", lora)
+    up = projection_forward(q, a, T, "up_proj", lora, nf4)
     prod = q.get(2 * T * a.i)
     q.put(act, up)
-    down = projection_forward(q, a, T, "down_proj", lora)
+    down = projection_forward(q, a, T, "down_proj", lora, nf4)
     q.put(prod, normed2)
     out = q.get(2 * T * a.h)
     q.put(down, mid)
     return out
 
 
-def layers_forward(q: Requests, a: Arch, T: int, lora: tuple) -> list:
+def layers_forward(q: Requests, a: Arch, T: int, lora: tuple, nf4: bool = False) -> list:
     """Every layer's checkpointed forward in turn; returns their outputs (each kept as the next one's input)."""
-    return [layer_forward(q, a, T, lora) for _ in range(a.L)]
+    return [layer_forward(q, a, T, lora, nf4) for _ in range(a.L)]
 
 
 # -- step 1's backward: each streamed layer's recompute (early-stopped) and its backward --

@@ -263,22 +263,30 @@ def _large(trace: dict) -> list:
     return out
 
 
-@pytest.mark.parametrize("key", ("qwen", "llama32-1b"))
-def test_the_streamed_layers_checkpointed_forward_is_each_bf16_historys_request_for_request(key):
+@pytest.mark.parametrize("key", ("qwen", "llama32-1b", "mistral-7b"))
+def test_the_streamed_layers_checkpointed_forward_is_each_historys_request_for_request(key):
     """Issue 52 item 1, the streamed step's own requests, trace first: step 1's forward through every streamed layer
     (no graph kept under Soup's recompute) built from the Arch is the history's large-pool requests and frees in
     order, the first thing after the embedding's output, layer for layer (Llama-3.2-1B SFT with LoRA dropout's
     masks: 16 layers, 2,544 events; Qwen2.5-0.5B DPO's policy forward, TRL having turned dropout off, at the paired
-    batch's 4,096 tokens: 24 layers, 2,568 events, q, k and v biases in their outputs)."""
+    batch's 4,096 tokens: 24 layers, 2,568 events, q, k and v biases in their outputs; Mistral-7B NF4 r256 SFT:
+    32 layers, 5,280 events, each base Soup's dequantising NF4 forward, its fp32 absmax the large pool's on the MLP's
+    weights alone, peft's bnb clone, the bf16 adapter uncast). Built over a bf16 base, Mistral's departs within its first layer."""
     trace, row = _history(key)
     a, targets, _ = _adapter(key, row)
     T = row["seq"] * row["batch"] * (2 if row["task"] == "dpo" else 1)
+    lora = (targets, row["r"], row["task"] != "dpo")
     q = Requests(trace=True)
-    layers_forward(q, a, T, (targets, row["r"], row["task"] != "dpo"))
+    layers_forward(q, a, T, lora, nf4=row["quant"] == "nf4")
     real = _large(trace)
     embedded = real.index(("alloc", 2 * T * a.h))
     assert real[embedded + 1:embedded + 1 + len(q.trace)] == q.trace
-    assert len(q.trace) == {"qwen": 2568, "llama32-1b": 2544}[key]
+    assert len(q.trace) == {"qwen": 2568, "llama32-1b": 2544, "mistral-7b": 5280}[key]
+    if row["quant"] == "nf4":
+        q = Requests(trace=True)
+        layers_forward(q, a, T, lora)
+        departs = next(i for i, e in enumerate(q.trace) if real[embedded + 1 + i] != e)
+        assert departs < len(q.trace) // a.L  # within the first layer
 
 
 def test_each_streamed_layers_recompute_is_the_resident_forward_stopped_at_down_projs_lora_a():
