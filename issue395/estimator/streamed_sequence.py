@@ -48,12 +48,19 @@ start segments segment for segment (new segments below the earlier ones; the def
 adapter's rests 57,671,680 B, the history's setup-born adapter blocks' at its real peak; charged where
 setup_replayed admits it (NF4_SETUPS).
 
-What is not built (what is left of issue 52 item 1): NF4's step (its layers dequantise under Soup's own
-Linear4bit forward), accumulation's held gradients, the other tasks, and any model type or task pair not checked
-above. Where the states and temporaries land there is decided as here, by the free blocks the step 1
-backward leaves (Mistral-7B NF4 r256's 7 MiB gradients in freed 8 MiB hidden states and NF4 q/o weights; Phi-3's
-1,179,648 B gradients in freed 1,572,864 B down_proj absmax blocks). Replayed into fresh segments instead, the
-parameters', gradients', states' and temporaries' rests are under the histories' on Phi-3-mini NF4 (13,107,200 B at
+Its step 1 (``sft_step(nf4=True)``: each base Soup's install_dequant_forward on bitsandbytes' dequantising arm,
+nf4_base; recomputed, its bf16 weight saved by F.linear and freed after its input's gradient; peft's bnb clone; the
+bf16 adapter's gradients made in bf16) is that history's large-pool requests and frees, each run of frees in one
+order, from the embedding's output to the first layer's backward (14,909 events). Its blocks, replayed from the
+built setup, depart in the backward (the driver put some of the window's new segments in the ranges the setup's
+empty_cache released, which the descending placement does not model) and step 1's states keep 53,477,376 B
+against the history's 54,525,952: not charged (step_replayed admits no NF4 run).
+
+What is not built (what is left of issue 52 item 1): the driver's reuse of released address ranges (so NF4's
+step rests), accumulation's held gradients, the other tasks, and any model type or task pair not checked above.
+Where the states and temporaries land there is decided as here, by the free blocks the step 1 backward leaves
+(Mistral-7B NF4 r256's 7 MiB gradients in freed 8 MiB hidden states and NF4 q/o weights; Phi-3's 1,179,648 B
+gradients in freed 1,572,864 B down_proj absmax blocks). Replayed into fresh segments instead, the parameters', gradients', states' and temporaries' rests are under the histories' on Phi-3-mini NF4 (13,107,200 B at
 the loss, where the row needs 15,354,144 B past the split estimate) and Mistral-7B NF4 r256 (187,695,104 B at the
 optimizer step against 241,355,528 B): ``fresh_rests`` says so, and is not charged.
 """
@@ -139,7 +146,8 @@ def setup(q: Requests, a: Arch, targets: tuple, r: int, *, reference: bool, quan
     order (NF4: its packed shards, nf4_slot), an untied model's LargeLayerBufferPool (one slot of the larger of its
     embedding and head, install_streaming's, after the layers'), under ``reference`` (DPO) the adapter's copy;
     under NF4 each fp32 matrix recast to bf16 one by one (the 4-bit model's adapter dtype, adapter_bytes); the cuBLAS
-    ``workspace`` (its own segment; made before the window). Returns the adapter's blocks' keys, both copies."""
+    ``workspace`` (its own segment; made before the window), the window's empty_cache. Returns the adapter's
+    blocks' keys, both copies."""
     elements = adapter_elements(a, targets, r)
     if a.tied:
         q.get(2 * a.V * a.h)
@@ -158,6 +166,7 @@ def setup(q: Requests, a: Arch, targets: tuple, r: int, *, reference: bool, quan
             q.put(k)
         made = recast
     q.get(workspace)
+    q.empty_cache()  # the window's, before the history records: the fp32 adapter's emptied segments go back
     return made
 
 
@@ -313,7 +322,40 @@ def lora_recompute(q: Requests, T: int, fi: int, fo: int, r: int, dropout: bool,
     return out, saved, []
 
 
-def layer_recompute(q: Requests, a: Arch, T: int, lora: tuple, first: bool = False) -> tuple:
+def lora_recompute_nf4(q: Requests, T: int, fi: int, fo: int, r: int, dropout: bool, stop: bool = False,
+                       needs_input: bool = True) -> tuple:
+    """lora_recompute over a streamed NF4 base: the dequantised bf16 weight F.linear saves (its fp32 absmax freed),
+    the base output, peft's bnb clone (the base freed), dropout's mask and bf16 output (lora_A's saved input: the
+    adapter is bf16, no cast), lora_A's output; then, but past the ``stop``, lora_B's, the scaling, the sum. Returns
+    (output, what it saved, what the stop leaves to free: the clone). Where its input ``needs_input`` no gradient
+    the base is out of the graph and its weight goes at once."""
+    absmax = q.get(FP32 * -(-fi * fo // NF4_BLOCK))
+    w = q.get(2 * fi * fo)
+    q.put(absmax)
+    base = q.get(2 * T * fo)
+    if not needs_input:  # no graph through the base: F.linear saves nothing
+        q.put(w)
+        w = None
+    clone = q.get(2 * T * fo)
+    q.put(base)
+    mask = q.get(T * fi) if dropout else None
+    drop = q.get(2 * T * fi) if dropout else None
+    if not needs_input:
+        q.put(mask)
+        mask = None
+    a_out = q.get(2 * T * r)
+    saved = {"cast": drop, "a": a_out, "mask": mask, "w": w, "fi": fi, "fo": fo, "r": r, "input": needs_input}
+    if stop:
+        return None, saved, [clone]
+    b_out = q.get(2 * T * fo)
+    scaled = q.get(2 * T * fo)
+    q.put(b_out)
+    out = q.get(2 * T * fo)
+    q.put(scaled, clone)
+    return out, saved, []
+
+
+def layer_recompute(q: Requests, a: Arch, T: int, lora: tuple, first: bool = False, nf4: bool = False) -> tuple:
     """A layer's forward recomputed when its backward first unpacks (sequence.layer's resident forward with its
     graph, the input's norm saving its fp32 copy), stopped after down_proj's lora_A. Returns what its backward
     reads and what the stop leaves, in the order the unwound frames free it (down_proj's, the MLP's product, the
@@ -323,7 +365,7 @@ def layer_recompute(q: Requests, a: Arch, T: int, lora: tuple, first: bool = Fal
 
     def target(name: str, stop: bool = False, needs_input: bool = True) -> tuple:
         fi, fo, _ = a.modules[name]
-        return lora_recompute(q, T, fi, fo, r, dropout, stop, needs_input)
+        return (lora_recompute_nf4 if nf4 else lora_recompute)(q, T, fi, fo, r, dropout, stop, needs_input)
 
     s = {}
     n1, s["n1"] = norm(q, T, a.h, not first)
@@ -352,6 +394,8 @@ def lora_backward(q: Requests, T: int, s: dict, scaled, into) -> tuple:
     (its mask freed), the fp32 cast's ToCopy back to bf16, accumulated in place into ``into`` where the input's
     buffer holds a gradient (freed), then the frozen base's input gradient. Returns (the input's gradient, the base's
     share to accumulate and free, the fp32 gradients made)."""
+    if "w" in s:  # over a streamed NF4 base
+        return lora_backward_nf4(q, T, s, scaled, into)
     fi, fo, r = s["fi"], s["fo"], s["r"]
     ga, gbw = q.get(2 * T * r), q.get(2 * fo * r)
     q.put(s["a"], scaled)
@@ -379,6 +423,33 @@ def lora_backward(q: Requests, T: int, s: dict, scaled, into) -> tuple:
         q.put(gx)
         gx = into
     return gx, q.get(2 * T * fi), grads
+
+
+def lora_backward_nf4(q: Requests, T: int, s: dict, scaled, into) -> tuple:
+    """lora_backward over a streamed NF4 base (a bf16 adapter: each weight's gradient made in bf16, no fp32 copy):
+    lora_B's mm and B's gradient (``scaled`` freed), A's gradient, lora_A's input gradient (dropout's output
+    freed), dropout's (its mask freed), accumulated in place into ``into`` where given, then the frozen base's input
+    gradient on the dequantised weight, which goes. Returns (the input's gradient, the base's share to accumulate
+    and free, the gradients made)."""
+    fi, fo, r = s["fi"], s["fo"], s["r"]
+    ga, gb = q.get(2 * T * r), q.get(2 * fo * r)
+    q.put(s["a"], scaled)
+    grads = [gb, q.get(2 * r * fi)]
+    if not s["input"]:
+        q.put(s["cast"], ga, s["w"])
+        return None, None, grads
+    gc = q.get(2 * T * fi)
+    q.put(s["cast"], ga)
+    if s["mask"] is not None:
+        gd = q.get(2 * T * fi)
+        q.put(s["mask"], gc)
+        gc = gd
+    if into is not None:
+        q.put(gc)
+        gc = into
+    base = q.get(2 * T * fi)
+    q.put(s["w"])
+    return gc, base, grads
 
 
 def mlp_backward(q: Requests, a: Arch, T: int, s: dict, scaled) -> tuple:
@@ -471,14 +542,14 @@ def attention_backward(q: Requests, a: Arch, T: int, s: dict, g, first: bool = F
     return gn1, grads
 
 
-def layer_backward(q: Requests, a: Arch, T: int, x, g, lora: tuple, first: bool = False) -> list:
+def layer_backward(q: Requests, a: Arch, T: int, x, g, lora: tuple, first: bool = False, nf4: bool = False) -> list:
     """One streamed layer's backward (not the first's) on its output's gradient ``g`` (accumulated in place through
     the layer: it leaves as the input's): down_proj's scaling gradient, the recompute and the stop's frees, the MLP's,
     the post-attention norm's, the attention's, the input norm's (``x``, the checkpointed input, freed). Returns the
     fp32 gradients made (the adapter's, held until the optimizer's step). The ``first`` layer's input norm has no
     backward: the residual's gradient goes after o_proj's, its input at the end."""
     scaled = q.get(2 * T * a.h)
-    s, dead = layer_recompute(q, a, T, lora, first)
+    s, dead = layer_recompute(q, a, T, lora, first, nf4)
     q.put(*dead)
     gn2, grads = mlp_backward(q, a, T, s, scaled)
     norm_backward(q, T, a.h, gn2, s["n2"])
@@ -531,15 +602,17 @@ def sft_loss(q: Requests, a: Arch, T: int, x, workspace: int = CUBLAS_WORKSPACE)
     return norm_backward(q, T, a.h, gx, nf, residual=False)
 
 
-def sft_step(q: Requests, a: Arch, T: int, lora: tuple, workspace: int = CUBLAS_WORKSPACE) -> list:
+def sft_step(q: Requests, a: Arch, T: int, lora: tuple, workspace: int = CUBLAS_WORKSPACE,
+             nf4: bool = False) -> list:
     """Step 1 of a streamed SFT run up to its optimizer's step: the embedding's output, every layer's checkpointed
-    forward, the loss (sft_loss), every layer's backward last to first. Returns the adapter's fp32 gradients (the
+    forward, the loss (sft_loss; an untied head's weight sits in the large pool's slot), every layer's backward last
+    to first, over streamed NF4 bases where ``nf4``. Returns the adapter's gradients (fp32; bf16 under NF4: the
     optimizer's step reads them; zero_grad frees them after it)."""
-    x = [q.get(2 * T * a.h)] + layers_forward(q, a, T, lora)
+    x = [q.get(2 * T * a.h)] + layers_forward(q, a, T, lora, nf4)
     g = sft_loss(q, a, T, x[-1], workspace)
     grads = []
     for k in reversed(range(a.L)):
-        grads += layer_backward(q, a, T, x[k], g, lora, first=k == 0)
+        grads += layer_backward(q, a, T, x[k], g, lora, first=k == 0, nf4=nf4)
     return grads
 
 

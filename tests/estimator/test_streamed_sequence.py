@@ -22,7 +22,7 @@ from issue395.estimator.sequence import Requests, layer, layer_parameters
 from issue395.estimator.steady import adapter_bytes, lora_tensors
 from issue395.estimator.streamed_sequence import (MATERIALISED, adamw_step, adapter_elements, fresh_rests,
                                                   dpo_step, layer_backward, layers_forward, placed_rests,
-                                                  setup, setup_replayed, sft_step, step_rests)
+                                                  setup, setup_replayed, sft_step, step_replayed, step_rests)
 from issue395.estimator.terms import Phase
 from issue395.measure.trace import held_at, replay_trace, replaying_trace, seeded
 from issue395.model.registry import config_json
@@ -271,7 +271,8 @@ def test_the_streamed_layers_checkpointed_forward_is_each_historys_request_for_r
     masks: 16 layers, 2,544 events; Qwen2.5-0.5B DPO's policy forward, TRL having turned dropout off, at the paired
     batch's 4,096 tokens: 24 layers, 2,568 events, q, k and v biases in their outputs; Mistral-7B NF4 r256 SFT:
     32 layers, 5,280 events, each base Soup's dequantising NF4 forward, its fp32 absmax the large pool's on the MLP's
-    weights alone, peft's bnb clone, the bf16 adapter uncast). Built over a bf16 base, Mistral's departs within its first layer."""
+    weights alone, peft's bnb clone, the bf16 adapter uncast). Built over a bf16 base, Mistral's departs within its
+    first layer."""
     trace, row = _history(key)
     a, targets, _ = _adapter(key, row)
     T = row["seq"] * row["batch"] * (2 if row["task"] == "dpo" else 1)
@@ -326,7 +327,7 @@ def _canonical(events: list) -> list:
     return out + sorted(run)
 
 
-@pytest.mark.parametrize("key", ("qwen", "llama32-1b"))
+@pytest.mark.parametrize("key", ("qwen", "llama32-1b", "mistral-7b"))
 def test_each_streamed_layers_backward_is_the_historys_request_for_request(key):
     """Issue 52 item 1, the streamed step's backward, trace first: every layer's backward but the first's (its input
     needs no gradient), in each of the 3 steps of both bf16 histories, built from the Arch (down_proj's scaling
@@ -334,20 +335,23 @@ def test_each_streamed_layers_backward_is_the_historys_request_for_request(key):
     gradient, lora_A, the casts, dropout's where kept, the base's share accumulated in place; the gated MLP, the two
     RMSNorms in fp32, SDPA's workspace, the two rotaries, k's and q's contiguous copies), is the history's large-pool
     requests, and between each two requests the same frees (Llama-3.2-1B: 45 layers of 312 events; Qwen2.5-0.5B
-    DPO at 4,096 tokens, no dropout: 69 of 228). The gradients over 1 MiB among them are the adapter's."""
+    DPO at 4,096 tokens, no dropout: 69 of 228; Mistral-7B NF4 r256 SFT, each base Soup's dequantising forward
+    recomputed with its bf16 weight saved, freed after its input's gradient, the bf16 adapter's gradients made in
+    bf16: 93 of 299). The gradients over 1 MiB among them are the adapter's."""
     trace, row = _history(key)
-    a, targets, _ = _adapter(key, row)
+    a, targets, per = _adapter(key, row)
     T = row["seq"] * row["batch"] * (2 if row["task"] == "dpo" else 1)
     q = Requests(trace=True)
     x, g = q.get(2 * T * a.h), q.get(2 * T * a.h)
     q.trace.clear()
-    grads = layer_backward(q, a, T, x, g, (targets, row["r"], row["task"] != "dpo"))
+    grads = layer_backward(q, a, T, x, g, (targets, row["r"], row["task"] != "dpo"), nf4=row["quant"] == "nf4")
     made = _canonical(q.trace)
     real = _large(trace)
     starts = [i for i in range(len(real) - 40) if real[i:i + 40] == made[:40]]
-    assert len(starts) == 3 * (a.L - 1) and len(made) == {"qwen": 228, "llama32-1b": 312}[key]
+    assert len(starts) == 3 * (a.L - 1) and len(made) == {"qwen": 228, "llama32-1b": 312, "mistral-7b": 299}[key]
     assert all(_canonical(real[i:i + len(made)]) == made for i in starts)
-    one_layer = [MATERIALISED * n for n in adapter_elements(a, targets, row["r"])][:len(grads)]
+    one_layer = [(per if row["quant"] == "nf4" else MATERIALISED) * n
+                 for n in adapter_elements(a, targets, row["r"])][:len(grads)]
     assert sorted(q.held[k].requested for k in grads if k is not None) == sorted(
         b for b in one_layer if block_bytes(b) > K_SMALL_SIZE)
 
@@ -417,3 +421,42 @@ def test_held_out_arms_inside_the_replays_gate_are_never_under_and_within_one_pe
                      targets=tuple(d["targets"].split(",")), lora_r=d["r"], steps=d["steps"],
                      accumulation=d["accum"], soup=False, transformers="5.16.1")
     assert d["real_peak"] <= e.corrected_predicted <= 1.010 * d["real_peak"], e.corrected_predicted / d["real_peak"]
+
+
+def test_the_nf4_step_is_mistrals_event_for_event_but_its_blocks_depart_so_it_is_not_charged():
+    """Issue 52 item 1, NF4 trace first (Mistral-7B NF4 r256 all-linear SFT 1024x1, H100): step 1 built from the
+    Arch (sft_step over streamed NF4 bases: each layer's checkpointed forward, the loss with the untied head in the
+    large pool's slot, each layer's backward, the first's q, k and v bases out of the graph) is the history's
+    large-pool requests and frees from the embedding's output to the first layer's backward, each run of frees in
+    one order (14,909 events; the 5.12 MB transients left out). Replayed from the built setup with new segments
+    below the earlier ones, the blocks depart from the history's in the backward (request 4,939: the driver put
+    some of the window's new segments in the address ranges the setup's empty_cache released, which this
+    placement does not model), and step 1's states keep less than the history's (53,477,376 B against 54,525,952):
+    charged, it would be under, so step_replayed does not admit NF4 and the step keeps the bound."""
+    trace, row = _history("mistral-7b")
+    a, targets, per = _adapter("mistral-7b", row)
+    T, lora = row["seq"], (targets, row["r"], True)
+    q = Requests(trace=True)
+    sft_step(q, a, T, lora, nf4=True)
+    made = _canonical(q.trace)
+    real = [e for e in _large(trace) if not TRANSIENTS[0] <= e[1] < TRANSIENTS[1]]
+    start = real.index(("alloc", 2 * T * a.h))
+    assert _canonical(real[start:start + len(made)]) == made and len(made) == 14_909
+    elements = adapter_elements(a, targets, row["r"])
+    first = [b for n in elements for b in (per * n, per * n) if block_bytes(b) > K_SMALL_SIZE]
+    temporaries = [per * n for n in elements if block_bytes(per * n) > K_SMALL_SIZE]
+    end = _windows(trace, first + temporaries)[0][1]
+    history = [(int(ev.row[2]), ev.block.size) for ev in replaying_trace(trace) if ev.index <= end
+               and ev.row[0] == "alloc" and block_bytes(int(ev.row[2])) > K_SMALL_SIZE
+               and not TRANSIENTS[0] <= int(ev.row[2]) < TRANSIENTS[1]]
+    q = Logged(CachingAllocator(descending=True))
+    setup(q, a, targets, row["r"], reference=False, quant="nf4")
+    q.log.clear()
+    sft_step(q, a, T, lora, nf4=True)
+    states = adamw_step(q, elements, per, "adamw_torch")
+    assert [r for r, _ in q.log] == [r for r, _ in history]
+    assert next(i for i, (m, h) in enumerate(zip(q.log, history)) if m != h) == 4939
+    real_states = sum(size - block_bytes(req) for req, size in history[-len(first + temporaries):][:len(first)])
+    assert q.rests(states) == 53_477_376 < real_states == 54_525_952
+    assert not step_replayed(a, "nf4", "sft", dropout=True, accumulation=1, optimizer="adamw_torch", steps=3,
+                             release="0.77.0", transformers="5.16.1", stream={}, probed=False, buffers=2, environ={})
