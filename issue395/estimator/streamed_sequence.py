@@ -56,13 +56,14 @@ built setup, depart in the backward (the driver put some of the window's new seg
 empty_cache released, which the descending placement does not model) and step 1's states keep 53,477,376 B
 against the history's 54,525,952: not charged (step_replayed admits no NF4 run).
 
-What is not built (what is left of issue 52 item 1): the driver's reuse of released address ranges (so NF4's
-step rests), accumulation's held gradients, the other tasks, and any model type or task pair not checked above.
-Where the states and temporaries land there is decided as here, by the free blocks the step 1 backward leaves
-(Mistral-7B NF4 r256's 7 MiB gradients in freed 8 MiB hidden states and NF4 q/o weights; Phi-3's 1,179,648 B
-gradients in freed 1,572,864 B down_proj absmax blocks). Replayed into fresh segments instead, the parameters', gradients', states' and temporaries' rests are under the histories' on Phi-3-mini NF4 (13,107,200 B at
-the loss, where the row needs 15,354,144 B past the split estimate) and Mistral-7B NF4 r256 (187,695,104 B at the
-optimizer step against 241,355,528 B): ``fresh_rests`` says so, and is not charged.
+What is not built (what is left of issue 52 item 1): the driver's reuse of released address ranges (so NF4's step
+rests), accumulation's held gradients, the other tasks, and any model type or task pair not checked above. Where the
+states and temporaries land there is decided as here, by the free blocks the step 1 backward leaves (Mistral-7B NF4
+r256's 7 MiB gradients in freed 8 MiB hidden states and NF4 q/o weights; Phi-3's 1,179,648 B gradients in freed
+1,572,864 B down_proj absmax blocks). Replayed into fresh segments instead, the parameters', gradients', states' and
+temporaries' rests are under the histories' on Phi-3-mini NF4 (13,107,200 B at the loss, where the row needs
+15,354,144 B past the split estimate) and Mistral-7B NF4 r256 (187,695,104 B at the optimizer step against
+241,355,528 B): ``fresh_rests`` says so, and is not charged.
 """
 
 from __future__ import annotations
