@@ -9,8 +9,8 @@ Known limitations (measured: results/fit4-anatomy-findmax-render.txt, bench/rere
   large-pool request a cached block whole when the rest is 1 MiB or less, and counts the block) are
   charged as a bound, 1 MiB for each adapter-shaped block over 1 MiB live in the binding phase
   (unsplit_remainders, gradient_remainders, transient_remainders): measured, they are 0-22 MB on the fit4
-  arms and 166 MiB on Mistral-7B NF4 r256 all-linear's optimizer step, where the bound is 2.01 GB, so large
-  adapters read 1.023x-1.239x there. Which blocks the allocator
+  arms and 166 MiB on Mistral-7B NF4 r256 all-linear's optimizer step, where the charge is 1.67 GB (its setup's
+  parameters replayed, the step's blocks bounded), so it reads 1.1925x. Which blocks the allocator
   rounds up is history: a tighter count needs the free list's sizes at the peak. needs_free leaves the
   term out (expandable segments split every block). The binding layer's blocks are charged the same
   rule's bound (layer_remainders: 8.4 MB on Phi-3-mini NF4 512x1, measured 6.3 MB; 13-22 MB on the other

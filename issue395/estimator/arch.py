@@ -350,11 +350,17 @@ def _dropouts(config: dict, mt: str) -> frozenset:
 NF4_BLOCK = 64
 
 
-def nf4_bytes(n: int) -> int:
-    """bitsandbytes NF4 + double quant, as Soup's shard stores it: packed nibbles, uint8
-    absmax per NF4_BLOCK, fp32 nested absmax per 256 absmax, a 4-byte offset."""
+def nf4_pieces(n: int) -> list:
+    """bitsandbytes NF4 + double quant, as Soup's shard stores it, in its sidecars' order (soup-cli's
+    quant_sidecar_keys): packed nibbles, uint8 absmax per NF4_BLOCK, fp32 nested absmax per 256 absmax, a 4-byte
+    offset; each a tensor of its own."""
     blocks = -(-n // NF4_BLOCK)
-    return -(-n // 2) + blocks + 4 * -(-blocks // 256) + 4
+    return [-(-n // 2), blocks, 4 * -(-blocks // 256), 4]
+
+
+def nf4_bytes(n: int) -> int:
+    """One NF4 linear's shard bytes (nf4_pieces)."""
+    return sum(nf4_pieces(n))
 
 
 def layer_bytes(a: Arch, quant: str, per_expert: bool = False) -> int:

@@ -511,7 +511,7 @@ def step_terms(a: Arch, f: Features, tk, *, quant: str, targets: tuple, lora_r: 
     replayed = step_rests(a, targets, lora_r, tk.name, seq, batch) if placed == 2 else {}
     rests = unsplit_remainders(a, targets, lora_r, optimizer, per, steps=steps, accumulation=accumulation,
                                copies=copies, states=replayed.get("states"),
-                               placed=placed_rests(a, targets, lora_r, copies == 2) if placed else None)
+                               placed=placed_rests(a, targets, lora_r, copies == 2, quant) if placed else None)
     t.update(rests)
     unsplit = sum(rests.values())  # every adapter block's, live at the optimizer's step
     for term in (Term.LOSS_REMAINDERS, Term.REFERENCE_REMAINDERS):  # listed where they charge

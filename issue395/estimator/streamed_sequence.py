@@ -40,21 +40,37 @@ micro-batch, foreach AdamW, a step past the first) the estimate charges its para
 of their bound (the history's at its real peak to the byte); elsewhere where only the setup is (``setup_replayed``)
 the parameters' (``placed_rests``); the gradients' and temporaries' keep the bound everywhere.
 
-What is not built (what is left of issue 52 item 1): NF4 (its setup quantises on the card and frees blocks before
-the window; its layers dequantise), accumulation's held gradients, the other tasks, and any model type or task pair
-not checked above. Where the states and temporaries land there is decided as here, by the free blocks the step 1
-backward leaves (Mistral-7B NF4 r256's 7 MiB gradients in freed 8 MiB hidden states and NF4 q/o weights; Phi-3's
-1,179,648 B gradients in freed 1,572,864 B down_proj absmax blocks). Replayed into fresh segments instead, the
-parameters', gradients', states' and temporaries' rests are under the histories' on Phi-3-mini NF4 (13,107,200 B at
-the loss, where the row needs 15,354,144 B past the split estimate) and Mistral-7B NF4 r256 (187,695,104 B at the
-optimizer step against 241,355,528 B): ``fresh_rests`` says so, and is not charged.
+The NF4 setup (``setup(quant="nf4")``, an untied model): no quantisation on the card (the shards are packed on
+disk): the adapter fp32, the two slots of packed NF4 shards (nf4_slot), install_streaming's LargeLayerBufferPool
+(one slot for the untied embedding and head, materialize_extras having left both on meta), then each matrix recast
+to bf16 (the 4-bit model's adapter dtype) and its fp32 freed, one by one; the Mistral-7B NF4 r256 SFT history's
+start segments segment for segment (new segments below the earlier ones; the default placement departs), its
+adapter's rests 57,671,680 B, the history's setup-born adapter blocks' at its real peak; charged where
+setup_replayed admits it (NF4_SETUPS).
+
+Its step 1 (``sft_step(nf4=True)``: each base Soup's install_dequant_forward on bitsandbytes' dequantising arm,
+nf4_base; recomputed, its bf16 weight saved by F.linear and freed after its input's gradient; peft's bnb clone; the
+bf16 adapter's gradients made in bf16) is that history's large-pool requests and frees, each run of frees in one
+order, from the embedding's output to the first layer's backward (14,909 events). Its blocks, replayed from the
+built setup, depart in the backward (the driver put some of the window's new segments in the ranges the setup's
+empty_cache released, which the descending placement does not model) and step 1's states keep 53,477,376 B
+against the history's 54,525,952: not charged (step_replayed admits no NF4 run).
+
+What is not built (what is left of issue 52 item 1): the driver's reuse of released address ranges (so NF4's step
+rests), accumulation's held gradients, the other tasks, and any model type or task pair not checked above. Where the
+states and temporaries land there is decided as here, by the free blocks the step 1 backward leaves (Mistral-7B NF4
+r256's 7 MiB gradients in freed 8 MiB hidden states and NF4 q/o weights; Phi-3's 1,179,648 B gradients in freed
+1,572,864 B down_proj absmax blocks). Replayed into fresh segments instead, the parameters', gradients', states' and
+temporaries' rests are under the histories' on Phi-3-mini NF4 (13,107,200 B at the loss, where the row needs
+15,354,144 B past the split estimate) and Mistral-7B NF4 r256 (187,695,104 B at the optimizer step against
+241,355,528 B): ``fresh_rests`` says so, and is not charged.
 """
 
 from __future__ import annotations
 
 from ..constants import CUBLAS_WORKSPACE
 from .allocator import CachingAllocator
-from .arch import Arch
+from .arch import NF4_BLOCK, Arch, nf4_pieces
 from .sequence import SEQUENCE_TRANSFORMERS, Requests, default_allocator, layer_parameters, norm, rotary
 from .steady import OPTIMIZERS
 
@@ -64,6 +80,9 @@ BUILT_OPTIMIZERS = ("adamw_torch", "adamw_torch_fused")
 #: The setup ``setup`` builds was checked on these (the bf16 histories' start segments): the model types, the tasks
 #: (DPO's reference copy; SFT none), soup-cli's release, its pool's slots.
 SETUP_TYPES, SETUP_TASKS, SETUP_RELEASE, SETUP_BUFFERS = ("llama", "qwen2"), ("sft", "dpo"), "0.77.0", 2
+#: ...and under NF4 (an untied model: its embedding and head share one LargeLayerBufferPool slot) on these (model
+#: type, task): Mistral-7B NF4 r256 SFT's history. DPO's copy beside the recast adapter was not.
+NF4_SETUPS = (("mistral", "sft"),)
 #: Bytes a LoRA element takes as materialize_meta_adapters makes it (``torch.empty(..., dtype=torch.float32)``).
 MATERIALISED = FP32 = 4
 #: SDPA's backward workspace past its fp32 accumulators (flash_backward), as the four H100 histories request it.
@@ -115,40 +134,63 @@ def fresh_rests(a: Arch, targets: tuple, r: int, per: int, *, copies: int = 1, o
             "temporaries": q.rests(temporaries)}
 
 
-def setup(q: Requests, a: Arch, targets: tuple, r: int, *, reference: bool, buffers: int = SETUP_BUFFERS,
-          workspace: int = CUBLAS_WORKSPACE) -> list:
+def nf4_slot(a: Arch) -> list:
+    """One pool slot's tensors' bytes under Soup's NF4 shards, in the layer spec's order: each linear's pieces
+    (arch.nf4_pieces: the checkpoint key, then its sidecars), then the bf16 norms."""
+    return [b for fi, fo, _ in a.modules.values() for b in nf4_pieces(fi * fo)] + [2 * a.h, 2 * a.h]
+
+
+def setup(q: Requests, a: Arch, targets: tuple, r: int, *, reference: bool, quant: str = "none",
+          buffers: int = SETUP_BUFFERS, workspace: int = CUBLAS_WORKSPACE) -> list:
     """soup-cli 0.77.0's streamed setup on the card (the module's docstring): the embedding (a tied model's one
-    vocab matrix), the adapter fp32, ``buffers`` slots of one layer's tensors in its modules' order, under
-    ``reference`` (DPO) the adapter's copy, and the cuBLAS workspace (its own segment; made before the window).
-    Returns the adapter's blocks' keys, both copies."""
+    vocab matrix, materialize_extras), the adapter fp32, ``buffers`` slots of one layer's tensors in its modules'
+    order (NF4: its packed shards, nf4_slot), an untied model's LargeLayerBufferPool (one slot of the larger of its
+    embedding and head, install_streaming's, after the layers'), under ``reference`` (DPO) the adapter's copy;
+    under NF4 each fp32 matrix recast to bf16 one by one (the 4-bit model's adapter dtype, adapter_bytes); the cuBLAS
+    ``workspace`` (its own segment; made before the window), the window's empty_cache. Returns the adapter's
+    blocks' keys, both copies."""
     elements = adapter_elements(a, targets, r)
-    q.get(2 * a.V * a.h)
+    if a.tied:
+        q.get(2 * a.V * a.h)
     made = [q.get(MATERIALISED * n) for n in elements]
     for _ in range(buffers):
-        for _, nbytes in layer_parameters(a, 0):
+        for nbytes in (nf4_slot(a) if quant == "nf4" else [b for _, b in layer_parameters(a, 0)]):
             q.get(nbytes)
+    if not a.tied:
+        q.get(2 * a.V * a.h)
     if reference:
         made += [q.get(MATERIALISED * n) for n in elements]
+    if quant == "nf4":
+        recast = []
+        for k, n in zip(made, elements):
+            recast.append(q.get(2 * n))
+            q.put(k)
+        made = recast
     q.get(workspace)
+    q.empty_cache()  # the window's, before the history records: the fp32 adapter's emptied segments go back
     return made
 
 
 def setup_replayed(a: Arch, quant: str, task: str, *, release: str, transformers: str, stream: dict,
                    probed: bool, buffers: int, environ=None) -> bool:
-    """Whether ``setup`` is the run's: a tied dense bf16 llama-type decoder (SETUP_TYPES), SFT or DPO, soup-cli
+    """Whether ``setup`` is the run's: a tied dense bf16 llama-type decoder (SETUP_TYPES), SFT or DPO, or an untied
+    dense NF4 one NF4_SETUPS names (Mistral-7B's SFT: its LargeLayerBufferPool and recast adapter), soup-cli
     SETUP_RELEASE with its default streaming (no training key, no probe: stream_vram_probe runs a step at setup, on
     the card before DPO's copy), SETUP_BUFFERS slots, transformers sequence.SEQUENCE_TRANSFORMERS (``transformers``:
-    the release, its local tag dropped) and the default allocator: the two histories it was checked on."""
-    return (a.model_type in SETUP_TYPES and a.layers is None and a.tied and quant == "none" and task in SETUP_TASKS
-            and release == SETUP_RELEASE and not stream and not probed and buffers == SETUP_BUFFERS
-            and transformers == SEQUENCE_TRANSFORMERS and default_allocator(environ))
+    the release, its local tag dropped) and the default allocator: the three histories it was checked on."""
+    checked = (a.tied and quant == "none" and a.model_type in SETUP_TYPES and task in SETUP_TASKS) or (
+        not a.tied and quant == "nf4" and (a.model_type, task) in NF4_SETUPS)
+    return (checked and a.layers is None and release == SETUP_RELEASE and not stream and not probed
+            and buffers == SETUP_BUFFERS and transformers == SEQUENCE_TRANSFORMERS and default_allocator(environ))
 
 
-def placed_rests(a: Arch, targets: tuple, r: int, reference: bool) -> int:
-    """What the adapter's parameters (and DPO's copy) keep past their requests where ``setup`` places them: live
-    from the setup on, in every phase of every step."""
+def placed_rests(a: Arch, targets: tuple, r: int, reference: bool, quant: str = "none") -> int:
+    """What the adapter's parameters (and DPO's copy) keep past their requests where ``setup`` places them, each new
+    segment below the earlier ones (the driver's placement in the histories; Mistral-7B NF4's recast adapter lands
+    otherwise after the default's): live from the setup on, in every phase of every step."""
     q = Requests()
-    return q.rests(setup(q, a, targets, r, reference=reference))
+    q.alloc = CachingAllocator(descending=True)
+    return q.rests(setup(q, a, targets, r, reference=reference, quant=quant))
 
 
 # -- step 1's forward: Soup's streamed layers under checkpointing (no autograd graph kept) --
@@ -174,46 +216,82 @@ def lora_forward(q: Requests, T: int, fi: int, fo: int, r: int, dropout: bool):
     return out
 
 
-def projection_forward(q: Requests, a: Arch, T: int, name: str, lora: tuple):
-    """A linear's output with no graph kept: a LoRA target's (``lora``: targets, r, dropout) or a frozen one's."""
+def nf4_base(q: Requests, T: int, fi: int, fo: int):
+    """A streamed NF4 linear's output (soup-cli 0.77.0's install_dequant_forward on bitsandbytes' dequantising arm,
+    no scale cache): dequantize_4bit's fp32 absmax (the nested codes expanded, its offset added in place), the bf16
+    weight, the absmax freed, F.linear's output, the weight freed."""
+    absmax = q.get(FP32 * -(-fi * fo // NF4_BLOCK))
+    w = q.get(2 * fi * fo)
+    q.put(absmax)
+    out = q.get(2 * T * fo)
+    q.put(w)
+    return out
+
+
+def lora_forward_nf4(q: Requests, T: int, fi: int, fo: int, r: int, dropout: bool):
+    """A LoRA target over a streamed NF4 base with no graph kept: the base output (nf4_base), peft's bnb layer's
+    defensive clone (the base freed), dropout's bool mask and bf16 output (the adapter is bf16: no cast), freed once
+    lora_A returns, lora_B's, the scaling, the sum (returned); the rest freed."""
+    base = nf4_base(q, T, fi, fo)
+    clone = q.get(2 * T * fo)
+    q.put(base)
+    mask = q.get(T * fi) if dropout else None
+    drop = q.get(2 * T * fi) if dropout else None
+    q.put(mask)
+    a_out = q.get(2 * T * r)
+    q.put(drop)
+    b_out = q.get(2 * T * fo)
+    q.put(a_out)
+    scaled = q.get(2 * T * fo)
+    q.put(b_out)
+    out = q.get(2 * T * fo)
+    q.put(scaled, clone)
+    return out
+
+
+def projection_forward(q: Requests, a: Arch, T: int, name: str, lora: tuple, nf4: bool = False):
+    """A linear's output with no graph kept: a LoRA target's (``lora``: targets, r, dropout) or a frozen one's,
+    over a bf16 or (``nf4``) a streamed NF4 base."""
     fi, fo, _ = a.modules[name]
     targets, r, dropout = lora
+    if nf4:
+        return lora_forward_nf4(q, T, fi, fo, r, dropout) if name in targets else nf4_base(q, T, fi, fo)
     return lora_forward(q, T, fi, fo, r, dropout) if name in targets else q.get(2 * T * fo)
 
 
-def layer_forward(q: Requests, a: Arch, T: int, lora: tuple):
+def layer_forward(q: Requests, a: Arch, T: int, lora: tuple, nf4: bool = False):
     """One streamed decoder layer's checkpointed forward (transformers' llama-type layer, no graph kept): the input
     norm, q, k, v, q and k rotated (q's and k's projections freed), flash's output, o_proj, then as the attention's
     frame goes flash's output, the rotated q and k, v, and the normed input; the residual add, the post-attention
     norm, gate, its activation (gate freed), up, their product (the activation and up freed), down (the product and
     the normed input freed), the residual add (down and the first sum freed). Returns the layer's output: the next
-    layer's checkpointed input, kept."""
+    layer's checkpointed input, kept. Under ``nf4`` each base is a streamed NF4 linear (projection_forward)."""
     normed, _ = norm(q, T, a.h, False)
-    qo, ko, vo = (projection_forward(q, a, T, m, lora) for m in ("q_proj", "k_proj", "v_proj"))
+    qo, ko, vo = (projection_forward(q, a, T, m, lora, nf4) for m in ("q_proj", "k_proj", "v_proj"))
     qr, kr = rotary(q, T, a.heads * a.head_dim), rotary(q, T, a.kv * a.head_dim)
     q.put(qo, ko)
     sdpa = q.get(2 * T * a.heads * a.head_dim)
-    o = projection_forward(q, a, T, "o_proj", lora)
+    o = projection_forward(q, a, T, "o_proj", lora, nf4)
     q.put(sdpa, qr, kr, vo, normed)
     mid = q.get(2 * T * a.h)
     q.put(o)
     normed2, _ = norm(q, T, a.h, False)
-    gate = projection_forward(q, a, T, "gate_proj", lora)
+    gate = projection_forward(q, a, T, "gate_proj", lora, nf4)
     act = q.get(2 * T * a.i)
     q.put(gate)
-    up = projection_forward(q, a, T, "up_proj", lora)
+    up = projection_forward(q, a, T, "up_proj", lora, nf4)
     prod = q.get(2 * T * a.i)
     q.put(act, up)
-    down = projection_forward(q, a, T, "down_proj", lora)
+    down = projection_forward(q, a, T, "down_proj", lora, nf4)
     q.put(prod, normed2)
     out = q.get(2 * T * a.h)
     q.put(down, mid)
     return out
 
 
-def layers_forward(q: Requests, a: Arch, T: int, lora: tuple) -> list:
+def layers_forward(q: Requests, a: Arch, T: int, lora: tuple, nf4: bool = False) -> list:
     """Every layer's checkpointed forward in turn; returns their outputs (each kept as the next one's input)."""
-    return [layer_forward(q, a, T, lora) for _ in range(a.L)]
+    return [layer_forward(q, a, T, lora, nf4) for _ in range(a.L)]
 
 
 # -- step 1's backward: each streamed layer's recompute (early-stopped) and its backward --
@@ -245,7 +323,40 @@ def lora_recompute(q: Requests, T: int, fi: int, fo: int, r: int, dropout: bool,
     return out, saved, []
 
 
-def layer_recompute(q: Requests, a: Arch, T: int, lora: tuple, first: bool = False) -> tuple:
+def lora_recompute_nf4(q: Requests, T: int, fi: int, fo: int, r: int, dropout: bool, stop: bool = False,
+                       needs_input: bool = True) -> tuple:
+    """lora_recompute over a streamed NF4 base: the dequantised bf16 weight F.linear saves (its fp32 absmax freed),
+    the base output, peft's bnb clone (the base freed), dropout's mask and bf16 output (lora_A's saved input: the
+    adapter is bf16, no cast), lora_A's output; then, but past the ``stop``, lora_B's, the scaling, the sum. Returns
+    (output, what it saved, what the stop leaves to free: the clone). Where its input ``needs_input`` no gradient
+    the base is out of the graph and its weight goes at once."""
+    absmax = q.get(FP32 * -(-fi * fo // NF4_BLOCK))
+    w = q.get(2 * fi * fo)
+    q.put(absmax)
+    base = q.get(2 * T * fo)
+    if not needs_input:  # no graph through the base: F.linear saves nothing
+        q.put(w)
+        w = None
+    clone = q.get(2 * T * fo)
+    q.put(base)
+    mask = q.get(T * fi) if dropout else None
+    drop = q.get(2 * T * fi) if dropout else None
+    if not needs_input:
+        q.put(mask)
+        mask = None
+    a_out = q.get(2 * T * r)
+    saved = {"cast": drop, "a": a_out, "mask": mask, "w": w, "fi": fi, "fo": fo, "r": r, "input": needs_input}
+    if stop:
+        return None, saved, [clone]
+    b_out = q.get(2 * T * fo)
+    scaled = q.get(2 * T * fo)
+    q.put(b_out)
+    out = q.get(2 * T * fo)
+    q.put(scaled, clone)
+    return out, saved, []
+
+
+def layer_recompute(q: Requests, a: Arch, T: int, lora: tuple, first: bool = False, nf4: bool = False) -> tuple:
     """A layer's forward recomputed when its backward first unpacks (sequence.layer's resident forward with its
     graph, the input's norm saving its fp32 copy), stopped after down_proj's lora_A. Returns what its backward
     reads and what the stop leaves, in the order the unwound frames free it (down_proj's, the MLP's product, the
@@ -255,7 +366,7 @@ def layer_recompute(q: Requests, a: Arch, T: int, lora: tuple, first: bool = Fal
 
     def target(name: str, stop: bool = False, needs_input: bool = True) -> tuple:
         fi, fo, _ = a.modules[name]
-        return lora_recompute(q, T, fi, fo, r, dropout, stop, needs_input)
+        return (lora_recompute_nf4 if nf4 else lora_recompute)(q, T, fi, fo, r, dropout, stop, needs_input)
 
     s = {}
     n1, s["n1"] = norm(q, T, a.h, not first)
@@ -284,6 +395,8 @@ def lora_backward(q: Requests, T: int, s: dict, scaled, into) -> tuple:
     (its mask freed), the fp32 cast's ToCopy back to bf16, accumulated in place into ``into`` where the input's
     buffer holds a gradient (freed), then the frozen base's input gradient. Returns (the input's gradient, the base's
     share to accumulate and free, the fp32 gradients made)."""
+    if "w" in s:  # over a streamed NF4 base
+        return lora_backward_nf4(q, T, s, scaled, into)
     fi, fo, r = s["fi"], s["fo"], s["r"]
     ga, gbw = q.get(2 * T * r), q.get(2 * fo * r)
     q.put(s["a"], scaled)
@@ -311,6 +424,33 @@ def lora_backward(q: Requests, T: int, s: dict, scaled, into) -> tuple:
         q.put(gx)
         gx = into
     return gx, q.get(2 * T * fi), grads
+
+
+def lora_backward_nf4(q: Requests, T: int, s: dict, scaled, into) -> tuple:
+    """lora_backward over a streamed NF4 base (a bf16 adapter: each weight's gradient made in bf16, no fp32 copy):
+    lora_B's mm and B's gradient (``scaled`` freed), A's gradient, lora_A's input gradient (dropout's output
+    freed), dropout's (its mask freed), accumulated in place into ``into`` where given, then the frozen base's input
+    gradient on the dequantised weight, which goes. Returns (the input's gradient, the base's share to accumulate
+    and free, the gradients made)."""
+    fi, fo, r = s["fi"], s["fo"], s["r"]
+    ga, gb = q.get(2 * T * r), q.get(2 * fo * r)
+    q.put(s["a"], scaled)
+    grads = [gb, q.get(2 * r * fi)]
+    if not s["input"]:
+        q.put(s["cast"], ga, s["w"])
+        return None, None, grads
+    gc = q.get(2 * T * fi)
+    q.put(s["cast"], ga)
+    if s["mask"] is not None:
+        gd = q.get(2 * T * fi)
+        q.put(s["mask"], gc)
+        gc = gd
+    if into is not None:
+        q.put(gc)
+        gc = into
+    base = q.get(2 * T * fi)
+    q.put(s["w"])
+    return gc, base, grads
 
 
 def mlp_backward(q: Requests, a: Arch, T: int, s: dict, scaled) -> tuple:
@@ -403,14 +543,14 @@ def attention_backward(q: Requests, a: Arch, T: int, s: dict, g, first: bool = F
     return gn1, grads
 
 
-def layer_backward(q: Requests, a: Arch, T: int, x, g, lora: tuple, first: bool = False) -> list:
+def layer_backward(q: Requests, a: Arch, T: int, x, g, lora: tuple, first: bool = False, nf4: bool = False) -> list:
     """One streamed layer's backward (not the first's) on its output's gradient ``g`` (accumulated in place through
     the layer: it leaves as the input's): down_proj's scaling gradient, the recompute and the stop's frees, the MLP's,
     the post-attention norm's, the attention's, the input norm's (``x``, the checkpointed input, freed). Returns the
     fp32 gradients made (the adapter's, held until the optimizer's step). The ``first`` layer's input norm has no
     backward: the residual's gradient goes after o_proj's, its input at the end."""
     scaled = q.get(2 * T * a.h)
-    s, dead = layer_recompute(q, a, T, lora, first)
+    s, dead = layer_recompute(q, a, T, lora, first, nf4)
     q.put(*dead)
     gn2, grads = mlp_backward(q, a, T, s, scaled)
     norm_backward(q, T, a.h, gn2, s["n2"])
@@ -463,15 +603,17 @@ def sft_loss(q: Requests, a: Arch, T: int, x, workspace: int = CUBLAS_WORKSPACE)
     return norm_backward(q, T, a.h, gx, nf, residual=False)
 
 
-def sft_step(q: Requests, a: Arch, T: int, lora: tuple, workspace: int = CUBLAS_WORKSPACE) -> list:
+def sft_step(q: Requests, a: Arch, T: int, lora: tuple, workspace: int = CUBLAS_WORKSPACE,
+             nf4: bool = False) -> list:
     """Step 1 of a streamed SFT run up to its optimizer's step: the embedding's output, every layer's checkpointed
-    forward, the loss (sft_loss), every layer's backward last to first. Returns the adapter's fp32 gradients (the
+    forward, the loss (sft_loss; an untied head's weight sits in the large pool's slot), every layer's backward last
+    to first, over streamed NF4 bases where ``nf4``. Returns the adapter's gradients (fp32; bf16 under NF4: the
     optimizer's step reads them; zero_grad frees them after it)."""
-    x = [q.get(2 * T * a.h)] + layers_forward(q, a, T, lora)
+    x = [q.get(2 * T * a.h)] + layers_forward(q, a, T, lora, nf4)
     g = sft_loss(q, a, T, x[-1], workspace)
     grads = []
     for k in reversed(range(a.L)):
-        grads += layer_backward(q, a, T, x[k], g, lora, first=k == 0)
+        grads += layer_backward(q, a, T, x[k], g, lora, first=k == 0, nf4=nf4)
     return grads
 
 

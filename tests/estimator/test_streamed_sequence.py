@@ -22,7 +22,7 @@ from issue395.estimator.sequence import Requests, layer, layer_parameters
 from issue395.estimator.steady import adapter_bytes, lora_tensors
 from issue395.estimator.streamed_sequence import (MATERIALISED, adamw_step, adapter_elements, fresh_rests,
                                                   dpo_step, layer_backward, layers_forward, placed_rests,
-                                                  setup, setup_replayed, sft_step, step_rests)
+                                                  setup, setup_replayed, sft_step, step_replayed, step_rests)
 from issue395.estimator.terms import Phase
 from issue395.measure.trace import held_at, replay_trace, replaying_trace, seeded
 from issue395.model.registry import config_json
@@ -171,45 +171,59 @@ def _layout(alloc) -> Counter:
     return out
 
 
-@pytest.mark.parametrize("key", ("qwen", "llama32-1b"))
-def test_the_setup_built_from_the_arch_is_each_bf16_historys_start_segment_for_segment(key):
-    """Issue 52 item 1, where the parameters sit: soup-cli 0.77.0's streamed setup built from the Arch (the
-    embedding, the adapter fp32 in the layers' module order, two pool slots of one layer's tensors, DPO's reference
-    copy, the workspace) lays out the large pool as the history's start segments (the layout the window opened on,
-    torch's snapshot): every segment the same blocks, requests and free rests (Qwen2.5-0.5B DPO: 144 adapter blocks
-    packed into 20 MiB segments beside the pool's q, o and MLP slots). The rests it leaves the adapter's blocks are
-    those the history's setup blocks keep at its real peak (9,764,864 B; Llama-3.2-1B's 2 MiB blocks none); the
-    layer spec taken in the checkpoint's sorted key order lays Qwen's out otherwise."""
+@pytest.mark.parametrize("key", ("qwen", "llama32-1b", "mistral-7b"))
+def test_the_setup_built_from_the_arch_is_each_historys_start_segment_for_segment(key):
+    """Issue 52 item 1, where the parameters sit: soup-cli 0.77.0's streamed setup built from the Arch (a tied
+    model's embedding, the adapter fp32 in the layers' module order, two pool slots of one layer's tensors, an
+    untied model's one LargeLayerBufferPool slot, DPO's reference copy, under NF4 the adapter recast to bf16 matrix
+    by matrix, the workspace), each new segment below the earlier ones, lays out the large pool as the history's
+    start segments (the layout the window opened on, torch's snapshot): every segment the same blocks, requests and
+    free rests (Qwen2.5-0.5B DPO: 144 adapter blocks packed into 20 MiB segments beside the pool's q, o and MLP
+    slots; Mistral-7B NF4 r256: the packed 8 and 28 MiB shards, the 7 and 2 MiB bf16 matrices in the 20 and 14 MiB
+    segments their fp32 forms left, 7 MiB in 8 MiB and 2 MiB in 3 MiB blocks). The rests it leaves the adapter's
+    blocks are those the history's setup blocks keep at its real peak (9,764,864 B; Llama-3.2-1B's 2 MiB blocks
+    none; Mistral-7B 57,671,680 B); the layer spec taken in the checkpoint's sorted key order lays Qwen's out
+    otherwise, and Mistral's recast adapter placed by the allocator's default (new segments after the old) too."""
     trace, row = _history(key)
-    a, targets, _ = _adapter(key, row)
-    q = Requests()
-    setup(q, a, targets, row["r"], reference=row["task"] == "dpo")
-    start, _ = seeded(trace["start_segments"])
-    assert _layout(q.alloc) == _layout(start)
-    r = replay_trace(trace)
-    sizes = {MATERIALISED * n for n in adapter_elements(a, targets, row["r"])}
-    at_setup = [h for h in held_at(trace, r.peak_at) if h.born < 0 and h.requested in sizes]
-    placed = placed_rests(a, targets, row["r"], row["task"] == "dpo")
-    assert placed == sum(h.rest for h in at_setup) == {"qwen": 9_764_864, "llama32-1b": 0}[key]
-    if key == "qwen":
+    a, targets, per = _adapter(key, row)
+    dpo = row["task"] == "dpo"
+
+    def built(descending: bool = True) -> Requests:
         q = Requests()
+        q.alloc = CachingAllocator(descending=descending)
+        setup(q, a, targets, row["r"], reference=dpo, quant=row["quant"])
+        return q
+
+    start, _ = seeded(trace["start_segments"])
+    assert _layout(built().alloc) == _layout(start)
+    r = replay_trace(trace)
+    sizes = {per * n for n in adapter_elements(a, targets, row["r"])}
+    at_setup = [h for h in held_at(trace, r.peak_at) if h.born < 0 and h.requested in sizes]
+    placed = placed_rests(a, targets, row["r"], dpo, row["quant"])
+    assert placed == sum(h.rest for h in at_setup) == {"qwen": 9_764_864, "llama32-1b": 0,
+                                                       "mistral-7b": 57_671_680}[key]
+    if key == "qwen":
         with patch("issue395.estimator.streamed_sequence.layer_parameters",
                    lambda a, k: sorted(layer_parameters(a, k))):
-            setup(q, a, targets, row["r"], reference=True)
-        assert _layout(q.alloc) != _layout(start)
+            assert _layout(built().alloc) != _layout(start)
+    if key == "mistral-7b":
+        assert _layout(built(descending=False).alloc) != _layout(start)
 
 
 def test_the_setup_is_charged_only_where_it_was_checked():
     """The replayed setup's rests replace the parameters' bound only on what the two histories ran: a tied dense
     llama or qwen2 in bf16, SFT or DPO, soup-cli 0.77.0 with its default streaming and two slots, transformers
-    5.16.1, the default allocator's cutting (expandable segments' split peak drops the rest terms anyway). NF4 (its
-    quantisation at setup frees blocks), another release, a probe's step at setup, an untied model, ORPO, another
-    split size: the bound."""
+    5.16.1, the default allocator's cutting (expandable segments' split peak drops the rest terms anyway), and
+    under NF4 Mistral's untied SFT (its history). A tied NF4 model, untied bf16, NF4 DPO (its copy beside the
+    recast), another release, a probe's step at setup, ORPO, another split size: the bound."""
     qwen, mistral = arch_from_config(config_json("qwen")), arch_from_config(config_json("mistral-7b"))
     ok = dict(release="0.77.0", transformers="5.16.1", stream={}, probed=False, buffers=2, environ={})
     assert setup_replayed(qwen, "none", "dpo", **ok) and setup_replayed(qwen, "none", "sft", **ok)
     assert not setup_replayed(qwen, "nf4", "sft", **ok) and not setup_replayed(qwen, "none", "orpo", **ok)
-    assert not setup_replayed(mistral, "none", "sft", **ok)  # untied
+    assert not setup_replayed(mistral, "none", "sft", **ok)  # untied bf16: its large pool beside bf16 slots unchecked
+    assert setup_replayed(mistral, "nf4", "sft", **ok) and not setup_replayed(mistral, "nf4", "dpo", **ok)
+    for change in ({"release": "0.73.3"}, {"probed": True}, {"buffers": 3}):
+        assert not setup_replayed(mistral, "nf4", "sft", **{**ok, **change})
     for change in ({"release": "0.73.3"}, {"probed": True}, {"transformers": "5.25.0"}, {"buffers": 3},
                    {"stream": {"stream_loss_chunk": 512}},
                    {"environ": {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128"}}):
@@ -222,7 +236,8 @@ def test_each_traced_arm_is_charged_at_or_above_its_real_peak_and_its_adapter_re
     the real peak (max_memory_allocated) and the adapter rest terms of its binding phase at or above what the
     adapter-shaped blocks keep there; where the setup and step 1 are replayed (the bf16 two: step_replayed) the
     term is the parameters' and step 1's AdamW states' rests the replay leaves, the history's at its real peak to
-    the byte (Qwen2.5 DPO 15,859,712 B, 1.00024x; Llama-3.2-1B none, 1.00108x); NF4 keeps the bound."""
+    the byte (Qwen2.5 DPO 15,859,712 B, 1.00024x; Llama-3.2-1B none, 1.00108x); where the setup alone is (Mistral-7B
+    NF4 r256) its parameters' rests, the rest the bound; Phi-3-mini NF4 the bound."""
     trace, row = _history(key)
     a, targets, per = _adapter(key, row)
     r = replay_trace(trace)
@@ -248,22 +263,31 @@ def _large(trace: dict) -> list:
     return out
 
 
-@pytest.mark.parametrize("key", ("qwen", "llama32-1b"))
-def test_the_streamed_layers_checkpointed_forward_is_each_bf16_historys_request_for_request(key):
+@pytest.mark.parametrize("key", ("qwen", "llama32-1b", "mistral-7b"))
+def test_the_streamed_layers_checkpointed_forward_is_each_historys_request_for_request(key):
     """Issue 52 item 1, the streamed step's own requests, trace first: step 1's forward through every streamed layer
     (no graph kept under Soup's recompute) built from the Arch is the history's large-pool requests and frees in
     order, the first thing after the embedding's output, layer for layer (Llama-3.2-1B SFT with LoRA dropout's
     masks: 16 layers, 2,544 events; Qwen2.5-0.5B DPO's policy forward, TRL having turned dropout off, at the paired
-    batch's 4,096 tokens: 24 layers, 2,568 events, q, k and v biases in their outputs)."""
+    batch's 4,096 tokens: 24 layers, 2,568 events, q, k and v biases in their outputs; Mistral-7B NF4 r256 SFT:
+    32 layers, 5,280 events, each base Soup's dequantising NF4 forward, its fp32 absmax the large pool's on the MLP's
+    weights alone, peft's bnb clone, the bf16 adapter uncast). Built over a bf16 base, Mistral's departs within its
+    first layer."""
     trace, row = _history(key)
     a, targets, _ = _adapter(key, row)
     T = row["seq"] * row["batch"] * (2 if row["task"] == "dpo" else 1)
+    lora = (targets, row["r"], row["task"] != "dpo")
     q = Requests(trace=True)
-    layers_forward(q, a, T, (targets, row["r"], row["task"] != "dpo"))
+    layers_forward(q, a, T, lora, nf4=row["quant"] == "nf4")
     real = _large(trace)
     embedded = real.index(("alloc", 2 * T * a.h))
     assert real[embedded + 1:embedded + 1 + len(q.trace)] == q.trace
-    assert len(q.trace) == {"qwen": 2568, "llama32-1b": 2544}[key]
+    assert len(q.trace) == {"qwen": 2568, "llama32-1b": 2544, "mistral-7b": 5280}[key]
+    if row["quant"] == "nf4":
+        q = Requests(trace=True)
+        layers_forward(q, a, T, lora)
+        departs = next(i for i, e in enumerate(q.trace) if real[embedded + 1 + i] != e)
+        assert departs < len(q.trace) // a.L  # within the first layer
 
 
 def test_each_streamed_layers_recompute_is_the_resident_forward_stopped_at_down_projs_lora_a():
@@ -303,7 +327,7 @@ def _canonical(events: list) -> list:
     return out + sorted(run)
 
 
-@pytest.mark.parametrize("key", ("qwen", "llama32-1b"))
+@pytest.mark.parametrize("key", ("qwen", "llama32-1b", "mistral-7b"))
 def test_each_streamed_layers_backward_is_the_historys_request_for_request(key):
     """Issue 52 item 1, the streamed step's backward, trace first: every layer's backward but the first's (its input
     needs no gradient), in each of the 3 steps of both bf16 histories, built from the Arch (down_proj's scaling
@@ -311,20 +335,23 @@ def test_each_streamed_layers_backward_is_the_historys_request_for_request(key):
     gradient, lora_A, the casts, dropout's where kept, the base's share accumulated in place; the gated MLP, the two
     RMSNorms in fp32, SDPA's workspace, the two rotaries, k's and q's contiguous copies), is the history's large-pool
     requests, and between each two requests the same frees (Llama-3.2-1B: 45 layers of 312 events; Qwen2.5-0.5B
-    DPO at 4,096 tokens, no dropout: 69 of 228). The gradients over 1 MiB among them are the adapter's."""
+    DPO at 4,096 tokens, no dropout: 69 of 228; Mistral-7B NF4 r256 SFT, each base Soup's dequantising forward
+    recomputed with its bf16 weight saved, freed after its input's gradient, the bf16 adapter's gradients made in
+    bf16: 93 of 299). The gradients over 1 MiB among them are the adapter's."""
     trace, row = _history(key)
-    a, targets, _ = _adapter(key, row)
+    a, targets, per = _adapter(key, row)
     T = row["seq"] * row["batch"] * (2 if row["task"] == "dpo" else 1)
     q = Requests(trace=True)
     x, g = q.get(2 * T * a.h), q.get(2 * T * a.h)
     q.trace.clear()
-    grads = layer_backward(q, a, T, x, g, (targets, row["r"], row["task"] != "dpo"))
+    grads = layer_backward(q, a, T, x, g, (targets, row["r"], row["task"] != "dpo"), nf4=row["quant"] == "nf4")
     made = _canonical(q.trace)
     real = _large(trace)
     starts = [i for i in range(len(real) - 40) if real[i:i + 40] == made[:40]]
-    assert len(starts) == 3 * (a.L - 1) and len(made) == {"qwen": 228, "llama32-1b": 312}[key]
+    assert len(starts) == 3 * (a.L - 1) and len(made) == {"qwen": 228, "llama32-1b": 312, "mistral-7b": 299}[key]
     assert all(_canonical(real[i:i + len(made)]) == made for i in starts)
-    one_layer = [MATERIALISED * n for n in adapter_elements(a, targets, row["r"])][:len(grads)]
+    one_layer = [(per if row["quant"] == "nf4" else MATERIALISED) * n
+                 for n in adapter_elements(a, targets, row["r"])][:len(grads)]
     assert sorted(q.held[k].requested for k in grads if k is not None) == sorted(
         b for b in one_layer if block_bytes(b) > K_SMALL_SIZE)
 
@@ -394,3 +421,42 @@ def test_held_out_arms_inside_the_replays_gate_are_never_under_and_within_one_pe
                      targets=tuple(d["targets"].split(",")), lora_r=d["r"], steps=d["steps"],
                      accumulation=d["accum"], soup=False, transformers="5.16.1")
     assert d["real_peak"] <= e.corrected_predicted <= 1.010 * d["real_peak"], e.corrected_predicted / d["real_peak"]
+
+
+def test_the_nf4_step_is_mistrals_event_for_event_but_its_blocks_depart_so_it_is_not_charged():
+    """Issue 52 item 1, NF4 trace first (Mistral-7B NF4 r256 all-linear SFT 1024x1, H100): step 1 built from the
+    Arch (sft_step over streamed NF4 bases: each layer's checkpointed forward, the loss with the untied head in the
+    large pool's slot, each layer's backward, the first's q, k and v bases out of the graph) is the history's
+    large-pool requests and frees from the embedding's output to the first layer's backward, each run of frees in
+    one order (14,909 events; the 5.12 MB transients left out). Replayed from the built setup with new segments
+    below the earlier ones, the blocks depart from the history's in the backward (request 4,939: the driver put
+    some of the window's new segments in the address ranges the setup's empty_cache released, which this
+    placement does not model), and step 1's states keep less than the history's (53,477,376 B against 54,525,952):
+    charged, it would be under, so step_replayed does not admit NF4 and the step keeps the bound."""
+    trace, row = _history("mistral-7b")
+    a, targets, per = _adapter("mistral-7b", row)
+    T, lora = row["seq"], (targets, row["r"], True)
+    q = Requests(trace=True)
+    sft_step(q, a, T, lora, nf4=True)
+    made = _canonical(q.trace)
+    real = [e for e in _large(trace) if not TRANSIENTS[0] <= e[1] < TRANSIENTS[1]]
+    start = real.index(("alloc", 2 * T * a.h))
+    assert _canonical(real[start:start + len(made)]) == made and len(made) == 14_909
+    elements = adapter_elements(a, targets, row["r"])
+    first = [b for n in elements for b in (per * n, per * n) if block_bytes(b) > K_SMALL_SIZE]
+    temporaries = [per * n for n in elements if block_bytes(per * n) > K_SMALL_SIZE]
+    end = _windows(trace, first + temporaries)[0][1]
+    history = [(int(ev.row[2]), ev.block.size) for ev in replaying_trace(trace) if ev.index <= end
+               and ev.row[0] == "alloc" and block_bytes(int(ev.row[2])) > K_SMALL_SIZE
+               and not TRANSIENTS[0] <= int(ev.row[2]) < TRANSIENTS[1]]
+    q = Logged(CachingAllocator(descending=True))
+    setup(q, a, targets, row["r"], reference=False, quant="nf4")
+    q.log.clear()
+    sft_step(q, a, T, lora, nf4=True)
+    states = adamw_step(q, elements, per, "adamw_torch")
+    assert [r for r, _ in q.log] == [r for r, _ in history]
+    assert next(i for i, (m, h) in enumerate(zip(q.log, history)) if m != h) == 4939
+    real_states = sum(size - block_bytes(req) for req, size in history[-len(first + temporaries):][:len(first)])
+    assert q.rests(states) == 53_477_376 < real_states == 54_525_952
+    assert not step_replayed(a, "nf4", "sft", dropout=True, accumulation=1, optimizer="adamw_torch", steps=3,
+                             release="0.77.0", transformers="5.16.1", stream={}, probed=False, buffers=2, environ={})
