@@ -17,7 +17,7 @@ from conftest import ROOT, checked_stack
 from issue395.constants import EXPANDABLE_PAGE_BYTES, K_SMALL_SIZE, block_bytes
 from issue395.estimator import gc_sequence, sequence
 from issue395.estimator.arch import arch_from_config
-from issue395.measure.trace import replaying_trace
+from issue395.measure.trace import replaying_trace, seeded
 from issue395.model.registry import config_json
 
 TRACE = ROOT / "results/resident-traces-qwen-nf4-phi3-gc-h100-soup0.77.0-1a0b582/res-sft-phi3-bf16-gc-2048x1-exp"
@@ -232,3 +232,77 @@ def test_the_small_pools_live_blocks_at_the_historys_peak_are_the_arch_s_long_li
     assert built == live - Counter({8 * T: 4, 512: 9}) and sum(built.values()) == 3 * 128 + 65 + 3
     assert (sum(k * v for k, v in live.items()), pages) == (114_510_336, 58 * EXPANDABLE_PAGE_BYTES["small"])
     assert pages - 114_510_336 == 7_124_480
+
+
+def small_pages_at_large_requests(trace: dict) -> list:
+    """The whole 2 MiB pages the history's small-pool live blocks touch just after each of its large-pool
+    requests (the markers left out), in order: what the sequence's large requests line up with."""
+    page, out = EXPANDABLE_PAGE_BYTES["small"], []
+    for ev in replaying_trace(trace):
+        if ev.row[0] == "alloc" and block_bytes(int(ev.row[2])) > K_SMALL_SIZE and int(ev.row[2]) not in MARKS:
+            pages = set()
+            for head in (h for h in ev.alloc.segments if h.small):
+                b = head
+                while b is not None:
+                    if b.allocated:
+                        pages.update((head.addr, i) for i in range((b.addr - head.addr) // page,
+                                                                   (b.addr - head.addr + b.size - 1) // page + 1))
+                    b = b.next
+            out.append(len(pages) * page)
+    return out
+
+
+class Recording(gc_sequence.Paged):
+    """Paged, keeping the small pool's touched pages just after each large-pool request of the step."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.small_pages = None
+
+    def get(self, nbytes: int):
+        k = super().get(nbytes)
+        if k is not None and k > 0 and self.small_pages is not None:
+            self.small_pages.append(len(self.on_small) * EXPANDABLE_PAGE_BYTES["small"])
+        return k
+
+
+def test_from_the_historys_start_the_small_pool_touches_its_pages_over_the_step():
+    """Issue 51 item 4 (the small pool, 2 MiB pages): from the H100 history's start (its small segment as the
+    window found it: measure.trace.seeded), the checkpointed step's small-pool requests (the collator's and the
+    position ids' int64 rows, the rotary tables and their fp32 makers, the norms' rstd, autocast's bf16 casts of
+    the adapter cached to the forward's end and saved by each recompute, lora_A's outputs, the logsumexp, each
+    target's weight gradients and its fp32 .grad, AdamW's two states and square roots at step 1's end, zero_grad)
+    touch, just after every one of the 6,419 large-pool requests to step 2's peak, the history's small pages or one
+    2 MiB page more (158 of them, in step 1's layer 27 backward and step 2's forward: transient blocks' order),
+    never fewer; the most the same (136,314,880 B), and at the moment both pools touch the most (step 2's
+    token-accuracy copy) 58 pages, 121,634,816 B, so both pools' 9,139,388,416 B: the history's to the byte.
+    No CUDA is faked: both sides are replays."""
+    a, trace = arch_from_config(config_json("phi3-mini")), history()
+    q = Recording(TARGETS, 16)
+    sequence.load(q, a, TARGETS, 16)
+    q.seat_small(seeded([s for s in trace["start_segments"] if s["total_size"] < K_SMALL_SIZE << 6], True)[0])
+    q.small_pages = []
+    gc_sequence.step_to_peak(q, a, 2048)
+    real = small_pages_at_large_requests(trace)[:len(q.small_pages)]
+    over = [m - r for m, r in zip(q.small_pages, real)]
+    assert len(over) == 6_419 and set(over) == {0, EXPANDABLE_PAGE_BYTES["small"]} and sum(map(bool, over)) == 158
+    assert max(q.small_pages) == max(real) == 136_314_880
+    assert (q.both.touched, q.both.small, q.both.nbytes) == (9_139_388_416, 121_634_816, 4 * 2047 * a.V)
+
+
+def test_built_from_the_arch_the_small_pool_is_a_page_under_the_historys():
+    """Issue 51 item 4 (why the charge is not made): the load the estimator builds from the Arch (the norms, then
+    peft's adapter layer by layer, packed) leaves the small pool at the step's most 57 pages (119,537,664 B), one
+    under the history's 58: the history's start segment holds a free 393,216 B block among the adapter's (two
+    196,608 B blocks' room: a load-time request the build does not make), so the replay's charge, both pools'
+    most pages less the allocated peak, would fall under the reserve measured on that arm (95,991,296 B)."""
+    a, trace = arch_from_config(config_json("phi3-mini")), history()
+    need = gc_sequence.page_need(a, TARGETS, 16, 2048)
+    q = gc_sequence.Paged(TARGETS, 16)
+    sequence.load(q, a, TARGETS, 16)
+    gc_sequence.step_to_peak(q, a, 2048)
+    assert q.both.small == 57 * EXPANDABLE_PAGE_BYTES["small"] and q.both.touched == need.touched + q.both.small
+    start = next(s for s in trace["start_segments"] if s["total_size"] < K_SMALL_SIZE << 6)
+    assert [b["size"] for b in start["blocks"] if b["state"] == "inactive"][0] == 2 * 196_608
+    peak = gc_sequence.reserve(a, TARGETS, 16, 2048)[0] + q.small.allocated
+    assert q.both.touched - peak < 95_991_296
