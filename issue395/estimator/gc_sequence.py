@@ -10,7 +10,7 @@ on expandable segments runs it (results/resident-traces-qwen-nf4-phi3-gc-h100-so
 res-sft-phi3-bf16-gc-2048x1-exp: its every large-pool request and free, its oracle,
 tests/estimator/test_gc_sequence.py):
 
-- the load (sequence.load: the warmup block, the checkpoint's tensors in sorted key order; peft's adapter is the
+- the load (``load``: the warmup block, the checkpoint's tensors in sorted key order; peft's adapter is the
   small pool's at r16);
 - each step's forward: the embedding's output, the sliding-window causal mask (Phi-3 at its window and past it:
   masking_utils' and of the causal and the window predicates, bool (T, T) blocks, the last kept), the rotary tables
@@ -56,10 +56,9 @@ ids, the rotary tables and their fp32 makers (rotary_tables), the norms' rstd, a
 logsumexp, each target's bf16 weight gradients and fp32 .grad (adapter_grads), AdamW's two states (made at step 1's
 end, in model.parameters()' order: PARAM_ORDER) and square roots, zero_grad. From the history's start (its small
 segment, measure.trace.seeded: ``seat_small``) the small pool touches the history's pages after every large
-request to step 2's peak or one page more, and at the moment both pools touch the most the history's 58 pages; from
-the load built here (sequence.load: the norms, then the adapter, packed) it touches 57 there: the history's load
-left a 393,216 B hole among the adapter's blocks that the build does not make, so the replay is under the measured
-reserve and is not charged (tests/estimator/test_gc_sequence.py).
+request to step 2's peak or one page more; and from the load built here (``load``: peft's adapter made in bf16,
+then cast to fp32, which leaves the history's 393,216 B hole among the adapter's blocks) both pools' most pages
+are the history's to the byte, at its request (tests/estimator/test_gc_sequence.py).
 """
 
 from __future__ import annotations
@@ -71,7 +70,7 @@ from ..constants import CUBLAS_WORKSPACE, EXPANDABLE_PAGE_BYTES, K_SMALL_SIZE, b
 from .allocator import CachingAllocator
 from .arch import Arch
 from .full_sequence import FLASH_ROWS
-from .sequence import SEQUENCE_TRANSFORMERS, Requests, cast_linear, default_allocator, load, norm, rotary
+from .sequence import SEQUENCE_TRANSFORMERS, Requests, cast_linear, default_allocator, norm, parameters, rotary
 
 FP32, BF16 = 4, 2
 LARGE_PAGE, SMALL_PAGE = EXPANDABLE_PAGE_BYTES["large"], EXPANDABLE_PAGE_BYTES["small"]
@@ -219,6 +218,24 @@ def reserve(a: Arch, targets: tuple, r: int, T: int) -> tuple[int, int]:
         step_to_peak(q, a, T)
         _PAGES[key] = q.top
     return _PAGES[key]
+
+
+def load(q: Requests, a: Arch, targets: tuple, r: int) -> None:
+    """sequence.load's warmup block and checkpoint tensors, the rotary embedding's two fp32 buffers (inv_freq and
+    original_inv_freq), then peft's adapter: each LoRA matrix put on the device in its base layer's dtype (bf16),
+    in model.named_modules()' order (PARAM_ORDER), then cast to fp32 in that order (peft's autocast_adapter_dtype:
+    the fp32 block made, the bf16 one freed): the H100 history's small segment at its start, block for block."""
+    weights, _ = parameters(a, targets, r)
+    q.put(q.get(sum(weights)))
+    for b in weights:
+        q.get(b)
+    for _ in range(2):
+        q.get(FP32 * (a.rotary_dim // 2))
+    order = PARAM_ORDER.get(a.model_type, tuple(a.modules))
+    widths = [w for _ in range(a.L) for t in sorted(targets, key=order.index) for w in a.modules[t][:2]]
+    for k, w in zip([q.get(BF16 * r * w) for w in widths], widths):
+        q.get(FP32 * r * w)
+        q.put(k)
 
 
 def base_output(q: Requests, T: int, fi: int, fo: int, fp32: bool):
