@@ -63,10 +63,11 @@ are the history's to the byte, at its request (tests/estimator/test_gc_sequence.
 
 from __future__ import annotations
 
+import os
 from collections import Counter
 from typing import NamedTuple
 
-from ..constants import CUBLAS_WORKSPACE, EXPANDABLE_PAGE_BYTES, K_SMALL_SIZE, block_bytes
+from ..constants import CUBLAS_WORKSPACE, EXPANDABLE_PAGE_BYTES, EXPANDABLE_SEGMENTS, K_SMALL_SIZE, allocator_setting, block_bytes
 from .allocator import CachingAllocator
 from .arch import Arch
 from .full_sequence import FLASH_ROWS
@@ -104,7 +105,7 @@ class Paged(Requests):
         # the live blocks on each (segment, large page), kept as they come and go: the touched pages at every
         # request, not only at the allocated peak (an OOM can come wherever they outgrow the card)
         self.on_page: Counter = Counter()
-        self.most = Need(-1, 0, 0, 0, 0, "")
+        self.most = Need(-1, 0, 0, 0, 0, "", 0)
         self.phase = "load"
         # the small pool (2 MiB pages) on an allocator of its own, so the large pool's figures stay its own
         self.small = CachingAllocator(expandable=True)
@@ -114,6 +115,7 @@ class Paged(Requests):
         self.cache, self.batch = [], []  # autocast's bf16 casts of the adapter (its weight-cast cache), the batch
         self.on_small: Counter = Counter()
         self.both = Both(-1, 0, 0, 0, "")
+        self.peak = 0  # both pools' allocated peak
 
     def get(self, nbytes: int):
         if block_bytes(nbytes) <= K_SMALL_SIZE:
@@ -123,7 +125,8 @@ class Paged(Requests):
         self.on_page.update(self._pages(self.held[k]))
         touched = len(self.on_page) * LARGE_PAGE
         if touched > self.most.touched:
-            self.most = Need(touched, self.alloc.allocated, self.n, nbytes, before[1] - before[0], self.phase)
+            self.most = Need(touched, self.alloc.allocated, self.n, nbytes, before[1] - before[0], self.phase,
+                             len(self.on_small) * SMALL_PAGE - self.small.allocated)
         if self.alloc.allocated > self.top[0]:
             self.top = (self.alloc.allocated, touched)
         self._both(nbytes)
@@ -146,6 +149,7 @@ class Paged(Requests):
                                 for p in self._pages(b, alloc, SMALL_PAGE))
 
     def _both(self, nbytes: int) -> None:
+        self.peak = max(self.peak, self.alloc.allocated + self.small.allocated)
         touched = len(self.on_page) * LARGE_PAGE + len(self.on_small) * SMALL_PAGE
         if touched > self.both.touched:
             self.both = Both(touched, self.alloc.allocated + self.small.allocated, len(self.on_small) * SMALL_PAGE,
@@ -183,7 +187,8 @@ class Need(NamedTuple):
     """The most large pages the live blocks touch at any moment of a replay (``touched``), just after request
     number ``index`` (``nbytes``, in ``phase``) with ``allocated`` bytes live; ``unallocated_before``: the touched
     pages less the allocated bytes just before it (what torch's OOM message reads as reserved-unallocated, after
-    unmapping every wholly free page, where that request is the one that fails)."""
+    unmapping every wholly free page, where that request is the one that fails); ``small_unallocated``: the small
+    pool's touched pages less its allocated bytes there (the rest of that reading)."""
 
     touched: int
     allocated: int
@@ -191,6 +196,7 @@ class Need(NamedTuple):
     nbytes: int
     unallocated_before: int
     phase: str
+    small_unallocated: int
 
 
 class Both(NamedTuple):
@@ -900,3 +906,40 @@ def page_need(a: Arch, targets: tuple, r: int, T: int, whole: bool = False) -> N
 
 
 _NEEDS: dict = {}
+
+#: The reserve measured on the checked arm's own card, both pools' most pages less their allocated peak: the H100
+#: Phi-3-mini bf16 gc 2048x1 expandable history's (88,866,816 B large, 7,124,480 B small; quoted from
+#: results/resident-traces-qwen-nf4-phi3-gc-h100-soup0.77.0-1a0b582, tests/estimator/test_gc_sequence.py reads it
+#: there). A charge is never less. The model types charged are its keys: phi-2's replay lies under torch's OOM
+#: reading at 1,088 tokens (74.18 MiB reserved-unallocated before the failing request, torch 76.34 MiB: its small
+#: pool, checked against no history, is a page short), llama's small pool checked against nothing.
+MEASURED_RESERVE = {"phi3": 95_991_296}
+
+
+def charge(a: Arch, targets: tuple, r: int, T: int) -> int:
+    """The allocator's reserve a checkpointed resident run needs on expandable segments: the most pages both pools'
+    live blocks touch over the load and two steps whole (each with its optimizer step), less their allocated peak,
+    never under the arm's MEASURED_RESERVE; once a shape."""
+    key = (repr(a), frozenset(targets), r, T)
+    if key not in _CHARGES:
+        q = Paged(targets, r)
+        load(q, a, q.targets, r)
+        for first in (True, False):
+            backward(q, a, T, forward(q, a, T, first), first)
+            optimizer_step(q, a)
+        _CHARGES[key] = max(q.both.touched - q.peak, MEASURED_RESERVE[a.model_type])
+    return _CHARGES[key]
+
+
+_CHARGES: dict = {}
+
+
+def charged(a: Arch, quant: str, targets: tuple, task: str, seq: int, batch: int, *, transformers: str,
+            environ=None) -> bool:
+    """Whether ``charge`` stands for the run's reserve: the replay is the run's (``replayed``), on a model type
+    with a MEASURED_RESERVE, and the run is on expandable segments (allocator_setting: what --find-max's probes
+    export, unless another value is; on the default allocator pages bound nothing)."""
+    environ = os.environ if environ is None else environ
+    setting = allocator_setting(environ).replace(" ", "").lower()
+    return (a.model_type in MEASURED_RESERVE and EXPANDABLE_SEGMENTS.lower() in setting
+            and replayed(a, quant, targets, task, seq, batch, transformers=transformers, environ=environ))

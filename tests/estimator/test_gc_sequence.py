@@ -307,3 +307,54 @@ def test_built_from_the_arch_the_load_and_step_touch_the_historys_pages_at_its_m
     assert built == [(b["size"], b["state"] == "active_allocated") for b in start["blocks"]] and len(built) == 197
     gc_sequence.step_to_peak(q, a, 2048)
     assert (q.both.touched, q.both.small, q.both.nbytes) == (9_139_388_416, 121_634_816, 4 * 2047 * a.V)
+
+
+def test_the_measured_reserve_is_the_historys_and_the_charge_is_not_under_it():
+    """Issue 51 item 4 (the charge): MEASURED_RESERVE's Phi-3 figure is the H100 history's own, both pools' pages
+    at its allocated peak less its allocated bytes there (recounted from the history); the replay's charge at that
+    arm's shape, both pools' most pages over two steps less their allocated peak, is not under it (95,994,880 B:
+    3,584 B more, the small blocks the replay does not make), and at 1,728 tokens (flash, the 10GB search's
+    answer) it is the floor."""
+    a, trace = arch_from_config(config_json("phi3-mini")), history()
+    best, at_peak = -1, None
+    for ev in replaying_trace(trace):
+        if ev.alloc.allocated > best:
+            best, at_peak = ev.alloc.allocated, large_pages(ev.alloc)[1]
+    _, small = small_pool_at_peak(trace)
+    assert gc_sequence.MEASURED_RESERVE["phi3"] == at_peak + small - best == 95_991_296
+    assert gc_sequence.charge(a, TARGETS, 16, 2048) == 95_994_880
+    assert gc_sequence.charge(a, TARGETS, 16, 1728) == gc_sequence.MEASURED_RESERVE["phi3"]
+
+
+def test_phi2s_replay_is_under_its_oom_reading_so_it_is_not_charged():
+    """Issue 51 item 4: phi-2 7.5GB's OOM at 1,088 tokens (its probe's log: torch's message, read by
+    constraints/findmax.oom_reading) reads 76.34 MiB reserved-unallocated as the 214 MiB token-accuracy copy
+    fails; the replay's both pools just before that request hold fewer (70.375 MiB large, 3.8 MiB small): under
+    the measurement, so phi-2 has no MEASURED_RESERVE and is not charged. No CUDA faked: the log is the record."""
+    from issue395.constraints.findmax import oom_reading
+
+    log = ROOT / ("results/resident-findmax-gc-growth-h100-soup0.77.0-1a0b582/"
+                  "find-max-resident-phi2-sft-bf16-gc-7.5GB-logs/soup-find-max-seq-1088.log")
+    read = oom_reading(log.read_text(encoding="utf-8", errors="replace"))
+    a = arch_from_config(config_json("phi-2"))
+    targets = ("q_proj", "k_proj", "v_proj", "dense")
+    need = gc_sequence.page_need(a, targets, 16, 1088)
+    assert need.nbytes == 4 * 1087 * a.V and -(-read.tried // (2 << 20)) == -(-need.nbytes // (2 << 20))
+    assert need.unallocated_before + need.small_unallocated < read.reserved_unallocated
+    assert not gc_sequence.charged(a, "none", targets, "sft", 1088, 1, transformers=sequence.SEQUENCE_TRANSFORMERS,
+                                   environ={})
+
+
+def test_it_is_charged_only_on_expandable_segments_where_replayed():
+    """Issue 51 item 4: the charge stands where the replay is the run's and the run is on expandable segments
+    (the probes' setting, or unset: Soup's and this tool's default); not on the default allocator (the
+    committed H200 search's probes), nor where the replay is not the run's."""
+    a = arch_from_config(config_json("phi3-mini"))
+    kw = dict(transformers=sequence.SEQUENCE_TRANSFORMERS)
+    assert gc_sequence.charged(a, "none", TARGETS, "sft", 2048, 1, environ={}, **kw)
+    assert gc_sequence.charged(a, "none", TARGETS, "sft", 2048, 1,
+                               environ={"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}, **kw)
+    assert not gc_sequence.charged(a, "none", TARGETS, "sft", 2048, 1,
+                                   environ={"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"}, **kw)
+    assert not gc_sequence.charged(a, "nf4", TARGETS, "sft", 2048, 1, environ={}, **kw)
+    assert not gc_sequence.charged(a, "none", TARGETS, "sft", 2048, 2, environ={}, **kw)
