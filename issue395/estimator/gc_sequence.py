@@ -46,7 +46,13 @@ The pages a card cannot do without are the most its live blocks touch at any mom
 alone (an OOM unmaps every wholly free page, then fails where they and the request outgrow the card):
 ``page_need`` counts them as blocks come and go, request by request, over the replay (to step 2's peak, or through
 step 2 whole), and says where the most is; on the H100 history above it is the history's own most to the byte, at
-its request (step 2's token-accuracy copy, two requests before the allocated peak). Not charged.
+its request (step 2's token-accuracy copy, two requests before the allocated peak).
+
+The charge (``charge``, where ``charged``: the replay is the run's, its model type has a MEASURED_RESERVE, the run
+is on expandable segments): both pools' most pages over the load and two steps whole, less their allocated peak,
+never under the reserve measured on that arm; estimator/resident.py's needs_free takes it in place of
+EXPANDABLE_RESERVE_BYTES. phi-2 is not charged: at 1,088 tokens its replay's reserved-unallocated before the
+request torch's OOM names is under torch's reading (its small pool, checked against no history).
 
 A request of 1 MiB or less is the small pool's (2 MiB pages; ``sequence.Requests`` leaves it out): ``Paged`` keeps
 it on an allocator of its own (``both``: the most pages of the two pools together), with the step's small requests in
@@ -890,7 +896,8 @@ LAYERS = {"phi3": (layer_forward, layer_backward), "phi": (phi_layer_forward, ph
 def page_need(a: Arch, targets: tuple, r: int, T: int, whole: bool = False) -> Need:
     """The most large pages the live blocks touch at any request of the load, step 1 whole and step 2 to its
     loss's backward peak (``whole``: step 2 whole, as a 2-step run goes on) under expandable segments: where the
-    card's need is, which may be off the allocated peak (reserve's); once a shape. Not charged."""
+    card's need is, which may be off the allocated peak (reserve's); once a shape (the large pool's: ``charge``
+    takes both)."""
     key = (repr(a), frozenset(targets), r, T, whole)
     if key not in _NEEDS:
         q = Paged(targets, r)

@@ -149,7 +149,9 @@ Known limitations
     - Its needs-free is the allocated peak plus the reserve measured under expandable segments: stock `soup train`
       runs a resident run on the default allocator, where runs the patched gate admitted died (OOM; their reserve
       not recorded) and a Gemma-2B search's OOM held 3.31 GB reserved but unallocated; `--soup-patch` sets
-      expandable segments for every run. Evidence: docs/PEAK.md, "EXPANDABLE_RESERVE_PAGES".
+      expandable segments for every run. Evidence: docs/PEAK.md, "EXPANDABLE_RESERVE_PAGES". Where
+      gc_sequence.charged admits a checkpointed run on expandable segments (Phi-3), that reserve is the replayed
+      one (resident_reserve), never under the one its H100 history measured.
     - Soup's own resident number is hardware_fit's (computed by Soup, from its CLI's input); it is not this
       module's business: the row carries it (results/extras.ResidentGate).
     - Full fine-tuning (Soup's ``training.lora.r: 0``): estimator/full.py's, measured at one shape only on 0.77.0's
