@@ -309,13 +309,20 @@ def card_lines(card: Card, rows: list[Estimate], per: list[dict], lines: list, n
               [f"  Soup's gate admits it ({gate_rule_words(first)})"] + ["yes" if a["soup_admits"] else "no" for a in per],
               ["  longest seq Soup's gate admits"] + [seq_words(a["longest_seq_soup_admits"]) for a in per]]
     for e, a in zip(rows, per):
-        if e.reserve != EXPANDABLE_RESERVE_BYTES:
-            notes.append(f"{e.quant} {e.seq}x{e.batch}: the allocator's reserve replayed, {e.reserve / 1e6:.1f} MB "
-                         f"(estimator/gc_sequence.py), in place of the {EXPANDABLE_RESERVE_BYTES / 1e6:.1f} MB bound")
+        if reserve_words(e):
+            notes.append(f"{e.quant} {e.seq}x{e.batch}: {reserve_words(e)}")
         if a["disagreement"]:
             notes.append(f"{card.name}, {e.quant} {e.seq}x{e.batch}: {a['disagreement']}")
         if a["fits"] is not None and a["longest_seq"] != a["longest_seq_soup_admits"]:
             notes.append(f"{card.name}, {e.quant} batch {e.batch}: {seq_direction(a)}")
+
+
+def reserve_words(e: Estimate) -> str:
+    """An estimate's allocator reserve in words where it is replayed, not the bound ("" for the bound)."""
+    if e.reserve == EXPANDABLE_RESERVE_BYTES:
+        return ""
+    return (f"the allocator's reserve replayed by estimator/gc_sequence.py, {e.reserve / 1e6:.1f} MB computed, in "
+            f"place of the {EXPANDABLE_RESERVE_BYTES / 1e6:.1f} MB bound")
 
 
 def replayed_words() -> str:
