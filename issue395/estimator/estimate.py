@@ -307,6 +307,7 @@ class Estimate:
     optimizer: str = DEFAULT_OPTIMIZER  # its states count from step 2 on
     accumulation: int = 1  # training.gradient_accumulation_steps: past 1 the gradients are held
     buffers: int = 2  # training.stream_buffers: the pool's slots
+    reserve: int = EXPANDABLE_RESERVE_BYTES  # needs_free's allocator reserve: the bound, or a replay's (gc_sequence)
 
     @property
     def split_allocated(self) -> int:
@@ -315,15 +316,15 @@ class Estimate:
         where the layer phase binds, the layer's: needs_free's allocated peak; a resident estimate's needs_free
         keeps them, its allocator being the default one)."""
         rests = sum(self.terms.get(t.key, 0) for t in ADAPTER_RESTS if Phase(self.phase) in t.phases)
-        return min(self.corrected_predicted - rests, self.needs_free - EXPANDABLE_RESERVE_BYTES)
+        return min(self.corrected_predicted - rests, self.needs_free - self.reserve)
 
     def to_json(self) -> dict:
         """Every field, the task always (an --estimate JSON row says which task it answers); the
         optimizer only past step 1, where its states are live; the accumulation only past 1, the pool's
-        buffers only other than 2 (so rows saved before them read alike)."""
+        buffers only other than 2, the reserve only where a replay charged it (so rows saved before them read alike)."""
         return {k: dict(v) if isinstance(v, dict) else v for k, v in vars(self).items()
                 if not (k == "optimizer" and self.steps == 1) and not (k == "accumulation" and v == 1)
-                and not (k == "buffers" and v == 2)}
+                and not (k == "buffers" and v == 2) and not (k == "reserve" and v == EXPANDABLE_RESERVE_BYTES)}
 
 
 def _whole(name: str, v, low: int = 1) -> int:
@@ -592,8 +593,8 @@ def estimate_key(key: str, **kwargs) -> Estimate:
     return estimate(config_json(family), stream=stream, **kwargs)
 
 
-def needs_free(allocated: int) -> int:
+def needs_free(allocated: int, reserve: int = EXPANDABLE_RESERVE_BYTES) -> int:
     """Free bytes a card must have: the allocated peak under expandable segments (every block split to
-    its request: an Estimate's ``split_allocated``) plus the allocator's reserve there."""
-    return allocated + EXPANDABLE_RESERVE_BYTES
+    its request: an Estimate's ``split_allocated``) plus the allocator's reserve there (the bound, or a replay's)."""
+    return allocated + reserve
 

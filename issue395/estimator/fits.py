@@ -277,7 +277,8 @@ def estimate_table(rows: list[Estimate], cards, config: Optional[dict] = None, *
                    f"peak under expandable segments that a card cannot do without: the partial 20 MiB pages live "
                    f"blocks touch, charged {EXPANDABLE_RESERVE_PAGES} pages, {EXPANDABLE_RESERVE_BYTES / 1e6:.1f} MB "
                    "(the whole pages above the most measured, at the allocator's replayed peak and in torch's OOM "
-                   "messages inside Soup's process: docs/PEAK.md, results/fit4-anatomy-findmax-render.txt)")
+                   "messages inside Soup's process: docs/PEAK.md, results/fit4-anatomy-findmax-render.txt)"
+                   + (replayed_words() if any(e.reserve != EXPANDABLE_RESERVE_BYTES for e in rows) else ""))
     if not verbose:  # the legends and the cards' sources: --verbose (the verdict lines come first)
         legend, sources = "--verbose: what each line means (the peak's terms, the fit rule, the context) and each card's source", []
     if len(rows) > WIDE_ARMS:
@@ -308,10 +309,27 @@ def card_lines(card: Card, rows: list[Estimate], per: list[dict], lines: list, n
               [f"  Soup's gate admits it ({gate_rule_words(first)})"] + ["yes" if a["soup_admits"] else "no" for a in per],
               ["  longest seq Soup's gate admits"] + [seq_words(a["longest_seq_soup_admits"]) for a in per]]
     for e, a in zip(rows, per):
+        if reserve_words(e):
+            notes.append(f"{e.quant} {e.seq}x{e.batch}: {reserve_words(e)}")
         if a["disagreement"]:
             notes.append(f"{card.name}, {e.quant} {e.seq}x{e.batch}: {a['disagreement']}")
         if a["fits"] is not None and a["longest_seq"] != a["longest_seq_soup_admits"]:
             notes.append(f"{card.name}, {e.quant} batch {e.batch}: {seq_direction(a)}")
+
+
+def reserve_words(e: Estimate) -> str:
+    """An estimate's allocator reserve in words where it is replayed, not the bound ("" for the bound)."""
+    if e.reserve == EXPANDABLE_RESERVE_BYTES:
+        return ""
+    return (f"the allocator's reserve replayed by estimator/gc_sequence.py, {e.reserve / 1e6:.1f} MB computed, in "
+            f"place of the {EXPANDABLE_RESERVE_BYTES / 1e6:.1f} MB bound")
+
+
+def replayed_words() -> str:
+    """The legend's words where an arm's reserve is replayed rather than the bound."""
+    return ("; replayed where marked: a checkpointed resident run estimator/gc_sequence.py replays on expandable "
+            "segments (its load and two steps, both pools, request by request): the most pages its live blocks "
+            "touch less their allocated peak, never under the reserve measured on that arm, in place of the bound")
 
 
 #: The fit table's legend, its terms read from the term table (issue395.estimator.terms).

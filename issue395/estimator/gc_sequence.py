@@ -10,7 +10,7 @@ on expandable segments runs it (results/resident-traces-qwen-nf4-phi3-gc-h100-so
 res-sft-phi3-bf16-gc-2048x1-exp: its every large-pool request and free, its oracle,
 tests/estimator/test_gc_sequence.py):
 
-- the load (sequence.load: the warmup block, the checkpoint's tensors in sorted key order; peft's adapter is the
+- the load (``load``: the warmup block, the checkpoint's tensors in sorted key order; peft's adapter is the
   small pool's at r16);
 - each step's forward: the embedding's output, the sliding-window causal mask (Phi-3 at its window and past it:
   masking_utils' and of the causal and the window predicates, bool (T, T) blocks, the last kept), the rotary tables
@@ -46,25 +46,41 @@ The pages a card cannot do without are the most its live blocks touch at any mom
 alone (an OOM unmaps every wholly free page, then fails where they and the request outgrow the card):
 ``page_need`` counts them as blocks come and go, request by request, over the replay (to step 2's peak, or through
 step 2 whole), and says where the most is; on the H100 history above it is the history's own most to the byte, at
-its request (step 2's token-accuracy copy, two requests before the allocated peak). Not charged.
+its request (step 2's token-accuracy copy, two requests before the allocated peak).
 
-A request of 1 MiB or less is the small pool's (``sequence.Requests`` leaves it out): the small pool's pages are
-not built (the adapter, its gradients and AdamW's states: 7,124,480 B of the trace's reserve at its peak).
+The charge (``charge``, where ``charged``: the replay is the run's, its model type has a MEASURED_RESERVE, the run
+is on expandable segments): both pools' most pages over the load and two steps whole, less their allocated peak,
+never under the reserve measured on that arm; estimator/resident.py's needs_free takes it in place of
+EXPANDABLE_RESERVE_BYTES. phi-2 is not charged: at 1,088 tokens its replay's reserved-unallocated before the
+request torch's OOM names is under torch's reading (its small pool, checked against no history).
+
+A request of 1 MiB or less is the small pool's (2 MiB pages; ``sequence.Requests`` leaves it out): ``Paged`` keeps
+it on an allocator of its own (``both``: the most pages of the two pools together), with the step's small requests in
+the H100 history's order: the collator's int64 rows (the last step's freed once the next are made), the position
+ids, the rotary tables and their fp32 makers (rotary_tables), the norms' rstd, autocast's bf16 casts of the adapter
+(cached to the model forward's end; saved by each recompute's matmuls), lora_A's outputs, the attention's
+logsumexp, each target's bf16 weight gradients and fp32 .grad (adapter_grads), AdamW's two states (made at step 1's
+end, in model.parameters()' order: PARAM_ORDER) and square roots, zero_grad. From the history's start (its small
+segment, measure.trace.seeded: ``seat_small``) the small pool touches the history's pages after every large
+request to step 2's peak or one page more; and from the load built here (``load``: peft's adapter made in bf16,
+then cast to fp32, which leaves the history's 393,216 B hole among the adapter's blocks) both pools' most pages
+are the history's to the byte, at its request (tests/estimator/test_gc_sequence.py).
 """
 
 from __future__ import annotations
 
+import os
 from collections import Counter
 from typing import NamedTuple
 
-from ..constants import CUBLAS_WORKSPACE, EXPANDABLE_PAGE_BYTES
+from ..constants import CUBLAS_WORKSPACE, EXPANDABLE_PAGE_BYTES, EXPANDABLE_SEGMENTS, K_SMALL_SIZE, allocator_setting, block_bytes
 from .allocator import CachingAllocator
 from .arch import Arch
 from .full_sequence import FLASH_ROWS
-from .sequence import SEQUENCE_TRANSFORMERS, Requests, cast_linear, default_allocator, load, norm, rotary
+from .sequence import SEQUENCE_TRANSFORMERS, Requests, cast_linear, default_allocator, norm, parameters, rotary
 
 FP32, BF16 = 4, 2
-LARGE_PAGE = EXPANDABLE_PAGE_BYTES["large"]
+LARGE_PAGE, SMALL_PAGE = EXPANDABLE_PAGE_BYTES["large"], EXPANDABLE_PAGE_BYTES["small"]
 #: The model types whose q is a cat of its rotary and pass-through parts (sequence.output_copy).
 CAT_BUILT = ("phi3", "phi")
 #: TRL's entropy_from_logits splits the logits into chunks of this many rows.
@@ -76,6 +92,9 @@ ENTROPY_CHUNK = 128
 GC_TARGETS = {"phi3": frozenset({"qkv_proj", "o_proj"}), "phi": frozenset({"q_proj", "k_proj", "v_proj", "dense"}),
               "llama": frozenset({"q_proj", "v_proj"})}
 GC_SEQUENCE_TYPES = tuple(GC_TARGETS)
+#: The model's module registration order where it is not the Arch's (model.parameters(), so AdamW's): Phi3Attention
+#: makes o_proj before qkv_proj.
+PARAM_ORDER = {"phi3": ("o_proj", "qkv_proj", "gate_up_proj", "down_proj")}
 
 
 class Paged(Requests):
@@ -92,48 +111,109 @@ class Paged(Requests):
         # the live blocks on each (segment, large page), kept as they come and go: the touched pages at every
         # request, not only at the allocated peak (an OOM can come wherever they outgrow the card)
         self.on_page: Counter = Counter()
-        self.most = Need(-1, 0, 0, 0, 0, "")
+        self.most = Need(-1, 0, 0, 0, 0, "", 0)
         self.phase = "load"
+        # the small pool (2 MiB pages) on an allocator of its own, so the large pool's figures stay its own
+        self.small = CachingAllocator(expandable=True)
+        self.small_held: dict = {}
+        self.small_n = 0
+        self.grads, self.states = [], []  # the adapter's .grad blocks, AdamW's states
+        self.cache, self.batch = [], []  # autocast's bf16 casts of the adapter (its weight-cast cache), the batch
+        self.on_small: Counter = Counter()
+        self.both = Both(-1, 0, 0, 0, "")
+        self.peak = 0  # both pools' allocated peak
 
     def get(self, nbytes: int):
+        if block_bytes(nbytes) <= K_SMALL_SIZE:
+            return self._get_small(nbytes)
         before = (self.alloc.allocated, len(self.on_page) * LARGE_PAGE)
         k = super().get(nbytes)
-        if k is None:
-            return k
         self.on_page.update(self._pages(self.held[k]))
         touched = len(self.on_page) * LARGE_PAGE
         if touched > self.most.touched:
-            self.most = Need(touched, self.alloc.allocated, self.n, nbytes, before[1] - before[0], self.phase)
+            self.most = Need(touched, self.alloc.allocated, self.n, nbytes, before[1] - before[0], self.phase,
+                             len(self.on_small) * SMALL_PAGE - self.small.allocated)
         if self.alloc.allocated > self.top[0]:
             self.top = (self.alloc.allocated, touched)
+        self._both(nbytes)
         return k
+
+    def _get_small(self, nbytes: int):
+        """A small-pool request: its own key (negative: no large-pool event, not in the large pool's trace)."""
+        self.small_n += 1
+        k = -self.small_n
+        self.small_held[k] = self.small.malloc(nbytes)
+        self.on_small.update(self._pages(self.small_held[k], self.small, SMALL_PAGE))
+        self._both(nbytes)
+        return k
+
+    def seat_small(self, alloc: CachingAllocator) -> None:
+        """The small pool as ``alloc`` holds it (a history's start: measure.trace.seeded), in place of the one the
+        load built; the load's small blocks are never freed by the step, so their keys go."""
+        self.small, self.small_held = alloc, {}
+        self.on_small = Counter(p for h in alloc.segments if h.small for b in _blocks(h) if b.allocated
+                                for p in self._pages(b, alloc, SMALL_PAGE))
+
+    def _both(self, nbytes: int) -> None:
+        self.peak = max(self.peak, self.alloc.allocated + self.small.allocated)
+        touched = len(self.on_page) * LARGE_PAGE + len(self.on_small) * SMALL_PAGE
+        if touched > self.both.touched:
+            self.both = Both(touched, self.alloc.allocated + self.small.allocated, len(self.on_small) * SMALL_PAGE,
+                             nbytes, self.phase)
 
     def put(self, *keys) -> None:
         for k in keys:
-            if k is not None:
-                for page in self._pages(self.held[k]):
-                    self.on_page[page] -= 1
-                    if not self.on_page[page]:  # no live block touches it: a page the allocator can unmap
-                        del self.on_page[page]
+            if k is None:
+                continue
+            small = k < 0
+            held, pages, alloc = ((self.small_held, self.on_small, self.small) if small
+                                  else (self.held, self.on_page, self.alloc))
+            for page in self._pages(held[k], alloc, SMALL_PAGE if small else LARGE_PAGE):
+                pages[page] -= 1
+                if not pages[page]:  # no live block touches it: a page the allocator can unmap
+                    del pages[page]
+            if small:
+                self.small.free(self.small_held.pop(k))
+            else:
                 super().put(k)
 
-    def _pages(self, b) -> list:
+    def _pages(self, b, alloc=None, page: int = LARGE_PAGE) -> list:
         """The (segment, page) pairs block ``b`` touches, its segment the address space it lies in."""
-        base = max(h.addr for h in self.alloc.segments if h.addr <= b.addr)
-        return [(base, i) for i in range((b.addr - base) // LARGE_PAGE, (b.addr - base + b.size - 1) // LARGE_PAGE + 1)]
+        base = max(h.addr for h in (alloc or self.alloc).segments if h.addr <= b.addr)
+        return [(base, i) for i in range((b.addr - base) // page, (b.addr - base + b.size - 1) // page + 1)]
+
+
+def _blocks(head):
+    while head is not None:
+        yield head
+        head = head.next
 
 
 class Need(NamedTuple):
     """The most large pages the live blocks touch at any moment of a replay (``touched``), just after request
     number ``index`` (``nbytes``, in ``phase``) with ``allocated`` bytes live; ``unallocated_before``: the touched
     pages less the allocated bytes just before it (what torch's OOM message reads as reserved-unallocated, after
-    unmapping every wholly free page, where that request is the one that fails)."""
+    unmapping every wholly free page, where that request is the one that fails); ``small_unallocated``: the small
+    pool's touched pages less its allocated bytes there (the rest of that reading)."""
 
     touched: int
     allocated: int
     index: int
     nbytes: int
     unallocated_before: int
+    phase: str
+    small_unallocated: int
+
+
+class Both(NamedTuple):
+    """The most pages the live blocks of both pools touch at any moment of a replay (``touched``), with
+    ``allocated`` bytes live in both and ``small`` of it the small pool's pages, just after a request of
+    ``nbytes`` in ``phase``."""
+
+    touched: int
+    allocated: int
+    small: int
+    nbytes: int
     phase: str
 
 
@@ -152,6 +232,24 @@ def reserve(a: Arch, targets: tuple, r: int, T: int) -> tuple[int, int]:
     return _PAGES[key]
 
 
+def load(q: Requests, a: Arch, targets: tuple, r: int) -> None:
+    """sequence.load's warmup block and checkpoint tensors, the rotary embedding's two fp32 buffers (inv_freq and
+    original_inv_freq), then peft's adapter: each LoRA matrix put on the device in its base layer's dtype (bf16),
+    in model.named_modules()' order (PARAM_ORDER), then cast to fp32 in that order (peft's autocast_adapter_dtype:
+    the fp32 block made, the bf16 one freed): the H100 history's small segment at its start, block for block."""
+    weights, _ = parameters(a, targets, r)
+    q.put(q.get(sum(weights)))
+    for b in weights:
+        q.get(b)
+    for _ in range(2):
+        q.get(FP32 * (a.rotary_dim // 2))
+    order = PARAM_ORDER.get(a.model_type, tuple(a.modules))
+    widths = [w for _ in range(a.L) for t in sorted(targets, key=order.index) for w in a.modules[t][:2]]
+    for k, w in zip([q.get(BF16 * r * w) for w in widths], widths):
+        q.get(FP32 * r * w)
+        q.put(k)
+
+
 def base_output(q: Requests, T: int, fi: int, fo: int, fp32: bool):
     """A linear's output; on an fp32 input (``fp32``: phi's LayerNorm output) autocast's bf16 cast of it first,
     freed on its return (sequence.cast_linear)."""
@@ -168,9 +266,11 @@ def lora_nograd(q: Requests, T: int, fi: int, fo: int, r: int, fp32: bool = Fals
     mask = q.get(T * fi)
     drop = q.get(FP32 * T * fi)
     q.put(mask)
+    q.cache.append(q.get(BF16 * r * fi))  # autocast's bf16 lora_A weight, cached to the forward's end
     cast = q.get(BF16 * T * fi)
     a_out = q.get(BF16 * T * r)
     q.put(cast, drop)
+    q.cache.append(q.get(BF16 * fo * r))  # lora_B's
     b_out = q.get(BF16 * T * fo)
     scaled = q.get(BF16 * T * fo)
     q.put(b_out, a_out)
@@ -186,15 +286,17 @@ def lora_saved(q: Requests, T: int, fi: int, fo: int, r: int, fp32: bool = False
     x32 = None if fp32 else q.get(FP32 * T * fi)
     mask = q.get(T * fi)
     drop = q.get(FP32 * T * fi)
+    wa = q.get(BF16 * r * fi)  # autocast's bf16 lora_A weight, which its mm saves
     cast = q.get(BF16 * T * fi)
-    q.get(BF16 * T * r)  # lora_A's output, which lora_B saves
+    a_out = q.get(BF16 * T * r)  # lora_A's output, which lora_B saves (the small pool's)
     q.put(drop)
+    wb = q.get(BF16 * fo * r)  # lora_B's
     b_out = q.get(BF16 * T * fo)
     scaled = q.get(BF16 * T * fo)
     q.put(b_out)
     out = q.get(BF16 * T * fo)
     q.put(scaled, base, x32)
-    return out, cast, mask
+    return out, (cast, a_out, wa, wb), mask
 
 
 def linear(q: Requests, a: Arch, T: int, name: str, saved: bool, fp32: bool = False):
@@ -224,8 +326,9 @@ def layer_forward(q: Requests, a: Arch, T: int, saved: bool) -> dict:
     # SDPA's bf16 additive mask (the memory-efficient kernel's attn_bias) past the window; none for flash
     bias = q.get(BF16 * T * T) if masked(a, T) else None
     sdpa = q.get(BF16 * T * a.heads * a.head_dim)  # q's layout (cat-built: (B,H,T,D)), either kernel
+    lse = q.get(FP32 * a.heads * T)  # its logsumexp, which its backward reads
     if not saved:
-        q.put(bias)
+        q.put(lse, bias)
     copy = q.get(BF16 * T * a.heads * a.head_dim)  # sequence.output_copy
     if not saved:
         q.put(sdpa)
@@ -243,7 +346,7 @@ def layer_forward(q: Requests, a: Arch, T: int, saved: bool) -> dict:
     if saved:  # torch's early stop: down_proj packs its weight, the recompute's frames unwind
         q.put(prod, normed2, mid)
         return {"n1": n1, "n2": n2, "qkv": qkv, "qkv_cast": qkv_cast, "qkv_mask": qkv_mask, "qr": qr, "kr": kr,
-                "bias": bias, "sdpa": sdpa, "o_cast": o_cast, "o_mask": o_mask, "gate_up": gate_up, "act": act}
+                "bias": bias, "sdpa": sdpa, "lse": lse, "o_cast": o_cast, "o_mask": o_mask, "gate_up": gate_up, "act": act}
     q.put(act)
     down = q.get(BF16 * T * a.h)
     q.put(prod, gate_up, normed2)
@@ -256,6 +359,25 @@ def masked(a: Arch, T: int) -> bool:
     """Whether masking_utils builds the sliding window's mask (past it), so SDPA runs the memory-efficient kernel;
     at or under it (or with no window) the mask is none and SDPA flash (allow_is_causal_skip)."""
     return a.window is not None and T > a.window
+
+
+def rotary_tables(q: Requests, a: Arch, T: int, first: bool) -> list:
+    """The rotary embedding's cos and sin (bf16, T x head_dim: returned, kept to the backward's end) from
+    inv_freq's fp32 product with the positions, its cat, its cos and sin in fp32 (the small pool's at these
+    shapes), in the H100 history's order; step 1's first matmul makes the cuBLAS workspace."""
+    pos32 = q.get(FP32 * T)
+    freqs = q.get(FP32 * T * a.head_dim // 2)
+    if first:
+        q.get(CUBLAS_WORKSPACE)
+    emb, cat = q.get(FP32 * T * a.head_dim), q.get(FP32 * T * a.head_dim)
+    cos32 = q.get(FP32 * T * a.head_dim)
+    q.put(cat)
+    cat = q.get(FP32 * T * a.head_dim)
+    sin32 = q.get(FP32 * T * a.head_dim)
+    q.put(cat)
+    tables = [q.get(BF16 * T * a.head_dim) for _ in range(2)]
+    q.put(pos32, freqs, emb, cos32, sin32)
+    return tables
 
 
 def causal_mask(q: Requests, T: int):
@@ -276,10 +398,12 @@ def forward(q: Requests, a: Arch, T: int, first: bool) -> dict:
     whose first matmul makes the cuBLAS workspace): what the backward reads."""
     step = 1 if first else 2
     q.phase = f"step {step} forward"
+    old, q.batch = q.batch, [q.get(8 * T) for _ in range(3)]  # the collator's int64 rows, then the last step's go
+    q.put(*old)
     emb = q.get(BF16 * T * a.h)
+    pos = q.get(8 * T)  # the position ids, which the rotary tables and the checkpoints read
     mask = causal_mask(q, T) if masked(a, T) else None
-    if first:
-        q.get(CUBLAS_WORKSPACE)  # the rotary tables' first matmul's; their own blocks are the small pool's
+    tables = rotary_tables(q, a, T, first)
     inputs, x, phi = [], emb, a.model_type == "phi"
     for _ in range(a.L):
         inputs.append(x)
@@ -297,6 +421,8 @@ def forward(q: Requests, a: Arch, T: int, first: bool) -> dict:
     copy = q.get(FP32 * T * a.V)
     lsm = q.get(FP32 * T * a.V)
     q.put(copy, out)
+    q.put(*q.cache)  # the model's forward returns: autocast's weight-cast cache cleared
+    q.cache = []
     fp32 = q.get(FP32 * T * a.V)
     q.put(logits)
     last = None
@@ -310,13 +436,14 @@ def forward(q: Requests, a: Arch, T: int, first: bool) -> dict:
     q.put(last)
     q.put(q.get(FP32 * (T - 1) * a.V))  # TRL's token accuracy: the shifted logits' copy
     q.put(fp32)
-    return {"inputs": inputs, "mask": mask, "nf": nf, "lsm": lsm}
+    return {"inputs": inputs, "mask": mask, "nf": nf, "lsm": lsm, "tables": [pos, *tables]}
 
 
-def norm_backward(q: Requests, T: int, h: int, g, x32, recomputed: bool, x=None):
+def norm_backward(q: Requests, T: int, h: int, g, saved: list, recomputed: bool, x=None):
     """HF's RMSNorm's backward on the bf16 gradient ``g`` (its weight frozen): the weight's product, its bf16
     cast's ToCopyBackward to fp32, x * rsqrt's and rsqrt's and pow's fp32 gradients, the fp32 input copy freed
     (first where recomputed), ``x`` (the checkpointed input) with it, the input's bf16 gradient (returned)."""
+    x32, rs = saved
     gw = q.get(BF16 * T * h)
     q.put(g)
     g32 = q.get(FP32 * T * h)
@@ -325,7 +452,7 @@ def norm_backward(q: Requests, T: int, h: int, g, x32, recomputed: bool, x=None)
     gx = q.get(FP32 * T * h)
     q.put(t, g32)
     p = [q.get(FP32 * T * h) for _ in range(4)]
-    q.put(p[2], p[1], *((x32, p[0]) if recomputed else (p[0], x32)), x, p[3])
+    q.put(p[2], p[1], *((x32, p[0]) if recomputed else (p[0], x32)), rs, x, p[3])
     out = q.get(BF16 * T * h)
     q.put(gx)
     return out
@@ -337,12 +464,11 @@ def lora_backward(q: Requests, T: int, g, fi: int, fo: int, cast, mask, buffer=N
     dropout's, the fp32 cast's back to bf16 (the input's gradient, returned; ``into``: added at once into an
     earlier share's buffer in place, and freed), the frozen base's input gradient added into it in place;
     ``buffer``: the gradient to free once the base has read it."""
-    gs = q.get(BF16 * T * fo)
-    q.put(gs)
-    ga = q.get(BF16 * T * fi)
-    q.put(cast)
+    ga = adapter_grads(q, T, fi, fo, cast, q.get(BF16 * T * fo))
     g32 = q.get(FP32 * T * fi)
-    q.put(ga)
+    q.put(ga[0])
+    q.grads.append(q.get(FP32 * q.r * fi))  # lora_A's fp32 .grad (ToCopyBackward's), its bf16 one freed
+    q.put(ga[1])
     gd = q.get(FP32 * T * fi)
     q.put(mask, g32)
     gx = q.get(BF16 * T * fi)
@@ -352,6 +478,39 @@ def lora_backward(q: Requests, T: int, g, fi: int, fo: int, cast, mask, buffer=N
     base = q.get(BF16 * T * fi)
     q.put(buffer, base)
     return None if into else gx
+
+
+def adapter_grads(q: Requests, T: int, fi: int, fo: int, saved: tuple, gs):
+    """A LoRA target's backward from the scaling's gradient ``gs`` to lora_A's input gradient, with its small
+    pool's blocks in the H100 history's order (the recompute's ``saved``: lora_A's input cast, its output,
+    autocast's bf16 lora_A and lora_B weights): lora_B's bf16 weight gradient, its input's, the saved output and
+    bf16 lora_B freed, ``gs`` freed, lora_B's fp32 .grad (ToCopyBackward's: kept, Paged.grads), lora_A's bf16
+    weight gradient, lora_A's input gradient (large), the cast and the bf16 lora_A freed; returns lora_A's input
+    gradient and its bf16 weight gradient."""
+    cast, a_out, wa, wb = saved
+    gb = q.get(BF16 * fo * q.r)
+    gin = q.get(BF16 * T * q.r)
+    q.put(a_out, wb, gs)
+    q.grads.append(q.get(FP32 * fo * q.r))
+    q.put(gb)
+    gwa = q.get(BF16 * q.r * fi)
+    ga = q.get(BF16 * T * fi)
+    q.put(cast, wa, gin)
+    return ga, gwa
+
+
+def optimizer_step(q: Requests, a: Arch) -> None:
+    """TRL's AdamW step (torch's foreach path) and zero_grad on the adapter, all the small pool's at r16: its two
+    fp32 states made param by param in model.parameters()' order at the first step (kept), the square roots of
+    the second (_foreach_sqrt: one block each, freed), every .grad freed (set_to_none)."""
+    q.phase = "optimizer"
+    order = PARAM_ORDER.get(a.model_type, tuple(a.modules))
+    sizes = [FP32 * q.r * w for _ in range(a.L) for t in sorted(q.targets, key=order.index) for w in a.modules[t][:2]]
+    if not q.states:
+        q.states = [q.get(n) for n in sizes for _ in range(2)]
+    q.put(*[q.get(n) for n in sizes])
+    q.put(*q.grads)
+    q.grads = []
 
 
 def efficient_workspace(a: Arch, T: int) -> int:
@@ -409,15 +568,15 @@ def layer_backward(q: Requests, a: Arch, T: int, g, x) -> None:
     q.put(ggate, gup)
     gn = q.get(BF16 * T * a.h)
     q.put(cat)
-    q.put(norm_backward(q, T, a.h, gn, s["n2"][0], True))
+    q.put(norm_backward(q, T, a.h, gn, s["n2"], True))
     fi, fo, _ = a.modules["o_proj"]
     gcopy = lora_backward(q, T, g, fi, fo, s["o_cast"], s["o_mask"])
     if masked(a, T):
         dq, dk, dv = q.get(BF16 * T * qw), q.get(BF16 * T * kw), q.get(BF16 * T * kw)
         q.put(q.get(efficient_workspace(a, T)))
-        q.put(s["sdpa"], s["qkv"], s["qr"], s["kr"], s["bias"], gcopy)
+        q.put(s["lse"], s["sdpa"], s["qkv"], s["qr"], s["kr"], s["bias"], gcopy)
     else:
-        dq, dk, dv = flash_backward(q, a, T, gcopy, [s["sdpa"], s["qkv"], s["qr"], s["kr"]])
+        dq, dk, dv = flash_backward(q, a, T, gcopy, [s["lse"], s["sdpa"], s["qkv"], s["qr"], s["kr"]])
     rk = rotary_backward(q, T, kw)
     rq = rotary_backward(q, T, qw)
     ck = q.get(BF16 * T * kw)  # the rotary part's slice gradient
@@ -435,7 +594,7 @@ def layer_backward(q: Requests, a: Arch, T: int, g, x) -> None:
         share = q.get(BF16 * T * fo)
         q.put(v, share)
     gx = lora_backward(q, T, gqkv, fi, fo, s["qkv_cast"], s["qkv_mask"], gqkv)
-    q.put(norm_backward(q, T, a.h, gx, s["n1"][0], True, x))
+    q.put(norm_backward(q, T, a.h, gx, s["n1"], True, x))
 
 
 def backward(q: Requests, a: Arch, T: int, f: dict, first: bool, stop: bool = False):
@@ -454,17 +613,19 @@ def backward(q: Requests, a: Arch, T: int, f: dict, first: bool, stop: bool = Fa
     if first:
         q.get(CUBLAS_WORKSPACE)  # the backward thread's, after its first matmul
     q.put(gl)
-    g = (layernorm_backward if a.model_type == "phi" else norm_backward)(q, T, a.h, gx, f["nf"][0], False)
+    g = (layernorm_backward if a.model_type == "phi" else norm_backward)(q, T, a.h, gx, f["nf"][0] if a.model_type == "phi" else f["nf"],
+                                                                   False)
     for k in reversed(range(a.L)):
         q.phase = f"step {step} backward layer {k}"
         LAYERS[a.model_type][1](q, a, T, g, f["inputs"][k] if k else f["mask"])
-    q.put(g, f["inputs"][0])
+    q.put(g, f["inputs"][0], *f["tables"])
 
 
 def step_to_peak(q: Requests, a: Arch, T: int) -> None:
     """Step 1 whole (the optimizer's step and zero_grad are the small pool's at these shapes), then step 2's
     forward and loss to the backward's first two fp32 gradients: the peak."""
     backward(q, a, T, forward(q, a, T, True), True)
+    optimizer_step(q, a)
     backward(q, a, T, forward(q, a, T, False), False, stop=True)
 
 
@@ -519,9 +680,10 @@ def phi_layer_forward(q: Requests, a: Arch, T: int, saved: bool) -> dict:
     qr, kr = rotary(q, T, a.heads * a.rotary_dim), rotary(q, T, a.kv * a.rotary_dim)
     qcat, kcat = q.get(BF16 * T * a.heads * a.head_dim), q.get(BF16 * T * a.kv * a.head_dim)
     sdpa = q.get(BF16 * T * a.heads * a.head_dim)
+    lse = q.get(FP32 * a.heads * T)  # flash's logsumexp, which its backward reads
     out_copy = q.get(BF16 * T * a.heads * a.head_dim)  # sequence.output_copy
     if not saved:
-        q.put(sdpa)
+        q.put(sdpa, lse)
     o, o_cast, o_mask = linear(q, a, T, "dense", saved)
     q.put(out_copy)
     if not saved:
@@ -533,7 +695,7 @@ def phi_layer_forward(q: Requests, a: Arch, T: int, saved: bool) -> dict:
         q.put(fc1)
         q.put(q.get(BF16 * T * a.i), g["prod"], normed, o)
         return {"copy": copy, "lora": {m: p[m][1:] for m in p}, "v": p["v_proj"][0], "qcat": qcat, "kcat": kcat,
-                "sdpa": sdpa, "o_cast": o_cast, "o_mask": o_mask, **g}
+                "sdpa": sdpa, "lse": lse, "o_cast": o_cast, "o_mask": o_mask, **g}
     q.put(g["half"], g["one"], fc1)
     down = cast_linear(q, T, a.i, a.h)
     q.put(g["prod"])
@@ -587,12 +749,11 @@ def lora_backward_fp32(q: Requests, T: int, g, fi: int, fo: int, cast, mask):
     """lora_backward on an fp32 input (phi's q, k, v on the LayerNorm's output): the scaling's, lora_A's input
     gradient, its cast's to fp32, dropout's (added into the norm's fp32 gradient in place), the frozen base's bf16
     input gradient, ``g`` freed once it has read it, its cast to fp32 added likewise."""
-    gs = q.get(BF16 * T * fo)
-    q.put(gs)
-    ga = q.get(BF16 * T * fi)
-    q.put(cast)
+    ga = adapter_grads(q, T, fi, fo, cast, q.get(BF16 * T * fo))
     g32 = q.get(FP32 * T * fi)
-    q.put(ga)
+    q.put(ga[0])
+    q.grads.append(q.get(FP32 * q.r * fi))  # lora_A's fp32 .grad (ToCopyBackward's), its bf16 one freed
+    q.put(ga[1])
     gd = q.get(FP32 * T * fi)
     q.put(mask, g32, gd)
     base = q.get(BF16 * T * fi)
@@ -615,7 +776,7 @@ def phi_layer_backward(q: Requests, a: Arch, T: int, g, x) -> None:
     q.put(gin)
     fi, fo, _ = a.modules["dense"]
     gcopy = lora_backward(q, T, g, fi, fo, s["o_cast"], s["o_mask"])
-    dq, dk, dv = flash_backward(q, a, T, gcopy, [s["kcat"], s["v"], s["sdpa"], s["qcat"]])
+    dq, dk, dv = flash_backward(q, a, T, gcopy, [s["lse"], s["kcat"], s["v"], s["sdpa"], s["qcat"]])
     rk = rotary_backward(q, T, a.kv * a.rotary_dim)
     rq = rotary_backward(q, T, a.heads * a.rotary_dim)
     pads = []
@@ -650,9 +811,10 @@ def llama_layer_forward(q: Requests, a: Arch, T: int, saved: bool) -> dict:
     qr, kr = rotary(q, T, a.heads * a.head_dim), rotary(q, T, a.kv * a.head_dim)
     q.put(p["q_proj"][0], p["k_proj"][0])
     sdpa = q.get(BF16 * T * a.heads * a.head_dim)  # (B,T,H,D): the o_proj input's view
+    lse = q.get(FP32 * a.heads * T)  # flash's logsumexp, which its backward reads
     o = q.get(BF16 * T * a.h)
     if not saved:
-        q.put(sdpa, qr, kr, p["v_proj"][0])
+        q.put(sdpa, lse, qr, kr, p["v_proj"][0])
     q.put(normed)
     mid = q.get(BF16 * T * a.h)
     q.put(o)
@@ -664,7 +826,7 @@ def llama_layer_forward(q: Requests, a: Arch, T: int, saved: bool) -> dict:
     if saved:  # torch's early stop: down_proj packs its weight, the recompute's frames unwind
         q.put(prod, normed2, mid)
         return {"n1": n1, "n2": n2, "lora": {m: p[m][1:] for m in p}, "v": p["v_proj"][0], "qr": qr, "kr": kr,
-                "sdpa": sdpa, "gate": gate, "act": act, "up": up}
+                "sdpa": sdpa, "lse": lse, "gate": gate, "act": act, "up": up}
     q.put(act, up)
     down = q.get(BF16 * T * a.h)
     q.put(prod, normed2)
@@ -702,9 +864,9 @@ def llama_layer_backward(q: Requests, a: Arch, T: int, g, x) -> None:
     q.put(s["gate"], g2)
     gg = q.get(BF16 * T * a.h)
     q.put(silu, gg)
-    q.put(norm_backward(q, T, a.h, gin, s["n2"][0], True))
+    q.put(norm_backward(q, T, a.h, gin, s["n2"], True))
     go = q.get(BF16 * T * a.heads * a.head_dim)
-    dq, dk, dv = flash_backward(q, a, T, go, [s["kr"], s["v"], s["sdpa"], s["qr"]])
+    dq, dk, dv = flash_backward(q, a, T, go, [s["lse"], s["kr"], s["v"], s["sdpa"], s["qr"]])
     grads = {"k_proj": llama_rotary_backward(q, T, a.kv * a.head_dim, dk), "v_proj": dv}
     grads["q_proj"] = llama_rotary_backward(q, T, a.heads * a.head_dim, dq)
     buffer = None
@@ -723,7 +885,7 @@ def llama_layer_backward(q: Requests, a: Arch, T: int, g, x) -> None:
                 q.put(gx)
                 gx = None
         buffer = buffer if gx is None else gx
-    q.put(norm_backward(q, T, a.h, buffer, s["n1"][0], True, x))
+    q.put(norm_backward(q, T, a.h, buffer, s["n1"], True, x))
 
 
 #: Each checked model type's checkpointed layer: its forward (and recompute) and its backward.
@@ -734,13 +896,15 @@ LAYERS = {"phi3": (layer_forward, layer_backward), "phi": (phi_layer_forward, ph
 def page_need(a: Arch, targets: tuple, r: int, T: int, whole: bool = False) -> Need:
     """The most large pages the live blocks touch at any request of the load, step 1 whole and step 2 to its
     loss's backward peak (``whole``: step 2 whole, as a 2-step run goes on) under expandable segments: where the
-    card's need is, which may be off the allocated peak (reserve's); once a shape. Not charged."""
+    card's need is, which may be off the allocated peak (reserve's); once a shape (the large pool's: ``charge``
+    takes both)."""
     key = (repr(a), frozenset(targets), r, T, whole)
     if key not in _NEEDS:
         q = Paged(targets, r)
         load(q, a, q.targets, r)
         if whole:
             step_whole(q, a, T)
+            optimizer_step(q, a)
             backward(q, a, T, forward(q, a, T, False), False)
         else:
             step_to_peak(q, a, T)
@@ -749,3 +913,40 @@ def page_need(a: Arch, targets: tuple, r: int, T: int, whole: bool = False) -> N
 
 
 _NEEDS: dict = {}
+
+#: The reserve measured on the checked arm's own card, both pools' most pages less their allocated peak: the H100
+#: Phi-3-mini bf16 gc 2048x1 expandable history's (88,866,816 B large, 7,124,480 B small; quoted from
+#: results/resident-traces-qwen-nf4-phi3-gc-h100-soup0.77.0-1a0b582, tests/estimator/test_gc_sequence.py reads it
+#: there). A charge is never less. The model types charged are its keys: phi-2's replay lies under torch's OOM
+#: reading at 1,088 tokens (74.18 MiB reserved-unallocated before the failing request, torch 76.34 MiB: its small
+#: pool, checked against no history, is a page short), llama's small pool checked against nothing.
+MEASURED_RESERVE = {"phi3": 95_991_296}
+
+
+def charge(a: Arch, targets: tuple, r: int, T: int) -> int:
+    """The allocator's reserve a checkpointed resident run needs on expandable segments: the most pages both pools'
+    live blocks touch over the load and two steps whole (each with its optimizer step), less their allocated peak,
+    never under the arm's MEASURED_RESERVE; once a shape."""
+    key = (repr(a), frozenset(targets), r, T)
+    if key not in _CHARGES:
+        q = Paged(targets, r)
+        load(q, a, q.targets, r)
+        for first in (True, False):
+            backward(q, a, T, forward(q, a, T, first), first)
+            optimizer_step(q, a)
+        _CHARGES[key] = max(q.both.touched - q.peak, MEASURED_RESERVE[a.model_type])
+    return _CHARGES[key]
+
+
+_CHARGES: dict = {}
+
+
+def charged(a: Arch, quant: str, targets: tuple, task: str, seq: int, batch: int, *, transformers: str,
+            environ=None) -> bool:
+    """Whether ``charge`` stands for the run's reserve: the replay is the run's (``replayed``), on a model type
+    with a MEASURED_RESERVE, and the run is on expandable segments (allocator_setting: what --find-max's probes
+    export, unless another value is; on the default allocator pages bound nothing)."""
+    environ = os.environ if environ is None else environ
+    setting = allocator_setting(environ).replace(" ", "").lower()
+    return (a.model_type in MEASURED_RESERVE and EXPANDABLE_SEGMENTS.lower() in setting
+            and replayed(a, quant, targets, task, seq, batch, transformers=transformers, environ=environ))

@@ -149,7 +149,9 @@ Known limitations
     - Its needs-free is the allocated peak plus the reserve measured under expandable segments: stock `soup train`
       runs a resident run on the default allocator, where runs the patched gate admitted died (OOM; their reserve
       not recorded) and a Gemma-2B search's OOM held 3.31 GB reserved but unallocated; `--soup-patch` sets
-      expandable segments for every run. Evidence: docs/PEAK.md, "EXPANDABLE_RESERVE_PAGES".
+      expandable segments for every run. Evidence: docs/PEAK.md, "EXPANDABLE_RESERVE_PAGES". Where
+      gc_sequence.charged admits a checkpointed run on expandable segments (Phi-3), that reserve is the replayed
+      one (resident_reserve), never under the one its H100 history measured.
     - Soup's own resident number is hardware_fit's (computed by Soup, from its CLI's input); it is not this
       module's business: the row carries it (results/extras.ResidentGate).
     - Full fine-tuning (Soup's ``training.lora.r: 0``): estimator/full.py's, measured at one shape only on 0.77.0's
@@ -160,6 +162,7 @@ from __future__ import annotations
 
 from ..constants import K_ROUND_LARGE, K_SMALL_SIZE, block_bytes, layer_remainders
 from ..errors import UsageError
+from ..model.arm import DEFAULT_OPTIMIZER
 from ..record import LORA_DROPOUT
 from ..model.targets import soup_targets
 from ..tasks import PROTOCOL_TASK, task as task_named
@@ -167,7 +170,8 @@ from .arch import NF4_BLOCK, Arch, arch_from_config, fp32_residual, layer_bytes,
 from .layer import (AUTOCAST_BF16, LORA_DROPOUT_MASK_BYTES, MLP_BACKWARD_TRANSIENTS, RMS_RSTD_BYTES,
                     Moment, autocast_by_layer, autocast_casts, autocast_per_token, autocast_upcasts, layer_per_token,
                     mask_bytes, resid_masks, retained_by_layer)
-from .estimate import ADAPTER_RESTS, Estimate, estimate, needs_free, segment_tail
+from .estimate import ADAPTER_RESTS, EXPANDABLE_RESERVE_BYTES, Estimate, estimate, needs_free, segment_tail
+from .gc_sequence import charge as gc_charge, charged as gc_charged
 from .steady import adapter_bytes
 from .terms import Phase, Term, phase_sum
 from .full import estimate_full, full_refused
@@ -485,10 +489,22 @@ def estimate_resident(config: dict, *, quant: str = "none", seq: int, batch: int
             binding, peak = Phase.OPTIMIZER, optimizer_step
         peak += t[Term.OPTIMIZER_STATES.key]
     corrected = phase_sum(t, Phase.RESIDENT) + peak + phase_sum(t, Phase.ALLOWANCE)
-    # `soup train` sets expandable segments for streamed runs only (stream_setup): a resident run's allocator is
-    # the default one, whose unsplit remainders stay in what it needs
-    return Estimate(e.seq, e.batch, quant, e.steps, e.release, None, {}, corrected, needs_free(corrected),
-                    binding.value, t, e.task, e.optimizer, e.accumulation)
+    reserve = resident_reserve(a, quant, tg, lora_r, e, checkpointing, lora_dropout, transformers)
+    return Estimate(e.seq, e.batch, quant, e.steps, e.release, None, {}, corrected, needs_free(corrected, reserve),
+                    binding.value, t, e.task, e.optimizer, e.accumulation, reserve=reserve)
+
+
+def resident_reserve(a: Arch, quant: str, targets: tuple, r: int, e: Estimate, checkpointing: bool, dropout: float,
+                     transformers: str | None) -> int:
+    """needs_free's allocator reserve for a resident run: the checkpointed step's replayed one (gc_sequence.charge)
+    where gc_sequence.charged admits the run (the replayed step: two steps or more of AdamW, no accumulation, LoRA
+    dropout on) and it is on expandable segments, else the bound (EXPANDABLE_RESERVE_BYTES). `soup train` sets
+    expandable segments for streamed runs only (stream_setup): a resident run's allocator is the default one, whose
+    unsplit remainders stay in what it needs; --find-max's probes export expandable segments."""
+    if (checkpointing and e.steps > 1 and e.accumulation == 1 and e.optimizer == DEFAULT_OPTIMIZER and dropout
+            and gc_charged(a, quant, targets, e.task, e.seq, e.batch, transformers=transformers_release(transformers))):
+        return gc_charge(a, targets, r, e.seq * e.batch)
+    return EXPANDABLE_RESERVE_BYTES
 
 
 def kept_per_layer(a: Arch, quant: str, targets: tuple, r: int, mask: int) -> list[int]:

@@ -15,6 +15,7 @@ from .request import EstimateRequest
 def answer_resident(e: EstimateRequest) -> int:
     """The resident run's rows, verdict, text and JSON (one (task, quant, seq, batch): the file's)."""
     from ..estimator.cards import budget
+    from ..estimator.fits import reserve_words
     from ..estimator.resident import estimate_run
     from ..estimator.steady import bound_words, is_bounded
     from ..estimator.terms import phases_of
@@ -39,8 +40,8 @@ def answer_resident(e: EstimateRequest) -> int:
                       "soup_admits": ResidentGate.computed(r.soup_input, card.total_bytes - card.hidden_bytes).admitted})
     tag = (f"{task} {quant} {seq}x{batch}" + (" with gradient checkpointing" if checkpointing else "")
            + (", full fine-tuning (training.lora.r 0: no adapter, every parameter trains)" if a.lora_r == 0 else ""))
-    mine = (f"needs {est.needs_free / 1e9:.2f} GB free by this tool's resident estimate" if est else
-            f"not estimated by this tool ({why})")
+    mine = (f"needs {est.needs_free / 1e9:.2f} GB free by this tool's resident estimate"
+            + (f" ({reserve_words(est)})" if reserve_words(est) else "") if est else f"not estimated by this tool ({why})")
     gate = (f"Soup's resident gate: {soup_gb:.2f} GB, +10% margin {soup_gb * 1.1:.2f} GB against a card's total"
             if soup_gb is not None else "Soup's resident gate: no number (its CLI builds no input, so it skips its gate)")
     verdict = "verdict: " + ("; ".join(

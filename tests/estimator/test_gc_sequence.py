@@ -17,7 +17,7 @@ from conftest import ROOT, checked_stack
 from issue395.constants import EXPANDABLE_PAGE_BYTES, K_SMALL_SIZE, block_bytes
 from issue395.estimator import gc_sequence, sequence
 from issue395.estimator.arch import arch_from_config
-from issue395.measure.trace import replaying_trace
+from issue395.measure.trace import replaying_trace, seeded
 from issue395.model.registry import config_json
 
 TRACE = ROOT / "results/resident-traces-qwen-nf4-phi3-gc-h100-soup0.77.0-1a0b582/res-sft-phi3-bf16-gc-2048x1-exp"
@@ -232,3 +232,129 @@ def test_the_small_pools_live_blocks_at_the_historys_peak_are_the_arch_s_long_li
     assert built == live - Counter({8 * T: 4, 512: 9}) and sum(built.values()) == 3 * 128 + 65 + 3
     assert (sum(k * v for k, v in live.items()), pages) == (114_510_336, 58 * EXPANDABLE_PAGE_BYTES["small"])
     assert pages - 114_510_336 == 7_124_480
+
+
+def small_pages_at_large_requests(trace: dict) -> list:
+    """The whole 2 MiB pages the history's small-pool live blocks touch just after each of its large-pool
+    requests (the markers left out), in order: what the sequence's large requests line up with."""
+    page, out = EXPANDABLE_PAGE_BYTES["small"], []
+    for ev in replaying_trace(trace):
+        if ev.row[0] == "alloc" and block_bytes(int(ev.row[2])) > K_SMALL_SIZE and int(ev.row[2]) not in MARKS:
+            pages = set()
+            for head in (h for h in ev.alloc.segments if h.small):
+                b = head
+                while b is not None:
+                    if b.allocated:
+                        pages.update((head.addr, i) for i in range((b.addr - head.addr) // page,
+                                                                   (b.addr - head.addr + b.size - 1) // page + 1))
+                    b = b.next
+            out.append(len(pages) * page)
+    return out
+
+
+class Recording(gc_sequence.Paged):
+    """Paged, keeping the small pool's touched pages just after each large-pool request of the step."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.small_pages = None
+
+    def get(self, nbytes: int):
+        k = super().get(nbytes)
+        if k is not None and k > 0 and self.small_pages is not None:
+            self.small_pages.append(len(self.on_small) * EXPANDABLE_PAGE_BYTES["small"])
+        return k
+
+
+def test_from_the_historys_start_the_small_pool_touches_its_pages_over_the_step():
+    """Issue 51 item 4 (the small pool, 2 MiB pages): from the H100 history's start (its small segment as the
+    window found it: measure.trace.seeded), the checkpointed step's small-pool requests (the collator's and the
+    position ids' int64 rows, the rotary tables and their fp32 makers, the norms' rstd, autocast's bf16 casts of
+    the adapter cached to the forward's end and saved by each recompute, lora_A's outputs, the logsumexp, each
+    target's weight gradients and its fp32 .grad, AdamW's two states and square roots at step 1's end, zero_grad)
+    touch, just after every one of the 6,419 large-pool requests to step 2's peak, the history's small pages or one
+    2 MiB page more (158 of them, in step 1's layer 27 backward and step 2's forward: transient blocks' order),
+    never fewer; the most the same (136,314,880 B), and at the moment both pools touch the most (step 2's
+    token-accuracy copy) 58 pages, 121,634,816 B, so both pools' 9,139,388,416 B: the history's to the byte.
+    No CUDA is faked: both sides are replays."""
+    a, trace = arch_from_config(config_json("phi3-mini")), history()
+    q = Recording(TARGETS, 16)
+    sequence.load(q, a, TARGETS, 16)
+    q.seat_small(seeded([s for s in trace["start_segments"] if s["total_size"] < K_SMALL_SIZE << 6], True)[0])
+    q.small_pages = []
+    gc_sequence.step_to_peak(q, a, 2048)
+    real = small_pages_at_large_requests(trace)[:len(q.small_pages)]
+    over = [m - r for m, r in zip(q.small_pages, real)]
+    assert len(over) == 6_419 and set(over) == {0, EXPANDABLE_PAGE_BYTES["small"]} and sum(map(bool, over)) == 158
+    assert max(q.small_pages) == max(real) == 136_314_880
+    assert (q.both.touched, q.both.small, q.both.nbytes) == (9_139_388_416, 121_634_816, 4 * 2047 * a.V)
+
+
+def test_built_from_the_arch_the_load_and_step_touch_the_historys_pages_at_its_most():
+    """Issue 51 item 4: the load built from the Arch (the norms; the rotary's two fp32 buffers; peft's adapter put
+    on the device in bf16 in the modules' order, Phi-3's o_proj before qkv_proj, then each cast to fp32, the bf16
+    freed) is the history's small segment at its start block for block (197 blocks, the free ones with them: the 393,216 B
+    hole among the adapter's the casts leave), and with the step the two pools' most pages are the history's to
+    the byte (9,139,388,416 B, 58 small pages) at its request (step 2's token-accuracy copy)."""
+    a, trace = arch_from_config(config_json("phi3-mini")), history()
+    q = gc_sequence.Paged(TARGETS, 16)
+    gc_sequence.load(q, a, TARGETS, 16)
+    start = next(s for s in trace["start_segments"] if s["total_size"] < K_SMALL_SIZE << 6)
+    head, built = next(h for h in q.small.segments if h.small), []
+    while head is not None and head.mapped:
+        built.append((head.size, head.allocated))
+        head = head.next
+    assert built == [(b["size"], b["state"] == "active_allocated") for b in start["blocks"]] and len(built) == 197
+    gc_sequence.step_to_peak(q, a, 2048)
+    assert (q.both.touched, q.both.small, q.both.nbytes) == (9_139_388_416, 121_634_816, 4 * 2047 * a.V)
+
+
+def test_the_measured_reserve_is_the_historys_and_the_charge_is_not_under_it():
+    """Issue 51 item 4 (the charge): MEASURED_RESERVE's Phi-3 figure is the H100 history's own, both pools' pages
+    at its allocated peak less its allocated bytes there (recounted from the history); the replay's charge at that
+    arm's shape, both pools' most pages over two steps less their allocated peak, is not under it (95,994,880 B:
+    3,584 B more, the small blocks the replay does not make), and at 1,728 tokens (flash, the 10GB search's
+    answer) it is the floor."""
+    a, trace = arch_from_config(config_json("phi3-mini")), history()
+    best, at_peak = -1, None
+    for ev in replaying_trace(trace):
+        if ev.alloc.allocated > best:
+            best, at_peak = ev.alloc.allocated, large_pages(ev.alloc)[1]
+    _, small = small_pool_at_peak(trace)
+    assert gc_sequence.MEASURED_RESERVE["phi3"] == at_peak + small - best == 95_991_296
+    assert gc_sequence.charge(a, TARGETS, 16, 2048) == 95_994_880
+    assert gc_sequence.charge(a, TARGETS, 16, 1728) == gc_sequence.MEASURED_RESERVE["phi3"]
+
+
+def test_phi2s_replay_is_under_its_oom_reading_so_it_is_not_charged():
+    """Issue 51 item 4: phi-2 7.5GB's OOM at 1,088 tokens (its probe's log: torch's message, read by
+    constraints/findmax.oom_reading) reads 76.34 MiB reserved-unallocated as the 214 MiB token-accuracy copy
+    fails; the replay's both pools just before that request hold fewer (70.375 MiB large, 3.8 MiB small): under
+    the measurement, so phi-2 has no MEASURED_RESERVE and is not charged. No CUDA faked: the log is the record."""
+    from issue395.constraints.findmax import oom_reading
+
+    log = ROOT / ("results/resident-findmax-gc-growth-h100-soup0.77.0-1a0b582/"
+                  "find-max-resident-phi2-sft-bf16-gc-7.5GB-logs/soup-find-max-seq-1088.log")
+    read = oom_reading(log.read_text(encoding="utf-8", errors="replace"))
+    a = arch_from_config(config_json("phi-2"))
+    targets = ("q_proj", "k_proj", "v_proj", "dense")
+    need = gc_sequence.page_need(a, targets, 16, 1088)
+    assert need.nbytes == 4 * 1087 * a.V and -(-read.tried // (2 << 20)) == -(-need.nbytes // (2 << 20))
+    assert need.unallocated_before + need.small_unallocated < read.reserved_unallocated
+    assert not gc_sequence.charged(a, "none", targets, "sft", 1088, 1, transformers=sequence.SEQUENCE_TRANSFORMERS,
+                                   environ={})
+
+
+def test_it_is_charged_only_on_expandable_segments_where_replayed():
+    """Issue 51 item 4: the charge stands where the replay is the run's and the run is on expandable segments
+    (the probes' setting, or unset: Soup's and this tool's default); not on the default allocator (the
+    committed H200 search's probes), nor where the replay is not the run's."""
+    a = arch_from_config(config_json("phi3-mini"))
+    kw = dict(transformers=sequence.SEQUENCE_TRANSFORMERS)
+    assert gc_sequence.charged(a, "none", TARGETS, "sft", 2048, 1, environ={}, **kw)
+    assert gc_sequence.charged(a, "none", TARGETS, "sft", 2048, 1,
+                               environ={"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}, **kw)
+    assert not gc_sequence.charged(a, "none", TARGETS, "sft", 2048, 1,
+                                   environ={"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"}, **kw)
+    assert not gc_sequence.charged(a, "nf4", TARGETS, "sft", 2048, 1, environ={}, **kw)
+    assert not gc_sequence.charged(a, "none", TARGETS, "sft", 2048, 2, environ={}, **kw)

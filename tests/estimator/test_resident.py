@@ -517,3 +517,30 @@ def test_phi_with_qk_layernorm_or_embd_dropout_under_checkpointing_is_refused_an
         assert sequence.replayed(arch_from_config({**phi, key: 0.0}), "none", protocol_targets(a), "sft", **kw)
     with pytest.raises(UsageError, match="resid_pdrop"):
         arch_from_config({**phi, "resid_pdrop": 1.5})
+
+
+@checked_stack
+def test_a_replayed_checkpointed_run_on_expandable_segments_charges_the_replays_reserve(monkeypatch):
+    """Issue 51 item 4 (the charge): Phi-3-mini bf16 SFT with gradient checkpointing, r16 on qkv_proj and o_proj,
+    2 steps (the 10GB search's soup.yaml) on expandable segments: needs_free is the allocated peak plus
+    gc_sequence.charge's reserve (its replay's, never under the reserve measured on that arm), not the 230.7 MB
+    bound, and split_allocated is derived from it, the estimate's words saying "replayed" (fits.reserve_words);
+    on the default allocator (expandable_segments:False) and
+    at one step (not the replayed two) it keeps the bound."""
+    from issue395.estimator import gc_sequence
+    from issue395.estimator.estimate import EXPANDABLE_RESERVE_BYTES
+    from issue395.estimator.fits import reserve_words
+
+    config, kw = config_json("phi3-mini"), dict(targets=["qkv_proj", "o_proj"], lora_r=16, checkpointing=True)
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    e = estimate_resident(config, seq=2048, steps=2, **kw)
+    charge = gc_sequence.charge(arch_from_config(config), ("qkv_proj", "o_proj"), 16, 2048)
+    assert e.reserve == charge < EXPANDABLE_RESERVE_BYTES and e.needs_free == e.corrected_predicted + charge
+    assert e.split_allocated == e.needs_free - charge and e.to_json()["reserve"] == charge
+    assert estimate_resident(config, seq=2048, steps=1, **kw).reserve == EXPANDABLE_RESERVE_BYTES
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:False")
+    bound = estimate_resident(config, seq=2048, steps=2, **kw)
+    assert bound.reserve == EXPANDABLE_RESERVE_BYTES and "reserve" not in bound.to_json()
+    assert bound.needs_free - e.needs_free == EXPANDABLE_RESERVE_BYTES - charge
+    assert reserve_words(e).startswith("the allocator's reserve replayed") and f"{charge / 1e6:.1f} MB" in \
+        reserve_words(e) and reserve_words(bound) == ""
