@@ -30,6 +30,7 @@ from .releases import Features, installed_release
 from .soup_number import arch_of, features, soup_preflight_from_config, vocab_matrices_resident
 from .stacks import transformers_release
 from .steady import FP32, LORA_WEIGHT_BYTES, adapter_bytes, gradient_terms, steady_terms, unsplit_remainders
+from .sequence import ENTROPY_CHUNK_ROWS
 from .streamed_sequence import placed_rests, setup_replayed, step_replayed, step_rests
 from .terms import Phase, Term, phase_sum
 
@@ -41,9 +42,6 @@ from .terms import Phase, Term, phase_sum
 LOGITS_BYTES = 12
 #: + the saved bf16 tanh output under final_logit_softcapping (PEAK: Gemma-2's 1.007x margin).
 SOFTCAP_EXTRA_BYTES = 2
-#: TRL's SFTTrainer metric entropy_from_logits (trl/trainer/utils.py, chunk_size=128): rows of the flattened logits
-#: a chunk takes, its log_softmax, exp and their product live at once (PEAK "Loss phase": the entropy moment)
-ENTROPY_CHUNK_ROWS = 128
 IDS_LABELS_BYTES_PER_TOKEN = 32  # input_ids, labels, attention mask, shifted labels: int64 each
 POSITION_BYTES = 8  # int64 position ids, one row per position
 

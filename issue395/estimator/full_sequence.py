@@ -31,16 +31,13 @@ sequence.SEQUENCE_TRANSFORMERS, the default allocator; elsewhere full.py keeps t
 
 from __future__ import annotations
 
-from ..constants import CUBLAS_WORKSPACE, CUBLASLT_WORKSPACE, block_bytes
+from ..constants import CUBLASLT_WORKSPACE
 from .arch import Arch
-from .sequence import (SEQUENCE_TRANSFORMERS, WORKSPACE_SIZES, Requests, default_allocator, module_order,
-                       parameter_bytes, tables)
+from .sequence import (BF16, FP32, SEQUENCE_TRANSFORMERS, WORKSPACE_SIZES, Requests, default_allocator,
+                       entropy_chunks, module_order, parameter_bytes, tables)
 
-FP32, BF16 = 4, 2
 #: The model types whose full fine-tuning step this sequence follows (llama's decoder; qwen2's q/k/v biases).
 MASTER_SEQUENCE_TYPES = ("llama", "qwen2")
-#: TRL's entropy_from_logits splits the logits into chunks of this many rows.
-ENTROPY_CHUNK = 128
 #: transformers 5.16.1 Trainer.get_decay_parameter_names: the no-decay group's names (biases and norms).
 NO_DECAY_WORDS = ("bias", "layernorm", "rmsnorm", "norm.", "_norm")
 #: flash's backward rounds the tokens to this (mha_bwd's seqlen_q_rounded) and the head size to 32 (64 past 128).
@@ -195,7 +192,7 @@ def layer_forward(q: Requests, a: Arch, T: int, keep: bool, cache: dict, k: int,
 def head_forward(q: Requests, a: Arch, T: int, x, cache: dict, checkpointing: bool) -> dict:
     """The final norm on the last layer's output ``x``, the head (its bf16 weight copy, its input's cast, the bf16
     logits), HF's loss (the logits' fp32 copy, log_softmax, freed with the final norm's output as the model
-    returns), accelerate's fp32 logits copy in place of the bf16 ones, TRL's entropy over ENTROPY_CHUNK-row chunks
+    returns), accelerate's fp32 logits copy in place of the bf16 ones, TRL's entropy over ENTROPY_CHUNK_ROWS-row chunks
     (no grad: each chunk's log_softmax freed as the next comes, the last as the function returns), and the fp32
     logits dropped: what the loss's backward reads. The forward's autocast region exits once accelerate's copy is
     made and its cache goes: with checkpointing the layers' weight copies with it (nothing saved them)."""
@@ -210,16 +207,7 @@ def head_forward(q: Requests, a: Arch, T: int, x, cache: dict, checkpointing: bo
     q.put(logits)
     if checkpointing:
         q.put(*[w for name, w in cache.items() if name != "lm_head"])
-    last = None
-    for rows in [min(ENTROPY_CHUNK, T - j) for j in range(0, T, ENTROPY_CHUNK)]:
-        logps = q.get(FP32 * rows * a.V)
-        q.put(last)
-        ex = q.get(FP32 * rows * a.V)
-        prod = q.get(FP32 * rows * a.V)
-        q.put(ex)
-        q.put(prod)
-        last = logps
-    q.put(last)
+    entropy_chunks(q, T, a.V)
     q.put(fp32)
     return {"x": x, "nf": nf, "w": w, "xc": xc, "lsm": lsm}
 

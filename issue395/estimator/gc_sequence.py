@@ -77,14 +77,12 @@ from ..constants import CUBLAS_WORKSPACE, EXPANDABLE_PAGE_BYTES, EXPANDABLE_SEGM
 from .allocator import CachingAllocator
 from .arch import Arch
 from .full_sequence import FLASH_ROWS
-from .sequence import SEQUENCE_TRANSFORMERS, Requests, cast_linear, default_allocator, norm, parameters, rotary
+from .sequence import (BF16, FP32, SEQUENCE_TRANSFORMERS, Requests, cast_linear, default_allocator, entropy_chunks,
+                       norm, parameters, rotary)
 
-FP32, BF16 = 4, 2
 LARGE_PAGE, SMALL_PAGE = EXPANDABLE_PAGE_BYTES["large"], EXPANDABLE_PAGE_BYTES["small"]
 #: The model types whose q is a cat of its rotary and pass-through parts (sequence.output_copy).
 CAT_BUILT = ("phi3", "phi")
-#: TRL's entropy_from_logits splits the logits into chunks of this many rows.
-ENTROPY_CHUNK = 128
 #: The model types and their targets whose checkpointed step (SFT at batch 1) was checked request for request:
 #: Phi-3's fused layer on its protocol-and-o_proj targets (past its sliding window the H100 trace, the
 #: memory-efficient SDPA; at and under it the checkpointed capture, flash) and phi's parallel layer on q, k, v and
@@ -425,15 +423,7 @@ def forward(q: Requests, a: Arch, T: int, first: bool) -> dict:
     q.cache = []
     fp32 = q.get(FP32 * T * a.V)
     q.put(logits)
-    last = None
-    for rows in [min(ENTROPY_CHUNK, T - j) for j in range(0, T, ENTROPY_CHUNK)]:
-        logps = q.get(FP32 * rows * a.V)
-        q.put(last)
-        ex = q.get(FP32 * rows * a.V)
-        prod = q.get(FP32 * rows * a.V)
-        q.put(ex, prod)
-        last = logps
-    q.put(last)
+    entropy_chunks(q, T, a.V)
     q.put(q.get(FP32 * (T - 1) * a.V))  # TRL's token accuracy: the shifted logits' copy
     q.put(fp32)
     return {"inputs": inputs, "mask": mask, "nf": nf, "lsm": lsm, "tables": [pos, *tables]}

@@ -112,6 +112,27 @@ class Requests:
         return sum(self.held[k].rest for k in keys if k is not None and k in self.held)
 
 
+#: bytes an element of each dtype the request sequences name (every sequence module reads these)
+FP32, BF16 = 4, 2
+
+#: TRL's SFTTrainer metric entropy_from_logits (trl/trainer/utils.py, chunk_size=128): rows of the flattened logits
+#: a chunk takes, its log_softmax, exp and their product live at once (PEAK "Loss phase": the entropy moment)
+ENTROPY_CHUNK_ROWS = 128
+
+
+def entropy_chunks(q: Requests, rows: int, V: int) -> None:
+    """TRL's entropy_from_logits under no grad, ENTROPY_CHUNK_ROWS rows at a time: each chunk's log-probabilities
+    (the last chunk's freed as the next comes), its exp and their product (freed); the last freed at the end."""
+    last = None
+    for n in [min(ENTROPY_CHUNK_ROWS, rows - j) for j in range(0, rows, ENTROPY_CHUNK_ROWS)]:
+        logps = q.get(FP32 * n * V)
+        q.put(last)
+        ex, prod = q.get(FP32 * n * V), q.get(FP32 * n * V)
+        q.put(ex, prod)
+        last = logps
+    q.put(last)
+
+
 def parameters(a: Arch, targets: tuple, r: int) -> tuple[list, list]:
     """Each parameter's bytes in the checkpoint's sorted key order (a tied head once), then peft's fp32 LoRA
     matrices layer by layer."""

@@ -71,7 +71,8 @@ from __future__ import annotations
 from ..constants import CUBLAS_WORKSPACE
 from .allocator import CachingAllocator
 from .arch import NF4_BLOCK, Arch, nf4_pieces
-from .sequence import SEQUENCE_TRANSFORMERS, Requests, default_allocator, layer_parameters, norm, rotary
+from .sequence import (FP32, SEQUENCE_TRANSFORMERS, Requests, default_allocator, entropy_chunks, layer_parameters,
+                       norm, rotary)
 from .steady import OPTIMIZERS
 
 #: The optimizers whose first step ``adamw_step`` builds: torch's AdamW, foreach (a square-root temporary per
@@ -84,7 +85,7 @@ SETUP_TYPES, SETUP_TASKS, SETUP_RELEASE, SETUP_BUFFERS = ("llama", "qwen2"), ("s
 #: type, task): Mistral-7B NF4 r256 SFT's history. DPO's copy beside the recast adapter was not.
 NF4_SETUPS = (("mistral", "sft"),)
 #: Bytes a LoRA element takes as materialize_meta_adapters makes it (``torch.empty(..., dtype=torch.float32)``).
-MATERIALISED = FP32 = 4
+MATERIALISED = FP32
 #: SDPA's backward workspace past its fp32 accumulators (flash_backward), as the four H100 histories request it.
 FLASH_WORKSPACE_PAD = 256
 
@@ -563,15 +564,13 @@ def layer_backward(q: Requests, a: Arch, T: int, x, g, lora: tuple, first: bool 
 
 
 # -- the head and the loss (TRL's SFT), and step 1 whole --
-#: TRL's entropy_from_logits splits the logits into chunks of this many rows (full_sequence's, the same TRL).
-ENTROPY_CHUNK = 128
 
 
 def sft_loss(q: Requests, a: Arch, T: int, x, workspace: int = CUBLAS_WORKSPACE):
     """The final norm on the last layer's output ``x`` (its fp32 copy saved; ``x`` freed), the head on a tied
     model's resident embedding (the bf16 logits), HF's loss (the fp32 copy, log_softmax; the copy and the norm's
     output freed as the model returns), accelerate's fp32 logits in place of the bf16, TRL's entropy in
-    ENTROPY_CHUNK-row chunks and its token accuracy's shifted copy (T - 1 rows), the fp32 logits dropped; then the
+    ENTROPY_CHUNK_ROWS-row chunks and its token accuracy's shifted copy (T - 1 rows), the fp32 logits dropped; then the
     backward: nll's and log_softmax's, the logits' bf16 gradient, the head's input gradient, the autograd thread's
     cuBLAS ``workspace`` at that first matmul (kept: the thread's), the final norm's. Returns the last layer's output
     gradient (full_sequence.head_forward and loss_backward, the resident full step's, less the head's weight copy
@@ -583,15 +582,7 @@ def sft_loss(q: Requests, a: Arch, T: int, x, workspace: int = CUBLAS_WORKSPACE)
     q.put(copy, out)
     fp32 = q.get(FP32 * T * a.V)
     q.put(logits)
-    last = None
-    for rows in [min(ENTROPY_CHUNK, T - j) for j in range(0, T, ENTROPY_CHUNK)]:
-        logps = q.get(FP32 * rows * a.V)
-        q.put(last)
-        ex = q.get(FP32 * rows * a.V)
-        prod = q.get(FP32 * rows * a.V)
-        q.put(ex, prod)
-        last = logps
-    q.put(last)
+    entropy_chunks(q, T, a.V)
     q.put(q.get(FP32 * (T - 1) * a.V), fp32)
     nll, l2 = q.get(FP32 * T * a.V), q.get(FP32 * T * a.V)
     q.put(nll, lsm)
@@ -615,19 +606,6 @@ def sft_step(q: Requests, a: Arch, T: int, lora: tuple, workspace: int = CUBLAS_
     for k in reversed(range(a.L)):
         grads += layer_backward(q, a, T, x[k], g, lora, first=k == 0, nf4=nf4)
     return grads
-
-
-def entropy_chunks(q: Requests, rows: int, V: int) -> None:
-    """TRL's entropy_from_logits under no grad, ENTROPY_CHUNK rows at a time: each chunk's log-probabilities (the
-    last chunk's freed as the next comes), its exp and their product (freed); the last freed at the end."""
-    last = None
-    for n in [min(ENTROPY_CHUNK, rows - j) for j in range(0, rows, ENTROPY_CHUNK)]:
-        logps = q.get(FP32 * n * V)
-        q.put(last)
-        ex, prod = q.get(FP32 * n * V), q.get(FP32 * n * V)
-        q.put(ex, prod)
-        last = logps
-    q.put(last)
 
 
 def dpo_head(q: Requests, a: Arch, T: int, rows: int, x, saved: bool, embedded=None) -> tuple:
