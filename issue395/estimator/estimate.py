@@ -29,8 +29,8 @@ from ..tasks import PROTOCOL_TASK, task as task_named
 from .releases import Features, installed_release
 from .soup_number import arch_of, features, soup_preflight_from_config, vocab_matrices_resident
 from .stacks import transformers_release
-from .steady import FP32, LORA_WEIGHT_BYTES, adapter_bytes, gradient_terms, steady_terms, unsplit_remainders
-from .sequence import ENTROPY_CHUNK_ROWS
+from .steady import LORA_WEIGHT_BYTES, adapter_bytes, gradient_terms, steady_terms, unsplit_remainders
+from .sequence import ENTROPY_CHUNK_ROWS, FP32
 from .streamed_sequence import placed_rests, setup_replayed, step_replayed, step_rests
 from .terms import Phase, Term, phase_sum
 

@@ -10,9 +10,9 @@ from dataclasses import dataclass
 from ..constants import unsplit_rests
 from ..tasks import task as task_named
 from .arch import Arch
+from .sequence import FP32
 from .terms import Term
 
-FP32 = 4
 LORA_WEIGHT_BYTES = 4  # fp32 LoRA weights (PEAK "Resident")
 #: bf16 LoRA weights: the task's trainer casts them under a 4-bit model (tasks.Task.adapter_bf16_under_4bit).
 #: Evidence: docs/PEAK.md, "adapter_bytes".

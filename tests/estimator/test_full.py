@@ -380,7 +380,7 @@ def test_soup_0770s_own_cpu_setup_of_a_full_fine_tuning_loads_fp32_parameters_th
 
     from issue395.estimator.releases import release_source
     from issue395.estimator.full import full_params, loads_fp32_master, master_weights
-    from issue395.estimator.steady import FP32
+    from issue395.estimator.sequence import FP32
     from issue395.measure.builder import prepare_checkpoint
 
     if not loads_fp32_master(release_source(None)):
