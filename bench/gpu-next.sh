@@ -58,6 +58,11 @@ task: orpo
 data: {train: pairs.jsonl, max_length: 1024}
 training: {batch_size: 2, gradient_accumulation_steps: 1, quantization: 4bit, stream_layers: false, lora: {r: 16, alpha: 32, target_modules: [q_proj, k_proj, v_proj, o_proj]}}
 YAML
+  cat > "$1/resident-llama8b-sft-bf16-gc.yaml" <<'YAML'
+base: meta-llama/Llama-3.1-8B
+data: {train: data.jsonl, chat_template: chatml, max_length: 2048}
+training: {batch_size: 1, gradient_accumulation_steps: 1, quantization: none, stream_layers: false, gradient_checkpointing: true, lora: {r: 8, alpha: 16, target_modules: [q_proj, v_proj]}}
+YAML
   cat > "$1/resident-phi3-sft-bf16-gc.yaml" <<'YAML'
 base: microsoft/Phi-3-mini-4k-instruct
 data: {train: data.jsonl, chat_template: chatml, max_length: 2048}
@@ -87,6 +92,7 @@ resident_findmax() {
   search mistral-sft-nf4 seq 24GB
   search qwen-kto-bf16 seq 8GB
   search qwen3-orpo-nf4 seq 16GB
+  search llama8b-sft-bf16-gc seq 24GB
 }
 
 
