@@ -71,6 +71,7 @@ from __future__ import annotations
 from ..constants import CUBLAS_WORKSPACE
 from .allocator import CachingAllocator
 from .arch import NF4_BLOCK, Arch, nf4_pieces
+from .gc_sequence import PARAM_ORDER
 from .sequence import (FP32, SEQUENCE_TRANSFORMERS, Requests, default_allocator, entropy_chunks, layer_parameters,
                        norm, rotary)
 from .steady import OPTIMIZERS
@@ -90,10 +91,18 @@ MATERIALISED = FP32
 FLASH_WORKSPACE_PAD = 256
 
 
+def module_order(a: Arch) -> tuple:
+    """A layer's linears in the order its modules register them (gc_sequence.PARAM_ORDER where that is not the
+    Arch's: Phi3Attention makes o_proj before qkv_proj): model.named_modules()', so materialize_meta_adapters', the
+    optimizer's and the pool slot's (install_streaming's layer spec follows the layer's named_parameters())."""
+    return PARAM_ORDER.get(a.model_type, tuple(a.modules))
+
+
 def adapter_elements(a: Arch, targets: tuple, r: int) -> list[int]:
     """Each LoRA matrix's elements in ``model.parameters()``'s order, the optimizer's: layer by layer, each target in
-    the layer's module order (not the order the targets were named in), lora_A (r x in) then lora_B (out x r)."""
-    ordered = [t for t in a.modules if t in targets]
+    the layer's module order (module_order; not the order the targets were named in), lora_A (r x in) then lora_B
+    (out x r)."""
+    ordered = [t for t in module_order(a) if t in targets]
     return [r * w for _ in range(a.L) for t in ordered for w in a.modules[t][:2]]
 
 
@@ -136,9 +145,10 @@ def fresh_rests(a: Arch, targets: tuple, r: int, per: int, *, copies: int = 1, o
 
 
 def nf4_slot(a: Arch) -> list:
-    """One pool slot's tensors' bytes under Soup's NF4 shards, in the layer spec's order: each linear's pieces
-    (arch.nf4_pieces: the checkpoint key, then its sidecars), then the bf16 norms."""
-    return [b for fi, fo, _ in a.modules.values() for b in nf4_pieces(fi * fo)] + [2 * a.h, 2 * a.h]
+    """One pool slot's tensors' bytes under Soup's NF4 shards, in the layer spec's order (module_order: the layer's
+    named_parameters()): each linear's pieces (arch.nf4_pieces: the checkpoint key, then its sidecars), then the bf16
+    norms."""
+    return [b for m in module_order(a) for b in nf4_pieces(a.modules[m][0] * a.modules[m][1])] + [2 * a.h, 2 * a.h]
 
 
 def setup(q: Requests, a: Arch, targets: tuple, r: int, *, reference: bool, quant: str = "none",
