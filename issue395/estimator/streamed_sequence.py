@@ -46,7 +46,12 @@ disk): the adapter fp32, the two slots of packed NF4 shards (nf4_slot), install_
 to bf16 (the 4-bit model's adapter dtype) and its fp32 freed, one by one; the Mistral-7B NF4 r256 SFT history's
 start segments segment for segment (new segments below the earlier ones; the default placement departs), its
 adapter's rests 57,671,680 B, the history's setup-born adapter blocks' at its real peak; charged where
-setup_replayed admits it (NF4_SETUPS).
+setup_replayed admits it (NF4_SETUPS). Every order here is the layer's registration order (module_order: Phi-3's
+o_proj before its qkv_proj). Phi-3-mini NF4 r64 fused SFT 2048x1's two histories (a1 and a4, H100) start as the
+setup built so lays them out segment for segment, its adapter's rests their setup-born blocks' to the byte
+(8,781,824 B), only where each new segment sits as the driver put theirs: the first two adapter segments below
+the pool slots made after them, the rest below one another. The descending placement alone leaves 9,437,184 B
+and other segments: Phi-3 is not in NF4_SETUPS (tests/estimator/test_streamed_sequence.py).
 
 Its step 1 (``sft_step(nf4=True)``: each base Soup's install_dequant_forward on bitsandbytes' dequantising arm,
 nf4_base; recomputed, its bf16 weight saved by F.linear and freed after its input's gradient; peft's bnb clone; the

@@ -35,7 +35,14 @@ TRANSIENTS = (5_000_000, 5_200_000)
 TRACES = {"qwen": "anatomy-and-segments52-h100-soup0.77.0-96b7b97/seg-dpo-qwen-bf16-2048x1-r64-all-s3-a1",
           "llama32-1b": "anatomy-and-segments52-h100-soup0.77.0-96b7b97/seg-sft-llama32-1b-bf16-2048x1-r64-all-s3-a1",
           "phi3-mini": "segments52-and-anatomy-h100-soup0.77.0-96b7b97/seg-sft-phi3-nf4-2048x1-r64-fused-s3-a4",
+          "phi3-mini-a1": "resident-gc-traces-phi2-llama-smol-phi3nf4-h100-soup0.77.0-07712a8/"
+                          "seg-sft-phi3-nf4-2048x1-r64-fused-s3-a1",
           "mistral-7b": "segments52-mistral-r256-h100-soup0.77.0-927f7a2/seg-sft-mistral-nf4-1024x1-r256-all-s3-a1"}
+
+
+def _model(key: str) -> str:
+    """The registry key of a history's model (a key past the first on one model names its arm)."""
+    return "phi3-mini" if key.startswith("phi3-mini") else key
 
 
 def _history(key: str) -> tuple[dict, dict]:
@@ -50,7 +57,7 @@ def _history_at(path: str) -> tuple[dict, dict]:
 
 def _adapter(key: str, row: dict) -> tuple:
     """The row's Arch, its LoRA targets as the estimate resolves them (all-linear), and bytes an adapter element."""
-    cfg = config_json(key)
+    cfg = config_json(_model(key))
     a = arch_from_config(cfg)
     targets, _ = checked_arguments(cfg, a, quant=row["quant"], seq=row["seq"], batch=row["batch"],
                                    targets=tuple(row["targets"].split(",")), lora_r=row["r"], steps=row["steps"],
@@ -100,7 +107,7 @@ def test_each_optimizer_step_from_the_pool_its_history_leaves_is_the_historys_bl
     large requests adamw_step makes (each parameter's two states in model.parameters()'s order, then a square-root
     temporary each), and steps 2 and 3 two runs of its temporaries alone; replayed from the allocator the history
     leaves just before each, every block adamw_step gets is the history's own size, so the same rest (Mistral-7B
-    NF4 r256's step 1: 88,080,384 B kept, Llama-3.2-1B's none)."""
+    NF4 r256's step 1: 88,080,384 B kept, Llama-3.2-1B's none; Phi-3-mini NF4 at 1 micro-batch as at 4)."""
     trace, row = _history(key)
     a, targets, per = _adapter(key, row)
     elements = adapter_elements(a, targets, row["r"])
@@ -129,6 +136,9 @@ def test_adapter_elements_follow_the_layers_module_order_whatever_order_the_targ
     assert e[:6] == [8 * a.modules["q_proj"][0], 8 * a.modules["q_proj"][1], 8 * a.modules["v_proj"][0],
                      8 * a.modules["v_proj"][1], 8 * a.modules["down_proj"][0], 8 * a.modules["down_proj"][1]]
     assert sorted(e) == sorted(lora_tensors(a, named, 8))
+    phi3 = arch_from_config(config_json("phi3-mini"))  # Phi3Attention registers o_proj before qkv_proj
+    assert adapter_elements(phi3, ("qkv_proj", "o_proj"), 8) == [8 * w for _ in range(phi3.L) for m in (
+        "o_proj", "qkv_proj") for w in phi3.modules[m][:2]]
 
 
 def test_an_optimizer_whose_step_is_not_built_is_refused_and_the_fused_one_makes_no_temporary():
@@ -217,9 +227,7 @@ def test_the_setup_built_from_the_arch_is_each_historys_start_segment_for_segmen
 
 #: Phi-3-mini NF4 r64 fused SFT 2048x1 streamed histories (H100, soup-cli 0.77.0, --segments), at 1 and 4
 #: micro-batches: the same setup, so the same start segments.
-PHI3_NF4 = {"a1": "resident-gc-traces-phi2-llama-smol-phi3nf4-h100-soup0.77.0-07712a8/"
-                  "seg-sft-phi3-nf4-2048x1-r64-fused-s3-a1",
-            "a4": TRACES["phi3-mini"]}
+PHI3_NF4 = {"a1": TRACES["phi3-mini-a1"], "a4": TRACES["phi3-mini"]}
 
 
 class FirstBelow(CachingAllocator):
@@ -304,14 +312,14 @@ def test_each_traced_arm_is_charged_at_or_above_its_real_peak_and_its_adapter_re
     adapter-shaped blocks keep there; where the setup and step 1 are replayed (the bf16 two: step_replayed) the
     term is the parameters' and step 1's AdamW states' rests the replay leaves, the history's at its real peak to
     the byte (Qwen2.5 DPO 15,859,712 B, 1.00024x; Llama-3.2-1B none, 1.00108x); where the setup alone is (Mistral-7B
-    NF4 r256) its parameters' rests, the rest the bound; Phi-3-mini NF4 the bound."""
+    NF4 r256) its parameters' rests, the rest the bound; Phi-3-mini NF4 (a1 and a4) the bound."""
     trace, row = _history(key)
     a, targets, per = _adapter(key, row)
     r = replay_trace(trace)
     sizes = {per * n for n in adapter_elements(a, targets, row["r"])}
     held = [h for h in held_at(trace, r.peak_at) if h.requested in sizes and block_bytes(h.requested) > K_SMALL_SIZE]
-    e = estimate_key(key, quant=row["quant"], seq=row["seq"], batch=row["batch"], release="0.77.0", task=row["task"],
-                     targets=tuple(row["targets"].split(",")), lora_r=row["r"], steps=row["steps"],
+    e = estimate_key(_model(key), quant=row["quant"], seq=row["seq"], batch=row["batch"], release="0.77.0",
+                     task=row["task"], targets=tuple(row["targets"].split(",")), lora_r=row["r"], steps=row["steps"],
                      accumulation=row["accum"], soup=False, transformers="5.16.1")
     charged = sum(e.terms.get(t.key, 0) for t in ADAPTER_RESTS if Phase(e.phase) in t.phases)
     assert e.corrected_predicted >= r.peak == row["real_peak"] and charged >= sum(h.rest for h in held)
