@@ -46,8 +46,8 @@ disk): the adapter fp32, the two slots of packed NF4 shards (nf4_slot), install_
 to bf16 (the 4-bit model's adapter dtype) and its fp32 freed, one by one; the Mistral-7B NF4 r256 SFT history's
 start segments segment for segment (new segments below the earlier ones; the default placement departs), its
 adapter's rests 57,671,680 B, the history's setup-born adapter blocks' at its real peak; charged where
-setup_replayed admits it (NF4_SETUPS). Every order here is the layer's registration order (module_order: Phi-3's
-o_proj before its qkv_proj). Phi-3-mini NF4 r64 fused SFT 2048x1's two histories (a1 and a4, H100) start as the
+setup_replayed admits it (NF4_SETUPS). Every order here is the layer's registration order (arch.registration_order:
+Phi-3's o_proj before its qkv_proj). Phi-3-mini NF4 r64 fused SFT 2048x1's two histories (a1 and a4, H100) start as the
 setup built so lays them out segment for segment, its adapter's rests their setup-born blocks' to the byte
 (8,781,824 B), only where each new segment sits as the driver put theirs: the first two adapter segments below
 the pool slots made after them, the rest below one another. The descending placement alone leaves 9,437,184 B
@@ -75,8 +75,7 @@ from __future__ import annotations
 
 from ..constants import CUBLAS_WORKSPACE
 from .allocator import CachingAllocator
-from .arch import NF4_BLOCK, Arch, nf4_pieces
-from .gc_sequence import PARAM_ORDER
+from .arch import NF4_BLOCK, Arch, nf4_pieces, registration_order
 from .sequence import (FP32, SEQUENCE_TRANSFORMERS, Requests, default_allocator, entropy_chunks, layer_parameters,
                        norm, rotary)
 from .steady import OPTIMIZERS
@@ -96,18 +95,11 @@ MATERIALISED = FP32
 FLASH_WORKSPACE_PAD = 256
 
 
-def module_order(a: Arch) -> tuple:
-    """A layer's linears in the order its modules register them (gc_sequence.PARAM_ORDER where that is not the
-    Arch's: Phi3Attention makes o_proj before qkv_proj): model.named_modules()', so materialize_meta_adapters', the
-    optimizer's and the pool slot's (install_streaming's layer spec follows the layer's named_parameters())."""
-    return PARAM_ORDER.get(a.model_type, tuple(a.modules))
-
-
 def adapter_elements(a: Arch, targets: tuple, r: int) -> list[int]:
     """Each LoRA matrix's elements in ``model.parameters()``'s order, the optimizer's: layer by layer, each target in
-    the layer's module order (module_order; not the order the targets were named in), lora_A (r x in) then lora_B
-    (out x r)."""
-    ordered = [t for t in module_order(a) if t in targets]
+    the layer's module order (arch.registration_order; not the order the targets were named in), lora_A (r x in)
+    then lora_B (out x r)."""
+    ordered = [t for t in registration_order(a) if t in targets]
     return [r * w for _ in range(a.L) for t in ordered for w in a.modules[t][:2]]
 
 
@@ -150,10 +142,11 @@ def fresh_rests(a: Arch, targets: tuple, r: int, per: int, *, copies: int = 1, o
 
 
 def nf4_slot(a: Arch) -> list:
-    """One pool slot's tensors' bytes under Soup's NF4 shards, in the layer spec's order (module_order: the layer's
-    named_parameters()): each linear's pieces (arch.nf4_pieces: the checkpoint key, then its sidecars), then the bf16
-    norms."""
-    return [b for m in module_order(a) for b in nf4_pieces(a.modules[m][0] * a.modules[m][1])] + [2 * a.h, 2 * a.h]
+    """One pool slot's tensors' bytes under Soup's NF4 shards, in the layer spec's order (the layer's
+    named_parameters(): arch.registration_order): each linear's pieces (arch.nf4_pieces: the checkpoint key, then its
+    sidecars), then the bf16 norms."""
+    pieces = [nf4_pieces(a.modules[m][0] * a.modules[m][1]) for m in registration_order(a)]
+    return [b for p in pieces for b in p] + [2 * a.h, 2 * a.h]
 
 
 def setup(q: Requests, a: Arch, targets: tuple, r: int, *, reference: bool, quant: str = "none",

@@ -16,14 +16,13 @@ import pytest
 
 from issue395.constants import K_SMALL_SIZE, MiB, block_bytes
 from issue395.estimator.allocator import DESCENDING_TOP, CachingAllocator, _chain, allocation_size
-from issue395.estimator.arch import arch_from_config
+from issue395.estimator.arch import arch_from_config, registration_order
 from issue395.estimator.estimate import ADAPTER_RESTS, checked_arguments, estimate_key
 from issue395.estimator.sequence import Requests, layer, layer_parameters
 from issue395.estimator.steady import adapter_bytes, lora_tensors
 from issue395.estimator.streamed_sequence import (MATERIALISED, adamw_step, adapter_elements, fresh_rests,
-                                                  dpo_step, layer_backward, layers_forward, module_order,
-                                                  placed_rests, setup, setup_replayed, sft_step, step_replayed,
-                                                  step_rests)
+                                                  dpo_step, layer_backward, layers_forward, placed_rests,
+                                                  setup, setup_replayed, sft_step, step_replayed, step_rests)
 from issue395.estimator.terms import Phase
 from issue395.measure.trace import held_at, replay_trace, replaying_trace, seeded
 from issue395.model.registry import config_json
@@ -126,7 +125,7 @@ def test_each_optimizer_step_from_the_pool_its_history_leaves_is_the_historys_bl
     assert (rests[0] == 0) == (key == "llama32-1b") and rests[1] == rests[2] <= rests[0]
 
 
-def test_adapter_elements_follow_the_layers_module_order_whatever_order_the_targets_are_named_in():
+def test_adapter_elements_follow_the_layers_registration_order_whatever_order_the_targets_are_named_in():
     """The optimizer's parameter order is model.parameters()'s: each layer's targets in the layer's module order,
     lora_A then lora_B; the same matrices lora_tensors counts."""
     a = arch_from_config(config_json("qwen"))
@@ -252,7 +251,7 @@ class FirstBelow(CachingAllocator):
 def test_phi3s_nf4_setup_is_its_historys_start_but_for_where_the_driver_put_its_first_two_segments(arm):
     """Issue 52, Phi-3-mini NF4: its streamed setup (the adapter fp32, two slots of packed shards, the large-layer
     slot, the adapter recast to bf16 one matrix at a time) in the layer's registration order (Phi3Attention makes
-    o_proj before qkv_proj: module_order) lays out the history's start segment for segment once each new segment
+    o_proj before qkv_proj: registration_order) lays out the history's start segment for segment once each new segment
     sits where the driver put the history's: its first two adapter segments (made before the slots) lie below the
     slots, the rest below one another. The Arch's order (qkv_proj first) misses even then: a qkv slot in an adapter
     segment's tail. Under the descending placement alone the adapter's segments depart, so the setup is not charged
@@ -272,7 +271,7 @@ def test_phi3s_nf4_setup_is_its_historys_start_but_for_where_the_driver_put_its_
     assert adapter_segments[1] < min(slot_segments) < adapter_segments[2]  # the driver's, read off the history
     q = built(FirstBelow(2))
     assert _layout(q.alloc) == _layout(start)
-    with patch("issue395.estimator.streamed_sequence.module_order", lambda a: tuple(a.modules)):
+    with patch("issue395.estimator.streamed_sequence.registration_order", lambda a: tuple(a.modules)):
         assert _layout(built(FirstBelow(2)).alloc) != _layout(start)
     assert _layout(built(CachingAllocator(descending=True)).alloc) != _layout(start)
     r = replay_trace(trace)
@@ -280,7 +279,7 @@ def test_phi3s_nf4_setup_is_its_historys_start_but_for_where_the_driver_put_its_
     at_setup = sum(h.rest for h in held_at(trace, r.peak_at) if h.born < 0 and h.requested in sizes)
     made = [k for k in q.held if q.held[k].requested in sizes]
     assert q.rests(made) == at_setup == 8_781_824 < placed_rests(a, targets, row["r"], False, "nf4") == 9_437_184
-    assert module_order(a)[:2] == ("o_proj", "qkv_proj")
+    assert registration_order(a)[:2] == ("o_proj", "qkv_proj")
     assert not setup_replayed(a, "nf4", "sft", release="0.77.0", transformers="5.16.1", stream={}, probed=False,
                               buffers=2, environ={})
 
