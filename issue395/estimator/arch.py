@@ -345,6 +345,17 @@ def _dropouts(config: dict, mt: str) -> frozenset:
     return frozenset(out)
 
 
+#: A layer's linears in the order its modules register them, where that is not the Arch's (``modules``: the order
+#: they run in): Phi3Attention makes o_proj before qkv_proj. model.named_modules() and named_parameters() follow it,
+#: so peft's adapter, the optimizer's parameters and Soup's layer spec do.
+REGISTRATION_ORDER = {"phi3": ("o_proj", "qkv_proj", "gate_up_proj", "down_proj")}
+
+
+def registration_order(a: Arch) -> tuple:
+    """The layer's linears in the order its modules register them (REGISTRATION_ORDER, else the Arch's)."""
+    return REGISTRATION_ORDER.get(a.model_type, tuple(a.modules))
+
+
 # -- The shard geometry: what one layer of the architecture holds, read by Soup's number and the physics alike --
 #: bitsandbytes' NF4 block: one absmax per 64 weights (Soup quantises at its default blocksize)
 NF4_BLOCK = 64

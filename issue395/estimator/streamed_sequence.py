@@ -46,7 +46,12 @@ disk): the adapter fp32, the two slots of packed NF4 shards (nf4_slot), install_
 to bf16 (the 4-bit model's adapter dtype) and its fp32 freed, one by one; the Mistral-7B NF4 r256 SFT history's
 start segments segment for segment (new segments below the earlier ones; the default placement departs), its
 adapter's rests 57,671,680 B, the history's setup-born adapter blocks' at its real peak; charged where
-setup_replayed admits it (NF4_SETUPS).
+setup_replayed admits it (NF4_SETUPS). Every order here is the layer's registration order (arch.registration_order:
+Phi-3's o_proj before its qkv_proj). Phi-3-mini NF4 r64 fused SFT 2048x1's two histories (a1 and a4, H100) start as the
+setup built so lays them out segment for segment, its adapter's rests their setup-born blocks' to the byte
+(8,781,824 B), only where each new segment sits as the driver put theirs: the first two adapter segments below
+the pool slots made after them, the rest below one another. The descending placement alone leaves 9,437,184 B
+and other segments: Phi-3 is not in NF4_SETUPS (tests/estimator/test_streamed_sequence.py).
 
 Its step 1 (``sft_step(nf4=True)``: each base Soup's install_dequant_forward on bitsandbytes' dequantising arm,
 nf4_base; recomputed, its bf16 weight saved by F.linear and freed after its input's gradient; peft's bnb clone; the
@@ -70,7 +75,7 @@ from __future__ import annotations
 
 from ..constants import CUBLAS_WORKSPACE
 from .allocator import CachingAllocator
-from .arch import NF4_BLOCK, Arch, nf4_pieces
+from .arch import NF4_BLOCK, Arch, nf4_pieces, registration_order
 from .sequence import (FP32, SEQUENCE_TRANSFORMERS, Requests, default_allocator, entropy_chunks, layer_parameters,
                        norm, rotary)
 from .steady import OPTIMIZERS
@@ -92,8 +97,9 @@ FLASH_WORKSPACE_PAD = 256
 
 def adapter_elements(a: Arch, targets: tuple, r: int) -> list[int]:
     """Each LoRA matrix's elements in ``model.parameters()``'s order, the optimizer's: layer by layer, each target in
-    the layer's module order (not the order the targets were named in), lora_A (r x in) then lora_B (out x r)."""
-    ordered = [t for t in a.modules if t in targets]
+    the layer's module order (arch.registration_order; not the order the targets were named in), lora_A (r x in)
+    then lora_B (out x r)."""
+    ordered = [t for t in registration_order(a) if t in targets]
     return [r * w for _ in range(a.L) for t in ordered for w in a.modules[t][:2]]
 
 
@@ -136,9 +142,11 @@ def fresh_rests(a: Arch, targets: tuple, r: int, per: int, *, copies: int = 1, o
 
 
 def nf4_slot(a: Arch) -> list:
-    """One pool slot's tensors' bytes under Soup's NF4 shards, in the layer spec's order: each linear's pieces
-    (arch.nf4_pieces: the checkpoint key, then its sidecars), then the bf16 norms."""
-    return [b for fi, fo, _ in a.modules.values() for b in nf4_pieces(fi * fo)] + [2 * a.h, 2 * a.h]
+    """One pool slot's tensors' bytes under Soup's NF4 shards, in the layer spec's order (the layer's
+    named_parameters(): arch.registration_order): each linear's pieces (arch.nf4_pieces: the checkpoint key, then its
+    sidecars), then the bf16 norms."""
+    pieces = [nf4_pieces(a.modules[m][0] * a.modules[m][1]) for m in registration_order(a)]
+    return [b for p in pieces for b in p] + [2 * a.h, 2 * a.h]
 
 
 def setup(q: Requests, a: Arch, targets: tuple, r: int, *, reference: bool, quant: str = "none",
