@@ -34,8 +34,9 @@ def answer_resident(e: EstimateRequest) -> int:
     soup_gb = None if soup.peak is None else soup.peak / 1e9
     cards = []
     for card in e.cards:
-        b = budget(card, e.context)
+        b = budget(card, e.context, resident=True)  # the runtime's growth on the card's own architecture
         cards.append({"card": card.name, "total_bytes": card.total_bytes, "free_bytes": b.free_bytes,
+                      "step_free_bytes": b.step_free_bytes, "growth_bytes": b.growth, "growth_source": b.growth_from,
                       "fits": None if est is None else b.fits(est.needs_free),
                       "soup_admits": ResidentGate.computed(r.soup_input, card.total_bytes - card.hidden_bytes).admitted})
     tag = (f"{task} {quant} {seq}x{batch}" + (" with gradient checkpointing" if checkpointing else "")
@@ -69,7 +70,9 @@ def answer_resident(e: EstimateRequest) -> int:
         lines += [f"  corrected allocated peak {est.corrected_predicted / 1e9:.4f} GB ({est.phase} phase); terms, each "
                   "with the phases it is live in:"]
         lines += [f"    {k:<28} {v / 1e9:.4f} GB  {', '.join(phases_of(k))}" for k, v in est.terms.items() if v]
-    lines += [f"  {c['card']}: " + (f"needs {est.needs_free / 1e9:.2f} of {c['free_bytes'] / 1e9:.2f} GB free; " if est
+    lines += [f"  {c['card']}: " + (f"needs {est.needs_free / 1e9:.2f} of {c['free_bytes'] / 1e9:.2f} GB free, "
+                                     f"{c['step_free_bytes'] / 1e9:.2f} GB less the runtime's growth by the step's end "
+                                     f"({c['growth_bytes'] / 1e6:.1f} MB, {c['growth_source']}); " if est
                                      else "") + ("Soup admits it" if c["soup_admits"] else "Soup REFUSES it")
               + (f" (its +10% number against the card's {c['total_bytes'] / 1e9:.2f} GB total)" if soup_gb else "")
               for c in cards]
