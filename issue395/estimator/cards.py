@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 from ..constants import CUBLAS_WORKSPACE, CUBLAS_WORKSPACE_PRE_HOPPER, WORKSPACE_CONFIG_VAR, MiB, comma_list
 from ..errors import UsageError
@@ -39,6 +39,40 @@ STEP_GROWTH_BYTES = 262_144_000
 #: +-5 MB; the four probes since are inside it); the most measured. Evidence: docs/PEAK.md, "GATE_GROWTH_BYTES, STEP_GROWTH_BYTES" (bench/findings.py
 #: gate_growth() reads it off the find-max JSONs).
 CLI_GATE_GROWTH_BYTES = 22_400_000
+#: ...by the step's end in `soup train`'s own process on a resident run (training.stream_layers false, every layer on
+#: the card, expandable segments): 176,947,200 B read at exit by 19 of the 24 probes that read it, of 5 --find-max
+#: searches on an H100 (sm_90); the other 5, OOMs before their step had loaded it all, 101,449,728 B; torch's OOM
+#: messages there 166.6 to 176.7 MB (two decimals of GiB): results/resident-findmax-gc-growth-h100-soup0.77.0-1a0b582 (Phi-3-mini and phi-2 bf16
+#: with checkpointing), results/resident-findmax-heldout-h100-soup0.77.0-3cbde2c (Qwen2.5 KTO bf16, Qwen3 ORPO NF4),
+#: results/resident-findmax-llama8b-gc-h100-soup0.77.0-07712a8 (Llama-3.1-8B bf16 with checkpointing). The most
+#: measured, on Hopper alone (the kernel images loaded are the card's architecture's): ``step_growth`` says where it
+#: is charged. Evidence: docs/PEAK.md, "GATE_GROWTH_BYTES, STEP_GROWTH_BYTES" (tests/estimator/test_cards.py reads
+#: every committed resident probe's reading against it).
+RESIDENT_STEP_GROWTH_BYTES = 176_947_200
+#: The compute capability majors RESIDENT_STEP_GROWTH_BYTES was measured on (H100, 9.0).
+RESIDENT_GROWTH_MAJORS = (9,)
+#: Which growth a fit charges, in words (every place that prints the growth names it).
+GROWTH_BOUND = "the bound"
+GROWTH_RESIDENT = "measured resident soup-train growth, sm_90"
+GROWTH_PROBES = "measured by this search's probes"
+
+
+def _measured_resident(resident: bool, cc: Optional[tuple]) -> bool:
+    # Measured only on resident runs in `soup train`'s process on Hopper; a plain size (cc None), another
+    # architecture or a streamed run keeps the bound.
+    return bool(resident) and cc is not None and cc[0] in RESIDENT_GROWTH_MAJORS
+
+
+def step_growth(resident: bool, cc: Optional[tuple]) -> int:
+    """What the CUDA runtime adds outside the allocator after the context by the step's end, as a fit charges it:
+    RESIDENT_STEP_GROWTH_BYTES for a resident run on a card of compute capability ``cc`` where it was measured
+    (RESIDENT_GROWTH_MAJORS), else STEP_GROWTH_BYTES."""
+    return RESIDENT_STEP_GROWTH_BYTES if _measured_resident(resident, cc) else STEP_GROWTH_BYTES
+
+
+def growth_source(resident: bool, cc: Optional[tuple]) -> str:
+    """Which of step_growth's two figures it charges, in words."""
+    return GROWTH_RESIDENT if _measured_resident(resident, cc) else GROWTH_BOUND
 
 #: The compute capabilities PyTorch gives the larger default cuBLAS workspace (constants: both
 #: defaults; 11.x since torch 2.9's source). CUBLAS_WORKSPACE_CONFIG replaces the default: every
@@ -185,9 +219,10 @@ class Budget:
     card: Card
     context_bytes: int
     context_source: str  # 'measured' (this tool, on that card), 'given' (--context) or 'bound'
-    #: the runtime's growth after the context by the step's end: None, STEP_GROWTH_BYTES (the most measured); a
-    #: search's probes' own where they read it (findmax.measured_growth: their answer like for like)
+    #: the runtime's growth after the context by the step's end (None: STEP_GROWTH_BYTES) and which it is (GROWTH_BOUND,
+    #: GROWTH_RESIDENT: step_growth's rule; GROWTH_PROBES: a search's probes' own, findmax.measured_growth)
     growth_bytes: Optional[int] = None
+    growth_from: str = GROWTH_BOUND
 
     @property
     def free_bytes(self) -> int:
@@ -195,8 +230,12 @@ class Budget:
         return self.card.total_bytes - self.context_bytes
 
     @property
+    def growth(self) -> int:
+        return STEP_GROWTH_BYTES if self.growth_bytes is None else self.growth_bytes
+
+    @property
     def step_free_bytes(self) -> int:
-        return step_free(self.free_bytes) if self.growth_bytes is None else self.free_bytes - self.growth_bytes
+        return self.free_bytes - self.growth
 
     @property
     def gate_free_bytes(self) -> int:
@@ -220,12 +259,21 @@ def step_free(free_bytes: int) -> int:
     return free_bytes - STEP_GROWTH_BYTES
 
 
-def budget(card: Card, context: Optional[int] = None, growth: Optional[int] = None) -> Budget:
-    """The card's budget: --context where given, else the documented bound for it; the runtime's growth
-    ``growth`` where measured (a search's probes'), else STEP_GROWTH_BYTES."""
+#: budget's ``cc`` default: the card's own compute capability.
+CARD_CC = "the card's"
+
+
+def budget(card: Card, context: Optional[int] = None, growth: Optional[int] = None, resident: bool = False,
+           cc: Any = CARD_CC) -> Budget:
+    """The card's budget: --context where given, else the documented bound for it; the runtime's growth ``growth``
+    where measured (a search's probes'), else step_growth's for the run (``resident``) on a card of compute
+    capability ``cc`` (the card's own unless given: the box's where the probes run on another card than the one
+    emulated; None where unknown)."""
+    cc = card.cc if cc is CARD_CC else cc
+    grown = (growth, GROWTH_PROBES) if growth is not None else (step_growth(resident, cc), growth_source(resident, cc))
     if context is not None:
-        return Budget(card, context, "given", growth)
-    return Budget(card, card.context_bound, "bound" if not card.hidden_bytes else DRIVER_KEPT, growth)
+        return Budget(card, context, "given", *grown)
+    return Budget(card, card.context_bound, "bound" if not card.hidden_bytes else DRIVER_KEPT, *grown)
 
 
 #: A named card's context where its driver keeps memory below nvidia-smi's total (Card.hidden_bytes):

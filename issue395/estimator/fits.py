@@ -191,6 +191,7 @@ def card_answers(config: dict, e: Estimate, budgets: list[Budget], arm, env: Opt
         admits = gate.admits(e.soup_predicted, one_step.corrected_predicted, available)
         out.append({"card": b.card.name, "total_bytes": b.card.total_bytes, "context_bytes": b.context_bytes,
                     "free_bytes": b.free_bytes, "step_free_bytes": b.step_free_bytes,
+                    "growth_bytes": b.growth, "growth_source": b.growth_from,
                     "gate_free_bytes": available, "needs_free": mine.needs_free, "fits": fits,
                     "longest_seq": longest_seq(config, b.step_free_bytes, arm, workspace=ws, **extra),
                     "soup_admits": admits,
@@ -298,7 +299,8 @@ def card_lines(card: Card, rows: list[Estimate], per: list[dict], lines: list, n
     lines += [[f"{card.name}: total GB"] + [gb(first["total_bytes"])] * len(rows),
               [f"  context GB ({first['context_source']})"] + [gb(a["context_bytes"]) for a in per],
               ["  free GB (total - context)"] + [free_gb(a["free_bytes"]) for a in per],
-              ["  runtime growth GB (CUDA outside the allocator by the step's end)"] + [gb(STEP_GROWTH_BYTES)] * len(rows),
+              [f"  runtime growth GB (by the step's end; {first['growth_source']})"]
+              + [gb(a["growth_bytes"]) for a in per],
               ["  the step's free GB (free - runtime growth)"] + [free_gb(a["step_free_bytes"]) for a in per],
               ["  needs free GB (this estimator)"] + [gb(a["needs_free"]) for a in per],
               ["    of it, the allocator's reserve GB (needs free - split peak)"]
@@ -369,7 +371,7 @@ def no_room(a: dict) -> Optional[str]:
         return None
     return (f"no room for a step: its {a['total_bytes'] / 1e9:.2f} GB total is under the context "
             f"({a['context_bytes'] / 1e9:.2f} GB, {a['context_source']}) and the runtime's growth "
-            f"({STEP_GROWTH_BYTES / 1e9:.2f} GB); nothing fits on it")
+            f"({a['growth_bytes'] / 1e9:.2f} GB, {a['growth_source']}); nothing fits on it")
 
 
 def driver_kept_words() -> str:

@@ -271,6 +271,9 @@ def resident_preflight(cfg: Any, model_config: Any, *, free: Optional[int], tota
         why = str(exc) if isinstance(exc, UsageError) else f"{type(exc).__name__}: {exc}"
         return {"peak": None, "gate_bytes": None, "fits": None, "refused": why,
                 "line": f"Hardware-fit (corrected peak VRAM): not computed ({why}); the gate keeps Soup's formula"}
+    # Not RESIDENT_STEP_GROWTH_BYTES: that grows past the box's context, and `soup train`'s process is short of it at
+    # this gate (11.45 GB read where the ballast left 12,000,100,352 B: 550 MB, 74 MB under the box's 623.7 MB;
+    # results/resident-patch-h100-soup0.77.0-96b7b97/patched-B-*.txt), so about 251 MB grows after it.
     gate = e.needs_free + STEP_GROWTH_BYTES
     measured = free is not None
     free = free if measured else total - CONTEXT_BOUND_BYTES

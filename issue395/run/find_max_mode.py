@@ -54,17 +54,24 @@ class Answers:
     high: int
     gate_rule: str
     gate_at: Callable[[int], dict]
-    #: this tool's longest with another context: the box's own, measured where the probes run (like
-    #: for like: an emulated card's probes bring the box's context, not the card's); and with the runtime's growth
-    #: the probes measured in place of STEP_GROWTH_BYTES where given (findmax.measured_growth)
-    tool_with_context: Callable[..., Optional[int]] = lambda context, growth=None: None
-    #: this tool's charge at a value, part by part (computed): the corrected allocated peak, the
+    #: this tool's longest on another budget (like_budget: the box's own context, measured where the probes run, like
+    #: for like, as an emulated card's probes bring the box's context, not the card's; and the runtime's growth the
+    #: probes measured where given, findmax.measured_growth)
+    tool_with_context: Callable[[Any], Optional[int]] = lambda b: None
+    #: this tool's charge at a value on a budget, part by part (computed): the corrected allocated peak, the
     #: allocator's reserve (needs free - allocated) and what lies outside the allocator at the step's
-    #: end (a context, and the runtime's growth)
-    charged_at: Callable[[int, int], Optional[dict]] = lambda value, context: {}
+    #: end (the budget's context, and its runtime's growth)
+    charged_at: Callable[[int, Any], Optional[dict]] = lambda value, b: {}
     #: a resident file's run (training.stream_layers false), and why its estimate gave no answer (None: it did)
     resident: Any = None  # issue395.run.userconfig.ResidentRun
     refused: Optional[str] = None
+
+    def like_budget(self, context: int, cc: Optional[tuple], growth: Optional[int] = None) -> Any:
+        """The card's budget as the probes have it: ``context`` and the compute capability ``cc`` of the box they run
+        on (the runtime's growth by cards.step_growth for this run, or ``growth`` where the probes measured it)."""
+        from ..estimator.cards import budget
+
+        return budget(self.card, context, growth, resident=self.resident is not None, cc=cc)
 
     def first_and_second(self, like: Optional[int]) -> tuple[int, Optional[int]]:
         """Where the search starts (this tool's like-for-like answer, else its answer on the card's
@@ -107,13 +114,13 @@ def answers(req: FindMaxRequest) -> Answers:
         return {"value": value, "soup_predicted": mine.soup_predicted, "gate_free_bytes": available,
                 "admits": gate.admits(mine.soup_predicted, one.corrected_predicted, available)}
 
-    def charged_at(value: int, context: int) -> dict:
+    def charged_at(value: int, at: Any) -> dict:
         e = estimate_run(replace(arm, **{axis: value}), config, workspace=ws)
         return {"allocated": e.split_allocated, "reserve": e.needs_free - e.split_allocated,  # `soup train`: split
-                "outside": card.total_bytes - budget(card, context).step_free_bytes}
+                "outside": card.total_bytes - at.step_free_bytes}
 
-    def tool_with_context(context: int, growth: Optional[int] = None) -> Optional[int]:
-        return longest(axis, config, budget(card, context, growth).step_free_bytes, arm, workspace=ws)
+    def tool_with_context(at: Any) -> Optional[int]:
+        return longest(axis, config, at.step_free_bytes, arm, workspace=ws)
 
     return Answers(axis, card, b, longest(axis, config, b.step_free_bytes, arm, workspace=ws),
                    longest_soup_admits(axis, config, available, arm, gate), low, step, high, gate.rule, gate_at,
@@ -131,14 +138,14 @@ def resident_answers(req: FindMaxRequest) -> Answers:
 
     axis, run, config = req.axis, req.estimate, req.estimate.config
     r, card, arm = run.user.resident, run.cards[0], req.arm
-    b = budget(card, run.context)
+    b = budget(card, run.context, resident=True)  # the runtime's growth on the card asked's own architecture
     total = card.total_bytes - card.hidden_bytes  # what CUDA reports as the card's total, which Soup's gate reads
     low, step, high = axis_range(config, axis, arm.task)
 
     def gate_at(value: int) -> dict:
         return {"value": value, **ResidentGate.at(r.soup_input, axis, value, total).to_json()}
 
-    def charged_at(value: int, context: int) -> Optional[dict]:
+    def charged_at(value: int, at: Any) -> Optional[dict]:
         if r.unmodelled:
             return None
         try:
@@ -146,7 +153,7 @@ def resident_answers(req: FindMaxRequest) -> Answers:
         except UsageError:  # not modelled there: nothing charged
             return None
         return {"allocated": e.corrected_predicted, "reserve": e.needs_free - e.corrected_predicted,
-                "outside": card.total_bytes - budget(card, context).step_free_bytes}
+                "outside": card.total_bytes - at.step_free_bytes}
 
     def tool_at(free: int) -> tuple[Optional[int], Optional[str]]:  # a setting it does not model: no answer
         return (None, r.unmodelled) if r.unmodelled else longest_resident(axis, config, free, arm)
@@ -154,7 +161,7 @@ def resident_answers(req: FindMaxRequest) -> Answers:
     tool, refused = tool_at(b.step_free_bytes)
     return Answers(axis, card, b, tool, ResidentGate.longest(r.soup_input, axis, total, low, step, high), low, step,
                    high, RESIDENT_RULE, gate_at,
-                   lambda context, growth=None: tool_at(budget(card, context, growth).step_free_bytes)[0],
+                   lambda at: tool_at(at.step_free_bytes)[0],
                    charged_at, resident=r, refused=refused)
 
 
@@ -215,14 +222,14 @@ def resident_gate_words(a: Answers, g: dict, p: Any, steps: int, what: str) -> t
             f"+10% {gb(g['required'], 2)} GB, against the card's {gb(g['card_total'], 2)} GB total)"), g
 
 
-def margin_at_oom(a: Answers, found: FindMax, context: int) -> Optional[tuple[str, dict]]:
+def margin_at_oom(a: Answers, found: FindMax, at: Any) -> Optional[tuple[str, dict]]:
     """The margin's parts at the first OOM above the limit, where Soup's console holds torch's own
     out-of-memory message (measured, inside Soup's process), beside this tool's charge at that value
-    with the context the probes had (computed)."""
+    on the budget the probes had (computed: ``at``, Answers.like_budget)."""
     p = found.probe_at(found.above) if found.above is not None else None
     if p is None or p.oom is None:
         return None
-    r, c = p.oom, a.charged_at(found.above, context)
+    r, c = p.oom, a.charged_at(found.above, at)
     if c is None:  # this tool's estimate does not model the run there
         return None
     d = {"value": found.above, "measured": {"allocated_plus_request": r.allocated + r.tried,
@@ -232,7 +239,7 @@ def margin_at_oom(a: Answers, found: FindMax, context: int) -> Optional[tuple[st
             f"computed by this tool): allocated + the failed request {gb(r.allocated + r.tried, 3)} GB, corrected peak "
             f"{gb(c['allocated'], 3)} GB; the allocator's reserve {r.reserved_unallocated / 1e6:.1f} MB, charged "
             f"{c['reserve'] / 1e6:.1f} MB; outside the allocator {r.outside_allocator / 1e6:.1f} MB, charged "
-            f"{c['outside'] / 1e6:.1f} MB (the context the probes had and the runtime's growth)"), d
+            f"{c['outside'] / 1e6:.1f} MB (the context the probes had and the runtime's growth, {at.growth_from})"), d
 
 
 def execute(ask: FindMaxRequest, protocol: Any) -> int:
@@ -244,11 +251,12 @@ def execute(ask: FindMaxRequest, protocol: Any) -> int:
     # like for like: the probes' Soup processes bring this box's CUDA context out of the card's total,
     # measured here, in this process on the same GPU (None on CPU or with --dry-run)
     box = None if ask.dry_run else (measure_context() or {}).get("context_bytes")
-    like = a.tool_with_context(box) if box is not None else None
+    cc = None if ask.dry_run else box_capability()  # the card the probes run on, whose runtime grows in them
+    like = a.tool_with_context(a.like_budget(box, cc)) if box is not None else None
     from ..estimator.stacks import check_installed
 
     t = task(ask.arm.task)
-    words = said(ask, a, box, like)
+    words = said(ask, a, box, like, cc)
     with Scratch(ask.cache_dir, ask.shard_dir) as scratch:
         base = ask.arm.checkpoint
         if not ask.dry_run:
@@ -263,7 +271,18 @@ def execute(ask: FindMaxRequest, protocol: Any) -> int:
             raise UsageError(f"--find-max: Soup refuses the probe's copy of --config {ask.arm.adapter.soup_config} before "
                              f"any probe (its own checks, on CPU): {refused}")
         found = run_search(ask, a, scratch, write, box, like, words[0])
-    return report_found(ask, a, found, words, box, like, stack)
+    return report_found(ask, a, found, words, (box, cc), like, stack)
+
+
+def box_capability() -> Optional[tuple]:
+    """The compute capability of the card the probes run on (this process's device 0, as CUDA_VISIBLE_DEVICES
+    shows it to Soup's); None where CUDA cannot say."""
+    try:
+        import torch
+
+        return tuple(torch.cuda.get_device_capability(0))
+    except Exception:  # noqa: BLE001 -- unknown: the runtime's growth is charged at its bound
+        return None
 
 
 def gate_lift() -> int:
@@ -359,18 +378,19 @@ def run_search(ask: FindMaxRequest, a: Answers, scratch: Scratch, write: Callabl
 
 
 def report_found(ask: FindMaxRequest, a: Answers, found: FindMax, words: tuple[str, str, str, str],
-                 box: Optional[int], like: Optional[int], stack: Any) -> int:
+                 where: tuple[Optional[int], Optional[tuple]], like: Optional[int], stack: Any) -> int:
     """The search's text (the measured limit beside both answers, Soup's gate at the limit and above it,
     the margin at the first OOM, the probes' table) and its --json; a finding unless the limit and the
-    first value above it are adjacent."""
+    first value above it are adjacent. ``where``: the box's context (measured) and compute capability."""
     run, axis = ask.estimate, ask.axis
+    box, cc = where
     head, tool_line, soup_line, like_line = words
     unit = UNITS[axis]
     measured = measured_words(found, ask.arm.steps)
     gates = [gate_words(ask, a, found, found.limit, "the limit"),
              gate_words(ask, a, found, found.above, "the first above it")]
-    margin = margin_at_oom(a, found, box if box is not None else a.budget.context_bytes)
-    grown, grown_line = growth_answer(a, found, box)
+    margin = margin_at_oom(a, found, a.like_budget(box if box is not None else a.budget.context_bytes, cc))
+    grown, grown_line = growth_answer(a, found, box, cc)
     lines = [head,
              "  measured (the real soup train, " + (f"Soup's resident gate lifted by {ALLOW_OOM_ATTEMPT}, on "
                                                      f"{ALLOC_CONF_VAR}={probe_allocator()}" if a.resident
@@ -390,6 +410,8 @@ def report_found(ask: FindMaxRequest, a: Answers, found: FindMax, words: tuple[s
     if ask.outputs.json and not write_json(ask.outputs.json, "find-max", {
             **json_head(ask, a, like), "measured": found.to_json(),
             "this_tool_longest_like_for_like": like, "box_context_bytes": box, "stack": stack.to_json(),
+            "box_compute_capability": ".".join(map(str, cc)) if cc else None,
+            **({"this_tool_like_for_like_growth": growth_json(a.like_budget(box, cc))} if box is not None else {}),
             **grown,
             "soup_gate_at_limit": gates[0][1] if gates[0] else None,
             "soup_gate_above_limit": gates[1][1] if gates[1] else None,
@@ -398,24 +420,34 @@ def report_found(ask: FindMaxRequest, a: Answers, found: FindMax, words: tuple[s
     return EXIT_OK if found.adjacent else EXIT_FINDING
 
 
-def growth_answer(a: Answers, found: FindMax, box: Optional[int]) -> tuple[dict, Optional[str]]:
+def growth_answer(a: Answers, found: FindMax, box: Optional[int], cc: Optional[tuple]) -> tuple[dict, Optional[str]]:
     """This tool's longest like for like with the probes' own runtime growth (measured in each probe's process:
-    findmax.measured_growth, the most any probe read) in place of STEP_GROWTH_BYTES, beside the box's context: its
-    JSON keys (absent where no probe read it, as in every search before the probes' exit hook read it) and its line."""
-    from ..estimator.cards import STEP_GROWTH_BYTES
-
+    findmax.measured_growth, the most any probe read) in place of the growth the like-for-like answer charges
+    (cards.step_growth on the box's card), beside the box's context: its JSON keys (absent where no probe read it, as
+    in every search before the probes' exit hook read it) and its line."""
     grown = measured_growth(found, box)
     if grown is None:
         return {}, None
-    answer = a.tool_with_context(box, grown)
+    charged = a.like_budget(box, cc)
+    answer = a.tool_with_context(a.like_budget(box, cc, grown))
     return ({"runtime_growth_bytes": grown, "this_tool_longest_like_for_like_measured_growth": answer},
             f"computed by this tool like for like with the probes' own runtime growth (measured in each probe's process "
             f"as it exited or at its OOM, the most of them: {grown / 1e6:.1f} MB after the box's context, in place of "
-            f"the {STEP_GROWTH_BYTES / 1e6:.1f} MB bound): the longest {a.axis} that fits {a.card.name}: "
+            f"{growth_words(charged)}): the longest {a.axis} that fits {a.card.name}: "
             f"{answer if answer is not None else 'none'}")
 
 
-def said(ask: FindMaxRequest, a: Answers, box: Optional[int], like: Optional[int]) -> tuple[str, str, str, str]:
+def growth_words(b: Any) -> str:
+    """The runtime's growth a budget charges, and which it is (cards.GROWTH_BOUND, GROWTH_RESIDENT, GROWTH_PROBES)."""
+    return f"{b.growth / 1e6:.1f} MB ({b.growth_from})"
+
+
+def growth_json(b: Any) -> dict:
+    return {"bytes": b.growth, "source": b.growth_from}
+
+
+def said(ask: FindMaxRequest, a: Answers, box: Optional[int], like: Optional[int],
+         cc: Optional[tuple] = None) -> tuple[str, str, str, str]:
     """The search's head line, and this tool's, Soup's and the like-for-like answer in words, each labelled."""
     from ..estimator.fits import steps_words
     from ..estimator.steady import is_bounded
@@ -442,7 +474,8 @@ def said(ask: FindMaxRequest, a: Answers, box: Optional[int], like: Optional[int
                  f"{a.gate_rule}, gate unlifted): the longest {axis} Soup's {'resident ' if r else ''}gate admits on "
                  f"{card}: {soup}")
     like_line = ("computed by this tool like for like (the context the probes had: this box's own, measured here, "
-                 f"{box / 1e9:.3f} GB): the longest {axis} that fits {card}: {like if like is not None else 'none'}"
+                 f"{box / 1e9:.3f} GB; the runtime's growth {growth_words(a.like_budget(box, cc))}): the longest {axis} "
+                 f"that fits {card}: {like if like is not None else 'none'}"
                  if box is not None else
                  "like for like (this tool's longest with the context the probes have): on the GPU box, with its "
                  "context measured there")

@@ -12,9 +12,20 @@ from ..results.extras import ResidentGate
 from .request import EstimateRequest
 
 
+def card_answer(card, context, est, soup_input) -> dict:
+    """One card's answer (the JSON's ``cards`` entry): this tool's fit of ``est`` (None: not estimated) with the runtime's
+    growth on the card's own architecture (cards.step_growth), and Soup's resident gate on its total as CUDA reports it."""
+    from ..estimator.cards import budget
+
+    b = budget(card, context, resident=True)
+    return {"card": card.name, "total_bytes": card.total_bytes, "free_bytes": b.free_bytes,
+            "step_free_bytes": b.step_free_bytes, "growth_bytes": b.growth, "growth_source": b.growth_from,
+            "fits": None if est is None else b.fits(est.needs_free),
+            "soup_admits": ResidentGate.computed(soup_input, card.total_bytes - card.hidden_bytes).admitted}
+
+
 def answer_resident(e: EstimateRequest) -> int:
     """The resident run's rows, verdict, text and JSON (one (task, quant, seq, batch): the file's)."""
-    from ..estimator.cards import budget
     from ..estimator.fits import reserve_words
     from ..estimator.resident import estimate_run
     from ..estimator.steady import bound_words, is_bounded
@@ -32,12 +43,7 @@ def answer_resident(e: EstimateRequest) -> int:
         raise UsageError(f"--exit-code: this tool cannot say whether {e.model} fits: {why}")
     soup = ResidentGate.computed(r.soup_input)
     soup_gb = None if soup.peak is None else soup.peak / 1e9
-    cards = []
-    for card in e.cards:
-        b = budget(card, e.context)
-        cards.append({"card": card.name, "total_bytes": card.total_bytes, "free_bytes": b.free_bytes,
-                      "fits": None if est is None else b.fits(est.needs_free),
-                      "soup_admits": ResidentGate.computed(r.soup_input, card.total_bytes - card.hidden_bytes).admitted})
+    cards = [card_answer(card, e.context, est, r.soup_input) for card in e.cards]
     tag = (f"{task} {quant} {seq}x{batch}" + (" with gradient checkpointing" if checkpointing else "")
            + (", full fine-tuning (training.lora.r 0: no adapter, every parameter trains)" if a.lora_r == 0 else ""))
     mine = (f"needs {est.needs_free / 1e9:.2f} GB free by this tool's resident estimate"
@@ -69,7 +75,9 @@ def answer_resident(e: EstimateRequest) -> int:
         lines += [f"  corrected allocated peak {est.corrected_predicted / 1e9:.4f} GB ({est.phase} phase); terms, each "
                   "with the phases it is live in:"]
         lines += [f"    {k:<28} {v / 1e9:.4f} GB  {', '.join(phases_of(k))}" for k, v in est.terms.items() if v]
-    lines += [f"  {c['card']}: " + (f"needs {est.needs_free / 1e9:.2f} of {c['free_bytes'] / 1e9:.2f} GB free; " if est
+    lines += [f"  {c['card']}: " + (f"needs {est.needs_free / 1e9:.2f} of {c['free_bytes'] / 1e9:.2f} GB free, "
+                                     f"{c['step_free_bytes'] / 1e9:.2f} GB less the runtime's growth by the step's end "
+                                     f"({c['growth_bytes'] / 1e6:.1f} MB, {c['growth_source']}); " if est
                                      else "") + ("Soup admits it" if c["soup_admits"] else "Soup REFUSES it")
               + (f" (its +10% number against the card's {c['total_bytes'] / 1e9:.2f} GB total)" if soup_gb else "")
               for c in cards]

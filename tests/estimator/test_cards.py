@@ -83,6 +83,58 @@ def test_a_measured_runtime_growth_replaces_the_bound_with_a_given_context_and_w
         assert grown.step_free_bytes == grown.free_bytes - 100_000_000 == plain.step_free_bytes + 162_144_000
 
 
+@pytest.mark.parametrize("resident, cc, measured", [
+    (True, (9, 0), True), (True, None, False), (True, (8, 6), False), (True, (12, 0), False), (False, (9, 0), False),
+    (False, None, False)])
+def test_the_measured_resident_growth_is_charged_only_for_a_resident_run_on_hopper(resident, cc, measured):
+    """Issue 51: a resident run in `soup train`'s own process grew the runtime by 176.9 MB on an H100 (sm_90); a
+    streamed run, a card of another architecture or one whose architecture is not known (a plain size) keeps the
+    262.1 MB bound, and the budget says which it charges."""
+    want = C.RESIDENT_STEP_GROWTH_BYTES if measured else C.STEP_GROWTH_BYTES
+    assert C.step_growth(resident, cc) == want
+    assert C.growth_source(resident, cc) == (C.GROWTH_RESIDENT if measured else C.GROWTH_BOUND)
+    b = C.budget(C.Card("card", 20 * 10**9, cc), 10**9, resident=resident)
+    assert b.step_free_bytes == 19 * 10**9 - want and b.growth_from == C.growth_source(resident, cc)
+    assert C.budget(C.Card("card", 20 * 10**9, cc), 10**9, 5, resident=resident).step_free_bytes == 19 * 10**9 - 5, \
+        "a search's probes' own growth, where given, stands for either"
+
+
+def test_a_box_whose_compute_capability_is_given_answers_for_its_card_not_the_emulated_ones():
+    """--find-max's probes run on the box's card: its compute capability, given, replaces the emulated card's (a
+    plain size's unknown one), and an unknown one (None) the named card's."""
+    plain, h100 = C.parse_card("24GB"), C.parse_card("H100")
+    assert C.budget(plain, 0, resident=True, cc=(9, 0)).growth == C.RESIDENT_STEP_GROWTH_BYTES
+    assert C.budget(h100, 0, resident=True).growth == C.RESIDENT_STEP_GROWTH_BYTES
+    assert C.budget(h100, 0, resident=True, cc=None).growth == C.STEP_GROWTH_BYTES
+
+
+def _probe(p: dict):
+    """A committed probe's JSON (findmax.Probe.to_json) read back into the Probe the search held."""
+    from issue395.constraints import findmax as F
+
+    a, o = p.get("allocator"), p.get("oom")
+    return F.Probe(p["value"], p["outcome"], allocator=F.ProbeAllocator(**a) if a else None,
+                   oom=F.OomReading(**o) if o else None, free_held=p.get("free_held"))
+
+
+def test_the_resident_growth_is_the_most_any_committed_resident_probe_read():
+    """RESIDENT_STEP_GROWTH_BYTES is the most measured: every committed resident --find-max probe's runtime growth
+    (findmax.runtime_growth: at its exit, or torch's OOM message in its process), all on sm_90 (H100, H200), is at
+    most it, and the most of them is it. A probe that reads more fails here."""
+    import json
+
+    from issue395.constraints.findmax import runtime_growth
+
+    read = []
+    for path in sorted(ROOT.glob("results/resident-findmax-*/find-max-*.json")):
+        d = json.loads(path.read_text())
+        read += [g for g in (runtime_growth(_probe(p), d["box_context_bytes"]) for p in d["measured"]["probes"])
+                 if g is not None]
+    assert len(read) >= 28, "the 24 exit readings of 5 searches and 4 OOM messages of older ones"
+    assert max(read) == C.RESIDENT_STEP_GROWTH_BYTES and read.count(C.RESIDENT_STEP_GROWTH_BYTES) >= 19
+    assert C.RESIDENT_STEP_GROWTH_BYTES < C.STEP_GROWTH_BYTES
+
+
 def test_soups_gate_in_soup_train_reads_what_the_find_max_probes_saw_it_print():
     """The free memory Soup's gate printed on every committed --find-max probe (the real `soup train`,
     two decimals) is the card's total less the box's context less the CLI's growth, to Soup's rounding."""

@@ -40,6 +40,17 @@ def test_fits_exactly_when_needs_free_is_within_total_minus_context_and_the_runt
     assert a["step_free_bytes"] == a["free_bytes"] - C.STEP_GROWTH_BYTES
 
 
+def test_a_streamed_run_on_a_hopper_card_keeps_the_runtime_growths_bound_and_the_table_says_so():
+    """The measured resident growth (cards.RESIDENT_STEP_GROWTH_BYTES) is a resident run's: a streamed run on an
+    H100 is charged the bound, the most measured on streamed arms, and its table's row names it."""
+    e = E.estimate(MISTRAL, quant="nf4", seq=512)
+    a = answer(C.CARDS["h100"], e)
+    assert (a["growth_bytes"], a["growth_source"]) == (C.STEP_GROWTH_BYTES, C.GROWTH_BOUND)
+    assert a["step_free_bytes"] == a["free_bytes"] - C.STEP_GROWTH_BYTES
+    table = F.estimate_table([e], [C.CARDS["h100"]], MISTRAL, answers=[[a]])
+    assert f"  runtime growth GB (by the step's end; {C.GROWTH_BOUND})" in table
+
+
 def test_soups_gate_is_answered_on_the_free_memory_it_reads_after_the_modules_load():
     """`soup train`'s gate reads the free memory less what the CLI's runtime has loaded by then (the
     free memory it printed on every --find-max probe): its answer here is on that smaller figure."""

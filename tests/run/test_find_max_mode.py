@@ -111,7 +111,8 @@ BOX_CONTEXT = 623_706_112
 @pytest.fixture
 def cuda_box(monkeypatch):
     """CUDA said present (torch.cuda.is_available, mem_get_info), the box's context faked at the H200's
-    committed figure (results/outside-allocator-*/context.txt) and the CUDA probe faked."""
+    committed figure (results/outside-allocator-*/context.txt), its card's compute capability at an A10G's (8.6: the
+    runtime growth's bound charged, as on a CPU box; a test that needs Hopper fakes 9.0) and the CUDA probe faked."""
     import torch
 
     from issue395.results import stack
@@ -120,6 +121,7 @@ def cuda_box(monkeypatch):
     monkeypatch.setattr(stack, "measure_context", lambda *a: {"context_bytes": BOX_CONTEXT})
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (150_000_000_000, 150_000_000_000))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 6))
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
 
     def install(fake):
@@ -151,7 +153,7 @@ def test_the_search_brackets_from_the_tools_answer_and_reports_limit_oom_resolut
     assert (m["limit"], m["oom_above"], m["resolution"], m["proven"]) == (tool + 128, tool + 192, 64, True)
     assert data["this_tool_longest"] == tool_card and data["soup_gate_longest"] == soup and data["steps"] == 2
     assert f"computed by this tool like for like (the context the probes had: this box's own, measured here, " \
-           f"0.624 GB): the longest seq that fits 13GB: {like}" in out
+           f"0.624 GB; the runtime's growth 262.1 MB (the bound)): the longest seq that fits 13GB: {like}" in out
     assert data["soup_gate_at_limit"]["admits"] == (tool + 128 <= soup)
     assert data["soup_gate_above_limit"]["probe_admits"] is True  # 8.5 GB printed <= 11.36 GB its driver reported
     assert f"measured (the real soup train, Soup's gate lifted by training.stream_vram_override): seq {tool + 128} " \
@@ -476,7 +478,7 @@ def test_a_resident_search_answers_like_for_like_with_the_runtime_growth_its_pro
         got[growth] = (data["this_tool_longest_like_for_like"], data["this_tool_longest_like_for_like_measured_growth"])
         assert (f"computed by this tool like for like with the probes' own runtime growth (measured in each probe's "
                 f"process as it exited or at its OOM, the most of them: {growth / 1e6:.1f} MB after the box's context, "
-                f"in place of the 262.1 MB bound): the longest seq that fits 16.3GB: {got[growth][1]}") in out
+                f"in place of 262.1 MB (the bound)): the longest seq that fits 16.3GB: {got[growth][1]}") in out
         assert "runtime growth MB" in out
     like, grown = got[10_000_000]
     assert grown > like, "252 MB more of a 16.3 GB card fits a 64-token step more of Llama-3.2-1B DPO"
@@ -486,6 +488,36 @@ def test_a_resident_search_answers_like_for_like_with_the_runtime_growth_its_pro
                                   tmp_path / "f.json"])
     data = json.loads((tmp_path / "f.json").read_text())
     assert code == 0 and "runtime_growth_bytes" not in data and "runtime growth" not in out, err
+
+
+def test_a_resident_search_on_a_hopper_box_answers_like_for_like_with_the_resident_growth_measured_there(
+        capfd, tmp_path, cuda_box, monkeypatch):
+    """Issue 51: the probes run on the box's own card, so the like-for-like answer charges the runtime's growth for
+    the box's compute capability (FAKED here: torch.cuda.get_device_capability, as an H100's 9.0 and an A10G's 8.6),
+    not the emulated plain size's (none known): on Hopper the 176.9 MB measured in `soup train`'s own resident runs,
+    elsewhere the 262.1 MB bound, the JSON and the text saying which; the answer on the card asked keeps the bound."""
+    import torch
+
+    from issue395.estimator.cards import GROWTH_BOUND, GROWTH_RESIDENT, RESIDENT_STEP_GROWTH_BYTES, STEP_GROWTH_BYTES
+
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    path = resident_yaml(tmp_path)
+    got = {}
+    for cc, growth, source in (((9, 0), RESIDENT_STEP_GROWTH_BYTES, GROWTH_RESIDENT),
+                               ((8, 6), STEP_GROWTH_BYTES, GROWTH_BOUND)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a, cc=cc: cc)
+        cuda_box(RecordsItsCommand(None))
+        code, out, err = main(capfd, ["--find-max", "seq", "--config", path, "--emulate-card", "16.4GB", "--json",
+                                      tmp_path / "f.json"])
+        assert code == 0, err
+        data = json.loads((tmp_path / "f.json").read_text())
+        assert data["this_tool_like_for_like_growth"] == {"bytes": growth, "source": source}
+        assert data["box_compute_capability"] == ".".join(map(str, cc))
+        assert f"0.624 GB; the runtime's growth {growth / 1e6:.1f} MB ({source})): the longest seq that fits 16.4GB: " \
+               f"{data['this_tool_longest_like_for_like']}" in out
+        got[cc] = (data["this_tool_longest_like_for_like"], data["this_tool_longest"])
+    assert got[(9, 0)][1] == got[(8, 6)][1], "the answer on the card asked (a plain size) charges the bound either way"
+    assert got[(9, 0)][0] > got[(8, 6)][0], "85 MB more of a 16.4 GB card fits a 64-token step more of Llama-3.2-1B DPO"
 
 
 @pytest.mark.parametrize("card, start", [("80GB", "Soup's gate's longest"), ("4GB", "the smallest, then a plain doubling")])

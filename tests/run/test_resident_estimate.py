@@ -227,3 +227,40 @@ def test_a_lora_target_the_model_lacks_is_one_line_for_a_resident_file_as_for_a_
     for args in (["--estimate", "--config", path, "--card", "T4"],
                  ["--find-max", "seq", "--config", path, "--card", "T4", "--dry-run"]):
         one_error_line(*main(capfd, args), "nope_proj not in a llama layer")
+
+
+def test_a_resident_fit_on_a_hopper_card_charges_the_runtime_growth_measured_there_and_a_plain_size_the_bound(
+        capfd, tmp_path):
+    """Issue 51: on a named Hopper card (H100, compute capability 9.0) the resident verdict charges the runtime growth
+    measured in `soup train`'s own resident runs (176.9 MB); on a plain size (no compute capability) the 262.1 MB bound.
+    The step's free memory differs by exactly that, the verdict is read against it, and the text names which."""
+    from issue395.estimator.cards import (GROWTH_BOUND, GROWTH_RESIDENT, RESIDENT_STEP_GROWTH_BYTES,
+                                          STEP_GROWTH_BYTES)
+
+    path, out = resident_yaml(tmp_path), tmp_path / "e.json"
+    code, text, err = main(capfd, ["--estimate", "--config", path, "--card", "H100,24GB", "--json", out])
+    assert code == EXIT_OK, err
+    got = json.loads(out.read_text())
+    h100, plain = got["cards"]
+    assert h100["free_bytes"] - h100["step_free_bytes"] == h100["growth_bytes"] == RESIDENT_STEP_GROWTH_BYTES
+    assert plain["free_bytes"] - plain["step_free_bytes"] == plain["growth_bytes"] == STEP_GROWTH_BYTES
+    assert (h100["growth_source"], plain["growth_source"]) == (GROWTH_RESIDENT, GROWTH_BOUND)
+    assert all(c["fits"] is (got["needs_free"] <= c["step_free_bytes"]) for c in got["cards"])
+    assert f"(176.9 MB, {GROWTH_RESIDENT})" in text and f"(262.1 MB, {GROWTH_BOUND})" in text
+
+
+def test_a_resident_fit_flips_on_the_measured_growth_where_the_bound_would_refuse_it(capfd, tmp_path):
+    """Where the run needs more than the step's free memory under the bound but no more than under the measured
+    growth, an H100's verdict is a fit: --context sets the H100's free memory so (CUDA's figures are not faked)."""
+    from issue395.estimator.cards import CARDS, RESIDENT_STEP_GROWTH_BYTES, STEP_GROWTH_BYTES
+
+    path, out = resident_yaml(tmp_path), tmp_path / "e.json"
+    code, _, err = main(capfd, ["--estimate", "--config", path, "--card", "H100", "--json", out])
+    needs = json.loads(out.read_text())["needs_free"]
+    kb = (CARDS["h100"].total_bytes - needs - RESIDENT_STEP_GROWTH_BYTES) // 1000 - 1  # --context's GB, to the KB
+    code, text, err = main(capfd, ["--estimate", "--config", path, "--card", "H100", "--context", f"{kb / 1e6:.6f}",
+                                   "--json", out])
+    (h100,) = json.loads(out.read_text())["cards"]
+    assert code == EXIT_OK and h100["fits"] is True, err
+    assert 0 <= h100["step_free_bytes"] - needs < 2001 < STEP_GROWTH_BYTES - RESIDENT_STEP_GROWTH_BYTES, \
+        "a step's free memory the bound would leave short of the need"
