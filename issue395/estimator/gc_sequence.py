@@ -35,12 +35,17 @@ tests/estimator/test_gc_sequence.py):
 At or under the window (``masked`` false: masking_utils gives SDPA no mask) SDPA runs flash: no mask nor bias, the
 same output block, and flash's backward (flash_backward: the output's contiguous copy, dq, dk, dv, softmax_d,
 dq_accum) in place of the memory-efficient one's: step 1 as bench/allocator_replay.py capture --checkpointing
-captures it on the meta device (the real transformers + peft model, CUDA's autograd engine's order), request for
-request, its oracle there (tests/estimator/test_gc_sequence.py), less one (T-1) x V fp32 block the H100 trace holds
-at TRL's token accuracy and the meta capture does not make (its slice of the fp32 logits is contiguous at batch 1:
-that block is a CUDA kernel's, not a copy the capture's Python makes). phi's (phi-2's) parallel layer likewise,
-against the capture (phi_layer_forward, phi_layer_backward: no window, flash always), and llama's (GQA; LoRA on
-q_proj, v_proj) the same way (llama_layer_forward, llama_layer_backward).
+captures it on the meta device, request for request, its oracle there (tests/estimator/test_gc_sequence.py), less
+one (T-1) x V fp32 block the H100 trace holds at TRL's token accuracy and the meta capture does not make.
+
+phi's (phi-2's) parallel layer (phi_layer_forward, phi_layer_backward) and llama's GQA layer (llama_layer_forward,
+llama_layer_backward) follow their H100 histories (results/resident-gc-traces-phi2-llama-smol-phi3nf4-h100-
+soup0.77.0-07712a8: phi-2 1,088 and 1,216, Llama-3.2-1B 2,048, SmolLM2-135M 4,096), request for request in the large
+pool to step 2's peak: SDPA's backward there is sdpa_backward (dq, dk, dv in k's and v's heads, one fp32 workspace:
+sdpa_workspace), not the capture's flash; llama's gate and up input gradients are summed out of place (added).
+phi's small pool as its histories make it: the rotary tables at rotary_dim, the LayerNorm's autocast fp32 weight
+and bias casts and its mean and rstd (layernorm), cuBLASLt's workspace at each autograd thread's first biased
+matmul (base_output), SDPA's philox seed and offset.
 
 The pages a card cannot do without are the most its live blocks touch at any moment, not at the allocated peak
 alone (an OOM unmaps every wholly free page, then fails where they and the request outgrow the card):
@@ -51,8 +56,9 @@ its request (step 2's token-accuracy copy, two requests before the allocated pea
 The charge (``charge``, where ``charged``: the replay is the run's, its model type has a MEASURED_RESERVE, the run
 is on expandable segments): both pools' most pages over the load and two steps whole, less their allocated peak,
 never under the reserve measured on that arm; estimator/resident.py's needs_free takes it in place of
-EXPANDABLE_RESERVE_BYTES. phi-2 is not charged: at 1,088 tokens its replay's reserved-unallocated before the
-request torch's OOM names is under torch's reading (its small pool, checked against no history).
+EXPANDABLE_RESERVE_BYTES. Phi-3 and llama are charged (both pools' most pages their histories' to the byte); phi-2
+is not: its both pools' most pages are one 2 MiB small page short of both its histories (at 1,088 tokens its replay
+reads 74.35 MiB reserved-unallocated before the request torch's OOM names, torch 76.34 MiB).
 
 A request of 1 MiB or less is the small pool's (2 MiB pages; ``sequence.Requests`` leaves it out): ``Paged`` keeps
 it on an allocator of its own (``both``: the most pages of the two pools together), with the step's small requests in
@@ -87,8 +93,8 @@ LARGE_PAGE, SMALL_PAGE = EXPANDABLE_PAGE_BYTES["large"], EXPANDABLE_PAGE_BYTES["
 CAT_BUILT = ("phi3", "phi")
 #: The model types and their targets whose checkpointed step (SFT at batch 1) was checked request for request:
 #: Phi-3's fused layer on its protocol-and-o_proj targets (past its sliding window the H100 trace, the
-#: memory-efficient SDPA; at and under it the checkpointed capture, flash) and phi's parallel layer on q, k, v and
-#: dense (the capture; no window: flash).
+#: memory-efficient SDPA; at and under it the checkpointed capture, flash), phi's parallel layer on q, k, v and
+#: dense and llama's on q and v (their H100 histories; no window).
 GC_TARGETS = {"phi3": frozenset({"qkv_proj", "o_proj"}), "phi": frozenset({"q_proj", "k_proj", "v_proj", "dense"}),
               "llama": frozenset({"q_proj", "v_proj"})}
 GC_SEQUENCE_TYPES = tuple(GC_TARGETS)

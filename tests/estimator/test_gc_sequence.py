@@ -326,8 +326,9 @@ def test_the_measured_reserve_is_the_historys_and_the_charge_is_not_under_it():
 def test_phi2s_replay_is_under_its_oom_reading_so_it_is_not_charged():
     """Issue 51 item 4: phi-2 7.5GB's OOM at 1,088 tokens (its probe's log: torch's message, read by
     constraints/findmax.oom_reading) reads 76.34 MiB reserved-unallocated as the 214 MiB token-accuracy copy
-    fails; the replay's both pools just before that request hold fewer (70.375 MiB large, 3.8 MiB small): under
-    the measurement, so phi-2 has no MEASURED_RESERVE and is not charged. No CUDA faked: the log is the record."""
+    fails; the replay's both pools just before that request hold fewer (70.375 MiB large, 3.98 MiB small: one
+    2 MiB small page under, the page its small pool lacks against the H100 histories), so phi-2 has no
+    MEASURED_RESERVE and is not charged. No CUDA faked: the log is the record."""
     from issue395.constraints.findmax import oom_reading
 
     log = ROOT / ("results/resident-findmax-gc-growth-h100-soup0.77.0-1a0b582/"
@@ -443,3 +444,22 @@ def test_llamas_measured_reserve_is_its_historys_and_the_replay_touches_its_page
     assert gc_sequence.charge(a, targets, r, T) >= most - peak
     assert gc_sequence.charged(a, "none", targets, "sft", T, 1, transformers=sequence.SEQUENCE_TRANSFORMERS,
                                environ={})
+
+
+@pytest.mark.parametrize("name", ["res-sft-phi2-bf16-gc-1088x1-exp", "res-sft-phi2-bf16-gc-1216x1-exp"])
+def test_phi2s_large_pool_is_its_historys_at_its_most_and_its_small_pool_a_page_short(name):
+    """Issue 51 (why phi-2 stays uncharged): over each phi-2 H100 history's two steps the replay from the Arch
+    touches its large pool's most pages to the byte (6,564,085,760 B at 1,088; 6,647,971,840 B at 1,216), and its
+    allocated peak is the history's less the seven 512 B blocks it does not make, but both pools' most pages are one
+    2 MiB small page short (the small pool's layout, not built block for block), so it has no MEASURED_RESERVE."""
+    key, T, r, targets = HISTORIES[name]
+    a = arch_from_config(config_json(key))
+    (most, small), peak = most_and_peak(two_steps(name))
+    q = gc_sequence.Paged(targets, r)
+    gc_sequence.load(q, a, q.targets, r)
+    for first in (True, False):
+        gc_sequence.backward(q, a, T, gc_sequence.forward(q, a, T, first), first)
+        gc_sequence.optimizer_step(q, a)
+    assert q.both.touched - q.both.small == most - small == q.most.touched and q.peak == peak - 3_584
+    assert (most - q.both.touched, small - q.both.small) == (EXPANDABLE_PAGE_BYTES["small"],) * 2
+    assert "phi" not in gc_sequence.MEASURED_RESERVE
