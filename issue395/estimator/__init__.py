@@ -18,8 +18,9 @@ Known limitations (measured: results/fit4-anatomy-findmax-render.txt, bench/rere
   loss-phase arms; Gemma-3-1B NF4 2048x1 3 MiB, its physics alone then 0.02 MB under its measured peak).
 - The allocator's reserve (needs_free - split_allocated) is an envelope in whole 20 MiB pages of 8 arms'
   page need and 7 OOM readings (EXPANDABLE_RESERVE_PAGES), not a count of the gaps a run leaves; except a
-  checkpointed resident run gc_sequence replays on expandable segments (Phi-3: both pools' most pages over two
-  steps less their allocated peak, never under the reserve its H100 history measured; gc_sequence.charged).
+  checkpointed resident run gc_sequence replays on expandable segments (Phi-3 and llama: both pools' most pages
+  over two steps less their allocated peak, never under the reserve their H100 histories measured; phi-2's small
+  pool is a page short of its histories, so it is not; gc_sequence.charged).
 - Qwen2.5's DPO resident holds 10.1 MB beyond its two adapter copies at r64 all-linear; unattributed
   (no allocator history exists before the step's window).
 """

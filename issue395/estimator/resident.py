@@ -150,7 +150,7 @@ Known limitations
       runs a resident run on the default allocator, where runs the patched gate admitted died (OOM; their reserve
       not recorded) and a Gemma-2B search's OOM held 3.31 GB reserved but unallocated; `--soup-patch` sets
       expandable segments for every run. Evidence: docs/PEAK.md, "EXPANDABLE_RESERVE_PAGES". Where
-      gc_sequence.charged admits a checkpointed run on expandable segments (Phi-3), that reserve is the replayed
+      gc_sequence.charged admits a checkpointed run on expandable segments (Phi-3, llama), that reserve is the replayed
       one (resident_reserve), never under the one its H100 history measured.
     - Soup's own resident number is hardware_fit's (computed by Soup, from its CLI's input); it is not this
       module's business: the row carries it (results/extras.ResidentGate).
