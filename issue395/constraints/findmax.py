@@ -310,16 +310,17 @@ def runtime_growth(p: Probe, context: int) -> Optional[int]:
     """What the CUDA runtime grew by after the context in the probe's own process (measured; None where nothing
     read it): its memory outside the allocator less ``context`` (the box's, measured by the probing process). Read
     as the process exited (the free memory the ballast left, less the free memory then, less the allocator's
-    reserved bytes then: the kernel modules it loaded and the libraries' handles stay loaded to the end), and at an
-    OOM from torch's message (its non-allocator memory, to torch's two decimals); the larger where both are.
+    reserved bytes then: the kernel modules it loaded and the libraries' handles stay loaded to the end), else at an
+    OOM from torch's message (its non-allocator memory, to torch's two decimals of GiB). Where both are the exit's
+    stands: it is the driver's free memory to the byte, and nothing the runtime loaded before the OOM is gone by the
+    exit, so the message can only exceed it by its rounding (Llama-3.2-1B gc 6GB at 1,600: 179.4 MB from the
+    message, 176,947,200 B at the exit; results/resident-findmax-gc-charged-h100-soup0.77.0-d887191).
     It stands in for STEP_GROWTH_BYTES (the most measured on four streamed arms: docs/PEAK.md, "GATE_GROWTH_BYTES,
     STEP_GROWTH_BYTES") in the answer like for like with the probes' own growth (``measured_growth``)."""
-    a, seen = p.allocator, []
+    a = p.allocator
     if a is not None and None not in (p.free_held, a.free_at_exit, a.reserved_at_exit):
-        seen.append(p.free_held - a.free_at_exit - a.reserved_at_exit - context)
-    if p.oom is not None:
-        seen.append(p.oom.outside_allocator - context)
-    return max(seen) if seen else None
+        return p.free_held - a.free_at_exit - a.reserved_at_exit - context
+    return None if p.oom is None else p.oom.outside_allocator - context
 
 
 def measured_growth(found: FindMax, context: Optional[int]) -> Optional[int]:

@@ -40,11 +40,12 @@ STEP_GROWTH_BYTES = 262_144_000
 #: gate_growth() reads it off the find-max JSONs).
 CLI_GATE_GROWTH_BYTES = 22_400_000
 #: ...by the step's end in `soup train`'s own process on a resident run (training.stream_layers false, every layer on
-#: the card, expandable segments): 176,947,200 B read at exit by 19 of the 24 probes that read it, of 5 --find-max
-#: searches on an H100 (sm_90); the other 5, OOMs before their step had loaded it all, 101,449,728 B; torch's OOM
-#: messages there 166.6 to 176.7 MB (two decimals of GiB): results/resident-findmax-gc-growth-h100-soup0.77.0-1a0b582 (Phi-3-mini and phi-2 bf16
+#: the card, expandable segments): 176,947,200 B read at exit by 24 of the 30 probes that read it, of 8 --find-max
+#: searches on an H100 (sm_90); the other 6, OOMs before their step had loaded it all, 101,449,728 B; torch's OOM
+#: messages there 166.6 to 179.4 MB (two decimals of GiB): results/resident-findmax-gc-growth-h100-soup0.77.0-1a0b582 (Phi-3-mini and phi-2 bf16
 #: with checkpointing), results/resident-findmax-heldout-h100-soup0.77.0-3cbde2c (Qwen2.5 KTO bf16, Qwen3 ORPO NF4),
-#: results/resident-findmax-llama8b-gc-h100-soup0.77.0-07712a8 (Llama-3.1-8B bf16 with checkpointing). The most
+#: results/resident-findmax-llama8b-gc-h100-soup0.77.0-07712a8 (Llama-3.1-8B bf16 with checkpointing),
+#: results/resident-findmax-gc-charged-h100-soup0.77.0-d887191 (the same two gc searches again, Llama-3.2-1B gc). The most
 #: measured, on Hopper alone (the kernel images loaded are the card's architecture's): ``step_growth`` says where it
 #: is charged. Evidence: docs/PEAK.md, "GATE_GROWTH_BYTES, STEP_GROWTH_BYTES" (tests/estimator/test_cards.py reads
 #: every committed resident probe's reading against it).
