@@ -85,13 +85,9 @@ from .allocator import CachingAllocator
 from .arch import Arch
 from .full_sequence import FLASH_ROWS
 from .sequence import (BF16, FP32, SEQUENCE_TRANSFORMERS, Requests, cast_linear, default_allocator, entropy_chunks,
-                       norm, parameters, rotary)
+                       norm, parameters, rotary, sdpa_workspace)
 
 LARGE_PAGE, SMALL_PAGE = EXPANDABLE_PAGE_BYTES["large"], EXPANDABLE_PAGE_BYTES["small"]
-#: SDPA's backward workspace past its fp32 accumulators and row sums (sdpa_workspace), as the H100 histories request
-#: it: the fact streamed_sequence.FLASH_WORKSPACE_PAD holds too, which this module may not import (it does not lie
-#: below it); one place for both (sequence.py) is its owner's move.
-SDPA_WORKSPACE_PAD = 256
 #: The model types whose q is a cat of its rotary and pass-through parts (sequence.output_copy).
 CAT_BUILT = ("phi3", "phi")
 #: The model types and their targets whose checkpointed step (SFT at batch 1) was checked request for request:
@@ -523,14 +519,6 @@ def optimizer_step(q: Requests, a: Arch) -> None:
     q.put(*[q.get(n) for n in sizes])
     q.put(*q.grads)
     q.grads = []
-
-
-def sdpa_workspace(a: Arch, T: int) -> int:
-    """SDPA's backward workspace on the H100 (one fp32 block: a gradient accumulator per head and token, a second
-    where k and v have fewer heads, the softmax's row sums, and SDPA_WORKSPACE_PAD), as every
-    committed H100 history requests it: Phi-3-mini past its window (25,428,224 B at 2,048), phi-2 at 1,088 and
-    1,216, Llama-3.2-1B at 2,048 and SmolLM2-135M at 4,096 (GQA: 9 heads, so the pad is not per head)."""
-    return FP32 * T * a.heads * (a.head_dim * (2 if a.kv != a.heads else 1) + 1) + SDPA_WORKSPACE_PAD
 
 
 def sdpa_backward(q: Requests, a: Arch, T: int, g, kept: list):

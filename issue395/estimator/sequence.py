@@ -115,6 +115,20 @@ class Requests:
 #: bytes an element of each dtype the request sequences name (every sequence module reads these)
 FP32, BF16 = 4, 2
 
+#: SDPA's backward workspace past its fp32 accumulators and row sums (sdpa_workspace), as every committed H100 history
+#: requests it, streamed and checkpointed alike.
+SDPA_WORKSPACE_PAD = 256
+
+
+def sdpa_workspace(a: Arch, T: int) -> int:
+    """SDPA's backward workspace on the H100 (one fp32 block: a gradient accumulator per head and token, a second
+    where k and v have fewer heads, the softmax's row sums, and SDPA_WORKSPACE_PAD), as every committed H100 history
+    requests it: the four streamed ones (GQA and not), Phi-3-mini checkpointed past its window (25,428,224 B at
+    2,048), phi-2 at 1,088 and 1,216, Llama-3.2-1B at 2,048 and SmolLM2-135M at 4,096 (GQA: 9 heads, so the pad is
+    not per head)."""
+    return FP32 * T * a.heads * (a.head_dim * (2 if a.kv != a.heads else 1) + 1) + SDPA_WORKSPACE_PAD
+
+
 #: TRL's SFTTrainer metric entropy_from_logits (trl/trainer/utils.py, chunk_size=128): rows of the flattened logits
 #: a chunk takes, its log_softmax, exp and their product live at once (PEAK "Loss phase": the entropy moment)
 ENTROPY_CHUNK_ROWS = 128

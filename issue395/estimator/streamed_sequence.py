@@ -77,7 +77,7 @@ from ..constants import CUBLAS_WORKSPACE
 from .allocator import CachingAllocator
 from .arch import NF4_BLOCK, Arch, nf4_pieces, registration_order
 from .sequence import (FP32, SEQUENCE_TRANSFORMERS, Requests, default_allocator, entropy_chunks, layer_parameters,
-                       norm, rotary)
+                       norm, rotary, sdpa_workspace)
 from .steady import OPTIMIZERS
 
 #: The optimizers whose first step ``adamw_step`` builds: torch's AdamW, foreach (a square-root temporary per
@@ -91,8 +91,6 @@ SETUP_TYPES, SETUP_TASKS, SETUP_RELEASE, SETUP_BUFFERS = ("llama", "qwen2"), ("s
 NF4_SETUPS = (("mistral", "sft"),)
 #: Bytes a LoRA element takes as materialize_meta_adapters makes it (``torch.empty(..., dtype=torch.float32)``).
 MATERIALISED = FP32
-#: SDPA's backward workspace past its fp32 accumulators (flash_backward), as the four H100 histories request it.
-FLASH_WORKSPACE_PAD = 256
 
 
 def adapter_elements(a: Arch, targets: tuple, r: int) -> list[int]:
@@ -516,12 +514,11 @@ def rotary_backward(q: Requests, T: int, w: int, g):
 
 
 def flash_backward(q: Requests, a: Arch, T: int, g, s: dict) -> tuple:
-    """SDPA's backward: dq, dk, dv, then its one workspace (fp32: the output gradient's accumulator a head and
-    token, a second for the expanded heads' where k and v have fewer, the softmax's row sums, and 256 B; read off
-    the four committed H100 histories, GQA and not), freed; then ``g`` and what the forward saved."""
+    """SDPA's backward: dq, dk, dv, then its one workspace (sequence.sdpa_workspace, read off the four committed
+    streamed H100 histories, GQA and not), freed; then ``g`` and what the forward saved."""
     dq, dk = q.get(2 * T * a.heads * a.head_dim), q.get(2 * T * a.kv * a.head_dim)
     dv = q.get(2 * T * a.kv * a.head_dim)
-    q.put(q.get(FP32 * T * a.heads * (a.head_dim * (2 if a.kv != a.heads else 1) + 1) + FLASH_WORKSPACE_PAD))
+    q.put(q.get(sdpa_workspace(a, T)))
     q.put(g, s["qr"], s["kr"], s["v"], s["sdpa"])
     return dq, dk, dv
 

@@ -468,8 +468,8 @@ def said(ask: FindMaxRequest, a: Answers, box: Optional[int], like: Optional[int
     optimizer = arm.settings.optimizer
     if optimizer and arm.steps > 1 and is_bounded(optimizer):  # its answer is the bound's: said where it is read
         estimate += f", an UPPER BOUND: training.optimizer {optimizer} is not modelled"
-    tool_line = (f"computed by this tool ({estimate}, {a.budget.context_source} context): the longest {axis} that fits "
-                 f"{card}: {tool}")
+    tool_line = (f"computed by this tool ({estimate}, {a.budget.context_source} context; the runtime's growth "
+                 f"{growth_words(a.budget)}): the longest {axis} that fits {card}: {tool}")
     soup_line = (f"computed by Soup ({'its resident gate as soup train runs it' if r else 'its own pre-flight'}, "
                  f"{a.gate_rule}, gate unlifted): the longest {axis} Soup's {'resident ' if r else ''}gate admits on "
                  f"{card}: {soup}")
@@ -491,7 +491,8 @@ def json_head(ask: FindMaxRequest, a: Answers, like: Optional[int]) -> dict:
     return {"config": arm.adapter.soup_config, "model": ask.estimate.model, "task": arm.task, "quant": arm.quant,
             "seq": arm.seq, "batch": arm.batch, "steps": arm.steps,
             "card": {"card": a.card.name, "bytes": a.card.total_bytes, "given_as": ask.flag},
-            "this_tool_longest": a.tool, "soup_gate_longest": a.soup, "soup_gate_rule": a.gate_rule,
+            "this_tool_longest": a.tool, "this_tool_growth": growth_json(a.budget), "soup_gate_longest": a.soup,
+            "soup_gate_rule": a.gate_rule,
             "probe_keys": [k for k in PROBE_KEYS if not (r and k == "training.stream_vram_override")],
             "resident": resident and resident.to_json(), "command": ["issue395_second_stack_vram.py", *ask.argv]}
 

@@ -418,7 +418,7 @@ def test_phi2s_and_llamas_checkpointed_steps_are_their_h100_historys_request_for
     step, real = q.trace[loaded:], large_requests(two_steps(name))
     assert len(step) > 6_000 and step == real[:len(step)], next(
         i for i, (x, y) in enumerate(zip(step, real)) if x != y)
-    assert ("alloc", gc_sequence.sdpa_workspace(a, T)) in step
+    assert ("alloc", sequence.sdpa_workspace(a, T)) in step
 
 
 @pytest.mark.parametrize("name", ["res-sft-llama32-1b-bf16-gc-2048x1-exp", "res-sft-smol-bf16-gc-4096x1-exp"])
@@ -463,3 +463,22 @@ def test_phi2s_large_pool_is_its_historys_at_its_most_and_its_small_pool_a_page_
     assert q.both.touched - q.both.small == most - small == q.most.touched and q.peak == peak - 3_584
     assert (most - q.both.touched, small - q.both.small) == (EXPANDABLE_PAGE_BYTES["small"],) * 2
     assert "phi" not in gc_sequence.MEASURED_RESERVE
+
+
+def test_both_replays_request_sdpas_backward_workspace_from_its_one_definition(monkeypatch):
+    """The SDPA backward workspace's pad is one fact (sequence.SDPA_WORKSPACE_PAD): the checkpointed replay's
+    sdpa_backward and the streamed replay's flash_backward both move with it (a stand-in pad set here), so the two
+    cannot drift apart."""
+    from issue395.estimator import streamed_sequence
+
+    a = arch_from_config(config_json("llama32-1b"))  # GQA: the workspace's second accumulator
+    T, got = 2048, {}
+    for pad in (256, 4096):
+        monkeypatch.setattr(sequence, "SDPA_WORKSPACE_PAD", pad)
+        gc, streamed = sequence.Requests(trace=True), sequence.Requests(trace=True)
+        gc_sequence.sdpa_backward(gc, a, T, gc.get(2 * T * a.h), [])
+        s = {k: streamed.get(2 * T * a.h) for k in ("qr", "kr", "v", "sdpa")}
+        streamed_sequence.flash_backward(streamed, a, T, streamed.get(2 * T * a.h), s)
+        got[pad] = [max(n for ev, n in q.trace if ev == "alloc") for q in (gc, streamed)]
+    assert got[256][0] == got[256][1]
+    assert [n - m for n, m in zip(got[4096], got[256])] == [4096 - 256] * 2

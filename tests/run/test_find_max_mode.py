@@ -60,8 +60,8 @@ def test_the_dry_run_prints_the_plan_and_the_first_probes_soup_yaml_at_the_tools
     card = estimate_json(capfd, path, "12GB", tmp_path)["rows"][0]["cards"][0]
     code, out, err = main(capfd, ["--find-max", "seq", "--config", path, "--emulate-card", "12GB", "--dry-run"])
     assert code == 0, err
-    assert f"computed by this tool (--estimate's corrected estimate, bound context): the longest seq that fits 12GB: " \
-           f"{card['longest_seq']}" in out
+    assert f"computed by this tool (--estimate's corrected estimate, bound context; the runtime's growth 262.1 MB " \
+           f"(the bound)): the longest seq that fits 12GB: {card['longest_seq']}" in out
     assert f"the longest seq Soup's gate admits on 12GB: {card['longest_seq_soup_admits']}" in out
     assert f"plan: start at seq {card['longest_seq']}" in out and "bisect to the resolution, 64 tokens" in out
     text = out.split("box stream_vram_override is the GPU's total):\n", 1)[1]
@@ -381,8 +381,8 @@ def test_a_resident_files_dry_run_starts_at_the_resident_estimates_longest_and_l
                                 "gate_lifted_by": "--allow-oom-attempt", "allocator_conf": "expandable_segments:True"}
     assert data["card"]["given_as"] == flag and "training.stream_vram_override" not in data["probe_keys"]
     assert f"(a resident run, training.stream_layers false; dpo none, batch 1), on 16GB" in out
-    assert f"computed by this tool (the corrected resident estimate, bound context): the longest seq that fits 16GB: " \
-           f"{tool}" in out
+    assert f"computed by this tool (the corrected resident estimate, bound context; the runtime's growth 262.1 MB " \
+           f"(the bound)): the longest seq that fits 16GB: {tool}" in out
     assert f"the longest seq Soup's resident gate admits on 16GB: {soup}" in out
     assert f"plan: start at seq {tool} (this tool's longest that fits)" in out
     assert "train --config <the probe's soup.yaml> --yes --allow-oom-attempt with " \
@@ -593,3 +593,21 @@ def test_a_resident_file_with_dora_gets_no_answer_from_the_resident_estimate_of_
     assert data["this_tool_longest"] is None and data["resident"]["estimate_refused"] == why
     assert data["resident"]["started_from"].startswith(f"this tool's estimate does not answer ({why})")
     assert f"the longest seq that fits A100-80GB: none (not estimated: {why})" in out
+
+
+@pytest.mark.parametrize("card, hopper", [("H100", True), ("24GB", False)])
+def test_a_dry_run_names_the_runtime_growth_its_own_answer_charges(capfd, tmp_path, card, hopper):
+    """--find-max --dry-run on CPU: this tool's answer on the card asked charges that card's growth (cards.step_growth:
+    a named Hopper card's the measured resident 176.9 MB, a plain size's the 262.1 MB bound); its line and the JSON
+    say which, as the like-for-like answer's do."""
+    from issue395.estimator.cards import GROWTH_BOUND, GROWTH_RESIDENT, RESIDENT_STEP_GROWTH_BYTES, STEP_GROWTH_BYTES
+
+    growth, source = (RESIDENT_STEP_GROWTH_BYTES, GROWTH_RESIDENT) if hopper else (STEP_GROWTH_BYTES, GROWTH_BOUND)
+    path = resident_yaml(tmp_path, gc="true")
+    code, out, err = main(capfd, ["--find-max", "seq", "--config", path, "--card", card, "--dry-run", "--json",
+                                  tmp_path / "f.json"])
+    assert code == 0, err
+    data = json.loads((tmp_path / "f.json").read_text())
+    assert data["this_tool_growth"] == {"bytes": growth, "source": source}
+    assert (f"bound context; the runtime's growth {growth / 1e6:.1f} MB ({source})): the longest seq that fits {card}: "
+            f"{data['this_tool_longest']}") in out
