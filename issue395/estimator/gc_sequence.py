@@ -56,9 +56,9 @@ its request (step 2's token-accuracy copy, two requests before the allocated pea
 The charge (``charge``, where ``charged``: the replay is the run's, its model type has a MEASURED_RESERVE, the run
 is on expandable segments): both pools' most pages over the load and two steps whole, less their allocated peak,
 never under the reserve measured on that arm; estimator/resident.py's needs_free takes it in place of
-EXPANDABLE_RESERVE_BYTES. Phi-3 and llama are charged (both pools' most pages their histories' to the byte); phi-2
-is not: its both pools' most pages are one 2 MiB small page short of both its histories (at 1,088 tokens its replay
-reads 74.35 MiB reserved-unallocated before the request torch's OOM names, torch 76.34 MiB).
+EXPANDABLE_RESERVE_BYTES. Phi-3, llama and phi-2 are charged (both pools' most pages their histories' to the byte;
+phi-2's with its small pool's blocks past the layers built: phi_collate, phi_positions, phi_loss, phi_metrics,
+loss_seeds, clip_grad_norm, and layer 0's backward freeing the position ids and rotary tables).
 
 A request of 1 MiB or less is the small pool's (2 MiB pages; ``sequence.Requests`` leaves it out): ``Paged`` keeps
 it on an allocator of its own (``both``: the most pages of the two pools together), with the step's small requests in
@@ -84,8 +84,8 @@ from ..constants import (CUBLAS_WORKSPACE, CUBLASLT_WORKSPACE, EXPANDABLE_PAGE_B
 from .allocator import CachingAllocator
 from .arch import Arch
 from .full_sequence import FLASH_ROWS
-from .sequence import (BF16, FP32, SEQUENCE_TRANSFORMERS, Requests, cast_linear, default_allocator, entropy_chunks,
-                       norm, parameters, rotary, sdpa_workspace)
+from .sequence import (BF16, ENTROPY_CHUNK_ROWS, FP32, SEQUENCE_TRANSFORMERS, Requests, cast_linear, default_allocator,
+                       entropy_chunks, norm, parameters, rotary, sdpa_workspace)
 
 LARGE_PAGE, SMALL_PAGE = EXPANDABLE_PAGE_BYTES["large"], EXPANDABLE_PAGE_BYTES["small"]
 #: The model types whose q is a cat of its rotary and pass-through parts (sequence.output_copy).
@@ -414,10 +414,14 @@ def forward(q: Requests, a: Arch, T: int, first: bool) -> dict:
     whose first matmul makes the cuBLAS workspace): what the backward reads."""
     step = 1 if first else 2
     q.phase = f"step {step} forward"
-    old, q.batch = q.batch, [q.get(8 * T) for _ in range(3)]  # the collator's int64 rows, then the last step's go
-    q.put(*old)
+    if a.model_type == "phi":
+        phi_collate(q, T, first)
+    else:
+        old, q.batch = q.batch, [q.get(8 * T) for _ in range(3)]  # the collator's int64 rows, then the last step's go
+        q.put(*old)
     emb = q.get(BF16 * T * a.h)
-    pos = q.get(8 * T)  # the position ids, which the rotary tables and the checkpoints read
+    # the position ids, which the rotary tables and the checkpoints read
+    pos = phi_positions(q, T) if a.model_type == "phi" else q.get(8 * T)
     mask = causal_mask(q, T) if masked(a, T) else None
     tables = rotary_tables(q, a, T, first)
     inputs, x, phi = [], emb, a.model_type == "phi"
@@ -427,9 +431,9 @@ def forward(q: Requests, a: Arch, T: int, first: bool) -> dict:
     q.phase = f"step {step} head and loss"
     if phi:  # the final LayerNorm's fp32 policy copy (saved) and fp32 output, autocast's cast for the biased head
         out, nf = layernorm(q, T, a.h, True)
-        nf = [nf]
         q.put(x)
-        logits = cast_linear(q, T, a.h, a.V)
+        return {"inputs": inputs, "mask": mask, "nf": [nf], "tables": [pos, *tables],
+                **phi_loss(q, a, T, cast_linear(q, T, a.h, a.V), out)}
     else:
         out, nf = norm(q, T, a.h, True)
         q.put(x)
@@ -512,6 +516,8 @@ def optimizer_step(q: Requests, a: Arch) -> None:
     fp32 states made param by param in model.parameters()' order at the first step (kept), the square roots of
     the second (_foreach_sqrt: one block each, freed), every .grad freed (set_to_none)."""
     q.phase = "optimizer"
+    if a.model_type == "phi":
+        clip_grad_norm(q, len(q.grads))
     order = PARAM_ORDER.get(a.model_type, tuple(a.modules))
     sizes = [FP32 * q.r * w for _ in range(a.L) for t in sorted(q.targets, key=order.index) for w in a.modules[t][:2]]
     if not q.states:
@@ -612,7 +618,10 @@ def backward(q: Requests, a: Arch, T: int, f: dict, first: bool, stop: bool = Fa
     norm's, every layer's in reverse, the gradient buffer and the embedding's output freed."""
     step = 1 if first else 2
     q.phase = f"step {step} loss backward"
+    seeds, last = loss_seeds(q) if a.model_type == "phi" else ([], None)
     nll = q.get(FP32 * T * a.V)
+    if last is not None:  # phi: the seeds' last scalar, the padded labels and nll's total weight go
+        q.put(last, f["pad"], f["weight"])
     lsm = q.get(FP32 * T * a.V)
     if stop:
         return
@@ -625,10 +634,14 @@ def backward(q: Requests, a: Arch, T: int, f: dict, first: bool, stop: bool = Fa
     q.put(gl)
     g = (layernorm_backward if a.model_type == "phi" else norm_backward)(q, T, a.h, gx, f["nf"][0] if a.model_type == "phi" else f["nf"],
                                                                    False)
+    phi = a.model_type == "phi"
     for k in reversed(range(a.L)):
         q.phase = f"step {step} backward layer {k}"
-        LAYERS[a.model_type][1](q, a, T, g, f["inputs"][k] if k else f["mask"])
-    q.put(g, f["inputs"][0], *f["tables"])
+        # phi's layer 0 frees the position ids and rotary tables it was checkpointed with (the second table first)
+        x = f["inputs"][k] if k else ([f["tables"][0], *f["tables"][:0:-1]] if phi else f["mask"])
+        LAYERS[a.model_type][1](q, a, T, g, x)
+    q.put(*seeds)
+    q.put(g, f["inputs"][0], *([] if phi else f["tables"]))
 
 
 def step_to_peak(q: Requests, a: Arch, T: int) -> None:
@@ -715,6 +728,146 @@ def phi_layer_forward(q: Requests, a: Arch, T: int, saved: bool) -> dict:
     out = q.get(BF16 * T * a.h)
     q.put(total, normed, o, down)
     return {"out": out}
+
+
+# phi's small pool past its layers, as its H100 histories (1,088 and 1,216 tokens) make it between their large
+# requests (sizes at T tokens; the frames are not recorded, the ops named from the sizes and the order): without them
+# the replay's small blocks lie otherwise and its most pages are one 2 MiB page short of the histories'.
+
+
+def phi_collate(q: Paged, T: int, first: bool) -> None:
+    """The step's inputs before the embedding: a 4 B scalar (step 1's kept for the run, later steps' freed at
+    once), the collator's three int64 rows, num_items_in_batch (the shifted labels' != -100 mask, T-1 B, its int64
+    sum, the labels' int64 copy, freed; the count, 8 B, kept to the next step's), then the last step's rows and
+    count freed."""
+    tag = q.get(4)
+    if not first:
+        q.put(tag)
+    rows = [q.get(8 * T) for _ in range(3)]
+    valid, total = q.get(T - 1), q.get(8)
+    q.put(q.get(8 * (T - 1)))
+    q.put(valid)
+    count = q.get(8)
+    q.put(total, getattr(q, "items", None), *q.batch)
+    q.batch, q.items = rows, count
+
+
+def phi_positions(q: Requests, T: int):
+    """cache_position and the position ids (int64, T: the ids kept, returned), masking_utils' check on the
+    attention mask (its T-byte bool, an 8 B and a 1 B scalar, an int64 T row), all but the ids freed."""
+    cache = q.get(8 * T)
+    pos = q.get(8 * T)
+    q.put(cache)
+    check, scalar = q.get(T), q.get(8)
+    q.put(q.get(8 * T))
+    one = q.get(1)
+    q.put(scalar, one, check)
+    return pos
+
+
+def phi_loss(q: Requests, a: Arch, T: int, logits, normed) -> dict:
+    """HF's ForCausalLMLoss on the bf16 ``logits`` (its fp32 copy, the labels padded by one, int64 (T+1), kept to
+    the loss's backward; log_softmax; nll's output and total weight and the loss over num_items_in_batch, 4 B
+    each: the output freed, the loss kept for the run), the final LayerNorm's output ``normed`` and autocast's
+    cache freed, accelerate's fp32 copy, TRL's entropy and token accuracy (phi_metrics): what the backward reads."""
+    copy = q.get(FP32 * T * a.V)
+    pad = q.get(8 * (T + 1))
+    lsm = q.get(FP32 * T * a.V)
+    nll, weight, _ = q.get(4), q.get(4), q.get(4)
+    q.put(nll, copy, normed)
+    q.put(*q.cache)  # the model's forward returns: autocast's weight-cast cache cleared
+    q.cache = []
+    fp32 = q.get(FP32 * T * a.V)
+    q.put(logits)
+    phi_metrics(q, a, T, fp32)
+    return {"lsm": lsm, "pad": pad, "weight": weight}
+
+
+def phi_entropy(q: Requests, T: int, V: int):
+    """sequence.entropy_chunks with each chunk's row sums (fp32, its rows: the product's sum, freed once
+    negated) and entropies (kept), their cat (fp32, T: returned), the chunks' entropies freed (the list's in
+    reverse, the last chunk's after its log-probabilities)."""
+    last, outs = None, []
+    for n in [min(ENTROPY_CHUNK_ROWS, T - j) for j in range(0, T, ENTROPY_CHUNK_ROWS)]:
+        logps = q.get(FP32 * n * V)
+        q.put(last)
+        ex, prod = q.get(FP32 * n * V), q.get(FP32 * n * V)
+        q.put(ex)
+        total = q.get(FP32 * n)
+        q.put(prod)
+        outs.append(q.get(FP32 * n))
+        q.put(total)
+        last = logps
+    cat = q.get(FP32 * T)
+    q.put(*reversed(outs[:-1]), last, outs[-1])
+    return cat
+
+
+def phi_metrics(q: Requests, a: Arch, T: int, fp32) -> None:
+    """TRL's entropy (phi_entropy) and its mean over the attention mask (the mask's fp32 copy, its 4 B sums and
+    8 B counts), token accuracy's labels and masks (the shifted labels' int64 copies, their T-1 B != -100 masks,
+    8 B and 1 B scalars), all freed; its (T-1) x V fp32 logits copy, its argmax's and compares' T-1 rows (fp32
+    and bool) and 4 B sums, freed, and the fp32 logits ``fp32`` with them."""
+    ent = phi_entropy(q, T, a.V)
+    m = q.get(FP32 * T)
+    s1 = q.get(4)
+    q.put(m)
+    c1, s2 = q.get(8), q.get(4)
+    q.put(s1, c1)
+    q.put(q.get(4), s2)
+    q.put(*[q.get(8) for _ in range(2)])
+    lab, v1, v2, v3 = q.get(8 * (T - 1)), q.get(T - 1), q.get(T - 1), q.get(T - 1)
+    q.put(v2)
+    n1 = q.get(8)
+    q.put(q.get(8 * (T - 1)))
+    n2 = q.get(8)
+    q.put(q.get(8 * (T - 1)))
+    n3 = q.get(8)
+    q.put(q.get(1))
+    e1, e2 = q.get(8), q.get(4)
+    q.put(e1, e2, ent, lab, v1, v3, n1, n2, n3)
+    logits = q.get(FP32 * (T - 1) * a.V)  # token accuracy's shifted copy
+    pred, s = q.get(FP32 * (T - 1)), q.get(4)
+    q.put(s, logits)
+    ok = q.get(T - 1)
+    hit = q.get(FP32 * (T - 1))
+    q.put(ok)
+    s1 = q.get(4)
+    row = q.get(FP32 * (T - 1))
+    s2 = q.get(4)
+    q.put(row)
+    q.put(*[q.get(4) for _ in range(2)])
+    q.put(pred, hit, s1, s2, fp32)
+
+
+def loss_seeds(q: Requests) -> tuple[list, object]:
+    """The loss's backward's first 4 B scalars (the seed's ones and the loss's scaling's): two kept to the
+    backward's end (returned, the second first), one freed at once, the last returned (freed after nll's
+    gradient)."""
+    j, k, l, m = (q.get(4) for _ in range(4))
+    q.put(l)
+    n = q.get(4)
+    q.put(m)
+    return [k, j], n
+
+
+def clip_grad_norm(q: Requests, n: int) -> None:
+    """torch's clip_grad_norm_ over the adapter's ``n`` .grad blocks, before AdamW: 1 B and 4 B checks, each
+    grad's fp32 norm (4 B) into a 1 KiB-rounded stack, the total norm (4 B: kept for the run's log), the norms
+    freed (in reverse), the clip coefficient's 4 B scalars, freed."""
+    q.put(q.get(1))
+    c, one = q.get(4), q.get(1)
+    q.put(c, one)
+    stack = q.get(4 * n)
+    norms = [q.get(4) for _ in range(n)]
+    q.put(stack)
+    stack = q.get(4 * n)
+    q.get(4)
+    q.put(stack, *reversed(norms))
+    x, y, z = q.get(4), q.get(4), q.get(4)
+    q.put(y, x)
+    w = q.get(4)
+    q.put(z, w)
 
 
 def layernorm(q: Requests, T: int, h: int, saved: bool):
@@ -820,7 +973,7 @@ def phi_layer_backward(q: Requests, a: Arch, T: int, g, x) -> None:
         lora_backward_fp32(q, T, view, fi, fo, *s["lora"][name])
     gl = q.get(FP32 * T * a.h)
     (copy, wb, stats) = s["copy"]
-    q.put(*stats, wb[0], copy, wb[1], gn, x)
+    q.put(*stats, wb[0], copy, wb[1], gn, *(x if isinstance(x, list) else [x]))
     cast = q.get(BF16 * T * a.h)  # its cast back to bf16, added into g in place
     q.put(gl, cast)
 
@@ -956,10 +1109,9 @@ _NEEDS: dict = {}
 #: r8 history's (5,907,677,184 B touched less 5,852,578,304 B allocated; quoted from
 #: results/resident-gc-traces-phi2-llama-smol-phi3nf4-h100-soup0.77.0-07712a8, whose SmolLM2-135M 4096x1 history
 #: measures 47,177,728 B, under it). tests/estimator/test_gc_sequence.py recounts both from their traces. A charge
-#: is never less. phi (phi-2) is not charged: its replay's large pool is its two histories' to the byte (1,088 and
-#: 1,216 tokens), but both pools' most pages are one 2 MiB small page short of each (the small blocks of the
-#: collator, TRL's metrics and the loss, not built, lay the small pool out otherwise).
-MEASURED_RESERVE = {"phi3": 95_991_296, "llama": 55_098_880}
+#: is never less. phi: the H100 phi-2 bf16 gc 1088x1 r16 history's (6,700,400,640 B touched, 136,314,880 B of it
+#: small, less 6,612,477,440 B allocated; same folder; its 1216x1 history measures 70,862,336 B, under it).
+MEASURED_RESERVE = {"phi3": 95_991_296, "llama": 55_098_880, "phi": 87_923_200}
 
 
 def charge(a: Arch, targets: tuple, r: int, T: int) -> int:

@@ -10,7 +10,7 @@ from dataclasses import replace
 
 import pytest
 import yaml
-from conftest import main, one_error_line, readme_yaml
+from conftest import ROOT, main, one_error_line, readme_yaml
 
 from issue395.constraints import findmax as F
 from issue395.model.registry import config_json
@@ -611,3 +611,31 @@ def test_a_dry_run_names_the_runtime_growth_its_own_answer_charges(capfd, tmp_pa
     assert data["this_tool_growth"] == {"bytes": growth, "source": source}
     assert (f"bound context; the runtime's growth {growth / 1e6:.1f} MB ({source})): the longest seq that fits {card}: "
             f"{data['this_tool_longest']}") in out
+
+
+def test_phi2s_7_5gb_search_answers_like_for_like_its_measured_limit_now_phi2_is_charged(tmp_path, monkeypatch):
+    """Issue 51 (phi-2 charged: gc_sequence.MEASURED_RESERVE["phi"]): the committed H100 phi-2 bf16 gc search on an
+    emulated 7.5GB (results/resident-findmax-gc-growth-h100-soup0.77.0-1a0b582: measured limit 1,024, first OOM 1,088;
+    its like-for-like answers 768 with the bound's reserve, 832 with its probes' growth) answered again from its own
+    file with the box's context (623,706,112 B), sm_90's growth (176.9 MB, what its probes measured too) and the
+    replayed charge: 1,024, the measured limit, never past it; 1,088 charged over the card. No CUDA is faked: dry run."""
+    import shutil
+
+    from issue395.estimator.cards import step_growth
+    from issue395.run import find_max_mode as M
+    from issue395.run.parser import build_parser
+
+    folder = ROOT / "results/resident-findmax-gc-growth-h100-soup0.77.0-1a0b582"
+    record = json.loads((folder / "find-max-resident-phi2-sft-bf16-gc-7.5GB.json").read_text(encoding="utf-8"))
+    shutil.copy(folder / "configs/resident-phi2-sft-bf16-gc.yaml", tmp_path / "soup.yaml")
+    (tmp_path / "data.jsonl").write_text("", encoding="utf-8")
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    argv = ["--find-max", "seq", "--config", str(tmp_path / "soup.yaml"), "--emulate-card", "7.5GB", "--dry-run"]
+    a = M.resident_answers(M.settle(build_parser().parse_args(argv), argv))
+    box, grown = record["box_context_bytes"], record["runtime_growth_bytes"]
+    assert step_growth(True, (9, 0)) == grown == 176_947_200
+    assert (record["measured"]["limit"], record["measured"]["oom_above"]) == (1024, 1088)
+    answer = a.tool_with_context(a.like_budget(box, (9, 0), grown))
+    assert answer == a.tool_with_context(a.like_budget(box, (9, 0))) == record["measured"]["limit"] == 1024
+    over = a.charged_at(1088, a.like_budget(box, (9, 0), grown))
+    assert sum(over.values()) > record["card"]["bytes"] and over["reserve"] == 87_923_200
