@@ -68,6 +68,11 @@ base: meta-llama/Llama-3.2-1B
 data: {train: data.jsonl, chat_template: chatml, max_length: 2048}
 training: {batch_size: 1, gradient_accumulation_steps: 1, quantization: none, stream_layers: false, gradient_checkpointing: true, lora: {r: 8, alpha: 16, target_modules: [q_proj, v_proj]}}
 YAML
+  cat > "$1/resident-phi2r32-sft-bf16-gc.yaml" <<'YAML'
+base: microsoft/phi-2
+data: {train: data.jsonl, chat_template: chatml, max_length: 2048}
+training: {batch_size: 1, gradient_accumulation_steps: 1, quantization: none, stream_layers: false, gradient_checkpointing: true, lora: {r: 32, alpha: 64, target_modules: [q_proj, k_proj, v_proj, dense]}}
+YAML
   cat > "$1/resident-phi3-sft-bf16-gc.yaml" <<'YAML'
 base: microsoft/Phi-3-mini-4k-instruct
 data: {train: data.jsonl, chat_template: chatml, max_length: 2048}
@@ -99,6 +104,7 @@ resident_findmax() {
   search qwen3-orpo-nf4 seq 16GB
   search llama8b-sft-bf16-gc seq 24GB
   search llama1b-sft-bf16-gc seq 6GB
+  search phi2r32-sft-bf16-gc seq 8GB
 }
 
 
