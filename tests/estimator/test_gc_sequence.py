@@ -401,6 +401,8 @@ def most_and_peak(trace: dict) -> tuple:
     return most, peak
 
 
+# Slow: a whole device history replayed; the harness's own (no Soup in it), so once, in CI's first venv.
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(HISTORIES))
 def test_phi2s_and_llamas_checkpointed_steps_are_their_h100_historys_request_for_request(name):
     """Issue 51 (the checkpointed steps past Phi-3's): phi-2 at 1,088 and 1,216 tokens (the 7.5GB search's OOM
@@ -421,6 +423,8 @@ def test_phi2s_and_llamas_checkpointed_steps_are_their_h100_historys_request_for
     assert ("alloc", sequence.sdpa_workspace(a, T)) in step
 
 
+# Slow: a whole device history replayed; the harness's own (no Soup in it), so once, in CI's first venv.
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["res-sft-llama32-1b-bf16-gc-2048x1-exp", "res-sft-smol-bf16-gc-4096x1-exp"])
 def test_llamas_measured_reserve_is_its_historys_and_the_replay_touches_its_pages_at_its_most(name):
     """Issue 51 (llama charged): over each llama H100 history's two steps both pools' most pages (recounted here
@@ -446,6 +450,8 @@ def test_llamas_measured_reserve_is_its_historys_and_the_replay_touches_its_page
                                environ={})
 
 
+# Slow: a whole device history replayed; the harness's own (no Soup in it), so once, in CI's first venv.
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["res-sft-phi2-bf16-gc-1088x1-exp", "res-sft-phi2-bf16-gc-1216x1-exp"])
 def test_phi2s_both_pools_most_pages_are_its_historys_and_its_measured_reserve_the_1088s(name):
     """Issue 51 (phi-2 charged): over each phi-2 H100 history's two steps both pools' most pages (recounted here from
@@ -471,6 +477,8 @@ def test_phi2s_both_pools_most_pages_are_its_historys_and_its_measured_reserve_t
         assert most - peak == gc_sequence.MEASURED_RESERVE["phi"] == 87_923_200
 
 
+# Slow: a whole device history replayed; the harness's own (no Soup in it), so once, in CI's first venv.
+@pytest.mark.slow
 def test_phi2s_small_pool_from_its_historys_start_touches_its_pages_at_every_large_request():
     """Issue 51 (phi-2's small pool, 2 MiB pages): from the 1,088 H100 history's start (its small segment:
     measure.trace.seeded) the replay's small pool touches the history's pages just after every one of the large
