@@ -14,7 +14,9 @@ Known limitations (measured: results/fit4-anatomy-findmax-render.txt, bench/rere
   rounds up is history: a tighter count needs the free list's sizes at the peak. needs_free leaves the
   term out (expandable segments split every block). The binding layer's blocks are charged the same
   rule's bound (layer_remainders: 8.4 MB on Phi-3-mini NF4 512x1, measured 6.3 MB; 13-22 MB on the other
-  layer-phase arms), and the loss phase's blocks under 10 MiB (loss_remainders: 1-3 MiB on the committed
+  layer-phase arms; replayed instead where streamed_sequence.walk_replayed admits the run: a small-pool adapter
+  on a llama-type decoder, and under NF4 only past the token counts where a card may fuse gemm_4bit, so
+  Mistral-7B NF4 at 512x1 keeps the bound), and the loss phase's blocks under 10 MiB (loss_remainders: 1-3 MiB on the committed
   loss-phase arms; Gemma-3-1B NF4 2048x1 3 MiB, its physics alone then 0.02 MB under its measured peak).
 - The allocator's reserve (needs_free - split_allocated) is an envelope in whole 20 MiB pages of 8 arms'
   page need and 7 OOM readings (EXPANDABLE_RESERVE_PAGES), not a count of the gaps a run leaves; except a

@@ -31,7 +31,8 @@ from .soup_number import arch_of, features, soup_preflight_from_config, vocab_ma
 from .stacks import transformers_release
 from .steady import LORA_WEIGHT_BYTES, adapter_bytes, gradient_terms, steady_terms, unsplit_remainders
 from .sequence import ENTROPY_CHUNK_ROWS, FP32
-from .streamed_sequence import placed_rests, setup_replayed, step_replayed, step_rests
+from .streamed_sequence import (placed_rests, setup_replayed, step_replayed, step_rests, walk_replayed,
+                                walked_rests)
 from .terms import Phase, Term, phase_sum
 
 # CUBLAS_WORKSPACE (constants) is kept on every card though torch gives less below sm 9
@@ -376,10 +377,13 @@ def estimate(config: dict, *, quant: str = "none", seq: int, batch: int = 1, tar
     placed = 2 if step_replayed(a, quant, tk.name, dropout=bool(mask_bytes(tk, lora_dropout)),
                                 accumulation=accumulation, optimizer=optimizer, steps=steps, **stack) else \
         int(setup_replayed(a, quant, tk.name, **stack))
+    walked = walk_replayed(a, quant, tk.name, seq * batch * tk.rows_per_example, targets, lora_r,
+                           accumulation=accumulation, optimizer=optimizer, steps=steps, **stack)
     t, lp, unsplit = step_terms(a, f, tk, quant=quant, targets=targets, lora_r=lora_r, seq=seq, batch=batch, ws=ws,
                                 per_expert=per_expert, buffers=buffers, chunk=chunk, recompute=recompute,
                                 accumulation=accumulation, steps=steps, optimizer=optimizer,
-                                transformers=transformers, allowance=allowance, dropout=lora_dropout, placed=placed)
+                                transformers=transformers, allowance=allowance, dropout=lora_dropout, placed=placed,
+                                walked=walked)
     binding, peak = binding_phase(t, lp.checkpointed, tk.reference, steps, accumulation, probed, ws, unsplit)
     corrected = phase_sum(t, Phase.RESIDENT) + peak + t[Term.ALLOCATED_ALLOWANCE.key]
     # `soup train`'s expandable segments split every block: the peak without the remainders, whichever phase binds
@@ -461,11 +465,12 @@ def checked_modes(a: Arch, stream: dict, task: str, batch: int) -> tuple:
 def step_terms(a: Arch, f: Features, tk, *, quant: str, targets: tuple, lora_r: int, seq: int, batch: int, ws: int,
                per_expert: bool, buffers: int, chunk, recompute: str, accumulation: int, steps: int, optimizer: str,
                transformers: str | None, allowance: int | None, dropout: float = LORA_DROPOUT,
-               placed: int = 0) -> tuple:
+               placed: int = 0, walked: bool = False) -> tuple:
     """Every physical term of the step in bytes, in the table's order (Term), with the binding layer's peak
     and the unsplit remainders, which the phases read apart from the terms; ``placed``: 1 where the setup that
     places the adapter is replayed (streamed_sequence.setup_replayed), so its parameters' rests are charged, not
-    bounded; 2 where step 1 is too (step_replayed), so its AdamW states' are."""
+    bounded; 2 where step 1 is too (step_replayed), so its AdamW states' are; ``walked``: the layers' backward is
+    replayed (streamed_sequence.walk_replayed), so the binding layer's rests are the walk's, not bounded."""
     rows = batch * tk.rows_per_example
     T, n = seq * rows, lora_params(a, targets, lora_r)
     per = adapter_bytes(tk.name, quant)
@@ -485,7 +490,9 @@ def step_terms(a: Arch, f: Features, tk, *, quant: str, targets: tuple, lora_r: 
     lp = layer_peak(a, quant, targets, lora_r, T, per=per, held=accumulation > 1, per_expert=per_expert,
                     recompute=recompute == "on", mask=mask)
     t[Term.DEQUANTISED_LAYER.key], t[Term.LAYER_PER_TOKEN.key] = lp.weights, lp.activations
-    remainders = layer_remainders(layer_blocks(a, quant, targets, lora_r, T, lp))
+    remainders = walked_rests(a, targets, lora_r, tk.name, seq, batch, quant, dropout=bool(mask), steps=steps,
+                              optimizer=optimizer) if walked else layer_remainders(layer_blocks(a, quant, targets,
+                                                                                                lora_r, T, lp))
     if remainders:
         t[Term.LAYER_REMAINDERS.key] = remainders
     t[Term.LOSS_REMAINDERS.key] = cut_remainders(loss_blocks(a, T))

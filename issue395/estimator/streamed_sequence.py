@@ -61,6 +61,12 @@ built setup, depart in the backward (the driver put some of the window's new seg
 empty_cache released, which the descending placement does not model) and step 1's states keep 53,477,376 B
 against the history's 54,525,952: not charged (step_replayed admits no NF4 run).
 
+The layer walk (``walked_rests``, where ``walk_replayed`` admits the run): the setup and up to two steps replayed
+under both placements of new segments, the most the step's own non-adapter blocks hold past their requests at
+once in any layers' backward, in place of layer_remainders' bound; held against seven committed histories
+(tests/estimator/test_streamed_sequence.py), and refused where adapter blocks over 1 MiB share the layers'
+segments (two histories where it is under) and where a card may fuse NF4's gemm_4bit (that arm is not built).
+
 What is not built (what is left of issue 52 item 1): the driver's reuse of released address ranges (so NF4's step
 rests), accumulation's held gradients, the other tasks, and any model type or task pair not checked above. Where the
 states and temporaries land there is decided as here, by the free blocks the step 1 backward leaves (Mistral-7B NF4
@@ -73,12 +79,12 @@ temporaries' rests are under the histories' on Phi-3-mini NF4 (13,107,200 B at t
 
 from __future__ import annotations
 
-from ..constants import CUBLAS_WORKSPACE
+from ..constants import CUBLAS_WORKSPACE, K_SMALL_SIZE, block_bytes
 from .allocator import CachingAllocator
 from .arch import NF4_BLOCK, Arch, nf4_pieces, registration_order
-from .sequence import (FP32, SEQUENCE_TRANSFORMERS, Requests, default_allocator, entropy_chunks, layer_parameters,
-                       norm, rotary, sdpa_workspace)
-from .steady import OPTIMIZERS
+from .sequence import (FP32, SEQUENCE_TRANSFORMERS, Requests, default_allocator, entropy_chunks, gemm_shapes,
+                       layer_parameters, may_fuse, norm, rotary, sdpa_workspace)
+from .steady import OPTIMIZERS, adapter_bytes
 
 #: The optimizers whose first step ``adamw_step`` builds: torch's AdamW, foreach (a square-root temporary per
 #: parameter) and fused (none). bitsandbytes' and the others keep their states otherwise: not built.
@@ -631,7 +637,8 @@ def dpo_head(q: Requests, a: Arch, T: int, rows: int, x, saved: bool, embedded=N
     return l32, shifted, nf
 
 
-def dpo_loss(q: Requests, a: Arch, T: int, rows: int, lora: tuple, x: list, workspace: int = CUBLAS_WORKSPACE):
+def dpo_loss(q: Requests, a: Arch, T: int, rows: int, lora: tuple, x: list, workspace: int = CUBLAS_WORKSPACE,
+             nf4: bool = False):
     """TRL 0.29's DPO step after the policy's layers (``x``: the embedding's output and each layer's): the policy's
     head (dpo_head), the reference forward under no grad (each layer's input freed after it but the embedding's,
     its head), the entropy of the policy's shifted logits, the chosen and rejected logits' means (every token a
@@ -643,7 +650,7 @@ def dpo_loss(q: Requests, a: Arch, T: int, rows: int, lora: tuple, x: list, work
     e = q.get(2 * T * a.h)
     prev = e
     for k in range(a.L):
-        out = layer_forward(q, a, T, lora)
+        out = layer_forward(q, a, T, lora, nf4)
         if k:
             q.put(prev)
         prev = out
@@ -713,3 +720,98 @@ def step_rests(a: Arch, targets: tuple, r: int, task: str, seq: int, batch: int)
     grads = (dpo_step if dpo else sft_step)(q, a, seq * rows, *((rows,) if dpo else ()), lora)
     states = adamw_step(q, adapter_elements(a, targets, r), MATERIALISED, "adamw_torch")
     return {"parameters": q.rests(params), "states": q.rests(states), "gradients": q.rests(grads)}
+
+
+# -- the layer walk: what the blocks the step makes keep past their requests while the layers' backward binds --
+#: The model types whose streamed layer the builders above follow whole (llama's decoder: RMSNorm, rotary, SDPA, a
+#: gated SiLU MLP; qwen2's biases add no block), and the tasks whose loss they build (sft_loss, dpo_loss).
+WALK_TYPES, WALK_TASKS = ("llama", "mistral", "qwen2"), ("sft", "dpo")
+
+
+class Watched(Requests):
+    """Requests that keep, while ``watching``, the most the blocks made after ``since`` hold past their requests at
+    once, less the ``skip`` keys' (the adapter's gradients and states: their own terms charge them)."""
+
+    def __init__(self, alloc: CachingAllocator, skip: frozenset = frozenset()):
+        super().__init__()
+        self.alloc, self.skip = alloc, skip
+        self.since, self.watching, self.live, self.most, self.counted = None, False, 0, 0, {}
+
+    def get(self, nbytes: int):
+        k = super().get(nbytes)
+        if k is not None and self.since is not None and k not in self.skip and self.held[k].rest:
+            self.counted[k] = self.held[k].rest
+            self.live += self.counted[k]
+        if self.watching:
+            self.most = max(self.most, self.live)
+        return k
+
+    def put(self, *keys) -> None:
+        super().put(*keys)
+        for k in keys:
+            self.live -= self.counted.pop(k, 0)
+
+
+def walk_replayed(a: Arch, quant: str, task: str, T: int, targets: tuple, r: int, *, accumulation: int,
+                  optimizer: str, steps: int, **stack) -> bool:
+    """Whether ``walked_rests`` is the run's: a llama-type decoder (WALK_TYPES, dense, no per-head q/k norm), SFT or
+    DPO, an adapter whose every gradient and state is a small-pool block (``per`` x its largest matrix at most 1
+    MiB: larger ones share the layers' segments, and on the two committed histories of such arms at r64-r128,
+    Qwen2.5-0.5B DPO and Mistral-7B NF4, the walk's layer rests came out 0.5-1 MiB under the history's), one
+    micro-batch (accumulation's held gradients are not walked), an optimizer whose step is built where a second
+    step runs, the stack setup_replayed's checks take (``stack``: soup-cli SETUP_RELEASE's default streaming, its
+    two slots, transformers SEQUENCE_TRANSFORMERS, the default allocator), and under NF4 a token count at which no
+    decoder shape may run bitsandbytes' fused gemm_4bit on any card (sequence.may_fuse: its forward makes no
+    dequantised weight; that arm is not built)."""
+    plain = a.model_type in WALK_TYPES and a.layers is None and not a.qk_norm and task in WALK_TASKS
+    plain = plain and block_bytes(adapter_bytes(task, quant) * max(adapter_elements(a, targets, r))) <= K_SMALL_SIZE
+    dense = quant == "none" or (quant == "nf4" and not any(may_fuse(s, T) for s in gemm_shapes(a)))
+    stepped = steps == 1 or optimizer in BUILT_OPTIMIZERS
+    return (plain and dense and stepped and accumulation == 1 and stack["release"] == SETUP_RELEASE
+            and not stack["stream"] and not stack["probed"] and stack["buffers"] == SETUP_BUFFERS
+            and stack["transformers"] == SEQUENCE_TRANSFORMERS and default_allocator(stack.get("environ")))
+
+
+def _walk(a: Arch, targets: tuple, r: int, task: str, T: int, rows: int, nf4: bool, dropout: bool, steps: int,
+          optimizer: str, descending: bool, skip: frozenset = frozenset()) -> tuple:
+    """The setup, then (at most two) steps: the forward, the loss, every layer's backward watched, the optimizer's
+    step past step 1's (its states), zero_grad. Returns (the most watched, the adapter's gradient and state keys)."""
+    dpo = task == "dpo"
+    q = Watched(CachingAllocator(descending=descending), skip)
+    setup(q, a, targets, r, reference=dpo, quant="nf4" if nf4 else "none")
+    q.since, lora, adapter = q.n, (targets, r, dropout), []
+    for step in range(min(steps, 2)):
+        x = [q.get(2 * T * a.h)] + layers_forward(q, a, T, lora, nf4)
+        g = dpo_loss(q, a, T, rows, lora, x, nf4=nf4) if dpo else sft_loss(q, a, T, x[-1])
+        q.watching, grads = True, []
+        for k in reversed(range(a.L)):
+            grads += layer_backward(q, a, T, x[k], g, lora, first=k == 0, nf4=nf4)
+        q.watching = False
+        if steps > 1:
+            per = adapter_bytes(task, "nf4" if nf4 else "none")
+            adapter += adamw_step(q, adapter_elements(a, targets, r), per, optimizer, first=step == 0)
+        q.put(*grads)  # zero_grad(set_to_none)
+        adapter += grads
+    return q.most, adapter
+
+
+_WALKED: dict = {}
+
+
+def walked_rests(a: Arch, targets: tuple, r: int, task: str, seq: int, batch: int, quant: str, *, dropout: bool,
+                 steps: int = 1, optimizer: str = "adamw_torch") -> int:
+    """The most the blocks a streamed step makes hold past their requests at once while its layers' backward runs
+    (the layer phase), the adapter's gradients and states left out (their terms charge theirs), replayed from the
+    setup through step 1 (and step 2 where ``steps`` > 1) under both placements of new segments (below the earlier
+    ones, as the driver placed the committed histories', and after them, the default), the larger taken: in place
+    of layer_remainders' bound of 1 MiB a block where walk_replayed admits the run."""
+    key = (repr(a), targets, r, task, seq, batch, quant, dropout, min(steps, 2), optimizer)  # Arch holds dicts
+    if key not in _WALKED:
+        rows = batch * (2 if task == "dpo" else 1)
+        most = []
+        for descending in (True, False):
+            args = (a, targets, r, task, seq * rows, rows, quant == "nf4", dropout, steps, optimizer, descending)
+            _, adapter = _walk(*args)
+            most.append(_walk(*args, skip=frozenset(adapter))[0])
+        _WALKED[key] = max(most)
+    return _WALKED[key]
