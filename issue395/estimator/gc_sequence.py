@@ -657,6 +657,18 @@ def step_whole(q: Requests, a: Arch, T: int) -> None:
     backward(q, a, T, forward(q, a, T, True), True)
 
 
+def two_steps_whole(a: Arch, targets: tuple, r: int, T: int) -> Paged:
+    """The Paged allocator after the load and two steps whole, each with its optimizer step, for LoRA ``targets``
+    at ``r`` and ``T`` tokens: what ``charge`` reads and tests/estimator/test_gc_sequence.py holds to the H100
+    histories' two steps."""
+    q = Paged(targets, r)
+    load(q, a, q.targets, r)
+    for first in (True, False):
+        backward(q, a, T, forward(q, a, T, first), first)
+        optimizer_step(q, a)
+    return q
+
+
 def replayed(a: Arch, quant: str, targets: tuple, task: str, seq: int, batch: int, *, transformers: str,
              environ=None) -> bool:
     """Whether this sequence is the run's: a model type of GC_TARGETS, bf16, LoRA on its targets, SFT at batch 1,
@@ -1120,11 +1132,7 @@ def charge(a: Arch, targets: tuple, r: int, T: int) -> int:
     never under the arm's MEASURED_RESERVE; once a shape."""
     key = (repr(a), frozenset(targets), r, T)
     if key not in _CHARGES:
-        q = Paged(targets, r)
-        load(q, a, q.targets, r)
-        for first in (True, False):
-            backward(q, a, T, forward(q, a, T, first), first)
-            optimizer_step(q, a)
+        q = two_steps_whole(a, targets, r, T)
         _CHARGES[key] = max(q.both.touched - q.peak, MEASURED_RESERVE[a.model_type])
     return _CHARGES[key]
 

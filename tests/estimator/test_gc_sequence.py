@@ -436,11 +436,7 @@ def test_llamas_measured_reserve_is_its_historys_and_the_replay_touches_its_page
     key, T, r, targets = HISTORIES[name]
     a = arch_from_config(config_json(key))
     (most, small), peak = most_and_peak(two_steps(name))
-    q = gc_sequence.Paged(targets, r)
-    gc_sequence.load(q, a, q.targets, r)
-    for first in (True, False):
-        gc_sequence.backward(q, a, T, gc_sequence.forward(q, a, T, first), first)
-        gc_sequence.optimizer_step(q, a)
+    q = gc_sequence.two_steps_whole(a, targets, r, T)
     assert (q.both.touched, q.both.small) == (most, small) and q.both.phase == "step 2 head and loss"
     assert most - peak <= gc_sequence.MEASURED_RESERVE["llama"] and q.peak == peak - 3_584
     if key == "llama32-1b":
@@ -464,11 +460,7 @@ def test_phi2s_both_pools_most_pages_are_its_historys_and_its_measured_reserve_t
     key, T, r, targets = HISTORIES[name]
     a = arch_from_config(config_json(key))
     (most, small), peak = most_and_peak(two_steps(name))
-    q = gc_sequence.Paged(targets, r)
-    gc_sequence.load(q, a, q.targets, r)
-    for first in (True, False):
-        gc_sequence.backward(q, a, T, gc_sequence.forward(q, a, T, first), first)
-        gc_sequence.optimizer_step(q, a)
+    q = gc_sequence.two_steps_whole(a, targets, r, T)
     assert (q.both.touched, q.both.small, q.peak) == (most, small, peak) and most - small == q.most.touched
     assert (most, small) == {1088: (6_700_400_640, 65 * EXPANDABLE_PAGE_BYTES["small"]),
                              1216: (6_784_286_720, 65 * EXPANDABLE_PAGE_BYTES["small"])}[T]
