@@ -374,11 +374,11 @@ def estimate(config: dict, *, quant: str = "none", seq: int, batch: int = 1, tar
     per_expert, chunk, recompute, tk = checked_modes(a, stream, task, batch)
     stack = dict(release=release, transformers=transformers_release(transformers), stream=stream, probed=probed,
                  buffers=buffers)
-    placed = 2 if step_replayed(a, quant, tk.name, dropout=bool(mask_bytes(tk, lora_dropout)),
-                                accumulation=accumulation, optimizer=optimizer, steps=steps, **stack) else \
-        int(setup_replayed(a, quant, tk.name, **stack))
-    walked = walk_replayed(a, quant, tk.name, seq * batch * tk.rows_per_example, targets, lora_r,
-                           accumulation=accumulation, optimizer=optimizer, steps=steps, **stack)
+    masked = bool(mask_bytes(tk, lora_dropout))
+    placed = 2 if step_replayed(a, quant, tk.name, dropout=masked, accumulation=accumulation, optimizer=optimizer,
+                                steps=steps, **stack) else int(setup_replayed(a, quant, tk.name, **stack))
+    walked = walk_replayed(a, quant, tk.name, seq * batch * tk.rows_per_example, targets, lora_r, dropout=masked,
+                           optimizer=optimizer, steps=steps, workspace=ws, **stack)
     t, lp, unsplit = step_terms(a, f, tk, quant=quant, targets=targets, lora_r=lora_r, seq=seq, batch=batch, ws=ws,
                                 per_expert=per_expert, buffers=buffers, chunk=chunk, recompute=recompute,
                                 accumulation=accumulation, steps=steps, optimizer=optimizer,
@@ -490,9 +490,11 @@ def step_terms(a: Arch, f: Features, tk, *, quant: str, targets: tuple, lora_r: 
     lp = layer_peak(a, quant, targets, lora_r, T, per=per, held=accumulation > 1, per_expert=per_expert,
                     recompute=recompute == "on", mask=mask)
     t[Term.DEQUANTISED_LAYER.key], t[Term.LAYER_PER_TOKEN.key] = lp.weights, lp.activations
-    remainders = walked_rests(a, targets, lora_r, tk.name, seq, batch, quant, dropout=bool(mask), steps=steps,
-                              optimizer=optimizer) if walked else layer_remainders(layer_blocks(a, quant, targets,
-                                                                                                lora_r, T, lp))
+    if walked:  # the layers' backward replayed (streamed_sequence.walk_replayed)
+        remainders = walked_rests(a, targets, lora_r, tk.name, seq, batch, quant, dropout=bool(mask), steps=steps,
+                                  accumulation=accumulation, optimizer=optimizer)
+    else:
+        remainders = layer_remainders(layer_blocks(a, quant, targets, lora_r, T, lp))
     if remainders:
         t[Term.LAYER_REMAINDERS.key] = remainders
     t[Term.LOSS_REMAINDERS.key] = cut_remainders(loss_blocks(a, T))
@@ -514,9 +516,9 @@ def step_terms(a: Arch, f: Features, tk, *, quant: str, targets: tuple, lora_r: 
     if steps > 1:
         t.update(steady_terms(a, targets, lora_r, optimizer, per))
     copies = 2 if t.get(Term.REFERENCE_ADAPTER.key) else 1
-    replayed = step_rests(a, targets, lora_r, tk.name, seq, batch) if placed == 2 else {}
+    replayed = step_rests(a, targets, lora_r, tk.name, seq, batch, accumulation) if placed == 2 else {}
     rests = unsplit_remainders(a, targets, lora_r, optimizer, per, steps=steps, accumulation=accumulation,
-                               copies=copies, states=replayed.get("states"),
+                               copies=copies, states=replayed.get("states"), held=replayed.get("gradients"),
                                placed=placed_rests(a, targets, lora_r, copies == 2, quant) if placed else None)
     t.update(rests)
     unsplit = sum(rests.values())  # every adapter block's, live at the optimizer's step

@@ -84,6 +84,8 @@ class Requests:
         self.n = 0
         self.trace = [] if trace else None  # ("alloc", bytes) and ("free", bytes), to set beside a capture
         self.fused = fused  # the (out, in) shapes whose NF4 gemm_4bit runs bitsandbytes' fused kernel (gemm_choices)
+        # micro-batch 2 on under accumulation: AccumulateGrad adds each new gradient into .grad in place and frees it
+        self.accumulating = False
 
     def get(self, nbytes: int):
         if block_bytes(nbytes) <= K_SMALL_SIZE:

@@ -127,7 +127,7 @@ def state_blocks(n: int, name: str, per: int = FP32) -> list[int]:
 
 def unsplit_remainders(a: Arch, targets: tuple, r: int, optimizer: str, per: int, *, steps: int,
                        copies: int, accumulation: int = 1, placed: int | None = None,
-                       states: int | None = None) -> dict:
+                       states: int | None = None, held: int | None = None) -> dict:
     """The most the adapter-shaped blocks can hold past their requests under the default allocator
     (constants.unsplit_bound: up to 1 MiB each over 1 MiB), each charged in the phases its blocks are live in: beside
     every phase, ``copies`` of the adapter (its parameters, and DPO's reference copy), the gradients held between
@@ -138,14 +138,16 @@ def unsplit_remainders(a: Arch, targets: tuple, r: int, optimizer: str, per: int
     rest there, so each phase's sum is the bound over the blocks live in it. ``placed``: the rests the ``copies``
     keep where the setup that places them is replayed (streamed_sequence.placed_rests), charged in place of their
     bound; ``states``: the rests step 1's optimizer states keep where that step is replayed
-    (streamed_sequence.step_rests), in place of theirs.
+    (streamed_sequence.step_rests), in place of theirs; ``held``: the rests the gradients held between
+    micro-batches keep where that replay ran them too, in place of theirs.
     Evidence: docs/PEAK.md, "unsplit_remainders"."""
     sizes = lora_tensors(a, targets, r)
-    beside = [per * n for n in sizes] * ((copies if placed is None else 0) + (accumulation > 1))
+    beside = [per * n for n in sizes] * ((copies if placed is None else 0) + (accumulation > 1 and held is None))
     if steps > 1 and states is None:
         beside += [b for n in sizes for b in state_blocks(n, optimizer, per)]
     transient = (FP32 if is_bounded(optimizer) else per) if steps > 1 else 0
-    t = {Term.UNSPLIT_REMAINDERS.key: unsplit_rests(beside) + (placed or 0) + ((states or 0) if steps > 1 else 0),
+    t = {Term.UNSPLIT_REMAINDERS.key: unsplit_rests(beside) + (placed or 0) + ((states or 0) if steps > 1 else 0)
+         + ((held or 0) if accumulation > 1 else 0),
          Term.GRADIENT_REMAINDERS.key: unsplit_rests(per * n for n in sizes) if accumulation == 1 else 0,
          Term.TRANSIENT_REMAINDERS.key: unsplit_rests([transient * n for n in sizes]
                                                       * optimizer_named(optimizer).transient)}

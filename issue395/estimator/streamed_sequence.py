@@ -68,7 +68,9 @@ once in any layers' backward, in place of layer_remainders' bound; held against 
 segments (two histories where it is under) and where a card may fuse NF4's gemm_4bit (that arm is not built).
 
 What is not built (what is left of issue 52 item 1): the driver's reuse of released address ranges (so NF4's step
-rests), accumulation's held gradients, the other tasks, and any model type or task pair not checked above. Where the
+rests), the other tasks, and any model type or task pair not checked above (accumulation's held gradients are
+replayed where step_replayed admits the run: step_rests' ``accumulation``; at or above three H100 histories, not to
+the byte). Where the
 states and temporaries land there is decided as here, by the free blocks the step 1 backward leaves (Mistral-7B NF4
 r256's 7 MiB gradients in freed 8 MiB hidden states and NF4 q/o weights; Phi-3's 1,179,648 B gradients in freed
 1,572,864 B down_proj absmax blocks). Replayed into fresh segments instead, the parameters', gradients', states' and
@@ -414,19 +416,19 @@ def lora_backward(q: Requests, T: int, s: dict, scaled, into) -> tuple:
     ga, gbw = q.get(2 * T * r), q.get(2 * fo * r)
     q.put(s["a"], scaled)
     grads = [q.get(FP32 * fo * r)]
-    q.put(gbw)
+    q.put(gbw, *accumulated(q, grads))
     if not s["input"]:  # lora_A's weight gradient alone
         gaw = q.get(2 * r * fi)
         q.put(s["cast"], ga)
         grads.append(q.get(FP32 * r * fi))
-        q.put(gaw)
-        return None, None, grads
+        q.put(gaw, *accumulated(q, grads[1:]))
+        return None, None, kept(q, grads)
     gc, gaw = q.get(2 * T * fi), q.get(2 * r * fi)
     q.put(s["cast"], ga)
     g32 = q.get(FP32 * T * fi)
     q.put(gc)
     grads.append(q.get(FP32 * r * fi))
-    q.put(gaw)
+    q.put(gaw, *accumulated(q, grads[1:]))
     if s["mask"] is not None:
         gd = q.get(FP32 * T * fi)
         q.put(s["mask"], g32)
@@ -436,7 +438,7 @@ def lora_backward(q: Requests, T: int, s: dict, scaled, into) -> tuple:
     if into is not None:
         q.put(gx)
         gx = into
-    return gx, q.get(2 * T * fi), grads
+    return gx, q.get(2 * T * fi), kept(q, grads)
 
 
 def lora_backward_nf4(q: Requests, T: int, s: dict, scaled, into) -> tuple:
@@ -447,13 +449,13 @@ def lora_backward_nf4(q: Requests, T: int, s: dict, scaled, into) -> tuple:
     and free, the gradients made)."""
     fi, fo, r = s["fi"], s["fo"], s["r"]
     ga, gb = q.get(2 * T * r), q.get(2 * fo * r)
-    q.put(s["a"], scaled)
+    q.put(s["a"], scaled, *accumulated(q, [gb]))
     grads = [gb, q.get(2 * r * fi)]
     if not s["input"]:
-        q.put(s["cast"], ga, s["w"])
-        return None, None, grads
+        q.put(s["cast"], ga, s["w"], *accumulated(q, grads[1:]))
+        return None, None, kept(q, grads)
     gc = q.get(2 * T * fi)
-    q.put(s["cast"], ga)
+    q.put(s["cast"], ga, *accumulated(q, grads[1:]))
     if s["mask"] is not None:
         gd = q.get(2 * T * fi)
         q.put(s["mask"], gc)
@@ -463,7 +465,19 @@ def lora_backward_nf4(q: Requests, T: int, s: dict, scaled, into) -> tuple:
         gc = into
     base = q.get(2 * T * fi)
     q.put(s["w"])
-    return gc, base, grads
+    return gc, base, kept(q, grads)
+
+
+def accumulated(q: Requests, grads: list) -> list:
+    """The new gradients AccumulateGrad frees with the next run of frees once it has added them into .grad in place
+    (``q.accumulating``: micro-batch 2 on; it runs as soon as its input is made, its sequence number the highest),
+    or none (micro-batch 1: the gradient becomes .grad itself)."""
+    return list(grads) if q.accumulating else []
+
+
+def kept(q: Requests, grads: list) -> list:
+    """The gradients a LoRA target's backward leaves live: none where each was added into .grad and freed."""
+    return [] if q.accumulating else grads
 
 
 def mlp_backward(q: Requests, a: Arch, T: int, s: dict, scaled) -> tuple:
@@ -691,7 +705,8 @@ def dpo_step(q: Requests, a: Arch, T: int, rows: int, lora: tuple, workspace: in
 
 # -- what the estimate charges: the parameters' and step 1's AdamW states' rests, replayed --
 #: The (model type, task) pairs whose whole step 1 was checked against a history through its optimizer's step
-#: (Llama-3.2-1B SFT with LoRA dropout, Qwen2.5-0.5B DPO without), at one micro-batch.
+#: (Llama-3.2-1B SFT with LoRA dropout, Qwen2.5-0.5B DPO without), at one micro-batch; at 2 and 4 (``accumulated``)
+#: the adapter's rests at the peak are at or below the replay's (accumulation-and-fused-traces-h100-*).
 STEP_CHECKED = (("llama", "sft"), ("qwen2", "dpo"))
 
 
@@ -699,47 +714,61 @@ def step_replayed(a: Arch, quant: str, task: str, *, dropout: bool, accumulation
                   steps: int, **stack) -> bool:
     """Whether ``step_rests`` is the run's: its setup is (setup_replayed, ``stack`` its keywords), its model type
     and task a pair STEP_CHECKED names, with LoRA dropout as checked (SFT keeping masks; TRL's DPO turns it off),
-    one micro-batch (accumulation's held gradients were not built), torch's foreach AdamW, a GQA model (SDPA's
-    workspace, flash_backward) and a step past the first (the states are live from step 2)."""
+    any number of micro-batches (from the second on each gradient added into .grad in place: ``accumulated``),
+    torch's foreach AdamW, a GQA model (SDPA's workspace, flash_backward) and a step past the first (the states are
+    live from step 2)."""
     return (setup_replayed(a, quant, task, **stack) and (a.model_type, task) in STEP_CHECKED
-            and dropout == (task == "sft") and accumulation == 1 and optimizer == "adamw_torch" and steps > 1
+            and dropout == (task == "sft") and optimizer == "adamw_torch" and steps > 1
             and a.kv != a.heads)
 
 
-def step_rests(a: Arch, targets: tuple, r: int, task: str, seq: int, batch: int) -> dict:
-    """The setup, step 1 (sft_step or dpo_step) and its AdamW step replayed on an allocator whose new segments go
+def step_rests(a: Arch, targets: tuple, r: int, task: str, seq: int, batch: int, accumulation: int = 1) -> dict:
+    """The setup, step 1 (sft_step or dpo_step, ``accumulation`` micro-batches: from the second on each new gradient
+    added into .grad and freed, ``accumulated``) and its AdamW step replayed on an allocator whose new segments go
     below the earlier ones (the histories' driver placement): what the adapter's parameters (both copies under DPO)
-    and step 1's states keep past their requests, live together from step 2 on. Checked: both bf16 histories' to
-    the byte (Llama-3.2-1B SFT 0 and 0; Qwen2.5-0.5B DPO 9,764,864 and 6,094,848 B)."""
+    and step 1's states keep past their requests, live together from step 2 on, and the gradients: step 1's, or
+    under accumulation step 2's first micro-batch's, held through its others. Checked: both bf16 histories' to the
+    byte at one micro-batch (Llama-3.2-1B SFT 0 and 0; Qwen2.5-0.5B DPO 9,764,864 and 6,094,848 B); at 2 and 4
+    micro-batches at or above the H100 histories' adapter rests at their peaks (Qwen's states and held gradients
+    3,014,656 B over)."""
     q = Requests()
     q.alloc = CachingAllocator(descending=True)
     dpo = task == "dpo"
     params = setup(q, a, targets, r, reference=dpo)
     rows = batch * (2 if dpo else 1)
     lora = (targets, r, not dpo)
-    grads = (dpo_step if dpo else sft_step)(q, a, seq * rows, *((rows,) if dpo else ()), lora)
+
+    def micro_batch(later: bool) -> list:
+        q.accumulating = later
+        return (dpo_step if dpo else sft_step)(q, a, seq * rows, *((rows,) if dpo else ()), lora)
+
+    grads = [g for m in range(accumulation) for g in micro_batch(m > 0)]
     states = adamw_step(q, adapter_elements(a, targets, r), MATERIALISED, "adamw_torch")
+    if accumulation > 1:
+        q.put(*grads)  # zero_grad(set_to_none)
+        grads = micro_batch(False)
     return {"parameters": q.rests(params), "states": q.rests(states), "gradients": q.rests(grads)}
 
 
 # -- the layer walk: what the blocks the step makes keep past their requests while the layers' backward binds --
-#: The model types whose streamed layer the builders above follow whole (llama's decoder: RMSNorm, rotary, SDPA, a
-#: gated SiLU MLP; qwen2's biases add no block), and the tasks whose loss they build (sft_loss, dpo_loss).
-WALK_TYPES, WALK_TASKS = ("llama", "mistral", "qwen2"), ("sft", "dpo")
+#: The runs whose layer walk was held against a history of their own (model type, quant, task; an untied model):
+#: Mistral-7B NF4 SFT (1024x2) and DPO (512x1), Llama-3.1-8B NF4 SFT (1024x1, 512x1 r16 all-linear), H100. A tied
+#: model's setup and a bf16 run with a small-pool adapter have none: the bound.
+WALK_CHECKED = (("mistral", "nf4", "sft"), ("mistral", "nf4", "dpo"), ("llama", "nf4", "sft"))
 
 
 class Watched(Requests):
-    """Requests that keep, while ``watching``, the most the blocks made after ``since`` hold past their requests at
-    once, less the ``skip`` keys' (the adapter's gradients and states: their own terms charge them)."""
+    """Requests that keep, while ``watching``, the most the blocks made once ``counting`` hold past their requests
+    at once, less the ``skip`` keys' (the adapter's gradients and states: their own terms charge them)."""
 
     def __init__(self, alloc: CachingAllocator, skip: frozenset = frozenset()):
         super().__init__()
         self.alloc, self.skip = alloc, skip
-        self.since, self.watching, self.live, self.most, self.counted = None, False, 0, 0, {}
+        self.counting, self.watching, self.live, self.most, self.counted = False, False, 0, 0, {}
 
     def get(self, nbytes: int):
         k = super().get(nbytes)
-        if k is not None and self.since is not None and k not in self.skip and self.held[k].rest:
+        if k is not None and self.counting and k not in self.skip and self.held[k].rest:
             self.counted[k] = self.held[k].rest
             self.live += self.counted[k]
         if self.watching:
@@ -752,41 +781,53 @@ class Watched(Requests):
             self.live -= self.counted.pop(k, 0)
 
 
-def walk_replayed(a: Arch, quant: str, task: str, T: int, targets: tuple, r: int, *, accumulation: int,
-                  optimizer: str, steps: int, **stack) -> bool:
-    """Whether ``walked_rests`` is the run's: a llama-type decoder (WALK_TYPES, dense, no per-head q/k norm), SFT or
-    DPO, an adapter whose every gradient and state is a small-pool block (``per`` x its largest matrix at most 1
-    MiB: larger ones share the layers' segments, and on the two committed histories of such arms at r64-r128,
-    Qwen2.5-0.5B DPO and Mistral-7B NF4, the walk's layer rests came out 0.5-1 MiB under the history's), one
-    micro-batch (accumulation's held gradients are not walked), an optimizer whose step is built where a second
-    step runs, the stack setup_replayed's checks take (``stack``: soup-cli SETUP_RELEASE's default streaming, its
-    two slots, transformers SEQUENCE_TRANSFORMERS, the default allocator), and under NF4 a token count at which no
-    decoder shape may run bitsandbytes' fused gemm_4bit on any card (sequence.may_fuse: its forward makes no
-    dequantised weight; that arm is not built)."""
-    plain = a.model_type in WALK_TYPES and a.layers is None and not a.qk_norm and task in WALK_TASKS
-    plain = plain and block_bytes(adapter_bytes(task, quant) * max(adapter_elements(a, targets, r))) <= K_SMALL_SIZE
-    dense = quant == "none" or (quant == "nf4" and not any(may_fuse(s, T) for s in gemm_shapes(a)))
+def small_pool_adapter(a: Arch, targets: tuple, r: int, task: str, quant: str) -> bool:
+    """Whether every LoRA matrix, and so its gradient and its states, is a small-pool block (1 MiB or less): such an
+    adapter never shares a segment with the layers' blocks."""
+    return block_bytes(adapter_bytes(task, quant) * max(adapter_elements(a, targets, r))) <= K_SMALL_SIZE
+
+
+def walk_replayed(a: Arch, quant: str, task: str, T: int, targets: tuple, r: int, *, dropout: bool, optimizer: str,
+                  steps: int, workspace: int, **stack) -> bool:
+    """Whether ``walked_rests`` is the run's: an untied run WALK_CHECKED names (its setup and step held against a
+    history: dense, GQA, no per-head q/k norm), with LoRA dropout as there (SFT keeping masks, TRL's DPO none), a
+    small-pool adapter (small_pool_adapter; on the two committed histories whose adapter blocks are over 1 MiB and
+    share the layers' segments, Qwen2.5-0.5B DPO bf16 r128 and Mistral-7B NF4 r64, both 3 steps, the walk came out
+    0.25 and 0.5 MiB under), any number of micro-batches (walked: a later micro-batch's large-pool requests are the
+    first's), an optimizer whose step is built where a second step runs, the default cuBLAS ``workspace``, the stack
+    setup_replayed's checks take (``stack``: soup-cli SETUP_RELEASE's default streaming, its two slots, transformers
+    SEQUENCE_TRANSFORMERS, the default allocator), and a token count at which no decoder shape may run
+    bitsandbytes' fused gemm_4bit on any card (sequence.may_fuse: that arm's forward makes no dequantised weight;
+    it is not built)."""
+    checked = ((a.model_type, quant, task) in WALK_CHECKED and not a.tied and a.layers is None and not a.qk_norm
+               and a.kv != a.heads and dropout == (task == "sft") and small_pool_adapter(a, targets, r, task, quant))
+    unfused = not any(may_fuse(s, T) for s in gemm_shapes(a))
     stepped = steps == 1 or optimizer in BUILT_OPTIMIZERS
-    return (plain and dense and stepped and accumulation == 1 and stack["release"] == SETUP_RELEASE
+    return (checked and unfused and stepped and workspace == CUBLAS_WORKSPACE and stack["release"] == SETUP_RELEASE
             and not stack["stream"] and not stack["probed"] and stack["buffers"] == SETUP_BUFFERS
             and stack["transformers"] == SEQUENCE_TRANSFORMERS and default_allocator(stack.get("environ")))
 
 
-def _walk(a: Arch, targets: tuple, r: int, task: str, T: int, rows: int, nf4: bool, dropout: bool, steps: int,
-          optimizer: str, descending: bool, skip: frozenset = frozenset()) -> tuple:
-    """The setup, then (at most two) steps: the forward, the loss, every layer's backward watched, the optimizer's
+def _walk(a: Arch, targets: tuple, r: int, task: str, seq: int, batch: int, nf4: bool, dropout: bool, steps: int,
+          accumulation: int, optimizer: str, descending: bool, skip: frozenset = frozenset()) -> tuple:
+    """The setup, then (at most two) steps of (at most two) micro-batches: the forward, the loss, every layer's
+    backward watched (from the second micro-batch on each gradient added into .grad: ``accumulated``), the optimizer's
     step past step 1's (its states), zero_grad. Returns (the most watched, the adapter's gradient and state keys)."""
     dpo = task == "dpo"
+    rows = batch * (2 if dpo else 1)
     q = Watched(CachingAllocator(descending=descending), skip)
     setup(q, a, targets, r, reference=dpo, quant="nf4" if nf4 else "none")
-    q.since, lora, adapter = q.n, (targets, r, dropout), []
+    q.counting, lora, adapter = True, (targets, r, dropout), []
     for step in range(min(steps, 2)):
-        x = [q.get(2 * T * a.h)] + layers_forward(q, a, T, lora, nf4)
-        g = dpo_loss(q, a, T, rows, lora, x, nf4=nf4) if dpo else sft_loss(q, a, T, x[-1])
-        q.watching, grads = True, []
-        for k in reversed(range(a.L)):
-            grads += layer_backward(q, a, T, x[k], g, lora, first=k == 0, nf4=nf4)
-        q.watching = False
+        grads = []
+        for micro in range(min(accumulation, 2)):
+            q.accumulating = micro > 0
+            x = [q.get(2 * seq * rows * a.h)] + layers_forward(q, a, seq * rows, lora, nf4)
+            g = dpo_loss(q, a, seq * rows, rows, lora, x, nf4=nf4) if dpo else sft_loss(q, a, seq * rows, x[-1])
+            q.watching = True
+            for k in reversed(range(a.L)):
+                grads += layer_backward(q, a, seq * rows, x[k], g, lora, first=k == 0, nf4=nf4)
+            q.watching = False
         if steps > 1:
             per = adapter_bytes(task, "nf4" if nf4 else "none")
             adapter += adamw_step(q, adapter_elements(a, targets, r), per, optimizer, first=step == 0)
@@ -799,19 +840,22 @@ _WALKED: dict = {}
 
 
 def walked_rests(a: Arch, targets: tuple, r: int, task: str, seq: int, batch: int, quant: str, *, dropout: bool,
-                 steps: int = 1, optimizer: str = "adamw_torch") -> int:
+                 steps: int = 1, accumulation: int = 1, optimizer: str = "adamw_torch") -> int:
     """The most the blocks a streamed step makes hold past their requests at once while its layers' backward runs
     (the layer phase), the adapter's gradients and states left out (their terms charge theirs), replayed from the
-    setup through step 1 (and step 2 where ``steps`` > 1) under both placements of new segments (below the earlier
-    ones, as the driver placed the committed histories', and after them, the default), the larger taken: in place
-    of layer_remainders' bound of 1 MiB a block where walk_replayed admits the run."""
-    key = (repr(a), targets, r, task, seq, batch, quant, dropout, min(steps, 2), optimizer)  # Arch holds dicts
+    setup through step 1 (and step 2 where ``steps`` > 1, each of up to two micro-batches) under both placements of
+    new segments (below the earlier ones, as the driver placed the committed histories', and after them, the
+    default), the larger taken: in place of layer_remainders' bound where walk_replayed admits the run. It counts
+    every block the step made live at that moment, not only the binding layer's, so it may exceed the bound."""
+    key = (repr(a), targets, r, task, seq, batch, quant, dropout, min(steps, 2), min(accumulation, 2),
+           optimizer if steps > 1 else None)  # an Arch holds dicts: its repr keys it
     if key not in _WALKED:
-        rows = batch * (2 if task == "dpo" else 1)
         most = []
         for descending in (True, False):
-            args = (a, targets, r, task, seq * rows, rows, quant == "nf4", dropout, steps, optimizer, descending)
-            _, adapter = _walk(*args)
-            most.append(_walk(*args, skip=frozenset(adapter))[0])
+            args = (a, targets, r, task, seq, batch, quant == "nf4", dropout, steps, accumulation, optimizer,
+                    descending)
+            # a small-pool adapter's blocks are never keys (sequence.Requests): nothing to leave out
+            skip = () if small_pool_adapter(a, targets, r, task, quant) else _walk(*args)[1]
+            most.append(_walk(*args, skip=frozenset(skip))[0])
         _WALKED[key] = max(most)
     return _WALKED[key]

@@ -14,7 +14,7 @@ from unittest.mock import patch
 
 import pytest
 
-from issue395.constants import K_SMALL_SIZE, MiB, block_bytes
+from issue395.constants import CUBLAS_WORKSPACE, K_SMALL_SIZE, MiB, block_bytes
 from issue395.estimator.allocator import DESCENDING_TOP, CachingAllocator, _chain, allocation_size
 from issue395.estimator.arch import arch_from_config, registration_order
 from issue395.estimator.estimate import ADAPTER_RESTS, checked_arguments, estimate_key
@@ -539,13 +539,15 @@ def test_the_nf4_step_is_mistrals_event_for_event_but_its_blocks_depart_so_it_is
 
 # -- the layer walk (walked_rests): the binding layer's rests replayed, in place of layer_remainders' bound --
 #: The committed histories of streamed llama-type steps on which the walk was held (nf4-layer-traces-*: NF4, one
-#: step, r8-r16; the bf16 three-step ones above), by the registry key of their model.
-WALK_TRACES = {"nf4-layer-traces-h100-soup0.77.0-3a30b5a/call-1/lay-sft-llama31-8b-nf4-1024x1-r8": "llama31-8b",
-               "nf4-layer-traces-h100-soup0.77.0-3a30b5a/call-2/lay-sft-mistral-nf4-1024x2-r8": "mistral-7b",
-               "nf4-layer-traces-h100-soup0.77.0-3a30b5a/call-2/lay-dpo-mistral-nf4-512x1-r8": "mistral-7b",
-               "nf4-layer-traces-h100-soup0.77.0-3a30b5a/call-2/lay-sft-llama31-8b-nf4-512x1-r16-all": "llama31-8b",
-               "nf4-layer-traces-h100-soup0.77.0-3a30b5a/call-1/lay-sft-mistral-nf4-512x1-r8": "mistral-7b",
-               TRACES["qwen"]: "qwen", TRACES["llama32-1b"]: "llama32-1b"}
+#: step, r8-r16; the bf16 three-step ones above): the model's registry key, the walk's figure, the history's own most
+#: in its layers' backward (_backward_most), and whether walk_replayed admits the arm.
+_NF4 = "nf4-layer-traces-h100-soup0.77.0-3a30b5a/"
+WALK_TRACES = {_NF4 + "call-1/lay-sft-llama31-8b-nf4-1024x1-r8": ("llama31-8b", 524_288, 524_288, True),
+               _NF4 + "call-2/lay-sft-mistral-nf4-1024x2-r8": ("mistral-7b", 524_288, 524_288, True),
+               _NF4 + "call-2/lay-dpo-mistral-nf4-512x1-r8": ("mistral-7b", 524_288, 0, True),
+               _NF4 + "call-2/lay-sft-llama31-8b-nf4-512x1-r16-all": ("llama31-8b", MiB, MiB, False),
+               _NF4 + "call-1/lay-sft-mistral-nf4-512x1-r8": ("mistral-7b", MiB, 0, False),
+               TRACES["qwen"]: ("qwen", 983_040, 983_040, False), TRACES["llama32-1b"]: ("llama32-1b", 0, 0, False)}
 #: ...and the two where adapter blocks over 1 MiB share the layers' segments: the walk is under their histories.
 UNWALKED = {"heldout52-bf16-h100-soup0.77.0-6f7ab1f/seg-dpo-qwen-bf16-1024x1-r128-all-s3-a1": "qwen",
             "nf4-layer-traces-h100-soup0.77.0-3a30b5a/call-1/seg-sft-mistral-nf4-1024x1-r64-all-s3-a1": "mistral-7b"}
@@ -584,43 +586,43 @@ def _walk_arm(path: str, key: str) -> tuple:
     a, targets, per = _adapter(key, row)
     T = row["seq"] * row["batch"] * (2 if row["task"] == "dpo" else 1)
     adapter = {m * n for n in adapter_elements(a, targets, row["r"]) for m in (per, MATERIALISED)}
+    dropout = row["task"] == "sft"
     walked = walked_rests(a, targets, row["r"], row["task"], row["seq"], row["batch"], row["quant"],
-                          dropout=row["task"] == "sft", steps=row["steps"])
-    admitted = walk_replayed(a, row["quant"], row["task"], T, targets, row["r"], accumulation=row["accum"],
-                             optimizer="adamw_torch", steps=row["steps"], release="0.77.0", transformers="5.16.1",
-                             stream={}, probed=False, buffers=2, environ={})
+                          dropout=dropout, steps=row["steps"], accumulation=row["accum"])
+    admitted = walk_replayed(a, row["quant"], row["task"], T, targets, row["r"], dropout=dropout,
+                             optimizer="adamw_torch", steps=row["steps"], workspace=CUBLAS_WORKSPACE,
+                             release="0.77.0", transformers="5.16.1", stream={}, probed=False, buffers=2, environ={})
     return trace, row, a, T, adapter, walked, admitted
 
 
 @pytest.mark.parametrize("path", WALK_TRACES)
 def test_the_walked_layer_rests_are_at_or_above_each_historys_most_in_its_layers_backward(path):
-    """Issue 52 item 1, the layer phase: on every committed streamed history of a llama-type model whose adapter is
-    small-pool (NF4 r8-r16 on Mistral-7B and Llama-3.1-8B, SFT and DPO; bf16 Qwen2.5 DPO and Llama-3.2-1B r64), the
-    walk's figure (the setup and up to two steps replayed under both placements of new segments, the larger) is at
-    or above the most the history's own non-adapter blocks held past their requests at once in any layers'
-    backward, and equal on five of the seven (the layers' 8 MiB-and-up blocks keep none; a rest is a 3.5 MiB fp32
-    absmax's 512 KiB or a 1 MiB one)."""
-    trace, row, a, T, adapter, walked, _ = _walk_arm(path, WALK_TRACES[path])
-    real = _backward_most(trace, T, a.V, adapter)
-    assert walked >= real
-    assert walked - real <= MiB
+    """Issue 52 item 1, the layer phase: on each committed streamed history of a llama-type model the walk's figure
+    (the setup and up to two steps replayed under both placements of new segments, the larger) is at or above the
+    most the history's own non-adapter blocks held past their requests at once in any layers' backward: equal on
+    five of the seven (the layers' 8 MiB-and-up blocks keep none; a rest is a 3.5 MiB fp32 absmax's 512 KiB or a 1
+    MiB one), 0.5-1 MiB over on Mistral-7B NF4 at 512 tokens. walk_replayed admits the three untied NF4 arms past
+    the fused gemm_4bit's window (Mistral-7B SFT 1024x2 and DPO 512x1, Llama-3.1-8B SFT 1024x1); the two bf16 r64
+    arms' adapters are large-pool, and Mistral-7B SFT 512x1 and Llama-3.1-8B r16 at 512 tokens may fuse."""
+    trace, row, a, T, adapter, walked, admitted = _walk_arm(path, WALK_TRACES[path][0])
+    assert (walked, _backward_most(trace, T, a.V, adapter), admitted) == WALK_TRACES[path][1:]
 
 
 @pytest.mark.parametrize("path", UNWALKED)
 def test_where_adapter_blocks_share_the_layers_segments_the_walk_is_under_and_not_charged(path):
     """Why walk_replayed asks for a small-pool adapter: on the two histories whose adapter's gradients and states are
     large-pool blocks (Qwen2.5-0.5B DPO bf16 r128 all-linear, Mistral-7B NF4 r64 all-linear, 3 steps), where the
-    driver puts them moves the layers' blocks, and the walk comes out under the history's backward (so they keep
-    layer_remainders' bound)."""
+    driver puts them moves the layers' blocks, and the walk comes out 0.25 and 0.5 MiB under the history's backward
+    (so they keep layer_remainders' bound). On the other two such histories it is exact (the bf16 arms above)."""
     trace, row, a, T, adapter, walked, admitted = _walk_arm(path, UNWALKED[path])
-    assert walked < _backward_most(trace, T, a.V, adapter) and not admitted
+    assert walked < _backward_most(trace, T, a.V, adapter) <= walked + MiB // 2 and not admitted
 
 
 def test_the_estimate_charges_the_walk_only_where_it_is_admitted():
     """The binding layer's rests are the walk's on a small-pool adapter past the fused gemm_4bit's window (Mistral-7B
-    NF4 1024x2: 0.5 MiB where the bound charges 21 MiB, so 1.0015x of its H100 peak, not 1.0123x), and the bound's
-    where a card may fuse (512 tokens: 512x1), the adapter is large-pool (r64 all-linear), under accumulation, or on
-    another model type or release."""
+    NF4 1024x2: 0.5 MiB where the bound charges 21 MiB, so 1.0015x of its H100 peak, not 1.0123x; the same under
+    accumulation: its gradients never reach the large pool), and the bound's where a card may fuse (512 tokens:
+    512x1), the adapter is large-pool (r64 all-linear), or on another model type or release."""
     mistral = arch_from_config(config_json("mistral-7b"))
     kw = dict(quant="nf4", release="0.77.0", soup=False, transformers="5.16.1")
     e = estimate_key("mistral-7b", seq=1024, batch=2, **kw)
@@ -629,8 +631,8 @@ def test_the_estimate_charges_the_walk_only_where_it_is_admitted():
     _, row = _history_at("nf4-layer-traces-h100-soup0.77.0-3a30b5a/call-2/lay-sft-mistral-nf4-1024x2-r8")
     assert row["real_peak"] <= e.corrected_predicted < 1.002 * row["real_peak"]
     everything = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-    for other in (dict(seq=512, batch=1), dict(seq=1024, r=64, targets=everything), dict(seq=1024, accumulation=2),
-                  dict(seq=1024, release="0.73.3")):
+    assert estimate_key("mistral-7b", seq=1024, batch=2, accumulation=4, **kw).terms["layer_remainders"] == walked
+    for other in (dict(seq=512, batch=1), dict(seq=1024, r=64, targets=everything), dict(seq=1024, release="0.73.3")):
         args = {"batch": 2, **kw, **other}
         if "r" in args:
             args["lora_r"] = args.pop("r")
@@ -638,3 +640,104 @@ def test_the_estimate_charges_the_walk_only_where_it_is_admitted():
         assert bounded.terms["layer_remainders"] > 4 * MiB
     phi3 = estimate_key("phi3-mini", seq=2048, **kw)
     assert phi3.terms["layer_remainders"] > 4 * MiB
+
+
+# -- accumulation: the gradients held between micro-batches, replayed (step_rests' ``accumulation``) --
+FIT4 = "fit4-anatomy-findmax-h200-soup0.77.0-2de65db-and-f2319d3/call-1-2/"
+
+
+class KeyLog(Requests):
+    """Requests that log each large request's key and each free's, in order (a small-pool block's as None: a free
+    all the same, which opens a run of frees)."""
+
+    def __init__(self):
+        super().__init__()
+        self.log = []
+
+    def get(self, nbytes: int):
+        k = super().get(nbytes)
+        if k is not None:
+            self.log.append(("alloc", k))
+        return k
+
+    def put(self, *keys) -> None:
+        super().put(*keys)
+        self.log += [("free", k) for k in keys]
+
+
+def _layer_backward_logged(accumulating: bool) -> tuple:
+    a = arch_from_config(config_json("llama32-1b"))
+    everything = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    q = KeyLog()
+    q.accumulating = accumulating
+    x, g = q.get(2 * 2048 * a.h), q.get(2 * 2048 * a.h)
+    grads = [k for k in layer_backward(q, a, 2048, x, g, (everything, 64, True)) if k is not None]
+    return q, grads
+
+
+def test_from_the_second_micro_batch_each_new_gradient_is_freed_with_the_next_run_of_frees():
+    """AccumulateGrad under accumulation: micro-batch 1's backward leaves each LoRA matrix's gradient live (.grad
+    itself: Llama-3.2-1B r64 all-linear's three 2 MiB ones in the large pool); from micro-batch 2 on it adds each new
+    one in place as soon as it is made (its sequence number is the highest) and the engine frees it with the next run
+    of frees: the same requests, each gradient freed right after the first free that follows it, nothing left."""
+    first, grads = _layer_backward_logged(False)
+    assert len(grads) == 3 and all(k in first.held for k in grads)
+    later, left = _layer_backward_logged(True)
+    want, pending = [], []
+    for event in first.log:
+        want.append(event)
+        if event[0] == "alloc" and event[1] in grads:
+            pending.append(event[1])
+        elif event[0] == "free" and pending:
+            want += [("free", k) for k in pending]
+            pending = []
+    large = [e for e in later.log if e != ("free", None)]  # the small-pool frees only mark where a run is
+    assert left == [] and large == [e for e in want if e != ("free", None)] != first.log
+
+
+FIT4 = "fit4-anatomy-findmax-h200-soup0.77.0-2de65db-and-f2319d3/call-1-2/"
+
+
+@pytest.mark.parametrize("arm,key,rests", (("anatomy-sft-llama32-1b-bf16-2048x1-r64-all-s3-a4", "llama32-1b", 0),
+                                           ("anatomy-dpo-qwen-bf16-2048x1-r64-all-s3-a4", "qwen", 22_413_312)))
+def test_accumulations_held_gradients_charge_their_replayed_rests_not_the_bound(arm, key, rests):
+    """Issue 52 item 1, accumulation > 1 (the H200 fit4 anatomies, 4 micro-batches, r64 all-linear, 3 steps; no
+    history of their own): where the step is replayed (step_replayed: Llama-3.2-1B SFT, Qwen2.5-0.5B DPO) the
+    adapter's rests beside every phase are the replay's, the parameters' and step 1's states' and step 2's first
+    micro-batch's gradients' (Qwen: 9,764,864 + 7,405,568 + 5,242,880 B; Llama none), not 1 MiB a block
+    (151.0 and 236.3 MB), and the corrected estimate stays at or above the measured peak, within 0.2% of it (it
+    was 1.0321x and 1.0176x with only the setup's parameter rests replayed)."""
+    row = json.loads((ROOT / f"{FIT4}{arm}.json").read_text())
+    e = estimate_key(key, quant="none", seq=row["seq"], batch=row["batch"], release="0.77.0", task=row["task"],
+                     targets=tuple(row["targets"].split(",")), lora_r=row["r"], steps=row["steps"],
+                     accumulation=row["accum"], soup=False, transformers="5.16.1")
+    assert e.terms.get("unsplit_remainders", 0) == rests
+    assert row["real_peak"] <= e.corrected_predicted < 1.002 * row["real_peak"]
+
+
+ACCUMULATED = {"accumulation-and-fused-traces-h100-soup0.77.0-6327fff/seg-sft-llama32-1b-bf16-2048x1-r64-all-s3-a4":
+               ("llama32-1b", 0, 0),
+               "accumulation-and-fused-traces-h100-soup0.77.0-6327fff/seg-sft-llama32-1b-bf16-2048x1-r64-all-s3-a2":
+               ("llama32-1b", 0, 0),
+               "accumulation-and-fused-traces-h100-soup0.77.0-6327fff/seg-dpo-qwen-bf16-2048x1-r64-all-s3-a4":
+               ("qwen", 22_413_312, 19_398_656)}
+
+
+@pytest.mark.parametrize("path", ACCUMULATED)
+def test_each_accumulated_history_holds_at_most_the_replayed_adapter_rests_at_its_peak(path):
+    """Issue 52 item 1, accumulation's held gradients, against a history of their own (H100, r64 all-linear, 3 steps,
+    4 and 2 micro-batches): at the real peak (step 2 or 3's loss, a later micro-batch) the adapter-shaped blocks hold
+    at most what the replay charges beside every phase (the parameters' rests the history's to the byte; the states'
+    and held gradients' 3.0 MB over on Qwen2.5 DPO, none on Llama-3.2-1B), and the corrected estimate is at or above
+    the measured peak within 0.2%."""
+    key, charged, held = ACCUMULATED[path]
+    trace, row = _history_at(path)
+    a, targets, per = _adapter(key, row)
+    r = replay_trace(trace)
+    sizes = {per * n for n in adapter_elements(a, targets, row["r"])}
+    at_peak = sum(h.rest for h in held_at(trace, r.peak_at) if h.requested in sizes)
+    e = estimate_key(key, quant="none", seq=row["seq"], batch=row["batch"], release="0.77.0", task=row["task"],
+                     targets=tuple(row["targets"].split(",")), lora_r=row["r"], steps=row["steps"],
+                     accumulation=row["accum"], soup=False, transformers="5.16.1")
+    assert (e.terms.get("unsplit_remainders", 0), at_peak) == (charged, held)
+    assert r.peak == row["real_peak"] <= e.corrected_predicted < 1.002 * row["real_peak"]
