@@ -790,7 +790,8 @@ def small_pool_adapter(a: Arch, targets: tuple, r: int, task: str, quant: str) -
 def walk_replayed(a: Arch, quant: str, task: str, T: int, targets: tuple, r: int, *, dropout: bool, optimizer: str,
                   steps: int, workspace: int, **stack) -> bool:
     """Whether ``walked_rests`` is the run's: an untied run WALK_CHECKED names (its setup and step held against a
-    history: dense, GQA, no per-head q/k norm), with LoRA dropout as there (SFT keeping masks, TRL's DPO none), a
+    history: dense, GQA, no per-head q/k norm), with or without LoRA dropout's masks (``dropout``: the SFT histories
+    keep them, the DPO one has none, TRL turning dropout off: the layer's requests without them are its), a
     small-pool adapter (small_pool_adapter; on the two committed histories whose adapter blocks are over 1 MiB and
     share the layers' segments, Qwen2.5-0.5B DPO bf16 r128 and Mistral-7B NF4 r64, both 3 steps, the walk came out
     0.25 and 0.5 MiB under), any number of micro-batches (walked: a later micro-batch's large-pool requests are the
@@ -800,7 +801,7 @@ def walk_replayed(a: Arch, quant: str, task: str, T: int, targets: tuple, r: int
     bitsandbytes' fused gemm_4bit on any card (sequence.may_fuse: that arm's forward makes no dequantised weight;
     it is not built)."""
     checked = ((a.model_type, quant, task) in WALK_CHECKED and not a.tied and a.layers is None and not a.qk_norm
-               and a.kv != a.heads and dropout == (task == "sft") and small_pool_adapter(a, targets, r, task, quant))
+               and a.kv != a.heads and small_pool_adapter(a, targets, r, task, quant))
     unfused = not any(may_fuse(s, T) for s in gemm_shapes(a))
     stepped = steps == 1 or optimizer in BUILT_OPTIMIZERS
     return (checked and unfused and stepped and workspace == CUBLAS_WORKSPACE and stack["release"] == SETUP_RELEASE
