@@ -377,8 +377,8 @@ def estimate(config: dict, *, quant: str = "none", seq: int, batch: int = 1, tar
     masked = bool(mask_bytes(tk, lora_dropout))
     placed = 2 if step_replayed(a, quant, tk.name, dropout=masked, accumulation=accumulation, optimizer=optimizer,
                                 steps=steps, **stack) else int(setup_replayed(a, quant, tk.name, **stack))
-    walked = walk_replayed(a, quant, tk.name, seq * batch * tk.rows_per_example, targets, lora_r, dropout=masked,
-                           optimizer=optimizer, steps=steps, workspace=ws, **stack)
+    walked = walk_replayed(a, quant, tk.name, seq * batch * tk.rows_per_example, targets, lora_r, optimizer=optimizer,
+                           steps=steps, workspace=ws, **stack)
     t, lp, unsplit = step_terms(a, f, tk, quant=quant, targets=targets, lora_r=lora_r, seq=seq, batch=batch, ws=ws,
                                 per_expert=per_expert, buffers=buffers, chunk=chunk, recompute=recompute,
                                 accumulation=accumulation, steps=steps, optimizer=optimizer,

@@ -195,8 +195,17 @@ def setup_replayed(a: Arch, quant: str, task: str, *, release: str, transformers
     the release, its local tag dropped) and the default allocator: the three histories it was checked on."""
     checked = (a.tied and quant == "none" and a.model_type in SETUP_TYPES and task in SETUP_TASKS) or (
         not a.tied and quant == "nf4" and (a.model_type, task) in NF4_SETUPS)
-    return (checked and a.layers is None and release == SETUP_RELEASE and not stream and not probed
-            and buffers == SETUP_BUFFERS and transformers == SEQUENCE_TRANSFORMERS and default_allocator(environ))
+    return checked and a.layers is None and stack_replayed(release=release, transformers=transformers, stream=stream,
+                                                           probed=probed, buffers=buffers, environ=environ)
+
+
+def stack_replayed(*, release: str, transformers: str, stream: dict, probed: bool, buffers: int,
+                   environ=None) -> bool:
+    """Whether the run's stack is the one every replay here was checked on: soup-cli SETUP_RELEASE with its default
+    streaming (no training key, no probe), SETUP_BUFFERS slots, transformers SEQUENCE_TRANSFORMERS and the default
+    allocator (sequence.default_allocator)."""
+    return (release == SETUP_RELEASE and not stream and not probed and buffers == SETUP_BUFFERS
+            and transformers == SEQUENCE_TRANSFORMERS and default_allocator(environ))
 
 
 def placed_rests(a: Arch, targets: tuple, r: int, reference: bool, quant: str = "none") -> int:
@@ -627,10 +636,13 @@ def sft_step(q: Requests, a: Arch, T: int, lora: tuple, workspace: int = CUBLAS_
     optimizer's step reads them; zero_grad frees them after it)."""
     x = [q.get(2 * T * a.h)] + layers_forward(q, a, T, lora, nf4)
     g = sft_loss(q, a, T, x[-1], workspace)
-    grads = []
-    for k in reversed(range(a.L)):
-        grads += layer_backward(q, a, T, x[k], g, lora, first=k == 0, nf4=nf4)
-    return grads
+    return layers_backward(q, a, T, x, g, lora, nf4)
+
+
+def layers_backward(q: Requests, a: Arch, T: int, x: list, g, lora: tuple, nf4: bool = False) -> list:
+    """Every layer's backward, last to first (layer_backward; ``x`` each layer's checkpointed input), the first's
+    without its input's gradient. Returns the adapter's gradients made."""
+    return [k for i in reversed(range(a.L)) for k in layer_backward(q, a, T, x[i], g, lora, first=i == 0, nf4=nf4)]
 
 
 def dpo_head(q: Requests, a: Arch, T: int, rows: int, x, saved: bool, embedded=None) -> tuple:
@@ -697,10 +709,7 @@ def dpo_step(q: Requests, a: Arch, T: int, rows: int, lora: tuple, workspace: in
     gradients."""
     x = [q.get(2 * T * a.h)] + layers_forward(q, a, T, lora)
     g = dpo_loss(q, a, T, rows, lora, x, workspace)
-    grads = []
-    for k in reversed(range(a.L)):
-        grads += layer_backward(q, a, T, x[k], g, lora, first=k == 0)
-    return grads
+    return layers_backward(q, a, T, x, g, lora)
 
 
 # -- what the estimate charges: the parameters' and step 1's AdamW states' rests, replayed --
@@ -787,16 +796,15 @@ def small_pool_adapter(a: Arch, targets: tuple, r: int, task: str, quant: str) -
     return block_bytes(adapter_bytes(task, quant) * max(adapter_elements(a, targets, r))) <= K_SMALL_SIZE
 
 
-def walk_replayed(a: Arch, quant: str, task: str, T: int, targets: tuple, r: int, *, dropout: bool, optimizer: str,
-                  steps: int, workspace: int, **stack) -> bool:
+def walk_replayed(a: Arch, quant: str, task: str, T: int, targets: tuple, r: int, *, optimizer: str, steps: int,
+                  workspace: int, **stack) -> bool:
     """Whether ``walked_rests`` is the run's: an untied run WALK_CHECKED names (its setup and step held against a
-    history: dense, GQA, no per-head q/k norm), with or without LoRA dropout's masks (``dropout``: the SFT histories
-    keep them, the DPO one has none, TRL turning dropout off: the layer's requests without them are its), a
-    small-pool adapter (small_pool_adapter; on the two committed histories whose adapter blocks are over 1 MiB and
+    history: dense, GQA, no per-head q/k norm), with or without LoRA dropout's masks (the SFT histories keep them,
+    the DPO one has none, TRL turning dropout off: the layer's requests without them are its), a small-pool adapter (small_pool_adapter; on the two committed histories whose adapter blocks are over 1 MiB and
     share the layers' segments, Qwen2.5-0.5B DPO bf16 r128 and Mistral-7B NF4 r64, both 3 steps, the walk came out
     0.25 and 0.5 MiB under), any number of micro-batches (walked: a later micro-batch's large-pool requests are the
     first's), an optimizer whose step is built where a second step runs, the default cuBLAS ``workspace``, the stack
-    setup_replayed's checks take (``stack``: soup-cli SETUP_RELEASE's default streaming, its two slots, transformers
+    stack_replayed takes (``stack``: soup-cli SETUP_RELEASE's default streaming, its two slots, transformers
     SEQUENCE_TRANSFORMERS, the default allocator), and a token count at which no decoder shape may run
     bitsandbytes' fused gemm_4bit on any card (sequence.may_fuse: that arm's forward makes no dequantised weight;
     it is not built)."""
@@ -804,9 +812,7 @@ def walk_replayed(a: Arch, quant: str, task: str, T: int, targets: tuple, r: int
                and a.kv != a.heads and small_pool_adapter(a, targets, r, task, quant))
     unfused = not any(may_fuse(s, T) for s in gemm_shapes(a))
     stepped = steps == 1 or optimizer in BUILT_OPTIMIZERS
-    return (checked and unfused and stepped and workspace == CUBLAS_WORKSPACE and stack["release"] == SETUP_RELEASE
-            and not stack["stream"] and not stack["probed"] and stack["buffers"] == SETUP_BUFFERS
-            and stack["transformers"] == SEQUENCE_TRANSFORMERS and default_allocator(stack.get("environ")))
+    return checked and unfused and stepped and workspace == CUBLAS_WORKSPACE and stack_replayed(**stack)
 
 
 def _walk(a: Arch, targets: tuple, r: int, task: str, seq: int, batch: int, nf4: bool, dropout: bool, steps: int,
@@ -826,8 +832,7 @@ def _walk(a: Arch, targets: tuple, r: int, task: str, seq: int, batch: int, nf4:
             x = [q.get(2 * seq * rows * a.h)] + layers_forward(q, a, seq * rows, lora, nf4)
             g = dpo_loss(q, a, seq * rows, rows, lora, x, nf4=nf4) if dpo else sft_loss(q, a, seq * rows, x[-1])
             q.watching = True
-            for k in reversed(range(a.L)):
-                grads += layer_backward(q, a, seq * rows, x[k], g, lora, first=k == 0, nf4=nf4)
+            grads += layers_backward(q, a, seq * rows, x, g, lora, nf4)
             q.watching = False
         if steps > 1:
             per = adapter_bytes(task, "nf4" if nf4 else "none")

@@ -586,12 +586,11 @@ def _walk_arm(path: str, key: str) -> tuple:
     a, targets, per = _adapter(key, row)
     T = row["seq"] * row["batch"] * (2 if row["task"] == "dpo" else 1)
     adapter = {m * n for n in adapter_elements(a, targets, row["r"]) for m in (per, MATERIALISED)}
-    dropout = row["task"] == "sft"
     walked = walked_rests(a, targets, row["r"], row["task"], row["seq"], row["batch"], row["quant"],
-                          dropout=dropout, steps=row["steps"], accumulation=row["accum"])
-    admitted = walk_replayed(a, row["quant"], row["task"], T, targets, row["r"], dropout=dropout,
-                             optimizer="adamw_torch", steps=row["steps"], workspace=CUBLAS_WORKSPACE,
-                             release="0.77.0", transformers="5.16.1", stream={}, probed=False, buffers=2, environ={})
+                          dropout=row["task"] == "sft", steps=row["steps"], accumulation=row["accum"])
+    admitted = walk_replayed(a, row["quant"], row["task"], T, targets, row["r"], optimizer="adamw_torch",
+                             steps=row["steps"], workspace=CUBLAS_WORKSPACE, release="0.77.0",
+                             transformers="5.16.1", stream={}, probed=False, buffers=2, environ={})
     return trace, row, a, T, adapter, walked, admitted
 
 
