@@ -187,7 +187,7 @@ class Recorder(TorchDispatchMode):
 def fused_kernel(gemm, ops, dtype, M: int, N: int, K: int) -> bool:
     """The heuristic's answer (``_gemm_4bit_use_custom_cuda``) for an (N, K) weight at M rows: bitsandbytes' own on
     an sm90 card of 132 SMs (GEMM_SM90, an H100/H200), forced (GEMM_FUSED: every shape its fused kernel;
-    GEMM_FALLBACK: none), or fused on the (N, K) shapes of a set (one card's answers, as sequence.gemm_choices
+    GEMM_FALLBACK: none), or fused on the (N, K) shapes of a set (one card's answers, as gemm4bit.gemm_choices
     replays each)."""
     if gemm == GEMM_FUSED or gemm == GEMM_FALLBACK:
         return gemm == GEMM_FUSED
@@ -870,7 +870,7 @@ def refused(a: argparse.Namespace) -> str | None:
         return f"{', '.join(lora)} with --full: a full fine-tuning trains no adapter (dropped, not captured)"
     if getattr(a, "events", None) and Path(a.events).exists():
         return f"--events {a.events}: exists; not overwritten"
-    from issue395.estimator.sequence import GEMM_4BIT_FUSED_MAX_ROWS
+    from issue395.estimator.gemm4bit import GEMM_4BIT_FUSED_MAX_ROWS
 
     gemm = getattr(a, "gemm_4bit", GEMM_SM90)
     if gemm != GEMM_SM90 and not (a.quant == "nf4" and a.seq * a.batch <= GEMM_4BIT_FUSED_MAX_ROWS):

@@ -504,7 +504,7 @@ def longest_now(d: dict) -> tuple[int | None, int | None]:
     config, arm, extra = run_arm(d)
     card = parse_card(d["card"]["card"])
     axis = d["measured"]["axis"]
-    return tuple(longest(axis, config, budget(card, ctx).step_free_bytes, arm, workspace=card.workspace(), **extra)
+    return tuple(longest(axis, config, budget(card, ctx).step_free_bytes, arm, **card.kernels(), **extra)
                  for ctx in (d["box_context_bytes"], None))
 
 

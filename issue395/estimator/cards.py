@@ -1,6 +1,7 @@
 """Cards a run may be asked to fit: named cards with their total memory and compute capability,
 plain sizes, the CUDA context each leaves outside the caching allocator, and the cuBLAS
-workspace per handle PyTorch gives each compute capability. Imports only constants and errors.
+workspace per handle PyTorch gives each compute capability, and what bitsandbytes' gemm_4bit heuristic reads
+of each (gemm4bit.Dispatch). Imports only constants, errors and gemm4bit.
 
 The verdict every fit answer uses: ``needs_free + context + the runtime's growth <= total``,
 i.e. a run fits when ``needs_free <= step_free_bytes``, the card's free memory
@@ -19,6 +20,7 @@ from typing import Any, Optional
 
 from ..constants import CUBLAS_WORKSPACE, CUBLAS_WORKSPACE_PRE_HOPPER, WORKSPACE_CONFIG_VAR, MiB, comma_list
 from ..errors import UsageError
+from .gemm4bit import Dispatch, dispatch_for
 
 #: The CUDA context and driver reservation outside the caching allocator, for a card this tool
 #: has not measured: Soup's own figure (estimate_stream_peak_vram's docstring), a bound with one
@@ -105,6 +107,11 @@ class Card:
     #: bytes the driver keeps below nvidia-smi's total that CUDA never reports as total (known
     #: only where committed evidence shows both): charged into this card's default context.
     hidden_bytes: int = 0
+    #: its streaming multiprocessors (NVIDIA's public specifications: CUDA cores / cores per SM), which
+    #: bitsandbytes' gemm_4bit heuristic reads; None where a name covers several (the laptop parts, A10G)
+    sms: Optional[int] = None
+    #: the name CUDA gives it (torch.cuda.get_device_name, a saved result's ``gpu``), where a committed stack shows it
+    device: Optional[str] = None
 
     @property
     def context_bound(self) -> int:
@@ -112,6 +119,15 @@ class Card:
 
     def workspace(self, env: Optional[str] = None) -> int:
         return cublas_workspace(self.cc, env)
+
+    def kernels(self, env: Optional[str] = None) -> dict:
+        """What an estimate on this card reads of it (estimate's ``workspace`` and ``dispatch``)."""
+        return {"workspace": self.workspace(env), "dispatch": self.dispatch}
+
+    @property
+    def dispatch(self) -> Optional[Dispatch]:
+        """What bitsandbytes' gemm_4bit heuristic reads of this card, where both are known."""
+        return dispatch_for(self.sms, self.cc)
 
 
 def _mib(n: int) -> int:
@@ -122,42 +138,56 @@ def _mib(n: int) -> int:
 #: idle card reads "0MiB / <total>"); the nameplate where no listing is known, said so.
 CARDS: dict[str, Card] = {c.name.lower(): c for c in (
     Card("A10G", _mib(23028), (8, 6), "nvidia-smi 23028MiB (AWS g5, public nvidia-smi listings)"),
-    Card("L4", _mib(23034), (8, 9), "nvidia-smi 23034MiB (GCP g2, public nvidia-smi listings)"),
+    Card("L4", _mib(23034), (8, 9), "nvidia-smi 23034MiB (GCP g2, public nvidia-smi listings)", sms=58),
     # https://github.com/robbyant-research/MagicQuill/issues/57: "3MiB / 15360MiB", Tesla T4
-    Card("T4", _mib(15360), (7, 5), "nvidia-smi 15360MiB (MagicQuill issue #57)"),
-    Card("RTX3090", _mib(24576), (8, 6), "nvidia-smi 24576MiB (public nvidia-smi listings)"),
-    Card("RTX4090", _mib(24564), (8, 9), "nvidia-smi 24564MiB (public nvidia-smi listings)"),
-    Card("RTX5090", _mib(32607), (12, 0), "nvidia-smi 32607MiB (public nvidia-smi listings)"),
-    Card("A100-40GB", _mib(40960), (8, 0), "nvidia-smi 40960MiB (A100 SXM4/PCIe 40GB)"),
-    Card("A100-80GB", _mib(81920), (8, 0), "nvidia-smi 81920MiB (A100 SXM4/PCIe 80GB)"),
-    Card("L40S", _mib(46068), (8, 9), "nvidia-smi 46068MiB (public nvidia-smi listings)"),
-    Card("H100", _mib(81559), (9, 0), "nvidia-smi 81559MiB (H100 80GB HBM3, SXM)"),
+    Card("T4", _mib(15360), (7, 5), "nvidia-smi 15360MiB (MagicQuill issue #57)", sms=40),
+    Card("RTX3090", _mib(24576), (8, 6), "nvidia-smi 24576MiB (public nvidia-smi listings)", sms=82),
+    Card("RTX4090", _mib(24564), (8, 9), "nvidia-smi 24564MiB (public nvidia-smi listings)", sms=128),
+    Card("RTX5090", _mib(32607), (12, 0), "nvidia-smi 32607MiB (public nvidia-smi listings)", sms=170),
+    Card("A100-40GB", _mib(40960), (8, 0), "nvidia-smi 40960MiB (A100 SXM4/PCIe 40GB)", sms=108),
+    Card("A100-80GB", _mib(81920), (8, 0), "nvidia-smi 81920MiB (A100 SXM4/PCIe 80GB)", sms=108),
+    Card("L40S", _mib(46068), (8, 9), "nvidia-smi 46068MiB (public nvidia-smi listings)", sms=142),
+    Card("H100", _mib(81559), (9, 0), "nvidia-smi 81559MiB (H100 80GB HBM3, SXM)", sms=132,
+         device="NVIDIA H100 80GB HBM3"),
     # nvidia-smi 143771MiB; CUDA's own total on our H200s is 139.80 GiB (torch's OOM text in
     # results/cap-proof-and-seq512-1024-map-h200x2-soup0.73.3-b5bee37/, "GPU 0 has a total capacity of 139.80 GiB"): 616 MiB
     # the driver keeps (139.805 GiB, the rounding's top, keeps the figure a lower bound).
     Card("H200", _mib(143771), (9, 0), "nvidia-smi 143771MiB; CUDA total 139.80 GiB (committed OOM text)",
-         hidden_bytes=_mib(143771) - int(139.795 * 2**30)),
+         hidden_bytes=_mib(143771) - int(139.795 * 2**30), sms=132, device="NVIDIA H200"),
     # The record's first stack. Soup's own source (layer_stream.py, decide_stream_fit) calls it
     # "a 4.29 GB card": 4096 MiB = 4.295e9 B.
     Card("RTX3050-Laptop-4GB", _mib(4096), (8, 6), "4096 MiB (Soup's docstring: 'a 4.29 GB card')"),
     Card("RTX3050-Laptop-6GB", _mib(6144), (8, 6), "nameplate 6 GB (no nvidia-smi listing known)"),
     Card("RTX4060-Laptop-8GB", _mib(8188), (8, 9), "nvidia-smi 8188 MiB (public listing)"),
-    Card("RTX3060-12GB", _mib(12288), (8, 6), "nvidia-smi 12288MiB (public nvidia-smi listings)"),
-    Card("RTX4060Ti-16GB", _mib(16384), (8, 9), "nameplate 16 GB (no nvidia-smi listing known)"),
+    Card("RTX3060-12GB", _mib(12288), (8, 6), "nvidia-smi 12288MiB (public nvidia-smi listings)", sms=28),
+    Card("RTX4060Ti-16GB", _mib(16384), (8, 9), "nameplate 16 GB (no nvidia-smi listing known)", sms=34),
     # Issue 53 item 15. Where two drivers print two totals, the lower (a fit that holds on either).
     # https://github.com/4paradigm/k8s-vgpu-scheduler/issues/7: "112MiB / 16160MiB", Tesla V100-SXM2 (driver 440)
     Card("V100-16GB", _mib(16160), (7, 0), "nvidia-smi 16160MiB (Tesla V100-SXM2-16GB, driver 440: "
-         "k8s-vgpu-scheduler issue #7; newer drivers print 16384MiB)"),
+         "k8s-vgpu-scheduler issue #7; newer drivers print 16384MiB)", sms=80),
     Card("V100-32GB", _mib(32510), (7, 0), "nvidia-smi 32510MiB (Tesla V100-SXM2/PCIE-32GB, public nvidia-smi "
-         "listings; newer drivers print 32768MiB)"),
-    Card("RTX-A6000", _mib(49140), (8, 6), "nvidia-smi 49140MiB (ECC off, its default; public nvidia-smi listings)"),
-    Card("RTX4080", _mib(16376), (8, 9), "nvidia-smi 16376MiB (public nvidia-smi listings)"),
-    Card("RTX3080", _mib(10240), (8, 6), "nvidia-smi 10240MiB (the 10 GB card; public nvidia-smi listings)"),
-    Card("A40", _mib(46068), (8, 6), "nvidia-smi 46068MiB (ECC on, its default; public nvidia-smi listings)"),
+         "listings; newer drivers print 32768MiB)", sms=80),
+    Card("RTX-A6000", _mib(49140), (8, 6), "nvidia-smi 49140MiB (ECC off, its default; public nvidia-smi listings)",
+         sms=84),
+    Card("RTX4080", _mib(16376), (8, 9), "nvidia-smi 16376MiB (public nvidia-smi listings)", sms=76),
+    Card("RTX3080", _mib(10240), (8, 6), "nvidia-smi 10240MiB (the 10 GB card; public nvidia-smi listings)", sms=68),
+    Card("A40", _mib(46068), (8, 6), "nvidia-smi 46068MiB (ECC on, its default; public nvidia-smi listings)", sms=84),
     Card("L40", _mib(46068), (8, 9), "nvidia-smi 46068MiB (ECC on, its default; 49140MiB with ECC off; public "
-         "nvidia-smi listings)"),
-    Card("RTX2080Ti", _mib(11264), (7, 5), "nvidia-smi 11264MiB (public nvidia-smi listings)"),
+         "nvidia-smi listings)", sms=142),
+    Card("RTX2080Ti", _mib(11264), (7, 5), "nvidia-smi 11264MiB (public nvidia-smi listings)", sms=68),
 )}
+
+
+def saved_dispatch(env: Optional[dict]) -> Optional[Dispatch]:
+    """What bitsandbytes' gemm_4bit heuristic read of the card a saved result ran on: the SM count and compute
+    capability the run recorded (``gpu_sms``, ``gpu_cc``), else the named card whose CUDA name the result's ``gpu``
+    is; None where neither is known or the run's bitsandbytes is not the release gemm4bit ports."""
+    env = env or {}
+    bnb = env.get("bitsandbytes") or None
+    if env.get("gpu_sms") and env.get("gpu_cc"):
+        return dispatch_for(env["gpu_sms"], tuple(int(x) for x in str(env["gpu_cc"]).split(".")), bnb)
+    card = next((c for c in CARDS.values() if c.device and c.device == env.get("gpu")), None)
+    return None if card is None else dispatch_for(card.sms, card.cc, bnb)
 
 
 def _spelled(name: str) -> str:

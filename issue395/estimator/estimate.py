@@ -31,6 +31,7 @@ from .soup_number import arch_of, features, soup_preflight_from_config, vocab_ma
 from .stacks import transformers_release
 from .steady import LORA_WEIGHT_BYTES, adapter_bytes, gradient_terms, steady_terms, unsplit_remainders
 from .sequence import ENTROPY_CHUNK_ROWS, FP32
+from .gemm4bit import Dispatch
 from .streamed_sequence import (placed_rests, setup_replayed, step_replayed, step_rests, walk_replayed,
                                 walked_rests)
 from .terms import Phase, Term, phase_sum
@@ -337,7 +338,8 @@ def estimate(config: dict, *, quant: str = "none", seq: int, batch: int = 1, tar
              allowance: int | None = None, workspace: int | None = None,
              stream: dict | None = None, soup: bool = True, task: str = PROTOCOL_TASK,
              optimizer: str = DEFAULT_OPTIMIZER, accumulation: int = 1, buffers: int = 2,
-             transformers: str | None = None, lora_dropout: float = LORA_DROPOUT) -> Estimate:
+             transformers: str | None = None, lora_dropout: float = LORA_DROPOUT,
+             dispatch: Dispatch | None = None) -> Estimate:
     """Soup's own pre-flight and the corrected peak for one (seq, batch). ``targets=None`` is the
     protocol's (q_proj, v_proj), or qkv_proj on Phi-3. ``allowance`` overrides the fitted
     ALLOCATED_ALLOWANCE_BYTES (the leave-one-family-out fit passes its own); ``workspace`` is a
@@ -359,7 +361,8 @@ def estimate(config: dict, *, quant: str = "none", seq: int, batch: int = 1, tar
     ``transformers``: the release a saved row ran (None: the
     installed one, its source read), which decides whether the model runs eager attention. ``lora_dropout``:
     Soup's ``training.lora.dropout``, which decides whether the LoRA dropouts keep masks (layer.mask_bytes);
-    Soup's own number does not read it."""
+    Soup's own number does not read it. ``dispatch``: the card's SM count and compute capability where it is known
+    (gemm4bit.Dispatch), which decide where NF4's gemm_4bit runs fused; None: every card's choice."""
     a = arch_of(config) if soup else arch_from_config(config)
     targets, spelled = checked_arguments(config, a, quant=quant, seq=seq, batch=batch, targets=targets, lora_r=lora_r,
                                          steps=steps, accumulation=accumulation, buffers=buffers, task=task,
@@ -378,7 +381,7 @@ def estimate(config: dict, *, quant: str = "none", seq: int, batch: int = 1, tar
     placed = 2 if step_replayed(a, quant, tk.name, dropout=masked, accumulation=accumulation, optimizer=optimizer,
                                 steps=steps, **stack) else int(setup_replayed(a, quant, tk.name, **stack))
     walked = walk_replayed(a, quant, tk.name, seq * batch * tk.rows_per_example, targets, lora_r, optimizer=optimizer,
-                           steps=steps, workspace=ws, **stack)
+                           steps=steps, workspace=ws, card=dispatch, **stack)
     t, lp, unsplit = step_terms(a, f, tk, quant=quant, targets=targets, lora_r=lora_r, seq=seq, batch=batch, ws=ws,
                                 per_expert=per_expert, buffers=buffers, chunk=chunk, recompute=recompute,
                                 accumulation=accumulation, steps=steps, optimizer=optimizer,

@@ -97,17 +97,17 @@ def _longest(config: dict, arm: Any, fits: Callable[[Estimate], bool], axis: str
     return largest(lambda v: fits(estimate_run(replace(arm, **{axis: v}), config, **extra)), low, step, top)
 
 
-def longest_resident(axis: str, config: dict, free_bytes: int, arm) -> tuple[Optional[int], Optional[str]]:
+def longest_resident(axis: str, config: dict, free_bytes: int, arm, **extra) -> tuple[Optional[int], Optional[str]]:
     """The longest seq (or largest batch) whose resident needs-free (estimator.resident, the resident Arm
     ``arm`` at each value: issue395.model.arm.Arm) fits ``free_bytes``, and why there is none where the estimator
     does not model the run: (None, its line) where it refuses the smallest value (MoE, a hybrid, latent attention,
     phi), or where the run fits up to the last value it models (past a sliding window without checkpointing) and
-    beyond that it cannot say. (None, None): not even the smallest fits."""
+    beyond that it cannot say. (None, None): not even the smallest fits. ``extra``: the card's (its dispatch)."""
     low, step, top = axis_range(config, axis, arm.task)
 
     def at(value: int) -> tuple[Optional[Estimate], Optional[str]]:
         try:
-            return estimate_run(replace(arm, **{axis: value}), config), None
+            return estimate_run(replace(arm, **{axis: value}), config, **extra), None
         except InvalidRun:  # no stack starts it at any value: bad input, not a run beyond the estimator
             raise
         except UsageError as exc:
@@ -176,7 +176,8 @@ def disagreement(fits: bool, soup_admits: bool) -> Optional[str]:
 def card_answers(config: dict, e: Estimate, budgets: list[Budget], arm, env: Optional[str] = None,
                  gate: Gate = Gate()) -> list[dict]:
     """One arm (issue395.model.arm.Arm) on each card: the JSON's ``cards`` entries. needs_free is recomputed only where the
-    card's cuBLAS workspace is larger than the estimator's (CUBLAS_WORKSPACE_CONFIG). Soup's gate
+    card's cuBLAS workspace is larger than the estimator's (CUBLAS_WORKSPACE_CONFIG) or, under NF4, where the card's
+    SM count and compute capability are known (gemm_4bit's kernel is its choice). Soup's gate
     is the file's (``gate``): the free memory it reads, or its override; its number, or the probe."""
     extra = {"release": e.release}  # ``e`` is the arm's estimate: its release is the answers' too
     one_step = e if not gate.probe or e.steps == 1 else estimate_run(gate.measured(arm), config, **extra)
@@ -184,8 +185,9 @@ def card_answers(config: dict, e: Estimate, budgets: list[Budget], arm, env: Opt
     store, ram, headroom = host_store(config, e.quant)
     top = axis_range(config, "seq")[2]
     for b in budgets:
-        ws = b.card.workspace(env)
-        mine = e if ws <= CUBLAS_WORKSPACE else estimate_run(arm, config, workspace=ws, **extra)
+        kernels = b.card.kernels(env)  # its cuBLAS workspace, and where NF4's gemm_4bit fuses on it
+        own = kernels["workspace"] > CUBLAS_WORKSPACE or e.quant == "nf4" and kernels["dispatch"] is not None
+        mine = estimate_run(arm, config, **kernels, **extra) if own else e
         available = gate.available(b.gate_free_bytes)
         fits = b.fits(mine.needs_free)
         admits = gate.admits(e.soup_predicted, one_step.corrected_predicted, available)
@@ -193,7 +195,7 @@ def card_answers(config: dict, e: Estimate, budgets: list[Budget], arm, env: Opt
                     "free_bytes": b.free_bytes, "step_free_bytes": b.step_free_bytes,
                     "growth_bytes": b.growth, "growth_source": b.growth_from,
                     "gate_free_bytes": available, "needs_free": mine.needs_free, "fits": fits,
-                    "longest_seq": longest_seq(config, b.step_free_bytes, arm, workspace=ws, **extra),
+                    "longest_seq": longest_seq(config, b.step_free_bytes, arm, **kernels, **extra),
                     "soup_admits": admits,
                     "longest_seq_soup_admits": longest_seq_soup_admits(config, available, arm, gate, **extra),
                     "gate_rule": gate.rule,
@@ -202,7 +204,7 @@ def card_answers(config: dict, e: Estimate, budgets: list[Budget], arm, env: Opt
                     "soup_predicted": e.soup_predicted, "disagreement": disagreement(fits, admits),
                     "context_source": b.context_source, "total_source": b.card.source,
                     "compute_capability": ".".join(map(str, b.card.cc)) if b.card.cc else None,
-                    "cublas_workspace_bytes": ws, "max_positions_seq": top,
+                    "cublas_workspace_bytes": kernels["workspace"], "max_positions_seq": top,
                     "host_store_bytes": store, "host_ram_free_bytes": ram, "ram_tier_headroom": headroom})
     return out
 

@@ -53,7 +53,7 @@ Known limitations
       sequence.checked_targets), LoRA dropout on or off,
       and NF4 on llama, mistral, qwen2, qwen3, phi3 and phi (Phi-3's fused qkv_proj its target; bitsandbytes' gemm_4bit
       dequantises past 1,536 tokens, and at 1,536 or fewer chooses per card and weight shape between that and its
-      fused kernel: every choice replayed, the largest charged, sequence.gemm_choices; the capture runs
+      fused kernel: every choice replayed, the largest charged, gemm4bit.gemm_choices; the capture runs
       bitsandbytes' own Python on the meta device, request for request at 2048x1-4096x1, and at 512x1 and 1024x1
       with its heuristic forced each way):
       the request sequence was the one bench/allocator_replay.py captures from the real model on the meta device,
@@ -175,6 +175,7 @@ from .gc_sequence import charge as gc_charge, charged as gc_charged
 from .steady import adapter_bytes
 from .terms import Phase, Term, phase_sum
 from .full import estimate_full, full_refused
+from .gemm4bit import Dispatch
 from .sequence import ANY_TARGET_TYPES, checked_targets, layer_rests, replayed
 from .stacks import transformers_release
 
@@ -274,14 +275,15 @@ def retained_rounding(a: Arch, targets: tuple, r: int, T: int, quant: str = "non
 
 
 def kept_rests(a: Arch, targets: tuple, r: int, T: int, quant: str, seq: int, task: str, dropout: float,
-               transformers: str | None = None) -> int:
+               transformers: str | None = None, dispatch: Dispatch | None = None) -> int:
     """What the blocks each layer keeps through the loss without checkpointing hold past their requests: replayed
     (estimator/sequence.py's layer_rests, the larger under either default cuBLAS workspace) where its sequence was
     checked against the real model's (``replayed``: under ``transformers``, None the installed, and this
-    process's allocator settings), else retained_rounding's bound."""
+    process's allocator settings; under NF4 every gemm_4bit choice, or on a known card, ``dispatch``, its one),
+    else retained_rounding's bound."""
     mask = mask_bytes(task_named(task), dropout)
     if replayed(a, quant, targets, task, transformers=transformers_release(transformers), batch=T // seq):
-        return layer_rests(a, targets, r, T, seq, mask > 0, quant)
+        return layer_rests(a, targets, r, T, seq, mask > 0, quant, card=dispatch)
     return retained_rounding(a, targets, r, T, quant, seq, mask)
 
 
@@ -416,10 +418,11 @@ def targets_of(a: Arch, targets, config: dict) -> tuple:
 def estimate_resident(config: dict, *, quant: str = "none", seq: int, batch: int = 1, targets=None,
                       lora_r: int = 8, steps: int = 1, release: str | None = None, task: str = PROTOCOL_TASK,
                       checkpointing: bool = False, optimizer: str = "adamw_torch", accumulation: int = 1,
-                      transformers: str | None = None, lora_dropout: float = LORA_DROPOUT) -> Estimate:
+                      transformers: str | None = None, lora_dropout: float = LORA_DROPOUT,
+                      dispatch: Dispatch | None = None) -> Estimate:
     """The corrected peak of a resident run: the streamed step's bf16 terms (recompute off without checkpointing, on
     with it) with every parameter on the card in place of the pool and the extras, and under NF4 what runs in fp32.
-    The Estimate carries no Soup number (Soup's resident gate is hardware_fit's; the row has it)."""
+    No Soup number (Soup's resident gate is hardware_fit's; the row has it). ``dispatch``: estimate's."""
     if lora_r == 0:  # Soup's full fine-tuning (lora.r 0): no adapter, every parameter trains
         return full_run(config, quant=quant, seq=seq, batch=batch, steps=steps, release=release, task=task,
                         checkpointing=checkpointing, optimizer=optimizer, accumulation=accumulation,
@@ -446,7 +449,7 @@ def estimate_resident(config: dict, *, quant: str = "none", seq: int, batch: int
         # peak, retained_by_layer's count to the byte (results/resident-anatomy-*/call-1/res-sft-qwen-bf16-2048x1)
         t[Term.CHECKPOINTED_INPUTS.key] = 0
         t[Term.ALLOCATOR_ROUNDING.key] += kept_rests(a, tg, lora_r, T, quant, e.seq, task, lora_dropout,
-                                                     transformers)
+                                                     transformers, dispatch)
         t[Term.ADAPTER_CASTS.key] = adapter_casts(a, tg, lora_r, adapter_bytes(task, quant))
         t[Term.NORM_CASTS.key] = norm_casts(a, quant)
         kept = kept_per_layer(a, quant, tg, lora_r, mask_bytes(task_named(task), lora_dropout))

@@ -23,7 +23,8 @@ LoRA layer:
 ``load_nf4``, ``forward_nf4``, the capture's request for request past 1,536 tokens. At 1,536 tokens or fewer
 bitsandbytes' gemm_4bit chooses per card and per weight shape between its fused kernel (its output alone) and
 that dequantising fallback (a weight of 4 Mi elements or more past 512 tokens the fallback on every card:
-``may_fuse``); the card unknown, every choice is replayed and the largest rests charged (``gemm_choices``): the
+``gemm4bit.may_fuse``); the card unknown, every choice is replayed and the largest rests charged (``gemm_choices``; on a
+known card its one answer, gemm4bit.fused_shapes): the
 capture's request for request with the heuristic forced each way (Llama-3.2-1B and Phi-3-mini 512x1 and 1024x1,
 Qwen3-0.6B's five shapes fused at 512x1), and with the H200's own mixed choice (SmolLM2 512x1: its gate and up
 fused).
@@ -64,6 +65,7 @@ from ..constants import (ALLOC_CONF_VARS, CUBLAS_WORKSPACE, CUBLAS_WORKSPACE_PRE
                          WORKSPACE_CONFIG_VAR, block_bytes)
 from .allocator import CachingAllocator
 from .arch import NF4_BLOCK, Arch, protocol_targets
+from .gemm4bit import GEMM_4BIT_FUSED_MAX_ROWS, Dispatch, gemm_choices
 
 #: The model types whose resident step this sequence follows (their decoder is llama's: RMSNorm, rotary, SDPA,
 #: a gated SiLU MLP; qwen2's q/k/v biases and qwen3's q/k norms included; phi's parallel LayerNorm layer, its own
@@ -714,19 +716,6 @@ def forward_nf4(q: Requests, a: Arch, T: int, seq: int, lora: tuple, workspace: 
     return kept
 
 
-#: The bitsandbytes release whose CUDA gemm_4bit dispatch the GEMM_4BIT_ figures below read (the pinned stack's).
-SEQUENCE_BITSANDBYTES = "0.50.2"
-#: bitsandbytes 0.50.2's CUDA gemm_4bit runs its fused kernel up to this many rows where its per-card heuristic
-#: says so, and past it always dequantises the weight (backends/cuda/ops.py, ``_gemm_4bit_custom_max_m``): past
-#: it the NF4 sequence is the dequantising one alone; up to it every choice is replayed (gemm_choices).
-GEMM_4BIT_FUSED_MAX_ROWS = 1536
-#: ...and, the same release's heuristic (``_gemm_4bit_use_custom_cuda(device, dtype, M, N, K)``, M the rows, batch x
-#: seq), a weight of at least GEMM_4BIT_LARGE_WEIGHT elements (N x K: "Non-small-weight") it dequantises on every
-#: CUDA card past GEMM_4BIT_LARGE_MAX_ROWS rows ("if M > 512: return False"): only its M <= 4 floor, the fp32 and
-#: pre-sm75 cards' M < 8, sm87's and sm110's no and sm100's early exit (M <= 32 at most) come before it, and none
-#: of them fuses there. So at 512 < T <= 1536 such a shape is in no choice (gemm_choices).
-GEMM_4BIT_LARGE_WEIGHT = 4 * 1024 * 1024
-GEMM_4BIT_LARGE_MAX_ROWS = 512
 #: The model types whose NF4 step the sequence replays. qwen2 (its q/k/v biases) is: its NF4 forward is the H100
 #: trace's request for request (Qwen2.5-0.5B 1024x4, 2,388 requests and frees from the embedding to the head's casts:
 #: tests/estimator/test_sequence.py), its replay exact (real_peak 15,884,001,280 B, no departure). Its load leaves the
@@ -861,46 +850,23 @@ def replayed(a: Arch, quant: str, targets: tuple, task: str, *, transformers: st
             and transformers == SEQUENCE_TRANSFORMERS and default_allocator(environ))
 
 
-def gemm_shapes(a: Arch) -> tuple:
-    """The decoder linears' distinct (out, in) shapes, on which bitsandbytes' per-card heuristic chooses its
-    kernel (``_gemm_4bit_use_custom_cuda(device, dtype, M, N, K)``: one answer a shape at a token count, every
-    layer alike; Llama-3.2-1B's four, Qwen3-0.6B's five)."""
-    return tuple(sorted({(fo, fi) for fi, fo, _ in a.modules.values()}))
-
-
-def may_fuse(shape: tuple, T: int) -> bool:
-    """Whether bitsandbytes' gemm_4bit may run its fused kernel on some CUDA card for an (out, in) ``shape`` at
-    ``T`` rows: never past GEMM_4BIT_FUSED_MAX_ROWS, nor a weight of GEMM_4BIT_LARGE_WEIGHT elements or more past
-    GEMM_4BIT_LARGE_MAX_ROWS."""
-    return T <= GEMM_4BIT_FUSED_MAX_ROWS and (T <= GEMM_4BIT_LARGE_MAX_ROWS
-                                              or shape[0] * shape[1] < GEMM_4BIT_LARGE_WEIGHT)
-
-
-def gemm_choices(a: Arch, T: int) -> list:
-    """Every set of shapes whose NF4 gemm_4bit may run the fused kernel at ``T`` tokens: each subset of the
-    gemm_shapes some card may fuse there (may_fuse; none past GEMM_4BIT_FUSED_MAX_ROWS). The estimate does not
-    know the card, and the heuristic's answer is the card's (its SM count and compute capability): every subset
-    is replayed, a superset of what any card's answers can be, so the largest of them is never under the run's."""
-    shapes = [s for s in gemm_shapes(a) if may_fuse(s, T)]
-    return [frozenset(s for j, s in enumerate(shapes) if bits >> j & 1) for bits in range(1 << len(shapes))]
-
-
 _RESTS: dict = {}
 
 
 def layer_rests(a: Arch, targets: tuple, r: int, T: int, seq: int, dropout: bool = True, quant: str = "none",
-                workspace: int | None = None, fused: frozenset | None = None) -> int:
+                workspace: int | None = None, fused: frozenset | None = None, card: Dispatch | None = None) -> int:
     """What the blocks a resident forward keeps through the loss (its layers' and its final norm's, the rotary
     tables) hold past their requests, replayed (``dropout``: whether LoRA dropout writes a mask; ``quant`` none
     or nf4) with a cuBLAS ``workspace`` of that many bytes, or (None) the larger of the replays under each
     default (WORKSPACE_SIZES: the workspace moves every later block, and with it which blocks keep a rest:
     Mistral-7B 1000x4 keeps 86,114,304 B under the 32 MiB one, 128,581,632 B under the pre-Hopper one); under
     NF4 with the shapes ``fused`` whose gemm_4bit runs the fused kernel, or (None) the largest replay of every
-    choice the card's heuristic could make (gemm_choices); once an arm (--find-max and the map ask many times)."""
+    choice the card's heuristic could make (gemm_choices: on a known ``card`` its one answer); once an arm (--find-max
+    and the map ask many times)."""
     if workspace is None or quant == "nf4" and fused is None:
         return max(layer_rests(a, targets, r, T, seq, dropout, quant, w, f)
                    for w in ((workspace,) if workspace else WORKSPACE_SIZES)
-                   for f in (gemm_choices(a, T) if quant == "nf4" and fused is None else (fused,)))
+                   for f in (gemm_choices(a, T, card) if quant == "nf4" and fused is None else (fused,)))
     targets = tuple(t for t in ATTN + MLP if t in targets)  # the layer's own order: a set, as replayed reads it
     key = (repr(a), targets, r, T, seq, dropout, quant, workspace, fused)
     if key not in _RESTS:

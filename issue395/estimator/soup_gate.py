@@ -9,6 +9,8 @@ estimator, never a copy of it.
 
 from __future__ import annotations
 
+import importlib.metadata
+import sys
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -18,6 +20,7 @@ from ..record import OURS_QUANT
 from ..model.arm import SETTINGS, lora_dropout
 from .cards import CONTEXT_BOUND_BYTES, STEP_GROWTH_BYTES
 from .estimate import estimate
+from .gemm4bit import Dispatch, dispatch_for
 from .resident import estimate_resident
 from .terms import Phase, Term, phase_sum
 from .steady import is_bounded
@@ -157,6 +160,20 @@ def gate_kwargs(cfg: Any, tcfg: Any, model_config: Any, steps: Optional[int] = N
                         stream=stream, task=str(getattr(cfg, "task", "sft")), soup=False)
 
 
+def device_dispatch() -> Optional[Dispatch]:
+    """The card Soup's process runs on as bitsandbytes' gemm_4bit heuristic reads it (its SM count and compute
+    capability), from the torch Soup has already imported (the bundle imports nothing but the standard library);
+    None without CUDA, or where the installed bitsandbytes is not the release gemm4bit ports."""
+    torch = sys.modules.get("torch")
+    try:
+        if torch is None or not torch.cuda.is_available():
+            return None
+        p = torch.cuda.get_device_properties(torch.cuda.current_device())
+        return dispatch_for(p.multi_processor_count, (p.major, p.minor), importlib.metadata.version("bitsandbytes"))
+    except Exception:  # noqa: BLE001 -- inside Soup's setup: no card read is the card-agnostic estimate
+        return None
+
+
 def preflight(cfg: Any, tcfg: Any, model_config: Any, *, steps: Optional[int] = None,
               formula: Optional[int] = None, release: Optional[str] = None) -> dict:
     """The corrected pre-flight of the run Soup's setup holds: ``peak``, the allocated peak of its
@@ -168,7 +185,7 @@ def preflight(cfg: Any, tcfg: Any, model_config: Any, *, steps: Optional[int] = 
     a gate silently lifted."""
     try:
         config, kwargs = gate_kwargs(cfg, tcfg, model_config, steps)
-        e = estimate(config, release=release, **kwargs)
+        e = estimate(config, release=release, dispatch=device_dispatch(), **kwargs)
     except Exception as exc:  # noqa: BLE001 -- inside Soup's setup: a config this estimator cannot read
         # (a UsageError names the setting) must not stop the run, nor pass unsaid: the formula gates it
         why = str(exc) if isinstance(exc, UsageError) else f"{type(exc).__name__}: {exc}"
@@ -266,7 +283,7 @@ def resident_preflight(cfg: Any, model_config: Any, *, free: Optional[int], tota
     formula (``refused`` says why; never a crash, never a gate lifted)."""
     try:
         config, kwargs = resident_kwargs(cfg, model_config, steps)
-        e = estimate_resident(config, **kwargs)
+        e = estimate_resident(config, dispatch=device_dispatch(), **kwargs)
     except Exception as exc:  # noqa: BLE001 -- inside Soup's CLI: what this estimator cannot read keeps Soup's gate
         why = str(exc) if isinstance(exc, UsageError) else f"{type(exc).__name__}: {exc}"
         return {"peak": None, "gate_bytes": None, "fits": None, "refused": why,

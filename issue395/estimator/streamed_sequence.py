@@ -84,8 +84,9 @@ from __future__ import annotations
 from ..constants import CUBLAS_WORKSPACE, K_SMALL_SIZE, block_bytes
 from .allocator import CachingAllocator
 from .arch import NF4_BLOCK, Arch, nf4_pieces, registration_order
-from .sequence import (FP32, SEQUENCE_TRANSFORMERS, Requests, default_allocator, entropy_chunks, gemm_shapes,
-                       layer_parameters, may_fuse, norm, rotary, sdpa_workspace)
+from .gemm4bit import Dispatch, gemm_choices
+from .sequence import (FP32, SEQUENCE_TRANSFORMERS, Requests, default_allocator, entropy_chunks, layer_parameters,
+                       norm, rotary, sdpa_workspace)
 from .steady import OPTIMIZERS, adapter_bytes
 
 #: The optimizers whose first step ``adamw_step`` builds: torch's AdamW, foreach (a square-root temporary per
@@ -797,7 +798,7 @@ def small_pool_adapter(a: Arch, targets: tuple, r: int, task: str, quant: str) -
 
 
 def walk_replayed(a: Arch, quant: str, task: str, T: int, targets: tuple, r: int, *, optimizer: str, steps: int,
-                  workspace: int, **stack) -> bool:
+                  workspace: int, card: Dispatch | None = None, **stack) -> bool:
     """Whether ``walked_rests`` is the run's: an untied run WALK_CHECKED names (its setup and step held against a
     history: dense, GQA, no per-head q/k norm), with or without LoRA dropout's masks (the SFT histories keep them,
     the DPO one has none, TRL turning dropout off: the layer's requests without them are its), a small-pool adapter (small_pool_adapter; on the two committed histories whose adapter blocks are over 1 MiB and
@@ -805,12 +806,13 @@ def walk_replayed(a: Arch, quant: str, task: str, T: int, targets: tuple, r: int
     0.25 and 0.5 MiB under), any number of micro-batches (walked: a later micro-batch's large-pool requests are the
     first's), an optimizer whose step is built where a second step runs, the default cuBLAS ``workspace``, the stack
     stack_replayed takes (``stack``: soup-cli SETUP_RELEASE's default streaming, its two slots, transformers
-    SEQUENCE_TRANSFORMERS, the default allocator), and a token count at which no decoder shape may run
-    bitsandbytes' fused gemm_4bit on any card (sequence.may_fuse: that arm's forward makes no dequantised weight;
-    it is not built)."""
+    SEQUENCE_TRANSFORMERS, the default allocator), and a token count at which no decoder shape runs bitsandbytes'
+    fused gemm_4bit (that arm's forward makes no dequantised weight; it is not built): on ``card`` where it is known
+    (its one answer, gemm4bit.fused_shapes: Mistral-7B at 512 tokens dequantises on an H100 or H200), else on any
+    card (gemm4bit.may_fuse: the walk is refused at 512 tokens or fewer)."""
     checked = ((a.model_type, quant, task) in WALK_CHECKED and not a.tied and a.layers is None and not a.qk_norm
                and a.kv != a.heads and small_pool_adapter(a, targets, r, task, quant))
-    unfused = not any(may_fuse(s, T) for s in gemm_shapes(a))
+    unfused = quant != "nf4" or gemm_choices(a, T, card) == [frozenset()]
     stepped = steps == 1 or optimizer in BUILT_OPTIMIZERS
     return checked and unfused and stepped and workspace == CUBLAS_WORKSPACE and stack_replayed(**stack)
 

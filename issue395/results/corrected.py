@@ -1,6 +1,7 @@
 """This tool's corrected estimate for a saved row's arm: from its family's public config, under the
-streaming modes its map key names, and the Soup release the row ran, never from the row's own
-measurement. A row whose arm the estimator does not model has none, and says so by being None: a
+streaming modes its map key names, the Soup release the row ran and, where it decides the physics (NF4's
+gemm_4bit kernel), the card it ran on; never from the row's own measurement. A row whose arm the estimator
+does not model has none, and says so by being None: a
 --model run (no public config here), or an arm the estimator refuses (per_expert on a family Soup
 refuses it for, a seq past the model's max positions). The figures the text renders are the ones a
 saved row carries (``with_corrected``: its ``Corrected`` record, put in the row as the result is written).
@@ -16,15 +17,18 @@ from ..errors import UsageError
 from ..model.arm import Arm
 from ..model.registry import known
 from ..estimator.resident import estimate_run
+from ..estimator.cards import saved_dispatch
 from ..estimator.estimate import Estimate, needs_free
+from ..estimator.gemm4bit import Dispatch
 from .extras import Corrected
 from .row import Row
 
 
 @functools.lru_cache(maxsize=4096)
-def _corrected(arm: Arm, release: Optional[str], transformers: Optional[str] = None) -> Optional[Estimate]:
+def _corrected(arm: Arm, release: Optional[str], transformers: Optional[str] = None,
+               dispatch: Optional[Dispatch] = None) -> Optional[Estimate]:
     try:  # streamed or resident (every layer on the card: the resident construction, where it is modelled)
-        return estimate_run(arm, release=release, soup=False, transformers=transformers)
+        return estimate_run(arm, release=release, soup=False, transformers=transformers, dispatch=dispatch)
     except UsageError:
         return None
 
@@ -35,7 +39,9 @@ def _estimated(r: Row, env: Optional[dict]) -> Optional[Estimate]:
         arm = r.run_arm(int(env.get("steps") or 1))
     except UsageError:  # a key no streaming record has
         return None
-    return _corrected(replace(arm, index=0), env.get("soup_cli"), env.get("transformers"))
+    # the card the row ran on decides where NF4's gemm_4bit fused (estimator/gemm4bit.py)
+    dispatch = saved_dispatch(env) if arm.quant == "nf4" else None
+    return _corrected(replace(arm, index=0), env.get("soup_cli"), env.get("transformers"), dispatch)
 
 
 def corrected(r: Row, env: Optional[dict] = None) -> Optional[int]:

@@ -31,7 +31,11 @@ def environment(weights: str, dry_run: bool, arms: str, argv: list[str],
         with contextlib.suppress(Exception):
             driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
                                     capture_output=True, text=True, timeout=10).stdout.split()[0]
+    props = torch.cuda.get_device_properties(0) if cuda else None
     return {"gpu": torch.cuda.get_device_name(0) if cuda else None, "driver": driver,
+            # what bitsandbytes' gemm_4bit heuristic reads of the card (estimator/gemm4bit.py; cards.saved_dispatch)
+            "gpu_sms": props.multi_processor_count if props else None,
+            "gpu_cc": f"{props.major}.{props.minor}" if props else None,
             "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
             "cuda": torch.version.cuda if torch else None,
             "torch": torch.__version__ if torch else package_version("torch"), **{k.replace("-", "_"): package_version(k) for k in

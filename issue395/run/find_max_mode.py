@@ -106,7 +106,7 @@ def answers(req: FindMaxRequest) -> Answers:
     b = budget(card, run.context)
     available = gate.available(b.gate_free_bytes)
     low, step, high = axis_range(config, axis, arm.task)
-    ws = card.workspace(workspace_env())
+    kernels = card.kernels(workspace_env())  # its cuBLAS workspace, and where NF4's gemm_4bit fuses on it
 
     def gate_at(value: int) -> dict:
         mine = estimate_run(replace(arm, **{axis: value}), config)
@@ -115,14 +115,14 @@ def answers(req: FindMaxRequest) -> Answers:
                 "admits": gate.admits(mine.soup_predicted, one.corrected_predicted, available)}
 
     def charged_at(value: int, at: Any) -> dict:
-        e = estimate_run(replace(arm, **{axis: value}), config, workspace=ws)
+        e = estimate_run(replace(arm, **{axis: value}), config, **kernels)
         return {"allocated": e.split_allocated, "reserve": e.needs_free - e.split_allocated,  # `soup train`: split
                 "outside": card.total_bytes - at.step_free_bytes}
 
     def tool_with_context(at: Any) -> Optional[int]:
-        return longest(axis, config, at.step_free_bytes, arm, workspace=ws)
+        return longest(axis, config, at.step_free_bytes, arm, **kernels)
 
-    return Answers(axis, card, b, longest(axis, config, b.step_free_bytes, arm, workspace=ws),
+    return Answers(axis, card, b, longest(axis, config, b.step_free_bytes, arm, **kernels),
                    longest_soup_admits(axis, config, available, arm, gate), low, step, high, gate.rule, gate_at,
                    tool_with_context, charged_at)
 
@@ -149,14 +149,15 @@ def resident_answers(req: FindMaxRequest) -> Answers:
         if r.unmodelled:
             return None
         try:
-            e = estimate_run(replace(arm, **{axis: value}), config)
+            e = estimate_run(replace(arm, **{axis: value}), config, dispatch=card.dispatch)
         except UsageError:  # not modelled there: nothing charged
             return None
         return {"allocated": e.corrected_predicted, "reserve": e.needs_free - e.corrected_predicted,
                 "outside": card.total_bytes - at.step_free_bytes}
 
     def tool_at(free: int) -> tuple[Optional[int], Optional[str]]:  # a setting it does not model: no answer
-        return (None, r.unmodelled) if r.unmodelled else longest_resident(axis, config, free, arm)
+        return (None, r.unmodelled) if r.unmodelled else longest_resident(axis, config, free, arm,
+                                                                          dispatch=card.dispatch)
 
     tool, refused = tool_at(b.step_free_bytes)
     return Answers(axis, card, b, tool, ResidentGate.longest(r.soup_input, axis, total, low, step, high), low, step,

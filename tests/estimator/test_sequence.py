@@ -11,7 +11,7 @@ import pytest
 from conftest import ROOT, checked_stack
 
 from issue395.constants import CUBLAS_WORKSPACE, K_SMALL_SIZE, block_bytes
-from issue395.estimator import sequence
+from issue395.estimator import gemm4bit, sequence
 from issue395.estimator.allocator import replaying
 from issue395.estimator.arch import arch_from_config, protocol_targets
 from issue395.estimator.stacks import package_version
@@ -144,8 +144,8 @@ def test_the_nf4_sequence_at_1536_tokens_or_fewer_is_the_captures_whichever_kern
     events = mod.capture(key, seq, 1, 8, targets, 0.05, "nf4", gemm)
     want, rests = captured(events, a, seq)
     ops = mod.cuda_ops()
-    fused = frozenset(s for s in sequence.gemm_shapes(a) if mod.fused_kernel(gemm, ops, torch.bfloat16, seq, *s))
-    assert fused == {"fused": frozenset(sequence.gemm_shapes(a)), "fallback": frozenset()}.get(gemm, fused)
+    fused = frozenset(s for s in gemm4bit.gemm_shapes(a) if mod.fused_kernel(gemm, ops, torch.bfloat16, seq, *s))
+    assert fused == {"fused": frozenset(gemm4bit.gemm_shapes(a)), "fallback": frozenset()}.get(gemm, fused)
     q = sequence.Requests(trace=True, fused=fused)
     sequence.load_nf4(q, a, targets, 8)
     kept = sequence.forward_nf4(q, a, seq, seq, (targets, 8, True))
@@ -167,19 +167,19 @@ def test_nf4_at_1536_tokens_or_fewer_charges_the_largest_replay_of_every_gemm_4b
     there), 1,572,864 B all fused, and charged 59,506,688 B, more than either (8,650,752 B, 3,670,016 B and
     57,147,392 B before peft's empty_cache ended the load)."""
     qwen3, phi3 = arch_from_config(config_json("qwen3-0.6b")), arch_from_config(config_json("phi3-mini"))
-    assert len(sequence.gemm_shapes(qwen3)) == 5 and len(set(sequence.gemm_choices(qwen3, 1536))) == 32
-    assert sequence.gemm_choices(qwen3, 1537) == [frozenset()]
+    assert len(gemm4bit.gemm_shapes(qwen3)) == 5 and len(set(gemm4bit.gemm_choices(qwen3, 1536))) == 32
+    assert gemm4bit.gemm_choices(qwen3, 1537) == [frozenset()]
     t = ("qkv_proj",)
     dequantised = sequence.layer_rests(phi3, t, 8, 512, 512, True, "nf4", CUBLAS_WORKSPACE, frozenset())
     fused = sequence.layer_rests(phi3, t, 8, 512, 512, True, "nf4", CUBLAS_WORKSPACE,
-                                 frozenset(sequence.gemm_shapes(phi3)))
+                                 frozenset(gemm4bit.gemm_shapes(phi3)))
     assert (dequantised, fused) == (7_864_320, 1_572_864)
     charged = sequence.layer_rests(phi3, t, 8, 512, 512, True, "nf4")
     assert charged == 59_506_688 > dequantised > fused
     assert sequence.layer_rests(phi3, t, 8, 512, 512, True, "nf4", CUBLAS_WORKSPACE) == charged
 
 
-@pytest.mark.skipif(package_version("bitsandbytes") != sequence.SEQUENCE_BITSANDBYTES,
+@pytest.mark.skipif(package_version("bitsandbytes") != gemm4bit.SEQUENCE_BITSANDBYTES,
                     reason="reads the pinned bitsandbytes' gemm_4bit heuristic")
 def test_a_weight_of_4_mi_elements_or_more_is_dequantised_on_every_card_past_512_tokens(monkeypatch):
     """Review item 1: bitsandbytes 0.50.2's heuristic (_gemm_4bit_use_custom_cuda) returns False for a weight of
@@ -194,16 +194,16 @@ def test_a_weight_of_4_mi_elements_or_more_is_dequantised_on_every_card_past_512
     phi3, llama = arch_from_config(config_json("phi3-mini")), arch_from_config(config_json("llama32-1b"))
     qwen3 = arch_from_config(config_json("qwen3-0.6b"))
     caps = [(7, 0), (7, 5), (8, 0), (8, 6), (8, 7), (8, 9), (9, 0), (10, 0), (11, 0), (12, 0), (12, 1)]
-    shapes = set(sequence.gemm_shapes(phi3) + sequence.gemm_shapes(llama) + sequence.gemm_shapes(qwen3))
+    shapes = set(gemm4bit.gemm_shapes(phi3) + gemm4bit.gemm_shapes(llama) + gemm4bit.gemm_shapes(qwen3))
     fused = set()
     for sms in (16, 132, 400):
         for cap in caps:
             monkeypatch.setattr(ops, "_gpu_dispatch_props", lambda index, cap=cap, sms=sms: (sms, *cap))
             fused |= {(T, n, k) for T in (513, 1024, 1536) for n, k in shapes if use(0, torch.bfloat16, T, n, k)}
-    assert fused and all(sequence.may_fuse((n, k), T) for T, n, k in fused)  # some small weight does fuse there
-    assert sequence.gemm_choices(phi3, 1024) == [frozenset()] and len(sequence.gemm_choices(phi3, 512)) == 16
-    assert sequence.gemm_choices(llama, 1024) == [frozenset(), frozenset({(512, 2048)})]
-    assert len(sequence.gemm_choices(qwen3, 1024)) == 32
+    assert fused and all(gemm4bit.may_fuse((n, k), T) for T, n, k in fused)  # some small weight does fuse there
+    assert gemm4bit.gemm_choices(phi3, 1024) == [frozenset()] and len(gemm4bit.gemm_choices(phi3, 512)) == 16
+    assert gemm4bit.gemm_choices(llama, 1024) == [frozenset(), frozenset({(512, 2048)})]
+    assert len(gemm4bit.gemm_choices(qwen3, 1024)) == 32
     t = ("qkv_proj",)
     assert sequence.layer_rests(phi3, t, 8, 1024, 1024, True, "nf4") == max(
         sequence.layer_rests(phi3, t, 8, 1024, 1024, True, "nf4", w, frozenset()) for w in sequence.WORKSPACE_SIZES)

@@ -17,6 +17,7 @@ import pytest
 from issue395.constants import CUBLAS_WORKSPACE, K_SMALL_SIZE, MiB, block_bytes
 from issue395.estimator.allocator import DESCENDING_TOP, CachingAllocator, _chain, allocation_size
 from issue395.estimator.arch import arch_from_config, registration_order
+from issue395.estimator.cards import CARDS
 from issue395.estimator.estimate import ADAPTER_RESTS, checked_arguments, estimate_key
 from issue395.estimator.sequence import Requests, layer, layer_parameters
 from issue395.estimator.steady import adapter_bytes, lora_tensors
@@ -540,13 +541,15 @@ def test_the_nf4_step_is_mistrals_event_for_event_but_its_blocks_depart_so_it_is
 # -- the layer walk (walked_rests): the binding layer's rests replayed, in place of layer_remainders' bound --
 #: The committed histories of streamed llama-type steps on which the walk was held (nf4-layer-traces-*: NF4, one
 #: step, r8-r16; the bf16 three-step ones above): the model's registry key, the walk's figure, the history's own most
-#: in its layers' backward (_backward_most), and whether walk_replayed admits the arm.
+#: in its layers' backward (_backward_most), and whether walk_replayed admits the arm on the card they ran on (an
+#: H100: at 64 and 512 tokens no Mistral-7B or Llama-3.1-8B shape runs the fused gemm_4bit there).
 _NF4 = "nf4-layer-traces-h100-soup0.77.0-3a30b5a/"
 WALK_TRACES = {_NF4 + "call-1/lay-sft-llama31-8b-nf4-1024x1-r8": ("llama31-8b", 524_288, 524_288, True),
                _NF4 + "call-2/lay-sft-mistral-nf4-1024x2-r8": ("mistral-7b", 524_288, 524_288, True),
                _NF4 + "call-2/lay-dpo-mistral-nf4-512x1-r8": ("mistral-7b", 524_288, 0, True),
-               _NF4 + "call-2/lay-sft-llama31-8b-nf4-512x1-r16-all": ("llama31-8b", MiB, MiB, False),
-               _NF4 + "call-1/lay-sft-mistral-nf4-512x1-r8": ("mistral-7b", MiB, 0, False),
+               _NF4 + "call-2/lay-sft-llama31-8b-nf4-512x1-r16-all": ("llama31-8b", MiB, MiB, True),
+               _NF4 + "call-1/lay-sft-mistral-nf4-512x1-r8": ("mistral-7b", MiB, 0, True),
+               "walk-heldout-traces-h100-soup0.77.0-c6b8a76/lay-sft-mistral-nf4-64x1-r8": ("mistral-7b", 0, 0, True),
                TRACES["qwen"]: ("qwen", 983_040, 983_040, False), TRACES["llama32-1b"]: ("llama32-1b", 0, 0, False)}
 #: ...and the two where adapter blocks over 1 MiB share the layers' segments: the walk is under their histories.
 UNWALKED = {"heldout52-bf16-h100-soup0.77.0-6f7ab1f/seg-dpo-qwen-bf16-1024x1-r128-all-s3-a1": "qwen",
@@ -589,7 +592,8 @@ def _walk_arm(path: str, key: str) -> tuple:
     walked = walked_rests(a, targets, row["r"], row["task"], row["seq"], row["batch"], row["quant"],
                           dropout=row["task"] == "sft", steps=row["steps"], accumulation=row["accum"])
     admitted = walk_replayed(a, row["quant"], row["task"], T, targets, row["r"], optimizer="adamw_torch",
-                             steps=row["steps"], workspace=CUBLAS_WORKSPACE, release="0.77.0",
+                             steps=row["steps"], workspace=CUBLAS_WORKSPACE, card=CARDS["h100"].dispatch,
+                             release="0.77.0",
                              transformers="5.16.1", stream={}, probed=False, buffers=2, environ={})
     return trace, row, a, T, adapter, walked, admitted
 
@@ -599,10 +603,10 @@ def test_the_walked_layer_rests_are_at_or_above_each_historys_most_in_its_layers
     """Issue 52 item 1, the layer phase: on each committed streamed history of a llama-type model the walk's figure
     (the setup and up to two steps replayed under both placements of new segments, the larger) is at or above the
     most the history's own non-adapter blocks held past their requests at once in any layers' backward: equal on
-    five of the seven (the layers' 8 MiB-and-up blocks keep none; a rest is a 3.5 MiB fp32 absmax's 512 KiB or a 1
-    MiB one), 0.5-1 MiB over on Mistral-7B NF4 at 512 tokens. walk_replayed admits the three untied NF4 arms past
-    the fused gemm_4bit's window (Mistral-7B SFT 1024x2 and DPO 512x1, Llama-3.1-8B SFT 1024x1); the two bf16 r64
-    arms' adapters are large-pool, and Mistral-7B SFT 512x1 and Llama-3.1-8B r16 at 512 tokens may fuse."""
+    six of the eight (the layers' 8 MiB-and-up blocks keep none; a rest is a 3.5 MiB fp32 absmax's 512 KiB or a 1
+    MiB one), 0.5-1 MiB over on Mistral-7B NF4 at 512 tokens. On the H100 walk_replayed admits the six untied NF4
+    arms (no shape of theirs runs the fused gemm_4bit there, gemm4bit.fused_shapes); the two bf16 r64 arms' adapters
+    are large-pool."""
     trace, row, a, T, adapter, walked, admitted = _walk_arm(path, WALK_TRACES[path][0])
     assert (walked, _backward_most(trace, T, a.V, adapter), admitted) == WALK_TRACES[path][1:]
 
@@ -620,8 +624,9 @@ def test_where_adapter_blocks_share_the_layers_segments_the_walk_is_under_and_no
 def test_the_estimate_charges_the_walk_only_where_it_is_admitted():
     """The binding layer's rests are the walk's on a small-pool adapter past the fused gemm_4bit's window (Mistral-7B
     NF4 1024x2: 0.5 MiB where the bound charges 21 MiB, so 1.0015x of its H100 peak, not 1.0123x; the same under
-    accumulation: its gradients never reach the large pool), and the bound's where a card may fuse (512 tokens:
-    512x1), the adapter is large-pool (r64 all-linear), or on another model type or release."""
+    accumulation: its gradients never reach the large pool; at 512x1 on a card known to dequantise there, an H100 or
+    an H200: 1.0028x of its H100 peak, not 1.0128x), and the bound's where some card may fuse and the card is not
+    known (512x1), the adapter is large-pool (r64 all-linear), or on another model type or release."""
     mistral = arch_from_config(config_json("mistral-7b"))
     kw = dict(quant="nf4", release="0.77.0", soup=False, transformers="5.16.1")
     e = estimate_key("mistral-7b", seq=1024, batch=2, **kw)
@@ -639,6 +644,11 @@ def test_the_estimate_charges_the_walk_only_where_it_is_admitted():
         assert bounded.terms["layer_remainders"] > 4 * MiB
     phi3 = estimate_key("phi3-mini", seq=2048, **kw)
     assert phi3.terms["layer_remainders"] > 4 * MiB
+    _, row = _history_at("nf4-layer-traces-h100-soup0.77.0-3a30b5a/call-1/lay-sft-mistral-nf4-512x1-r8")
+    for card in ("h100", "h200"):
+        known = estimate_key("mistral-7b", seq=512, dispatch=CARDS[card].dispatch, **kw)
+        assert known.terms["layer_remainders"] == MiB
+    assert row["real_peak"] <= known.corrected_predicted < 1.003 * row["real_peak"]
 
 
 # -- accumulation: the gradients held between micro-batches, replayed (step_rests' ``accumulation``) --
