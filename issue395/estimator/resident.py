@@ -170,7 +170,8 @@ from .arch import NF4_BLOCK, Arch, arch_from_config, fp32_residual, layer_bytes,
 from .layer import (AUTOCAST_BF16, LORA_DROPOUT_MASK_BYTES, MLP_BACKWARD_TRANSIENTS, RMS_RSTD_BYTES,
                     Moment, autocast_by_layer, autocast_casts, autocast_per_token, autocast_upcasts, layer_per_token,
                     mask_bytes, resid_masks, retained_by_layer)
-from .estimate import ADAPTER_RESTS, EXPANDABLE_RESERVE_BYTES, Estimate, estimate, needs_free, segment_tail
+from .estimate import (ADAPTER_RESTS, EXPANDABLE_RESERVE_BYTES, Estimate, binding_phase, estimate, needs_free,
+                       segment_tail)
 from .gc_sequence import charge as gc_charge, charged as gc_charged
 from .steady import adapter_bytes
 from .terms import Phase, Term, phase_sum
@@ -476,21 +477,9 @@ def estimate_resident(config: dict, *, quant: str = "none", seq: int, batch: int
         # (results/resident-anatomy-*/call-1/res-sft-llama1b-*-2048x1)
         t[Term.ROTARY_TABLES.key] *= 2
         t[Term.DEQUANTISED_LAYER.key] = 2 * max(fi * fo for fi, fo, _ in a.modules.values())
-    step = {p: phase_sum(t, p) for p in (Phase.LOSS, Phase.REFERENCE, Phase.LAYER)}
-    if not task_named(task).reference:
-        step[Phase.REFERENCE] = 0
-    ws = t[Term.AUTOGRAD_WORKSPACE.key]
-    if steps > 1 or accumulation > 1:  # the steady state's phases, as estimate() composes a streamed run's: after
-        # a first backward its thread's cuBLAS workspace stays beside every phase
-        step = {p: v + ws if v else v for p, v in step.items()}
-    binding = max(step, key=step.get)
-    peak = step[binding]
-    if steps > 1:  # the optimizer's states beside every phase, and its own step once the activations are freed
-        optimizer_step = (t[Term.ADAPTER_GRADIENTS.key] + t[Term.OPTIMIZER_TRANSIENTS.key] + ws
-                          + sum(t.get(k.key, 0) for k in ADAPTER_RESTS))
-        if optimizer_step > peak:
-            binding, peak = Phase.OPTIMIZER, optimizer_step
-        peak += t[Term.OPTIMIZER_STATES.key]
+    # the phases as estimate() composes a streamed run's (every layer's input is the layer phase's own here)
+    binding, peak = binding_phase(t, t[Term.CHECKPOINTED_INPUTS.key], task_named(task).reference, steps, accumulation,
+                                  False, t[Term.AUTOGRAD_WORKSPACE.key], sum(t.get(k.key, 0) for k in ADAPTER_RESTS))
     corrected = phase_sum(t, Phase.RESIDENT) + peak + phase_sum(t, Phase.ALLOWANCE)
     reserve = resident_reserve(a, quant, tg, lora_r, e, checkpointing, lora_dropout, transformers)
     return Estimate(e.seq, e.batch, quant, e.steps, e.release, None, {}, corrected, needs_free(corrected, reserve),

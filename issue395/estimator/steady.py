@@ -133,8 +133,8 @@ def unsplit_remainders(a: Arch, targets: tuple, r: int, optimizer: str, per: int
     every phase, ``copies`` of the adapter (its parameters, and DPO's reference copy), the gradients held between
     micro-batches (accumulation > 1) and from step 2 on the optimizer's states (unsplit_remainders); with one
     micro-batch the gradients the backward makes, live from the layer phase to the optimizer's step (the Trainer's
-    zero_grad sets them to None after it, so the next step's loss has none: gradient_remainders); from step 2 on the
-    optimizer's own transients, inside its step only (transient_remainders). A block not live in a phase holds no
+    zero_grad sets them to None after it, so the next step's loss has none: gradient_remainders); the optimizer's own
+    transients, inside its step only, and in a one-step run the states it makes there (transient_remainders). A block not live in a phase holds no
     rest there, so each phase's sum is the bound over the blocks live in it. ``placed``: the rests the ``copies``
     keep where the setup that places them is replayed (streamed_sequence.placed_rests), charged in place of their
     bound; ``states``: the rests step 1's optimizer states keep where that step is replayed
@@ -143,14 +143,17 @@ def unsplit_remainders(a: Arch, targets: tuple, r: int, optimizer: str, per: int
     Evidence: docs/PEAK.md, "unsplit_remainders"."""
     sizes = lora_tensors(a, targets, r)
     beside = [per * n for n in sizes] * ((copies if placed is None else 0) + (accumulation > 1 and held is None))
+    made = [b for n in sizes for b in state_blocks(n, optimizer, per)]
     if steps > 1 and states is None:
-        beside += [b for n in sizes for b in state_blocks(n, optimizer, per)]
-    transient = (FP32 if is_bounded(optimizer) else per) if steps > 1 else 0
+        beside += made
+    # a one-step run's states are made inside its optimizer step and live only there: their rests with its transients
+    made_rests = 0 if steps > 1 else (unsplit_rests(made) if states is None else states)
+    transient = FP32 if is_bounded(optimizer) else per
     t = {Term.UNSPLIT_REMAINDERS.key: unsplit_rests(beside) + (placed or 0) + ((states or 0) if steps > 1 else 0)
          + ((held or 0) if accumulation > 1 else 0),
          Term.GRADIENT_REMAINDERS.key: unsplit_rests(per * n for n in sizes) if accumulation == 1 else 0,
          Term.TRANSIENT_REMAINDERS.key: unsplit_rests([transient * n for n in sizes]
-                                                      * optimizer_named(optimizer).transient)}
+                                                      * optimizer_named(optimizer).transient) + made_rests}
     return {k: v for k, v in t.items() if v}
 
 

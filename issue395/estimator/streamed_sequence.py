@@ -725,11 +725,12 @@ def step_replayed(a: Arch, quant: str, task: str, *, dropout: bool, accumulation
     """Whether ``step_rests`` is the run's: its setup is (setup_replayed, ``stack`` its keywords), its model type
     and task a pair STEP_CHECKED names, with LoRA dropout as checked (SFT keeping masks; TRL's DPO turns it off),
     any number of micro-batches (from the second on each gradient added into .grad in place: ``accumulated``),
-    torch's foreach AdamW, a GQA model (SDPA's workspace, flash_backward) and a step past the first (the states are
-    live from step 2)."""
+    torch's foreach AdamW and a GQA model (SDPA's workspace, flash_backward); any number of steps (the replay runs
+    through step 1's optimizer step, where a one-step run's states are made and may bind), but a one-step run with
+    one micro-batch only (its held gradients are step 1's first micro-batch's, which the replay does not key)."""
     return (setup_replayed(a, quant, task, **stack) and (a.model_type, task) in STEP_CHECKED
-            and dropout == (task == "sft") and optimizer == "adamw_torch" and steps > 1
-            and a.kv != a.heads)
+            and dropout == (task == "sft") and optimizer == "adamw_torch" and a.kv != a.heads
+            and (steps > 1 or accumulation == 1))
 
 
 def step_rests(a: Arch, targets: tuple, r: int, task: str, seq: int, batch: int, accumulation: int = 1) -> dict:

@@ -109,9 +109,10 @@ class Term(Enum):
     #: gradient accumulation: micro-batch 2 on runs with the gradients micro-batch 1 made
     HELD_GRADIENTS = ("held_gradients", _STEP, Kind.GRAD, "the gradients held between micro-batches",
                       "gradient_accumulation_steps > 1")
-    OPTIMIZER_STATES = ("adam_moments", {_ST, _OP}, Kind.OPT, "the optimizer's states", "steps > 1")
-    ADAPTER_GRADIENTS = ("adapter_gradients", {_OP}, Kind.GRAD, "the adapter's gradients", "steps > 1")
-    OPTIMIZER_TRANSIENTS = ("optimizer_transients", {_OP}, Kind.TEMP, "the optimizer's transients", "steps > 1")
+    #: the optimizer's step, in every run (step 1's makes the states there; from step 2 they are beside every phase)
+    OPTIMIZER_STATES = ("adam_moments", {_ST, _OP}, Kind.OPT, "the optimizer's states", None)
+    ADAPTER_GRADIENTS = ("adapter_gradients", {_OP}, Kind.GRAD, "the adapter's gradients", None)
+    OPTIMIZER_TRANSIENTS = ("optimizer_transients", {_OP}, Kind.TEMP, "the optimizer's transients", None)
     #: the default allocator (the harness's step) hands a large-pool request a cached block whole when the rest
     #: would be 1 MiB or less: each adapter-shaped block over 1 MiB charged that 1 MiB in the phases it is live in;
     #: beside every phase the parameters, the reference copy, the held gradients and the optimizer's states...
@@ -120,10 +121,10 @@ class Term(Enum):
     #: ...with one micro-batch the gradients the backward makes, from the layer phase to the optimizer's step...
     GRADIENT_REMAINDERS = ("gradient_remainders", {_LA, _OP}, Kind.OTH, "the adapter gradients' unsplit remainders",
                            "an adapter tensor over 1 MiB, one micro-batch")
-    #: ...and the optimizer's transients inside its step; none in needs_free (`soup train`'s expandable segments
-    #: split every block at 512 B)
-    TRANSIENT_REMAINDERS = ("transient_remainders", {_OP}, Kind.OTH, "the optimizer transients' unsplit remainders",
-                            "an adapter tensor over 1 MiB, steps > 1, a foreach optimizer")
+    #: ...and the optimizer's transients inside its step (in a one-step run the states it makes there too); none in
+    #: needs_free (`soup train`'s expandable segments split every block at 512 B)
+    TRANSIENT_REMAINDERS = ("transient_remainders", {_OP}, Kind.OTH, "the optimizer step's own blocks' unsplit "
+                            "remainders", "an adapter tensor over 1 MiB")
     #: ...and the same allocator's rests in the blocks the binding layer's turn holds (its dequantised weights and
     #: its tokens' tensors: constants.layer_remainders), a dense layer's, in the layer phase only; not in needs_free
     LAYER_REMAINDERS = ("layer_remainders", {_LA}, Kind.OTH, "the binding layer's blocks' unsplit remainders",
