@@ -299,7 +299,8 @@ def resident_preflight(cfg: Any, model_config: Any, *, free: Optional[int], tota
              "torch could not read the free memory)")
     fits = gate <= free
     resident, allowance = phase_sum(e.terms, Phase.RESIDENT), phase_sum(e.terms, Phase.ALLOWANCE)
-    states = e.terms.get(Term.OPTIMIZER_STATES.key, 0) if e.steps > 1 else 0
+    # the states are beside every phase from step 2, and inside step 1's optimizer step where that binds
+    states = e.terms.get(Term.OPTIMIZER_STATES.key, 0) if e.steps > 1 or e.phase == Phase.OPTIMIZER.value else 0
     charged = (f"resident weights and adapter {resident / 1e9:.2f} | optimizer states {states / 1e9:.2f} | the "
                f"{e.phase} phase's activations, logits, loss and gradients "
                f"{(e.corrected_predicted - resident - states - allowance) / 1e9:.2f} | allowance "
