@@ -15,9 +15,16 @@ Known limitations (measured: results/fit4-anatomy-findmax-render.txt, bench/rere
   term out (expandable segments split every block). The binding layer's blocks are charged the same
   rule's bound (layer_remainders: 8.4 MB on Phi-3-mini NF4 512x1, measured 6.3 MB; 13-22 MB on the other
   layer-phase arms; replayed instead where streamed_sequence.walk_replayed admits the run: a small-pool adapter
-  on a llama-type decoder, and under NF4 only past the token counts where a card may fuse gemm_4bit, so
-  Mistral-7B NF4 at 512x1 keeps the bound), and the loss phase's blocks under 10 MiB (loss_remainders: 1-3 MiB on the committed
+  on a llama-type decoder, and under NF4 only where no shape runs gemm_4bit fused: on the card the estimate is
+  told of (gemm4bit; Mistral-7B NF4 512x1 on an H100 or H200 is walked), else on any card (512x1 keeps the bound)),
+  and the loss phase's blocks under 10 MiB (loss_remainders: 1-3 MiB on the committed
   loss-phase arms; Gemma-3-1B NF4 2048x1 3 MiB, its physics alone then 0.02 MB under its measured peak).
+- The NF4 setup's replay (placed_rests, charged for Mistral-7B SFT: NF4_SETUPS) lays out the r256 history's start
+  segment for segment, but not the r64 one's (the driver put some segments elsewhere): there its parameters' rests
+  come out 10,747,904 B against the history's 11,534,336 B. The estimate stays above that run (1.112x: the states',
+  gradients' and transients' 1 MiB bounds), but the term alone is under there.
+- A large adapter's one-step run binds in step 1's optimizer step where the loss is small (Mistral-7B NF4 r64
+  all-linear 1024x1: 1.157x of its H200 peak), the states', gradients' and transients' rests bounded as above.
 - The allocator's reserve (needs_free - split_allocated) is an envelope in whole 20 MiB pages of 8 arms'
   page need and 7 OOM readings (EXPANDABLE_RESERVE_PAGES), not a count of the gaps a run leaves; except a
   checkpointed resident run gc_sequence replays on expandable segments (Phi-3 and llama: both pools' most pages
