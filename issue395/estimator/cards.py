@@ -181,9 +181,11 @@ CARDS: dict[str, Card] = {c.name.lower(): c for c in (
 def saved_dispatch(env: Optional[dict]) -> Optional[Dispatch]:
     """What bitsandbytes' gemm_4bit heuristic read of the card a saved result ran on: the SM count and compute
     capability the run recorded (``gpu_sms``, ``gpu_cc``), else the named card whose CUDA name the result's ``gpu``
-    is; None where neither is known or the run's bitsandbytes is not the release gemm4bit ports."""
+    is; None where neither is known, or the run recorded no bitsandbytes or another release than gemm4bit ports."""
     env = env or {}
-    bnb = env.get("bitsandbytes") or None
+    bnb = env.get("bitsandbytes")
+    if not bnb:
+        return None
     if env.get("gpu_sms") and env.get("gpu_cc"):
         return dispatch_for(env["gpu_sms"], tuple(int(x) for x in str(env["gpu_cc"]).split(".")), bnb)
     card = next((c for c in CARDS.values() if c.device and c.device == env.get("gpu")), None)

@@ -5,7 +5,8 @@ from the installed soup-cli's source with ``ast`` and executed in an isolated na
 neither torch nor soup_cli is imported. Stdlib only. Evidence is cited as PEAK
 (docs/PEAK.md, by section: a term's or constant's own is named for it).
 
-peak = resident + max(loss phase, layer phase) [+ steady-state terms when steps > 1]
+peak = resident + max(loss phase, layer phase, optimizer step) [+ the optimizer's states beside every phase when
+steps > 1; at step 1 they are made in its optimizer step]
 """
 
 from __future__ import annotations
@@ -308,23 +309,35 @@ class Estimate:
     accumulation: int = 1  # training.gradient_accumulation_steps: past 1 the gradients are held
     buffers: int = 2  # training.stream_buffers: the pool's slots
     reserve: int = EXPANDABLE_RESERVE_BYTES  # needs_free's allocator reserve: the bound, or a replay's (gc_sequence)
+    #: the corrected peak of the forward and backward alone, before the optimizer's step (what Soup's stream_vram_probe
+    #: measures: measure_step_peak_bytes runs no optimizer step); 0: the corrected peak
+    forward_backward: int = 0
+    #: the allocated peak with every block split, from the phases' own binding over the terms less the remainders
+    #: (the phase binding the split terms may be another than the one binding the corrected peak); 0: not computed
+    split: int = 0
 
     @property
     def split_allocated(self) -> int:
         """The allocated peak with every block split to its request, as expandable segments (`soup train`)
         split them: the corrected peak less the unsplit remainders the default allocator leaves (the adapter's, and
         where the layer phase binds, the layer's: needs_free's allocated peak; a resident estimate's needs_free
-        keeps them, its allocator being the default one)."""
+        keeps them, its allocator being the default one), each phase's taken apart where the estimate bound them
+        (``split``: a one-step run's optimizer step may bind with its rests and the layer phase without them)."""
+        if self.split:
+            return min(self.split, self.needs_free - self.reserve)
         rests = sum(self.terms.get(t.key, 0) for t in ADAPTER_RESTS if Phase(self.phase) in t.phases)
         return min(self.corrected_predicted - rests, self.needs_free - self.reserve)
 
     def to_json(self) -> dict:
         """Every field, the task always (an --estimate JSON row says which task it answers); the
-        optimizer only past step 1, where its states are live; the accumulation only past 1, the pool's
-        buffers only other than 2, the reserve only where a replay charged it (so rows saved before them read alike)."""
+        optimizer only past step 1, where its states are live, or where step 1's optimizer step binds; the
+        accumulation only past 1, the pool's buffers only other than 2, the reserve only where a replay charged it
+        (so rows saved before them read alike)."""
         return {k: dict(v) if isinstance(v, dict) else v for k, v in vars(self).items()
-                if not (k == "optimizer" and self.steps == 1) and not (k == "accumulation" and v == 1)
-                and not (k == "buffers" and v == 2) and not (k == "reserve" and v == EXPANDABLE_RESERVE_BYTES)}
+                if not (k == "optimizer" and self.steps == 1 and self.phase != "optimizer")
+                and not (k == "accumulation" and v == 1)
+                and not (k == "buffers" and v == 2) and not (k == "reserve" and v == EXPANDABLE_RESERVE_BYTES)
+                and k not in ("split", "forward_backward")}
 
 
 def _whole(name: str, v, low: int = 1) -> int:
@@ -394,7 +407,9 @@ def estimate(config: dict, *, quant: str = "none", seq: int, batch: int = 1, tar
     _, split_peak = binding_phase(split, lp.checkpointed, tk.reference, steps, accumulation, probed, ws, 0)
     return Estimate(seq, batch, quant, steps, release, soup_number, soup_terms, corrected,
                     needs_free(corrected - peak + split_peak), binding.value, t, tk.name, optimizer, accumulation,
-                    buffers)
+                    buffers, split=corrected - peak + split_peak,
+                    forward_backward=phase_sum(t, Phase.RESIDENT) + t[Term.ALLOCATED_ALLOWANCE.key] + max(step_phases(
+                        t, lp.checkpointed, tk.reference, steps, accumulation, probed, ws).values()))
 
 
 def checked_arguments(config: dict, a: Arch, *, quant: str, seq: int, batch: int, targets, lora_r: int, steps: int,
@@ -571,13 +586,10 @@ def chunked_loss_terms(a: Arch, chunk: int, seq: int, batch: int, T: int, ws: in
             Term.CHUNKED_LOSS.key: ws + 2 * 2 * a.h * T}
 
 
-def binding_phase(t: dict, checkpointed: int, reference: bool, steps: int, accumulation: int, probed: bool,
-                  ws: int, unsplit: int) -> tuple:
-    """The phase whose bytes bind the step (the loss, the reference's forward, the binding layer, or the
-    optimizer's own step) and its bytes above the resident terms and the allowance. Step 1's optimizer step makes
-    the states (zeros_like, then its transients) beside the gradients and the backward thread's workspace, so it
-    may bind a one-step run too (Mistral-7B NF4 r64 all-linear 1024x1: step 1's peak, 2,252,526,080 B on an H100,
-    is inside it); from step 2 the states are beside every phase."""
+def step_phases(t: dict, checkpointed: int, reference: bool, steps: int, accumulation: int, probed: bool,
+                ws: int) -> dict:
+    """The forward and backward's phases (the loss, the reference's forward, the binding layer) and their bytes above
+    the resident terms and the allowance, before the optimizer's step."""
     # at the binding layer only the inputs of the layers not yet run backward are live
     layer = phase_sum(t, Phase.LAYER) - t[Term.CHECKPOINTED_INPUTS.key] + checkpointed
     step = {Phase.LOSS: phase_sum(t, Phase.LOSS), Phase.REFERENCE: phase_sum(t, Phase.REFERENCE) if reference
@@ -588,6 +600,17 @@ def binding_phase(t: dict, checkpointed: int, reference: bool, steps: int, accum
         # workspace's 33.6 and the bf16 moments' 13.6; docs/PEAK.md "Steps after the first"); Soup's
         # probe's backward at setup is such a first one (layer_stream_runtime.measure_step_peak_bytes)
         step = {p: v + ws if v else v for p, v in step.items()}
+    return step
+
+
+def binding_phase(t: dict, checkpointed: int, reference: bool, steps: int, accumulation: int, probed: bool,
+                  ws: int, unsplit: int) -> tuple:
+    """The phase whose bytes bind the step (the loss, the reference's forward, the binding layer, or the
+    optimizer's own step) and its bytes above the resident terms and the allowance. Step 1's optimizer step makes
+    the states (zeros_like, then its transients) beside the gradients and the backward thread's workspace, so it
+    may bind a one-step run too (Mistral-7B NF4 r64 all-linear 1024x1: step 1's peak, 2,252,526,080 B on an H100,
+    is inside it); from step 2 the states are beside every phase."""
+    step = step_phases(t, checkpointed, reference, steps, accumulation, probed, ws)
     binding = max(step, key=step.get)  # a tie goes to the loss, as it always has
     peak = step[binding]
     # the optimizer's own step, once the backward has freed the activations, beside the states (made in it at

@@ -45,6 +45,12 @@ class Gate:
             return soup_predicted <= available  # decide_stream_fit
         return soup_predicted <= available * PROBE_DEFERRAL_CEILING and one_step_allocated <= available
 
+    @staticmethod
+    def probed(e: Any) -> int:
+        """What the probe measures of a one-step estimate (Gate.measured's): its forward and backward, no optimizer
+        step (measure_step_peak_bytes runs none)."""
+        return e.forward_backward or e.corrected_predicted
+
     @property
     def rule(self) -> str:
         return "measured probe (decide_measured_fit)" if self.probe else "Soup's number (decide_stream_fit)"
@@ -136,8 +142,8 @@ def longest_soup_admits(axis: str, config: dict, free_bytes: int, arm: Any, gate
     (computed by its own estimator code) <= the free VRAM it measures (decide_stream_fit), or, with
     the probe, the measured path's rule on one step (Gate.admits, Gate.measured)."""
     extra.pop("workspace", None)
-    return _longest(config, gate.measured(arm), lambda e: gate.admits(e.soup_predicted, e.corrected_predicted,
-                                                                      free_bytes), axis, **extra)
+    return _longest(config, gate.measured(arm), lambda e: gate.admits(e.soup_predicted, gate.probed(e), free_bytes),
+                    axis, **extra)
 
 
 def longest_seq(config: dict, free_bytes: int, arm: Any, **extra) -> Optional[int]:
@@ -190,7 +196,7 @@ def card_answers(config: dict, e: Estimate, budgets: list[Budget], arm, env: Opt
         mine = estimate_run(arm, config, **kernels, **extra) if own else e
         available = gate.available(b.gate_free_bytes)
         fits = b.fits(mine.needs_free)
-        admits = gate.admits(e.soup_predicted, one_step.corrected_predicted, available)
+        admits = gate.admits(e.soup_predicted, gate.probed(one_step), available)
         out.append({"card": b.card.name, "total_bytes": b.card.total_bytes, "context_bytes": b.context_bytes,
                     "free_bytes": b.free_bytes, "step_free_bytes": b.step_free_bytes,
                     "growth_bytes": b.growth, "growth_source": b.growth_from,
@@ -403,7 +409,7 @@ def steps_words(steps: int, source: Optional[str] = None) -> str:
     """Which answer it is: the protocol's one step, or the run's steady state (from step 2 on the
     optimizer's states are live and every later step repeats the peak)."""
     if steps == 1:
-        return "the first step alone (the protocol's one step: no optimizer state yet)"
+        return "the first step alone (the protocol's one step: its optimizer step makes the states)"
     return (f"the run's steady state (the peak over {steps} steps: from step 2 on the optimizer's states are live)"
             + ("; --steps 1 gives the protocol's one step" if source == "--config's run" else ""))
 

@@ -453,10 +453,11 @@ def master_backward(a: Arch, T: int, *, checkpointing: bool, accumulated: bool) 
 
 def adapterless(base: Estimate) -> dict:
     """The terms of the r 1 LoRA run a full fine-tuning starts from, less what only an adapter holds (its weights,
-    gradients, held gradients and their rests, autocast's copies of it) and the r 1 layer's rests (not this one's)."""
+    gradients, held gradients, its optimizer step's gradients and their rests, autocast's copies of it) and the r 1 layer's rests (not this one's)."""
     return {k: v for k, v in base.terms.items() if k not in (
         Term.LORA_WEIGHTS.key, Term.BACKWARD_GRADIENTS.key, Term.HELD_GRADIENTS.key, Term.UNSPLIT_REMAINDERS.key,
-        Term.GRADIENT_REMAINDERS.key, Term.TRANSIENT_REMAINDERS.key, Term.ADAPTER_CASTS.key, Term.LAYER_REMAINDERS.key)}
+        Term.GRADIENT_REMAINDERS.key, Term.TRANSIENT_REMAINDERS.key, Term.ADAPTER_CASTS.key, Term.LAYER_REMAINDERS.key,
+        Term.ADAPTER_GRADIENTS.key)}
 
 
 def trained_step(t: dict, a: Arch, base: Estimate, lora_rounding: int, per: int, counts: tuple, *,

@@ -12,8 +12,9 @@ the installed bitsandbytes' own function over every branch. Where the card is kn
 with its SM count, or the device a run measured on) the one answer is taken (``fused_shapes``); unknown, every
 subset of the shapes some card may fuse (``may_fuse``) is a choice, and the callers take the largest replay.
 
-Known limitations: the port is of one bitsandbytes release; another keeps the card-agnostic choices (the caller
-passes no Dispatch: ``dispatch_for``). The ROCm heuristic is not ported (a card here is CUDA's).
+Known limitations: the port is of one bitsandbytes release, for a bf16 input; another release, or a card without
+bf16 (before compute capability 8: Soup's compute dtype there is fp16, whose sm75 branches fuse far more) keeps the
+card-agnostic choices (``dispatch_for`` gives no Dispatch). The ROCm heuristic is not ported.
 """
 
 from __future__ import annotations
@@ -47,9 +48,10 @@ class Dispatch(NamedTuple):
 
 def dispatch_for(sms: Optional[int], cc: Optional[tuple], bitsandbytes: Optional[str] = SEQUENCE_BITSANDBYTES
                  ) -> Optional[Dispatch]:
-    """The Dispatch of a card whose SM count and compute capability are both known, where the run's bitsandbytes
-    is the release ported here (None: the installed one is assumed); else None (every card's choices)."""
-    if sms is None or cc is None or bitsandbytes not in (None, SEQUENCE_BITSANDBYTES):
+    """The Dispatch of a card whose SM count and compute capability are both known, with bf16 (compute capability 8
+    and up: below it Soup computes in fp16, whose branches are not ported), where the run's bitsandbytes is the
+    release ported here (None: the installed one is assumed); else None (every card's choices)."""
+    if sms is None or cc is None or int(cc[0]) < 8 or bitsandbytes not in (None, SEQUENCE_BITSANDBYTES):
         return None
     return Dispatch(int(sms), int(cc[0]), int(cc[1]))
 

@@ -174,7 +174,7 @@ from .estimate import (ADAPTER_RESTS, EXPANDABLE_RESERVE_BYTES, Estimate, bindin
                        segment_tail)
 from .gc_sequence import charge as gc_charge, charged as gc_charged
 from .steady import adapter_bytes
-from .terms import Phase, Term, phase_sum
+from .terms import BY_KEY, Phase, Term, phase_sum
 from .full import estimate_full, full_refused
 from .gemm4bit import Dispatch
 from .sequence import ANY_TARGET_TYPES, checked_targets, layer_rests, replayed
@@ -481,9 +481,14 @@ def estimate_resident(config: dict, *, quant: str = "none", seq: int, batch: int
     binding, peak = binding_phase(t, t[Term.CHECKPOINTED_INPUTS.key], task_named(task).reference, steps, accumulation,
                                   False, t[Term.AUTOGRAD_WORKSPACE.key], sum(t.get(k.key, 0) for k in ADAPTER_RESTS))
     corrected = phase_sum(t, Phase.RESIDENT) + peak + phase_sum(t, Phase.ALLOWANCE)
+    # split_allocated's: the phases bound again without the adapter's rests (another phase may bind there)
+    _, split_peak = binding_phase({k: v for k, v in t.items() if BY_KEY[k] not in ADAPTER_RESTS},
+                                  t[Term.CHECKPOINTED_INPUTS.key], task_named(task).reference, steps, accumulation,
+                                  False, t[Term.AUTOGRAD_WORKSPACE.key], 0)
     reserve = resident_reserve(a, quant, tg, lora_r, e, checkpointing, lora_dropout, transformers)
     return Estimate(e.seq, e.batch, quant, e.steps, e.release, None, {}, corrected, needs_free(corrected, reserve),
-                    binding.value, t, e.task, e.optimizer, e.accumulation, reserve=reserve)
+                    binding.value, t, e.task, e.optimizer, e.accumulation, reserve=reserve,
+                    split=corrected - peak + split_peak)
 
 
 def resident_reserve(a: Arch, quant: str, targets: tuple, r: int, e: Estimate, checkpointing: bool, dropout: float,

@@ -351,7 +351,9 @@ def answered(e: EstimateRequest, a: Adapter, gate, optimizer, stream: dict, kw: 
     stack_line = stack.line() if not box else stack.line().replace(
         "stack: ", f"stack (the training box's, by --stack {','.join(f'{p}={v}' for p, v in box.items())}; the rest "
         "this machine's): ", 1)
-    bound = bound_words(optimizer) if optimizer and e.steps > 1 and is_bounded(optimizer) else None
+    # a bounded optimizer's figure is the bound's where its states count: from step 2, or where step 1's step binds
+    charged = e.steps > 1 or any(r.phase == "optimizer" for r in rows)
+    bound = bound_words(optimizer) if optimizer and charged and is_bounded(optimizer) else None
     verdict = first_line(rows, e.cards, answers)
     if bound:  # every figure is the bound's: said on the verdict's line and on its own
         verdict = verdict.replace("verdict (", f"verdict (an UPPER BOUND: training.optimizer {optimizer} is not modelled; ", 1)

@@ -112,7 +112,7 @@ def answers(req: FindMaxRequest) -> Answers:
         mine = estimate_run(replace(arm, **{axis: value}), config)
         one = mine if not gate.probe else estimate_run(replace(gate.measured(arm), **{axis: value}), config)
         return {"value": value, "soup_predicted": mine.soup_predicted, "gate_free_bytes": available,
-                "admits": gate.admits(mine.soup_predicted, one.corrected_predicted, available)}
+                "admits": gate.admits(mine.soup_predicted, gate.probed(one), available)}
 
     def charged_at(value: int, at: Any) -> dict:
         e = estimate_run(replace(arm, **{axis: value}), config, **kernels)

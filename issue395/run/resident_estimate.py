@@ -55,7 +55,8 @@ def answer_resident(e: EstimateRequest) -> int:
         + (", Soup's gate admits it" if c["soup_admits"] else ", Soup's gate REFUSES it") for c in cards)
         if cards else mine + "; give --card to fit it on a card")
     optimizer = e.settings.optimizer
-    bound = bound_words(optimizer) if est and optimizer and e.steps > 1 and is_bounded(optimizer) else None
+    charged = est and (e.steps > 1 or est.phase == "optimizer")  # where the optimizer's states count
+    bound = bound_words(optimizer) if charged and optimizer and is_bounded(optimizer) else None
     if bound:  # every figure is the bound's: said on the verdict's line and on its own
         verdict = verdict.replace("verdict: ", f"verdict (an UPPER BOUND: training.optimizer {optimizer} is not modelled): ", 1)
     lines = [verdict, f"--estimate: {e.model}, from --config {a.soup_config}: a resident run (training.stream_layers "

@@ -97,11 +97,16 @@ def test_a_known_card_has_one_choice_and_an_unknown_one_every_choice_some_card_m
 
 def test_the_card_a_saved_result_ran_on_is_read_from_what_it_recorded():
     """A result records the device's SM count and compute capability (results/stack.py); an older one only its CUDA
-    name, read where a named card's is that name (the H100 and H200 of the committed stacks); an unknown name, or a
-    bitsandbytes other than the ported release, gives none, and the estimate keeps every card's choices."""
+    name, read where a named card's is that name (the H100 and H200 of the committed stacks); an unknown name, no
+    bitsandbytes recorded or another than the ported release, or a card without bf16, gives none, and the estimate
+    keeps every card's choices."""
     assert saved_dispatch({"gpu_sms": 58, "gpu_cc": "8.9", "bitsandbytes": "0.50.2"}) == Dispatch(58, 8, 9)
     assert saved_dispatch({"gpu": "NVIDIA H100 80GB HBM3", "bitsandbytes": "0.50.2"}) == Dispatch(132, 9, 0)
-    assert saved_dispatch({"gpu": "NVIDIA H200"}) == Dispatch(132, 9, 0)
+    assert saved_dispatch({"gpu": "NVIDIA H200", "bitsandbytes": "0.50.2"}) == Dispatch(132, 9, 0)
+    assert saved_dispatch({"gpu": "NVIDIA H200"}) is None  # which bitsandbytes chose is not known
     assert saved_dispatch({"gpu": "NVIDIA H100 PCIe", "bitsandbytes": "0.50.2"}) is None
     assert saved_dispatch({"gpu": "NVIDIA H200", "bitsandbytes": "0.45.0"}) is None
     assert saved_dispatch(None) is None and CARDS["a10g"].dispatch is None
+    # before compute capability 8 Soup computes in fp16 (no bf16), whose branches are not ported: no Dispatch
+    assert CARDS["t4"].dispatch is None and CARDS["v100-16gb"].dispatch is None
+    assert saved_dispatch({"gpu_sms": 40, "gpu_cc": "7.5", "bitsandbytes": "0.50.2"}) is None
