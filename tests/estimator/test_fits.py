@@ -441,3 +441,34 @@ def test_the_probe_gate_answers_the_one_step_it_measures_whatever_the_runs_optim
     assert (F.longest_soup_admits("seq", MISTRAL, free, run, gate)
             == F.longest_soup_admits("seq", MISTRAL, free, one, gate) is not None)
     assert F.longest_soup_admits("seq", MISTRAL, free, run) == F.longest_soup_admits("seq", MISTRAL, free, one)
+
+
+def test_soups_probe_reads_a_one_step_estimates_forward_and_backward_not_its_optimizer_step():
+    """Soup's stream_vram_probe (measure_step_peak_bytes) runs a forward and a backward, no optimizer step; a
+    one-step estimate of a large adapter binds in its optimizer step (the states it makes), which the probe never
+    sees: Gate.probed reads the forward and backward's peak. A small adapter's is its corrected peak."""
+    from issue395.estimator.estimate import estimate_key
+    from issue395.estimator.fits import Gate
+
+    everything = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    large = estimate_key("mistral-7b", seq=256, lora_r=64, targets=everything, soup=False, release="0.77.0")
+    small = estimate_key("mistral-7b", seq=256, soup=False, release="0.77.0")
+    assert large.phase == "optimizer" and Gate(probe=True).probed(large) == large.forward_backward
+    assert large.forward_backward < large.corrected_predicted - 10**9
+    assert Gate(probe=True).probed(small) == small.corrected_predicted == small.forward_backward
+
+
+def test_a_one_step_runs_split_peak_is_its_own_phases_binding_without_the_rests():
+    """Expandable segments split every block, so the split peak binds over the terms less the remainders, which
+    may be another phase than the corrected peak's: Mistral-7B NF4 r64 all-linear 2048x1, one step, binds in its
+    optimizer step with its rests and in its layer phase without them; split_allocated is the latter (needs_free's
+    allocated peak), never the optimizer step less its rests."""
+    from issue395.estimator.estimate import ADAPTER_RESTS, estimate_key
+    from issue395.estimator.terms import Phase
+
+    everything = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    e = estimate_key("mistral-7b", quant="nf4", seq=2048, lora_r=64, targets=everything, soup=False,
+                     release="0.77.0", transformers="5.16.1")
+    rests = sum(e.terms.get(t.key, 0) for t in ADAPTER_RESTS if Phase.OPTIMIZER in t.phases)
+    assert e.phase == "optimizer" and e.split_allocated == e.needs_free - e.reserve
+    assert e.split_allocated > e.corrected_predicted - rests  # the optimizer step less its rests is not the split peak

@@ -66,3 +66,29 @@ def test_single_quantisation_leaves_a_bf16_resident_run_modelled_and_dora_does_n
     assert resident_unmodelled(cfg("none")) is None
     assert resident_unmodelled(cfg("4bit")).startswith("training.bnb_4bit_use_double_quant false is not modelled")
     assert resident_unmodelled(cfg("none", ", use_dora: true")).startswith("training.lora.use_dora true")
+
+
+def test_the_patched_gate_reads_the_card_soup_runs_on_from_the_torch_soup_imported(monkeypatch):
+    """soup_gate.device_dispatch: inside Soup's process, the card's SM count and compute capability from the torch
+    Soup has imported (the bundle imports nothing), which decide where NF4's gemm_4bit fuses. CUDA cannot run here,
+    so torch's device queries are faked (said so): an H100's answer is its Dispatch; a card without bf16, no CUDA,
+    or no torch imported gives none (the card-agnostic estimate)."""
+    import sys
+    from types import SimpleNamespace as S
+
+    from issue395.estimator.gemm4bit import Dispatch
+    from issue395.estimator.soup_gate import device_dispatch
+
+    def fake_torch(available: bool, major: int):
+        props = S(multi_processor_count=132, major=major, minor=0)
+        return S(cuda=S(is_available=lambda: available, current_device=lambda: 0,
+                        get_device_properties=lambda i: props))
+
+    monkeypatch.setitem(sys.modules, "torch", fake_torch(True, 9))
+    assert device_dispatch() == Dispatch(132, 9, 0)
+    monkeypatch.setitem(sys.modules, "torch", fake_torch(True, 7))
+    assert device_dispatch() is None
+    monkeypatch.setitem(sys.modules, "torch", fake_torch(False, 9))
+    assert device_dispatch() is None
+    monkeypatch.delitem(sys.modules, "torch")
+    assert device_dispatch() is None

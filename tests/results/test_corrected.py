@@ -223,3 +223,23 @@ def test_the_corrected_estimate_is_never_under_on_any_committed_measured_row():
     assert len(default) == 11 and all(e.corrected_predicted >= d["real_peak"] for _, d, e in default)
     split = [row for call in fit4.PAGE_CALLS for row in fit4.anatomy(call, "pages-")]
     assert len(split) == 13 and all(e.split_allocated >= d["real_peak"] for _, d, e in split)
+
+
+def test_an_nf4_rows_estimate_takes_the_card_its_result_ran_on():
+    """Which gemm_4bit kernel ran is the card's (estimator/gemm4bit.py): a Mistral-7B NF4 512x1 row saved from an
+    H200 with bitsandbytes 0.50.2 recorded is estimated with the H200's answer (no shape fuses: the layer walk is
+    admitted), lower than the card-agnostic estimate of the same row from a result that recorded no bitsandbytes;
+    a bf16 row is the same either way."""
+    from issue395.measure.shapes import family_shape
+    from issue395.model.arm import Arm
+    from issue395.results.row import arm_row
+
+    def row(quant: str) -> Row:  # the harness's own constructor, a peak standing in for a measurement
+        return arm_row(Arm.at("mistral-7b", 512, 1, quant=quant), family_shape("mistral-7b"), real_peak=10**9,
+                       realised_width=512, realised_rows=(512,))
+
+    nf4, bf16 = row("nf4"), row("none")
+    saved = {"soup_cli": "0.77.0", "transformers": "5.16.1", "gpu": "NVIDIA H200"}
+    known, unknown = corrected(nf4, dict(saved, bitsandbytes="0.50.2")), corrected(nf4, saved)
+    assert known < unknown and unknown - known > 10 * 2**20
+    assert corrected(bf16, dict(saved, bitsandbytes="0.50.2")) == corrected(bf16, saved)
