@@ -19,12 +19,13 @@ Known limitations (measured: results/fit4-anatomy-findmax-render.txt, bench/rere
   told of (gemm4bit; Mistral-7B NF4 512x1 on an H100 or H200 is walked), else on any card (512x1 keeps the bound)),
   and the loss phase's blocks under 10 MiB (loss_remainders: 1-3 MiB on the committed
   loss-phase arms; Gemma-3-1B NF4 2048x1 3 MiB, its physics alone then 0.02 MB under its measured peak).
-- The NF4 setup's replay (placed_rests, charged for Mistral-7B SFT: NF4_SETUPS) lays out the r256 history's start
-  segment for segment, but not the r64 one's (the driver put some segments elsewhere): there its parameters' rests
-  come out 10,747,904 B against the history's 11,534,336 B. The estimate stays above that run (1.112x: the states',
-  gradients' and transients' 1 MiB bounds), but the term alone is under there.
+- The NF4 setup's replay lays out the r256 history's start segment for segment, but not the r64 one's (the driver
+  put some segments elsewhere): placed_rests takes the larger of both placements (12,320,768 B there, the history's
+  11,534,336 B). NF4's step replay (nf4_step_rests, Mistral-7B and Llama-3.1-8B SFT) charges the
+  parameters' and the gradients' rests; its states and temporaries depart from the histories' (the backward leaves
+  other free blocks than either placement) and keep the 1 MiB bound, so NF4 large adapters read 1.04-1.15x.
 - A large adapter's one-step run binds in step 1's optimizer step where the loss is small (Mistral-7B NF4 r64
-  all-linear 1024x1: 1.157x of its H200 peak), the states', gradients' and transients' rests bounded as above.
+  all-linear 1024x1: 1.125x of its H200 peak), the states' and transients' rests bounded as above.
 - The allocator's reserve (needs_free - split_allocated) is an envelope in whole 20 MiB pages of 8 arms'
   page need and 7 OOM readings (EXPANDABLE_RESERVE_PAGES), not a count of the gaps a run leaves; except a
   checkpointed resident run gc_sequence replays on expandable segments (Phi-3 and llama: both pools' most pages

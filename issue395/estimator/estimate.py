@@ -33,8 +33,8 @@ from .stacks import transformers_release
 from .steady import LORA_WEIGHT_BYTES, adapter_bytes, gradient_terms, steady_terms, unsplit_remainders
 from .sequence import ENTROPY_CHUNK_ROWS, FP32
 from .gemm4bit import Dispatch
-from .streamed_sequence import (placed_rests, setup_replayed, step_replayed, step_rests, walk_replayed,
-                                walked_rests)
+from .streamed_sequence import (nf4_step_replayed, nf4_step_rests, placed_rests, setup_replayed, step_replayed,
+                                step_rests, walk_replayed, walked_rests)
 from .terms import Phase, Term, phase_sum
 
 # CUBLAS_WORKSPACE (constants) is kept on every card though torch gives less below sm 9
@@ -391,14 +391,14 @@ def estimate(config: dict, *, quant: str = "none", seq: int, batch: int = 1, tar
     stack = dict(release=release, transformers=transformers_release(transformers), stream=stream, probed=probed,
                  buffers=buffers)
     masked = bool(mask_bytes(tk, lora_dropout))
-    placed = 2 if step_replayed(a, quant, tk.name, dropout=masked, accumulation=accumulation, optimizer=optimizer,
-                                steps=steps, **stack) else int(setup_replayed(a, quant, tk.name, **stack))
+    replayed = adapter_replayed(a, quant, tk, targets, lora_r, seq, batch, dropout=masked, accumulation=accumulation,
+                                optimizer=optimizer, steps=steps, workspace=ws, card=dispatch, stack=stack)
     walked = walk_replayed(a, quant, tk.name, seq * batch * tk.rows_per_example, targets, lora_r, optimizer=optimizer,
                            steps=steps, workspace=ws, card=dispatch, **stack)
     t, lp, unsplit = step_terms(a, f, tk, quant=quant, targets=targets, lora_r=lora_r, seq=seq, batch=batch, ws=ws,
                                 per_expert=per_expert, buffers=buffers, chunk=chunk, recompute=recompute,
                                 accumulation=accumulation, steps=steps, optimizer=optimizer,
-                                transformers=transformers, allowance=allowance, dropout=lora_dropout, placed=placed,
+                                transformers=transformers, allowance=allowance, dropout=lora_dropout, replayed=replayed,
                                 walked=walked)
     binding, peak = binding_phase(t, lp.checkpointed, tk.reference, steps, accumulation, probed, ws, unsplit)
     corrected = phase_sum(t, Phase.RESIDENT) + peak + t[Term.ALLOCATED_ALLOWANCE.key]
@@ -483,12 +483,12 @@ def checked_modes(a: Arch, stream: dict, task: str, batch: int) -> tuple:
 def step_terms(a: Arch, f: Features, tk, *, quant: str, targets: tuple, lora_r: int, seq: int, batch: int, ws: int,
                per_expert: bool, buffers: int, chunk, recompute: str, accumulation: int, steps: int, optimizer: str,
                transformers: str | None, allowance: int | None, dropout: float = LORA_DROPOUT,
-               placed: int = 0, walked: bool = False) -> tuple:
+               replayed: dict | None = None, walked: bool = False) -> tuple:
     """Every physical term of the step in bytes, in the table's order (Term), with the binding layer's peak
-    and the unsplit remainders, which the phases read apart from the terms; ``placed``: 1 where the setup that
-    places the adapter is replayed (streamed_sequence.setup_replayed), so its parameters' rests are charged, not
-    bounded; 2 where step 1 is too (step_replayed), so its AdamW states' are; ``walked``: the layers' backward is
-    replayed (streamed_sequence.walk_replayed), so the binding layer's rests are the walk's, not bounded."""
+    and the unsplit remainders, which the phases read apart from the terms; ``replayed``: the rests a replay of the
+    run keeps for the adapter's block sets it replays (adapter_replayed), charged in place of their bound;
+    ``walked``: the layers' backward is replayed (streamed_sequence.walk_replayed), so the binding layer's rests are
+    the walk's, not bounded."""
     rows = batch * tk.rows_per_example
     T, n = seq * rows, lora_params(a, targets, lora_r)
     per = adapter_bytes(tk.name, quant)
@@ -534,11 +534,8 @@ def step_terms(a: Arch, f: Features, tk, *, quant: str, targets: tuple, lora_r: 
     # step 1's optimizer step makes the states and holds them beside the gradients and its transients: the one
     # optimizer step every run has (steady_terms; beside the other phases only from step 2: binding_phase)
     t.update(steady_terms(a, targets, lora_r, optimizer, per))
-    copies = 2 if t.get(Term.REFERENCE_ADAPTER.key) else 1
-    replayed = step_rests(a, targets, lora_r, tk.name, seq, batch, accumulation) if placed == 2 else {}
     rests = unsplit_remainders(a, targets, lora_r, optimizer, per, steps=steps, accumulation=accumulation,
-                               copies=copies, states=replayed.get("states"), held=replayed.get("gradients"),
-                               placed=placed_rests(a, targets, lora_r, copies == 2, quant) if placed else None)
+                               copies=2 if t.get(Term.REFERENCE_ADAPTER.key) else 1, **(replayed or {}))
     t.update(rests)
     unsplit = sum(rests.values())  # every adapter block's, live at the optimizer's step
     for term in (Term.LOSS_REMAINDERS, Term.REFERENCE_REMAINDERS):  # listed where they charge
@@ -546,6 +543,28 @@ def step_terms(a: Arch, f: Features, tk, *, quant: str, targets: tuple, lora_r: 
             t.pop(term.key, None)
     t[Term.ALLOCATED_ALLOWANCE.key] = ALLOCATED_ALLOWANCE_BYTES if allowance is None else allowance
     return {term.key: t[term.key] for term in Term if term.key in t}, lp, unsplit  # the table's order
+
+
+def adapter_replayed(a: Arch, quant: str, tk, targets: tuple, r: int, seq: int, batch: int, *, dropout: bool,
+                     accumulation: int, optimizer: str, steps: int, workspace: int, card, stack: dict) -> dict:
+    """The rests the replay that admits the run keeps, by the adapter's block sets, as unsplit_remainders takes them:
+    the bf16 step (streamed_sequence.step_replayed: the parameters, step 1's states, the gradients held between
+    micro-batches); NF4's (nf4_step_replayed: the parameters and the gradients, held or not); the setup alone (setup_replayed: the parameters, both copies under a reference adapter); none."""
+    reference = tk.name == "dpo"  # the tasks the replays admit: SFT, and DPO with its reference copy
+    if step_replayed(a, quant, tk.name, dropout=dropout, accumulation=accumulation, optimizer=optimizer, steps=steps,
+                     **stack):
+        rests = step_rests(a, targets, r, tk.name, seq, batch, accumulation)
+        return {"placed": placed_rests(a, targets, r, reference, quant), "states": rests["states"],
+                "held": rests["gradients"]}
+    if nf4_step_replayed(a, quant, tk.name, seq * batch * tk.rows_per_example, optimizer=optimizer,
+                         workspace=workspace, card=card, **stack):
+        rests = nf4_step_rests(a, targets, r, tk.name, seq, batch, dropout=dropout, steps=steps,
+                               accumulation=accumulation)
+        # its states and temporaries depart from the histories' (nf4_step_rests): their bound stands
+        return {"placed": rests["parameters"], ("held" if accumulation > 1 else "grads"): rests["gradients"]}
+    if setup_replayed(a, quant, tk.name, **stack):
+        return {"placed": placed_rests(a, targets, r, reference, quant)}
+    return {}
 
 
 def task_terms(a: Arch, f: Features, tk, quant: str, targets: tuple, lora_r: int, seq: int, batch: int, T: int,

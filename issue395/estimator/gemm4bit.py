@@ -240,3 +240,9 @@ def gemm_choices(a: Arch, T: int, card: Optional[Dispatch] = None) -> list:
         return [fused_shapes(a, T, card)]
     shapes = [s for s in gemm_shapes(a) if may_fuse(s, T)]
     return [frozenset(s for j, s in enumerate(shapes) if bits >> j & 1) for bits in range(1 << len(shapes))]
+
+
+def any_fused(a: Arch, T: int, card: Optional[Dispatch] = None) -> bool:
+    """Whether some decoder shape may run gemm_4bit fused at ``T`` tokens: on a known ``card`` its answer
+    (fused_shapes), else on any card (may_fuse)."""
+    return bool(fused_shapes(a, T, card) if card is not None else [s for s in gemm_shapes(a) if may_fuse(s, T)])

@@ -127,7 +127,7 @@ def state_blocks(n: int, name: str, per: int = FP32) -> list[int]:
 
 def unsplit_remainders(a: Arch, targets: tuple, r: int, optimizer: str, per: int, *, steps: int,
                        copies: int, accumulation: int = 1, placed: int | None = None,
-                       states: int | None = None, held: int | None = None) -> dict:
+                       states: int | None = None, held: int | None = None, grads: int | None = None) -> dict:
     """The most the adapter-shaped blocks can hold past their requests under the default allocator
     (constants.unsplit_bound: up to 1 MiB each over 1 MiB), each charged in the phases its blocks are live in: beside
     every phase, ``copies`` of the adapter (its parameters, and DPO's reference copy), the gradients held between
@@ -139,7 +139,8 @@ def unsplit_remainders(a: Arch, targets: tuple, r: int, optimizer: str, per: int
     keep where the setup that places them is replayed (streamed_sequence.placed_rests), charged in place of their
     bound; ``states``: the rests step 1's optimizer states keep where that step is replayed
     (streamed_sequence.step_rests), in place of theirs; ``held``: the rests the gradients held between
-    micro-batches keep where that replay ran them too, in place of theirs.
+    micro-batches keep where that replay ran them too, in place of theirs; ``grads``: the rests a replayed NF4 step's
+    gradients keep with one micro-batch (streamed_sequence.nf4_step_rests), in place of theirs.
     Evidence: docs/PEAK.md, "unsplit_remainders"."""
     sizes = lora_tensors(a, targets, r)
     beside = [per * n for n in sizes] * ((copies if placed is None else 0) + (accumulation > 1 and held is None))
@@ -151,7 +152,8 @@ def unsplit_remainders(a: Arch, targets: tuple, r: int, optimizer: str, per: int
     transient = FP32 if is_bounded(optimizer) else per
     t = {Term.UNSPLIT_REMAINDERS.key: unsplit_rests(beside) + (placed or 0) + ((states or 0) if steps > 1 else 0)
          + ((held or 0) if accumulation > 1 else 0),
-         Term.GRADIENT_REMAINDERS.key: unsplit_rests(per * n for n in sizes) if accumulation == 1 else 0,
+         Term.GRADIENT_REMAINDERS.key: (unsplit_rests(per * n for n in sizes) if grads is None else grads)
+         if accumulation == 1 else 0,
          Term.TRANSIENT_REMAINDERS.key: unsplit_rests([transient * n for n in sizes]
                                                       * optimizer_named(optimizer).transient) + made_rests}
     return {k: v for k, v in t.items() if v}

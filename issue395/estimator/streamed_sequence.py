@@ -84,7 +84,7 @@ from __future__ import annotations
 from ..constants import CUBLAS_WORKSPACE, K_SMALL_SIZE, block_bytes
 from .allocator import CachingAllocator
 from .arch import NF4_BLOCK, Arch, nf4_pieces, registration_order
-from .gemm4bit import Dispatch, gemm_choices
+from .gemm4bit import Dispatch, any_fused
 from .sequence import (FP32, SEQUENCE_TRANSFORMERS, Requests, default_allocator, entropy_chunks, layer_parameters,
                        norm, rotary, sdpa_workspace)
 from .steady import OPTIMIZERS, adapter_bytes
@@ -210,12 +210,16 @@ def stack_replayed(*, release: str, transformers: str, stream: dict, probed: boo
 
 
 def placed_rests(a: Arch, targets: tuple, r: int, reference: bool, quant: str = "none") -> int:
-    """What the adapter's parameters (and DPO's copy) keep past their requests where ``setup`` places them, each new
-    segment below the earlier ones (the driver's placement in the histories; Mistral-7B NF4's recast adapter lands
-    otherwise after the default's): live from the setup on, in every phase of every step."""
-    q = Requests()
-    q.alloc = CachingAllocator(descending=True)
-    return q.rests(setup(q, a, targets, r, reference=reference, quant=quant))
+    """What the adapter's parameters (and DPO's copy) keep past their requests where ``setup`` places them, under
+    both placements of new segments (below the earlier ones, the driver's in most histories, and after them), the
+    larger taken: live from the setup on, in every phase of every step. Mistral-7B NF4 r64's history is laid out by
+    neither; its parameters keep 11,534,336 B, the descending placement's 10,747,904 and the default's 12,320,768."""
+    most = 0
+    for descending in (True, False):
+        q = Requests()
+        q.alloc = CachingAllocator(descending=descending)
+        most = max(most, q.rests(setup(q, a, targets, r, reference=reference, quant=quant)))
+    return most
 
 
 # -- step 1's forward: Soup's streamed layers under checkpointing (no autograd graph kept) --
@@ -813,7 +817,7 @@ def walk_replayed(a: Arch, quant: str, task: str, T: int, targets: tuple, r: int
     card (gemm4bit.may_fuse: the walk is refused at 512 tokens or fewer)."""
     checked = ((a.model_type, quant, task) in WALK_CHECKED and not a.tied and a.layers is None and not a.qk_norm
                and a.kv != a.heads and small_pool_adapter(a, targets, r, task, quant))
-    unfused = quant != "nf4" or gemm_choices(a, T, card) == [frozenset()]
+    unfused = quant != "nf4" or not any_fused(a, T, card)
     stepped = steps == 1 or optimizer in BUILT_OPTIMIZERS
     return checked and unfused and stepped and workspace == CUBLAS_WORKSPACE and stack_replayed(**stack)
 
@@ -843,6 +847,95 @@ def _walk(a: Arch, targets: tuple, r: int, task: str, seq: int, batch: int, nf4:
         q.put(*grads)  # zero_grad(set_to_none)
         adapter += grads
     return q.most, adapter
+
+
+# -- NF4's step: the adapter's rests, replayed under both placements --
+#: The (model type, task) pairs of untied NF4 runs whose adapter's rests were held against histories of their own
+#: through the step (nf4_step_rests): Mistral-7B SFT (r64 1024x1, r64 1024x2 accumulating) and Llama-3.1-8B SFT (r64
+#: 1024x1, r64 2048x1 one step), H100. DPO is not: on Mistral-7B r64 512x1 its gradients keep 25,165,824 B, the
+#: replay's 24,117,248.
+NF4_STEP_CHECKED = (("mistral", "sft"), ("llama", "sft"))
+
+
+def nf4_step_replayed(a: Arch, quant: str, task: str, T: int, *, optimizer: str, workspace: int,
+                      card: Dispatch | None = None, **stack) -> bool:
+    """Whether ``nf4_step_rests`` is the run's: an untied NF4 run NF4_STEP_CHECKED names (dense, GQA, no per-head q/k
+    norm: the layers walk_replayed builds), torch's foreach AdamW (adamw_step's), the default cuBLAS ``workspace``,
+    stack_replayed's stack, and a token count at which no decoder shape runs bitsandbytes' fused gemm_4bit on ``card``
+    (or on any card where it is not known: walk_replayed's rule)."""
+    checked = (quant == "nf4" and (a.model_type, task) in NF4_STEP_CHECKED and not a.tied and a.layers is None
+               and not a.qk_norm and a.kv != a.heads)
+    return (checked and optimizer == "adamw_torch" and workspace == CUBLAS_WORKSPACE
+            and not any_fused(a, T, card) and stack_replayed(**stack))
+
+
+class Rested(Requests):
+    """Requests that keep each block's rest past its request as it is made (a block's rest never changes while it
+    is live), so a set's rests can be read after some of it is freed."""
+
+    def __init__(self, alloc: CachingAllocator):
+        super().__init__()
+        self.alloc, self.rest = alloc, {}
+
+    def get(self, nbytes: int):
+        k = super().get(nbytes)
+        if k is not None:
+            self.rest[k] = self.held[k].rest
+        return k
+
+    def made(self, keys) -> int:
+        return sum(self.rest.get(k, 0) for k in keys if k is not None)
+
+
+def _nf4_step(a: Arch, targets: tuple, r: int, task: str, seq: int, batch: int, dropout: bool, steps: int,
+              accumulation: int, descending: bool) -> dict:
+    """The NF4 setup and up to three steps of up to two micro-batches (the forward, the loss, every layer's
+    backward, foreach AdamW's step: step 1's states, each step's square-root temporaries, zero_grad) on one
+    placement of new segments: the rests the adapter's parameters (both copies under DPO), step 1's states, each
+    step's gradients (its first micro-batch's: held through the others) and its temporaries keep, the most over the
+    steps for the last two."""
+    dpo = task == "dpo"
+    rows = batch * (2 if dpo else 1)
+    q = Rested(CachingAllocator(descending=descending))
+    out = {"parameters": q.made(setup(q, a, targets, r, reference=dpo, quant="nf4")), "states": 0, "gradients": 0,
+           "temporaries": 0}
+    elements, per, lora = adapter_elements(a, targets, r), adapter_bytes(task, "nf4"), (targets, r, dropout)
+    for step in range(min(steps, 3)):
+        grads = []
+        for micro in range(min(accumulation, 2)):
+            q.accumulating = micro > 0
+            x = [q.get(2 * seq * rows * a.h)] + layers_forward(q, a, seq * rows, lora, True)
+            g = dpo_loss(q, a, seq * rows, rows, lora, x, nf4=True) if dpo else sft_loss(q, a, seq * rows, x[-1])
+            grads += layers_backward(q, a, seq * rows, x, g, lora, True)
+        out["gradients"] = max(out["gradients"], q.made(grads))
+        if step == 0:
+            out["states"] = q.made(k for n in elements for k in (q.get(per * n), q.get(per * n)))
+        temporaries = [q.get(per * n) for n in elements]
+        out["temporaries"] = max(out["temporaries"], q.made(temporaries))
+        q.put(*temporaries, *grads)  # the step's, then zero_grad(set_to_none)
+    return out
+
+
+_NF4_STEPS: dict = {}
+
+
+def nf4_step_rests(a: Arch, targets: tuple, r: int, task: str, seq: int, batch: int, *, dropout: bool,
+                   steps: int = 1, accumulation: int = 1) -> dict:
+    """What an NF4 step's adapter blocks keep past their requests (the parameters, step 1's states, a step's
+    gradients and its optimizer's temporaries: _nf4_step), replayed under both placements of new segments (below the
+    earlier ones, as the driver placed most of the committed histories', and after them, the default), each set's
+    larger taken. The driver's own placement (it reuses ranges empty_cache released) is neither. Charged where
+    nf4_step_replayed admits the run, in place of steady.unsplit_remainders' bound of 1 MiB a block: the parameters
+    and the gradients, at or above every committed H100 history's own (six whose sets can be told apart by their
+    sizes). Not charged: the states and the temporaries, made in one burst at the optimizer's step in the free blocks
+    step 1's backward leaves, where the histories' backward leaves more freed 2 MiB k and v blocks than either
+    placement does, so the states keep more there (Mistral-7B r64 1024x1 15,990,784 B against 13,631,488; Llama-3.1-8B
+    r64 2048x1 6,815,744 against 5,505,024; tests/estimator/test_streamed_sequence.py)."""
+    key = (repr(a), targets, r, task, seq, batch, dropout, min(steps, 3), min(accumulation, 2))
+    if key not in _NF4_STEPS:
+        each = [_nf4_step(a, targets, r, task, seq, batch, dropout, steps, accumulation, d) for d in (True, False)]
+        _NF4_STEPS[key] = {k: max(e[k] for e in each) for k in each[0]}
+    return _NF4_STEPS[key]
 
 
 _WALKED: dict = {}
