@@ -201,6 +201,8 @@ def card_answers(config: dict, e: Estimate, budgets: list[Budget], arm, env: Opt
                     "free_bytes": b.free_bytes, "step_free_bytes": b.step_free_bytes,
                     "growth_bytes": b.growth, "growth_source": b.growth_from,
                     "gate_free_bytes": available, "needs_free": mine.needs_free, "fits": fits,
+                    # the card's own estimate's: its needs_free less its split peak (the walk may differ per card)
+                    "reserve_bytes": mine.needs_free - mine.split_allocated,
                     "longest_seq": longest_seq(config, b.step_free_bytes, arm, **kernels, **extra),
                     "soup_admits": admits,
                     "longest_seq_soup_admits": longest_seq_soup_admits(config, available, arm, gate, **extra),
@@ -312,7 +314,7 @@ def card_lines(card: Card, rows: list[Estimate], per: list[dict], lines: list, n
               ["  the step's free GB (free - runtime growth)"] + [free_gb(a["step_free_bytes"]) for a in per],
               ["  needs free GB (this estimator)"] + [gb(a["needs_free"]) for a in per],
               ["    of it, the allocator's reserve GB (needs free - split peak)"]
-              + [gb(a["needs_free"] - e.split_allocated) for e, a in zip(rows, per)],
+              + [gb(a["reserve_bytes"]) for a in per],
               ["  fits (needs free <= the step's free)"] + ["yes" if a["fits"] else "NO" for a in per],
               ["  longest seq that fits"] + [seq_words(a["longest_seq"]) for a in per],
               [f"  free GB at Soup's gate ({gate_free_words(first)})"] + [free_gb(a["gate_free_bytes"]) for a in per],

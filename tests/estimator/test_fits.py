@@ -16,6 +16,7 @@ from issue395.estimator import fits as F
 from issue395.estimator.releases import release_source
 from issue395.model.registry import config_json
 from issue395.record import LORA_R
+from issue395.text import gb
 
 MISTRAL = config_json("mistral-7b")
 
@@ -95,6 +96,19 @@ def test_a_workspace_config_above_32mib_raises_needs_free_on_that_card_only():
     big = answer(C.parse_card("A10G"), e, env=":4096:16")
     assert big["needs_free"] > plain["needs_free"] == e.needs_free
     assert big["cublas_workspace_bytes"] == 64 * 2**20
+
+
+def test_the_reserve_row_is_the_cards_own_estimates_reserve_not_the_workspace_it_adds():
+    """The table's "allocator's reserve" row is needs free less the split peak of the same estimate: on a card whose
+    cuBLAS workspace config raises needs free, the split peak rises with it and the reserve stays the allocator's,
+    where needs free less the card-agnostic split peak would count the workspaces' growth in it."""
+    e = E.estimate(MISTRAL, quant="nf4", seq=512)
+    big = answer(C.parse_card("A10G"), e, env=":4096:16")
+    assert big["reserve_bytes"] == e.needs_free - e.split_allocated == answer(C.parse_card("A10G"), e)["reserve_bytes"]
+    assert big["needs_free"] - e.split_allocated - big["reserve_bytes"] == big["needs_free"] - e.needs_free > 0
+    table = F.estimate_table([e], [C.parse_card("A10G")], MISTRAL, answers=[[big]])
+    row = next(line for line in table.splitlines() if "allocator's reserve GB" in line)
+    assert row.split()[-1] == gb(big["reserve_bytes"])
 
 
 def test_the_json_carries_every_card_for_every_arm(capfd, tmp_path):
