@@ -21,9 +21,11 @@ Known limitations (measured: results/fit4-anatomy-findmax-render.txt, bench/rere
   loss-phase arms; Gemma-3-1B NF4 2048x1 3 MiB, its physics alone then 0.02 MB under its measured peak).
 - The NF4 setup's replay lays out the r256 history's start segment for segment, but not the r64 one's (the driver
   put some segments elsewhere): placed_rests takes the larger of both placements (12,320,768 B there, the history's
-  11,534,336 B). NF4's step replay (nf4_step_rests, Mistral-7B and Llama-3.1-8B SFT) charges the
-  parameters' and the gradients' rests; its states and temporaries depart from the histories' (the backward leaves
-  other free blocks than either placement) and keep the 1 MiB bound, so NF4 large adapters read 1.04-1.15x.
+  11,534,336 B). NF4's step replay (nf4_step_rests, Mistral-7B and Llama-3.1-8B SFT) charges the parameters' rests,
+  and in a one-step run step 1's gradients'; a later step's gradients (the replay's do not settle from step to
+  step), the states and the temporaries (the histories' backward leaves other free blocks than either placement)
+  keep the 1 MiB bound, so NF4 large adapters past step 1 read 1.04-1.19x, one-step runs 1.0002x (Llama-3.1-8B
+  r64 2048x1) to 1.125x (Mistral-7B r64 1024x1, its optimizer step binding with the states' bound).
 - A large adapter's one-step run binds in step 1's optimizer step where the loss is small (Mistral-7B NF4 r64
   all-linear 1024x1: 1.125x of its H200 peak), the states' and transients' rests bounded as above.
 - The allocator's reserve (needs_free - split_allocated) is an envelope in whole 20 MiB pages of 8 arms'

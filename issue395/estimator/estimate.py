@@ -392,7 +392,8 @@ def estimate(config: dict, *, quant: str = "none", seq: int, batch: int = 1, tar
                  buffers=buffers)
     masked = bool(mask_bytes(tk, lora_dropout))
     replayed = adapter_replayed(a, quant, tk, targets, lora_r, seq, batch, dropout=masked, accumulation=accumulation,
-                                optimizer=optimizer, steps=steps, workspace=ws, card=dispatch, stack=stack)
+                                optimizer=optimizer, steps=steps, workspace=ws, card=dispatch, stack=stack,
+                                reference=bool(reference_adapter(1, f, tk.name)))
     walked = walk_replayed(a, quant, tk.name, seq * batch * tk.rows_per_example, targets, lora_r, optimizer=optimizer,
                            steps=steps, workspace=ws, card=dispatch, **stack)
     t, lp, unsplit = step_terms(a, f, tk, quant=quant, targets=targets, lora_r=lora_r, seq=seq, batch=batch, ws=ws,
@@ -546,20 +547,22 @@ def step_terms(a: Arch, f: Features, tk, *, quant: str, targets: tuple, lora_r: 
 
 
 def adapter_replayed(a: Arch, quant: str, tk, targets: tuple, r: int, seq: int, batch: int, *, dropout: bool,
-                     accumulation: int, optimizer: str, steps: int, workspace: int, card, stack: dict) -> dict:
+                     accumulation: int, optimizer: str, steps: int, workspace: int, card, stack: dict,
+                     reference: bool) -> dict:
     """The rests the replay that admits the run keeps, by the adapter's block sets, as unsplit_remainders takes them:
     the bf16 step (streamed_sequence.step_replayed: the parameters, step 1's states, the gradients held between
-    micro-batches); NF4's (nf4_step_replayed: the parameters and the gradients, held or not); the setup alone (setup_replayed: the parameters, both copies under a reference adapter); none."""
-    reference = tk.name == "dpo"  # the tasks the replays admit: SFT, and DPO with its reference copy
+    micro-batches); NF4's (nf4_step_replayed: the parameters, and in a one-step run the gradients, held or not); the setup
+    alone (setup_replayed: the parameters, both copies where the release makes the ``reference`` adapter); none."""
     if step_replayed(a, quant, tk.name, dropout=dropout, accumulation=accumulation, optimizer=optimizer, steps=steps,
                      **stack):
         rests = step_rests(a, targets, r, tk.name, seq, batch, accumulation)
         return {"placed": placed_rests(a, targets, r, reference, quant), "states": rests["states"],
                 "held": rests["gradients"]}
-    if nf4_step_replayed(a, quant, tk.name, seq * batch * tk.rows_per_example, optimizer=optimizer,
-                         workspace=workspace, card=card, **stack):
-        rests = nf4_step_rests(a, targets, r, tk.name, seq, batch, dropout=dropout, steps=steps,
-                               accumulation=accumulation)
+    if nf4_step_replayed(a, quant, tk.name, seq * batch * tk.rows_per_example, targets, r, dropout=dropout,
+                         optimizer=optimizer, workspace=workspace, card=card, **stack):
+        if steps > 1:  # a later step's gradients land in other free blocks than step 1's: the setup's rests alone
+            return {"placed": placed_rests(a, targets, r, reference, quant)}
+        rests = nf4_step_rests(a, targets, r, tk.name, seq, batch, dropout=dropout, accumulation=accumulation)
         # its states and temporaries depart from the histories' (nf4_step_rests): their bound stands
         return {"placed": rests["parameters"], ("held" if accumulation > 1 else "grads"): rests["gradients"]}
     if setup_replayed(a, quant, tk.name, **stack):

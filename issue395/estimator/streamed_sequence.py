@@ -38,7 +38,7 @@ maker not identified); step 1's states keep 6,094,848 B (Qwen) and 0 (Llama). ``
 where it was checked (``step_replayed``: the two arms' model type and task, setup_replayed's stack, one
 micro-batch, foreach AdamW, a step past the first) the estimate charges its parameters' and states' rests in place
 of their bound (the history's at its real peak to the byte); elsewhere where only the setup is (``setup_replayed``)
-the parameters' (``placed_rests``); the gradients' and temporaries' keep the bound everywhere.
+the parameters' (``placed_rests``); the gradients' and temporaries' keep the bound (but NF4's step 1 below).
 
 The NF4 setup (``setup(quant="nf4")``, an untied model): no quantisation on the card (the shards are packed on
 disk): the adapter fp32, the two slots of packed NF4 shards (nf4_slot), install_streaming's LargeLayerBufferPool
@@ -59,7 +59,10 @@ bf16 adapter's gradients made in bf16) is that history's large-pool requests and
 order, from the embedding's output to the first layer's backward (14,909 events). Its blocks, replayed from the
 built setup, depart in the backward (the driver put some of the window's new segments in the ranges the setup's
 empty_cache released, which the descending placement does not model) and step 1's states keep 53,477,376 B
-against the history's 54,525,952: not charged (step_replayed admits no NF4 run).
+against the history's 54,525,952: not charged (step_replayed admits no NF4 run). Under both placements, the larger
+taken (``nf4_step_rests``), the parameters' and step 1's gradients' rests are at or above four histories' own, and
+charged where ``nf4_step_replayed`` admits the run (blocks over 1 MiB; the gradients in a one-step run); later steps'
+gradients, the states and the temporaries keep the bound.
 
 The layer walk (``walked_rests``, where ``walk_replayed`` admits the run): the setup and up to two steps replayed
 under both placements of new segments, the most the step's own non-adapter blocks hold past their requests at
@@ -67,8 +70,8 @@ once in any layers' backward, in place of layer_remainders' bound; held against 
 (tests/estimator/test_streamed_sequence.py), and refused where adapter blocks over 1 MiB share the layers'
 segments (two histories where it is under) and where a card may fuse NF4's gemm_4bit (that arm is not built).
 
-What is not built (what is left of issue 52 item 1): the driver's reuse of released address ranges (so NF4's step
-rests), the other tasks, and any model type or task pair not checked above (accumulation's held gradients are
+What is not built (what is left of issue 52 item 1): the driver's reuse of released address ranges (so NF4's states,
+temporaries and later steps' gradients), the other tasks, and any model type or task pair not checked above (accumulation's held gradients are
 replayed where step_replayed admits the run: step_rests' ``accumulation``; at or above three H100 histories, not to
 the byte). Where the
 states and temporaries land there is decided as here, by the free blocks the step 1 backward leaves (Mistral-7B NF4
@@ -851,20 +854,24 @@ def _walk(a: Arch, targets: tuple, r: int, task: str, seq: int, batch: int, nf4:
 
 # -- NF4's step: the adapter's rests, replayed under both placements --
 #: The (model type, task) pairs of untied NF4 runs whose adapter's rests were held against histories of their own
-#: through the step (nf4_step_rests): Mistral-7B SFT (r64 1024x1, r64 1024x2 accumulating) and Llama-3.1-8B SFT (r64
-#: 1024x1, r64 2048x1 one step), H100. DPO is not: on Mistral-7B r64 512x1 its gradients keep 25,165,824 B, the
-#: replay's 24,117,248.
+#: through step 1 (nf4_step_rests): Mistral-7B SFT (r64 1024x1, r64 1024x2 accumulating) and Llama-3.1-8B SFT (r64
+#: 1024x1, r64 2048x1 one step), H100, LoRA dropout on (their masks kept). DPO is not: on Mistral-7B r64 512x1 its
+#: gradients keep 25,165,824 B, the replay's 24,117,248. Other ranks and targets are admitted on the same build.
 NF4_STEP_CHECKED = (("mistral", "sft"), ("llama", "sft"))
 
 
-def nf4_step_replayed(a: Arch, quant: str, task: str, T: int, *, optimizer: str, workspace: int,
-                      card: Dispatch | None = None, **stack) -> bool:
-    """Whether ``nf4_step_rests`` is the run's: an untied NF4 run NF4_STEP_CHECKED names (dense, GQA, no per-head q/k
-    norm: the layers walk_replayed builds), torch's foreach AdamW (adamw_step's), the default cuBLAS ``workspace``,
-    stack_replayed's stack, and a token count at which no decoder shape runs bitsandbytes' fused gemm_4bit on ``card``
-    (or on any card where it is not known: walk_replayed's rule)."""
+def nf4_step_replayed(a: Arch, quant: str, task: str, T: int, targets: tuple, r: int, *, dropout: bool,
+                      optimizer: str, workspace: int, card: Dispatch | None = None, **stack) -> bool:
+    """Whether ``nf4_step_rests`` is the run's through step 1 (a later step's gradients land in other free blocks
+    than step 1's, and the replay's do not settle: 22-24.6 MB over ten Mistral-7B r64 1024x1 steps; from step 2 on only
+    the parameters' rests are the replay's, placed_rests'): an untied NF4 run
+    NF4_STEP_CHECKED names (dense, GQA, no per-head q/k norm: the layers walk_replayed builds) with its LoRA dropout
+    masks, an adapter with blocks over 1 MiB (a small-pool one has no rest to replay), torch's foreach AdamW
+    (adamw_step's), the default cuBLAS ``workspace``, stack_replayed's stack, and a token count at which no decoder
+    shape runs bitsandbytes' fused gemm_4bit on ``card`` (or on any card where it is not known: walk_replayed's
+    rule)."""
     checked = (quant == "nf4" and (a.model_type, task) in NF4_STEP_CHECKED and not a.tied and a.layers is None
-               and not a.qk_norm and a.kv != a.heads)
+               and not a.qk_norm and a.kv != a.heads and dropout and not small_pool_adapter(a, targets, r, task, quant))
     return (checked and optimizer == "adamw_torch" and workspace == CUBLAS_WORKSPACE
             and not any_fused(a, T, card) and stack_replayed(**stack))
 
@@ -893,7 +900,7 @@ def _nf4_step(a: Arch, targets: tuple, r: int, task: str, seq: int, batch: int, 
     backward, foreach AdamW's step: step 1's states, each step's square-root temporaries, zero_grad) on one
     placement of new segments: the rests the adapter's parameters (both copies under DPO), step 1's states, each
     step's gradients (its first micro-batch's: held through the others) and its temporaries keep, the most over the
-    steps for the last two."""
+    steps replayed for the last two (a later step may keep more: nf4_step_replayed charges step 1's alone)."""
     dpo = task == "dpo"
     rows = batch * (2 if dpo else 1)
     q = Rested(CachingAllocator(descending=descending))
@@ -925,12 +932,14 @@ def nf4_step_rests(a: Arch, targets: tuple, r: int, task: str, seq: int, batch: 
     gradients and its optimizer's temporaries: _nf4_step), replayed under both placements of new segments (below the
     earlier ones, as the driver placed most of the committed histories', and after them, the default), each set's
     larger taken. The driver's own placement (it reuses ranges empty_cache released) is neither. Charged where
-    nf4_step_replayed admits the run, in place of steady.unsplit_remainders' bound of 1 MiB a block: the parameters
-    and the gradients, at or above every committed H100 history's own (six whose sets can be told apart by their
-    sizes). Not charged: the states and the temporaries, made in one burst at the optimizer's step in the free blocks
-    step 1's backward leaves, where the histories' backward leaves more freed 2 MiB k and v blocks than either
-    placement does, so the states keep more there (Mistral-7B r64 1024x1 15,990,784 B against 13,631,488; Llama-3.1-8B
-    r64 2048x1 6,815,744 against 5,505,024; tests/estimator/test_streamed_sequence.py)."""
+    nf4_step_replayed admits the run, in place of steady.unsplit_remainders' bound of 1 MiB a block: the parameters,
+    and in a one-step run step 1's gradients, at or above the four committed H100 histories' own whose sets can be told
+    apart by their sizes. Not charged: the states and the temporaries, made in one burst at the optimizer's step in
+    the free blocks step 1's backward leaves. Started from a history's own free blocks there, the burst keeps that
+    history's states' rests to the byte; but the histories' backward leaves more freed 8 MiB hidden-state blocks
+    (each a 1.75 MiB state's 1 MiB rest) than either placement, so their states keep more (Mistral-7B r64 1024x1
+    15,990,784 B against 13,631,488; Llama-3.1-8B r64 2048x1 6,815,744 against 5,505,024;
+    tests/estimator/test_streamed_sequence.py)."""
     key = (repr(a), targets, r, task, seq, batch, dropout, min(steps, 3), min(accumulation, 2))
     if key not in _NF4_STEPS:
         each = [_nf4_step(a, targets, r, task, seq, batch, dropout, steps, accumulation, d) for d in (True, False)]

@@ -105,7 +105,7 @@ def test_the_reserve_row_is_the_cards_own_estimates_reserve_not_the_workspace_it
     e = E.estimate(MISTRAL, quant="nf4", seq=512)
     big = answer(C.parse_card("A10G"), e, env=":4096:16")
     assert big["reserve_bytes"] == e.needs_free - e.split_allocated == answer(C.parse_card("A10G"), e)["reserve_bytes"]
-    assert big["needs_free"] - e.split_allocated - big["reserve_bytes"] == big["needs_free"] - e.needs_free > 0
+    assert big["needs_free"] > e.needs_free
     table = F.estimate_table([e], [C.parse_card("A10G")], MISTRAL, answers=[[big]])
     row = next(line for line in table.splitlines() if "allocator's reserve GB" in line)
     assert row.split()[-1] == gb(big["reserve_bytes"])
