@@ -877,3 +877,32 @@ def test_a_one_step_nf4_run_is_charged_its_replayed_gradient_rests_and_a_longer_
     assert three.terms["gradient_remainders"] == sum(
         MiB for n in adapter_elements(a, targets, 64) if block_bytes(per * n) > K_SMALL_SIZE)
     assert rests["parameters"] == placed_rests(a, targets, 64, False, "nf4") > 0
+
+
+@pytest.mark.parametrize("path", [p for p, (_, under) in NF4_STEP_TRACES.items() if under and "a2" not in p]
+                         + ["walk-heldout-traces-h100-soup0.77.0-c6b8a76/seg-sft-llama31-8b-nf4-1024x1-r64-all-s3-a1"])
+def test_the_states_burst_from_a_historys_own_free_blocks_keeps_its_states_rests_to_the_byte(path):
+    """Why the NF4 states keep their bound (docs/PEAK.md): step 1's states are one burst of requests with no free
+    between them, so best fit decides their rests from the free blocks the backward left alone. Started from a
+    history's own allocator where its first state is requested, the burst (two states a parameter, in the optimizer's
+    order) keeps exactly the history's states' rests; the replay keeps other ones, its backward having left other
+    free blocks (on two of these three, fewer lone freed 8 MiB hidden-state blocks)."""
+    key, _ = NF4_STEP_TRACES[path]
+    trace, row = _history_at(path)
+    a, targets, per = _adapter(key, row)
+    elements = adapter_elements(a, targets, row["r"])
+    sizes = [per * n for n in elements if block_bytes(per * n) > K_SMALL_SIZE]
+    first_state = len(sizes) * row["accum"] + 1  # step 1's gradients come first
+    made = 0
+    for ev in replaying_trace(trace):
+        if ev.row[0] == "alloc" and ev.block.requested in sizes:
+            made += 1
+            if made == first_state:
+                ev.alloc.free(ev.block)  # the burst below makes it again, first
+                burst = [ev.alloc.malloc(per * n) for n in elements for _ in range(2) if per * n in sizes]
+                break
+    kept = sum(b.size - block_bytes(b.requested) for b in burst)
+    assert kept == _adapter_sets(trace, row, sizes)["states"] > 0
+    replay = nf4_step_rests(a, targets, row["r"], row["task"], row["seq"], row["batch"], dropout=True,
+                            accumulation=row["accum"])
+    assert replay["states"] != kept
