@@ -711,13 +711,14 @@ def dpo_loss(q: Requests, a: Arch, T: int, rows: int, lora: tuple, x: list, work
     return norm_backward(q, T, a.h, gx, nf, residual=False)
 
 
-def dpo_step(q: Requests, a: Arch, T: int, rows: int, lora: tuple, workspace: int = CUBLAS_WORKSPACE) -> list:
+def dpo_step(q: Requests, a: Arch, T: int, rows: int, lora: tuple, workspace: int = CUBLAS_WORKSPACE,
+             nf4: bool = False) -> list:
     """Step 1 of a streamed DPO run (``rows``: chosen and rejected, T tokens in all) up to its optimizer's step: the
-    policy's checkpointed forward, dpo_loss, every layer's backward last to first. Returns the adapter's fp32
-    gradients."""
-    x = [q.get(2 * T * a.h)] + layers_forward(q, a, T, lora)
-    g = dpo_loss(q, a, T, rows, lora, x, workspace)
-    return layers_backward(q, a, T, x, g, lora)
+    policy's checkpointed forward, dpo_loss, every layer's backward last to first, over streamed NF4 bases where
+    ``nf4``. Returns the adapter's gradients (fp32; bf16 under NF4)."""
+    x = [q.get(2 * T * a.h)] + layers_forward(q, a, T, lora, nf4)
+    g = dpo_loss(q, a, T, rows, lora, x, workspace, nf4=nf4)
+    return layers_backward(q, a, T, x, g, lora, nf4)
 
 
 # -- what the estimate charges: the parameters' and step 1's AdamW states' rests, replayed --
@@ -876,73 +877,45 @@ def nf4_step_replayed(a: Arch, quant: str, task: str, T: int, targets: tuple, r:
             and not any_fused(a, T, card) and stack_replayed(**stack))
 
 
-class Rested(Requests):
-    """Requests that keep each block's rest past its request as it is made (a block's rest never changes while it
-    is live), so a set's rests can be read after some of it is freed."""
-
-    def __init__(self, alloc: CachingAllocator):
-        super().__init__()
-        self.alloc, self.rest = alloc, {}
-
-    def get(self, nbytes: int):
-        k = super().get(nbytes)
-        if k is not None:
-            self.rest[k] = self.held[k].rest
-        return k
-
-    def made(self, keys) -> int:
-        return sum(self.rest.get(k, 0) for k in keys if k is not None)
-
-
-def _nf4_step(a: Arch, targets: tuple, r: int, task: str, seq: int, batch: int, dropout: bool, steps: int,
-              accumulation: int, descending: bool) -> dict:
-    """The NF4 setup and up to three steps of up to two micro-batches (the forward, the loss, every layer's
-    backward, foreach AdamW's step: step 1's states, each step's square-root temporaries, zero_grad) on one
-    placement of new segments: the rests the adapter's parameters (both copies under DPO), step 1's states, each
-    step's gradients (its first micro-batch's: held through the others) and its temporaries keep, the most over the
-    steps replayed for the last two (a later step may keep more: nf4_step_replayed charges step 1's alone)."""
+def _nf4_step(a: Arch, targets: tuple, r: int, task: str, seq: int, batch: int, dropout: bool, accumulation: int,
+              descending: bool) -> dict:
+    """The NF4 setup and step 1 (up to two micro-batches: sft_step or dpo_step, from the second on each gradient
+    added into .grad and freed; then foreach AdamW's step, adamw_step) on one placement of new segments: the rests
+    the adapter's parameters (both copies under DPO), step 1's gradients (its first micro-batch's: held through the
+    others) and its states keep."""
     dpo = task == "dpo"
     rows = batch * (2 if dpo else 1)
-    q = Rested(CachingAllocator(descending=descending))
-    out = {"parameters": q.made(setup(q, a, targets, r, reference=dpo, quant="nf4")), "states": 0, "gradients": 0,
-           "temporaries": 0}
-    elements, per, lora = adapter_elements(a, targets, r), adapter_bytes(task, "nf4"), (targets, r, dropout)
-    for step in range(min(steps, 3)):
-        grads = []
-        for micro in range(min(accumulation, 2)):
-            q.accumulating = micro > 0
-            x = [q.get(2 * seq * rows * a.h)] + layers_forward(q, a, seq * rows, lora, True)
-            g = dpo_loss(q, a, seq * rows, rows, lora, x, nf4=True) if dpo else sft_loss(q, a, seq * rows, x[-1])
-            grads += layers_backward(q, a, seq * rows, x, g, lora, True)
-        out["gradients"] = max(out["gradients"], q.made(grads))
-        if step == 0:
-            out["states"] = q.made(k for n in elements for k in (q.get(per * n), q.get(per * n)))
-        temporaries = [q.get(per * n) for n in elements]
-        out["temporaries"] = max(out["temporaries"], q.made(temporaries))
-        q.put(*temporaries, *grads)  # the step's, then zero_grad(set_to_none)
-    return out
+    q = Requests()
+    q.alloc = CachingAllocator(descending=descending)
+    params, lora, grads = setup(q, a, targets, r, reference=dpo, quant="nf4"), (targets, r, dropout), []
+    for micro in range(min(accumulation, 2)):
+        q.accumulating = micro > 0
+        grads += (dpo_step(q, a, seq * rows, rows, lora, nf4=True) if dpo
+                  else sft_step(q, a, seq * rows, lora, nf4=True))
+    states = adamw_step(q, adapter_elements(a, targets, r), adapter_bytes(task, "nf4"), "adamw_torch")
+    return {"parameters": q.rests(params), "gradients": q.rests(grads), "states": q.rests(states)}
 
 
 _NF4_STEPS: dict = {}
 
 
 def nf4_step_rests(a: Arch, targets: tuple, r: int, task: str, seq: int, batch: int, *, dropout: bool,
-                   steps: int = 1, accumulation: int = 1) -> dict:
-    """What an NF4 step's adapter blocks keep past their requests (the parameters, step 1's states, a step's
-    gradients and its optimizer's temporaries: _nf4_step), replayed under both placements of new segments (below the
-    earlier ones, as the driver placed most of the committed histories', and after them, the default), each set's
+                   accumulation: int = 1) -> dict:
+    """What an NF4 run's adapter blocks keep past their requests through step 1 (the parameters, step 1's gradients
+    and its states: _nf4_step), replayed under both placements of new segments (below the earlier ones, as the driver placed most of the committed histories', and after them, the default), each set's
     larger taken. The driver's own placement (it reuses ranges empty_cache released) is neither. Charged where
     nf4_step_replayed admits the run, in place of steady.unsplit_remainders' bound of 1 MiB a block: the parameters,
     and in a one-step run step 1's gradients, at or above the four committed H100 histories' own whose sets can be told
-    apart by their sizes. Not charged: the states and the temporaries, made in one burst at the optimizer's step in
-    the free blocks step 1's backward leaves. Started from a history's own free blocks there, the burst keeps that
-    history's states' rests to the byte; but the histories' backward leaves more freed 8 MiB hidden-state blocks
-    (each a 1.75 MiB state's 1 MiB rest) than either placement, so their states keep more (Mistral-7B r64 1024x1
+    apart by their sizes. Not charged: the states (and the optimizer's temporaries after them, not replayed), made in
+    one burst at the optimizer's step in the free blocks step 1's backward leaves. Started from a history's own free
+    blocks there, the burst keeps that history's states' rests to the byte; but the replayed backward leaves other
+    free blocks (Mistral-7B r64 1024x1: 9 and 10 lone freed 8 MiB hidden-state blocks against the history's 12, each
+    a 1.75 MiB state's 1 MiB rest), so the histories' states keep more on three of four (Mistral-7B r64 1024x1
     15,990,784 B against 13,631,488; Llama-3.1-8B r64 2048x1 6,815,744 against 5,505,024;
     tests/estimator/test_streamed_sequence.py)."""
-    key = (repr(a), targets, r, task, seq, batch, dropout, min(steps, 3), min(accumulation, 2))
+    key = (repr(a), targets, r, task, seq, batch, dropout, min(accumulation, 2))
     if key not in _NF4_STEPS:
-        each = [_nf4_step(a, targets, r, task, seq, batch, dropout, steps, accumulation, d) for d in (True, False)]
+        each = [_nf4_step(a, targets, r, task, seq, batch, dropout, accumulation, d) for d in (True, False)]
         _NF4_STEPS[key] = {k: max(e[k] for e in each) for k in each[0]}
     return _NF4_STEPS[key]
 
