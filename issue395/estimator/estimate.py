@@ -551,8 +551,9 @@ def adapter_replayed(a: Arch, quant: str, tk, targets: tuple, r: int, seq: int, 
                      reference: bool) -> dict:
     """The rests the replay that admits the run keeps, by the adapter's block sets, as unsplit_remainders takes them:
     the bf16 step (streamed_sequence.step_replayed: the parameters, step 1's states, the gradients held between
-    micro-batches); NF4's (nf4_step_replayed: the parameters, and in a one-step run the gradients, held or not); the setup
-    alone (setup_replayed: the parameters, both copies where the release makes the ``reference`` adapter); none."""
+    micro-batches); NF4's (nf4_step_replayed: the parameters, and in a one-step run the gradients, held or not); the
+    setup alone (setup_replayed: the parameters, both copies where the release makes the ``reference`` adapter);
+    none."""
     if step_replayed(a, quant, tk.name, dropout=dropout, accumulation=accumulation, optimizer=optimizer, steps=steps,
                      **stack):
         rests = step_rests(a, targets, r, tk.name, seq, batch, accumulation)
@@ -563,7 +564,7 @@ def adapter_replayed(a: Arch, quant: str, tk, targets: tuple, r: int, seq: int, 
         if steps > 1:  # a later step's gradients land in other free blocks than step 1's: the setup's rests alone
             return {"placed": placed_rests(a, targets, r, reference, quant)}
         rests = nf4_step_rests(a, targets, r, tk.name, seq, batch, dropout=dropout, accumulation=accumulation)
-        # its states and temporaries depart from the histories' (nf4_step_rests): their bound stands
+        # its states depart from the histories', its temporaries are not replayed (nf4_step_rests): their bound stands
         return {"placed": rests["parameters"], ("held" if accumulation > 1 else "grads"): rests["gradients"]}
     if setup_replayed(a, quant, tk.name, **stack):
         return {"placed": placed_rests(a, targets, r, reference, quant)}

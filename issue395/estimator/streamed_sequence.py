@@ -71,9 +71,9 @@ once in any layers' backward, in place of layer_remainders' bound; held against 
 segments (two histories where it is under) and where a card may fuse NF4's gemm_4bit (that arm is not built).
 
 What is not built (what is left of issue 52 item 1): the driver's reuse of released address ranges (so NF4's states,
-temporaries and later steps' gradients), the other tasks, and any model type or task pair not checked above (accumulation's held gradients are
-replayed where step_replayed admits the run: step_rests' ``accumulation``; at or above three H100 histories, not to
-the byte). Where the
+temporaries and later steps' gradients), the other tasks, and any model type or task pair not checked above
+(accumulation's held gradients are replayed where step_replayed admits the run: step_rests' ``accumulation``; at or
+above three H100 histories, not to the byte). Where the
 states and temporaries land there is decided as here, by the free blocks the step 1 backward leaves (Mistral-7B NF4
 r256's 7 MiB gradients in freed 8 MiB hidden states and NF4 q/o weights; Phi-3's 1,179,648 B gradients in freed
 1,572,864 B down_proj absmax blocks). Replayed into fresh segments instead, the parameters', gradients', states' and
@@ -902,9 +902,10 @@ _NF4_STEPS: dict = {}
 def nf4_step_rests(a: Arch, targets: tuple, r: int, task: str, seq: int, batch: int, *, dropout: bool,
                    accumulation: int = 1) -> dict:
     """What an NF4 run's adapter blocks keep past their requests through step 1 (the parameters, step 1's gradients
-    and its states: _nf4_step), replayed under both placements of new segments (below the earlier ones, as the driver placed most of the committed histories', and after them, the default), each set's
-    larger taken. The driver's own placement (it reuses ranges empty_cache released) is neither. Charged where
-    nf4_step_replayed admits the run, in place of steady.unsplit_remainders' bound of 1 MiB a block: the parameters,
+    and its states: _nf4_step), replayed under both placements of new segments (below the earlier ones, as the
+    driver placed most of the committed histories', and after them, the default), each set's larger taken. The
+    driver's own placement (it reuses ranges empty_cache released) is neither. Charged where nf4_step_replayed admits
+    the run, in place of steady.unsplit_remainders' bound of 1 MiB a block: the parameters,
     and in a one-step run step 1's gradients, at or above the four committed H100 histories' own whose sets can be told
     apart by their sizes. Not charged: the states (and the optimizer's temporaries after them, not replayed), made in
     one burst at the optimizer's step in the free blocks step 1's backward leaves. Started from a history's own free
