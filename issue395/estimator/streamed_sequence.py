@@ -39,6 +39,9 @@ where it was checked (``step_replayed``: the two arms' model type and task, setu
 micro-batch, foreach AdamW, a step past the first) the estimate charges its parameters' and states' rests in place
 of their bound (the history's at its real peak to the byte); elsewhere where only the setup is (``setup_replayed``)
 the parameters' (``placed_rests``); the gradients' and temporaries' keep the bound (but NF4's step 1 below).
+Held out, the bf16 setup is thirteen more histories' start (untied Mistral-7B, Llama-3.1-8B, phi-2 and Phi-3-mini:
+the head's slot after the layers'; tied Qwen2.5, Llama-3.2-1B DPO, Qwen3, Gemma-2): SETUP_TYPES. Their step departs on
+two of the llama-type ones (step_replayed).
 
 The NF4 setup (``setup(quant="nf4")``, an untied model): no quantisation on the card (the shards are packed on
 disk): the adapter fp32, the two slots of packed NF4 shards (nf4_slot), install_streaming's LargeLayerBufferPool
@@ -95,9 +98,14 @@ from .steady import OPTIMIZERS, adapter_bytes
 #: The optimizers whose first step ``adamw_step`` builds: torch's AdamW, foreach (a square-root temporary per
 #: parameter) and fused (none). bitsandbytes' and the others keep their states otherwise: not built.
 BUILT_OPTIMIZERS = ("adamw_torch", "adamw_torch_fused")
-#: The setup ``setup`` builds was checked on these (the bf16 histories' start segments): the model types, the tasks
-#: (DPO's reference copy; SFT none), soup-cli's release, its pool's slots.
-SETUP_TYPES, SETUP_TASKS, SETUP_RELEASE, SETUP_BUFFERS = ("llama", "qwen2"), ("sft", "dpo"), "0.77.0", 2
+#: The setup ``setup`` builds was checked on these (the bf16 histories' start segments, segment for segment, under
+#: both placements): the model types, each with whether its embedding is tied (an untied model's head slot comes
+#: after the layers'); the tasks (DPO's reference copy; SFT none), soup-cli's release, its pool's slots. Tied:
+#: Llama-3.2-1B, Qwen2.5-0.5B, Qwen3-0.6B, Gemma-2-2B; untied: Mistral-7B, Llama-3.1-8B, phi-2, Phi-3-mini
+#: (bf16-large-adapter-traces-*, then held out bf16-setup-heldout-traces-*, whose Gemma-2 and Phi-3 admitted theirs).
+SETUP_TYPES = (("llama", True), ("qwen2", True), ("qwen3", True), ("gemma2", True), ("llama", False),
+               ("mistral", False), ("phi", False), ("phi3", False))
+SETUP_TASKS, SETUP_RELEASE, SETUP_BUFFERS = ("sft", "dpo"), "0.77.0", 2
 #: ...and under NF4 (an untied model: its embedding and head share one LargeLayerBufferPool slot) on these (model
 #: type, task): Mistral-7B NF4 r256 SFT's history. DPO's copy beside the recast adapter was not.
 NF4_SETUPS = (("mistral", "sft"),)
@@ -192,12 +200,13 @@ def setup(q: Requests, a: Arch, targets: tuple, r: int, *, reference: bool, quan
 
 def setup_replayed(a: Arch, quant: str, task: str, *, release: str, transformers: str, stream: dict,
                    probed: bool, buffers: int, environ=None) -> bool:
-    """Whether ``setup`` is the run's: a tied dense bf16 llama-type decoder (SETUP_TYPES), SFT or DPO, or an untied
-    dense NF4 one NF4_SETUPS names (Mistral-7B's SFT: its LargeLayerBufferPool and recast adapter), soup-cli
-    SETUP_RELEASE with its default streaming (no training key, no probe: stream_vram_probe runs a step at setup, on
-    the card before DPO's copy), SETUP_BUFFERS slots, transformers sequence.SEQUENCE_TRANSFORMERS (``transformers``:
-    the release, its local tag dropped) and the default allocator: the three histories it was checked on."""
-    checked = (a.tied and quant == "none" and a.model_type in SETUP_TYPES and task in SETUP_TASKS) or (
+    """Whether ``setup`` is the run's: a dense bf16 decoder of a model type and tying SETUP_TYPES names, SFT or DPO, or
+    an untied dense NF4 one NF4_SETUPS names (Mistral-7B's SFT: its LargeLayerBufferPool and recast adapter),
+    soup-cli SETUP_RELEASE with its default streaming (no training key, no probe: stream_vram_probe runs a step at
+    setup, on the card before DPO's copy), SETUP_BUFFERS slots, transformers sequence.SEQUENCE_TRANSFORMERS
+    (``transformers``: the release, its local tag dropped) and the default allocator: the histories it was checked
+    on."""
+    checked = (quant == "none" and (a.model_type, a.tied) in SETUP_TYPES and task in SETUP_TASKS) or (
         not a.tied and quant == "nf4" and (a.model_type, task) in NF4_SETUPS)
     return checked and a.layers is None and stack_replayed(release=release, transformers=transformers, stream=stream,
                                                            probed=probed, buffers=buffers, environ=environ)
@@ -730,13 +739,18 @@ STEP_CHECKED = (("llama", "sft"), ("qwen2", "dpo"))
 
 def step_replayed(a: Arch, quant: str, task: str, *, dropout: bool, accumulation: int, optimizer: str,
                   steps: int, **stack) -> bool:
-    """Whether ``step_rests`` is the run's: its setup is (setup_replayed, ``stack`` its keywords), its model type
-    and task a pair STEP_CHECKED names, with LoRA dropout as checked (SFT keeping masks; TRL's DPO turns it off),
-    any number of micro-batches (from the second on each gradient added into .grad in place: ``accumulated``),
-    torch's foreach AdamW and a GQA model (SDPA's workspace, flash_backward); any number of steps (the replay runs
-    through step 1's optimizer step, where a one-step run's states are made and may bind), but a one-step run with
-    one micro-batch only (its held gradients are step 1's first micro-batch's, which the replay does not key)."""
-    return (setup_replayed(a, quant, task, **stack) and (a.model_type, task) in STEP_CHECKED
+    """Whether ``step_rests`` is the run's: its setup is (setup_replayed, ``stack`` its keywords), it is tied, its
+    model type and task a pair STEP_CHECKED names, with LoRA dropout as checked (SFT keeping masks; TRL's DPO turns
+    it off), any number of micro-batches (from the second on each gradient added into .grad in place:
+    ``accumulated``), torch's foreach AdamW and a GQA model (SDPA's workspace, flash_backward); any number of steps
+    (the replay runs through step 1's optimizer step, where a one-step run's states are made and may bind), but a
+    one-step run with one micro-batch only (its held gradients are step 1's first micro-batch's, which the replay
+    does not key). Untied, the step departs though the setup holds: Llama-3.1-8B bf16 r64 512x1's replayed states
+    keep 3,670,016 B where its history's keep 4,194,304, so only the setup is charged; so does Qwen2.5-0.5B's SFT
+    (3,604,480 against 5,242,880: not in STEP_CHECKED). Mistral-7B's SFT and DPO histories at 1,024 tokens a step
+    are replayed to the byte, every set, but its SFT r64 at 512 departs (states 4,194,304 B against 6,291,456): not
+    admitted."""
+    return (setup_replayed(a, quant, task, **stack) and a.tied and (a.model_type, task) in STEP_CHECKED
             and dropout == (task == "sft") and optimizer == "adamw_torch" and a.kv != a.heads
             and (steps > 1 or accumulation == 1))
 
@@ -810,10 +824,11 @@ def walk_replayed(a: Arch, quant: str, task: str, T: int, targets: tuple, r: int
                   workspace: int, card: Dispatch | None = None, **stack) -> bool:
     """Whether ``walked_rests`` is the run's: an untied run WALK_CHECKED names (its setup and step held against a
     history: dense, GQA, no per-head q/k norm), with or without LoRA dropout's masks (the SFT histories keep them,
-    the DPO one has none, TRL turning dropout off: the layer's requests without them are its), a small-pool adapter (small_pool_adapter; on the two committed histories whose adapter blocks are over 1 MiB and
-    share the layers' segments, Qwen2.5-0.5B DPO bf16 r128 and Mistral-7B NF4 r64, both 3 steps, the walk came out
-    0.25 and 0.5 MiB under), any number of micro-batches (walked: a later micro-batch's large-pool requests are the
-    first's), an optimizer whose step is built where a second step runs, the default cuBLAS ``workspace``, the stack
+    the DPO one has none, TRL turning dropout off: the layer's requests without them are its), a small-pool adapter
+    (small_pool_adapter; on the two committed histories whose adapter blocks are over 1 MiB and share the layers'
+    segments, Qwen2.5-0.5B DPO bf16 r128 and Mistral-7B NF4 r64, both 3 steps, the walk came out 0.25 and 0.5 MiB
+    under), any number of micro-batches (walked: a later micro-batch's large-pool requests are the first's), an
+    optimizer whose step is built where a second step runs, the default cuBLAS ``workspace``, the stack
     stack_replayed takes (``stack``: soup-cli SETUP_RELEASE's default streaming, its two slots, transformers
     SEQUENCE_TRANSFORMERS, the default allocator), and a token count at which no decoder shape runs bitsandbytes'
     fused gemm_4bit (that arm's forward makes no dequantised weight; it is not built): on ``card`` where it is known
