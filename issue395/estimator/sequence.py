@@ -801,6 +801,13 @@ def checked_targets(a: Arch, quant: str, targets: tuple) -> bool:
             and bool(set(targets) & set(GRADIENT_ATTENTION)))
 
 
+#: The tasks whose resident forward is this sequence at its rows' tokens: SFT's (the captures), and the preference
+#: tasks with one forward and no reference, ORPO's and SimPO's, which run the policy once over the chosen and
+#: rejected rows stacked (2 x batch rows): Qwen2.5-0.5B ORPO 1024x2's history keeps no rest in the forward's
+#: blocks at its real peak, the replay 500,736 B (results/resident-gemma2-qwen-traces-h100-*), and ORPO's and SimPO's
+#: map rows measured the same peaks (resident-map-h200-*: 512x2 and 1024x2). DPO's reference forward and KTO's KL
+#: forward run beside it under no grad and leave their freed blocks in its way: not replayed.
+SEQUENCE_TASKS = ("sft", "orpo", "simpo")
 #: The transformers release whose modeling code every capture the sequence was checked against ran (the pinned
 #: stack's): another one may order, fuse or keep the forward's tensors otherwise.
 SEQUENCE_TRANSFORMERS = "5.16.1"
@@ -834,8 +841,8 @@ def replayed(a: Arch, quant: str, targets: tuple, task: str, *, transformers: st
     (NF4_SEQUENCE_TYPES) at any token count (at
     GEMM_4BIT_FUSED_MAX_ROWS or fewer layer_rests charges the largest replay of every gemm_4bit choice), the
     protocol's LoRA targets (protocol_targets: q_proj and v_proj, in any order; Phi-3's qkv_proj; bf16 on the plain
-    llama-type decoder any of its linears with q_proj, k_proj or v_proj among them: checked_targets) and task (SFT: one
-    forward, no reference), LoRA dropout on or off, under transformers SEQUENCE_TRANSFORMERS (``transformers``: the
+    llama-type decoder any of its linears with q_proj, k_proj or v_proj among them: checked_targets) and task (one
+    forward, no reference: SEQUENCE_TASKS), LoRA dropout on or off, under transformers SEQUENCE_TRANSFORMERS (``transformers``: the
     release the run has, its local tag dropped) and the default allocator (``default_allocator`` of ``environ``):
     every capture it was checked against. Never phi's qk_layernorm, nor a model dropout the config turns on
     (arch.MODEL_DROPOUTS: resid_pdrop's masks, embd_pdrop's and SDPA's dropout): no capture ran them. Nor NF4 of a
@@ -846,7 +853,7 @@ def replayed(a: Arch, quant: str, targets: tuple, task: str, *, transformers: st
                  and not (batch > 1 and a.model_type in NF4_BATCHED_HELD_BACK))
             # phi3's partial rotary (its pass-through part) was never captured; phi's was, at phi-2's 0.4
             and (a.rotary_dim == a.head_dim or a.model_type == "phi")
-            and checked_targets(a, quant, targets) and task == "sft"
+            and checked_targets(a, quant, targets) and task in SEQUENCE_TASKS
             and transformers == SEQUENCE_TRANSFORMERS and default_allocator(environ))
 
 

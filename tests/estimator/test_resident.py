@@ -544,3 +544,37 @@ def test_a_replayed_checkpointed_run_on_expandable_segments_charges_the_replays_
     assert bound.needs_free - e.needs_free == EXPANDABLE_RESERVE_BYTES - charge
     assert reserve_words(e).startswith("the allocator's reserve replayed") and f"{charge / 1e6:.1f} MB" in \
         reserve_words(e) and reserve_words(bound) == ""
+
+
+RESIDENT_TRACES = ROOT / "results" / "resident-gemma2-qwen-traces-h100-soup0.77.0-328540f"
+
+
+def test_orpo_and_simpo_take_the_sft_sequence_and_dpo_and_kto_keep_the_bound():
+    """ORPO and SimPO run the policy once over the chosen and rejected rows stacked, no reference: the resident
+    forward's rests are replayed as SFT's at those rows (sequence.SEQUENCE_TASKS). DPO's reference forward and
+    KTO's KL forward run beside it: the bound."""
+    from issue395.estimator import sequence
+    a = arch_from_config(config_json("qwen"))
+    for task, replayed in (("orpo", True), ("simpo", True), ("dpo", False), ("kto", False)):
+        assert sequence.replayed(a, "none", ("q_proj", "v_proj"), task, transformers="5.16.1",
+                                 environ={}) == replayed
+
+
+def test_resident_orpos_history_keeps_no_more_in_its_forwards_blocks_than_the_replay_charges():
+    """Qwen2.5-0.5B ORPO bf16 1024x2 resident (H100): at the history's real peak the forward's blocks (all but the
+    loss's logits, whose rests the loss terms charge) keep no rest; the replay charges 500,736 B, where the bound
+    charged 161,981,440. The corrected estimate is at or above the measured peak (the committed JSON's) and within
+    1.001x of it (1.0118x under the bound)."""
+    import gzip
+    from issue395.measure.trace import held_at, replay_trace
+    d = json.loads((RESIDENT_TRACES / "res-orpo-qwen-bf16-1024x2.json").read_text())
+    trace = json.loads(gzip.open(RESIDENT_TRACES / "res-orpo-qwen-bf16-1024x2.trace.json.gz", "rt").read())
+    r = replay_trace(trace)
+    a = arch_from_config(config_json("qwen"))
+    T = d["seq"] * d["batch"] * 2
+    kept = sum(h.rest for h in held_at(trace, r.peak_at) if h.requested < T * a.V)
+    e = estimate_resident(config_json("qwen"), quant="none", seq=d["seq"], batch=d["batch"], task="orpo",
+                          targets=tuple(d["targets"].split(",")), lora_r=d["r"], release="0.77.0",
+                          transformers="5.16.1")
+    assert r.peak == d["real_peak"] and kept <= e.terms["allocator_rounding"] < 1_000_000
+    assert d["real_peak"] <= e.corrected_predicted <= 1.001 * d["real_peak"]
