@@ -54,6 +54,13 @@ workspace, the larger charged; under NF4 at 1,536 tokens or fewer, the largest o
 and phi bf16 and NF4: BF16_SEQUENCE_TYPES, NF4_SEQUENCE_TYPES); everywhere else resident.py keeps its bound.
 Checked too against a real step's own history (tests/estimator/test_sequence.py): the NF4 forward is the H100
 traces' request for request (SmolLM2 1024x4, phi-2 512x1, Qwen2.5-0.5B 1024x4; bench/task_peak_anatomy.py --trace).
+ORPO and SimPO run this forward once over their stacked rows (SEQUENCE_TASKS).
+
+Gemma-2 (``layer_gemma2``, bf16): the embedding scaled into its own block, each layer's four Gemma RMSNorms
+(``gemma_norm``: the fp32 copy, rstd, 1 + weight in fp32, the product's bf16 cast) around the attention and the
+MLP: the capture's and the H100 trace's request for request, but not admitted: the driver's segment addresses break
+best fit's ties otherwise there, and the real run's forward blocks keep 28.8 MB where either placement's replay keeps
+26.2-27.3 MB (the bound stays).
 """
 
 from __future__ import annotations
@@ -176,14 +183,24 @@ def layer_parameters(a: Arch, k: int) -> list:
             out += [(p + "self_attn.q_norm.weight", 2 * a.head_dim), (p + "self_attn.k_norm.weight", 2 * a.head_dim)]
     if a.model_type == "phi":
         return out + [(p + "input_layernorm.weight", 2 * a.h), (p + "input_layernorm.bias", 2 * a.h)]
-    return out + [(p + "input_layernorm.weight", 2 * a.h), (p + "post_attention_layernorm.weight", 2 * a.h)]
+    out += [(p + "input_layernorm.weight", 2 * a.h), (p + "post_attention_layernorm.weight", 2 * a.h)]
+    if a.model_type == "gemma2":  # its two more, around the MLP
+        out += [(p + "pre_feedforward_layernorm.weight", 2 * a.h), (p + "post_feedforward_layernorm.weight", 2 * a.h)]
+    return out
+
+
+#: Gemma-2's one buffer transformers' warmup counts (inv_freq it leaves out): its embedding's scale, a bf16 scalar
+#: (Gemma2TextScaledWordEmbedding.embed_scale), made after the weights.
+GEMMA_BUFFERS = (2,)
 
 
 def load(q: Requests, a: Arch, targets: tuple, r: int) -> None:
-    """The warmup block (every parameter's bytes, freed at once), then each tensor as the loader makes it."""
+    """The warmup block (every parameter's and counted buffer's bytes, freed at once), then each tensor as the loader
+    makes it."""
     weights, lora = parameters(a, targets, r)
-    q.put(q.get(sum(weights)))
-    for b in weights + lora:
+    buffers = list(GEMMA_BUFFERS) if a.model_type == "gemma2" else []
+    q.put(q.get(sum(weights) + sum(buffers)))
+    for b in weights + buffers + lora:
         q.get(b)
 
 
@@ -364,6 +381,53 @@ def layer(q: Requests, a: Arch, T: int, x, first: bool, lora: tuple):
     return out, kept
 
 
+def gemma_norm(q: Requests, T: int, width: int, saved: bool):
+    """Gemma's RMSNorm on a bf16 input: its fp32 copy, the square and rstd (rstd's rule), the normalised fp32, the
+    weight's fp32 copy and 1 + weight (kept with the fp32 copy and rstd where its input needs a gradient), their
+    fp32 product, its bf16 cast (returned); the rest freed."""
+    x32 = q.get(4 * T * width)
+    r = rstd(q, T, q.get(4 * T * width))
+    y32 = q.get(4 * T * width)
+    if not saved:
+        q.put(r, x32)
+    w32 = q.get(4 * width)
+    w1 = q.get(4 * width)
+    q.put(w32)
+    out32 = q.get(4 * T * width)
+    if not saved:
+        q.put(w1)
+    q.put(y32)
+    cast = q.get(2 * T * width)
+    q.put(out32)
+    return cast, [x32, r, w1] if saved else []
+
+
+def layer_gemma2(q: Requests, a: Arch, T: int, x, first: bool, lora: tuple):
+    """One Gemma-2 decoder layer's forward: its four norms (Gemma's: gemma_norm), the input's before attention, the
+    attention output's before the residual add, the sum's before the MLP, the MLP output's before the second add;
+    returns its output and the blocks it keeps for its backward."""
+    normed, kept = gemma_norm(q, T, a.h, not first)
+    o, k = attention(q, a, T, normed, lora, not first)
+    kept += k
+    q.put(normed)
+    post, k = gemma_norm(q, T, a.h, True)
+    kept += k
+    q.put(o)
+    mid = q.get(2 * T * a.h)
+    q.put(post)
+    normed2, k = gemma_norm(q, T, a.h, True)
+    kept += k
+    down, k = mlp(q, a, T, normed2, lora)
+    kept += k
+    q.put(normed2)
+    post2, k = gemma_norm(q, T, a.h, True)
+    kept += k
+    q.put(down)
+    out = q.get(2 * T * a.h)
+    q.put(post2, mid)
+    return out, kept
+
+
 def tables(q: Requests, a: Arch, seq: int, fp32: bool, workspace: int = CUBLAS_WORKSPACE):
     """The rotary tables (the cuBLAS ``workspace`` after their first matmul): cos and sin, cast to the residual
     stream's dtype (bf16; under NF4 fp32, where the cast is none)."""
@@ -386,16 +450,21 @@ def forward(q: Requests, a: Arch, T: int, seq: int, lora: tuple, workspace: int 
     the layers made (phi's: forward_phi)."""
     if a.model_type == "phi":
         return forward_phi(q, a, T, seq, lora, workspace)
+    gemma = a.model_type == "gemma2"
     emb = q.get(2 * T * a.h)
+    if gemma:  # the lookup scaled by the hidden size's root: its own block, the lookup's freed
+        scaled = q.get(2 * T * a.h)
+        q.put(emb)
+        emb = scaled
     cos, sin = tables(q, a, seq, False, workspace)
     kept, x = [], emb
     for k in range(a.L):
-        out, held = layer(q, a, T, x, k == 0, lora)
+        out, held = (layer_gemma2 if gemma else layer)(q, a, T, x, k == 0, lora)
         kept += held
         if k:
             q.put(x)
         x = out
-    final, held = norm(q, T, a.h, True)
+    final, held = (gemma_norm if gemma else norm)(q, T, a.h, True)
     q.put(x, emb)  # the decoder's return drops the last layer's output and the embedding's
     return kept + held + [final, cos, sin]
 
@@ -836,17 +905,17 @@ def default_allocator(environ=None) -> bool:
 
 def replayed(a: Arch, quant: str, targets: tuple, task: str, *, transformers: str, environ=None,
              batch: int = 1) -> bool:
-    """Whether this sequence is the run's: a plain llama-type decoder (SEQUENCE_TYPES, one kind of layer; Phi-3's
-    fused qkv and gate_up at a full rotary; phi's parallel layer), bf16 (BF16_SEQUENCE_TYPES), or NF4
-    (NF4_SEQUENCE_TYPES) at any token count (at
-    GEMM_4BIT_FUSED_MAX_ROWS or fewer layer_rests charges the largest replay of every gemm_4bit choice), the
-    protocol's LoRA targets (protocol_targets: q_proj and v_proj, in any order; Phi-3's qkv_proj; bf16 on the plain
-    llama-type decoder any of its linears with q_proj, k_proj or v_proj among them: checked_targets) and task (one
-    forward, no reference: SEQUENCE_TASKS), LoRA dropout on or off, under transformers SEQUENCE_TRANSFORMERS (``transformers``: the
-    release the run has, its local tag dropped) and the default allocator (``default_allocator`` of ``environ``):
-    every capture it was checked against. Never phi's qk_layernorm, nor a model dropout the config turns on
-    (arch.MODEL_DROPOUTS: resid_pdrop's masks, embd_pdrop's and SDPA's dropout): no capture ran them. Nor NF4 of a
-    type NF4_BATCHED_HELD_BACK names at ``batch`` over 1 (none now)."""
+    """Whether this sequence is the run's: a plain llama-type decoder (SEQUENCE_TYPES, one kind of layer; Phi-3's fused
+    qkv and gate_up at a full rotary; phi's parallel layer), bf16 (BF16_SEQUENCE_TYPES), or NF4 (NF4_SEQUENCE_TYPES)
+    at any token count (at GEMM_4BIT_FUSED_MAX_ROWS or fewer layer_rests charges the largest replay of every
+    gemm_4bit choice), the protocol's LoRA targets (protocol_targets: q_proj and v_proj, in any order; Phi-3's
+    qkv_proj; bf16 on the plain llama-type decoder any of its linears with q_proj, k_proj or v_proj among them:
+    checked_targets) and task (one forward, no reference: SEQUENCE_TASKS), LoRA dropout on or off, under
+    transformers SEQUENCE_TRANSFORMERS (``transformers``: the release the run has, its local tag dropped) and the
+    default allocator (``default_allocator`` of ``environ``): every capture it was checked against. Never phi's
+    qk_layernorm, nor a model dropout the config turns on (arch.MODEL_DROPOUTS: resid_pdrop's masks, embd_pdrop's
+    and SDPA's dropout): no capture ran them. Nor NF4 of a type NF4_BATCHED_HELD_BACK names at ``batch`` over 1
+    (none now)."""
     return (a.model_type in SEQUENCE_TYPES and a.layers is None and not a.qk_layernorm and not a.dropouts
             and (quant == "none" and a.model_type in BF16_SEQUENCE_TYPES
                  or quant == "nf4" and a.model_type in NF4_SEQUENCE_TYPES
