@@ -875,7 +875,8 @@ def checked_targets(a: Arch, quant: str, targets: tuple) -> bool:
 #: rejected rows stacked (2 x batch rows): Qwen2.5-0.5B ORPO 1024x2's history keeps no rest in the forward's
 #: blocks at its real peak, the replay 500,736 B (results/resident-gemma2-qwen-traces-h100-*), and ORPO's and SimPO's
 #: map rows measured the same peaks (resident-map-h200-*: 512x2 and 1024x2). DPO's reference forward and KTO's KL
-#: forward run beside it under no grad and leave their freed blocks in its way: not replayed.
+#: forward run beside it under no grad and leave their freed blocks in its way: not replayed. Under NF4 SFT alone (no
+#: NF4 preference history).
 SEQUENCE_TASKS = ("sft", "orpo", "simpo")
 #: The transformers release whose modeling code every capture the sequence was checked against ran (the pinned
 #: stack's): another one may order, fuse or keep the forward's tensors otherwise.
@@ -922,7 +923,7 @@ def replayed(a: Arch, quant: str, targets: tuple, task: str, *, transformers: st
                  and not (batch > 1 and a.model_type in NF4_BATCHED_HELD_BACK))
             # phi3's partial rotary (its pass-through part) was never captured; phi's was, at phi-2's 0.4
             and (a.rotary_dim == a.head_dim or a.model_type == "phi")
-            and checked_targets(a, quant, targets) and task in SEQUENCE_TASKS
+            and checked_targets(a, quant, targets) and (task == "sft" or quant == "none" and task in SEQUENCE_TASKS)
             and transformers == SEQUENCE_TRANSFORMERS and default_allocator(environ))
 
 
