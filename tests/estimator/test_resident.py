@@ -552,29 +552,37 @@ RESIDENT_TRACES = ROOT / "results" / "resident-gemma2-qwen-traces-h100-soup0.77.
 def test_orpo_and_simpo_take_the_sft_sequence_and_dpo_and_kto_keep_the_bound():
     """ORPO and SimPO run the policy once over the chosen and rejected rows stacked, no reference: the resident
     forward's rests are replayed as SFT's at those rows (sequence.SEQUENCE_TASKS). DPO's reference forward and
-    KTO's KL forward run beside it: the bound."""
+    KTO's KL forward run beside it: the bound. Under NF4, SFT alone (no NF4 preference history)."""
     from issue395.estimator import sequence
     a = arch_from_config(config_json("qwen"))
     for task, replayed in (("orpo", True), ("simpo", True), ("dpo", False), ("kto", False)):
         assert sequence.replayed(a, "none", ("q_proj", "v_proj"), task, transformers="5.16.1",
                                  environ={}) == replayed
+    assert sequence.replayed(a, "nf4", ("q_proj", "v_proj"), "sft", transformers="5.16.1", environ={})
+    assert not sequence.replayed(a, "nf4", ("q_proj", "v_proj"), "orpo", transformers="5.16.1", environ={})
 
 
-def test_resident_orpos_history_keeps_no_more_in_its_forwards_blocks_than_the_replay_charges():
-    """Qwen2.5-0.5B ORPO bf16 1024x2 resident (H100): at the history's real peak the forward's blocks (all but the
-    loss's logits, whose rests the loss terms charge) keep no rest; the replay charges 500,736 B, where the bound
-    charged 161,981,440. The corrected estimate is at or above the measured peak (the committed JSON's) and within
-    1.001x of it (1.0118x under the bound)."""
+@pytest.mark.parametrize("path, key", [
+    ("resident-gemma2-qwen-traces-h100-soup0.77.0-328540f/res-orpo-qwen-bf16-1024x2", "qwen"),
+    ("heldout-orpo-simpo-setup-traces-h100-soup0.77.0-27f5f40/res-orpo-llama32-1b-bf16-1024x2", "llama32-1b"),
+    ("heldout-orpo-simpo-setup-traces-h100-soup0.77.0-27f5f40/res-simpo-smol-bf16-2048x2", "smol"),
+    ("heldout-orpo-simpo-setup-traces-h100-soup0.77.0-27f5f40/res-simpo-qwen3-0.6b-bf16-512x4", "qwen3-0.6b")])
+def test_resident_orpo_and_simpo_keep_no_more_in_their_forwards_blocks_than_the_replay_charges(path, key):
+    """Resident ORPO and SimPO (bf16, H100): at each history's real peak the forward's blocks (all but the loss's
+    logits, whose rests the loss terms charge) keep at most the allocator rounding the estimate charges (the
+    replay's, 0.5-2.0 MB), and the corrected estimate is at or above the measured peak (the committed JSON's) and
+    within 1.002x of it. Qwen2.5 ORPO was the history the tasks were admitted on (the bound charged 161,981,440 B
+    there, 1.0118x); the other three were measured after, held out."""
     import gzip
     from issue395.measure.trace import held_at, replay_trace
-    d = json.loads((RESIDENT_TRACES / "res-orpo-qwen-bf16-1024x2.json").read_text())
-    trace = json.loads(gzip.open(RESIDENT_TRACES / "res-orpo-qwen-bf16-1024x2.trace.json.gz", "rt").read())
+    d = json.loads((ROOT / "results" / f"{path}.json").read_text())
+    trace = json.loads(gzip.open(ROOT / "results" / f"{path}.trace.json.gz", "rt").read())
     r = replay_trace(trace)
-    a = arch_from_config(config_json("qwen"))
+    a = arch_from_config(config_json(key))
     T = d["seq"] * d["batch"] * 2
     kept = sum(h.rest for h in held_at(trace, r.peak_at) if h.requested < T * a.V)
-    e = estimate_resident(config_json("qwen"), quant="none", seq=d["seq"], batch=d["batch"], task="orpo",
+    e = estimate_resident(config_json(key), quant="none", seq=d["seq"], batch=d["batch"], task=d["task"],
                           targets=tuple(d["targets"].split(",")), lora_r=d["r"], release="0.77.0",
                           transformers="5.16.1")
-    assert r.peak == d["real_peak"] and kept <= e.terms["allocator_rounding"] < 1_000_000
-    assert d["real_peak"] <= e.corrected_predicted <= 1.001 * d["real_peak"]
+    assert r.peak == d["real_peak"] and kept <= e.terms["allocator_rounding"] < 2_100_000
+    assert d["real_peak"] <= e.corrected_predicted <= 1.002 * d["real_peak"]

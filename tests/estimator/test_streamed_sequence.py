@@ -314,7 +314,7 @@ def test_the_setup_is_charged_only_where_it_was_checked():
 
 
 #: Held-out H100 histories of bf16 large adapters (all linears, 2 steps) made after the setup was built, then six
-#: more after the first seven admitted their types: the registry key. Untied Mistral-7B, Llama-3.1-8B, phi-2 and
+#: more after the first seven admitted their types, then DPO on the two types those six admitted: the registry key. Untied Mistral-7B, Llama-3.1-8B, phi-2 and
 #: Phi-3-mini (its fused linears), Qwen3's q and k norms, Gemma-2's four norms; SFT and DPO; r32-r64, 512-2048 tokens.
 BF16_LARGE = {f"bf16-large-adapter-traces-h100-soup0.77.0-d1ab762/seg-{arm}-s2-a1": key for arm, key in (
     ("sft-mistral-bf16-1024x1-r32-all", "mistral-7b"), ("dpo-mistral-bf16-512x1-r32-all", "mistral-7b"),
@@ -324,7 +324,9 @@ BF16_LARGE = {f"bf16-large-adapter-traces-h100-soup0.77.0-d1ab762/seg-{arm}-s2-a
     f"bf16-setup-heldout-traces-h100-soup0.77.0-ba1cd82/seg-{arm}-s2-a1": key for arm, key in (
         ("sft-phi-2-bf16-1024x1-r64-all", "phi-2"), ("dpo-phi-2-bf16-512x1-r32-all", "phi-2"),
         ("sft-mistral-bf16-512x1-r64-all", "mistral-7b"), ("dpo-llama31-8b-bf16-512x1-r32-all", "llama31-8b"),
-        ("sft-gemma2-2b-bf16-1024x1-r64-all", "gemma2-2b"), ("sft-phi3-mini-bf16-1024x1-r64-fused", "phi3-mini"))}
+        ("sft-gemma2-2b-bf16-1024x1-r64-all", "gemma2-2b"), ("sft-phi3-mini-bf16-1024x1-r64-fused", "phi3-mini"))} | {
+    f"heldout-orpo-simpo-setup-traces-h100-soup0.77.0-27f5f40/seg-{arm}-s2-a1": key for arm, key in (
+        ("dpo-phi3-mini-bf16-1024x1-r32-fused", "phi3-mini"), ("dpo-gemma2-2b-bf16-512x1-r64-all", "gemma2-2b"))}
 
 
 @pytest.mark.parametrize("path", BF16_LARGE)
@@ -350,16 +352,16 @@ def test_the_bf16_setup_is_each_held_out_historys_start_and_its_parameters_rests
 
 
 def test_the_held_out_setups_keep_rests_where_any_does():
-    """The check above is not vacuous: five of the held-out histories' parameters keep rests (Mistral-7B's SFT and
-    DPO, Qwen2.5's SFT, phi-2's and Llama-3.1-8B's DPO), and every one but Qwen3-0.6B's has adapter blocks over
-    1 MiB."""
+    """The check above is not vacuous: six of the held-out histories' parameters keep rests (Mistral-7B's SFT and
+    DPO, Qwen2.5's SFT, phi-2's, Llama-3.1-8B's and Phi-3-mini's DPO), and every one but Qwen3-0.6B's has adapter
+    blocks over 1 MiB."""
     kept, large = 0, 0
     for path, key in BF16_LARGE.items():
         trace, row = _history_at(path)
         a, targets, per = _adapter(key, row)
         kept += placed_rests(a, targets, row["r"], row["task"] == "dpo") > 0
         large += any(block_bytes(per * n) > K_SMALL_SIZE for n in adapter_elements(a, targets, row["r"]))
-    assert (kept, large) == (5, 12)
+    assert (kept, large) == (6, 14)
 
 
 @pytest.mark.parametrize("path", BF16_LARGE)
