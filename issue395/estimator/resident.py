@@ -60,9 +60,10 @@ Known limitations
       request for request, on all six such families at 512x1-4096x1 (its rests the capture's at every point but
       SmolLM2 1024x1, 0.5 MB over: a block the capture frees before its peak), and the NF4 forward is the H100
       traces' request for request (SmolLM2 1024x4, phi-2 512x1, Qwen2.5-0.5B 1024x4: bench/task_peak_anatomy.py
-      --trace). Everywhere else (Gemma, Gemma-2, the layered families; other
-      targets; the preference tasks) a block of the step or of the weights that is not whole 2 MiB has its
-      retained blocks' rounding bounded, not replayed: each 1-10 MiB block class is
+      --trace). ORPO, SimPO and DPO in bf16 take the same forward (sequence.SEQUENCE_TASKS). Everywhere else
+      (Gemma, Gemma-2, the layered families; other targets; KTO, NF4's preference tasks) a block of the step or
+      of the weights that is not whole 2 MiB has its retained blocks' rounding bounded, not replayed: each 1-10 MiB
+      block class is
       cut from 20 MiB segments whose last block keeps a rest of at most 1 MiB (1 MiB a segment), and each block
       from 10 MiB keeps its segment's tail, or, served from a larger cached block, a rest of at most 1 MiB (1 MiB
       a block); a block of 1 MiB or less is the small pool's, split at 512 B (retained_rounding, through

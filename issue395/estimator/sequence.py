@@ -54,7 +54,7 @@ workspace, the larger charged; under NF4 at 1,536 tokens or fewer, the largest o
 and phi bf16 and NF4: BF16_SEQUENCE_TYPES, NF4_SEQUENCE_TYPES); everywhere else resident.py keeps its bound.
 Checked too against a real step's own history (tests/estimator/test_sequence.py): the NF4 forward is the H100
 traces' request for request (SmolLM2 1024x4, phi-2 512x1, Qwen2.5-0.5B 1024x4; bench/task_peak_anatomy.py --trace).
-ORPO and SimPO run this forward once over their stacked rows (SEQUENCE_TASKS).
+ORPO, SimPO and DPO run this forward once over their stacked rows, first (SEQUENCE_TASKS).
 
 Gemma-2 (``layer_gemma2``, bf16): the embedding scaled into its own block, each layer's four Gemma RMSNorms
 (``gemma_norm``: the fp32 copy, rstd, 1 + weight in fp32, the product's bf16 cast) around the attention and the
@@ -173,7 +173,7 @@ def parameter_bytes(a: Arch) -> dict:
 
 def layer_parameters(a: Arch, k: int) -> list:
     """Layer ``k``'s (name, bf16 bytes) in its modules' order: each linear's weight and bias (qwen3's q/k norms
-    after o_proj), then its norms (phi: one LayerNorm, weight and bias)."""
+    after o_proj), then its norms (phi: one LayerNorm, weight and bias; Gemma-2: four)."""
     p = f"model.layers.{k}."
     out = []
     for m, (fi, fo, bias) in a.modules.items():
@@ -871,13 +871,20 @@ def checked_targets(a: Arch, quant: str, targets: tuple) -> bool:
 
 
 #: The tasks whose resident forward is this sequence at its rows' tokens: SFT's (the captures), and the preference
-#: tasks with one forward and no reference, ORPO's and SimPO's, which run the policy once over the chosen and
-#: rejected rows stacked (2 x batch rows): Qwen2.5-0.5B ORPO 1024x2's history keeps no rest in the forward's
-#: blocks at its real peak, the replay 500,736 B (results/resident-gemma2-qwen-traces-h100-*), and ORPO's and SimPO's
-#: map rows measured the same peaks (resident-map-h200-*: 512x2 and 1024x2). DPO's reference forward and KTO's KL
-#: forward run beside it under no grad and leave their freed blocks in its way: not replayed. Under NF4 SFT alone (no
-#: NF4 preference history).
-SEQUENCE_TASKS = ("sft", "orpo", "simpo")
+#: tasks whose policy runs once over the chosen and rejected rows stacked (2 x batch rows) before anything else of
+#: the step: ORPO's and SimPO's (no reference), and DPO's (TRL 0.29's _compute_loss runs the reference's no-grad
+#: forward after the policy's, so the policy's blocks are placed as SFT's). Checked: at each H100 history's real
+#: peak the forward's blocks keep the replay's rests (Qwen2.5-0.5B ORPO 1024x2 and DPO 1024x2 none, the replay
+#: none, where the bound charged 162 MB; held out after them: Llama-3.2-1B ORPO, SmolLM2 SimPO and DPO,
+#: Qwen3-0.6B SimPO and DPO; results/resident-gemma2-qwen-traces-*, heldout-orpo-simpo-setup-traces-*,
+#: resident-dpo-traces-*). KTO's KL forward runs under no grad before its policy's and leaves its freed blocks in
+#: the policy's way: not replayed. SmolLM2's two at 8,192 tokens keep 131,072 B in one layer-0 block where the
+#: replay keeps none (9 MiB in a free block of 9 MiB + 128 KiB the replay never makes; SFT at those tokens was not
+#: measured); the estimate is at or above every one of the seven real peaks, 1.0003x-1.0013x.
+#: Evidence: docs/PEAK.md, "SEQUENCE_TASKS".
+SEQUENCE_TASKS = ("sft", "orpo", "simpo", "dpo")
+#: ...and under NF4: SFT alone (no NF4 preference history).
+NF4_SEQUENCE_TASKS = ("sft",)
 #: The transformers release whose modeling code every capture the sequence was checked against ran (the pinned
 #: stack's): another one may order, fuse or keep the forward's tensors otherwise.
 SEQUENCE_TRANSFORMERS = "5.16.1"
@@ -923,7 +930,8 @@ def replayed(a: Arch, quant: str, targets: tuple, task: str, *, transformers: st
                  and not (batch > 1 and a.model_type in NF4_BATCHED_HELD_BACK))
             # phi3's partial rotary (its pass-through part) was never captured; phi's was, at phi-2's 0.4
             and (a.rotary_dim == a.head_dim or a.model_type == "phi")
-            and checked_targets(a, quant, targets) and (task == "sft" or quant == "none" and task in SEQUENCE_TASKS)
+            and checked_targets(a, quant, targets)
+            and task in (NF4_SEQUENCE_TASKS if quant == "nf4" else SEQUENCE_TASKS)
             and transformers == SEQUENCE_TRANSFORMERS and default_allocator(environ))
 
 

@@ -303,6 +303,12 @@ SURVEY = sorted(ROOT.glob("results/heldout-survey-h100-soup0.77.0-*/call-*/ho-*.
 SURVEY_KEYS = {"mistral": "mistral-7b", "phi": "phi-2"}
 
 
+def survey_key(path: Path) -> str:
+    """The registry key a survey file names (ho-TASK-FAMILY-...: one word, or two)."""
+    words = path.stem.split("-")
+    return SURVEY_KEYS.get(words[2], "-".join(words[2:4]))
+
+
 @pytest.mark.parametrize("path", SURVEY, ids=lambda p: p.stem)
 def test_the_held_out_survey_is_never_under_and_within_the_window_but_where_an_adapter_block_is_over_1_mib(path):
     """Issue 52's done-when on the held-out survey: each arm's corrected estimate (the H100's dispatch, the stack it
@@ -310,9 +316,7 @@ def test_the_held_out_survey_is_never_under_and_within_the_window_but_where_an_a
     wherever the adapter's blocks are all small-pool ones (a block over 1 MiB keeps the 1 MiB-a-block bound on its
     states and gradients: phi-2 r32 all-linear, 1.048x)."""
     d = json.loads(path.read_text())
-    word = path.stem.split("-")[2]
-    key = SURVEY_KEYS.get(word, "-".join(path.stem.split("-")[2:4]))
-    e = E.estimate_key(key, quant=d["quant"], seq=d["seq"], batch=d["batch"], release="0.77.0", task=d["task"],
+    e = E.estimate_key(survey_key(path), quant=d["quant"], seq=d["seq"], batch=d["batch"], release="0.77.0", task=d["task"],
                        targets=tuple(d["targets"].split(",")), lora_r=d["r"], steps=d["steps"],
                        accumulation=d["accum"], soup=False, transformers="5.16.1", dispatch=CARDS["h100"].dispatch)
     assert d["real_peak"] <= e.corrected_predicted
@@ -321,8 +325,7 @@ def test_the_held_out_survey_is_never_under_and_within_the_window_but_where_an_a
 
 
 def test_the_survey_holds_its_nine_arms():
-    assert len(SURVEY) == 9 and {"phi-2", "llama32-1b", "gemma2-2b", "llama31-8b"} <= {
-        SURVEY_KEYS.get(p.stem.split("-")[2], "-".join(p.stem.split("-")[2:4])) for p in SURVEY}
+    assert len(SURVEY) == 9 and {"phi-2", "llama32-1b", "gemma2-2b", "llama31-8b"} <= set(map(survey_key, SURVEY))
 
 
 def test_soups_probe_before_the_step_leaves_its_backwards_cublas_workspace_beside_it():

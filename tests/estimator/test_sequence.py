@@ -335,7 +335,7 @@ def test_the_replay_serves_only_the_default_allocator_and_workspaces_it_was_chec
 
 
 @pytest.mark.parametrize("key,quant,targets,task,transformers", [
-    ("llama32-1b", "none", ("q_proj", "v_proj"), "dpo", "5.16.1"),
+    ("llama32-1b", "nf4", ("q_proj", "v_proj"), "dpo", "5.16.1"),
     ("llama32-1b", "none", ("q_proj", "v_proj"), "kto", "5.16.1"),
     ("gemma-2b", "none", ("q_proj", "v_proj"), "sft", "5.16.1"),
     ("gemma2-2b", "none", ("q_proj", "v_proj"), "sft", "5.16.1"),
@@ -348,11 +348,11 @@ def test_the_replay_serves_only_the_default_allocator_and_workspaces_it_was_chec
     ("llama32-1b", "none", ("q_proj", "v_proj"), "sft", "5.24.0"),
     ("llama32-1b", "none", ("q_proj", "v_proj"), "sft", "not installed")])
 def test_every_run_the_sequence_was_not_checked_on_keeps_the_bound(key, quant, targets, task, transformers):
-    """Review item 8: sequence.replayed holds only what the captures checked (llama-type SFT q,v; bf16, or NF4
-    on llama, mistral, qwen2, qwen3, and phi3 with qkv_proj; transformers 5.16.1; the default allocator): the
-    other tasks, Gemma, Gemma-2, Phi-3 on other targets than qkv_proj, phi-2 bf16 on other targets,
-    other targets (issue 51 item 3: bf16 on the plain llama-type decoder without q_proj, k_proj or v_proj; NF4 off
-    the protocol's), another transformers keep the bound."""
+    """Review item 8: sequence.replayed holds only what the captures checked (llama-type SFT q,v; bf16, or NF4 on
+    llama, mistral, qwen2, qwen3, and phi3 with qkv_proj; transformers 5.16.1; the default allocator): KTO (its KL
+    forward first), a preference task under NF4, Gemma, Gemma-2, Phi-3 on other targets than qkv_proj, phi-2 bf16 on
+    other targets, other targets (issue 51 item 3: bf16 on the plain llama-type decoder without q_proj, k_proj or
+    v_proj; NF4 off the protocol's), another transformers keep the bound."""
     a = arch_from_config(config_json(key))
     assert not sequence.replayed(a, quant, targets, task, transformers=transformers, environ={})
     assert sequence.replayed(arch_from_config(config_json("llama32-1b")), "none", ("q_proj", "v_proj"), "sft",
