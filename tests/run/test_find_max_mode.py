@@ -507,17 +507,17 @@ def test_a_resident_search_on_a_hopper_box_answers_like_for_like_with_the_reside
                                ((8, 6), STEP_GROWTH_BYTES, GROWTH_BOUND)):
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a, cc=cc: cc)
         cuda_box(RecordsItsCommand(None))
-        code, out, err = main(capfd, ["--find-max", "seq", "--config", path, "--emulate-card", "16.4GB", "--json",
+        code, out, err = main(capfd, ["--find-max", "seq", "--config", path, "--emulate-card", "16.7GB", "--json",
                                       tmp_path / "f.json"])
         assert code == 0, err
         data = json.loads((tmp_path / "f.json").read_text())
         assert data["this_tool_like_for_like_growth"] == {"bytes": growth, "source": source}
         assert data["box_compute_capability"] == ".".join(map(str, cc))
-        assert f"0.624 GB; the runtime's growth {growth / 1e6:.1f} MB ({source})): the longest seq that fits 16.4GB: " \
+        assert f"0.624 GB; the runtime's growth {growth / 1e6:.1f} MB ({source})): the longest seq that fits 16.7GB: " \
                f"{data['this_tool_longest_like_for_like']}" in out
         got[cc] = (data["this_tool_longest_like_for_like"], data["this_tool_longest"])
     assert got[(9, 0)][1] == got[(8, 6)][1], "the answer on the card asked (a plain size) charges the bound either way"
-    assert got[(9, 0)][0] > got[(8, 6)][0], "85 MB more of a 16.4 GB card fits a 64-token step more of Llama-3.2-1B DPO"
+    assert got[(9, 0)][0] > got[(8, 6)][0], "85 MB more of a 16.7 GB card fits a 64-token step more of Llama-3.2-1B DPO"
 
 
 @pytest.mark.parametrize("card, start", [("80GB", "Soup's gate's longest"), ("4GB", "the smallest, then a plain doubling")])
