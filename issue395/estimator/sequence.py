@@ -56,7 +56,7 @@ Checked too against a real step's own history (tests/estimator/test_sequence.py)
 traces' request for request (SmolLM2 1024x4, phi-2 512x1, Qwen2.5-0.5B 1024x4; bench/task_peak_anatomy.py --trace).
 ORPO, SimPO and DPO run this forward once over their stacked rows, first (SEQUENCE_TASKS).
 
-Gemma-2 (``layer_gemma2``, bf16): the embedding scaled into its own block, each layer's four Gemma RMSNorms
+Gemma-2 (``layer``'s Gemma-2 path, bf16): the embedding scaled into its own block, each layer's four Gemma RMSNorms
 (``gemma_norm``: the fp32 copy, rstd, 1 + weight in fp32, the product's bf16 cast) around the attention and the
 MLP: the capture's and the H100 trace's request for request, but not admitted: the driver's segment addresses break
 best fit's ties otherwise there, and the real run's forward blocks keep 28.8 MB where either placement's replay keeps
@@ -364,21 +364,36 @@ def mlp(q: Requests, a: Arch, T: int, x, lora: tuple):
 
 
 def layer(q: Requests, a: Arch, T: int, x, first: bool, lora: tuple):
-    """One decoder layer's forward: returns its output and the blocks it keeps for its backward."""
-    normed, kept = norm(q, T, a.h, not first)
+    """One decoder layer's forward: returns its output and the blocks it keeps for its backward. Gemma-2's four
+    norms are Gemma's (gemma_norm), two of them on each sublayer's output before its residual add (sandwiched)."""
+    rms = gemma_norm if a.model_type == "gemma2" else norm
+    normed, kept = rms(q, T, a.h, not first)
     o, k = attention(q, a, T, normed, lora, not first)
     kept += k
     q.put(normed)
+    o = sandwiched(q, a, T, o, kept)
     mid = q.get(2 * T * a.h)
     q.put(o)
-    normed2, k = norm(q, T, a.h, True)
+    normed2, k = rms(q, T, a.h, True)
     kept += k
     down, k = mlp(q, a, T, normed2, lora)
     kept += k
     q.put(normed2)
+    down = sandwiched(q, a, T, down, kept)
     out = q.get(2 * T * a.h)
     q.put(down, mid)
     return out, kept
+
+
+def sandwiched(q: Requests, a: Arch, T: int, y, kept: list):
+    """A sublayer's output as its residual add takes it: Gemma-2's normed (gemma_norm, what it keeps added to
+    ``kept``, the output freed); every other type's as it is."""
+    if a.model_type != "gemma2":
+        return y
+    post, k = gemma_norm(q, T, a.h, True)
+    kept += k
+    q.put(y)
+    return post
 
 
 def gemma_norm(q: Requests, T: int, width: int, saved: bool):
@@ -400,32 +415,6 @@ def gemma_norm(q: Requests, T: int, width: int, saved: bool):
     cast = q.get(2 * T * width)
     q.put(out32)
     return cast, [x32, r, w1] if saved else []
-
-
-def layer_gemma2(q: Requests, a: Arch, T: int, x, first: bool, lora: tuple):
-    """One Gemma-2 decoder layer's forward: its four norms (Gemma's: gemma_norm), the input's before attention, the
-    attention output's before the residual add, the sum's before the MLP, the MLP output's before the second add;
-    returns its output and the blocks it keeps for its backward."""
-    normed, kept = gemma_norm(q, T, a.h, not first)
-    o, k = attention(q, a, T, normed, lora, not first)
-    kept += k
-    q.put(normed)
-    post, k = gemma_norm(q, T, a.h, True)
-    kept += k
-    q.put(o)
-    mid = q.get(2 * T * a.h)
-    q.put(post)
-    normed2, k = gemma_norm(q, T, a.h, True)
-    kept += k
-    down, k = mlp(q, a, T, normed2, lora)
-    kept += k
-    q.put(normed2)
-    post2, k = gemma_norm(q, T, a.h, True)
-    kept += k
-    q.put(down)
-    out = q.get(2 * T * a.h)
-    q.put(post2, mid)
-    return out, kept
 
 
 def tables(q: Requests, a: Arch, seq: int, fp32: bool, workspace: int = CUBLAS_WORKSPACE):
@@ -459,7 +448,7 @@ def forward(q: Requests, a: Arch, T: int, seq: int, lora: tuple, workspace: int 
     cos, sin = tables(q, a, seq, False, workspace)
     kept, x = [], emb
     for k in range(a.L):
-        out, held = (layer_gemma2 if gemma else layer)(q, a, T, x, k == 0, lora)
+        out, held = layer(q, a, T, x, k == 0, lora)
         kept += held
         if k:
             q.put(x)

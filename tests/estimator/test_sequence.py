@@ -465,7 +465,7 @@ GEMMA2_TRACE = "resident-gemma2-qwen-traces-h100-soup0.77.0-328540f/res-sft-gemm
 @checked_stack
 def test_gemma2s_resident_forward_is_the_captures_and_the_h100_traces_but_the_drivers_placement_keeps_more():
     """Issue 52, resident Gemma-2 (its resident map rows 1.009-1.013x): the forward built for it (the scaled
-    embedding, then each layer's four Gemma RMSNorms: sequence.layer_gemma2, gemma_norm) is the meta capture's
+    embedding, then each layer's four Gemma RMSNorms: sequence.layer and sandwiched, gemma_norm) is the meta capture's
     every request and free over 1 MiB at 512x1, with its rests (46,399,488 B), and the H100 trace's (Gemma-2-2B bf16
     SFT 2048x1, 2,548 events) to the final norm. Its rests are not the run's: the driver put the trace's segments
     at addresses that break best fit's ties otherwise (from its 98th forward request on), and at the real peak the
