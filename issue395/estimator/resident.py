@@ -60,8 +60,9 @@ Known limitations
       request for request, on all six such families at 512x1-4096x1 (its rests the capture's at every point but
       SmolLM2 1024x1, 0.5 MB over: a block the capture frees before its peak), and the NF4 forward is the H100
       traces' request for request (SmolLM2 1024x4, phi-2 512x1, Qwen2.5-0.5B 1024x4: bench/task_peak_anatomy.py
-      --trace). ORPO, SimPO and DPO in bf16 take the same forward (sequence.SEQUENCE_TASKS). Everywhere else
-      (Gemma, Gemma-2, the layered families; other targets; KTO, NF4's preference tasks) a block of the step or
+      --trace). ORPO, SimPO, DPO and KTO in bf16 take the same forward (sequence.SEQUENCE_TASKS; KTO's after its KL
+      batch's no-grad forward, sequence.kl_forward, on sequence.KL_FORWARD_TYPES). Everywhere else
+      (Gemma, Gemma-2, the layered families; other targets; NF4's preference tasks) a block of the step or
       of the weights that is not whole 2 MiB has its retained blocks' rounding bounded, not replayed: each 1-10 MiB
       block class is
       cut from 20 MiB segments whose last block keeps a rest of at most 1 MiB (1 MiB a segment), and each block
@@ -285,7 +286,8 @@ def kept_rests(a: Arch, targets: tuple, r: int, T: int, quant: str, seq: int, ta
     else retained_rounding's bound."""
     mask = mask_bytes(task_named(task), dropout)
     if replayed(a, quant, targets, task, transformers=transformers_release(transformers), batch=T // seq):
-        return layer_rests(a, targets, r, T, seq, mask > 0, quant, card=dispatch)
+        kl = T // seq if task_named(task).kl_batch else 0  # KTO's KL batch: as many rows, first, without grad
+        return layer_rests(a, targets, r, T, seq, mask > 0, quant, card=dispatch, kl_rows=kl)
     return retained_rounding(a, targets, r, T, quant, seq, mask)
 
 
@@ -440,6 +442,8 @@ def estimate_resident(config: dict, *, quant: str = "none", seq: int, batch: int
     t = dict(e.terms)
     for streamed in (Term.POOL.key, Term.EXTRAS.key, Term.RESIDENT_ROUNDING.key):
         t[streamed] = 0  # the pool's slots and the streamed extras: here, the whole model's tensors
+    if t.get(Term.HEAD_COPY.key):  # 0.77.0's private head copy is its streaming's (a refilled vocab slot): a resident
+        t[Term.HEAD_COPY.key] = 0  # bf16 head is its own weight (Mistral-7B KTO 512x2, Phi-3-mini 1024x2: none)
     t = {Term.RESIDENT_WEIGHTS.key: resident_weights(a, quant), **t}
     T = e.seq * e.batch * task_named(task).rows_per_example
     tg = targets_of(a, targets, config)

@@ -54,7 +54,12 @@ workspace, the larger charged; under NF4 at 1,536 tokens or fewer, the largest o
 and phi bf16 and NF4: BF16_SEQUENCE_TYPES, NF4_SEQUENCE_TYPES); everywhere else resident.py keeps its bound.
 Checked too against a real step's own history (tests/estimator/test_sequence.py): the NF4 forward is the H100
 traces' request for request (SmolLM2 1024x4, phi-2 512x1, Qwen2.5-0.5B 1024x4; bench/task_peak_anatomy.py --trace).
-ORPO, SimPO and DPO run this forward once over their stacked rows, first (SEQUENCE_TASKS).
+ORPO, SimPO and DPO run this forward once over their stacked rows, first (SEQUENCE_TASKS); KTO runs it after its KL
+batch's forward under no_grad (``kl_forward``: the same ops with nothing saved, then its head and TRL's per-row
+logsumexp), whose freed blocks the policy's are cut from: the H100 KTO histories' request for request. Transformers'
+warmup block is short of the parameters by the bytes the process holds reserved and unallocated (``WARMUP_UNUSED``:
+the H100 KTO histories' starts, where a small tensor came before the load); both warmups are replayed, the larger
+rests charged.
 
 Gemma-2 (``layer``'s Gemma-2 path, bf16): the embedding scaled into its own block, each layer's four Gemma RMSNorms
 (``gemma_norm``: the fp32 copy, rstd, 1 + weight in fp32, the product's bf16 cast) around the attention and the
@@ -68,9 +73,9 @@ from __future__ import annotations
 import os
 import re
 
-from ..constants import (ALLOC_CONF_VARS, CUBLAS_WORKSPACE, CUBLAS_WORKSPACE_PRE_HOPPER, K_SMALL_SIZE,
-                         WORKSPACE_CONFIG_VAR, block_bytes)
-from .allocator import CachingAllocator
+from ..constants import (ALLOC_CONF_VARS, CUBLAS_WORKSPACE, CUBLAS_WORKSPACE_PRE_HOPPER, K_MIN_BLOCK_SIZE,
+                         K_SMALL_SIZE, WORKSPACE_CONFIG_VAR, block_bytes)
+from .allocator import K_SMALL_BUFFER, CachingAllocator
 from .arch import NF4_BLOCK, Arch, protocol_targets
 from .gemm4bit import GEMM_4BIT_FUSED_MAX_ROWS, Dispatch, gemm_choices
 
@@ -95,6 +100,9 @@ class Requests:
         self.fused = fused  # the (out, in) shapes whose NF4 gemm_4bit runs bitsandbytes' fused kernel (gemm_choices)
         # micro-batch 2 on under accumulation: AccumulateGrad adds each new gradient into .grad in place and frees it
         self.accumulating = False
+        # autograd records (what an op saves is kept); off under torch.no_grad, where each block goes with its last
+        # Python reference (KTO's KL forward: kl_forward)
+        self.graph = True
 
     def get(self, nbytes: int):
         if block_bytes(nbytes) <= K_SMALL_SIZE:
@@ -194,12 +202,12 @@ def layer_parameters(a: Arch, k: int) -> list:
 GEMMA_BUFFERS = (2,)
 
 
-def load(q: Requests, a: Arch, targets: tuple, r: int) -> None:
-    """The warmup block (every parameter's and counted buffer's bytes, freed at once), then each tensor as the loader
-    makes it."""
+def load(q: Requests, a: Arch, targets: tuple, r: int, unused: int = 0) -> None:
+    """The warmup block (every parameter's and counted buffer's bytes less the ``unused`` bytes the process had
+    reserved beside its allocated ones: WARMUP_UNUSED; freed at once), then each tensor as the loader makes it."""
     weights, lora = parameters(a, targets, r)
     buffers = list(GEMMA_BUFFERS) if a.model_type == "gemma2" else []
-    q.put(q.get(sum(weights) + sum(buffers)))
+    q.put(q.get(max(sum(weights) + sum(buffers) - unused, 0)))
     for b in weights + buffers + lora:
         q.get(b)
 
@@ -242,17 +250,19 @@ def lora_linear(q: Requests, T: int, fi: int, fo: int, r: int, grad: bool, dropo
     x32 = None if fp32 else q.get(4 * T * fi)
     mask = q.get(T * fi) if dropout else None  # CUDA's native_dropout: its bool mask before its output
     drop = q.get(4 * T * fi) if dropout else None
-    if not grad:
+    if not grad or not q.graph:
         q.put(mask)
     cast = q.get(2 * T * fi)
     a_out = q.get(2 * T * r)
-    q.put(drop)
+    q.put(drop, *([] if q.graph else [cast]))  # no graph: lora_A saved nothing
     b_out = q.get(2 * T * fo)
+    if not q.graph:
+        q.put(a_out)
     scaled = q.get(2 * T * fo)
     q.put(b_out)
     out = q.get(2 * T * fo)
     q.put(scaled, base, x32)
-    return out, [cast, a_out] + ([mask] if grad else [])
+    return out, ([cast, a_out] + ([mask] if grad else [])) if q.graph else []
 
 
 def cast_linear(q: Requests, T: int, fi: int, fo: int):
@@ -309,9 +319,16 @@ def fused_attention(q: Requests, a: Arch, T: int, lora: tuple, grad: bool):
         q.put(r)
     sdpa = q.get(2 * T * a.heads * a.head_dim)
     lse = q.get(4 * T * a.heads)
+    if not q.graph:  # no backward reads the logsumexp
+        q.put(lse)
     copy = output_copy(q, a, T)
+    if not q.graph:  # the transposed copy rebinds SDPA's output, which nothing saved
+        q.put(sdpa)
     o, k = projection(q, a, T, "o_proj", lora, True)
     q.put(copy)
+    if not q.graph:  # the attention's locals go as it returns
+        q.put(qkv, *rotated)
+        return o, []
     return o, kept + k + rotated + [qkv, sdpa, lse]
 
 
@@ -326,7 +343,8 @@ def attention(q: Requests, a: Arch, T: int, x, lora: tuple, grad: bool):
         outs[m], k = projection(q, a, T, m, lora, grad)
         kept += k
         if a.qk_norm and m != "v_proj":  # qwen3's per-head RMSNorm; it saves its input where that needs a gradient
-            normed, k = norm(q, T, a.modules[m][1], grad or m in lora[0], a.heads if m == "q_proj" else a.kv)
+            normed, k = norm(q, T, a.modules[m][1], q.graph and (grad or m in lora[0]),
+                             a.heads if m == "q_proj" else a.kv)
             kept += k
             q.put(outs[m])
             outs[m] = normed
@@ -335,8 +353,13 @@ def attention(q: Requests, a: Arch, T: int, x, lora: tuple, grad: bool):
     q.put(outs["q_proj"], outs["k_proj"])
     sdpa = q.get(2 * T * a.heads * a.head_dim)
     lse = q.get(4 * T * a.heads)
+    if not q.graph:  # no backward reads the logsumexp: it goes as SDPA returns
+        q.put(lse)
     o, k = projection(q, a, T, "o_proj", lora, True)
     kept += k + [qr, kr, outs["v_proj"], sdpa, lse]
+    if not q.graph:  # the attention's locals go as it returns
+        q.put(qr, kr, outs["v_proj"], sdpa)
+        return o, []
     return o, kept
 
 
@@ -347,34 +370,43 @@ def mlp(q: Requests, a: Arch, T: int, x, lora: tuple):
         gate_up, kept = projection(q, a, T, "gate_up_proj", lora, True)
         act = q.get(2 * T * a.i)
         prod = q.get(2 * T * a.i)
+        if not q.graph:  # act(gate) unsaved; the gate view holds the fused block to the MLP's return
+            q.put(act)
         down, k = projection(q, a, T, "down_proj", lora, True)
         q.put(prod)
+        if not q.graph:
+            q.put(gate_up)
+            return down, []
         return down, kept + k + [gate_up, act]
     kept = []
     gate, k = projection(q, a, T, "gate_proj", lora, True)
     kept += k
     act = q.get(2 * T * a.i)
+    if not q.graph:  # act_fn's input, unsaved
+        q.put(gate)
     up, k = projection(q, a, T, "up_proj", lora, True)
     kept += k
     prod = q.get(2 * T * a.i)
+    if not q.graph:  # the product's inputs, unsaved
+        q.put(act, up)
     down, k = projection(q, a, T, "down_proj", lora, True)
     kept += k
     q.put(prod)
-    return down, kept + [gate, act, up]
+    return down, kept + ([gate, act, up] if q.graph else [])
 
 
 def layer(q: Requests, a: Arch, T: int, x, first: bool, lora: tuple):
     """One decoder layer's forward: returns its output and the blocks it keeps for its backward. Gemma-2's four
     norms are Gemma's (gemma_norm), two of them on each sublayer's output before its residual add (sandwiched)."""
     rms = gemma_norm if a.model_type == "gemma2" else norm
-    normed, kept = rms(q, T, a.h, not first)
+    normed, kept = rms(q, T, a.h, q.graph and not first)
     o, k = attention(q, a, T, normed, lora, not first)
     kept += k
     q.put(normed)
     o = sandwiched(q, a, T, o, kept)
     mid = q.get(2 * T * a.h)
     q.put(o)
-    normed2, k = rms(q, T, a.h, True)
+    normed2, k = rms(q, T, a.h, q.graph)
     kept += k
     down, k = mlp(q, a, T, normed2, lora)
     kept += k
@@ -457,6 +489,36 @@ def forward(q: Requests, a: Arch, T: int, seq: int, lora: tuple, workspace: int 
     q.put(x, emb)  # the decoder's return drops the last layer's output and the embedding's
     return kept + held + [final, cos, sin]
 
+
+
+def kl_forward(q: Requests, a: Arch, T: int, seq: int, lora: tuple, rows: int,
+               workspace: int = CUBLAS_WORKSPACE) -> None:
+    """TRL 0.29's KTO KL batch, first in the step under torch.no_grad (the mismatched completions through the policy):
+    ``forward``'s ops with nothing saved, each block gone with its last reference (``Requests.graph`` off); the head's
+    bf16 logits (the final norm's output freed as the model returns), accelerate's fp32 copy (the bf16 freed), TRL's
+    selective_log_softmax over the shifted fp32 logits, one row's logsumexp ((seq - 1) x V fp32) at a time for each
+    of the batch's ``rows``, then the fp32 logits freed. Every block it makes is freed by its end, the cuBLAS
+    ``workspace`` (the process's, from its first matmul) and the free segments it leaves aside: the policy's forward
+    is cut from them."""
+    q.graph = False
+    emb = q.get(2 * T * a.h)
+    cos, sin = tables(q, a, seq, False, workspace)
+    x = emb
+    for k in range(a.L):
+        out, _ = layer(q, a, T, x, k == 0, lora)
+        if k:
+            q.put(x)
+        x = out
+    final, _ = norm(q, T, a.h, False)
+    q.put(x, emb, cos, sin)
+    logits = q.get(2 * T * a.V)
+    q.put(final)
+    fp32 = q.get(FP32 * T * a.V)
+    q.put(logits)
+    for _ in range(rows):
+        q.put(q.get(FP32 * (seq - 1) * a.V))
+    q.put(fp32)
+    q.graph = True
 
 # -- NF4 (Soup's resident QLoRA: bitsandbytes' Linear4bit, NF4, double quantisation, bf16 compute) --
 
@@ -871,7 +933,12 @@ def checked_targets(a: Arch, quant: str, targets: tuple) -> bool:
 #: replay keeps none (9 MiB in a free block of 9 MiB + 128 KiB the replay never makes; SFT at those tokens was not
 #: measured); the estimate is at or above every one of the seven real peaks, 1.0003x-1.0013x.
 #: Evidence: docs/PEAK.md, "SEQUENCE_TASKS".
-SEQUENCE_TASKS = ("sft", "orpo", "simpo", "dpo")
+SEQUENCE_TASKS = ("sft", "orpo", "simpo", "dpo", "kto")
+#: ...KTO's on these model types alone: its KL batch's no-grad forward first (kl_forward), checked on their H100
+#: histories (Qwen2.5-0.5B 1024x2 and 512x2, SmolLM2-135M 2048x2, Llama-3.2-1B 1024x2; then held out, SmolLM2
+#: 1024x4, Qwen3-0.6B 1024x2, Phi-3-mini 1024x2 on qkv_proj, Mistral-7B 512x2). phi's parallel layer (forward_phi)
+#: has no no-grad forward built.
+KL_FORWARD_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
 #: ...and under NF4: SFT alone (no NF4 preference history).
 NF4_SEQUENCE_TASKS = ("sft",)
 #: The transformers release whose modeling code every capture the sequence was checked against ran (the pinned
@@ -921,35 +988,50 @@ def replayed(a: Arch, quant: str, targets: tuple, task: str, *, transformers: st
             and (a.rotary_dim == a.head_dim or a.model_type == "phi")
             and checked_targets(a, quant, targets)
             and task in (NF4_SEQUENCE_TASKS if quant == "nf4" else SEQUENCE_TASKS)
+            and (task != "kto" or a.model_type in KL_FORWARD_TYPES)
             and transformers == SEQUENCE_TRANSFORMERS and default_allocator(environ))
 
+
+#: What transformers' caching_allocator_warmup leaves out of its block: the bytes the process holds reserved and not
+#: allocated (its ``byte_count - unused_memory``): none in a fresh process (the meta captures'), and where a small
+#: tensor came before the load (the H100 KTO histories' starts are laid out so: a 2 MiB small-pool segment) all of
+#: that segment but its block. The warmup's segment is then its parameters' 2 MiB granules or one fewer, and the
+#: forward's first blocks are cut from what the weights leave of it; both are replayed and the larger rests charged.
+#: Evidence: docs/PEAK.md, "WARMUP_UNUSED".
+WARMUP_UNUSED = (0, K_SMALL_BUFFER - K_MIN_BLOCK_SIZE)
 
 _RESTS: dict = {}
 
 
 def layer_rests(a: Arch, targets: tuple, r: int, T: int, seq: int, dropout: bool = True, quant: str = "none",
-                workspace: int | None = None, fused: frozenset | None = None, card: Dispatch | None = None) -> int:
+                workspace: int | None = None, fused: frozenset | None = None, card: Dispatch | None = None,
+                kl_rows: int = 0, unused: int | None = None) -> int:
     """What the blocks a resident forward keeps through the loss (its layers' and its final norm's, the rotary
     tables) hold past their requests, replayed (``dropout``: whether LoRA dropout writes a mask; ``quant`` none
     or nf4) with a cuBLAS ``workspace`` of that many bytes, or (None) the larger of the replays under each
     default (WORKSPACE_SIZES: the workspace moves every later block, and with it which blocks keep a rest:
     Mistral-7B 1000x4 keeps 86,114,304 B under the 32 MiB one, 128,581,632 B under the pre-Hopper one); under
     NF4 with the shapes ``fused`` whose gemm_4bit runs the fused kernel, or (None) the largest replay of every
-    choice the card's heuristic could make (gemm_choices: on a known ``card`` its one answer); once an arm (--find-max
-    and the map ask many times)."""
-    if workspace is None or quant == "nf4" and fused is None:
-        return max(layer_rests(a, targets, r, T, seq, dropout, quant, w, f)
+    choice the card's heuristic could make (gemm_choices: on a known ``card`` its one answer); in bf16 with the
+    warmup's block short of the parameters by ``unused`` bytes, or (None) the larger under each of WARMUP_UNUSED;
+    after KTO's KL batch of ``kl_rows`` rows (kl_forward; 0: none); once an arm (--find-max and the map ask many
+    times)."""
+    if workspace is None or quant == "nf4" and fused is None or unused is None and quant != "nf4":
+        return max(layer_rests(a, targets, r, T, seq, dropout, quant, w, f, kl_rows=kl_rows, unused=u)
                    for w in ((workspace,) if workspace else WORKSPACE_SIZES)
-                   for f in (gemm_choices(a, T, card) if quant == "nf4" and fused is None else (fused,)))
+                   for f in (gemm_choices(a, T, card) if quant == "nf4" and fused is None else (fused,))
+                   for u in (WARMUP_UNUSED if unused is None and quant != "nf4" else (unused,)))
     targets = tuple(t for t in ATTN + MLP if t in targets)  # the layer's own order: a set, as replayed reads it
-    key = (repr(a), targets, r, T, seq, dropout, quant, workspace, fused)
+    key = (repr(a), targets, r, T, seq, dropout, quant, workspace, fused, kl_rows, unused)
     if key not in _RESTS:
         q = Requests(fused=fused or frozenset())
         if quant == "nf4":
             load_nf4(q, a, targets, r)
             kept = forward_nf4(q, a, T, seq, (targets, r, dropout), workspace)
         else:
-            load(q, a, targets, r)
-            kept = forward(q, a, T, seq, (targets, r, dropout), workspace)
+            load(q, a, targets, r, unused)
+            if kl_rows:  # the KL batch's forward made the process's workspace: the policy's makes none
+                kl_forward(q, a, T, seq, (targets, r, dropout), kl_rows, workspace)
+            kept = forward(q, a, T, seq, (targets, r, dropout), 0 if kl_rows else workspace)
         _RESTS[key] = q.rests(kept)
     return _RESTS[key]
