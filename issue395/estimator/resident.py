@@ -60,9 +60,10 @@ Known limitations
       request for request, on all six such families at 512x1-4096x1 (its rests the capture's at every point but
       SmolLM2 1024x1, 0.5 MB over: a block the capture frees before its peak), and the NF4 forward is the H100
       traces' request for request (SmolLM2 1024x4, phi-2 512x1, Qwen2.5-0.5B 1024x4: bench/task_peak_anatomy.py
-      --trace). ORPO, SimPO, DPO and KTO in bf16 take the same forward (sequence.SEQUENCE_TASKS; KTO's after its KL
-      batch's no-grad forward, sequence.kl_forward, on sequence.KL_FORWARD_TYPES). Everywhere else
-      (Gemma, Gemma-2, the layered families; other targets; NF4's preference tasks) a block of the step or
+      --trace). ORPO, SimPO, DPO and KTO take the same forward, bf16 and NF4 (sequence.SEQUENCE_TASKS,
+      NF4_SEQUENCE_TASKS; KTO's after its KL batch's no-grad forward, sequence.kl_forward, on KL_FORWARD_TYPES and
+      NF4_KL_FORWARD_TYPES). Everywhere else
+      (Gemma, Gemma-2, the layered families; other targets) a block of the step or
       of the weights that is not whole 2 MiB has its retained blocks' rounding bounded, not replayed: each 1-10 MiB
       block class is
       cut from 20 MiB segments whose last block keeps a rest of at most 1 MiB (1 MiB a segment), and each block

@@ -54,8 +54,8 @@ workspace, the larger charged; under NF4 at 1,536 tokens or fewer, the largest o
 and phi bf16 and NF4: BF16_SEQUENCE_TYPES, NF4_SEQUENCE_TYPES); everywhere else resident.py keeps its bound.
 Checked too against a real step's own history (tests/estimator/test_sequence.py): the NF4 forward is the H100
 traces' request for request (SmolLM2 1024x4, phi-2 512x1, Qwen2.5-0.5B 1024x4; bench/task_peak_anatomy.py --trace).
-ORPO, SimPO and DPO run this forward once over their stacked rows, first (SEQUENCE_TASKS); KTO runs it after its KL
-batch's forward under no_grad (``kl_forward``: the same ops with nothing saved, then its head and TRL's per-row
+ORPO, SimPO and DPO run this forward (or forward_nf4) once over their stacked rows, first (SEQUENCE_TASKS,
+NF4_SEQUENCE_TASKS); KTO runs it after its KL batch's forward under no_grad (``kl_forward``: the same ops with nothing saved, then its head and TRL's per-row
 logsumexp), whose freed blocks the policy's are cut from: the H100 KTO histories' request for request. Transformers'
 warmup block is short of the parameters by the bytes the process holds reserved and unallocated (``WARMUP_UNUSED``:
 the H100 KTO histories' starts, where a small tensor came before the load); both warmups are replayed, the larger
@@ -492,26 +492,29 @@ def forward(q: Requests, a: Arch, T: int, seq: int, lora: tuple, workspace: int 
 
 
 def kl_forward(q: Requests, a: Arch, T: int, seq: int, lora: tuple, rows: int,
-               workspace: int = CUBLAS_WORKSPACE) -> None:
+               workspace: int = CUBLAS_WORKSPACE, nf4: bool = False) -> None:
     """TRL 0.29's KTO KL batch, first in the step under torch.no_grad (the mismatched completions through the policy):
-    ``forward``'s ops with nothing saved, each block gone with its last reference (``Requests.graph`` off); the head's
-    bf16 logits (the final norm's output freed as the model returns), accelerate's fp32 copy (the bf16 freed), TRL's
-    selective_log_softmax over the shifted fp32 logits, one row's logsumexp ((seq - 1) x V fp32) at a time for each
-    of the batch's ``rows``, then the fp32 logits freed. Every block it makes is freed by its end, the cuBLAS
-    ``workspace`` (the process's, from its first matmul) and the free segments it leaves aside: the policy's forward
-    is cut from them."""
+    ``forward``'s ops with nothing saved (``nf4``: forward_nf4's), each block gone with its last reference
+    (``Requests.graph`` off); the head's bf16 logits (under NF4 after autocast's bf16 casts of its fp32 weight and
+    input, freed with it; the final norm's output freed as the model returns), accelerate's fp32 copy (the bf16
+    freed), TRL's selective_log_softmax over the shifted fp32 logits, one row's logsumexp ((seq - 1) x V fp32) at a
+    time for each of the batch's ``rows``, then the fp32 logits freed. Every block it makes is freed by its end, the
+    cuBLAS ``workspace`` (the process's, from its first matmul) and the free segments it leaves aside: the policy's
+    forward is cut from them."""
     q.graph = False
-    emb = q.get(2 * T * a.h)
-    cos, sin = tables(q, a, seq, False, workspace)
+    emb = q.get((4 if nf4 else 2) * T * a.h)
+    cos, sin = tables(q, a, seq, nf4, workspace)
     x = emb
     for k in range(a.L):
-        out, _ = layer(q, a, T, x, k == 0, lora)
+        out = layer_nf4(q, a, T, x, k == 0, lora) if nf4 else layer(q, a, T, x, k == 0, lora)[0]
         if k:
             q.put(x)
         x = out
-    final, _ = norm(q, T, a.h, False)
+    final = norm32(q, T, a.h, False) if nf4 else norm(q, T, a.h, False)[0]
     q.put(x, emb, cos, sin)
+    casts = [q.get(2 * a.V * a.h), q.get(2 * T * a.h)] if nf4 else []
     logits = q.get(2 * T * a.V)
+    q.put(*casts)
     q.put(final)
     fp32 = q.get(FP32 * T * a.V)
     q.put(logits)
@@ -617,12 +620,16 @@ def lora4bit(q: Requests, T: int, fi: int, fo: int, r: int, grad: bool, dropout:
     q.put(base)
     mask = q.get(T * fi) if dropout else None  # CUDA's native_dropout: its bool mask before its output
     drop = q.get(4 * T * fi) if dropout else None
-    if not grad:
+    if not grad or not q.graph:
         q.put(mask)
     cast = q.get(2 * T * fi)
     q.put(drop)
-    q.get(2 * T * r)
+    a_out = q.get(2 * T * r)
+    if not q.graph:  # lora_A saved nothing
+        q.put(cast)
     b_out = q.get(2 * T * fo)
+    if not q.graph:
+        q.put(a_out)
     scaled = q.get(2 * T * fo)
     q.put(b_out)
     out = q.get(4 * T * fo)
@@ -655,42 +662,54 @@ def attention_nf4(q: Requests, a: Arch, T: int, first: bool, lora: tuple):
         for m in ("q_proj", "k_proj", "v_proj"):
             outs[m] = proj4bit(q, a, T, m, lora, not first)
             if a.qk_norm and m != "v_proj":  # qwen3's per-head RMSNorm: saves its fp32 input where that needs a grad
-                n = norm32(q, T, a.modules[m][1], not first or m in lora[0], a.heads if m == "q_proj" else a.kv)
+                n = norm32(q, T, a.modules[m][1], q.graph and (not first or m in lora[0]),
+                           a.heads if m == "q_proj" else a.kv)
                 if first and m not in lora[0]:
                     q.put(outs[m])
                 outs[m] = n
         done = [rotary(q, T, a.heads * a.head_dim, 4), rotary(q, T, a.kv * a.head_dim, 4), outs["v_proj"]]
         q.put(outs["q_proj"], outs["k_proj"])
-    for w in (a.kv, a.kv, a.heads):  # autocast's bf16 v, k, q (its argument pack cast right to left), flash saves
-        q.get(2 * T * w * a.head_dim)
-    q.get(2 * T * a.heads * a.head_dim)
-    q.get(4 * T * a.heads)
+    casts = [q.get(2 * T * w * a.head_dim) for w in (a.kv, a.kv, a.heads)]  # autocast's bf16 v, k, q (its argument
+    # pack cast right to left), which flash saves
+    sdpa = q.get(2 * T * a.heads * a.head_dim)
+    lse = q.get(4 * T * a.heads)
+    if not q.graph:  # nothing saved: SDPA's casts and logsumexp go as it returns
+        q.put(lse, *casts)
     copy = output_copy(q, a, T) if "qkv_proj" in a.modules else None
+    if not q.graph and copy is not None:  # the transposed copy rebinds SDPA's output
+        q.put(sdpa)
     o = proj4bit(q, a, T, "o_proj", lora, True, False)
     q.put(copy)
+    if not q.graph and copy is None:
+        q.put(sdpa)
     return o, done
 
 
 def layer_nf4(q: Requests, a: Arch, T: int, x, first: bool, lora: tuple):
     """One decoder layer's forward under NF4 (an fp32 residual stream): returns its output."""
-    normed = norm32(q, T, a.h, not first)
+    normed = norm32(q, T, a.h, q.graph and not first)
     o, done = attention_nf4(q, a, T, first, lora)
     q.put(*done, normed)
-    q.get(4 * T * a.h)  # the residual sum, which the next norm saves
+    mid = q.get(4 * T * a.h)  # the residual sum, which the next norm saves
     q.put(o)
-    normed2 = norm32(q, T, a.h)
-    if "gate_up_proj" in a.modules:  # phi3: gate and up views of one fused block
-        proj4bit(q, a, T, "gate_up_proj", lora, True)
-        q.get(4 * T * a.i)  # act(gate), fp32
+    normed2 = norm32(q, T, a.h, q.graph)
+    fused = None
+    if "gate_up_proj" in a.modules:  # phi3: gate and up views of one fused block (the gate view holds it to the end)
+        fused = proj4bit(q, a, T, "gate_up_proj", lora, True)
+        act, made = q.get(4 * T * a.i), []  # act(gate), fp32
     else:
-        proj4bit(q, a, T, "gate_proj", lora, True)
-        q.get(4 * T * a.i)  # act(gate), fp32
-        proj4bit(q, a, T, "up_proj", lora, True)
+        gate = proj4bit(q, a, T, "gate_proj", lora, True)
+        act = q.get(4 * T * a.i)  # act(gate), fp32
+        if not q.graph:  # act_fn's input, unsaved
+            q.put(gate)
+        made = [proj4bit(q, a, T, "up_proj", lora, True)]
     prod = q.get(4 * T * a.i)
+    if not q.graph:  # the product's inputs, unsaved
+        q.put(act, *made)
     down = proj4bit(q, a, T, "down_proj", lora, True)
-    q.put(prod, normed2)
+    q.put(prod, normed2, *([] if q.graph else [fused]))
     out = q.get(4 * T * a.h)
-    q.put(down)
+    q.put(down, *([] if q.graph else [mid]))
     return out
 
 
@@ -939,8 +958,12 @@ SEQUENCE_TASKS = ("sft", "orpo", "simpo", "dpo", "kto")
 #: 1024x4, Qwen3-0.6B 1024x2, Phi-3-mini 1024x2 on qkv_proj, Mistral-7B 512x2). phi's parallel layer (forward_phi)
 #: has no no-grad forward built.
 KL_FORWARD_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
-#: ...and under NF4: SFT alone (no NF4 preference history).
-NF4_SEQUENCE_TASKS = ("sft",)
+#: ...and under NF4: SFT's forward, which ORPO, SimPO and DPO run at their stacked rows too (the H100 histories of
+#: SmolLM2 DPO and ORPO 1024x2, Qwen2.5-0.5B DPO 1024x2 and SimPO 512x2 request for request: their adapter, bf16 or
+#: fp32, is the small pool's), and KTO's after its KL forward (kl_forward's NF4 path: SmolLM2 1024x2's history).
+NF4_SEQUENCE_TASKS = ("sft", "orpo", "simpo", "dpo", "kto")
+#: ...KTO's NF4 KL forward on these model types alone (its layer is layer_nf4, not layer).
+NF4_KL_FORWARD_TYPES = ("llama",)
 #: The transformers release whose modeling code every capture the sequence was checked against ran (the pinned
 #: stack's): another one may order, fuse or keep the forward's tensors otherwise.
 SEQUENCE_TRANSFORMERS = "5.16.1"
@@ -988,7 +1011,7 @@ def replayed(a: Arch, quant: str, targets: tuple, task: str, *, transformers: st
             and (a.rotary_dim == a.head_dim or a.model_type == "phi")
             and checked_targets(a, quant, targets)
             and task in (NF4_SEQUENCE_TASKS if quant == "nf4" else SEQUENCE_TASKS)
-            and (task != "kto" or a.model_type in KL_FORWARD_TYPES)
+            and (task != "kto" or a.model_type in (NF4_KL_FORWARD_TYPES if quant == "nf4" else KL_FORWARD_TYPES))
             and transformers == SEQUENCE_TRANSFORMERS and default_allocator(environ))
 
 
@@ -1027,7 +1050,9 @@ def layer_rests(a: Arch, targets: tuple, r: int, T: int, seq: int, dropout: bool
         q = Requests(fused=fused or frozenset())
         if quant == "nf4":
             load_nf4(q, a, targets, r)
-            kept = forward_nf4(q, a, T, seq, (targets, r, dropout), workspace)
+            if kl_rows:
+                kl_forward(q, a, T, seq, (targets, r, dropout), kl_rows, workspace, nf4=True)
+            kept = forward_nf4(q, a, T, seq, (targets, r, dropout), 0 if kl_rows else workspace)
         else:
             load(q, a, targets, r, unused)
             if kl_rows:  # the KL batch's forward made the process's workspace: the policy's makes none

@@ -335,7 +335,7 @@ def test_the_replay_serves_only_the_default_allocator_and_workspaces_it_was_chec
 
 
 @pytest.mark.parametrize("key,quant,targets,task,transformers", [
-    ("llama32-1b", "nf4", ("q_proj", "v_proj"), "dpo", "5.16.1"),
+    ("qwen", "nf4", ("q_proj", "v_proj"), "kto", "5.16.1"),  # its NF4 KL forward checked on llama alone
     ("phi-2", "none", ("q_proj", "v_proj"), "kto", "5.16.1"),  # phi's parallel layer: no no-grad forward built
     ("gemma-2b", "none", ("q_proj", "v_proj"), "sft", "5.16.1"),
     ("gemma2-2b", "none", ("q_proj", "v_proj"), "sft", "5.16.1"),
@@ -350,7 +350,7 @@ def test_the_replay_serves_only_the_default_allocator_and_workspaces_it_was_chec
 def test_every_run_the_sequence_was_not_checked_on_keeps_the_bound(key, quant, targets, task, transformers):
     """Review item 8: sequence.replayed holds only what the captures checked (llama-type SFT q,v; bf16, or NF4 on
     llama, mistral, qwen2, qwen3, and phi3 with qkv_proj; transformers 5.16.1; the default allocator): KTO on a type
-    its KL forward was not checked on (sequence.KL_FORWARD_TYPES), a preference task under NF4, Gemma, Gemma-2, Phi-3 on other targets than qkv_proj, phi-2 bf16 on
+    its KL forward was not checked on (sequence.KL_FORWARD_TYPES; under NF4 NF4_KL_FORWARD_TYPES), Gemma, Gemma-2, Phi-3 on other targets than qkv_proj, phi-2 bf16 on
     other targets, other targets (issue 51 item 3: bf16 on the plain llama-type decoder without q_proj, k_proj or
     v_proj; NF4 off the protocol's), another transformers keep the bound."""
     a = arch_from_config(config_json(key))
@@ -606,3 +606,43 @@ def test_a_warmup_short_by_the_reserved_bytes_lays_out_the_historys_start(path):
     start = sorted((int(b["size"]), b["state"] != "inactive") for s in trace["start_segments"]
                    if s["total_size"] > 2 * K_SMALL_SIZE for b in s["blocks"])
     assert layout(sequence.WARMUP_UNUSED[1]) == start != layout(0)
+
+
+#: Resident NF4 preference histories (H100, --trace, the protocol's LoRA, TRL turning its dropout off): registry key.
+NF4_PREFERENCE_HISTORIES = {f"resident-nf4-preference-traces-h100-soup0.77.0-9889170/res-{name}": key for name, key in (
+    ("dpo-smol-nf4-1024x2", "smol"), ("orpo-smol-nf4-1024x2", "smol"), ("kto-smol-nf4-1024x2", "smol"),
+    ("dpo-qwen-nf4-1024x2", "qwen"), ("simpo-qwen-nf4-512x2", "qwen"))}
+
+
+@pytest.mark.parametrize("path", NF4_PREFERENCE_HISTORIES)
+def test_nf4_preference_steps_run_the_nf4_forward_at_their_rows_request_for_request(path):
+    """Under NF4 (Soup's resident QLoRA) DPO, ORPO and SimPO run forward_nf4 once over their stacked rows, first in
+    the step, and KTO runs it after its KL batch's (kl_forward's NF4 path: layer_nf4 with nothing saved, the head's
+    bf16 casts of its fp32 weight and input): each H100 history's large-pool requests and frees from its start,
+    request for request (HISTORY_SCRATCH's left out; the H100 chose gemm_4bit's dequantising arm at these shapes).
+    SmolLM2 DPO, ORPO and KTO keep their histories' forward rests to the byte (16,252,928, 16,252,928 and 14,942,208 B
+    at the peak); Qwen2.5 SimPO 512x2 keeps 622,592 B more than its replay (the driver's addresses), inside the
+    estimate's allowance (test_resident's estimate test)."""
+    import gzip
+    import json
+
+    from issue395.estimator.cards import CARDS
+
+    d = json.loads((ROOT / "results" / f"{path}.json").read_text())
+    trace = json.loads(gzip.open(ROOT / "results" / f"{path}.trace.json.gz", "rt").read())
+    a = arch_from_config(config_json(NF4_PREFERENCE_HISTORIES[path]))
+    kto = d["task"] == "kto"
+    T, lora = d["seq"] * d["batch"] * (1 if kto else 2), (tuple(d["targets"].split(",")), d["r"], False)
+    (fused,) = gemm4bit.gemm_choices(a, T, CARDS["h100"].dispatch)
+    q = sequence.Requests(trace=True, fused=fused)
+    sequence.load_nf4(q, a, lora[0], d["r"])
+    loaded = len(q.trace)
+    if kto:
+        sequence.kl_forward(q, a, T, d["seq"], lora, d["batch"], CUBLAS_WORKSPACE, nf4=True)
+    sequence.forward_nf4(q, a, T, d["seq"], lora, 0 if kto else CUBLAS_WORKSPACE)
+    built = in_runs([e for e in q.trace[loaded:] if e[0] != "empty_cache"])
+    real = in_runs([("alloc" if e[0] == "alloc" else "free", int(e[2])) for e in trace["events"]
+                    if e[0] in ("alloc", "free_requested") and block_bytes(int(e[2])) > K_SMALL_SIZE
+                    and int(e[2]) not in HISTORY_SCRATCH])
+    assert len(built) > 50 * a.L and built == real[:len(built)]
+    assert sequence.replayed(a, "nf4", lora[0], d["task"], transformers="5.16.1", environ={})
