@@ -422,7 +422,7 @@ def sandwiched(q: Requests, a: Arch, T: int, y, kept: list):
     ``kept``, the output freed); every other type's as it is."""
     if a.model_type != "gemma2":
         return y
-    post, k = gemma_norm(q, T, a.h, True)
+    post, k = gemma_norm(q, T, a.h, q.graph)
     kept += k
     q.put(y)
     return post
@@ -500,8 +500,18 @@ def kl_forward(q: Requests, a: Arch, T: int, seq: int, lora: tuple, rows: int,
     freed), TRL's selective_log_softmax over the shifted fp32 logits, one row's logsumexp ((seq - 1) x V fp32) at a
     time for each of the batch's ``rows``, then the fp32 logits freed. Every block it makes is freed by its end, the
     cuBLAS ``workspace`` (the process's, from its first matmul) and the free segments it leaves aside: the policy's
-    forward is cut from them."""
-    q.graph = False
+    forward is cut from them. Built for KL_FORWARD_TYPES (NF4: NF4_KL_FORWARD_TYPES) alone: phi's and Gemma-2's layers
+    have no no-grad path."""
+    if a.model_type not in (NF4_KL_FORWARD_TYPES if nf4 else KL_FORWARD_TYPES) or a.layers is not None:
+        raise ValueError(f"{a.model_type}: no KL forward is built for it{' under NF4' if nf4 else ''}")
+    graph, q.graph = q.graph, False
+    try:
+        _kl_forward(q, a, T, seq, lora, rows, workspace, nf4)
+    finally:
+        q.graph = graph
+
+
+def _kl_forward(q: Requests, a: Arch, T: int, seq: int, lora: tuple, rows: int, workspace: int, nf4: bool) -> None:
     emb = q.get((4 if nf4 else 2) * T * a.h)
     cos, sin = tables(q, a, seq, nf4, workspace)
     x = emb
@@ -521,7 +531,6 @@ def kl_forward(q: Requests, a: Arch, T: int, seq: int, lora: tuple, rows: int,
     for _ in range(rows):
         q.put(q.get(FP32 * (seq - 1) * a.V))
     q.put(fp32)
-    q.graph = True
 
 # -- NF4 (Soup's resident QLoRA: bitsandbytes' Linear4bit, NF4, double quantisation, bf16 compute) --
 
@@ -664,7 +673,7 @@ def attention_nf4(q: Requests, a: Arch, T: int, first: bool, lora: tuple):
             if a.qk_norm and m != "v_proj":  # qwen3's per-head RMSNorm: saves its fp32 input where that needs a grad
                 n = norm32(q, T, a.modules[m][1], q.graph and (not first or m in lora[0]),
                            a.heads if m == "q_proj" else a.kv)
-                if first and m not in lora[0]:
+                if not q.graph or first and m not in lora[0]:  # the norm saved no input
                     q.put(outs[m])
                 outs[m] = n
         done = [rotary(q, T, a.heads * a.head_dim, 4), rotary(q, T, a.kv * a.head_dim, 4), outs["v_proj"]]
@@ -948,9 +957,9 @@ def checked_targets(a: Arch, quant: str, targets: tuple) -> bool:
 #: none, where the bound charged 162 MB; held out after them: Llama-3.2-1B ORPO, SmolLM2 SimPO and DPO,
 #: Qwen3-0.6B SimPO and DPO; results/resident-gemma2-qwen-traces-*, heldout-orpo-simpo-setup-traces-*,
 #: resident-dpo-traces-*). KTO's KL forward runs under no grad before its policy's and leaves its freed blocks in
-#: the policy's way: not replayed. SmolLM2's two at 8,192 tokens keep 131,072 B in one layer-0 block where the
-#: replay keeps none (9 MiB in a free block of 9 MiB + 128 KiB the replay never makes; SFT at those tokens was not
-#: measured); the estimate is at or above every one of the seven real peaks, 1.0003x-1.0013x.
+#: the policy's way: replayed first (kl_forward, below). SmolLM2's two at 8,192 tokens keep 131,072 B in one layer-0
+#: block that the fresh warmup's replay does not and WARMUP_UNUSED's short warmup does; the estimate is at or above
+#: every one of the seven real peaks, 1.0003x-1.0013x.
 #: Evidence: docs/PEAK.md, "SEQUENCE_TASKS".
 SEQUENCE_TASKS = ("sft", "orpo", "simpo", "dpo", "kto")
 #: ...KTO's on these model types alone: its KL batch's no-grad forward first (kl_forward), checked on their H100
@@ -997,7 +1006,9 @@ def replayed(a: Arch, quant: str, targets: tuple, task: str, *, transformers: st
     at any token count (at GEMM_4BIT_FUSED_MAX_ROWS or fewer layer_rests charges the largest replay of every
     gemm_4bit choice), the protocol's LoRA targets (protocol_targets: q_proj and v_proj, in any order; Phi-3's
     qkv_proj; bf16 on the plain llama-type decoder any of its linears with q_proj, k_proj or v_proj among them:
-    checked_targets) and task (one forward, no reference: SEQUENCE_TASKS), LoRA dropout on or off, under
+    checked_targets) and task (whose policy forward runs first, or after KTO's KL forward on the types it was
+    checked on: SEQUENCE_TASKS, KL_FORWARD_TYPES; under NF4 NF4_SEQUENCE_TASKS, NF4_KL_FORWARD_TYPES), LoRA dropout
+    on or off, under
     transformers SEQUENCE_TRANSFORMERS (``transformers``: the release the run has, its local tag dropped) and the
     default allocator (``default_allocator`` of ``environ``): every capture it was checked against. Never phi's
     qk_layernorm, nor a model dropout the config turns on (arch.MODEL_DROPOUTS: resid_pdrop's masks, embd_pdrop's
@@ -1036,7 +1047,8 @@ def layer_rests(a: Arch, targets: tuple, r: int, T: int, seq: int, dropout: bool
     Mistral-7B 1000x4 keeps 86,114,304 B under the 32 MiB one, 128,581,632 B under the pre-Hopper one); under
     NF4 with the shapes ``fused`` whose gemm_4bit runs the fused kernel, or (None) the largest replay of every
     choice the card's heuristic could make (gemm_choices: on a known ``card`` its one answer); in bf16 with the
-    warmup's block short of the parameters by ``unused`` bytes, or (None) the larger under each of WARMUP_UNUSED;
+    warmup's block short of the parameters by ``unused`` bytes, or (None) the larger under each of WARMUP_UNUSED
+    (NF4's load is not: ``unused`` is not read there);
     after KTO's KL batch of ``kl_rows`` rows (kl_forward; 0: none); once an arm (--find-max and the map ask many
     times)."""
     if workspace is None or quant == "nf4" and fused is None or unused is None and quant != "nf4":

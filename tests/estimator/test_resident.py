@@ -585,9 +585,9 @@ PREFERENCE_HISTORIES = {
 def test_resident_preference_runs_forward_blocks_keep_the_replays_rests_and_the_estimate_is_never_under(path):
     """Resident ORPO, SimPO and DPO (bf16, H100): at each history's real peak the blocks its forward made (after the
     setup, before the first logits) keep what the replay of the SFT forward at the stacked rows keeps
-    (sequence.layer_rests: none on all seven; SmolLM2's at 8,192 tokens, one block's 131,072 B, where the warmup's
-    block is one 2 MiB granule short: sequence.WARMUP_UNUSED; before that the replay kept none there); the corrected
-    estimate is at or above the measured peak (the committed JSON's) and within 1.002x of it. Qwen2.5 ORPO was the
+    (sequence.layer_rests: none on five; on SmolLM2's two at 8,192 tokens one block's 131,072 B, which the replay keeps
+    where the warmup's block is one 2 MiB granule short, sequence.WARMUP_UNUSED, and the fresh warmup's does not);
+    the corrected estimate is at or above the measured peak (the committed JSON's) and within 1.002x of it. Qwen2.5 ORPO was the
     history ORPO and SimPO were admitted on (the bound charged 161,981,440 B there, 1.0118x), the other ORPO and
     SimPO ones were measured after; DPO was admitted on its three (the bound 1.0101x and 1.0185x on Qwen2.5 and
     SmolLM2)."""
@@ -646,3 +646,18 @@ def test_resident_nf4_preference_runs_are_estimated_at_or_above_their_peak_and_w
                           targets=tuple(d["targets"].split(",")), lora_r=d["r"], release="0.77.0",
                           transformers="5.16.1", dispatch=CARDS["h100"].dispatch)
     assert d["real_peak"] <= e.corrected_predicted <= 1.003 * d["real_peak"]
+
+
+def test_a_resident_untied_preference_run_charges_no_private_head_copy_where_the_streamed_one_does():
+    """0.77.0's private copy of an untied head (estimate.head_copy) is its streaming's: the runtime refills the vocab
+    slot the head's autograd view points at. With every layer resident the bf16 head is its own weight: none charged
+    (the Mistral-7B KTO 512x2 and Phi-3-mini KTO 1024x2 histories keep none; DPO's resident head is the same weight,
+    unmeasured). Under NF4 the term is autocast's bf16 cast of the fp32 head instead, charged."""
+    from issue395.estimator.estimate import estimate
+
+    c = config_json("mistral-7b")
+    for task in ("dpo", "kto"):
+        streamed = estimate(c, seq=512, batch=2, task=task, release="0.77.0", soup=False)
+        assert streamed.terms["head_copy"] == 2 * 32768 * 4096
+        assert not estimate_resident(c, seq=512, batch=2, task=task, release="0.77.0").terms["head_copy"]
+        assert estimate_resident(c, quant="nf4", seq=512, batch=2, task=task, release="0.77.0").terms["head_copy"]

@@ -571,21 +571,23 @@ def test_the_kto_policys_forward_blocks_keep_the_historys_rests_from_its_start_a
     """Seeded with the history's own start (its segments as the setup left them), the KL and policy forwards' replay
     leaves the policy's blocks the history's rests at its peak to the byte (Qwen2.5 1024x2 11,010,048 B, 512x2
     5,242,880, SmolLM2 9,043,968 at 2048x2 and 1024x4, none on the other four). From sequence.load: the same under the
-    warmup's block short by WARMUP_UNUSED's reserved bytes, and the charge (the larger of both loads) at or above the
-    history's."""
+    warmup's block short by WARMUP_UNUSED's reserved bytes (the charge is the larger of both loads'). Seeded with
+    HISTORY_SCRATCH's block made and freed first, the same."""
     from issue395.measure.trace import seeded
 
     d, trace, a = kto_history(path)
     T, targets, lora = d["seq"] * d["batch"], tuple(d["targets"].split(",")), (tuple(d["targets"].split(",")), d["r"],
                                                                               False)
     made = policy_rests(trace, a, T)
-    q = sequence.Requests()
-    q.alloc, _ = seeded(trace["start_segments"])
-    sequence.kl_forward(q, a, T, d["seq"], lora, d["batch"])
-    assert q.rests(sequence.forward(q, a, T, d["seq"], lora, 0)) == made
-    short = sequence.layer_rests(a, targets, d["r"], T, d["seq"], False, workspace=CUBLAS_WORKSPACE,
-                                 kl_rows=d["batch"], unused=sequence.WARMUP_UNUSED[1])
-    assert short == made <= sequence.layer_rests(a, targets, d["r"], T, d["seq"], False, kl_rows=d["batch"])
+    for scratch in (False, True):  # HISTORY_SCRATCH's block, made and freed first, moves no cut
+        q = sequence.Requests()
+        q.alloc, _ = seeded(trace["start_segments"])
+        if scratch:
+            q.put(q.get(HISTORY_SCRATCH.start + 123_584))
+        sequence.kl_forward(q, a, T, d["seq"], lora, d["batch"])
+        assert q.rests(sequence.forward(q, a, T, d["seq"], lora, 0)) == made
+    assert made == sequence.layer_rests(a, targets, d["r"], T, d["seq"], False, workspace=CUBLAS_WORKSPACE,
+                                        kl_rows=d["batch"], unused=sequence.WARMUP_UNUSED[1])
 
 
 @pytest.mark.parametrize("path", KTO_HISTORIES)
@@ -614,14 +616,21 @@ NF4_PREFERENCE_HISTORIES = {f"resident-nf4-preference-traces-h100-soup0.77.0-988
     ("dpo-qwen-nf4-1024x2", "qwen"), ("simpo-qwen-nf4-512x2", "qwen"))}
 
 
+#: What each history's forward blocks keep past their requests at its peak, and by how much that is over the replay's.
+NF4_FORWARD_RESTS = {f"resident-nf4-preference-traces-h100-soup0.77.0-9889170/res-{name}": rests for name, rests in (
+    ("dpo-smol-nf4-1024x2", (16_252_928, 0)), ("orpo-smol-nf4-1024x2", (16_252_928, 0)),
+    ("kto-smol-nf4-1024x2", (14_942_208, 0)), ("dpo-qwen-nf4-1024x2", (360_448, -655_360)),
+    ("simpo-qwen-nf4-512x2", (1_048_576, 622_592)))}
+
+
 @pytest.mark.parametrize("path", NF4_PREFERENCE_HISTORIES)
 def test_nf4_preference_steps_run_the_nf4_forward_at_their_rows_request_for_request(path):
     """Under NF4 (Soup's resident QLoRA) DPO, ORPO and SimPO run forward_nf4 once over their stacked rows, first in
     the step, and KTO runs it after its KL batch's (kl_forward's NF4 path: layer_nf4 with nothing saved, the head's
     bf16 casts of its fp32 weight and input): each H100 history's large-pool requests and frees from its start,
     request for request (HISTORY_SCRATCH's left out; the H100 chose gemm_4bit's dequantising arm at these shapes).
-    SmolLM2 DPO, ORPO and KTO keep their histories' forward rests to the byte (16,252,928, 16,252,928 and 14,942,208 B
-    at the peak); Qwen2.5 SimPO 512x2 keeps 622,592 B more than its replay (the driver's addresses), inside the
+    The replay keeps SmolLM2 DPO's, ORPO's and KTO's forward rests at the peak to the byte (NF4_FORWARD_RESTS), Qwen2.5
+    DPO's 655,360 B over; SimPO 512x2 keeps 622,592 B more than its replay (the driver's addresses), inside the
     estimate's allowance (test_resident's estimate test)."""
     import gzip
     import json
@@ -646,3 +655,27 @@ def test_nf4_preference_steps_run_the_nf4_forward_at_their_rows_request_for_requ
                     and int(e[2]) not in HISTORY_SCRATCH])
     assert len(built) > 50 * a.L and built == real[:len(built)]
     assert sequence.replayed(a, "nf4", lora[0], d["task"], transformers="5.16.1", environ={})
+    from issue395.measure.trace import held_at, replay_trace
+
+    logits = [i for i, e in enumerate(trace["events"]) if e[0] == "alloc" and int(e[2]) == 2 * T * a.V]
+    made = sum(h.rest for h in held_at(trace, replay_trace(trace).peak_at)
+               if (logits[0] if kto else -1) < h.born < logits[1 if kto else 0])
+    replay = sequence.layer_rests(a, lora[0], d["r"], T, d["seq"], False, "nf4", CUBLAS_WORKSPACE, fused,
+                                  kl_rows=d["batch"] if kto else 0)
+    assert (made, made - replay) == NF4_FORWARD_RESTS[path]
+
+
+@pytest.mark.parametrize("key,nf4", [("phi-2", False), ("gemma2-2b", False), ("qwen", True)])
+def test_the_kl_forward_refuses_a_type_it_has_no_no_grad_path_for_and_leaves_the_graph_on(key, nf4):
+    """kl_forward runs only where it was checked (KL_FORWARD_TYPES; under NF4 NF4_KL_FORWARD_TYPES): phi's parallel
+    layer and Gemma-2's have no no-grad path (their blocks would be kept), and Qwen2.5's NF4 one was not checked. The
+    Requests it was handed record a graph again after it, refused or not."""
+    a = arch_from_config(config_json(key))
+    q = sequence.Requests()
+    with pytest.raises(ValueError, match="no KL forward"):
+        sequence.kl_forward(q, a, 512, 512, (("q_proj", "v_proj"), 8, False), 1, nf4=nf4)
+    assert q.graph
+    smol = arch_from_config(config_json("smol"))
+    sequence.load(q, smol, ("q_proj", "v_proj"), 8)
+    sequence.kl_forward(q, smol, 512, 512, (("q_proj", "v_proj"), 8, False), 1)
+    assert q.graph and len(q.held) == len(smol.modules) * 0 + sum(1 for k in q.held)  # held: the load's and the workspace
