@@ -55,8 +55,9 @@ and phi bf16 and NF4: BF16_SEQUENCE_TYPES, NF4_SEQUENCE_TYPES); everywhere else 
 Checked too against a real step's own history (tests/estimator/test_sequence.py): the NF4 forward is the H100
 traces' request for request (SmolLM2 1024x4, phi-2 512x1, Qwen2.5-0.5B 1024x4; bench/task_peak_anatomy.py --trace).
 ORPO, SimPO and DPO run this forward (or forward_nf4) once over their stacked rows, first (SEQUENCE_TASKS,
-NF4_SEQUENCE_TASKS); KTO runs it after its KL batch's forward under no_grad (``kl_forward``: the same ops with nothing saved, then its head and TRL's per-row
-logsumexp), whose freed blocks the policy's are cut from: the H100 KTO histories' request for request. Transformers'
+NF4_SEQUENCE_TASKS); KTO runs it after its KL batch's forward under no_grad (``kl_forward``: the same ops with nothing
+saved, then its head and TRL's per-row logsumexp), whose freed blocks the policy's are cut from: the H100 KTO
+histories' request for request. Transformers'
 warmup block is short of the parameters by the bytes the process holds reserved and unallocated (``WARMUP_UNUSED``:
 the H100 KTO histories' starts, where a small tensor came before the load); both warmups are replayed, the larger
 rests charged.

@@ -587,8 +587,8 @@ def test_resident_preference_runs_forward_blocks_keep_the_replays_rests_and_the_
     setup, before the first logits) keep what the replay of the SFT forward at the stacked rows keeps
     (sequence.layer_rests: none on five; on SmolLM2's two at 8,192 tokens one block's 131,072 B, which the replay keeps
     where the warmup's block is one 2 MiB granule short, sequence.WARMUP_UNUSED, and the fresh warmup's does not);
-    the corrected estimate is at or above the measured peak (the committed JSON's) and within 1.002x of it. Qwen2.5 ORPO was the
-    history ORPO and SimPO were admitted on (the bound charged 161,981,440 B there, 1.0118x), the other ORPO and
+    the corrected estimate is at or above the measured peak (the committed JSON's) and within 1.002x of it. Qwen2.5
+    ORPO was the history ORPO and SimPO were admitted on (the bound charged 161,981,440 B there, 1.0118x), the other ORPO and
     SimPO ones were measured after; DPO was admitted on its three (the bound 1.0101x and 1.0185x on Qwen2.5 and
     SmolLM2)."""
     import gzip
