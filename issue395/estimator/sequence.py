@@ -972,8 +972,10 @@ KL_FORWARD_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
 #: SmolLM2 DPO and ORPO 1024x2, Qwen2.5-0.5B DPO 1024x2 and SimPO 512x2 request for request: their adapter, bf16 or
 #: fp32, is the small pool's), and KTO's after its KL forward (kl_forward's NF4 path: SmolLM2 1024x2's history).
 NF4_SEQUENCE_TASKS = ("sft", "orpo", "simpo", "dpo", "kto")
-#: ...KTO's NF4 KL forward on these model types alone (its layer is layer_nf4, not layer).
-NF4_KL_FORWARD_TYPES = ("llama",)
+#: ...KTO's NF4 KL forward on these model types alone (its layer is layer_nf4, not layer): SmolLM2's history, then
+#: held out, Qwen2.5-0.5B, Qwen3-0.6B and Phi-3-mini (qkv_proj) 1024x2 (results/resident-kto-nf4-phi2-traces-*), each
+#: request for request.
+NF4_KL_FORWARD_TYPES = ("llama", "qwen2", "qwen3", "phi3")
 #: The transformers release whose modeling code every capture the sequence was checked against ran (the pinned
 #: stack's): another one may order, fuse or keep the forward's tensors otherwise.
 SEQUENCE_TRANSFORMERS = "5.16.1"

@@ -554,7 +554,7 @@ def test_orpo_simpo_dpo_and_kto_take_the_sft_sequence_kto_after_its_kl_forward_w
     step (DPO's reference after it): the resident forward's rests are replayed as SFT's at those rows
     (sequence.SEQUENCE_TASKS). KTO's KL forward runs before its policy's, without grad: replayed first where it was
     checked (sequence.KL_FORWARD_TYPES: Qwen2.5 yes, phi-2 no). Under NF4 all five, KTO on NF4_KL_FORWARD_TYPES alone
-    (SmolLM2's llama: yes; Qwen2.5: no)."""
+    (Qwen2.5: yes; Mistral-7B: no)."""
     from issue395.estimator import sequence
     a = arch_from_config(config_json("qwen"))
     for task in ("orpo", "simpo", "dpo", "kto"):
@@ -565,9 +565,9 @@ def test_orpo_simpo_dpo_and_kto_take_the_sft_sequence_kto_after_its_kl_forward_w
                              transformers="5.16.1", environ={})
     for task in ("sft", "orpo", "simpo", "dpo"):
         assert sequence.replayed(a, "nf4", ("q_proj", "v_proj"), task, transformers="5.16.1", environ={})
-    assert not sequence.replayed(a, "nf4", ("q_proj", "v_proj"), "kto", transformers="5.16.1", environ={})
-    assert sequence.replayed(arch_from_config(config_json("smol")), "nf4", ("q_proj", "v_proj"), "kto",
-                             transformers="5.16.1", environ={})
+    assert sequence.replayed(a, "nf4", ("q_proj", "v_proj"), "kto", transformers="5.16.1", environ={})
+    assert not sequence.replayed(arch_from_config(config_json("mistral-7b")), "nf4", ("q_proj", "v_proj"), "kto",
+                                 transformers="5.16.1", environ={})
 
 
 #: Resident ORPO, SimPO and DPO histories (bf16, H100) and their registry keys.
@@ -630,9 +630,16 @@ def test_resident_kto_is_estimated_at_or_above_its_measured_peak_and_within_1_00
     assert d["real_peak"] <= e.corrected_predicted <= 1.002 * d["real_peak"]
 
 
-@pytest.mark.parametrize("name,key", [("dpo-smol-nf4-1024x2", "smol"), ("orpo-smol-nf4-1024x2", "smol"),
-                                      ("kto-smol-nf4-1024x2", "smol"), ("dpo-qwen-nf4-1024x2", "qwen"),
-                                      ("simpo-qwen-nf4-512x2", "qwen")])
+@pytest.mark.parametrize("name,key", [("nf4-preference-traces-h100-soup0.77.0-9889170/res-dpo-smol-nf4-1024x2", "smol"),
+                                      ("nf4-preference-traces-h100-soup0.77.0-9889170/res-orpo-smol-nf4-1024x2", "smol"),
+                                      ("nf4-preference-traces-h100-soup0.77.0-9889170/res-kto-smol-nf4-1024x2", "smol"),
+                                      ("nf4-preference-traces-h100-soup0.77.0-9889170/res-dpo-qwen-nf4-1024x2", "qwen"),
+                                      ("nf4-preference-traces-h100-soup0.77.0-9889170/res-simpo-qwen-nf4-512x2", "qwen"),
+                                      ("kto-nf4-phi2-traces-h100-soup0.77.0-aa06824/res-kto-qwen-nf4-1024x2", "qwen"),
+                                      ("kto-nf4-phi2-traces-h100-soup0.77.0-aa06824/res-kto-qwen3-0.6b-nf4-1024x2",
+                                       "qwen3-0.6b"),
+                                      ("kto-nf4-phi2-traces-h100-soup0.77.0-aa06824/res-kto-phi3-mini-nf4-1024x2",
+                                       "phi3-mini")])
 def test_resident_nf4_preference_runs_are_estimated_at_or_above_their_peak_and_within_1_003x(name, key):
     """Resident NF4 DPO, ORPO, SimPO and KTO (H100): with their forward replayed (sequence.NF4_SEQUENCE_TASKS; KTO's
     after its KL forward) and the H100's gemm_4bit choice, the corrected estimate is at or above the measured peak
@@ -640,8 +647,7 @@ def test_resident_nf4_preference_runs_are_estimated_at_or_above_their_peak_and_w
     charged); the bound had them at 1.0086x-1.0308x."""
     from issue395.estimator.cards import CARDS
 
-    d = json.loads((ROOT / "results" / f"resident-nf4-preference-traces-h100-soup0.77.0-9889170/res-{name}.json")
-                   .read_text())
+    d = json.loads((ROOT / "results" / f"resident-{name}.json").read_text())
     e = estimate_resident(config_json(key), quant="nf4", seq=d["seq"], batch=d["batch"], task=d["task"],
                           targets=tuple(d["targets"].split(",")), lora_r=d["r"], release="0.77.0",
                           transformers="5.16.1", dispatch=CARDS["h100"].dispatch)

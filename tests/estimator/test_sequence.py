@@ -335,7 +335,7 @@ def test_the_replay_serves_only_the_default_allocator_and_workspaces_it_was_chec
 
 
 @pytest.mark.parametrize("key,quant,targets,task,transformers", [
-    ("qwen", "nf4", ("q_proj", "v_proj"), "kto", "5.16.1"),  # its NF4 KL forward checked on llama alone
+    ("mistral-7b", "nf4", ("q_proj", "v_proj"), "kto", "5.16.1"),  # no NF4 KL forward checked on mistral
     ("phi-2", "none", ("q_proj", "v_proj"), "kto", "5.16.1"),  # phi's parallel layer: no no-grad forward built
     ("gemma-2b", "none", ("q_proj", "v_proj"), "sft", "5.16.1"),
     ("gemma2-2b", "none", ("q_proj", "v_proj"), "sft", "5.16.1"),
@@ -611,16 +611,21 @@ def test_a_warmup_short_by_the_reserved_bytes_lays_out_the_historys_start(path):
 
 
 #: Resident NF4 preference histories (H100, --trace, the protocol's LoRA, TRL turning its dropout off): registry key.
-NF4_PREFERENCE_HISTORIES = {f"resident-nf4-preference-traces-h100-soup0.77.0-9889170/res-{name}": key for name, key in (
-    ("dpo-smol-nf4-1024x2", "smol"), ("orpo-smol-nf4-1024x2", "smol"), ("kto-smol-nf4-1024x2", "smol"),
-    ("dpo-qwen-nf4-1024x2", "qwen"), ("simpo-qwen-nf4-512x2", "qwen"))}
+NF4_PREFERENCE_HISTORIES = {f"resident-{folder}-h100-soup0.77.0-{sha}/res-{name}": key for folder, sha, name, key in (
+    ("nf4-preference-traces", "9889170", "dpo-smol-nf4-1024x2", "smol"),
+    ("nf4-preference-traces", "9889170", "orpo-smol-nf4-1024x2", "smol"),
+    ("nf4-preference-traces", "9889170", "kto-smol-nf4-1024x2", "smol"),
+    ("nf4-preference-traces", "9889170", "dpo-qwen-nf4-1024x2", "qwen"),
+    ("nf4-preference-traces", "9889170", "simpo-qwen-nf4-512x2", "qwen"),
+    ("kto-nf4-phi2-traces", "aa06824", "kto-qwen-nf4-1024x2", "qwen"),
+    ("kto-nf4-phi2-traces", "aa06824", "kto-qwen3-0.6b-nf4-1024x2", "qwen3-0.6b"),
+    ("kto-nf4-phi2-traces", "aa06824", "kto-phi3-mini-nf4-1024x2", "phi3-mini"))}
 
 
 #: What each history's forward blocks keep past their requests at its peak, and by how much that is over the replay's.
-NF4_FORWARD_RESTS = {f"resident-nf4-preference-traces-h100-soup0.77.0-9889170/res-{name}": rests for name, rests in (
-    ("dpo-smol-nf4-1024x2", (16_252_928, 0)), ("orpo-smol-nf4-1024x2", (16_252_928, 0)),
-    ("kto-smol-nf4-1024x2", (14_942_208, 0)), ("dpo-qwen-nf4-1024x2", (360_448, -655_360)),
-    ("simpo-qwen-nf4-512x2", (1_048_576, 622_592)))}
+NF4_FORWARD_RESTS = dict(zip(NF4_PREFERENCE_HISTORIES, [
+    (16_252_928, 0), (16_252_928, 0), (14_942_208, 0), (360_448, -655_360), (1_048_576, 622_592),
+    (1_572_864, 1_146_880), (786_432, 0), (131_072, 131_072)]))
 
 
 @pytest.mark.parametrize("path", NF4_PREFERENCE_HISTORIES)
@@ -629,9 +634,11 @@ def test_nf4_preference_steps_run_the_nf4_forward_at_their_rows_request_for_requ
     the step, and KTO runs it after its KL batch's (kl_forward's NF4 path: layer_nf4 with nothing saved, the head's
     bf16 casts of its fp32 weight and input): each H100 history's large-pool requests and frees from its start,
     request for request (HISTORY_SCRATCH's left out; the H100 chose gemm_4bit's dequantising arm at these shapes).
-    The replay keeps SmolLM2 DPO's, ORPO's and KTO's forward rests at the peak to the byte (NF4_FORWARD_RESTS), Qwen2.5
-    DPO's 655,360 B over; SimPO 512x2 keeps 622,592 B more than its replay (the driver's addresses), inside the
-    estimate's allowance (test_resident's estimate test)."""
+    The replay keeps SmolLM2 DPO's, ORPO's and KTO's and Qwen3 KTO's forward rests at the peak to the byte
+    (NF4_FORWARD_RESTS), Qwen2.5 DPO's 655,360 B over; Qwen2.5 SimPO 512x2 and KTO 1024x2 and Phi-3-mini KTO keep
+    622,592, 1,146,880 and 131,072 B more than it under Hopper's workspace (the driver's addresses; the charge, the
+    larger replay under either default workspace, is under the history by 622,592, 98,304 and 131,072 B), inside
+    the estimate's allowance (test_resident's estimate test)."""
     import gzip
     import json
 
