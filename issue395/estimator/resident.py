@@ -51,8 +51,8 @@ Known limitations
       (llama, mistral, qwen2, qwen3) and phi's parallel layer, SFT bf16 with the protocol's targets (q_proj,
       v_proj; on the llama-type decoder any of its linears with q_proj, k_proj or v_proj among them, held out:
       sequence.checked_targets), LoRA dropout on or off; ORPO, SimPO and DPO at their stacked rows and KTO after its
-      KL batch's no-grad forward (sequence.kl_forward: bf16 on llama, mistral, qwen2, qwen3 and phi3, NF4 on llama
-      alone; phi's parallel layer has none built), transformers' warmup block whole or short by a small segment's
+      KL batch's no-grad forward (sequence.kl_forward: bf16 on llama, mistral, qwen2, qwen3, phi3 and phi, NF4 on
+      llama, qwen2, qwen3 and phi3), transformers' warmup block whole or short by a small segment's
       reserved bytes (sequence.WARMUP_UNUSED, the larger charged);
       and NF4 on llama, mistral, qwen2, qwen3, phi3 and phi (Phi-3's fused qkv_proj its target; bitsandbytes' gemm_4bit
       dequantises past 1,536 tokens, and at 1,536 or fewer chooses per card and weight shape between that and its

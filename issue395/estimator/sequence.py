@@ -501,7 +501,8 @@ def kl_forward(q: Requests, a: Arch, T: int, seq: int, lora: tuple, rows: int,
     freed), TRL's selective_log_softmax over the shifted fp32 logits, one row's logsumexp ((seq - 1) x V fp32) at a
     time for each of the batch's ``rows``, then the fp32 logits freed. Every block it makes is freed by its end, the
     cuBLAS ``workspace`` (the process's, from its first matmul) and the free segments it leaves aside: the policy's
-    forward is cut from them. Built for KL_FORWARD_TYPES (NF4: NF4_KL_FORWARD_TYPES) alone: phi's and Gemma-2's layers
+    forward is cut from them (phi's: layer_phi's, its final LayerNorm's unsaved fp32 copy, the head's bf16 cast of its
+    fp32 output). Built for KL_FORWARD_TYPES (NF4: NF4_KL_FORWARD_TYPES) alone: Gemma-2's layer and phi's NF4 one
     have no no-grad path."""
     if a.model_type not in (NF4_KL_FORWARD_TYPES if nf4 else KL_FORWARD_TYPES) or a.layers is not None:
         raise ValueError(f"{a.model_type}: no KL forward is built for it{' under NF4' if nf4 else ''}")
@@ -513,17 +514,29 @@ def kl_forward(q: Requests, a: Arch, T: int, seq: int, lora: tuple, rows: int,
 
 
 def _kl_forward(q: Requests, a: Arch, T: int, seq: int, lora: tuple, rows: int, workspace: int, nf4: bool) -> None:
+    phi = a.model_type == "phi"
     emb = q.get((4 if nf4 else 2) * T * a.h)
     cos, sin = tables(q, a, seq, nf4, workspace)
     x = emb
     for k in range(a.L):
-        out = layer_nf4(q, a, T, x, k == 0, lora) if nf4 else layer(q, a, T, x, k == 0, lora)[0]
+        if phi:
+            out = layer_phi(q, a, T, x, k == 0, lora)
+        else:
+            out = layer_nf4(q, a, T, x, k == 0, lora) if nf4 else layer(q, a, T, x, k == 0, lora)[0]
         if k:
             q.put(x)
         x = out
-    final = norm32(q, T, a.h, False) if nf4 else norm(q, T, a.h, False)[0]
+    if phi:  # the final LayerNorm's fp32 copy of its input, unsaved, and its fp32 output
+        copy = q.get(4 * T * a.h)
+        final = q.get(4 * T * a.h)
+        q.put(copy)
+    else:
+        final = norm32(q, T, a.h, False) if nf4 else norm(q, T, a.h, False)[0]
     q.put(x, emb, cos, sin)
-    casts = [q.get(2 * a.V * a.h), q.get(2 * T * a.h)] if nf4 else []
+    if nf4:  # autocast's bf16 casts of the fp32 head's weight and input
+        casts = [q.get(2 * a.V * a.h), q.get(2 * T * a.h)]
+    else:  # phi's LayerNorm output is fp32: autocast's bf16 cast of it for the head
+        casts = [q.get(2 * T * a.h)] if phi else []
     logits = q.get(2 * T * a.V)
     q.put(*casts)
     q.put(final)
@@ -791,13 +804,17 @@ def phi_attention(q: Requests, a: Arch, T: int, first: bool, lora: tuple):
     rotated parts live until the attention returns (its locals), then freed."""
     outs = {m: projection(q, a, T, m, lora, not first, True)[0] for m in ("q_proj", "k_proj", "v_proj")}
     rotated = [rotary(q, T, a.heads * a.rotary_dim), rotary(q, T, a.kv * a.rotary_dim)]
-    q.get(2 * T * a.heads * a.head_dim), q.get(2 * T * a.kv * a.head_dim)
-    q.get(2 * T * a.heads * a.head_dim)
-    q.get(4 * T * a.heads)
+    cats = [q.get(2 * T * a.heads * a.head_dim), q.get(2 * T * a.kv * a.head_dim)]
+    sdpa = q.get(2 * T * a.heads * a.head_dim)
+    lse = q.get(4 * T * a.heads)
+    if not q.graph:  # no backward reads the logsumexp
+        q.put(lse)
     copy = output_copy(q, a, T)
+    if not q.graph:  # the transposed copy rebinds SDPA's output, which nothing saved
+        q.put(sdpa)
     o = projection(q, a, T, "dense", lora, True)[0]
     q.put(copy)
-    q.put(rotated[0], outs["q_proj"], rotated[1], outs["k_proj"])
+    q.put(rotated[0], outs["q_proj"], rotated[1], outs["k_proj"], *([] if q.graph else [*cats, outs["v_proj"]]))
     return o
 
 
@@ -808,12 +825,12 @@ def layer_phi(q: Requests, a: Arch, T: int, x, first: bool, lora: tuple):
     its own fp32 copy), fc2 on the product's bf16 cast, attention + MLP + residual (the output, returned)."""
     copy = q.get(4 * T * a.h)
     normed = q.get(4 * T * a.h)
-    if first:
+    if first or not q.graph:
         q.put(copy)
     o = phi_attention(q, a, T, first, lora)
     fc1 = projection(q, a, T, "fc1", lora, True, True)[0]
-    act, saved = gelu_new(q, T, a.i, first, 2)
-    q.put(*saved, fc1) if first else q.put(fc1)
+    act, saved = gelu_new(q, T, a.i, first or not q.graph, 2)
+    q.put(*saved, fc1) if first or not q.graph else q.put(fc1)
     down = projection(q, a, T, "fc2", lora, True, True)[0]
     q.put(act)
     total = q.get(2 * T * a.h)
@@ -965,9 +982,9 @@ def checked_targets(a: Arch, quant: str, targets: tuple) -> bool:
 SEQUENCE_TASKS = ("sft", "orpo", "simpo", "dpo", "kto")
 #: ...KTO's on these model types alone: its KL batch's no-grad forward first (kl_forward), checked on their H100
 #: histories (Qwen2.5-0.5B 1024x2 and 512x2, SmolLM2-135M 2048x2, Llama-3.2-1B 1024x2; then held out, SmolLM2
-#: 1024x4, Qwen3-0.6B 1024x2, Phi-3-mini 1024x2 on qkv_proj, Mistral-7B 512x2). phi's parallel layer (forward_phi)
-#: has no no-grad forward built.
-KL_FORWARD_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+#: 1024x4, Qwen3-0.6B 1024x2, Phi-3-mini 1024x2 on qkv_proj, Mistral-7B 512x2), and phi's parallel layer (layer_phi's
+#: no-grad path: phi-2 1024x2's history, results/resident-kto-nf4-phi2-traces-*).
+KL_FORWARD_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "phi")
 #: ...and under NF4: SFT's forward, which ORPO, SimPO and DPO run at their stacked rows too (the H100 histories of
 #: SmolLM2 DPO and ORPO 1024x2, Qwen2.5-0.5B DPO 1024x2 and SimPO 512x2 request for request: their adapter, bf16 or
 #: fp32, is the small pool's), and KTO's after its KL forward (kl_forward's NF4 path: SmolLM2 1024x2's history).

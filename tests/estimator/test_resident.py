@@ -553,16 +553,16 @@ def test_orpo_simpo_dpo_and_kto_take_the_sft_sequence_kto_after_its_kl_forward_w
     """ORPO, SimPO and DPO run the policy once over the chosen and rejected rows stacked before anything else of the
     step (DPO's reference after it): the resident forward's rests are replayed as SFT's at those rows
     (sequence.SEQUENCE_TASKS). KTO's KL forward runs before its policy's, without grad: replayed first where it was
-    checked (sequence.KL_FORWARD_TYPES: Qwen2.5 yes, phi-2 no). Under NF4 all five, KTO on NF4_KL_FORWARD_TYPES alone
-    (Qwen2.5: yes; Mistral-7B: no)."""
+    checked (sequence.KL_FORWARD_TYPES: Qwen2.5 and phi-2 yes). Under NF4 all five, KTO on NF4_KL_FORWARD_TYPES alone
+    (Qwen2.5: yes; Mistral-7B and phi-2: no)."""
     from issue395.estimator import sequence
     a = arch_from_config(config_json("qwen"))
     for task in ("orpo", "simpo", "dpo", "kto"):
         assert sequence.replayed(a, "none", ("q_proj", "v_proj"), task, transformers="5.16.1", environ={})
-    assert not sequence.replayed(arch_from_config(config_json("phi-2")), "none", ("q_proj", "v_proj"), "kto",
-                                 transformers="5.16.1", environ={})
-    assert sequence.replayed(arch_from_config(config_json("phi-2")), "none", ("q_proj", "v_proj"), "sft",
+    assert sequence.replayed(arch_from_config(config_json("phi-2")), "none", ("q_proj", "v_proj"), "kto",
                              transformers="5.16.1", environ={})
+    assert not sequence.replayed(arch_from_config(config_json("phi-2")), "nf4", ("q_proj", "v_proj"), "kto",
+                                 transformers="5.16.1", environ={})
     for task in ("sft", "orpo", "simpo", "dpo"):
         assert sequence.replayed(a, "nf4", ("q_proj", "v_proj"), task, transformers="5.16.1", environ={})
     assert sequence.replayed(a, "nf4", ("q_proj", "v_proj"), "kto", transformers="5.16.1", environ={})
@@ -609,11 +609,12 @@ def test_resident_preference_runs_forward_blocks_keep_the_replays_rests_and_the_
     assert r.peak == d["real_peak"] <= e.corrected_predicted <= 1.002 * d["real_peak"]
 
 
-@pytest.mark.parametrize("path", [f"resident-kto-{p}-h100-soup0.77.0-99bfc6a/res-kto-{n}" for p, n in (
-    ("phi-nf4-traces", "qwen-bf16-1024x2"), ("phi-nf4-traces", "qwen-bf16-512x2"), ("phi-nf4-traces", "smol-bf16-2048x2"),
-    ("phi-nf4-traces", "llama32-1b-bf16-1024x2"), ("heldout-traces", "smol-bf16-1024x4"),
-    ("heldout-traces", "qwen3-0.6b-bf16-1024x2"), ("heldout-traces", "phi3-mini-bf16-1024x2"),
-    ("heldout-traces", "mistral-7b-bf16-512x2"))])
+@pytest.mark.parametrize("path", [f"resident-kto-{p}-h100-soup0.77.0-{sha}/res-kto-{n}" for p, sha, n in (
+    ("phi-nf4-traces", "99bfc6a", "qwen-bf16-1024x2"), ("phi-nf4-traces", "99bfc6a", "qwen-bf16-512x2"),
+    ("phi-nf4-traces", "99bfc6a", "smol-bf16-2048x2"), ("phi-nf4-traces", "99bfc6a", "llama32-1b-bf16-1024x2"),
+    ("heldout-traces", "99bfc6a", "smol-bf16-1024x4"), ("heldout-traces", "99bfc6a", "qwen3-0.6b-bf16-1024x2"),
+    ("heldout-traces", "99bfc6a", "phi3-mini-bf16-1024x2"), ("heldout-traces", "99bfc6a", "mistral-7b-bf16-512x2"),
+    ("nf4-phi2-traces", "aa06824", "phi-2-bf16-1024x2"))])
 def test_resident_kto_is_estimated_at_or_above_its_measured_peak_and_within_1_002x(path):
     """Resident KTO (bf16, H100): with its KL batch's forward replayed before the policy's (sequence.kl_forward), the
     corrected estimate is at or above the measured peak (the committed JSON's) and within 1.002x of it. The bound
@@ -623,7 +624,7 @@ def test_resident_kto_is_estimated_at_or_above_its_measured_peak_and_within_1_00
     d = json.loads((ROOT / "results" / f"{path}.json").read_text())
     name = path.rsplit("/", 1)[1].split("-")
     key = {"qwen": "qwen", "smol": "smol", "llama32": "llama32-1b", "qwen3": "qwen3-0.6b", "phi3": "phi3-mini",
-           "mistral": "mistral-7b"}[name[2]]
+           "mistral": "mistral-7b", "phi": "phi-2"}[name[2]]
     e = estimate_resident(config_json(key), quant="none", seq=d["seq"], batch=d["batch"], task="kto",
                           targets=tuple(d["targets"].split(",")), lora_r=d["r"], release="0.77.0",
                           transformers="5.16.1")

@@ -336,7 +336,7 @@ def test_the_replay_serves_only_the_default_allocator_and_workspaces_it_was_chec
 
 @pytest.mark.parametrize("key,quant,targets,task,transformers", [
     ("mistral-7b", "nf4", ("q_proj", "v_proj"), "kto", "5.16.1"),  # no NF4 KL forward checked on mistral
-    ("phi-2", "none", ("q_proj", "v_proj"), "kto", "5.16.1"),  # phi's parallel layer: no no-grad forward built
+    ("phi-2", "nf4", ("q_proj", "v_proj"), "kto", "5.16.1"),  # phi's NF4 layer: no no-grad forward built
     ("gemma-2b", "none", ("q_proj", "v_proj"), "sft", "5.16.1"),
     ("gemma2-2b", "none", ("q_proj", "v_proj"), "sft", "5.16.1"),
     ("phi3-mini", "nf4", ("qkv_proj", "o_proj"), "sft", "5.16.1"),
@@ -508,6 +508,7 @@ KTO_HISTORIES = {f"resident-kto-{folder}-h100-soup0.77.0-99bfc6a/res-kto-{name}"
     ("phi-nf4-traces", "smol-bf16-2048x2", "smol"), ("phi-nf4-traces", "llama32-1b-bf16-1024x2", "llama32-1b"),
     ("heldout-traces", "smol-bf16-1024x4", "smol"), ("heldout-traces", "qwen3-0.6b-bf16-1024x2", "qwen3-0.6b"),
     ("heldout-traces", "phi3-mini-bf16-1024x2", "phi3-mini"), ("heldout-traces", "mistral-7b-bf16-512x2", "mistral-7b"))}
+KTO_HISTORIES["resident-kto-nf4-phi2-traces-h100-soup0.77.0-aa06824/res-kto-phi-2-bf16-1024x2"] = "phi-2"
 #: What every committed H100 history makes and frees at once, 5,123,584 B the first time and 1,024 B more each later
 #: time (before each forward's embedding and inside its loss), which no op the sequence builds makes: left out where a
 #: history's requests are set beside the sequence's. Replayed from a history's start with or without it, the KTO
@@ -672,10 +673,10 @@ def test_nf4_preference_steps_run_the_nf4_forward_at_their_rows_request_for_requ
     assert (made, made - replay) == NF4_FORWARD_RESTS[path]
 
 
-@pytest.mark.parametrize("key,nf4", [("phi-2", False), ("gemma2-2b", False), ("qwen", True)])
+@pytest.mark.parametrize("key,nf4", [("phi-2", True), ("gemma2-2b", False), ("mistral-7b", True)])
 def test_the_kl_forward_refuses_a_type_it_has_no_no_grad_path_for_and_leaves_the_graph_on(key, nf4):
-    """kl_forward runs only where it was checked (KL_FORWARD_TYPES; under NF4 NF4_KL_FORWARD_TYPES): phi's parallel
-    layer and Gemma-2's have no no-grad path (their blocks would be kept), and Qwen2.5's NF4 one was not checked. The
+    """kl_forward runs only where it was checked (KL_FORWARD_TYPES; under NF4 NF4_KL_FORWARD_TYPES): phi's NF4 layer
+    and Gemma-2's have no no-grad path (their blocks would be kept), and Mistral-7B's NF4 one was not checked. The
     Requests it was handed record a graph again after it, refused or not."""
     a = arch_from_config(config_json(key))
     q = sequence.Requests()
