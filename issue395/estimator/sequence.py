@@ -801,7 +801,8 @@ def phi_attention(q: Requests, a: Arch, T: int, first: bool, lora: tuple):
     """phi's attention under bf16 autocast: q, k, v projected from the LayerNorm's fp32 output (each linear's own
     bf16 cast of it), the rotary part of q and k rotated and each cat with its pass-through part (the cats and v
     what flash saves), flash's output and logsumexp, dense (bf16 in, returned); q's and k's projections and
-    rotated parts live until the attention returns (its locals), then freed."""
+    rotated parts live until the attention returns (its locals), then freed. Without a graph (``Requests.graph``) the
+    logsumexp goes as SDPA returns, its output as the transposed copy rebinds it, the cats and v with the locals."""
     outs = {m: projection(q, a, T, m, lora, not first, True)[0] for m in ("q_proj", "k_proj", "v_proj")}
     rotated = [rotary(q, T, a.heads * a.rotary_dim), rotary(q, T, a.kv * a.rotary_dim)]
     cats = [q.get(2 * T * a.heads * a.head_dim), q.get(2 * T * a.kv * a.head_dim)]
@@ -822,7 +823,8 @@ def layer_phi(q: Requests, a: Arch, T: int, x, first: bool, lora: tuple):
     """One phi layer under bf16 autocast: its LayerNorm's fp32 copy of the input (autocast's fp32 policy; what its
     backward keeps, freed in layer 0, whose input needs no gradient) and fp32 output, the attention and the MLP
     both on it (parallel), fc1 on its bf16 cast, gelu_new on fc1's bf16 output (freed once it returns: pow keeps
-    its own fp32 copy), fc2 on the product's bf16 cast, attention + MLP + residual (the output, returned)."""
+    its own fp32 copy), fc2 on the product's bf16 cast, attention + MLP + residual (the output, returned). Without a
+    graph every layer frees as layer 0 does (its LayerNorm's copy, gelu_new's saved blocks)."""
     copy = q.get(4 * T * a.h)
     normed = q.get(4 * T * a.h)
     if first or not q.graph:
@@ -987,7 +989,7 @@ SEQUENCE_TASKS = ("sft", "orpo", "simpo", "dpo", "kto")
 KL_FORWARD_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "phi")
 #: ...and under NF4: SFT's forward, which ORPO, SimPO and DPO run at their stacked rows too (the H100 histories of
 #: SmolLM2 DPO and ORPO 1024x2, Qwen2.5-0.5B DPO 1024x2 and SimPO 512x2 request for request: their adapter, bf16 or
-#: fp32, is the small pool's), and KTO's after its KL forward (kl_forward's NF4 path: SmolLM2 1024x2's history).
+#: fp32, is the small pool's), and KTO's after its KL forward (kl_forward's NF4 path, on NF4_KL_FORWARD_TYPES).
 NF4_SEQUENCE_TASKS = ("sft", "orpo", "simpo", "dpo", "kto")
 #: ...KTO's NF4 KL forward on these model types alone (its layer is layer_nf4, not layer): SmolLM2's history, then
 #: held out, Qwen2.5-0.5B, Qwen3-0.6B and Phi-3-mini (qkv_proj) 1024x2 (results/resident-kto-nf4-phi2-traces-*), each

@@ -502,7 +502,7 @@ def test_gemma2s_resident_forward_is_the_captures_and_the_h100_traces_but_the_dr
 
 
 #: Resident KTO histories (bf16, H100, --trace, TRL turning LoRA dropout off) and their registry keys: the four the
-#: KL forward was built on, then four held out (sequence.KL_FORWARD_TYPES).
+#: KL forward was built on, then four held out, then phi-2's (sequence.KL_FORWARD_TYPES).
 KTO_HISTORIES = {f"resident-kto-{folder}-h100-soup0.77.0-99bfc6a/res-kto-{name}": key for folder, name, key in (
     ("phi-nf4-traces", "qwen-bf16-1024x2", "qwen"), ("phi-nf4-traces", "qwen-bf16-512x2", "qwen"),
     ("phi-nf4-traces", "smol-bf16-2048x2", "smol"), ("phi-nf4-traces", "llama32-1b-bf16-1024x2", "llama32-1b"),
@@ -571,7 +571,7 @@ def test_ktos_kl_forward_then_its_policys_are_the_historys_large_pool_requests_r
 def test_the_kto_policys_forward_blocks_keep_the_historys_rests_from_its_start_and_at_least_them_from_the_load(path):
     """Seeded with the history's own start (its segments as the setup left them), the KL and policy forwards' replay
     leaves the policy's blocks the history's rests at its peak to the byte (Qwen2.5 1024x2 11,010,048 B, 512x2
-    5,242,880, SmolLM2 9,043,968 at 2048x2 and 1024x4, none on the other four). From sequence.load: the same under the
+    5,242,880, SmolLM2 9,043,968 at 2048x2 and 1024x4, none on the other five). From sequence.load: the same under the
     warmup's block short by WARMUP_UNUSED's reserved bytes (the charge is the larger of both loads'). Seeded with
     HISTORY_SCRATCH's block made and freed first, the same."""
     from issue395.measure.trace import seeded
@@ -623,10 +623,12 @@ NF4_PREFERENCE_HISTORIES = {f"resident-{folder}-h100-soup0.77.0-{sha}/res-{name}
     ("kto-nf4-phi2-traces", "aa06824", "kto-phi3-mini-nf4-1024x2", "phi3-mini"))}
 
 
-#: What each history's forward blocks keep past their requests at its peak, and by how much that is over the replay's.
+#: What each history's forward blocks keep past their requests at its peak, and by how much that is over the replay's
+#: under Hopper's workspace and over the charge (the larger replay under either default workspace).
 NF4_FORWARD_RESTS = dict(zip(NF4_PREFERENCE_HISTORIES, [
-    (16_252_928, 0), (16_252_928, 0), (14_942_208, 0), (360_448, -655_360), (1_048_576, 622_592),
-    (1_572_864, 1_146_880), (786_432, 0), (131_072, 131_072)]))
+    (16_252_928, 0, 0), (16_252_928, 0, 0), (14_942_208, 0, -3_014_656), (360_448, -655_360, -655_360),
+    (1_048_576, 622_592, 622_592), (1_572_864, 1_146_880, 98_304), (786_432, 0, 0), (131_072, 131_072, 131_072)],
+    strict=True))
 
 
 @pytest.mark.parametrize("path", NF4_PREFERENCE_HISTORIES)
@@ -670,7 +672,9 @@ def test_nf4_preference_steps_run_the_nf4_forward_at_their_rows_request_for_requ
                if (logits[0] if kto else -1) < h.born < logits[1 if kto else 0])
     replay = sequence.layer_rests(a, lora[0], d["r"], T, d["seq"], False, "nf4", CUBLAS_WORKSPACE, fused,
                                   kl_rows=d["batch"] if kto else 0)
-    assert (made, made - replay) == NF4_FORWARD_RESTS[path]
+    charged = max(sequence.layer_rests(a, lora[0], d["r"], T, d["seq"], False, "nf4", w, fused,
+                                       kl_rows=d["batch"] if kto else 0) for w in sequence.WORKSPACE_SIZES)
+    assert (made, made - replay, made - charged) == NF4_FORWARD_RESTS[path]
 
 
 @pytest.mark.parametrize("key,nf4", [("phi-2", True), ("gemma2-2b", False), ("mistral-7b", True)])
@@ -683,7 +687,19 @@ def test_the_kl_forward_refuses_a_type_it_has_no_no_grad_path_for_and_leaves_the
     with pytest.raises(ValueError, match="no KL forward"):
         sequence.kl_forward(q, a, 512, 512, (("q_proj", "v_proj"), 8, False), 1, nf4=nf4)
     assert q.graph
-    smol = arch_from_config(config_json("smol"))
-    sequence.load(q, smol, ("q_proj", "v_proj"), 8)
-    sequence.kl_forward(q, smol, 512, 512, (("q_proj", "v_proj"), 8, False), 1)
-    assert q.graph and len(q.held) == len(smol.modules) * 0 + sum(1 for k in q.held)  # held: the load's and the workspace
+
+
+@pytest.mark.parametrize("key,targets,nf4", [("smol", ("q_proj", "v_proj"), False),
+                                             ("phi-2", ("q_proj", "v_proj"), False),
+                                             ("qwen3-0.6b", ("q_proj", "v_proj"), False),
+                                             ("phi3-mini", ("qkv_proj",), False), ("qwen", ("q_proj", "v_proj"), True),
+                                             ("phi3-mini", ("qkv_proj",), True)])
+def test_the_kl_forward_frees_every_block_it_makes_but_the_processs_workspace(key, targets, nf4):
+    """Nothing of a no-grad forward outlives it (its head's logsumexp rows and fp32 logits freed too): from the load,
+    the KL forward leaves held only the cuBLAS workspace its first matmul makes, and the graph recorded again."""
+    a = arch_from_config(config_json(key))
+    q = sequence.Requests()
+    (sequence.load_nf4 if nf4 else sequence.load)(q, a, targets, 8)
+    loaded = set(q.held)
+    sequence.kl_forward(q, a, 2048, 1024, (targets, 8, False), 2, nf4=nf4)
+    assert q.graph and [q.held[k].requested for k in set(q.held) - loaded] == [CUBLAS_WORKSPACE]
