@@ -73,6 +73,20 @@ def _clean_process_state():
         yield
 
 
+
+def canonical_runs(events: list) -> list:
+    """An allocator request sequence (("alloc", bytes), ("free", bytes), ...) with each run of frees between two
+    requests in one order: the allocator's state after a run is the same in any order (coalescing is), so the order
+    within it is not checked."""
+    out, run = [], []
+    for e in events:
+        if e[0] == "free":
+            run.append(e)
+        else:
+            out += sorted(run) + [e]
+            run = []
+    return out + sorted(run)
+
 def main_captured(argv) -> tuple[int, str, str]:
     """h.main in this process outside a test (a session fixture's run, which has no capfd):
     (exit code, stdout, stderr), the process state restored after it."""

@@ -33,8 +33,8 @@ LoRA target's fp32 gradients made in it; the first layer's without its input's g
 Replayed from the setup, on an allocator placing each new segment below the earlier ones (as the driver placed the
 histories'; after them, the default, Qwen's own requests depart at its first backward's first gradient), every
 large request up to step 1's optimizer step's last temporary gets the history's block (Llama-3.2-1B SFT 3,985,
-Qwen2.5-0.5B DPO 5,688; the histories' 5,123,584 B-and-up transients left out: made and freed at once, their
-maker not identified); step 1's states keep 6,094,848 B (Qwen) and 0 (Llama). ``step_rests`` is that replay;
+Qwen2.5-0.5B DPO 5,688; the histories' 5,123,584 B-and-up transients left out: made and freed at once,
+bench/task_peak_anatomy.py's event markers); step 1's states keep 6,094,848 B (Qwen) and 0 (Llama). ``step_rests`` is that replay;
 where it was checked (``step_replayed``: the two arms' model type and task, setup_replayed's stack, one
 micro-batch, foreach AdamW, a step past the first) the estimate charges its parameters' and states' rests in place
 of their bound (the history's at its real peak to the byte); elsewhere where only the setup is (``setup_replayed``)

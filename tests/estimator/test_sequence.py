@@ -8,7 +8,7 @@ from __future__ import annotations
 import importlib.util
 
 import pytest
-from conftest import ROOT, checked_stack
+from conftest import ROOT, canonical_runs, checked_stack
 
 from issue395.constants import CUBLAS_WORKSPACE, K_SMALL_SIZE, block_bytes
 from issue395.estimator import gemm4bit, sequence
@@ -241,17 +241,27 @@ def test_batched_nf4_is_replayed_on_every_nf4_type_llama_too():
         assert all(sequence.replayed(a, "nf4", targets, "sft", batch=b, **kw) for b in (1, 4)), key
 
 
+#: bench/task_peak_anatomy.py's marker at its k-th event: a block of ANATOMY_MARK + 1024 k bytes, made and freed at
+#: once (the tool's, not the step's: its MARK).
+ANATOMY_MARK = 512 * 10_007
+
+
 def h100_trace_requests(path) -> tuple[list, list]:
-    """A committed H100 device history's large-pool requests and frees as sequence.Requests' trace spells them
-    (("alloc", bytes), ("free", bytes): the free's first half, where the allocated stat drops), less
-    bench/task_peak_anatomy.py's markers (MARK + 1024 k bytes each, freed at once: the tool's, not the step's);
-    and its start's segments, (bytes, whether any block of it is in use), wholly free ones left out (the window's
-    empty_cache released them)."""
+    """A committed H100 device history's large-pool requests and frees (history_requests), and its start's segments,
+    (bytes, whether any block of it is in use), wholly free ones left out (the window's empty_cache released them)."""
     import gzip
     import json
 
     trace = json.loads(gzip.open(path, "rt", encoding="utf-8").read())
-    marks, out, seen = {512 * 10_007 + 1024 * k for k in range(16)}, [], set()
+    segments = [(sum(b["size"] for b in g["blocks"]), any(b["state"] != "inactive" for b in g["blocks"]))
+                for g in trace["start_segments"]]
+    return history_requests(trace), sorted(s for s in segments if s[1] and s[0] > 2 * K_SMALL_SIZE)
+
+
+def history_requests(trace: dict) -> list:
+    """A history's large-pool requests and frees as sequence.Requests' trace spells them (("alloc", bytes),
+    ("free", bytes): the free's first half, where the allocated stat drops), less ANATOMY_MARK's markers."""
+    marks, out, seen = {ANATOMY_MARK + 1024 * k for k in range(16)}, [], set()
     for action, addr, size, *_ in trace["events"]:
         if action == "alloc" and size in marks:
             seen.add(addr)
@@ -259,9 +269,7 @@ def h100_trace_requests(path) -> tuple[list, list]:
             seen.discard(addr)
         elif block_bytes(size) > K_SMALL_SIZE and action in ("alloc", "free_requested"):
             out.append(("alloc" if action == "alloc" else "free", size))
-    segments = [(sum(b["size"] for b in g["blocks"]), any(b["state"] != "inactive" for b in g["blocks"]))
-                for g in trace["start_segments"]]
-    return out, sorted(s for s in segments if s[1] and s[0] > 2 * K_SMALL_SIZE)
+    return out
 
 
 @pytest.mark.parametrize("key,seq,batch,path", [
@@ -509,11 +517,6 @@ KTO_HISTORIES = {f"resident-kto-{folder}-h100-soup0.77.0-99bfc6a/res-kto-{name}"
     ("heldout-traces", "smol-bf16-1024x4", "smol"), ("heldout-traces", "qwen3-0.6b-bf16-1024x2", "qwen3-0.6b"),
     ("heldout-traces", "phi3-mini-bf16-1024x2", "phi3-mini"), ("heldout-traces", "mistral-7b-bf16-512x2", "mistral-7b"))}
 KTO_HISTORIES["resident-kto-nf4-phi2-traces-h100-soup0.77.0-aa06824/res-kto-phi-2-bf16-1024x2"] = "phi-2"
-#: What every committed H100 history makes and frees at once, 5,123,584 B the first time and 1,024 B more each later
-#: time (before each forward's embedding and inside its loss), which no op the sequence builds makes: left out where a
-#: history's requests are set beside the sequence's. Replayed from a history's start with or without it, the KTO
-#: policy's blocks keep the same rests (it is cut from a free block and freed before the next request).
-HISTORY_SCRATCH = range(5_000_000, 5_200_000)
 
 
 def kto_history(path: str) -> tuple:
@@ -525,26 +528,14 @@ def kto_history(path: str) -> tuple:
     return d, trace, arch_from_config(config_json(KTO_HISTORIES[path]))
 
 
-def in_runs(events: list) -> list:
-    """Requests and frees with each run of frees (no request between them) in one order: a run's frees leave the
-    same free blocks in any order."""
-    out, run = [], []
-    for e in events:
-        if e[0] == "free":
-            run.append(e)
-        else:
-            out += sorted(run) + [e]
-            run = []
-    return out + sorted(run)
-
-
-def policy_rests(trace: dict, a, T: int) -> int:
-    """What the blocks the policy's forward made (from the KL batch's bf16 logits to the policy's) keep past their
-    requests at the history's allocated peak."""
+def policy_rests(trace: dict, a, T: int, kto: bool = True) -> int:
+    """What the blocks the policy's forward made (from the history's start, or KTO's from the KL batch's bf16 logits,
+    to the policy's) keep past their requests at the history's allocated peak."""
     from issue395.measure.trace import held_at, replay_trace
 
     logits = [i for i, e in enumerate(trace["events"]) if e[0] == "alloc" and int(e[2]) == 2 * T * a.V]  # bf16
-    return sum(h.rest for h in held_at(trace, replay_trace(trace).peak_at) if logits[0] < h.born < logits[1])
+    first, last = (logits[0], logits[1]) if kto else (-1, logits[0])
+    return sum(h.rest for h in held_at(trace, replay_trace(trace).peak_at) if first < h.born < last)
 
 
 @pytest.mark.parametrize("path", KTO_HISTORIES)
@@ -552,7 +543,8 @@ def test_ktos_kl_forward_then_its_policys_are_the_historys_large_pool_requests_r
     """TRL 0.29's KTO step opens with the KL batch's forward under no_grad (sequence.kl_forward: every op of the
     forward with nothing saved, the head's logits, their fp32 copy and one row's logsumexp at a time), then the
     policy's (sequence.forward, the process's cuBLAS workspace already made): each history's large-pool requests and
-    frees from its start to the policy's last layer, request for request (HISTORY_SCRATCH's left out)."""
+    frees from its start to the policy's last layer, request for request (history_requests: the tool's markers left
+    out)."""
     d, trace, a = kto_history(path)
     T, targets = d["seq"] * d["batch"], tuple(d["targets"].split(","))
     q = sequence.Requests(trace=True)
@@ -560,10 +552,8 @@ def test_ktos_kl_forward_then_its_policys_are_the_historys_large_pool_requests_r
     loaded = len(q.trace)
     sequence.kl_forward(q, a, T, d["seq"], (targets, d["r"], False), d["batch"])
     sequence.forward(q, a, T, d["seq"], (targets, d["r"], False), 0)
-    built = in_runs(q.trace[loaded:])
-    real = in_runs([("alloc" if e[0] == "alloc" else "free", int(e[2])) for e in trace["events"]
-                    if e[0] in ("alloc", "free_requested") and block_bytes(int(e[2])) > K_SMALL_SIZE
-                    and int(e[2]) not in HISTORY_SCRATCH])
+    built = canonical_runs(q.trace[loaded:])
+    real = canonical_runs(history_requests(trace))
     assert len(built) > 100 * a.L and built == real[:len(built)]
 
 
@@ -573,18 +563,19 @@ def test_the_kto_policys_forward_blocks_keep_the_historys_rests_from_its_start_a
     leaves the policy's blocks the history's rests at its peak to the byte (Qwen2.5 1024x2 11,010,048 B, 512x2
     5,242,880, SmolLM2 9,043,968 at 2048x2 and 1024x4, none on the other five). From sequence.load: the same under the
     warmup's block short by WARMUP_UNUSED's reserved bytes (the charge is the larger of both loads'). Seeded with
-    HISTORY_SCRATCH's block made and freed first, the same."""
+    the anatomy tool's first marker (ANATOMY_MARK) made and freed first, the same: the histories' markers move no
+    cut."""
     from issue395.measure.trace import seeded
 
     d, trace, a = kto_history(path)
     T, targets, lora = d["seq"] * d["batch"], tuple(d["targets"].split(",")), (tuple(d["targets"].split(",")), d["r"],
                                                                               False)
     made = policy_rests(trace, a, T)
-    for scratch in (False, True):  # HISTORY_SCRATCH's block, made and freed first, moves no cut
+    for marked in (False, True):
         q = sequence.Requests()
         q.alloc, _ = seeded(trace["start_segments"])
-        if scratch:
-            q.put(q.get(HISTORY_SCRATCH.start + 123_584))
+        if marked:
+            q.put(q.get(ANATOMY_MARK))
         sequence.kl_forward(q, a, T, d["seq"], lora, d["batch"])
         assert q.rests(sequence.forward(q, a, T, d["seq"], lora, 0)) == made
     assert made == sequence.layer_rests(a, targets, d["r"], T, d["seq"], False, workspace=CUBLAS_WORKSPACE,
@@ -636,7 +627,7 @@ def test_nf4_preference_steps_run_the_nf4_forward_at_their_rows_request_for_requ
     """Under NF4 (Soup's resident QLoRA) DPO, ORPO and SimPO run forward_nf4 once over their stacked rows, first in
     the step, and KTO runs it after its KL batch's (kl_forward's NF4 path: layer_nf4 with nothing saved, the head's
     bf16 casts of its fp32 weight and input): each H100 history's large-pool requests and frees from its start,
-    request for request (HISTORY_SCRATCH's left out; the H100 chose gemm_4bit's dequantising arm at these shapes).
+    request for request (the tool's markers left out; the H100 chose gemm_4bit's dequantising arm at these shapes).
     The replay keeps SmolLM2 DPO's, ORPO's and KTO's and Qwen3 KTO's forward rests at the peak to the byte
     (NF4_FORWARD_RESTS), Qwen2.5 DPO's 655,360 B over; Qwen2.5 SimPO 512x2 and KTO 1024x2 and Phi-3-mini KTO keep
     622,592, 1,146,880 and 131,072 B more than it under Hopper's workspace (the driver's addresses; the charge, the
@@ -659,17 +650,11 @@ def test_nf4_preference_steps_run_the_nf4_forward_at_their_rows_request_for_requ
     if kto:
         sequence.kl_forward(q, a, T, d["seq"], lora, d["batch"], CUBLAS_WORKSPACE, nf4=True)
     sequence.forward_nf4(q, a, T, d["seq"], lora, 0 if kto else CUBLAS_WORKSPACE)
-    built = in_runs([e for e in q.trace[loaded:] if e[0] != "empty_cache"])
-    real = in_runs([("alloc" if e[0] == "alloc" else "free", int(e[2])) for e in trace["events"]
-                    if e[0] in ("alloc", "free_requested") and block_bytes(int(e[2])) > K_SMALL_SIZE
-                    and int(e[2]) not in HISTORY_SCRATCH])
+    built = canonical_runs([e for e in q.trace[loaded:] if e[0] != "empty_cache"])
+    real = canonical_runs(history_requests(trace))
     assert len(built) > 50 * a.L and built == real[:len(built)]
     assert sequence.replayed(a, "nf4", lora[0], d["task"], transformers="5.16.1", environ={})
-    from issue395.measure.trace import held_at, replay_trace
-
-    logits = [i for i, e in enumerate(trace["events"]) if e[0] == "alloc" and int(e[2]) == 2 * T * a.V]
-    made = sum(h.rest for h in held_at(trace, replay_trace(trace).peak_at)
-               if (logits[0] if kto else -1) < h.born < logits[1 if kto else 0])
+    made = policy_rests(trace, a, T, kto)
     replay = sequence.layer_rests(a, lora[0], d["r"], T, d["seq"], False, "nf4", CUBLAS_WORKSPACE, fused,
                                   kl_rows=d["batch"] if kto else 0)
     charged = max(sequence.layer_rests(a, lora[0], d["r"], T, d["seq"], False, "nf4", w, fused,

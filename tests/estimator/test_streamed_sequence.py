@@ -13,6 +13,7 @@ from pathlib import Path
 from unittest.mock import patch
 
 import pytest
+from conftest import canonical_runs
 
 from issue395.constants import CUBLAS_WORKSPACE, K_SMALL_SIZE, MiB, block_bytes
 from issue395.estimator.allocator import DESCENDING_TOP, CachingAllocator, _chain, allocation_size
@@ -30,8 +31,9 @@ from issue395.measure.trace import held_at, replay_trace, replaying_trace, seede
 from issue395.model.registry import config_json
 
 ROOT = Path(__file__).resolve().parents[2] / "results"
-#: The transients every history makes and frees at once (5,123,584 B, then 1,024 B more each time), left out of the
-#: comparison: their maker is not identified, and each goes back to the free block it was cut from.
+#: bench/task_peak_anatomy.py's event markers every history holds (its MARK, 5,123,584 B, then 1,024 B more each
+#: event; made and freed at once: the tool's, not the step's), left out of the comparison: each goes back to the
+#: free block it was cut from.
 TRANSIENTS = (5_000_000, 5_200_000)
 TRACES = {"qwen": "anatomy-and-segments52-h100-soup0.77.0-96b7b97/seg-dpo-qwen-bf16-2048x1-r64-all-s3-a1",
           "llama32-1b": "anatomy-and-segments52-h100-soup0.77.0-96b7b97/seg-sft-llama32-1b-bf16-2048x1-r64-all-s3-a1",
@@ -486,19 +488,6 @@ def test_each_streamed_layers_recompute_is_the_resident_forward_stopped_at_down_
     assert {j - i for i, j in zip(starts, starts[1:]) if j - i < 1000} == {312}
 
 
-def _canonical(events: list) -> list:
-    """Requests and frees with each run of frees between two requests in one order: the allocator's state after a
-    run is the same in any order (coalescing is), so the order within it is not checked."""
-    out, run = [], []
-    for e in events:
-        if e[0] == "free":
-            run.append(e)
-        else:
-            out += sorted(run) + [e]
-            run = []
-    return out + sorted(run)
-
-
 @pytest.mark.parametrize("key", ("qwen", "llama32-1b", "mistral-7b"))
 def test_each_streamed_layers_backward_is_the_historys_request_for_request(key):
     """Issue 52 item 1, the streamed step's backward, trace first: every layer's backward but the first's (its input
@@ -517,11 +506,11 @@ def test_each_streamed_layers_backward_is_the_historys_request_for_request(key):
     x, g = q.get(2 * T * a.h), q.get(2 * T * a.h)
     q.trace.clear()
     grads = layer_backward(q, a, T, x, g, (targets, row["r"], row["task"] != "dpo"), nf4=row["quant"] == "nf4")
-    made = _canonical(q.trace)
+    made = canonical_runs(q.trace)
     real = _large(trace)
     starts = [i for i in range(len(real) - 40) if real[i:i + 40] == made[:40]]
     assert len(starts) == 3 * (a.L - 1) and len(made) == {"qwen": 228, "llama32-1b": 312, "mistral-7b": 299}[key]
-    assert all(_canonical(real[i:i + len(made)]) == made for i in starts)
+    assert all(canonical_runs(real[i:i + len(made)]) == made for i in starts)
     one_layer = [(per if row["quant"] == "nf4" else MATERIALISED) * n
                  for n in adapter_elements(a, targets, row["r"])][:len(grads)]
     assert sorted(q.held[k].requested for k in grads if k is not None) == sorted(
@@ -535,8 +524,8 @@ def test_the_whole_step_from_the_built_setup_is_each_bf16_historys_block_for_blo
     dpo_step) and its AdamW step replayed on an allocator placing each new segment below the earlier ones (as the
     driver placed the histories') hand out the history's block sizes to every large request up to the optimizer
     step's last temporary (Llama-3.2-1B SFT 3,985 requests, Qwen2.5-0.5B DPO 5,688), so its rests: step 1's states
-    keep 6,094,848 B (Qwen) and 0 (Llama), step_rests' figures. The history's requests left out are its transients
-    of 5,123,584 B and up (made and freed at once, maker not identified), each cut from a free block it goes back
+    keep 6,094,848 B (Qwen) and 0 (Llama), step_rests' figures. The history's requests left out are the anatomy
+    tool's markers of 5,123,584 B and up (made and freed at once: TRANSIENTS), each cut from a free block it goes back
     to (the first makes the segment the embedding's output takes next). With the new segments placed after the
     earlier ones the history's own requests depart from its blocks at Qwen's first backward's first gradient."""
     trace, row = _history(key)
@@ -611,10 +600,10 @@ def test_the_nf4_step_is_mistrals_event_for_event_but_its_blocks_depart_so_it_is
     T, lora = row["seq"], (targets, row["r"], True)
     q = Requests(trace=True)
     sft_step(q, a, T, lora, nf4=True)
-    made = _canonical(q.trace)
+    made = canonical_runs(q.trace)
     real = [e for e in _large(trace) if not TRANSIENTS[0] <= e[1] < TRANSIENTS[1]]
     start = real.index(("alloc", 2 * T * a.h))
-    assert _canonical(real[start:start + len(made)]) == made and len(made) == 14_909
+    assert canonical_runs(real[start:start + len(made)]) == made and len(made) == 14_909
     elements = adapter_elements(a, targets, row["r"])
     first = [b for n in elements for b in (per * n, per * n) if block_bytes(b) > K_SMALL_SIZE]
     temporaries = [per * n for n in elements if block_bytes(per * n) > K_SMALL_SIZE]
