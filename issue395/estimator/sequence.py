@@ -122,6 +122,12 @@ class Requests:
                     self.trace.append(("free", b.requested))
                 self.alloc.free(b)
 
+    def unsaved(self, *keys) -> None:
+        """Frees what autograd would have saved: only without a graph (``graph`` off), where a block goes with its
+        last Python reference."""
+        if not self.graph:
+            self.put(*keys)
+
     def empty_cache(self) -> None:
         """torch.cuda.empty_cache: every wholly free segment back to the driver."""
         self.alloc.empty_cache()
@@ -255,10 +261,10 @@ def lora_linear(q: Requests, T: int, fi: int, fo: int, r: int, grad: bool, dropo
         q.put(mask)
     cast = q.get(2 * T * fi)
     a_out = q.get(2 * T * r)
-    q.put(drop, *([] if q.graph else [cast]))  # no graph: lora_A saved nothing
+    q.put(drop)
+    q.unsaved(cast)  # lora_A saved nothing
     b_out = q.get(2 * T * fo)
-    if not q.graph:
-        q.put(a_out)
+    q.unsaved(a_out)
     scaled = q.get(2 * T * fo)
     q.put(b_out)
     out = q.get(2 * T * fo)
@@ -320,11 +326,9 @@ def fused_attention(q: Requests, a: Arch, T: int, lora: tuple, grad: bool):
         q.put(r)
     sdpa = q.get(2 * T * a.heads * a.head_dim)
     lse = q.get(4 * T * a.heads)
-    if not q.graph:  # no backward reads the logsumexp
-        q.put(lse)
+    q.unsaved(lse)  # no backward reads the logsumexp
     copy = output_copy(q, a, T)
-    if not q.graph:  # the transposed copy rebinds SDPA's output, which nothing saved
-        q.put(sdpa)
+    q.unsaved(sdpa)  # the transposed copy rebinds SDPA's output, which nothing saved
     o, k = projection(q, a, T, "o_proj", lora, True)
     q.put(copy)
     if not q.graph:  # the attention's locals go as it returns
@@ -354,8 +358,7 @@ def attention(q: Requests, a: Arch, T: int, x, lora: tuple, grad: bool):
     q.put(outs["q_proj"], outs["k_proj"])
     sdpa = q.get(2 * T * a.heads * a.head_dim)
     lse = q.get(4 * T * a.heads)
-    if not q.graph:  # no backward reads the logsumexp: it goes as SDPA returns
-        q.put(lse)
+    q.unsaved(lse)  # no backward reads the logsumexp: it goes as SDPA returns
     o, k = projection(q, a, T, "o_proj", lora, True)
     kept += k + [qr, kr, outs["v_proj"], sdpa, lse]
     if not q.graph:  # the attention's locals go as it returns
@@ -371,8 +374,7 @@ def mlp(q: Requests, a: Arch, T: int, x, lora: tuple):
         gate_up, kept = projection(q, a, T, "gate_up_proj", lora, True)
         act = q.get(2 * T * a.i)
         prod = q.get(2 * T * a.i)
-        if not q.graph:  # act(gate) unsaved; the gate view holds the fused block to the MLP's return
-            q.put(act)
+        q.unsaved(act)  # act(gate) unsaved; the gate view holds the fused block to the MLP's return
         down, k = projection(q, a, T, "down_proj", lora, True)
         q.put(prod)
         if not q.graph:
@@ -383,13 +385,11 @@ def mlp(q: Requests, a: Arch, T: int, x, lora: tuple):
     gate, k = projection(q, a, T, "gate_proj", lora, True)
     kept += k
     act = q.get(2 * T * a.i)
-    if not q.graph:  # act_fn's input, unsaved
-        q.put(gate)
+    q.unsaved(gate)  # act_fn's input, unsaved
     up, k = projection(q, a, T, "up_proj", lora, True)
     kept += k
     prod = q.get(2 * T * a.i)
-    if not q.graph:  # the product's inputs, unsaved
-        q.put(act, up)
+    q.unsaved(act, up)  # the product's inputs, unsaved
     down, k = projection(q, a, T, "down_proj", lora, True)
     kept += k
     q.put(prod)
@@ -648,11 +648,9 @@ def lora4bit(q: Requests, T: int, fi: int, fo: int, r: int, grad: bool, dropout:
     cast = q.get(2 * T * fi)
     q.put(drop)
     a_out = q.get(2 * T * r)
-    if not q.graph:  # lora_A saved nothing
-        q.put(cast)
+    q.unsaved(cast)  # lora_A saved nothing
     b_out = q.get(2 * T * fo)
-    if not q.graph:
-        q.put(a_out)
+    q.unsaved(a_out)
     scaled = q.get(2 * T * fo)
     q.put(b_out)
     out = q.get(4 * T * fo)
@@ -696,8 +694,7 @@ def attention_nf4(q: Requests, a: Arch, T: int, first: bool, lora: tuple):
     # pack cast right to left), which flash saves
     sdpa = q.get(2 * T * a.heads * a.head_dim)
     lse = q.get(4 * T * a.heads)
-    if not q.graph:  # nothing saved: SDPA's casts and logsumexp go as it returns
-        q.put(lse, *casts)
+    q.unsaved(lse, *casts)  # nothing saved: SDPA's casts and logsumexp go as it returns
     copy = output_copy(q, a, T) if "qkv_proj" in a.modules else None
     if not q.graph and copy is not None:  # the transposed copy rebinds SDPA's output
         q.put(sdpa)
@@ -723,12 +720,10 @@ def layer_nf4(q: Requests, a: Arch, T: int, x, first: bool, lora: tuple):
     else:
         gate = proj4bit(q, a, T, "gate_proj", lora, True)
         act = q.get(4 * T * a.i)  # act(gate), fp32
-        if not q.graph:  # act_fn's input, unsaved
-            q.put(gate)
+        q.unsaved(gate)  # act_fn's input, unsaved
         made = [proj4bit(q, a, T, "up_proj", lora, True)]
     prod = q.get(4 * T * a.i)
-    if not q.graph:  # the product's inputs, unsaved
-        q.put(act, *made)
+    q.unsaved(act, *made)  # the product's inputs, unsaved
     down = proj4bit(q, a, T, "down_proj", lora, True)
     q.put(prod, normed2, *([] if q.graph else [fused]))
     out = q.get(4 * T * a.h)
@@ -808,11 +803,9 @@ def phi_attention(q: Requests, a: Arch, T: int, first: bool, lora: tuple):
     cats = [q.get(2 * T * a.heads * a.head_dim), q.get(2 * T * a.kv * a.head_dim)]
     sdpa = q.get(2 * T * a.heads * a.head_dim)
     lse = q.get(4 * T * a.heads)
-    if not q.graph:  # no backward reads the logsumexp
-        q.put(lse)
+    q.unsaved(lse)  # no backward reads the logsumexp
     copy = output_copy(q, a, T)
-    if not q.graph:  # the transposed copy rebinds SDPA's output, which nothing saved
-        q.put(sdpa)
+    q.unsaved(sdpa)  # the transposed copy rebinds SDPA's output, which nothing saved
     o = projection(q, a, T, "dense", lora, True)[0]
     q.put(copy)
     q.put(rotated[0], outs["q_proj"], rotated[1], outs["k_proj"], *([] if q.graph else [*cats, outs["v_proj"]]))
