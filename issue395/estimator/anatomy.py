@@ -229,14 +229,15 @@ def _charged(est, term: str) -> int:
 
 
 #: The classes' terms (their bytes where the binding phase holds them); 'the rest' charges every
-#: other term of the step but the allocator's rounding and the loss's and reference's remainders (segment
+#: other term of the step but the allocator's rounding and the retained blocks', the loss's and reference's remainders (segment
 #: tails and unsplit rests: live bytes past a request, not a block of their own). 'dequantised_linear', the reference forward's one weight in flight,
 #: is read where the estimate emits it.
 NAMED_TERMS = {DEQUANTISED: ("dequantised_layer", "dequantised_linear", "expert_in_flight"),
                LOGITS_FP32: ("logits", "reference_held"), HEAD_COPY: ("head_copy",),
                CHECKPOINTED: ("checkpointed_inputs",), FP32_RESIDUAL: ("final_norm",),
                MASKS: ("sliding_mask",), ROTARY: ("rotary_tables",), WORKSPACES: ("autograd_workspace",)}
-_UNCHARGED = {"allocator_rounding", "loss_remainders", "reference_remainders"} | set(live_in(Phase.RESIDENT))
+_UNCHARGED = ({"allocator_rounding", "retained_remainders", "loss_remainders", "reference_remainders"}
+              | set(live_in(Phase.RESIDENT)))
 _STEP_PHASES = {Phase.LOSS, Phase.REFERENCE, Phase.LAYER}
 
 

@@ -262,19 +262,34 @@ def reference_held_blocks(a: Arch, name: str, seq: int, batch: int) -> list[int]
 
 
 def no_grad_layer_per_token(a: Arch, quant: str, targets: tuple, r: int,
-                            mask: int = LORA_DROPOUT_MASK_BYTES) -> int:
+                            mask: int = LORA_DROPOUT_MASK_BYTES, act: int | None = None) -> int:
     """What one decoder layer's forward under no_grad (the reference's, KTO's KL) holds per token at
     once, op by op and summed although they do not overlap: the residual stream in and its running
     sum (2 x act x h), the RMSNorm's fp32 copy and square (8h), the MLP at its product (act(gate),
     up and the product: 3 x act x i; phi's gelu_new 4), the widest LoRA target's dropout output, mask
     (``mask`` a feature: layer.mask_bytes) and lora_A output. Nothing is saved (no autograd graph), so
     the widths of attention, which the MLP's exceed on every dense family here, are not added. A MoE or hybrid model: its recompute's
-    count, the bound (issue395.estimator.moe's kinds are counted with their backward)."""
+    count, the bound (issue395.estimator.moe's kinds are counted with their backward). ``act``: an activation's
+    bytes where the caller knows them (a resident NF4 run's fp32 residual stream), else the streamed layer's."""
     if a.layers is not None:
         return max(kind_per_token(a, k, targets, r, mask=mask) for k in a.layers.kinds)
-    act = activation_bytes(a, quant)
+    act = activation_bytes(a, quant) if act is None else act
     lora = max(act * a.modules[t][0] + mask * a.modules[t][0] + act * r for t in targets)
     return 2 * act * a.h + 8 * a.h + act * a.i * a.quirks.mlp_transients + lora
+
+
+def reference_head(a: Arch, T: int, fp32_norm: bool = False, fp32_head: bool = False) -> int:
+    """The no-grad reference forward (and KTO's KL one) at its head, a moment after its last layer's: the final norm's
+    output (fp32 where ``fp32_norm``: a LayerNorm under autocast's fp32 policy, or a resident NF4 run's fp32 residual
+    stream, with autocast's bf16 cast of it for the head's matmul beside it), autocast's bf16 cast of an fp32 head
+    (``fp32_head``: a resident NF4 run's, peft's prepare_model_for_kbit_training; a frozen weight's cast is not cached,
+    so it goes after the matmul) and the head's bf16 logits. accelerate's fp32 copy of the logits comes after the
+    forward, the casts gone; the loss phase holds more than that moment (task_loss_blocks). Measured: Mistral-7B NF4
+    KTO 512x2 (results/resident-heldout-survey-traces-h100-*), its peak in the reference's forward, at its head:
+    16,777,216 + 8,388,608 + 268,435,456 + 67,108,864 B made by that forward, live beside the policy's graph.
+    Evidence: docs/PEAK.md, "reference_head"."""
+    norm = (4 + 2 if fp32_norm else 2) * T * a.h
+    return norm + (2 * a.V * a.h if fp32_head else 0) + 2 * T * a.V
 
 
 def head_copy(a: Arch, f: Features, name: str) -> int:
@@ -590,11 +605,18 @@ def task_terms(a: Arch, f: Features, tk, quant: str, targets: tuple, lora_r: int
         t[Term.REFERENCE_LAYER.key] = T * no_grad_layer_per_token(a, quant, targets, lora_r, mask)
         t[Term.DEQUANTISED_LINEAR.key] = (dequantised_linear(a, quant) if a.layers is None else
                                           max(dequantised_linear(a, quant, k.dequant) for k in a.layers.kinds))
+        t[Term.REFERENCE_HEAD.key] = head_beyond_layer(t, reference_head(a, T, fp32_norm=a.norm_bias))
         # the held blocks were made fresh for the loss (their tails, or the cut rule); the no-grad linear's
         # weight is dequantised again each layer, into a cached block or a cut one (the layer's rule)
         t[Term.REFERENCE_REMAINDERS.key] = (sum(map(segment_tail, held)) + cut_remainders(held)
                                             + layer_remainders([t[Term.DEQUANTISED_LINEAR.key]]))
     return t
+
+
+def head_beyond_layer(t: dict, head: int) -> int:
+    """What the no-grad forward's ``head`` moment holds beyond its layers' (the reference phase's layer terms): the
+    two do not overlap, so the reference phase, which sums its terms, charges the larger of them."""
+    return max(0, head - t[Term.REFERENCE_LAYER.key] - t[Term.DEQUANTISED_LINEAR.key])
 
 
 def chunked_loss_terms(a: Arch, chunk: int, seq: int, batch: int, T: int, ws: int) -> dict:

@@ -249,7 +249,7 @@ def full_optimizer(a: Arch, optimizer: str, per: int = FULL_FT_BYTES, rests: int
     return terms if rests is None else {**terms, Term.OPTIMIZER_REMAINDERS.key: rests}
 
 
-def estimate_full(config: dict, base: Estimate, lora_rounding: int, *, release: str | None = None, steps: int = 1,
+def estimate_full(config: dict, base: Estimate, *, release: str | None = None, steps: int = 1,
                   checkpointing: bool = False, optimizer: str = "adamw_torch", accumulation: int = 1,
                   transformers: str | None = None) -> Estimate:
     """The corrected peak of a resident full fine-tuning (Soup's lora.r 0) that full_refused does not refuse:
@@ -258,11 +258,11 @@ def estimate_full(config: dict, base: Estimate, lora_rounding: int, *, release: 
     adapter, each layer's count as a trained layer keeps it, the head's gradient at the loss, the backward walked
     with every gradient it has made, and the optimizer's step over every parameter, which runs at step 1 too (its
     states are made there: AdamW's zeros_like at its first step). From step 2 the states are live beside every
-    phase. ``lora_rounding``: what ``base``'s retained blocks added to the allocator's rounding (0 with
-    checkpointing), taken off again. Barely measured: the module docstring says what is shown and what is not."""
+    phase. Without checkpointing the full layers' retained blocks' rests replace the r 1 LoRA count's (``base``'s
+    retained_remainders). Barely measured: the module docstring says what is shown and what is not."""
     a = arch_from_config(config)
     if loads_fp32_master(release_source(release)):
-        return estimate_master(config, base, lora_rounding, steps=steps, checkpointing=checkpointing,
+        return estimate_master(config, base, steps=steps, checkpointing=checkpointing,
                                optimizer=optimizer, accumulation=accumulation, transformers=transformers)
     T = base.seq * base.batch
     t = adapterless(base)
@@ -270,7 +270,7 @@ def estimate_full(config: dict, base: Estimate, lora_rounding: int, *, release: 
         t[Term.LAYER_REMAINDERS.key] = full_layer_rests(a, T)
     t[Term.HEAD_INPUT.key] = T * a.h * (_norm_bytes(a) + 2)  # the final norm's normed tensor and the head's input
     t[Term.HEAD_GRADIENT.key] = head_gradient(a)
-    return trained_step(t, a, base, lora_rounding, FULL_FT_BYTES,
+    return trained_step(t, a, base, FULL_FT_BYTES,
                         (full_backward, full_retained, full_retained_rounding), checkpointing=checkpointing,
                         steps=steps, optimizer=optimizer, accumulation=accumulation)
 
@@ -460,14 +460,14 @@ def adapterless(base: Estimate) -> dict:
         Term.ADAPTER_GRADIENTS.key)}
 
 
-def trained_step(t: dict, a: Arch, base: Estimate, lora_rounding: int, per: int, counts: tuple, *,
+def trained_step(t: dict, a: Arch, base: Estimate, per: int, counts: tuple, *,
                  checkpointing: bool, steps: int, optimizer: str, accumulation: int,
                  rests: int | None = None) -> Estimate:
     """What every full fine-tuning's step holds past its weights, one construction for the bf16 (estimate_full)
     and the fp32 master (estimate_master) runs, each parameter's gradient and state at ``per`` bytes and
     ``counts`` its (backward walk, retained per token, retained rounding): from micro-batch 2 every gradient of
     micro-batch 1 held; the backward walked; without checkpointing every layer's kept blocks through the loss
-    (the r 1 LoRA count's rounding, ``lora_rounding``, taken off exactly); the optimizer's step (its blocks'
+    (their rests in place of the r 1 LoRA count's); the optimizer's step (its blocks'
     replayed ``rests`` in place of the bound, where given); the phases."""
     backward, retained, rounding = counts
     T = base.seq * base.batch
@@ -479,13 +479,13 @@ def trained_step(t: dict, a: Arch, base: Estimate, lora_rounding: int, per: int,
     if not checkpointing:
         t[Term.RETAINED_ACTIVATIONS.key] = T * a.L * retained(a)
         t[Term.RETAINED_BESIDE_LAYER.key] = before
-        t[Term.ALLOCATOR_ROUNDING.key] += rounding(a, T) - lora_rounding
+        t[Term.RETAINED_REMAINDERS.key] = rounding(a, T)  # in place of the r 1 LoRA count's
     t.update(full_optimizer(a, optimizer, per, rests))
     return full_phases(t, base, before, checkpointing=checkpointing, steps=steps, optimizer=optimizer,
                        accumulation=accumulation)
 
 
-def estimate_master(config: dict, base: Estimate, lora_rounding: int, *, steps: int = 1, checkpointing: bool = False,
+def estimate_master(config: dict, base: Estimate, *, steps: int = 1, checkpointing: bool = False,
                     optimizer: str = "adamw_torch", accumulation: int = 1, transformers: str | None = None) -> Estimate:
     """estimate_full's run on a release that loads the base as fp32 master weights (loads_fp32_master: soup-cli
     0.77.0) under bf16 autocast: every parameter, its gradient and torch AdamW's states fp32, and the foreach
@@ -517,7 +517,7 @@ def estimate_master(config: dict, base: Estimate, lora_rounding: int, *, steps: 
     rests = (master_rests(a, T, base.seq, checkpointing)
              if master_replayed(a, base, transformers, steps=steps, optimizer=optimizer, accumulation=accumulation)
              else None)
-    return trained_step(t, a, base, lora_rounding, FP32, (master_backward, master_retained, master_retained_rounding),
+    return trained_step(t, a, base, FP32, (master_backward, master_retained, master_retained_rounding),
                         checkpointing=checkpointing, steps=steps, optimizer=optimizer, accumulation=accumulation,
                         rests=rests)
 

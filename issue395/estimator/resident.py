@@ -176,14 +176,14 @@ from .arch import NF4_BLOCK, Arch, arch_from_config, fp32_residual, layer_bytes,
 from .layer import (AUTOCAST_BF16, LORA_DROPOUT_MASK_BYTES, MLP_BACKWARD_TRANSIENTS, RMS_RSTD_BYTES,
                     Moment, autocast_by_layer, autocast_casts, autocast_per_token, autocast_upcasts, layer_per_token,
                     mask_bytes, resid_masks, retained_by_layer)
-from .estimate import (ADAPTER_RESTS, EXPANDABLE_RESERVE_BYTES, Estimate, binding_phase, estimate, needs_free,
-                       segment_tail)
+from .estimate import (ADAPTER_RESTS, EXPANDABLE_RESERVE_BYTES, Estimate, binding_phase, dequantised_linear, estimate,
+                       head_beyond_layer, needs_free, no_grad_layer_per_token, reference_head, segment_tail)
 from .gc_sequence import charge as gc_charge, charged as gc_charged
 from .steady import adapter_bytes
 from .terms import BY_KEY, Phase, Term, phase_sum
 from .full import estimate_full, full_refused
 from .gemm4bit import Dispatch
-from .sequence import ANY_TARGET_TYPES, checked_targets, layer_rests, replayed
+from .sequence import ANY_TARGET_TYPES, checked_targets, layer_rests, load_rests, replayed
 from .stacks import transformers_release
 
 #: The architectures the resident construction is held to (every committed resident row of theirs).
@@ -458,7 +458,7 @@ def estimate_resident(config: dict, *, quant: str = "none", seq: int, batch: int
         # norms' fp32 copies among it). Measured: Qwen2.5 2048x1 keeps 45,912 B a token a layer at its loss
         # peak, retained_by_layer's count to the byte (results/resident-anatomy-*/call-1/res-sft-qwen-bf16-2048x1)
         t[Term.CHECKPOINTED_INPUTS.key] = 0
-        t[Term.ALLOCATOR_ROUNDING.key] += kept_rests(a, tg, lora_r, T, quant, e.seq, task, lora_dropout,
+        t[Term.RETAINED_REMAINDERS.key] = kept_rests(a, tg, lora_r, T, quant, e.seq, task, lora_dropout,
                                                      transformers, dispatch)
         t[Term.ADAPTER_CASTS.key] = adapter_casts(a, tg, lora_r, adapter_bytes(task, quant))
         t[Term.NORM_CASTS.key] = norm_casts(a, quant)
@@ -486,6 +486,11 @@ def estimate_resident(config: dict, *, quant: str = "none", seq: int, batch: int
         # (results/resident-anatomy-*/call-1/res-sft-llama1b-*-2048x1)
         t[Term.ROTARY_TABLES.key] *= 2
         t[Term.DEQUANTISED_LAYER.key] = 2 * max(fi * fo for fi, fo, _ in a.modules.values())
+        # the packed weights' rests: the load's own history (bitsandbytes quantises each linear on the card, among
+        # the blocks the earlier ones freed), replayed where that load was checked
+        t[Term.RESIDENT_ROUNDING.key] = load_rests(a)
+        if task_named(task).reference:
+            t.update(nf4_reference(t, a, tg, lora_r, T, mask_bytes(task_named(task), lora_dropout)))
     # the phases as estimate() composes a streamed run's (every layer's input is the layer phase's own here)
     binding, peak = binding_phase(t, t[Term.CHECKPOINTED_INPUTS.key], task_named(task).reference, steps, accumulation,
                                   False, t[Term.AUTOGRAD_WORKSPACE.key], sum(t.get(k.key, 0) for k in ADAPTER_RESTS))
@@ -498,6 +503,19 @@ def estimate_resident(config: dict, *, quant: str = "none", seq: int, batch: int
     return Estimate(e.seq, e.batch, quant, e.steps, e.release, None, {}, corrected, needs_free(corrected, reserve),
                     binding.value, t, e.task, e.optimizer, e.accumulation, reserve=reserve,
                     split=corrected - peak + split_peak)
+
+
+def nf4_reference(t: dict, a: Arch, targets: tuple, r: int, T: int, mask: int) -> dict:
+    """A resident NF4 run's no-grad reference forward (DPO's, KTO's): its layer in fp32 (the residual stream, so each
+    linear's output: the same count at 4 B an activation), each linear dequantised as it runs, and its head, the fp32
+    norm's output and the fp32 head cast to bf16 for the matmul (estimate.reference_head); the weight's rests by the
+    layer's rule beside the held blocks' (``t``'s). Evidence: docs/PEAK.md, "reference_head"."""
+    out = {Term.REFERENCE_LAYER.key: T * no_grad_layer_per_token(a, "nf4", targets, r, mask, act=4),
+           Term.DEQUANTISED_LINEAR.key: dequantised_linear(a, "nf4")}
+    out[Term.REFERENCE_REMAINDERS.key] = (t.get(Term.REFERENCE_REMAINDERS.key, 0)
+                                          + layer_remainders([out[Term.DEQUANTISED_LINEAR.key]]))
+    out[Term.REFERENCE_HEAD.key] = head_beyond_layer(out, reference_head(a, T, fp32_norm=True, fp32_head=True))
+    return out
 
 
 def resident_reserve(a: Arch, quant: str, targets: tuple, r: int, e: Estimate, checkpointing: bool, dropout: float,
@@ -563,23 +581,14 @@ def full_run(config: dict, *, quant: str, seq: int, batch: int, steps: int, rele
              checkpointing: bool, optimizer: str, accumulation: int, transformers: str | None) -> Estimate:
     """A full fine-tuning (Soup's lora.r 0) as estimator/full.py estimates it: refused in one line where it does not
     model it (full.full_refused), before anything is estimated; else full.estimate_full from the r 1 LoRA run it
-    starts from (this module's estimate of it, ``base``) and what that run's retained blocks added to the
-    allocator's rounding without checkpointing (lora_retained_rounding), which full.py takes off again."""
+    starts from (this module's estimate of it, ``base``)."""
     a = arch_from_config(config)
     why = full_refused(a, config, quant=quant, task=task, release=release, transformers=transformers)
     if why:
         raise UsageError(why)
     base = estimate_resident(config, seq=seq, batch=batch, lora_r=1, release=release, task=task,
                              checkpointing=checkpointing, transformers=transformers)
-    lora = 0 if checkpointing else lora_retained_rounding(a, config, base.seq * base.batch, base.seq, task,
-                                                          transformers)
-    return estimate_full(config, base, lora, release=release, steps=steps, checkpointing=checkpointing,
+    return estimate_full(config, base, release=release, steps=steps, checkpointing=checkpointing,
                          optimizer=optimizer, accumulation=accumulation, transformers=transformers)
 
-
-def lora_retained_rounding(a: Arch, config: dict, T: int, seq: int, task: str, transformers: str | None = None) -> int:
-    """What estimate_resident added to the allocator's rounding without checkpointing for the r 1 LoRA run a full
-    fine-tuning's estimate starts from (its seq, its task's mask, its transformers): exactly what that estimate
-    takes off again."""
-    return kept_rests(a, targets_of(a, None, config), 1, T, "none", seq, task, LORA_DROPOUT, transformers)
 

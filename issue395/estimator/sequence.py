@@ -548,33 +548,36 @@ def _kl_forward(q: Requests, a: Arch, T: int, seq: int, lora: tuple, rows: int, 
 
 # -- NF4 (Soup's resident QLoRA: bitsandbytes' Linear4bit, NF4, double quantisation, bf16 compute) --
 
-def quantise(q: Requests, n: int) -> None:
+def quantise(q: Requests, n: int) -> tuple:
     """A decoder linear of ``n`` elements as it loads: its bf16 tensor, then bitsandbytes' quantize_4bit (fp32
     absmax a block of NF4_BLOCK, the packed weight), the absmax less its mean (fp32) and quantize_blockwise's
     uint8 absmax (its fp32 nested absmax is small), the difference and the fp32 absmax freed, then the bf16
-    tensor dropped."""
+    tensor dropped. The keys of the two it keeps: the packed weight and the uint8 absmax."""
     blocks = -(-n // NF4_BLOCK)
     source = q.get(2 * n)
     absmax = q.get(4 * blocks)
-    q.get(-(-n // 2))
+    packed = q.get(-(-n // 2))
     diff = q.get(4 * blocks)
-    q.get(blocks)
+    kept = q.get(blocks)
     q.put(diff, absmax, source)
+    return packed, kept
 
 
-def load_nf4(q: Requests, a: Arch, targets: tuple, r: int) -> None:
-    """transformers' warmup block (a quantised element 0.5 B, every other at bf16's 2 B), each tensor in the
+def load_nf4(q: Requests, a: Arch, targets: tuple, r: int, unused: int = 0) -> list:
+    """transformers' warmup block (a quantised element 0.5 B, every other at bf16's 2 B; less the ``unused`` bytes the
+    process had reserved beside its allocated ones: WARMUP_UNUSED), each tensor in the
     checkpoint's sorted key order (a decoder linear quantised as it lands), peft's prepare_model_for_kbit_training
     (each tensor it does not quantise recast to fp32, in the modules' order, then its torch.cuda.empty_cache():
-    peft/utils/other.py, auto_clear_cache), peft's fp32 LoRA matrices, which TRL recasts to bf16."""
+    peft/utils/other.py, auto_clear_cache), peft's fp32 LoRA matrices, which TRL recasts to bf16. The keys of the
+    quantised linears' blocks."""
     names = parameter_bytes(a)
     linear = {f"model.layers.{k}.{'self_attn' if m in ATTN else 'mlp'}.{m}.weight"
               for k in range(a.L) for m in a.modules}
-    q.put(q.get(2 * (sum(names[n] // 4 if n in linear else names[n] for n in names) // 2)))
-    held = {}
+    q.put(q.get(max(2 * (sum(names[n] // 4 if n in linear else names[n] for n in names) // 2) - unused, 0)))
+    held, packed = {}, []
     for n in sorted(names):
         if n in linear:
-            quantise(q, names[n] // 2)
+            packed += quantise(q, names[n] // 2)
         else:
             held[n] = q.get(names[n])
     for n in module_order(a):
@@ -586,6 +589,33 @@ def load_nf4(q: Requests, a: Arch, targets: tuple, r: int) -> None:
     for k, w in zip(lora, [w for _ in range(a.L) for t in targets for w in a.modules[t][:2]]):
         q.get(2 * r * w)
         q.put(k)
+    return packed
+
+
+def load_rests(a: Arch) -> int:
+    """What the quantised linears' blocks hold past their requests once a resident NF4 load is done: each is cut
+    from the blocks the earlier linears' bf16 sources and fp32 absmax left free, and one served whole from a cached
+    block up to 1 MiB larger keeps the rest (load_nf4; the LoRA matrices come after them, so no target moves them).
+    Which blocks those are moves with the warmup's block, so both of WARMUP_UNUSED's are replayed and the larger
+    charged. Where the load was checked (NF4_SEQUENCE_TYPES, one kind of layer), else 0. Checked against the H100
+    histories' starts (tests/estimator/test_sequence.py): Mistral-7B and Llama-3.1-8B 4,718,592 B each (nine blocks
+    keep 512 KiB) under either warmup; Llama-3.2-1B 1 MiB in one packed q/o block and phi-2 none, each its short
+    warmup's (the fresh one's: none, and 458,752 B, which is charged); Qwen2.5-0.5B, Qwen3-0.6B, Phi-3-mini and
+    SmolLM2 none past the vocab's segment tails (resident_weights charges those) under either.
+    Evidence: docs/PEAK.md, "load_rests"."""
+    if a.model_type not in NF4_SEQUENCE_TYPES or a.layers is not None:
+        return 0
+    key = ("load", repr(a))
+    if key not in _RESTS:
+        _RESTS[key] = max(replayed_load(a, unused) for unused in WARMUP_UNUSED)
+    return _RESTS[key]
+
+
+def replayed_load(a: Arch, unused: int) -> int:
+    """What the quantised linears' blocks of a replayed NF4 load (load_nf4, its warmup ``unused`` bytes short) hold
+    past their requests."""
+    q = Requests()
+    return q.rests(load_nf4(q, a, (), 0, unused))
 
 
 def module_order(a: Arch, sizes: bool = False) -> list:

@@ -82,24 +82,32 @@ class Term(Enum):
     REFERENCE_LAYER = ("reference_layer", {_RF}, Kind.TEMP, "a no-grad layer's transients", "DPO, KTO")
     DEQUANTISED_LINEAR = ("dequantised_linear", {_RF}, Kind.TEMP, "a no-grad linear's dequantised weight",
                           "DPO, KTO, NF4")
+    #: the no-grad forward's head, a moment of its own after its layers: what it holds there beyond their largest
+    #: (estimate.reference_head; the two moments do not overlap, so the phase charges the larger)
+    REFERENCE_HEAD = ("reference_head", {_RF}, Kind.TEMP, "the no-grad head's moment beyond a layer's", "DPO, KTO")
     AUTOGRAD_WORKSPACE = ("autograd_workspace", {_LA}, Kind.OTH, "the autograd workspace", None)
     EXPERT_IN_FLIGHT = ("expert_in_flight", {_LA}, Kind.TEMP, "the expert in flight", "per_expert")
     CHUNKED_LOSS = ("chunked_loss", {_LO}, Kind.TEMP, "the chunked loss", "stream_loss_chunk")
     #: stream_recompute off: every layer's activations through the loss (from the first layer that
-    #: holds a LoRA target: before it autograd records nothing)...
-    RETAINED_ACTIVATIONS = ("retained_activations", {_LO}, Kind.ACT, "retained activations",
+    #: holds a LoRA target: before it autograd records nothing), and through a preference task's no-grad reference
+    #: forward, which TRL runs after the policy's and before its backward (the policy's graph is held there)...
+    RETAINED_ACTIVATIONS = ("retained_activations", {_LO, _RF}, Kind.ACT, "retained activations",
                             "stream_recompute off")
+    #: ...what their blocks hold past their requests, where they hold it (a resident run: estimator/resident.py's
+    #: kept_rests, replayed or bounded)...
+    RETAINED_REMAINDERS = ("retained_remainders", {_LO, _RF}, Kind.OTH, "the retained blocks' rests",
+                           "no checkpointing, resident")
     #: ...and at the backward's first layer, every other layer's (the one being run is its per-token count)
     RETAINED_BESIDE_LAYER = ("retained_beside_layer", {_LA}, Kind.ACT, "the other layers' retained activations",
                              "stream_recompute off")
     #: no checkpointing: each LoRA matrix's bf16 copy that autocast makes of the fp32 adapter, which its matmul
     #: saves for the backward (a reentrant checkpoint runs the forward without grad: none is kept there)
-    ADAPTER_CASTS = ("adapter_casts", {_LO, _LA}, Kind.TEMP, "the adapter's bf16 copies",
+    ADAPTER_CASTS = ("adapter_casts", {_LO, _RF, _LA}, Kind.TEMP, "the adapter's bf16 copies",
                      "an fp32 adapter, no checkpointing")
     #: no checkpointing, a bf16 nn.LayerNorm (phi's): the fp32 copies of its weight and bias that autocast's fp32
     #: policy makes for layer_norm and native_layer_norm saves for its backward, at every LayerNorm whose input
     #: needs a gradient
-    NORM_CASTS = ("norm_casts", {_LO, _LA}, Kind.TEMP, "the LayerNorms' fp32 weight copies",
+    NORM_CASTS = ("norm_casts", {_LO, _RF, _LA}, Kind.TEMP, "the LayerNorms' fp32 weight copies",
                   "a bf16 LayerNorm, no checkpointing")
     #: the adapter's gradients as the backward makes them, at its first layer: every other layer's
     #: (one micro-batch; the layer phase takes the larger of this with one checkpointed input and

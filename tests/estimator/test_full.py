@@ -124,8 +124,9 @@ def test_a_full_fine_tuning_charges_no_adapter_cast_and_its_own_layers_rests_and
     full, lora = (estimate_resident(config, lora_r=r, checkpointing=True, **plain) for r in (0, 1))
     assert "adapter_casts" not in estimate_resident(config, lora_r=0, checkpointing=False, **plain).terms
     assert full.terms["layer_remainders"] > lora.terms["layer_remainders"] > 0
-    kept = estimate_resident(config, lora_r=0, checkpointing=False, **plain).terms["allocator_rounding"]
-    assert kept - full.terms["allocator_rounding"] == full_retained_rounding(arch_from_config(config), 2048)
+    kept = estimate_resident(config, lora_r=0, checkpointing=False, **plain).terms
+    assert kept["allocator_rounding"] == full.terms["allocator_rounding"]
+    assert kept["retained_remainders"] == full_retained_rounding(arch_from_config(config), 2048)
 
 
 @pytest.mark.parametrize("kwargs,words", [

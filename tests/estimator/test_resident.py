@@ -438,26 +438,21 @@ def test_a_replayed_arm_off_the_checked_stack_or_allocator_is_charged_the_bound(
     rests, bounded = layer_rests(a, ("q_proj", "v_proj"), 8, 2000, 1000), retained_rounding(
         a, ("q_proj", "v_proj"), 8, 2000, "none", 1000)
     assert rests != bounded
-    assert bound.terms["allocator_rounding"] - replay.terms["allocator_rounding"] == bounded - rests
-    assert {k: v for k, v in bound.terms.items() if k != "allocator_rounding"} == {
-        k: v for k, v in replay.terms.items() if k != "allocator_rounding"}
+    assert (bound.terms["retained_remainders"], replay.terms["retained_remainders"]) == (bounded, rests)
+    assert {k: v for k, v in bound.terms.items() if k != "retained_remainders"} == {
+        k: v for k, v in replay.terms.items() if k != "retained_remainders"}
 
 
-@pytest.mark.parametrize("transformers", [None, "5.24.0"])
-def test_a_full_fine_tuning_takes_off_exactly_the_rests_its_r1_base_was_charged(transformers, monkeypatch):
-    """Review item 8: a full fine-tuning (lora.r 0) on a replayed arm (SmolLM2 1024x1 bf16, no checkpointing)
-    starts from the r 1 LoRA run's estimate and takes off what that run's retained blocks added to the
-    allocator's rounding: the same figure, replayed or (another transformers) bounded."""
-    from issue395.estimator import resident
-
-    added, taken = [], []
-    kept = resident.kept_rests
-    monkeypatch.setattr(resident, "kept_rests", lambda *a, **k: added.append(kept(*a, **k)) or added[-1])
-    full = resident.estimate_full
-    monkeypatch.setattr(resident, "estimate_full", lambda c, base, lora, **k: taken.append(lora) or full(
-        c, base, lora, **k))
-    estimate_resident(config_json("smol"), seq=1024, lora_r=0, transformers=transformers)
-    assert len(added) == 2 and added[0] == added[1] == taken[0] > 0
+def test_a_full_fine_tuning_charges_its_own_layers_rests_in_place_of_its_r1_bases():
+    """Review item 8: a full fine-tuning (lora.r 0) on a replayed arm (SmolLM2 1024x1 bf16, no checkpointing) starts
+    from the r 1 LoRA run's estimate, whose retained blocks' rests are replayed under the pinned transformers and
+    bounded under another; the full run's retained_remainders are its own layers' in place of them, never beside
+    them: the same figure whichever its base had."""
+    smol = config_json("smol")
+    base = {t: estimate_resident(smol, seq=1024, lora_r=1, transformers=t) for t in ("5.16.1", "5.24.0")}
+    full = {t: estimate_resident(smol, seq=1024, lora_r=0, transformers=t) for t in ("5.16.1", "5.24.0")}
+    assert base["5.16.1"].terms["retained_remainders"] != base["5.24.0"].terms["retained_remainders"]
+    assert full["5.16.1"].terms["retained_remainders"] == full["5.24.0"].terms["retained_remainders"]
 
 
 @checked_stack
@@ -669,3 +664,53 @@ def test_a_resident_untied_preference_run_charges_no_private_head_copy_where_the
         assert streamed.terms["head_copy"] == 2 * 32768 * 4096
         assert not estimate_resident(c, seq=512, batch=2, task=task, release="0.77.0").terms["head_copy"]
         assert estimate_resident(c, quant="nf4", seq=512, batch=2, task=task, release="0.77.0").terms["head_copy"]
+
+
+SURVEY = "resident-heldout-survey-traces-h100-soup0.77.0-99a3b19"
+#: The held-out survey (H100): each arm, its family, and the most its estimate may be over its real peak: 1.002x where
+#: the run's retained blocks' rests are replayed (sequence.replayed), the bound's headroom where they are not (Gemma-2
+#: and Gemma-3 are never replayed; Phi-3 on qkv_proj and o_proj, and NF4 on all seven linears, are targets no capture
+#: checked).
+SURVEY_ARMS = [("dpo-mistral-7b-bf16-512x1", "mistral-7b", 1.002), ("kto-mistral-7b-nf4-512x2", "mistral-7b", 1.002),
+               ("orpo-llama31-8b-nf4-1024x1", "llama31-8b", 1.002), ("simpo-phi-2-bf16-1024x2", "phi-2", 1.002),
+               ("sft-qwen3-0.6b-bf16-2048x2-r32-all-s2", "qwen3-0.6b", 1.002),
+               ("sft-smol-bf16-1024x2-a2-s2", "smol", 1.005), ("dpo-gemma2-2b-bf16-1024x1", "gemma2-2b", 1.02),
+               ("orpo-gemma3-1b-bf16-384x2", "gemma3-1b", 1.02),
+               ("simpo-phi3-mini-bf16-1024x2-r16", "phi3-mini", 1.02),
+               ("dpo-llama32-1b-nf4-2048x1-r16-all", "llama32-1b", 1.02)]
+
+
+@pytest.mark.parametrize("name,key,most", SURVEY_ARMS)
+def test_a_held_out_resident_arm_is_estimated_at_or_above_its_measured_peak(name, key, most):
+    """Ten resident arms nobody had measured (results/resident-heldout-survey-traces-h100-*: preference tasks, NF4 and
+    bf16, untied heads, large adapters past step 1, accumulation, families no resident trace had): the corrected
+    estimate is at or above each real peak (the committed JSON's), within ``most`` of it. Two were under before the
+    reference phase held the policy's graph and the NF4 load's rests were replayed: Mistral-7B NF4 KTO 512x2 at 0.9932x
+    (its peak is in the reference's forward, at its head) and Llama-3.1-8B NF4 ORPO 1024x1 at 0.99985x."""
+    from issue395.estimator.cards import CARDS
+
+    d = json.loads((ROOT / "results" / SURVEY / f"res-{name}.json").read_text())
+    e = estimate_resident(config_json(key), quant=d["quant"], seq=d["seq"], batch=d["batch"], task=d["task"],
+                          targets=tuple(d["targets"].split(",")), lora_r=d["r"], steps=d["steps"],
+                          accumulation=d["accum"], release="0.77.0", transformers="5.16.1",
+                          dispatch=CARDS["h100"].dispatch)
+    assert d["real_peak"] <= e.corrected_predicted <= most * d["real_peak"]
+
+
+def test_a_resident_reference_forward_binds_beside_the_policys_graph_where_its_head_outweighs_the_loss():
+    """TRL's reference forward runs after the policy's and before its backward: without checkpointing the policy's
+    whole graph is held through it. Resident Mistral-7B NF4 KTO 512x2's real peak is in that forward (the anatomy's
+    phases: a no-grad forward after the policy's grad one), at its head (the fp32 head's bf16 cast beside the policy's
+    own); the estimate binds in the reference phase there, and the loss phase alone would be under the real peak."""
+    from issue395.estimator.cards import CARDS
+    from issue395.estimator.terms import Phase, phase_sum
+
+    d = json.loads((ROOT / "results" / SURVEY / "res-kto-mistral-7b-nf4-512x2.json").read_text())
+    phases = [p["from"] for p in d["phases"]]
+    binding = max(d["phases"], key=lambda p: p["max"])["from"]
+    assert "(no grad)" in binding and phases.index(binding) > phases.index("forward 2 (grad) end")
+    e = estimate_resident(config_json("mistral-7b"), quant="nf4", seq=512, batch=2, task="kto", release="0.77.0",
+                          transformers="5.16.1", dispatch=CARDS["h100"].dispatch)
+    assert e.phase == Phase.REFERENCE.value
+    loss = e.corrected_predicted - phase_sum(e.terms, Phase.REFERENCE) + phase_sum(e.terms, Phase.LOSS)
+    assert loss < d["real_peak"] <= e.corrected_predicted

@@ -688,3 +688,32 @@ def test_the_kl_forward_frees_every_block_it_makes_but_the_processs_workspace(ke
     loaded = set(q.held)
     sequence.kl_forward(q, a, 2048, 1024, (targets, 8, False), 2, nf4=nf4)
     assert q.graph and [q.held[k].requested for k in set(q.held) - loaded] == [CUBLAS_WORKSPACE]
+
+
+@pytest.mark.parametrize("path,key", [
+    ("resident-heldout-survey-traces-h100-soup0.77.0-99a3b19/res-kto-mistral-7b-nf4-512x2", "mistral-7b"),
+    ("resident-heldout-survey-traces-h100-soup0.77.0-99a3b19/res-orpo-llama31-8b-nf4-1024x1", "llama31-8b"),
+    ("resident-heldout-survey-traces-h100-soup0.77.0-99a3b19/res-dpo-llama32-1b-nf4-2048x1-r16-all", "llama32-1b"),
+    ("anatomy-and-segments52-h100-soup0.77.0-96b7b97/res-sft-phi2-nf4-512x1", "phi-2"),
+    ("resident-kto-nf4-phi2-traces-h100-soup0.77.0-aa06824/res-kto-qwen-nf4-1024x2", "qwen"),
+    ("resident-kto-nf4-phi2-traces-h100-soup0.77.0-aa06824/res-kto-qwen3-0.6b-nf4-1024x2", "qwen3-0.6b"),
+    ("resident-kto-nf4-phi2-traces-h100-soup0.77.0-aa06824/res-kto-phi3-mini-nf4-1024x2", "phi3-mini"),
+    ("resident-nf4-preference-traces-h100-soup0.77.0-9889170/res-kto-smol-nf4-1024x2", "smol")])
+def test_the_nf4_loads_packed_weights_keep_a_replayed_warmups_rests_and_the_charge_is_at_least_them(path, key):
+    """A resident NF4 load quantises each linear on the card, cut from what the earlier ones freed, so a packed weight
+    can keep a rest all run. At each H100 history's start (its first event marker) the blocks past the vocab's own
+    (whose segment tail resident_weights charges) keep what one of the two warmups' replays of the load keeps
+    (sequence.replayed_load under WARMUP_UNUSED), and load_rests, the larger, is at or above it: Mistral-7B and
+    Llama-3.1-8B 4,718,592 B (nine 512 KiB rests), Llama-3.2-1B 1 MiB, the others none."""
+    import gzip
+    import json
+
+    from issue395.measure.trace import held_at
+
+    trace = json.loads(gzip.open(ROOT / "results" / f"{path}.trace.json.gz", "rt", encoding="utf-8").read())
+    start = next(i for i, (action, _, size, *_) in enumerate(trace["events"])
+                 if action == "alloc" and size == ANATOMY_MARK)
+    a = arch_from_config(config_json(key))
+    kept = sum(h.rest for h in held_at(trace, start - 1) if h.requested != 4 * a.V * a.h)
+    assert kept in {sequence.replayed_load(a, unused) for unused in sequence.WARMUP_UNUSED}
+    assert sequence.load_rests(a) >= kept
