@@ -229,9 +229,11 @@ def _charged(est, term: str) -> int:
 
 
 #: The classes' terms (their bytes where the binding phase holds them); 'the rest' charges every
-#: other term of the step but the allocator's rounding and the retained blocks', the loss's and reference's remainders (segment
-#: tails and unsplit rests: live bytes past a request, not a block of their own). 'dequantised_linear', the reference forward's one weight in flight,
-#: is read where the estimate emits it.
+#: other term of the step but the allocator's rounding and the retained blocks', the loss's and reference's
+#: remainders (segment tails and unsplit rests: live bytes past a request, not a block of their own).
+#: 'dequantised_linear', the reference forward's one weight in flight, is read where the estimate emits it;
+#: 'reference_head' (the no-grad head's bf16 logits, normed hidden and cast head beyond a layer's moment) is the
+#: rest's: it spans several classes and is a difference of moments, not a set of blocks.
 NAMED_TERMS = {DEQUANTISED: ("dequantised_layer", "dequantised_linear", "expert_in_flight"),
                LOGITS_FP32: ("logits", "reference_held"), HEAD_COPY: ("head_copy",),
                CHECKPOINTED: ("checkpointed_inputs",), FP32_RESIDUAL: ("final_norm",),

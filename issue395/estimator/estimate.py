@@ -283,13 +283,12 @@ def reference_head(a: Arch, T: int, fp32_norm: bool = False, fp32_head: bool = F
     output (fp32 where ``fp32_norm``: a LayerNorm under autocast's fp32 policy, or a resident NF4 run's fp32 residual
     stream, with autocast's bf16 cast of it for the head's matmul beside it), autocast's bf16 cast of an fp32 head
     (``fp32_head``: a resident NF4 run's, peft's prepare_model_for_kbit_training; a frozen weight's cast is not cached,
-    so it goes after the matmul) and the head's bf16 logits. accelerate's fp32 copy of the logits comes after the
-    forward, the casts gone; the loss phase holds more than that moment (task_loss_blocks). Measured: Mistral-7B NF4
-    KTO 512x2 (results/resident-heldout-survey-traces-h100-*), its peak in the reference's forward, at its head:
-    16,777,216 + 8,388,608 + 268,435,456 + 67,108,864 B made by that forward, live beside the policy's graph.
+    so it goes after the matmul) and the head's bf16 logits, with final softcapping a second bf16 block of them (the
+    division's output beside its input; the tanh's replaces the one freed). accelerate's fp32 copy of the logits comes
+    after the forward, the casts gone; the loss phase holds more than that moment (task_loss_blocks).
     Evidence: docs/PEAK.md, "reference_head"."""
     norm = (4 + 2 if fp32_norm else 2) * T * a.h
-    return norm + (2 * a.V * a.h if fp32_head else 0) + 2 * T * a.V
+    return norm + (2 * a.V * a.h if fp32_head else 0) + (2 if a.softcap else 1) * 2 * T * a.V
 
 
 def head_copy(a: Arch, f: Features, name: str) -> int:
@@ -615,7 +614,8 @@ def task_terms(a: Arch, f: Features, tk, quant: str, targets: tuple, lora_r: int
 
 def head_beyond_layer(t: dict, head: int) -> int:
     """What the no-grad forward's ``head`` moment holds beyond its layers' (the reference phase's layer terms): the
-    two do not overlap, so the reference phase, which sums its terms, charges the larger of them."""
+    head runs after the last layer's blocks are freed, so the reference phase, which sums its terms, charges the
+    larger of the two moments."""
     return max(0, head - t[Term.REFERENCE_LAYER.key] - t[Term.DEQUANTISED_LINEAR.key])
 
 

@@ -467,7 +467,7 @@ def trained_step(t: dict, a: Arch, base: Estimate, per: int, counts: tuple, *,
     and the fp32 master (estimate_master) runs, each parameter's gradient and state at ``per`` bytes and
     ``counts`` its (backward walk, retained per token, retained rounding): from micro-batch 2 every gradient of
     micro-batch 1 held; the backward walked; without checkpointing every layer's kept blocks through the loss
-    (their rests in place of the r 1 LoRA count's); the optimizer's step (its blocks'
+    and their rests (the r 1 LoRA count's replaced); the optimizer's step (its blocks'
     replayed ``rests`` in place of the bound, where given); the phases."""
     backward, retained, rounding = counts
     T = base.seq * base.batch
@@ -479,7 +479,7 @@ def trained_step(t: dict, a: Arch, base: Estimate, per: int, counts: tuple, *,
     if not checkpointing:
         t[Term.RETAINED_ACTIVATIONS.key] = T * a.L * retained(a)
         t[Term.RETAINED_BESIDE_LAYER.key] = before
-        t[Term.RETAINED_REMAINDERS.key] = rounding(a, T)  # in place of the r 1 LoRA count's
+        t[Term.RETAINED_REMAINDERS.key] = rounding(a, T)
     t.update(full_optimizer(a, optimizer, per, rests))
     return full_phases(t, base, before, checkpointing=checkpointing, steps=steps, optimizer=optimizer,
                        accumulation=accumulation)

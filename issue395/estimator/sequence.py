@@ -597,13 +597,12 @@ def load_rests(a: Arch) -> int:
     from the blocks the earlier linears' bf16 sources and fp32 absmax left free, and one served whole from a cached
     block up to 1 MiB larger keeps the rest (load_nf4; the LoRA matrices come after them, so no target moves them).
     Which blocks those are moves with the warmup's block, so both of WARMUP_UNUSED's are replayed and the larger
-    charged. Where the load was checked (NF4_SEQUENCE_TYPES, one kind of layer), else 0. Checked against the H100
-    histories' starts (tests/estimator/test_sequence.py): Mistral-7B and Llama-3.1-8B 4,718,592 B each (nine blocks
-    keep 512 KiB) under either warmup; Llama-3.2-1B 1 MiB in one packed q/o block and phi-2 none, each its short
-    warmup's (the fresh one's: none, and 458,752 B, which is charged); Qwen2.5-0.5B, Qwen3-0.6B, Phi-3-mini and
-    SmolLM2 none past the vocab's segment tails (resident_weights charges those) under either.
+    charged. Every dense model (one kind of layer: the loader's order is the checkpoint's sorted keys whatever the
+    type; checked on six types' H100 histories, tests/estimator/test_sequence.py), on any stack and allocator: no
+    bound is narrower than the 1 MiB a packed block any other charge would be, and the replay's is the mechanism's
+    own; expandable segments keep none (over). A model of several kinds of layer: 0 (not replayed).
     Evidence: docs/PEAK.md, "load_rests"."""
-    if a.model_type not in NF4_SEQUENCE_TYPES or a.layers is not None:
+    if a.layers is not None:
         return 0
     key = ("load", repr(a))
     if key not in _RESTS:
@@ -1093,7 +1092,8 @@ def layer_rests(a: Arch, targets: tuple, r: int, T: int, seq: int, dropout: bool
     NF4 with the shapes ``fused`` whose gemm_4bit runs the fused kernel, or (None) the largest replay of every
     choice the card's heuristic could make (gemm_choices: on a known ``card`` its one answer); in bf16 with the
     warmup's block short of the parameters by ``unused`` bytes, or (None) the larger under each of WARMUP_UNUSED
-    (NF4's load is not: ``unused`` is not read there);
+    (not NF4's: peft's empty_cache releases the warmup's segment before the step, so its forward's blocks do not
+    move with it; the load's own packed blocks do, load_rests);
     after KTO's KL batch of ``kl_rows`` rows (kl_forward; 0: none); once an arm (--find-max and the map ask many
     times)."""
     if workspace is None or quant == "nf4" and fused is None or unused is None and quant != "nf4":

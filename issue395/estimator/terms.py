@@ -16,8 +16,8 @@ from enum import Enum
 class Phase(Enum):
     """Where in a streamed step a term's bytes are live. ``Estimate.phase`` names the binding one
     by its value: the loss, the reference forward (a preference loss's no-grad second forward, made
-    while the policy's loss tensors are held), the layer recompute and backward, or the optimizer's
-    step (its moments, the gradients and its own transients)."""
+    after the policy's and before its backward: the policy's graph and its loss tensors are held), the layer
+    recompute and backward, or the optimizer's step (its moments, the gradients and its own transients)."""
 
     RESIDENT = "resident"  # allocated before the step, live through all of it
     LOSS = "loss"
@@ -83,19 +83,19 @@ class Term(Enum):
     DEQUANTISED_LINEAR = ("dequantised_linear", {_RF}, Kind.TEMP, "a no-grad linear's dequantised weight",
                           "DPO, KTO, NF4")
     #: the no-grad forward's head, a moment of its own after its layers: what it holds there beyond their largest
-    #: (estimate.reference_head; the two moments do not overlap, so the phase charges the larger)
+    #: (estimate.head_beyond_layer)
     REFERENCE_HEAD = ("reference_head", {_RF}, Kind.TEMP, "the no-grad head's moment beyond a layer's", "DPO, KTO")
     AUTOGRAD_WORKSPACE = ("autograd_workspace", {_LA}, Kind.OTH, "the autograd workspace", None)
     EXPERT_IN_FLIGHT = ("expert_in_flight", {_LA}, Kind.TEMP, "the expert in flight", "per_expert")
     CHUNKED_LOSS = ("chunked_loss", {_LO}, Kind.TEMP, "the chunked loss", "stream_loss_chunk")
     #: stream_recompute off: every layer's activations through the loss (from the first layer that
     #: holds a LoRA target: before it autograd records nothing), and through a preference task's no-grad reference
-    #: forward, which TRL runs after the policy's and before its backward (the policy's graph is held there)...
+    #: forward, which TRL runs after the policy's and before its backward (docs/PEAK.md, "reference_head")...
     RETAINED_ACTIVATIONS = ("retained_activations", {_LO, _RF}, Kind.ACT, "retained activations",
                             "stream_recompute off")
-    #: ...what their blocks hold past their requests, where they hold it (a resident run: estimator/resident.py's
-    #: kept_rests, replayed or bounded)...
-    RETAINED_REMAINDERS = ("retained_remainders", {_LO, _RF}, Kind.OTH, "the retained blocks' rests",
+    #: ...what their blocks hold past their requests, wherever they are live (a resident run: estimator/resident.py's
+    #: kept_rests, replayed or bounded; at the backward's first layer all of them are still held)...
+    RETAINED_REMAINDERS = ("retained_remainders", {_LO, _RF, _LA}, Kind.OTH, "the retained blocks' rests",
                            "no checkpointing, resident")
     #: ...and at the backward's first layer, every other layer's (the one being run is its per-token count)
     RETAINED_BESIDE_LAYER = ("retained_beside_layer", {_LA}, Kind.ACT, "the other layers' retained activations",

@@ -714,3 +714,25 @@ def test_a_resident_reference_forward_binds_beside_the_policys_graph_where_its_h
     assert e.phase == Phase.REFERENCE.value
     loss = e.corrected_predicted - phase_sum(e.terms, Phase.REFERENCE) + phase_sum(e.terms, Phase.LOSS)
     assert loss < d["real_peak"] <= e.corrected_predicted
+
+
+def test_the_no_grad_heads_moment_is_the_blocks_the_reference_forward_made_live_at_the_kto_peak():
+    """estimate.reference_head for a resident NF4 run (fp32 normed hidden and head, each cast to bf16 for the
+    matmul, and the bf16 logits) is, byte for byte, what the reference's forward had made and still held at resident
+    Mistral-7B NF4 KTO 512x2's real peak (its allocator history replayed: the blocks born after that forward's event
+    marker, bench/task_peak_anatomy.py's MARK)."""
+    import gzip
+
+    from issue395.estimator.estimate import reference_head
+    from issue395.measure.trace import held_at, replay_trace
+
+    trace = json.loads(gzip.open(ROOT / "results" / SURVEY / "res-kto-mistral-7b-nf4-512x2.trace.json.gz", "rt",
+                                 encoding="utf-8").read())
+    mark = 512 * 10_007
+    marks = {size: i for i, (action, _, size, *_) in enumerate(trace["events"])
+             if action == "alloc" and mark <= size < mark + 1024 * 32}
+    peak = replay_trace(trace).peak_at
+    started = max(i for i in marks.values() if i < peak)  # the forward the peak is in
+    made = sum(h.size for h in held_at(trace, peak) if h.born > started)
+    assert made == reference_head(arch_from_config(config_json("mistral-7b")), 2 * 512, fp32_norm=True,
+                                  fp32_head=True)

@@ -61,13 +61,31 @@ def test_the_anatomy_charges_every_byte_of_the_binding_phase_but_the_allocator_r
     if e.phase == Phase.OPTIMIZER.value:
         return  # nothing of the step is live then: the anatomy names a step's blocks
     from issue395.model.streaming import family_of
-    rows = class_breakdown({c: 0 for c in CLASSES}, e, seq=e.seq, batch=e.batch, config=config_json(family_of(key)))
-    charged = sum(r["charged"] for r in rows)
+    assert _charged(e, family_of(key)) == _held(e)
+
+
+def _charged(e, family: str) -> int:
+    rows = class_breakdown({c: 0 for c in CLASSES}, e, seq=e.seq, batch=e.batch, config=config_json(family))
+    return sum(r["charged"] for r in rows)
+
+
+def _held(e) -> int:
+    """The binding phase's bytes less its rests (segment tails, unsplit remainders: no block of their own)."""
     phase = Phase(e.phase)
     rests = {Phase.LOSS: ("allocator_rounding", "retained_remainders", "loss_remainders"),
              Phase.REFERENCE: ("retained_remainders", "reference_remainders")}
-    held = phase_sum(e.terms, phase) - sum(e.terms.get(k, 0) for k in rests.get(phase, ()))
-    assert charged == held
+    return phase_sum(e.terms, phase) - sum(e.terms.get(k, 0) for k in rests.get(phase, ()))
+
+
+def test_the_anatomy_charges_every_byte_of_a_resident_reference_phase_but_its_rests():
+    """A resident run whose reference forward binds (Mistral-7B NF4 KTO 512x2: the policy's retained graph, its
+    rests and the no-grad forward's layer or head beside it): the anatomy's classes charge the phase's every byte
+    but the retained blocks' and the reference's rests."""
+    from issue395.estimator.resident import estimate_resident
+
+    e = estimate_resident(config_json("mistral-7b"), quant="nf4", seq=512, batch=2, task="kto", release="0.77.0")
+    assert e.phase == Phase.REFERENCE.value and e.terms["retained_activations"]
+    assert _charged(e, "mistral-7b") == _held(e)
 
 
 def _anatomy(name: str) -> dict:
