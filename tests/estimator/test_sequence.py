@@ -698,13 +698,18 @@ def test_the_kl_forward_frees_every_block_it_makes_but_the_processs_workspace(ke
     ("resident-kto-nf4-phi2-traces-h100-soup0.77.0-aa06824/res-kto-qwen-nf4-1024x2", "qwen"),
     ("resident-kto-nf4-phi2-traces-h100-soup0.77.0-aa06824/res-kto-qwen3-0.6b-nf4-1024x2", "qwen3-0.6b"),
     ("resident-kto-nf4-phi2-traces-h100-soup0.77.0-aa06824/res-kto-phi3-mini-nf4-1024x2", "phi3-mini"),
-    ("resident-nf4-preference-traces-h100-soup0.77.0-9889170/res-kto-smol-nf4-1024x2", "smol")])
+    ("resident-nf4-preference-traces-h100-soup0.77.0-9889170/res-kto-smol-nf4-1024x2", "smol"),
+    ("resident-heldout-survey2-traces-h100-soup0.77.0-8448805/res-sft-gemma2-2b-nf4-512x1", "gemma2-2b"),
+    ("resident-heldout-survey2-traces-h100-soup0.77.0-8448805/res-sft-gemma-2b-nf4-512x1", "gemma-2b"),
+    ("resident-heldout-survey2-traces-h100-soup0.77.0-8448805/res-dpo-llama31-8b-nf4-512x1", "llama31-8b")])
 def test_the_nf4_loads_packed_weights_keep_a_replayed_warmups_rests_and_the_charge_is_at_least_them(path, key):
     """A resident NF4 load quantises each linear on the card, cut from what the earlier ones freed, so a packed weight
     can keep a rest all run. At each H100 history's start (its first event marker) the blocks past the vocab's own
     (whose segment tail resident_weights charges) keep what one of the two warmups' replays of the load keeps
     (sequence.replayed_load under WARMUP_UNUSED), and load_rests, the larger, is at or above it: Mistral-7B and
-    Llama-3.1-8B 4,718,592 B (nine 512 KiB rests), Llama-3.2-1B 1 MiB, the others none."""
+    Llama-3.1-8B 4,718,592 B (nine 512 KiB rests), Llama-3.2-1B 1 MiB, the others none. Gemma-2-2B's and Gemma-2B's
+    were held out from the replay's build (load_rests then admitted every dense type): 1,703,936 B (the short
+    warmup's replay; the fresh one's 3,014,656 is charged) and none."""
     import gzip
     import json
 
