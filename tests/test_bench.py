@@ -676,3 +676,37 @@ def test_each_layers_cpu_saved_count_under_cudas_autocast_is_what_the_resident_e
     rotary = estimate_resident(c, quant=quant, seq=128, targets=targets).terms["rotary_tables"] / 128
     assert [got[n] for n in range(1, a.L)] == kept[1:], (got, kept)
     assert got[0] <= kept[0] + rotary, (got, kept, rotary)
+
+
+@checked_stack
+@pytest.mark.parametrize("key,targets,widths", [
+    ("llama32-1b", ("q_proj", "o_proj"), dict(hidden_size=128, intermediate_size=320, num_attention_heads=4,
+                                                num_key_value_heads=2, head_dim=32)),
+    ("qwen", ("q_proj", "v_proj", "o_proj", "down_proj"), dict(hidden_size=128, intermediate_size=320,
+                                                                 num_attention_heads=4, num_key_value_heads=2)),
+    ("phi3-mini", ("qkv_proj", "o_proj"), dict(hidden_size=128, intermediate_size=320, num_attention_heads=4,
+                                               num_key_value_heads=4)),
+    ("phi-2", ("q_proj", "k_proj", "v_proj", "dense"), dict(PHI_WIDTHS))])
+def test_a_bf16_nf4_adapter_without_dropout_saves_no_copy_of_sdpas_output_for_o_proj_on_the_llama_type(key, targets,
+                                                                                                       widths):
+    """Issue 52 (the held-out resident survey's Llama-3.2-1B NF4 DPO on all seven linears, 1.0132x): under NF4 a bf16
+    adapter (SFT's, DPO's) with no LoRA dropout (DPO turns it off) takes o_proj's input, SDPA's bf16 output, as it is:
+    on the llama-type decoder it is already saved by SDPA, and the count's bf16 copy is not made
+    (resident.SHARED_ATTENTION_OUTPUT); Phi-3's o_proj and phi's dense take a copy, which the count keeps. CPU
+    (bench/allocator_replay.py saved, at reduced widths): kept_per_layer is the saved count to the byte after layer 0."""
+    from transformers import AutoConfig
+
+    from issue395.estimator.arch import arch_from_config
+    from issue395.estimator.resident import kept_per_layer
+    from issue395.model.registry import config_json
+
+    replay = load("allocator_replay")
+    c = {**config_json(key), "num_hidden_layers": 2, "vocab_size": 512, "pad_token_id": None, "bos_token_id": None,
+         "eos_token_id": None, **widths}
+    a = arch_from_config(c)
+    config = AutoConfig.for_model(**c)
+    config._attn_implementation = "sdpa"
+    got = replay.saved_per_token(config, "nf4", targets, 8, 0.0, (64, 128))
+    assert got[1] == kept_per_layer(a, "nf4", targets, 8, 0, adapter_bf16=True)[1]
+    copied = kept_per_layer(a, "nf4", targets, 8, 0)[1] - kept_per_layer(a, "nf4", targets, 8, 0, adapter_bf16=True)[1]
+    assert copied == (0 if key.startswith("phi") else 2 * a.modules["o_proj"][0])
