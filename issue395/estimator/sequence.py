@@ -663,26 +663,30 @@ def linear4bit(q: Requests, T: int, fi: int, fo: int, fp32: bool):
     return out32
 
 
-def lora4bit(q: Requests, T: int, fi: int, fo: int, r: int, grad: bool, dropout: bool):
-    """peft's bnb LoRA layer under autocast: the base output, peft's defensive clone, dropout's fp32 output and
-    mask (kept where the input needs a gradient), autocast's bf16 cast lora_A saves, lora_A's and lora_B's
-    outputs, the scaling, the fp32 sum (returned)."""
-    base = linear4bit(q, T, fi, fo, True)
-    clone = q.get(4 * T * fo)
+def lora4bit(q: Requests, T: int, fi: int, fo: int, r: int, grad: bool, dropout: bool, fp32: bool = True):
+    """peft's bnb LoRA layer under autocast on an fp32 (``fp32``) or bf16 input: the base output (the input's
+    dtype), peft's defensive clone, dropout's output and mask (kept where the input needs a gradient), on an fp32
+    input autocast's bf16 cast lora_A saves (on a bf16 one lora_A saves dropout's output, or the input itself),
+    lora_A's and lora_B's outputs, the scaling, the sum in the input's dtype (returned)."""
+    b = FP32 if fp32 else BF16
+    base = linear4bit(q, T, fi, fo, fp32)
+    clone = q.get(b * T * fo)
     q.put(base)
     mask = q.get(T * fi) if dropout else None  # CUDA's native_dropout: its bool mask before its output
-    drop = q.get(4 * T * fi) if dropout else None
+    drop = q.get(b * T * fi) if dropout else None
     if not grad or not q.graph:
         q.put(mask)
-    cast = q.get(2 * T * fi)
-    q.put(drop)
+    cast = drop
+    if fp32:
+        cast = q.get(2 * T * fi)
+        q.put(drop)
     a_out = q.get(2 * T * r)
     q.unsaved(cast)  # lora_A saved nothing
     b_out = q.get(2 * T * fo)
     q.unsaved(a_out)
     scaled = q.get(2 * T * fo)
     q.put(b_out)
-    out = q.get(4 * T * fo)
+    out = q.get(b * T * fo)
     q.put(clone, scaled)
     return out
 
@@ -691,7 +695,7 @@ def proj4bit(q: Requests, a: Arch, T: int, name: str, lora: tuple, grad: bool, f
     fi, fo, _ = a.modules[name]
     targets, r, dropout = lora
     if name in targets:
-        return lora4bit(q, T, fi, fo, r, grad, dropout)
+        return lora4bit(q, T, fi, fo, r, grad, dropout, fp32)
     return linear4bit(q, T, fi, fo, fp32)
 
 
@@ -987,7 +991,7 @@ def checked_targets(a: Arch, quant: str, targets: tuple) -> bool:
         return False
     if set(targets) == set(protocol_targets(a)):
         return True
-    return (quant == "none" and a.model_type in ANY_TARGET_TYPES and set(targets) <= set(a.modules)
+    return (quant in ("none", "nf4") and a.model_type in ANY_TARGET_TYPES and set(targets) <= set(a.modules)
             and bool(set(targets) & set(GRADIENT_ATTENTION)))
 
 
