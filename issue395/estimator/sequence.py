@@ -732,7 +732,8 @@ def attention_nf4(q: Requests, a: Arch, T: int, first: bool, lora: tuple):
     if not q.graph and copy is not None:  # the transposed copy rebinds SDPA's output
         q.put(sdpa)
     o = proj4bit(q, a, T, "o_proj", lora, True, False)
-    q.put(copy)
+    if not (q.graph and "o_proj" in lora[0] and not lora[2]):  # else lora_A saves the copy, its own input
+        q.put(copy)
     if not q.graph and copy is None:
         q.put(sdpa)
     return o, done
@@ -802,7 +803,8 @@ def phi_attention_nf4(q: Requests, a: Arch, T: int, first: bool, lora: tuple):
     q.get(4 * T * a.heads)
     copy = output_copy(q, a, T)
     o = proj4bit(q, a, T, "dense", lora, True, False)
-    q.put(copy)
+    if not (q.graph and "dense" in lora[0] and not lora[2]):  # else lora_A saves the copy, as attention_nf4's
+        q.put(copy)
     q.put(*cats, outs["v_proj"], rotated[0], outs["q_proj"], rotated[1], outs["k_proj"])
     return o
 
@@ -813,11 +815,13 @@ def layer_phi_nf4(q: Requests, a: Arch, T: int, x, first: bool, lora: tuple):
     gelu_new's fp32 blocks (kept from layer 1 on), fc2, attention + MLP + residual (the output, returned)."""
     normed = q.get(4 * T * a.h)
     o = phi_attention_nf4(q, a, T, first, lora)
-    fc1 = proj4bit(q, a, T, "fc1", lora, True)
-    act, saved = gelu_new(q, T, a.i, first)
-    if first:  # layer 0's input needs no gradient: its MLP keeps nothing
+    # the MLP's input is the norm's, not the attention's: in layer 0 only an fc1 target puts its graph on the backward
+    grad = not first or "fc1" in lora[0]
+    fc1 = proj4bit(q, a, T, "fc1", lora, not first)
+    act, saved = gelu_new(q, T, a.i, not grad)
+    if not grad:  # layer 0's input needs no gradient: its MLP keeps nothing
         q.put(*saved, fc1)
-    down = proj4bit(q, a, T, "fc2", lora, True)
+    down = proj4bit(q, a, T, "fc2", lora, grad)
     q.put(act)
     total = q.get(4 * T * a.h)
     out = q.get(4 * T * a.h)
@@ -856,10 +860,11 @@ def layer_phi(q: Requests, a: Arch, T: int, x, first: bool, lora: tuple):
     if first or not q.graph:
         q.put(copy)
     o = phi_attention(q, a, T, first, lora)
-    fc1 = projection(q, a, T, "fc1", lora, True, True)[0]
-    act, saved = gelu_new(q, T, a.i, first or not q.graph, 2)
-    q.put(*saved, fc1) if first or not q.graph else q.put(fc1)
-    down = projection(q, a, T, "fc2", lora, True, True)[0]
+    grad = not first or "fc1" in lora[0]  # as layer_phi_nf4's
+    fc1 = projection(q, a, T, "fc1", lora, not first, True)[0]
+    act, saved = gelu_new(q, T, a.i, not grad or not q.graph, 2)
+    q.put(*saved, fc1) if not grad or not q.graph else q.put(fc1)
+    down = projection(q, a, T, "fc2", lora, grad, True)[0]
     q.put(act)
     total = q.get(2 * T * a.h)
     out = q.get(2 * T * a.h)
@@ -974,13 +979,13 @@ BF16_SEQUENCE_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi", "phi3")
 #: linears the bound charged 23,003,136 B where the capture's blocks kept 56,182,784 B past their requests (a
 #: request served whole from a cached block up to 1 MiB larger keeps its rest, one a block, which the bound's
 #: "1 MiB a 20 MiB segment" for blocks under 10 MiB does not cover): 29,538,228 B under the capture's peak.
-ANY_TARGET_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+ANY_TARGET_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "phi")
 #: ...where one of these is a target: layer 0's attention output then needs a gradient, so its SDPA saves its
 #: inputs and output and its post-attention norm its fp32 input, as ``layer`` builds every layer. With none of them
 #: (o_proj or the MLP's linears alone) layer 0's SDPA saves nothing and, without o_proj, neither does that norm:
 #: the capture frees those blocks (Qwen2.5 o_proj,up_proj 1536x1; SmolLM2 gate_proj,down_proj 777x1), the sequence
 #: keeps them, and such targets keep the bound.
-GRADIENT_ATTENTION = ("q_proj", "k_proj", "v_proj")
+GRADIENT_ATTENTION = ("q_proj", "k_proj", "v_proj", "qkv_proj")
 
 
 def checked_targets(a: Arch, quant: str, targets: tuple) -> bool:
