@@ -366,7 +366,7 @@ def estimate(config: dict, *, quant: str = "none", seq: int, batch: int = 1, tar
              stream: dict | None = None, soup: bool = True, task: str = PROTOCOL_TASK,
              optimizer: str = DEFAULT_OPTIMIZER, accumulation: int = 1, buffers: int = 2,
              transformers: str | None = None, lora_dropout: float = LORA_DROPOUT,
-             dispatch: Dispatch | None = None) -> Estimate:
+             dispatch: Dispatch | None = None, adapter: int | None = None) -> Estimate:
     """Soup's own pre-flight and the corrected peak for one (seq, batch). ``targets=None`` is the
     protocol's (q_proj, v_proj), or qkv_proj on Phi-3. ``allowance`` overrides the fitted
     ALLOCATED_ALLOWANCE_BYTES (the leave-one-family-out fit passes its own); ``workspace`` is a
@@ -389,7 +389,10 @@ def estimate(config: dict, *, quant: str = "none", seq: int, batch: int = 1, tar
     installed one, its source read), which decides whether the model runs eager attention. ``lora_dropout``:
     Soup's ``training.lora.dropout``, which decides whether the LoRA dropouts keep masks (layer.mask_bytes);
     Soup's own number does not read it. ``dispatch``: the card's SM count and compute capability where it is known
-    (gemm4bit.Dispatch), which decide where NF4's gemm_4bit runs fused; None: every card's choice."""
+    (gemm4bit.Dispatch), which decide where NF4's gemm_4bit runs fused; None: every card's choice. ``adapter``: the
+    bytes a policy LoRA parameter takes where the caller knows its trainer's cast (resident.estimate_resident under
+    NF4, whose physics runs as bf16's); None: steady.adapter_bytes of the task and ``quant``, the reference copy's
+    always (no replay of the adapter's blocks stands for another dtype: their rests are bounded)."""
     a = arch_of(config) if soup else arch_from_config(config)
     targets, spelled = checked_arguments(config, a, quant=quant, seq=seq, batch=batch, targets=targets, lora_r=lora_r,
                                          steps=steps, accumulation=accumulation, buffers=buffers, task=task,
@@ -405,16 +408,18 @@ def estimate(config: dict, *, quant: str = "none", seq: int, batch: int = 1, tar
     stack = dict(release=release, transformers=transformers_release(transformers), stream=stream, probed=probed,
                  buffers=buffers)
     masked = bool(mask_bytes(tk, lora_dropout))
-    replayed = adapter_replayed(a, quant, tk, targets, lora_r, seq, batch, dropout=masked, accumulation=accumulation,
-                                optimizer=optimizer, steps=steps, workspace=ws, card=dispatch, stack=stack,
-                                reference=bool(reference_adapter(1, f, tk.name)))
-    walked = walk_replayed(a, quant, tk.name, seq * batch * tk.rows_per_example, targets, lora_r, optimizer=optimizer,
-                           steps=steps, workspace=ws, card=dispatch, **stack)
+    own = adapter in (None, adapter_bytes(tk.name, quant))  # the replays ran the adapter at its own dtype
+    replayed = adapter_replayed(
+        a, quant, tk, targets, lora_r, seq, batch, dropout=masked, accumulation=accumulation, optimizer=optimizer,
+        steps=steps, workspace=ws, card=dispatch, stack=stack, reference=bool(reference_adapter(1, f, tk.name))
+    ) if own else None
+    walked = own and walk_replayed(a, quant, tk.name, seq * batch * tk.rows_per_example, targets, lora_r,
+                                   optimizer=optimizer, steps=steps, workspace=ws, card=dispatch, **stack)
     t, lp, unsplit = step_terms(a, f, tk, quant=quant, targets=targets, lora_r=lora_r, seq=seq, batch=batch, ws=ws,
                                 per_expert=per_expert, buffers=buffers, chunk=chunk, recompute=recompute,
                                 accumulation=accumulation, steps=steps, optimizer=optimizer,
                                 transformers=transformers, allowance=allowance, dropout=lora_dropout, replayed=replayed,
-                                walked=walked)
+                                walked=walked, adapter=adapter)
     binding, peak = binding_phase(t, lp.checkpointed, tk.reference, steps, accumulation, probed, ws, unsplit)
     corrected = phase_sum(t, Phase.RESIDENT) + peak + t[Term.ALLOCATED_ALLOWANCE.key]
     # `soup train`'s expandable segments split every block: the peak without the remainders, whichever phase binds
@@ -498,15 +503,16 @@ def checked_modes(a: Arch, stream: dict, task: str, batch: int) -> tuple:
 def step_terms(a: Arch, f: Features, tk, *, quant: str, targets: tuple, lora_r: int, seq: int, batch: int, ws: int,
                per_expert: bool, buffers: int, chunk, recompute: str, accumulation: int, steps: int, optimizer: str,
                transformers: str | None, allowance: int | None, dropout: float = LORA_DROPOUT,
-               replayed: dict | None = None, walked: bool = False) -> tuple:
+               replayed: dict | None = None, walked: bool = False, adapter: int | None = None) -> tuple:
     """Every physical term of the step in bytes, in the table's order (Term), with the binding layer's peak
     and the unsplit remainders, which the phases read apart from the terms; ``replayed``: the rests a replay of the
     run keeps for the adapter's block sets it replays (adapter_replayed), charged in place of their bound;
     ``walked``: the layers' backward is replayed (streamed_sequence.walk_replayed), so the binding layer's rests are
-    the walk's, not bounded."""
+    the walk's, not bounded; ``adapter``: estimate's (the policy adapter's bytes a parameter)."""
     rows = batch * tk.rows_per_example
     T, n = seq * rows, lora_params(a, targets, lora_r)
-    per = adapter_bytes(tk.name, quant)
+    ref = adapter_bytes(tk.name, quant)  # the reference copy's, made before any trainer's cast of the policy's
+    per = adapter or ref
     eager = eager_attention(a.model_type, transformers)
     t = {Term.POOL.key: pool(a, quant, per_expert, buffers), Term.EXTRAS.key: extras(a, f),
          Term.LORA_WEIGHTS.key: lora_weights(n, per), Term.CUBLAS_WORKSPACE.key: ws, Term.LOGITS.key: logits(a, T),
@@ -538,7 +544,7 @@ def step_terms(a: Arch, f: Features, tk, *, quant: str, targets: tuple, lora_r: 
     if any(bias for *_, bias in a.modules.values()):  # the bias epilogue's own workspace
         t[Term.CUBLASLT_WORKSPACE.key] = CUBLASLT_WORKSPACE
     if tk.name != PROTOCOL_TASK:  # the loss's own fp32 blocks replace SFT's three
-        t.update(task_terms(a, f, tk, quant, targets, lora_r, seq, batch, T, n, per, mask))
+        t.update(task_terms(a, f, tk, quant, targets, lora_r, seq, batch, T, n, ref, mask))
     if chunk:
         t.update(chunked_loss_terms(a, chunk, seq, batch, T, ws))
     if recompute == "off":
@@ -550,7 +556,7 @@ def step_terms(a: Arch, f: Features, tk, *, quant: str, targets: tuple, lora_r: 
     # optimizer step every run has (steady_terms; beside the other phases only from step 2: binding_phase)
     t.update(steady_terms(a, targets, lora_r, optimizer, per))
     rests = unsplit_remainders(a, targets, lora_r, optimizer, per, steps=steps, accumulation=accumulation,
-                               copies=2 if t.get(Term.REFERENCE_ADAPTER.key) else 1, **(replayed or {}))
+                               reference=ref if t.get(Term.REFERENCE_ADAPTER.key) else 0, **(replayed or {}))
     t.update(rests)
     unsplit = sum(rests.values())  # every adapter block's, live at the optimizer's step
     for term in (Term.LOSS_REMAINDERS, Term.REFERENCE_REMAINDERS):  # listed where they charge

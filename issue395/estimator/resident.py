@@ -343,6 +343,21 @@ def adapter_casts(a: Arch, targets: tuple, r: int, per: int) -> int:
     return a.L * last + (a.L - 1) * first
 
 
+def reference_adapter_casts(a: Arch, targets: tuple, r: int) -> int:
+    """DPO's reference adapter (TRL's fp32 "ref" copy, made before the trainer's bf16 cast of the policy's under a
+    4-bit model): the bf16 copy of each of its LoRA matrices that autocast makes in the reference's no-grad forward,
+    every layer's A and B. Its parameters need a gradient, so torch's autocast cache keeps each copy until the
+    forward's autocast exits: all of them at its head's moment, freed before the loss. Each its own small block,
+    rounded to 512 B. Measured: resident Mistral-7B NF4 DPO r16 on all seven linears 512x1 holds 448 blocks made in
+    that forward at its real peak (96 of 458,752 B, 288 of 131,072, 64 of 32,768: 14 a layer, its seven targets'
+    A and B), and Llama-3.1-8B NF4 DPO r8 on q, v 512x1 128 (results/resident-heldout-survey3-traces-*,
+    survey2-traces-*); the bf16 run's forward makes them too (Mistral-7B 512x1, survey-traces-*). Charged fp32 the
+    policy's adapter had covered them on those two; with the policy bf16 (steady.adapter_bytes) they were 21.6 MB
+    and 3.3 MB under. Evidence: docs/PEAK.md, "reference_adapter_casts"."""
+    return a.L * sum(block_bytes(2 * r * a.modules[t][0]) + block_bytes(2 * r * a.modules[t][1])
+                     for t in targets if t in a.modules)
+
+
 def norm_casts(a: Arch, quant: str) -> int:
     """The fp32 copies of each nn.LayerNorm's bf16 weight and bias (``norm_bias``: phi's) that CUDA autocast's fp32
     policy makes for layer_norm (torch's ATen/autocast_mode.h, AT_FORALL_FP32) and native_layer_norm saves for its
@@ -444,21 +459,20 @@ def estimate_resident(config: dict, *, quant: str = "none", seq: int, batch: int
                         checkpointing=checkpointing, optimizer=optimizer, accumulation=accumulation,
                         transformers=transformers)
     a = arch_from_config(config)
-    why = refused(a, quant, checkpointing, seq)
-    if why:
+    if why := refused(a, quant, checkpointing, seq):
         raise UsageError(why)
     e = estimate(config, quant="none", seq=seq, batch=batch, targets=targets, lora_r=lora_r, release=release,
                  soup=False, task=task, transformers=transformers, steps=steps, optimizer=optimizer,
                  accumulation=accumulation, stream={} if checkpointing else {"stream_recompute": "off"},
-                 lora_dropout=lora_dropout)
+                 lora_dropout=lora_dropout, adapter=adapter_bytes(task, quant) if quant == "nf4" else None)
     t = dict(e.terms)
     for streamed in (Term.POOL.key, Term.EXTRAS.key, Term.RESIDENT_ROUNDING.key):
         t[streamed] = 0  # the pool's slots and the streamed extras: here, the whole model's tensors
     if t.get(Term.HEAD_COPY.key):  # 0.77.0's private head copy is its streaming's (a refilled vocab slot): a resident
         t[Term.HEAD_COPY.key] = 0  # bf16 head is its own weight (Mistral-7B KTO 512x2, Phi-3-mini 1024x2: none)
     t = {Term.RESIDENT_WEIGHTS.key: resident_weights(a, quant), **t}
-    T = e.seq * e.batch * task_named(task).rows_per_example
-    tg = targets_of(a, targets, config)
+    tk = task_named(task)
+    T, tg, mask = e.seq * e.batch * tk.rows_per_example, targets_of(a, targets, config), mask_bytes(tk, lora_dropout)
     if why := delta_refused(a, tg, checkpointing) or bound_refused(a, quant, tg, checkpointing):
         raise UsageError(why)
     if not checkpointing:
@@ -470,8 +484,7 @@ def estimate_resident(config: dict, *, quant: str = "none", seq: int, batch: int
                                                      transformers, dispatch)
         t[Term.ADAPTER_CASTS.key] = adapter_casts(a, tg, lora_r, adapter_bytes(task, quant))
         t[Term.NORM_CASTS.key] = norm_casts(a, quant)
-        tk = task_named(task)
-        kept = kept_per_layer(a, quant, tg, lora_r, mask_bytes(tk, lora_dropout), tk.adapter_bf16_under_4bit)
+        kept = kept_per_layer(a, quant, tg, lora_r, mask, tk.adapter_bf16_under_4bit)
         t[Term.RETAINED_ACTIVATIONS.key] = T * sum(kept)
         t[Term.RETAINED_BESIDE_LAYER.key] = T * (sum(kept) - kept[-1])  # the last layer's backward runs first
     # the layer the backward runs holds them too, recomputed or not
@@ -486,8 +499,8 @@ def estimate_resident(config: dict, *, quant: str = "none", seq: int, batch: int
         # phi's residual is fp32 from layer 0's output: every activation of its layer's count is (fp32_over)
         if checkpointing:
             t[Term.CHECKPOINTED_INPUTS.key] *= 2
-        t[Term.LAYER_PER_TOKEN.key] += T * (fp32_over(a, tg, lora_r, mask_bytes(task_named(task), lora_dropout))
-                                            if fp32_residual(a, quant) else 2 * a.i * a.quirks.mlp_saved)
+        t[Term.LAYER_PER_TOKEN.key] += T * (fp32_over(a, tg, lora_r, mask) if fp32_residual(a, quant)
+                                            else 2 * a.i * a.quirks.mlp_saved)
         t[Term.HEAD_COPY.key] = 2 * a.V * a.h + segment_tail(2 * a.V * a.h)
         # the rotary tables take the residual stream's dtype (transformers' rotary embeddings return
         # cos.to(x.dtype)): fp32 here, twice the streamed step's bf16 tables. Measured: Llama-3.2-1B NF4 2048x1
@@ -497,15 +510,17 @@ def estimate_resident(config: dict, *, quant: str = "none", seq: int, batch: int
         t[Term.DEQUANTISED_LAYER.key] = 2 * max(fi * fo for fi, fo, _ in a.modules.values())
         # the packed weights' rests: the load's own history, replayed (bitsandbytes quantises on the card)
         t[Term.RESIDENT_ROUNDING.key] = load_rests(a)
-        if task_named(task).reference:
-            t.update(nf4_reference(t, a, tg, lora_r, T, mask_bytes(task_named(task), lora_dropout)))
+        if tk.reference:
+            t.update(nf4_reference(t, a, tg, lora_r, T, mask))
+    if t.get(Term.REFERENCE_ADAPTER.key):
+        t[Term.REFERENCE_ADAPTER_CASTS.key] = reference_adapter_casts(a, tg, lora_r)
     # the phases as estimate() composes a streamed run's (every layer's input is the layer phase's own here)
-    binding, peak = binding_phase(t, t[Term.CHECKPOINTED_INPUTS.key], task_named(task).reference, steps, accumulation,
+    binding, peak = binding_phase(t, t[Term.CHECKPOINTED_INPUTS.key], tk.reference, steps, accumulation,
                                   False, t[Term.AUTOGRAD_WORKSPACE.key], sum(t.get(k.key, 0) for k in ADAPTER_RESTS))
     corrected = phase_sum(t, Phase.RESIDENT) + peak + phase_sum(t, Phase.ALLOWANCE)
     # split_allocated's: the phases bound again without the adapter's rests (another phase may bind there)
     _, split_peak = binding_phase({k: v for k, v in t.items() if BY_KEY[k] not in ADAPTER_RESTS},
-                                  t[Term.CHECKPOINTED_INPUTS.key], task_named(task).reference, steps, accumulation,
+                                  t[Term.CHECKPOINTED_INPUTS.key], tk.reference, steps, accumulation,
                                   False, t[Term.AUTOGRAD_WORKSPACE.key], 0)
     reserve = resident_reserve(a, quant, tg, lora_r, e, checkpointing, lora_dropout, transformers)
     return Estimate(e.seq, e.batch, quant, e.steps, e.release, None, {}, corrected, needs_free(corrected, reserve),

@@ -973,12 +973,19 @@ NF4_BATCHED_HELD_BACK = ()
 #: what the real exceeds the capture by is inside the allowance (estimate.ALLOCATED_ALLOWANCE_BYTES): every row
 #: 1.0000x-1.0007x, 2.67-6.50 MB over.
 BF16_SEQUENCE_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi", "phi3")
-#: The model types whose bf16 step the sequence replays on any LoRA targets among the layer's linears, not only the
-#: protocol's: the plain llama-type decoder (``layer`` builds every target alike; phi3's fused and phi's parallel
-#: layers were captured on their protocol targets only). Issue 51 item 3: on SmolLM2 bf16 777x1 with all seven
-#: linears the bound charged 23,003,136 B where the capture's blocks kept 56,182,784 B past their requests (a
-#: request served whole from a cached block up to 1 MiB larger keeps its rest, one a block, which the bound's
-#: "1 MiB a 20 MiB segment" for blocks under 10 MiB does not cover): 29,538,228 B under the capture's peak.
+#: The model types whose step the sequence replays on any LoRA targets among the layer's linears, not only the
+#: protocol's, bf16 and NF4 (``layer``, ``layer_nf4`` and phi's build every target alike). Issue 51 item 3: on SmolLM2
+#: bf16 777x1 with all seven linears the bound charged 23,003,136 B where the capture's blocks kept 56,182,784 B past
+#: their requests (a request served whole from a cached block up to 1 MiB larger keeps its rest, one a block, which
+#: the bound's "1 MiB a 20 MiB segment" for blocks under 10 MiB does not cover): 29,538,228 B under the capture's
+#: peak. Issue 52: NF4, Phi-3 and phi too, once three things the protocol's targets never ran were built: under NF4
+#: o_proj's (phi: dense's) LoRA layer takes SDPA's bf16 output, so its base output, peft's clone, dropout's output
+#: (what lora_A saves) and the sum are bf16 (lora4bit's ``fp32``); without LoRA dropout lora_A saves its input
+#: itself, the transposed copy Phi-3 and phi make of SDPA's output, which then lives to the backward; phi's MLP reads
+#: the LayerNorm's output, not the attention's, so in layer 0 only an fc1 target gives it a graph. Checked against
+#: the meta capture request for request (tests/estimator/test_sequence.py) and held out on the H100
+#: (results/resident-anylora-traces-*: twelve arms, all seven linears, q/k/v/o, v/o, an MLP mix, 1.0002x-1.0053x
+#: where these rests were what the bound had over, which was up to 1.0409x).
 ANY_TARGET_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "phi")
 #: ...where one of these is a target: layer 0's attention output then needs a gradient, so its SDPA saves its
 #: inputs and output and its post-attention norm its fp32 input, as ``layer`` builds every layer. With none of them
@@ -990,8 +997,8 @@ GRADIENT_ATTENTION = ("q_proj", "k_proj", "v_proj", "qkv_proj")
 
 def checked_targets(a: Arch, quant: str, targets: tuple) -> bool:
     """Whether the sequence was checked on these LoRA targets (a set; each named once): the protocol's on every
-    type it replays, or, bf16 on ANY_TARGET_TYPES, any of the layer's linears with a GRADIENT_ATTENTION one among
-    them (the capture's request for request: tests/estimator/test_sequence.py)."""
+    type it replays, or, bf16 or NF4 on ANY_TARGET_TYPES, any of the layer's linears with a GRADIENT_ATTENTION one
+    among them (the capture's request for request: tests/estimator/test_sequence.py)."""
     if len(targets) != len(set(targets)):
         return False
     if set(targets) == set(protocol_targets(a)):
@@ -1058,8 +1065,7 @@ def replayed(a: Arch, quant: str, targets: tuple, task: str, *, transformers: st
     qkv and gate_up at a full rotary; phi's parallel layer), bf16 (BF16_SEQUENCE_TYPES), or NF4 (NF4_SEQUENCE_TYPES)
     at any token count (at GEMM_4BIT_FUSED_MAX_ROWS or fewer layer_rests charges the largest replay of every
     gemm_4bit choice), the protocol's LoRA targets (protocol_targets: q_proj and v_proj, in any order; Phi-3's
-    qkv_proj; bf16 on the plain llama-type decoder any of its linears with q_proj, k_proj or v_proj among them:
-    checked_targets) and task (whose policy forward runs first, or after KTO's KL forward on the types it was
+    qkv_proj; or any of the layer's linears with q_proj, k_proj, v_proj or qkv_proj among them: checked_targets) and task (whose policy forward runs first, or after KTO's KL forward on the types it was
     checked on: SEQUENCE_TASKS, KL_FORWARD_TYPES; under NF4 NF4_SEQUENCE_TASKS, NF4_KL_FORWARD_TYPES), LoRA dropout
     on or off, under
     transformers SEQUENCE_TRANSFORMERS (``transformers``: the release the run has, its local tag dropped) and the

@@ -126,24 +126,26 @@ def state_blocks(n: int, name: str, per: int = FP32) -> list[int]:
 
 
 def unsplit_remainders(a: Arch, targets: tuple, r: int, optimizer: str, per: int, *, steps: int,
-                       copies: int, accumulation: int = 1, placed: int | None = None,
+                       reference: int = 0, accumulation: int = 1, placed: int | None = None,
                        states: int | None = None, held: int | None = None, grads: int | None = None) -> dict:
     """The most the adapter-shaped blocks can hold past their requests under the default allocator
     (constants.unsplit_bound: up to 1 MiB each over 1 MiB), each charged in the phases its blocks are live in: beside
-    every phase, ``copies`` of the adapter (its parameters, and DPO's reference copy), the gradients held between
+    every phase, the adapter's parameters (``per`` bytes each) and DPO's reference copy (``reference`` bytes a
+    parameter; 0: none), the gradients held between
     micro-batches (accumulation > 1) and from step 2 on the optimizer's states (unsplit_remainders); with one
     micro-batch the gradients the backward makes, live from the layer phase to the optimizer's step (the Trainer's
     zero_grad sets them to None after it, so the next step's loss has none: gradient_remainders); the optimizer's own
     transients, inside its step only, and in a one-step run the states it makes there (transient_remainders). A block not live in a phase holds no
-    rest there, so each phase's sum is the bound over the blocks live in it. ``placed``: the rests the ``copies``
-    keep where the setup that places them is replayed (streamed_sequence.placed_rests), charged in place of their
-    bound; ``states``: the rests step 1's optimizer states keep where that step is replayed
+    rest there, so each phase's sum is the bound over the blocks live in it. ``placed``: the rests the parameters
+    and the reference copy keep where the setup that places them is replayed (streamed_sequence.placed_rests), charged
+    in place of their bound; ``states``: the rests step 1's optimizer states keep where that step is replayed
     (streamed_sequence.step_rests), in place of theirs; ``held``: the rests the gradients held between
     micro-batches keep where that replay ran them too, in place of theirs; ``grads``: the rests a replayed NF4 step's
     gradients keep with one micro-batch (streamed_sequence.nf4_step_rests), in place of theirs.
     Evidence: docs/PEAK.md, "unsplit_remainders"."""
     sizes = lora_tensors(a, targets, r)
-    beside = [per * n for n in sizes] * ((copies if placed is None else 0) + (accumulation > 1 and held is None))
+    beside = [] if placed is not None else [per * n for n in sizes] + [reference * n for n in sizes if reference]
+    beside += [per * n for n in sizes] * (accumulation > 1 and held is None)
     made = [b for n in sizes for b in state_blocks(n, optimizer, per)]
     if steps > 1 and states is None:
         beside += made

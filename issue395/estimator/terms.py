@@ -104,6 +104,10 @@ class Term(Enum):
     #: saves for the backward (a reentrant checkpoint runs the forward without grad: none is kept there)
     ADAPTER_CASTS = ("adapter_casts", {_LO, _RF, _LA}, Kind.TEMP, "the adapter's bf16 copies",
                      "an fp32 adapter, no checkpointing")
+    #: DPO's fp32 reference adapter (resident): the bf16 copy of each of its LoRA matrices that autocast caches
+    #: through the reference's no-grad forward (estimator/resident.py's reference_adapter_casts)
+    REFERENCE_ADAPTER_CASTS = ("reference_adapter_casts", {_RF}, Kind.TEMP, "the reference adapter's bf16 copies",
+                               "DPO's fp32 reference adapter, resident")
     #: no checkpointing, a bf16 nn.LayerNorm (phi's): the fp32 copies of its weight and bias that autocast's fp32
     #: policy makes for layer_norm and native_layer_norm saves for its backward, at every LayerNorm whose input
     #: needs a gradient

@@ -5,7 +5,9 @@ the rests their blocks keep are the capture's. No CUDA is faked: both sides are 
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import io
 
 import pytest
 from conftest import ROOT, canonical_runs, checked_stack
@@ -347,20 +349,20 @@ def test_the_replay_serves_only_the_default_allocator_and_workspaces_it_was_chec
     ("phi-2", "nf4", ("q_proj", "v_proj"), "kto", "5.16.1"),  # phi's NF4 layer: no no-grad forward built
     ("gemma-2b", "none", ("q_proj", "v_proj"), "sft", "5.16.1"),
     ("gemma2-2b", "none", ("q_proj", "v_proj"), "sft", "5.16.1"),
-    ("phi3-mini", "nf4", ("qkv_proj", "o_proj"), "sft", "5.16.1"),
-    ("phi-2", "none", ("q_proj", "v_proj", "dense"), "sft", "5.16.1"),  # bf16: only its protocol targets captured
+    ("phi3-mini", "nf4", ("o_proj", "gate_up_proj"), "sft", "5.16.1"),  # no qkv_proj: layer 0's SDPA saves nothing
+    ("phi-2", "none", ("dense", "fc1"), "sft", "5.16.1"),
     ("llama32-1b", "none", ("o_proj", "up_proj"), "sft", "5.16.1"),  # layer 0's SDPA saves nothing: not built so
     ("llama32-1b", "none", ("gate_proj", "down_proj"), "sft", "5.16.1"),
-    ("llama32-1b", "nf4", ("q_proj", "k_proj", "v_proj"), "sft", "5.16.1"),  # NF4: only its protocol targets
-    ("phi3-mini", "none", ("qkv_proj", "o_proj"), "sft", "5.16.1"),
+    ("llama32-1b", "nf4", ("gate_proj", "up_proj", "down_proj"), "sft", "5.16.1"),
+    ("phi3-mini", "none", ("gate_up_proj", "down_proj"), "sft", "5.16.1"),
     ("llama32-1b", "none", ("q_proj", "v_proj"), "sft", "5.24.0"),
     ("llama32-1b", "none", ("q_proj", "v_proj"), "sft", "not installed")])
 def test_every_run_the_sequence_was_not_checked_on_keeps_the_bound(key, quant, targets, task, transformers):
-    """Review item 8: sequence.replayed holds only what the captures checked (llama-type SFT q,v; bf16, or NF4 on
-    llama, mistral, qwen2, qwen3, and phi3 with qkv_proj; transformers 5.16.1; the default allocator): KTO on a type
-    its KL forward was not checked on (sequence.KL_FORWARD_TYPES; under NF4 NF4_KL_FORWARD_TYPES), Gemma, Gemma-2, Phi-3 on other targets than qkv_proj, phi-2 bf16 on
-    other targets, other targets (issue 51 item 3: bf16 on the plain llama-type decoder without q_proj, k_proj or
-    v_proj; NF4 off the protocol's), another transformers keep the bound."""
+    """Review item 8: sequence.replayed holds only what the captures checked (bf16 or NF4 on llama, mistral, qwen2,
+    qwen3, phi3 and phi, on targets with an attention input one among them; transformers 5.16.1; the default
+    allocator): KTO on a type its KL forward was not checked on (sequence.KL_FORWARD_TYPES; under NF4
+    NF4_KL_FORWARD_TYPES), Gemma, Gemma-2, targets without q_proj, k_proj, v_proj or Phi-3's qkv_proj (issue 51 item
+    3; bf16 or NF4), another transformers keep the bound."""
     a = arch_from_config(config_json(key))
     assert not sequence.replayed(a, quant, targets, task, transformers=transformers, environ={})
     assert sequence.replayed(arch_from_config(config_json("llama32-1b")), "none", ("q_proj", "v_proj"), "sft",
@@ -373,14 +375,17 @@ SEVEN = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_p
 @checked_stack
 @pytest.mark.parametrize("key,seq,batch,r,targets,rests", [
     ("smol", 777, 1, 8, SEVEN, 55_199_744), ("qwen", 300, 1, 8, SEVEN, 27_627_520),
-    ("llama32-1b", 777, 1, 8, ("q_proj",), 4_786_176), ("qwen3-0.6b", 300, 3, 8, ("k_proj", "down_proj"), 26_214_400)])
+    ("llama32-1b", 777, 1, 8, ("q_proj",), 4_786_176), ("qwen3-0.6b", 300, 3, 8, ("k_proj", "down_proj"), 26_214_400),
+    ("phi-2", 1024, 1, 8, ("q_proj", "k_proj", "v_proj", "dense", "fc1", "fc2"), 1_048_576),
+    ("phi3-mini", 512, 1, 8, ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"), 93_061_120)])
 def test_bf16_on_any_targets_with_an_attention_input_one_is_the_captures_request_for_request(key, seq, batch, r,
                                                                                             targets, rests):
     """Issue 51 item 3: on the plain llama-type decoder in bf16, LoRA on any of the layer's linears with q_proj,
     k_proj or v_proj among them (all seven; q_proj alone; Qwen3's k_proj with its k norm and down_proj) is the
     capture's request for request, and the rests its forward's blocks keep are the capture's, so it is replayed
     (sequence.checked_targets): SmolLM2 777x1 with all seven, where the bound charged 23,003,136 B, keeps
-    55,199,744 B."""
+    55,199,744 B. Issue 52: phi-2 with all six of its linears (its MLP's graph in layer 0 under fc1's LoRA alone) and
+    Phi-3-mini with all four, qkv_proj among them, too."""
     a = arch_from_config(config_json(key))
     T = seq * batch
     assert sequence.replayed(a, "none", targets, "sft", transformers=sequence.SEQUENCE_TRANSFORMERS, environ={})
@@ -395,20 +400,59 @@ def test_bf16_on_any_targets_with_an_attention_input_one_is_the_captures_request
 
 
 @checked_stack
-@pytest.mark.parametrize("key,seq,r,targets,dropout", [("qwen", 1536, 64, ("o_proj", "up_proj"), 0.0),
-                                                       ("smol", 777, 8, ("gate_proj", "down_proj"), 0.05)])
+@pytest.mark.parametrize("key,seq,r,targets,dropout,quant", [
+    ("qwen", 1536, 64, ("o_proj", "up_proj"), 0.0, "none"), ("smol", 777, 8, ("gate_proj", "down_proj"), 0.05, "none"),
+    ("smol", 2048, 16, ("gate_proj", "up_proj", "down_proj"), 0.05, "nf4")])
 def test_targets_that_leave_layer_0s_attention_without_a_gradient_are_not_the_sequences(key, seq, r, targets,
-                                                                                       dropout):
+                                                                                       dropout, quant):
     """Issue 51 item 3: with no q_proj, k_proj or v_proj target, layer 0's SDPA saves nothing (and with no
     attention target its post-attention norm saves no fp32 input): the capture frees blocks the sequence keeps,
-    which is why sequence.checked_targets does not admit these targets."""
+    bf16 or NF4, which is why sequence.checked_targets does not admit these targets."""
     a = arch_from_config(config_json(key))
-    assert not sequence.replayed(a, "none", targets, "sft", transformers=sequence.SEQUENCE_TRANSFORMERS, environ={})
-    want, _ = captured(capture_module().capture(key, seq, 1, r, targets, dropout), a, seq)
+    assert not sequence.replayed(a, quant, targets, "sft", transformers=sequence.SEQUENCE_TRANSFORMERS, environ={})
+    with contextlib.redirect_stderr(io.StringIO()):  # bitsandbytes' note on a CPU kernel it does not load
+        want, _ = captured(capture_module().capture(key, seq, 1, r, targets, dropout, quant), a, seq)
     q = sequence.Requests(trace=True)
-    sequence.load(q, a, targets, r)
-    sequence.forward(q, a, seq, seq, (targets, r, dropout > 0))
+    if quant == "nf4":
+        sequence.load_nf4(q, a, targets, r)
+        sequence.forward_nf4(q, a, seq, seq, (targets, r, dropout > 0))
+    else:
+        sequence.load(q, a, targets, r)
+        sequence.forward(q, a, seq, seq, (targets, r, dropout > 0))
     assert q.trace != want
+
+
+#: Phi-3's and phi's linears, every one a target
+PHI3_ALL, PHI_ALL = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"), ("q_proj", "k_proj", "v_proj", "dense", "fc1",
+                                                                         "fc2")
+
+
+@checked_stack
+@pytest.mark.parametrize("key,seq,batch,r,targets,dropout", [
+    ("llama32-1b", 1024, 2, 16, SEVEN, 0.05), ("qwen3-0.6b", 1024, 2, 16, ("q_proj", "o_proj", "down_proj"), 0.0),
+    ("smol", 2048, 1, 8, ("v_proj", "o_proj"), 0.05), ("phi3-mini", 1024, 2, 8, PHI3_ALL, 0.0),
+    ("phi3-mini", 1024, 2, 8, PHI3_ALL, 0.05), ("phi-2", 2048, 1, 8, PHI_ALL, 0.0),
+    ("phi-2", 2048, 1, 8, ("q_proj", "v_proj", "fc2"), 0.05)])
+def test_nf4_on_any_targets_with_an_attention_input_one_is_the_captures_request_for_request(key, seq, batch, r,
+                                                                                           targets, dropout):
+    """Issue 52: under NF4, LoRA on any of the layer's linears with q_proj, k_proj, v_proj (Phi-3: qkv_proj) among
+    them is the capture's request for request, so it is replayed (sequence.checked_targets): o_proj's (phi: dense's)
+    bnb LoRA layer on SDPA's bf16 output keeps bf16 throughout (its base output, peft's clone, dropout's output,
+    which lora_A saves, the sum); without LoRA dropout lora_A saves the transposed copy Phi-3 and phi make of
+    SDPA's output; phi's MLP in layer 0 keeps a graph only under an fc1 target (its input is the LayerNorm's, not
+    the attention's). The retained rests charged (layer_rests) are the capture's."""
+    a = arch_from_config(config_json(key))
+    T = seq * batch
+    assert sequence.replayed(a, "nf4", targets, "sft", transformers=sequence.SEQUENCE_TRANSFORMERS, environ={})
+    with contextlib.redirect_stderr(io.StringIO()):
+        events = capture_module().capture(key, seq, batch, r, targets, dropout, "nf4")
+    want, captured_rests = captured(events, a, T)
+    q = sequence.Requests(trace=True)
+    sequence.load_nf4(q, a, targets, r)
+    kept = sequence.forward_nf4(q, a, T, seq, (targets, r, dropout > 0))
+    assert q.trace == want, next(i for i, (x, y) in enumerate(zip(q.trace, want)) if x != y)
+    assert q.rests(kept) + q.rests(list(q.held)[-2:]) == captured_rests
+    assert q.rests(kept) == sequence.layer_rests(a, targets, r, T, seq, dropout > 0, "nf4", CUBLAS_WORKSPACE)
 
 
 @checked_stack
