@@ -693,7 +693,8 @@ def test_a_bf16_nf4_adapter_without_dropout_saves_no_copy_of_sdpas_output_for_o_
     adapter (SFT's, DPO's) with no LoRA dropout (DPO turns it off) takes o_proj's input, SDPA's bf16 output, as it is:
     on the llama-type decoder it is already saved by SDPA, and the count's bf16 copy is not made
     (resident.SHARED_ATTENTION_OUTPUT); Phi-3's o_proj and phi's dense take a copy, which the count keeps. CPU
-    (bench/allocator_replay.py saved, at reduced widths): kept_per_layer is the saved count to the byte after layer 0."""
+    (bench/allocator_replay.py saved, at reduced widths): kept_per_layer is the saved count to the byte after layer 0.
+    (An fp32 adapter, KTO's and ORPO's, is held on the H100's histories instead: tests/estimator/test_resident.py.)"""
     from transformers import AutoConfig
 
     from issue395.estimator.arch import arch_from_config
@@ -707,6 +708,4 @@ def test_a_bf16_nf4_adapter_without_dropout_saves_no_copy_of_sdpas_output_for_o_
     config = AutoConfig.for_model(**c)
     config._attn_implementation = "sdpa"
     got = replay.saved_per_token(config, "nf4", targets, 8, 0.0, (64, 128))
-    assert got[1] == kept_per_layer(a, "nf4", targets, 8, 0, adapter_bf16=True)[1]
-    copied = kept_per_layer(a, "nf4", targets, 8, 0)[1] - kept_per_layer(a, "nf4", targets, 8, 0, adapter_bf16=True)[1]
-    assert copied == (0 if key.startswith("phi") else 2 * a.modules["o_proj"][0])
+    assert got[1] == kept_per_layer(a, "nf4", targets, 8, 0)[1]

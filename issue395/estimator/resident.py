@@ -484,7 +484,7 @@ def estimate_resident(config: dict, *, quant: str = "none", seq: int, batch: int
                                                      transformers, dispatch)
         t[Term.ADAPTER_CASTS.key] = adapter_casts(a, tg, lora_r, adapter_bytes(task, quant))
         t[Term.NORM_CASTS.key] = norm_casts(a, quant)
-        kept = kept_per_layer(a, quant, tg, lora_r, mask, tk.adapter_bf16_under_4bit)
+        kept = kept_per_layer(a, quant, tg, lora_r, mask)
         t[Term.RETAINED_ACTIVATIONS.key] = T * sum(kept)
         t[Term.RETAINED_BESIDE_LAYER.key] = T * (sum(kept) - kept[-1])  # the last layer's backward runs first
     # the layer the backward runs holds them too, recomputed or not
@@ -555,30 +555,33 @@ def resident_reserve(a: Arch, quant: str, targets: tuple, r: int, e: Estimate, c
 
 
 #: The model types whose o_proj takes SDPA's bf16 output as it is (transformers' sdpa_attention_forward transposes and
-#: reshapes it without a copy), so a bf16 adapter's lora_A saves nothing more there: measured on CPU (bench/
-#: allocator_replay.py saved, NF4, bf16 adapter, no dropout) on every one; Phi-3's o_proj and phi's dense take a copy,
-#: which the count keeps (tests/test_bench.py). Evidence: docs/PEAK.md, "SHARED_ATTENTION_OUTPUT".
+#: reshapes it without a copy), so under autocast its lora_A saves nothing more there, whatever the adapter's dtype
+#: (peft casts no input while autocast is on): measured on CPU (bench/allocator_replay.py saved, NF4, bf16 adapter, no
+#: dropout) on every one, and on the H100 with an fp32 adapter (KTO, ORPO: resident Qwen3-0.6B NF4 KTO on all seven
+#: linears, SmolLM2 NF4 ORPO on q/k/v/o, whose histories hold no such copy and whose estimates were over by it, 235 MB
+#: and 283 MB); Phi-3's o_proj and phi's dense take a copy, which the count keeps (tests/test_bench.py).
+#: Evidence: docs/PEAK.md, "SHARED_ATTENTION_OUTPUT".
 SHARED_ATTENTION_OUTPUT = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text")
 
 
-def kept_per_layer(a: Arch, quant: str, targets: tuple, r: int, mask: int, adapter_bf16: bool = False) -> list[int]:
+def kept_per_layer(a: Arch, quant: str, targets: tuple, r: int, mask: int) -> list[int]:
     """Bytes a token each layer keeps for its backward without checkpointing, first to last, as estimate_resident
     charges them (retained_activations is the tokens times their sum): the shared bf16 count (layer.retained_by_layer,
     DeepSeek-V3's layer.latent_retained among it), what Hugging Face's bf16 autocast adds to it (autocast_by_layer),
     and under NF4 each layer's MLP tensors in fp32 (the bytes over bf16; phi's fp32 residual is charged fp32 by the
     count already) and on DeepSeek-V3 the kinds' bound in place of latent_retained, which is measured in bf16 only.
     `python bench/allocator_replay.py saved KEY` counts the same on CPU (tests/test_bench.py holds them equal).
-    Under NF4 with the adapter bf16 (``adapter_bf16``: tasks.Task.adapter_bf16_under_4bit) and no LoRA dropout
-    (``mask`` 0), o_proj's lora_A takes SDPA's bf16 output as it is, already saved by SDPA (SHARED_ATTENTION_OUTPUT):
-    the count's bf16 copy of its input (peft casts an input to the adapter's dtype, and autocast an fp32 adapter's
-    back) is not made. Every other target's input is the fp32 residual stream's, cast to bf16 and saved as counted."""
+    Under NF4 with no LoRA dropout (``mask`` 0), o_proj's lora_A takes SDPA's bf16 output as it is, already saved by
+    SDPA (SHARED_ATTENTION_OUTPUT): the count's bf16 copy of its input is not made, the adapter bf16 or fp32 (under
+    autocast peft casts no input). Every other target's input is the fp32 residual stream's, cast to bf16 and saved
+    as counted."""
     bf16 = retained_by_layer(a, "none", targets, r, mask, resident=True)
     kept = [n + u for n, u in zip(bf16, autocast_by_layer(a, quant, targets, r))]
     if quant != "nf4":
         return kept
     saved = 0 if fp32_residual(a, quant) else 2 * a.i * (a.quirks.mlp_saved - MLP_BACKWARD_TRANSIENTS)
     bound = [o - n for o, n in zip(retained_by_layer(a, "nf4", targets, r, mask, resident=True), bf16)]
-    shared = (2 * a.modules["o_proj"][0] if adapter_bf16 and not mask and "o_proj" in targets
+    shared = (2 * a.modules["o_proj"][0] if not mask and "o_proj" in targets
               and a.model_type in SHARED_ATTENTION_OUTPUT else 0)
     return [k + saved + b - shared for k, b in zip(kept, bound)]
 

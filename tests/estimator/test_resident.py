@@ -700,16 +700,16 @@ SURVEY3_ARMS = [("dpo-mistral-7b-nf4-512x1-r16-all", "mistral-7b", 1.006),
 #: phi-2 bf16, r 8-64. Before, on the bound: 1.0007x-1.0409x (phi-2 bf16 all six 1.0264x, Qwen2.5 NF4 r32 all seven
 #: 1.0208x, SmolLM2 NF4 ORPO q/k/v/o 1.0409x). MLP targets alone keep the bound (layer 0's attention saves nothing).
 #: The NF4 SFT policy adapter is charged bf16 as TRL casts it (steady.adapter_bytes; Llama-3.1-8B r64 1.0200x when it
-#: was charged fp32, Mistral-7B r16 1.0053x). 1.03x where what is over is neither: the KTO arm binds its loss where
-#: its real peak is in the reference forward, and the ORPO arm's loss blocks.
+#: was charged fp32, Mistral-7B r16 1.0053x). KTO's and ORPO's fp32 adapter on o_proj saves SDPA's output as it is
+#: (resident.SHARED_ATTENTION_OUTPUT, once held to a bf16 adapter): 1.0215x and 1.0218x with the count's copy.
 ANYLORA = "resident-anylora-traces-h100-soup0.77.0-d463cba"
 ANYLORA_ARMS = [("sft-llama32-1b-nf4-1024x2-r16-all", "llama32-1b", 1.002),
-                ("kto-qwen3-0.6b-nf4-1024x2-r16-all", "qwen3-0.6b", 1.03),
+                ("kto-qwen3-0.6b-nf4-1024x2-r16-all", "qwen3-0.6b", 1.002),
                 ("sft-mistral-7b-nf4-1024x1-r16-all", "mistral-7b", 1.002),
                 ("sft-phi3-mini-nf4-1024x2-r16-all", "phi3-mini", 1.002),
                 ("sft-phi-2-bf16-1024x2-r16-all", "phi-2", 1.002),
                 ("sft-qwen-nf4-2048x1-r32-all", "qwen", 1.002),
-                ("orpo-smol-nf4-2048x2-qkvo", "smol", 1.03),
+                ("orpo-smol-nf4-2048x2-qkvo", "smol", 1.002),
                 ("simpo-qwen-nf4-1024x2-r16-qud", "qwen", 1.002),
                 ("dpo-llama32-1b-nf4-1024x1-r16-vo", "llama32-1b", 1.002),
                 ("sft-llama31-8b-nf4-512x2-r64-all", "llama31-8b", 1.006),

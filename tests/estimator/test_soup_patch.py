@@ -127,8 +127,9 @@ def test_every_keyword_of_the_estimate_is_fed_from_soups_setup_or_is_the_tools_o
     tcfg = S(quantization="none", batch_size=1, lora=S(target_modules=["q_proj"], r=8, dropout=0.05),
              optimizer="adamw_torch", stream_buffers=2)
     _, fed = gate_kwargs(S(task="sft", data=S(max_length=512)), tcfg, config_json("qwen"))
-    tools_own = {"config", "release", "allowance", "workspace", "transformers", "dispatch"}  # a saved row's stacks;
-    # inside Soup, the installed release and transformers are the ones it runs, and preflight reads the card's dispatch
+    tools_own = {"config", "release", "allowance", "workspace", "transformers", "dispatch", "adapter"}  # a saved
+    # row's stacks; inside Soup, the installed release and transformers are the ones it runs, and preflight reads the
+    # card's dispatch; ``adapter`` is the resident estimate's (Soup's gate runs the streamed step, whose dtype is its own)
     assert set(inspect.signature(estimate).parameters) - tools_own - set(fed) == set()
 
 
