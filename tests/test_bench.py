@@ -635,6 +635,21 @@ SAVED_CASES = [
                                v_head_dim=32, first_k_dense_replace=1))]
 
 
+def small_config(key: str, widths: dict) -> tuple:
+    """A family's config at two layers, a 512 vocabulary and ``widths`` (the CPU saved counts' reduced shapes): the
+    dict, its Arch, and transformers' config of it on SDPA."""
+    from transformers import AutoConfig
+
+    from issue395.estimator.arch import arch_from_config
+    from issue395.model.registry import config_json
+
+    c = {**config_json(key), "num_hidden_layers": 2, "vocab_size": 512, "pad_token_id": None, "bos_token_id": None,
+         "eos_token_id": None, **widths}
+    config = AutoConfig.for_model(**c)
+    config._attn_implementation = "sdpa"
+    return c, arch_from_config(c), config
+
+
 @checked_stack
 @pytest.mark.parametrize("key,quant,widths", SAVED_CASES, ids=[
     f"{k}-{q}" + "".join(f"-{n}" for n in ("resid_pdrop", "qk_layernorm") if n in w) for k, q, w in SAVED_CASES])
@@ -648,20 +663,12 @@ def test_each_layers_cpu_saved_count_under_cudas_autocast_is_what_the_resident_e
     run at reduced widths. phi's resid_pdrop (microsoft/phi-2's 0.1) keeps two 1 B masks h wide a layer from 1 on
     (layer.resid_masks), in the count to the byte. A run the resident estimate refuses (phi's qk_layernorm) saves
     more than the count, and is refused in one line, streamed too: never estimated as if the setting were off."""
-    from transformers import AutoConfig
-
-    from issue395.estimator.arch import arch_from_config
     from issue395.estimator.layer import LORA_DROPOUT_MASK_BYTES
     from issue395.estimator.resident import estimate_resident, kept_per_layer, targets_of
-    from issue395.model.registry import config_json
 
     replay = load("allocator_replay")
-    c = {**config_json(key), "num_hidden_layers": 2, "vocab_size": 512, "pad_token_id": None, "bos_token_id": None,
-         "eos_token_id": None, **widths}
-    a = arch_from_config(c)
+    c, a, config = small_config(key, widths)
     targets = targets_of(a, None, c)
-    config = AutoConfig.for_model(**c)
-    config._attn_implementation = "sdpa"
     got = replay.saved_per_token(config, quant, targets, 8, 0.05, (64, 128))
     kept = kept_per_layer(a, quant, targets, 8, LORA_DROPOUT_MASK_BYTES)
     if widths.get("qk_layernorm"):
@@ -695,17 +702,9 @@ def test_a_bf16_nf4_adapter_without_dropout_saves_no_copy_of_sdpas_output_for_o_
     (resident.SHARED_ATTENTION_OUTPUT); Phi-3's o_proj and phi's dense take a copy, which the count keeps. CPU
     (bench/allocator_replay.py saved, at reduced widths): kept_per_layer is the saved count to the byte after layer 0.
     (An fp32 adapter, KTO's and ORPO's, is held on the H100's histories instead: tests/estimator/test_resident.py.)"""
-    from transformers import AutoConfig
-
-    from issue395.estimator.arch import arch_from_config
     from issue395.estimator.resident import kept_per_layer
-    from issue395.model.registry import config_json
 
     replay = load("allocator_replay")
-    c = {**config_json(key), "num_hidden_layers": 2, "vocab_size": 512, "pad_token_id": None, "bos_token_id": None,
-         "eos_token_id": None, **widths}
-    a = arch_from_config(c)
-    config = AutoConfig.for_model(**c)
-    config._attn_implementation = "sdpa"
+    _, a, config = small_config(key, widths)
     got = replay.saved_per_token(config, "nf4", targets, 8, 0.0, (64, 128))
     assert got[1] == kept_per_layer(a, "nf4", targets, 8, 0)[1]
