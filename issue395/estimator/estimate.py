@@ -302,8 +302,9 @@ def head_copy(a: Arch, f: Features, name: str) -> int:
 def reference_adapter(n: int, f: Features, name: str, per: int = LORA_WEIGHT_BYTES) -> int:
     """DPO's reference is TRL 0.29's frozen "ref" copy of the adapter, materialised by 0.77.0
     (``materialize_meta_adapter_copy``: a clone of each LoRA parameter, fp32); 0.73.3 leaves it on
-    the meta skeleton. KTO's reference disables the adapter instead. Its dtype is the policy's
-    (``per``: the trainer's bf16 cast under 4-bit reaches both adapters).
+    the meta skeleton. KTO's reference disables the adapter instead. ``per``: adapter_bytes of the task and the
+    quant (streamed NF4: Soup clones it after the trainer's bf16 cast; a resident run, estimated at quant none, keeps
+    TRL's fp32 copy while its policy is cast: estimate's ``adapter``).
     Evidence: docs/PEAK.md, "reference_adapter"."""
     return per * n if name == "dpo" and f.materialises_ref_adapter else 0
 
@@ -511,7 +512,7 @@ def step_terms(a: Arch, f: Features, tk, *, quant: str, targets: tuple, lora_r: 
     the walk's, not bounded; ``adapter``: estimate's (the policy adapter's bytes a parameter)."""
     rows = batch * tk.rows_per_example
     T, n = seq * rows, lora_params(a, targets, lora_r)
-    ref = adapter_bytes(tk.name, quant)  # the reference copy's, made before any trainer's cast of the policy's
+    ref = adapter_bytes(tk.name, quant)  # the reference copy's: its own quant's (``adapter`` overrides the policy's)
     per = adapter or ref
     eager = eager_attention(a.model_type, transformers)
     t = {Term.POOL.key: pool(a, quant, per_expert, buffers), Term.EXTRAS.key: extras(a, f),

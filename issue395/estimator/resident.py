@@ -418,8 +418,8 @@ def delta_refused(a: Arch, targets: tuple, checkpointing: bool) -> str | None:
 
 
 #: The model types whose resident bf16 run on LoRA targets the sequence does not replay is refused (bound_refused):
-#: the plain llama-type decoder, whose bound was under the meta capture. phi3's and phi's are not: on their MLP
-#: targets alone (Phi-3-mini gate_up_proj,down_proj 1024x1 and o_proj,down_proj 777x1, phi-2 fc1,fc2 1024x1 and
+#: the plain llama-type decoder, whose bound was under the meta capture. phi3's and phi's are not: on targets without
+#: an attention input one (Phi-3-mini gate_up_proj,down_proj 1024x1 and o_proj,down_proj 777x1, phi-2 fc1,fc2 1024x1 and
 #: dense,fc1,fc2 777x1, r 8) the bound is 1.017x-1.024x the capture's peak, and they keep it.
 BOUND_REFUSED_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -464,7 +464,7 @@ def estimate_resident(config: dict, *, quant: str = "none", seq: int, batch: int
     e = estimate(config, quant="none", seq=seq, batch=batch, targets=targets, lora_r=lora_r, release=release,
                  soup=False, task=task, transformers=transformers, steps=steps, optimizer=optimizer,
                  accumulation=accumulation, stream={} if checkpointing else {"stream_recompute": "off"},
-                 lora_dropout=lora_dropout, adapter=adapter_bytes(task, quant) if quant == "nf4" else None)
+                 lora_dropout=lora_dropout, adapter=adapter_bytes(task, quant))  # the trainer's cast under 4-bit
     t = dict(e.terms)
     for streamed in (Term.POOL.key, Term.EXTRAS.key, Term.RESIDENT_ROUNDING.key):
         t[streamed] = 0  # the pool's slots and the streamed extras: here, the whole model's tensors
@@ -512,7 +512,7 @@ def estimate_resident(config: dict, *, quant: str = "none", seq: int, batch: int
         t[Term.RESIDENT_ROUNDING.key] = load_rests(a)
         if tk.reference:
             t.update(nf4_reference(t, a, tg, lora_r, T, mask))
-    if t.get(Term.REFERENCE_ADAPTER.key):
+    if t.get(Term.REFERENCE_ADAPTER.key):  # bf16 runs' too: TRL's copy is fp32 whatever the quant
         t[Term.REFERENCE_ADAPTER_CASTS.key] = reference_adapter_casts(a, tg, lora_r)
     # the phases as estimate() composes a streamed run's (every layer's input is the layer phase's own here)
     binding, peak = binding_phase(t, t[Term.CHECKPOINTED_INPUTS.key], tk.reference, steps, accumulation,
@@ -570,7 +570,8 @@ def kept_per_layer(a: Arch, quant: str, targets: tuple, r: int, mask: int) -> li
     DeepSeek-V3's layer.latent_retained among it), what Hugging Face's bf16 autocast adds to it (autocast_by_layer),
     and under NF4 each layer's MLP tensors in fp32 (the bytes over bf16; phi's fp32 residual is charged fp32 by the
     count already) and on DeepSeek-V3 the kinds' bound in place of latent_retained, which is measured in bf16 only.
-    `python bench/allocator_replay.py saved KEY` counts the same on CPU (tests/test_bench.py holds them equal).
+    `python bench/allocator_replay.py saved KEY` counts the same on CPU (tests/test_bench.py holds them equal; with an
+    fp32 NF4 adapter its emulated autocast keeps o_proj's copy, which the card does not: SHARED_ATTENTION_OUTPUT).
     Under NF4 with no LoRA dropout (``mask`` 0), o_proj's lora_A takes SDPA's bf16 output as it is, already saved by
     SDPA (SHARED_ATTENTION_OUTPUT): the count's bf16 copy of its input is not made, the adapter bf16 or fp32 (under
     autocast peft casts no input). Every other target's input is the fp32 residual stream's, cast to bf16 and saved

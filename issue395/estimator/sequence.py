@@ -36,10 +36,11 @@ real run's SDPA is then not flash: not built).
 
 phi (``layer_phi_nf4``, NF4 only): one LayerNorm's fp32 output feeds the attention and the MLP (parallel), the
 rotary part of q and k rotated in fp32 and cat with its pass-through part, dense, fc1's fp32 output and gelu_new's
-fp32 blocks (0.5 x, tanh and 1 + tanh kept from layer 1 on), fc2, attention + MLP + residual, the final LayerNorm;
-every linear and the head with a bias: the capture's request for request at phi-2 512x1 (the H200's choice, none
-fused, and every shape fused), 1024x1 and 2048x1 (tests/estimator/test_sequence.py; 512x4-2048x4 not held there),
-and the H100 trace's forward request for request at 512x1: admitted (NF4_SEQUENCE_TYPES).
+fp32 blocks (0.5 x, tanh and 1 + tanh kept from layer 1 on, and in layer 0 under an fc1 target), fc2, attention +
+MLP + residual, the final LayerNorm; every linear and the head with a bias: the capture's request for request at
+phi-2 512x1 (the H200's choice, none fused, and every shape fused), 1024x1 and 2048x1 (tests/estimator/
+test_sequence.py; 512x4-2048x4 not held there), and the H100 trace's forward request for request at 512x1: admitted
+(NF4_SEQUENCE_TYPES).
 Its bf16 step (``forward_phi``, ``layer_phi``): the LayerNorm's fp32 copy of its bf16 input (autocast's fp32
 policy; what its backward keeps from layer 1 on) and fp32 output, each linear's own bf16 cast of it (peft's LoRA
 casts nothing: its input is fp32 already), q and k rotated in bf16, gelu_new on fc1's bf16 output (0.5 x bf16, the
@@ -765,16 +766,16 @@ def layer_nf4(q: Requests, a: Arch, T: int, x, first: bool, lora: tuple):
     return out
 
 
-def gelu_new(q: Requests, T: int, i: int, first: bool, b: int = 4):
+def gelu_new(q: Requests, T: int, i: int, unsaved: bool, b: int = 4):
     """phi's gelu_new, 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), on fc1's output of ``b`` B an element, in
     Python's order: 0.5 x (``b`` B), on a bf16 input autocast's fp32 copy torch.pow takes (its fp32 policy; what
     pow's backward keeps), the cube (freed), its scaled, the sum, its scaled, tanh (kept where its input needs a
-    gradient), 1 + tanh, the product (returned), each fp32 from the cube on; 0.5 x and 1 + tanh are what the
-    product's backward keeps (returned with them, the copy pow keeps where its input needs a gradient)."""
+    gradient: not ``unsaved``), 1 + tanh, the product (returned), each fp32 from the cube on; 0.5 x and 1 + tanh are
+    what the product's backward keeps (returned with them, the copy pow keeps where its input needs a gradient)."""
     half = q.get(b * T * i)
     copy = q.get(4 * T * i) if b != 4 else None
     cube = q.get(4 * T * i)
-    if first:
+    if unsaved:
         q.put(copy)
     scaled = q.get(4 * T * i)
     q.put(cube)
@@ -785,7 +786,7 @@ def gelu_new(q: Requests, T: int, i: int, first: bool, b: int = 4):
     tanh = q.get(4 * T * i)
     q.put(inner)
     one = q.get(4 * T * i)
-    if first:
+    if unsaved:
         q.put(tanh)
     return q.get(4 * T * i), [half, one]
 
@@ -812,7 +813,8 @@ def phi_attention_nf4(q: Requests, a: Arch, T: int, first: bool, lora: tuple):
 def layer_phi_nf4(q: Requests, a: Arch, T: int, x, first: bool, lora: tuple):
     """One phi layer under NF4 (fp32 residual): its LayerNorm's fp32 output (its mean and rstd small; the input
     itself is what its backward keeps), the attention and the MLP both on it (parallel), fc1's fp32 output and
-    gelu_new's fp32 blocks (kept from layer 1 on), fc2, attention + MLP + residual (the output, returned)."""
+    gelu_new's fp32 blocks (kept from layer 1 on, and in layer 0 under an fc1 target: the MLP reads the LayerNorm's
+    output, not the attention's), fc2, attention + MLP + residual (the output, returned)."""
     normed = q.get(4 * T * a.h)
     o = phi_attention_nf4(q, a, T, first, lora)
     # the MLP's input is the norm's, not the attention's: in layer 0 only an fc1 target puts its graph on the backward
@@ -854,7 +856,7 @@ def layer_phi(q: Requests, a: Arch, T: int, x, first: bool, lora: tuple):
     backward keeps, freed in layer 0, whose input needs no gradient) and fp32 output, the attention and the MLP
     both on it (parallel), fc1 on its bf16 cast, gelu_new on fc1's bf16 output (freed once it returns: pow keeps
     its own fp32 copy), fc2 on the product's bf16 cast, attention + MLP + residual (the output, returned). Without a
-    graph every layer frees as layer 0 does (its LayerNorm's copy, gelu_new's saved blocks)."""
+    graph every layer frees as layer 0 does without an fc1 target (its LayerNorm's copy, gelu_new's saved blocks)."""
     copy = q.get(4 * T * a.h)
     normed = q.get(4 * T * a.h)
     if first or not q.graph:
@@ -1025,6 +1027,10 @@ SEQUENCE_TASKS = ("sft", "orpo", "simpo", "dpo", "kto")
 #: 1024x4, Qwen3-0.6B 1024x2, Phi-3-mini 1024x2 on qkv_proj, Mistral-7B 512x2), and phi's parallel layer (layer_phi's
 #: no-grad path: phi-2 1024x2's history, results/resident-kto-nf4-phi2-traces-*).
 KL_FORWARD_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "phi")
+#: ...and on LoRA targets other than the protocol's, the llama-type decoder's alone: its NF4 KL forward on all seven
+#: linears is Qwen3-0.6B's H100 history request for request (results/resident-anylora-traces-*); Phi-3's and phi's
+#: no-grad layer on their other targets (o_proj's or dense's copy, fc1) never ran against a history.
+KL_ANY_TARGET_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 #: ...and under NF4: SFT's forward, which ORPO, SimPO and DPO run at their stacked rows too (the H100 histories of
 #: SmolLM2 DPO and ORPO 1024x2, Qwen2.5-0.5B DPO 1024x2 and SimPO 512x2 request for request: their adapter, bf16 or
 #: fp32, is the small pool's), and KTO's after its KL forward (kl_forward's NF4 path, on NF4_KL_FORWARD_TYPES).
@@ -1065,14 +1071,14 @@ def replayed(a: Arch, quant: str, targets: tuple, task: str, *, transformers: st
     qkv and gate_up at a full rotary; phi's parallel layer), bf16 (BF16_SEQUENCE_TYPES), or NF4 (NF4_SEQUENCE_TYPES)
     at any token count (at GEMM_4BIT_FUSED_MAX_ROWS or fewer layer_rests charges the largest replay of every
     gemm_4bit choice), the protocol's LoRA targets (protocol_targets: q_proj and v_proj, in any order; Phi-3's
-    qkv_proj; or any of the layer's linears with q_proj, k_proj, v_proj or qkv_proj among them: checked_targets) and task (whose policy forward runs first, or after KTO's KL forward on the types it was
-    checked on: SEQUENCE_TASKS, KL_FORWARD_TYPES; under NF4 NF4_SEQUENCE_TASKS, NF4_KL_FORWARD_TYPES), LoRA dropout
-    on or off, under
-    transformers SEQUENCE_TRANSFORMERS (``transformers``: the release the run has, its local tag dropped) and the
-    default allocator (``default_allocator`` of ``environ``): every capture it was checked against. Never phi's
-    qk_layernorm, nor a model dropout the config turns on (arch.MODEL_DROPOUTS: resid_pdrop's masks, embd_pdrop's
-    and SDPA's dropout): no capture ran them. Nor NF4 of a type NF4_BATCHED_HELD_BACK names at ``batch`` over 1
-    (none now)."""
+    qkv_proj) or any of the layer's linears with q_proj, k_proj, v_proj or qkv_proj among them (checked_targets), and
+    task (whose policy forward runs first, or after KTO's KL forward on the types it was checked on: SEQUENCE_TASKS,
+    KL_FORWARD_TYPES; under NF4 NF4_SEQUENCE_TASKS, NF4_KL_FORWARD_TYPES; off the protocol's targets
+    KL_ANY_TARGET_TYPES), LoRA dropout on or off, under transformers SEQUENCE_TRANSFORMERS (``transformers``: the
+    release the run has, its local tag dropped) and the default allocator (``default_allocator`` of ``environ``):
+    every capture it was checked against. Never phi's qk_layernorm, nor a model dropout the config turns on
+    (arch.MODEL_DROPOUTS: resid_pdrop's masks, embd_pdrop's and SDPA's dropout): no capture ran them. Nor NF4 of a
+    type NF4_BATCHED_HELD_BACK names at ``batch`` over 1 (none now)."""
     return (a.model_type in SEQUENCE_TYPES and a.layers is None and not a.qk_layernorm and not a.dropouts
             and (quant == "none" and a.model_type in BF16_SEQUENCE_TYPES
                  or quant == "nf4" and a.model_type in NF4_SEQUENCE_TYPES
@@ -1081,7 +1087,8 @@ def replayed(a: Arch, quant: str, targets: tuple, task: str, *, transformers: st
             and (a.rotary_dim == a.head_dim or a.model_type == "phi")
             and checked_targets(a, quant, targets)
             and task in (NF4_SEQUENCE_TASKS if quant == "nf4" else SEQUENCE_TASKS)
-            and (task != "kto" or a.model_type in (NF4_KL_FORWARD_TYPES if quant == "nf4" else KL_FORWARD_TYPES))
+            and (task != "kto" or a.model_type in (NF4_KL_FORWARD_TYPES if quant == "nf4" else KL_FORWARD_TYPES)
+                 and (a.model_type in KL_ANY_TARGET_TYPES or set(targets) == set(protocol_targets(a))))
             and transformers == SEQUENCE_TRANSFORMERS and default_allocator(environ))
 
 

@@ -126,7 +126,7 @@ def state_blocks(n: int, name: str, per: int = FP32) -> list[int]:
 
 
 def unsplit_remainders(a: Arch, targets: tuple, r: int, optimizer: str, per: int, *, steps: int,
-                       reference: int = 0, accumulation: int = 1, placed: int | None = None,
+                       reference: int, accumulation: int = 1, placed: int | None = None,
                        states: int | None = None, held: int | None = None, grads: int | None = None) -> dict:
     """The most the adapter-shaped blocks can hold past their requests under the default allocator
     (constants.unsplit_bound: up to 1 MiB each over 1 MiB), each charged in the phases its blocks are live in: beside

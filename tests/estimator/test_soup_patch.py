@@ -129,7 +129,7 @@ def test_every_keyword_of_the_estimate_is_fed_from_soups_setup_or_is_the_tools_o
     _, fed = gate_kwargs(S(task="sft", data=S(max_length=512)), tcfg, config_json("qwen"))
     tools_own = {"config", "release", "allowance", "workspace", "transformers", "dispatch", "adapter"}  # a saved
     # row's stacks; inside Soup, the installed release and transformers are the ones it runs, and preflight reads the
-    # card's dispatch; ``adapter`` is the resident estimate's (Soup's gate runs the streamed step, whose dtype is its own)
+    # card's dispatch; ``adapter`` is the resident estimate's (Soup's gate runs the streamed step, its dtype its own)
     assert set(inspect.signature(estimate).parameters) - tools_own - set(fed) == set()
 
 
