@@ -715,13 +715,24 @@ ANYLORA_ARMS = [("sft-llama32-1b-nf4-1024x2-r16-all", "llama32-1b", 1.002),
                 ("sft-llama31-8b-nf4-512x2-r64-all", "llama31-8b", 1.006),
                 ("sft-qwen3-0.6b-nf4-4096x1-r16-all", "qwen3-0.6b", 1.002),
                 ("sft-smol-nf4-1024x4-r16-mlp", "smol", 1.04)]
+#: ...and held out from the NF4 policy adapter's bf16, the reference adapter's casts and SHARED_ATTENTION_OUTPUT's fp32
+#: adapter (H100): large adapters (r32-r64), DPO checkpointed, KTO and SimPO off the protocol's targets; before those
+#: three changes 1.0069x-1.0460x. Phi-3-mini DPO binds its reference phase, whose NF4 no-grad layer is the op-sum bound.
+HELDADAPTER = "resident-heldout-adapter-traces-h100-soup0.77.0-62412e3"
+HELDADAPTER_ARMS = [("dpo-qwen-nf4-1024x2-r64-all", "qwen", 1.005),
+                    ("simpo-llama32-1b-nf4-1024x2-r16-qkvo", "llama32-1b", 1.002),
+                    ("dpo-llama32-1b-nf4-gc-512x2-r32-all", "llama32-1b", 1.002),
+                    ("kto-smol-nf4-2048x2-r16-all", "smol", 1.002),
+                    ("sft-qwen3-0.6b-nf4-2048x2-r64-qkvo", "qwen3-0.6b", 1.002),
+                    ("dpo-phi3-mini-nf4-512x1-r32-all", "phi3-mini", 1.01)]
 
 
 @pytest.mark.parametrize("folder,name,key,most", [(SURVEY, *arm) for arm in SURVEY_ARMS]
                          + [(SURVEY2, *arm) for arm in SURVEY2_ARMS] + [(SURVEY3, *arm) for arm in SURVEY3_ARMS]
-                         + [(ANYLORA, *arm) for arm in ANYLORA_ARMS])
+                         + [(ANYLORA, *arm) for arm in ANYLORA_ARMS]
+                         + [(HELDADAPTER, *arm) for arm in HELDADAPTER_ARMS])
 def test_a_held_out_resident_arm_is_estimated_at_or_above_its_measured_peak(folder, name, key, most):
-    """Ten resident arms nobody had measured (results/resident-heldout-survey-traces-h100-*: preference tasks, NF4 and
+    """Resident arms nobody had measured (results/resident-heldout-survey-traces-h100-*: preference tasks, NF4 and
     bf16, untied heads, large adapters past step 1, accumulation, families no resident trace had): the corrected
     estimate is at or above each real peak (the committed JSON's), within ``most`` of it. Two were under before the
     reference phase held the policy's graph and the NF4 load's rests were replayed: Mistral-7B NF4 KTO 512x2 at 0.9932x
@@ -730,7 +741,7 @@ def test_a_held_out_resident_arm_is_estimated_at_or_above_its_measured_peak(fold
     Llama-3.1-8B NF4 DPO 512x1, Llama-3.1-8B NF4 KTO 512x2, Mistral-7B NF4 KTO 512x2 checkpointed, Phi-3-mini NF4 KTO
     512x2); with it each is 1.0002x-1.0031x. The any-target arms (ANYLORA), held out from the NF4, Phi-3 and phi
     sequence on any targets with an attention input one and from the NF4 policy adapter's bf16, are 1.0002x-1.0048x
-    where those are what they lacked."""
+    where those are what they lacked; the six held out from the adapter's changes (HELDADAPTER) 1.0002x-1.0074x."""
     from issue395.estimator.cards import CARDS
 
     d = json.loads((ROOT / "results" / folder / f"res-{name}.json").read_text())
