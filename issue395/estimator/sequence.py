@@ -368,9 +368,11 @@ def attention(q: Requests, a: Arch, T: int, x, lora: tuple, grad: bool):
     return o, kept
 
 
-def mlp(q: Requests, a: Arch, T: int, x, lora: tuple):
+def mlp(q: Requests, a: Arch, T: int, x, lora: tuple, grad: bool = True):
     """gate, act(gate), up, their product (freed after down), down (returned); phi3's gate and up the two halves
-    of one gate_up block (kept: act and the product save its views)."""
+    of one gate_up block (kept: act and the product save its views). ``grad``: whether its input needs a gradient
+    (not in layer 0 with no attention target: there gate and up save their inputs only as targets, act_fn its input
+    only under gate's LoRA, the product act only under up's and up only under gate's)."""
     if "gate_up_proj" in a.modules:
         gate_up, kept = projection(q, a, T, "gate_up_proj", lora, True)
         act = q.get(2 * T * a.i)
@@ -383,18 +385,21 @@ def mlp(q: Requests, a: Arch, T: int, x, lora: tuple):
             return down, []
         return down, kept + k + [gate_up, act]
     kept = []
-    gate, k = projection(q, a, T, "gate_proj", lora, True)
+    g, u = (grad or t in lora[0] for t in ("gate_proj", "up_proj"))  # whether each output needs a gradient
+    gate, k = projection(q, a, T, "gate_proj", lora, grad)
     kept += k
     act = q.get(2 * T * a.i)
-    q.unsaved(gate)  # act_fn's input, unsaved
-    up, k = projection(q, a, T, "up_proj", lora, True)
+    if not (g and q.graph):  # act_fn saves its input where that needs a gradient
+        q.put(gate)
+    up, k = projection(q, a, T, "up_proj", lora, grad)
     kept += k
     prod = q.get(2 * T * a.i)
-    q.unsaved(act, up)  # the product's inputs, unsaved
-    down, k = projection(q, a, T, "down_proj", lora, True)
+    # the product saves act where up needs a gradient, up where act does
+    q.put(*[b for b, w in ((act, u), (up, g)) if not (w and q.graph)])
+    down, k = projection(q, a, T, "down_proj", lora, g or u)
     kept += k
     q.put(prod)
-    return down, kept + ([gate, act, up] if q.graph else [])
+    return down, kept + [b for b, w in ((gate, g), (act, u), (up, g)) if w and q.graph]
 
 
 def layer(q: Requests, a: Arch, T: int, x, first: bool, lora: tuple):
@@ -402,15 +407,21 @@ def layer(q: Requests, a: Arch, T: int, x, first: bool, lora: tuple):
     norms are Gemma's (gemma_norm), two of them on each sublayer's output before its residual add (sandwiched)."""
     rms = gemma_norm if a.model_type == "gemma2" else norm
     normed, kept = rms(q, T, a.h, q.graph and not first)
-    o, k = attention(q, a, T, normed, lora, not first)
+    # layer 0 with no attention target: its attention needs no gradient, so it saves nothing (as without a graph)
+    quiet, graph = first and not set(lora[0]) & set(ATTN), q.graph
+    q.graph = graph and not quiet
+    try:
+        o, k = attention(q, a, T, normed, lora, not first)
+    finally:
+        q.graph = graph
     kept += k
     q.put(normed)
     o = sandwiched(q, a, T, o, kept)
     mid = q.get(2 * T * a.h)
     q.put(o)
-    normed2, k = rms(q, T, a.h, q.graph)
+    normed2, k = rms(q, T, a.h, q.graph and not quiet)
     kept += k
-    down, k = mlp(q, a, T, normed2, lora)
+    down, k = mlp(q, a, T, normed2, lora, not quiet)
     kept += k
     q.put(normed2)
     down = sandwiched(q, a, T, down, kept)
@@ -992,18 +1003,26 @@ ANY_TARGET_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "phi")
 #: ...where one of these is a target: layer 0's attention output then needs a gradient, so its SDPA saves its
 #: inputs and output and its post-attention norm its fp32 input, as ``layer`` builds every layer. With none of them
 #: (o_proj or the MLP's linears alone) layer 0's SDPA saves nothing and, without o_proj, neither does that norm:
-#: the capture frees those blocks (Qwen2.5 o_proj,up_proj 1536x1; SmolLM2 gate_proj,down_proj 777x1), the sequence
-#: keeps them, and such targets keep the bound.
+#: the capture frees those blocks (Qwen2.5 o_proj,up_proj 1536x1; SmolLM2 gate_proj,down_proj 777x1), a sequence
+#: that keeps them is not the run's, and such targets keep the bound unless they are the MLP's alone (below).
 GRADIENT_ATTENTION = ("q_proj", "k_proj", "v_proj", "qkv_proj")
+#: ...or, bf16 on these, with no attention target at all (the MLP's linears alone): layer 0's attention then runs as
+#: without a graph and its MLP keeps only what its targets need (``layer``'s ``quiet``, ``mlp``'s ``grad``): the
+#: capture's request for request on SmolLM2, Qwen2.5, Llama-3.2-1B and Mistral-7B (tests/estimator/test_sequence.py).
+#: Qwen3's layer 0 frees its attention's blocks in another order there, and NF4's layer is not built so.
+MLP_ONLY_TYPES = ("llama", "mistral", "qwen2")
 
 
 def checked_targets(a: Arch, quant: str, targets: tuple) -> bool:
     """Whether the sequence was checked on these LoRA targets (a set; each named once): the protocol's on every
     type it replays, or, bf16 or NF4 on ANY_TARGET_TYPES, any of the layer's linears with a GRADIENT_ATTENTION one
-    among them (the capture's request for request: tests/estimator/test_sequence.py)."""
+    among them, or, bf16 on MLP_ONLY_TYPES, the MLP's linears alone (the capture's request for request:
+    tests/estimator/test_sequence.py)."""
     if len(targets) != len(set(targets)):
         return False
     if set(targets) == set(protocol_targets(a)):
+        return True
+    if quant == "none" and a.model_type in MLP_ONLY_TYPES and set(targets) <= set(MLP) & set(a.modules):
         return True
     return (quant in ("none", "nf4") and a.model_type in ANY_TARGET_TYPES and set(targets) <= set(a.modules)
             and bool(set(targets) & set(GRADIENT_ATTENTION)))
