@@ -338,9 +338,14 @@ def adapter_casts(a: Arch, targets: tuple, r: int, per: int) -> int:
     bf16 rows at 7B and 8B were 1-2 MB under without them, the NF4 rows (a bf16 adapter) not."""
     if per != 4:
         return 0
-    first = sum(block_bytes(2 * r * a.modules[t][0]) for t in targets if t in a.modules)
-    last = sum(block_bytes(2 * r * a.modules[t][1]) for t in targets if t in a.modules)
+    first, last = cast_blocks(a, targets, r)
     return a.L * last + (a.L - 1) * first
+
+
+def cast_blocks(a: Arch, targets: tuple, r: int) -> tuple[int, int]:
+    """One layer's bf16 copies of its LoRA matrices, each its own small block rounded to 512 B: the A's (r x fan-in),
+    the B's (fan-out x r)."""
+    return tuple(sum(block_bytes(2 * r * a.modules[t][k]) for t in targets if t in a.modules) for k in (0, 1))
 
 
 def reference_adapter_casts(a: Arch, targets: tuple, r: int) -> int:
@@ -354,8 +359,7 @@ def reference_adapter_casts(a: Arch, targets: tuple, r: int) -> int:
     survey2-traces-*); the bf16 run's forward makes them too (Mistral-7B 512x1, survey-traces-*). Charged fp32 the
     policy's adapter had covered them on those two; with the policy bf16 (steady.adapter_bytes) they were 21.6 MB
     and 3.3 MB under. Evidence: docs/PEAK.md, "reference_adapter_casts"."""
-    return a.L * sum(block_bytes(2 * r * a.modules[t][0]) + block_bytes(2 * r * a.modules[t][1])
-                     for t in targets if t in a.modules)
+    return a.L * sum(cast_blocks(a, targets, r))
 
 
 def norm_casts(a: Arch, quant: str) -> int:

@@ -74,6 +74,7 @@ from __future__ import annotations
 
 import os
 import re
+from contextlib import contextmanager
 
 from ..constants import (ALLOC_CONF_VARS, CUBLAS_WORKSPACE, CUBLAS_WORKSPACE_PRE_HOPPER, K_MIN_BLOCK_SIZE,
                          K_SMALL_SIZE, WORKSPACE_CONFIG_VAR, block_bytes)
@@ -137,6 +138,21 @@ class Requests:
 
     def rests(self, keys) -> int:
         return sum(self.held[k].rest for k in keys if k is not None and k in self.held)
+
+    @contextmanager
+    def no_graph(self, off: bool = True):
+        """Autograd records nothing inside (``off``): torch.no_grad's forward, or ops no input of which needs a
+        gradient; ``graph`` as it was after."""
+        graph, self.graph = self.graph, self.graph and not off
+        try:
+            yield
+        finally:
+            self.graph = graph
+
+    def saves_input(self, name: str, lora: tuple) -> bool:
+        """Whether the LoRA target ``name``'s lora_A saves the layer's input itself (``lora``: the targets, r,
+        dropout): with no dropout and a graph, there is no new tensor between them."""
+        return self.graph and name in lora[0] and not lora[2]
 
 
 #: bytes an element of each dtype the request sequences name (every sequence module reads these)
@@ -408,12 +424,9 @@ def layer(q: Requests, a: Arch, T: int, x, first: bool, lora: tuple):
     rms = gemma_norm if a.model_type == "gemma2" else norm
     normed, kept = rms(q, T, a.h, q.graph and not first)
     # layer 0 with no attention target: its attention needs no gradient, so it saves nothing (as without a graph)
-    quiet, graph = first and not set(lora[0]) & set(ATTN), q.graph
-    q.graph = graph and not quiet
-    try:
+    quiet = first and not set(lora[0]) & set(ATTN)
+    with q.no_graph(quiet):
         o, k = attention(q, a, T, normed, lora, not first)
-    finally:
-        q.graph = graph
     kept += k
     q.put(normed)
     o = sandwiched(q, a, T, o, kept)
@@ -518,11 +531,8 @@ def kl_forward(q: Requests, a: Arch, T: int, seq: int, lora: tuple, rows: int,
     have no no-grad path."""
     if a.model_type not in (NF4_KL_FORWARD_TYPES if nf4 else KL_FORWARD_TYPES) or a.layers is not None:
         raise ValueError(f"{a.model_type}: no KL forward is built for it{' under NF4' if nf4 else ''}")
-    graph, q.graph = q.graph, False
-    try:
+    with q.no_graph():
         _kl_forward(q, a, T, seq, lora, rows, workspace, nf4)
-    finally:
-        q.graph = graph
 
 
 def _kl_forward(q: Requests, a: Arch, T: int, seq: int, lora: tuple, rows: int, workspace: int, nf4: bool) -> None:
@@ -744,7 +754,7 @@ def attention_nf4(q: Requests, a: Arch, T: int, first: bool, lora: tuple):
     if not q.graph and copy is not None:  # the transposed copy rebinds SDPA's output
         q.put(sdpa)
     o = proj4bit(q, a, T, "o_proj", lora, True, False)
-    if not (q.graph and "o_proj" in lora[0] and not lora[2]):  # else lora_A saves the copy, its own input
+    if not q.saves_input("o_proj", lora):  # else lora_A saves the copy, its own input
         q.put(copy)
     if not q.graph and copy is None:
         q.put(sdpa)
@@ -815,10 +825,16 @@ def phi_attention_nf4(q: Requests, a: Arch, T: int, first: bool, lora: tuple):
     q.get(4 * T * a.heads)
     copy = output_copy(q, a, T)
     o = proj4bit(q, a, T, "dense", lora, True, False)
-    if not (q.graph and "dense" in lora[0] and not lora[2]):  # else lora_A saves the copy, as attention_nf4's
+    if not q.saves_input("dense", lora):  # else lora_A saves the copy, as attention_nf4's
         q.put(copy)
     q.put(*cats, outs["v_proj"], rotated[0], outs["q_proj"], rotated[1], outs["k_proj"])
     return o
+
+
+def phi_mlp_grad(first: bool, lora: tuple) -> bool:
+    """Whether phi's MLP keeps a graph: its input is the LayerNorm's, not the attention's, so in layer 0 only an fc1
+    target puts it on the backward."""
+    return not first or "fc1" in lora[0]
 
 
 def layer_phi_nf4(q: Requests, a: Arch, T: int, x, first: bool, lora: tuple):
@@ -828,8 +844,7 @@ def layer_phi_nf4(q: Requests, a: Arch, T: int, x, first: bool, lora: tuple):
     output, not the attention's), fc2, attention + MLP + residual (the output, returned)."""
     normed = q.get(4 * T * a.h)
     o = phi_attention_nf4(q, a, T, first, lora)
-    # the MLP's input is the norm's, not the attention's: in layer 0 only an fc1 target puts its graph on the backward
-    grad = not first or "fc1" in lora[0]
+    grad = phi_mlp_grad(first, lora)
     fc1 = proj4bit(q, a, T, "fc1", lora, not first)
     act, saved = gelu_new(q, T, a.i, not grad)
     if not grad:  # layer 0's input needs no gradient: its MLP keeps nothing
@@ -873,7 +888,7 @@ def layer_phi(q: Requests, a: Arch, T: int, x, first: bool, lora: tuple):
     if first or not q.graph:
         q.put(copy)
     o = phi_attention(q, a, T, first, lora)
-    grad = not first or "fc1" in lora[0]  # as layer_phi_nf4's
+    grad = phi_mlp_grad(first, lora)
     fc1 = projection(q, a, T, "fc1", lora, not first, True)[0]
     act, saved = gelu_new(q, T, a.i, not grad or not q.graph, 2)
     q.put(*saved, fc1) if not grad or not q.graph else q.put(fc1)
