@@ -294,10 +294,13 @@ def retained_by_layer(a: Arch, quant: str, targets: tuple, r: int, mask: int = L
     the CPU count); the streamed step's stay at 2 B, never measured under phi NF4's fp32 residual there."""
     layers = _layer_kinds(a)
     first = _first_target(a, targets)
+    quiet = quiet_layer(a, targets) if resident else None
     kept = []
     for n, (_, kind) in enumerate(layers):
         grad = n > first
-        if kind is None:
+        if n == quiet:
+            kept.append(quiet_per_token(a, quant, targets, r, mask))
+        elif kind is None:
             act = activation_bytes(a, quant)
             mlp = 0 if mlp_records(a, targets, grad) else act * a.i * (a.quirks.mlp_saved - MLP_BACKWARD_TRANSIENTS)
             off = act if resident else 2  # the transients' dtype: the activations' (phi NF4: 4 B) where measured
@@ -371,6 +374,32 @@ def latent_retained(a: Arch, k: Kind, targets: tuple, r: int, input_grad: bool, 
 def _first_target(a: Arch, targets: tuple) -> int:
     """The first layer that holds a LoRA target (0 where no layer kind names one: the safe side)."""
     return next((n for n, (m, _) in enumerate(_layer_kinds(a)) if any(t in m for t in targets)), 0)
+
+
+def quiet_layer(a: Arch, targets: tuple) -> int | None:
+    """The layer whose attention records nothing, if any: the first that holds a LoRA target (its input needs no
+    gradient: the embedding is frozen) where every target is among the MLP's linears (STAGES 3 and 4), on a plain
+    decoder layer (gate and up unfused, the MLP after attention: phi's parallel one is ``mlp_records``'). Its
+    attention and post-attention norm then save nothing, and its MLP only what its targets need (quiet_mlp_saved).
+    Evidence: the meta capture's layer 0 request for request (sequence.layer's and layer_nf4's ``quiet``)."""
+    mine = [t for t in targets if t in a.modules]
+    if (not mine or a.layers is not None or a.quirks.parallel_mlp or "gate_proj" not in a.modules
+            or any(STAGES.get(t, 0) < 3 for t in mine)):
+        return None
+    return _first_target(a, targets)
+
+
+def quiet_mlp_saved(targets: tuple) -> int:
+    """The i-wide tensors a quiet layer's MLP (quiet_layer) saves: act_fn's input and up under gate's LoRA (their
+    outputs need a gradient there), act(gate) under up's; none under down's alone."""
+    return 2 * ("gate_proj" in targets) + ("up_proj" in targets)
+
+
+def quiet_per_token(a: Arch, quant: str, targets: tuple, r: int, mask: int) -> int:
+    """What a quiet layer (quiet_layer) keeps a token: its targets' LoRA saves (a mask only on down's input, where
+    gate or up is a target) and its MLP's saved tensors, at the activations' bytes."""
+    act = activation_bytes(a, quant)
+    return _lora(act, a.modules, targets, r, False, mask) + act * a.i * quiet_mlp_saved(targets)
 
 
 def mlp_records(a: Arch, targets: tuple, input_grad: bool) -> bool:

@@ -175,7 +175,7 @@ from ..tasks import PROTOCOL_TASK, task as task_named
 from .arch import NF4_BLOCK, Arch, arch_from_config, fp32_residual, layer_bytes, nf4_bytes, protocol_targets
 from .layer import (AUTOCAST_BF16, LORA_DROPOUT_MASK_BYTES, MLP_BACKWARD_TRANSIENTS, RMS_RSTD_BYTES,
                     Moment, autocast_by_layer, autocast_casts, autocast_per_token, autocast_upcasts, layer_per_token,
-                    mask_bytes, resid_masks, retained_by_layer)
+                    mask_bytes, quiet_layer, quiet_mlp_saved, resid_masks, retained_by_layer)
 from .estimate import (ADAPTER_RESTS, EXPANDABLE_RESERVE_BYTES, Estimate, binding_phase, dequantised_linear, estimate,
                        head_beyond_layer, needs_free, no_grad_layer_per_token, reference_head, segment_tail)
 from .gc_sequence import charge as gc_charge, charged as gc_charged
@@ -585,10 +585,12 @@ def kept_per_layer(a: Arch, quant: str, targets: tuple, r: int, mask: int) -> li
     if quant != "nf4":
         return kept
     saved = 0 if fp32_residual(a, quant) else 2 * a.i * (a.quirks.mlp_saved - MLP_BACKWARD_TRANSIENTS)
+    quiet = quiet_layer(a, targets)
+    fp32 = [2 * a.i * quiet_mlp_saved(targets) if n == quiet else saved for n in range(len(kept))]
     bound = [o - n for o, n in zip(retained_by_layer(a, "nf4", targets, r, mask, resident=True), bf16)]
     shared = (2 * a.modules["o_proj"][0] if not mask and "o_proj" in targets
               and a.model_type in SHARED_ATTENTION_OUTPUT else 0)
-    return [k + saved + b - shared for k, b in zip(kept, bound)]
+    return [k + s + b - shared for k, s, b in zip(kept, fp32, bound)]
 
 
 def fp32_over(a: Arch, targets: tuple, r: int, mask: int) -> int:

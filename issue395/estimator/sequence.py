@@ -762,28 +762,35 @@ def attention_nf4(q: Requests, a: Arch, T: int, first: bool, lora: tuple):
 
 
 def layer_nf4(q: Requests, a: Arch, T: int, x, first: bool, lora: tuple):
-    """One decoder layer's forward under NF4 (an fp32 residual stream): returns its output."""
+    """One decoder layer's forward under NF4 (an fp32 residual stream): returns its output. Layer 0 with no attention
+    target runs as ``layer`` does there: its attention without a graph, its MLP keeping only what its targets need."""
     normed = norm32(q, T, a.h, q.graph and not first)
-    o, done = attention_nf4(q, a, T, first, lora)
+    quiet = first and not set(lora[0]) & set(ATTN)
+    with q.no_graph(quiet):
+        o, done = attention_nf4(q, a, T, first, lora)
     q.put(*done, normed)
-    mid = q.get(4 * T * a.h)  # the residual sum, which the next norm saves
+    mid = q.get(4 * T * a.h)  # the residual sum, which the next norm saves where it needs a gradient
     q.put(o)
-    normed2 = norm32(q, T, a.h, q.graph)
+    normed2 = norm32(q, T, a.h, q.graph and not quiet)
     fused = None
     if "gate_up_proj" in a.modules:  # phi3: gate and up views of one fused block (the gate view holds it to the end)
         fused = proj4bit(q, a, T, "gate_up_proj", lora, True)
-        act, made = q.get(4 * T * a.i), []  # act(gate), fp32
-    else:
-        gate = proj4bit(q, a, T, "gate_proj", lora, True)
         act = q.get(4 * T * a.i)  # act(gate), fp32
-        q.unsaved(gate)  # act_fn's input, unsaved
-        made = [proj4bit(q, a, T, "up_proj", lora, True)]
-    prod = q.get(4 * T * a.i)
-    q.unsaved(act, *made)  # the product's inputs, unsaved
-    down = proj4bit(q, a, T, "down_proj", lora, True)
+        prod = q.get(4 * T * a.i)
+        q.unsaved(act)  # the product's input, unsaved
+    else:  # as mlp's: the product saves act where up needs a gradient, up where act does
+        g, u = (not quiet or t in lora[0] for t in ("gate_proj", "up_proj"))
+        gate = proj4bit(q, a, T, "gate_proj", lora, not quiet)
+        act = q.get(4 * T * a.i)  # act(gate), fp32
+        if not (g and q.graph):  # act_fn saves its input where that needs a gradient
+            q.put(gate)
+        up = proj4bit(q, a, T, "up_proj", lora, not quiet)
+        prod = q.get(4 * T * a.i)
+        q.put(*[b for b, w in ((act, u), (up, g)) if not (w and q.graph)])
+    down = proj4bit(q, a, T, "down_proj", lora, fused is not None or g or u)
     q.put(prod, normed2, *([] if q.graph else [fused]))
     out = q.get(4 * T * a.h)
-    q.put(down, *([] if q.graph else [mid]))
+    q.put(down, *([] if q.graph and not quiet else [mid]))
     return out
 
 
@@ -1021,23 +1028,25 @@ ANY_TARGET_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "phi")
 #: the capture frees those blocks (Qwen2.5 o_proj,up_proj 1536x1; SmolLM2 gate_proj,down_proj 777x1), a sequence
 #: that keeps them is not the run's, and such targets keep the bound unless they are the MLP's alone (below).
 GRADIENT_ATTENTION = ("q_proj", "k_proj", "v_proj", "qkv_proj")
-#: ...or, bf16 on these, with no attention target at all (the MLP's linears alone): layer 0's attention then runs as
-#: without a graph and its MLP keeps only what its targets need (``layer``'s ``quiet``, ``mlp``'s ``grad``): the
-#: capture's request for request on SmolLM2, Qwen2.5, Llama-3.2-1B and Mistral-7B (tests/estimator/test_sequence.py).
-#: Qwen3's layer 0 frees its attention's blocks in another order there, and NF4's layer is not built so.
+#: ...or, bf16 or NF4 on these, with no attention target at all (the MLP's linears alone): layer 0's attention then
+#: runs as without a graph and its MLP keeps only what its targets need (``layer``'s and ``layer_nf4``'s ``quiet``,
+#: ``mlp``'s ``grad``): the capture's request for request on SmolLM2, Qwen2.5, Llama-3.2-1B and Mistral-7B, bf16 and
+#: NF4 (Llama-3.1-8B too), under bitsandbytes' own gemm_4bit choice and its fallback (tests/estimator/test_sequence.py).
+#: Qwen3's layer 0 frees its attention's blocks in another order there (the meta capture frees SDPA's q, k, v casts
+#: q first under NF4), not checked against a card.
 MLP_ONLY_TYPES = ("llama", "mistral", "qwen2")
 
 
 def checked_targets(a: Arch, quant: str, targets: tuple) -> bool:
     """Whether the sequence was checked on these LoRA targets (a set; each named once): the protocol's on every
     type it replays, or, bf16 or NF4 on ANY_TARGET_TYPES, any of the layer's linears with a GRADIENT_ATTENTION one
-    among them, or, bf16 on MLP_ONLY_TYPES, the MLP's linears alone (the capture's request for request:
+    among them, or, bf16 or NF4 on MLP_ONLY_TYPES, the MLP's linears alone (the capture's request for request:
     tests/estimator/test_sequence.py)."""
     if len(targets) != len(set(targets)):
         return False
     if set(targets) == set(protocol_targets(a)):
         return True
-    if quant == "none" and a.model_type in MLP_ONLY_TYPES and set(targets) <= set(MLP) & set(a.modules):
+    if quant in ("none", "nf4") and a.model_type in MLP_ONLY_TYPES and set(targets) <= set(MLP) & set(a.modules):
         return True
     return (quant in ("none", "nf4") and a.model_type in ANY_TARGET_TYPES and set(targets) <= set(a.modules)
             and bool(set(targets) & set(GRADIENT_ATTENTION)))
