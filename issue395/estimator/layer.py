@@ -377,29 +377,40 @@ def _first_target(a: Arch, targets: tuple) -> int:
 
 
 def quiet_layer(a: Arch, targets: tuple) -> int | None:
-    """The layer whose attention records nothing, if any: the first that holds a LoRA target (its input needs no
-    gradient: the embedding is frozen) where every target is among the MLP's linears (STAGES 3 and 4), on a plain
-    decoder layer (gate and up unfused, the MLP after attention: phi's parallel one is ``mlp_records``'). Its
-    attention and post-attention norm then save nothing, and its MLP only what its targets need (quiet_mlp_saved).
-    Evidence: the meta capture's layer 0 request for request (sequence.layer's and layer_nf4's ``quiet``)."""
+    """The layer whose attention records nothing up to SDPA, if any: the first that holds a LoRA target (its input
+    needs no gradient: the embedding is frozen) where no target reads before o_proj (every one at STAGES 2-4: o_proj
+    and the MLP's linears), on a plain decoder layer (two norms, gate and up unfused, the MLP after attention: phi's
+    parallel one is ``mlp_records``'). Its q, k, v, norms and SDPA save nothing; with no o_proj target its
+    post-attention norm saves nothing either, and its MLP only what its targets need (quiet_mlp_saved).
+    Evidence: docs/PEAK.md, "quiet_layer"."""
     mine = [t for t in targets if t in a.modules]
-    if (not mine or a.layers is not None or a.quirks.parallel_mlp or "gate_proj" not in a.modules
-            or any(STAGES.get(t, 0) < 3 for t in mine)):
+    if (not mine or a.layers is not None or a.quirks.parallel_mlp or a.norms != 2 or "gate_proj" not in a.modules
+            or any(STAGES.get(t, 0) < 2 for t in mine)):
         return None
     return _first_target(a, targets)
 
 
-def quiet_mlp_saved(targets: tuple) -> int:
-    """The i-wide tensors a quiet layer's MLP (quiet_layer) saves: act_fn's input and up under gate's LoRA (their
-    outputs need a gradient there), act(gate) under up's; none under down's alone."""
+def quiet_mlp_saved(a: Arch, targets: tuple) -> int:
+    """The i-wide tensors a quiet layer's MLP (quiet_layer) saves: every layer's under an o_proj target (its output
+    needs a gradient); else act_fn's input and up under gate's LoRA (their outputs need one there), act(gate) under
+    up's, none under down's alone."""
+    if "o_proj" in targets:
+        return a.quirks.mlp_saved - MLP_BACKWARD_TRANSIENTS
     return 2 * ("gate_proj" in targets) + ("up_proj" in targets)
 
 
 def quiet_per_token(a: Arch, quant: str, targets: tuple, r: int, mask: int) -> int:
-    """What a quiet layer (quiet_layer) keeps a token: its targets' LoRA saves (a mask only on down's input, where
-    gate or up is a target) and its MLP's saved tensors, at the activations' bytes."""
+    """What a quiet layer (quiet_layer) keeps a token, at the activations' bytes: under an o_proj target a first
+    layer's count (retained_by_layer's) less what SDPA and the q/k norms would save; else its targets' LoRA saves (a
+    mask only on down's input, where gate or up is a target) and its MLP's saved tensors."""
     act = activation_bytes(a, quant)
-    return _lora(act, a.modules, targets, r, False, mask) + act * a.i * quiet_mlp_saved(targets)
+    if "o_proj" in targets:
+        qw, kw = a.heads * a.head_dim, a.kv * a.head_dim
+        sdpa = act * (2 * qw + 2 * kw) + 4 * a.heads + (4 * (qw + kw) + RMS_RSTD_BYTES * (a.heads + a.kv)
+                                                         if a.qk_norm else 0)
+        return (layer_per_token(a, quant, targets, r, input_grad=False, mask=mask)
+                - act * (MLP_BACKWARD_TRANSIENTS * a.i + a.h) - sdpa)
+    return _lora(act, a.modules, targets, r, False, mask) + act * a.i * quiet_mlp_saved(a, targets)
 
 
 def mlp_records(a: Arch, targets: tuple, input_grad: bool) -> bool:

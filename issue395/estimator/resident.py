@@ -586,11 +586,12 @@ def kept_per_layer(a: Arch, quant: str, targets: tuple, r: int, mask: int) -> li
         return kept
     saved = 0 if fp32_residual(a, quant) else 2 * a.i * (a.quirks.mlp_saved - MLP_BACKWARD_TRANSIENTS)
     quiet = quiet_layer(a, targets)
-    fp32 = [2 * a.i * quiet_mlp_saved(targets) if n == quiet else saved for n in range(len(kept))]
+    fp32 = [2 * a.i * quiet_mlp_saved(a, targets) if n == quiet else saved for n in range(len(kept))]
     bound = [o - n for o, n in zip(retained_by_layer(a, "nf4", targets, r, mask, resident=True), bf16)]
     shared = (2 * a.modules["o_proj"][0] if not mask and "o_proj" in targets
               and a.model_type in SHARED_ATTENTION_OUTPUT else 0)
-    return [k + s + b - shared for k, s, b in zip(kept, fp32, bound)]
+    # a quiet layer's SDPA saves nothing (quiet_per_token charges it none): its output is o_proj's lora_A's own
+    return [k + s + b - (0 if n == quiet else shared) for n, (k, s, b) in enumerate(zip(kept, fp32, bound))]
 
 
 def fp32_over(a: Arch, targets: tuple, r: int, mask: int) -> int:

@@ -354,34 +354,39 @@ def fused_attention(q: Requests, a: Arch, T: int, lora: tuple, grad: bool):
     return o, kept + k + rotated + [qkv, sdpa, lse]
 
 
-def attention(q: Requests, a: Arch, T: int, x, lora: tuple, grad: bool):
+def attention(q: Requests, a: Arch, T: int, x, lora: tuple, grad: bool, quiet: bool = False):
     """q, k, v projected (LoRA on the targets; qwen3's q and k normed), q and k rotated, flash SDPA's output and logsumexp, o_proj;
-    returns o_proj's output and what the layer keeps."""
-    if "qkv_proj" in a.modules:
-        return fused_attention(q, a, T, lora, grad)
+    returns o_proj's output and what the layer keeps. ``quiet``: nothing up to SDPA needs a gradient (layer 0 with no
+    q, k or v target), so all of it runs as without a graph, and o_proj records only as a target (its input needs
+    none)."""
+    if "qkv_proj" in a.modules:  # phi3: o_proj's copy of SDPA's output is not built for a quiet attention
+        with q.no_graph(quiet and "o_proj" not in lora[0]):
+            return fused_attention(q, a, T, lora, grad)
     kept = []
     outs = {}
-    for m in ("q_proj", "k_proj", "v_proj"):
-        outs[m], k = projection(q, a, T, m, lora, grad)
-        kept += k
-        if a.qk_norm and m != "v_proj":  # qwen3's per-head RMSNorm; it saves its input where that needs a gradient
-            normed, k = norm(q, T, a.modules[m][1], q.graph and (grad or m in lora[0]),
-                             a.heads if m == "q_proj" else a.kv)
+    with q.no_graph(quiet):
+        for m in ("q_proj", "k_proj", "v_proj"):
+            outs[m], k = projection(q, a, T, m, lora, grad)
             kept += k
-            q.put(outs[m])
-            outs[m] = normed
-    qr = rotary(q, T, a.heads * a.head_dim)
-    kr = rotary(q, T, a.kv * a.head_dim)
-    q.put(outs["q_proj"], outs["k_proj"])
-    sdpa = q.get(2 * T * a.heads * a.head_dim)
-    lse = q.get(4 * T * a.heads)
-    q.unsaved(lse)  # no backward reads the logsumexp: it goes as SDPA returns
-    o, k = projection(q, a, T, "o_proj", lora, True)
-    kept += k + [qr, kr, outs["v_proj"], sdpa, lse]
-    if not q.graph:  # the attention's locals go as it returns
+            if a.qk_norm and m != "v_proj":  # qwen3's per-head RMSNorm; it saves its input where that needs a gradient
+                normed, k = norm(q, T, a.modules[m][1], q.graph and (grad or m in lora[0]),
+                                 a.heads if m == "q_proj" else a.kv)
+                kept += k
+                q.put(outs[m])
+                outs[m] = normed
+        qr = rotary(q, T, a.heads * a.head_dim)
+        kr = rotary(q, T, a.kv * a.head_dim)
+        q.put(outs["q_proj"], outs["k_proj"])
+        sdpa = q.get(2 * T * a.heads * a.head_dim)
+        lse = q.get(4 * T * a.heads)
+        q.unsaved(lse)  # no backward reads the logsumexp: it goes as SDPA returns
+        saves = q.graph  # whether SDPA saved its inputs and output
+    with q.no_graph(quiet and "o_proj" not in lora[0]):
+        o, k = projection(q, a, T, "o_proj", lora, not quiet)
+    if not saves:  # the attention's locals go as it returns
         q.put(qr, kr, outs["v_proj"], sdpa)
-        return o, []
-    return o, kept
+        return o, k
+    return o, kept + k + [qr, kr, outs["v_proj"], sdpa, lse]
 
 
 def mlp(q: Requests, a: Arch, T: int, x, lora: tuple, grad: bool = True):
@@ -423,10 +428,10 @@ def layer(q: Requests, a: Arch, T: int, x, first: bool, lora: tuple):
     norms are Gemma's (gemma_norm), two of them on each sublayer's output before its residual add (sandwiched)."""
     rms = gemma_norm if a.model_type == "gemma2" else norm
     normed, kept = rms(q, T, a.h, q.graph and not first)
-    # layer 0 with no attention target: its attention needs no gradient, so it saves nothing (as without a graph)
+    # layer 0 with no q, k or v target: nothing up to SDPA needs a gradient, so it saves nothing (as without a graph);
+    # with no o_proj target either, nothing before the MLP does
+    o, k = attention(q, a, T, normed, lora, not first, first and not set(lora[0]) & set(GRADIENT_ATTENTION))
     quiet = first and not set(lora[0]) & set(ATTN)
-    with q.no_graph(quiet):
-        o, k = attention(q, a, T, normed, lora, not first)
     kept += k
     q.put(normed)
     o = sandwiched(q, a, T, o, kept)
@@ -721,42 +726,46 @@ def proj4bit(q: Requests, a: Arch, T: int, name: str, lora: tuple, grad: bool, f
     return linear4bit(q, T, fi, fo, fp32)
 
 
-def attention_nf4(q: Requests, a: Arch, T: int, first: bool, lora: tuple):
+def attention_nf4(q: Requests, a: Arch, T: int, first: bool, lora: tuple, quiet: bool = False):
     """The attention under NF4: q, k, v projected (fp32 outputs; qwen3's q and k normed), q and k rotated in fp32,
     autocast's bf16 q, k, v, flash's output and logsumexp, o_proj (bf16 in, bf16 out); returns o_proj's output and
-    the blocks the layer frees after it."""
-    if "qkv_proj" in a.modules:  # phi3: q, k, v views of one fused block, each rotated one cat with its pass part
-        qkv = proj4bit(q, a, T, "qkv_proj", lora, not first)
-        done = []
-        for heads in (a.heads, a.kv):
-            r = rotary(q, T, heads * a.rotary_dim, 4)
-            done.append(q.get(4 * T * heads * a.head_dim))
-            q.put(r)
-        done.append(qkv)
-    else:
-        outs = {}
-        for m in ("q_proj", "k_proj", "v_proj"):
-            outs[m] = proj4bit(q, a, T, m, lora, not first)
-            if a.qk_norm and m != "v_proj":  # qwen3's per-head RMSNorm: saves its fp32 input where that needs a grad
-                n = norm32(q, T, a.modules[m][1], q.graph and (not first or m in lora[0]),
-                           a.heads if m == "q_proj" else a.kv)
-                if not q.graph or first and m not in lora[0]:  # the norm saved no input
-                    q.put(outs[m])
-                outs[m] = n
-        done = [rotary(q, T, a.heads * a.head_dim, 4), rotary(q, T, a.kv * a.head_dim, 4), outs["v_proj"]]
-        q.put(outs["q_proj"], outs["k_proj"])
-    casts = [q.get(2 * T * w * a.head_dim) for w in (a.kv, a.kv, a.heads)]  # autocast's bf16 v, k, q (its argument
-    # pack cast right to left), which flash saves
-    sdpa = q.get(2 * T * a.heads * a.head_dim)
-    lse = q.get(4 * T * a.heads)
-    q.unsaved(lse, *casts)  # nothing saved: SDPA's casts and logsumexp go as it returns
-    copy = output_copy(q, a, T) if "qkv_proj" in a.modules else None
-    if not q.graph and copy is not None:  # the transposed copy rebinds SDPA's output
-        q.put(sdpa)
-    o = proj4bit(q, a, T, "o_proj", lora, True, False)
-    if not q.saves_input("o_proj", lora):  # else lora_A saves the copy, its own input
+    the blocks the layer frees after it. ``quiet``: as ``attention``'s."""
+    with q.no_graph(quiet):
+        if "qkv_proj" in a.modules:  # phi3: q, k, v views of one fused block, each rotated one cat with its pass part
+            qkv = proj4bit(q, a, T, "qkv_proj", lora, not first)
+            done = []
+            for heads in (a.heads, a.kv):
+                r = rotary(q, T, heads * a.rotary_dim, 4)
+                done.append(q.get(4 * T * heads * a.head_dim))
+                q.put(r)
+            done.append(qkv)
+        else:
+            outs = {}
+            for m in ("q_proj", "k_proj", "v_proj"):
+                outs[m] = proj4bit(q, a, T, m, lora, not first)
+                if a.qk_norm and m != "v_proj":  # qwen3's per-head RMSNorm: saves its fp32 input where that needs a grad
+                    n = norm32(q, T, a.modules[m][1], q.graph and (not first or m in lora[0]),
+                               a.heads if m == "q_proj" else a.kv)
+                    if not q.graph or first and m not in lora[0]:  # the norm saved no input
+                        q.put(outs[m])
+                    outs[m] = n
+            done = [rotary(q, T, a.heads * a.head_dim, 4), rotary(q, T, a.kv * a.head_dim, 4), outs["v_proj"]]
+            q.put(outs["q_proj"], outs["k_proj"])
+        casts = [q.get(2 * T * w * a.head_dim) for w in (a.kv, a.kv, a.heads)]  # autocast's bf16 v, k, q (its argument
+        # pack cast right to left), which flash saves
+        sdpa = q.get(2 * T * a.heads * a.head_dim)
+        lse = q.get(4 * T * a.heads)
+        q.unsaved(lse, *casts)  # nothing saved: SDPA's casts and logsumexp go as it returns
+        copy = output_copy(q, a, T) if "qkv_proj" in a.modules else None
+        if not q.graph and copy is not None:  # the transposed copy rebinds SDPA's output
+            q.put(sdpa)
+        saves = q.graph  # whether SDPA saved its inputs and output
+    with q.no_graph(quiet and "o_proj" not in lora[0]):
+        o = proj4bit(q, a, T, "o_proj", lora, not quiet, False)
+        kept = q.saves_input("o_proj", lora)  # lora_A saves its own input: SDPA's output, or Phi-3's copy of it
+    if not kept:
         q.put(copy)
-    if not q.graph and copy is None:
+    if not (saves or kept) and copy is None:
         q.put(sdpa)
     return o, done
 
@@ -765,9 +774,8 @@ def layer_nf4(q: Requests, a: Arch, T: int, x, first: bool, lora: tuple):
     """One decoder layer's forward under NF4 (an fp32 residual stream): returns its output. Layer 0 with no attention
     target runs as ``layer`` does there: its attention without a graph, its MLP keeping only what its targets need."""
     normed = norm32(q, T, a.h, q.graph and not first)
+    o, done = attention_nf4(q, a, T, first, lora, first and not set(lora[0]) & set(GRADIENT_ATTENTION))
     quiet = first and not set(lora[0]) & set(ATTN)
-    with q.no_graph(quiet):
-        o, done = attention_nf4(q, a, T, first, lora)
     q.put(*done, normed)
     mid = q.get(4 * T * a.h)  # the residual sum, which the next norm saves where it needs a gradient
     q.put(o)
@@ -1024,29 +1032,32 @@ BF16_SEQUENCE_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi", "phi3")
 ANY_TARGET_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "phi")
 #: ...where one of these is a target: layer 0's attention output then needs a gradient, so its SDPA saves its
 #: inputs and output and its post-attention norm its fp32 input, as ``layer`` builds every layer. With none of them
-#: (o_proj or the MLP's linears alone) layer 0's SDPA saves nothing and, without o_proj, neither does that norm:
-#: the capture frees those blocks (Qwen2.5 o_proj,up_proj 1536x1; SmolLM2 gate_proj,down_proj 777x1), a sequence
-#: that keeps them is not the run's, and such targets keep the bound unless they are the MLP's alone (below).
+#: (o_proj or the MLP's linears alone) layer 0's SDPA saves nothing and, without o_proj, neither does that norm
+#: (Qwen2.5 o_proj,up_proj 1536x1; SmolLM2 gate_proj,down_proj 777x1): ``layer``'s and ``layer_nf4``'s quiet
+#: attention, checked on the types below.
 GRADIENT_ATTENTION = ("q_proj", "k_proj", "v_proj", "qkv_proj")
-#: ...or, bf16 or NF4 on these, with no attention target at all (the MLP's linears alone): layer 0's attention then
-#: runs as without a graph and its MLP keeps only what its targets need (``layer``'s and ``layer_nf4``'s ``quiet``,
-#: ``mlp``'s ``grad``): the capture's request for request on SmolLM2, Qwen2.5, Llama-3.2-1B and Mistral-7B, bf16 and
-#: NF4 (Llama-3.1-8B too), under bitsandbytes' own gemm_4bit choice and its fallback (tests/estimator/test_sequence.py).
-#: Qwen3's layer 0 frees its attention's blocks in another order there (the meta capture frees SDPA's q, k, v casts
-#: q first under NF4), not checked against a card.
-MLP_ONLY_TYPES = ("llama", "mistral", "qwen2")
+#: ...or, bf16 or NF4 on these, with none of them (o_proj and the MLP's linears alone): layer 0's q, k, v and SDPA
+#: run as without a graph (``attention``'s and ``attention_nf4``'s ``quiet``), o_proj records only as a target (its
+#: LoRA saves what it would elsewhere, with no mask: its input needs no gradient), and with no o_proj target the
+#: post-attention norm saves nothing and the MLP only what its targets need (``mlp``'s ``grad``): the capture's request
+#: for request on SmolLM2, Qwen2.5, Llama-3.2-1B and Mistral-7B, bf16 and NF4 (Llama-3.1-8B too), under
+#: bitsandbytes' own gemm_4bit choice and its fallback (tests/estimator/test_sequence.py). Not Qwen3: its layer 0
+#: frees its attention's blocks in another order there (the meta capture frees SDPA's q, k, v casts q first under
+#: NF4), not checked against a card; nor Phi-3, whose bf16 quiet attention (its output copy) is not built.
+QUIET_ATTENTION_TYPES = ("llama", "mistral", "qwen2")
 
 
 def checked_targets(a: Arch, quant: str, targets: tuple) -> bool:
     """Whether the sequence was checked on these LoRA targets (a set; each named once): the protocol's on every
     type it replays, or, bf16 or NF4 on ANY_TARGET_TYPES, any of the layer's linears with a GRADIENT_ATTENTION one
-    among them, or, bf16 or NF4 on MLP_ONLY_TYPES, the MLP's linears alone (the capture's request for request:
-    tests/estimator/test_sequence.py)."""
+    among them, or, bf16 or NF4 on QUIET_ATTENTION_TYPES, o_proj and the MLP's linears alone (the capture's request
+    for request: tests/estimator/test_sequence.py)."""
     if len(targets) != len(set(targets)):
         return False
     if set(targets) == set(protocol_targets(a)):
         return True
-    if quant in ("none", "nf4") and a.model_type in MLP_ONLY_TYPES and set(targets) <= set(MLP) & set(a.modules):
+    if (quant in ("none", "nf4") and a.model_type in QUIET_ATTENTION_TYPES
+            and set(targets) <= (set(MLP) | {"o_proj"}) & set(a.modules)):
         return True
     return (quant in ("none", "nf4") and a.model_type in ANY_TARGET_TYPES and set(targets) <= set(a.modules)
             and bool(set(targets) & set(GRADIENT_ATTENTION)))

@@ -354,7 +354,7 @@ def test_the_replay_serves_only_the_default_allocator_and_workspaces_it_was_chec
     ("phi-2", "none", ("q_proj", "v_proj", "dense"), "kto", "5.16.1"),
     ("phi-2", "none", ("dense", "fc1"), "sft", "5.16.1"),
     ("llama32-1b", "none", ("o_proj", "up_proj"), "sft", "5.16.1"),  # layer 0's SDPA saves nothing: not built so
-    ("qwen3-0.6b", "none", ("gate_proj", "down_proj"), "sft", "5.16.1"),  # the MLP alone: MLP_ONLY_TYPES only
+    ("qwen3-0.6b", "none", ("gate_proj", "down_proj"), "sft", "5.16.1"),  # the MLP alone: QUIET_ATTENTION_TYPES only
     ("llama32-1b", "nf4", ("gate_proj", "up_proj", "down_proj"), "sft", "5.16.1"),
     ("phi3-mini", "none", ("gate_up_proj", "down_proj"), "sft", "5.16.1"),
     ("llama32-1b", "none", ("q_proj", "v_proj"), "sft", "5.24.0"),
@@ -403,16 +403,16 @@ def test_bf16_on_any_targets_with_an_attention_input_one_is_the_captures_request
 
 @checked_stack
 @pytest.mark.parametrize("key,seq,r,targets,dropout,quant", [
-    ("qwen", 1536, 64, ("o_proj", "up_proj"), 0.0, "none"),
+    ("phi3-mini", 512, 8, ("o_proj", "down_proj"), 0.05, "none"),
     ("qwen3-0.6b", 1024, 8, ("up_proj", "down_proj"), 0.05, "none"),
     ("qwen3-0.6b", 2048, 16, ("gate_proj", "up_proj", "down_proj"), 0.05, "nf4")])
 def test_targets_that_leave_layer_0s_attention_without_a_gradient_are_not_the_sequences(key, seq, r, targets,
                                                                                        dropout, quant):
     """Issue 51 item 3: with no q_proj, k_proj or v_proj target, layer 0's SDPA saves nothing (and with no
-    attention target its post-attention norm saves no fp32 input). The sequence builds that only with no attention
-    target at all, on MLP_ONLY_TYPES: with o_proj among the targets and on Qwen3 (its layer 0 frees its attention's
-    blocks in another order, bf16 and NF4) the capture departs from it, which is why sequence.checked_targets does
-    not admit these targets."""
+    attention target its post-attention norm saves no fp32 input). The sequence builds that on
+    QUIET_ATTENTION_TYPES: on Qwen3 (its layer 0 frees its attention's blocks in another order, bf16 and NF4) and on
+    Phi-3 in bf16 (its output copy) the capture departs from it, which is why sequence.checked_targets does not admit
+    these targets."""
     a = arch_from_config(config_json(key))
     assert not sequence.replayed(a, quant, targets, "sft", transformers=sequence.SEQUENCE_TRANSFORMERS, environ={})
     with contextlib.redirect_stderr(io.StringIO()):  # bitsandbytes' note on a CPU kernel it does not load
@@ -432,13 +432,17 @@ def test_targets_that_leave_layer_0s_attention_without_a_gradient_are_not_the_se
     ("smol", 777, 1, ("gate_proj", "up_proj", "down_proj"), 0.05, 53_409_280), ("smol", 777, 1, ("up_proj",), 0.05,
                                                                                 17_470_976),
     ("smol", 777, 1, ("gate_proj",), 0.05, 1_018_880), ("qwen", 1024, 1, ("up_proj", "down_proj"), 0.0, 57_507_840),
-    ("llama32-1b", 777, 1, ("down_proj",), 0.0, None)])
-def test_bf16_on_the_mlps_linears_alone_is_the_captures_request_for_request(key, seq, batch, targets, dropout, rests):
+    ("llama32-1b", 777, 1, ("down_proj",), 0.0, None), ("qwen", 1536, 1, ("o_proj", "up_proj"), 0.0, None),
+    ("smol", 777, 1, ("o_proj", "gate_proj", "up_proj", "down_proj"), 0.05, None),
+    ("llama32-1b", 512, 1, ("o_proj", "down_proj"), 0.0, None)])
+def test_bf16_on_o_proj_and_the_mlps_linears_is_the_captures_request_for_request(key, seq, batch, targets, dropout,
+                                                                                 rests):
     """Issue 52: bf16 LoRA on the MLP's linears alone (SmolLM2, Qwen2.5, Llama-3.2-1B): layer 0's attention needs no
     gradient, so it saves nothing (``layer`` runs it as without a graph), and its MLP keeps only what its targets
-    need (act_fn's input under gate's LoRA, the product's act under up's, its up under gate's); the capture's
-    request for request, and the rests its forward's blocks keep are the capture's, so it is replayed (it was
-    refused: the bound was under the capture)."""
+    need (act_fn's input under gate's LoRA, the product's act under up's, its up under gate's); with o_proj beside
+    them, q, k, v and SDPA save nothing and o_proj's LoRA records with no mask (``attention``'s ``quiet``). The
+    capture's request for request, and the rests its forward's blocks keep are the capture's, so it is replayed (it
+    was refused: the bound was under the capture)."""
     a = arch_from_config(config_json(key))
     T = seq * batch
     assert sequence.replayed(a, "none", targets, "sft", transformers=sequence.SEQUENCE_TRANSFORMERS, environ={})
@@ -455,12 +459,16 @@ def test_bf16_on_the_mlps_linears_alone_is_the_captures_request_for_request(key,
     ("smol", 512, 1, 16, ("gate_proj", "up_proj", "down_proj"), 0.05, "sm90"),
     ("smol", 1024, 2, 16, ("gate_proj", "up_proj", "down_proj"), 0.05, "sm90"),
     ("qwen", 1024, 1, 16, ("up_proj", "down_proj"), 0.05, "sm90"), ("llama32-1b", 512, 1, 8, ("down_proj",), 0.05, "sm90"),
-    ("smol", 777, 1, 8, ("gate_proj",), 0.05, "fallback"), ("smol", 777, 1, 8, ("up_proj",), 0.0, "sm90")])
-def test_nf4_on_the_mlps_linears_alone_is_the_captures_request_for_request(key, seq, batch, r, targets, dropout, gemm):
+    ("smol", 777, 1, 8, ("gate_proj",), 0.05, "fallback"), ("smol", 777, 1, 8, ("up_proj",), 0.0, "sm90"),
+    ("smol", 1024, 2, 8, ("o_proj", "gate_proj", "up_proj", "down_proj"), 0.05, "sm90"),
+    ("smol", 777, 1, 8, ("o_proj",), 0.0, "sm90"), ("llama32-1b", 512, 1, 8, ("o_proj", "down_proj"), 0.05, "fallback")])
+def test_nf4_on_o_proj_and_the_mlps_linears_is_the_captures_request_for_request(key, seq, batch, r, targets, dropout,
+                                                                                gemm):
     """Issue 52: NF4 LoRA on the MLP's linears alone (SmolLM2, Qwen2.5, Llama-3.2-1B), as in bf16: layer_nf4 runs
     layer 0's attention as without a graph (its q, k, v casts and SDPA's output go as it returns), its post-attention
     norm saves no rstd and no input (the residual sum goes with the layer), and its MLP keeps only what its targets
-    need; the capture's request for request under bitsandbytes' own gemm_4bit choice and its fallback, so it is
+    need; with o_proj beside them, its LoRA records with no mask and, with no dropout, keeps SDPA's output as its own
+    input. The capture's request for request under bitsandbytes' own gemm_4bit choice and its fallback, so it is
     replayed (it kept the bound: 1.0287x on the H100's SmolLM2 MLP-only arm)."""
     import torch
 
