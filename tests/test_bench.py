@@ -711,14 +711,17 @@ def test_a_bf16_nf4_adapter_without_dropout_saves_no_copy_of_sdpas_output_for_o_
 
 
 @checked_stack
-@pytest.mark.parametrize("key,quant,targets", [
-    ("llama32-1b", "none", ("gate_proj", "up_proj", "down_proj")), ("llama32-1b", "nf4", ("up_proj",)),
-    ("qwen", "nf4", ("down_proj",)), ("qwen3-0.6b", "nf4", ("gate_proj",))])
-def test_a_first_layer_with_lora_on_its_mlp_alone_keeps_only_what_its_targets_need(key, quant, targets):
-    """Issue 52: with the MLP's linears the only LoRA targets, layer 0's input needs no gradient and neither does its
-    attention's output, so its attention and post-attention norm save nothing and its MLP keeps only what its targets
-    need (layer.quiet_layer): CPU (bench/allocator_replay.py saved, at reduced widths), kept_per_layer's layer 0 is the
-    saved count to the byte, bf16 and NF4 (it charged the attention's tensors, 1.005x-1.016x the meta capture's
+@pytest.mark.parametrize("key,quant,targets,dropout", [
+    ("llama32-1b", "none", ("gate_proj", "up_proj", "down_proj"), 0.05), ("llama32-1b", "nf4", ("up_proj",), 0.05),
+    ("qwen", "nf4", ("down_proj",), 0.0), ("qwen3-0.6b", "nf4", ("gate_proj",), 0.05),
+    ("llama32-1b", "nf4", ("o_proj", "gate_proj", "up_proj", "down_proj"), 0.0), ("qwen", "none", ("o_proj",), 0.05)])
+def test_a_first_layer_with_lora_on_o_proj_and_its_mlp_alone_keeps_only_what_its_targets_need(key, quant, targets,
+                                                                                             dropout):
+    """Issue 52: with o_proj and the MLP's linears the only LoRA targets, layer 0's input needs no gradient and
+    neither do its q, k, v or SDPA's output, so those save nothing (nor, with no o_proj target, its post-attention
+    norm, and its MLP keeps only what its targets need: layer.quiet_layer); under NF4 with no dropout o_proj's lora_A
+    keeps SDPA's output as its own. CPU (bench/allocator_replay.py saved, at reduced widths): kept_per_layer's layer 0
+    is the saved count to the byte, bf16 and NF4 (it charged SDPA's tensors: 1.005x-1.016x the meta capture's
     peak); layer 1 saves the rotary tables first, which their own term charges."""
     from issue395.estimator.layer import LORA_DROPOUT_MASK_BYTES
     from issue395.estimator.resident import estimate_resident, kept_per_layer
@@ -726,7 +729,7 @@ def test_a_first_layer_with_lora_on_its_mlp_alone_keeps_only_what_its_targets_ne
     replay = load("allocator_replay")
     c, a, config = small_config(key, dict(hidden_size=128, intermediate_size=320, num_attention_heads=4,
                                           num_key_value_heads=2, head_dim=32))
-    got = replay.saved_per_token(config, quant, targets, 8, 0.05, (64, 128))
-    kept = kept_per_layer(a, quant, targets, 8, LORA_DROPOUT_MASK_BYTES)
+    got = replay.saved_per_token(config, quant, targets, 8, dropout, (64, 128))
+    kept = kept_per_layer(a, quant, targets, 8, LORA_DROPOUT_MASK_BYTES if dropout else 0)
     rotary = estimate_resident(c, quant=quant, seq=128, targets=list(targets)).terms["rotary_tables"] / 128
     assert [got[0], got[1]] == [kept[0], kept[1] + rotary], (got, kept, rotary)

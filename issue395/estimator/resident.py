@@ -422,7 +422,8 @@ def delta_refused(a: Arch, targets: tuple, checkpointing: bool) -> str | None:
 
 
 #: The model types whose resident bf16 run on LoRA targets the sequence does not replay is refused (bound_refused):
-#: the plain llama-type decoder, whose bound was under the meta capture. phi3's and phi's are not: on targets without
+#: the plain llama-type decoder, whose bound was under the meta capture (since issue 52 only Qwen3's o_proj and MLP
+#: targets are left: sequence.QUIET_ATTENTION_TYPES replays the rest). phi3's and phi's are not: on targets without
 #: an attention input one (Phi-3-mini gate_up_proj,down_proj 1024x1 and o_proj,down_proj 777x1, phi-2 fc1,fc2 1024x1 and
 #: dense,fc1,fc2 777x1, r 8) the bound is 1.017x-1.024x the capture's peak, and they keep it.
 BOUND_REFUSED_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -576,6 +577,8 @@ def kept_per_layer(a: Arch, quant: str, targets: tuple, r: int, mask: int) -> li
     count already) and on DeepSeek-V3 the kinds' bound in place of latent_retained, which is measured in bf16 only.
     `python bench/allocator_replay.py saved KEY` counts the same on CPU (tests/test_bench.py holds them equal; with an
     fp32 NF4 adapter its emulated autocast keeps o_proj's copy, which the card does not: SHARED_ATTENTION_OUTPUT).
+    A first layer with LoRA on o_proj and the MLP alone keeps what layer.quiet_per_token counts (docs/PEAK.md,
+    "quiet_layer"), its MLP's fp32 tensors too, and none of SDPA's.
     Under NF4 with no LoRA dropout (``mask`` 0), o_proj's lora_A takes SDPA's bf16 output as it is, already saved by
     SDPA (SHARED_ATTENTION_OUTPUT): the count's bf16 copy of its input is not made, the adapter bf16 or fp32 (under
     autocast peft casts no input). Every other target's input is the fp32 residual stream's, cast to bf16 and saved

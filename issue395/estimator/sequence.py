@@ -355,10 +355,10 @@ def fused_attention(q: Requests, a: Arch, T: int, lora: tuple, grad: bool):
 
 
 def attention(q: Requests, a: Arch, T: int, x, lora: tuple, grad: bool, quiet: bool = False):
-    """q, k, v projected (LoRA on the targets; qwen3's q and k normed), q and k rotated, flash SDPA's output and logsumexp, o_proj;
-    returns o_proj's output and what the layer keeps. ``quiet``: nothing up to SDPA needs a gradient (layer 0 with no
-    q, k or v target), so all of it runs as without a graph, and o_proj records only as a target (its input needs
-    none)."""
+    """q, k, v projected (LoRA on the targets; qwen3's q and k normed), q and k rotated, flash SDPA's output and
+    logsumexp, o_proj; returns o_proj's output and what the layer keeps. ``quiet``: nothing up to SDPA needs a
+    gradient (layer 0 with no q, k or v target), so all of it runs as without a graph, and o_proj records only as a
+    target (its input needs none)."""
     if "qkv_proj" in a.modules:  # phi3: o_proj's copy of SDPA's output is not built for a quiet attention
         with q.no_graph(quiet and "o_proj" not in lora[0]):
             return fused_attention(q, a, T, lora, grad)
@@ -743,7 +743,7 @@ def attention_nf4(q: Requests, a: Arch, T: int, first: bool, lora: tuple, quiet:
             outs = {}
             for m in ("q_proj", "k_proj", "v_proj"):
                 outs[m] = proj4bit(q, a, T, m, lora, not first)
-                if a.qk_norm and m != "v_proj":  # qwen3's per-head RMSNorm: saves its fp32 input where that needs a grad
+                if a.qk_norm and m != "v_proj":  # qwen3's per-head RMSNorm: saves its fp32 input where it needs a grad
                     n = norm32(q, T, a.modules[m][1], q.graph and (not first or m in lora[0]),
                                a.heads if m == "q_proj" else a.kv)
                     if not q.graph or first and m not in lora[0]:  # the norm saved no input
@@ -771,8 +771,9 @@ def attention_nf4(q: Requests, a: Arch, T: int, first: bool, lora: tuple, quiet:
 
 
 def layer_nf4(q: Requests, a: Arch, T: int, x, first: bool, lora: tuple):
-    """One decoder layer's forward under NF4 (an fp32 residual stream): returns its output. Layer 0 with no attention
-    target runs as ``layer`` does there: its attention without a graph, its MLP keeping only what its targets need."""
+    """One decoder layer's forward under NF4 (an fp32 residual stream): returns its output. Layer 0 with no q, k or v
+    target runs as ``layer`` does there: its attention up to SDPA without a graph and, with no o_proj target either,
+    its post-attention norm saving nothing and its MLP keeping only what its targets need."""
     normed = norm32(q, T, a.h, q.graph and not first)
     o, done = attention_nf4(q, a, T, first, lora, first and not set(lora[0]) & set(GRADIENT_ATTENTION))
     quiet = first and not set(lora[0]) & set(ATTN)

@@ -485,6 +485,35 @@ def test_nf4_on_o_proj_and_the_mlps_linears_is_the_captures_request_for_request(
     assert q.trace == want, next(i for i, (x, y) in enumerate(zip(q.trace, want)) if x != y)
 
 
+#: Resident SFT histories (H100, --trace, LoRA dropout 0.05) on o_proj and the MLP's linears: registry key.
+QUIET_HISTORIES = {"resident-anylora-traces-h100-soup0.77.0-d463cba/res-sft-smol-nf4-1024x4-r16-mlp": "smol"}
+
+
+@pytest.mark.parametrize("path", QUIET_HISTORIES)
+def test_sft_on_o_proj_and_the_mlps_linears_is_the_h100_historys_forward_request_for_request(path):
+    """Issue 52: the quiet layer 0 (no q, k or v target: attention's and attention_nf4's ``quiet``, mlp's ``grad``),
+    built from the meta capture, is the H100 history's forward request for request from the load's end to the
+    head's casts (SmolLM2 NF4 on gate, up and down 1024x4, measured before it was built; the H100's gemm_4bit
+    choice)."""
+    import gzip
+    import json
+
+    from issue395.estimator.cards import CARDS
+
+    d = json.loads((ROOT / "results" / f"{path}.json").read_text())
+    trace = json.loads(gzip.open(ROOT / "results" / f"{path}.trace.json.gz", "rt").read())
+    a, T, nf4 = arch_from_config(config_json(QUIET_HISTORIES[path])), d["seq"] * d["batch"], d["quant"] == "nf4"
+    lora = (tuple(d["targets"].split(",")), d["r"], True)
+    q = sequence.Requests(trace=True, fused=gemm4bit.gemm_choices(a, T, CARDS["h100"].dispatch)[0] if nf4 else
+                          frozenset())
+    (sequence.load_nf4 if nf4 else sequence.load)(q, a, lora[0], d["r"])
+    loaded = len(q.trace)
+    (sequence.forward_nf4 if nf4 else sequence.forward)(q, a, T, d["seq"], lora, CUBLAS_WORKSPACE)
+    built = canonical_runs([e for e in q.trace[loaded:] if e[0] != "empty_cache"])
+    assert sequence.replayed(a, d["quant"], lora[0], d["task"], transformers="5.16.1", environ={})
+    assert len(built) > 50 * a.L and built == canonical_runs(history_requests(trace))[:len(built)]
+
+
 #: Phi-3's and phi's linears, every one a target
 PHI3_ALL, PHI_ALL = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"), ("q_proj", "k_proj", "v_proj", "dense", "fc1",
                                                                          "fc2")
