@@ -27,6 +27,8 @@ Known limitations:
   nothing where the layer's input needs no gradient (``mlp_records``).
 - Attention's saved tensors and the MLP's are charged in a layer that records anything, even where
   only a later linear carries a target (then the earlier ops record nothing). That is the safe side.
+  A resident run's first layer with targets only on o_proj and the MLP is counted as it records
+  (``quiet_layer``); the streamed step keeps the charge, its layer 0 never measured on such targets.
 - A MoE kind's routed experts are counted as one MLP of their summed width at both moments (a bound:
   at the forward's end only the experts already run hold their tensors).
 - stream_recompute off recomputes nothing. Its layer phase is the backward of the kind that holds
@@ -291,7 +293,10 @@ def retained_by_layer(a: Arch, quant: str, targets: tuple, r: int, mask: int = L
     and v_proj) keeps 129.5 KB a token at 2048 and 4096, all of it from layer 3 on
     (results/pages2-soup-patch-map4-modes-*/call-5 against call-4's). ``resident``: the MLP backward's transients
     and incoming gradient taken off at the activations' dtype (phi NF4's fp32: resident.kept_per_layer, held to
-    the CPU count); the streamed step's stay at 2 B, never measured under phi NF4's fp32 residual there."""
+    the CPU count); the streamed step's stay at 2 B, never measured under phi NF4's fp32 residual there. ``resident``
+    also counts a quiet first layer (quiet_layer: LoRA on o_proj and the MLP alone) as it records, checked on CPU and
+    against the resident histories; the streamed step's layer 0 keeps the full first layer's count (the safe side:
+    never measured on such targets)."""
     layers = _layer_kinds(a)
     first = _first_target(a, targets)
     quiet = quiet_layer(a, targets) if resident else None

@@ -183,7 +183,7 @@ from .steady import adapter_bytes
 from .terms import BY_KEY, Phase, Term, phase_sum
 from .full import estimate_full, full_refused
 from .gemm4bit import Dispatch
-from .sequence import checked_targets, layer_rests, load_rests, replayed
+from .sequence import GRADIENT_ATTENTION, SEQUENCE_TRANSFORMERS, layer_rests, load_rests, replayed
 from .stacks import transformers_release
 
 #: The architectures the resident construction is held to (every committed resident row of theirs).
@@ -421,28 +421,32 @@ def delta_refused(a: Arch, targets: tuple, checkpointing: bool) -> str | None:
     return None
 
 
-#: The model types whose resident bf16 run on LoRA targets the sequence does not replay is refused (bound_refused):
-#: the plain llama-type decoder, whose bound was under the meta capture (since issue 52 only Qwen3's o_proj and MLP
-#: targets are left: sequence.QUIET_ATTENTION_TYPES replays the rest). phi3's and phi's are not: on targets without
-#: an attention input one (Phi-3-mini gate_up_proj,down_proj 1024x1 and o_proj,down_proj 777x1, phi-2 fc1,fc2 1024x1 and
-#: dense,fc1,fc2 777x1, r 8) the bound is 1.017x-1.024x the capture's peak, and they keep it.
+#: The model types whose resident bf16 run on LoRA targets with no attention input one is refused where the sequence
+#: does not replay it (bound_refused): the plain llama-type decoder, whose bound was under the meta capture there.
+#: phi3's and phi's are not: on such targets (Phi-3-mini gate_up_proj,down_proj 1024x1 and o_proj,down_proj 777x1,
+#: phi-2 fc1,fc2 1024x1 and dense,fc1,fc2 777x1, r 8) the bound is 1.017x-1.024x the capture's peak, and they keep it.
+#: Under NF4 the bound holds on them (1.0015x-1.0242x the capture's peak with transformers' release unchecked).
 BOUND_REFUSED_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
-def bound_refused(a: Arch, quant: str, targets: tuple, checkpointing: bool) -> str | None:
-    """Why a resident bf16 run of the plain llama-type decoder (BOUND_REFUSED_TYPES) without checkpointing is not
-    estimated on LoRA targets the sequence was not checked on (sequence.checked_targets: none of q_proj, k_proj,
-    v_proj among them; None: it is estimated). Those keep retained_rounding's bound, whose "1 MiB a 20 MiB segment"
-    for blocks of 1-10 MiB holds only where they are cut from fresh segments; served whole from cached blocks up to
-    1 MiB larger they keep a rest each. Issue 51 item 3 (review): bench/allocator_replay.py's meta capture of
-    SmolLM2 bf16 777x1, r 8, peaked at 1,403,669,504 B with gate_proj, up_proj, down_proj the targets, where the
-    estimate was 1,380,304,140 B (0.9834x), at 1024x1 0.9902x, and with o_proj beside them 0.9814x."""
+def bound_refused(a: Arch, quant: str, targets: tuple, checkpointing: bool, task: str,
+                  transformers: str | None) -> str | None:
+    """Why a resident bf16 run of the plain llama-type decoder (BOUND_REFUSED_TYPES) without checkpointing, on LoRA
+    targets with none of q_proj, k_proj, v_proj among them, is not estimated where the sequence does not replay it
+    (sequence.replayed: QUIET_ATTENTION_TYPES, the transformers release and allocator it was checked under; None: it
+    is estimated). Those keep retained_rounding's bound, whose "1 MiB a 20 MiB segment" for blocks of 1-10 MiB holds
+    only where they are cut from fresh segments; served whole from cached blocks up to 1 MiB larger they keep a rest
+    each. Issue 51 item 3 (review): bench/allocator_replay.py's meta capture of SmolLM2 bf16 777x1, r 8, peaked at
+    1,403,669,504 B with gate_proj, up_proj, down_proj the targets, where the bound's estimate was 1,380,304,140 B
+    (0.9834x), at 1024x1 0.9902x, and with o_proj beside them 0.9814x."""
     if (checkpointing or quant != "none" or a.model_type not in BOUND_REFUSED_TYPES
-            or checked_targets(a, quant, targets)):
+            or set(targets) & set(GRADIENT_ATTENTION)
+            or replayed(a, quant, targets, task, transformers=transformers_release(transformers))):
         return None
     return (f"a resident bf16 {a.model_type} run without gradient checkpointing on LoRA targets "
             f"{','.join(targets)} (none of q_proj, k_proj, v_proj among them) is not yet modelled by this estimator "
-            "(its blocks' rests are neither replayed nor bounded: the bound was under the step's capture)")
+            f"here: its blocks' rests are replayed only under transformers {SEQUENCE_TRANSFORMERS} and the default "
+            "allocator, and the bound was under the step's capture")
 
 
 def targets_of(a: Arch, targets, config: dict) -> tuple:
@@ -478,7 +482,7 @@ def estimate_resident(config: dict, *, quant: str = "none", seq: int, batch: int
     t = {Term.RESIDENT_WEIGHTS.key: resident_weights(a, quant), **t}
     tk = task_named(task)
     T, tg, mask = e.seq * e.batch * tk.rows_per_example, targets_of(a, targets, config), mask_bytes(tk, lora_dropout)
-    if why := delta_refused(a, tg, checkpointing) or bound_refused(a, quant, tg, checkpointing):
+    if why := delta_refused(a, tg, checkpointing) or bound_refused(a, quant, tg, checkpointing, task, transformers):
         raise UsageError(why)
     if not checkpointing:
         # no checkpoint saves a layer's input: what each layer's backward needs is its retained count (the

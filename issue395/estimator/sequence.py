@@ -431,7 +431,8 @@ def layer(q: Requests, a: Arch, T: int, x, first: bool, lora: tuple):
     # layer 0 with no q, k or v target: nothing up to SDPA needs a gradient, so it saves nothing (as without a graph);
     # with no o_proj target either, nothing before the MLP does
     o, k = attention(q, a, T, normed, lora, not first, first and not set(lora[0]) & set(GRADIENT_ATTENTION))
-    quiet = first and not set(lora[0]) & set(ATTN)
+    # (Phi-3's fused gate_up: its quiet MLP is not built, and its layer records as every layer's)
+    quiet = first and not set(lora[0]) & set(ATTN) and "gate_up_proj" not in a.modules
     kept += k
     q.put(normed)
     o = sandwiched(q, a, T, o, kept)
@@ -776,7 +777,8 @@ def layer_nf4(q: Requests, a: Arch, T: int, x, first: bool, lora: tuple):
     its post-attention norm saving nothing and its MLP keeping only what its targets need."""
     normed = norm32(q, T, a.h, q.graph and not first)
     o, done = attention_nf4(q, a, T, first, lora, first and not set(lora[0]) & set(GRADIENT_ATTENTION))
-    quiet = first and not set(lora[0]) & set(ATTN)
+    # (Phi-3's fused gate_up: its quiet MLP is not built, and its layer records as every layer's)
+    quiet = first and not set(lora[0]) & set(ATTN) and "gate_up_proj" not in a.modules
     q.put(*done, normed)
     mid = q.get(4 * T * a.h)  # the residual sum, which the next norm saves where it needs a gradient
     q.put(o)
@@ -1042,10 +1044,11 @@ GRADIENT_ATTENTION = ("q_proj", "k_proj", "v_proj", "qkv_proj")
 #: LoRA saves what it would elsewhere, with no mask: its input needs no gradient), and with no o_proj target the
 #: post-attention norm saves nothing and the MLP only what its targets need (``mlp``'s ``grad``): the capture's request
 #: for request on SmolLM2, Qwen2.5, Llama-3.2-1B and Mistral-7B, bf16 and NF4 (Llama-3.1-8B too), under
-#: bitsandbytes' own gemm_4bit choice and its fallback (tests/estimator/test_sequence.py). Not Qwen3: its layer 0
-#: frees its attention's blocks in another order there (the meta capture frees SDPA's q, k, v casts q first under
-#: NF4), not checked against a card; nor Phi-3, whose bf16 quiet attention (its output copy) is not built.
-QUIET_ATTENTION_TYPES = ("llama", "mistral", "qwen2")
+#: bitsandbytes' own gemm_4bit choice and its fallback (tests/estimator/test_sequence.py; on Qwen3 each run of frees
+#: in another order, which leaves the allocator as it is), and the H100's histories request for request on nine arms
+#: held out from it (results/resident-quiet-traces-*: SmolLM2, Qwen2.5, Qwen3, Llama-3.2-1B, Llama-3.1-8B, Mistral-7B;
+#: SFT, ORPO, DPO). Not Phi-3, whose quiet attention (its output copy) and fused gate_up are not built.
+QUIET_ATTENTION_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
 def checked_targets(a: Arch, quant: str, targets: tuple) -> bool:
@@ -1126,7 +1129,8 @@ def replayed(a: Arch, quant: str, targets: tuple, task: str, *, transformers: st
     qkv and gate_up at a full rotary; phi's parallel layer), bf16 (BF16_SEQUENCE_TYPES), or NF4 (NF4_SEQUENCE_TYPES)
     at any token count (at GEMM_4BIT_FUSED_MAX_ROWS or fewer layer_rests charges the largest replay of every
     gemm_4bit choice), the protocol's LoRA targets (protocol_targets: q_proj and v_proj, in any order; Phi-3's
-    qkv_proj) or any of the layer's linears with q_proj, k_proj, v_proj or qkv_proj among them (checked_targets), and
+    qkv_proj), any of the layer's linears with q_proj, k_proj, v_proj or qkv_proj among them, or on
+    QUIET_ATTENTION_TYPES o_proj and the MLP's linears alone (checked_targets), and
     task (whose policy forward runs first, or after KTO's KL forward on the types it was checked on: SEQUENCE_TASKS,
     KL_FORWARD_TYPES; under NF4 NF4_SEQUENCE_TASKS, NF4_KL_FORWARD_TYPES; off the protocol's targets
     KL_ANY_TARGET_TYPES), LoRA dropout on or off, under transformers SEQUENCE_TRANSFORMERS (``transformers``: the
