@@ -789,6 +789,7 @@ def layer_nf4(q: Requests, a: Arch, T: int, x, first: bool, lora: tuple):
         act = q.get(4 * T * a.i)  # act(gate), fp32
         prod = q.get(4 * T * a.i)
         q.unsaved(act)  # the product's input, unsaved
+        g = u = True
     else:  # as mlp's: the product saves act where up needs a gradient, up where act does
         g, u = (not quiet or t in lora[0] for t in ("gate_proj", "up_proj"))
         gate = proj4bit(q, a, T, "gate_proj", lora, not quiet)
@@ -798,7 +799,7 @@ def layer_nf4(q: Requests, a: Arch, T: int, x, first: bool, lora: tuple):
         up = proj4bit(q, a, T, "up_proj", lora, not quiet)
         prod = q.get(4 * T * a.i)
         q.put(*[b for b, w in ((act, u), (up, g)) if not (w and q.graph)])
-    down = proj4bit(q, a, T, "down_proj", lora, fused is not None or g or u)
+    down = proj4bit(q, a, T, "down_proj", lora, g or u)
     q.put(prod, normed2, *([] if q.graph else [fused]))
     out = q.get(4 * T * a.h)
     q.put(down, *([] if q.graph and not quiet else [mid]))
