@@ -389,6 +389,28 @@ def attention(q: Requests, a: Arch, T: int, x, lora: tuple, grad: bool, quiet: b
     return o, kept + k + [qr, kr, outs["v_proj"], sdpa, lse]
 
 
+def quiet_parts(a: Arch, first: bool, lora: tuple) -> tuple[bool, bool]:
+    """What of a layer records nothing (``first``: layer 0, whose input needs no gradient; ``lora``: the targets, r,
+    dropout): its attention up to SDPA, with no q, k or v target (``attention``'s and ``attention_nf4``'s ``quiet``),
+    and everything before its MLP, with no o_proj target either (its post-attention norm saves nothing, its MLP only
+    what its targets need). Phi-3's fused gate_up: its quiet MLP is not built, and its layer records as every
+    layer's."""
+    targets = set(lora[0])
+    return (first and not targets & set(GRADIENT_ATTENTION),
+            first and not targets & set(ATTN) and "gate_up_proj" not in a.modules)
+
+
+def mlp_grads(grad: bool, lora: tuple) -> tuple[bool, bool]:
+    """Whether gate's and up's outputs need a gradient: the MLP's input does (``grad``), or each is a LoRA target."""
+    return grad or "gate_proj" in lora[0], grad or "up_proj" in lora[0]
+
+
+def product_inputs(q: Requests, act, up, g: bool, u: bool) -> None:
+    """act(gate) x up, made: it saves act where up needs a gradient (``u``), up where act does (``g``); the rest
+    freed."""
+    q.put(*[b for b, w in ((act, u), (up, g)) if not (w and q.graph)])
+
+
 def mlp(q: Requests, a: Arch, T: int, x, lora: tuple, grad: bool = True):
     """gate, act(gate), up, their product (freed after down), down (returned); phi3's gate and up the two halves
     of one gate_up block (kept: act and the product save its views). ``grad``: whether its input needs a gradient
@@ -406,7 +428,7 @@ def mlp(q: Requests, a: Arch, T: int, x, lora: tuple, grad: bool = True):
             return down, []
         return down, kept + k + [gate_up, act]
     kept = []
-    g, u = (grad or t in lora[0] for t in ("gate_proj", "up_proj"))  # whether each output needs a gradient
+    g, u = mlp_grads(grad, lora)
     gate, k = projection(q, a, T, "gate_proj", lora, grad)
     kept += k
     act = q.get(2 * T * a.i)
@@ -415,8 +437,7 @@ def mlp(q: Requests, a: Arch, T: int, x, lora: tuple, grad: bool = True):
     up, k = projection(q, a, T, "up_proj", lora, grad)
     kept += k
     prod = q.get(2 * T * a.i)
-    # the product saves act where up needs a gradient, up where act does
-    q.put(*[b for b, w in ((act, u), (up, g)) if not (w and q.graph)])
+    product_inputs(q, act, up, g, u)
     down, k = projection(q, a, T, "down_proj", lora, g or u)
     kept += k
     q.put(prod)
@@ -428,11 +449,8 @@ def layer(q: Requests, a: Arch, T: int, x, first: bool, lora: tuple):
     norms are Gemma's (gemma_norm), two of them on each sublayer's output before its residual add (sandwiched)."""
     rms = gemma_norm if a.model_type == "gemma2" else norm
     normed, kept = rms(q, T, a.h, q.graph and not first)
-    # layer 0 with no q, k or v target: nothing up to SDPA needs a gradient, so it saves nothing (as without a graph);
-    # with no o_proj target either, nothing before the MLP does
-    o, k = attention(q, a, T, normed, lora, not first, first and not set(lora[0]) & set(GRADIENT_ATTENTION))
-    # (Phi-3's fused gate_up: its quiet MLP is not built, and its layer records as every layer's)
-    quiet = first and not set(lora[0]) & set(ATTN) and "gate_up_proj" not in a.modules
+    quiet_attention, quiet = quiet_parts(a, first, lora)
+    o, k = attention(q, a, T, normed, lora, not first, quiet_attention)
     kept += k
     q.put(normed)
     o = sandwiched(q, a, T, o, kept)
@@ -776,9 +794,8 @@ def layer_nf4(q: Requests, a: Arch, T: int, x, first: bool, lora: tuple):
     target runs as ``layer`` does there: its attention up to SDPA without a graph and, with no o_proj target either,
     its post-attention norm saving nothing and its MLP keeping only what its targets need."""
     normed = norm32(q, T, a.h, q.graph and not first)
-    o, done = attention_nf4(q, a, T, first, lora, first and not set(lora[0]) & set(GRADIENT_ATTENTION))
-    # (Phi-3's fused gate_up: its quiet MLP is not built, and its layer records as every layer's)
-    quiet = first and not set(lora[0]) & set(ATTN) and "gate_up_proj" not in a.modules
+    quiet_attention, quiet = quiet_parts(a, first, lora)
+    o, done = attention_nf4(q, a, T, first, lora, quiet_attention)
     q.put(*done, normed)
     mid = q.get(4 * T * a.h)  # the residual sum, which the next norm saves where it needs a gradient
     q.put(o)
@@ -790,15 +807,15 @@ def layer_nf4(q: Requests, a: Arch, T: int, x, first: bool, lora: tuple):
         prod = q.get(4 * T * a.i)
         q.unsaved(act)  # the product's input, unsaved
         g = u = True
-    else:  # as mlp's: the product saves act where up needs a gradient, up where act does
-        g, u = (not quiet or t in lora[0] for t in ("gate_proj", "up_proj"))
+    else:  # as mlp's
+        g, u = mlp_grads(not quiet, lora)
         gate = proj4bit(q, a, T, "gate_proj", lora, not quiet)
         act = q.get(4 * T * a.i)  # act(gate), fp32
         if not (g and q.graph):  # act_fn saves its input where that needs a gradient
             q.put(gate)
         up = proj4bit(q, a, T, "up_proj", lora, not quiet)
         prod = q.get(4 * T * a.i)
-        q.put(*[b for b, w in ((act, u), (up, g)) if not (w and q.graph)])
+        product_inputs(q, act, up, g, u)
     down = proj4bit(q, a, T, "down_proj", lora, g or u)
     q.put(prod, normed2, *([] if q.graph else [fused]))
     out = q.get(4 * T * a.h)
