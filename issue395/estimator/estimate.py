@@ -31,7 +31,7 @@ from .releases import Features, installed_release
 from .soup_number import arch_of, features, soup_preflight_from_config, vocab_matrices_resident
 from .stacks import transformers_release
 from .steady import LORA_WEIGHT_BYTES, adapter_bytes, gradient_terms, steady_terms, unsplit_remainders
-from .sequence import ENTROPY_CHUNK_ROWS, FP32
+from .recorder import ENTROPY_CHUNK_ROWS, FP32
 from .gemm4bit import Dispatch
 from .streamed_sequence import (nf4_step_replayed, nf4_step_rests, placed_rests, setup_replayed, step_replayed,
                                 step_rests, walk_replayed, walked_rests)

@@ -69,7 +69,7 @@ from .arch import Arch, arch_from_config
 from .layer import (MLP_BACKWARD_TRANSIENTS, STAGES, LayerPeak, Moment, autocast_per_token, autocast_upcasts,
                     checkpointed_through, layer_blocks, layer_per_token)
 from .full_sequence import master_rests, replayed
-from .sequence import FP32
+from .recorder import FP32
 from .releases import release_source
 from .stacks import package_version, transformers_release
 from .steady import is_bounded, optimizer_named, state_blocks

@@ -21,7 +21,7 @@ _init_group, then its foreach step's square root of every exp_avg_sq, freed last
 (non-reentrant) each layer's forward keeps nothing but its input and its cast weights (the forward's autocast
 cache), and its recompute, under autocast with a cache of its own, precedes its backward.
 
-A request of 1 MiB or less is the small pool's (``sequence.Requests`` leaves it out); the builders emit every
+A request of 1 MiB or less is the small pool's (``recorder.Requests`` leaves it out); the builders emit every
 request with its size all the same, so a shape whose k and v (or rotary tables) pass 1 MiB follows.
 
 ``replayed`` says where it was checked request for request against the capture (tests/estimator/test_full.py):
@@ -33,8 +33,9 @@ from __future__ import annotations
 
 from ..constants import CUBLASLT_WORKSPACE
 from .arch import Arch
-from .sequence import (BF16, FP32, SEQUENCE_TRANSFORMERS, WORKSPACE_SIZES, Requests, default_allocator,
-                       entropy_chunks, module_order, parameter_bytes, tables)
+from .recorder import BF16, FP32, Requests, entropy_chunks
+from .decoder import module_order, parameter_bytes, tables
+from .sequence import SEQUENCE_TRANSFORMERS, WORKSPACE_SIZES, default_allocator
 
 #: The model types whose full fine-tuning step this sequence follows (llama's decoder; qwen2's q/k/v biases).
 MASTER_SEQUENCE_TYPES = ("llama", "qwen2")
@@ -372,7 +373,7 @@ def _saving(lin: Linear, x) -> Linear:
 
 
 def parameter_groups(a: Arch) -> tuple[list, list]:
-    """Each parameter's fp32 bytes in model.parameters()' order (sequence.module_order), split as the Trainer
+    """Each parameter's fp32 bytes in model.parameters()' order (decoder.module_order), split as the Trainer
     builds its two AdamW groups: weight decay, then none (NO_DECAY_WORDS: biases and norms)."""
     sizes = module_order(a, sizes=True)
     plain = [2 * b for n, b in sizes if not any(w in n for w in NO_DECAY_WORDS)]
@@ -441,7 +442,7 @@ def loss_backward(q: Requests, a: Arch, T: int, head: dict, workspace: int, grad
 
 
 class Watched(Requests):
-    """sequence.Requests that also keeps, from ``watch()`` on, the rests the blocks made since ``mark()`` hold
+    """recorder.Requests that also keeps, from ``watch()`` on, the rests the blocks made since ``mark()`` hold
     at the allocated-bytes peak (the optimizer's step's, where step() calls watch)."""
 
     def __init__(self, trace: bool = False):

@@ -15,7 +15,7 @@ tests/estimator/test_gc_sequence.py):
 - each step's forward: the embedding's output, the sliding-window causal mask (Phi-3 at its window and past it:
   masking_utils' and of the causal and the window predicates, bool (T, T) blocks, the last kept), the rotary tables
   (the cuBLAS workspace after their first matmul, step 1 only), each layer under checkpointing: the same ops as
-  sequence.layer, but nothing saved (the checkpoint keeps the layer's input and the mask alone), so every block goes
+  decoder.layer, but nothing saved (the checkpoint keeps the layer's input and the mask alone), so every block goes
   as its last Python reference does (the LoRA's bf16 cast after lora_A, the dropout mask at once; SDPA's bf16
   additive mask after it: with a mask torch runs the memory-efficient kernel, not flash); the final norm (saved:
   outside the checkpoints), the head's bf16 logits, HF's loss (the logits' fp32 copy and log_softmax), accelerate's
@@ -23,7 +23,7 @@ tests/estimator/test_gc_sequence.py):
   dropped;
 - the loss's backward (nll's and log_softmax's fp32 gradients: the peak of step 2, the bf16 logits' gradient, the
   head's input gradient, the backward's cuBLAS workspace after that first matmul, step 1 only), the final norm's;
-  each layer in reverse: its recompute (sequence.layer's ops with what they save kept, stopped by torch's
+  each layer in reverse: its recompute (decoder.layer's ops with what they save kept, stopped by torch's
   non-reentrant early stop as down_proj packs its weight: the product, the post-attention norm's output and the
   residual then freed), the MLP's backward (down's input gradient, the product's two, silu's, the gate_up
   gradient's cat, its input gradient), the norm's, o_proj's LoRA and frozen base, the memory-efficient attention's
@@ -60,7 +60,7 @@ EXPANDABLE_RESERVE_BYTES. Phi-3, llama and phi-2 are charged (both pools' most p
 phi-2's with its small pool's blocks past the layers built: phi_collate, phi_positions, phi_loss, phi_metrics,
 loss_seeds, clip_grad_norm, and layer 0's backward freeing the position ids and rotary tables).
 
-A request of 1 MiB or less is the small pool's (2 MiB pages; ``sequence.Requests`` leaves it out): ``Paged`` keeps
+A request of 1 MiB or less is the small pool's (2 MiB pages; ``recorder.Requests`` leaves it out): ``Paged`` keeps
 it on an allocator of its own (``both``: the most pages of the two pools together), with the step's small requests in
 the H100 history's order: the collator's int64 rows (the last step's freed once the next are made), the position
 ids, the rotary tables and their fp32 makers (rotary_tables), the norms' rstd, autocast's bf16 casts of the adapter
@@ -84,11 +84,12 @@ from ..constants import (CUBLAS_WORKSPACE, CUBLASLT_WORKSPACE, EXPANDABLE_PAGE_B
 from .allocator import CachingAllocator
 from .arch import Arch
 from .full_sequence import FLASH_ROWS
-from .sequence import (BF16, ENTROPY_CHUNK_ROWS, FP32, SEQUENCE_TRANSFORMERS, Requests, cast_linear, default_allocator,
-                       entropy_chunks, norm, parameters, rotary, sdpa_workspace)
+from .recorder import BF16, ENTROPY_CHUNK_ROWS, FP32, Requests, entropy_chunks, sdpa_workspace
+from .decoder import cast_linear, norm, parameters, rotary
+from .sequence import SEQUENCE_TRANSFORMERS, default_allocator
 
 LARGE_PAGE, SMALL_PAGE = EXPANDABLE_PAGE_BYTES["large"], EXPANDABLE_PAGE_BYTES["small"]
-#: The model types whose q is a cat of its rotary and pass-through parts (sequence.output_copy).
+#: The model types whose q is a cat of its rotary and pass-through parts (decoder.output_copy).
 CAT_BUILT = ("phi3", "phi")
 #: The model types and their targets whose checkpointed step (SFT at batch 1) was checked request for request:
 #: Phi-3's fused layer on its protocol-and-o_proj targets (past its sliding window the H100 trace, the
@@ -103,7 +104,7 @@ PARAM_ORDER = {"phi3": ("o_proj", "qkv_proj", "gate_up_proj", "down_proj")}
 
 
 class Paged(Requests):
-    """sequence.Requests on torch's expandable segments (what `soup train` sets), for LoRA ``targets`` at ``r``,
+    """recorder.Requests on torch's expandable segments (what `soup train` sets), for LoRA ``targets`` at ``r``,
     keeping the large pool's allocated bytes and the pages its live blocks touch at its allocated peak (``top``)
     and the most pages they touch after any request (``most``: a Need; ``phase`` names where the step is)."""
 
@@ -239,7 +240,7 @@ def reserve(a: Arch, targets: tuple, r: int, T: int) -> tuple[int, int]:
 
 
 def load(q: Requests, a: Arch, targets: tuple, r: int) -> None:
-    """sequence.load's warmup block and checkpoint tensors, the rotary embedding's two fp32 buffers (inv_freq and
+    """decoder.load's warmup block and checkpoint tensors, the rotary embedding's two fp32 buffers (inv_freq and
     original_inv_freq), then peft's adapter: each LoRA matrix put on the device in its base layer's dtype (bf16),
     in model.named_modules()' order (PARAM_ORDER), then cast to fp32 in that order (peft's autocast_adapter_dtype:
     the fp32 block made, the bf16 one freed): the H100 history's small segment at its start, block for block."""
@@ -258,7 +259,7 @@ def load(q: Requests, a: Arch, targets: tuple, r: int) -> None:
 
 def base_output(q: Requests, T: int, fi: int, fo: int, fp32: bool):
     """A linear's output; on an fp32 input (``fp32``: phi's LayerNorm output) autocast's bf16 cast of it first,
-    freed on its return (sequence.cast_linear), and at each autograd thread's first (the forward's, the backward's:
+    freed on its return (decoder.cast_linear), and at each autograd thread's first (the forward's, the backward's:
     the recompute runs there) cuBLASLt's workspace (phi's biased linears run addmm), kept for the process."""
     if not fp32:
         return q.get(BF16 * T * fo)
@@ -275,7 +276,7 @@ def lora_nograd(q: Requests, T: int, fi: int, fo: int, r: int, fp32: bool = Fals
     """A LoRA target inside a checkpointed forward (nothing saved): the base output, the fp32 cast of its input
     (none on an fp32 input: peft casts nothing), dropout's mask (freed at once) and output, the bf16 cast lora_A
     takes (freed after it), lora_B's output, the scaling, the sum (returned); the rest freed as
-    sequence.lora_linear frees them."""
+    decoder.lora_linear frees them."""
     base = base_output(q, T, fi, fo, fp32)
     x32 = None if fp32 else q.get(FP32 * T * fi)
     mask = q.get(T * fi)
@@ -326,7 +327,7 @@ def linear(q: Requests, a: Arch, T: int, name: str, saved: bool, fp32: bool = Fa
 
 
 def rotated(q: Requests, T: int, heads: int, a: Arch):
-    """q's or k's rotary (sequence.rotary) cat with its pass-through part; the rotated part freed."""
+    """q's or k's rotary (decoder.rotary) cat with its pass-through part; the rotated part freed."""
     r = rotary(q, T, heads * a.rotary_dim)
     out = q.get(BF16 * T * heads * a.head_dim)
     q.put(r)
@@ -345,7 +346,7 @@ def layer_forward(q: Requests, a: Arch, T: int, saved: bool) -> dict:
     lse = q.get(FP32 * a.heads * T)  # its logsumexp, which its backward reads
     if not saved:
         q.put(lse, bias)
-    copy = q.get(BF16 * T * a.heads * a.head_dim)  # sequence.output_copy
+    copy = q.get(BF16 * T * a.heads * a.head_dim)  # decoder.output_copy
     if not saved:
         q.put(sdpa)
     o, o_cast, o_mask = linear(q, a, T, "o_proj", saved)
@@ -685,7 +686,7 @@ def replayed(a: Arch, quant: str, targets: tuple, task: str, seq: int, batch: in
 
 
 def gelu(q: Requests, T: int, i: int, saved: bool) -> dict:
-    """sequence.gelu_new on fc1's bf16 output, its blocks named: 0.5 x (bf16), pow's fp32 copy, the cube, its
+    """decoder_phi.gelu_new on fc1's bf16 output, its blocks named: 0.5 x (bf16), pow's fp32 copy, the cube, its
     scaled, the sum, its scaled, tanh, 1 + tanh, the product; pow's copy and tanh freed unless ``saved``."""
     half, copy, cube = q.get(BF16 * T * i), q.get(FP32 * T * i), q.get(FP32 * T * i)
     if not saved:
@@ -718,7 +719,7 @@ def phi_layer_forward(q: Requests, a: Arch, T: int, saved: bool) -> dict:
     q.put(q.get(256))  # a 256 B scratch the history's SDPA makes and frees at once
     if not saved:  # the rest of SDPA's tuple goes as transformers keeps its output alone
         q.put(lse, *seeds)
-    out_copy = q.get(BF16 * T * a.heads * a.head_dim)  # sequence.output_copy
+    out_copy = q.get(BF16 * T * a.heads * a.head_dim)  # decoder.output_copy
     if not saved:
         q.put(sdpa)
     o, o_cast, o_mask = linear(q, a, T, "dense", saved)
@@ -796,7 +797,7 @@ def phi_loss(q: Requests, a: Arch, T: int, logits, normed) -> dict:
 
 
 def phi_entropy(q: Requests, T: int, V: int):
-    """sequence.entropy_chunks with each chunk's row sums (fp32, its rows: the product's sum, freed once
+    """recorder.entropy_chunks with each chunk's row sums (fp32, its rows: the product's sum, freed once
     negated) and entropies (kept), their cat (fp32, T: returned), the chunks' entropies freed (the list's in
     reverse, the last chunk's after its log-probabilities)."""
     last, outs = None, []

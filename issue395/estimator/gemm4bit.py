@@ -1,6 +1,6 @@
 """Which kernel bitsandbytes' NF4 gemm_4bit runs for a decoder linear: its fused kernel (the output alone) or its
 dequantising fallback (the fp32 absmax and the bf16 weight made, then F.linear). The choice is per card, per
-weight shape and per token count, so it decides which requests an NF4 forward makes (sequence.linear4bit, the
+weight shape and per token count, so it decides which requests an NF4 forward makes (decoder_nf4.linear4bit, the
 streamed layer walk). Stdlib only.
 
 The pinned stack's bitsandbytes (SEQUENCE_BITSANDBYTES) decides in backends/cuda/ops.py's gemm_4bit: past

@@ -82,7 +82,7 @@ Known limitations
       1.0001x-1.0186x, median 1.0054x, before phi-2 NF4 was modelled; 69 before NF4 at 1,536 tokens or fewer was
       replayed, 71 before Phi-3-mini NF4 past 1,536 tokens was).
     - Phi-3-mini bf16 is replayed since the capture laid flash's output out as q (its cat-built q's output copied:
-      sequence.output_copy): its capture had been 23.3 MB under the 512x1 row, now 0.26 MB (sequence.py,
+      decoder.output_copy): its capture had been 23.3 MB under the 512x1 row, now 0.26 MB (sequence.py,
       BF16_SEQUENCE_TYPES).
     - Phi-3-mini NF4 without checkpointing is 1.0004x-1.0106x, its retained blocks' rests replayed: the
       12,288 B a token a layer it was over (1.063x-1.080x) was v, charged as a view of the fused qkv, where
@@ -121,7 +121,7 @@ Known limitations
       layer, the count with autocast_upcasts to the byte); what was over (1.024x-1.035x) was layer 0's
       LayerNorm and parallel MLP, which record nothing there (layer.mlp_records: 153,608 B a token).
     - phi-2 NF4 without checkpointing is 1.0002x-1.0031x (6 rows, 8.9-19.5 MB over), its retained blocks' rests
-      replayed (sequence.layer_phi_nf4: its forward the H100 trace's request for request at 512x1; 32.7 MB charged
+      replayed (decoder_phi.layer_phi_nf4: its forward the H100 trace's request for request at 512x1; 32.7 MB charged
       there, the largest of every gemm_4bit choice, 16.3 MB under the H100's own, none fused, which leaves the row
       3.1 MB over). Bounded it was 1.0056x-1.0250x (171.97 MB charged at 512x1, 385.88 MB at 2048x1). The rest of
       the estimate is the capture's live set: a layer
@@ -183,7 +183,8 @@ from .steady import adapter_bytes
 from .terms import BY_KEY, Phase, Term, phase_sum
 from .full import estimate_full, full_refused
 from .gemm4bit import Dispatch
-from .sequence import GRADIENT_ATTENTION, SEQUENCE_TRANSFORMERS, layer_rests, load_rests, replayed
+from .decoder import GRADIENT_ATTENTION
+from .sequence import SEQUENCE_TRANSFORMERS, layer_rests, load_rests, replayed
 from .stacks import transformers_release
 
 #: The architectures the resident construction is held to (every committed resident row of theirs).

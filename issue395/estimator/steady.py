@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from ..constants import unsplit_rests
 from ..tasks import task as task_named
 from .arch import Arch
-from .sequence import FP32
+from .recorder import FP32
 from .terms import Term
 
 LORA_WEIGHT_BYTES = 4  # fp32 LoRA weights (PEAK "Resident")

@@ -92,8 +92,9 @@ from ..constants import CUBLAS_WORKSPACE, K_SMALL_SIZE, block_bytes
 from .allocator import CachingAllocator
 from .arch import NF4_BLOCK, Arch, nf4_pieces, registration_order
 from .gemm4bit import Dispatch, any_fused
-from .sequence import (FP32, SEQUENCE_TRANSFORMERS, Requests, default_allocator, entropy_chunks, layer_parameters,
-                       norm, rotary, sdpa_workspace)
+from .recorder import FP32, Requests, entropy_chunks, sdpa_workspace
+from .decoder import layer_parameters, norm, rotary
+from .sequence import SEQUENCE_TRANSFORMERS, default_allocator
 from .steady import OPTIMIZERS, adapter_bytes
 
 #: The optimizers whose first step ``adamw_step`` builds: torch's AdamW, foreach (a square-root temporary per
@@ -401,7 +402,7 @@ def lora_recompute_nf4(q: Requests, T: int, fi: int, fo: int, r: int, dropout: b
 
 
 def layer_recompute(q: Requests, a: Arch, T: int, lora: tuple, first: bool = False, nf4: bool = False) -> tuple:
-    """A layer's forward recomputed when its backward first unpacks (sequence.layer's resident forward with its
+    """A layer's forward recomputed when its backward first unpacks (decoder.layer's resident forward with its
     graph, the input's norm saving its fp32 copy), stopped after down_proj's lora_A. Returns what its backward
     reads and what the stop leaves, in the order the unwound frames free it (down_proj's, the MLP's product, the
     post-attention norm's output, the first residual sum). The ``first`` layer's input (the frozen embedding's
@@ -563,7 +564,7 @@ def rotary_backward(q: Requests, T: int, w: int, g):
 
 
 def flash_backward(q: Requests, a: Arch, T: int, g, s: dict) -> tuple:
-    """SDPA's backward: dq, dk, dv, then its one workspace (sequence.sdpa_workspace, read off the four committed
+    """SDPA's backward: dq, dk, dv, then its one workspace (recorder.sdpa_workspace, read off the four committed
     streamed H100 histories, GQA and not), freed; then ``g`` and what the forward saved."""
     dq, dk = q.get(2 * T * a.heads * a.head_dim), q.get(2 * T * a.kv * a.head_dim)
     dv = q.get(2 * T * a.kv * a.head_dim)
@@ -958,7 +959,7 @@ def walked_rests(a: Arch, targets: tuple, r: int, task: str, seq: int, batch: in
         for descending in (True, False):
             args = (a, targets, r, task, seq, batch, quant == "nf4", dropout, steps, accumulation, optimizer,
                     descending)
-            # a small-pool adapter's blocks are never keys (sequence.Requests): nothing to leave out
+            # a small-pool adapter's blocks are never keys (recorder.Requests): nothing to leave out
             skip = () if small_pool_adapter(a, targets, r, task, quant) else _walk(*args)[1]
             most.append(_walk(*args, skip=frozenset(skip))[0])
         _WALKED[key] = max(most)

@@ -381,7 +381,7 @@ def test_soup_0770s_own_cpu_setup_of_a_full_fine_tuning_loads_fp32_parameters_th
 
     from issue395.estimator.releases import release_source
     from issue395.estimator.full import full_params, loads_fp32_master, master_weights
-    from issue395.estimator.sequence import FP32
+    from issue395.estimator.recorder import FP32
     from issue395.measure.builder import prepare_checkpoint
 
     if not loads_fp32_master(release_source(None)):
@@ -460,7 +460,7 @@ def test_the_full_sequence_is_the_full_captures_request_for_request_and_keeps_it
     capture's replay's: Qwen 39,878,656 B off, 18,546,688 B on, Llama 0."""
     from issue395.constants import CUBLAS_WORKSPACE
     from issue395.estimator import full_sequence
-    from issue395.estimator.sequence import Requests
+    from issue395.estimator.recorder import Requests
 
     replay = _capture_full()
     events = replay.capture_full(key, seq, 1, checkpointing)

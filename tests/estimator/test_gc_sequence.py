@@ -15,7 +15,7 @@ import pytest
 from conftest import ROOT, checked_stack
 
 from issue395.constants import EXPANDABLE_PAGE_BYTES, K_SMALL_SIZE, block_bytes
-from issue395.estimator import gc_sequence, sequence
+from issue395.estimator import decoder, gc_sequence, recorder, sequence
 from issue395.estimator.arch import arch_from_config
 from issue395.measure.trace import replaying_trace, seeded
 from issue395.model.registry import config_json
@@ -32,7 +32,7 @@ def history():
 
 
 def large_requests(trace: dict) -> list:
-    """The history's large-pool requests and frees (the free's first half) as sequence.Requests' trace spells
+    """The history's large-pool requests and frees (the free's first half) as recorder.Requests' trace spells
     them, less the markers."""
     out, marked = [], set()
     for action, addr, size, *_ in trace["events"]:
@@ -66,7 +66,7 @@ def test_the_checkpointed_step_is_the_h100_historys_request_for_request_to_its_p
     the request the history peaks on."""
     a = arch_from_config(config_json("phi3-mini"))
     q = gc_sequence.Paged(TARGETS, 16, trace=True)
-    sequence.load(q, a, TARGETS, 16)
+    decoder.load(q, a, TARGETS, 16)
     loaded = len(q.trace)
     gc_sequence.step_to_peak(q, a, 2048)
     step, real = q.trace[loaded:], large_requests(history())
@@ -181,7 +181,7 @@ def test_under_the_window_the_flash_step_is_the_checkpointed_captures_request_fo
     assert not gc_sequence.masked(a, T) and gc_sequence.masked(a, (a.window or a.max_pos) + 1) == (a.window is not None)
     events = capture_module().capture(key, T, 1, 16, targets, checkpointing=True)
     q = gc_sequence.Paged(targets, 16, trace=True)
-    sequence.load(q, a, targets, 16)
+    decoder.load(q, a, targets, 16)
     loaded = len(q.trace)
     gc_sequence.step_whole(q, a, T)
     accuracy = ("alloc", 4 * (T - 1) * a.V)
@@ -223,7 +223,7 @@ def test_the_small_pools_live_blocks_at_the_historys_peak_are_the_arch_s_long_li
     a = arch_from_config(config_json("phi3-mini"))
     T = 2048
     live, pages = small_pool_at_peak(history())
-    weights, lora = sequence.parameters(a, TARGETS, 16)
+    weights, lora = decoder.parameters(a, TARGETS, 16)
     built = Counter(block_bytes(b) for b in [w for w in weights if block_bytes(w) <= K_SMALL_SIZE] + 3 * lora)
     built.update([block_bytes(BF16 * T * a.head_dim)] * 2 + [block_bytes(4 * T)])
     assert built == live - Counter({8 * T: 4, 512: 9}) and sum(built.values()) == 3 * 128 + 65 + 3
@@ -276,7 +276,7 @@ def test_from_the_historys_start_the_small_pool_touches_its_pages_over_the_step(
     No CUDA is faked: both sides are replays."""
     a, trace = arch_from_config(config_json("phi3-mini")), history()
     q = Recording(TARGETS, 16)
-    sequence.load(q, a, TARGETS, 16)
+    decoder.load(q, a, TARGETS, 16)
     q.seat_small(seeded([s for s in trace["start_segments"] if s["total_size"] < K_SMALL_SIZE << 6], True)[0])
     q.small_pages = []
     gc_sequence.step_to_peak(q, a, 2048)
@@ -414,13 +414,13 @@ def test_phi2s_and_llamas_checkpointed_steps_are_their_h100_historys_request_for
     key, T, r, targets = HISTORIES[name]
     a = arch_from_config(config_json(key))
     q = gc_sequence.Paged(targets, r, trace=True)
-    sequence.load(q, a, targets, r)
+    decoder.load(q, a, targets, r)
     loaded = len(q.trace)
     gc_sequence.step_to_peak(q, a, T)
     step, real = q.trace[loaded:], large_requests(two_steps(name))
     assert len(step) > 6_000 and step == real[:len(step)], next(
         i for i, (x, y) in enumerate(zip(step, real)) if x != y)
-    assert ("alloc", sequence.sdpa_workspace(a, T)) in step
+    assert ("alloc", recorder.sdpa_workspace(a, T)) in step
 
 
 # Slow: a whole device history replayed; the harness's own (no Soup in it), so once, in CI's first venv.
@@ -479,7 +479,7 @@ def test_phi2s_small_pool_from_its_historys_start_touches_its_pages_at_every_lar
     trace = two_steps("res-sft-phi2-bf16-gc-1088x1-exp")
     a = arch_from_config(config_json("phi-2"))
     q = Recording(PHI2, 16)
-    sequence.load(q, a, PHI2, 16)
+    decoder.load(q, a, PHI2, 16)
     q.seat_small(seeded([s for s in trace["start_segments"] if s["total_size"] < K_SMALL_SIZE << 6], True)[0])
     q.small_pages = []
     gc_sequence.step_to_peak(q, a, 1088)
@@ -488,7 +488,7 @@ def test_phi2s_small_pool_from_its_historys_start_touches_its_pages_at_every_lar
 
 
 def test_both_replays_request_sdpas_backward_workspace_from_its_one_definition(monkeypatch):
-    """The SDPA backward workspace's pad is one fact (sequence.SDPA_WORKSPACE_PAD): the checkpointed replay's
+    """The SDPA backward workspace's pad is one fact (recorder.SDPA_WORKSPACE_PAD): the checkpointed replay's
     sdpa_backward and the streamed replay's flash_backward both move with it (a stand-in pad set here), so the two
     cannot drift apart."""
     from issue395.estimator import streamed_sequence
@@ -496,8 +496,8 @@ def test_both_replays_request_sdpas_backward_workspace_from_its_one_definition(m
     a = arch_from_config(config_json("llama32-1b"))  # GQA: the workspace's second accumulator
     T, got = 2048, {}
     for pad in (256, 4096):
-        monkeypatch.setattr(sequence, "SDPA_WORKSPACE_PAD", pad)
-        gc, streamed = sequence.Requests(trace=True), sequence.Requests(trace=True)
+        monkeypatch.setattr(recorder, "SDPA_WORKSPACE_PAD", pad)
+        gc, streamed = recorder.Requests(trace=True), recorder.Requests(trace=True)
         gc_sequence.sdpa_backward(gc, a, T, gc.get(2 * T * a.h), [])
         s = {k: streamed.get(2 * T * a.h) for k in ("qr", "kr", "v", "sdpa")}
         streamed_sequence.flash_backward(streamed, a, T, streamed.get(2 * T * a.h), s)

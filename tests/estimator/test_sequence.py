@@ -13,7 +13,7 @@ import pytest
 from conftest import ROOT, canonical_runs, checked_stack
 
 from issue395.constants import CUBLAS_WORKSPACE, K_SMALL_SIZE, block_bytes
-from issue395.estimator import gemm4bit, sequence
+from issue395.estimator import decoder, decoder_nf4, gemm4bit, recorder, sequence
 from issue395.estimator.allocator import replaying
 from issue395.estimator.arch import arch_from_config, protocol_targets
 from issue395.estimator.stacks import package_version
@@ -65,15 +65,15 @@ def test_the_synthetic_sequence_is_the_captured_ones_request_for_request_and_kee
     anatomy measured 107,741,184 B over the history's peak, the loss's logits' three 1 MiB tails among them),
     SmolLM2 1024x4, Qwen3-0.6B's q/k norms at 512x1, LoRA dropout 0 (no mask), Phi-3-mini's fused qkv and gate_up
     (their views keep the fused blocks) and its rotary's cat with the pass-through part, whose flash output
-    transformers copies before o_proj (sequence.output_copy), at 512x1 (45,613,056 B; 22,544,384 B before that
+    transformers copies before o_proj (decoder.output_copy), at 512x1 (45,613,056 B; 22,544,384 B before that
     copy and CUDA dropout's mask-first order were captured; its bf16 rows keep the bound:
     sequence.BF16_SEQUENCE_TYPES)."""
     a = arch_from_config(config_json(key))
     targets, T = protocol_targets(a), seq * batch
     events = capture_module().capture(key, seq, batch, 8, targets, dropout)
     want, rests = captured(events, a, T)
-    q = sequence.Requests(trace=True)
-    sequence.load(q, a, targets, 8)
+    q = recorder.Requests(trace=True)
+    decoder.load(q, a, targets, 8)
     loaded = len(q.trace)
     kept = sequence.forward(q, a, T, seq, (targets, 8, dropout > 0))
     assert q.trace == want, next(i for i, (x, y) in enumerate(zip(q.trace, want)) if x != y)
@@ -105,8 +105,8 @@ def test_the_nf4_sequence_is_the_nf4_captures_request_for_request_and_keeps_its_
     targets, T = protocol_targets(a), seq * batch
     events = capture_module().capture(key, seq, batch, 8, targets, 0.05, "nf4")
     want, rests = captured(events, a, T)
-    q = sequence.Requests(trace=True)
-    sequence.load_nf4(q, a, targets, 8)
+    q = recorder.Requests(trace=True)
+    decoder_nf4.load_nf4(q, a, targets, 8)
     kept = sequence.forward_nf4(q, a, T, seq, (targets, 8, True))
     assert q.trace == want, next(i for i, (x, y) in enumerate(zip(q.trace, want)) if x != y)
     head = list(q.held)[-2:]
@@ -135,7 +135,7 @@ def test_the_nf4_sequence_at_1536_tokens_or_fewer_is_the_captures_whichever_kern
     every shape (bench/allocator_replay.py --gemm-4bit fused / fallback: Llama-3.2-1B and Phi-3-mini 512x1 and
     1024x1, Qwen3-0.6B's five shapes fused, phi-2 512x1 fused), and left to the H200's own answer (SmolLM2
     512x1: its gate and up fused, the rest not; phi-2 512x1 and 1024x1: none fused), every request over 1 MiB and every free of one is the synthetic sequence's under the
-    same choice (sequence.Requests' ``fused``), and the rests its forward's blocks keep (layer_rests under that
+    same choice (recorder.Requests' ``fused``), and the rests its forward's blocks keep (layer_rests under that
     choice) are the capture's at its peak, or over by the final norm's fp32 output's rest (``over``: freed before
     the peak, counted by the forward's end; the safe side, as sequence.py's docstring says of the final norm)."""
     import torch
@@ -148,8 +148,8 @@ def test_the_nf4_sequence_at_1536_tokens_or_fewer_is_the_captures_whichever_kern
     ops = mod.cuda_ops()
     fused = frozenset(s for s in gemm4bit.gemm_shapes(a) if mod.fused_kernel(gemm, ops, torch.bfloat16, seq, *s))
     assert fused == {"fused": frozenset(gemm4bit.gemm_shapes(a)), "fallback": frozenset()}.get(gemm, fused)
-    q = sequence.Requests(trace=True, fused=fused)
-    sequence.load_nf4(q, a, targets, 8)
+    q = recorder.Requests(trace=True, fused=fused)
+    decoder_nf4.load_nf4(q, a, targets, 8)
     kept = sequence.forward_nf4(q, a, seq, seq, (targets, 8, True))
     assert q.trace == want, next(i for i, (x, y) in enumerate(zip(q.trace, want)) if x != y)
     head = [k for k in q.held if k > max(kept)]  # the head's bf16 casts (its input's a small block at 512x1024)
@@ -261,7 +261,7 @@ def h100_trace_requests(path) -> tuple[list, list]:
 
 
 def history_requests(trace: dict) -> list:
-    """A history's large-pool requests and frees as sequence.Requests' trace spells them (("alloc", bytes),
+    """A history's large-pool requests and frees as recorder.Requests' trace spells them (("alloc", bytes),
     ("free", bytes): the free's first half, where the allocated stat drops), less ANATOMY_MARK's markers."""
     marks, out, seen = {ANATOMY_MARK + 1024 * k for k in range(16)}, [], set()
     for action, addr, size, *_ in trace["events"]:
@@ -292,8 +292,8 @@ def test_the_nf4_forward_is_the_h100_traces_request_for_request(key, seq, batch,
     a = arch_from_config(config_json(key))
     targets = protocol_targets(a)
     real, start = h100_trace_requests(ROOT / "results" / f"{path}.trace.json.gz")
-    q = sequence.Requests(trace=True)
-    sequence.load_nf4(q, a, targets, 8)
+    q = recorder.Requests(trace=True)
+    decoder_nf4.load_nf4(q, a, targets, 8)
     loaded, segments = len(q.trace), used_segments(q.alloc)
     sequence.forward_nf4(q, a, seq * batch, seq, (targets, 8, True))
     forward = q.trace[loaded:]
@@ -392,8 +392,8 @@ def test_bf16_on_any_targets_with_an_attention_input_one_is_the_captures_request
     assert sequence.replayed(a, "none", targets, "sft", transformers=sequence.SEQUENCE_TRANSFORMERS, environ={})
     events = capture_module().capture(key, seq, batch, r, targets, 0.05)
     want, captured_rests = captured(events, a, T)
-    q = sequence.Requests(trace=True)
-    sequence.load(q, a, targets, r)
+    q = recorder.Requests(trace=True)
+    decoder.load(q, a, targets, r)
     kept = sequence.forward(q, a, T, seq, (targets, r, True))
     assert q.trace == want, next(i for i, (x, y) in enumerate(zip(q.trace, want)) if x != y)
     assert q.rests(kept) == captured_rests == rests
@@ -415,12 +415,12 @@ def test_targets_that_leave_phi3s_layer_0_attention_without_a_gradient_are_not_t
     assert not sequence.replayed(a, quant, targets, "sft", transformers=sequence.SEQUENCE_TRANSFORMERS, environ={})
     with contextlib.redirect_stderr(io.StringIO()):  # bitsandbytes' note on a CPU kernel it does not load
         want, _ = captured(capture_module().capture(key, seq, 1, r, targets, dropout, quant), a, seq)
-    q = sequence.Requests(trace=True)
+    q = recorder.Requests(trace=True)
     if quant == "nf4":
-        sequence.load_nf4(q, a, targets, r)
+        decoder_nf4.load_nf4(q, a, targets, r)
         sequence.forward_nf4(q, a, seq, seq, (targets, r, dropout > 0))
     else:
-        sequence.load(q, a, targets, r)
+        decoder.load(q, a, targets, r)
         sequence.forward(q, a, seq, seq, (targets, r, dropout > 0))
     assert canonical_runs(q.trace) != canonical_runs(want)
 
@@ -446,8 +446,8 @@ def test_bf16_on_o_proj_and_the_mlps_linears_is_the_captures_request_for_request
     T = seq * batch
     assert sequence.replayed(a, "none", targets, "sft", transformers=sequence.SEQUENCE_TRANSFORMERS, environ={})
     want, captured_rests = captured(capture_module().capture(key, seq, batch, 8, targets, dropout), a, T)
-    q = sequence.Requests(trace=True)
-    sequence.load(q, a, targets, 8)
+    q = recorder.Requests(trace=True)
+    decoder.load(q, a, targets, 8)
     kept = sequence.forward(q, a, T, seq, (targets, 8, dropout > 0))
     assert canonical_runs(q.trace) == canonical_runs(want)
     assert q.rests(kept) - captured_rests == over
@@ -481,8 +481,8 @@ def test_nf4_on_o_proj_and_the_mlps_linears_is_the_captures_request_for_request(
     with contextlib.redirect_stderr(io.StringIO()):  # bitsandbytes' note on a CPU kernel it does not load
         want, _ = captured(mod.capture(key, seq, batch, r, targets, dropout, "nf4", gemm), a, T)
     fused = frozenset(s for s in gemm4bit.gemm_shapes(a) if mod.fused_kernel(gemm, mod.cuda_ops(), torch.bfloat16, T, *s))
-    q = sequence.Requests(trace=True, fused=fused)
-    sequence.load_nf4(q, a, targets, r)
+    q = recorder.Requests(trace=True, fused=fused)
+    decoder_nf4.load_nf4(q, a, targets, r)
     sequence.forward_nf4(q, a, T, seq, (targets, r, dropout > 0))
     assert canonical_runs(q.trace) == canonical_runs(want)
 
@@ -513,9 +513,9 @@ def test_o_proj_and_the_mlps_linears_are_the_h100_historys_forward_request_for_r
     trace = json.loads(gzip.open(ROOT / "results" / f"{path}.trace.json.gz", "rt").read())
     a, nf4, sft = arch_from_config(config_json(QUIET_HISTORIES[path])), d["quant"] == "nf4", d["task"] == "sft"
     T, lora = d["seq"] * d["batch"] * (1 if sft else 2), (tuple(d["targets"].split(",")), d["r"], sft)
-    q = sequence.Requests(trace=True, fused=gemm4bit.gemm_choices(a, T, CARDS["h100"].dispatch)[0] if nf4 else
+    q = recorder.Requests(trace=True, fused=gemm4bit.gemm_choices(a, T, CARDS["h100"].dispatch)[0] if nf4 else
                           frozenset())
-    (sequence.load_nf4 if nf4 else sequence.load)(q, a, lora[0], d["r"])
+    (decoder_nf4.load_nf4 if nf4 else decoder.load)(q, a, lora[0], d["r"])
     loaded = len(q.trace)
     (sequence.forward_nf4 if nf4 else sequence.forward)(q, a, T, d["seq"], lora, CUBLAS_WORKSPACE)
     built = canonical_runs([e for e in q.trace[loaded:] if e[0] != "empty_cache"])
@@ -548,8 +548,8 @@ def test_nf4_on_any_targets_with_an_attention_input_one_is_the_captures_request_
     with contextlib.redirect_stderr(io.StringIO()):
         events = capture_module().capture(key, seq, batch, r, targets, dropout, "nf4")
     want, captured_rests = captured(events, a, T)
-    q = sequence.Requests(trace=True)
-    sequence.load_nf4(q, a, targets, r)
+    q = recorder.Requests(trace=True)
+    decoder_nf4.load_nf4(q, a, targets, r)
     kept = sequence.forward_nf4(q, a, T, seq, (targets, r, dropout > 0))
     assert q.trace == want, next(i for i, (x, y) in enumerate(zip(q.trace, want)) if x != y)
     assert q.rests(kept) + q.rests(list(q.held)[-2:]) == captured_rests
@@ -573,8 +573,8 @@ def test_phis_bf16_sequence_is_the_captures_request_for_request_under_autocasts_
     assert sequence.replayed(a, "none", targets, "sft", transformers=sequence.SEQUENCE_TRANSFORMERS, environ={})
     events = capture_module().capture("phi-2", seq, batch, 8, targets, 0.05)
     want, captured_rests = captured(events, a, T)
-    q = sequence.Requests(trace=True)
-    sequence.load(q, a, targets, 8)
+    q = recorder.Requests(trace=True)
+    decoder.load(q, a, targets, 8)
     kept = sequence.forward(q, a, T, seq, (targets, 8, True))
     assert q.trace == want, next(i for i, (x, y) in enumerate(zip(q.trace, want)) if x != y)
     assert q.rests(kept) == captured_rests == rests
@@ -618,7 +618,7 @@ GEMMA2_TRACE = "resident-gemma2-qwen-traces-h100-soup0.77.0-328540f/res-sft-gemm
 @checked_stack
 def test_gemma2s_resident_forward_is_the_captures_and_the_h100_traces_but_the_drivers_placement_keeps_more():
     """Issue 52, resident Gemma-2 (its resident map rows 1.009-1.013x): the forward built for it (the scaled
-    embedding, then each layer's four Gemma RMSNorms: sequence.layer and sandwiched, gemma_norm) is the meta capture's
+    embedding, then each layer's four Gemma RMSNorms: decoder.layer and sandwiched, gemma_norm) is the meta capture's
     every request and free over 1 MiB at 512x1, with its rests (46,399,488 B), and the H100 trace's (Gemma-2-2B bf16
     SFT 2048x1, 2,548 events) to the final norm. Its rests are not the run's: the driver put the trace's segments
     at addresses that break best fit's ties otherwise (from its 98th forward request on), and at the real peak the
@@ -633,16 +633,16 @@ def test_gemma2s_resident_forward_is_the_captures_and_the_h100_traces_but_the_dr
     targets = protocol_targets(a)
     events = capture_module().capture("gemma2-2b", 512, 1, 8, targets, 0.05)
     want, rests = captured(events, a, 512)
-    q = sequence.Requests(trace=True)
-    sequence.load(q, a, targets, 8)
+    q = recorder.Requests(trace=True)
+    decoder.load(q, a, targets, 8)
     kept = sequence.forward(q, a, 512, 512, (targets, 8, True))
     assert q.trace == want and q.rests(kept) == rests == 46_399_488
     real, _ = h100_trace_requests(ROOT / "results" / f"{GEMMA2_TRACE}.trace.json.gz")
     replays = []
     for descending in (False, True):
-        q = sequence.Requests(trace=True)
+        q = recorder.Requests(trace=True)
         q.alloc = CachingAllocator(descending=descending)
-        sequence.load(q, a, targets, 8)
+        decoder.load(q, a, targets, 8)
         loaded = len(q.trace)
         kept = sequence.forward(q, a, 2048, 2048, (targets, 8, True))
         assert q.trace[loaded:] == real[:len(q.trace) - loaded] and len(q.trace) - loaded == 2548
@@ -692,8 +692,8 @@ def test_ktos_kl_forward_then_its_policys_are_the_historys_large_pool_requests_r
     out)."""
     d, trace, a = kto_history(path)
     T, targets = d["seq"] * d["batch"], tuple(d["targets"].split(","))
-    q = sequence.Requests(trace=True)
-    sequence.load(q, a, targets, d["r"])
+    q = recorder.Requests(trace=True)
+    decoder.load(q, a, targets, d["r"])
     loaded = len(q.trace)
     sequence.kl_forward(q, a, T, d["seq"], (targets, d["r"], False), d["batch"])
     sequence.forward(q, a, T, d["seq"], (targets, d["r"], False), 0)
@@ -706,7 +706,7 @@ def test_ktos_kl_forward_then_its_policys_are_the_historys_large_pool_requests_r
 def test_the_kto_policys_forward_blocks_keep_the_historys_rests_from_its_start_and_at_least_them_from_the_load(path):
     """Seeded with the history's own start (its segments as the setup left them), the KL and policy forwards' replay
     leaves the policy's blocks the history's rests at its peak to the byte (Qwen2.5 1024x2 11,010,048 B, 512x2
-    5,242,880, SmolLM2 9,043,968 at 2048x2 and 1024x4, none on the other five). From sequence.load: the same under the
+    5,242,880, SmolLM2 9,043,968 at 2048x2 and 1024x4, none on the other five). From decoder.load: the same under the
     warmup's block short by WARMUP_UNUSED's reserved bytes (the charge is the larger of both loads'). Seeded with
     the anatomy tool's first marker (ANATOMY_MARK) made and freed first, the same: the histories' markers move no
     cut."""
@@ -717,7 +717,7 @@ def test_the_kto_policys_forward_blocks_keep_the_historys_rests_from_its_start_a
                                                                               False)
     made = policy_rests(trace, a, T)
     for marked in (False, True):
-        q = sequence.Requests()
+        q = recorder.Requests()
         q.alloc, _ = seeded(trace["start_segments"])
         if marked:
             q.put(q.get(ANATOMY_MARK))
@@ -738,8 +738,8 @@ def test_a_warmup_short_by_the_reserved_bytes_lays_out_the_historys_start(path):
     targets = tuple(d["targets"].split(","))
 
     def layout(unused: int):
-        q = sequence.Requests()
-        sequence.load(q, a, targets, d["r"], unused)
+        q = recorder.Requests()
+        decoder.load(q, a, targets, d["r"], unused)
         return sorted((b.size, b.allocated) for b in q.alloc.blocks() if b.mapped and not b.small)
 
     start = sorted((int(b["size"]), b["state"] != "inactive") for s in trace["start_segments"]
@@ -798,8 +798,8 @@ def test_nf4_preference_steps_run_the_nf4_forward_at_their_rows_request_for_requ
     kto = d["task"] == "kto"
     T, lora = d["seq"] * d["batch"] * (1 if kto else 2), (tuple(d["targets"].split(",")), d["r"], False)
     (fused,) = gemm4bit.gemm_choices(a, T, CARDS["h100"].dispatch)
-    q = sequence.Requests(trace=True, fused=fused)
-    sequence.load_nf4(q, a, lora[0], d["r"])
+    q = recorder.Requests(trace=True, fused=fused)
+    decoder_nf4.load_nf4(q, a, lora[0], d["r"])
     loaded = len(q.trace)
     if kto:
         sequence.kl_forward(q, a, T, d["seq"], lora, d["batch"], CUBLAS_WORKSPACE, nf4=True)
@@ -822,7 +822,7 @@ def test_the_kl_forward_refuses_a_type_it_has_no_no_grad_path_for_and_leaves_the
     and Gemma-2's have no no-grad path (their blocks would be kept), and Mistral-7B's NF4 one was not checked. The
     Requests it was handed record a graph again after it, refused or not."""
     a = arch_from_config(config_json(key))
-    q = sequence.Requests()
+    q = recorder.Requests()
     with pytest.raises(ValueError, match="no KL forward"):
         sequence.kl_forward(q, a, 512, 512, (("q_proj", "v_proj"), 8, False), 1, nf4=nf4)
     assert q.graph
@@ -837,8 +837,8 @@ def test_the_kl_forward_frees_every_block_it_makes_but_the_processs_workspace(ke
     """Nothing of a no-grad forward outlives it (its head's logsumexp rows and fp32 logits freed too): from the load,
     the KL forward leaves held only the cuBLAS workspace its first matmul makes, and the graph recorded again."""
     a = arch_from_config(config_json(key))
-    q = sequence.Requests()
-    (sequence.load_nf4 if nf4 else sequence.load)(q, a, targets, 8)
+    q = recorder.Requests()
+    (decoder_nf4.load_nf4 if nf4 else decoder.load)(q, a, targets, 8)
     loaded = set(q.held)
     sequence.kl_forward(q, a, 2048, 1024, (targets, 8, False), 2, nf4=nf4)
     assert q.graph and [q.held[k].requested for k in set(q.held) - loaded] == [CUBLAS_WORKSPACE]

@@ -20,7 +20,8 @@ from issue395.estimator.allocator import DESCENDING_TOP, CachingAllocator, _chai
 from issue395.estimator.arch import arch_from_config, registration_order
 from issue395.estimator.cards import CARDS
 from issue395.estimator.estimate import ADAPTER_RESTS, checked_arguments, estimate_key
-from issue395.estimator.sequence import Requests, layer, layer_parameters
+from issue395.estimator.recorder import Requests
+from issue395.estimator.decoder import layer, layer_parameters
 from issue395.estimator.steady import adapter_bytes, lora_tensors
 from issue395.estimator.streamed_sequence import (MATERIALISED, adamw_step, adapter_elements, fresh_rests,
                                                   dpo_step, layer_backward, layers_forward, nf4_step_replayed,
@@ -428,7 +429,7 @@ def test_each_traced_arm_is_charged_at_or_above_its_real_peak_and_its_adapter_re
 
 
 def _large(trace: dict) -> list:
-    """The history's large-pool requests and frees in order, as sequence.Requests' trace writes them."""
+    """The history's large-pool requests and frees in order, as recorder.Requests' trace writes them."""
     out = []
     for row in trace["events"]:
         nbytes = int(row[2] or 0)
@@ -466,7 +467,7 @@ def test_the_streamed_layers_checkpointed_forward_is_each_historys_request_for_r
 
 def test_each_streamed_layers_recompute_is_the_resident_forward_stopped_at_down_projs_lora_a():
     """What the next builder starts from (issue 52 item 1, trace first): in the Llama-3.2-1B bf16 history every layer
-    but the first, in each of the 3 steps, recomputes its forward as sequence.layer builds a resident layer's with
+    but the first, in each of the 3 steps, recomputes its forward as decoder.layer builds a resident layer's with
     its graph (the first 124 large-pool events, 40 identifying it) and stops where the last tensor its backward needs
     is made (down_proj's lora_A output: torch's non-reentrant checkpoint stops early, lora_B's output never made),
     one such layer every 312
