@@ -444,15 +444,25 @@ def layer_rests(a: Arch, targets: tuple, r: int, T: int, seq: int, dropout: bool
     key = (repr(a), targets, r, T, seq, dropout, quant, workspace, fused, kl_rows, unused)
     if key not in _RESTS:
         q = Requests(fused=fused or frozenset())
-        if quant == "nf4":
-            load_nf4(q, a, targets, r)
-            if kl_rows:
-                kl_forward(q, a, T, seq, (targets, r, dropout), kl_rows, workspace, nf4=True)
-            kept = forward_nf4(q, a, T, seq, (targets, r, dropout), 0 if kl_rows else workspace)
-        else:
-            load(q, a, targets, r, unused)
-            if kl_rows:  # the KL batch's forward made the process's workspace: the policy's makes none
-                kl_forward(q, a, T, seq, (targets, r, dropout), kl_rows, workspace)
-            kept = forward(q, a, T, seq, (targets, r, dropout), 0 if kl_rows else workspace)
+        _, kept = loaded_forward(q, a, quant, (targets, r, dropout), T, seq, workspace, kl_rows, unused or 0)
         _RESTS[key] = q.rests(kept)
     return _RESTS[key]
+
+
+def loaded_forward(q: Requests, a: Arch, quant: str, lora: tuple, T: int, seq: int,
+                   workspace: int = CUBLAS_WORKSPACE, kl_rows: int = 0, unused: int = 0) -> tuple[int, list]:
+    """A resident step from its load to its forward's end: the load (bf16 ``load``, its warmup ``unused`` bytes
+    short; NF4 ``load_nf4``, whose warmup segment peft's empty_cache releases), KTO's KL batch of ``kl_rows`` rows
+    where there is one (kl_forward: it makes the process's cuBLAS ``workspace``, so the policy's makes none), then
+    the policy's forward (``forward_nf4`` or ``forward``; ``lora``: the targets, r, dropout). Returns how many
+    requests and frees the load made (``q.trace``'s length after it, where ``q`` traces) and the blocks the forward
+    keeps."""
+    nf4 = quant == "nf4"
+    if nf4:
+        load_nf4(q, a, lora[0], lora[1])
+    else:
+        load(q, a, lora[0], lora[1], unused)
+    loaded = len(q.trace) if q.trace is not None else 0
+    if kl_rows:
+        kl_forward(q, a, T, seq, lora, kl_rows, workspace, nf4=nf4)
+    return loaded, (forward_nf4 if nf4 else forward)(q, a, T, seq, lora, 0 if kl_rows else workspace)

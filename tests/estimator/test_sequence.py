@@ -73,9 +73,7 @@ def test_the_synthetic_sequence_is_the_captured_ones_request_for_request_and_kee
     events = capture_module().capture(key, seq, batch, 8, targets, dropout)
     want, rests = captured(events, a, T)
     q = recorder.Requests(trace=True)
-    decoder.load(q, a, targets, 8)
-    loaded = len(q.trace)
-    kept = sequence.forward(q, a, T, seq, (targets, 8, dropout > 0))
+    loaded, kept = sequence.loaded_forward(q, a, "none", (targets, 8, dropout > 0), T, seq)
     assert q.trace == want, next(i for i, (x, y) in enumerate(zip(q.trace, want)) if x != y)
     assert loaded > 2 * a.L and q.rests(kept) == rests == sequence.layer_rests(a, targets, 8, T, seq, dropout > 0,
                                                                                workspace=CUBLAS_WORKSPACE, unused=0)
@@ -106,8 +104,7 @@ def test_the_nf4_sequence_is_the_nf4_captures_request_for_request_and_keeps_its_
     events = capture_module().capture(key, seq, batch, 8, targets, 0.05, "nf4")
     want, rests = captured(events, a, T)
     q = recorder.Requests(trace=True)
-    decoder_nf4.load_nf4(q, a, targets, 8)
-    kept = sequence.forward_nf4(q, a, T, seq, (targets, 8, True))
+    _, kept = sequence.loaded_forward(q, a, "nf4", (targets, 8, True), T, seq)
     assert q.trace == want, next(i for i, (x, y) in enumerate(zip(q.trace, want)) if x != y)
     head = list(q.held)[-2:]
     assert q.rests(kept) + q.rests(head) == rests
@@ -149,8 +146,7 @@ def test_the_nf4_sequence_at_1536_tokens_or_fewer_is_the_captures_whichever_kern
     fused = frozenset(s for s in gemm4bit.gemm_shapes(a) if mod.fused_kernel(gemm, ops, torch.bfloat16, seq, *s))
     assert fused == {"fused": frozenset(gemm4bit.gemm_shapes(a)), "fallback": frozenset()}.get(gemm, fused)
     q = recorder.Requests(trace=True, fused=fused)
-    decoder_nf4.load_nf4(q, a, targets, 8)
-    kept = sequence.forward_nf4(q, a, seq, seq, (targets, 8, True))
+    _, kept = sequence.loaded_forward(q, a, "nf4", (targets, 8, True), seq, seq)
     assert q.trace == want, next(i for i, (x, y) in enumerate(zip(q.trace, want)) if x != y)
     head = [k for k in q.held if k > max(kept)]  # the head's bf16 casts (its input's a small block at 512x1024)
     assert q.rests(kept) + q.rests(head) - rests == over
@@ -393,8 +389,7 @@ def test_bf16_on_any_targets_with_an_attention_input_one_is_the_captures_request
     events = capture_module().capture(key, seq, batch, r, targets, 0.05)
     want, captured_rests = captured(events, a, T)
     q = recorder.Requests(trace=True)
-    decoder.load(q, a, targets, r)
-    kept = sequence.forward(q, a, T, seq, (targets, r, True))
+    _, kept = sequence.loaded_forward(q, a, "none", (targets, r, True), T, seq)
     assert q.trace == want, next(i for i, (x, y) in enumerate(zip(q.trace, want)) if x != y)
     assert q.rests(kept) == captured_rests == rests
     assert sequence.layer_rests(a, targets, r, T, seq, True, workspace=CUBLAS_WORKSPACE, unused=0) == rests
@@ -416,12 +411,7 @@ def test_targets_that_leave_phi3s_layer_0_attention_without_a_gradient_are_not_t
     with contextlib.redirect_stderr(io.StringIO()):  # bitsandbytes' note on a CPU kernel it does not load
         want, _ = captured(capture_module().capture(key, seq, 1, r, targets, dropout, quant), a, seq)
     q = recorder.Requests(trace=True)
-    if quant == "nf4":
-        decoder_nf4.load_nf4(q, a, targets, r)
-        sequence.forward_nf4(q, a, seq, seq, (targets, r, dropout > 0))
-    else:
-        decoder.load(q, a, targets, r)
-        sequence.forward(q, a, seq, seq, (targets, r, dropout > 0))
+    sequence.loaded_forward(q, a, quant, (targets, r, dropout > 0), seq, seq)
     assert canonical_runs(q.trace) != canonical_runs(want)
 
 
@@ -447,8 +437,7 @@ def test_bf16_on_o_proj_and_the_mlps_linears_is_the_captures_request_for_request
     assert sequence.replayed(a, "none", targets, "sft", transformers=sequence.SEQUENCE_TRANSFORMERS, environ={})
     want, captured_rests = captured(capture_module().capture(key, seq, batch, 8, targets, dropout), a, T)
     q = recorder.Requests(trace=True)
-    decoder.load(q, a, targets, 8)
-    kept = sequence.forward(q, a, T, seq, (targets, 8, dropout > 0))
+    _, kept = sequence.loaded_forward(q, a, "none", (targets, 8, dropout > 0), T, seq)
     assert canonical_runs(q.trace) == canonical_runs(want)
     assert q.rests(kept) - captured_rests == over
 
@@ -482,8 +471,7 @@ def test_nf4_on_o_proj_and_the_mlps_linears_is_the_captures_request_for_request(
         want, _ = captured(mod.capture(key, seq, batch, r, targets, dropout, "nf4", gemm), a, T)
     fused = frozenset(s for s in gemm4bit.gemm_shapes(a) if mod.fused_kernel(gemm, mod.cuda_ops(), torch.bfloat16, T, *s))
     q = recorder.Requests(trace=True, fused=fused)
-    decoder_nf4.load_nf4(q, a, targets, r)
-    sequence.forward_nf4(q, a, T, seq, (targets, r, dropout > 0))
+    sequence.loaded_forward(q, a, "nf4", (targets, r, dropout > 0), T, seq)
     assert canonical_runs(q.trace) == canonical_runs(want)
 
 
@@ -515,9 +503,7 @@ def test_o_proj_and_the_mlps_linears_are_the_h100_historys_forward_request_for_r
     T, lora = d["seq"] * d["batch"] * (1 if sft else 2), (tuple(d["targets"].split(",")), d["r"], sft)
     q = recorder.Requests(trace=True, fused=gemm4bit.gemm_choices(a, T, CARDS["h100"].dispatch)[0] if nf4 else
                           frozenset())
-    (decoder_nf4.load_nf4 if nf4 else decoder.load)(q, a, lora[0], d["r"])
-    loaded = len(q.trace)
-    (sequence.forward_nf4 if nf4 else sequence.forward)(q, a, T, d["seq"], lora, CUBLAS_WORKSPACE)
+    loaded, _ = sequence.loaded_forward(q, a, d["quant"], lora, T, d["seq"])
     built = canonical_runs([e for e in q.trace[loaded:] if e[0] != "empty_cache"])
     assert sequence.replayed(a, d["quant"], lora[0], d["task"], transformers="5.16.1", environ={})
     assert len(built) > 50 * a.L and built == canonical_runs(history_requests(trace))[:len(built)]
@@ -549,8 +535,7 @@ def test_nf4_on_any_targets_with_an_attention_input_one_is_the_captures_request_
         events = capture_module().capture(key, seq, batch, r, targets, dropout, "nf4")
     want, captured_rests = captured(events, a, T)
     q = recorder.Requests(trace=True)
-    decoder_nf4.load_nf4(q, a, targets, r)
-    kept = sequence.forward_nf4(q, a, T, seq, (targets, r, dropout > 0))
+    _, kept = sequence.loaded_forward(q, a, "nf4", (targets, r, dropout > 0), T, seq)
     assert q.trace == want, next(i for i, (x, y) in enumerate(zip(q.trace, want)) if x != y)
     assert q.rests(kept) + q.rests(list(q.held)[-2:]) == captured_rests
     assert q.rests(kept) == sequence.layer_rests(a, targets, r, T, seq, dropout > 0, "nf4", CUBLAS_WORKSPACE)
@@ -574,8 +559,7 @@ def test_phis_bf16_sequence_is_the_captures_request_for_request_under_autocasts_
     events = capture_module().capture("phi-2", seq, batch, 8, targets, 0.05)
     want, captured_rests = captured(events, a, T)
     q = recorder.Requests(trace=True)
-    decoder.load(q, a, targets, 8)
-    kept = sequence.forward(q, a, T, seq, (targets, 8, True))
+    _, kept = sequence.loaded_forward(q, a, "none", (targets, 8, True), T, seq)
     assert q.trace == want, next(i for i, (x, y) in enumerate(zip(q.trace, want)) if x != y)
     assert q.rests(kept) == captured_rests == rests
     assert sequence.layer_rests(a, targets, 8, T, seq, True, workspace=CUBLAS_WORKSPACE, unused=0) == rests
@@ -634,17 +618,14 @@ def test_gemma2s_resident_forward_is_the_captures_and_the_h100_traces_but_the_dr
     events = capture_module().capture("gemma2-2b", 512, 1, 8, targets, 0.05)
     want, rests = captured(events, a, 512)
     q = recorder.Requests(trace=True)
-    decoder.load(q, a, targets, 8)
-    kept = sequence.forward(q, a, 512, 512, (targets, 8, True))
+    _, kept = sequence.loaded_forward(q, a, "none", (targets, 8, True), 512, 512)
     assert q.trace == want and q.rests(kept) == rests == 46_399_488
     real, _ = h100_trace_requests(ROOT / "results" / f"{GEMMA2_TRACE}.trace.json.gz")
     replays = []
     for descending in (False, True):
         q = recorder.Requests(trace=True)
         q.alloc = CachingAllocator(descending=descending)
-        decoder.load(q, a, targets, 8)
-        loaded = len(q.trace)
-        kept = sequence.forward(q, a, 2048, 2048, (targets, 8, True))
+        loaded, kept = sequence.loaded_forward(q, a, "none", (targets, 8, True), 2048, 2048)
         assert q.trace[loaded:] == real[:len(q.trace) - loaded] and len(q.trace) - loaded == 2548
         replays.append(q.rests(kept))
     trace = json.loads(gzip.open(ROOT / "results" / f"{GEMMA2_TRACE}.trace.json.gz", "rt").read())
@@ -693,10 +674,7 @@ def test_ktos_kl_forward_then_its_policys_are_the_historys_large_pool_requests_r
     d, trace, a = kto_history(path)
     T, targets = d["seq"] * d["batch"], tuple(d["targets"].split(","))
     q = recorder.Requests(trace=True)
-    decoder.load(q, a, targets, d["r"])
-    loaded = len(q.trace)
-    sequence.kl_forward(q, a, T, d["seq"], (targets, d["r"], False), d["batch"])
-    sequence.forward(q, a, T, d["seq"], (targets, d["r"], False), 0)
+    loaded, _ = sequence.loaded_forward(q, a, "none", (targets, d["r"], False), T, d["seq"], kl_rows=d["batch"])
     built = canonical_runs(q.trace[loaded:])
     real = canonical_runs(history_requests(trace))
     assert len(built) > 100 * a.L and built == real[:len(built)]
@@ -799,11 +777,7 @@ def test_nf4_preference_steps_run_the_nf4_forward_at_their_rows_request_for_requ
     T, lora = d["seq"] * d["batch"] * (1 if kto else 2), (tuple(d["targets"].split(",")), d["r"], False)
     (fused,) = gemm4bit.gemm_choices(a, T, CARDS["h100"].dispatch)
     q = recorder.Requests(trace=True, fused=fused)
-    decoder_nf4.load_nf4(q, a, lora[0], d["r"])
-    loaded = len(q.trace)
-    if kto:
-        sequence.kl_forward(q, a, T, d["seq"], lora, d["batch"], CUBLAS_WORKSPACE, nf4=True)
-    sequence.forward_nf4(q, a, T, d["seq"], lora, 0 if kto else CUBLAS_WORKSPACE)
+    loaded, _ = sequence.loaded_forward(q, a, "nf4", lora, T, d["seq"], kl_rows=d["batch"] if kto else 0)
     built = canonical_runs([e for e in q.trace[loaded:] if e[0] != "empty_cache"])
     real = canonical_runs(history_requests(trace))
     assert len(built) > 50 * a.L and built == real[:len(built)]
