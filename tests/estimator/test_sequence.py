@@ -483,15 +483,22 @@ QUIET_HISTORIES = {"resident-anylora-traces-h100-soup0.77.0-d463cba/res-sft-smol
         ("dpo-qwen-nf4-1024x1-omlp", "qwen"), ("sft-qwen3-0.6b-nf4-1024x2-mlp", "qwen3-0.6b"),
         ("sft-qwen3-0.6b-bf16-1024x1-mlp", "qwen3-0.6b"), ("orpo-llama32-1b-bf16-1024x2-gate", "llama32-1b"),
         ("sft-llama31-8b-nf4-1024x1-r32-o", "llama31-8b"), ("dpo-mistral-7b-bf16-512x1-mlp", "mistral-7b"),
-        ("sft-qwen-bf16-2048x1-updown", "qwen"))}}
+        ("sft-qwen-bf16-2048x1-updown", "qwen"))}, **{
+    f"resident-quiet2-traces-h100-soup0.77.0-e11ec87/res-{name}": key for name, key in (
+        ("kto-smol-bf16-1024x2-mlp", "smol"), ("simpo-qwen-nf4-1024x2-omlp", "qwen"),
+        ("sft-qwen3-0.6b-nf4-1024x2-r32-s2a2-updown", "qwen3-0.6b"), ("kto-llama32-1b-nf4-1024x2-omlp", "llama32-1b"),
+        ("dpo-mistral-7b-nf4-512x2-od", "mistral-7b"), ("sft-llama32-1b-bf16-2048x1-r8-o", "llama32-1b"),
+        ("orpo-qwen3-0.6b-nf4-1024x2-oup", "qwen3-0.6b"))}}
 
 
 @pytest.mark.parametrize("path", QUIET_HISTORIES)
 def test_o_proj_and_the_mlps_linears_are_the_h100_historys_forward_request_for_request(path):
     """Issue 52: the quiet layer 0 (no q, k or v target: attention's and attention_nf4's ``quiet``, mlp's ``grad``),
     built from the meta capture, is each H100 history's forward request for request from the load's end to the
-    head's casts (the H100's gemm_4bit choice), bf16 and NF4, SFT and the stacked rows of ORPO and DPO (TRL turning
-    LoRA dropout off), on SmolLM2, Qwen2.5, Qwen3, Llama-3.2-1B, Llama-3.1-8B and Mistral-7B."""
+    head's casts (the H100's gemm_4bit choice), bf16 and NF4, SFT and the stacked rows of ORPO, SimPO and DPO (TRL
+    turning LoRA dropout off), KTO after its KL batch's no-grad forward, two steps at accumulation 2 (the first
+    micro-batch's), on SmolLM2, Qwen2.5, Qwen3, Llama-3.2-1B, Llama-3.1-8B and Mistral-7B; the second folder's seven
+    held out from the first's."""
     import gzip
     import json
 
@@ -500,10 +507,11 @@ def test_o_proj_and_the_mlps_linears_are_the_h100_historys_forward_request_for_r
     d = json.loads((ROOT / "results" / f"{path}.json").read_text())
     trace = json.loads(gzip.open(ROOT / "results" / f"{path}.trace.json.gz", "rt").read())
     a, nf4, sft = arch_from_config(config_json(QUIET_HISTORIES[path])), d["quant"] == "nf4", d["task"] == "sft"
-    T, lora = d["seq"] * d["batch"] * (1 if sft else 2), (tuple(d["targets"].split(",")), d["r"], sft)
+    kto = d["task"] == "kto"
+    T, lora = d["seq"] * d["batch"] * (1 if sft or kto else 2), (tuple(d["targets"].split(",")), d["r"], sft)
     q = recorder.Requests(trace=True, fused=gemm4bit.gemm_choices(a, T, CARDS["h100"].dispatch)[0] if nf4 else
                           frozenset())
-    loaded, _ = sequence.loaded_forward(q, a, d["quant"], lora, T, d["seq"])
+    loaded, _ = sequence.loaded_forward(q, a, d["quant"], lora, T, d["seq"], kl_rows=d["batch"] if kto else 0)
     built = canonical_runs([e for e in q.trace[loaded:] if e[0] != "empty_cache"])
     assert sequence.replayed(a, d["quant"], lora[0], d["task"], transformers="5.16.1", environ={})
     assert len(built) > 50 * a.L and built == canonical_runs(history_requests(trace))[:len(built)]
