@@ -1,5 +1,5 @@
 """A streamed LoRA step's steady-state requests for the adapter-shaped blocks, built from the estimator's own shapes
-(``Arch``) and replayed through estimator/allocator.py, in sequence.py's ``Requests`` (issue 52 item 1: the rests
+(``Arch``) and replayed through estimator/allocator.py, in recorder.py's ``Requests`` (issue 52 item 1: the rests
 those blocks keep, from the allocator's history, in place of steady.unsplit_remainders' bound of 1 MiB a block).
 Stdlib only.
 

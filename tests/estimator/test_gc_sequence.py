@@ -15,7 +15,7 @@ import pytest
 from conftest import ROOT, checked_stack
 
 from issue395.constants import EXPANDABLE_PAGE_BYTES, K_SMALL_SIZE, block_bytes
-from issue395.estimator import decoder, gc_sequence, recorder, sequence
+from issue395.estimator import decoder, gc_layers, gc_sequence, recorder, sequence
 from issue395.estimator.arch import arch_from_config
 from issue395.measure.trace import replaying_trace, seeded
 from issue395.model.registry import config_json
@@ -178,7 +178,7 @@ def test_under_the_window_the_flash_step_is_the_checkpointed_captures_request_fo
     there SDPA's backward is one workspace, not the capture's flash, and llama's MLP input gradients are summed
     out of place."""
     a = arch_from_config(config_json(key))
-    assert not gc_sequence.masked(a, T) and gc_sequence.masked(a, (a.window or a.max_pos) + 1) == (a.window is not None)
+    assert not gc_layers.masked(a, T) and gc_layers.masked(a, (a.window or a.max_pos) + 1) == (a.window is not None)
     events = capture_module().capture(key, T, 1, 16, targets, checkpointing=True)
     q = gc_sequence.Paged(targets, 16, trace=True)
     decoder.load(q, a, targets, 16)
@@ -498,7 +498,7 @@ def test_both_replays_request_sdpas_backward_workspace_from_its_one_definition(m
     for pad in (256, 4096):
         monkeypatch.setattr(recorder, "SDPA_WORKSPACE_PAD", pad)
         gc, streamed = recorder.Requests(trace=True), recorder.Requests(trace=True)
-        gc_sequence.sdpa_backward(gc, a, T, gc.get(2 * T * a.h), [])
+        gc_layers.sdpa_backward(gc, a, T, gc.get(2 * T * a.h), [])
         s = {k: streamed.get(2 * T * a.h) for k in ("qr", "kr", "v", "sdpa")}
         streamed_sequence.flash_backward(streamed, a, T, streamed.get(2 * T * a.h), s)
         got[pad] = [max(n for ev, n in q.trace if ev == "alloc") for q in (gc, streamed)]
