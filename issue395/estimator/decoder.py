@@ -14,7 +14,6 @@ Gemma-2 (``layer``'s Gemma-2 path, bf16): the embedding scaled into its own bloc
 MLP: the capture's and the H100 trace's request for request, but not admitted: the driver's segment addresses break
 best fit's ties otherwise there, and the real run's forward blocks keep 28.8 MB where either placement's replay keeps
 26.2-27.3 MB (the bound stays).
-
 """
 
 from __future__ import annotations
@@ -24,17 +23,17 @@ from .arch import Arch
 from .recorder import Requests
 
 
-#: The layer's attention and MLP linears by name: phi3's fused qkv_proj and gate_up_proj among them (its q, k, v and gate, up are views of one block); phi's
-#: dense (its o_proj) and fc1, fc2
+#: The layer's attention and MLP linears by name: phi3's fused qkv_proj and gate_up_proj among them (its q, k, v and
+#: gate, up are views of one block); phi's dense (its o_proj) and fc1, fc2
 ATTN = ("q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj", "dense")
 MLP = ("gate_proj", "up_proj", "gate_up_proj", "down_proj", "fc1", "fc2")
 
 
-#: The attention's linears whose LoRA target puts layer 0's attention on the backward: with one of them layer 0's attention output then needs a gradient, so its SDPA saves its
-#: inputs and output and its post-attention norm its fp32 input, as ``layer`` builds every layer. With none of them
-#: (o_proj or the MLP's linears alone) layer 0's SDPA saves nothing and, without o_proj, neither does that norm
-#: (Qwen2.5 o_proj,up_proj 1536x1; SmolLM2 gate_proj,down_proj 777x1): ``layer``'s and ``layer_nf4``'s quiet
-#: attention, checked on the types below.
+#: The attention's linears whose LoRA target puts layer 0's attention on the backward: with one of them layer 0's
+#: attention output needs a gradient, so its SDPA saves its inputs and output and its post-attention norm its fp32
+#: input, as ``layer`` builds every layer. With none of them (o_proj or the MLP's linears alone) layer 0's SDPA saves
+#: nothing and, without o_proj, neither does that norm (Qwen2.5 o_proj,up_proj 1536x1; SmolLM2 gate_proj,down_proj
+#: 777x1): ``layer``'s and decoder_nf4's ``layer_nf4``'s quiet attention, checked on sequence.QUIET_ATTENTION_TYPES.
 GRADIENT_ATTENTION = ("q_proj", "k_proj", "v_proj", "qkv_proj")
 
 
@@ -90,7 +89,8 @@ GEMMA_BUFFERS = (2,)
 
 def load(q: Requests, a: Arch, targets: tuple, r: int, unused: int = 0) -> None:
     """The warmup block (every parameter's and counted buffer's bytes less the ``unused`` bytes the process had
-    reserved beside its allocated ones: WARMUP_UNUSED; freed at once), then each tensor as the loader makes it."""
+    reserved beside its allocated ones: sequence.WARMUP_UNUSED; freed at once), then each tensor as the loader makes
+    it."""
     weights, lora = parameters(a, targets, r)
     buffers = list(GEMMA_BUFFERS) if a.model_type == "gemma2" else []
     q.put(q.get(max(sum(weights) + sum(buffers) - unused, 0)))

@@ -1,19 +1,17 @@
 """The NF4 decoder layer's forward requests (Soup's resident QLoRA: bitsandbytes' Linear4bit, NF4, double
-quantisation, bf16 compute), built as decoder's bf16 layer is and recorded in its ``Requests``. Stdlib only.
+quantisation, bf16 compute), built as decoder's bf16 layer is and recorded in recorder's ``Requests``. Stdlib only.
 
-Under NF4 (Soup's resident QLoRA) the load quantises each decoder linear as it lands, every other tensor is
-recast to fp32 (so the residual stream is fp32) and peft's prepare_model_for_kbit_training empties the cache
-(the warmup's segment, wholly free by then, goes back to the driver), each linear is bitsandbytes' Linear4bit (a
-bf16 cast of its input, the dequantised weight and its absmax, a bf16 output cast back) and each target peft's bnb
-LoRA layer:
-``load_nf4``, ``forward_nf4``, the capture's request for request past 1,536 tokens. At 1,536 tokens or fewer
-bitsandbytes' gemm_4bit chooses per card and per weight shape between its fused kernel (its output alone) and
-that dequantising fallback (a weight of 4 Mi elements or more past 512 tokens the fallback on every card:
-``gemm4bit.may_fuse``); the card unknown, every choice is replayed and the largest rests charged (``gemm_choices``; on a
-known card its one answer, gemm4bit.fused_shapes): the
-capture's request for request with the heuristic forced each way (Llama-3.2-1B and Phi-3-mini 512x1 and 1024x1,
-Qwen3-0.6B's five shapes fused at 512x1), and with the H200's own mixed choice (SmolLM2 512x1: its gate and up
-fused).
+Under NF4 the load quantises each decoder linear as it lands, every other tensor is recast to fp32 (so the residual
+stream is fp32) and peft's prepare_model_for_kbit_training empties the cache (the warmup's segment, wholly free by then,
+goes back to the driver), each linear is bitsandbytes' Linear4bit (a bf16 cast of its input, the dequantised weight and
+its absmax, a bf16 output cast back) and each target peft's bnb LoRA layer: ``load_nf4``, ``layer_nf4`` (run by
+sequence.forward_nf4), the capture's request for request past 1,536 tokens. At 1,536 tokens or fewer bitsandbytes'
+gemm_4bit chooses per card and per weight shape between its fused kernel (its output alone) and that dequantising
+fallback (a weight of 4 Mi elements or more past 512 tokens the fallback on every card: ``gemm4bit.may_fuse``); the card
+unknown, sequence.layer_rests replays every choice and charges the largest rests (gemm4bit.gemm_choices; on a known card
+its one answer, gemm4bit.fused_shapes): the capture's request for request with the heuristic forced each way
+(Llama-3.2-1B and Phi-3-mini 512x1 and 1024x1, Qwen3-0.6B's five shapes fused at 512x1), and with the H200's own mixed
+choice (SmolLM2 512x1: its gate and up fused).
 """
 
 from __future__ import annotations
@@ -42,7 +40,7 @@ def quantise(q: Requests, n: int) -> tuple:
 
 def load_nf4(q: Requests, a: Arch, targets: tuple, r: int, unused: int = 0) -> list:
     """transformers' warmup block (a quantised element 0.5 B, every other at bf16's 2 B; less the ``unused`` bytes the
-    process had reserved beside its allocated ones: WARMUP_UNUSED), each tensor in the
+    process had reserved beside its allocated ones: sequence.WARMUP_UNUSED), each tensor in the
     checkpoint's sorted key order (a decoder linear quantised as it lands), peft's prepare_model_for_kbit_training
     (each tensor it does not quantise recast to fp32, in the modules' order, then its torch.cuda.empty_cache():
     peft/utils/other.py, auto_clear_cache), peft's fp32 LoRA matrices, which TRL recasts to bf16. The keys of the

@@ -7,13 +7,13 @@ fp32 blocks (0.5 x, tanh and 1 + tanh kept from layer 1 on, and in layer 0 under
 MLP + residual, the final LayerNorm; every linear and the head with a bias: the capture's request for request at
 phi-2 512x1 (the H200's choice, none fused, and every shape fused), 1024x1 and 2048x1 (tests/estimator/
 test_sequence.py; 512x4-2048x4 not held there), and the H100 trace's forward request for request at 512x1: admitted
-(NF4_SEQUENCE_TYPES).
-Its bf16 step (``forward_phi``, ``layer_phi``): the LayerNorm's fp32 copy of its bf16 input (autocast's fp32
+(sequence.NF4_SEQUENCE_TYPES).
+Its bf16 step (sequence.forward_phi, ``layer_phi``): the LayerNorm's fp32 copy of its bf16 input (autocast's fp32
 policy; what its backward keeps from layer 1 on) and fp32 output, each linear's own bf16 cast of it (peft's LoRA
 casts nothing: its input is fp32 already), q and k rotated in bf16, gelu_new on fc1's bf16 output (0.5 x bf16, the
 rest fp32 from pow's fp32 copy of its input), fc2 on the product's bf16 cast, the final LayerNorm's fp32 copy and
 output, the head's bf16 cast of it: the capture's request for request at phi-2 512x1-2048x4, admitted
-(BF16_SEQUENCE_TYPES).
+(sequence.BF16_SEQUENCE_TYPES).
 """
 
 from __future__ import annotations

@@ -17,8 +17,8 @@ loss_remainders): their rests are counted twice, at most about 1 MiB over, the s
 
 Each layer's ops are decoder's (bf16; Phi-3's fused layer and Gemma-2's among them), decoder_nf4's
 (NF4) and decoder_phi's (phi's parallel layer); this module runs them as a step (``forward``, ``forward_nf4``,
-``forward_phi``, ``kl_forward``), replays them (``layer_rests``, ``load_rests``) and says where they are the run's
-(``replayed``).
+``forward_phi``, ``kl_forward``; from the load on, ``loaded_forward``), replays them (``layer_rests``, ``load_rests``)
+and says where they are the run's (``replayed``).
 
 Built only where it was checked against the capture (``replayed``: the plain llama-type decoder, bf16 or NF4, the
 protocol's SFT with LoRA dropout (bf16 on the plain llama-type decoder, any targets with q_proj, k_proj or v_proj
@@ -276,19 +276,20 @@ BF16_SEQUENCE_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi", "phi3")
 #: the LayerNorm's output, not the attention's, so in layer 0 only an fc1 target gives it a graph. Checked against
 #: the meta capture request for request (tests/estimator/test_sequence.py) and held out on the H100
 #: (results/resident-anylora-traces-*: twelve arms, all seven linears, q/k/v/o, v/o, an MLP mix, 1.0002x-1.0053x
-#: where these rests were what the bound had over, which was up to 1.0409x).
+#: where these rests were what the bound had over, which was up to 1.0409x). Each with a decoder.GRADIENT_ATTENTION
+#: target among them (checked_targets).
 ANY_TARGET_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "phi")
 
 
-#: ...or, bf16 or NF4 on these, with none of decoder.GRADIENT_ATTENTION among them (o_proj and the MLP's linears alone): layer 0's q, k, v and SDPA
-#: run as without a graph (``attention``'s and ``attention_nf4``'s ``quiet``), o_proj records only as a target (its
-#: LoRA saves what it would elsewhere, with no mask: its input needs no gradient), and with no o_proj target the
-#: post-attention norm saves nothing and the MLP only what its targets need (``mlp``'s ``grad``): the capture's request
-#: for request on SmolLM2, Qwen2.5, Llama-3.2-1B and Mistral-7B, bf16 and NF4 (Llama-3.1-8B too), under
-#: bitsandbytes' own gemm_4bit choice and its fallback (tests/estimator/test_sequence.py; on Qwen3 each run of frees
-#: in another order, which leaves the allocator as it is), and the H100's histories request for request on nine arms
-#: held out from it (results/resident-quiet-traces-*: SmolLM2, Qwen2.5, Qwen3, Llama-3.2-1B, Llama-3.1-8B, Mistral-7B;
-#: SFT, ORPO, DPO). Not Phi-3, whose quiet attention (its output copy) and fused gate_up are not built.
+#: ...or, bf16 or NF4 on these, with none of decoder.GRADIENT_ATTENTION among them (o_proj and the MLP's linears alone):
+#: layer 0's q, k, v and SDPA run as without a graph (``attention``'s and ``attention_nf4``'s ``quiet``), o_proj records
+#: only as a target (its LoRA saves what it would elsewhere, with no mask: its input needs no gradient), and with no
+#: o_proj target the post-attention norm saves nothing and the MLP only what its targets need (``mlp``'s ``grad``): the
+#: capture's request for request on SmolLM2, Qwen2.5, Llama-3.2-1B and Mistral-7B, bf16 and NF4 (Llama-3.1-8B too),
+#: under bitsandbytes' own gemm_4bit choice and its fallback (tests/estimator/test_sequence.py; on Qwen3 each run of
+#: frees in another order, which leaves the allocator as it is), and the H100's histories request for request on nine
+#: arms held out from it (results/resident-quiet-traces-*: SmolLM2, Qwen2.5, Qwen3, Llama-3.2-1B, Llama-3.1-8B,
+#: Mistral-7B; SFT, ORPO, DPO). Not Phi-3, whose quiet attention (its output copy) and fused gate_up are not built.
 QUIET_ATTENTION_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
@@ -456,7 +457,8 @@ def loaded_forward(q: Requests, a: Arch, quant: str, lora: tuple, T: int, seq: i
     where there is one (kl_forward: it makes the process's cuBLAS ``workspace``, so the policy's makes none), then
     the policy's forward (``forward_nf4`` or ``forward``; ``lora``: the targets, r, dropout). Returns how many
     requests and frees the load made (``q.trace``'s length after it, where ``q`` traces) and the blocks the forward
-    keeps."""
+    keeps. ``unused`` is bf16's alone: under NF4 the warmup's segment is gone before the step (its rests are
+    load_rests')."""
     nf4 = quant == "nf4"
     if nf4:
         load_nf4(q, a, lora[0], lora[1])
