@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from .arch import Arch
 from .recorder import Requests
-from .decoder import output_copy, projection, rotary
+from .decoder import output_copy, projection, quiet_parts, rotary
 from .decoder_nf4 import proj4bit
 
 
@@ -94,23 +94,28 @@ def layer_phi_nf4(q: Requests, a: Arch, T: int, x, first: bool, lora: tuple):
     return out
 
 
-def phi_attention(q: Requests, a: Arch, T: int, first: bool, lora: tuple):
+def phi_attention(q: Requests, a: Arch, T: int, first: bool, lora: tuple, quiet: bool = False):
     """phi's attention under bf16 autocast: q, k, v projected from the LayerNorm's fp32 output (each linear's own
     bf16 cast of it), the rotary part of q and k rotated and each cat with its pass-through part (the cats and v
     what flash saves), flash's output and logsumexp, dense (bf16 in, returned); q's and k's projections and
     rotated parts live until the attention returns (its locals), then freed. Without a graph (``Requests.graph``) the
-    logsumexp goes as SDPA returns, its output as the transposed copy rebinds it, the cats and v with the locals."""
-    outs = {m: projection(q, a, T, m, lora, not first, True)[0] for m in ("q_proj", "k_proj", "v_proj")}
-    rotated = [rotary(q, T, a.heads * a.rotary_dim), rotary(q, T, a.kv * a.rotary_dim)]
-    cats = [q.get(2 * T * a.heads * a.head_dim), q.get(2 * T * a.kv * a.head_dim)]
-    sdpa = q.get(2 * T * a.heads * a.head_dim)
-    lse = q.get(4 * T * a.heads)
-    q.unsaved(lse)  # no backward reads the logsumexp
-    copy = output_copy(q, a, T)
-    q.unsaved(sdpa)  # the transposed copy rebinds SDPA's output, which nothing saved
-    o = projection(q, a, T, "dense", lora, True)[0]
+    logsumexp goes as SDPA returns, its output as the transposed copy rebinds it, the cats and v with the locals.
+    ``quiet``: decoder.attention's (layer 0 with no q, k or v target): all of it up to SDPA runs as without a graph,
+    and dense records only as a target, its input needing no gradient."""
+    with q.no_graph(quiet):
+        outs = {m: projection(q, a, T, m, lora, not first, True)[0] for m in ("q_proj", "k_proj", "v_proj")}
+        rotated = [rotary(q, T, a.heads * a.rotary_dim), rotary(q, T, a.kv * a.rotary_dim)]
+        cats = [q.get(2 * T * a.heads * a.head_dim), q.get(2 * T * a.kv * a.head_dim)]
+        sdpa = q.get(2 * T * a.heads * a.head_dim)
+        lse = q.get(4 * T * a.heads)
+        q.unsaved(lse)  # no backward reads the logsumexp
+        copy = output_copy(q, a, T)
+        q.unsaved(sdpa)  # the transposed copy rebinds SDPA's output, which nothing saved
+        saves = q.graph  # whether flash saved the cats and v
+    with q.no_graph(quiet and "dense" not in lora[0]):
+        o = projection(q, a, T, "dense", lora, not quiet)[0]
     q.put(copy)
-    q.put(rotated[0], outs["q_proj"], rotated[1], outs["k_proj"], *([] if q.graph else [*cats, outs["v_proj"]]))
+    q.put(rotated[0], outs["q_proj"], rotated[1], outs["k_proj"], *([] if saves else [*cats, outs["v_proj"]]))
     return o
 
 
@@ -124,7 +129,7 @@ def layer_phi(q: Requests, a: Arch, T: int, x, first: bool, lora: tuple):
     normed = q.get(4 * T * a.h)
     if first or not q.graph:
         q.put(copy)
-    o = phi_attention(q, a, T, first, lora)
+    o = phi_attention(q, a, T, first, lora, quiet_parts(a, first, lora)[0])
     grad = phi_mlp_grad(first, lora)
     fc1 = projection(q, a, T, "fc1", lora, not first, True)[0]
     act, saved = gelu_new(q, T, a.i, not grad or not q.graph, 2)

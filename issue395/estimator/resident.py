@@ -89,6 +89,12 @@ Known limitations
       the fused output is fp32 under NF4 and autocast's SDPA keeps its own bf16 copy of v
       (layer.autocast_upcasts), measured on CPU under CUDA's autocast lists, not on a GPU anatomy (none is
       committed). Its bf16 rows are 1.0003x-1.016x and its checkpointed NF4 ones 1.0014x-1.0029x.
+    - LoRA on o_proj and the MLP's linears alone (no q, k or v target: layer 0's attention records nothing up to
+      SDPA) is replayed on the llama-type decoder, bf16 and NF4, and on phi in bf16 (dense, fc1, fc2:
+      sequence.QUIET_BF16_TYPES): 1.0002x-1.0055x on seventeen held-out H100 arms, phi-2 bf16 fc1,fc2 1.0032x. phi's
+      count charges its layer 0 whole (layer.quiet_layer leaves the parallel layer out: fc2 alone is 1.018x the
+      capture's peak at 2048x1). phi NF4 and Phi-3 keep the bound there (Phi-3-mini down_proj alone 1024x2: 1.0121x
+      bf16, 1.0238x NF4; its quiet attention's output copy and fused gate_up are not built).
     - Past a sliding window without checkpointing it is refused: Gemma-3 and Phi-3 keep attention masks per layer
       there that the counts do not have (Gemma-3 2048x1: 48 blocks of 8 MiB; the construction was 0.983x-1.018x on
       Gemma-3-1B's 20 committed rows, 0.984x on Phi-3-mini bf16 2048, its NF4 1.044x-1.053x).
@@ -97,8 +103,9 @@ Known limitations
       ran 2 optimizer steps (tests/run/test_resident_estimate.py's steady-state test holds them: 1.0002x-1.0216x);
       every committed resident map row is one step of one micro-batch, and none with accumulation past 1 is
       committed. The replayed rests (sequence.replayed) are not gated on steps or accumulation: they are the
-      first forward's, and no committed run on the replay's path has more than one step or micro-batch; a meta
-      emulation of 3 AdamW steps (the review's) found the rests of steps 2-3 equal to or under step 1's.
+      first forward's; one committed run on the replay's path has more than one step or micro-batch (Qwen3-0.6B
+      NF4 on up_proj and down_proj, 2 steps at accumulation 2: 1.0007x, results/resident-quiet2-traces-*), and a
+      meta emulation of 3 AdamW steps (the review's) found the rests of steps 2-3 equal to or under step 1's.
     - The replay's cuBLAS workspace: the estimate does not know the card, so the rests charged are the larger of
       the replays under Hopper's 32 MiB and the pre-Hopper 8.125 MiB default (Mistral-7B and Llama-3.1-8B 1000x4
       keep 86,114,304 B under the first, 128,581,632 B under the second); under CUBLAS_WORKSPACE_CONFIG, another

@@ -289,21 +289,30 @@ ANY_TARGET_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "phi")
 #: under bitsandbytes' own gemm_4bit choice and its fallback (tests/estimator/test_sequence.py; on Qwen3 each run of
 #: frees in another order, which leaves the allocator as it is), and the H100's histories request for request on nine
 #: arms held out from it (results/resident-quiet-traces-*: SmolLM2, Qwen2.5, Qwen3, Llama-3.2-1B, Llama-3.1-8B,
-#: Mistral-7B; SFT, ORPO, DPO). Not Phi-3, whose quiet attention (its output copy) and fused gate_up are not built.
+#: Mistral-7B; SFT, ORPO, DPO; then eight more, KTO, SimPO, checkpointing and accumulation among them:
+#: resident-quiet2-traces-*). Not Phi-3, whose quiet attention (its output copy) and fused gate_up are not built.
 QUIET_ATTENTION_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+#: ...and in bf16 alone, phi's parallel layer on dense and fc1, fc2 alone: its layer 0's q, k, v, rotary cats and SDPA
+#: as without a graph, dense recording only as a target (decoder_phi.phi_attention's ``quiet``; its MLP reads the
+#: LayerNorm's output, so only an fc1 target gives it a graph there, as before): the capture's request for request,
+#: up to the order of a run of frees (phi-2 512x1-2048x1 and 512x4-1024x4, dense, fc1, fc2 and their mixes, LoRA
+#: dropout on and off), its rests the capture's to the byte. Its NF4 layer (phi_attention_nf4 keeps every block)
+#: is not built so.
+QUIET_BF16_TYPES = ("phi",)
 
 
 def checked_targets(a: Arch, quant: str, targets: tuple) -> bool:
     """Whether the sequence was checked on these LoRA targets (a set; each named once): the protocol's on every
     type it replays, or, bf16 or NF4 on ANY_TARGET_TYPES, any of the layer's linears with a GRADIENT_ATTENTION one
-    among them, or, bf16 or NF4 on QUIET_ATTENTION_TYPES, o_proj and the MLP's linears alone (the capture's request
-    for request: tests/estimator/test_sequence.py)."""
+    among them, or, bf16 or NF4 on QUIET_ATTENTION_TYPES (bf16 on QUIET_BF16_TYPES too), o_proj (phi's dense) and the
+    MLP's linears alone (the capture's request for request: tests/estimator/test_sequence.py)."""
     if len(targets) != len(set(targets)):
         return False
     if set(targets) == set(protocol_targets(a)):
         return True
-    if (quant in ("none", "nf4") and a.model_type in QUIET_ATTENTION_TYPES
-            and set(targets) <= (set(MLP) | {"o_proj"}) & set(a.modules)):
+    quiet = QUIET_ATTENTION_TYPES + (QUIET_BF16_TYPES if quant == "none" else ())
+    if (quant in ("none", "nf4") and a.model_type in quiet
+            and set(targets) <= (set(MLP) | {"o_proj", "dense"}) & set(a.modules)):
         return True
     return (quant in ("none", "nf4") and a.model_type in ANY_TARGET_TYPES and set(targets) <= set(a.modules)
             and bool(set(targets) & set(GRADIENT_ATTENTION)))

@@ -348,7 +348,8 @@ def test_the_replay_serves_only_the_default_allocator_and_workspaces_it_was_chec
     ("phi3-mini", "nf4", ("o_proj", "gate_up_proj"), "sft", "5.16.1"),  # no qkv_proj: layer 0's SDPA saves nothing
     ("phi3-mini", "nf4", ("qkv_proj", "o_proj"), "kto", "5.16.1"),  # its KL forward off the protocol's: no history
     ("phi-2", "none", ("q_proj", "v_proj", "dense"), "kto", "5.16.1"),
-    ("phi-2", "none", ("dense", "fc1"), "sft", "5.16.1"),
+    ("phi-2", "nf4", ("dense", "fc1"), "sft", "5.16.1"),  # phi's NF4 layer 0 without a graph: not built
+    ("phi-2", "none", ("dense", "fc1"), "kto", "5.16.1"),  # its KL forward off the protocol's: no history
     ("phi3-mini", "none", ("o_proj", "down_proj"), "sft", "5.16.1"),  # layer 0's SDPA saves nothing: not built so
     ("phi3-mini", "none", ("gate_up_proj", "down_proj"), "sft", "5.16.1"),  # o_proj and the MLP: the llama type's only
     ("llama32-1b", "nf4", ("gate_proj", "up_proj", "down_proj"), "sft", "5.24.0"),
@@ -357,9 +358,10 @@ def test_the_replay_serves_only_the_default_allocator_and_workspaces_it_was_chec
 def test_every_run_the_sequence_was_not_checked_on_keeps_the_bound(key, quant, targets, task, transformers):
     """Review item 8: sequence.replayed holds only what the captures checked (bf16 or NF4 on llama, mistral, qwen2,
     qwen3, phi3 and phi, on targets with an attention input one among them, and on the llama type's o_proj and MLP
-    alone; transformers 5.16.1; the default allocator): KTO on a type its KL forward was not checked on
-    (sequence.KL_FORWARD_TYPES; under NF4 NF4_KL_FORWARD_TYPES), Gemma, Gemma-2, Phi-3's and phi's targets without
-    an attention input one (issue 51 item 3; bf16 or NF4), another transformers keep the bound."""
+    alone, phi's dense and MLP alone in bf16; transformers 5.16.1; the default allocator): KTO on a type its KL
+    forward was not checked on (sequence.KL_FORWARD_TYPES; under NF4 NF4_KL_FORWARD_TYPES; off the protocol's
+    targets KL_ANY_TARGET_TYPES), Gemma, Gemma-2, Phi-3's targets without an attention input one and phi's under NF4
+    (issue 51 item 3), another transformers keep the bound."""
     a = arch_from_config(config_json(key))
     assert not sequence.replayed(a, quant, targets, task, transformers=transformers, environ={})
     assert sequence.replayed(arch_from_config(config_json("llama32-1b")), "none", ("q_proj", "v_proj"), "sft",
@@ -399,13 +401,15 @@ def test_bf16_on_any_targets_with_an_attention_input_one_is_the_captures_request
 @pytest.mark.parametrize("key,seq,r,targets,dropout,quant", [
     ("phi3-mini", 512, 8, ("o_proj", "down_proj"), 0.05, "none"),
     ("phi3-mini", 512, 8, ("gate_up_proj", "down_proj"), 0.05, "none"),
-    ("phi3-mini", 2048, 8, ("gate_up_proj", "down_proj"), 0.05, "nf4")])
-def test_targets_that_leave_phi3s_layer_0_attention_without_a_gradient_are_not_the_sequences(key, seq, r, targets,
-                                                                                            dropout, quant):
+    ("phi3-mini", 2048, 8, ("gate_up_proj", "down_proj"), 0.05, "nf4"),
+    ("phi-2", 512, 8, ("fc1", "fc2"), 0.05, "nf4")])
+def test_targets_that_leave_phi3s_or_phi_nf4s_layer_0_attention_without_a_gradient_are_not_the_sequences(
+        key, seq, r, targets, dropout, quant):
     """Issue 51 item 3: with no q_proj, k_proj or v_proj target, layer 0's SDPA saves nothing (and with no
     attention target its post-attention norm saves no fp32 input). The sequence builds that on the llama type
-    (QUIET_ATTENTION_TYPES); on Phi-3 (its output copy, its fused gate_up) the capture's allocator state departs
-    from it, which is why sequence.checked_targets does not admit these targets there."""
+    (QUIET_ATTENTION_TYPES) and on phi in bf16 (QUIET_BF16_TYPES); on Phi-3 (its output copy, its fused gate_up) and
+    phi's NF4 layer (phi_attention_nf4 keeps SDPA's casts and output) the capture's allocator state departs from it,
+    which is why sequence.checked_targets does not admit these targets there."""
     a = arch_from_config(config_json(key))
     assert not sequence.replayed(a, quant, targets, "sft", transformers=sequence.SEQUENCE_TRANSFORMERS, environ={})
     with contextlib.redirect_stderr(io.StringIO()):  # bitsandbytes' note on a CPU kernel it does not load
@@ -422,7 +426,9 @@ def test_targets_that_leave_phi3s_layer_0_attention_without_a_gradient_are_not_t
     ("llama32-1b", 777, 1, ("down_proj",), 0.0, 0), ("qwen", 1536, 1, ("o_proj", "up_proj"), 0.0, 0),
     ("smol", 777, 1, ("o_proj", "gate_proj", "up_proj", "down_proj"), 0.05, 0),
     ("llama32-1b", 512, 1, ("o_proj", "down_proj"), 0.0, 0), ("qwen3-0.6b", 1024, 1, ("up_proj", "down_proj"), 0.05, 0),
-    ("qwen3-0.6b", 777, 1, ("o_proj", "down_proj"), 0.05, 284_672)])
+    ("qwen3-0.6b", 777, 1, ("o_proj", "down_proj"), 0.05, 284_672),
+    ("phi-2", 512, 1, ("fc1", "fc2"), 0.05, 0), ("phi-2", 1024, 2, ("dense",), 0.0, 0),
+    ("phi-2", 2048, 1, ("fc2",), 0.05, 0), ("phi-2", 1024, 4, ("dense", "fc1"), 0.05, 0)])
 def test_bf16_on_o_proj_and_the_mlps_linears_is_the_captures_request_for_request(key, seq, batch, targets, dropout,
                                                                                  over):
     """Issue 52: bf16 LoRA on the MLP's linears alone (SmolLM2, Qwen2.5, Llama-3.2-1B, Qwen3): layer 0's attention
@@ -431,7 +437,9 @@ def test_bf16_on_o_proj_and_the_mlps_linears_is_the_captures_request_for_request
     beside them, q, k, v and SDPA save nothing and o_proj's LoRA records with no mask (``attention``'s ``quiet``).
     The capture's request for request (each run of frees in any order: Qwen3's capture frees SDPA's inputs in
     another), and the rests its forward's blocks keep are the capture's (Qwen3 777x1 on o_proj and down 284,672 B
-    over: the safe side), so it is replayed (it was refused: the bound was under the capture)."""
+    over: the safe side), so it is replayed (it was refused: the bound was under the capture). phi's parallel layer
+    on dense and fc1, fc2 alone likewise (decoder_phi.phi_attention's ``quiet``; it kept the bound, 1.0229x on the
+    H100's phi-2 fc1,fc2 1024x2 arm)."""
     a = arch_from_config(config_json(key))
     T = seq * batch
     assert sequence.replayed(a, "none", targets, "sft", transformers=sequence.SEQUENCE_TRANSFORMERS, environ={})
@@ -488,7 +496,8 @@ QUIET_HISTORIES = {"resident-anylora-traces-h100-soup0.77.0-d463cba/res-sft-smol
         ("kto-smol-bf16-1024x2-mlp", "smol"), ("simpo-qwen-nf4-1024x2-omlp", "qwen"),
         ("sft-qwen3-0.6b-nf4-1024x2-r32-s2a2-updown", "qwen3-0.6b"), ("kto-llama32-1b-nf4-1024x2-omlp", "llama32-1b"),
         ("dpo-mistral-7b-nf4-512x2-od", "mistral-7b"), ("sft-llama32-1b-bf16-2048x1-r8-o", "llama32-1b"),
-        ("orpo-qwen3-0.6b-nf4-1024x2-oup", "qwen3-0.6b"))}}
+        ("orpo-qwen3-0.6b-nf4-1024x2-oup", "qwen3-0.6b"))},
+    "phi-quiet-and-walk-traces-h100-soup0.77.0-35fa47a/res-sft-phi-2-bf16-1024x2-fc": "phi-2"}
 
 
 @pytest.mark.parametrize("path", QUIET_HISTORIES)
