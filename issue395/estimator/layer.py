@@ -422,13 +422,16 @@ def mlp_records(a: Arch, targets: tuple, input_grad: bool) -> bool:
     """Whether a dense layer's MLP records anything for its backward. A plain layer's MLP reads the residual
     after attention, which carries a gradient from any attention target. phi's (``parallel_mlp``) reads the
     normed layer input beside attention: where that input needs no gradient (the first layer holding a
-    target: the embedding is frozen) and no MLP linear is a target, neither its LayerNorm nor its fc1, gelu_new
-    and fc2 record an op. Measured on CPU (transformers 5.16.1, peft 0.20, phi-2's widths, q_proj and v_proj at
-    r 8, CUDA's bf16 autocast lists applied to each op): layer 0 saves 30,880 B a token, its attention's and
-    adapters' tensors alone, where retained_by_layer charged 112,800 and autocast_upcasts 71,688 more."""
+    target: the embedding is frozen) and fc1 is not a target, neither its LayerNorm nor its fc1, gelu_new and fc2
+    record an op; an fc2 target records its own LoRA alone (its input, gelu_new's output, needs no gradient there).
+    Measured on CPU (transformers 5.16.1, peft 0.20, phi-2's widths, q_proj and v_proj at r 8, CUDA's bf16 autocast
+    lists applied to each op): layer 0 saves 30,880 B a token, its attention's and adapters' tensors alone, where
+    retained_by_layer charged 112,800 and autocast_upcasts 71,688 more; at reduced widths (bench/allocator_replay.py
+    saved) on fc2 alone, 656 B a token, where the count charged the whole MLP while any MLP linear was a target
+    (6,696 B; 1,696 now, layer 0's attention still counted whole: quiet_layer leaves phi out)."""
     if not a.quirks.parallel_mlp or input_grad:
         return True
-    return any(STAGES.get(t, 0) >= 3 for t in targets if t in a.modules)
+    return any(STAGES.get(t, 0) == 3 for t in targets if t in a.modules)
 
 
 def layer_blocks(a: Arch, quant: str, targets: tuple, r: int, T: int, peak: "LayerPeak") -> list[int]:
