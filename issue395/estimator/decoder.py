@@ -171,12 +171,14 @@ def projection(q: Requests, a: Arch, T: int, name: str, lora: tuple, grad: bool,
     return (cast_linear(q, T, fi, fo) if fp32 else q.get(2 * T * fo)), []
 
 
-def rotary(q: Requests, T: int, width: int, b: int = 2):
-    """x * cos + rotate_half(x) * sin, each step its own block of ``b`` B an element (bf16; fp32 under NF4);
-    the sum returned."""
+def rotary(q: Requests, T: int, width: int, b: int = 2, x: int | None = None):
+    """x * cos + rotate_half(x) * sin, each step its own block of ``b`` B an element (bf16; fp32 under NF4),
+    rotate_half's -x2 and cat of ``x`` B (default ``b``: full_sequence's bf16 projection on fp32 tables takes
+    them bf16, its products and sum fp32); the sum returned."""
+    x = b if x is None else x
     xc = q.get(b * T * width)
-    half = q.get(b * T * width // 2)
-    cat = q.get(b * T * width)
+    half = q.get(x * T * width // 2)
+    cat = q.get(x * T * width)
     q.put(half)
     xs = q.get(b * T * width)
     q.put(cat)

@@ -34,7 +34,7 @@ from __future__ import annotations
 from ..constants import CUBLASLT_WORKSPACE
 from .arch import Arch
 from .recorder import BF16, FP32, Requests, entropy_chunks
-from .decoder import module_order, parameter_bytes, tables
+from .decoder import module_order, parameter_bytes, rotary, tables
 from .sequence import SEQUENCE_TRANSFORMERS, WORKSPACE_SIZES, default_allocator
 
 #: The model types whose full fine-tuning step this sequence follows (llama's decoder; qwen2's q/k/v biases).
@@ -114,21 +114,6 @@ def linear_forward(q: Requests, T: int, fi: int, fo: int, bias: bool, fp32_input
     return out, Linear(cache[name], x, bias, fi, fo)
 
 
-def rotary_forward(q: Requests, T: int, w: int):
-    """x * cos + rotate_half(x) * sin on a bf16 projection with fp32 tables: x * cos fp32, -x2 bf16, the cat
-    bf16, its product fp32, the sum fp32 (returned); the rest freed (neither product saves x or the cat: the
-    tables need no gradient)."""
-    xc = q.get(FP32 * T * w)
-    half = q.get(BF16 * T * w // 2)
-    cat = q.get(BF16 * T * w)
-    q.put(half)
-    xs = q.get(FP32 * T * w)
-    q.put(cat)
-    out = q.get(FP32 * T * w)
-    q.put(xc, xs)
-    return out
-
-
 def layer_forward(q: Requests, a: Arch, T: int, keep: bool, cache: dict, k: int, lt: list,
                   recompute: bool = False) -> tuple:
     """One decoder layer's forward on its fp32 input (held by the caller): returns its output and what it keeps
@@ -144,8 +129,8 @@ def layer_forward(q: Requests, a: Arch, T: int, keep: bool, cache: dict, k: int,
     for m in ("q_proj", "k_proj", "v_proj"):
         fi, fo, bias = a.modules[m]
         outs[m], lin[m] = linear_forward(q, T, fi, fo, bias, True, cache, f"{k}.{m}", keep, lt)
-    qr = rotary_forward(q, T, qw)
-    kr = rotary_forward(q, T, kw)
+    qr = rotary(q, T, qw, FP32, BF16)
+    kr = rotary(q, T, kw, FP32, BF16)
     q.put(outs["q_proj"], outs["k_proj"])
     kc = q.get(BF16 * T * kw)  # autocast's bf16 k, then q (its argument pack cast right to left; v is bf16)
     qc = q.get(BF16 * T * qw)
@@ -307,10 +292,11 @@ def rotary_backward(q: Requests, T: int, w: int, g, tables: list):
     return out
 
 
-def flash_backward(q: Requests, a: Arch, T: int, g, s: dict, ck: bool = False):
-    """Flash's backward (bench/allocator_replay.py's Flash, from torch's mha_bwd): dq, dk, dv, softmax_d and
-    dq_accum, a GQA's expanded dk and dv (freed at once), the scratch freed, then ``g`` and what the forward
-    saved (q, k, v, the output, logsumexp, seeds). Returns dq, dk, dv."""
+def flash_grads(q: Requests, a: Arch, T: int) -> tuple:
+    """Flash's backward's blocks (bench/allocator_replay.py's Flash, from torch's mha_bwd): dq, dk, dv, softmax_d
+    and dq_accum (the tokens rounded to FLASH_ROWS, the head size to 32, 64 past 128), then a GQA's dk and dv
+    expanded to q's heads, freed at once. Returns dq, dk, dv, softmax_d and dq_accum: the caller frees the last two
+    with what its forward saved (every replay of flash's backward takes these: this one's and gc_layers')."""
     qw, kw = a.heads * a.head_dim, a.kv * a.head_dim
     rows = -(-T // FLASH_ROWS) * FLASH_ROWS
     step = 32 if a.head_dim <= 128 else 64
@@ -321,6 +307,13 @@ def flash_backward(q: Requests, a: Arch, T: int, g, s: dict, ck: bool = False):
     if a.kv != a.heads:
         e = [q.get(BF16 * T * qw), q.get(BF16 * T * qw)]
         q.put(e[1], e[0])
+    return dq, dk, dv, sd, acc
+
+
+def flash_backward(q: Requests, a: Arch, T: int, g, s: dict, ck: bool = False):
+    """Flash's backward (flash_grads), the scratch freed, then ``g`` and what the forward saved (q, k, v, the
+    output, logsumexp, seeds). Returns dq, dk, dv."""
+    dq, dk, dv, sd, acc = flash_grads(q, a, T)
     if ck:  # recomputed: each unpacked copy goes as the node returns (q's last), then g
         q.put(sd, acc, s["kc"], s["v"], s["sdpa"], *s["small"], s["qc"], g)
     else:

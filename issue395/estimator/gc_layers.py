@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from ..constants import CUBLASLT_WORKSPACE
 from .arch import Arch
-from .full_sequence import FLASH_ROWS
+from .full_sequence import flash_grads
 from .recorder import BF16, FP32, Requests, sdpa_workspace
 from .decoder import cast_linear, norm, rotary
 
@@ -214,19 +214,10 @@ def sdpa_backward(q: Requests, a: Arch, T: int, g, kept: list):
 def flash_backward(q: Requests, a: Arch, T: int, g, kept: list):
     """Flash's backward on a recomputed layer (bench/allocator_replay.py's Flash, torch's mha_bwd): the output's
     (B,T,H,D) contiguous copy where q was cat-built (phi's and Phi-3's rotary and pass-through parts lay flash's
-    output out (B,H,T,D)), dq, dk, dv, softmax_d and dq_accum (T rounded to FLASH_ROWS, the head size to 32), a
-    GQA's dk and dv expanded to q's heads (freed at once), the scratch freed, then what the recompute saved
-    (``kept``, in the order the capture frees them) and ``g``."""
-    qw, kw = a.heads * a.head_dim, a.kv * a.head_dim
-    rows = -(-T // FLASH_ROWS) * FLASH_ROWS
-    dr = -(-a.head_dim // (32 if a.head_dim <= 128 else 64)) * (32 if a.head_dim <= 128 else 64)
-    out_t = q.get(BF16 * T * qw) if a.model_type in CAT_BUILT else None
-    dq, dk, dv = q.get(BF16 * T * qw), q.get(BF16 * T * kw), q.get(BF16 * T * kw)
-    sd = q.get(FP32 * a.heads * rows)
-    acc = q.get(FP32 * rows * a.heads * dr)
-    if a.kv != a.heads:
-        e = [q.get(BF16 * T * qw), q.get(BF16 * T * qw)]
-        q.put(e[1], e[0])
+    output out (B,H,T,D)), full_sequence.flash_grads' dq, dk, dv and scratch, the scratch freed, then what the
+    recompute saved (``kept``, in the order the capture frees them) and ``g``."""
+    out_t = q.get(BF16 * T * a.heads * a.head_dim) if a.model_type in CAT_BUILT else None
+    dq, dk, dv, sd, acc = flash_grads(q, a, T)
     q.put(sd, acc, out_t)
     q.put(*kept, g)
     return dq, dk, dv
